@@ -1,0 +1,33 @@
+# optmem: the README's two commands are `make demo` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY      = $(VENV)/bin/python
+PIP     = $(PY) -m pip
+
+.PHONY: setup demo test lint bench clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch first and pinned: a looser requirement pulls a multi-GB CUDA build here.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e ".[all,torch]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(PY) -m optmem demo
+
+test: setup
+	$(PY) -m ruff check optmem tests benchmarks examples
+	$(PY) -m pytest -q tests
+
+lint: setup
+	$(PY) -m ruff check optmem tests benchmarks examples
+
+bench: setup
+	$(PY) benchmarks/bench_checkpoint_dp.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info

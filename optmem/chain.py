@@ -1,0 +1,360 @@
+"""The chain: per-stage cost profile of one network for one batch (``optmem.chain/1``).
+
+Notation (rotor report RR-9302 / Shilova thesis chapter 2, see ``shared/design/rotor.md``):
+
+==================  =======================  ==========================================
+field               paper                    meaning
+==================  =======================  ==========================================
+``input_size``      omega_a^0                size of the chain input a^0 (counts)
+``fwd_time[i]``     u_f^i                    one forward of stage i
+``bwd_time[i]``     u_b^i                    one backward of stage i
+``output_size[i]``  omega_a^i                size of a^i (and of the gradient delta^i)
+``saved_size[i]``   omega_abar^i             tape abar^i kept by F_all^i, includes a^i
+``fwd_overhead[i]`` o_f^i                    temporary memory during F^i
+``bwd_overhead[i]`` o_b^i                    temporary memory during B^i
+``weight_size[i]``  W_i                      parameters (pipeline problems only)
+``loss_bwd_time``   u_b^{L+1}                the loss stage (fwd time 0, sizes 0)
+``loss_bwd_overhead`` o_b^{L+1}              temporary memory of the loss
+==================  =======================  ==========================================
+
+Python tuples are 0-based (``fwd_time[0]`` is stage 1); plans and messages are 1-based.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from optmem.errors import ChainError
+
+FORMAT = "optmem.chain/1"
+
+_STAGE_SIZE_FIELDS = ("output_size", "saved_size", "fwd_overhead", "bwd_overhead", "weight_size")
+_STAGE_TIME_FIELDS = ("fwd_time", "bwd_time")
+_STAGE_REQUIRED = ("fwd_time", "bwd_time", "output_size", "saved_size")
+_STAGE_KNOWN = {"name", *_STAGE_TIME_FIELDS, *_STAGE_SIZE_FIELDS}
+_TOP_KNOWN = {"format", "name", "time_unit", "memory_unit", "input_size", "stages", "loss"}
+
+
+def _check_time(value: Any, *, stage: int | None, name: str) -> float:
+    """Return ``value`` as a float if it is a finite non-negative number."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ChainError(f"expected a non-negative number, got {value!r}", stage=stage, field=name)
+    if not math.isfinite(value) or value < 0:
+        raise ChainError(
+            f"expected a finite non-negative time, got {value!r}", stage=stage, field=name
+        )
+    return float(value)
+
+
+def _check_size(value: Any, *, stage: int | None, name: str) -> int:
+    """Return ``value`` as an int if it is a non-negative integer (``12.0`` is accepted)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ChainError(f"expected a non-negative integer, got {value!r}", stage=stage, field=name)
+    if isinstance(value, float):
+        if not math.isfinite(value) or value != int(value):
+            raise ChainError(f"expected an integer size, got {value!r}", stage=stage, field=name)
+        value = int(value)
+    if value < 0:
+        raise ChainError(f"expected a non-negative size, got {value}", stage=stage, field=name)
+    return int(value)
+
+
+@dataclass(frozen=True)
+class Chain:
+    """Validated, immutable cost profile of a chain of ``L`` stages followed by a loss.
+
+    Parameters
+    ----------
+    fwd_time, bwd_time
+        Durations of one forward / backward of each stage (length ``L``).
+    output_size, saved_size
+        Sizes of ``a^i`` and of the tape ``abar^i`` (``saved_size >= output_size``).
+    fwd_overhead, bwd_overhead
+        Temporary memory while ``F^i`` / ``B^i`` runs.
+    input_size
+        Size of the chain input ``a^0``; it counts against the memory limit.
+    weight_size
+        Parameter sizes (pipeline problems); defaults to zeros.
+    loss_bwd_time, loss_bwd_overhead
+        Duration and temporary memory of the loss step (``Loss`` op).
+    name, time_unit, memory_unit, stage_names
+        Descriptive metadata.
+    extra
+        Unknown top-level fields, kept for round-trips and otherwise ignored.
+
+    Examples
+    --------
+    >>> c = Chain.from_lists([1, 2], [2, 3], [4, 4], [6, 5], input_size=4)
+    >>> c.length, c.saved_size
+    (2, (6, 5))
+    """
+
+    fwd_time: tuple[float, ...]
+    bwd_time: tuple[float, ...]
+    output_size: tuple[int, ...]
+    saved_size: tuple[int, ...]
+    fwd_overhead: tuple[int, ...]
+    bwd_overhead: tuple[int, ...]
+    input_size: int
+    weight_size: tuple[int, ...] = ()
+    loss_bwd_time: float = 0.0
+    loss_bwd_overhead: int = 0
+    name: str = "chain"
+    time_unit: str = "ms"
+    memory_unit: str = "B"
+    stage_names: tuple[str, ...] = ()
+    extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    stage_extra: tuple[Mapping[str, Any], ...] = field(default=(), compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        n = len(self.fwd_time)
+        if n == 0:
+            raise ChainError("a chain needs at least one stage", field="stages")
+        object.__setattr__(self, "weight_size", tuple(self.weight_size) or (0,) * n)
+        object.__setattr__(self, "stage_names", tuple(self.stage_names) or _default_names(n))
+        object.__setattr__(self, "stage_extra", tuple(self.stage_extra) or ({},) * n)
+        for name in (*_STAGE_TIME_FIELDS, *_STAGE_SIZE_FIELDS, "stage_names"):
+            if len(getattr(self, name)) != n:
+                raise ChainError(
+                    f"expected {n} values (one per stage), got {len(getattr(self, name))}",
+                    field=name,
+                )
+        times = {f: tuple(_check_time(v, stage=i + 1, name=f) for i, v in
+                          enumerate(getattr(self, f))) for f in _STAGE_TIME_FIELDS}
+        sizes = {f: tuple(_check_size(v, stage=i + 1, name=f) for i, v in
+                          enumerate(getattr(self, f))) for f in _STAGE_SIZE_FIELDS}
+        for f, v in {**times, **sizes}.items():
+            object.__setattr__(self, f, v)
+        object.__setattr__(self, "input_size",
+                           _check_size(self.input_size, stage=None, name="input_size"))
+        object.__setattr__(self, "loss_bwd_time",
+                           _check_time(self.loss_bwd_time, stage=None, name="loss.bwd_time"))
+        object.__setattr__(self, "loss_bwd_overhead",
+                           _check_size(self.loss_bwd_overhead, stage=None,
+                                       name="loss.bwd_overhead"))
+        for i, (a, abar) in enumerate(zip(self.output_size, self.saved_size, strict=True)):
+            if abar < a:
+                raise ChainError(
+                    f"saved_size ({abar}) must be >= output_size ({a}): the tape includes a^i",
+                    stage=i + 1, field="saved_size",
+                )
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_lists(
+        cls,
+        fwd_time: Sequence[float],
+        bwd_time: Sequence[float],
+        output_size: Sequence[int],
+        saved_size: Sequence[int],
+        *,
+        input_size: int,
+        fwd_overhead: Sequence[int] | None = None,
+        bwd_overhead: Sequence[int] | None = None,
+        weight_size: Sequence[int] | None = None,
+        loss_bwd_time: float = 0.0,
+        loss_bwd_overhead: int = 0,
+        name: str = "chain",
+    ) -> Chain:
+        """Build a chain from per-stage lists (overheads and weights default to 0)."""
+        n = len(fwd_time)
+        return cls(
+            fwd_time=tuple(fwd_time), bwd_time=tuple(bwd_time),
+            output_size=tuple(output_size), saved_size=tuple(saved_size),
+            fwd_overhead=tuple(fwd_overhead) if fwd_overhead is not None else (0,) * n,
+            bwd_overhead=tuple(bwd_overhead) if bwd_overhead is not None else (0,) * n,
+            weight_size=tuple(weight_size) if weight_size is not None else (0,) * n,
+            input_size=input_size, loss_bwd_time=loss_bwd_time,
+            loss_bwd_overhead=loss_bwd_overhead, name=name,
+        )
+
+    @classmethod
+    def from_rotor(
+        cls,
+        fw: Sequence[float],
+        bw: Sequence[float],
+        x: Sequence[int],
+        xbar: Sequence[int],
+        ftmp: Sequence[int] | None = None,
+        btmp: Sequence[int] | None = None,
+        *,
+        name: str = "chain",
+    ) -> Chain:
+        """Build a chain from the rotor code convention (digest ``rotor.md`` section 8).
+
+        ``fw[0..L-1]``, ``bw[0..L]`` (``bw[L]`` is the loss), ``x[0..L]`` (``x[0]`` is the
+        input), ``xbar[0..L]`` (``xbar[0]`` unused), ``ftmp[0..L-1]``, ``btmp[0..L]``.
+        """
+        n = len(fw)
+        ftmp = list(ftmp) if ftmp is not None else [0] * n
+        btmp = list(btmp) if btmp is not None else [0] * (n + 1)
+        return cls.from_lists(
+            fw, bw[:n], x[1:n + 1], xbar[1:n + 1], input_size=x[0],
+            fwd_overhead=ftmp[:n], bwd_overhead=btmp[:n],
+            loss_bwd_time=bw[n] if len(bw) > n else 0.0,
+            loss_bwd_overhead=btmp[n] if len(btmp) > n else 0, name=name,
+        )
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def length(self) -> int:
+        """Number of stages ``L`` (the loss not included)."""
+        return len(self.fwd_time)
+
+    def store_all_peak(self) -> int:
+        """Peak memory of the store-all plan (every F_all, Loss, every B)."""
+        from optmem.simulate import simulate_checkpoint
+        from optmem.solvers.checkpoint_baselines import store_all_plan
+
+        return simulate_checkpoint(self, store_all_plan(self.length)).peak_memory
+
+    def total_compute_time(self) -> float:
+        """Sum of every forward, backward and the loss: a lower bound on any makespan."""
+        return float(sum(self.fwd_time) + sum(self.bwd_time) + self.loss_bwd_time)
+
+    # ------------------------------------------------------------------ transforms
+    def quantize(self, unit: int) -> Chain:
+        """Return the chain with every size replaced by ``ceil(size / unit)`` (CONTRACT 2)."""
+        if unit < 1:
+            raise ChainError(f"the memory unit must be >= 1, got {unit}", field="unit")
+        if unit == 1:
+            return self
+
+        def q(v: int) -> int:
+            return -(-v // unit)
+
+        return Chain(
+            fwd_time=self.fwd_time, bwd_time=self.bwd_time,
+            output_size=tuple(q(v) for v in self.output_size),
+            saved_size=tuple(q(v) for v in self.saved_size),
+            fwd_overhead=tuple(q(v) for v in self.fwd_overhead),
+            bwd_overhead=tuple(q(v) for v in self.bwd_overhead),
+            weight_size=tuple(q(v) for v in self.weight_size),
+            input_size=q(self.input_size), loss_bwd_time=self.loss_bwd_time,
+            loss_bwd_overhead=q(self.loss_bwd_overhead), name=self.name,
+            time_unit=self.time_unit, memory_unit=f"{unit}*{self.memory_unit}",
+            stage_names=self.stage_names, extra=self.extra, stage_extra=self.stage_extra,
+        )
+
+    def scaled(self, *, time: float = 1.0, memory: int = 1) -> Chain:
+        """Return the chain with times multiplied by ``time`` and sizes by ``memory``."""
+        return Chain(
+            fwd_time=tuple(v * time for v in self.fwd_time),
+            bwd_time=tuple(v * time for v in self.bwd_time),
+            output_size=tuple(v * memory for v in self.output_size),
+            saved_size=tuple(v * memory for v in self.saved_size),
+            fwd_overhead=tuple(v * memory for v in self.fwd_overhead),
+            bwd_overhead=tuple(v * memory for v in self.bwd_overhead),
+            weight_size=tuple(v * memory for v in self.weight_size),
+            input_size=self.input_size * memory, loss_bwd_time=self.loss_bwd_time * time,
+            loss_bwd_overhead=self.loss_bwd_overhead * memory, name=self.name,
+            time_unit=self.time_unit, memory_unit=self.memory_unit,
+            stage_names=self.stage_names,
+        )
+
+    # ------------------------------------------------------------------ (de)serialisation
+    def to_dict(self) -> dict[str, Any]:
+        """Return the ``optmem.chain/1`` dictionary of this chain (unknown fields kept)."""
+        stages = []
+        for i in range(self.length):
+            stage: dict[str, Any] = dict(self.stage_extra[i])
+            stage.update({
+                "name": self.stage_names[i],
+                "fwd_time": self.fwd_time[i], "bwd_time": self.bwd_time[i],
+                "output_size": self.output_size[i], "saved_size": self.saved_size[i],
+                "fwd_overhead": self.fwd_overhead[i], "bwd_overhead": self.bwd_overhead[i],
+                "weight_size": self.weight_size[i],
+            })
+            stages.append(stage)
+        out: dict[str, Any] = dict(self.extra)
+        out.update({
+            "format": FORMAT, "name": self.name, "time_unit": self.time_unit,
+            "memory_unit": self.memory_unit, "input_size": self.input_size, "stages": stages,
+            "loss": {"bwd_time": self.loss_bwd_time, "bwd_overhead": self.loss_bwd_overhead},
+        })
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Any, *, source: str | None = None) -> Chain:
+        """Validate and build a chain from an ``optmem.chain/1`` dictionary.
+
+        Raises
+        ------
+        ChainError
+            With a message naming ``source``, the stage and the field.
+        """
+        try:
+            return cls._from_dict(data)
+        except ChainError as exc:
+            raise exc.with_source(source) if source else exc from None
+
+    @classmethod
+    def _from_dict(cls, data: Any) -> Chain:
+        if not isinstance(data, Mapping):
+            raise ChainError(f"expected a JSON object, got {type(data).__name__}")
+        if data.get("format") != FORMAT:
+            raise ChainError(f"expected \"{FORMAT}\", got {data.get('format')!r}", field="format")
+        if "input_size" not in data:
+            raise ChainError("missing required field", field="input_size")
+        stages = data.get("stages")
+        if not isinstance(stages, list) or not stages:
+            raise ChainError("expected a non-empty list of stages", field="stages")
+        columns: dict[str, list[Any]] = {f: [] for f in (*_STAGE_TIME_FIELDS, *_STAGE_SIZE_FIELDS)}
+        names, extras = [], []
+        for i, stage in enumerate(stages, start=1):
+            if not isinstance(stage, Mapping):
+                raise ChainError("expected a JSON object", stage=i)
+            for f in _STAGE_REQUIRED:
+                if f not in stage:
+                    raise ChainError("missing required field", stage=i, field=f)
+            for f in columns:
+                columns[f].append(stage.get(f, 0))
+            names.append(str(stage.get("name", f"stage{i}")))
+            extras.append({k: v for k, v in stage.items() if k not in _STAGE_KNOWN})
+        loss = data.get("loss", {}) or {}
+        if not isinstance(loss, Mapping):
+            raise ChainError("expected an object with bwd_time and bwd_overhead", field="loss")
+        return cls(
+            **{f: tuple(v) for f, v in columns.items()},
+            input_size=data["input_size"],
+            loss_bwd_time=loss.get("bwd_time", 0.0),
+            loss_bwd_overhead=loss.get("bwd_overhead", 0),
+            name=str(data.get("name", "chain")), time_unit=str(data.get("time_unit", "ms")),
+            memory_unit=str(data.get("memory_unit", "B")), stage_names=tuple(names),
+            extra={k: v for k, v in data.items() if k not in _TOP_KNOWN},
+            stage_extra=tuple(extras),
+        )
+
+    def save(self, path: str | Path) -> None:
+        """Write the chain as an ``optmem.chain/1`` JSON file (atomically)."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Chain:
+        """Read and validate a chain file; errors name the file, stage and field."""
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise ChainError(f"cannot read chain file ({exc.strerror})", source=str(path)) from None
+        try:
+            # NaN/Infinity literals parse to floats so that validation names stage and field.
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ChainError(
+                f"not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})",
+                source=str(path),
+            ) from None
+        return cls.from_dict(data, source=str(path))
+
+
+def _default_names(n: int) -> tuple[str, ...]:
+    return tuple(f"stage{i}" for i in range(1, n + 1))

@@ -1,0 +1,422 @@
+"""Command line: ``python -m optmem`` (also installed as ``optmem``), CONTRACT section 4.
+
+Commands: ``solve``, ``compare``, ``verify``, ``export``, ``datasets``, ``demo`` and the
+extra commands of ``EXTRA_COMMANDS`` (``profile``, ``sweep``, ``show``). Bad input prints one
+line on stderr and exits 2; an infeasible instance exits 0 with ``status: infeasible``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from optmem.chain import Chain
+from optmem.errors import OptmemInputError
+from optmem.result import Result, SolveOptions, Status
+from optmem.units import format_size, parse_size
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+# Modules that add whole subcommands through ``register_cli(subparsers)``.
+EXTRA_COMMANDS = ["optmem.pytorch.cli", "optmem.sweep", "optmem.show"]
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line and exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise OptmemInputError(f"{self.prog}: {message}")
+
+
+# ------------------------------------------------------------------ problems
+def problem_module(problem: str) -> ModuleType:
+    """The module defining ``problem`` (``remat-offload`` -> ``optmem.problems.remat_offload``)."""
+    name = "optmem.problems." + problem.replace("-", "_")
+    if not problem.replace("-", "").isalnum() or importlib.util.find_spec(name) is None:
+        from optmem.solvers.facade import problems
+
+        raise OptmemInputError(
+            f"unknown problem {problem!r} (expected one of {', '.join(problems())})",
+            field="problem")
+    return importlib.import_module(name)
+
+
+def _add_problem_options(parser: argparse.ArgumentParser) -> None:
+    """Options of every problem module, so ``--help`` lists them (each added once)."""
+    from optmem.solvers.facade import problems
+
+    seen: set[str] = set()
+    for problem in problems():
+        module = problem_module(problem)
+        hook = getattr(module, "add_cli_options", None)
+        if hook is None:
+            continue
+        group = parser.add_argument_group(f"{problem} options")
+        probe = _Parser(add_help=False)
+        hook(probe)
+        for action in probe._actions:
+            if any(opt in seen for opt in action.option_strings):
+                continue
+            seen.update(action.option_strings)
+            group._add_action(action)
+
+
+def build_problem(problem: str, chain: Chain, memory_limit: int, args: argparse.Namespace) -> Any:
+    """Build the problem object from the parsed arguments."""
+    module = problem_module(problem)
+    if problem == "checkpoint":
+        return module.CheckpointProblem(chain, memory_limit)
+    return module.problem_from_cli(chain, memory_limit, args)
+
+
+def load_chain(spec: str) -> Chain:
+    """A chain file path or a bundled dataset name."""
+    from optmem.datasets import resolve_chain
+
+    return resolve_chain(spec)
+
+
+def options_from_args(args: argparse.Namespace) -> SolveOptions:
+    """The :class:`SolveOptions` of the common flags."""
+    if args.slots < 1:
+        raise OptmemInputError(f"expected a positive number of slots, got {args.slots}",
+                               field="--slots")
+    if args.time_limit is not None and not args.time_limit > 0:
+        raise OptmemInputError(f"expected a positive time limit, got {args.time_limit}",
+                               field="--time-limit")
+    return SolveOptions(variant=args.variant, slots=args.slots, time_limit_s=args.time_limit,
+                        solver=args.solver, threads=args.threads, verbose=args.verbose)
+
+
+# ------------------------------------------------------------------ output
+def _fmt(value: float | None, digits: int = 6) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    return f"{value:.{digits}g}"
+
+
+def format_result(result: Result, chain: Chain) -> str:
+    """Human-readable summary of one result."""
+    lines = [f"problem   {result.problem}   method {result.method}"
+             + (f" ({result.variant})" if result.variant else "")
+             + (f"   solver {result.solver}" if result.solver else ""),
+             f"status    {result.status}"]
+    if result.status.has_plan:
+        lines.append(f"objective {_fmt(result.objective)} {chain.time_unit}"
+                     f"   bound {_fmt(result.bound)}   gap {_fmt(result.gap * 100, 3)}%")
+        lines.append(f"peak      {result.peak_memory} / {result.memory_limit} units of "
+                     f"{result.unit} {chain.memory_unit}"
+                     f" ({format_size((result.peak_memory or 0) * result.unit)})")
+        lines.append(f"plan      {len(result.plan)} ops: " + " ".join(result.plan[:30])
+                     + (" ..." if len(result.plan) > 30 else ""))
+    if result.min_feasible_memory is not None:
+        lines.append(f"smallest feasible memory: {result.min_feasible_memory} "
+                     f"{chain.memory_unit} ({format_size(result.min_feasible_memory)})")
+    for key in ("hint", "error"):
+        if key in result.report:
+            lines.append(f"{key}: {result.report[key]}")
+    lines.append(f"time      {result.solve_time_s:.3f} s")
+    return "\n".join(lines)
+
+
+def format_table(results: Sequence[Result], chain: Chain) -> str:
+    """The ``compare`` table: status, objective, bound, gap, gap to the best, peak, time."""
+    from optmem.solvers.facade import best_objective
+
+    best = best_objective(results)
+    header = ("method", "status", "objective", "bound", "gap%", "vs best%", "peak", "time s")
+    rows = []
+    for r in results:
+        label = r.method + (f":{r.variant}" if r.variant and r.variant != "paper" else "")
+        vs_best = (r.objective / best - 1) * 100 if r.status.has_plan and best > 0 else math.nan
+        peak = f"{r.peak_memory}/{r.memory_limit}" if r.peak_memory is not None else "-"
+        rows.append((label, str(r.status), _fmt(r.objective), _fmt(r.bound),
+                     _fmt(r.gap * 100, 3), _fmt(vs_best, 3), peak, f"{r.solve_time_s:.3f}"))
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
+    line = "  ".join(f"{{:<{w}}}" for w in widths)
+    out = [line.format(*header), line.format(*("-" * w for w in widths))]
+    out += [line.format(*row) for row in rows]
+    units = f"(objective in {chain.time_unit}; peak/limit in units of {results[0].unit} " \
+            f"{chain.memory_unit})" if results else ""
+    return "\n".join(out + [units])
+
+
+# ------------------------------------------------------------------ commands
+def cmd_solve(args: argparse.Namespace) -> int:
+    """``optmem solve``."""
+    from optmem.solvers.facade import solve
+
+    chain = load_chain(args.chain)
+    problem = build_problem(args.problem, chain, parse_size(args.memory), args)
+    result = solve(problem, args.method, options=options_from_args(args))
+    if args.output:
+        _write_json(args.output, result.to_json())
+    if args.json:
+        print(json.dumps(result.to_json()))
+    else:
+        print(format_result(result, chain))
+    return EXIT_FAILURE if result.status is Status.ERROR else EXIT_OK
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    """``optmem compare``."""
+    from optmem.solvers.facade import compare
+
+    chain = load_chain(args.chain)
+    problem = build_problem(args.problem, chain, parse_size(args.memory), args)
+    names = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
+
+    def progress(name: str) -> None:
+        if not args.json and sys.stderr.isatty():
+            print(f"  running {name} ...", file=sys.stderr)
+
+    results = compare(problem, names, options=options_from_args(args), progress=progress)
+    if args.json:
+        print(json.dumps({"problem": args.problem, "chain": chain.name,
+                          "results": [r.to_json() for r in results]}))
+    else:
+        print(f"{chain.name}: {args.problem}, memory limit {args.memory}")
+        print(format_table(results, chain))
+    return EXIT_OK
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """``optmem verify``: replay a plan file in the independent simulator."""
+    chain = load_chain(args.chain)
+    memory = parse_size(args.memory)
+    problem = build_problem(args.problem, chain, memory, args)
+    options = options_from_args(args)
+    plan_data = _read_json(args.plan)
+    if args.problem == "checkpoint":
+        report = verify_checkpoint_plan(problem, plan_data, options, source=args.plan)
+    else:
+        report = problem_module(args.problem).verify_plan(problem, plan_data, options)
+    report = {"valid": True, **report}
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print("valid plan: " + ", ".join(f"{k} {v}" for k, v in report.items() if k != "valid"))
+    return EXIT_OK
+
+
+def verify_checkpoint_plan(problem: Any, plan_data: Any, options: SolveOptions, *,
+                           source: str) -> dict[str, Any]:
+    """Replay a checkpoint plan under the problem's discretisation and limit."""
+    from optmem.errors import PlanError
+    from optmem.plan import parse_plan
+    from optmem.simulate.checkpoint import simulate_checkpoint
+
+    ops = plan_data.get("plan") if isinstance(plan_data, dict) else plan_data
+    if not isinstance(ops, list):
+        raise PlanError("expected a JSON list of ops or an object with a 'plan' list",
+                        source=source)
+    disc = problem.discretize(options.slots)
+    try:
+        sim = simulate_checkpoint(disc.chain, parse_plan(ops), disc.memory_limit)
+    except PlanError as exc:
+        raise exc.with_source(source) from None
+    return {"objective": sim.makespan, "peak_memory": sim.peak_memory,
+            "memory_limit": disc.memory_limit, "unit": disc.unit, "ops": len(ops)}
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """``optmem export``: write the exact model as MPS or LP."""
+    from optmem.solvers.facade import export
+
+    if Path(args.output).suffix.lower() not in (".mps", ".lp"):
+        raise OptmemInputError(f"expected an output file ending in .mps or .lp, got "
+                               f"{args.output!r}", field="-o")
+    chain = load_chain(args.chain)
+    problem = build_problem(args.problem, chain, parse_size(args.memory), args)
+    export(problem, args.method, args.output, options=options_from_args(args))
+    print(f"wrote {args.output}")
+    return EXIT_OK
+
+
+def cmd_datasets(args: argparse.Namespace) -> int:
+    """``optmem datasets [list | show NAME | path NAME]``."""
+    from optmem.datasets import dataset_path, list_datasets, load_dataset
+
+    if args.action == "list":
+        rows = [_dataset_row(info.name) for info in list_datasets()]
+        if args.json:
+            print(json.dumps(rows))
+            return EXIT_OK
+        header = ("name", "stages", "parameters", "store-all", "min feasible", "description")
+        table = [(r["name"], str(r["stages"]), r["parameters"], r["store_all_h"],
+                  r["min_feasible_h"], r["description"][:60]) for r in rows]
+        widths = [max(len(x) for x in col) for col in zip(header, *table, strict=True)]
+        fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+        print("\n".join([fmt.format(*header)] + [fmt.format(*row) for row in table]))
+        return EXIT_OK
+    if not args.name:
+        raise OptmemInputError(f"'datasets {args.action}' needs a dataset NAME")
+    if args.action == "path":
+        print(dataset_path(args.name))
+    else:
+        chain = load_dataset(args.name)
+        print(json.dumps(_dataset_row(args.name), indent=1) if args.json
+              else "\n".join(f"{k}: {v}" for k, v in _dataset_row(args.name).items()))
+        del chain
+    return EXIT_OK
+
+
+def _dataset_row(name: str) -> dict[str, Any]:
+    try:
+        from optmem.datasets.summary import dataset_summary  # richer summary when available
+    except ImportError:
+        dataset_summary = None
+    from optmem.datasets import list_datasets, load_dataset
+    from optmem.solvers.checkpoint_dp import min_memory_persistent
+
+    if dataset_summary is not None:
+        row = dict(dataset_summary(name))
+    else:
+        chain = load_dataset(name)
+        row = {"name": name, "stages": chain.length,
+               "parameters": sum(chain.weight_size) or None,
+               "store_all": chain.store_all_peak(),
+               "min_feasible": min_memory_persistent(chain)}
+    desc = {i.name: i.description for i in list_datasets()}.get(name, "")
+    row.setdefault("description", desc)
+    row.setdefault("store_all_h", format_size(row["store_all"]))
+    row.setdefault("min_feasible_h", format_size(row["min_feasible"]))
+    params = row.get("parameters")
+    row["parameters"] = f"{params / 1e6:.1f}M" if isinstance(params, int | float) else "-"
+    return row
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Solve the bundled demo chain at three memory limits and print the comparisons."""
+    from optmem.datasets import load_dataset
+    from optmem.problems import CheckpointProblem
+    from optmem.solvers.checkpoint_dp import min_memory_persistent
+    from optmem.solvers.facade import compare
+
+    chain = load_dataset(args.chain)
+    low, high = min_memory_persistent(chain), chain.store_all_peak()
+    print(f"optmem demo: {chain.name}, {chain.length} stages; store-all peak "
+          f"{format_size(high)}, smallest feasible memory {format_size(low)}\n")
+    for frac in (0.25, 0.5, 0.75):
+        limit = int(low + frac * (high - low))
+        print(f"== memory limit {format_size(limit)} ({limit} B)")
+        results = compare(CheckpointProblem(chain, limit), options=SolveOptions(
+            time_limit_s=args.time_limit or 20.0))
+        print(format_table(results, chain) + "\n")
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------ parser
+def _add_common(p: argparse.ArgumentParser, *, memory: bool = True) -> None:
+    p.add_argument("problem", help="checkpoint, offload, remat-offload, pipeline, min-peak")
+    p.add_argument("chain", help="chain file (optmem.chain/1 JSON) or bundled dataset name")
+    if memory:
+        p.add_argument("--memory", "-m", required=True,
+                       help="memory limit: bytes or a size like 4GiB, 512MB")
+    p.add_argument("--variant", help="method variant (e.g. paper, rotor, floating, persistent)")
+    p.add_argument("--slots", type=int, default=500, help="memory slots (default 500)")
+    p.add_argument("--time-limit", type=float, help="seconds per exact solve")
+    p.add_argument("--solver", default="highs", help="ILP engine: highs (default), cbc, gurobi")
+    p.add_argument("--threads", type=int, default=2, help="threads for exact engines")
+    p.add_argument("--verbose", action="store_true", help="show engine logs")
+    p.add_argument("--json", action="store_true", help="print exactly one JSON object")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full ``optmem`` parser."""
+    parser = _Parser(prog="optmem", description="Proven-optimal memory-saving plans for "
+                     "training deep networks: checkpointing, offloading, pipelining.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("solve", help="solve one instance")
+    _add_common(p)
+    p.add_argument("--method", default="auto", help="dp (default), ilp, cpsat, brute, chen, ...")
+    p.add_argument("--output", "-o", help="also write the JSON result to this file")
+    _add_problem_options(p)
+    p.set_defaults(func=cmd_solve)
+
+    p = sub.add_parser("compare", help="run several methods side by side")
+    _add_common(p)
+    p.add_argument("--methods", help="comma-separated methods, e.g. dp,dp:rotor,ilp,cpsat")
+    _add_problem_options(p)
+    p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("verify", help="replay a plan file in the independent simulator")
+    p.add_argument("problem")
+    p.add_argument("chain")
+    p.add_argument("plan", help="JSON list of ops, or the --json output of solve")
+    p.add_argument("--memory", "-m", required=True)
+    p.add_argument("--slots", type=int, default=500)
+    p.add_argument("--json", action="store_true")
+    _add_problem_options(p)
+    p.set_defaults(func=cmd_verify, variant=None, time_limit=None, solver="highs", threads=2,
+                   verbose=False)
+
+    p = sub.add_parser("export", help="write the exact model (MPS or LP)")
+    _add_common(p)
+    p.add_argument("--method", default="ilp")
+    p.add_argument("--output", "-o", required=True, help="model.mps or model.lp")
+    _add_problem_options(p)
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("datasets", help="bundled chains")
+    p.add_argument("action", nargs="?", default="list", choices=("list", "show", "path"))
+    p.add_argument("name", nargs="?")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_datasets)
+
+    p = sub.add_parser("demo", help="solve a bundled chain at three limits")
+    p.add_argument("--chain", default="resnet-like-40")
+    p.add_argument("--time-limit", type=float, default=None)
+    p.set_defaults(func=cmd_demo)
+
+    for module in EXTRA_COMMANDS:
+        if importlib.util.find_spec(module) is not None:
+            importlib.import_module(module).register_cli(sub)
+    return parser
+
+
+def _read_json(path: str) -> Any:
+    from optmem.errors import PlanError
+
+    try:
+        return json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise PlanError(f"cannot read file ({exc.strerror})", source=path) from None
+    except json.JSONDecodeError as exc:
+        raise PlanError(f"not valid JSON (line {exc.lineno}: {exc.msg})", source=path) from None
+
+
+def _write_json(path: str, data: Any) -> None:
+    target = Path(path)
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(target)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit code."""
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        return int(args.func(args))
+    except OptmemInputError as exc:
+        print(f"optmem: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("optmem: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return EXIT_OK
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

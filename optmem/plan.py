@@ -1,0 +1,143 @@
+"""Typed plan ops (CONTRACT section 3) and their string form.
+
+A checkpoint plan is a sequence of :class:`Op`. Stages are 1-based; the loss is the single
+op ``Loss``. String forms: ``"F_all 3"``, ``"F_ck 1"``, ``"F_none 2"``, ``"Loss"``, ``"B 3"``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from optmem.errors import PlanError
+
+
+class OpKind(StrEnum):
+    """Kinds of checkpoint ops (rotor names in brackets)."""
+
+    F_ALL = "F_all"  # Fe: forward with grad, keeps the tape abar^i
+    F_CK = "F_ck"  # CF: forward without grad, keeps its input a^{i-1}
+    F_NONE = "F_none"  # Fn: forward without grad, consumes its input
+    LOSS = "Loss"  # L: a^L in, delta^L out
+    B = "B"  # backward of stage i
+
+
+_ROTOR_NAMES = {"Fe": OpKind.F_ALL, "CF": OpKind.F_CK, "Fn": OpKind.F_NONE, "B": OpKind.B}
+
+
+@dataclass(frozen=True, order=True)
+class Op:
+    """One plan op: a kind and a 1-based stage (0 for ``Loss``)."""
+
+    kind: OpKind
+    stage: int = 0
+
+    def __str__(self) -> str:
+        return "Loss" if self.kind is OpKind.LOSS else f"{self.kind} {self.stage}"
+
+    @classmethod
+    def parse(cls, text: str, *, index: int | None = None) -> Op:
+        """Parse ``"F_all 3"``-style text.
+
+        Examples
+        --------
+        >>> Op.parse("F_ck 2")
+        Op(kind=<OpKind.F_CK: 'F_ck'>, stage=2)
+        >>> str(Op.parse("Loss"))
+        'Loss'
+        """
+        if not isinstance(text, str):
+            raise PlanError(f"expected an op string, got {text!r}", index=index)
+        parts = text.split()
+        if parts == ["Loss"]:
+            return cls(OpKind.LOSS)
+        if len(parts) != 2:
+            raise PlanError(f"cannot parse op {text!r} (expected e.g. 'F_all 3' or 'Loss')",
+                            index=index)
+        try:
+            kind = OpKind(parts[0])
+        except ValueError:
+            kinds = ", ".join(k.value for k in OpKind)
+            raise PlanError(f"unknown op kind {parts[0]!r} (expected one of {kinds})",
+                            index=index) from None
+        if kind is OpKind.LOSS or not parts[1].isdigit() or int(parts[1]) < 1:
+            raise PlanError(f"bad stage in op {text!r} (expected a positive integer)",
+                            index=index)
+        return cls(kind, int(parts[1]))
+
+
+def F_all(i: int) -> Op:  # noqa: N802 - paper notation
+    """Return the op ``F_all i``."""
+    return Op(OpKind.F_ALL, i)
+
+
+def F_ck(i: int) -> Op:  # noqa: N802
+    """Return the op ``F_ck i``."""
+    return Op(OpKind.F_CK, i)
+
+
+def F_none(i: int) -> Op:  # noqa: N802
+    """Return the op ``F_none i``."""
+    return Op(OpKind.F_NONE, i)
+
+
+def B(i: int) -> Op:  # noqa: N802
+    """Return the op ``B i``."""
+    return Op(OpKind.B, i)
+
+
+LOSS = Op(OpKind.LOSS)
+
+Plan = tuple[Op, ...]
+
+
+def parse_plan(ops: Iterable[str | Op]) -> Plan:
+    """Parse a sequence of op strings (or ops) into a plan."""
+    return tuple(op if isinstance(op, Op) else Op.parse(op, index=k) for k, op in enumerate(ops))
+
+
+def plan_strings(plan: Sequence[Op]) -> tuple[str, ...]:
+    """Return the string form of every op of ``plan``."""
+    return tuple(str(op) for op in plan)
+
+
+def from_rotor_sequence(text: str, length: int) -> Plan:
+    """Convert rotor's printed sequence (``"Fe_0 CF_1 L B_0"``, 0-based) to a plan."""
+    ops: list[Op] = []
+    for k, token in enumerate(text.split()):
+        if token == "L":
+            ops.append(LOSS)
+            continue
+        name, _, idx = token.partition("_")
+        if name not in _ROTOR_NAMES or not idx.isdigit():
+            raise PlanError(f"cannot parse rotor op {token!r}", index=k)
+        ops.append(Op(_ROTOR_NAMES[name], int(idx) + 1))
+    return tuple(ops)
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read a plan file: a JSON list of op strings, or an object with a ``plan`` list.
+
+    The ``--json`` output of ``optmem solve`` is accepted as it is.
+    """
+    path = Path(path)
+    try:
+        data: Any = json.loads(path.read_text())
+    except OSError as exc:
+        raise PlanError(f"cannot read plan file ({exc.strerror})", source=str(path)) from None
+    except json.JSONDecodeError as exc:
+        raise PlanError(f"not valid JSON (line {exc.lineno}: {exc.msg})",
+                        source=str(path)) from None
+    if isinstance(data, dict):
+        data = data.get("plan")
+    if not isinstance(data, list):
+        raise PlanError("expected a JSON list of ops or an object with a 'plan' list",
+                        source=str(path))
+    try:
+        return parse_plan(data)
+    except PlanError as exc:
+        raise exc.with_source(str(path)) from None

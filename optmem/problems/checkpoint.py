@@ -1,0 +1,86 @@
+"""Checkpointing (rematerialisation) of a heterogeneous chain: problem Remat(L, M).
+
+Thesis chapter 2, Problem 6: find a valid sequence of the ops of CONTRACT section 3
+(``F_all``, ``F_ck``, ``F_none``, ``Loss``, ``B``) whose peak memory is at most ``M`` and
+whose makespan is minimal. The chain input a^0 counts against ``M``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from optmem.chain import Chain
+from optmem.errors import OptmemInputError
+
+DEFAULT_SLOTS = 500
+
+
+@dataclass(frozen=True)
+class Discretized:
+    """A chain and a limit on integer memory (CONTRACT section 2).
+
+    Parameters
+    ----------
+    chain
+        The chain with every size rounded up to units.
+    memory_limit
+        The limit in units (``M // unit``).
+    unit
+        Bytes (chain memory units) per discretised unit.
+    """
+
+    chain: Chain
+    memory_limit: int
+    unit: int
+
+
+def discretize(chain: Chain, memory_limit: int, slots: int = DEFAULT_SLOTS) -> Discretized:
+    """Discretise memory as CONTRACT section 2 says.
+
+    ``unit = max(1, M // S)``, sizes become ``ceil(size / unit)``, the limit ``M // unit``.
+
+    Examples
+    --------
+    >>> from optmem.chain import Chain
+    >>> c = Chain.from_lists([1], [1], [1000], [1500], input_size=10)
+    >>> d = discretize(c, 10_000, slots=100)
+    >>> d.unit, d.memory_limit, d.chain.saved_size, d.chain.input_size
+    (100, 100, (15,), 1)
+    """
+    if slots < 1:
+        raise OptmemInputError(f"expected a positive number of slots, got {slots}", field="slots")
+    if memory_limit < 0:
+        raise OptmemInputError(f"expected a non-negative memory limit, got {memory_limit}",
+                               field="memory")
+    unit = max(1, memory_limit // slots)
+    return Discretized(chain.quantize(unit), memory_limit // unit, unit)
+
+
+@dataclass(frozen=True)
+class CheckpointProblem:
+    """Remat(L, M): the fastest checkpointing plan of ``chain`` under ``memory_limit``.
+
+    Parameters
+    ----------
+    chain
+        The chain to train.
+    memory_limit
+        Memory limit in the chain's memory unit (bytes by default); includes a^0.
+    """
+
+    chain: Chain
+    memory_limit: int
+
+    name = "checkpoint"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.memory_limit, bool) or not isinstance(self.memory_limit, int):
+            raise OptmemInputError(f"expected an integer memory limit, got {self.memory_limit!r}",
+                                   field="memory")
+        if self.memory_limit < 0:
+            raise OptmemInputError(
+                f"expected a non-negative memory limit, got {self.memory_limit}", field="memory")
+
+    def discretize(self, slots: int = DEFAULT_SLOTS) -> Discretized:
+        """Return the discretised instance (CONTRACT section 2)."""
+        return discretize(self.chain, self.memory_limit, slots)

@@ -1,0 +1,165 @@
+"""Result types shared by every method: :class:`Status`, :class:`Result`, :class:`SolveOptions`.
+
+Backend status codes are mapped to :class:`Status` in exactly one place per engine adapter.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from typing import Any
+
+
+class Status(StrEnum):
+    """Outcome of a solve (CONTRACT section 4)."""
+
+    OPTIMAL = "optimal"
+    FEASIBLE = "feasible"
+    INFEASIBLE = "infeasible"
+    NO_SOLUTION = "no_solution"
+    ERROR = "error"
+
+    @property
+    def has_plan(self) -> bool:
+        """Whether a result with this status carries a plan."""
+        return self in (Status.OPTIMAL, Status.FEASIBLE)
+
+
+@dataclass(frozen=True)
+class SolveOptions:
+    """Options common to all methods; problem-specific knobs go in ``extra``.
+
+    Parameters
+    ----------
+    variant
+        Method variant (checkpoint DP: ``paper``, ``rotor``, ``floating``; exact models:
+        ``full`` or ``persistent``).
+    slots
+        Number of memory slots of the discretisation (CONTRACT section 2).
+    time_limit_s
+        Wall-clock limit for exact engines; ``None`` for no limit.
+    solver
+        ILP engine: ``highs`` (default), ``cbc`` or ``gurobi``.
+    threads
+        Threads for exact engines.
+    warm_start
+        Give exact engines the DP plan as a starting solution.
+    verbose
+        Let engines print their logs.
+    extra
+        Problem- or method-specific options.
+    """
+
+    variant: str | None = None
+    slots: int = 500
+    time_limit_s: float | None = None
+    solver: str = "highs"
+    threads: int = 2
+    warm_start: bool = True
+    verbose: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def with_(self, **changes: Any) -> SolveOptions:
+        """Return a copy with ``changes`` applied."""
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class Result:
+    """What every method returns.
+
+    Parameters
+    ----------
+    problem
+        Problem name (``checkpoint``, ``offload``, ...).
+    method, variant, solver
+        Which formulation, variant and engine produced the result.
+    status
+        See :class:`Status`.
+    objective
+        Makespan (or period) of the plan in the chain's time unit; ``nan`` without a plan.
+    bound
+        Best proven lower bound on the optimum (``objective`` when optimal, ``inf`` when
+        infeasible, ``nan`` when unknown).
+    plan
+        The plan as a tuple of op strings (empty without a plan).
+    peak_memory
+        Simulated peak in discretised units (``None`` without a plan).
+    memory_limit
+        Limit in discretised units.
+    unit
+        Bytes per discretised unit.
+    solve_time_s
+        Wall-clock time of the method.
+    min_feasible_memory
+        Smallest feasible limit in the original memory unit when known (set on infeasible).
+    report
+        Method details: model size, DP states, engine log summary, gap, ...
+    """
+
+    problem: str
+    method: str
+    status: Status
+    objective: float = math.nan
+    bound: float = math.nan
+    plan: tuple[str, ...] = ()
+    peak_memory: int | None = None
+    memory_limit: int | None = None
+    unit: int = 1
+    variant: str | None = None
+    solver: str | None = None
+    solve_time_s: float = 0.0
+    min_feasible_memory: int | None = None
+    report: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def gap(self) -> float:
+        """Relative gap ``(objective - bound) / objective`` (0 when optimal, nan if unknown)."""
+        if not self.status.has_plan or not math.isfinite(self.bound):
+            return math.nan
+        if self.objective == 0:
+            return 0.0
+        return max(0.0, (self.objective - self.bound) / self.objective)
+
+    def with_(self, **changes: Any) -> Result:
+        """Return a copy with ``changes`` applied."""
+        return replace(self, **changes)
+
+    def to_json(self) -> dict[str, Any]:
+        """Return the CONTRACT section 4 JSON object (finite numbers or null)."""
+
+        def num(v: float | None) -> float | None:
+            return None if v is None or not math.isfinite(v) else float(v)
+
+        out: dict[str, Any] = {
+            "problem": self.problem, "method": self.method, "variant": self.variant,
+            "status": str(self.status), "objective": num(self.objective),
+            "peak_memory": self.peak_memory, "memory_limit": self.memory_limit,
+            "unit": self.unit, "plan": list(self.plan),
+            "solve_time_s": round(self.solve_time_s, 6), "bound": num(self.bound),
+        }
+        if self.status is Status.INFEASIBLE and self.bound == math.inf:
+            out["bound"] = None
+        out["solver"] = self.solver
+        out["gap"] = num(self.gap)
+        if self.min_feasible_memory is not None:
+            out["min_feasible_memory"] = self.min_feasible_memory
+        if self.report:
+            out["report"] = _jsonable(self.report)
+        return out
+
+
+def _jsonable(value: Any) -> Any:
+    """Convert numpy scalars, tuples and non-finite floats to plain JSON values."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if hasattr(value, "item") and callable(value.item):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, str | int | float | bool) or value is None:
+        return value
+    return str(value)

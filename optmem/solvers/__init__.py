@@ -1,0 +1,1 @@
+"""Dynamic programs, heuristics, engine adapters and the facade (``solve``, ``compare``)."""

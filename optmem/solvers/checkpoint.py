@@ -1,0 +1,220 @@
+"""Checkpointing methods behind the facade: the DPs, the baselines and the brute force.
+
+Every method discretises the instance (CONTRACT section 2), builds a plan, and reports the
+plan's makespan and peak as replayed by :func:`optmem.simulate.simulate_checkpoint`: no
+method reports a number the simulator did not reproduce.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+from optmem.errors import OptmemInputError
+from optmem.plan import Op, plan_strings
+from optmem.problems.checkpoint import CheckpointProblem, Discretized, discretize
+from optmem.result import Result, SolveOptions, Status
+from optmem.simulate import simulate_checkpoint
+from optmem.solvers import checkpoint_baselines as base
+from optmem.solvers.checkpoint_bruteforce import brute_force_checkpoint
+from optmem.solvers.checkpoint_dp import min_memory_persistent, solve_persistent_table
+from optmem.solvers.facade import register
+
+PROBLEM = "checkpoint"
+DP_VARIANTS = ("paper", "rotor", "floating", "floating-printed")
+FLOATING_MAX_LENGTH = 12
+
+
+def discretize_for(problem: CheckpointProblem, options: SolveOptions) -> Discretized:
+    """The discretised instance shared by all methods of one comparison."""
+    return discretize(problem.chain, problem.memory_limit, options.slots)
+
+
+def lower_bound(problem: CheckpointProblem) -> float:
+    """Every forward with grad and every backward run once: sum of all op times."""
+    return problem.chain.total_compute_time()
+
+
+def plan_result(
+    problem: CheckpointProblem,
+    disc: Discretized,
+    plan: Iterable[Op],
+    *,
+    method: str,
+    status: Status,
+    bound: float,
+    variant: str | None = None,
+    solver: str | None = None,
+    claimed: float | None = None,
+    report: dict | None = None,
+) -> Result:
+    """Replay ``plan`` on the discretised chain and build the result from the simulation.
+
+    ``claimed`` is the method's own objective; it must equal the simulated makespan (up to
+    float rounding), otherwise the result is an ``error``. A plan whose simulated peak
+    exceeds the limit is an ``error`` too.
+    """
+    plan = tuple(plan)
+    sim = simulate_checkpoint(disc.chain, plan)
+    info = dict(report or {})
+    out = Result(
+        PROBLEM, method, status, objective=sim.makespan, bound=bound, plan=plan_strings(plan),
+        peak_memory=sim.peak_memory, memory_limit=disc.memory_limit, unit=disc.unit,
+        variant=variant, solver=solver, report=info,
+    )
+    if claimed is not None and not math.isclose(claimed, sim.makespan, rel_tol=1e-9,
+                                                abs_tol=1e-9):
+        info["error"] = f"claimed objective {claimed} but the simulator says {sim.makespan}"
+        return out.with_(status=Status.ERROR)
+    if sim.peak_memory > disc.memory_limit:
+        info["error"] = (f"plan peaks at {sim.peak_memory} units, above the limit "
+                         f"{disc.memory_limit}")
+        return out.with_(status=Status.ERROR)
+    if status is Status.OPTIMAL:
+        out = out.with_(bound=sim.makespan)
+    return out
+
+
+def infeasible_result(
+    problem: CheckpointProblem, disc: Discretized, *, method: str, variant: str | None,
+    min_memory: int | None, report: dict | None = None,
+) -> Result:
+    """``status: infeasible`` with the smallest feasible memory when known."""
+    info = dict(report or {})
+    if min_memory is not None:
+        info["hint"] = _min_memory_hint(problem, disc, min_memory)
+    return Result(PROBLEM, method, Status.INFEASIBLE, bound=math.inf,
+                  memory_limit=disc.memory_limit, unit=disc.unit, variant=variant,
+                  min_feasible_memory=min_memory, report=info)
+
+
+def _min_memory_hint(problem: CheckpointProblem, disc: Discretized, min_memory: int) -> str:
+    if problem.memory_limit >= min_memory:
+        return (f"feasible from {min_memory} {problem.chain.memory_unit} without rounding, but "
+                f"not after rounding sizes up to units of {disc.unit}: use more --slots")
+    return f"the smallest feasible memory is {min_memory} {problem.chain.memory_unit}"
+
+
+# ------------------------------------------------------------------ dynamic programs
+@register(PROBLEM, "dp", exact=True, default=True,
+          description="rotor dynamic programs (persistent: paper/rotor; floating)",
+          compare_as=(("dp", None), ("dp:rotor", None), ("dp:floating", FLOATING_MAX_LENGTH)))
+def solve_checkpoint_dp(problem: CheckpointProblem, options: SolveOptions) -> Result:
+    """Optimal persistent (or floating) plan; ``optimal`` means optimal for the DP's model."""
+    variant = options.variant or "paper"
+    if variant not in DP_VARIANTS:
+        raise OptmemInputError(
+            f"unknown dp variant {variant!r} (expected one of {', '.join(DP_VARIANTS)})",
+            field="variant")
+    disc = discretize_for(problem, options)
+    if variant.startswith("floating"):
+        return _solve_floating(problem, disc, variant)
+    limit = disc.memory_limit
+    if variant == "rotor":  # the reference keeps exactly S slots (CONTRACT section 2)
+        limit = min(options.slots, disc.memory_limit)
+        disc = Discretized(disc.chain, limit, disc.unit)
+    budget = limit - disc.chain.input_size
+    if budget < 0:
+        return infeasible_result(problem, disc, method="dp", variant=variant,
+                                 min_memory=min_memory_persistent(problem.chain, variant))
+    table = solve_persistent_table(disc.chain, budget, variant)
+    value = table.value()
+    report = {"dp_states": table.states, "model": "persistent"}
+    if not math.isfinite(value):
+        return infeasible_result(problem, disc, method="dp", variant=variant,
+                                 min_memory=min_memory_persistent(problem.chain, variant),
+                                 report=report)
+    return plan_result(problem, disc, table.plan(), method="dp", status=Status.OPTIMAL,
+                       bound=value, variant=variant, claimed=value, report=report)
+
+
+def _solve_floating(problem: CheckpointProblem, disc: Discretized, variant: str) -> Result:
+    from optmem.solvers.checkpoint_floating import solve_floating
+
+    if problem.chain.length > FLOATING_MAX_LENGTH * 2:
+        raise OptmemInputError(
+            f"the floating DP is O(M L^6); refusing L = {problem.chain.length} "
+            f"(> {FLOATING_MAX_LENGTH * 2}); use the persistent DP or an exact model",
+            field="variant")
+    value, plan, states = solve_floating(disc.chain, disc.memory_limit,
+                                         printed=variant == "floating-printed")
+    report = {"dp_states": states, "model": "floating"}
+    if plan is None:
+        return infeasible_result(problem, disc, method="dp", variant=variant,
+                                 min_memory=min_memory_persistent(problem.chain, "paper"),
+                                 report=report)
+    return plan_result(problem, disc, plan, method="dp", status=Status.OPTIMAL, bound=value,
+                       variant=variant, claimed=value, report=report)
+
+
+# ------------------------------------------------------------------ baselines
+def _best_fitting(
+    problem: CheckpointProblem, options: SolveOptions, method: str,
+    candidates: Iterable[tuple[str, tuple[Op, ...]]],
+) -> Result:
+    """The fastest candidate plan whose simulated peak fits; infeasible if none does."""
+    disc = discretize_for(problem, options)
+    best: tuple[float, str, tuple[Op, ...]] | None = None
+    smallest_peak = math.inf
+    for label, plan in candidates:
+        sim = simulate_checkpoint(disc.chain, plan)
+        smallest_peak = min(smallest_peak, sim.peak_memory)
+        if sim.peak_memory <= disc.memory_limit and (best is None or sim.makespan < best[0]):
+            best = (sim.makespan, label, plan)
+    if best is None:
+        needed = None if not math.isfinite(smallest_peak) else int(smallest_peak) * disc.unit
+        return infeasible_result(problem, disc, method=method, variant=None, min_memory=needed)
+    return plan_result(problem, disc, best[2], method=method, status=Status.FEASIBLE,
+                       bound=lower_bound(problem), report={"choice": best[1]})
+
+
+def _baseline(name: str, description: str,
+              candidates: Callable[[CheckpointProblem], Iterable[tuple[str, tuple[Op, ...]]]],
+              max_length: int | None = None) -> None:
+    def run(problem: CheckpointProblem, options: SolveOptions) -> Result:
+        return _best_fitting(problem, options, name, candidates(problem))
+
+    run.__doc__ = description
+    register(PROBLEM, name, exact=False, description=description, max_length=max_length)(run)
+
+
+def _revolve_candidates(problem: CheckpointProblem) -> Iterable[tuple[str, tuple[Op, ...]]]:
+    chain = problem.chain
+    length = chain.length
+    uf = sum(chain.fwd_time) / length
+    ub = sum(chain.bwd_time) / length
+    table = base.revolve_table(length, length + 2, uf, ub)
+    for slots in range(3, length + 3):
+        yield f"{slots} slots", base.revolve_plan(length, slots, uf, ub, table[:, :slots + 1])
+
+
+_baseline("store_all", "store every tape (PyTorch default)",
+          lambda p: [("store all", base.store_all_plan(p.chain.length))])
+_baseline("recompute_all", "recompute from the input before every backward (rotor)",
+          lambda p: [("recompute all", base.recompute_all_plan(p.chain.length))])
+_baseline("chen", "Chen et al. sqrt(n) equal segments",
+          lambda p: [("sqrt(n) segments", base.chen_plan(p.chain.length))])
+_baseline("sequential", "torch checkpoint_sequential, best segment count that fits",
+          lambda p: ((f"{k} segments", plan) for k, plan in base.sequential_plans(p.chain.length)))
+_baseline("revolve", "Revolve/binomial (optimal for uniform AD chains), F_all before each B",
+          _revolve_candidates, max_length=400)
+
+
+# ------------------------------------------------------------------ brute force
+BRUTE_MAX_LENGTH = 5
+
+
+@register(PROBLEM, "brute", exact=True, max_length=BRUTE_MAX_LENGTH,
+          description="exhaustive search over op sequences (tiny chains only)")
+def solve_checkpoint_brute(problem: CheckpointProblem, options: SolveOptions) -> Result:
+    """Exact optimum of the full operation model by Dijkstra over memory states."""
+    if problem.chain.length > 2 * BRUTE_MAX_LENGTH:
+        raise OptmemInputError(
+            f"brute force is exponential; refusing L = {problem.chain.length}", field="method")
+    disc = discretize_for(problem, options)
+    found = brute_force_checkpoint(disc.chain, disc.memory_limit)
+    if found is None:
+        return infeasible_result(problem, disc, method="brute", variant=None, min_memory=None)
+    value, plan = found
+    return plan_result(problem, disc, plan, method="brute", status=Status.OPTIMAL, bound=value,
+                       claimed=value, report={"model": "full"})

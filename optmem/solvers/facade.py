@@ -1,0 +1,259 @@
+"""The facade: one ``solve`` and one ``compare`` for every problem and method.
+
+Methods register themselves with :func:`register` in their own module; the modules listed in
+``METHOD_MODULES`` are imported on first use, so optional engines (PuLP, OR-Tools, torch)
+are only imported when one of their methods runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from optmem.errors import OptmemInputError, UnavailableError
+from optmem.result import Result, SolveOptions, Status
+
+MethodFn = Callable[[Any, SolveOptions], Result]
+
+# Modules whose import registers methods. Add a module here when it defines a problem's methods.
+METHOD_MODULES: list[str] = [
+    "optmem.solvers.checkpoint",
+    "optmem.solvers.checkpoint_exact",
+    "optmem.solvers.offload",
+    "optmem.solvers.remat_offload",
+    "optmem.solvers.pipeline",
+    "optmem.solvers.min_peak",
+]
+
+
+@dataclass(frozen=True)
+class MethodInfo:
+    """A registered method.
+
+    Parameters
+    ----------
+    problem, name
+        Problem name and method name (``checkpoint``, ``dp``).
+    fn
+        ``fn(problem, options) -> Result``.
+    exact
+        Whether the method proves optimality (of its own model).
+    description
+        One line for ``--help`` and tables.
+    requires
+        Importable modules the method needs (for :func:`is_available`).
+    in_compare
+        Whether ``compare`` runs it by default.
+    max_length
+        Longest chain ``compare`` runs it on by default (``None``: no limit).
+    compare_as
+        ``(label, max_length)`` pairs that ``compare`` runs by default, where a label is
+        ``name`` or ``name:variant``; default ``((name, max_length),)``.
+    """
+
+    problem: str
+    name: str
+    fn: MethodFn
+    exact: bool
+    description: str
+    requires: tuple[str, ...] = ()
+    in_compare: bool = True
+    max_length: int | None = None
+    compare_as: tuple[tuple[str, int | None], ...] = ()
+
+    def is_available(self) -> bool:
+        """Whether every required module can be imported."""
+        return all(importlib.util.find_spec(m) is not None for m in self.requires)
+
+
+_REGISTRY: dict[str, dict[str, MethodInfo]] = {}
+_DEFAULT: dict[str, str] = {}
+_loaded = False
+
+
+def register(
+    problem: str,
+    name: str,
+    *,
+    exact: bool,
+    description: str,
+    requires: Sequence[str] = (),
+    default: bool = False,
+    in_compare: bool = True,
+    max_length: int | None = None,
+    compare_as: Sequence[tuple[str, int | None]] = (),
+) -> Callable[[MethodFn], MethodFn]:
+    """Register ``fn`` as method ``name`` of ``problem`` (decorator)."""
+
+    def deco(fn: MethodFn) -> MethodFn:
+        _REGISTRY.setdefault(problem, {})[name] = MethodInfo(
+            problem, name, fn, exact, description, tuple(requires), in_compare, max_length,
+            tuple(compare_as) or ((name, max_length),))
+        if default:
+            _DEFAULT[problem] = name
+        return fn
+
+    return deco
+
+
+def _load() -> None:
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    for module in METHOD_MODULES:
+        if importlib.util.find_spec(module) is not None:
+            importlib.import_module(module)
+
+
+def problems() -> list[str]:
+    """Names of every problem with at least one method."""
+    _load()
+    return sorted(_REGISTRY)
+
+
+def methods(problem: str) -> dict[str, MethodInfo]:
+    """Registered methods of ``problem`` (name to info)."""
+    _load()
+    if problem not in _REGISTRY:
+        raise OptmemInputError(
+            f"unknown problem {problem!r} (expected one of {', '.join(problems())})",
+            field="problem")
+    return dict(_REGISTRY[problem])
+
+
+def available_methods(problem: Any) -> list[str]:
+    """Names of the methods of ``problem`` whose engines are installed."""
+    name = problem if isinstance(problem, str) else problem.name
+    return [m for m, info in methods(name).items() if info.is_available()]
+
+
+def split_label(label: str) -> tuple[str, str | None]:
+    """Split ``"dp:rotor"`` into ``("dp", "rotor")``; ``"dp"`` gives ``("dp", None)``."""
+    name, _, variant = label.partition(":")
+    return name, variant or None
+
+
+def method_info(problem: str, method: str) -> MethodInfo:
+    """Look up one method; unknown names get one clear error listing the known ones."""
+    known = methods(problem)
+    method = split_label(method)[0]
+    if method == "auto":
+        method = _DEFAULT.get(problem, next(iter(known)))
+    if method not in known:
+        raise OptmemInputError(
+            f"unknown method {method!r} for {problem} (expected one of {', '.join(known)})",
+            field="method")
+    return known[method]
+
+
+def solve(problem: Any, method: str = "auto", *, options: SolveOptions | None = None) -> Result:
+    """Solve ``problem`` with ``method`` and return a :class:`Result` (timed).
+
+    ``method`` may carry a variant after a colon (``"dp:rotor"``); it overrides
+    ``options.variant``.
+
+    Examples
+    --------
+    >>> from optmem.chain import Chain
+    >>> from optmem.problems import CheckpointProblem
+    >>> chain = Chain.from_rotor([1], [2, 0], [1, 1], [1, 2])
+    >>> r = solve(CheckpointProblem(chain, 5), "dp")
+    >>> (r.status, r.objective, r.plan)
+    (<Status.OPTIMAL: 'optimal'>, 3.0, ('F_all 1', 'Loss', 'B 1'))
+    """
+    info = method_info(problem.name, method)
+    if not info.is_available():
+        raise UnavailableError(
+            f"method {info.name!r} needs {', '.join(info.requires)}; install optmem[engines]",
+            field="method")
+    opts = options or SolveOptions()
+    variant = split_label(method)[1]
+    if variant is not None:
+        opts = opts.with_(variant=variant)
+    start = time.perf_counter()
+    result = info.fn(problem, opts)
+    elapsed = time.perf_counter() - start
+    return result.with_(solve_time_s=elapsed) if result.solve_time_s == 0.0 else result
+
+
+def default_compare_methods(problem: Any) -> list[str]:
+    """Methods ``compare`` runs when none are named (available, and sized for the chain)."""
+    length = getattr(getattr(problem, "chain", None), "length", 0)
+    out = []
+    for info in methods(problem.name).values():
+        if not info.in_compare or not info.is_available():
+            continue
+        out.extend(label for label, limit in info.compare_as if limit is None or length <= limit)
+    return out
+
+
+def compare(
+    problem: Any,
+    method_names: Iterable[str] | None = None,
+    *,
+    options: SolveOptions | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> list[Result]:
+    """Run several methods on the same problem and return their results in order.
+
+    A method that fails with an unexpected error is reported as ``status: error`` with the
+    message in ``report['error']`` instead of aborting the comparison.
+    """
+    names = list(method_names) if method_names is not None else default_compare_methods(problem)
+    results = []
+    for name in names:
+        method_info(problem.name, name)  # unknown names fail before anything runs
+    for name in names:
+        if progress:
+            progress(name)
+        try:
+            results.append(solve(problem, name, options=options))
+        except OptmemInputError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported in the table, not swallowed
+            results.append(Result(problem.name, name, Status.ERROR,
+                                  report={"error": f"{type(exc).__name__}: {exc}"}))
+    return results
+
+
+def best_objective(results: Iterable[Result]) -> float:
+    """Smallest objective among results that carry a plan (``inf`` if none)."""
+    values = [r.objective for r in results if r.status.has_plan and math.isfinite(r.objective)]
+    return min(values, default=math.inf)
+
+
+# ------------------------------------------------------------------ model export
+Exporter = Callable[[Any, SolveOptions, str], None]
+_EXPORTERS: dict[tuple[str, str], Exporter] = {}
+
+
+def register_exporter(problem: str, method: str) -> Callable[[Exporter], Exporter]:
+    """Register ``fn(problem, options, path)`` that writes the model of ``method`` to a file."""
+
+    def deco(fn: Exporter) -> Exporter:
+        _EXPORTERS[(problem, method)] = fn
+        return fn
+
+    return deco
+
+
+def export(problem: Any, method: str, path: str, *, options: SolveOptions | None = None) -> None:
+    """Write the exact model of ``problem`` built by ``method`` to ``path`` (``.mps``/``.lp``)."""
+    _load()
+    name, variant = split_label(method)
+    key = (problem.name, name)
+    if key not in _EXPORTERS:
+        known = ", ".join(m for p, m in _EXPORTERS if p == problem.name) or "none"
+        raise OptmemInputError(
+            f"method {name!r} of {problem.name} has no exportable model (exportable: {known})",
+            field="method")
+    opts = options or SolveOptions()
+    if variant is not None:
+        opts = opts.with_(variant=variant)
+    _EXPORTERS[key](problem, opts, path)
