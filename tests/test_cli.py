@@ -1,0 +1,158 @@
+"""The CLI keeps CONTRACT section 4: JSON fields, exit codes, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from optmem.chain import Chain
+from optmem.cli import main
+from optmem.datasets.synthetic import random_chain
+
+CONTRACT_FIELDS = {"problem", "method", "variant", "status", "objective", "peak_memory",
+                   "memory_limit", "unit", "plan", "solve_time_s", "bound"}
+
+
+@pytest.fixture
+def chain_file(tmp_path: Path) -> Path:
+    path = tmp_path / "h1.json"
+    Chain.from_rotor([2, 3, 1, 4], [3, 5, 2, 6, 0], [2, 3, 1, 2, 3], [2, 5, 2, 4, 5],
+                     [1, 0, 2, 1], [1, 2, 0, 1, 0], name="H1").save(path)
+    return path
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_solve_json_matches_contract(capsys, chain_file):
+    code, out, err = run(capsys, "solve", "checkpoint", str(chain_file), "--memory", "16",
+                         "--json")
+    assert code == 0, err
+    data = json.loads(out)  # exactly one JSON object
+    assert CONTRACT_FIELDS <= set(data)
+    assert data["status"] == "optimal" and data["objective"] == 32.0
+    assert data["bound"] == 32.0 and data["variant"] == "paper" and data["unit"] == 1
+    assert data["peak_memory"] <= data["memory_limit"] == 16
+    assert data["plan"] == ["F_ck 1", "F_none 2", "F_ck 3", "F_all 4", "Loss", "B 4",
+                            "F_all 3", "B 3", "F_all 1", "F_all 2", "B 2", "B 1"]
+
+
+def test_rotor_and_floating_variants(capsys, chain_file):
+    for variant in ("rotor", "floating"):
+        code, out, _ = run(capsys, "solve", "checkpoint", str(chain_file), "-m", "20",
+                           "--variant", variant, "--json")
+        assert code == 0 and json.loads(out)["objective"] == 29.0
+
+
+def test_infeasible_exits_zero_and_names_smallest_memory(capsys, chain_file):
+    code, out, _ = run(capsys, "solve", "checkpoint", str(chain_file), "-m", "14", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["status"] == "infeasible"
+    assert data["min_feasible_memory"] == 15 and data["plan"] == []
+
+
+def test_verify_accepts_solve_output(capsys, chain_file, tmp_path):
+    plan = tmp_path / "plan.json"
+    code, _, _ = run(capsys, "solve", "checkpoint", str(chain_file), "-m", "18", "-o", str(plan))
+    assert code == 0
+    code, out, _ = run(capsys, "verify", "checkpoint", str(chain_file), str(plan), "-m", "18",
+                       "--json")
+    assert code == 0 and json.loads(out)["objective"] == 31.0
+
+
+def test_verify_rejects_over_limit_plan_with_index(capsys, chain_file, tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(["F_all 1", "F_all 2", "F_all 3", "F_all 4", "Loss", "B 4",
+                                "B 3", "B 2", "B 1"]))
+    code, out, err = run(capsys, "verify", "checkpoint", str(chain_file), str(plan), "-m", "20")
+    assert code == 2 and out == ""
+    assert "op 4: Loss needs 21" in err and "above the limit 20" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("mutation, needle", [
+    (lambda d: d["stages"][1].pop("bwd_time"), "stage 2, field 'bwd_time'"),
+    (lambda d: d["stages"][0].update(output_size=-3), "stage 1, field 'output_size'"),
+    (lambda d: d["stages"][2].update(saved_size=0), "stage 3, field 'saved_size'"),
+    (lambda d: d["stages"][3].update(fwd_time=float("nan")), "stage 4, field 'fwd_time'"),
+    (lambda d: d.update(format="rotor/1"), "field 'format'"),
+])
+def test_malformed_chain_one_line_exit_2(capsys, chain_file, tmp_path, mutation, needle):
+    data = json.loads(chain_file.read_text())
+    mutation(data)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(data))
+    code, out, err = run(capsys, "solve", "checkpoint", str(bad), "-m", "20", "--json")
+    assert code == 2 and out == ""
+    assert needle in err and str(bad) in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["solve", "checkpoint", "CHAIN", "-m", "16", "--method", "nope"], "unknown method 'nope'"),
+    (["solve", "checkpoint", "CHAIN", "-m", "-5"], "memory"),
+    (["solve", "checkpoint", "CHAIN", "-m", "lots"], "expected a size"),
+    (["solve", "nope", "CHAIN", "-m", "16"], "unknown problem 'nope'"),
+    (["solve", "checkpoint", "no-such-dataset", "-m", "16"], "no chain file or bundled"),
+    (["solve", "checkpoint", "CHAIN", "-m", "16", "--variant", "magic"], "unknown dp variant"),
+    (["solve", "checkpoint", "CHAIN", "-m", "16", "--slots", "0"], "slots"),
+    (["solve", "checkpoint"], "required"),
+])
+def test_bad_arguments_one_line_exit_2(capsys, chain_file, argv, needle):
+    argv = [str(chain_file) if a == "CHAIN" else a for a in argv]
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == ""
+    assert needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_not_json_chain_file(capsys, tmp_path):
+    bad = tmp_path / "broken.json"
+    bad.write_text("{not json")
+    code, _, err = run(capsys, "solve", "checkpoint", str(bad), "-m", "16")
+    assert code == 2 and "not valid JSON" in err and "Traceback" not in err
+
+
+def test_no_output_file_written_on_error(capsys, tmp_path, chain_file):
+    out_file = tmp_path / "out.json"
+    code, _, _ = run(capsys, "solve", "checkpoint", str(chain_file), "-m", "16", "--method",
+                     "nope", "-o", str(out_file))
+    assert code == 2 and not out_file.exists()
+
+
+def test_compare_json_lists_every_method(capsys, chain_file):
+    code, out, _ = run(capsys, "compare", "checkpoint", str(chain_file), "-m", "17",
+                       "--methods", "dp,dp:rotor,brute,chen,store_all", "--json")
+    assert code == 0
+    results = json.loads(out)["results"]
+    assert [r["method"] for r in results] == ["dp", "dp", "brute", "chen", "store_all"]
+    by = {(r["method"], r["variant"]): r for r in results}
+    assert by[("brute", None)]["objective"] <= by[("dp", "paper")]["objective"]
+    assert by[("store_all", None)]["status"] == "infeasible"
+
+
+def test_memory_with_units_and_bundled_dataset(capsys):
+    code, out, _ = run(capsys, "solve", "checkpoint", "resnet-like-40", "-m", "1GiB", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["status"] == "optimal" and data["unit"] == 2**30 // 500
+
+
+def test_datasets_list_and_path(capsys):
+    code, out, _ = run(capsys, "datasets", "list", "--json")
+    names = [row["name"] for row in json.loads(out)]
+    assert code == 0 and "resnet-like-40" in names
+    code, out, _ = run(capsys, "datasets", "path", "resnet-like-40")
+    assert code == 0 and Path(out.strip()).exists()
+
+
+def test_python_dash_m_entry_point(tmp_path):
+    path = tmp_path / "c.json"
+    random_chain(4, seed=3).save(path)
+    proc = subprocess.run([sys.executable, "-m", "optmem", "solve", "checkpoint", str(path),
+                           "-m", "1", "--json"], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["status"] == "infeasible"
