@@ -20,11 +20,11 @@ demo: setup
 	$(PY) -m optmem demo
 
 test: setup
-	$(PY) -m ruff check optmem tests benchmarks examples
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q tests
 
 lint: setup
-	$(PY) -m ruff check optmem tests benchmarks examples
+	$(PY) -m ruff check .
 
 bench: setup
 	$(PY) benchmarks/bench_checkpoint_dp.py
