@@ -24,6 +24,7 @@ from optmem.result import Result, SolveOptions, Status
 from optmem.units import format_size, parse_size
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+MEMORY_OBJECTIVE = {"min-peak"}  # problems whose objective is a memory size, not a time
 
 # Modules that add whole subcommands through ``register_cli(subparsers)``.
 EXTRA_COMMANDS = ["optmem.pytorch.cli", "optmem.sweep", "optmem.show"]
@@ -110,7 +111,8 @@ def format_result(result: Result, chain: Chain) -> str:
              + (f"   solver {result.solver}" if result.solver else ""),
              f"status    {result.status}"]
     if result.status.has_plan:
-        lines.append(f"objective {_fmt(result.objective)} {chain.time_unit}"
+        unit = chain.memory_unit if result.problem in MEMORY_OBJECTIVE else chain.time_unit
+        lines.append(f"objective {_fmt(result.objective)} {unit}"
                      f"   bound {_fmt(result.bound)}   gap {_fmt(result.gap * 100, 3)}%")
         lines.append(f"peak      {result.peak_memory} / {result.memory_limit} units of "
                      f"{result.unit} {chain.memory_unit}"
@@ -144,7 +146,9 @@ def format_table(results: Sequence[Result], chain: Chain) -> str:
     line = "  ".join(f"{{:<{w}}}" for w in widths)
     out = [line.format(*header), line.format(*("-" * w for w in widths))]
     out += [line.format(*row) for row in rows]
-    units = f"(objective in {chain.time_unit}; peak/limit in units of {results[0].unit} " \
+    objective_unit = chain.memory_unit if results and results[0].problem in MEMORY_OBJECTIVE \
+        else chain.time_unit
+    units = f"(objective in {objective_unit}; peak/limit in units of {results[0].unit} " \
             f"{chain.memory_unit})" if results else ""
     return "\n".join(out + [units])
 

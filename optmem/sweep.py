@@ -1,0 +1,529 @@
+"""Memory/time trade-off sweeps: solve across memory limits, Pareto fronts, the curve.
+
+``optmem sweep PROBLEM CHAIN --memory FROM:TO:STEPS --methods dp,chen,...`` solves the
+problem at ``STEPS`` evenly spaced limits with every method (in parallel processes, with a
+progress bar on stderr), keeps the Pareto front (memory, makespan) of each method, exports
+CSV/JSON and draws the curve that every paper of the field shows (matplotlib, PNG or SVG).
+
+On the plot: one step line per method through its Pareto front; filled markers for points
+an exact method proved optimal, hollow ones for ``feasible`` points (time limit hit, or a
+heuristic); a left-pointing triangle at the smallest memory where the method found a plan;
+a star at its *store-all point*, the least memory at which it reaches its best makespan
+(the no-recomputation makespan when it gets there); a grey band for the lower envelope
+over all methods; dashed lines for the chain's store-all peak and no-recomputation time.
+
+Python API::
+
+    from optmem.sweep import sweep, CheckpointFactory
+    result = sweep(CheckpointFactory(chain), limits, ["dp", "chen"], jobs=2)
+    result.fronts()["dp"]; result.write_csv("s.csv"); result.plot("s.png")
+
+The memory of a point is the plan's simulated peak in the chain's memory unit
+(``peak_memory * unit``), not the limit it was solved under: a plan found under a large
+limit may need much less, and the front keeps the least memory for each makespan.
+matplotlib is imported only when a plot is drawn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from optmem.chain import Chain
+from optmem.errors import OptmemInputError
+from optmem.result import Result, SolveOptions, Status
+from optmem.units import format_size, parse_size
+
+ProblemFactory = Callable[[int], Any]
+CHECKPOINT_DEFAULT_METHODS = ("dp", "chen", "sequential", "revolve", "store_all")
+CSV_FIELDS = ("method", "memory_limit", "status", "objective", "bound", "memory",
+              "solve_time_s", "exact", "on_front", "min_feasible_memory", "error")
+
+
+# ------------------------------------------------------------------ problem factories
+@dataclass(frozen=True)
+class CheckpointFactory:
+    """``limit -> CheckpointProblem(chain, limit)`` (picklable, for worker processes)."""
+
+    chain: Chain
+
+    def __call__(self, memory_limit: int) -> Any:
+        """The checkpoint problem at ``memory_limit``."""
+        from optmem.problems import CheckpointProblem
+
+        return CheckpointProblem(self.chain, memory_limit)
+
+
+@dataclass(frozen=True)
+class CliFactory:
+    """``limit -> problem_from_cli(chain, limit, args)`` of a problem module (picklable)."""
+
+    problem: str
+    chain: Chain
+    args: dict[str, Any] = field(default_factory=dict)
+
+    def __call__(self, memory_limit: int) -> Any:
+        """The problem of the CLI arguments at ``memory_limit``."""
+        import importlib
+
+        if self.problem == "checkpoint":
+            return CheckpointFactory(self.chain)(memory_limit)
+        module = importlib.import_module("optmem.problems." + self.problem.replace("-", "_"))
+        return module.problem_from_cli(self.chain, memory_limit,
+                                       argparse.Namespace(**self.args))
+
+
+# ------------------------------------------------------------------ results
+@dataclass(frozen=True)
+class SweepPoint:
+    """One solve of the sweep.
+
+    ``memory`` is the plan's peak in the chain's memory unit (``None`` without a plan);
+    ``memory_limit`` the limit it was solved under.
+    """
+
+    method: str
+    memory_limit: int
+    status: str
+    objective: float | None
+    bound: float | None
+    memory: int | None
+    solve_time_s: float
+    exact: bool
+    min_feasible_memory: int | None = None
+    error: str | None = None
+
+    @property
+    def has_plan(self) -> bool:
+        """Whether the solve returned a plan."""
+        return Status(self.status).has_plan and self.objective is not None
+
+    @property
+    def proven(self) -> bool:
+        """Whether the point is a proven optimum (of the method's own model)."""
+        return self.status == Status.OPTIMAL.value
+
+
+def plan_memory(problem: Any, result: Result) -> int | None:
+    """Peak of the result's plan in the chain's memory unit.
+
+    Checkpoint plans are replayed on the chain itself (exact bytes); other problems report
+    ``peak_memory * unit``, an upper bound (sizes were rounded up to units).
+    """
+    if not result.status.has_plan or result.peak_memory is None:
+        return None
+    if getattr(problem, "name", None) == "checkpoint":
+        from optmem.simulate.checkpoint import simulate_checkpoint
+
+        return simulate_checkpoint(problem.chain, result.plan).peak_memory
+    return result.peak_memory * result.unit
+
+
+def point_of(method: str, limit: int, result: Result, exact: bool,
+             memory: int | None = None) -> SweepPoint:
+    """Turn a :class:`Result` into a :class:`SweepPoint` (``memory``: the plan's peak)."""
+
+    def num(v: float) -> float | None:
+        return float(v) if v is not None and math.isfinite(v) else None
+
+    if memory is None and result.status.has_plan and result.peak_memory is not None:
+        memory = result.peak_memory * result.unit
+    if not result.status.has_plan:
+        memory = None
+    return SweepPoint(method, limit, str(result.status), num(result.objective) if memory
+                      is not None else None, num(result.bound), memory,
+                      round(result.solve_time_s, 6), exact, result.min_feasible_memory,
+                      result.report.get("error") if result.status is Status.ERROR else None)
+
+
+def pareto_front(points: Iterable[SweepPoint]) -> list[SweepPoint]:
+    """Points with a plan that no other point beats in both memory and makespan.
+
+    Sorted by increasing memory; makespans strictly decrease along the front. Of equal
+    points, a proven optimum is kept before a merely feasible one.
+
+    Examples
+    --------
+    >>> p = [SweepPoint("dp", m, "optimal", t, t, m, 0.0, True) for m, t in
+    ...      [(10, 5.0), (8, 6.0), (12, 5.0), (9, 7.0)]]
+    >>> [(q.memory, q.objective) for q in pareto_front(p)]
+    [(8, 6.0), (10, 5.0)]
+    """
+    usable = sorted((p for p in points if p.has_plan),
+                    key=lambda p: (p.memory, p.objective, not p.proven))
+    front: list[SweepPoint] = []
+    for p in usable:
+        assert p.objective is not None
+        if not front or p.objective < (front[-1].objective or math.inf):
+            if front and front[-1].memory == p.memory:
+                front.pop()
+            front.append(p)
+    return front
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    """All points of a sweep and what is drawn from them."""
+
+    problem: str
+    chain_name: str
+    memory_unit: str
+    time_unit: str
+    limits: tuple[int, ...]
+    methods: tuple[str, ...]
+    points: tuple[SweepPoint, ...]
+    store_all_peak: int | None = None
+    no_recompute_time: float | None = None
+    wall_time_s: float = 0.0
+
+    def method_points(self, method: str) -> list[SweepPoint]:
+        """The points of one method, by increasing limit."""
+        return sorted((p for p in self.points if p.method == method),
+                      key=lambda p: p.memory_limit)
+
+    def fronts(self) -> dict[str, list[SweepPoint]]:
+        """Pareto front of every method."""
+        return {m: pareto_front(self.method_points(m)) for m in self.methods}
+
+    def envelope(self) -> list[SweepPoint]:
+        """Lower envelope over all methods: the Pareto front of every point."""
+        return pareto_front(self.points)
+
+    def summary(self) -> dict[str, dict[str, Any]]:
+        """Per method: smallest memory found, known smallest feasible memory, store-all point.
+
+        The store-all point is the first front point at the method's best makespan; it is
+        marked ``no_recompute`` when that makespan equals the chain's total compute time.
+        """
+        out: dict[str, dict[str, Any]] = {}
+        for method, front in self.fronts().items():
+            known = [p.min_feasible_memory for p in self.method_points(method)
+                     if p.min_feasible_memory is not None]
+            entry: dict[str, Any] = {
+                "points": len(self.method_points(method)), "on_front": len(front),
+                "min_memory": front[0].memory if front else None,
+                "min_memory_makespan": front[0].objective if front else None,
+                "min_feasible_memory": min(known) if known else None,
+                "store_all_memory": front[-1].memory if front else None,
+                "store_all_makespan": front[-1].objective if front else None,
+                "no_recompute": bool(front and self.no_recompute_time is not None and
+                                     front[-1].objective is not None and
+                                     front[-1].objective <= self.no_recompute_time
+                                     * (1 + 1e-9)),
+                "solve_time_s": round(sum(p.solve_time_s for p in
+                                          self.method_points(method)), 6),
+            }
+            out[method] = entry
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        """Everything, as plain JSON values."""
+        fronts = {m: [[p.memory, p.objective, p.status] for p in f]
+                  for m, f in self.fronts().items()}
+        return {
+            "format": "optmem.sweep/1", "problem": self.problem, "chain": self.chain_name,
+            "memory_unit": self.memory_unit, "time_unit": self.time_unit,
+            "limits": list(self.limits), "methods": list(self.methods),
+            "store_all_peak": self.store_all_peak, "no_recompute_time": self.no_recompute_time,
+            "wall_time_s": round(self.wall_time_s, 3),
+            "fronts": fronts, "summary": self.summary(),
+            "points": [asdict(p) for p in self.points],
+        }
+
+    def write_json(self, path: str | Path) -> None:
+        """Write :meth:`to_json` to ``path``."""
+        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+    def write_csv(self, path: str | Path) -> None:
+        """One row per solve (``on_front`` marks the Pareto points)."""
+        on_front = {(p.method, p.memory_limit) for f in self.fronts().values() for p in f}
+        with open(path, "w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=CSV_FIELDS)
+            writer.writeheader()
+            for p in self.points:
+                row = {k: v for k, v in asdict(p).items() if k in CSV_FIELDS}
+                row["on_front"] = (p.method, p.memory_limit) in on_front
+                writer.writerow(row)
+
+    def plot(self, path: str | Path, *, title: str | None = None) -> Path:
+        """Draw the memory/makespan curve to ``path`` (``.png``, ``.svg`` or ``.pdf``)."""
+        from optmem.plotting import plot_sweep
+
+        return plot_sweep(self, path, title=title)
+
+    def table(self) -> str:
+        """A plain-text summary, one line per method."""
+        fmt = _memory_formatter(self.memory_unit)
+        lines = [f"{'method':<14} {'points':>6} {'front':>5} {'min memory':>12} "
+                 f"{'makespan':>10} {'store-all memory':>17} {'makespan':>10}"]
+        for method, s in self.summary().items():
+            def show(v: Any, f: Callable[[Any], str] = str) -> str:
+                return "-" if v is None else f(v)
+
+            lines.append(
+                f"{method:<14} {s['points']:>6} {s['on_front']:>5} "
+                f"{show(s['min_memory'], fmt):>12} {show(s['min_memory_makespan'], _t):>10} "
+                f"{show(s['store_all_memory'], fmt):>17} {show(s['store_all_makespan'], _t):>10}")
+        return "\n".join(lines)
+
+
+def _t(v: float) -> str:
+    return f"{v:.6g}"
+
+
+def _memory_formatter(unit: str) -> Callable[[Any], str]:
+    if unit == "B":
+        return lambda v: format_size(v)
+    return lambda v: f"{v} {unit}"
+
+
+# ------------------------------------------------------------------ running
+class Progress:
+    """A one-line progress bar on a stream (stderr by default)."""
+
+    def __init__(self, total: int, stream: TextIO | None = None, width: int = 30) -> None:
+        self.total = max(1, total)
+        self.done = 0
+        self.stream = stream or sys.stderr
+        self.width = width
+        self.start = time.perf_counter()
+
+    def update(self, label: str = "") -> None:
+        """Count one finished task and redraw (at most ten times a second)."""
+        self.done += 1
+        now = time.perf_counter()
+        if self.done < self.total and now - getattr(self, "_drawn", 0.0) < 0.1:
+            return
+        self._drawn = now
+        filled = self.width * self.done // self.total
+        bar = "#" * filled + "." * (self.width - filled)
+        elapsed = time.perf_counter() - self.start
+        end = "\n" if self.done >= self.total else ""
+        self.stream.write(f"\rsweep [{bar}] {self.done}/{self.total} {elapsed:5.1f}s "
+                          f"{label[:30]:<30}{end}")
+        self.stream.flush()
+
+
+def _run_one(factory: ProblemFactory, method: str, limit: int,
+             options: SolveOptions) -> SweepPoint:
+    """Solve one (method, limit) task; unexpected failures become ``error`` points."""
+    from optmem.solvers.facade import method_info, solve
+
+    problem = factory(limit)
+    exact = method_info(problem.name, method).exact
+    try:
+        result = solve(problem, method, options=options)
+        return point_of(method, limit, result, exact, plan_memory(problem, result))
+    except OptmemInputError as exc:
+        result = Result(problem.name, method, Status.ERROR, report={"error": str(exc)})
+    except Exception as exc:  # noqa: BLE001 - one bad point must not end the sweep
+        result = Result(problem.name, method, Status.ERROR,
+                        report={"error": f"{type(exc).__name__}: {exc}"})
+    return point_of(method, limit, result, exact)
+
+
+def sweep(
+    problem_factory: ProblemFactory,
+    limits: Sequence[int],
+    methods: Sequence[str],
+    *,
+    options: SolveOptions | None = None,
+    jobs: int = 1,
+    progress: bool | Progress = False,
+) -> SweepResult:
+    """Solve ``problem_factory(limit)`` with every method at every limit.
+
+    Parameters
+    ----------
+    problem_factory
+        ``limit -> problem``; must be picklable when ``jobs > 1`` (a top-level function,
+        :class:`CheckpointFactory`, :class:`CliFactory`, ``functools.partial``).
+    limits
+        Memory limits in the chain's memory unit.
+    methods
+        Method labels of the facade (``dp``, ``dp:rotor``, ``chen``, ...).
+    options
+        Shared :class:`SolveOptions` (slots, time limit, solver).
+    jobs
+        Worker processes (1: in this process).
+    progress
+        ``True`` for a progress bar on stderr, or a :class:`Progress`.
+
+    Raises
+    ------
+    OptmemInputError
+        For an unknown method or an empty list of limits, before anything runs.
+    """
+    from optmem.solvers.facade import method_info
+
+    limits = sorted({int(m) for m in limits})
+    if not limits:
+        raise OptmemInputError("expected at least one memory limit", field="memory")
+    if not methods:
+        raise OptmemInputError("expected at least one method", field="methods")
+    options = options or SolveOptions()
+    probe = problem_factory(limits[0])
+    for m in methods:
+        method_info(probe.name, m)  # unknown methods fail here
+    tasks = [(m, limit) for limit in limits for m in methods]
+    bar = progress if isinstance(progress, Progress) else \
+        Progress(len(tasks)) if progress else None
+    start = time.perf_counter()
+    done: dict[tuple[str, int], SweepPoint] = {}
+    if jobs <= 1:
+        for m, limit in tasks:
+            done[(m, limit)] = _run_one(problem_factory, m, limit, options)
+            if bar:
+                bar.update(f"{m} @ {limit}")
+    else:
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            futures = {pool.submit(_run_one, problem_factory, m, limit, options): (m, limit)
+                       for m, limit in tasks}
+            for fut in as_completed(futures):
+                m, limit = futures[fut]
+                done[(m, limit)] = fut.result()
+                if bar:
+                    bar.update(f"{m} @ {limit}")
+    chain = getattr(probe, "chain", None)
+    store_all = no_recompute = None
+    if isinstance(chain, Chain):
+        no_recompute = chain.total_compute_time()
+        try:
+            store_all = chain.store_all_peak()
+        except Exception:  # noqa: BLE001 - a reference line only
+            store_all = None
+    return SweepResult(
+        problem=probe.name, chain_name=chain.name if isinstance(chain, Chain) else "",
+        memory_unit=chain.memory_unit if isinstance(chain, Chain) else "B",
+        time_unit=chain.time_unit if isinstance(chain, Chain) else "",
+        limits=tuple(limits), methods=tuple(methods),
+        points=tuple(done[(m, limit)] for m in methods for limit in limits),
+        store_all_peak=store_all, no_recompute_time=no_recompute,
+        wall_time_s=time.perf_counter() - start)
+
+
+# ------------------------------------------------------------------ CLI
+def parse_memory_range(text: str, chain: Chain | None = None) -> list[int]:
+    """``FROM:TO:STEPS`` (sizes with units) or ``auto[:STEPS]`` into a list of limits.
+
+    ``auto`` goes from the smallest memory of the checkpoint DP to 5 % above the store-all
+    peak of ``chain``.
+
+    Examples
+    --------
+    >>> parse_memory_range("10:20:3")
+    [10, 15, 20]
+    >>> parse_memory_range("1GiB:2GiB:2")
+    [1073741824, 2147483648]
+    """
+    parts = text.split(":")
+    if parts[0] == "auto":
+        if chain is None:
+            raise OptmemInputError("'auto' needs a chain", field="--memory")
+        from optmem.solvers.checkpoint_dp import min_memory_persistent
+
+        steps = _steps(parts[1] if len(parts) > 1 else "20")
+        low, high = min_memory_persistent(chain), math.ceil(chain.store_all_peak() * 1.05)
+    elif len(parts) == 3:
+        low = parse_size(parts[0], field="--memory")
+        high = parse_size(parts[1], field="--memory")
+        steps = _steps(parts[2])
+    else:
+        raise OptmemInputError(f"expected FROM:TO:STEPS (e.g. 1GiB:4GiB:20) or auto[:STEPS], "
+                               f"got {text!r}", field="--memory")
+    if high < low:
+        raise OptmemInputError(f"expected FROM <= TO, got {text!r}", field="--memory")
+    if steps == 1:
+        return [low]
+    return sorted({round(low + (high - low) * k / (steps - 1)) for k in range(steps)})
+
+
+def _steps(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise OptmemInputError(f"expected a positive number of steps, got {text!r}",
+                               field="--memory")
+    return int(text)
+
+
+def default_methods(problem: str) -> list[str]:
+    """Methods swept when ``--methods`` is not given: the default and every heuristic."""
+    from optmem.solvers.facade import method_info, methods
+
+    if problem == "checkpoint":
+        return list(CHECKPOINT_DEFAULT_METHODS)
+    first = method_info(problem, "auto").name
+    rest = [n for n, info in methods(problem).items()
+            if n != first and not info.exact and info.in_compare and info.is_available()]
+    return [first, *rest]
+
+
+def register_cli(subparsers: Any) -> None:
+    """Add ``optmem sweep`` to the CLI."""
+    from optmem.cli import _add_problem_options
+
+    p = subparsers.add_parser(
+        "sweep", help="solve across memory limits: Pareto fronts, CSV/JSON, the curve",
+        description="Solve PROBLEM on CHAIN at evenly spaced memory limits with several "
+                    "methods and draw the memory/makespan trade-off.")
+    p.add_argument("problem", help="checkpoint, offload, remat-offload, pipeline, min-peak")
+    p.add_argument("chain", help="chain file or bundled dataset name")
+    p.add_argument("--memory", "-m", default="auto",
+                   help="FROM:TO:STEPS with sizes (1GiB:4GiB:20), or auto[:STEPS] (default: "
+                        "from the checkpoint DP's smallest memory to the store-all peak)")
+    p.add_argument("--methods", help="comma-separated methods (default: dp and baselines)")
+    p.add_argument("--jobs", "-j", type=int, default=min(2, os.cpu_count() or 1),
+                   help="worker processes (default: 2)")
+    p.add_argument("--csv", help="write one row per solve")
+    p.add_argument("--json", help="write points, fronts and summary as JSON")
+    p.add_argument("--plot", help="draw the curve (.png, .svg or .pdf)")
+    p.add_argument("--title", help="plot title")
+    p.add_argument("--variant", help="method variant for every method")
+    p.add_argument("--slots", type=int, default=500, help="memory slots (default 500)")
+    p.add_argument("--time-limit", type=float, help="seconds per exact solve")
+    p.add_argument("--solver", default="highs", help="ILP engine: highs, cbc, gurobi")
+    p.add_argument("--threads", type=int, default=1, help="threads per exact solve")
+    p.add_argument("--verbose", action="store_true", help="show engine logs")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    _add_problem_options(p)
+    p.set_defaults(func=cmd_sweep)
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    """Handler of ``optmem sweep``."""
+    from optmem.cli import load_chain, options_from_args, problem_module
+
+    chain = load_chain(args.chain)
+    problem_module(args.problem)  # unknown problems fail with the list of known ones
+    limits = parse_memory_range(args.memory, chain)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods \
+        else default_methods(args.problem)
+    if args.jobs < 1:
+        raise OptmemInputError(f"expected --jobs >= 1, got {args.jobs}", field="--jobs")
+    extra = {k: v for k, v in vars(args).items() if k != "func"}
+    factory = CliFactory(args.problem, chain, extra)
+    result = sweep(factory, limits, methods, options=options_from_args(args), jobs=args.jobs,
+                   progress=not args.quiet)
+    print(f"{chain.name}: {args.problem}, {len(limits)} limits x {len(methods)} methods "
+          f"in {result.wall_time_s:.1f}s")
+    print(result.table())
+    errors = [p for p in result.points if p.status == Status.ERROR.value]
+    for p in errors[:5]:
+        print(f"error: {p.method} at {p.memory_limit}: {p.error}", file=sys.stderr)
+    if args.csv:
+        result.write_csv(args.csv)
+    if args.json:
+        result.write_json(args.json)
+    if args.plot:
+        result.plot(args.plot, title=args.title)
+        print(f"plot written to {args.plot}")
+    return 0

@@ -1,0 +1,83 @@
+"""Plan pictures: checkpoint, min-peak and offload plans are replayed and drawn."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from optmem.chain import Chain
+from optmem.cli import main
+from optmem.datasets.synthetic import random_chain
+from optmem.errors import OptmemInputError, PlanError
+from optmem.problems import CheckpointProblem
+from optmem.show import is_offload_plan, read_plan_file, show_plan
+from optmem.solvers.facade import solve
+
+pytest.importorskip("matplotlib", reason="plots need matplotlib (optmem[plot])")
+
+
+@pytest.fixture
+def chain_file(tmp_path: Path) -> Path:
+    path = tmp_path / "c.json"
+    random_chain(6, seed=5).save(path)
+    return path
+
+
+def test_checkpoint_plan_from_solve_json(tmp_path: Path, chain_file: Path) -> None:
+    chain = Chain.load(chain_file)
+    limit = (chain.store_all_peak() * 2) // 3
+    r = solve(CheckpointProblem(chain, limit), "dp")
+    (tmp_path / "p.json").write_text(json.dumps(r.to_json()))
+    data = read_plan_file(tmp_path / "p.json")
+    info = show_plan(chain, data, tmp_path / "p.png")
+    assert info["kind"] == "checkpoint"
+    assert info["makespan"] == pytest.approx(r.objective)
+    assert info["peak_memory"] <= info["memory_limit"] == r.memory_limit * r.unit
+    assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_cli_plain_list_svg_and_min_peak(tmp_path: Path, chain_file: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    plan = tmp_path / "ops.json"
+    plan.write_text(json.dumps(["F_ck 1", "F_none 2", "F_all 3", "F_all 4", "F_all 5",
+                                "F_all 6", "Loss", "B 6", "B 5", "B 4", "B 3",
+                                "F_all 1", "F_all 2", "B 2", "B 1"]))
+    assert main(["show", str(plan), "--chain", str(chain_file), "-o",
+                 str(tmp_path / "ops.svg"), "--memory", "1000"]) == 0
+    assert "picture written" in capsys.readouterr().out
+    assert (tmp_path / "ops.svg").stat().st_size > 1000
+    out = tmp_path / "mp.json"
+    assert main(["solve", "min-peak", str(chain_file), "--memory", "0", "--json",
+                 "-o", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["show", str(out), "--chain", str(chain_file)]) == 0
+    assert (tmp_path / "mp.png").stat().st_size > 1000
+
+
+def test_bad_plans_are_one_line_errors(tmp_path: Path, chain_file: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(["F_all 1", "B 1"]))
+    assert main(["show", str(bad), "--chain", str(chain_file)]) == 2
+    err = capsys.readouterr().err
+    assert "bad.json" in err and len(err.strip().splitlines()) == 1
+    bad.write_text("{}")
+    with pytest.raises(PlanError):
+        read_plan_file(bad)
+    assert main(["show", str(bad), "--chain", str(chain_file), "-o",
+                 str(tmp_path / "x.txt")]) == 2
+
+
+def test_offload_plan_two_lanes(tmp_path: Path) -> None:
+    pytest.importorskip("optmem.simulate.offload", reason="the offload simulator is not here")
+    chain = Chain.from_lists([2, 2], [4, 4], [2, 2], [4, 4], input_size=2)
+    ops = ["F_all 1", "offload a 0", "F_all 2", "Loss", "B 2", "prefetch a 0", "B 1"]
+    assert is_offload_plan(ops) and not is_offload_plan(["F_all 1"])
+    data = {"plan": ops, "memory_limit": 12, "unit": 1}
+    info = show_plan(chain, data, tmp_path / "o.png", bandwidth=1.0)
+    assert (info["kind"], info["makespan"], info["peak_memory"]) == ("offload", 14.0, 12)
+    assert (tmp_path / "o.png").stat().st_size > 1000
+    with pytest.raises(OptmemInputError):
+        show_plan(chain, data, tmp_path / "o2.png")
