@@ -1,0 +1,68 @@
+"""One-line summaries of bundled chains for ``optmem datasets list``.
+
+:func:`dataset_summary` returns the number of stages, the parameter count, the store-all
+activation peak (:meth:`optmem.chain.Chain.store_all_peak`) and the smallest memory at which
+checkpointing is feasible (:func:`optmem.solvers.checkpoint_dp.min_memory_persistent`, exact,
+no discretisation). Zoo files carry these figures precomputed in a ``summary`` field
+(written by :mod:`optmem.datasets.build`; ``tests/test_zoo_datasets.py`` checks that they
+match a recomputation), so that listing every bundled file takes well under a second; files
+without it are summarised on the fly.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from typing import Any
+
+from optmem.chain import Chain
+from optmem.datasets import dataset_path
+
+SUMMARY_KEYS = ("stages", "parameters", "store_all", "min_feasible", "compute_time")
+
+
+def compute_summary(chain: Chain) -> dict[str, Any]:
+    """Summary figures of ``chain`` (sizes in its memory unit, time in its time unit).
+
+    Returns
+    -------
+    dict
+        ``stages``, ``parameters`` (from the chain's ``parameters`` field, else ``None``),
+        ``store_all`` (store-all peak), ``min_feasible`` (smallest feasible memory of the
+        persistent DP) and ``compute_time`` (sum of all op times, the makespan of store-all).
+    """
+    from optmem.solvers.checkpoint_dp import min_memory_persistent
+
+    params = chain.extra.get("parameters")
+    return {
+        "stages": chain.length,
+        "parameters": int(params) if isinstance(params, int) else None,
+        "store_all": chain.store_all_peak(),
+        "min_feasible": min_memory_persistent(chain),
+        "compute_time": round(chain.total_compute_time(), 6),
+    }
+
+
+@cache
+def dataset_summary(name: str) -> dict[str, Any]:
+    """Summary of the bundled chain ``name`` (see :func:`compute_summary`).
+
+    Adds ``name``, ``description``, ``time_unit`` and ``memory_unit``. Uses the file's
+    precomputed ``summary`` field when it has every key, else loads and computes.
+
+    Examples
+    --------
+    >>> s = dataset_summary("resnet-like-40")
+    >>> s["stages"], s["min_feasible"] < s["store_all"]
+    (40, True)
+    """
+    path = dataset_path(name)
+    data = json.loads(path.read_text())
+    stored = data.get("summary")
+    if isinstance(stored, dict) and all(k in stored for k in SUMMARY_KEYS):
+        figures = {k: stored[k] for k in SUMMARY_KEYS}
+    else:
+        figures = compute_summary(Chain.from_dict(data, source=str(path)))
+    return {"name": name, "description": str(data.get("description", "")),
+            "time_unit": data.get("time_unit", "ms"), "memory_unit": data.get("memory_unit", "B"),
+            **figures}

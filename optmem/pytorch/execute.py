@@ -1,0 +1,473 @@
+"""Execution: a module that trains a chain of stages by following a checkpoint plan.
+
+The plan ops (CONTRACT section 3: ``F_all i``, ``F_ck i``, ``F_none i``, ``Loss``, ``B i``)
+are run by a custom ``torch.autograd.Function`` as rotor's ``CheckpointOptim`` does (digest
+``rotor.md`` section 6.2): the ops before ``Loss`` run in ``forward()``, which returns the
+chain output ``a^L``; the ops after it run in ``backward()``, which receives ``delta^L``
+and returns ``delta^0``. Memory follows the simulator's rules
+(``optmem/simulate/checkpoint.py``):
+
+* storage slot ``i`` holds ``a^i``; a slot filled by ``F_all i`` also holds the tape: the
+  gradient edges of the stage outputs, and the autograd graph of stage ``i``, rooted at a
+  :class:`_Source` alias of ``a^{i-1}`` whose incoming gradient (``delta^{i-1}``) a hook
+  captures. ``B i`` is ``torch.autograd.backward`` on those edges;
+* ``F_none i`` drops slot ``i-1``; ``Loss`` drops ``a^L`` unless it is a tape; ``B i``
+  drops the tape ``i`` and ``a^{i-1}`` unless slot ``i-1`` is a tape;
+* with ``release_early`` (default), the executor also lets go of ``a^i`` as soon as no
+  later op reads it: what autograd saved stays alive through the tape, the rest is freed.
+  The chain model counts ``a^i`` inside the tape ``abar^i`` until ``B i``, so the real
+  memory is at most the simulated peak, and often below.
+
+Differences from rotor, all making the checkpointed module compute *exactly* what the
+unmodified one does:
+
+* The RNG state (CPU and the CUDA devices of the input) is saved before the first run of
+  every stage the plan runs more than once, and restored (inside ``fork_rng``) before each
+  re-run, whatever the op kinds; the global RNG advances exactly as without the plan.
+* A re-run stage runs on scratch copies of its buffers (BatchNorm running statistics), so
+  the statistics are updated once per step, as in the unmodified module.
+* The autocast state of the forward is re-entered for re-runs in the backward.
+
+**Suffix stripping** (optional, on by default as in rotor): when the forward part of the
+plan ends with ``F_all j .. F_all L`` mirrored by ``B L .. B j`` right after ``Loss``, the
+stages ``j..L`` run as ordinary autograd code after the Function (no bookkeeping).
+
+Limitation (shared with reentrant ``torch.utils.checkpoint``): gradients of parameters are
+accumulated into ``.grad`` by a nested ``torch.autograd.backward``; use ``loss.backward()``,
+not ``torch.autograd.grad(loss, params)``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from optmem.errors import PlanError
+from optmem.plan import LOSS, Op, OpKind, parse_plan
+from optmem.pytorch.extract import Stage, value_tensors
+
+__all__ = ["CheckpointedChain", "add_monitor", "remove_monitor", "split_suffix"]
+
+Monitor = Callable[[str, list[torch.Tensor], list[torch.Tensor]], None]
+_MONITORS: list[Monitor] = []
+
+
+def add_monitor(fn: Monitor) -> None:
+    """Call ``fn(op, stored, gradients)`` after every op the executor runs.
+
+    ``stored`` are the tensors of the stored values (checkpoints, tapes' outputs and input
+    leaves), ``gradients`` the current gradient ``delta^i`` (memory tracking).
+    """
+    _MONITORS.append(fn)
+
+
+def remove_monitor(fn: Monitor) -> None:
+    """Stop calling ``fn``."""
+    if fn in _MONITORS:
+        _MONITORS.remove(fn)
+
+
+def split_suffix(plan: Sequence[Op], length: int) -> tuple[tuple[Op, ...], int]:
+    """Strip the store-all suffix of ``plan``.
+
+    Returns the plan of the prefix chain (stages ``1..j-1``) and ``j``: stages ``j..L`` can
+    run natively after it. ``j = L + 1`` when nothing can be stripped, ``j = 1`` when the
+    whole plan is store-all.
+
+    Examples
+    --------
+    >>> plan = parse_plan(["F_ck 1", "F_all 2", "F_all 3", "Loss", "B 3", "B 2", "F_all 1", "B 1"])
+    >>> ops, j = split_suffix(plan, 3)
+    >>> [str(o) for o in ops], j
+    (['F_ck 1', 'Loss', 'F_all 1', 'B 1'], 2)
+    """
+    ops = tuple(plan)
+    loss = ops.index(LOSS)
+    fwd, bwd = ops[:loss], ops[loss + 1:]
+    k = 0
+    while k < min(len(fwd), len(bwd), length):
+        stage = length - k
+        if fwd[len(fwd) - 1 - k] != Op(OpKind.F_ALL, stage) or bwd[k] != Op(OpKind.B, stage):
+            break
+        k += 1
+    j = length - k + 1
+    rest = fwd[:len(fwd) - k] + (LOSS,) + bwd[k:]
+    while j <= length and any(op.stage >= j for op in rest if op.kind is not OpKind.LOSS):
+        # a stripped stage is touched elsewhere: give it back to the Function
+        j += 1
+        rest = _unstrip(ops, length, j)
+    return (rest if j > 1 else ()), j
+
+
+def _unstrip(ops: tuple[Op, ...], length: int, j: int) -> tuple[Op, ...]:
+    loss = ops.index(LOSS)
+    k = length - j + 1
+    return ops[:loss - k] + (LOSS,) + ops[loss + 1 + k:]
+
+
+class _Source(torch.autograd.Function):
+    """Root of a stage's graph: an alias of ``a^{i-1}`` whose incoming gradient is captured.
+
+    Unlike a detached leaf (whose ``AccumulateGrad`` node would keep ``a^{i-1}`` alive as
+    long as the graph), this root does not own its input: the storage of ``a^{i-1}`` stays
+    alive only if the stage's autograd graph saved it.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
+        return None, None
+
+
+class _Tape:
+    """What ``F_all i`` leaves for ``B i``: the output gradient edges and input gradients."""
+
+    def __init__(self) -> None:
+        self.out_edges: list[GradientEdge | None] = []
+        self.in_grads: list[list[torch.Tensor | None] | None] = []
+
+    def grads(self) -> list[torch.Tensor | None]:
+        return [h[0] if h is not None else None for h in self.in_grads]
+
+
+@dataclass
+class _Slot:
+    value: Any  # a^i; None once no later op reads it (the tape, if any, stays)
+    tape: _Tape | None = None
+
+
+def _capture(holder: list[torch.Tensor | None]) -> Callable[[Any], None]:
+    def hook(grad_outputs: Any) -> None:
+        holder[0] = grad_outputs[0]
+
+    return hook
+
+
+def _plan_reads(plan: Sequence[Op], n: int) -> list[bool]:
+    """For every op, whether a later op still reads the slot it reads (before it is rebuilt).
+
+    Op ``k`` reads slot ``s - 1`` if it is a forward of stage ``s``, slot ``n`` if it is
+    ``Loss``; ``B`` ops read no activation data (the tape holds what they need).
+    """
+    later = [False] * len(plan)
+    pending: dict[int, bool] = {}
+    for k in range(len(plan) - 1, -1, -1):
+        op = plan[k]
+        if op.kind is OpKind.B:
+            continue
+        read = n if op.kind is OpKind.LOSS else op.stage - 1
+        later[k] = pending.get(read, False)
+        pending[read] = True
+        if op.kind is not OpKind.LOSS:
+            pending[op.stage] = False  # reads after this op see the value it builds
+    return later
+
+
+@contextmanager
+def _scratch_buffers(module: nn.Module) -> Iterator[None]:
+    """Run with copies of the buffers, so that a re-run does not update them twice.
+
+    The copies are swapped in and out (no in-place write on the real buffers, whose
+    version autograd may check: batch norm saves its running statistics).
+    """
+    swapped = []
+    for sub in module.modules():
+        for name, buf in list(sub._buffers.items()):
+            if buf is not None:
+                swapped.append((sub, name, buf))
+                sub._buffers[name] = buf.detach().clone()
+    try:
+        yield
+    finally:
+        for sub, name, buf in swapped:
+            sub._buffers[name] = buf
+
+
+class _RngState:
+    """CPU and CUDA generator states taken before the first run of a stage."""
+
+    def __init__(self, devices: list[int]) -> None:
+        self.devices = devices
+        self.cpu = torch.get_rng_state()
+        self.cuda = [torch.cuda.get_rng_state(d) for d in devices]
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        for d, s in zip(self.devices, self.cuda, strict=True):
+            torch.cuda.set_rng_state(s, d)
+
+
+class _Runner:
+    """State of one forward/backward pass through the plan."""
+
+    def __init__(self, owner: CheckpointedChain, plan: tuple[Op, ...], n_stages: int) -> None:
+        self.owner = owner
+        self.plan = plan
+        self.n = n_stages
+        self.loss = plan.index(LOSS)
+        counts = Counter(op.stage for op in plan if op.kind is not OpKind.B and op.stage)
+        self.rerun = {s for s, c in counts.items() if c > 1}
+        self.rng: dict[int, _RngState] = {}
+        self.ran: set[int] = set()
+        self.storage: dict[int, _Slot] = {}
+        self.input_requires_grad = False
+        self.devices: list[int] = []
+        self.autocast: list[tuple[str, torch.dtype]] = []
+        self.current: list[torch.Tensor | None] = []
+        self.out_spec: Any = None
+        self.out_leaves: list[Any] = []
+        self.read_later = _plan_reads(plan, n_stages)
+        self.index = 0
+        self.anchor = torch.empty(0, requires_grad=True)
+
+    # -------------------------------------------------------------- ops
+    def _run_stage(self, op: Op) -> None:
+        i = op.stage
+        if i - 1 not in self.storage or self.storage[i - 1].value is None:
+            raise PlanError(f"{op} needs a^{i - 1}, which is not stored")
+        src = self.storage[i - 1].value
+        module = self.owner.stages[i - 1]
+        first = i not in self.ran
+        with ExitStack() as stack:
+            if not first:
+                stack.enter_context(torch.random.fork_rng(devices=self.devices, enabled=True))
+                if i in self.rng:
+                    self.rng[i].restore()
+                for device_type, dtype in self.autocast:
+                    stack.enter_context(torch.autocast(device_type, dtype=dtype))
+            elif self.owner.preserve_rng_state and i in self.rerun:
+                self.rng[i] = _RngState(self.devices)
+            if not first and self.owner.restore_buffers:
+                stack.enter_context(_scratch_buffers(module))
+            if op.kind is OpKind.F_ALL:
+                tape = _Tape()
+                with torch.enable_grad():
+                    inp = self._sources(src, tape, i > 1 or self.input_requires_grad)
+                    out = module(inp)
+                del inp
+                tape.out_edges = [get_gradient_edge(t) if t.requires_grad else None
+                                  for t in value_tensors(out)]
+                self.storage[i] = _Slot(out, tape)
+            else:
+                with torch.no_grad():
+                    out = module(src)
+                self.storage[i] = _Slot(out)
+        self.ran.add(i)
+        if op.kind is OpKind.F_NONE:
+            del self.storage[i - 1]
+        elif not self.read_later[self.index] and self.owner.release_early:
+            self.storage[i - 1].value = None  # nobody reads a^{i-1} again: drop it
+
+    def _sources(self, value: Any, tape: _Tape, requires_grad: bool) -> Any:
+        """The stage input: float tensors go through :class:`_Source` (gradient captured)."""
+        leaves, spec = tree_flatten(value)
+        out = []
+        for v in leaves:
+            if isinstance(v, torch.Tensor):
+                if requires_grad and (v.is_floating_point() or v.is_complex()):
+                    # detached: the previous stage's graph must not be reachable from here
+                    t = _Source.apply(v.detach(), self.anchor)
+                    holder: list[torch.Tensor | None] = [None]
+                    t.grad_fn.register_prehook(_capture(holder))
+                    tape.in_grads.append(holder)
+                    v = t
+                else:
+                    tape.in_grads.append(None)
+                    v = v.detach()
+            out.append(v)
+        return tree_unflatten(out, spec)
+
+    def _backward(self, i: int) -> None:
+        slot = self.storage.get(i)
+        if slot is None or slot.tape is None:
+            raise PlanError(f"B {i} needs the tape of stage {i}, which is not stored")
+        edges, grads = [], []
+        for e, g in zip(slot.tape.out_edges, self.current, strict=False):
+            if e is not None and g is not None:
+                edges.append(e)
+                grads.append(g)
+        if edges:
+            torch.autograd.backward(edges, grads)
+        self.current = slot.tape.grads()
+        del self.storage[i]
+        prev = self.storage.get(i - 1)
+        if prev is not None and prev.tape is None:
+            del self.storage[i - 1]
+
+    def _run(self, op: Op) -> None:
+        if op.kind is OpKind.B:
+            self._backward(op.stage)
+        else:
+            self._run_stage(op)
+        self.index += 1
+        if _MONITORS:
+            live = [t for s in self.storage.values() for t in value_tensors(s.value)]
+            grads = [g for g in self.current if g is not None]
+            for fn in list(_MONITORS):
+                fn(str(op), live, grads)
+
+    # -------------------------------------------------------------- phases
+    def forward(self, value: Any) -> list[torch.Tensor]:
+        self.storage[0] = _Slot(value)
+        for op in self.plan[:self.loss]:
+            self._run(op)
+        if self.n not in self.storage or self.storage[self.n].value is None:
+            raise PlanError(f"Loss needs a^{self.n}, which is not stored")
+        slot = self.storage[self.n]
+        leaves, self.out_spec = tree_flatten(slot.value)
+        self.out_leaves = leaves
+        if slot.tape is None:
+            del self.storage[self.n]
+        elif not self.read_later[self.loss] and self.owner.release_early:
+            slot.value = None
+        self.index = self.loss + 1
+        return [t.detach() for t in leaves if isinstance(t, torch.Tensor)]
+
+    def backward(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        self.current = list(grads)
+        for op in self.plan[self.loss + 1:]:
+            self._run(op)
+        if self.current and not any(g is not None for g in self.current):
+            return [None] * len(self.current)
+        out = self.current
+        self.storage.clear()
+        self.current = []
+        return out
+
+
+class _PlanFunction(torch.autograd.Function):
+    """Runs the plan: ops before ``Loss`` in forward, the rest in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, runner: _Runner, treespec: Any, n_inputs: int,
+                *args: torch.Tensor) -> Any:
+        inputs = args[:n_inputs]
+        leaves = list(runner.in_leaves)  # type: ignore[attr-defined]
+        it = iter(t.detach() for t in inputs)
+        leaves = [next(it) if isinstance(v, torch.Tensor) else v for v in leaves]
+        outputs = runner.forward(tree_unflatten(leaves, treespec))
+        non_diff = [t for t in outputs if not (t.is_floating_point() or t.is_complex())]
+        if non_diff:
+            ctx.mark_non_differentiable(*non_diff)
+        ctx.runner = runner
+        ctx.n_inputs = n_inputs
+        ctx.n_extra = len(args) - n_inputs
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
+        runner: _Runner = ctx.runner
+        ctx.runner = None
+        if runner is None:
+            raise RuntimeError("the checkpointed plan was already backpropagated "
+                               "(retain_graph is not supported)")
+        input_grads = runner.backward(grads)
+        in_grads = list(input_grads) + [None] * (ctx.n_inputs - len(input_grads))
+        return (None, None, None, *in_grads[:ctx.n_inputs], *([None] * ctx.n_extra))
+
+
+class CheckpointedChain(nn.Module):
+    """A chain of stages that trains by following a checkpoint plan.
+
+    Parameters
+    ----------
+    stages
+        The stages (from :func:`~optmem.pytorch.extract.extract_stages`); parameters are
+        shared with the original module.
+    plan
+        Checkpoint ops (strings or :class:`~optmem.plan.Op`) over ``len(stages)`` stages.
+    preserve_rng_state
+        Restore the RNG state for re-run stages (dropout identical to the unmodified module).
+    restore_buffers
+        Undo buffer updates (BatchNorm running statistics) of re-run stages.
+    strip_suffix
+        Run the store-all suffix of the plan as ordinary autograd code.
+    release_early
+        Drop an activation as soon as no later op of the plan reads it (the tape keeps what
+        autograd saved); otherwise it is kept until the simulator frees it. Either way the
+        memory stays within the plan's simulated peak; early release is often well below.
+
+    Notes
+    -----
+    Under ``torch.no_grad()`` (or when neither the input nor any parameter requires grad)
+    the stages simply run one after the other.
+    """
+
+    def __init__(self, stages: Sequence[Stage | nn.Module], plan: Sequence[str | Op], *,
+                 preserve_rng_state: bool = True, restore_buffers: bool = True,
+                 strip_suffix: bool = True, release_early: bool = True) -> None:
+        super().__init__()
+        mods = [s.module if isinstance(s, Stage) else s for s in stages]
+        self.stage_names = [s.name if isinstance(s, Stage) else f"stage{k + 1}"
+                            for k, s in enumerate(stages)]
+        self.stages = nn.ModuleList(mods)
+        self.preserve_rng_state = preserve_rng_state
+        self.restore_buffers = restore_buffers
+        self.strip_suffix = strip_suffix
+        self.release_early = release_early
+        self.set_plan(plan)
+
+    def set_plan(self, plan: Sequence[str | Op]) -> None:
+        """Replace the plan (validated against the simulator's op rules)."""
+        ops = parse_plan(plan)
+        self._check_plan(ops)
+        self.plan: tuple[Op, ...] = ops
+        if self.strip_suffix:
+            self._prefix_plan, self._suffix_start = split_suffix(ops, len(self.stages))
+        else:
+            self._prefix_plan, self._suffix_start = ops, len(self.stages) + 1
+
+    def _check_plan(self, ops: tuple[Op, ...]) -> None:
+        from optmem.chain import Chain
+        from optmem.simulate import simulate_checkpoint
+
+        n = len(self.stages)
+        unit = Chain.from_lists([0.0] * n, [0.0] * n, [1] * n, [1] * n, input_size=1)
+        simulate_checkpoint(unit, ops)  # raises PlanError naming the bad op
+
+    def forward(self, x: Any) -> Any:  # noqa: D102 - see the class docstring
+        params_need_grad = any(p.requires_grad for p in self.stages.parameters())
+        input_needs_grad = any(t.requires_grad for t in value_tensors(x))
+        if not torch.is_grad_enabled() or not (params_need_grad or input_needs_grad):
+            for m in self.stages:
+                x = m(x)
+            return x
+        j = self._suffix_start
+        if j > 1:
+            x = self._run_plan(self._prefix_plan, j - 1, x, input_needs_grad)
+        for m in list(self.stages)[j - 1:]:
+            x = m(x)
+        return x
+
+    def _run_plan(self, plan: tuple[Op, ...], n: int, x: Any, input_needs_grad: bool) -> Any:
+        runner = _Runner(self, plan, n)
+        runner.input_requires_grad = input_needs_grad
+        tensors = value_tensors(x)
+        runner.devices = sorted({t.device.index or 0 for t in tensors if t.is_cuda})
+        runner.autocast = [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
+                           if torch.is_autocast_enabled(d)]
+        leaves, spec = tree_flatten(x)
+        runner.in_leaves = leaves  # type: ignore[attr-defined]
+        inputs = [t for t in leaves if isinstance(t, torch.Tensor)]
+        # a dummy input that requires grad makes autograd call backward() even when the
+        # chain input does not require grad (the parameters still need their gradients)
+        dummy = torch.empty(0, requires_grad=True)
+        outs = _PlanFunction.apply(runner, spec, len(inputs), *inputs, dummy)
+        it = iter(outs)
+        out_leaves = [next(it) if isinstance(v, torch.Tensor) else v for v in runner.out_leaves]
+        runner.out_leaves = []
+        return tree_unflatten(out_leaves, runner.out_spec)
+
+    def extra_repr(self) -> str:  # noqa: D102
+        return f"plan={len(self.plan)} ops, native suffix from stage {self._suffix_start}"

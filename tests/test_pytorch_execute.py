@@ -1,0 +1,242 @@
+"""The checkpointed module computes exactly what the unmodified module computes.
+
+For an MLP, a small ResNet (torch.fx segments) and a small transformer (torch.fx), over
+store-all, DP at several limits down to the tightest feasible one, recompute-all, Chen,
+and exhaustive (brute) plans on a tiny merged chain: the loss, every parameter gradient and
+the input gradient are bitwise equal (CPU kernels are deterministic), with and without
+suffix stripping. Dropout gives identical masks on recomputation (RNG restore), BatchNorm
+running statistics are updated once, tuples flow between stages, and ``torch.no_grad()``
+inference matches.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the torch bridge needs torch")
+
+from pytorch_helpers import reference_step, tightest_result  # noqa: E402
+from torch import nn  # noqa: E402
+
+from optmem.errors import PlanError  # noqa: E402
+from optmem.problems.checkpoint import CheckpointProblem  # noqa: E402
+from optmem.pytorch.execute import CheckpointedChain, split_suffix  # noqa: E402
+from optmem.pytorch.extract import extract_stages  # noqa: E402
+from optmem.pytorch.models import resolve_spec  # noqa: E402
+from optmem.pytorch.profile import profile_stages  # noqa: E402
+from optmem.solvers import checkpoint_baselines as base  # noqa: E402
+from optmem.solvers.facade import solve  # noqa: E402
+
+
+def loss_fn(out):
+    return out.float().square().mean()
+
+
+def assert_same_step(module, cm, x, *, seed=0, bitwise=True):
+    ref = reference_step(module, x, loss_fn, seed=seed)
+    got = reference_step(cm, x, loss_fn, seed=seed, owner=module)
+    kw = {"rtol": 0, "atol": 0} if bitwise else {}
+    torch.testing.assert_close(got[0], ref[0], **kw)
+    torch.testing.assert_close(got[1], ref[1], **kw)
+    assert len(got[2]) == len(ref[2])
+    for k, (a, b) in enumerate(zip(got[2], ref[2], strict=True)):
+        assert (a is None) == (b is None), f"parameter {k}"
+        if a is not None:
+            torch.testing.assert_close(a, b, **kw, msg=f"gradient of parameter {k}")
+    if ref[3] is not None:
+        torch.testing.assert_close(got[3], ref[3], **kw)
+
+
+MODELS = {
+    "mlp": lambda: resolve_spec("toy-mlp", batch=16),
+    "resnet": lambda: resolve_spec("toy-resnet", batch=4),
+    "transformer": lambda: resolve_spec("toy-transformer", batch=4),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def setup(request):
+    torch.manual_seed(0)
+    module, x = MODELS[request.param]()
+    stages = extract_stages(module)
+    chain = profile_stages(stages, x, repeats=1, warmup=0)
+    return request.param, module, x, stages, chain
+
+
+def _plans(chain):
+    length = chain.length
+    store = chain.store_all_peak()
+    tight = tightest_result(chain)
+    plans = {
+        "store_all": base.store_all_plan(length),
+        "recompute_all": base.recompute_all_plan(length),
+        "chen": base.chen_plan(length),
+        "dp_tightest": tight.plan,
+    }
+    assert tight.plan != tuple(str(o) for o in base.store_all_plan(length))
+    for frac in (0.6, 0.8):
+        limit = int(tight.memory_limit * tight.unit + frac * (store - tight.memory_limit
+                                                               * tight.unit))
+        r = solve(CheckpointProblem(chain, limit), "dp")
+        assert r.status.has_plan
+        plans[f"dp_{frac}"] = r.plan
+    return plans
+
+
+@pytest.mark.parametrize(("strip", "release"), [(True, True), (False, True), (False, False)])
+def test_gradients_equal_over_plans(setup, strip, release):
+    name, module, x, stages, chain = setup
+    for label, plan in _plans(chain).items():
+        cm = CheckpointedChain(stages, plan, strip_suffix=strip, release_early=release)
+        try:
+            assert_same_step(module, cm, x)
+        except AssertionError as exc:
+            raise AssertionError(f"{name}, plan {label}: {exc}") from None
+
+
+def test_input_gradient_equal():
+    torch.manual_seed(1)
+    module, x = resolve_spec("toy-mlp", batch=8)
+    stages = extract_stages(module)
+    x = x.requires_grad_(True)
+    for plan in (base.recompute_all_plan(len(stages)), base.chen_plan(len(stages))):
+        assert_same_step(module, CheckpointedChain(stages, plan), x)
+
+
+def test_brute_plan_on_tiny_chain():
+    torch.manual_seed(2)
+    module, x = resolve_spec("toy-resnet", batch=2)
+    stages = extract_stages(module, max_stages=4)
+    assert len(stages) == 4
+    chain = profile_stages(stages, x, repeats=1, warmup=0)
+    tight = tightest_result(chain, "brute")
+    dp = solve(CheckpointProblem(chain, tight.memory_limit * tight.unit), "dp")
+    # the exhaustive optimum is never worse than the persistent DP at the same limit
+    assert not dp.status.has_plan or tight.objective <= dp.objective + 1e-9
+    assert_same_step(module, CheckpointedChain(stages, tight.plan), x)
+
+
+def test_floating_plan_if_available():
+    from optmem.solvers.facade import methods
+
+    if importlib_missing("optmem.solvers.checkpoint_floating"):
+        pytest.skip("the floating DP (optmem.solvers.checkpoint_floating) is not built yet")
+    assert "dp" in methods("checkpoint")
+    torch.manual_seed(3)
+    module, x = resolve_spec("toy-mlp", batch=8, )
+    stages = extract_stages(module, max_stages=6)
+    chain = profile_stages(stages, x, repeats=1, warmup=0)
+    r = tightest_result(chain, "dp:floating")
+    assert_same_step(module, CheckpointedChain(stages, r.plan), x)
+
+
+def importlib_missing(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is None
+
+
+def test_dropout_identical_with_rng_restore():
+    torch.manual_seed(4)
+    from optmem.pytorch.toy import toy_transformer
+
+    module, x = toy_transformer(batch=4, dropout=0.3)
+    stages = extract_stages(module)
+    plan = base.recompute_all_plan(len(stages))
+    assert_same_step(module, CheckpointedChain(stages, plan), x, seed=5)
+    # without the restore, recomputed dropout masks differ and so do the gradients
+    cm = CheckpointedChain(stages, plan, preserve_rng_state=False)
+    ref = reference_step(module, x, loss_fn, seed=5)
+    got = reference_step(cm, x, loss_fn, seed=5, owner=module)
+    assert any(not torch.equal(a, b) for a, b in zip(got[2], ref[2], strict=True))
+
+
+def test_global_rng_advances_as_without_plan():
+    torch.manual_seed(6)
+    net = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 8), nn.Dropout(0.5),
+                        nn.Linear(8, 2))
+    x = torch.randn(4, 8)
+    stages = extract_stages(net)
+    cm = CheckpointedChain(stages, base.recompute_all_plan(len(stages)))
+    torch.manual_seed(7)
+    loss_fn(net(x)).backward()
+    after_ref = torch.rand(3)
+    torch.manual_seed(7)
+    loss_fn(cm(x)).backward()
+    torch.testing.assert_close(torch.rand(3), after_ref, rtol=0, atol=0)
+
+
+def test_batchnorm_running_stats_updated_once():
+    torch.manual_seed(8)
+    module, x = resolve_spec("toy-cnn", batch=4, )
+    twin = copy.deepcopy(module)
+    stages = extract_stages(module)
+    cm = CheckpointedChain(stages, base.recompute_all_plan(len(stages)))
+    torch.manual_seed(11)
+    loss_fn(twin(x)).backward()
+    torch.manual_seed(11)
+    loss_fn(cm(x)).backward()
+    for b1, b2 in zip(module.buffers(), twin.buffers(), strict=True):
+        torch.testing.assert_close(b1, b2, rtol=0, atol=0)
+    for p1, p2 in zip(module.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p1.grad, p2.grad, rtol=0, atol=0)
+
+
+class Split(nn.Module):
+    def forward(self, x):
+        return x[:, :4] * 2, x[:, 4:].sin()
+
+
+class Join(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, pair):
+        a, b = pair
+        return self.lin(a) * b, b
+
+
+class Last(nn.Module):
+    def forward(self, pair):
+        return pair[0] + pair[1]
+
+
+def test_tuples_between_stages():
+    torch.manual_seed(9)
+    net = nn.Sequential(nn.Linear(8, 8), Split(), Join(), Join(), Last(), nn.Linear(4, 3))
+    x = torch.randn(5, 8, requires_grad=True)
+    stages = extract_stages(net)
+    chain = profile_stages(stages, x, repeats=1, warmup=0)
+    for plan in (base.recompute_all_plan(6), tightest_result(chain).plan,
+                 base.chen_plan(6)):
+        assert_same_step(net, CheckpointedChain(stages, plan), x)
+
+
+def test_no_grad_inference_matches():
+    torch.manual_seed(10)
+    module, x = resolve_spec("toy-resnet", batch=2)
+    module.eval()
+    stages = extract_stages(module)
+    cm = CheckpointedChain(stages, base.recompute_all_plan(len(stages)))
+    with torch.no_grad():
+        torch.testing.assert_close(cm(x), module(x), rtol=0, atol=0)
+        assert not cm(x).requires_grad
+
+
+def test_invalid_plan_is_rejected():
+    net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with pytest.raises(PlanError, match="op 1"):
+        CheckpointedChain(extract_stages(net), ["F_all 1", "F_all 1", "Loss", "B 2", "B 1"])
+
+
+def test_split_suffix():
+    ops = base.store_all_plan(4)
+    assert split_suffix(ops, 4) == ((), 1)
+    plan = base.recompute_all_plan(3)
+    rest, j = split_suffix(plan, 3)
+    assert j == 4 and rest == plan  # recompute-all ends with F_none L: nothing to strip
+    assert math.isfinite(len(rest))

@@ -1,0 +1,167 @@
+"""Chain extraction: nn.Sequential flattening, torch.fx cut points, merging, clear errors."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the torch bridge needs torch")
+
+import pytorch_helpers  # noqa: E402, F401  (one thread)
+from torch import nn  # noqa: E402
+
+from optmem.errors import OptmemInputError  # noqa: E402
+from optmem.pytorch.extract import (  # noqa: E402
+    extract_stages,
+    merge_stages,
+    partition_costs,
+    run_stages,
+)
+from optmem.pytorch.models import resolve_spec  # noqa: E402
+
+
+def _same_output(module, stages, x):
+    module.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(run_stages(stages, x), module(x), rtol=0, atol=0)
+
+
+def test_sequential_is_flattened_and_inplace_merged():
+    net = nn.Sequential(
+        nn.Linear(4, 8), nn.ReLU(inplace=True),
+        nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Tanh(), nn.Linear(8, 8))),
+        nn.Linear(8, 2))
+    stages = extract_stages(net)
+    assert [s.name for s in stages] == ["0..1", "2.0", "2.1.0", "2.1.1", "3"]
+    assert all(p1 is p2 for p1, p2 in zip(
+        (p for s in stages for p in s.module.parameters()), net.parameters(), strict=True))
+    _same_output(net, stages, torch.randn(3, 4))
+
+
+class NotReallySequential(nn.Sequential):
+    not_really_sequential = True
+
+    def forward(self, x):
+        return super().forward(x) + x
+
+
+def test_sequential_subclass_with_forward_stays_whole():
+    net = nn.Sequential(nn.Linear(4, 4), NotReallySequential(nn.Linear(4, 4), nn.Tanh()),
+                        nn.Linear(4, 1))
+    stages = extract_stages(net)
+    assert len(stages) == 3 and isinstance(stages[1].module, NotReallySequential)
+
+
+def test_fx_resnet_keeps_residual_blocks_whole():
+    module, x = resolve_spec("toy-resnet", batch=2)
+    stages = extract_stages(module)
+    names = [s.name for s in stages]
+    # stem conv, bn+relu, six residual blocks, pooling, classifier
+    assert names == ["stem", "bn..relu", *(f"layers.{k}" for k in range(6)), "mean", "fc"]
+    _same_output(module, stages, x)
+
+
+def test_fx_transformer_cut_only_between_residuals():
+    module, x = resolve_spec("toy-transformer", batch=2)
+    stages = extract_stages(module)
+    assert [s.name for s in stages] == [
+        "embed", "blocks.0#1", "blocks.0#2", "blocks.1#1", "blocks.1#2", "blocks.2#1",
+        "blocks.2#2", "norm", "head"]
+    _same_output(module, stages, x)
+
+
+class Inception(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(3, 4, 1)
+        self.b = nn.Conv2d(3, 4, 3, padding=1)
+        self.c = nn.Conv2d(8, 2, 1)
+        self.head = nn.Linear(2, 3)
+
+    def forward(self, x):
+        y = torch.cat([self.a(x), self.b(x)], dim=1)
+        y = torch.relu(self.c(y))
+        return self.head(y.mean((2, 3)))
+
+
+def test_fx_inception_branches_stay_in_one_stage():
+    module = Inception()
+    stages = extract_stages(module)
+    assert len(stages) >= 3
+    first = stages[0].module
+    # both branches and the concatenation are inside the first stage
+    code = first.gm.code
+    assert "self.a(" in code and "self.b(" in code and "cat" in code
+    _same_output(module, stages, torch.randn(2, 3, 5, 5))
+
+
+class TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Linear(4, 4)
+        self.l2 = nn.Linear(4, 4)
+
+    def forward(self, x, y):
+        return self.l2(torch.relu(self.l1(x) + y))
+
+
+def test_fx_module_with_two_inputs_takes_a_tuple():
+    module = TwoInputs()
+    stages = extract_stages(module)
+    x, y = torch.randn(2, 4), torch.randn(2, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(run_stages(stages, (x, y)), module(x, y))
+
+
+class Untraceable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent control flow
+            return self.lin(x)
+        return x
+
+
+class Unet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(2, 2)
+        self.b = nn.Linear(2, 2)
+
+    def forward(self, x):
+        return self.b(self.a(x)) + x  # the input is needed at the very end
+
+
+def test_errors_name_the_module():
+    with pytest.raises(OptmemInputError, match="Untraceable"):
+        extract_stages(Untraceable())
+    with pytest.raises(OptmemInputError, match="no chain found in Unet"):
+        extract_stages(Unet())
+    assert len(extract_stages(Unet(), allow_single=True)) == 1
+    with pytest.raises(OptmemInputError, match="empty"):
+        extract_stages(nn.Sequential())
+
+
+def test_merge_to_at_most_n_stages():
+    module, x = resolve_spec("toy-cnn", batch=2)
+    stages = extract_stages(module)
+    for n in (1, 3, 5, len(stages), len(stages) + 3):
+        merged = extract_stages(module, max_stages=n) if n > 1 else \
+            merge_stages(stages, 1)
+        assert len(merged) == min(n, len(stages))
+        _same_output(module, merged, x)
+
+
+def test_partition_costs_is_optimal():
+    costs = [5, 1, 1, 7, 2, 2, 2, 9, 1]
+    for parts in range(1, 6):
+        got = partition_costs(costs, parts)
+        assert got[0][0] == 0 and got[-1][1] == len(costs) - 1
+        value = max(sum(costs[a:b + 1]) for a, b in got)
+        best = min(
+            max(sum(costs[a:b]) for a, b in zip((0, *cut), (*cut, len(costs)), strict=True))
+            for cut in itertools.combinations(range(1, len(costs)), parts - 1))
+        assert value == best
