@@ -141,3 +141,84 @@ def load_plan(path: str | Path) -> Plan:
         return parse_plan(data)
     except PlanError as exc:
         raise exc.with_source(str(path)) from None
+
+
+# ------------------------------------------------------------------ offload ops (CONTRACT 7)
+class TransferKind(StrEnum):
+    """Kinds of transfer ops on the GPU-CPU link (offloading plans, CONTRACT "Offload plans")."""
+
+    OFFLOAD = "offload"  # O: copy a value to host memory, free the GPU copy when done
+    PREFETCH = "prefetch"  # P: reserve GPU memory, copy the value back from host memory
+
+
+TRANSFER_VALUES = ("a", "abar")
+
+
+@dataclass(frozen=True, order=True)
+class TransferOp:
+    """One transfer op: ``offload a 0``, ``offload abar 3``, ``prefetch abar 3``.
+
+    ``value`` is ``"a"`` (an activation ``a^i``; ``a 0`` is the chain input) or ``"abar"``
+    (a tape ``abar^i``, ``i >= 1``). Gradients and weights are never transferred (O.5, O.6).
+    """
+
+    kind: TransferKind
+    value: str
+    stage: int
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.value} {self.stage}"
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """The transferred value as a ``(kind, index)`` pair of the checkpoint simulator."""
+        return (self.value, self.stage)
+
+    @classmethod
+    def parse(cls, text: str, *, index: int | None = None) -> TransferOp:
+        """Parse ``"offload abar 3"``-style text.
+
+        Examples
+        --------
+        >>> str(TransferOp.parse("prefetch a 0"))
+        'prefetch a 0'
+        """
+        parts = text.split() if isinstance(text, str) else []
+        if len(parts) != 3 or parts[0] not in {k.value for k in TransferKind}:
+            raise PlanError(f"cannot parse transfer op {text!r} (expected e.g. "
+                            "'offload abar 3' or 'prefetch a 0')", index=index)
+        if parts[1] not in TRANSFER_VALUES:
+            raise PlanError(f"bad value in {text!r}: only 'a' and 'abar' can be transferred "
+                            "(gradients stay on the GPU)", index=index)
+        if not parts[2].isdigit() or (parts[1] == "abar" and int(parts[2]) < 1):
+            raise PlanError(f"bad index in op {text!r} (expected 'a i' with i >= 0 or "
+                            "'abar i' with i >= 1)", index=index)
+        return cls(TransferKind(parts[0]), parts[1], int(parts[2]))
+
+
+def offload(value: str, i: int) -> TransferOp:
+    """Return the op ``offload value i`` (``value`` is ``"a"`` or ``"abar"``)."""
+    return TransferOp(TransferKind.OFFLOAD, value, i)
+
+
+def prefetch(value: str, i: int) -> TransferOp:
+    """Return the op ``prefetch value i``."""
+    return TransferOp(TransferKind.PREFETCH, value, i)
+
+
+AnyOp = Op | TransferOp
+MixedPlan = tuple[AnyOp, ...]
+
+
+def parse_op(text: str | AnyOp, *, index: int | None = None) -> AnyOp:
+    """Parse a checkpoint op or a transfer op (ops are returned unchanged)."""
+    if isinstance(text, Op | TransferOp):
+        return text
+    if isinstance(text, str) and text.split()[:1] in (["offload"], ["prefetch"]):
+        return TransferOp.parse(text, index=index)
+    return Op.parse(text, index=index)
+
+
+def parse_mixed_plan(ops: Iterable[str | AnyOp]) -> MixedPlan:
+    """Parse a plan of checkpoint ops and transfer ops (offload and remat-offload plans)."""
+    return tuple(parse_op(op, index=k) for k, op in enumerate(ops))

@@ -1,0 +1,94 @@
+"""Torch execution of offload plans: gradients equal the unmodified chain's (CPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the torch executor needs torch")
+
+from torch import nn  # noqa: E402
+
+from optmem.datasets.synthetic import uniform_chain  # noqa: E402
+from optmem.errors import PlanError  # noqa: E402
+from optmem.problems.offload import OffloadProblem  # noqa: E402
+from optmem.pytorch.offload import OffloadedChain, offload_plan_actions  # noqa: E402
+from optmem.solvers.facade import solve  # noqa: E402
+
+
+def make_stages(seed: int = 0) -> list[nn.Module]:
+    torch.manual_seed(seed)
+    return [nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Sequential(nn.Linear(8, 8), nn.ReLU()),
+            nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.Sigmoid())]
+
+
+def grads(stages: list[nn.Module]) -> list[torch.Tensor]:
+    return [p.grad.clone() for s in stages for p in s.parameters()]
+
+
+def reference(x: torch.Tensor, seed: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    stages = make_stages(seed)
+    x = x.clone().requires_grad_(True)
+    y = x
+    for s in stages:
+        y = s(y)
+    (y ** 2).sum().backward()
+    return x.grad, grads(stages)
+
+
+def solved_plan(memory: int) -> tuple[str, ...]:
+    chain = uniform_chain(4, fwd_time=1.0, bwd_time=2.0, output_size=2, saved_size=4)
+    result = solve(OffloadProblem(chain, memory, 2.0), "dp")
+    assert result.status.has_plan
+    return result.plan
+
+
+@pytest.mark.parametrize("memory", [12, 16, 100])
+def test_gradients_equal_unmodified(memory):
+    plan = solved_plan(memory)
+    x = torch.randn(5, 8)
+    ref_x, ref_g = reference(x, seed=1)
+    stages = make_stages(1)
+    net = OffloadedChain(stages, plan)
+    xi = x.clone().requires_grad_(True)
+    out = net(xi)
+    offloaded = {op.split(" ", 1)[1] for op in plan if op.startswith("offload")}
+    resident = net.resident()
+    for value in offloaded:  # the device copies are gone before the backward pass
+        kind, k = value.split()
+        assert resident.get((kind, int(k)), 0) == 0
+    weights = {p.untyped_storage().data_ptr() for s in stages for p in s.parameters()}
+    for group in net._groups.values():  # weights are never packed into a value
+        assert not any(p.device_tensor is not None and
+                       p.device_tensor.untyped_storage().data_ptr() in weights
+                       for p in group.packed)
+    (out ** 2).sum().backward()
+    assert net.late_unpacks == 0
+    assert torch.equal(xi.grad, ref_x)
+    for a, b in zip(grads(stages), ref_g, strict=True):
+        assert torch.equal(a, b)
+    assert sum(op.startswith("prefetch") for op in net.transfers) == len(offloaded)
+
+
+def test_missing_prefetch_is_copied_back_late():
+    plan = ["F_all 1", "offload abar 1", "F_all 2", "F_all 3", "F_all 4", "Loss", "B 4",
+            "B 3", "B 2", "B 1"]
+    x = torch.randn(3, 8)
+    ref_x, ref_g = reference(x, seed=2)
+    stages = make_stages(2)
+    net = OffloadedChain(stages, plan)
+    xi = x.clone().requires_grad_(True)
+    (net(xi) ** 2).sum().backward()
+    assert net.late_unpacks > 0
+    assert torch.equal(xi.grad, ref_x)
+
+
+def test_actions_split_and_rejects_recomputation():
+    after, before = offload_plan_actions(
+        ["offload a 0", "F_all 1", "offload abar 1", "F_all 2", "Loss", "prefetch abar 1",
+         "B 2", "prefetch a 0", "B 1"], 2)
+    assert [str(o) for o in after[1]] == ["offload a 0"]
+    assert [str(o) for o in after[2]] == ["offload abar 1"]
+    assert [str(o) for o in before[2]] == ["prefetch abar 1"]
+    assert [str(o) for o in before[1]] == ["prefetch a 0"]
+    with pytest.raises(PlanError, match="store-all plans only"):
+        offload_plan_actions(["F_ck 1", "F_all 2", "Loss", "B 2", "F_all 1", "B 1"], 2)
