@@ -36,10 +36,18 @@ applied to both branches; ties prefer ``F_ck`` then the smallest ``s'``; sums as
 the C code; the limit is exactly ``S`` slots.
 
 Vectorisation: for every pair ``(s, t)`` all memory values and all split points ``s'`` are
-handled by one numpy expression over a ``(t - s) x (M + 1)`` block. The shifted rows
-``C(s', t, m - a[s'-1])`` are stored once, when ``C(s', t, .)`` is computed, in a second table
-laid out by ``t`` so that the block is contiguous. Time ``O(M L^3 / 6)`` element operations,
-``O(L^2)`` numpy calls; memory ``2 (L+2)^2 (M+1)`` floats.
+handled by three numpy calls over a contiguous ``(t - s) x (M + 1)`` block: two additions
+into a reused buffer (the running sums of ``uf`` are kept as a contiguous block per ``s``:
+adding a broadcast column is several times slower) and one ``minimum.reduce``. The shifted
+rows ``C(s', t, m - a[s'-1])`` are stored once, when ``C(s', t, .)`` is computed, in a second
+table laid out by ``t``. Memory traffic bounds the speed, so pairs are visited in
+``TILE x TILE`` tiles whose rows stay in cache; thresholds are precomputed as tables and the
+per-pair loop uses plain Python scalars. Only costs are stored: a plan replays the decisions
+of the cells on its path (:meth:`PersistentTable.choice`, ``O(L)`` each) with the same float
+operations, so ties break exactly as in the fill. Time ``O(M L^3 / 6)`` element operations,
+``O(L^2)`` numpy calls; memory ``2 (L+2)^2 (M+1)`` floats (about 0.9 GB at L = 339,
+M = 500). Measured against a C transcription of rotor's ``persistent_compute_table`` in
+``benchmarks/bench_checkpoint_dp.py`` (identical values and plans).
 """
 
 from __future__ import annotations
@@ -52,6 +60,7 @@ from optmem.chain import Chain
 from optmem.plan import LOSS, B, F_all, F_ck, F_none, Op
 
 INF = np.inf
+TILE = 8  # the table is filled in TILE x TILE tiles of (s, t) pairs, for cache reuse
 CHOICE_NONE = -1  # infeasible
 CHOICE_ALL = 0  # F_all branch; a positive value s' is the F_ck branch with split s'
 
@@ -106,13 +115,14 @@ class ChainArrays:
 
 @dataclass
 class PersistentTable:
-    """The filled DP table and the choices needed to rebuild plans."""
+    """The filled DP table; plans are rebuilt by replaying the decisions of the fill."""
 
     arrays: ChainArrays
     cost: np.ndarray  # C[s, t, m]
-    choice: np.ndarray  # CHOICE_* or s'
     budget: int
     variant: str
+    m_null: np.ndarray
+    all_lo: np.ndarray
 
     @property
     def states(self) -> int:
@@ -126,6 +136,37 @@ class PersistentTable:
         if m < 0:
             return INF
         return float(self.cost[1, self.arrays.L + 1, m])
+
+    def choice(self, s: int, t: int, m: int) -> int:
+        """The decision at ``(s, t, m)``: ``CHOICE_ALL``, a split ``s'`` or ``CHOICE_NONE``.
+
+        Recomputes the candidates of cell ``(s, t, m)`` with the same float operations as
+        the fill, so the decision is the one the fill's minimum came from: ``F_ck`` wins
+        ties, and among splits the smallest ``s'`` (rotor's strict ``<`` scan).
+        """
+        ar, cost = self.arrays, self.cost
+        if s == t:
+            return CHOICE_ALL if np.isfinite(cost[s, s, m]) else CHOICE_NONE
+        best, pick = INF, CHOICE_NONE
+        if m >= self.m_null[s, t]:
+            split = np.arange(s + 1, t + 1)
+            index = m - ar.a[split - 1]
+            sub = np.full(t - s, INF)
+            ok = index >= 0
+            sub[ok] = cost[split[ok], t, index[ok]]
+            leaf = (np.cumsum(ar.uf[s:t]) + sub) + cost[s, s:t, m]
+            k = int(np.argmin(leaf))
+            if np.isfinite(leaf[k]):
+                best, pick = leaf[k], s + 1 + k
+        if m >= self.all_lo[s, t]:
+            sub_all = cost[s + 1, t, m - int(ar.abar[s])]
+            if self.variant == "paper":
+                cand = (ar.uf[s] + sub_all) + ar.ub[s]
+            else:
+                cand = cost[s, s, m] + sub_all
+            if cand < best:
+                pick = CHOICE_ALL
+        return pick
 
     def plan(self, budget: int | None = None) -> tuple[Op, ...]:
         """Rebuild the optimal plan (RR Alg. 2 / thesis Alg. 4, without the off-by-one)."""
@@ -143,7 +184,7 @@ class PersistentTable:
                 out.append(item)
                 continue
             s, t, m = item
-            choice = int(self.choice[s, t, m])
+            choice = self.choice(s, t, m)
             if s == t:
                 out.extend([LOSS] if s == L + 1 else [F_all(s), B(s)])
             elif choice == CHOICE_ALL:
@@ -157,6 +198,55 @@ class PersistentTable:
             else:  # pragma: no cover - guarded by the finiteness check above
                 raise AssertionError(f"inconsistent DP table at {(s, t, m)}")
         return tuple(out)
+
+
+def _all_thresholds(ar: ChainArrays, variant: str, m_null: np.ndarray) -> np.ndarray:
+    """Smallest ``m`` at which the ``F_all`` branch of ``(s, t)`` is tried, for all pairs.
+
+    ``paper``: ``max(m_all(s,t), abar[s])``. ``rotor``: the base-case threshold (delta^s, not
+    delta^t) and ``m_null`` on both branches: ``max(m_all(s,s), abar[s], m_null(s,t))``.
+    """
+    a, abar, of, ob = ar.a, ar.abar, ar.of, ar.ob
+    s = np.arange(ar.L + 2)
+    back = abar + a + np.concatenate(([0], a[:-1])) + ob  # B^s peak, a^{s-1} included
+    if variant == "paper":
+        fwd = a[None, :] + (abar + of)[:, None]  # F_all^s with delta^t held
+        out = np.maximum(np.maximum(fwd, back[:, None]), abar[:, None])
+    else:
+        base = np.maximum(a + abar + of, back)  # m_all(s, s)
+        out = np.maximum(np.maximum(base, abar)[:, None], m_null)
+    out[0, :] = out[:, 0] = np.iinfo(np.int64).max // 4  # stage 0 does not exist
+    del s
+    return out
+
+
+def _fill_cell(
+    cost: np.ndarray, shifted: np.ndarray, sums: np.ndarray, buf: np.ndarray,
+    s: int, t: int, lo: int, lo_all: int, shift_all: int, shift: int, uf: float, ub: float,
+    paper: bool,
+) -> None:
+    """Fill ``C(s, t, .)`` for all memory values, and its shifted copy."""
+    n_m = cost.shape[2]
+    d = t - s
+    row = cost[s, t]
+    if lo < n_m:
+        # leaf = ((sum uf[s..s'-1]) + C(s', t, m - a[s'-1])) + C(s, s'-1, m), s' = s+1..t, for
+        # all m at once (contiguous blocks); the m below m_null are then reset to infinity
+        block = buf[: d * n_m].reshape(d, n_m)
+        np.add(sums[:d], shifted[t, s + 1:t + 1], out=block)
+        np.add(block, cost[s, s:t], out=block)
+        np.minimum.reduce(block, axis=0, out=row)
+        row[:lo] = INF
+    if lo_all < n_m:
+        sub = cost[s + 1, t, lo_all - shift_all:n_m - shift_all]
+        if paper:
+            cand = (uf + sub) + ub
+        else:
+            cand = cost[s, s, lo_all:] + sub
+        np.minimum(row[lo_all:], cand, out=row[lo_all:])
+    shifted[t, s, :shift] = INF
+    if shift < n_m:
+        shifted[t, s, shift:] = row[: n_m - shift]
 
 
 def solve_persistent_table(chain: Chain, budget: int, variant: str = "paper") -> PersistentTable:
@@ -175,77 +265,46 @@ def solve_persistent_table(chain: Chain, budget: int, variant: str = "paper") ->
         raise ValueError(f"unknown persistent variant {variant!r}")
     ar = ChainArrays.from_chain(chain)
     L, n_m = ar.L, max(budget, 0) + 1
+    a, uf, ub = ar.a, ar.uf, ar.ub
     cost = np.full((L + 2, L + 2, n_m), INF)
-    shifted = np.full((L + 2, L + 2, n_m), INF)  # shifted[t, s'] = C(s', t, m - a[s'-1])
-    choice = np.full((L + 2, L + 2, n_m), CHOICE_NONE, dtype=np.int16 if L < 32000 else np.int32)
+    shifted = np.empty((L + 2, L + 2, n_m))  # shifted[t, s'] = C(s', t, m - a[s'-1])
+    buf = np.empty((L + 1) * n_m)  # scratch for the (t - s) x M block of splits
     m_null = ar.m_null_table()
     mem = np.arange(n_m)
+    # plain Python scalars for the per-pair loop (numpy scalar indexing is slow); the float
+    # operations are the same IEEE double operations
+    lo_null = m_null.tolist()
+    lo_all = _all_thresholds(ar, variant, m_null).tolist()
+    a_list, abar_list = a.tolist(), ar.abar.tolist()
+    uf_list, ub_list = uf.tolist(), ub.tolist()
+    paper = variant == "paper"
 
-    def store(s: int, t: int, row: np.ndarray) -> None:
-        cost[s, t] = row
-        shift = int(ar.a[s - 1])
+    def store(s: int, t: int) -> None:
+        shift = int(a[s - 1])
+        shifted[t, s, :shift] = INF
         if shift < n_m:
-            shifted[t, s, shift:] = row[: n_m - shift]
+            shifted[t, s, shift:] = cost[s, t, : n_m - shift]
 
     for s in range(1, L + 2):
-        base = ar.uf[s] + ar.ub[s]
-        row = np.where(mem >= ar.m_all(s, s), base, INF)
-        choice[s, s] = np.where(np.isfinite(row), CHOICE_ALL, CHOICE_NONE)
-        store(s, s, row)
-    for d in range(1, L + 1):
-        for s in range(1, L + 2 - d):
-            t = s + d
-            row, pick = _best_split(ar, cost, shifted, s, t, int(m_null[s, t]), n_m)
-            row, pick = _consider_all_branch(ar, cost, s, t, row, pick, variant,
-                                             int(m_null[s, t]))
-            choice[s, t] = pick
-            store(s, t, row)
-    return PersistentTable(ar, cost, choice, budget, variant)
-
-
-def _best_split(
-    ar: ChainArrays, cost: np.ndarray, shifted: np.ndarray, s: int, t: int, lo: int, n_m: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """The ``F_ck`` branch for all ``m``: best split ``s'`` and its cost (inf below ``lo``)."""
-    row = np.full(n_m, INF)
-    pick = np.full(n_m, CHOICE_NONE, dtype=np.int32)
-    if lo >= n_m:
-        return row, pick
-    acc = np.cumsum(ar.uf[s:t])  # acc[k] = uf[s] + ... + uf[s+k], summed left to right
-    # leaf = ((sum uf[s..s'-1]) + C(s', t, m - a[s'-1])) + C(s, s'-1, m), s' = s+1..t
-    block = acc[:, None] + shifted[t, s + 1:t + 1, lo:]
-    block += cost[s, s:t, lo:]
-    best = np.argmin(block, axis=0)  # first minimum: the smallest s' wins ties
-    row[lo:] = block[best, np.arange(n_m - lo)]
-    finite = np.isfinite(row[lo:])
-    pick[lo:] = np.where(finite, best + s + 1, CHOICE_NONE)
-    return row, pick
-
-
-def _consider_all_branch(
-    ar: ChainArrays, cost: np.ndarray, s: int, t: int, row: np.ndarray, pick: np.ndarray,
-    variant: str, m_null: int,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Take the ``F_all`` branch where it is strictly better (ties keep ``F_ck``)."""
-    n_m = row.shape[0]
-    shift = int(ar.abar[s])
-    if variant == "paper":
-        lo = max(ar.m_all(s, t), shift)
-    else:  # rotor: base-case threshold (delta^s, not delta^t) and m_null on both branches
-        lo = max(ar.m_all(s, s), shift, m_null)
-    if lo >= n_m:
-        return row, pick
-    sub = cost[s + 1, t, lo - shift:n_m - shift]
-    if variant == "paper":
-        cand = (ar.uf[s] + sub) + ar.ub[s]
-    else:
-        cand = cost[s, s, lo:] + sub
-    better = cand < row[lo:]
-    row = row.copy()
-    row[lo:] = np.where(better, cand, row[lo:])
-    pick = pick.copy()
-    pick[lo:] = np.where(better, CHOICE_ALL, pick[lo:])
-    return row, pick
+        cost[s, s] = np.where(mem >= ar.m_all(s, s), uf[s] + ub[s], INF)
+        store(s, s)
+    # C(s,t) reads C(s',t) (s' > s), C(s,t') (t' < t) and C(s+1,t). Tiles of TILE x TILE pairs,
+    # s blocks decreasing, t blocks increasing, and inside a tile s decreasing then t
+    # increasing, compute each of these first; a tile reuses the rows shifted[t, .] and C(s, .)
+    # it shares while they are in cache (memory traffic is what bounds the speed).
+    for s_hi in range(L, 0, -TILE):
+        s_lo = max(1, s_hi - TILE + 1)
+        # sums[s][k, m] = uf[s] + ... + uf[s+k] (added left to right like the reference) as a
+        # contiguous block: adding it is much faster than broadcasting a column
+        sums = {s: np.repeat(np.cumsum(uf[s:L + 1])[:, None], n_m, axis=1)
+                for s in range(s_lo, s_hi + 1)}
+        for t_lo in range(s_lo + 1, L + 2, TILE):
+            for s in range(s_hi, s_lo - 1, -1):
+                row_s = sums[s]
+                for t in range(max(t_lo, s + 1), min(t_lo + TILE, L + 2)):
+                    _fill_cell(cost, shifted, row_s, buf, s, t, lo_null[s][t], lo_all[s][t],
+                               abar_list[s], a_list[s - 1], uf_list[s], ub_list[s], paper)
+    return PersistentTable(ar, cost, budget, variant, m_null, np.array(lo_all))
 
 
 def min_memory_persistent(chain: Chain, variant: str = "paper") -> int:
