@@ -247,7 +247,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_datasets(args: argparse.Namespace) -> int:
     """``optmem datasets [list | show NAME | path NAME]``."""
-    from optmem.datasets import dataset_path, list_datasets, load_dataset
+    from optmem.datasets import dataset_path, list_datasets
 
     if args.action == "list":
         rows = [_dataset_row(info.name) for info in list_datasets()]
@@ -266,33 +266,18 @@ def cmd_datasets(args: argparse.Namespace) -> int:
     if args.action == "path":
         print(dataset_path(args.name))
     else:
-        chain = load_dataset(args.name)
-        print(json.dumps(_dataset_row(args.name), indent=1) if args.json
-              else "\n".join(f"{k}: {v}" for k, v in _dataset_row(args.name).items()))
-        del chain
+        row = _dataset_row(args.name)
+        print(json.dumps(row, indent=1) if args.json
+              else "\n".join(f"{k}: {v}" for k, v in row.items()))
     return EXIT_OK
 
 
 def _dataset_row(name: str) -> dict[str, Any]:
-    try:
-        from optmem.datasets.summary import dataset_summary  # richer summary when available
-    except ImportError:
-        dataset_summary = None
-    from optmem.datasets import list_datasets, load_dataset
-    from optmem.solvers.checkpoint_dp import min_memory_persistent
+    from optmem.datasets.summary import dataset_summary
 
-    if dataset_summary is not None:
-        row = dict(dataset_summary(name))
-    else:
-        chain = load_dataset(name)
-        row = {"name": name, "stages": chain.length,
-               "parameters": sum(chain.weight_size) or None,
-               "store_all": chain.store_all_peak(),
-               "min_feasible": min_memory_persistent(chain)}
-    desc = {i.name: i.description for i in list_datasets()}.get(name, "")
-    row.setdefault("description", desc)
-    row.setdefault("store_all_h", format_size(row["store_all"]))
-    row.setdefault("min_feasible_h", format_size(row["min_feasible"]))
+    row = dict(dataset_summary(name))
+    row["store_all_h"] = format_size(row["store_all"])
+    row["min_feasible_h"] = format_size(row["min_feasible"])
     params = row.get("parameters")
     row["parameters"] = f"{params / 1e6:.1f}M" if isinstance(params, int | float) else "-"
     return row

@@ -43,7 +43,7 @@ Value = tuple[str, int]
 class Step(NamedTuple):
     """One replayed op: when it ran and how much memory it used."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # shadows tuple.index on purpose: the op's index
     op: str
     start: float
     end: float
@@ -133,14 +133,14 @@ def transition(
         held = (A, i) if (A, i) in stored else (ABAR, i)
         raise PlanError(f"{op} would duplicate {_name(held)}, already in memory")
     peak = used + value_size(chain, out) + chain.fwd_overhead[i - 1]
-    after = set(stored) | {out}
+    grown = set(stored) | {out}
     if op.kind is OpKind.F_NONE:
         if (ABAR, i) in stored:  # pinning rule (implied by the no-duplicate rule above)
             raise PlanError(f"{op} would free the input of stage {i} while abar^{i} is alive")
         if src == (A, 0):
             raise PlanError(f"{op} would consume the chain input a^0, which cannot be recomputed")
-        after.discard(src)
-    return frozenset(after), peak, chain.fwd_time[i - 1]
+        grown.discard(src)
+    return frozenset(grown), peak, chain.fwd_time[i - 1]
 
 
 def _backward(

@@ -185,7 +185,7 @@ def solve(problem: Any, method: str = "auto", *, options: SolveOptions | None = 
 def default_compare_methods(problem: Any) -> list[str]:
     """Methods ``compare`` runs when none are named (available, and sized for the chain)."""
     length = getattr(getattr(problem, "chain", None), "length", 0)
-    out = []
+    out: list[str] = []
     for info in methods(problem.name).values():
         if not info.in_compare or not info.is_available():
             continue
