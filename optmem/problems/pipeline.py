@@ -1,0 +1,306 @@
+"""Pipelined model parallelism: problem PIPE_{S^1&A}(L, M, P, beta) of the thesis, Part III.
+
+Shilova's thesis (chapter 4 model, chapter 5 1F1B*, chapter 6 ILP, chapter 7 MadPipe), digested
+in ``shared/design/madpipe.md``. A chain is split into *stages* (runs of consecutive layers),
+each stage is placed on one of ``n_gpus`` identical GPUs, and a 1-periodic pattern of period
+``T`` runs each stage's forward and backward once per period, on successive micro-batches.
+The objective is the period (time per micro-batch in steady state).
+
+Layers (notation table, thesis section 4.2)
+-------------------------------------------
+The optimisation works on the ``n = L`` layers of the chain; the loss (the thesis' layer
+``L + 1``, forward time 0) runs on the GPU of layer ``L``, as in every pipeline runtime, so it
+is folded into layer ``L``. For layer ``q``:
+
+==============  ==========================================  ===============================
+symbol          chain fields                                 meaning
+==============  ==========================================  ===============================
+``f[q]``        ``fwd_time``                                 u_F
+``b[q]``        ``bwd_time`` (layer ``L``: + ``loss.bwd_time``)  u_B
+``w[q]``        ``weight_size``                              W_q
+``a[q]``        ``output_size`` (``a[0] = input_size``;      a_q, and delta_q (same size),
+                ``a[L] = 0``: nothing leaves the loss)       sent over a cut after ``q``
+``x[q]``        ``a[q-1] + saved_size - output_size``        stash kept per in-flight
+                (layer ``L``: ``a[L-1] + saved_size``)       micro-batch from F_q to B_q
+==============  ==========================================  ===============================
+
+With ``saved_size == output_size`` (the thesis' "simple BP-transform") the stash of layer
+``q`` is exactly its input ``a_{q-1}``, as in the thesis (layer ``L`` also keeps ``a_L`` for
+the loss). Otherwise the stash is the input plus the tape the layer keeps beyond its output
+(the output is stashed by the next layer).
+
+Memory per GPU (the digest's sections 1.6, 4.3 and 5.2)
+-------------------------------------------------------
+``memory_model = "stash"`` (default; thesis chapters 5 and 7, eq. of ``M(i,j,g)``):
+
+* weights: ``weight_copies * W`` for every layer on the GPU. ``weight_copies`` (``C`` in the
+  thesis) defaults to 3: two weight versions (PipeDream-2BW) + one gradient. Set 5 to also
+  hold Adam's two moment buffers, 4 for SGD with momentum; ZeRO's 16 for mixed-precision
+  Adam is ``weight_copies=16`` with ``weight_size`` in fp16 parameters.
+* communication buffers: for each cut between consecutive stages placed on different GPUs,
+  both GPUs hold one buffer for the activation ``a_j`` and one for the gradient ``delta_j``
+  (Assumption 5, eq. 6.34-6.35), i.e. ``2 a_j`` each.
+* stashed activations: stage ``s`` keeps ``x`` (summed over its layers) for every
+  micro-batch whose forward on ``s`` has started and whose backward on ``s`` has not ended.
+
+``memory_model = "strict"`` (thesis chapter 6, eq. 6.36): checked at the start of every task,
+weights + buffers + the stash of in-flight micro-batches (the one whose forward starts now
+not included) + the task's input and output (``a_{i-1} + a_j`` for a forward,
+``delta_j + delta_{i-1}`` for a backward) + outputs of tasks on the same GPU still waiting
+for their consumer on that GPU (``M^(DIR)``). It is more conservative on thesis-style chains;
+1F1B* is only optimal for the ``stash`` model.
+
+Communication: with bandwidth ``beta`` a cut after layer ``j`` costs one transfer of ``a_j /
+beta`` forward and one of ``delta_j / beta`` backward on the link joining the two GPUs; links
+are exclusive (one transfer at a time) and independent of each other and of computation
+(section 1.2). ``bandwidth=math.inf`` makes transfers free (buffers still count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+from optmem.chain import Chain
+from optmem.errors import OptmemInputError
+
+MEMORY_MODELS = ("stash", "strict")
+DEFAULT_WEIGHT_COPIES = 3
+
+
+@dataclass(frozen=True)
+class Layers:
+    """The ``n = L`` layers of a pipeline problem (loss folded into the last), 1-based lists.
+
+    Index 0 of ``f``, ``b``, ``w``, ``x`` is unused (0); ``a[0]`` is the chain input.
+    """
+
+    f: tuple[float, ...]
+    b: tuple[float, ...]
+    w: tuple[int, ...]
+    x: tuple[int, ...]
+    a: tuple[int, ...]
+
+    @property
+    def n(self) -> int:
+        """Number of layers."""
+        return len(self.f) - 1
+
+    @cached_property
+    def _prefix(self) -> dict[str, list[float]]:
+        out: dict[str, list[float]] = {}
+        for name in ("f", "b", "w", "x"):
+            acc = [0.0]
+            for v in getattr(self, name)[1:]:
+                acc.append(acc[-1] + v)
+            out[name] = acc
+        return out
+
+    def _sum(self, name: str, i: int, j: int) -> float:
+        acc = self._prefix[name]
+        return acc[j] - acc[i - 1]
+
+    def load(self, i: int, j: int) -> float:
+        """``U(i, j)``: forward + backward time of layers ``i..j``."""
+        return float(sum(self.f[i:j + 1]) + sum(self.b[i:j + 1])) if j - i < 4 else \
+            self._sum("f", i, j) + self._sum("b", i, j)
+
+    def fwd(self, i: int, j: int) -> float:
+        """Forward time of layers ``i..j``."""
+        return float(sum(self.f[i:j + 1]))
+
+    def bwd(self, i: int, j: int) -> float:
+        """Backward time of layers ``i..j``."""
+        return float(sum(self.b[i:j + 1]))
+
+    def stash(self, i: int, j: int) -> int:
+        """Stash of one in-flight micro-batch on a stage of layers ``i..j``."""
+        return int(self._sum("x", i, j))
+
+    def weights(self, i: int, j: int) -> int:
+        """Parameter size of layers ``i..j``."""
+        return int(self._sum("w", i, j))
+
+
+def chain_layers(chain: Chain) -> Layers:
+    """The layers of ``chain`` for pipelining (see the module notation table)."""
+    n = chain.length
+    a = (chain.input_size, *chain.output_size[:-1], 0)
+    x = [0]
+    for q in range(1, n + 1):
+        x.append(a[q - 1] + chain.saved_size[q - 1] - chain.output_size[q - 1])
+    x[n] += chain.output_size[n - 1]
+    b = list(chain.bwd_time)
+    b[-1] += chain.loss_bwd_time
+    return Layers(f=(0.0, *chain.fwd_time), b=(0.0, *b), w=(0, *chain.weight_size),
+                  x=tuple(x), a=a)
+
+
+@dataclass(frozen=True)
+class PipelineProblem:
+    """PIPE_{S^1&A}: the smallest period of a pipelined training of ``chain`` on ``n_gpus``.
+
+    Parameters
+    ----------
+    chain
+        The chain; its loss runs with layer ``L``.
+    n_gpus
+        Number of identical GPUs ``P``.
+    memory_per_gpu
+        Memory of each GPU in the chain's memory unit.
+    bandwidth
+        Link bandwidth in memory units per chain time unit; ``math.inf`` for free transfers.
+    weight_copies
+        ``C``: copies of every weight held (2 versions + gradient = 3, the thesis' value;
+        add optimizer states, e.g. 5 for Adam).
+    memory_model
+        ``"stash"`` (thesis ch. 5/7, default) or ``"strict"`` (ch. 6 eq. 6.36).
+    buffers
+        Count the communication buffers (default). ``False`` reproduces the memory of the
+        thesis' chapter 5 examples, which ignore them.
+
+    Examples
+    --------
+    >>> from optmem.datasets.synthetic import uniform_chain
+    >>> p = PipelineProblem(uniform_chain(4), n_gpus=2, memory_per_gpu=100, bandwidth=1.0)
+    >>> p.layers.n, p.layers.x[1], p.layers.x[4]
+    (4, 2, 3)
+    """
+
+    chain: Chain
+    n_gpus: int
+    memory_per_gpu: int
+    bandwidth: float = math.inf
+    weight_copies: int = DEFAULT_WEIGHT_COPIES
+    memory_model: str = "stash"
+    buffers: bool = True
+
+    name = "pipeline"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.n_gpus, bool) or not isinstance(self.n_gpus, int) or self.n_gpus < 1:
+            raise OptmemInputError(f"expected a positive number of GPUs, got {self.n_gpus!r}",
+                                   field="gpus")
+        if (isinstance(self.memory_per_gpu, bool) or not isinstance(self.memory_per_gpu, int)
+                or self.memory_per_gpu < 0):
+            raise OptmemInputError(
+                f"expected a non-negative integer memory per GPU, got {self.memory_per_gpu!r}",
+                field="memory")
+        bw = self.bandwidth
+        if isinstance(bw, bool) or not isinstance(bw, int | float) or not bw > 0:
+            raise OptmemInputError(f"expected a positive bandwidth (or inf), got {bw!r}",
+                                   field="bandwidth")
+        object.__setattr__(self, "bandwidth", float(bw))
+        if (isinstance(self.weight_copies, bool) or not isinstance(self.weight_copies, int)
+                or self.weight_copies < 0):
+            raise OptmemInputError(
+                f"expected a non-negative integer, got {self.weight_copies!r}",
+                field="weight-copies")
+        if self.memory_model not in MEMORY_MODELS:
+            raise OptmemInputError(
+                f"unknown memory model {self.memory_model!r} (expected one of "
+                f"{', '.join(MEMORY_MODELS)})", field="memory-model")
+
+    @property
+    def memory_limit(self) -> int:
+        """Alias of ``memory_per_gpu`` (the generic name used by reports)."""
+        return self.memory_per_gpu
+
+    @cached_property
+    def layers(self) -> Layers:
+        """The ``L`` layers (the loss folded into the last)."""
+        return chain_layers(self.chain)
+
+    def buffer_size(self, j: int) -> int:
+        """Buffers held by each of the two GPUs of a cut after layer ``j`` (``2 a_j``)."""
+        return 2 * self.layers.a[j] if self.buffers else 0
+
+    def transfer_time(self, j: int) -> float:
+        """Duration of one transfer of ``a_j`` (or ``delta_j``) over a link."""
+        if math.isinf(self.bandwidth):
+            return 0.0
+        return self.layers.a[j] / self.bandwidth
+
+    def static_memory(self, i: int, j: int, *, cut_before: bool, cut_after: bool) -> int:
+        """Weights and buffers of a stage ``i..j`` alone on its GPU."""
+        lay = self.layers
+        mem = self.weight_copies * lay.weights(i, j)
+        if cut_before and self.buffers:
+            mem += 2 * lay.a[i - 1]
+        if cut_after and self.buffers:
+            mem += 2 * lay.a[j]
+        return mem
+
+    def stage_memory(self, i: int, j: int, copies: int) -> int:
+        """``M(i, j, g)`` of the digest (5.2): a stage alone on a GPU with ``copies`` stashes.
+
+        Buffers are counted at both ends except at the chain's ends (stash memory model).
+        """
+        return (self.static_memory(i, j, cut_before=i > 1, cut_after=j < self.layers.n)
+                + copies * self.layers.stash(i, j))
+
+
+# ------------------------------------------------------------------ CLI hooks
+def add_cli_options(parser: argparse.ArgumentParser) -> None:
+    """Add ``--gpus``, ``--bandwidth``, ``--weight-copies``, ``--memory-model``."""
+    group = parser.add_argument_group("pipeline")
+    group.add_argument("--gpus", type=int, default=None,
+                       help="number of GPUs P (pipeline; --memory is per GPU)")
+    group.add_argument("--bandwidth", default=None,
+                       help="link bandwidth, e.g. 12GB/s, a number in memory units per chain "
+                            "time unit, or inf (pipeline; default inf)")
+    group.add_argument("--weight-copies", type=int, default=DEFAULT_WEIGHT_COPIES,
+                       help="copies of each weight held per GPU: 3 = 2 versions + gradient "
+                            "(default), 5 with Adam states")
+    group.add_argument("--memory-model", choices=MEMORY_MODELS, default="stash",
+                       help="stash (thesis ch. 5/7, default) or strict (ch. 6 eq. 6.36)")
+
+
+def parse_pipeline_bandwidth(text: Any, time_unit: str) -> float:
+    """Parse ``--bandwidth``: ``inf``/``none`` or :func:`optmem.units.parse_bandwidth`."""
+    from optmem.units import parse_bandwidth
+
+    if text is None or str(text).strip().lower() in ("inf", "infinity", "none"):
+        return math.inf
+    value = parse_bandwidth(text, time_unit=time_unit)
+    if value <= 0:
+        raise OptmemInputError(f"expected a positive bandwidth, got {text!r}", field="bandwidth")
+    return value
+
+
+def problem_from_cli(chain: Chain, memory_limit: int, args: Any) -> PipelineProblem:
+    """Build the problem from parsed CLI options (``--memory`` is per GPU)."""
+    gpus = getattr(args, "gpus", None)
+    if gpus is None:
+        raise OptmemInputError("the pipeline problem needs --gpus P", field="gpus")
+    return PipelineProblem(
+        chain, n_gpus=int(gpus), memory_per_gpu=int(memory_limit),
+        bandwidth=parse_pipeline_bandwidth(getattr(args, "bandwidth", None), chain.time_unit),
+        weight_copies=int(getattr(args, "weight_copies", DEFAULT_WEIGHT_COPIES)),
+        memory_model=str(getattr(args, "memory_model", "stash") or "stash"),
+    )
+
+
+def verify_plan(problem: PipelineProblem, plan_data: Any, options: Any = None) -> dict[str, Any]:
+    """Replay a pipeline plan (a result JSON, a plan JSON or a list of op strings).
+
+    Returns ``objective`` (the period), ``peak_memory`` (largest GPU peak), ``memory_limit``,
+    ``peaks`` (per GPU) and ``nca`` (per stage). Raises :class:`optmem.errors.PlanError`.
+    """
+    from optmem.errors import PlanError
+    from optmem.pipeline_plan import PipelinePlan
+    from optmem.simulate.pipeline import simulate_pipeline
+
+    del options
+    plan = PipelinePlan.from_any(plan_data)
+    sim = simulate_pipeline(problem, plan)
+    if sim.peak_memory > problem.memory_per_gpu:
+        worst = max(range(len(sim.peaks)), key=lambda g: sim.peaks[g])
+        raise PlanError(f"GPU {worst} peaks at {sim.peaks[worst]}, above the memory per GPU "
+                        f"{problem.memory_per_gpu}")
+    return {"objective": sim.period, "peak_memory": sim.peak_memory,
+            "memory_limit": problem.memory_per_gpu, "peaks": list(sim.peaks),
+            "nca": list(sim.nca)}
