@@ -1,0 +1,281 @@
+"""Exact checkpointing models (ILP on HiGHS/CBC, CP-SAT) against brute force, DPs and oracles.
+
+Oracles: ``shared/design/rotor.md`` section 8 (O1 counterexample family, O3 chain H1, O4
+chain U6, O5 trivial chain).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+pytest.importorskip("pulp", reason="the exact models need PuLP (optmem[engines])")
+pytest.importorskip("highspy", reason="the default ILP engine is HiGHS (optmem[engines])")
+pytest.importorskip("ortools", reason="the CP-SAT model needs OR-Tools (optmem[engines])")
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from optmem.chain import Chain  # noqa: E402
+from optmem.datasets.synthetic import counterexample_chain, random_chain  # noqa: E402
+from optmem.errors import OptmemInputError  # noqa: E402
+from optmem.models.checkpoint_cpsat import time_scale  # noqa: E402
+from optmem.models.checkpoint_ilp import build_formulation  # noqa: E402
+from optmem.problems.checkpoint import CheckpointProblem, discretize  # noqa: E402
+from optmem.result import Result, SolveOptions, Status  # noqa: E402
+from optmem.simulate import simulate_checkpoint  # noqa: E402
+from optmem.solvers import engines  # noqa: E402
+from optmem.solvers.checkpoint_bruteforce import brute_force_checkpoint  # noqa: E402
+from optmem.solvers.checkpoint_dp import solve_persistent_table  # noqa: E402
+from optmem.solvers.facade import (  # noqa: E402
+    compare,
+    default_compare_methods,
+    export,
+    solve,
+)
+
+H1 = Chain.from_rotor([2, 3, 1, 4], [3, 5, 2, 6, 0], [2, 3, 1, 2, 3], [2, 5, 2, 4, 5],
+                      [1, 0, 2, 1], [1, 2, 0, 1, 0], name="H1")
+H1_EXACT = {15: 34, 16: 32, 17: 32, 18: 31, 19: 31, 20: 29, 21: 29, 22: 27, 23: 27, 24: 26}
+U6 = Chain.from_rotor([1] * 6, [2] * 6 + [0], [1] * 7, [1] + [2] * 6, name="U6")
+U6_EXACT = {6: 33, 7: 26, 8: 23, 9: 22, 10: 21, 11: 21, 12: 20, 13: 20, 14: 19, 15: 18}
+
+
+def run(chain: Chain, memory: int, method: str, **opts: object) -> Result:
+    """Solve with ``method`` and check the plan against the simulator."""
+    result = solve(CheckpointProblem(chain, memory), method, options=SolveOptions(**opts))
+    if result.status.has_plan:
+        disc = discretize(chain, memory)
+        sim = simulate_checkpoint(disc.chain, result.plan, disc.memory_limit)
+        assert sim.makespan == pytest.approx(result.objective, abs=1e-9)
+        assert sim.peak_memory == result.peak_memory <= result.memory_limit
+    return result
+
+
+def dp_value(chain: Chain, memory: int) -> float:
+    """Persistent DP (paper) value on the discretised chain."""
+    disc = discretize(chain, memory)
+    budget = disc.memory_limit - disc.chain.input_size
+    if budget < 0:
+        return math.inf
+    return solve_persistent_table(disc.chain, budget, "paper").value()
+
+
+def brute_value(chain: Chain, memory: int) -> float:
+    """Brute-force optimum of the full model (inf when infeasible)."""
+    found = brute_force_checkpoint(chain, memory)
+    return math.inf if found is None else found[0]
+
+
+def value(result: Result) -> float:
+    """Objective, or inf for a proven infeasible instance."""
+    if result.status is Status.INFEASIBLE:
+        return math.inf
+    assert result.status is Status.OPTIMAL, result.report
+    assert result.bound == result.objective
+    return result.objective
+
+
+def memories(chain: Chain, count: int = 4) -> list[int]:
+    """Limits from just below feasibility to the store-all peak."""
+    lo, hi = chain.input_size, chain.store_all_peak()
+    return sorted({lo + (hi - lo) * q // count for q in range(1, count + 1)})
+
+
+# ------------------------------------------------------------------ cross-checks
+@pytest.mark.parametrize("seed", [0, 1, 2, 5, 7])
+def test_engines_agree_with_brute_force(seed: int) -> None:
+    chain = random_chain(3 + seed % 2, seed=seed, max_size=6)
+    for memory in memories(chain):
+        brute = brute_value(chain, memory)
+        results = [run(chain, memory, "ilp", solver="highs"),
+                   run(chain, memory, "ilp", solver="cbc"),
+                   run(chain, memory, "cpsat")]
+        assert [value(r) for r in results] == [brute] * 3, memory
+        assert brute <= dp_value(chain, memory)
+
+
+@pytest.mark.parametrize("seed", [0, 3, 4, 8])
+def test_persistent_variant_equals_persistent_dp(seed: int) -> None:
+    chain = random_chain(4 + seed % 3, seed=seed, max_size=8)
+    for memory in memories(chain):
+        dp = dp_value(chain, memory)
+        assert value(run(chain, memory, "ilp:persistent")) == dp, memory
+        assert value(run(chain, memory, "cpsat:persistent")) == dp, memory
+        assert value(run(chain, memory, "ilp:persistent", solver="cbc")) == dp, memory
+
+
+@settings(max_examples=12, deadline=None)
+@given(length=st.integers(2, 5), seed=st.integers(0, 10_000), frac=st.floats(0.0, 1.0))
+def test_random_chains(length: int, seed: int, frac: float) -> None:
+    chain = random_chain(length, seed=seed, max_size=7)
+    lo, hi = chain.input_size, chain.store_all_peak()
+    memory = lo + int(frac * (hi - lo))
+    exact = value(run(chain, memory, "ilp"))
+    assert exact == brute_value(chain, memory)
+    dp = dp_value(chain, memory)
+    assert exact <= dp
+    assert value(run(chain, memory, "ilp:persistent")) == dp
+    if math.isfinite(exact):
+        assert exact >= chain.total_compute_time()
+
+
+def test_exact_below_dp_on_longer_chain() -> None:
+    chain = random_chain(8, seed=3)
+    memory = (chain.input_size + chain.store_all_peak()) // 2
+    ilp = run(chain, memory, "ilp")
+    cpsat = run(chain, memory, "cpsat")
+    dp = run(chain, memory, "dp")
+    assert value(ilp) == value(cpsat) == 75.0
+    assert dp.objective == 77.0  # the persistent DP is 2.7 % above the true optimum here
+    assert value(run(chain, memory, "ilp", extra={"sweeps": 2})) == 75.0
+
+
+@pytest.mark.parametrize("seed", [18, 21])
+def test_exact_equals_floating_dp(seed: int) -> None:
+    # the floating DP (with the case the thesis misses) is exact in practice (rotor.md
+    # Findings 1): an independent oracle beyond brute-force sizes
+    chain = random_chain(6, seed=1000 + seed)
+    for memory in memories(chain, 3):
+        floating = run(chain, memory, "dp:floating")
+        assert value(run(chain, memory, "ilp")) == value(floating), memory
+
+
+# ------------------------------------------------------------------ oracles (rotor.md s. 8)
+@pytest.mark.parametrize("memory", sorted(H1_EXACT))
+def test_oracle_h1(memory: int) -> None:
+    assert value(run(H1, memory, "ilp")) == H1_EXACT[memory]
+
+
+def test_oracle_h1_infeasible_with_min_memory() -> None:
+    result = run(H1, 14, "ilp")
+    assert result.status is Status.INFEASIBLE
+    assert result.min_feasible_memory == 15
+    assert run(H1, 14, "cpsat").min_feasible_memory == 15
+
+
+@pytest.mark.parametrize("memory", [5, 6, 7, 8, 11, 12, 15])
+def test_oracle_u6(memory: int) -> None:
+    expected = U6_EXACT.get(memory, math.inf)
+    assert value(run(U6, memory, "ilp")) == expected
+    assert value(run(U6, memory, "cpsat")) == expected
+
+
+@pytest.mark.parametrize("n", [3, 4, 5, 6])
+def test_oracle_counterexample_family(n: int) -> None:
+    chain = counterexample_chain(n)
+    assert value(run(chain, 15, "ilp")) == min(3 * n - 2, 2 * n + 2)
+    assert value(run(chain, 15, "cpsat")) == min(3 * n - 2, 2 * n + 2)
+    assert value(run(chain, 15, "ilp:persistent")) == 3 * n - 2
+
+
+def test_trivial_chain() -> None:
+    chain = Chain.from_rotor([1], [2, 0], [1, 1], [1, 2])
+    assert run(chain, 4, "ilp").status is Status.INFEASIBLE
+    result = run(chain, 5, "cpsat")
+    assert (value(result), result.plan) == (3.0, ("F_all 1", "Loss", "B 1"))
+    assert run(chain, 0, "ilp").status is Status.INFEASIBLE  # a^0 alone is above the limit
+
+
+# ------------------------------------------------------------------ limits, warm start
+def test_time_limit_returns_feasible_not_worse_than_dp() -> None:
+    chain = random_chain(14, seed=11)
+    memory = chain.input_size + (chain.store_all_peak() - chain.input_size) // 3
+    dp = run(chain, memory, "dp")
+    for method, solver in (("ilp", "highs"), ("ilp", "cbc"), ("cpsat", "highs")):
+        # CBC with a MIP start and a hit time limit used to segfault (engines._run_cbc)
+        result = run(chain, memory, method, solver=solver, time_limit_s=0.05)
+        assert result.status in (Status.FEASIBLE, Status.OPTIMAL)
+        assert result.objective <= dp.objective
+        assert result.bound <= result.objective
+        assert result.bound >= chain.total_compute_time() - 1e-9
+        if result.status is Status.FEASIBLE:
+            assert 0 <= result.gap <= 1
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_dp_plan_is_a_feasible_assignment(seed: int) -> None:
+    chain = random_chain(7, seed=seed)
+    memory = (chain.input_size + 2 * chain.store_all_peak()) // 3
+    table = solve_persistent_table(chain, memory - chain.input_size, "paper")
+    assert math.isfinite(table.value())
+    plan = table.plan()
+    for variant in ("full", "persistent"):
+        form = build_formulation(chain, memory, variant)
+        values = form.assignment(plan)
+        assert values is not None
+        assert form.violated(values) == []
+        assert form.decode(values) == plan
+        assert form.evaluate(values) == simulate_checkpoint(chain, plan).makespan
+
+
+def test_float_times_cpsat_scale() -> None:
+    assert time_scale([1.5, 2.25]) == (100, True)
+    chain = random_chain(5, seed=2, integer_times=False)  # times like 3.1415926...
+    memory = (chain.input_size + 3 * chain.store_all_peak()) // 4
+    ilp, cpsat = run(chain, memory, "ilp"), run(chain, memory, "cpsat")
+    assert ilp.status is Status.OPTIMAL
+    assert cpsat.report["time_scale"] == 10**6
+    assert cpsat.objective == pytest.approx(ilp.objective, abs=1e-4)
+    assert cpsat.bound <= ilp.objective + 1e-9
+
+
+def test_bad_options() -> None:
+    chain = random_chain(3, seed=0)
+    with pytest.raises(OptmemInputError, match="variant"):
+        run(chain, 100, "ilp:paper")
+    with pytest.raises(OptmemInputError, match="solver"):
+        run(chain, 100, "ilp", solver="nope")
+    with pytest.raises(OptmemInputError, match="sweeps"):
+        run(chain, 100, "cpsat", extra={"sweeps": 0})
+
+
+# ------------------------------------------------------------------ export
+def test_exported_mps_solved_by_highspy_alone(tmp_path) -> None:  # noqa: ANN001
+    import highspy
+
+    problem = CheckpointProblem(H1, 17)
+    path = tmp_path / "model.mps"
+    export(problem, "ilp", str(path))
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("mip_rel_gap", 0.0)
+    assert h.readModel(str(path)) == highspy.HighsStatus.kOk
+    h.run()
+    assert h.getModelStatus() == highspy.HighsModelStatus.kOptimal
+    assert h.getInfo().objective_function_value == pytest.approx(H1_EXACT[17])
+
+
+def test_export_lp_and_errors(tmp_path) -> None:  # noqa: ANN001
+    problem = CheckpointProblem(H1, 20)
+    export(problem, "ilp:persistent", str(tmp_path / "m.lp"))
+    assert "Minimize" in (tmp_path / "m.lp").read_text() or "MINIMIZE" in (
+        tmp_path / "m.lp").read_text()
+    export(problem, "cpsat", str(tmp_path / "m.pb"))
+    assert (tmp_path / "m.pb").stat().st_size > 0
+    with pytest.raises(OptmemInputError, match="model format"):
+        export(problem, "ilp", str(tmp_path / "m.txt"))
+    with pytest.raises(OptmemInputError):
+        export(problem, "ilp", str(tmp_path / "missing-dir" / "m.mps"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.lp", "m.pb"]
+
+
+# ------------------------------------------------------------------ facade
+def test_compare_shows_exact_models_side_by_side() -> None:
+    problem = CheckpointProblem(H1, 17)
+    labels = default_compare_methods(problem)
+    for label in ("dp", "ilp", "ilp:persistent", "cpsat", "cpsat:persistent"):
+        assert label in labels
+    results = {f"{r.method}:{r.variant}": r for r in compare(
+        problem, ["dp", "ilp", "ilp:persistent", "cpsat"])}
+    assert results["ilp:full"].objective == results["cpsat:full"].objective == 32
+    assert results["ilp:full"].gap == 0.0
+    assert results["ilp:full"].report["model"]["variables"] > 0
+
+
+def test_engine_availability() -> None:
+    assert engines.is_available("highs")
+    assert engines.is_available("cbc")
+    assert engines.is_available("cpsat")
+    assert not engines.is_available("nonsense")
