@@ -114,7 +114,8 @@ def format_result(result: Result, chain: Chain) -> str:
         unit = chain.memory_unit if result.problem in MEMORY_OBJECTIVE else chain.time_unit
         lines.append(f"objective {_fmt(result.objective)} {unit}"
                      f"   bound {_fmt(result.bound)}   gap {_fmt(result.gap * 100, 3)}%")
-        lines.append(f"peak      {result.peak_memory} / {result.memory_limit} units of "
+        limit = "" if result.memory_limit is None else f" / {result.memory_limit}"
+        lines.append(f"peak      {result.peak_memory}{limit} units of "
                      f"{result.unit} {chain.memory_unit}"
                      f" ({format_size((result.peak_memory or 0) * result.unit)})")
         lines.append(f"plan      {len(result.plan)} ops: " + " ".join(result.plan[:30])

@@ -202,8 +202,10 @@ def compare(
 ) -> list[Result]:
     """Run several methods on the same problem and return their results in order.
 
-    A method that fails with an unexpected error is reported as ``status: error`` with the
-    message in ``report['error']`` instead of aborting the comparison.
+    Unknown method names fail before anything runs. A method that then fails (an option it
+    does not support, such as a ``variant`` meant for another method, or an unexpected error)
+    is reported as ``status: error`` with the message in ``report['error']`` instead of
+    aborting the comparison.
     """
     names = list(method_names) if method_names is not None else default_compare_methods(problem)
     results = []
@@ -214,10 +216,10 @@ def compare(
             progress(name)
         try:
             results.append(solve(problem, name, options=options))
-        except OptmemInputError:
-            raise
         except Exception as exc:  # noqa: BLE001 - reported in the table, not swallowed
-            results.append(Result(problem.name, name, Status.ERROR,
+            label, variant = split_label(name)
+            results.append(Result(problem.name, label, Status.ERROR,
+                                  variant=variant or (options.variant if options else None),
                                   report={"error": f"{type(exc).__name__}: {exc}"}))
     return results
 
