@@ -100,6 +100,26 @@ def parse_plan(ops: Iterable[str | Op]) -> Plan:
     return tuple(op if isinstance(op, Op) else Op.parse(op, index=k) for k, op in enumerate(ops))
 
 
+def segments_plan(bounds: Sequence[tuple[int, int]]) -> tuple[Op, ...]:
+    """Checkpoint-sequential plan for contiguous segments ``[(first, last), ...]``.
+
+    Every segment but the last runs ``F_ck first, F_none ...``; the last runs ``F_all``;
+    in the backward each segment is replayed with ``F_all`` and then backpropagated.
+    """
+    ops: list[Op] = []
+    for first, last in bounds[:-1]:
+        ops.append(F_ck(first))
+        ops.extend(F_none(k) for k in range(first + 1, last + 1))
+    first, last = bounds[-1]
+    ops.extend(F_all(k) for k in range(first, last + 1))
+    ops.append(LOSS)
+    ops.extend(B(k) for k in range(last, first - 1, -1))
+    for first, last in reversed(bounds[:-1]):
+        ops.extend(F_all(k) for k in range(first, last + 1))
+        ops.extend(B(k) for k in range(last, first - 1, -1))
+    return tuple(ops)
+
+
 def plan_strings(plan: Sequence[Op]) -> tuple[str, ...]:
     """Return the string form of every op of ``plan``."""
     return tuple(str(op) for op in plan)

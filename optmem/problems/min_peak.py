@@ -51,7 +51,7 @@ from typing import Any
 
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError, PlanError
-from optmem.plan import LOSS, B, F_all, F_ck, F_none, Op, OpKind, parse_plan
+from optmem.plan import Op, OpKind, parse_plan, segments_plan
 from optmem.result import SolveOptions
 
 MODELS = ("pytorch", "static", "optmem")
@@ -150,19 +150,7 @@ def checkpoint_plan(checkpoints: Sequence[int]) -> tuple[Op, ...]:
     >>> [str(op) for op in checkpoint_plan((0, 2, 3))]
     ['F_ck 1', 'F_none 2', 'F_all 3', 'Loss', 'B 3', 'F_all 1', 'F_all 2', 'B 2', 'B 1']
     """
-    bounds = checkpoint_segments(checkpoints)
-    ops: list[Op] = []
-    for first, last in bounds[:-1]:
-        ops.append(F_ck(first))
-        ops.extend(F_none(k) for k in range(first + 1, last + 1))
-    first, last = bounds[-1]
-    ops.extend(F_all(k) for k in range(first, last + 1))
-    ops.append(LOSS)
-    ops.extend(B(k) for k in range(last, first - 1, -1))
-    for first, last in reversed(bounds[:-1]):
-        ops.extend(F_all(k) for k in range(first, last + 1))
-        ops.extend(B(k) for k in range(last, first - 1, -1))
-    return tuple(ops)
+    return segments_plan(checkpoint_segments(checkpoints))
 
 
 def checkpoints_of_plan(plan: Iterable[Op | str], n: int) -> tuple[int, ...]:

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from optmem.plan import LOSS, B, F_all, F_ck, F_none, Op
+from optmem.plan import LOSS, B, F_all, F_ck, F_none, Op, segments_plan
 
 
 def store_all_plan(length: int) -> tuple[Op, ...]:
@@ -35,26 +35,6 @@ def recompute_all_plan(length: int) -> tuple[Op, ...]:
             ops.append(F_ck(1))
             ops.extend(F_none(k) for k in range(2, j))
         ops.extend([LOSS] if j == length + 1 else [F_all(j), B(j)])
-    return tuple(ops)
-
-
-def segments_plan(bounds: list[tuple[int, int]]) -> tuple[Op, ...]:
-    """Checkpoint-sequential plan for contiguous segments ``[(first, last), ...]``.
-
-    Every segment but the last runs ``F_ck first, F_none ...``; the last runs ``F_all``;
-    in the backward each segment is replayed with ``F_all`` and then backpropagated.
-    """
-    ops: list[Op] = []
-    for first, last in bounds[:-1]:
-        ops.append(F_ck(first))
-        ops.extend(F_none(k) for k in range(first + 1, last + 1))
-    first, last = bounds[-1]
-    ops.extend(F_all(k) for k in range(first, last + 1))
-    ops.append(LOSS)
-    ops.extend(B(k) for k in range(last, first - 1, -1))
-    for first, last in reversed(bounds[:-1]):
-        ops.extend(F_all(k) for k in range(first, last + 1))
-        ops.extend(B(k) for k in range(last, first - 1, -1))
     return tuple(ops)
 
 
