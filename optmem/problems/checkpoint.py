@@ -7,6 +7,7 @@ whose makespan is minimal. The chain input a^0 counts against ``M``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from optmem.chain import Chain
@@ -56,6 +57,24 @@ def discretize(chain: Chain, memory_limit: int, slots: int = DEFAULT_SLOTS) -> D
     return Discretized(chain.quantize(unit), memory_limit // unit, unit)
 
 
+def check_memory_limit(value: object, *, field: str = "memory") -> int:
+    """Return ``value`` if it is a non-negative integer memory limit, else raise clearly."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise OptmemInputError(f"expected an integer memory limit, got {value!r}", field=field)
+    if value < 0:
+        raise OptmemInputError(f"expected a non-negative memory limit, got {value}", field=field)
+    return value
+
+
+def check_bandwidth(value: object, *, field: str = "bandwidth") -> float:
+    """Return ``value`` as a float if it is a finite non-negative bandwidth, else raise."""
+    if isinstance(value, bool) or not isinstance(value, int | float) \
+            or not math.isfinite(value) or value < 0:
+        raise OptmemInputError(f"expected a finite non-negative bandwidth, got {value!r}",
+                               field=field)
+    return float(value)
+
+
 @dataclass(frozen=True)
 class CheckpointProblem:
     """Remat(L, M): the fastest checkpointing plan of ``chain`` under ``memory_limit``.
@@ -74,12 +93,7 @@ class CheckpointProblem:
     name = "checkpoint"
 
     def __post_init__(self) -> None:
-        if isinstance(self.memory_limit, bool) or not isinstance(self.memory_limit, int):
-            raise OptmemInputError(f"expected an integer memory limit, got {self.memory_limit!r}",
-                                   field="memory")
-        if self.memory_limit < 0:
-            raise OptmemInputError(
-                f"expected a non-negative memory limit, got {self.memory_limit}", field="memory")
+        check_memory_limit(self.memory_limit)
 
     def discretize(self, slots: int = DEFAULT_SLOTS) -> Discretized:
         """Return the discretised instance (CONTRACT section 2)."""

@@ -14,13 +14,18 @@ is :func:`optmem.simulate.offload.simulate_offload`.
 from __future__ import annotations
 
 import argparse
-import math
 from dataclasses import dataclass
 from typing import Any
 
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError, PlanError
-from optmem.problems.checkpoint import DEFAULT_SLOTS, Discretized, discretize
+from optmem.problems.checkpoint import (
+    DEFAULT_SLOTS,
+    Discretized,
+    check_bandwidth,
+    check_memory_limit,
+    discretize,
+)
 
 
 @dataclass(frozen=True)
@@ -52,18 +57,9 @@ class OffloadProblem:
     name = "offload"
 
     def __post_init__(self) -> None:
-        if isinstance(self.memory_limit, bool) or not isinstance(self.memory_limit, int):
-            raise OptmemInputError(f"expected an integer memory limit, got {self.memory_limit!r}",
-                                   field="memory")
-        if self.memory_limit < 0:
-            raise OptmemInputError(
-                f"expected a non-negative memory limit, got {self.memory_limit}", field="memory")
-        bw = self.bandwidth
-        if isinstance(bw, bool) or not isinstance(bw, int | float) or not math.isfinite(bw) \
-                or bw < 0:
-            raise OptmemInputError(f"expected a finite non-negative bandwidth, got {bw!r}",
-                                   field="bandwidth")
-        object.__setattr__(self, "bandwidth", float(bw))
+        check_memory_limit(self.memory_limit)
+        bw = check_bandwidth(self.bandwidth)
+        object.__setattr__(self, "bandwidth", bw)
 
     def discretize(self, slots: int = DEFAULT_SLOTS) -> Discretized:
         """Return the discretised instance (CONTRACT section 2)."""
