@@ -26,8 +26,11 @@ test: setup
 lint: setup
 	$(PY) -m ruff check .
 
+# The headline benchmark (persistent DP vs a C transcription of rotor); the others are
+# benchmarks/bench_*.py (see benchmarks/RESULTS.md, reassembled by collect_results.py).
 bench: setup
 	$(PY) benchmarks/bench_checkpoint_dp.py
+	$(PY) benchmarks/collect_results.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info

@@ -1,0 +1,49 @@
+"""Assemble benchmarks/RESULTS.md from the per-area files in benchmarks/results/.
+
+Each area's benchmark script writes (or its author records) ``results/<area>.md``; this
+script concatenates them in a fixed order under one table of contents, demoting headings one
+level, so RESULTS.md never disagrees with the per-area files. Run it after a benchmark.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+HERE = Path(__file__).parent
+ORDER = ["checkpoint_dp", "checkpoint_exact", "zoo", "pytorch", "offload", "remat_offload",
+         "pipeline", "min_peak"]
+INTRO = """# Benchmark results
+
+Measured on this project's machine: 2 shared vCPUs, 24 GiB, no GPU, Python 3.11. Other jobs
+often shared the cores while these ran, so absolute times vary by 2-3x; ratios measured back to
+back are the meaningful figures. Each section comes from `benchmarks/results/<area>.md`,
+written next to its script `benchmarks/bench_<area>.py` (`--quick` for a short run); plots are
+in `benchmarks/results/`. This file is assembled by `benchmarks/collect_results.py`.
+"""
+
+
+def demote(text: str) -> str:
+    """Add one ``#`` to every Markdown heading (outside code fences)."""
+    out, fenced = [], False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        out.append("#" + line if not fenced and re.match(r"#+ ", line) else line)
+    return "\n".join(out)
+
+
+def main() -> None:
+    """Write RESULTS.md."""
+    files = {p.stem: p for p in (HERE / "results").glob("*.md")}
+    names = [n for n in ORDER if n in files] + sorted(set(files) - set(ORDER))
+    parts = [INTRO, "## Contents\n"]
+    parts += [f"- [{n}](results/{n}.md)" for n in names]
+    for name in names:
+        parts.append("\n" + demote(files[name].read_text().strip()) + "\n")
+    (HERE / "RESULTS.md").write_text("\n".join(parts) + "\n")
+    print(f"wrote {HERE / 'RESULTS.md'} from {len(names)} files")
+
+
+if __name__ == "__main__":
+    main()
