@@ -21,7 +21,7 @@ demo: setup
 
 test: setup
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --doctest-modules optmem tests
 
 lint: setup
 	$(PY) -m ruff check .

@@ -79,19 +79,24 @@ def add_cli_options(parser: argparse.ArgumentParser) -> None:
              "or a bare number of memory units per chain time unit")
 
 
-def problem_from_cli(chain: Chain, memory_limit: int, args: Any) -> OffloadProblem:
-    """Build the problem from CLI arguments (``--bandwidth`` is required)."""
+def bandwidth_from_cli(chain: Chain, args: Any, problem: str) -> float:
+    """The ``--bandwidth`` of ``args`` in memory units per chain time unit (required)."""
     from optmem.units import parse_bandwidth
 
     text = getattr(args, "bandwidth", None)
     if text is None:
-        raise OptmemInputError("the offload problem needs --bandwidth (e.g. 12GB/s)",
+        raise OptmemInputError(f"the {problem} problem needs --bandwidth (e.g. 12GB/s)",
                                field="bandwidth")
-    return OffloadProblem(chain, memory_limit, parse_bandwidth(text, time_unit=chain.time_unit))
+    return parse_bandwidth(text, time_unit=chain.time_unit)
+
+
+def problem_from_cli(chain: Chain, memory_limit: int, args: Any) -> OffloadProblem:
+    """Build the problem from CLI arguments (``--bandwidth`` is required)."""
+    return OffloadProblem(chain, memory_limit, bandwidth_from_cli(chain, args, "offload"))
 
 
 def verify_plan(problem: OffloadProblem, plan_data: Any, options: Any = None) -> dict[str, Any]:
-    """Replay an offload plan (list of op strings or ``solve --json`` output).
+    """Replay an offload (or combined remat + offload) plan (ops or ``solve --json`` output).
 
     Raises
     ------
@@ -108,6 +113,8 @@ def verify_plan(problem: OffloadProblem, plan_data: Any, options: Any = None) ->
     disc = problem.discretize(slots)
     sim = simulate_offload(disc.chain, parse_mixed_plan(ops), problem.unit_bandwidth(disc.unit),
                            disc.memory_limit)
+    if sim.peak_memory > disc.memory_limit:
+        raise PlanError(f"the plan peaks at {sim.peak_memory}, above {disc.memory_limit}")
     return {"objective": sim.makespan, "peak_memory": sim.peak_memory,
             "memory_limit": disc.memory_limit, "unit": disc.unit, "ops": len(ops),
             "idle_time": sim.idle_time, "offloaded": sim.offloaded_size}

@@ -1,7 +1,12 @@
 """The PyTorch bridge: the only part of optmem that imports torch.
 
->>> import optmem.pytorch as op                              # doctest: +SKIP
->>> cnet = op.checkpoint(net, sample, memory_limit="2GiB")    # doctest: +SKIP
+>>> import torch
+>>> import optmem.pytorch as op
+>>> net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+>>> sample = torch.randn(4, 8)
+>>> cnet = op.checkpoint(net, sample, memory_limit="1MiB")
+>>> cnet(sample).shape
+torch.Size([4, 2])
 
 Submodules: :mod:`~optmem.pytorch.extract` (module -> stages), :mod:`~optmem.pytorch.profile`
 (stages -> chain), :mod:`~optmem.pytorch.execute` (plan -> training module),

@@ -125,8 +125,12 @@ class OffloadedChain(nn.Module):
 
     Examples
     --------
-    >>> net = OffloadedChain([nn.Linear(4, 4), nn.ReLU()],  # doctest: +SKIP
+    >>> net = OffloadedChain([nn.Linear(4, 4), nn.ReLU()],
     ...     ["F_all 1", "offload a 0", "F_all 2", "Loss", "B 2", "prefetch a 0", "B 1"])
+    >>> x = torch.randn(3, 4, requires_grad=True)
+    >>> net(x).sum().backward()
+    >>> x.grad.shape
+    torch.Size([3, 4])
     """
 
     def __init__(self, stages: Sequence[nn.Module], plan: Sequence[AnyOp | str]):

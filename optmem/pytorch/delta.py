@@ -1,0 +1,229 @@
+"""DELTA-style runtime memory policy (Tang et al.) through ``saved_tensors_hooks``.
+
+Digest ``shared/design/hong_delta.md`` part B, at stage granularity on a chain of stages:
+the tensors autograd saves while stage ``i`` runs form the group ``i``. Before each stage
+of the forward pass, while the saved bytes are at or above ``trigger`` (0.75) of
+``budget`` (or the stage's estimated need does not fit):
+
+* **filter** (Alg. 2, ``h_base = 1 / (m s)``): pick the stored group with the largest
+  bytes x staleness (time since its last use), the previous stage's group excepted;
+* **director** (Alg. 3, Eq. 4): recompute cost ``c_r`` (the stage's forward time, plus
+  those of evicted predecessors it would need) against the swap cost
+  ``c_s = kappa bytes / (eta bandwidth)``: **evict** the group (drop it; it is recomputed
+  from the stage input when backward unpacks it, as non-reentrant checkpointing does, with
+  the RNG state and buffers of the first run) if ``c_r <= c_s``, otherwise **offload** it
+  (host copy; it is reloaded on first unpack).
+
+Releases happen in the forward pass only (assumption A2). Deviations: reloads are
+synchronous on first unpack (no prefetcher thread; Alg. 4 is modelled by the simulated
+baseline ``delta`` of :mod:`optmem.solvers.remat_offload_delta`); the input of an evicted
+stage is kept (a strong reference), DTR's recursive rematerialisation of evicted inputs is
+not needed on a chain because the input is an ordinary activation. Gradients equal the
+unmodified chain's: recomputation replays the same RNG state and copies are bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["DeltaChain"]
+
+EVICT, OFFLOAD = "evict", "offload"
+
+
+@dataclass
+class _Group:
+    stage: int
+    tensors: list[torch.Tensor | None] = field(default_factory=list)
+    devices: list[torch.device] = field(default_factory=list)
+    nbytes: int = 0
+    last_use: float = 0.0
+    state: str = "resident"  # resident | evicted | offloaded
+    inp: torch.Tensor | None = None
+    rng: Any = None
+    buffers: list[tuple[nn.Module, str, torch.Tensor]] = field(default_factory=list)
+    order: list[bool] = field(default_factory=list)  # per pack call: released or not
+
+
+@dataclass
+class _Handle:
+    group: _Group
+    index: int
+
+
+class DeltaChain(nn.Module):
+    """Train a chain of single-tensor stages under a saved-activation budget, DELTA style.
+
+    Parameters
+    ----------
+    stages
+        The stages, in order (each takes and returns one tensor).
+    budget
+        Bytes of saved activations the policy aims to stay under.
+    bandwidth
+        Host link bandwidth in bytes per second (``c_s``).
+    fwd_time
+        Forward time of each stage in seconds (``c_r``); default 1 ms each.
+    trigger, kappa, eta
+        Early-release threshold (0.75), swap factor (1: one transfer) and bandwidth
+        derating (1.0; the paper uses 0.35 of the nominal PCIe bandwidth).
+
+    Attributes
+    ----------
+    decisions
+        ``(stage, "evict" | "offload")`` of the last forward pass.
+    recomputed, reloaded
+        Stages recomputed / groups reloaded in the last backward pass.
+    """
+
+    def __init__(self, stages: Sequence[nn.Module], budget: int, bandwidth: float, *,
+                 fwd_time: Sequence[float] | None = None, trigger: float = 0.75,
+                 kappa: float = 1.0, eta: float = 1.0) -> None:
+        super().__init__()
+        self.stages = nn.ModuleList(stages)
+        self.budget = int(budget)
+        self.bandwidth = float(bandwidth)
+        self.fwd_time = list(fwd_time) if fwd_time is not None else [1e-3] * len(stages)
+        self.trigger, self.kappa, self.eta = trigger, kappa, eta
+        self.decisions: list[tuple[int, str]] = []
+        self.recomputed: list[int] = []
+        self.reloaded: list[int] = []
+        self._groups: list[_Group] = []
+        self._weights: set[int] = set()
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102 - see the class docstring
+        if not torch.is_grad_enabled():
+            for m in self.stages:
+                x = m(x)
+            return x
+        self._groups = []
+        self.decisions, self.recomputed, self.reloaded = [], [], []
+        self._weights = {t.untyped_storage().data_ptr()
+                         for t in (*self.parameters(), *self.buffers())}
+        clock = 0.0
+        for i, stage in enumerate(self.stages):
+            self._release(i, clock, x)
+            inp = x.detach()
+            inp.requires_grad_(x.requires_grad)
+            group = _Group(i, inp=inp)
+            group.rng = torch.get_rng_state()
+            group.buffers = [(sub, name, buf.detach().clone())
+                             for sub in stage.modules()
+                             for name, buf in sub._buffers.items() if buf is not None]
+            with torch.autograd.graph.saved_tensors_hooks(self._packer(group), self._unpack):
+                x = stage(x)
+            clock += self.fwd_time[i]
+            group.last_use = clock
+            if i > 0:
+                self._groups[i - 1].last_use = clock - self.fwd_time[i]
+            self._groups.append(group)
+        return x
+
+    def _packer(self, group: _Group) -> Any:
+        def pack(t: torch.Tensor) -> Any:
+            try:
+                keep = t.untyped_storage().data_ptr() in self._weights
+            except RuntimeError:  # pragma: no cover - tensors without storage
+                keep = True
+            group.order.append(not keep)
+            if keep:
+                return t  # weights and buffers are never released
+            group.tensors.append(t)
+            group.devices.append(t.device)
+            group.nbytes += t.numel() * t.element_size()
+            return _Handle(group, len(group.tensors) - 1)
+
+        return pack
+
+    def _used(self) -> int:
+        return sum(g.nbytes for g in self._groups if g.state == "resident")
+
+    def _release(self, i: int, clock: float, x: torch.Tensor) -> None:
+        need = x.numel() * x.element_size()  # rough estimate of the stage's saved bytes
+        while self._used() >= self.trigger * self.budget or self._used() + need > self.budget:
+            cand = [g for g in self._groups if g.state == "resident" and g.stage != i - 1]
+            if not cand:
+                return
+            g = max(cand, key=lambda g: (g.nbytes * (clock - g.last_use), -g.stage))  # filter
+            c_r = self.fwd_time[g.stage]
+            c_s = (self.kappa * g.nbytes / (self.eta * self.bandwidth)
+                   if self.bandwidth > 0 else float("inf"))
+            if c_r <= c_s:  # director
+                g.tensors = [None] * len(g.tensors)
+                g.state = "evicted"
+                self.decisions.append((g.stage, EVICT))
+            else:
+                g.tensors = [_host(t) for t in g.tensors]
+                g.state = "offloaded"
+                self.decisions.append((g.stage, OFFLOAD))
+
+    # ------------------------------------------------------------------ backward
+    def _unpack(self, h: Any) -> torch.Tensor:
+        if not isinstance(h, _Handle):
+            return h
+        g = h.group
+        if g.state == "evicted":
+            self._recompute(g)
+        elif g.state == "offloaded":
+            g.tensors = [_device(t, d) if t is not None else None
+                         for t, d in zip(g.tensors, g.devices, strict=True)]
+            g.state = "resident"
+            self.reloaded.append(g.stage)
+        t = g.tensors[h.index]
+        if t is None:
+            raise RuntimeError(f"saved tensor {h.index} of stage {g.stage + 1} is gone")
+        return t
+
+    def _recompute(self, g: _Group) -> None:
+        """Re-run the stage from its kept input, capturing the saved tensors in order."""
+        fresh: list[torch.Tensor] = []
+
+        def pack(t: torch.Tensor) -> Any:
+            fresh.append(t.detach())
+            return None
+
+        stage = self.stages[g.stage]
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.random.fork_rng(devices=[]))
+            torch.set_rng_state(g.rng)
+            for sub, name, first in g.buffers:
+                live = sub._buffers[name]
+                if live is not None:
+                    stack.callback(setattr_buffer, sub, name, live)
+                sub._buffers[name] = first.clone()
+            stack.enter_context(torch.enable_grad())
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, _never))
+            assert g.inp is not None
+            stage(g.inp.detach().requires_grad_(g.inp.requires_grad))
+        if len(fresh) != len(g.order):
+            raise RuntimeError(f"stage {g.stage + 1} saved {len(fresh)} tensors on "
+                               f"recomputation, {len(g.order)} the first time")
+        g.tensors = [t for t, released in zip(fresh, g.order, strict=True) if released]
+        g.state = "resident"
+        self.recomputed.append(g.stage)
+
+
+def _never(_: Any) -> torch.Tensor:  # pragma: no cover - the recomputed graph is dropped
+    raise RuntimeError("the recomputation graph is not differentiated")
+
+
+def setattr_buffer(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    """Put a buffer back (no in-place write: autograd may check its version)."""
+    module._buffers[name] = value
+
+
+def _host(t: torch.Tensor | None) -> torch.Tensor | None:
+    if t is None:
+        return None
+    return t.detach().clone() if t.device.type == "cpu" else t.detach().to("cpu")
+
+
+def _device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t.clone() if device.type == "cpu" else t.to(device)

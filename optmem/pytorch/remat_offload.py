@@ -1,0 +1,275 @@
+"""Execute a combined remat + offload plan: recomputation and transfers in one executor.
+
+:class:`RematOffloadChain` is the checkpoint executor of :mod:`optmem.pytorch.execute`
+(:class:`~optmem.pytorch.execute.CheckpointedChain`: every compute op of CONTRACT section 3,
+RNG and buffer handling for re-run stages) extended with the transfer ops of CONTRACT
+"Offload plans", with the value grouping of :mod:`optmem.pytorch.offload`:
+
+* ``abar i``: the tensors autograd saves while ``F_all i`` runs (packed through
+  ``saved_tensors_hooks``; weights and buffers are never moved, O.6) and the stored output
+  ``a^i`` of that stage; a re-run ``F_all i`` starts a new group;
+* ``a i``: the stored activation ``a^i`` of a ``F_ck``/``F_none`` (``a 0``: the input);
+* a transfer is issued just before the compute op it is listed before (transfers listed
+  before ``Loss`` at the end of the forward, those after it when the backward starts).
+
+Host copies are synchronous here (``clone`` on CPU, ``.to("cpu")`` from CUDA), so this
+executor reproduces the plan's *memory placement* and its gradients, not the overlap of
+the link with compute (:class:`optmem.pytorch.offload.OffloadedChain` does the overlapped
+CUDA-stream version for store-all plans). A value read or unpacked while on the host is
+copied back on the spot and counted in :attr:`RematOffloadChain.late_reads`;
+:attr:`RematOffloadChain.moved_out` counts the values moved to the host. Gradients are
+those of the unmodified chain: every copy is bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from optmem.errors import PlanError
+from optmem.plan import AnyOp, Op, OpKind, TransferKind, TransferOp, parse_mixed_plan
+from optmem.pytorch.execute import CheckpointedChain, _PlanFunction, _Runner
+from optmem.pytorch.extract import Stage, value_tensors
+
+__all__ = ["RematOffloadChain", "split_mixed_plan"]
+
+Key = tuple[str, int]
+
+
+def split_mixed_plan(plan: Sequence[AnyOp | str]) -> tuple[tuple[Op, ...],
+                                                          dict[int, list[TransferOp]]]:
+    """Compute ops, and the transfers listed before each compute op (by compute index)."""
+    ops: list[Op] = []
+    before: dict[int, list[TransferOp]] = {}
+    for op in parse_mixed_plan(plan):
+        if isinstance(op, TransferOp):
+            before.setdefault(len(ops), []).append(op)
+        else:
+            ops.append(op)
+    return tuple(ops), before
+
+
+@dataclass
+class _Packed:
+    tensor: torch.Tensor
+    device: torch.device
+    on_host: bool = False
+
+
+@dataclass
+class _Group:
+    packed: list[_Packed] = field(default_factory=list)
+    on_host: bool = False
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone() if t.device.type == "cpu" else t.detach().to("cpu")
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t.clone() if device.type == "cpu" else t.to(device)
+
+
+class _OffloadRunner(_Runner):
+    """The checkpoint runner, plus transfers and saved-tensor groups."""
+
+    owner: RematOffloadChain
+
+    def __init__(self, owner: RematOffloadChain, plan: tuple[Op, ...], n_stages: int) -> None:
+        super().__init__(owner, plan, n_stages)
+        self.groups: dict[int, _Group] = {}
+        self.host_slots: dict[int, list[torch.device | None]] = {}
+        self.deferred: dict[int, list[Key]] = {}  # offloads waiting for a listed reader
+
+    # -------------------------------------------------------------- transfers
+    def _last_reader(self, key: Key, k: int) -> int | None:
+        """Index of the last compute op from ``k`` on that reads value ``key``.
+
+        Only ops before the key's next transfer count; the GPU copy lives until that op has
+        run (as in the simulator).
+        """
+        kind, i = key
+        last = None
+        for j in range(k, len(self.plan)):
+            if any(t.key == key for t in self.owner.transfers.get(j, []) if j > k):
+                break
+            op = self.plan[j]
+            if op.kind is OpKind.LOSS:
+                hit = i == self.n
+            elif op.kind is OpKind.B:
+                hit = kind == "abar" and op.stage == i
+            else:
+                hit = op.stage == i + 1
+            if hit:
+                last = j
+        return last
+
+    def _issue(self, k: int) -> None:
+        for op in self.owner.transfers.get(k, []):
+            self.owner.issued.append(str(op))
+            if op.kind is TransferKind.OFFLOAD:
+                reader = self._last_reader(op.key, k)
+                if reader is not None:
+                    self.deferred.setdefault(reader, []).append(op.key)
+                    continue
+                self._move_out(op.key)
+            else:
+                kind, i = op.key
+                if kind == "abar" and i in self.groups:
+                    self._group_back(self.groups[i])
+                self._slot_back(i)
+
+    def _move_out(self, key: Key) -> None:
+        kind, i = key
+        self.owner.moved_out += 1
+        if kind == "abar":
+            group = self.groups.get(i)
+            if group is not None:
+                for p in group.packed:
+                    if not p.on_host:
+                        p.tensor, p.on_host = _to_host(p.tensor), True
+                group.on_host = True
+        self._slot_to_host(i)
+
+    def _slot_to_host(self, i: int) -> None:
+        slot = self.storage.get(i)
+        if slot is None or slot.value is None or i in self.host_slots:
+            return
+        leaves, spec = tree_flatten(slot.value)
+        devices = [v.device if isinstance(v, torch.Tensor) else None for v in leaves]
+        slot.value = tree_unflatten([_to_host(v) if isinstance(v, torch.Tensor) else v
+                                     for v in leaves], spec)
+        self.host_slots[i] = devices
+
+    def _slot_back(self, i: int) -> None:
+        devices = self.host_slots.pop(i, None)
+        slot = self.storage.get(i)
+        if devices is None or slot is None or slot.value is None:
+            return
+        leaves, spec = tree_flatten(slot.value)
+        slot.value = tree_unflatten([_to_device(v, d) if isinstance(v, torch.Tensor)
+                                     and d is not None else v
+                                     for v, d in zip(leaves, devices, strict=True)], spec)
+
+    @staticmethod
+    def _group_back(group: _Group) -> None:
+        for p in group.packed:
+            if p.on_host:
+                p.tensor, p.on_host = _to_device(p.tensor, p.device), False
+        group.on_host = False
+
+    # -------------------------------------------------------------- ops
+    def _run(self, op: Op) -> None:
+        k = self.index
+        self._issue(k)
+        super()._run(op)
+        for key in self.deferred.pop(k, []):
+            self._move_out(key)
+
+    def _run_stage(self, op: Op) -> None:
+        i = op.stage
+        if i - 1 in self.host_slots:  # read while on the host: copy back on the spot
+            self.owner.late_reads += 1
+            self._slot_back(i - 1)
+        if op.kind is not OpKind.F_ALL:
+            super()._run_stage(op)
+            return
+        group = _Group()
+        self.groups[i] = group
+        weights = self.owner.weight_ptrs
+
+        def pack(t: torch.Tensor) -> Any:
+            try:
+                ptr = t.untyped_storage().data_ptr()
+            except RuntimeError:  # pragma: no cover - tensors without storage
+                ptr = None
+            if ptr is not None and ptr in weights:
+                return t  # weights and buffers are never moved (O.6)
+            p = _Packed(t, t.device)
+            group.packed.append(p)
+            return p
+
+        def unpack(p: Any) -> torch.Tensor:
+            if not isinstance(p, _Packed):
+                return p
+            if p.on_host:
+                self.owner.late_reads += 1
+                return _to_device(p.tensor, p.device)
+            return p.tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            super()._run_stage(op)
+
+    def forward(self, value: Any) -> list[torch.Tensor]:
+        out = super().forward(value)
+        self._issue(self.loss)  # transfers listed just before Loss
+        return out
+
+    def backward(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        out = super().backward(grads)
+        self.groups.clear()
+        self.host_slots.clear()
+        return out
+
+
+class RematOffloadChain(CheckpointedChain):
+    """A chain of stages that trains by following a remat + offload plan.
+
+    Parameters
+    ----------
+    stages
+        The stages, in order (parameters shared with the original module).
+    plan
+        Compute ops and transfer ops (e.g. ``Result.plan`` of
+        ``solve(RematOffloadProblem(...), "dp")``).
+    preserve_rng_state, restore_buffers
+        As for :class:`~optmem.pytorch.execute.CheckpointedChain`.
+    """
+
+    def __init__(self, stages: Sequence[Stage | nn.Module], plan: Sequence[AnyOp | str], *,
+                 preserve_rng_state: bool = True, restore_buffers: bool = True) -> None:
+        self.transfers: dict[int, list[TransferOp]] = {}
+        self.issued: list[str] = []
+        self.late_reads = 0
+        self.moved_out = 0
+        self.weight_ptrs: set[int] = set()
+        super().__init__(stages, plan, preserve_rng_state=preserve_rng_state,  # type: ignore[arg-type]
+                         restore_buffers=restore_buffers, strip_suffix=False,
+                         release_early=False)
+
+    def set_plan(self, plan: Sequence[AnyOp | str]) -> None:  # type: ignore[override]
+        """Replace the plan (compute ops validated as by the checkpoint executor)."""
+        ops, before = split_mixed_plan(plan)
+        for k, transfers in before.items():
+            if k == 0 and any(t.key != ("a", 0) for t in transfers):
+                raise PlanError("only a 0 can be transferred before the first op", index=0)
+        super().set_plan(ops)
+        self.transfers = before
+
+    def _run_plan(self, plan: tuple[Op, ...], n: int, x: Any, input_needs_grad: bool) -> Any:
+        self.issued = []
+        self.late_reads = 0
+        self.moved_out = 0
+        self.weight_ptrs = {t.untyped_storage().data_ptr()
+                            for t in (*self.parameters(), *self.buffers())}
+        # CheckpointedChain._run_plan with the offload-aware runner
+        runner = _OffloadRunner(self, plan, n)
+        runner.input_requires_grad = input_needs_grad
+        tensors = value_tensors(x)
+        runner.devices = sorted({t.device.index or 0 for t in tensors if t.is_cuda})
+        runner.autocast = [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
+                           if torch.is_autocast_enabled(d)]
+        leaves, spec = tree_flatten(x)
+        runner.in_leaves = leaves  # type: ignore[attr-defined]
+        inputs = [t for t in leaves if isinstance(t, torch.Tensor)]
+        dummy = torch.empty(0, requires_grad=True)
+        outs = _PlanFunction.apply(runner, spec, len(inputs), *inputs, dummy)
+        it = iter(outs)
+        out_leaves = [next(it) if isinstance(v, torch.Tensor) else v for v in runner.out_leaves]
+        runner.out_leaves = []
+        return tree_unflatten(out_leaves, runner.out_spec)

@@ -1,0 +1,452 @@
+"""Remat + offload methods behind the facade (problem ``remat-offload``).
+
+Thesis chapter 4 (digest ``shared/design/offload.md`` section 5) and DELTA (digest
+``shared/design/hong_delta.md`` part B):
+
+* ``dp``: the chapter 4 DP "pofo" (:mod:`optmem.solvers.remat_offload_dp`) on a memory grid
+  of ``grid`` x ``backlog_grid`` values (:func:`grid_of`; the thesis used N = 50), whose
+  compute ops and offloaded inputs are turned into a plan by
+  :mod:`optmem.solvers.remat_offload_schedule`. Variants (the segment-bound option, digest
+  5.4 and erratum 14): ``thesis`` reproduces the text (``t <= L-1``, the pofo plan only);
+  ``extended`` uses ``t <= L``; ``never-worse`` (default) is ``extended`` and also replays
+  the optimal persistent checkpoint plan and the offload-only DYNPROG plan, keeping the
+  fastest, so it is never worse than either pure method;
+* ``opportunist``, ``autocapper``: the heuristics of thesis 4.3 (digest 5.8);
+* ``remat_only``, ``offload_only``: the pure baselines (persistent checkpoint DP, DYNPROG);
+* ``delta``: the DELTA-style online policy (filter + director) simulated on the chain
+  (:mod:`optmem.solvers.remat_offload_delta`);
+* ``brute`` / ``cpsat``: exact models on tiny / small chains
+  (:mod:`optmem.solvers.remat_offload_exact`).
+
+Every plan is replayed by :func:`optmem.simulate.offload.simulate_offload` on the
+discretised chain (``slots``); the objective is the simulated makespan, the peak is checked
+against the limit, and a method whose plan does not replay returns ``status: error``.
+``bound`` is the sum of all compute times (every op runs at least once).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from optmem.chain import Chain
+from optmem.errors import OptmemInputError, PlanError
+from optmem.plan import AnyOp, Op, OpKind, parse_mixed_plan
+from optmem.problems.checkpoint import Discretized, discretize
+from optmem.problems.remat_offload import RematOffloadProblem
+from optmem.result import Result, SolveOptions, Status
+from optmem.simulate.offload import simulate_offload
+from optmem.solvers.checkpoint_dp import PersistentTable, solve_persistent_table
+from optmem.solvers.facade import register
+from optmem.solvers.remat_offload_dp import PofoDP, checkpoint_subplan
+from optmem.solvers.remat_offload_schedule import (
+    Window,
+    backward_windows,
+    best_placement,
+    static_replay,
+    window_before,
+)
+
+PROBLEM = "remat-offload"
+DEFAULT_GRID = 200
+DEFAULT_BACKLOG_GRID = 25
+DP_VARIANTS = ("never-worse", "extended", "thesis")
+AUTOCAPPER_VALUES = 40
+
+
+def _disc(problem: RematOffloadProblem, options: SolveOptions) -> tuple[Discretized, float]:
+    disc = problem.discretize(options.slots)
+    return disc, problem.unit_bandwidth(disc.unit)
+
+
+def lower_bound(problem: RematOffloadProblem) -> float:
+    """Every forward and backward runs at least once: the sum of all compute times."""
+    return problem.chain.total_compute_time()
+
+
+def plan_result(problem: RematOffloadProblem, options: SolveOptions, plan: Sequence[AnyOp], *,
+                method: str, status: Status = Status.FEASIBLE, variant: str | None = None,
+                report: dict | None = None, solver: str | None = None,
+                claimed: float | None = None) -> Result:
+    """Replay ``plan`` and build the result from the simulation (objective = makespan)."""
+    disc, beta = _disc(problem, options)
+    info = dict(report or {})
+    try:
+        sim = simulate_offload(disc.chain, plan, beta, disc.memory_limit)
+    except PlanError as exc:
+        info["error"] = f"the plan does not replay: {exc}"
+        return Result(PROBLEM, method, Status.ERROR, plan=tuple(str(op) for op in plan),
+                      memory_limit=disc.memory_limit, unit=disc.unit, variant=variant,
+                      solver=solver, report=info)
+    info.update({"idle_time": sim.idle_time, "offloaded": sim.offloaded_size,
+                 "transfers": len(sim.link), "bandwidth": problem.bandwidth,
+                 "bandwidth_units": beta,
+                 "recomputed_forwards": _recomputed(plan, problem.chain.length)})
+    out = Result(PROBLEM, method, status, objective=sim.makespan, bound=lower_bound(problem),
+                 plan=tuple(str(op) for op in plan), peak_memory=sim.peak_memory,
+                 memory_limit=disc.memory_limit, unit=disc.unit, variant=variant,
+                 solver=solver, report=info)
+    if sim.peak_memory > disc.memory_limit:
+        info["error"] = f"plan peaks at {sim.peak_memory}, above {disc.memory_limit}"
+        return out.with_(status=Status.ERROR)
+    if claimed is not None and not math.isclose(claimed, sim.makespan, rel_tol=1e-9,
+                                                abs_tol=1e-9):
+        info["error"] = f"claimed objective {claimed} but the simulator says {sim.makespan}"
+        return out.with_(status=Status.ERROR)
+    if status is Status.OPTIMAL:
+        out = out.with_(bound=sim.makespan)
+    return out
+
+
+def _recomputed(plan: Sequence[AnyOp], length: int) -> int:
+    forwards = sum(1 for op in plan if isinstance(op, Op)
+                   and op.kind in (OpKind.F_ALL, OpKind.F_CK, OpKind.F_NONE))
+    return forwards - length
+
+
+def _no_plan(problem: RematOffloadProblem, options: SolveOptions, method: str,
+             status: Status, report: dict, variant: str | None = None) -> Result:
+    disc, _ = _disc(problem, options)
+    bound = math.inf if status is Status.INFEASIBLE else lower_bound(problem)
+    return Result(PROBLEM, method, status, bound=bound, memory_limit=disc.memory_limit,
+                  unit=disc.unit, variant=variant, report=report)
+
+
+# ------------------------------------------------------------------ candidates
+def checkpoint_table(disc: Discretized, budget: int | None = None) -> PersistentTable | None:
+    """Persistent checkpoint table of the discretised chain.
+
+    ``None`` if ``a^0`` alone is over the limit.
+    """
+    m = disc.memory_limit - disc.chain.input_size if budget is None else budget
+    if m < 0:
+        return None
+    return solve_persistent_table(disc.chain, m, "paper")
+
+
+def remat_candidate(disc: Discretized) -> tuple[Op, ...] | None:
+    """The optimal persistent checkpoint plan (no transfer), or ``None``."""
+    table = checkpoint_table(disc)
+    if table is None or not math.isfinite(table.value()):
+        return None
+    return table.plan()
+
+
+def offload_candidate(problem: RematOffloadProblem, options: SolveOptions
+                      ) -> tuple[AnyOp, ...] | None:
+    """The offload-only DYNPROG plan of :mod:`optmem.solvers.offload`, or ``None``."""
+    from optmem.problems.offload import OffloadProblem
+    from optmem.solvers.offload import solve_dynprog
+
+    if problem.bandwidth <= 0:
+        return None
+    res = solve_dynprog(OffloadProblem(problem.chain, problem.memory_limit, problem.bandwidth),
+                        options.with_(variant=None))
+    return parse_mixed_plan(res.plan) if res.status.has_plan else None
+
+
+def grid_of(options: SolveOptions) -> tuple[int, int]:
+    """DP grids: memory values ``N_A`` and backlog values ``N_D`` (thesis: N = 50 for both).
+
+    ``options.extra['grid']`` (default ``min(slots, 200)``) discretises the kept memory
+    ``A``; ``options.extra['backlog_grid']`` (default 25) the backlogs ``dF``, ``dB``,
+    ``Delta``. The forward table has ``2 L N_A N_D^2`` states, the backward one
+    ``L^2 N_A N_D / 2`` (thesis Thm 12 with N split in two).
+    """
+    grid = int(options.extra.get("grid", min(options.slots, DEFAULT_GRID)))
+    backlog = int(options.extra.get("backlog_grid", DEFAULT_BACKLOG_GRID))
+    if grid < 1 or backlog < 1:
+        raise OptmemInputError(f"expected positive DP grids, got {grid} and {backlog}",
+                               field="grid")
+    return grid, backlog
+
+
+def pofo_plan(problem: RematOffloadProblem, options: SolveOptions, last_segment: str
+              ) -> tuple[tuple[AnyOp, ...] | None, dict]:
+    """Solve the chapter 4 DP on the coarse grid and place its transfers (fine grid)."""
+    disc, beta = _disc(problem, options)
+    grid, backlog = grid_of(options)
+    # coarsen the discretised chain by an integer factor: conservative w.r.t. ``disc``
+    coarse = discretize(disc.chain, disc.memory_limit, grid)
+    q = max(1, -(-coarse.memory_limit // backlog))
+    dp = PofoDP(coarse.chain, coarse.memory_limit, beta / coarse.unit, last_segment,
+                backlog_unit=q)
+    sol = dp.solve()
+    info: dict = {"dp_value": sol.value, "dp_states": sol.states, "grid": grid,
+                  "backlog_grid": backlog, "grid_unit": coarse.unit * disc.unit,
+                  "backlog_unit": q * coarse.unit * disc.unit, "last_segment": last_segment}
+    if not math.isfinite(sol.value):
+        return None, info
+    info["dp_offloaded"] = [f"{k} {i}" for k, i in sol.offloaded]
+    static = static_replay(disc.chain, sol.ops)
+    windows = backward_windows(disc.chain, sol.ops, static, sol.offloaded)
+    found = best_placement(disc.chain, beta, disc.memory_limit, sol.ops, windows)
+    if found is None:
+        info["placement"] = "no prefetch policy fits"
+        return None, info
+    plan, _, policy = found
+    info["prefetch"] = policy
+    return plan, info
+
+
+def _best(problem: RematOffloadProblem, options: SolveOptions,
+          candidates: Sequence[tuple[str, Sequence[AnyOp] | None]],
+          seen: dict | None = None) -> tuple[str, Sequence[AnyOp], float] | None:
+    disc, beta = _disc(problem, options)
+    best = None
+    for label, plan in candidates:
+        if plan is None:
+            continue
+        try:
+            sim = simulate_offload(disc.chain, plan, beta, disc.memory_limit)
+        except PlanError:
+            continue
+        if seen is not None:
+            seen[label] = sim.makespan
+        if best is None or sim.makespan < best[2] - 1e-12:
+            best = (label, plan, sim.makespan)
+    return best
+
+
+# ------------------------------------------------------------------ methods
+@register(PROBLEM, "dp", exact=False, default=True,
+          description="thesis ch. 4 DP (pofo): remat + offload; variants never-worse, "
+                      "extended, thesis",
+          compare_as=(("dp", None), ("dp:thesis", None)))
+def solve_dp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
+    """The chapter 4 DP; ``report['dp_value']`` is its value under Assumptions 4."""
+    variant = options.variant or "never-worse"
+    if variant not in DP_VARIANTS:
+        raise OptmemInputError(f"unknown dp variant {variant!r} (expected one of "
+                               f"{', '.join(DP_VARIANTS)})", field="variant")
+    last = "thesis" if variant == "thesis" else "extended"
+    plan, info = pofo_plan(problem, options, last)
+    candidates: list[tuple[str, Sequence[AnyOp] | None]] = [("pofo", plan)]
+    if variant == "never-worse":
+        disc, _ = _disc(problem, options)
+        candidates.append(("remat only (persistent DP)", remat_candidate(disc)))
+        candidates.append(("offload only (DYNPROG)", offload_candidate(problem, options)))
+    seen: dict[str, float] = {}
+    best = _best(problem, options, candidates, seen)
+    info["candidates"] = seen
+    if best is None:
+        if plan is not None:  # the pofo plan exists but does not replay: an error
+            return plan_result(problem, options, plan, method="dp", variant=variant,
+                               report=info)
+        status = Status.INFEASIBLE if not math.isfinite(info["dp_value"]) else \
+            Status.NO_SOLUTION
+        info["hint"] = "no plan fits (try a larger memory, bandwidth or grid)"
+        return _no_plan(problem, options, "dp", status, info, variant)
+    info["choice"] = best[0]
+    return plan_result(problem, options, best[1], method="dp", variant=variant, report=info)
+
+
+@register(PROBLEM, "remat_only", exact=False,
+          description="baseline: optimal persistent checkpoint plan (no transfer)")
+def solve_remat_only(problem: RematOffloadProblem, options: SolveOptions) -> Result:
+    """The persistent checkpoint DP's plan replayed with the link idle."""
+    disc, _ = _disc(problem, options)
+    plan = remat_candidate(disc)
+    if plan is None:
+        return _no_plan(problem, options, "remat_only", Status.INFEASIBLE,
+                        {"hint": "the persistent checkpoint DP finds no plan"})
+    return plan_result(problem, options, plan, method="remat_only")
+
+
+@register(PROBLEM, "offload_only", exact=False,
+          description="baseline: DYNPROG offload set, store-all sequence (no recompute)")
+def solve_offload_only(problem: RematOffloadProblem, options: SolveOptions) -> Result:
+    """The offload problem's DYNPROG plan."""
+    plan = offload_candidate(problem, options)
+    if plan is None:
+        return _no_plan(problem, options, "offload_only", Status.NO_SOLUTION,
+                        {"hint": "DYNPROG finds no offload-only plan"})
+    return plan_result(problem, options, plan, method="offload_only")
+
+
+# ------------------------------------------------------------------ heuristics (thesis 4.3)
+def opportunist_ops(disc: Discretized, beta: float, table: PersistentTable
+                    ) -> tuple[list[Op], list[tuple[str, int]]] | None:
+    """Compute ops and offloaded values of the opportunist heuristic (digest 5.8).
+
+    Group by group: ``F_all s`` with its input and its tape ``abar^s`` offloaded, then
+    ``F_ck s+1``, ``F_none`` until the link has moved both (estimated with back-to-back
+    compute), until the rest of the chain runs without recomputation in the memory left;
+    the rest and each group's backward come from the persistent checkpoint DP.
+    """
+    ch = disc.chain
+    L, M = ch.length, disc.memory_limit
+    a = [ch.input_size, *ch.output_size, 0]
+    abar = [ch.input_size, *ch.saved_size, 0]
+    uf = [0.0, *ch.fwd_time, 0.0]
+    ub = [0.0, *ch.bwd_time, ch.loss_bwd_time]
+    fwd: list[Op] = []
+    tails: list[list[Op]] = []
+    offloaded: list[tuple[str, int]] = []
+    s, x, clock, link = 1, 0, 0.0, 0.0
+    while True:
+        inp = abar[s - 1] if x else a[s - 1]
+        budget = M - inp
+        rest_time = sum(uf[s:L + 1]) + sum(ub[s:L + 2])
+        value = float(table.cost[s, L + 1, budget]) if 0 <= budget <= table.budget else math.inf
+        if math.isfinite(value) and value <= rest_time + 1e-9:
+            fwd.extend(checkpoint_subplan(table, s, L + 1, budget))
+            break
+        if s >= L or beta <= 0:
+            return None
+        # F_all s, offload its input and its tape
+        in_value = ("abar", s - 1) if x and s > 1 else ("a", s - 1)
+        offloaded += [in_value, ("abar", s)]
+        fwd.append(Op.parse(f"F_all {s}"))
+        link = max(link, clock) + inp / beta
+        clock += uf[s]
+        link = max(link, clock) + abar[s] / beta
+        # F_ck s+1, F_none until the transfers are done
+        t = s + 1
+        clock += uf[t]
+        while clock < link and t < L:
+            t += 1
+            clock += uf[t]
+        fwd.append(Op.parse(f"F_ck {s + 1}"))
+        fwd.extend(Op.parse(f"F_none {k}") for k in range(s + 2, t + 1))
+        m = M - abar[s]
+        if not (0 <= m <= table.budget) or not math.isfinite(float(table.cost[s + 1, t, m])):
+            return None
+        tail = checkpoint_subplan(table, s + 1, t, m) + [Op.parse(f"B {s}")]
+        tails.append(tail)
+        s, x = t + 1, 0
+        if s > L:  # the loss is next: its input a^L stays
+            fwd.append(Op.parse("Loss"))
+            break
+    ops = list(fwd)
+    for tail in reversed(tails):
+        ops.extend(tail)
+    return ops, offloaded
+
+
+@register(PROBLEM, "opportunist", exact=False,
+          description="thesis 4.3 opportunist: keep the link busy, remat DP per group")
+def solve_opportunist(problem: RematOffloadProblem, options: SolveOptions) -> Result:
+    """The opportunist heuristic (may find no plan at low memory, as in the thesis)."""
+    disc, beta = _disc(problem, options)
+    table = checkpoint_table(disc, disc.memory_limit)
+    built = opportunist_ops(disc, beta, table) if table is not None else None
+    if built is None:
+        return _no_plan(problem, options, "opportunist", Status.NO_SOLUTION,
+                        {"hint": "the opportunist heuristic finds no plan here"})
+    ops, values = built
+    return _placed(problem, options, "opportunist", ops, values, {})
+
+
+def _placed(problem: RematOffloadProblem, options: SolveOptions, method: str,
+            ops: Sequence[Op], values: Sequence[tuple[str, int]] | None, report: dict,
+            windows: Sequence[Window] | None = None) -> Result:
+    disc, beta = _disc(problem, options)
+    try:
+        static = static_replay(disc.chain, ops)
+        if windows is None:
+            windows = backward_windows(disc.chain, ops, static, values or ())
+        found = best_placement(disc.chain, beta, disc.memory_limit, ops, windows)
+    except PlanError as exc:
+        report["error"] = f"invalid compute sequence: {exc}"
+        return _no_plan(problem, options, method, Status.ERROR, report)
+    if found is None:
+        report["hint"] = "the transfers cannot be placed within the memory limit"
+        return _no_plan(problem, options, method, Status.NO_SOLUTION, report)
+    plan, _, policy = found
+    report["prefetch"] = policy
+    return plan_result(problem, options, plan, method=method, report=report)
+
+
+def capper_windows(disc: Discretized, ops: Sequence[Op]) -> list[Window] | None:
+    """Capper (digest 5.8): offload the lowest-indexed value resident at the peak, repeat.
+
+    Returns the windows once the sequence fits in the limit (``None`` if it never does).
+    """
+    ch = disc.chain
+    static = static_replay(ch, ops)
+    windows: list[Window] = []
+    host = [0] * len(ops)
+    from optmem.simulate.checkpoint import value_size
+    from optmem.simulate.offload import reads
+
+    while True:
+        mem = [p - h for p, h in zip(static.peaks, host, strict=True)]
+        j = max(range(len(ops)), key=lambda k: mem[k])
+        if mem[j] <= disc.memory_limit:
+            return windows
+        done = False
+        for value in sorted((v for v in static.before[j] if v[0] != "delta"),
+                            key=lambda v: (v[1], v[0])):
+            if reads(ops[j], value, ch.length):
+                continue
+            if any(w.value == value and w.last < j < w.consumer for w in windows):
+                continue
+            consumer = next((k for k in range(j + 1, len(ops))
+                             if reads(ops[k], value, ch.length)), None)
+            if consumer is None:
+                continue
+            w = window_before(ch, ops, static, value, consumer)
+            if w is None and value == ("a", 0):
+                last = max((k for k in range(consumer) if reads(ops[k], value, ch.length)),
+                           default=-1)
+                w = Window(value, 0, last, consumer) if 0 <= last < j else None
+            if w is None or not w.last < j < w.consumer:
+                continue
+            windows.append(w)
+            size = value_size(ch, value)
+            for k in range(w.last + 1, w.consumer):
+                host[k] += size
+            done = True
+            break
+        if not done:
+            return None
+
+
+@register(PROBLEM, "autocapper", exact=False,
+          description="thesis 4.3 autocapper: capper for 40 relaxed limits, best simulated")
+def solve_autocapper(problem: RematOffloadProblem, options: SolveOptions) -> Result:
+    """Capper(M') for ``AUTOCAPPER_VALUES`` values of M' in [M, M_high]; keep the best."""
+    disc, beta = _disc(problem, options)
+    ch = disc.chain
+    high = max(disc.memory_limit, _store_all_peak(ch))
+    table = checkpoint_table(disc, high - ch.input_size)
+    if table is None or beta <= 0:
+        return solve_remat_only(problem, options).with_(method="autocapper")
+    count = int(options.extra.get("autocapper_values", AUTOCAPPER_VALUES))
+    tried: set[tuple[str, ...]] = set()
+    best: tuple[float, tuple, str] | None = None
+    for k in range(count):
+        limit = disc.memory_limit + (high - disc.memory_limit) * k // max(count - 1, 1)
+        budget = limit - ch.input_size
+        if not math.isfinite(table.value(budget)):
+            continue
+        ops = table.plan(budget)
+        windows = capper_windows(disc, ops)
+        if windows is None:
+            continue
+        key = tuple(map(str, ops)) + tuple(f"{w}" for w in windows)
+        if key in tried:
+            continue
+        tried.add(key)
+        found = best_placement(ch, beta, disc.memory_limit, ops, windows)
+        if found is not None and (best is None or found[1].makespan < best[0] - 1e-12):
+            best = (found[1].makespan, found[0], f"M' = {limit} units ({found[2]})")
+    if best is None:
+        return _no_plan(problem, options, "autocapper", Status.NO_SOLUTION,
+                        {"hint": "no capper run fits", "capper_runs": len(tried)})
+    return plan_result(problem, options, best[1], method="autocapper",
+                       report={"choice": best[2], "capper_runs": len(tried)})
+
+
+def _store_all_peak(chain: Chain) -> int:
+    from optmem.simulate.checkpoint import simulate_checkpoint
+    from optmem.solvers.checkpoint_baselines import store_all_plan
+
+    return simulate_checkpoint(chain, store_all_plan(chain.length)).peak_memory
+
+
+# the exact searches and the DELTA policy register themselves too (the facade imports this
+# module only)
+from optmem.solvers import remat_offload_delta as _delta  # noqa: E402,F401
+from optmem.solvers import remat_offload_exact as _exact  # noqa: E402,F401
