@@ -285,22 +285,31 @@ def _dataset_row(name: str) -> dict[str, Any]:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """Solve the bundled demo chain at three memory limits and print the comparisons."""
+    """Solve a bundled network at three memory limits, then prove one DP answer exactly."""
     from optmem.datasets import load_dataset
     from optmem.problems import CheckpointProblem
     from optmem.solvers.checkpoint_dp import min_memory_persistent
-    from optmem.solvers.facade import compare
+    from optmem.solvers.facade import available_methods, compare
 
     chain = load_dataset(args.chain)
     low, high = min_memory_persistent(chain), chain.store_all_peak()
     print(f"optmem demo: {chain.name}, {chain.length} stages; store-all peak "
           f"{format_size(high)}, smallest feasible memory {format_size(low)}\n")
+    options = SolveOptions(time_limit_s=args.time_limit or 20.0)
     for frac in (0.25, 0.5, 0.75):
         limit = int(low + frac * (high - low))
         print(f"== memory limit {format_size(limit)} ({limit} B)")
-        results = compare(CheckpointProblem(chain, limit), options=SolveOptions(
-            time_limit_s=args.time_limit or 20.0))
+        results = compare(CheckpointProblem(chain, limit), options=options)
         print(format_table(results, chain) + "\n")
+    small = load_dataset(args.exact_chain)
+    if "ilp" in available_methods("checkpoint"):
+        limit = int(min_memory_persistent(small) * 1.25)
+        print(f"== exact check: {small.name} ({small.length} stages) at "
+              f"{format_size(limit)}: the DPs against the proven optimum of the full model")
+        results = compare(CheckpointProblem(small, limit),
+                          ["dp", "dp:floating", "ilp", "ilp:persistent", "sequential"],
+                          options=options)
+        print(format_table(results, small))
     return EXIT_OK
 
 
@@ -364,7 +373,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_datasets)
 
     p = sub.add_parser("demo", help="solve a bundled chain at three limits")
-    p.add_argument("--chain", default="resnet-like-40")
+    p.add_argument("--chain", default="resnet101-b8-1000")
+    p.add_argument("--exact-chain", default="gpt2-small-b8-1024")
     p.add_argument("--time-limit", type=float, default=None)
     p.set_defaults(func=cmd_demo)
 

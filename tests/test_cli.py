@@ -157,3 +157,13 @@ def test_python_dash_m_entry_point(tmp_path):
                            "-m", "1", "--json"], capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["status"] == "infeasible"
+
+
+def test_demo_compares_and_proves(capsys):
+    code, out, _ = run(capsys, "demo", "--chain", "resnet-like-40")
+    assert code == 0
+    assert out.count("== memory limit") == 3 and "== exact check" in out
+    exact = out.split("== exact check")[1]
+    rows = {line.split()[0]: line.split() for line in exact.splitlines()[3:8]}
+    assert rows["ilp:full"][1] == "optimal" and rows["dp"][1] == "optimal"
+    assert float(rows["ilp:full"][2]) <= float(rows["dp"][2])
