@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 from typing import Any
 
 from optmem.errors import PlanError
@@ -91,6 +92,24 @@ def _schedule_allocation(problem: PipelineProblem, bounds: contig.Bounds
     return contig.best_period_for_allocation(problem, bounds)
 
 
+def min_memory_contiguous(problem: PipelineProblem) -> int:
+    """Smallest memory per GPU at which some contiguous allocation has a schedule.
+
+    Feasibility is monotone in the memory per GPU, so a doubling search followed by a
+    bisection over integers finds the exact threshold of :func:`contig.best_contiguous`.
+    """
+    def fits(memory: int) -> bool:
+        return contig.best_contiguous(replace(problem, memory_per_gpu=memory)) is not None
+
+    low, high = problem.memory_per_gpu, max(1, 2 * problem.memory_per_gpu)
+    while not fits(high):
+        low, high = high, 2 * high
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if fits(mid) else (mid, high)
+    return high
+
+
 # ------------------------------------------------------------------ contiguous
 @register(PROBLEM, "contiguous", exact=True, default=True,
           description="best contiguous allocation + optimal 1F1B* (thesis ch. 5, exact scan)")
@@ -101,8 +120,11 @@ def solve_pipeline_contiguous(problem: PipelineProblem, options: SolveOptions) -
         return _best_contiguous_strict(problem)
     found = contig.best_contiguous(problem)
     if found is None:
-        return infeasible(problem, "contiguous",
-                          "no contiguous allocation fits, even with one activation per stage")
+        least = min_memory_contiguous(problem)
+        result = infeasible(problem, "contiguous",
+                            "no contiguous allocation fits, even with one activation per stage; "
+                            f"the smallest feasible memory per GPU is {least}")
+        return result.with_(min_feasible_memory=least)
     period, bounds, proven = found
     sched = _schedule_allocation(problem, bounds)
     assert sched is not None

@@ -36,7 +36,11 @@ from optmem.problems.checkpoint import Discretized, discretize
 from optmem.problems.remat_offload import RematOffloadProblem
 from optmem.result import Result, SolveOptions, Status
 from optmem.simulate.offload import simulate_offload
-from optmem.solvers.checkpoint_dp import PersistentTable, solve_persistent_table
+from optmem.solvers.checkpoint_dp import (
+    PersistentTable,
+    min_memory_persistent,
+    solve_persistent_table,
+)
 from optmem.solvers.facade import register
 from optmem.solvers.remat_offload_dp import PofoDP, checkpoint_subplan
 from optmem.solvers.remat_offload_schedule import (
@@ -235,7 +239,11 @@ def solve_dp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
                                report=info)
         status = Status.INFEASIBLE if not math.isfinite(info["dp_value"]) else \
             Status.NO_SOLUTION
-        info["hint"] = "no plan fits (try a larger memory, bandwidth or grid)"
+        least = min_memory_persistent(problem.chain)
+        info["hint"] = (f"no plan fits; a plan without transfers fits from {least} "
+                        f"{problem.chain.memory_unit} (offloading may need less: try a larger "
+                        "bandwidth or grid)")
+        info["checkpoint_min_memory"] = least
         return _no_plan(problem, options, "dp", status, info, variant)
     info["choice"] = best[0]
     return plan_result(problem, options, best[1], method="dp", variant=variant, report=info)

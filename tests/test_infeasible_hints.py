@@ -1,0 +1,30 @@
+"""Infeasible limits say the smallest feasible memory (pipeline, remat-offload)."""
+
+from __future__ import annotations
+
+from optmem.datasets import load_dataset
+from optmem.problems.pipeline import PipelineProblem
+from optmem.problems.remat_offload import RematOffloadProblem
+from optmem.result import Status
+from optmem.solvers.checkpoint_dp import min_memory_persistent
+from optmem.solvers.facade import solve
+
+
+def test_pipeline_contiguous_smallest_memory_is_tight():
+    chain = load_dataset("resnet50-b32-224")
+    result = solve(PipelineProblem(chain, 2, 10**6, 12e6), "contiguous")
+    assert result.status is Status.INFEASIBLE
+    least = result.min_feasible_memory
+    assert least is not None and least > 10**6
+    assert solve(PipelineProblem(chain, 2, least, 12e6), "contiguous").status.has_plan
+    below = solve(PipelineProblem(chain, 2, least - 1, 12e6), "contiguous")
+    assert below.status is Status.INFEASIBLE
+
+
+def test_remat_offload_infeasible_names_a_feasible_memory():
+    chain = load_dataset("resnet-like-40")
+    result = solve(RematOffloadProblem(chain, 1, 12e6), "dp")
+    assert result.status is Status.INFEASIBLE
+    least = min_memory_persistent(chain)
+    assert result.report["checkpoint_min_memory"] == least
+    assert str(least) in result.report["hint"]
