@@ -119,24 +119,13 @@ def test_brute_plan_on_tiny_chain():
     assert_same_step(module, CheckpointedChain(stages, tight.plan), x)
 
 
-def test_floating_plan_if_available():
-    from optmem.solvers.facade import methods
-
-    if importlib_missing("optmem.solvers.checkpoint_floating"):
-        pytest.skip("the floating DP (optmem.solvers.checkpoint_floating) is not built yet")
-    assert "dp" in methods("checkpoint")
+def test_floating_plan():
     torch.manual_seed(3)
     module, x = resolve_spec("toy-mlp", batch=8, )
     stages = extract_stages(module, max_stages=6)
     chain = profile_stages(stages, x, repeats=1, warmup=0)
     r = tightest_result(chain, "dp:floating")
     assert_same_step(module, CheckpointedChain(stages, r.plan), x)
-
-
-def importlib_missing(name: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(name) is None
 
 
 def test_dropout_identical_with_rng_restore():

@@ -71,7 +71,6 @@ def test_bad_plans_are_one_line_errors(tmp_path: Path, chain_file: Path,
 
 
 def test_offload_plan_two_lanes(tmp_path: Path) -> None:
-    pytest.importorskip("optmem.simulate.offload", reason="the offload simulator is not here")
     chain = Chain.from_lists([2, 2], [4, 4], [2, 2], [4, 4], input_size=2)
     ops = ["F_all 1", "offload a 0", "F_all 2", "Loss", "B 2", "prefetch a 0", "B 1"]
     assert is_offload_plan(ops) and not is_offload_plan(["F_all 1"])
