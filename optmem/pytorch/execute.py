@@ -450,8 +450,12 @@ class CheckpointedChain(nn.Module):
             x = m(x)
         return x
 
+    def _make_runner(self, plan: tuple[Op, ...], n: int) -> _Runner:
+        """The object that executes ``plan`` (subclasses return a specialised runner)."""
+        return _Runner(self, plan, n)
+
     def _run_plan(self, plan: tuple[Op, ...], n: int, x: Any, input_needs_grad: bool) -> Any:
-        runner = _Runner(self, plan, n)
+        runner = self._make_runner(plan, n)
         runner.input_requires_grad = input_needs_grad
         tensors = value_tensors(x)
         runner.devices = sorted({t.device.index or 0 for t in tensors if t.is_cuda})

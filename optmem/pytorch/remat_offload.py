@@ -33,8 +33,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from optmem.errors import PlanError
 from optmem.plan import AnyOp, Op, OpKind, TransferKind, TransferOp, parse_mixed_plan
-from optmem.pytorch.execute import CheckpointedChain, _PlanFunction, _Runner
-from optmem.pytorch.extract import Stage, value_tensors
+from optmem.pytorch.execute import CheckpointedChain, _Runner
+from optmem.pytorch.extract import Stage
 
 __all__ = ["RematOffloadChain", "split_mixed_plan"]
 
@@ -257,19 +257,7 @@ class RematOffloadChain(CheckpointedChain):
         self.moved_out = 0
         self.weight_ptrs = {t.untyped_storage().data_ptr()
                             for t in (*self.parameters(), *self.buffers())}
-        # CheckpointedChain._run_plan with the offload-aware runner
-        runner = _OffloadRunner(self, plan, n)
-        runner.input_requires_grad = input_needs_grad
-        tensors = value_tensors(x)
-        runner.devices = sorted({t.device.index or 0 for t in tensors if t.is_cuda})
-        runner.autocast = [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
-                           if torch.is_autocast_enabled(d)]
-        leaves, spec = tree_flatten(x)
-        runner.in_leaves = leaves  # type: ignore[attr-defined]
-        inputs = [t for t in leaves if isinstance(t, torch.Tensor)]
-        dummy = torch.empty(0, requires_grad=True)
-        outs = _PlanFunction.apply(runner, spec, len(inputs), *inputs, dummy)
-        it = iter(outs)
-        out_leaves = [next(it) if isinstance(v, torch.Tensor) else v for v in runner.out_leaves]
-        runner.out_leaves = []
-        return tree_unflatten(out_leaves, runner.out_spec)
+        return super()._run_plan(plan, n, x, input_needs_grad)
+
+    def _make_runner(self, plan: tuple[Op, ...], n: int) -> _OffloadRunner:
+        return _OffloadRunner(self, plan, n)
