@@ -152,7 +152,7 @@ def build_transfer_cpsat(chain: Chain, memory: int, beta: float, ops: Sequence[O
 
 
 def solve_transfer_cpsat(built: TransferCPSAT, *, time_limit_s: float | None = None,
-                         threads: int = 2) -> tuple[str, Any]:
+                         threads: int = 2, verbose: bool = False) -> tuple[str, Any]:
     """Solve the model: ``(status, solver)``.
 
     Status ``optimal``/``feasible``/``infeasible``/``no_solution`` (the one place CP-SAT codes
@@ -162,6 +162,7 @@ def solve_transfer_cpsat(built: TransferCPSAT, *, time_limit_s: float | None = N
 
     solver = cp_model.CpSolver()
     solver.parameters.num_search_workers = max(1, threads)
+    solver.parameters.log_search_progress = verbose
     if time_limit_s is not None:
         solver.parameters.max_time_in_seconds = float(time_limit_s)
     code = solver.solve(built.model)

@@ -288,11 +288,8 @@ def solve_offload_all(problem: OffloadProblem, options: SolveOptions) -> Result:
           description="exact CP-SAT model of OFF_int (small chains)")
 def solve_cpsat(problem: OffloadProblem, options: SolveOptions) -> Result:
     """Exact OFF_int optimum (``optimal`` when proven within the time limit)."""
-    from optmem.models.offload_cpsat import (
-        build_offload_cpsat,
-        decode_offload_cpsat,
-        solve_offload_cpsat,
-    )
+    from optmem.models.offload_cpsat import build_offload_cpsat
+    from optmem.models.remat_offload_cpsat import decode_transfer_cpsat, solve_transfer_cpsat
 
     disc, beta = _disc(problem, options)
     if _too_small(disc):
@@ -301,8 +298,8 @@ def solve_cpsat(problem: OffloadProblem, options: SolveOptions) -> Result:
         raise OptmemInputError(f"the CP-SAT model is for small chains; refusing L = "
                                f"{problem.chain.length}", field="method")
     built = build_offload_cpsat(disc.chain, disc.memory_limit, beta)
-    status, solver = solve_offload_cpsat(built, time_limit_s=options.time_limit_s,
-                                         threads=options.threads, verbose=options.verbose)
+    status, solver = solve_transfer_cpsat(built, time_limit_s=options.time_limit_s,
+                                          threads=options.threads, verbose=options.verbose)
     report = {"model": dict(built.info), "time_scale": built.scale, "exact_times": built.exact}
     if status == "infeasible":
         return _infeasible(problem, disc, "cpsat", report)
@@ -310,7 +307,7 @@ def solve_cpsat(problem: OffloadProblem, options: SolveOptions) -> Result:
         return Result(PROBLEM, "cpsat", Status.NO_SOLUTION, bound=lower_bound(problem, options),
                       memory_limit=disc.memory_limit, unit=disc.unit, solver="cpsat",
                       report=report)
-    plan, value = decode_offload_cpsat(built, solver)
+    plan, value = decode_transfer_cpsat(built, solver)
     proven = status == "optimal" and built.exact
     report["model_objective"] = value
     result = plan_result(problem, options, plan, method="cpsat",
