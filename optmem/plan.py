@@ -139,10 +139,11 @@ def from_rotor_sequence(text: str, length: int) -> Plan:
     return tuple(ops)
 
 
-def load_plan(path: str | Path) -> Plan:
-    """Read a plan file: a JSON list of op strings, or an object with a ``plan`` list.
+def read_plan_json(path: str | Path) -> dict[str, Any]:
+    """Read a plan file as ``{"plan": [...], ...}``: a JSON list of ops, or an object.
 
-    The ``--json`` output of ``optmem solve`` is accepted as it is.
+    The ``--json`` output of ``optmem solve`` is accepted as it is (its other fields, such as
+    ``memory_limit`` and ``unit``, are kept). Errors name the file.
     """
     path = Path(path)
     try:
@@ -152,15 +153,20 @@ def load_plan(path: str | Path) -> Plan:
     except json.JSONDecodeError as exc:
         raise PlanError(f"not valid JSON (line {exc.lineno}: {exc.msg})",
                         source=str(path)) from None
-    if isinstance(data, dict):
-        data = data.get("plan")
-    if not isinstance(data, list):
+    if isinstance(data, list):
+        data = {"plan": data}
+    if not isinstance(data, dict) or not isinstance(data.get("plan"), list):
         raise PlanError("expected a JSON list of ops or an object with a 'plan' list",
                         source=str(path))
+    return data
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read and parse a checkpoint plan file (see :func:`read_plan_json`)."""
     try:
-        return parse_plan(data)
+        return parse_plan(read_plan_json(path)["plan"])
     except PlanError as exc:
-        raise exc.with_source(str(path)) from None
+        raise exc if exc.source else exc.with_source(str(path)) from None
 
 
 # ------------------------------------------------------------------ offload ops (CONTRACT 7)

@@ -19,12 +19,12 @@ matplotlib is imported only when a picture is drawn.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError, PlanError
+from optmem.plan import read_plan_json
 from optmem.units import format_size, parse_bandwidth, parse_size
 
 TRANSFER_WORDS = ("offload", "prefetch")
@@ -33,18 +33,7 @@ TRANSFER_WORDS = ("offload", "prefetch")
 def read_plan_file(path: str | Path) -> dict[str, Any]:
     """Read a plan file into ``{"plan": [...], "memory_limit", "unit", "problem", ...}``."""
     path = Path(path)
-    try:
-        data: Any = json.loads(path.read_text())
-    except OSError as exc:
-        raise PlanError(f"cannot read plan file ({exc.strerror})", source=str(path)) from None
-    except json.JSONDecodeError as exc:
-        raise PlanError(f"not valid JSON (line {exc.lineno}: {exc.msg})",
-                        source=str(path)) from None
-    if isinstance(data, list):
-        data = {"plan": data}
-    if not isinstance(data, dict) or not isinstance(data.get("plan"), list):
-        raise PlanError("expected a JSON list of ops or an object with a 'plan' list",
-                        source=str(path))
+    data = read_plan_json(path)
     if not data["plan"]:
         raise PlanError("the plan is empty (the solve found no plan?)", source=str(path))
     if not all(isinstance(op, str) for op in data["plan"]):
