@@ -201,3 +201,13 @@ def minimal_shifts(
         gap = (starts[x] + durations[x] - starts[y]) / period
         shifts[x] = shifts[y] + max(0, math.ceil(gap - eps / period))
     return shifts
+
+
+def phase(t: float, period: float, rel_tol: float) -> float:
+    """``t`` modulo ``period`` in ``[0, period)``; within ``rel_tol * period`` of it is 0."""
+    r = math.fmod(t, period)
+    if r < 0:
+        r += period
+    if r >= period * (1 - rel_tol):
+        r = 0.0
+    return r

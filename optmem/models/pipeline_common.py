@@ -10,11 +10,16 @@ transferred tensor is the stage's output).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from optmem.pipeline_plan import PipelinePlan, PipelineStage, PipelineTask, minimal_shifts
+from optmem.pipeline_plan import (
+    PipelinePlan,
+    PipelineStage,
+    PipelineTask,
+    minimal_shifts,
+    phase,
+)
 from optmem.problems.pipeline import PipelineProblem
 
 
@@ -93,12 +98,7 @@ def zero_forward_merged(problem: PipelineProblem) -> list[tuple[int, int]]:
 
 
 def _mod(t: float, period: float) -> float:
-    r = math.fmod(t, period)
-    if r < 0:
-        r += period
-    if r >= period * (1 - 1e-9):
-        r = 0.0
-    return r
+    return phase(t, period, 1e-9)
 
 
 def decode_plan(

@@ -13,7 +13,7 @@ than it (see the simulator's docstring), so the minimum is the OFF_int optimum.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from optmem.chain import Chain
 from optmem.errors import PlanError
@@ -45,6 +45,25 @@ def _gaps(order: list[tuple[str, int]], length: int, lo: int = 0) -> Iterator[li
             yield [g, *rest]
 
 
+def interleave_transfers(
+    ops: Sequence[AnyOp], transfers: Sequence[tuple[str, tuple[str, int]]], gaps: Sequence[int]
+) -> list[AnyOp]:
+    """The compute ``ops`` with each transfer listed right before its compute op.
+
+    Transfer ``t`` is ``("O"|"P", value)`` and goes before op ``gaps[t]``; transfers keep
+    their order.
+    """
+    plan: list[AnyOp] = []
+    ti = 0
+    for j, op in enumerate(ops):
+        while ti < len(transfers) and gaps[ti] == j:
+            kind, value = transfers[ti]
+            plan.append((offload if kind == "O" else prefetch)(*value))
+            ti += 1
+        plan.append(op)
+    return plan
+
+
 def brute_force_offload(chain: Chain, bandwidth: float, memory_limit: int
                         ) -> tuple[float, tuple[AnyOp, ...], int] | None:
     """Minimum makespan over all plans, the plan, and how many plans were simulated."""
@@ -58,14 +77,8 @@ def brute_force_offload(chain: Chain, bandwidth: float, memory_limit: int
         for values in itertools.combinations(cand, r):
             for order in _orders(list(values)):
                 for gaps in _gaps(order, length):
-                    plan: list[AnyOp] = []
-                    ti = 0
-                    for j, op in enumerate(seq):
-                        while ti < len(order) and gaps[ti] == j:
-                            kind, k = order[ti]
-                            plan.append((offload if kind == "O" else prefetch)(*value_op(k)))
-                            ti += 1
-                        plan.append(op)
+                    plan = interleave_transfers(
+                        seq, [(kind, value_op(k)) for kind, k in order], gaps)
                     count += 1
                     try:
                         sim = simulate_offload(chain, plan, bandwidth, memory_limit)

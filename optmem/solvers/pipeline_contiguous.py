@@ -31,7 +31,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from optmem.pipeline_plan import PipelinePlan, PipelineStage, PipelineTask, minimal_shifts
+from optmem.pipeline_plan import (
+    PipelinePlan,
+    PipelineStage,
+    PipelineTask,
+    minimal_shifts,
+    phase,
+)
 from optmem.problems.pipeline import PipelineProblem
 
 TOL = 1e-9
@@ -135,12 +141,7 @@ def one_f_one_b_star(problem: PipelineProblem, bounds: Bounds, period: float) ->
 
 
 def _mod(t: float, period: float) -> float:
-    r = math.fmod(t, period)
-    if r < 0:
-        r += period
-    if r >= period * (1 - 1e-12):
-        r = 0.0
-    return r
+    return phase(t, period, 1e-12)
 
 
 def period_candidates(loads: Sequence[float], lower: float) -> list[float]:

@@ -24,12 +24,13 @@ from collections.abc import Iterator, Sequence
 
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError, PlanError
-from optmem.plan import LOSS, AnyOp, B, F_all, F_ck, F_none, Op, offload, prefetch
+from optmem.plan import LOSS, AnyOp, B, F_all, F_ck, F_none, Op
 from optmem.problems.remat_offload import RematOffloadProblem
 from optmem.result import Result, SolveOptions, Status
 from optmem.simulate.checkpoint import initial_state, is_final, transition
 from optmem.simulate.offload import reads, simulate_offload
 from optmem.solvers.facade import register
+from optmem.solvers.offload_bruteforce import interleave_transfers
 from optmem.solvers.remat_offload import PROBLEM, _disc, _no_plan, plan_result
 from optmem.solvers.remat_offload_schedule import Window, static_replay, window_before
 
@@ -193,15 +194,8 @@ def _brute_transfers(chain: Chain, limit: int, beta: float, ops: tuple[Op, ...]
                 continue
             for order in _orders(list(chosen), windows):
                 for gaps in _gaps(order, windows):
-                    plan: list[AnyOp] = []
-                    ti = 0
-                    for j, op in enumerate(ops):
-                        while ti < len(order) and gaps[ti] == j:
-                            kind, i = order[ti]
-                            plan.append((offload if kind == "O" else prefetch)(
-                                *windows[i].value))
-                            ti += 1
-                        plan.append(op)
+                    plan = interleave_transfers(
+                        ops, [(kind, windows[i].value) for kind, i in order], gaps)
                     try:
                         sim = simulate_offload(chain, plan, beta, limit)
                     except PlanError:
