@@ -125,7 +125,8 @@ def solve_pulp(
     objective = math.nan
     if status.has_plan:
         values = [v.varValue if v.varValue is not None else 0.0 for v in variables]
-        objective = float(problem.objective.value())
+        value = problem.objective.value()  # None for an empty objective (PuLP's dummy)
+        objective = float(problem.objective.constant if value is None else value)
         if status is Status.OPTIMAL:
             bound = objective
     return EngineResult(status, values, objective, bound, engine, elapsed, message)

@@ -1,0 +1,671 @@
+r"""Solver-neutral mixed-integer models, written once and emitted to PuLP and to CP-SAT.
+
+An exact model of optmem is built once as a :class:`Model`: variables (binary, integer,
+continuous, each with finite bounds where an emitter needs them), linear constraints
+``lo <= expr <= hi`` that may be *enforced* only when some literals are true, optional
+fixed-size intervals and ``no_overlap`` sets of them (one machine, one link), and a linear
+objective to minimise. Two emitters write it for an engine:
+
+* :func:`to_pulp` (HiGHS, CBC, Gurobi through PuLP): an enforced constraint becomes a big-M
+  row whose ``M`` is computed from the variable bounds (the tightest valid one); a
+  ``no_overlap`` set becomes one order binary per pair of intervals, with big-M rows again
+  from the bounds of the interval starts; the objective constant rides on a variable fixed
+  to 1 so that every MPS reader sees the same optimum.
+* :func:`to_cpsat` (OR-Tools CP-SAT): enforced constraints use ``only_enforce_if``,
+  intervals are ``new_optional_fixed_size_interval_var`` and ``no_overlap`` is CP-SAT's own
+  global constraint. CP-SAT needs integers: continuous variables are represented on a grid
+  of ``1 / scale`` (see *Time scaling* below).
+
+So a formulation never exists twice: both engines solve the same model, and
+:meth:`Model.violated` checks any assignment against it independently of either engine
+(tests use it to cross-check the emitters on random models).
+
+Time scaling (the one policy of the package for CP-SAT)
+-------------------------------------------------------
+Let ``s = scale``. A continuous variable ``t`` becomes an integer variable ``T`` with
+``t = T / s``; every row that involves a continuous variable is multiplied by ``s``; interval
+sizes become ``size * s``. Emission is **exact** when every resulting coefficient, bound and
+size is an integer (``CpsatModel.exact``), which :func:`time_scale` arranges whenever the
+data have at most ``max_decimals`` decimals. Otherwise coefficients are rounded to the
+nearest integer and ``CpsatModel.max_rounding`` reports the largest change; a model builder
+that needs valid bounds in the original units must then put its data on the grid itself
+(e.g. durations rounded up for a restriction, down for a relaxation) and state which, as
+the models of :mod:`optmem.models` do in their docstrings. Decoded values are divided back
+by ``s``; plans are always replayed by the simulator, which gives the true objective.
+
+Notation
+--------
+``x[i]`` the variables (index ``i`` in creation order); a *literal* is ``(i, True)`` for
+``x[i] = 1`` or ``(i, False)`` for ``x[i] = 0`` (binary variables only).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+__all__ = [
+    "Constraint", "CpsatModel", "Expr", "Interval", "Kind", "Literal", "Model", "NoOverlap",
+    "PulpModel", "Var", "time_scale", "to_cpsat", "to_pulp",
+]
+
+MAX_DECIMALS = 6
+_TOL = 1e-9
+
+
+class Kind(StrEnum):
+    """Variable domain."""
+
+    BINARY = "binary"
+    INTEGER = "integer"
+    CONTINUOUS = "continuous"
+
+
+@dataclass(frozen=True)
+class Var:
+    """A model variable (``lo``/``hi`` may be infinite for continuous/integer variables)."""
+
+    index: int
+    name: str
+    kind: Kind
+    lo: float
+    hi: float
+
+
+Literal = tuple[int, bool]
+"""``(variable index, polarity)``: true when the binary variable equals ``polarity``."""
+
+Term = tuple[int, float]
+
+
+class Expr:
+    """A linear expression ``sum coef * x[i] + const``.
+
+    Supports ``+``, ``-``, multiplication by a number and comparison with ``<=``, ``>=`` and
+    ``==`` (which give a :class:`Relation` for :meth:`Model.add`).
+
+    Examples
+    --------
+    >>> m = Model("doc")
+    >>> x, y = m.binary("x"), m.integer("y", 0, 5)
+    >>> e = 2 * x + y - 1
+    >>> e.terms, e.const
+    ([(0, 2.0), (1, 1.0)], -1.0)
+    """
+
+    __slots__ = ("const", "terms")
+
+    def __init__(self, terms: Iterable[Term] = (), const: float = 0.0) -> None:
+        self.terms: list[Term] = list(terms)
+        self.const = float(const)
+
+    @staticmethod
+    def of(value: ExprLike) -> Expr:
+        """``value`` as an expression (numbers become constants)."""
+        if isinstance(value, Expr):
+            return value
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise TypeError(f"cannot use {value!r} in a linear expression")
+        return Expr((), float(value))
+
+    @staticmethod
+    def sum(items: Iterable[ExprLike]) -> Expr:
+        """The sum of expressions and numbers (linear time, unlike ``sum()``)."""
+        terms: list[Term] = []
+        const = 0.0
+        for item in items:
+            e = Expr.of(item)
+            terms.extend(e.terms)
+            const += e.const
+        return Expr(terms, const)
+
+    def __add__(self, other: ExprLike) -> Expr:
+        o = Expr.of(other)
+        return Expr(self.terms + o.terms, self.const + o.const)
+
+    __radd__ = __add__
+
+    def __sub__(self, other: ExprLike) -> Expr:
+        return self + Expr.of(other) * -1.0
+
+    def __rsub__(self, other: ExprLike) -> Expr:
+        return Expr.of(other) + self * -1.0
+
+    def __neg__(self) -> Expr:
+        return self * -1.0
+
+    def __mul__(self, c: float) -> Expr:
+        if isinstance(c, Expr | bool) or not isinstance(c, int | float):
+            raise TypeError("a linear expression can only be multiplied by a number")
+        c = float(c)
+        return Expr([(i, c * v) for i, v in self.terms], c * self.const)
+
+    __rmul__ = __mul__
+
+    def __le__(self, other: ExprLike) -> Relation:  # type: ignore[override]
+        return Relation(self - Expr.of(other), None, 0.0)
+
+    def __ge__(self, other: ExprLike) -> Relation:  # type: ignore[override]
+        return Relation(self - Expr.of(other), 0.0, None)
+
+    def __eq__(self, other: object) -> Relation:  # type: ignore[override]
+        return Relation(self - Expr.of(other), 0.0, 0.0)  # type: ignore[arg-type]
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def merged(self) -> tuple[Term, ...]:
+        """Terms with one entry per variable and no zero coefficients."""
+        acc: dict[int, float] = {}
+        for i, c in self.terms:
+            acc[i] = acc.get(i, 0.0) + c
+        return tuple((i, c) for i, c in acc.items() if c != 0.0)
+
+    def value(self, values: Sequence[float]) -> float:
+        """Value under an assignment."""
+        return self.const + sum(c * values[i] for i, c in self.terms)
+
+    def __repr__(self) -> str:
+        return f"Expr({self.terms!r}, {self.const!r})"
+
+
+ExprLike = Expr | int | float
+
+
+@dataclass(frozen=True)
+class Relation:
+    """``lo <= expr <= hi`` before it is added to a model (what comparisons return)."""
+
+    expr: Expr
+    lo: float | None
+    hi: float | None
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """``lo <= sum(terms) <= hi``, enforced only when every literal of ``enforce`` holds."""
+
+    name: str
+    terms: tuple[Term, ...]
+    lo: float | None
+    hi: float | None
+    enforce: tuple[Literal, ...] = ()
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A task ``[start, start + size)`` on one resource, present when ``presence`` holds.
+
+    ``start`` is ``x[var] + offset`` for one integer or continuous variable (CP-SAT needs an
+    affine start); ``presence`` is ``None`` for an interval that is always present.
+    """
+
+    name: str
+    var: int
+    offset: float
+    size: float
+    presence: Literal | None = None
+
+
+@dataclass(frozen=True)
+class NoOverlap:
+    """No two present intervals of the set overlap (one machine or one link)."""
+
+    name: str
+    intervals: tuple[int, ...]
+
+
+@dataclass
+class Model:
+    """A solver-neutral minimisation model (see the module docstring).
+
+    Examples
+    --------
+    Two jobs of sizes 2 and 3 on one machine, minimise the makespan:
+
+    >>> m = Model("two-jobs")
+    >>> s1, s2 = m.continuous("s1", 0, 10), m.continuous("s2", 0, 10)
+    >>> c = m.continuous("cmax", 0, 10)
+    >>> m.no_overlap("machine", [m.interval("j1", s1, 2), m.interval("j2", s2, 3)])
+    >>> m.add(c >= s1 + 2, "end1"); m.add(c >= s2 + 3, "end2")
+    >>> m.minimize(c)
+    >>> m.violated([0, 2, 5]), m.violated([0, 1, 4])
+    ([], ['no_overlap machine: j1 and j2'])
+    """
+
+    name: str
+    vars: list[Var] = field(default_factory=list)
+    constraints: list[Constraint] = field(default_factory=list)
+    intervals: list[Interval] = field(default_factory=list)
+    no_overlaps: list[NoOverlap] = field(default_factory=list)
+    objective: Expr = field(default_factory=Expr)
+
+    # ------------------------------------------------------------------ variables
+    def _new(self, name: str, kind: Kind, lo: float, hi: float) -> Expr:
+        if lo > hi:
+            raise ValueError(f"variable {name}: lower bound {lo} above upper bound {hi}")
+        self.vars.append(Var(len(self.vars), name, kind, float(lo), float(hi)))
+        return Expr([(len(self.vars) - 1, 1.0)])
+
+    def binary(self, name: str) -> Expr:
+        """A new 0/1 variable, as an expression."""
+        return self._new(name, Kind.BINARY, 0, 1)
+
+    def integer(self, name: str, lo: float, hi: float) -> Expr:
+        """A new integer variable in ``[lo, hi]``."""
+        return self._new(name, Kind.INTEGER, math.ceil(lo - _TOL), math.floor(hi + _TOL))
+
+    def continuous(self, name: str, lo: float = 0.0, hi: float = math.inf) -> Expr:
+        """A new continuous variable in ``[lo, hi]``."""
+        return self._new(name, Kind.CONTINUOUS, lo, hi)
+
+    @staticmethod
+    def index(x: Expr) -> int:
+        """The variable index of a single-variable expression made by this model."""
+        if len(x.terms) != 1 or x.terms[0][1] != 1.0 or x.const != 0.0:
+            raise ValueError(f"expected a single variable, got {x!r}")
+        return x.terms[0][0]
+
+    def literal(self, x: Expr, value: bool = True) -> Literal:
+        """The literal ``x == value`` of a binary variable."""
+        i = self.index(x)
+        if self.vars[i].kind is not Kind.BINARY:
+            raise ValueError(f"{self.vars[i].name} is not binary")
+        return (i, bool(value))
+
+    # ------------------------------------------------------------------ constraints
+    def add(self, rel: Relation, name: str, *, only_if: Sequence[Literal] | Literal = ()
+            ) -> None:
+        """Add a relation (``expr <= ..``, ``>=``, ``==``), optionally enforced by literals.
+
+        A relation without variables is checked at once: a violated one is kept as an
+        infeasible row (``name!``) so that both emitters and :meth:`violated` see it.
+        """
+        lits: tuple[Literal, ...]
+        if isinstance(only_if, tuple) and len(only_if) == 2 and isinstance(only_if[1], bool):
+            lits = (only_if,)  # type: ignore[assignment]
+        else:
+            lits = tuple(only_if)  # type: ignore[arg-type]
+        terms = rel.expr.merged()
+        lo = None if rel.lo is None else rel.lo - rel.expr.const
+        hi = None if rel.hi is None else rel.hi - rel.expr.const
+        if not terms:
+            bad = (lo is not None and lo > _TOL) or (hi is not None and hi < -_TOL)
+            if bad:
+                self.constraints.append(Constraint(name + "!", (), lo, hi, lits))
+            return
+        self.constraints.append(Constraint(name, terms, lo, hi, lits))
+
+    def interval(self, name: str, start: Expr, size: float,
+                 presence: Literal | None = None) -> int:
+        """A new interval ``[start, start + size)``; returns its index."""
+        if len(start.terms) != 1 or start.terms[0][1] != 1.0:
+            raise ValueError(f"interval {name}: the start must be one variable plus a constant")
+        if size < 0:
+            raise ValueError(f"interval {name}: negative size {size}")
+        self.intervals.append(Interval(name, start.terms[0][0], start.const, float(size),
+                                       presence))
+        return len(self.intervals) - 1
+
+    def no_overlap(self, name: str, intervals: Iterable[int]) -> None:
+        """No two present intervals of ``intervals`` overlap."""
+        self.no_overlaps.append(NoOverlap(name, tuple(intervals)))
+
+    def minimize(self, expr: ExprLike) -> None:
+        """Set the objective (to minimise)."""
+        self.objective = Expr.of(expr)
+
+    # ------------------------------------------------------------------ checking
+    @property
+    def size(self) -> dict[str, int]:
+        """Variables, constraints (rows, intervals and no-overlap sets) and non-zeros."""
+        return {"variables": len(self.vars), "constraints": len(self.constraints),
+                "intervals": len(self.intervals), "no_overlaps": len(self.no_overlaps),
+                "nonzeros": sum(len(c.terms) for c in self.constraints)}
+
+    @property
+    def trivially_infeasible(self) -> bool:
+        """Whether an unconditional constraint without variables is violated."""
+        return any(not c.terms and not c.enforce for c in self.constraints)
+
+    def evaluate(self, values: Sequence[float]) -> float:
+        """Objective value of an assignment."""
+        return self.objective.value(values)
+
+    def violated(self, values: Sequence[float], tol: float = 1e-6) -> list[str]:
+        """Names of what an assignment violates: bounds, integrality, rows, no-overlaps."""
+        bad: list[str] = []
+        for v in self.vars:
+            x = values[v.index]
+            if x < v.lo - tol or x > v.hi + tol:
+                bad.append(f"bound {v.name}")
+            elif v.kind is not Kind.CONTINUOUS and abs(x - round(x)) > tol:
+                bad.append(f"integrality {v.name}")
+        for con in self.constraints:
+            if not all(_holds(values, lit) for lit in con.enforce):
+                continue
+            s = sum(c * values[i] for i, c in con.terms)
+            scale = max(1.0, *(abs(c) for _, c in con.terms)) if con.terms else 1.0
+            if (con.lo is not None and s < con.lo - tol * scale) or (
+                    con.hi is not None and s > con.hi + tol * scale):
+                bad.append(con.name)
+        for group in self.no_overlaps:
+            present = [self.intervals[k] for k in group.intervals
+                       if self.intervals[k].presence is None
+                       or _holds(values, self.intervals[k].presence)]  # type: ignore[arg-type]
+            for a_pos, a in enumerate(present):
+                sa = values[a.var] + a.offset
+                for b in present[a_pos + 1:]:
+                    sb = values[b.var] + b.offset
+                    if a.size > 0 and b.size > 0 and sa + a.size > sb + tol \
+                            and sb + b.size > sa + tol:
+                        bad.append(f"no_overlap {group.name}: {a.name} and {b.name}")
+        return bad
+
+
+def _holds(values: Sequence[float], lit: Literal) -> bool:
+    return (values[lit[0]] > 0.5) == lit[1]
+
+
+# ------------------------------------------------------------------ bounds of expressions
+def _range(model: Model, terms: Iterable[Term]) -> tuple[float, float]:
+    """Smallest and largest value of ``sum c x`` over the variable bounds."""
+    lo = hi = 0.0
+    for i, c in terms:
+        v = model.vars[i]
+        a, b = (c * v.lo, c * v.hi) if c >= 0 else (c * v.hi, c * v.lo)
+        lo += a
+        hi += b
+    return lo, hi
+
+
+def _big_m(model: Model, con: Constraint) -> tuple[float | None, float | None]:
+    """Big-M of the ``hi`` and ``lo`` sides of an enforced row (None: side not needed)."""
+    lo, hi = _range(model, con.terms)
+    m_hi = m_lo = None
+    if con.hi is not None and hi > con.hi + _TOL:
+        m_hi = hi - con.hi
+        if not math.isfinite(m_hi):
+            raise ValueError(f"constraint {con.name}: enforced row needs finite variable "
+                             "bounds for its big-M")
+    if con.lo is not None and lo < con.lo - _TOL:
+        m_lo = con.lo - lo
+        if not math.isfinite(m_lo):
+            raise ValueError(f"constraint {con.name}: enforced row needs finite variable "
+                             "bounds for its big-M")
+    return m_hi, m_lo
+
+
+# ------------------------------------------------------------------ PuLP
+@dataclass
+class PulpModel:
+    """A :class:`Model` written for PuLP.
+
+    ``variables`` are in model order (the order of engine values and warm starts);
+    ``auxiliary`` are the order binaries of ``no_overlap`` sets and the objective constant,
+    whose warm-start values :func:`to_pulp` derives from a full assignment.
+    """
+
+    model: Model
+    problem: Any
+    variables: list[Any]
+    auxiliary: list[Any]
+    orders: list[tuple[int, int, int]]  # (aux index, interval a, interval b): 1 = a before b
+
+    def initial(self, values: Sequence[float] | None) -> list[float] | None:
+        """A warm start for every PuLP variable (model and auxiliary) from model values."""
+        if values is None:
+            return None
+        out = [float(v) for v in values]
+        aux = [0.0] * len(self.auxiliary)
+        for k, a, b in self.orders:
+            ia, ib = self.model.intervals[a], self.model.intervals[b]
+            aux[k] = 1.0 if values[ia.var] + ia.offset <= values[ib.var] + ib.offset else 0.0
+        if self.auxiliary and self.auxiliary[-1].name == "objective_constant":
+            aux[-1] = 1.0
+        return out + aux
+
+    @property
+    def all_variables(self) -> list[Any]:
+        """Model variables then auxiliary ones (the engine's variable list)."""
+        return self.variables + self.auxiliary
+
+
+def _lit_expr(xs: Sequence[Any], lits: Sequence[Literal]) -> Any:
+    """``sum of (1 - literal value)``: 0 exactly when every literal holds."""
+    import pulp  # type: ignore[import-untyped]
+
+    return pulp.lpSum((1 - xs[i]) if pol else xs[i] for i, pol in lits)
+
+
+def to_pulp(model: Model) -> PulpModel:
+    """Write ``model`` as a PuLP minimisation problem (big-M for enforcement and orders)."""
+    import pulp  # type: ignore[import-untyped]
+
+    prob = pulp.LpProblem(_safe(model.name), pulp.LpMinimize)
+    cat = {Kind.BINARY: pulp.LpBinary, Kind.INTEGER: pulp.LpInteger,
+           Kind.CONTINUOUS: pulp.LpContinuous}
+    xs = [prob.add_variable(_safe(v.name) + f"_{v.index}",
+                            None if v.lo == -math.inf else v.lo,
+                            None if v.hi == math.inf else v.hi, cat=cat[v.kind])
+          for v in model.vars]
+    aux: list[Any] = []
+    for con in model.constraints:
+        _pulp_row(prob, model, xs, con)
+    orders: list[tuple[int, int, int]] = []
+    for g, group in enumerate(model.no_overlaps):
+        for p, a in enumerate(group.intervals):
+            for b in group.intervals[p + 1:]:
+                ia, ib = model.intervals[a], model.intervals[b]
+                if ia.size == 0 or ib.size == 0:
+                    continue
+                o = prob.add_variable(f"order_{g}_{a}_{b}", 0, 1, cat=pulp.LpBinary)
+                orders.append((len(aux), a, b))
+                aux.append(o)
+                _pulp_order(prob, model, xs, ia, ib, o, f"no_{g}_{a}_{b}")
+    objective = pulp.lpSum(c * xs[i] for i, c in model.objective.merged())
+    if model.objective.const:
+        one = prob.add_variable("objective_constant", 1, 1, cat=pulp.LpInteger)
+        aux.append(one)
+        objective += model.objective.const * one
+    prob += objective
+    if model.trivially_infeasible and xs:
+        prob += (xs[0] >= (model.vars[0].hi + 1), "infeasible_constant_row")
+    return PulpModel(model, prob, xs, aux, orders)
+
+
+def _safe(name: str) -> str:
+    return "".join(ch if ch.isalnum() or ch == "_" else "_" for ch in name) or "x"
+
+
+def _pulp_row(prob: Any, model: Model, xs: Sequence[Any], con: Constraint) -> None:
+    import pulp  # type: ignore[import-untyped]
+
+    if not con.terms:
+        if con.enforce:  # a violated constant row: its literals cannot all hold
+            prob += (_lit_expr(xs, con.enforce) >= 1, _safe(con.name) + "_never")
+        return  # an unconditional one: see trivially_infeasible
+    lhs = pulp.lpSum(c * xs[i] for i, c in con.terms)
+    name = _safe(con.name)
+    if not con.enforce:
+        if con.lo is not None and con.hi is not None and con.lo == con.hi:
+            prob += (lhs == con.hi, name)
+            return
+        if con.hi is not None:
+            prob += (lhs <= con.hi, name + "_hi")
+        if con.lo is not None:
+            prob += (lhs >= con.lo, name + "_lo")
+        return
+    m_hi, m_lo = _big_m(model, con)
+    off = _lit_expr(xs, con.enforce)
+    if m_hi is not None:
+        prob += (lhs <= con.hi + m_hi * off, name + "_hi")
+    if m_lo is not None:
+        prob += (lhs >= con.lo - m_lo * off, name + "_lo")
+
+
+def _pulp_order(prob: Any, model: Model, xs: Sequence[Any], a: Interval, b: Interval,
+                o: Any, name: str) -> None:
+    """``o = 1``: a ends before b starts; ``o = 0``: b before a (when both are present)."""
+    va, vb = model.vars[a.var], model.vars[b.var]
+    for bound in (va.lo, va.hi, vb.lo, vb.hi):
+        if not math.isfinite(bound):
+            raise ValueError(f"no_overlap of {a.name} and {b.name} needs finite start bounds")
+    sa, sb = xs[a.var] + a.offset, xs[b.var] + b.offset
+    # largest violation of "a before b": end_a - start_b, over the bounds
+    m_ab = va.hi + a.offset + a.size - (vb.lo + b.offset)
+    m_ba = vb.hi + b.offset + b.size - (va.lo + a.offset)
+    pres = [p for p in (a.presence, b.presence) if p is not None]
+    absent = _lit_expr(xs, pres) if pres else 0
+    if m_ab > 0:
+        prob += (sa + a.size <= sb + m_ab * (1 - o) + m_ab * absent, name + "_ab")
+    if m_ba > 0:
+        prob += (sb + b.size <= sa + m_ba * o + m_ba * absent, name + "_ba")
+
+
+# ------------------------------------------------------------------ CP-SAT
+@dataclass
+class CpsatModel:
+    """A :class:`Model` written for CP-SAT.
+
+    Attributes
+    ----------
+    scale
+        Continuous variables are integers in units of ``1 / scale``.
+    exact
+        Whether every scaled coefficient, bound and size was an integer (no rounding).
+    max_rounding
+        The largest change that rounding made to a scaled number (0 when exact).
+    """
+
+    model: Model
+    cp: Any
+    variables: list[Any]
+    scale: int
+    exact: bool
+    max_rounding: float
+    objective_scale: float
+
+    def hint(self, values: Sequence[float] | None) -> list[int] | None:
+        """Integer hint values (continuous ones scaled) from model values."""
+        if values is None:
+            return None
+        return [int(round(x * self.scale)) if v.kind is Kind.CONTINUOUS else int(round(x))
+                for v, x in zip(self.model.vars, values, strict=True)]
+
+    def values(self, raw: Sequence[float]) -> list[float]:
+        """Model values from the engine's integer values."""
+        return [x / self.scale if v.kind is Kind.CONTINUOUS else float(x)
+                for v, x in zip(self.model.vars, raw, strict=True)]
+
+    def objective(self, raw_objective: float) -> float:
+        """Objective in the model's units from CP-SAT's (scaled, constant excluded)."""
+        return raw_objective / self.objective_scale + self.model.objective.const
+
+
+def time_scale(values: Iterable[float], max_decimals: int = MAX_DECIMALS) -> tuple[int, bool]:
+    """Smallest ``10**d`` (``d <= max_decimals``) making every value integral; whether it exists.
+
+    Examples
+    --------
+    >>> time_scale([1.0, 2.0]), time_scale([0.25, 1.5]), time_scale([1 / 3])
+    ((1, True), (100, True), (1000000, False))
+    """
+    vals = [float(v) for v in values if math.isfinite(v)]
+    for d in range(max_decimals + 1):
+        scale = 10**d
+        if all(abs(t * scale - round(t * scale)) <= 1e-9 * max(1.0, abs(t * scale))
+               for t in vals):
+            return scale, True
+    return 10**max_decimals, False
+
+
+def _integral(x: float) -> tuple[int, float]:
+    r = round(x)
+    return int(r), abs(x - r)
+
+
+def _cp_bound(v: Var, scale: int) -> tuple[int, int]:
+    lo, hi = v.lo, v.hi
+    if v.kind is Kind.CONTINUOUS:
+        lo, hi = lo * scale, hi * scale
+    big = 2**62 // 4
+    return (max(-big, math.ceil(lo - 1e-9)) if math.isfinite(lo) else -big,
+            min(big, math.floor(hi + 1e-9)) if math.isfinite(hi) else big)
+
+
+def to_cpsat(model: Model, scale: int = 1, objective_scale: int | None = None) -> CpsatModel:
+    """Write ``model`` for CP-SAT, continuous variables on a grid of ``1 / scale``.
+
+    The objective is multiplied by ``objective_scale`` (default ``scale``: objectives are
+    times) before its coefficients are rounded.
+    """
+    from ortools.sat.python import cp_model
+
+    cp = cp_model.CpModel()
+    xs: list[Any] = []
+    for v in model.vars:
+        if v.kind is Kind.BINARY:
+            xs.append(cp.new_bool_var(v.name))
+        else:
+            lo, hi = _cp_bound(v, scale)
+            xs.append(cp.new_int_var(lo, hi, v.name))
+    worst = 0.0
+
+    def lit(literal: Literal) -> Any:
+        return xs[literal[0]] if literal[1] else xs[literal[0]].negated()
+
+    def row_scale(terms: Iterable[Term]) -> int:
+        return scale if any(model.vars[i].kind is Kind.CONTINUOUS for i, _ in terms) else 1
+
+    for con in model.constraints:
+        if not con.terms:
+            c0 = cp.add_bool_or([])  # violated constant row
+            if con.enforce:
+                c0.only_enforce_if([lit(x) for x in con.enforce])
+            continue
+        k = row_scale(con.terms)
+        coefs = []
+        for i, c in con.terms:
+            cc = c * k / (scale if model.vars[i].kind is Kind.CONTINUOUS else 1)
+            ic, err = _integral(cc)
+            worst = max(worst, err)
+            coefs.append((i, ic))
+        expr = sum(c * xs[i] for i, c in coefs)
+        lo = -cp_model.INT_MAX if con.lo is None else math.ceil(con.lo * k - 1e-9)
+        hi = cp_model.INT_MAX if con.hi is None else math.floor(con.hi * k + 1e-9)
+        for side in (con.lo, con.hi):
+            if side is not None:
+                worst = max(worst, _integral(side * k)[1])
+        ct = cp.add_linear_constraint(expr, lo, hi)
+        if con.enforce:
+            ct.only_enforce_if([lit(x) for x in con.enforce])
+    ivs: list[Any] = []
+    for it in model.intervals:
+        v = model.vars[it.var]
+        k = scale if v.kind is Kind.CONTINUOUS else 1
+        off, e1 = _integral(it.offset * k)
+        size, e2 = _integral(it.size * k)
+        worst = max(worst, e1, e2)
+        start = xs[it.var] + off
+        if it.presence is None:
+            ivs.append(cp.new_fixed_size_interval_var(start, size, it.name))
+        else:
+            ivs.append(cp.new_optional_fixed_size_interval_var(start, size, lit(it.presence),
+                                                               it.name))
+    for group in model.no_overlaps:
+        cp.add_no_overlap([ivs[k] for k in group.intervals])
+    terms = model.objective.merged()
+    k = scale if objective_scale is None else objective_scale
+    obj = []
+    for i, c in terms:
+        cc = c * k / (scale if model.vars[i].kind is Kind.CONTINUOUS else 1)
+        ic, err = _integral(cc)
+        worst = max(worst, err)
+        obj.append(ic * xs[i])
+    cp.minimize(sum(obj))
+    if model.trivially_infeasible:
+        cp.add_bool_or([])
+    return CpsatModel(model, cp, xs, scale, worst <= 1e-6, worst, float(k))

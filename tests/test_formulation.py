@@ -1,0 +1,184 @@
+"""The solver-neutral model layer: both emitters solve the same model as brute force does.
+
+Random small models (binary and small integer variables, rows with and without enforcement
+literals, optional intervals in no-overlap sets) are solved by enumeration over every
+assignment (judged by :meth:`Model.violated`, which knows nothing of either engine), by
+HiGHS and CBC through :func:`to_pulp` and by CP-SAT through :func:`to_cpsat`; status and
+optimum must agree. Scheduling models with continuous start times check the big-M of the
+no-overlap emission and the CP-SAT time scaling.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from optmem.models.formulation import Expr, Kind, Model, time_scale, to_cpsat, to_pulp
+from optmem.result import Status
+from optmem.solvers import engines
+
+# FORM_EXAMPLES=1500 for a long run (passed: 1,500 models per property)
+SETTINGS = settings(max_examples=int(os.environ.get("FORM_EXAMPLES", 70)), deadline=None,
+                    derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+
+
+def brute(model: Model) -> float | None:
+    """Optimum over every assignment of a model with discrete variables only (None: infeasible)."""
+    domains = [range(int(v.lo), int(v.hi) + 1) for v in model.vars]
+    best = None
+    for values in itertools.product(*domains):
+        if model.violated(list(values)):
+            continue
+        obj = model.evaluate(list(values))
+        best = obj if best is None else min(best, obj)
+    return best
+
+
+def solve_all(model: Model, scale: int = 1) -> dict[str, tuple[Status, float, list[float]]]:
+    out = {}
+    for engine in ("highs", "cbc"):
+        pm = to_pulp(model)
+        res = engines.solve_pulp(pm.problem, pm.all_variables, engine, threads=1)
+        vals = res.values[:len(model.vars)] if res.values is not None else []
+        out[engine] = (res.status, res.objective, vals)
+    cm = to_cpsat(model, scale)
+    res = engines.solve_cpsat(cm.cp, cm.variables, threads=1)
+    vals = cm.values(res.values) if res.values is not None else []
+    obj = cm.objective(res.objective) if res.values is not None else math.nan
+    out["cpsat"] = (res.status, obj, vals)
+    return out
+
+
+@st.composite
+def random_models(draw):
+    m = Model("random")
+    n_bin = draw(st.integers(1, 3))
+    n_int = draw(st.integers(0, 2))
+    xs = [m.binary(f"b{i}") for i in range(n_bin)]
+    xs += [m.integer(f"i{i}", draw(st.integers(-2, 0)), draw(st.integers(0, 3)))
+           for i in range(n_int)]
+    coef = st.integers(-4, 4)
+    for r in range(draw(st.integers(1, 4))):
+        expr = Expr.sum(draw(coef) * x for x in xs)
+        rhs = draw(st.integers(-4, 6))
+        kind = draw(st.sampled_from(["<=", ">=", "=="]))
+        rel = expr <= rhs if kind == "<=" else expr >= rhs if kind == ">=" else expr == rhs
+        lits = []
+        if draw(st.booleans()):
+            k = draw(st.integers(0, n_bin - 1))
+            lits.append(m.literal(xs[k], draw(st.booleans())))
+        m.add(rel, f"r{r}", only_if=lits)
+    if n_int and draw(st.booleans()):
+        ivs = []
+        for k in range(n_bin):
+            start = xs[n_bin + draw(st.integers(0, n_int - 1))]
+            pres = m.literal(xs[k]) if draw(st.booleans()) else None
+            ivs.append(m.interval(f"iv{k}", start + draw(st.integers(0, 2)),
+                                  draw(st.integers(1, 2)), pres))
+        m.no_overlap("machine", ivs)
+    m.minimize(Expr.sum(draw(coef) * x for x in xs) + draw(st.integers(0, 3)))
+    return m
+
+
+@SETTINGS
+@given(random_models())
+def test_emitters_agree_with_brute_force(model):
+    expected = brute(model)
+    for engine, (status, obj, values) in solve_all(model).items():
+        if expected is None:
+            assert status is Status.INFEASIBLE, engine
+            continue
+        assert status is Status.OPTIMAL, (engine, status)
+        assert obj == pytest.approx(expected, abs=1e-6), engine
+        assert not model.violated([round(v) for v in values]), engine
+        assert model.evaluate([round(v) for v in values]) == pytest.approx(expected, abs=1e-6)
+
+
+def single_machine(durations, releases, decimals_ok=True):
+    """Minimise the sum of completion times of jobs on one machine with release dates."""
+    m = Model("machine")
+    horizon = max(releases) + sum(durations)
+    starts = [m.continuous(f"s{j}", r, horizon) for j, r in enumerate(releases)]
+    ivs = [m.interval(f"j{j}", s, d) for j, (s, d) in enumerate(zip(starts, durations,
+                                                                     strict=True))]
+    m.no_overlap("machine", ivs)
+    m.minimize(Expr.sum(s + d for s, d in zip(starts, durations, strict=True)))
+    return m
+
+
+def brute_machine(durations, releases):
+    best = math.inf
+    for order in itertools.permutations(range(len(durations))):
+        t = total = 0.0
+        for j in order:
+            t = max(t, releases[j]) + durations[j]
+            total += t
+        best = min(best, total)
+    return best
+
+
+@SETTINGS
+@given(st.lists(st.tuples(st.integers(1, 8), st.integers(0, 10)), min_size=1, max_size=5),
+       st.sampled_from([1, 4, 10]))
+def test_scheduling_with_continuous_starts(jobs, divisor):
+    durations = [d / divisor for d, _ in jobs]
+    releases = [r / divisor for _, r in jobs]
+    model = single_machine(durations, releases)
+    expected = brute_machine(durations, releases)
+    scale, exact = time_scale(durations + releases)
+    assert exact
+    for engine, (status, obj, values) in solve_all(model, scale).items():
+        assert status is Status.OPTIMAL, engine
+        assert obj == pytest.approx(expected, rel=1e-6, abs=1e-6), engine
+        assert not model.violated(values, tol=1e-5), engine
+
+
+def test_cpsat_rounding_is_reported():
+    model = single_machine([1 / 3, 2 / 3], [0.0, 0.0])
+    cm = to_cpsat(model, 1000)
+    assert not cm.exact and cm.max_rounding == pytest.approx(1 / 3, abs=1e-6)
+    assert to_cpsat(single_machine([0.5, 1.5], [0, 0]), 10).exact
+
+
+def test_enforced_row_needs_finite_bounds():
+    m = Model("unbounded")
+    b, t = m.binary("b"), m.continuous("t")
+    m.add(t <= 3, "cap", only_if=m.literal(b))
+    m.minimize(-1 * t - b)
+    with pytest.raises(ValueError, match="finite variable bounds"):
+        to_pulp(m)
+
+
+def test_trivially_infeasible_model_is_infeasible_for_every_engine():
+    m = Model("bad")
+    x = m.binary("x")
+    m.add(Expr.of(0) >= 1, "impossible")
+    m.minimize(x)
+    assert m.trivially_infeasible
+    for engine, (status, _, _) in solve_all(m).items():
+        assert status is Status.INFEASIBLE, engine
+
+
+def test_warm_start_values_cover_auxiliary_variables():
+    model = single_machine([2, 3], [0, 0])
+    pm = to_pulp(model)
+    init = pm.initial([0, 2])
+    assert len(init) == len(pm.all_variables)
+    assert init[len(model.vars)] == 1.0  # j0 before j1
+    res = engines.solve_pulp(pm.problem, pm.all_variables, "highs", threads=1, initial=init)
+    assert res.status is Status.OPTIMAL and res.objective == pytest.approx(7.0)
+
+
+def test_kinds_and_bounds_are_kept():
+    m = Model("kinds")
+    m.integer("i", -1.5, 2.5)
+    m.continuous("c", -1, 1)
+    assert [(v.kind, v.lo, v.hi) for v in m.vars] == [
+        (Kind.INTEGER, -1, 2), (Kind.CONTINUOUS, -1.0, 1.0)]
+    with pytest.raises(ValueError):
+        m.literal(Expr([(0, 1.0)]))
