@@ -185,3 +185,41 @@ def test_too_small_limit_names_a_limit_that_works(lla):
     least = int(re.search(r"\((\d+) B\)", str(err.value)).group(1))
     again = op.checkpoint(model, kwargs, memory_limit=least, chain=chain)
     assert again.result.status.has_plan and again.expected_peak_bytes <= least
+
+
+def test_eval_mode_with_grad_has_its_own_graph(gpt):
+    model, kwargs, cmodel, _ = gpt
+    cmodel.eval()
+    try:
+        assert_same(step(cmodel, model, kwargs, seed=11), step(model, model, kwargs, seed=11))
+    finally:
+        cmodel.train()
+
+
+def test_stages_follow_parameters_the_model_replaces(lla):
+    model, kwargs, cmodel, _ = lla
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    params = dict(model.named_parameters())
+    halved = {k: (v * 0.5 if k in params else v) for k, v in before.items()}
+    model.load_state_dict(halved, assign=True)  # new Parameter objects
+    try:
+        assert all(a is not b for a, b in zip(model.parameters(), params.values(), strict=True))
+        assert_same(step(cmodel, model, kwargs, seed=12), step(model, model, kwargs, seed=12))
+    finally:
+        model.load_state_dict(before)
+
+
+def test_example_script_prints_same_losses(capsys, monkeypatch):
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "hf_checkpointed.py"
+    spec = importlib.util.spec_from_file_location("hf_checkpointed", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(sys, "argv", ["hf_checkpointed.py", "--layers", "2", "--steps", "2",
+                                      "--hidden", "32", "--seq", "16"])
+    module.main()
+    out = capsys.readouterr().out
+    assert "same losses: True" in out and "DIFFERENT" not in out

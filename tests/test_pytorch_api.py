@@ -273,3 +273,14 @@ def test_offload_one_liners_with_tuples_between_stages(kind):
     assert list(onet.state_dict()) == list(net.state_dict())
     with pytest.raises(OptmemInputError, match="bandwidth"):
         wrap(net, x, memory_limit="1MiB", bandwidth="fast", chain=chain)
+
+
+def test_one_liners_are_not_shadowed_by_the_executor_modules():
+    import optmem.pytorch.offload
+    import optmem.pytorch.remat_offload  # noqa: F401
+
+    assert callable(op.offload) and callable(op.remat_offload)
+    assert optmem.pytorch.offload.__name__ == "offload"  # the function, as documented
+    from optmem.pytorch.offload import OffloadedChain  # the executor module still imports
+
+    assert OffloadedChain.__module__ == "optmem.pytorch.offload"

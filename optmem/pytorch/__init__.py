@@ -23,6 +23,8 @@ and :mod:`~optmem.pytorch.api` (all of it, behind the model's own face),
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import Any
 
 _LAZY = {
@@ -60,3 +62,21 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'optmem.pytorch' has no attribute {name!r}")
+
+
+# ``op.offload`` and ``op.remat_offload`` are functions, but ``optmem.pytorch.offload`` and
+# ``optmem.pytorch.remat_offload`` are also submodules (the executors), and importing a
+# submodule binds it as an attribute of its package. Keep the functions: the package ignores
+# that binding (``from optmem.pytorch.offload import OffloadedChain`` still works, through
+# ``sys.modules``).
+_FUNCTIONS_NAMED_LIKE_SUBMODULES = frozenset({"offload", "remat_offload"})
+
+
+class _Package(types.ModuleType):
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _FUNCTIONS_NAMED_LIKE_SUBMODULES and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -135,8 +135,28 @@ class RematOffloadedModule(PlannedModule):
     """
 
 
-def _wrap(cls: type[PlannedModule], module: Any, sample: Any, planner: Planner,
-          profile: ProfileOptions, chain: Chain | None) -> Any:
+_PROFILE_OPTIONS = ("device", "repeats", "warmup", "progress", "time_model", "max_stages",
+                    "extract")
+_SOLVER_OPTIONS = ("slots", "variant", "time_limit_s")
+_EXECUTOR_OPTIONS = {"checkpoint": ("preserve_rng_state", "restore_buffers", "strip_suffix"),
+                     "offload": (), "remat_offload": ("preserve_rng_state", "restore_buffers")}
+
+
+def _planned(cls: type[PlannedModule], kind: str, module: Any, sample: Any,
+             memory_limit: int | str, method: str, bandwidth: float | str | None,
+             options: dict[str, Any]) -> Any:
+    """Split the options of a one-liner, then extract, profile, solve and wrap."""
+    options = dict(options)
+    chain = options.pop("chain", None)
+    pick = {group: {k: options.pop(k) for k in keys if k in options}
+            for group, keys in (("profile", _PROFILE_OPTIONS), ("solver", _SOLVER_OPTIONS),
+                                ("executor", _EXECUTOR_OPTIONS[kind]))}
+    if options:
+        raise TypeError(f"{kind}() got unexpected keyword argument(s) "
+                        f"{', '.join(sorted(options))}")
+    planner = Planner(kind, memory_limit, method, bandwidth=bandwidth,
+                      executor_options=pick["executor"], **pick["solver"])
+    profile = ProfileOptions(**pick["profile"])
     return cls.build(module, sample, planner, profile, chain=chain)
 
 
@@ -218,41 +238,26 @@ def checkpoint(
     >>> cnet.expected_peak_bytes <= 6 * 1024
     True
     """
-    planner = Planner("checkpoint", memory_limit, method, slots=slots, variant=variant,
-                      time_limit_s=time_limit_s,
-                      executor_options=dict(preserve_rng_state=preserve_rng_state,
-                                            restore_buffers=restore_buffers,
-                                            strip_suffix=strip_suffix))
-    profile = ProfileOptions(device, repeats, warmup, progress, time_model, max_stages, extract)
-    return _wrap(CheckpointedModule, module, sample, planner, profile, chain)
+    return _planned(CheckpointedModule, "checkpoint", module, sample, memory_limit, method, None,
+                    dict(max_stages=max_stages, slots=slots, variant=variant,
+                         time_limit_s=time_limit_s, chain=chain, device=device,
+                         repeats=repeats, warmup=warmup, progress=progress,
+                         time_model=time_model, preserve_rng_state=preserve_rng_state,
+                         restore_buffers=restore_buffers, strip_suffix=strip_suffix,
+                         extract=extract))
 
 
-def offload(
-    module: nn.Module | Sequence[nn.Module | Stage],
-    sample: Any,
-    memory_limit: int | str = "2GiB",
-    bandwidth: float | str = "12GB/s",
-    method: str = "dp",
-    *,
-    max_stages: int | None = None,
-    slots: int = 500,
-    variant: str | None = None,
-    time_limit_s: float | None = None,
-    chain: Chain | None = None,
-    device: str | None = None,
-    repeats: int = 3,
-    warmup: int = 1,
-    progress: bool | None = None,
-    time_model: TimeModel | None = None,
-    extract: str = "auto",
-) -> OffloadedModule:
+def offload(module: nn.Module | Sequence[nn.Module | Stage], sample: Any,
+            memory_limit: int | str = "2GiB", bandwidth: float | str = "12GB/s",
+            method: str = "dp", **options: Any) -> OffloadedModule:
     """Return ``module`` wrapped to train with the fastest offloading plan under a limit.
 
-    Same conventions as :func:`checkpoint` (extraction, samples, output type, state dict,
-    summary). ``bandwidth`` is the host link: bytes per second, or a rate such as
-    ``"12GB/s"``. Activations saved for the backward are copied to host memory and back
-    as the plan says: on CUDA on a side stream into pinned buffers, overlapped with
-    compute; on CPU synchronously (the plan's placement, for tests).
+    Same conventions and ``options`` as :func:`checkpoint` (``max_stages``, ``slots``,
+    ``variant``, ``time_limit_s``, ``chain``, ``device``, ``repeats``, ``warmup``,
+    ``progress``, ``time_model``, ``extract``). ``bandwidth`` is the host link: bytes per
+    second, or a rate such as ``"12GB/s"``. Activations saved for the backward are copied
+    to host memory and back as the plan says: on CUDA on a side stream into pinned buffers,
+    overlapped with compute; on CPU synchronously (the plan's placement, for tests).
 
     Examples
     --------
@@ -263,36 +268,17 @@ def offload(
     >>> torch.allclose(onet(x), net(x))
     True
     """
-    planner = Planner("offload", memory_limit, method, bandwidth=bandwidth, slots=slots,
-                      variant=variant, time_limit_s=time_limit_s)
-    profile = ProfileOptions(device, repeats, warmup, progress, time_model, max_stages, extract)
-    return _wrap(OffloadedModule, module, sample, planner, profile, chain)
+    return _planned(OffloadedModule, "offload", module, sample, memory_limit, method,
+                    bandwidth, options)
 
 
-def remat_offload(
-    module: nn.Module | Sequence[nn.Module | Stage],
-    sample: Any,
-    memory_limit: int | str = "2GiB",
-    bandwidth: float | str = "12GB/s",
-    method: str = "dp",
-    *,
-    max_stages: int | None = None,
-    slots: int = 500,
-    variant: str | None = None,
-    time_limit_s: float | None = None,
-    chain: Chain | None = None,
-    device: str | None = None,
-    repeats: int = 3,
-    warmup: int = 1,
-    progress: bool | None = None,
-    time_model: TimeModel | None = None,
-    preserve_rng_state: bool = True,
-    restore_buffers: bool = True,
-    extract: str = "auto",
-) -> RematOffloadedModule:
+def remat_offload(module: nn.Module | Sequence[nn.Module | Stage], sample: Any,
+                  memory_limit: int | str = "2GiB", bandwidth: float | str = "12GB/s",
+                  method: str = "dp", **options: Any) -> RematOffloadedModule:
     """Return ``module`` wrapped to train with a combined remat + offload plan.
 
-    Same conventions as :func:`checkpoint` and :func:`offload`.
+    Same conventions as :func:`offload`; ``options`` also take ``preserve_rng_state`` and
+    ``restore_buffers`` (executor options, as for :func:`checkpoint`).
 
     Examples
     --------
@@ -303,34 +289,19 @@ def remat_offload(
     >>> torch.allclose(rnet(x), net(x))
     True
     """
-    planner = Planner("remat_offload", memory_limit, method, bandwidth=bandwidth,
-                      slots=slots, variant=variant, time_limit_s=time_limit_s,
-                      executor_options=dict(preserve_rng_state=preserve_rng_state,
-                                            restore_buffers=restore_buffers))
-    profile = ProfileOptions(device, repeats, warmup, progress, time_model, max_stages, extract)
-    return _wrap(RematOffloadedModule, module, sample, planner, profile, chain)
+    return _planned(RematOffloadedModule, "remat_offload", module, sample, memory_limit,
+                    method, bandwidth, options)
 
 
-def profile_chain(
-    module: nn.Module | Sequence[nn.Module | Stage],
-    sample: Any,
-    *,
-    device: str | None = None,
-    repeats: int = 5,
-    warmup: int = 1,
-    name: str | None = None,
-    progress: bool | None = None,
-    time_model: TimeModel | None = None,
-    max_stages: int | None = None,
-    extract: str = "auto",
-    **kwargs: Any,
-) -> Chain:
+def profile_chain(module: nn.Module | Sequence[nn.Module | Stage], sample: Any, *,
+                  extract: str = "auto", **options: Any) -> Chain:
     """Extract the chain of ``module`` as :func:`checkpoint` does and profile it.
 
-    An ``nn.Sequential`` or a list of stages goes to
-    :func:`optmem.pytorch.profile.profile_chain`; any other module is exported
-    (:func:`~optmem.pytorch.extract.extract_program`) and profiled with its side inputs
-    (not counted as activations). ``max_stages`` merges by parameter count, as
+    ``options`` are those of :func:`optmem.pytorch.profile.profile_chain` (``device``,
+    ``repeats``, ``warmup``, ``name``, ``progress``, ``time_model``, ``max_stages``, ...).
+    An ``nn.Sequential`` or a list of stages goes there directly; any other module is
+    exported (:func:`~optmem.pytorch.extract.extract_program`) and profiled with its side
+    inputs (not counted as activations). ``max_stages`` merges by parameter count, as
     ``checkpoint(..., chain=chain, max_stages=...)`` does, so the chain can be passed back.
 
     Examples
@@ -346,9 +317,13 @@ def profile_chain(
     from optmem.pytorch.wrapper import _groups, _profile
 
     if is_plain_chain(module) or not isinstance(module, nn.Module):
-        return prof.profile_chain(module, sample, device=device, repeats=repeats,
-                                  warmup=warmup, name=name, progress=progress,
-                                  time_model=time_model, max_stages=max_stages, **kwargs)
+        return prof.profile_chain(module, sample, **options)
+    max_stages = options.pop("max_stages", None)
+    name = options.pop("name", None) or type(module).__name__
+    unknown = set(options) - set(_PROFILE_OPTIONS)
+    if unknown:  # the roofline options apply to device="meta", which needs a Sequential
+        raise OptmemInputError(f"profile_chain of an exported model does not take "
+                               f"{', '.join(sorted(unknown))}", field="options")
     args, kw = canonical_call(module, *call_of(sample))
     with leaves_no_trace(module):
         ext = extract_program(module, args, kw, method=extract, allow_single=True)
@@ -359,7 +334,5 @@ def profile_chain(
 
             stages = merge_stages(stages, max_stages,
                                   groups=_groups(len(stages), max_stages, None, stages))
-        options = ProfileOptions(device, repeats, warmup, progress, time_model, None, extract)
-        return _profile(stages, ext.chain_input(flat), options,
-                        name or type(module).__name__, ext.side_inputs(flat))
-
+        profile = ProfileOptions(**{"repeats": 5, **options, "extract": extract})
+        return _profile(stages, ext.chain_input(flat), profile, name, ext.side_inputs(flat))

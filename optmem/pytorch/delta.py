@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from optmem.pytorch.context import SideInputs, current_side_inputs_or_none, side_inputs
-from optmem.pytorch.execute import StageCalls
+from optmem.pytorch.execute import StageCalls, run_in_order
 from optmem.pytorch.extract import Stage, value_tensors
 from optmem.pytorch.offload import kept_storages
 
@@ -113,9 +113,7 @@ class DeltaChain(StageCalls, nn.Module):
     def _forward(self, x: Any, compiled: bool | None) -> Any:
         functions = self.stage_functions(compiled)
         if not torch.is_grad_enabled():
-            for f in functions:
-                x = f(x)
-            return x
+            return run_in_order(functions, x)
         self._groups = []
         self.decisions, self.recomputed, self.reloaded = [], [], []
         self._weights = kept_storages(self)

@@ -70,7 +70,7 @@ from optmem.pytorch.context import SideInputs, current_side_inputs_or_none, side
 from optmem.pytorch.extract import Stage, value_tensors
 
 __all__ = ["CheckpointedChain", "StageCalls", "add_monitor", "compile_stage", "remove_monitor",
-           "split_suffix"]
+           "run_in_order", "split_suffix"]
 
 Monitor = Callable[[str, list[torch.Tensor], list[torch.Tensor]], None]
 _MONITORS: list[Monitor] = []
@@ -267,6 +267,13 @@ def compile_stage(module: nn.Module, options: dict[str, Any]) -> Callable[[Any],
     return torch.compile(namespace["run"], **options)
 
 
+def run_in_order(functions: Sequence[Callable[[Any], Any]], x: Any) -> Any:
+    """The stages one after the other (no plan: inference, or nothing needs a gradient)."""
+    for f in functions:
+        x = f(x)
+    return x
+
+
 class _Runner:
     """State of one forward/backward pass through the plan."""
 
@@ -384,11 +391,12 @@ class _Runner:
         in_edges = slot.tape.in_edges
         wanted = [e for e in in_edges if e is not None]
         params = [k for k in self.stage_params.get(i, ()) if self.param_needed[k]]
+        got: Sequence[torch.Tensor | None]
         if edges and (wanted or params):
-            got = torch.autograd.grad(edges, [*wanted, *(self.params[k] for k in params)],
-                                      grads, allow_unused=True)
+            targets: list[Any] = [*wanted, *(self.params[k] for k in params)]
+            got = torch.autograd.grad(edges, targets, grads, allow_unused=True)
         else:
-            got = (None,) * (len(wanted) + len(params))
+            got = [None] * (len(wanted) + len(params))
         it = iter(got[:len(wanted)])
         self.current = [next(it) if e is not None else None for e in in_edges]
         for k, g in zip(params, got[len(wanted):], strict=True):
@@ -571,15 +579,11 @@ class CheckpointedChain(StageCalls, nn.Module):
         params_need_grad = any(p.requires_grad for p in self.stages.parameters())
         input_needs_grad = any(t.requires_grad for t in value_tensors(x))
         if not torch.is_grad_enabled() or not (params_need_grad or input_needs_grad):
-            for f in functions:
-                x = f(x)
-            return x
+            return run_in_order(functions, x)
         j = self._suffix_start
         if j > 1:
             x = self._run_plan(self._prefix_plan, j - 1, x, input_needs_grad, functions)
-        for f in functions[j - 1:]:
-            x = f(x)
-        return x
+        return run_in_order(functions[j - 1:], x)
 
     def _make_runner(self, plan: tuple[Op, ...], n: int) -> _Runner:
         """The object that executes ``plan`` (subclasses return a specialised runner)."""
@@ -634,5 +638,5 @@ def _graph_leaves(outs: list[torch.Tensor]) -> list[torch.Tensor]:
         if isinstance(variable, torch.Tensor):
             leaves[id(variable)] = variable
             continue
-        stack.extend(fn for fn, _ in node.next_functions)
+        stack.extend(fn for fn, _ in node.next_functions if fn is not None)
     return list(leaves.values())

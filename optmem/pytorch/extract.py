@@ -1,20 +1,25 @@
 """Chain extraction: turn an ``nn.Module`` into a sequence of stages (a chain).
 
-Two routes, both returning a list of :class:`Stage` (a name and an ``nn.Module`` that takes
-one value, a tensor or a tuple of tensors, and returns one value):
+Three routes, all returning stages (a name and an ``nn.Module`` that takes one value, a
+tensor or a tuple of tensors, and returns one value):
 
 * ``nn.Sequential`` is flattened directly, nested ``Sequential`` containers included, as
   rotor does (digest ``rotor.md`` section 6.2, ``extract_children_from_sequential``).
   A ``Sequential`` subclass that overrides ``forward`` (or sets
   ``not_really_sequential = True``) is kept whole.
-* Any other module is traced with ``torch.fx.symbolic_trace`` and its graph is cut at
-  *single-value cut points*: positions in the topological order where exactly one value
-  computed before is still needed after. Residual blocks, inception modules and
-  transformer blocks have no such point inside them, so they stay whole.
+* :func:`extract_program` (any module, with a sample call): ``torch.export.export``
+  (non-strict) first, ``torch.fx.symbolic_trace`` as fallback; the graph is cut by
+  :mod:`optmem.pytorch.graphcut` where one value crosses (dominators of the output, with
+  networkx), and what needs no gradient (masks, position ids, rotary tables, the other
+  inputs) travels beside the chain as side inputs (:mod:`optmem.pytorch.context`). The
+  result, an :class:`Extraction`, also assembles the model's own output.
+* :func:`extract_stages` on another module without a sample traces it with ``torch.fx``
+  and cuts it the same way, every input part of the chain input (no side inputs).
 
-A stage never starts with an in-place op on its input (``ReLU(inplace=True)``,
-``x.add_(...)``): that would overwrite a checkpoint or the stage's input leaf, so such ops
-are merged into the stage before them.
+Residual blocks and inception modules have no single-value cut inside them, so they stay
+whole; a pre-norm transformer layer is cut between its two residual additions. A stage
+never starts with an in-place op on its input (``ReLU(inplace=True)``, ``x.add_(...)``):
+that would overwrite a checkpoint or the stage's input leaf.
 
 :func:`merge_stages` groups consecutive stages into at most ``N`` balanced stages (exact
 linear-partition DP minimising the costliest group).
@@ -200,10 +205,19 @@ def _inputs_of_first_stage(placeholders: list[fx.Node], positions: dict[str, int
     for p in placeholders:
         if p.name not in positions:
             continue
-        k = positions[p.name]
-        out[p] = ((lambda g, x: x) if count == 1 else
-                  (lambda g, x, k=k: g.call_function(operator.getitem, (x, k))))
+        out[p] = _whole if count == 1 else _item(positions[p.name])
     return out
+
+
+def _whole(graph: fx.Graph, x: fx.Node) -> fx.Node:
+    return x
+
+
+def _item(k: int) -> Callable[[fx.Graph, fx.Node], fx.Node]:
+    def make(graph: fx.Graph, x: fx.Node) -> fx.Node:
+        return graph.call_function(operator.getitem, (x, k))
+
+    return make
 
 
 def _graph_stages(gm: fx.GraphModule, model: nn.Module | None, cut: Cut,
@@ -212,7 +226,8 @@ def _graph_stages(gm: fx.GraphModule, model: nn.Module | None, cut: Cut,
     stages: list[Stage] = []
     last = len(cut.stages) - 1
     for s, nodes in enumerate(cut.stages):
-        inputs = first_inputs if s == 0 else {cut.boundaries[s - 1]: lambda g, x: x}
+        inputs: dict[fx.Node, Callable[[fx.Graph, fx.Node], fx.Node]] = (
+            first_inputs if s == 0 else {cut.boundaries[s - 1]: _whole})
         returns = cut.boundaries[s] if s < last else (
             tuple(cut.outputs) if len(cut.outputs) > 1 else cut.outputs[0])
         built = build_stage_graph(nodes, cut.kinds, inputs, returns)

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import networkx as nx
+import networkx as nx  # type: ignore[import-untyped]
 import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten

@@ -44,7 +44,7 @@ from torch import nn
 
 from optmem.errors import PlanError
 from optmem.plan import AnyOp, Op, OpKind, TransferKind, TransferOp, parse_mixed_plan
-from optmem.pytorch.execute import StageCalls, _run_disabled
+from optmem.pytorch.execute import StageCalls, _run_disabled, run_in_order
 from optmem.pytorch.extract import Stage, value_tensors
 
 __all__ = ["HostCopies", "OffloadedChain", "kept_storages", "offload_plan_actions",
@@ -252,9 +252,7 @@ class OffloadedChain(StageCalls, nn.Module):
     def _forward(self, x: Any, compiled: bool | None) -> Any:
         functions = self.stage_functions(compiled)
         if not torch.is_grad_enabled():
-            for f in functions:
-                x = f(x)
-            return x
+            return run_in_order(functions, x)
         self._groups = {}
         self.transfers = []
         self.late_unpacks = 0

@@ -283,7 +283,7 @@ class PlannedModule(nn.Module):
     def _set_result(self, result: Result, plan: Sequence[Any] | None = None) -> None:
         main = self._main
         main.result = result
-        main.executor.set_plan(list(plan if plan is not None else result.plan))
+        main.executor.set_plan(list(plan if plan is not None else result.plan))  # type: ignore[operator]
         for key in [k for k in self._variants if k != self._main_key]:
             del self._variants[key]  # re-derived from the new policy when called again
 
@@ -375,7 +375,7 @@ class PlannedModule(nn.Module):
     @property
     def expected_peak_bytes(self) -> int:
         """Predicted activation peak in bytes (the plan replayed on the byte chain)."""
-        return int(self.result.peak_memory * self.result.unit)
+        return int((self.result.peak_memory or 0) * self.result.unit)
 
     def extra_repr(self) -> str:  # noqa: D102
         return f"{self._planner.kind}: {len(self.result.plan)} ops over " \
@@ -427,7 +427,7 @@ def _hashable(value: Any) -> Any:
 def signature_key(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """What an exported chain is specialised to (see the module docstring)."""
     leaves, spec = tree_flatten((args, dict(sorted(kwargs.items()))))
-    parts = []
+    parts: list[tuple[Any, ...]] = []
     for v in leaves:
         if isinstance(v, torch.Tensor):
             parts.append(("T", tuple(v.shape), v.dtype, str(v.device),
