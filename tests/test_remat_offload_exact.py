@@ -228,3 +228,23 @@ def test_options_are_checked() -> None:
     with pytest.raises(OptmemInputError):
         solve(RematOffloadProblem(EXAMPLE, 12, 1.0), "cpsat",
               options=OPTS.with_(extra={"transfers_per_gap": 0}))
+
+
+def test_cli_solve_and_export(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    import json
+
+    from optmem.cli import main
+
+    path = tmp_path / "example.json"
+    EXAMPLE.save(path)
+    code = main(["solve", "remat-offload", str(path), "--memory", "12", "--bandwidth", "1",
+                 "--method", "ilp", "--threads", "1", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["status"] == "optimal" and data["objective"] == 22.0 and data["bound"] == 22.0
+    assert data["report"]["model_objective"] == pytest.approx(22.0)
+    model = tmp_path / "m.lp"
+    assert main(["export", "remat-offload", str(path), "--memory", "12", "--bandwidth", "1",
+                 "--method", "ilp", "-o", str(model)]) == 0
+    assert model.read_text().startswith("\\*")

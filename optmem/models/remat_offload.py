@@ -357,6 +357,7 @@ def build_remat_offload(chain: Chain, memory_limit: int, bandwidth: float, *,
     Pi: dict[Value, Expr] = {v: zero for v in tau}
     positions: list[Position] = []
     prev: tuple[Expr, Expr] | None = None  # previous position's start and busy time
+    last_used: tuple[int, Expr] | None = None  # item and use of the previous position
     n_h = 0
     for p in range(n):
         # ---- item p: memory with the values on the host during the whole op
@@ -417,6 +418,7 @@ def build_remat_offload(chain: Chain, memory_limit: int, bandwidth: float, *,
             if prev is not None:
                 m.add(tq >= prev[0] + prev[1], f"link_{p}_{kappa}")
             busy = Expr()
+            used = Expr()
             prefetching = Expr()
             for v in cands:
                 sv = _x(state_of(p + 1, v))
@@ -436,6 +438,7 @@ def build_remat_offload(chain: Chain, memory_limit: int, bandwidth: float, *,
                 add(rnew >= E[p], f"Rrd_{v[0]}{v[1]}_{p}_{kappa}",
                     [m.literal(o), reads[p].get(v, False)])
                 busy = busy + o * tau[v]
+                used = used + o
                 hnext = H[v] + o
                 if H[v].terms:
                     q = m.binary(f"pre_{v[0]}{v[1]}_{p}_{kappa}")
@@ -449,6 +452,7 @@ def build_remat_offload(chain: Chain, memory_limit: int, bandwidth: float, *,
                           only_if=m.literal(q))
                     Pi[v] = pinew
                     busy = busy + q * tau[v]
+                    used = used + q
                     prefetching = prefetching + q
                     hnext = hnext - q
                     pn = m.binary(f"P_{v[0]}{v[1]}_{p}_{kappa}")
@@ -465,6 +469,17 @@ def build_remat_offload(chain: Chain, memory_limit: int, bandwidth: float, *,
                 m.add(hn == hnext, f"Hdef_{v[0]}{v[1]}_{p}_{kappa}")
                 R[v] = rnew
                 H[v] = hn
+            # symmetry: positions fill in order, and one after an empty slot only once the
+            # position before it is taken (same plan, never an earlier start)
+            if kappa > 0 or (last_used is not None and last_used[0] == p - 1):
+                assert last_used is not None
+                item = seq[p]
+                if kappa > 0:
+                    m.add(used <= last_used[1], f"fill_{p}_{kappa}")
+                elif isinstance(item, ck.Slot):
+                    y = Expr([(idx, 1.0) for _, idx in item.ops])
+                    m.add(used <= y + last_used[1], f"fill_{p}_{kappa}")
+            last_used = (p, used)
             if prefetching.terms:
                 _gap_check(m, p, kappa, tq, pos, prefetching, cands, H, R, size,
                            stored(cf.states[p + 1]) + after_delta[p], memory_limit,

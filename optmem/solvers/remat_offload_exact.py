@@ -25,10 +25,11 @@ import itertools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError, PlanError
+from optmem.models.checkpoint_ilp import write_model
 from optmem.models.formulation import Kind, Model, time_scale, to_cpsat, to_pulp
 from optmem.models.remat_offload import RematOffloadModel, build_remat_offload, with_fixed
 from optmem.plan import LOSS, AnyOp, B, F_all, F_ck, F_none, Op
@@ -37,7 +38,7 @@ from optmem.result import Result, SolveOptions, Status
 from optmem.simulate.checkpoint import initial_state, is_final, transition
 from optmem.simulate.offload import reads, simulate_offload
 from optmem.solvers import engines
-from optmem.solvers.facade import register
+from optmem.solvers.facade import register, register_exporter
 from optmem.solvers.offload_bruteforce import interleave_transfers
 from optmem.solvers.remat_offload import (
     PROBLEM,
@@ -385,3 +386,13 @@ def solve_ilp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
 def solve_cpsat(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     """Optimal plan over the model's class with OR-Tools CP-SAT."""
     return _solve_model(problem, options, "cpsat")
+
+
+@register_exporter(PROBLEM, "ilp")
+def export_ilp(problem: RematOffloadProblem, options: SolveOptions, path: str) -> None:
+    """Write the model (no warm start, default horizon) as ``.mps`` or ``.lp``."""
+    disc, beta = _disc(problem, options)
+    built = build_remat_offload(disc.chain, disc.memory_limit, beta,
+                                sweeps=_int_option(options, "sweeps", 1),
+                                transfers_per_gap=_int_option(options, "transfers_per_gap", 1))
+    write_model(cast(Any, to_pulp(built.model)), path)  # needs only ``.problem``
