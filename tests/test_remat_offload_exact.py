@@ -215,7 +215,7 @@ def test_stopped_engine_returns_the_warm_start(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(engines, "solve_cpsat", first_real)
     res = solve(problem, "cpsat", options=OPTS)
     assert res.status is Status.FEASIBLE
-    assert res.report["incumbent"] == res.report["warm_start"]
+    assert res.report["incumbent"] == "the fastest candidate plan"
     dp = solve(problem, "dp", options=OPTS)
     assert res.objective <= dp.objective + 1e-9
     assert res.bound <= res.objective
@@ -248,3 +248,41 @@ def test_cli_solve_and_export(capsys: pytest.CaptureFixture[str], tmp_path) -> N
     assert main(["export", "remat-offload", str(path), "--memory", "12", "--bandwidth", "1",
                  "--method", "ilp", "-o", str(model)]) == 0
     assert model.read_text().startswith("\\*")
+
+
+def _normalised(plan: list[str]) -> list[str]:
+    """Transfers listed before the first op moved just after it (they start at 0 either way)."""
+    first = next(k for k, op in enumerate(plan) if not op.startswith(("offload", "prefetch")))
+    return [plan[first], *plan[:first], *plan[first + 1:]]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_model_value_of_a_fixed_plan_is_the_simulated_one(seed: int) -> None:
+    """Direction 1 of exactness: a plan of the class, fixed in the model, gets exactly the
+    simulator's makespan (the DP, checkpoint-only and offload-only plans of random chains)."""
+    from optmem.models.formulation import to_pulp
+    from optmem.models.remat_offload import with_fixed
+    from optmem.plan import parse_mixed_plan
+
+    chain = random_chain(5, seed=20 + seed, max_size=8)
+    checked = 0
+    for limit in _limits(chain):
+        problem = RematOffloadProblem(chain, limit, 1.5)
+        built = build_remat_offload(chain, limit, 1.5, transfers_per_gap=2)
+        for name in ("dp", "remat_only", "offload_only"):
+            res = solve(problem, name, options=OPTS)
+            if not res.status.has_plan:
+                continue
+            fixed = built.fixing(parse_mixed_plan(res.plan))
+            assert fixed is not None, name
+            pm = to_pulp(with_fixed(built, fixed))
+            out = engines.solve_pulp(pm.problem, pm.all_variables, "highs", threads=1)
+            assert out.status is Status.OPTIMAL, name
+            values = out.values[:len(built.model.vars)]
+            decoded = [str(op) for op in built.decode(values)]
+            model = values[built.objective_var]
+            assert model >= res.objective - 1e-6, name
+            if decoded == _normalised(list(res.plan)):
+                assert model == pytest.approx(res.objective, abs=1e-6), name
+                checked += 1
+    assert checked >= 4

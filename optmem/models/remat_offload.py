@@ -43,7 +43,8 @@ Notation (sizes in discretised units, times in the chain's unit)
 Constraints (``[x, y]``: enforced when the binaries ``x`` and ``y`` are 1)
 ------------------------------------------------------------------------
 * compute in plan order: ``S_{p+1} >= E_p``, ``S_0 = 0``; objective ``E_{n-1}``;
-* issue order: ``T_q >= S_p`` for ``q`` after ``p``; ``S_{p+1} >= T_q``; link:
+* issue order: ``T_q >= S_p`` for ``q`` after ``p``; ``S_{p+1} >= T_q`` if ``q`` holds a
+  transfer; link:
   ``T_q >= T_{q'} + sum_v tau_v (off + pre)[v,q']`` for the previous position ``q'``;
 * one transfer per position; ``off[v,q] <= stored_v``; ``off + H + P <= 1`` (the simulator's
   "already offloaded"); ``pre <= H``; ``H' = H + off - pre``; ``P' = P + pre``; a reading item
@@ -84,8 +85,10 @@ model with the brute force over compute sequences and transfer windows
 Times on a grid
 ---------------
 ``grid`` (for CP-SAT when the durations are not decimal) rounds every duration *down* to a
-multiple of ``1 / grid``: the model is then a relaxation, its bound valid in the original
-units, and the decoded plan's true makespan is the simulator's.
+multiple of ``1 / grid``; the decoded plan's true makespan is the simulator's, and the
+model's bound is that of the rounded durations (a schedule of the true durations maps onto
+the grid up to one grid step per ``late`` decision), so callers claim optimality only when
+the replayed plan meets it.
 """
 
 from __future__ import annotations
@@ -414,7 +417,6 @@ def build_remat_offload(chain: Chain, memory_limit: int, bandwidth: float, *,
             tq = m.continuous(f"T{p}_{kappa}", 0.0, U)
             pos = Position(p, Model.index(tq))
             m.add(tq >= S[p], f"anchor_{p}_{kappa}")
-            m.add(S[p + 1] >= tq, f"issue_{p}_{kappa}")
             if prev is not None:
                 m.add(tq >= prev[0] + prev[1], f"link_{p}_{kappa}")
             busy = Expr()
@@ -469,17 +471,21 @@ def build_remat_offload(chain: Chain, memory_limit: int, bandwidth: float, *,
                 m.add(hn == hnext, f"Hdef_{v[0]}{v[1]}_{p}_{kappa}")
                 R[v] = rnew
                 H[v] = hn
+            # issue order: the next op waits for a transfer listed before it to start
+            u = m.binary(f"use_{p}_{kappa}")
+            m.add(u == used, f"use_{p}_{kappa}")
+            m.add(S[p + 1] >= tq, f"issue_{p}_{kappa}", only_if=m.literal(u))
             # symmetry: positions fill in order, and one after an empty slot only once the
             # position before it is taken (same plan, never an earlier start)
             if kappa > 0 or (last_used is not None and last_used[0] == p - 1):
                 assert last_used is not None
                 item = seq[p]
                 if kappa > 0:
-                    m.add(used <= last_used[1], f"fill_{p}_{kappa}")
+                    m.add(u <= last_used[1], f"fill_{p}_{kappa}")
                 elif isinstance(item, ck.Slot):
                     y = Expr([(idx, 1.0) for _, idx in item.ops])
-                    m.add(used <= y + last_used[1], f"fill_{p}_{kappa}")
-            last_used = (p, used)
+                    m.add(u <= y + last_used[1], f"fill_{p}_{kappa}")
+            last_used = (p, u)
             if prefetching.terms:
                 _gap_check(m, p, kappa, tq, pos, prefetching, cands, H, R, size,
                            stored(cf.states[p + 1]) + after_delta[p], memory_limit,
@@ -519,14 +525,18 @@ def _gap_check(m: Model, p: int, kappa: int, tq: Expr, pos: Position, prefetchin
 
 def with_fixed(built: RematOffloadModel, fixed: dict[int, float],
                horizon: float | None = None) -> Model:
-    """A copy of the model with some variables fixed and times bounded by ``horizon``."""
+    """A copy of the model with some variables fixed and times bounded by ``horizon``.
+
+    Fixed values are equality rows (the emitters give every binary the bounds 0 and 1).
+    """
     model = built.model
     vs: list[Var] = []
     for v in model.vars:
         lo, hi = v.lo, v.hi
-        if v.index in fixed:
-            lo = hi = fixed[v.index]
-        elif horizon is not None and v.kind.value == "continuous" and hi > horizon:
+        if horizon is not None and v.kind.value == "continuous" and hi > horizon:
             hi = max(lo, horizon)
         vs.append(replace(v, lo=lo, hi=hi))
-    return replace(model, vars=vs)
+    out = replace(model, vars=vs, constraints=list(model.constraints))
+    for i, x in fixed.items():
+        out.add(Relation(Expr([(i, 1.0)]), x, x), f"fix_{i}")
+    return out

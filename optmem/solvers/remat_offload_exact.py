@@ -272,11 +272,17 @@ def _engine_solve(model: Model, engine: str, options: SolveOptions, *,
 
 def _warm_start(problem: RematOffloadProblem, options: SolveOptions,
                 built: RematOffloadModel, engine: str, scale: int) -> _Start:
-    """The fastest candidate plan that fits the model, completed by the engine."""
+    """The fastest candidate plan that fits the model, completed by the engine.
+
+    ``plan`` is the fastest candidate (the incumbent), ``values`` the completion of the
+    fastest one the model can take.
+    """
     if not options.warm_start:
         return _Start(None, math.inf, None, math.inf, "off")
     notes = []
-    for makespan, label, plan in _candidates(problem, options):
+    found = _candidates(problem, options)
+    best = found[0] if found else None  # the incumbent, even if the model cannot take it
+    for makespan, label, plan in found:
         fixed = built.fixing(plan)
         if fixed is None:
             notes.append(f"{label}: does not fit the model's slots")
@@ -297,8 +303,13 @@ def _warm_start(problem: RematOffloadProblem, options: SolveOptions,
         if built.model.violated(values, tol=1e-5):
             notes.append(f"{label}: completion not valid")
             continue
-        return _Start(plan, makespan, values, value, label)
-    return _Start(None, math.inf, None, math.inf, "; ".join(notes) or "no candidate plan")
+        note = label if not notes else f"{label} ({'; '.join(notes)})"
+        assert best is not None
+        return _Start(best[2], best[0], values, value, note)
+    note = "; ".join(notes) or "no candidate plan"
+    if best is None:
+        return _Start(None, math.inf, None, math.inf, note)
+    return _Start(best[2], best[0], None, math.inf, f"none ({note}); incumbent: {best[1]}")
 
 
 def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: str
@@ -349,19 +360,18 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
             report["error"] = f"the decoded plan does not replay: {exc}"
             return plan_result(problem, options, plan, method=method, solver=solver,
                                status=Status.ERROR, report=report)
-        if exact and sim > values[built.objective_var] + 1e-6 * max(1.0, sim):
-            report["error"] = (f"the simulator says {sim}, the model "
-                               f"{values[built.objective_var]}")
-            return plan_result(problem, options, plan, method=method, solver=solver,
-                               status=Status.ERROR, report=report)
+        if sim > values[built.objective_var] + 1e-6 * max(1.0, sim):
+            # engine tolerances on big-M rows (or rounded times): the simulator is the judge
+            report["model_mismatch"] = (f"the simulator says {sim}, the model "
+                                        f"{values[built.objective_var]}")
         if start.plan is not None and sim > start.makespan + 1e-9:
             plan, sim = start.plan, start.makespan
-            report["incumbent"] = f"{start.note} (the engine's plan was slower)"
+            report["incumbent"] = "the fastest candidate plan (the engine's was slower)"
         if status is Status.OPTIMAL and sim > bound + 1e-6 * max(1.0, sim):
             status = Status.FEASIBLE  # optimal for the rounded times only
     elif start.plan is not None:
         plan, sim, status = start.plan, start.makespan, Status.FEASIBLE
-        report["incumbent"] = start.note
+        report["incumbent"] = "the fastest candidate plan"
     if plan is None:
         return _no_plan(problem, options, method, Status.NO_SOLUTION, report).with_(
             bound=bound)
