@@ -78,9 +78,11 @@ The optimum is therefore the best plan of the class:
   are allowed after an empty slot, but only starting once the previous op has ended), any
   number of offload/prefetch pairs per value;
 
-and any decoded plan is valid and no slower than the model says. The tests compare the
-model with the brute force over compute sequences and transfer windows
-(:mod:`optmem.solvers.remat_offload_exact`) on tiny chains.
+and any decoded plan is valid and no slower than the model says. The tests check both
+directions: the DP, checkpoint-only and offload-only plans of random chains, fixed in the
+model, get exactly their simulated makespan; the model's optimum equals the brute force
+over compute sequences and transfer windows (:mod:`optmem.solvers.remat_offload_exact`) on
+tiny chains and every decoded plan replays to the model's value.
 
 Times on a grid
 ---------------
@@ -257,7 +259,6 @@ def build_remat_offload(chain: Chain, memory_limit: int, bandwidth: float, *,
                     tau[v] = rd(size(v) / bandwidth)
     seq = cf.sequence
     n = len(seq)
-    names = {nm: i for i, nm in enumerate(cf.names)}
     if horizon is None:
         slot_max = [max((uf[it.stage] for _ in it.ops), default=0.0)
                     if isinstance(it, ck.Slot) else 0.0 for it in seq]
@@ -272,64 +273,7 @@ def build_remat_offload(chain: Chain, memory_limit: int, bandwidth: float, *,
             continue
         m.add(Relation(Expr(con.terms), con.lo, con.hi), con.name)
     S = [m.continuous(f"S{p}", 0.0, 0.0 if p == 0 else U) for p in range(n)]
-    D: list[Expr] = []
-    reads: list[dict[Value, Literal | bool]] = []
-    frees: list[dict[Value, Literal | bool]] = []
-    makes: list[dict[Value, Literal | bool]] = []
-    after_delta: list[int] = []
-    for p, item in enumerate(seq):
-        A, T = cf.states[p]
-        if isinstance(item, ck.Slot):
-            j, k = item.stage, item.phase
-            ops = dict(item.ops)
-            y = Expr([(idx, 1.0) for idx in ops.values()])
-            D.append(y * uf[j])
-            rdA = m.binary(f"rdA_{p}")
-            r: dict[Value, Literal | bool] = {(A_, j - 1): m.literal(rdA)}
-            if j > 1:
-                rdT = m.binary(f"rdT_{p}")
-                m.add(rdA + rdT == y, f"rd_{p}")
-                m.add(rdA <= _x(A[j - 1]), f"rdA_{p}")
-                m.add(rdT <= _x(T[j - 1]), f"rdT_{p}")
-                r[(ABAR_, j - 1)] = m.literal(rdT)
-            else:
-                m.add(rdA == y, f"rd_{p}")
-            reads.append(r)
-            tag = f"{k}_{item.sweep}_{j}"
-            fr: dict[Value, Literal | bool] = {}
-            if f"zA_{tag}" in names:
-                fr[(A_, j - 1)] = (names[f"zA_{tag}"], True)
-            if f"zT_{tag}" in names:
-                fr[(ABAR_, j - 1)] = (names[f"zT_{tag}"], True)
-            frees.append(fr)
-            mk: dict[Value, Literal | bool] = {}
-            if OpKind.F_ALL in ops:
-                mk[(ABAR_, j)] = (ops[OpKind.F_ALL], True)
-            pa = [ops[kk] for kk in (OpKind.F_CK, OpKind.F_NONE) if kk in ops]
-            if len(pa) == 1:
-                mk[(A_, j)] = (pa[0], True)
-            elif pa:
-                pv = m.binary(f"prodA_{p}")
-                m.add(pv == Expr([(i, 1.0) for i in pa]), f"prodA_{p}")
-                mk[(A_, j)] = m.literal(pv)
-            makes.append(mk)
-            after_delta.append(a[k] if k <= L else 0)
-        elif item.kind is OpKind.LOSS:
-            D.append(Expr((), ub[L + 1]))
-            reads.append({(A_, L): _lit(A[L]), (ABAR_, L): _lit(T[L])})
-            frees.append({(A_, L): _lit(A[L])})
-            makes.append({})
-            after_delta.append(a[L])
-        else:
-            k = item.stage
-            D.append(Expr((), ub[k]))
-            r = {(ABAR_, k): _lit(T[k]), (A_, k - 1): _lit(A[k - 1])}
-            if k > 1:
-                r[(ABAR_, k - 1)] = _lit(T[k - 1])
-            reads.append(r)
-            frees.append({(ABAR_, k): _lit(T[k]), (A_, k - 1): _lit(A[k - 1])})
-            makes.append({})
-            after_delta.append(a[k - 1])
+    D, reads, frees, makes, after_delta = _item_facts(m, cf, uf, ub, a)
     for p in range(n - 1):
         m.add(S[p + 1] >= S[p] + D[p], f"seq_{p}")
     E = [S[p] + D[p] for p in range(n)]
@@ -540,3 +484,75 @@ def with_fixed(built: RematOffloadModel, fixed: dict[int, float],
     for i, x in fixed.items():
         out.add(Relation(Expr([(i, 1.0)]), x, x), f"fix_{i}")
     return out
+
+
+def _item_facts(m: Model, cf: ck.Formulation, uf: Sequence[float], ub: Sequence[float],
+                a: Sequence[int]) -> tuple[list[Expr], list[dict[Value, Literal | bool]],
+                                           list[dict[Value, Literal | bool]],
+                                           list[dict[Value, Literal | bool]], list[int]]:
+    """Durations, reads (new ``rd`` binaries for slots), frees, productions, gradient after.
+
+    A literal says when the item does it, ``True``/``False`` that it always / never does.
+    """
+    seq = cf.sequence
+    L = cf.length
+    names = {nm: i for i, nm in enumerate(cf.names)}
+    D: list[Expr] = []
+    reads: list[dict[Value, Literal | bool]] = []
+    frees: list[dict[Value, Literal | bool]] = []
+    makes: list[dict[Value, Literal | bool]] = []
+    after_delta: list[int] = []
+    for p, item in enumerate(seq):
+        A, T = cf.states[p]
+        if isinstance(item, ck.Slot):
+            j, k = item.stage, item.phase
+            ops = dict(item.ops)
+            y = Expr([(idx, 1.0) for idx in ops.values()])
+            D.append(y * uf[j])
+            rdA = m.binary(f"rdA_{p}")
+            r: dict[Value, Literal | bool] = {(A_, j - 1): m.literal(rdA)}
+            if j > 1:
+                rdT = m.binary(f"rdT_{p}")
+                m.add(rdA + rdT == y, f"rd_{p}")
+                m.add(rdA <= _x(A[j - 1]), f"rdA_{p}")
+                m.add(rdT <= _x(T[j - 1]), f"rdT_{p}")
+                r[(ABAR_, j - 1)] = m.literal(rdT)
+            else:
+                m.add(rdA == y, f"rd_{p}")
+            reads.append(r)
+            tag = f"{k}_{item.sweep}_{j}"
+            fr: dict[Value, Literal | bool] = {}
+            if f"zA_{tag}" in names:
+                fr[(A_, j - 1)] = (names[f"zA_{tag}"], True)
+            if f"zT_{tag}" in names:
+                fr[(ABAR_, j - 1)] = (names[f"zT_{tag}"], True)
+            frees.append(fr)
+            mk: dict[Value, Literal | bool] = {}
+            if OpKind.F_ALL in ops:
+                mk[(ABAR_, j)] = (ops[OpKind.F_ALL], True)
+            pa = [ops[kk] for kk in (OpKind.F_CK, OpKind.F_NONE) if kk in ops]
+            if len(pa) == 1:
+                mk[(A_, j)] = (pa[0], True)
+            elif pa:
+                pv = m.binary(f"prodA_{p}")
+                m.add(pv == Expr([(i, 1.0) for i in pa]), f"prodA_{p}")
+                mk[(A_, j)] = m.literal(pv)
+            makes.append(mk)
+            after_delta.append(a[k] if k <= L else 0)
+        elif item.kind is OpKind.LOSS:
+            D.append(Expr((), ub[L + 1]))
+            reads.append({(A_, L): _lit(A[L]), (ABAR_, L): _lit(T[L])})
+            frees.append({(A_, L): _lit(A[L])})
+            makes.append({})
+            after_delta.append(a[L])
+        else:
+            k = item.stage
+            D.append(Expr((), ub[k]))
+            r = {(ABAR_, k): _lit(T[k]), (A_, k - 1): _lit(A[k - 1])}
+            if k > 1:
+                r[(ABAR_, k - 1)] = _lit(T[k - 1])
+            reads.append(r)
+            frees.append({(ABAR_, k): _lit(T[k]), (A_, k - 1): _lit(A[k - 1])})
+            makes.append({})
+            after_delta.append(a[k - 1])
+    return D, reads, frees, makes, after_delta

@@ -282,7 +282,7 @@ def _warm_start(problem: RematOffloadProblem, options: SolveOptions,
     notes = []
     found = _candidates(problem, options)
     best = found[0] if found else None  # the incumbent, even if the model cannot take it
-    for makespan, label, plan in found:
+    for _, label, plan in found:
         fixed = built.fixing(plan)
         if fixed is None:
             notes.append(f"{label}: does not fit the model's slots")
