@@ -42,6 +42,7 @@ from optmem.solvers.facade import register, register_exporter
 from optmem.solvers.offload_bruteforce import interleave_transfers
 from optmem.solvers.remat_offload import (
     PROBLEM,
+    _best,
     _disc,
     _no_plan,
     lower_bound,
@@ -232,20 +233,15 @@ def _int_option(options: SolveOptions, key: str, default: int) -> int:
 def _candidates(problem: RematOffloadProblem, options: SolveOptions
                 ) -> list[tuple[float, str, tuple[AnyOp, ...]]]:
     """The DP, checkpoint-only and offload-only plans that replay, fastest first."""
-    disc, beta = _disc(problem, options)
-    found: list[tuple[float, str, tuple[AnyOp, ...]]] = []
-    plans: list[tuple[str, Sequence[AnyOp] | None]] = []
-    plans.append(("chapter 4 dp", pofo_plan(problem, options, "extended")[0]))
-    plans.append(("checkpoint only (persistent dp)", remat_candidate(disc)))
-    plans.append(("offload only (dynprog)", offload_candidate(problem, options)))
-    for label, plan in plans:
-        if plan is None:
-            continue
-        try:
-            sim = simulate_offload(disc.chain, plan, beta, disc.memory_limit)
-        except PlanError:
-            continue
-        found.append((sim.makespan, label, tuple(plan)))
+    disc, _ = _disc(problem, options)
+    plans: list[tuple[str, Sequence[AnyOp] | None]] = [
+        ("chapter 4 dp", pofo_plan(problem, options, "extended")[0]),
+        ("checkpoint only (persistent dp)", remat_candidate(disc)),
+        ("offload only (dynprog)", offload_candidate(problem, options))]
+    seen: dict[str, float] = {}
+    _best(problem, options, plans, seen)
+    found = [(seen[label], label, tuple(plan)) for label, plan in plans
+             if plan is not None and label in seen]
     found.sort(key=lambda t: t[0])
     return found
 
