@@ -285,11 +285,11 @@ def _warm_start(problem: RematOffloadProblem, options: SolveOptions,
             continue
         limit = None if options.time_limit_s is None else max(COMPLETION_TIME_S,
                                                               options.time_limit_s / 4)
-        status, values, _, _, _ = _engine_solve(with_fixed(built, fixed), engine, options,
-                                                initial=None, scale=scale,
-                                                time_limit_s=limit)
+        status, values, _, message, _ = _engine_solve(with_fixed(built, fixed), engine,
+                                                      options, initial=None, scale=scale,
+                                                      time_limit_s=limit)
         if not status.has_plan or values is None:
-            notes.append(f"{label}: not completed ({status})")
+            notes.append(f"{label}: not completed ({status}: {message})")
             continue
         value = values[built.objective_var]
         # unused time variables may sit anywhere below the default horizon: clamp them to
