@@ -190,6 +190,13 @@ class Formulation:
     peak_var
         In min-peak mode (``memory_limit=None``), the integer variable bounding every op's
         memory, which is then the objective.
+    states
+        For models that extend this one (:mod:`optmem.models.remat_offload`): the state
+        ``(A, T)`` (value index -> expression of ``A[i]`` / ``T[i]``) before each item of
+        ``sequence``, and once more after the last one.
+    memory_rows
+        The memory expression (before the ``<= M`` bound) of each item of ``sequence``, with
+        its row name, in the same order.
     """
 
     length: int
@@ -203,6 +210,8 @@ class Formulation:
     sequence: list[Slot | Op] = field(default_factory=list)
     derivations: list[tuple[Any, ...]] = field(default_factory=list)
     peak_var: int | None = None
+    states: list[tuple[dict[int, Expr], dict[int, Expr]]] = field(default_factory=list)
+    memory_rows: list[tuple[str, Expr]] = field(default_factory=list)
 
     # ------------------------------------------------------------------ building
     def new_var(self, name: str) -> int:
@@ -347,6 +356,7 @@ def build_formulation(chain: Chain, memory_limit: int | None, variant: str = "fu
 
     def fits(name: str, expr: Expr) -> None:
         """``expr <= M``, or ``expr <= peak`` in min-peak mode."""
+        f.memory_rows.append((name, expr))
         if f.peak_var is None:
             f.add(name, expr, hi=memory_limit)
         else:
@@ -388,6 +398,7 @@ def build_formulation(chain: Chain, memory_limit: int | None, variant: str = "fu
                 if j > 1 and (k == L + 1 or j < k or sweeps > 1):
                     kinds.append(OpKind.F_NONE)
                 idx = {kind: f.new_var(f"{kind.value}_{tag}") for kind in kinds}
+                f.states.append((dict(A), dict(T)))
                 f.sequence.append(Slot(k, r, j, tuple(idx.items())))
                 for v in idx.values():
                     f.objective[v] = float(uf[j])
@@ -434,6 +445,7 @@ def build_formulation(chain: Chain, memory_limit: int | None, variant: str = "fu
                         T[j - 1] = fresh(f"T{j - 1}_{tag}", T[j - 1] + zt_expr.scaled(-1))
                 A[j] = fresh(f"A{j}_{tag}", A[j] + prod_a)
                 T[j] = fresh(f"T{j}_{tag}", T[j] + var(idx[OpKind.F_ALL]))
+        f.states.append((dict(A), dict(T)))
         if k == L + 1:
             f.sequence.append(LOSS)
             f.add("loss_input", A[L] + T[L], lo=1)
@@ -446,6 +458,7 @@ def build_formulation(chain: Chain, memory_limit: int | None, variant: str = "fu
             fits(f"mem_B{k}", stored() + const(a[k] + a[k - 1] + ob[k]))
             T[k] = const(0)
             A[k - 1] = const(0)
+    f.states.append((dict(A), dict(T)))
     if f.peak_var is not None:
         f.objective = {f.peak_var: 1.0}
         f.objective_const = 0.0
