@@ -11,7 +11,9 @@ torch.Size([4, 2])
 Submodules: :mod:`~optmem.pytorch.extract` (module -> stages), :mod:`~optmem.pytorch.profile`
 (stages -> chain), :mod:`~optmem.pytorch.execute` (plan -> training module),
 :mod:`~optmem.pytorch.api` (all three), :mod:`~optmem.pytorch.memory` (activation tracking),
-:mod:`~optmem.pytorch.models` (named model factories) and :mod:`~optmem.pytorch.cli`
+:mod:`~optmem.pytorch.models` (named model factories), :mod:`~optmem.pytorch.distributed`
+(one plan for every rank, DDP, FSDP2), :mod:`~optmem.pytorch.pipelining` (pipeline plans on
+``torch.distributed.pipelining``; ``pipeline`` is its one call) and :mod:`~optmem.pytorch.cli`
 (``optmem profile``). Names are loaded lazily so that importing ``optmem.pytorch.cli`` or
 ``optmem.pytorch.models`` does not import torch.
 """
@@ -35,6 +37,9 @@ _LAZY = {
     "profile_stages": "optmem.pytorch.profile",
     "ActivationTracker": "optmem.pytorch.memory",
     "register_model": "optmem.pytorch.models",
+    "pipeline": "optmem.pytorch.pipelining",
+    "PipelinedModel": "optmem.pytorch.pipelining",
+    "init_distributed": "optmem.pytorch.distributed",
     "resolve_spec": "optmem.pytorch.models",
 }
 

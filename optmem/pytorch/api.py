@@ -181,6 +181,7 @@ def checkpoint(
     preserve_rng_state: bool = True,
     restore_buffers: bool = True,
     strip_suffix: bool = True,
+    process_group: Any = None,
 ) -> CheckpointedModule:
     """Return ``module`` wrapped to train with the optimal plan under ``memory_limit``.
 
@@ -209,6 +210,11 @@ def checkpoint(
         Profiling options (:func:`~optmem.pytorch.profile.profile_chain`).
     preserve_rng_state, restore_buffers, strip_suffix
         Executor options (:class:`~optmem.pytorch.execute.CheckpointedChain`).
+    process_group
+        Ranks that must train with the same plan (``docs/distributed.md``): by default, when
+        ``torch.distributed`` is initialised, rank 0 of the default group profiles and
+        solves and broadcasts the chain and the plan; a ``ProcessGroup`` does so within it;
+        ``"local"`` decides in this process alone.
 
     Returns
     -------
@@ -232,27 +238,39 @@ def checkpoint(
     >>> cnet.expected_peak_bytes <= 6 * 1024
     True
     """
+    from optmem.pytorch.distributed import refuse_sharded, resolve_group, run_once
+
+    refuse_sharded(module)
     stages = extract_stages(module)
     name = type(module).__name__ if isinstance(module, nn.Module) else "torch"
-    if max_stages is not None and len(stages) > max_stages:
-        if chain is None and device != "meta":
+    merge = max_stages is not None and len(stages) > max_stages
+
+    def decide() -> tuple[list[float] | None, Chain, Result]:
+        """Profile and solve (on one rank when distributed); the costs used for merging."""
+        costs, merged, prof = None, stages, chain
+        if merge and chain is None and device != "meta":
             # balance by measured time: a quick profile of the fine chain gives the costs
             fine = profile_stages(stages, sample, device=device, repeats=1, warmup=1,
                                   name=name, progress=progress, time_model=time_model)
             costs = [f + b for f, b in zip(fine.fwd_time, fine.bwd_time, strict=True)]
-            stages = merge_stages(stages, max_stages, costs)
-        else:
-            stages = merge_stages(stages, max_stages)
-    if chain is None:
-        chain = profile_stages(stages, sample, device=device, repeats=repeats, warmup=warmup,
-                               name=name, progress=progress, time_model=time_model)
-    elif chain.length != len(stages):
-        raise OptmemInputError(
-            f"the given chain has {chain.length} stages but the module has {len(stages)}",
-            field="chain")
-    if memory_limit == "min":
-        memory_limit = smallest_limit(chain, method, slots=slots)
-    result = solve_chain(chain, memory_limit, method, slots=slots, variant=variant,
-                         time_limit_s=time_limit_s)
+        if merge:
+            merged = merge_stages(stages, max_stages, costs)  # type: ignore[arg-type]
+        if prof is None:
+            prof = profile_stages(merged, sample, device=device, repeats=repeats,
+                                  warmup=warmup, name=name, progress=progress,
+                                  time_model=time_model)
+        elif prof.length != len(merged):
+            raise OptmemInputError(
+                f"the given chain has {prof.length} stages but the module has {len(merged)}",
+                field="chain")
+        limit = smallest_limit(prof, method, slots=slots) if memory_limit == "min" \
+            else memory_limit
+        return costs, prof, solve_chain(prof, limit, method, slots=slots, variant=variant,
+                                        time_limit_s=time_limit_s)
+
+    # every rank of the group runs the plan rank 0 profiled and solved
+    costs, chain, result = run_once(decide, resolve_group(process_group))
+    if merge:
+        stages = merge_stages(stages, max_stages, costs)  # type: ignore[arg-type]
     return CheckpointedModule(stages, chain, result, preserve_rng_state=preserve_rng_state,
                               restore_buffers=restore_buffers, strip_suffix=strip_suffix)
