@@ -19,8 +19,9 @@ torch = pytest.importorskip("torch", reason="the pipeline executor needs torch")
 import distributed_workers as w  # noqa: E402
 
 from optmem.chain import Chain  # noqa: E402
+from optmem.cli import main  # noqa: E402
 from optmem.pipeline_plan import PipelinePlan  # noqa: E402
-from optmem.pipeline_schedule import rank_programs, write_schedule_csv  # noqa: E402
+from optmem.pipeline_schedule import rank_programs  # noqa: E402
 from optmem.problems.pipeline import PipelineProblem  # noqa: E402
 from optmem.pytorch import pipelining  # noqa: E402
 from optmem.pytorch.distributed import spawn  # noqa: E402
@@ -76,14 +77,21 @@ def test_plans_on_two_ranks_match_single_process(tmp_path):
     on PyTorch's runtime and on optmem's runner; the MadPipe plan of the tied GPT-2 (embedding
     and head on one rank) from its CSV, the contiguous one with them on two ranks."""
     general = plan_for([1, 2, 1], 2, "cpsat")
-    madpipe = plan_for([1, 2, 2, 2, 1], 2, "madpipe")
     contiguous = plan_for([1, 1, 1, 1, 1, 1], 2, "contiguous")
     gpt_contiguous = plan_for([1, 2, 2, 2, 1], 2, "contiguous")
+    # the MadPipe plan and its CSV as a user makes them: optmem solve / optmem export
+    chain = Chain.from_lists([0.5, 1, 1, 1, 0.5], [0.5, 1, 1, 1, 0.5], [1] * 5, [1] * 5,
+                             input_size=1)
+    chain.save(tmp_path / "chain.json")
+    csv = tmp_path / "madpipe.csv"
+    options = ["pipeline", str(tmp_path / "chain.json"), "--gpus", "2", "--memory", "1000000",
+               "--method", "madpipe"]
+    assert main(["solve", *options, "-o", str(tmp_path / "plan.json")]) == 0
+    assert main(["export", *options, "--microbatches", "4", "-o", str(csv)]) == 0
+    madpipe = PipelinePlan.from_any((tmp_path / "plan.json").read_text())
     assert non_contiguous(general) and non_contiguous(madpipe)
     assert madpipe.stages[0].gpu == madpipe.stages[-1].gpu  # tied weight on one rank
     assert gpt_contiguous.stages[0].gpu != gpt_contiguous.stages[-1].gpu  # on two ranks
-    csv = tmp_path / "madpipe.csv"
-    write_schedule_csv(madpipe, 4, csv)
     jobs = [job("mlp3", general), job("mlp3", general, "p2p"), job("mlp", contiguous),
             job("gpt", madpipe, csv=str(csv)), job("gpt", gpt_contiguous),
             job("mlp", contiguous, "p2p")]
