@@ -70,8 +70,20 @@ def gpt_data(rows: int, seed: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
             torch.randint(0, VOCAB, (rows, CONTEXT), generator=gen))
 
 
-def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def lm_loss(logits: Any, target: torch.Tensor) -> torch.Tensor:
+    logits = getattr(logits, "logits", logits)  # a HuggingFace output holds them
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def hf_gpt2(seed: int = 0) -> nn.Module:
+    """HuggingFace ``GPT2LMHeadModel`` (tied head) with a tiny config, no dropout."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(n_layer=2, n_embd=DIM, n_head=2, vocab_size=VOCAB,
+                        n_positions=CONTEXT, use_cache=False, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(config)
 
 
 MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int], Any], Callable[..., Any]]] = {
@@ -80,6 +92,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int], Any], Callable[
     "mlp3": (lambda: pipelining.demo_model(8, 3), lambda rows: mlp_data(rows, 8),
              nn.functional.mse_loss),
     "gpt": (tiny_gpt, gpt_data, lm_loss),
+    "hf-gpt2": (hf_gpt2, gpt_data, lm_loss),
 }
 
 

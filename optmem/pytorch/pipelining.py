@@ -518,6 +518,7 @@ def run_plan(
             local[(kind, stage, m)] = value
         else:
             pending.append(dist.isend(value.contiguous(), dst=peer))
+        pending[:] = [req for req in pending if not req.is_completed()]  # free sent buffers
 
     for op in programs.get(rank, []):
         m, s = op.microbatch, op.stage
