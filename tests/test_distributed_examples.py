@@ -1,8 +1,9 @@
 """The distributed examples and the pipeline/distributed docs run as written.
 
 * Every ``torchrun`` command of ``docs/distributed.md`` and ``docs/pipeline.md`` (the three
-  examples, with small configurations) is launched as a user would (``torchrun
-  --standalone`` picks a free port) and must exit 0 with the lines its script promises.
+  examples and ``optmem train-pipeline``, with small configurations) is launched as a user
+  would (``torchrun --standalone`` picks a free port) and must exit 0 with the lines its
+  script promises.
 * Every ````python`` block of those docs runs (under ``torchrun --nproc_per_node 2`` when it
   calls ``init_distributed``), and the ``optmem`` lines of their ````bash`` blocks run in
   order in one directory. ````py`` blocks are excerpts of the examples: each of their lines
@@ -72,21 +73,27 @@ EXPECTED = {  # what each example prints (regex, how many times at least)
     "pipeline_train.py": [(r"gpt: madpipe plan \((optimal|feasible)\), predicted period", 1),
                           (r"rank \d: stages \[", 2),
                           (r"rank \d step \d: mean micro-batch loss [\d.]+", 2)],
+    "train-pipeline": [(r"toy-resnet: madpipe plan \((optimal|feasible)\), predicted period", 1),
+                       (r"rank \d step \d: mean micro-batch loss [\d.e-]+", 2)],
 }
 
 
-@pytest.mark.parametrize("command", commands("torchrun"))
+def program(command: str) -> str:
+    """The example script a torchrun command runs, or the optmem subcommand."""
+    found = re.search(r"examples/(\w+\.py)|-m optmem (\S+)", command)
+    assert found, command
+    return found.group(1) or found.group(2)
+
+
+@pytest.mark.parametrize("command", commands("torchrun"), ids=lambda c: program(c))
 def test_torchrun_example(command, tmp_path):
-    script = re.search(r"examples/(\w+\.py)", command).group(1)  # type: ignore[union-attr]
     out = run(command.replace("torchrun", " ".join(TORCHRUN), 1), workdir(tmp_path))
-    for pattern, count in EXPECTED[script]:
+    for pattern, count in EXPECTED[program(command)]:
         assert len(re.findall(pattern, out)) >= count, (pattern, out)
 
 
 def test_every_example_is_in_the_docs():
-    scripts = {re.search(r"examples/(\w+\.py)", c).group(1)  # type: ignore[union-attr]
-               for c in commands("torchrun")}
-    assert scripts == set(EXPECTED)
+    assert {program(c) for c in commands("torchrun")} == set(EXPECTED)
 
 
 @pytest.mark.parametrize("index", range(len(blocks("python"))))
