@@ -175,6 +175,19 @@ def local_plan(spec: dict, rank: int) -> tuple[str, ...]:
     return solve(problem, spec["method"]).plan
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_one_call_on_two_gpus_with_nccl(tmp_path):
+    """The one call on NCCL, one GPU per rank (``spawn`` picks NCCL when CUDA is present)."""
+    spec = {"kind": "one_call", "model": "gpt", "method": "madpipe", "microbatches": 4,
+            "rows": 8, "slow_layer": 1}
+    spawn(w.run_jobs, 2, [spec], str(tmp_path), init_file=str(tmp_path / "rendezvous"))
+    grads, _ = w.reference_grads("gpt", 4, 8, mean=True)
+    for rank in range(2):
+        for name, g in w.load(str(tmp_path), rank, 0)["grads"].items():
+            torch.testing.assert_close(g.cpu(), grads[name], rtol=1e-4, atol=1e-5)
+
+
 def test_rank_programs_follow_the_pattern():
     plan = plan_for([1, 2, 1], 2, "contiguous")
     programs = rank_programs(plan, 4)

@@ -264,10 +264,11 @@ def checkpoint_fsdp(module: nn.Module | Sequence[nn.Module], sample: Any,
 # ------------------------------------------------------------------ launching
 def _spawned(rank: int, world: int, init: str, fn: Callable[..., Any], args: tuple) -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    local = rank % torch.cuda.device_count() if backend == "nccl" else rank
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local))
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
     try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
+        default_device()  # cuda:LOCAL_RANK becomes the current device with NCCL
         fn(rank, world, *args)
     finally:
         dist.destroy_process_group()
