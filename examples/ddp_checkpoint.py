@@ -17,6 +17,7 @@ import argparse
 
 import torch
 import torch.distributed as dist
+from common import print_mean_loss
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -46,7 +47,7 @@ def main() -> None:
     args = ap.parse_args()
 
     device = op.init_distributed()  # from torchrun's environment; NCCL + cuda:LOCAL_RANK or gloo
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     torch.manual_seed(0)  # DDP copies rank 0's weights anyway
     model = nn.Sequential(*[Residual(args.width) for _ in range(args.depth)],
                           nn.Linear(args.width, 1)).to(device)
@@ -66,10 +67,7 @@ def main() -> None:
         loss = nn.functional.mse_loss(ddp(x), y)
         loss.backward()  # DDP averages the gradients over the ranks
         opt.step()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        if rank == 0:
-            print(f"step {step}: loss {mean.item() / world:.5f} (mean over {world} ranks)")
+        print_mean_loss(step, loss)
     dist.destroy_process_group()
 
 

@@ -14,30 +14,15 @@ for a few AdamW steps; rank 0 prints the plan and the losses.
 from __future__ import annotations
 
 import argparse
-from collections import OrderedDict
 
 import torch
 import torch.distributed as dist
+from common import print_mean_loss, small_gpt
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import optmem.pytorch as op
 from optmem.pytorch.distributed import checkpoint_fsdp
-from optmem.pytorch.zoo.gpt2 import Block, Embedding
-
-
-def small_gpt(layers: int, dim: int, heads: int, vocab: int, context: int) -> nn.Sequential:
-    """GPT-2 layout (zoo blocks), head tied to the token embedding, no dropout."""
-    embed = Embedding(dim, vocab, context, dropout=0.0)
-    nn.init.normal_(embed.wte.weight, std=0.02)  # GPT-2's initialisation of the tied matrix
-    mods: OrderedDict[str, nn.Module] = OrderedDict(embed=embed)
-    for i in range(layers):
-        mods[f"h{i}"] = Block(dim, heads, context, dropout=0.0)
-    mods["ln_f"] = nn.LayerNorm(dim)
-    head = nn.Linear(dim, vocab, bias=False)
-    head.weight = embed.wte.weight
-    mods["lm_head"] = head
-    return nn.Sequential(mods)
 
 
 def main() -> None:
@@ -74,10 +59,7 @@ def main() -> None:
                                            tokens[:, 1:].reshape(-1))
         loss.backward()  # FSDP reduce-scatters (averages) the gradients
         opt.step()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        if rank == 0:
-            print(f"step {step}: loss {mean.item() / world:.5f} (mean over {world} ranks)")
+        print_mean_loss(step, loss)
     dist.destroy_process_group()
 
 

@@ -56,7 +56,7 @@ def build(name: str, args: argparse.Namespace) -> tuple[nn.Module, Callable[[int
                             vocab_size=args.vocab, n_positions=args.context, use_cache=False,
                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         return GPT2LMHeadModel(config), tokens, lm_loss
-    from fsdp_checkpoint import small_gpt  # the same small GPT-2 as the FSDP example
+    from common import small_gpt  # the same small GPT-2 as the FSDP example
 
     return small_gpt(args.layers, args.dim, 4, args.vocab, args.context), tokens, lm_loss
 
