@@ -24,12 +24,11 @@ do: PyTorch allocates a receive buffer for every micro-batch of every cut up fro
 and gradient) and keeps them for the whole step, while the plan's memory model (and
 :func:`run_plan`) holds the messages in flight only; ``docs/pipeline.md`` gives the measured
 difference. Launch with :func:`optmem.pytorch.distributed.spawn` or ``torchrun`` (see
-:func:`main` and ``examples/pipeline_train.py``).
+``examples/pipeline_train.py`` and ``optmem train-pipeline``).
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
@@ -550,7 +549,7 @@ def run_plan(
     return losses
 
 
-# ------------------------------------------------------------------ demo and tests
+# ------------------------------------------------------------------ a small model for tests
 class _TanhLinear(nn.Module):
     """``tanh(W x + b)``: one chain layer (a nested ``nn.Sequential`` would be two)."""
 
@@ -568,49 +567,3 @@ def demo_model(width: int = 16, depth: int = 4, seed: int = 0) -> nn.Sequential:
     blocks: list[nn.Module] = [_TanhLinear(width) for _ in range(depth - 1)]
     blocks.append(nn.Linear(width, 1))
     return nn.Sequential(*blocks)
-
-
-def demo_batches(width: int, microbatches: int, seed: int = 1
-                 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Seeded micro-batches (inputs, targets) for :func:`demo_model`."""
-    gen = torch.Generator().manual_seed(seed)
-    xs = [torch.randn(4, width, generator=gen) for _ in range(microbatches)]
-    ys = [torch.randn(4, 1, generator=gen) for _ in range(microbatches)]
-    return xs, ys
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``torchrun --nproc_per_node P -m optmem.pytorch.pipelining PLAN.json``: a demo MLP.
-
-    The plan (a result or plan JSON, for a chain of ``--depth`` layers) runs on PyTorch's
-    pipeline runtime (``--runner p2p``: optmem's own runner; ``--schedule-csv``: load the
-    action list from an exported CSV). The rank(s) with the last stage print the losses.
-    """
-    from optmem.pytorch.distributed import init_distributed
-
-    parser = argparse.ArgumentParser(prog="optmem.pytorch.pipelining")
-    parser.add_argument("plan", help="a pipeline plan or result JSON file")
-    parser.add_argument("--depth", type=int, default=4)
-    parser.add_argument("--width", type=int, default=16)
-    parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--runner", choices=("runtime", "p2p"), default="runtime")
-    parser.add_argument("--schedule-csv", default=None)
-    args = parser.parse_args(argv)
-    with open(args.plan) as fh:
-        plan = as_pipeline_plan(fh.read())
-    device = init_distributed()
-    model = demo_model(args.width, args.depth)
-    xs, ys = demo_batches(args.width, args.microbatches)
-    if args.runner == "p2p":
-        losses = run_plan(model, plan, xs, ys, nn.functional.mse_loss, device=device)
-    else:
-        losses = run_plan_pipelining(model, plan, xs, ys, nn.functional.mse_loss,
-                                     device=device, schedule_csv=args.schedule_csv)
-    if losses:
-        print(f"rank {dist.get_rank()}: losses " + " ".join(f"{v:.4f}" for v in losses))
-    dist.destroy_process_group()
-    return 0 if all(math.isfinite(v) for v in losses) else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
