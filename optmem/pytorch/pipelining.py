@@ -158,22 +158,23 @@ class PipelinedModel(nn.Module):
         Only the layers of this rank's stages are moved to ``device`` and used.
     plan
         A pipeline plan, a pipeline :class:`~optmem.result.Result`, ``result.plan``, or its
-        JSON (:func:`as_pipeline_plan`); GPU ``g`` of the plan is rank ``g`` of ``group``.
+        JSON (:func:`as_pipeline_plan`).
     microbatches
         Micro-batches per :meth:`step` (one flush); the batch is split along dimension 0.
     loss_fn
         ``loss_fn(output, target)`` of one micro-batch, on the rank of the last stage.
     device
         Default: ``cuda:LOCAL_RANK`` with NCCL, else the CPU.
-    group
-        The process group whose ranks are the plan's GPUs (default: the default group).
-        Ranks beyond the plan's GPUs, or holding no stage, take no part in the schedule.
     scale_grads
         Divide the gradients by ``microbatches`` (the mean over micro-batches, as one
         single-process step on the whole batch with a mean loss); ``False`` sums them.
     schedule_csv
         Load the action list from this CSV (``optmem export pipeline ... -o schedule.csv``)
         instead of deriving it from ``plan`` (both must describe the same allocation).
+
+    Every process of the default group constructs it (GPU ``g`` of the plan is rank ``g``;
+    subgroups are made for the pipeline when the plan leaves ranks empty, and for every set
+    of ranks sharing a tied weight). Ranks holding no stage take no part in the schedule.
 
     Attributes
     ----------
@@ -189,26 +190,24 @@ class PipelinedModel(nn.Module):
 
     def __init__(self, model: nn.Module | Sequence[nn.Module | Stage], plan: Any, *,
                  microbatches: int | None = None, loss_fn: LossFn | None = None,
-                 device: torch.device | str | None = None, group: Any = None,
-                 scale_grads: bool = True, schedule_csv: str | None = None) -> None:
+                 device: torch.device | str | None = None, scale_grads: bool = True,
+                 schedule_csv: str | None = None) -> None:
         super().__init__()
         self.plan = as_pipeline_plan(plan)
         self.microbatches = microbatches or default_microbatches(self.plan)
         self.device = torch.device(device) if device is not None else default_device()
-        self.group = group if group is not None else dist.group.WORLD
         self.chain: Chain | None = None
         self.result: Result | None = None
-        rank, size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        rank, size = dist.get_rank(), dist.get_world_size()
         used = pipeline_ranks(self.plan)
         if used[-1] >= size:
-            raise OptmemInputError(f"the plan uses GPU {used[-1]} but the process group has "
-                                   f"{size} ranks", field="gpus")
+            raise OptmemInputError(f"the plan uses GPU {used[-1]} but only {size} processes run",
+                                   field="gpus")
         modules = plan_stage_modules(model, self.plan)
         gpu_of = [st.gpu for st in self.plan.stages]
         self.stage_indices = [k for k, g in enumerate(gpu_of) if g == rank]
         self.stages = nn.ModuleList([modules[k] for k in self.stage_indices]).to(self.device)
-        self.pp_group = self.group if used == list(range(size)) else \
-            dist.new_group([dist.get_global_rank(self.group, g) for g in used])
+        self.pp_group = dist.group.WORLD if used == list(range(size)) else dist.new_group(used)
         self._tied = self._tied_groups(modules, gpu_of, rank)
         self.has_first = 0 in self.stage_indices
         self.has_last = len(gpu_of) - 1 in self.stage_indices
@@ -223,8 +222,7 @@ class PipelinedModel(nn.Module):
         mine = []
         for param, gpus in _tied_parameters(modules, gpu_of):
             if gpus not in groups:  # every rank creates every group, in the same order
-                groups[gpus] = dist.new_group([dist.get_global_rank(self.group, g)
-                                               for g in gpus])
+                groups[gpus] = dist.new_group(list(gpus))
             if rank in gpus:
                 mine.append((param, groups[gpus]))
         return mine
@@ -328,7 +326,6 @@ def pipeline(
     max_stages: int | None = None,
     time_limit_s: float | None = None,
     device: torch.device | str | None = None,
-    group: Any = None,
     repeats: int = 3,
     warmup: int = 1,
     time_model: TimeModel | None = None,
@@ -336,9 +333,9 @@ def pipeline(
 ) -> PipelinedModel:
     """Profile, solve, split and build the pipeline of ``model`` on ``gpus`` ranks.
 
-    Run it on every rank (``torchrun --nproc_per_node P``): rank 0 of ``group`` profiles the
-    chain on ``sample`` and solves the pipeline problem; the chain and the plan are
-    broadcast, so every rank builds its part of the **same** plan.
+    Run it on every rank (``torchrun --nproc_per_node P``): rank 0 profiles the chain on
+    ``sample`` and solves the pipeline problem; the chain and the plan are broadcast, so
+    every rank builds its part of the **same** plan.
 
     Parameters
     ----------
@@ -347,7 +344,7 @@ def pipeline(
     sample
         **One micro-batch** (the chain is profiled per micro-batch, like the period).
     gpus
-        GPUs of the plan (default: the group size); GPU ``g`` is rank ``g``.
+        GPUs of the plan (default: the number of processes); GPU ``g`` is rank ``g``.
     memory_per_gpu
         Memory of each GPU: bytes or a size such as ``"16GiB"``.
     bandwidth
@@ -365,7 +362,7 @@ def pipeline(
         Problem and solver options (``docs/pipeline.md``).
     max_stages
         Merge the extracted layers into at most this many, balanced by measured time.
-    device, group
+    device
         As in :class:`PipelinedModel`.
     repeats, warmup, time_model, progress
         Profiling options (:func:`~optmem.pytorch.profile.profile_stages`).
@@ -384,8 +381,8 @@ def pipeline(
     if not dist.is_initialized():
         raise OptmemInputError("optmem.pytorch.pipeline runs under torch.distributed: launch "
                                "with torchrun and call init_distributed() (or "
-                               "init_process_group) first", field="group")
-    world = dist.get_world_size(group if group is not None else dist.group.WORLD)
+                               "init_process_group) first", field="backend")
+    world = dist.get_world_size()
     gpus = world if gpus is None else gpus
     if gpus > world:
         raise OptmemInputError(f"the plan is for {gpus} GPUs but only {world} ranks run",
@@ -417,11 +414,11 @@ def pipeline(
                                    field="memory_per_gpu")
         return costs, chain, result
 
-    costs, chain, result = run_once(decide, resolve_group(group) if world > 1 else None)
+    costs, chain, result = run_once(decide, resolve_group())
     if merge:
         stages = merge_stages(stages, max_stages, costs)  # type: ignore[arg-type]
     piped = PipelinedModel(stages, result, microbatches=microbatches, loss_fn=loss_fn,
-                           device=device, group=group)
+                           device=device)
     piped.chain, piped.result = chain, result
     return piped
 
