@@ -233,16 +233,44 @@ def verify_checkpoint_plan(problem: Any, plan_data: Any, options: SolveOptions, 
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    """``optmem export``: write the exact model as MPS or LP."""
+    """``optmem export``: write the exact model as MPS or LP, or a pipeline schedule CSV."""
     from optmem.solvers.facade import export
 
-    if Path(args.output).suffix.lower() not in (".mps", ".lp"):
-        raise OptmemInputError(f"expected an output file ending in .mps or .lp, got "
-                               f"{args.output!r}", field="-o")
+    suffix = Path(args.output).suffix.lower()
+    if suffix == ".csv" and args.problem == "pipeline":
+        return export_schedule_csv(args)
+    if suffix not in (".mps", ".lp"):
+        raise OptmemInputError(f"expected an output file ending in .mps or .lp (or .csv for "
+                               f"a pipeline schedule), got {args.output!r}", field="-o")
     chain = load_chain(args.chain)
     problem = build_problem(args.problem, chain, parse_size(args.memory), args)
-    export(problem, args.method, args.output, options=options_from_args(args))
+    export(problem, args.method or "ilp", args.output, options=options_from_args(args))
     print(f"wrote {args.output}")
+    return EXIT_OK
+
+
+def export_schedule_csv(args: argparse.Namespace) -> int:
+    """Solve the pipeline problem and write the plan as PyTorch's schedule CSV (CONTRACT 11)."""
+    from optmem.pipeline_plan import PipelinePlan
+    from optmem.pipeline_schedule import default_microbatches, pipeline_ranks, write_schedule_csv
+    from optmem.solvers.facade import solve
+
+    chain = load_chain(args.chain)
+    problem = build_problem(args.problem, chain, parse_size(args.memory), args)
+    result = solve(problem, args.method or "auto", options=options_from_args(args))
+    if not result.status.has_plan:
+        hint = "" if result.min_feasible_memory is None else \
+            f"; the smallest feasible memory is about {result.min_feasible_memory}"
+        raise OptmemInputError(f"no plan to export: {result.method} gives status "
+                               f"{result.status}{hint}", field="memory")
+    plan = PipelinePlan.from_strings(result.plan)
+    microbatches = default_microbatches(plan) if args.microbatches is None \
+        else args.microbatches
+    write_schedule_csv(plan, microbatches, args.output)
+    ranks = pipeline_ranks(plan)
+    print(f"wrote {args.output}: {result.method} plan, period {_fmt(result.objective)} "
+          f"{chain.time_unit}, {len(plan.stages)} stages on ranks 0..{len(ranks) - 1} "
+          f"(GPUs {','.join(map(str, ranks))}), {microbatches} micro-batches")
     return EXIT_OK
 
 
@@ -359,10 +387,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_verify, variant=None, time_limit=None, solver="highs", threads=2,
                    verbose=False)
 
-    p = sub.add_parser("export", help="write the exact model (MPS or LP)")
+    p = sub.add_parser("export", help="write the exact model (MPS or LP) or a pipeline "
+                       "schedule (CSV)")
     _add_common(p)
-    p.add_argument("--method", default="ilp")
-    p.add_argument("--output", "-o", required=True, help="model.mps or model.lp")
+    p.add_argument("--method", default=None,
+                   help="exact model to write (default ilp), or for a .csv the pipeline "
+                        "method to solve with (default: the problem's default)")
+    p.add_argument("--output", "-o", required=True,
+                   help="model.mps, model.lp, or schedule.csv (pipeline: the plan's per-rank "
+                        "actions for torch.distributed.pipelining)")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="micro-batches per step in the CSV (default: twice the stages)")
     _add_problem_options(p)
     p.set_defaults(func=cmd_export)
 

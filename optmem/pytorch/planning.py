@@ -110,6 +110,11 @@ class Planner:
         Link bandwidth for offloading: bytes per second or ``"12GB/s"``.
     slots, variant, time_limit_s, extra
         Solver options (:class:`~optmem.result.SolveOptions`).
+    process_group
+        Ranks that must train with the same plan
+        (:func:`optmem.pytorch.distributed.resolve_group`): by default, when
+        ``torch.distributed`` is initialised, rank 0 profiles and solves and broadcasts the
+        chain and the plan; ``"local"`` decides in this process alone.
     executor_options
         Keyword arguments of the executor class.
     """
@@ -123,6 +128,7 @@ class Planner:
     time_limit_s: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     executor_options: dict[str, Any] = field(default_factory=dict)
+    process_group: Any = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
