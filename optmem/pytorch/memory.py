@@ -25,17 +25,21 @@ allocator statistics do count), and the allocator's own rounding and caching.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["ActivationTracker", "MemTrackerPeak", "StorageTrace", "live_bytes",
-           "measure_training_peak", "memtracker_peak", "storage_bytes", "storage_key"]
+if TYPE_CHECKING:
+    from optmem.chain import Chain
+
+__all__ = ["LOSS_SCALARS", "ActivationTracker", "MemTrackerPeak", "StorageTrace",
+           "cuda_training_peak", "live_bytes", "measure_training_peak", "memtracker_peak",
+           "plan_allowance", "storage_bytes", "storage_key"]
 
 # ops whose output is a fresh tensor although it is also their input (``torch.tensor``)
 _FRESH_OPS = ("lift_fresh", "lift_fresh_copy")
@@ -223,6 +227,87 @@ def measure_training_peak(step: Callable[[], Any], module: nn.Module,
         step()
     grads = [p.grad for p in params if p.grad is not None]
     return storage_bytes(inputs) + trace.peak(exclude=grads)
+
+
+def cuda_training_peak(step: Callable[[], Any], module: nn.Module, inputs: Any = ()) -> int:
+    """``torch.cuda.max_memory_allocated`` during ``step()``, as activation bytes (CUDA only).
+
+    The weight gradients are allocated (zeros) before the step, as rotor does, so that the
+    peak above the memory allocated at the start (parameters, buffers, gradients, inputs,
+    optimizer state, cuBLAS workspaces of earlier steps) is the activations' and the
+    temporaries'; ``inputs`` are added back. Compared with the chain model it also counts
+    the caching allocator's rounding (512-byte blocks), cuDNN workspaces, and the temporary
+    of each in-place gradient accumulation (at most a stage's weights). Run one step
+    before measuring, so that one-time allocations are in the base.
+    """
+    for p in module.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base + storage_bytes(inputs)
+
+
+LOSS_SCALARS = 16
+"""Bytes of the loss and its seed gradient (two scalars, float64 at most)."""
+
+
+def plan_allowance(chain: Chain, plan: Sequence[Any], stages: Sequence[Any] = (), *,
+                   strip_suffix: bool = True, restore_buffers: bool = True) -> int:
+    """Bytes a real step may hold beyond the plan's simulated peak (tensor level).
+
+    The chain model frees a value at the op that consumes it; a training step through
+    :class:`~optmem.pytorch.execute.CheckpointedChain` holds three things longer, and
+    nothing else (``docs/pytorch.md``, "What memory_limit counts"):
+
+    * the gradient of the value where the plan hands over to autograd: autograd keeps a
+      ``Function``'s incoming gradient until its backward returns, so ``delta^L`` (or
+      ``delta^{j-1}`` when the store-all suffix ``j..L`` runs natively) stays alive during
+      the whole backward of the plan, where the model frees it at ``B L`` (``B j-1``);
+    * the loss and its seed gradient (:data:`LOSS_SCALARS`), alive until the backward ends;
+    * with ``restore_buffers``, scratch copies of the buffers of the stage being re-run.
+
+    Parameters
+    ----------
+    chain, plan
+        The profiled chain and the plan (op strings or :class:`~optmem.plan.Op`).
+    stages
+        The stages (modules or :class:`~optmem.pytorch.extract.Stage`), for their buffers.
+    strip_suffix, restore_buffers
+        The executor's options.
+
+    Examples
+    --------
+    >>> from optmem.chain import Chain
+    >>> chain = Chain.from_lists([1.0] * 3, [1.0] * 3, [100, 200, 300], [100, 200, 300],
+    ...                          input_size=50)
+    >>> plan = ["F_ck 1", "F_none 2", "F_all 3", "Loss", "B 3", "F_ck 1", "F_all 2", "B 2",
+    ...         "F_all 1", "B 1"]
+    >>> plan_allowance(chain, plan, strip_suffix=False)  # delta^3 (300 B) + the scalars
+    316
+    >>> plan_allowance(chain, plan)  # stage 3 runs natively: delta^2 (200 B) is held
+    216
+    """
+    from optmem.plan import OpKind, parse_plan
+    from optmem.pytorch.execute import split_suffix
+
+    ops = parse_plan(plan)
+    n = chain.length
+    j = split_suffix(ops, n)[1] if strip_suffix else n + 1
+    held = chain.output_size[j - 2] if j > 1 else 0
+    runs: dict[int, int] = {}
+    for op in ops:
+        if op.kind in (OpKind.F_ALL, OpKind.F_CK, OpKind.F_NONE):
+            runs[op.stage] = runs.get(op.stage, 0) + 1
+    buffers = 0
+    if restore_buffers and stages:
+        modules = [getattr(s, "module", s) for s in stages]
+        buffers = max((storage_bytes(list(modules[i - 1].buffers()))
+                       for i, c in runs.items() if c > 1), default=0)
+    return held + LOSS_SCALARS + buffers
 
 
 @dataclass(frozen=True)

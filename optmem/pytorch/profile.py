@@ -48,6 +48,7 @@ roofline: ``max(flops / flops_per_s, bytes / bytes_per_s)``, FLOPs counted by
 from __future__ import annotations
 
 import copy
+import hashlib
 import math
 import statistics
 import sys
@@ -58,6 +59,8 @@ from typing import Any, TextIO
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError
@@ -138,22 +141,34 @@ def _clear_grads(value: Any) -> None:
 
 
 # ------------------------------------------------------------------ timing
-def round_time(t: float, resolution: float) -> float:
-    """Round ``t > 0`` to the nearest point of the grid ``(1 + resolution)**k`` (k integer).
+TIME_QUANTUM_EXPONENT = 16
+"""Profiled times are multiples of ``2**-16`` ms (15 ns): see :func:`round_time`."""
 
-    A relative resolution: the rounded value is within a factor ``sqrt(1 + resolution)`` of
-    ``t``. Two measurements that differ by less than the grid's spacing are rounded to the
-    same value unless a grid boundary lies between them. ``resolution = 0`` keeps ``t``.
+
+def round_time(t: float, resolution: float) -> float:
+    """Round a time ``t >= 0`` to a relative ``resolution``, then to a multiple of ``2**-16``.
+
+    ``t > 0`` goes to the nearest point of the grid ``(1 + resolution)**k`` (k integer), a
+    relative resolution: the result is within a factor ``sqrt(1 + resolution)`` of ``t``, and
+    two measurements closer than the grid's spacing get the same value unless a grid point
+    falls between them (``resolution = 0`` skips this). Then it is rounded to a multiple of
+    ``2**-16`` (in the chain's unit, ms): sums of such numbers are exact in floating point
+    (below ``2**37`` ms), so two plans that run the same ops in another order cost exactly
+    the same, and a solver breaks such ties the same way whatever the measured values.
 
     Examples
     --------
     >>> round_time(1.0, 0.25), round_time(1.1, 0.25), round_time(1.2, 0.25)
     (1.0, 1.0, 1.25)
+    >>> round_time(0.1, 0) * 2**16
+    6554.0
     """
-    if resolution <= 0 or t <= 0 or not math.isfinite(t):
-        return float(t)
-    step = math.log1p(resolution)
-    return float(math.exp(round(math.log(t) / step) * step))
+    if not math.isfinite(t) or t <= 0:
+        return max(0.0, float(t)) if math.isfinite(t) else float(t)
+    if resolution > 0:
+        step = math.log1p(resolution)
+        t = math.exp(round(math.log(t) / step) * step)
+    return math.ldexp(round(math.ldexp(t, TIME_QUANTUM_EXPONENT)), -TIME_QUANTUM_EXPONENT)
 
 
 class _Timer:
@@ -231,6 +246,35 @@ def _flop_counter(enabled: bool) -> Any:
     return FlopCounterMode(display=False)
 
 
+class _OpLog(TorchDispatchMode):
+    """Fingerprint of the kernels a stage runs: op names, tensor shapes, dtypes, strides.
+
+    Two stages with the same fingerprint compute the same thing on the same shapes (the
+    blocks of a transformer, the repeated units of a ResNet group), so they cost the same:
+    their timing samples are pooled and they get one time (:func:`_time_rounds`).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.digest = hashlib.sha1()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        leaves = tree_leaves((args, kwargs or {}))
+        self.digest.update(repr((str(func), tuple(_describe(v) for v in leaves))).encode())
+        return func(*args, **(kwargs or {}))
+
+
+def _describe(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return (tuple(v.shape), str(v.dtype), tuple(v.stride()) if v.layout == torch.strided
+                else str(v.layout))
+    if v is None or isinstance(v, bool | int | float | str | torch.dtype | torch.device |
+                               torch.layout | torch.memory_format):
+        return repr(v)
+    return type(v).__name__
+
+
 # ------------------------------------------------------------------ memory of one stage
 @dataclass
 class _Setting:
@@ -252,6 +296,7 @@ class _StageMemory:
     bwd_flops: float
     has_bwd: bool
     out: Any
+    signature: str
 
 
 def _stage_memory(module: nn.Module, x: Any, in_size: int, tied: Sequence[nn.Parameter],
@@ -277,8 +322,9 @@ def _stage_memory(module: nn.Module, x: Any, in_size: int, tied: Sequence[nn.Par
 
     counter = _flop_counter(s.count_flops)
     trace_f = StorageTrace(excluded)
+    oplog = _OpLog()
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, _identity), \
-            trace_f, counter:
+            trace_f, counter, oplog:
         out = module(x)
     fwd_flops = float(counter.get_total_flops()) if s.count_flops else 0.0
     out_tensors = value_tensors(out)
@@ -303,7 +349,7 @@ def _stage_memory(module: nn.Module, x: Any, in_size: int, tied: Sequence[nn.Par
         known = s.persistent | {storage_key(p.grad) for p in tied}
         counter = _flop_counter(s.count_flops)
         trace_b = StorageTrace(known)
-        with trace_b, counter:
+        with trace_b, counter, oplog:
             torch.autograd.backward(outs, grads)
         bwd_flops = float(counter.get_total_flops()) if s.count_flops else 0.0
         wgrads = [p.grad for p in module.parameters() if p.grad is not None]
@@ -317,7 +363,7 @@ def _stage_memory(module: nn.Module, x: Any, in_size: int, tied: Sequence[nn.Par
         f_cuda, b_cuda = _cuda_overheads(module, x, saved_size, output_size, in_size)
         fwd_overhead, bwd_overhead = max(fwd_overhead, f_cuda), max(bwd_overhead, b_cuda)
     return _StageMemory(output_size, saved_size, fwd_overhead, bwd_overhead, fwd_flops,
-                        bwd_flops, has_bwd, _leaf(out, False))
+                        bwd_flops, has_bwd, _leaf(out, False), oplog.digest.hexdigest())
 
 
 class _CudaPeak:
@@ -380,15 +426,19 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------ times
-def _time_rounds(modules: Sequence[nn.Module], inputs: Sequence[Any], timer: _Timer,
-                 repeats: int, warmup: int, loss_fn: LossFn | None,
+def _time_rounds(modules: Sequence[nn.Module], inputs: Sequence[Any], classes: Sequence[str],
+                 timer: _Timer, repeats: int, warmup: int, loss_fn: LossFn | None,
                  loss_input: Any) -> tuple[list[float], list[float], float]:
-    """Median forward / backward times of every stage (and the loss), by interleaved rounds."""
-    fwd: list[list[float]] = [[] for _ in modules]
-    bwd: list[list[float]] = [[] for _ in modules]
+    """Median forward / backward times of every stage (and the loss), by interleaved rounds.
+
+    Stages of one class (same kernel fingerprint, :class:`_OpLog`) pool their samples and
+    get the same median.
+    """
+    fwd: dict[str, list[float]] = {c: [] for c in classes}
+    bwd: dict[str, list[float]] = {c: [] for c in classes}
     loss_times: list[float] = []
     for r in range(warmup + repeats):
-        for k, (module, x) in enumerate(zip(modules, inputs, strict=True)):
+        for module, x, cls in zip(modules, inputs, classes, strict=True):
             def forward(m: nn.Module = module, v: Any = x) -> Any:
                 with torch.enable_grad():
                     return m(v)
@@ -401,8 +451,8 @@ def _time_rounds(modules: Sequence[nn.Module], inputs: Sequence[Any], timer: _Ti
             _clear_grads(list(module.parameters()))
             _clear_grads(x)
             if r >= warmup:
-                fwd[k].append(f_ms)
-                bwd[k].append(b_ms)
+                fwd[cls].append(f_ms)
+                bwd[cls].append(b_ms)
         if loss_fn is not None:
             def loss_step() -> None:
                 with torch.enable_grad():
@@ -415,7 +465,7 @@ def _time_rounds(modules: Sequence[nn.Module], inputs: Sequence[Any], timer: _Ti
             if r >= warmup:
                 loss_times.append(ms)
     med = statistics.median
-    return ([float(med(v)) for v in fwd], [float(med(v)) for v in bwd],
+    return ([float(med(fwd[c])) for c in classes], [float(med(bwd[c])) for c in classes],
             float(med(loss_times)) if loss_times else 0.0)
 
 
@@ -551,7 +601,8 @@ def _stage_times(modules: Sequence[nn.Module], leaves: Sequence[Any],
             bwd.append(roofline(r.bwd_flops, moved + value_nbytes(x)) if r.has_bwd else 0.0)
         return fwd, bwd, 0.0
     loss_input = _leaf(last, True) if loss_fn is not None else None
-    return _time_rounds(modules, leaves, timer, repeats, warmup, loss_fn, loss_input)
+    return _time_rounds(modules, leaves, [r.signature for r in rows], timer, repeats, warmup,
+                        loss_fn, loss_input)
 
 
 def profile_chain(
