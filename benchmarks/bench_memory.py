@@ -374,6 +374,83 @@ def summary(reports: list[Report]) -> list[str]:
     ]
 
 
+# ------------------------------------------------------------------ stability
+STABILITY = ["resnet18", "vit-b16", "gpt2-small", "densenet121", "hf-gpt2-stages"]
+FRACTIONS = (0.1, 0.25, 0.5, 0.75, 0.9)
+
+
+def stability(name: str, runs: int, repeats: int) -> tuple[list[str], Case]:
+    """Profile ``name`` ``runs`` times; distinct plans at several limits, with and without
+    the pooling of identical stages, and the spread of the measured times."""
+    import statistics
+
+    import optmem.pytorch.profile as prof
+    from optmem.chain import Chain
+
+    torch.manual_seed(0)
+    case = make_case(name, "cpu")
+    chains = [op.profile_chain(case.module, case.sample, repeats=repeats, time_resolution=0,
+                               name=name) for _ in range(runs)]
+    raw = [op.profile_chain(case.module, case.sample, repeats=repeats, time_resolution=0,
+                            name=name, pool_identical=False) for _ in range(runs)]
+    spread = statistics.median(
+        abs(c.fwd_time[i] / statistics.median(d.fwd_time[i] for d in raw) - 1)
+        for c in raw for i in range(c.length))
+    low, store = op.smallest_limit(chains[0]), chains[0].store_all_peak()
+    cells = []
+    for label, group, res in (("unpooled", raw, 0.0), ("pooled", chains, 0.0),
+                              ("pooled, 1/64", chains, 1 / 64), ("pooled, 1/4", chains, 0.25)):
+        counts = []
+        for frac in FRACTIONS:
+            limit = int(low + frac * (store - low))
+            plans = set()
+            for c in group:
+                d = c.to_dict()
+                for st in d["stages"]:
+                    st["fwd_time"] = prof.round_time(st["fwd_time"], res)
+                    st["bwd_time"] = prof.round_time(st["bwd_time"], res)
+                plans.add(tuple(op.solve_chain(Chain.from_dict(d), limit).plan))
+            counts.append(str(len(plans)))
+        cells.append(f"{label}: {' '.join(counts)}")
+    classes = len(set(zip(chains[0].fwd_time, chains[0].bwd_time, strict=True)))
+    return [f"| {name} | {chains[0].length} | {classes} | {100 * spread:.1f} % | "
+            + " | ".join(cells) + " |"], case
+
+
+def write_stability(names: list[str], runs: int, repeats: int) -> None:
+    start, t0 = load(), time.perf_counter()
+    rows = []
+    for name in names:
+        lines, _ = stability(name, runs, repeats)
+        rows += lines
+        print(lines[0], flush=True)
+    out = RESULTS.with_name("memory_stability.md")
+    out.write_text("\n".join([
+        "# Do two profiles give the same plan?",
+        "",
+        f"Produced by `PYTHONPATH=. python benchmarks/bench_memory.py --stability {runs}` "
+        f"({datetime.date.today()}, CPU, torch {torch.__version__}, one thread, {repeats} "
+        f"timed rounds per profile, {(time.perf_counter() - t0) / 60:.0f} min). Machine: "
+        f"2 cores shared with other jobs, load average {start} at the start and {load()} at "
+        "the end: a hostile setting on purpose.",
+        "",
+        f"Each model is profiled {runs} times with pooling of identical stages (the default) "
+        f"and {runs} times without; each cell gives the number of distinct DP plans among "
+        f"the {runs} profiles at limits {', '.join(f'{int(100 * f)} %' for f in FRACTIONS)} "
+        "of the way from the smallest feasible limit to store-all (1 everywhere = perfectly "
+        "stable), with times as measured (rounded to `2**-16` ms), or rounded to a relative "
+        "resolution of 1/64 (the default) or 1/4. `spread`: median relative deviation of a "
+        "stage's unpooled forward time from its median over the profiles. `classes`: "
+        "distinct (forward, backward) times in a pooled profile.",
+        "",
+        "| model | stages | classes | spread | distinct plans | | | |",
+        "|---|---:|---:|---:|---|---|---|---|",
+        *rows,
+        "",
+    ]))
+    print(f"wrote {out}")
+
+
 def load() -> str:
     try:
         return " ".join(f"{v:.1f}" for v in os.getloadavg())
@@ -435,10 +512,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--repeats", type=int, default=5, help="timed profiling rounds")
     parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument("--stability", type=int, metavar="N",
+                        help="instead: profile each model N times and count distinct plans "
+                             f"(default models: {', '.join(STABILITY)})")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a GPU (none here)")
     torch.set_num_threads(1)
+    if args.stability:
+        write_stability(args.models.split(",") if args.models else STABILITY, args.stability,
+                        args.repeats)
+        return 0
     names = QUICK if args.quick else (args.models.split(",") if args.models else ALL)
     start, t0 = load(), time.perf_counter()
     reports = []

@@ -32,11 +32,14 @@ two profiles of the same stages on the same input give the same bytes, on CPU, m
 * ``fwd_time``, ``bwd_time``: ``warmup`` untimed rounds, then ``repeats`` timed rounds; a
   round times every stage once (forward with grad recording, then its backward), so a
   burst of load on the machine spoils one sample of every stage rather than every sample
-  of one stage; the median over rounds is kept, then rounded to ``time_resolution``
-  (relative; see :func:`round_time`). The clock: CUDA events on CUDA; on CPU the thread's
-  CPU time (``time.thread_time``) when torch runs on one thread, which does not advance
-  while the process waits for a core, so other processes' load does not inflate it;
-  wall-clock (``perf_counter``) with several threads.
+  of one stage; the median over rounds is kept. Stages that run the same kernels on the
+  same shapes (a fingerprint of the dispatched ops, :class:`_OpLog`: the blocks of a
+  transformer) pool their samples and get one time, since any difference between them is
+  noise. Times are then rounded to ``time_resolution`` (relative) and to a multiple of
+  ``2**-16`` ms, so that sums are exact (see :func:`round_time`). The clock: CUDA events
+  on CUDA; on CPU the thread's CPU time (``time.thread_time``) when torch runs on one
+  thread, which does not advance while the process waits for a core, so other processes'
+  load does not inflate it; wall-clock (``perf_counter``) with several threads.
 
 ``device="meta"`` profiles without running anything: the stages (copied to the meta device
 unless already there) are run on meta tensors, which gives the same exact sizes for models
@@ -484,6 +487,7 @@ def profile_stages(
     bytes_per_s: float = DEFAULT_BYTES_PER_S,
     loss_fn: LossFn | None = None,
     time_resolution: float = DEFAULT_TIME_RESOLUTION,
+    pool_identical: bool = True,
 ) -> Chain:
     """Profile already extracted stages on ``sample``; see :func:`profile_chain`."""
     if repeats < 1 or warmup < 0:
@@ -523,6 +527,9 @@ def profile_stages(
             loss_overhead = _loss_memory(loss_fn, last, rows[-1].output_size, setting) \
                 if loss_fn is not None else 0
             bar.update(len(stages), "timing")
+            if not pool_identical:
+                for k, row in enumerate(rows):
+                    row.signature = f"{k}:{row.signature}"
             fwd_time, bwd_time, loss_time = _stage_times(
                 modules, leaves, rows, setting, timer, repeats, warmup, time_model,
                 roofline_time_model(flops_per_s, bytes_per_s), loss_fn, last)
@@ -553,6 +560,7 @@ def profile_stages(
                           else "dispatch trace"),
             "clock": timer.clock if times == "measured" else None,
             "time_resolution": time_resolution if times == "measured" else 0.0,
+            "time_classes": len({r.signature for r in rows}) if times == "measured" else None,
             "loss": "loss_fn" if loss_fn is not None else "not profiled"}},
     )
 
@@ -620,6 +628,7 @@ def profile_chain(
     bytes_per_s: float = DEFAULT_BYTES_PER_S,
     loss_fn: LossFn | None = None,
     time_resolution: float = DEFAULT_TIME_RESOLUTION,
+    pool_identical: bool = True,
 ) -> Chain:
     """Extract the chain of ``module`` and profile it on ``sample``.
 
@@ -654,6 +663,10 @@ def profile_chain(
     time_resolution
         Relative resolution of measured times (:func:`round_time`; 0 keeps them as
         measured).
+    pool_identical
+        Give stages that run the same kernels on the same shapes (the blocks of a
+        transformer) one time, the median of their pooled samples (``False``: time every
+        stage on its own samples).
 
     Returns
     -------
@@ -676,4 +689,4 @@ def profile_chain(
     return profile_stages(stages, sample, device=device, repeats=repeats, warmup=warmup,
                           name=name, progress=progress, time_model=time_model,
                           flops_per_s=flops_per_s, bytes_per_s=bytes_per_s, loss_fn=loss_fn,
-                          time_resolution=time_resolution)
+                          time_resolution=time_resolution, pool_identical=pool_identical)
