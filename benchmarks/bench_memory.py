@@ -315,36 +315,39 @@ def mib(b: int | None) -> str:
     return "-" if b is None else f"{b / MIB:.2f}"
 
 
+def md_row(*cells: object) -> str:
+    """One markdown table row."""
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
 def table(reports: list[Report], device: str) -> list[str]:
-    lines = ["| model | limit | limit MiB | predicted | real | MemTracker | real / predicted "
-             "| allowance | real <= limit + allowance | CUDA |",
+    lines = [md_row("model", "limit", "limit MiB", "predicted", "real", "MemTracker",
+                    "real / predicted", "allowance", "real <= limit + allowance", "CUDA"),
              "|---|---|---:|---:|---:|---:|---:|---:|:---:|---:|"]
     for rep in reports:
-        if rep.rows is None:
-            continue
-        for row in rep.rows:
+        for row in rep.rows or []:
             ok = "yes" if row.real <= row.limit + row.allowance else "**NO**"
-            cuda = mib(row.cuda) if device == "cuda" else "no GPU"
-            lines.append(f"| {rep.case.name} | {row.label} | {mib(row.limit)} | "
-                         f"{mib(row.predicted)} | {mib(row.real)} | {mib(row.memtracker)} | "
-                         f"{row.real / row.predicted:.3f} | {row.allowance / 1024:.1f} KiB | "
-                         f"{ok} | {cuda} |")
+            lines.append(md_row(
+                rep.case.name, row.label, mib(row.limit), mib(row.predicted), mib(row.real),
+                mib(row.memtracker), f"{row.real / row.predicted:.3f}",
+                f"{row.allowance / 1024:.1f} KiB", ok,
+                mib(row.cuda) if device == "cuda" else "no GPU"))
     return lines
 
 
 def models_table(reports: list[Report]) -> list[str]:
-    lines = ["| model | setting | parameters | stages | store-all predicted | plain real "
-             "| plain MemTracker | same plan twice | profile s |",
+    lines = [md_row("model", "setting", "parameters", "stages", "store-all predicted",
+                    "plain real", "plain MemTracker", "same plan twice", "profile s"),
              "|---|---|---:|---:|---:|---:|---:|:---:|---:|"]
     for rep in reports:
+        head = (rep.case.name, rep.case.config, f"{rep.params / 1e6:.2f} M")
         if rep.rows is None:
-            lines.append(f"| {rep.case.name} | {rep.case.config} | {rep.params / 1e6:.2f} M | "
-                         f"- | - | - | - | - | extraction failed: `{rep.error}` |")
-            continue
-        lines.append(f"| {rep.case.name} | {rep.case.config} | {rep.params / 1e6:.2f} M | "
-                     f"{rep.stages} | {mib(rep.store_predicted)} | {mib(rep.plain_real)} | "
-                     f"{mib(rep.plain_memtracker)} | {'yes' if rep.same_plan else 'NO'} | "
-                     f"{rep.profile_s:.1f} |")
+            lines.append(md_row(*head, "-", "-", "-", "-", "-",
+                                f"extraction failed: `{rep.error}`"))
+        else:
+            lines.append(md_row(*head, rep.stages, mib(rep.store_predicted),
+                                mib(rep.plain_real), mib(rep.plain_memtracker),
+                                "yes" if rep.same_plan else "NO", f"{rep.profile_s:.1f}"))
     return lines
 
 
@@ -413,8 +416,7 @@ def stability(name: str, runs: int, repeats: int) -> tuple[list[str], Case]:
             counts.append(str(len(plans)))
         cells.append(f"{label}: {' '.join(counts)}")
     classes = len(set(zip(chains[0].fwd_time, chains[0].bwd_time, strict=True)))
-    return [f"| {name} | {chains[0].length} | {classes} | {100 * spread:.1f} % | "
-            + " | ".join(cells) + " |"], case
+    return [md_row(name, chains[0].length, classes, f"{100 * spread:.1f} %", *cells)], case
 
 
 def write_stability(names: list[str], runs: int, repeats: int) -> None:
