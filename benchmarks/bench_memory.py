@@ -41,11 +41,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import json
 import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,7 @@ from optmem.pytorch.zoo import ZOO  # noqa: E402
 
 MIB = 2**20
 RESULTS = ROOT / "benchmarks" / "results" / "memory.md"
+RAW = RESULTS.with_suffix(".json")
 
 # zoo name -> (batch, resolution or sequence length): small enough for a CPU
 ZOO_SMALL: dict[str, tuple[int, int]] = {
@@ -224,37 +226,50 @@ class Row:
     limit: int
     predicted: int
     real: int
-    memtracker: int
+    memtracker: int | None
     allowance: int
     cuda: int | None
 
 
 @dataclass
 class Report:
-    """Everything measured for one model."""
+    """Everything measured for one model (stored in ``memory.json``)."""
 
-    case: Case
+    name: str
+    config: str
     stages: int = 0
     params: int = 0
     store_predicted: int = 0
     plain_real: int = 0
-    plain_memtracker: int = 0
+    plain_memtracker: int | None = None
     same_plan: bool | None = None
     profile_s: float = 0.0
     rows: list[Row] | None = None
     error: str = ""
+    measured: str = ""  # date, device and machine load of the run
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Report:
+        rows = data.get("rows")
+        return cls(**{**data, "rows": None if rows is None else [Row(**r) for r in rows]})
+
+
+MEMTRACKER_MAX_MODULES = 1000
+"""MemTracker's cost grows with ops x modules (a ResNet-1001 step: 20 s traced, 550 s)."""
 
 
 def measure_step(case: Case, forward: Callable[[], torch.Tensor],
-                 device: str) -> tuple[int, int, int | None]:
+                 device: str) -> tuple[int, int | None, int | None]:
     """Real (trace), MemTracker and CUDA activation peaks of one training step."""
     def step() -> None:
         forward().backward()
 
     case.owner.zero_grad(set_to_none=True)
     real = measure_training_peak(step, case.owner, case.sample)
-    case.owner.zero_grad(set_to_none=True)
-    mt = memtracker_peak(step, case.owner, case.sample).activations
+    mt = None
+    if sum(1 for _ in case.owner.modules()) <= MEMTRACKER_MAX_MODULES:
+        case.owner.zero_grad(set_to_none=True)
+        mt = memtracker_peak(step, case.owner, case.sample).activations
     cuda = None
     if device == "cuda":
         case.owner.zero_grad(set_to_none=True)
@@ -267,7 +282,8 @@ def measure_step(case: Case, forward: Callable[[], torch.Tensor],
 def run_case(name: str, device: str, repeats: int) -> Report:
     torch.manual_seed(0)
     case = make_case(name, device)
-    report = Report(case)
+    report = Report(name, case.config,
+                    measured=f"{datetime.date.today()}, {device}, load {load()}")
     report.params = sum(p.numel() for p in case.owner.parameters())
     try:
         t0 = time.perf_counter()
@@ -328,8 +344,9 @@ def table(reports: list[Report], device: str) -> list[str]:
         for row in rep.rows or []:
             ok = "yes" if row.real <= row.limit + row.allowance else "**NO**"
             lines.append(md_row(
-                rep.case.name, row.label, mib(row.limit), mib(row.predicted), mib(row.real),
-                mib(row.memtracker), f"{row.real / row.predicted:.3f}",
+                rep.name, row.label, mib(row.limit), mib(row.predicted), mib(row.real),
+                mib(row.memtracker) if row.memtracker is not None else "skipped",
+                f"{row.real / row.predicted:.3f}",
                 f"{row.allowance / 1024:.1f} KiB", ok,
                 mib(row.cuda) if device == "cuda" else "no GPU"))
     return lines
@@ -340,13 +357,15 @@ def models_table(reports: list[Report]) -> list[str]:
                     "plain real", "plain MemTracker", "same plan twice", "profile s"),
              "|---|---|---:|---:|---:|---:|---:|:---:|---:|"]
     for rep in reports:
-        head = (rep.case.name, rep.case.config, f"{rep.params / 1e6:.2f} M")
+        head = (rep.name, rep.config, f"{rep.params / 1e6:.2f} M")
         if rep.rows is None:
             lines.append(md_row(*head, "-", "-", "-", "-", "-",
                                 f"extraction failed: `{rep.error}`"))
         else:
             lines.append(md_row(*head, rep.stages, mib(rep.store_predicted),
-                                mib(rep.plain_real), mib(rep.plain_memtracker),
+                                mib(rep.plain_real),
+                                mib(rep.plain_memtracker) if rep.plain_memtracker is not None
+                                else "skipped",
                                 "yes" if rep.same_plan else "NO", f"{rep.profile_s:.1f}"))
     return lines
 
@@ -360,16 +379,19 @@ def summary(reports: list[Report]) -> list[str]:
     worst = max(rows, key=lambda p: p[1].real / p[1].predicted)
     best = min(rows, key=lambda p: p[1].real / p[1].predicted)
     same = sum(bool(rep.same_plan) for rep in reports if rep.rows)
-    mt_over = sum(r.memtracker > r.real for _, r in rows)
+    tracked = [r for _, r in rows if r.memtracker is not None]
+    mt_over = sum(r.memtracker > r.real for r in tracked)
     return [
         f"* **{within} of {len(rows)}** steps stay within `limit + allowance` (real, exact "
         f"trace); {under} of {len(rows)} are at or below the predicted peak itself.",
         f"* real / predicted ranges from {best[1].real / best[1].predicted:.3f} "
-        f"({best[0].case.name}, {best[1].label}) to {worst[1].real / worst[1].predicted:.3f} "
-        f"({worst[0].case.name}, {worst[1].label}).",
+        f"({best[0].name}, {best[1].label}) to {worst[1].real / worst[1].predicted:.3f} "
+        f"({worst[0].name}, {worst[1].label}).",
         f"* A second profile gave the same plan at the midpoint limit for **{same} of "
         f"{sum(1 for rep in reports if rep.rows)}** models (sizes identical in every case).",
-        f"* MemTracker reads more than the exact trace in {mt_over} of {len(rows)} steps: "
+        f"* MemTracker reads more than the exact trace in {mt_over} of {len(tracked)} steps "
+        f"(skipped on models of more than {MEMTRACKER_MAX_MODULES} modules, where one step "
+        "takes minutes): "
         "its module tracker's gradient hooks keep input gradients alive in the executor's "
         "nested backward calls, and a new weight gradient counts as `Temp` until autograd's "
         "hook relabels it; it reads less where the total peaked after activations had "
@@ -460,16 +482,28 @@ def load() -> str:
         return "unknown"
 
 
-def write(reports: list[Report], device: str, start_load: str, seconds: float) -> None:
+def store(reports: list[Report]) -> list[Report]:
+    """Merge ``reports`` into ``memory.json`` (raw data); return every stored report."""
+    data = json.loads(RAW.read_text()) if RAW.exists() else {}
+    for rep in reports:
+        data[rep.name] = asdict(rep)
+    order = {n: k for k, n in enumerate(ALL)}
+    data = dict(sorted(data.items(), key=lambda kv: order.get(kv[0], len(order))))
+    RAW.write_text(json.dumps(data, indent=1) + "\n")
+    return [Report.from_dict(v) for v in data.values()]
+
+
+def write(reports: list[Report], device: str) -> None:
+    runs = sorted({rep.measured for rep in reports})
     lines = [
         "# Predicted against real activation peaks of checkpoint plans",
         "",
-        f"Produced by `PYTHONPATH=. python benchmarks/bench_memory.py` "
-        f"({datetime.date.today()}, {device.upper()}, torch {torch.__version__}, "
-        f"`torch.set_num_threads(1)`, {seconds / 60:.0f} min). Machine: 2 cores shared with "
-        f"other jobs, load average (1, 5, 15 min) {start_load} at the start and {load()} at "
-        "the end. Sizes and peaks are bytes counted exactly (no timing is involved in "
-        "them); profile times are wall-clock and only indicative.",
+        f"Produced by `PYTHONPATH=. python benchmarks/bench_memory.py` ({device.upper()}, "
+        f"torch {torch.__version__}, `torch.set_num_threads(1)`; raw data in "
+        f"`memory.json`). Machine: 2 cores shared with other jobs; date, device and load "
+        f"average (1, 5, 15 min) at the start of each model: {'; '.join(runs)}. Sizes and "
+        "peaks are bytes counted exactly (no timing is involved in them); profile times "
+        "are wall-clock and only indicative.",
         "",
         "How to read it. Each model is profiled with its loss (`op.profile_chain(..., "
         "loss_fn=...)`), then trained for one step through `op.checkpoint(..., chain=chain)` "
@@ -526,7 +560,6 @@ def main(argv: list[str] | None = None) -> int:
                         args.repeats)
         return 0
     names = QUICK if args.quick else (args.models.split(",") if args.models else ALL)
-    start, t0 = load(), time.perf_counter()
     reports = []
     for name in names:
         t = time.perf_counter()
@@ -535,11 +568,11 @@ def main(argv: list[str] | None = None) -> int:
         status = rep.error or ", ".join(
             f"{r.label} {mib(r.predicted)}/{mib(r.real)}" for r in rep.rows or [])
         print(f"{name}: {status} ({time.perf_counter() - t:.0f} s)", flush=True)
+        if not (args.quick or args.no_write):
+            write(store([rep]), args.device)  # after every model: a long run keeps its data
         gc.collect()
     for line in summary(reports):
         print(line)
-    if not (args.quick or args.no_write):
-        write(reports, args.device, start, time.perf_counter() - t0)
     return 0
 
 
