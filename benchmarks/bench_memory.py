@@ -279,6 +279,19 @@ def measure_step(case: Case, forward: Callable[[], torch.Tensor],
     return real, mt, cuda
 
 
+def feasible(chain: Any, limit: int) -> int:
+    """``limit``, or the next limit the DP accepts: rounding sizes up to the unit
+    (``limit // 500``) can make a limit just above the smallest feasible one infeasible."""
+    from optmem.problems.checkpoint import CheckpointProblem
+    from optmem.solvers.facade import solve
+
+    step = max(1, limit // 500)
+    for k in range(4 * chain.length + 8):
+        if solve(CheckpointProblem(chain, limit + k * step), "dp").status.has_plan:
+            return limit + k * step
+    raise RuntimeError(f"no plan near {limit} B")
+
+
 def run_case(name: str, device: str, repeats: int) -> Report:
     torch.manual_seed(0)
     case = make_case(name, device)
@@ -299,12 +312,10 @@ def run_case(name: str, device: str, repeats: int) -> Report:
     report.plain_real, report.plain_memtracker = real, mt
     low = op.smallest_limit(chain)
     store = chain.store_all_peak()
-    unit = max(1, store // 500)
-    high = store + unit * (2 * chain.length + 4)  # sizes round up to the unit
     rows = []
     mid_plan = None
-    for label, limit in (("smallest", low), ("midpoint", (low + store) // 2),
-                         ("store-all", high)):
+    for label, limit in (("smallest", low), ("midpoint", feasible(chain, (low + store) // 2)),
+                         ("store-all", feasible(chain, store))):
         cmodel = op.checkpoint(case.module, case.sample, memory_limit=limit, chain=chain)
         predicted = cmodel.expected_peak_bytes
         real, mt, cuda = measure_step(case, lambda c=cmodel: case.loss_fn(c(case.sample)),
@@ -411,6 +422,8 @@ def stability(name: str, runs: int, repeats: int) -> tuple[list[str], Case]:
 
     import optmem.pytorch.profile as prof
     from optmem.chain import Chain
+    from optmem.problems.checkpoint import CheckpointProblem
+    from optmem.solvers.facade import solve
 
     torch.manual_seed(0)
     case = make_case(name, "cpu")
@@ -427,14 +440,15 @@ def stability(name: str, runs: int, repeats: int) -> tuple[list[str], Case]:
                               ("pooled, 1/64", chains, 1 / 64), ("pooled, 1/4", chains, 0.25)):
         counts = []
         for frac in FRACTIONS:
-            limit = int(low + frac * (store - low))
+            limit = feasible(chains[0], int(low + frac * (store - low)))
             plans = set()
             for c in group:
                 d = c.to_dict()
                 for st in d["stages"]:
                     st["fwd_time"] = prof.round_time(st["fwd_time"], res)
                     st["bwd_time"] = prof.round_time(st["bwd_time"], res)
-                plans.add(tuple(op.solve_chain(Chain.from_dict(d), limit).plan))
+                r = solve(CheckpointProblem(Chain.from_dict(d), limit), "dp")
+                plans.add(tuple(r.plan) if r.status.has_plan else "infeasible")
             counts.append(str(len(plans)))
         cells.append(f"{label}: {' '.join(counts)}")
     classes = len(set(zip(chains[0].fwd_time, chains[0].bwd_time, strict=True)))
