@@ -65,6 +65,7 @@ from optmem.pytorch.memory import (  # noqa: E402
     plan_allowance,
 )
 from optmem.pytorch.zoo import ZOO  # noqa: E402
+from optmem.simulate import simulate_checkpoint  # noqa: E402
 
 MIB = 2**20
 RESULTS = ROOT / "benchmarks" / "results" / "memory.md"
@@ -243,6 +244,7 @@ class Report:
     plain_real: int = 0
     plain_memtracker: int | None = None
     same_plan: bool | None = None
+    plan_gap: float = 0.0  # the second profile's plan on the first chain: slower by this
     profile_s: float = 0.0
     rows: list[Row] | None = None
     error: str = ""
@@ -333,6 +335,8 @@ def run_case(name: str, device: str, repeats: int) -> Report:
         "loss_bwd_overhead"))
     plan2 = op.solve_chain(again, rows[1].limit).plan
     report.same_plan = sizes_equal and tuple(plan2) == tuple(mid_plan)
+    report.plan_gap = simulate_checkpoint(chain, plan2).makespan \
+        / simulate_checkpoint(chain, mid_plan).makespan - 1
     report.rows = rows
     return report
 
@@ -377,7 +381,8 @@ def models_table(reports: list[Report]) -> list[str]:
                                 mib(rep.plain_real),
                                 mib(rep.plain_memtracker) if rep.plain_memtracker is not None
                                 else "skipped",
-                                "yes" if rep.same_plan else "NO", f"{rep.profile_s:.1f}"))
+                                "yes" if rep.same_plan else
+                                f"no (+{100 * rep.plan_gap:.2f} %)", f"{rep.profile_s:.1f}"))
     return lines
 
 
@@ -399,7 +404,10 @@ def summary(reports: list[Report]) -> list[str]:
         f"({best[0].name}, {best[1].label}) to {worst[1].real / worst[1].predicted:.3f} "
         f"({worst[0].name}, {worst[1].label}).",
         f"* A second profile gave the same plan at the midpoint limit for **{same} of "
-        f"{sum(1 for rep in reports if rep.rows)}** models (sizes identical in every case).",
+        f"{sum(1 for rep in reports if rep.rows)}** models (sizes identical in every case); "
+        "the others are near-ties: the second plan is at most "
+        f"{100 * max((rep.plan_gap for rep in reports if rep.rows), default=0):.2f} % "
+        "slower on the first chain.",
         f"* MemTracker reads more than the exact trace in {mt_over} of {len(tracked)} steps "
         f"(skipped on models of more than {MEMTRACKER_MAX_MODULES} modules, where one step "
         "takes minutes): "
@@ -508,14 +516,17 @@ def store(reports: list[Report]) -> list[Report]:
 
 
 def write(reports: list[Report], device: str) -> None:
-    runs = sorted({rep.measured for rep in reports})
+    dates = sorted({rep.measured.split(",")[0] for rep in reports if rep.measured})
+    loads = [float(rep.measured.split("load ")[1].split()[0]) for rep in reports
+             if "load " in rep.measured]
+    span = f"{min(loads):.0f} to {max(loads):.0f}" if loads else "unknown"
     lines = [
         "# Predicted against real activation peaks of checkpoint plans",
         "",
         f"Produced by `PYTHONPATH=. python benchmarks/bench_memory.py` ({device.upper()}, "
         f"torch {torch.__version__}, `torch.set_num_threads(1)`; raw data in "
-        f"`memory.json`). Machine: 2 cores shared with other jobs; date, device and load "
-        f"average (1, 5, 15 min) at the start of each model: {'; '.join(runs)}. Sizes and "
+        f"`memory.json`), {', '.join(dates)}. Machine: 2 cores shared with other jobs, "
+        f"1-minute load average {span} at the start of the models. Sizes and "
         "peaks are bytes counted exactly (no timing is involved in them); profile times "
         "are wall-clock and only indicative.",
         "",
@@ -546,7 +557,9 @@ def write(reports: list[Report], device: str) -> None:
         "",
         "`plain` is the unwrapped model (plain autograd, no plan) measured the same way; "
         "`store-all predicted` is the chain model's figure for it. `same plan twice`: a "
-        "second profile gave identical sizes and the same plan at the midpoint limit.",
+        "second profile gave identical sizes and the same plan at the midpoint limit; "
+        "where it did not, the percentage is how much slower the second profile's plan is "
+        "on the first profile's chain (a near-tie: within the timing noise).",
         "",
         *models_table(reports),
         "",
