@@ -446,19 +446,24 @@ def stability(name: str, runs: int, repeats: int) -> tuple[list[str], Case]:
     cells = []
     for label, group, res in (("unpooled", raw, 0.0), ("pooled", chains, 0.0),
                               ("pooled, 1/64", chains, 1 / 64), ("pooled, 1/4", chains, 0.25)):
-        counts = []
+        counts, gap = [], 0.0
         for frac in FRACTIONS:
             limit = feasible(chains[0], int(low + frac * (store - low)))
-            plans = set()
+            found: list[tuple[Chain, Any]] = []
             for c in group:
                 d = c.to_dict()
                 for st in d["stages"]:
                     st["fwd_time"] = prof.round_time(st["fwd_time"], res)
                     st["bwd_time"] = prof.round_time(st["bwd_time"], res)
                 r = solve(CheckpointProblem(Chain.from_dict(d), limit), "dp")
-                plans.add(tuple(r.plan) if r.status.has_plan else "infeasible")
+                found.append((c, r.plan if r.status.has_plan else None))
+            plans = {p for _, p in found}
             counts.append(str(len(plans)))
-        cells.append(f"{label}: {' '.join(counts)}")
+            for c, own in found:  # every profile's plan, timed on every profile's chain
+                for other in (plans - {own, None}) if own is not None else ():
+                    gap = max(gap, simulate_checkpoint(c, other).makespan
+                              / simulate_checkpoint(c, own).makespan - 1)
+        cells.append(f"{label}: {' '.join(counts)} (<= {100 * gap:.2f} %)")
     classes = len(set(zip(chains[0].fwd_time, chains[0].bwd_time, strict=True)))
     return [md_row(name, chains[0].length, classes, f"{100 * spread:.1f} %", *cells)], case
 
@@ -487,7 +492,10 @@ def write_stability(names: list[str], runs: int, repeats: int) -> None:
         "stable), with times as measured (rounded to `2**-16` ms), or rounded to a relative "
         "resolution of 1/64 (the default) or 1/4. `spread`: median relative deviation of a "
         "stage's unpooled forward time from its median over the profiles. `classes`: "
-        "distinct (forward, backward) times in a pooled profile.",
+        "distinct (forward, backward) times in a pooled profile. In brackets: the largest "
+        "gap, over the profiles, between the predicted step time of a profile's own optimal "
+        "plan and that of another profile's plan, both timed on the former profile's chain "
+        "(what choosing the other plan would cost).",
         "",
         "| model | stages | classes | spread | distinct plans | | | |",
         "|---|---:|---:|---:|---|---|---|---|",
