@@ -23,7 +23,7 @@ OPTS = SolveOptions(slots=64)
     (10, 0.5, 32), (10, 1.0, 26), (10, 2.0, 24), (12, 1.0, 22), (12, 2.0, 21), (14, 1.0, 20),
 ])
 def test_example_exact(limit: int, beta: float, expected: float) -> None:
-    problem = RematOffloadProblem(EXAMPLE, limit, beta)
+    problem = RematOffloadProblem(EXAMPLE, limit, chain_bandwidth=beta)
     exact = solve(problem, "cpsat", options=OPTS)
     assert exact.status is Status.OPTIMAL
     assert exact.objective == pytest.approx(expected)
@@ -33,7 +33,7 @@ def test_example_exact(limit: int, beta: float, expected: float) -> None:
 
 
 def test_example_exact_infeasible() -> None:
-    assert solve(RematOffloadProblem(EXAMPLE, 8, 1.0), "cpsat",
+    assert solve(RematOffloadProblem(EXAMPLE, 8, chain_bandwidth=1.0), "cpsat",
                  options=OPTS).status is Status.INFEASIBLE
 
 
@@ -54,7 +54,7 @@ def tiny(draw: st.DrawFn) -> Chain:
 @settings(max_examples=30, deadline=None)
 @given(chain=tiny(), limit=st.integers(3, 22), beta=st.sampled_from([0.5, 1.0, 3.0]))
 def test_exact_equals_brute_and_bounds(chain: Chain, limit: int, beta: float) -> None:
-    problem = RematOffloadProblem(chain, limit, beta)
+    problem = RematOffloadProblem(chain, limit, chain_bandwidth=beta)
     exact = solve(problem, "cpsat", options=OPTS)
     brute = solve(problem, "brute", options=OPTS)
     assert exact.status is not Status.ERROR and brute.status is not Status.ERROR
@@ -75,6 +75,6 @@ def test_exact_equals_brute_and_bounds(chain: Chain, limit: int, beta: float) ->
     ckpt = solve(CheckpointProblem(chain, limit), "brute", options=OPTS)
     if ckpt.status.has_plan:
         assert exact.objective <= ckpt.objective + 1e-9
-    off = solve(OffloadProblem(chain, limit, beta), "brute", options=OPTS)
+    off = solve(OffloadProblem(chain, limit, chain_bandwidth=beta), "brute", options=OPTS)
     if off.status.has_plan:
         assert exact.objective <= off.objective + 1e-9

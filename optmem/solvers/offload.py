@@ -29,6 +29,8 @@ from optmem.problems.checkpoint import Discretized
 from optmem.problems.offload import OffloadProblem
 from optmem.result import Result, SolveOptions, Status
 from optmem.simulate.offload import simulate_offload
+from optmem.solvers.engine_results import engine_failure
+from optmem.solvers.engines import cpsat_settings
 from optmem.solvers.facade import register, register_exporter
 from optmem.solvers.offload_comm import (
     Layers,
@@ -81,8 +83,8 @@ def plan_result(problem: OffloadProblem, options: SolveOptions, plan: Sequence[A
     sim = simulate_offload(disc.chain, plan, beta, disc.memory_limit)
     info = dict(report or {})
     info.update({"idle_time": sim.idle_time, "offloaded": sim.offloaded_size,
-                 "transfers": len(sim.link), "bandwidth": problem.bandwidth,
-                 "bandwidth_units": beta})
+                 "transfers": len(sim.link), "bandwidth": problem.chain_bandwidth,
+                 "bandwidth_per_s": problem.bandwidth, "bandwidth_units": beta})
     bound = lower_bound(problem, options)
     out = Result(PROBLEM, method, status, objective=sim.makespan, bound=bound,
                  plan=tuple(str(op) for op in plan), peak_memory=sim.peak_memory,
@@ -164,7 +166,8 @@ def solve_frac(problem: OffloadProblem, options: SolveOptions) -> Result:
 
 # ------------------------------------------------------------------ heuristics
 @register(PROBLEM, "greedy", exact=False,
-          description="GREEDY: offload the eager prefix of M_peak - M (thesis 3.2)")
+          description="GREEDY: offload the eager prefix of M_peak - M (thesis 3.2)",
+          extra=("prefetch",))
 def solve_greedy(problem: OffloadProblem, options: SolveOptions) -> Result:
     """Smallest prefix ``abar_0..abar_k`` covering ``M_peak - M`` (longer if it fails)."""
     disc, _ = _disc(problem, options)
@@ -188,7 +191,7 @@ def solve_greedy(problem: OffloadProblem, options: SolveOptions) -> Result:
 
 @register(PROBLEM, "dp", exact=False, default=True,
           description="DYNPROG: OFF_comm-optimal set (Algorithm 5) run as an OFF_int plan",
-          compare_as=(("dp", None), ("dp:thesis", None)))
+          compare_as=(("dp", None), ("dp:thesis", None)), extra=("prefetch",))
 def solve_dynprog(problem: OffloadProblem, options: SolveOptions) -> Result:
     """Algorithm 5 on the discretised instance, then the ordered no-wait integral plan.
 
@@ -210,8 +213,8 @@ def solve_dynprog(problem: OffloadProblem, options: SolveOptions) -> Result:
     cheap = variant == "cheap"
     report: dict[str, Any] = {"junction": "cheap" if cheap else "exact (3.16)/(3.17)"}
     if variant == "thesis":
-        dp, runs = solve_comm_dp_thesis(problem.chain, problem.memory_limit, problem.bandwidth,
-                                        options.slots)
+        dp, runs = solve_comm_dp_thesis(problem.chain, problem.memory_limit,
+                                        problem.chain_bandwidth, options.slots)
         report.update({"discretisation": "thesis 3.3.3.2 (iterative)", "dp_runs": runs})
     else:
         dp = solve_comm_dp(disc.chain, disc.memory_limit, beta, cheap_junction=cheap)
@@ -247,7 +250,8 @@ def _ratio_candidates(problem: OffloadProblem, options: SolveOptions
 
 
 @register(PROBLEM, "vdnn", exact=False,
-          description="vDNN as re-implemented in the papers: ratio u_F/abar thresholds")
+          description="vDNN as re-implemented in the papers: ratio u_F/abar thresholds",
+          extra=("prefetch",))
 def solve_vdnn(problem: OffloadProblem, options: SolveOptions) -> Result:
     """Best of all thresholds on ``u_F_{k+1} / abar_k``, offloading all or half (3.4)."""
     return _try_sets(problem, options, "vdnn", _ratio_candidates(problem, options))
@@ -266,7 +270,8 @@ def conv_stages(problem: OffloadProblem) -> list[int]:
 
 
 @register(PROBLEM, "vdnn_conv", exact=False,
-          description="vDNN conv: offload the inputs of convolution stages (name or kind)")
+          description="vDNN conv: offload the inputs of convolution stages (name or kind)",
+          extra=("prefetch",))
 def solve_vdnn_conv(problem: OffloadProblem, options: SolveOptions) -> Result:
     """Offload the input of every convolution-like stage (falls back to every stage)."""
     chosen = conv_stages(problem)
@@ -276,7 +281,7 @@ def solve_vdnn_conv(problem: OffloadProblem, options: SolveOptions) -> Result:
 
 
 @register(PROBLEM, "offload_all", exact=False,
-          description="vDNN all: offload every saved activation")
+          description="vDNN all: offload every saved activation", extra=("prefetch",))
 def solve_offload_all(problem: OffloadProblem, options: SolveOptions) -> Result:
     """Offload every value ``abar_0 .. abar_{L-1}``."""
     return _try_sets(problem, options, "offload_all",
@@ -298,23 +303,26 @@ def solve_cpsat(problem: OffloadProblem, options: SolveOptions) -> Result:
         raise OptmemInputError(f"the CP-SAT model is for small chains; refusing L = "
                                f"{problem.chain.length}", field="method")
     built = build_offload_cpsat(disc.chain, disc.memory_limit, beta)
-    status, solver = solve_transfer_cpsat(built, time_limit_s=options.time_limit_s,
-                                          threads=options.threads, verbose=options.verbose)
+    out = solve_transfer_cpsat(built, **cpsat_settings(options))
     report = {"model": dict(built.info), "time_scale": built.scale, "exact_times": built.exact}
-    if status == "infeasible":
+    if out.failed:
+        return engine_failure(PROBLEM, "cpsat", out, report=report,
+                              memory_limit=disc.memory_limit, unit=disc.unit)
+    report.update(out.report())
+    if out.status is Status.INFEASIBLE:
         return _infeasible(problem, disc, "cpsat", report)
-    if status == "no_solution":
+    if out.values is None:
         return Result(PROBLEM, "cpsat", Status.NO_SOLUTION, bound=lower_bound(problem, options),
                       memory_limit=disc.memory_limit, unit=disc.unit, solver="cpsat",
                       report=report)
-    plan, value = decode_transfer_cpsat(built, solver)
-    proven = status == "optimal" and built.exact
+    plan, value = decode_transfer_cpsat(built, out.values)
+    proven = out.status is Status.OPTIMAL and built.exact
     report["model_objective"] = value
     result = plan_result(problem, options, plan, method="cpsat",
                          status=Status.OPTIMAL if proven else Status.FEASIBLE,
                          claimed=value if built.exact else None, report=report, solver="cpsat")
     if not proven and result.status is Status.FEASIBLE:
-        bound = solver.best_objective_bound / built.scale if built.exact else result.bound
+        bound = out.bound / built.scale if built.exact else result.bound
         result = result.with_(bound=max(result.bound, bound))
     return result
 
@@ -354,9 +362,12 @@ def solve_ilp(problem: OffloadProblem, options: SolveOptions) -> Result:
                                f"{problem.chain.length}", field="method")
     model = build_offload_ilp(disc.chain, disc.memory_limit, beta)
     out = engines.solve_pulp(model.problem, model.variables, options.solver,
-                             time_limit_s=options.time_limit_s, threads=options.threads,
-                             verbose=options.verbose)
+                             **engines.pulp_settings(options))
     report: dict[str, Any] = {"model": dict(model.info), "engine_message": out.message}
+    if out.failed:
+        return engine_failure(PROBLEM, "ilp", out, report=report,
+                              memory_limit=disc.memory_limit, unit=disc.unit)
+    report.update(out.report())
     if out.status is Status.INFEASIBLE:
         return _infeasible(problem, disc, "ilp", report)
     if not out.status.has_plan or out.values is None:
