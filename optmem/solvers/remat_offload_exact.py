@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError, PlanError
@@ -29,6 +30,8 @@ from optmem.problems.remat_offload import RematOffloadProblem
 from optmem.result import Result, SolveOptions, Status
 from optmem.simulate.checkpoint import initial_state, is_final, transition
 from optmem.simulate.offload import reads, simulate_offload
+from optmem.solvers.engine_results import engine_failure
+from optmem.solvers.engines import EngineResult, cpsat_settings
 from optmem.solvers.facade import register
 from optmem.solvers.offload_bruteforce import interleave_transfers
 from optmem.solvers.remat_offload import PROBLEM, _disc, _no_plan, plan_result
@@ -90,6 +93,7 @@ def _exact_search(problem: RematOffloadProblem, options: SolveOptions, method: s
     best: tuple[float, tuple[AnyOp, ...]] | None = None
     proven = True
     tried = 0
+    failure: EngineResult | None = None
     for time, peak, ops in seqs:
         if best is not None and time >= best[0] - 1e-12:
             break
@@ -100,8 +104,9 @@ def _exact_search(problem: RematOffloadProblem, options: SolveOptions, method: s
             continue
         tried += 1
         if transfers == "cpsat":
-            found, ok = _cpsat_transfers(chain, limit, beta, ops, options)
+            found, ok, out = _cpsat_transfers(chain, limit, beta, ops, options)
             proven = proven and ok
+            failure = failure or (out if out.failed else None)
         else:
             found = _brute_transfers(chain, limit, beta, ops)
         if found is not None and (best is None or found[0] < best[0] - 1e-12):
@@ -109,6 +114,17 @@ def _exact_search(problem: RematOffloadProblem, options: SolveOptions, method: s
     report = {"sequences": len(seqs), "sequences_with_transfers": tried,
               "plan_space": "compute sequences with <= L(L+1)/2 forwards, one transfer "
                             "pair per gap between uses"}
+    if failure is not None:
+        found_best = best
+
+        def fallback(info: dict[str, Any]) -> Result:
+            assert found_best is not None
+            return plan_result(problem, options, found_best[1], method=method,
+                               status=Status.FEASIBLE, report=info, solver="cpsat")
+
+        return engine_failure(PROBLEM, method, failure, report=report,
+                              fallback=fallback if best is not None else None,
+                              memory_limit=limit, unit=disc.unit)
     if best is None:
         return _no_plan(problem, options, method,
                         Status.INFEASIBLE if proven else Status.NO_SOLUTION, report)
@@ -119,8 +135,9 @@ def _exact_search(problem: RematOffloadProblem, options: SolveOptions, method: s
 
 
 def _cpsat_transfers(chain: Chain, limit: int, beta: float, ops: tuple[Op, ...],
-                     options: SolveOptions) -> tuple[tuple[float, tuple[AnyOp, ...]] | None,
-                                                     bool]:
+                     options: SolveOptions
+                     ) -> tuple[tuple[float, tuple[AnyOp, ...]] | None, bool, EngineResult]:
+    """Best transfers for ``ops``: ``(found, proven, engine outcome)``."""
     from optmem.models.remat_offload_cpsat import (
         build_transfer_cpsat,
         decode_transfer_cpsat,
@@ -128,16 +145,15 @@ def _cpsat_transfers(chain: Chain, limit: int, beta: float, ops: tuple[Op, ...],
     )
 
     built = build_transfer_cpsat(chain, limit, beta, ops, all_windows(chain, ops))
-    status, solver = solve_transfer_cpsat(built, time_limit_s=options.time_limit_s,
-                                          threads=options.threads)
-    if status in ("infeasible", "no_solution"):
-        return None, status == "infeasible" and built.exact
-    plan, _ = decode_transfer_cpsat(built, solver)
+    out = solve_transfer_cpsat(built, **cpsat_settings(options.with_(verbose=False)))
+    if out.values is None:
+        return None, out.status is Status.INFEASIBLE and built.exact, out
+    plan, _ = decode_transfer_cpsat(built, out.values)
     try:
         sim = simulate_offload(chain, plan, beta, limit)
     except PlanError:
-        return None, False
-    return (sim.makespan, plan), status == "optimal" and built.exact
+        return None, False, out
+    return (sim.makespan, plan), out.status is Status.OPTIMAL and built.exact, out
 
 
 def _may_fit(chain: Chain, limit: int, ops: tuple[Op, ...]) -> bool:
