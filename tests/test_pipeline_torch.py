@@ -11,7 +11,6 @@ torch = pytest.importorskip("torch", reason="the pipeline executor needs torch")
 from optmem.chain import Chain  # noqa: E402
 from optmem.problems.pipeline import PipelineProblem  # noqa: E402
 from optmem.pytorch import pipeline as pp  # noqa: E402
-from optmem.result import SolveOptions  # noqa: E402
 from optmem.solvers.facade import solve  # noqa: E402
 
 pytestmark = [pytest.mark.distributed,
@@ -37,7 +36,7 @@ def plan_for(costs: list[float], gpus: int, method: str) -> pp.PipelinePlan:
     chain = Chain.from_lists([c / 2 for c in costs], [c / 2 for c in costs],
                              [1] * len(costs), [1] * len(costs), input_size=1)
     problem = PipelineProblem(chain, gpus, 10**6)
-    result = solve(problem, method, options=SolveOptions(time_limit_s=30))
+    result = solve(problem, method)  # no limit: small instances, proven in well under a second
     assert result.status.has_plan, result.report
     return pp.PipelinePlan.from_strings(result.plan)
 
