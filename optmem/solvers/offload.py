@@ -32,6 +32,7 @@ from optmem.simulate.offload import simulate_offload
 from optmem.solvers.engine_results import engine_failure
 from optmem.solvers.engines import cpsat_settings
 from optmem.solvers.facade import register, register_exporter
+from optmem.solvers.hints import smallest_solvable_limit
 from optmem.solvers.offload_comm import (
     Layers,
     fractional_bound,
@@ -64,12 +65,24 @@ def lower_bound(problem: OffloadProblem, options: SolveOptions) -> float:
                fractional_bound(disc.chain, disc.memory_limit, beta))
 
 
+def min_memory(problem: OffloadProblem, slots: int) -> int | None:
+    """Least limit at which the store-all sequence runs with everything offloaded, as solved.
+
+    The minimum memory of the OFF_comm model (digest 1.1) on the chain rounded to each
+    candidate unit (:func:`optmem.solvers.hints.smallest_solvable_limit`).
+    """
+    def need(unit: int) -> int:
+        return math.ceil(Layers.of(problem.chain.quantize(unit)).min_memory())
+
+    return smallest_solvable_limit(need(1), need, slots)
+
+
 def _infeasible(problem: OffloadProblem, disc: Discretized, method: str,
-                report: dict | None = None) -> Result:
-    need = int(math.ceil(Layers.of(disc.chain).min_memory())) * disc.unit
+                report: dict | None = None, *, slots: int) -> Result:
+    need = min_memory(problem, slots)
     info = dict(report or {})
     info["hint"] = (f"below the minimum memory of the store-all sequence with everything "
-                    f"offloaded ({need} {problem.chain.memory_unit})")
+                    f"offloaded ({need} {problem.chain.memory_unit}, as solved)")
     return Result(PROBLEM, method, Status.INFEASIBLE, bound=math.inf,
                   memory_limit=disc.memory_limit, unit=disc.unit, min_feasible_memory=need,
                   report=info)
@@ -113,7 +126,7 @@ def _try_sets(problem: OffloadProblem, options: SolveOptions, method: str,
     """Best plan among offload sets (each as an ordered no-wait plan); infeasible if none."""
     disc, beta = _disc(problem, options)
     if _too_small(disc):
-        return _infeasible(problem, disc, method, report)
+        return _infeasible(problem, disc, method, report, slots=options.slots)
     best: tuple[float, str, tuple[AnyOp, ...]] | None = None
     tried = 0
     policies = [options.extra["prefetch"]] if "prefetch" in options.extra else PREFETCH_POLICIES
@@ -157,7 +170,7 @@ def solve_frac(problem: OffloadProblem, options: SolveOptions) -> Result:
     frac = fractional_bound(disc.chain, disc.memory_limit, beta)
     prop3 = prop3_bound(disc.chain, disc.memory_limit, beta)
     if _too_small(disc):
-        return _infeasible(problem, disc, "frac")
+        return _infeasible(problem, disc, "frac", slots=options.slots)
     return Result(PROBLEM, "frac", Status.NO_SOLUTION, bound=max(frac, prop3),
                   memory_limit=disc.memory_limit, unit=disc.unit,
                   report={"off_frac": frac, "prop3": prop3, "model": "OFF_frac",
@@ -205,7 +218,7 @@ def solve_dynprog(problem: OffloadProblem, options: SolveOptions) -> Result:
     """
     disc, beta = _disc(problem, options)
     if _too_small(disc):
-        return _infeasible(problem, disc, "dp")
+        return _infeasible(problem, disc, "dp", slots=options.slots)
     variant = options.variant or "contract"
     if variant not in DP_VARIANTS:
         raise OptmemInputError(f"unknown dp variant {variant!r} (expected one of "
@@ -298,7 +311,7 @@ def solve_cpsat(problem: OffloadProblem, options: SolveOptions) -> Result:
 
     disc, beta = _disc(problem, options)
     if _too_small(disc):
-        return _infeasible(problem, disc, "cpsat")
+        return _infeasible(problem, disc, "cpsat", slots=options.slots)
     if problem.chain.length > 4 * CPSAT_MAX_LENGTH:
         raise OptmemInputError(f"the CP-SAT model is for small chains; refusing L = "
                                f"{problem.chain.length}", field="method")
@@ -310,7 +323,7 @@ def solve_cpsat(problem: OffloadProblem, options: SolveOptions) -> Result:
                               memory_limit=disc.memory_limit, unit=disc.unit)
     report.update(out.report())
     if out.status is Status.INFEASIBLE:
-        return _infeasible(problem, disc, "cpsat", report)
+        return _infeasible(problem, disc, "cpsat", report, slots=options.slots)
     if out.values is None:
         return Result(PROBLEM, "cpsat", Status.NO_SOLUTION, bound=lower_bound(problem, options),
                       memory_limit=disc.memory_limit, unit=disc.unit, solver="cpsat",
@@ -338,10 +351,11 @@ def solve_brute(problem: OffloadProblem, options: SolveOptions) -> Result:
                                f"{problem.chain.length}", field="method")
     disc, beta = _disc(problem, options)
     if _too_small(disc):
-        return _infeasible(problem, disc, "brute")
+        return _infeasible(problem, disc, "brute", slots=options.slots)
     found = brute_force_offload(disc.chain, beta, disc.memory_limit)
     if found is None:
-        return _infeasible(problem, disc, "brute", {"note": "no plan fits"})
+        return _infeasible(problem, disc, "brute", {"note": "no plan fits"},
+                           slots=options.slots)
     value, plan, count = found
     return plan_result(problem, options, plan, method="brute", status=Status.OPTIMAL,
                        claimed=value, report={"plans_simulated": count})
@@ -356,7 +370,7 @@ def solve_ilp(problem: OffloadProblem, options: SolveOptions) -> Result:
 
     disc, beta = _disc(problem, options)
     if _too_small(disc):
-        return _infeasible(problem, disc, "ilp")
+        return _infeasible(problem, disc, "ilp", slots=options.slots)
     if problem.chain.length > 4 * CPSAT_MAX_LENGTH:
         raise OptmemInputError(f"the MILP is for small chains; refusing L = "
                                f"{problem.chain.length}", field="method")
@@ -369,7 +383,7 @@ def solve_ilp(problem: OffloadProblem, options: SolveOptions) -> Result:
                               memory_limit=disc.memory_limit, unit=disc.unit)
     report.update(out.report())
     if out.status is Status.INFEASIBLE:
-        return _infeasible(problem, disc, "ilp", report)
+        return _infeasible(problem, disc, "ilp", report, slots=options.slots)
     if not out.status.has_plan or out.values is None:
         return Result(PROBLEM, "ilp", out.status, bound=lower_bound(problem, options),
                       memory_limit=disc.memory_limit, unit=disc.unit, solver=out.engine,

@@ -32,13 +32,13 @@ from collections.abc import Sequence
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError, PlanError
 from optmem.plan import AnyOp, Op, OpKind, parse_mixed_plan
-from optmem.problems.checkpoint import Discretized, discretize
+from optmem.problems.checkpoint import CheckpointProblem, Discretized, discretize
 from optmem.problems.remat_offload import RematOffloadProblem
 from optmem.result import Result, SolveOptions, Status
 from optmem.simulate.offload import simulate_offload
+from optmem.solvers.checkpoint import dp_min_memory
 from optmem.solvers.checkpoint_dp import (
     PersistentTable,
-    min_memory_persistent,
     solve_persistent_table,
 )
 from optmem.solvers.facade import register
@@ -241,7 +241,8 @@ def solve_dp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
                                report=info)
         status = Status.INFEASIBLE if not math.isfinite(info["dp_value"]) else \
             Status.NO_SOLUTION
-        least = min_memory_persistent(problem.chain)
+        least = dp_min_memory(CheckpointProblem(problem.chain, problem.memory_limit), options,
+                              "paper")
         info["hint"] = (f"no plan fits; a plan without transfers fits from {least} "
                         f"{problem.chain.memory_unit} (offloading may need less: try a larger "
                         "bandwidth or grid)")
@@ -258,8 +259,12 @@ def solve_remat_only(problem: RematOffloadProblem, options: SolveOptions) -> Res
     disc, _ = _disc(problem, options)
     plan = remat_candidate(disc)
     if plan is None:
+        least = dp_min_memory(CheckpointProblem(problem.chain, problem.memory_limit), options,
+                              "paper")
         return _no_plan(problem, options, "remat_only", Status.INFEASIBLE,
-                        {"hint": "the persistent checkpoint DP finds no plan"})
+                        {"hint": f"the persistent checkpoint DP finds no plan below {least} "
+                                 f"{problem.chain.memory_unit}"}).with_(
+            min_feasible_memory=least)
     return plan_result(problem, options, plan, method="remat_only")
 
 
