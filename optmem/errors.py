@@ -93,10 +93,13 @@ def closest(name: str, known: Iterable[str]) -> str | None:
     return found[0] if found else None
 
 
-def check_keywords(given: Iterable[str], known: Iterable[str], *, what: str) -> None:
+def check_keywords(given: Iterable[str], known: Iterable[str], *, what: str,
+                   elsewhere: dict[str, str] | None = None) -> None:
     """Raise one :class:`OptmemInputError` for the first name of ``given`` not in ``known``.
 
-    The message names the unknown option, the closest known one and the known ones.
+    The message names the unknown option, the closest known one and the known ones;
+    ``elsewhere`` maps names that belong somewhere else to where (``{"time_limit_s":
+    "a SolveOptions field"}``), so a misplaced or misspelt one is pointed there.
 
     Examples
     --------
@@ -107,11 +110,14 @@ def check_keywords(given: Iterable[str], known: Iterable[str], *, what: str) -> 
 did you mean 'time_limit_s'? (known: slots, time_limit_s)
     """
     names = sorted(set(known))
+    other = elsewhere or {}
     for name in given:
         if name in names:
             continue
-        near = closest(name, names)
+        near = closest(name, names) or closest(name, other)
         hint = f"; did you mean {near!r}?" if near else ""
+        if near in other and near not in names:
+            hint += f" ({near!r} is {other[near]})"
         listed = ", ".join(names) if names else "none"
         raise OptmemInputError(f"unknown option of {what}{hint} (known: {listed})",
                                field=name)

@@ -179,7 +179,9 @@ def check_extra(problem: str, options: SolveOptions) -> None:
     """
     if options.extra:
         known = {key for info in methods(problem).values() for key in info.extra}
-        check_keywords(options.extra, known, what=f"SolveOptions.extra of {problem}")
+        check_keywords(options.extra, known, what=f"SolveOptions.extra of {problem}",
+                       elsewhere={name: "a SolveOptions field, not an extra key"
+                                  for name in OPTION_NAMES})
 
 
 def solve(problem: Any, method: str = "auto", *, options: SolveOptions | None = None,
