@@ -93,7 +93,7 @@ class OffloadProblem:
 
     chain: Chain
     memory_limit: int  # any MemoryLike is accepted and normalised to int
-    bandwidth: float | None = None  # a rate string is accepted and normalised
+    bandwidth: float | str | None = None  # per second; a rate string is normalised to float
     chain_bandwidth: float = field(default=None, kw_only=True)  # type: ignore[assignment]
 
     name = "offload"

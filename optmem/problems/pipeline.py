@@ -181,7 +181,7 @@ class PipelineProblem:
     chain: Chain
     n_gpus: int
     memory_per_gpu: int  # any MemoryLike is accepted and normalised to int
-    bandwidth: float | None = None  # a rate string is accepted and normalised
+    bandwidth: float | str | None = None  # per second; a rate string is normalised to float
     weight_copies: int = DEFAULT_WEIGHT_COPIES
     memory_model: str = "stash"
     buffers: bool = True
