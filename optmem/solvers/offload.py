@@ -30,7 +30,7 @@ from optmem.problems.offload import OffloadProblem
 from optmem.result import Result, SolveOptions, Status
 from optmem.simulate.offload import simulate_offload
 from optmem.solvers.engine_results import engine_failure
-from optmem.solvers.engines import cpsat_settings
+from optmem.solvers.engines import EngineResult, cpsat_settings
 from optmem.solvers.facade import register, register_exporter
 from optmem.solvers.hints import smallest_solvable_limit
 from optmem.solvers.offload_comm import (
@@ -302,6 +302,26 @@ def solve_offload_all(problem: OffloadProblem, options: SolveOptions) -> Result:
 
 
 # ------------------------------------------------------------------ exact
+def _without_plan(problem: OffloadProblem, options: SolveOptions, disc: Discretized,
+                  method: str, out: EngineResult, report: dict[str, Any]) -> Result | None:
+    """The result of an engine outcome without a plan (failed, infeasible, stopped), or None.
+
+    Adds the engine's report keys to ``report`` when there is a plan to decode.
+    """
+    if out.failed:
+        return engine_failure(PROBLEM, method, out, report=report,
+                              memory_limit=disc.memory_limit, unit=disc.unit)
+    report.update(out.report())
+    if out.status is Status.INFEASIBLE:
+        return _infeasible(problem, disc, method, report, slots=options.slots)
+    if out.values is None:
+        status = out.status if not out.status.has_plan else Status.ERROR
+        return Result(PROBLEM, method, status, bound=lower_bound(problem, options),
+                      memory_limit=disc.memory_limit, unit=disc.unit, solver=out.engine,
+                      report=report)
+    return None
+
+
 @register(PROBLEM, "cpsat", exact=True, requires=("ortools",), max_length=CPSAT_MAX_LENGTH,
           description="exact CP-SAT model of OFF_int (small chains)")
 def solve_cpsat(problem: OffloadProblem, options: SolveOptions) -> Result:
@@ -318,16 +338,10 @@ def solve_cpsat(problem: OffloadProblem, options: SolveOptions) -> Result:
     built = build_offload_cpsat(disc.chain, disc.memory_limit, beta)
     out = solve_transfer_cpsat(built, **cpsat_settings(options))
     report = {"model": dict(built.info), "time_scale": built.scale, "exact_times": built.exact}
-    if out.failed:
-        return engine_failure(PROBLEM, "cpsat", out, report=report,
-                              memory_limit=disc.memory_limit, unit=disc.unit)
-    report.update(out.report())
-    if out.status is Status.INFEASIBLE:
-        return _infeasible(problem, disc, "cpsat", report, slots=options.slots)
-    if out.values is None:
-        return Result(PROBLEM, "cpsat", Status.NO_SOLUTION, bound=lower_bound(problem, options),
-                      memory_limit=disc.memory_limit, unit=disc.unit, solver="cpsat",
-                      report=report)
+    early = _without_plan(problem, options, disc, "cpsat", out, report)
+    if early is not None:
+        return early
+    assert out.values is not None
     plan, value = decode_transfer_cpsat(built, out.values)
     proven = out.status is Status.OPTIMAL and built.exact
     report["model_objective"] = value
@@ -378,16 +392,10 @@ def solve_ilp(problem: OffloadProblem, options: SolveOptions) -> Result:
     out = engines.solve_pulp(model.problem, model.variables, options.solver,
                              **engines.pulp_settings(options))
     report: dict[str, Any] = {"model": dict(model.info), "engine_message": out.message}
-    if out.failed:
-        return engine_failure(PROBLEM, "ilp", out, report=report,
-                              memory_limit=disc.memory_limit, unit=disc.unit)
-    report.update(out.report())
-    if out.status is Status.INFEASIBLE:
-        return _infeasible(problem, disc, "ilp", report, slots=options.slots)
-    if not out.status.has_plan or out.values is None:
-        return Result(PROBLEM, "ilp", out.status, bound=lower_bound(problem, options),
-                      memory_limit=disc.memory_limit, unit=disc.unit, solver=out.engine,
-                      report=report)
+    early = _without_plan(problem, options, disc, "ilp", out, report)
+    if early is not None:
+        return early
+    assert out.values is not None
     plan = decode_offload_ilp(model, out.values)
     report["model_objective"] = out.objective
     result = plan_result(problem, options, plan, method="ilp", status=Status.FEASIBLE,
