@@ -284,15 +284,17 @@ def build_pipeline_cpsat(
     return PipelineCpModel(units, m, period, tau, assign, scale, rounded, [], model_size)
 
 
-def solve_pipeline_cpsat(built: PipelineCpModel, *, time_limit_s: float | None = None,
-                         threads: int = 2, verbose: bool = False) -> Any:
-    """Solve with the CP-SAT adapter of :mod:`optmem.solvers.engines`."""
+def solve_pipeline_cpsat(built: PipelineCpModel, **settings: Any) -> Any:
+    """Solve with the CP-SAT adapter of :mod:`optmem.solvers.engines`.
+
+    ``settings`` are :func:`~optmem.solvers.engines.solve_cpsat`'s (``time_limit_s``,
+    ``deterministic_time``, ``threads``, ``seed``, ``verbose``).
+    """
     from optmem.solvers.engines import solve_cpsat
 
     handles = [built.period, *built.tau.values()]
     assign = [v for row in built.assign for v in row if not isinstance(v, int)]
-    res = solve_cpsat(built.model, handles + assign, time_limit_s=time_limit_s,
-                      threads=threads, verbose=verbose)
+    res = solve_cpsat(built.model, handles + assign, **settings)
     built.variables = handles + assign
     info = {"scale": built.scale, "rounded": built.rounded, "scaled": built.scale != 1}
     objective = res.objective / built.scale if math.isfinite(res.objective) else res.objective
