@@ -203,6 +203,10 @@ class PipelineProblem:
             raise OptmemInputError(
                 f"unknown memory model {self.memory_model!r} (expected one of "
                 f"{', '.join(MEMORY_MODELS)})", field="memory-model")
+        if self.chain.total_compute_time() == 0:  # every period would be 0: no valid pattern
+            raise OptmemInputError("every time of the chain is 0: a pipeline needs compute "
+                                   "times to have a period (profile the chain with times)",
+                                   field="chain")
 
     @property
     def memory_limit(self) -> int:
