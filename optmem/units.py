@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 from optmem.errors import OptmemInputError
@@ -33,6 +34,8 @@ def parse_size(text: str | int, *, field: str = "memory") -> int:
         raise OptmemInputError(
             f"expected a size like 16, 4GiB or 512MB, got {text!r}", field=field)
     value = float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
+    if not math.isfinite(value):  # '9' * 400 overflows to inf
+        raise OptmemInputError(f"size {text!r} is too large", field=field)
     return int(value)
 
 

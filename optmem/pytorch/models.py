@@ -84,6 +84,8 @@ def _factory_from_spec(spec: str) -> Factory:
             f"unknown model {spec!r}: expected a registered name ({known}) or "
             "'package.module:factory'", field="spec")
     mod_name, _, attr = spec.partition(":")
+    if not all(part.isidentifier() for part in mod_name.split(".")):
+        raise OptmemInputError(f"expected 'package.module:factory', got {spec!r}", field="spec")
     try:
         mod = importlib.import_module(mod_name)
     except ImportError as exc:
