@@ -83,6 +83,8 @@ BAD_SIZES = ("", " ", "-1", "-0", "nan", "NaN", "inf", "-inf", "1e400", "1e30", 
 BAD_RATES = ("0", "-1", "1e400", "nan", "inf", "-inf", "1/s", "GB/s", "12GB/h", "12GB/", "/s",
              "1e-300", "12 GB/s", "none", "Infinity", "1e308", "abc", "", "1e18GB/ns",
              "12GB/S", "\udcff")
+EXTREME_SIZES = ("0", "1", "2.7", "1e18", "4611686018427387904", "1EiB", "1e30")
+EXTREME_RATES = ("1e-300", "1e-9", "1e18", "1e308", "1B/ns", "1000TB/s", "1B/s")
 BAD_INTS = ("0", "-1", "1.5", "x", "", "10000000000", "1" + "0" * 30, "\u0663", "0x1", " 2",
             "1e3", "-0")
 BAD_FLOATS = ("0", "-1", "nan", "inf", "-inf", "1e-300", "1e308", "x", "", "1e400", "0.0")
@@ -103,9 +105,9 @@ METHODS: dict[str, tuple[str, ...]] = {
     "min-peak": ("dp", "dp:linear", "dp:quadratic", "dp:cubic", "ilp", "brute", "chen",
                  "every"),
 }
+# methods cheap on chains of any length (dp:floating is O(L^3 M^2): 70 s at L = 24, M = 332)
 CHEAP_METHODS: dict[str, tuple[str, ...]] = {
-    "checkpoint": ("dp", "dp:rotor", "dp:floating", "store_all", "chen", "sequential",
-                   "revolve"),
+    "checkpoint": ("dp", "dp:rotor", "store_all", "chen", "sequential", "revolve"),
     "offload": ("dp", "greedy", "vdnn", "offload_all", "frac"),
     "remat-offload": ("dp", "remat_only", "offload_only", "opportunist"),
     "pipeline": ("contiguous", "equal", "pipedream"),
@@ -154,14 +156,15 @@ class Case:
         """``argv`` with ``{d}`` replaced by the case directory."""
         return [a.replace("{d}", str(d)) for a in self.argv]
 
-    def describe(self) -> dict[str, Any]:
-        """A JSON-able record of the case (file contents shortened)."""
+    def describe(self, *, limit: int = 300) -> dict[str, Any]:
+        """A JSON-able record of the case (file contents cut at ``limit`` bytes; bytes that
+        are not UTF-8 are written as backslash escapes)."""
 
         def show(v: Any) -> str:
             if v is DIR:
                 return "<dir>"
-            text = v[:300].decode("utf-8", "backslashreplace")
-            return text + (f"... ({len(v)} bytes)" if len(v) > 300 else "")
+            text = v[:limit].decode("utf-8", "backslashreplace")
+            return text + (f"... ({len(v)} bytes)" if len(v) > limit else "")
 
         return {"argv": self.argv, "files": {k: show(v) for k, v in self.files.items()},
                 "outputs": self.outputs, "blame": self.blame, "where": self.where,
@@ -519,14 +522,21 @@ class Args:
     p_bad: int = 0
 
     def add(self, draw: st.DrawFn, flag: str, good: Sequence[str], bad: Sequence[str],
-            *, p_bad: int = 0, p_skip: int = 0, required: bool = False) -> None:
-        """Add ``flag value`` (good or, rarely, bad); skip it with probability 1/p_skip
-        (leaving out a ``required`` option makes the command line bad)."""
+            *, p_bad: int = 0, p_skip: int = 0, required: bool = False,
+            extreme: Sequence[str] = ()) -> None:
+        """Add ``flag value``: good, or (rarely) bad, or (one time in ten) ``extreme``.
+
+        ``extreme`` values parse (huge slots, a zero memory, a tiny bandwidth) and so reach
+        the solvers, where nasty syntax never does. The option is left out with probability
+        ``1/p_skip``; leaving out a ``required`` one makes the command line bad.
+        """
         if p_skip and chance(draw, 100 // p_skip):
             self.clean = self.clean and not required
             return
         if chance(draw, 100 // p_bad if p_bad else self.p_bad):
             value = draw(st.sampled_from(tuple(bad)))
+        elif extreme and chance(draw, 10):
+            value = draw(st.sampled_from(tuple(extreme)))
         else:
             value = draw(st.sampled_from(tuple(good)))
         if value not in good:
@@ -599,11 +609,15 @@ def output_path(draw: st.DrawFn, files: dict[str, Any], suffix: str,
 def problem_options(draw: st.DrawFn, problem: str, args: Args) -> None:
     """The options a problem needs (bandwidth, GPUs, min-peak model), good or bad."""
     if problem in ("offload", "remat-offload"):
-        args.add(draw, "--bandwidth", ("2", "0.5", "12GB/s", "1", "100"), BAD_RATES)
+        args.add(draw, "--bandwidth", ("2", "0.5", "12GB/s", "1", "100"), BAD_RATES,
+                 extreme=EXTREME_RATES)
     elif problem == "pipeline":
-        args.add(draw, "--gpus", ("1", "2", "3"), BAD_INTS + ("1000000", "10000000000"))
-        args.add(draw, "--bandwidth", ("inf", "2", "12GB/s"), BAD_RATES, p_skip=2)
-        args.add(draw, "--weight-copies", ("3", "1", "0"), BAD_INTS, p_skip=2)
+        args.add(draw, "--gpus", ("1", "2", "3"), BAD_INTS,
+                 extreme=("8", "64", "1000", "1000000", "10000000000"))
+        args.add(draw, "--bandwidth", ("inf", "2", "12GB/s"), BAD_RATES, p_skip=2,
+                 extreme=EXTREME_RATES)
+        args.add(draw, "--weight-copies", ("3", "1", "0"), BAD_INTS, p_skip=2,
+                 extreme=("1000000", "1" + "0" * 30))
         args.add(draw, "--memory-model", ("stash", "strict"), ("bogus", ""), p_skip=2)
     elif problem == "min-peak":
         args.add(draw, "--model", ("pytorch", "static", "optmem"), ("bogus",), p_skip=2)
@@ -613,9 +627,12 @@ def problem_options(draw: st.DrawFn, problem: str, args: Args) -> None:
 
 def common_options(draw: st.DrawFn, args: Args, *, exact: bool) -> None:
     """``--slots``, ``--time-limit``, ``--threads``, ``--solver``, ``--variant``."""
-    args.add(draw, "--slots", ("500", "50", "7", "1"), BAD_INTS, p_skip=2)
-    args.add(draw, "--time-limit", ("5", "2.5"), BAD_FLOATS, p_skip=1 if exact else 2)
-    args.add(draw, "--threads", ("1", "2"), BAD_INTS + ("100000",), p_skip=2)
+    args.add(draw, "--slots", ("500", "50", "7", "1"), BAD_INTS, p_skip=2,
+             extreme=("2", "3", "5000", "100000", "100000000", "10000000000"))
+    args.add(draw, "--time-limit", ("5", "2.5"), BAD_FLOATS, p_skip=1 if exact else 2,
+             extreme=("1e-300", "0.001", "1e308"))
+    args.add(draw, "--threads", ("1", "2"), BAD_INTS, p_skip=2,
+             extreme=("256", "257", "100000"))
     args.add(draw, "--solver", ("highs", "cbc"), ("bogus", "gurobi", ""), p_skip=3)
     if chance(draw, 15):
         args.add(draw, "--variant", VARIANTS, ("bogus",))
@@ -630,7 +647,8 @@ def solve_cases(draw: st.DrawFn, command: str = "solve") -> Case:
     args = Args([command, problem], problem in PROBLEMS, draw(bad_rate()))
     spec, doc, chain_doc = draw(chain_arg(files))
     args.argv.append(spec)
-    args.add(draw, "--memory", memory_values(doc), BAD_SIZES, p_skip=25, required=True)
+    args.add(draw, "--memory", memory_values(doc), BAD_SIZES, p_skip=25, required=True,
+             extreme=EXTREME_SIZES)
     if problem in PROBLEMS:
         problem_options(draw, problem, args)
     small = doc is not None and len(doc["stages"]) <= 4
@@ -717,7 +735,7 @@ def verify_cases(draw: st.DrawFn) -> Case:
         args.clean = extra.clean
     args.argv += good
     if chance(draw, 25):
-        args.add(draw, "--slots", ("500", "7"), BAD_INTS)
+        args.add(draw, "--slots", ("500", "7"), BAD_INTS, extreme=("1", "100000000"))
     if draw(st.booleans()):
         args.argv.append("--json")
     args.clean = args.clean and chain_ok
@@ -751,7 +769,7 @@ def show_cases(draw: st.DrawFn) -> Case:
         args.argv += ["-o", output_path(draw, files, suffix, outputs, args)]
     else:
         outputs.append("plan.png")
-    args.add(draw, "--memory", ("12", "100"), BAD_SIZES, p_skip=3)
+    args.add(draw, "--memory", ("12", "100"), BAD_SIZES, p_skip=3, extreme=EXTREME_SIZES)
     args.add(draw, "--bandwidth", ("2", "12GB/s"), BAD_RATES, p_skip=6, required=True)
     if chance(draw, 15):
         args.argv += ["--title", draw(st.sampled_from(("", "$\\frac{", "%s", "\udcff", "a" * 500)))]

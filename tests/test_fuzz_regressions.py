@@ -302,3 +302,26 @@ def test_pipeline_of_a_chain_without_times_is_one_error_not_a_division_by_zero(m
 def test_datasets_path_with_json_prints_json():
     out = run(["datasets", "path", "vgg16-b64-224", "--json"], {})
     assert json.loads(out.stdout).endswith("vgg16-b64-224.json")
+
+
+def test_profile_factory_that_needs_arguments_is_one_error_not_a_type_error():
+    err = rejects(["profile", "json:dumps", "--device", "meta"], {})
+    assert "cannot be called as a model factory" in err
+
+
+def test_profile_batch_beyond_memory_is_one_error_not_an_allocator_traceback():
+    """toy-cnn with batch 10^9 on the CPU: 12 TB of input; torch's allocator raised."""
+    err = rejects(["profile", "toy-cnn", "--device", "cpu", "--batch", "1000000000",
+                   "--no-progress", "-o", "{d}/c.json"], {})
+    assert "not enough memory" in err
+
+
+@pytest.mark.parametrize("method", ["dp", "dp:rotor", "dp:floating"])
+def test_dp_tables_beyond_4_gib_are_one_error_not_a_memory_error(method):
+    """--slots 10^8 made the persistent DP ask numpy for 15.5 GiB, 10^10 for terabytes."""
+    big = {**CHAIN, "input_size": 2 * 2**40, "stages": [
+        dict(s, output_size=s["output_size"] * 2**40, saved_size=s["saved_size"] * 2**40)
+        for s in CHAIN["stages"]]}
+    err = rejects(["solve", "checkpoint", "{d}/c.json", "-m", "12TiB", "--slots", "100000000",
+                   "--method", method], {"c.json": dumps(big).encode()})
+    assert "use fewer slots" in err
