@@ -325,3 +325,33 @@ def test_dp_tables_beyond_4_gib_are_one_error_not_a_memory_error(method):
     err = rejects(["solve", "checkpoint", "{d}/c.json", "-m", "12TiB", "--slots", "100000000",
                    "--method", method], {"c.json": dumps(big).encode()})
     assert "use fewer slots" in err
+
+
+def test_autocapper_at_memory_0_on_a_byte_scale_chain_answers_not_tabulates_bytes():
+    """With -m 0 the unit is 1 byte and the autocapper tabulated the persistent DP up to the
+    store-all peak: 2 * 10^14 memory values on a chain of 2^44-byte activations."""
+    big = {**CHAIN, "input_size": 2 * 2**44, "stages": [
+        dict(s, output_size=s["output_size"] * 2**44, saved_size=s["saved_size"] * 2**44)
+        for s in CHAIN["stages"]]}
+    out = run(["solve", "remat-offload", "{d}/c.json", "-m", "0", "--bandwidth", "2",
+               "--method", "autocapper", "--json"], {"c.json": dumps(big).encode()})
+    assert out.code == 0 and json.loads(out.stdout)["status"] == "infeasible"
+
+
+def test_offload_thesis_dp_at_memory_0_does_not_divide_by_zero():
+    """A chain of zero sizes fits in 0 bytes; the thesis discretisation divided by 0."""
+    zero = {**CHAIN, "input_size": 0, "stages": [
+        dict(s, output_size=0, saved_size=0, weight_size=0) for s in CHAIN["stages"]]}
+    out = run(["compare", "offload", "{d}/c.json", "-m", "0", "--bandwidth", "2", "--methods",
+               "dp:thesis,dp", "--json"], {"c.json": dumps(zero).encode()})
+    assert [r["status"] for r in json.loads(out.stdout)["results"]] == ["feasible"] * 2
+
+
+@pytest.mark.parametrize("method", ["dp", "dp:thesis", "dp:cheap"])
+def test_offload_dp_with_a_bandwidth_of_1e308_has_finite_capacities_not_a_nan_cast(method):
+    """u * beta overflowed to inf, prefix differences gave NaN, cast to int64 with a
+    RuntimeWarning (and garbage capacities)."""
+    out = run(["solve", "offload", "{d}/c.json", "-m", "11", "--bandwidth", "1e308",
+               "--method", method, "--json"], {"c.json": chain_bytes()})
+    assert out.code == 0 and not out.warnings
+    assert json.loads(out.stdout)["status"] in ("optimal", "feasible")
