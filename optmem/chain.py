@@ -245,6 +245,39 @@ class Chain:
 
         return simulate_checkpoint(self, store_all_plan(self.length)).peak_memory
 
+    def check_rate(self, bandwidth: float, *, field: str = "bandwidth") -> float:
+        """Return ``bandwidth`` (memory units per time unit) if transfers stay in range.
+
+        Moving the largest value of the chain must take at most ``MAX_TOTAL_TIME`` (the
+        range of every time): beyond, transfer times overflow the exact models just as
+        such stage times would. ``0`` (no link) and ``inf`` (free transfers) pass.
+
+        Raises
+        ------
+        ChainError
+            Naming ``field``, for a link too slow for this chain.
+
+        Examples
+        --------
+        >>> c = Chain.from_lists([1], [1], [2**40], [2**40], input_size=0)
+        >>> c.check_rate(2.0)
+        2.0
+        >>> c.check_rate(1.0)
+        Traceback (most recent call last):
+        ...
+        optmem.errors.ChainError: field 'bandwidth': a bandwidth of 1 B per ms moves the \
+largest value (1099511627776 B) in 1.09951e+12 ms, above 1e+12: too slow to model
+        """
+        if bandwidth == 0 or math.isinf(bandwidth):
+            return bandwidth
+        largest = max(self.input_size, *self.saved_size, *self.output_size)
+        if largest / bandwidth > MAX_TOTAL_TIME:
+            raise ChainError(
+                f"a bandwidth of {bandwidth:g} {self.memory_unit} per {self.time_unit} moves "
+                f"the largest value ({largest} {self.memory_unit}) in {largest / bandwidth:g} "
+                f"{self.time_unit}, above {MAX_TOTAL_TIME:g}: too slow to model", field=field)
+        return bandwidth
+
     def total_compute_time(self) -> float:
         """Sum of every forward, backward and the loss: a lower bound on any makespan."""
         return float(sum(self.fwd_time) + sum(self.bwd_time) + self.loss_bwd_time)

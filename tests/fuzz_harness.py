@@ -613,11 +613,11 @@ def problem_options(draw: st.DrawFn, problem: str, args: Args) -> None:
                  extreme=EXTREME_RATES)
     elif problem == "pipeline":
         args.add(draw, "--gpus", ("1", "2", "3"), BAD_INTS,
-                 extreme=("8", "64", "1000", "1000000", "10000000000"))
+                 extreme=("8", "64", "4096", "4097", "10000000000"))
         args.add(draw, "--bandwidth", ("inf", "2", "12GB/s"), BAD_RATES, p_skip=2,
                  extreme=EXTREME_RATES)
         args.add(draw, "--weight-copies", ("3", "1", "0"), BAD_INTS, p_skip=2,
-                 extreme=("1000000", "1" + "0" * 30))
+                 extreme=("64", "65", "1000000", "1" + "0" * 30))
         args.add(draw, "--memory-model", ("stash", "strict"), ("bogus", ""), p_skip=2)
     elif problem == "min-peak":
         args.add(draw, "--model", ("pytorch", "static", "optmem"), ("bogus",), p_skip=2)

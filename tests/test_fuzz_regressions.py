@@ -355,3 +355,28 @@ def test_offload_dp_with_a_bandwidth_of_1e308_has_finite_capacities_not_a_nan_ca
                "--method", method, "--json"], {"c.json": chain_bytes()})
     assert out.code == 0 and not out.warnings
     assert json.loads(out.stdout)["status"] in ("optimal", "feasible")
+
+
+@pytest.mark.parametrize("option,value,message", [
+    ("--gpus", "10000000000", "at most 4096 GPUs"),
+    ("--weight-copies", "1" + "0" * 30, "at most 64 weight copies")])
+def test_pipeline_gpus_and_weight_copies_are_bounded_not_a_memory_error(option, value, message):
+    """--gpus 10^10: the simulator's per-GPU lists raised MemoryError and the CP-SAT model
+    never finished building; --weight-copies 10^30 overflowed CP-SAT (TypeError) and HiGHS."""
+    err = rejects(["solve", "pipeline", "{d}/c.json", "-m", "40", "--gpus", "2", option, value],
+                  {"c.json": chain_bytes()})
+    assert message in err
+
+
+@pytest.mark.parametrize("problem", ["offload", "remat-offload", "pipeline"])
+def test_links_too_slow_for_the_chain_are_rejected_not_an_engine_overflow(problem):
+    """--bandwidth 1e-300 made transfer times of 1e300: CP-SAT raised TypeError, HiGHS an
+    IndexError. Moving the largest value (2^40 B) must take at most 1e12 time units: 1 B/ms
+    is too slow, 2 B/ms is fine (rates per ms, so the bound is checked in chain units)."""
+    big = {**CHAIN, "input_size": 2**40}
+    opts = ["--gpus", "2"] if problem == "pipeline" else []
+    base = ["solve", problem, "{d}/c.json", "-m", "2TiB", *opts, "--method",
+            "equal" if problem == "pipeline" else "dp", "--bandwidth"]
+    err = rejects([*base, "1B/ms"], {"c.json": dumps(big).encode()})
+    assert "too slow to model" in err
+    assert run([*base, "2B/ms"], {"c.json": dumps(big).encode()}).code == 0

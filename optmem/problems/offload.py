@@ -59,7 +59,7 @@ class OffloadProblem:
     def __post_init__(self) -> None:
         check_memory_limit(self.memory_limit)
         bw = check_bandwidth(self.bandwidth)
-        object.__setattr__(self, "bandwidth", bw)
+        object.__setattr__(self, "bandwidth", self.chain.check_rate(bw))
 
     def discretize(self, slots: int = DEFAULT_SLOTS) -> Discretized:
         """Return the discretised instance (CONTRACT section 2)."""
