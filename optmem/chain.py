@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import unicodedata
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,6 +89,21 @@ def _check_size(value: Any, *, stage: int | None, name: str) -> int:
     return int(value)
 
 
+def check_text(value: str, *, stage: int | None = None, name: str, allow: str = "") -> str:
+    """Return ``value`` if it is printable text (the characters of ``allow`` aside).
+
+    No unpaired surrogate (what a JSON escape of a lone surrogate gives, which no output
+    can encode) and no control character (which fonts cannot draw and which break the
+    one-line messages).
+    """
+    bad = next((c for c in value if unicodedata.category(c) in ("Cc", "Cs") and c not in allow),
+               None)
+    if bad is not None:
+        raise ChainError(f"expected printable text, got {_show(value)} (character "
+                         f"U+{ord(bad):04X})", stage=stage, field=name)
+    return value
+
+
 @dataclass(frozen=True)
 class Chain:
     """Validated, immutable cost profile of a chain of ``L`` stages followed by a loss.
@@ -142,6 +158,10 @@ class Chain:
         object.__setattr__(self, "weight_size", tuple(self.weight_size) or (0,) * n)
         object.__setattr__(self, "stage_names", tuple(self.stage_names) or _default_names(n))
         object.__setattr__(self, "stage_extra", tuple(self.stage_extra) or ({},) * n)
+        for name in ("name", "time_unit", "memory_unit"):
+            check_text(getattr(self, name), stage=None, name=name)
+        for i, text in enumerate(self.stage_names):
+            check_text(text, stage=i + 1, name="name")
         for name in (*_STAGE_TIME_FIELDS, *_STAGE_SIZE_FIELDS, "stage_names"):
             if len(getattr(self, name)) != n:
                 raise ChainError(

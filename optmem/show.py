@@ -22,7 +22,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from optmem.chain import Chain
+from optmem.chain import Chain, check_text
 from optmem.errors import OptmemInputError, PlanError
 from optmem.plan import read_plan_json
 from optmem.units import format_size, parse_bandwidth, parse_size
@@ -168,6 +168,8 @@ def cmd_show(args: argparse.Namespace) -> int:
     from optmem.datasets import resolve_chain
 
     chain = resolve_chain(args.chain)
+    if args.title:
+        check_text(args.title, name="--title", allow="\n")
     data = read_plan_file(args.plan)
     out = args.output or str(Path(args.plan).with_suffix(".png"))
     limit = parse_size(args.memory) if args.memory else None

@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from optmem.chain import Chain
+from optmem.chain import Chain, check_text
 from optmem.errors import OptmemInputError
 from optmem.fileio import check_writable, write_atomic, write_text_atomic
 from optmem.result import Result, SolveOptions, Status
@@ -509,6 +509,8 @@ def register_cli(subparsers: Any) -> None:
 
 def check_outputs(args: argparse.Namespace) -> None:
     """Fail before solving if ``--csv``, ``--json`` or ``--plot`` could not be written."""
+    if args.title:
+        check_text(args.title, name="--title", allow="\n")
     if args.plot:
         from optmem.plotting import check_plot_path
 

@@ -70,6 +70,8 @@ NASTY_NUMBERS: tuple[Any, ...] = (
 )
 NASTY_TYPES: tuple[Any, ...] = (None, True, False, "", "12", "NaN", [], [1], {}, {"a": 1},
                                 "\udcff", "é" * 3)
+TITLES = ("", "%s", "a" * 500, "$\\frac{", "cost in $", "two\nlines")
+NASTY_TEXT = ("\udcff", "a\x00b", "a\nb", "$x^{$", "\u202e", "", "x" * 2000, "é")
 NASTY_VALUES = NASTY_NUMBERS + NASTY_TYPES
 
 STAGE_FIELDS = ("fwd_time", "bwd_time", "output_size", "saved_size", "fwd_overhead",
@@ -280,8 +282,8 @@ def mutated_chain(draw: st.DrawFn, doc: dict[str, Any]) -> Doc:
         return Doc(dumps(doc).encode(), note=f"extra {target} field {key!r}")
     if kind == "top":
         name = draw(st.sampled_from(("input_size", "format", "time_unit", "memory_unit",
-                                     "name", "stages")))
-        value = draw(st.sampled_from(NASTY_VALUES + ("optmem.chain/2", "h", "B")))
+                                     "name", "name", "stages")))
+        value = draw(st.sampled_from(NASTY_VALUES + NASTY_TEXT + ("optmem.chain/2", "h", "B")))
         doc[name] = value
         return Doc(dumps(doc).encode(), note=f"top {name} = {value!r}")
     if kind == "stages":
@@ -772,7 +774,7 @@ def show_cases(draw: st.DrawFn) -> Case:
     args.add(draw, "--memory", ("12", "100"), BAD_SIZES, p_skip=3, extreme=EXTREME_SIZES)
     args.add(draw, "--bandwidth", ("2", "12GB/s"), BAD_RATES, p_skip=6, required=True)
     if chance(draw, 15):
-        args.argv += ["--title", draw(st.sampled_from(("", "$\\frac{", "%s", "\udcff", "a" * 500)))]
+        args.add(draw, "--title", TITLES, NASTY_TEXT, p_bad=3)
     return finish(args, files, outputs, plan, blame_name="plan.json", note=plan.note,
                   any_error=True)
 
@@ -803,6 +805,8 @@ def sweep_cases(draw: st.DrawFn) -> Case:
     for flag, suffix in (("--csv", ".csv"), ("--json", ".json"), ("--plot", ".png")):
         if chance(draw, 25):
             args.argv += [flag, output_path(draw, files, suffix, outputs, args)]
+    if "--plot" in args.argv and chance(draw, 25):
+        args.add(draw, "--title", TITLES, NASTY_TEXT, p_bad=3)
     return finish(args, files, outputs, chain_doc, note=chain_doc.note)
 
 

@@ -380,3 +380,23 @@ def test_links_too_slow_for_the_chain_are_rejected_not_an_engine_overflow(proble
     err = rejects([*base, "1B/ms"], {"c.json": dumps(big).encode()})
     assert "too slow to model" in err
     assert run([*base, "2B/ms"], {"c.json": dumps(big).encode()}).code == 0
+
+
+@pytest.mark.parametrize("name", ["\udcff", "a\x00b", "a\nb"])
+def test_chain_names_that_no_output_can_print_are_rejected_not_a_unicode_error(name):
+    """A JSON escape gave a lone surrogate as the chain name: print() raised
+    UnicodeEncodeError (solve, compare, sweep) and matplotlib a TypeError (show)."""
+    err = rejects(["solve", "checkpoint", "{d}/c.json", "-m", "12"],
+                  {"c.json": chain_bytes(name=name)}, blame="c.json", where=(None, "name"))
+    assert "expected printable text" in err
+
+
+@pytest.mark.parametrize("title", ["\udcff", "\x00"])
+def test_titles_that_fonts_cannot_draw_are_rejected_before_drawing(title):
+    plan = reference_plans()["checkpoint"][1]
+    for argv in (["show", "{d}/p.json", "--chain", "{d}/c.json", "-o", "{d}/o.png"],
+                 ["sweep", "checkpoint", "{d}/c.json", "-m", "5:12:2", "-q", "--plot",
+                  "{d}/o.png"]):
+        err = rejects([*argv, "--title", title],
+                      {"c.json": chain_bytes(), "p.json": dumps(plan).encode()})
+        assert "--title" in err
