@@ -76,7 +76,7 @@ def run_batch(seed: int, index: int, size: int, skip: int, log: Path, timeout_s:
             record = {"i": i, "done": True, "code": outcome.code, "s": round(elapsed, 3),
                       "fails": [[f.klass, f.detail] for f in fails]}
             if fails:
-                record["case"] = case.describe()
+                record["case"] = case.describe(limit=100_000)
                 record["stderr"] = outcome.stderr[-600:]
                 record["exception"] = (outcome.exception or "")[-1500:]
             out.write(json.dumps(record) + "\n")
@@ -200,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cases", type=int, default=10000, help="cases to try (default 10000)")
     p.add_argument("--seed", type=int, default=0, help="run seed (default 0)")
     p.add_argument("--batch", type=int, default=250, help="cases per batch (default 250)")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds per case")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds per case before it counts as hanging (default 600)")
     p.add_argument("--memory-gib", type=float, default=8.0,
                    help="address-space limit of the worker (GiB)")
     p.add_argument("--state", help="state file (default: in the temporary directory)")

@@ -784,7 +784,8 @@ def sweep_cases(draw: st.DrawFn) -> Case:
     """``sweep PROBLEM CHAIN --memory FROM:TO:STEPS`` with outputs."""
     files: dict[str, Any] = {}
     outputs: list[str] = []
-    problem = draw(st.sampled_from(("checkpoint",) * 3 + ("offload", "min-peak", "pipeline")))
+    problem = draw(st.sampled_from(("checkpoint",) * 3 + ("offload", "remat-offload",
+                                                          "min-peak", "pipeline")))
     args = Args(["sweep", problem], p_bad=draw(bad_rate()))
     spec, doc, chain_doc = draw(chain_arg(files))
     args.argv.append(spec)
@@ -865,14 +866,16 @@ def misc_cases(draw: st.DrawFn, *, torch: bool = True) -> Case:
 
 
 @st.composite
-def cli_cases(draw: st.DrawFn) -> Case:
-    """Any case, weighted towards the commands that read files."""
+def cli_cases(draw: st.DrawFn, *, torch: bool = True) -> Case:
+    """Any case, weighted towards the commands that read files (``torch``: see
+    :func:`misc_cases`)."""
     kind = draw(st.sampled_from(("solve",) * 5 + ("compare", "export", "verify", "verify",
                                                   "verify", "show", "show", "sweep", "misc")))
     if kind in ("solve", "compare", "export"):
         return draw(solve_cases(kind))
-    return draw({"verify": verify_cases, "show": show_cases, "sweep": sweep_cases,
-                 "misc": misc_cases}[kind]())
+    if kind == "misc":
+        return draw(misc_cases(torch=torch))
+    return draw({"verify": verify_cases, "show": show_cases, "sweep": sweep_cases}[kind]())
 
 
 # ------------------------------------------------------------------ running

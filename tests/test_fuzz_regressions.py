@@ -333,7 +333,7 @@ def test_autocapper_at_memory_0_on_a_byte_scale_chain_answers_not_tabulates_byte
     big = {**CHAIN, "input_size": 2 * 2**44, "stages": [
         dict(s, output_size=s["output_size"] * 2**44, saved_size=s["saved_size"] * 2**44)
         for s in CHAIN["stages"]]}
-    out = run(["solve", "remat-offload", "{d}/c.json", "-m", "0", "--bandwidth", "2",
+    out = run(["solve", "remat-offload", "{d}/c.json", "-m", "0", "--bandwidth", "12GB/s",
                "--method", "autocapper", "--json"], {"c.json": dumps(big).encode()})
     assert out.code == 0 and json.loads(out.stdout)["status"] == "infeasible"
 
