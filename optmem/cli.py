@@ -19,7 +19,8 @@ from types import ModuleType
 from typing import Any
 
 from optmem.chain import Chain
-from optmem.errors import OptmemInputError
+from optmem.errors import OptmemInputError, PlanError
+from optmem.fileio import read_json, write_text_atomic
 from optmem.result import Result, SolveOptions, Status
 from optmem.units import format_size, parse_size
 
@@ -30,6 +31,24 @@ MODEL_SUFFIXES = (".mps", ".lp", ".pb", ".pbtxt")  # export: MPS/LP (every model
 
 # Modules that add whole subcommands through ``register_cli(subparsers)``.
 EXTRA_COMMANDS = ["optmem.pytorch.cli", "optmem.sweep", "optmem.show"]
+
+
+MAX_WORKERS = 256  # --threads / --jobs: beyond this, engines stall or abort spawning threads
+
+
+def worker_count(text: str) -> int:
+    """Parse ``--threads`` / ``--jobs``: an integer in ``1..MAX_WORKERS``.
+
+    HiGHS aborts the whole process when asked for 100000 threads and spends minutes starting
+    8192; CP-SAT rejects such models; so the CLI refuses them up front.
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 1 <= value <= MAX_WORKERS:
+        raise argparse.ArgumentTypeError(f"expected 1..{MAX_WORKERS}, got {value}")
+    return value
 
 
 class _Parser(argparse.ArgumentParser):
@@ -228,7 +247,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if args.problem == "checkpoint":
         report = verify_checkpoint_plan(problem, plan_data, options, source=args.plan)
     else:
-        report = problem_module(args.problem).verify_plan(problem, plan_data, options)
+        try:
+            report = problem_module(args.problem).verify_plan(problem, plan_data, options)
+        except PlanError as exc:  # whatever is wrong with the plan, name the plan file
+            raise (exc if exc.source else exc.with_source(args.plan)) from None
     report = {"valid": True, **report}
     if args.json:
         print(json.dumps(report))
@@ -240,7 +262,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def verify_checkpoint_plan(problem: Any, plan_data: Any, options: SolveOptions, *,
                            source: str) -> dict[str, Any]:
     """Replay a checkpoint plan under the problem's discretisation and limit."""
-    from optmem.errors import PlanError
     from optmem.plan import parse_plan
     from optmem.simulate.checkpoint import simulate_checkpoint
 
@@ -319,7 +340,8 @@ def cmd_datasets(args: argparse.Namespace) -> int:
     if not args.name:
         raise OptmemInputError(f"'datasets {args.action}' needs a dataset NAME")
     if args.action == "path":
-        print(dataset_path(args.name))
+        path = str(dataset_path(args.name))
+        print(json.dumps(path) if args.json else path)
     else:
         row = _dataset_row(args.name)
         print(json.dumps(row, indent=1) if args.json
@@ -379,7 +401,8 @@ def _add_common(p: argparse.ArgumentParser, *, memory: bool = True) -> None:
     p.add_argument("--slots", type=int, default=500, help="memory slots (default 500)")
     add_engine_limits(p)
     p.add_argument("--solver", default="highs", help="ILP engine: highs (default), cbc, gurobi")
-    p.add_argument("--threads", type=int, default=2, help="threads for exact engines")
+    p.add_argument("--threads", type=worker_count, default=2,
+                   help="threads for exact engines (1..256)")
     p.add_argument("--verbose", action="store_true", help="show engine logs")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
 
@@ -460,21 +483,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _read_json(path: str) -> Any:
-    from optmem.errors import PlanError
-
-    try:
-        return json.loads(Path(path).read_text())
-    except OSError as exc:
-        raise PlanError(f"cannot read file ({exc.strerror})", source=path) from None
-    except json.JSONDecodeError as exc:
-        raise PlanError(f"not valid JSON (line {exc.lineno}: {exc.msg})", source=path) from None
+    return read_json(path, error=PlanError, what="plan file")
 
 
 def _write_json(path: str, data: Any) -> None:
-    target = Path(path)
-    tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    tmp.replace(target)
+    write_text_atomic(path, json.dumps(data, indent=1) + "\n", field="--output")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -39,8 +39,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from optmem.chain import Chain
+from optmem.chain import Chain, check_text
 from optmem.errors import OptmemInputError
+from optmem.fileio import check_writable, write_atomic, write_text_atomic
 from optmem.result import Result, SolveOptions, Status
 from optmem.units import format_size, memory_size, parse_size
 
@@ -241,19 +242,23 @@ class SweepResult:
         }
 
     def write_json(self, path: str | Path) -> None:
-        """Write :meth:`to_json` to ``path``."""
-        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        """Write :meth:`to_json` to ``path`` (atomically)."""
+        write_text_atomic(path, json.dumps(self.to_json(), indent=1) + "\n", field="json")
 
     def write_csv(self, path: str | Path) -> None:
-        """One row per solve (``on_front`` marks the Pareto points)."""
+        """One row per solve (``on_front`` marks the Pareto points), written atomically."""
         on_front = {(p.method, p.memory_limit) for f in self.fronts().values() for p in f}
-        with open(path, "w", newline="") as fh:
-            writer = csv.DictWriter(fh, fieldnames=CSV_FIELDS)
-            writer.writeheader()
-            for p in self.points:
-                row = {k: v for k, v in asdict(p).items() if k in CSV_FIELDS}
-                row["on_front"] = (p.method, p.memory_limit) in on_front
-                writer.writerow(row)
+
+        def write(tmp: Path) -> None:
+            with open(tmp, "w", newline="") as fh:
+                writer = csv.DictWriter(fh, fieldnames=CSV_FIELDS)
+                writer.writeheader()
+                for p in self.points:
+                    row = {k: v for k, v in asdict(p).items() if k in CSV_FIELDS}
+                    row["on_front"] = (p.method, p.memory_limit) in on_front
+                    writer.writerow(row)
+
+        write_atomic(path, write, field="csv")
 
     def plot(self, path: str | Path, *, title: str | None = None) -> Path:
         """Draw the memory/makespan curve to ``path`` (``.png``, ``.svg`` or ``.pdf``)."""
@@ -485,9 +490,12 @@ def auto_start(problem_factory: ProblemFactory, methods: Sequence[str],
     return min(found, default=None)
 
 
+MAX_STEPS = 10_000  # limits of one sweep (each is solved by every method)
+
+
 def _steps(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise OptmemInputError(f"expected a positive number of steps, got {text!r}",
+    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= MAX_STEPS:
+        raise OptmemInputError(f"expected a number of steps in 1..{MAX_STEPS}, got {text!r}",
                                field="--memory")
     return int(text)
 
@@ -506,7 +514,7 @@ def default_methods(problem: str) -> list[str]:
 
 def register_cli(subparsers: Any) -> None:
     """Add ``optmem sweep`` to the CLI."""
-    from optmem.cli import _add_problem_options, add_engine_limits
+    from optmem.cli import _add_problem_options, add_engine_limits, worker_count
 
     p = subparsers.add_parser(
         "sweep", help="solve across memory limits: Pareto fronts, CSV/JSON, the curve",
@@ -519,7 +527,7 @@ def register_cli(subparsers: Any) -> None:
                         "from the smallest limit at which a swept method finds a plan, as "
                         "solved, to 5%% above the store-all peak)")
     p.add_argument("--methods", help="comma-separated methods (default: dp and baselines)")
-    p.add_argument("--jobs", "-j", type=int, default=min(2, os.cpu_count() or 1),
+    p.add_argument("--jobs", "-j", type=worker_count, default=min(2, os.cpu_count() or 1),
                    help="worker processes (default: 2)")
     p.add_argument("--csv", help="write one row per solve")
     p.add_argument("--json", help="write points, fronts and summary as JSON")
@@ -529,11 +537,25 @@ def register_cli(subparsers: Any) -> None:
     p.add_argument("--slots", type=int, default=500, help="memory slots (default 500)")
     add_engine_limits(p)
     p.add_argument("--solver", default="highs", help="ILP engine: highs, cbc, gurobi")
-    p.add_argument("--threads", type=int, default=1, help="threads per exact solve")
+    p.add_argument("--threads", type=worker_count, default=1,
+                   help="threads per exact solve (1..256)")
     p.add_argument("--verbose", action="store_true", help="show engine logs")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     _add_problem_options(p)
     p.set_defaults(func=cmd_sweep)
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Fail before solving if ``--csv``, ``--json`` or ``--plot`` could not be written."""
+    if args.title:
+        check_text(args.title, name="--title", allow="\n")
+    if args.plot:
+        from optmem.plotting import check_plot_path
+
+        check_plot_path(args.plot)
+    for name in ("csv", "json", "plot"):
+        if getattr(args, name):
+            check_writable(getattr(args, name), field=name)
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
@@ -542,10 +564,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     chain = load_chain(args.chain)
     problem_module(args.problem)  # unknown problems fail with the list of known ones
+    check_outputs(args)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods \
         else default_methods(args.problem)
-    if args.jobs < 1:
-        raise OptmemInputError(f"expected --jobs >= 1, got {args.jobs}", field="--jobs")
     extra = {k: v for k, v in vars(args).items() if k != "func"}
     factory = CliFactory(args.problem, chain, extra)
     options = options_from_args(args)

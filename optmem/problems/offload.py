@@ -103,7 +103,7 @@ class OffloadProblem:
         per_second, per_chain = link_bandwidths(self.chain, self.bandwidth,
                                                 self.chain_bandwidth)
         object.__setattr__(self, "bandwidth", per_second)
-        object.__setattr__(self, "chain_bandwidth", per_chain)
+        object.__setattr__(self, "chain_bandwidth", self.chain.check_rate(per_chain))
 
     def discretize(self, slots: int = DEFAULT_SLOTS) -> Discretized:
         """Return the discretised instance (CONTRACT section 2)."""

@@ -71,6 +71,8 @@ from optmem.problems.offload import link_bandwidths
 
 MEMORY_MODELS = ("stash", "strict")
 DEFAULT_WEIGHT_COPIES = 3
+MAX_GPUS = 4096  # far beyond any pipeline depth; each extra GPU is a column of every model
+MAX_WEIGHT_COPIES = 64  # 3 (two versions and a gradient), 5 with Adam; 64 covers any optimiser
 
 
 @dataclass(frozen=True)
@@ -214,6 +216,17 @@ class PipelineProblem:
             raise OptmemInputError(
                 f"unknown memory model {self.memory_model!r} (expected one of "
                 f"{', '.join(MEMORY_MODELS)})", field="memory-model")
+        if self.chain.total_compute_time() == 0:  # every period would be 0: no valid pattern
+            raise OptmemInputError("every time of the chain is 0: a pipeline needs compute "
+                                   "times to have a period (profile the chain with times)",
+                                   field="chain")
+        if self.n_gpus > MAX_GPUS:  # per-GPU tables and models of 10^10 GPUs never end
+            raise OptmemInputError(f"expected at most {MAX_GPUS} GPUs, got {self.n_gpus}",
+                                   field="gpus")
+        if self.weight_copies > MAX_WEIGHT_COPIES:  # 10^30 copies overflow the models
+            raise OptmemInputError(f"expected at most {MAX_WEIGHT_COPIES} weight copies, got "
+                                   f"{self.weight_copies}", field="weight-copies")
+        self.chain.check_rate(self.chain_bandwidth)
 
     @property
     def memory_limit(self) -> int:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from optmem.errors import OptmemInputError, UnavailableError, check_keywords
+from optmem.fileio import write_atomic
 from optmem.result import OPTION_NAMES, Result, SolveOptions, Status
 
 MethodFn = Callable[[Any, SolveOptions], Result]
@@ -308,4 +309,5 @@ def export(problem: Any, method: str, path: str, *, options: SolveOptions | None
     opts = options or SolveOptions()
     if variant is not None:
         opts = opts.with_(variant=variant)
-    _EXPORTERS[key](problem, opts, path)
+    # every exporter writes a temporary file renamed over ``path``: nothing half-written
+    write_atomic(path, lambda tmp: _EXPORTERS[key](problem, opts, str(tmp)), field="output")

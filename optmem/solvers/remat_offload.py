@@ -427,7 +427,10 @@ def solve_autocapper(problem: RematOffloadProblem, options: SolveOptions) -> Res
     disc, beta = _disc(problem, options)
     ch = disc.chain
     high = max(disc.memory_limit, _store_all_peak(ch))
-    table = checkpoint_table(disc, high - ch.input_size)
+    # below the least memory of any forward nothing fits (and a limit far below the chain's
+    # sizes, such as 0 on a chain in bytes, would tabulate up to the store-all peak in bytes)
+    fits = disc.memory_limit >= _least_forward_memory(ch)
+    table = checkpoint_table(disc, high - ch.input_size) if fits else None
     if table is None or beta <= 0:
         return solve_remat_only(problem, options).with_(method="autocapper")
     count = int(options.extra.get("autocapper_values", AUTOCAPPER_VALUES))
@@ -454,6 +457,17 @@ def solve_autocapper(problem: RematOffloadProblem, options: SolveOptions) -> Res
                         {"hint": "no capper run fits", "capper_runs": len(tried)})
     return plan_result(problem, options, best[1], method="autocapper",
                        report={"choice": best[2], "capper_runs": len(tried)})
+
+
+def _least_forward_memory(chain: Chain) -> int:
+    """A lower bound on the memory of every plan.
+
+    Some forward of each stage ``i`` holds its input ``a^{i-1}`` (or the tape containing it)
+    and its output ``a^i`` (plus ``o_f^i``) on the GPU at once.
+    """
+    inputs = (chain.input_size, *chain.output_size[:-1])
+    return max(x + y + o for x, y, o in zip(inputs, chain.output_size, chain.fwd_overhead,
+                                            strict=True))
 
 
 def _store_all_peak(chain: Chain) -> int:

@@ -392,7 +392,8 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
 
 @register(PROBLEM, "ilp", exact=True, requires=("pulp",),
           description="exact model (checkpoint slots + link positions, O.7 memory), PuLP",
-          compare_as=(("ilp", 6),))
+          compare_as=(("ilp", 6),),
+          extra=("sweeps", "transfers_per_gap", "grid", "backlog_grid", "prefetch"))
 def solve_ilp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     """Optimal plan over the model's class (module docstring), HiGHS/CBC/Gurobi."""
     return _solve_model(problem, options, "ilp")
@@ -400,7 +401,8 @@ def solve_ilp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
 
 @register(PROBLEM, "cpsat", exact=True, requires=("ortools",),
           description="exact model (same formulation as ilp), CP-SAT",
-          compare_as=(("cpsat", 6),))
+          compare_as=(("cpsat", 6),),
+          extra=("sweeps", "transfers_per_gap", "grid", "backlog_grid", "prefetch"))
 def solve_cpsat(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     """Optimal plan over the model's class with OR-Tools CP-SAT."""
     return _solve_model(problem, options, "cpsat")
