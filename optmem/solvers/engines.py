@@ -173,6 +173,9 @@ def _solve_highs(problem: Any, time_limit_s: float | None, threads: int,
                 sol.col_value = [float(v.varValue or 0.0) for v in cols]
                 sol.value_valid = True
                 h.setSolution(sol)
+            # HiGHS keeps one global thread pool, sized by the first run of the process: a
+            # later run asking for another thread count fails (kNotset) unless it is reset
+            h.resetGlobalScheduler(True)
             h.run()
             info = h.getInfo()
             self.captured = {"status": h.getModelStatus(),
@@ -322,5 +325,7 @@ def solve_cpsat(
         values = [float(solver.value(v)) for v in variables]
         objective = float(solver.objective_value)
         bound = objective if status is Status.OPTIMAL else float(solver.best_objective_bound)
+    work = {"branches": int(solver.num_branches), "conflicts": int(solver.num_conflicts),
+            "deterministic_time": float(solver.deterministic_time)}  # deterministic counts
     return EngineResult(status, values, objective, bound, "cpsat", elapsed,
-                        solver.status_name(code))
+                        solver.status_name(code), info=work)
