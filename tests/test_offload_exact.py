@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+from fractions import Fraction
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -65,15 +66,17 @@ def engine_runs(problem: OffloadProblem, warm_start: bool):
     om = build_offload_model(inst.data)
     pm = to_pulp(om.model)
     highs = engines.solve_pulp(pm.problem, pm.all_variables, "highs", threads=1)
-    cp_model = build_offload_model(inst.data if inst.exact else inst.data.on_grid(inst.scale))
-    cm = to_cpsat(cp_model.model, inst.scale)
+    cp_model = build_offload_model(inst.steps)  # integer steps of 1 / inst.scale
+    cm = to_cpsat(cp_model.model, 1)
     cp = engines.solve_cpsat(cm.cp, cm.variables, threads=1)
     return inst, (om, highs), (cp_model, cm, cp)
 
 
-def replay(problem: OffloadProblem, om, values) -> float:
+def replay(problem: OffloadProblem, om, values, scale: int = 1) -> float:
+    """The simulated makespan of a model solution (times divided by ``scale``)."""
     disc = problem.discretize()
-    plan = glue.schedule_plan(disc.chain.length, om.decode(values), 1e-6)
+    schedule = om.decode(values).map(lambda t: t / scale)
+    plan = glue.schedule_plan(disc.chain.length, schedule, 1e-6 if scale == 1 else 0.0)
     sim = simulate_offload(disc.chain, plan, problem.unit_bandwidth(disc.unit),
                            disc.memory_limit)
     assert sim.peak_memory <= disc.memory_limit
@@ -93,25 +96,29 @@ def test_emitters_agree(problem, warm_start):
     values = highs.values[:len(om.model.vars)]
     assert not om.model.violated(values, tol=1e-5)
     cp_values = cm.values(cp.values)
-    assert not cp_om.model.violated(cp_values, tol=1e-9)
-    cp_objective = cm.objective(cp.objective)
+    assert cm.exact and not cp_om.model.violated(cp_values, tol=1e-9)
+    cp_objective = cm.objective(cp.objective) / inst.scale
     tol = 1e-6 * max(1.0, highs.objective)
     assert replay(problem, om, values) <= highs.objective + tol
+    cp_replayed = replay(problem, cp_om, cp_values, inst.scale)
     if inst.exact:
-        assert cm.exact
         assert cp_objective == pytest.approx(highs.objective, rel=1e-6, abs=1e-6)
-        assert replay(problem, cp_om, cp_values) == pytest.approx(cp_objective, abs=1e-9)
+        assert cp_replayed == pytest.approx(cp_objective, rel=1e-12, abs=1e-12)
     else:  # the rounded CP-SAT model is a relaxation: its optimum is a bound
         assert cp_objective <= highs.objective + tol
-        assert replay(problem, cp_om, cp_values) >= highs.objective - tol
+        assert cp_replayed >= highs.objective - tol
 
 
 def test_rounded_grid_is_stated():
     data = OffloadData((1 / 3, 0.0, 1 / 3), (1, 1, 1), (1, 1, 1), (1,), (2 / 3,), 1, 5.0)
     assert exact_scale([]) == 1
-    cm = to_cpsat(build_offload_model(data.on_grid(1000)).model, 1000)
-    assert cm.exact  # the rounded data are on the grid: no further rounding
+    steps = data.in_steps(1000)
+    assert steps.durations == (333, 0, 333) and steps.durations_hi == (334, 0, 334)
+    assert steps.transfer == (666,) and steps.upper == 5000
+    assert to_cpsat(build_offload_model(steps).model, 1).exact  # integers: no rounding
     assert not to_cpsat(build_offload_model(data).model, 1000).exact
+    with pytest.raises(ValueError, match="not multiples"):
+        data.in_steps(1000, [Fraction(1, 3)] * 4)
 
 
 # ------------------------------------------------------------------ methods
@@ -211,15 +218,18 @@ def test_warm_start_is_a_solution_of_the_cpsat_emission_on_a_bundled_profile():
     inst = glue.exact_instance(problem, SolveOptions())
     assert inst.exact and inst.start is not None
     om = build_offload_model(inst.data)
-    values = om.assignment(inst.start.schedule)
-    assert not om.model.violated(values, tol=1e-9)
-    cm = to_cpsat(om.model, inst.scale)
+    assert not om.model.violated(om.assignment(inst.start.schedule), tol=1e-9)
+    steps = build_offload_model(inst.steps)
+    values = steps.assignment(inst.start.schedule.map(lambda t: round(t * inst.scale)), 0.5)
+    assert not steps.model.violated(values, tol=0.0)
+    cm = to_cpsat(steps.model, 1)
     assert cm.exact
     for var, value in zip(cm.variables, cm.hint(values), strict=True):
         cm.cp.add(var == value)
     fixed = engines.solve_cpsat(cm.cp, cm.variables, threads=1)
     assert fixed.status is Status.OPTIMAL
-    assert cm.objective(fixed.objective) == pytest.approx(inst.start.makespan, rel=1e-9)
+    assert cm.objective(fixed.objective) / inst.scale == pytest.approx(inst.start.makespan,
+                                                                     rel=1e-12)
 
 
 @SMALL
@@ -228,8 +238,8 @@ def test_cuts_and_symmetry_keep_the_optimum(problem):
     inst = glue.exact_instance(problem, SolveOptions(warm_start=False))
     found = set()
     for cuts, symmetry in ((True, True), (False, False), (True, False)):
-        om = build_offload_model(inst.data, cuts=cuts, symmetry=symmetry)
-        cm = to_cpsat(om.model, inst.scale)
+        om = build_offload_model(inst.steps, cuts=cuts, symmetry=symmetry)
+        cm = to_cpsat(om.model, 1)
         out = engines.solve_cpsat(cm.cp, cm.variables, threads=1)
         assert out.status in (Status.OPTIMAL, Status.INFEASIBLE)
         found.add((out.status, round(cm.objective(out.objective), 9)

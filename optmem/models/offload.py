@@ -71,19 +71,20 @@ Symmetry breaking and reductions (dominance; brute force agrees, see the tests)
 Times
 -----
 The MILP uses the durations as given. CP-SAT needs integers: the glue picks a grid of
-``1 / scale`` time units. When every duration is a multiple of ``1 / scale`` (exact rational
-data: :func:`exact_scale`) the emission is exact and CP-SAT's optimum is the optimum in the
-original units. Otherwise :meth:`OffloadData.on_grid` rounds the data for a *relaxation*:
-every duration down, except the upper bound of "the prefetch starts inside op ``j``" (up),
-and ``LB`` down; flooring every time of a true schedule then gives a schedule of the rounded
-model, so CP-SAT's bound is a valid bound in the original units (its plans are replayed with
-the true durations by the simulator).
+``1 / scale`` time units and builds the model on :meth:`OffloadData.in_steps` (integer
+steps, emitted with ``to_cpsat(model, 1)``). When every duration is a multiple of
+``1 / scale`` (exact rational data: :func:`exact_scale`) the steps are exact and CP-SAT's
+optimum is the optimum in the original units. Otherwise the steps are rounded for a
+*relaxation*: every duration down, except the upper end of "the prefetch starts inside op
+``j``" (up), and ``LB`` down; flooring every time of a true schedule then gives a schedule
+of the rounded model, so CP-SAT's bound is a valid bound in the original units (its plans
+are replayed with the true durations by the simulator).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 
@@ -138,27 +139,44 @@ class OffloadData:
         """Index of ``B k+1``, the first op that needs value ``k`` back."""
         return 2 * self.length - k
 
-    def on_grid(self, scale: int) -> OffloadData:
-        """The data rounded to multiples of ``1 / scale`` for a relaxation (module docstring).
+    def in_steps(self, scale: int, exact: Sequence[Fraction] | None = None) -> OffloadData:
+        """The data in integer steps of ``1 / scale`` time units (for CP-SAT).
+
+        ``exact`` gives the durations then the transfer times as fractions that are
+        multiples of ``1 / scale``: the steps are then exact. Without it the data are rounded
+        for a *relaxation* (module docstring): durations, transfer times and ``LB`` down,
+        the upper end of "the prefetch starts inside op ``j``" and ``H`` up. Integer data
+        keep every sum of the model exact in floats (below ``2**53``).
 
         Examples
         --------
         >>> d = OffloadData((0.25, 1 / 3, 0.5), (1, 1, 1), (1, 1, 1), (1,), (2 / 3,), 1,
         ...                 upper=2.0, lower=1.0 / 3)
-        >>> g = d.on_grid(10)
+        >>> g = d.in_steps(10)
         >>> g.durations, g.durations_hi, g.transfer, g.lower, g.upper
-        ((0.2, 0.3, 0.5), (0.3, 0.4, 0.5), (0.6,), 0.3, 2.0)
+        ((2.0, 3.0, 5.0), (3.0, 4.0, 5.0), (6.0,), 3.0, 20.0)
+        >>> d.in_steps(12, [Fraction(1, 4), Fraction(1, 3), Fraction(1, 2), Fraction(2, 3)]
+        ...            ).durations
+        (3.0, 4.0, 6.0)
         """
-        def down(x: float) -> float:
-            return math.floor(x * scale + 1e-9) / scale if math.isfinite(x) else x
+        def steps(x: float, up: bool = False) -> float:
+            if not math.isfinite(x):
+                return x
+            return float(math.ceil(x * scale) if up else math.floor(x * scale))
 
-        def up(x: float) -> float:
-            return math.ceil(x * scale - 1e-9) / scale
-
-        return replace(self, durations=tuple(down(x) for x in self.durations),
-                       durations_hi=tuple(up(x) for x in self.durations_hi or self.durations),
-                       transfer=tuple(down(x) for x in self.transfer),
-                       lower=down(self.lower), upper=up(self.upper))
+        n = len(self.durations)
+        if exact is None:
+            durations = tuple(steps(x) for x in self.durations)
+            high = tuple(steps(x, up=True) for x in self.durations_hi or self.durations)
+            transfer = tuple(steps(x) for x in self.transfer)
+        else:
+            if any((f * scale).denominator != 1 for f in exact):
+                raise ValueError(f"the exact data are not multiples of 1/{scale}")
+            durations = high = tuple(float(f * scale) for f in exact[:n])
+            transfer = tuple(float(f * scale) if math.isfinite(x) else x
+                             for f, x in zip(exact[n:], self.transfer, strict=True))
+        return replace(self, durations=durations, durations_hi=high, transfer=transfer,
+                       lower=steps(self.lower), upper=steps(self.upper, up=True))
 
 
 def exact_scale(values: Iterable[Fraction], limit: int = MAX_SCALE) -> int | None:
@@ -184,6 +202,12 @@ class Schedule:
     starts: tuple[float, ...]
     offloads: Mapping[int, float]
     prefetches: Mapping[int, float]
+
+    def map(self, fn: Callable[[float], float]) -> Schedule:
+        """The schedule with every time ``t`` replaced by ``fn(t)`` (a change of units)."""
+        return Schedule(tuple(fn(t) for t in self.starts),
+                        {k: fn(t) for k, t in self.offloads.items()},
+                        {k: fn(t) for k, t in self.prefetches.items()})
 
 
 @dataclass

@@ -23,7 +23,7 @@ lower bound (Prop. 3 and OFF_frac).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -381,21 +381,27 @@ def _warm_start(problem: OffloadProblem, options: SolveOptions) -> _Start | None
 
 @dataclass(frozen=True)
 class _Exact:
-    """The model data of an instance and the CP-SAT time grid."""
+    """The model data of an instance: in time units (MILP) and in CP-SAT's integer steps."""
 
     data: OffloadData
+    steps: OffloadData
     scale: int
     exact: bool
     start: _Start | None
 
 
-def exact_instance(problem: OffloadProblem, options: SolveOptions) -> _Exact:
-    """Model data (from the discretised chain), warm start and CP-SAT time grid.
+ROUNDED_SCALE = 10**6
+"""Steps per time unit of the rounded (relaxation) CP-SAT data when no exact grid exists."""
 
-    The grid is exact (``1 / scale`` divides every duration, computed with the decimals of
-    the chain file and the bandwidth: ``t_k = z_k * unit / bandwidth``) when ``scale <=``
-    :data:`~optmem.models.offload.MAX_SCALE`; otherwise ``scale = 10**6`` and the CP-SAT
-    model is the relaxation of :meth:`~optmem.models.offload.OffloadData.on_grid`.
+
+def exact_instance(problem: OffloadProblem, options: SolveOptions) -> _Exact:
+    """Model data (from the discretised chain), warm start and CP-SAT's integer steps.
+
+    The steps are exact (``1 / scale`` divides every duration, read as the decimals of the
+    chain file, and every transfer time ``z_k * unit / bandwidth``) when ``scale <=``
+    :data:`~optmem.models.offload.MAX_SCALE` and the horizon stays below ``2**50`` steps;
+    otherwise ``scale = 10**6`` and the steps are the rounded relaxation of
+    :meth:`~optmem.models.offload.OffloadData.in_steps`.
     """
     disc, beta = _disc(problem, options)
     chain = disc.chain
@@ -413,13 +419,12 @@ def exact_instance(problem: OffloadProblem, options: SolveOptions) -> _Exact:
                        tuple(s.after for s in seq.timeline), tuple(sizes), transfer,
                        disc.memory_limit, upper=horizon, lower=max(0.0, lower))
     rate = _fraction(problem.unit_bandwidth(1))  # memory units per time unit, undiscretised
-    grid = [_fraction(d) for d in durations]
-    if beta > 0:
-        grid += [Fraction(z * disc.unit) / rate for z in sizes]
-    scale = exact_scale(grid)
-    if scale is None:
-        return _Exact(data, 10**6, False, start)
-    return _Exact(data, scale, True, start)
+    exact = [_fraction(d) for d in durations]
+    exact += [Fraction(z * disc.unit) / rate if beta > 0 else Fraction(0) for z in sizes]
+    scale = exact_scale(exact)
+    if scale is None or scale * horizon > 2**50:
+        return _Exact(data, data.in_steps(ROUNDED_SCALE), ROUNDED_SCALE, False, start)
+    return _Exact(data, data.in_steps(scale, exact), scale, True, start)
 
 
 def schedule_plan(length: int, schedule: Schedule, tol: float = 0.0) -> tuple[AnyOp, ...]:
@@ -456,10 +461,13 @@ class _Outcome:
 
 
 def _solve_cpsat_model(inst: _Exact, options: SolveOptions) -> _Outcome:
-    data = inst.data if inst.exact else inst.data.on_grid(inst.scale)
-    om = build_offload_model(data)
-    cm = to_cpsat(om.model, inst.scale)
-    hint = _hint(om, inst)
+    """CP-SAT on the integer steps (``to_cpsat(model, 1)``); results back in time units."""
+    om = build_offload_model(inst.steps)
+    cm = to_cpsat(om.model, 1)
+    # a true schedule in steps: exact times are integers; floored ones fit the relaxation
+    to_steps = (lambda t: round(t * inst.scale)) if inst.exact else (
+        lambda t: math.floor(t * inst.scale))
+    hint = _hint(om, inst, to_steps, tol=0.5)  # integer times: exact comparisons
     out = engines.solve_cpsat(cm.cp, cm.variables, time_limit_s=options.time_limit_s,
                               threads=options.threads, verbose=options.verbose,
                               hint=cm.hint(hint[0]) if hint[0] is not None else None)
@@ -468,17 +476,21 @@ def _solve_cpsat_model(inst: _Exact, options: SolveOptions) -> _Outcome:
               "time_rounding": "exact" if exact else
               f"relaxation: durations rounded down to 1/{inst.scale} (bound valid)",
               **hint[1], **_engine_report(out)}
-    schedule = om.decode(cm.values(out.values)) if out.values is not None else None
-    objective = cm.objective(out.objective) if out.values is not None else math.nan
-    bound = cm.objective(out.bound) if math.isfinite(out.bound) else math.nan
+    schedule = None
+    if out.values is not None:
+        schedule = om.decode(cm.values(out.values)).map(lambda t: t / inst.scale)
+    objective = cm.objective(out.objective) / inst.scale if out.values is not None \
+        else math.nan
+    bound = cm.objective(out.bound) / inst.scale if math.isfinite(out.bound) else math.nan
     status = out.status if exact or out.status is not Status.OPTIMAL else Status.FEASIBLE
     return _Outcome(status, schedule, objective, bound, report)
 
 
 def _solve_pulp_model(inst: _Exact, options: SolveOptions) -> _Outcome:
+    """A MILP engine on the data in time units (``to_pulp``)."""
     om = build_offload_model(inst.data)
     pm = to_pulp(om.model)
-    hint = _hint(om, inst)
+    hint = _hint(om, inst, float, tol=1e-9 * max(1.0, inst.data.upper))
     out = engines.solve_pulp(pm.problem, pm.all_variables, options.solver,
                              time_limit_s=options.time_limit_s, threads=options.threads,
                              verbose=options.verbose, initial=pm.initial(hint[0]))
@@ -487,15 +499,19 @@ def _solve_pulp_model(inst: _Exact, options: SolveOptions) -> _Outcome:
     return _Outcome(out.status, schedule, out.objective, out.bound, report)
 
 
-def _hint(om: OffloadModel, inst: _Exact) -> tuple[list[float] | None, dict[str, Any]]:
-    """The warm start as model values, if it satisfies the model (it should)."""
+def _hint(om: OffloadModel, inst: _Exact, unit: Callable[[float], float], tol: float
+          ) -> tuple[list[float] | None, dict[str, Any]]:
+    """The warm start (times mapped by ``unit``) as model values, if the model accepts it.
+
+    ``tol``: times that close compare as equal when the event positions are derived.
+    """
     if inst.start is None:
         return None, {"warm_start": None}
     info: dict[str, Any] = {"warm_start": {"method": inst.start.method,
                                            "makespan": inst.start.makespan}}
-    values = om.assignment(inst.start.schedule)
-    bad = om.model.violated(values, tol=1e-6 * max(1.0, inst.data.upper))
-    if bad and inst.exact:
+    values = om.assignment(inst.start.schedule.map(unit), tol=tol)
+    bad = om.model.violated(values, tol=1e-6)
+    if bad:
         info["warm_start_rejected"] = bad[:3]
         return None, info
     return values, info
