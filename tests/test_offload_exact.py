@@ -321,3 +321,12 @@ def test_proven_optimum_reports_work_and_grid():
     assert result.report["time_scale"] == 2  # integer times, transfers z / 2: half units
     assert set(result.report["work"]) == {"branches", "conflicts", "deterministic_time"}
     assert result.report["model"]["intervals"] > 0
+
+
+def test_ilp_reports_its_node_count():
+    problem = _resnet_like()
+    result = solve(problem, "ilp")
+    check(problem, result)
+    assert result.status is Status.OPTIMAL
+    assert set(result.report["work"]) == {"nodes"} and result.report["work"]["nodes"] >= 0
+    assert result.objective == pytest.approx(solve(problem, "cpsat").objective, rel=1e-6)

@@ -50,6 +50,9 @@ class EngineResult:
         Wall-clock time of the engine call.
     message
         The backend's own status text.
+    info
+        Deterministic work counts: ``nodes`` (HiGHS); ``branches``, ``conflicts``,
+        ``deterministic_time`` (CP-SAT).
     """
 
     status: Status
@@ -129,7 +132,16 @@ def solve_pulp(
         objective = float(problem.objective.constant if value is None else value)
         if status is Status.OPTIMAL:
             bound = objective
-    return EngineResult(status, values, objective, bound, engine, elapsed, message)
+    info = _highs_work(problem) if engine == "highs" else {}
+    return EngineResult(status, values, objective, bound, engine, elapsed, message, info=info)
+
+
+def _highs_work(problem: Any) -> dict[str, Any]:
+    """HiGHS's deterministic work count: branch-and-bound ``nodes`` of the last run."""
+    model = getattr(problem, "solverModel", None)
+    if model is None:
+        return {}
+    return {"nodes": int(model.getInfo().mip_node_count)}
 
 
 _HIGHS_STATUS: dict[str, Status] = {
