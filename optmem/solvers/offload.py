@@ -23,14 +23,14 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from optmem.engines.adapters import EngineResult, cpsat_settings
+from optmem.engines.results import engine_failure
 from optmem.errors import OptmemInputError, PlanError
 from optmem.plan import AnyOp
 from optmem.problems.checkpoint import Discretized
 from optmem.problems.offload import OffloadProblem
 from optmem.result import Result, SolveOptions, Status
 from optmem.simulate.offload import simulate_offload
-from optmem.solvers.engine_results import engine_failure
-from optmem.solvers.engines import EngineResult, cpsat_settings
 from optmem.solvers.facade import register, register_exporter
 from optmem.solvers.hints import smallest_solvable_limit
 from optmem.solvers.offload_comm import (
@@ -379,8 +379,8 @@ def solve_brute(problem: OffloadProblem, options: SolveOptions) -> Result:
           description="exact MILP of OFF_int (PuLP: HiGHS/CBC/Gurobi; small chains)")
 def solve_ilp(problem: OffloadProblem, options: SolveOptions) -> Result:
     """Exact OFF_int optimum by the big-M MILP (``optimal`` when proven and replayed)."""
+    from optmem.engines import adapters as engines
     from optmem.models.offload_ilp import build_offload_ilp, decode_offload_ilp
-    from optmem.solvers import engines
 
     disc, beta = _disc(problem, options)
     if _too_small(disc):
