@@ -63,7 +63,7 @@ def time_scale(values: list[float]) -> tuple[int, bool]:
 def build_offload_cpsat(chain: Chain, memory: int, beta: float) -> TransferCPSAT:
     """OFF_int: the transfer model of the store-all sequence (``chain`` discretised)."""
     from optmem.models.remat_offload_cpsat import build_transfer_cpsat
-    from optmem.solvers.checkpoint_baselines import store_all_plan
+    from optmem.plan import store_all_plan
     from optmem.solvers.remat_offload_exact import all_windows
 
     ops = store_all_plan(chain.length)

@@ -31,9 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from optmem.chain import Chain
-from optmem.plan import AnyOp, Op, offload, prefetch
+from optmem.plan import AnyOp, Op, offload, prefetch, store_all_plan
 from optmem.simulate.checkpoint import simulate_checkpoint
-from optmem.solvers.checkpoint_baselines import store_all_plan
 from optmem.solvers.offload_schedule import value_op, value_sizes
 
 
