@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 PIP     = $(PY) -m pip
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint circles bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -19,12 +19,18 @@ setup: $(VENV)/.installed
 demo: setup
 	$(PY) -m optmem demo
 
-test: setup
-	$(PY) -m ruff check .
+# lint-imports: the layer contract of pyproject.toml [tool.importlinter] (docs/architecture.md).
+test: setup lint
 	$(PY) -m pytest -q --doctest-modules optmem tests
 
 lint: setup
 	$(PY) -m ruff check .
+	$(VENV)/bin/lint-imports
+	$(PY) -m mypy optmem
+
+# Import circles (package- and module-level, lazy imports included): a report, not a gate.
+circles: setup
+	$(PY) tools/import_graph.py --modules
 
 # The headline benchmark (persistent DP vs a C transcription of rotor); the others are
 # benchmarks/bench_*.py (see benchmarks/RESULTS.md, reassembled by collect_results.py).
@@ -33,4 +39,4 @@ bench: setup
 	$(PY) benchmarks/collect_results.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache .import_linter_cache build *.egg-info

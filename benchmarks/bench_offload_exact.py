@@ -31,9 +31,9 @@ import time
 from pathlib import Path
 
 from optmem.datasets import list_datasets, load_dataset
-from optmem.datasets.summary import dataset_summary
 from optmem.problems.offload import OffloadProblem
 from optmem.result import Result, SolveOptions, Status
+from optmem.solvers.dataset_summary import dataset_summary
 from optmem.solvers.facade import solve
 
 BANDWIDTH = "12GB/s"

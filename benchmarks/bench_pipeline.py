@@ -33,8 +33,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from optmem.chain import Chain  # noqa: E402
+from optmem.cli_problems import parse_pipeline_bandwidth  # noqa: E402
 from optmem.datasets import resolve_chain  # noqa: E402
-from optmem.problems.pipeline import PipelineProblem, parse_pipeline_bandwidth  # noqa: E402
+from optmem.problems.pipeline import PipelineProblem  # noqa: E402
 from optmem.result import SolveOptions  # noqa: E402
 from optmem.solvers.facade import solve  # noqa: E402
 

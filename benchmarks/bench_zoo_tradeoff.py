@@ -35,11 +35,11 @@ import time
 from pathlib import Path
 
 from optmem.datasets import load_dataset
-from optmem.datasets.summary import dataset_summary
 from optmem.problems.checkpoint import CheckpointProblem
 from optmem.result import SolveOptions, Status
 from optmem.simulate import simulate_checkpoint
 from optmem.solvers import checkpoint_baselines as base
+from optmem.solvers.dataset_summary import dataset_summary
 from optmem.solvers.facade import solve
 
 NETWORKS = ["resnet101-b8-1000", "densenet121-b8-1000"]

@@ -259,11 +259,31 @@ class Chain:
         return len(self.fwd_time)
 
     def store_all_peak(self) -> int:
-        """Peak memory of the store-all plan (every F_all, Loss, every B)."""
-        from optmem.simulate import simulate_checkpoint
-        from optmem.solvers.checkpoint_baselines import store_all_plan
+        """Peak memory of the store-all plan (every F_all, Loss, every B).
 
-        return simulate_checkpoint(self, store_all_plan(self.length)).peak_memory
+        Closed form of the checkpoint simulator's accounting (CONTRACT section 3) for
+        ``F_all 1..L, Loss, B L..1``, so that this value class imports no simulator:
+        ``F_all i`` peaks at ``a^0 + abar^1..abar^i + o_f^i``; ``Loss`` at
+        ``a^0 + abar^1..abar^L + delta^L + o_b^{L+1}``; ``B i`` at
+        ``a^0 + abar^1..abar^i + delta^i + delta^{i-1} + o_b^i`` (``delta^0`` has the size
+        of ``a^0``). ``tests/test_chain.py`` checks it against
+        :func:`optmem.simulate.simulate_checkpoint` on random chains.
+
+        Examples
+        --------
+        >>> Chain.from_rotor([1], [2, 0], [1, 1], [1, 2]).store_all_peak()
+        5
+        """
+        L = self.length
+        taped = [self.input_size]  # a^0 + abar^1..abar^i, i = 0..L
+        for s in self.saved_size:
+            taped.append(taped[-1] + s)
+        grad = [self.input_size, *self.output_size]  # size of delta^i, i = 0..L
+        peaks = [taped[i] + self.fwd_overhead[i - 1] for i in range(1, L + 1)]
+        peaks.append(taped[L] + grad[L] + self.loss_bwd_overhead)
+        peaks += [taped[i] + grad[i] + grad[i - 1] + self.bwd_overhead[i - 1]
+                  for i in range(1, L + 1)]
+        return int(max(peaks))
 
     def check_rate(self, bandwidth: float, *, field: str = "bandwidth") -> float:
         """Return ``bandwidth`` (memory units per time unit) if transfers stay in range.

@@ -15,10 +15,10 @@ import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from optmem.chain import Chain
+from optmem.cli_problems import HOOKS, ProblemHooks
 from optmem.errors import OptmemInputError, PlanError
 from optmem.fileio import read_json, write_text_atomic
 from optmem.result import Result, SolveOptions, Status
@@ -59,26 +59,25 @@ class _Parser(argparse.ArgumentParser):
 
 
 # ------------------------------------------------------------------ problems
-def problem_module(problem: str) -> ModuleType:
-    """The module defining ``problem`` (``remat-offload`` -> ``optmem.problems.remat_offload``)."""
-    name = "optmem.problems." + problem.replace("-", "_")
-    if not problem.replace("-", "").isalnum() or importlib.util.find_spec(name) is None:
+def problem_hooks(problem: str) -> ProblemHooks:
+    """The CLI hooks of ``problem`` (:data:`optmem.cli_problems.HOOKS`)."""
+    hooks = HOOKS.get(problem)
+    if hooks is None:
         from optmem.solvers.facade import problems
 
         raise OptmemInputError(
             f"unknown problem {problem!r} (expected one of {', '.join(problems())})",
             field="problem")
-    return importlib.import_module(name)
+    return hooks
 
 
-def _add_problem_options(parser: argparse.ArgumentParser) -> None:
+def add_problem_options(parser: argparse.ArgumentParser) -> None:
     """Options of every problem module, so ``--help`` lists them (each added once)."""
     from optmem.solvers.facade import problems
 
     seen: set[str] = set()
     for problem in problems():
-        module = problem_module(problem)
-        hook = getattr(module, "add_cli_options", None)
+        hook = problem_hooks(problem).add_options
         if hook is None:
             continue
         group = parser.add_argument_group(f"{problem} options")
@@ -105,13 +104,11 @@ def memory_from_args(problem: str, args: argparse.Namespace) -> int | None:
 def build_problem(problem: str, chain: Chain, memory_limit: int | None,
                   args: argparse.Namespace) -> Any:
     """Build the problem object from the parsed arguments."""
-    module = problem_module(problem)
+    hooks = problem_hooks(problem)
     if memory_limit is None and problem not in OPTIONAL_MEMORY:
         raise OptmemInputError(f"the {problem} problem needs --memory (e.g. --memory 4GiB)",
                                field="--memory")
-    if problem == "checkpoint":
-        return module.CheckpointProblem(chain, memory_limit)
-    return module.problem_from_cli(chain, memory_limit, args)
+    return hooks.from_cli(chain, memory_limit, args)
 
 
 def load_chain(spec: str) -> Chain:
@@ -248,7 +245,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
         report = verify_checkpoint_plan(problem, plan_data, options, source=args.plan)
     else:
         try:
-            report = problem_module(args.problem).verify_plan(problem, plan_data, options)
+            from optmem.simulate.verify import verify_plan
+
+            report = verify_plan(problem, plan_data, options)
         except PlanError as exc:  # whatever is wrong with the plan, name the plan file
             raise (exc if exc.source else exc.with_source(args.plan)) from None
     report = {"valid": True, **report}
@@ -350,7 +349,7 @@ def cmd_datasets(args: argparse.Namespace) -> int:
 
 
 def _dataset_row(name: str) -> dict[str, Any]:
-    from optmem.datasets.summary import dataset_summary
+    from optmem.solvers.dataset_summary import dataset_summary
 
     row = dict(dataset_summary(name))
     row["store_all_h"] = format_size(row["store_all"])
@@ -429,13 +428,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p)
     p.add_argument("--method", default="auto", help="dp (default), ilp, cpsat, brute, chen, ...")
     p.add_argument("--output", "-o", help="also write the JSON result to this file")
-    _add_problem_options(p)
+    add_problem_options(p)
     p.set_defaults(func=cmd_solve)
 
     p = sub.add_parser("compare", help="run several methods side by side")
     _add_common(p)
     p.add_argument("--methods", help="comma-separated methods, e.g. dp,dp:rotor,ilp,cpsat")
-    _add_problem_options(p)
+    add_problem_options(p)
     p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("verify", help="replay a plan file in the independent simulator")
@@ -445,7 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory", "-m", help="memory limit (optional for min-peak)")
     p.add_argument("--slots", type=int, default=500)
     p.add_argument("--json", action="store_true")
-    _add_problem_options(p)
+    add_problem_options(p)
     p.set_defaults(func=cmd_verify, variant=None, time_limit=None, solver="highs", threads=2,
                    verbose=False)
 
@@ -461,7 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "torch.distributed.pipelining)")
     p.add_argument("--microbatches", type=int, default=None,
                    help="micro-batches per step in the CSV (default: twice the stages)")
-    _add_problem_options(p)
+    add_problem_options(p)
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("datasets", help="bundled chains")

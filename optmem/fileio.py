@@ -135,4 +135,7 @@ def write_atomic(path: str | Path, write: Callable[[Path], None], *,
 
 def write_text_atomic(path: str | Path, text: str, *, field: str = "output") -> Path:
     """Write ``text`` (UTF-8) to ``path`` with :func:`write_atomic`."""
-    return write_atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"), field=field)
+    def write(tmp: Path) -> None:
+        tmp.write_text(text, encoding="utf-8")
+
+    return write_atomic(path, write, field=field)

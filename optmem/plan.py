@@ -100,6 +100,12 @@ def parse_plan(ops: Iterable[str | Op]) -> Plan:
     return tuple(op if isinstance(op, Op) else Op.parse(op, index=k) for k, op in enumerate(ops))
 
 
+def store_all_plan(length: int) -> tuple[Op, ...]:
+    """``F_all 1..L``, ``Loss``, ``B L..1`` (the store-all plan; no recomputation)."""
+    return (*(F_all(i) for i in range(1, length + 1)), LOSS,
+            *(B(i) for i in range(length, 0, -1)))
+
+
 def segments_plan(bounds: Sequence[tuple[int, int]]) -> tuple[Op, ...]:
     """Checkpoint-sequential plan for contiguous segments ``[(first, last), ...]``.
 

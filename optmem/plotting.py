@@ -9,12 +9,9 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from optmem.errors import OptmemInputError, UnavailableError
-
-if TYPE_CHECKING:
-    from optmem.sweep import SweepResult
 
 OP_COLORS = {"F_all": "#1f77b4", "F_ck": "#2ca02c", "F_none": "#98df8a", "Loss": "#7f7f7f",
              "B": "#d62728", "offload": "#9467bd", "prefetch": "#ff7f0e"}
@@ -95,8 +92,12 @@ def _x(point: Any, scale: float) -> float:
 
 
 @_literal_text
-def plot_sweep(result: SweepResult, path: str | Path, *, title: str | None = None) -> Path:
-    """Draw every method's Pareto front, its lower-envelope markers and reference lines."""
+def plot_sweep(result: Any, path: str | Path, *, title: str | None = None) -> Path:
+    """Draw every method's Pareto front, its lower-envelope markers and reference lines.
+
+    ``result`` is a :class:`optmem.sweep.SweepResult` (typed ``Any`` so that this module
+    does not import the sweep, which imports it: no circle).
+    """
     path = check_plot_path(path)
     plt = _pyplot()
     from matplotlib.lines import Line2D

@@ -78,7 +78,8 @@ def show_plan(
     from optmem import plotting
 
     ops = data["plan"]
-    unit = _file_int(data, "unit", default=1, least=1)
+    unit_value = _file_int(data, "unit", default=1, least=1)
+    unit = 1 if unit_value is None else unit_value
     file_limit = _file_int(data, "memory_limit", default=None, least=0)
     if memory_limit is None and file_limit is not None:
         memory_limit = file_limit * unit

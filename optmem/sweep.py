@@ -67,7 +67,7 @@ class CheckpointFactory:
 
 @dataclass(frozen=True)
 class CliFactory:
-    """``limit -> problem_from_cli(chain, limit, args)`` of a problem module (picklable)."""
+    """``limit -> from_cli(chain, limit, args)`` of a problem's CLI hooks (picklable)."""
 
     problem: str
     chain: Chain
@@ -75,13 +75,12 @@ class CliFactory:
 
     def __call__(self, memory_limit: int) -> Any:
         """The problem of the CLI arguments at ``memory_limit``."""
-        import importlib
+        from optmem.cli_problems import HOOKS
 
         if self.problem == "checkpoint":
             return CheckpointFactory(self.chain)(memory_limit)
-        module = importlib.import_module("optmem.problems." + self.problem.replace("-", "_"))
-        return module.problem_from_cli(self.chain, memory_limit,
-                                       argparse.Namespace(**self.args))
+        return HOOKS[self.problem].from_cli(self.chain, memory_limit,
+                                            argparse.Namespace(**self.args))
 
 
 # ------------------------------------------------------------------ results
@@ -514,7 +513,7 @@ def default_methods(problem: str) -> list[str]:
 
 def register_cli(subparsers: Any) -> None:
     """Add ``optmem sweep`` to the CLI."""
-    from optmem.cli import _add_problem_options, add_engine_limits, worker_count
+    from optmem.cli import add_engine_limits, add_problem_options, worker_count
 
     p = subparsers.add_parser(
         "sweep", help="solve across memory limits: Pareto fronts, CSV/JSON, the curve",
@@ -541,7 +540,7 @@ def register_cli(subparsers: Any) -> None:
                    help="threads per exact solve (1..256)")
     p.add_argument("--verbose", action="store_true", help="show engine logs")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
-    _add_problem_options(p)
+    add_problem_options(p)
     p.set_defaults(func=cmd_sweep)
 
 
@@ -560,10 +559,10 @@ def check_outputs(args: argparse.Namespace) -> None:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     """Handler of ``optmem sweep``."""
-    from optmem.cli import load_chain, options_from_args, problem_module
+    from optmem.cli import load_chain, options_from_args, problem_hooks
 
     chain = load_chain(args.chain)
-    problem_module(args.problem)  # unknown problems fail with the list of known ones
+    problem_hooks(args.problem)  # unknown problems fail with the list of known ones
     check_outputs(args)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods \
         else default_methods(args.problem)

@@ -224,3 +224,24 @@ def test_results_report_the_unit_and_rotor_keeps_exactly_s_slots() -> None:
                  options=options).memory_limit == 199
     assert solve(CheckpointProblem(small, limit), "dp:rotor",
                  options=options).memory_limit == 100
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_store_all_peak_closed_form_matches_the_simulator(seed: int) -> None:
+    """Chain.store_all_peak (closed form, no simulator import) equals the replayed peak."""
+    from optmem.simulate import simulate_checkpoint
+    from optmem.solvers.checkpoint_baselines import store_all_plan
+
+    chain = random_chain(1 + seed % 12, seed=seed, overheads=seed % 3 != 0)
+    simulated = simulate_checkpoint(chain, store_all_plan(chain.length)).peak_memory
+    assert chain.store_all_peak() == simulated
+
+
+@pytest.mark.parametrize("name", [d.name for d in list_datasets()])
+def test_store_all_peak_closed_form_on_bundled_chains(name: str) -> None:
+    from optmem.simulate import simulate_checkpoint
+    from optmem.solvers.checkpoint_baselines import store_all_plan
+
+    chain = load_dataset(name)
+    simulated = simulate_checkpoint(chain, store_all_plan(chain.length)).peak_memory
+    assert chain.store_all_peak() == simulated

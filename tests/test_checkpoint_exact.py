@@ -19,13 +19,13 @@ from hypothesis import strategies as st  # noqa: E402
 
 from optmem.chain import Chain  # noqa: E402
 from optmem.datasets.synthetic import counterexample_chain, random_chain  # noqa: E402
+from optmem.engines import adapters as engines  # noqa: E402
 from optmem.errors import OptmemInputError  # noqa: E402
 from optmem.models.checkpoint_cpsat import time_scale  # noqa: E402
 from optmem.models.checkpoint_ilp import build_formulation  # noqa: E402
 from optmem.problems.checkpoint import CheckpointProblem, discretize  # noqa: E402
 from optmem.result import Result, SolveOptions, Status  # noqa: E402
 from optmem.simulate import simulate_checkpoint  # noqa: E402
-from optmem.solvers import engines  # noqa: E402
 from optmem.solvers.checkpoint_bruteforce import brute_force_checkpoint  # noqa: E402
 from optmem.solvers.checkpoint_dp import solve_persistent_table  # noqa: E402
 from optmem.solvers.facade import (  # noqa: E402

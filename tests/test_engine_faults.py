@@ -23,6 +23,7 @@ pytest.importorskip("ortools", reason="CP-SAT engine (optmem[engines])")
 from optmem.chain import Chain  # noqa: E402
 from optmem.cli import main  # noqa: E402
 from optmem.datasets.synthetic import random_chain  # noqa: E402
+from optmem.engines import adapters as engines  # noqa: E402
 from optmem.problems import (  # noqa: E402
     CheckpointProblem,
     MinPeakProblem,
@@ -32,7 +33,6 @@ from optmem.problems import (  # noqa: E402
 )
 from optmem.result import Result, SolveOptions, Status  # noqa: E402
 from optmem.simulate import simulate_checkpoint  # noqa: E402
-from optmem.solvers import engines  # noqa: E402
 from optmem.solvers.facade import compare, solve  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # PuLP 4.0 notices

@@ -10,8 +10,8 @@ ortools = pytest.importorskip("ortools", reason="CP-SAT engine (optmem[engines])
 highspy = pytest.importorskip("highspy", reason="HiGHS engine (optmem[engines])")
 pulp = pytest.importorskip("pulp", reason="ILP modelling (optmem[engines])")
 
+from optmem.engines import adapters as engines  # noqa: E402
 from optmem.result import Status  # noqa: E402
-from optmem.solvers import engines  # noqa: E402
 
 
 def _knapsack() -> tuple[object, list[object]]:

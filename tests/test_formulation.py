@@ -18,9 +18,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from optmem.engines import adapters as engines
 from optmem.models.formulation import Expr, Kind, Model, time_scale, to_cpsat, to_pulp
 from optmem.result import Status
-from optmem.solvers import engines
 
 # FORM_EXAMPLES=1500 for a long run (passed: 1,500 models per property)
 SETTINGS = settings(max_examples=int(os.environ.get("FORM_EXAMPLES", 70)), deadline=None,

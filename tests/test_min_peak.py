@@ -13,16 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from optmem.chain import Chain
+from optmem.cli_problems import add_min_peak_options, min_peak_from_cli
 from optmem.datasets.synthetic import random_chain
 from optmem.errors import OptmemInputError, PlanError
-from optmem.problems.min_peak import (
-    MinPeakProblem,
-    add_cli_options,
-    checkpoint_plan,
-    checkpoints_of_plan,
-    problem_from_cli,
-    verify_plan,
-)
+from optmem.problems.min_peak import MinPeakProblem, checkpoint_plan, checkpoints_of_plan
 from optmem.result import SolveOptions, Status
 from optmem.simulate.checkpoint import simulate_checkpoint
 from optmem.simulate.min_peak import (
@@ -33,6 +27,7 @@ from optmem.simulate.min_peak import (
     static_cost,
     static_trace,
 )
+from optmem.simulate.verify import verify_plan
 from optmem.solvers.checkpoint_baselines import segments_plan
 from optmem.solvers.checkpoint_dp import min_memory_persistent
 from optmem.solvers.facade import solve
@@ -265,12 +260,12 @@ def test_memory_limit_is_an_upper_bound() -> None:
 def test_cli_hooks_and_verify() -> None:
     chain = chain_of([1, 1, 1, 3, 1])
     parser = argparse.ArgumentParser()
-    add_cli_options(parser)
+    add_min_peak_options(parser)
     args = parser.parse_args(["--model", "static", "--ignore-input"])
-    problem = problem_from_cli(chain, None, args)
+    problem = min_peak_from_cli(chain, None, args)
     assert (problem.model, problem.count_input, problem.memory_limit) == ("static", False, None)
-    assert problem_from_cli(chain, 0, args).memory_limit == 0  # 0 is a bound, not "none"
-    problem = problem_from_cli(chain, 9, parser.parse_args([]))
+    assert min_peak_from_cli(chain, 0, args).memory_limit == 0  # 0 is a bound, not "none"
+    problem = min_peak_from_cli(chain, 9, parser.parse_args([]))
     r = solve(problem, "dp")
     report = verify_plan(problem, list(r.plan))
     assert report["objective"] == report["peak_memory"] == 8
@@ -279,7 +274,7 @@ def test_cli_hooks_and_verify() -> None:
     with pytest.raises(PlanError):
         verify_plan(problem, ["F_all 1", "F_all 2", "F_all 3", "F_all 4", "Loss", "B 4"])
     with pytest.raises(PlanError):
-        verify_plan(problem_from_cli(chain, 7, parser.parse_args([])), [3])
+        verify_plan(min_peak_from_cli(chain, 7, parser.parse_args([])), [3])
 
 
 def test_cli_end_to_end(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

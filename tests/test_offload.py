@@ -9,13 +9,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from optmem.chain import Chain
+from optmem.cli_problems import offload_from_cli
 from optmem.datasets.synthetic import random_chain
 from optmem.errors import OptmemInputError, PlanError
 from optmem.plan import TransferOp, parse_mixed_plan
-from optmem.problems.offload import OffloadProblem, problem_from_cli, verify_plan
+from optmem.problems.offload import OffloadProblem
 from optmem.result import Status
 from optmem.simulate.checkpoint import simulate_checkpoint
 from optmem.simulate.offload import simulate_offload
+from optmem.simulate.verify import verify_plan
 from optmem.solvers.checkpoint_baselines import store_all_plan
 from optmem.solvers.facade import solve
 from optmem.solvers.offload_comm import (
@@ -160,10 +162,10 @@ def test_problem_validation_and_cli_bandwidth():
     class Args:
         bandwidth = "12GB/s"
 
-    assert problem_from_cli(chain, 12, Args()).chain_bandwidth == pytest.approx(1.2e7)
+    assert offload_from_cli(chain, 12, Args()).chain_bandwidth == pytest.approx(1.2e7)
     Args.bandwidth = None
     with pytest.raises(OptmemInputError, match="--bandwidth"):
-        problem_from_cli(chain, 12, Args())
+        offload_from_cli(chain, 12, Args())
 
 
 # ------------------------------------------------------------------ golden values

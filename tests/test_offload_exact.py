@@ -27,13 +27,13 @@ from test_offload import check  # the one replay check of the offload tests
 
 from optmem.chain import Chain
 from optmem.datasets.synthetic import random_chain
+from optmem.engines import adapters as engines
 from optmem.models.formulation import to_cpsat, to_pulp
 from optmem.models.offload import OffloadData, build_offload_model, exact_scale
 from optmem.plan import parse_mixed_plan
 from optmem.problems.offload import OffloadProblem
 from optmem.result import SolveOptions, Status
 from optmem.simulate.offload import simulate_offload
-from optmem.solvers import engines
 from optmem.solvers import offload as glue
 from optmem.solvers.facade import solve
 from optmem.solvers.offload_comm import Layers
@@ -208,7 +208,7 @@ def test_warm_start_is_a_solution_of_the_cpsat_emission_on_a_bundled_profile():
     made CP-SAT call ViT-B/16 at 20 % infeasible while the warm start fitted).
     """
     from optmem.datasets import load_dataset
-    from optmem.datasets.summary import dataset_summary
+    from optmem.solvers.dataset_summary import dataset_summary
 
     chain, summary = load_dataset("vit-b16-b64-224"), dataset_summary("vit-b16-b64-224")
     low, high = summary["min_feasible"], summary["store_all"]

@@ -14,9 +14,10 @@ from optmem.chain import Chain
 from optmem.datasets.synthetic import random_pipeline_chain
 from optmem.errors import OptmemInputError, PlanError
 from optmem.pipeline_plan import PipelinePlan, PipelineStage, PipelineTask
-from optmem.problems.pipeline import PipelineProblem, verify_plan
+from optmem.problems.pipeline import PipelineProblem
 from optmem.result import Status
 from optmem.simulate.pipeline import simulate_pipeline
+from optmem.simulate.verify import verify_plan
 from optmem.solvers import pipeline_contiguous as contig
 from optmem.solvers.facade import solve
 

@@ -12,8 +12,9 @@ from optmem.chain import Chain
 from optmem.errors import OptmemInputError
 from optmem.problems.checkpoint import CheckpointProblem
 from optmem.problems.offload import OffloadProblem
-from optmem.problems.remat_offload import RematOffloadProblem, verify_plan
+from optmem.problems.remat_offload import RematOffloadProblem
 from optmem.result import SolveOptions, Status
+from optmem.simulate.verify import verify_plan
 from optmem.solvers.facade import methods, solve
 from optmem.solvers.remat_offload_dp import PofoDP
 

@@ -11,15 +11,16 @@ from hypothesis import strategies as st
 
 from optmem.chain import Chain
 from optmem.datasets.synthetic import random_chain
+from optmem.engines import adapters as engines
+from optmem.engines.adapters import EngineResult
 from optmem.models.formulation import to_cpsat
 from optmem.models.remat_offload import build_remat_offload
 from optmem.problems.checkpoint import CheckpointProblem
 from optmem.problems.offload import OffloadProblem
-from optmem.problems.remat_offload import RematOffloadProblem, verify_plan
+from optmem.problems.remat_offload import RematOffloadProblem
 from optmem.result import SolveOptions, Status
 from optmem.simulate.offload import simulate_offload
-from optmem.solvers import engines
-from optmem.solvers.engines import EngineResult
+from optmem.simulate.verify import verify_plan
 from optmem.solvers.facade import solve
 
 pytest.importorskip("ortools", reason="the exact remat-offload model uses OR-Tools CP-SAT")

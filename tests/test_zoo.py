@@ -196,8 +196,8 @@ def test_meta_profile_drives_the_bridge_with_exact_gradients(name: str, size: in
     """A plan solved on the meta-device profile runs on the real model, same gradients."""
     import copy
 
-    from optmem.datasets.summary import compute_summary
     from optmem.pytorch import checkpoint
+    from optmem.solvers.dataset_summary import compute_summary
 
     torch.manual_seed(0)
     entry = ZOO[name]

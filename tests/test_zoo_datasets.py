@@ -8,13 +8,13 @@ import pytest
 
 from optmem.chain import Chain
 from optmem.datasets import dataset_path, list_datasets, load_dataset, resolve_chain
-from optmem.datasets.build import SETTINGS, dataset_name
-from optmem.datasets.summary import SUMMARY_KEYS, compute_summary, dataset_summary
 from optmem.datasets.synthetic import random_pipeline_chain
 from optmem.plan import parse_plan
 from optmem.problems.checkpoint import CheckpointProblem
+from optmem.pytorch.build_datasets import SETTINGS, dataset_name
 from optmem.result import SolveOptions, Status
 from optmem.simulate import simulate_checkpoint
+from optmem.solvers.dataset_summary import SUMMARY_KEYS, compute_summary, dataset_summary
 from optmem.solvers.facade import solve
 
 ZOO_FILES = [dataset_name(m, b, s) for m, b, s, _ in SETTINGS]
@@ -134,7 +134,7 @@ def test_optmem_solve_cli_on_a_bundled_zoo_chain(capsys: pytest.CaptureFixture) 
 
 def test_build_is_deterministic(tmp_path) -> None:
     pytest.importorskip("torch", reason="rebuilding profiles needs torch")
-    from optmem.datasets.build import main
+    from optmem.pytorch.build_datasets import main
 
     assert main(["unet-b4-512", "vgg16-b64-224", "--out", str(tmp_path)]) == 0
     for name in ("unet-b4-512", "vgg16-b64-224"):

@@ -350,7 +350,7 @@ def build_formulation(chain: Chain, memory_limit: int | None, variant: str = "fu
     size_scale
         Min-peak mode only: divide every size by this, so that the memory rows of a
         byte-sized chain have coefficients of at most about
-        :data:`optmem.solvers.engines.MAX_COEFFICIENT` (with raw byte coefficients, HiGHS
+        :data:`optmem.engines.adapters.MAX_COEFFICIENT` (with raw byte coefficients, HiGHS
         called an always-feasible model infeasible); the peak variable is then continuous
         and the true peak is the decoded plan's, replayed by the simulator.
     """

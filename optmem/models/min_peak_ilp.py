@@ -30,10 +30,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from optmem.engines.adapters import EngineResult, coefficient_scale, pulp_settings
 from optmem.errors import OptmemInputError
 from optmem.problems.min_peak import MinPeakProblem
 from optmem.result import SolveOptions, Status
-from optmem.solvers.engines import EngineResult, coefficient_scale, pulp_settings
 from optmem.solvers.min_peak_dp import segment_model
 
 
@@ -41,7 +41,7 @@ from optmem.solvers.min_peak_dp import segment_model
 class MinPeakModel:
     """A built PuLP model and its variables (``x[k]``, ``y[(h, i)]``, ``peak``).
 
-    Sizes are divided by ``scale`` (:func:`optmem.solvers.engines.coefficient_scale`):
+    Sizes are divided by ``scale`` (:func:`optmem.engines.adapters.coefficient_scale`):
     byte-sized big-M coefficients (~1e9) made HiGHS return wrong "optimal" sets.
     """
 
@@ -143,8 +143,8 @@ def initial_values(model: MinPeakModel, problem: MinPeakProblem,
 
 def solve_min_peak_ilp(model: MinPeakModel, options: SolveOptions,
                        initial: list[float] | None = None) -> IlpOutcome:
-    """Run the engine (:func:`optmem.solvers.engines.solve_pulp`); HiGHS, else CBC."""
-    from optmem.solvers.engines import is_available, solve_pulp
+    """Run the engine (:func:`optmem.engines.adapters.solve_pulp`); HiGHS, else CBC."""
+    from optmem.engines.adapters import is_available, solve_pulp
 
     engine = (options.solver or "highs").lower()
     if engine == "highs" and not is_available("highs"):

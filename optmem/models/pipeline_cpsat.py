@@ -295,12 +295,12 @@ def build_pipeline_cpsat(
 
 
 def solve_pipeline_cpsat(built: PipelineCpModel, **settings: Any) -> Any:
-    """Solve with the CP-SAT adapter of :mod:`optmem.solvers.engines`.
+    """Solve with the CP-SAT adapter of :mod:`optmem.engines.adapters`.
 
-    ``settings`` are :func:`~optmem.solvers.engines.solve_cpsat`'s (``time_limit_s``,
+    ``settings`` are :func:`~optmem.engines.adapters.solve_cpsat`'s (``time_limit_s``,
     ``deterministic_time``, ``threads``, ``seed``, ``verbose``).
     """
-    from optmem.solvers.engines import solve_cpsat
+    from optmem.engines.adapters import solve_cpsat
 
     handles = [built.period, *built.tau.values()]
     assign = [v for row in built.assign for v in row if not isinstance(v, int)]

@@ -296,14 +296,14 @@ def build_pipeline_ilp(
 
 
 def solve_pipeline_ilp(built: PipelineModel, *, engine: str = "highs", **settings: Any) -> Any:
-    """Solve with an engine adapter of :mod:`optmem.solvers.engines` (HiGHS, CBC, Gurobi).
+    """Solve with an engine adapter of :mod:`optmem.engines.adapters` (HiGHS, CBC, Gurobi).
 
-    ``settings`` are :func:`~optmem.solvers.engines.solve_pulp`'s (``time_limit_s``,
+    ``settings`` are :func:`~optmem.engines.adapters.solve_pulp`'s (``time_limit_s``,
     ``node_limit``, ``threads``, ``seed``, ``verbose``).
     """
     from dataclasses import replace
 
-    from optmem.solvers.engines import solve_pulp
+    from optmem.engines.adapters import solve_pulp
 
     # No warm start: the adapter's setInitialValue(None) rejects bounded variables, so the
     # variables are read back here instead of through the adapter.
@@ -326,7 +326,7 @@ def _polish(built: PipelineModel, values: list[float], engine: str, threads: int
     """
     import pulp
 
-    from optmem.solvers.engines import solve_pulp
+    from optmem.engines.adapters import solve_pulp
 
     saved = []
     for v in built.model.variables():

@@ -39,7 +39,7 @@ from optmem.simulate.checkpoint import simulate_checkpoint, value_size
 from optmem.solvers.remat_offload_schedule import Window
 
 if TYPE_CHECKING:
-    from optmem.solvers.engines import EngineResult
+    from optmem.engines.adapters import EngineResult
 MAX_SCALE = 10**6
 
 
@@ -180,13 +180,13 @@ def transfer_variables(built: TransferCPSAT) -> list[Any]:
 
 
 def solve_transfer_cpsat(built: TransferCPSAT, **settings: Any) -> EngineResult:
-    """Solve the model with the CP-SAT adapter (:func:`optmem.solvers.engines.solve_cpsat`).
+    """Solve the model with the CP-SAT adapter (:func:`optmem.engines.adapters.solve_cpsat`).
 
     ``settings`` are the adapter's (``time_limit_s``, ``threads``, ``deterministic_time``,
-    ``seed``, ``verbose``; :func:`~optmem.solvers.engines.cpsat_settings`). Values follow
+    ``seed``, ``verbose``; :func:`~optmem.engines.adapters.cpsat_settings`). Values follow
     :func:`transfer_variables`; ``objective`` and ``bound`` are in scaled integer time.
     """
-    from optmem.solvers.engines import solve_cpsat
+    from optmem.engines.adapters import solve_cpsat
 
     return solve_cpsat(built.model, transfer_variables(built), **settings)
 

@@ -44,15 +44,12 @@ Checkpoint sets are written with Hong's 0-based tensor indices: ``0`` is the inp
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError, PlanError
 from optmem.plan import Op, OpKind, parse_plan, segments_plan
-from optmem.result import SolveOptions
 from optmem.units import memory_size
 
 MODELS = ("pytorch", "static", "optmem")
@@ -173,64 +170,3 @@ def checkpoints_of_plan(plan: Iterable[Op | str], n: int) -> tuple[int, ...]:
         raise PlanError("not a single-pass checkpoint plan (F_ck/F_none forward, each segment "
                         "recomputed once); min-peak plans are checkpoint sets")
     return checkpoints
-
-
-# ------------------------------------------------------------------ CLI hooks
-def add_cli_options(parser: argparse.ArgumentParser) -> None:
-    """Options of ``optmem solve min-peak``: ``--model`` and ``--ignore-input``."""
-    parser.add_argument("--model", choices=MODELS, default="pytorch",
-                        help="memory model: pytorch (Hong eq. 12, default), static (eq. 6), "
-                             "optmem (optmem's checkpoint simulator)")
-    parser.add_argument("--ignore-input", action="store_true",
-                        help="do not count the input d_0 (Hong's plain-AlexNet convention)")
-
-
-def problem_from_cli(chain: Chain, memory_limit: int | None, args: Any) -> MinPeakProblem:
-    """Build the problem from CLI arguments; ``--memory`` is an optional upper bound.
-
-    ``None`` (no ``--memory``) means no bound; ``0`` is a bound of 0 bytes.
-    """
-    return MinPeakProblem(
-        chain, model=getattr(args, "model", None) or "pytorch",
-        count_input=not getattr(args, "ignore_input", False),
-        memory_limit=memory_limit,
-    )
-
-
-def verify_plan(problem: MinPeakProblem, plan_data: Any,
-                options: SolveOptions | None = None) -> dict[str, Any]:
-    """Check a min-peak plan and return its peak under the problem's model.
-
-    ``plan_data`` is a list of op strings (the ``plan`` of ``optmem solve min-peak``), a
-    list of checkpoint indices, or an object with a ``plan`` or ``checkpoints`` list.
-
-    Raises
-    ------
-    PlanError
-        If the plan is not a checkpoint plan, or its peak exceeds the memory limit.
-    """
-    from optmem.simulate.checkpoint import simulate_checkpoint
-    from optmem.simulate.min_peak import model_peak
-
-    del options
-    data = plan_data
-    if isinstance(data, dict):
-        data = data.get("checkpoints", data.get("plan"))
-    if not isinstance(data, list | tuple):
-        raise PlanError("expected a list of ops, a list of checkpoints, or an object with "
-                        "'plan' or 'checkpoints'")
-    n = problem.n
-    if all(isinstance(x, int) and not isinstance(x, bool) for x in data):
-        checkpoints = normalize_checkpoints(data, n)
-    else:
-        checkpoints = checkpoints_of_plan(data, n)
-    peak = model_peak(problem, checkpoints)
-    sim = simulate_checkpoint(problem.chain, checkpoint_plan(checkpoints))
-    if problem.memory_limit is not None and peak > problem.memory_limit:
-        raise PlanError(f"peak {peak} under the {problem.model} model exceeds the limit "
-                        f"{problem.memory_limit}")
-    return {
-        "objective": peak, "peak_memory": peak, "memory_limit": problem.memory_limit,
-        "model": problem.model, "checkpoints": list(checkpoints),
-        "checkpoint_plan_makespan": sim.makespan, "checkpoint_plan_peak": sim.peak_memory,
-    }

@@ -13,13 +13,12 @@ is :func:`optmem.simulate.offload.simulate_offload`.
 
 from __future__ import annotations
 
-import argparse
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from optmem.chain import Chain
-from optmem.errors import OptmemInputError, PlanError
+from optmem.errors import OptmemInputError
 from optmem.problems.checkpoint import (
     DEFAULT_SLOTS,
     Discretized,
@@ -112,51 +111,3 @@ class OffloadProblem:
     def unit_bandwidth(self, unit: int) -> float:
         """Bandwidth in discretised units (of ``unit`` bytes) per chain time unit."""
         return self.chain_bandwidth / unit
-
-
-# ------------------------------------------------------------------ CLI hooks
-def add_cli_options(parser: argparse.ArgumentParser) -> None:
-    """Options of ``optmem solve offload``: ``--bandwidth``."""
-    parser.add_argument(
-        "--bandwidth", default=None,
-        help="offload link bandwidth: a rate such as 12GB/s or 500MiB/s, or a bare number "
-             "of bytes (memory units) per second, as in Python")
-
-
-def bandwidth_from_cli(args: Any, problem: str) -> str:
-    """The ``--bandwidth`` text of ``args`` (required; the problem class parses it)."""
-    text = getattr(args, "bandwidth", None)
-    if text is None:
-        raise OptmemInputError(f"the {problem} problem needs --bandwidth (e.g. 12GB/s)",
-                               field="--bandwidth")
-    return str(text)
-
-
-def problem_from_cli(chain: Chain, memory_limit: int, args: Any) -> OffloadProblem:
-    """Build the problem from CLI arguments (``--bandwidth`` is required)."""
-    return OffloadProblem(chain, memory_limit, bandwidth_from_cli(args, "offload"))
-
-
-def verify_plan(problem: OffloadProblem, plan_data: Any, options: Any = None) -> dict[str, Any]:
-    """Replay an offload (or combined remat + offload) plan (ops or ``solve --json`` output).
-
-    Raises
-    ------
-    PlanError
-        With the index of the first invalid op and the reason.
-    """
-    from optmem.plan import parse_mixed_plan
-    from optmem.simulate.offload import simulate_offload
-
-    ops = plan_data.get("plan") if isinstance(plan_data, dict) else plan_data
-    if not isinstance(ops, list):
-        raise PlanError("expected a JSON list of ops or an object with a 'plan' list")
-    slots = getattr(options, "slots", DEFAULT_SLOTS)
-    disc = problem.discretize(slots)
-    sim = simulate_offload(disc.chain, parse_mixed_plan(ops), problem.unit_bandwidth(disc.unit),
-                           disc.memory_limit)
-    if sim.peak_memory > disc.memory_limit:
-        raise PlanError(f"the plan peaks at {sim.peak_memory}, above {disc.memory_limit}")
-    return {"objective": sim.makespan, "peak_memory": sim.peak_memory,
-            "memory_limit": disc.memory_limit, "unit": disc.unit, "ops": len(ops),
-            "idle_time": sim.idle_time, "offloaded": sim.offloaded_size}

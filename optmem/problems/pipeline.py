@@ -58,11 +58,9 @@ are exclusive (one transfer at a time) and independent of each other and of comp
 
 from __future__ import annotations
 
-import argparse
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
 
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError
@@ -265,66 +263,3 @@ class PipelineProblem:
         """
         return (self.static_memory(i, j, cut_before=i > 1, cut_after=j < self.layers.n)
                 + copies * self.layers.stash(i, j))
-
-
-# ------------------------------------------------------------------ CLI hooks
-def add_cli_options(parser: argparse.ArgumentParser) -> None:
-    """Add ``--gpus``, ``--bandwidth``, ``--weight-copies``, ``--memory-model``."""
-    group = parser.add_argument_group("pipeline")
-    group.add_argument("--gpus", type=int, default=None,
-                       help="number of GPUs P (pipeline; --memory is per GPU)")
-    group.add_argument("--bandwidth", default=None,
-                       help="link bandwidth: a rate such as 12GB/s, a bare number of bytes "
-                            "(memory units) per second, or inf (pipeline; default inf)")
-    group.add_argument("--weight-copies", type=int, default=DEFAULT_WEIGHT_COPIES,
-                       help="copies of each weight held per GPU: 3 = 2 versions + gradient "
-                            "(default), 5 with Adam states")
-    group.add_argument("--memory-model", choices=MEMORY_MODELS, default="stash",
-                       help="stash (thesis ch. 5/7, default) or strict (ch. 6 eq. 6.36)")
-
-
-def parse_pipeline_bandwidth(text: Any, time_unit: str) -> float:
-    """``--bandwidth`` in memory units per chain time unit (``inf``/``none``/absent: free)."""
-    from optmem.units import chain_rate
-
-    if text is None:
-        return math.inf
-    value = chain_rate(text, time_unit, allow_inf=True)
-    if value <= 0:
-        raise OptmemInputError(f"expected a positive bandwidth, got {text!r}", field="bandwidth")
-    return value
-
-
-def problem_from_cli(chain: Chain, memory_limit: int, args: Any) -> PipelineProblem:
-    """Build the problem from parsed CLI options (``--memory`` is per GPU)."""
-    gpus = getattr(args, "gpus", None)
-    if gpus is None:
-        raise OptmemInputError("the pipeline problem needs --gpus P", field="gpus")
-    return PipelineProblem(
-        chain, n_gpus=int(gpus), memory_per_gpu=memory_limit,
-        bandwidth=getattr(args, "bandwidth", None),
-        weight_copies=int(getattr(args, "weight_copies", DEFAULT_WEIGHT_COPIES)),
-        memory_model=str(getattr(args, "memory_model", "stash") or "stash"),
-    )
-
-
-def verify_plan(problem: PipelineProblem, plan_data: Any, options: Any = None) -> dict[str, Any]:
-    """Replay a pipeline plan (a result JSON, a plan JSON or a list of op strings).
-
-    Returns ``objective`` (the period), ``peak_memory`` (largest GPU peak), ``memory_limit``,
-    ``peaks`` (per GPU) and ``nca`` (per stage). Raises :class:`optmem.errors.PlanError`.
-    """
-    from optmem.errors import PlanError
-    from optmem.pipeline_plan import PipelinePlan
-    from optmem.simulate.pipeline import simulate_pipeline
-
-    del options
-    plan = PipelinePlan.from_any(plan_data)
-    sim = simulate_pipeline(problem, plan)
-    if sim.peak_memory > problem.memory_per_gpu:
-        worst = max(range(len(sim.peaks)), key=lambda g: sim.peaks[g])
-        raise PlanError(f"GPU {worst} peaks at {sim.peaks[worst]}, above the memory per GPU "
-                        f"{problem.memory_per_gpu}")
-    return {"objective": sim.period, "peak_memory": sim.peak_memory,
-            "memory_limit": problem.memory_per_gpu, "peaks": list(sim.peaks),
-            "nca": list(sim.nca)}

@@ -14,17 +14,10 @@ already replays combined plans (compute stream + link, assumptions O.1-O.7).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from optmem.chain import Chain
-from optmem.problems.offload import (
-    OffloadProblem,
-    add_cli_options,
-    bandwidth_from_cli,
-    verify_plan,
-)
+from optmem.problems.offload import OffloadProblem
 
-__all__ = ["RematOffloadProblem", "add_cli_options", "problem_from_cli", "verify_plan"]
+__all__ = ["RematOffloadProblem"]
 
 
 @dataclass(frozen=True)
@@ -33,7 +26,8 @@ class RematOffloadProblem(OffloadProblem):
 
     Same data and validation as :class:`~optmem.problems.offload.OffloadProblem`; plans may
     also recompute (any checkpoint op). ``bandwidth = 0`` makes it plain checkpointing. The
-    CLI options and ``verify_plan`` are the offload problem's.
+    CLI options (:mod:`optmem.cli_problems`) and the plan verifier
+    (:func:`optmem.simulate.verify.verify_offload_plan`) are the offload problem's.
 
     Examples
     --------
@@ -46,7 +40,3 @@ class RematOffloadProblem(OffloadProblem):
 
     name = "remat-offload"
 
-
-def problem_from_cli(chain: Chain, memory_limit: int, args: Any) -> RematOffloadProblem:
-    """Build the problem from CLI arguments (``--bandwidth`` is required)."""
-    return RematOffloadProblem(chain, memory_limit, bandwidth_from_cli(args, "remat-offload"))

@@ -98,7 +98,7 @@ def _layers(model: nn.Module | Sequence[nn.Module | Stage]) -> list[nn.Module]:
     """The chain layers of ``model`` (:func:`~optmem.pytorch.extract.extract_stages`)."""
     if isinstance(model, Sequence) and not isinstance(model, nn.Module) \
             and all(isinstance(s, Stage) for s in model):
-        return [s.module for s in model]  # type: ignore[union-attr]
+        return [s.module for s in model]  # type: ignore[union-attr, misc]
     return [s.module for s in extract_stages(model, allow_single=True)]
 
 

@@ -349,7 +349,7 @@ def _stage_memory(module: nn.Module, x: Any, in_size: int, tied: Sequence[nn.Par
     if outs:
         for p in tied:  # a later stage's backward accumulated into it already
             p.grad = torch.zeros_like(p)
-        known = s.persistent | {storage_key(p.grad) for p in tied}
+        known = s.persistent | {storage_key(p.grad) for p in tied}  # type: ignore[arg-type]
         counter = _flop_counter(s.count_flops)
         trace_b = StorageTrace(known)
         with trace_b, counter, oplog:
@@ -448,8 +448,8 @@ def _time_rounds(modules: Sequence[nn.Module], inputs: Sequence[Any], classes: S
 
             f_ms, out = timer(forward)
             outs, grads = _grad_targets(out)
-            b_ms = timer(lambda o=outs, g=grads: torch.autograd.backward(o, g))[0] \
-                if outs else 0.0
+            b_ms = (timer(lambda o=outs, g=grads: torch.autograd.backward(o, g))[0]  # type: ignore[misc]
+                    if outs else 0.0)
             del out, outs, grads
             _clear_grads(list(module.parameters()))
             _clear_grads(x)

@@ -488,7 +488,8 @@ def _make_variant(ext: Extraction | None, fine: list[Stage], x: Any, planner: Pl
     limit = profile.max_stages
 
     def merged(groups: list[tuple[int, int]] | None) -> list[Stage]:
-        return fine if groups is None else merge_stages(fine, limit, costs=None, groups=groups)
+        return fine if groups is None else merge_stages(fine, limit, costs=None,  # type: ignore[arg-type]
+                                                        groups=groups)
 
     def decide() -> tuple[list[tuple[int, int]] | None, Chain, Result]:
         groups = None

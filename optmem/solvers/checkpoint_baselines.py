@@ -19,13 +19,8 @@ from collections.abc import Iterator
 import numpy as np
 
 from optmem.plan import LOSS, B, F_all, F_ck, F_none, Op, segments_plan
+from optmem.plan import store_all_plan as store_all_plan  # the store-all baseline (core)
 from optmem.solvers.checkpoint_dp import require_table_bytes
-
-
-def store_all_plan(length: int) -> tuple[Op, ...]:
-    """``F_all 1..L``, ``Loss``, ``B L..1``."""
-    return (*(F_all(i) for i in range(1, length + 1)), LOSS,
-            *(B(i) for i in range(length, 0, -1)))
 
 
 def recompute_all_plan(length: int) -> tuple[Op, ...]:

@@ -13,7 +13,7 @@ Options read from :class:`optmem.result.SolveOptions`: ``variant`` (``full`` def
 ``deterministic_time`` (``cpsat``), ``seed``, ``threads``, ``warm_start``, ``verbose``,
 ``extra["sweeps"]`` (increasing forward runs per phase, default 1).
 
-An engine that fails (:mod:`optmem.solvers.engine_results`) gives ``feasible`` with the DP
+An engine that fails (:mod:`optmem.engines.results`) gives ``feasible`` with the DP
 plan when it was the warm start, ``error`` otherwise.
 """
 
@@ -23,6 +23,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from optmem.engines import adapters as engines
+from optmem.engines.results import engine_failure
 from optmem.errors import OptmemInputError
 from optmem.models.checkpoint_ilp import (
     VARIANTS,
@@ -35,7 +37,6 @@ from optmem.plan import Op
 from optmem.problems.checkpoint import CheckpointProblem, Discretized
 from optmem.result import Result, SolveOptions, Status
 from optmem.simulate import simulate_checkpoint
-from optmem.solvers import engines
 from optmem.solvers.checkpoint import (
     PROBLEM,
     discretize_for,
@@ -45,7 +46,6 @@ from optmem.solvers.checkpoint import (
     plan_result,
 )
 from optmem.solvers.checkpoint_dp import solve_persistent_table
-from optmem.solvers.engine_results import engine_failure
 from optmem.solvers.facade import register, register_exporter
 
 MIN_MEMORY_TIME_LIMIT_S = 30.0
@@ -100,7 +100,7 @@ def _min_memory(problem: CheckpointProblem, options: SolveOptions, variant: str,
     """Smallest limit at which the exact model finds a plan, as solved, if proven.
 
     The min-peak mode of the model on the undiscretised chain, with sizes scaled to
-    coefficients of at most :data:`~optmem.solvers.engines.MAX_COEFFICIENT`; its plan,
+    coefficients of at most :data:`~optmem.engines.adapters.MAX_COEFFICIENT`; its plan,
     replayed on the chain, gives the least peak, and
     :func:`~optmem.solvers.checkpoint.plan_min_memory` the least limit at which that plan
     fits after rounding. The search gets the method's time limit (at most

@@ -24,6 +24,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from optmem.engines.results import engine_failure
 from optmem.errors import OptmemInputError
 from optmem.plan import plan_strings
 from optmem.problems.min_peak import (
@@ -35,7 +36,6 @@ from optmem.result import Result, SolveOptions, Status
 from optmem.simulate.checkpoint import simulate_checkpoint
 from optmem.simulate.min_peak import model_peak, pytorch_checkpoint_memory
 from optmem.solvers import min_peak_dp as dp
-from optmem.solvers.engine_results import engine_failure
 from optmem.solvers.facade import register, register_exporter
 
 PROBLEM = "min-peak"

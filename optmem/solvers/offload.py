@@ -29,6 +29,8 @@ from fractions import Fraction
 from typing import Any
 
 from optmem.chain import Chain
+from optmem.engines import adapters as engines
+from optmem.engines.results import engine_failure
 from optmem.errors import OptmemInputError, PlanError
 from optmem.models.formulation import to_cpsat, to_pulp
 from optmem.models.offload import (
@@ -38,15 +40,20 @@ from optmem.models.offload import (
     build_offload_model,
     exact_scale,
 )
-from optmem.plan import AnyOp, TransferKind, TransferOp, offload, parse_mixed_plan, prefetch
+from optmem.plan import (
+    AnyOp,
+    TransferKind,
+    TransferOp,
+    offload,
+    parse_mixed_plan,
+    prefetch,
+    store_all_plan,
+)
 from optmem.problems.checkpoint import Discretized
 from optmem.problems.offload import OffloadProblem
 from optmem.result import Result, SolveOptions, Status
 from optmem.simulate.checkpoint import simulate_checkpoint
 from optmem.simulate.offload import OffloadSimulation, simulate_offload
-from optmem.solvers import engines
-from optmem.solvers.checkpoint_baselines import store_all_plan
-from optmem.solvers.engine_results import engine_failure
 from optmem.solvers.facade import register, register_exporter
 from optmem.solvers.hints import smallest_solvable_limit
 from optmem.solvers.offload_comm import (

@@ -17,9 +17,8 @@ from collections.abc import Iterator, Sequence
 
 from optmem.chain import Chain
 from optmem.errors import PlanError
-from optmem.plan import AnyOp, offload, prefetch
+from optmem.plan import AnyOp, offload, prefetch, store_all_plan
 from optmem.simulate.offload import simulate_offload
-from optmem.solvers.checkpoint_baselines import store_all_plan
 from optmem.solvers.offload_schedule import value_op, value_sizes
 
 

@@ -23,10 +23,9 @@ from collections.abc import Iterable
 
 from optmem.chain import Chain
 from optmem.errors import PlanError
-from optmem.plan import AnyOp, Op, OpKind, TransferOp, offload, prefetch
+from optmem.plan import AnyOp, Op, OpKind, TransferOp, offload, prefetch, store_all_plan
 from optmem.simulate.checkpoint import value_size
 from optmem.simulate.offload import OffloadSimulation, Replay
-from optmem.solvers.checkpoint_baselines import store_all_plan
 
 _EPS = 1e-9
 

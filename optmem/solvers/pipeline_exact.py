@@ -5,7 +5,7 @@ for the full problem (methods ``ilp``/``cpsat``), or the stages of a MadPipe all
 its phase 2. With the ``stash`` memory model the best contiguous 1F1B* period is a valid
 upper bound (contiguous 1F1B* patterns are solutions of the model), so it is given to the
 engine as a cutoff, and returned as a ``feasible`` fallback when the engine finds nothing
-better within its limits, or fails (:mod:`optmem.solvers.engine_results`). There is no hidden
+better within its limits, or fails (:mod:`optmem.engines.results`). There is no hidden
 limit: ``SolveOptions.time_limit_s``, ``node_limit`` (ILP) and ``deterministic_time``
 (CP-SAT) are passed as given (``None``: none).
 """
@@ -16,12 +16,12 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from optmem.engines.adapters import cpsat_settings, pulp_settings
+from optmem.engines.results import engine_failure
 from optmem.models.pipeline_common import Units, make_units
 from optmem.pipeline_plan import PipelinePlan
 from optmem.problems.pipeline import PipelineProblem
 from optmem.result import Result, SolveOptions, Status
-from optmem.solvers.engine_results import engine_failure
-from optmem.solvers.engines import cpsat_settings, pulp_settings
 
 
 def run_model(

@@ -471,8 +471,8 @@ def _least_forward_memory(chain: Chain) -> int:
 
 
 def _store_all_peak(chain: Chain) -> int:
+    from optmem.plan import store_all_plan
     from optmem.simulate.checkpoint import simulate_checkpoint
-    from optmem.solvers.checkpoint_baselines import store_all_plan
 
     return simulate_checkpoint(chain, store_all_plan(chain.length)).peak_memory
 

@@ -28,6 +28,9 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from optmem.chain import Chain
+from optmem.engines import adapters as engines
+from optmem.engines.adapters import EngineResult
+from optmem.engines.results import engine_failure
 from optmem.errors import OptmemInputError, PlanError
 from optmem.models.checkpoint_ilp import write_model
 from optmem.models.formulation import Kind, Model, time_scale, to_cpsat, to_pulp
@@ -37,9 +40,6 @@ from optmem.problems.remat_offload import RematOffloadProblem
 from optmem.result import Result, SolveOptions, Status
 from optmem.simulate.checkpoint import initial_state, is_final, transition
 from optmem.simulate.offload import reads, simulate_offload
-from optmem.solvers import engines
-from optmem.solvers.engine_results import engine_failure
-from optmem.solvers.engines import EngineResult
 from optmem.solvers.facade import register, register_exporter
 from optmem.solvers.offload_bruteforce import interleave_transfers
 from optmem.solvers.remat_offload import (

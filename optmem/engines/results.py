@@ -1,7 +1,7 @@
 """Where exact methods turn a failed engine call into a :class:`~optmem.result.Result`.
 
-The engine adapters (:mod:`optmem.solvers.engines`) never raise for an engine fault: they
-return an ``error`` :class:`~optmem.solvers.engines.EngineResult` with the engine's message.
+The engine adapters (:mod:`optmem.engines.adapters`) never raise for an engine fault: they
+return an ``error`` :class:`~optmem.engines.adapters.EngineResult` with the engine's message.
 Every exact method hands such an outcome to :func:`engine_failure`, which returns
 
 * ``status: feasible`` with the method's warm-start plan when the method had one (the
@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from optmem.engines.adapters import EngineResult
 from optmem.result import Result, Status
-from optmem.solvers.engines import EngineResult
 
 FALLBACK_NOTE = "the engine failed; returning the warm-start plan, replayed by the simulator"
 

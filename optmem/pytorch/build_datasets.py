@@ -1,7 +1,9 @@
 """Regenerate the bundled chain files of the model zoo (needs torch; deterministic).
 
-Run ``python -m optmem.datasets.build`` (all files) or ``python -m optmem.datasets.build
-resnet101-b8-1000`` (some). Every file is profiled on the meta device by
+Run ``python -m optmem.pytorch.build_datasets`` (all files) or
+``python -m optmem.pytorch.build_datasets resnet101-b8-1000`` (some). It lives in the torch
+bridge because it profiles with torch; :mod:`optmem.datasets` itself imports only the core.
+Every file is profiled on the meta device by
 :func:`optmem.pytorch.zoo.zoo_chain`: exact sizes from shapes, FLOPs from
 ``torch.utils.flop_counter``, times from the V100 roofline model of
 :mod:`optmem.pytorch.devices` (the papers' GPU). Times are rounded to nanoseconds so that
@@ -13,7 +15,8 @@ The settings are those of the papers' experiments (``shared/design/rotor.md`` se
 with power-of-two batches, ResNet-101 at 1000x1000 with batches 1-8 (rotor Fig. 3),
 ResNet-1001 at 224x224 with batches 1-8 (Fig. 4; the 4x wider variant, whose store-all
 estimate, 224 GiB at batch 8, matches the paper's 225 GiB; He et al.'s widths at batch 8),
-batch 16 at 500x500 (the pofo setting), plus VGG, U-Net, ViT-B/16 and GPT-2 at sequence length 1024.
+batch 16 at 500x500 (the pofo setting), plus VGG, U-Net, ViT-B/16 and GPT-2 at sequence
+length 1024.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-DATA_DIR = Path(__file__).parent / "data"
+from optmem.datasets import DATA_DIR
 
 # (zoo model, batch, resolution or sequence length, note)
 SETTINGS: list[tuple[str, int, int, str]] = [
@@ -77,8 +80,8 @@ def _round_times(data: dict[str, Any]) -> dict[str, Any]:
 def build_one(model: str, batch: int, size: int, note: str, device: str = "v100") -> dict:
     """Profile one setting and return its chain file as a dictionary (with ``summary``)."""
     from optmem.chain import Chain
-    from optmem.datasets.summary import compute_summary
     from optmem.pytorch.zoo import get_model, zoo_chain
+    from optmem.solvers.dataset_summary import compute_summary
 
     entry = get_model(model)
     kind = "tokens" if entry.input == "tokens" else "px"

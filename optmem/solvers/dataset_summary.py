@@ -4,7 +4,7 @@
 activation peak (:meth:`optmem.chain.Chain.store_all_peak`) and the smallest memory at which
 checkpointing is feasible (:func:`optmem.solvers.checkpoint_dp.min_memory_persistent`, exact,
 no discretisation). Zoo files carry these figures precomputed in a ``summary`` field
-(written by :mod:`optmem.datasets.build`; ``tests/test_zoo_datasets.py`` checks that they
+(written by :mod:`optmem.pytorch.build_datasets`; ``tests/test_zoo_datasets.py`` checks that they
 match a recomputation), so that listing every bundled file takes well under a second; files
 without it are summarised on the fly.
 """

@@ -1,0 +1,151 @@
+"""Command-line hooks of the problems: their options and how parsed options build a problem.
+
+The problem classes (:mod:`optmem.problems`) are values only; this module, above them, turns
+``argparse`` options into problem objects for ``optmem solve``, ``compare``, ``verify`` and
+``sweep``. :data:`HOOKS` maps each problem name to its ``add_options(parser)`` hook (or
+``None``) and its ``from_cli(chain, memory_limit, args)`` builder. Plan verification is
+:func:`optmem.simulate.verify.verify_plan`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from optmem.chain import Chain
+from optmem.errors import OptmemInputError
+from optmem.problems.checkpoint import CheckpointProblem
+from optmem.problems.min_peak import MODELS, MinPeakProblem
+from optmem.problems.offload import OffloadProblem
+from optmem.problems.pipeline import DEFAULT_WEIGHT_COPIES, MEMORY_MODELS, PipelineProblem
+from optmem.problems.remat_offload import RematOffloadProblem
+from optmem.units import chain_rate
+
+__all__ = [
+    "HOOKS",
+    "ProblemHooks",
+    "add_min_peak_options",
+    "add_offload_options",
+    "add_pipeline_options",
+    "bandwidth_from_cli",
+    "checkpoint_from_cli",
+    "min_peak_from_cli",
+    "offload_from_cli",
+    "parse_pipeline_bandwidth",
+    "pipeline_from_cli",
+    "remat_offload_from_cli",
+]
+
+
+# ------------------------------------------------------------------ min-peak
+def add_min_peak_options(parser: argparse.ArgumentParser) -> None:
+    """Options of ``optmem solve min-peak``: ``--model`` and ``--ignore-input``."""
+    parser.add_argument("--model", choices=MODELS, default="pytorch",
+                        help="memory model: pytorch (Hong eq. 12, default), static (eq. 6), "
+                             "optmem (optmem's checkpoint simulator)")
+    parser.add_argument("--ignore-input", action="store_true",
+                        help="do not count the input d_0 (Hong's plain-AlexNet convention)")
+
+
+def min_peak_from_cli(chain: Chain, memory_limit: int | None, args: Any) -> MinPeakProblem:
+    """Build the problem from CLI arguments; ``--memory`` is an optional upper bound.
+
+    ``None`` (no ``--memory``) means no bound; ``0`` is a bound of 0 bytes.
+    """
+    return MinPeakProblem(
+        chain, model=getattr(args, "model", None) or "pytorch",
+        count_input=not getattr(args, "ignore_input", False),
+        memory_limit=memory_limit,
+    )
+
+
+# ------------------------------------------------------------------ offload, remat-offload
+def add_offload_options(parser: argparse.ArgumentParser) -> None:
+    """Options of ``optmem solve offload`` and ``remat-offload``: ``--bandwidth``."""
+    parser.add_argument(
+        "--bandwidth", default=None,
+        help="offload link bandwidth: a rate such as 12GB/s or 500MiB/s, or a bare number "
+             "of bytes (memory units) per second, as in Python")
+
+
+def bandwidth_from_cli(args: Any, problem: str) -> str:
+    """The ``--bandwidth`` text of ``args`` (required; the problem class parses it)."""
+    text = getattr(args, "bandwidth", None)
+    if text is None:
+        raise OptmemInputError(f"the {problem} problem needs --bandwidth (e.g. 12GB/s)",
+                               field="--bandwidth")
+    return str(text)
+
+
+def offload_from_cli(chain: Chain, memory_limit: int, args: Any) -> OffloadProblem:
+    """Build the offload problem from CLI arguments (``--bandwidth`` is required)."""
+    return OffloadProblem(chain, memory_limit, bandwidth_from_cli(args, "offload"))
+
+
+def remat_offload_from_cli(chain: Chain, memory_limit: int, args: Any) -> RematOffloadProblem:
+    """Build the remat + offload problem from CLI arguments (``--bandwidth`` is required)."""
+    return RematOffloadProblem(chain, memory_limit, bandwidth_from_cli(args, "remat-offload"))
+
+
+# ------------------------------------------------------------------ pipeline
+def add_pipeline_options(parser: argparse.ArgumentParser) -> None:
+    """Add ``--gpus``, ``--bandwidth``, ``--weight-copies``, ``--memory-model``."""
+    group = parser.add_argument_group("pipeline")
+    group.add_argument("--gpus", type=int, default=None,
+                       help="number of GPUs P (pipeline; --memory is per GPU)")
+    group.add_argument("--bandwidth", default=None,
+                       help="link bandwidth: a rate such as 12GB/s, a bare number of bytes "
+                            "(memory units) per second, or inf (pipeline; default inf)")
+    group.add_argument("--weight-copies", type=int, default=DEFAULT_WEIGHT_COPIES,
+                       help="copies of each weight held per GPU: 3 = 2 versions + gradient "
+                            "(default), 5 with Adam states")
+    group.add_argument("--memory-model", choices=MEMORY_MODELS, default="stash",
+                       help="stash (thesis ch. 5/7, default) or strict (ch. 6 eq. 6.36)")
+
+
+def parse_pipeline_bandwidth(text: Any, time_unit: str) -> float:
+    """``--bandwidth`` in memory units per chain time unit (``inf``/``none``/absent: free)."""
+    if text is None:
+        return math.inf
+    value = chain_rate(text, time_unit, allow_inf=True)
+    if value <= 0:
+        raise OptmemInputError(f"expected a positive bandwidth, got {text!r}", field="bandwidth")
+    return value
+
+
+def pipeline_from_cli(chain: Chain, memory_limit: int, args: Any) -> PipelineProblem:
+    """Build the problem from parsed CLI options (``--memory`` is per GPU)."""
+    gpus = getattr(args, "gpus", None)
+    if gpus is None:
+        raise OptmemInputError("the pipeline problem needs --gpus P", field="gpus")
+    return PipelineProblem(
+        chain, n_gpus=int(gpus), memory_per_gpu=memory_limit,
+        bandwidth=getattr(args, "bandwidth", None),
+        weight_copies=int(getattr(args, "weight_copies", DEFAULT_WEIGHT_COPIES)),
+        memory_model=str(getattr(args, "memory_model", "stash") or "stash"),
+    )
+
+
+# ------------------------------------------------------------------ checkpoint
+def checkpoint_from_cli(chain: Chain, memory_limit: int, args: Any) -> CheckpointProblem:
+    """Build the checkpoint problem (no options beyond ``--memory``)."""
+    del args
+    return CheckpointProblem(chain, memory_limit)
+
+
+class ProblemHooks(NamedTuple):
+    """A problem's CLI hooks: options to add (or ``None``) and the problem builder."""
+
+    add_options: Callable[[argparse.ArgumentParser], None] | None
+    from_cli: Callable[[Chain, Any, Any], Any]
+
+
+HOOKS: dict[str, ProblemHooks] = {
+    "checkpoint": ProblemHooks(None, checkpoint_from_cli),
+    "min-peak": ProblemHooks(add_min_peak_options, min_peak_from_cli),
+    "offload": ProblemHooks(add_offload_options, offload_from_cli),
+    "remat-offload": ProblemHooks(add_offload_options, remat_offload_from_cli),
+    "pipeline": ProblemHooks(add_pipeline_options, pipeline_from_cli),
+}
