@@ -1,109 +1,93 @@
-"""Drivers of the exact pipeline models (ILP of ch. 6 and CP-SAT) behind the facade.
+"""Methods ``ilp`` and ``cpsat``: the exact pipeline model, one formulation, two engines.
 
-Both models are built on *units* (:mod:`optmem.models.pipeline_common`): the ``L`` layers
-for the full problem (methods ``ilp``/``cpsat``), or the stages of a MadPipe allocation for
-its phase 2. With the ``stash`` memory model the best contiguous 1F1B* period is a valid
-upper bound (contiguous 1F1B* patterns are solutions of the model), so it is given to the
-engine as a cutoff, and returned as a ``feasible`` fallback when the engine finds nothing
-better within its time limit.
+Both solve :mod:`optmem.models.pipeline` (all allocations and 1-periodic patterns, thesis
+ch. 6 corrected; its emitters write it for PuLP and CP-SAT). Before the engine runs, the
+best contiguous 1F1B* plan (stash memory model, thesis ch. 5) and the MadPipe plan
+(:mod:`optmem.solvers.pipeline_madpipe`) are computed and replayed; the better one is the
+engine's warm start and its period the cutoff on the model's period. The answer is the
+best replayed plan among the engine's and these, with the proven bound of
+:mod:`optmem.solvers.pipeline_common` (the load bound at least): ``optimal`` when they meet
+(:data:`~optmem.solvers.pipeline_common.OPTIMALITY_TOLERANCE`). A time limit returns that
+plan with its bound (``feasible``).
+
+Options: ``time_limit_s`` (``None``: no limit), ``threads``, ``solver`` (``ilp``'s engine),
+``warm_start`` (``False``: no incumbents, no cutoff), ``verbose``;
+``extra["warm_madpipe"]`` (default ``True``: also run MadPipe for the incumbent; its phase 2
+gets a tenth of the time limit, or its own default when there is none).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from typing import Any
 
-from optmem.models.pipeline_common import Units, make_units
 from optmem.pipeline_plan import PipelinePlan
 from optmem.problems.pipeline import PipelineProblem
 from optmem.result import Result, SolveOptions, Status
+from optmem.solvers import engines
+from optmem.solvers import pipeline_contiguous as contig
+from optmem.solvers.pipeline_common import (
+    fits,
+    infeasible,
+    lower_bound,
+    plan_result,
+    proven,
+    run_model,
+)
+from optmem.solvers.pipeline_madpipe import PHASE2_TIME_LIMIT_S, solve_madpipe
 
-DEFAULT_TIME_LIMIT_S = 60.0
+Candidate = tuple[float, PipelinePlan, str]
 
 
-def run_model(
-    problem: PipelineProblem, units: Units, method: str, options: SolveOptions, *,
-    gpu: Sequence[int] | None = None, upper_bound: float | None = None,
-) -> tuple[Any, PipelinePlan | None, dict[str, int]]:
-    """Build, solve and decode one model; returns ``(engine_result, plan, model_size)``."""
-    from optmem.solvers.pipeline import lower_bound
-
-    limit = options.time_limit_s if options.time_limit_s is not None else DEFAULT_TIME_LIMIT_S
-    lb = max(max(f + b for f, b in zip(units.f, units.b, strict=True)), 0.0)
-    if gpu is None:
-        lb = max(lb, lower_bound(problem))
-    strict = problem.memory_model == "strict"
-    if method == "ilp":
-        from optmem.models import pipeline_ilp as mod
-
-        built = mod.build_pipeline_ilp(units, problem.n_gpus, problem.memory_per_gpu,
-                                       strict=strict, gpu=gpu, upper_bound=upper_bound,
-                                       lower_bound=lb)
-        res = mod.solve_pipeline_ilp(built, engine=options.solver, time_limit_s=limit,
-                                     threads=options.threads, verbose=options.verbose)
-        plan = mod.decode_pipeline_ilp(built, res.values) if res.status.has_plan else None
-    else:
-        from optmem.models import pipeline_cpsat as cps
-
-        cp = cps.build_pipeline_cpsat(units, problem.n_gpus, problem.memory_per_gpu,
-                                      strict=strict, gpu=gpu, upper_bound=upper_bound,
-                                      lower_bound=lb)
-        res = cps.solve_pipeline_cpsat(cp, time_limit_s=limit, threads=options.threads,
-                                       verbose=options.verbose)
-        plan = cps.decode_pipeline_cpsat(cp, res.values) if res.status.has_plan else None
-        return res, plan, dict(cp.size)
-    return res, plan, dict(built.size)
+def incumbents(problem: PipelineProblem, options: SolveOptions) -> list[Candidate]:
+    """Replayed plans of the contiguous 1F1B* optimum and of MadPipe (best first)."""
+    found: list[Candidate] = []
+    if problem.memory_model == "stash":
+        best = contig.best_contiguous(problem)
+        sched = contig.best_period_for_allocation(problem, best[1]) if best else None
+        if sched is not None and fits(problem, sched[1]):
+            found.append((sched[0], sched[1], "contiguous 1F1B*"))
+    if options.extra.get("warm_madpipe", True):
+        limit = options.time_limit_s / 10 if options.time_limit_s is not None \
+            else options.extra.get("phase2_time_limit_s", PHASE2_TIME_LIMIT_S)
+        sub = options.with_(extra={**options.extra, "phase2_time_limit_s": limit})
+        res = solve_madpipe(problem, sub)
+        if res.status.has_plan:
+            plan = PipelinePlan.from_strings(res.plan)
+            found.append((res.objective, plan, "madpipe"))
+    return sorted(found, key=lambda c: c[0])
 
 
 def solve_exact(problem: PipelineProblem, options: SolveOptions, method: str) -> Result:
-    """Method ``ilp`` or ``cpsat``: all allocations and 1-periodic patterns of the model."""
-    from optmem.solvers import pipeline_contiguous as contig
-    from optmem.solvers.pipeline import infeasible, plan_result
-
-    incumbent: tuple[float, PipelinePlan] | None = None
-    if problem.memory_model == "stash" and options.warm_start:
-        found = contig.best_contiguous(problem)
-        if found is not None:
-            sched = contig.best_period_for_allocation(problem, found[1])
-            if sched is not None:
-                incumbent = sched
-    units = make_units(problem)
-    res, plan, size = run_model(problem, units, method, options,
-                                upper_bound=incumbent[0] if incumbent else None)
+    """Optimal allocation and 1-periodic pattern (``method``: ``ilp`` or ``cpsat``)."""
+    if method == "ilp":
+        engines.check_engine(options.solver)
     solver = options.solver if method == "ilp" else "cpsat"
-    report: dict[str, Any] = {"model_size": size, "engine_status": res.message,
-                              "engine_time_s": round(res.time_s, 3)}
-    bound = res.bound if math.isfinite(res.bound) else math.nan
-    if method == "cpsat" and plan is not None and getattr(res, "info", {}).get("scaled"):
-        report["time_scale"] = res.info["scale"]
-    rounded = bool(getattr(res, "info", {}).get("rounded", False))
-    if res.status is Status.INFEASIBLE and rounded:
-        # durations were rounded up to integers: infeasibility of the rounded model proves
-        # nothing about the true one
-        report["note"] = "times rounded up for CP-SAT: infeasibility not proven"
-        if incumbent is None:
-            return infeasible(problem, method, "the model with times rounded up has no "
-                              "solution", proven=False, report=report).with_(solver=solver)
-        return plan_result(problem, incumbent[1], method=method, status=Status.FEASIBLE,
-                           bound=math.nan, claimed=incumbent[0], solver=solver, report=report)
-    if res.status is Status.INFEASIBLE and incumbent is None:
-        return infeasible(problem, method, "no allocation and 1-periodic pattern fits "
-                          "(proven by the model)", report=report).with_(solver=solver)
-    if res.status is Status.INFEASIBLE and incumbent is not None:
-        # the cutoff at the incumbent's period made the model infeasible: the incumbent is
-        # optimal (up to the cutoff's 1e-9 slack)
-        return plan_result(problem, incumbent[1], method=method, status=Status.OPTIMAL,
-                           bound=incumbent[0], claimed=incumbent[0], solver=solver,
-                           report={**report, "note": "optimum is the contiguous 1F1B* plan"})
-    if plan is None:
-        if incumbent is not None:
-            return plan_result(problem, incumbent[1], method=method, status=Status.FEASIBLE,
-                               bound=bound, claimed=incumbent[0], solver=solver,
-                               report={**report, "note": "engine found nothing better than "
-                                       "the contiguous 1F1B* incumbent"})
+    starts = incumbents(problem, options) if options.warm_start else []
+    best = starts[0] if starts else None
+    run = run_model(problem, method, options, upper_bound=best[0] if best else None,
+                    warm=best[1] if best else None, time_limit_s=options.time_limit_s)
+    report: dict[str, Any] = {**run.report, "incumbents": {s: p for p, _, s in starts}}
+    candidates = list(starts)
+    if run.plan is not None:
+        if fits(problem, run.plan):
+            candidates.append((run.plan.period, run.plan, "engine"))
+        else:
+            report["engine_plan"] = "rejected by the simulator"
+    if run.bound == math.inf:  # the model has no solution below the cutoff, if any
+        if best is None:
+            return infeasible(problem, method, "no allocation and 1-periodic pattern fits "
+                              "(proven by the model)", report=report).with_(solver=solver)
+        bound = best[0] - 2 * run.step
+    else:
+        bound = run.bound
+    bound = max(bound, lower_bound(problem)) if not math.isnan(bound) else lower_bound(problem)
+    if not candidates:
         return infeasible(problem, method, f"engine stopped without a solution "
-                          f"({res.message})", proven=False, report=report).with_(solver=solver)
-    status = Status.FEASIBLE if rounded else res.status
-    return plan_result(problem, plan, method=method, status=status, bound=bound,
-                       claimed=None, solver=solver, report=report)
+                          f"({run.report.get('engine_status', '')})", proven=False,
+                          report=report).with_(solver=solver)
+    period, plan, source = min(candidates, key=lambda c: c[0])
+    report["source"] = source
+    status = Status.OPTIMAL if proven(period, bound) else Status.FEASIBLE
+    return plan_result(problem, plan, method=method, status=status, bound=min(bound, period),
+                       claimed=period, solver=solver, report=report)
