@@ -465,3 +465,57 @@ def test_madpipe_dp_equals_enumeration(problem, ratio, exact, extra_layers):
     for cap in (best, best * 1.01, math.inf):  # a cap only hides values at or above it
         capped, _, _ = madpipe_dp(problem, that, exact=exact, cap=cap)
         assert capped == (best if best < cap else math.inf)
+
+
+# ------------------------------------------------------------------ the lifetime relaxation
+def relaxation_feasible(problem: PipelineProblem, period: float,
+                        gpu: list[int] | None = None) -> bool:
+    """Whether the relaxation admits a plan of ``period`` (with the given allocation)."""
+    from optmem.models.formulation import rational_time_scale, to_cpsat
+    from optmem.models.pipeline import build_relaxation, make_units
+    from optmem.solvers import engines
+
+    units = make_units(problem)
+    scale, _ = rational_time_scale([*units.f, *units.b, *units.dt], resolution=1e-3)
+    form = build_relaxation(units, problem.n_gpus, problem.memory_per_gpu,
+                            math.ceil(period * scale - 1e-9), scale,
+                            strict=problem.memory_model == "strict", gpu=gpu)
+    cm = to_cpsat(form.model, 1)
+    res = engines.solve_cpsat(cm.cp, cm.variables, threads=1)
+    assert res.status in (Status.OPTIMAL, Status.INFEASIBLE)
+    return res.status is Status.OPTIMAL
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(problem=small_problems(), frac=st.floats(0, 1), strict=st.booleans())
+def test_relaxation_admits_every_valid_plan(problem, frac, strict):
+    """The relaxation is a relaxation: every 1F1B* plan that fits satisfies it, allocation too."""
+    from optmem.solvers import pipeline_contiguous as contig
+
+    if strict:
+        problem = replace(problem, memory_model="strict")
+    bounds = contig.equal_split(problem, min(problem.n_gpus, problem.layers.n))
+    f, b = contig.pseudo_loads(problem, bounds)
+    loads = [x + y for x, y in zip(f, b, strict=True)]
+    plan = contig.one_f_one_b_star(problem, bounds, max(loads) + frac * sum(loads))
+    if simulate_pipeline(problem, plan).peak_memory > problem.memory_per_gpu:
+        return
+    gpu = [st_.gpu for st_ in plan.stages for _ in range(st_.first, st_.last + 1)]
+    assert relaxation_feasible(problem, plan.period, gpu)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(problem=small_problems(), strict=st.booleans())
+def test_relaxation_bound_never_exceeds_the_optimum(problem, strict):
+    """At the proven optimum the relaxation is feasible; its bisection stays below it."""
+    from optmem.solvers.pipeline_exact import relaxation_bound
+
+    if strict:
+        problem = replace(problem, memory_model="strict")
+    r = solve(problem, "cpsat", options=OPTS)
+    if r.status is not Status.OPTIMAL:
+        return
+    assert relaxation_feasible(problem, r.objective)
+    bound, _ = relaxation_bound(problem, r.objective * 1.5, OPTS, None)
+    assert bound <= r.objective + 1e-9

@@ -63,6 +63,10 @@ Times are continuous; :meth:`PipelineFormulation.time_scale` gives the CP-SAT gr
 which need not lie on the data's grid, is within one step of its true value).
 :meth:`PipelineFormulation.encode` writes a plan (1F1B*, MadPipe) as a complete assignment
 (warm starts, and a check of the model against the simulator), :meth:`decode` reads a plan.
+
+:func:`build_relaxation` is a second, much smaller model: allocations only, with the copies
+of every stash bounded by lifetimes at a fixed period; its infeasibility at a period proves
+a lower bound (the exact methods search it by bisection before the full model runs).
 """
 
 from __future__ import annotations
@@ -513,12 +517,9 @@ def build_pipeline_model(
     """
     n = units.n
     if gpu is not None:
-        labels: dict[int, int] = {}
-        for g in gpu:
-            labels.setdefault(g, len(labels))
-        if len(labels) > n_gpus:
-            raise ValueError(f"the fixed allocation uses {len(labels)} GPUs > {n_gpus}")
-        gpu = tuple(labels[g] for g in gpu)
+        gpu = _first_use(gpu)
+        if max(gpu) >= n_gpus:
+            raise ValueError(f"the fixed allocation uses {max(gpu) + 1} GPUs > {n_gpus}")
     lower = max(lower_bound, load_bound(units, n_gpus))
     upper = units.big_m() if upper_bound is None else min(units.big_m(), upper_bound)
     upper = max(upper, lower)
@@ -527,9 +528,17 @@ def build_pipeline_model(
     model.minimize(period)
     form = PipelineFormulation(units, min(n_gpus, n), memory, strict, model, period, lower,
                                upper, _size_unit(units, memory),
-                               fixed_gpu=None if gpu is None else tuple(gpu))
+                               fixed_gpu=None if gpu is None else gpu)
     _Builder(form).build()
     return form
+
+
+def _first_use(gpu: Sequence[int]) -> tuple[int, ...]:
+    """GPU labels renumbered by first use (the symmetry breaking's numbering)."""
+    labels: dict[int, int] = {}
+    for g in gpu:
+        labels.setdefault(g, len(labels))
+    return tuple(labels[g] for g in gpu)
 
 
 def _size_unit(units: Units, memory: int) -> int:
@@ -549,12 +558,15 @@ class _Builder:
 
     def build(self) -> None:
         self.allocation()
+        self.gpu_loads()
         self.gpu_tasks()
         self.transfers()
         if self.u.comm:
+            self.link_vars()
             self.links()
         self.shifts()
         if self.memory_binds():
+            self.buffer_vars()
             self.memory()
             self.copy_cuts()
         self.fixings()
@@ -581,9 +593,13 @@ class _Builder:
                 m.add(z >= xq + xr - 1, f"zlo_{q}_{r}_{p}")
                 m.add(z <= 1 - xq + xr, f"zhi_{q}_{r}_{p}")
                 m.add(z <= 1 - xr + xq, f"zhj_{q}_{r}_{p}")
-        for p in range(gpus):  # load of every GPU (cut)
-            m.add(Expr.sum(u.load(q) * self.xv(q, p) for q in range(n)) <= self.T,
-                  f"load_{p}")
+
+    def gpu_loads(self) -> None:
+        """``T >=`` the load of every GPU (a cut)."""
+        u = self.u
+        for p in range(self.form.n_gpus):
+            m = Expr.sum(u.load(q) * self.xv(q, p) for q in range(u.n))
+            self.m.add(m <= self.T, f"load_{p}")
 
     def xv(self, q: int, p: int) -> Expr:
         """``x[q, p]`` (0 where symmetry breaking removed it)."""
@@ -646,17 +662,11 @@ class _Builder:
                 else:
                     m.add(tau == ready, f"tie_{kind}{c}", only_if=m.literal(form.same(c, c + 1)))
 
-    def links(self) -> None:
-        """Links, when some transfer takes time.
-
-        A transfer without time (``dt = 0``) still happens at one instant on its link, which
-        must not fall inside another transfer there (the simulator's semantics); two such
-        instants never conflict.
-        """
-        form, m, u, T = self.form, self.m, self.u, self.T
-        timed = list(range(u.n - 1))
+    def link_vars(self) -> None:
+        """``e[c, p, p']``: the cut after unit ``c`` joins GPUs ``p < p'`` (exact)."""
+        form, m = self.form, self.m
         pairs = list(itertools.combinations(range(form.n_gpus), 2))
-        for c in timed:
+        for c in range(self.u.n - 1):
             for p, pp in pairs:
                 a = [(self.xv(c, p), self.xv(c + 1, pp)), (self.xv(c, pp), self.xv(c + 1, p))]
                 if all(not x0.terms or not x1.terms for x0, x1 in a):
@@ -667,6 +677,17 @@ class _Builder:
                 m.add(e <= self.xv(c, p) + self.xv(c, pp), f"ehi0_{c}_{p}_{pp}")
                 m.add(e <= self.xv(c + 1, p) + self.xv(c + 1, pp), f"ehi1_{c}_{p}_{pp}")
                 m.add(e <= 1 - form.same(c, c + 1), f"ehi2_{c}_{p}_{pp}")
+
+    def links(self) -> None:
+        """Links, when some transfer takes time.
+
+        A transfer without time (``dt = 0``) still happens at one instant on its link, which
+        must not fall inside another transfer there (the simulator's semantics); two such
+        instants never conflict.
+        """
+        form, m, u, T = self.form, self.m, self.u, self.T
+        timed = list(range(u.n - 1))
+        pairs = list(itertools.combinations(range(form.n_gpus), 2))
         for p, pp in pairs:
             on = [c for c in timed if (c, p, pp) in form.e]
             if not on:
@@ -748,11 +769,6 @@ class _Builder:
                 if r != q and u.x[q]:
                     s = form.sig[(r, q)] = m.integer(f"sig_{r}_{q}", 0, 2 * len(form.edges))
                     m.add(s >= sigma, f"sig_{r}_{q}", only_if=m.literal(form.same(q, r)))
-            for c in range(n - 1):
-                if u.buf[c]:
-                    b = form.bufv[(q, c)] = m.binary(f"buf_{q}_{c}")
-                    m.add(b >= form.same(q, c) - form.same(q, c + 1), f"bufa_{q}_{c}")
-                    m.add(b >= form.same(q, c + 1) - form.same(q, c), f"bufb_{q}_{c}")
         direct = self.direct_data()
         for t in form.tasks:
             if t[0] == "B" and not form.strict:
@@ -771,6 +787,16 @@ class _Builder:
                 own = Expr.of((u.a_in[q] + u.a_out[q]) // unit if form.strict
                               else u.x[q] // unit)
                 m.add(static + low + own <= cap, f"memlow_{q}")
+
+    def buffer_vars(self) -> None:
+        """``buf[q, c]``: the cut after unit ``c`` holds buffers on the GPU of unit ``q``."""
+        form, m, u = self.form, self.m, self.u
+        for q in range(u.n):
+            for c in range(u.n - 1):
+                if u.buf[c]:
+                    b = form.bufv[(q, c)] = m.binary(f"buf_{q}_{c}")
+                    m.add(b >= form.same(q, c) - form.same(q, c + 1), f"bufa_{q}_{c}")
+                    m.add(b >= form.same(q, c + 1) - form.same(q, c), f"bufb_{q}_{c}")
 
     def static(self, q: int) -> Expr:
         """Weights and buffers on the GPU of unit ``q`` (in size units)."""
@@ -837,3 +863,93 @@ class _Builder:
         for c in range(u.n - 1):
             if 2 * u.dt[c] > form.upper + eps:
                 m.add(form.same(c, c + 1) == 1, f"nocut_{c}")
+
+
+# ------------------------------------------------------------------ the lifetime relaxation
+def build_relaxation(units: Units, n_gpus: int, memory: int, ticks: int, scale: int, *,
+                     strict: bool = False, gpu: Sequence[int] | None = None
+                     ) -> PipelineFormulation:
+    r"""A relaxation of "some plan has period ``T <= ticks / scale``": allocations only.
+
+    No times: the copies of a stash are bounded by lifetimes instead. In a 1-periodic plan of
+    period ``T`` the stash of unit ``r`` lives ``l_r`` per micro-batch, so when ``F_q``
+    starts on its GPU it holds ``ceil(l_q / T)`` copies of its own stash, at least
+    ``ceil(D(q -> r) / T)`` of every lower unit ``r`` there (micro-batch ``m``'s stash of
+    ``r`` lives at least from ``F_q(m)`` to the end of ``B_r(m)``) and at least
+    ``floor(l_r / T) >= ceil(D_r / T) - 1`` of every higher one (a window of length
+    ``l_r`` holds that many starts), where ``D`` sums the durations on the path, transfers
+    of the cuts included. With integer copy counts ``k``, ``T k >= D`` is linear at a fixed
+    period. The rows: the allocation of :func:`build_pipeline_model` (with its symmetry
+    breaking), GPU and link loads at most the period, those copies, and the memory when each
+    forward starts (``strict``: without the starting forward's own copy, with its input and
+    output). Times are integers on the grid ``1 / scale``, durations rounded down, so that
+    infeasibility at ``ticks`` proves every period ``<= ticks / scale`` impossible. ``gpu``
+    fixes the allocation (GPU label per unit, any labels).
+    """
+    model = Model("pipeline-relaxation")
+    period = model.integer("T_ticks", ticks, ticks)
+    form = PipelineFormulation(units, min(n_gpus, units.n), memory, strict, model, period,
+                               ticks / scale, ticks / scale, _size_unit(units, memory),
+                               fixed_gpu=None if gpu is None else _first_use(gpu))
+    _Relaxation(form, ticks, scale).build()
+    return form
+
+
+class _Relaxation(_Builder):
+    """Rows of :func:`build_relaxation` (times in integer ticks)."""
+
+    def __init__(self, form: PipelineFormulation, ticks: int, scale: int) -> None:
+        super().__init__(form)
+        self.ticks = ticks
+        u = form.units
+        self.f = [math.floor(v * scale + 1e-9) for v in u.f]
+        self.b = [math.floor(v * scale + 1e-9) for v in u.b]
+        self.dt = [math.floor(v * scale + 1e-9) for v in u.dt]
+
+    def build(self) -> None:
+        form, m, u = self.form, self.m, self.u
+        self.allocation()
+        for p in range(form.n_gpus):
+            m.add(Expr.sum((self.f[q] + self.b[q]) * self.xv(q, p) for q in range(u.n))
+                  <= self.ticks, f"load_{p}")
+        if u.comm:
+            self.link_vars()
+            for p, pp in itertools.combinations(range(form.n_gpus), 2):
+                m.add(Expr.sum(2 * self.dt[c] * e for (c, a, b), e in form.e.items()
+                               if (a, b) == (p, pp)) <= self.ticks, f"linkload_{p}_{pp}")
+        self.buffer_vars()
+        self.copies_and_memory()
+
+    def path(self, q: int, r: int) -> Expr:
+        """Ticks from the start of ``F_q`` to the end of ``B_r`` (``r <= q``), cuts as variables."""
+        n = self.u.n
+        total = sum(self.f[q:]) + sum(self.b[r:])
+        moves = [(c, self.dt[c]) for c in range(q, n - 1)] + \
+            [(c, self.dt[c]) for c in range(r, n - 1)]
+        return Expr.of(total) + Expr.sum(d - d * self.form.same(c, c + 1) for c, d in moves)
+
+    def copies_and_memory(self) -> None:
+        form, m, u, unit = self.form, self.m, self.u, self.form.mem_unit
+        n, cap = u.n, form.memory // unit
+        most = [1 + -(-(sum(self.f[r:]) + sum(self.b[r:]) + 2 * sum(self.dt[r:]))
+                      // max(self.ticks, 1)) for r in range(n)]
+        for q in range(n):
+            terms = []
+            for r in range(n):
+                if not u.x[r]:
+                    continue
+                if r == q:
+                    k = m.integer(f"k_{q}", 1, most[q])
+                    m.add(self.ticks * k >= self.path(q, q), f"own_{q}")
+                    terms.append(u.x[q] // unit * (k - 1 if form.strict else k))
+                    continue
+                k = m.integer(f"k_{q}_{r}", 0, most[r])
+                lit = m.literal(form.same(q, r))
+                if r < q:
+                    m.add(self.ticks * k >= self.path(q, r), f"low_{q}_{r}", only_if=lit)
+                else:
+                    m.add(self.ticks * (k + 1) >= self.path(r, r), f"high_{q}_{r}",
+                          only_if=lit)
+                terms.append(u.x[r] // unit * k)
+            extra = (u.a_in[q] + u.a_out[q]) // unit if form.strict else 0
+            m.add(self.static(q) + Expr.sum(terms) + extra <= cap, f"mem_{q}")

@@ -133,20 +133,22 @@ def run_model(
     problem: PipelineProblem, method: str, options: SolveOptions, *,
     units: Units | None = None, gpu: list[int] | None = None,
     upper_bound: float | None = None, warm: PipelinePlan | None = None,
-    time_limit_s: float | None = None,
+    time_limit_s: float | None = None, lower: float = 0.0,
 ) -> ModelRun:
     """Build the model of ``units`` (default: the layers), solve it with ``method``.
 
     ``method``: ``"ilp"`` (PuLP, engine ``options.solver``) or ``"cpsat"``. ``warm``: a plan
     given to the engine as a starting solution (when the model can represent it);
-    ``upper_bound``: a cutoff on the period (a valid plan's period); ``time_limit_s`` (no
-    limit when ``None``) overrides ``options.time_limit_s``.
+    ``upper_bound``: a cutoff on the period (a valid plan's period); ``lower``: a proven
+    lower bound on it; ``time_limit_s`` (no limit when ``None``) overrides
+    ``options.time_limit_s``.
     """
     units = units if units is not None else make_units(problem)
     form = build_pipeline_model(units, problem.n_gpus, problem.memory_per_gpu,
                                 strict=problem.memory_model == "strict", gpu=gpu,
                                 upper_bound=upper_bound,
-                                lower_bound=lower_bound(problem) if gpu is None else 0.0)
+                                lower_bound=max(lower, lower_bound(problem))
+                                if gpu is None else lower)
     values = form.encode(warm) if warm is not None and options.warm_start else None
     report: dict[str, Any] = {"model_size": form.model.size,
                               "warm_start": "none" if warm is None or not options.warm_start
