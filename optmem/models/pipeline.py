@@ -933,23 +933,50 @@ class _Relaxation(_Builder):
         n, cap = u.n, form.memory // unit
         most = [1 + -(-(sum(self.f[r:]) + sum(self.b[r:]) + 2 * sum(self.dt[r:]))
                       // max(self.ticks, 1)) for r in range(n)]
+        own = [m.integer(f"k_{q}", 1, most[q]) for q in range(n)]
+        for q in range(n):
+            m.add(self.ticks * own[q] >= self.path(q, q), f"own_{q}")
+        self.chain(own, most)
         for q in range(n):
             terms = []
             for r in range(n):
                 if not u.x[r]:
                     continue
                 if r == q:
-                    k = m.integer(f"k_{q}", 1, most[q])
-                    m.add(self.ticks * k >= self.path(q, q), f"own_{q}")
-                    terms.append(u.x[q] // unit * (k - 1 if form.strict else k))
+                    terms.append(u.x[q] // unit * (own[q] - 1 if form.strict else own[q]))
                     continue
                 k = m.integer(f"k_{q}_{r}", 0, most[r])
                 lit = m.literal(form.same(q, r))
+                m.add(k >= own[r] - 1, f"floor_{q}_{r}", only_if=lit)
                 if r < q:
                     m.add(self.ticks * k >= self.path(q, r), f"low_{q}_{r}", only_if=lit)
-                else:
-                    m.add(self.ticks * (k + 1) >= self.path(r, r), f"high_{q}_{r}",
-                          only_if=lit)
                 terms.append(u.x[r] // unit * k)
             extra = (u.a_in[q] + u.a_out[q]) // unit if form.strict else 0
             m.add(self.static(q) + Expr.sum(terms) + extra <= cap, f"mem_{q}")
+
+    def chain(self, own: list[Expr], most: list[int]) -> None:
+        """Copies along the chain of units and links: ``(c_a - c_b + 1) T >= D(a..b)``.
+
+        A unit's forward and backward share its GPU's window (a cut's two transfers share
+        its link's), so a stash held ``c`` times lives at least ``(c - 1) T`` plus the
+        unit's load; the stash of an earlier unit or link ``a`` outlives the one of ``b``
+        by the path between them: ``c_a T >= l_a >= l_b + ... >= (c_b - 1) T + D(a..b)``,
+        with ``D(a..b)`` the loads from ``a`` to ``b`` inclusive (links only where cut).
+        """
+        form, m, u = self.form, self.m, self.u
+        stages: list[tuple[str, int, Expr]] = []
+        for q in range(u.n):
+            stages.append(("unit", q, own[q]))
+            if q < u.n - 1 and self.dt[q] > 0:
+                k = m.integer(f"kl_{q}", 1, most[q])
+                stages.append(("link", q, k))
+        for (ka, a, ca), (kb, b, cb) in itertools.combinations(stages, 2):
+            first = a + 1 if ka == "link" else a  # units first..b, cuts first..b-1 inside
+            load = Expr.of(sum(self.f[s] + self.b[s] for s in range(first, b + 1))
+                           + sum(2 * self.dt[c] for kind, c in ((ka, a), (kb, b))
+                                 if kind == "link"))
+            load += Expr.sum(2 * self.dt[c] * (1 - form.same(c, c + 1))
+                             for c in range(first, b) if self.dt[c])
+            lits = [m.literal(form.same(c, c + 1), False)
+                    for kind, c in ((ka, a), (kb, b)) if kind == "link"]
+            m.add(self.ticks * (ca - cb + 1) >= load, f"chain_{ka}{a}_{kb}{b}", only_if=lits)
