@@ -34,6 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.bench_pipeline_exact import uptime  # noqa: E402
 from optmem.chain import Chain  # noqa: E402
 from optmem.datasets import resolve_chain  # noqa: E402
 from optmem.problems.pipeline import PipelineProblem, parse_pipeline_bandwidth  # noqa: E402
@@ -119,16 +120,6 @@ def _line(row: dict) -> str:
             f"equal/madpipe={_ratio(row['equal'], row['madpipe'])} "
             f"[madpipe {row['madpipe_s']:.1f}s, exact {row['exact_s']:.1f}s "
             f"{row['exact_status']}]")
-
-
-def _uptime() -> str:
-    import subprocess
-
-    try:
-        out = subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout
-    except OSError:
-        return "unknown"
-    return out.split("load average:")[-1].strip()
 
 
 def geomean(values: list[float]) -> float:
@@ -243,11 +234,11 @@ def main() -> None:
         args.profiles, args.gpus, args.memory = ["resnet50-b32-224"], [2, 4], [3, 6, 12]
         args.iterations, args.time_limit, args.dp_memory = 6, 3.0, [4]
     start = time.perf_counter()
-    load = _uptime()
+    load = uptime()
     rows = run(args)
     wall = time.perf_counter() - start
     text = markdown(rows, args, wall) + f"\nLoad average when the run started: {load}.\n\n"
-    text += "\n".join(dp_times(args)) + f"\n\nLoad average after: {_uptime()}.\n"
+    text += "\n".join(dp_times(args)) + f"\n\nLoad average after: {uptime()}.\n"
     print(text)
     if args.markdown:
         Path(args.markdown).write_text(text)

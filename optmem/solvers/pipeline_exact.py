@@ -115,7 +115,8 @@ def solve_exact(problem: PipelineProblem, options: SolveOptions, method: str) ->
     starts = incumbents(problem, options) if options.warm_start else []
     best = starts[0] if starts else None
     limit = options.time_limit_s
-    relaxed, report = lower_bound(problem), {}
+    relaxed: float = lower_bound(problem)
+    report: dict[str, Any] = {}
     if best is not None and options.extra.get("relaxation", True):
         share = None if limit is None else RELAXATION_SHARE * limit
         relaxed, report = relaxation_bound(problem, best[0], options, share)
