@@ -519,3 +519,37 @@ def test_relaxation_bound_never_exceeds_the_optimum(problem, strict):
     assert relaxation_feasible(problem, r.objective)
     bound, _ = relaxation_bound(problem, r.objective * 1.5, OPTS, None)
     assert bound <= r.objective + 1e-9
+
+
+@st.composite
+def unlimited_uneven_problems(draw):
+    n = draw(st.integers(3, 7))
+    f = [draw(st.integers(1, 30)) for _ in range(n)]
+    b = [draw(st.integers(1, 40)) for _ in range(n)]
+    a = [0] + [draw(st.integers(0, 4)) for _ in range(n - 1)] + [0]
+    beta = draw(st.sampled_from([math.inf, 1.0, 4.0]))
+    return PipelineProblem(thesis_chain(f, b, a), draw(st.integers(2, 4)), 10**9, beta,
+                           weight_copies=1)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(problem=unlimited_uneven_problems())
+def test_relaxation_admits_the_best_allocation_without_memory_pressure(problem):
+    """Lifetimes (hence copies) grow with every wait; only memory may bound them.
+
+    Without memory pressure the best allocation of the brute force reaches its busiest
+    resource's load, so the relaxation must admit that allocation at that period.
+    """
+    period = allocation_brute_force(problem)
+    lay = problem.layers
+    for labels in set_partitions(lay.n, problem.n_gpus):
+        loads = [sum(lay.load(q + 1, q + 1) for q in range(lay.n) if labels[q] == g)
+                 for g in range(problem.n_gpus)]
+        links: dict[tuple[int, int], float] = {}
+        for q in range(1, lay.n):
+            if labels[q] != labels[q - 1]:
+                key = (min(labels[q], labels[q - 1]), max(labels[q], labels[q - 1]))
+                links[key] = links.get(key, 0.0) + 2 * problem.transfer_time(q)
+        if max([*loads, *links.values()]) == period:
+            assert relaxation_feasible(problem, period, labels)
+            return

@@ -295,10 +295,18 @@ class PipelineFormulation:
         return self.sigma(q) + self.order[(("F", q), ("B", q))]
 
     def time_scale(self) -> tuple[int, bool]:
-        """CP-SAT grid: exact for the durations, at most ``TIME_RESOLUTION`` of the bound."""
+        """CP-SAT grid: exact for the durations, at most ``TIME_RESOLUTION`` of the bound.
+
+        Durations that no grid makes exact are rounded on a grid 100 times finer, so that
+        the rounding along a cycle stays far below the optimality tolerance.
+        """
         u = self.units
-        return rational_time_scale([*u.f, *u.b, *u.dt],
-                                   resolution=TIME_RESOLUTION * max(self.lower, 1e-12))
+        values = [*u.f, *u.b, *u.dt]
+        resolution = TIME_RESOLUTION * max(self.lower, 1e-12)
+        scale, exact = rational_time_scale(values, resolution=resolution)
+        if not exact:
+            scale, exact = rational_time_scale(values, resolution=resolution / 100)
+        return scale, exact
 
     # ------------------------------------------------------------ decode
     def decode(self, values: Sequence[float]) -> PipelinePlan:
@@ -931,8 +939,10 @@ class _Relaxation(_Builder):
     def copies_and_memory(self) -> None:
         form, m, u, unit = self.form, self.m, self.u, self.form.mem_unit
         n, cap = u.n, form.memory // unit
-        most = [1 + -(-(sum(self.f[r:]) + sum(self.b[r:]) + 2 * sum(self.dt[r:]))
-                      // max(self.ticks, 1)) for r in range(n)]
+        # copies are only bounded by memory: waits make lifetimes longer than the work on
+        # the path (a micro-batch waits less than a period at each of its 4n - 2 tasks)
+        work = sum(self.f) + sum(self.b) + 2 * sum(self.dt)
+        most = [4 * n + 2 - (-work // max(self.ticks, 1))] * n
         own = [m.integer(f"k_{q}", 1, most[q]) for q in range(n)]
         for q in range(n):
             m.add(self.ticks * own[q] >= self.path(q, q), f"own_{q}")

@@ -82,7 +82,7 @@ def relaxation_bound(problem: PipelineProblem, upper: float, options: SolveOptio
     scale, _ = rational_time_scale([*units.f, *units.b, *units.dt],
                                    resolution=TIME_RESOLUTION * low)
     lo, hi = math.floor(low * scale) - 1, math.floor(upper * scale)
-    probe = math.floor(upper * scale * (1 - OPTIMALITY_TOLERANCE))
+    probe = math.floor(upper * scale * (1 - OPTIMALITY_TOLERANCE / 2))
     deadline = None if time_limit_s is None else time.perf_counter() + time_limit_s
     probes, proven_at = 0, lo
     while hi - lo > max(1, RELAXATION_PRECISION * hi) and lo < probe < hi:
