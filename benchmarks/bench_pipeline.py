@@ -80,12 +80,11 @@ def run(args: argparse.Namespace) -> list[dict]:
         bw = parse_pipeline_bandwidth(args.bandwidth, chain.time_unit)
         for gpus in args.gpus:
             for mem in args.memory:
-                problem = PipelineProblem(chain, gpus, int(mem * GIB), bw)
+                problem = PipelineProblem(chain, gpus, int(mem * GIB), chain_bandwidth=bw)
                 row = {"profile": name, "gpus": gpus, "memory_gib": mem}
                 for method in METHODS:
                     opts = SolveOptions(time_limit_s=args.time_limit, extra={
-                        "madpipe_iterations": args.iterations, "warm_madpipe": False,
-                        "phase2_time_limit_s": args.time_limit})
+                        "madpipe_iterations": args.iterations, "warm_madpipe": False})
                     start = time.perf_counter()
                     r = solve(problem, "cpsat" if method == "exact" else method, options=opts)
                     row[method] = r.objective if r.status.has_plan else math.inf

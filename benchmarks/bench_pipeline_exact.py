@@ -164,7 +164,7 @@ def part_profiles(profiles: list[str], gpus: list[int], limit: float) -> list[st
             problem = PipelineProblem(chain, p, int(low * factor), bw)
             contig = solve(problem, "contiguous")
             mad = solve(problem, "madpipe", options=SolveOptions(
-                threads=2, extra={"phase2_time_limit_s": min(limit, 60.0)}))
+                threads=2, time_limit_s=min(limit, 60.0)))
             best_bound, best_period, proven = 0.0, math.inf, False
             for method in ("cpsat", "ilp"):
                 out = run(problem, method, limit, warm_madpipe=False)

@@ -174,3 +174,113 @@ def test_checkpoint_merges_stages_by_measured_time():
     got = reference_step(cnet, x, loss_fn, seed=4, owner=module)
     for a, b in zip(got[2], ref[2], strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _random_chain(rng):
+    n = rng.randint(4, 10)
+    outs = [rng.randint(1000, 100000) for _ in range(n)]
+    return Chain.from_lists([rng.uniform(1, 5) for _ in range(n)],
+                            [rng.uniform(1, 5) for _ in range(n)], outs,
+                            [o + rng.randint(0, 100000) for o in outs],
+                            input_size=rng.randint(1000, 50000))
+
+
+def test_too_small_limit_error_names_a_limit_that_works():
+    import random
+    import re
+
+    from optmem.problems.checkpoint import CheckpointProblem
+    from optmem.solvers.facade import solve
+
+    rng = random.Random(0)
+    below = 0
+    for _ in range(8):
+        chain = _random_chain(rng)
+        continuous = solve(CheckpointProblem(chain, 1), "dp").min_feasible_memory
+        below += not solve(CheckpointProblem(chain, continuous), "dp").status.has_plan
+        with pytest.raises(OptmemInputError, match="smallest feasible limit") as err:
+            op.solve_chain(chain, chain.input_size)
+        least = int(re.search(r"\((\d+) B\)", str(err.value)).group(1))
+        assert least >= continuous
+        assert op.solve_chain(chain, least).status.has_plan  # the figure works passed back
+        assert least == op.smallest_limit(chain)
+    assert below  # the DP's own threshold is not always enough after discretisation
+
+
+def test_sequential_wrapper_keeps_the_models_face():
+    torch.manual_seed(5)
+    module, x = resolve_spec("toy-cnn", batch=4)
+    cnet = op.checkpoint(module, x, memory_limit="min", repeats=1, warmup=0)
+    assert list(cnet.state_dict()) == list(module.state_dict())
+    assert [n for n, _ in cnet.named_parameters()] == [n for n, _ in module.named_parameters()]
+    assert [n for n, _ in cnet.named_buffers()] == [n for n, _ in module.named_buffers()]
+    assert cnet[0] is module[0]
+    cnet.load_state_dict(module.state_dict())
+    cnet.eval()
+    assert not module.training
+    cnet.train()
+    with pytest.raises(TypeError, match="one input"):
+        cnet(x, x)
+
+
+class MaskedBlocks(nn.Module):
+    def __init__(self, width=16, depth=3):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x, mask):
+        m = (mask > 0).to(x.dtype)  # computed from an input: a side input, saved by mul
+        for block in self.blocks:
+            x = block(x) * m
+        return x
+
+
+def test_side_inputs_are_not_counted_as_activations():
+    torch.manual_seed(6)
+    net = MaskedBlocks()
+    x, mask = torch.randn(4, 16), torch.randint(0, 2, (4, 16))
+    chain = op.profile_chain(net, (x, mask), repeats=1, warmup=0)
+    nbytes = 4 * 16 * 4
+    # each mul saves the linear's output and the mask: only the former is the stage's
+    for i, name in enumerate(chain.stage_names):
+        assert chain.saved_size[i] <= 2 * nbytes, (name, chain.saved_size)
+    assert chain.extra["side_input_bytes"] >= nbytes
+    cnet = op.checkpoint(net, (x, mask), memory_limit="min", chain=chain)
+    ref = reference_step(lambda t: net(t, mask), x, loss_fn, seed=1, owner=net)
+    got = reference_step(lambda t: cnet(t, mask), x, loss_fn, seed=1, owner=net)
+    for a, b in zip(got[2], ref[2], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["offload", "remat_offload"])
+def test_offload_one_liners_with_tuples_between_stages(kind):
+    from test_pytorch_execute import Join, Last, Split
+
+    torch.manual_seed(7)
+    net = nn.Sequential(nn.Linear(8, 8), Split(), Join(), Join(), Last(), nn.Linear(4, 3))
+    x = torch.randn(5, 8, requires_grad=True)
+    chain = op.profile_chain(net, x, repeats=1, warmup=0)
+    wrap = getattr(op, kind)
+    onet = wrap(net, x, memory_limit=int(0.7 * chain.store_all_peak()), bandwidth=1e9,
+                chain=chain)
+    assert any(o.startswith("offload") for o in onet.result.plan), onet.result.plan
+    ref = reference_step(net, x, loss_fn, seed=2)
+    got = reference_step(onet, x, loss_fn, seed=2, owner=net)
+    torch.testing.assert_close(got[0], ref[0], rtol=0, atol=0)
+    torch.testing.assert_close(got[3], ref[3], rtol=0, atol=0)
+    for a, b in zip(got[2], ref[2], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert list(onet.state_dict()) == list(net.state_dict())
+    with pytest.raises(OptmemInputError, match="bandwidth"):
+        wrap(net, x, memory_limit="1MiB", bandwidth="fast", chain=chain)
+
+
+def test_one_liners_are_not_shadowed_by_the_executor_modules():
+    import optmem.pytorch.offload
+    import optmem.pytorch.remat_offload  # noqa: F401
+
+    assert callable(op.offload) and callable(op.remat_offload)
+    assert optmem.pytorch.offload.__name__ == "offload"  # the function, as documented
+    from optmem.pytorch.offload import OffloadedChain  # the executor module still imports
+
+    assert OffloadedChain.__module__ == "optmem.pytorch.offload"

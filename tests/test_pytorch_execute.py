@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch", reason="the torch bridge needs torch")
 from pytorch_helpers import reference_step, tightest_result  # noqa: E402
 from torch import nn  # noqa: E402
 
-from optmem.errors import PlanError  # noqa: E402
+from optmem.errors import OptmemInputError, PlanError  # noqa: E402
 from optmem.problems.checkpoint import CheckpointProblem  # noqa: E402
 from optmem.pytorch.execute import CheckpointedChain, split_suffix  # noqa: E402
 from optmem.pytorch.extract import extract_stages  # noqa: E402
@@ -229,3 +229,79 @@ def test_split_suffix():
     rest, j = split_suffix(plan, 3)
     assert j == 4 and rest == plan  # recompute-all ends with F_none L: nothing to strip
     assert math.isfinite(len(rest))
+
+
+# ------------------------------------------------------------------ torch semantics
+def test_autograd_grad_and_backward_inputs_over_plans(setup):
+    name, module, x, stages, chain = setup
+    params = list(module.parameters())
+    ref = reference_step(module, x, loss_fn, seed=12)[2]
+    for label, plan in _plans(chain).items():
+        cm = CheckpointedChain(stages, plan)
+        torch.manual_seed(12)
+        got = torch.autograd.grad(loss_fn(cm(x)), params, allow_unused=True)
+        assert all(p.grad is None for p in params), label
+        for k, (a, b) in enumerate(zip(got, ref, strict=True)):
+            assert (a is None) == (b is None), (label, k)
+            if a is not None:
+                torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"{label} {k}")
+        first = params[0]  # backward(inputs=...) fills only what was asked
+        torch.manual_seed(12)
+        loss_fn(cm(x)).backward(inputs=[first])
+        torch.testing.assert_close(first.grad, ref[0], rtol=0, atol=0)
+        assert all(p.grad is None for p in params[1:])
+        first.grad = None
+
+
+def test_shared_layer_in_two_stages_gets_both_contributions():
+    torch.manual_seed(13)
+    shared = nn.Linear(8, 8)
+    net = nn.Sequential(shared, nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), shared, nn.Linear(8, 2))
+    x = torch.randn(4, 8)
+    stages = extract_stages(net)
+    for plan in (base.recompute_all_plan(len(stages)), base.chen_plan(len(stages))):
+        assert_same_step(net, CheckpointedChain(stages, plan), x)  # bitwise: two summands
+
+
+class UsesOutsideWeight(nn.Module):
+    def __init__(self, weight):
+        super().__init__()
+        self.__dict__["outside"] = weight  # not registered: invisible to .parameters()
+
+    def forward(self, x):
+        return x @ self.outside
+
+
+def test_a_stage_using_an_unregistered_tensor_is_refused():
+    weight = nn.Parameter(torch.randn(4, 4))
+    stages = [nn.Linear(4, 4), UsesOutsideWeight(weight), nn.Linear(4, 2)]
+    cm = CheckpointedChain(stages, base.recompute_all_plan(3))
+    with pytest.raises(OptmemInputError, match="not its parameters"):
+        cm(torch.randn(2, 4)).sum().backward()
+
+
+def test_double_backward_and_retain_graph_are_refused():
+    module, x = resolve_spec("toy-mlp", batch=4)
+    stages = extract_stages(module)
+    cm = CheckpointedChain(stages, base.recompute_all_plan(len(stages)))
+    params = list(module.parameters())
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(loss_fn(cm(x)), params, create_graph=True)
+    loss = loss_fn(cm(x))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        loss.backward()
+    module.zero_grad(set_to_none=True)
+
+
+def test_torch_compile_of_the_executor_compiles_each_stage():
+    torch.manual_seed(14)
+    module = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    x = torch.randn(4, 8)
+    stages = extract_stages(module)
+    ref = reference_step(module, x, loss_fn, seed=1)
+    cm = CheckpointedChain(stages, base.recompute_all_plan(len(stages)))
+    got = reference_step(torch.compile(cm, backend="eager"), x, loss_fn, seed=1, owner=module)
+    assert cm._compiled is not None and len(cm._compiled) == len(stages)
+    for a, b in zip(got[2], ref[2], strict=True):  # compiled: equal to float rounding
+        torch.testing.assert_close(a, b)

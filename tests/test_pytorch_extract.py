@@ -165,3 +165,107 @@ def test_partition_costs_is_optimal():
             max(sum(costs[a:b]) for a, b in zip((0, *cut), (*cut, len(costs)), strict=True))
             for cut in itertools.combinations(range(1, len(costs)), parts - 1))
         assert value == best
+
+
+# ------------------------------------------------------------------ extraction with a sample
+class MaskedNet(nn.Module):
+    """Blocks that read a mask computed from an input: the mask is a side input."""
+
+    def __init__(self, width=8, depth=4):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.head = nn.Linear(width, 2)
+
+    def forward(self, x, mask, scale: float = 2.0):
+        m = (mask > 0).to(x.dtype) * scale
+        h = x
+        for block in self.blocks:
+            h = torch.tanh(block(h)) * m
+        return {"out": self.head(h), "mask": m}
+
+
+def test_program_moves_masks_beside_the_chain():
+    from optmem.pytorch.context import side_inputs
+    from optmem.pytorch.extract import extract_program
+
+    torch.manual_seed(0)
+    net = MaskedNet()
+    x, mask = torch.randn(3, 8), torch.randint(0, 2, (3, 8))
+    ext = extract_program(net, (x, mask))
+    assert ext.method == "export" and len(ext.stages) >= 5
+    flat = ext.flatten((x, mask), {})
+    ctx = ext.side_inputs(flat)
+    side = [ctx[n] for n in ext.side.output_names]
+    assert side and not any(t.requires_grad for t in side)
+    with torch.no_grad():
+        got, ref = ext.run(x, mask), net(x, mask)
+    assert got.keys() == ref.keys()
+    for key in ref:
+        torch.testing.assert_close(got[key], ref[key], rtol=0, atol=0)
+    # each stage maps one value to one value; the side inputs come from the context
+    values = [ext.chain_input(flat)]
+    with side_inputs(ctx):
+        for st in ext.stages:
+            values.append(st.module(values[-1]))
+    assert all(isinstance(v, torch.Tensor) for v in values[1:])
+    k = next(k for k, st in enumerate(ext.stages) if st.module.side_names)
+    with pytest.raises(RuntimeError, match="outside its wrapper"):
+        ext.stages[k].module(values[k])
+
+
+class InplaceAfterLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.c = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.a(x)
+        y = y.relu_()  # writes the linear's output in place: no boundary right after `a`
+        return self.c(torch.sigmoid(self.b(y)))
+
+
+def test_no_boundary_before_an_inplace_write():
+    from optmem.pytorch.extract import extract_program
+    from optmem.pytorch.graphcut import written_args
+
+    net = InplaceAfterLinear()
+    x = torch.randn(2, 4)
+    for ext_stages in (extract_program(net, (x,)).stages, extract_stages(net)):
+        for st in ext_stages[1:]:
+            first = next(n for n in st.module.gm.graph.nodes
+                         if n.op not in ("placeholder", "get_attr"))
+            assert not any(w.op == "placeholder" for w in written_args(first, st.module.gm))
+        with torch.no_grad():
+            torch.testing.assert_close(run_stages(ext_stages, x), net(x), rtol=0, atol=0)
+
+
+class GradInputUsedLate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x, y):
+        return self.b(torch.tanh(self.a(x))) + y
+
+
+def test_an_input_that_needs_grad_late_is_part_of_the_chain():
+    from optmem.pytorch.extract import extract_program
+
+    net = GradInputUsedLate()
+    x, y = torch.randn(2, 4), torch.randn(2, 4)
+    assert len(extract_program(net, (x, y)).stages) > 1  # y is a side input
+    with pytest.raises(OptmemInputError, match="no chain"):
+        extract_program(net, (x, y.requires_grad_(True)))  # y must carry a gradient
+
+
+def test_unextractable_module_one_line_error():
+    from optmem.pytorch.extract import extract_program
+
+    with pytest.raises(OptmemInputError) as err:
+        extract_program(Untraceable(), (torch.randn(2, 2),))
+    message = str(err.value)
+    assert "Untraceable" in message and "torch.export" in message and "torch.fx" in message
+    assert "\n" not in message and "nn.Sequential" in message

@@ -188,8 +188,18 @@ class Formulation:
     derivations
         How every non-op variable follows from earlier ones (to complete a warm start).
     peak_var
-        In min-peak mode (``memory_limit=None``), the integer variable bounding every op's
-        memory, which is then the objective.
+        In min-peak mode (``memory_limit=None``), the variable bounding every op's memory,
+        which is then the objective (integer, or continuous when ``size_scale > 1``).
+    size_scale
+        Sizes of the model are the chain's divided by this (min-peak mode on byte-sized
+        chains: MILP engines mishandle coefficients of ~1e9, see :func:`build_formulation`).
+    states
+        For models that extend this one (:mod:`optmem.models.remat_offload`): the state
+        ``(A, T)`` (value index -> expression of ``A[i]`` / ``T[i]``) before each item of
+        ``sequence``, and once more after the last one.
+    memory_rows
+        The memory expression (before the ``<= M`` bound) of each item of ``sequence``, with
+        its row name, in the same order.
     """
 
     length: int
@@ -203,6 +213,9 @@ class Formulation:
     sequence: list[Slot | Op] = field(default_factory=list)
     derivations: list[tuple[Any, ...]] = field(default_factory=list)
     peak_var: int | None = None
+    states: list[tuple[dict[int, Expr], dict[int, Expr]]] = field(default_factory=list)
+    memory_rows: list[tuple[str, Expr]] = field(default_factory=list)
+    size_scale: float = 1.0
 
     # ------------------------------------------------------------------ building
     def new_var(self, name: str) -> int:
@@ -302,21 +315,25 @@ class Formulation:
         return values
 
 
-def _arrays(chain: Chain) -> dict[str, list]:
+def _arrays(chain: Chain, scale: float = 1.0) -> dict[str, list]:
     L = chain.length
+
+    def sizes(values: list[int]) -> list:
+        return values if scale == 1 else [v / scale for v in values]
+
     return {
-        "a": [chain.input_size, *chain.output_size],
-        "abar": [chain.input_size, *chain.saved_size],
+        "a": sizes([chain.input_size, *chain.output_size]),
+        "abar": sizes([chain.input_size, *chain.saved_size]),
         "uf": [0.0, *chain.fwd_time],
-        "of": [0, *chain.fwd_overhead],
+        "of": sizes([0, *chain.fwd_overhead]),
         "ub": [0.0, *chain.bwd_time, chain.loss_bwd_time],
-        "ob": [0, *chain.bwd_overhead, chain.loss_bwd_overhead],
+        "ob": sizes([0, *chain.bwd_overhead, chain.loss_bwd_overhead]),
         "L": [L],
     }
 
 
 def build_formulation(chain: Chain, memory_limit: int | None, variant: str = "full",
-                      sweeps: int = 1) -> Formulation:
+                      sweeps: int = 1, *, size_scale: float = 1.0) -> Formulation:
     """Build the neutral model of ``chain`` (integer sizes) under ``memory_limit``.
 
     Parameters
@@ -330,23 +347,33 @@ def build_formulation(chain: Chain, memory_limit: int | None, variant: str = "fu
         ``full`` (the simulator's model) or ``persistent`` (memory persistence added).
     sweeps
         Increasing forward runs offered per phase (``R``).
+    size_scale
+        Min-peak mode only: divide every size by this, so that the memory rows of a
+        byte-sized chain have coefficients of at most about
+        :data:`optmem.solvers.engines.MAX_COEFFICIENT` (with raw byte coefficients, HiGHS
+        called an always-feasible model infeasible); the peak variable is then continuous
+        and the true peak is the decoded plan's, replayed by the simulator.
     """
+    if size_scale != 1 and memory_limit is not None:
+        raise ValueError("size_scale is for the min-peak mode (memory_limit=None) only")
     if variant not in VARIANTS:
         raise OptmemInputError(f"unknown exact-model variant {variant!r} "
                                f"(expected one of {', '.join(VARIANTS)})", field="variant")
     if sweeps < 1:
         raise OptmemInputError(f"expected at least one sweep, got {sweeps}", field="sweeps")
-    ar = _arrays(chain)
+    ar = _arrays(chain, size_scale)
     L = chain.length
     a, abar, uf, of, ub, ob = ar["a"], ar["abar"], ar["uf"], ar["of"], ar["ub"], ar["ob"]
     persistent = variant == "persistent"
-    f = Formulation(L, -1 if memory_limit is None else memory_limit, variant, sweeps)
+    f = Formulation(L, -1 if memory_limit is None else memory_limit, variant, sweeps,
+                    size_scale=size_scale)
     f.objective_const = float(sum(ub[1:]))
     if memory_limit is None:
         f.peak_var = f.new_var("peak")
 
     def fits(name: str, expr: Expr) -> None:
         """``expr <= M``, or ``expr <= peak`` in min-peak mode."""
+        f.memory_rows.append((name, expr))
         if f.peak_var is None:
             f.add(name, expr, hi=memory_limit)
         else:
@@ -388,6 +415,7 @@ def build_formulation(chain: Chain, memory_limit: int | None, variant: str = "fu
                 if j > 1 and (k == L + 1 or j < k or sweeps > 1):
                     kinds.append(OpKind.F_NONE)
                 idx = {kind: f.new_var(f"{kind.value}_{tag}") for kind in kinds}
+                f.states.append((dict(A), dict(T)))
                 f.sequence.append(Slot(k, r, j, tuple(idx.items())))
                 for v in idx.values():
                     f.objective[v] = float(uf[j])
@@ -434,6 +462,7 @@ def build_formulation(chain: Chain, memory_limit: int | None, variant: str = "fu
                         T[j - 1] = fresh(f"T{j - 1}_{tag}", T[j - 1] + zt_expr.scaled(-1))
                 A[j] = fresh(f"A{j}_{tag}", A[j] + prod_a)
                 T[j] = fresh(f"T{j}_{tag}", T[j] + var(idx[OpKind.F_ALL]))
+        f.states.append((dict(A), dict(T)))
         if k == L + 1:
             f.sequence.append(LOSS)
             f.add("loss_input", A[L] + T[L], lo=1)
@@ -446,6 +475,7 @@ def build_formulation(chain: Chain, memory_limit: int | None, variant: str = "fu
             fits(f"mem_B{k}", stored() + const(a[k] + a[k - 1] + ob[k]))
             T[k] = const(0)
             A[k - 1] = const(0)
+    f.states.append((dict(A), dict(T)))
     if f.peak_var is not None:
         f.objective = {f.peak_var: 1.0}
         f.objective_const = 0.0
@@ -478,8 +508,9 @@ def emit_pulp(form: Formulation) -> CheckpointILP:
     import pulp  # type: ignore[import-untyped]
 
     prob = pulp.LpProblem("optmem_checkpoint", pulp.LpMinimize)
+    peak_cat = pulp.LpInteger if form.size_scale == 1 else pulp.LpContinuous
     xs = [prob.add_variable(n, 0, 1, cat=pulp.LpBinary) if i != form.peak_var
-          else prob.add_variable(n, 0, None, cat=pulp.LpInteger)
+          else prob.add_variable(n, 0, None, cat=peak_cat)
           for i, n in enumerate(form.names)]
     objective = pulp.lpSum(c * xs[i] for i, c in form.objective.items())
     if form.objective_const:

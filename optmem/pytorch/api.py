@@ -1,15 +1,17 @@
-"""User API: ``optmem.pytorch.checkpoint(module, sample, memory_limit)``.
+"""User API: ``checkpoint``, ``offload`` and ``remat_offload`` of a model in one call.
 
 Three steps, as rotor's ``Checkpointable`` (digest ``rotor.md`` section 6): extract the
-chain of stages (:mod:`optmem.pytorch.extract`), profile it on the sample batch
-(:mod:`optmem.pytorch.profile`), solve ``CheckpointProblem(chain, memory_limit)`` with any
-registered method (``dp`` by default: the optimal persistent plan), and wrap the stages in a
-:class:`~optmem.pytorch.execute.CheckpointedChain` that follows the plan.
+chain of stages (:mod:`optmem.pytorch.extract`: an ``nn.Sequential`` is flattened, any
+other module is exported with ``torch.export``, ``torch.fx`` as fallback), profile it on the
+sample (:mod:`optmem.pytorch.profile`), solve the problem with any registered method
+(``dp`` by default) and wrap the model in a module that follows the plan and otherwise
+behaves like the model (:class:`~optmem.pytorch.wrapper.PlannedModule`).
 
 ``memory_limit`` bounds the *activation* memory of one training step as the chain model
 counts it: the input batch, the stored activations, tapes and gradients of activations
-(plus the measured overheads on CUDA). Parameters, their gradients and optimizer state are
-not part of it.
+(plus the measured overheads on CUDA). Parameters, their gradients, optimizer state and
+side inputs (masks, position tables: computed once per step beside the chain) are not part
+of it.
 """
 
 from __future__ import annotations
@@ -21,76 +23,47 @@ from torch import nn
 
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError
-from optmem.problems.checkpoint import CheckpointProblem
-from optmem.pytorch.execute import CheckpointedChain
-from optmem.pytorch.extract import Stage, extract_stages, merge_stages
-from optmem.pytorch.profile import TimeModel, profile_stages
-from optmem.result import Result, SolveOptions
-from optmem.units import format_size, parse_size
+from optmem.pytorch.extract import Stage, extract_program
+from optmem.pytorch.planning import Planner
+from optmem.pytorch.profile import TimeModel
+from optmem.pytorch.wrapper import (
+    PlannedModule,
+    ProfileOptions,
+    call_of,
+    canonical_call,
+    is_plain_chain,
+    leaves_no_trace,
+)
+from optmem.result import Result, Status
 
-__all__ = ["CheckpointedModule", "checkpoint", "smallest_limit", "solve_chain"]
+__all__ = ["CheckpointedModule", "OffloadedModule", "PlannedModule", "RematOffloadedModule",
+           "checkpoint", "offload", "profile_chain", "remat_offload", "smallest_limit",
+           "solve_chain"]
 
 
 def solve_chain(chain: Chain, memory_limit: int | str, method: str = "dp", *,
                 slots: int = 500, variant: str | None = None,
                 time_limit_s: float | None = None, **extra: Any) -> Result:
-    """Solve the checkpoint problem of ``chain`` and raise a clear error without a plan."""
-    from optmem.solvers.facade import solve
+    """Solve the checkpoint problem of ``chain`` and raise a clear error without a plan.
 
-    limit = parse_size(memory_limit)
-    options = SolveOptions(variant=variant, slots=slots, time_limit_s=time_limit_s,
-                           extra=dict(extra))
-    result = solve(CheckpointProblem(chain, limit), method, options=options)
-    if not result.status.has_plan:
-        hint = ""
-        if result.min_feasible_memory is not None:
-            hint = (f"; the smallest feasible limit is about "
-                    f"{format_size(result.min_feasible_memory)} "
-                    f"({result.min_feasible_memory} B)")
-        elif result.report.get("error"):
-            hint = f" ({result.report['error']})"
-        raise OptmemInputError(
-            f"no {method} plan for {chain.name} within {format_size(limit)}: "
-            f"status {result.status}{hint}", field="memory_limit")
-    return result
+    The error names the smallest limit at which ``method`` finds a plan after
+    discretisation: passing that figure back works.
+    """
+    return Planner("checkpoint", memory_limit, method, slots=slots, variant=variant,
+                   time_limit_s=time_limit_s, extra=dict(extra)).solve(chain)
 
 
 def smallest_limit(chain: Chain, method: str = "dp", *, slots: int = 500) -> int:
-    """The smallest memory limit (bytes) at which ``method`` finds a plan for ``chain``.
+    """The smallest memory limit (bytes) at which ``method`` finds a checkpoint plan.
 
-    Uses the method's own ``min_feasible_memory`` when it reports one (the DPs do), then
-    steps up by one discretisation unit until the discretised instance is feasible too;
-    otherwise bisects between the input size and the store-all peak.
+    Starts from the method's ``min_feasible_memory`` when it reports one (the DPs do),
+    otherwise from the input size, and returns a limit at which a solve was seen to succeed.
     """
-    from optmem.solvers.facade import solve
-
-    options = SolveOptions(slots=slots)
-
-    def feasible(limit: int) -> bool:
-        r = solve(CheckpointProblem(chain, limit), method, options=options)
-        return r.status.has_plan
-
-    first = solve(CheckpointProblem(chain, max(1, chain.input_size)), method, options=options)
-    if first.status.has_plan:
-        return max(1, chain.input_size)
-    if first.min_feasible_memory is not None:
-        low = first.min_feasible_memory
-        for k in range(4 * slots):
-            limit = low + k * max(1, low // slots)
-            if feasible(limit):
-                return limit
-    lo, hi = chain.input_size, chain.store_all_peak()
-    if not feasible(hi):
-        raise OptmemInputError(f"{method} finds no plan for {chain.name} even with the "
-                               f"store-all peak {hi} B", field="method")
-    while hi - lo > max(1, hi // (4 * slots)):
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if feasible(mid) else (mid, hi)
-    return hi
+    return Planner("checkpoint", "min", method, slots=slots).smallest_limit(chain)
 
 
-class CheckpointedModule(CheckpointedChain):
-    """A module trained under a memory limit; ``.result`` holds the plan and predictions.
+class CheckpointedModule(PlannedModule):
+    """A model trained with a checkpointing plan under a memory limit.
 
     Attributes
     ----------
@@ -100,16 +73,6 @@ class CheckpointedModule(CheckpointedChain):
         The :class:`~optmem.result.Result` of the solve: ``plan``, ``objective`` (expected
         makespan in ms), ``peak_memory`` in units of ``unit`` bytes.
     """
-
-    def __init__(self, stages: Sequence[Stage], chain: Chain, result: Result, **kw: Any) -> None:
-        super().__init__(stages, result.plan, **kw)
-        self.chain = chain
-        self.result = result
-
-    @property
-    def expected_makespan(self) -> float:
-        """Predicted duration of one forward+backward in the chain's time unit (ms)."""
-        return float(self.result.objective)
 
     @property
     def expected_peak_bytes(self) -> int:
@@ -122,20 +85,27 @@ class CheckpointedModule(CheckpointedChain):
 
         return int(simulate_checkpoint(self.chain, self.result.plan).peak_memory)
 
+    def set_plan(self, plan: Sequence[Any]) -> None:
+        """Run another plan on the main signature's stages (validated by the executor)."""
+        self.executor.set_plan(plan)  # type: ignore[operator]
+
     def resolve(self, memory_limit: int | str | None = None, method: str | None = None,
                 **options: Any) -> Result:
         """Solve again (new limit and/or method) and switch to the new plan."""
+        planner = self._planner
         if memory_limit is None:
             if self.result.memory_limit is None:
                 raise OptmemInputError("the current plan has no memory limit: give one",
                                        field="memory_limit")
             memory_limit = self.result.memory_limit * self.result.unit
-        method = method or self.result.method
-        if memory_limit == "min":
-            memory_limit = smallest_limit(self.chain, method)
-        result = solve_chain(self.chain, memory_limit, method, **options)
-        self.result = result
-        self.set_plan(result.plan)
+        for key, value in options.items():
+            if not hasattr(planner, key):
+                raise OptmemInputError(f"unknown solver option {key!r}", field=key)
+            setattr(planner, key, value)
+        planner.memory_limit = memory_limit
+        planner.method = method or self.result.method
+        result = planner.solve(self.chain)
+        self._set_result(result)
         return result
 
     def use_plan(self, plan: Sequence[str], method: str = "custom") -> Result:
@@ -143,23 +113,51 @@ class CheckpointedModule(CheckpointedChain):
         from optmem.simulate import simulate_checkpoint
 
         sim = simulate_checkpoint(self.chain, plan)
-        from optmem.result import Status
+        result = Result("checkpoint", method, Status.FEASIBLE, objective=sim.makespan,
+                        plan=tuple(str(p) for p in plan), peak_memory=sim.peak_memory,
+                        memory_limit=None, unit=1)
+        self._set_result(result, plan)
+        return result
 
-        self.set_plan(plan)
-        self.result = Result("checkpoint", method, Status.FEASIBLE, objective=sim.makespan,
-                             plan=tuple(str(p) for p in plan), peak_memory=sim.peak_memory,
-                             memory_limit=None, unit=1)
-        return self.result
 
-    def summary(self) -> str:
-        """A few lines: stages, plan size, predicted makespan and peak vs store-all."""
-        store_all = self.chain.store_all_peak()
-        return (f"{self.chain.name}: {self.chain.length} stages, method {self.result.method}"
-                f" ({self.result.status}), {len(self.result.plan)} ops\n"
-                f"expected step time {self.expected_makespan:.3f} {self.chain.time_unit} "
-                f"(no recomputation: {self.chain.total_compute_time():.3f})\n"
-                f"expected activation peak {format_size(self.expected_peak_bytes)} "
-                f"(store all: {format_size(store_all)})")
+class OffloadedModule(PlannedModule):
+    """A model trained with an offloading plan.
+
+    Store-all compute; saved tensors moved to host memory and back over a link
+    (:class:`~optmem.pytorch.offload.OffloadedChain`).
+    """
+
+
+class RematOffloadedModule(PlannedModule):
+    """A model trained with a remat + offload plan.
+
+    Recomputation and transfers (:class:`~optmem.pytorch.remat_offload.RematOffloadChain`).
+    """
+
+
+_PROFILE_OPTIONS = ("device", "repeats", "warmup", "progress", "time_model", "max_stages",
+                    "extract")
+_SOLVER_OPTIONS = ("slots", "variant", "time_limit_s", "process_group")
+_EXECUTOR_OPTIONS = {"checkpoint": ("preserve_rng_state", "restore_buffers", "strip_suffix"),
+                     "offload": (), "remat_offload": ("preserve_rng_state", "restore_buffers")}
+
+
+def _planned(cls: type[PlannedModule], kind: str, module: Any, sample: Any,
+             memory_limit: int | str, method: str, bandwidth: float | str | None,
+             options: dict[str, Any]) -> Any:
+    """Split the options of a one-liner, then extract, profile, solve and wrap."""
+    options = dict(options)
+    chain = options.pop("chain", None)
+    pick = {group: {k: options.pop(k) for k in keys if k in options}
+            for group, keys in (("profile", _PROFILE_OPTIONS), ("solver", _SOLVER_OPTIONS),
+                                ("executor", _EXECUTOR_OPTIONS[kind]))}
+    if options:
+        raise TypeError(f"{kind}() got unexpected keyword argument(s) "
+                        f"{', '.join(sorted(options))}")
+    planner = Planner(kind, memory_limit, method, bandwidth=bandwidth,
+                      executor_options=pick["executor"], **pick["solver"])
+    profile = ProfileOptions(**pick["profile"])
+    return cls.build(module, sample, planner, profile, chain=chain)
 
 
 def checkpoint(
@@ -181,15 +179,20 @@ def checkpoint(
     preserve_rng_state: bool = True,
     restore_buffers: bool = True,
     strip_suffix: bool = True,
+    extract: str = "auto",
+    process_group: Any = None,
 ) -> CheckpointedModule:
-    """Return ``module`` wrapped to train with the optimal plan under ``memory_limit``.
+    """Return ``module`` wrapped to train with the optimal checkpointing plan under a limit.
 
     Parameters
     ----------
     module
-        An ``nn.Sequential``, any ``torch.fx``-traceable module, or a list of stages.
+        Any ``nn.Module`` (exported with ``torch.export``, ``torch.fx`` as fallback; an
+        ``nn.Sequential`` is flattened), or a list of stage modules.
     sample
-        A batch like the ones the module will train on (a tensor or a tuple of tensors).
+        A call like the ones the module will train on: a tensor (one argument), a tuple
+        (positional arguments) or a dict (keyword arguments, e.g. ``{"input_ids": ids,
+        "labels": ids}``). For an ``nn.Sequential`` or a list of stages: the one input.
     memory_limit
         Activation memory for one step: bytes or a size such as ``"2GiB"``, ``"512MB"``;
         ``"min"`` takes the smallest limit at which ``method`` finds a plan.
@@ -204,16 +207,25 @@ def checkpoint(
     slots, variant, time_limit_s
         Solver options (CONTRACT section 2 and :class:`~optmem.result.SolveOptions`).
     chain
-        A chain profiled earlier for the same stages (skips profiling).
+        A chain profiled earlier for the same stages (:func:`profile_chain`; skips
+        profiling).
     device, repeats, warmup, progress, time_model
-        Profiling options (:func:`~optmem.pytorch.profile.profile_chain`).
+        Profiling options (:func:`~optmem.pytorch.profile.profile_stages`).
     preserve_rng_state, restore_buffers, strip_suffix
         Executor options (:class:`~optmem.pytorch.execute.CheckpointedChain`).
+    extract
+        ``"auto"`` (``torch.export``, then ``torch.fx``), ``"export"`` or ``"fx"``.
+    process_group
+        Ranks that must train with the same plan (``docs/distributed.md``): by default, when
+        ``torch.distributed`` is initialised, rank 0 of the default group profiles and
+        solves and broadcasts the chain and the plan; a ``ProcessGroup`` does so within it;
+        ``"local"`` decides in this process alone.
 
     Returns
     -------
     CheckpointedModule
-        Shares the parameters of ``module``; ``.result`` has the plan and predictions.
+        Behaves like ``module`` (call, output type, ``state_dict``, parameters shared);
+        ``.result`` has the plan and predictions.
 
     Raises
     ------
@@ -232,27 +244,101 @@ def checkpoint(
     >>> cnet.expected_peak_bytes <= 6 * 1024
     True
     """
-    stages = extract_stages(module)
-    name = type(module).__name__ if isinstance(module, nn.Module) else "torch"
-    if max_stages is not None and len(stages) > max_stages:
-        if chain is None and device != "meta":
-            # balance by measured time: a quick profile of the fine chain gives the costs
-            fine = profile_stages(stages, sample, device=device, repeats=1, warmup=1,
-                                  name=name, progress=progress, time_model=time_model)
-            costs = [f + b for f, b in zip(fine.fwd_time, fine.bwd_time, strict=True)]
-            stages = merge_stages(stages, max_stages, costs)
-        else:
-            stages = merge_stages(stages, max_stages)
-    if chain is None:
-        chain = profile_stages(stages, sample, device=device, repeats=repeats, warmup=warmup,
-                               name=name, progress=progress, time_model=time_model)
-    elif chain.length != len(stages):
-        raise OptmemInputError(
-            f"the given chain has {chain.length} stages but the module has {len(stages)}",
-            field="chain")
-    if memory_limit == "min":
-        memory_limit = smallest_limit(chain, method, slots=slots)
-    result = solve_chain(chain, memory_limit, method, slots=slots, variant=variant,
-                         time_limit_s=time_limit_s)
-    return CheckpointedModule(stages, chain, result, preserve_rng_state=preserve_rng_state,
-                              restore_buffers=restore_buffers, strip_suffix=strip_suffix)
+    return _planned(CheckpointedModule, "checkpoint", module, sample, memory_limit, method, None,
+                    dict(max_stages=max_stages, slots=slots, variant=variant,
+                         time_limit_s=time_limit_s, chain=chain, device=device,
+                         repeats=repeats, warmup=warmup, progress=progress,
+                         time_model=time_model, preserve_rng_state=preserve_rng_state,
+                         restore_buffers=restore_buffers, strip_suffix=strip_suffix,
+                         extract=extract, process_group=process_group))
+
+
+def offload(module: nn.Module | Sequence[nn.Module | Stage], sample: Any,
+            memory_limit: int | str = "2GiB", bandwidth: float | str = "12GB/s",
+            method: str = "dp", **options: Any) -> OffloadedModule:
+    """Return ``module`` wrapped to train with the fastest offloading plan under a limit.
+
+    Same conventions and ``options`` as :func:`checkpoint` (``max_stages``, ``slots``,
+    ``variant``, ``time_limit_s``, ``chain``, ``device``, ``repeats``, ``warmup``,
+    ``progress``, ``time_model``, ``extract``). ``bandwidth`` is the host link: bytes per
+    second, or a rate such as ``"12GB/s"``. Activations saved for the backward are copied
+    to host memory and back as the plan says: on CUDA on a side stream into pinned buffers,
+    overlapped with compute; on CPU synchronously (the plan's placement, for tests).
+
+    Examples
+    --------
+    >>> import torch
+    >>> net = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(6)])
+    >>> x = torch.randn(8, 32)
+    >>> onet = offload(net, x, memory_limit="5KiB", bandwidth="1GB/s", repeats=1, warmup=0)
+    >>> torch.allclose(onet(x), net(x))
+    True
+    """
+    return _planned(OffloadedModule, "offload", module, sample, memory_limit, method,
+                    bandwidth, options)
+
+
+def remat_offload(module: nn.Module | Sequence[nn.Module | Stage], sample: Any,
+                  memory_limit: int | str = "2GiB", bandwidth: float | str = "12GB/s",
+                  method: str = "dp", **options: Any) -> RematOffloadedModule:
+    """Return ``module`` wrapped to train with a combined remat + offload plan.
+
+    Same conventions as :func:`offload`; ``options`` also take ``preserve_rng_state`` and
+    ``restore_buffers`` (executor options, as for :func:`checkpoint`).
+
+    Examples
+    --------
+    >>> import torch
+    >>> net = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(6)])
+    >>> x = torch.randn(8, 32)
+    >>> rnet = remat_offload(net, x, memory_limit="5KiB", bandwidth=1e9, repeats=1, warmup=0)
+    >>> torch.allclose(rnet(x), net(x))
+    True
+    """
+    return _planned(RematOffloadedModule, "remat_offload", module, sample, memory_limit,
+                    method, bandwidth, options)
+
+
+def profile_chain(module: nn.Module | Sequence[nn.Module | Stage], sample: Any, *,
+                  extract: str = "auto", **options: Any) -> Chain:
+    """Extract the chain of ``module`` as :func:`checkpoint` does and profile it.
+
+    ``options`` are those of :func:`optmem.pytorch.profile.profile_chain` (``device``,
+    ``repeats``, ``warmup``, ``name``, ``progress``, ``time_model``, ``max_stages``, ...).
+    An ``nn.Sequential`` or a list of stages goes there directly; any other module is
+    exported (:func:`~optmem.pytorch.extract.extract_program`) and profiled with its side
+    inputs (not counted as activations). ``max_stages`` merges by parameter count, as
+    ``checkpoint(..., chain=chain, max_stages=...)`` does, so the chain can be passed back.
+
+    Examples
+    --------
+    >>> import torch
+    >>> net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+    ...                           torch.nn.Linear(16, 2))
+    >>> chain = profile_chain(net, torch.randn(4, 8), repeats=1, warmup=0)
+    >>> chain.length, chain.input_size, chain.output_size
+    (3, 128, (256, 256, 32))
+    """
+    from optmem.pytorch import profile as prof
+    from optmem.pytorch.wrapper import _groups, _profile
+
+    if is_plain_chain(module) or not isinstance(module, nn.Module):
+        return prof.profile_chain(module, sample, **options)
+    max_stages = options.pop("max_stages", None)
+    name = options.pop("name", None) or type(module).__name__
+    unknown = set(options) - set(_PROFILE_OPTIONS)
+    if unknown:  # the roofline options apply to device="meta", which needs a Sequential
+        raise OptmemInputError(f"profile_chain of an exported model does not take "
+                               f"{', '.join(sorted(unknown))}", field="options")
+    args, kw = canonical_call(module, *call_of(sample))
+    with leaves_no_trace(module):
+        ext = extract_program(module, args, kw, method=extract, allow_single=True)
+        flat = ext.flatten(args, kw)
+        stages = ext.stages
+        if max_stages is not None and len(stages) > max_stages:
+            from optmem.pytorch.extract import merge_stages
+
+            stages = merge_stages(stages, max_stages,
+                                  groups=_groups(len(stages), max_stages, None, stages))
+        profile = ProfileOptions(**{"repeats": 5, **options, "extract": extract})
+        return _profile(stages, ext.chain_input(flat), profile, name, ext.side_inputs(flat))

@@ -31,6 +31,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
+
+from optmem.pytorch.context import SideInputs, current_side_inputs_or_none, side_inputs
+from optmem.pytorch.execute import StageCalls, run_in_order
+from optmem.pytorch.extract import Stage, value_tensors
+from optmem.pytorch.offload import kept_storages
 
 __all__ = ["DeltaChain"]
 
@@ -45,7 +51,7 @@ class _Group:
     nbytes: int = 0
     last_use: float = 0.0
     state: str = "resident"  # resident | evicted | offloaded
-    inp: torch.Tensor | None = None
+    inp: Any = None  # the stage input (a tensor or a tuple), detached
     rng: Any = None
     buffers: list[tuple[nn.Module, str, torch.Tensor]] = field(default_factory=list)
     order: list[bool] = field(default_factory=list)  # per pack call: released or not
@@ -57,13 +63,14 @@ class _Handle:
     index: int
 
 
-class DeltaChain(nn.Module):
-    """Train a chain of single-tensor stages under a saved-activation budget, DELTA style.
+class DeltaChain(StageCalls, nn.Module):
+    """Train a chain of stages under a saved-activation budget, DELTA style.
 
     Parameters
     ----------
     stages
-        The stages, in order (each takes and returns one tensor).
+        The stages, in order (each takes and returns one value: a tensor or a tuple of
+        tensors; side inputs of the call are re-entered for recomputations).
     budget
         Bytes of saved activations the policy aims to stay under.
     bandwidth
@@ -82,11 +89,11 @@ class DeltaChain(nn.Module):
         Stages recomputed / groups reloaded in the last backward pass.
     """
 
-    def __init__(self, stages: Sequence[nn.Module], budget: int, bandwidth: float, *,
+    def __init__(self, stages: Sequence[Stage | nn.Module], budget: int, bandwidth: float, *,
                  fwd_time: Sequence[float] | None = None, trigger: float = 0.75,
                  kappa: float = 1.0, eta: float = 1.0) -> None:
         super().__init__()
-        self.stages = nn.ModuleList(stages)
+        self.stages = nn.ModuleList([s.module if isinstance(s, Stage) else s for s in stages])
         self.budget = int(budget)
         self.bandwidth = float(bandwidth)
         self.fwd_time = list(fwd_time) if fwd_time is not None else [1e-3] * len(stages)
@@ -96,26 +103,29 @@ class DeltaChain(nn.Module):
         self.reloaded: list[int] = []
         self._groups: list[_Group] = []
         self._weights: set[int] = set()
+        self._context: SideInputs | None = None
+        self._functions: list[Any] = []
 
     # ------------------------------------------------------------------ forward
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102 - see the class docstring
+    def forward(self, x: Any) -> Any:  # noqa: D102 - see the class docstring
+        return self._forward(x, None)
+
+    def _forward(self, x: Any, compiled: bool | None) -> Any:
+        functions = self.stage_functions(compiled)
         if not torch.is_grad_enabled():
-            for m in self.stages:
-                x = m(x)
-            return x
+            return run_in_order(functions, x)
         self._groups = []
         self.decisions, self.recomputed, self.reloaded = [], [], []
-        self._weights = {t.untyped_storage().data_ptr()
-                         for t in (*self.parameters(), *self.buffers())}
+        self._weights = kept_storages(self)
+        self._context = current_side_inputs_or_none()
+        self._functions = functions
         clock = 0.0
-        for i, stage in enumerate(self.stages):
+        for i, stage in enumerate(functions):
             self._release(i, clock, x)
-            inp = x.detach()
-            inp.requires_grad_(x.requires_grad)
-            group = _Group(i, inp=inp)
+            group = _Group(i, inp=tree_map(_detached, x))
             group.rng = torch.get_rng_state()
             group.buffers = [(sub, name, buf.detach().clone())
-                             for sub in stage.modules()
+                             for sub in self.stages[i].modules()
                              for name, buf in sub._buffers.items() if buf is not None]
             with torch.autograd.graph.saved_tensors_hooks(self._packer(group), self._unpack):
                 x = stage(x)
@@ -145,8 +155,9 @@ class DeltaChain(nn.Module):
     def _used(self) -> int:
         return sum(g.nbytes for g in self._groups if g.state == "resident")
 
-    def _release(self, i: int, clock: float, x: torch.Tensor) -> None:
-        need = x.numel() * x.element_size()  # rough estimate of the stage's saved bytes
+    def _release(self, i: int, clock: float, x: Any) -> None:
+        # rough estimate of the stage's saved bytes
+        need = sum(t.numel() * t.element_size() for t in value_tensors(x))
         while self._used() >= self.trigger * self.budget or self._used() + need > self.budget:
             cand = [g for g in self._groups if g.state == "resident" and g.stage != i - 1]
             if not cand:
@@ -189,8 +200,9 @@ class DeltaChain(nn.Module):
             fresh.append(t.detach())
             return None
 
-        stage = self.stages[g.stage]
+        stage = self._functions[g.stage] if self._functions else self.stages[g.stage]
         with contextlib.ExitStack() as stack:
+            stack.enter_context(side_inputs(self._context))
             stack.enter_context(torch.random.fork_rng(devices=[]))
             torch.set_rng_state(g.rng)
             for sub, name, first in g.buffers:
@@ -201,13 +213,20 @@ class DeltaChain(nn.Module):
             stack.enter_context(torch.enable_grad())
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, _never))
             assert g.inp is not None
-            stage(g.inp.detach().requires_grad_(g.inp.requires_grad))
+            stage(tree_map(_detached, g.inp))
         if len(fresh) != len(g.order):
             raise RuntimeError(f"stage {g.stage + 1} saved {len(fresh)} tensors on "
                                f"recomputation, {len(g.order)} the first time")
         g.tensors = [t for t, released in zip(fresh, g.order, strict=True) if released]
         g.state = "resident"
         self.recomputed.append(g.stage)
+
+
+def _detached(v: Any) -> Any:
+    """A detached alias of a tensor that requires grad as the original does."""
+    if not isinstance(v, torch.Tensor):
+        return v
+    return v.detach().requires_grad_(v.requires_grad)
 
 
 def _never(_: Any) -> torch.Tensor:  # pragma: no cover - the recomputed graph is dropped

@@ -32,9 +32,23 @@ unmodified one does:
 plan ends with ``F_all j .. F_all L`` mirrored by ``B L .. B j`` right after ``Loss``, the
 stages ``j..L`` run as ordinary autograd code after the Function (no bookkeeping).
 
-Limitation (shared with reentrant ``torch.utils.checkpoint``): gradients of parameters are
-accumulated into ``.grad`` by a nested ``torch.autograd.backward``; use ``loss.backward()``,
-not ``torch.autograd.grad(loss, params)``.
+**Parameters are inputs of the plan's autograd Function.** ``B i`` computes the gradients
+of stage ``i``'s outputs with respect to its input *and its parameters* with
+``torch.autograd.grad``; the Function sums them over the stages that use a parameter (in
+the order of the ``B`` ops, the order in which plain autograd sums them) and returns them as
+the gradients of its parameter inputs. So ``loss.backward()``, ``torch.autograd.grad(loss,
+params)``, ``backward(inputs=...)``, gradient hooks and DDP see exactly what the unmodified
+module gives. A stage that uses a tensor requiring grad that is not one of its registered
+parameters is refused at its first run (that gradient would be lost). Double backward
+(``create_graph=True``) and ``retain_graph=True`` through the plan raise an error.
+
+**Side inputs** (:mod:`optmem.pytorch.context`): the side inputs active when the forward
+starts are re-entered around every stage run, re-runs in the backward included.
+
+**torch.compile**: the plan interpreter never runs under dynamo (``torch.compiler.disable``,
+a graph break); with :meth:`CheckpointedChain.compile_stages`, or when the executor is
+called from a ``torch.compile``-d module, each stage runs compiled
+(``torch.compile(stage, **options)``), in the forward and in re-runs.
 """
 
 from __future__ import annotations
@@ -50,11 +64,13 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from optmem.errors import PlanError
+from optmem.errors import OptmemInputError, PlanError
 from optmem.plan import LOSS, Op, OpKind, parse_plan
+from optmem.pytorch.context import SideInputs, current_side_inputs_or_none, side_inputs
 from optmem.pytorch.extract import Stage, value_tensors
 
-__all__ = ["CheckpointedChain", "add_monitor", "remove_monitor", "split_suffix"]
+__all__ = ["CheckpointedChain", "StageCalls", "add_monitor", "compile_stage", "remove_monitor",
+           "run_in_order", "split_suffix"]
 
 Monitor = Callable[[str, list[torch.Tensor], list[torch.Tensor]], None]
 _MONITORS: list[Monitor] = []
@@ -131,27 +147,17 @@ class _Source(torch.autograd.Function):
 
 
 class _Tape:
-    """What ``F_all i`` leaves for ``B i``: the output gradient edges and input gradients."""
+    """What ``F_all i`` leaves for ``B i``: the output gradient edges and the input edges."""
 
     def __init__(self) -> None:
         self.out_edges: list[GradientEdge | None] = []
-        self.in_grads: list[list[torch.Tensor | None] | None] = []
-
-    def grads(self) -> list[torch.Tensor | None]:
-        return [h[0] if h is not None else None for h in self.in_grads]
+        self.in_edges: list[GradientEdge | None] = []
 
 
 @dataclass
 class _Slot:
     value: Any  # a^i; None once no later op reads it (the tape, if any, stays)
     tape: _Tape | None = None
-
-
-def _capture(holder: list[torch.Tensor | None]) -> Callable[[Any], None]:
-    def hook(grad_outputs: Any) -> None:
-        holder[0] = grad_outputs[0]
-
-    return hook
 
 
 def _plan_reads(plan: Sequence[Op], n: int) -> list[bool]:
@@ -208,6 +214,66 @@ class _RngState:
             torch.cuda.set_rng_state(s, d)
 
 
+
+
+class StageCalls:
+    """How an executor calls its stages: as they are, or compiled with ``torch.compile``.
+
+    Mixed into the executors (:class:`CheckpointedChain`, ``OffloadedChain``,
+    ``RematOffloadChain``, ``DeltaChain``), which keep their stages in ``self.stages``.
+    """
+
+    stages: nn.ModuleList
+    _compile_options: dict[str, Any] | None = None
+    _compiled: list[Callable[[Any], Any]] | None = None
+
+    def compile_stages(self, **options: Any) -> None:
+        """Run every stage compiled: ``torch.compile(stage, **options)`` (lazily built)."""
+        self._compile_options = dict(options)
+        self._compiled = None
+
+    def stage_functions(self, compiled: bool | None = None) -> list[Callable[[Any], Any]]:
+        """The callables that run the stages.
+
+        ``compiled=None``: as :meth:`compile_stages` asked; ``True``: compiled (the
+        executor is called from a ``torch.compile``-d module).
+        """
+        if compiled is None:
+            compiled = self._compile_options is not None
+        if not compiled:
+            return list(self.stages)
+        if self._compiled is None or len(self._compiled) != len(self.stages):
+            options = self._compile_options or {}
+            self._compiled = [compile_stage(m, options) for m in self.stages]
+        return list(self._compiled)
+
+
+def compile_stage(module: nn.Module, options: dict[str, Any]) -> Callable[[Any], Any]:
+    """``module`` compiled with ``torch.compile(**options)``, with a cache of its own.
+
+    Dynamo keeps its compiled graphs per code object; stages of one class (every
+    ``GraphStage``, twelve identical blocks) share ``forward``'s code and would exhaust the
+    recompile limit. A stage that knows how (``compiled_call``: extracted stages compile
+    their own graph module) does it itself; any other module is called from a function
+    with a code object of its own.
+    """
+    make = getattr(module, "compiled_call", None)
+    if make is not None:
+        return make(lambda m: compile_stage(m, options), options)
+    namespace: dict[str, Any] = {"stage": module}
+    code = compile("def run(x):\n    return stage(x)\n", f"<optmem stage {id(module):x}>",
+                   "exec")
+    exec(code, namespace)  # noqa: S102 - a fixed one-line trampoline
+    return torch.compile(namespace["run"], **options)
+
+
+def run_in_order(functions: Sequence[Callable[[Any], Any]], x: Any) -> Any:
+    """The stages one after the other (no plan: inference, or nothing needs a gradient)."""
+    for f in functions:
+        x = f(x)
+    return x
+
+
 class _Runner:
     """State of one forward/backward pass through the plan."""
 
@@ -224,12 +290,34 @@ class _Runner:
         self.input_requires_grad = False
         self.devices: list[int] = []
         self.autocast: list[tuple[str, torch.dtype]] = []
+        self.context: SideInputs | None = None
+        self.functions: list[Callable[[Any], Any]] = []
         self.current: list[torch.Tensor | None] = []
+        self.in_leaves: list[Any] = []
         self.out_spec: Any = None
         self.out_leaves: list[Any] = []
         self.read_later = _plan_reads(plan, n_stages)
         self.index = 0
         self.anchor = torch.empty(0, requires_grad=True)
+        # parameters: inputs of the plan Function; stage_params[i] = their indices
+        self.params: list[nn.Parameter] = []
+        self.stage_params: dict[int, list[int]] = {}
+        self.param_needed: list[bool] = []
+        self.param_grads: list[torch.Tensor | None] = []
+
+    def collect_parameters(self) -> None:
+        """The parameters (requiring grad) of stages ``1..n``, each once."""
+        index: dict[int, int] = {}
+        for i in range(1, self.n + 1):
+            ids = []
+            for p in self.owner.stages[i - 1].parameters():
+                if not p.requires_grad:
+                    continue
+                if id(p) not in index:
+                    index[id(p)] = len(self.params)
+                    self.params.append(p)
+                ids.append(index[id(p)])
+            self.stage_params[i] = ids
 
     # -------------------------------------------------------------- ops
     def _run_stage(self, op: Op) -> None:
@@ -238,8 +326,10 @@ class _Runner:
             raise PlanError(f"{op} needs a^{i - 1}, which is not stored")
         src = self.storage[i - 1].value
         module = self.owner.stages[i - 1]
+        call = self.functions[i - 1] if self.functions else module
         first = i not in self.ran
         with ExitStack() as stack:
+            stack.enter_context(side_inputs(self.context))
             if not first:
                 stack.enter_context(torch.random.fork_rng(devices=self.devices, enabled=True))
                 if i in self.rng:
@@ -254,14 +344,17 @@ class _Runner:
                 tape = _Tape()
                 with torch.enable_grad():
                     inp = self._sources(src, tape, i > 1 or self.input_requires_grad)
-                    out = module(inp)
+                    out = call(inp)
                 del inp
+                outs = value_tensors(out)
                 tape.out_edges = [get_gradient_edge(t) if t.requires_grad else None
-                                  for t in value_tensors(out)]
+                                  for t in outs]
+                self.owner._check_leaves(i, outs, self.params, self.stage_params[i])
+                del outs
                 self.storage[i] = _Slot(out, tape)
             else:
                 with torch.no_grad():
-                    out = module(src)
+                    out = call(src)
                 self.storage[i] = _Slot(out)
         self.ran.add(i)
         if op.kind is OpKind.F_NONE:
@@ -270,7 +363,7 @@ class _Runner:
             self.storage[i - 1].value = None  # nobody reads a^{i-1} again: drop it
 
     def _sources(self, value: Any, tape: _Tape, requires_grad: bool) -> Any:
-        """The stage input: float tensors go through :class:`_Source` (gradient captured)."""
+        """The stage input: float tensors go through :class:`_Source` (an edge to ask for)."""
         leaves, spec = tree_flatten(value)
         out = []
         for v in leaves:
@@ -278,12 +371,10 @@ class _Runner:
                 if requires_grad and (v.is_floating_point() or v.is_complex()):
                     # detached: the previous stage's graph must not be reachable from here
                     t = _Source.apply(v.detach(), self.anchor)
-                    holder: list[torch.Tensor | None] = [None]
-                    t.grad_fn.register_prehook(_capture(holder))
-                    tape.in_grads.append(holder)
+                    tape.in_edges.append(get_gradient_edge(t))
                     v = t
                 else:
-                    tape.in_grads.append(None)
+                    tape.in_edges.append(None)
                     v = v.detach()
             out.append(v)
         return tree_unflatten(out, spec)
@@ -297,9 +388,21 @@ class _Runner:
             if e is not None and g is not None:
                 edges.append(e)
                 grads.append(g)
-        if edges:
-            torch.autograd.backward(edges, grads)
-        self.current = slot.tape.grads()
+        in_edges = slot.tape.in_edges
+        wanted = [e for e in in_edges if e is not None]
+        params = [k for k in self.stage_params.get(i, ()) if self.param_needed[k]]
+        got: Sequence[torch.Tensor | None]
+        if edges and (wanted or params):
+            targets: list[Any] = [*wanted, *(self.params[k] for k in params)]
+            got = torch.autograd.grad(edges, targets, grads, allow_unused=True)
+        else:
+            got = [None] * (len(wanted) + len(params))
+        it = iter(got[:len(wanted)])
+        self.current = [next(it) if e is not None else None for e in in_edges]
+        for k, g in zip(params, got[len(wanted):], strict=True):
+            if g is not None:
+                acc = self.param_grads[k]
+                self.param_grads[k] = g if acc is None else acc + g
         del self.storage[i]
         prev = self.storage.get(i - 1)
         if prev is not None and prev.tape is None:
@@ -336,33 +439,36 @@ class _Runner:
 
     def backward(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
         self.current = list(grads)
+        self.param_grads = [None] * len(self.params)
         for op in self.plan[self.loss + 1:]:
             self._run(op)
-        if self.current and not any(g is not None for g in self.current):
-            return [None] * len(self.current)
         out = self.current
         self.storage.clear()
         self.current = []
+        self.context = None
         return out
 
 
 class _PlanFunction(torch.autograd.Function):
-    """Runs the plan: ops before ``Loss`` in forward, the rest in backward."""
+    """Runs the plan: ops before ``Loss`` in forward, the rest in backward.
+
+    Inputs: the tensors of ``a^0`` then the parameters of the stages; it returns the
+    gradients of both.
+    """
 
     @staticmethod
     def forward(ctx: Any, runner: _Runner, treespec: Any, n_inputs: int,
                 *args: torch.Tensor) -> Any:
         inputs = args[:n_inputs]
-        leaves = list(runner.in_leaves)  # type: ignore[attr-defined]
         it = iter(t.detach() for t in inputs)
-        leaves = [next(it) if isinstance(v, torch.Tensor) else v for v in leaves]
+        leaves = [next(it) if isinstance(v, torch.Tensor) else v for v in runner.in_leaves]
+        runner.in_leaves = []
         outputs = runner.forward(tree_unflatten(leaves, treespec))
         non_diff = [t for t in outputs if not (t.is_floating_point() or t.is_complex())]
         if non_diff:
             ctx.mark_non_differentiable(*non_diff)
         ctx.runner = runner
         ctx.n_inputs = n_inputs
-        ctx.n_extra = len(args) - n_inputs
         return tuple(outputs)
 
     @staticmethod
@@ -370,14 +476,20 @@ class _PlanFunction(torch.autograd.Function):
         runner: _Runner = ctx.runner
         ctx.runner = None
         if runner is None:
-            raise RuntimeError("the checkpointed plan was already backpropagated "
-                               "(retain_graph is not supported)")
+            raise RuntimeError("the checkpointed plan was already backpropagated: "
+                               "retain_graph=True is not supported through it; run the "
+                               "forward again")
+        if torch.is_grad_enabled():
+            raise RuntimeError("double backward (create_graph=True) through a checkpointed "
+                               "plan is not supported: use the unwrapped module for "
+                               "higher-order gradients")
+        runner.param_needed = list(ctx.needs_input_grad[3 + ctx.n_inputs:])
         input_grads = runner.backward(grads)
         in_grads = list(input_grads) + [None] * (ctx.n_inputs - len(input_grads))
-        return (None, None, None, *in_grads[:ctx.n_inputs], *([None] * ctx.n_extra))
+        return (None, None, None, *in_grads[:ctx.n_inputs], *runner.param_grads)
 
 
-class CheckpointedChain(nn.Module):
+class CheckpointedChain(StageCalls, nn.Module):
     """A chain of stages that trains by following a checkpoint plan.
 
     Parameters
@@ -416,6 +528,7 @@ class CheckpointedChain(nn.Module):
         self.restore_buffers = restore_buffers
         self.strip_suffix = strip_suffix
         self.release_early = release_early
+        self._leaves_checked: set[int] = set()
         self.set_plan(plan)
 
     def set_plan(self, plan: Sequence[str | Op]) -> None:
@@ -436,38 +549,61 @@ class CheckpointedChain(nn.Module):
         unit = Chain.from_lists([0.0] * n, [0.0] * n, [1] * n, [1] * n, input_size=1)
         simulate_checkpoint(unit, ops)  # raises PlanError naming the bad op
 
+    def _check_leaves(self, i: int, outs: list[torch.Tensor], params: list[nn.Parameter],
+                      mine: list[int]) -> None:
+        """Refuse a stage whose graph reaches a leaf that is not one of its parameters.
+
+        ``B i`` asks autograd for the gradients of the stage's own parameters only; the
+        gradient of any other leaf would be lost. Checked at the first run of each stage.
+        """
+        if i in self._leaves_checked:
+            return
+        self._leaves_checked.add(i)
+        allowed = {id(params[k]) for k in mine}
+        foreign = [t for t in _graph_leaves(outs) if id(t) not in allowed]
+        if foreign:
+            shapes = ", ".join(str(tuple(t.shape)) for t in foreign[:3])
+            raise OptmemInputError(
+                f"stage {i} ({self.stage_names[i - 1]}) uses {len(foreign)} tensor(s) that "
+                f"require grad but are not its parameters (shapes {shapes}): register them "
+                "as parameters of the stage module (their gradient would be lost)",
+                field="module")
+
     def forward(self, x: Any) -> Any:  # noqa: D102 - see the class docstring
+        if torch.compiler.is_compiling():
+            return _run_disabled(self, x, True)
+        return self._forward(x, None)
+
+    def _forward(self, x: Any, compiled: bool | None) -> Any:
+        functions = self.stage_functions(compiled)
         params_need_grad = any(p.requires_grad for p in self.stages.parameters())
         input_needs_grad = any(t.requires_grad for t in value_tensors(x))
         if not torch.is_grad_enabled() or not (params_need_grad or input_needs_grad):
-            for m in self.stages:
-                x = m(x)
-            return x
+            return run_in_order(functions, x)
         j = self._suffix_start
         if j > 1:
-            x = self._run_plan(self._prefix_plan, j - 1, x, input_needs_grad)
-        for m in list(self.stages)[j - 1:]:
-            x = m(x)
-        return x
+            x = self._run_plan(self._prefix_plan, j - 1, x, input_needs_grad, functions)
+        return run_in_order(functions[j - 1:], x)
 
     def _make_runner(self, plan: tuple[Op, ...], n: int) -> _Runner:
         """The object that executes ``plan`` (subclasses return a specialised runner)."""
         return _Runner(self, plan, n)
 
-    def _run_plan(self, plan: tuple[Op, ...], n: int, x: Any, input_needs_grad: bool) -> Any:
+    def _run_plan(self, plan: tuple[Op, ...], n: int, x: Any, input_needs_grad: bool,
+                  functions: list[Callable[[Any], Any]] | None = None) -> Any:
         runner = self._make_runner(plan, n)
         runner.input_requires_grad = input_needs_grad
+        runner.context = current_side_inputs_or_none()
+        runner.functions = list(functions) if functions is not None else []
+        runner.collect_parameters()
         tensors = value_tensors(x)
         runner.devices = sorted({t.device.index or 0 for t in tensors if t.is_cuda})
         runner.autocast = [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
                            if torch.is_autocast_enabled(d)]
         leaves, spec = tree_flatten(x)
-        runner.in_leaves = leaves  # type: ignore[attr-defined]
+        runner.in_leaves = leaves
         inputs = [t for t in leaves if isinstance(t, torch.Tensor)]
-        # a dummy input that requires grad makes autograd call backward() even when the
-        # chain input does not require grad (the parameters still need their gradients)
-        dummy = torch.empty(0, requires_grad=True)
-        outs = _PlanFunction.apply(runner, spec, len(inputs), *inputs, dummy)
+        outs = _PlanFunction.apply(runner, spec, len(inputs), *inputs, *runner.params)
         it = iter(outs)
         out_leaves = [next(it) if isinstance(v, torch.Tensor) else v for v in runner.out_leaves]
         runner.out_leaves = []
@@ -475,3 +611,32 @@ class CheckpointedChain(nn.Module):
 
     def extra_repr(self) -> str:  # noqa: D102
         return f"plan={len(self.plan)} ops, native suffix from stage {self._suffix_start}"
+
+
+@torch.compiler.disable
+def _run_disabled(executor: Any, x: Any, compiled: bool) -> Any:
+    """Run an executor outside dynamo (a graph break), its stages compiled."""
+    return executor._forward(x, compiled)
+
+
+def _graph_leaves(outs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Leaf tensors (``AccumulateGrad`` nodes) reachable from ``outs``, up to the sources."""
+    seen: set[Any] = set()
+    stack = [t.grad_fn for t in outs if t.grad_fn is not None]
+    leaves: dict[int, torch.Tensor] = {}
+    for t in outs:
+        if t.grad_fn is None and t.requires_grad:
+            leaves[id(t)] = t
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "_SourceBackward":
+            continue
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor):
+            leaves[id(variable)] = variable
+            continue
+        stack.extend(fn for fn, _ in node.next_functions if fn is not None)
+    return list(leaves.values())

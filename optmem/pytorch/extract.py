@@ -1,20 +1,25 @@
 """Chain extraction: turn an ``nn.Module`` into a sequence of stages (a chain).
 
-Two routes, both returning a list of :class:`Stage` (a name and an ``nn.Module`` that takes
-one value, a tensor or a tuple of tensors, and returns one value):
+Three routes, all returning stages (a name and an ``nn.Module`` that takes one value, a
+tensor or a tuple of tensors, and returns one value):
 
 * ``nn.Sequential`` is flattened directly, nested ``Sequential`` containers included, as
   rotor does (digest ``rotor.md`` section 6.2, ``extract_children_from_sequential``).
   A ``Sequential`` subclass that overrides ``forward`` (or sets
   ``not_really_sequential = True``) is kept whole.
-* Any other module is traced with ``torch.fx.symbolic_trace`` and its graph is cut at
-  *single-value cut points*: positions in the topological order where exactly one value
-  computed before is still needed after. Residual blocks, inception modules and
-  transformer blocks have no such point inside them, so they stay whole.
+* :func:`extract_program` (any module, with a sample call): ``torch.export.export``
+  (non-strict) first, ``torch.fx.symbolic_trace`` as fallback; the graph is cut by
+  :mod:`optmem.pytorch.graphcut` where one value crosses (dominators of the output, with
+  networkx), and what needs no gradient (masks, position ids, rotary tables, the other
+  inputs) travels beside the chain as side inputs (:mod:`optmem.pytorch.context`). The
+  result, an :class:`Extraction`, also assembles the model's own output.
+* :func:`extract_stages` on another module without a sample traces it with ``torch.fx``
+  and cuts it the same way, every input part of the chain input (no side inputs).
 
-A stage never starts with an in-place op on its input (``ReLU(inplace=True)``,
-``x.add_(...)``): that would overwrite a checkpoint or the stage's input leaf, so such ops
-are merged into the stage before them.
+Residual blocks and inception modules have no single-value cut inside them, so they stay
+whole; a pre-norm transformer layer is cut between its two residual additions. A stage
+never starts with an in-place op on its input (``ReLU(inplace=True)``, ``x.add_(...)``):
+that would overwrite a checkpoint or the stage's input leaf.
 
 :func:`merge_stages` groups consecutive stages into at most ``N`` balanced stages (exact
 linear-partition DP minimising the costliest group).
@@ -22,6 +27,7 @@ linear-partition DP minimising the costliest group).
 
 from __future__ import annotations
 
+import inspect
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -29,11 +35,26 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.fx import _pytree as fx_pytree
 from torch.utils._pytree import tree_flatten
 
 from optmem.errors import OptmemInputError
+from optmem.pytorch.context import SideInputs, side_inputs
+from optmem.pytorch.graphcut import (
+    Cut,
+    GraphStage,
+    OutputLayout,
+    SideProgram,
+    build_side_program,
+    build_stage_graph,
+    classify,
+    cut_graph,
+    make_stage,
+    output_layout,
+)
 
-__all__ = ["Stage", "extract_stages", "merge_stages", "partition_costs", "stage_cost"]
+__all__ = ["Extraction", "Stage", "extract_program", "extract_stages", "merge_stages",
+           "partition_costs", "stage_cost"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +77,18 @@ class StageGroup(nn.Module):
             x = part(x)
         return x
 
+    def compiled_call(self, compile_part: Callable[[nn.Module], Any],
+                      options: dict[str, Any]) -> Callable[[Any], Any]:
+        """The parts compiled one by one (``compile_part``), run in order."""
+        parts = [compile_part(p) for p in self.parts]
+
+        def run(x: Any) -> Any:
+            for part in parts:
+                x = part(x)
+            return x
+
+        return run
+
 
 # ------------------------------------------------------------------ nn.Sequential
 def _is_plain_sequential(module: nn.Module) -> bool:
@@ -68,7 +101,10 @@ def _is_plain_sequential(module: nn.Module) -> bool:
 
 def _flatten_sequential(module: nn.Sequential, prefix: str) -> list[Stage]:
     out: list[Stage] = []
-    for name, child in module.named_children():
+    # as Sequential.forward: every entry, a module that appears twice runs twice
+    for name, child in module._modules.items():
+        if child is None:
+            continue
         full = f"{prefix}.{name}" if prefix else name
         if _is_plain_sequential(child):
             out.extend(_flatten_sequential(child, full))  # type: ignore[arg-type]
@@ -100,123 +136,15 @@ def _first_name(name: str) -> str:
     return name.split("..")[0]
 
 
-# ------------------------------------------------------------------ torch.fx
-_INPLACE_FUNCTIONS = {operator.iadd, operator.isub, operator.imul, operator.itruediv,
-                      operator.iand, operator.ior, operator.ixor}
-
-
-def _node_is_inplace(node: fx.Node, root: nn.Module) -> bool:
+# ------------------------------------------------------------------ graphs
+def _module_path(node: fx.Node) -> str | None:
+    """The module a node belongs to: its ``call_module`` target or export's module stack."""
     if node.op == "call_module":
-        return _module_is_inplace(root.get_submodule(str(node.target)))
-    if node.op == "call_method":
-        name = str(node.target)
-        return name.endswith("_") and not name.endswith("__")
-    if node.op == "call_function":
-        if node.target in _INPLACE_FUNCTIONS:
-            return True
-        if node.kwargs.get("inplace", False):
-            return True
-        name = getattr(node.target, "__name__", "")
-        return name.endswith("_") and not name.endswith("__")
-    return False
-
-
-class _Segment(nn.Module):
-    """A contiguous piece of a traced graph, as a module of one value."""
-
-    def __init__(self, gm: fx.GraphModule) -> None:
-        super().__init__()
-        self.gm = gm
-
-    def forward(self, x: Any) -> Any:  # noqa: D102
-        return self.gm(x)
-
-
-def _trace(module: nn.Module) -> fx.GraphModule:
-    try:
-        return fx.symbolic_trace(module)
-    except Exception as exc:  # noqa: BLE001 - any tracing failure becomes one clear message
-        raise OptmemInputError(
-            f"cannot extract a chain from {type(module).__name__}: it is not an nn.Sequential "
-            f"and torch.fx cannot trace it ({type(exc).__name__}: {str(exc).splitlines()[0]}). "
-            "Wrap the traceable parts in an nn.Sequential, or pass a list of stages.",
-            field="module") from None
-
-
-def _cut_positions(gm: fx.GraphModule, nodes: list[fx.Node]) -> list[int]:
-    """Positions ``k`` such that only ``nodes[k]`` is live between ``k`` and ``k + 1``."""
-    index = {n: k for k, n in enumerate(nodes)}
-    last_use: dict[fx.Node, int] = {}
-    for k, n in enumerate(nodes):
-        for arg in n.all_input_nodes:
-            if arg.op != "get_attr":
-                last_use[arg] = k
-    # live values crossing each boundary, counted with a sweep
-    starts = [0] * (len(nodes) + 1)
-    for n, last in last_use.items():
-        d = index[n]
-        if last > d:
-            starts[d] += 1
-            starts[last] -= 1
-    cuts = []
-    live = 0
-    for k, n in enumerate(nodes[:-1]):
-        live += starts[k]
-        if n.op in ("get_attr", "placeholder"):
-            continue
-        # exactly one live value, and it is n itself
-        if live == 1 and last_use.get(n, -1) > k:
-            nxt = nodes[k + 1]
-            users_after = [u for u in n.users if index[u] > k]
-            if any(_node_is_inplace(u, gm) and u.args and u.args[0] is n
-                   for u in users_after):
-                continue
-            if nxt.op == "output":
-                continue
-            cuts.append(k)
-    return cuts
-
-
-def _build_segment(gm: fx.GraphModule, nodes: list[fx.Node], first: int, last: int,
-                   inp: fx.Node | list[fx.Node], returns: fx.Node | Any) -> fx.GraphModule:
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    x = graph.placeholder("x")
-    if isinstance(inp, list):  # the first segment unpacks the module's arguments
-        if len(inp) == 1:
-            env[inp[0]] = x
-        else:
-            for k, p in enumerate(inp):
-                env[p] = graph.call_function(operator.getitem, (x, k))
-    else:
-        env[inp] = x
-
-    def lookup(n: fx.Node) -> fx.Node:
-        if n not in env:
-            if n.op != "get_attr":
-                raise RuntimeError(f"internal error: node {n.name} not available in segment")
-            env[n] = graph.node_copy(n, lookup)
-        return env[n]
-
-    for n in nodes[first:last + 1]:
-        if n.op in ("placeholder",):
-            continue
-        env[n] = graph.node_copy(n, lookup)
-    graph.output(fx.node.map_arg(returns, lookup))
-    graph.lint()
-    return fx.GraphModule(gm, graph, class_name="OptmemSegment")
-
-
-def _segment_name(nodes: list[fx.Node], first: int, last: int) -> str:
-    names = [str(n.target) if n.op == "call_module" else n.name
-             for n in nodes[first:last + 1] if n.op not in ("get_attr", "placeholder")]
-    if not names:
-        return "input"
-    modules = [str(n.target) for n in nodes[first:last + 1] if n.op == "call_module"]
-    prefix = _common_module_prefix(modules) if len(modules) > 1 else ""
-    if prefix:
-        return prefix
-    return names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
+        return str(node.target)
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        return str(list(stack.values())[-1][0])
+    return None
 
 
 def _common_module_prefix(names: list[str]) -> str:
@@ -231,31 +159,297 @@ def _common_module_prefix(names: list[str]) -> str:
     return ".".join(common)
 
 
+def _segment_name(nodes: list[fx.Node], detailed: bool = False) -> str:
+    """A stage name from the modules its nodes belong to.
+
+    ``detailed`` (exported graphs, where every node knows its module): the common module
+    and the children it covers, ``model.layers.0:input_layernorm+self_attn``.
+    """
+    body = [n for n in nodes if n.op not in ("get_attr", "placeholder")]
+    names = [str(n.target) if n.op == "call_module" else n.name for n in body]
+    if not names:
+        return "input"
+    if detailed:
+        label = _module_label([p for p in map(_module_path, body) if p is not None])
+        if label:
+            return label
+    modules = [str(n.target) for n in body if n.op == "call_module"]
+    prefix = _common_module_prefix(modules) if len(modules) > 1 else ""
+    if prefix:
+        return prefix
+    return names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
+
+
+def _module_label(paths: list[str]) -> str:
+    """``common.module:child1+child2`` for the modules of a stage (empty if none)."""
+    split = [p.split(".") if p else [] for p in dict.fromkeys(paths)]
+    if not split:
+        return ""
+    common: list[str] = []
+    for group in zip(*split, strict=False):
+        if len(set(group)) != 1:
+            break
+        common.append(group[0])
+    children = list(dict.fromkeys(p[len(common)] for p in split if len(p) > len(common)))
+    if len(children) > 3:
+        children = [children[0], "..", children[-1]]
+    label = "+".join(children).replace("+..+", "..")
+    prefix = ".".join(common)
+    return f"{prefix}:{label}" if prefix and label else prefix or label
+
+
+def _inputs_of_first_stage(placeholders: list[fx.Node], positions: dict[str, int],
+                           count: int) -> dict[fx.Node, Callable[[fx.Graph, fx.Node], fx.Node]]:
+    """The placeholders read from ``a^0``: the value itself, or one item of its tuple."""
+    out: dict[fx.Node, Callable[[fx.Graph, fx.Node], fx.Node]] = {}
+    for p in placeholders:
+        if p.name not in positions:
+            continue
+        out[p] = _whole if count == 1 else _item(positions[p.name])
+    return out
+
+
+def _whole(graph: fx.Graph, x: fx.Node) -> fx.Node:
+    return x
+
+
+def _item(k: int) -> Callable[[fx.Graph, fx.Node], fx.Node]:
+    def make(graph: fx.Graph, x: fx.Node) -> fx.Node:
+        return graph.call_function(operator.getitem, (x, k))
+
+    return make
+
+
+def _graph_stages(gm: fx.GraphModule, model: nn.Module | None, cut: Cut,
+                  first_inputs: dict[fx.Node, Callable[[fx.Graph, fx.Node], fx.Node]],
+                  detailed: bool) -> list[Stage]:
+    stages: list[Stage] = []
+    last = len(cut.stages) - 1
+    for s, nodes in enumerate(cut.stages):
+        inputs: dict[fx.Node, Callable[[fx.Graph, fx.Node], fx.Node]] = (
+            first_inputs if s == 0 else {cut.boundaries[s - 1]: _whole})
+        returns = cut.boundaries[s] if s < last else (
+            tuple(cut.outputs) if len(cut.outputs) > 1 else cut.outputs[0])
+        built = build_stage_graph(nodes, cut.kinds, inputs, returns)
+        stages.append(Stage(_segment_name(nodes, detailed), make_stage(gm, model, built)))
+    return stages
+
+
+def _trace(module: nn.Module) -> fx.GraphModule:
+    try:
+        return fx.symbolic_trace(module)
+    except Exception as exc:  # noqa: BLE001 - any tracing failure becomes one clear message
+        raise OptmemInputError(
+            f"cannot extract a chain from {type(module).__name__}: it is not an nn.Sequential "
+            f"and torch.fx cannot trace it ({_first_line(exc)}). Give a sample batch "
+            "(torch.export is tried first then), wrap the traceable parts in an "
+            "nn.Sequential, or pass a list of stages.", field="module") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
 def _fx_stages(module: nn.Module) -> list[Stage]:
+    """Legacy route without a sample: every placeholder is part of ``a^0``, no side inputs."""
     gm = _trace(module)
-    nodes = list(gm.graph.nodes)
-    placeholders = [n for n in nodes if n.op == "placeholder"]
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if not placeholders:
         raise OptmemInputError(f"{type(module).__name__}.forward takes no input", field="module")
-    out_node = nodes[-1]
-    # Do not let get_attr/placeholder nodes decide segment boundaries: compute cuts on all nodes.
-    cuts = _cut_positions(gm, nodes)
-    bounds: list[tuple[int, int]] = []
-    start = 0
-    for k in cuts:
-        bounds.append((start, k))
-        start = k + 1
-    bounds.append((start, len(nodes) - 2))
-    stages: list[Stage] = []
-    prev: fx.Node | list[fx.Node] = placeholders
-    for s, (first, last) in enumerate(bounds):
-        is_last = s == len(bounds) - 1
-        returns = out_node.args[0] if is_last else nodes[last]
-        seg = _build_segment(gm, nodes, first, last, prev, returns)
-        stages.append(Stage(_segment_name(nodes, first, last), _Segment(seg)))
-        if not is_last:
-            prev = nodes[last]
-    return stages
+    kinds = classify(gm, None, side=False)
+    cut = _cut(gm, kinds, module)
+    positions = {p.name: k for k, p in enumerate(placeholders)}
+    return _graph_stages(gm, None, cut,
+                         _inputs_of_first_stage(placeholders, positions, len(placeholders)),
+                         detailed=False)
+
+
+def _cut(gm: fx.GraphModule, kinds: dict[fx.Node, str], module: nn.Module) -> Cut:
+    try:
+        return cut_graph(gm, kinds)
+    except ValueError as exc:
+        raise OptmemInputError(f"no chain found in {type(module).__name__}: {exc}",
+                               field="module") from None
+
+
+# ------------------------------------------------------------------ programs (with a sample)
+@dataclass
+class Extraction:
+    """A module cut into a chain, with what runs beside it.
+
+    Attributes
+    ----------
+    stages
+        The chain: modules ``value -> value``. The first takes ``a^0``, the tuple of the
+        call's tensors (or the tensor alone); stages read their side inputs from the
+        context (:mod:`optmem.pytorch.context`).
+    side
+        Computes the side inputs of a call from its flat inputs.
+    output
+        Assembles the module's output (a ``ModelOutput``, a tuple, a tensor) from the chain
+        output and the side inputs.
+    method
+        ``"export"`` (``torch.export``, non-strict) or ``"fx"`` (``torch.fx`` fallback).
+    """
+
+    stages: list[Stage]
+    side: SideProgram
+    output: OutputLayout
+    method: str
+    in_spec: Any
+    signature: inspect.Signature | None
+    input_names: tuple[str, ...]
+    tensor_positions: tuple[int, ...]
+
+    def flatten(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        """The call's inputs in the graph's placeholder order."""
+        if self.in_spec is not None:
+            return list(fx_pytree.tree_flatten_spec((args, kwargs), self.in_spec))
+        assert self.signature is not None
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return [bound.arguments[name] for name in self.input_names]
+
+    def chain_input(self, flat: Sequence[Any]) -> Any:
+        """``a^0``: the call's tensors (a tuple), or the only one."""
+        tensors = tuple(flat[k] for k in self.tensor_positions)
+        return tensors[0] if len(tensors) == 1 else tensors
+
+    def side_inputs(self, flat: Sequence[Any]) -> SideInputs:
+        """The side inputs of a call (computed without gradients)."""
+        return self.side(flat)
+
+    def rebind(self) -> None:
+        """Point every stage at the model's current parameters and buffers."""
+        self.side.rebind()
+        for st in self.stages:
+            for m in st.module.modules():
+                if isinstance(m, GraphStage):
+                    m.rebind()
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        """Reference forward: the stages one after the other, output assembled."""
+        flat = self.flatten(args, kwargs)
+        ctx = self.side_inputs(flat)
+        with side_inputs(ctx):
+            out = run_stages(self.stages, self.chain_input(flat))
+        return self.output.assemble(out, ctx)
+
+
+def extract_program(module: nn.Module, args: tuple[Any, ...] = (),
+                    kwargs: dict[str, Any] | None = None, *,
+                    method: str = "auto", allow_single: bool = False) -> Extraction:
+    """Cut ``module`` called as ``module(*args, **kwargs)`` into a chain.
+
+    ``torch.export.export(..., strict=False)`` first (``method="auto"`` or ``"export"``),
+    ``torch.fx.symbolic_trace`` as fallback (``"auto"`` or ``"fx"``). The graph is
+    specialised to the call: its shapes, dtypes, flags, which keyword arguments are given,
+    the training mode and the autocast state. ``allow_single`` accepts a chain of one
+    stage (nothing to checkpoint).
+
+    Raises
+    ------
+    OptmemInputError
+        Naming the module, why each route failed, and what to do.
+    """
+    ext = _extract_program(module, args, kwargs, method)
+    if len(ext.stages) == 1 and not allow_single:
+        raise OptmemInputError(_single_stage_message(module), field="module")
+    return ext
+
+
+def _single_stage_message(module: nn.Module) -> str:
+    return (f"no chain found in {type(module).__name__}: its graph has no single-tensor cut "
+            "point, so it is one stage and checkpointing cannot save memory. Split it into "
+            "an nn.Sequential of blocks, or pass allow_single=True.")
+
+
+def _extract_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None,
+                     method: str) -> Extraction:
+    kwargs = dict(kwargs or {})
+    name = type(module).__name__
+    if method not in ("auto", "export", "fx"):
+        raise OptmemInputError(f"expected method auto, export or fx, got {method!r}",
+                               field="extract")
+    errors = []
+    if method in ("auto", "export"):
+        try:
+            return _export_program(module, args, kwargs)
+        except OptmemInputError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported below, with the fx attempt
+            errors.append(f"torch.export: {_first_line(exc)}")
+    if method in ("auto", "fx"):
+        try:
+            return _fx_program(module, args, kwargs)
+        except OptmemInputError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            errors.append(f"torch.fx: {_first_line(exc)}")
+    raise OptmemInputError(
+        f"cannot extract a chain from {name} ({'; '.join(errors)}): pass an nn.Sequential "
+        "of its blocks or a list of stage modules instead", field="module")
+
+
+def _chain_inputs(names: Sequence[str], flat: Sequence[Any]) -> set[str]:
+    """Placeholders a gradient must reach: floating tensors that require grad."""
+    return {n for n, v in zip(names, flat, strict=True)
+            if isinstance(v, torch.Tensor) and v.requires_grad}
+
+
+def _program(gm: fx.GraphModule, model: nn.Module, flat: list[Any], *, method: str,
+             in_spec: Any, out_spec: Any, signature: inspect.Signature | None) -> Extraction:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    names = tuple(p.name for p in placeholders)
+    kinds = classify(gm, _chain_inputs(names, flat))
+    cut = _cut(gm, kinds, model)
+    tensor_positions = tuple(k for k, v in enumerate(flat) if isinstance(v, torch.Tensor))
+    if not tensor_positions:
+        raise OptmemInputError(f"{type(model).__name__} was called without any tensor",
+                               field="sample")
+    positions = {names[k]: j for j, k in enumerate(tensor_positions)}
+    stages = _graph_stages(gm, model, cut,
+                           _inputs_of_first_stage(placeholders, positions,
+                                                  len(tensor_positions)),
+                           detailed=method == "export")
+    output_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    needed = [a for st in cut.stages for n in st for a in n.all_input_nodes]
+    needed += [n for n in _flat_graph_nodes(output_node.args[0])]
+    side = build_side_program(gm, model, cut.kinds, needed)
+    layout = output_layout(output_node, cut.outputs, cut.kinds, spec=out_spec)
+    return Extraction(_unique_names(stages), side, layout, method, in_spec, signature,
+                      names, tensor_positions)
+
+
+def _flat_graph_nodes(value: Any) -> list[fx.Node]:
+    out: list[fx.Node] = []
+    fx.node.map_arg(value, out.append)
+    return out
+
+
+def _export_program(module: nn.Module, args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> Extraction:
+    ep = torch.export.export(module, args, kwargs=kwargs, strict=False)
+    gm = ep.module()
+    flat = list(fx_pytree.tree_flatten_spec((args, kwargs), ep.call_spec.in_spec))
+    return _program(gm, module, flat, method="export", in_spec=ep.call_spec.in_spec,
+                    out_spec=ep.call_spec.out_spec, signature=None)
+
+
+def _fx_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Extraction:
+    from torch.fx.passes.shape_prop import ShapeProp
+
+    gm = fx.symbolic_trace(module)
+    signature = inspect.signature(module.forward)
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    flat = [bound.arguments[n] for n in names]
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        ShapeProp(gm).propagate(*flat)
+    return _program(gm, module, flat, method="fx", in_spec=None, out_spec=None,
+                    signature=signature)
 
 
 # ------------------------------------------------------------------ public API
@@ -306,10 +500,7 @@ def extract_stages(
         raise OptmemInputError(f"{type(module).__name__} has no stages (empty Sequential?)",
                                field="module")
     if len(stages) == 1 and not allow_single:
-        raise OptmemInputError(
-            f"no chain found in {type(module).__name__}: its graph has no single-tensor cut "
-            "point, so it is one stage and checkpointing cannot save memory. Split it into an "
-            "nn.Sequential of blocks, or pass allow_single=True.", field="module")
+        raise OptmemInputError(_single_stage_message(module), field="module")  # type: ignore[arg-type]
     if max_stages is not None and len(stages) > max_stages:
         stages = merge_stages(stages, max_stages, costs)
     return _unique_names(stages)
@@ -372,14 +563,21 @@ def partition_costs(costs: Sequence[float], parts: int) -> list[tuple[int, int]]
 
 
 def merge_stages(stages: Sequence[Stage], max_stages: int,
-                 costs: Sequence[float] | None = None) -> list[Stage]:
-    """Group consecutive stages into at most ``max_stages`` stages of balanced cost."""
-    if costs is None:
-        costs = [stage_cost(s.module) for s in stages]
-    if len(costs) != len(stages):
-        raise OptmemInputError(f"expected {len(stages)} costs, got {len(costs)}", field="costs")
+                 costs: Sequence[float] | None = None, *,
+                 groups: Sequence[tuple[int, int]] | None = None) -> list[Stage]:
+    """Group consecutive stages into at most ``max_stages`` stages of balanced cost.
+
+    ``groups`` (``[(first, last), ...]``, 0-based) gives the grouping instead.
+    """
+    if groups is None:
+        if costs is None:
+            costs = [stage_cost(s.module) for s in stages]
+        if len(costs) != len(stages):
+            raise OptmemInputError(f"expected {len(stages)} costs, got {len(costs)}",
+                                   field="costs")
+        groups = partition_costs(costs, max_stages)
     out = []
-    for first, last in partition_costs(costs, max_stages):
+    for first, last in groups:
         if first == last:
             out.append(stages[first])
             continue

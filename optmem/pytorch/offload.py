@@ -21,6 +21,10 @@ the tensors autograd saves to host memory and back as the plan says:
 * **CPU** (tests): the same bookkeeping with synchronous host copies (``clone``), so the
   semantics (which tensor lives where, when) are exercised without a GPU.
 
+Values between stages may be tensors or tuples of tensors; stages may read side inputs
+(:mod:`optmem.pytorch.context`): nothing is re-run, so the call's context is enough.
+:class:`HostCopies` (the copy engine) is shared with :mod:`optmem.pytorch.remat_offload`.
+
 A tensor that is unpacked while still on the host (the plan did not prefetch it) is copied
 back synchronously and counted in :attr:`OffloadedChain.late_unpacks`. Gradients are those of
 the unmodified chain: saved tensors are copied bit for bit.
@@ -40,8 +44,11 @@ from torch import nn
 
 from optmem.errors import PlanError
 from optmem.plan import AnyOp, Op, OpKind, TransferKind, TransferOp, parse_mixed_plan
+from optmem.pytorch.execute import StageCalls, _run_disabled, run_in_order
+from optmem.pytorch.extract import Stage, value_tensors
 
-__all__ = ["OffloadedChain", "offload_plan_actions"]
+__all__ = ["HostCopies", "OffloadedChain", "kept_storages", "offload_plan_actions",
+           "value_device"]
 
 Key = tuple[str, int]
 
@@ -96,14 +103,96 @@ def offload_plan_actions(plan: Sequence[AnyOp | str], length: int
     return after_forward, before_backward
 
 
+class HostCopies:
+    """Copies between the compute device and host memory.
+
+    On CUDA: on a dedicated side stream, into pinned host buffers, ``non_blocking``; each
+    copy waits for the kernels that produced its source (an event recorded on the compute
+    stream) and records an event of its own; the source's memory is kept from reuse by the
+    caching allocator until the side stream is done with it (``record_stream``). A copy
+    brought back is used on the compute stream only after :meth:`ready` (the compute stream
+    waits for its event). Elsewhere (CPU, for tests): synchronous copies, no events.
+    """
+
+    def __init__(self, device: torch.device | None) -> None:
+        self.stream = (torch.cuda.Stream(device=device)
+                       if device is not None and device.type == "cuda" else None)
+
+    def to_host(self, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """A host copy of ``t`` and the event that marks it complete (``None``: done)."""
+        if self.stream is None:
+            return (t.detach().clone() if t.device.type == "cpu"
+                    else t.detach().to("cpu")), None
+        produced = torch.cuda.Event()
+        produced.record(torch.cuda.current_stream(t.device))
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(produced)
+            host = torch.empty_like(t, device="cpu", pin_memory=True)
+            host.copy_(t.detach(), non_blocking=True)
+            t.record_stream(self.stream)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return host, done
+
+    def to_device(self, host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, Any]:
+        """A device copy of ``host`` and the event that marks it complete."""
+        if self.stream is None or device.type != "cuda":
+            return (host.clone() if device.type == "cpu" else host.to(device)), None
+        with torch.cuda.stream(self.stream):  # after the offload of ``host`` (same stream)
+            dev = torch.empty_like(host, device=device)
+            dev.copy_(host, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return dev, done
+
+    @staticmethod
+    def ready(t: torch.Tensor, event: Any) -> torch.Tensor:
+        """``t``, usable on the compute stream (which waits for ``event``)."""
+        if event is not None:
+            stream = torch.cuda.current_stream(t.device)
+            stream.wait_event(event)
+            t.record_stream(stream)
+        return t
+
+
+def _storage_ptr(t: torch.Tensor) -> int | None:
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except RuntimeError:  # pragma: no cover - tensors without storage
+        return None
+
+
+def kept_storages(module: nn.Module) -> set[int]:
+    """Storages never transferred.
+
+    Parameters and buffers (O.6) and the side inputs of the running call (computed once per
+    call, shared by the stages that save them).
+    """
+    from optmem.pytorch.context import current_side_inputs_or_none
+
+    tensors = [*module.parameters(), *module.buffers()]
+    ctx = current_side_inputs_or_none()
+    if ctx is not None:
+        tensors += [t for v in ctx.values() for t in value_tensors(v)]
+    return {p for t in tensors if (p := _storage_ptr(t)) is not None}
+
+
+def value_device(value: Any, default: nn.Module | None = None) -> torch.device:
+    """The device of the first tensor of ``value`` (else of ``default``'s parameters)."""
+    for t in value_tensors(value):
+        return t.device
+    param = next(default.parameters(), None) if default is not None else None
+    return param.device if param is not None else torch.device("cpu")
+
+
 @dataclass
 class _Packed:
     """One saved tensor: on the device, on the host, or on its way."""
 
     device_tensor: torch.Tensor | None
+    device: torch.device
     host: torch.Tensor | None = None
-    offload_event: Any = None
-    prefetch_event: Any = None
+    event: Any = None  # completion of the last copy
 
 
 @dataclass
@@ -112,13 +201,14 @@ class _Group:
     state: str = "device"  # device -> host -> prefetched
 
 
-class OffloadedChain(nn.Module):
+class OffloadedChain(StageCalls, nn.Module):
     """Train a chain of stages following an offload plan.
 
     Parameters
     ----------
     stages
-        The stages (each takes and returns one tensor), in order.
+        The stages (each takes and returns one value: a tensor or a tuple of tensors), in
+        order.
     plan
         A store-all offload plan (op strings or ops), e.g. ``Result.plan`` of
         ``solve(OffloadProblem(...), "dp")``.
@@ -133,64 +223,76 @@ class OffloadedChain(nn.Module):
     torch.Size([3, 4])
     """
 
-    def __init__(self, stages: Sequence[nn.Module], plan: Sequence[AnyOp | str]):
+    def __init__(self, stages: Sequence[Stage | nn.Module], plan: Sequence[AnyOp | str]):
         super().__init__()
-        self.stages = nn.ModuleList(stages)
+        self.stage_names = [s.name if isinstance(s, Stage) else f"stage{k + 1}"
+                            for k, s in enumerate(stages)]
+        self.stages = nn.ModuleList([s.module if isinstance(s, Stage) else s for s in stages])
         self.plan = parse_mixed_plan(plan)
         self.after_forward, self.before_backward = offload_plan_actions(self.plan, len(stages))
         self.late_unpacks = 0
         self.transfers: list[str] = []
         self._groups: dict[Key, _Group] = {}
         self._weights: set[int] = set()
-        self._stream: Any = None
+        self._copies = HostCopies(None)
+
+    def set_plan(self, plan: Sequence[AnyOp | str]) -> None:
+        """Replace the plan."""
+        self.plan = parse_mixed_plan(plan)
+        self.after_forward, self.before_backward = offload_plan_actions(self.plan,
+                                                                        len(self.stages))
 
     # ------------------------------------------------------------------ forward
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: Any) -> Any:
         """Run the stages, packing saved tensors by value and issuing transfers."""
+        if torch.compiler.is_compiling():
+            return _run_disabled(self, x, True)
+        return self._forward(x, None)
+
+    def _forward(self, x: Any, compiled: bool | None) -> Any:
+        functions = self.stage_functions(compiled)
+        if not torch.is_grad_enabled():
+            return run_in_order(functions, x)
         self._groups = {}
         self.transfers = []
         self.late_unpacks = 0
-        self._weights = {t.untyped_storage().data_ptr()
-                         for t in (*self.parameters(), *self.buffers())}
-        if x.is_cuda:
-            self._stream = torch.cuda.Stream(device=x.device)
+        self._weights = kept_storages(self)
+        self._copies = HostCopies(value_device(x, self))
         self._issue(self.after_forward.get(0, []))
-        for i, stage in enumerate(self.stages, start=1):
-            inp = x
-            with torch.autograd.graph.saved_tensors_hooks(self._packer(i, inp), self._unpack):
+        for i, stage in enumerate(functions, start=1):
+            inputs = {p for t in value_tensors(x) if (p := _storage_ptr(t)) is not None}
+            with torch.autograd.graph.saved_tensors_hooks(self._packer(i, inputs),
+                                                          self._unpack):
                 x = stage(x)
             self._issue(self.after_forward.get(i, []))
-            if torch.is_grad_enabled() and x.requires_grad:
-                actions = self.before_backward.get(i, [])  # i == L: listed after Loss
-                if actions:
-                    x.register_hook(self._hook(actions))
+            actions = self.before_backward.get(i, [])  # i == L: listed after Loss
+            if actions and torch.is_grad_enabled():
+                self._hook_once([t for t in value_tensors(x) if t.requires_grad], actions)
         return x
 
-    def _packer(self, i: int, inp: torch.Tensor) -> Any:
-        try:
-            input_ptr = inp.untyped_storage().data_ptr()
-        except RuntimeError:  # pragma: no cover - tensors without storage
-            input_ptr = None
-
+    def _packer(self, i: int, inputs: set[int]) -> Any:
         def pack(t: torch.Tensor) -> _Packed:
-            try:
-                ptr = t.untyped_storage().data_ptr()
-            except RuntimeError:  # pragma: no cover - tensors without storage
-                ptr = None
-            packed = _Packed(t)
+            ptr = _storage_ptr(t)
+            packed = _Packed(t, t.device)
             if ptr is not None and ptr in self._weights:
                 return packed  # weights and buffers are never transferred (O.6)
-            key = _key(i - 1) if ptr is not None and ptr == input_ptr else ("abar", i)
+            key = _key(i - 1) if ptr is not None and ptr in inputs else ("abar", i)
             self._groups.setdefault(key, _Group()).packed.append(packed)
             return packed
 
         return pack
 
-    def _hook(self, actions: list[TransferOp]) -> Any:
-        def hook(grad: torch.Tensor) -> None:
-            self._issue(actions)
+    def _hook_once(self, outputs: list[torch.Tensor], actions: list[TransferOp]) -> None:
+        """Issue ``actions`` when the first gradient of the stage's outputs arrives."""
+        fired = [False]
 
-        return hook
+        def hook(grad: torch.Tensor) -> None:
+            if not fired[0]:
+                fired[0] = True
+                self._issue(actions)
+
+        for t in outputs:
+            t.register_hook(hook)
 
     # ------------------------------------------------------------------ transfers
     def _issue(self, actions: list[TransferOp]) -> None:
@@ -211,57 +313,25 @@ class OffloadedChain(nn.Module):
             t = p.device_tensor
             if t is None:
                 continue
-            if self._stream is not None:
-                ready = torch.cuda.Event()
-                ready.record(torch.cuda.current_stream(t.device))
-                with torch.cuda.stream(self._stream):
-                    self._stream.wait_event(ready)
-                    host = torch.empty_like(t, device="cpu", pin_memory=True)
-                    host.copy_(t, non_blocking=True)
-                    t.record_stream(self._stream)
-                    done = torch.cuda.Event()
-                    done.record(self._stream)
-                p.offload_event = done
-            else:
-                host = t.detach().to("cpu", copy=True)
-            p.host, p.device_tensor = host, None
+            p.host, p.event = self._copies.to_host(t)
+            p.device_tensor = None  # the device memory returns once the copy is done
         group.state = "host"
 
     def _prefetch(self, group: _Group) -> None:
         if group.state != "host":
             raise PlanError("prefetch of a value that is not on the host")
         for p in group.packed:
-            if p.host is None:
-                continue
-            p.device_tensor, p.prefetch_event = self._to_device(p)
+            if p.host is not None:
+                p.device_tensor, p.event = self._copies.to_device(p.host, p.device)
         group.state = "prefetched"
 
-    def _device(self) -> torch.device:
-        param = next(self.parameters(), None)
-        if self._stream is not None:
-            return self._stream.device
-        return param.device if param is not None else torch.device("cpu")
-
-    def _to_device(self, p: _Packed) -> tuple[torch.Tensor, Any]:
-        host = p.host
-        assert host is not None
-        if self._stream is not None:
-            with torch.cuda.stream(self._stream):
-                dev = torch.empty_like(host, device=self._stream.device)
-                dev.copy_(host, non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record(self._stream)
-            return dev, ev
-        return host.to(self._device(), copy=True), None
-
     def _unpack(self, p: _Packed) -> torch.Tensor:
-        if p.device_tensor is None:  # never prefetched: synchronous copy back
+        if p.device_tensor is None:  # never prefetched: copied back now
             self.late_unpacks += 1
-            p.device_tensor, p.prefetch_event = self._to_device(p)
-        t = p.device_tensor
-        if p.prefetch_event is not None:
-            torch.cuda.current_stream(t.device).wait_event(p.prefetch_event)
-            t.record_stream(torch.cuda.current_stream(t.device))
+            assert p.host is not None
+            p.device_tensor, p.event = self._copies.to_device(p.host, p.device)
+        t = HostCopies.ready(p.device_tensor, p.event)
+        p.event = None
         return t
 
     # ------------------------------------------------------------------ introspection

@@ -12,18 +12,19 @@ RNG and buffer handling for re-run stages) extended with the transfer ops of CON
 * a transfer is issued just before the compute op it is listed before (transfers listed
   before ``Loss`` at the end of the forward, those after it when the backward starts).
 
-Host copies are synchronous here (``clone`` on CPU, ``.to("cpu")`` from CUDA), so this
-executor reproduces the plan's *memory placement* and its gradients, not the overlap of
-the link with compute (:class:`optmem.pytorch.offload.OffloadedChain` does the overlapped
-CUDA-stream version for store-all plans). A value read or unpacked while on the host is
-copied back on the spot and counted in :attr:`RematOffloadChain.late_reads`;
-:attr:`RematOffloadChain.moved_out` counts the values moved to the host. Gradients are
+Copies go through :class:`optmem.pytorch.offload.HostCopies`: on CUDA on a side stream
+into pinned host memory, ordered by events (a value brought back is used only after its
+copy's event; a stage reading a stored value that was brought back waits for it), so the
+link overlaps compute as the plan intends; on CPU synchronous clones (tests). A value read
+or unpacked while on the host is copied back on the spot and counted in
+:attr:`RematOffloadChain.late_reads`; :attr:`RematOffloadChain.moved_out` counts the values
+moved to the host. Gradients are
 those of the unmodified chain: every copy is bit for bit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +36,7 @@ from optmem.errors import PlanError
 from optmem.plan import AnyOp, Op, OpKind, TransferKind, TransferOp, parse_mixed_plan
 from optmem.pytorch.execute import CheckpointedChain, _Runner
 from optmem.pytorch.extract import Stage
+from optmem.pytorch.offload import HostCopies, kept_storages, value_device
 
 __all__ = ["RematOffloadChain", "split_mixed_plan"]
 
@@ -59,20 +61,13 @@ class _Packed:
     tensor: torch.Tensor
     device: torch.device
     on_host: bool = False
+    event: Any = None  # completion of the last copy
 
 
 @dataclass
 class _Group:
     packed: list[_Packed] = field(default_factory=list)
     on_host: bool = False
-
-
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().clone() if t.device.type == "cpu" else t.detach().to("cpu")
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return t.clone() if device.type == "cpu" else t.to(device)
 
 
 class _OffloadRunner(_Runner):
@@ -84,6 +79,8 @@ class _OffloadRunner(_Runner):
         super().__init__(owner, plan, n_stages)
         self.groups: dict[int, _Group] = {}
         self.host_slots: dict[int, list[torch.device | None]] = {}
+        self.slot_events: dict[int, list[Any]] = {}  # copies of a slot not waited for yet
+        self.copies = HostCopies(None)
         self.deferred: dict[int, list[Key]] = {}  # offloads waiting for a listed reader
 
     # -------------------------------------------------------------- transfers
@@ -132,7 +129,8 @@ class _OffloadRunner(_Runner):
             if group is not None:
                 for p in group.packed:
                     if not p.on_host:
-                        p.tensor, p.on_host = _to_host(p.tensor), True
+                        p.tensor, p.event = self.copies.to_host(p.tensor)
+                        p.on_host = True
                 group.on_host = True
         self._slot_to_host(i)
 
@@ -142,8 +140,9 @@ class _OffloadRunner(_Runner):
             return
         leaves, spec = tree_flatten(slot.value)
         devices = [v.device if isinstance(v, torch.Tensor) else None for v in leaves]
-        slot.value = tree_unflatten([_to_host(v) if isinstance(v, torch.Tensor) else v
-                                     for v in leaves], spec)
+        moved = [self.copies.to_host(v) if isinstance(v, torch.Tensor) else (v, None)
+                 for v in leaves]
+        slot.value = tree_unflatten([v for v, _ in moved], spec)
         self.host_slots[i] = devices
 
     def _slot_back(self, i: int) -> None:
@@ -152,15 +151,26 @@ class _OffloadRunner(_Runner):
         if devices is None or slot is None or slot.value is None:
             return
         leaves, spec = tree_flatten(slot.value)
-        slot.value = tree_unflatten([_to_device(v, d) if isinstance(v, torch.Tensor)
-                                     and d is not None else v
-                                     for v, d in zip(leaves, devices, strict=True)], spec)
+        back = [self.copies.to_device(v, d) if isinstance(v, torch.Tensor) and d is not None
+                else (v, None) for v, d in zip(leaves, devices, strict=True)]
+        slot.value = tree_unflatten([v for v, _ in back], spec)
+        self.slot_events[i] = [e for _, e in back]
 
-    @staticmethod
-    def _group_back(group: _Group) -> None:
+    def _slot_ready(self, i: int) -> None:
+        """Make the compute stream wait for the copies that brought slot ``i`` back."""
+        events = self.slot_events.pop(i, None)
+        slot = self.storage.get(i)
+        if not events or slot is None or slot.value is None:
+            return
+        for v, e in zip(tree_flatten(slot.value)[0], events, strict=True):
+            if isinstance(v, torch.Tensor):
+                HostCopies.ready(v, e)
+
+    def _group_back(self, group: _Group) -> None:
         for p in group.packed:
             if p.on_host:
-                p.tensor, p.on_host = _to_device(p.tensor, p.device), False
+                p.tensor, p.event = self.copies.to_device(p.tensor, p.device)
+                p.on_host = False
         group.on_host = False
 
     # -------------------------------------------------------------- ops
@@ -176,6 +186,7 @@ class _OffloadRunner(_Runner):
         if i - 1 in self.host_slots:  # read while on the host: copy back on the spot
             self.owner.late_reads += 1
             self._slot_back(i - 1)
+        self._slot_ready(i - 1)
         if op.kind is not OpKind.F_ALL:
             super()._run_stage(op)
             return
@@ -199,13 +210,17 @@ class _OffloadRunner(_Runner):
                 return p
             if p.on_host:
                 self.owner.late_reads += 1
-                return _to_device(p.tensor, p.device)
-            return p.tensor
+                t, event = self.copies.to_device(p.tensor, p.device)
+                return HostCopies.ready(t, event)
+            t = HostCopies.ready(p.tensor, p.event)
+            p.event = None
+            return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             super()._run_stage(op)
 
     def forward(self, value: Any) -> list[torch.Tensor]:
+        self.copies = HostCopies(value_device(value, self.owner))
         out = super().forward(value)
         self._issue(self.loss)  # transfers listed just before Loss
         return out
@@ -251,13 +266,13 @@ class RematOffloadChain(CheckpointedChain):
         super().set_plan(ops)
         self.transfers = before
 
-    def _run_plan(self, plan: tuple[Op, ...], n: int, x: Any, input_needs_grad: bool) -> Any:
+    def _run_plan(self, plan: tuple[Op, ...], n: int, x: Any, input_needs_grad: bool,
+                  functions: list[Callable[[Any], Any]] | None = None) -> Any:
         self.issued = []
         self.late_reads = 0
         self.moved_out = 0
-        self.weight_ptrs = {t.untyped_storage().data_ptr()
-                            for t in (*self.parameters(), *self.buffers())}
-        return super()._run_plan(plan, n, x, input_needs_grad)
+        self.weight_ptrs = kept_storages(self)
+        return super()._run_plan(plan, n, x, input_needs_grad, functions)
 
     def _make_runner(self, plan: tuple[Op, ...], n: int) -> _OffloadRunner:
         return _OffloadRunner(self, plan, n)

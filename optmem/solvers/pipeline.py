@@ -35,6 +35,10 @@ from optmem.solvers.pipeline_exact import solve_exact
 from optmem.solvers.pipeline_madpipe import solve_madpipe
 
 ENGINES = ("pulp",)
+MADPIPE_EXTRA = ("phase2", "madpipe_grid", "madpipe_iterations")
+"""``SolveOptions.extra`` keys of ``madpipe``."""
+EXACT_EXTRA = ("warm_madpipe", "relaxation", *MADPIPE_EXTRA)
+"""Keys of ``ilp``/``cpsat``: their own, and MadPipe's (its run gives their warm start)."""
 
 
 def _schedule_allocation(problem: PipelineProblem, bounds: contig.Bounds
@@ -146,21 +150,24 @@ def solve_pipeline_pipedream(problem: PipelineProblem, options: SolveOptions) ->
 
 # ------------------------------------------------------------------ exact models, MadPipe
 @register(PROBLEM, "ilp", exact=True, requires=("pulp",), max_length=8,
-          description="exact model of thesis ch. 6 (corrected), general allocations (PuLP)")
+          description="exact model of thesis ch. 6 (corrected), general allocations (PuLP)",
+          extra=EXACT_EXTRA)
 def solve_pipeline_ilp(problem: PipelineProblem, options: SolveOptions) -> Result:
     """Optimal 1-periodic pattern over all allocations (thesis ch. 6, corrected)."""
     return solve_exact(problem, options, "ilp")
 
 
 @register(PROBLEM, "cpsat", exact=True, requires=("ortools",), max_length=8,
-          description="the same exact model with CP-SAT (intervals), general allocations")
+          description="the same exact model with CP-SAT (intervals), general allocations",
+          extra=EXACT_EXTRA)
 def solve_pipeline_cpsat(problem: PipelineProblem, options: SolveOptions) -> Result:
     """Optimal 1-periodic pattern over all allocations, CP-SAT emission of the same model."""
     return solve_exact(problem, options, "cpsat")
 
 
 @register(PROBLEM, "madpipe", exact=False, requires=("pulp",),
-          description="MadPipe: non-contiguous DP (one special GPU) + exact schedule (ch. 7)")
+          description="MadPipe: non-contiguous DP (one special GPU) + exact schedule (ch. 7)",
+          extra=MADPIPE_EXTRA)
 def solve_pipeline_madpipe(problem: PipelineProblem, options: SolveOptions) -> Result:
     """MadPipe phase 1 (DP, Algorithm 8) then phase 2 (the exact model on the coarse chain)."""
     start = time.perf_counter()

@@ -119,7 +119,9 @@ class ModelRun:
     ``status`` is the engine's; ``plan`` the decoded plan (``None`` without one); ``bound``
     a proven lower bound on the model's optimum in the chain's units (``nan`` unknown,
     ``inf`` when the engine proved the model infeasible); ``step`` the time grid of the
-    engine (CP-SAT: ``1 / scale``, a cutoff holds up to it; 0 for the MILP engines).
+    engine (CP-SAT: ``1 / scale``, a cutoff holds up to it; 0 for the MILP engines);
+    ``engine`` the engine's own outcome (``engine.failed``: the engine crashed, ``status``
+    is ``error``; hand it to :func:`~optmem.solvers.engine_results.engine_failure`).
     """
 
     status: Status
@@ -127,21 +129,27 @@ class ModelRun:
     bound: float
     report: dict[str, Any] = field(default_factory=dict)
     step: float = 0.0
+    engine: engines.EngineResult | None = None
+
+    @property
+    def failed(self) -> bool:
+        """Whether the engine failed (see :attr:`EngineResult.failed`)."""
+        return self.engine is not None and self.engine.failed
 
 
 def run_model(
     problem: PipelineProblem, method: str, options: SolveOptions, *,
     units: Units | None = None, gpu: list[int] | None = None,
-    upper_bound: float | None = None, warm: PipelinePlan | None = None,
-    time_limit_s: float | None = None, lower: float = 0.0,
+    upper_bound: float | None = None, warm: PipelinePlan | None = None, lower: float = 0.0,
 ) -> ModelRun:
     """Build the model of ``units`` (default: the layers), solve it with ``method``.
 
     ``method``: ``"ilp"`` (PuLP, engine ``options.solver``) or ``"cpsat"``. ``warm``: a plan
     given to the engine as a starting solution (when the model can represent it);
     ``upper_bound``: a cutoff on the period (a valid plan's period); ``lower``: a proven
-    lower bound on it; ``time_limit_s`` (no limit when ``None``) overrides
-    ``options.time_limit_s``.
+    lower bound on it. The engine gets the limits of ``options`` as they are
+    (:func:`~optmem.solvers.engines.pulp_settings`, :func:`~optmem.solvers.engines.cpsat_settings`:
+    ``time_limit_s``, ``node_limit``, ``deterministic_time``, ``seed``; ``None``: none).
     """
     units = units if units is not None else make_units(problem)
     form = build_pipeline_model(units, problem.n_gpus, problem.memory_per_gpu,
@@ -154,32 +162,32 @@ def run_model(
                               "warm_start": "none" if warm is None or not options.warm_start
                               else "plan" if values is not None else "not representable"}
     if method == "ilp":
-        run = _run_pulp(form, options, values, time_limit_s)
+        run = _run_pulp(form, options, values)
     else:
-        run = _run_cpsat(form, options, values, time_limit_s)
+        run = _run_cpsat(form, options, values)
     run.report = {**report, **run.report}
     return run
 
 
-def _run_pulp(form: PipelineFormulation, options: SolveOptions, values: list[float] | None,
-              time_limit_s: float | None) -> ModelRun:
+def _run_pulp(form: PipelineFormulation, options: SolveOptions, values: list[float] | None
+              ) -> ModelRun:
     pm = to_pulp(form.model)
     res = engines.solve_pulp(pm.problem, pm.all_variables, options.solver,
-                             time_limit_s=time_limit_s, threads=options.threads,
-                             initial=pm.initial(values), verbose=options.verbose)
-    report: dict[str, Any] = {"engine_status": res.message,
-                              "engine_time_s": round(res.time_s, 3)}
+                             initial=pm.initial(values), **engines.pulp_settings(options))
+    report: dict[str, Any] = res.report()
+    if res.failed:
+        return ModelRun(Status.ERROR, None, math.nan, report, engine=res)
     nodes = _highs_nodes(pm.problem) if options.solver == "highs" else None
     if nodes is not None:
         report["nodes"] = nodes
     bound = res.bound if math.isfinite(res.bound) else math.nan
     if res.status is Status.INFEASIBLE:
-        return ModelRun(res.status, None, math.inf, report)
+        return ModelRun(res.status, None, math.inf, report, engine=res)
     if not res.status.has_plan or res.values is None:
-        return ModelRun(res.status, None, bound, report)
+        return ModelRun(res.status, None, bound, report, engine=res)
     exact = _polish(pm, form, res.values, options) or res.values
     plan = form.decode(exact[:len(form.model.vars)])
-    return ModelRun(res.status, plan, bound, report)
+    return ModelRun(res.status, plan, bound, report, engine=res)
 
 
 def _highs_nodes(problem: Any) -> int | None:
@@ -208,7 +216,7 @@ def _polish(pm: Any, form: PipelineFormulation, values: list[float], options: So
             v.lowBound = v.upBound = round(x)
     try:
         res = engines.solve_pulp(pm.problem, pm.all_variables, options.solver,
-                                 threads=options.threads)
+                                 threads=options.threads, seed=options.seed)
         return res.values if res.status is Status.OPTIMAL else None
     finally:
         for v, lo, hi in saved:
@@ -216,30 +224,31 @@ def _polish(pm: Any, form: PipelineFormulation, values: list[float], options: So
             v.lowBound, v.upBound = lo, hi
 
 
-def _run_cpsat(form: PipelineFormulation, options: SolveOptions, values: list[float] | None,
-               time_limit_s: float | None) -> ModelRun:
+def _run_cpsat(form: PipelineFormulation, options: SolveOptions, values: list[float] | None
+               ) -> ModelRun:
     scale, exact_data = form.time_scale()
     cm = to_cpsat(form.model, scale)
-    res = engines.solve_cpsat(cm.cp, cm.variables, time_limit_s=time_limit_s,
-                              threads=options.threads, hint=cm.hint(values),
-                              verbose=options.verbose)
+    res = engines.solve_cpsat(cm.cp, cm.variables, hint=cm.hint(values),
+                              **engines.cpsat_settings(options))
     # one grid step: the true optimum may lie between two grid points; when the data were
     # rounded, also the largest rounding along any cycle of the model's time rows
     steps = 1.0 if cm.exact else 1.0 + _cycle_terms(form) * cm.max_rounding
-    report: dict[str, Any] = {"engine_status": res.message,
-                              "engine_time_s": round(res.time_s, 3), "time_scale": scale,
+    report: dict[str, Any] = {**res.report(), "time_scale": scale,
                               "time_grid_exact": bool(cm.exact and exact_data),
                               "bound_correction": steps / scale}
+    step = steps / scale
+    if res.failed:
+        return ModelRun(Status.ERROR, None, math.nan, report, step, engine=res)
     if res.status is Status.INFEASIBLE:
         if not cm.exact:
             report["note"] = "times rounded for CP-SAT: infeasibility not proven"
-            return ModelRun(Status.NO_SOLUTION, None, math.nan, report, steps / scale)
-        return ModelRun(res.status, None, math.inf, report, steps / scale)
+            return ModelRun(Status.NO_SOLUTION, None, math.nan, report, step, engine=res)
+        return ModelRun(res.status, None, math.inf, report, step, engine=res)
     bound = (res.bound - steps) / scale if math.isfinite(res.bound) else math.nan
     if not res.status.has_plan or res.values is None:
-        return ModelRun(res.status, None, bound, report, steps / scale)
+        return ModelRun(res.status, None, bound, report, step, engine=res)
     plan = form.decode(cm.values(res.values))
-    return ModelRun(res.status, plan, bound, report, steps / scale)
+    return ModelRun(res.status, plan, bound, report, step, engine=res)
 
 
 def _cycle_terms(form: PipelineFormulation) -> int:

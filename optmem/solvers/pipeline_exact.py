@@ -8,12 +8,17 @@ engine's warm start and its period the cutoff on the model's period. The answer 
 best replayed plan among the engine's and these, with the proven bound of
 :mod:`optmem.solvers.pipeline_common` (the load bound at least): ``optimal`` when they meet
 (:data:`~optmem.solvers.pipeline_common.OPTIMALITY_TOLERANCE`). A time limit returns that
-plan with its bound (``feasible``).
+plan with its bound (``feasible``); an engine that fails returns the best incumbent,
+replayed, as ``feasible``, or ``error`` without one
+(:func:`~optmem.solvers.engine_results.engine_failure`).
 
-Options: ``time_limit_s`` (``None``: no limit), ``threads``, ``solver`` (``ilp``'s engine),
-``warm_start`` (``False``: no incumbents, no cutoff), ``verbose``;
-``extra["warm_madpipe"]`` (default ``True``: also run MadPipe for the incumbent; its phase 2
-gets a tenth of the time limit, or its own default when there is none).
+Options: ``time_limit_s`` (``None``: no limit), ``node_limit`` (the MILP engines),
+``deterministic_time`` (CP-SAT), ``seed``, ``threads``, ``solver`` (``ilp``'s engine),
+``warm_start`` (``False``: no incumbents, no cutoff), ``verbose``; there is no hidden
+limit. ``extra["warm_madpipe"]`` (default ``True``: also run MadPipe for the incumbent; it
+gets a tenth of the time limit, or its own deterministic work limits when there is none),
+``extra["relaxation"]`` (default ``True``: bound the period by
+:func:`relaxation_bound` first; needs OR-Tools).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from optmem.problems.pipeline import PipelineProblem
 from optmem.result import Result, SolveOptions, Status
 from optmem.solvers import engines
 from optmem.solvers import pipeline_contiguous as contig
+from optmem.solvers.engine_results import engine_failure
 from optmem.solvers.pipeline_common import (
     OPTIMALITY_TOLERANCE,
     fits,
@@ -38,7 +44,7 @@ from optmem.solvers.pipeline_common import (
     proven,
     run_model,
 )
-from optmem.solvers.pipeline_madpipe import PHASE2_TIME_LIMIT_S, solve_madpipe
+from optmem.solvers.pipeline_madpipe import solve_madpipe
 
 Candidate = tuple[float, PipelinePlan, str]
 
@@ -52,10 +58,8 @@ def incumbents(problem: PipelineProblem, options: SolveOptions) -> list[Candidat
         if sched is not None and fits(problem, sched[1]):
             found.append((sched[0], sched[1], "contiguous 1F1B*"))
     if options.extra.get("warm_madpipe", True):
-        limit = options.time_limit_s / 10 if options.time_limit_s is not None \
-            else options.extra.get("phase2_time_limit_s", PHASE2_TIME_LIMIT_S)
-        sub = options.with_(extra={**options.extra, "phase2_time_limit_s": limit})
-        res = solve_madpipe(problem, sub)
+        limit = options.time_limit_s / 10 if options.time_limit_s is not None else None
+        res = solve_madpipe(problem, options.with_(time_limit_s=limit))
         if res.status.has_plan:
             plan = PipelinePlan.from_strings(res.plan)
             found.append((res.objective, plan, "madpipe"))
@@ -63,7 +67,8 @@ def incumbents(problem: PipelineProblem, options: SolveOptions) -> list[Candidat
 
 
 RELAXATION_SHARE = 0.3
-"""Share of a time limit given to the relaxation's bisection (all of it without a limit)."""
+"""Share of a time limit (wall-clock or deterministic) given to the relaxation's bisection
+(none without a limit)."""
 RELAXATION_PRECISION = 1e-3
 """The bisection stops when the bound is within this (relative) of the incumbent's period."""
 
@@ -75,7 +80,9 @@ def relaxation_bound(problem: PipelineProblem, upper: float, options: SolveOptio
     Bisection over integer periods (grid ``1 / scale``) below ``upper`` (a valid plan's
     period), each probe a CP-SAT feasibility run; the first probe is just below ``upper``
     (proving it optimal at once when it is). Stops at :data:`RELAXATION_PRECISION`, at the
-    time limit, or at a probe the engine cannot decide.
+    time limit, or at a probe the engine cannot decide (or fails: then ``relaxation_error``
+    is reported). Each probe gets ``options.deterministic_time`` times
+    :data:`RELAXATION_SHARE` when that is set.
     """
     units = make_units(problem)
     low = lower_bound(problem)
@@ -85,6 +92,10 @@ def relaxation_bound(problem: PipelineProblem, upper: float, options: SolveOptio
     probe = math.floor(upper * scale * (1 - OPTIMALITY_TOLERANCE / 2))
     deadline = None if time_limit_s is None else time.perf_counter() + time_limit_s
     probes, proven_at = 0, lo
+    report: dict[str, Any] = {}
+    settings = engines.cpsat_settings(options)
+    if options.deterministic_time is not None:
+        settings["deterministic_time"] = RELAXATION_SHARE * options.deterministic_time
     while hi - lo > max(1, RELAXATION_PRECISION * hi) and lo < probe < hi:
         left = None if deadline is None else deadline - time.perf_counter()
         if left is not None and left <= 0:
@@ -92,9 +103,11 @@ def relaxation_bound(problem: PipelineProblem, upper: float, options: SolveOptio
         form = build_relaxation(units, problem.n_gpus, problem.memory_per_gpu, probe, scale,
                                 strict=problem.memory_model == "strict")
         cm = to_cpsat(form.model, 1)
-        res = engines.solve_cpsat(cm.cp, cm.variables, time_limit_s=left,
-                                  threads=options.threads, verbose=options.verbose)
+        res = engines.solve_cpsat(cm.cp, cm.variables, **{**settings, "time_limit_s": left})
         probes += 1
+        if res.failed:
+            report["relaxation_error"] = res.report()["engine_error"]
+            break
         if res.status is Status.INFEASIBLE:
             lo = proven_at = probe
         elif res.status.has_plan:
@@ -103,7 +116,7 @@ def relaxation_bound(problem: PipelineProblem, upper: float, options: SolveOptio
             break
         probe = (lo + hi) // 2
     bound = proven_at / scale if proven_at > math.floor(low * scale) - 1 else low
-    return bound, {"relaxation_bound": bound, "relaxation_probes": probes}
+    return bound, {**report, "relaxation_bound": bound, "relaxation_probes": probes}
 
 
 def solve_exact(problem: PipelineProblem, options: SolveOptions, method: str) -> Result:
@@ -117,7 +130,8 @@ def solve_exact(problem: PipelineProblem, options: SolveOptions, method: str) ->
     limit = options.time_limit_s
     relaxed: float = lower_bound(problem)
     report: dict[str, Any] = {}
-    if best is not None and options.extra.get("relaxation", True):
+    if best is not None and options.extra.get("relaxation", True) \
+            and engines.is_available("cpsat"):
         share = None if limit is None else RELAXATION_SHARE * limit
         relaxed, report = relaxation_bound(problem, best[0], options, share)
     if best is not None and proven(best[0], relaxed):
@@ -126,9 +140,12 @@ def solve_exact(problem: PipelineProblem, options: SolveOptions, method: str) ->
                            bound=min(relaxed, best[0]), claimed=best[0], solver=solver,
                            report=report)
     left = None if limit is None else max(0.0, limit - (time.perf_counter() - start))
-    run = run_model(problem, method, options, upper_bound=best[0] if best else None,
-                    warm=best[1] if best else None, time_limit_s=left, lower=relaxed)
+    run = run_model(problem, method, options.with_(time_limit_s=left),
+                    upper_bound=best[0] if best else None, warm=best[1] if best else None,
+                    lower=relaxed)
     report = {**report, **run.report, "incumbents": {s: p for p, _, s in starts}}
+    if run.failed and run.engine is not None:
+        return _failure(problem, method, solver, run.engine, report, best, relaxed)
     candidates = list(starts)
     if run.plan is not None:
         if fits(problem, run.plan):
@@ -152,3 +169,19 @@ def solve_exact(problem: PipelineProblem, options: SolveOptions, method: str) ->
     status = Status.OPTIMAL if proven(period, bound) else Status.FEASIBLE
     return plan_result(problem, plan, method=method, status=status, bound=min(bound, period),
                        claimed=period, solver=solver, report=report)
+
+
+def _failure(problem: PipelineProblem, method: str, solver: str, out: engines.EngineResult,
+             report: dict[str, Any], best: Candidate | None, relaxed: float) -> Result:
+    """The result when the engine failed: the best incumbent, replayed, or ``error``."""
+    fallback = None
+    if best is not None:
+        period, plan, source = best
+
+        def fallback(info: dict[str, Any]) -> Result:
+            return plan_result(problem, plan, method=method, status=Status.FEASIBLE,
+                               bound=min(relaxed, period), claimed=period, solver=solver,
+                               report={**info, "source": source})
+
+    return engine_failure("pipeline", method, out, report=report, fallback=fallback,
+                          memory_limit=problem.memory_per_gpu, solver=solver)

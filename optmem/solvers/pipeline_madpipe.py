@@ -33,13 +33,15 @@ Phase 2 (section 7.2): the stages become the units of a coarse chain and the exa
 OR-Tools is installed, or ``"ilp"``, the thesis' choice) finds a valid 1-periodic schedule,
 first with the DP's GPU assignment fixed, then with a free assignment of the stages when the
 fixed one is infeasible under the exact memory model (the digest's 5.6 ambiguity). Each call
-gets :data:`PHASE2_TIME_LIMIT_S` (``extra["phase2_time_limit_s"]``, ``None`` for none,
-capped by the user's ``time_limit_s``). While no valid period reaches the phase-1 estimate,
-phase 1 runs again with the memory reduced by a safety margin (x0.85, x0.7, x0.55), the
-digest's fallback. A DP allocation that is contiguous is scheduled by 1F1B* instead (optimal
-for it, Theorem 15). The best valid plan found is returned; since contiguous allocations
-belong to the DP's class but phase 2 cannot always recover them, the best contiguous 1F1B*
-plan is a candidate too (reported as the source).
+gets the user's limits (``time_limit_s``, ``node_limit``, ``deterministic_time``); without
+any, a deterministic work limit (:data:`PHASE2_NODE_LIMIT` nodes for the ILP,
+:data:`PHASE2_DETERMINISTIC_TIME` for CP-SAT), so the heuristic's answer does not depend on
+the machine's load; an engine that fails leaves that attempt without a plan. While no valid
+period reaches the phase-1 estimate, phase 1 runs again with the memory reduced by a safety
+margin (x0.85, x0.7, x0.55), the digest's fallback. A DP allocation that is contiguous is
+scheduled by 1F1B* instead (optimal for it, Theorem 15). The best valid plan found is
+returned; since contiguous allocations belong to the DP's class but phase 2 cannot always
+recover them, the best contiguous 1F1B* plan is a candidate too (reported as the source).
 """
 
 from __future__ import annotations
@@ -71,10 +73,10 @@ EXACT_MAX_LAYERS = 12
 GRID_T, GRID_M, GRID_V = 101, 11, 51
 K_ITERATIONS = 10
 MEMORY_FACTORS = (1.0, 0.85, 0.7, 0.55)
-PHASE2_TIME_LIMIT_S = 60.0
-"""Time limit of each phase-2 engine call (thesis section 7.2: one minute), unless
-``extra["phase2_time_limit_s"]`` says otherwise (``None``: no limit); a user's
-``time_limit_s`` caps it."""
+PHASE2_NODE_LIMIT = 20_000
+"""Default ILP work limit of each phase-2 model (branch-and-bound nodes) when no limit is set."""
+PHASE2_DETERMINISTIC_TIME = 30.0
+"""Default CP-SAT work limit of each phase-2 model (deterministic seconds) likewise."""
 
 Allocation = list[tuple[int, int, str]]  # (first, last, "N"|"S") in chain order
 
@@ -466,11 +468,12 @@ def _phase2(problem: PipelineProblem, alloc: Allocation, options: SolveOptions,
         return found
     units = make_units(problem, bounds)
     method = str(options.extra.get("phase2", "cpsat" if _has_ortools() else "ilp"))
-    limit = options.extra.get("phase2_time_limit_s", PHASE2_TIME_LIMIT_S)
-    if options.time_limit_s is not None:
-        limit = options.time_limit_s if limit is None else min(limit, options.time_limit_s)
+    if options.time_limit_s is None and options.node_limit is None \
+            and options.deterministic_time is None:
+        options = options.with_(node_limit=PHASE2_NODE_LIMIT,
+                                deterministic_time=PHASE2_DETERMINISTIC_TIME)
     for mode, gpu in (("fixed", labels), ("free", None)):
-        run = run_model(problem, method, options, units=units, gpu=gpu, time_limit_s=limit)
+        run = run_model(problem, method, options, units=units, gpu=gpu)
         plan = run.plan
         log.append({"phase2": f"{method}-{mode}", "status": str(run.status),
                     "period": plan.period if plan is not None else None,

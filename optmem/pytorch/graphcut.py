@@ -1,0 +1,619 @@
+"""Cut a data-flow graph (``torch.export`` or ``torch.fx``) into a chain of stages.
+
+Every node of the graph gets one of four roles:
+
+* **state**: parameters, buffers, constants and submodules (``get_attr``), shared with the
+  model and available to every stage;
+* **side**: everything that depends neither on a parameter nor on an input that needs a
+  gradient, nor is random: the model's other inputs and what is computed from them alone
+  (position ids, attention masks, rotary ``cos``/``sin`` tables). The side program computes
+  them once per call; stages read them from the call's
+  :class:`~optmem.pytorch.context.SideInputs`;
+* **chain**: the rest (everything a gradient flows through, and random ops, kept in their
+  order so that dropout masks are those of the unmodified model);
+* **drop**: export guards and metadata assertions (``_guards_fn``,
+  ``aten._assert_tensor_metadata``), which would pin dtypes (autocast) and shapes that the
+  wrapper already checks.
+
+A stage boundary is a chain node ``d`` that every path from the input to the output goes
+through: a **dominator** of the output in the chain's data-flow graph (networkx
+``immediate_dominators``). Such a ``d`` is the only value that crosses the boundary: a
+chain node not dominated by ``d`` that still reaches the output is an ancestor of ``d``,
+and no edge goes from an ancestor to a node dominated by ``d``. Chain nodes that read only
+state and side inputs (an embedding lookup, a random mask) are pinned after the chain node
+that precedes them in the graph's order, so they run where the unmodified model runs them.
+A boundary is skipped when a later node writes ``d`` in place (it would overwrite a
+checkpoint), when ``d`` is not a tensor, and when nothing follows it.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import networkx as nx  # type: ignore[import-untyped]
+import torch
+from torch import fx, nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from optmem.pytorch.context import SideInputs, current_side_inputs
+
+__all__ = ["CHAIN", "DROP", "SIDE", "STATE", "Cut", "GraphStage", "SideProgram", "classify",
+           "cut_graph"]
+
+STATE, SIDE, CHAIN, DROP = "state", "side", "chain", "drop"
+_SOURCE, _SINK = "__optmem_source__", "__optmem_sink__"
+
+_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                      operator.iand, operator.ior, operator.ixor, operator.ifloordiv,
+                      operator.imod, operator.ipow, operator.ilshift, operator.irshift}
+_RANDOM_NAMES = {"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
+                 "feature_alpha_dropout", "rand", "randn", "randint", "rand_like",
+                 "randn_like", "randint_like", "bernoulli", "multinomial", "normal",
+                 "randperm", "rrelu", "poisson", "bernoulli_", "uniform_", "normal_",
+                 "random_", "exponential_", "geometric_", "cauchy_", "log_normal_"}
+_VIEW_METHODS = {"view", "view_as", "reshape", "reshape_as", "transpose", "permute", "t",
+                 "expand", "expand_as", "squeeze", "unsqueeze", "flatten", "unflatten",
+                 "narrow", "select", "unfold", "as_strided", "contiguous", "to", "type_as",
+                 "float", "half", "double", "bfloat16", "detach", "chunk", "split",
+                 "__getitem__", "unbind", "movedim", "swapaxes", "diagonal"}
+
+
+# ------------------------------------------------------------------ node properties
+def _target_name(node: fx.Node) -> str:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target._schema.name.split("::")[-1])
+    return str(getattr(target, "__name__", target))
+
+
+def _module(root: nn.Module, node: fx.Node) -> nn.Module:
+    return root.get_submodule(str(node.target))
+
+
+def _attr(root: nn.Module, target: str) -> Any:
+    owner, _, name = target.rpartition(".")
+    return getattr(root.get_submodule(owner) if owner else root, name)
+
+
+def _is_random(node: fx.Node, root: nn.Module) -> bool:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return torch.Tag.nondeterministic_seeded in target.tags
+    if node.op == "call_module":
+        mod = _module(root, node)
+        return isinstance(mod, nn.modules.dropout._DropoutNd | nn.RReLU)
+    return _target_name(node) in _RANDOM_NAMES
+
+
+def _is_dropped(node: fx.Node) -> bool:
+    if node.op == "call_module" and str(node.target) == "_guards_fn":
+        return True
+    if node.op != "call_function":
+        return False
+    name = _target_name(node)
+    return name.startswith("_assert") or name.startswith("sym_constrain_range")
+
+
+def written_args(node: fx.Node, root: nn.Module) -> list[fx.Node]:
+    """The nodes whose tensors ``node`` writes in place."""
+    target = node.target
+    positions: list[int] = []
+    if isinstance(target, torch._ops.OpOverload):
+        for k, arg in enumerate(target._schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                positions.append(k)
+        out: list[fx.Node] = []
+        for k in positions:
+            arg = target._schema.arguments[k]
+            value = node.args[k] if k < len(node.args) else node.kwargs.get(arg.name)
+            out.extend(v for v in _flat_nodes(value))
+        return out
+    if node.op == "call_module":
+        inplace = bool(getattr(_module(root, node), "inplace", False))
+    elif node.op == "call_method":
+        name = str(target)
+        inplace = name.endswith("_") and not name.endswith("__")
+    elif node.op == "call_function":
+        name = _target_name(node)
+        inplace = (target in _INPLACE_OPERATORS or bool(node.kwargs.get("inplace", False))
+                   or (name.endswith("_") and not name.endswith("__")))
+    else:
+        inplace = False
+    if inplace and node.args and isinstance(node.args[0], fx.Node):
+        return [node.args[0]]
+    return []
+
+
+def _flat_nodes(value: Any) -> list[fx.Node]:
+    out: list[fx.Node] = []
+    fx.node.map_arg(value, out.append)
+    return out
+
+
+def _alias_root(node: fx.Node) -> fx.Node:
+    """Follow views back to the node that owns the storage (best effort)."""
+    seen = 0
+    while seen < 10_000:
+        seen += 1
+        target = node.target
+        arg0 = node.args[0] if node.args else None
+        if not isinstance(arg0, fx.Node):
+            return node
+        if isinstance(target, torch._ops.OpOverload):
+            returns = target._schema.returns
+            if returns and returns[0].alias_info is not None and \
+                    not returns[0].alias_info.is_write:
+                node = arg0
+                continue
+            return node
+        if node.op == "call_method" and str(target) in _VIEW_METHODS:
+            node = arg0
+            continue
+        if node.op == "call_function" and (target is operator.getitem
+                                           or _target_name(node) in _VIEW_METHODS):
+            node = arg0
+            continue
+        return node
+    return node
+
+
+def _tensor_meta(node: fx.Node) -> Any:
+    """The example value of a node: a tensor-like, another value, or ``...`` (unknown)."""
+    if "val" in node.meta:
+        return node.meta["val"]
+    if "tensor_meta" in node.meta:
+        return node.meta["tensor_meta"]
+    return ...
+
+
+def _is_tensor_value(node: fx.Node) -> bool:
+    meta = _tensor_meta(node)
+    if meta is ...:
+        return True  # no metadata (torch.fx without a sample): as before, trust the graph
+    return isinstance(meta, torch.Tensor) or type(meta).__name__ == "TensorMetadata"
+
+
+# ------------------------------------------------------------------ roles
+def classify(gm: fx.GraphModule, chain_inputs: set[str] | None, *,
+             side: bool = True) -> dict[fx.Node, str]:
+    """Give every node its role: ``state``, ``side``, ``chain`` or ``drop``.
+
+    Parameters
+    ----------
+    gm
+        The graph and its root (targets of ``get_attr`` and ``call_module``).
+    chain_inputs
+        Names of the placeholders a gradient must reach (floating inputs that require
+        grad); ``None``: every placeholder.
+    side
+        Allow side nodes; otherwise everything that is not state is in the chain.
+    """
+    kinds: dict[fx.Node, str] = {}
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            continue
+        if node.op == "get_attr":
+            kinds[node] = STATE
+            continue
+        if _is_dropped(node):
+            kinds[node] = DROP
+            continue
+        if node.op == "placeholder":
+            chain = chain_inputs is None or node.target in chain_inputs or not side
+            kinds[node] = CHAIN if chain else SIDE
+            continue
+        kinds[node] = CHAIN if (not side or _needs_chain(node, gm, kinds)) else SIDE
+    return kinds
+
+
+def _needs_chain(node: fx.Node, gm: fx.GraphModule, kinds: dict[fx.Node, str]) -> bool:
+    for arg in node.all_input_nodes:
+        kind = kinds.get(arg)
+        if kind == CHAIN:
+            return True
+        if kind == STATE and isinstance(_attr(gm, str(arg.target)), nn.Parameter):
+            return True
+    if node.op == "call_module":
+        mod = _module(gm, node)
+        if any(True for _ in mod.parameters()):
+            return True
+    return _is_random(node, gm)
+
+
+# ------------------------------------------------------------------ cuts
+@dataclass
+class Cut:
+    """The chain part of a graph cut into stages.
+
+    Attributes
+    ----------
+    stages
+        The chain nodes of every stage, in graph order.
+    boundaries
+        ``boundaries[k]`` is the node whose value goes from stage ``k`` to stage ``k + 1``.
+    outputs
+        The chain nodes the model returns (all computed by the last stage).
+    kinds
+        The role of every node.
+    """
+
+    stages: list[list[fx.Node]]
+    boundaries: list[fx.Node]
+    outputs: list[fx.Node]
+    kinds: dict[fx.Node, str]
+
+
+def _dataflow(order: list[fx.Node], kinds: dict[fx.Node, str],
+              outputs: Iterable[fx.Node]) -> nx.DiGraph:
+    """The chain's data-flow graph with a source before the inputs and a sink after outputs."""
+    graph = nx.DiGraph()
+    graph.add_node(_SOURCE)
+    previous: Any = _SOURCE
+    for node in order:
+        if kinds.get(node) != CHAIN:
+            continue
+        graph.add_node(node)
+        preds = [a for a in node.all_input_nodes if kinds.get(a) == CHAIN]
+        if node.op == "placeholder":
+            graph.add_edge(_SOURCE, node)
+        elif preds:
+            graph.add_edges_from((p, node) for p in preds)
+        else:
+            # reads only state and side inputs: pinned where the model computes it
+            graph.add_edge(previous, node)
+        previous = node
+    graph.add_node(_SINK)
+    graph.add_edges_from((o, _SINK) for o in outputs)
+    return graph
+
+
+def _dominators_of_sink(graph: nx.DiGraph) -> list[fx.Node]:
+    """Chain nodes that dominate the sink, from the input side to the output side."""
+    if _SINK not in nx.descendants(graph, _SOURCE):
+        return []
+    idom = nx.immediate_dominators(graph, _SOURCE)
+    out = []
+    node = idom[_SINK]
+    while node != _SOURCE:
+        out.append(node)
+        node = idom[node]
+    return out[::-1]
+
+
+def cut_graph(gm: fx.GraphModule, kinds: dict[fx.Node, str]) -> Cut:
+    """Find the single-value boundaries of ``gm`` and the chain nodes of every stage."""
+    order = list(gm.graph.nodes)
+    position = {n: k for k, n in enumerate(order)}
+    output_node = order[-1]
+    outputs = list(dict.fromkeys(n for n in _flat_nodes(output_node.args[0])
+                                 if kinds.get(n) == CHAIN))
+    if not outputs:
+        raise ValueError("the model's output does not depend on any parameter or input "
+                         "that needs a gradient")
+    graph = _dataflow(order, kinds, outputs)
+    useful = nx.ancestors(graph, _SINK)
+    candidates = [d for d in _dominators_of_sink(graph) if d.op != "placeholder"
+                  and _is_tensor_value(d)]
+    last_useful = max(position[n] for n in useful if n != _SOURCE)
+    writes = _writes_after(order, kinds, gm)
+    bounds = _drop_aliases([d for d in candidates if position[d] < last_useful
+                            and not any(p > position[d]
+                                        for p in writes.get(_alias_root(d), ()))])
+    stages = _assign(order, kinds, bounds, useful, position)
+    while True:
+        bad = _unavailable(stages, bounds, kinds)
+        if bad is None:
+            break
+        first, last = bad  # merge stages first..last: drop the boundaries between them
+        bounds = bounds[:first] + bounds[last:]
+        stages = _assign(order, kinds, bounds, useful, position)
+    return Cut(stages, bounds, outputs, kinds)
+
+
+def _drop_aliases(bounds: list[fx.Node]) -> list[fx.Node]:
+    """Keep one boundary per storage.
+
+    A view or no-op cast of the previous boundary (an ``alias``, ``x.float()`` of a float,
+    a ``reshape``) would make an empty stage whose output the profile counts twice.
+    """
+    out: list[fx.Node] = []
+    for d in bounds:
+        root = _alias_root(d)
+        if out and _alias_root(out[-1]) is root:
+            continue
+        elif root.op == "placeholder" and not out:
+            continue  # a view of the input: no stage before it
+        else:
+            out.append(d)
+    return out
+
+
+def _writes_after(order: list[fx.Node], kinds: dict[fx.Node, str],
+                  gm: fx.GraphModule) -> dict[fx.Node, list[int]]:
+    """Positions at which the storage of each node is written in place."""
+    out: dict[fx.Node, list[int]] = {}
+    for k, node in enumerate(order):
+        if node.op in ("placeholder", "get_attr", "output") or kinds.get(node) == DROP:
+            continue
+        for w in written_args(node, gm):
+            out.setdefault(_alias_root(w), []).append(k)
+    return out
+
+
+def _assign(order: list[fx.Node], kinds: dict[fx.Node, str], bounds: list[fx.Node],
+            useful: set[Any], position: dict[fx.Node, int]) -> list[list[fx.Node]]:
+    """Chain nodes per stage: by position between boundaries, dead ends with their inputs."""
+    cut_at = [position[b] for b in bounds]
+    stage_of: dict[fx.Node, int] = {}
+    stages: list[list[fx.Node]] = [[] for _ in range(len(bounds) + 1)]
+    k = 0
+    for node in order:
+        if kinds.get(node) != CHAIN or node.op == "placeholder":
+            continue
+        if node in useful:
+            while k < len(cut_at) and position[node] > cut_at[k]:
+                k += 1
+            s = k
+        else:  # a dead end (its value is never used): with its latest chain input
+            s = max((stage_of[a] for a in node.all_input_nodes if a in stage_of), default=k)
+        stage_of[node] = s
+        stages[s].append(node)
+    return stages
+
+
+def _unavailable(stages: list[list[fx.Node]], bounds: list[fx.Node],
+                 kinds: dict[fx.Node, str]) -> tuple[int, int] | None:
+    """A pair of stages to merge because a chain value would skip a boundary, or None."""
+    stage_of = {n: s for s, nodes in enumerate(stages) for n in nodes}
+    for s, nodes in enumerate(stages):
+        for node in nodes:
+            for arg in node.all_input_nodes:
+                if kinds.get(arg) != CHAIN or arg.op == "placeholder":
+                    if arg.op == "placeholder" and kinds.get(arg) == CHAIN and s > 0:
+                        return 0, s
+                    continue
+                t = stage_of[arg]
+                if t < s and not (t == s - 1 and bounds[s - 1] is arg):
+                    return t, s
+    return None
+
+
+# ------------------------------------------------------------------ stage modules
+class GraphStage(nn.Module):
+    """A piece of a graph as a module ``value -> value``; side inputs from the context.
+
+    ``gm`` takes the stage input, then the side inputs named in ``side_names`` (read from
+    :func:`~optmem.pytorch.context.current_side_inputs` at each call). Parameters and
+    buffers are the model's own objects (re-bound by :meth:`rebind` if the model replaces
+    them).
+    """
+
+    def __init__(self, gm: fx.GraphModule, side_names: Sequence[str],
+                 bindings: Sequence[tuple[nn.Module, str, nn.Module, str]]) -> None:
+        super().__init__()
+        self.gm = gm
+        self.side_names = tuple(side_names)
+        self._bindings = list(bindings)
+
+    def forward(self, x: Any) -> Any:  # noqa: D102 - see the class docstring
+        if not self.side_names:
+            return self.gm(x)
+        ctx = current_side_inputs()
+        return self.gm(x, *[ctx[n] for n in self.side_names])
+
+    def rebind(self) -> None:
+        """Point the stage at the model's current parameters and buffers."""
+        _rebind(self._bindings)
+
+    def compiled_call(self, compile_part: Callable[[nn.Module], Any],
+                      options: dict[str, Any]) -> Callable[[Any], Any]:
+        """The stage, its graph module compiled (side inputs read eagerly)."""
+        gm = torch.compile(self.gm, **options)
+        names = self.side_names
+
+        def run(x: Any) -> Any:
+            if not names:
+                return gm(x)
+            ctx = current_side_inputs()
+            return gm(x, *[ctx[n] for n in names])
+
+        return run
+
+
+def _rebind(bindings: Sequence[tuple[nn.Module, str, nn.Module, str]]) -> None:
+    for mine, name, owner, owner_name in bindings:
+        current = getattr(owner, owner_name)
+        if (mine._parameters.get(name) if name in mine._parameters
+                else mine._buffers.get(name)) is current:
+            continue
+        if isinstance(current, nn.Parameter):
+            mine._buffers.pop(name, None)
+            mine._parameters[name] = current
+        else:
+            mine._parameters.pop(name, None)
+            mine._buffers[name] = current
+
+
+def _bindings(gm: fx.GraphModule, model: nn.Module | None
+              ) -> list[tuple[nn.Module, str, nn.Module, str]]:
+    """Pairs (attribute of ``gm``, attribute of ``model``) for parameters and buffers."""
+    if model is None:
+        return []
+    names = {**dict(model.named_parameters(remove_duplicate=False)),
+             **dict(model.named_buffers(remove_duplicate=False))}
+    out = []
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" or str(node.target) not in names:
+            continue
+        path, _, attr = str(node.target).rpartition(".")
+        try:
+            mine = gm.get_submodule(path) if path else gm
+            owner = model.get_submodule(path) if path else model
+        except AttributeError:  # pragma: no cover - target not in the module tree
+            continue
+        out.append((mine, attr, owner, attr))
+    return out
+
+
+@dataclass
+class _StageGraph:
+    graph: fx.Graph
+    side_names: list[str] = field(default_factory=list)
+
+
+def build_stage_graph(nodes: list[fx.Node], kinds: dict[fx.Node, str],
+                      inputs: dict[fx.Node, Callable[[fx.Graph, fx.Node], fx.Node]],
+                      returns: Any) -> _StageGraph:
+    """Copy ``nodes`` into a new graph ``(x, *side) -> returns``.
+
+    ``inputs`` maps the nodes read from the stage input to a function building their value
+    from the ``x`` placeholder; state nodes are copied, side nodes become placeholders.
+    """
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    env: dict[fx.Node, fx.Node] = {}
+    side_nodes: list[fx.Node] = []
+    for node, make in inputs.items():
+        env[node] = make(graph, x)
+
+    def lookup(n: fx.Node) -> fx.Node:
+        if n in env:
+            return env[n]
+        kind = kinds.get(n)
+        if kind == STATE:
+            with graph.inserting_after(_last_state_or(graph, x)):
+                env[n] = graph.node_copy(n, lookup)
+            return env[n]
+        if kind == SIDE or n.op == "placeholder":
+            with graph.inserting_after(side_nodes and env[side_nodes[-1]] or x):
+                env[n] = graph.placeholder(f"side_{n.name}")
+            side_nodes.append(n)
+            return env[n]
+        raise RuntimeError(f"internal error: node {n.name} is not available in this stage")
+
+    for node in nodes:
+        if node in env:
+            continue
+        env[node] = graph.node_copy(node, lookup)
+    graph.output(fx.node.map_arg(returns, lookup))
+    return _StageGraph(graph, [n.name for n in side_nodes])
+
+
+def _last_state_or(graph: fx.Graph, default: fx.Node) -> fx.Node:
+    last = default
+    for n in graph.nodes:
+        if n.op in ("placeholder", "get_attr"):
+            last = n
+        else:
+            break
+    return last
+
+
+def make_stage(root: nn.Module, model: nn.Module | None, built: _StageGraph,
+               class_name: str = "OptmemStage") -> GraphStage:
+    """A :class:`GraphStage` of a built graph; state shared with ``root`` / ``model``."""
+    built.graph.lint()
+    gm = fx.GraphModule(root, built.graph, class_name=class_name)
+    return GraphStage(gm, built.side_names, _bindings(gm, model))
+
+
+# ------------------------------------------------------------------ side program
+class SideProgram(nn.Module):
+    """Computes the side inputs of a call from the flat user inputs (run under no_grad)."""
+
+    def __init__(self, gm: fx.GraphModule | None, input_names: Sequence[str],
+                 output_names: Sequence[str],
+                 bindings: Sequence[tuple[nn.Module, str, nn.Module, str]]) -> None:
+        super().__init__()
+        self.gm = gm
+        self.input_names = tuple(input_names)
+        self.output_names = tuple(output_names)
+        self._bindings = list(bindings)
+
+    def forward(self, flat: Sequence[Any]) -> SideInputs:  # noqa: D102
+        values = dict(zip(self.input_names, flat, strict=True))
+        if self.gm is not None and (self.output_names or len(self.gm.graph.nodes)):
+            with torch.no_grad():
+                out = self.gm(*flat)
+            values.update(zip(self.output_names, out, strict=True))
+        return SideInputs(values)
+
+    def rebind(self) -> None:
+        """Point the program at the model's current parameters and buffers."""
+        _rebind(self._bindings)
+
+
+def build_side_program(gm: fx.GraphModule, model: nn.Module | None,
+                       kinds: dict[fx.Node, str], needed: Iterable[fx.Node]) -> SideProgram:
+    """The side nodes that stages or the output read, plus side nodes that write state."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    wanted = {n for n in needed if kinds.get(n) == SIDE and n.op != "placeholder"}
+    effects = [n for n in gm.graph.nodes if kinds.get(n) == SIDE and written_args(n, gm)]
+    keep: set[fx.Node] = set()
+    stack = list(wanted) + effects
+    while stack:
+        n = stack.pop()
+        if n in keep or n.op == "placeholder":
+            continue
+        keep.add(n)
+        stack.extend(a for a in n.all_input_nodes if kinds.get(a) in (SIDE, STATE))
+    names = [n.name for n in placeholders]
+    if not keep:
+        return SideProgram(None, names, [], [])
+    graph = fx.Graph()
+    env = {p: graph.placeholder(p.name) for p in placeholders}
+    for n in gm.graph.nodes:
+        if n in keep:
+            env[n] = graph.node_copy(n, lambda a: env[a])
+    ordered = [n for n in gm.graph.nodes if n in wanted]
+    graph.output(tuple(env[n] for n in ordered))
+    graph.lint()
+    side_gm = fx.GraphModule(gm, graph, class_name="OptmemSideInputs")
+    return SideProgram(side_gm, names, [n.name for n in ordered], _bindings(side_gm, model))
+
+
+# ------------------------------------------------------------------ outputs
+@dataclass(frozen=True)
+class OutputLayout:
+    """How the model output is assembled from the chain output and the side inputs.
+
+    ``leaves[k]`` is ``("chain", j)`` (element ``j`` of the chain output), ``("side", name)``
+    or ``("const", value)``; ``spec`` unflattens them.
+    """
+
+    leaves: tuple[tuple[str, Any], ...]
+    spec: Any
+    chain_tuple: bool
+
+    def assemble(self, chain_out: Any, ctx: SideInputs | None) -> Any:
+        """The model output of one call."""
+        chain = chain_out if self.chain_tuple else (chain_out,)
+        out = []
+        for kind, ref in self.leaves:
+            if kind == "chain":
+                out.append(chain[ref])
+            elif kind == "side":
+                assert ctx is not None
+                out.append(ctx[ref])
+            else:
+                out.append(ref)
+        return tree_unflatten(out, self.spec)
+
+
+def output_layout(output_node: fx.Node, outputs: list[fx.Node], kinds: dict[fx.Node, str],
+                  spec: Any = None) -> OutputLayout:
+    """The layout of ``output_node``'s value; ``spec`` overrides the flat structure."""
+    leaves, flat_spec = tree_flatten(output_node.args[0])
+    index = {n: k for k, n in enumerate(outputs)}
+    refs: list[tuple[str, Any]] = []
+    for leaf in leaves:
+        if isinstance(leaf, fx.Node):
+            refs.append(("chain", index[leaf]) if kinds.get(leaf) == CHAIN
+                        else ("side", leaf.name))
+        else:
+            refs.append(("const", leaf))
+    return OutputLayout(tuple(refs), spec if spec is not None else flat_spec,
+                        len(outputs) > 1)

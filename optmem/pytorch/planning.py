@@ -1,0 +1,206 @@
+"""Solving a profiled chain for the torch bridge: problems, limits, executors.
+
+One :class:`Planner` per kind of plan (``checkpoint``, ``offload``, ``remat_offload``)
+turns a profiled :class:`~optmem.chain.Chain` into a :class:`~optmem.result.Result` and the
+result into an executor module over the stages:
+
+* ``checkpoint``: :class:`~optmem.problems.checkpoint.CheckpointProblem`, executed by
+  :class:`~optmem.pytorch.execute.CheckpointedChain`;
+* ``offload``: :class:`~optmem.problems.offload.OffloadProblem`, executed by
+  :class:`~optmem.pytorch.offload.OffloadedChain`;
+* ``remat_offload``: :class:`~optmem.problems.remat_offload.RematOffloadProblem`, executed
+  by :class:`~optmem.pytorch.remat_offload.RematOffloadChain`.
+
+Bandwidths: a number is bytes per second, a string a rate such as ``"12GB/s"``
+(:func:`optmem.units.parse_bandwidth`); :func:`bandwidth_per_unit` converts either to the
+chain's units in one place.
+
+When no plan fits, the error names the smallest limit at which the method *does* find a
+plan after discretisation (:func:`smallest_feasible`): passing that figure back works.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from optmem.chain import Chain
+from optmem.errors import OptmemInputError
+from optmem.result import Result, SolveOptions
+from optmem.units import chain_rate, format_size, parse_size
+
+__all__ = ["KINDS", "Planner", "bandwidth_per_unit", "smallest_feasible"]
+
+KINDS = ("checkpoint", "offload", "remat_offload")
+
+
+def bandwidth_per_unit(bandwidth: float | str, chain: Chain) -> float:
+    """Bytes per chain time unit of ``bandwidth`` (bytes per second, or ``"12GB/s"``).
+
+    Examples
+    --------
+    >>> c = Chain.from_lists([1.0], [1.0], [4], [4], input_size=4)
+    >>> bandwidth_per_unit(12e9, c), bandwidth_per_unit("12GB/s", c)
+    (12000000.0, 12000000.0)
+    """
+    return chain_rate(bandwidth, chain.time_unit, field="bandwidth")
+
+
+def smallest_feasible(solve_at: Callable[[int], Result], low: int, high: int) -> int:
+    """The smallest limit (about) in ``[low, high]`` at which ``solve_at`` finds a plan.
+
+    Discretisation makes feasibility not quite monotone in the limit, so the answer is
+    always one at which ``solve_at`` was *seen* to succeed: an exponential search up from
+    ``low`` (a known lower bound, e.g. the method's ``min_feasible_memory``), then a
+    bisection between the last failure and the first success.
+
+    Raises
+    ------
+    OptmemInputError
+        If even ``high`` has no plan.
+    """
+    low = max(1, int(low))
+    if solve_at(low).status.has_plan:
+        return low
+    step = max(1, low // 1000)
+    fail, ok = low, None
+    while ok is None:
+        trial = min(high, fail + step)
+        if solve_at(trial).status.has_plan:
+            ok = trial
+        elif trial >= high:
+            raise OptmemInputError(f"no plan even at {format_size(high)} ({high} B)",
+                                   field="memory_limit")
+        else:
+            fail, step = trial, step * 2
+    while ok - fail > max(1, ok // 2000):
+        mid = (fail + ok) // 2
+        if solve_at(mid).status.has_plan:
+            ok = mid
+        else:
+            fail = mid
+    return ok
+
+
+@dataclass
+class Planner:
+    """What to solve and how to run it: the kind of plan, the limit, the method, options.
+
+    Parameters
+    ----------
+    kind
+        ``"checkpoint"``, ``"offload"`` or ``"remat_offload"``.
+    memory_limit
+        Bytes or a size (``"2GiB"``); ``"min"`` takes the smallest limit with a plan.
+    method
+        A method of the facade for that problem (``"dp"`` by default).
+    bandwidth
+        Link bandwidth for offloading: bytes per second or ``"12GB/s"``.
+    slots, variant, time_limit_s, extra
+        Solver options (:class:`~optmem.result.SolveOptions`).
+    process_group
+        Ranks that must train with the same plan
+        (:func:`optmem.pytorch.distributed.resolve_group`): by default, when
+        ``torch.distributed`` is initialised, rank 0 profiles and solves and broadcasts the
+        chain and the plan; ``"local"`` decides in this process alone.
+    executor_options
+        Keyword arguments of the executor class.
+    """
+
+    kind: str
+    memory_limit: int | str
+    method: str = "dp"
+    bandwidth: float | str | None = None
+    slots: int = 500
+    variant: str | None = None
+    time_limit_s: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    executor_options: dict[str, Any] = field(default_factory=dict)
+    process_group: Any = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise OptmemInputError(f"expected one of {', '.join(KINDS)}, got {self.kind!r}",
+                                   field="kind")
+        if self.kind != "checkpoint" and self.bandwidth is None:
+            raise OptmemInputError(f"{self.kind} needs a bandwidth (bytes per second or a "
+                                   "rate such as '12GB/s')", field="bandwidth")
+        if self.memory_limit != "min":
+            parse_size(self.memory_limit, field="memory_limit")  # fail early on bad sizes
+
+    def options(self) -> SolveOptions:
+        """The solver options."""
+        return SolveOptions(variant=self.variant, slots=self.slots,
+                            time_limit_s=self.time_limit_s, extra=dict(self.extra))
+
+    def problem(self, chain: Chain, limit: int) -> Any:
+        """The problem instance at ``limit`` bytes."""
+        if self.kind == "checkpoint":
+            from optmem.problems.checkpoint import CheckpointProblem
+
+            return CheckpointProblem(chain, limit)
+        beta = bandwidth_per_unit(self.bandwidth, chain)  # type: ignore[arg-type]
+        if self.kind == "offload":
+            from optmem.problems.offload import OffloadProblem
+
+            return OffloadProblem(chain, limit, chain_bandwidth=beta)
+        from optmem.problems.remat_offload import RematOffloadProblem
+
+        return RematOffloadProblem(chain, limit, chain_bandwidth=beta)
+
+    def solve_at(self, chain: Chain, limit: int, method: str | None = None) -> Result:
+        """Solve at ``limit`` bytes (no error when there is no plan)."""
+        from optmem.solvers.facade import solve
+
+        return solve(self.problem(chain, limit), method or self.method, options=self.options())
+
+    def smallest_limit(self, chain: Chain, method: str | None = None) -> int:
+        """The smallest limit (bytes) at which the method finds a plan, verified."""
+        first = self.solve_at(chain, max(1, chain.input_size), method)
+        if first.status.has_plan:
+            return max(1, chain.input_size)
+        low = first.min_feasible_memory or chain.input_size
+        return smallest_feasible(lambda m: self.solve_at(chain, m, method), low,
+                                 max(low, chain.store_all_peak()) * 2)
+
+    def solve(self, chain: Chain, memory_limit: int | str | None = None,
+              method: str | None = None) -> Result:
+        """Solve ``chain``; an :class:`~optmem.errors.OptmemInputError` without a plan."""
+        method = method or self.method
+        wanted = self.memory_limit if memory_limit is None else memory_limit
+        limit = (self.smallest_limit(chain, method) if wanted == "min"
+                 else parse_size(wanted, field="memory_limit"))
+        result = self.solve_at(chain, limit, method)
+        if result.status.has_plan:
+            return result
+        hint = ""
+        if result.min_feasible_memory is not None:
+            try:
+                least = self.smallest_limit(chain, method)
+            except OptmemInputError:
+                least = None
+            if least is not None:
+                hint = (f"; the smallest feasible limit is {format_size(least)} ({least} B),"
+                        " after rounding sizes to the solver's units")
+        elif result.report.get("error"):
+            hint = f" ({result.report['error']})"
+        raise OptmemInputError(
+            f"no {method} {self.kind} plan for {chain.name} within {format_size(limit)}: "
+            f"status {result.status}{hint}", field="memory_limit")
+
+    def executor(self, stages: Sequence[Any], plan: Sequence[str]) -> nn.Module:
+        """The module that trains ``stages`` by following ``plan``."""
+        if self.kind == "checkpoint":
+            from optmem.pytorch.execute import CheckpointedChain
+
+            return CheckpointedChain(stages, plan, **self.executor_options)
+        if self.kind == "offload":
+            from optmem.pytorch.offload import OffloadedChain
+
+            return OffloadedChain(stages, plan, **self.executor_options)
+        from optmem.pytorch.remat_offload import RematOffloadChain
+
+        return RematOffloadChain(stages, plan, **self.executor_options)

@@ -1,0 +1,598 @@
+"""A module that trains another one by following a plan, and keeps its face.
+
+:class:`PlannedModule` wraps a model (``self.module``) and runs it as a chain of stages
+(:mod:`optmem.pytorch.extract`) with an executor (checkpointing, offloading, both). To the
+rest of PyTorch it is the model itself:
+
+* **call signature and output**: ``cmodel(*args, **kwargs)`` takes what the model takes
+  (positional or keyword, ``attention_mask=``, ``labels=``, ...) and returns what it
+  returns (a ``ModelOutput`` with ``.logits``, and ``.loss`` when ``labels=`` is given);
+* **state**: ``state_dict()`` has the model's keys and ``load_state_dict`` takes them (a
+  state-dict post-hook strips the wrapper's prefix, a load pre-hook puts it back, as
+  PyTorch's ``checkpoint_wrapper`` does); ``named_parameters()``/``named_buffers()`` give
+  the model's names; parameters and buffers are the model's own objects;
+* **attributes** missing on the wrapper are looked up on the model (``cmodel.config``);
+* **modes**: ``train()``/``eval()`` reach the model; under ``torch.no_grad()`` or
+  ``torch.inference_mode()`` the model runs as it is (nothing to save for a backward).
+
+**Specialisation.** An exported chain is specialised to the call it was extracted from:
+shapes, dtypes, flags, which keyword arguments are given, ``training``, the autocast state
+and which inputs require grad. A call with another *signature* is extracted again (about a
+second), profiled again (sizes only when its stages match the first chain's: its times are
+scaled from the first profile; in full otherwise) and solved again with the same limit and
+method; the last :data:`MAX_VARIANTS` signatures are kept. Models given as an
+``nn.Sequential`` or a list of stages are not specialised: any input runs the one plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from optmem.chain import Chain
+from optmem.errors import OptmemInputError
+from optmem.pytorch.context import SideInputs, side_inputs
+from optmem.pytorch.extract import (
+    Extraction,
+    Stage,
+    extract_program,
+    extract_stages,
+    merge_stages,
+    value_tensors,
+)
+from optmem.pytorch.planning import Planner
+from optmem.result import Result
+from optmem.units import format_size
+
+__all__ = ["MAX_VARIANTS", "PlannedModule", "ProfileOptions", "leaves_no_trace"]
+
+MAX_VARIANTS = 8
+_PREFIX = "_optmem_module."
+_log = logging.getLogger("optmem")
+
+
+@dataclass
+class ProfileOptions:
+    """How chains are profiled (:func:`~optmem.pytorch.profile.profile_stages`)."""
+
+    device: str | None = None
+    repeats: int = 3
+    warmup: int = 1
+    progress: bool | None = None
+    time_model: Any = None
+    max_stages: int | None = None
+    extract: str = "auto"
+
+
+@dataclass
+class _Variant:
+    """One specialisation: stages, their profile, the plan and its executor."""
+
+    extraction: Extraction | None
+    stages: list[Stage]
+    groups: list[tuple[int, int]] | None  # how fine stages were merged (max_stages)
+    fine_names: tuple[str, ...]
+    chain: Chain
+    result: Result
+    executor: nn.Module
+
+
+def is_plain_chain(module: Any) -> bool:
+    """Modules run as they are: an ``nn.Sequential`` (flattened) or a list of stages."""
+    from optmem.pytorch.extract import _is_plain_sequential
+
+    if isinstance(module, Sequence) and not isinstance(module, nn.Module):
+        return True
+    return isinstance(module, nn.Module) and _is_plain_sequential(module)
+
+
+def call_of(sample: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A sample as a call ``(args, kwargs)``.
+
+    A tensor is one argument, a tuple the positional arguments, a dict the keyword arguments.
+    """
+    if isinstance(sample, dict):
+        return (), dict(sample)
+    if isinstance(sample, tuple):
+        return sample, {}
+    return (sample,), {}
+
+
+@contextmanager
+def _side_buffers(stages: Sequence[Stage], ctx: SideInputs) -> Iterator[None]:
+    """Show the side tensors to the profiler as buffers of every stage.
+
+    The profiler counts what autograd saves, minus parameters, buffers and the stage input;
+    side inputs (masks, rotary tables) are allocated once per call, not by the stage: they
+    must not be counted as its activations. Each storage is shown once, as a flat byte
+    tensor on the same storage.
+    """
+    holders = []
+    storages: dict[int, torch.Tensor] = {}
+    for value in ctx.values():
+        for t in value_tensors(value):
+            key = t.untyped_storage()._cdata
+            if key not in storages:
+                flat = torch.empty(0, dtype=torch.uint8, device=t.device)
+                storages[key] = flat.set_(t.untyped_storage())
+    for st in stages:
+        holder = nn.Module()
+        for k, flat in enumerate(storages.values()):
+            holder.register_buffer(f"side{k}", flat, persistent=False)
+        st.module.add_module("_optmem_side", holder)
+        holders.append(st.module)
+    try:
+        yield
+    finally:
+        for m in holders:
+            del m._modules["_optmem_side"]
+
+
+def _replace_prefix(state_dict: dict[str, Any], old: str, new: str) -> None:
+    for key in [k for k in state_dict if k.startswith(old)]:
+        state_dict[new + key[len(old):]] = state_dict.pop(key)
+
+
+class PlannedModule(nn.Module):
+    """A model trained by following a plan; behaves like the model (see the module doc)."""
+
+    def __init__(self, module: nn.Module, planner: Planner, profile: ProfileOptions,
+                 main: _Variant, main_key: Any) -> None:
+        super().__init__()
+        self._optmem_module = module
+        self._planner = planner
+        self._profile = profile
+        self._variants: OrderedDict[Any, _Variant] = OrderedDict([(main_key, main)])
+        self._main_key = main_key
+        self._compile_options: dict[str, Any] | None = None
+        self._plain = main.extraction is None
+        self._signature = None if self._plain else inspect.signature(module.forward)
+        self.register_state_dict_post_hook(PlannedModule._strip_prefix)
+        self.register_load_state_dict_pre_hook(PlannedModule._add_prefix)
+
+    # -------------------------------------------------------------- construction
+    @classmethod
+    def build(cls, module: Any, sample: Any, planner: Planner, profile: ProfileOptions, *,
+              chain: Chain | None = None, name: str | None = None) -> PlannedModule:
+        """Extract, profile, solve and wrap ``module`` (``sample``: one batch or call)."""
+        from optmem.pytorch.distributed import refuse_sharded
+
+        refuse_sharded(module)
+        if is_plain_chain(module):
+            stages = extract_stages(module)
+            wrapped = module if isinstance(module, nn.Module) else nn.ModuleList(
+                [s.module if isinstance(s, Stage) else s for s in module])
+            label = name or (type(module).__name__ if isinstance(module, nn.Module)
+                             else "torch")
+            variant = _make_variant(None, stages, sample, planner, profile, chain, label,
+                                    ctx=None, like=None)
+            return cls(wrapped, planner, profile, variant, None)
+        if not isinstance(module, nn.Module):
+            raise OptmemInputError(f"expected an nn.Module or a list of modules, got "
+                                   f"{type(module).__name__}", field="module")
+        args, kwargs = canonical_call(module, *call_of(sample))
+        key = signature_key(module, args, kwargs)
+        variant = _extract_variant(module, args, kwargs, planner, profile, chain,
+                                   name or type(module).__name__, like=None)
+        return cls(module, planner, profile, variant, key)
+
+    # -------------------------------------------------------------- face of the model
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped model."""
+        return self._optmem_module
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "_optmem_module":
+                raise
+            return getattr(self._optmem_module, name)
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._optmem_module[key]  # type: ignore[index]
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        """The model's parameters, under the model's names."""
+        for name, p in super().named_parameters(prefix, recurse, remove_duplicate):
+            yield name.replace(_PREFIX, "", 1), p
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        """The model's buffers, under the model's names."""
+        for name, b in super().named_buffers(prefix, recurse, remove_duplicate):
+            yield name.replace(_PREFIX, "", 1), b
+
+    @staticmethod
+    def _strip_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                      local_metadata: Any) -> None:
+        _replace_prefix(state_dict, prefix + _PREFIX, prefix)
+
+    @staticmethod
+    def _add_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                    *args: Any) -> None:
+        if any(k.startswith(prefix + _PREFIX) for k in state_dict):
+            return  # already the wrapper's own keys
+        _replace_prefix(state_dict, prefix, prefix + _PREFIX)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        """``to()``/``cuda()``/``half()``: the model, and the stages' constants with it."""
+        super()._apply(fn, recurse)
+        for v in self._variants.values():
+            if v.extraction is not None:
+                for st in v.stages:
+                    st.module._apply(fn)
+                v.extraction.side._apply(fn)
+                v.extraction.rebind()
+        return self
+
+    # -------------------------------------------------------------- the main plan
+    @property
+    def _main(self) -> _Variant:
+        return self._variants[self._main_key]
+
+    @property
+    def executor(self) -> nn.Module:
+        """The executor of the main plan (the sample's signature)."""
+        return self._main.executor
+
+    @property
+    def stages(self) -> nn.ModuleList:
+        """The stage modules of the main plan."""
+        return self._main.executor.stages  # type: ignore[return-value]
+
+    @property
+    def stage_names(self) -> list[str]:
+        """The stage names of the main plan."""
+        return [s.name for s in self._main.stages]
+
+    @property
+    def chain(self) -> Chain:
+        """The profiled chain of the main plan (bytes, milliseconds)."""
+        return self._main.chain
+
+    @property
+    def result(self) -> Result:
+        """The solver's result for the main plan."""
+        return self._main.result
+
+    @property
+    def plan(self) -> tuple[Any, ...]:
+        """The plan the executor runs."""
+        return self._main.executor.plan  # type: ignore[return-value]
+
+    @property
+    def extraction(self) -> Extraction | None:
+        """How the model was cut (``None`` for an ``nn.Sequential`` or a list of stages)."""
+        return self._main.extraction
+
+    @property
+    def variants(self) -> list[tuple[str, ...]]:
+        """Stage names of every signature seen (the main one first)."""
+        return [tuple(s.name for s in v.stages) for v in self._variants.values()]
+
+    def _set_result(self, result: Result, plan: Sequence[Any] | None = None) -> None:
+        main = self._main
+        main.result = result
+        main.executor.set_plan(list(plan if plan is not None else result.plan))  # type: ignore[operator]
+        for key in [k for k in self._variants if k != self._main_key]:
+            del self._variants[key]  # re-derived from the new policy when called again
+
+    # -------------------------------------------------------------- compile
+    def compile(self, *args: Any, **options: Any) -> None:
+        """Compile every stage (``torch.compile(stage, **options)``).
+
+        The plan itself runs in Python. ``torch.compile(cmodel)`` compiles the stages too,
+        with these options (default ones if this was never called).
+        """
+        if args:
+            raise TypeError("PlannedModule.compile takes keyword options only")
+        self._compile_options = dict(options)
+        for v in self._variants.values():
+            _compile_executor(v.executor, self._compile_options)
+
+    # -------------------------------------------------------------- forward
+    def forward(self, *args: Any, **kwargs: Any) -> Any:  # noqa: D102 - see the class doc
+        if torch.compiler.is_compiling():
+            return _forward_disabled(self, args, kwargs)
+        return self._forward(args, kwargs, None)
+
+    def _forward(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 compiled: bool | None) -> Any:
+        model = self._optmem_module
+        if self._plain:
+            if kwargs or len(args) != 1:
+                raise TypeError(f"{type(model).__name__} takes one input (a tensor or a "
+                                f"tuple of tensors), got {len(args)} positional and "
+                                f"{len(kwargs)} keyword arguments")
+            return _run_executor(self._main.executor, args[0], compiled)
+        if not torch.is_grad_enabled():
+            return model(*args, **kwargs)
+        args, kwargs = canonical_call(model, args, kwargs, self._signature)
+        variant = self._variant(args, kwargs)
+        ext = variant.extraction
+        assert ext is not None
+        ext.rebind()
+        flat = ext.flatten(args, kwargs)
+        ctx = ext.side_inputs(flat)
+        with side_inputs(ctx):
+            out = _run_executor(variant.executor, ext.chain_input(flat), compiled)
+        return ext.output.assemble(out, ctx)
+
+    def _variant(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Variant:
+        key = signature_key(self._optmem_module, args, kwargs)
+        variant = self._variants.get(key)
+        if variant is not None:
+            self._variants.move_to_end(key)
+            return variant
+        _log.info("optmem: new call signature for %s: extracting, profiling and solving "
+                  "again", type(self._optmem_module).__name__)
+        variant = _extract_variant(self._optmem_module, args, kwargs, self._planner,
+                                   self._profile, None, self._main.chain.name,
+                                   like=self._main)
+        if self._compile_options is not None:
+            _compile_executor(variant.executor, self._compile_options)
+        self._variants[key] = variant
+        while len(self._variants) > MAX_VARIANTS:
+            oldest = next(k for k in self._variants if k != self._main_key)
+            del self._variants[oldest]
+        return variant
+
+    # -------------------------------------------------------------- reporting
+    def side_input_bytes(self) -> int:
+        """Bytes of the main signature's side inputs (not counted in the limit)."""
+        return int(self._main.chain.extra.get("side_input_bytes", 0))
+
+    def summary(self) -> str:
+        """A few lines: stages, plan, predicted step time and memory."""
+        chain, result = self.chain, self.result
+        lines = [f"{chain.name}: {chain.length} stages, {self._planner.kind} plan by "
+                 f"{result.method} ({result.status}), {len(result.plan)} ops",
+                 f"expected step time {float(result.objective):.3f} {chain.time_unit} "
+                 f"(no recomputation, nothing moved: {chain.total_compute_time():.3f})",
+                 f"expected activation peak {format_size(self.expected_peak_bytes)} "
+                 f"(store all: {format_size(chain.store_all_peak())})"]
+        side = self.side_input_bytes()
+        if side:
+            lines.append(f"side inputs (masks, position tables; not in the limit): "
+                         f"{format_size(side)}")
+        return "\n".join(lines)
+
+    @property
+    def expected_makespan(self) -> float:
+        """Predicted duration of one forward+backward in the chain's time unit (ms)."""
+        return float(self.result.objective)
+
+    @property
+    def expected_peak_bytes(self) -> int:
+        """Predicted activation peak in bytes (the plan replayed on the byte chain)."""
+        return int((self.result.peak_memory or 0) * self.result.unit)
+
+    def extra_repr(self) -> str:  # noqa: D102
+        return f"{self._planner.kind}: {len(self.result.plan)} ops over " \
+               f"{self.chain.length} stages"
+
+
+# ------------------------------------------------------------------ calls and signatures
+def canonical_call(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                   signature: inspect.Signature | None = None
+                   ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The call with every argument that can be a keyword given as one.
+
+    ``module(ids)`` and ``module(input_ids=ids)`` become the same call; ``use_cache`` (a
+    generation cache, useless in training and not exportable) is set to ``False`` when the
+    model takes it and the call does not give it.
+    """
+    signature = signature or inspect.signature(module.forward)
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        raise TypeError(f"{type(module).__name__}: {exc}") from None
+    pos: list[Any] = []
+    kw: dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        kind = signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_POSITIONAL:
+            if value:
+                return args, dict(kwargs)  # cannot name them: keep the call as it is
+            continue
+        if kind is inspect.Parameter.POSITIONAL_ONLY:
+            pos.append(value)
+        elif kind is inspect.Parameter.VAR_KEYWORD:
+            kw.update(value)
+        else:
+            kw[name] = value
+    if "use_cache" in signature.parameters and "use_cache" not in kw:
+        kw["use_cache"] = False
+    return tuple(pos), kw
+
+
+def _hashable(value: Any) -> Any:
+    try:
+        hash(value)
+        return value
+    except TypeError:
+        return repr(value)
+
+
+def signature_key(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """What an exported chain is specialised to (see the module docstring)."""
+    leaves, spec = tree_flatten((args, dict(sorted(kwargs.items()))))
+    parts: list[tuple[Any, ...]] = []
+    for v in leaves:
+        if isinstance(v, torch.Tensor):
+            parts.append(("T", tuple(v.shape), v.dtype, str(v.device),
+                          bool(v.requires_grad)))
+        else:
+            parts.append(("V", type(v).__name__, _hashable(v)))
+    autocast = tuple((d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
+                     if torch.is_autocast_enabled(d))
+    return (repr(spec), tuple(parts), module.training, autocast)
+
+
+# ------------------------------------------------------------------ variants
+@contextmanager
+def leaves_no_trace(module: nn.Module) -> Iterator[None]:
+    """Restore the buffers and the CPU/CUDA RNG state of ``module`` on exit.
+
+    Extracting and profiling run the model's code (BatchNorm statistics and counters,
+    random draws): the model must not notice.
+    """
+    buffers = [b for b in module.buffers() if b is not None]
+    saved = [b.detach().clone() for b in buffers]
+    devices = sorted({b.device.index or 0 for b in buffers if b.is_cuda})
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for b, old in zip(buffers, saved, strict=True):
+                    b.copy_(old)
+
+
+def _extract_variant(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                     planner: Planner, profile: ProfileOptions, chain: Chain | None,
+                     name: str, like: _Variant | None) -> _Variant:
+    with leaves_no_trace(module):
+        ext = extract_program(module, args, kwargs, method=profile.extract)
+        flat = ext.flatten(args, kwargs)
+        ctx = ext.side_inputs(flat)
+        return _make_variant(ext, ext.stages, ext.chain_input(flat), planner, profile,
+                             chain, name, ctx=ctx, like=like)
+
+
+def _make_variant(ext: Extraction | None, fine: list[Stage], x: Any, planner: Planner,
+                  profile: ProfileOptions, chain: Chain | None, name: str,
+                  ctx: SideInputs | None, like: _Variant | None) -> _Variant:
+    """Merge (``max_stages``), profile and solve one list of stages.
+
+    The merge, the profile and the solve run once, on rank 0 of the planner's process group
+    when ``torch.distributed`` is initialised (:func:`~optmem.pytorch.distributed.run_once`),
+    so every rank follows the same plan; the executor is built on every rank.
+    """
+    from optmem.pytorch.distributed import resolve_group, run_once
+
+    fine_names = tuple(s.name for s in fine)
+    limit = profile.max_stages
+
+    def merged(groups: list[tuple[int, int]] | None) -> list[Stage]:
+        return fine if groups is None else merge_stages(fine, limit, costs=None, groups=groups)
+
+    def decide() -> tuple[list[tuple[int, int]] | None, Chain, Result]:
+        groups = None
+        if limit is not None and len(fine) > limit:
+            if like is not None and like.groups is not None and like.fine_names == fine_names:
+                groups = like.groups
+            elif chain is None and profile.device != "meta":
+                quick = _profile(fine, x, profile, name, ctx, repeats=1, warmup=1)
+                costs = [f + b for f, b in zip(quick.fwd_time, quick.bwd_time, strict=True)]
+                groups = _groups(len(fine), limit, costs)
+            else:
+                groups = _groups(len(fine), limit, None, fine)
+        stages = merged(groups)
+        prof = chain
+        if prof is None:
+            same = like is not None and tuple(s.name for s in like.stages) == \
+                tuple(s.name for s in stages)
+            prof = _profile(stages, x, profile, name, ctx,
+                            time_model=_scaled_times(like, stages) if same else None)
+        elif prof.length != len(stages):
+            raise OptmemInputError(
+                f"the given chain has {prof.length} stages but the module has {len(stages)}",
+                field="chain")
+        return groups, prof, planner.solve(prof)
+
+    groups, chain, result = run_once(decide, resolve_group(planner.process_group))
+    stages = merged(groups)
+    executor = planner.executor(stages, result.plan)
+    return _Variant(ext, stages, groups, fine_names, chain, result, executor)
+
+
+def _groups(n: int, limit: int, costs: Sequence[float] | None,
+            stages: Sequence[Stage] | None = None) -> list[tuple[int, int]]:
+    from optmem.pytorch.extract import partition_costs, stage_cost
+
+    if costs is None:
+        assert stages is not None
+        costs = [stage_cost(s.module) for s in stages]
+    return partition_costs(costs, limit)
+
+
+def _profile(stages: Sequence[Stage], x: Any, profile: ProfileOptions, name: str,
+             ctx: SideInputs | None, *, repeats: int | None = None, warmup: int | None = None,
+             time_model: Any = None) -> Chain:
+    from optmem.pytorch.profile import profile_stages
+
+    kw = dict(device=profile.device, repeats=repeats or profile.repeats,
+              warmup=profile.warmup if warmup is None else warmup, name=name,
+              progress=profile.progress, time_model=time_model or profile.time_model)
+    if ctx is None:
+        return profile_stages(stages, x, **kw)
+    if profile.device == "meta":
+        raise OptmemInputError("device='meta' profiles an nn.Sequential or a list of stages "
+                               "only; profile an exported model on a real device",
+                               field="device")
+    with side_inputs(ctx), _side_buffers(stages, ctx):
+        chain = profile_stages(stages, x, **kw)
+    side = sum(_storage_bytes(ctx.values()))
+    extra = dict(chain.extra or {})
+    extra["side_input_bytes"] = side
+    return dataclasses.replace(chain, extra=extra)
+
+
+def _storage_bytes(values: Any) -> list[int]:
+    seen: dict[int, int] = {}
+    for v in values:
+        for t in value_tensors(v):
+            seen[t.untyped_storage()._cdata] = int(t.untyped_storage().nbytes())
+    return list(seen.values())
+
+
+def _scaled_times(like: _Variant | None, stages: Sequence[Stage]) -> Any:
+    """A time model giving the first profile's times, scaled by the output size."""
+    assert like is not None
+    index = {id(s.module): k for k, s in enumerate(stages)}
+    base = like.chain
+
+    def time_model(module: nn.Module, x: Any, out: Any) -> tuple[float, float]:
+        k = index[id(module)]
+        size = sum(t.numel() * t.element_size() for t in value_tensors(out))
+        scale = size / base.output_size[k] if base.output_size[k] else 1.0
+        return base.fwd_time[k] * scale, base.bwd_time[k] * scale
+
+    return time_model
+
+
+# ------------------------------------------------------------------ executors
+def _run_executor(executor: nn.Module, x: Any, compiled: bool | None) -> Any:
+    run = getattr(executor, "_forward", None)
+    if run is None:
+        return executor(x)
+    return run(x, compiled)
+
+
+def _compile_executor(executor: nn.Module, options: dict[str, Any]) -> None:
+    compile_stages = getattr(executor, "compile_stages", None)
+    if compile_stages is None:
+        raise OptmemInputError(f"{type(executor).__name__} cannot compile its stages",
+                               field="compile")
+    compile_stages(**options)
+
+
+@torch.compiler.disable
+def _forward_disabled(module: PlannedModule, args: tuple[Any, ...],
+                      kwargs: dict[str, Any]) -> Any:
+    """The wrapper's forward outside dynamo (a graph break); the stages run compiled."""
+    return module._forward(args, kwargs, True)

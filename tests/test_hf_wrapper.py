@@ -1,0 +1,225 @@
+"""The wrapper behaves like the HuggingFace model it wraps (tiny GPT-2 and Llama configs).
+
+State dicts load both ways, attributes are forwarded, train/eval/no_grad/inference_mode,
+autocast, keyword and positional calls, ``attention_mask=``, calls without labels, dropout
+recomputed with the same masks, torch.autograd semantics (``backward(inputs=...)``, double
+backward and ``retain_graph`` refused with a clear error), ``torch.compile``, and the
+offload and remat+offload one-liners with bitwise-equal gradients.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the torch bridge needs torch")
+pytest.importorskip("transformers", reason="the HF tests need transformers (dev extra)")
+
+from hf_helpers import assert_same, gpt2, llama, step  # noqa: E402
+
+import optmem.pytorch as op  # noqa: E402
+from optmem.errors import OptmemInputError  # noqa: E402
+
+
+def _wrap(factory, fraction=0.6, kind=op.checkpoint, **kw):
+    model, kwargs = factory()
+    chain = op.profile_chain(model, kwargs, repeats=1, warmup=0)
+    limit = int(fraction * chain.store_all_peak())
+    return model, kwargs, kind(model, kwargs, memory_limit=limit, chain=chain, **kw), chain
+
+
+@pytest.fixture(scope="module")
+def gpt(request):
+    # heavy dropout: a recomputed stage must draw the same masks
+    return _wrap(lambda: gpt2(resid_pdrop=0.5, embd_pdrop=0.5, attn_pdrop=0.5))
+
+
+@pytest.fixture(scope="module")
+def lla(request):
+    return _wrap(llama)
+
+
+def test_state_dict_loads_both_ways(gpt):
+    model, kwargs, cmodel, _ = gpt
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(0.5)
+    before = copy.deepcopy(model.state_dict())
+    assert not cmodel.load_state_dict(other.state_dict()).missing_keys
+    assert torch.equal(model.lm_head.weight, other.lm_head.weight)
+    fresh = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    fresh.load_state_dict(cmodel.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters(),
+                                                    strict=True))
+    model.load_state_dict(before)
+
+
+def test_attributes_modes_and_no_grad(gpt):
+    model, kwargs, cmodel, _ = gpt
+    assert cmodel.config is model.config and cmodel.module is model
+    assert cmodel.lm_head is model.lm_head
+    cmodel.eval()
+    assert not model.training
+    with torch.no_grad():
+        torch.testing.assert_close(cmodel(**kwargs).logits, model(**kwargs).logits,
+                                   rtol=0, atol=0)
+    with torch.inference_mode():
+        torch.testing.assert_close(cmodel(**kwargs).logits, model(**kwargs).logits,
+                                   rtol=0, atol=0)
+    cmodel.train()
+    assert model.training
+    torch.manual_seed(1)
+    with torch.no_grad():
+        a = cmodel(**kwargs).logits
+    torch.manual_seed(1)
+    with torch.no_grad():
+        b = model(**kwargs).logits
+    torch.testing.assert_close(a, b, rtol=0, atol=0)  # same dropout masks
+
+
+def test_dropout_masks_reproduced_when_recomputed(gpt):
+    model, kwargs, cmodel, _ = gpt
+    plan = cmodel.result.plan
+    loss = plan.index("Loss")
+    rerun = {p.split()[1] for p in plan[loss:] if p.startswith("F_")}
+    assert rerun, plan  # some stages run again in the backward pass
+    assert_same(step(cmodel, model, kwargs, seed=7), step(model, model, kwargs, seed=7))
+
+
+def test_positional_keyword_mask_and_label_free_calls(gpt):
+    model, kwargs, cmodel, _ = gpt
+    ids = kwargs["input_ids"]
+    n = len(cmodel.variants)
+    assert_same(step(cmodel, model, {"labels": ids}, seed=2, args=(ids,)),
+                step(model, model, {"labels": ids}, seed=2, args=(ids,)))
+    assert len(cmodel.variants) == n  # the same signature as the sample's keywords
+    mask = torch.ones_like(ids)
+    mask[0, -4:] = 0
+    call = {"input_ids": ids, "attention_mask": mask, "labels": ids}
+    assert_same(step(cmodel, model, call, seed=3), step(model, model, call, seed=3))
+    assert len(cmodel.variants) == n + 1  # a new signature: extracted and solved again
+    torch.manual_seed(4)
+    out = cmodel(ids)
+    assert out.loss is None and out.logits.shape == (*ids.shape, model.config.vocab_size)
+    out.logits.float().square().mean().backward()
+    assert model.lm_head.weight.grad is not None
+    model.zero_grad(set_to_none=True)
+
+
+def test_autograd_semantics(lla):
+    model, kwargs, cmodel, _ = lla
+    params = dict(model.named_parameters())
+    some = [params["model.layers.0.mlp.up_proj.weight"], params["lm_head.weight"]]
+    ref = step(model, model, kwargs, seed=5)[1]
+    ref_by_id = {id(p): g for p, g in zip(model.parameters(), ref, strict=True)}
+    torch.manual_seed(5)
+    cmodel(**kwargs).loss.backward(inputs=some)
+    for p in model.parameters():
+        if any(p is s for s in some):
+            torch.testing.assert_close(p.grad, ref_by_id[id(p)], rtol=0, atol=0)
+        else:
+            assert p.grad is None
+    model.zero_grad(set_to_none=True)
+    out = cmodel(**kwargs)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(out.loss, some, create_graph=True)
+    out = cmodel(**kwargs)
+    out.loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        out.loss.backward()
+    model.zero_grad(set_to_none=True)
+
+
+def test_autocast(lla):
+    model, kwargs, cmodel, _ = lla
+
+    def under_autocast(call):
+        def run(**kw):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return call(**kw)
+        return run
+
+    got = step(under_autocast(cmodel), model, kwargs, seed=6)
+    ref = step(under_autocast(model), model, kwargs, seed=6)
+    assert got[0].logits.dtype == ref[0].logits.dtype
+    assert_same(got, ref, bitwise=True)
+
+
+def test_torch_compile_runs_each_stage_compiled():
+    model, kwargs = llama(num_hidden_layers=1)
+    chain = op.profile_chain(model, kwargs, repeats=1, warmup=0)
+    cmodel = op.checkpoint(model, kwargs, memory_limit=int(0.7 * chain.store_all_peak()),
+                           chain=chain)
+    ref = step(model, model, kwargs, seed=8)
+    cmodel.compile(backend="aot_eager")
+    compiled = torch.compile(cmodel, backend="aot_eager")
+    got = step(compiled, model, kwargs, seed=8)
+    assert_same(got, ref, bitwise=False)  # compiled graphs may reorder float operations
+    functions = cmodel.executor._compiled
+    assert functions is not None and len(functions) == cmodel.chain.length
+
+
+@pytest.mark.parametrize("kind", [op.offload, op.remat_offload])
+def test_offload_one_liners_on_llama(kind):
+    model, kwargs, cmodel, chain = _wrap(llama, kind=kind, bandwidth="1GB/s")
+    transfers = [o for o in cmodel.result.plan if o.startswith(("offload", "prefetch"))]
+    assert transfers, cmodel.result.plan
+    assert_same(step(cmodel, model, kwargs, seed=9), step(model, model, kwargs, seed=9))
+    assert list(cmodel.state_dict()) == list(model.state_dict())
+    assert "side inputs" in cmodel.summary()
+    same = kind(model, kwargs, memory_limit=int(0.6 * chain.store_all_peak()), chain=chain,
+                bandwidth=1e9)  # bytes per second: the same link
+    assert same.result.plan == cmodel.result.plan
+
+
+def test_too_small_limit_names_a_limit_that_works(lla):
+    model, kwargs, cmodel, chain = lla
+    with pytest.raises(OptmemInputError, match="smallest feasible limit") as err:
+        op.checkpoint(model, kwargs, memory_limit=chain.input_size, chain=chain)
+    least = int(re.search(r"\((\d+) B\)", str(err.value)).group(1))
+    again = op.checkpoint(model, kwargs, memory_limit=least, chain=chain)
+    assert again.result.status.has_plan and again.expected_peak_bytes <= least
+
+
+def test_eval_mode_with_grad_has_its_own_graph(gpt):
+    model, kwargs, cmodel, _ = gpt
+    cmodel.eval()
+    try:
+        assert_same(step(cmodel, model, kwargs, seed=11), step(model, model, kwargs, seed=11))
+    finally:
+        cmodel.train()
+
+
+def test_stages_follow_parameters_the_model_replaces(lla):
+    model, kwargs, cmodel, _ = lla
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    params = dict(model.named_parameters())
+    halved = {k: (v * 0.5 if k in params else v) for k, v in before.items()}
+    model.load_state_dict(halved, assign=True)  # new Parameter objects
+    try:
+        assert all(a is not b for a, b in zip(model.parameters(), params.values(), strict=True))
+        assert_same(step(cmodel, model, kwargs, seed=12), step(model, model, kwargs, seed=12))
+    finally:
+        model.load_state_dict(before)
+
+
+def test_example_script_prints_same_losses(capsys, monkeypatch):
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "hf_checkpointed.py"
+    spec = importlib.util.spec_from_file_location("hf_checkpointed", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(sys, "argv", ["hf_checkpointed.py", "--layers", "2", "--steps", "2",
+                                      "--hidden", "32", "--seq", "16"])
+    module.main()
+    out = capsys.readouterr().out
+    assert "same losses: True" in out and "DIFFERENT" not in out
