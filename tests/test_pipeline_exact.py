@@ -273,15 +273,20 @@ def set_partitions(n: int, parts: int):
     yield from rec([], 0)
 
 
+def draw_unlimited(draw, lengths, f_max, b_max, betas, gpus) -> PipelineProblem:
+    """A random chain without a binding memory limit (sizes drawn, memory 10^9)."""
+    n = draw(st.integers(*lengths))
+    f = [draw(st.integers(1, f_max)) for _ in range(n)]
+    b = [draw(st.integers(1, b_max)) for _ in range(n)]
+    a = [0] + [draw(st.integers(0, 4)) for _ in range(n - 1)] + [0]
+    beta = draw(st.sampled_from(betas))
+    return PipelineProblem(thesis_chain(f, b, a), draw(st.integers(*gpus)), 10**9, beta,
+                           weight_copies=1)
+
+
 @st.composite
 def unlimited_problems(draw):
-    n = draw(st.integers(2, 5))
-    f = [draw(st.integers(1, 6)) for _ in range(n)]
-    b = [draw(st.integers(1, 6)) for _ in range(n)]
-    a = [0] + [draw(st.integers(0, 4)) for _ in range(n - 1)] + [0]
-    beta = draw(st.sampled_from([math.inf, 1.0, 2.0, 4.0]))
-    return PipelineProblem(thesis_chain(f, b, a), draw(st.integers(1, 3)), 10**9, beta,
-                           weight_copies=1)
+    return draw_unlimited(draw, (2, 5), 6, 6, [math.inf, 1.0, 2.0, 4.0], (1, 3))
 
 
 @settings(max_examples=25, deadline=None, derandomize=True,
@@ -522,13 +527,7 @@ def test_relaxation_bound_never_exceeds_the_optimum(problem, strict):
 
 @st.composite
 def unlimited_uneven_problems(draw):
-    n = draw(st.integers(3, 7))
-    f = [draw(st.integers(1, 30)) for _ in range(n)]
-    b = [draw(st.integers(1, 40)) for _ in range(n)]
-    a = [0] + [draw(st.integers(0, 4)) for _ in range(n - 1)] + [0]
-    beta = draw(st.sampled_from([math.inf, 1.0, 4.0]))
-    return PipelineProblem(thesis_chain(f, b, a), draw(st.integers(2, 4)), 10**9, beta,
-                           weight_copies=1)
+    return draw_unlimited(draw, (3, 7), 30, 40, [math.inf, 1.0, 4.0], (2, 4))
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)

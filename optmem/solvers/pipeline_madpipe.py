@@ -25,7 +25,7 @@ bundled profiles before that was deleted; ``tests/test_pipeline_exact.py`` check
 against an enumeration of its class). A call only needs its value below the best estimate
 of Algorithm 8 so far, so it is capped there (states that cannot lead below the cap are
 never created), with smaller caps tried first from a lower bound (a DP run without
-``t_P``). ResNet-152 (L = 56), P = 8: 4-11 s of CPU for the whole of Algorithm 8 (see
+``t_P``). ResNet-152 (L = 56), P = 8: 0.9-1.4 s of CPU for the whole of Algorithm 8 (see
 ``benchmarks/results/pipeline.md``), where one call of the recursion took 96 s.
 
 Phase 2 (section 7.2): the stages become the units of a coarse chain and the exact model
