@@ -1,18 +1,20 @@
 """Pipeline periods: equal split, PipeDream, best contiguous, MadPipe and the exact model.
 
-For bundled profiles (coarsened to at most ``--layers`` layers by merging neighbours with the
-smallest combined time, as the thesis' linearisation does), P GPUs and a range of memories per
-GPU, this script solves the ``pipeline`` problem with
+For bundled profiles (full: every layer of the profile; ``--layers K`` coarsens to K layers
+by merging neighbours with the smallest combined time, as the thesis' linearisation does),
+P GPUs and a range of memories per GPU, this script solves the ``pipeline`` problem with
 
 * ``equal``: equal layer counts per GPU + optimal 1F1B* (torch.distributed.pipelining style),
 * ``pipedream``: PipeDream's planner + optimal 1F1B* (the thesis' fair baseline, 7.3.3),
 * ``contiguous``: the best contiguous allocation + optimal 1F1B* (thesis ch. 5),
-* ``madpipe``: MadPipe (ch. 7), non-contiguous,
-* ``exact``: the CP-SAT model of all allocations and 1-periodic patterns, with the contiguous
-  optimum as cutoff and a time limit (``feasible`` when the limit stops it),
+* ``madpipe``: MadPipe (ch. 7), non-contiguous (phase 2 limited to ``--time-limit``),
+* ``exact``: the CP-SAT emission of the exact model of all allocations and 1-periodic
+  patterns with the contiguous optimum as warm start and cutoff, the lifetime relaxation's
+  bound, and a time limit (``feasible`` when the limit stops it),
 
 prints the periods and their ratios to MadPipe's, writes a markdown table and a PNG plot.
-Every plan is replayed by the simulator inside ``solve``.
+Every plan is replayed by the simulator inside ``solve``. A second table times MadPipe's
+phase 1 (Algorithm 8, the vectorised DP) on ResNet-152 (L = 56) with P = 8 GPUs.
 
 Usage::
 
@@ -32,12 +34,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.bench_pipeline_exact import uptime  # noqa: E402
 from optmem.chain import Chain  # noqa: E402
 from optmem.cli_problems import parse_pipeline_bandwidth  # noqa: E402
 from optmem.datasets import resolve_chain  # noqa: E402
 from optmem.problems.pipeline import PipelineProblem  # noqa: E402
 from optmem.result import SolveOptions  # noqa: E402
 from optmem.solvers.facade import solve  # noqa: E402
+from optmem.solvers.pipeline_madpipe import algorithm8  # noqa: E402
 
 METHODS = ("equal", "pipedream", "contiguous", "madpipe", "exact")
 GIB = 2**30
@@ -71,15 +75,17 @@ def coarsen(chain: Chain, layers: int) -> Chain:
 def run(args: argparse.Namespace) -> list[dict]:
     rows = []
     for name in args.profiles:
-        chain = coarsen(resolve_chain(name), args.layers)
+        chain = resolve_chain(name)
+        if args.layers:
+            chain = coarsen(chain, args.layers)
         bw = parse_pipeline_bandwidth(args.bandwidth, chain.time_unit)
         for gpus in args.gpus:
             for mem in args.memory:
                 problem = PipelineProblem(chain, gpus, int(mem * GIB), chain_bandwidth=bw)
                 row = {"profile": name, "gpus": gpus, "memory_gib": mem}
                 for method in METHODS:
-                    opts = SolveOptions(time_limit_s=args.time_limit,
-                                        extra={"madpipe_iterations": args.iterations})
+                    opts = SolveOptions(time_limit_s=args.time_limit, extra={
+                        "madpipe_iterations": args.iterations, "warm_madpipe": False})
                     start = time.perf_counter()
                     r = solve(problem, "cpsat" if method == "exact" else method, options=opts)
                     row[method] = r.objective if r.status.has_plan else math.inf
@@ -121,13 +127,33 @@ def geomean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else math.nan
 
 
+def dp_times(args: argparse.Namespace) -> list[str]:
+    """CPU and wall time of MadPipe's phase 1 (Algorithm 8, K iterations) at L = 56, P = 8."""
+    chain = resolve_chain(args.dp_profile)
+    bw = parse_pipeline_bandwidth(args.bandwidth, chain.time_unit)
+    rows = [f"## MadPipe phase 1 (Algorithm 8, K = {args.iterations}) on {args.dp_profile} "
+            f"(L = {chain.length}), P = {args.dp_gpus}", "",
+            "| memory (GiB) | estimate | T-hat | DP states | CPU (s) | wall (s) |",
+            "|---|---|---|---|---|---|"]
+    for mem in args.dp_memory:
+        problem = PipelineProblem(chain, args.dp_gpus, int(mem * GIB), bw)
+        cpu, wall = time.process_time(), time.perf_counter()
+        est, that, _, states = algorithm8(problem, exact=False, iterations=args.iterations)
+        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+        rows.append(f"| {mem:g} | {_fmt(est)} | {_fmt(that)} | {states} | {cpu:.1f} | "
+                    f"{wall:.1f} |")
+        print(rows[-1], flush=True)
+    return rows
+
+
 def markdown(rows: list[dict], args: argparse.Namespace, wall: float) -> str:
+    layers = f"coarsened to {args.layers} layers" if args.layers else "full (every layer)"
     out = ["# Pipeline benchmark (`benchmarks/bench_pipeline.py`)", "",
-           f"Profiles coarsened to {args.layers} layers, bandwidth {args.bandwidth}, C = 3 "
+           f"Profiles {layers}, bandwidth {args.bandwidth}, C = 3 "
            f"weight copies, stash memory model, MadPipe K = {args.iterations}, time limit "
            f"{args.time_limit} s per engine call (`exact` = CP-SAT with the contiguous "
-           f"optimum as cutoff). Periods in ms per micro-batch; `-` = no plan fits. "
-           f"Wall time {wall:.0f} s.", "",
+           f"optimum as cutoff and the lifetime relaxation's bound). Periods in ms per "
+           f"micro-batch; `-` = no plan fits. Wall time {wall:.0f} s.", "",
            "| profile | P | M (GiB) | equal | PipeDream | contiguous | MadPipe (phase 1) | "
            "exact | PipeDream / MadPipe | equal / MadPipe | MadPipe source |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -192,7 +218,12 @@ def main() -> None:
                         default=["resnet50-b32-224", "resnet101-b8-1000", "inception3-b32-299"])
     parser.add_argument("--gpus", nargs="+", type=int, default=[2, 4, 8])
     parser.add_argument("--memory", nargs="+", type=float, default=[2, 3, 4, 6, 8, 12, 16])
-    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--layers", type=int, default=None,
+                        help="coarsen each profile to this many layers (default: full)")
+    parser.add_argument("--dp-profile", default="resnet152-b32-224")
+    parser.add_argument("--dp-gpus", type=int, default=8)
+    parser.add_argument("--dp-memory", nargs="+", type=float,
+                        default=[2, 3, 4, 6, 8, 12, 16])
     parser.add_argument("--bandwidth", default="12GB/s")
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--time-limit", type=float, default=10.0)
@@ -201,11 +232,13 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.profiles, args.gpus, args.memory = ["resnet50-b32-224"], [2, 4], [3, 6, 12]
-        args.layers, args.iterations, args.time_limit = 8, 6, 3.0
+        args.iterations, args.time_limit, args.dp_memory = 6, 3.0, [4]
     start = time.perf_counter()
+    load = uptime()
     rows = run(args)
     wall = time.perf_counter() - start
-    text = markdown(rows, args, wall)
+    text = markdown(rows, args, wall) + f"\nLoad average when the run started: {load}.\n\n"
+    text += "\n".join(dp_times(args)) + f"\n\nLoad average after: {uptime()}.\n"
     print(text)
     if args.markdown:
         Path(args.markdown).write_text(text)

@@ -19,7 +19,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from optmem.engines import adapters as engines
-from optmem.models.formulation import Expr, Kind, Model, time_scale, to_cpsat, to_pulp
+from optmem.models.formulation import (
+    Expr,
+    Kind,
+    Model,
+    rational_time_scale,
+    time_scale,
+    to_cpsat,
+    to_pulp,
+)
 from optmem.result import Status
 
 # FORM_EXAMPLES=1500 for a long run (passed: 1,500 models per property)
@@ -203,3 +211,31 @@ def test_scaled_bounds_snap_float_noise_to_the_grid():
     res = engines.solve_cpsat(cm.cp, cm.variables, threads=1)
     assert res.status is Status.OPTIMAL
     assert cm.values(res.values) == [lo, lo]
+
+
+def test_redundant_no_overlap_reaches_cpsat_only():
+    """A no-overlap set marked redundant adds no order binary to the MILP, but is checked."""
+    m = Model("redundant")
+    s1, s2 = m.continuous("s1", 0, 10), m.continuous("s2", 0, 10)
+    ivs = [m.interval("a", s1, 2), m.interval("b", s2, 3)]
+    m.no_overlap("machine", ivs, redundant=True)
+    m.minimize(s1 + s2)
+    assert to_pulp(m).orders == []
+    assert "no_overlap" in str(to_cpsat(m).cp.proto)
+    assert m.violated([0, 0]) == ["no_overlap machine: a and b"]
+
+
+@pytest.mark.parametrize(("values", "resolution", "expected"), [
+    ([1.0, 2.0], None, (1, True)),
+    ([0.5, 0.25], None, (4, True)),
+    ([102760448 / 12e6, 0.724323], None, (3000000, True)),  # size / bandwidth, profiled time
+    ([1 / 3], 1e-3, (1002, True)),
+    ([math.sqrt(2)], None, (10**6, False)),
+])
+def test_rational_time_scale(values, resolution, expected):
+    scale, exact = rational_time_scale(values, resolution=resolution)
+    assert (scale, exact) == expected
+    if exact:
+        assert all(abs(v * scale - round(v * scale)) < 1e-6 for v in values)
+    if resolution is not None:
+        assert 1 / scale <= resolution

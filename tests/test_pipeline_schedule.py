@@ -32,13 +32,15 @@ from optmem.result import SolveOptions
 from optmem.solvers.facade import solve
 
 ACTION = re.compile(r"^(\d+)([FB])(\d+)$")
+WORK_LIMITS = SolveOptions(node_limit=2000, deterministic_time=10.0, seed=0, threads=1)
+"""Deterministic engine limits: the plans do not depend on the machine's load."""
 
 
 def plan_for(costs: list[float], gpus: int, method: str, memory: int = 10**6) -> PipelinePlan:
     chain = Chain.from_lists([c / 2 for c in costs], [c / 2 for c in costs],
                              [1] * len(costs), [1] * len(costs), input_size=1)
     result = solve(PipelineProblem(chain, gpus, memory), method,
-                   options=SolveOptions(time_limit_s=30, threads=1))
+                   options=WORK_LIMITS)
     assert result.status.has_plan, result.report
     return PipelinePlan.from_strings(result.plan)
 
@@ -95,7 +97,7 @@ def test_action_lists_of_random_plans_are_executable(costs, gpus, memory, method
     chain = Chain.from_lists([c / 2 for c in costs], [c / 2 for c in costs],
                              [1] * len(costs), [1] * len(costs), input_size=1)
     result = solve(PipelineProblem(chain, gpus, memory), method,
-                   options=SolveOptions(time_limit_s=10, threads=1))
+                   options=WORK_LIMITS)
     if result.status.has_plan:
         assert_executable(PipelinePlan.from_strings(result.plan), 5)
 

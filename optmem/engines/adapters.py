@@ -225,13 +225,15 @@ def solve_pulp(
     objective = math.nan
     if status.has_plan:
         values = [v.varValue if v.varValue is not None else 0.0 for v in variables]
-        objective = problem.objective.value()
-        if objective is None and not any(c for _, c in problem.objective.items()):
-            objective = problem.objective.constant  # an empty objective (PuLP's 0 * dummy)
-        if objective is None or not math.isfinite(float(objective)):
+        terms = list(problem.objective.items())
+        # a zero term may name a variable the engine never saw (PuLP's ``__dummy`` of an
+        # empty objective, a variable in no row): it has no value and adds nothing
+        value = None if any(v.varValue is None and x for v, x in terms) else \
+            problem.objective.constant + sum(x * v.varValue for v, x in terms if x)
+        if value is None or not math.isfinite(float(value)):
             return failed_result(engine, f"{message}: a solution without an objective value",
                                  elapsed)
-        objective = float(objective)
+        objective = float(value)
         if status is Status.OPTIMAL:
             bound = objective
     if status in (Status.OPTIMAL, Status.INFEASIBLE):
@@ -283,11 +285,16 @@ def _highs_stopped(model_status: Any) -> str | None:
             "kObjectiveBound": "other", "kObjectiveTarget": "other"}.get(name)
 
 
+_HIGHS_THREADS: dict[str, int] = {}
+"""Thread count of the last HiGHS run in this process (its global scheduler's)."""
+
+
 def _solve_highs(problem: Any, settings: _Settings) -> tuple[Status, float, str, str | None]:
     import highspy  # type: ignore[import-untyped]
     import pulp  # type: ignore[import-untyped]
 
     initial = settings.initial
+    threads = settings.threads
 
     class _Highs(pulp.HiGHS):  # type: ignore[misc, name-defined]
         """PuLP's highspy interface plus a warm start and the final info."""
@@ -296,6 +303,11 @@ def _solve_highs(problem: Any, settings: _Settings) -> tuple[Status, float, str,
 
         def callSolver(self, lp: Any) -> None:  # noqa: N802 - PuLP's name
             h = lp.solverModel
+            if _HIGHS_THREADS.get("last") not in (None, threads):
+                # HiGHS keeps one global thread pool per process: a run with another thread
+                # count fails with status kNotset unless the pool is rebuilt
+                highspy.Highs.resetGlobalScheduler(True)
+            _HIGHS_THREADS["last"] = threads
             if initial is not None:
                 cols = sorted(lp.variables(), key=lambda v: v.index)
                 sol = highspy.HighsSolution()
@@ -392,6 +404,11 @@ def _run_cbc(problem: Any, settings: _Settings, log: str, time_mode: str) -> int
     return int(problem.solve(solver))
 
 
+def _bounded(problem: Any) -> bool:
+    """Whether every variable of a PuLP problem has finite bounds (so it is not unbounded)."""
+    return all(v.lowBound is not None and v.upBound is not None for v in problem.variables())
+
+
 def _solve_cbc(problem: Any, settings: _Settings) -> tuple[Status, float, str, str | None]:
     import pulp  # type: ignore[import-untyped]
 
@@ -414,6 +431,8 @@ def _solve_cbc(problem: Any, settings: _Settings) -> tuple[Status, float, str, s
     result = _CBC_RESULT.findall(text) or _CBC_SHORT.findall(text)
     line = result[-1] if result else ""
     status = _cbc_status(line, pulp_status, problem.sol_status)
+    if line.startswith("Pre-processing says infeasible") and not _bounded(problem):
+        status = Status.ERROR  # it may be unbounded: nothing proven
     low = _CBC_LOWER.findall(text)
     # PuLP does not give CBC the objective constant: add it back
     bound = float(low[-1]) + float(problem.objective.constant) if low else math.nan

@@ -9,7 +9,8 @@ objective to minimise. Two emitters write it for an engine:
 * :func:`to_pulp` (HiGHS, CBC, Gurobi through PuLP): an enforced constraint becomes a big-M
   row whose ``M`` is computed from the variable bounds (the tightest valid one); a
   ``no_overlap`` set becomes one order binary per pair of intervals, with big-M rows again
-  from the bounds of the interval starts; the objective constant rides on a variable fixed
+  from the bounds of the interval starts (a set marked ``redundant``, implied by the rows,
+  is left out); the objective constant rides on a variable fixed
   to 1 so that every MPS reader sees the same optimum.
 * :func:`to_cpsat` (OR-Tools CP-SAT): enforced constraints use ``only_enforce_if``,
   intervals are ``new_optional_fixed_size_interval_var`` and ``no_overlap`` is CP-SAT's own
@@ -30,7 +31,9 @@ data have at most ``max_decimals`` decimals. Otherwise coefficients are rounded 
 nearest integer and ``CpsatModel.max_rounding`` reports the largest change; a model builder
 that needs valid bounds in the original units must then put its data on the grid itself
 (e.g. durations rounded up for a restriction, down for a relaxation) and state which, as
-the models of :mod:`optmem.models` do in their docstrings. Decoded values are divided back
+the models of :mod:`optmem.models` do in their docstrings; :func:`rational_time_scale`
+finds the exact grid of data that are fractions (times ``size / bandwidth``) rather than
+decimals. Decoded values are divided back
 by ``s``; plans are always replayed by the simulator, which gives the true objective.
 
 Notation
@@ -49,7 +52,7 @@ from typing import Any
 
 __all__ = [
     "Constraint", "CpsatModel", "Expr", "Interval", "Kind", "Literal", "Model", "NoOverlap",
-    "PulpModel", "Var", "time_scale", "to_cpsat", "to_pulp",
+    "PulpModel", "Var", "rational_time_scale", "time_scale", "to_cpsat", "to_pulp",
 ]
 
 MAX_DECIMALS = 6
@@ -211,10 +214,16 @@ class Interval:
 
 @dataclass(frozen=True)
 class NoOverlap:
-    """No two present intervals of the set overlap (one machine or one link)."""
+    """No two present intervals of the set overlap (one machine or one link).
+
+    ``redundant``: the set is implied by the model's rows (a global constraint that only
+    helps CP-SAT's propagation); :func:`to_pulp` leaves it out, :func:`to_cpsat` and
+    :meth:`Model.violated` keep it.
+    """
 
     name: str
     intervals: tuple[int, ...]
+    redundant: bool = False
 
 
 @dataclass
@@ -309,9 +318,14 @@ class Model:
                                        presence))
         return len(self.intervals) - 1
 
-    def no_overlap(self, name: str, intervals: Iterable[int]) -> None:
-        """No two present intervals of ``intervals`` overlap."""
-        self.no_overlaps.append(NoOverlap(name, tuple(intervals)))
+    def no_overlap(self, name: str, intervals: Iterable[int], *, redundant: bool = False
+                   ) -> None:
+        """No two present intervals of ``intervals`` overlap.
+
+        ``redundant=True`` states that the model's rows already imply it (see
+        :class:`NoOverlap`): only CP-SAT receives it.
+        """
+        self.no_overlaps.append(NoOverlap(name, tuple(intervals), redundant))
 
     def minimize(self, expr: ExprLike) -> None:
         """Set the objective (to minimise)."""
@@ -456,6 +470,8 @@ def to_pulp(model: Model) -> PulpModel:
         _pulp_row(prob, model, xs, con)
     orders: list[tuple[int, int, int]] = []
     for g, group in enumerate(model.no_overlaps):
+        if group.redundant:
+            continue
         for p, a in enumerate(group.intervals):
             for b in group.intervals[p + 1:]:
                 ia, ib = model.intervals[a], model.intervals[b]
@@ -580,6 +596,51 @@ def time_scale(values: Iterable[float], max_decimals: int = MAX_DECIMALS) -> tup
                for t in vals):
             return scale, True
     return 10**max_decimals, False
+
+
+def rational_time_scale(values: Iterable[float], *, resolution: float | None = None,
+                        max_denominator: int = 10**7, max_scale: int = 10**13
+                        ) -> tuple[int, bool]:
+    """Smallest integer scale ``s`` putting every value on the grid ``1 / s``; whether exact.
+
+    Each value is read as the fraction ``p / q`` with ``q <= max_denominator`` closest to it,
+    kept when within ``1e-15`` relative (a few units in the last place: "exact" means exact
+    up to the float's own rounding). Profiled times with six decimals and transfer times
+    ``size / bandwidth`` are such fractions, which powers of ten alone cannot make integral.
+    ``s`` is the least common multiple of the ``q``. ``resolution`` multiplies ``s`` by the
+    smallest integer making ``1 / s <= resolution`` (a finer grid keeps values that the data
+    do not fix, such as a period ``D / k``, within one grid step of their true value). When
+    ``s`` would exceed ``max_scale``, the result is ``10**MAX_DECIMALS`` (refined the same
+    way) and ``False``.
+
+    Examples
+    --------
+    >>> rational_time_scale([0.724323, 102760448 / 12e6])
+    (3000000, True)
+    >>> rational_time_scale([1.0, 0.5], resolution=0.01)
+    (100, True)
+    >>> rational_time_scale([1 / 3, 0.25]), rational_time_scale([0.1234567], max_denominator=1000)
+    ((12, True), (1000000, False))
+    """
+    from fractions import Fraction
+
+    scale, exact = 1, True
+    for v in values:
+        if not math.isfinite(v):
+            continue
+        frac = Fraction(v).limit_denominator(max_denominator)
+        if abs(v - float(frac)) > 1e-15 * max(1.0, abs(v)):
+            exact = False
+            break
+        scale = math.lcm(scale, frac.denominator)
+        if scale > max_scale:
+            exact = False
+            break
+    if not exact:
+        scale = 10**MAX_DECIMALS
+    if resolution is not None and resolution > 0 and 1 / scale > resolution:
+        scale *= math.ceil(1 / (scale * resolution) - 1e-12)
+    return scale, exact
 
 
 def _integral(x: float) -> tuple[int, float]:

@@ -10,9 +10,10 @@ method          exact   what
 ``pipedream``   no      PipeDream's planner (DP + crude memory filter) + 1F1B*, the thesis'
                         "PipeDream = DP + 1F1B*" baseline (section 7.3.3), best stage count
 ``madpipe``     no      MadPipe (ch. 7): DP over non-contiguous allocations with one special
-                        GPU, then the ILP schedules the coarse chain (with fallbacks)
-``ilp``         yes     the full ILP of chapter 6 with the digest's corrections (PuLP)
-``cpsat``       yes     the same problem as a CP-SAT model with interval variables
+                        GPU, then the exact model schedules the coarse chain (with fallbacks)
+``ilp``         yes     the exact model of chapter 6 with the digest's corrections, emitted
+                        to PuLP (:mod:`optmem.models.pipeline`)
+``cpsat``       yes     the same model emitted to CP-SAT (intervals, no-overlap)
 ==============  ======  ==================================================================
 
 Every plan is replayed by :func:`optmem.simulate.pipeline.simulate_pipeline` before it is
@@ -21,70 +22,23 @@ returned: the objective is the simulated period and every GPU's peak is within t
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import replace
-from typing import Any
 
-from optmem.errors import PlanError
 from optmem.pipeline_plan import PipelinePlan
 from optmem.problems.pipeline import PipelineProblem
 from optmem.result import Result, SolveOptions, Status
-from optmem.simulate.pipeline import simulate_pipeline
 from optmem.solvers import pipeline_contiguous as contig
 from optmem.solvers.facade import register, register_exporter
+from optmem.solvers.pipeline_common import PROBLEM, infeasible, lower_bound, plan_result
+from optmem.solvers.pipeline_exact import solve_exact
+from optmem.solvers.pipeline_madpipe import solve_madpipe
 
-PROBLEM = "pipeline"
 ENGINES = ("pulp",)
-
-
-def lower_bound(problem: PipelineProblem) -> float:
-    """Total work over the GPUs, and the heaviest layer: no period can be smaller."""
-    lay = problem.layers
-    return max(lay.load(1, lay.n) / problem.n_gpus,
-               max(lay.load(q, q) for q in range(1, lay.n + 1)))
-
-
-def plan_result(
-    problem: PipelineProblem, plan: PipelinePlan, *, method: str, status: Status,
-    bound: float, claimed: float | None = None, variant: str | None = None,
-    solver: str | None = None, report: dict[str, Any] | None = None,
-) -> Result:
-    """Replay ``plan`` and build the result from the simulation (``error`` if it is invalid)."""
-    info = dict(report or {})
-    try:
-        sim = simulate_pipeline(problem, plan)
-    except PlanError as exc:
-        info["error"] = f"invalid plan: {exc}"
-        return Result(PROBLEM, method, Status.ERROR, memory_limit=problem.memory_per_gpu,
-                      variant=variant, solver=solver, report=info)
-    info.update({"peaks": list(sim.peaks), "nca": list(sim.nca),
-                 "allocation": plan.describe(), "stages": len(plan.stages)})
-    out = Result(PROBLEM, method, status, objective=sim.period, bound=bound,
-                 plan=plan.to_strings(), peak_memory=sim.peak_memory,
-                 memory_limit=problem.memory_per_gpu, variant=variant, solver=solver,
-                 report=info)
-    if claimed is not None and not math.isclose(claimed, sim.period, rel_tol=1e-6,
-                                                abs_tol=1e-9):
-        info["error"] = f"claimed period {claimed} but the plan's period is {sim.period}"
-        return out.with_(status=Status.ERROR)
-    if sim.peak_memory > problem.memory_per_gpu:
-        info["error"] = (f"plan peaks at {sim.peak_memory}, above the memory per GPU "
-                         f"{problem.memory_per_gpu}")
-        return out.with_(status=Status.ERROR)
-    if status is Status.OPTIMAL:
-        out = out.with_(bound=sim.period)
-    return out
-
-
-def infeasible(problem: PipelineProblem, method: str, reason: str, *,
-               proven: bool = True, report: dict[str, Any] | None = None) -> Result:
-    """``infeasible`` (proven for the method's class) or ``no_solution``."""
-    info = dict(report or {})
-    info["hint"] = reason
-    return Result(PROBLEM, method, Status.INFEASIBLE if proven else Status.NO_SOLUTION,
-                  bound=math.inf if proven else math.nan,
-                  memory_limit=problem.memory_per_gpu, report=info)
+MADPIPE_EXTRA = ("phase2", "madpipe_grid", "madpipe_iterations")
+"""``SolveOptions.extra`` keys of ``madpipe``."""
+EXACT_EXTRA = ("warm_madpipe", "relaxation", *MADPIPE_EXTRA)
+"""Keys of ``ilp``/``cpsat``: their own, and MadPipe's (its run gives their warm start)."""
 
 
 def _schedule_allocation(problem: PipelineProblem, bounds: contig.Bounds
@@ -195,33 +149,27 @@ def solve_pipeline_pipedream(problem: PipelineProblem, options: SolveOptions) ->
 
 
 # ------------------------------------------------------------------ exact models, MadPipe
-def _exact(problem: PipelineProblem, options: SolveOptions, method: str) -> Result:
-    from optmem.solvers.pipeline_exact import solve_exact
-
-    return solve_exact(problem, options, method)
-
-
 @register(PROBLEM, "ilp", exact=True, requires=("pulp",), max_length=8,
-          description="full ILP of thesis ch. 6 (corrected), general allocations (PuLP)")
+          description="exact model of thesis ch. 6 (corrected), general allocations (PuLP)",
+          extra=EXACT_EXTRA)
 def solve_pipeline_ilp(problem: PipelineProblem, options: SolveOptions) -> Result:
     """Optimal 1-periodic pattern over all allocations (thesis ch. 6, corrected)."""
-    return _exact(problem, options, "ilp")
+    return solve_exact(problem, options, "ilp")
 
 
 @register(PROBLEM, "cpsat", exact=True, requires=("ortools",), max_length=8,
-          description="CP-SAT model with interval variables, general allocations")
+          description="the same exact model with CP-SAT (intervals), general allocations",
+          extra=EXACT_EXTRA)
 def solve_pipeline_cpsat(problem: PipelineProblem, options: SolveOptions) -> Result:
-    """Optimal 1-periodic pattern over all allocations, CP-SAT with interval variables."""
-    return _exact(problem, options, "cpsat")
+    """Optimal 1-periodic pattern over all allocations, CP-SAT emission of the same model."""
+    return solve_exact(problem, options, "cpsat")
 
 
 @register(PROBLEM, "madpipe", exact=False, requires=("pulp",),
-          description="MadPipe: non-contiguous DP (one special GPU) + ILP schedule (ch. 7)",
-          extra=("phase2", "madpipe_grid", "madpipe_iterations"))
+          description="MadPipe: non-contiguous DP (one special GPU) + exact schedule (ch. 7)",
+          extra=MADPIPE_EXTRA)
 def solve_pipeline_madpipe(problem: PipelineProblem, options: SolveOptions) -> Result:
-    """MadPipe phase 1 (DP, Algorithm 8) then phase 2 (ILP on the coarse chain)."""
-    from optmem.solvers.pipeline_madpipe import solve_madpipe
-
+    """MadPipe phase 1 (DP, Algorithm 8) then phase 2 (the exact model on the coarse chain)."""
     start = time.perf_counter()
     result = solve_madpipe(problem, options)
     return result.with_(solve_time_s=time.perf_counter() - start)
@@ -229,25 +177,26 @@ def solve_pipeline_madpipe(problem: PipelineProblem, options: SolveOptions) -> R
 
 @register_exporter(PROBLEM, "ilp")
 def export_pipeline_ilp(problem: PipelineProblem, options: SolveOptions, path: str) -> None:
-    """Write the full chapter 6 ILP (no cutoff) as ``.mps`` or ``.lp`` (by suffix)."""
+    """Write the exact model (no cutoff) as ``.mps`` or ``.lp`` (by suffix)."""
     from pathlib import Path
 
     from optmem.errors import OptmemInputError
-    from optmem.models.pipeline_common import make_units
-    from optmem.models.pipeline_ilp import build_pipeline_ilp
+    from optmem.models.formulation import to_pulp
+    from optmem.models.pipeline import build_pipeline_model, make_units
 
     del options
     suffix = Path(path).suffix.lower()
     if suffix not in (".mps", ".lp"):
         raise OptmemInputError(f"cannot tell the model format from {Path(path).name!r} "
                                "(expected a .mps or .lp file)", field="output")
-    built = build_pipeline_ilp(make_units(problem), problem.n_gpus, problem.memory_per_gpu,
-                               strict=problem.memory_model == "strict",
-                               lower_bound=lower_bound(problem))
+    form = build_pipeline_model(make_units(problem), problem.n_gpus, problem.memory_per_gpu,
+                                strict=problem.memory_model == "strict",
+                                lower_bound=lower_bound(problem))
+    model = to_pulp(form.model).problem
     try:
         if suffix == ".mps":
-            built.model.writeMPS(path)
+            model.writeMPS(path)
         else:
-            built.model.writeLP(path)
+            model.writeLP(path)
     except OSError as exc:
         raise OptmemInputError(f"cannot write {path} ({exc.strerror})", field="output") from None

@@ -1,120 +1,187 @@
-"""Drivers of the exact pipeline models (ILP of ch. 6 and CP-SAT) behind the facade.
+"""Methods ``ilp`` and ``cpsat``: the exact pipeline model, one formulation, two engines.
 
-Both models are built on *units* (:mod:`optmem.models.pipeline_common`): the ``L`` layers
-for the full problem (methods ``ilp``/``cpsat``), or the stages of a MadPipe allocation for
-its phase 2. With the ``stash`` memory model the best contiguous 1F1B* period is a valid
-upper bound (contiguous 1F1B* patterns are solutions of the model), so it is given to the
-engine as a cutoff, and returned as a ``feasible`` fallback when the engine finds nothing
-better within its limits, or fails (:mod:`optmem.engines.results`). There is no hidden
-limit: ``SolveOptions.time_limit_s``, ``node_limit`` (ILP) and ``deterministic_time``
-(CP-SAT) are passed as given (``None``: none).
+Both solve :mod:`optmem.models.pipeline` (all allocations and 1-periodic patterns, thesis
+ch. 6 corrected; its emitters write it for PuLP and CP-SAT). Before the engine runs, the
+best contiguous 1F1B* plan (stash memory model, thesis ch. 5) and the MadPipe plan
+(:mod:`optmem.solvers.pipeline_madpipe`) are computed and replayed; the better one is the
+engine's warm start and its period the cutoff on the model's period. The answer is the
+best replayed plan among the engine's and these, with the proven bound of
+:mod:`optmem.solvers.pipeline_common` (the load bound at least): ``optimal`` when they meet
+(:data:`~optmem.solvers.pipeline_common.OPTIMALITY_TOLERANCE`). A time limit returns that
+plan with its bound (``feasible``); an engine that fails returns the best incumbent,
+replayed, as ``feasible``, or ``error`` without one
+(:func:`~optmem.engines.results.engine_failure`).
+
+Options: ``time_limit_s`` (``None``: no limit), ``node_limit`` (the MILP engines),
+``deterministic_time`` (CP-SAT), ``seed``, ``threads``, ``solver`` (``ilp``'s engine),
+``warm_start`` (``False``: no incumbents, no cutoff), ``verbose``; there is no hidden
+limit. ``extra["warm_madpipe"]`` (default ``True``: also run MadPipe for the incumbent; it
+gets a tenth of the time limit, or its own deterministic work limits when there is none),
+``extra["relaxation"]`` (default ``True``: bound the period by
+:func:`relaxation_bound` first; needs OR-Tools).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import time
 from typing import Any
 
-from optmem.engines.adapters import cpsat_settings, pulp_settings
+from optmem.engines import adapters as engines
 from optmem.engines.results import engine_failure
-from optmem.models.pipeline_common import Units, make_units
+from optmem.models.formulation import rational_time_scale, to_cpsat
+from optmem.models.pipeline import TIME_RESOLUTION, build_relaxation, make_units
 from optmem.pipeline_plan import PipelinePlan
 from optmem.problems.pipeline import PipelineProblem
 from optmem.result import Result, SolveOptions, Status
+from optmem.solvers import pipeline_contiguous as contig
+from optmem.solvers.pipeline_common import (
+    OPTIMALITY_TOLERANCE,
+    fits,
+    infeasible,
+    lower_bound,
+    plan_result,
+    proven,
+    run_model,
+)
+from optmem.solvers.pipeline_madpipe import solve_madpipe
+
+Candidate = tuple[float, PipelinePlan, str]
 
 
-def run_model(
-    problem: PipelineProblem, units: Units, method: str, options: SolveOptions, *,
-    gpu: Sequence[int] | None = None, upper_bound: float | None = None,
-) -> tuple[Any, PipelinePlan | None, dict[str, int]]:
-    """Build, solve and decode one model; returns ``(engine_result, plan, model_size)``."""
-    from optmem.solvers.pipeline import lower_bound
+def incumbents(problem: PipelineProblem, options: SolveOptions) -> list[Candidate]:
+    """Replayed plans of the contiguous 1F1B* optimum and of MadPipe (best first)."""
+    found: list[Candidate] = []
+    if problem.memory_model == "stash":
+        best = contig.best_contiguous(problem)
+        sched = contig.best_period_for_allocation(problem, best[1]) if best else None
+        if sched is not None and fits(problem, sched[1]):
+            found.append((sched[0], sched[1], "contiguous 1F1B*"))
+    if options.extra.get("warm_madpipe", True):
+        limit = options.time_limit_s / 10 if options.time_limit_s is not None else None
+        res = solve_madpipe(problem, options.with_(time_limit_s=limit))
+        if res.status.has_plan:
+            plan = PipelinePlan.from_strings(res.plan)
+            found.append((res.objective, plan, "madpipe"))
+    return sorted(found, key=lambda c: c[0])
 
-    lb = max(max(f + b for f, b in zip(units.f, units.b, strict=True)), 0.0)
-    if gpu is None:
-        lb = max(lb, lower_bound(problem))
-    strict = problem.memory_model == "strict"
-    if method == "ilp":
-        from optmem.models import pipeline_ilp as mod
 
-        built = mod.build_pipeline_ilp(units, problem.n_gpus, problem.memory_per_gpu,
-                                       strict=strict, gpu=gpu, upper_bound=upper_bound,
-                                       lower_bound=lb)
-        res = mod.solve_pipeline_ilp(built, engine=options.solver, **pulp_settings(options))
-        plan = mod.decode_pipeline_ilp(built, res.values) if res.status.has_plan else None
-    else:
-        from optmem.models import pipeline_cpsat as cps
+RELAXATION_SHARE = 0.3
+"""Share of a time limit (wall-clock or deterministic) given to the relaxation's bisection
+(none without a limit)."""
+RELAXATION_PRECISION = 1e-3
+"""The bisection stops when the bound is within this (relative) of the incumbent's period."""
 
-        cp = cps.build_pipeline_cpsat(units, problem.n_gpus, problem.memory_per_gpu,
-                                      strict=strict, gpu=gpu, upper_bound=upper_bound,
-                                      lower_bound=lb)
-        res = cps.solve_pipeline_cpsat(cp, **cpsat_settings(options))
-        plan = cps.decode_pipeline_cpsat(cp, res.values) if res.status.has_plan else None
-        return res, plan, dict(cp.size)
-    return res, plan, dict(built.size)
+
+def relaxation_bound(problem: PipelineProblem, upper: float, options: SolveOptions,
+                     time_limit_s: float | None) -> tuple[float, dict[str, Any]]:
+    """Largest period proven impossible by :func:`~optmem.models.pipeline.build_relaxation`.
+
+    Bisection over integer periods (grid ``1 / scale``) below ``upper`` (a valid plan's
+    period), each probe a CP-SAT feasibility run; the first probe is just below ``upper``
+    (proving it optimal at once when it is). Stops at :data:`RELAXATION_PRECISION`, at the
+    time limit, or at a probe the engine cannot decide (or fails: then ``relaxation_error``
+    is reported). Each probe gets ``options.deterministic_time`` times
+    :data:`RELAXATION_SHARE` when that is set.
+    """
+    units = make_units(problem)
+    low = lower_bound(problem)
+    scale, _ = rational_time_scale([*units.f, *units.b, *units.dt],
+                                   resolution=TIME_RESOLUTION * low)
+    lo, hi = math.floor(low * scale) - 1, math.floor(upper * scale)
+    probe = math.floor(upper * scale * (1 - OPTIMALITY_TOLERANCE / 2))
+    deadline = None if time_limit_s is None else time.perf_counter() + time_limit_s
+    probes, proven_at = 0, lo
+    report: dict[str, Any] = {}
+    settings = engines.cpsat_settings(options)
+    if options.deterministic_time is not None:
+        settings["deterministic_time"] = RELAXATION_SHARE * options.deterministic_time
+    while hi - lo > max(1, RELAXATION_PRECISION * hi) and lo < probe < hi:
+        left = None if deadline is None else deadline - time.perf_counter()
+        if left is not None and left <= 0:
+            break
+        form = build_relaxation(units, problem.n_gpus, problem.memory_per_gpu, probe, scale,
+                                strict=problem.memory_model == "strict")
+        cm = to_cpsat(form.model, 1)
+        res = engines.solve_cpsat(cm.cp, cm.variables, **{**settings, "time_limit_s": left})
+        probes += 1
+        if res.failed:
+            report["relaxation_error"] = res.report()["engine_error"]
+            break
+        if res.status is Status.INFEASIBLE:
+            lo = proven_at = probe
+        elif res.status.has_plan:
+            hi = probe
+        else:
+            break
+        probe = (lo + hi) // 2
+    bound = proven_at / scale if proven_at > math.floor(low * scale) - 1 else low
+    return bound, {**report, "relaxation_bound": bound, "relaxation_probes": probes}
 
 
 def solve_exact(problem: PipelineProblem, options: SolveOptions, method: str) -> Result:
-    """Method ``ilp`` or ``cpsat``: all allocations and 1-periodic patterns of the model."""
-    from optmem.solvers import pipeline_contiguous as contig
-    from optmem.solvers.pipeline import infeasible, plan_result
-
-    incumbent: tuple[float, PipelinePlan] | None = None
-    if problem.memory_model == "stash" and options.warm_start:
-        found = contig.best_contiguous(problem)
-        if found is not None:
-            sched = contig.best_period_for_allocation(problem, found[1])
-            if sched is not None:
-                incumbent = sched
-    units = make_units(problem)
-    res, plan, size = run_model(problem, units, method, options,
-                                upper_bound=incumbent[0] if incumbent else None)
+    """Optimal allocation and 1-periodic pattern (``method``: ``ilp`` or ``cpsat``)."""
+    if method == "ilp":
+        engines.check_engine(options.solver)
     solver = options.solver if method == "ilp" else "cpsat"
-    report: dict[str, Any] = {"model_size": size}
-    if res.failed:
-        fallback = None
-        if incumbent is not None:
-            period, best = incumbent
-
-            def fallback(info: dict[str, Any]) -> Result:
-                return plan_result(problem, best, method=method, status=Status.FEASIBLE,
-                                   bound=math.nan, claimed=period, solver=solver,
-                                   report={**info, "incumbent": "contiguous 1F1B* plan"})
-
-        return engine_failure("pipeline", method, res, report=report, fallback=fallback,
-                              memory_limit=problem.memory_per_gpu)
-    report.update(res.report())
-    bound = res.bound if math.isfinite(res.bound) else math.nan
-    if method == "cpsat" and plan is not None and getattr(res, "info", {}).get("scaled"):
-        report["time_scale"] = res.info["scale"]
-    rounded = bool(getattr(res, "info", {}).get("rounded", False))
-    if res.status is Status.INFEASIBLE and rounded:
-        # durations were rounded up to integers: infeasibility of the rounded model proves
-        # nothing about the true one
-        report["note"] = "times rounded up for CP-SAT: infeasibility not proven"
-        if incumbent is None:
-            return infeasible(problem, method, "the model with times rounded up has no "
-                              "solution", proven=False, report=report).with_(solver=solver)
-        return plan_result(problem, incumbent[1], method=method, status=Status.FEASIBLE,
-                           bound=math.nan, claimed=incumbent[0], solver=solver, report=report)
-    if res.status is Status.INFEASIBLE and incumbent is None:
-        return infeasible(problem, method, "no allocation and 1-periodic pattern fits "
-                          "(proven by the model)", report=report).with_(solver=solver)
-    if res.status is Status.INFEASIBLE and incumbent is not None:
-        # the cutoff at the incumbent's period made the model infeasible: the incumbent is
-        # optimal (up to the cutoff's 1e-9 slack)
-        return plan_result(problem, incumbent[1], method=method, status=Status.OPTIMAL,
-                           bound=incumbent[0], claimed=incumbent[0], solver=solver,
-                           report={**report, "note": "optimum is the contiguous 1F1B* plan"})
-    if plan is None:
-        if incumbent is not None:
-            return plan_result(problem, incumbent[1], method=method, status=Status.FEASIBLE,
-                               bound=bound, claimed=incumbent[0], solver=solver,
-                               report={**report, "note": "engine found nothing better than "
-                                       "the contiguous 1F1B* incumbent"})
+    start = time.perf_counter()
+    starts = incumbents(problem, options) if options.warm_start else []
+    best = starts[0] if starts else None
+    limit = options.time_limit_s
+    relaxed: float = lower_bound(problem)
+    report: dict[str, Any] = {}
+    if best is not None and options.extra.get("relaxation", True) \
+            and engines.is_available("cpsat"):
+        share = None if limit is None else RELAXATION_SHARE * limit
+        relaxed, report = relaxation_bound(problem, best[0], options, share)
+    if best is not None and proven(best[0], relaxed):
+        report.update(incumbents={s: p for p, _, s in starts}, source=best[2])
+        return plan_result(problem, best[1], method=method, status=Status.OPTIMAL,
+                           bound=min(relaxed, best[0]), claimed=best[0], solver=solver,
+                           report=report)
+    left = None if limit is None else max(0.0, limit - (time.perf_counter() - start))
+    run = run_model(problem, method, options.with_(time_limit_s=left),
+                    upper_bound=best[0] if best else None, warm=best[1] if best else None,
+                    lower=relaxed)
+    report = {**report, **run.report, "incumbents": {s: p for p, _, s in starts}}
+    if run.failed and run.engine is not None:
+        return _failure(problem, method, solver, run.engine, report, best, relaxed)
+    candidates = list(starts)
+    if run.plan is not None:
+        if fits(problem, run.plan):
+            candidates.append((run.plan.period, run.plan, "engine"))
+        else:
+            report["engine_plan"] = "rejected by the simulator"
+    if run.bound == math.inf:  # the model has no solution below the cutoff, if any
+        if best is None:
+            return infeasible(problem, method, "no allocation and 1-periodic pattern fits "
+                              "(proven by the model)", report=report).with_(solver=solver)
+        bound = best[0] - 2 * run.step
+    else:
+        bound = run.bound
+    bound = max(bound, relaxed) if not math.isnan(bound) else relaxed
+    if not candidates:
         return infeasible(problem, method, f"engine stopped without a solution "
-                          f"({res.message})", proven=False, report=report).with_(solver=solver)
-    status = Status.FEASIBLE if rounded else res.status
-    return plan_result(problem, plan, method=method, status=status, bound=bound,
-                       claimed=None, solver=solver, report=report)
+                          f"({run.report.get('engine_status', '')})", proven=False,
+                          report=report).with_(solver=solver)
+    period, plan, source = min(candidates, key=lambda c: c[0])
+    report["source"] = source
+    status = Status.OPTIMAL if proven(period, bound) else Status.FEASIBLE
+    return plan_result(problem, plan, method=method, status=status, bound=min(bound, period),
+                       claimed=period, solver=solver, report=report)
+
+
+def _failure(problem: PipelineProblem, method: str, solver: str, out: engines.EngineResult,
+             report: dict[str, Any], best: Candidate | None, relaxed: float) -> Result:
+    """The result when the engine failed: the best incumbent, replayed, or ``error``."""
+    fallback = None
+    if best is not None:
+        period, plan, source = best
+
+        def fallback(info: dict[str, Any]) -> Result:
+            return plan_result(problem, plan, method=method, status=Status.FEASIBLE,
+                               bound=min(relaxed, period), claimed=period, solver=solver,
+                               report={**info, "source": source})
+
+    return engine_failure("pipeline", method, out, report=report, fallback=fallback,
+                          memory_limit=problem.memory_per_gpu, solver=solver)

@@ -13,38 +13,61 @@ of the pseudo-chain to the right (``(+)`` operator). Last stage ``i..j``:
 * ``T(0, ...) = t_P``; ``T(j, 0, ...)`` puts the whole prefix on the special GPU.
 
 Algorithm 8 chooses ``T-hat`` by the bisection-like loop of the thesis (``K`` iterations).
-``t_P``, ``m_P`` and ``V`` are exact (memoised on their values) for short chains and rounded
-*up* to the thesis grids (101, 11 and 51 values, section 5.5) otherwise.
+``t_P``, ``m_P`` and ``V`` are exact for short chains and rounded *up* to the thesis grids
+(101, 11 and 51 values, section 5.5) otherwise.
 
-Phase 2 (section 7.2): the stages become the units of a coarse chain and the chapter 6 model
-finds a valid 1-periodic schedule (``options.extra["phase2"]``: ``"cpsat"``, the default when
-OR-Tools is installed, solves it as :mod:`optmem.models.pipeline_cpsat`, much faster than
-``"ilp"``, :mod:`optmem.models.pipeline_ilp`, the thesis' choice), first with the DP's GPU
-assignment fixed, then with a free assignment of the stages when the fixed one is infeasible
-under the exact memory model (the digest's 5.6 ambiguity). While no valid period reaches the
-phase-1 estimate, phase 1 runs again with the memory reduced by a safety margin (x0.85, x0.7,
-x0.55), the digest's fallback. Without a user limit, each phase-2 model gets a
-deterministic work limit (``PHASE2_NODE_LIMIT`` nodes for the ILP, ``PHASE2_DETERMINISTIC_TIME``
-for CP-SAT), so the heuristic's answer does not depend on the machine's load. A DP
-allocation that is contiguous is scheduled by 1F1B*
-instead (optimal for it, Theorem 15). The best valid plan
-found is returned; since contiguous allocations belong to the DP's class but phase 2 cannot
-always recover them, the best contiguous 1F1B* plan is a candidate too (reported as the
-source).
+Computation (:func:`madpipe_dp`): the recursion is evaluated level by level, ``j = L..0``,
+over the states it reaches, with numpy: the states of a level and all their moves (every
+last stage ``i..j``, both kinds) at once, then the values bottom-up; ties keep the move the
+recursion tries first (``i`` decreasing, normal before special), so values and allocations
+are those of the memoised recursion it replaces (checked on 800 random instances and
+bundled profiles before that was deleted; ``tests/test_pipeline_exact.py`` checks the DP
+against an enumeration of its class). A call only needs its value below the best estimate
+of Algorithm 8 so far, so it is capped there (states that cannot lead below the cap are
+never created), with smaller caps tried first from a lower bound (a DP run without
+``t_P``). ResNet-152 (L = 56), P = 8: 0.9-1.4 s of CPU for the whole of Algorithm 8 (see
+``benchmarks/results/pipeline.md``), where one call of the recursion took 96 s.
+
+Phase 2 (section 7.2): the stages become the units of a coarse chain and the exact model
+(:mod:`optmem.models.pipeline`, ``options.extra["phase2"]``: ``"cpsat"``, the default when
+OR-Tools is installed, or ``"ilp"``, the thesis' choice) finds a valid 1-periodic schedule,
+first with the DP's GPU assignment fixed, then with a free assignment of the stages when the
+fixed one is infeasible under the exact memory model (the digest's 5.6 ambiguity). Each call
+gets the user's limits (``time_limit_s``, ``node_limit``, ``deterministic_time``); without
+any, a deterministic work limit (:data:`PHASE2_NODE_LIMIT` nodes for the ILP,
+:data:`PHASE2_DETERMINISTIC_TIME` for CP-SAT), so the heuristic's answer does not depend on
+the machine's load; an engine that fails leaves that attempt without a plan. While no valid
+period reaches the phase-1 estimate, phase 1 runs again with the memory reduced by a safety
+margin (x0.85, x0.7, x0.55), the digest's fallback. A DP allocation that is contiguous is
+scheduled by 1F1B* instead (optimal for it, Theorem 15). The best valid plan found is
+returned; since contiguous allocations belong to the DP's class but phase 2 cannot always
+recover them, the best contiguous 1F1B* plan is a candidate too (reported as the source).
 """
 
 from __future__ import annotations
 
 import math
-import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
-from optmem.models.pipeline_common import make_units
+import numpy as np
+
+from optmem.models.pipeline import make_units
 from optmem.pipeline_plan import PipelinePlan
 from optmem.problems.pipeline import PipelineProblem
 from optmem.result import Result, SolveOptions, Status
 from optmem.solvers import pipeline_contiguous as contig
-from optmem.solvers.pipeline_contiguous import group_of, oplus
+from optmem.solvers.pipeline_common import (
+    fits,
+    infeasible,
+    lower_bound,
+    plan_result,
+    run_model,
+    scaled,
+)
+from optmem.solvers.pipeline_contiguous import TOL
 
 EXACT_MAX_LAYERS = 12
 GRID_T, GRID_M, GRID_V = 101, 11, 51
@@ -58,123 +81,324 @@ PHASE2_DETERMINISTIC_TIME = 30.0
 Allocation = list[tuple[int, int, str]]  # (first, last, "N"|"S") in chain order
 
 
-def madpipe_dp(problem: PipelineProblem, that: float, *, exact: bool = True
-               ) -> tuple[float, Allocation | None, int]:
-    """MadPipe-DP(``that``): ``(period estimate, allocation, states)``; ``inf`` if none."""
-    lay = problem.layers
-    n = lay.n
-    limit = problem.memory_per_gpu
-    total = lay.load(1, n)
-    cost = [0.0] + [2 * problem.transfer_time(j) for j in range(1, n)]
-    if exact:
-        def rt(t: float) -> float:
-            return t
+# ------------------------------------------------------------------ phase 1: the DP
+@dataclass(frozen=True)
+class DPTables:
+    """``U(i, j)``, weights + buffers and stash of every stage ``i..j`` (1-based, numpy).
 
-        def rm(m: float) -> float:
-            return m
+    ``grows[i, j]``: the static memory without the buffer before ``i`` (it only grows as the
+    stage extends to the left); ``cost[i]``: both transfers over the cut after layer ``i``.
+    """
 
-        def rv(v: float) -> float:
-            return v
-    else:
-        st = total / (GRID_T - 1) or 1.0
-        sm = limit / (GRID_M - 1) or 1.0
-        sv = (total + sum(cost)) / (GRID_V - 1) or 1.0
+    n: int
+    n_gpus: int
+    limit: int
+    load: np.ndarray
+    static: np.ndarray
+    stash: np.ndarray
+    grows: np.ndarray
+    cost: tuple[float, ...]
+    total: float
 
-        def rt(t: float) -> float:
-            return math.ceil(t / st - 1e-9) * st
+    @property
+    def cost_array(self) -> np.ndarray:
+        """``cost`` as an array (``cost_array[i - 1]``: the cut before layer ``i``)."""
+        return np.asarray(self.cost)
 
-        def rm(m: float) -> float:
-            return math.ceil(m / sm - 1e-9) * sm
+    @classmethod
+    def of(cls, problem: PipelineProblem) -> DPTables:
+        """The tables of ``problem`` (``O(L^2)`` entries, Python's float sums)."""
+        lay = problem.layers
+        n = lay.n
+        load = np.zeros((n + 1, n + 1))
+        static = np.zeros((n + 1, n + 1))
+        stash = np.zeros((n + 1, n + 1))
+        grows = np.zeros((n + 1, n + 1))
+        for i in range(1, n + 1):
+            for j in range(i, n + 1):
+                load[i, j] = lay.load(i, j)
+                stash[i, j] = lay.stash(i, j)
+                static[i, j] = problem.stage_memory(i, j, 0)
+                grows[i, j] = problem.static_memory(i, j, cut_before=False, cut_after=j < n)
+        cost = (0.0, *(2 * problem.transfer_time(j) for j in range(1, n)))
+        return cls(n, problem.n_gpus, problem.memory_per_gpu, load, static, stash, grows,
+                   cost, lay.load(1, n))
 
-        def rv(v: float) -> float:
-            return math.ceil(v / sv - 1e-9) * sv
+    def steps(self) -> tuple[float, float, float]:
+        """Grid steps of ``t_P``, ``m_P`` and ``V`` (thesis section 5.5)."""
+        return (self.total / (GRID_T - 1) or 1.0, self.limit / (GRID_M - 1) or 1.0,
+                (self.total + sum(self.cost)) / (GRID_V - 1) or 1.0)
 
-    memo: dict[tuple, tuple[float, Any]] = {}
-    inf = math.inf
-    # U(i, j), weights + buffers, and stash of every stage i..j (O(n^2) tables)
-    load = [[0.0] * (n + 1) for _ in range(n + 1)]
-    static = [[0] * (n + 1) for _ in range(n + 1)]
-    stash = [[0] * (n + 1) for _ in range(n + 1)]
-    grows = [[0] * (n + 1) for _ in range(n + 1)]  # static without the buffer before i
-    for i in range(1, n + 1):
-        for j in range(i, n + 1):
-            load[i][j] = lay.load(i, j)
-            stash[i][j] = lay.stash(i, j)
-            static[i][j] = problem.stage_memory(i, j, 0)
-            grows[i][j] = problem.static_memory(i, j, cut_before=False, cut_after=j < n)
+    def rounders(self, exact: bool) -> tuple[Callable[[np.ndarray], np.ndarray], ...]:
+        """``rt``, ``rm``, ``rv``: identity (exact) or rounding up to the thesis grids."""
+        if exact:
+            return _identity, _identity, _identity
+        return tuple(partial(_round_up, step=s) for s in self.steps())
 
-    def rec(j: int, p: int, tp: float, mp: float, v: float) -> float:
-        key = (j, p, tp, mp, v)
-        if key in memo:
-            return memo[key][0]
-        if j == 0:
-            memo[key] = (tp, None)
-            return tp
-        if p == 0:
-            g = group_of(oplus(v, load[1][j], that), that)
-            ok = mp + static[1][j] + (g - 1) * stash[1][j] <= limit
-            val = load[1][j] + tp if ok else inf
-            memo[key] = (val, (1, "S", None))
-            return val
-        best, choice = inf, None
-        for i in range(j, 0, -1):
-            u = load[i][j]
-            if u >= best:
-                break  # stages only grow as i decreases
-            if grows[i][j] + mp > limit and grows[i][j] + stash[i][j] > limit:
-                break  # neither kind of GPU can hold i..j, nor any longer stage
-            c = cost[i - 1] if i > 1 else 0.0
-            if c >= best:
-                continue
-            vs = oplus(v, u, that)
-            g = group_of(vs, that)
-            vn = rv(oplus(vs, c, that)) if i > 1 else 0.0
-            if static[i][j] + g * stash[i][j] <= limit:
-                val = max(u, c, rec(i - 1, p - 1, tp, mp, vn))
-                if val < best:
-                    best, choice = val, (i, "N", (i - 1, p - 1, tp, mp, vn))
-            tp2 = rt(tp + u)
-            mp2 = rm(mp + static[i][j] + (g - 1) * stash[i][j])
-            if mp2 <= limit and max(tp2, c) < best:
-                val = max(tp2, c, rec(i - 1, p, tp2, mp2, vn))
-                if val < best:
-                    best, choice = val, (i, "S", (i - 1, p, tp2, mp2, vn))
-        memo[key] = (best, choice)
-        return best
 
-    old = sys.getrecursionlimit()
-    sys.setrecursionlimit(max(old, 10 * n + 1000))
-    try:
-        start = (n, problem.n_gpus - 1, 0.0, 0.0, 0.0)
-        value = rec(*start)
-    finally:
-        sys.setrecursionlimit(old)
-    if not math.isfinite(value):
-        return inf, None, len(memo)
+def _identity(x: np.ndarray) -> np.ndarray:
+    return x
+
+
+def _round_up(x: np.ndarray, step: float) -> np.ndarray:
+    return np.ceil(x / step - 1e-9) * step + 0.0  # + 0.0: no -0.0 (state keys compare bytes)
+
+
+def _oplus(x: np.ndarray, y: float, period: float) -> np.ndarray:
+    """:func:`~optmem.solvers.pipeline_contiguous.oplus` on an array (same float operations)."""
+    eps = TOL * max(1.0, period)
+    cx = np.where(x > eps, np.ceil(x / period - TOL), 0.0)
+    s = x + y
+    return np.where(s <= cx * period + eps, s, cx * period + y)
+
+
+def _group(v: np.ndarray, period: float) -> np.ndarray:
+    return np.maximum(1.0, np.ceil(v / period - TOL))
+
+
+@dataclass
+class _Level:
+    """The states of one level ``j`` and their moves (last stage ``i..j``, one kind each).
+
+    Moves are listed state by state, then by decreasing ``i``, normal before special: the
+    order in which the thesis' recursion tries them (ties keep the first).
+    """
+
+    states: np.ndarray  # rows (p, t_P, m_P, V)
+    state: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    first: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    special: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=bool))
+    value: np.ndarray = field(default_factory=lambda: np.empty(0))  # u or t'_P
+    load: np.ndarray = field(default_factory=lambda: np.empty(0))  # u = U(i, j)
+    link: np.ndarray = field(default_factory=lambda: np.empty(0))  # C(i - 1)
+    child: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+
+
+Pending = list[list[tuple[np.ndarray, _Level | None, np.ndarray]]]
+
+
+def madpipe_dp(problem: PipelineProblem, that: float, *, exact: bool = True,
+               cap: float = math.inf, tables: DPTables | None = None,
+               feasibility: bool = False) -> tuple[float, Allocation | None, int]:
+    """MadPipe-DP(``that``): ``(period estimate, allocation, states)``; ``inf`` if none.
+
+    Same values, allocations and ties as the recursion of the module docstring, computed
+    level by level (``j = L .. 0``) over the reachable states with numpy: first the states
+    and their moves top-down, then the values bottom-up. ``cap``: only estimates below it
+    are computed exactly (``inf`` otherwise); states whose estimate cannot be below it are
+    never created (a stage, a link or the special load at ``cap`` or above; layers ``1..j``
+    left with ``U(1, j) + t_P >= cap (p + 1)``). ``feasibility``: only whether some
+    allocation fits (the special load ``t_P`` is not tracked; the value is then ``0`` or
+    ``inf``; see :func:`dp_lower_bound`).
+    """
+    tb = tables if tables is not None else DPTables.of(problem)
+    rounders = tb.rounders(exact)
+    n = tb.n
+    pending: Pending = [[] for _ in range(n + 1)]
+    pending[n].append((np.array([[tb.n_gpus - 1, 0.0, 0.0, 0.0]]), None, np.zeros(1, int)))
+    levels: list[_Level] = [_Level(np.empty((0, 4)))] * (n + 1)
+    for j in range(n, -1, -1):
+        levels[j] = _Level(_collect(pending[j], None if exact else tb.steps()))
+        if j > 0:
+            _expand(tb, that, cap, rounders, j, levels[j], pending, feasibility)
+    count = sum(len(level.states) for level in levels)
+    if feasibility:
+        return _lower_bound(tb, that, levels), None, count
+    values, chosen = _evaluate(tb, that, cap, levels)
+    if not len(values[n]) or not math.isfinite(values[n][0]):
+        return math.inf, None, count
     alloc: Allocation = []
-    key: Any = start
-    j = n
-    while key is not None and key[0] > 0:
-        _, choice = memo[key]
-        i, kind, nxt = choice
-        alloc.append((i, j, kind))
-        j = i - 1
-        key = nxt
-    return value, alloc[::-1], len(memo)
+    j, k = n, 0
+    while j > 0:
+        move = chosen[j][k]
+        if move < 0:  # no normal GPU left: the prefix 1..j on the special GPU
+            alloc.append((1, j, "S"))
+            break
+        level = levels[j]
+        first = int(level.first[move])
+        alloc.append((first, j, "S" if level.special[move] else "N"))
+        j, k = first - 1, int(level.child[move])
+    return float(values[n][0]), alloc[::-1], count
+
+
+def _collect(chunks: list[tuple[np.ndarray, _Level | None, np.ndarray]],
+             steps: tuple[float, float, float] | None) -> np.ndarray:
+    """The distinct states of a level; the moves that lead there learn their indices.
+
+    On the grids (``steps``) a state is an integer key (its grid indices); exact states are
+    keyed by the codes of their distinct values.
+    """
+    if not chunks:
+        return np.empty((0, 4))
+    rows = np.concatenate([c for c, _, _ in chunks])
+    if steps is not None:
+        codes = [rows[:, 0]] + [np.rint(rows[:, k + 1] / steps[k]) for k in range(3)]
+    else:
+        codes = [np.unique(rows[:, k], return_inverse=True)[1].ravel() for k in range(4)]
+    radix = [float(c.max()) + 1 for c in codes]
+    if math.prod(radix) < 2**62:
+        key = np.zeros(len(rows), dtype=np.int64)
+        for code, r in zip(codes, radix, strict=True):  # mixed-radix key
+            key = key * int(r) + code.astype(np.int64)
+        _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    else:
+        _, first, inverse = np.unique(rows, axis=0, return_index=True, return_inverse=True)
+    inverse = inverse.ravel()
+    pos = 0
+    for chunk, parent, where in chunks:
+        if parent is not None:
+            parent.child[where] = inverse[pos:pos + len(chunk)]
+        pos += len(chunk)
+    return rows[first]
+
+
+def _expand(tb: DPTables, that: float, cap: float, rounders: tuple, j: int, level: _Level,
+            pending: Pending, feasibility: bool = False) -> None:
+    """Moves of the states of level ``j``: every last stage ``i..j`` and GPU kind."""
+    rt, rm, rv = rounders
+    active = np.nonzero(level.states[:, 0] > 0)[0]
+    firsts = [i for i in range(j, 0, -1) if tb.load[i, j] < cap]  # loads grow as i drops
+    if not len(active) or not firsts:
+        return
+    ii = np.array(firsts)
+    p, t, m, v = (col[:, None] for col in level.states[active].T)
+    u, c = tb.load[ii, j], tb.cost_array[ii - 1]
+    grows, stash = tb.grows[ii, j], tb.stash[ii, j]
+    # neither kind can hold i..j here, nor any longer stage: the recursion stops
+    alive = np.logical_and.accumulate((grows + m <= tb.limit) | (grows + stash <= tb.limit),
+                                      axis=1) & (c < cap)
+    tp2 = np.zeros((len(active), len(ii))) if feasibility else rt(t + u)
+    normal, special = alive, alive & (np.maximum(tp2, c) < cap)
+    if math.isfinite(cap):  # the rest U(1, i-1) on p-1 normal GPUs and the special one
+        rest = np.where(ii > 1, tb.load[1, ii - 1], 0.0)
+        normal = normal & ((ii == 1) | ((rest + t) / p < cap))
+        special &= (ii == 1) | ((rest + tp2) / (p + 1) < cap)
+    s, k = np.nonzero(normal | special)  # the pairs worth the group arithmetic
+    normal, special, tp2 = normal[s, k], special[s, k], tp2[s, k]
+    p, t, m, v = p[s, 0], t[s, 0], m[s, 0], v[s, 0]
+    u, c, stash, static, first = u[k], c[k], stash[k], tb.static[ii[k], j], ii[k]
+    vs = _oplus(v, u, that)
+    g = _group(vs, that)
+    vn = np.where(first > 1, rv(_oplus(vs, c, that)), 0.0)
+    mp2 = rm(m + static + (g - 1) * stash)
+    normal &= static + g * stash <= tb.limit
+    special &= mp2 <= tb.limit
+    pick, kind = np.nonzero(np.column_stack([normal, special]))  # by state, i desc, N, S
+    is_special = kind == 1
+    level.state = active[s[pick]]
+    level.first = first[pick]
+    level.special = is_special
+    level.value = np.where(is_special, tp2[pick], u[pick])
+    level.load = u[pick]
+    level.link = c[pick]
+    level.child = np.zeros(len(pick), dtype=np.int64)
+    rows = np.column_stack([np.where(is_special, p[pick], p[pick] - 1),
+                            np.where(is_special, tp2[pick], t[pick]),
+                            np.where(is_special, mp2[pick], m[pick]), vn[pick]])
+    order = np.argsort(-level.first, kind="stable")
+    bounds = np.searchsorted(-level.first[order], -ii, side="left").tolist() + [len(order)]
+    for i, a, b in zip(firsts, bounds, bounds[1:], strict=False):
+        if b > a:
+            pending[i - 1].append((rows[order[a:b]], level, order[a:b]))
+
+
+def _evaluate(tb: DPTables, that: float, cap: float, levels: list[_Level]
+              ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Values of every state by increasing ``j`` and the move each one keeps (-1: base)."""
+    n = tb.n
+    values: list[np.ndarray] = [levels[0].states[:, 1].copy()]  # T(0, ...) = t_P
+    chosen: list[np.ndarray] = [np.full(len(levels[0].states), -1)]
+    for j in range(1, n + 1):
+        level = levels[j]
+        states = level.states
+        best = np.full(len(states), np.inf)
+        move = np.full(len(states), -1)
+        base = states[:, 0] == 0
+        if base.any():  # T(j, 0, ...): the prefix 1..j is one more special stage
+            _, t, m, v = states[base].T
+            g = _group(_oplus(v, float(tb.load[1, j]), that), that)
+            ok = m + tb.static[1, j] + (g - 1) * tb.stash[1, j] <= tb.limit
+            best[base] = np.where(ok, tb.load[1, j] + t, np.inf)
+        if len(level.state):
+            below = np.empty(len(level.state))
+            for first in np.unique(level.first):
+                sel = level.first == first
+                below[sel] = values[first - 1][level.child[sel]]
+            cand = np.maximum(np.maximum(level.value, level.link), below)
+            starts = np.flatnonzero(np.r_[True, level.state[1:] != level.state[:-1]])
+            owners = level.state[starts]
+            best[owners] = np.minimum.reduceat(cand, starts)
+            hit = np.flatnonzero((cand == best[level.state]) & np.isfinite(cand))
+            owner, pick = np.unique(level.state[hit], return_index=True)
+            move[owner] = hit[pick]
+        best[best >= cap] = np.inf
+        values.append(best)
+        chosen.append(move)
+    return values, chosen
+
+
+def _lower_bound(tb: DPTables, that: float, levels: list[_Level]) -> float:
+    """``max(least A, least special load)`` over the paths of a DP run without ``t_P``.
+
+    Every allocation's estimate is ``max(A, t_P)`` (``A``: its largest normal stage or link,
+    ``t_P`` its special load, rounded up): at least both minima. ``inf`` when nothing fits.
+    """
+    a_best = [np.zeros(len(levels[0].states))]
+    t_best = [np.zeros(len(levels[0].states))]
+    for j in range(1, tb.n + 1):
+        level = levels[j]
+        states = level.states
+        a = np.full(len(states), np.inf)
+        t = np.full(len(states), np.inf)
+        base = states[:, 0] == 0
+        if base.any():
+            _, _, m, v = states[base].T
+            g = _group(_oplus(v, float(tb.load[1, j]), that), that)
+            ok = m + tb.static[1, j] + (g - 1) * tb.stash[1, j] <= tb.limit
+            a[base] = np.where(ok, 0.0, np.inf)
+            t[base] = np.where(ok, tb.load[1, j], np.inf)
+        if len(level.state):
+            below_a = np.empty(len(level.state))
+            below_t = np.empty(len(level.state))
+            for first in np.unique(level.first):
+                sel = level.first == first
+                below_a[sel] = a_best[first - 1][level.child[sel]]
+                below_t[sel] = t_best[first - 1][level.child[sel]]
+            own = np.where(level.special, 0.0, level.load)
+            cand_a = np.maximum(np.maximum(own, level.link), below_a)
+            cand_t = np.where(level.special, level.load, 0.0) + below_t
+            starts = np.flatnonzero(np.r_[True, level.state[1:] != level.state[:-1]])
+            owners = level.state[starts]
+            a[owners] = np.minimum.reduceat(cand_a, starts)
+            t[owners] = np.minimum.reduceat(cand_t, starts)
+        a_best.append(a)
+        t_best.append(t)
+    if not len(a_best[tb.n]):
+        return math.inf
+    return float(max(a_best[tb.n][0], t_best[tb.n][0]))
 
 
 def algorithm8(problem: PipelineProblem, *, exact: bool, iterations: int = K_ITERATIONS
                ) -> tuple[float, float, Allocation | None, int]:
-    """Algorithm 8: ``(estimate max(DP, T-hat), T-hat, allocation, DP states)``."""
-    lay = problem.layers
-    total = lay.load(1, lay.n)
+    """Algorithm 8: ``(estimate max(DP, T-hat), T-hat, allocation, DP states)``.
+
+    The loop of the thesis (digest 5.4), unchanged. A DP call only matters when its value
+    is below the best estimate so far (otherwise neither the estimate nor ``lb``/``ub``
+    change), so it is capped there (:func:`madpipe_dp`), trying smaller caps first
+    (:func:`_capped_dp`).
+    """
+    tables = DPTables.of(problem)
+    total = tables.total
     lb = total / problem.n_gpus
-    ub = total + sum(2 * problem.transfer_time(j) for j in range(1, lay.n))
+    ub = total + sum(tables.cost)
     that = lb
     best: tuple[float, float, Allocation | None] = (math.inf, math.nan, None)
     states = 0
+    seen: list[tuple[float, float]] = []  # (T-hat, DP value) of the calls so far
     for _ in range(iterations):
-        value, alloc, count = madpipe_dp(problem, that, exact=exact)
+        floor = max((v for t, v in seen if t >= that and math.isfinite(v)), default=0.0)
+        value, alloc, count = _capped_dp(problem, tables, that, exact, best[0], floor)
+        seen.append((that, value))
         states += count
         tilde = max(value, that)
         if tilde < best[0]:
@@ -183,11 +407,40 @@ def algorithm8(problem: PipelineProblem, *, exact: bool, iterations: int = K_ITE
         ub = min(ub, tilde)
         that = (lb + ub) / 2
     if best[2] is None:  # last chance: the loosest T-hat
-        value, alloc, count = madpipe_dp(problem, ub, exact=exact)
+        value, alloc, count = _capped_dp(problem, tables, ub, exact, math.inf, 0.0)
         states += count
         if alloc is not None:
             best = (max(value, ub), ub, alloc)
     return best[0], best[1], best[2], states
+
+
+CAP_GROWTH = 1.25
+"""Ratio between successive caps tried by :func:`_capped_dp`."""
+
+
+def _capped_dp(problem: PipelineProblem, tables: DPTables, that: float, exact: bool,
+               cap: float, floor: float) -> tuple[float, Allocation | None, int]:
+    """The DP's value and allocation when the value is below ``cap``, else ``inf``.
+
+    The state space grows with the cap, so caps are tried from just above a lower bound of
+    the value upwards: a DP run without ``t_P`` (:func:`_lower_bound`; ``inf`` when nothing
+    fits), ``floor`` (the DP values at larger ``T-hat``, which the thesis shows do not
+    exceed this one) and the load bound. Each capped call is exact below its cap, so the
+    guess only decides the cost.
+    """
+    bound, _, states = madpipe_dp(problem, that, exact=exact, tables=tables, feasibility=True)
+    if bound >= cap:
+        return math.inf, None, states
+    low = max(bound, floor, tables.total / problem.n_gpus,
+              max(tables.load[q, q] for q in range(1, tables.n + 1)))
+    limit = low * 1.04 + 1e-12
+    while True:
+        limit = min(limit, cap)
+        value, alloc, count = madpipe_dp(problem, that, exact=exact, cap=limit, tables=tables)
+        states += count
+        if alloc is not None or limit >= cap:
+            return value, alloc, states
+        limit *= CAP_GROWTH
 
 
 def gpu_labels(alloc: Allocation) -> list[int]:
@@ -206,9 +459,7 @@ def gpu_labels(alloc: Allocation) -> list[int]:
 
 def _phase2(problem: PipelineProblem, alloc: Allocation, options: SolveOptions,
             log: list[dict[str, Any]]) -> tuple[float, PipelinePlan] | None:
-    """Schedule the DP's allocation: 1F1B* if contiguous, else the ILP (fixed, then free)."""
-    from optmem.solvers.pipeline_exact import run_model
-
+    """Schedule the DP's allocation: 1F1B* if contiguous, else the exact model (fixed, free)."""
     bounds = [(i, j) for i, j, _ in alloc]
     labels = gpu_labels(alloc)
     if len(set(labels)) == len(labels) and problem.memory_model == "stash":
@@ -222,10 +473,11 @@ def _phase2(problem: PipelineProblem, alloc: Allocation, options: SolveOptions,
         options = options.with_(node_limit=PHASE2_NODE_LIMIT,
                                 deterministic_time=PHASE2_DETERMINISTIC_TIME)
     for mode, gpu in (("fixed", labels), ("free", None)):
-        res, plan, size = run_model(problem, units, method, options, gpu=gpu)
-        log.append({"phase2": f"{method}-{mode}", "status": str(res.status),
+        run = run_model(problem, method, options, units=units, gpu=gpu)
+        plan = run.plan
+        log.append({"phase2": f"{method}-{mode}", "status": str(run.status),
                     "period": plan.period if plan is not None else None,
-                    "model_size": size})
+                    "model_size": run.report["model_size"]})
         if plan is not None:
             return plan.period, plan
     return None
@@ -233,8 +485,6 @@ def _phase2(problem: PipelineProblem, alloc: Allocation, options: SolveOptions,
 
 def solve_madpipe(problem: PipelineProblem, options: SolveOptions) -> Result:
     """MadPipe: phase 1 (Algorithm 8), phase 2 with fallbacks; the best valid plan."""
-    from optmem.solvers.pipeline import infeasible, lower_bound, plan_result
-
     grid = str(options.extra.get("madpipe_grid", "auto"))
     iterations = int(options.extra.get("madpipe_iterations", K_ITERATIONS))
     exact = grid == "exact" or (grid == "auto" and problem.layers.n <= EXACT_MAX_LAYERS)
@@ -243,7 +493,7 @@ def solve_madpipe(problem: PipelineProblem, options: SolveOptions) -> Result:
     estimate = math.nan
     total_states = 0
     for factor in MEMORY_FACTORS:
-        sub = problem if factor == 1.0 else _with_memory(problem, factor)
+        sub = problem if factor == 1.0 else scaled(problem, factor)
         est, that, alloc, states = algorithm8(sub, exact=exact, iterations=iterations)
         total_states += states
         entry: dict[str, Any] = {"memory_factor": factor, "estimate": est, "t_hat": that}
@@ -255,14 +505,13 @@ def solve_madpipe(problem: PipelineProblem, options: SolveOptions) -> Result:
         if factor == 1.0:
             estimate = est
         found = _phase2(problem, alloc, options, log)
-        if found is not None and not _valid(problem, found[1]):
+        if found is not None and not fits(problem, found[1]):
             log.append({"phase2": "rejected by the simulator"})
             found = None
         if found is not None:
             candidates.append((found[0], found[1], f"phase 2, memory x{factor}"))
             if min(c[0] for c in candidates) <= estimate * (1 + 1e-6):
                 break  # the valid period reaches the phase-1 estimate of the full memory
-    best_contig = None
     if problem.memory_model == "stash":
         best_contig = contig.best_contiguous(problem)
         if best_contig is not None:
@@ -281,23 +530,7 @@ def solve_madpipe(problem: PipelineProblem, options: SolveOptions) -> Result:
                        solver=options.solver, report=report)
 
 
-def _valid(problem: PipelineProblem, plan: PipelinePlan) -> bool:
-    from optmem.errors import PlanError
-    from optmem.simulate.pipeline import simulate_pipeline
-
-    try:
-        return simulate_pipeline(problem, plan).peak_memory <= problem.memory_per_gpu
-    except PlanError:
-        return False
-
-
 def _has_ortools() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("ortools") is not None
-
-
-def _with_memory(problem: PipelineProblem, factor: float) -> PipelineProblem:
-    from dataclasses import replace
-
-    return replace(problem, memory_per_gpu=int(problem.memory_per_gpu * factor))

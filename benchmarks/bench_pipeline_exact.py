@@ -1,0 +1,248 @@
+"""The exact pipeline model: proven-optimal rate, time to proof, and the DPs against it.
+
+Part 1 (P||Cmax): seeded random 8-layer chains with free transfers and no memory limit on
+P = 2, 3, 4 GPUs; both emitters (``ilp`` on HiGHS, ``cpsat``) without a time limit: time
+to proof, branch-and-bound nodes, and the optimum against brute force.
+
+Part 2 (bundled profiles): full profiles (no coarsening) at P GPUs, 12 GB/s links, and three
+memory limits per GPU: 1.1x, 1.5x and 3x the smallest memory with a contiguous plan. For
+each: the best contiguous 1F1B* period (a DP, optimal among contiguous allocations),
+MadPipe (its phase-1 DP estimate and its valid period) and both exact emitters with a time
+limit: status, period, proven bound, gap, time; then how far each DP is from the best
+proven bound (and from the optimum where it is proven).
+
+Part 3 (headline): ResNet-50 (batch 32, 224 px; 21 units), 4 GPUs, 3 GiB, 12 GB/s, both
+emitters with a 600 s limit.
+
+Every engine runs on 2 threads. HiGHS nodes come from the engine; CP-SAT's branches are
+read from its own log (the engine adapter does not report them). Machine load is recorded
+(``uptime``) before each part: the machine is shared, wall times vary with it.
+
+Usage::
+
+    python benchmarks/bench_pipeline_exact.py [--quick] [--time-limit S] [--headline S]
+        [--out benchmarks/results/pipeline_exact.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import math
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from optmem.chain import Chain  # noqa: E402
+from optmem.datasets import resolve_chain  # noqa: E402
+from optmem.problems.pipeline import PipelineProblem, parse_pipeline_bandwidth  # noqa: E402
+from optmem.result import Result, SolveOptions, Status  # noqa: E402
+from optmem.solvers.facade import solve  # noqa: E402
+from optmem.solvers.pipeline import min_memory_contiguous  # noqa: E402
+
+GIB = 2**30
+PROFILES = ("unet-b4-512", "resnet18-b64-224", "vit-b16-b64-224", "gpt2-small-b8-1024",
+            "resnet50-b32-224")
+FACTORS = (1.1, 1.5, 3.0)
+
+
+def uptime() -> str:
+    """The load averages, as ``uptime`` prints them."""
+    try:
+        out = subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout
+    except OSError:
+        return "unknown"
+    return out.split("load average:")[-1].strip()
+
+
+@contextlib.contextmanager
+def captured_stdout() -> Iterator[list[str]]:
+    """Capture what C++ code writes to file descriptor 1 (CP-SAT's log)."""
+    out: list[str] = []
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with tempfile.TemporaryFile(mode="w+") as tmp:
+        os.dup2(tmp.fileno(), 1)
+        try:
+            yield out
+        finally:
+            sys.stdout.flush()
+            os.dup2(saved, 1)
+            os.close(saved)
+            tmp.seek(0)
+            out.append(tmp.read())
+
+
+def run(problem: PipelineProblem, method: str, limit: float | None, **extra) -> dict:
+    """Solve and measure; CP-SAT's branches from its log."""
+    opts = SolveOptions(time_limit_s=limit, threads=2, verbose=method == "cpsat",
+                        extra=extra)
+    start = time.perf_counter()
+    with captured_stdout() as log:
+        result = solve(problem, method, options=opts)
+    wall = time.perf_counter() - start
+    nodes = result.report.get("nodes")
+    if method == "cpsat":
+        found = re.findall(r"^branches: (\d+)", "".join(log), re.MULTILINE)
+        nodes = int(found[-1]) if found else None
+    return {"result": result, "time": wall, "nodes": nodes}
+
+
+def fmt(x: float | None, digits: int = 2) -> str:
+    if x is None or not math.isfinite(x):
+        return "-"
+    return f"{x:.{digits}f}"
+
+
+def gap(result: Result) -> str:
+    g = result.gap
+    return "-" if not math.isfinite(g) else f"{100 * g:.2f} %"
+
+
+# ------------------------------------------------------------------ part 1
+def pcmax_instance(seed: int, gpus: int) -> tuple[PipelineProblem, float]:
+    """An 8-layer P||Cmax instance and its brute-force optimum."""
+    rng = random.Random(seed)
+    f = [rng.randint(1, 20) for _ in range(8)]
+    b = [rng.randint(1, 40) for _ in range(8)]
+    chain = Chain.from_lists(f, b, [1] * 8, [1] * 8, input_size=1, name=f"pcmax-{seed}")
+    loads = [x + y for x, y in zip(f, b, strict=True)]
+    best = min(max(sum(load for load, g in zip(loads, labels, strict=True) if g == k)
+                   for k in range(gpus))
+               for labels in itertools.product(range(gpus), repeat=8))
+    return PipelineProblem(chain, gpus, 10**12), best
+
+
+def part_pcmax(seeds: list[int]) -> list[str]:
+    rows = [f"Load: {uptime()}.", "",
+            "| seed | P | brute force | engine | status | period | bound | time (s) | nodes |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    proved = total = 0
+    times: list[float] = []
+    for seed, gpus in itertools.product(seeds, (2, 3, 4)):
+        problem, best = pcmax_instance(seed, gpus)
+        for method in ("ilp", "cpsat"):
+            out = run(problem, method, None)
+            r = out["result"]
+            total += 1
+            if r.status is Status.OPTIMAL and abs(r.objective - best) <= 1e-6 * best:
+                proved += 1
+                times.append(out["time"])
+            rows.append(f"| {seed} | {gpus} | {best:g} | {method} | {r.status} | "
+                        f"{fmt(r.objective)} | {fmt(r.bound, 4)} | {out['time']:.2f} | "
+                        f"{out['nodes'] if out['nodes'] is not None else '-'} |")
+            print(rows[-1], flush=True)
+    rows += ["", f"Proven optimal and equal to brute force: {proved} of {total}; time to "
+             f"proof median {sorted(times)[len(times) // 2]:.2f} s, max {max(times):.2f} s "
+             "(wall, model building and the warm-start heuristics included)."
+             if times else f"Proven: {proved} of {total}."]
+    return rows
+
+
+# ------------------------------------------------------------------ part 2
+def part_profiles(profiles: list[str], gpus: list[int], limit: float) -> list[str]:
+    rows = [f"Load: {uptime()}.", "",
+            "| profile | L | P | memory (GiB) | contiguous | MadPipe estimate | MadPipe | "
+            "engine | status | period | bound | gap | time (s) | nodes |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    summary = []
+    for name, p in itertools.product(profiles, gpus):
+        chain = resolve_chain(name)
+        bw = parse_pipeline_bandwidth("12GB/s", chain.time_unit)
+        low = min_memory_contiguous(PipelineProblem(chain, p, 1, bw))
+        for factor in FACTORS:
+            problem = PipelineProblem(chain, p, int(low * factor), bw)
+            contig = solve(problem, "contiguous")
+            mad = solve(problem, "madpipe", options=SolveOptions(
+                threads=2, time_limit_s=min(limit, 60.0)))
+            best_bound, best_period, proven = 0.0, math.inf, False
+            for method in ("cpsat", "ilp"):
+                out = run(problem, method, limit, warm_madpipe=False)
+                r = out["result"]
+                if math.isfinite(r.bound):
+                    best_bound = max(best_bound, r.bound)
+                if r.status.has_plan:
+                    best_period = min(best_period, r.objective)
+                proven |= r.status is Status.OPTIMAL
+                rows.append(
+                    f"| {name} | {chain.length} | {p} | {problem.memory_per_gpu / GIB:.2f} | "
+                    f"{fmt(contig.objective)} | "
+                    f"{fmt(mad.report.get('phase1_estimate', math.nan))} | "
+                    f"{fmt(mad.objective)} | {method} | {r.status} | {fmt(r.objective)} | "
+                    f"{fmt(r.bound)} | {gap(r)} | {out['time']:.1f} | "
+                    f"{out['nodes'] if out['nodes'] is not None else '-'} |")
+                print(rows[-1], flush=True)
+            summary.append((name, p, factor, contig.objective, mad.objective, best_bound,
+                            best_period, proven))
+    rows += ["", "How far the DPs are from the exact model (best bound of the two engines; "
+             "`=` where the optimum is proven):", "",
+             "| profile | P | memory factor | contiguous / bound | MadPipe / bound | best "
+             "period / bound |", "|---|---|---|---|---|---|"]
+    for name, p, factor, c, m, bound, period, proven in summary:
+        mark = " (=)" if proven else ""
+        rows.append(f"| {name} | {p} | {factor} | {fmt(c / bound, 3)} | {fmt(m / bound, 3)} | "
+                    f"{fmt(period / bound, 3)}{mark} |")
+    return rows
+
+
+# ------------------------------------------------------------------ part 3
+def part_headline(limit: float) -> list[str]:
+    chain = resolve_chain("resnet50-b32-224")
+    bw = parse_pipeline_bandwidth("12GB/s", chain.time_unit)
+    problem = PipelineProblem(chain, 4, 3 * GIB, bw)
+    rows = [f"Load: {uptime()}.", "",
+            "| engine | status | period | bound | gap | time (s) | nodes | incumbents |",
+            "|---|---|---|---|---|---|---|---|"]
+    for method in ("cpsat", "ilp"):
+        out = run(problem, method, limit)
+        r = out["result"]
+        inc = ", ".join(f"{k} {v:.2f}" for k, v in r.report.get("incumbents", {}).items())
+        rows.append(f"| {method} | {r.status} | {fmt(r.objective)} | {fmt(r.bound)} | "
+                    f"{gap(r)} | {out['time']:.0f} | "
+                    f"{out['nodes'] if out['nodes'] is not None else '-'} | {inc} |")
+        print(rows[-1], flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer instances, short limits")
+    parser.add_argument("--time-limit", type=float, default=60.0)
+    parser.add_argument("--headline", type=float, default=600.0,
+                        help="time limit of part 3 (0 to skip)")
+    parser.add_argument("--profiles", nargs="+", default=list(PROFILES))
+    parser.add_argument("--gpus", nargs="+", type=int, default=[4])
+    parser.add_argument("--out", help="write the Markdown here")
+    args = parser.parse_args()
+    seeds = [0, 1, 2, 3, 4]
+    if args.quick:
+        seeds, args.profiles, args.time_limit, args.headline = [0], ["unet-b4-512"], 5.0, 0
+    start = time.perf_counter()
+    text = ["# Exact pipeline model (`benchmarks/bench_pipeline_exact.py`)", "",
+            "## P||Cmax: 8 layers, free transfers, no memory limit (no time limit)", "",
+            *part_pcmax(seeds), "",
+            f"## Bundled profiles: P = {', '.join(map(str, args.gpus))}, 12 GB/s, memory "
+            f"1.1x / 1.5x / 3x the smallest contiguous one, {args.time_limit:g} s per engine",
+            "", *part_profiles(args.profiles, args.gpus, args.time_limit), ""]
+    if args.headline:
+        text += [f"## ResNet-50, 4 GPUs, 3 GiB, 12 GB/s, {args.headline:g} s per engine", "",
+                 *part_headline(args.headline), ""]
+    text += [f"Total wall time {time.perf_counter() - start:.0f} s; 2 threads per engine."]
+    out = "\n".join(text) + "\n"
+    print(out)
+    if args.out:
+        Path(args.out).write_text(out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,992 @@
+r"""The exact pipeline model: PIPE_{S^1&A} (thesis ch. 6, corrected), written once.
+
+One solver-neutral :class:`~optmem.models.formulation.Model` of all allocations and
+1-periodic patterns, emitted to PuLP (HiGHS, CBC, Gurobi: method ``ilp``) and to CP-SAT
+(method ``cpsat``) by :mod:`optmem.models.formulation`. It places *units*: the ``L`` layers
+(layers without forward time joined to their predecessor, :func:`zero_forward_merged`), or
+the stages of a MadPipe allocation (its phase 2, thesis section 7.2: the "coarse chain").
+
+The model is chapter 6's (digest ``madpipe.md`` section 4) with the digest's corrections
+(4.5: transitivity of "same GPU" in every orientation, transfer durations only between
+different GPUs, ``w + w' = z`` for the two orders of a pair, the index ranges), rewritten
+to prove:
+
+Allocation (6.1)-(6.4)
+    ``x[q, p] = 1``: unit ``q`` on GPU ``p``; ``z(q, r)`` (same GPU) is defined exactly from
+    ``x`` (``z >= x_qp + x_rp - 1``, ``z <= 1 - x_qp + x_rp``), so transitivity holds by
+    construction. **Symmetry breaking** between identical GPUs: GPUs are numbered by their
+    lowest unit (``x[q, p] = 0`` for ``p > q``; ``x[q, p] <= sum_{r<q} x[r, p-1]``: GPU ``p``
+    hosts the lowest unit that GPUs ``0..p-1`` do not hold).
+Windows (6.17)-(6.21)
+    Each GPU ``p`` runs its tasks once per period inside a window ``[win_p, win_p + T]``,
+    ``0 <= win_p <= T`` (a window can be moved by whole periods), ``win_0 = 0`` (the time
+    origin); task ``t`` of unit ``q`` starts at ``tau_t`` with ``win_p <= tau_t`` and
+    ``tau_t + d_t <= win_p + T`` when ``x[q, p]``. So every start lies in ``[0, 2T]``. Links
+    (unordered GPU pairs) have windows too; a transfer over the cut after unit ``c`` takes
+    ``dt_c`` on the link ``{p, p'}`` when ``e[c, p, p'] = 1`` (the cut joins ``p`` and
+    ``p'``, defined exactly from ``x``) and no time when both units share a GPU.
+No overlap (6.5)-(6.16)
+    One order binary per pair of tasks, enforced when the pair shares a GPU (``z``) or a
+    link (``zl``, bounded below by the ``e``); the same sets are also given as optional
+    intervals and ``no_overlap`` (marked redundant: CP-SAT uses them for propagation, the
+    MILP emission leaves them out).
+Shifts (6.23)-(6.30)
+    Along one micro-batch's path ``F_1 -> S_1 -> F_2 -> ... -> B_L -> G_{L-1} -> ... -> B_1``
+    each edge ``x -> y`` has a shift ``s = v1 + v2 in {0, 1, 2}`` (``v2 <= v1``) with
+    ``tau_y + s T >= tau_x + d_x`` (2 suffices since starts lie in ``[0, 2T]``). Larger
+    shifts than needed are allowed but only cost memory; the decoder recomputes the smallest.
+Memory (6.31)-(6.36)
+    ``stash`` model (thesis ch. 5/7): at the start of every forward ``F_q``, weights of the
+    GPU's units + buffers of its cuts + ``x_r`` times the stashes of unit ``r`` alive then,
+    ``sigma_r + [F_r before F_q] - [B_r before F_q]`` (``sigma_r``: the shifts summed from
+    ``F_r`` to ``B_r``; for ``r = q`` its own new copy too). ``strict`` (eq. 6.36): at every
+    task start, without the starting forward's own copy, plus the task's input and output and
+    the data waiting on the GPU (``o``, eq. 6.22). Sizes are divided by their greatest common
+    divisor (exact) so that both engines see the same integer rows.
+Cuts (valid inequalities; they change no solution)
+    * loads: ``T >=`` the load of every GPU and of every link, ``T >= max(total / P,
+      heaviest unit)`` (the bound of :func:`load_bound`);
+    * copies: unit ``q``'s stash lives at least ``D_q = sum_{r >= q} (f_r + b_r)`` per
+      micro-batch, so the copies alive when ``F_q`` starts, ``c_q = sigma_q + [F_q before
+      B_q] = ceil(lifetime / T)``, satisfy ``c_q T >= D_q``; its convex hull over integers
+      ``c_q`` gives ``k (k + 1) T + D_q c_q >= (2k + 1) D_q`` for every ``k >= 1`` (the
+      secant of ``D_q / c`` between ``k`` and ``k + 1``): memory bounds the copies and
+      the copies bound the period, already in the LP relaxation;
+    * memory: when ``F_q`` starts, every lower unit of its GPU holds at least the current
+      micro-batch's stash;
+    * fixings from an upper bound ``T_hi`` (an incumbent): two units whose loads exceed
+      ``T_hi`` never share a GPU, a cut whose two transfers exceed ``T_hi`` never exists.
+
+Times are continuous; :meth:`PipelineFormulation.time_scale` gives the CP-SAT grid
+(:func:`~optmem.models.formulation.rational_time_scale`: exact for profiled times and
+``size / bandwidth`` transfers, refined to at most ``1e-7`` of the load bound, so the period,
+which need not lie on the data's grid, is within one step of its true value).
+:meth:`PipelineFormulation.encode` writes a plan (1F1B*, MadPipe) as a complete assignment
+(warm starts, and a check of the model against the simulator), :meth:`decode` reads a plan.
+
+:func:`build_relaxation` is a second, much smaller model: allocations only, with the copies
+of every stash bounded by lifetimes at a fixed period; its infeasibility at a period proves
+a lower bound (the exact methods search it by bisection before the full model runs).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import reduce
+
+from optmem.models.formulation import Expr, Model, rational_time_scale
+from optmem.pipeline_plan import (
+    PipelinePlan,
+    PipelineStage,
+    PipelineTask,
+    minimal_shifts,
+    phase,
+)
+from optmem.problems.pipeline import PipelineProblem
+
+Task = tuple[str, int]
+"""``("F"|"B", unit)`` or ``("S"|"G", cut)`` (0-based; cut ``c`` follows unit ``c``)."""
+
+TIME_RESOLUTION = 1e-7
+"""CP-SAT time grid, relative to the load bound (see :meth:`PipelineFormulation.time_scale`)."""
+
+MAX_SECANTS = 64
+
+
+# ------------------------------------------------------------------ units
+@dataclass(frozen=True)
+class Units:
+    """Units (consecutive layer ranges) of a pipeline problem, 0-based.
+
+    ``f``/``b``: forward/backward durations; ``w``: weight memory (copies included);
+    ``x``: stash per in-flight micro-batch; ``a_in``/``a_out``: input and output sizes;
+    ``dt[c]``: duration of one transfer over the cut after unit ``c``; ``buf[c]``: buffers
+    each GPU of that cut holds.
+    """
+
+    bounds: tuple[tuple[int, int], ...]
+    f: tuple[float, ...]
+    b: tuple[float, ...]
+    w: tuple[int, ...]
+    x: tuple[int, ...]
+    a_in: tuple[int, ...]
+    a_out: tuple[int, ...]
+    dt: tuple[float, ...]
+    buf: tuple[int, ...]
+
+    @property
+    def n(self) -> int:
+        """Number of units."""
+        return len(self.bounds)
+
+    @property
+    def comm(self) -> bool:
+        """Whether any transfer takes time (links must then be scheduled)."""
+        return any(d > 0 for d in self.dt)
+
+    def load(self, q: int) -> float:
+        """``f_q + b_q``."""
+        return self.f[q] + self.b[q]
+
+    def big_m(self) -> float:
+        """``K``: the period of running everything in sequence (an upper bound)."""
+        return float(sum(self.f) + sum(self.b) + 2 * sum(self.dt)) or 1.0
+
+
+def make_units(problem: PipelineProblem, bounds: Sequence[tuple[int, int]] | None = None
+               ) -> Units:
+    """Units of ``problem``: one per layer (:func:`zero_forward_merged`), or the given ranges."""
+    lay = problem.layers
+    if bounds is None:
+        bounds = zero_forward_merged(problem)
+    bounds = tuple((int(i), int(j)) for i, j in bounds)
+    return Units(
+        bounds=bounds,
+        f=tuple(lay.fwd(i, j) for i, j in bounds),
+        b=tuple(lay.bwd(i, j) for i, j in bounds),
+        w=tuple(problem.weight_copies * lay.weights(i, j) for i, j in bounds),
+        x=tuple(lay.stash(i, j) for i, j in bounds),
+        a_in=tuple(lay.a[i - 1] for i, _ in bounds),
+        a_out=tuple(lay.a[j] for _, j in bounds),
+        dt=tuple(problem.transfer_time(j) for _, j in bounds[:-1]),
+        buf=tuple(problem.buffer_size(j) for _, j in bounds[:-1]),
+    )
+
+
+def zero_forward_merged(problem: PipelineProblem) -> list[tuple[int, int]]:
+    """One unit per layer, except that layers without forward time join their predecessor.
+
+    A zero-length forward may start at the same instant as another forward of its GPU; the
+    models order such ties freely while the simulator counts both stashes at that instant.
+    Keeping such a layer with its neighbour removes the ambiguity (a restriction only for
+    chains with zero forward times).
+    """
+    lay = problem.layers
+    bounds: list[list[int]] = []
+    for q in range(1, lay.n + 1):
+        if bounds and (lay.f[q] == 0 or lay.f[bounds[-1][0]:bounds[-1][1] + 1] == (0.0,) * (
+                bounds[-1][1] - bounds[-1][0] + 1)):
+            bounds[-1][1] = q
+        else:
+            bounds.append([q, q])
+    return [(i, j) for i, j in bounds]
+
+
+def load_bound(units: Units, n_gpus: int) -> float:
+    """``max(total / P, heaviest unit)``: no period can be smaller."""
+    total = sum(units.f) + sum(units.b)
+    return max(total / n_gpus, max(units.load(q) for q in range(units.n)))
+
+
+def decode_plan(
+    units: Units, gpu: Sequence[int], period: float,
+    fstart: Sequence[float], bstart: Sequence[float],
+    sstart: Mapping[int, float], gstart: Mapping[int, float],
+) -> PipelinePlan:
+    """Build the plan from a solution: unit GPUs, period and start times (any real numbers).
+
+    GPUs are renumbered by first use; shifts are the smallest valid ones given the times.
+    """
+    labels: dict[int, int] = {}
+    for g in gpu:
+        labels.setdefault(g, len(labels))
+    stages = tuple(PipelineStage(i, j, labels[gpu[q]]) for q, (i, j) in enumerate(units.bounds))
+    starts: dict[tuple[str, int], float] = {}
+    durs: dict[tuple[str, int], float] = {}
+    for q in range(units.n):
+        starts[("F", q + 1)] = phase(fstart[q], period, 1e-9)
+        starts[("B", q + 1)] = phase(bstart[q], period, 1e-9)
+        durs[("F", q + 1)], durs[("B", q + 1)] = units.f[q], units.b[q]
+        if q < units.n - 1 and gpu[q] != gpu[q + 1]:
+            starts[("send", q + 1)] = phase(sstart[q], period, 1e-9)
+            starts[("grad", q + 1)] = phase(gstart[q], period, 1e-9)
+            durs[("send", q + 1)] = durs[("grad", q + 1)] = units.dt[q]
+    shifts = minimal_shifts(starts, durs, units.n, period, tol=1e-6)
+    tasks = tuple(PipelineTask(op, s, starts[(op, s)], shifts[(op, s)])
+                  for (op, s) in sorted(starts, key=lambda key: (key[1], key[0])))
+    return PipelinePlan(period, stages, tasks)
+
+
+def dependency_path(n: int) -> list[Task]:
+    """Tasks along one micro-batch: F_0, S_0, F_1, ..., F_{n-1}, B_{n-1}, G_{n-2}, ..., B_0."""
+    order: list[Task] = []
+    for q in range(n):
+        order.append(("F", q))
+        if q < n - 1:
+            order.append(("S", q))
+    for q in range(n - 1, -1, -1):
+        order.append(("B", q))
+        if q > 0:
+            order.append(("G", q - 1))
+    return order
+
+
+# ------------------------------------------------------------------ the formulation
+@dataclass
+class PipelineFormulation:
+    """The built model and the handles that encode and decode plans.
+
+    Expressions are single variables of :attr:`model` (``Model.index`` gives the index).
+    """
+
+    units: Units
+    n_gpus: int
+    memory: int
+    strict: bool
+    model: Model
+    period: Expr
+    lower: float
+    upper: float
+    mem_unit: int
+    x: dict[tuple[int, int], Expr] = field(default_factory=dict)
+    z: dict[tuple[int, int], Expr] = field(default_factory=dict)
+    start: dict[Task, Expr] = field(default_factory=dict)
+    window: list[Expr] = field(default_factory=list)
+    order: dict[tuple[Task, Task], Expr] = field(default_factory=dict)
+    e: dict[tuple[int, int, int], Expr] = field(default_factory=dict)
+    link_window: dict[tuple[int, int], Expr] = field(default_factory=dict)
+    zl: dict[tuple[int, int], Expr] = field(default_factory=dict)
+    link_order: dict[tuple[Task, Task], Expr] = field(default_factory=dict)
+    edges: list[tuple[Task, Task, Expr, Expr]] = field(default_factory=list)
+    sig: dict[tuple[int, int], Expr] = field(default_factory=dict)
+    bufv: dict[tuple[int, int], Expr] = field(default_factory=dict)
+    pending: dict[tuple[Task, int], tuple[Expr, Task, Task]] = field(default_factory=dict)
+    fixed_gpu: tuple[int, ...] | None = None
+
+    # ------------------------------------------------------------ small helpers
+    @property
+    def tasks(self) -> list[Task]:
+        """GPU tasks in the model's pair order: F_0..F_{n-1}, B_{n-1}..B_0."""
+        n = self.units.n
+        return [("F", q) for q in range(n)] + [("B", q) for q in range(n - 1, -1, -1)]
+
+    def same(self, q: int, r: int) -> Expr:
+        """``z(q, r)`` (1 when ``q == r``)."""
+        return Expr.of(1) if q == r else self.z[(min(q, r), max(q, r))]
+
+    def prec(self, t: Task, u: Task) -> Expr:
+        """1 iff ``t`` and ``u`` share a GPU and ``t`` runs first in its window."""
+        if t == u:
+            return Expr.of(0)
+        if (t, u) in self.order:
+            return self.order[(t, u)]
+        return self.same(t[1], u[1]) - self.order[(u, t)]
+
+    def duration(self, t: Task) -> Expr:
+        """Duration of a task (a transfer's is ``dt_c (1 - z(c, c+1))``)."""
+        kind, k = t
+        if kind == "F":
+            return Expr.of(self.units.f[k])
+        if kind == "B":
+            return Expr.of(self.units.b[k])
+        return self.units.dt[k] - self.units.dt[k] * self.same(k, k + 1)
+
+    def sigma(self, q: int) -> Expr:
+        """Shifts summed from ``F_q`` to ``B_q`` (stashes held when the period starts)."""
+        n = self.units.n
+        lo, hi = 2 * q, 2 * n - 1 + 2 * (n - 1 - q)  # positions of F_q and B_q on the path
+        return Expr.sum(v1 + v2 for _, _, v1, v2 in self.edges[lo:hi])
+
+    def copies(self, q: int) -> Expr:
+        """Stashes of unit ``q`` alive when ``F_q`` starts, its own included."""
+        return self.sigma(q) + self.order[(("F", q), ("B", q))]
+
+    def time_scale(self) -> tuple[int, bool]:
+        """CP-SAT grid: exact for the durations, at most ``TIME_RESOLUTION`` of the bound.
+
+        Durations that no grid makes exact are rounded on a grid 100 times finer, so that
+        the rounding along a cycle stays far below the optimality tolerance.
+        """
+        u = self.units
+        values = [*u.f, *u.b, *u.dt]
+        resolution = TIME_RESOLUTION * max(self.lower, 1e-12)
+        scale, exact = rational_time_scale(values, resolution=resolution)
+        if not exact:
+            scale, exact = rational_time_scale(values, resolution=resolution / 100)
+        return scale, exact
+
+    # ------------------------------------------------------------ decode
+    def decode(self, values: Sequence[float]) -> PipelinePlan:
+        """The plan of an assignment (GPU of each unit, period and start times)."""
+        n = self.units.n
+
+        def val(e: Expr) -> float:
+            return float(e.value(values))
+
+        gpu = [max((p for p in range(self.n_gpus) if (q, p) in self.x),
+                   key=lambda p: val(self.x[(q, p)])) for q in range(n)]
+        return decode_plan(
+            self.units, gpu, val(self.period),
+            [val(self.start[("F", q)]) for q in range(n)],
+            [val(self.start[("B", q)]) for q in range(n)],
+            {c: val(self.start[("S", c)]) for c in range(n - 1)},
+            {c: val(self.start[("G", c)]) for c in range(n - 1)},
+        )
+
+    # ------------------------------------------------------------ encode
+    def encode(self, plan: PipelinePlan) -> list[float] | None:
+        """``plan`` as a complete assignment of the model (``None`` if it is not representable).
+
+        Not representable: stages that split a unit, GPUs that differ from a fixed allocation,
+        a period outside the model's bounds. Shifts are the smallest the times allow.
+        """
+        layout = _plan_layout(self.units, plan)
+        if layout is None:
+            return None
+        gpu, times = layout
+        if self.fixed_gpu is not None and tuple(gpu) != self.fixed_gpu:
+            return None
+        period = plan.period
+        if max(gpu) >= self.n_gpus or not (
+                self.lower * (1 - 1e-9) - 1e-12 <= period <= self.upper * (1 + 1e-9) + 1e-12):
+            return None
+        return _Encoder(self, gpu, times, period).run()
+
+
+def _plan_layout(units: Units, plan: PipelinePlan
+                 ) -> tuple[list[int], dict[Task, float]] | None:
+    """GPU per unit (labels by first use) and pattern start of every task and transfer."""
+    n = units.n
+    first = {i: q for q, (i, _) in enumerate(units.bounds)}
+    last = {j: q for q, (_, j) in enumerate(units.bounds)}
+    gpu = [0] * n
+    times: dict[Task, float] = {}
+    for k, st in enumerate(plan.stages, start=1):
+        if st.first not in first or st.last not in last:
+            return None
+        members = range(first[st.first], last[st.last] + 1)
+        ftask, btask = plan.task("F", k), plan.task("B", k)
+        if ftask is None or btask is None:
+            return None
+        fstart, bstart = ftask.start, btask.start
+        for q in members:
+            gpu[q] = st.gpu
+            times[("F", q)] = fstart + sum(units.f[r] for r in members if r < q)
+            times[("B", q)] = bstart + sum(units.b[r] for r in members if r > q)
+        for c in members:
+            if c == n - 1:
+                continue
+            if c == members[-1] and plan.task("send", k) is not None:
+                times[("S", c)] = plan.task("send", k).start  # type: ignore[union-attr]
+                times[("G", c)] = plan.task("grad", k).start  # type: ignore[union-attr]
+    labels: dict[int, int] = {}
+    for g in gpu:
+        labels.setdefault(g, len(labels))
+    return [labels[g] for g in gpu], times
+
+
+class _Encoder:
+    """Writes a plan as model values (see :meth:`PipelineFormulation.encode`)."""
+
+    def __init__(self, form: PipelineFormulation, gpu: list[int], times: dict[Task, float],
+                 period: float) -> None:
+        self.form = form
+        self.gpu = gpu
+        self.times = times
+        self.period = period
+        self.values = [0.0] * len(form.model.vars)
+
+    def set(self, e: Expr, value: float) -> None:
+        self.values[Model.index(e)] = float(value)
+
+    def val(self, e: Expr) -> float:
+        return float(e.value(self.values))
+
+    def run(self) -> list[float] | None:
+        form, gpu, period = self.form, self.gpu, self.period
+        units = form.units
+        n = units.n
+        self.set(form.period, period)
+        for (q, p), v in form.x.items():
+            self.set(v, 1.0 if gpu[q] == p else 0.0)
+        for (q, r), v in form.z.items():
+            self.set(v, 1.0 if gpu[q] == gpu[r] else 0.0)
+        for (c, p, pp), v in form.e.items():
+            self.set(v, 1.0 if {gpu[c], gpu[c + 1]} == {p, pp} else 0.0)
+        self._gpu_times()
+        self._link_times()
+        for c in range(n - 1):  # transfers that take no time: right after their producer
+            if ("S", c) not in self.times or gpu[c] == gpu[c + 1] or not units.comm:
+                self.set(form.start[("S", c)], self.val(form.start[("F", c)]) + units.f[c])
+                self.set(form.start[("G", c)],
+                         self.val(form.start[("B", c + 1)]) + units.b[c + 1])
+        for (t, u), v in form.order.items():
+            same = gpu[t[1]] == gpu[u[1]]
+            self.set(v, 1.0 if same and self._before(t, u) else 0.0)
+        for (c, d), v in form.zl.items():
+            self.set(v, 1.0 if self._same_link(c, d) else 0.0)
+        for (t, u), v in form.link_order.items():
+            self.set(v, 1.0 if self._same_link(t[1], u[1]) and self._before(t, u) else 0.0)
+        if not self._shifts():
+            return None
+        for (q, r), v in form.sig.items():
+            self.set(v, self.val(form.sigma(r)) if gpu[q] == gpu[r] else 0.0)
+        for (q, c), v in form.bufv.items():
+            self.set(v, abs(self.val(form.same(q, c)) - self.val(form.same(q, c + 1))))
+        for (t, _), (o, x, y) in form.pending.items():
+            self.set(o, max(0.0, self.val(form.prec(x, t)) + self.val(form.prec(t, y))
+                            + self.val(form.prec(y, x)) - 1))
+        return self._clamped()
+
+    def _before(self, t: Task, u: Task) -> bool:
+        a, b = self.val(self.form.start[t]), self.val(self.form.start[u])
+        return a < b or (a == b and self.val(self.form.duration(t)) == 0
+                         and self.val(self.form.duration(u)) > 0)
+
+    def _same_link(self, c: int, d: int) -> bool:
+        g = self.gpu
+        return g[c] != g[c + 1] and {g[c], g[c + 1]} == {g[d], g[d + 1]}
+
+    def _windowed(self, members: dict[int, list[Task]], origin: float
+                  ) -> dict[int, float]:
+        """Place each resource's tasks in a window starting at its earliest task."""
+        wins: dict[int, float] = {}
+        for res, tasks in members.items():
+            rel = {t: math.fmod(self.times[t] - origin, self.period) for t in tasks}
+            rel = {t: r + self.period if r < 0 else r for t, r in rel.items()}
+            rel = {t: 0.0 if r >= self.period * (1 - 1e-12) else r for t, r in rel.items()}
+            wins[res] = min(rel.values())
+            for t, r in rel.items():
+                self.set(self.form.start[t], r)
+        return wins
+
+    def _gpu_times(self) -> None:
+        form = self.form
+        members: dict[int, list[Task]] = {}
+        for t in form.tasks:
+            members.setdefault(self.gpu[t[1]], []).append(t)
+        origin = min(self.times[t] for t in members[0])
+        wins = self._windowed(members, origin)
+        self.origin = origin
+        for p, w in enumerate(form.window):
+            if p in wins:
+                self.set(w, wins[p])
+
+    def _link_times(self) -> None:
+        form = self.form
+        members: dict[int, list[Task]] = {}
+        keys: dict[int, tuple[int, int]] = {}
+        for c in range(form.units.n - 1):
+            g0, g1 = self.gpu[c], self.gpu[c + 1]
+            if g0 == g1 or not form.units.comm or ("S", c) not in self.times:
+                continue
+            link = (min(g0, g1), max(g0, g1))
+            k = link[0] * form.n_gpus + link[1]
+            keys[k] = link
+            members.setdefault(k, []).extend([("S", c), ("G", c)])
+        wins = self._windowed(members, self.origin)
+        for k, w in wins.items():
+            if keys[k] in form.link_window:
+                self.set(form.link_window[keys[k]], w)
+
+    def _shifts(self) -> bool:
+        period = self.period
+        for x, y, v1, v2 in self.form.edges:
+            gap = self.val(self.form.start[x]) + self.val(self.form.duration(x)) \
+                - self.val(self.form.start[y])
+            s = max(0, math.ceil(gap / period - 1e-9))
+            if s > 2:
+                return False
+            self.set(v1, 1.0 if s >= 1 else 0.0)
+            self.set(v2, 1.0 if s >= 2 else 0.0)
+        return True
+
+    def _clamped(self) -> list[float]:
+        out = []
+        for v, x in zip(self.form.model.vars, self.values, strict=True):
+            out.append(min(max(x, v.lo), v.hi))
+        return out
+
+
+# ------------------------------------------------------------------ building
+def build_pipeline_model(
+    units: Units, n_gpus: int, memory: int, *, strict: bool = False,
+    gpu: Sequence[int] | None = None, upper_bound: float | None = None,
+    lower_bound: float = 0.0,
+) -> PipelineFormulation:
+    """Build the model of the module docstring.
+
+    Parameters
+    ----------
+    units
+        What to place (layers, or the stages of a fixed partitioning).
+    n_gpus, memory
+        ``P`` and ``M`` (memory per GPU, chain units).
+    strict
+        Memory model ``strict`` (ch. 6 eq. 6.36) instead of ``stash``.
+    gpu
+        Fix the allocation (MadPipe phase 2 with a fixed assignment): GPU label per unit.
+    upper_bound, lower_bound
+        Known bounds on the optimal period (a valid plan's period; a proven bound). The
+        load bound is always added.
+    """
+    n = units.n
+    if gpu is not None:
+        gpu = _first_use(gpu)
+        if max(gpu) >= n_gpus:
+            raise ValueError(f"the fixed allocation uses {max(gpu) + 1} GPUs > {n_gpus}")
+    lower = max(lower_bound, load_bound(units, n_gpus))
+    upper = units.big_m() if upper_bound is None else min(units.big_m(), upper_bound)
+    upper = max(upper, lower)
+    model = Model("pipeline")
+    period = model.continuous("T", lower, upper)
+    model.minimize(period)
+    form = PipelineFormulation(units, min(n_gpus, n), memory, strict, model, period, lower,
+                               upper, _size_unit(units, memory),
+                               fixed_gpu=None if gpu is None else gpu)
+    _Builder(form).build()
+    return form
+
+
+def _first_use(gpu: Sequence[int]) -> tuple[int, ...]:
+    """GPU labels renumbered by first use (the symmetry breaking's numbering)."""
+    labels: dict[int, int] = {}
+    for g in gpu:
+        labels.setdefault(g, len(labels))
+    return tuple(labels[g] for g in gpu)
+
+
+def _size_unit(units: Units, memory: int) -> int:
+    """Greatest common divisor of every size (memory rows are divided by it, exactly)."""
+    sizes = [s for s in (*units.w, *units.x, *units.a_in, *units.a_out, *units.buf) if s]
+    return reduce(math.gcd, sizes, 0) or 1
+
+
+class _Builder:
+    """Adds the rows of :func:`build_pipeline_model` to a formulation, one block at a time."""
+
+    def __init__(self, form: PipelineFormulation) -> None:
+        self.form = form
+        self.m = form.model
+        self.u = form.units
+        self.T = form.period
+
+    def build(self) -> None:
+        self.allocation()
+        self.gpu_loads()
+        self.gpu_tasks()
+        self.transfers()
+        if self.u.comm:
+            self.link_vars()
+            self.links()
+        self.shifts()
+        if self.memory_binds():
+            self.buffer_vars()
+            self.memory()
+            self.copy_cuts()
+        self.fixings()
+
+    # ------------------------------------------------------------ allocation
+    def allocation(self) -> None:
+        form, m, u = self.form, self.m, self.u
+        n, gpus = u.n, form.n_gpus
+        for q in range(n):
+            for p in range(min(q, gpus - 1) + 1):
+                form.x[(q, p)] = m.binary(f"x_{q}_{p}")
+            m.add(Expr.sum(form.x[(q, p)] for p in range(min(q, gpus - 1) + 1)) == 1,
+                  f"assign_{q}")
+            for p in range(1, min(q, gpus - 1) + 1):  # GPU p opens after GPU p-1 (symmetry)
+                m.add(form.x[(q, p)] <= Expr.sum(self.xv(r, p - 1) for r in range(q)),
+                      f"sym_{q}_{p}")
+        if form.fixed_gpu is not None:
+            for (q, p), v in form.x.items():
+                m.add(v == (1 if form.fixed_gpu[q] == p else 0), f"fixed_{q}_{p}")
+        for q, r in itertools.combinations(range(n), 2):
+            z = form.z[(q, r)] = m.binary(f"z_{q}_{r}")
+            for p in range(gpus):
+                xq, xr = self.xv(q, p), self.xv(r, p)
+                m.add(z >= xq + xr - 1, f"zlo_{q}_{r}_{p}")
+                m.add(z <= 1 - xq + xr, f"zhi_{q}_{r}_{p}")
+                m.add(z <= 1 - xr + xq, f"zhj_{q}_{r}_{p}")
+
+    def gpu_loads(self) -> None:
+        """``T >=`` the load of every GPU (a cut)."""
+        u = self.u
+        for p in range(self.form.n_gpus):
+            m = Expr.sum(u.load(q) * self.xv(q, p) for q in range(u.n))
+            self.m.add(m <= self.T, f"load_{p}")
+
+    def xv(self, q: int, p: int) -> Expr:
+        """``x[q, p]`` (0 where symmetry breaking removed it)."""
+        return self.form.x.get((q, p), Expr.of(0))
+
+    # ------------------------------------------------------------ GPUs
+    def gpu_tasks(self) -> None:
+        form, m, T = self.form, self.m, self.T
+        hi = form.upper
+        form.window = [m.continuous(f"win_{p}", 0, 0 if p == 0 else hi)
+                       for p in range(form.n_gpus)]
+        for p in range(1, form.n_gpus):
+            m.add(form.window[p] <= T, f"winT_{p}")
+        for t in form.tasks:
+            form.start[t] = m.continuous(f"tau_{t[0]}{t[1]}", 0, 2 * hi)
+        intervals: dict[int, list[int]] = {p: [] for p in range(form.n_gpus)}
+        for t in form.tasks:
+            tau, d, q = form.start[t], self.dur(t), t[1]
+            m.add(tau + d <= 2 * T, f"end_{t[0]}{t[1]}")
+            for p in range(form.n_gpus):
+                if (q, p) not in form.x:
+                    continue
+                lit = m.literal(form.x[(q, p)])
+                m.add(tau >= form.window[p], f"wlo_{t[0]}{q}_{p}", only_if=lit)
+                m.add(tau + d <= form.window[p] + T, f"whi_{t[0]}{q}_{p}", only_if=lit)
+                intervals[p].append(m.interval(f"iv_{t[0]}{q}_{p}", tau, d, lit))
+        for p, ivs in intervals.items():
+            m.no_overlap(f"gpu_{p}", ivs, redundant=True)
+        for t, v in itertools.combinations(form.tasks, 2):
+            self.pair(t, v, form.same(t[1], v[1]), form.order, "w")
+
+    def dur(self, t: Task) -> float:
+        return self.u.f[t[1]] if t[0] == "F" else self.u.b[t[1]]
+
+    def pair(self, t: Task, v: Task, same: Expr, store: dict, tag: str) -> None:
+        """One order binary for a pair that may share a resource (``same``)."""
+        m, form = self.m, self.form
+        w = store[(t, v)] = m.binary(f"{tag}_{t[0]}{t[1]}_{v[0]}{v[1]}")
+        lits: list = []
+        if same.terms:
+            m.add(w <= same, f"{tag}le_{t[0]}{t[1]}_{v[0]}{v[1]}")
+            lits = [m.literal(same)]
+        a, b = form.start[t], form.start[v]
+        m.add(b >= a + form.duration(t), f"{tag}a_{t[0]}{t[1]}_{v[0]}{v[1]}",
+              only_if=[*lits, m.literal(w)])
+        m.add(a >= b + form.duration(v), f"{tag}b_{t[0]}{t[1]}_{v[0]}{v[1]}",
+              only_if=[*lits, m.literal(w, False)])
+
+    # ------------------------------------------------------------ transfers
+    def transfers(self) -> None:
+        form, m, u, T = self.form, self.m, self.u, self.T
+        for c in range(u.n - 1):
+            for kind, src in (("S", ("F", c)), ("G", ("B", c + 1))):
+                t = (kind, c)
+                tau = form.start[t] = m.continuous(f"tau_{kind}{c}", 0, 2 * form.upper)
+                m.add(tau + form.duration(t) <= 2 * T, f"end_{kind}{c}")
+                ready = form.start[src] + self.dur(src)
+                if not u.comm:  # no link is ever busy: right after its producer (no loss)
+                    m.add(tau == ready, f"tie_{kind}{c}")
+                else:
+                    m.add(tau == ready, f"tie_{kind}{c}", only_if=m.literal(form.same(c, c + 1)))
+
+    def link_vars(self) -> None:
+        """``e[c, p, p']``: the cut after unit ``c`` joins GPUs ``p < p'`` (exact)."""
+        form, m = self.form, self.m
+        pairs = list(itertools.combinations(range(form.n_gpus), 2))
+        for c in range(self.u.n - 1):
+            for p, pp in pairs:
+                a = [(self.xv(c, p), self.xv(c + 1, pp)), (self.xv(c, pp), self.xv(c + 1, p))]
+                if all(not x0.terms or not x1.terms for x0, x1 in a):
+                    continue
+                e = form.e[(c, p, pp)] = m.binary(f"e_{c}_{p}_{pp}")
+                for k, (x0, x1) in enumerate(a):
+                    m.add(e >= x0 + x1 - 1, f"elo{k}_{c}_{p}_{pp}")
+                m.add(e <= self.xv(c, p) + self.xv(c, pp), f"ehi0_{c}_{p}_{pp}")
+                m.add(e <= self.xv(c + 1, p) + self.xv(c + 1, pp), f"ehi1_{c}_{p}_{pp}")
+                m.add(e <= 1 - form.same(c, c + 1), f"ehi2_{c}_{p}_{pp}")
+
+    def links(self) -> None:
+        """Links, when some transfer takes time.
+
+        A transfer without time (``dt = 0``) still happens at one instant on its link, which
+        must not fall inside another transfer there (the simulator's semantics); two such
+        instants never conflict.
+        """
+        form, m, u, T = self.form, self.m, self.u, self.T
+        timed = list(range(u.n - 1))
+        pairs = list(itertools.combinations(range(form.n_gpus), 2))
+        for p, pp in pairs:
+            on = [c for c in timed if (c, p, pp) in form.e]
+            if not on:
+                continue
+            win = form.link_window[(p, pp)] = m.continuous(f"lwin_{p}_{pp}", 0, form.upper)
+            m.add(win <= T, f"lwinT_{p}_{pp}")
+            m.add(Expr.sum(2 * u.dt[c] * form.e[(c, p, pp)] for c in on) <= T,
+                  f"linkload_{p}_{pp}")
+            ivs = []
+            for c in on:
+                lit = m.literal(form.e[(c, p, pp)])
+                for kind in ("S", "G"):
+                    tau = form.start[(kind, c)]
+                    m.add(tau >= win, f"lwlo_{kind}{c}_{p}_{pp}", only_if=lit)
+                    m.add(tau + u.dt[c] <= win + T, f"lwhi_{kind}{c}_{p}_{pp}", only_if=lit)
+                    if u.dt[c] > 0:
+                        ivs.append(m.interval(f"liv_{kind}{c}_{p}_{pp}", tau, u.dt[c], lit))
+            m.no_overlap(f"link_{p}_{pp}", ivs, redundant=True)
+        for c, d in itertools.combinations(timed, 2):
+            if u.dt[c] == 0 and u.dt[d] == 0:
+                continue
+            shared = [(p, pp) for p, pp in pairs if (c, p, pp) in form.e and (d, p, pp) in form.e]
+            if not shared:
+                continue
+            zl = form.zl[(c, d)] = m.binary(f"zl_{c}_{d}")
+            for p, pp in shared:
+                m.add(zl >= form.e[(c, p, pp)] + form.e[(d, p, pp)] - 1, f"zl_{c}_{d}_{p}_{pp}")
+        transfers = [(k, c) for c in timed for k in ("S", "G")]
+        for t, v in itertools.combinations(transfers, 2):
+            if u.dt[t[1]] == 0 and u.dt[v[1]] == 0:
+                continue
+            if t[1] == v[1]:
+                same = 1 - form.same(t[1], t[1] + 1)
+                self.cut_pair(t, v, same)
+            elif (t[1], v[1]) in form.zl:
+                self.pair(t, v, form.zl[(t[1], v[1])], form.link_order, "wl")
+
+    def cut_pair(self, t: Task, v: Task, cut: Expr) -> None:
+        """The two transfers of one cut share its link when the cut exists."""
+        m, form = self.m, self.form
+        z = form.same(t[1], t[1] + 1)
+        w = form.link_order[(t, v)] = m.binary(f"wl_{t[0]}{t[1]}_{v[0]}{v[1]}")
+        m.add(w <= cut, f"wlle_{t[0]}{t[1]}_{v[0]}{v[1]}")
+        a, b = form.start[t], form.start[v]
+        dt = self.u.dt[t[1]]
+        m.add(b >= a + dt, f"wla_{t[0]}{t[1]}_{v[0]}", only_if=[m.literal(z, False),
+                                                              m.literal(w)])
+        m.add(a >= b + dt, f"wlb_{t[0]}{t[1]}_{v[0]}", only_if=[m.literal(z, False),
+                                                              m.literal(w, False)])
+
+    # ------------------------------------------------------------ shifts
+    def shifts(self) -> None:
+        form, m, T = self.form, self.m, self.T
+        for k, (x, y) in enumerate(itertools.pairwise(dependency_path(self.u.n))):
+            v1, v2 = m.binary(f"v1_{k}"), m.binary(f"v2_{k}")
+            m.add(v2 <= v1, f"v21_{k}")
+            gap = form.start[y] - form.start[x] - form.duration(x)
+            m.add(gap >= 0, f"dep0_{k}", only_if=m.literal(v1, False))
+            m.add(gap + T >= 0, f"dep1_{k}", only_if=m.literal(v2, False))
+            m.add(gap + 2 * T >= 0, f"dep2_{k}")
+            form.edges.append((x, y, v1, v2))
+
+    # ------------------------------------------------------------ memory
+    def memory_binds(self) -> bool:
+        """Whether any GPU could exceed the memory (else the memory rows are left out)."""
+        u = self.u
+        most = sum(u.w) + sum(u.buf) + sum(x * (2 * len(self.form.edges) + 1) for x in u.x)
+        if self.form.strict:
+            most += 3 * (sum(u.a_in) + sum(u.a_out))
+        return most > self.form.memory
+
+    def memory(self) -> None:
+        form, m, u = self.form, self.m, self.u
+        n, unit = u.n, form.mem_unit
+        cap = form.memory // unit
+        for q in range(n):
+            sigma = form.sigma(q)
+            for r in range(n):
+                if r != q and u.x[q]:
+                    s = form.sig[(r, q)] = m.integer(f"sig_{r}_{q}", 0, 2 * len(form.edges))
+                    m.add(s >= sigma, f"sig_{r}_{q}", only_if=m.literal(form.same(q, r)))
+        direct = self.direct_data()
+        for t in form.tasks:
+            if t[0] == "B" and not form.strict:
+                continue  # stash model: memory only grows when a forward starts
+            q = t[1]
+            static = self.static(q)
+            stash = Expr.sum(u.x[r] // unit * self.alive(r, q, t) for r in range(n) if u.x[r])
+            extra = Expr.of(0)
+            if form.strict:
+                extra = Expr.of((u.a_in[q] + u.a_out[q]) // unit) + self.pending(t, direct)
+            elif u.x[q]:
+                extra = Expr.of(u.x[q] // unit)
+            m.add(static + stash + extra <= cap, f"mem_{t[0]}{q}")
+            if t[0] == "F":  # cut: every lower unit of the GPU stashes this micro-batch
+                low = Expr.sum(u.x[r] // unit * form.same(q, r) for r in range(q) if u.x[r])
+                own = Expr.of((u.a_in[q] + u.a_out[q]) // unit if form.strict
+                              else u.x[q] // unit)
+                m.add(static + low + own <= cap, f"memlow_{q}")
+
+    def buffer_vars(self) -> None:
+        """``buf[q, c]``: the cut after unit ``c`` holds buffers on the GPU of unit ``q``."""
+        form, m, u = self.form, self.m, self.u
+        for q in range(u.n):
+            for c in range(u.n - 1):
+                if u.buf[c]:
+                    b = form.bufv[(q, c)] = m.binary(f"buf_{q}_{c}")
+                    m.add(b >= form.same(q, c) - form.same(q, c + 1), f"bufa_{q}_{c}")
+                    m.add(b >= form.same(q, c + 1) - form.same(q, c), f"bufb_{q}_{c}")
+
+    def static(self, q: int) -> Expr:
+        """Weights and buffers on the GPU of unit ``q`` (in size units)."""
+        form, u, unit = self.form, self.u, self.form.mem_unit
+        return (Expr.sum(u.w[r] // unit * form.same(q, r) for r in range(u.n) if u.w[r])
+                + Expr.sum(u.buf[c] // unit * form.bufv[(q, c)]
+                           for c in range(u.n - 1) if u.buf[c]))
+
+    def alive(self, r: int, q: int, t: Task) -> Expr:
+        """Stashes of unit ``r`` alive when task ``t`` (of unit ``q``) starts, same GPU."""
+        form = self.form
+        held = form.sigma(r) if r == q else form.sig[(q, r)]
+        return held + form.prec(("F", r), t) - form.prec(("B", r), t)
+
+    def direct_data(self) -> list[tuple[Task, Task, int]]:
+        """Outputs consumed on the same GPU (strict model): producer, consumer, size."""
+        u = self.u
+        if not self.form.strict:
+            return []
+        out = []
+        for q in range(u.n - 1):
+            if u.a_out[q]:
+                out.append((("F", q), ("F", q + 1), u.a_out[q]))
+                out.append((("B", q + 1), ("B", q), u.a_out[q]))
+        if u.a_out[u.n - 1]:
+            out.append((("F", u.n - 1), ("B", u.n - 1), u.a_out[u.n - 1]))
+        return out
+
+    def pending(self, t: Task, direct: list[tuple[Task, Task, int]]) -> Expr:
+        """Data produced before ``t`` on its GPU and consumed after it (eq. 6.22)."""
+        form, m = self.form, self.m
+        terms = []
+        for k, (x, y, size) in enumerate(direct):
+            if t in (x, y):
+                continue
+            o = m.binary(f"o_{t[0]}{t[1]}_{k}")
+            m.add(o >= form.prec(x, t) + form.prec(t, y) + form.prec(y, x) - 1,
+                  f"o_{t[0]}{t[1]}_{k}")
+            form.pending[(t, k)] = (o, x, y)
+            terms.append(size // form.mem_unit * o)
+        return Expr.sum(terms)
+
+    # ------------------------------------------------------------ cuts
+    def copy_cuts(self) -> None:
+        """``c_q T >= D_q`` through its secants (module docstring)."""
+        form, m, u = self.form, self.m, self.u
+        for q in range(u.n):
+            if not u.x[q]:
+                continue
+            c = form.copies(q)
+            m.add(c >= 1, f"copies_{q}")
+            d0 = sum(u.load(r) for r in range(q, u.n))
+            kmax = min(MAX_SECANTS, max(1, math.ceil(d0 / max(form.lower, 1e-12))))
+            for k in range(1, kmax + 1):
+                m.add(k * (k + 1) * self.T + d0 * c >= (2 * k + 1) * d0, f"secant_{q}_{k}")
+
+    def fixings(self) -> None:
+        """Pairs that cannot share a GPU and cuts that cannot exist below ``T_hi``."""
+        form, m, u = self.form, self.m, self.u
+        eps = 1e-9 * max(1.0, form.upper)
+        for (q, r), z in form.z.items():
+            if u.load(q) + u.load(r) > form.upper + eps:
+                m.add(z == 0, f"apart_{q}_{r}")
+        for c in range(u.n - 1):
+            if 2 * u.dt[c] > form.upper + eps:
+                m.add(form.same(c, c + 1) == 1, f"nocut_{c}")
+
+
+# ------------------------------------------------------------------ the lifetime relaxation
+def build_relaxation(units: Units, n_gpus: int, memory: int, ticks: int, scale: int, *,
+                     strict: bool = False, gpu: Sequence[int] | None = None
+                     ) -> PipelineFormulation:
+    r"""A relaxation of "some plan has period ``T <= ticks / scale``": allocations only.
+
+    No times: the copies of a stash are bounded by lifetimes instead. In a 1-periodic plan of
+    period ``T`` the stash of unit ``r`` lives ``l_r`` per micro-batch, so when ``F_q``
+    starts on its GPU it holds ``ceil(l_q / T)`` copies of its own stash, at least
+    ``ceil(D(q -> r) / T)`` of every lower unit ``r`` there (micro-batch ``m``'s stash of
+    ``r`` lives at least from ``F_q(m)`` to the end of ``B_r(m)``) and at least
+    ``floor(l_r / T) >= ceil(D_r / T) - 1`` of every higher one (a window of length
+    ``l_r`` holds that many starts), where ``D`` sums the durations on the path, transfers
+    of the cuts included. With integer copy counts ``k``, ``T k >= D`` is linear at a fixed
+    period. The rows: the allocation of :func:`build_pipeline_model` (with its symmetry
+    breaking), GPU and link loads at most the period, those copies, and the memory when each
+    forward starts (``strict``: without the starting forward's own copy, with its input and
+    output). Times are integers on the grid ``1 / scale``, durations rounded down, so that
+    infeasibility at ``ticks`` proves every period ``<= ticks / scale`` impossible. ``gpu``
+    fixes the allocation (GPU label per unit, any labels).
+    """
+    model = Model("pipeline-relaxation")
+    period = model.integer("T_ticks", ticks, ticks)
+    form = PipelineFormulation(units, min(n_gpus, units.n), memory, strict, model, period,
+                               ticks / scale, ticks / scale, _size_unit(units, memory),
+                               fixed_gpu=None if gpu is None else _first_use(gpu))
+    _Relaxation(form, ticks, scale).build()
+    return form
+
+
+class _Relaxation(_Builder):
+    """Rows of :func:`build_relaxation` (times in integer ticks)."""
+
+    def __init__(self, form: PipelineFormulation, ticks: int, scale: int) -> None:
+        super().__init__(form)
+        self.ticks = ticks
+        u = form.units
+        self.f = [math.floor(v * scale + 1e-9) for v in u.f]
+        self.b = [math.floor(v * scale + 1e-9) for v in u.b]
+        self.dt = [math.floor(v * scale + 1e-9) for v in u.dt]
+
+    def build(self) -> None:
+        form, m, u = self.form, self.m, self.u
+        self.allocation()
+        for p in range(form.n_gpus):
+            m.add(Expr.sum((self.f[q] + self.b[q]) * self.xv(q, p) for q in range(u.n))
+                  <= self.ticks, f"load_{p}")
+        if u.comm:
+            self.link_vars()
+            for p, pp in itertools.combinations(range(form.n_gpus), 2):
+                m.add(Expr.sum(2 * self.dt[c] * e for (c, a, b), e in form.e.items()
+                               if (a, b) == (p, pp)) <= self.ticks, f"linkload_{p}_{pp}")
+        self.buffer_vars()
+        self.copies_and_memory()
+
+    def path(self, q: int, r: int) -> Expr:
+        """Ticks from the start of ``F_q`` to the end of ``B_r`` (``r <= q``), cuts as variables."""
+        n = self.u.n
+        total = sum(self.f[q:]) + sum(self.b[r:])
+        moves = [(c, self.dt[c]) for c in range(q, n - 1)] + \
+            [(c, self.dt[c]) for c in range(r, n - 1)]
+        return Expr.of(total) + Expr.sum(d - d * self.form.same(c, c + 1) for c, d in moves)
+
+    def copies_and_memory(self) -> None:
+        form, m, u, unit = self.form, self.m, self.u, self.form.mem_unit
+        n, cap = u.n, form.memory // unit
+        # copies are only bounded by memory: waits make lifetimes longer than the work on
+        # the path (a micro-batch waits less than a period at each of its 4n - 2 tasks)
+        work = sum(self.f) + sum(self.b) + 2 * sum(self.dt)
+        most = [4 * n + 2 - (-work // max(self.ticks, 1))] * n
+        own = [m.integer(f"k_{q}", 1, most[q]) for q in range(n)]
+        for q in range(n):
+            m.add(self.ticks * own[q] >= self.path(q, q), f"own_{q}")
+        self.chain(own, most)
+        for q in range(n):
+            terms = []
+            for r in range(n):
+                if not u.x[r]:
+                    continue
+                if r == q:
+                    terms.append(u.x[q] // unit * (own[q] - 1 if form.strict else own[q]))
+                    continue
+                k = m.integer(f"k_{q}_{r}", 0, most[r])
+                lit = m.literal(form.same(q, r))
+                m.add(k >= own[r] - 1, f"floor_{q}_{r}", only_if=lit)
+                if r < q:
+                    m.add(self.ticks * k >= self.path(q, r), f"low_{q}_{r}", only_if=lit)
+                terms.append(u.x[r] // unit * k)
+            extra = (u.a_in[q] + u.a_out[q]) // unit if form.strict else 0
+            m.add(self.static(q) + Expr.sum(terms) + extra <= cap, f"mem_{q}")
+
+    def chain(self, own: list[Expr], most: list[int]) -> None:
+        """Copies along the chain of units and links: ``(c_a - c_b + 1) T >= D(a..b)``.
+
+        A unit's forward and backward share its GPU's window (a cut's two transfers share
+        its link's), so a stash held ``c`` times lives at least ``(c - 1) T`` plus the
+        unit's load; the stash of an earlier unit or link ``a`` outlives the one of ``b``
+        by the path between them: ``c_a T >= l_a >= l_b + ... >= (c_b - 1) T + D(a..b)``,
+        with ``D(a..b)`` the loads from ``a`` to ``b`` inclusive (links only where cut).
+        """
+        form, m, u = self.form, self.m, self.u
+        stages: list[tuple[str, int, Expr]] = []
+        for q in range(u.n):
+            stages.append(("unit", q, own[q]))
+            if q < u.n - 1 and self.dt[q] > 0:
+                k = m.integer(f"kl_{q}", 1, most[q])
+                stages.append(("link", q, k))
+        for (ka, a, ca), (kb, b, cb) in itertools.combinations(stages, 2):
+            first = a + 1 if ka == "link" else a  # units first..b, cuts first..b-1 inside
+            load = Expr.of(sum(self.f[s] + self.b[s] for s in range(first, b + 1))
+                           + sum(2 * self.dt[c] for kind, c in ((ka, a), (kb, b))
+                                 if kind == "link"))
+            load += Expr.sum(2 * self.dt[c] * (1 - form.same(c, c + 1))
+                             for c in range(first, b) if self.dt[c])
+            lits = [m.literal(form.same(c, c + 1), False)
+                    for kind, c in ((ka, a), (kb, b)) if kind == "link"]
+            m.add(self.ticks * (ca - cb + 1) >= load, f"chain_{ka}{a}_{kb}{b}", only_if=lits)

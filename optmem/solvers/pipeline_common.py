@@ -1,0 +1,266 @@
+"""What every pipeline method shares: bounds, the replayed result, and one exact-model run.
+
+:mod:`optmem.solvers.pipeline` (registration, contiguous and baseline methods),
+:mod:`optmem.solvers.pipeline_exact` (``ilp``, ``cpsat``) and
+:mod:`optmem.solvers.pipeline_madpipe` (``madpipe``) import this module and nothing of each
+other but in that order (registration -> exact -> MadPipe -> here), so there is no import
+circle.
+
+Exactness in the original units
+--------------------------------
+A result is ``optimal`` when its plan, replayed by the simulator, has a period within
+:data:`OPTIMALITY_TOLERANCE` (relative) of a lower bound proven in the chain's own time
+unit. The bound of an engine is made valid in those units here: HiGHS/CBC/Gurobi report it
+in floats (valid up to their feasibility tolerance, about 1e-9 relative here); CP-SAT works
+on a time grid of ``1 / scale`` (:meth:`~optmem.models.pipeline.PipelineFormulation.time_scale`:
+exact for the durations, at most 1e-7 of the load bound) on which the optimal period may
+only be approached from above, so its bound is lowered by one grid step (and, should the
+durations not be exact on the grid, by the largest rounding along any cycle of the model).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from optmem.engines import adapters as engines
+from optmem.errors import PlanError
+from optmem.models.formulation import Kind, to_cpsat, to_pulp
+from optmem.models.pipeline import (
+    PipelineFormulation,
+    Units,
+    build_pipeline_model,
+    load_bound,
+    make_units,
+)
+from optmem.pipeline_plan import PipelinePlan
+from optmem.problems.pipeline import PipelineProblem
+from optmem.result import Result, SolveOptions, Status
+from optmem.simulate.pipeline import simulate_pipeline
+
+PROBLEM = "pipeline"
+OPTIMALITY_TOLERANCE = 1e-6
+"""Relative gap below which a plan counts as proven optimal (the simulator's time tolerance)."""
+
+
+def lower_bound(problem: PipelineProblem) -> float:
+    """Total work over the GPUs, and the heaviest layer: no period can be smaller."""
+    lay = problem.layers
+    return max(lay.load(1, lay.n) / problem.n_gpus,
+               max(lay.load(q, q) for q in range(1, lay.n + 1)))
+
+
+def plan_result(
+    problem: PipelineProblem, plan: PipelinePlan, *, method: str, status: Status,
+    bound: float, claimed: float | None = None, variant: str | None = None,
+    solver: str | None = None, report: dict[str, Any] | None = None,
+) -> Result:
+    """Replay ``plan`` and build the result from the simulation (``error`` if it is invalid).
+
+    ``bound`` is kept as given (a proven lower bound in the chain's units, or ``nan``); an
+    ``optimal`` status without a bound gets the simulated period as its bound.
+    """
+    info = dict(report or {})
+    try:
+        sim = simulate_pipeline(problem, plan)
+    except PlanError as exc:
+        info["error"] = f"invalid plan: {exc}"
+        return Result(PROBLEM, method, Status.ERROR, memory_limit=problem.memory_per_gpu,
+                      variant=variant, solver=solver, report=info)
+    info.update({"peaks": list(sim.peaks), "nca": list(sim.nca),
+                 "allocation": plan.describe(), "stages": len(plan.stages)})
+    if status is Status.OPTIMAL and not math.isfinite(bound):
+        bound = sim.period
+    out = Result(PROBLEM, method, status, objective=sim.period, bound=bound,
+                 plan=plan.to_strings(), peak_memory=sim.peak_memory,
+                 memory_limit=problem.memory_per_gpu, variant=variant, solver=solver,
+                 report=info)
+    if claimed is not None and not math.isclose(claimed, sim.period, rel_tol=1e-6,
+                                                abs_tol=1e-9):
+        info["error"] = f"claimed period {claimed} but the plan's period is {sim.period}"
+        return out.with_(status=Status.ERROR)
+    if sim.peak_memory > problem.memory_per_gpu:
+        info["error"] = (f"plan peaks at {sim.peak_memory}, above the memory per GPU "
+                         f"{problem.memory_per_gpu}")
+        return out.with_(status=Status.ERROR)
+    return out
+
+
+def infeasible(problem: PipelineProblem, method: str, reason: str, *,
+               proven: bool = True, report: dict[str, Any] | None = None) -> Result:
+    """``infeasible`` (proven for the method's class) or ``no_solution``."""
+    info = dict(report or {})
+    info["hint"] = reason
+    return Result(PROBLEM, method, Status.INFEASIBLE if proven else Status.NO_SOLUTION,
+                  bound=math.inf if proven else math.nan,
+                  memory_limit=problem.memory_per_gpu, report=info)
+
+
+def fits(problem: PipelineProblem, plan: PipelinePlan) -> bool:
+    """Whether ``plan`` replays without error within the memory per GPU."""
+    try:
+        return simulate_pipeline(problem, plan).peak_memory <= problem.memory_per_gpu
+    except PlanError:
+        return False
+
+
+def proven(objective: float, bound: float) -> bool:
+    """Whether ``bound`` proves ``objective`` optimal (:data:`OPTIMALITY_TOLERANCE`)."""
+    return math.isfinite(bound) and objective <= bound + OPTIMALITY_TOLERANCE * max(
+        abs(objective), 1e-12)
+
+
+# ------------------------------------------------------------------ one exact-model run
+@dataclass
+class ModelRun:
+    """Outcome of one build-solve-decode of the exact model.
+
+    ``status`` is the engine's; ``plan`` the decoded plan (``None`` without one); ``bound``
+    a proven lower bound on the model's optimum in the chain's units (``nan`` unknown,
+    ``inf`` when the engine proved the model infeasible); ``step`` the time grid of the
+    engine (CP-SAT: ``1 / scale``, a cutoff holds up to it; 0 for the MILP engines);
+    ``engine`` the engine's own outcome (``engine.failed``: the engine crashed, ``status``
+    is ``error``; hand it to :func:`~optmem.engines.results.engine_failure`).
+    """
+
+    status: Status
+    plan: PipelinePlan | None
+    bound: float
+    report: dict[str, Any] = field(default_factory=dict)
+    step: float = 0.0
+    engine: engines.EngineResult | None = None
+
+    @property
+    def failed(self) -> bool:
+        """Whether the engine failed (see :attr:`EngineResult.failed`)."""
+        return self.engine is not None and self.engine.failed
+
+
+def run_model(
+    problem: PipelineProblem, method: str, options: SolveOptions, *,
+    units: Units | None = None, gpu: list[int] | None = None,
+    upper_bound: float | None = None, warm: PipelinePlan | None = None, lower: float = 0.0,
+) -> ModelRun:
+    """Build the model of ``units`` (default: the layers), solve it with ``method``.
+
+    ``method``: ``"ilp"`` (PuLP, engine ``options.solver``) or ``"cpsat"``. ``warm``: a plan
+    given to the engine as a starting solution (when the model can represent it);
+    ``upper_bound``: a cutoff on the period (a valid plan's period); ``lower``: a proven
+    lower bound on it. The engine gets the limits of ``options`` as they are
+    (:func:`~optmem.engines.adapters.pulp_settings`,
+    :func:`~optmem.engines.adapters.cpsat_settings`:
+    ``time_limit_s``, ``node_limit``, ``deterministic_time``, ``seed``; ``None``: none).
+    """
+    units = units if units is not None else make_units(problem)
+    form = build_pipeline_model(units, problem.n_gpus, problem.memory_per_gpu,
+                                strict=problem.memory_model == "strict", gpu=gpu,
+                                upper_bound=upper_bound,
+                                lower_bound=max(lower, lower_bound(problem))
+                                if gpu is None else lower)
+    values = form.encode(warm) if warm is not None and options.warm_start else None
+    report: dict[str, Any] = {"model_size": form.model.size,
+                              "warm_start": "none" if warm is None or not options.warm_start
+                              else "plan" if values is not None else "not representable"}
+    if method == "ilp":
+        run = _run_pulp(form, options, values)
+    else:
+        run = _run_cpsat(form, options, values)
+    run.report = {**report, **run.report}
+    return run
+
+
+def _run_pulp(form: PipelineFormulation, options: SolveOptions, values: list[float] | None
+              ) -> ModelRun:
+    pm = to_pulp(form.model)
+    res = engines.solve_pulp(pm.problem, pm.all_variables, options.solver,
+                             initial=pm.initial(values), **engines.pulp_settings(options))
+    report: dict[str, Any] = res.report()
+    if res.failed:
+        return ModelRun(Status.ERROR, None, math.nan, report, engine=res)
+    nodes = _highs_nodes(pm.problem) if options.solver == "highs" else None
+    if nodes is not None:
+        report["nodes"] = nodes
+    bound = res.bound if math.isfinite(res.bound) else math.nan
+    if res.status is Status.INFEASIBLE:
+        return ModelRun(res.status, None, math.inf, report, engine=res)
+    if not res.status.has_plan or res.values is None:
+        return ModelRun(res.status, None, bound, report, engine=res)
+    exact = _polish(pm, form, res.values, options) or res.values
+    plan = form.decode(exact[:len(form.model.vars)])
+    return ModelRun(res.status, plan, bound, report, engine=res)
+
+
+def _highs_nodes(problem: Any) -> int | None:
+    """Branch-and-bound nodes of the last HiGHS solve of ``problem`` (None if unknown)."""
+    try:
+        return int(problem.solverModel.getInfo().mip_node_count)
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def _polish(pm: Any, form: PipelineFormulation, values: list[float], options: SolveOptions
+            ) -> list[float] | None:
+    """Re-solve the LP with every integer variable fixed to its rounded value.
+
+    MIP engines accept integers within a tolerance, which the big-M rows multiply into time
+    errors of about ``1e-6 K``: enough to move a task by a period in the decoder. With the
+    integers fixed the LP's vertex is exact up to the LP tolerance. The LP is small: no limit.
+    """
+    import pulp  # type: ignore[import-untyped]
+
+    saved = []
+    for v, x in zip(pm.all_variables, values, strict=True):
+        if v.cat == pulp.LpInteger:
+            saved.append((v, v.lowBound, v.upBound))
+            v.cat = pulp.LpContinuous
+            v.lowBound = v.upBound = round(x)
+    try:
+        res = engines.solve_pulp(pm.problem, pm.all_variables, options.solver,
+                                 threads=options.threads, seed=options.seed)
+        return res.values if res.status is Status.OPTIMAL else None
+    finally:
+        for v, lo, hi in saved:
+            v.cat = pulp.LpInteger
+            v.lowBound, v.upBound = lo, hi
+
+
+def _run_cpsat(form: PipelineFormulation, options: SolveOptions, values: list[float] | None
+               ) -> ModelRun:
+    scale, exact_data = form.time_scale()
+    cm = to_cpsat(form.model, scale)
+    res = engines.solve_cpsat(cm.cp, cm.variables, hint=cm.hint(values),
+                              **engines.cpsat_settings(options))
+    # one grid step: the true optimum may lie between two grid points; when the data were
+    # rounded, also the largest rounding along any cycle of the model's time rows
+    steps = 1.0 if cm.exact else 1.0 + _cycle_terms(form) * cm.max_rounding
+    report: dict[str, Any] = {**res.report(), "time_scale": scale,
+                              "time_grid_exact": bool(cm.exact and exact_data),
+                              "bound_correction": steps / scale}
+    step = steps / scale
+    if res.failed:
+        return ModelRun(Status.ERROR, None, math.nan, report, step, engine=res)
+    if res.status is Status.INFEASIBLE:
+        if not cm.exact:
+            report["note"] = "times rounded for CP-SAT: infeasibility not proven"
+            return ModelRun(Status.NO_SOLUTION, None, math.nan, report, step, engine=res)
+        return ModelRun(res.status, None, math.inf, report, step, engine=res)
+    bound = (res.bound - steps) / scale if math.isfinite(res.bound) else math.nan
+    if not res.status.has_plan or res.values is None:
+        return ModelRun(res.status, None, bound, report, step, engine=res)
+    plan = form.decode(cm.values(res.values))
+    return ModelRun(res.status, plan, bound, report, step, engine=res)
+
+
+def _cycle_terms(form: PipelineFormulation) -> int:
+    """Most duration terms on a cycle of the time rows (one per time variable)."""
+    return sum(1 for v in form.model.vars if v.kind is Kind.CONTINUOUS)
+
+
+def scaled(problem: PipelineProblem, factor: float) -> PipelineProblem:
+    """``problem`` with its memory per GPU multiplied by ``factor`` (rounded down)."""
+    return replace(problem, memory_per_gpu=int(problem.memory_per_gpu * factor))
+
+
+__all__ = ["OPTIMALITY_TOLERANCE", "PROBLEM", "ModelRun", "fits", "infeasible", "load_bound",
+           "lower_bound", "plan_result", "proven", "run_model", "scaled"]
