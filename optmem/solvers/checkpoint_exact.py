@@ -167,7 +167,7 @@ def solve_checkpoint_ilp(problem: CheckpointProblem, options: SolveOptions) -> R
     model = emit_pulp(form)
     out = engines.solve_pulp(model.problem, model.variables, options.solver,
                              time_limit_s=options.time_limit_s, threads=options.threads,
-                             initial=start.values, verbose=options.verbose)
+                             initial=model.initial(start.values), verbose=options.verbose)
     report.update(engine_status=out.message, engine_time_s=round(out.time_s, 4))
     return _finish(problem, options, disc, form, start, method="ilp", variant=variant,
                    status=out.status, values=out.values, bound=out.bound, solver=out.engine,
@@ -193,7 +193,7 @@ def solve_checkpoint_cpsat(problem: CheckpointProblem, options: SolveOptions) ->
     model = emit_cpsat(form)
     report["time_scale"] = model.scale
     out = engines.solve_cpsat(model.model, model.variables, time_limit_s=options.time_limit_s,
-                              threads=options.threads, hint=start.values,
+                              threads=options.threads, hint=model.hint(start.values),
                               verbose=options.verbose)
     report.update(engine_status=out.message, engine_time_s=round(out.time_s, 4))
     status = out.status
