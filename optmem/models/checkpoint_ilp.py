@@ -58,7 +58,10 @@ instead of ``abar^j``), a valid plan of the same makespan whose memory is never 
 (``F j+1``, which accepts either form) are unchanged, ``F j`` stays forbidden while ``a^j``
 is stored as it was while ``abar^j`` was (pinning), ``B j+1`` comes after ``F_none j+1``
 (phases below ``j+1`` offer no stage ``j+1``), and ``B j`` used a later tape anyway. So
-``F_none`` consumes only ``a^{j-1}`` and the optimum is unchanged. Consequences used below:
+``F_none`` consumes only ``a^{j-1}`` and the optimum is unchanged. (These reductions are on by
+default; ``build_formulation(..., reductions=False)`` drops them -- ``F_none j`` may then consume
+``abar^{j-1}`` through a variable ``zT`` and ``F_all j`` may run more than once -- for
+:mod:`optmem.models.remat_offload`, whose values may leave the GPU.) Consequences used below:
 ``abar^j`` is stored from its ``F_all j`` to ``B j``, during which ``F j`` cannot run (no
 duplicates), and no stage ``j`` runs after ``B j``; hence **``F_all j`` runs exactly once**.
 
@@ -133,7 +136,7 @@ from typing import Any
 
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError
-from optmem.models.formulation import Expr, Model, PulpModel, Relation, to_pulp
+from optmem.models.formulation import Constraint, Expr, Model, PulpModel, Relation, to_pulp
 from optmem.plan import LOSS, B, F_all, F_ck, F_none, Op, OpKind
 
 VARIANTS = ("full", "persistent")
@@ -171,6 +174,16 @@ class Formulation:
     size_scale
         Sizes of the model are the chain's divided by this (min-peak mode on byte-sized
         chains: MILP engines mishandle coefficients of ~1e9).
+    reductions
+        Whether the tape rule (tapes consumed by ``B`` only) and ``F_all j`` once are in the
+        model (see the module docstring; :func:`build_formulation`).
+    states
+        For models that extend this one (:mod:`optmem.models.remat_offload`): the state
+        ``(A, T)`` (value index -> expression of ``A[i]`` / ``T[i]``) before each item of
+        ``sequence``, and once more after the last one.
+    memory_rows
+        The memory expression (before the ``<= M`` bound) of each item of ``sequence``, with
+        its row name, in the same order.
     """
 
     model: Model
@@ -182,12 +195,20 @@ class Formulation:
     derivations: list[Rule] = field(default_factory=list)
     peak_var: int | None = None
     size_scale: float = 1.0
+    reductions: bool = True
+    states: list[tuple[dict[int, Expr], dict[int, Expr]]] = field(default_factory=list)
+    memory_rows: list[tuple[str, Expr]] = field(default_factory=list)
 
     # ------------------------------------------------------------------ views of the model
     @property
     def names(self) -> list[str]:
         """Variable names, in model order."""
         return [v.name for v in self.model.vars]
+
+    @property
+    def constraints(self) -> list[Constraint]:
+        """The rows of the model (name, terms, bounds)."""
+        return self.model.constraints
 
     @property
     def objective(self) -> dict[int, float]:
@@ -305,12 +326,12 @@ class _Builder:
     """Builds the phase-indexed model slot by slot (see the module docstring)."""
 
     def __init__(self, chain: Chain, memory_limit: int | None, variant: str, sweeps: int,
-                 size_scale: float) -> None:
+                 size_scale: float, reductions: bool) -> None:
         self.L = L = chain.length
         self.ar = _Arrays.of_chain(chain, size_scale)
         self.m = Model("optmem_checkpoint")
         self.f = Formulation(self.m, L, -1 if memory_limit is None else memory_limit,
-                             variant, sweeps, size_scale=size_scale)
+                             variant, sweeps, size_scale=size_scale, reductions=reductions)
         self.limit = memory_limit
         self.persistent = variant == "persistent"
         self.peak: Expr | None = None
@@ -330,6 +351,7 @@ class _Builder:
     # ------------------------------------------------------------------ helpers
     def fits(self, name: str, expr: Expr) -> None:
         """``expr <= M``, or ``expr <= peak`` in min-peak mode."""
+        self.f.memory_rows.append((name, expr))
         if self.peak is None:
             _add(self.m, name, expr, hi=self.limit)
         else:
@@ -364,6 +386,7 @@ class _Builder:
             kinds.append(OpKind.F_NONE)
         op = {kind: m.binary(f"{kind.value}_{tag}") for kind in kinds}
         idx = {kind: Model.index(x) for kind, x in op.items()}
+        self.f.states.append((dict(self.A), dict(self.T)))
         self.f.sequence.append(Slot(k, r, j, tuple(idx.items())))
         self.objective.extend((i, float(ar.uf[j])) for i in idx.values())
         self.f_all[j].append(idx[OpKind.F_ALL])
@@ -399,15 +422,30 @@ class _Builder:
         K[j - 1] = kv
 
     def consume(self, tag: str, j: int, fn: Expr) -> None:
-        """``F_none j`` consumes ``a^{j-1}`` (tapes are consumed by ``B`` only)."""
-        m, A = self.m, self.A
+        """``F_none j`` consumes ``a^{j-1}`` (without the reductions: or ``abar^{j-1}``).
+
+        The persistent variant never consumes a tape (a read value stays until ``B``).
+        """
+        m, A, T = self.m, self.A, self.T
         za = m.binary(f"zA_{tag}")
         _add(m, f"zA_{tag}", za - A[j - 1], hi=0)
-        _add(m, f"zsum_{tag}", za - fn, lo=0, hi=0)
-        prev = A[j - 1].terms
-        self.f.derivations.append(("and", Model.index(za), Model.index(fn), prev[0][0])
-                                  if prev else ("lin", Model.index(za), [], 0))
+        self.f.derivations.append(self._and(za, fn, A[j - 1]))
+        if self.f.reductions or self.persistent:
+            _add(m, f"zsum_{tag}", za - fn, lo=0, hi=0)
+        else:
+            zt = m.binary(f"zT_{tag}")
+            _add(m, f"zT_{tag}", zt - T[j - 1], hi=0)
+            _add(m, f"zsum_{tag}", za + zt - fn, lo=0, hi=0)
+            self.f.derivations.append(self._and(zt, fn, T[j - 1]))
+            T[j - 1] = self.fresh(f"T{j - 1}_{tag}", T[j - 1] - zt)
         A[j - 1] = self.fresh(f"A{j - 1}_{tag}", A[j - 1] - za)
+
+    @staticmethod
+    def _and(target: Expr, fn: Expr, state: Expr) -> Rule:
+        """Derivation of ``target = fn AND state`` (0 when the state is a constant 0)."""
+        if not state.terms:
+            return ("lin", Model.index(target), [], 0)
+        return ("and", Model.index(target), Model.index(fn), state.terms[0][0])
 
     def loss(self) -> None:
         """``Loss``: reads ``a^L`` (or its tape), frees ``a^L``."""
@@ -434,12 +472,15 @@ class _Builder:
             for r in range(1, self.f.sweeps + 1):
                 for j in range(1, last + 1):
                     self.slot(k, r, j)
+            self.f.states.append((dict(self.A), dict(self.T)))
             if k == L + 1:
                 self.loss()
             else:
                 self.backward(k)
-        for j, ops in self.f_all.items():
-            _add(self.m, f"once_{j}", Expr.sum(self.m_var(i) for i in ops), lo=1, hi=1)
+        self.f.states.append((dict(self.A), dict(self.T)))
+        if self.f.reductions:
+            for j, ops in self.f_all.items():
+                _add(self.m, f"once_{j}", Expr.sum(self.m_var(i) for i in ops), lo=1, hi=1)
         if self.peak is not None:
             self.m.minimize(self.peak)
         else:
@@ -453,7 +494,8 @@ class _Builder:
 
 
 def build_formulation(chain: Chain, memory_limit: int | None, variant: str = "full",
-                      sweeps: int = 1, *, size_scale: float = 1.0) -> Formulation:
+                      sweeps: int = 1, *, size_scale: float = 1.0,
+                      reductions: bool = True) -> Formulation:
     """Build the neutral model of ``chain`` (integer sizes) under ``memory_limit``.
 
     Parameters
@@ -472,6 +514,13 @@ def build_formulation(chain: Chain, memory_limit: int | None, variant: str = "fu
         byte-sized chain have small coefficients (MILP engines mishandle coefficients of
         ~1e9); the peak variable is then continuous and the true peak is the decoded plan's,
         replayed by the simulator.
+    reductions
+        Add the tape rule (``F_none`` consumes ``a^{j-1}`` only) and ``F_all j`` once
+        (default; exact for checkpointing by RR-9302 Lemma 4, see the module docstring).
+        ``False`` lets ``F_none j`` consume the tape ``abar^{j-1}`` too (variables ``zT``)
+        and ``F_all j`` run any number of times: the model that
+        :mod:`optmem.models.remat_offload` extends, where a value may leave the GPU and the
+        argument does not carry over as it stands.
     """
     if size_scale != 1 and memory_limit is not None:
         raise ValueError("size_scale is for the min-peak mode (memory_limit=None) only")
@@ -480,7 +529,7 @@ def build_formulation(chain: Chain, memory_limit: int | None, variant: str = "fu
                                f"(expected one of {', '.join(VARIANTS)})", field="variant")
     if sweeps < 1:
         raise OptmemInputError(f"expected at least one sweep, got {sweeps}", field="sweeps")
-    return _Builder(chain, memory_limit, variant, sweeps, size_scale).build()
+    return _Builder(chain, memory_limit, variant, sweeps, size_scale, reductions).build()
 
 
 # ------------------------------------------------------------------ PuLP emission
