@@ -1,45 +1,71 @@
-"""Exact remat + offload optima (CP-SAT model, brute force) against the DP and pure optima."""
+"""The exact remat + offload model (``ilp``, ``cpsat``) against brute force, the pure optima
+and the DP; HiGHS and CP-SAT emitters of the one model against each other."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from optmem.chain import Chain
+from optmem.datasets.synthetic import random_chain
+from optmem.models.formulation import to_cpsat
+from optmem.models.remat_offload import build_remat_offload
 from optmem.problems.checkpoint import CheckpointProblem
 from optmem.problems.offload import OffloadProblem
 from optmem.problems.remat_offload import RematOffloadProblem, verify_plan
 from optmem.result import SolveOptions, Status
+from optmem.simulate.offload import simulate_offload
+from optmem.solvers import engines
+from optmem.solvers.engines import EngineResult
 from optmem.solvers.facade import solve
 
 pytest.importorskip("ortools", reason="the exact remat-offload model uses OR-Tools CP-SAT")
 
 EXAMPLE = Chain.from_lists([2, 2, 2], [4, 4, 4], [2, 2, 2], [4, 4, 4], input_size=2)
+# threads as the default: HiGHS keeps one global thread pool per process, and a solve
+# with another thread count after it fails (kNotset)
 OPTS = SolveOptions(slots=64)
+METHODS = ("cpsat", "ilp")
 
 
+def _check(problem: RematOffloadProblem, res, opts: SolveOptions = OPTS) -> None:
+    """The plan replays to the reported objective; an optimal one to the model's value."""
+    assert res.status is not Status.ERROR, res.report.get("error")
+    if not res.status.has_plan:
+        return
+    assert verify_plan(problem, list(res.plan), opts)["objective"] == \
+        pytest.approx(res.objective)
+    if res.status is Status.OPTIMAL and "model_objective" in res.report:
+        assert res.report["model_objective"] == pytest.approx(res.objective, abs=1e-5)
+        assert res.bound == pytest.approx(res.objective)
+
+
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize(("limit", "beta", "expected"), [
     (10, 0.5, 32), (10, 1.0, 26), (10, 2.0, 24), (12, 1.0, 22), (12, 2.0, 21), (14, 1.0, 20),
 ])
-def test_example_exact(limit: int, beta: float, expected: float) -> None:
-    problem = RematOffloadProblem(EXAMPLE, limit, beta)
-    exact = solve(problem, "cpsat", options=OPTS)
-    assert exact.status is Status.OPTIMAL
+def test_example_exact(method: str, limit: int, beta: float, expected: float) -> None:
+    problem = RematOffloadProblem(EXAMPLE, limit, chain_bandwidth=beta)
+    exact = solve(problem, method, options=OPTS)
+    assert exact.status is Status.OPTIMAL, exact.report
     assert exact.objective == pytest.approx(expected)
-    assert verify_plan(problem, list(exact.plan), OPTS)["objective"] == pytest.approx(expected)
+    _check(problem, exact)
     dp = solve(problem, "dp", options=OPTS)
     assert exact.objective <= dp.objective + 1e-9
 
 
-def test_example_exact_infeasible() -> None:
-    assert solve(RematOffloadProblem(EXAMPLE, 8, 1.0), "cpsat",
+@pytest.mark.parametrize("method", METHODS)
+def test_example_exact_infeasible(method: str) -> None:
+    assert solve(RematOffloadProblem(EXAMPLE, 8, chain_bandwidth=1.0), method,
                  options=OPTS).status is Status.INFEASIBLE
 
 
 @st.composite
-def tiny(draw: st.DrawFn) -> Chain:
-    n = draw(st.integers(1, 2))
+def tiny(draw: st.DrawFn, max_length: int = 2) -> Chain:
+    n = draw(st.integers(1, max_length))
     out = draw(st.lists(st.integers(1, 4), min_size=n, max_size=n))
     extra = draw(st.lists(st.integers(0, 3), min_size=n, max_size=n))
     return Chain.from_lists(
@@ -51,21 +77,21 @@ def tiny(draw: st.DrawFn) -> Chain:
         loss_bwd_time=draw(st.integers(0, 2)))
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=30, deadline=None, derandomize=True)
 @given(chain=tiny(), limit=st.integers(3, 22), beta=st.sampled_from([0.5, 1.0, 3.0]))
 def test_exact_equals_brute_and_bounds(chain: Chain, limit: int, beta: float) -> None:
-    problem = RematOffloadProblem(chain, limit, beta)
+    problem = RematOffloadProblem(chain, limit, chain_bandwidth=beta)
     exact = solve(problem, "cpsat", options=OPTS)
     brute = solve(problem, "brute", options=OPTS)
-    assert exact.status is not Status.ERROR and brute.status is not Status.ERROR
+    _check(problem, exact)
+    assert brute.status is not Status.ERROR
     assert exact.status.has_plan == brute.status.has_plan
     if not exact.status.has_plan:
         for name in ("dp", "remat_only", "offload_only", "autocapper"):
             assert not solve(problem, name, options=OPTS).status.has_plan, name
         return
+    assert exact.status is Status.OPTIMAL
     assert exact.objective == pytest.approx(brute.objective)
-    assert verify_plan(problem, list(exact.plan), OPTS)["objective"] == \
-        pytest.approx(exact.objective)
     # exact <= every heuristic plan (they live in the same simulator's plan space)
     for name in ("dp", "remat_only", "offload_only", "opportunist", "autocapper"):
         res = solve(problem, name, options=OPTS)
@@ -75,6 +101,190 @@ def test_exact_equals_brute_and_bounds(chain: Chain, limit: int, beta: float) ->
     ckpt = solve(CheckpointProblem(chain, limit), "brute", options=OPTS)
     if ckpt.status.has_plan:
         assert exact.objective <= ckpt.objective + 1e-9
-    off = solve(OffloadProblem(chain, limit, beta), "brute", options=OPTS)
+    off = solve(OffloadProblem(chain, limit, chain_bandwidth=beta), "brute", options=OPTS)
     if off.status.has_plan:
         assert exact.objective <= off.objective + 1e-9
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(chain=tiny(max_length=3), limit=st.integers(4, 24),
+       beta=st.sampled_from([0.25, 1.0, 2.0, 5.0]))
+def test_highs_and_cpsat_emitters_agree(chain: Chain, limit: int, beta: float) -> None:
+    problem = RematOffloadProblem(chain, limit, chain_bandwidth=beta)
+    ilp = solve(problem, "ilp", options=OPTS)
+    cpsat = solve(problem, "cpsat", options=OPTS)
+    _check(problem, ilp)
+    _check(problem, cpsat)
+    assert ilp.status is cpsat.status
+    if ilp.status.has_plan:
+        assert ilp.objective == pytest.approx(cpsat.objective, abs=1e-6)
+
+
+def _limits(chain: Chain) -> list[int]:
+    from optmem.simulate.checkpoint import simulate_checkpoint
+    from optmem.solvers.checkpoint_baselines import store_all_plan
+    from optmem.solvers.checkpoint_dp import min_memory_persistent
+
+    lo = min_memory_persistent(chain)
+    hi = simulate_checkpoint(chain, store_all_plan(chain.length)).peak_memory
+    return sorted({lo, (2 * lo + hi) // 3, (lo + 2 * hi) // 3})
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("beta", [0.0, 1e-4])
+def test_useless_link_equals_checkpoint_optimum(seed: int, beta: float) -> None:
+    chain = random_chain(3 + seed % 2, seed=seed, max_size=6)
+    for limit in _limits(chain):
+        ckpt = solve(CheckpointProblem(chain, limit), "ilp", options=OPTS)
+        assert ckpt.status is Status.OPTIMAL
+        problem = RematOffloadProblem(chain, limit, chain_bandwidth=beta)
+        for method in METHODS:
+            res = solve(problem, method, options=OPTS)
+            _check(problem, res)
+            assert res.status is Status.OPTIMAL, (method, limit)
+            assert res.objective == pytest.approx(ckpt.objective), (method, limit)
+
+
+def _working_set(chain: Chain) -> int:
+    """The largest memory any op of the store-all sequence needs beside the values it
+    does not read, plus room for one value being prefetched."""
+    a = [chain.input_size, *chain.output_size]
+    ab = [chain.input_size, *chain.saved_size]
+    need = []
+    for i in range(1, chain.length + 1):
+        need.append(ab[i - 1] + ab[i] + chain.fwd_overhead[i - 1])
+        need.append(ab[i - 1] + ab[i] + a[i] + a[i - 1] + chain.bwd_overhead[i - 1])
+    need.append(ab[chain.length] + a[chain.length] + chain.loss_bwd_overhead)
+    return max(need) + max(ab)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_free_link_reaches_the_compute_time(seed: int) -> None:
+    chain = random_chain(3, seed=seed, max_size=6)
+    limit = _working_set(chain)
+    problem = RematOffloadProblem(chain, limit, chain_bandwidth=1e5)
+    for method in METHODS:
+        res = solve(problem, method, options=OPTS)
+        _check(problem, res)
+        assert res.status is Status.OPTIMAL
+        # every transfer takes at most 1e-4: only they may delay the compute stream
+        assert chain.total_compute_time() <= res.objective <= chain.total_compute_time() + 1e-3
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_never_worse_than_dp_and_pure_methods(seed: int) -> None:
+    chain = random_chain(4, seed=10 + seed, max_size=6)
+    for limit in _limits(chain)[:2]:
+        problem = RematOffloadProblem(chain, limit, chain_bandwidth=1.0)
+        exact = solve(problem, "cpsat", options=OPTS)
+        _check(problem, exact)
+        assert exact.status is Status.OPTIMAL
+        for name in ("dp", "remat_only", "offload_only"):
+            other = solve(problem, name, options=OPTS)
+            if other.status.has_plan:
+                assert exact.objective <= other.objective + 1e-9, name
+        ckpt = solve(CheckpointProblem(chain, limit), "ilp", options=OPTS)
+        assert exact.objective <= ckpt.objective + 1e-9
+
+
+def test_model_decodes_what_it_claims() -> None:
+    """Any solution of the model (not only optimal ones) replays no slower than claimed."""
+    chain = random_chain(3, seed=7, max_size=6)
+    limit = _limits(chain)[0]
+    built = build_remat_offload(chain, limit, 1.0)
+    cp = to_cpsat(built.model)
+    out = engines.solve_cpsat(cp.cp, cp.variables)
+    assert out.status is Status.OPTIMAL
+    values = cp.values(out.values)
+    assert not built.model.violated(values)
+    sim = simulate_offload(chain, built.decode(values), 1.0, limit)
+    assert sim.makespan <= values[built.objective_var] + 1e-9
+    assert sim.peak_memory <= limit
+
+
+def test_stopped_engine_returns_the_warm_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    def stopped(*args: object, **kwargs: object) -> EngineResult:
+        return EngineResult(Status.NO_SOLUTION, None, math.nan, 5.0, "cpsat", 0.0, "stopped")
+
+    problem = RematOffloadProblem(EXAMPLE, 12, chain_bandwidth=1.0)
+    real = engines.solve_cpsat
+    calls = []
+
+    def first_real(*args: object, **kwargs: object) -> EngineResult:
+        calls.append(1)
+        return real(*args, **kwargs) if len(calls) == 1 else stopped()  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engines, "solve_cpsat", first_real)
+    res = solve(problem, "cpsat", options=OPTS)
+    assert res.status is Status.FEASIBLE
+    assert res.report["incumbent"] == "the fastest candidate plan"
+    dp = solve(problem, "dp", options=OPTS)
+    assert res.objective <= dp.objective + 1e-9
+    assert res.bound <= res.objective
+    assert res.bound >= EXAMPLE.total_compute_time()
+
+
+def test_options_are_checked() -> None:
+    from optmem.errors import OptmemInputError
+
+    with pytest.raises(OptmemInputError):
+        solve(RematOffloadProblem(EXAMPLE, 12, chain_bandwidth=1.0), "cpsat",
+              options=OPTS.with_(extra={"transfers_per_gap": 0}))
+
+
+def test_cli_solve_and_export(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    import json
+
+    from optmem.cli import main
+
+    path = tmp_path / "example.json"
+    EXAMPLE.save(path)
+    code = main(["solve", "remat-offload", str(path), "--memory", "12", "--bandwidth", "1",
+                 "--method", "ilp", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["status"] == "optimal" and data["objective"] == 22.0 and data["bound"] == 22.0
+    assert data["report"]["model_objective"] == pytest.approx(22.0)
+    model = tmp_path / "m.lp"
+    assert main(["export", "remat-offload", str(path), "--memory", "12", "--bandwidth", "1",
+                 "--method", "ilp", "-o", str(model)]) == 0
+    assert model.read_text().startswith("\\*")
+
+
+def _normalised(plan: list[str]) -> list[str]:
+    """Transfers listed before the first op moved just after it (they start at 0 either way)."""
+    first = next(k for k, op in enumerate(plan) if not op.startswith(("offload", "prefetch")))
+    return [plan[first], *plan[:first], *plan[first + 1:]]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_model_value_of_a_fixed_plan_is_the_simulated_one(seed: int) -> None:
+    """Direction 1 of exactness: a plan of the class, fixed in the model, gets exactly the
+    simulator's makespan (the DP, checkpoint-only and offload-only plans of random chains)."""
+    from optmem.models.formulation import to_pulp
+    from optmem.models.remat_offload import with_fixed
+    from optmem.plan import parse_mixed_plan
+
+    chain = random_chain(5, seed=20 + seed, max_size=8)
+    checked = 0
+    for limit in _limits(chain):
+        problem = RematOffloadProblem(chain, limit, chain_bandwidth=1.5)
+        built = build_remat_offload(chain, limit, 1.5, transfers_per_gap=2)
+        for name in ("dp", "remat_only", "offload_only"):
+            res = solve(problem, name, options=OPTS)
+            if not res.status.has_plan:
+                continue
+            fixed = built.fixing(parse_mixed_plan(res.plan))
+            assert fixed is not None, name
+            pm = to_pulp(with_fixed(built, fixed))
+            out = engines.solve_pulp(pm.problem, pm.all_variables, "highs")
+            assert out.status is Status.OPTIMAL, name
+            values = out.values[:len(built.model.vars)]
+            decoded = [str(op) for op in built.decode(values)]
+            model = values[built.objective_var]
+            assert model >= res.objective - 1e-6, name
+            if decoded == _normalised(list(res.plan)):
+                assert model == pytest.approx(res.objective, abs=1e-6), name
+                checked += 1
+    assert checked >= 4

@@ -35,17 +35,16 @@ from optmem.errors import OptmemInputError
 from optmem.models.formulation import Expr, Model, PulpModel, to_pulp
 from optmem.problems.min_peak import MinPeakProblem
 from optmem.result import SolveOptions, Status
+from optmem.solvers.engines import EngineResult, coefficient_scale, pulp_settings
 from optmem.solvers.min_peak_dp import segment_model
-
-MAX_COEFFICIENT = 1e4
 
 
 @dataclass
 class MinPeakModel:
     """The neutral model, its PuLP form and the indices of ``x[k]``, ``y[(h, i)]``, ``peak``.
 
-    Sizes are divided by ``scale`` (coefficients of at most ``MAX_COEFFICIENT``): byte-sized
-    big-M coefficients (~1e9) made HiGHS return wrong "optimal" sets.
+    Sizes are divided by ``scale`` (:func:`optmem.solvers.engines.coefficient_scale`):
+    byte-sized big-M coefficients (~1e9) made HiGHS return wrong "optimal" sets.
     """
 
     model: Model
@@ -68,13 +67,14 @@ class MinPeakModel:
 
 @dataclass(frozen=True)
 class IlpOutcome:
-    """What the engine said, mapped to :class:`Status` (here and nowhere else)."""
+    """What the engine said (status mapped by the adapter), sizes back in chain units."""
 
     status: Status
     objective: float
     bound: float
     solver: str
     values: dict[str, float]
+    engine: EngineResult | None = None
 
 
 def _paths(m: Model, n: int) -> tuple[list[Expr], dict[tuple[int, int], Expr]]:
@@ -101,7 +101,7 @@ def build_min_peak_ilp(problem: MinPeakProblem) -> MinPeakModel:
         w, row = segment_model(problem)
         rows = [row(h) for h in range(n)]
         largest = float(sum(w) + max(max(r) for r in rows))
-    scale = max(1.0, largest / MAX_COEFFICIENT)
+    scale = coefficient_scale(largest)
     m = Model("min_peak")
     x, y = _paths(m, n)
     peak = m.continuous("peak", 0)
@@ -167,10 +167,10 @@ def solve_min_peak_ilp(model: MinPeakModel, options: SolveOptions,
     engine = (options.solver or "highs").lower()
     if engine == "highs" and not is_available("highs"):
         engine = "cbc"
-    out = solve_pulp(model.lp, model.variables, engine, time_limit_s=options.time_limit_s,
-                     threads=options.threads, initial=initial, verbose=options.verbose)
+    out = solve_pulp(model.lp, model.variables, engine, initial=initial,
+                     **pulp_settings(options))
     return IlpOutcome(out.status, out.objective * model.scale, out.bound * model.scale,
-                      out.engine, {})
+                      out.engine, {}, out)
 
 
 def decode_min_peak_ilp(model: MinPeakModel) -> tuple[int, ...]:

@@ -1,41 +1,62 @@
-"""Exact remat + offload optima on tiny chains: ``cpsat`` and ``brute`` (problem ``remat-offload``).
+"""Exact remat + offload methods ``ilp``, ``cpsat`` (one model) and ``brute``.
 
-The plan space: every compute sequence of checkpoint ops (CONTRACT section 3) with at most
-``L (L + 1) / 2`` forward ops (the recompute-all count, which bounds every persistent
-plan), and for every stored value and every gap between two consecutive uses of it (a
-:class:`~optmem.solvers.remat_offload_schedule.Window`) at most one offload/prefetch pair
-(two pairs in one gap are dominated by one pair spanning both). Compute sequences are
-enumerated by increasing total compute time (a lower bound on their makespan, so the
-search stops as soon as it reaches the best makespan found); for each one, the transfers
-are chosen by
-
-* ``cpsat``: the exact CP-SAT model of :mod:`optmem.models.remat_offload_cpsat`;
-* ``brute``: enumeration of window subsets, link orders and issue points, each plan replayed
-  by :func:`optmem.simulate.offload.simulate_offload` (an independent oracle, ``L <= 2``).
-
-Both are exact for the simulator's semantics over that plan space (not bound by the
-persistence assumption OR.1 nor by OR.2/OR.3 of the chapter 4 DP).
+* ``ilp`` / ``cpsat``: the one exact model of :mod:`optmem.models.remat_offload` (the
+  phase-indexed checkpoint slots, link positions after every item, O.7 memory), emitted to
+  PuLP (``options.solver``: HiGHS, CBC, Gurobi) or to CP-SAT. ``optimal`` means optimal for
+  the simulator's semantics over the model's class: at most ``sweeps`` increasing forward
+  runs per phase (``extra["sweeps"]``, default 1) and at most ``transfers_per_gap`` transfers
+  listed between two consecutive ops (``extra["transfers_per_gap"]``, default 1), any number
+  of offload/prefetch pairs per value. The model is warm-started from the best plan of the
+  chapter 4 DP, the persistent checkpoint DP and the offload-only DYNPROG that fits the
+  class (completed by the engine with the plan's binaries fixed), its horizon is that plan's
+  makespan, and the decoded plan is replayed by the simulator (it is never slower than the
+  model says; ``report['model_objective']``). A time limit returns the best verified plan
+  with the engine's bound.
+* ``brute``: the independent oracle for tiny chains: every compute sequence with at most
+  ``L (L + 1) / 2`` forwards, and for every gap between two consecutive uses of a stored
+  value at most one offload/prefetch pair (enumerated window subsets, link orders and issue
+  points), each plan replayed by :func:`optmem.simulate.offload.simulate_offload`
+  (``L <= 2``).
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
 
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError, PlanError
+from optmem.models.checkpoint_ilp import write_model
+from optmem.models.formulation import Kind, Model, time_scale, to_cpsat, to_pulp
+from optmem.models.remat_offload import RematOffloadModel, build_remat_offload, with_fixed
 from optmem.plan import LOSS, AnyOp, B, F_all, F_ck, F_none, Op
 from optmem.problems.remat_offload import RematOffloadProblem
 from optmem.result import Result, SolveOptions, Status
 from optmem.simulate.checkpoint import initial_state, is_final, transition
 from optmem.simulate.offload import reads, simulate_offload
-from optmem.solvers.facade import register
+from optmem.solvers import engines
+from optmem.solvers.engine_results import engine_failure
+from optmem.solvers.engines import EngineResult
+from optmem.solvers.facade import register, register_exporter
 from optmem.solvers.offload_bruteforce import interleave_transfers
-from optmem.solvers.remat_offload import PROBLEM, _disc, _no_plan, plan_result
+from optmem.solvers.remat_offload import (
+    PROBLEM,
+    _best,
+    _disc,
+    _no_plan,
+    lower_bound,
+    offload_candidate,
+    plan_result,
+    pofo_plan,
+    remat_candidate,
+)
 from optmem.solvers.remat_offload_schedule import Window, static_replay, window_before
 
-CPSAT_MAX_LENGTH = 3
 BRUTE_MAX_LENGTH = 2
+COMPLETION_TIME_S = 30.0  # least engine time to complete a warm start (binaries fixed)
 
 
 def compute_sequences(chain: Chain, max_forwards: int | None = None
@@ -82,13 +103,11 @@ def all_windows(chain: Chain, ops: Sequence[Op]) -> list[Window]:
     return out
 
 
-def _exact_search(problem: RematOffloadProblem, options: SolveOptions, method: str,
-                  transfers: str) -> Result:
+def _brute_search(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     disc, beta = _disc(problem, options)
     chain, limit = disc.chain, disc.memory_limit
     seqs = compute_sequences(chain)
     best: tuple[float, tuple[AnyOp, ...]] | None = None
-    proven = True
     tried = 0
     for time, peak, ops in seqs:
         if best is not None and time >= best[0] - 1e-12:
@@ -99,45 +118,16 @@ def _exact_search(problem: RematOffloadProblem, options: SolveOptions, method: s
         if beta <= 0 or not _may_fit(chain, limit, ops):
             continue
         tried += 1
-        if transfers == "cpsat":
-            found, ok = _cpsat_transfers(chain, limit, beta, ops, options)
-            proven = proven and ok
-        else:
-            found = _brute_transfers(chain, limit, beta, ops)
+        found = _brute_transfers(chain, limit, beta, ops)
         if found is not None and (best is None or found[0] < best[0] - 1e-12):
             best = found
     report = {"sequences": len(seqs), "sequences_with_transfers": tried,
               "plan_space": "compute sequences with <= L(L+1)/2 forwards, one transfer "
                             "pair per gap between uses"}
     if best is None:
-        return _no_plan(problem, options, method,
-                        Status.INFEASIBLE if proven else Status.NO_SOLUTION, report)
-    status = Status.OPTIMAL if proven else Status.FEASIBLE
-    return plan_result(problem, options, best[1], method=method, status=status,
-                       report=report, claimed=best[0] if proven else None,
-                       solver="cpsat" if transfers == "cpsat" else None)
-
-
-def _cpsat_transfers(chain: Chain, limit: int, beta: float, ops: tuple[Op, ...],
-                     options: SolveOptions) -> tuple[tuple[float, tuple[AnyOp, ...]] | None,
-                                                     bool]:
-    from optmem.models.remat_offload_cpsat import (
-        build_transfer_cpsat,
-        decode_transfer_cpsat,
-        solve_transfer_cpsat,
-    )
-
-    built = build_transfer_cpsat(chain, limit, beta, ops, all_windows(chain, ops))
-    status, solver = solve_transfer_cpsat(built, time_limit_s=options.time_limit_s,
-                                          threads=options.threads)
-    if status in ("infeasible", "no_solution"):
-        return None, status == "infeasible" and built.exact
-    plan, _ = decode_transfer_cpsat(built, solver)
-    try:
-        sim = simulate_offload(chain, plan, beta, limit)
-    except PlanError:
-        return None, False
-    return (sim.makespan, plan), status == "optimal" and built.exact
+        return _no_plan(problem, options, "brute", Status.INFEASIBLE, report)
+    return plan_result(problem, options, best[1], method="brute", status=Status.OPTIMAL,
+                       report=report, claimed=best[0])
 
 
 def _may_fit(chain: Chain, limit: int, ops: tuple[Op, ...]) -> bool:
@@ -213,23 +203,216 @@ def _overlap(windows: list[Window], chosen: Sequence[int]) -> bool:
     return False
 
 
-@register(PROBLEM, "cpsat", exact=True, requires=("ortools",), max_length=CPSAT_MAX_LENGTH,
-          description="exact: compute sequences x CP-SAT transfer model (tiny chains)")
-def solve_cpsat(problem: RematOffloadProblem, options: SolveOptions) -> Result:
-    """Exact optimum over the plan space of the module docstring."""
-    if problem.chain.length > CPSAT_MAX_LENGTH:
-        raise OptmemInputError(f"the exact remat-offload search is for L <= "
-                               f"{CPSAT_MAX_LENGTH}; got L = {problem.chain.length}",
-                               field="method")
-    return _exact_search(problem, options, "cpsat", "cpsat")
-
-
 @register(PROBLEM, "brute", exact=True, max_length=BRUTE_MAX_LENGTH,
           description="exact: compute sequences x enumerated transfers (L <= 2)")
 def solve_brute(problem: RematOffloadProblem, options: SolveOptions) -> Result:
-    """Exact optimum by enumeration and simulation (independent of the CP-SAT model)."""
+    """Exact optimum by enumeration and simulation (independent of the model)."""
     if problem.chain.length > BRUTE_MAX_LENGTH:
         raise OptmemInputError(f"brute force is for L <= {BRUTE_MAX_LENGTH}; got L = "
                                f"{problem.chain.length}", field="method")
-    return _exact_search(problem, options, "brute", "brute")
+    return _brute_search(problem, options)
 
+
+# ------------------------------------------------------------------ the exact model
+@dataclass(frozen=True)
+class _Start:
+    """The warm start: a plan, its simulated makespan and its completed model values."""
+
+    plan: tuple[AnyOp, ...] | None
+    makespan: float
+    values: list[float] | None
+    model_value: float
+    note: str
+
+
+def _int_option(options: SolveOptions, key: str, default: int) -> int:
+    value = options.extra.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise OptmemInputError(f"expected a positive integer {key}, got {value!r}", field=key)
+    return value
+
+
+def _candidates(problem: RematOffloadProblem, options: SolveOptions
+                ) -> list[tuple[float, str, tuple[AnyOp, ...]]]:
+    """The DP, checkpoint-only and offload-only plans that replay, fastest first."""
+    disc, _ = _disc(problem, options)
+    plans: list[tuple[str, Sequence[AnyOp] | None]] = [
+        ("chapter 4 dp", pofo_plan(problem, options, "extended")[0]),
+        ("checkpoint only (persistent dp)", remat_candidate(disc)),
+        ("offload only (dynprog)", offload_candidate(problem, options))]
+    seen: dict[str, float] = {}
+    _best(problem, options, plans, seen)
+    found = [(seen[label], label, tuple(plan)) for label, plan in plans
+             if plan is not None and label in seen]
+    found.sort(key=lambda t: t[0])
+    return found
+
+
+def _engine_solve(model: Model, engine: str, options: SolveOptions, *,
+                  initial: Sequence[float] | None, scale: int, time_limit_s: float | None
+                  ) -> tuple[EngineResult, list[float] | None, float]:
+    """Emit ``model`` for ``engine`` and solve: the engine outcome, model values, bound."""
+    if engine == "cpsat":
+        cp = to_cpsat(model, scale=scale)
+        out = engines.solve_cpsat(cp.cp, cp.variables, hint=cp.hint(initial),
+                                  **{**engines.cpsat_settings(options),
+                                     "time_limit_s": time_limit_s})
+        values = cp.values(out.values) if out.values is not None else None
+        bound = cp.objective(out.bound) if math.isfinite(out.bound) else math.nan
+        return out, values, bound
+    pm = to_pulp(model)
+    out = engines.solve_pulp(pm.problem, pm.all_variables, engine, initial=pm.initial(initial),
+                             **{**engines.pulp_settings(options), "time_limit_s": time_limit_s})
+    values = out.values[:len(model.vars)] if out.values is not None else None
+    return out, values, out.bound
+
+
+def _warm_start(problem: RematOffloadProblem, options: SolveOptions,
+                built: RematOffloadModel, engine: str, scale: int) -> _Start:
+    """The fastest candidate plan that fits the model, completed by the engine.
+
+    ``plan`` is the fastest candidate (the incumbent), ``values`` the completion of the
+    fastest one the model can take.
+    """
+    if not options.warm_start:
+        return _Start(None, math.inf, None, math.inf, "off")
+    notes = []
+    found = _candidates(problem, options)
+    best = found[0] if found else None  # the incumbent, even if the model cannot take it
+    for _, label, plan in found:
+        fixed = built.fixing(plan)
+        if fixed is None:
+            notes.append(f"{label}: does not fit the model's slots")
+            continue
+        limit = None if options.time_limit_s is None else max(COMPLETION_TIME_S,
+                                                              options.time_limit_s / 4)
+        done, values, _ = _engine_solve(with_fixed(built, fixed), engine, options,
+                                        initial=None, scale=scale, time_limit_s=limit)
+        if not done.status.has_plan or values is None:
+            notes.append(f"{label}: not completed ({done.status}: {done.message})")
+            continue
+        value = values[built.objective_var]
+        # unused time variables may sit anywhere below the default horizon: clamp them to
+        # this plan's makespan, the main solve's horizon (a valid assignment stays valid)
+        values = [min(max(x, v.lo), value, v.hi) if v.kind is Kind.CONTINUOUS
+                  else float(round(x)) for v, x in zip(built.model.vars, values, strict=True)]
+        if built.model.violated(values, tol=1e-5):
+            notes.append(f"{label}: completion not valid")
+            continue
+        note = label if not notes else f"{label} ({'; '.join(notes)})"
+        assert best is not None
+        return _Start(best[2], best[0], values, value, note)
+    note = "; ".join(notes) or "no candidate plan"
+    if best is None:
+        return _Start(None, math.inf, None, math.inf, note)
+    return _Start(best[2], best[0], None, math.inf, f"none ({note}); incumbent: {best[1]}")
+
+
+def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: str
+                 ) -> Result:
+    disc, beta = _disc(problem, options)
+    sweeps = _int_option(options, "sweeps", 1)
+    per_gap = _int_option(options, "transfers_per_gap", 1)
+    engine = "cpsat" if method == "cpsat" else options.solver
+    if engine != "cpsat":
+        engines.check_engine(engine)
+    scale, exact = 1, True
+    if engine == "cpsat":
+        chain = disc.chain
+        scale, exact = time_scale([*chain.fwd_time, *chain.bwd_time, chain.loss_bwd_time,
+                                   *([v / beta for v in (chain.input_size, *chain.output_size,
+                                                         *chain.saved_size)]
+                                     if beta > 0 else [])])
+    grid = None if exact else scale
+    built = build_remat_offload(disc.chain, disc.memory_limit, beta, sweeps=sweeps,
+                                transfers_per_gap=per_gap, grid=grid)
+    report: dict[str, Any] = {"model": built.info, "sweeps": sweeps,
+                              "transfers_per_gap": per_gap}
+    if engine == "cpsat":
+        report["time_scale"] = scale
+        report["exact_times"] = exact
+    solver = "cpsat" if engine == "cpsat" else engine
+    if built.model.trivially_infeasible:
+        return _no_plan(problem, options, method, Status.INFEASIBLE, report)
+    start = _warm_start(problem, options, built, engine, scale)
+    report["warm_start"] = start.note
+    model = with_fixed(built, {}, start.model_value if start.values is not None else None)
+    out, values, bound = _engine_solve(model, engine, options, initial=start.values,
+                                       scale=scale, time_limit_s=options.time_limit_s)
+    status = out.status
+    if out.failed:
+        incumbent = start.plan
+
+        def fallback(info: dict[str, Any]) -> Result:
+            assert incumbent is not None
+            return plan_result(problem, options, incumbent, method=method, solver=solver,
+                               status=Status.FEASIBLE,
+                               report={**info, "incumbent": "the fastest candidate plan"})
+
+        return engine_failure(PROBLEM, method, out, report=report,
+                              fallback=fallback if incumbent is not None else None,
+                              memory_limit=disc.memory_limit, unit=disc.unit)
+    report.update(out.report())
+    floor = lower_bound(problem)
+    bound = max(bound, floor) if math.isfinite(bound) else floor
+    if status is Status.INFEASIBLE:
+        report["note"] = "no plan of the model's class fits"
+        return _no_plan(problem, options, method, Status.INFEASIBLE, report)
+    plan: tuple[AnyOp, ...] | None = None
+    if status.has_plan and values is not None:
+        plan = built.decode(values)
+        report["model_objective"] = values[built.objective_var]
+        try:
+            sim = simulate_offload(disc.chain, plan, beta, disc.memory_limit).makespan
+        except PlanError as exc:
+            report["error"] = f"the decoded plan does not replay: {exc}"
+            return plan_result(problem, options, plan, method=method, solver=solver,
+                               status=Status.ERROR, report=report)
+        if sim > values[built.objective_var] + 1e-6 * max(1.0, sim):
+            # engine tolerances on big-M rows (or rounded times): the simulator is the judge
+            report["model_mismatch"] = (f"the simulator says {sim}, the model "
+                                        f"{values[built.objective_var]}")
+        if start.plan is not None and sim > start.makespan + 1e-9:
+            plan, sim = start.plan, start.makespan
+            report["incumbent"] = "the fastest candidate plan (the engine's was slower)"
+        if status is Status.OPTIMAL and sim > bound + 1e-6 * max(1.0, sim):
+            status = Status.FEASIBLE  # optimal for the rounded times only
+    elif start.plan is not None:
+        plan, sim, status = start.plan, start.makespan, Status.FEASIBLE
+        report["incumbent"] = "the fastest candidate plan"
+    if plan is None:
+        return _no_plan(problem, options, method, Status.NO_SOLUTION, report).with_(
+            bound=bound)
+    res = plan_result(problem, options, plan, method=method, solver=solver,
+                      status=status, report=report)
+    if res.status is Status.FEASIBLE:
+        res = res.with_(bound=min(bound, res.objective))
+    return res
+
+
+@register(PROBLEM, "ilp", exact=True, requires=("pulp",),
+          description="exact model (checkpoint slots + link positions, O.7 memory), PuLP",
+          compare_as=(("ilp", 6),),
+          extra=("sweeps", "transfers_per_gap", "grid", "backlog_grid", "prefetch"))
+def solve_ilp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
+    """Optimal plan over the model's class (module docstring), HiGHS/CBC/Gurobi."""
+    return _solve_model(problem, options, "ilp")
+
+
+@register(PROBLEM, "cpsat", exact=True, requires=("ortools",),
+          description="exact model (same formulation as ilp), CP-SAT",
+          compare_as=(("cpsat", 6),),
+          extra=("sweeps", "transfers_per_gap", "grid", "backlog_grid", "prefetch"))
+def solve_cpsat(problem: RematOffloadProblem, options: SolveOptions) -> Result:
+    """Optimal plan over the model's class with OR-Tools CP-SAT."""
+    return _solve_model(problem, options, "cpsat")
+
+
+@register_exporter(PROBLEM, "ilp")
+def export_ilp(problem: RematOffloadProblem, options: SolveOptions, path: str) -> None:
+    """Write the model (no warm start, default horizon) as ``.mps`` or ``.lp``."""
+    disc, beta = _disc(problem, options)
+    built = build_remat_offload(disc.chain, disc.memory_limit, beta,
+                                sweeps=_int_option(options, "sweeps", 1),
+                                transfers_per_gap=_int_option(options, "transfers_per_gap", 1))
+    write_model(cast(Any, to_pulp(built.model)), path)  # needs only ``.problem``

@@ -1,0 +1,561 @@
+r"""One exact model of remat + offload (OFFREMAT_int): checkpoint slots, a link, O.7 memory.
+
+Problem: thesis chapter 4, Problem 8 (digest ``shared/design/offload.md`` 0.2 and 5) with the
+semantics of the simulator :mod:`optmem.simulate.offload` (CONTRACT sections 10 and 13), which
+this model reproduces op by op. It is written once, on the solver-neutral layer
+:mod:`optmem.models.formulation`, and emitted to PuLP (HiGHS, CBC, Gurobi: big-M from the
+variable bounds) and to CP-SAT (times on a grid of ``1 / scale``).
+
+Compute part
+------------
+The phase-indexed checkpoint formulation of :mod:`optmem.models.checkpoint_ilp` (its
+docstring explains phases, sweeps and the exclusions), built by
+:func:`~optmem.models.checkpoint_ilp.build_formulation` without its checkpoint-only
+reductions (``reductions=False``: ``F_none`` may consume a tape, ``F_all j`` may run again) and
+copied unchanged except for its memory rows, which lose the values that are on the host
+(below). Its items (forward slots,
+``Loss``, ``B k``) are numbered ``p = 0 .. n-1`` in execution order; an empty slot is an op of
+duration 0.
+
+Link part: positions
+--------------------
+After every item ``p`` (but the last) the model offers ``K`` link *positions*
+(``transfers_per_gap``, default 1): each may hold one transfer, ``offload v`` or
+``prefetch v``, of a value ``v`` (``a^i``, ``abar^i``) that may be stored there. The plan is
+the items and positions in this order, which is exactly the simulator's issue order (plan
+order); so the link runs the positions in order (O.1) and no pairwise disjunction is needed.
+
+Notation (sizes in discretised units, times in the chain's unit)
+----------------------------------------------------------------
+=====================  ==============================================================
+``S_p``, ``D_p``       start of item ``p`` and its duration (``sum uf[j] y`` for a slot)
+``E_p``                ``S_p + D_p``
+``T_q``                start of the transfer of position ``q`` (free when it is empty)
+``off[v,q]``,          position ``q`` offloads / prefetches ``v``; ``tau_v = size_v / beta``
+``pre[v,q]``
+``H[v]``, ``P[v]``     state: ``v`` is offloaded and not prefetched (moved) / prefetched and
+                       not read yet (binary, one variable per position or reading item)
+``R[v]``, ``Pi[v]``    release time of the current offload (its end and the end of every op
+                       that read ``v`` before it or while it ran), end of the last prefetch
+``h[v,p]``             ``v`` is on the host during the whole of item ``p``
+``late_q``             the prefetch of ``q`` starts after item ``p`` has ended
+``eta[v,q]``           ``v`` is on the host when the prefetch of ``q`` starts
+=====================  ==============================================================
+
+Constraints (``[x, y]``: enforced when the binaries ``x`` and ``y`` are 1)
+------------------------------------------------------------------------
+* compute in plan order: ``S_{p+1} >= E_p``, ``S_0 = 0``; objective ``E_{n-1}``;
+* issue order: ``T_q >= S_p`` for ``q`` after ``p``; ``S_{p+1} >= T_q`` if ``q`` holds a
+  transfer; link:
+  ``T_q >= T_{q'} + sum_v tau_v (off + pre)[v,q']`` for the previous position ``q'``;
+* one transfer per position; ``off[v,q] <= stored_v``; ``off + H + P <= 1`` (the simulator's
+  "already offloaded"); ``pre <= H``; ``H' = H + off - pre``; ``P' = P + pre``; a reading item
+  resets ``P``;
+* offload after its producer: ``T_q >= E_p`` ``[off, item p produces v]``;
+* release: ``R' >= R``, ``R' >= T_q + tau_v`` ``[off]``, ``R' >= E_p`` ``[off, p reads v]``,
+  and ``R >= E_p`` ``[p reads v, H]`` (a reader listed after the offload keeps the GPU copy);
+  earlier readers end before ``S_p <= T_q``;
+* prefetch: ``T_q >= R`` ``[pre]``; ``Pi' >= T_q + tau_v`` ``[pre]``; a reader waits:
+  ``S_p >= Pi`` ``[p reads v]``; an item freeing ``v`` needs ``H = 0`` (the simulator's "frees
+  while it is being offloaded");
+* memory of item ``p`` (O.7): the checkpoint row minus ``sum_v size_v h[v,p]`` with
+  ``h <= H``, ``h <= 1 - reads``, ``R <= S_p`` ``[h]`` and ``h <= 1 - pre[v,q] + late_q`` for
+  the positions ``q`` after ``p`` (a prefetch starting during the op counts for it);
+  ``late_q``: ``T_q >= E_p`` ``[late]``, ``T_q <= E_p`` ``[not late]``;
+* memory when a prefetch starts between two ops (``[late_q, some pre at q]``):
+  ``stored after p - sum_w size_w eta[w,q] <= M`` with ``eta <= H_w - pre[w,q]`` and
+  ``R_w <= T_q`` ``[eta]``.
+
+Exactness
+---------
+For any plan, the simulator starts every op as early as its constraints allow, and all of
+them are monotone (an earlier release or end never delays anything), so the decoded plan of
+any solution replays in at most the model's makespan; conversely the simulator's schedule of
+a plan in the class below satisfies every row with the indicators set to their definitions.
+The optimum is therefore the best plan of the class:
+
+* compute ops: at most ``sweeps`` increasing forward runs per phase (the checkpoint model's
+  class and exclusions);
+* transfers: at most ``K`` transfers listed between two consecutive ops of the plan (more
+  are allowed after an empty slot, but only starting once the previous op has ended), any
+  number of offload/prefetch pairs per value;
+
+and any decoded plan is valid and no slower than the model says. The tests check both
+directions: the DP, checkpoint-only and offload-only plans of random chains, fixed in the
+model, get exactly their simulated makespan; the model's optimum equals the brute force
+over compute sequences and transfer windows (:mod:`optmem.solvers.remat_offload_exact`) on
+tiny chains and every decoded plan replays to the model's value.
+
+Times on a grid
+---------------
+``grid`` (for CP-SAT when the durations are not decimal) rounds every duration *down* to a
+multiple of ``1 / grid``; the decoded plan's true makespan is the simulator's, and the
+model's bound is that of the rounded durations (a schedule of the true durations maps onto
+the grid up to one grid step per ``late`` decision), so callers claim optimality only when
+the replayed plan meets it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+from optmem.chain import Chain
+from optmem.models import checkpoint_ilp as ck
+from optmem.models.formulation import Expr, Literal, Model, Relation, Var
+from optmem.plan import AnyOp, Op, OpKind, TransferKind, TransferOp, offload, prefetch
+
+Value = tuple[str, int]
+A_, ABAR_ = "a", "abar"
+
+
+@dataclass
+class Position:
+    """A link position after item ``item``: its start variable and transfer binaries."""
+
+    item: int
+    start: int
+    off: dict[Value, int] = field(default_factory=dict)
+    pre: dict[Value, int] = field(default_factory=dict)
+
+
+@dataclass
+class RematOffloadModel:
+    """The built model and what decoding and warm starts need."""
+
+    model: Model
+    checkpoint: ck.Formulation
+    starts: list[int]
+    positions: list[Position]
+    objective_var: int
+    horizon: float
+    chain: Chain
+    info: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def plan_vars(self) -> list[int]:
+        """The binaries that fix a plan (compute op and transfer variables)."""
+        out = [idx for item in self.checkpoint.sequence if isinstance(item, ck.Slot)
+               for _, idx in item.ops]
+        for pos in self.positions:
+            out += list(pos.off.values()) + list(pos.pre.values())
+        return out
+
+    def decode(self, values: Sequence[float]) -> tuple[AnyOp, ...]:
+        """The plan of an assignment: items and positions in order."""
+        plan: list[AnyOp] = []
+        by_item: dict[int, list[Position]] = {}
+        for pos in self.positions:
+            by_item.setdefault(pos.item, []).append(pos)
+        compute = self.checkpoint.decode([round(v) for v in values[:len(self.checkpoint.names)]])
+        ci = 0
+        for p, item in enumerate(self.checkpoint.sequence):
+            if isinstance(item, Op) or any(values[idx] > 0.5 for _, idx in item.ops):
+                plan.append(compute[ci])
+                ci += 1
+            for pos in by_item.get(p, ()):
+                for v, idx in pos.off.items():
+                    if values[idx] > 0.5:
+                        plan.append(offload(*v))
+                for v, idx in pos.pre.items():
+                    if values[idx] > 0.5:
+                        plan.append(prefetch(*v))
+        return tuple(plan)
+
+    def fixing(self, plan: Sequence[AnyOp]) -> dict[int, float] | None:
+        """Values of :attr:`plan_vars` that encode ``plan`` (``None`` if it does not fit).
+
+        Compute ops take the checkpoint model's slots; each transfer takes the first free
+        position after the op listed before it (those listed before the first op start at 0
+        as after it), later ones if those are taken: the encoded plan may then list a
+        transfer later than ``plan`` (the engine's completion judges it).
+        """
+        compute = [op for op in plan if isinstance(op, Op)]
+        # the compute ops' slots, memory aside (it depends on the transfers)
+        cf = self.checkpoint
+        free_memory = ck.build_formulation(self.chain, 2**60, cf.variant, cf.sweeps,
+                                           reductions=cf.reductions)
+        base = free_memory.assignment(compute)
+        if base is None or free_memory.names != cf.names:
+            return None
+        fixed = {i: float(base[i]) for i in self.plan_vars if i < len(base)}
+        items = [p for p, item in enumerate(self.checkpoint.sequence)
+                 if isinstance(item, Op) or any(base[idx] for _, idx in item.ops)]
+        for pos in self.positions:
+            for idx in (*pos.off.values(), *pos.pre.values()):
+                fixed[idx] = 0.0
+        at, ci = 0, -1
+        for op in plan:
+            if isinstance(op, Op):
+                ci += 1
+                while ci > 0 and at < len(self.positions) and \
+                        self.positions[at].item < items[ci]:
+                    at += 1
+                continue
+            assert isinstance(op, TransferOp)
+            table = "off" if op.kind is TransferKind.OFFLOAD else "pre"
+            while at < len(self.positions) and op.key not in getattr(self.positions[at], table):
+                at += 1
+            if at == len(self.positions):
+                return None
+            fixed[getattr(self.positions[at], table)[op.key]] = 1.0
+            at += 1
+        return fixed
+
+
+def _lit(e: ck.Expr | Expr) -> Literal | bool:
+    """A binary expression as a literal, or its constant truth value."""
+    if not e.terms:
+        return e.const > 0.5
+    if len(e.terms) == 1 and e.terms[0][1] == 1.0 and e.const == 0.0:
+        return (e.terms[0][0], True)
+    raise ValueError(f"not a single binary: {e!r}")
+
+
+def _x(e: ck.Expr) -> Expr:
+    return Expr(e.terms, e.const)
+
+
+def build_remat_offload(chain: Chain, memory_limit: int, bandwidth: float, *,
+                        sweeps: int = 1, transfers_per_gap: int = 1,
+                        horizon: float | None = None, grid: int | None = None
+                        ) -> RematOffloadModel:
+    """Build the model (see the module docstring).
+
+    Parameters
+    ----------
+    chain
+        The discretised chain (integer sizes).
+    memory_limit
+        GPU memory limit in the chain's units.
+    bandwidth
+        Memory units per time unit (``<= 0``: no transfer).
+    sweeps, transfers_per_gap
+        The plan class: increasing forward runs per phase, link positions after each item.
+    horizon
+        An upper bound on the optimal makespan (e.g. a known plan's); every time variable is
+        bounded by it (the big-M of the PuLP emission). Default: a bound on every plan of the
+        class.
+    grid
+        Round every duration down to a multiple of ``1 / grid`` (a relaxation; see above).
+    """
+    cf = ck.build_formulation(chain, memory_limit, "full", sweeps, reductions=False)
+    L = chain.length
+    a = [chain.input_size, *chain.output_size]
+    abar = [chain.input_size, *chain.saved_size]
+
+    def rd(t: float) -> float:
+        return t if grid is None else math.floor(t * grid + 1e-9) / grid
+
+    uf = [0.0, *(rd(t) for t in chain.fwd_time)]
+    ub = [0.0, *(rd(t) for t in chain.bwd_time), rd(chain.loss_bwd_time)]
+
+    def size(v: Value) -> int:
+        return a[v[1]] if v[0] == A_ else abar[v[1]]
+
+    tau = {}
+    if bandwidth > 0:
+        for i in range(L + 1):
+            for v in ((A_, i), (ABAR_, i)) if i else ((A_, 0),):
+                if size(v) > 0:
+                    tau[v] = rd(size(v) / bandwidth)
+    seq = cf.sequence
+    n = len(seq)
+    if horizon is None:
+        slot_max = [max((uf[it.stage] for _ in it.ops), default=0.0)
+                    if isinstance(it, ck.Slot) else 0.0 for it in seq]
+        horizon = (sum(slot_max) + sum(ub) + (n - 1) * transfers_per_gap
+                   * max(tau.values(), default=0.0) + 1.0)
+    U = float(horizon)
+    m = Model("remat_offload")
+    for nm in cf.names:
+        m.binary(nm)
+    for con in cf.constraints:
+        if con.name.startswith("mem_"):
+            continue
+        m.add(Relation(Expr(con.terms), con.lo, con.hi), con.name)
+    S = [m.continuous(f"S{p}", 0.0, 0.0 if p == 0 else U) for p in range(n)]
+    D, reads, frees, makes, after_delta = _item_facts(m, cf, uf, ub, a)
+    for p in range(n - 1):
+        m.add(S[p + 1] >= S[p] + D[p], f"seq_{p}")
+    E = [S[p] + D[p] for p in range(n)]
+
+    def stored(state: tuple[dict[int, ck.Expr], dict[int, ck.Expr]]) -> Expr:
+        A, T = state
+        out = Expr()
+        for i, e in A.items():
+            out = out + _x(e) * a[i]
+        for i, e in T.items():
+            out = out + _x(e) * abar[i]
+        return out
+
+    def state_of(p: int, v: Value) -> ck.Expr:
+        A, T = cf.states[p]
+        table = A if v[0] == A_ else T
+        return table.get(v[1], ck.Expr.of(0))
+
+    def add(rel: Relation, name: str, lits: Sequence[Literal | bool]) -> None:
+        if any(x is False for x in lits):
+            return
+        m.add(rel, name, only_if=tuple(x for x in lits if x is not True))  # type: ignore[misc]
+
+    zero = Expr()
+    H: dict[Value, Expr] = {v: zero for v in tau}
+    P: dict[Value, Expr] = {v: zero for v in tau}
+    R: dict[Value, Expr] = {v: zero for v in tau}
+    Pi: dict[Value, Expr] = {v: zero for v in tau}
+    positions: list[Position] = []
+    prev: tuple[Expr, Expr] | None = None  # previous position's start and busy time
+    last_used: tuple[int, Expr] | None = None  # item and use of the previous position
+    n_h = 0
+    for p in range(n):
+        # ---- item p: memory with the values on the host during the whole op
+        host = Expr()
+        hvars: dict[Value, Expr] = {}
+        for v in tau:
+            if not H[v].terms:
+                continue
+            rv = reads[p].get(v, False)
+            if rv is True:
+                continue
+            h = m.binary(f"h_{v[0]}{v[1]}_{p}")
+            n_h += 1
+            m.add(h <= H[v], f"hH_{v[0]}{v[1]}_{p}")
+            if rv is not False:
+                m.add(h + Expr([(rv[0], 1.0)]) <= 1, f"hrd_{v[0]}{v[1]}_{p}")
+            m.add(R[v] <= S[p], f"hR_{v[0]}{v[1]}_{p}", only_if=m.literal(h))
+            host = host - h * size(v)
+            hvars[v] = h
+        name, mexpr = cf.memory_rows[p]
+        m.add(_x(mexpr) + host <= memory_limit, name)
+        # ---- item p: reads, frees
+        for v in tau:
+            rv = reads[p].get(v, False)
+            if rv is False:
+                continue
+            if Pi[v].terms:
+                add(S[p] >= Pi[v], f"wait_{v[0]}{v[1]}_{p}", [rv])
+            if H[v].terms:
+                add(R[v] >= E[p], f"pend_{v[0]}{v[1]}_{p}", [rv, _lit(H[v])])
+            if P[v].terms:
+                if rv is True:
+                    P[v] = zero
+                else:
+                    nv = m.binary(f"P_{v[0]}{v[1]}_{p}")
+                    rx = Expr([(rv[0], 1.0)])
+                    m.add(nv <= P[v], f"Pa_{v[0]}{v[1]}_{p}")
+                    m.add(nv + rx <= 1, f"Pb_{v[0]}{v[1]}_{p}")
+                    m.add(nv >= P[v] - rx, f"Pc_{v[0]}{v[1]}_{p}")
+                    P[v] = nv
+            fv = frees[p].get(v, False)
+            if fv is not False and H[v].terms:
+                fx = Expr() + 1 if fv is True else Expr([(fv[0], 1.0)])
+                m.add(H[v] + fx <= 1, f"free_{v[0]}{v[1]}_{p}")
+        if p == n - 1:
+            break
+        # ---- link positions after item p
+        cands = [v for v in tau if state_of(p + 1, v).terms or state_of(p + 1, v).const > 0.5]
+        if not cands:
+            continue
+        can_run = bool(D[p].terms) or D[p].const > 0
+        for kappa in range(transfers_per_gap):
+            late: Expr | None = None
+            tq = m.continuous(f"T{p}_{kappa}", 0.0, U)
+            pos = Position(p, Model.index(tq))
+            m.add(tq >= S[p], f"anchor_{p}_{kappa}")
+            if prev is not None:
+                m.add(tq >= prev[0] + prev[1], f"link_{p}_{kappa}")
+            busy = Expr()
+            used = Expr()
+            prefetching = Expr()
+            for v in cands:
+                sv = _x(state_of(p + 1, v))
+                o = m.binary(f"off_{v[0]}{v[1]}_{p}_{kappa}")
+                pos.off[v] = Model.index(o)
+                m.add(o <= sv, f"offst_{v[0]}{v[1]}_{p}_{kappa}")
+                m.add(o + H[v] + P[v] <= 1, f"offfree_{v[0]}{v[1]}_{p}_{kappa}")
+                mv = makes[p].get(v, False)
+                add(tq >= E[p], f"avail_{v[0]}{v[1]}_{p}_{kappa}", [m.literal(o), mv])
+                rnew = m.continuous(f"R_{v[0]}{v[1]}_{p}_{kappa}", 0.0, U)
+                if R[v].terms:  # unchanged unless offloaded here (pending readers)
+                    m.add(rnew >= R[v], f"Rmono_{v[0]}{v[1]}_{p}_{kappa}")
+                m.add(rnew <= R[v], f"Rkeep_{v[0]}{v[1]}_{p}_{kappa}",
+                      only_if=m.literal(o, False))
+                m.add(rnew >= tq + tau[v], f"Roff_{v[0]}{v[1]}_{p}_{kappa}",
+                      only_if=m.literal(o))
+                add(rnew >= E[p], f"Rrd_{v[0]}{v[1]}_{p}_{kappa}",
+                    [m.literal(o), reads[p].get(v, False)])
+                busy = busy + o * tau[v]
+                used = used + o
+                hnext = H[v] + o
+                if H[v].terms:
+                    q = m.binary(f"pre_{v[0]}{v[1]}_{p}_{kappa}")
+                    pos.pre[v] = Model.index(q)
+                    m.add(q <= H[v], f"preH_{v[0]}{v[1]}_{p}_{kappa}")
+                    m.add(tq >= R[v], f"preR_{v[0]}{v[1]}_{p}_{kappa}", only_if=m.literal(q))
+                    pinew = m.continuous(f"Pi_{v[0]}{v[1]}_{p}_{kappa}", 0.0, U)
+                    if Pi[v].terms:
+                        m.add(pinew >= Pi[v], f"Pimono_{v[0]}{v[1]}_{p}_{kappa}")
+                    m.add(pinew >= tq + tau[v], f"Pi_{v[0]}{v[1]}_{p}_{kappa}",
+                          only_if=m.literal(q))
+                    Pi[v] = pinew
+                    busy = busy + q * tau[v]
+                    used = used + q
+                    prefetching = prefetching + q
+                    hnext = hnext - q
+                    pn = m.binary(f"P_{v[0]}{v[1]}_{p}_{kappa}")
+                    m.add(pn == P[v] + q, f"Pdef_{v[0]}{v[1]}_{p}_{kappa}")
+                    P[v] = pn
+                    if v in hvars and can_run:
+                        if late is None:
+                            late = m.binary(f"late_{p}_{kappa}")
+                            m.add(tq >= E[p], f"late_{p}_{kappa}", only_if=m.literal(late))
+                            m.add(tq <= E[p], f"early_{p}_{kappa}",
+                                  only_if=m.literal(late, False))
+                        m.add(hvars[v] + q - late <= 1, f"during_{v[0]}{v[1]}_{p}_{kappa}")
+                hn = m.binary(f"H_{v[0]}{v[1]}_{p}_{kappa}")
+                m.add(hn == hnext, f"Hdef_{v[0]}{v[1]}_{p}_{kappa}")
+                R[v] = rnew
+                H[v] = hn
+            # issue order: the next op waits for a transfer listed before it to start
+            u = m.binary(f"use_{p}_{kappa}")
+            m.add(u == used, f"use_{p}_{kappa}")
+            m.add(S[p + 1] >= tq, f"issue_{p}_{kappa}", only_if=m.literal(u))
+            # symmetry: positions fill in order, and one after an empty slot only once the
+            # position before it is taken (same plan, never an earlier start)
+            if kappa > 0 or (last_used is not None and last_used[0] == p - 1):
+                assert last_used is not None
+                item = seq[p]
+                if kappa > 0:
+                    m.add(u <= last_used[1], f"fill_{p}_{kappa}")
+                elif isinstance(item, ck.Slot):
+                    y = Expr([(idx, 1.0) for _, idx in item.ops])
+                    m.add(u <= y + last_used[1], f"fill_{p}_{kappa}")
+            last_used = (p, u)
+            if prefetching.terms:
+                _gap_check(m, p, kappa, tq, pos, prefetching, cands, H, R, size,
+                           stored(cf.states[p + 1]) + after_delta[p], memory_limit,
+                           late)
+            prev = (tq, busy)
+            positions.append(pos)
+    obj = m.continuous("makespan", 0.0, U)
+    m.add(obj >= E[n - 1], "makespan")
+    m.minimize(obj)
+    return RematOffloadModel(m, cf, [Model.index(s) for s in S], positions, Model.index(obj),
+                             U, chain, {**m.size, "host_vars": n_h, "positions": len(positions)})
+
+
+def _gap_check(m: Model, p: int, kappa: int, tq: Expr, pos: Position, prefetching: Expr,
+               cands: Sequence[Value], H: dict[Value, Expr], R: dict[Value, Expr],
+               size: object, after: Expr, memory_limit: int, late: Expr | None) -> None:
+    """Memory when the prefetch of position ``q`` starts after item ``p`` has ended.
+
+    ``H`` and ``R`` are the states after the position (a value offloaded here has ``R``
+    after ``T_q`` and the prefetched one ``H = 0``, so neither counts as host). Without
+    ``late`` the row holds whenever a prefetch starts (implied by the op's row if it starts
+    during the op).
+    """
+    isp = m.binary(f"isp_{p}_{kappa}")
+    m.add(isp == prefetching, f"isp_{p}_{kappa}")
+    host = Expr()
+    for w in cands:
+        if not H[w].terms:
+            continue
+        eta = m.binary(f"eta_{w[0]}{w[1]}_{p}_{kappa}")
+        m.add(eta <= H[w], f"etaH_{w[0]}{w[1]}_{p}_{kappa}")
+        m.add(R[w] <= tq, f"etaR_{w[0]}{w[1]}_{p}_{kappa}", only_if=m.literal(eta))
+        host = host - eta * size(w)  # type: ignore[operator]
+    lits = [m.literal(isp)] + ([m.literal(late)] if late is not None else [])
+    m.add(after + host <= memory_limit, f"gap_{p}_{kappa}", only_if=lits)
+
+
+def with_fixed(built: RematOffloadModel, fixed: dict[int, float],
+               horizon: float | None = None) -> Model:
+    """A copy of the model with some variables fixed and times bounded by ``horizon``.
+
+    Fixed values are equality rows (the emitters give every binary the bounds 0 and 1).
+    """
+    model = built.model
+    vs: list[Var] = []
+    for v in model.vars:
+        lo, hi = v.lo, v.hi
+        if horizon is not None and v.kind.value == "continuous" and hi > horizon:
+            hi = max(lo, horizon)
+        vs.append(replace(v, lo=lo, hi=hi))
+    out = replace(model, vars=vs, constraints=list(model.constraints))
+    for i, x in fixed.items():
+        out.add(Relation(Expr([(i, 1.0)]), x, x), f"fix_{i}")
+    return out
+
+
+def _item_facts(m: Model, cf: ck.Formulation, uf: Sequence[float], ub: Sequence[float],
+                a: Sequence[int]) -> tuple[list[Expr], list[dict[Value, Literal | bool]],
+                                           list[dict[Value, Literal | bool]],
+                                           list[dict[Value, Literal | bool]], list[int]]:
+    """Durations, reads (new ``rd`` binaries for slots), frees, productions, gradient after.
+
+    A literal says when the item does it, ``True``/``False`` that it always / never does.
+    """
+    seq = cf.sequence
+    L = cf.length
+    names = {nm: i for i, nm in enumerate(cf.names)}
+    D: list[Expr] = []
+    reads: list[dict[Value, Literal | bool]] = []
+    frees: list[dict[Value, Literal | bool]] = []
+    makes: list[dict[Value, Literal | bool]] = []
+    after_delta: list[int] = []
+    for p, item in enumerate(seq):
+        A, T = cf.states[p]
+        if isinstance(item, ck.Slot):
+            j, k = item.stage, item.phase
+            ops = dict(item.ops)
+            y = Expr([(idx, 1.0) for idx in ops.values()])
+            D.append(y * uf[j])
+            rdA = m.binary(f"rdA_{p}")
+            r: dict[Value, Literal | bool] = {(A_, j - 1): m.literal(rdA)}
+            if j > 1:
+                rdT = m.binary(f"rdT_{p}")
+                m.add(rdA + rdT == y, f"rd_{p}")
+                m.add(rdA <= _x(A[j - 1]), f"rdA_{p}")
+                m.add(rdT <= _x(T[j - 1]), f"rdT_{p}")
+                r[(ABAR_, j - 1)] = m.literal(rdT)
+            else:
+                m.add(rdA == y, f"rd_{p}")
+            reads.append(r)
+            tag = f"{k}_{item.sweep}_{j}"
+            fr: dict[Value, Literal | bool] = {}
+            if f"zA_{tag}" in names:
+                fr[(A_, j - 1)] = (names[f"zA_{tag}"], True)
+            if f"zT_{tag}" in names:
+                fr[(ABAR_, j - 1)] = (names[f"zT_{tag}"], True)
+            frees.append(fr)
+            mk: dict[Value, Literal | bool] = {}
+            if OpKind.F_ALL in ops:
+                mk[(ABAR_, j)] = (ops[OpKind.F_ALL], True)
+            pa = [ops[kk] for kk in (OpKind.F_CK, OpKind.F_NONE) if kk in ops]
+            if len(pa) == 1:
+                mk[(A_, j)] = (pa[0], True)
+            elif pa:
+                pv = m.binary(f"prodA_{p}")
+                m.add(pv == Expr([(i, 1.0) for i in pa]), f"prodA_{p}")
+                mk[(A_, j)] = m.literal(pv)
+            makes.append(mk)
+            after_delta.append(a[k] if k <= L else 0)
+        elif item.kind is OpKind.LOSS:
+            D.append(Expr((), ub[L + 1]))
+            reads.append({(A_, L): _lit(A[L]), (ABAR_, L): _lit(T[L])})
+            frees.append({(A_, L): _lit(A[L])})
+            makes.append({})
+            after_delta.append(a[L])
+        else:
+            k = item.stage
+            D.append(Expr((), ub[k]))
+            r = {(ABAR_, k): _lit(T[k]), (A_, k - 1): _lit(A[k - 1])}
+            if k > 1:
+                r[(ABAR_, k - 1)] = _lit(T[k - 1])
+            reads.append(r)
+            frees.append({(ABAR_, k): _lit(T[k]), (A_, k - 1): _lit(A[k - 1])})
+            makes.append({})
+            after_delta.append(a[k - 1])
+    return D, reads, frees, makes, after_delta
