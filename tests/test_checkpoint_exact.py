@@ -22,7 +22,7 @@ from optmem.datasets.synthetic import counterexample_chain, random_chain  # noqa
 from optmem.engines import adapters as engines  # noqa: E402
 from optmem.errors import OptmemInputError  # noqa: E402
 from optmem.models.checkpoint_cpsat import time_scale  # noqa: E402
-from optmem.models.checkpoint_ilp import build_formulation  # noqa: E402
+from optmem.models.checkpoint_ilp import build_formulation, emit_pulp  # noqa: E402
 from optmem.problems.checkpoint import CheckpointProblem, discretize  # noqa: E402
 from optmem.result import Result, SolveOptions, Status  # noqa: E402
 from optmem.simulate import simulate_checkpoint  # noqa: E402
@@ -119,6 +119,34 @@ def test_random_chains(length: int, seed: int, frac: float) -> None:
     assert value(run(chain, memory, "ilp:persistent")) == dp
     if math.isfinite(exact):
         assert exact >= chain.total_compute_time()
+
+
+def _model_optimum(chain: Chain, memory: int, reductions: bool) -> float:
+    """Optimum of the model itself (HiGHS, one thread, no limit), inf if infeasible."""
+    form = build_formulation(chain, memory, reductions=reductions)
+    if form.trivially_infeasible:
+        return math.inf
+    model = emit_pulp(form)
+    out = engines.solve_pulp(model.problem, model.variables, "highs", threads=1)
+    if out.status is Status.INFEASIBLE:
+        return math.inf
+    assert out.status is Status.OPTIMAL, out.message
+    return round(out.objective, 9)
+
+
+@pytest.mark.parametrize("seed", [1, 4, 6])
+def test_reductions_keep_the_optimum(seed: int) -> None:
+    """Tape rule and ``F_all`` once (RR-9302 Lemma 4) against the model without them."""
+    chain = random_chain(5 + seed % 3, seed=seed)
+    reduced = build_formulation(chain, chain.store_all_peak())
+    plain = build_formulation(chain, chain.store_all_peak(), reductions=False)
+    assert reduced.size["variables"] < plain.size["variables"]
+    assert any(c.name.startswith("once_") for c in reduced.constraints)
+    assert not any(c.name.startswith("once_") for c in plain.constraints)
+    assert len(reduced.states) == len(reduced.sequence) + 1 == len(plain.states)
+    assert len(reduced.memory_rows) == len(reduced.sequence)
+    for memory in memories(chain, 5):
+        assert _model_optimum(chain, memory, True) == _model_optimum(chain, memory, False)
 
 
 def test_exact_below_dp_on_longer_chain() -> None:

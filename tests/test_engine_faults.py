@@ -102,6 +102,20 @@ def invalidate(model: Any) -> None:
     model.add(x * 2**61 + y * 2**61 <= 5)
 
 
+def test_highs_with_fewer_threads_than_an_earlier_run() -> None:
+    """HiGHS sizes one global thread pool at its first run; later runs may ask for fewer."""
+    import pulp
+
+    for threads in (2, 1, 2, 1):
+        prob = pulp.LpProblem("threads", pulp.LpMinimize)
+        x, y = pulp.LpVariable("x", cat="Binary"), pulp.LpVariable("y", cat="Binary")
+        prob += x + 2 * y
+        prob += x + y >= 1
+        out = engines.solve_pulp(prob, [x, y], "highs", threads=threads)
+        assert out.status is Status.OPTIMAL, (threads, out.message)
+        assert out.objective == 1 and out.values == [1, 0]
+
+
 def test_cpsat_model_invalid_is_an_error_result() -> None:
     from ortools.sat.python import cp_model
 

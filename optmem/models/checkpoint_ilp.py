@@ -6,10 +6,12 @@ no free discard, no duplicates, pinning, ``F_none 1`` may not consume ``a^0``, `
 consumes a stored ``a^L``, ``B i`` frees ``a^{i-1}`` but keeps a tape ``abar^{i-1}``, peak of
 an op = stored values + its outputs + its overhead, the input ``a^0`` counts.
 
-The formulation is written once, as a backend-neutral list of 0/1 variables, linear
-constraints and a linear objective (:class:`Formulation`); :func:`build_checkpoint_ilp` emits
-it to PuLP (HiGHS, CBC, Gurobi) and :mod:`optmem.models.checkpoint_cpsat` to CP-SAT, so both
-engines solve the same model.
+The formulation is written once, as a solver-neutral :class:`optmem.models.formulation.Model`
+(:func:`build_formulation`); :func:`emit_pulp` writes it for PuLP (HiGHS, CBC, Gurobi) and
+:mod:`optmem.models.checkpoint_cpsat` for CP-SAT, both with the shared emitters, so both
+engines solve the same model. :class:`Formulation` adds what plans need: the slot sequence
+(:meth:`Formulation.decode`) and the rules that complete a plan into a full assignment
+(:meth:`Formulation.assignment`, the warm start).
 
 Phases
 ------
@@ -31,11 +33,11 @@ its input through ``F_none``; that input is ``abar^k``, which ``B k`` still need
 that no op of the model leaves unread.
 
 **Exactness.** The model contains exactly the plans whose forward ops run in at most ``R``
-increasing stage runs per phase (plus the exclusions above), with the simulator's memory
-accounting op by op; its optimum is the best such plan. ``R = 1`` is the default. We have no
-proof that a phase never needs a descent (an op on stage ``j' <= j`` after one on stage
-``j``, e.g. a recomputation from an earlier checkpoint after ``F_all k`` when ``F_all k``
-has a large overhead); the evidence that it does not:
+increasing stage runs per phase (plus the exclusions above and the tape rule below), with
+the simulator's memory accounting op by op; its optimum is the best such plan. ``R = 1`` is
+the default. We have no proof that a phase never needs a descent (an op on stage
+``j' <= j`` after one on stage ``j``, e.g. a recomputation from an earlier checkpoint after
+``F_all k`` when ``F_all k`` has a large overhead); the evidence that it does not:
 
 * ``R = 1`` equals the brute force over all op sequences
   (:func:`optmem.solvers.checkpoint_bruteforce.brute_force_checkpoint`) on every instance
@@ -48,6 +50,21 @@ has a large overhead); the evidence that it does not:
 
 ``sweeps`` (``SolveOptions.extra["sweeps"]``) raises ``R`` for a larger class.
 
+**Tapes are consumed by ``B`` only** (RR-9302 Lemma 4, restated for the full model with
+pinning). A plan in which ``F_none j+1`` consumes a tape ``abar^j`` made by ``F_all j``
+becomes, with that ``F_all j`` replaced by ``F_ck j`` (same slot, same time, output ``a^j``
+instead of ``abar^j``), a valid plan of the same makespan whose memory is never larger
+(``a[j] <= abar[j]``, a chain invariant): the readers of that value between the two ops
+(``F j+1``, which accepts either form) are unchanged, ``F j`` stays forbidden while ``a^j``
+is stored as it was while ``abar^j`` was (pinning), ``B j+1`` comes after ``F_none j+1``
+(phases below ``j+1`` offer no stage ``j+1``), and ``B j`` used a later tape anyway. So
+``F_none`` consumes only ``a^{j-1}`` and the optimum is unchanged. (These reductions are on by
+default; ``build_formulation(..., reductions=False)`` drops them -- ``F_none j`` may then consume
+``abar^{j-1}`` through a variable ``zT`` and ``F_all j`` may run more than once -- for
+:mod:`optmem.models.remat_offload`, whose values may leave the GPU.) Consequences used below:
+``abar^j`` is stored from its ``F_all j`` to ``B j``, during which ``F j`` cannot run (no
+duplicates), and no stage ``j`` runs after ``B j``; hence **``F_all j`` runs exactly once**.
+
 Notation (paper indices; sizes in discretised units)
 -----------------------------------------------------
 =====================  ==============================================================
@@ -58,31 +75,31 @@ Notation (paper indices; sizes in discretised units)
 ``d_k``                size of the gradient held in phase ``k`` (``a[k]``; 0 for ``L+1``)
 =====================  ==============================================================
 
-Variables (all binary)
-----------------------
+Variables (binary unless stated)
+--------------------------------
 * ``fa[k,r,j]``, ``fc[k,r,j]``, ``fn[k,r,j]``: slot ``(k, r, j)`` runs ``F_all j``,
   ``F_ck j``, ``F_none j``; ``y = fa + fc + fn <= 1``.
 * ``A[i]@p``, ``T[i]@p``: ``a^i`` / ``abar^i`` is stored before slot ``p`` (one new variable
   per slot that can change it; otherwise the previous one is reused; constants where the
   value is known: ``A[0] = 1`` until ``B 1``, everything 0 before it is first produced).
-* ``zA[k,r,j]``, ``zT[k,r,j]``: the ``F_none`` of the slot consumes ``a^{j-1}`` /
-  ``abar^{j-1}``.
+* ``zA[k,r,j]``: the ``F_none`` of the slot consumes ``a^{j-1}`` (so ``zA = fn``).
 * ``K[i]@p`` (variant ``persistent``): ``a^i`` has been read by a keeping op ``F_ck i+1`` or
   ``F_all i+1``.
+* ``peak`` (min-peak mode only, integer): bounds every op's memory.
 
 Constraints of forward slot ``p = (k, r, j)`` (state ``A, T`` before, ``A', T'`` after)
 -----------------------------------------------------------------------------------------
 1. one op: ``fa + fc + fn <= 1``;
 2. input present: ``fa + fc + fn <= A[j-1] + T[j-1]``;
 3. no duplicates (and pinning): ``fa + fc + fn + A[j] + T[j] <= 1``;
-4. which form ``F_none`` consumes: ``zA <= A[j-1]``, ``zT <= T[j-1]``, ``zA + zT = fn``
-   (exact because ``A[i] + T[i] <= 1`` always holds, by 3);
-5. transitions: ``A'[j] = A[j] + fc + fn``, ``T'[j] = T[j] + fa``, ``A'[j-1] = A[j-1] - zA``,
-   ``T'[j-1] = T[j-1] - zT``; every other value is unchanged;
+4. ``F_none`` consumes ``a^{j-1}``: ``zA <= A[j-1]``, ``zA = fn``;
+5. transitions: ``A'[j] = A[j] + fc + fn``, ``T'[j] = T[j] + fa``, ``A'[j-1] = A[j-1] - zA``;
+   every other value is unchanged;
 6. memory: ``sum_i a[i] A[i] + abar[i] T[i] + d_k + a[j] (fc + fn) + abar[j] fa
    + of[j] (fa + fc + fn) <= M`` (stored + output + overhead; an idle slot gives the state's
    size, which the previous op already bounded);
-7. ``F_none 1`` does not exist (it would consume ``a^0``).
+7. ``F_none 1`` does not exist (it would consume ``a^0``);
+8. ``F_all j`` once: ``sum_{k,r} fa[k,r,j] = 1`` (see the tape rule above).
 
 Backward-type ops (state ``A, T`` before)
 -----------------------------------------
@@ -94,14 +111,15 @@ Persistent variant (RR-9302 section 4 / thesis R.1, memory persistence)
 -----------------------------------------------------------------------
 Once ``a^i`` (or ``abar^i``) has been read by ``F_ck i+1`` or ``F_all i+1`` it stays until
 ``B i+1``: ``fn[k,r,i+1] <= 1 - K[i]`` with ``K[i]' >= K[i]``, ``K[i]' >= fa + fc``,
-``K[i]' <= K[i] + fa + fc`` at slots of stage ``i+1``. A tape is consumed by ``B`` only
-(thesis Lemma 4): ``zT = 0``. With these, the optimum equals the persistent DP
-(:mod:`optmem.solvers.checkpoint_dp`, paper variant) on every instance tested (1,750
-(chain, limit) pairs with ``L = 3..5`` and the test-suite).
+``K[i]' <= K[i] + fa + fc`` at slots of stage ``i+1``. With these, the optimum equals the
+persistent DP (:mod:`optmem.solvers.checkpoint_dp`, paper variant) on every instance tested
+(1,750 (chain, limit) pairs with ``L = 3..5`` and the test-suite).
 
 Objective
 ---------
 ``min sum_p uf[j] (fa + fc + fn) + ub[L+1] + sum_k ub[k]`` (the backward part is constant).
+Min-peak mode (``memory_limit=None``): every memory row bounds ``peak`` instead of ``M``,
+and ``peak`` is minimised.
 
 Every state is a 0/1 variable (declared binary: HiGHS presolve mis-handles such models
 when they are continuous, see ``rotor.md`` Findings 3).
@@ -118,47 +136,14 @@ from typing import Any
 
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError
+from optmem.models.formulation import Constraint, Expr, Model, PulpModel, Relation, to_pulp
 from optmem.plan import LOSS, B, F_all, F_ck, F_none, Op, OpKind
-from optmem.problems.checkpoint import Discretized
 
 VARIANTS = ("full", "persistent")
 
-Term = tuple[int, float]
-
-
-@dataclass
-class Expr:
-    """A linear expression ``sum coef * x[idx] + const`` over formulation variables."""
-
-    terms: list[Term] = field(default_factory=list)
-    const: float = 0.0
-
-    def __add__(self, other: Expr) -> Expr:
-        return Expr(self.terms + other.terms, self.const + other.const)
-
-    def scaled(self, c: float) -> Expr:
-        """Return ``c * self``."""
-        return Expr([(i, c * v) for i, v in self.terms], c * self.const)
-
-
-def var(i: int, c: float = 1.0) -> Expr:
-    """The expression ``c * x[i]``."""
-    return Expr([(i, c)])
-
-
-def const(c: float) -> Expr:
-    """A constant expression."""
-    return Expr([], float(c))
-
-
-@dataclass(frozen=True)
-class Constraint:
-    """``lo <= expr <= hi`` (``None`` for no bound); ``expr`` has no constant."""
-
-    name: str
-    terms: tuple[Term, ...]
-    lo: float | None
-    hi: float | None
+Rule = tuple[Any, ...]
+"""How a derived variable follows from earlier ones: ``("lin", target, terms, const)``,
+``("and", target, i, j)`` or ``("or", target, sources)``."""
 
 
 @dataclass(frozen=True)
@@ -173,16 +158,12 @@ class Slot:
 
 @dataclass
 class Formulation:
-    """The backend-neutral 0/1 model (see the module docstring).
+    """The checkpoint model: a :class:`~optmem.models.formulation.Model` and its plan maps.
 
     Attributes
     ----------
-    names
-        Variable names; every variable is binary except ``peak_var``.
-    constraints
-        Linear constraints.
-    objective, objective_const
-        Linear objective (op times) and its constant (backward and loss times).
+    model
+        The solver-neutral model (variables, rows, objective).
     sequence
         Forward slots and backward-type ops in execution order.
     derivations
@@ -192,7 +173,10 @@ class Formulation:
         which is then the objective (integer, or continuous when ``size_scale > 1``).
     size_scale
         Sizes of the model are the chain's divided by this (min-peak mode on byte-sized
-        chains: MILP engines mishandle coefficients of ~1e9, see :func:`build_formulation`).
+        chains: MILP engines mishandle coefficients of ~1e9).
+    reductions
+        Whether the tape rule (tapes consumed by ``B`` only) and ``F_all j`` once are in the
+        model (see the module docstring; :func:`build_formulation`).
     states
         For models that extend this one (:mod:`optmem.models.remat_offload`): the state
         ``(A, T)`` (value index -> expression of ``A[i]`` / ``T[i]``) before each item of
@@ -202,67 +186,58 @@ class Formulation:
         its row name, in the same order.
     """
 
+    model: Model
     length: int
     memory_limit: int
     variant: str
     sweeps: int
-    names: list[str] = field(default_factory=list)
-    constraints: list[Constraint] = field(default_factory=list)
-    objective: dict[int, float] = field(default_factory=dict)
-    objective_const: float = 0.0
     sequence: list[Slot | Op] = field(default_factory=list)
-    derivations: list[tuple[Any, ...]] = field(default_factory=list)
+    derivations: list[Rule] = field(default_factory=list)
     peak_var: int | None = None
+    size_scale: float = 1.0
+    reductions: bool = True
     states: list[tuple[dict[int, Expr], dict[int, Expr]]] = field(default_factory=list)
     memory_rows: list[tuple[str, Expr]] = field(default_factory=list)
-    size_scale: float = 1.0
 
-    # ------------------------------------------------------------------ building
-    def new_var(self, name: str) -> int:
-        """Add a binary variable and return its index."""
-        self.names.append(name)
-        return len(self.names) - 1
+    # ------------------------------------------------------------------ views of the model
+    @property
+    def names(self) -> list[str]:
+        """Variable names, in model order."""
+        return [v.name for v in self.model.vars]
 
-    def add(self, name: str, expr: Expr, lo: float | None = None, hi: float | None = None
-            ) -> None:
-        """Add ``lo <= expr <= hi``; constant-only constraints are checked right away."""
-        merged: dict[int, float] = {}
-        for i, c in expr.terms:
-            merged[i] = merged.get(i, 0.0) + c
-        terms = tuple((i, c) for i, c in merged.items() if c != 0)
-        lo2 = None if lo is None else lo - expr.const
-        hi2 = None if hi is None else hi - expr.const
-        if not terms:
-            if (lo2 is not None and lo2 > 1e-9) or (hi2 is not None and hi2 < -1e-9):
-                self.constraints.append(Constraint(name + "!", (), lo2, hi2))  # infeasible
-            return
-        self.constraints.append(Constraint(name, terms, lo2, hi2))
+    @property
+    def constraints(self) -> list[Constraint]:
+        """The rows of the model (name, terms, bounds)."""
+        return self.model.constraints
+
+    @property
+    def objective(self) -> dict[int, float]:
+        """Objective coefficients by variable index (the constant apart)."""
+        return dict(self.model.objective.merged())
+
+    @property
+    def objective_const(self) -> float:
+        """Constant part of the objective (backward and loss times)."""
+        return self.model.objective.const
 
     @property
     def size(self) -> dict[str, int]:
         """Number of variables, constraints and non-zeros."""
-        return {"variables": len(self.names), "constraints": len(self.constraints),
-                "nonzeros": sum(len(c.terms) for c in self.constraints)}
+        size = self.model.size
+        return {key: size[key] for key in ("variables", "constraints", "nonzeros")}
 
     @property
     def trivially_infeasible(self) -> bool:
         """Whether a constraint without variables is violated (e.g. ``a^0`` above ``M``)."""
-        return any(not c.terms for c in self.constraints)
+        return self.model.trivially_infeasible
 
-    # ------------------------------------------------------------------ checking
     def evaluate(self, values: Sequence[float]) -> float:
         """Objective value of an assignment."""
-        return self.objective_const + sum(c * values[i] for i, c in self.objective.items())
+        return self.model.evaluate(values)
 
     def violated(self, values: Sequence[float], tol: float = 1e-6) -> list[str]:
-        """Names of the constraints an assignment violates."""
-        bad = []
-        for con in self.constraints:
-            v = sum(c * values[i] for i, c in con.terms)
-            if (con.lo is not None and v < con.lo - tol) or (con.hi is not None
-                                                               and v > con.hi + tol):
-                bad.append(con.name)
-        return bad
+        """Names of the constraints (and bounds) an assignment violates."""
+        return self.model.violated(values, tol)
 
     # ------------------------------------------------------------------ plans <-> values
     def decode(self, values: Sequence[float]) -> tuple[Op, ...]:
@@ -285,22 +260,8 @@ class Formulation:
         previous op; the derived variables are then computed as the constraints define them,
         and the assignment is returned only if it satisfies every constraint.
         """
-        values = [0] * len(self.names)
-        ops = list(plan)
-        pos = 0
-        for item in self.sequence:
-            if isinstance(item, Op):
-                if pos >= len(ops) or ops[pos] != item:
-                    return None
-                pos += 1
-                continue
-            if pos < len(ops) and ops[pos].kind is not OpKind.B and ops[pos] != LOSS \
-                    and ops[pos].stage == item.stage:
-                match = [idx for kind, idx in item.ops if kind is ops[pos].kind]
-                if match:
-                    values[match[0]] = 1
-                    pos += 1
-        if pos != len(ops):
+        values = [0] * len(self.model.vars)
+        if not self._place(list(plan), values):
             return None
         for rule in self.derivations:
             kind, target = rule[0], rule[1]
@@ -314,26 +275,227 @@ class Formulation:
             return None
         return values
 
+    def _place(self, ops: list[Op], values: list[int]) -> bool:
+        """Set the op variables of ``ops`` (greedy slot placement); False if they do not fit."""
+        pos = 0
+        for item in self.sequence:
+            if isinstance(item, Op):
+                if pos >= len(ops) or ops[pos] != item:
+                    return False
+                pos += 1
+                continue
+            if pos < len(ops) and ops[pos].kind is not OpKind.B and ops[pos] != LOSS \
+                    and ops[pos].stage == item.stage:
+                match = [idx for kind, idx in item.ops if kind is ops[pos].kind]
+                if match:
+                    values[match[0]] = 1
+                    pos += 1
+        return pos == len(ops)
 
-def _arrays(chain: Chain, scale: float = 1.0) -> dict[str, list]:
-    L = chain.length
 
-    def sizes(values: list[int]) -> list:
-        return values if scale == 1 else [v / scale for v in values]
+@dataclass(frozen=True)
+class _Arrays:
+    """The chain in paper indices (sizes divided by ``scale``)."""
 
-    return {
-        "a": sizes([chain.input_size, *chain.output_size]),
-        "abar": sizes([chain.input_size, *chain.saved_size]),
-        "uf": [0.0, *chain.fwd_time],
-        "of": sizes([0, *chain.fwd_overhead]),
-        "ub": [0.0, *chain.bwd_time, chain.loss_bwd_time],
-        "ob": sizes([0, *chain.bwd_overhead, chain.loss_bwd_overhead]),
-        "L": [L],
-    }
+    a: list[float]
+    abar: list[float]
+    uf: list[float]
+    of: list[float]
+    ub: list[float]
+    ob: list[float]
+
+    @classmethod
+    def of_chain(cls, chain: Chain, scale: float = 1.0) -> _Arrays:
+        def sizes(values: Iterable[int]) -> list[float]:
+            return [v if scale == 1 else v / scale for v in values]
+
+        return cls(a=sizes([chain.input_size, *chain.output_size]),
+                   abar=sizes([chain.input_size, *chain.saved_size]),
+                   uf=[0.0, *chain.fwd_time], of=sizes([0, *chain.fwd_overhead]),
+                   ub=[0.0, *chain.bwd_time, chain.loss_bwd_time],
+                   ob=sizes([0, *chain.bwd_overhead, chain.loss_bwd_overhead]))
+
+
+def _add(model: Model, name: str, expr: Expr, lo: float | None = None,
+         hi: float | None = None) -> None:
+    """``lo <= expr <= hi`` (constant-only rows are checked by the model)."""
+    model.add(Relation(expr, lo, hi), name)
+
+
+class _Builder:
+    """Builds the phase-indexed model slot by slot (see the module docstring)."""
+
+    def __init__(self, chain: Chain, memory_limit: int | None, variant: str, sweeps: int,
+                 size_scale: float, reductions: bool) -> None:
+        self.L = L = chain.length
+        self.ar = _Arrays.of_chain(chain, size_scale)
+        self.m = Model("optmem_checkpoint")
+        self.f = Formulation(self.m, L, -1 if memory_limit is None else memory_limit,
+                             variant, sweeps, size_scale=size_scale, reductions=reductions)
+        self.limit = memory_limit
+        self.persistent = variant == "persistent"
+        self.peak: Expr | None = None
+        if memory_limit is None:
+            bound = sum(self.ar.a) + sum(self.ar.abar) + max(self.ar.of + self.ar.ob)
+            self.peak = (self.m.integer("peak", 0, bound) if size_scale == 1
+                         else self.m.continuous("peak", 0, bound))
+            self.f.peak_var = Model.index(self.peak)
+        # state: value -> expression (a single variable or a constant)
+        self.A: dict[int, Expr] = {i: Expr.of(0) for i in range(L + 1)}
+        self.A[0] = Expr.of(1)
+        self.T: dict[int, Expr] = {i: Expr.of(0) for i in range(1, L + 1)}
+        self.K: dict[int, Expr] = {i: Expr.of(0) for i in range(L + 1)}
+        self.objective: list[tuple[int, float]] = []
+        self.f_all: dict[int, list[int]] = {j: [] for j in range(1, L + 1)}
+
+    # ------------------------------------------------------------------ helpers
+    def fits(self, name: str, expr: Expr) -> None:
+        """``expr <= M``, or ``expr <= peak`` in min-peak mode."""
+        self.f.memory_rows.append((name, expr))
+        if self.peak is None:
+            _add(self.m, name, expr, hi=self.limit)
+        else:
+            _add(self.m, name, expr - self.peak, hi=0)
+
+    def stored(self) -> Expr:
+        """Size of every stored activation and tape."""
+        a, abar = self.ar.a, self.ar.abar
+        return Expr.sum([*(self.A[i] * a[i] for i in range(self.L + 1)),
+                         *(self.T[i] * abar[i] for i in range(1, self.L + 1))])
+
+    def fresh(self, name: str, expr: Expr) -> Expr:
+        """A new binary variable equal to ``expr`` (or ``expr`` itself if constant)."""
+        if not expr.terms:
+            return expr
+        if len(expr.terms) == 1 and expr.terms[0][1] == 1 and expr.const == 0:
+            return expr
+        v = self.m.binary(name)
+        _add(self.m, f"def_{name}", v - expr, 0, 0)
+        self.f.derivations.append(("lin", Model.index(v), list(expr.terms), expr.const))
+        return v
+
+    # ------------------------------------------------------------------ ops
+    def slot(self, k: int, r: int, j: int) -> None:
+        """Forward slot ``(k, r, j)``: op variables, constraints 1-7, state update."""
+        L, ar, m = self.L, self.ar, self.m
+        tag = f"{k}_{r}_{j}"
+        kinds = [OpKind.F_ALL]
+        if k == L + 1 or j < k:
+            kinds.append(OpKind.F_CK)
+        if j > 1 and (k == L + 1 or j < k or self.f.sweeps > 1):
+            kinds.append(OpKind.F_NONE)
+        op = {kind: m.binary(f"{kind.value}_{tag}") for kind in kinds}
+        idx = {kind: Model.index(x) for kind, x in op.items()}
+        self.f.states.append((dict(self.A), dict(self.T)))
+        self.f.sequence.append(Slot(k, r, j, tuple(idx.items())))
+        self.objective.extend((i, float(ar.uf[j])) for i in idx.values())
+        self.f_all[j].append(idx[OpKind.F_ALL])
+        y = Expr.sum(op.values())
+        A, T = self.A, self.T
+        has_in = A[j - 1] + (T[j - 1] if j > 1 else 0)
+        _add(m, f"one_{tag}", y, hi=1)
+        _add(m, f"input_{tag}", y - has_in, hi=0)
+        _add(m, f"nodup_{tag}", y + A[j] + T[j], hi=1)
+        produces_a = Expr.sum(op[kk] for kk in (OpKind.F_CK, OpKind.F_NONE) if kk in op)
+        out = op[OpKind.F_ALL] * ar.abar[j] + produces_a * ar.a[j]
+        d_k = ar.a[k] if k <= L else 0
+        self.fits(f"mem_{tag}", self.stored() + d_k + out + y * ar.of[j])
+        keep = Expr.sum(op[kk] for kk in (OpKind.F_ALL, OpKind.F_CK) if kk in op)
+        if self.persistent:
+            self.persist(tag, j, op, keep)
+        if OpKind.F_NONE in op:
+            self.consume(tag, j, op[OpKind.F_NONE])
+        A[j] = self.fresh(f"A{j}_{tag}", A[j] + produces_a)
+        T[j] = self.fresh(f"T{j}_{tag}", T[j] + op[OpKind.F_ALL])
+
+    def persist(self, tag: str, j: int, op: dict[OpKind, Expr], keep: Expr) -> None:
+        """Memory persistence: a read ``a^{j-1}`` stays until ``B j`` (variant persistent)."""
+        m, K = self.m, self.K
+        if OpKind.F_NONE in op:
+            _add(m, f"persist_{tag}", op[OpKind.F_NONE] + K[j - 1], hi=1)
+        kv = m.binary(f"K{j - 1}_{tag}")
+        _add(m, f"Kge_{tag}", kv - K[j - 1], lo=0)
+        _add(m, f"Kge2_{tag}", kv - keep, lo=0)
+        _add(m, f"Kle_{tag}", kv - K[j - 1] - keep, hi=0)
+        self.f.derivations.append(("or", Model.index(kv),
+                                   [i for i, _ in K[j - 1].terms + keep.terms]))
+        K[j - 1] = kv
+
+    def consume(self, tag: str, j: int, fn: Expr) -> None:
+        """``F_none j`` consumes ``a^{j-1}`` (without the reductions: or ``abar^{j-1}``).
+
+        The persistent variant never consumes a tape (a read value stays until ``B``).
+        """
+        m, A, T = self.m, self.A, self.T
+        za = m.binary(f"zA_{tag}")
+        _add(m, f"zA_{tag}", za - A[j - 1], hi=0)
+        self.f.derivations.append(self._and(za, fn, A[j - 1]))
+        if self.f.reductions or self.persistent:
+            _add(m, f"zsum_{tag}", za - fn, lo=0, hi=0)
+        else:
+            zt = m.binary(f"zT_{tag}")
+            _add(m, f"zT_{tag}", zt - T[j - 1], hi=0)
+            _add(m, f"zsum_{tag}", za + zt - fn, lo=0, hi=0)
+            self.f.derivations.append(self._and(zt, fn, T[j - 1]))
+            T[j - 1] = self.fresh(f"T{j - 1}_{tag}", T[j - 1] - zt)
+        A[j - 1] = self.fresh(f"A{j - 1}_{tag}", A[j - 1] - za)
+
+    @staticmethod
+    def _and(target: Expr, fn: Expr, state: Expr) -> Rule:
+        """Derivation of ``target = fn AND state`` (0 when the state is a constant 0)."""
+        if not state.terms:
+            return ("lin", Model.index(target), [], 0)
+        return ("and", Model.index(target), Model.index(fn), state.terms[0][0])
+
+    def loss(self) -> None:
+        """``Loss``: reads ``a^L`` (or its tape), frees ``a^L``."""
+        L, ar = self.L, self.ar
+        self.f.sequence.append(LOSS)
+        _add(self.m, "loss_input", self.A[L] + self.T[L], lo=1)
+        self.fits("mem_loss", self.stored() + ar.a[L] + ar.ob[L + 1])
+        self.A[L] = Expr.of(0)
+
+    def backward(self, k: int) -> None:
+        """``B k``: needs its tape and input; frees the tape and ``a^{k-1}``."""
+        ar, A, T = self.ar, self.A, self.T
+        self.f.sequence.append(B(k))
+        _add(self.m, f"tape_{k}", T[k], lo=1)
+        _add(self.m, f"binput_{k}", A[k - 1] + (T[k - 1] if k > 1 else 0), lo=1)
+        self.fits(f"mem_B{k}", self.stored() + ar.a[k] + ar.a[k - 1] + ar.ob[k])
+        T[k] = Expr.of(0)
+        A[k - 1] = Expr.of(0)
+
+    def build(self) -> Formulation:
+        L = self.L
+        for k in range(L + 1, 0, -1):
+            last = L if k == L + 1 else k
+            for r in range(1, self.f.sweeps + 1):
+                for j in range(1, last + 1):
+                    self.slot(k, r, j)
+            self.f.states.append((dict(self.A), dict(self.T)))
+            if k == L + 1:
+                self.loss()
+            else:
+                self.backward(k)
+        self.f.states.append((dict(self.A), dict(self.T)))
+        if self.f.reductions:
+            for j, ops in self.f_all.items():
+                _add(self.m, f"once_{j}", Expr.sum(self.m_var(i) for i in ops), lo=1, hi=1)
+        if self.peak is not None:
+            self.m.minimize(self.peak)
+        else:
+            self.m.minimize(Expr(self.objective, float(sum(self.ar.ub[1:]))))
+        return self.f
+
+    @staticmethod
+    def m_var(index: int) -> Expr:
+        """The expression of variable ``index``."""
+        return Expr([(index, 1.0)])
 
 
 def build_formulation(chain: Chain, memory_limit: int | None, variant: str = "full",
-                      sweeps: int = 1, *, size_scale: float = 1.0) -> Formulation:
+                      sweeps: int = 1, *, size_scale: float = 1.0,
+                      reductions: bool = True) -> Formulation:
     """Build the neutral model of ``chain`` (integer sizes) under ``memory_limit``.
 
     Parameters
@@ -353,6 +515,13 @@ def build_formulation(chain: Chain, memory_limit: int | None, variant: str = "fu
         :data:`optmem.engines.adapters.MAX_COEFFICIENT` (with raw byte coefficients, HiGHS
         called an always-feasible model infeasible); the peak variable is then continuous
         and the true peak is the decoded plan's, replayed by the simulator.
+    reductions
+        Add the tape rule (``F_none`` consumes ``a^{j-1}`` only) and ``F_all j`` once
+        (default; exact for checkpointing by RR-9302 Lemma 4, see the module docstring).
+        ``False`` lets ``F_none j`` consume the tape ``abar^{j-1}`` too (variables ``zT``)
+        and ``F_all j`` run any number of times: the model that
+        :mod:`optmem.models.remat_offload` extends, where a value may leave the GPU and the
+        argument does not carry over as it stands.
     """
     if size_scale != 1 and memory_limit is not None:
         raise ValueError("size_scale is for the min-peak mode (memory_limit=None) only")
@@ -361,189 +530,39 @@ def build_formulation(chain: Chain, memory_limit: int | None, variant: str = "fu
                                f"(expected one of {', '.join(VARIANTS)})", field="variant")
     if sweeps < 1:
         raise OptmemInputError(f"expected at least one sweep, got {sweeps}", field="sweeps")
-    ar = _arrays(chain, size_scale)
-    L = chain.length
-    a, abar, uf, of, ub, ob = ar["a"], ar["abar"], ar["uf"], ar["of"], ar["ub"], ar["ob"]
-    persistent = variant == "persistent"
-    f = Formulation(L, -1 if memory_limit is None else memory_limit, variant, sweeps,
-                    size_scale=size_scale)
-    f.objective_const = float(sum(ub[1:]))
-    if memory_limit is None:
-        f.peak_var = f.new_var("peak")
-
-    def fits(name: str, expr: Expr) -> None:
-        """``expr <= M``, or ``expr <= peak`` in min-peak mode."""
-        f.memory_rows.append((name, expr))
-        if f.peak_var is None:
-            f.add(name, expr, hi=memory_limit)
-        else:
-            f.add(name, expr + var(f.peak_var, -1), hi=0)
-    # state: value -> Expr (a single variable or a constant)
-    A: dict[int, Expr] = {i: const(0) for i in range(L + 1)}
-    A[0] = const(1)
-    T: dict[int, Expr] = {i: const(0) for i in range(1, L + 1)}
-    K: dict[int, Expr] = {i: const(0) for i in range(L + 1)}
-
-    def stored() -> Expr:
-        out = const(0)
-        for i in range(L + 1):
-            out = out + A[i].scaled(a[i])
-        for i in range(1, L + 1):
-            out = out + T[i].scaled(abar[i])
-        return out
-
-    def fresh(name: str, expr: Expr) -> Expr:
-        """A new binary variable equal to ``expr`` (or ``expr`` itself if constant)."""
-        if not expr.terms:
-            return expr
-        if len(expr.terms) == 1 and expr.terms[0][1] == 1 and expr.const == 0:
-            return expr
-        v = f.new_var(name)
-        f.add(f"def_{name}", var(v) + expr.scaled(-1), 0, 0)
-        f.derivations.append(("lin", v, list(expr.terms), expr.const))
-        return var(v)
-
-    for k in range(L + 1, 0, -1):
-        d_k = a[k] if k <= L else 0
-        last = L if k == L + 1 else k
-        for r in range(1, sweeps + 1):
-            for j in range(1, last + 1):
-                tag = f"{k}_{r}_{j}"
-                kinds = [OpKind.F_ALL]
-                if k == L + 1 or j < k:
-                    kinds.append(OpKind.F_CK)
-                if j > 1 and (k == L + 1 or j < k or sweeps > 1):
-                    kinds.append(OpKind.F_NONE)
-                idx = {kind: f.new_var(f"{kind.value}_{tag}") for kind in kinds}
-                f.states.append((dict(A), dict(T)))
-                f.sequence.append(Slot(k, r, j, tuple(idx.items())))
-                for v in idx.values():
-                    f.objective[v] = float(uf[j])
-                y = Expr([(v, 1.0) for v in idx.values()])
-                has_in = A[j - 1] + (T[j - 1] if j > 1 else const(0))
-                f.add(f"one_{tag}", y, hi=1)
-                f.add(f"input_{tag}", y + has_in.scaled(-1), hi=0)
-                f.add(f"nodup_{tag}", y + A[j] + T[j], hi=1)
-                out = Expr([(idx[OpKind.F_ALL], abar[j])])
-                prod_a = Expr([(idx[kk], 1.0) for kk in (OpKind.F_CK, OpKind.F_NONE)
-                               if kk in idx])
-                out = out + prod_a.scaled(a[j])
-                fits(f"mem_{tag}", stored() + const(d_k) + out + y.scaled(of[j]))
-                keep = Expr([(idx[kk], 1.0) for kk in (OpKind.F_ALL, OpKind.F_CK)
-                             if kk in idx])
-                if persistent:
-                    if OpKind.F_NONE in idx:
-                        f.add(f"persist_{tag}", var(idx[OpKind.F_NONE]) + K[j - 1], hi=1)
-                    kv = f.new_var(f"K{j - 1}_{tag}")
-                    f.add(f"Kge_{tag}", var(kv) + K[j - 1].scaled(-1), lo=0)
-                    f.add(f"Kge2_{tag}", var(kv) + keep.scaled(-1), lo=0)
-                    f.add(f"Kle_{tag}", var(kv) + K[j - 1].scaled(-1) + keep.scaled(-1), hi=0)
-                    f.derivations.append(("or", kv, [i for i, _ in K[j - 1].terms
-                                                     + keep.terms]))
-                    K[j - 1] = var(kv)
-                if OpKind.F_NONE in idx:
-                    fn = idx[OpKind.F_NONE]
-                    za = f.new_var(f"zA_{tag}")
-                    f.add(f"zA_{tag}", var(za) + A[j - 1].scaled(-1), hi=0)
-                    f.derivations.append(("and", za, fn, A[j - 1].terms[0][0])
-                                         if A[j - 1].terms else ("lin", za, [], 0))
-                    if persistent:
-                        zt_expr = const(0)
-                        f.add(f"zsum_{tag}", var(za) + var(fn, -1), lo=0, hi=0)
-                    else:
-                        zt = f.new_var(f"zT_{tag}")
-                        zt_expr = var(zt)
-                        f.add(f"zT_{tag}", var(zt) + T[j - 1].scaled(-1), hi=0)
-                        f.add(f"zsum_{tag}", var(za) + var(zt) + var(fn, -1), lo=0, hi=0)
-                        f.derivations.append(("and", zt, fn, T[j - 1].terms[0][0])
-                                             if T[j - 1].terms else ("lin", zt, [], 0))
-                    A[j - 1] = fresh(f"A{j - 1}_{tag}", A[j - 1] + var(za, -1))
-                    if j > 1:
-                        T[j - 1] = fresh(f"T{j - 1}_{tag}", T[j - 1] + zt_expr.scaled(-1))
-                A[j] = fresh(f"A{j}_{tag}", A[j] + prod_a)
-                T[j] = fresh(f"T{j}_{tag}", T[j] + var(idx[OpKind.F_ALL]))
-        f.states.append((dict(A), dict(T)))
-        if k == L + 1:
-            f.sequence.append(LOSS)
-            f.add("loss_input", A[L] + T[L], lo=1)
-            fits("mem_loss", stored() + const(a[L] + ob[L + 1]))
-            A[L] = const(0)
-        else:
-            f.sequence.append(B(k))
-            f.add(f"tape_{k}", T[k], lo=1)
-            f.add(f"binput_{k}", A[k - 1] + (T[k - 1] if k > 1 else const(0)), lo=1)
-            fits(f"mem_B{k}", stored() + const(a[k] + a[k - 1] + ob[k]))
-            T[k] = const(0)
-            A[k - 1] = const(0)
-    f.states.append((dict(A), dict(T)))
-    if f.peak_var is not None:
-        f.objective = {f.peak_var: 1.0}
-        f.objective_const = 0.0
-    return f
+    return _Builder(chain, memory_limit, variant, sweeps, size_scale, reductions).build()
 
 
 # ------------------------------------------------------------------ PuLP emission
 @dataclass
 class CheckpointILP:
-    """The PuLP model of a :class:`Formulation` (``problem``) and its variables."""
+    """The PuLP model of a :class:`Formulation` (shared emitter :func:`to_pulp`)."""
 
     formulation: Formulation
-    problem: Any  # pulp.LpProblem
-    variables: list[Any]  # pulp.LpVariable, same order as formulation.names
+    emitted: PulpModel
+
+    @property
+    def problem(self) -> Any:
+        """The ``pulp.LpProblem``."""
+        return self.emitted.problem
+
+    @property
+    def variables(self) -> list[Any]:
+        """Every PuLP variable (model order, then the objective constant)."""
+        return self.emitted.all_variables
+
+    def initial(self, values: Sequence[float] | None) -> list[float] | None:
+        """A warm start for :attr:`variables` from model values (``None`` passes through)."""
+        return self.emitted.initial(values)
 
     def values(self) -> list[float]:
-        """Variable values after a solve (0 for unset ones)."""
-        return [v.varValue or 0.0 for v in self.variables]
-
-
-def build_checkpoint_ilp(disc: Discretized, variant: str = "full",
-                         sweeps: int = 1) -> CheckpointILP:
-    """Build the PuLP model of the discretised instance ``disc`` (see module docstring)."""
-    form = build_formulation(disc.chain, disc.memory_limit, variant, sweeps)
-    return emit_pulp(form)
+        """Model variable values after a solve (0 for unset ones)."""
+        return [v.varValue or 0.0 for v in self.emitted.variables]
 
 
 def emit_pulp(form: Formulation) -> CheckpointILP:
     """Write ``form`` as a PuLP problem (binary variables, named rows)."""
-    import pulp  # type: ignore[import-untyped]
-
-    prob = pulp.LpProblem("optmem_checkpoint", pulp.LpMinimize)
-    peak_cat = pulp.LpInteger if form.size_scale == 1 else pulp.LpContinuous
-    xs = [prob.add_variable(n, 0, 1, cat=pulp.LpBinary) if i != form.peak_var
-          else prob.add_variable(n, 0, None, cat=peak_cat)
-          for i, n in enumerate(form.names)]
-    objective = pulp.lpSum(c * xs[i] for i, c in form.objective.items())
-    if form.objective_const:
-        # MPS has no portable objective constant: carry it on a variable fixed to 1
-        one = prob.add_variable("objective_constant", 1, 1, cat=pulp.LpInteger)
-        one.setInitialValue(1)
-        objective += form.objective_const * one
-    prob += objective
-    for con in form.constraints:
-        lhs = pulp.lpSum(c * xs[i] for i, c in con.terms)
-        if con.lo is not None and con.hi is not None and con.lo == con.hi:
-            prob += (lhs == con.hi, con.name)
-            continue
-        if con.hi is not None:
-            prob += (lhs <= con.hi, con.name if con.lo is None else con.name + "_hi")
-        if con.lo is not None:
-            prob += (lhs >= con.lo, con.name if con.hi is None else con.name + "_lo")
-    if form.trivially_infeasible and xs:  # keep exported files honest: an infeasible row
-        prob += (xs[0] >= 2, "infeasible_constant_row")
-    return CheckpointILP(form, prob, xs)
-
-
-def decode_checkpoint_ilp(model: CheckpointILP | Formulation,
-                          values: Sequence[float] | None = None) -> tuple[Op, ...]:
-    """The plan of a solved model (values from the engine, or the PuLP variables)."""
-    if isinstance(model, CheckpointILP):
-        form = model.formulation
-        values = model.values() if values is None else values
-    else:
-        form = model
-        if values is None:
-            raise ValueError("values are needed to decode a bare formulation")
-    return form.decode([round(v) for v in values])
+    return CheckpointILP(form, to_pulp(form.model))
 
 
 def write_model(model: CheckpointILP, path: str | Path) -> None:

@@ -2,8 +2,9 @@ r"""Exact ILP for the least peak memory of a single-pass checkpoint set (Hong et
 
 The same objective as the DPs of :mod:`optmem.solvers.min_peak_dp` (Hong eq. 6 for the
 ``static`` model, eq. 12 for ``pytorch``, optmem's simulator for ``optmem``), written as a
-shortest-path-like ILP so that it checks them independently. Build, solve and decode are
-kept apart; PuLP is imported inside the functions.
+shortest-path-like ILP so that it checks them independently. The model is built once as a
+solver-neutral :class:`optmem.models.formulation.Model` and written for PuLP by the shared
+emitter (:func:`optmem.models.formulation.to_pulp`); build, solve and decode are kept apart.
 
 Variables (``0 <= h < i <= n``)::
 
@@ -32,6 +33,7 @@ from typing import Any
 
 from optmem.engines.adapters import EngineResult, coefficient_scale, pulp_settings
 from optmem.errors import OptmemInputError
+from optmem.models.formulation import Expr, Model, PulpModel, to_pulp
 from optmem.problems.min_peak import MinPeakProblem
 from optmem.result import SolveOptions, Status
 from optmem.solvers.min_peak_dp import segment_model
@@ -39,22 +41,28 @@ from optmem.solvers.min_peak_dp import segment_model
 
 @dataclass
 class MinPeakModel:
-    """A built PuLP model and its variables (``x[k]``, ``y[(h, i)]``, ``peak``).
+    """The neutral model, its PuLP form and the indices of ``x[k]``, ``y[(h, i)]``, ``peak``.
 
     Sizes are divided by ``scale`` (:func:`optmem.engines.adapters.coefficient_scale`):
     byte-sized big-M coefficients (~1e9) made HiGHS return wrong "optimal" sets.
     """
 
-    lp: Any
-    x: list[Any]
-    y: dict[tuple[int, int], Any]
-    peak: Any
+    model: Model
+    emitted: PulpModel
+    x: list[int]
+    y: dict[tuple[int, int], int]
+    peak: int
     scale: float = 1.0
 
     @property
+    def lp(self) -> Any:
+        """The ``pulp.LpProblem``."""
+        return self.emitted.problem
+
+    @property
     def variables(self) -> list[Any]:
-        """Every variable of the model, in a fixed order."""
-        return list(self.lp.variables())
+        """Every PuLP variable, in a fixed order (model variables, then auxiliary ones)."""
+        return self.emitted.all_variables
 
 
 @dataclass(frozen=True)
@@ -69,10 +77,22 @@ class IlpOutcome:
     engine: EngineResult | None = None
 
 
+def _paths(m: Model, n: int) -> tuple[list[Expr], dict[tuple[int, int], Expr]]:
+    """Checkpoint and segment binaries with the path constraints of the docstring."""
+    x = [m.binary(f"x_{k}") for k in range(n + 1)]
+    y = {(h, i): m.binary(f"y_{h}_{i}") for h in range(n) for i in range(h + 1, n + 1)}
+    m.add(x[0] == 1, "first")
+    m.add(x[n] == 1, "last")
+    m.add(Expr.sum(y[(0, i)] for i in range(1, n + 1)) == 1, "leave_0")
+    m.add(Expr.sum(y[(h, n)] for h in range(n)) == 1, "enter_n")
+    for k in range(1, n):
+        m.add(Expr.sum(y[(h, k)] for h in range(k)) == x[k], f"enter_{k}")
+        m.add(Expr.sum(y[(k, i)] for i in range(k + 1, n + 1)) == x[k], f"leave_{k}")
+    return x, y
+
+
 def build_min_peak_ilp(problem: MinPeakProblem) -> MinPeakModel:
     """Build the ILP of the module docstring for ``problem``."""
-    import pulp
-
     n = problem.n
     if problem.model == "static":
         d = list(problem.sizes())
@@ -82,39 +102,33 @@ def build_min_peak_ilp(problem: MinPeakProblem) -> MinPeakModel:
         rows = [row(h) for h in range(n)]
         largest = float(sum(w) + max(max(r) for r in rows))
     scale = coefficient_scale(largest)
-    lp = pulp.LpProblem("min_peak", pulp.LpMinimize)
-    x = [lp.add_variable(f"x_{k}", 0, 1, cat=pulp.LpBinary) for k in range(n + 1)]
-    y = {(h, i): lp.add_variable(f"y_{h}_{i}", 0, 1, cat=pulp.LpBinary)
-         for h in range(n) for i in range(h + 1, n + 1)}
-    peak = lp.add_variable("peak", 0)
-    lp += peak
-    lp += x[0] == 1
-    lp += x[n] == 1
-    lp += pulp.lpSum(y[(0, i)] for i in range(1, n + 1)) == 1
-    lp += pulp.lpSum(y[(h, n)] for h in range(n)) == 1
-    for k in range(1, n):
-        lp += pulp.lpSum(y[(h, k)] for h in range(k)) == x[k]
-        lp += pulp.lpSum(y[(k, i)] for i in range(k + 1, n + 1)) == x[k]
+    m = Model("min_peak")
+    x, y = _paths(m, n)
+    peak = m.continuous("peak", 0)
+    m.minimize(peak)
     if problem.model == "static":
-        total = pulp.lpSum(d[k] / scale * x[k] for k in range(n + 1))
-        seg = lp.add_variable("largest_segment", 0)
-        lp += peak >= total + seg
+        total = Expr.sum(x[k] * (d[k] / scale) for k in range(n + 1))
+        seg = m.continuous("largest_segment", 0)
+        m.add(peak >= total + seg, "peak")
         for (h, i), var in y.items():
             inner = sum(d[h + 1:i])
             if inner:
-                lp += seg >= inner / scale * var
-        return MinPeakModel(lp, x, y, peak, scale)
-    z = [lp.add_variable(f"z_{k}", 0) for k in range(n + 1)]
-    lp += z[0] == w[0] / scale * x[0]
-    for k in range(1, n + 1):
-        lp += z[k] == z[k - 1] + w[k] / scale * x[k]
-    prefix_total = 0.0
-    for h in range(n):
-        prefix_total += w[h] / scale
-        for off, u in enumerate(rows[h]):
-            i = h + 1 + off
-            lp += peak >= z[h] + (u / scale + prefix_total) * y[(h, i)] - prefix_total
-    return MinPeakModel(lp, x, y, peak, scale)
+                m.add(seg >= var * (inner / scale), f"seg_{h}_{i}")
+    else:
+        z = [m.continuous(f"z_{k}", 0) for k in range(n + 1)]
+        m.add(z[0] == x[0] * (w[0] / scale), "z_0")
+        for k in range(1, n + 1):
+            m.add(z[k] == z[k - 1] + x[k] * (w[k] / scale), f"z_{k}")
+        prefix_total = 0.0
+        for h in range(n):
+            prefix_total += w[h] / scale
+            for off, u in enumerate(rows[h]):
+                i = h + 1 + off
+                m.add(peak >= z[h] + y[(h, i)] * (u / scale + prefix_total) - prefix_total,
+                      f"peak_{h}_{i}")
+    return MinPeakModel(m, to_pulp(m), [Model.index(v) for v in x],
+                        {key: Model.index(v) for key, v in y.items()}, Model.index(peak),
+                        scale)
 
 
 def initial_values(model: MinPeakModel, problem: MinPeakProblem,
@@ -123,22 +137,26 @@ def initial_values(model: MinPeakModel, problem: MinPeakProblem,
     n = problem.n
     cset = set(checkpoints)
     pairs = set(zip(checkpoints, checkpoints[1:], strict=False))
-    values: dict[str, float] = {f"x_{k}": float(k in cset) for k in range(n + 1)}
-    values.update({f"y_{h}_{i}": float((h, i) in pairs) for (h, i) in model.y})
+    values = [0.0] * len(model.model.vars)
+    for k, idx in enumerate(model.x):
+        values[idx] = float(k in cset)
+    for key, idx in model.y.items():
+        values[idx] = float(key in pairs)
+    named = {v.name: v.index for v in model.model.vars}
     if problem.model == "static":
         d = problem.sizes()
         largest = max(sum(d[h + 1:i]) for h, i in pairs) / model.scale
-        values["largest_segment"] = largest
-        values["peak"] = sum(d[c] for c in cset) / model.scale + largest
+        values[named["largest_segment"]] = largest
+        values[model.peak] = sum(d[c] for c in cset) / model.scale + largest
     else:
         w, row = segment_model(problem)
         z, acc = [], 0.0
         for k in range(n + 1):
             acc += w[k] / model.scale if k in cset else 0.0
             z.append(acc)
-            values[f"z_{k}"] = acc
-        values["peak"] = max(z[h] + row(h)[i - h - 1] / model.scale for h, i in pairs)
-    return [values[v.name] for v in model.variables]
+            values[named[f"z_{k}"]] = acc
+        values[model.peak] = max(z[h] + row(h)[i - h - 1] / model.scale for h, i in pairs)
+    return model.emitted.initial(values)  # type: ignore[return-value]
 
 
 def solve_min_peak_ilp(model: MinPeakModel, options: SolveOptions,
@@ -157,8 +175,9 @@ def solve_min_peak_ilp(model: MinPeakModel, options: SolveOptions,
 
 def decode_min_peak_ilp(model: MinPeakModel) -> tuple[int, ...]:
     """The checkpoint set of a solved model (``x_k > 0.5``)."""
-    return tuple(k for k, var in enumerate(model.x)
-                 if var.varValue is not None and var.varValue > 0.5)
+    xs = model.emitted.variables
+    return tuple(k for k, idx in enumerate(model.x)
+                 if xs[idx].varValue is not None and xs[idx].varValue > 0.5)
 
 
 def write_min_peak_ilp(problem: MinPeakProblem, path: str) -> None:

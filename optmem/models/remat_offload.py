@@ -10,8 +10,10 @@ Compute part
 ------------
 The phase-indexed checkpoint formulation of :mod:`optmem.models.checkpoint_ilp` (its
 docstring explains phases, sweeps and the exclusions), built by
-:func:`~optmem.models.checkpoint_ilp.build_formulation` and copied unchanged except for its
-memory rows, which lose the values that are on the host (below). Its items (forward slots,
+:func:`~optmem.models.checkpoint_ilp.build_formulation` without its checkpoint-only
+reductions (``reductions=False``: ``F_none`` may consume a tape, ``F_all j`` may run again) and
+copied unchanged except for its memory rows, which lose the values that are on the host
+(below). Its items (forward slots,
 ``Loss``, ``B k``) are numbered ``p = 0 .. n-1`` in execution order; an empty slot is an op of
 duration 0.
 
@@ -172,7 +174,8 @@ class RematOffloadModel:
         compute = [op for op in plan if isinstance(op, Op)]
         # the compute ops' slots, memory aside (it depends on the transfers)
         cf = self.checkpoint
-        free_memory = ck.build_formulation(self.chain, 2**60, cf.variant, cf.sweeps)
+        free_memory = ck.build_formulation(self.chain, 2**60, cf.variant, cf.sweeps,
+                                           reductions=cf.reductions)
         base = free_memory.assignment(compute)
         if base is None or free_memory.names != cf.names:
             return None
@@ -237,7 +240,7 @@ def build_remat_offload(chain: Chain, memory_limit: int, bandwidth: float, *,
     grid
         Round every duration down to a multiple of ``1 / grid`` (a relaxation; see above).
     """
-    cf = ck.build_formulation(chain, memory_limit, "full", sweeps)
+    cf = ck.build_formulation(chain, memory_limit, "full", sweeps, reductions=False)
     L = chain.length
     a = [chain.input_size, *chain.output_size]
     abar = [chain.input_size, *chain.saved_size]
@@ -290,7 +293,7 @@ def build_remat_offload(chain: Chain, memory_limit: int, bandwidth: float, *,
     def state_of(p: int, v: Value) -> ck.Expr:
         A, T = cf.states[p]
         table = A if v[0] == A_ else T
-        return table.get(v[1], ck.const(0))
+        return table.get(v[1], ck.Expr.of(0))
 
     def add(rel: Relation, name: str, lits: Sequence[Literal | bool]) -> None:
         if any(x is False for x in lits):

@@ -184,7 +184,8 @@ def solve_checkpoint_ilp(problem: CheckpointProblem, options: SolveOptions) -> R
     report["warm_start"] = start.note
     model = emit_pulp(form)
     out = engines.solve_pulp(model.problem, model.variables, options.solver,
-                             initial=start.values, **engines.pulp_settings(options))
+                             initial=model.initial(start.values),
+                             **engines.pulp_settings(options))
     if out.failed:
         return _engine_failed(problem, disc, start, out, method="ilp", variant=variant,
                               report=report)
@@ -229,7 +230,7 @@ def solve_checkpoint_cpsat(problem: CheckpointProblem, options: SolveOptions) ->
     report["warm_start"] = start.note
     model = emit_cpsat(form)
     report["time_scale"] = model.scale
-    out = engines.solve_cpsat(model.model, model.variables, hint=start.values,
+    out = engines.solve_cpsat(model.model, model.variables, hint=model.hint(start.values),
                               **engines.cpsat_settings(options))
     if out.failed:
         return _engine_failed(problem, disc, start, out, method="cpsat", variant=variant,
