@@ -155,7 +155,7 @@ def run_jobs(rank: int, world: int, jobs: list[dict[str, Any]], out_dir: str) ->
     """Run every job (``job["kind"]`` names the function below) and save its outcome."""
     torch.set_num_threads(1)
     kinds = {"pipeline": pipeline_job, "one_call": one_call_job, "ddp": ddp_job,
-             "fsdp": fsdp_job, "fsdp_refusal": fsdp_refusal_job}
+             "fsdp": fsdp_job, "fsdp_refusal": fsdp_refusal_job, "ddp_hf": ddp_hf_job}
     for k, job in enumerate(jobs):
         _save(out_dir, rank, k, kinds[job["kind"]](rank, world, job))
         dist.barrier()
@@ -251,34 +251,58 @@ def ddp_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     return {"grads": grads, "plan": cmodel.result.plan}
 
 
+def ddp_hf_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    """DDP over ``op.checkpoint`` of HuggingFace's GPT-2 (exported; ``labels=``, tied head).
+
+    ``{"memory_limit"}``; default DDP arguments, two iterations, each rank on its shard.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = hf_gpt2()
+    x_all, y_all = gpt_data(4 * world)
+    x, y = x_all.chunk(world)[rank], y_all.chunk(world)[rank]
+    cmodel = op.checkpoint(model, {"input_ids": x, "labels": y},
+                           memory_limit=job["memory_limit"], time_model=lambda *_: (1.0, 2.0))
+    ddp = DistributedDataParallel(cmodel)
+    for _ in range(2):
+        ddp.zero_grad(set_to_none=True)
+        ddp(input_ids=x, labels=y).loss.backward()
+    return {"grads": _grads(model), "plan": cmodel.result.plan}
+
+
 def fsdp_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     """``checkpoint_fsdp`` on a CPU device mesh; ``grad.full_tensor()`` of every weight.
 
-    ``{"model": "mlp" | "gpt", "memory_limit"}``; two iterations.
+    ``{"model": "mlp" | "gpt" | "hf-gpt2", "memory_limit"}``; two iterations. ``hf-gpt2`` is
+    exported (``labels=`` in the call: the model's own loss).
     """
     from torch.distributed.device_mesh import init_device_mesh
 
     from optmem.pytorch.distributed import checkpoint_fsdp
 
     mesh = init_device_mesh("cpu", (world,))
-    if job["model"] == "mlp":
-        model, (x_all, y_all), loss_fn = residual_mlp(), mlp_data(8 * world), \
-            nn.functional.mse_loss
-    else:
-        model, (x_all, y_all), loss_fn = tiny_gpt(), gpt_data(4 * world), lm_loss
+    model, (x_all, y_all), loss_fn = _fsdp_case(job["model"], world)
     x, y = x_all.chunk(world)[rank], y_all.chunk(world)[rank]
-    original = {id(p): n for n, p in model.named_parameters()}
-    names = {f"stages.{i}.{n}": original[id(p)]  # fully_shard keeps these names
-             for i, st in enumerate(op.extract_stages(model))
-             for n, p in st.module.named_parameters()}
-    cmodel = checkpoint_fsdp(model, x, job["memory_limit"], mesh=mesh,
+    args, kwargs, target = model_call(loss_fn, x, y)
+    cmodel = checkpoint_fsdp(model, kwargs or args[0], job["memory_limit"], mesh=mesh,
                              time_model=lambda *_: (1.0, 2.0))
     for _ in range(2):
         cmodel.zero_grad(set_to_none=True)
-        loss_fn(cmodel(x), y).backward()
-    return {"grads": {names[n]: p.grad.full_tensor() for n, p in cmodel.named_parameters()},
+        out = cmodel(*args, **kwargs)
+        (out.loss if loss_fn is None else loss_fn(out, target)).backward()
+    return {"grads": {n: p.grad.full_tensor() for n, p in cmodel.named_parameters()},
             "plan": cmodel.result.plan, "chain": cmodel.chain.to_dict(),
-            "units": [type(m).__name__ for m in cmodel.stages]}
+            "units": [type(m).__name__ for m in cmodel.stages],
+            "keys": sorted(cmodel.state_dict())}
+
+
+def _fsdp_case(name: str, world: int) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor],
+                                                 Any]:
+    if name == "mlp":
+        return residual_mlp(), mlp_data(8 * world), nn.functional.mse_loss
+    if name == "gpt":
+        return tiny_gpt(), gpt_data(4 * world), lm_loss
+    return hf_gpt2(), gpt_data(4 * world), None
 
 
 def fsdp_refusal_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:

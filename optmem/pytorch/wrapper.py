@@ -72,6 +72,9 @@ class ProfileOptions:
     time_model: Any = None
     max_stages: int | None = None
     extract: str = "auto"
+    # what the profile does not see but the plan must count: (stages, chain) -> chain
+    # (FSDP2's gathered parameters: optmem.pytorch.distributed.fsdp_chain)
+    adjust_chain: Callable[[Sequence[Stage], Chain], Chain] | None = None
 
 
 @dataclass
@@ -499,8 +502,9 @@ def plan_stages(fine: list[Stage], x: Any, profile: ProfileOptions, name: str,
     The merge, the profile and the solve run on rank 0 of ``group``
     (:func:`~optmem.pytorch.distributed.run_once`; ``None``: here), so every rank follows
     the same plan. ``x`` is the chain input and ``ctx`` the side inputs of the sample call
-    (``None`` for an ``nn.Sequential`` or a list of stages). Returns the merge groups (or
-    ``None``), the merged stages, the chain and the result.
+    (``None`` for an ``nn.Sequential`` or a list of stages); a profiled chain goes through
+    ``profile.adjust_chain`` before the solve. Returns the merge groups (or ``None``), the
+    merged stages, the chain and the result.
     """
     from optmem.pytorch.distributed import run_once
 
@@ -528,6 +532,8 @@ def plan_stages(fine: list[Stage], x: Any, profile: ProfileOptions, name: str,
                 tuple(s.name for s in stages)
             prof = _profile(stages, x, profile, name, ctx,
                             time_model=_scaled_times(like, stages) if same else None)
+            if profile.adjust_chain is not None:
+                prof = profile.adjust_chain(stages, prof)
         elif prof.length != len(stages):
             raise OptmemInputError(
                 f"the given chain has {prof.length} stages but the module has {len(stages)}",
