@@ -24,8 +24,8 @@ pytestmark = pytest.mark.distributed
 
 def test_fsdp2_with_checkpoint_plan_matches_single_process(tmp_path):
     # limits between the smallest feasible one and store-all of the FSDP-adjusted chains
-    jobs = [{"kind": "fsdp", "model": "mlp", "memory_limit": 7000},
-            {"kind": "fsdp", "model": "gpt", "memory_limit": 90000},
+    jobs = [{"kind": "fsdp", "model": "mlp", "memory_limit": 9000},
+            {"kind": "fsdp", "model": "gpt", "memory_limit": 110000},
             {"kind": "fsdp_refusal"}]
     spawn(w.run_jobs, 2, jobs, str(tmp_path), init_file=str(tmp_path / "rendezvous"))
     for k, name in enumerate(["mlp", "gpt"]):

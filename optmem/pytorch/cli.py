@@ -35,6 +35,13 @@ def _shape(text: str) -> tuple[int, ...]:
     return dims
 
 
+def _out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocation failure (CPU allocator, CUDA or ``MemoryError``)."""
+    text = str(exc).lower()
+    return isinstance(exc, MemoryError) or "out of memory" in text \
+        or "can't allocate memory" in text or "cannot allocate memory" in text
+
+
 def register_cli(subparsers: Any) -> None:
     """Add the ``profile`` subcommand to ``subparsers``."""
     p = subparsers.add_parser(
@@ -109,14 +116,22 @@ def run_profile(args: argparse.Namespace) -> int:
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise OptmemInputError("--device cuda but CUDA is not available", field="device")
-    module, sample = resolve_spec(args.spec, batch=args.batch, input_shape=args.input_shape,
-                                  device="meta" if args.device == "meta" else None)
-    if args.device != "meta":
-        module = module.to(args.device)
-    chain = profile_chain(module, sample, device=args.device, repeats=args.repeats,
-                          warmup=args.warmup, max_stages=args.max_stages,
-                          name=args.name or args.spec,
-                          progress=False if args.no_progress else None)
+    try:
+        module, sample = resolve_spec(args.spec, batch=args.batch,
+                                      input_shape=args.input_shape,
+                                      device="meta" if args.device == "meta" else None)
+        if args.device != "meta":
+            module = module.to(args.device)
+        chain = profile_chain(module, sample, device=args.device, repeats=args.repeats,
+                              warmup=args.warmup, max_stages=args.max_stages,
+                              name=args.name or args.spec,
+                              progress=False if args.no_progress else None)
+    except (MemoryError, RuntimeError) as exc:
+        if not _out_of_memory(exc):
+            raise
+        raise OptmemInputError(f"not enough memory on {args.device} to profile "
+                               f"{args.spec!r} with batch {args.batch} (try a smaller batch "
+                               "or --device meta)", field="batch") from None
     if args.output:
         chain.save(args.output)
         from optmem.units import format_size

@@ -591,7 +591,7 @@ def pipeline(
     from optmem.problems.pipeline import PipelineProblem
     from optmem.result import SolveOptions
     from optmem.solvers.facade import solve
-    from optmem.units import format_size, parse_bandwidth, parse_size
+    from optmem.units import chain_rate, format_size, parse_size
 
     if not dist.is_initialized():
         raise OptmemInputError("optmem.pytorch.pipeline runs under torch.distributed: launch "
@@ -608,9 +608,9 @@ def pipeline(
 
     def solve_pipeline(chain: Chain) -> Result:
         beta = math.inf if bandwidth is None else \
-            parse_bandwidth(bandwidth, time_unit=chain.time_unit)
-        problem = PipelineProblem(chain, gpus, memory, beta, weight_copies=weight_copies,
-                                  memory_model=memory_model)
+            chain_rate(bandwidth, chain.time_unit, allow_inf=True)
+        problem = PipelineProblem(chain, gpus, memory, chain_bandwidth=beta,
+                                  weight_copies=weight_copies, memory_model=memory_model)
         result = solve(problem, method, options=SolveOptions(time_limit_s=time_limit_s))
         if not result.status.has_plan:
             hint = "" if result.min_feasible_memory is None else \
