@@ -24,8 +24,10 @@ what the tests use). :func:`init_distributed` initialises from ``torchrun``'s en
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
@@ -284,11 +286,13 @@ def checkpoint_fsdp(module: nn.Module | Sequence[nn.Module], sample: Any,
 
 
 # ------------------------------------------------------------------ launching
-def _spawned(rank: int, world: int, init: str, fn: Callable[..., Any], args: tuple) -> None:
+def _spawned(rank: int, world: int, init: str, fn: Callable[..., Any], args: tuple,
+             timeout_s: float = 600.0) -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     local = rank % torch.cuda.device_count() if backend == "nccl" else rank
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local))
-    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
     try:
         default_device()  # cuda:LOCAL_RANK becomes the current device with NCCL
         fn(rank, world, *args)
@@ -296,14 +300,35 @@ def _spawned(rank: int, world: int, init: str, fn: Callable[..., Any], args: tup
         dist.destroy_process_group()
 
 
-def spawn(fn: Callable[..., Any], world: int, *args: Any, init_file: str) -> None:
+def spawn(fn: Callable[..., Any], world: int, *args: Any, init_file: str,
+          timeout_s: float = 600.0, deadline_s: float | None = 1800.0) -> None:
     """Run ``fn(rank, world, *args)`` in ``world`` processes (``torch.multiprocessing``).
 
     ``init_file`` is a path (not existing yet) for the ``file://`` rendezvous. The backend is
     NCCL when CUDA is available (one GPU per rank), gloo otherwise. ``fn`` must be importable
     (a module-level function); the caller's script needs the ``if __name__ == "__main__":``
     guard (spawn start method).
+
+    Nothing waits forever: the process group gets ``timeout_s`` (a collective or
+    point-to-point message a rank waits on longer fails that rank, and a failed rank stops
+    the others), and if the processes have not all finished ``deadline_s`` seconds after the
+    start (``None``: no deadline) they are terminated and :class:`TimeoutError` is raised.
+    Both are guards against hangs, not measurements: set them well above the job's run time.
     """
     import torch.multiprocessing as mp
 
-    mp.spawn(_spawned, args=(world, f"file://{init_file}", fn, args), nprocs=world, join=True)
+    context = mp.start_processes(_spawned, args=(world, f"file://{init_file}", fn, args,
+                                                 timeout_s),
+                                 nprocs=world, join=False, start_method="spawn")
+    start = time.monotonic()
+    while not context.join(timeout=1.0):  # raises when a rank failed (and stops the others)
+        if deadline_s is not None and time.monotonic() - start > deadline_s:
+            for process in context.processes:
+                if process.is_alive():
+                    process.terminate()
+            for process in context.processes:
+                process.join(10)
+                if process.is_alive():
+                    process.kill()
+            raise TimeoutError(f"spawn: {world} processes of {fn.__name__} still running "
+                               f"after {deadline_s:g} s; terminated")
