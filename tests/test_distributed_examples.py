@@ -81,7 +81,8 @@ EXPECTED = {  # what each example prints (regex, how many times at least)
                             r"Linear|GraphStage, (FSDPGraphStage, |GraphStage, )+GraphStage)",
                             1),
                            (r"step \d+: loss [\d.]+ \(mean over 2 ranks\)", 2)],
-    "pipeline_train.py": [(r"gpt: madpipe plan \((optimal|feasible)\), predicted period", 1),
+    "pipeline_train.py": [(r"(gpt|hf-gpt2): madpipe plan \((optimal|feasible)\), predicted "
+                           r"period", 1),
                           (r"rank \d: stages \[", 2),
                           (r"rank \d step \d: mean micro-batch loss [\d.]+", 2)],
     "train-pipeline": [(r"[\w.:-]+: madpipe plan \((optimal|feasible)\), predicted period", 1),
