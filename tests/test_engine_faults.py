@@ -228,7 +228,16 @@ def test_cli_exit_codes_with_a_crashing_engine(monkeypatch, tmp_path, capsys) ->
     assert main(["solve", "checkpoint", *common, "--method", "ilp", "--solver", "cbc"]) == 0
     out, err = capsys.readouterr()
     assert json.loads(out)["status"] == "feasible" and "Traceback" not in err
-    # no warm start possible: status error, exit 1, one JSON object, no traceback
+    # warm-started offload model: feasible with the verified DP/GREEDY plan, exit 0
+    offload_args = ["solve", "offload", str(path), "--memory", str(OFFLOAD_MEMORY),
+                    "--bandwidth", "2kB/s", "--method", "cpsat", "--json"]
+    assert main(offload_args) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["status"] == "feasible" and "Traceback" not in err
+    # no warm start (none found): status error, exit 1, one JSON object, no traceback
+    import optmem.solvers.offload as offload_glue
+
+    monkeypatch.setattr(offload_glue, "_warm_start", lambda *a, **k: None)
     assert main(["solve", "offload", str(path), "--memory", str(OFFLOAD_MEMORY), "--bandwidth",
                  "2kB/s", "--method", "cpsat", "--json"]) == 1
     out, err = capsys.readouterr()

@@ -182,3 +182,24 @@ def test_kinds_and_bounds_are_kept():
         (Kind.INTEGER, -1, 2), (Kind.CONTINUOUS, -1.0, 1.0)]
     with pytest.raises(ValueError):
         m.literal(Expr([(0, 1.0)]))
+
+
+def test_scaled_bounds_snap_float_noise_to_the_grid():
+    """A bound on the grid stays on it despite float noise (518554019 * 1e-6, scale 1e6).
+
+    ``lo * scale`` is ``518554019.00000006`` in floats: rounding it up with an absolute
+    tolerance excluded the grid point itself (an exact warm start became infeasible).
+    """
+    lo = 518.554019
+    assert lo * 10**6 > 518554019  # the float noise this test is about
+    m = Model("noise")
+    x = m.continuous("x", lo, 1000.0)
+    y = m.continuous("y", 0.0, 1000.0)
+    m.add(y >= x + 0.0, "after")
+    m.add(y <= lo + 0.0, "cap")  # a row bound with the same noise
+    m.minimize(y)
+    cm = to_cpsat(m, 10**6)
+    assert cm.exact
+    res = engines.solve_cpsat(cm.cp, cm.variables, threads=1)
+    assert res.status is Status.OPTIMAL
+    assert cm.values(res.values) == [lo, lo]

@@ -64,13 +64,14 @@ def three_partition_chain(items: list[int]) -> tuple[Chain, int, float]:
 
 
 def check(problem: OffloadProblem, result) -> None:
-    """Every plan replays with objective == makespan and peak <= limit."""
+    """Every plan replays with objective == makespan, peak <= limit and bound <= objective."""
     assert result.status is not Status.ERROR, result.report
     if not result.status.has_plan:
         return
     verified = verify_plan(problem, list(result.plan))
     assert math.isclose(verified["objective"], result.objective, rel_tol=1e-9, abs_tol=1e-9)
     assert verified["peak_memory"] == result.peak_memory <= result.memory_limit
+    assert result.bound <= result.objective + 1e-9 * max(1.0, result.objective)
 
 
 # ------------------------------------------------------------------ simulator

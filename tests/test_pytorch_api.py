@@ -193,18 +193,17 @@ def test_too_small_limit_error_names_a_limit_that_works():
     from optmem.solvers.facade import solve
 
     rng = random.Random(0)
-    below = 0
     for _ in range(8):
         chain = _random_chain(rng)
         continuous = solve(CheckpointProblem(chain, 1), "dp").min_feasible_memory
-        below += not solve(CheckpointProblem(chain, continuous), "dp").status.has_plan
+        # the DP's hint is its threshold after discretisation: it works when passed back
+        assert solve(CheckpointProblem(chain, continuous), "dp").status.has_plan
         with pytest.raises(OptmemInputError, match="smallest feasible limit") as err:
             op.solve_chain(chain, chain.input_size)
         least = int(re.search(r"\((\d+) B\)", str(err.value)).group(1))
         assert least >= continuous
         assert op.solve_chain(chain, least).status.has_plan  # the figure works passed back
         assert least == op.smallest_limit(chain)
-    assert below  # the DP's own threshold is not always enough after discretisation
 
 
 def test_sequential_wrapper_keeps_the_models_face():
@@ -261,7 +260,7 @@ def test_offload_one_liners_with_tuples_between_stages(kind):
     x = torch.randn(5, 8, requires_grad=True)
     chain = op.profile_chain(net, x, repeats=1, warmup=0)
     wrap = getattr(op, kind)
-    onet = wrap(net, x, memory_limit=int(0.7 * chain.store_all_peak()), bandwidth=1e9,
+    onet = wrap(net, x, memory_limit=int(0.8 * chain.store_all_peak()), bandwidth=1e9,
                 chain=chain)
     assert any(o.startswith("offload") for o in onet.result.plan), onet.result.plan
     ref = reference_step(net, x, loss_fn, seed=2)

@@ -239,7 +239,7 @@ def test_cli_solve_and_export(capsys: pytest.CaptureFixture[str], tmp_path) -> N
 
     path = tmp_path / "example.json"
     EXAMPLE.save(path)
-    code = main(["solve", "remat-offload", str(path), "--memory", "12", "--bandwidth", "1",
+    code = main(["solve", "remat-offload", str(path), "--memory", "12", "--bandwidth", "1B/ms",
                  "--method", "ilp", "--json"])
     out, err = capsys.readouterr()
     assert code == 0, err
@@ -247,7 +247,7 @@ def test_cli_solve_and_export(capsys: pytest.CaptureFixture[str], tmp_path) -> N
     assert data["status"] == "optimal" and data["objective"] == 22.0 and data["bound"] == 22.0
     assert data["report"]["model_objective"] == pytest.approx(22.0)
     model = tmp_path / "m.lp"
-    assert main(["export", "remat-offload", str(path), "--memory", "12", "--bandwidth", "1",
+    assert main(["export", "remat-offload", str(path), "--memory", "12", "--bandwidth", "1B/ms",
                  "--method", "ilp", "-o", str(model)]) == 0
     assert model.read_text().startswith("\\*")
 

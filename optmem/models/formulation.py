@@ -587,13 +587,32 @@ def _integral(x: float) -> tuple[int, float]:
     return int(r), abs(x - r)
 
 
+_SNAP = 1e-6  # a scaled number this close to an integer is that integer (``exact``)
+
+
+def _ceil(x: float) -> int:
+    """``ceil(x)``, except that ``x`` within ``_SNAP`` of an integer is that integer.
+
+    Scaled data carry float noise that grows with their magnitude (``2.5e8`` is off by
+    ``3e-8``): an absolute ``1e-9`` would round such a bound up by one grid step.
+    """
+    r, err = _integral(x)
+    return r if err <= _SNAP else math.ceil(x)
+
+
+def _floor(x: float) -> int:
+    """``floor(x)``, with the same snapping as :func:`_ceil`."""
+    r, err = _integral(x)
+    return r if err <= _SNAP else math.floor(x)
+
+
 def _cp_bound(v: Var, scale: int) -> tuple[int, int]:
     lo, hi = v.lo, v.hi
     if v.kind is Kind.CONTINUOUS:
         lo, hi = lo * scale, hi * scale
     big = 2**62 // 4
-    return (max(-big, math.ceil(lo - 1e-9)) if math.isfinite(lo) else -big,
-            min(big, math.floor(hi + 1e-9)) if math.isfinite(hi) else big)
+    return (max(-big, _ceil(lo)) if math.isfinite(lo) else -big,
+            min(big, _floor(hi)) if math.isfinite(hi) else big)
 
 
 def to_cpsat(model: Model, scale: int = 1, objective_scale: int | None = None) -> CpsatModel:
@@ -634,8 +653,8 @@ def to_cpsat(model: Model, scale: int = 1, objective_scale: int | None = None) -
             worst = max(worst, err)
             coefs.append((i, ic))
         expr = sum(c * xs[i] for i, c in coefs)
-        lo = -cp_model.INT_MAX if con.lo is None else math.ceil(con.lo * k - 1e-9)
-        hi = cp_model.INT_MAX if con.hi is None else math.floor(con.hi * k + 1e-9)
+        lo = -cp_model.INT_MAX if con.lo is None else _ceil(con.lo * k)
+        hi = cp_model.INT_MAX if con.hi is None else _floor(con.hi * k)
         for side in (con.lo, con.hi):
             if side is not None:
                 worst = max(worst, _integral(side * k)[1])

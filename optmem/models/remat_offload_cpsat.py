@@ -3,7 +3,7 @@
 Thesis chapter 4 leaves no exact model; this one is "POET-like" (choose, per stored value,
 whether it leaves the GPU between two of its uses) but with the transfers overlapped with
 compute on one link and the makespan as objective. It generalises the OFF_int model of
-:mod:`optmem.models.offload_cpsat` (same memory semantics as
+:mod:`optmem.models.offload` (same memory semantics as
 :mod:`optmem.simulate.offload`, O.1-O.7) from the store-all sequence to *any* compute
 sequence and its windows (:class:`optmem.solvers.remat_offload_schedule.Window`):
 
@@ -30,16 +30,36 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
 from optmem.chain import Chain
-from optmem.models.offload_cpsat import time_scale
 from optmem.plan import AnyOp, Op, offload, prefetch
 from optmem.simulate.checkpoint import simulate_checkpoint, value_size
 from optmem.solvers.remat_offload_schedule import Window
 
 if TYPE_CHECKING:
     from optmem.solvers.engines import EngineResult
+MAX_SCALE = 10**6
+
+
+def time_scale(values: list[float]) -> tuple[int, bool]:
+    """Smallest integer scale making every value integral (``exact`` False if none <= 1e6).
+
+    Examples
+    --------
+    >>> time_scale([0.5, 0.25]), time_scale([1 / 3])
+    ((4, True), (3, True))
+    """
+    scale = 1
+    for v in values:
+        fr = Fraction(v).limit_denominator(10**6)
+        if abs(float(fr) - v) > 1e-12 * max(1.0, abs(v)):
+            return 1000, False
+        scale = scale * fr.denominator // math.gcd(scale, fr.denominator)
+        if scale > MAX_SCALE:
+            return 1000, False
+    return scale, True
 
 
 @dataclass

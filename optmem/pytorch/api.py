@@ -326,6 +326,7 @@ def profile_chain(module: nn.Module | Sequence[nn.Module | Stage], sample: Any, 
         return prof.profile_chain(module, sample, **options)
     max_stages = options.pop("max_stages", None)
     name = options.pop("name", None) or type(module).__name__
+    loss_fn = options.pop("loss_fn", None)
     unknown = set(options) - set(_PROFILE_OPTIONS)
     if unknown:  # the roofline options apply to device="meta", which needs a Sequential
         raise OptmemInputError(f"profile_chain of an exported model does not take "
@@ -341,4 +342,5 @@ def profile_chain(module: nn.Module | Sequence[nn.Module | Stage], sample: Any, 
             stages = merge_stages(stages, max_stages,
                                   groups=_groups(len(stages), max_stages, None, stages))
         profile = ProfileOptions(**{"repeats": 5, **options, "extract": extract})
-        return _profile(stages, ext.chain_input(flat), profile, name, ext.side_inputs(flat))
+        return _profile(stages, ext.chain_input(flat), profile, name, ext.side_inputs(flat),
+                        loss_fn=loss_fn)

@@ -556,12 +556,13 @@ def _groups(n: int, limit: int, costs: Sequence[float] | None,
 
 def _profile(stages: Sequence[Stage], x: Any, profile: ProfileOptions, name: str,
              ctx: SideInputs | None, *, repeats: int | None = None, warmup: int | None = None,
-             time_model: Any = None) -> Chain:
+             time_model: Any = None, loss_fn: Any = None) -> Chain:
     from optmem.pytorch.profile import profile_stages
 
     kw = dict(device=profile.device, repeats=repeats or profile.repeats,
               warmup=profile.warmup if warmup is None else warmup, name=name,
-              progress=profile.progress, time_model=time_model or profile.time_model)
+              progress=profile.progress, time_model=time_model or profile.time_model,
+              loss_fn=loss_fn)
     if ctx is None:
         return profile_stages(stages, x, **kw)
     if profile.device == "meta":

@@ -66,6 +66,9 @@ class EngineResult:
     stopped_by
         The limit that stopped the engine before it proved its answer: ``"time"``,
         ``"nodes"``, ``"deterministic_time"`` or ``"other"``; ``None`` otherwise.
+    info
+        Deterministic work counts: ``nodes`` (HiGHS); ``branches``, ``conflicts``,
+        ``deterministic_time`` (CP-SAT).
     """
 
     status: Status
@@ -223,8 +226,8 @@ def solve_pulp(
     if status.has_plan:
         values = [v.varValue if v.varValue is not None else 0.0 for v in variables]
         objective = problem.objective.value()
-        if objective is None and not any(True for _ in problem.objective.items()):
-            objective = problem.objective.constant  # an empty objective (PuLP's dummy)
+        if objective is None and not any(c for _, c in problem.objective.items()):
+            objective = problem.objective.constant  # an empty objective (PuLP's 0 * dummy)
         if objective is None or not math.isfinite(float(objective)):
             return failed_result(engine, f"{message}: a solution without an objective value",
                                  elapsed)
@@ -233,8 +236,20 @@ def solve_pulp(
             bound = objective
     if status in (Status.OPTIMAL, Status.INFEASIBLE):
         stopped = None
+    info = _highs_work(problem) if engine == "highs" else {}
     return EngineResult(status, values, objective, bound, engine, elapsed, message,
-                        stopped_by=stopped)
+                        stopped_by=stopped, info=info)
+
+
+def _highs_work(problem: Any) -> dict[str, Any]:
+    """HiGHS's deterministic work count: branch-and-bound ``nodes`` of the last run."""
+    model = getattr(problem, "solverModel", None)
+    if model is None:
+        return {}
+    try:
+        return {"nodes": int(model.getInfo().mip_node_count)}
+    except Exception:  # noqa: BLE001 - a count is informative only
+        return {}
 
 
 _HIGHS_STATUS: dict[str, Status] = {
@@ -287,6 +302,9 @@ def _solve_highs(problem: Any, settings: _Settings) -> tuple[Status, float, str,
                 sol.col_value = [float(v.varValue or 0.0) for v in cols]
                 sol.value_valid = True
                 h.setSolution(sol)
+            # HiGHS keeps one global thread pool, sized by the first run of the process: a
+            # later run asking for another thread count fails (kNotset) unless it is reset
+            h.resetGlobalScheduler(True)
             h.run()
             info = h.getInfo()
             self.captured = {"status": h.getModelStatus(),
@@ -317,6 +335,7 @@ def _solve_highs(problem: Any, settings: _Settings) -> tuple[Status, float, str,
 _CBC_RESULT = re.compile(r"Result - (.*)")
 # what CBC prints instead of a "Result - " line when presolve or the LP settles the problem
 _CBC_SHORT = re.compile(r"^(Problem is infeasible|Problem proven infeasible|"
+                        r"Pre-processing says infeasible.*|"
                         r"Optimal - objective value .*)", re.MULTILINE)
 _CBC_LOWER = re.compile(r"Lower bound:\s*([-+0-9.eE]+)")
 
@@ -330,6 +349,8 @@ def _cbc_status(result_line: str, pulp_status: int, sol_status: int) -> Status:
         return Status.ERROR
     if "optimal solution found" in text or text.startswith("optimal - objective value"):
         return Status.OPTIMAL
+    if text.startswith("pre-processing says infeasible"):  # "... or unbounded": ask PuLP
+        return Status.INFEASIBLE if pulp_status == pulp.LpStatusInfeasible else Status.ERROR
     if "infeasible" in text:
         return Status.INFEASIBLE
     if "stopped" in text or "time limit" in text:
@@ -499,5 +520,7 @@ def solve_cpsat(
             stopped = "time"
         else:
             stopped = "other"
+    work = {"branches": int(solver.num_branches), "conflicts": int(solver.num_conflicts),
+            "deterministic_time": float(solver.deterministic_time)}  # deterministic counts
     return EngineResult(status, values, objective, bound, "cpsat", elapsed, message,
-                        stopped_by=stopped)
+                        stopped_by=stopped, info=work)

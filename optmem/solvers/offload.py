@@ -9,7 +9,10 @@ Thesis chapter 3 / Beaumont et al. 2019 (digest ``shared/design/offload.md``):
 * ``vdnn``: the papers' vDNN re-implementation (ratio thresholds, all or half; 3.4);
   ``vdnn_conv``: offload the inputs of convolution-like stages (name contains ``conv`` or
   the stage has ``"kind": "conv"``); ``offload_all``: offload every saved activation;
-* ``cpsat``: the exact CP-SAT model of OFF_int (:mod:`optmem.models.offload_cpsat`);
+* ``cpsat`` and ``ilp``: the exact model of OFF_int (:mod:`optmem.models.offload`, written
+  once) emitted to CP-SAT on an exact time grid, or to a MILP engine through PuLP; the
+  DYNPROG/GREEDY plan is the warm start and the horizon, so a time limit returns a plan at
+  least as good with the engine's proven bound;
 * ``brute``: enumeration of offload sets, transfer orders and issue points (tiny chains).
 
 Every plan is replayed by :func:`optmem.simulate.offload.simulate_offload` on the discretised
@@ -20,17 +23,30 @@ lower bound (Prop. 3 and OFF_frac).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
+from optmem.chain import Chain
 from optmem.errors import OptmemInputError, PlanError
-from optmem.plan import AnyOp
+from optmem.models.formulation import to_cpsat, to_pulp
+from optmem.models.offload import (
+    OffloadData,
+    OffloadModel,
+    Schedule,
+    build_offload_model,
+    exact_scale,
+)
+from optmem.plan import AnyOp, TransferKind, TransferOp, offload, parse_mixed_plan, prefetch
 from optmem.problems.checkpoint import Discretized
 from optmem.problems.offload import OffloadProblem
 from optmem.result import Result, SolveOptions, Status
-from optmem.simulate.offload import simulate_offload
+from optmem.simulate.checkpoint import simulate_checkpoint
+from optmem.simulate.offload import OffloadSimulation, simulate_offload
+from optmem.solvers import engines
+from optmem.solvers.checkpoint_baselines import store_all_plan
 from optmem.solvers.engine_results import engine_failure
-from optmem.solvers.engines import EngineResult, cpsat_settings
 from optmem.solvers.facade import register, register_exporter
 from optmem.solvers.hints import smallest_solvable_limit
 from optmem.solvers.offload_comm import (
@@ -44,11 +60,11 @@ from optmem.solvers.offload_schedule import (
     PREFETCH_POLICIES,
     offloaded_set,
     ordered_plan,
+    value_op,
     value_sizes,
 )
 
 PROBLEM = "offload"
-CPSAT_MAX_LENGTH = 8
 DP_VARIANTS = ("contract", "thesis", "cheap")
 BRUTE_MAX_LENGTH = 3
 
@@ -302,56 +318,344 @@ def solve_offload_all(problem: OffloadProblem, options: SolveOptions) -> Result:
 
 
 # ------------------------------------------------------------------ exact
-def _without_plan(problem: OffloadProblem, options: SolveOptions, disc: Discretized,
-                  method: str, out: EngineResult, report: dict[str, Any]) -> Result | None:
-    """The result of an engine outcome without a plan (failed, infeasible, stopped), or None.
+CPSAT_MAX_LENGTH = 24  # compare runs cpsat by default up to ResNet-50 (L = 22)
+ILP_MAX_LENGTH = 8  # the big-M emission proves small chains only (benchmarks/results)
+_TIME_TOL = 1e-6  # engine times (MILP tolerances) closer than this count as equal
 
-    Adds the engine's report keys to ``report`` when there is a plan to decode.
+
+def op_durations(chain: Chain) -> tuple[float, ...]:
+    """Durations of the store-all sequence ``F_all 1..L, Loss, B L..B 1`` (chain fields)."""
+    return (*chain.fwd_time, chain.loss_bwd_time, *reversed(chain.bwd_time))
+
+
+def _fraction(x: float) -> Fraction:
+    """``x`` as the decimal it prints as (chain files hold decimals)."""
+    return Fraction(repr(float(x)))
+
+
+@dataclass(frozen=True)
+class _Start:
+    """The warm start: the best heuristic plan, its simulation and its model schedule."""
+
+    method: str
+    plan: tuple[AnyOp, ...]
+    makespan: float
+    schedule: Schedule
+
+
+def _schedule(sim: OffloadSimulation) -> Schedule:
+    """Compute starts and transfer starts (per value index) of a replayed plan."""
+    offloads: dict[int, float] = {}
+    prefetches: dict[int, float] = {}
+    for step in sim.link:
+        kind, _, index = step.op.split()
+        (offloads if kind == "offload" else prefetches)[int(index)] = step.start
+    return Schedule(tuple(s.start for s in sim.compute), offloads, prefetches)
+
+
+def canonical_plan(chain: Chain, plan: Sequence[AnyOp]) -> tuple[AnyOp, ...]:
+    """``plan`` with the transfers of equal-sized values moved to the lowest indices.
+
+    The symmetry breaking of :mod:`optmem.models.offload` (``off_b <= off_a`` when
+    ``z_a = z_b``, ``a < b``) keeps only such plans; the moved value takes the same link
+    slots and is as good (same sizes, produced and read earlier, needed later).
     """
-    if out.failed:
-        return engine_failure(PROBLEM, method, out, report=report,
-                              memory_limit=disc.memory_limit, unit=disc.unit)
-    report.update(out.report())
-    if out.status is Status.INFEASIBLE:
+    sizes = value_sizes(chain)
+    sent = offloaded_set(plan)
+    rename: dict[int, int] = {}
+    for size in {sizes[k] for k in sent}:
+        group = [k for k in range(len(sizes)) if sizes[k] == size]
+        moved = [k for k in group if k in sent]
+        rename.update(zip(moved, group[:len(moved)], strict=True))
+    out: list[AnyOp] = []
+    for op in plan:
+        if isinstance(op, TransferOp):
+            k = rename[op.stage]
+            op = (offload if op.kind is TransferKind.OFFLOAD else prefetch)(*value_op(k))
+        out.append(op)
+    return tuple(out)
+
+
+def _warm_start(problem: OffloadProblem, options: SolveOptions) -> _Start | None:
+    """The better of DYNPROG and GREEDY, with equal-sized values canonical (or ``None``)."""
+    disc, beta = _disc(problem, options)
+    base = options.with_(variant=None)
+    best: _Start | None = None
+    for method, fn in (("dp", solve_dynprog), ("greedy", solve_greedy)):
+        result = fn(problem, base)
+        if not result.status.has_plan:
+            continue
+        plan = canonical_plan(disc.chain, parse_mixed_plan(result.plan))
+        try:
+            sim = simulate_offload(disc.chain, plan, beta, disc.memory_limit)
+        except PlanError:  # not expected (the renaming is as good); keep the plan as is
+            plan = parse_mixed_plan(result.plan)
+            sim = simulate_offload(disc.chain, plan, beta, disc.memory_limit)
+        if best is None or sim.makespan < best.makespan:
+            best = _Start(method, tuple(plan), sim.makespan, _schedule(sim))
+    return best
+
+
+@dataclass(frozen=True)
+class _Exact:
+    """The model data of an instance: in time units (MILP) and in CP-SAT's integer steps."""
+
+    data: OffloadData
+    steps: OffloadData
+    scale: int
+    exact: bool
+    start: _Start | None
+
+
+ROUNDED_SCALE = 10**6
+"""Steps per time unit of the rounded (relaxation) CP-SAT data when no exact grid exists."""
+
+
+def exact_instance(problem: OffloadProblem, options: SolveOptions) -> _Exact:
+    """Model data (from the discretised chain), warm start and CP-SAT's integer steps.
+
+    The steps are exact (``1 / scale`` divides every duration, read as the decimals of the
+    chain file, and every transfer time ``z_k * unit / bandwidth``) when ``scale <=``
+    :data:`~optmem.models.offload.MAX_SCALE` and the horizon stays below ``2**50`` steps;
+    otherwise ``scale = 10**6`` and the steps are the rounded relaxation of
+    :meth:`~optmem.models.offload.OffloadData.in_steps`.
+    """
+    disc, beta = _disc(problem, options)
+    chain = disc.chain
+    seq = simulate_checkpoint(chain, store_all_plan(chain.length))
+    sizes = value_sizes(chain)
+    durations = op_durations(chain)
+    transfer = tuple(z / beta if beta > 0 else math.inf for z in sizes)
+    start = _warm_start(problem, options) if options.warm_start else None
+    finite = [t for t in transfer if math.isfinite(t)]
+    horizon = sum(durations) + 2 * sum(finite)
+    if start is not None:
+        horizon = min(horizon, start.makespan * (1 + 1e-9) + 1e-9)
+    lower = lower_bound(problem, options) * (1 - 1e-9) - 1e-12
+    data = OffloadData(durations, tuple(s.peak for s in seq.timeline),
+                       tuple(s.after for s in seq.timeline), tuple(sizes), transfer,
+                       disc.memory_limit, upper=horizon, lower=max(0.0, lower))
+    rate = _fraction(problem.unit_bandwidth(1))  # memory units per time unit, undiscretised
+    exact = [_fraction(d) for d in durations]
+    exact += [Fraction(z * disc.unit) / rate if beta > 0 else Fraction(0) for z in sizes]
+    scale = exact_scale(exact)
+    if scale is None or scale * horizon > 2**50:
+        return _Exact(data, data.in_steps(ROUNDED_SCALE), ROUNDED_SCALE, False, start)
+    return _Exact(data, data.in_steps(scale, exact), scale, True, start)
+
+
+def schedule_plan(length: int, schedule: Schedule, tol: float = 0.0) -> tuple[AnyOp, ...]:
+    """The plan of a model schedule (CONTRACT section 10: plan order is issue order).
+
+    Each transfer is listed after the last compute op started no later than it (times within
+    ``tol`` count as equal; an offload before a prefetch on ties).
+    """
+    ops = store_all_plan(length)
+    transfers = sorted([(t, 0, offload(*value_op(k))) for k, t in schedule.offloads.items()]
+                       + [(t, 1, prefetch(*value_op(k)))
+                          for k, t in schedule.prefetches.items()],
+                       key=lambda item: (item[0], item[1]))
+    plan: list[AnyOp] = []
+    pos = 0
+    for j, op in enumerate(ops):
+        plan.append(op)
+        nxt = schedule.starts[j + 1] - tol if j + 1 < len(ops) else math.inf
+        while pos < len(transfers) and transfers[pos][0] < nxt:
+            plan.append(transfers[pos][2])
+            pos += 1
+    return tuple(plan)
+
+
+@dataclass
+class _Outcome:
+    """An engine call in the original time units."""
+
+    status: Status
+    schedule: Schedule | None
+    objective: float
+    bound: float
+    report: dict[str, Any]
+    failed: engines.EngineResult | None = None
+
+
+def _solve_cpsat_model(inst: _Exact, options: SolveOptions) -> _Outcome:
+    """CP-SAT on the integer steps (``to_cpsat(model, 1)``); results back in time units."""
+    om = build_offload_model(inst.steps)
+    cm = to_cpsat(om.model, 1)
+    # a true schedule in steps: exact times are integers; floored ones fit the relaxation
+    to_steps = (lambda t: round(t * inst.scale)) if inst.exact else (
+        lambda t: math.floor(t * inst.scale))
+    hint = _hint(om, inst, to_steps, tol=0.5)  # integer times: exact comparisons
+    out = engines.solve_cpsat(cm.cp, cm.variables, **engines.cpsat_settings(options),
+                              hint=cm.hint(hint[0]) if hint[0] is not None else None)
+    exact = inst.exact and cm.exact
+    report = {"model": om.model.size, "time_scale": inst.scale, "exact_times": exact,
+              "time_rounding": "exact" if exact else
+              f"relaxation: durations rounded down to 1/{inst.scale} (bound valid)",
+              **hint[1], **_engine_report(out)}
+    schedule = None
+    if out.values is not None:
+        schedule = om.decode(cm.values(out.values)).map(lambda t: t / inst.scale)
+    objective = cm.objective(out.objective) / inst.scale if out.values is not None \
+        else math.nan
+    bound = cm.objective(out.bound) / inst.scale if math.isfinite(out.bound) else math.nan
+    status = out.status if exact or out.status is not Status.OPTIMAL else Status.FEASIBLE
+    return _Outcome(status, schedule, objective, bound, report,
+                    failed=out if out.failed else None)
+
+
+def _solve_pulp_model(inst: _Exact, options: SolveOptions) -> _Outcome:
+    """A MILP engine on the data in time units (``to_pulp``)."""
+    om = build_offload_model(inst.data)
+    pm = to_pulp(om.model)
+    hint = _hint(om, inst, float, tol=1e-9 * max(1.0, inst.data.upper))
+    out = engines.solve_pulp(pm.problem, pm.all_variables, options.solver,
+                             **engines.pulp_settings(options), initial=pm.initial(hint[0]))
+    report = {"model": om.model.size, **hint[1], **_engine_report(out)}
+    schedule = om.decode(out.values[:len(om.model.vars)]) if out.values is not None else None
+    return _Outcome(out.status, schedule, out.objective, out.bound, report,
+                    failed=out if out.failed else None)
+
+
+def _hint(om: OffloadModel, inst: _Exact, unit: Callable[[float], float], tol: float
+          ) -> tuple[list[float] | None, dict[str, Any]]:
+    """The warm start (times mapped by ``unit``) as model values, if the model accepts it.
+
+    ``tol``: times that close compare as equal when the event positions are derived.
+    """
+    if inst.start is None:
+        return None, {"warm_start": None}
+    info: dict[str, Any] = {"warm_start": {"method": inst.start.method,
+                                           "makespan": inst.start.makespan}}
+    values = om.assignment(inst.start.schedule.map(unit), tol=tol)
+    bad = om.model.violated(values, tol=1e-6)
+    if bad:
+        info["warm_start_rejected"] = bad[:3]
+        return None, info
+    return values, info
+
+
+def _engine_report(out: engines.EngineResult) -> dict[str, Any]:
+    """Engine status, time and deterministic work counts (when the adapter gives them)."""
+    report: dict[str, Any] = {"engine_message": out.message, **out.report()}
+    work = {k: out.info[k] for k in ("branches", "conflicts", "nodes", "deterministic_time")
+            if k in out.info}
+    if work:
+        report["work"] = work
+    return report
+
+
+def _solve_exact(problem: OffloadProblem, options: SolveOptions, method: str) -> Result:
+    """Build, solve, decode, replay; never worse than the warm start (see module docstring)."""
+    disc, _ = _disc(problem, options)
+    if _too_small(disc):
+        return _infeasible(problem, disc, method, slots=options.slots)
+    inst = exact_instance(problem, options)
+    run = _solve_cpsat_model if method == "cpsat" else _solve_pulp_model
+    outcome = run(inst, options)
+    report = outcome.report
+    solver = "cpsat" if method == "cpsat" else options.solver
+    lower = lower_bound(problem, options)
+    if outcome.failed is not None:  # the engine crashed: the verified warm start, or error
+        return _engine_failed(problem, options, inst, outcome, method, lower)
+    if math.isfinite(outcome.bound):
+        report["engine_bound"] = outcome.bound
+    if outcome.status is Status.INFEASIBLE and inst.start is None:
         return _infeasible(problem, disc, method, report, slots=options.slots)
-    if out.values is None:
-        status = out.status if not out.status.has_plan else Status.ERROR
-        return Result(PROBLEM, method, status, bound=lower_bound(problem, options),
-                      memory_limit=disc.memory_limit, unit=disc.unit, solver=out.engine,
-                      report=report)
-    return None
+    if outcome.status is Status.INFEASIBLE:
+        report["warning"] = "the engine calls the model infeasible but the warm start fits"
+    found: list[Result] = []
+    if outcome.schedule is not None:
+        report["model_objective"] = outcome.objective
+        plan = schedule_plan(disc.chain.length, outcome.schedule,
+                             0.0 if method == "cpsat" else _TIME_TOL)
+        try:
+            found.append(plan_result(problem, options, plan, method=method,
+                                     status=Status.FEASIBLE, report=report, solver=solver))
+        except PlanError as exc:  # a decoding fault: keep the warm start, say why
+            report["decode_error"] = str(exc)
+    if inst.start is not None:
+        found.append(plan_result(problem, options, inst.start.plan, method=method,
+                                 status=Status.FEASIBLE, report=report, solver=solver))
+    found = [r for r in found if r.status is Status.FEASIBLE]
+    bound = max(lower, _finite(outcome.bound))
+    if not found:
+        status = Status.ERROR if outcome.status is Status.ERROR else Status.NO_SOLUTION
+        return Result(PROBLEM, method, status, bound=bound, memory_limit=disc.memory_limit,
+                      unit=disc.unit, solver=solver, report=report)
+    best = min(found, key=lambda r: r.objective)
+    tol = _TIME_TOL * max(1.0, best.objective)
+    if outcome.status is Status.OPTIMAL and abs(best.objective - outcome.objective) <= tol:
+        return best.with_(status=Status.OPTIMAL, bound=best.objective)
+    if outcome.status is Status.OPTIMAL:
+        best.report["warning"] = (f"the engine's optimum {outcome.objective} differs from the "
+                                  f"replayed plan {best.objective}: reported as feasible")
+    bound = min(bound, best.objective)
+    if bound >= best.objective - 1e-9 * max(1.0, best.objective):
+        return best.with_(status=Status.OPTIMAL, bound=best.objective)
+    return best.with_(bound=bound)
+
+
+def _engine_failed(problem: OffloadProblem, options: SolveOptions, inst: _Exact,
+                   outcome: _Outcome, method: str, lower: float) -> Result:
+    """A failed engine: the replayed warm start as ``feasible`` (CONTRACT 14), else error."""
+    assert outcome.failed is not None
+    disc, _ = _disc(problem, options)
+    solver = "cpsat" if method == "cpsat" else options.solver
+    start = inst.start
+
+    def fallback(report: dict[str, Any]) -> Result:
+        assert start is not None
+        result = plan_result(problem, options, start.plan, method=method,
+                             status=Status.FEASIBLE, report=report, solver=solver)
+        return result.with_(bound=min(lower, result.objective)) if result.status.has_plan \
+            else result
+
+    return engine_failure(PROBLEM, method, outcome.failed, report=outcome.report,
+                          fallback=fallback if start is not None else None,
+                          memory_limit=disc.memory_limit, unit=disc.unit, solver=solver,
+                          bound=lower)
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else -math.inf
 
 
 @register(PROBLEM, "cpsat", exact=True, requires=("ortools",), max_length=CPSAT_MAX_LENGTH,
-          description="exact CP-SAT model of OFF_int (small chains)")
+          description="exact event-position model of OFF_int, CP-SAT (exact time grid)",
+          extra=("prefetch",))
 def solve_cpsat(problem: OffloadProblem, options: SolveOptions) -> Result:
-    """Exact OFF_int optimum (``optimal`` when proven within the time limit)."""
-    from optmem.models.offload_cpsat import build_offload_cpsat
-    from optmem.models.remat_offload_cpsat import decode_transfer_cpsat, solve_transfer_cpsat
+    """OFF_int optimum with CP-SAT (:mod:`optmem.models.offload`, emitted by ``to_cpsat``).
 
-    disc, beta = _disc(problem, options)
-    if _too_small(disc):
-        return _infeasible(problem, disc, "cpsat", slots=options.slots)
-    if problem.chain.length > 4 * CPSAT_MAX_LENGTH:
-        raise OptmemInputError(f"the CP-SAT model is for small chains; refusing L = "
-                               f"{problem.chain.length}", field="method")
-    built = build_offload_cpsat(disc.chain, disc.memory_limit, beta)
-    out = solve_transfer_cpsat(built, **cpsat_settings(options))
-    report = {"model": dict(built.info), "time_scale": built.scale, "exact_times": built.exact}
-    early = _without_plan(problem, options, disc, "cpsat", out, report)
-    if early is not None:
-        return early
-    assert out.values is not None
-    plan, value = decode_transfer_cpsat(built, out.values)
-    proven = out.status is Status.OPTIMAL and built.exact
-    report["model_objective"] = value
-    result = plan_result(problem, options, plan, method="cpsat",
-                         status=Status.OPTIMAL if proven else Status.FEASIBLE,
-                         claimed=value if built.exact else None, report=report, solver="cpsat")
-    if not proven and result.status is Status.FEASIBLE:
-        bound = out.bound / built.scale if built.exact else result.bound
-        result = result.with_(bound=max(result.bound, bound))
-    return result
+    ``optimal`` means proven on an exact time grid (``report['exact_times']``); with a
+    rounded grid the engine's bound is a relaxation bound, still valid. A time limit
+    returns the best replayed plan (never worse than the DYNPROG/GREEDY warm start) and
+    the best proven bound.
+    """
+    return _solve_exact(problem, options, "cpsat")
+
+
+@register(PROBLEM, "ilp", exact=True, requires=("pulp",), max_length=ILP_MAX_LENGTH,
+          description="exact event-position model of OFF_int, MILP (HiGHS/CBC/Gurobi)",
+          extra=("prefetch",))
+def solve_ilp(problem: OffloadProblem, options: SolveOptions) -> Result:
+    """OFF_int optimum with a MILP engine (the same model, emitted by ``to_pulp``).
+
+    ``optimal`` when the engine proves its optimum and the replayed plan equals it (within
+    the engines' time tolerance ``1e-6``).
+    """
+    return _solve_exact(problem, options, "ilp")
+
+
+@register_exporter(PROBLEM, "ilp")
+def export_offload_ilp(problem: OffloadProblem, options: SolveOptions, path: str) -> None:
+    """Write the MILP emission of the model to ``path`` (``.mps`` or ``.lp``)."""
+    inst = exact_instance(problem, options.with_(warm_start=False))
+    pm = to_pulp(build_offload_model(inst.data).model)
+    if str(path).lower().endswith(".lp"):
+        pm.problem.writeLP(str(path))
+    else:
+        pm.problem.writeMPS(str(path))
 
 
 @register(PROBLEM, "brute", exact=True, max_length=BRUTE_MAX_LENGTH,
@@ -373,48 +677,3 @@ def solve_brute(problem: OffloadProblem, options: SolveOptions) -> Result:
     value, plan, count = found
     return plan_result(problem, options, plan, method="brute", status=Status.OPTIMAL,
                        claimed=value, report={"plans_simulated": count})
-
-
-@register(PROBLEM, "ilp", exact=True, requires=("pulp",), max_length=CPSAT_MAX_LENGTH,
-          description="exact MILP of OFF_int (PuLP: HiGHS/CBC/Gurobi; small chains)")
-def solve_ilp(problem: OffloadProblem, options: SolveOptions) -> Result:
-    """Exact OFF_int optimum by the big-M MILP (``optimal`` when proven and replayed)."""
-    from optmem.models.offload_ilp import build_offload_ilp, decode_offload_ilp
-    from optmem.solvers import engines
-
-    disc, beta = _disc(problem, options)
-    if _too_small(disc):
-        return _infeasible(problem, disc, "ilp", slots=options.slots)
-    if problem.chain.length > 4 * CPSAT_MAX_LENGTH:
-        raise OptmemInputError(f"the MILP is for small chains; refusing L = "
-                               f"{problem.chain.length}", field="method")
-    model = build_offload_ilp(disc.chain, disc.memory_limit, beta)
-    out = engines.solve_pulp(model.problem, model.variables, options.solver,
-                             **engines.pulp_settings(options))
-    report: dict[str, Any] = {"model": dict(model.info), "engine_message": out.message}
-    early = _without_plan(problem, options, disc, "ilp", out, report)
-    if early is not None:
-        return early
-    assert out.values is not None
-    plan = decode_offload_ilp(model, out.values)
-    report["model_objective"] = out.objective
-    result = plan_result(problem, options, plan, method="ilp", status=Status.FEASIBLE,
-                         report=report, solver=out.engine)
-    if not result.status.has_plan:
-        return result
-    tol = 1e-6 * max(1.0, abs(out.objective))
-    if out.status is Status.OPTIMAL and result.objective <= out.objective + tol:
-        return result.with_(status=Status.OPTIMAL, bound=result.objective)
-    if out.status is Status.OPTIMAL:
-        report["warning"] = ("the replayed plan is slower than the model's optimum "
-                             f"{out.objective}: reported as feasible")
-    return result.with_(bound=max(result.bound, min(out.bound, result.objective)))
-
-
-@register_exporter(PROBLEM, "ilp")
-def export_offload_ilp(problem: OffloadProblem, options: SolveOptions, path: str) -> None:
-    """Write the MILP of the discretised instance to ``path`` (``.mps`` or ``.lp``)."""
-    from optmem.models.offload_ilp import build_offload_ilp, write_offload_ilp
-
-    disc, beta = _disc(problem, options)
-    write_offload_ilp(build_offload_ilp(disc.chain, disc.memory_limit, beta), path)
