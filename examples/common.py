@@ -25,6 +25,25 @@ def small_gpt(layers: int, dim: int, heads: int, vocab: int, context: int) -> nn
     return nn.Sequential(mods)
 
 
+def hf_gpt2(layers: int, dim: int, heads: int, vocab: int, context: int) -> nn.Module:
+    """HuggingFace's ``GPT2LMHeadModel`` (head tied to the token embedding) of a small
+    config, random weights, no dropout (needs ``transformers``)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=layers, n_embd=dim, n_head=heads, vocab_size=vocab,
+                        n_positions=context, use_cache=False, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(config)
+
+
+def hf_gpt2_call(batch: int = 2) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """A factory for ``optmem train-pipeline examples.common:hf_gpt2_call``: a 2-layer
+    HuggingFace GPT-2 and one micro-batch call that makes it compute its loss."""
+    model = hf_gpt2(2, 32, 4, 256, 32)
+    ids = torch.randint(0, 256, (batch, 32))
+    return model, {"input_ids": ids, "labels": ids}
+
+
 def print_mean_loss(step: int, loss: torch.Tensor) -> None:
     """Rank 0 prints the loss of ``step`` averaged over the ranks (a collective call)."""
     mean = loss.detach().clone()

@@ -11,9 +11,10 @@ flush of ``--microbatches`` micro-batches; weights shared by stages on different
 tied embedding and head of GPT-2) get their gradient summed between those ranks.
 
 Models: ``gpt`` (a small GPT-2 of the zoo's blocks, tied head; default), ``resnet18`` (the
-zoo's, on 32 px images), ``hf-gpt2`` (HuggingFace ``GPT2LMHeadModel`` with a small config;
-needs ``transformers`` and the torch.export extraction). Rank 0 prints the plan; the rank(s)
-holding the last stage print the losses.
+zoo's, on 32 px images), ``hf-gpt2`` (HuggingFace ``GPT2LMHeadModel`` with a small config,
+tied head, exported with ``torch.export``; needs ``transformers``). Every rank passes the
+batch to ``step`` (an exported model's side inputs, position ids and masks, are computed on
+every rank). Rank 0 prints the plan; the rank(s) holding the last stage print the losses.
 """
 
 from __future__ import annotations
@@ -49,16 +50,10 @@ def build(name: str, args: argparse.Namespace) -> tuple[nn.Module, Callable[[int
         logits = getattr(logits, "logits", logits)
         return nn.functional.cross_entropy(logits.reshape(-1, args.vocab), target.reshape(-1))
 
-    if name == "hf-gpt2":
-        from transformers import GPT2Config, GPT2LMHeadModel
+    from common import hf_gpt2, small_gpt  # the same small GPT-2s as the FSDP example
 
-        config = GPT2Config(n_layer=args.layers, n_embd=args.dim, n_head=4,
-                            vocab_size=args.vocab, n_positions=args.context, use_cache=False,
-                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-        return GPT2LMHeadModel(config), tokens, lm_loss
-    from common import small_gpt  # the same small GPT-2 as the FSDP example
-
-    return small_gpt(args.layers, args.dim, 4, args.vocab, args.context), tokens, lm_loss
+    build = hf_gpt2 if name == "hf-gpt2" else small_gpt
+    return build(args.layers, args.dim, 4, args.vocab, args.context), tokens, lm_loss
 
 
 def main() -> None:

@@ -82,29 +82,57 @@ def hf_gpt2(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     config = GPT2Config(n_layer=2, n_embd=DIM, n_head=2, vocab_size=VOCAB,
                         n_positions=CONTEXT, use_cache=False, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0)
+                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     return GPT2LMHeadModel(config)
 
 
-MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int], Any], Callable[..., Any]]] = {
+def hf_llama(seed: int = 0) -> nn.Module:
+    """HuggingFace ``LlamaForCausalLM`` (rotary embeddings, untied head), tiny config."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(num_hidden_layers=2, hidden_size=DIM, intermediate_size=2 * DIM,
+                         num_attention_heads=2, num_key_value_heads=2, vocab_size=VOCAB,
+                         max_position_embeddings=CONTEXT, use_cache=False)
+    return LlamaForCausalLM(config)
+
+
+# name: (build, data(rows) -> (x, y), loss_fn(output, y)); loss_fn None: the model's own
+# loss, the call passing labels= (model_call)
+MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int], Any], Any]] = {
     "mlp": (lambda: pipelining.demo_model(8, 6), lambda rows: mlp_data(rows, 8),
             nn.functional.mse_loss),
     "mlp3": (lambda: pipelining.demo_model(8, 3), lambda rows: mlp_data(rows, 8),
              nn.functional.mse_loss),
     "gpt": (tiny_gpt, gpt_data, lm_loss),
     "hf-gpt2": (hf_gpt2, gpt_data, lm_loss),
+    "hf-gpt2-labels": (hf_gpt2, gpt_data, None),
+    "hf-llama-labels": (hf_llama, gpt_data, None),
 }
+
+
+def model_call(loss_fn: Any, x: torch.Tensor, y: torch.Tensor
+               ) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+    """``(args, kwargs, target)`` of a call: ``model(x)`` with the target ``y`` of
+    ``loss_fn``, or ``model(input_ids=x, labels=y)`` when the model computes the loss."""
+    if loss_fn is None:
+        return (), {"input_ids": x, "labels": y}, None
+    return (x,), {}, y
 
 
 def reference_grads(model_name: str, microbatches: int, rows: int, *, mean: bool
                     ) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Single-process gradients (summed or averaged over micro-batches) and losses."""
+    from optmem.pytorch.pipelining import model_loss
+
     build, data, loss_fn = MODELS[model_name]
     model = build()
     x, y = data(rows)
     losses = []
     for xm, ym in zip(x.chunk(microbatches), y.chunk(microbatches), strict=True):
-        loss = loss_fn(model(xm), ym)
+        args, kwargs, target = model_call(loss_fn, xm, ym)
+        out = model(*args, **kwargs)
+        loss = model_loss(out) if loss_fn is None else loss_fn(out, target)
         (loss / microbatches if mean else loss).backward()
         losses.append(float(loss.detach()))
     return {n: p.grad.detach().clone() for n, p in model.named_parameters()}, losses
@@ -127,7 +155,7 @@ def run_jobs(rank: int, world: int, jobs: list[dict[str, Any]], out_dir: str) ->
     """Run every job (``job["kind"]`` names the function below) and save its outcome."""
     torch.set_num_threads(1)
     kinds = {"pipeline": pipeline_job, "one_call": one_call_job, "ddp": ddp_job,
-             "fsdp": fsdp_job, "fsdp_refusal": fsdp_refusal_job}
+             "fsdp": fsdp_job, "fsdp_refusal": fsdp_refusal_job, "ddp_hf": ddp_hf_job}
     for k, job in enumerate(jobs):
         _save(out_dir, rank, k, kinds[job["kind"]](rank, world, job))
         dist.barrier()
@@ -155,28 +183,42 @@ def pipeline_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
 def one_call_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     """``op.pipeline(...)`` then one step; rank 1 profiles a slower layer than rank 0.
 
-    ``{"model", "method", "microbatches", "rows", "slow_layer"}``. The time model gives every
-    layer 1 ms forward and 2 ms backward, and ``slow_layer`` 30 ms forward on rank 1 only:
-    ranks that planned alone would split differently.
+    ``{"model", "method", "microbatches", "rows", "slow_layer", "fast_ends"?}``. The time
+    model gives every layer 1 ms forward and 2 ms backward, and ``slow_layer`` 30 ms forward
+    on rank 1 only: ranks that planned alone would split differently. ``slow_layer`` is the
+    index of an ``nn.Sequential``'s layer, or for another model the name of a parameter of
+    the slow stage. ``fast_ends``: the first and last stage (the stages holding the tied
+    embedding) take a quarter of the time (MadPipe then puts them on one rank).
     """
     build, data, loss_fn = MODELS[job["model"]]
     model = build()
-    layers = [s.module for s in op.extract_stages(model)]
+    slow = job["slow_layer"]
+    params = dict(model.named_parameters())
+    layers = [s.module for s in op.extract_stages(model)] if isinstance(slow, int) else []
 
     def time_model(module: nn.Module, _x: Any, _y: Any) -> tuple[float, float]:
-        index = next(i for i, m in enumerate(layers) if m is module)
-        return (30.0 if rank == 1 and index == job["slow_layer"] else 1.0), 2.0
+        mine = {id(p) for p in module.parameters()}
+        if isinstance(slow, int):
+            is_slow = next(i for i, m in enumerate(layers) if m is module) == slow
+        else:
+            is_slow = id(params[slow]) in mine
+        fast = job.get("fast_ends") and (not mine or id(params[job["fast_ends"]]) in mine)
+        scale = 0.25 if fast else 1.0
+        return (30.0 if rank == 1 and is_slow else scale), 2.0 * scale
 
     x, y = data(job["rows"])
-    sample = x.chunk(job["microbatches"])[0]
+    args, kwargs, target = model_call(loss_fn, x, y)
+    m = job["microbatches"]
+    sample_args, sample_kwargs, _ = model_call(loss_fn, x.chunk(m)[0], y.chunk(m)[0])
+    sample = sample_kwargs or sample_args[0]
     piped = op.pipeline(model, sample, gpus=world, memory_per_gpu="1GiB", bandwidth="10GB/s",
-                        loss_fn=loss_fn, method=job["method"],
-                        microbatches=job["microbatches"], time_model=time_model, repeats=1,
-                        warmup=0)
-    losses = piped.step(x, target=y)
+                        loss_fn=loss_fn, method=job["method"], microbatches=m,
+                        time_model=time_model, repeats=1, warmup=0)
+    losses = piped.step(*args, target=target, **kwargs)
     return {"grads": _grads(model), "losses": [float(v) for v in losses],
             "plan": piped.result.plan, "period": piped.result.objective,
-            "stages": piped.stage_indices}
+            "stages": piped.stage_indices,
+            "gpus": [st.gpu for st in piped.plan.stages]}
 
 
 def ddp_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
@@ -209,34 +251,58 @@ def ddp_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     return {"grads": grads, "plan": cmodel.result.plan}
 
 
+def ddp_hf_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    """DDP over ``op.checkpoint`` of HuggingFace's GPT-2 (exported; ``labels=``, tied head).
+
+    ``{"memory_limit"}``; default DDP arguments, two iterations, each rank on its shard.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = hf_gpt2()
+    x_all, y_all = gpt_data(4 * world)
+    x, y = x_all.chunk(world)[rank], y_all.chunk(world)[rank]
+    cmodel = op.checkpoint(model, {"input_ids": x, "labels": y},
+                           memory_limit=job["memory_limit"], time_model=lambda *_: (1.0, 2.0))
+    ddp = DistributedDataParallel(cmodel)
+    for _ in range(2):
+        ddp.zero_grad(set_to_none=True)
+        ddp(input_ids=x, labels=y).loss.backward()
+    return {"grads": _grads(model), "plan": cmodel.result.plan}
+
+
 def fsdp_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     """``checkpoint_fsdp`` on a CPU device mesh; ``grad.full_tensor()`` of every weight.
 
-    ``{"model": "mlp" | "gpt", "memory_limit"}``; two iterations.
+    ``{"model": "mlp" | "gpt" | "hf-gpt2", "memory_limit"}``; two iterations. ``hf-gpt2`` is
+    exported (``labels=`` in the call: the model's own loss).
     """
     from torch.distributed.device_mesh import init_device_mesh
 
     from optmem.pytorch.distributed import checkpoint_fsdp
 
     mesh = init_device_mesh("cpu", (world,))
-    if job["model"] == "mlp":
-        model, (x_all, y_all), loss_fn = residual_mlp(), mlp_data(8 * world), \
-            nn.functional.mse_loss
-    else:
-        model, (x_all, y_all), loss_fn = tiny_gpt(), gpt_data(4 * world), lm_loss
+    model, (x_all, y_all), loss_fn = _fsdp_case(job["model"], world)
     x, y = x_all.chunk(world)[rank], y_all.chunk(world)[rank]
-    original = {id(p): n for n, p in model.named_parameters()}
-    names = {f"stages.{i}.{n}": original[id(p)]  # fully_shard keeps these names
-             for i, st in enumerate(op.extract_stages(model))
-             for n, p in st.module.named_parameters()}
-    cmodel = checkpoint_fsdp(model, x, job["memory_limit"], mesh=mesh,
+    args, kwargs, target = model_call(loss_fn, x, y)
+    cmodel = checkpoint_fsdp(model, kwargs or args[0], job["memory_limit"], mesh=mesh,
                              time_model=lambda *_: (1.0, 2.0))
     for _ in range(2):
         cmodel.zero_grad(set_to_none=True)
-        loss_fn(cmodel(x), y).backward()
-    return {"grads": {names[n]: p.grad.full_tensor() for n, p in cmodel.named_parameters()},
+        out = cmodel(*args, **kwargs)
+        (out.loss if loss_fn is None else loss_fn(out, target)).backward()
+    return {"grads": {n: p.grad.full_tensor() for n, p in cmodel.named_parameters()},
             "plan": cmodel.result.plan, "chain": cmodel.chain.to_dict(),
-            "units": [type(m).__name__ for m in cmodel.stages]}
+            "units": [type(m).__name__ for m in cmodel.stages],
+            "keys": sorted(cmodel.state_dict())}
+
+
+def _fsdp_case(name: str, world: int) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor],
+                                                 Any]:
+    if name == "mlp":
+        return residual_mlp(), mlp_data(8 * world), nn.functional.mse_loss
+    if name == "gpt":
+        return tiny_gpt(), gpt_data(4 * world), lm_loss
+    return hf_gpt2(), gpt_data(4 * world), None
 
 
 def fsdp_refusal_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 Default DDP arguments and ``static_graph=True``, with and without suffix stripping: the
 gradients after DDP's all-reduce equal single-process training on the whole batch. Rank 1
 measures a 30x slower layer than rank 0: planned locally the ranks choose different plans,
-with the default process group both run rank 0's plan.
+with the default process group both run rank 0's plan. HuggingFace's GPT-2 (exported) works
+the same way.
 """
 
 from __future__ import annotations
@@ -32,13 +33,32 @@ def test_ddp_over_checkpoint_plan_matches_single_process(tmp_path):
     x, y = w.mlp_data(16)
     torch.nn.functional.mse_loss(model(x), y).backward()
     for k in range(3):
-        ranks = [w.load(str(tmp_path), r, k) for r in range(2)]
-        assert ranks[0]["plan"] == ranks[1]["plan"]
-        assert any(op.startswith("F_none") or op.startswith("F_ck") for op in ranks[0]["plan"])
-        for data in ranks:
-            assert set(data["grads"]) == {n for n, _ in model.named_parameters()}
-            for name, p in model.named_parameters():
-                torch.testing.assert_close(data["grads"][name], p.grad, rtol=1e-5, atol=1e-6)
+        check_ranks([w.load(str(tmp_path), r, k) for r in range(2)], model)
     alone = [w.load(str(tmp_path), r, 3)["plan"] for r in range(2)]
     assert alone[0] != alone[1]  # the timings differ enough to change the plan
     assert alone[0] == w.load(str(tmp_path), 0, 0)["plan"]  # the shared plan is rank 0's
+
+
+def test_ddp_over_checkpoint_plan_of_huggingface_gpt2(tmp_path):
+    """HuggingFace's GPT2LMHeadModel, exported with torch.export (side inputs, its own loss,
+    tied head), in DDP with default arguments: the plan recomputes, both ranks run it, the
+    gradients equal single-process training on the whole batch."""
+    pytest.importorskip("transformers", reason="the HuggingFace model needs transformers")
+    # between the smallest feasible limit (100400 B) and store-all (176640 B)
+    spawn(w.run_jobs, 2, [{"kind": "ddp_hf", "memory_limit": 140000}], str(tmp_path),
+          init_file=str(tmp_path / "rendezvous"))
+    model = w.hf_gpt2()
+    x, y = w.gpt_data(8)
+    model(input_ids=x, labels=y).loss.backward()
+    check_ranks([w.load(str(tmp_path), r, 0) for r in range(2)], model)
+
+
+def check_ranks(ranks: list[dict], model: torch.nn.Module) -> None:
+    """One plan on both ranks, one that recomputes, and the gradients of ``model`` (trained
+    on the whole batch in one process) on every rank."""
+    assert ranks[0]["plan"] == ranks[1]["plan"]
+    assert any(op.startswith("F_none") or op.startswith("F_ck") for op in ranks[0]["plan"])
+    for data in ranks:
+        assert set(data["grads"]) == {n for n, _ in model.named_parameters()}
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(data["grads"][name], p.grad, rtol=1e-5, atol=1e-6)

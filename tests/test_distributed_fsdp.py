@@ -3,8 +3,9 @@
 ``checkpoint_fsdp`` profiles the unsharded model on rank 0, adds what FSDP gathers while a
 stage runs to the chain's per-op overheads, solves once, and shards one FSDP unit per stage.
 The gradients (``grad.full_tensor()``) equal single-process training on the whole batch, for a
-residual MLP and for a GPT-2 whose tied embedding and head stay in the root unit. Sharding
-first and checkpointing after is refused with a message naming the supported order.
+residual MLP, a GPT-2 whose tied embedding and head stay in the root unit, and HuggingFace's
+GPT-2 exported with torch.export. Sharding first and checkpointing after is refused with a
+message naming the supported order.
 """
 
 from __future__ import annotations
@@ -27,26 +28,47 @@ def test_fsdp2_with_checkpoint_plan_matches_single_process(tmp_path):
             {"kind": "fsdp", "model": "gpt", "memory_limit": 110000},
             {"kind": "fsdp_refusal"}]
     spawn(w.run_jobs, 2, jobs, str(tmp_path), init_file=str(tmp_path / "rendezvous"))
-    for k, (build, (x, y), loss_fn) in enumerate(
-            [(w.residual_mlp, w.mlp_data(16), torch.nn.functional.mse_loss),
-             (w.tiny_gpt, w.gpt_data(8), w.lm_loss)]):
-        model = build()
-        loss_fn(model(x), y).backward()
-        ranks = [w.load(str(tmp_path), r, k) for r in range(2)]
-        assert ranks[0]["plan"] == ranks[1]["plan"]
-        assert any(op.startswith("F_none") or op.startswith("F_ck") for op in ranks[0]["plan"])
-        chain = Chain.from_dict(ranks[0]["chain"])
-        assert chain.name.endswith("+fsdp")
-        for data in ranks:
-            assert set(data["grads"]) == {n for n, _ in model.named_parameters()}
-            for name, p in model.named_parameters():
-                torch.testing.assert_close(data["grads"][name], p.grad, rtol=1e-5, atol=1e-6)
+    for k, name in enumerate(["mlp", "gpt"]):
+        check_fsdp_job(name, [w.load(str(tmp_path), r, k) for r in range(2)])
     units = w.load(str(tmp_path), 0, 1)["units"]
     assert units[0] == "Embedding" and units[-1] == "Linear"  # tied: left to the root
     assert all(u.startswith("FSDP") for u in units[1:-1])
     for r in range(2):
         message = w.load(str(tmp_path), r, 2)["message"]
         assert "already sharded with fully_shard" in message and "checkpoint_fsdp" in message
+
+
+def test_fsdp2_with_checkpoint_plan_of_huggingface_gpt2(tmp_path):
+    """A HuggingFace GPT2LMHeadModel exported with torch.export (its own loss, ``labels=``):
+    every stage with parameters of its own (attention and MLP halves, position embedding,
+    final norm) is an FSDP unit, the embedding and head stages (tied) stay in the root unit;
+    the plan recomputes; gradients and state_dict keys as unsharded."""
+    pytest.importorskip("transformers", reason="the HuggingFace model needs transformers")
+    # between the smallest feasible limit (122244 B) and store-all (198400 B) of the chain
+    # with FSDP's gathered parameters
+    spawn(w.run_jobs, 2, [{"kind": "fsdp", "model": "hf-gpt2", "memory_limit": 160000}],
+          str(tmp_path), init_file=str(tmp_path / "rendezvous"))
+    ranks = [w.load(str(tmp_path), r, 0) for r in range(2)]
+    check_fsdp_job("hf-gpt2", ranks)
+    units = ranks[0]["units"]
+    # units: wpe, the 4 block halves, ln_f; wte and lm_head (tied), dropout and loss: root
+    assert [k for k, u in enumerate(units) if u == "FSDPGraphStage"] == [1, 3, 4, 5, 6, 7]
+    assert ranks[0]["keys"] == sorted(w.hf_gpt2().state_dict())
+
+
+def check_fsdp_job(name: str, ranks: list[dict]) -> None:
+    """One plan that recomputes, the FSDP-adjusted chain, single-process gradients."""
+    model, (x, y), loss_fn = w._fsdp_case(name, 2)
+    args, kwargs, target = w.model_call(loss_fn, x, y)
+    out = model(*args, **kwargs)
+    (out.loss if loss_fn is None else loss_fn(out, target)).backward()
+    assert ranks[0]["plan"] == ranks[1]["plan"]
+    assert any(op.startswith("F_none") or op.startswith("F_ck") for op in ranks[0]["plan"])
+    assert Chain.from_dict(ranks[0]["chain"]).name.endswith("+fsdp")
+    for data in ranks:
+        assert set(data["grads"]) == {n for n, _ in model.named_parameters()}
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(data["grads"][n], p.grad, rtol=1e-5, atol=1e-6)
 
 
 def test_fsdp_chain_counts_gathered_parameters():

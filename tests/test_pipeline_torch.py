@@ -136,22 +136,60 @@ def test_one_call_same_plan_on_every_rank(tmp_path):
         assert alone[0] != alone[1] and tuple(ranks[0]["plan"]) == alone[0]
 
 
-@pytest.mark.xfail(strict=True, reason="needs torch.export extraction from the torch branch")
+def check_one_call(jobs: list[dict], tmp_path) -> list[list[dict]]:
+    """Run ``op.pipeline`` jobs on 2 ranks: one plan, the single-process gradients and losses
+    (mean over micro-batches). Returns what each rank saved, per job."""
+    spawn(w.run_jobs, 2, jobs, str(tmp_path), init_file=str(tmp_path / "rendezvous"))
+    out = []
+    for k, spec in enumerate(jobs):
+        grads, losses = w.reference_grads(spec["model"], spec["microbatches"], spec["rows"],
+                                          mean=True)
+        ranks = [w.load(str(tmp_path), r, k) for r in range(2)]
+        assert ranks[0]["plan"] == ranks[1]["plan"] and ranks[0]["gpus"] == ranks[1]["gpus"]
+        for data in ranks:
+            for name, g in data["grads"].items():  # a tied weight: on both ranks, reduced
+                torch.testing.assert_close(g, grads[name], rtol=1e-5, atol=1e-6)
+        assert set(ranks[0]["grads"]) | set(ranks[1]["grads"]) == set(grads)
+        assert ranks[0]["losses"] + ranks[1]["losses"] == pytest.approx(losses, rel=1e-5)
+        out.append(ranks)
+    return out
+
+
+def hf_job(model: str, method: str, slow: str, fast: str) -> dict:
+    return {"kind": "one_call", "model": model, "method": method, "microbatches": 4,
+            "rows": 8, "slow_layer": slow, "fast_ends": fast}
+
+
 def test_one_call_on_huggingface_gpt2(tmp_path):
-    """``op.pipeline`` on HuggingFace's GPT2LMHeadModel (tiny config, tied head) under 2
-    ranks: the same plan everywhere and the single-process gradients."""
+    """``op.pipeline`` on HuggingFace's GPT2LMHeadModel (tiny config, head tied to the token
+    embedding), exported with torch.export, under 2 ranks: a MadPipe plan (non-contiguous:
+    the embedding and the head on rank 0, the first block on rank 1; ``loss_fn`` on the
+    logits) and a contiguous one with the model's own loss (``labels=``, the loss stage in the
+    chain; the tied weight on both ranks, its gradient reduced between them). Rank 1 measures
+    a slower block: both ranks still run rank 0's plan, with the single-process gradients."""
     pytest.importorskip("transformers", reason="the HuggingFace model needs transformers")
-    spec = {"kind": "one_call", "model": "hf-gpt2", "method": "madpipe", "microbatches": 4,
-            "rows": 8, "slow_layer": 1}
-    spawn(w.run_jobs, 2, [spec], str(tmp_path), init_file=str(tmp_path / "rendezvous"))
-    grads, losses = w.reference_grads("hf-gpt2", 4, 8, mean=True)
-    ranks = [w.load(str(tmp_path), r, 0) for r in range(2)]
-    assert ranks[0]["plan"] == ranks[1]["plan"]
-    for data in ranks:
-        for name, g in data["grads"].items():
-            torch.testing.assert_close(g, grads[name], rtol=1e-5, atol=1e-6)
-    assert set(ranks[0]["grads"]) | set(ranks[1]["grads"]) == set(grads)
-    assert ranks[0]["losses"] + ranks[1]["losses"] == pytest.approx(losses, rel=1e-5)
+    jobs = [hf_job("hf-gpt2", "madpipe", "transformer.h.1.mlp.c_fc.weight",
+                   "transformer.wte.weight"),
+            hf_job("hf-gpt2-labels", "contiguous", "transformer.h.1.mlp.c_fc.weight",
+                   "transformer.wte.weight")]
+    madpipe, contiguous = check_one_call(jobs, tmp_path)
+    gpus = madpipe[0]["gpus"]
+    assert non_contiguous(PipelinePlan.from_strings(madpipe[0]["plan"]))
+    assert gpus[0] == gpus[-1]  # embedding and head (tied) on one rank
+    gpus = contiguous[0]["gpus"]
+    assert gpus == sorted(gpus) and gpus[0] != gpus[-1]  # tied weight on both ranks
+    assert "transformer.wte.weight" in contiguous[0]["grads"]
+    assert "transformer.wte.weight" in contiguous[1]["grads"]
+
+
+def test_one_call_on_huggingface_llama(tmp_path):
+    """A tiny LlamaForCausalLM (rotary cos/sin tables as side inputs of every attention
+    stage, untied head) with its own loss: the single-process gradients on 2 ranks."""
+    pytest.importorskip("transformers", reason="the HuggingFace model needs transformers")
+    (ranks,) = check_one_call([hf_job("hf-llama-labels", "madpipe",
+                                      "model.layers.1.mlp.up_proj.weight",
+                                      "model.embed_tokens.weight")], tmp_path)
+    assert sorted(ranks[0]["stages"] + ranks[1]["stages"]) == list(range(len(ranks[0]["gpus"])))
 
 
 def local_plan(spec: dict, rank: int) -> tuple[str, ...]:

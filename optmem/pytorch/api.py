@@ -136,7 +136,7 @@ class RematOffloadedModule(PlannedModule):
 
 
 _PROFILE_OPTIONS = ("device", "repeats", "warmup", "progress", "time_model", "max_stages",
-                    "extract")
+                    "extract", "adjust_chain")
 _SOLVER_OPTIONS = ("slots", "variant", "time_limit_s", "process_group")
 _EXECUTOR_OPTIONS = {"checkpoint": ("preserve_rng_state", "restore_buffers", "strip_suffix"),
                      "offload": (), "remat_offload": ("preserve_rng_state", "restore_buffers")}

@@ -8,7 +8,9 @@ torch until a command runs.
 ``torchrun --nproc_per_node P -m optmem train-pipeline SPEC --batch B ...`` is the torchrun
 entry point for pipelines: every rank builds the model (seeded), rank 0 profiles one
 micro-batch of ``B`` examples and solves, the plan is broadcast, and the ranks train a few
-steps on PyTorch's pipeline runtime (:func:`optmem.pytorch.pipelining.pipeline`).
+steps on PyTorch's pipeline runtime (:func:`optmem.pytorch.pipelining.pipeline`; a module
+that is not an ``nn.Sequential`` is exported with ``torch.export``, and a factory may return
+a call as its sample, e.g. ``{"input_ids": ids, "labels": ids}``).
 """
 
 from __future__ import annotations
@@ -70,7 +72,8 @@ def register_cli(subparsers: Any) -> None:
         description="Under torchrun: profile SPEC on rank 0 (one micro-batch), solve the "
                     "pipeline problem for the world size, broadcast the plan and train a few "
                     "steps on torch.distributed.pipelining with synthetic data (the sample "
-                    "repeated; loss: mean square of the output). Rank 0 prints the plan, the "
+                    "repeated; loss: the model's own when the sample passes labels, else the "
+                    "mean square of the output or its logits). Rank 0 prints the plan, the "
                     "rank(s) with the last stage the losses.")
     p.add_argument("spec", help="registered model name or package.module:factory")
     p.add_argument("--batch", type=int, default=2, help="examples per micro-batch")
@@ -158,13 +161,17 @@ def run_train_pipeline(args: argparse.Namespace) -> int:
     torch.manual_seed(0)  # the same weights and sample on every rank
     module, sample = resolve_spec(args.spec, batch=args.batch, input_shape=args.input_shape)
 
-    def loss_fn(output: torch.Tensor, _unused_target: torch.Tensor) -> torch.Tensor:
-        return output.float().pow(2).mean()
+    def loss_fn(output: Any, _unused_target: Any) -> torch.Tensor:
+        loss = getattr(output, "loss", None)  # the model's own (the sample has labels=)
+        if isinstance(loss, torch.Tensor):
+            return loss
+        return getattr(output, "logits", output).float().pow(2).mean()
 
     if args.plan:
         with open(args.plan) as fh:
-            piped = PipelinedModel(module, fh.read(), microbatches=args.microbatches,
-                                   loss_fn=loss_fn, device=device)
+            piped = PipelinedModel(module, fh.read(), sample=sample,
+                                   microbatches=args.microbatches, loss_fn=loss_fn,
+                                   device=device)
     else:
         piped = pipeline(module, sample, memory_per_gpu=args.memory_per_gpu,
                          bandwidth=args.bandwidth, loss_fn=loss_fn, method=args.method,
@@ -175,15 +182,28 @@ def run_train_pipeline(args: argparse.Namespace) -> int:
         print(f"{args.spec}: {piped.result.method} plan ({piped.result.status}), predicted "
               f"period {piped.result.objective:.4g} ms per micro-batch; "
               f"{piped.result.report.get('allocation')}", flush=True)
-    batch = torch.cat([sample] * piped.microbatches).to(device)
-    dummy = torch.zeros(piped.microbatches, device=device)  # one (unused) target per micro-batch
+    call_args, call_kwargs = _repeated_call(sample, piped.microbatches)
     opt = torch.optim.SGD(piped.parameters(), lr=1e-3)
     for step in range(args.steps):
         opt.zero_grad(set_to_none=True)
-        losses = piped.step(batch, target=dummy)
+        losses = piped.step(*call_args, **call_kwargs)
         opt.step()
         if losses:
             print(f"rank {rank} step {step}: mean micro-batch loss "
                   f"{sum(float(v) for v in losses) / len(losses):.6g}", flush=True)
     dist.destroy_process_group()
     return 0
+
+
+def _repeated_call(sample: Any, n: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A batch of ``n`` copies of the sample micro-batch, as a call.
+
+    Every tensor of the sample is repeated along dimension 0.
+    """
+    import torch
+    from torch.utils._pytree import tree_map_only
+
+    from optmem.pytorch.wrapper import call_of
+
+    args, kwargs = call_of(sample)
+    return tree_map_only(torch.Tensor, lambda t: torch.cat([t] * n), (args, kwargs))

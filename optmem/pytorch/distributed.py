@@ -24,8 +24,10 @@ what the tests use). :func:`init_distributed` initialises from ``torchrun``'s en
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
@@ -175,15 +177,43 @@ def fully_shard_checkpointed(cmodule: nn.Module, mesh: Any = None, **fsdp_kwargs
     ``cmodule`` is what :func:`optmem.pytorch.checkpoint` returned (its ``stages``). Stages
     with parameters of their own become FSDP units (``fully_shard(stage, mesh=mesh,
     **fsdp_kwargs)``); stages sharing a parameter with another stage stay in the root unit.
-    Returns ``cmodule`` (sharded in place, as ``fully_shard`` does).
+    The stages of an exported model (``torch.export``) hold the model's parameters in their
+    own graph modules: the model's modules are pointed at the sharded parameters too (so
+    ``state_dict()``, ``parameters()`` and the executor see one object), and the root unit
+    leaves them to the stage units. Returns ``cmodule`` (sharded in place, as
+    ``fully_shard`` does).
     """
     from torch.distributed.fsdp import fully_shard
 
     stages = list(cmodule.stages)  # type: ignore[arg-type]
+    held: set[nn.Parameter] = set(fsdp_kwargs.pop("ignored_params", None) or ())
     for k in sharded_stage_indices(stages):
+        before = _parameter_slots(stages[k])
         fully_shard(stages[k], mesh=mesh, **fsdp_kwargs)
-    fully_shard(cmodule, mesh=mesh, **fsdp_kwargs)
+        held |= _point_model_at(cmodule, before, _parameter_slots(stages[k]))
+    fully_shard(cmodule, mesh=mesh, ignored_params=held, **fsdp_kwargs)
     return cmodule
+
+
+def _parameter_slots(module: nn.Module) -> dict[tuple[int, str], nn.Parameter]:
+    """Every ``(submodule, name) -> parameter`` registration inside ``module``."""
+    return {(id(m), name): p for m in module.modules() for name, p in m._parameters.items()
+            if p is not None}
+
+
+def _point_model_at(cmodule: nn.Module, before: dict[tuple[int, str], nn.Parameter],
+                    after: dict[tuple[int, str], nn.Parameter]) -> set[nn.Parameter]:
+    """Replace, everywhere in ``cmodule``, each parameter ``fully_shard`` replaced in a stage.
+
+    Returns the new (sharded) parameters.
+    """
+    new = {id(old): after[slot] for slot, old in before.items()
+           if slot in after and after[slot] is not old}
+    for m in cmodule.modules():
+        for name, p in list(m._parameters.items()):
+            if p is not None and id(p) in new:
+                m._parameters[name] = new[id(p)]
+    return set(new.values())
 
 
 def stage_parameter_bytes(stages: Sequence[nn.Module]) -> list[int]:
@@ -228,45 +258,41 @@ def checkpoint_fsdp(module: nn.Module | Sequence[nn.Module], sample: Any,
                     ) -> nn.Module:
     """Checkpoint plan over the stages of ``module``, then FSDP2 with one unit per stage.
 
-    The profile runs on rank 0 of ``process_group`` (default: the default group) on the
-    unsharded module, :func:`fsdp_chain` adds FSDP's gathered parameters and gradients to the
-    per-op overheads, the plan is solved under ``memory_limit`` once and broadcast, and the
-    stages are sharded (:func:`fully_shard_checkpointed`). Returns the sharded
+    The stages are those of :func:`optmem.pytorch.checkpoint` (an ``nn.Sequential``'s
+    children, or the ``torch.export`` stages of any other module, e.g. a HuggingFace model
+    called as ``sample``). The profile runs on rank 0 of ``process_group`` (default: the
+    default group) on the unsharded module, :func:`fsdp_chain` adds FSDP's gathered
+    parameters and gradients to the per-op overheads, the plan is solved under
+    ``memory_limit`` once and broadcast, and the stages are sharded
+    (:func:`fully_shard_checkpointed`). Returns the sharded
     :class:`~optmem.pytorch.api.CheckpointedModule`; ``.chain`` is the FSDP-adjusted chain.
     Other keyword arguments go to :func:`optmem.pytorch.checkpoint` (``max_stages`` is not
     supported: the chain's stages are the FSDP units).
     """
-    from optmem.pytorch.api import checkpoint
-    from optmem.pytorch.extract import extract_stages
-    from optmem.pytorch.profile import profile_stages
+    from optmem.pytorch.api import CheckpointedModule, _planned
 
     if "max_stages" in checkpoint_kwargs or "chain" in checkpoint_kwargs:
         raise OptmemInputError("checkpoint_fsdp profiles the module's stages itself: "
                                "max_stages and chain are not supported", field="max_stages")
-    refuse_sharded(module)
-    group = resolve_group(process_group)
-    stages = extract_stages(module)
-    profile_keys = ("device", "repeats", "warmup", "progress", "time_model")
-    profile_kw = {k: checkpoint_kwargs[k] for k in profile_keys if k in checkpoint_kwargs}
-    name = type(module).__name__ if isinstance(module, nn.Module) else "torch"
 
-    def profile() -> Chain:
-        return fsdp_chain(profile_stages(stages, sample, name=name, **profile_kw),
-                          stage_parameter_bytes([s.module for s in stages]), prefetch=prefetch)
+    def adjust(stages: Sequence[Any], chain: Chain) -> Chain:
+        return fsdp_chain(chain, stage_parameter_bytes([s.module for s in stages]),
+                          prefetch=prefetch)
 
-    chain = run_once(profile, group)
-    cmodule = checkpoint(module, sample, memory_limit, method, chain=chain,
-                         process_group=process_group if group is not None else LOCAL,
-                         **checkpoint_kwargs)
+    cmodule = _planned(CheckpointedModule, "checkpoint", module, sample, memory_limit, method,
+                       None, {**checkpoint_kwargs, "adjust_chain": adjust,
+                              "process_group": process_group})
     return fully_shard_checkpointed(cmodule, mesh=mesh, **(fsdp_kwargs or {}))
 
 
 # ------------------------------------------------------------------ launching
-def _spawned(rank: int, world: int, init: str, fn: Callable[..., Any], args: tuple) -> None:
+def _spawned(rank: int, world: int, init: str, fn: Callable[..., Any], args: tuple,
+             timeout_s: float = 600.0) -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     local = rank % torch.cuda.device_count() if backend == "nccl" else rank
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local))
-    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
     try:
         default_device()  # cuda:LOCAL_RANK becomes the current device with NCCL
         fn(rank, world, *args)
@@ -274,14 +300,35 @@ def _spawned(rank: int, world: int, init: str, fn: Callable[..., Any], args: tup
         dist.destroy_process_group()
 
 
-def spawn(fn: Callable[..., Any], world: int, *args: Any, init_file: str) -> None:
+def spawn(fn: Callable[..., Any], world: int, *args: Any, init_file: str,
+          timeout_s: float = 600.0, deadline_s: float | None = 1800.0) -> None:
     """Run ``fn(rank, world, *args)`` in ``world`` processes (``torch.multiprocessing``).
 
     ``init_file`` is a path (not existing yet) for the ``file://`` rendezvous. The backend is
     NCCL when CUDA is available (one GPU per rank), gloo otherwise. ``fn`` must be importable
     (a module-level function); the caller's script needs the ``if __name__ == "__main__":``
     guard (spawn start method).
+
+    Nothing waits forever: the process group gets ``timeout_s`` (a collective or
+    point-to-point message a rank waits on longer fails that rank, and a failed rank stops
+    the others), and if the processes have not all finished ``deadline_s`` seconds after the
+    start (``None``: no deadline) they are terminated and :class:`TimeoutError` is raised.
+    Both are guards against hangs, not measurements: set them well above the job's run time.
     """
     import torch.multiprocessing as mp
 
-    mp.spawn(_spawned, args=(world, f"file://{init_file}", fn, args), nprocs=world, join=True)
+    context = mp.start_processes(_spawned, args=(world, f"file://{init_file}", fn, args,
+                                                 timeout_s),
+                                 nprocs=world, join=False, start_method="spawn")
+    start = time.monotonic()
+    while not context.join(timeout=1.0):  # raises when a rank failed (and stops the others)
+        if deadline_s is not None and time.monotonic() - start > deadline_s:
+            for process in context.processes:
+                if process.is_alive():
+                    process.terminate()
+            for process in context.processes:
+                process.join(10)
+                if process.is_alive():
+                    process.kill()
+            raise TimeoutError(f"spawn: {world} processes of {fn.__name__} still running "
+                               f"after {deadline_s:g} s; terminated")

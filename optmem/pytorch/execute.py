@@ -304,12 +304,23 @@ class _Runner:
         self.stage_params: dict[int, list[int]] = {}
         self.param_needed: list[bool] = []
         self.param_grads: list[torch.Tensor | None] = []
+        # FSDP2 units: parameters gathered at each run, gradients accumulated in .grad
+        self.accumulating: set[int] = set()
 
     def collect_parameters(self) -> None:
-        """The parameters (requiring grad) of stages ``1..n``, each once."""
+        """The parameters (requiring grad) of stages ``1..n``, each once.
+
+        An FSDP2 unit (``fully_shard(stage)``) is left out: it swaps in gathered parameters
+        each time it runs, and its gradients must reach them through ``.grad`` (FSDP's
+        hooks reduce-scatter them from there), so its ``B`` runs ``autograd.backward``.
+        """
         index: dict[int, int] = {}
         for i in range(1, self.n + 1):
-            ids = []
+            ids: list[int] = []
+            if _is_fsdp_unit(self.owner.stages[i - 1]):
+                self.accumulating.add(i)
+                self.stage_params[i] = ids
+                continue
             for p in self.owner.stages[i - 1].parameters():
                 if not p.requires_grad:
                     continue
@@ -318,6 +329,8 @@ class _Runner:
                     self.params.append(p)
                 ids.append(index[id(p)])
             self.stage_params[i] = ids
+        if self.accumulating:  # an input that needs a gradient, so that backward() runs
+            self.params.append(self.anchor)  # type: ignore[arg-type]
 
     # -------------------------------------------------------------- ops
     def _run_stage(self, op: Op) -> None:
@@ -349,7 +362,8 @@ class _Runner:
                 outs = value_tensors(out)
                 tape.out_edges = [get_gradient_edge(t) if t.requires_grad else None
                                   for t in outs]
-                self.owner._check_leaves(i, outs, self.params, self.stage_params[i])
+                if i not in self.accumulating:
+                    self.owner._check_leaves(i, outs, self.params, self.stage_params[i])
                 del outs
                 self.storage[i] = _Slot(out, tape)
             else:
@@ -392,7 +406,9 @@ class _Runner:
         wanted = [e for e in in_edges if e is not None]
         params = [k for k in self.stage_params.get(i, ()) if self.param_needed[k]]
         got: Sequence[torch.Tensor | None]
-        if edges and (wanted or params):
+        if edges and i in self.accumulating:
+            got = _backward_accumulating(edges, grads, wanted)
+        elif edges and (wanted or params):
             targets: list[Any] = [*wanted, *(self.params[k] for k in params)]
             got = torch.autograd.grad(edges, targets, grads, allow_unused=True)
         else:
@@ -617,6 +633,39 @@ class CheckpointedChain(StageCalls, nn.Module):
 def _run_disabled(executor: Any, x: Any, compiled: bool) -> Any:
     """Run an executor outside dynamo (a graph break), its stages compiled."""
     return executor._forward(x, compiled)
+
+
+def _is_fsdp_unit(module: nn.Module) -> bool:
+    """Whether ``module`` is an FSDP2 unit (``fully_shard`` was applied to it)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return isinstance(module, FSDPModule)
+
+
+def _backward_accumulating(edges: list[Any], grads: list[torch.Tensor],
+                           wanted: list[GradientEdge]) -> list[torch.Tensor | None]:
+    """``autograd.backward`` from the stage outputs; the input gradients caught by hooks.
+
+    Leaves (an FSDP unit's gathered parameters) accumulate their gradient in ``.grad``
+    during the pass, where the unit's post-backward hook finds it.
+    """
+    got: list[torch.Tensor | None] = [None] * len(wanted)
+
+    def catch(k: int, nr: int) -> Callable[[Any], None]:
+        def hook(grad_outputs: Any) -> None:
+            got[k] = grad_outputs[nr]
+
+        return hook
+
+    handles = [e.node.register_prehook(catch(k, e.output_nr)) for k, e in enumerate(wanted)]
+    try:
+        torch.autograd.backward(edges, grads)
+    finally:
+        for h in handles:
+            h.remove()
+    return got
 
 
 def _graph_leaves(outs: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -5,15 +5,27 @@ places *stages*, runs of consecutive chain layers, on GPUs (several non-adjacent
 GPU for MadPipe and the exact models) and fixes a 1-periodic operation order. This module
 executes it on PyTorch's own pipeline runtime:
 
+* the chain is extracted as :func:`optmem.pytorch.checkpoint` extracts it: an
+  ``nn.Sequential`` or a list of stages as it is, any other module (a HuggingFace model)
+  with ``torch.export`` on the sample call (:func:`~optmem.pytorch.extract.extract_program`);
+  every rank holds the whole model and extracts the same chain;
 * one ``PipelineStage`` per stage of the plan (:class:`PlanStage` runs the stage's layers),
-  on the rank of the plan's GPU;
+  on the rank of the plan's GPU; only the chain value crosses ranks. Side inputs (masks,
+  position ids, rotary tables, labels) are computed for each micro-batch on every rank from
+  the micro-batch's call and entered around each stage's forward
+  (:mod:`optmem.pytorch.context`);
 * a ``_PipelineScheduleRuntime`` (the runtime behind ``PipelineScheduleMulti`` that
   torchtitan loads custom schedules into) given the plan's own per-rank action list
   (:func:`optmem.pipeline_schedule.schedule_rows`, the same rows as the exported CSV);
   PyTorch adds the sends and receives. A plan's CSV (``optmem export pipeline ... -o
   schedule.csv``) can be loaded the same way (``schedule_csv=``).
 
-:class:`PipelinedModel` is the per-rank training object (``step(batch, target=...)`` runs
+The loss runs inside the last stage: ``loss_fn(output, target)`` on the model's output of
+the micro-batch (a ``ModelOutput`` for a HuggingFace model), or, without ``loss_fn``, the
+model's own loss (``output.loss``: the call passes ``labels=``, and the loss is then the
+last stage of the exported chain, counted in the plan).
+
+:class:`PipelinedModel` is the per-rank training object (``step(*call, target=...)`` runs
 one flush of ``microbatches`` micro-batches); :func:`pipeline` is the one call (profile on
 rank 0, solve, broadcast chain and plan, split, build stages). Weights shared by stages on
 different ranks (a tied embedding and head) get their gradient summed between the ranks
@@ -29,9 +41,10 @@ difference. Launch with :func:`optmem.pytorch.distributed.spawn` or ``torchrun``
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -48,9 +61,20 @@ from optmem.pipeline_schedule import (
     rank_programs,
     schedule_rows,
 )
-from optmem.pytorch.distributed import default_device, resolve_group, run_once, spawn
-from optmem.pytorch.extract import Stage, extract_stages, merge_stages
-from optmem.pytorch.profile import TimeModel, profile_stages
+from optmem.pytorch.context import SideInputs, current_side_inputs, side_inputs
+from optmem.pytorch.distributed import default_device, resolve_group, spawn
+from optmem.pytorch.extract import Extraction, Stage, extract_program, extract_stages
+from optmem.pytorch.graphcut import OutputLayout
+from optmem.pytorch.profile import TimeModel
+from optmem.pytorch.wrapper import (
+    ProfileOptions,
+    call_of,
+    canonical_call,
+    is_plain_chain,
+    leaves_no_trace,
+    plan_stages,
+    signature_key,
+)
 from optmem.result import Result
 
 __all__ = ["PipelinedModel", "PlanStage", "as_pipeline_plan", "pipeline", "plan_stage_modules",
@@ -58,6 +82,7 @@ __all__ = ["PipelinedModel", "PlanStage", "as_pipeline_plan", "pipeline", "plan_
 
 LossFn = Callable[..., torch.Tensor]
 Op = RankOp  # the name of earlier versions
+TARGET = "__optmem_target__"  # the micro-batch's target, in its pipeline context
 
 
 # ------------------------------------------------------------------ plans and stages
@@ -80,44 +105,172 @@ class PlanStage(nn.Module):
     """The chain layers of one plan stage, run one after the other.
 
     Takes the positional tensors PyTorch's pipeline passes (one value, or the members of a
-    tuple value the previous stage returned) and returns the last layer's value.
+    tuple value the previous stage returned) and returns the last layer's value; the last
+    stage of a plan also computes the loss (``head``, a :class:`LossHead`).
     """
 
-    def __init__(self, layers: Sequence[nn.Module]) -> None:
+    def __init__(self, layers: Sequence[nn.Module], head: LossHead | None = None) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)
+        self.head = head
 
     def forward(self, *args: Any) -> Any:  # noqa: D102 - see the class docstring
         x: Any = args[0] if len(args) == 1 else tuple(args)
         for layer in self.layers:
             x = layer(x)
-        return x
+        return x if self.head is None else self.head(x)
 
 
-def _layers(model: nn.Module | Sequence[nn.Module | Stage]) -> list[nn.Module]:
-    """The chain layers of ``model`` (:func:`~optmem.pytorch.extract.extract_stages`)."""
-    if isinstance(model, Sequence) and not isinstance(model, nn.Module) \
-            and all(isinstance(s, Stage) for s in model):
-        return [s.module for s in model]  # type: ignore[union-attr, misc]
-    return [s.module for s in extract_stages(model, allow_single=True)]
+def model_loss(output: Any) -> torch.Tensor:
+    """The loss a model computed itself: ``output.loss``, ``output["loss"]`` or a scalar."""
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, Mapping):
+        loss = output.get("loss")
+    if loss is None and isinstance(output, torch.Tensor) and output.numel() == 1:
+        loss = output
+    if not isinstance(loss, torch.Tensor):
+        raise OptmemInputError(
+            f"the model's output ({type(output).__name__}) holds no loss: give loss_fn= or "
+            "call the model so that it computes its loss (labels=...)", field="loss_fn")
+    return loss
 
 
-def plan_stage_modules(model: nn.Module | Sequence[nn.Module | Stage], plan: Any
+class LossHead:
+    """The loss of one micro-batch, computed at the end of the plan's last stage.
+
+    The chain output is assembled into the model's output (``layout``: a ``ModelOutput``
+    of an exported model; ``None``: the chain output as it is), then
+    ``loss_fn(output, target)`` with the micro-batch's target from its pipeline context, or
+    the model's own loss (:func:`model_loss`) without ``loss_fn``.
+    """
+
+    def __init__(self, layout: OutputLayout | None, loss_fn: LossFn | None) -> None:
+        self.layout = layout
+        self.loss_fn = loss_fn
+
+    def __call__(self, value: Any) -> torch.Tensor:  # noqa: D102 - see the class docstring
+        ctx = current_side_inputs()
+        output = value if self.layout is None else self.layout.assemble(value, ctx)
+        if self.loss_fn is None:
+            return model_loss(output)
+        return self.loss_fn(output, ctx.get(TARGET))
+
+
+class _Program:
+    """The chain a pipeline runs, and how a call becomes micro-batches of it.
+
+    ``extraction`` is ``None`` for an ``nn.Sequential``, a list of stages or an fx-traced
+    module (a call is one input, the chain input); otherwise the ``torch.export``
+    extraction of the sample call, specialised to its signature (``key``).
+    """
+
+    def __init__(self, stages: list[Stage], extraction: Extraction | None = None,
+                 module: nn.Module | None = None, key: Any = None, x: Any = None,
+                 ctx: SideInputs | None = None) -> None:
+        self.stages = stages
+        self.extraction = extraction
+        self.module = module
+        self.key = key
+        self.x = x  # the sample's chain input
+        self.ctx = ctx  # the sample's side inputs
+
+    @classmethod
+    def build(cls, model: Any, sample: Any = None, extract: str = "auto") -> _Program:
+        """Extract ``model`` as the checkpoint wrapper does (``sample``: one micro-batch)."""
+        if isinstance(model, _Program):
+            return model
+        if is_plain_chain(model) or sample is None:
+            return cls(extract_stages(model, allow_single=True), x=sample)
+        if not isinstance(model, nn.Module):
+            raise OptmemInputError(f"expected an nn.Module or a list of modules, got "
+                                   f"{type(model).__name__}", field="module")
+        args, kwargs = canonical_call(model, *call_of(sample))
+        with leaves_no_trace(model):
+            ext = extract_program(model, args, kwargs, method=extract, allow_single=True)
+        ext.rebind()
+        flat = ext.flatten(args, kwargs)
+        return cls(ext.stages, ext, model, signature_key(model, args, kwargs),
+                   ext.chain_input(flat), ext.side_inputs(flat))
+
+    def with_stages(self, stages: list[Stage]) -> _Program:
+        """The same program with other (merged) stages."""
+        return _Program(stages, self.extraction, self.module, self.key, self.x, self.ctx)
+
+    @property
+    def layout(self) -> OutputLayout | None:
+        """How the model's output is assembled (``None``: the chain output is the output)."""
+        return None if self.extraction is None else self.extraction.output
+
+    def has_loss(self) -> bool | None:
+        """Whether the model's output holds a loss (``None``: not known before running)."""
+        layout = self.layout
+        if layout is None:
+            return None
+        keys = getattr(layout.spec, "context", None)
+        return isinstance(keys, list | tuple) and "loss" in keys
+
+    def split(self, args: tuple[Any, ...], kwargs: dict[str, Any], n: int
+              ) -> tuple[tuple[Any, ...], list[SideInputs | None]]:
+        """The chain input of a whole-batch call and the side inputs of its micro-batches.
+
+        The runtime splits the chain input along dimension 0 into ``n`` micro-batches
+        (``split_args_kwargs_into_chunks``); the call is split the same way here and each
+        micro-batch's side inputs computed from its own call.
+        """
+        ext = self.extraction
+        if ext is None:
+            if kwargs:
+                raise TypeError(f"a pipelined nn.Sequential or list of stages takes one "
+                                f"positional input, got keyword arguments {', '.join(kwargs)}")
+            return args, [None] * n
+        from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
+
+        assert self.module is not None
+        if not args and not kwargs:
+            raise OptmemInputError(
+                "every rank passes the batch to step(): the side inputs of an exported "
+                "model (masks, position ids, labels) are computed on every rank",
+                field="inputs")
+        args, kwargs = canonical_call(self.module, args, kwargs)
+        a0 = ext.chain_input(ext.flatten(args, kwargs))
+        contexts: list[SideInputs | None] = []
+        for a, k in zip(*split_args_kwargs_into_chunks(args, kwargs, n), strict=True):
+            if signature_key(self.module, a, k) != self.key:
+                raise OptmemInputError(
+                    f"a micro-batch of this call differs from the sample the pipeline of "
+                    f"{type(self.module).__name__} was exported for (shapes, dtypes, "
+                    f"arguments, training mode): pass {n} micro-batches shaped like the "
+                    "sample, stacked along dimension 0", field="inputs")
+            contexts.append(ext.side_inputs(ext.flatten(a, k)))
+        return (a0 if isinstance(a0, tuple) else (a0,)), contexts
+
+    def to(self, device: torch.device) -> None:
+        """Move the side program's constants to ``device`` (the stages move with the rank)."""
+        if self.extraction is not None:
+            self.extraction.side.to(device)
+
+
+def plan_stage_modules(model: nn.Module | Sequence[nn.Module | Stage] | _Program, plan: Any,
+                       *, sample: Any = None, head: LossHead | None = None
                        ) -> list[PlanStage]:
     """One :class:`PlanStage` per stage of ``plan`` (parameters shared with ``model``).
 
-    Chain layer ``q`` is the ``q``-th stage :func:`~optmem.pytorch.extract.extract_stages`
-    finds (nested ``nn.Sequential`` containers are flattened, as when profiling).
+    Chain layer ``q`` is the ``q``-th stage the extraction finds: for an ``nn.Sequential``
+    its children (nested containers flattened, as when profiling), for another module with
+    a ``sample`` call the stages of its ``torch.export`` graph. ``head`` computes the loss
+    at the end of the last stage.
     """
     plan = as_pipeline_plan(plan)
-    layers = _layers(model)
+    layers = [s.module for s in _Program.build(model, sample).stages]
     n = plan.stages[-1].last if plan.stages else 0
     if n != len(layers):
         raise OptmemInputError(
             f"the plan covers {n} chain layers but the model has {len(layers)} (the stages "
-            "extract_stages finds, nested nn.Sequential flattened): profile and plan the same "
-            "model", field="plan")
-    return [PlanStage(layers[st.first - 1:st.last]) for st in plan.stages]
+            "the extraction finds, nested nn.Sequential flattened): profile and plan the "
+            "same model", field="plan")
+    last = len(plan.stages) - 1
+    return [PlanStage(layers[st.first - 1:st.last], head if k == last else None)
+            for k, st in enumerate(plan.stages)]
 
 
 def _tied_parameters(modules: Sequence[nn.Module], gpu_of: Sequence[int]
@@ -136,14 +289,30 @@ def _tied_parameters(modules: Sequence[nn.Module], gpu_of: Sequence[int]
 
 
 class _ScaledLoss:
-    """``loss_fn / N``: the mean over micro-batches, whoever holds the parameters."""
+    """The runtime's loss: the last stage's output (the loss) divided by ``factor``."""
 
-    def __init__(self, loss_fn: LossFn, factor: float) -> None:
-        self.loss_fn = loss_fn
+    def __init__(self, factor: float) -> None:
         self.factor = factor
 
-    def __call__(self, output: Any, target: Any) -> torch.Tensor:
-        return self.loss_fn(output, target) / self.factor
+    def __call__(self, output: torch.Tensor, target: Any) -> torch.Tensor:
+        return output / self.factor
+
+
+@functools.cache
+def _stage_class() -> type:
+    """``PipelineStage`` running each micro-batch's forward in that micro-batch's context."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class CallStage(PipelineStage):
+        """A ``PipelineStage`` whose forward of micro-batch ``m`` sees ``contexts[m]``."""
+
+        contexts: list[SideInputs] = []
+
+        def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            with side_inputs(self.contexts[fwd_chunk_id]):
+                return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    return CallStage
 
 
 # ------------------------------------------------------------------ PyTorch's runtime
@@ -153,16 +322,22 @@ class PipelinedModel(nn.Module):
     Parameters
     ----------
     model
-        The whole model on every rank (same initial weights): an ``nn.Sequential``, any
-        module :func:`~optmem.pytorch.extract.extract_stages` cuts, or a list of stages.
+        The whole model on every rank (same initial weights): an ``nn.Sequential``, a list
+        of stages, or any module with ``sample`` (exported with ``torch.export``, as
+        :func:`optmem.pytorch.checkpoint` does; without ``sample`` it must be fx-traceable).
         Only the layers of this rank's stages are moved to ``device`` and used.
     plan
         A pipeline plan, a pipeline :class:`~optmem.result.Result`, ``result.plan``, or its
         JSON (:func:`as_pipeline_plan`).
+    sample
+        One micro-batch call (a tensor, a tuple of positional or a dict of keyword
+        arguments) the model is exported for; every micro-batch must look like it.
     microbatches
-        Micro-batches per :meth:`step` (one flush); the batch is split along dimension 0.
+        Micro-batches per :meth:`step` (one flush); the call is split along dimension 0.
     loss_fn
-        ``loss_fn(output, target)`` of one micro-batch, on the rank of the last stage.
+        ``loss_fn(output, target)`` of one micro-batch (``output``: what the model returns,
+        a ``ModelOutput`` for a HuggingFace model), run at the end of the last stage.
+        ``None``: the model's own loss (``output.loss``; the call passes ``labels=``).
     device
         Default: ``cuda:LOCAL_RANK`` with NCCL, else the CPU.
     scale_grads
@@ -171,6 +346,8 @@ class PipelinedModel(nn.Module):
     schedule_csv
         Load the action list from this CSV (``optmem export pipeline ... -o schedule.csv``)
         instead of deriving it from ``plan`` (both must describe the same allocation).
+    extract
+        ``"auto"`` (``torch.export``, then ``torch.fx``), ``"export"`` or ``"fx"``.
 
     Every process of the default group constructs it (GPU ``g`` of the plan is rank ``g``;
     subgroups are made for the pipeline when the plan leaves ranks empty, and for every set
@@ -188,10 +365,11 @@ class PipelinedModel(nn.Module):
         Set by :func:`pipeline`: the profiled chain and the solve's result.
     """
 
-    def __init__(self, model: nn.Module | Sequence[nn.Module | Stage], plan: Any, *,
-                 microbatches: int | None = None, loss_fn: LossFn | None = None,
-                 device: torch.device | str | None = None, scale_grads: bool = True,
-                 schedule_csv: str | None = None) -> None:
+    def __init__(self, model: nn.Module | Sequence[nn.Module | Stage] | _Program, plan: Any, *,
+                 sample: Any = None, microbatches: int | None = None,
+                 loss_fn: LossFn | None = None, device: torch.device | str | None = None,
+                 scale_grads: bool = True, schedule_csv: str | None = None,
+                 extract: str = "auto") -> None:
         super().__init__()
         self.plan = as_pipeline_plan(plan)
         self.microbatches = microbatches or default_microbatches(self.plan)
@@ -203,16 +381,25 @@ class PipelinedModel(nn.Module):
         if used[-1] >= size:
             raise OptmemInputError(f"the plan uses GPU {used[-1]} but only {size} processes run",
                                    field="gpus")
-        modules = plan_stage_modules(model, self.plan)
+        self.program = _Program.build(model, sample, extract)
+        if loss_fn is None and self.program.has_loss() is False:
+            raise OptmemInputError(
+                f"the output of {type(self.program.module).__name__} on the sample call holds "
+                "no loss: give loss_fn=, or pass labels= in the call so that the model "
+                "computes its loss", field="loss_fn")
+        modules = plan_stage_modules(self.program, self.plan,
+                                     head=LossHead(self.program.layout, loss_fn))
         gpu_of = [st.gpu for st in self.plan.stages]
         self.stage_indices = [k for k, g in enumerate(gpu_of) if g == rank]
         self.stages = nn.ModuleList([modules[k] for k in self.stage_indices]).to(self.device)
+        self.program.to(self.device)
         self.pp_group = dist.group.WORLD if used == list(range(size)) else dist.new_group(used)
         self._tied = self._tied_groups(modules, gpu_of, rank)
         self.has_first = 0 in self.stage_indices
         self.has_last = len(gpu_of) - 1 in self.stage_indices
         self.scale_grads = scale_grads
-        self.schedule = self._build_schedule(modules, loss_fn, schedule_csv) \
+        self._contexts: list[SideInputs] = []
+        self.schedule = self._build_schedule(modules, schedule_csv) \
             if self.stage_indices else None
 
     def _tied_groups(self, modules: Sequence[nn.Module], gpu_of: Sequence[int], rank: int
@@ -227,18 +414,19 @@ class PipelinedModel(nn.Module):
                 mine.append((param, groups[gpus]))
         return mine
 
-    def _build_schedule(self, modules: Sequence[nn.Module], loss_fn: LossFn | None,
-                        schedule_csv: str | None) -> Any:
-        from torch.distributed.pipelining import PipelineStage
+    def _build_schedule(self, modules: Sequence[nn.Module], schedule_csv: str | None) -> Any:
         from torch.distributed.pipelining.schedules import _Action, _PipelineScheduleRuntime
 
         n_stages = len(modules)
-        stages = [PipelineStage(modules[k], k, n_stages, self.device, group=self.pp_group)
-                  for k in self.stage_indices]
-        scaled = None if loss_fn is None else \
-            _ScaledLoss(loss_fn, self.microbatches if self.scale_grads else 1)
-        schedule = _PipelineScheduleRuntime(stages, self.microbatches, loss_fn=scaled,
-                                            scale_grads=False)
+        stages = []
+        for k in self.stage_indices:
+            stage = _stage_class()(modules[k], k, n_stages, self.device, group=self.pp_group)
+            stage.contexts = self._contexts  # filled by every step
+            stages.append(stage)
+        schedule = _PipelineScheduleRuntime(
+            stages, self.microbatches,
+            loss_fn=_ScaledLoss(self.microbatches if self.scale_grads else 1),
+            scale_grads=False)
         if schedule_csv is not None:
             schedule._load_csv(schedule_csv)
         else:
@@ -254,21 +442,35 @@ class PipelinedModel(nn.Module):
                                    f"{expected}", field="schedule_csv")
         return schedule
 
-    def step(self, *inputs: Any, target: Any = None) -> list[torch.Tensor]:
+    def step(self, *args: Any, target: Any = None, **kwargs: Any) -> list[torch.Tensor]:
         """One training step (forward and backward of every micro-batch, no weight update).
 
-        ``inputs`` (the first stage's arguments) are used on the rank of the first stage and
-        ``target`` on the rank of the last; other ranks may pass them or not. Returns the
-        micro-batch losses on the rank holding the last stage, ``[]`` elsewhere. Gradients
-        accumulate in ``.grad`` (call ``zero_grad()`` between steps, as usual).
+        ``args`` and ``kwargs`` are the call of the whole batch (``microbatches`` micro-
+        batches stacked along dimension 0), ``target`` the targets of ``loss_fn``. For an
+        ``nn.Sequential`` or a list of stages only the rank of the first stage needs the
+        call (the first stage's input) and only the rank of the last the target; for an
+        exported model every rank passes the call (each computes the side inputs of every
+        micro-batch). Returns the micro-batch losses on the rank holding the last stage,
+        ``[]`` elsewhere. Gradients accumulate in ``.grad`` (call ``zero_grad()`` between
+        steps, as usual).
         """
         before = [(p, None if p.grad is None else p.grad.detach().clone())
                   for p, _ in self._tied]
         losses: list[torch.Tensor] = []
         if self.schedule is not None:
-            args = tuple(_to(x, self.device) for x in inputs) if self.has_first else ()
-            tgt = _to(target, self.device) if self.has_last else None
-            self.schedule.step(*args, target=tgt, losses=losses, return_outputs=False)
+            n = self.microbatches
+            args, kwargs = _to(args, self.device), _to(kwargs, self.device)
+            chain_args, calls = self.program.split(args, kwargs, n)
+            targets = list(torch.tensor_split(_to(target, self.device), n)) \
+                if isinstance(target, torch.Tensor) else [target] * n
+            self._contexts[:] = [SideInputs({**(ctx or {}), TARGET: t})
+                                 for ctx, t in zip(calls, targets, strict=True)]
+            # the last stage's loss is its output: the runtime's target is a placeholder
+            dummy = torch.zeros(n, device=self.device) if self.has_last else None
+            with side_inputs(self._contexts[0]):  # the runtime's first-step shape inference
+                self.schedule.step(*(chain_args if self.has_first else ()), target=dummy,
+                                   losses=losses, return_outputs=False)
+            self._contexts.clear()
         self._reduce_tied(before)
         factor = self.microbatches if self.scale_grads else 1
         return [loss.detach() * factor for loss in losses]
@@ -291,6 +493,8 @@ def _to(value: Any, device: torch.device) -> Any:
         return value.to(device)
     if isinstance(value, tuple | list):
         return type(value)(_to(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _to(v, device) for k, v in value.items()}
     return value
 
 
@@ -318,7 +522,7 @@ def pipeline(
     memory_per_gpu: int | str = "16GiB",
     bandwidth: float | str | None = None,
     *,
-    loss_fn: LossFn,
+    loss_fn: LossFn | None = None,
     microbatches: int | None = None,
     method: str = "madpipe",
     weight_copies: int = 4,
@@ -330,19 +534,26 @@ def pipeline(
     warmup: int = 1,
     time_model: TimeModel | None = None,
     progress: bool | None = False,
+    extract: str = "auto",
 ) -> PipelinedModel:
     """Profile, solve, split and build the pipeline of ``model`` on ``gpus`` ranks.
 
-    Run it on every rank (``torchrun --nproc_per_node P``): rank 0 profiles the chain on
-    ``sample`` and solves the pipeline problem; the chain and the plan are broadcast, so
-    every rank builds its part of the **same** plan.
+    Run it on every rank (``torchrun --nproc_per_node P``): every rank extracts the chain
+    (as :func:`optmem.pytorch.checkpoint` does: ``torch.export`` for a module that is not
+    an ``nn.Sequential``), rank 0 profiles it on ``sample`` and solves the pipeline problem;
+    the chain and the plan are broadcast, so every rank builds its part of the **same**
+    plan.
 
     Parameters
     ----------
     model
-        The same model on every rank (same weights: seed before building it).
+        The same model on every rank (same weights: seed before building it): an
+        ``nn.Sequential``, a list of stages, or any module (a HuggingFace model).
     sample
-        **One micro-batch** (the chain is profiled per micro-batch, like the period).
+        **One micro-batch** (the chain is profiled per micro-batch, like the period): the
+        input of an ``nn.Sequential``, or a call of the module (a tensor, a tuple of
+        positional or a dict of keyword arguments, e.g. ``{"input_ids": ids, "labels":
+        ids}``).
     gpus
         GPUs of the plan (default: the number of processes); GPU ``g`` is rank ``g``.
     memory_per_gpu
@@ -350,7 +561,9 @@ def pipeline(
     bandwidth
         Link bandwidth (``"12GB/s"`` or bytes per ms); ``None``: transfers are free.
     loss_fn
-        ``loss_fn(output, target)`` of one micro-batch.
+        ``loss_fn(output, target)`` of one micro-batch (``output``: what the model returns).
+        ``None``: the model's own loss (``output.loss``; the sample passes ``labels=``, and
+        the loss is the last stage of the chain, profiled and planned with it).
     microbatches
         Micro-batches per step (default: twice the number of stages).
     method
@@ -366,6 +579,8 @@ def pipeline(
         As in :class:`PipelinedModel`.
     repeats, warmup, time_model, progress
         Profiling options (:func:`~optmem.pytorch.profile.profile_stages`).
+    extract
+        ``"auto"`` (``torch.export``, then ``torch.fx``), ``"export"`` or ``"fx"``.
 
     Returns
     -------
@@ -387,20 +602,11 @@ def pipeline(
     if gpus > world:
         raise OptmemInputError(f"the plan is for {gpus} GPUs but only {world} ranks run",
                                field="gpus")
-    stages = extract_stages(model, allow_single=True)
-    merge = max_stages is not None and len(stages) > max_stages
+    program = _Program.build(model, sample, extract)
     name = type(model).__name__ if isinstance(model, nn.Module) else "torch"
     memory = parse_size(memory_per_gpu)
 
-    def decide() -> tuple[list[float] | None, Chain, Result]:
-        costs, merged = None, stages
-        if merge:
-            fine = profile_stages(stages, sample, device=device, repeats=1, warmup=1,
-                                  name=name, progress=progress, time_model=time_model)
-            costs = [f + b for f, b in zip(fine.fwd_time, fine.bwd_time, strict=True)]
-            merged = merge_stages(stages, max_stages, costs)  # type: ignore[arg-type]
-        chain = profile_stages(merged, sample, device=device, repeats=repeats, warmup=warmup,
-                               name=name, progress=progress, time_model=time_model)
+    def solve_pipeline(chain: Chain) -> Result:
         beta = math.inf if bandwidth is None else \
             chain_rate(bandwidth, chain.time_unit, allow_inf=True)
         problem = PipelineProblem(chain, gpus, memory, chain_bandwidth=beta,
@@ -412,13 +618,21 @@ def pipeline(
             raise OptmemInputError(f"no {method} pipeline plan for {name} on {gpus} GPUs with "
                                    f"{format_size(memory)} each: status {result.status}{hint}",
                                    field="memory_per_gpu")
-        return costs, chain, result
+        return result
 
-    costs, chain, result = run_once(decide, resolve_group())
-    if merge:
-        stages = merge_stages(stages, max_stages, costs)  # type: ignore[arg-type]
-    piped = PipelinedModel(stages, result, microbatches=microbatches, loss_fn=loss_fn,
-                           device=device)
+    options = ProfileOptions(device=None if device is None else str(device), repeats=repeats,
+                             warmup=warmup, progress=progress, time_model=time_model,
+                             max_stages=max_stages)
+    _, stages, chain, result = plan_stages(program.stages, program.x, options, name,
+                                           program.ctx, solve_pipeline,
+                                           group=resolve_group())
+    if chain.stage_names != tuple(s.name for s in stages):
+        raise OptmemInputError(
+            f"rank {dist.get_rank()} extracted other stages than rank 0 "
+            f"({[s.name for s in stages]} against {list(chain.stage_names)}): build the same "
+            "model and sample on every rank", field="model")
+    piped = PipelinedModel(program.with_stages(stages), result, microbatches=microbatches,
+                           loss_fn=loss_fn, device=device)
     piped.chain, piped.result = chain, result
     return piped
 

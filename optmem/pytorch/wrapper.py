@@ -54,7 +54,7 @@ from optmem.pytorch.planning import Planner
 from optmem.result import Result
 from optmem.units import format_size
 
-__all__ = ["MAX_VARIANTS", "PlannedModule", "ProfileOptions", "leaves_no_trace"]
+__all__ = ["MAX_VARIANTS", "PlannedModule", "ProfileOptions", "leaves_no_trace", "plan_stages"]
 
 MAX_VARIANTS = 8
 _PREFIX = "_optmem_module."
@@ -72,6 +72,9 @@ class ProfileOptions:
     time_model: Any = None
     max_stages: int | None = None
     extract: str = "auto"
+    # what the profile does not see but the plan must count: (stages, chain) -> chain
+    # (FSDP2's gathered parameters: optmem.pytorch.distributed.fsdp_chain)
+    adjust_chain: Callable[[Sequence[Stage], Chain], Chain] | None = None
 
 
 @dataclass
@@ -476,13 +479,34 @@ def _extract_variant(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
 def _make_variant(ext: Extraction | None, fine: list[Stage], x: Any, planner: Planner,
                   profile: ProfileOptions, chain: Chain | None, name: str,
                   ctx: SideInputs | None, like: _Variant | None) -> _Variant:
-    """Merge (``max_stages``), profile and solve one list of stages.
+    """Merge (``max_stages``), profile and solve one list of stages, build its executor.
 
-    The merge, the profile and the solve run once, on rank 0 of the planner's process group
-    when ``torch.distributed`` is initialised (:func:`~optmem.pytorch.distributed.run_once`),
-    so every rank follows the same plan; the executor is built on every rank.
+    The decision runs once for every rank (:func:`plan_stages`); the executor is built on
+    every rank.
     """
-    from optmem.pytorch.distributed import resolve_group, run_once
+    from optmem.pytorch.distributed import resolve_group
+
+    groups, stages, chain, result = plan_stages(
+        fine, x, profile, name, ctx, planner.solve, chain=chain, like=like,
+        group=resolve_group(planner.process_group))
+    executor = planner.executor(stages, result.plan)
+    return _Variant(ext, stages, groups, tuple(s.name for s in fine), chain, result, executor)
+
+
+def plan_stages(fine: list[Stage], x: Any, profile: ProfileOptions, name: str,
+                ctx: SideInputs | None, solve: Callable[[Chain], Result], *,
+                chain: Chain | None = None, like: _Variant | None = None, group: Any = None
+                ) -> tuple[list[tuple[int, int]] | None, list[Stage], Chain, Result]:
+    """Merge (``profile.max_stages``), profile and ``solve`` a list of stages, once.
+
+    The merge, the profile and the solve run on rank 0 of ``group``
+    (:func:`~optmem.pytorch.distributed.run_once`; ``None``: here), so every rank follows
+    the same plan. ``x`` is the chain input and ``ctx`` the side inputs of the sample call
+    (``None`` for an ``nn.Sequential`` or a list of stages); a profiled chain goes through
+    ``profile.adjust_chain`` before the solve. Returns the merge groups (or ``None``), the
+    merged stages, the chain and the result.
+    """
+    from optmem.pytorch.distributed import run_once
 
     fine_names = tuple(s.name for s in fine)
     limit = profile.max_stages
@@ -509,16 +533,16 @@ def _make_variant(ext: Extraction | None, fine: list[Stage], x: Any, planner: Pl
                 tuple(s.name for s in stages)
             prof = _profile(stages, x, profile, name, ctx,
                             time_model=_scaled_times(like, stages) if same else None)
+            if profile.adjust_chain is not None:
+                prof = profile.adjust_chain(stages, prof)
         elif prof.length != len(stages):
             raise OptmemInputError(
                 f"the given chain has {prof.length} stages but the module has {len(stages)}",
                 field="chain")
-        return groups, prof, planner.solve(prof)
+        return groups, prof, solve(prof)
 
-    groups, chain, result = run_once(decide, resolve_group(planner.process_group))
-    stages = merged(groups)
-    executor = planner.executor(stages, result.plan)
-    return _Variant(ext, stages, groups, fine_names, chain, result, executor)
+    groups, chain, result = run_once(decide, group)
+    return groups, merged(groups), chain, result
 
 
 def _groups(n: int, limit: int, costs: Sequence[float] | None,
