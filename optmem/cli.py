@@ -248,7 +248,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             from optmem.simulate.verify import verify_plan
 
             report = verify_plan(problem, plan_data, options)
-        except PlanError as exc:  # whatever is wrong with the plan, name the plan file
+        except OptmemInputError as exc:  # whatever is wrong with the plan, name the plan file
             raise (exc if exc.source else exc.with_source(args.plan)) from None
     report = {"valid": True, **report}
     if args.json:

@@ -400,3 +400,11 @@ def test_titles_that_fonts_cannot_draw_are_rejected_before_drawing(title):
         err = rejects([*argv, "--title", title],
                       {"c.json": chain_bytes(), "p.json": dumps(plan).encode()})
         assert "--title" in err
+
+
+@pytest.mark.parametrize("plan", ["[-1, 2]", "[1" + "0" * 80 + "]"])
+def test_min_peak_checkpoint_lists_out_of_range_name_the_plan_file(plan):
+    """The long fuzz run: ``verify min-peak`` of ``[-1, ...]`` or a checkpoint of 80 digits
+    named the field but not the plan file."""
+    rejects(["verify", "min-peak", "{d}/c.json", "{d}/plan.json"],
+            {"c.json": chain_bytes(), "plan.json": plan.encode()}, blame="plan.json")
