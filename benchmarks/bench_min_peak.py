@@ -121,7 +121,7 @@ def pictures(out: Path) -> None:
 def _offload(chain, limit: int):
     from optmem.problems.offload import OffloadProblem
 
-    return OffloadProblem(chain, limit, 12e6)  # 12 GB/s in bytes per ms
+    return OffloadProblem(chain, limit, chain_bandwidth=12e6)  # 12 GB/s in bytes per ms
 
 
 def main() -> None:

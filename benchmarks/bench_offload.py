@@ -43,7 +43,7 @@ def sweep(chain, alphas, bandwidths, options):
         beta = parse_bandwidth(bw, time_unit=chain.time_unit)
         for alpha in alphas:
             memory = int(math.ceil(low + alpha * (high - low)))
-            problem = OffloadProblem(chain, memory, beta)
+            problem = OffloadProblem(chain, memory, chain_bandwidth=beta)
             row = {"bandwidth": bw, "alpha": alpha, "memory": memory}
             for method in METHODS:
                 start = time.perf_counter()
@@ -64,7 +64,7 @@ def exact_table(seeds, options):
         lay = Layers.of(chain)
         for alpha in (0.25, 0.5, 0.75):
             memory = int(math.ceil(lay.min_memory() + alpha * (lay.peak() - lay.min_memory())))
-            problem = OffloadProblem(chain, memory, 2.0)
+            problem = OffloadProblem(chain, memory, chain_bandwidth=2.0)
             start = time.perf_counter()
             exact = solve(problem, "cpsat", options=options.with_(time_limit_s=60))
             t_exact = time.perf_counter() - start

@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         bw = parse_pipeline_bandwidth(args.bandwidth, chain.time_unit)
         for gpus in args.gpus:
             for mem in args.memory:
-                problem = PipelineProblem(chain, gpus, int(mem * GIB), bw)
+                problem = PipelineProblem(chain, gpus, int(mem * GIB), chain_bandwidth=bw)
                 row = {"profile": name, "gpus": gpus, "memory_gib": mem}
                 for method in METHODS:
                     opts = SolveOptions(time_limit_s=args.time_limit,

@@ -49,7 +49,7 @@ def sweep(chain, alphas, bandwidths, options):
         beta = parse_bandwidth(bw, time_unit=chain.time_unit)
         for alpha in alphas:
             memory = int(math.ceil(low + alpha * (high - low)))
-            problem = RematOffloadProblem(chain, memory, beta)
+            problem = RematOffloadProblem(chain, memory, chain_bandwidth=beta)
             row = {"bandwidth": bw, "alpha": alpha, "memory": memory,
                    "reduction": high / memory}
             for method, variant, label in METHODS:

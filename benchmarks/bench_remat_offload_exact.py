@@ -98,7 +98,7 @@ def main() -> None:
     for label, chain in instances(args):
         beta = bandwidth(chain)
         for limit in limits(chain, fractions):
-            problem = RematOffloadProblem(chain, limit, beta)
+            problem = RematOffloadProblem(chain, limit, chain_bandwidth=beta)
             dp = solve(problem, "dp", options=opts)
             for method in methods:
                 t0 = time.perf_counter()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 ORDER = ["checkpoint_dp", "checkpoint_exact", "zoo", "pytorch", "offload", "remat_offload",
-         "pipeline", "min_peak"]
+         "pipeline", "pipeline_runtime", "min_peak", "fuzz"]
 INTRO = """# Benchmark results
 
 Measured on this project's machine: 2 shared vCPUs, 24 GiB, no GPU, Python 3.11. Other jobs

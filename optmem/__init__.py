@@ -10,13 +10,20 @@ Quick start
 
 from optmem.chain import Chain
 from optmem.errors import ChainError, OptmemInputError, PlanError
-from optmem.problems import CheckpointProblem
+from optmem.problems import (
+    CheckpointProblem,
+    MinPeakProblem,
+    OffloadProblem,
+    PipelineProblem,
+    RematOffloadProblem,
+)
 from optmem.result import Result, SolveOptions, Status
 from optmem.solvers.facade import available_methods, compare, solve
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Chain", "ChainError", "CheckpointProblem", "OptmemInputError", "PlanError", "Result",
+    "Chain", "ChainError", "CheckpointProblem", "MinPeakProblem", "OffloadProblem",
+    "OptmemInputError", "PipelineProblem", "PlanError", "RematOffloadProblem", "Result",
     "SolveOptions", "Status", "available_methods", "compare", "solve",
 ]

@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import json
 import math
+import unicodedata
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from optmem.errors import ChainError
+from optmem.fileio import read_json, write_text_atomic
 
 FORMAT = "optmem.chain/1"
 
@@ -38,30 +40,68 @@ _STAGE_TIME_FIELDS = ("fwd_time", "bwd_time")
 _STAGE_REQUIRED = ("fwd_time", "bwd_time", "output_size", "saved_size")
 _STAGE_KNOWN = {"name", *_STAGE_TIME_FIELDS, *_STAGE_SIZE_FIELDS}
 _TOP_KNOWN = {"format", "name", "time_unit", "memory_unit", "input_size", "stages", "loss"}
+MAX_TOTAL_TIME = 1e12
+"""Largest sum of every time of a chain (forward, backward, loss). Exact engines work on
+these numbers (HiGHS fails on coefficients near 1e14; CP-SAT scales times to int64), and a
+training step of 1e12 time units is beyond any real network in s, ms, us or ns."""
+MIN_TIME = 1e-9
+"""Smallest non-zero time: a picosecond in ms; below it a time is noise, and all-tiny times
+make the integer time scales of the exact models overflow."""
+MAX_TOTAL_SIZE = 2**50
+"""Largest sum of every size of a chain (1 PiB in bytes): the DPs add sizes and limits in
+int64, the simulators in float64, and the exact models use sizes as coefficients; no real
+chain comes near (the largest bundled one sums to 0.5 TiB)."""
+
+
+def _show(value: Any) -> str:
+    """``repr(value)``, cut short (a 400-digit number is not worth printing)."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:20]}... ({len(text)} characters)"
 
 
 def _check_time(value: Any, *, stage: int | None, name: str) -> float:
-    """Return ``value`` as a float if it is a finite non-negative number."""
+    """Return ``value`` as a float if it is 0 or a time in ``[MIN_TIME, MAX_TOTAL_TIME]``."""
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ChainError(f"expected a non-negative number, got {value!r}", stage=stage, field=name)
-    if not math.isfinite(value) or value < 0:
-        raise ChainError(
-            f"expected a finite non-negative time, got {value!r}", stage=stage, field=name
-        )
+        raise ChainError(f"expected a non-negative number, got {_show(value)}", stage=stage,
+                         field=name)
+    if not (value == 0 or MIN_TIME <= value <= MAX_TOTAL_TIME):  # NaN fails both
+        raise ChainError(f"expected 0 or a time in [{MIN_TIME:g}, {MAX_TOTAL_TIME:g}], got "
+                         f"{_show(value)}", stage=stage, field=name)
     return float(value)
 
 
 def _check_size(value: Any, *, stage: int | None, name: str) -> int:
     """Return ``value`` as an int if it is a non-negative integer (``12.0`` is accepted)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ChainError(f"expected a non-negative integer, got {value!r}", stage=stage, field=name)
+        raise ChainError(f"expected a non-negative integer, got {_show(value)}", stage=stage,
+                         field=name)
     if isinstance(value, float):
         if not math.isfinite(value) or value != int(value):
-            raise ChainError(f"expected an integer size, got {value!r}", stage=stage, field=name)
+            raise ChainError(f"expected an integer size, got {_show(value)}", stage=stage,
+                             field=name)
         value = int(value)
     if value < 0:
-        raise ChainError(f"expected a non-negative size, got {value}", stage=stage, field=name)
+        raise ChainError(f"expected a non-negative size, got {_show(value)}", stage=stage,
+                         field=name)
+    if value > MAX_TOTAL_SIZE:
+        raise ChainError(f"expected a size of at most 2^50, got {_show(value)}", stage=stage,
+                         field=name)
     return int(value)
+
+
+def check_text(value: str, *, stage: int | None = None, name: str, allow: str = "") -> str:
+    """Return ``value`` if it is printable text (the characters of ``allow`` aside).
+
+    No unpaired surrogate (what a JSON escape of a lone surrogate gives, which no output
+    can encode) and no control character (which fonts cannot draw and which break the
+    one-line messages).
+    """
+    bad = next((c for c in value if unicodedata.category(c) in ("Cc", "Cs") and c not in allow),
+               None)
+    if bad is not None:
+        raise ChainError(f"expected printable text, got {_show(value)} (character "
+                         f"U+{ord(bad):04X})", stage=stage, field=name)
+    return value
 
 
 @dataclass(frozen=True)
@@ -118,6 +158,10 @@ class Chain:
         object.__setattr__(self, "weight_size", tuple(self.weight_size) or (0,) * n)
         object.__setattr__(self, "stage_names", tuple(self.stage_names) or _default_names(n))
         object.__setattr__(self, "stage_extra", tuple(self.stage_extra) or ({},) * n)
+        for name in ("name", "time_unit", "memory_unit"):
+            check_text(getattr(self, name), stage=None, name=name)
+        for i, text in enumerate(self.stage_names):
+            check_text(text, stage=i + 1, name="name")
         for name in (*_STAGE_TIME_FIELDS, *_STAGE_SIZE_FIELDS, "stage_names"):
             if len(getattr(self, name)) != n:
                 raise ChainError(
@@ -137,6 +181,14 @@ class Chain:
         object.__setattr__(self, "loss_bwd_overhead",
                            _check_size(self.loss_bwd_overhead, stage=None,
                                        name="loss.bwd_overhead"))
+        total = self.input_size + self.loss_bwd_overhead + sum(
+            sum(getattr(self, f)) for f in _STAGE_SIZE_FIELDS)
+        if total > MAX_TOTAL_SIZE:
+            raise ChainError(f"the sizes of the chain add up to {total}, above 2^50",
+                             field="stages")
+        if self.total_compute_time() > MAX_TOTAL_TIME:
+            raise ChainError(f"the times of the chain add up to {self.total_compute_time():g}, "
+                             f"above {MAX_TOTAL_TIME:g}", field="stages")
         for i, (a, abar) in enumerate(zip(self.output_size, self.saved_size, strict=True)):
             if abar < a:
                 raise ChainError(
@@ -212,6 +264,39 @@ class Chain:
         from optmem.solvers.checkpoint_baselines import store_all_plan
 
         return simulate_checkpoint(self, store_all_plan(self.length)).peak_memory
+
+    def check_rate(self, bandwidth: float, *, field: str = "bandwidth") -> float:
+        """Return ``bandwidth`` (memory units per time unit) if transfers stay in range.
+
+        Moving the largest value of the chain must take at most ``MAX_TOTAL_TIME`` (the
+        range of every time): beyond, transfer times overflow the exact models just as
+        such stage times would. ``0`` (no link) and ``inf`` (free transfers) pass.
+
+        Raises
+        ------
+        ChainError
+            Naming ``field``, for a link too slow for this chain.
+
+        Examples
+        --------
+        >>> c = Chain.from_lists([1], [1], [2**40], [2**40], input_size=0)
+        >>> c.check_rate(2.0)
+        2.0
+        >>> c.check_rate(1.0)
+        Traceback (most recent call last):
+        ...
+        optmem.errors.ChainError: field 'bandwidth': a bandwidth of 1 B per ms moves the \
+largest value (1099511627776 B) in 1.09951e+12 ms, above 1e+12: too slow to model
+        """
+        if bandwidth == 0 or math.isinf(bandwidth):
+            return bandwidth
+        largest = max(self.input_size, *self.saved_size, *self.output_size)
+        if largest / bandwidth > MAX_TOTAL_TIME:
+            raise ChainError(
+                f"a bandwidth of {bandwidth:g} {self.memory_unit} per {self.time_unit} moves "
+                f"the largest value ({largest} {self.memory_unit}) in {largest / bandwidth:g} "
+                f"{self.time_unit}, above {MAX_TOTAL_TIME:g}: too slow to model", field=field)
+        return bandwidth
 
     def total_compute_time(self) -> float:
         """Sum of every forward, backward and the loss: a lower bound on any makespan."""
@@ -332,27 +417,13 @@ class Chain:
 
     def save(self, path: str | Path) -> None:
         """Write the chain as an ``optmem.chain/1`` JSON file (atomically)."""
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
-        tmp.replace(path)
+        write_text_atomic(path, json.dumps(self.to_dict(), indent=1) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> Chain:
         """Read and validate a chain file; errors name the file, stage and field."""
-        path = Path(path)
-        try:
-            text = path.read_text()
-        except OSError as exc:
-            raise ChainError(f"cannot read chain file ({exc.strerror})", source=str(path)) from None
-        try:
-            # NaN/Infinity literals parse to floats so that validation names stage and field.
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ChainError(
-                f"not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})",
-                source=str(path),
-            ) from None
+        # NaN/Infinity literals parse to floats so that validation names stage and field.
+        data = read_json(path, error=ChainError, what="chain file")
         return cls.from_dict(data, source=str(path))
 
 

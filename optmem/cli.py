@@ -19,15 +19,36 @@ from types import ModuleType
 from typing import Any
 
 from optmem.chain import Chain
-from optmem.errors import OptmemInputError
+from optmem.errors import OptmemInputError, PlanError
+from optmem.fileio import read_json, write_text_atomic
 from optmem.result import Result, SolveOptions, Status
 from optmem.units import format_size, parse_size
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 MEMORY_OBJECTIVE = {"min-peak"}  # problems whose objective is a memory size, not a time
+OPTIONAL_MEMORY = {"min-peak"}  # problems for which --memory is an optional upper bound
+MODEL_SUFFIXES = (".mps", ".lp", ".pb", ".pbtxt")  # export: MPS/LP (every model), CP-SAT protos
 
 # Modules that add whole subcommands through ``register_cli(subparsers)``.
 EXTRA_COMMANDS = ["optmem.pytorch.cli", "optmem.sweep", "optmem.show"]
+
+
+MAX_WORKERS = 256  # --threads / --jobs: beyond this, engines stall or abort spawning threads
+
+
+def worker_count(text: str) -> int:
+    """Parse ``--threads`` / ``--jobs``: an integer in ``1..MAX_WORKERS``.
+
+    HiGHS aborts the whole process when asked for 100000 threads and spends minutes starting
+    8192; CP-SAT rejects such models; so the CLI refuses them up front.
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 1 <= value <= MAX_WORKERS:
+        raise argparse.ArgumentTypeError(f"expected 1..{MAX_WORKERS}, got {value}")
+    return value
 
 
 class _Parser(argparse.ArgumentParser):
@@ -70,9 +91,24 @@ def _add_problem_options(parser: argparse.ArgumentParser) -> None:
             group._add_action(action)
 
 
-def build_problem(problem: str, chain: Chain, memory_limit: int, args: argparse.Namespace) -> Any:
+def memory_from_args(problem: str, args: argparse.Namespace) -> int | None:
+    """``--memory`` in bytes (``None`` when absent, which only min-peak allows)."""
+    text = getattr(args, "memory", None)
+    if text is None:
+        if problem in OPTIONAL_MEMORY:
+            return None
+        raise OptmemInputError(f"the {problem} problem needs --memory (e.g. --memory 4GiB)",
+                               field="--memory")
+    return parse_size(text, field="--memory")
+
+
+def build_problem(problem: str, chain: Chain, memory_limit: int | None,
+                  args: argparse.Namespace) -> Any:
     """Build the problem object from the parsed arguments."""
     module = problem_module(problem)
+    if memory_limit is None and problem not in OPTIONAL_MEMORY:
+        raise OptmemInputError(f"the {problem} problem needs --memory (e.g. --memory 4GiB)",
+                               field="--memory")
     if problem == "checkpoint":
         return module.CheckpointProblem(chain, memory_limit)
     return module.problem_from_cli(chain, memory_limit, args)
@@ -93,8 +129,16 @@ def options_from_args(args: argparse.Namespace) -> SolveOptions:
     if args.time_limit is not None and not args.time_limit > 0:
         raise OptmemInputError(f"expected a positive time limit, got {args.time_limit}",
                                field="--time-limit")
-    return SolveOptions(variant=args.variant, slots=args.slots, time_limit_s=args.time_limit,
-                        solver=args.solver, threads=args.threads, verbose=args.verbose)
+    try:
+        return SolveOptions(variant=args.variant, slots=args.slots,
+                            time_limit_s=args.time_limit, solver=args.solver,
+                            threads=args.threads, verbose=args.verbose,
+                            node_limit=getattr(args, "node_limit", None),
+                            deterministic_time=getattr(args, "deterministic_time", None),
+                            seed=getattr(args, "seed", 0))
+    except OptmemInputError as exc:
+        raise OptmemInputError(exc.reason, field="--" + (exc.field or "").replace("_", "-")
+                               ) from None
 
 
 # ------------------------------------------------------------------ output
@@ -160,7 +204,7 @@ def cmd_solve(args: argparse.Namespace) -> int:
     from optmem.solvers.facade import solve
 
     chain = load_chain(args.chain)
-    problem = build_problem(args.problem, chain, parse_size(args.memory), args)
+    problem = build_problem(args.problem, chain, memory_from_args(args.problem, args), args)
     result = solve(problem, args.method, options=options_from_args(args))
     if args.output:
         _write_json(args.output, result.to_json())
@@ -176,7 +220,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from optmem.solvers.facade import compare
 
     chain = load_chain(args.chain)
-    problem = build_problem(args.problem, chain, parse_size(args.memory), args)
+    problem = build_problem(args.problem, chain, memory_from_args(args.problem, args), args)
     names = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
 
     def progress(name: str) -> None:
@@ -188,7 +232,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         print(json.dumps({"problem": args.problem, "chain": chain.name,
                           "results": [r.to_json() for r in results]}))
     else:
-        print(f"{chain.name}: {args.problem}, memory limit {args.memory}")
+        limit = "none" if args.memory is None else args.memory
+        print(f"{chain.name}: {args.problem}, memory limit {limit}")
         print(format_table(results, chain))
     return EXIT_OK
 
@@ -196,14 +241,16 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     """``optmem verify``: replay a plan file in the independent simulator."""
     chain = load_chain(args.chain)
-    memory = parse_size(args.memory)
-    problem = build_problem(args.problem, chain, memory, args)
+    problem = build_problem(args.problem, chain, memory_from_args(args.problem, args), args)
     options = options_from_args(args)
     plan_data = _read_json(args.plan)
     if args.problem == "checkpoint":
         report = verify_checkpoint_plan(problem, plan_data, options, source=args.plan)
     else:
-        report = problem_module(args.problem).verify_plan(problem, plan_data, options)
+        try:
+            report = problem_module(args.problem).verify_plan(problem, plan_data, options)
+        except PlanError as exc:  # whatever is wrong with the plan, name the plan file
+            raise (exc if exc.source else exc.with_source(args.plan)) from None
     report = {"valid": True, **report}
     if args.json:
         print(json.dumps(report))
@@ -215,7 +262,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def verify_checkpoint_plan(problem: Any, plan_data: Any, options: SolveOptions, *,
                            source: str) -> dict[str, Any]:
     """Replay a checkpoint plan under the problem's discretisation and limit."""
-    from optmem.errors import PlanError
     from optmem.plan import parse_plan
     from optmem.simulate.checkpoint import simulate_checkpoint
 
@@ -233,16 +279,45 @@ def verify_checkpoint_plan(problem: Any, plan_data: Any, options: SolveOptions, 
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    """``optmem export``: write the exact model as MPS or LP."""
+    """``optmem export``: the exact model (MPS, LP; CP-SAT: .pb/.pbtxt) or a schedule CSV."""
     from optmem.solvers.facade import export
 
-    if Path(args.output).suffix.lower() not in (".mps", ".lp"):
-        raise OptmemInputError(f"expected an output file ending in .mps or .lp, got "
-                               f"{args.output!r}", field="-o")
+    suffix = Path(args.output).suffix.lower()
+    if suffix == ".csv" and args.problem == "pipeline":
+        return export_schedule_csv(args)
+    if suffix not in MODEL_SUFFIXES:
+        raise OptmemInputError(f"expected an output file ending in "
+                               f"{', '.join(MODEL_SUFFIXES)} (or .csv for a pipeline "
+                               f"schedule), got {args.output!r}", field="-o")
     chain = load_chain(args.chain)
-    problem = build_problem(args.problem, chain, parse_size(args.memory), args)
-    export(problem, args.method, args.output, options=options_from_args(args))
+    problem = build_problem(args.problem, chain, memory_from_args(args.problem, args), args)
+    export(problem, args.method or "ilp", args.output, options=options_from_args(args))
     print(f"wrote {args.output}")
+    return EXIT_OK
+
+
+def export_schedule_csv(args: argparse.Namespace) -> int:
+    """Solve the pipeline problem and write the plan as PyTorch's schedule CSV (CONTRACT 11)."""
+    from optmem.pipeline_plan import PipelinePlan
+    from optmem.pipeline_schedule import default_microbatches, pipeline_ranks, write_schedule_csv
+    from optmem.solvers.facade import solve
+
+    chain = load_chain(args.chain)
+    problem = build_problem(args.problem, chain, memory_from_args(args.problem, args), args)
+    result = solve(problem, args.method or "auto", options=options_from_args(args))
+    if not result.status.has_plan:
+        hint = "" if result.min_feasible_memory is None else \
+            f"; the smallest feasible memory is about {result.min_feasible_memory}"
+        raise OptmemInputError(f"no plan to export: {result.method} gives status "
+                               f"{result.status}{hint}", field="memory")
+    plan = PipelinePlan.from_strings(result.plan)
+    microbatches = default_microbatches(plan) if args.microbatches is None \
+        else args.microbatches
+    write_schedule_csv(plan, microbatches, args.output)
+    ranks = pipeline_ranks(plan)
+    print(f"wrote {args.output}: {result.method} plan, period {_fmt(result.objective)} "
+          f"{chain.time_unit}, {len(plan.stages)} stages on ranks 0..{len(ranks) - 1} "
+          f"(GPUs {','.join(map(str, ranks))}), {microbatches} micro-batches")
     return EXIT_OK
 
 
@@ -265,7 +340,8 @@ def cmd_datasets(args: argparse.Namespace) -> int:
     if not args.name:
         raise OptmemInputError(f"'datasets {args.action}' needs a dataset NAME")
     if args.action == "path":
-        print(dataset_path(args.name))
+        path = str(dataset_path(args.name))
+        print(json.dumps(path) if args.json else path)
     else:
         row = _dataset_row(args.name)
         print(json.dumps(row, indent=1) if args.json
@@ -318,15 +394,29 @@ def _add_common(p: argparse.ArgumentParser, *, memory: bool = True) -> None:
     p.add_argument("problem", help="checkpoint, offload, remat-offload, pipeline, min-peak")
     p.add_argument("chain", help="chain file (optmem.chain/1 JSON) or bundled dataset name")
     if memory:
-        p.add_argument("--memory", "-m", required=True,
-                       help="memory limit: bytes or a size like 4GiB, 512MB")
+        p.add_argument("--memory", "-m",
+                       help="memory limit: bytes or a size like 4GiB, 512MB, 1.5GiB (required "
+                            "except for min-peak, where it is an optional upper bound)")
     p.add_argument("--variant", help="method variant (e.g. paper, rotor, floating, persistent)")
     p.add_argument("--slots", type=int, default=500, help="memory slots (default 500)")
-    p.add_argument("--time-limit", type=float, help="seconds per exact solve")
+    add_engine_limits(p)
     p.add_argument("--solver", default="highs", help="ILP engine: highs (default), cbc, gurobi")
-    p.add_argument("--threads", type=int, default=2, help="threads for exact engines")
+    p.add_argument("--threads", type=worker_count, default=2,
+                   help="threads for exact engines (1..256)")
     p.add_argument("--verbose", action="store_true", help="show engine logs")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
+
+
+def add_engine_limits(p: argparse.ArgumentParser) -> None:
+    """``--time-limit``, ``--node-limit``, ``--deterministic-time``, ``--seed``."""
+    p.add_argument("--time-limit", type=float,
+                   help="wall-clock seconds per exact engine call (default: none)")
+    p.add_argument("--node-limit", type=int,
+                   help="deterministic limit: branch-and-bound nodes per ILP engine call")
+    p.add_argument("--deterministic-time", type=float,
+                   help="deterministic limit: CP-SAT deterministic seconds per call "
+                        "(one worker)")
+    p.add_argument("--seed", type=int, default=0, help="random seed of every engine (0)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -352,17 +442,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("problem")
     p.add_argument("chain")
     p.add_argument("plan", help="JSON list of ops, or the --json output of solve")
-    p.add_argument("--memory", "-m", required=True)
+    p.add_argument("--memory", "-m", help="memory limit (optional for min-peak)")
     p.add_argument("--slots", type=int, default=500)
     p.add_argument("--json", action="store_true")
     _add_problem_options(p)
     p.set_defaults(func=cmd_verify, variant=None, time_limit=None, solver="highs", threads=2,
                    verbose=False)
 
-    p = sub.add_parser("export", help="write the exact model (MPS or LP)")
+    p = sub.add_parser("export", help="write the exact model (MPS, LP; CP-SAT: .pb/.pbtxt) "
+                       "or a pipeline schedule (CSV)")
     _add_common(p)
-    p.add_argument("--method", default="ilp")
-    p.add_argument("--output", "-o", required=True, help="model.mps or model.lp")
+    p.add_argument("--method", default=None,
+                   help="exact model to write (default ilp), or for a .csv the pipeline "
+                        "method to solve with (default: the problem's default)")
+    p.add_argument("--output", "-o", required=True,
+                   help="model.mps or model.lp; --method cpsat also model.pb or model.pbtxt; "
+                        "schedule.csv (pipeline: the plan's per-rank actions for "
+                        "torch.distributed.pipelining)")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="micro-batches per step in the CSV (default: twice the stages)")
     _add_problem_options(p)
     p.set_defaults(func=cmd_export)
 
@@ -385,21 +483,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _read_json(path: str) -> Any:
-    from optmem.errors import PlanError
-
-    try:
-        return json.loads(Path(path).read_text())
-    except OSError as exc:
-        raise PlanError(f"cannot read file ({exc.strerror})", source=path) from None
-    except json.JSONDecodeError as exc:
-        raise PlanError(f"not valid JSON (line {exc.lineno}: {exc.msg})", source=path) from None
+    return read_json(path, error=PlanError, what="plan file")
 
 
 def _write_json(path: str, data: Any) -> None:
-    target = Path(path)
-    tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    tmp.replace(target)
+    write_text_atomic(path, json.dumps(data, indent=1) + "\n", field="--output")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -7,6 +7,9 @@ so that the CLI can print ``str(exc)`` alone, without a traceback.
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
+
 
 class OptmemInputError(ValueError):
     """Bad input from the user: a malformed file, an unknown method, a bad option.
@@ -82,3 +85,39 @@ class PlanError(OptmemInputError):
 
 class UnavailableError(OptmemInputError):
     """An optional engine (HiGHS, CBC, CP-SAT, Gurobi, torch) is not installed."""
+
+
+def closest(name: str, known: Iterable[str]) -> str | None:
+    """The known name closest to ``name`` (for "did you mean"), or ``None``."""
+    found = difflib.get_close_matches(name, list(known), n=1, cutoff=0.5)
+    return found[0] if found else None
+
+
+def check_keywords(given: Iterable[str], known: Iterable[str], *, what: str,
+                   elsewhere: dict[str, str] | None = None) -> None:
+    """Raise one :class:`OptmemInputError` for the first name of ``given`` not in ``known``.
+
+    The message names the unknown option, the closest known one and the known ones;
+    ``elsewhere`` maps names that belong somewhere else to where (``{"time_limit_s":
+    "a SolveOptions field"}``), so a misplaced or misspelt one is pointed there.
+
+    Examples
+    --------
+    >>> check_keywords(["time_limt_s"], ["time_limit_s", "slots"], what="SolveOptions")
+    Traceback (most recent call last):
+    ...
+    optmem.errors.OptmemInputError: field 'time_limt_s': unknown option of SolveOptions; \
+did you mean 'time_limit_s'? (known: slots, time_limit_s)
+    """
+    names = sorted(set(known))
+    other = elsewhere or {}
+    for name in given:
+        if name in names:
+            continue
+        near = closest(name, names) or closest(name, other)
+        hint = f"; did you mean {near!r}?" if near else ""
+        if near in other and near not in names:
+            hint += f" ({near!r} is {other[near]})"
+        listed = ", ".join(names) if names else "none"
+        raise OptmemInputError(f"unknown option of {what}{hint} (known: {listed})",
+                               field=name)

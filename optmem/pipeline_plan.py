@@ -138,17 +138,26 @@ class PipelinePlan:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PipelinePlan:
-        """Parse an ``optmem.pipeline-plan/1`` object."""
+        """Parse an ``optmem.pipeline-plan/1`` object (errors name the bad field)."""
         if data.get("format") != FORMAT:
             raise PlanError(f"expected format {FORMAT!r}, got {data.get('format')!r}")
-        try:
-            stages = tuple(PipelineStage(int(s["layers"][0]), int(s["layers"][1]), int(s["gpu"]))
-                           for s in data["stages"])
-            tasks = tuple(PipelineTask(str(t["op"]), int(t["stage"]), float(t["start"]),
-                                       int(t["shift"])) for t in data["tasks"])
-            return cls(float(data["period"]), stages, tasks)
-        except (KeyError, TypeError, ValueError, IndexError) as exc:
-            raise PlanError(f"malformed pipeline plan ({type(exc).__name__}: {exc})") from None
+        stages = []
+        for k, s in enumerate(_items(data, "stages")):
+            layers = s.get("layers")
+            if not isinstance(layers, list) or len(layers) != 2:
+                raise PlanError(f"stages[{k}].layers: expected [first, last], got {layers!r}")
+            stages.append(PipelineStage(_integer(layers[0], f"stages[{k}].layers[0]"),
+                                        _integer(layers[1], f"stages[{k}].layers[1]"),
+                                        _integer(s.get("gpu"), f"stages[{k}].gpu")))
+        tasks = []
+        for k, t in enumerate(_items(data, "tasks")):
+            if t.get("op") not in TASK_OPS:
+                raise PlanError(f"tasks[{k}].op: expected one of {', '.join(TASK_OPS)}, got "
+                                f"{t.get('op')!r}")
+            tasks.append(PipelineTask(t["op"], _integer(t.get("stage"), f"tasks[{k}].stage"),
+                                      _number(t.get("start"), f"tasks[{k}].start"),
+                                      _integer(t.get("shift"), f"tasks[{k}].shift")))
+        return cls(_number(data.get("period"), "period"), tuple(stages), tuple(tasks))
 
     @classmethod
     def from_any(cls, data: Any) -> PipelinePlan:
@@ -169,6 +178,33 @@ class PipelinePlan:
         if isinstance(data, Sequence):
             return cls.from_strings(data)
         raise PlanError(f"cannot read a pipeline plan from {type(data).__name__}")
+
+
+def _items(data: Mapping[str, Any], name: str) -> list[Mapping[str, Any]]:
+    """The list of JSON objects ``data[name]`` (``stages`` or ``tasks``), checked."""
+    items = data.get(name)
+    if not isinstance(items, list) or not all(isinstance(x, Mapping) for x in items):
+        raise PlanError(f"{name}: expected a list of JSON objects, got {items!r}")
+    return items
+
+
+def _integer(value: Any, name: str) -> int:
+    """``value`` as an int if it is an integer (``3`` or ``3.0``), else a clear error."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    raise PlanError(f"{name}: expected an integer, got {value!r}")
+
+
+def _number(value: Any, name: str) -> float:
+    """``value`` as a float if it is a number that a float can hold, else a clear error."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise PlanError(f"{name}: expected a number, got {value!r}")
+    try:
+        return float(value)
+    except OverflowError:
+        raise PlanError(f"{name}: expected a number, got one too large for a float") from None
 
 
 def minimal_shifts(

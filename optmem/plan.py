@@ -6,7 +6,6 @@ op ``Loss``. String forms: ``"F_all 3"``, ``"F_ck 1"``, ``"F_none 2"``, ``"Loss"
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -14,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from optmem.errors import PlanError
+from optmem.fileio import read_json
 
 
 class OpKind(StrEnum):
@@ -146,13 +146,7 @@ def read_plan_json(path: str | Path) -> dict[str, Any]:
     ``memory_limit`` and ``unit``, are kept). Errors name the file.
     """
     path = Path(path)
-    try:
-        data: Any = json.loads(path.read_text())
-    except OSError as exc:
-        raise PlanError(f"cannot read plan file ({exc.strerror})", source=str(path)) from None
-    except json.JSONDecodeError as exc:
-        raise PlanError(f"not valid JSON (line {exc.lineno}: {exc.msg})",
-                        source=str(path)) from None
+    data: Any = read_json(path, error=PlanError, what="plan file")
     if isinstance(data, list):
         data = {"plan": data}
     if not isinstance(data, dict) or not isinstance(data.get("plan"), list):

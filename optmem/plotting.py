@@ -6,6 +6,7 @@ module costs nothing; install it with ``optmem[plot]``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,7 +33,25 @@ def _pyplot() -> Any:
     return plt
 
 
-def _check_path(path: str | Path) -> Path:
+def _literal_text(fn: Any) -> Any:
+    """Run a plot function with mathtext off.
+
+    Titles, labels and legends carry chain names, memory units and user titles, where a
+    ``$`` must be a dollar sign, not the start of a (possibly malformed, hence crashing)
+    formula.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        plt = _pyplot()
+        with plt.rc_context({"text.parse_math": False}):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def check_plot_path(path: str | Path) -> Path:
+    """``path`` as a :class:`Path` if its suffix is a picture format, else raise clearly."""
     path = Path(path)
     if path.suffix.lower() not in FORMATS:
         raise OptmemInputError(f"expected a .png, .svg or .pdf file name, got {str(path)!r}",
@@ -58,15 +77,27 @@ def memory_scale(unit: str, largest: float) -> tuple[float, str]:
     return 1, "B"
 
 
+def save_figure(fig: Any, path: Path) -> Path:
+    """Write ``fig`` to ``path`` atomically and close it (nothing is left on an error)."""
+    from optmem.fileio import write_atomic
+
+    try:
+        return write_atomic(path, lambda tmp: fig.savefig(
+            tmp, dpi=130, format=path.suffix.lower().lstrip(".")), field="plot")
+    finally:
+        _pyplot().close(fig)
+
+
 # ------------------------------------------------------------------ sweep curve
 def _x(point: Any, scale: float) -> float:
     """Memory of a front point (never ``None`` on a front) on the plot's axis."""
     return float(point.memory or 0) / scale
 
 
+@_literal_text
 def plot_sweep(result: SweepResult, path: str | Path, *, title: str | None = None) -> Path:
     """Draw every method's Pareto front, its lower-envelope markers and reference lines."""
-    path = _check_path(path)
+    path = check_plot_path(path)
     plt = _pyplot()
     from matplotlib.lines import Line2D
 
@@ -138,9 +169,7 @@ def plot_sweep(result: SweepResult, path: str | Path, *, title: str | None = Non
     ax.legend(handles=handles + extra, labels=labels + [h.get_label() for h in extra],
               fontsize=8, loc="upper right", framealpha=0.9)
     fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 # ------------------------------------------------------------------ plan timelines
@@ -155,6 +184,7 @@ def _op_row(op: str, length: int) -> int:
     return int(parts[-1])
 
 
+@_literal_text
 def plot_checkpoint_timeline(
     steps: Sequence[Any], length: int, path: str | Path, *, scale_memory: float = 1.0,
     memory_limit: float | None = None, memory_unit: str = "B", time_unit: str = "ms",
@@ -165,7 +195,7 @@ def plot_checkpoint_timeline(
     ``steps`` are :class:`optmem.simulate.checkpoint.Step` (``start``, ``end``, ``peak``,
     ``after``); memory values are multiplied by ``scale_memory`` (the discretisation unit).
     """
-    path = _check_path(path)
+    path = check_plot_path(path)
     plt = _pyplot()
     from matplotlib.patches import Patch
 
@@ -207,18 +237,17 @@ def plot_checkpoint_timeline(
     bottom.legend(fontsize=8, loc="upper right")
     top.set_title(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
+@_literal_text
 def plot_offload_timeline(
     sim: Any, path: str | Path, *, scale_memory: float = 1.0,
     memory_limit: float | None = None, memory_unit: str = "B", time_unit: str = "ms",
     title: str = "",
 ) -> Path:
     """Two lanes (compute stream, link) above the GPU memory of each compute op."""
-    path = _check_path(path)
+    path = check_plot_path(path)
     plt = _pyplot()
     from matplotlib.patches import Patch
 
@@ -259,6 +288,4 @@ def plot_offload_timeline(
     bottom.set_ylim(0, largest / scale * 1.12)
     top.set_title(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

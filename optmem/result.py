@@ -5,10 +5,13 @@ Backend status codes are mapped to :class:`Status` in exactly one place per engi
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
 from typing import Any
+
+from optmem.errors import OptmemInputError, check_keywords
 
 
 class Status(StrEnum):
@@ -38,7 +41,9 @@ class SolveOptions:
     slots
         Number of memory slots of the discretisation (CONTRACT section 2).
     time_limit_s
-        Wall-clock limit for exact engines; ``None`` for no limit.
+        Wall-clock limit of each exact engine call; ``None`` (default) for no limit. The
+        outcome then depends on the machine's speed and load: for reproducible limits use
+        ``node_limit`` / ``deterministic_time``.
     solver
         ILP engine: ``highs`` (default), ``cbc`` or ``gurobi``.
     threads
@@ -47,8 +52,27 @@ class SolveOptions:
         Give exact engines the DP plan as a starting solution.
     verbose
         Let engines print their logs.
+    node_limit
+        Deterministic work limit of each MILP engine call: branch-and-bound nodes (HiGHS
+        ``mip_max_nodes``, CBC ``maxNodes`` single-threaded, Gurobi ``NodeLimit``).
+    deterministic_time
+        Deterministic work limit of each CP-SAT call (``max_deterministic_time``, in CP-SAT's
+        deterministic seconds); CP-SAT then runs one worker so the answer is reproducible.
+    seed
+        Random seed of every engine (HiGHS ``random_seed``, CBC ``randomCbcSeed``, CP-SAT
+        ``random_seed``, Gurobi ``Seed``).
     extra
-        Problem- or method-specific options.
+        Method-specific options; each method declares the keys it reads (an unknown key
+        raises, naming the closest known one).
+
+    Examples
+    --------
+    >>> SolveOptions(node_limit=10).node_limit
+    10
+    >>> SolveOptions(time_limt_s=5)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    optmem.errors.OptmemInputError: field 'time_limt_s': ... did you mean 'time_limit_s'? ...
     """
 
     variant: str | None = None
@@ -58,11 +82,42 @@ class SolveOptions:
     threads: int = 2
     warm_start: bool = True
     verbose: bool = False
+    node_limit: int | None = None
+    deterministic_time: float | None = None
+    seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        for name in ("node_limit", "deterministic_time", "time_limit_s"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
+                                      or not value > 0):
+                raise OptmemInputError(f"expected a positive number or None, got {value!r}",
+                                       field=name)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise OptmemInputError(f"expected a non-negative integer seed, got {self.seed!r}",
+                                   field="seed")
+
     def with_(self, **changes: Any) -> SolveOptions:
-        """Return a copy with ``changes`` applied."""
+        """Return a copy with ``changes`` applied (unknown names raise, naming the closest)."""
+        check_keywords(changes, OPTION_NAMES, what="SolveOptions")
         return replace(self, **changes)
+
+
+OPTION_NAMES = tuple(f.name for f in fields(SolveOptions))
+"""The fields of :class:`SolveOptions` (what ``solve(..., **options)`` accepts)."""
+
+
+def _checked_init(init: Any) -> Any:
+    @functools.wraps(init)
+    def __init__(self: SolveOptions, *args: Any, **kwargs: Any) -> None:  # noqa: N807
+        check_keywords(kwargs, OPTION_NAMES, what="SolveOptions")
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+SolveOptions.__init__ = _checked_init(SolveOptions.__init__)  # type: ignore[method-assign]
 
 
 @dataclass(frozen=True)

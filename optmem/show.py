@@ -22,7 +22,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from optmem.chain import Chain
+from optmem.chain import Chain, check_text
 from optmem.errors import OptmemInputError, PlanError
 from optmem.plan import read_plan_json
 from optmem.units import format_size, parse_bandwidth, parse_size
@@ -78,17 +78,16 @@ def show_plan(
     from optmem import plotting
 
     ops = data["plan"]
-    unit = int(data.get("unit") or 1)
-    if memory_limit is None and data.get("memory_limit") is not None:
-        memory_limit = int(data["memory_limit"]) * unit
-    label = data.get("problem") or "checkpoint"
+    unit = _file_int(data, "unit", default=1, least=1)
+    file_limit = _file_int(data, "memory_limit", default=None, least=0)
+    if memory_limit is None and file_limit is not None:
+        memory_limit = file_limit * unit
+    label = str(data.get("problem") or "checkpoint")
     method = f" ({data['method']})" if data.get("method") else ""
     if is_offload_plan(ops):
         from optmem.simulate.offload import simulate_offload
 
-        bw = bandwidth if bandwidth is not None else data.get("bandwidth")
-        if bw is None and isinstance(data.get("report"), dict):
-            bw = data["report"].get("bandwidth")
+        bw = bandwidth if bandwidth is not None else _file_bandwidth(data, chain)
         if bw is None:
             raise OptmemInputError("an offload plan needs the link bandwidth: pass "
                                    "--bandwidth (e.g. 12GB/s)", field="bandwidth")
@@ -112,6 +111,36 @@ def show_plan(
                                       time_unit=chain.time_unit, title=head)
     return {"kind": "checkpoint", "makespan": sim_c.makespan, "peak_memory": sim_c.peak_memory,
             "memory_limit": memory_limit, "path": str(path)}
+
+
+def _file_int(data: dict[str, Any], name: str, *, default: int | None,
+              least: int) -> int | None:
+    """The integer field ``name`` of a plan file (``unit``, ``memory_limit``), checked."""
+    value = data.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise PlanError(f"field '{name}': expected an integer >= {least}, got {value!r}")
+    return value
+
+
+def _file_bandwidth(data: dict[str, Any], chain: Chain) -> float | None:
+    """The link bandwidth a plan file carries, ``None`` if absent.
+
+    ``bandwidth``, or ``report.bandwidth`` of a ``solve --json`` output, in memory units per
+    chain time unit (or a rate such as ``12GB/s``).
+    """
+    report = data.get("report")
+    value = data.get("bandwidth")
+    name = "bandwidth"
+    if value is None and isinstance(report, dict):
+        value, name = report.get("bandwidth"), "report.bandwidth"
+    if value is None:
+        return None
+    try:
+        return parse_bandwidth(value, time_unit=chain.time_unit, field=name)
+    except OptmemInputError as exc:
+        raise PlanError(f"field '{name}': {exc.reason}") from None
 
 
 def _size(value: int, chain: Chain) -> str:
@@ -139,6 +168,8 @@ def cmd_show(args: argparse.Namespace) -> int:
     from optmem.datasets import resolve_chain
 
     chain = resolve_chain(args.chain)
+    if args.title:
+        check_text(args.title, name="--title", allow="\n")
     data = read_plan_file(args.plan)
     out = args.output or str(Path(args.plan).with_suffix(".png"))
     limit = parse_size(args.memory) if args.memory else None

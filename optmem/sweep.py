@@ -39,10 +39,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from optmem.chain import Chain
+from optmem.chain import Chain, check_text
 from optmem.errors import OptmemInputError
+from optmem.fileio import check_writable, write_atomic, write_text_atomic
 from optmem.result import Result, SolveOptions, Status
-from optmem.units import format_size, parse_size
+from optmem.units import format_size, memory_size, parse_size
 
 ProblemFactory = Callable[[int], Any]
 CHECKPOINT_DEFAULT_METHODS = ("dp", "chen", "sequential", "revolve", "store_all")
@@ -241,19 +242,23 @@ class SweepResult:
         }
 
     def write_json(self, path: str | Path) -> None:
-        """Write :meth:`to_json` to ``path``."""
-        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        """Write :meth:`to_json` to ``path`` (atomically)."""
+        write_text_atomic(path, json.dumps(self.to_json(), indent=1) + "\n", field="json")
 
     def write_csv(self, path: str | Path) -> None:
-        """One row per solve (``on_front`` marks the Pareto points)."""
+        """One row per solve (``on_front`` marks the Pareto points), written atomically."""
         on_front = {(p.method, p.memory_limit) for f in self.fronts().values() for p in f}
-        with open(path, "w", newline="") as fh:
-            writer = csv.DictWriter(fh, fieldnames=CSV_FIELDS)
-            writer.writeheader()
-            for p in self.points:
-                row = {k: v for k, v in asdict(p).items() if k in CSV_FIELDS}
-                row["on_front"] = (p.method, p.memory_limit) in on_front
-                writer.writerow(row)
+
+        def write(tmp: Path) -> None:
+            with open(tmp, "w", newline="") as fh:
+                writer = csv.DictWriter(fh, fieldnames=CSV_FIELDS)
+                writer.writeheader()
+                for p in self.points:
+                    row = {k: v for k, v in asdict(p).items() if k in CSV_FIELDS}
+                    row["on_front"] = (p.method, p.memory_limit) in on_front
+                    writer.writerow(row)
+
+        write_atomic(path, write, field="csv")
 
     def plot(self, path: str | Path, *, title: str | None = None) -> Path:
         """Draw the memory/makespan curve to ``path`` (``.png``, ``.svg`` or ``.pdf``)."""
@@ -340,6 +345,7 @@ def sweep(
     options: SolveOptions | None = None,
     jobs: int = 1,
     progress: bool | Progress = False,
+    **option_fields: Any,
 ) -> SweepResult:
     """Solve ``problem_factory(limit)`` with every method at every limit.
 
@@ -349,11 +355,13 @@ def sweep(
         ``limit -> problem``; must be picklable when ``jobs > 1`` (a top-level function,
         :class:`CheckpointFactory`, :class:`CliFactory`, ``functools.partial``).
     limits
-        Memory limits in the chain's memory unit.
+        Memory limits in the chain's memory unit, each in any form of
+        :func:`optmem.units.memory_size` (``2**30``, ``1e9``, ``"1GiB"``).
     methods
         Method labels of the facade (``dp``, ``dp:rotor``, ``chen``, ...).
     options
-        Shared :class:`SolveOptions` (slots, time limit, solver).
+        Shared :class:`SolveOptions` (slots, time limit, solver); keyword arguments set
+        its fields (an unknown one raises, naming the closest).
     jobs
         Worker processes (1: in this process).
     progress
@@ -364,14 +372,14 @@ def sweep(
     OptmemInputError
         For an unknown method or an empty list of limits, before anything runs.
     """
-    from optmem.solvers.facade import method_info
+    from optmem.solvers.facade import method_info, resolve_options
 
-    limits = sorted({int(m) for m in limits})
+    limits = sorted({memory_size(m, field="limits") for m in limits})
     if not limits:
         raise OptmemInputError("expected at least one memory limit", field="memory")
     if not methods:
         raise OptmemInputError("expected at least one method", field="methods")
-    options = options or SolveOptions()
+    options = resolve_options(options, option_fields)
     probe = problem_factory(limits[0])
     for m in methods:
         method_info(probe.name, m)  # unknown methods fail here
@@ -413,11 +421,13 @@ def sweep(
 
 
 # ------------------------------------------------------------------ CLI
-def parse_memory_range(text: str, chain: Chain | None = None) -> list[int]:
+def parse_memory_range(text: str, chain: Chain | None = None, *,
+                       low: int | None = None) -> list[int]:
     """``FROM:TO:STEPS`` (sizes with units) or ``auto[:STEPS]`` into a list of limits.
 
-    ``auto`` goes from the smallest memory of the checkpoint DP to 5 % above the store-all
-    peak of ``chain``.
+    ``auto`` goes from ``low`` (default: the smallest limit at which the checkpoint DP
+    finds a plan as solved, after discretisation; :func:`auto_start` gives the sweep's
+    methods' own) to 5 % above the store-all peak of ``chain``.
 
     Examples
     --------
@@ -430,10 +440,10 @@ def parse_memory_range(text: str, chain: Chain | None = None) -> list[int]:
     if parts[0] == "auto":
         if chain is None:
             raise OptmemInputError("'auto' needs a chain", field="--memory")
-        from optmem.solvers.checkpoint_dp import min_memory_persistent
-
         steps = _steps(parts[1] if len(parts) > 1 else "20")
-        low, high = min_memory_persistent(chain), math.ceil(chain.store_all_peak() * 1.05)
+        if low is None:
+            low = checkpoint_start(chain, SolveOptions())
+        high = max(low, math.ceil(chain.store_all_peak() * 1.05))
     elif len(parts) == 3:
         low = parse_size(parts[0], field="--memory")
         high = parse_size(parts[1], field="--memory")
@@ -448,9 +458,44 @@ def parse_memory_range(text: str, chain: Chain | None = None) -> list[int]:
     return sorted({round(low + (high - low) * k / (steps - 1)) for k in range(steps)})
 
 
+def checkpoint_start(chain: Chain, options: SolveOptions) -> int:
+    """Smallest limit at which the checkpoint DP finds a plan, as solved (``options.slots``)."""
+    from optmem.problems import CheckpointProblem
+    from optmem.solvers.checkpoint import dp_min_memory
+
+    found = dp_min_memory(CheckpointProblem(chain, 0), options, "paper")
+    return found if found is not None else chain.store_all_peak()
+
+
+def auto_start(problem_factory: ProblemFactory, methods: Sequence[str],
+               options: SolveOptions) -> int | None:
+    """Smallest limit at which one of ``methods`` finds a plan, as solved.
+
+    Each method is solved at limit 0 and reports its ``min_feasible_memory`` (a limit at
+    which solving again succeeds, rounding included); the least of them, ``None`` if no
+    method reports one.
+    """
+    from optmem.solvers.facade import solve
+
+    found = []
+    for method in methods:
+        try:
+            result = solve(problem_factory(0), method, options=options)
+        except OptmemInputError:
+            continue
+        if result.status.has_plan:
+            return 0
+        if result.min_feasible_memory is not None:
+            found.append(result.min_feasible_memory)
+    return min(found, default=None)
+
+
+MAX_STEPS = 10_000  # limits of one sweep (each is solved by every method)
+
+
 def _steps(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise OptmemInputError(f"expected a positive number of steps, got {text!r}",
+    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= MAX_STEPS:
+        raise OptmemInputError(f"expected a number of steps in 1..{MAX_STEPS}, got {text!r}",
                                field="--memory")
     return int(text)
 
@@ -469,7 +514,7 @@ def default_methods(problem: str) -> list[str]:
 
 def register_cli(subparsers: Any) -> None:
     """Add ``optmem sweep`` to the CLI."""
-    from optmem.cli import _add_problem_options
+    from optmem.cli import _add_problem_options, add_engine_limits, worker_count
 
     p = subparsers.add_parser(
         "sweep", help="solve across memory limits: Pareto fronts, CSV/JSON, the curve",
@@ -479,9 +524,10 @@ def register_cli(subparsers: Any) -> None:
     p.add_argument("chain", help="chain file or bundled dataset name")
     p.add_argument("--memory", "-m", default="auto",
                    help="FROM:TO:STEPS with sizes (1GiB:4GiB:20), or auto[:STEPS] (default: "
-                        "from the checkpoint DP's smallest memory to the store-all peak)")
+                        "from the smallest limit at which a swept method finds a plan, as "
+                        "solved, to 5%% above the store-all peak)")
     p.add_argument("--methods", help="comma-separated methods (default: dp and baselines)")
-    p.add_argument("--jobs", "-j", type=int, default=min(2, os.cpu_count() or 1),
+    p.add_argument("--jobs", "-j", type=worker_count, default=min(2, os.cpu_count() or 1),
                    help="worker processes (default: 2)")
     p.add_argument("--csv", help="write one row per solve")
     p.add_argument("--json", help="write points, fronts and summary as JSON")
@@ -489,13 +535,27 @@ def register_cli(subparsers: Any) -> None:
     p.add_argument("--title", help="plot title")
     p.add_argument("--variant", help="method variant for every method")
     p.add_argument("--slots", type=int, default=500, help="memory slots (default 500)")
-    p.add_argument("--time-limit", type=float, help="seconds per exact solve")
+    add_engine_limits(p)
     p.add_argument("--solver", default="highs", help="ILP engine: highs, cbc, gurobi")
-    p.add_argument("--threads", type=int, default=1, help="threads per exact solve")
+    p.add_argument("--threads", type=worker_count, default=1,
+                   help="threads per exact solve (1..256)")
     p.add_argument("--verbose", action="store_true", help="show engine logs")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     _add_problem_options(p)
     p.set_defaults(func=cmd_sweep)
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Fail before solving if ``--csv``, ``--json`` or ``--plot`` could not be written."""
+    if args.title:
+        check_text(args.title, name="--title", allow="\n")
+    if args.plot:
+        from optmem.plotting import check_plot_path
+
+        check_plot_path(args.plot)
+    for name in ("csv", "json", "plot"):
+        if getattr(args, name):
+            check_writable(getattr(args, name), field=name)
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
@@ -504,14 +564,19 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     chain = load_chain(args.chain)
     problem_module(args.problem)  # unknown problems fail with the list of known ones
-    limits = parse_memory_range(args.memory, chain)
+    check_outputs(args)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods \
         else default_methods(args.problem)
-    if args.jobs < 1:
-        raise OptmemInputError(f"expected --jobs >= 1, got {args.jobs}", field="--jobs")
     extra = {k: v for k, v in vars(args).items() if k != "func"}
     factory = CliFactory(args.problem, chain, extra)
-    result = sweep(factory, limits, methods, options=options_from_args(args), jobs=args.jobs,
+    options = options_from_args(args)
+    low = None
+    if args.memory.split(":")[0] == "auto":
+        low = auto_start(factory, methods, options)
+        if low is None:
+            low = checkpoint_start(chain, options)
+    limits = parse_memory_range(args.memory, chain, low=low)
+    result = sweep(factory, limits, methods, options=options, jobs=args.jobs,
                    progress=not args.quiet)
     print(f"{chain.name}: {args.problem}, {len(limits)} limits x {len(methods)} methods "
           f"in {result.wall_time_s:.1f}s")

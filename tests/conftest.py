@@ -1,8 +1,16 @@
-"""Test-suite policy: in CI (``CI=true``) every engine is installed, so a skip is a defect.
+"""Test-suite policy: deterministic verdicts, and no skips in CI but CUDA ones.
 
-Only tests that need CUDA may skip there (this machine and CI have no GPU); any other skip,
-including a module skipped by ``pytest.importorskip`` because an engine is missing, turns the
-run red with the skip's reason.
+* Hypothesis runs with the ``ci`` profile by default: derandomised (the same examples on
+  every run), no deadline, no example database, the ``too_slow`` health check off (it times
+  data generation, so a loaded machine would fail it) and a reproduction blob printed on
+  failure. ``HYPOTHESIS_PROFILE=dev`` gives random examples for local bug hunting.
+* No test's verdict depends on wall-clock time or load: solver tests use deterministic work
+  limits (``SolveOptions.node_limit``, ``deterministic_time``) or inject engines; timings
+  live in ``benchmarks/``.
+* In CI (``CI=true``) every engine is installed, so a skip is a defect. Only tests that need
+  CUDA may skip there (this machine and CI have no GPU); any other skip, including a module
+  skipped by ``pytest.importorskip`` because an engine is missing, turns the run red with
+  the skip's reason.
 """
 
 from __future__ import annotations
@@ -10,6 +18,13 @@ from __future__ import annotations
 import os
 
 import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile("ci", derandomize=True, deadline=None, database=None,
+                          print_blob=True, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("dev", deadline=None, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 _ALLOWED = ("CUDA", "GPU")
 _unexpected: list[str] = []

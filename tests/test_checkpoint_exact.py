@@ -179,19 +179,28 @@ def test_trivial_chain() -> None:
 
 
 # ------------------------------------------------------------------ limits, warm start
-def test_time_limit_returns_feasible_not_worse_than_dp() -> None:
-    chain = random_chain(14, seed=11)
-    memory = chain.input_size + (chain.store_all_peak() - chain.input_size) // 3
+WORK_LIMITS = (("ilp", {"solver": "highs", "node_limit": 1}, "nodes"),
+               ("ilp", {"solver": "cbc", "node_limit": 1}, "nodes"),
+               ("cpsat", {"deterministic_time": 0.01}, "deterministic_time"))
+
+
+@pytest.mark.parametrize(("method", "opts", "limit"), WORK_LIMITS)
+def test_work_limit_returns_feasible_not_worse_than_dp(method: str, opts: dict,
+                                                       limit: str) -> None:
+    """A deterministic work limit that is hit gives the warm start or better, ``feasible``."""
+    chain = random_chain(12, seed=11)
+    memory = chain.input_size + (chain.store_all_peak() - chain.input_size) // 2
     dp = run(chain, memory, "dp")
-    for method, solver in (("ilp", "highs"), ("ilp", "cbc"), ("cpsat", "highs")):
-        # CBC with a MIP start and a hit time limit used to segfault (engines._run_cbc)
-        result = run(chain, memory, method, solver=solver, time_limit_s=0.05)
-        assert result.status in (Status.FEASIBLE, Status.OPTIMAL)
-        assert result.objective <= dp.objective
-        assert result.bound <= result.objective
-        assert result.bound >= chain.total_compute_time() - 1e-9
-        if result.status is Status.FEASIBLE:
-            assert 0 <= result.gap <= 1
+    result = run(chain, memory, method, **opts)
+    assert result.report["engine_stopped_by"] == limit  # the limit was in fact hit
+    assert result.status is Status.FEASIBLE
+    assert result.objective <= dp.objective
+    assert result.bound <= result.objective
+    assert result.bound >= chain.total_compute_time() - 1e-9
+    assert 0 <= result.gap <= 1
+    again = run(chain, memory, method, **opts)  # a deterministic limit: the same answer
+    assert (again.status, again.objective, again.bound) == (result.status, result.objective,
+                                                            result.bound)
 
 
 @pytest.mark.parametrize("seed", range(6))

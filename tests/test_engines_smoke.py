@@ -27,7 +27,7 @@ def test_ilp_engines_solve_and_warm_start(engine: str) -> None:
     import ortools.sat.python.cp_model  # noqa: F401 - both libraries loaded together
 
     prob, xs = _knapsack()
-    out = engines.solve_pulp(prob, xs, engine, time_limit_s=10, threads=2,
+    out = engines.solve_pulp(prob, xs, engine, threads=2,
                              initial=[1, 1, 1])
     assert out.status is Status.OPTIMAL
     assert out.objective == pytest.approx(6.0)  # x0 + x1: 3 + 2 + 1
@@ -39,7 +39,7 @@ def test_ilp_engine_infeasible() -> None:
     prob, xs = _knapsack()
     prob += (xs[0] + xs[1] + xs[2] >= 4, "impossible")
     for engine in ("highs", "cbc"):
-        out = engines.solve_pulp(prob, xs, engine, time_limit_s=10)
+        out = engines.solve_pulp(prob, xs, engine)
         assert out.status is Status.INFEASIBLE
         assert out.values is None and math.isnan(out.objective)
 
@@ -52,7 +52,7 @@ def test_cpsat_engine() -> None:
     xs = [model.new_bool_var(f"x{i}") for i in range(3)]
     model.add(2 * xs[0] + 3 * xs[1] + 4 * xs[2] >= 5)
     model.minimize(3 * xs[0] + 2 * xs[1] + 4 * xs[2])
-    out = engines.solve_cpsat(model, xs, time_limit_s=10, threads=2, hint=[1, 1, 1])
+    out = engines.solve_cpsat(model, xs, threads=2, hint=[1, 1, 1])
     assert out.status is Status.OPTIMAL
     assert (out.objective, out.bound) == (5.0, 5.0)
     assert out.values == [1.0, 1.0, 0.0]

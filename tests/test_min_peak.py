@@ -267,8 +267,9 @@ def test_cli_hooks_and_verify() -> None:
     parser = argparse.ArgumentParser()
     add_cli_options(parser)
     args = parser.parse_args(["--model", "static", "--ignore-input"])
-    problem = problem_from_cli(chain, 0, args)
+    problem = problem_from_cli(chain, None, args)
     assert (problem.model, problem.count_input, problem.memory_limit) == ("static", False, None)
+    assert problem_from_cli(chain, 0, args).memory_limit == 0  # 0 is a bound, not "none"
     problem = problem_from_cli(chain, 9, parser.parse_args([]))
     r = solve(problem, "dp")
     report = verify_plan(problem, list(r.plan))
@@ -286,14 +287,31 @@ def test_cli_end_to_end(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> N
 
     path = tmp_path / "vgg.json"
     chain_of(GOLDEN["instances"]["vgg19"]["sizes"], "vgg19").save(path)
-    assert main(["solve", "min-peak", str(path), "--memory", "0", "--model", "static",
-                 "--json"]) == 0
+    assert main(["solve", "min-peak", str(path), "--model", "static", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["objective"] == 7778280 and out["report"]["checkpoints"] == [0, 3, 6, 24]
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps(out))
-    assert main(["verify", "min-peak", str(path), str(plan), "--memory", "0",
-                 "--model", "static"]) == 0
+    assert main(["verify", "min-peak", str(path), str(plan), "--model", "static"]) == 0
+
+
+def test_cli_min_peak_needs_no_memory_and_zero_is_a_bound(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Regression (issue 12): ``solve min-peak`` without ``--memory``; ``--memory 0`` is 0."""
+    from optmem.cli import main
+
+    path = tmp_path / "vgg.json"
+    chain_of(GOLDEN["instances"]["vgg19"]["sizes"], "vgg19").save(path)
+    assert main(["solve", "min-peak", str(path), "--model", "static", "--json"]) == 0
+    free = json.loads(capsys.readouterr().out)
+    assert free["status"] == "optimal" and free["memory_limit"] is None
+    assert main(["solve", "min-peak", str(path), "--model", "static", "--memory", "0",
+                 "--json"]) == 0
+    zero = json.loads(capsys.readouterr().out)
+    assert zero["status"] == "infeasible" and zero["memory_limit"] == 0
+    assert zero["min_feasible_memory"] == free["objective"] == 7778280
+    assert main(["solve", "checkpoint", str(path)]) == 2  # other problems need --memory
+    assert "needs --memory" in capsys.readouterr().err
 
 
 @settings(max_examples=40, deadline=None)

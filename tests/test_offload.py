@@ -159,7 +159,7 @@ def test_problem_validation_and_cli_bandwidth():
     class Args:
         bandwidth = "12GB/s"
 
-    assert problem_from_cli(chain, 12, Args()).bandwidth == pytest.approx(1.2e7)
+    assert problem_from_cli(chain, 12, Args()).chain_bandwidth == pytest.approx(1.2e7)
     Args.bandwidth = None
     with pytest.raises(OptmemInputError, match="--bandwidth"):
         problem_from_cli(chain, 12, Args())
@@ -190,7 +190,7 @@ def test_worked_example_low_bandwidth_and_infeasible():
     assert prop3_bound(chain, 24, 1.0) == 24
     assert fractional_bound(chain, 24, 1.0) == 36 == solve_comm_dp(chain, 24, 1.0).value
     assert fractional_bound(chain, 28, 1.0) == 24 and solve_comm_dp(chain, 28, 1.0).value == 28
-    result = solve(OffloadProblem(worked_chain(), 10, 4.0), "dp")
+    result = solve(OffloadProblem(worked_chain(), 10, chain_bandwidth=4.0), "dp")
     assert result.status is Status.INFEASIBLE and result.min_feasible_memory == 12
 
 
@@ -217,7 +217,7 @@ def test_two_partition_gadget(items):
             prefix.append(len(prefix))
         fractions = [1.0 if k in prefix else 0.0 for k in range(chain.length)]
         assert evaluate(chain, memory, beta, fractions) == pytest.approx(greedy)
-    problem = OffloadProblem(chain, memory, beta)
+    problem = OffloadProblem(chain, memory, chain_bandwidth=beta)
     exact = solve(problem, "cpsat")
     check(problem, exact)
     assert exact.status is Status.OPTIMAL
@@ -237,7 +237,7 @@ def test_three_partition_gadget(items, yes):
     assert prop3_bound(chain, memory, beta) == 4  # LB = 2n
     assert fractional_bound(chain, memory, beta) == pytest.approx(4)
     assert solve_comm_dp(chain, memory, beta).value == pytest.approx(4)  # partial discards
-    problem = OffloadProblem(chain, memory, beta)
+    problem = OffloadProblem(chain, memory, chain_bandwidth=beta)
     exact = solve(problem, "cpsat")
     check(problem, exact)
     assert exact.status is Status.OPTIMAL
@@ -262,7 +262,7 @@ def test_exact_equals_brute_force_on_tiny_chains(seed):
     low, high = int(math.ceil(lay.min_memory())), int(lay.peak())
     for memory in sorted({low, (low + high) // 2, high - 1}):
         for beta in (1.0, 2.0):
-            problem = OffloadProblem(chain, memory, beta)
+            problem = OffloadProblem(chain, memory, chain_bandwidth=beta)
             res = _all_methods(problem, ("cpsat", "ilp", "brute"))
             brute, exact = res["brute"], res["cpsat"]
             assert brute.status == exact.status == res["ilp"].status
@@ -289,7 +289,7 @@ def test_random_chains_bound_exact_heuristics(seed, n, beta, where):
     lay = Layers.of(chain)
     low, high = math.ceil(lay.min_memory()), int(lay.peak())
     memory = int(low + where * (high - low))
-    problem = OffloadProblem(chain, memory, beta)
+    problem = OffloadProblem(chain, memory, chain_bandwidth=beta)
     res = _all_methods(problem, ("cpsat", "ilp"))
     exact = res["cpsat"]
     assert exact.status in (Status.OPTIMAL, Status.INFEASIBLE)
@@ -315,7 +315,7 @@ def test_vdnn_conv_uses_stage_names():
             {"name": "relu", "fwd_time": 1, "bwd_time": 1, "output_size": 2, "saved_size": 2},
             {"name": "fc", "fwd_time": 1, "bwd_time": 1, "output_size": 2, "saved_size": 2,
              "kind": "conv"}]})
-    problem = OffloadProblem(chain, 16, 2.0)
+    problem = OffloadProblem(chain, 16, chain_bandwidth=2.0)
     assert conv_stages(problem) == [0, 2]
     result = solve(problem, "vdnn_conv")
     check(problem, result)
@@ -326,7 +326,7 @@ def test_vdnn_conv_uses_stage_names():
 def test_ilp_export(tmp_path):
     from optmem.solvers.facade import export
 
-    problem = OffloadProblem(worked_chain(), 14, 1.0)
+    problem = OffloadProblem(worked_chain(), 14, chain_bandwidth=1.0)
     path = tmp_path / "offload.lp"
     export(problem, "ilp", str(path))
     assert "off0" in path.read_text()
@@ -351,7 +351,7 @@ def test_remat_plan_with_offloaded_checkpoints_lowers_peak():
 @pytest.mark.parametrize("key", [(14, 2), (14, 1), (14, 4)])
 def test_thesis_discretisation_variant(key):
     memory, beta = key
-    problem = OffloadProblem(worked_chain(), memory, beta)
+    problem = OffloadProblem(worked_chain(), memory, chain_bandwidth=beta)
     result = solve(problem, "dp:thesis")
     check(problem, result)
     assert result.variant == "thesis" and result.report["dp_runs"] >= 1

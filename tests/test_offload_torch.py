@@ -37,7 +37,7 @@ def reference(x: torch.Tensor, seed: int) -> tuple[torch.Tensor, list[torch.Tens
 
 def solved_plan(memory: int) -> tuple[str, ...]:
     chain = uniform_chain(4, fwd_time=1.0, bwd_time=2.0, output_size=2, saved_size=4)
-    result = solve(OffloadProblem(chain, memory, 2.0), "dp")
+    result = solve(OffloadProblem(chain, memory, chain_bandwidth=2.0), "dp")
     assert result.status.has_plan
     return result.plan
 

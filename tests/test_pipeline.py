@@ -141,7 +141,7 @@ def random_problem(seed: int, n: int, gpus: int, mem_factor: float, beta: float)
     lay = PipelineProblem(chain, gpus, 1).layers
     scale = 3 * sum(lay.w) + sum(lay.x) * 2
     bw = math.inf if beta == 0 else beta * sum(lay.a) / lay.load(1, lay.n)
-    return PipelineProblem(chain, gpus, int(scale * mem_factor / gpus) + 1, bw)
+    return PipelineProblem(chain, gpus, int(scale * mem_factor / gpus) + 1, chain_bandwidth=bw)
 
 
 @settings(max_examples=25, deadline=None)
@@ -194,7 +194,7 @@ def test_1f1b_star_nca_and_optimal_period(seed, n, gpus, beta, frac):
 
 def test_period_non_increasing_in_memory():
     chain = random_pipeline_chain(8, seed=5, kind="cnn", batch=4, width=128)
-    base = PipelineProblem(chain, 4, 1, 1e5)
+    base = PipelineProblem(chain, 4, 1, chain_bandwidth=1e5)
     periods = []
     for mem in [2 * 10**8, 3 * 10**8, 5 * 10**8, 10**9, 10**10]:
         r = solve(replace(base, memory_per_gpu=mem), "contiguous")
@@ -244,7 +244,7 @@ def test_simulator_rejects_invalid(mutate, message):
 
 def test_simulator_link_exclusivity():
     chain = thesis_chain([1, 1], [1, 1], [1, 4, 0])
-    p = PipelineProblem(chain, 2, 100, bandwidth=4.0, weight_copies=1)
+    p = PipelineProblem(chain, 2, 100, chain_bandwidth=4.0, weight_copies=1)
     plan = contig.one_f_one_b_star(p, [(1, 1), (2, 2)], 4)
     simulate_pipeline(p, plan)
     bad = _with_task(plan, "grad", 1, start=plan.task("send", 1).start)
@@ -263,7 +263,7 @@ def test_problem_validation():
     with pytest.raises(OptmemInputError, match="GPUs"):
         PipelineProblem(chain, 0, 10)
     with pytest.raises(OptmemInputError, match="bandwidth"):
-        PipelineProblem(chain, 1, 10, bandwidth=0)
+        PipelineProblem(chain, 1, 10, chain_bandwidth=0)
     with pytest.raises(OptmemInputError, match="memory model"):
         PipelineProblem(chain, 1, 10, memory_model="nope")
 

@@ -1,18 +1,19 @@
-"""Live activation bytes of a real training step stay within the plan's simulated peak.
+"""Real memory of training steps against the plan's prediction and the limit.
 
-The :class:`~optmem.pytorch.memory.ActivationTracker` counts distinct storages of every
-tensor autograd saves (saved-tensor hooks) plus everything the executor holds (checkpoints,
-tapes, the current gradient), reported after every plan op, plus the input batch. The chain
-model is conservative (a tape counts its output even when autograd does not save it, and
-sizes are rounded up to the discretisation unit), so the measured peak must not exceed the
-prediction: the plan replayed by the simulator on the profiled chain in bytes (which is at
-most ``result.peak_memory * result.unit``, the peak after rounding up to units).
+Two measures of a real step:
 
-Stated tolerance: the loss is outside the chain (``loss.bwd_time = 0``, sizes 0, as in
-rotor), but the loss's own graph keeps the chain output ``a^L`` alive until its backward,
-which the model frees at ``Loss``; so the bound is ``predicted + output_size[L]``.
-On GPU, ``torch.cuda.max_memory_allocated`` is compared with the prediction plus the weights,
-their gradients and a fixed allowance (test marked ``gpu``).
+* :func:`~optmem.pytorch.memory.measure_training_peak`, exact: every storage created during
+  the step (dispatch-level trace, temporaries included), weight gradients excluded, plus the
+  input batch. The documented bound (``docs/pytorch.md``, "What memory_limit counts") is
+  ``real <= predicted + plan_allowance <= limit + plan_allowance``, where the allowance is the
+  gradient autograd holds at the plan's boundary, the loss scalars and buffer copies of
+  re-run stages; the chain is profiled with the loss so that the limit covers it.
+* :class:`~optmem.pytorch.memory.ActivationTracker`, hooks only (saved tensors and what the
+  executor holds, no temporaries): at most the prediction plus the model output (the loss
+  keeps it alive; the chain here is profiled without the loss).
+
+On GPU, ``torch.cuda.max_memory_allocated`` is compared with the prediction plus the
+documented CUDA allowance (test marked ``gpu``).
 """
 
 from __future__ import annotations
@@ -22,11 +23,20 @@ import pytest
 torch = pytest.importorskip("torch", reason="the torch bridge needs torch")
 
 from pytorch_helpers import tightest_result  # noqa: E402
+from torch import nn  # noqa: E402
 
+import optmem.pytorch as op  # noqa: E402
 from optmem.problems.checkpoint import CheckpointProblem  # noqa: E402
 from optmem.pytorch.execute import CheckpointedChain  # noqa: E402
 from optmem.pytorch.extract import extract_stages  # noqa: E402
-from optmem.pytorch.memory import ActivationTracker  # noqa: E402
+from optmem.pytorch.memory import (  # noqa: E402
+    LOSS_SCALARS,
+    ActivationTracker,
+    cuda_training_peak,
+    measure_training_peak,
+    memtracker_peak,
+    plan_allowance,
+)
 from optmem.pytorch.models import resolve_spec  # noqa: E402
 from optmem.pytorch.profile import profile_stages  # noqa: E402
 from optmem.simulate import simulate_checkpoint  # noqa: E402
@@ -90,26 +100,88 @@ def test_tracker_sees_checkpoints_and_tapes():
     assert seen == plan
 
 
+def loss_of(y):
+    return y.float().square().mean()
+
+
+@pytest.mark.parametrize("spec", ["toy-cnn", "toy-transformer", "toy-resnet"])
+def test_real_peak_within_limit_plus_allowance(spec):
+    """The CI check of issue 13: a real step never exceeds the limit plus the allowance."""
+    torch.manual_seed(0)
+    module, x = resolve_spec(spec)
+    chain = op.profile_chain(module, x, repeats=1, warmup=0, loss_fn=loss_of)
+    low, store = op.smallest_limit(chain), chain.store_all_peak()
+    for limit in (low, (low + store) // 2):
+        for strip in (True, False):
+            cm = op.checkpoint(module, x, memory_limit=limit, chain=chain, strip_suffix=strip)
+            module.zero_grad(set_to_none=True)
+            real = measure_training_peak(lambda c=cm: loss_of(c(x)).backward(), module, x)
+            allowance = plan_allowance(chain, cm.result.plan, list(cm.stages),
+                                       strip_suffix=strip)
+            predicted = cm.expected_peak_bytes
+            assert predicted <= limit
+            assert real <= predicted + allowance <= limit + allowance, (spec, limit, strip)
+            # temporaries are counted on CPU now: the prediction is not a loose bound
+            assert real >= 0.8 * predicted, (spec, limit, strip, real, predicted)
+    module.zero_grad(set_to_none=True)
+
+
+def test_real_peak_tracks_the_plan_on_the_conv_net():
+    """The conv net of issue 13: the real peak now falls with the limit as predicted.
+
+    Before temporaries were counted on CPU, the issue measured a real saving of 39 % of the
+    predicted one (56 -> 45.5 MiB real for 57 -> 30 MiB tracked); here it is 77 %: plain
+    autograd also stays below the store-all prediction (a tape always counts its output).
+    """
+    torch.manual_seed(0)
+    module, x = resolve_spec("toy-cnn", batch=16)
+    chain = op.profile_chain(module, x, repeats=1, warmup=0, loss_fn=loss_of)
+    module.zero_grad(set_to_none=True)
+    plain = measure_training_peak(lambda: loss_of(module(x)).backward(), module, x)
+    tight = op.checkpoint(module, x, memory_limit=op.smallest_limit(chain), chain=chain)
+    module.zero_grad(set_to_none=True)
+    real = measure_training_peak(lambda: loss_of(tight(x)).backward(), module, x)
+    saved = plain - real
+    predicted_saved = chain.store_all_peak() - tight.expected_peak_bytes
+    assert plain <= chain.store_all_peak()
+    assert saved >= 0.7 * predicted_saved > 0  # the saving is real, not only predicted
+    module.zero_grad(set_to_none=True)
+
+
+def test_measure_training_peak_leaves_out_weight_gradients():
+    net = nn.Sequential(nn.Linear(64, 64, bias=False), nn.Linear(64, 64, bias=False))
+    x = torch.randn(8, 64)
+    f = 4
+    real = measure_training_peak(lambda: net(x).sum().backward(), net, x)
+    # x, h = x W1^T (saved for W2's gradient), then the output (forward) or the gradient of
+    # h (backward), plus the loss and its seed gradient (4 B each); the two 16 KiB weight
+    # gradients are left out
+    assert real == 3 * (8 * 64 * f) + LOSS_SCALARS // 2
+    assert all(p.grad is not None for p in net.parameters())
+    net.zero_grad(set_to_none=True)
+    mt = memtracker_peak(lambda: net(x).sum().backward(), net, x)
+    assert mt.snapshot["Parameter"] == 2 * 64 * 64 * f
+    assert mt.activations > 0
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (no GPU here)")
-def test_cuda_max_memory_allocated_matches_prediction():
+def test_cuda_max_memory_allocated_within_limit():
+    """CUDA allowance (docs/pytorch.md): ``plan_allowance``, the temporary of the in-place
+    accumulation into the pre-allocated weight gradients (at most one stage's weights) and
+    the caching allocator's 512-byte rounding of every value alive (2L + 4 of them)."""
     torch.manual_seed(2)
     module, x = resolve_spec("toy-cnn", batch=64)
     module, x = module.cuda(), x.cuda()
-    stages = extract_stages(module)
-    chain = profile_stages(stages, x, repeats=2, warmup=1)
-    for p in module.parameters():  # gradient buffers allocated once, as rotor does
-        p.grad = torch.zeros_like(p)
-    weights = sum(p.numel() * p.element_size() for p in module.parameters())
-    for r in (tightest_result(chain), solve(CheckpointProblem(chain, chain.store_all_peak()),
-                                            "dp")):
-        cm = CheckpointedChain(stages, r.plan)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base_mem = torch.cuda.memory_allocated()
-        step(cm, x)
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base_mem + x.numel() * x.element_size()
-        predicted = r.peak_memory * r.unit
-        # allocator rounding (512 B blocks), the loss and cuDNN workspaces: 10% + 2 MiB
-        assert peak <= predicted * 1.1 + weights + 2 * 2**20, (peak, predicted)
+    chain = op.profile_chain(module, x, repeats=2, warmup=1, loss_fn=loss_of)
+    low, store = op.smallest_limit(chain), chain.store_all_peak()
+    for limit in (low, (low + store) // 2):
+        cm = op.checkpoint(module, x, memory_limit=limit, chain=chain)
+        def step(c=cm):
+            loss_of(c(x)).backward()
+
+        step()  # one-time allocations (cuBLAS workspace) before measuring
+        peak = cuda_training_peak(step, module, x)
+        allowance = plan_allowance(chain, cm.result.plan, list(cm.stages)) \
+            + max(chain.weight_size) + 512 * (2 * chain.length + 4)
+        assert peak <= limit + allowance, (peak, limit, allowance)

@@ -1,4 +1,4 @@
-"""Profiling: exact sizes from saved-tensor hooks, meta mode, time models, no side effects."""
+"""Profiling: exact sizes, temporaries traced at dispatch level, stable times, no side effects."""
 
 from __future__ import annotations
 
@@ -12,9 +12,22 @@ import pytorch_helpers  # noqa: E402, F401  (one thread)
 from torch import nn  # noqa: E402
 
 from optmem.chain import Chain  # noqa: E402
+from optmem.errors import OptmemInputError  # noqa: E402
+from optmem.problems.checkpoint import CheckpointProblem  # noqa: E402
+from optmem.pytorch import profile as profile_module  # noqa: E402
+from optmem.pytorch.api import smallest_limit  # noqa: E402
 from optmem.pytorch.extract import extract_stages  # noqa: E402
 from optmem.pytorch.models import resolve_spec  # noqa: E402
-from optmem.pytorch.profile import _Progress, profile_chain, profile_stages  # noqa: E402
+from optmem.pytorch.profile import (  # noqa: E402
+    _Progress,
+    profile_chain,
+    profile_stages,
+    round_time,
+)
+from optmem.solvers.facade import solve  # noqa: E402
+
+SIZES = ("output_size", "saved_size", "fwd_overhead", "bwd_overhead", "weight_size",
+         "input_size", "loss_bwd_overhead", "stage_names")
 
 
 def test_mlp_sizes_are_exact():
@@ -29,7 +42,8 @@ def test_mlp_sizes_are_exact():
     assert chain.saved_size == chain.output_size
     assert chain.weight_size == ((8 * 16 + 16) * f, 0, (16 * 4 + 4) * f)
     assert all(t >= 0 for t in chain.fwd_time + chain.bwd_time)
-    assert chain.fwd_overhead == (0, 0, 0)  # CPU: not measured
+    # traced on CPU too: a Linear or a Tanh allocates its output and nothing else
+    assert chain.fwd_overhead == (0, 0, 0)
     assert Chain.from_dict(chain.to_dict()) == chain
 
 
@@ -99,3 +113,202 @@ def test_progress_bar_writes_to_the_stream():
     quiet = io.StringIO()
     _Progress(3, None, quiet).update(1, "x")  # not a terminal: silent
     assert quiet.getvalue() == ""
+
+
+# ------------------------------------------------------------------ temporaries (CPU)
+class Scale(nn.Module):
+    def forward(self, x):
+        return (x * 2).relu()
+
+
+class LinearGelu(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+
+    def forward(self, x):
+        return nn.functional.gelu(self.fc(x))
+
+
+def test_cpu_temporaries_are_traced_exactly():
+    f = 4
+    x = torch.randn(4, 20, requires_grad=True)
+    chain = profile_chain([Scale()], x, repeats=1, warmup=0)
+    n = 4 * 20 * f
+    assert chain.output_size == chain.saved_size == (n,)  # relu keeps its output
+    assert chain.fwd_overhead == (n,)  # x * 2 lives until relu has run
+    assert chain.bwd_overhead == (n,)  # relu's gradient beside delta^0 (charged apart)
+    # the same stage on an input that needs no gradient: no delta^0 is ever made
+    chain = profile_chain([Scale()], x.detach(), repeats=1, warmup=0)
+    assert chain.bwd_overhead == (0,)
+
+
+def test_forward_overhead_covers_the_no_grad_forward():
+    """``F_ck``/``F_none`` are charged ``a^i + o_f``: the no-grad peak must fit in it.
+
+    With grad, Linear's output is saved by GELU (tape 2 x 256 B, nothing more at the peak);
+    without grad, the same two buffers coexist but only the GELU output is ``a^i``.
+    """
+    chain = profile_chain([LinearGelu()], torch.randn(4, 8), repeats=1, warmup=0)
+    out = 4 * 16 * 4
+    assert chain.output_size == (out,) and chain.saved_size == (2 * out,)
+    assert chain.fwd_overhead == (out,)
+
+
+class Tied(nn.Module):
+    def __init__(self, weight):
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x):
+        return nn.functional.linear(x, self.weight)
+
+
+def test_tied_weight_accumulation_is_a_temporary():
+    """A weight also used by a later stage already has a gradient when this stage's backward
+    runs: the new gradient is a temporary added into it, not the stored gradient."""
+    first = nn.Linear(8, 8, bias=False)
+    x = torch.randn(4, 8, requires_grad=True)
+    tied = profile_chain([first, Tied(first.weight)], x, repeats=1, warmup=0)
+    alone = profile_chain([first, Tied(nn.Parameter(first.weight.detach().clone()))], x,
+                          repeats=1, warmup=0)
+    assert alone.bwd_overhead[0] == 0  # the weight gradient is stolen into .grad
+    assert tied.bwd_overhead[0] == 8 * 8 * 4  # the 8x8 gradient, added then freed
+    assert tied.bwd_overhead[1] == alone.bwd_overhead[1] == 0
+    assert first.weight.grad is None  # restored
+
+
+def test_output_size_counts_the_storage_a_view_keeps():
+    class First(nn.Module):
+        def forward(self, x):
+            return x.exp()[:, 0]  # keeps the whole exp(x) storage alive
+
+    chain = profile_chain([First()], torch.randn(4, 6), repeats=1, warmup=0)
+    assert chain.output_size == (4 * 6 * 4,)
+
+
+def test_loss_is_profiled_when_given():
+    module, x = resolve_spec("toy-mlp", batch=4)
+
+    def loss_fn(y):
+        return nn.functional.cross_entropy(y, torch.zeros(y.shape[0], dtype=torch.long))
+
+    plain = profile_chain(module, x, repeats=1, warmup=0)
+    with_loss = profile_chain(module, x, repeats=1, warmup=0, loss_fn=loss_fn)
+    assert plain.loss_bwd_overhead == 0 and plain.loss_bwd_time == 0
+    assert plain.extra["profile"]["loss"] == "not profiled"
+    # log-softmax output and the gradient of the logits (4 x 10 floats each) at least
+    assert with_loss.loss_bwd_overhead >= 4 * 10 * 4
+    assert with_loss.loss_bwd_time > 0 and with_loss.extra["profile"]["loss"] == "loss_fn"
+
+
+# ------------------------------------------------------------------ stable profiles
+def test_two_profiles_have_identical_sizes():
+    """Sizes and temporaries are counted, not timed: bit-identical across profiles, and the
+    smallest feasible limit of one profile is feasible for the other."""
+    torch.manual_seed(0)
+    module, x = resolve_spec("toy-cnn", batch=4)
+    a = profile_chain(module, x, repeats=1, warmup=0)
+    b = profile_chain(module, x, repeats=1, warmup=0)
+    assert all(getattr(a, f) == getattr(b, f) for f in SIZES)
+    assert sum(a.fwd_overhead) > 0 and sum(a.bwd_overhead) > 0  # CPU temporaries counted
+    assert solve(CheckpointProblem(b, smallest_limit(a)), "dp").status.has_plan
+
+
+def test_identical_stages_share_one_time():
+    from optmem.pytorch.toy import toy_mlp
+
+    module, x = toy_mlp(batch=4, width=32, depth=4)
+    chain = profile_chain(module, x, repeats=2, warmup=0)
+    # Linear, ReLU, ..., Linear(32, 10); the first Linear computes no input gradient
+    for times in (chain.fwd_time, chain.bwd_time):
+        assert len({times[i] for i in (2, 4, 6)}) == 1
+        assert len({times[i] for i in (1, 3, 5, 7)}) == 1
+    assert all((t * 2**16).is_integer() for t in chain.fwd_time + chain.bwd_time)
+
+
+def test_two_profiles_of_a_zoo_model_give_the_same_plan():
+    """Eight blocks of the zoo's GPT-2 (width 128), profiled twice on CPU, times measured.
+
+    Robust by construction, whatever the load: the blocks run the same kernels on the same
+    shapes, so they form one class and get one pooled time ``t_f``, ``t_b``; every plan's
+    makespan is then ``n_F t_f + 8 t_b`` with ``n_F`` its number of forward ops, and times
+    are multiples of ``2**-16`` so these sums are exact: the optimum is the plan with the
+    fewest forwards that fits, whatever ``t_f > 0`` is, and ties break the same way. Sizes
+    are exact. So both profiles give the same plan at every limit.
+    """
+    from optmem.pytorch.zoo.gpt2 import Block
+
+    torch.manual_seed(0)
+    blocks = [Block(128, 4, context=32) for _ in range(8)]
+    x = torch.randn(2, 32, 128, requires_grad=True)  # a chain in the middle of a network
+    a = profile_chain(blocks, x, repeats=2, warmup=1)
+    b = profile_chain(blocks, x, repeats=2, warmup=1)
+    assert all(getattr(a, f) == getattr(b, f) for f in SIZES)
+    assert len(set(a.fwd_time)) == 1 and len(set(a.bwd_time)) == 1
+    low, store = smallest_limit(a), a.store_all_peak()
+    plans = set()
+    for frac in (0.0, 0.25, 0.5, 0.75):
+        limit = int(low + frac * (store - low))
+        pa = solve(CheckpointProblem(a, limit), "dp").plan
+        assert pa == solve(CheckpointProblem(b, limit), "dp").plan, frac
+        plans.add(pa)
+    assert len(plans) > 1  # the limits really differ
+
+
+def _work_clock(disturbed: set[int]):
+    """A fake ``_Timer.__call__``: time = number of aten ops run (deterministic work), times
+    ``50`` for the calls whose index is in ``disturbed`` (a burst of load)."""
+    calls = [0]
+
+    class Count(profile_module._OpLog):
+        def __init__(self):
+            super().__init__()
+            self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    def call(self, fn):
+        with Count() as counter:
+            value = fn()
+        k = calls[0]
+        calls[0] += 1
+        return counter.ops * 0.01 * (50 if k in disturbed else 1), value
+
+    return call
+
+
+def test_median_of_interleaved_rounds_ignores_bursts(monkeypatch):
+    """Load that spoils fewer than half of the timed rounds changes nothing (deterministic:
+    the clock is injected; a round times each stage's forward and backward once)."""
+    torch.manual_seed(0)
+    module, x = resolve_spec("toy-resnet", batch=2)
+    stages = extract_stages(module)
+    per_round = 2 * len(stages)
+
+    def profile(bad_rounds: set[int], repeats: int = 5) -> Chain:
+        disturbed = {r * per_round + k for r in bad_rounds for k in range(per_round)}
+        monkeypatch.setattr(profile_module._Timer, "__call__", _work_clock(disturbed))
+        return profile_stages(stages, x, repeats=repeats, warmup=0)
+
+    calm, a, b = profile(set()), profile({0, 3}), profile({1, 4})
+    assert calm == a == b
+    assert profile({0}, repeats=1) != calm  # one sample: the burst would show
+    low, store = smallest_limit(calm), calm.store_all_peak()
+    mid = (low + store) // 2
+    assert solve(CheckpointProblem(a, mid), "dp").plan == \
+        solve(CheckpointProblem(b, mid), "dp").plan
+
+
+def test_round_time_grid():
+    for t in (1e-4, 0.0123, 0.5, 1.0, 7.77, 1234.5):
+        for res in (0.0, 1 / 64, 0.25):
+            q = round_time(t, res)
+            assert (q * 2**16).is_integer()
+            assert abs(q - t) <= t * ((1 + res) ** 0.5 - 1) + 2**-17
+    assert round_time(1.0, 0.25) == round_time(1.1, 0.25) == 1.0
+    assert round_time(0.0, 0.1) == 0.0
+    with pytest.raises(OptmemInputError, match="time_resolution"):
+        profile_chain(nn.Linear(2, 2), torch.randn(1, 2), time_resolution=-1)

@@ -62,7 +62,7 @@ def test_methods_registered() -> None:
 @pytest.mark.parametrize("limit", [10, 12, 14, 16])
 @pytest.mark.parametrize("beta", BETAS)
 def test_example_every_method_replays(limit: int, beta: float) -> None:
-    problem = RematOffloadProblem(EXAMPLE, limit, beta)
+    problem = RematOffloadProblem(EXAMPLE, limit, chain_bandwidth=beta)
     options = _opts()
     results = {m: solve(problem, m, options=options) for m in methods("remat-offload")
                if m not in ("brute",)}
@@ -83,7 +83,7 @@ def test_example_every_method_replays(limit: int, beta: float) -> None:
 
 def test_dp_value_matches_simulation_on_example() -> None:
     # when the link is fast enough, the placed plan reproduces the DP value exactly
-    problem = RematOffloadProblem(EXAMPLE, 12, 1.0)
+    problem = RematOffloadProblem(EXAMPLE, 12, chain_bandwidth=1.0)
     res = solve(problem, "dp", options=_opts().with_(variant="thesis"))
     assert res.report["dp_value"] == 22
     assert res.objective == pytest.approx(22)
@@ -92,12 +92,12 @@ def test_dp_value_matches_simulation_on_example() -> None:
 
 
 def test_variants_and_errors() -> None:
-    problem = RematOffloadProblem(EXAMPLE, 12, 1.0)
+    problem = RematOffloadProblem(EXAMPLE, 12, chain_bandwidth=1.0)
     with pytest.raises(OptmemInputError):
         solve(problem, "dp", options=_opts().with_(variant="nope"))
     with pytest.raises(OptmemInputError):
         RematOffloadProblem(EXAMPLE, 12, -1.0)
-    res = solve(RematOffloadProblem(EXAMPLE, 3, 1.0), "dp", options=_opts())
+    res = solve(RematOffloadProblem(EXAMPLE, 3, chain_bandwidth=1.0), "dp", options=_opts())
     assert res.status in (Status.INFEASIBLE, Status.NO_SOLUTION)
 
 
@@ -135,7 +135,7 @@ def test_bandwidth_zero_is_checkpoint_dp(chain: Chain, limit: int) -> None:
     """beta = 0 (t <= L variant): the DP is the persistent checkpoint DP, value and plan."""
     options = _opts()
     ckpt = solve(CheckpointProblem(chain, limit), "dp", options=options)
-    res = solve(RematOffloadProblem(chain, limit, 0.0), "dp",
+    res = solve(RematOffloadProblem(chain, limit, chain_bandwidth=0.0), "dp",
                 options=options.with_(variant="extended"))
     if not ckpt.status.has_plan:
         assert not res.status.has_plan
@@ -149,7 +149,7 @@ def test_bandwidth_zero_is_checkpoint_dp(chain: Chain, limit: int) -> None:
 @given(chain=chains(), limit=st.integers(4, 45), beta=st.sampled_from([0.5, 1.0, 3.0]))
 def test_random_plans_replay_and_dominate(chain: Chain, limit: int, beta: float) -> None:
     """Every method's plan replays; never-worse dp <= min(remat-only, offload-only)."""
-    problem = RematOffloadProblem(chain, limit, beta)
+    problem = RematOffloadProblem(chain, limit, chain_bandwidth=beta)
     options = _opts()
     results = {m: solve(problem, m, options=options)
                for m in ("dp", "remat_only", "offload_only", "opportunist", "autocapper",
@@ -177,16 +177,16 @@ def test_combined_vs_pure_optima(chain: Chain, limit: int, beta: float) -> None:
     and the offload-only optimum's plan is a combined plan, so the never-worse DP is
     no worse than either exact pure optimum that is itself a replayable plan."""
     options = _opts()
-    res = solve(RematOffloadProblem(chain, limit, beta), "dp", options=options)
+    res = solve(RematOffloadProblem(chain, limit, chain_bandwidth=beta), "dp", options=options)
     ckpt = solve(CheckpointProblem(chain, limit), "dp", options=options)
     if ckpt.status.has_plan:
         assert res.objective <= ckpt.objective + 1e-9
     if chain.length <= 3:
-        off = solve(OffloadProblem(chain, limit, beta), "brute", options=options)
+        off = solve(OffloadProblem(chain, limit, chain_bandwidth=beta), "brute", options=options)
         if off.status.has_plan:
             # the offload optimum is a remat-offload plan with the same simulator
-            check = verify_plan(RematOffloadProblem(chain, limit, beta), list(off.plan),
-                                options)
+            check = verify_plan(RematOffloadProblem(chain, limit, chain_bandwidth=beta),
+                                list(off.plan), options)
             assert check["objective"] == pytest.approx(off.objective)
 
 
@@ -196,7 +196,7 @@ def test_real_chain_quick() -> None:
 
     chain = resolve_chain("resnet50-b16-500")
     limit = int(chain.store_all_peak() * 0.35)
-    problem = RematOffloadProblem(chain, limit, 1.2e7)  # 12 GB/s with ms and bytes
+    problem = RematOffloadProblem(chain, limit, chain_bandwidth=1.2e7)  # 12 GB/s with ms and bytes
     options = SolveOptions(slots=200, extra={"grid": 100, "backlog_grid": 15})
     res = solve(problem, "dp", options=options)
     remat = solve(problem, "remat_only", options=options)

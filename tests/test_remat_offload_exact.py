@@ -48,7 +48,7 @@ def _check(problem: RematOffloadProblem, res, opts: SolveOptions = OPTS) -> None
     (10, 0.5, 32), (10, 1.0, 26), (10, 2.0, 24), (12, 1.0, 22), (12, 2.0, 21), (14, 1.0, 20),
 ])
 def test_example_exact(method: str, limit: int, beta: float, expected: float) -> None:
-    problem = RematOffloadProblem(EXAMPLE, limit, beta)
+    problem = RematOffloadProblem(EXAMPLE, limit, chain_bandwidth=beta)
     exact = solve(problem, method, options=OPTS)
     assert exact.status is Status.OPTIMAL, exact.report
     assert exact.objective == pytest.approx(expected)
@@ -59,7 +59,7 @@ def test_example_exact(method: str, limit: int, beta: float, expected: float) ->
 
 @pytest.mark.parametrize("method", METHODS)
 def test_example_exact_infeasible(method: str) -> None:
-    assert solve(RematOffloadProblem(EXAMPLE, 8, 1.0), method,
+    assert solve(RematOffloadProblem(EXAMPLE, 8, chain_bandwidth=1.0), method,
                  options=OPTS).status is Status.INFEASIBLE
 
 
@@ -80,7 +80,7 @@ def tiny(draw: st.DrawFn, max_length: int = 2) -> Chain:
 @settings(max_examples=30, deadline=None, derandomize=True)
 @given(chain=tiny(), limit=st.integers(3, 22), beta=st.sampled_from([0.5, 1.0, 3.0]))
 def test_exact_equals_brute_and_bounds(chain: Chain, limit: int, beta: float) -> None:
-    problem = RematOffloadProblem(chain, limit, beta)
+    problem = RematOffloadProblem(chain, limit, chain_bandwidth=beta)
     exact = solve(problem, "cpsat", options=OPTS)
     brute = solve(problem, "brute", options=OPTS)
     _check(problem, exact)
@@ -101,7 +101,7 @@ def test_exact_equals_brute_and_bounds(chain: Chain, limit: int, beta: float) ->
     ckpt = solve(CheckpointProblem(chain, limit), "brute", options=OPTS)
     if ckpt.status.has_plan:
         assert exact.objective <= ckpt.objective + 1e-9
-    off = solve(OffloadProblem(chain, limit, beta), "brute", options=OPTS)
+    off = solve(OffloadProblem(chain, limit, chain_bandwidth=beta), "brute", options=OPTS)
     if off.status.has_plan:
         assert exact.objective <= off.objective + 1e-9
 
@@ -110,7 +110,7 @@ def test_exact_equals_brute_and_bounds(chain: Chain, limit: int, beta: float) ->
 @given(chain=tiny(max_length=3), limit=st.integers(4, 24),
        beta=st.sampled_from([0.25, 1.0, 2.0, 5.0]))
 def test_highs_and_cpsat_emitters_agree(chain: Chain, limit: int, beta: float) -> None:
-    problem = RematOffloadProblem(chain, limit, beta)
+    problem = RematOffloadProblem(chain, limit, chain_bandwidth=beta)
     ilp = solve(problem, "ilp", options=OPTS)
     cpsat = solve(problem, "cpsat", options=OPTS)
     _check(problem, ilp)
@@ -137,7 +137,7 @@ def test_useless_link_equals_checkpoint_optimum(seed: int, beta: float) -> None:
     for limit in _limits(chain):
         ckpt = solve(CheckpointProblem(chain, limit), "ilp", options=OPTS)
         assert ckpt.status is Status.OPTIMAL
-        problem = RematOffloadProblem(chain, limit, beta)
+        problem = RematOffloadProblem(chain, limit, chain_bandwidth=beta)
         for method in METHODS:
             res = solve(problem, method, options=OPTS)
             _check(problem, res)
@@ -162,7 +162,7 @@ def _working_set(chain: Chain) -> int:
 def test_free_link_reaches_the_compute_time(seed: int) -> None:
     chain = random_chain(3, seed=seed, max_size=6)
     limit = _working_set(chain)
-    problem = RematOffloadProblem(chain, limit, 1e5)
+    problem = RematOffloadProblem(chain, limit, chain_bandwidth=1e5)
     for method in METHODS:
         res = solve(problem, method, options=OPTS)
         _check(problem, res)
@@ -175,7 +175,7 @@ def test_free_link_reaches_the_compute_time(seed: int) -> None:
 def test_never_worse_than_dp_and_pure_methods(seed: int) -> None:
     chain = random_chain(4, seed=10 + seed, max_size=6)
     for limit in _limits(chain)[:2]:
-        problem = RematOffloadProblem(chain, limit, 1.0)
+        problem = RematOffloadProblem(chain, limit, chain_bandwidth=1.0)
         exact = solve(problem, "cpsat", options=OPTS)
         _check(problem, exact)
         assert exact.status is Status.OPTIMAL
@@ -206,7 +206,7 @@ def test_stopped_engine_returns_the_warm_start(monkeypatch: pytest.MonkeyPatch) 
     def stopped(*args: object, **kwargs: object) -> EngineResult:
         return EngineResult(Status.NO_SOLUTION, None, math.nan, 5.0, "cpsat", 0.0, "stopped")
 
-    problem = RematOffloadProblem(EXAMPLE, 12, 1.0)
+    problem = RematOffloadProblem(EXAMPLE, 12, chain_bandwidth=1.0)
     real = engines.solve_cpsat
     calls = []
 
@@ -228,7 +228,7 @@ def test_options_are_checked() -> None:
     from optmem.errors import OptmemInputError
 
     with pytest.raises(OptmemInputError):
-        solve(RematOffloadProblem(EXAMPLE, 12, 1.0), "cpsat",
+        solve(RematOffloadProblem(EXAMPLE, 12, chain_bandwidth=1.0), "cpsat",
               options=OPTS.with_(extra={"transfers_per_gap": 0}))
 
 
@@ -269,7 +269,7 @@ def test_model_value_of_a_fixed_plan_is_the_simulated_one(seed: int) -> None:
     chain = random_chain(5, seed=20 + seed, max_size=8)
     checked = 0
     for limit in _limits(chain):
-        problem = RematOffloadProblem(chain, limit, 1.5)
+        problem = RematOffloadProblem(chain, limit, chain_bandwidth=1.5)
         built = build_remat_offload(chain, limit, 1.5, transfers_per_gap=2)
         for name in ("dp", "remat_only", "offload_only"):
             res = solve(problem, name, options=OPTS)

@@ -36,7 +36,7 @@ def reference(x: torch.Tensor, seed: int) -> tuple[torch.Tensor, list[torch.Tens
 
 def combined_plan(memory: int, beta: float, method: str = "dp") -> tuple[str, ...]:
     chain = uniform_chain(6, fwd_time=1.0, bwd_time=2.0, output_size=2, saved_size=4)
-    result = solve(RematOffloadProblem(chain, memory, beta), method,
+    result = solve(RematOffloadProblem(chain, memory, chain_bandwidth=beta), method,
                    options=SolveOptions(slots=64))
     assert result.status.has_plan, result.report
     return result.plan

@@ -49,8 +49,7 @@ def test_cli_plain_list_svg_and_min_peak(tmp_path: Path, chain_file: Path,
     assert "picture written" in capsys.readouterr().out
     assert (tmp_path / "ops.svg").stat().st_size > 1000
     out = tmp_path / "mp.json"
-    assert main(["solve", "min-peak", str(chain_file), "--memory", "0", "--json",
-                 "-o", str(out)]) == 0
+    assert main(["solve", "min-peak", str(chain_file), "--json", "-o", str(out)]) == 0
     capsys.readouterr()
     assert main(["show", str(out), "--chain", str(chain_file)]) == 0
     assert (tmp_path / "mp.png").stat().st_size > 1000

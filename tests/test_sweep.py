@@ -172,10 +172,9 @@ def test_cli(tmp_path: Path, chain: Chain, capsys: pytest.CaptureFixture[str]) -
     assert main(["sweep", "checkpoint", str(path), "--memory", "1:2", "-q"]) == 2
 
 
-def test_bundled_chain_curve_under_a_minute(tmp_path: Path) -> None:
+def test_bundled_chain_curve(tmp_path: Path) -> None:
     need_matplotlib()
     chain = resolve_chain("resnet-like-40")
     r = sweep(CheckpointFactory(chain), parse_memory_range("auto:8", chain), ["dp"], jobs=2)
-    assert r.wall_time_s < 60
     assert len(r.fronts()["dp"]) >= 5
     assert r.plot(tmp_path / "r.png").stat().st_size > 1000

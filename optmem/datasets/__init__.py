@@ -62,6 +62,10 @@ def load_dataset(name: str) -> Chain:
 def resolve_chain(spec: str | Path) -> Chain:
     """Load ``spec`` as a chain file if it exists, else as a bundled dataset name."""
     path = Path(spec)
-    if path.exists() or path.suffix == ".json" or "/" in str(spec):
+    try:
+        is_file = path.exists()
+    except OSError:  # a name too long for the file system: Chain.load says so
+        is_file = True
+    if is_file or path.suffix == ".json" or "/" in str(spec):
         return Chain.load(path)
     return load_dataset(str(spec))

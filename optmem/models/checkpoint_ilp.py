@@ -188,8 +188,11 @@ class Formulation:
     derivations
         How every non-op variable follows from earlier ones (to complete a warm start).
     peak_var
-        In min-peak mode (``memory_limit=None``), the integer variable bounding every op's
-        memory, which is then the objective.
+        In min-peak mode (``memory_limit=None``), the variable bounding every op's memory,
+        which is then the objective (integer, or continuous when ``size_scale > 1``).
+    size_scale
+        Sizes of the model are the chain's divided by this (min-peak mode on byte-sized
+        chains: MILP engines mishandle coefficients of ~1e9, see :func:`build_formulation`).
     states
         For models that extend this one (:mod:`optmem.models.remat_offload`): the state
         ``(A, T)`` (value index -> expression of ``A[i]`` / ``T[i]``) before each item of
@@ -212,6 +215,7 @@ class Formulation:
     peak_var: int | None = None
     states: list[tuple[dict[int, Expr], dict[int, Expr]]] = field(default_factory=list)
     memory_rows: list[tuple[str, Expr]] = field(default_factory=list)
+    size_scale: float = 1.0
 
     # ------------------------------------------------------------------ building
     def new_var(self, name: str) -> int:
@@ -311,21 +315,25 @@ class Formulation:
         return values
 
 
-def _arrays(chain: Chain) -> dict[str, list]:
+def _arrays(chain: Chain, scale: float = 1.0) -> dict[str, list]:
     L = chain.length
+
+    def sizes(values: list[int]) -> list:
+        return values if scale == 1 else [v / scale for v in values]
+
     return {
-        "a": [chain.input_size, *chain.output_size],
-        "abar": [chain.input_size, *chain.saved_size],
+        "a": sizes([chain.input_size, *chain.output_size]),
+        "abar": sizes([chain.input_size, *chain.saved_size]),
         "uf": [0.0, *chain.fwd_time],
-        "of": [0, *chain.fwd_overhead],
+        "of": sizes([0, *chain.fwd_overhead]),
         "ub": [0.0, *chain.bwd_time, chain.loss_bwd_time],
-        "ob": [0, *chain.bwd_overhead, chain.loss_bwd_overhead],
+        "ob": sizes([0, *chain.bwd_overhead, chain.loss_bwd_overhead]),
         "L": [L],
     }
 
 
 def build_formulation(chain: Chain, memory_limit: int | None, variant: str = "full",
-                      sweeps: int = 1) -> Formulation:
+                      sweeps: int = 1, *, size_scale: float = 1.0) -> Formulation:
     """Build the neutral model of ``chain`` (integer sizes) under ``memory_limit``.
 
     Parameters
@@ -339,17 +347,26 @@ def build_formulation(chain: Chain, memory_limit: int | None, variant: str = "fu
         ``full`` (the simulator's model) or ``persistent`` (memory persistence added).
     sweeps
         Increasing forward runs offered per phase (``R``).
+    size_scale
+        Min-peak mode only: divide every size by this, so that the memory rows of a
+        byte-sized chain have coefficients of at most about
+        :data:`optmem.solvers.engines.MAX_COEFFICIENT` (with raw byte coefficients, HiGHS
+        called an always-feasible model infeasible); the peak variable is then continuous
+        and the true peak is the decoded plan's, replayed by the simulator.
     """
+    if size_scale != 1 and memory_limit is not None:
+        raise ValueError("size_scale is for the min-peak mode (memory_limit=None) only")
     if variant not in VARIANTS:
         raise OptmemInputError(f"unknown exact-model variant {variant!r} "
                                f"(expected one of {', '.join(VARIANTS)})", field="variant")
     if sweeps < 1:
         raise OptmemInputError(f"expected at least one sweep, got {sweeps}", field="sweeps")
-    ar = _arrays(chain)
+    ar = _arrays(chain, size_scale)
     L = chain.length
     a, abar, uf, of, ub, ob = ar["a"], ar["abar"], ar["uf"], ar["of"], ar["ub"], ar["ob"]
     persistent = variant == "persistent"
-    f = Formulation(L, -1 if memory_limit is None else memory_limit, variant, sweeps)
+    f = Formulation(L, -1 if memory_limit is None else memory_limit, variant, sweeps,
+                    size_scale=size_scale)
     f.objective_const = float(sum(ub[1:]))
     if memory_limit is None:
         f.peak_var = f.new_var("peak")
@@ -491,8 +508,9 @@ def emit_pulp(form: Formulation) -> CheckpointILP:
     import pulp  # type: ignore[import-untyped]
 
     prob = pulp.LpProblem("optmem_checkpoint", pulp.LpMinimize)
+    peak_cat = pulp.LpInteger if form.size_scale == 1 else pulp.LpContinuous
     xs = [prob.add_variable(n, 0, 1, cat=pulp.LpBinary) if i != form.peak_var
-          else prob.add_variable(n, 0, None, cat=pulp.LpInteger)
+          else prob.add_variable(n, 0, None, cat=peak_cat)
           for i, n in enumerate(form.names)]
     objective = pulp.lpSum(c * xs[i] for i, c in form.objective.items())
     if form.objective_const:

@@ -33,6 +33,7 @@ from typing import Any
 from optmem.errors import OptmemInputError
 from optmem.problems.min_peak import MinPeakProblem
 from optmem.result import SolveOptions, Status
+from optmem.solvers.engines import EngineResult, coefficient_scale, pulp_settings
 from optmem.solvers.min_peak_dp import segment_model
 
 
@@ -40,8 +41,8 @@ from optmem.solvers.min_peak_dp import segment_model
 class MinPeakModel:
     """A built PuLP model and its variables (``x[k]``, ``y[(h, i)]``, ``peak``).
 
-    Sizes are divided by ``scale`` (coefficients of at most ``MAX_COEFFICIENT``): byte-sized
-    big-M coefficients (~1e9) made HiGHS return wrong "optimal" sets.
+    Sizes are divided by ``scale`` (:func:`optmem.solvers.engines.coefficient_scale`):
+    byte-sized big-M coefficients (~1e9) made HiGHS return wrong "optimal" sets.
     """
 
     lp: Any
@@ -56,18 +57,16 @@ class MinPeakModel:
         return list(self.lp.variables())
 
 
-MAX_COEFFICIENT = 1e4
-
-
 @dataclass(frozen=True)
 class IlpOutcome:
-    """What the engine said, mapped to :class:`Status` (here and nowhere else)."""
+    """What the engine said (status mapped by the adapter), sizes back in chain units."""
 
     status: Status
     objective: float
     bound: float
     solver: str
     values: dict[str, float]
+    engine: EngineResult | None = None
 
 
 def build_min_peak_ilp(problem: MinPeakProblem) -> MinPeakModel:
@@ -82,7 +81,7 @@ def build_min_peak_ilp(problem: MinPeakProblem) -> MinPeakModel:
         w, row = segment_model(problem)
         rows = [row(h) for h in range(n)]
         largest = float(sum(w) + max(max(r) for r in rows))
-    scale = max(1.0, largest / MAX_COEFFICIENT)
+    scale = coefficient_scale(largest)
     lp = pulp.LpProblem("min_peak", pulp.LpMinimize)
     x = [lp.add_variable(f"x_{k}", 0, 1, cat=pulp.LpBinary) for k in range(n + 1)]
     y = {(h, i): lp.add_variable(f"y_{h}_{i}", 0, 1, cat=pulp.LpBinary)
@@ -150,10 +149,10 @@ def solve_min_peak_ilp(model: MinPeakModel, options: SolveOptions,
     engine = (options.solver or "highs").lower()
     if engine == "highs" and not is_available("highs"):
         engine = "cbc"
-    out = solve_pulp(model.lp, model.variables, engine, time_limit_s=options.time_limit_s,
-                     threads=options.threads, initial=initial, verbose=options.verbose)
+    out = solve_pulp(model.lp, model.variables, engine, initial=initial,
+                     **pulp_settings(options))
     return IlpOutcome(out.status, out.objective * model.scale, out.bound * model.scale,
-                      out.engine, {})
+                      out.engine, {}, out)
 
 
 def decode_min_peak_ilp(model: MinPeakModel) -> tuple[int, ...]:

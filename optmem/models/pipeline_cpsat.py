@@ -51,12 +51,22 @@ class PipelineCpModel:
 
 
 def time_scale(values: Sequence[float]) -> tuple[float, bool]:
-    """A scale making every value integral (``(scale, False)``), else a rounding scale."""
+    """A scale making every value integral (``(scale, False)``), else a rounding scale.
+
+    A non-zero value must not round to 0 ticks (times of 1e-9 would otherwise all count as
+    integral at scale 1, and a period of 0 follows).
+
+    Examples
+    --------
+    >>> time_scale([0.25, 1.5]), time_scale([1e-9, 2e-9])
+    ((4.0, False), (100000000000000, True))
+    """
     total = sum(values) or 1.0
     for s in _SCALES:
         if total * s > 1e9:
             break
-        if all(abs(v * s - round(v * s)) <= 1e-9 * max(1.0, v * s) for v in values):
+        if all(abs(v * s - round(v * s)) <= 1e-9 * max(1.0, v * s) and (v == 0 or round(v * s))
+               for v in values):
             return float(s), False
     return 10 ** max(0, math.ceil(math.log10(1e5 / total))), True
 
@@ -284,15 +294,17 @@ def build_pipeline_cpsat(
     return PipelineCpModel(units, m, period, tau, assign, scale, rounded, [], model_size)
 
 
-def solve_pipeline_cpsat(built: PipelineCpModel, *, time_limit_s: float | None = None,
-                         threads: int = 2, verbose: bool = False) -> Any:
-    """Solve with the CP-SAT adapter of :mod:`optmem.solvers.engines`."""
+def solve_pipeline_cpsat(built: PipelineCpModel, **settings: Any) -> Any:
+    """Solve with the CP-SAT adapter of :mod:`optmem.solvers.engines`.
+
+    ``settings`` are :func:`~optmem.solvers.engines.solve_cpsat`'s (``time_limit_s``,
+    ``deterministic_time``, ``threads``, ``seed``, ``verbose``).
+    """
     from optmem.solvers.engines import solve_cpsat
 
     handles = [built.period, *built.tau.values()]
     assign = [v for row in built.assign for v in row if not isinstance(v, int)]
-    res = solve_cpsat(built.model, handles + assign, time_limit_s=time_limit_s,
-                      threads=threads, verbose=verbose)
+    res = solve_cpsat(built.model, handles + assign, **settings)
     built.variables = handles + assign
     info = {"scale": built.scale, "rounded": built.rounded, "scaled": built.scale != 1}
     objective = res.objective / built.scale if math.isfinite(res.objective) else res.objective

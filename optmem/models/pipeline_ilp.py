@@ -295,22 +295,23 @@ def build_pipeline_ilp(
     return PipelineModel(units, memory, strict, mdl, period, tau, ztab, allvars, model_size)
 
 
-def solve_pipeline_ilp(
-    built: PipelineModel, *, engine: str = "highs", time_limit_s: float | None = None,
-    threads: int = 2, verbose: bool = False,
-) -> Any:
-    """Solve with an engine adapter of :mod:`optmem.solvers.engines` (HiGHS, CBC, Gurobi)."""
+def solve_pipeline_ilp(built: PipelineModel, *, engine: str = "highs", **settings: Any) -> Any:
+    """Solve with an engine adapter of :mod:`optmem.solvers.engines` (HiGHS, CBC, Gurobi).
+
+    ``settings`` are :func:`~optmem.solvers.engines.solve_pulp`'s (``time_limit_s``,
+    ``node_limit``, ``threads``, ``seed``, ``verbose``).
+    """
     from dataclasses import replace
 
     from optmem.solvers.engines import solve_pulp
 
     # No warm start: the adapter's setInitialValue(None) rejects bounded variables, so the
     # variables are read back here instead of through the adapter.
-    res = solve_pulp(built.model, [], engine, time_limit_s=time_limit_s, threads=threads,
-                     verbose=verbose)
+    res = solve_pulp(built.model, [], engine, **settings)
     if res.status.has_plan:
         values = [float(v.varValue) if v.varValue is not None else 0.0
                   for v in built.variables]
+        threads = int(settings.get("threads", 2))
         res = replace(res, values=_polish(built, values, engine, threads) or values)
     return res
 
@@ -335,7 +336,7 @@ def _polish(built: PipelineModel, values: list[float], engine: str, threads: int
             v.cat = pulp.LpContinuous
             v.lowBound = v.upBound = x
     try:
-        res = solve_pulp(built.model, [], engine, time_limit_s=30, threads=threads)
+        res = solve_pulp(built.model, [], engine, threads=threads)  # an LP: no limit needed
         if res.status is not Status.OPTIMAL:
             return None
         return [float(v.varValue) if v.varValue is not None else 0.0 for v in built.variables]

@@ -30,13 +30,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from optmem.chain import Chain
 from optmem.models.offload_cpsat import time_scale
 from optmem.plan import AnyOp, Op, offload, prefetch
 from optmem.simulate.checkpoint import simulate_checkpoint, value_size
 from optmem.solvers.remat_offload_schedule import Window
+
+if TYPE_CHECKING:
+    from optmem.solvers.engines import EngineResult
 
 
 @dataclass
@@ -151,38 +154,40 @@ def build_transfer_cpsat(chain: Chain, memory: int, beta: float, ops: Sequence[O
                           "constraints": len(m.proto.constraints), "booleans": n_bool})
 
 
-def solve_transfer_cpsat(built: TransferCPSAT, *, time_limit_s: float | None = None,
-                         threads: int = 2, verbose: bool = False) -> tuple[str, Any]:
-    """Solve the model: ``(status, solver)``.
+def transfer_variables(built: TransferCPSAT) -> list[Any]:
+    """The variables :func:`decode_transfer_cpsat` reads, in the order of its ``values``."""
+    return [*built.starts, *built.off, *built.o_start, *built.p_start, built.makespan]
 
-    Status ``optimal``/``feasible``/``infeasible``/``no_solution`` (the one place CP-SAT codes
-    are mapped for this model).
+
+def solve_transfer_cpsat(built: TransferCPSAT, **settings: Any) -> EngineResult:
+    """Solve the model with the CP-SAT adapter (:func:`optmem.solvers.engines.solve_cpsat`).
+
+    ``settings`` are the adapter's (``time_limit_s``, ``threads``, ``deterministic_time``,
+    ``seed``, ``verbose``; :func:`~optmem.solvers.engines.cpsat_settings`). Values follow
+    :func:`transfer_variables`; ``objective`` and ``bound`` are in scaled integer time.
     """
-    from ortools.sat.python import cp_model
+    from optmem.solvers.engines import solve_cpsat
 
-    solver = cp_model.CpSolver()
-    solver.parameters.num_search_workers = max(1, threads)
-    solver.parameters.log_search_progress = verbose
-    if time_limit_s is not None:
-        solver.parameters.max_time_in_seconds = float(time_limit_s)
-    code = solver.solve(built.model)
-    mapping = {cp_model.OPTIMAL: "optimal", cp_model.FEASIBLE: "feasible",
-               cp_model.INFEASIBLE: "infeasible"}
-    return mapping.get(code, "no_solution"), solver
+    return solve_cpsat(built.model, transfer_variables(built), **settings)
 
 
-def decode_transfer_cpsat(built: TransferCPSAT, solver: Any
+def decode_transfer_cpsat(built: TransferCPSAT, values: Sequence[float]
                           ) -> tuple[tuple[AnyOp, ...], float]:
-    """The plan and the model's makespan in chain time units.
+    """The plan and the model's makespan in chain time units (``values`` of a solve).
 
     Each transfer is listed after the last compute op started no later than it.
     """
-    starts = [solver.value(v) for v in built.starts]
+    val = {v.index: x for v, x in zip(transfer_variables(built), values, strict=True)}
+
+    def value(v: Any) -> int:
+        return round(val[v.index])
+
+    starts = [value(v) for v in built.starts]
     transfers: list[tuple[int, int, AnyOp]] = []
     for i, w in enumerate(built.windows):
-        if solver.value(built.off[i]):
-            transfers.append((solver.value(built.o_start[i]), 0, offload(*w.value)))
-            transfers.append((solver.value(built.p_start[i]), 1, prefetch(*w.value)))
+        if value(built.off[i]):
+            transfers.append((value(built.o_start[i]), 0, offload(*w.value)))
+            transfers.append((value(built.p_start[i]), 1, prefetch(*w.value)))
     transfers.sort(key=lambda t: (t[0], t[1]))
     plan: list[AnyOp] = []
     ti = 0
@@ -192,4 +197,4 @@ def decode_transfer_cpsat(built: TransferCPSAT, solver: Any
         while ti < len(transfers) and transfers[ti][0] < nxt:
             plan.append(transfers[ti][2])
             ti += 1
-    return tuple(plan), solver.value(built.makespan) / built.scale
+    return tuple(plan), value(built.makespan) / built.scale

@@ -7,11 +7,11 @@ whose makespan is minimal. The chain input a^0 counts against ``M``.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError
+from optmem.units import memory_size
 
 DEFAULT_SLOTS = 500
 
@@ -57,22 +57,9 @@ def discretize(chain: Chain, memory_limit: int, slots: int = DEFAULT_SLOTS) -> D
     return Discretized(chain.quantize(unit), memory_limit // unit, unit)
 
 
-def check_memory_limit(value: object, *, field: str = "memory") -> int:
-    """Return ``value`` if it is a non-negative integer memory limit, else raise clearly."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise OptmemInputError(f"expected an integer memory limit, got {value!r}", field=field)
-    if value < 0:
-        raise OptmemInputError(f"expected a non-negative memory limit, got {value}", field=field)
-    return value
-
-
-def check_bandwidth(value: object, *, field: str = "bandwidth") -> float:
-    """Return ``value`` as a float if it is a finite non-negative bandwidth, else raise."""
-    if isinstance(value, bool) or not isinstance(value, int | float) \
-            or not math.isfinite(value) or value < 0:
-        raise OptmemInputError(f"expected a finite non-negative bandwidth, got {value!r}",
-                               field=field)
-    return float(value)
+def check_memory_limit(value: object, *, field: str = "memory_limit") -> int:
+    """Normalise a memory limit to bytes (:func:`optmem.units.memory_size`) or raise."""
+    return memory_size(value, field=field)
 
 
 @dataclass(frozen=True)
@@ -84,16 +71,25 @@ class CheckpointProblem:
     chain
         The chain to train.
     memory_limit
-        Memory limit in the chain's memory unit (bytes by default); includes a^0.
+        Memory limit in the chain's memory unit (bytes by default); includes a^0. An int,
+        a numpy integer, an integral float (``2e9``) or a size string (``"2GiB"``); stored
+        as an int (:func:`optmem.units.memory_size`).
+
+    Examples
+    --------
+    >>> from optmem.chain import Chain
+    >>> c = Chain.from_lists([1], [1], [1000], [1500], input_size=10)
+    >>> CheckpointProblem(c, "1.5KiB").memory_limit, CheckpointProblem(c, 2e3).memory_limit
+    (1536, 2000)
     """
 
     chain: Chain
-    memory_limit: int
+    memory_limit: int  # any MemoryLike is accepted and normalised to int
 
     name = "checkpoint"
 
     def __post_init__(self) -> None:
-        check_memory_limit(self.memory_limit)
+        object.__setattr__(self, "memory_limit", check_memory_limit(self.memory_limit))
 
     def discretize(self, slots: int = DEFAULT_SLOTS) -> Discretized:
         """Return the discretised instance (CONTRACT section 2)."""

@@ -53,6 +53,7 @@ from optmem.chain import Chain
 from optmem.errors import OptmemInputError, PlanError
 from optmem.plan import Op, OpKind, parse_plan, segments_plan
 from optmem.result import SolveOptions
+from optmem.units import memory_size
 
 MODELS = ("pytorch", "static", "optmem")
 
@@ -71,8 +72,10 @@ class MinPeakProblem:
     count_input
         Whether ``d_0`` counts (``False`` sets ``d_0 = 0``; ``pytorch``/``static`` only).
     memory_limit
-        Optional upper bound in the chain's memory unit: when the least peak exceeds it,
-        the result is ``infeasible`` with the least peak as ``min_feasible_memory``.
+        Optional upper bound in the chain's memory unit (``None``: no bound; any form of
+        :func:`optmem.units.memory_size`, ``0`` is a bound of 0): when the least peak
+        exceeds it, the result is ``infeasible`` with the least peak as
+        ``min_feasible_memory``.
 
     Examples
     --------
@@ -85,7 +88,7 @@ class MinPeakProblem:
     chain: Chain
     model: str = "pytorch"
     count_input: bool = True
-    memory_limit: int | None = None
+    memory_limit: int | None = None  # any MemoryLike is accepted and normalised to int
 
     name = "min-peak"
 
@@ -94,11 +97,8 @@ class MinPeakProblem:
             raise OptmemInputError(
                 f"unknown min-peak model {self.model!r} (expected one of {', '.join(MODELS)})",
                 field="model")
-        limit = self.memory_limit
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)
-                                  or limit < 0):
-            raise OptmemInputError(f"expected a non-negative integer memory limit, got {limit!r}",
-                                   field="memory")
+        if self.memory_limit is not None:
+            object.__setattr__(self, "memory_limit", memory_size(self.memory_limit))
         if not self.count_input and self.model == "optmem":
             raise OptmemInputError("the optmem model always counts the input a^0 (as the "
                                    "checkpoint simulator does); drop --ignore-input",
@@ -188,12 +188,12 @@ def add_cli_options(parser: argparse.ArgumentParser) -> None:
 def problem_from_cli(chain: Chain, memory_limit: int | None, args: Any) -> MinPeakProblem:
     """Build the problem from CLI arguments; ``--memory`` is an optional upper bound.
 
-    A limit of ``None`` or ``0`` means no bound.
+    ``None`` (no ``--memory``) means no bound; ``0`` is a bound of 0 bytes.
     """
     return MinPeakProblem(
         chain, model=getattr(args, "model", None) or "pytorch",
         count_input=not getattr(args, "ignore_input", False),
-        memory_limit=memory_limit or None,
+        memory_limit=memory_limit,
     )
 
 

@@ -14,7 +14,8 @@ is :func:`optmem.simulate.offload.simulate_offload`.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Any
 
 from optmem.chain import Chain
@@ -22,10 +23,41 @@ from optmem.errors import OptmemInputError, PlanError
 from optmem.problems.checkpoint import (
     DEFAULT_SLOTS,
     Discretized,
-    check_bandwidth,
     check_memory_limit,
     discretize,
 )
+from optmem.units import chain_bandwidth_value, rate_per_second, seconds_per
+
+
+def link_bandwidths(chain: Chain, bandwidth: Any, chain_bandwidth: Any, *,
+                    allow_inf: bool = False) -> tuple[float | None, float]:
+    """``(per second, per chain time unit)`` of a bandwidth given either way (one place).
+
+    ``bandwidth`` is memory units (bytes) per second or a rate string (``"12GB/s"``);
+    ``chain_bandwidth`` is memory units per chain time unit. Give one (or both, consistent).
+    The per-second value is ``None`` when the chain's time unit is not a time.
+    """
+    if bandwidth is None and chain_bandwidth is None:
+        raise OptmemInputError("expected a bandwidth (bytes per second, or a rate like "
+                               "12GB/s)", field="bandwidth")
+    per_chain = None if chain_bandwidth is None else \
+        chain_bandwidth_value(chain_bandwidth, allow_inf=allow_inf)
+    if bandwidth is None:
+        assert per_chain is not None
+        if per_chain == 0 or math.isinf(per_chain):
+            return per_chain, per_chain
+        try:
+            return per_chain / seconds_per(chain.time_unit), per_chain
+        except OptmemInputError:
+            return None, per_chain
+    per_second = rate_per_second(bandwidth, allow_inf=allow_inf)
+    converted = per_second if per_second == 0 or math.isinf(per_second) else \
+        per_second * seconds_per(chain.time_unit)
+    if per_chain is not None and not math.isclose(per_chain, converted, rel_tol=1e-9):
+        raise OptmemInputError(f"bandwidth={bandwidth!r} (per second) and chain_bandwidth="
+                               f"{chain_bandwidth!r} (per {chain.time_unit}) disagree: give "
+                               f"one of them", field="bandwidth")
+    return per_second, converted
 
 
 @dataclass(frozen=True)
@@ -37,37 +69,49 @@ class OffloadProblem:
     chain
         The chain to train.
     memory_limit
-        GPU memory for activations, in the chain's memory unit; includes ``a^0``.
+        GPU memory for activations, in the chain's memory unit; includes ``a^0``. Any form
+        of :func:`optmem.units.memory_size` (``2 * 2**30``, ``2e9``, ``"2GiB"``).
     bandwidth
-        Link bandwidth in memory units per chain time unit (``12GB/s`` with a chain in
-        milliseconds is ``1.2e7``). ``0`` means no link: nothing can be offloaded.
+        Link bandwidth in **memory units (bytes) per second** or a rate string (``"12GB/s"``);
+        ``0`` means no link: nothing can be offloaded. Stored as a float per second (``None``
+        when the chain's time unit is not a time and ``chain_bandwidth`` was given).
+    chain_bandwidth
+        Keyword only, instead of ``bandwidth``: memory units per chain time unit (what the
+        models and the simulator use; ``12GB/s`` with a chain in milliseconds is ``1.2e7``).
+        Always set after construction.
 
     Examples
     --------
     >>> from optmem.chain import Chain
-    >>> p = OffloadProblem(Chain.from_lists([1], [2], [4], [6], input_size=4), 12, 2.0)
-    >>> p.name, p.bandwidth
-    ('offload', 2.0)
+    >>> c = Chain.from_lists([1], [2], [4], [6], input_size=4)
+    >>> p = OffloadProblem(c, 12, "2kB/s")
+    >>> p.name, p.bandwidth, p.chain_bandwidth
+    ('offload', 2000.0, 2.0)
+    >>> OffloadProblem(c, 12, chain_bandwidth=2.0) == p
+    True
     """
 
     chain: Chain
-    memory_limit: int
-    bandwidth: float
+    memory_limit: int  # any MemoryLike is accepted and normalised to int
+    bandwidth: float | str | None = None  # per second; a rate string is normalised to float
+    chain_bandwidth: float = field(default=None, kw_only=True)  # type: ignore[assignment]
 
     name = "offload"
 
     def __post_init__(self) -> None:
-        check_memory_limit(self.memory_limit)
-        bw = check_bandwidth(self.bandwidth)
-        object.__setattr__(self, "bandwidth", bw)
+        object.__setattr__(self, "memory_limit", check_memory_limit(self.memory_limit))
+        per_second, per_chain = link_bandwidths(self.chain, self.bandwidth,
+                                                self.chain_bandwidth)
+        object.__setattr__(self, "bandwidth", per_second)
+        object.__setattr__(self, "chain_bandwidth", self.chain.check_rate(per_chain))
 
     def discretize(self, slots: int = DEFAULT_SLOTS) -> Discretized:
         """Return the discretised instance (CONTRACT section 2)."""
         return discretize(self.chain, self.memory_limit, slots)
 
     def unit_bandwidth(self, unit: int) -> float:
-        """Bandwidth in discretised units (of ``unit`` bytes) per time unit."""
-        return self.bandwidth / unit
+        """Bandwidth in discretised units (of ``unit`` bytes) per chain time unit."""
+        return self.chain_bandwidth / unit
 
 
 # ------------------------------------------------------------------ CLI hooks
@@ -75,24 +119,22 @@ def add_cli_options(parser: argparse.ArgumentParser) -> None:
     """Options of ``optmem solve offload``: ``--bandwidth``."""
     parser.add_argument(
         "--bandwidth", default=None,
-        help="offload link bandwidth, e.g. 12GB/s (converted with the chain's time unit), "
-             "or a bare number of memory units per chain time unit")
+        help="offload link bandwidth: a rate such as 12GB/s or 500MiB/s, or a bare number "
+             "of bytes (memory units) per second, as in Python")
 
 
-def bandwidth_from_cli(chain: Chain, args: Any, problem: str) -> float:
-    """The ``--bandwidth`` of ``args`` in memory units per chain time unit (required)."""
-    from optmem.units import parse_bandwidth
-
+def bandwidth_from_cli(args: Any, problem: str) -> str:
+    """The ``--bandwidth`` text of ``args`` (required; the problem class parses it)."""
     text = getattr(args, "bandwidth", None)
     if text is None:
         raise OptmemInputError(f"the {problem} problem needs --bandwidth (e.g. 12GB/s)",
-                               field="bandwidth")
-    return parse_bandwidth(text, time_unit=chain.time_unit)
+                               field="--bandwidth")
+    return str(text)
 
 
 def problem_from_cli(chain: Chain, memory_limit: int, args: Any) -> OffloadProblem:
     """Build the problem from CLI arguments (``--bandwidth`` is required)."""
-    return OffloadProblem(chain, memory_limit, bandwidth_from_cli(chain, args, "offload"))
+    return OffloadProblem(chain, memory_limit, bandwidth_from_cli(args, "offload"))
 
 
 def verify_plan(problem: OffloadProblem, plan_data: Any, options: Any = None) -> dict[str, Any]:

@@ -60,15 +60,19 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError
+from optmem.problems.checkpoint import check_memory_limit
+from optmem.problems.offload import link_bandwidths
 
 MEMORY_MODELS = ("stash", "strict")
 DEFAULT_WEIGHT_COPIES = 3
+MAX_GPUS = 4096  # far beyond any pipeline depth; each extra GPU is a column of every model
+MAX_WEIGHT_COPIES = 64  # 3 (two versions and a gradient), 5 with Adam; 64 covers any optimiser
 
 
 @dataclass(frozen=True)
@@ -150,9 +154,15 @@ class PipelineProblem:
     n_gpus
         Number of identical GPUs ``P``.
     memory_per_gpu
-        Memory of each GPU in the chain's memory unit.
+        Memory of each GPU in the chain's memory unit (any form of
+        :func:`optmem.units.memory_size`: ``6 * 2**30``, ``6e9``, ``"6GiB"``).
     bandwidth
-        Link bandwidth in memory units per chain time unit; ``math.inf`` for free transfers.
+        Link bandwidth in **memory units (bytes) per second** or a rate string
+        (``"12GB/s"``); ``None`` (default), ``math.inf`` or ``"inf"`` for free transfers.
+        Stored as a float per second.
+    chain_bandwidth
+        Keyword only, instead of ``bandwidth``: memory units per chain time unit (what the
+        models use). Always set after construction.
     weight_copies
         ``C``: copies of every weight held (2 versions + gradient = 3, the thesis' value;
         add optimizer states, e.g. 5 for Adam).
@@ -165,18 +175,19 @@ class PipelineProblem:
     Examples
     --------
     >>> from optmem.datasets.synthetic import uniform_chain
-    >>> p = PipelineProblem(uniform_chain(4), n_gpus=2, memory_per_gpu=100, bandwidth=1.0)
-    >>> p.layers.n, p.layers.x[1], p.layers.x[4]
-    (4, 2, 3)
+    >>> p = PipelineProblem(uniform_chain(4), n_gpus=2, memory_per_gpu=100, bandwidth="1kB/s")
+    >>> p.layers.n, p.layers.x[1], p.layers.x[4], p.chain_bandwidth
+    (4, 2, 3, 1.0)
     """
 
     chain: Chain
     n_gpus: int
-    memory_per_gpu: int
-    bandwidth: float = math.inf
+    memory_per_gpu: int  # any MemoryLike is accepted and normalised to int
+    bandwidth: float | str | None = None  # per second; a rate string is normalised to float
     weight_copies: int = DEFAULT_WEIGHT_COPIES
     memory_model: str = "stash"
     buffers: bool = True
+    chain_bandwidth: float = field(default=None, kw_only=True)  # type: ignore[assignment]
 
     name = "pipeline"
 
@@ -184,16 +195,18 @@ class PipelineProblem:
         if isinstance(self.n_gpus, bool) or not isinstance(self.n_gpus, int) or self.n_gpus < 1:
             raise OptmemInputError(f"expected a positive number of GPUs, got {self.n_gpus!r}",
                                    field="gpus")
-        if (isinstance(self.memory_per_gpu, bool) or not isinstance(self.memory_per_gpu, int)
-                or self.memory_per_gpu < 0):
-            raise OptmemInputError(
-                f"expected a non-negative integer memory per GPU, got {self.memory_per_gpu!r}",
-                field="memory")
-        bw = self.bandwidth
-        if isinstance(bw, bool) or not isinstance(bw, int | float) or not bw > 0:
-            raise OptmemInputError(f"expected a positive bandwidth (or inf), got {bw!r}",
-                                   field="bandwidth")
-        object.__setattr__(self, "bandwidth", float(bw))
+        object.__setattr__(self, "memory_per_gpu",
+                           check_memory_limit(self.memory_per_gpu, field="memory_per_gpu"))
+        given = self.bandwidth
+        if given is None and self.chain_bandwidth is None:
+            given = math.inf
+        per_second, per_chain = link_bandwidths(self.chain, given, self.chain_bandwidth,
+                                                allow_inf=True)
+        if not per_chain > 0:
+            raise OptmemInputError(f"expected a positive bandwidth (or inf), got "
+                                   f"{self.bandwidth!r}", field="bandwidth")
+        object.__setattr__(self, "bandwidth", per_second)
+        object.__setattr__(self, "chain_bandwidth", per_chain)
         if (isinstance(self.weight_copies, bool) or not isinstance(self.weight_copies, int)
                 or self.weight_copies < 0):
             raise OptmemInputError(
@@ -203,6 +216,17 @@ class PipelineProblem:
             raise OptmemInputError(
                 f"unknown memory model {self.memory_model!r} (expected one of "
                 f"{', '.join(MEMORY_MODELS)})", field="memory-model")
+        if self.chain.total_compute_time() == 0:  # every period would be 0: no valid pattern
+            raise OptmemInputError("every time of the chain is 0: a pipeline needs compute "
+                                   "times to have a period (profile the chain with times)",
+                                   field="chain")
+        if self.n_gpus > MAX_GPUS:  # per-GPU tables and models of 10^10 GPUs never end
+            raise OptmemInputError(f"expected at most {MAX_GPUS} GPUs, got {self.n_gpus}",
+                                   field="gpus")
+        if self.weight_copies > MAX_WEIGHT_COPIES:  # 10^30 copies overflow the models
+            raise OptmemInputError(f"expected at most {MAX_WEIGHT_COPIES} weight copies, got "
+                                   f"{self.weight_copies}", field="weight-copies")
+        self.chain.check_rate(self.chain_bandwidth)
 
     @property
     def memory_limit(self) -> int:
@@ -220,9 +244,9 @@ class PipelineProblem:
 
     def transfer_time(self, j: int) -> float:
         """Duration of one transfer of ``a_j`` (or ``delta_j``) over a link."""
-        if math.isinf(self.bandwidth):
+        if math.isinf(self.chain_bandwidth):
             return 0.0
-        return self.layers.a[j] / self.bandwidth
+        return self.layers.a[j] / self.chain_bandwidth
 
     def static_memory(self, i: int, j: int, *, cut_before: bool, cut_after: bool) -> int:
         """Weights and buffers of a stage ``i..j`` alone on its GPU."""
@@ -250,8 +274,8 @@ def add_cli_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--gpus", type=int, default=None,
                        help="number of GPUs P (pipeline; --memory is per GPU)")
     group.add_argument("--bandwidth", default=None,
-                       help="link bandwidth, e.g. 12GB/s, a number in memory units per chain "
-                            "time unit, or inf (pipeline; default inf)")
+                       help="link bandwidth: a rate such as 12GB/s, a bare number of bytes "
+                            "(memory units) per second, or inf (pipeline; default inf)")
     group.add_argument("--weight-copies", type=int, default=DEFAULT_WEIGHT_COPIES,
                        help="copies of each weight held per GPU: 3 = 2 versions + gradient "
                             "(default), 5 with Adam states")
@@ -260,12 +284,12 @@ def add_cli_options(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_pipeline_bandwidth(text: Any, time_unit: str) -> float:
-    """Parse ``--bandwidth``: ``inf``/``none`` or :func:`optmem.units.parse_bandwidth`."""
-    from optmem.units import parse_bandwidth
+    """``--bandwidth`` in memory units per chain time unit (``inf``/``none``/absent: free)."""
+    from optmem.units import chain_rate
 
-    if text is None or str(text).strip().lower() in ("inf", "infinity", "none"):
+    if text is None:
         return math.inf
-    value = parse_bandwidth(text, time_unit=time_unit)
+    value = chain_rate(text, time_unit, allow_inf=True)
     if value <= 0:
         raise OptmemInputError(f"expected a positive bandwidth, got {text!r}", field="bandwidth")
     return value
@@ -277,8 +301,8 @@ def problem_from_cli(chain: Chain, memory_limit: int, args: Any) -> PipelineProb
     if gpus is None:
         raise OptmemInputError("the pipeline problem needs --gpus P", field="gpus")
     return PipelineProblem(
-        chain, n_gpus=int(gpus), memory_per_gpu=int(memory_limit),
-        bandwidth=parse_pipeline_bandwidth(getattr(args, "bandwidth", None), chain.time_unit),
+        chain, n_gpus=int(gpus), memory_per_gpu=memory_limit,
+        bandwidth=getattr(args, "bandwidth", None),
         weight_copies=int(getattr(args, "weight_copies", DEFAULT_WEIGHT_COPIES)),
         memory_model=str(getattr(args, "memory_model", "stash") or "stash"),
     )

@@ -38,9 +38,10 @@ class RematOffloadProblem(OffloadProblem):
     Examples
     --------
     >>> from optmem.chain import Chain
-    >>> p = RematOffloadProblem(Chain.from_lists([1], [2], [4], [6], input_size=4), 12, 2.0)
-    >>> p.name, p.bandwidth
-    ('remat-offload', 2.0)
+    >>> c = Chain.from_lists([1], [2], [4], [6], input_size=4)
+    >>> p = RematOffloadProblem(c, 12, chain_bandwidth=2.0)
+    >>> p.name, p.bandwidth, p.chain_bandwidth
+    ('remat-offload', 2000.0, 2.0)
     """
 
     name = "remat-offload"
@@ -48,5 +49,4 @@ class RematOffloadProblem(OffloadProblem):
 
 def problem_from_cli(chain: Chain, memory_limit: int, args: Any) -> RematOffloadProblem:
     """Build the problem from CLI arguments (``--bandwidth`` is required)."""
-    return RematOffloadProblem(chain, memory_limit,
-                               bandwidth_from_cli(chain, args, "remat-offload"))
+    return RematOffloadProblem(chain, memory_limit, bandwidth_from_cli(args, "remat-offload"))

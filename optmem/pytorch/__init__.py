@@ -15,7 +15,9 @@ cuts exported graphs, :mod:`~optmem.pytorch.context` carries side inputs),
 module), :mod:`~optmem.pytorch.planning` (chain -> plan), :mod:`~optmem.pytorch.wrapper`
 and :mod:`~optmem.pytorch.api` (all of it, behind the model's own face),
 :mod:`~optmem.pytorch.memory` (activation tracking),
-:mod:`~optmem.pytorch.models` (named model factories) and :mod:`~optmem.pytorch.cli`
+:mod:`~optmem.pytorch.models` (named model factories), :mod:`~optmem.pytorch.distributed`
+(one plan for every rank, DDP, FSDP2), :mod:`~optmem.pytorch.pipelining` (pipeline plans on
+``torch.distributed.pipelining``; ``pipeline`` is its one call) and :mod:`~optmem.pytorch.cli`
 (``optmem profile``). Names are loaded lazily so that importing ``optmem.pytorch.cli`` or
 ``optmem.pytorch.models`` does not import torch.
 """
@@ -52,6 +54,9 @@ _LAZY = {
     "profile_stages": "optmem.pytorch.profile",
     "ActivationTracker": "optmem.pytorch.memory",
     "register_model": "optmem.pytorch.models",
+    "pipeline": "optmem.pytorch.pipelining",
+    "PipelinedModel": "optmem.pytorch.pipelining",
+    "init_distributed": "optmem.pytorch.distributed",
     "resolve_spec": "optmem.pytorch.models",
 }
 

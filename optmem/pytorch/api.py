@@ -137,7 +137,7 @@ class RematOffloadedModule(PlannedModule):
 
 _PROFILE_OPTIONS = ("device", "repeats", "warmup", "progress", "time_model", "max_stages",
                     "extract")
-_SOLVER_OPTIONS = ("slots", "variant", "time_limit_s")
+_SOLVER_OPTIONS = ("slots", "variant", "time_limit_s", "process_group")
 _EXECUTOR_OPTIONS = {"checkpoint": ("preserve_rng_state", "restore_buffers", "strip_suffix"),
                      "offload": (), "remat_offload": ("preserve_rng_state", "restore_buffers")}
 
@@ -180,6 +180,7 @@ def checkpoint(
     restore_buffers: bool = True,
     strip_suffix: bool = True,
     extract: str = "auto",
+    process_group: Any = None,
 ) -> CheckpointedModule:
     """Return ``module`` wrapped to train with the optimal checkpointing plan under a limit.
 
@@ -214,6 +215,11 @@ def checkpoint(
         Executor options (:class:`~optmem.pytorch.execute.CheckpointedChain`).
     extract
         ``"auto"`` (``torch.export``, then ``torch.fx``), ``"export"`` or ``"fx"``.
+    process_group
+        Ranks that must train with the same plan (``docs/distributed.md``): by default, when
+        ``torch.distributed`` is initialised, rank 0 of the default group profiles and
+        solves and broadcasts the chain and the plan; a ``ProcessGroup`` does so within it;
+        ``"local"`` decides in this process alone.
 
     Returns
     -------
@@ -244,7 +250,7 @@ def checkpoint(
                          repeats=repeats, warmup=warmup, progress=progress,
                          time_model=time_model, preserve_rng_state=preserve_rng_state,
                          restore_buffers=restore_buffers, strip_suffix=strip_suffix,
-                         extract=extract))
+                         extract=extract, process_group=process_group))
 
 
 def offload(module: nn.Module | Sequence[nn.Module | Stage], sample: Any,

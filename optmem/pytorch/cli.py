@@ -1,9 +1,14 @@
-"""``optmem profile SPEC -o chain.json``: profile a PyTorch model into a chain file.
+"""``optmem profile SPEC -o chain.json`` and ``optmem train-pipeline SPEC`` (under torchrun).
 
 ``SPEC`` is a registered model name (``optmem profile --list``) or
 ``package.module:factory`` where the factory returns an ``nn.Module`` or a
 ``(module, sample)`` pair (see :mod:`optmem.pytorch.models`). This module does not import
-torch until the command runs.
+torch until a command runs.
+
+``torchrun --nproc_per_node P -m optmem train-pipeline SPEC --batch B ...`` is the torchrun
+entry point for pipelines: every rank builds the model (seeded), rank 0 profiles one
+micro-batch of ``B`` examples and solves, the plan is broadcast, and the ranks train a few
+steps on PyTorch's pipeline runtime (:func:`optmem.pytorch.pipelining.pipeline`).
 """
 
 from __future__ import annotations
@@ -26,6 +31,13 @@ def _shape(text: str) -> tuple[int, ...]:
     if not dims or any(d <= 0 for d in dims):
         raise argparse.ArgumentTypeError(f"expected positive dimensions, got {text!r}")
     return dims
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocation failure (CPU allocator, CUDA or ``MemoryError``)."""
+    text = str(exc).lower()
+    return isinstance(exc, MemoryError) or "out of memory" in text \
+        or "can't allocate memory" in text or "cannot allocate memory" in text
 
 
 def register_cli(subparsers: Any) -> None:
@@ -53,6 +65,29 @@ def register_cli(subparsers: Any) -> None:
     p.add_argument("--list", action="store_true", help="list the registered models and exit")
     p.set_defaults(func=run_profile)
 
+    p = subparsers.add_parser(
+        "train-pipeline", help="plan and train a model as a pipeline (run under torchrun)",
+        description="Under torchrun: profile SPEC on rank 0 (one micro-batch), solve the "
+                    "pipeline problem for the world size, broadcast the plan and train a few "
+                    "steps on torch.distributed.pipelining with synthetic data (the sample "
+                    "repeated; loss: mean square of the output). Rank 0 prints the plan, the "
+                    "rank(s) with the last stage the losses.")
+    p.add_argument("spec", help="registered model name or package.module:factory")
+    p.add_argument("--batch", type=int, default=2, help="examples per micro-batch")
+    p.add_argument("--input-shape", type=_shape, default=None,
+                   help="shape of one example, e.g. 3,224,224 (if the factory gives no sample)")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="micro-batches per step (default: twice the stages)")
+    p.add_argument("--memory-per-gpu", default="16GiB", help="memory of each GPU")
+    p.add_argument("--bandwidth", default=None, help="link bandwidth, e.g. 12GB/s (default inf)")
+    p.add_argument("--method", default="madpipe", help="pipeline method (default madpipe)")
+    p.add_argument("--plan", default=None,
+                   help="run this plan (result or plan JSON) instead of solving")
+    p.add_argument("--steps", type=int, default=2, help="training steps")
+    p.add_argument("--max-stages", type=int, default=None,
+                   help="merge the extracted stages into at most this many")
+    p.set_defaults(func=run_train_pipeline)
+
 
 def run_profile(args: argparse.Namespace) -> int:
     """Handler of ``optmem profile``."""
@@ -78,14 +113,22 @@ def run_profile(args: argparse.Namespace) -> int:
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise OptmemInputError("--device cuda but CUDA is not available", field="device")
-    module, sample = resolve_spec(args.spec, batch=args.batch, input_shape=args.input_shape,
-                                  device="meta" if args.device == "meta" else None)
-    if args.device != "meta":
-        module = module.to(args.device)
-    chain = profile_chain(module, sample, device=args.device, repeats=args.repeats,
-                          warmup=args.warmup, max_stages=args.max_stages,
-                          name=args.name or args.spec,
-                          progress=False if args.no_progress else None)
+    try:
+        module, sample = resolve_spec(args.spec, batch=args.batch,
+                                      input_shape=args.input_shape,
+                                      device="meta" if args.device == "meta" else None)
+        if args.device != "meta":
+            module = module.to(args.device)
+        chain = profile_chain(module, sample, device=args.device, repeats=args.repeats,
+                              warmup=args.warmup, max_stages=args.max_stages,
+                              name=args.name or args.spec,
+                              progress=False if args.no_progress else None)
+    except (MemoryError, RuntimeError) as exc:
+        if not _out_of_memory(exc):
+            raise
+        raise OptmemInputError(f"not enough memory on {args.device} to profile "
+                               f"{args.spec!r} with batch {args.batch} (try a smaller batch "
+                               "or --device meta)", field="batch") from None
     if args.output:
         chain.save(args.output)
         from optmem.units import format_size
@@ -97,4 +140,50 @@ def run_profile(args: argparse.Namespace) -> int:
         import json
 
         print(json.dumps(chain.to_dict(), indent=1))
+    return 0
+
+
+def run_train_pipeline(args: argparse.Namespace) -> int:
+    """Handler of ``optmem train-pipeline`` (every rank of a torchrun job runs it)."""
+    if args.batch < 1 or args.steps < 1:
+        raise OptmemInputError("expected a positive --batch and --steps", field="batch")
+    import torch
+    import torch.distributed as dist
+
+    from optmem.pytorch.distributed import init_distributed
+    from optmem.pytorch.models import resolve_spec
+    from optmem.pytorch.pipelining import PipelinedModel, pipeline
+
+    device = init_distributed()
+    torch.manual_seed(0)  # the same weights and sample on every rank
+    module, sample = resolve_spec(args.spec, batch=args.batch, input_shape=args.input_shape)
+
+    def loss_fn(output: torch.Tensor, _unused_target: torch.Tensor) -> torch.Tensor:
+        return output.float().pow(2).mean()
+
+    if args.plan:
+        with open(args.plan) as fh:
+            piped = PipelinedModel(module, fh.read(), microbatches=args.microbatches,
+                                   loss_fn=loss_fn, device=device)
+    else:
+        piped = pipeline(module, sample, memory_per_gpu=args.memory_per_gpu,
+                         bandwidth=args.bandwidth, loss_fn=loss_fn, method=args.method,
+                         microbatches=args.microbatches, max_stages=args.max_stages,
+                         device=device)
+    rank = dist.get_rank()
+    if rank == 0 and piped.result is not None:
+        print(f"{args.spec}: {piped.result.method} plan ({piped.result.status}), predicted "
+              f"period {piped.result.objective:.4g} ms per micro-batch; "
+              f"{piped.result.report.get('allocation')}", flush=True)
+    batch = torch.cat([sample] * piped.microbatches).to(device)
+    dummy = torch.zeros(piped.microbatches, device=device)  # one (unused) target per micro-batch
+    opt = torch.optim.SGD(piped.parameters(), lr=1e-3)
+    for step in range(args.steps):
+        opt.zero_grad(set_to_none=True)
+        losses = piped.step(batch, target=dummy)
+        opt.step()
+        if losses:
+            print(f"rank {rank} step {step}: mean micro-batch loss "
+                  f"{sum(float(v) for v in losses) / len(losses):.6g}", flush=True)
+    dist.destroy_process_group()
     return 0

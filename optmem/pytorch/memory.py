@@ -1,38 +1,370 @@
-"""Activation memory tracking on any device (CPU included), through hooks.
+"""Memory accounting on any device (CPU and meta included): storages, traces, real peaks.
 
-:class:`ActivationTracker` counts the bytes of the *distinct storages* that hold
-activations during a training step:
+Three tools, all counting the bytes of *distinct storages* (views share their storage):
 
-* every tensor autograd saves for the backward (``torch.autograd.graph.saved_tensors_hooks``:
-  a saved tensor is live from its pack until autograd releases it, after its backward or
-  when the graph is dropped), parameters and buffers excluded;
-* every value the checkpoint executor keeps (checkpoints ``a^i``, tapes and, unless
-  ``gradients=False``, the current gradient ``delta^i``), reported by
-  :func:`optmem.pytorch.execute.add_monitor` after each op;
-* tensors pinned by the caller (the batch ``a^0``).
+* :class:`StorageTrace`, a ``TorchDispatchMode`` that records when every storage created
+  while it is active is created and freed (a weak-reference finalizer on the storage). Its
+  :meth:`~StorageTrace.peak` is the largest total of such storages alive at once, optionally
+  ignoring some (weight gradients). This is how :func:`optmem.pytorch.profile.profile_chain`
+  measures the temporaries ``fwd_overhead`` and ``bwd_overhead`` of a stage on CPU and meta,
+  where no allocator counter exists, and what :func:`measure_training_peak` replays.
+* :class:`ActivationTracker`, hooks only: every tensor autograd saves, every value the
+  checkpoint executor holds (reported after each plan op) and pinned tensors. It sees the
+  plan's bookkeeping, not the temporaries of kernels.
+* :func:`measure_training_peak`: the real activation peak of one training step, from a
+  :class:`StorageTrace` of the whole step (exact and time-resolved), and
+  :func:`memtracker_peak`, the same step seen by torch's own
+  ``torch.distributed._tools.mem_tracker.MemTracker`` (the peak snapshot minus parameters,
+  buffers, gradients and optimizer state).
 
-The running total is sampled at every pack and after every executor op; ``peak_bytes`` is its
-maximum. Temporaries that autograd does not save (workspace of a convolution, the output of
-an op consumed at once) are not seen: that is what ``fwd_overhead``/``bwd_overhead`` model,
-and they are 0 on CPU.
+What no tensor-level tool sees: memory a kernel allocates for itself without creating a
+tensor (oneDNN scratchpads on CPU; cuDNN/cuBLAS workspaces on CUDA, which the CUDA
+allocator statistics do count), and the allocator's own rounding and caching.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
-from optmem.pytorch.execute import add_monitor, remove_monitor
-from optmem.pytorch.extract import value_tensors
-from optmem.pytorch.profile import storage_key
+if TYPE_CHECKING:
+    from optmem.chain import Chain
 
-__all__ = ["ActivationTracker"]
+__all__ = ["LOSS_SCALARS", "ActivationTracker", "MemTrackerPeak", "StorageTrace",
+           "cuda_training_peak", "live_bytes", "measure_training_peak", "memtracker_peak",
+           "plan_allowance", "storage_bytes", "storage_key"]
+
+# ops whose output is a fresh tensor although it is also their input (``torch.tensor``)
+_FRESH_OPS = ("lift_fresh", "lift_fresh_copy")
 
 
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """Identity of the storage behind ``t`` (shared by views, valid on meta too)."""
+    return int(t.untyped_storage()._cdata)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return int(t.untyped_storage().nbytes())
+
+
+def storage_bytes(value: Any, exclude: set[int] | frozenset[int] = frozenset()) -> int:
+    """Bytes of the distinct storages behind the tensors of ``value`` (any pytree).
+
+    Storages whose key is in ``exclude`` (parameters, say) are not counted.
+
+    Examples
+    --------
+    >>> x = torch.zeros(10)
+    >>> storage_bytes((x, x[:5], x.view(2, 5)))  # one storage of 10 floats
+    40
+    """
+    seen: dict[int, int] = {}
+    for t in _tensors(value):
+        key = storage_key(t)
+        if key not in exclude:
+            seen[key] = _nbytes(t)
+    return sum(seen.values())
+
+
+def live_bytes(values: Iterable[Any]) -> int:
+    """Bytes of the distinct storages behind the tensors of ``values``."""
+    return storage_bytes(list(values))
+
+
+# ------------------------------------------------------------------ dispatch-level trace
+class StorageTrace(TorchDispatchMode):
+    """Record the creation and the release of every storage an op creates while active.
+
+    Parameters
+    ----------
+    known
+        Storage keys (:func:`storage_key`) that exist already and are never counted. A
+        storage that an op returns but also received (in-place ops, views) is not counted
+        either: it existed before.
+    count_aliases
+        Legacy accounting of the zoo's meta profiler (:mod:`optmem.pytorch.shapeprofile`),
+        kept so that the bundled zoo chains rebuild byte for byte: count the storage of an
+        op's output even when the op received it, unless it is known or already counted
+        (a view of a tensor saved in the forward, taken in the backward, then counts as a
+        new allocation: an over-estimate).
+
+    Notes
+    -----
+    A storage is counted from the op that creates it until Python and autograd let go of it
+    (a ``weakref.finalize`` on the storage object, which torch keeps unique per storage).
+    A storage that grows (``resize_`` through an op) is re-counted at its new size.
+
+    Examples
+    --------
+    >>> x = torch.randn(1000)
+    >>> with StorageTrace() as trace:
+    ...     y = (x * 2).exp()        # x * 2 is a temporary, freed once exp ran
+    >>> trace.peak(), trace.alive()  # two buffers of 4000 B at once, one left
+    (8000, 4000)
+    """
+
+    def __init__(self, known: Iterable[int] = (), *, count_aliases: bool = False) -> None:
+        super().__init__()
+        self.known = set(known)
+        self.count_aliases = count_aliases
+        self.sizes: list[int] = []
+        self.events: list[tuple[int, int]] = []  # (record, +bytes | -bytes)
+        self._live: dict[int, int] = {}  # storage key -> record
+
+    def _free(self, key: int, record: int) -> None:
+        if self._live.get(key) == record:
+            del self._live[key]
+        self.events.append((record, -self.sizes[record]))
+
+    def _track(self, t: torch.Tensor, inputs: set[int], fresh: bool) -> None:
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # sparse and other storage-less tensors
+            return
+        key = int(storage._cdata)
+        nbytes = int(storage.nbytes())
+        record = self._live.get(key)
+        if record is not None:
+            # resized in place: count the difference
+            if nbytes != self.sizes[record] and not self.count_aliases:
+                self.events.append((record, nbytes - self.sizes[record]))
+                self.sizes[record] = nbytes
+            return
+        if key in self.known or (key in inputs and not fresh and not self.count_aliases):
+            return
+        record = len(self.sizes)
+        self.sizes.append(nbytes)
+        self._live[key] = record
+        self.events.append((record, nbytes))
+        weakref.finalize(storage, self._free, key, record)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        inputs = {storage_key(t) for t in _tensors((args, kwargs)) if _has_storage(t)}
+        fresh = func._overloadpacket.__name__ in _FRESH_OPS
+        for t in _tensors(out):
+            self._track(t, inputs, fresh)
+        return out
+
+    def alive(self) -> int:
+        """Bytes of the storages created while active that are still alive."""
+        return sum(self.sizes[r] for r in self._live.values())
+
+    def record_of(self, t: torch.Tensor) -> int | None:
+        """The record of ``t``'s storage if the trace created it and it is alive."""
+        return self._live.get(storage_key(t))
+
+    def peak(self, exclude: Iterable[torch.Tensor] = ()) -> int:
+        """Largest total of created storages alive at once, ignoring those of ``exclude``.
+
+        ``exclude`` are tensors alive now (weight gradients, say) whose storages the trace
+        created: they are removed from the whole history.
+        """
+        skip = {r for r in (self.record_of(t) for t in exclude) if r is not None}
+        current = best = 0
+        for record, delta in self.events:
+            if record not in skip:
+                current += delta
+                best = max(best, current)
+        return best
+
+
+def _has_storage(t: torch.Tensor) -> bool:
+    try:
+        t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+# ------------------------------------------------------------------ real training peaks
+def measure_training_peak(step: Callable[[], Any], module: nn.Module,
+                          inputs: Any = ()) -> int:
+    """The exact activation peak of ``step()`` (forward, loss and backward), in bytes.
+
+    A :class:`StorageTrace` of the whole step: the bytes of ``inputs`` plus the largest total
+    of storages created during the step and alive at once, leaving out those that are
+    parameter gradients at the end (weight gradients are not activations, whenever they
+    were created). Parameters, buffers and existing gradients are never counted. Nothing
+    is added to the step but a dispatch mode and weak references: lifetimes are unchanged.
+
+    Parameters
+    ----------
+    step
+        Runs one forward and backward, e.g. ``lambda: loss_fn(model(x)).backward()``. Call
+        it with the gradients of ``module`` at ``None`` (``zero_grad()``) to measure what a
+        training loop does; no optimizer step inside (its state and temporaries are not
+        activations).
+    module
+        The trained module.
+    inputs
+        Tensors made before the step that count as activations (the batch ``a^0``).
+
+    Examples
+    --------
+    >>> net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+    >>> x = torch.randn(32, 64)
+    >>> measure_training_peak(lambda: net(x).sum().backward(), net, x)  # 4 x 8 KiB, 2 scalars
+    32776
+    """
+    params = list(module.parameters())
+    known = {storage_key(t) for t in (*params, *module.buffers(), *_tensors(inputs))}
+    known |= {storage_key(p.grad) for p in params if p.grad is not None}
+    trace = StorageTrace(known)
+    with trace:
+        step()
+    grads = [p.grad for p in params if p.grad is not None]
+    return storage_bytes(inputs) + trace.peak(exclude=grads)
+
+
+def cuda_training_peak(step: Callable[[], Any], module: nn.Module, inputs: Any = ()) -> int:
+    """``torch.cuda.max_memory_allocated`` during ``step()``, as activation bytes (CUDA only).
+
+    The weight gradients are allocated (zeros) before the step, as rotor does, so that the
+    peak above the memory allocated at the start (parameters, buffers, gradients, inputs,
+    optimizer state, cuBLAS workspaces of earlier steps) is the activations' and the
+    temporaries'; ``inputs`` are added back. Compared with the chain model it also counts
+    the caching allocator's rounding (512-byte blocks), cuDNN workspaces, and the temporary
+    of each in-place gradient accumulation (at most a stage's weights). Run one step
+    before measuring, so that one-time allocations are in the base.
+    """
+    for p in module.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base + storage_bytes(inputs)
+
+
+LOSS_SCALARS = 16
+"""Bytes of the loss and its seed gradient (two scalars, float64 at most)."""
+
+
+def plan_allowance(chain: Chain, plan: Sequence[Any], stages: Sequence[Any] = (), *,
+                   strip_suffix: bool = True, restore_buffers: bool = True) -> int:
+    """Bytes a real step may hold beyond the plan's simulated peak (tensor level).
+
+    The chain model frees a value at the op that consumes it; a training step through
+    :class:`~optmem.pytorch.execute.CheckpointedChain` holds three things longer, and
+    nothing else (``docs/pytorch.md``, "What memory_limit counts"):
+
+    * the gradient of the value where the plan hands over to autograd: autograd keeps a
+      ``Function``'s incoming gradient until its backward returns, so ``delta^L`` (or
+      ``delta^{j-1}`` when the store-all suffix ``j..L`` runs natively) stays alive during
+      the whole backward of the plan, where the model frees it at ``B L`` (``B j-1``);
+    * the loss and its seed gradient (:data:`LOSS_SCALARS`), alive until the backward ends;
+    * with ``restore_buffers``, scratch copies of the buffers of the stage being re-run.
+
+    Parameters
+    ----------
+    chain, plan
+        The profiled chain and the plan (op strings or :class:`~optmem.plan.Op`).
+    stages
+        The stages (modules or :class:`~optmem.pytorch.extract.Stage`), for their buffers.
+    strip_suffix, restore_buffers
+        The executor's options.
+
+    Examples
+    --------
+    >>> from optmem.chain import Chain
+    >>> chain = Chain.from_lists([1.0] * 3, [1.0] * 3, [100, 200, 300], [100, 200, 300],
+    ...                          input_size=50)
+    >>> plan = ["F_ck 1", "F_none 2", "F_all 3", "Loss", "B 3", "F_ck 1", "F_all 2", "B 2",
+    ...         "F_all 1", "B 1"]
+    >>> plan_allowance(chain, plan, strip_suffix=False)  # delta^3 (300 B) + the scalars
+    316
+    >>> plan_allowance(chain, plan)  # stage 3 runs natively: delta^2 (200 B) is held
+    216
+    """
+    from optmem.plan import OpKind, parse_plan
+    from optmem.pytorch.execute import split_suffix
+
+    ops = parse_plan(plan)
+    n = chain.length
+    j = split_suffix(ops, n)[1] if strip_suffix else n + 1
+    held = chain.output_size[j - 2] if j > 1 else 0
+    runs: dict[int, int] = {}
+    for op in ops:
+        if op.kind in (OpKind.F_ALL, OpKind.F_CK, OpKind.F_NONE):
+            runs[op.stage] = runs.get(op.stage, 0) + 1
+    buffers = 0
+    if restore_buffers and stages:
+        modules = [getattr(s, "module", s) for s in stages]
+        buffers = max((storage_bytes(list(modules[i - 1].buffers()))
+                       for i, c in runs.items() if c > 1), default=0)
+    return held + LOSS_SCALARS + buffers
+
+
+@dataclass(frozen=True)
+class MemTrackerPeak:
+    """torch's ``MemTracker`` view of one training step (see :func:`memtracker_peak`).
+
+    Attributes
+    ----------
+    activations
+        The peak snapshot's total minus parameters, buffers, gradients and optimizer state.
+    snapshot
+        That snapshot by kind (``Parameter``, ``Gradient``, ``Activation``, ``Temp``,
+        ``Other``, ``Total``, ...), in bytes.
+    """
+
+    activations: int
+    snapshot: dict[str, int] = field(default_factory=dict)
+
+
+_PERSISTENT_KINDS = ("Parameter", "Buffer", "Gradient", "Optstate")
+
+
+def memtracker_peak(step: Callable[[], Any], module: nn.Module,
+                    inputs: Any = ()) -> MemTrackerPeak:
+    """Measure ``step()`` with ``torch.distributed._tools.mem_tracker.MemTracker``.
+
+    The recipe of ``shared/design/torch-notes.md``: track the module and the inputs, run the
+    step, take the ``"peak"`` snapshot and subtract parameters, buffers, gradients and
+    optimizer state. Three differences from :func:`measure_training_peak`, which is exact:
+    the subtraction happens at the moment the *total* peaked (gradients grow during the
+    backward, so activations may have peaked elsewhere); a weight gradient is labelled
+    ``Temp`` from the op that computes it until autograd's hook relabels it ``Gradient``;
+    and MemTracker's module tracker registers gradient hooks on every module's inputs that
+    keep gradients alive longer in nested (re-entrant) backward calls, as the checkpoint
+    executor makes, so the step it measures holds more memory than the unobserved step.
+
+    Examples
+    --------
+    >>> net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+    >>> x = torch.randn(32, 64)
+    >>> mt = memtracker_peak(lambda: net(x).sum().backward(), net, x)
+    >>> mt.activations > 0 and mt.snapshot["Parameter"] == 4 * (64 * 64 + 64 + 64 + 1)
+    True
+    """
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(module, *_tensors(inputs))
+    with tracker:
+        step()
+    snap = {str(getattr(k, "value", k)): int(v)
+            for dev in tracker.get_tracker_snapshot("peak").values() for k, v in dev.items()}
+    persistent = sum(v for k, v in snap.items() if k in _PERSISTENT_KINDS)
+    return MemTrackerPeak(snap.get("Total", 0) - persistent, snap)
+
+
+# ------------------------------------------------------------------ hook-based tracker
 class _Packed:
     """A saved tensor; its lifetime is the lifetime of the saved-tensor slot."""
 
@@ -43,7 +375,15 @@ class _Packed:
 
 
 class ActivationTracker:
-    """Context manager measuring the peak of live activation bytes.
+    """Context manager measuring the peak of live activation bytes, through hooks.
+
+    Counts every tensor autograd saves for the backward (``saved_tensors_hooks``; a saved
+    tensor is live from its pack until autograd releases it), parameters and buffers
+    excluded; every value the checkpoint executor keeps (checkpoints ``a^i``, tapes and,
+    unless ``gradients=False``, the current gradient ``delta^i``), reported by
+    :func:`optmem.pytorch.execute.add_monitor` after each op; and the ``pinned`` tensors.
+    Temporaries that autograd does not save (the output of an op consumed at once) are not
+    seen: :func:`measure_training_peak` sees them.
 
     Parameters
     ----------
@@ -125,6 +465,8 @@ class ActivationTracker:
 
     # -------------------------------------------------------------- context
     def __enter__(self) -> ActivationTracker:
+        from optmem.pytorch.execute import add_monitor
+
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         add_monitor(self._on_op)
@@ -132,19 +474,8 @@ class ActivationTracker:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        from optmem.pytorch.execute import remove_monitor
+
         remove_monitor(self._on_op)
         self._hooks.__exit__(*exc)
         self._hooks = None
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return int(t.untyped_storage().nbytes())
-
-
-def live_bytes(values: Iterable[Any]) -> int:
-    """Bytes of the distinct storages behind the tensors of ``values``."""
-    seen: dict[int, int] = {}
-    for v in values:
-        for t in value_tensors(v):
-            seen[storage_key(t)] = _nbytes(t)
-    return sum(seen.values())

@@ -84,6 +84,8 @@ def _factory_from_spec(spec: str) -> Factory:
             f"unknown model {spec!r}: expected a registered name ({known}) or "
             "'package.module:factory'", field="spec")
     mod_name, _, attr = spec.partition(":")
+    if not all(part.isidentifier() for part in mod_name.split(".")):
+        raise OptmemInputError(f"expected 'package.module:factory', got {spec!r}", field="spec")
     try:
         mod = importlib.import_module(mod_name)
     except ImportError as exc:
@@ -124,11 +126,18 @@ def resolve_spec(spec: str, *, batch: int | None = None,
     factory = _factory_from_spec(spec)
     kwargs: dict[str, Any] = {}
     try:
-        params = inspect.signature(factory).parameters
+        signature: inspect.Signature | None = inspect.signature(factory)
     except (TypeError, ValueError):
-        params = {}  # type: ignore[assignment]
-    if batch is not None and "batch" in params:
+        signature = None
+    if batch is not None and signature is not None and "batch" in signature.parameters:
         kwargs["batch"] = batch
+    if signature is not None:
+        try:
+            signature.bind(**kwargs)
+        except TypeError as exc:  # e.g. json:dumps needs its object
+            raise OptmemInputError(f"{spec!r} cannot be called as a model factory ({exc}); "
+                                   "a factory takes no argument but an optional batch",
+                                   field="spec") from None
     ctx = torch.device("meta") if device == "meta" else contextlib.nullcontext()
     with ctx:
         made = factory(**kwargs)

@@ -30,12 +30,11 @@ from torch import nn
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError
 from optmem.result import Result, SolveOptions
-from optmem.units import format_size, parse_bandwidth, parse_size
+from optmem.units import chain_rate, format_size, parse_size
 
 __all__ = ["KINDS", "Planner", "bandwidth_per_unit", "smallest_feasible"]
 
 KINDS = ("checkpoint", "offload", "remat_offload")
-_SECONDS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
 
 
 def bandwidth_per_unit(bandwidth: float | str, chain: Chain) -> float:
@@ -47,15 +46,7 @@ def bandwidth_per_unit(bandwidth: float | str, chain: Chain) -> float:
     >>> bandwidth_per_unit(12e9, c), bandwidth_per_unit("12GB/s", c)
     (12000000.0, 12000000.0)
     """
-    if chain.time_unit not in _SECONDS:
-        raise OptmemInputError(f"cannot convert a bandwidth to the chain's time unit "
-                               f"{chain.time_unit!r}", field="bandwidth")
-    if isinstance(bandwidth, int | float) and not isinstance(bandwidth, bool):
-        if not bandwidth >= 0 or bandwidth == float("inf"):
-            raise OptmemInputError(f"expected a finite non-negative bandwidth in bytes per "
-                                   f"second, got {bandwidth!r}", field="bandwidth")
-        return float(bandwidth) * _SECONDS[chain.time_unit]
-    return parse_bandwidth(str(bandwidth), time_unit=chain.time_unit)
+    return chain_rate(bandwidth, chain.time_unit, field="bandwidth")
 
 
 def smallest_feasible(solve_at: Callable[[int], Result], low: int, high: int) -> int:
@@ -110,6 +101,11 @@ class Planner:
         Link bandwidth for offloading: bytes per second or ``"12GB/s"``.
     slots, variant, time_limit_s, extra
         Solver options (:class:`~optmem.result.SolveOptions`).
+    process_group
+        Ranks that must train with the same plan
+        (:func:`optmem.pytorch.distributed.resolve_group`): by default, when
+        ``torch.distributed`` is initialised, rank 0 profiles and solves and broadcasts the
+        chain and the plan; ``"local"`` decides in this process alone.
     executor_options
         Keyword arguments of the executor class.
     """
@@ -123,6 +119,7 @@ class Planner:
     time_limit_s: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     executor_options: dict[str, Any] = field(default_factory=dict)
+    process_group: Any = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -149,10 +146,10 @@ class Planner:
         if self.kind == "offload":
             from optmem.problems.offload import OffloadProblem
 
-            return OffloadProblem(chain, limit, beta)
+            return OffloadProblem(chain, limit, chain_bandwidth=beta)
         from optmem.problems.remat_offload import RematOffloadProblem
 
-        return RematOffloadProblem(chain, limit, beta)
+        return RematOffloadProblem(chain, limit, chain_bandwidth=beta)
 
     def solve_at(self, chain: Chain, limit: int, method: str | None = None) -> Result:
         """Solve at ``limit`` bytes (no error when there is no plan)."""

@@ -1,88 +1,102 @@
 """Profiling: measure a chain of stages into an ``optmem.chain/1`` :class:`~optmem.chain.Chain`.
 
-What is measured for each stage ``i`` (digest ``rotor.md`` section 6, rotor's
-``measure_everything``, with the differences noted):
+What is measured for each stage ``i`` (digest ``rotor.md`` sections 1.2 and 6, rotor's
+``measure_everything``, with the differences noted). Sizes are **exact and deterministic**:
+two profiles of the same stages on the same input give the same bytes, on CPU, meta or CUDA.
 
-* ``fwd_time``, ``bwd_time``: ``warmup`` untimed runs, then the median of ``repeats`` timed
-  runs (CUDA events on GPU, ``time.perf_counter`` on CPU), in milliseconds. The forward is
-  timed with grad recording on (an ``F_all``); the backward is ``torch.autograd.backward``
-  of the stage output with a gradient of ones.
-* ``output_size``: bytes of the output tensors, from their shapes (``numel * itemsize``).
-* ``saved_size``: the tape, measured with ``torch.autograd.graph.saved_tensors_hooks``: the
-  bytes of the *distinct storages* of every tensor autograd saves during the forward,
-  excluding parameters, buffers and the stage input (a^{i-1}), plus the output storages
-  (the tape includes a^i by definition, CONTRACT section 1). Unlike rotor (which subtracts
-  allocator counters) this is exact on any device, CPU and ``meta`` included.
-* ``fwd_overhead``, ``bwd_overhead``: on CUDA, from ``torch.cuda`` memory statistics as
-  rotor does (peak during the op minus what stays allocated, never negative). **On CPU and
-  on meta they are 0**: there is no allocator peak counter there.
+* ``output_size``: bytes of the distinct storages behind the output tensors (a view keeps
+  its whole storage alive), parameters excluded.
+* ``saved_size``: the tape, from ``torch.autograd.graph.saved_tensors_hooks``: the distinct
+  storages of every tensor autograd saves during the forward, excluding parameters,
+  buffers and the stage input (a^{i-1}), plus the output storages (the tape includes a^i by
+  definition, CONTRACT section 1).
+* ``fwd_overhead``: the temporaries of a forward, measured at dispatch level by a
+  :class:`~optmem.pytorch.memory.StorageTrace` (every storage an op creates, until it is
+  freed). The chain model charges a forward ``stored + output + o_f``, with output the tape
+  for ``F_all`` and ``a^i`` for ``F_ck``/``F_none``; so
+  ``o_f = max(peak_grad - saved_size, peak_nograd - output_size, 0)`` where ``peak_grad``
+  and ``peak_nograd`` are the traced peaks of a forward with and without grad recording.
+* ``bwd_overhead``: the traced peak of the backward (``torch.autograd.backward`` of the
+  stage outputs with all-ones gradients) minus ``delta^{i-1}`` (charged by the model, of
+  the size of ``a^{i-1}``); weight gradients are not activations and are excluded. A
+  parameter also used by a later stage (tied weights) already has a gradient when this
+  stage's backward runs, so it is profiled that way: the in-place accumulation's temporary
+  is counted.
+* On CUDA, the overheads are the larger of the trace and rotor's allocator protocol
+  (``torch.cuda.max_memory_allocated`` around each op, weight gradients allocated before
+  the backward), so that cuDNN/cuBLAS workspaces and the allocator's rounding count.
 * ``weight_size``: bytes of the stage's parameters.
-* The loss is outside the chain (the user computes it on the module's output), so the loss
-  stage has time 0 and overhead 0, as in rotor.
+* The loss: with ``loss_fn``, the loss stage is profiled like a stage (``loss.bwd_time`` is
+  its forward+backward time, ``loss.bwd_overhead`` its traced peak minus ``delta^L``), so
+  the memory limit covers it; without, it has time 0 and overhead 0, as in rotor.
+* ``fwd_time``, ``bwd_time``: ``warmup`` untimed rounds, then ``repeats`` timed rounds; a
+  round times every stage once (forward with grad recording, then its backward), so a
+  burst of load on the machine spoils one sample of every stage rather than every sample
+  of one stage; the median over rounds is kept. Stages that run the same kernels on the
+  same shapes (a fingerprint of the dispatched ops, :class:`_OpLog`: the blocks of a
+  transformer) pool their samples and get one time, since any difference between them is
+  noise. Times are then rounded to ``time_resolution`` (relative) and to a multiple of
+  ``2**-16`` ms, so that sums are exact (see :func:`round_time`). The clock: CUDA events
+  on CUDA; on CPU the thread's CPU time (``time.thread_time``) when torch runs on one
+  thread, which does not advance while the process waits for a core, so other processes'
+  load does not inflate it; wall-clock (``perf_counter``) with several threads.
 
 ``device="meta"`` profiles without running anything: the stages (copied to the meta device
-unless already there) are run on meta tensors, which gives exact sizes of models too large
-to instantiate. Times then come from ``time_model`` if given, else from a crude roofline:
-``max(flops / flops_per_s, bytes / bytes_per_s)``, FLOPs counted by
+unless already there) are run on meta tensors, which gives the same exact sizes for models
+too large to instantiate. Times then come from ``time_model`` if given, else from a crude
+roofline: ``max(flops / flops_per_s, bytes / bytes_per_s)``, FLOPs counted by
 ``torch.utils.flop_counter.FlopCounterMode`` for the forward and the backward.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
+import math
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TextIO
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError
 from optmem.pytorch.extract import Stage, extract_stages, value_tensors
+from optmem.pytorch.memory import StorageTrace, storage_bytes, storage_key
 
-__all__ = ["TimeModel", "profile_chain", "profile_stages", "roofline_time_model",
-           "storage_key", "value_nbytes"]
+__all__ = ["DEFAULT_TIME_RESOLUTION", "LossFn", "TimeModel", "profile_chain", "profile_stages",
+           "roofline_time_model", "round_time", "storage_key", "value_nbytes"]
 
 TimeModel = Callable[[nn.Module, Any, Any], tuple[float, float]]
 """``time_model(stage_module, input, output) -> (fwd_ms, bwd_ms)``."""
 
+LossFn = Callable[[Any], torch.Tensor]
+"""``loss_fn(chain_output) -> scalar loss`` (targets closed over)."""
+
 DEFAULT_FLOPS_PER_S = 1e13
 DEFAULT_BYTES_PER_S = 1e12
+DEFAULT_TIME_RESOLUTION = 1 / 64
+"""Relative resolution of profiled times (about 1.6 %): see :func:`round_time`."""
 
 
 # ------------------------------------------------------------------ sizes
-def storage_key(t: torch.Tensor) -> int:
-    """Identity of the storage behind ``t`` (shared by views, valid on meta too)."""
-    return int(t.untyped_storage()._cdata)
-
-
-def _storage_nbytes(t: torch.Tensor) -> int:
-    return int(t.untyped_storage().nbytes())
-
-
 def value_nbytes(value: Any) -> int:
     """Bytes of the tensors of a value, from shapes (``numel * element_size``)."""
     return sum(t.numel() * t.element_size() for t in value_tensors(value))
 
 
 def _weight_nbytes(module: nn.Module) -> int:
-    seen: dict[int, int] = {}
-    for p in module.parameters():
-        seen[storage_key(p)] = _storage_nbytes(p)
-    return sum(seen.values())
+    return storage_bytes(list(module.parameters()))
 
 
 def _persistent_keys(modules: Sequence[nn.Module]) -> set[int]:
-    keys: set[int] = set()
-    for m in modules:
-        for p in m.parameters():
-            keys.add(storage_key(p))
-        for b in m.buffers():
-            keys.add(storage_key(b))
-    return keys
+    return {storage_key(t) for m in modules for t in (*m.parameters(), *m.buffers())}
 
 
 def _leaf(value: Any, requires_grad: bool) -> Any:
@@ -109,30 +123,79 @@ def _to_meta(value: Any) -> Any:
     return value
 
 
+def _move(value: Any, dev: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(dev)
+    if isinstance(value, tuple | list):
+        return type(value)(_move(v, dev) for v in value)
+    if isinstance(value, dict):
+        return {k: _move(v, dev) for k, v in value.items()}
+    return value
+
+
 def _grad_targets(out: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     outs = [t for t in value_tensors(out) if t.requires_grad]
     return outs, [torch.ones_like(t) for t in outs]
 
 
+def _clear_grads(value: Any) -> None:
+    for t in value_tensors(value):
+        t.grad = None
+
+
 # ------------------------------------------------------------------ timing
+TIME_QUANTUM_EXPONENT = 16
+"""Profiled times are multiples of ``2**-16`` ms (15 ns): see :func:`round_time`."""
+
+
+def round_time(t: float, resolution: float) -> float:
+    """Round a time ``t >= 0`` to a relative ``resolution``, then to a multiple of ``2**-16``.
+
+    ``t > 0`` goes to the nearest point of the grid ``(1 + resolution)**k`` (k integer), a
+    relative resolution: the result is within a factor ``sqrt(1 + resolution)`` of ``t``, and
+    two measurements closer than the grid's spacing get the same value unless a grid point
+    falls between them (``resolution = 0`` skips this). Then it is rounded to a multiple of
+    ``2**-16`` (in the chain's unit, ms): sums of such numbers are exact in floating point
+    (below ``2**37`` ms), so two plans that run the same ops in another order cost exactly
+    the same, and a solver breaks such ties the same way whatever the measured values.
+
+    Examples
+    --------
+    >>> round_time(1.0, 0.25), round_time(1.1, 0.25), round_time(1.2, 0.25)
+    (1.0, 1.0, 1.25)
+    >>> round_time(0.1, 0) * 2**16
+    6554.0
+    """
+    if not math.isfinite(t) or t <= 0:
+        return max(0.0, float(t)) if math.isfinite(t) else float(t)
+    if resolution > 0:
+        step = math.log1p(resolution)
+        t = math.exp(round(math.log(t) / step) * step)
+    return math.ldexp(round(math.ldexp(t, TIME_QUANTUM_EXPONENT)), -TIME_QUANTUM_EXPONENT)
+
+
 class _Timer:
-    """Wall-clock (CPU) or CUDA-event timer returning milliseconds."""
+    """Milliseconds of ``fn()``: CUDA events, the thread's CPU time, or the wall clock."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
+        self.cpu_time = not self.cuda and torch.get_num_threads() == 1
+        self.clock = "cuda events" if self.cuda else (
+            "thread cpu time" if self.cpu_time else "wall clock")
 
-    def __call__(self, fn: Callable[[], Any]) -> float:
+    def __call__(self, fn: Callable[[], Any]) -> tuple[float, Any]:
         if self.cuda:
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
+            value = fn()
             end.record()
             torch.cuda.synchronize()
-            return float(start.elapsed_time(end))
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
+            return float(start.elapsed_time(end)), value
+        clock = time.thread_time_ns if self.cpu_time else time.perf_counter_ns
+        t0 = clock()
+        value = fn()
+        return (clock() - t0) / 1e6, value
 
 
 def roofline_time_model(flops_per_s: float = DEFAULT_FLOPS_PER_S,
@@ -170,187 +233,6 @@ class _Progress:
             self.stream.flush()
 
 
-# ------------------------------------------------------------------ profiling
-def profile_stages(
-    stages: Sequence[Stage],
-    sample: Any,
-    *,
-    device: str | torch.device | None = None,
-    repeats: int = 5,
-    warmup: int = 1,
-    name: str = "torch",
-    progress: bool | None = None,
-    time_model: TimeModel | None = None,
-    flops_per_s: float = DEFAULT_FLOPS_PER_S,
-    bytes_per_s: float = DEFAULT_BYTES_PER_S,
-) -> Chain:
-    """Profile already extracted stages on ``sample``; see :func:`profile_chain`."""
-    if repeats < 1 or warmup < 0:
-        raise OptmemInputError(f"expected repeats >= 1 and warmup >= 0, got {repeats}, {warmup}",
-                               field="repeats")
-    inputs = value_tensors(sample)
-    if not inputs:
-        raise OptmemInputError("the sample input holds no tensor", field="sample")
-    dev = torch.device(device) if device is not None else inputs[0].device
-    meta = dev.type == "meta"
-    modules = [s.module for s in stages]
-    if meta:
-        modules = [m if all(p.is_meta for p in m.parameters()) else copy.deepcopy(m).to("meta")
-                   for m in modules]
-        sample = _to_meta(sample)
-    elif dev != inputs[0].device:
-        sample = _move(sample, dev)
-    roofline = roofline_time_model(flops_per_s, bytes_per_s)
-    timer = _Timer(dev)
-    persistent = _persistent_keys(modules)
-    cuda = dev.type == "cuda"
-
-    params = [p for m in modules for p in m.parameters()]
-    old_grads = [p.grad for p in params]
-    for p in params:  # backward would accumulate into the caller's gradients otherwise
-        p.grad = None
-    buffers = [b for m in modules for b in m.buffers()]
-    old_buffers = [b.detach().clone() for b in buffers] if not meta else []
-    cols: dict[str, list[Any]] = {k: [] for k in (
-        "fwd_time", "bwd_time", "output_size", "saved_size", "fwd_overhead", "bwd_overhead",
-        "weight_size")}
-    bar = _Progress(len(stages), progress)
-    input_size = value_nbytes(sample)
-    x_value = sample
-    fork_devices = [dev.index if dev.index is not None else torch.cuda.current_device()] \
-        if cuda else []
-    try:
-        with torch.random.fork_rng(devices=fork_devices, enabled=True):
-            for k, module in enumerate(modules):
-                bar.update(k, stages[k].name)
-                first = k == 0
-                needs_grad = any(t.requires_grad for t in value_tensors(x_value)) or not first
-                row = _profile_one(module, x_value, needs_grad=needs_grad, persistent=persistent,
-                                   timer=timer, repeats=repeats, warmup=warmup, meta=meta,
-                                   cuda=cuda, time_model=time_model, roofline=roofline)
-                for key, v in row.items():
-                    if key != "next":
-                        cols[key].append(v)
-                x_value = row["next"]
-                for p in params:
-                    p.grad = None
-            bar.update(len(stages), "done")
-    finally:
-        bar.close()
-        for p, g in zip(params, old_grads, strict=True):
-            p.grad = g
-        with torch.no_grad():
-            for b, old in zip(buffers, old_buffers, strict=False):
-                b.copy_(old)
-    return Chain(
-        fwd_time=tuple(cols["fwd_time"]), bwd_time=tuple(cols["bwd_time"]),
-        output_size=tuple(cols["output_size"]), saved_size=tuple(cols["saved_size"]),
-        fwd_overhead=tuple(cols["fwd_overhead"]), bwd_overhead=tuple(cols["bwd_overhead"]),
-        weight_size=tuple(cols["weight_size"]), input_size=input_size, name=name,
-        time_unit="ms", memory_unit="B", stage_names=tuple(s.name for s in stages),
-        extra={"profile": {"device": str(dev), "repeats": repeats, "warmup": warmup,
-                           "torch": torch.__version__,
-                           "times": "time_model" if time_model is not None else
-                           ("roofline" if meta else "measured"),
-                           "overheads": "cuda memory stats" if cuda else "0 (not measured)"}},
-    )
-
-
-def _move(value: Any, dev: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(dev)
-    if isinstance(value, tuple | list):
-        return type(value)(_move(v, dev) for v in value)
-    if isinstance(value, dict):
-        return {k: _move(v, dev) for k, v in value.items()}
-    return value
-
-
-def _profile_one(module: nn.Module, x_value: Any, *, needs_grad: bool, persistent: set[int],
-                 timer: _Timer, repeats: int, warmup: int, meta: bool, cuda: bool,
-                 time_model: TimeModel | None,
-                 roofline: Callable[[float, float], float]) -> dict[str, Any]:
-    """Measure one stage; returns the chain columns and ``next`` (its output, detached)."""
-    x = _leaf(x_value, needs_grad)
-    excluded = persistent | {storage_key(t) for t in value_tensors(x)}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        try:
-            key = storage_key(t)
-        except (RuntimeError, NotImplementedError):  # e.g. sparse tensors
-            key, nbytes = id(t), t.numel() * t.element_size()
-        else:
-            nbytes = _storage_nbytes(t)
-        if key not in excluded:
-            saved[key] = nbytes
-        return t
-
-    flops_f = flops_b = 0.0
-    mem_before = torch.cuda.memory_allocated() if cuda else 0
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    counter = _flop_counter(meta and time_model is None)
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, _identity), \
-            counter:
-        out = module(x)
-    if meta and time_model is None:
-        flops_f = float(counter.get_total_flops())  # type: ignore[union-attr]
-    out_tensors = value_tensors(out)
-    if not out_tensors:
-        raise OptmemInputError("the stage returns no tensor", field="module")
-    output_size = value_nbytes(out)
-    for t in out_tensors:
-        key = storage_key(t)
-        if key not in persistent:
-            saved[key] = _storage_nbytes(t)
-    saved_size = max(sum(saved.values()), output_size)
-    fwd_overhead = bwd_overhead = 0
-    if cuda:
-        peak_f = torch.cuda.max_memory_allocated() - mem_before
-        delta = torch.cuda.memory_allocated() - mem_before
-        fwd_overhead = max(0, peak_f - max(delta, saved_size))
-    outs, grads = _grad_targets(out)
-    if outs:
-        if cuda:
-            # gradient buffers of the weights allocated beforehand (as rotor does): they are
-            # weight memory, not the backward's temporary memory
-            for p in module.parameters():
-                if p.requires_grad and p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            torch.cuda.synchronize()
-            mem_before = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-        counter = _flop_counter(meta and time_model is None)
-        with counter:
-            torch.autograd.backward(outs, grads)
-        if meta and time_model is None:
-            flops_b = float(counter.get_total_flops())  # type: ignore[union-attr]
-        if cuda:
-            peak_b = torch.cuda.max_memory_allocated() - mem_before
-            grad_in = value_nbytes([t.grad for t in value_tensors(x) if t.grad is not None])
-            bwd_overhead = max(0, peak_b - grad_in)
-    has_bwd = bool(outs)
-    del outs, grads
-    if time_model is not None:
-        fwd_time, bwd_time = (float(v) for v in time_model(module, x, out))
-    elif meta:
-        moved = value_nbytes(x) + output_size + saved_size
-        fwd_time = roofline(flops_f, moved)
-        bwd_time = roofline(flops_b, moved + value_nbytes(x)) if has_bwd else 0.0
-    else:
-        fwd_time, bwd_time = _measure_times(module, x, timer, repeats, warmup)
-    return {
-        "fwd_time": fwd_time, "bwd_time": bwd_time, "output_size": output_size,
-        "saved_size": saved_size, "fwd_overhead": fwd_overhead, "bwd_overhead": bwd_overhead,
-        "weight_size": _weight_nbytes(module), "next": _leaf(out, False),
-    }
-
-
-def _identity(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
 class _NullContext:
     def __enter__(self) -> _NullContext:
         return self
@@ -367,33 +249,368 @@ def _flop_counter(enabled: bool) -> Any:
     return FlopCounterMode(display=False)
 
 
-def _measure_times(module: nn.Module, x: Any, timer: _Timer, repeats: int,
-                   warmup: int) -> tuple[float, float]:
-    """Median forward (with grad) and backward times in milliseconds."""
+class _OpLog(TorchDispatchMode):
+    """Fingerprint of the kernels a stage runs: op names, tensor shapes, dtypes, strides.
 
-    def forward() -> Any:
-        with torch.enable_grad():
-            return module(x)
+    Two stages with the same fingerprint compute the same thing on the same shapes (the
+    blocks of a transformer, the repeated units of a ResNet group), so they cost the same:
+    their timing samples are pooled and they get one time (:func:`_time_rounds`).
+    """
 
-    for _ in range(warmup):
-        out = forward()
-        outs, grads = _grad_targets(out)
-        if outs:
+    def __init__(self) -> None:
+        super().__init__()
+        self.digest = hashlib.sha1()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        leaves = tree_leaves((args, kwargs or {}))
+        self.digest.update(repr((str(func), tuple(_describe(v) for v in leaves))).encode())
+        return func(*args, **(kwargs or {}))
+
+
+def _describe(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return (tuple(v.shape), str(v.dtype), tuple(v.stride()) if v.layout == torch.strided
+                else str(v.layout))
+    if v is None or isinstance(v, bool | int | float | str | torch.dtype | torch.device |
+                               torch.layout | torch.memory_format):
+        return repr(v)
+    return type(v).__name__
+
+
+# ------------------------------------------------------------------ memory of one stage
+@dataclass
+class _Setting:
+    """What every stage's measurement shares."""
+
+    persistent: set[int]
+    meta: bool
+    cuda: bool
+    count_flops: bool
+
+
+@dataclass
+class _StageMemory:
+    output_size: int
+    saved_size: int
+    fwd_overhead: int
+    bwd_overhead: int
+    fwd_flops: float
+    bwd_flops: float
+    has_bwd: bool
+    out: Any
+    signature: str
+
+
+def _stage_memory(module: nn.Module, x: Any, in_size: int, tied: Sequence[nn.Parameter],
+                  s: _Setting) -> _StageMemory:
+    """Sizes and traced temporaries of one stage on its leaf input ``x``.
+
+    ``in_size`` is the chain's size of ``a^{i-1}`` (the model charges ``delta^{i-1}`` that
+    much); ``tied`` are the stage's parameters that a later stage also uses.
+    """
+    excluded = s.persistent | {storage_key(t) for t in value_tensors(x)}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        try:
+            key = storage_key(t)
+        except (RuntimeError, NotImplementedError):  # e.g. sparse tensors
+            key, nbytes = id(t), t.numel() * t.element_size()
+        else:
+            nbytes = int(t.untyped_storage().nbytes())
+        if key not in excluded:
+            saved[key] = nbytes
+        return t
+
+    counter = _flop_counter(s.count_flops)
+    trace_f = StorageTrace(excluded)
+    oplog = _OpLog()
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, _identity), \
+            trace_f, counter, oplog:
+        out = module(x)
+    fwd_flops = float(counter.get_total_flops()) if s.count_flops else 0.0
+    out_tensors = value_tensors(out)
+    if not out_tensors:
+        raise OptmemInputError("the stage returns no tensor", field="module")
+    for t in out_tensors:
+        key = storage_key(t)
+        if key not in s.persistent:
+            saved[key] = int(t.untyped_storage().nbytes())
+    output_size = storage_bytes(out, s.persistent)
+    saved_size = max(sum(saved.values()), output_size)
+    trace_n = StorageTrace(excluded)
+    with torch.no_grad(), trace_n:
+        module(x)
+    fwd_overhead = max(0, trace_f.peak() - saved_size, trace_n.peak() - output_size)
+
+    outs, grads = _grad_targets(out)
+    bwd_overhead, bwd_flops = 0, 0.0
+    if outs:
+        for p in tied:  # a later stage's backward accumulated into it already
+            p.grad = torch.zeros_like(p)
+        known = s.persistent | {storage_key(p.grad) for p in tied}
+        counter = _flop_counter(s.count_flops)
+        trace_b = StorageTrace(known)
+        with trace_b, counter, oplog:
             torch.autograd.backward(outs, grads)
-    fwd = [timer(forward) for _ in range(repeats)]
-    bwd = []
-    for _ in range(repeats):
-        outs, grads = _grad_targets(forward())
-        if not outs:
-            bwd.append(0.0)
-            continue
-        def backward(o: list[torch.Tensor] = outs, g: list[torch.Tensor] = grads) -> None:
-            torch.autograd.backward(o, g)
+        bwd_flops = float(counter.get_total_flops()) if s.count_flops else 0.0
+        wgrads = [p.grad for p in module.parameters() if p.grad is not None]
+        bwd_overhead = max(0, trace_b.peak(exclude=wgrads) - in_size)
+        del wgrads
+        _clear_grads(list(module.parameters()))
+        _clear_grads(x)
+    has_bwd = bool(outs)
+    del outs, grads
+    if s.cuda:
+        f_cuda, b_cuda = _cuda_overheads(module, x, saved_size, output_size, in_size)
+        fwd_overhead, bwd_overhead = max(fwd_overhead, f_cuda), max(bwd_overhead, b_cuda)
+    return _StageMemory(output_size, saved_size, fwd_overhead, bwd_overhead, fwd_flops,
+                        bwd_flops, has_bwd, _leaf(out, False), oplog.digest.hexdigest())
 
-        bwd.append(timer(backward))
-        for t in value_tensors(x):
-            t.grad = None
-    return float(statistics.median(fwd)), float(statistics.median(bwd))
+
+class _CudaPeak:
+    """``torch.cuda.max_memory_allocated`` above the allocation at entry (synchronised)."""
+
+    def __enter__(self) -> _CudaPeak:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        self.base = torch.cuda.memory_allocated()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        torch.cuda.synchronize()
+        self.peak = torch.cuda.max_memory_allocated() - self.base
+
+
+def _cuda_overheads(module: nn.Module, x: Any, saved_size: int, output_size: int,
+                    in_size: int) -> tuple[int, int]:
+    """Rotor's allocator protocol: peaks of the CUDA caching allocator around each op.
+
+    Counts what the trace cannot see (cuDNN/cuBLAS workspaces, the allocator's rounding to
+    512-byte blocks). The weight gradients are allocated before the backward, as rotor does,
+    so that they are not part of its peak; the temporary of each accumulation then is
+    (conservative when gradients start at ``None``).
+    """
+    with torch.no_grad(), _CudaPeak() as nograd:
+        module(x)
+    with torch.enable_grad(), _CudaPeak() as grad:
+        out = module(x)
+    fwd = max(0, grad.peak - saved_size, nograd.peak - output_size)
+    outs, grads = _grad_targets(out)
+    bwd = 0
+    if outs:
+        for p in module.parameters():
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+        with _CudaPeak() as back:
+            torch.autograd.backward(outs, grads)
+        bwd = max(0, back.peak - in_size)
+        _clear_grads(list(module.parameters()))
+        _clear_grads(x)
+    return fwd, bwd
+
+
+def _loss_memory(loss_fn: LossFn, y: Any, out_size: int, s: _Setting) -> int:
+    """``loss.bwd_overhead``: traced peak of the loss forward+backward minus ``delta^L``."""
+    x = _leaf(y, True)
+    trace = StorageTrace(s.persistent | {storage_key(t) for t in value_tensors(x)})
+    with torch.enable_grad(), trace:
+        loss = loss_fn(x)
+        if loss.requires_grad:
+            torch.autograd.backward(loss)
+    del loss
+    _clear_grads(x)
+    return max(0, trace.peak() - out_size)
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+# ------------------------------------------------------------------ times
+def _time_rounds(modules: Sequence[nn.Module], inputs: Sequence[Any], classes: Sequence[str],
+                 timer: _Timer, repeats: int, warmup: int, loss_fn: LossFn | None,
+                 loss_input: Any) -> tuple[list[float], list[float], float]:
+    """Median forward / backward times of every stage (and the loss), by interleaved rounds.
+
+    Stages of one class (same kernel fingerprint, :class:`_OpLog`) pool their samples and
+    get the same median.
+    """
+    fwd: dict[str, list[float]] = {c: [] for c in classes}
+    bwd: dict[str, list[float]] = {c: [] for c in classes}
+    loss_times: list[float] = []
+    for r in range(warmup + repeats):
+        for module, x, cls in zip(modules, inputs, classes, strict=True):
+            def forward(m: nn.Module = module, v: Any = x) -> Any:
+                with torch.enable_grad():
+                    return m(v)
+
+            f_ms, out = timer(forward)
+            outs, grads = _grad_targets(out)
+            b_ms = timer(lambda o=outs, g=grads: torch.autograd.backward(o, g))[0] \
+                if outs else 0.0
+            del out, outs, grads
+            _clear_grads(list(module.parameters()))
+            _clear_grads(x)
+            if r >= warmup:
+                fwd[cls].append(f_ms)
+                bwd[cls].append(b_ms)
+        if loss_fn is not None:
+            def loss_step() -> None:
+                with torch.enable_grad():
+                    loss = loss_fn(loss_input)
+                    if loss.requires_grad:
+                        torch.autograd.backward(loss)
+
+            ms = timer(loss_step)[0]
+            _clear_grads(loss_input)
+            if r >= warmup:
+                loss_times.append(ms)
+    med = statistics.median
+    return ([float(med(fwd[c])) for c in classes], [float(med(bwd[c])) for c in classes],
+            float(med(loss_times)) if loss_times else 0.0)
+
+
+# ------------------------------------------------------------------ profiling
+def profile_stages(
+    stages: Sequence[Stage],
+    sample: Any,
+    *,
+    device: str | torch.device | None = None,
+    repeats: int = 5,
+    warmup: int = 1,
+    name: str = "torch",
+    progress: bool | None = None,
+    time_model: TimeModel | None = None,
+    flops_per_s: float = DEFAULT_FLOPS_PER_S,
+    bytes_per_s: float = DEFAULT_BYTES_PER_S,
+    loss_fn: LossFn | None = None,
+    time_resolution: float = DEFAULT_TIME_RESOLUTION,
+    pool_identical: bool = True,
+) -> Chain:
+    """Profile already extracted stages on ``sample``; see :func:`profile_chain`."""
+    if repeats < 1 or warmup < 0:
+        raise OptmemInputError(f"expected repeats >= 1 and warmup >= 0, got {repeats}, {warmup}",
+                               field="repeats")
+    if not (time_resolution >= 0 and math.isfinite(time_resolution)):
+        raise OptmemInputError(f"expected time_resolution >= 0, got {time_resolution}",
+                               field="time_resolution")
+    inputs = value_tensors(sample)
+    if not inputs:
+        raise OptmemInputError("the sample input holds no tensor", field="sample")
+    dev = torch.device(device) if device is not None else inputs[0].device
+    meta = dev.type == "meta"
+    modules = [s.module for s in stages]
+    if meta:
+        modules = [m if all(p.is_meta for p in m.parameters()) else copy.deepcopy(m).to("meta")
+                   for m in modules]
+        sample = _to_meta(sample)
+    elif dev != inputs[0].device:
+        sample = _move(sample, dev)
+    setting = _Setting(_persistent_keys(modules), meta, dev.type == "cuda",
+                       count_flops=meta and time_model is None)
+    timer = _Timer(dev)
+
+    params = [p for m in modules for p in m.parameters()]
+    old_grads = [p.grad for p in params]
+    for p in params:  # backward would accumulate into the caller's gradients otherwise
+        p.grad = None
+    buffers = [b for m in modules for b in m.buffers()]
+    old_buffers = [b.detach().clone() for b in buffers] if not meta else []
+    bar = _Progress(len(stages), progress)
+    fork_devices = [dev.index if dev.index is not None else torch.cuda.current_device()] \
+        if setting.cuda else []
+    try:
+        with torch.random.fork_rng(devices=fork_devices, enabled=True):
+            rows, leaves, last = _profile_memory(modules, stages, sample, setting, bar)
+            loss_overhead = _loss_memory(loss_fn, last, rows[-1].output_size, setting) \
+                if loss_fn is not None else 0
+            bar.update(len(stages), "timing")
+            if not pool_identical:
+                for k, row in enumerate(rows):
+                    row.signature = f"{k}:{row.signature}"
+            fwd_time, bwd_time, loss_time = _stage_times(
+                modules, leaves, rows, setting, timer, repeats, warmup, time_model,
+                roofline_time_model(flops_per_s, bytes_per_s), loss_fn, last)
+            bar.update(len(stages), "done")
+    finally:
+        bar.close()
+        for p, g in zip(params, old_grads, strict=True):
+            p.grad = g
+        with torch.no_grad():
+            for b, old in zip(buffers, old_buffers, strict=False):
+                b.copy_(old)
+    times = "time_model" if time_model is not None else ("roofline" if meta else "measured")
+    q = (lambda t: round_time(t, time_resolution)) if times == "measured" else float
+    return Chain(
+        fwd_time=tuple(q(t) for t in fwd_time), bwd_time=tuple(q(t) for t in bwd_time),
+        output_size=tuple(r.output_size for r in rows),
+        saved_size=tuple(r.saved_size for r in rows),
+        fwd_overhead=tuple(r.fwd_overhead for r in rows),
+        bwd_overhead=tuple(r.bwd_overhead for r in rows),
+        weight_size=tuple(_weight_nbytes(m) for m in modules),
+        input_size=storage_bytes(sample), loss_bwd_time=q(loss_time) if loss_time else 0.0,
+        loss_bwd_overhead=loss_overhead, name=name,
+        time_unit="ms", memory_unit="B", stage_names=tuple(s.name for s in stages),
+        extra={"profile": {
+            "device": str(dev), "repeats": repeats, "warmup": warmup,
+            "torch": torch.__version__, "times": times,
+            "overheads": ("dispatch trace + cuda allocator" if setting.cuda
+                          else "dispatch trace"),
+            "clock": timer.clock if times == "measured" else None,
+            "time_resolution": time_resolution if times == "measured" else 0.0,
+            "time_classes": len({r.signature for r in rows}) if times == "measured" else None,
+            "loss": "loss_fn" if loss_fn is not None else "not profiled"}},
+    )
+
+
+def _profile_memory(modules: Sequence[nn.Module], stages: Sequence[Stage], sample: Any,
+                    s: _Setting, bar: _Progress) -> tuple[list[_StageMemory], list[Any], Any]:
+    """The memory pass: every stage in order on the previous stage's output.
+
+    Returns the rows, the leaf input of every stage (kept for timing) and the chain output.
+    """
+    last_use: dict[int, int] = {}
+    for k, m in enumerate(modules):
+        for p in m.parameters():
+            last_use[id(p)] = k
+    rows: list[_StageMemory] = []
+    leaves: list[Any] = []
+    x_value = sample
+    in_size = storage_bytes(sample)
+    for k, module in enumerate(modules):
+        bar.update(k, stages[k].name)
+        needs_grad = k > 0 or any(t.requires_grad for t in value_tensors(x_value))
+        x = _leaf(x_value, needs_grad)
+        tied = [p for p in module.parameters() if p.requires_grad and last_use[id(p)] > k]
+        row = _stage_memory(module, x, in_size, tied, s)
+        rows.append(row)
+        leaves.append(x)
+        x_value, in_size = row.out, row.output_size
+    return rows, leaves, x_value
+
+
+def _stage_times(modules: Sequence[nn.Module], leaves: Sequence[Any],
+                 rows: Sequence[_StageMemory], s: _Setting, timer: _Timer, repeats: int,
+                 warmup: int, time_model: TimeModel | None,
+                 roofline: Callable[[float, float], float], loss_fn: LossFn | None,
+                 last: Any) -> tuple[list[float], list[float], float]:
+    """Forward, backward and loss times: a time model, the meta roofline, or measured."""
+    if time_model is not None:
+        pairs = [tuple(float(v) for v in time_model(m, x, r.out))
+                 for m, x, r in zip(modules, leaves, rows, strict=True)]
+        return [p[0] for p in pairs], [p[1] for p in pairs], 0.0
+    if s.meta:
+        fwd, bwd = [], []
+        for x, r in zip(leaves, rows, strict=True):
+            moved = value_nbytes(x) + r.output_size + r.saved_size
+            fwd.append(roofline(r.fwd_flops, moved))
+            bwd.append(roofline(r.bwd_flops, moved + value_nbytes(x)) if r.has_bwd else 0.0)
+        return fwd, bwd, 0.0
+    loss_input = _leaf(last, True) if loss_fn is not None else None
+    return _time_rounds(modules, leaves, [r.signature for r in rows], timer, repeats, warmup,
+                        loss_fn, loss_input)
 
 
 def profile_chain(
@@ -409,6 +626,9 @@ def profile_chain(
     max_stages: int | None = None,
     flops_per_s: float = DEFAULT_FLOPS_PER_S,
     bytes_per_s: float = DEFAULT_BYTES_PER_S,
+    loss_fn: LossFn | None = None,
+    time_resolution: float = DEFAULT_TIME_RESOLUTION,
+    pool_identical: bool = True,
 ) -> Chain:
     """Extract the chain of ``module`` and profile it on ``sample``.
 
@@ -423,18 +643,30 @@ def profile_chain(
         ``None`` (the sample's device), ``"cpu"``, ``"cuda"`` or ``"meta"`` (sizes only, no
         computation; times from ``time_model`` or the FLOPs roofline).
     repeats, warmup
-        Timed runs (median taken) and untimed warm-up runs per stage.
+        Timed and untimed rounds (every stage once per round; the median is kept).
     name
         Chain name (default: the module's class name).
     progress
         Progress bar on stderr: ``True``, ``False``, or ``None`` (only on a terminal).
     time_model
         ``time_model(stage_module, input, output) -> (fwd_ms, bwd_ms)`` replacing the timing
-        (a device model such as a GPU roofline plugs in here).
+        (a device model such as a GPU roofline plugs in here; deterministic times give
+        deterministic plans).
     max_stages
         Merge the extracted stages into at most this many (balanced by parameter count).
     flops_per_s, bytes_per_s
         Roofline of the default meta-mode time model.
+    loss_fn
+        ``loss_fn(output) -> loss``: profile the loss too (its time and temporaries become
+        the chain's ``loss`` stage), so that a memory limit covers it. ``None``: the loss
+        costs nothing in the chain (rotor's default).
+    time_resolution
+        Relative resolution of measured times (:func:`round_time`; 0 keeps them as
+        measured).
+    pool_identical
+        Give stages that run the same kernels on the same shapes (the blocks of a
+        transformer) one time, the median of their pooled samples (``False``: time every
+        stage on its own samples).
 
     Returns
     -------
@@ -456,4 +688,5 @@ def profile_chain(
         name = type(module).__name__ if isinstance(module, nn.Module) else "torch"
     return profile_stages(stages, sample, device=device, repeats=repeats, warmup=warmup,
                           name=name, progress=progress, time_model=time_model,
-                          flops_per_s=flops_per_s, bytes_per_s=bytes_per_s)
+                          flops_per_s=flops_per_s, bytes_per_s=bytes_per_s, loss_fn=loss_fn,
+                          time_resolution=time_resolution, pool_identical=pool_identical)

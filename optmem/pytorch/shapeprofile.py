@@ -30,19 +30,18 @@ tensors or tuples of tensors. Every chain records how it was obtained in ``prove
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from optmem.chain import Chain
 from optmem.pytorch.devices import DeviceModel, get_device
 from optmem.pytorch.extract import extract_stages
+from optmem.pytorch.memory import StorageTrace, storage_bytes, storage_key
 
 _FREE_OPS = ("empty", "new_empty", "empty_like", "empty_strided")
 
@@ -51,57 +50,27 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
-def _key(t: torch.Tensor) -> int:
-    return int(t.untyped_storage()._cdata)
+class _Tracker(StorageTrace):
+    """A :class:`~optmem.pytorch.memory.StorageTrace` that also times every kernel.
 
-
-def storage_bytes(value: Any) -> int:
-    """Bytes of the distinct storages behind the tensors of ``value``."""
-    seen: dict[int, int] = {}
-    for t in _tensors(value):
-        seen[_key(t)] = t.untyped_storage().nbytes()
-    return sum(seen.values())
-
-
-class _Tracker(TorchDispatchMode):
-    """Counts storages created while active, their frees, and roofline time per kernel."""
+    Views and allocations (no data moved) cost nothing; other kernels cost the roofline time
+    of their FLOPs and of the bytes they read and write.
+    """
 
     def __init__(self, known: set[int], device: DeviceModel | None) -> None:
-        super().__init__()
-        self.known = known
+        super().__init__(known, count_aliases=True)
         self.device = device
-        self.live: dict[int, int] = {}  # storage cdata -> event key
-        self.sizes: list[int] = []
-        self.events: list[tuple[int, int]] = []  # (key, +bytes | -bytes)
         self.seconds = 0.0
         self.nbytes = 0
-
-    def _free(self, cdata: int, key: int) -> None:
-        if self.live.get(cdata) == key:
-            del self.live[cdata]
-        self.events.append((key, -self.sizes[key]))
-
-    def _track(self, t: torch.Tensor) -> None:
-        st = t.untyped_storage()
-        cdata = int(st._cdata)
-        if cdata in self.known or cdata in self.live:
-            return
-        key = len(self.sizes)
-        self.sizes.append(int(st.nbytes()))
-        self.live[cdata] = key
-        self.events.append((key, self.sizes[key]))
-        weakref.finalize(st, self._free, cdata, key)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
         ins, outs = _tensors((args, kwargs)), _tensors(out)
-        in_keys = {_key(t) for t in ins}
-        for t in outs:
-            self._track(t)
+        in_keys = {storage_key(t) for t in ins}
         name = func._overloadpacket.__name__
-        alias = not func._schema.is_mutable and all(_key(t) in in_keys for t in outs)
+        alias = not func._schema.is_mutable and all(storage_key(t) in in_keys for t in outs)
         if alias or name in _FREE_OPS:
             return out
         nbytes = sum(t.numel() * t.element_size() for t in (*ins, *outs))
@@ -115,21 +84,6 @@ class _Tracker(TorchDispatchMode):
         if self.device is not None:
             self.seconds += self.device.op_time(flops=flops, nbytes=nbytes, dtype=dtype)
         return out
-
-    def alive(self) -> int:
-        """Bytes created while active and still alive."""
-        return sum(self.sizes[k] for k in self.live.values())
-
-    def peak(self, exclude: set[int] = frozenset()) -> int:  # type: ignore[assignment]
-        """Largest total of live created bytes over time, ignoring the ``exclude`` storages."""
-        keys = {self.live[c] for c in exclude if c in self.live}
-        cur = best = 0
-        for key, delta in self.events:
-            if key in keys:
-                continue
-            cur += delta
-            best = max(best, cur)
-        return best
 
 
 def _prepare(value: Any) -> tuple[list[torch.Tensor], Any]:
@@ -164,14 +118,14 @@ def profile_stage(stage: nn.Module, x: Any, device: DeviceModel | None) -> tuple
     """Profile one stage on input ``x``; return the stage record and its detached output."""
     leaves, xin = _prepare(x)
     params = [p for p in stage.parameters()]
-    known = {_key(t) for t in (*leaves, *_tensors(xin), *params, *stage.buffers())}
+    known = {storage_key(t) for t in (*leaves, *_tensors(xin), *params, *stage.buffers())}
     for p in params:
         p.grad = None
     y, fwd, fwd_flops = _run(lambda: stage(xin), known, device)
     ys = _tensors(y)
     out_size = storage_bytes(y)
     # outputs that alias the input (in-place stages, carried skip tensors) are part of a^i
-    carried = storage_bytes([t for t in ys if _key(t) in known])
+    carried = storage_bytes([t for t in ys if storage_key(t) in known])
     saved = max(fwd.alive() + carried, out_size)
     rec: dict[str, Any] = {
         "output_size": out_size, "saved_size": saved,
@@ -182,9 +136,9 @@ def profile_stage(stage: nn.Module, x: Any, device: DeviceModel | None) -> tuple
     in_size = storage_bytes(leaves)
     if outs:
         grads = [torch.ones_like(t) for t in outs]
-        known_b = known | {_key(t) for t in (*ys, *grads)}
+        known_b = known | {storage_key(t) for t in (*ys, *grads)}
         _, bwd, bwd_flops = _run(lambda: torch.autograd.backward(outs, grads), known_b, device)
-        wgrads = {_key(p.grad) for p in params if p.grad is not None}
+        wgrads = [p.grad for p in params if p.grad is not None]
         rec.update(bwd_overhead=max(0, bwd.peak(wgrads) - in_size),
                    bwd_time=bwd.seconds * 1e3, bwd_flops=bwd_flops, bwd_bytes=bwd.nbytes)
         for p in params:
@@ -199,7 +153,7 @@ def profile_loss(loss_fn: Callable[[Any], torch.Tensor], x: Any,
                  device: DeviceModel | None) -> dict[str, Any]:
     """Profile ``loss_fn(a^L)`` forward + backward: the chain's ``Loss`` op."""
     leaves, xin = _prepare(x)
-    known = {_key(t) for t in (*leaves, *_tensors(xin))}
+    known = {storage_key(t) for t in (*leaves, *_tensors(xin))}
     holder: dict[str, Any] = {}
 
     def both() -> None:

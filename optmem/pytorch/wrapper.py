@@ -165,6 +165,9 @@ class PlannedModule(nn.Module):
     def build(cls, module: Any, sample: Any, planner: Planner, profile: ProfileOptions, *,
               chain: Chain | None = None, name: str | None = None) -> PlannedModule:
         """Extract, profile, solve and wrap ``module`` (``sample``: one batch or call)."""
+        from optmem.pytorch.distributed import refuse_sharded
+
+        refuse_sharded(module)
         if is_plain_chain(module):
             stages = extract_stages(module)
             wrapped = module if isinstance(module, nn.Module) else nn.ModuleList(
@@ -473,30 +476,46 @@ def _extract_variant(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
 def _make_variant(ext: Extraction | None, fine: list[Stage], x: Any, planner: Planner,
                   profile: ProfileOptions, chain: Chain | None, name: str,
                   ctx: SideInputs | None, like: _Variant | None) -> _Variant:
-    """Merge (``max_stages``), profile and solve one list of stages."""
+    """Merge (``max_stages``), profile and solve one list of stages.
+
+    The merge, the profile and the solve run once, on rank 0 of the planner's process group
+    when ``torch.distributed`` is initialised (:func:`~optmem.pytorch.distributed.run_once`),
+    so every rank follows the same plan; the executor is built on every rank.
+    """
+    from optmem.pytorch.distributed import resolve_group, run_once
+
     fine_names = tuple(s.name for s in fine)
-    stages, groups = fine, None
     limit = profile.max_stages
-    if limit is not None and len(fine) > limit:
-        if like is not None and like.groups is not None and like.fine_names == fine_names:
-            groups = like.groups
-        elif chain is None and profile.device != "meta":
-            quick = _profile(fine, x, profile, name, ctx, repeats=1, warmup=1)
-            costs = [f + b for f, b in zip(quick.fwd_time, quick.bwd_time, strict=True)]
-            groups = _groups(len(fine), limit, costs)
-        else:
-            groups = _groups(len(fine), limit, None, fine)
-        stages = merge_stages(fine, limit, costs=None, groups=groups)
-    if chain is None:
-        same = like is not None and tuple(s.name for s in like.stages) == \
-            tuple(s.name for s in stages)
-        chain = _profile(stages, x, profile, name, ctx,
-                         time_model=_scaled_times(like, stages) if same else None)
-    elif chain.length != len(stages):
-        raise OptmemInputError(
-            f"the given chain has {chain.length} stages but the module has {len(stages)}",
-            field="chain")
-    result = planner.solve(chain)
+
+    def merged(groups: list[tuple[int, int]] | None) -> list[Stage]:
+        return fine if groups is None else merge_stages(fine, limit, costs=None, groups=groups)
+
+    def decide() -> tuple[list[tuple[int, int]] | None, Chain, Result]:
+        groups = None
+        if limit is not None and len(fine) > limit:
+            if like is not None and like.groups is not None and like.fine_names == fine_names:
+                groups = like.groups
+            elif chain is None and profile.device != "meta":
+                quick = _profile(fine, x, profile, name, ctx, repeats=1, warmup=1)
+                costs = [f + b for f, b in zip(quick.fwd_time, quick.bwd_time, strict=True)]
+                groups = _groups(len(fine), limit, costs)
+            else:
+                groups = _groups(len(fine), limit, None, fine)
+        stages = merged(groups)
+        prof = chain
+        if prof is None:
+            same = like is not None and tuple(s.name for s in like.stages) == \
+                tuple(s.name for s in stages)
+            prof = _profile(stages, x, profile, name, ctx,
+                            time_model=_scaled_times(like, stages) if same else None)
+        elif prof.length != len(stages):
+            raise OptmemInputError(
+                f"the given chain has {prof.length} stages but the module has {len(stages)}",
+                field="chain")
+        return groups, prof, planner.solve(prof)
+
+    groups, chain, result = run_once(decide, resolve_group(planner.process_group))
+    stages = merged(groups)
     executor = planner.executor(stages, result.plan)
     return _Variant(ext, stages, groups, fine_names, chain, result, executor)
 

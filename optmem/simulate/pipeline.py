@@ -31,6 +31,13 @@ from optmem.errors import PlanError
 from optmem.pipeline_plan import PipelinePlan, PipelineTask
 from optmem.problems.pipeline import PipelineProblem
 
+MAX_SHIFT_SPAN_PER_TASK = 4
+"""Largest ``(max shift - min shift) / number of tasks`` a replayed plan may have. Along
+the dependency order each task lags the previous one by at most 2 periods (it starts and
+lasts within a period), so minimal shifts span at most ``2 (tasks - 1)``; larger spans only
+delay micro-batches, and the replay, which unrolls ``2 span + 6`` micro-batches, would
+never end for shifts such as ``10^18``."""
+
 
 @dataclass(frozen=True)
 class PipelineSimulation:
@@ -162,6 +169,10 @@ def simulate_pipeline(
     stages = plan.stages
     shifts = [t.shift for t in tasks.values()]
     span = max(shifts) - min(shifts)
+    if span > MAX_SHIFT_SPAN_PER_TASK * len(tasks):
+        raise PlanError(f"the shifts span {span} periods; a pattern needs at most 2 per task "
+                        f"(the replay accepts {MAX_SHIFT_SPAN_PER_TASK} per task: "
+                        f"{MAX_SHIFT_SPAN_PER_TASK * len(tasks)})")
     n_mb = microbatches if microbatches is not None else 2 * span + 6
     # absolute start of (task, micro-batch m): (m - h) T + start
     def start(key: tuple[str, int], m: int) -> float:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 
+from optmem.chain import Chain
 from optmem.errors import OptmemInputError
 from optmem.plan import Op, plan_strings
 from optmem.problems.checkpoint import CheckpointProblem, Discretized, discretize
@@ -19,6 +20,7 @@ from optmem.solvers import checkpoint_baselines as base
 from optmem.solvers.checkpoint_bruteforce import brute_force_checkpoint
 from optmem.solvers.checkpoint_dp import min_memory_persistent, solve_persistent_table
 from optmem.solvers.facade import register
+from optmem.solvers.hints import smallest_solvable_limit
 
 PROBLEM = "checkpoint"
 DP_VARIANTS = ("paper", "rotor", "floating", "floating-printed")
@@ -89,10 +91,44 @@ def infeasible_result(
 
 
 def _min_memory_hint(problem: CheckpointProblem, disc: Discretized, min_memory: int) -> str:
-    if problem.memory_limit >= min_memory:
-        return (f"feasible from {min_memory} {problem.chain.memory_unit} without rounding, but "
-                f"not after rounding sizes up to units of {disc.unit}: use more --slots")
-    return f"the smallest feasible memory is {min_memory} {problem.chain.memory_unit}"
+    del disc
+    return (f"the smallest feasible memory is {min_memory} {problem.chain.memory_unit} "
+            f"(as solved: sizes rounded up to the discretisation unit of that limit)")
+
+
+def dp_min_memory(problem: CheckpointProblem, options: SolveOptions, variant: str) -> int | None:
+    """Least limit at which the persistent DP (``variant``) finds a plan, as solved.
+
+    The min-max recurrence (:func:`min_memory_persistent`) on the chain rounded to each
+    candidate unit, searched by :func:`optmem.solvers.hints.smallest_solvable_limit`;
+    ``rotor`` keeps exactly ``S`` slots. ``floating`` uses the ``paper`` recurrence (its
+    plans are floating plans too).
+    """
+    chain, slots = problem.chain, options.slots
+    base = "rotor" if variant == "rotor" else "paper"
+
+    def need(unit: int) -> int:
+        return min_memory_persistent(chain.quantize(unit), base)
+
+    def rotor_units(limit: int, unit: int) -> int:
+        return min(slots, limit // unit)
+
+    return smallest_solvable_limit(min_memory_persistent(chain, base), need, slots,
+                                   units_of_limit=rotor_units if variant == "rotor" else None)
+
+
+def plan_min_memory(chain: Chain, plans: Iterable[tuple[Op, ...]], slots: int) -> int | None:
+    """Least limit at which one of ``plans`` fits after rounding (witness plans)."""
+    plans = list(plans)
+    if not plans:
+        return None
+    low = min(simulate_checkpoint(chain, plan).peak_memory for plan in plans)
+
+    def need(unit: int) -> int:
+        rounded = chain.quantize(unit)
+        return min(simulate_checkpoint(rounded, plan).peak_memory for plan in plans)
+
+    return smallest_solvable_limit(low, need, slots)
 
 
 # ------------------------------------------------------------------ dynamic programs
@@ -108,7 +144,7 @@ def solve_checkpoint_dp(problem: CheckpointProblem, options: SolveOptions) -> Re
             field="variant")
     disc = discretize_for(problem, options)
     if variant.startswith("floating"):
-        return _solve_floating(problem, disc, variant)
+        return _solve_floating(problem, options, disc, variant)
     limit = disc.memory_limit
     if variant == "rotor":  # the reference keeps exactly S slots (CONTRACT section 2)
         limit = min(options.slots, disc.memory_limit)
@@ -116,19 +152,20 @@ def solve_checkpoint_dp(problem: CheckpointProblem, options: SolveOptions) -> Re
     budget = limit - disc.chain.input_size
     if budget < 0:
         return infeasible_result(problem, disc, method="dp", variant=variant,
-                                 min_memory=min_memory_persistent(problem.chain, variant))
+                                 min_memory=dp_min_memory(problem, options, variant))
     table = solve_persistent_table(disc.chain, budget, variant)
     value = table.value()
     report = {"dp_states": table.states, "model": "persistent"}
     if not math.isfinite(value):
         return infeasible_result(problem, disc, method="dp", variant=variant,
-                                 min_memory=min_memory_persistent(problem.chain, variant),
+                                 min_memory=dp_min_memory(problem, options, variant),
                                  report=report)
     return plan_result(problem, disc, table.plan(), method="dp", status=Status.OPTIMAL,
                        bound=value, variant=variant, claimed=value, report=report)
 
 
-def _solve_floating(problem: CheckpointProblem, disc: Discretized, variant: str) -> Result:
+def _solve_floating(problem: CheckpointProblem, options: SolveOptions, disc: Discretized,
+                    variant: str) -> Result:
     from optmem.solvers.checkpoint_floating import solve_floating
 
     if problem.chain.length > FLOATING_MAX_LENGTH * 2:
@@ -141,7 +178,7 @@ def _solve_floating(problem: CheckpointProblem, disc: Discretized, variant: str)
     report = {"dp_states": states, "model": "floating"}
     if plan is None:
         return infeasible_result(problem, disc, method="dp", variant=variant,
-                                 min_memory=min_memory_persistent(problem.chain, "paper"),
+                                 min_memory=dp_min_memory(problem, options, "paper"),
                                  report=report)
     return plan_result(problem, disc, plan, method="dp", status=Status.OPTIMAL, bound=value,
                        variant=variant, claimed=value, report=report)
@@ -155,15 +192,15 @@ def _best_fitting(
     """The fastest candidate plan whose simulated peak fits; infeasible if none does."""
     disc = discretize_for(problem, options)
     best: tuple[float, str, tuple[Op, ...]] | None = None
-    smallest_peak = math.inf
+    plans = []
     for label, plan in candidates:
+        plans.append(plan)
         sim = simulate_checkpoint(disc.chain, plan)
-        smallest_peak = min(smallest_peak, sim.peak_memory)
         if sim.peak_memory <= disc.memory_limit and (best is None or sim.makespan < best[0]):
             best = (sim.makespan, label, plan)
     if best is None:
-        needed = None if not math.isfinite(smallest_peak) else int(smallest_peak) * disc.unit
-        return infeasible_result(problem, disc, method=method, variant=None, min_memory=needed)
+        return infeasible_result(problem, disc, method=method, variant=None,
+                                 min_memory=plan_min_memory(problem.chain, plans, options.slots))
     return plan_result(problem, disc, best[2], method=method, status=Status.FEASIBLE,
                        bound=lower_bound(problem), report={"choice": best[1]})
 

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from optmem.plan import LOSS, B, F_all, F_ck, F_none, Op, segments_plan
+from optmem.solvers.checkpoint_dp import require_table_bytes
 
 
 def store_all_plan(length: int) -> tuple[Op, ...]:
@@ -64,6 +65,8 @@ def revolve_table(length: int, slots: int, uf: float, ub: float) -> np.ndarray:
     ``Opt_0(0, m) = ub`` for m >= 2; ``Opt_0(l, m) = +inf`` for l >= 1, m <= 2;
     ``Opt_0(l, m) = min_{1<=i<=l} i*uf + Opt_0(l-i, m-1) + Opt_0(i-1, m)`` (eq. 1.3).
     """
+    require_table_bytes(8.0 * (length + 1) * (slots + 1), what="Revolve table", length=length,
+                        memory=slots + 1)
     opt = np.full((length + 1, slots + 1), np.inf)
     opt[0, 2:] = ub
     for m in range(3, slots + 1):

@@ -57,12 +57,42 @@ from dataclasses import dataclass
 import numpy as np
 
 from optmem.chain import Chain
+from optmem.errors import OptmemInputError
 from optmem.plan import LOSS, B, F_all, F_ck, F_none, Op
 
 INF = np.inf
+MAX_TABLE_BYTES = 4 * 2**30
+"""Largest memory the DP tables of one solve may take. Tables grow as ``L^2 M`` (``L^3 M``
+for the floating DP) and ``M`` grows with ``--slots``: without a cap, ``--slots 10^8``
+asked numpy for 15 GiB and ``10^10`` for terabytes (a MemoryError, or the machine swapping).
+ResNet-1001 at the default 500 slots needs 0.9 GB."""
 TILE = 8  # the table is filled in TILE x TILE tiles of (s, t) pairs, for cache reuse
 CHOICE_NONE = -1  # infeasible
 CHOICE_ALL = 0  # F_all branch; a positive value s' is the F_ck branch with split s'
+
+
+def require_table_bytes(nbytes: float, *, what: str, length: int, memory: int,
+                        field: str = "slots") -> None:
+    """Raise one clear error if a DP's tables would take more than :data:`MAX_TABLE_BYTES`.
+
+    Raises
+    ------
+    OptmemInputError
+        Naming ``field`` (the option that sets the number of memory values).
+
+    Examples
+    --------
+    >>> require_table_bytes(2**40, what="persistent DP", length=3, memory=10**10)
+    Traceback (most recent call last):
+    ...
+    optmem.errors.OptmemInputError: field 'slots': the persistent DP would need 1024.0 GiB \
+for 3 stages and 10000000000 memory values (at most 4 GiB): use fewer slots
+    """
+    if nbytes > MAX_TABLE_BYTES:
+        raise OptmemInputError(
+            f"the {what} would need {nbytes / 2**30:.1f} GiB for {length} stages and {memory} "
+            f"memory values (at most {MAX_TABLE_BYTES // 2**30} GiB): use fewer {field}",
+            field=field)
 
 
 @dataclass(frozen=True)
@@ -265,6 +295,8 @@ def solve_persistent_table(chain: Chain, budget: int, variant: str = "paper") ->
         raise ValueError(f"unknown persistent variant {variant!r}")
     ar = ChainArrays.from_chain(chain)
     L, n_m = ar.L, max(budget, 0) + 1
+    require_table_bytes(8.0 * (2 * (L + 2) ** 2 + L + 1) * n_m, what="persistent DP",
+                        length=L, memory=n_m)
     a, uf, ub = ar.a, ar.uf, ar.ub
     cost = np.full((L + 2, L + 2, n_m), INF)
     shifted = np.empty((L + 2, L + 2, n_m))  # shifted[t, s'] = C(s', t, m - a[s'-1])

@@ -9,8 +9,12 @@ replayed by the simulator (:func:`optmem.solvers.checkpoint.plan_result`); the m
 objective of the decoded plan must equal the simulated makespan.
 
 Options read from :class:`optmem.result.SolveOptions`: ``variant`` (``full`` default,
-``persistent``), ``solver`` (ILP engine), ``time_limit_s``, ``threads``, ``warm_start``,
-``verbose``, ``extra["sweeps"]`` (increasing forward runs per phase, default 1).
+``persistent``), ``solver`` (ILP engine), ``time_limit_s``, ``node_limit`` (``ilp``),
+``deterministic_time`` (``cpsat``), ``seed``, ``threads``, ``warm_start``, ``verbose``,
+``extra["sweeps"]`` (increasing forward runs per phase, default 1).
+
+An engine that fails (:mod:`optmem.solvers.engine_results`) gives ``feasible`` with the DP
+plan when it was the warm start, ``error`` otherwise.
 """
 
 from __future__ import annotations
@@ -37,12 +41,15 @@ from optmem.solvers.checkpoint import (
     discretize_for,
     infeasible_result,
     lower_bound,
+    plan_min_memory,
     plan_result,
 )
 from optmem.solvers.checkpoint_dp import solve_persistent_table
+from optmem.solvers.engine_results import engine_failure
 from optmem.solvers.facade import register, register_exporter
 
 MIN_MEMORY_TIME_LIMIT_S = 30.0
+MIN_MEMORY_NODE_LIMIT = 20_000
 
 
 @dataclass(frozen=True)
@@ -90,21 +97,32 @@ def _dp_start(disc: Discretized, form: Formulation, wanted: bool) -> _Start:
 
 def _min_memory(problem: CheckpointProblem, options: SolveOptions, variant: str,
                 sweeps: int) -> int | None:
-    """Smallest feasible limit of the undiscretised chain (min-peak ILP), if proven.
+    """Smallest limit at which the exact model finds a plan, as solved, if proven.
 
-    The search gets the method's time limit, at most ``MIN_MEMORY_TIME_LIMIT_S``.
+    The min-peak mode of the model on the undiscretised chain, with sizes scaled to
+    coefficients of at most :data:`~optmem.solvers.engines.MAX_COEFFICIENT`; its plan,
+    replayed on the chain, gives the least peak, and
+    :func:`~optmem.solvers.checkpoint.plan_min_memory` the least limit at which that plan
+    fits after rounding. The search gets the method's time limit (at most
+    ``MIN_MEMORY_TIME_LIMIT_S``) and node limit, else ``MIN_MEMORY_NODE_LIMIT`` nodes (a
+    deterministic budget); ``None`` when it does not prove its answer.
     """
     if not engines.is_available(options.solver):
         return None
-    form = build_formulation(problem.chain, None, variant, sweeps)
+    chain = problem.chain
+    scale = engines.coefficient_scale(chain.store_all_peak())
+    form = build_formulation(chain, None, variant, sweeps, size_scale=scale)
     model = emit_pulp(form)
-    limit = min(options.time_limit_s or MIN_MEMORY_TIME_LIMIT_S, MIN_MEMORY_TIME_LIMIT_S)
-    out = engines.solve_pulp(model.problem, model.variables, options.solver,
-                             time_limit_s=limit, threads=options.threads,
-                             verbose=options.verbose)
+    settings = engines.pulp_settings(options)
+    if settings["time_limit_s"] is not None:
+        settings["time_limit_s"] = min(settings["time_limit_s"], MIN_MEMORY_TIME_LIMIT_S)
+    elif settings["node_limit"] is None:
+        settings["node_limit"] = MIN_MEMORY_NODE_LIMIT
+    out = engines.solve_pulp(model.problem, model.variables, options.solver, **settings)
     if out.status is not Status.OPTIMAL or out.values is None:
         return None
-    return int(round(out.values[form.peak_var]))  # type: ignore[index]
+    plan = form.decode([round(v) for v in out.values])
+    return plan_min_memory(chain, [plan], options.slots)
 
 
 def _finish(
@@ -152,7 +170,7 @@ def _prepare(problem: CheckpointProblem, options: SolveOptions
 # ------------------------------------------------------------------ ILP
 @register(PROBLEM, "ilp", exact=True, requires=("pulp",),
           description="exact phase-indexed ILP of the full model (PuLP: HiGHS/CBC/Gurobi)",
-          compare_as=(("ilp", 20), ("ilp:persistent", 20)))
+          compare_as=(("ilp", 20), ("ilp:persistent", 20)), extra=("sweeps",))
 def solve_checkpoint_ilp(problem: CheckpointProblem, options: SolveOptions) -> Result:
     """Optimal plan of the full operation model (``persistent``: of persistent plans)."""
     engines.check_engine(options.solver)
@@ -166,18 +184,37 @@ def solve_checkpoint_ilp(problem: CheckpointProblem, options: SolveOptions) -> R
     report["warm_start"] = start.note
     model = emit_pulp(form)
     out = engines.solve_pulp(model.problem, model.variables, options.solver,
-                             time_limit_s=options.time_limit_s, threads=options.threads,
-                             initial=start.values, verbose=options.verbose)
-    report.update(engine_status=out.message, engine_time_s=round(out.time_s, 4))
+                             initial=start.values, **engines.pulp_settings(options))
+    if out.failed:
+        return _engine_failed(problem, disc, start, out, method="ilp", variant=variant,
+                              report=report)
+    report.update(out.report())
     return _finish(problem, options, disc, form, start, method="ilp", variant=variant,
                    status=out.status, values=out.values, bound=out.bound, solver=out.engine,
                    report=report)
 
 
+def _engine_failed(problem: CheckpointProblem, disc: Discretized, start: _Start,
+                   out: engines.EngineResult, *, method: str, variant: str,
+                   report: dict[str, Any]) -> Result:
+    """``feasible`` with the DP plan (when it was the warm start), else ``error``."""
+    fallback = None
+    if start.values is not None and start.plan is not None:
+        plan = start.plan
+
+        def fallback(info: dict[str, Any]) -> Result:
+            return plan_result(problem, disc, plan, method=method, status=Status.FEASIBLE,
+                               bound=lower_bound(problem), variant=variant,
+                               solver=out.engine, report={**info, "incumbent": "dp plan"})
+
+    return engine_failure(PROBLEM, method, out, report=report, fallback=fallback,
+                          memory_limit=disc.memory_limit, unit=disc.unit, variant=variant)
+
+
 # ------------------------------------------------------------------ CP-SAT
 @register(PROBLEM, "cpsat", exact=True, requires=("ortools",),
           description="exact CP-SAT model of the full model (same formulation as ilp)",
-          compare_as=(("cpsat", 12), ("cpsat:persistent", 12)))
+          compare_as=(("cpsat", 12), ("cpsat:persistent", 12)), extra=("sweeps",))
 def solve_checkpoint_cpsat(problem: CheckpointProblem, options: SolveOptions) -> Result:
     """Optimal plan of the full operation model with OR-Tools CP-SAT."""
     from optmem.models.checkpoint_cpsat import emit_cpsat
@@ -192,10 +229,12 @@ def solve_checkpoint_cpsat(problem: CheckpointProblem, options: SolveOptions) ->
     report["warm_start"] = start.note
     model = emit_cpsat(form)
     report["time_scale"] = model.scale
-    out = engines.solve_cpsat(model.model, model.variables, time_limit_s=options.time_limit_s,
-                              threads=options.threads, hint=start.values,
-                              verbose=options.verbose)
-    report.update(engine_status=out.message, engine_time_s=round(out.time_s, 4))
+    out = engines.solve_cpsat(model.model, model.variables, hint=start.values,
+                              **engines.cpsat_settings(options))
+    if out.failed:
+        return _engine_failed(problem, disc, start, out, method="cpsat", variant=variant,
+                              report=report)
+    report.update(out.report())
     status = out.status
     bound = model.true_bound(out.bound)
     if status is Status.OPTIMAL and not model.exact_scale:

@@ -51,7 +51,7 @@ import numpy as np
 
 from optmem.chain import Chain
 from optmem.plan import LOSS, B, F_all, F_ck, F_none, Op
-from optmem.solvers.checkpoint_dp import ChainArrays
+from optmem.solvers.checkpoint_dp import ChainArrays, require_table_bytes
 
 INF = np.inf
 _NONE, _ALL, _C3 = -1, 0, 1  # choice codes; C2 choices are 2 + encoded (r, s', t')
@@ -88,6 +88,8 @@ class FloatingTable:
         big = int(max(ar.abar.max(), 2 * ar.a.max(), 0))
         self._left = min(n_m, big)
         self._right = min(n_m, int(ar.a.max()))
+        require_table_bytes(K**3 * (8.0 * (self._left + n_m + self._right) + 4.0 * n_m),
+                            what="floating DP", length=L, memory=n_m)
         self._store = np.full((K, K, K, self._left + n_m + self._right), INF)
         self.cost = self._store[..., self._left:self._left + n_m]
         self.choice = np.full((K, K, K, n_m), _NONE, dtype=np.int32)

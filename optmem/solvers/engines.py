@@ -6,6 +6,19 @@ place (the ``_STATUS`` tables and ``_status`` helpers below) and returns an
 its run time. Every adapter accepts a time limit, a thread count and a warm start (initial
 values for every variable) and asks for a zero optimality gap.
 
+Deterministic limits and seeds (:class:`optmem.result.SolveOptions` ``node_limit``,
+``deterministic_time``, ``seed``; :func:`pulp_settings`, :func:`cpsat_settings`): a node limit
+is HiGHS ``mip_max_nodes``, CBC ``maxNodes`` (then single-threaded), Gurobi ``NodeLimit``; a
+deterministic time is CP-SAT ``max_deterministic_time`` (then one worker); the seed is HiGHS
+``random_seed``, CBC ``randomCbcSeed``, CP-SAT ``random_seed``, Gurobi ``Seed``. The
+:attr:`EngineResult.stopped_by` field says which limit stopped the engine.
+
+Engine faults are survived here, once: an exception of the backend (a CBC binary that is
+missing, exits non-zero or dies by a signal, a HiGHS or Gurobi exception, an OR-Tools error)
+and a CP-SAT ``MODEL_INVALID`` become an ``error`` :class:`EngineResult` whose ``message``
+carries the engine's own text; nothing is raised past the adapter except bad input
+(an unknown or uninstalled engine).
+
 PuLP, highspy and OR-Tools are imported inside the functions (ortools 9.15 and highspy >= 1.15
 crash in one process; optmem pins highspy 1.14).
 """
@@ -49,7 +62,10 @@ class EngineResult:
     time_s
         Wall-clock time of the engine call.
     message
-        The backend's own status text.
+        The backend's own status text (the exception text when the engine failed).
+    stopped_by
+        The limit that stopped the engine before it proved its answer: ``"time"``,
+        ``"nodes"``, ``"deterministic_time"`` or ``"other"``; ``None`` otherwise.
     """
 
     status: Status
@@ -60,6 +76,67 @@ class EngineResult:
     time_s: float
     message: str = ""
     info: dict[str, Any] = field(default_factory=dict)
+    stopped_by: str | None = None
+
+    @property
+    def failed(self) -> bool:
+        """Whether the engine crashed or misbehaved (``status`` is ``error``)."""
+        return self.status is Status.ERROR
+
+    def report(self) -> dict[str, Any]:
+        """Report keys of every exact method: ``engine_status``, ``engine_time_s``, ...
+
+        ``engine_stopped_by`` is there when a limit stopped the engine, ``engine_error``
+        when it failed.
+        """
+        out: dict[str, Any] = {"engine_status": self.message,
+                               "engine_time_s": round(self.time_s, 4)}
+        if self.stopped_by is not None:
+            out["engine_stopped_by"] = self.stopped_by
+        if self.failed:
+            out["engine_error"] = f"{self.engine} failed: {self.message}"
+        return out
+
+
+def failed_result(engine: str, exc: BaseException | str, time_s: float = 0.0) -> EngineResult:
+    """The ``error`` result of an engine that raised ``exc`` (or reported ``exc``)."""
+    text = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}".strip()
+    return EngineResult(Status.ERROR, None, math.nan, math.nan, engine, time_s,
+                        text.splitlines()[0] if text else "unknown failure")
+
+
+def pulp_settings(options: Any) -> dict[str, Any]:
+    """Keyword arguments of :func:`solve_pulp` from a :class:`~optmem.result.SolveOptions`."""
+    return {"time_limit_s": options.time_limit_s, "threads": options.threads,
+            "verbose": options.verbose, "node_limit": options.node_limit,
+            "seed": options.seed}
+
+
+def cpsat_settings(options: Any) -> dict[str, Any]:
+    """Keyword arguments of :func:`solve_cpsat` from a :class:`~optmem.result.SolveOptions`."""
+    return {"time_limit_s": options.time_limit_s, "threads": options.threads,
+            "verbose": options.verbose, "deterministic_time": options.deterministic_time,
+            "seed": options.seed}
+
+
+MAX_COEFFICIENT = 1e4
+"""Largest size coefficient a memory row should carry (see :func:`coefficient_scale`)."""
+
+
+def coefficient_scale(largest: float) -> float:
+    """Divisor that brings size coefficients up to ``largest`` to at most ``MAX_COEFFICIENT``.
+
+    MILP engines work with absolute tolerances around 1e-6 to 1e-9 and big-M rows: byte-sized
+    coefficients (~1e9) made HiGHS return wrong answers (an always-feasible min-peak model
+    called infeasible, wrong "optimal" checkpoint sets). Models divide sizes by this scale
+    and read exact byte values back from the decoded plan.
+
+    Examples
+    --------
+    >>> coefficient_scale(500), coefficient_scale(4e10)
+    (1.0, 4000000.0)
+    """
+    return max(1.0, float(largest) / MAX_COEFFICIENT)
 
 
 def is_available(engine: str) -> bool:
@@ -88,10 +165,22 @@ def check_engine(engine: str) -> None:
 
 
 # ------------------------------------------------------------------ PuLP engines
+@dataclass(frozen=True)
+class _Settings:
+    """What every PuLP engine call is given."""
+
+    time_limit_s: float | None
+    threads: int
+    initial: Sequence[float] | None
+    verbose: bool
+    node_limit: int | None
+    seed: int
+
+
 def solve_pulp(
     problem: Any, variables: Sequence[Any], engine: str = "highs", *,
     time_limit_s: float | None = None, threads: int = 2, initial: Sequence[float] | None = None,
-    verbose: bool = False,
+    verbose: bool = False, node_limit: int | None = None, seed: int = 0,
 ) -> EngineResult:
     """Solve a PuLP minimisation ``problem`` with ``engine``.
 
@@ -102,9 +191,17 @@ def solve_pulp(
     engine
         ``highs``, ``cbc`` or ``gurobi``.
     time_limit_s, threads, verbose
-        Engine settings.
+        Engine settings (wall-clock limit, threads, logs).
+    node_limit, seed
+        Deterministic branch-and-bound node limit (CBC then runs single-threaded) and
+        random seed.
     initial
         A feasible assignment to start from (warm start), or ``None``.
+
+    Returns
+    -------
+    EngineResult
+        ``status: error`` (with the engine's message) when the engine failed.
     """
     check_engine(engine)
     if initial is not None:
@@ -113,23 +210,31 @@ def solve_pulp(
     else:
         for v in variables:
             v.varValue = None
+    settings = _Settings(time_limit_s, threads, initial, verbose, node_limit, seed)
+    run = {"highs": _solve_highs, "cbc": _solve_cbc, "gurobi": _solve_gurobi}[engine]
     start = time.perf_counter()
-    if engine == "highs":
-        status, bound, message = _solve_highs(problem, time_limit_s, threads, initial, verbose)
-    elif engine == "cbc":
-        status, bound, message = _solve_cbc(problem, time_limit_s, threads, initial, verbose)
-    else:
-        status, bound, message = _solve_gurobi(problem, time_limit_s, threads, initial, verbose)
+    try:
+        status, bound, message, stopped = run(problem, settings)
+    except Exception as exc:  # noqa: BLE001 - an engine fault never escapes the adapter
+        return failed_result(engine, exc, time.perf_counter() - start)
     elapsed = time.perf_counter() - start
     values = None
     objective = math.nan
     if status.has_plan:
         values = [v.varValue if v.varValue is not None else 0.0 for v in variables]
-        value = problem.objective.value()  # None for an empty objective (PuLP's dummy)
-        objective = float(problem.objective.constant if value is None else value)
+        objective = problem.objective.value()
+        if objective is None and not any(True for _ in problem.objective.items()):
+            objective = problem.objective.constant  # an empty objective (PuLP's dummy)
+        if objective is None or not math.isfinite(float(objective)):
+            return failed_result(engine, f"{message}: a solution without an objective value",
+                                 elapsed)
+        objective = float(objective)
         if status is Status.OPTIMAL:
             bound = objective
-    return EngineResult(status, values, objective, bound, engine, elapsed, message)
+    if status in (Status.OPTIMAL, Status.INFEASIBLE):
+        stopped = None
+    return EngineResult(status, values, objective, bound, engine, elapsed, message,
+                        stopped_by=stopped)
 
 
 _HIGHS_STATUS: dict[str, Status] = {
@@ -155,10 +260,19 @@ def _highs_status(model_status: Any, has_solution: bool) -> Status:
     return status
 
 
-def _solve_highs(problem: Any, time_limit_s: float | None, threads: int,
-                 initial: Sequence[float] | None, verbose: bool) -> tuple[Status, float, str]:
+def _highs_stopped(model_status: Any) -> str | None:
+    """Which limit a HiGHS model status reports."""
+    name = getattr(model_status, "name", str(model_status).split(".")[-1])
+    return {"kTimeLimit": "time", "kSolutionLimit": "nodes", "kIterationLimit": "nodes",
+            "kInterrupt": "other", "kHighsInterrupt": "other", "kMemoryLimit": "other",
+            "kObjectiveBound": "other", "kObjectiveTarget": "other"}.get(name)
+
+
+def _solve_highs(problem: Any, settings: _Settings) -> tuple[Status, float, str, str | None]:
     import highspy  # type: ignore[import-untyped]
     import pulp  # type: ignore[import-untyped]
+
+    initial = settings.initial
 
     class _Highs(pulp.HiGHS):  # type: ignore[misc, name-defined]
         """PuLP's highspy interface plus a warm start and the final info."""
@@ -179,18 +293,31 @@ def _solve_highs(problem: Any, time_limit_s: float | None, threads: int,
                              "bound": float(info.mip_dual_bound),
                              "has_solution": int(info.primal_solution_status) == 2}
 
-    solver = _Highs(msg=verbose, gapRel=0.0, gapAbs=1e-9, threads=threads,
-                    timeLimit=time_limit_s)
+        def findSolutionValues(self, lp: Any) -> Any:  # noqa: N802 - PuLP's name
+            try:
+                return super().findSolutionValues(lp)
+            except KeyError:  # a status PuLP does not map (kSolutionLimit: the node limit);
+                # the values are already read, and the status is mapped above
+                return pulp.LpStatusNotSolved, pulp.LpSolutionNoSolutionFound
+
+    params: dict[str, Any] = {"random_seed": int(settings.seed)}
+    if settings.node_limit is not None:
+        params["mip_max_nodes"] = int(settings.node_limit)
+    solver = _Highs(msg=settings.verbose, gapRel=0.0, gapAbs=1e-9, threads=settings.threads,
+                    timeLimit=settings.time_limit_s, **params)
     problem.solve(solver)
     cap = solver.captured
     status = _highs_status(cap["status"], cap["has_solution"])
     bound = cap["bound"] + problem.objective.constant
     if not math.isfinite(bound):
         bound = math.nan
-    return status, bound, str(cap["status"]).split(".")[-1]
+    return status, bound, str(cap["status"]).split(".")[-1], _highs_stopped(cap["status"])
 
 
 _CBC_RESULT = re.compile(r"Result - (.*)")
+# what CBC prints instead of a "Result - " line when presolve or the LP settles the problem
+_CBC_SHORT = re.compile(r"^(Problem is infeasible|Problem proven infeasible|"
+                        r"Optimal - objective value .*)", re.MULTILINE)
 _CBC_LOWER = re.compile(r"Lower bound:\s*([-+0-9.eE]+)")
 
 
@@ -199,9 +326,11 @@ def _cbc_status(result_line: str, pulp_status: int, sol_status: int) -> Status:
     import pulp  # type: ignore[import-untyped]
 
     text = result_line.lower()
-    if "optimal solution found" in text:
+    if not text:  # CBC died before its summary: nothing it says can be trusted
+        return Status.ERROR
+    if "optimal solution found" in text or text.startswith("optimal - objective value"):
         return Status.OPTIMAL
-    if "infeasible" in text or pulp_status == pulp.LpStatusInfeasible:
+    if "infeasible" in text:
         return Status.INFEASIBLE
     if "stopped" in text or "time limit" in text:
         has = sol_status == pulp.LpSolutionIntegerFeasible
@@ -211,46 +340,64 @@ def _cbc_status(result_line: str, pulp_status: int, sol_status: int) -> Status:
     return Status.ERROR
 
 
-def _run_cbc(problem: Any, time_limit_s: float | None, threads: int, warm: bool,
-             verbose: bool, log: str, time_mode: str) -> int:
+def _cbc_stopped(result_line: str) -> str | None:
+    """Which limit a CBC result line reports (``Stopped on node limit``, ...)."""
+    text = result_line.lower()
+    if "stopped" not in text and "limit" not in text:
+        return None
+    if "node" in text:
+        return "nodes"
+    return "time" if "time" in text else "other"
+
+
+CBC_PATH: str | None = None
+"""A CBC binary to run instead of the one bundled with PuLP (``None``: the bundled one)."""
+
+
+def _run_cbc(problem: Any, settings: _Settings, log: str, time_mode: str) -> int:
     """Run CBC once (``time_mode``: ``elapsed`` or ``cpu`` seconds) and return PuLP's status."""
     import pulp  # type: ignore[import-untyped]
 
+    deterministic = settings.node_limit is not None
+    kwargs: dict[str, Any] = {
+        "msg": settings.verbose, "timeLimit": settings.time_limit_s,
+        "threads": 1 if deterministic else settings.threads, "gapRel": 0.0, "gapAbs": 1e-9,
+        "warmStart": settings.initial is not None, "logPath": log, "timeMode": time_mode,
+        "maxNodes": settings.node_limit, "options": [f"randomCbcSeed {int(settings.seed)}"]}
     with warnings.catch_warnings():  # PuLP 3.3 deprecates the bundled CBC for 4.0
         warnings.simplefilter("ignore", DeprecationWarning)
-        solver = pulp.PULP_CBC_CMD(msg=verbose, timeLimit=time_limit_s, threads=threads,
-                                   gapRel=0.0, gapAbs=1e-9, warmStart=warm, logPath=log,
-                                   timeMode=time_mode)
+        solver = pulp.COIN_CMD(path=CBC_PATH, **kwargs) if CBC_PATH is not None \
+            else pulp.PULP_CBC_CMD(**kwargs)
     return int(problem.solve(solver))
 
 
-def _solve_cbc(problem: Any, time_limit_s: float | None, threads: int,
-               initial: Sequence[float] | None, verbose: bool) -> tuple[Status, float, str]:
+def _solve_cbc(problem: Any, settings: _Settings) -> tuple[Status, float, str, str | None]:
     import pulp  # type: ignore[import-untyped]
 
     fd, log = tempfile.mkstemp(suffix=".log", prefix="optmem-cbc-")
     os.close(fd)
     try:
-        warm = initial is not None
         try:
-            pulp_status = _run_cbc(problem, time_limit_s, threads, warm, verbose, log, "elapsed")
+            pulp_status = _run_cbc(problem, settings, log, "elapsed")
         except pulp.PulpSolverError:
-            if not warm or time_limit_s is None:
+            if settings.initial is None or settings.time_limit_s is None:
                 raise
             # the bundled CBC 2.10 segfaults when an elapsed-time limit hits while it is
             # still processing a MIP start (limits of a fraction of a second); counting CPU
-            # time avoids the crash
-            pulp_status = _run_cbc(problem, time_limit_s, threads, warm, verbose, log, "cpu")
-        with open(log) as fh:
+            # time avoids the crash (and a second crash is reported as an engine error)
+            pulp_status = _run_cbc(problem, settings, log, "cpu")
+        with open(log, errors="replace") as fh:
             text = fh.read()
     finally:
         os.unlink(log)
-    result = _CBC_RESULT.findall(text)
-    status = _cbc_status(result[-1] if result else "", pulp_status, problem.sol_status)
+    result = _CBC_RESULT.findall(text) or _CBC_SHORT.findall(text)
+    line = result[-1] if result else ""
+    status = _cbc_status(line, pulp_status, problem.sol_status)
     low = _CBC_LOWER.findall(text)
     # PuLP does not give CBC the objective constant: add it back
     bound = float(low[-1]) + float(problem.objective.constant) if low else math.nan
-    return status, bound, result[-1] if result else f"pulp status {pulp_status}"
+    message = line or f"no result line in the CBC log (pulp status {pulp_status})"
+    return status, bound, message, _cbc_stopped(line)
 
 
 def _gurobi_status(code: int, solutions: int) -> Status:
@@ -264,17 +411,23 @@ def _gurobi_status(code: int, solutions: int) -> Status:
     return Status.ERROR
 
 
-def _solve_gurobi(problem: Any, time_limit_s: float | None, threads: int,
-                  initial: Sequence[float] | None, verbose: bool) -> tuple[Status, float, str]:
+def _solve_gurobi(problem: Any, settings: _Settings) -> tuple[Status, float, str, str | None]:
     import pulp  # type: ignore[import-untyped]
 
-    solver = pulp.GUROBI(msg=verbose, timeLimit=time_limit_s, warmStart=initial is not None,
-                         gapRel=0.0, Threads=threads)
+    params: dict[str, Any] = {"Seed": int(settings.seed)}
+    if settings.node_limit is not None:
+        params["NodeLimit"] = float(settings.node_limit)
+    solver = pulp.GUROBI(msg=settings.verbose, timeLimit=settings.time_limit_s,
+                         warmStart=settings.initial is not None, gapRel=0.0,
+                         Threads=settings.threads, **params)
     problem.solve(solver)
     model = problem.solverModel
     status = _gurobi_status(int(model.Status), int(model.SolCount))
     bound = float(model.ObjBound) + problem.objective.constant if model.SolCount else math.nan
-    return status, bound, f"gurobi status {model.Status}"
+    stopped = {9: "time", 8: "nodes"}.get(int(model.Status),
+                                          "other" if int(model.Status) in (7, 10, 11, 13, 16,
+                                                                           17) else None)
+    return status, bound, f"gurobi status {model.Status}", stopped
 
 
 # ------------------------------------------------------------------ CP-SAT
@@ -291,36 +444,60 @@ def _cpsat_status(code: Any, cp_model: Any) -> Status:
 def solve_cpsat(
     model: Any, variables: Sequence[Any], *, time_limit_s: float | None = None,
     threads: int = 2, hint: Sequence[int] | None = None, verbose: bool = False,
+    deterministic_time: float | None = None, seed: int = 0,
 ) -> EngineResult:
     """Solve an OR-Tools ``CpModel`` (minimisation of an integer objective).
 
     ``objective`` and ``bound`` are in the model's integer units; ``hint`` (one value per
-    variable) is passed with ``add_hint`` as a warm start.
+    variable) is passed with ``add_hint`` as a warm start. ``deterministic_time`` is CP-SAT's
+    ``max_deterministic_time`` (the search then runs on one worker, so the limit gives the
+    same answer on every run); ``seed`` its ``random_seed``. An invalid model, or any OR-Tools
+    exception, gives ``status: error`` with the validation message.
     """
     if not is_available("cpsat"):
         raise UnavailableError("CP-SAT needs ortools", field="method")
     from ortools.sat.python import cp_model
 
-    model.clear_hints()
-    if hint is not None:
-        for v, x in zip(variables, hint, strict=True):
-            model.add_hint(v, int(x))
-    solver = cp_model.CpSolver()
-    solver.parameters.num_workers = max(1, threads)
-    if time_limit_s is not None:
-        solver.parameters.max_time_in_seconds = float(time_limit_s)
-    solver.parameters.log_search_progress = verbose
-    solver.parameters.relative_gap_limit = 0.0
-    solver.parameters.absolute_gap_limit = 0.0
     start = time.perf_counter()
-    code = solver.solve(model)
+    try:
+        model.clear_hints()
+        if hint is not None:
+            for v, x in zip(variables, hint, strict=True):
+                model.add_hint(v, int(x))
+        solver = cp_model.CpSolver()
+        params = solver.parameters
+        params.num_workers = 1 if deterministic_time is not None else max(1, threads)
+        params.random_seed = int(seed)
+        if time_limit_s is not None:
+            params.max_time_in_seconds = float(time_limit_s)
+        if deterministic_time is not None:
+            params.max_deterministic_time = float(deterministic_time)
+        params.log_search_progress = verbose
+        params.relative_gap_limit = 0.0
+        params.absolute_gap_limit = 0.0
+        code = solver.solve(model)
+    except Exception as exc:  # noqa: BLE001 - an engine fault never escapes the adapter
+        return failed_result("cpsat", exc, time.perf_counter() - start)
     elapsed = time.perf_counter() - start
     status = _cpsat_status(code, cp_model)
+    message = solver.status_name(code)
+    if code == cp_model.MODEL_INVALID:
+        detail = model.validate() if hasattr(model, "validate") else ""
+        return failed_result("cpsat", f"{message}: {detail}" if detail else message, elapsed)
     values = None
     objective = bound = math.nan
     if status.has_plan:
         values = [float(solver.value(v)) for v in variables]
         objective = float(solver.objective_value)
         bound = objective if status is Status.OPTIMAL else float(solver.best_objective_bound)
-    return EngineResult(status, values, objective, bound, "cpsat", elapsed,
-                        solver.status_name(code))
+    stopped = None
+    if status in (Status.FEASIBLE, Status.NO_SOLUTION):
+        used = float(solver.deterministic_time)
+        if deterministic_time is not None and used >= 0.95 * deterministic_time:
+            stopped = "deterministic_time"
+        elif time_limit_s is not None:
+            stopped = "time"
+        else:
+            stopped = "other"
+    return EngineResult(status, values, objective, bound, "cpsat", elapsed, message,
+                        stopped_by=stopped)

@@ -15,8 +15,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from optmem.errors import OptmemInputError, UnavailableError
-from optmem.result import Result, SolveOptions, Status
+from optmem.errors import OptmemInputError, UnavailableError, check_keywords
+from optmem.fileio import write_atomic
+from optmem.result import OPTION_NAMES, Result, SolveOptions, Status
 
 MethodFn = Callable[[Any, SolveOptions], Result]
 
@@ -54,6 +55,8 @@ class MethodInfo:
     compare_as
         ``(label, max_length)`` pairs that ``compare`` runs by default, where a label is
         ``name`` or ``name:variant``; default ``((name, max_length),)``.
+    extra
+        The ``SolveOptions.extra`` keys the method reads (any other key is an input error).
     """
 
     problem: str
@@ -65,6 +68,7 @@ class MethodInfo:
     in_compare: bool = True
     max_length: int | None = None
     compare_as: tuple[tuple[str, int | None], ...] = ()
+    extra: tuple[str, ...] = ()
 
     def is_available(self) -> bool:
         """Whether every required module can be imported."""
@@ -87,13 +91,17 @@ def register(
     in_compare: bool = True,
     max_length: int | None = None,
     compare_as: Sequence[tuple[str, int | None]] = (),
+    extra: Sequence[str] = (),
 ) -> Callable[[MethodFn], MethodFn]:
-    """Register ``fn`` as method ``name`` of ``problem`` (decorator)."""
+    """Register ``fn`` as method ``name`` of ``problem`` (decorator).
+
+    ``extra`` lists the ``SolveOptions.extra`` keys the method reads.
+    """
 
     def deco(fn: MethodFn) -> MethodFn:
         _REGISTRY.setdefault(problem, {})[name] = MethodInfo(
             problem, name, fn, exact, description, tuple(requires), in_compare, max_length,
-            tuple(compare_as) or ((name, max_length),))
+            tuple(compare_as) or ((name, max_length),), tuple(extra))
         if default:
             _DEFAULT[problem] = name
         return fn
@@ -152,11 +160,41 @@ def method_info(problem: str, method: str) -> MethodInfo:
     return known[method]
 
 
-def solve(problem: Any, method: str = "auto", *, options: SolveOptions | None = None) -> Result:
+def resolve_options(options: SolveOptions | None, overrides: dict[str, Any]) -> SolveOptions:
+    """``options`` (default ``SolveOptions()``) with keyword ``overrides`` of its fields.
+
+    An unknown keyword raises :class:`OptmemInputError` naming the closest known one.
+    """
+    check_keywords(overrides, OPTION_NAMES, what="solve (the fields of SolveOptions)")
+    opts = options or SolveOptions()
+    return opts.with_(**overrides) if overrides else opts
+
+
+def check_extra(problem: str, options: SolveOptions) -> None:
+    """Raise for a ``SolveOptions.extra`` key that no method of ``problem`` reads.
+
+    Each method declares the keys it reads (``register(..., extra=...)``); one options
+    object may carry keys for several methods of a problem (``compare``, sweeps), so a key
+    is accepted when some method of the problem reads it, and a typo gets one error naming
+    the closest known key.
+    """
+    if options.extra:
+        known = {key for info in methods(problem).values() for key in info.extra}
+        check_keywords(options.extra, known, what=f"SolveOptions.extra of {problem}",
+                       elsewhere={name: "a SolveOptions field, not an extra key"
+                                  for name in OPTION_NAMES})
+
+
+def solve(problem: Any, method: str = "auto", *, options: SolveOptions | None = None,
+          **option_fields: Any) -> Result:
     """Solve ``problem`` with ``method`` and return a :class:`Result` (timed).
 
     ``method`` may carry a variant after a colon (``"dp:rotor"``); it overrides
-    ``options.variant``.
+    ``options.variant``. Keyword arguments set fields of :class:`SolveOptions`
+    (``solve(p, "ilp", time_limit_s=10)``); an unknown one, or an ``options.extra`` key that
+    no method of the problem reads, raises :class:`OptmemInputError` naming the closest.
+    A failing engine does not raise: the result is ``status: error`` (or ``feasible`` with
+    a verified warm start) and ``report['engine_error']`` says what the engine said.
 
     Examples
     --------
@@ -167,12 +205,17 @@ def solve(problem: Any, method: str = "auto", *, options: SolveOptions | None = 
     >>> (r.status, r.objective, r.plan)
     (<Status.OPTIMAL: 'optimal'>, 3.0, ('F_all 1', 'Loss', 'B 1'))
     """
+    opts = resolve_options(options, option_fields)
     info = method_info(problem.name, method)
+    check_extra(problem.name, opts)
+    return _run(problem, info, method, opts)
+
+
+def _run(problem: Any, info: MethodInfo, method: str, opts: SolveOptions) -> Result:
     if not info.is_available():
         raise UnavailableError(
             f"method {info.name!r} needs {', '.join(info.requires)}; install optmem[engines]",
             field="method")
-    opts = options or SolveOptions()
     variant = split_label(method)[1]
     if variant is not None:
         opts = opts.with_(variant=variant)
@@ -199,27 +242,30 @@ def compare(
     *,
     options: SolveOptions | None = None,
     progress: Callable[[str], None] | None = None,
+    **option_fields: Any,
 ) -> list[Result]:
     """Run several methods on the same problem and return their results in order.
 
-    Unknown method names fail before anything runs. A method that then fails (an option it
+    Unknown method names, unknown option keywords and ``options.extra`` keys that no method
+    of the problem reads fail before anything runs. A method that then fails (an option it
     does not support, such as a ``variant`` meant for another method, or an unexpected error)
     is reported as ``status: error`` with the message in ``report['error']`` instead of
     aborting the comparison.
     """
+    opts = resolve_options(options, option_fields)
     names = list(method_names) if method_names is not None else default_compare_methods(problem)
+    infos = [method_info(problem.name, name) for name in names]  # unknown names fail first
+    check_extra(problem.name, opts)
     results = []
-    for name in names:
-        method_info(problem.name, name)  # unknown names fail before anything runs
-    for name in names:
+    for name, info in zip(names, infos, strict=True):
         if progress:
             progress(name)
         try:
-            results.append(solve(problem, name, options=options))
+            results.append(_run(problem, info, name, opts))
         except Exception as exc:  # noqa: BLE001 - reported in the table, not swallowed
             label, variant = split_label(name)
             results.append(Result(problem.name, label, Status.ERROR,
-                                  variant=variant or (options.variant if options else None),
+                                  variant=variant or opts.variant,
                                   report={"error": f"{type(exc).__name__}: {exc}"}))
     return results
 
@@ -245,9 +291,14 @@ def register_exporter(problem: str, method: str) -> Callable[[Exporter], Exporte
     return deco
 
 
-def export(problem: Any, method: str, path: str, *, options: SolveOptions | None = None) -> None:
-    """Write the exact model of ``problem`` built by ``method`` to ``path`` (``.mps``/``.lp``)."""
+def export(problem: Any, method: str, path: str, *, options: SolveOptions | None = None,
+           **option_fields: Any) -> None:
+    """Write the exact model of ``problem`` built by ``method`` to ``path``.
+
+    ``.mps``/``.lp`` for every exportable method; ``cpsat`` also ``.pb``/``.pbtxt``.
+    """
     _load()
+    options = resolve_options(options, option_fields)
     name, variant = split_label(method)
     key = (problem.name, name)
     if key not in _EXPORTERS:
@@ -258,4 +309,5 @@ def export(problem: Any, method: str, path: str, *, options: SolveOptions | None
     opts = options or SolveOptions()
     if variant is not None:
         opts = opts.with_(variant=variant)
-    _EXPORTERS[key](problem, opts, path)
+    # every exporter writes a temporary file renamed over ``path``: nothing half-written
+    write_atomic(path, lambda tmp: _EXPORTERS[key](problem, opts, str(tmp)), field="output")

@@ -35,6 +35,7 @@ from optmem.result import Result, SolveOptions, Status
 from optmem.simulate.checkpoint import simulate_checkpoint
 from optmem.simulate.min_peak import model_peak, pytorch_checkpoint_memory
 from optmem.solvers import min_peak_dp as dp
+from optmem.solvers.engine_results import engine_failure
 from optmem.solvers.facade import register, register_exporter
 
 PROBLEM = "min-peak"
@@ -134,17 +135,40 @@ def solve_min_peak_ilp(problem: MinPeakProblem, options: SolveOptions) -> Result
     problem = _check(problem)
     model = ilp.build_min_peak_ilp(problem)
     initial = None
+    start: tuple[int, ...] | None = None
     if options.warm_start:
-        start = solve_min_peak_dp(problem, options.with_(variant=None))
-        initial = ilp.initial_values(model, problem, tuple(start.report["checkpoints"]))
+        first = solve_min_peak_dp(problem, options.with_(variant=None))
+        start = tuple(first.report["checkpoints"])
+        initial = ilp.initial_values(model, problem, start)
     outcome = ilp.solve_min_peak_ilp(model, options, initial)
-    report = {"variables": len(model.lp.variables()), "constraints": model.lp.numConstraints()}
+    report: dict[str, Any] = {"variables": len(model.lp.variables()),
+                              "constraints": model.lp.numConstraints()}
+    if outcome.engine is not None and outcome.engine.failed:
+        return _ilp_failed(problem, outcome.engine, start, report)
+    if outcome.engine is not None:
+        report.update(outcome.engine.report())
     if not outcome.status.has_plan:
         return Result(PROBLEM, "ilp", outcome.status, memory_limit=problem.memory_limit,
                       solver=outcome.solver, report=report)
     return set_result(problem, ilp.decode_min_peak_ilp(model), method="ilp",
                       status=outcome.status, bound=outcome.bound, solver=outcome.solver,
                       claimed=outcome.objective, report=report)
+
+
+def _ilp_failed(problem: MinPeakProblem, out: Any, start: tuple[int, ...] | None,
+                report: dict[str, Any]) -> Result:
+    """``feasible`` with the DP's set (the warm start, replayed), else ``error``."""
+    fallback = None
+    if start is not None:
+        cps = start
+
+        def fallback(info: dict[str, Any]) -> Result:
+            return set_result(problem, cps, method="ilp", status=Status.FEASIBLE,
+                              bound=math.nan, solver=out.engine,
+                              report={**info, "incumbent": "dp set"})
+
+    return engine_failure(PROBLEM, "ilp", out, report=report, fallback=fallback,
+                          memory_limit=problem.memory_limit)
 
 
 @register_exporter(PROBLEM, "ilp")

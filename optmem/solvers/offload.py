@@ -29,7 +29,10 @@ from optmem.problems.checkpoint import Discretized
 from optmem.problems.offload import OffloadProblem
 from optmem.result import Result, SolveOptions, Status
 from optmem.simulate.offload import simulate_offload
+from optmem.solvers.engine_results import engine_failure
+from optmem.solvers.engines import EngineResult, cpsat_settings
 from optmem.solvers.facade import register, register_exporter
+from optmem.solvers.hints import smallest_solvable_limit
 from optmem.solvers.offload_comm import (
     Layers,
     fractional_bound,
@@ -62,12 +65,24 @@ def lower_bound(problem: OffloadProblem, options: SolveOptions) -> float:
                fractional_bound(disc.chain, disc.memory_limit, beta))
 
 
+def min_memory(problem: OffloadProblem, slots: int) -> int | None:
+    """Least limit at which the store-all sequence runs with everything offloaded, as solved.
+
+    The minimum memory of the OFF_comm model (digest 1.1) on the chain rounded to each
+    candidate unit (:func:`optmem.solvers.hints.smallest_solvable_limit`).
+    """
+    def need(unit: int) -> int:
+        return math.ceil(Layers.of(problem.chain.quantize(unit)).min_memory())
+
+    return smallest_solvable_limit(need(1), need, slots)
+
+
 def _infeasible(problem: OffloadProblem, disc: Discretized, method: str,
-                report: dict | None = None) -> Result:
-    need = int(math.ceil(Layers.of(disc.chain).min_memory())) * disc.unit
+                report: dict | None = None, *, slots: int) -> Result:
+    need = min_memory(problem, slots)
     info = dict(report or {})
     info["hint"] = (f"below the minimum memory of the store-all sequence with everything "
-                    f"offloaded ({need} {problem.chain.memory_unit})")
+                    f"offloaded ({need} {problem.chain.memory_unit}, as solved)")
     return Result(PROBLEM, method, Status.INFEASIBLE, bound=math.inf,
                   memory_limit=disc.memory_limit, unit=disc.unit, min_feasible_memory=need,
                   report=info)
@@ -81,8 +96,8 @@ def plan_result(problem: OffloadProblem, options: SolveOptions, plan: Sequence[A
     sim = simulate_offload(disc.chain, plan, beta, disc.memory_limit)
     info = dict(report or {})
     info.update({"idle_time": sim.idle_time, "offloaded": sim.offloaded_size,
-                 "transfers": len(sim.link), "bandwidth": problem.bandwidth,
-                 "bandwidth_units": beta})
+                 "transfers": len(sim.link), "bandwidth": problem.chain_bandwidth,
+                 "bandwidth_per_s": problem.bandwidth, "bandwidth_units": beta})
     bound = lower_bound(problem, options)
     out = Result(PROBLEM, method, status, objective=sim.makespan, bound=bound,
                  plan=tuple(str(op) for op in plan), peak_memory=sim.peak_memory,
@@ -111,7 +126,7 @@ def _try_sets(problem: OffloadProblem, options: SolveOptions, method: str,
     """Best plan among offload sets (each as an ordered no-wait plan); infeasible if none."""
     disc, beta = _disc(problem, options)
     if _too_small(disc):
-        return _infeasible(problem, disc, method, report)
+        return _infeasible(problem, disc, method, report, slots=options.slots)
     best: tuple[float, str, tuple[AnyOp, ...]] | None = None
     tried = 0
     policies = [options.extra["prefetch"]] if "prefetch" in options.extra else PREFETCH_POLICIES
@@ -155,7 +170,7 @@ def solve_frac(problem: OffloadProblem, options: SolveOptions) -> Result:
     frac = fractional_bound(disc.chain, disc.memory_limit, beta)
     prop3 = prop3_bound(disc.chain, disc.memory_limit, beta)
     if _too_small(disc):
-        return _infeasible(problem, disc, "frac")
+        return _infeasible(problem, disc, "frac", slots=options.slots)
     return Result(PROBLEM, "frac", Status.NO_SOLUTION, bound=max(frac, prop3),
                   memory_limit=disc.memory_limit, unit=disc.unit,
                   report={"off_frac": frac, "prop3": prop3, "model": "OFF_frac",
@@ -164,7 +179,8 @@ def solve_frac(problem: OffloadProblem, options: SolveOptions) -> Result:
 
 # ------------------------------------------------------------------ heuristics
 @register(PROBLEM, "greedy", exact=False,
-          description="GREEDY: offload the eager prefix of M_peak - M (thesis 3.2)")
+          description="GREEDY: offload the eager prefix of M_peak - M (thesis 3.2)",
+          extra=("prefetch",))
 def solve_greedy(problem: OffloadProblem, options: SolveOptions) -> Result:
     """Smallest prefix ``abar_0..abar_k`` covering ``M_peak - M`` (longer if it fails)."""
     disc, _ = _disc(problem, options)
@@ -188,7 +204,7 @@ def solve_greedy(problem: OffloadProblem, options: SolveOptions) -> Result:
 
 @register(PROBLEM, "dp", exact=False, default=True,
           description="DYNPROG: OFF_comm-optimal set (Algorithm 5) run as an OFF_int plan",
-          compare_as=(("dp", None), ("dp:thesis", None)))
+          compare_as=(("dp", None), ("dp:thesis", None)), extra=("prefetch",))
 def solve_dynprog(problem: OffloadProblem, options: SolveOptions) -> Result:
     """Algorithm 5 on the discretised instance, then the ordered no-wait integral plan.
 
@@ -202,7 +218,7 @@ def solve_dynprog(problem: OffloadProblem, options: SolveOptions) -> Result:
     """
     disc, beta = _disc(problem, options)
     if _too_small(disc):
-        return _infeasible(problem, disc, "dp")
+        return _infeasible(problem, disc, "dp", slots=options.slots)
     variant = options.variant or "contract"
     if variant not in DP_VARIANTS:
         raise OptmemInputError(f"unknown dp variant {variant!r} (expected one of "
@@ -210,8 +226,8 @@ def solve_dynprog(problem: OffloadProblem, options: SolveOptions) -> Result:
     cheap = variant == "cheap"
     report: dict[str, Any] = {"junction": "cheap" if cheap else "exact (3.16)/(3.17)"}
     if variant == "thesis":
-        dp, runs = solve_comm_dp_thesis(problem.chain, problem.memory_limit, problem.bandwidth,
-                                        options.slots)
+        dp, runs = solve_comm_dp_thesis(problem.chain, problem.memory_limit,
+                                        problem.chain_bandwidth, options.slots)
         report.update({"discretisation": "thesis 3.3.3.2 (iterative)", "dp_runs": runs})
     else:
         dp = solve_comm_dp(disc.chain, disc.memory_limit, beta, cheap_junction=cheap)
@@ -247,7 +263,8 @@ def _ratio_candidates(problem: OffloadProblem, options: SolveOptions
 
 
 @register(PROBLEM, "vdnn", exact=False,
-          description="vDNN as re-implemented in the papers: ratio u_F/abar thresholds")
+          description="vDNN as re-implemented in the papers: ratio u_F/abar thresholds",
+          extra=("prefetch",))
 def solve_vdnn(problem: OffloadProblem, options: SolveOptions) -> Result:
     """Best of all thresholds on ``u_F_{k+1} / abar_k``, offloading all or half (3.4)."""
     return _try_sets(problem, options, "vdnn", _ratio_candidates(problem, options))
@@ -266,7 +283,8 @@ def conv_stages(problem: OffloadProblem) -> list[int]:
 
 
 @register(PROBLEM, "vdnn_conv", exact=False,
-          description="vDNN conv: offload the inputs of convolution stages (name or kind)")
+          description="vDNN conv: offload the inputs of convolution stages (name or kind)",
+          extra=("prefetch",))
 def solve_vdnn_conv(problem: OffloadProblem, options: SolveOptions) -> Result:
     """Offload the input of every convolution-like stage (falls back to every stage)."""
     chosen = conv_stages(problem)
@@ -276,7 +294,7 @@ def solve_vdnn_conv(problem: OffloadProblem, options: SolveOptions) -> Result:
 
 
 @register(PROBLEM, "offload_all", exact=False,
-          description="vDNN all: offload every saved activation")
+          description="vDNN all: offload every saved activation", extra=("prefetch",))
 def solve_offload_all(problem: OffloadProblem, options: SolveOptions) -> Result:
     """Offload every value ``abar_0 .. abar_{L-1}``."""
     return _try_sets(problem, options, "offload_all",
@@ -284,6 +302,26 @@ def solve_offload_all(problem: OffloadProblem, options: SolveOptions) -> Result:
 
 
 # ------------------------------------------------------------------ exact
+def _without_plan(problem: OffloadProblem, options: SolveOptions, disc: Discretized,
+                  method: str, out: EngineResult, report: dict[str, Any]) -> Result | None:
+    """The result of an engine outcome without a plan (failed, infeasible, stopped), or None.
+
+    Adds the engine's report keys to ``report`` when there is a plan to decode.
+    """
+    if out.failed:
+        return engine_failure(PROBLEM, method, out, report=report,
+                              memory_limit=disc.memory_limit, unit=disc.unit)
+    report.update(out.report())
+    if out.status is Status.INFEASIBLE:
+        return _infeasible(problem, disc, method, report, slots=options.slots)
+    if out.values is None:
+        status = out.status if not out.status.has_plan else Status.ERROR
+        return Result(PROBLEM, method, status, bound=lower_bound(problem, options),
+                      memory_limit=disc.memory_limit, unit=disc.unit, solver=out.engine,
+                      report=report)
+    return None
+
+
 @register(PROBLEM, "cpsat", exact=True, requires=("ortools",), max_length=CPSAT_MAX_LENGTH,
           description="exact CP-SAT model of OFF_int (small chains)")
 def solve_cpsat(problem: OffloadProblem, options: SolveOptions) -> Result:
@@ -293,28 +331,25 @@ def solve_cpsat(problem: OffloadProblem, options: SolveOptions) -> Result:
 
     disc, beta = _disc(problem, options)
     if _too_small(disc):
-        return _infeasible(problem, disc, "cpsat")
+        return _infeasible(problem, disc, "cpsat", slots=options.slots)
     if problem.chain.length > 4 * CPSAT_MAX_LENGTH:
         raise OptmemInputError(f"the CP-SAT model is for small chains; refusing L = "
                                f"{problem.chain.length}", field="method")
     built = build_offload_cpsat(disc.chain, disc.memory_limit, beta)
-    status, solver = solve_transfer_cpsat(built, time_limit_s=options.time_limit_s,
-                                          threads=options.threads, verbose=options.verbose)
+    out = solve_transfer_cpsat(built, **cpsat_settings(options))
     report = {"model": dict(built.info), "time_scale": built.scale, "exact_times": built.exact}
-    if status == "infeasible":
-        return _infeasible(problem, disc, "cpsat", report)
-    if status == "no_solution":
-        return Result(PROBLEM, "cpsat", Status.NO_SOLUTION, bound=lower_bound(problem, options),
-                      memory_limit=disc.memory_limit, unit=disc.unit, solver="cpsat",
-                      report=report)
-    plan, value = decode_transfer_cpsat(built, solver)
-    proven = status == "optimal" and built.exact
+    early = _without_plan(problem, options, disc, "cpsat", out, report)
+    if early is not None:
+        return early
+    assert out.values is not None
+    plan, value = decode_transfer_cpsat(built, out.values)
+    proven = out.status is Status.OPTIMAL and built.exact
     report["model_objective"] = value
     result = plan_result(problem, options, plan, method="cpsat",
                          status=Status.OPTIMAL if proven else Status.FEASIBLE,
                          claimed=value if built.exact else None, report=report, solver="cpsat")
     if not proven and result.status is Status.FEASIBLE:
-        bound = solver.best_objective_bound / built.scale if built.exact else result.bound
+        bound = out.bound / built.scale if built.exact else result.bound
         result = result.with_(bound=max(result.bound, bound))
     return result
 
@@ -330,10 +365,11 @@ def solve_brute(problem: OffloadProblem, options: SolveOptions) -> Result:
                                f"{problem.chain.length}", field="method")
     disc, beta = _disc(problem, options)
     if _too_small(disc):
-        return _infeasible(problem, disc, "brute")
+        return _infeasible(problem, disc, "brute", slots=options.slots)
     found = brute_force_offload(disc.chain, beta, disc.memory_limit)
     if found is None:
-        return _infeasible(problem, disc, "brute", {"note": "no plan fits"})
+        return _infeasible(problem, disc, "brute", {"note": "no plan fits"},
+                           slots=options.slots)
     value, plan, count = found
     return plan_result(problem, options, plan, method="brute", status=Status.OPTIMAL,
                        claimed=value, report={"plans_simulated": count})
@@ -348,21 +384,18 @@ def solve_ilp(problem: OffloadProblem, options: SolveOptions) -> Result:
 
     disc, beta = _disc(problem, options)
     if _too_small(disc):
-        return _infeasible(problem, disc, "ilp")
+        return _infeasible(problem, disc, "ilp", slots=options.slots)
     if problem.chain.length > 4 * CPSAT_MAX_LENGTH:
         raise OptmemInputError(f"the MILP is for small chains; refusing L = "
                                f"{problem.chain.length}", field="method")
     model = build_offload_ilp(disc.chain, disc.memory_limit, beta)
     out = engines.solve_pulp(model.problem, model.variables, options.solver,
-                             time_limit_s=options.time_limit_s, threads=options.threads,
-                             verbose=options.verbose)
+                             **engines.pulp_settings(options))
     report: dict[str, Any] = {"model": dict(model.info), "engine_message": out.message}
-    if out.status is Status.INFEASIBLE:
-        return _infeasible(problem, disc, "ilp", report)
-    if not out.status.has_plan or out.values is None:
-        return Result(PROBLEM, "ilp", out.status, bound=lower_bound(problem, options),
-                      memory_limit=disc.memory_limit, unit=disc.unit, solver=out.engine,
-                      report=report)
+    early = _without_plan(problem, options, disc, "ilp", out, report)
+    if early is not None:
+        return early
+    assert out.values is not None
     plan = decode_offload_ilp(model, out.values)
     report["model_objective"] = out.objective
     result = plan_result(problem, options, plan, method="ilp", status=Status.FEASIBLE,

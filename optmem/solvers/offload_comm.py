@@ -227,12 +227,20 @@ def solve_comm_dp(chain: Chain, memory: int, beta: float, *, cheap_junction: boo
         v = evaluate(chain, memory, 0.0, [0.0] * n)
         return DPResult(v, (), 1)
 
+    abar = [int(x) for x in lay.abar]
+    # a capacity above everything that could ever be in flight is as good as unlimited; the
+    # cap keeps u * beta finite (a bandwidth of 1e308, or one made inf by the thesis'
+    # discretisation, gave prefix sums inf - inf = NaN and 0 * inf = NaN)
+    cap = float(m + sum(abar) + 1)
+    positive = [t for t in (*lay.uf[1:], *lay.ub[1:]) if t > 0]
+    rate = min(beta, cap / min(positive)) if positive else 0.0
+
     def rounded(times: list[float]) -> list[int]:
-        prefix = np.floor(np.cumsum(np.asarray(times[1:], dtype=float) * beta) + 1e-9)
+        capacity = np.minimum(np.asarray(times[1:], dtype=float) * rate, cap)
+        prefix = np.floor(np.cumsum(capacity) + 1e-9)
         return [0, *np.diff(np.concatenate([[0.0], prefix])).astype(np.int64).tolist()]
 
     cf, cb = rounded(lay.uf), rounded(lay.ub)
-    abar = [int(x) for x in lay.abar]
     mf = [int(x) for x in lay.mf]
     mb = [int(x) for x in lay.mb]
     A = np.zeros(1, np.int64)
@@ -293,6 +301,15 @@ def solve_comm_dp(chain: Chain, memory: int, beta: float, *, cheap_junction: boo
     return DPResult(value, tuple(sorted(chosen)), states)
 
 
+def thesis_unit(memory: int, slots: int) -> float:
+    """Bytes per slot of the thesis discretisation: ``memory / slots``.
+
+    A limit of 0 uses ``1 / slots`` (and :func:`thesis_layers` then keeps 0 slots, so only
+    sizes of 0 fit) instead of dividing every size by 0.
+    """
+    return (memory or 1) / slots
+
+
 def thesis_layers(chain: Chain, memory: int, beta: float, slots: int,
                   rounded_up: frozenset[int] = frozenset()) -> tuple[Layers, int, float]:
     """The discretisation of thesis section 3.3.3.2 (digest 3.2.6, erratum 15).
@@ -304,7 +321,7 @@ def thesis_layers(chain: Chain, memory: int, beta: float, slots: int,
     """
     lay = Layers.of(chain)
     n = lay.length
-    unit = memory / slots
+    unit = thesis_unit(memory, slots)
     abar = [0] * (n + 2)
     prefix_true, prefix_done = 0.0, 0
     for k in range(n + 2):
@@ -319,8 +336,8 @@ def thesis_layers(chain: Chain, memory: int, beta: float, slots: int,
                   for i in range(1, n + 2)]
     mb = [0.0] + [math.ceil((lay.mb[i] - lay.abar[i]) / unit - 1e-9) + abar[i]
                   for i in range(1, n + 2)]
-    return (Layers(lay.uf, lay.ub, [float(x) for x in abar], mf, mb, n), slots,
-            beta / unit)
+    return (Layers(lay.uf, lay.ub, [float(x) for x in abar], mf, mb, n),
+            slots if memory > 0 else 0, beta / unit)
 
 
 def solve_comm_dp_thesis(chain: Chain, memory: int, beta: float, slots: int = 500, *,
@@ -344,7 +361,7 @@ def solve_comm_dp_thesis(chain: Chain, memory: int, beta: float, slots: int = 50
             return dp, runs
         fractions = [1.0 if k in dp.offloaded else 0.0 for k in range(n)]
         value = evaluate(chain, memory, beta, fractions, cheap_junction)
-        unit = memory / slots
+        unit = thesis_unit(memory, slots)
         down = [(lay.abar[k] / unit - layers.abar[k], k) for k in range(n + 2)
                 if k not in fixed and layers.abar[k] < lay.abar[k] / unit - 1e-9]
         if math.isfinite(value) or not down:

@@ -216,7 +216,8 @@ def solve_pipeline_cpsat(problem: PipelineProblem, options: SolveOptions) -> Res
 
 
 @register(PROBLEM, "madpipe", exact=False, requires=("pulp",),
-          description="MadPipe: non-contiguous DP (one special GPU) + ILP schedule (ch. 7)")
+          description="MadPipe: non-contiguous DP (one special GPU) + ILP schedule (ch. 7)",
+          extra=("phase2", "madpipe_grid", "madpipe_iterations"))
 def solve_pipeline_madpipe(problem: PipelineProblem, options: SolveOptions) -> Result:
     """MadPipe phase 1 (DP, Algorithm 8) then phase 2 (ILP on the coarse chain)."""
     from optmem.solvers.pipeline_madpipe import solve_madpipe

@@ -5,7 +5,9 @@ for the full problem (methods ``ilp``/``cpsat``), or the stages of a MadPipe all
 its phase 2. With the ``stash`` memory model the best contiguous 1F1B* period is a valid
 upper bound (contiguous 1F1B* patterns are solutions of the model), so it is given to the
 engine as a cutoff, and returned as a ``feasible`` fallback when the engine finds nothing
-better within its time limit.
+better within its limits, or fails (:mod:`optmem.solvers.engine_results`). There is no hidden
+limit: ``SolveOptions.time_limit_s``, ``node_limit`` (ILP) and ``deterministic_time``
+(CP-SAT) are passed as given (``None``: none).
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from optmem.models.pipeline_common import Units, make_units
 from optmem.pipeline_plan import PipelinePlan
 from optmem.problems.pipeline import PipelineProblem
 from optmem.result import Result, SolveOptions, Status
-
-DEFAULT_TIME_LIMIT_S = 60.0
+from optmem.solvers.engine_results import engine_failure
+from optmem.solvers.engines import cpsat_settings, pulp_settings
 
 
 def run_model(
@@ -29,7 +31,6 @@ def run_model(
     """Build, solve and decode one model; returns ``(engine_result, plan, model_size)``."""
     from optmem.solvers.pipeline import lower_bound
 
-    limit = options.time_limit_s if options.time_limit_s is not None else DEFAULT_TIME_LIMIT_S
     lb = max(max(f + b for f, b in zip(units.f, units.b, strict=True)), 0.0)
     if gpu is None:
         lb = max(lb, lower_bound(problem))
@@ -40,8 +41,7 @@ def run_model(
         built = mod.build_pipeline_ilp(units, problem.n_gpus, problem.memory_per_gpu,
                                        strict=strict, gpu=gpu, upper_bound=upper_bound,
                                        lower_bound=lb)
-        res = mod.solve_pipeline_ilp(built, engine=options.solver, time_limit_s=limit,
-                                     threads=options.threads, verbose=options.verbose)
+        res = mod.solve_pipeline_ilp(built, engine=options.solver, **pulp_settings(options))
         plan = mod.decode_pipeline_ilp(built, res.values) if res.status.has_plan else None
     else:
         from optmem.models import pipeline_cpsat as cps
@@ -49,8 +49,7 @@ def run_model(
         cp = cps.build_pipeline_cpsat(units, problem.n_gpus, problem.memory_per_gpu,
                                       strict=strict, gpu=gpu, upper_bound=upper_bound,
                                       lower_bound=lb)
-        res = cps.solve_pipeline_cpsat(cp, time_limit_s=limit, threads=options.threads,
-                                       verbose=options.verbose)
+        res = cps.solve_pipeline_cpsat(cp, **cpsat_settings(options))
         plan = cps.decode_pipeline_cpsat(cp, res.values) if res.status.has_plan else None
         return res, plan, dict(cp.size)
     return res, plan, dict(built.size)
@@ -72,8 +71,20 @@ def solve_exact(problem: PipelineProblem, options: SolveOptions, method: str) ->
     res, plan, size = run_model(problem, units, method, options,
                                 upper_bound=incumbent[0] if incumbent else None)
     solver = options.solver if method == "ilp" else "cpsat"
-    report: dict[str, Any] = {"model_size": size, "engine_status": res.message,
-                              "engine_time_s": round(res.time_s, 3)}
+    report: dict[str, Any] = {"model_size": size}
+    if res.failed:
+        fallback = None
+        if incumbent is not None:
+            period, best = incumbent
+
+            def fallback(info: dict[str, Any]) -> Result:
+                return plan_result(problem, best, method=method, status=Status.FEASIBLE,
+                                   bound=math.nan, claimed=period, solver=solver,
+                                   report={**info, "incumbent": "contiguous 1F1B* plan"})
+
+        return engine_failure("pipeline", method, res, report=report, fallback=fallback,
+                              memory_limit=problem.memory_per_gpu)
+    report.update(res.report())
     bound = res.bound if math.isfinite(res.bound) else math.nan
     if method == "cpsat" and plan is not None and getattr(res, "info", {}).get("scaled"):
         report["time_scale"] = res.info["scale"]

@@ -23,7 +23,10 @@ OR-Tools is installed, solves it as :mod:`optmem.models.pipeline_cpsat`, much fa
 assignment fixed, then with a free assignment of the stages when the fixed one is infeasible
 under the exact memory model (the digest's 5.6 ambiguity). While no valid period reaches the
 phase-1 estimate, phase 1 runs again with the memory reduced by a safety margin (x0.85, x0.7,
-x0.55), the digest's fallback. A DP allocation that is contiguous is scheduled by 1F1B*
+x0.55), the digest's fallback. Without a user limit, each phase-2 model gets a
+deterministic work limit (``PHASE2_NODE_LIMIT`` nodes for the ILP, ``PHASE2_DETERMINISTIC_TIME``
+for CP-SAT), so the heuristic's answer does not depend on the machine's load. A DP
+allocation that is contiguous is scheduled by 1F1B*
 instead (optimal for it, Theorem 15). The best valid plan
 found is returned; since contiguous allocations belong to the DP's class but phase 2 cannot
 always recover them, the best contiguous 1F1B* plan is a candidate too (reported as the
@@ -47,6 +50,10 @@ EXACT_MAX_LAYERS = 12
 GRID_T, GRID_M, GRID_V = 101, 11, 51
 K_ITERATIONS = 10
 MEMORY_FACTORS = (1.0, 0.85, 0.7, 0.55)
+PHASE2_NODE_LIMIT = 20_000
+"""Default ILP work limit of each phase-2 model (branch-and-bound nodes) when no limit is set."""
+PHASE2_DETERMINISTIC_TIME = 30.0
+"""Default CP-SAT work limit of each phase-2 model (deterministic seconds) likewise."""
 
 Allocation = list[tuple[int, int, str]]  # (first, last, "N"|"S") in chain order
 
@@ -210,6 +217,10 @@ def _phase2(problem: PipelineProblem, alloc: Allocation, options: SolveOptions,
         return found
     units = make_units(problem, bounds)
     method = str(options.extra.get("phase2", "cpsat" if _has_ortools() else "ilp"))
+    if options.time_limit_s is None and options.node_limit is None \
+            and options.deterministic_time is None:
+        options = options.with_(node_limit=PHASE2_NODE_LIMIT,
+                                deterministic_time=PHASE2_DETERMINISTIC_TIME)
     for mode, gpu in (("fixed", labels), ("free", None)):
         res, plan, size = run_model(problem, units, method, options, gpu=gpu)
         log.append({"phase2": f"{method}-{mode}", "status": str(res.status),

@@ -32,13 +32,13 @@ from collections.abc import Sequence
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError, PlanError
 from optmem.plan import AnyOp, Op, OpKind, parse_mixed_plan
-from optmem.problems.checkpoint import Discretized, discretize
+from optmem.problems.checkpoint import CheckpointProblem, Discretized, discretize
 from optmem.problems.remat_offload import RematOffloadProblem
 from optmem.result import Result, SolveOptions, Status
 from optmem.simulate.offload import simulate_offload
+from optmem.solvers.checkpoint import dp_min_memory
 from optmem.solvers.checkpoint_dp import (
     PersistentTable,
-    min_memory_persistent,
     solve_persistent_table,
 )
 from optmem.solvers.facade import register
@@ -83,8 +83,8 @@ def plan_result(problem: RematOffloadProblem, options: SolveOptions, plan: Seque
                       memory_limit=disc.memory_limit, unit=disc.unit, variant=variant,
                       solver=solver, report=info)
     info.update({"idle_time": sim.idle_time, "offloaded": sim.offloaded_size,
-                 "transfers": len(sim.link), "bandwidth": problem.bandwidth,
-                 "bandwidth_units": beta,
+                 "transfers": len(sim.link), "bandwidth": problem.chain_bandwidth,
+                 "bandwidth_per_s": problem.bandwidth, "bandwidth_units": beta,
                  "recomputed_forwards": _recomputed(plan, problem.chain.length)})
     out = Result(PROBLEM, method, status, objective=sim.makespan, bound=lower_bound(problem),
                  plan=tuple(str(op) for op in plan), peak_memory=sim.peak_memory,
@@ -142,9 +142,10 @@ def offload_candidate(problem: RematOffloadProblem, options: SolveOptions
     from optmem.problems.offload import OffloadProblem
     from optmem.solvers.offload import solve_dynprog
 
-    if problem.bandwidth <= 0:
+    if problem.chain_bandwidth <= 0:
         return None
-    res = solve_dynprog(OffloadProblem(problem.chain, problem.memory_limit, problem.bandwidth),
+    res = solve_dynprog(OffloadProblem(problem.chain, problem.memory_limit,
+                                       chain_bandwidth=problem.chain_bandwidth),
                         options.with_(variant=None))
     return parse_mixed_plan(res.plan) if res.status.has_plan else None
 
@@ -216,7 +217,8 @@ def _best(problem: RematOffloadProblem, options: SolveOptions,
 @register(PROBLEM, "dp", exact=False, default=True,
           description="thesis ch. 4 DP (pofo): remat + offload; variants never-worse, "
                       "extended, thesis",
-          compare_as=(("dp", None), ("dp:thesis", None)))
+          compare_as=(("dp", None), ("dp:thesis", None)),
+          extra=("grid", "backlog_grid", "prefetch"))
 def solve_dp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     """The chapter 4 DP; ``report['dp_value']`` is its value under Assumptions 4."""
     variant = options.variant or "never-worse"
@@ -239,7 +241,8 @@ def solve_dp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
                                report=info)
         status = Status.INFEASIBLE if not math.isfinite(info["dp_value"]) else \
             Status.NO_SOLUTION
-        least = min_memory_persistent(problem.chain)
+        least = dp_min_memory(CheckpointProblem(problem.chain, problem.memory_limit), options,
+                              "paper")
         info["hint"] = (f"no plan fits; a plan without transfers fits from {least} "
                         f"{problem.chain.memory_unit} (offloading may need less: try a larger "
                         "bandwidth or grid)")
@@ -256,13 +259,18 @@ def solve_remat_only(problem: RematOffloadProblem, options: SolveOptions) -> Res
     disc, _ = _disc(problem, options)
     plan = remat_candidate(disc)
     if plan is None:
+        least = dp_min_memory(CheckpointProblem(problem.chain, problem.memory_limit), options,
+                              "paper")
         return _no_plan(problem, options, "remat_only", Status.INFEASIBLE,
-                        {"hint": "the persistent checkpoint DP finds no plan"})
+                        {"hint": f"the persistent checkpoint DP finds no plan below {least} "
+                                 f"{problem.chain.memory_unit}"}).with_(
+            min_feasible_memory=least)
     return plan_result(problem, options, plan, method="remat_only")
 
 
 @register(PROBLEM, "offload_only", exact=False,
-          description="baseline: DYNPROG offload set, store-all sequence (no recompute)")
+          description="baseline: DYNPROG offload set, store-all sequence (no recompute)",
+          extra=("prefetch",))
 def solve_offload_only(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     """The offload problem's DYNPROG plan."""
     plan = offload_candidate(problem, options)
@@ -412,13 +420,17 @@ def capper_windows(disc: Discretized, ops: Sequence[Op]) -> list[Window] | None:
 
 
 @register(PROBLEM, "autocapper", exact=False,
-          description="thesis 4.3 autocapper: capper for 40 relaxed limits, best simulated")
+          description="thesis 4.3 autocapper: capper for 40 relaxed limits, best simulated",
+          extra=("autocapper_values",))
 def solve_autocapper(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     """Capper(M') for ``AUTOCAPPER_VALUES`` values of M' in [M, M_high]; keep the best."""
     disc, beta = _disc(problem, options)
     ch = disc.chain
     high = max(disc.memory_limit, _store_all_peak(ch))
-    table = checkpoint_table(disc, high - ch.input_size)
+    # below the least memory of any forward nothing fits (and a limit far below the chain's
+    # sizes, such as 0 on a chain in bytes, would tabulate up to the store-all peak in bytes)
+    fits = disc.memory_limit >= _least_forward_memory(ch)
+    table = checkpoint_table(disc, high - ch.input_size) if fits else None
     if table is None or beta <= 0:
         return solve_remat_only(problem, options).with_(method="autocapper")
     count = int(options.extra.get("autocapper_values", AUTOCAPPER_VALUES))
@@ -445,6 +457,17 @@ def solve_autocapper(problem: RematOffloadProblem, options: SolveOptions) -> Res
                         {"hint": "no capper run fits", "capper_runs": len(tried)})
     return plan_result(problem, options, best[1], method="autocapper",
                        report={"choice": best[2], "capper_runs": len(tried)})
+
+
+def _least_forward_memory(chain: Chain) -> int:
+    """A lower bound on the memory of every plan.
+
+    Some forward of each stage ``i`` holds its input ``a^{i-1}`` (or the tape containing it)
+    and its output ``a^i`` (plus ``o_f^i``) on the GPU at once.
+    """
+    inputs = (chain.input_size, *chain.output_size[:-1])
+    return max(x + y + o for x, y, o in zip(inputs, chain.output_size, chain.fwd_overhead,
+                                            strict=True))
 
 
 def _store_all_peak(chain: Chain) -> int:

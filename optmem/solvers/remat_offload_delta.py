@@ -177,7 +177,8 @@ def _build(disc: Discretized, beta: float, budget: float, trigger: float, kappa:
 
 @register(PROBLEM, "delta", exact=False,
           description="DELTA-style online policy: filter (size x staleness) + director "
-                      "(recompute if cheaper than swap), simulated")
+                      "(recompute if cheaper than swap), simulated",
+          extra=("delta_trigger", "delta_kappa", "delta_eta"))
 def solve_delta(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     """Simulate the policy.
 

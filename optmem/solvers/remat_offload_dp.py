@@ -45,6 +45,7 @@ from optmem.solvers.checkpoint_dp import (
     CHOICE_ALL,
     ChainArrays,
     PersistentTable,
+    require_table_bytes,
     solve_persistent_table,
 )
 
@@ -104,6 +105,9 @@ class PofoDP:
         # backlogs above M cannot be resident: such states are infeasible (both modes)
         self.q = max(1, int(backlog_unit))
         self.n_d = -(-max(self.M, 0) // self.q) + 1 if self.beta > 0 else 1
+        require_table_bytes(8.0 * 2 * (self.L + 2) ** 2 * (self.M + 1) * self.n_d,
+                            what="remat-offload DP", length=self.L, memory=self.M + 1,
+                            field="grid or backlog_grid values")
         self._cd: np.ndarray | None = None
         self._oc_tab: dict[tuple[int, int], np.ndarray] = {}
 

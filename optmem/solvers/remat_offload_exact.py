@@ -38,6 +38,8 @@ from optmem.result import Result, SolveOptions, Status
 from optmem.simulate.checkpoint import initial_state, is_final, transition
 from optmem.simulate.offload import reads, simulate_offload
 from optmem.solvers import engines
+from optmem.solvers.engine_results import engine_failure
+from optmem.solvers.engines import EngineResult
 from optmem.solvers.facade import register, register_exporter
 from optmem.solvers.offload_bruteforce import interleave_transfers
 from optmem.solvers.remat_offload import (
@@ -248,22 +250,21 @@ def _candidates(problem: RematOffloadProblem, options: SolveOptions
 
 def _engine_solve(model: Model, engine: str, options: SolveOptions, *,
                   initial: Sequence[float] | None, scale: int, time_limit_s: float | None
-                  ) -> tuple[Status, list[float] | None, float, str, float]:
-    """Emit ``model`` for ``engine`` and solve: status, values, bound, message, time."""
+                  ) -> tuple[EngineResult, list[float] | None, float]:
+    """Emit ``model`` for ``engine`` and solve: the engine outcome, model values, bound."""
     if engine == "cpsat":
         cp = to_cpsat(model, scale=scale)
-        out = engines.solve_cpsat(cp.cp, cp.variables, time_limit_s=time_limit_s,
-                                  threads=options.threads, hint=cp.hint(initial),
-                                  verbose=options.verbose)
+        out = engines.solve_cpsat(cp.cp, cp.variables, hint=cp.hint(initial),
+                                  **{**engines.cpsat_settings(options),
+                                     "time_limit_s": time_limit_s})
         values = cp.values(out.values) if out.values is not None else None
         bound = cp.objective(out.bound) if math.isfinite(out.bound) else math.nan
-        return out.status, values, bound, out.message, out.time_s
+        return out, values, bound
     pm = to_pulp(model)
-    out = engines.solve_pulp(pm.problem, pm.all_variables, engine, time_limit_s=time_limit_s,
-                             threads=options.threads, initial=pm.initial(initial),
-                             verbose=options.verbose)
+    out = engines.solve_pulp(pm.problem, pm.all_variables, engine, initial=pm.initial(initial),
+                             **{**engines.pulp_settings(options), "time_limit_s": time_limit_s})
     values = out.values[:len(model.vars)] if out.values is not None else None
-    return out.status, values, out.bound, out.message, out.time_s
+    return out, values, out.bound
 
 
 def _warm_start(problem: RematOffloadProblem, options: SolveOptions,
@@ -285,11 +286,10 @@ def _warm_start(problem: RematOffloadProblem, options: SolveOptions,
             continue
         limit = None if options.time_limit_s is None else max(COMPLETION_TIME_S,
                                                               options.time_limit_s / 4)
-        status, values, _, message, _ = _engine_solve(with_fixed(built, fixed), engine,
-                                                      options, initial=None, scale=scale,
-                                                      time_limit_s=limit)
-        if not status.has_plan or values is None:
-            notes.append(f"{label}: not completed ({status}: {message})")
+        done, values, _ = _engine_solve(with_fixed(built, fixed), engine, options,
+                                        initial=None, scale=scale, time_limit_s=limit)
+        if not done.status.has_plan or values is None:
+            notes.append(f"{label}: not completed ({done.status}: {done.message})")
             continue
         value = values[built.objective_var]
         # unused time variables may sit anywhere below the default horizon: clamp them to
@@ -337,10 +337,22 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
     start = _warm_start(problem, options, built, engine, scale)
     report["warm_start"] = start.note
     model = with_fixed(built, {}, start.model_value if start.values is not None else None)
-    status, values, bound, message, seconds = _engine_solve(
-        model, engine, options, initial=start.values, scale=scale,
-        time_limit_s=options.time_limit_s)
-    report.update(engine_status=message, engine_time_s=round(seconds, 4))
+    out, values, bound = _engine_solve(model, engine, options, initial=start.values,
+                                       scale=scale, time_limit_s=options.time_limit_s)
+    status = out.status
+    if out.failed:
+        incumbent = start.plan
+
+        def fallback(info: dict[str, Any]) -> Result:
+            assert incumbent is not None
+            return plan_result(problem, options, incumbent, method=method, solver=solver,
+                               status=Status.FEASIBLE,
+                               report={**info, "incumbent": "the fastest candidate plan"})
+
+        return engine_failure(PROBLEM, method, out, report=report,
+                              fallback=fallback if incumbent is not None else None,
+                              memory_limit=disc.memory_limit, unit=disc.unit)
+    report.update(out.report())
     floor = lower_bound(problem)
     bound = max(bound, floor) if math.isfinite(bound) else floor
     if status is Status.INFEASIBLE:
@@ -380,7 +392,8 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
 
 @register(PROBLEM, "ilp", exact=True, requires=("pulp",),
           description="exact model (checkpoint slots + link positions, O.7 memory), PuLP",
-          compare_as=(("ilp", 6),))
+          compare_as=(("ilp", 6),),
+          extra=("sweeps", "transfers_per_gap", "grid", "backlog_grid", "prefetch"))
 def solve_ilp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     """Optimal plan over the model's class (module docstring), HiGHS/CBC/Gurobi."""
     return _solve_model(problem, options, "ilp")
@@ -388,7 +401,8 @@ def solve_ilp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
 
 @register(PROBLEM, "cpsat", exact=True, requires=("ortools",),
           description="exact model (same formulation as ilp), CP-SAT",
-          compare_as=(("cpsat", 6),))
+          compare_as=(("cpsat", 6),),
+          extra=("sweeps", "transfers_per_gap", "grid", "backlog_grid", "prefetch"))
 def solve_cpsat(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     """Optimal plan over the model's class with OR-Tools CP-SAT."""
     return _solve_model(problem, options, "cpsat")

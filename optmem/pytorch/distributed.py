@@ -1,0 +1,287 @@
+"""Plans inside multi-process training: one decision for every rank, DDP and FSDP2.
+
+Three pieces, used by :func:`optmem.pytorch.checkpoint` and :func:`optmem.pytorch.pipeline`:
+
+* :func:`run_once`: the profile and the solve run on one rank (rank 0 of the group) and the
+  outcome (chain and plan) is broadcast, so every rank trains with the **same** plan. Two ranks
+  that profiled separately could measure different times, choose different plans, and then
+  disagree on when parameters are used (DDP's reducer, FSDP's all-gathers and the pipeline's
+  point-to-point messages all assume the same program on every rank).
+* DDP: ``DistributedDataParallel(optmem.pytorch.checkpoint(model, sample, ...))`` needs no
+  special argument (``find_unused_parameters=False``, the default, is required: see
+  ``docs/distributed.md``).
+* FSDP2: :func:`fully_shard_checkpointed` shards the stages of a checkpointed module (one
+  FSDP unit per stage, the root holding what stages share), and :func:`fsdp_chain` adds what
+  FSDP holds while a stage runs (its unsharded parameters, and in the backward its unsharded
+  gradients and the prefetched parameters of the stage before) to the chain's per-op
+  overheads, so that the plan's memory limit accounts for it.
+  :func:`checkpoint_fsdp` does both in one call.
+
+Backends: NCCL when CUDA is available (one GPU per local rank), gloo otherwise (CPU processes,
+what the tests use). :func:`init_distributed` initialises from ``torchrun``'s environment.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from optmem.chain import Chain
+from optmem.errors import OptmemInputError
+
+__all__ = ["checkpoint_fsdp", "default_device", "fsdp_chain", "fully_shard_checkpointed",
+           "init_distributed", "is_fsdp_module", "resolve_group", "run_once", "spawn",
+           "stage_parameter_bytes"]
+
+T = TypeVar("T")
+LOCAL = "local"
+
+
+# ------------------------------------------------------------------ process groups
+def init_distributed(backend: str | None = None) -> torch.device:
+    """Initialise the default process group from ``torchrun``'s environment if needed.
+
+    Returns this process' device: ``cuda:LOCAL_RANK`` with NCCL (set as the current device),
+    the CPU with gloo. ``backend`` defaults to NCCL when CUDA is available, gloo otherwise.
+    """
+    if not dist.is_available():
+        raise OptmemInputError("torch.distributed is not available in this PyTorch build",
+                               field="backend")
+    if not dist.is_initialized():
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            raise OptmemInputError(
+                "no process group: launch with torchrun (or call "
+                "torch.distributed.init_process_group first)", field="backend")
+        dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"))
+    return default_device()
+
+
+def default_device() -> torch.device:
+    """``cuda:LOCAL_RANK`` (made current) when the default group uses NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def resolve_group(process_group: Any = None) -> Any:
+    """The group that must agree on a plan, or ``None`` to decide locally.
+
+    ``None`` (the default of the public calls): the default group when ``torch.distributed``
+    is initialised with more than one process, else local. ``"local"``: always local (each
+    process profiles and solves on its own, e.g. when ranks hold different modules).
+    A ``ProcessGroup``: that group (local if it has one member).
+    """
+    if isinstance(process_group, str):
+        if process_group != LOCAL:
+            raise OptmemInputError(f"expected a ProcessGroup, None or 'local', got "
+                                   f"{process_group!r}", field="process_group")
+        return None
+    if not dist.is_available() or not dist.is_initialized():
+        if process_group is not None:
+            raise OptmemInputError("a process group was given but torch.distributed is not "
+                                   "initialised", field="process_group")
+        return None
+    group = process_group if process_group is not None else dist.group.WORLD
+    return group if dist.get_world_size(group) > 1 else None
+
+
+def run_once(decide: Callable[[], T], group: Any = None) -> T:
+    """Run ``decide()`` on rank 0 of ``group`` only and give its value to every rank.
+
+    With ``group=None`` this is just ``decide()``. The value is pickled
+    (``broadcast_object_list``); an exception raised by ``decide`` on rank 0 is raised on
+    every rank (as :class:`~optmem.errors.OptmemInputError` when it was one), so no rank is
+    left waiting.
+    """
+    if group is None:
+        return decide()
+    src = dist.get_global_rank(group, 0)
+    box: list[Any] = [None]
+    if dist.get_rank() == src:
+        try:
+            box[0] = ("ok", decide())
+        except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
+            box[0] = ("error", exc)
+    device = default_device() if dist.get_backend(group) == "nccl" else None
+    dist.broadcast_object_list(box, src=src, group=group, device=device)
+    kind, value = box[0]
+    if kind == "error":
+        if isinstance(value, BaseException):
+            raise value
+        raise RuntimeError(str(value))
+    return value
+
+
+# ------------------------------------------------------------------ FSDP2
+def is_fsdp_module(module: Any) -> bool:
+    """Whether ``module`` (or a submodule) was already sharded by ``fully_shard``."""
+    if not isinstance(module, nn.Module):
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in module.modules())
+
+
+def refuse_sharded(module: Any) -> None:
+    """Raise a clear error for a module sharded before ``optmem.pytorch.checkpoint``.
+
+    The executor calls the chain's stages itself, so the root FSDP module's forward (which
+    gathers what the root owns and sets up the backward) would never run: shard after.
+    """
+    if is_fsdp_module(module):
+        raise OptmemInputError(
+            f"{type(module).__name__} is already sharded with fully_shard: call "
+            "optmem.pytorch.checkpoint on the unsharded model first, then shard its stages "
+            "with optmem.pytorch.distributed.fully_shard_checkpointed(cmodel, mesh=mesh) (or "
+            "use checkpoint_fsdp); see docs/distributed.md", field="module")
+
+
+def _shared_parameter_ids(stages: Sequence[nn.Module]) -> set[int]:
+    """Ids of parameters that appear in more than one stage (tied weights)."""
+    owner: dict[int, int] = {}
+    shared: set[int] = set()
+    for k, st in enumerate(stages):
+        for p in st.parameters():
+            if owner.setdefault(id(p), k) != k:
+                shared.add(id(p))
+    return shared
+
+
+def sharded_stage_indices(stages: Sequence[nn.Module]) -> list[int]:
+    """Stages that become their own FSDP unit: those with parameters shared with no other.
+
+    A parameter in two stages (a tied embedding and head) cannot belong to two FSDP units;
+    the stages holding one stay with the root unit, whose parameters are gathered for the
+    whole step.
+    """
+    shared = _shared_parameter_ids(stages)
+    return [k for k, st in enumerate(stages)
+            if any(True for _ in st.parameters())
+            and not any(id(p) in shared for p in st.parameters())]
+
+
+def fully_shard_checkpointed(cmodule: nn.Module, mesh: Any = None, **fsdp_kwargs: Any
+                             ) -> nn.Module:
+    """Shard a checkpointed module with FSDP2: one unit per stage, then the root.
+
+    ``cmodule`` is what :func:`optmem.pytorch.checkpoint` returned (its ``stages``). Stages
+    with parameters of their own become FSDP units (``fully_shard(stage, mesh=mesh,
+    **fsdp_kwargs)``); stages sharing a parameter with another stage stay in the root unit.
+    Returns ``cmodule`` (sharded in place, as ``fully_shard`` does).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    stages = list(cmodule.stages)  # type: ignore[arg-type]
+    for k in sharded_stage_indices(stages):
+        fully_shard(stages[k], mesh=mesh, **fsdp_kwargs)
+    fully_shard(cmodule, mesh=mesh, **fsdp_kwargs)
+    return cmodule
+
+
+def stage_parameter_bytes(stages: Sequence[nn.Module]) -> list[int]:
+    """Bytes of the unsharded parameters of every stage that is an FSDP unit, else 0."""
+    units = set(sharded_stage_indices(stages))
+    return [sum(p.numel() * p.element_size() for p in st.parameters()) if k in units else 0
+            for k, st in enumerate(stages)]
+
+
+def fsdp_chain(chain: Chain, param_bytes: Sequence[int], *, prefetch: bool = True) -> Chain:
+    """``chain`` with what FSDP2 holds while each stage runs added to its overheads.
+
+    For stage ``i`` with ``P_i = param_bytes[i]`` (its unsharded parameters, 0 if it is not an
+    FSDP unit): every forward of ``i`` (first run or recomputation) holds the all-gathered
+    ``P_i``; its backward holds ``P_i``, the unsharded gradient ``P_i`` before the
+    reduce-scatter and, with ``prefetch`` (FSDP2's default backward prefetch), the gathered
+    parameters ``P_{i-1}`` of the stage before. These are temporaries of one op, i.e. the
+    chain's ``fwd_overhead`` / ``bwd_overhead`` (CONTRACT section 5), so the plan's peak
+    counts them. Not counted: the sharded parameters, gradients and optimizer state (always
+    resident, like parameters without FSDP) and the root unit's parameters (gathered for the
+    whole step).
+    """
+    n = chain.length
+    if len(param_bytes) != n:
+        raise OptmemInputError(f"expected {n} parameter sizes, got {len(param_bytes)}",
+                               field="param_bytes")
+    fwd = [o + int(p) for o, p in zip(chain.fwd_overhead, param_bytes, strict=True)]
+    bwd = []
+    for i in range(n):
+        extra = 2 * int(param_bytes[i])
+        if prefetch and i > 0:
+            extra += int(param_bytes[i - 1])
+        bwd.append(chain.bwd_overhead[i] + extra)
+    return replace(chain, fwd_overhead=tuple(fwd), bwd_overhead=tuple(bwd),
+                   name=f"{chain.name}+fsdp")
+
+
+def checkpoint_fsdp(module: nn.Module | Sequence[nn.Module], sample: Any,
+                    memory_limit: int | str = "2GiB", method: str = "dp", *, mesh: Any = None,
+                    process_group: Any = None, prefetch: bool = True,
+                    fsdp_kwargs: dict[str, Any] | None = None, **checkpoint_kwargs: Any
+                    ) -> nn.Module:
+    """Checkpoint plan over the stages of ``module``, then FSDP2 with one unit per stage.
+
+    The profile runs on rank 0 of ``process_group`` (default: the default group) on the
+    unsharded module, :func:`fsdp_chain` adds FSDP's gathered parameters and gradients to the
+    per-op overheads, the plan is solved under ``memory_limit`` once and broadcast, and the
+    stages are sharded (:func:`fully_shard_checkpointed`). Returns the sharded
+    :class:`~optmem.pytorch.api.CheckpointedModule`; ``.chain`` is the FSDP-adjusted chain.
+    Other keyword arguments go to :func:`optmem.pytorch.checkpoint` (``max_stages`` is not
+    supported: the chain's stages are the FSDP units).
+    """
+    from optmem.pytorch.api import checkpoint
+    from optmem.pytorch.extract import extract_stages
+    from optmem.pytorch.profile import profile_stages
+
+    if "max_stages" in checkpoint_kwargs or "chain" in checkpoint_kwargs:
+        raise OptmemInputError("checkpoint_fsdp profiles the module's stages itself: "
+                               "max_stages and chain are not supported", field="max_stages")
+    refuse_sharded(module)
+    group = resolve_group(process_group)
+    stages = extract_stages(module)
+    profile_keys = ("device", "repeats", "warmup", "progress", "time_model")
+    profile_kw = {k: checkpoint_kwargs[k] for k in profile_keys if k in checkpoint_kwargs}
+    name = type(module).__name__ if isinstance(module, nn.Module) else "torch"
+
+    def profile() -> Chain:
+        return fsdp_chain(profile_stages(stages, sample, name=name, **profile_kw),
+                          stage_parameter_bytes([s.module for s in stages]), prefetch=prefetch)
+
+    chain = run_once(profile, group)
+    cmodule = checkpoint(module, sample, memory_limit, method, chain=chain,
+                         process_group=process_group if group is not None else LOCAL,
+                         **checkpoint_kwargs)
+    return fully_shard_checkpointed(cmodule, mesh=mesh, **(fsdp_kwargs or {}))
+
+
+# ------------------------------------------------------------------ launching
+def _spawned(rank: int, world: int, init: str, fn: Callable[..., Any], args: tuple) -> None:
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    local = rank % torch.cuda.device_count() if backend == "nccl" else rank
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local))
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
+    try:
+        default_device()  # cuda:LOCAL_RANK becomes the current device with NCCL
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn: Callable[..., Any], world: int, *args: Any, init_file: str) -> None:
+    """Run ``fn(rank, world, *args)`` in ``world`` processes (``torch.multiprocessing``).
+
+    ``init_file`` is a path (not existing yet) for the ``file://`` rendezvous. The backend is
+    NCCL when CUDA is available (one GPU per rank), gloo otherwise. ``fn`` must be importable
+    (a module-level function); the caller's script needs the ``if __name__ == "__main__":``
+    guard (spawn start method).
+    """
+    import torch.multiprocessing as mp
+
+    mp.spawn(_spawned, args=(world, f"file://{init_file}", fn, args), nprocs=world, join=True)

@@ -1,0 +1,259 @@
+"""Models, references and per-rank workers of the multi-process tests (gloo, CPU processes).
+
+The workers run in processes started by :func:`optmem.pytorch.distributed.spawn`, which
+imports this module by name (pytest puts ``tests/`` on ``sys.path`` and spawned processes
+inherit it). Each worker runs several jobs in one process group (starting processes costs
+far more than the runs) and saves what it computed to ``out_dir/rank{r}_job{k}.pt``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import optmem.pytorch as op
+from optmem.pytorch import pipelining
+from optmem.pytorch.zoo.gpt2 import Block, Embedding
+
+VOCAB, CONTEXT, DIM = 32, 8, 16
+
+
+# ------------------------------------------------------------------ models and data
+class Residual(nn.Module):
+    """``x + tanh(W x + b)``."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.lin(x))
+
+
+def residual_mlp(width: int = 16, depth: int = 6, seed: int = 0) -> nn.Sequential:
+    """Residual blocks and a linear head (one chain stage each)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(*[Residual(width) for _ in range(depth)], nn.Linear(width, 1))
+
+
+def mlp_data(rows: int, width: int = 16, seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, width, generator=gen), torch.randn(rows, 1, generator=gen)
+
+
+def tiny_gpt(blocks: int = 2, seed: int = 0) -> nn.Sequential:
+    """A GPT-2 of the zoo's blocks, head tied to the token embedding, in a nested head.
+
+    Chain layers (nested ``nn.Sequential`` flattened): embed, h0..h{blocks-1}, ln_f,
+    lm_head. No dropout, so runs are deterministic.
+    """
+    torch.manual_seed(seed)
+    embed = Embedding(DIM, VOCAB, CONTEXT, dropout=0.0)
+    mods: OrderedDict[str, nn.Module] = OrderedDict(embed=embed)
+    for i in range(blocks):
+        mods[f"h{i}"] = Block(DIM, 2, CONTEXT, dropout=0.0)
+    lm_head = nn.Linear(DIM, VOCAB, bias=False)
+    lm_head.weight = embed.wte.weight
+    mods["head"] = nn.Sequential(OrderedDict(ln_f=nn.LayerNorm(DIM), lm_head=lm_head))
+    return nn.Sequential(mods)
+
+
+def gpt_data(rows: int, seed: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, VOCAB, (rows, CONTEXT), generator=gen),
+            torch.randint(0, VOCAB, (rows, CONTEXT), generator=gen))
+
+
+def lm_loss(logits: Any, target: torch.Tensor) -> torch.Tensor:
+    logits = getattr(logits, "logits", logits)  # a HuggingFace output holds them
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def hf_gpt2(seed: int = 0) -> nn.Module:
+    """HuggingFace ``GPT2LMHeadModel`` (tied head) with a tiny config, no dropout."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(n_layer=2, n_embd=DIM, n_head=2, vocab_size=VOCAB,
+                        n_positions=CONTEXT, use_cache=False, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(config)
+
+
+MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int], Any], Callable[..., Any]]] = {
+    "mlp": (lambda: pipelining.demo_model(8, 6), lambda rows: mlp_data(rows, 8),
+            nn.functional.mse_loss),
+    "mlp3": (lambda: pipelining.demo_model(8, 3), lambda rows: mlp_data(rows, 8),
+             nn.functional.mse_loss),
+    "gpt": (tiny_gpt, gpt_data, lm_loss),
+    "hf-gpt2": (hf_gpt2, gpt_data, lm_loss),
+}
+
+
+def reference_grads(model_name: str, microbatches: int, rows: int, *, mean: bool
+                    ) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Single-process gradients (summed or averaged over micro-batches) and losses."""
+    build, data, loss_fn = MODELS[model_name]
+    model = build()
+    x, y = data(rows)
+    losses = []
+    for xm, ym in zip(x.chunk(microbatches), y.chunk(microbatches), strict=True):
+        loss = loss_fn(model(xm), ym)
+        (loss / microbatches if mean else loss).backward()
+        losses.append(float(loss.detach()))
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}, losses
+
+
+def _save(out_dir: str, rank: int, job: int, data: dict[str, Any]) -> None:
+    torch.save(data, os.path.join(out_dir, f"rank{rank}_job{job}.pt"))
+
+
+def load(out_dir: str, rank: int, job: int) -> dict[str, Any]:
+    return torch.load(os.path.join(out_dir, f"rank{rank}_job{job}.pt"), weights_only=False)
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+# ------------------------------------------------------------------ pipelines
+def run_jobs(rank: int, world: int, jobs: list[dict[str, Any]], out_dir: str) -> None:
+    """Run every job (``job["kind"]`` names the function below) and save its outcome."""
+    torch.set_num_threads(1)
+    kinds = {"pipeline": pipeline_job, "one_call": one_call_job, "ddp": ddp_job,
+             "fsdp": fsdp_job, "fsdp_refusal": fsdp_refusal_job}
+    for k, job in enumerate(jobs):
+        _save(out_dir, rank, k, kinds[job["kind"]](rank, world, job))
+        dist.barrier()
+
+
+def pipeline_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    """``{"model", "plan", "microbatches", "rows", "runner", "csv"?}``.
+
+    ``runner`` is ``"runtime"`` (PyTorch's pipeline runtime, the plan's own action list or the
+    CSV file ``csv``) or ``"p2p"`` (optmem's runner). Gradients are summed over micro-batches.
+    """
+    del rank, world
+    build, data, loss_fn = MODELS[job["model"]]
+    model = build()
+    x, y = data(job["rows"])
+    xs, ys = list(x.chunk(job["microbatches"])), list(y.chunk(job["microbatches"]))
+    if job["runner"] == "p2p":
+        losses = pipelining.run_plan(model, job["plan"], xs, ys, loss_fn)
+    else:
+        losses = pipelining.run_plan_pipelining(model, job["plan"], xs, ys, loss_fn,
+                                                schedule_csv=job.get("csv"))
+    return {"grads": _grads(model), "losses": losses}
+
+
+def one_call_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    """``op.pipeline(...)`` then one step; rank 1 profiles a slower layer than rank 0.
+
+    ``{"model", "method", "microbatches", "rows", "slow_layer"}``. The time model gives every
+    layer 1 ms forward and 2 ms backward, and ``slow_layer`` 30 ms forward on rank 1 only:
+    ranks that planned alone would split differently.
+    """
+    build, data, loss_fn = MODELS[job["model"]]
+    model = build()
+    layers = [s.module for s in op.extract_stages(model)]
+
+    def time_model(module: nn.Module, _x: Any, _y: Any) -> tuple[float, float]:
+        index = next(i for i, m in enumerate(layers) if m is module)
+        return (30.0 if rank == 1 and index == job["slow_layer"] else 1.0), 2.0
+
+    x, y = data(job["rows"])
+    sample = x.chunk(job["microbatches"])[0]
+    piped = op.pipeline(model, sample, gpus=world, memory_per_gpu="1GiB", bandwidth="10GB/s",
+                        loss_fn=loss_fn, method=job["method"],
+                        microbatches=job["microbatches"], time_model=time_model, repeats=1,
+                        warmup=0)
+    losses = piped.step(x, target=y)
+    return {"grads": _grads(model), "losses": [float(v) for v in losses],
+            "plan": piped.result.plan, "period": piped.result.objective,
+            "stages": piped.stage_indices}
+
+
+def ddp_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    """DDP over ``op.checkpoint`` of the residual MLP; each rank trains on its data shard.
+
+    ``{"ddp": DDP kwargs, "memory_limit", "strip_suffix", "process_group": None | "local"}``.
+    Rank 1's time model makes layer 3 thirty times slower than rank 0's, so plans solved
+    locally differ. Two iterations (the second checks that the reducer's state carries
+    over); with ``"local"`` only the plan is returned.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = residual_mlp()
+    x_all, y_all = mlp_data(8 * world)
+    x, y = x_all.chunk(world)[rank], y_all.chunk(world)[rank]
+    index = {id(m): i for i, m in enumerate(model)}
+
+    def time_model(module: nn.Module, _x: Any, _y: Any) -> tuple[float, float]:
+        return (30.0 if rank == 1 and index.get(id(module)) == 3 else 1.0), 2.0
+
+    cmodel = op.checkpoint(model, x, memory_limit=job["memory_limit"], time_model=time_model,
+                           strip_suffix=job["strip_suffix"], process_group=job["process_group"])
+    grads: dict[str, torch.Tensor] = {}
+    if job["process_group"] is None:
+        ddp = DistributedDataParallel(cmodel, **job["ddp"])
+        for _ in range(2):
+            ddp.zero_grad(set_to_none=True)
+            nn.functional.mse_loss(ddp(x), y).backward()
+        grads = _grads(model)
+    return {"grads": grads, "plan": cmodel.result.plan}
+
+
+def fsdp_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    """``checkpoint_fsdp`` on a CPU device mesh; ``grad.full_tensor()`` of every weight.
+
+    ``{"model": "mlp" | "gpt", "memory_limit"}``; two iterations.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from optmem.pytorch.distributed import checkpoint_fsdp
+
+    mesh = init_device_mesh("cpu", (world,))
+    if job["model"] == "mlp":
+        model, (x_all, y_all), loss_fn = residual_mlp(), mlp_data(8 * world), \
+            nn.functional.mse_loss
+    else:
+        model, (x_all, y_all), loss_fn = tiny_gpt(), gpt_data(4 * world), lm_loss
+    x, y = x_all.chunk(world)[rank], y_all.chunk(world)[rank]
+    original = {id(p): n for n, p in model.named_parameters()}
+    names = {f"stages.{i}.{n}": original[id(p)]  # fully_shard keeps these names
+             for i, st in enumerate(op.extract_stages(model))
+             for n, p in st.module.named_parameters()}
+    cmodel = checkpoint_fsdp(model, x, job["memory_limit"], mesh=mesh,
+                             time_model=lambda *_: (1.0, 2.0))
+    for _ in range(2):
+        cmodel.zero_grad(set_to_none=True)
+        loss_fn(cmodel(x), y).backward()
+    return {"grads": {names[n]: p.grad.full_tensor() for n, p in cmodel.named_parameters()},
+            "plan": cmodel.result.plan, "chain": cmodel.chain.to_dict(),
+            "units": [type(m).__name__ for m in cmodel.stages]}
+
+
+def fsdp_refusal_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    """What ``op.checkpoint`` says about a module sharded with ``fully_shard`` first."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from optmem.errors import OptmemInputError
+
+    del rank, job
+    mesh = init_device_mesh("cpu", (world,))
+    model = residual_mlp()
+    for block in list(model)[:-1]:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    try:
+        op.checkpoint(model, torch.zeros(2, 16), memory_limit="1MiB", process_group="local")
+    except OptmemInputError as exc:
+        return {"message": str(exc)}
+    return {"message": ""}

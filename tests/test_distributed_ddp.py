@@ -1,0 +1,44 @@
+"""DistributedDataParallel over ``optmem.pytorch.checkpoint`` (2 gloo processes).
+
+Default DDP arguments and ``static_graph=True``, with and without suffix stripping: the
+gradients after DDP's all-reduce equal single-process training on the whole batch. Rank 1
+measures a 30x slower layer than rank 0: planned locally the ranks choose different plans,
+with the default process group both run rank 0's plan.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="DDP needs torch")
+
+import distributed_workers as w  # noqa: E402
+
+from optmem.pytorch.distributed import spawn  # noqa: E402
+
+pytestmark = pytest.mark.distributed
+
+LIMIT = 5000  # bytes: between the smallest feasible limit (4096) and store-all (8704)
+
+
+def test_ddp_over_checkpoint_plan_matches_single_process(tmp_path):
+    jobs = [{"kind": "ddp", "ddp": ddp, "strip_suffix": strip, "process_group": None,
+             "memory_limit": LIMIT}
+            for ddp, strip in (({}, True), ({}, False), ({"static_graph": True}, False))]
+    jobs.append({"kind": "ddp", "ddp": {}, "strip_suffix": True, "process_group": "local",
+                 "memory_limit": LIMIT})
+    spawn(w.run_jobs, 2, jobs, str(tmp_path), init_file=str(tmp_path / "rendezvous"))
+    model = w.residual_mlp()
+    x, y = w.mlp_data(16)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    for k in range(3):
+        ranks = [w.load(str(tmp_path), r, k) for r in range(2)]
+        assert ranks[0]["plan"] == ranks[1]["plan"]
+        assert any(op.startswith("F_none") or op.startswith("F_ck") for op in ranks[0]["plan"])
+        for data in ranks:
+            assert set(data["grads"]) == {n for n, _ in model.named_parameters()}
+            for name, p in model.named_parameters():
+                torch.testing.assert_close(data["grads"][name], p.grad, rtol=1e-5, atol=1e-6)
+    alone = [w.load(str(tmp_path), r, 3)["plan"] for r in range(2)]
+    assert alone[0] != alone[1]  # the timings differ enough to change the plan
+    assert alone[0] == w.load(str(tmp_path), 0, 0)["plan"]  # the shared plan is rank 0's
