@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 HERE = Path(__file__).parent
-ORDER = ["checkpoint_dp", "checkpoint_exact", "zoo", "pytorch", "offload", "remat_offload",
+ORDER = ["checkpoint_dp", "checkpoint_exact", "zoo", "pytorch", "hf", "offload", "remat_offload",
          "pipeline", "pipeline_runtime", "min_peak", "fuzz"]
 INTRO = """# Benchmark results
 
