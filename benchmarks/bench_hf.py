@@ -662,6 +662,11 @@ def checks(res: dict[str, Any], ser: Series) -> list[str]:
     return lines
 
 
+def _header(*columns: str) -> list[str]:
+    """A Markdown table's header and rule."""
+    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+
+
 def within(st: Setting) -> str:
     """``yes``/``NO``: an optmem plan's real peak is within its limit plus the allowance."""
     if st.limit is None or st.allowance is None:
@@ -673,9 +678,8 @@ def summary(res: dict[str, Any]) -> list[str]:
     """store-all, HF and optmem at HF's memory and below it, ratios side by side."""
     settings: list[Setting] = res["settings"]
     plain, hf = settings[0], settings[1]
-    rows = ["| setting | real peak MiB | MemTracker MiB | memory / HF | CPU ms | time / HF "
-            "| time / store-all | gradients vs plain |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = _header("setting", "real peak MiB", "MemTracker MiB", "memory / HF", "CPU ms",
+                   "time / HF", "time / store-all", "gradients vs plain")
 
     def row(name: str, st: Setting | None) -> str:
         if st is None:
@@ -701,9 +705,9 @@ def table(res: dict[str, Any]) -> list[str]:
     """Every setting: memory predicted and real, step times."""
     settings: list[Setting] = res["settings"]
     plain, hf = settings[0], settings[1]
-    rows = ["| method | setting | predicted peak | real peak | MemTracker | real <= limit + "
-            "allowance | CPU ms (median) | IQR | wall ms | / store-all | / HF | predicted ms |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = _header("method", "setting", "predicted peak", "real peak", "MemTracker",
+                   "real <= limit + allowance", "CPU ms (median)", "IQR", "wall ms",
+                   "/ store-all", "/ HF", "predicted ms")
     everything = settings + [st for ser in res["series"]
                              for st in sorted(ser.settings.values(), key=lambda s: s.limit)]
     for st in everything:
