@@ -15,7 +15,11 @@ loss, backward) is run by
   layer list in ``s`` segments (non-reentrant; the last segment is not checkpointed);
 * **optmem**: ``optmem.pytorch.checkpoint`` of the whole model (one profile, then
   ``cmodel.resolve(memory_limit=...)`` for every limit), gradients checked equal to the plain
-  model's.
+  model's;
+* **optmem + alias fix** (``--no-proposed`` leaves it out): the same, on the profiled chain
+  with the last stage's pass-through logits counted once (:func:`proposed_chain`): a
+  proposed profile fix, measured here so that its effect on real memory is known before
+  it goes into ``optmem.pytorch``.
 
 **Memory is measured, not predicted**: the exact activation peak of one step
 (:func:`optmem.pytorch.memory.measure_training_peak`: every storage created during the step,
