@@ -11,8 +11,8 @@ import re
 from pathlib import Path
 
 HERE = Path(__file__).parent
-ORDER = ["checkpoint_dp", "checkpoint_exact", "zoo", "pytorch", "offload", "offload_exact",
-         "remat_offload", "remat_offload_exact", "pipeline_exact",
+ORDER = ["checkpoint_dp", "checkpoint_exact", "zoo", "pytorch", "hf", "memory", "offload",
+         "offload_exact", "remat_offload", "remat_offload_exact", "pipeline_exact",
          "pipeline", "pipeline_runtime", "min_peak", "fuzz"]
 INTRO = """# Benchmark results
 

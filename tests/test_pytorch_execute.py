@@ -294,6 +294,46 @@ def test_double_backward_and_retain_graph_are_refused():
     module.zero_grad(set_to_none=True)
 
 
+def test_gradient_of_the_chain_output_is_freed_at_its_backward():
+    """``delta^L`` lives until ``B L`` (as the simulator counts it), not the whole backward.
+
+    A wide last stage (the logits of a model) whose gradient autograd would otherwise keep
+    alive while the Function's backward runs the rest of the plan.
+    """
+    import weakref
+
+    from optmem.pytorch.execute import add_monitor, remove_monitor
+
+    torch.manual_seed(15)
+    module = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, 512))
+    x = torch.randn(4, 8)
+    stages = extract_stages(module)
+    n = len(stages)
+    cm = CheckpointedChain(stages, base.recompute_all_plan(n), strip_suffix=False)
+    out = cm(x)
+    seen: list[weakref.ref] = []
+    out.register_hook(lambda g: seen.append(weakref.ref(g)) or None)
+    alive: list[tuple[str, bool]] = []  # after each op of the backward
+
+    def record(op, stored, gradients):
+        if seen:
+            alive.append((op, seen[0]() is not None))
+
+    add_monitor(record)
+    try:
+        loss_fn(out).backward()
+    finally:
+        remove_monitor(record)
+    last = [op for op, _ in alive].index(f"B {n}")
+    assert all(a for _, a in alive[:last + 1])  # needed up to B L (the re-runs before it)
+    assert len(alive) > last + 1 and not any(a for _, a in alive[last + 1:])
+    ref = reference_step(module, x, loss_fn)
+    got = reference_step(cm, x, loss_fn, owner=module)
+    torch.testing.assert_close(got[0], ref[0], rtol=0, atol=0)
+    for a, b in zip(got[2], ref[2], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_torch_compile_of_the_executor_compiles_each_stage():
     torch.manual_seed(14)
     module = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))

@@ -1,11 +1,13 @@
 """Execution: a module that trains a chain of stages by following a checkpoint plan.
 
 The plan ops (CONTRACT section 3: ``F_all i``, ``F_ck i``, ``F_none i``, ``Loss``, ``B i``)
-are run by a custom ``torch.autograd.Function`` as rotor's ``CheckpointOptim`` does (digest
-``rotor.md`` section 6.2): the ops before ``Loss`` run in ``forward()``, which returns the
-chain output ``a^L``; the ops after it run in ``backward()``, which receives ``delta^L``
-and returns ``delta^0``. Memory follows the simulator's rules
-(``optmem/simulate/checkpoint.py``):
+are run by custom autograd Functions as rotor's ``CheckpointOptim`` does
+(digest ``rotor.md`` section 6.2): the ops before ``Loss`` run in ``forward()``, which
+returns the chain output ``a^L``; the ops after it run in ``backward()``, which receives
+``delta^L`` and returns ``delta^0``. The backward is split in two autograd nodes: the first
+runs the ops up to ``B L`` and returns, so that autograd frees ``delta^L`` there (a
+Function's incoming gradient lives until its backward returns); the second runs the rest.
+Memory follows the simulator's rules (``optmem/simulate/checkpoint.py``):
 
 * storage slot ``i`` holds ``a^i``; a slot filled by ``F_all i`` also holds the tape: the
   gradient edges of the stage outputs, and the autograd graph of stage ``i``, rooted at a
@@ -296,6 +298,7 @@ class _Runner:
         self.in_leaves: list[Any] = []
         self.out_spec: Any = None
         self.out_leaves: list[Any] = []
+        self.outputs: list[torch.Tensor] = []  # a^n, from _PlanFunction to _Relay
         self.read_later = _plan_reads(plan, n_stages)
         self.index = 0
         self.anchor = torch.empty(0, requires_grad=True)
@@ -453,11 +456,24 @@ class _Runner:
         self.index = self.loss + 1
         return [t.detach() for t in leaves if isinstance(t, torch.Tensor)]
 
-    def backward(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    def begin_backward(self, grads: Sequence[torch.Tensor | None]) -> None:
+        """Run the ops after ``Loss`` up to the first ``B`` (which consumes ``delta^n``)."""
         self.current = list(grads)
         self.param_grads = [None] * len(self.params)
-        for op in self.plan[self.loss + 1:]:
+        self.index = self.loss + 1
+        while self.index < len(self.plan):
+            op = self.plan[self.index]
             self._run(op)
+            if op.kind is OpKind.B:
+                break
+
+    def backward(self, grads: Sequence[torch.Tensor | None] | None = None
+                 ) -> list[torch.Tensor | None]:
+        """Run the rest of the plan (all of it after ``Loss`` when ``grads`` are given)."""
+        if grads is not None:
+            self.begin_backward(grads)
+        while self.index < len(self.plan):
+            self._run(self.plan[self.index])
         out = self.current
         self.storage.clear()
         self.current = []
@@ -466,43 +482,74 @@ class _Runner:
 
 
 class _PlanFunction(torch.autograd.Function):
-    """Runs the plan: ops before ``Loss`` in forward, the rest in backward.
+    """Runs the plan: ops before ``Loss`` in forward, the ops after the first ``B`` in backward.
 
     Inputs: the tensors of ``a^0`` then the parameters of the stages; it returns the
-    gradients of both.
+    gradients of both. Its output is a token that :class:`_Relay` turns into the chain
+    output ``a^n``.
     """
 
     @staticmethod
     def forward(ctx: Any, runner: _Runner, treespec: Any, n_inputs: int,
-                *args: torch.Tensor) -> Any:
+                *args: torch.Tensor) -> torch.Tensor:
         inputs = args[:n_inputs]
         it = iter(t.detach() for t in inputs)
         leaves = [next(it) if isinstance(v, torch.Tensor) else v for v in runner.in_leaves]
         runner.in_leaves = []
-        outputs = runner.forward(tree_unflatten(leaves, treespec))
+        runner.outputs = runner.forward(tree_unflatten(leaves, treespec))
+        runner.param_needed = list(ctx.needs_input_grad[3 + n_inputs:])
+        ctx.runner = runner
+        ctx.n_inputs = n_inputs
+        return torch.zeros(())
+
+    @staticmethod
+    def backward(ctx: Any, token: torch.Tensor | None) -> Any:
+        runner = _take_runner(ctx)
+        input_grads = runner.backward()
+        in_grads = list(input_grads) + [None] * (ctx.n_inputs - len(input_grads))
+        return (None, None, None, *in_grads[:ctx.n_inputs], *runner.param_grads)
+
+
+class _Relay(torch.autograd.Function):
+    """Hands the chain output ``a^n`` to autograd; its backward runs the plan up to ``B n``.
+
+    The gradient ``delta^n`` that autograd passes to a Function's backward stays alive until
+    that backward returns. Running the first ``B`` (which consumes ``delta^n``) here and the
+    rest of the plan in :class:`_PlanFunction`'s backward frees ``delta^n`` at ``B n``, as
+    the simulator counts it, instead of holding it (the gradient of the logits, say)
+    through the whole backward.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, runner: _Runner, token: torch.Tensor) -> Any:
+        outputs, runner.outputs = runner.outputs, []
         non_diff = [t for t in outputs if not (t.is_floating_point() or t.is_complex())]
         if non_diff:
             ctx.mark_non_differentiable(*non_diff)
+        ctx.set_materialize_grads(False)  # an output without gradient stays None, not zeros
         ctx.runner = runner
-        ctx.n_inputs = n_inputs
         return tuple(outputs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
-        runner: _Runner = ctx.runner
-        ctx.runner = None
-        if runner is None:
-            raise RuntimeError("the checkpointed plan was already backpropagated: "
-                               "retain_graph=True is not supported through it; run the "
-                               "forward again")
-        if torch.is_grad_enabled():
-            raise RuntimeError("double backward (create_graph=True) through a checkpointed "
-                               "plan is not supported: use the unwrapped module for "
-                               "higher-order gradients")
-        runner.param_needed = list(ctx.needs_input_grad[3 + ctx.n_inputs:])
-        input_grads = runner.backward(grads)
-        in_grads = list(input_grads) + [None] * (ctx.n_inputs - len(input_grads))
-        return (None, None, None, *in_grads[:ctx.n_inputs], *runner.param_grads)
+        runner = _take_runner(ctx)
+        runner.begin_backward(grads)
+        return None, torch.zeros(())
+
+
+def _take_runner(ctx: Any) -> _Runner:
+    """The runner of a plan Function, once: a second backward or a double backward is refused."""
+    runner: _Runner | None = ctx.runner
+    ctx.runner = None
+    if runner is None:
+        raise RuntimeError("the checkpointed plan was already backpropagated: "
+                           "retain_graph=True is not supported through it; run the "
+                           "forward again")
+    if torch.is_grad_enabled():
+        raise RuntimeError("double backward (create_graph=True) through a checkpointed "
+                           "plan is not supported: use the unwrapped module for "
+                           "higher-order gradients")
+    return runner
 
 
 class CheckpointedChain(StageCalls, nn.Module):
@@ -619,7 +666,8 @@ class CheckpointedChain(StageCalls, nn.Module):
         leaves, spec = tree_flatten(x)
         runner.in_leaves = leaves
         inputs = [t for t in leaves if isinstance(t, torch.Tensor)]
-        outs = _PlanFunction.apply(runner, spec, len(inputs), *inputs, *runner.params)
+        token = _PlanFunction.apply(runner, spec, len(inputs), *inputs, *runner.params)
+        outs = _Relay.apply(runner, token)
         it = iter(outs)
         out_leaves = [next(it) if isinstance(v, torch.Tensor) else v for v in runner.out_leaves]
         runner.out_leaves = []

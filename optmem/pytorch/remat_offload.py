@@ -225,7 +225,8 @@ class _OffloadRunner(_Runner):
         self._issue(self.loss)  # transfers listed just before Loss
         return out
 
-    def backward(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    def backward(self, grads: Sequence[torch.Tensor | None] | None = None
+                 ) -> list[torch.Tensor | None]:
         out = super().backward(grads)
         self.groups.clear()
         self.host_slots.clear()

@@ -1,0 +1,854 @@
+"""HuggingFace models: optmem's plans against HF's and torch's checkpointing, at equal real memory.
+
+For GPT-2, Llama and BERT configs from ``transformers`` (random initialisation, nothing
+downloaded; 12-24 layers, small hidden size and sequence so that a step takes a fraction
+of a second on one CPU thread), one training step (forward with ``labels=``, the model's own
+loss, backward) is run by
+
+* **store-all**: the plain model;
+* **HF**: ``model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=
+  {"use_reentrant": False})`` (every layer checkpointed);
+* **per-layer k**: ``torch.utils.checkpoint.checkpoint(layer.forward, ...,
+  use_reentrant=False)`` around every k-th layer (layers 0, k, 2k, ...; k = 1 is what HF
+  does);
+* **sequential s**: ``torch.utils.checkpoint.checkpoint_sequential`` over the model's own
+  layer list in ``s`` segments (non-reentrant; the last segment is not checkpointed);
+* **optmem**: ``optmem.pytorch.checkpoint`` of the whole model (one profile, then
+  ``cmodel.resolve(memory_limit=...)`` for every limit), gradients checked equal to the plain
+  model's;
+* **optmem + alias fix** (``--no-proposed`` leaves it out): the same, on the profiled chain
+  with the last stage's pass-through logits counted once (:func:`proposed_chain`): a
+  proposed profile fix, measured here so that its effect on real memory is known before
+  it goes into ``optmem.pytorch``.
+
+**Memory is measured, not predicted**: the exact activation peak of one step
+(:func:`optmem.pytorch.memory.measure_training_peak`: every storage created during the step,
+weight gradients left out; parameters, buffers and gradients are not activations), and for
+the main settings also torch's ``torch.distributed._tools.mem_tracker.MemTracker`` view
+(:func:`optmem.pytorch.memory.memtracker_peak`). For every baseline's real peak, the optmem
+limit whose plan really fits under it is searched (a grid of limits, then bisection between
+the two grid limits around it: the real peak is not monotone in the limit), and step times
+are compared at equal real memory; the plan at optmem's smallest feasible limit is kept as
+well. Every optmem plan's real peak is checked against its limit plus
+:func:`~optmem.pytorch.memory.plan_allowance` and the side inputs (column "real <= limit +
+allowance"). Gradients: every optmem plan bitwise equal to the plain model's
+(``torch.equal``), every baseline within :data:`GRAD_RTOL` (the largest difference is
+printed). Times are process CPU time, medians of interleaved rounds (every setting once per
+round, in a fixed order, after a warm-up round), with the interquartile range.
+
+Usage::
+
+    PYTHONPATH=. python benchmarks/bench_hf.py --quick            # GPT-2 only, short
+    PYTHONPATH=. python benchmarks/bench_hf.py --markdown benchmarks/results/hf.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import optmem.pytorch as op  # noqa: E402
+from optmem.chain import Chain  # noqa: E402
+from optmem.plan import LOSS, B, F_all, F_ck, F_none, Op  # noqa: E402
+from optmem.pytorch.memory import (  # noqa: E402
+    measure_training_peak,
+    memtracker_peak,
+    plan_allowance,
+)
+from optmem.simulate import simulate_checkpoint  # noqa: E402
+
+MiB = 2 ** 20
+
+
+# ------------------------------------------------------------------ models
+@dataclass(frozen=True)
+class Spec:
+    """One model configuration: the builder's options and the batch shape."""
+
+    name: str
+    layers: int
+    hidden: int
+    seq: int
+    batch: int
+    vocab: int = 2048
+
+
+FULL = [Spec("gpt2", 12, 128, 128, 4), Spec("llama", 16, 128, 128, 4),
+        Spec("bert", 24, 128, 128, 2)]
+QUICK = [Spec("gpt2", 12, 64, 64, 2)]
+
+
+def build(spec: Spec) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """The model (train mode, dropout off) and one batch ``{"input_ids", "labels"}``."""
+    import transformers
+    from transformers import (
+        BertConfig,
+        BertForMaskedLM,
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+    )
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    heads = max(2, spec.hidden // 32)
+    if spec.name == "gpt2":
+        model: nn.Module = GPT2LMHeadModel(GPT2Config(
+            n_layer=spec.layers, n_embd=spec.hidden, n_head=heads, vocab_size=spec.vocab,
+            n_positions=spec.seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            bos_token_id=0, eos_token_id=0))
+    elif spec.name == "llama":
+        model = LlamaForCausalLM(LlamaConfig(
+            num_hidden_layers=spec.layers, hidden_size=spec.hidden,
+            intermediate_size=spec.hidden * 8 // 3, num_attention_heads=heads,
+            num_key_value_heads=heads, vocab_size=spec.vocab,
+            max_position_embeddings=spec.seq))
+    elif spec.name == "bert":
+        model = BertForMaskedLM(BertConfig(
+            num_hidden_layers=spec.layers, hidden_size=spec.hidden,
+            intermediate_size=spec.hidden * 4, num_attention_heads=heads,
+            vocab_size=spec.vocab, max_position_embeddings=spec.seq,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    else:
+        raise ValueError(f"unknown model {spec.name!r}")
+    ids = torch.randint(0, spec.vocab, (spec.batch, spec.seq),
+                        generator=torch.Generator().manual_seed(1))
+    return model.train(), {"input_ids": ids, "labels": ids}
+
+
+def layer_list(model: nn.Module) -> nn.ModuleList:
+    """The model's list of transformer layers (its longest ``nn.ModuleList``)."""
+    return max((m for m in model.modules() if isinstance(m, nn.ModuleList)), key=len)
+
+
+# ------------------------------------------------------------------ baselines
+
+
+@contextmanager
+def store_all(model: nn.Module) -> Iterator[nn.Module]:
+    """The plain model."""
+    yield model
+
+
+@contextmanager
+def hf_checkpointing(model: nn.Module) -> Iterator[nn.Module]:
+    """HF's own gradient checkpointing (every layer, non-reentrant)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        model.gradient_checkpointing_enable(  # type: ignore[operator]
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+    try:
+        yield model
+    finally:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            model.gradient_checkpointing_disable()  # type: ignore[operator]
+
+
+@contextmanager
+def per_layer(model: nn.Module, every: int) -> Iterator[nn.Module]:
+    """``torch.utils.checkpoint`` around layers 0, k, 2k, ... (an instance ``forward``)."""
+    chosen = [m for k, m in enumerate(layer_list(model)) if k % every == 0]
+    for m in chosen:
+        m.forward = partial(checkpoint, m.forward, use_reentrant=False)
+    try:
+        yield model
+    finally:
+        for m in chosen:
+            del m.forward
+
+
+class _Segments(nn.Module):
+    """Stands for the first layer: runs all of them with ``checkpoint_sequential``."""
+
+    def __init__(self, layers: list[nn.Module], segments: int) -> None:
+        super().__init__()
+        # registered here (the list of the model holds the stand-ins meanwhile), so that
+        # model.parameters() keeps its order
+        self.layers = nn.ModuleList(layers)
+        self.segments = segments
+
+    def forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:  # noqa: D102
+        functions = [partial(_call_layer, m, args, kwargs) for m in self.layers]
+        return checkpoint_sequential(functions, self.segments, hidden, use_reentrant=False)
+
+
+def _call_layer(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                hidden: torch.Tensor) -> torch.Tensor:
+    return layer(hidden, *args, **kwargs)
+
+
+class _Pass(nn.Module):
+    """Stands for the other layers: the hidden state goes through."""
+
+    def forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:  # noqa: D102
+        return hidden
+
+
+@contextmanager
+def sequential(model: nn.Module, segments: int) -> Iterator[nn.Module]:
+    """``checkpoint_sequential`` over the model's layer list, ``segments`` segments."""
+    layers = layer_list(model)
+    saved = list(layers)
+    layers[0] = _Segments(saved, segments)
+    for k in range(1, len(saved)):
+        layers[k] = _Pass()
+    try:
+        yield model
+    finally:
+        for k, m in enumerate(saved):
+            layers[k] = m
+
+
+# ------------------------------------------------------------------ measurement
+def train_step(call: Callable[..., Any], model: nn.Module, batch: dict[str, Any]) -> None:
+    """One forward (the model's loss) and backward."""
+    call(**batch).loss.backward()
+
+
+def real_peak(call: Callable[..., Any], model: nn.Module, batch: dict[str, Any]) -> int:
+    """The exact activation peak of one step (``measure_training_peak``; gradients None)."""
+    model.zero_grad(set_to_none=True)
+    peak = measure_training_peak(lambda: train_step(call, model, batch), model,
+                                 list(batch.values()))
+    model.zero_grad(set_to_none=True)
+    return peak
+
+
+def tracker_peak(call: Callable[..., Any], model: nn.Module, batch: dict[str, Any]) -> int:
+    """The same step seen by torch's ``MemTracker`` (``memtracker_peak``)."""
+    model.zero_grad(set_to_none=True)
+    peak = memtracker_peak(lambda: train_step(call, model, batch), model,
+                           list(batch.values())).activations
+    model.zero_grad(set_to_none=True)
+    return peak
+
+
+def timed_step(call: Callable[..., Any], model: nn.Module,
+               batch: dict[str, Any]) -> tuple[float, float]:
+    """Wall-clock and process CPU milliseconds of one step (gradients reset outside)."""
+    model.zero_grad(set_to_none=True)
+    w0, c0 = time.perf_counter(), time.process_time()
+    train_step(call, model, batch)
+    wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+    model.zero_grad(set_to_none=True)
+    return wall * 1e3, cpu * 1e3
+
+
+def gradients(call: Callable[..., Any], model: nn.Module,
+              batch: dict[str, Any]) -> list[torch.Tensor | None]:
+    """Parameter gradients of one step."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(0)
+    train_step(call, model, batch)
+    grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+# ------------------------------------------------------------------ predicted peaks
+def stage_layers(names: tuple[str, ...] | list[str]) -> list[int | None]:
+    """For every stage, the index of the transformer layer it belongs to (None outside)."""
+    out: list[int | None] = []
+    for name in names:
+        m = re.search(r"\.(?:h|layers|layer)\.(\d+)(?:[.:]|$)", name)
+        out.append(int(m.group(1)) if m else None)
+    return out
+
+
+def grouped_plan(groups: list[tuple[int, int, bool]]) -> tuple[Op, ...]:
+    """The plan of stage groups ``(first, last, checkpointed)`` covering ``1..L`` in order.
+
+    A checkpointed group keeps its input only and is re-run with ``F_all`` before its
+    backward (``torch.utils.checkpoint`` on the group); the others keep their tapes.
+    """
+    fwd: list[Op] = []
+    bwd: list[Op] = []
+    for first, last, ck in groups:
+        stages = range(first, last + 1)
+        if ck:
+            fwd += [F_ck(first), *(F_none(k) for k in stages[1:])]
+            bwd = [*(F_all(k) for k in stages), *(B(k) for k in reversed(stages))] + bwd
+        else:
+            fwd += [F_all(k) for k in stages]
+            bwd = [B(k) for k in reversed(stages)] + bwd
+    return (*fwd, LOSS, *bwd)
+
+
+def layer_groups(layers_of: list[int | None], checkpointed: list[list[int]]
+                 ) -> list[tuple[int, int, bool]]:
+    """Stage groups for checkpointed layer groups (lists of layer indices); rest stored."""
+    group_of = {layer: g for g, members in enumerate(checkpointed) for layer in members}
+    out: list[list[Any]] = []
+    previous = None
+    for s, layer in enumerate(layers_of, start=1):
+        key = group_of.get(layer) if layer is not None else None
+        if key is not None and key == previous:
+            out[-1][1] = s
+        else:
+            out.append([s, s, key is not None])
+        previous = key
+    return [(a, b, c) for a, b, c in out]
+
+
+def torch_segments(n: int, segments: int) -> list[list[int]]:
+    """The layers of each checkpointed segment of ``checkpoint_sequential`` (torch 2.x)."""
+    size = n // segments
+    return [list(range(k * size, (k + 1) * size)) for k in range(segments - 1)]
+
+
+# ------------------------------------------------------------------ one model
+@dataclass
+class Setting:
+    """One way to train, with what was measured for it."""
+
+    method: str
+    setting: str
+    enter: Callable[[], Any]  # a context manager yielding the callable to train with
+    predicted_peak: int | None = None
+    predicted_ms: float | None = None
+    real_peak: int = 0  # exact activation peak of a step (measure_training_peak), bytes
+    cpu: list[float] = field(default_factory=list)
+    wall: list[float] = field(default_factory=list)
+    limit: int | None = None
+    allowance: int | None = None  # plan_allowance of an optmem plan (bytes)
+    tracker: int | None = None  # MemTracker's activation peak of the same step (bytes)
+
+    @property
+    def median(self) -> float:
+        """Median process CPU time of a step (ms): the figure compared."""
+        return statistics.median(self.cpu)
+
+    @property
+    def iqr(self) -> float:
+        """Interquartile range of the CPU times (ms)."""
+        if len(self.cpu) < 2:
+            return 0.0
+        q = statistics.quantiles(self.cpu, n=4, method="inclusive")
+        return q[2] - q[0]
+
+    @property
+    def wall_median(self) -> float:
+        """Median wall-clock time of a step (ms)."""
+        return statistics.median(self.wall)
+
+    @property
+    def label(self) -> str:
+        return f"{self.method} {self.setting}"
+
+
+def proposed_chain(chain: Chain) -> Chain | None:
+    """The chain with the final stage's pass-through output counted once (proposed fix).
+
+    The last stage of an HF model called with ``labels=`` returns the loss *and the
+    logits*, which are its own input passed through (the same storage). The profile counts
+    them in the stage's output and tape on top of ``a^{L-1}`` (the same bytes twice), and
+    the chain model then also gives the chain output a gradient as large (only the loss gets
+    one). This removes the pass-through bytes from the last stage's output and tape; it
+    applies only when the last output is the previous one plus a scalar or so (64 bytes).
+    """
+    n = chain.length
+    if n < 2 or not 0 <= chain.output_size[n - 1] - chain.output_size[n - 2] <= 64:
+        return None
+    alias = chain.output_size[n - 2]
+    out, saved = list(chain.output_size), list(chain.saved_size)
+    out[n - 1] -= alias
+    saved[n - 1] = max(saved[n - 1] - alias, out[n - 1])
+    return dataclasses.replace(chain, output_size=tuple(out), saved_size=tuple(saved))
+
+
+class OptmemSearch:
+    """The DP plans of one profiled chain at many limits, with their real peaks."""
+
+    def __init__(self, cmodel: Any, model: nn.Module, batch: dict[str, Any]) -> None:
+        self.cmodel = cmodel
+        self.model = model
+        self.batch = batch
+        self.chain: Chain = cmodel.chain
+        self.smallest = op.smallest_limit(self.chain)
+        self.top = int(self.chain.store_all_peak() * 1.02) + 1
+        self.by_plan: dict[tuple[str, ...], int] = {}
+        self.by_limit: dict[int, tuple[tuple[str, ...], int, float, int]] = {}
+
+    def at(self, limit: int) -> tuple[tuple[str, ...], int, float, int]:
+        """``(plan, predicted peak, predicted ms, real peak)`` of the DP plan at ``limit``."""
+        if limit not in self.by_limit:
+            plan = tuple(self.cmodel.resolve(memory_limit=limit).plan)
+            if plan not in self.by_plan:
+                self.by_plan[plan] = real_peak(self.cmodel, self.model, self.batch)
+            sim = simulate_checkpoint(self.chain, plan)
+            self.by_limit[limit] = (plan, int(sim.peak_memory), float(sim.makespan),
+                                    self.by_plan[plan])
+        return self.by_limit[limit]
+
+    def grid(self, points: int) -> list[int]:
+        """Limits from the smallest feasible one to just above store-all."""
+        return [int(self.smallest + (self.top - self.smallest) * k / (points - 1))
+                for k in range(points)]
+
+    def fit(self, memory: int, points: int, steps: int) -> int | None:
+        """The largest limit seen whose plan's real peak is at most ``memory``.
+
+        Scans the grid, then bisects ``steps`` times between the largest fitting grid limit
+        and the next one (the real peak is not monotone in the limit, so the grid comes
+        first); ``None`` when no plan fits.
+        """
+        grid = self.grid(points)
+        fitting = [lim for lim in grid if self.at(lim)[3] <= memory]
+        if not fitting:
+            return None
+        lo = max(fitting)
+        above = [lim for lim in grid if lim > lo]
+        if above:
+            hi = min(above)
+            for _ in range(steps):
+                mid = (lo + hi) // 2
+                if mid in (lo, hi):
+                    break
+                if self.at(mid)[3] <= memory:
+                    lo = mid
+                else:
+                    hi = mid
+        return lo
+
+
+@dataclass
+class Series:
+    """optmem on one chain: the plan found for every target memory, and its settings."""
+
+    name: str
+    search: OptmemSearch
+    matched: dict[str, int | None] = field(default_factory=dict)
+    settings: dict[int, Setting] = field(default_factory=dict)
+
+    def at_target(self, label: str) -> Setting | None:
+        """The setting that optmem uses under target ``label`` (None: no plan fits)."""
+        limit = self.matched.get(label)
+        return None if limit is None else self.settings[limit]
+
+
+@contextmanager
+def _with_plan(cmodel: Any, plan: tuple[str, ...]) -> Iterator[Any]:
+    cmodel.use_plan(plan, method="dp")
+    yield cmodel
+
+
+SMALLEST = "optmem's smallest limit"
+"""The label of the plan at the smallest feasible limit (below every target memory)."""
+
+
+def run_series(name: str, cmodel: Any, model: nn.Module, batch: dict[str, Any],
+               targets: dict[str, int], grid: int, steps: int) -> Series:
+    """Find, for every target memory, the optmem limit whose plan really fits under it.
+
+    Also keeps the plan at the smallest feasible limit (label :data:`SMALLEST`), the least
+    memory optmem can train in.
+    """
+    series = Series(name, OptmemSearch(cmodel, model, batch))
+    for label, memory in targets.items():
+        series.matched[label] = series.search.fit(memory, grid, steps)
+    series.matched[SMALLEST] = series.search.smallest
+    for limit in series.matched.values():
+        if limit is not None and limit not in series.settings:
+            plan, pred_peak, pred_ms, peak = series.search.at(limit)
+            cmodel.use_plan(plan, method="dp")
+            allowance = plan_allowance(cmodel.chain, plan, list(cmodel.stages)) \
+                + cmodel.side_input_bytes()
+            series.settings[limit] = Setting(name, f"limit {limit / MiB:.2f} MiB",
+                                             partial(_with_plan, cmodel, plan), pred_peak,
+                                             pred_ms, peak, limit=limit, allowance=allowance)
+    return series
+
+
+def grad_difference(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> float:
+    """Largest absolute difference of two gradient lists (0.0: bitwise equal).
+
+    ``inf`` when one list has a gradient where the other has none.
+    """
+    worst = 0.0
+    for x, y in zip(a, b, strict=True):
+        if (x is None) != (y is None):
+            return float("inf")
+        if x is not None and y is not None and not torch.equal(x, y):
+            worst = max(worst, float((x - y).abs().max()))
+    return worst
+
+
+GRAD_RTOL = 1e-5
+"""Tolerance for the baselines' gradients: ``torch.testing.assert_close`` with this rtol and
+``atol = GRAD_RTOL * max |g|`` per tensor. HF's checkpointing runs the same kernels, but its
+recomputed forward may sum in another order (SDPA), so bitwise equality is not promised;
+optmem's plans must be bitwise equal (checked with ``torch.equal``)."""
+
+
+def check_close(got: list[torch.Tensor | None], ref: list[torch.Tensor | None],
+                what: str) -> None:
+    """Raise ``AssertionError`` unless ``got`` is within :data:`GRAD_RTOL` of ``ref``."""
+    for k, (x, y) in enumerate(zip(got, ref, strict=True)):
+        if x is None or y is None:
+            if x is not y:
+                raise AssertionError(f"{what}: gradient {k} is None on one side only")
+            continue
+        torch.testing.assert_close(x, y, rtol=GRAD_RTOL,
+                                   atol=GRAD_RTOL * float(y.abs().max()) + 1e-12,
+                                   msg=lambda m, w=what, i=k: f"{w}, gradient {i}: {m}")
+
+
+def baselines(model: nn.Module, chain: Chain, layers_of: list[int | None], layers: int,
+              more: bool) -> list[Setting]:
+    """store-all and HF, then (``more``) per-layer and sequential checkpointing."""
+    def baseline(method: str, setting: str, enter: Callable[[], Any],
+                 ck_layers: list[list[int]]) -> Setting:
+        sim = simulate_checkpoint(chain, grouped_plan(layer_groups(layers_of, ck_layers)))
+        return Setting(method, setting, enter, int(sim.peak_memory), float(sim.makespan))
+
+    settings = [baseline("store-all", "plain model", partial(store_all, model), []),
+                baseline("HF", "gradient_checkpointing_enable",
+                         partial(hf_checkpointing, model), [[k] for k in range(layers)])]
+    if more:
+        for k in (k for k in (2, 3, 4, 6) if k < layers):
+            settings.append(baseline("per-layer", f"every {k}", partial(per_layer, model, k),
+                                     [[j] for j in range(0, layers, k)]))
+        for s in (s for s in (2, 3, 4, 6) if s <= layers):
+            settings.append(baseline("sequential", f"{s} segments",
+                                     partial(sequential, model, s), torch_segments(layers, s)))
+    return settings
+
+
+def bench_model(spec: Spec, *, rounds: int, grid: int, steps: int, sweep: int,
+                repeats: int, proposed: bool = True, more: bool = True,
+                memtracker: bool = True,
+                log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Measure every setting on one model (memory first, then interleaved timing)."""
+    model, batch = build(spec)
+    layers = len(layer_list(model))
+    log(f"{spec.name}: {layers} layers, hidden {spec.hidden}, batch {spec.batch} x {spec.seq}")
+    t0 = time.perf_counter()
+    chain = op.profile_chain(model, batch, repeats=repeats)
+    top = int(chain.store_all_peak() * 1.02) + 1
+    cmodel = op.checkpoint(model, batch, memory_limit=top, chain=chain)
+    log(f"  extracted and profiled: {chain.length} stages in {time.perf_counter() - t0:.0f} s")
+    settings = baselines(model, chain, stage_layers(cmodel.stage_names), layers, more)
+    for st in settings:
+        with st.enter() as call:
+            st.real_peak = real_peak(call, model, batch)
+    plain, hf = settings[0], settings[1]
+    log("  real peaks (MiB): " + ", ".join(f"{s.label} {s.real_peak / MiB:.2f}"
+                                           for s in settings))
+
+    # the memories to compare at: every baseline's, halfway, and a sweep from HF's up
+    targets = {s.label: s.real_peak for s in settings}
+    targets["halfway"] = (hf.real_peak + plain.real_peak) // 2
+    for k in range(sweep):
+        targets[f"sweep {k + 1}/{sweep}"] = hf.real_peak + (
+            plain.real_peak - hf.real_peak) * (k + 1) // (sweep + 1)
+    series = [run_series("optmem", cmodel, model, batch, targets, grid, steps)]
+    fixed = proposed_chain(chain) if proposed else None
+    if fixed is not None:
+        cfixed = op.checkpoint(model, batch, memory_limit=top, chain=fixed)
+        series.append(run_series("optmem + alias fix", cfixed, model, batch, targets, grid,
+                                 steps))
+    for ser in series:
+        log(f"  {ser.name}: smallest limit {ser.search.smallest / MiB:.2f} MiB, "
+            f"{len(ser.search.by_plan)} plans measured, {len(ser.settings)} kept")
+    optmem_settings = [st for ser in series for st in
+                       sorted(ser.settings.values(), key=lambda s: s.limit or 0)]
+
+    # gradients: every optmem plan bitwise, every baseline within GRAD_RTOL
+    ref = gradients(model, model, batch)
+    grad_diff: dict[str, float] = {}
+    for st in settings[1:] + optmem_settings:
+        with st.enter() as call:
+            got = gradients(call, model, batch)
+        grad_diff[st.label] = grad_difference(got, ref)
+        if st.method.startswith("optmem"):
+            if grad_diff[st.label] != 0.0:
+                raise AssertionError(f"{spec.name}: {st.label} changed the gradients "
+                                     f"(max |diff| {grad_diff[st.label]:.3g})")
+        else:
+            check_close(got, ref, f"{spec.name}: {st.label}")
+    if memtracker:  # torch's own view of the main settings (slow: once each)
+        for st in [plain, hf, *optmem_settings]:
+            with st.enter() as call:
+                st.tracker = tracker_peak(call, model, batch)
+
+    # interleaved timing: a warm-up round, then `rounds` rounds over every setting
+    everything = settings + optmem_settings
+    for r in range(rounds + 1):
+        for st in everything:
+            with st.enter() as call:
+                wall, cpu = timed_step(call, model, batch)
+            if r > 0:
+                st.wall.append(wall)
+                st.cpu.append(cpu)
+    return {"spec": spec, "layers": layers, "chain": chain, "settings": settings,
+            "series": series, "targets": targets, "grad_diff": grad_diff}
+
+
+# ------------------------------------------------------------------ report
+def _mib(b: int | None) -> str:
+    return "-" if b is None else f"{b / MiB:.2f}"
+
+
+def best_baseline(settings: list[Setting], memory: int) -> Setting | None:
+    """The fastest baseline whose real peak is at most ``memory``."""
+    fits = [s for s in settings if s.real_peak <= memory]
+    return min(fits, key=lambda s: s.median) if fits else None
+
+
+def checks(res: dict[str, Any], ser: Series) -> list[str]:
+    """The three targets for one optmem series, one line each."""
+    settings: list[Setting] = res["settings"]
+    plain, hf = settings[0], settings[1]
+    rows = []
+    for label, memory in res["targets"].items():
+        if hf.real_peak <= memory <= plain.real_peak:
+            base = best_baseline(settings, memory)
+            assert base is not None  # HF fits under every memory of this range
+            rows.append((memory, label, base, ser.at_target(label)))
+    missing = [r for r in rows if r[3] is None]
+    slower = [r for r in rows if r[3] is not None and r[3].median > r[2].median]
+    first = f"1. never slower than the best baseline at equal real memory ({len(rows)} " \
+            f"memories from {hf.real_peak / MiB:.2f} to {plain.real_peak / MiB:.2f} MiB): "
+    if not missing and not slower:
+        first += "**met**"
+    else:
+        worst = max((r[3].median / r[2].median for r in slower), default=None)
+        first += "**not met**: " + "; ".join(filter(None, [
+            f"no plan fits under {len(missing)} ({', '.join(r[1] for r in missing)})"
+            if missing else "",
+            f"slower at {len(slower)} ({', '.join(r[1] for r in slower)}; worst "
+            f"{worst:.3f}x)" if slower else ""]))
+    lines = [first]
+    half = ser.at_target("halfway")
+    memory = res["targets"]["halfway"]
+    if half is None:
+        lines.append(f"2. halfway ({memory / MiB:.2f} MiB), 10 % faster than HF: **not met**, "
+                     "no plan fits")
+    else:
+        gain = 1 - half.median / hf.median
+        lines.append(f"2. halfway ({memory / MiB:.2f} MiB), 10 % faster than HF: "
+                     f"{half.median:.0f} ms (real {half.real_peak / MiB:.2f} MiB) vs HF "
+                     f"{hf.median:.0f} ms, {100 * gain:.1f} % faster: "
+                     f"**{'met' if gain >= 0.10 else 'not met'}**")
+    at_hf = ser.at_target(hf.label)
+    if at_hf is None:
+        least = min(ser.search.by_plan.values(), default=0)
+        lines.append(f"3. at HF's memory ({hf.real_peak / MiB:.2f} MiB), as fast as HF: "
+                     f"**not met**, no plan fits (smallest limit "
+                     f"{ser.search.smallest / MiB:.2f} MiB; least real peak of the plans "
+                     f"tried {least / MiB:.2f} MiB)")
+    else:
+        lines.append(f"3. at HF's memory ({hf.real_peak / MiB:.2f} MiB), as fast as HF: "
+                     f"{at_hf.median:.0f} ms (real {at_hf.real_peak / MiB:.2f} MiB) vs HF "
+                     f"{hf.median:.0f} ms: "
+                     f"**{'met' if at_hf.median <= hf.median else 'not met'}**")
+    return lines
+
+
+def _header(*columns: str) -> list[str]:
+    """A Markdown table's header and rule."""
+    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+
+
+def within(st: Setting) -> str:
+    """``yes``/``NO``: an optmem plan's real peak is within its limit plus the allowance."""
+    if st.limit is None or st.allowance is None:
+        return "-"
+    return "yes" if st.real_peak <= st.limit + st.allowance else "NO"
+
+
+def summary(res: dict[str, Any]) -> list[str]:
+    """store-all, HF and optmem at HF's memory and below it, ratios side by side."""
+    settings: list[Setting] = res["settings"]
+    plain, hf = settings[0], settings[1]
+    rows = _header("setting", "real peak MiB", "MemTracker MiB", "memory / HF", "CPU ms",
+                   "time / HF", "time / store-all", "gradients vs plain")
+
+    def row(name: str, st: Setting | None) -> str:
+        if st is None:
+            return f"| {name} | no plan fits | - | - | - | - | - | - |"
+        diff = res["grad_diff"].get(st.label, 0.0)
+        grads = "reference" if st is plain else (
+            "bitwise equal" if diff == 0.0 else f"max abs diff {diff:.2g}")
+        return (f"| {name} | {_mib(st.real_peak)} | {_mib(st.tracker)} | "
+                f"{st.real_peak / hf.real_peak:.2f} | {st.median:.0f} | "
+                f"{st.median / hf.median:.3f} | {st.median / plain.median:.3f} | {grads} |")
+
+    rows += [row("store-all", plain), row("HF gradient checkpointing", hf)]
+    for ser in res["series"]:
+        rows.append(row(f"{ser.name}, halfway HF..store-all", ser.at_target("halfway")))
+        rows.append(row(f"{ser.name} at HF's memory", ser.at_target(hf.label)))
+        smallest = ser.at_target(SMALLEST)
+        rows.append(row(f"{ser.name}, {SMALLEST} ({_mib(ser.search.smallest)} MiB)",
+                        smallest))
+    return rows
+
+
+def table(res: dict[str, Any]) -> list[str]:
+    """Every setting: memory predicted and real, step times."""
+    settings: list[Setting] = res["settings"]
+    plain, hf = settings[0], settings[1]
+    rows = _header("method", "setting", "predicted peak", "real peak", "MemTracker",
+                   "real <= limit + allowance", "CPU ms (median)", "IQR", "wall ms",
+                   "/ store-all", "/ HF", "predicted ms")
+    everything = settings + [st for ser in res["series"]
+                             for st in sorted(ser.settings.values(), key=lambda s: s.limit)]
+    for st in everything:
+        rows.append(f"| {st.method} | {st.setting} | {_mib(st.predicted_peak)} | "
+                    f"{_mib(st.real_peak)} | {_mib(st.tracker)} | {within(st)} | "
+                    f"{st.median:.0f} | {st.iqr:.0f} | {st.wall_median:.0f} | "
+                    f"{st.median / plain.median:.3f} | {st.median / hf.median:.3f} | "
+                    f"{st.predicted_ms or 0:.0f} |")
+    return rows
+
+
+def matched_table(res: dict[str, Any]) -> list[str]:
+    """For every target memory: the best baseline and each series' plan under it."""
+    settings: list[Setting] = res["settings"]
+    series: list[Series] = res["series"]
+    head = "| memory of | MiB | best baseline under it | ms |"
+    rule = "|---|---|---|---|"
+    for ser in series:
+        head += f" {ser.name}: limit | real | ms | / best |"
+        rule += "---|---|---|---|"
+    rows = [head, rule]
+    for label, memory in sorted(res["targets"].items(), key=lambda kv: kv[1]):
+        base = best_baseline(settings, memory)
+        row = f"| {label} | {memory / MiB:.2f} | {base.label if base else '-'} | " \
+              f"{f'{base.median:.0f}' if base else '-'} |"
+        for ser in series:
+            st = ser.at_target(label)
+            if st is None:
+                row += " - | - | - | - |"
+            else:
+                ratio = f"{st.median / base.median:.3f}" if base else "-"
+                row += f" {_mib(st.limit)} | {_mib(st.real_peak)} | {st.median:.0f} | " \
+                       f"{ratio} |"
+        rows.append(row)
+    return rows
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> None:
+    """Step time against real peak, one panel per model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(5.2 * len(results), 4.2), squeeze=False)
+    for ax, res in zip(axes[0], results, strict=True):
+        groups: dict[str, list[Setting]] = {}
+        for st in res["settings"]:
+            groups.setdefault(st.method, []).append(st)
+        for ser in res["series"]:
+            groups[ser.name] = list(ser.settings.values())
+        for method, sts in groups.items():
+            sts = sorted(sts, key=lambda s: s.real_peak)
+            line = "-" if method.startswith("optmem") else "none"
+            ax.plot([s.real_peak / MiB for s in sts], [s.median for s in sts], marker="o",
+                    linestyle=line, label=method)
+        ax.set_title(f"{res['spec'].name}, {res['layers']} layers")
+        ax.set_xlabel("real activation peak (MiB, MemTracker)")
+        ax.set_ylabel("step CPU time (ms, median)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report(results: list[dict[str, Any]], rounds: int, loads: list[str]) -> str:
+    """The tables and target checks of every model (Markdown)."""
+    out = ["# HuggingFace models: optmem against HF's gradient checkpointing", "",
+           "Produced by `PYTHONPATH=. python benchmarks/bench_hf.py` (see its docstring for "
+           "what is measured and how).", "",
+           f"torch {torch.__version__}, transformers {_transformers_version()}, CPU, "
+           f"`torch.set_num_threads(1)`, medians of {rounds} interleaved rounds; "
+           f"load average (1 min) during the run: {', '.join(loads)}.", ""]
+    for res in results:
+        spec = res["spec"]
+        out += [f"### {spec.name}: {res['layers']} layers, hidden {spec.hidden}, batch "
+                f"{spec.batch} x {spec.seq} tokens, vocabulary {spec.vocab}", "",
+                f"optmem chain: {res['chain'].length} stages.", ""]
+        out += summary(res) + ["", "Every setting (MiB; predicted: the chain model's "
+                                   "simulation of the setting's plan):", ""]
+        out += table(res) + ["", "At equal real memory (CPU ms):", ""] + matched_table(res)
+        for ser in res["series"]:
+            out += ["", f"Targets of issue 13.6, {ser.name}:", ""]
+            out += [f"- {x}" for x in checks(res, ser)]
+        out.append("")
+    return "\n".join(out)
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return str(transformers.__version__)
+
+
+def _load() -> str:
+    return f"{os.getloadavg()[0]:.1f}"
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    """Run the benchmark (see the module docstring); returns the measured results."""
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a small GPT-2 only, 3 rounds")
+    ap.add_argument("--models", default=None, help="comma-separated subset: gpt2,llama,bert")
+    ap.add_argument("--rounds", type=int, default=None, help="timed rounds (9; quick 3)")
+    ap.add_argument("--hf-only", action="store_true",
+                    help="baselines store-all and HF only (no per-layer, no sequential)")
+    ap.add_argument("--no-memtracker", action="store_true",
+                    help="skip MemTracker's second view of the peaks (slow on big models)")
+    ap.add_argument("--no-proposed", action="store_true",
+                    help="skip the series with the proposed profile fix")
+    ap.add_argument("--markdown", help="write the tables to this file")
+    ap.add_argument("--plot", help="write the time/memory plot (PNG) to this file")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    specs = list(QUICK if args.quick else FULL)
+    if args.models:
+        wanted = args.models.split(",")
+        specs = [s for s in specs if s.name in wanted]
+    rounds = args.rounds or (3 if args.quick else 9)
+    options: dict[str, Any] = dict(grid=6, steps=2, sweep=1, repeats=1) if args.quick else \
+        dict(grid=8, steps=3, sweep=1, repeats=3)
+    loads = [_load()]
+    results = []
+    for spec in specs:
+        results.append(bench_model(spec, rounds=rounds, proposed=not args.no_proposed,
+                                   more=not args.hf_only, memtracker=not args.no_memtracker,
+                                   **options))
+        loads.append(_load())
+    text = report(results, rounds, loads)
+    print(text)
+    if args.markdown:
+        Path(args.markdown).write_text(text + "\n")
+    if args.plot:
+        plot(results, Path(args.plot))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""Smoke test of ``benchmarks/bench_hf.py`` on a tiny GPT-2 (no timing assertions).
+
+The benchmark's own code path end to end (baselines, real peaks, the limit search, gradient
+check, interleaved timing, report and plot), plus the pieces whose mistakes would make the
+figures wrong: the baselines compute the plain model's gradients, the layer plans are valid
+plans that checkpoint what torch does, and every optmem plan picked for a memory really fits
+under it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the torch bridge needs torch")
+pytest.importorskip("transformers", reason="the HF benchmark needs transformers (dev extra)")
+
+from optmem.plan import parse_plan  # noqa: E402
+from optmem.pytorch.memory import plan_allowance  # noqa: E402
+from optmem.simulate import simulate_checkpoint  # noqa: E402
+from optmem.solvers.checkpoint_baselines import store_all_plan  # noqa: E402
+
+PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_hf.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_hf", PATH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_hf"] = module
+    spec.loader.exec_module(module)
+    torch.set_num_threads(1)
+    return module
+
+
+TINY = dict(name="gpt2", layers=4, hidden=32, seq=16, batch=2, vocab=100)
+
+
+def test_baselines_give_the_plain_gradients(bench):
+    model, batch = bench.build(bench.Spec(**TINY))
+    ref = bench.gradients(model, model, batch)
+    for enter in (lambda: bench.hf_checkpointing(model), lambda: bench.per_layer(model, 2),
+                  lambda: bench.sequential(model, 2)):
+        with enter() as call:
+            got = bench.gradients(call, model, batch)
+        for a, b in zip(got, ref, strict=True):
+            torch.testing.assert_close(a, b)
+    # the context managers leave the model as it was
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    assert all("forward" not in vars(m) for m in bench.layer_list(model))
+    assert all(type(m).__name__ == "GPT2Block" for m in bench.layer_list(model))
+
+
+def test_layer_plans(bench):
+    names = ["emb", "h.0:attn", "h.0:mlp", "h.1:attn", "h.1:mlp", "h.2:attn", "h.2:mlp",
+             "head", "loss"]
+    layers_of = bench.stage_layers([f"transformer.{n}" for n in names])
+    assert layers_of == [None, 0, 0, 1, 1, 2, 2, None, None]
+    assert bench.layer_groups(layers_of, []) == [(k, k, False) for k in range(1, 10)]
+    assert bench.grouped_plan(bench.layer_groups(layers_of, [])) == parse_plan(
+        store_all_plan(9))
+    per_layer = bench.layer_groups(layers_of, [[0], [1], [2]])
+    assert per_layer == [(1, 1, False), (2, 3, True), (4, 5, True), (6, 7, True),
+                         (8, 8, False), (9, 9, False)]
+    segments = bench.layer_groups(layers_of, bench.torch_segments(3, 2))
+    assert segments[1] == (2, 3, True) and segments[2] == (4, 4, False)
+    assert bench.torch_segments(12, 4) == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    from optmem.chain import Chain
+
+    chain = Chain.from_lists([1.0] * 9, [2.0] * 9, [1] * 9, [3] * 9, input_size=1)
+    plan = bench.grouped_plan(per_layer)
+    sim = simulate_checkpoint(chain, plan)  # a valid plan: re-runs the 6 layer stages once
+    assert sim.makespan == pytest.approx(9 * 3.0 + 6 * 1.0)
+    assert sim.peak_memory < simulate_checkpoint(chain, store_all_plan(9)).peak_memory
+
+
+def test_benchmark_code_path(bench, tmp_path):
+    res = bench.bench_model(bench.Spec(**TINY), rounds=1, grid=3, steps=1, sweep=1,
+                            repeats=1, log=lambda _: None)
+    settings = res["settings"]
+    plain, hf = settings[0], settings[1]
+    assert [s.setting for s in settings[2:]] == ["every 2", "every 3", "2 segments",
+                                                 "3 segments", "4 segments"]
+    assert 0 < hf.real_peak < plain.real_peak
+    assert plain.tracker is not None and hf.tracker is not None  # MemTracker's view too
+    assert all(len(s.cpu) == 1 and len(s.wall) == 1 for s in settings)
+    assert [s.name for s in res["series"]] == ["optmem", "optmem + alias fix"]
+    for ser in res["series"]:
+        assert ser.settings, ser.name
+        for label, memory in res["targets"].items():
+            st = ser.at_target(label)
+            if st is not None:  # picked because its measured peak fits under that memory
+                assert st.real_peak <= memory
+                assert len(st.cpu) == 1
+        # the store-all memory always has a plan (the largest limit is above store-all)
+        assert ser.at_target(plain.label) is not None
+        assert ser.at_target(bench.SMALLEST).limit == ser.search.smallest
+        for st in ser.settings.values():  # every kept plan was checked bitwise
+            assert res["grad_diff"][st.label] == 0.0
+    # the baselines' gradients were compared (and are within the stated tolerance)
+    assert set(res["grad_diff"]) >= {s.label for s in settings[1:]}
+    text = bench.report([res], 1, ["0.0"])
+    assert "Targets of issue 13.6, optmem:" in text
+    assert "Targets of issue 13.6, optmem + alias fix:" in text
+    assert text.count("| store-all | plain model |") == 1
+    assert "| HF gradient checkpointing |" in text
+    bench.plot([res], tmp_path / "hf.png")
+    assert (tmp_path / "hf.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
+def test_optmem_plans_fit_and_keep_the_gradients(bench, name):
+    """On tiny configs of the three models: every optmem plan from the smallest feasible
+    limit to store-all gives the plain model's gradients bitwise, and its exact real peak
+    (``measure_training_peak``) is within the limit plus ``plan_allowance`` and the side
+    inputs (not counted in the limit, docs/pytorch.md)."""
+    import optmem.pytorch as op
+
+    model, batch = bench.build(bench.Spec(name, layers=3, hidden=32, seq=16, batch=2,
+                                          vocab=100))
+    ref = bench.gradients(model, model, batch)
+    chain = op.profile_chain(model, batch, repeats=1)
+    low, store = op.smallest_limit(chain), chain.store_all_peak()
+    cmodel = op.checkpoint(model, batch, memory_limit=store, chain=chain)
+    plans = set()
+    for limit in (low, (2 * low + store) // 3, (low + 2 * store) // 3, store):
+        cmodel.resolve(memory_limit=limit)
+        plans.add(tuple(cmodel.plan))
+        assert cmodel.expected_peak_bytes <= limit
+        assert bench.grad_difference(bench.gradients(cmodel, model, batch), ref) == 0.0
+        real = bench.real_peak(cmodel, model, batch)
+        allowance = plan_allowance(chain, cmodel.result.plan, list(cmodel.stages))
+        assert 0 < real <= limit + allowance + cmodel.side_input_bytes(), (name, limit)
+    assert len(plans) > 1  # the limits chose different plans: not one plan checked 4 times
+
+
+def test_grad_difference_and_tolerance(bench):
+    a = [torch.ones(3), None]
+    assert bench.grad_difference(a, [torch.ones(3), None]) == 0.0
+    assert bench.grad_difference(a, [torch.ones(3) * 1.5, None]) == 0.5
+    assert bench.grad_difference(a, [torch.ones(3), torch.ones(1)]) == float("inf")
+    bench.check_close([torch.ones(3) * (1 + 1e-7)], [torch.ones(3)], "x")
+    with pytest.raises(AssertionError, match="x, gradient 0"):
+        bench.check_close([torch.ones(3) * 1.01], [torch.ones(3)], "x")
+    with pytest.raises(AssertionError, match="None on one side"):
+        bench.check_close([None], [torch.ones(3)], "x")
+
+
+def test_proposed_chain_removes_the_pass_through_once(bench):
+    from optmem.chain import Chain
+
+    chain = Chain.from_lists([1.0] * 3, [1.0] * 3, [10, 40, 44], [10, 50, 84], input_size=5)
+    fixed = bench.proposed_chain(chain)
+    assert fixed.output_size == (10, 40, 4)
+    assert fixed.saved_size == (10, 50, 44)
+    assert bench.proposed_chain(Chain.from_lists([1.0] * 2, [1.0] * 2, [10, 400],
+                                                 [10, 400], input_size=5)) is None
