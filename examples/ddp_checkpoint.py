@@ -68,6 +68,7 @@ def main() -> None:
         loss.backward()  # DDP averages the gradients over the ranks
         opt.step()
         print_mean_loss(step, loss)
+    dist.barrier()  # every rank done with its collectives before gloo tears down
     dist.destroy_process_group()
 
 

@@ -73,6 +73,7 @@ def main() -> None:
         loss.backward()  # FSDP reduce-scatters (averages) the gradients
         opt.step()
         print_mean_loss(step, loss)
+    dist.barrier()  # every rank done with its collectives before gloo tears down
     dist.destroy_process_group()
 
 

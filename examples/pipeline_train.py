@@ -95,6 +95,7 @@ def main() -> None:
         if losses:
             mean = sum(float(v) for v in losses) / len(losses)
             print(f"rank {rank} step {step}: mean micro-batch loss {mean:.5f}", flush=True)
+    dist.barrier()  # every rank done with its collectives before gloo tears down
     dist.destroy_process_group()
 
 

@@ -296,6 +296,7 @@ def _spawned(rank: int, world: int, init: str, fn: Callable[..., Any], args: tup
     try:
         default_device()  # cuda:LOCAL_RANK becomes the current device with NCCL
         fn(rank, world, *args)
+        dist.barrier()  # all ranks done before teardown (gloo aborts on a peer's early exit)
     finally:
         dist.destroy_process_group()
 
