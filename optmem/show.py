@@ -120,8 +120,10 @@ def _file_int(data: dict[str, Any], name: str, *, default: int | None,
     value = data.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise PlanError(f"field '{name}': expected an integer >= {least}, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= 2**62:
+        shown = value if not isinstance(value, int) or value < 10**30 else "a larger integer"
+        raise PlanError(f"field '{name}': expected an integer in {least}..2^62 (a size in "
+                        f"memory units), got {shown!r}")
     return value
 
 

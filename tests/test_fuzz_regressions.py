@@ -408,3 +408,14 @@ def test_min_peak_checkpoint_lists_out_of_range_name_the_plan_file(plan):
     named the field but not the plan file."""
     rejects(["verify", "min-peak", "{d}/c.json", "{d}/plan.json"],
             {"c.json": chain_bytes(), "plan.json": plan.encode()}, blame="plan.json")
+
+
+@pytest.mark.parametrize("field", ["unit", "memory_limit"])
+def test_show_of_a_plan_file_with_a_400_digit_unit_is_one_error(field):
+    """The long fuzz run: ``show`` of an offload plan whose ``unit`` had 400 digits raised
+    OverflowError (int too large to convert to float)."""
+    plan = {**reference_plans()["offload"][1], field: 10 ** 400}
+    err = rejects(["show", "{d}/p.json", "--chain", "{d}/c.json", "--bandwidth", "12GB/s",
+                   "-o", "{d}/o.png"],
+                  {"c.json": chain_bytes(), "p.json": dumps(plan).encode()}, blame="p.json")
+    assert field in err
