@@ -65,7 +65,7 @@ from optmem.pytorch.context import SideInputs, current_side_inputs, side_inputs
 from optmem.pytorch.distributed import default_device, resolve_group, spawn
 from optmem.pytorch.extract import Extraction, Stage, extract_program, extract_stages
 from optmem.pytorch.graphcut import OutputLayout
-from optmem.pytorch.profile import TimeModel
+from optmem.pytorch.profile import TimeModel, move_to
 from optmem.pytorch.wrapper import (
     ProfileOptions,
     call_of,
@@ -459,9 +459,9 @@ class PipelinedModel(nn.Module):
         losses: list[torch.Tensor] = []
         if self.schedule is not None:
             n = self.microbatches
-            args, kwargs = _to(args, self.device), _to(kwargs, self.device)
+            args, kwargs = move_to(args, self.device), move_to(kwargs, self.device)
             chain_args, calls = self.program.split(args, kwargs, n)
-            targets = list(torch.tensor_split(_to(target, self.device), n)) \
+            targets = list(torch.tensor_split(move_to(target, self.device), n)) \
                 if isinstance(target, torch.Tensor) else [target] * n
             self._contexts[:] = [SideInputs({**(ctx or {}), TARGET: t})
                                  for ctx, t in zip(calls, targets, strict=True)]
@@ -486,16 +486,6 @@ class PipelinedModel(nn.Module):
     def extra_repr(self) -> str:  # noqa: D102
         return (f"stages={self.stage_indices} of {len(self.plan.stages)}, "
                 f"microbatches={self.microbatches}, period={self.plan.period:g}")
-
-
-def _to(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, tuple | list):
-        return type(value)(_to(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: _to(v, device) for k, v in value.items()}
-    return value
 
 
 def run_plan_pipelining(

@@ -123,13 +123,14 @@ def _to_meta(value: Any) -> Any:
     return value
 
 
-def _move(value: Any, dev: torch.device) -> Any:
+def move_to(value: Any, dev: torch.device) -> Any:
+    """``value`` with every tensor in it (tuples, lists, dicts) moved to ``dev``."""
     if isinstance(value, torch.Tensor):
         return value.to(dev)
     if isinstance(value, tuple | list):
-        return type(value)(_move(v, dev) for v in value)
+        return type(value)(move_to(v, dev) for v in value)
     if isinstance(value, dict):
-        return {k: _move(v, dev) for k, v in value.items()}
+        return {k: move_to(v, dev) for k, v in value.items()}
     return value
 
 
@@ -507,7 +508,7 @@ def profile_stages(
                    for m in modules]
         sample = _to_meta(sample)
     elif dev != inputs[0].device:
-        sample = _move(sample, dev)
+        sample = move_to(sample, dev)
     setting = _Setting(_persistent_keys(modules), meta, dev.type == "cuda",
                        count_flops=meta and time_model is None)
     timer = _Timer(dev)
