@@ -564,7 +564,7 @@ def _solve_exact(problem: OffloadProblem, options: SolveOptions, method: str) ->
     solver = "cpsat" if method == "cpsat" else options.solver
     lower = lower_bound(problem, options)
     if outcome.failed is not None:  # the engine crashed: the verified warm start, or error
-        return _engine_failed(problem, options, inst, outcome, method, lower)
+        return _engine_failed(problem, options, disc, inst, outcome, method, solver, lower)
     if math.isfinite(outcome.bound):
         report["engine_bound"] = outcome.bound
     if outcome.status is Status.INFEASIBLE and inst.start is None:
@@ -603,12 +603,11 @@ def _solve_exact(problem: OffloadProblem, options: SolveOptions, method: str) ->
     return best.with_(bound=bound)
 
 
-def _engine_failed(problem: OffloadProblem, options: SolveOptions, inst: _Exact,
-                   outcome: _Outcome, method: str, lower: float) -> Result:
+def _engine_failed(problem: OffloadProblem, options: SolveOptions, disc: Discretized,
+                   inst: _Exact, outcome: _Outcome, method: str, solver: str | None,
+                   lower: float) -> Result:
     """A failed engine: the replayed warm start as ``feasible`` (CONTRACT 14), else error."""
     assert outcome.failed is not None
-    disc, _ = _disc(problem, options)
-    solver = "cpsat" if method == "cpsat" else options.solver
     start = inst.start
 
     def fallback(report: dict[str, Any]) -> Result:
