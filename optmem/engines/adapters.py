@@ -314,9 +314,6 @@ def _solve_highs(problem: Any, settings: _Settings) -> tuple[Status, float, str,
                 sol.col_value = [float(v.varValue or 0.0) for v in cols]
                 sol.value_valid = True
                 h.setSolution(sol)
-            # HiGHS keeps one global thread pool, sized by the first run of the process: a
-            # later run asking for another thread count fails (kNotset) unless it is reset
-            h.resetGlobalScheduler(True)
             h.run()
             info = h.getInfo()
             self.captured = {"status": h.getModelStatus(),
