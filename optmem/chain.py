@@ -347,7 +347,10 @@ largest value (1099511627776 B) in 1.09951e+12 ms, above 1e+12: too slow to mode
         )
 
     def scaled(self, *, time: float = 1.0, memory: int = 1) -> Chain:
-        """Return the chain with times multiplied by ``time`` and sizes by ``memory``."""
+        """Return the chain with times multiplied by ``time`` and sizes by ``memory``.
+
+        Names, units and the unknown fields (``extra``, ``stage_extra``) are kept as they are.
+        """
         return Chain(
             fwd_time=tuple(v * time for v in self.fwd_time),
             bwd_time=tuple(v * time for v in self.bwd_time),
@@ -359,7 +362,7 @@ largest value (1099511627776 B) in 1.09951e+12 ms, above 1e+12: too slow to mode
             input_size=self.input_size * memory, loss_bwd_time=self.loss_bwd_time * time,
             loss_bwd_overhead=self.loss_bwd_overhead * memory, name=self.name,
             time_unit=self.time_unit, memory_unit=self.memory_unit,
-            stage_names=self.stage_names,
+            stage_names=self.stage_names, extra=self.extra, stage_extra=self.stage_extra,
         )
 
     # ------------------------------------------------------------------ (de)serialisation

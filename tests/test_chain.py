@@ -245,3 +245,16 @@ def test_store_all_peak_closed_form_on_bundled_chains(name: str) -> None:
     chain = load_dataset(name)
     simulated = simulate_checkpoint(chain, store_all_plan(chain.length)).peak_memory
     assert chain.store_all_peak() == simulated
+
+
+def test_scaled_keeps_names_units_and_unknown_fields() -> None:
+    data = valid_dict()
+    data["stages"][0]["kind"] = "conv"
+    data["origin"] = "profiler"
+    chain = Chain.from_dict(data)
+    big = chain.scaled(time=2.0, memory=3)
+    assert big.fwd_time == (3.0, 1.0) and big.output_size == (24, 6)
+    assert big.stage_names == chain.stage_names and big.memory_unit == chain.memory_unit
+    assert big.extra == {"origin": "profiler"}
+    assert big.stage_extra[0] == {"kind": "conv"} and big.stage_extra[1] == {}
+    assert big.to_dict()["stages"][0]["kind"] == "conv"

@@ -48,11 +48,12 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from fractions import Fraction
 from typing import Any
 
 __all__ = [
     "Constraint", "CpsatModel", "Expr", "Interval", "Kind", "Literal", "Model", "NoOverlap",
-    "PulpModel", "Var", "rational_time_scale", "time_scale", "to_cpsat", "to_pulp",
+    "PulpModel", "Var", "exact_scale", "rational_time_scale", "time_scale", "to_cpsat", "to_pulp",
 ]
 
 MAX_DECIMALS = 6
@@ -598,6 +599,27 @@ def time_scale(values: Iterable[float], max_decimals: int = MAX_DECIMALS) -> tup
     return 10**max_decimals, False
 
 
+def exact_scale(values: Iterable[Fraction], limit: int = 10**13) -> int | None:
+    """Smallest ``scale`` with every value a multiple of ``1 / scale`` (``None`` above ``limit``).
+
+    The least common multiple of the denominators: the grid of :func:`rational_time_scale`,
+    and of models whose data are exact fractions already (:mod:`optmem.models.offload`).
+
+    Examples
+    --------
+    >>> exact_scale([Fraction("0.25"), Fraction(7, 3)], 10**6)
+    12
+    >>> exact_scale([Fraction(1, 10**10)], 10**6) is None
+    True
+    """
+    scale = 1
+    for v in values:
+        scale = math.lcm(scale, v.denominator)
+        if scale > limit:
+            return None
+    return scale
+
+
 def rational_time_scale(values: Iterable[float], *, resolution: float | None = None,
                         max_denominator: int = 10**7, max_scale: int = 10**13
                         ) -> tuple[int, bool]:
@@ -622,9 +644,8 @@ def rational_time_scale(values: Iterable[float], *, resolution: float | None = N
     >>> rational_time_scale([1 / 3, 0.25]), rational_time_scale([0.1234567], max_denominator=1000)
     ((12, True), (1000000, False))
     """
-    from fractions import Fraction
-
-    scale, exact = 1, True
+    fractions: list[Fraction] = []
+    exact = True
     for v in values:
         if not math.isfinite(v):
             continue
@@ -632,10 +653,10 @@ def rational_time_scale(values: Iterable[float], *, resolution: float | None = N
         if abs(v - float(frac)) > 1e-15 * max(1.0, abs(v)):
             exact = False
             break
-        scale = math.lcm(scale, frac.denominator)
-        if scale > max_scale:
-            exact = False
-            break
+        fractions.append(frac)
+    lcm = exact_scale(fractions, max_scale) if exact else None
+    exact = lcm is not None
+    scale = lcm if lcm is not None else 1
     if not exact:
         scale = 10**MAX_DECIMALS
     if resolution is not None and resolution > 0 and 1 / scale > resolution:

@@ -34,9 +34,9 @@ from typing import Any
 from optmem.engines.adapters import EngineResult, coefficient_scale, pulp_settings
 from optmem.errors import OptmemInputError
 from optmem.models.formulation import Expr, Model, PulpModel, to_pulp
+from optmem.models.min_peak_segments import segment_model
 from optmem.problems.min_peak import MinPeakProblem
 from optmem.result import SolveOptions, Status
-from optmem.solvers.min_peak_dp import segment_model
 
 
 @dataclass

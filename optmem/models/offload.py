@@ -88,6 +88,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 
+from optmem.models import formulation
 from optmem.models.formulation import Expr, Literal, Model
 
 __all__ = ["OffloadData", "OffloadModel", "Schedule", "build_offload_model", "exact_scale"]
@@ -180,19 +181,14 @@ class OffloadData:
 
 
 def exact_scale(values: Iterable[Fraction], limit: int = MAX_SCALE) -> int | None:
-    """Smallest ``scale`` with every value a multiple of ``1 / scale`` (``None`` above ``limit``).
+    """The grid of exact rational data (:func:`optmem.models.formulation.exact_scale`).
 
     Examples
     --------
     >>> exact_scale([Fraction("0.25"), Fraction(7, 3)]), exact_scale([Fraction(1, 10**10)])
     (12, None)
     """
-    scale = 1
-    for v in values:
-        scale = scale * v.denominator // math.gcd(scale, v.denominator)
-        if scale > limit:
-            return None
-    return scale
+    return formulation.exact_scale(values, limit)
 
 
 @dataclass(frozen=True)

@@ -142,9 +142,9 @@ _EXECUTOR_OPTIONS = {"checkpoint": ("preserve_rng_state", "restore_buffers", "st
                      "offload": (), "remat_offload": ("preserve_rng_state", "restore_buffers")}
 
 
-def _planned(cls: type[PlannedModule], kind: str, module: Any, sample: Any,
-             memory_limit: int | str, method: str, bandwidth: float | str | None,
-             options: dict[str, Any]) -> Any:
+def build_planned(cls: type[PlannedModule], kind: str, module: Any, sample: Any,
+                  memory_limit: int | str, method: str, bandwidth: float | str | None,
+                  options: dict[str, Any]) -> Any:
     """Split the options of a one-liner, then extract, profile, solve and wrap."""
     options = dict(options)
     chain = options.pop("chain", None)
@@ -244,13 +244,14 @@ def checkpoint(
     >>> cnet.expected_peak_bytes <= 6 * 1024
     True
     """
-    return _planned(CheckpointedModule, "checkpoint", module, sample, memory_limit, method, None,
-                    dict(max_stages=max_stages, slots=slots, variant=variant,
-                         time_limit_s=time_limit_s, chain=chain, device=device,
-                         repeats=repeats, warmup=warmup, progress=progress,
-                         time_model=time_model, preserve_rng_state=preserve_rng_state,
-                         restore_buffers=restore_buffers, strip_suffix=strip_suffix,
-                         extract=extract, process_group=process_group))
+    return build_planned(CheckpointedModule, "checkpoint", module, sample, memory_limit, method,
+                         None, dict(max_stages=max_stages, slots=slots, variant=variant,
+                                    time_limit_s=time_limit_s, chain=chain, device=device,
+                                    repeats=repeats, warmup=warmup, progress=progress,
+                                    time_model=time_model,
+                                    preserve_rng_state=preserve_rng_state,
+                                    restore_buffers=restore_buffers, strip_suffix=strip_suffix,
+                                    extract=extract, process_group=process_group))
 
 
 def offload(module: nn.Module | Sequence[nn.Module | Stage], sample: Any,
@@ -274,8 +275,8 @@ def offload(module: nn.Module | Sequence[nn.Module | Stage], sample: Any,
     >>> torch.allclose(onet(x), net(x))
     True
     """
-    return _planned(OffloadedModule, "offload", module, sample, memory_limit, method,
-                    bandwidth, options)
+    return build_planned(OffloadedModule, "offload", module, sample, memory_limit, method,
+                         bandwidth, options)
 
 
 def remat_offload(module: nn.Module | Sequence[nn.Module | Stage], sample: Any,
@@ -295,8 +296,8 @@ def remat_offload(module: nn.Module | Sequence[nn.Module | Stage], sample: Any,
     >>> torch.allclose(rnet(x), net(x))
     True
     """
-    return _planned(RematOffloadedModule, "remat_offload", module, sample, memory_limit,
-                    method, bandwidth, options)
+    return build_planned(RematOffloadedModule, "remat_offload", module, sample, memory_limit,
+                         method, bandwidth, options)
 
 
 def profile_chain(module: nn.Module | Sequence[nn.Module | Stage], sample: Any, *,
@@ -320,7 +321,7 @@ def profile_chain(module: nn.Module | Sequence[nn.Module | Stage], sample: Any, 
     (3, 128, (256, 256, 32))
     """
     from optmem.pytorch import profile as prof
-    from optmem.pytorch.wrapper import _groups, _profile
+    from optmem.pytorch.wrapper import profile_stage_chain, stage_groups
 
     if is_plain_chain(module) or not isinstance(module, nn.Module):
         return prof.profile_chain(module, sample, **options)
@@ -340,7 +341,7 @@ def profile_chain(module: nn.Module | Sequence[nn.Module | Stage], sample: Any, 
             from optmem.pytorch.extract import merge_stages
 
             stages = merge_stages(stages, max_stages,
-                                  groups=_groups(len(stages), max_stages, None, stages))
+                                  groups=stage_groups(len(stages), max_stages, None, stages))
         profile = ProfileOptions(**{"repeats": 5, **options, "extract": extract})
-        return _profile(stages, ext.chain_input(flat), profile, name, ext.side_inputs(flat),
-                        loss_fn=loss_fn)
+        return profile_stage_chain(stages, ext.chain_input(flat), profile, name,
+                                   ext.side_inputs(flat), loss_fn=loss_fn)

@@ -19,6 +19,8 @@ Three pieces, used by :func:`optmem.pytorch.checkpoint` and :func:`optmem.pytorc
 
 Backends: NCCL when CUDA is available (one GPU per local rank), gloo otherwise (CPU processes,
 what the tests use). :func:`init_distributed` initialises from ``torchrun``'s environment.
+The process-group helpers live in :mod:`optmem.pytorch.process_groups` (the wrapper uses
+them without this module, which imports the one-liners for :func:`checkpoint_fsdp`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,116 +38,22 @@ from torch import nn
 
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError
+from optmem.pytorch.process_groups import (
+    LOCAL,
+    default_device,
+    init_distributed,
+    is_fsdp_module,
+    refuse_sharded,
+    resolve_group,
+    run_once,
+)
 
-__all__ = ["checkpoint_fsdp", "default_device", "fsdp_chain", "fully_shard_checkpointed",
-           "init_distributed", "is_fsdp_module", "resolve_group", "run_once", "spawn",
-           "stage_parameter_bytes"]
-
-T = TypeVar("T")
-LOCAL = "local"
-
-
-# ------------------------------------------------------------------ process groups
-def init_distributed(backend: str | None = None) -> torch.device:
-    """Initialise the default process group from ``torchrun``'s environment if needed.
-
-    Returns this process' device: ``cuda:LOCAL_RANK`` with NCCL (set as the current device),
-    the CPU with gloo. ``backend`` defaults to NCCL when CUDA is available, gloo otherwise.
-    """
-    if not dist.is_available():
-        raise OptmemInputError("torch.distributed is not available in this PyTorch build",
-                               field="backend")
-    if not dist.is_initialized():
-        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-            raise OptmemInputError(
-                "no process group: launch with torchrun (or call "
-                "torch.distributed.init_process_group first)", field="backend")
-        dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"))
-    return default_device()
-
-
-def default_device() -> torch.device:
-    """``cuda:LOCAL_RANK`` (made current) when the default group uses NCCL, else the CPU."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-        return device
-    return torch.device("cpu")
-
-
-def resolve_group(process_group: Any = None) -> Any:
-    """The group that must agree on a plan, or ``None`` to decide locally.
-
-    ``None`` (the default of the public calls): the default group when ``torch.distributed``
-    is initialised with more than one process, else local. ``"local"``: always local (each
-    process profiles and solves on its own, e.g. when ranks hold different modules).
-    A ``ProcessGroup``: that group (local if it has one member).
-    """
-    if isinstance(process_group, str):
-        if process_group != LOCAL:
-            raise OptmemInputError(f"expected a ProcessGroup, None or 'local', got "
-                                   f"{process_group!r}", field="process_group")
-        return None
-    if not dist.is_available() or not dist.is_initialized():
-        if process_group is not None:
-            raise OptmemInputError("a process group was given but torch.distributed is not "
-                                   "initialised", field="process_group")
-        return None
-    group = process_group if process_group is not None else dist.group.WORLD
-    return group if dist.get_world_size(group) > 1 else None
-
-
-def run_once(decide: Callable[[], T], group: Any = None) -> T:
-    """Run ``decide()`` on rank 0 of ``group`` only and give its value to every rank.
-
-    With ``group=None`` this is just ``decide()``. The value is pickled
-    (``broadcast_object_list``); an exception raised by ``decide`` on rank 0 is raised on
-    every rank (as :class:`~optmem.errors.OptmemInputError` when it was one), so no rank is
-    left waiting.
-    """
-    if group is None:
-        return decide()
-    src = dist.get_global_rank(group, 0)
-    box: list[Any] = [None]
-    if dist.get_rank() == src:
-        try:
-            box[0] = ("ok", decide())
-        except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
-            box[0] = ("error", exc)
-    device = default_device() if dist.get_backend(group) == "nccl" else None
-    dist.broadcast_object_list(box, src=src, group=group, device=device)
-    kind, value = box[0]
-    if kind == "error":
-        if isinstance(value, BaseException):
-            raise value
-        raise RuntimeError(str(value))
-    return value
+__all__ = ["LOCAL", "checkpoint_fsdp", "default_device", "fsdp_chain",
+           "fully_shard_checkpointed", "init_distributed", "is_fsdp_module", "refuse_sharded",
+           "resolve_group", "run_once", "spawn", "stage_parameter_bytes"]
 
 
 # ------------------------------------------------------------------ FSDP2
-def is_fsdp_module(module: Any) -> bool:
-    """Whether ``module`` (or a submodule) was already sharded by ``fully_shard``."""
-    if not isinstance(module, nn.Module):
-        return False
-    from torch.distributed.fsdp import FSDPModule
-
-    return any(isinstance(m, FSDPModule) for m in module.modules())
-
-
-def refuse_sharded(module: Any) -> None:
-    """Raise a clear error for a module sharded before ``optmem.pytorch.checkpoint``.
-
-    The executor calls the chain's stages itself, so the root FSDP module's forward (which
-    gathers what the root owns and sets up the backward) would never run: shard after.
-    """
-    if is_fsdp_module(module):
-        raise OptmemInputError(
-            f"{type(module).__name__} is already sharded with fully_shard: call "
-            "optmem.pytorch.checkpoint on the unsharded model first, then shard its stages "
-            "with optmem.pytorch.distributed.fully_shard_checkpointed(cmodel, mesh=mesh) (or "
-            "use checkpoint_fsdp); see docs/distributed.md", field="module")
-
-
 def _shared_parameter_ids(stages: Sequence[nn.Module]) -> set[int]:
     """Ids of parameters that appear in more than one stage (tied weights)."""
     owner: dict[int, int] = {}
@@ -269,7 +177,7 @@ def checkpoint_fsdp(module: nn.Module | Sequence[nn.Module], sample: Any,
     Other keyword arguments go to :func:`optmem.pytorch.checkpoint` (``max_stages`` is not
     supported: the chain's stages are the FSDP units).
     """
-    from optmem.pytorch.api import CheckpointedModule, _planned
+    from optmem.pytorch.api import CheckpointedModule, build_planned
 
     if "max_stages" in checkpoint_kwargs or "chain" in checkpoint_kwargs:
         raise OptmemInputError("checkpoint_fsdp profiles the module's stages itself: "
@@ -279,8 +187,8 @@ def checkpoint_fsdp(module: nn.Module | Sequence[nn.Module], sample: Any,
         return fsdp_chain(chain, stage_parameter_bytes([s.module for s in stages]),
                           prefetch=prefetch)
 
-    cmodule = _planned(CheckpointedModule, "checkpoint", module, sample, memory_limit, method,
-                       None, {**checkpoint_kwargs, "adjust_chain": adjust,
+    cmodule = build_planned(CheckpointedModule, "checkpoint", module, sample, memory_limit, method,
+                            None, {**checkpoint_kwargs, "adjust_chain": adjust,
                               "process_group": process_group})
     return fully_shard_checkpointed(cmodule, mesh=mesh, **(fsdp_kwargs or {}))
 

@@ -276,7 +276,7 @@ def run_in_order(functions: Sequence[Callable[[Any], Any]], x: Any) -> Any:
     return x
 
 
-class _Runner:
+class PlanRunner:
     """State of one forward/backward pass through the plan."""
 
     def __init__(self, owner: CheckpointedChain, plan: tuple[Op, ...], n_stages: int) -> None:
@@ -490,7 +490,7 @@ class _PlanFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, runner: _Runner, treespec: Any, n_inputs: int,
+    def forward(ctx: Any, runner: PlanRunner, treespec: Any, n_inputs: int,
                 *args: torch.Tensor) -> torch.Tensor:
         inputs = args[:n_inputs]
         it = iter(t.detach() for t in inputs)
@@ -521,7 +521,7 @@ class _Relay(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, runner: _Runner, token: torch.Tensor) -> Any:
+    def forward(ctx: Any, runner: PlanRunner, token: torch.Tensor) -> Any:
         outputs, runner.outputs = runner.outputs, []
         non_diff = [t for t in outputs if not (t.is_floating_point() or t.is_complex())]
         if non_diff:
@@ -537,9 +537,9 @@ class _Relay(torch.autograd.Function):
         return None, torch.zeros(())
 
 
-def _take_runner(ctx: Any) -> _Runner:
+def _take_runner(ctx: Any) -> PlanRunner:
     """The runner of a plan Function, once: a second backward or a double backward is refused."""
-    runner: _Runner | None = ctx.runner
+    runner: PlanRunner | None = ctx.runner
     ctx.runner = None
     if runner is None:
         raise RuntimeError("the checkpointed plan was already backpropagated: "
@@ -634,7 +634,7 @@ class CheckpointedChain(StageCalls, nn.Module):
 
     def forward(self, x: Any) -> Any:  # noqa: D102 - see the class docstring
         if torch.compiler.is_compiling():
-            return _run_disabled(self, x, True)
+            return run_disabled(self, x, True)
         return self._forward(x, None)
 
     def _forward(self, x: Any, compiled: bool | None) -> Any:
@@ -648,9 +648,9 @@ class CheckpointedChain(StageCalls, nn.Module):
             x = self._run_plan(self._prefix_plan, j - 1, x, input_needs_grad, functions)
         return run_in_order(functions[j - 1:], x)
 
-    def _make_runner(self, plan: tuple[Op, ...], n: int) -> _Runner:
+    def _make_runner(self, plan: tuple[Op, ...], n: int) -> PlanRunner:
         """The object that executes ``plan`` (subclasses return a specialised runner)."""
-        return _Runner(self, plan, n)
+        return PlanRunner(self, plan, n)
 
     def _run_plan(self, plan: tuple[Op, ...], n: int, x: Any, input_needs_grad: bool,
                   functions: list[Callable[[Any], Any]] | None = None) -> Any:
@@ -678,7 +678,7 @@ class CheckpointedChain(StageCalls, nn.Module):
 
 
 @torch.compiler.disable
-def _run_disabled(executor: Any, x: Any, compiled: bool) -> Any:
+def run_disabled(executor: Any, x: Any, compiled: bool) -> Any:
     """Run an executor outside dynamo (a graph break), its stages compiled."""
     return executor._forward(x, compiled)
 

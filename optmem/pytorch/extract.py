@@ -91,7 +91,7 @@ class StageGroup(nn.Module):
 
 
 # ------------------------------------------------------------------ nn.Sequential
-def _is_plain_sequential(module: nn.Module) -> bool:
+def is_plain_sequential(module: nn.Module) -> bool:
     if not isinstance(module, nn.Sequential):
         return False
     if getattr(module, "not_really_sequential", False):
@@ -106,7 +106,7 @@ def _flatten_sequential(module: nn.Sequential, prefix: str) -> list[Stage]:
         if child is None:
             continue
         full = f"{prefix}.{name}" if prefix else name
-        if _is_plain_sequential(child):
+        if is_plain_sequential(child):
             out.extend(_flatten_sequential(child, full))  # type: ignore[arg-type]
         else:
             out.append(Stage(full, child))
@@ -488,7 +488,7 @@ def extract_stages(
     if isinstance(module, Sequence) and not isinstance(module, nn.Module):
         stages = [m if isinstance(m, Stage) else Stage(f"stage{k + 1}", m)
                   for k, m in enumerate(module)]
-    elif _is_plain_sequential(module):
+    elif is_plain_sequential(module):
         stages = _merge_inplace_heads(_flatten_sequential(module, ""))  # type: ignore[arg-type]
     elif isinstance(module, nn.Module):
         stages = _fx_stages(module)

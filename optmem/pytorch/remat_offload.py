@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from optmem.errors import PlanError
 from optmem.plan import AnyOp, Op, OpKind, TransferKind, TransferOp, parse_mixed_plan
-from optmem.pytorch.execute import CheckpointedChain, _Runner
+from optmem.pytorch.execute import CheckpointedChain, PlanRunner
 from optmem.pytorch.extract import Stage
 from optmem.pytorch.offload import HostCopies, kept_storages, value_device
 
@@ -70,7 +70,7 @@ class _Group:
     on_host: bool = False
 
 
-class _OffloadRunner(_Runner):
+class _OffloadRunner(PlanRunner):
     """The checkpoint runner, plus transfers and saved-tensor groups."""
 
     owner: RematOffloadChain

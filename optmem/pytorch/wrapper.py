@@ -92,11 +92,11 @@ class _Variant:
 
 def is_plain_chain(module: Any) -> bool:
     """Modules run as they are: an ``nn.Sequential`` (flattened) or a list of stages."""
-    from optmem.pytorch.extract import _is_plain_sequential
+    from optmem.pytorch.extract import is_plain_sequential
 
     if isinstance(module, Sequence) and not isinstance(module, nn.Module):
         return True
-    return isinstance(module, nn.Module) and _is_plain_sequential(module)
+    return isinstance(module, nn.Module) and is_plain_sequential(module)
 
 
 def call_of(sample: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -168,7 +168,7 @@ class PlannedModule(nn.Module):
     def build(cls, module: Any, sample: Any, planner: Planner, profile: ProfileOptions, *,
               chain: Chain | None = None, name: str | None = None) -> PlannedModule:
         """Extract, profile, solve and wrap ``module`` (``sample``: one batch or call)."""
-        from optmem.pytorch.distributed import refuse_sharded
+        from optmem.pytorch.process_groups import refuse_sharded
 
         refuse_sharded(module)
         if is_plain_chain(module):
@@ -484,7 +484,7 @@ def _make_variant(ext: Extraction | None, fine: list[Stage], x: Any, planner: Pl
     The decision runs once for every rank (:func:`plan_stages`); the executor is built on
     every rank.
     """
-    from optmem.pytorch.distributed import resolve_group
+    from optmem.pytorch.process_groups import resolve_group
 
     groups, stages, chain, result = plan_stages(
         fine, x, profile, name, ctx, planner.solve, chain=chain, like=like,
@@ -506,7 +506,7 @@ def plan_stages(fine: list[Stage], x: Any, profile: ProfileOptions, name: str,
     ``profile.adjust_chain`` before the solve. Returns the merge groups (or ``None``), the
     merged stages, the chain and the result.
     """
-    from optmem.pytorch.distributed import run_once
+    from optmem.pytorch.process_groups import run_once
 
     fine_names = tuple(s.name for s in fine)
     limit = profile.max_stages
@@ -521,18 +521,18 @@ def plan_stages(fine: list[Stage], x: Any, profile: ProfileOptions, name: str,
             if like is not None and like.groups is not None and like.fine_names == fine_names:
                 groups = like.groups
             elif chain is None and profile.device != "meta":
-                quick = _profile(fine, x, profile, name, ctx, repeats=1, warmup=1)
+                quick = profile_stage_chain(fine, x, profile, name, ctx, repeats=1, warmup=1)
                 costs = [f + b for f, b in zip(quick.fwd_time, quick.bwd_time, strict=True)]
-                groups = _groups(len(fine), limit, costs)
+                groups = stage_groups(len(fine), limit, costs)
             else:
-                groups = _groups(len(fine), limit, None, fine)
+                groups = stage_groups(len(fine), limit, None, fine)
         stages = merged(groups)
         prof = chain
         if prof is None:
             same = like is not None and tuple(s.name for s in like.stages) == \
                 tuple(s.name for s in stages)
-            prof = _profile(stages, x, profile, name, ctx,
-                            time_model=_scaled_times(like, stages) if same else None)
+            prof = profile_stage_chain(stages, x, profile, name, ctx,
+                                       time_model=_scaled_times(like, stages) if same else None)
             if profile.adjust_chain is not None:
                 prof = profile.adjust_chain(stages, prof)
         elif prof.length != len(stages):
@@ -545,8 +545,12 @@ def plan_stages(fine: list[Stage], x: Any, profile: ProfileOptions, name: str,
     return groups, merged(groups), chain, result
 
 
-def _groups(n: int, limit: int, costs: Sequence[float] | None,
-            stages: Sequence[Stage] | None = None) -> list[tuple[int, int]]:
+def stage_groups(n: int, limit: int, costs: Sequence[float] | None,
+                 stages: Sequence[Stage] | None = None) -> list[tuple[int, int]]:
+    """At most ``limit`` contiguous groups of ``n`` stages balancing ``costs``.
+
+    Without ``costs``, each stage's static cost (:func:`optmem.pytorch.extract.stage_cost`).
+    """
     from optmem.pytorch.extract import partition_costs, stage_cost
 
     if costs is None:
@@ -555,9 +559,11 @@ def _groups(n: int, limit: int, costs: Sequence[float] | None,
     return partition_costs(costs, limit)
 
 
-def _profile(stages: Sequence[Stage], x: Any, profile: ProfileOptions, name: str,
-             ctx: SideInputs | None, *, repeats: int | None = None, warmup: int | None = None,
-             time_model: Any = None, loss_fn: Any = None) -> Chain:
+def profile_stage_chain(stages: Sequence[Stage], x: Any, profile: ProfileOptions, name: str,
+                        ctx: SideInputs | None, *, repeats: int | None = None,
+                        warmup: int | None = None, time_model: Any = None,
+                        loss_fn: Any = None) -> Chain:
+    """Profile ``stages`` into a chain with the options of ``profile`` (side inputs ``ctx``)."""
     from optmem.pytorch.profile import profile_stages
 
     kw = dict(device=profile.device, repeats=repeats or profile.repeats,

@@ -5,12 +5,19 @@ problem's class. Each verifier accepts the shapes a plan file may take (a list o
 strings, or a ``solve --json`` object), replays the plan in this package's simulators and
 returns the verified ``objective``, ``peak_memory`` and ``memory_limit`` with per-problem
 details. Checkpoint plans are verified by :func:`optmem.cli.verify_checkpoint_plan` (it
-discretises first). This module imports only the core and the simulators.
+discretises first).
+
+Every solver builds its :class:`~optmem.result.Result` through :func:`replay_result`: the
+one place where a method's claimed objective is compared with the simulator's
+(:data:`CLAIM_TOLERANCE`) and the simulated peak with the limit. This module imports only
+the core and the simulators.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from optmem.errors import OptmemInputError, PlanError
@@ -25,13 +32,126 @@ from optmem.problems.min_peak import (
 )
 from optmem.problems.offload import OffloadProblem
 from optmem.problems.pipeline import PipelineProblem
-from optmem.result import SolveOptions
+from optmem.result import Result, SolveOptions, Status
 from optmem.simulate.checkpoint import simulate_checkpoint
 from optmem.simulate.min_peak import model_peak
 from optmem.simulate.offload import simulate_offload
 from optmem.simulate.pipeline import simulate_pipeline
 
-__all__ = ["verify_min_peak_plan", "verify_offload_plan", "verify_pipeline_plan", "verify_plan"]
+__all__ = ["CLAIM_TOLERANCE", "Replay", "Wording", "claim_holds", "replay_result",
+           "verify_min_peak_plan", "verify_offload_plan", "verify_pipeline_plan", "verify_plan"]
+
+CLAIM_TOLERANCE = 1e-6
+"""Relative tolerance between a method's claimed objective and the simulated one.
+
+The pipeline simulator's time tolerance (:func:`optmem.simulate.pipeline.simulate_pipeline`):
+CP-SAT periods live on a grid of at most 1e-7 of the load bound; every other method claims
+a value computed in floats from the same durations. The absolute tolerance is 1e-9.
+"""
+
+
+def claim_holds(claimed: float, simulated: float) -> bool:
+    """Whether a claimed objective equals the simulated one (:data:`CLAIM_TOLERANCE`)."""
+    return math.isclose(claimed, simulated, rel_tol=CLAIM_TOLERANCE, abs_tol=1e-9)
+
+
+@dataclass(frozen=True)
+class Replay:
+    """What the simulator measured for one plan.
+
+    Parameters
+    ----------
+    objective
+        The simulated objective (makespan, period or peak).
+    peak_memory
+        The simulated peak, in the units of the limit it is checked against.
+    report
+        Measured details added to the result's ``report`` (CONTRACT section 4).
+    """
+
+    objective: float
+    peak_memory: int
+    report: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Wording:
+    """The ``report['error']`` messages of one problem's results (format strings).
+
+    ``claim`` gets ``claimed`` and ``simulated``; ``peak`` gets ``peak`` and ``limit``;
+    ``invalid`` prefixes the simulator's :class:`~optmem.errors.PlanError` (``None``: the
+    error propagates, for methods whose plans are valid by construction).
+    """
+
+    claim: str = "claimed objective {claimed} but the simulator says {simulated}"
+    peak: str = "plan peaks at {peak}, above {limit}"
+    invalid: str | None = None
+
+
+def replay_result(
+    problem: str,
+    method: str,
+    status: Status,
+    plan: tuple[str, ...],
+    replay: Callable[[], Replay],
+    *,
+    bound: float,
+    memory_limit: int | None,
+    claimed: float | None = None,
+    unit: int = 1,
+    variant: str | None = None,
+    solver: str | None = None,
+    report: dict[str, Any] | None = None,
+    wording: Wording = Wording(),
+    check_peak: bool = True,
+    optimal_bound: bool = True,
+) -> Result:
+    """Replay a method's plan and build its :class:`Result` from the simulation.
+
+    The result's ``objective`` and ``peak_memory`` are the simulator's, never the method's.
+    It becomes ``status: error`` (with ``report['error']``) when the plan does not replay
+    (``wording.invalid``), when ``claimed`` differs from the simulated objective by more
+    than :data:`CLAIM_TOLERANCE`, or, with ``check_peak``, when the simulated peak exceeds
+    ``memory_limit``. Otherwise an ``optimal`` result gets the simulated objective as its
+    ``bound`` (with ``optimal_bound``; else ``bound`` is kept as given).
+
+    Parameters
+    ----------
+    problem, method, status, variant, solver, unit, memory_limit
+        The fields of the result (``status`` as the method claims it).
+    plan
+        The plan as op strings (kept on an error result).
+    replay
+        Runs the simulator on the plan; may raise :class:`~optmem.errors.PlanError`.
+    bound, claimed
+        The method's proven lower bound and its own objective (``None``: nothing claimed).
+    report
+        The method's details; the replay's are added to a copy.
+    wording
+        The problem's error messages.
+    """
+    info = dict(report or {})
+    try:
+        sim = replay()
+    except PlanError as exc:
+        if wording.invalid is None:
+            raise
+        info["error"] = f"{wording.invalid}{exc}"
+        return Result(problem, method, Status.ERROR, plan=plan, memory_limit=memory_limit,
+                      unit=unit, variant=variant, solver=solver, report=info)
+    info.update(sim.report)
+    out = Result(problem, method, status, objective=sim.objective, bound=bound, plan=plan,
+                 peak_memory=sim.peak_memory, memory_limit=memory_limit, unit=unit,
+                 variant=variant, solver=solver, report=info)
+    if claimed is not None and not claim_holds(claimed, sim.objective):
+        info["error"] = wording.claim.format(claimed=claimed, simulated=sim.objective)
+        return out.with_(status=Status.ERROR)
+    if check_peak and memory_limit is not None and sim.peak_memory > memory_limit:
+        info["error"] = wording.peak.format(peak=sim.peak_memory, limit=memory_limit)
+        return out.with_(status=Status.ERROR)
+    if status is Status.OPTIMAL and optimal_bound:
+        out = out.with_(bound=sim.objective)
+    return out
 
 
 def verify_min_peak_plan(problem: MinPeakProblem, plan_data: Any,

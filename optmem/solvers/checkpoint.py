@@ -16,15 +16,17 @@ from optmem.plan import Op, plan_strings
 from optmem.problems.checkpoint import CheckpointProblem, Discretized, discretize
 from optmem.result import Result, SolveOptions, Status
 from optmem.simulate import simulate_checkpoint
+from optmem.simulate.verify import Replay, Wording, replay_result
 from optmem.solvers import checkpoint_baselines as base
 from optmem.solvers.checkpoint_bruteforce import brute_force_checkpoint
 from optmem.solvers.checkpoint_dp import min_memory_persistent, solve_persistent_table
-from optmem.solvers.facade import register
 from optmem.solvers.hints import smallest_solvable_limit
+from optmem.solvers.registration import MethodFn, register
 
 PROBLEM = "checkpoint"
 DP_VARIANTS = ("paper", "rotor", "floating", "floating-printed")
 FLOATING_MAX_LENGTH = 12
+WORDING = Wording(peak="plan peaks at {peak} units, above the limit {limit}")
 
 
 def discretize_for(problem: CheckpointProblem, options: SolveOptions) -> Discretized:
@@ -52,29 +54,19 @@ def plan_result(
 ) -> Result:
     """Replay ``plan`` on the discretised chain and build the result from the simulation.
 
-    ``claimed`` is the method's own objective; it must equal the simulated makespan (up to
-    float rounding), otherwise the result is an ``error``. A plan whose simulated peak
-    exceeds the limit is an ``error`` too.
+    ``claimed`` is the method's own objective; it must equal the simulated makespan
+    (:func:`optmem.simulate.verify.replay_result`), otherwise the result is an ``error``.
+    A plan whose simulated peak exceeds the limit is an ``error`` too.
     """
     plan = tuple(plan)
-    sim = simulate_checkpoint(disc.chain, plan)
-    info = dict(report or {})
-    out = Result(
-        PROBLEM, method, status, objective=sim.makespan, bound=bound, plan=plan_strings(plan),
-        peak_memory=sim.peak_memory, memory_limit=disc.memory_limit, unit=disc.unit,
-        variant=variant, solver=solver, report=info,
-    )
-    if claimed is not None and not math.isclose(claimed, sim.makespan, rel_tol=1e-9,
-                                                abs_tol=1e-9):
-        info["error"] = f"claimed objective {claimed} but the simulator says {sim.makespan}"
-        return out.with_(status=Status.ERROR)
-    if sim.peak_memory > disc.memory_limit:
-        info["error"] = (f"plan peaks at {sim.peak_memory} units, above the limit "
-                         f"{disc.memory_limit}")
-        return out.with_(status=Status.ERROR)
-    if status is Status.OPTIMAL:
-        out = out.with_(bound=sim.makespan)
-    return out
+
+    def replay() -> Replay:
+        sim = simulate_checkpoint(disc.chain, plan)
+        return Replay(sim.makespan, sim.peak_memory)
+
+    return replay_result(PROBLEM, method, status, plan_strings(plan), replay, bound=bound,
+                         claimed=claimed, memory_limit=disc.memory_limit, unit=disc.unit,
+                         variant=variant, solver=solver, report=report, wording=WORDING)
 
 
 def infeasible_result(
@@ -207,12 +199,15 @@ def _best_fitting(
 
 def _baseline(name: str, description: str,
               candidates: Callable[[CheckpointProblem], Iterable[tuple[str, tuple[Op, ...]]]],
-              max_length: int | None = None) -> None:
+              max_length: int | None = None) -> MethodFn:
+    """The baseline method ``name``: the fastest of its candidate plans that fits."""
     def run(problem: CheckpointProblem, options: SolveOptions) -> Result:
         return _best_fitting(problem, options, name, candidates(problem))
 
     run.__doc__ = description
-    register(PROBLEM, name, exact=False, description=description, max_length=max_length)(run)
+    run.__name__ = run.__qualname__ = f"solve_{name}"
+    return register(PROBLEM, name, exact=False, description=description,
+                    max_length=max_length)(run)
 
 
 def _revolve_candidates(problem: CheckpointProblem) -> Iterable[tuple[str, tuple[Op, ...]]]:
@@ -225,16 +220,21 @@ def _revolve_candidates(problem: CheckpointProblem) -> Iterable[tuple[str, tuple
         yield f"{slots} slots", base.revolve_plan(length, slots, uf, ub, table[:, :slots + 1])
 
 
-_baseline("store_all", "store every tape (PyTorch default)",
-          lambda p: [("store all", base.store_all_plan(p.chain.length))])
-_baseline("recompute_all", "recompute from the input before every backward (rotor)",
-          lambda p: [("recompute all", base.recompute_all_plan(p.chain.length))])
-_baseline("chen", "Chen et al. sqrt(n) equal segments",
-          lambda p: [("sqrt(n) segments", base.chen_plan(p.chain.length))])
-_baseline("sequential", "torch checkpoint_sequential, best segment count that fits",
-          lambda p: ((f"{k} segments", plan) for k, plan in base.sequential_plans(p.chain.length)))
-_baseline("revolve", "Revolve/binomial (optimal for uniform AD chains), F_all before each B",
-          _revolve_candidates, max_length=400)
+solve_store_all = _baseline(
+    "store_all", "store every tape (PyTorch default)",
+    lambda p: [("store all", base.store_all_plan(p.chain.length))])
+solve_recompute_all = _baseline(
+    "recompute_all", "recompute from the input before every backward (rotor)",
+    lambda p: [("recompute all", base.recompute_all_plan(p.chain.length))])
+solve_chen = _baseline(
+    "chen", "Chen et al. sqrt(n) equal segments",
+    lambda p: [("sqrt(n) segments", base.chen_plan(p.chain.length))])
+solve_sequential = _baseline(
+    "sequential", "torch checkpoint_sequential, best segment count that fits",
+    lambda p: ((f"{k} segments", plan) for k, plan in base.sequential_plans(p.chain.length)))
+solve_revolve = _baseline(
+    "revolve", "Revolve/binomial (optimal for uniform AD chains), F_all before each B",
+    _revolve_candidates, max_length=400)
 
 
 # ------------------------------------------------------------------ brute force

@@ -46,7 +46,7 @@ from optmem.solvers.checkpoint import (
     plan_result,
 )
 from optmem.solvers.checkpoint_dp import solve_persistent_table
-from optmem.solvers.facade import register, register_exporter
+from optmem.solvers.registration import register, register_exporter
 
 MIN_MEMORY_TIME_LIMIT_S = 30.0
 MIN_MEMORY_NODE_LIMIT = 20_000

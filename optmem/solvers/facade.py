@@ -1,122 +1,43 @@
 """The facade: one ``solve`` and one ``compare`` for every problem and method.
 
-Methods register themselves with :func:`register` in their own module; the modules listed in
-``METHOD_MODULES`` are imported on first use, so optional engines (PuLP, OR-Tools, torch)
-are only imported when one of their methods runs.
+Solver modules declare their methods (:func:`optmem.solvers.registration.register`) and
+:mod:`optmem.solvers.registry` lists every problem's methods; the facade imports that list
+on first use, so ``import optmem`` stays light (optional engines such as PuLP and OR-Tools
+are imported only when one of their methods runs).
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from optmem.errors import OptmemInputError, UnavailableError, check_keywords
 from optmem.fileio import write_atomic
 from optmem.result import OPTION_NAMES, Result, SolveOptions, Status
+from optmem.solvers.registration import Exporter, MethodFn, MethodInfo, register
 
-MethodFn = Callable[[Any, SolveOptions], Result]
-
-# Modules whose import registers methods. Add a module here when it defines a problem's methods.
-METHOD_MODULES: list[str] = [
-    "optmem.solvers.checkpoint",
-    "optmem.solvers.checkpoint_exact",
-    "optmem.solvers.offload",
-    "optmem.solvers.remat_offload",
-    "optmem.solvers.pipeline",
-    "optmem.solvers.min_peak",
-]
-
-
-@dataclass(frozen=True)
-class MethodInfo:
-    """A registered method.
-
-    Parameters
-    ----------
-    problem, name
-        Problem name and method name (``checkpoint``, ``dp``).
-    fn
-        ``fn(problem, options) -> Result``.
-    exact
-        Whether the method proves optimality (of its own model).
-    description
-        One line for ``--help`` and tables.
-    requires
-        Importable modules the method needs (for :func:`is_available`).
-    in_compare
-        Whether ``compare`` runs it by default.
-    max_length
-        Longest chain ``compare`` runs it on by default (``None``: no limit).
-    compare_as
-        ``(label, max_length)`` pairs that ``compare`` runs by default, where a label is
-        ``name`` or ``name:variant``; default ``((name, max_length),)``.
-    extra
-        The ``SolveOptions.extra`` keys the method reads (any other key is an input error).
-    """
-
-    problem: str
-    name: str
-    fn: MethodFn
-    exact: bool
-    description: str
-    requires: tuple[str, ...] = ()
-    in_compare: bool = True
-    max_length: int | None = None
-    compare_as: tuple[tuple[str, int | None], ...] = ()
-    extra: tuple[str, ...] = ()
-
-    def is_available(self) -> bool:
-        """Whether every required module can be imported."""
-        return all(importlib.util.find_spec(m) is not None for m in self.requires)
-
+__all__ = ["Exporter", "MethodFn", "MethodInfo", "available_methods", "best_objective",
+           "check_extra", "compare", "default_compare_methods", "export", "method_info",
+           "methods", "problems", "register", "resolve_options", "solve", "split_label"]
 
 _REGISTRY: dict[str, dict[str, MethodInfo]] = {}
 _DEFAULT: dict[str, str] = {}
-_loaded = False
-
-
-def register(
-    problem: str,
-    name: str,
-    *,
-    exact: bool,
-    description: str,
-    requires: Sequence[str] = (),
-    default: bool = False,
-    in_compare: bool = True,
-    max_length: int | None = None,
-    compare_as: Sequence[tuple[str, int | None]] = (),
-    extra: Sequence[str] = (),
-) -> Callable[[MethodFn], MethodFn]:
-    """Register ``fn`` as method ``name`` of ``problem`` (decorator).
-
-    ``extra`` lists the ``SolveOptions.extra`` keys the method reads.
-    """
-
-    def deco(fn: MethodFn) -> MethodFn:
-        _REGISTRY.setdefault(problem, {})[name] = MethodInfo(
-            problem, name, fn, exact, description, tuple(requires), in_compare, max_length,
-            tuple(compare_as) or ((name, max_length),), tuple(extra))
-        if default:
-            _DEFAULT[problem] = name
-        return fn
-
-    return deco
+_EXPORTERS: dict[tuple[str, str], Exporter] = {}
 
 
 def _load() -> None:
-    global _loaded
-    if _loaded:
+    if _REGISTRY:
         return
-    _loaded = True
-    for module in METHOD_MODULES:
-        if importlib.util.find_spec(module) is not None:
-            importlib.import_module(module)
+    registry = importlib.import_module("optmem.solvers.registry")
+    _EXPORTERS.update(registry.exporters())
+    for problem, table in registry.method_infos().items():
+        defaults = [name for name, info in table.items() if info.default]
+        if defaults:
+            _DEFAULT[problem] = defaults[0]
+        _REGISTRY[problem] = table
 
 
 def problems() -> list[str]:
@@ -277,20 +198,6 @@ def best_objective(results: Iterable[Result]) -> float:
 
 
 # ------------------------------------------------------------------ model export
-Exporter = Callable[[Any, SolveOptions, str], None]
-_EXPORTERS: dict[tuple[str, str], Exporter] = {}
-
-
-def register_exporter(problem: str, method: str) -> Callable[[Exporter], Exporter]:
-    """Register ``fn(problem, options, path)`` that writes the model of ``method`` to a file."""
-
-    def deco(fn: Exporter) -> Exporter:
-        _EXPORTERS[(problem, method)] = fn
-        return fn
-
-    return deco
-
-
 def export(problem: Any, method: str, path: str, *, options: SolveOptions | None = None,
            **option_fields: Any) -> None:
     """Write the exact model of ``problem`` built by ``method`` to ``path``.

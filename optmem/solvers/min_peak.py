@@ -35,13 +35,15 @@ from optmem.problems.min_peak import (
 from optmem.result import Result, SolveOptions, Status
 from optmem.simulate.checkpoint import simulate_checkpoint
 from optmem.simulate.min_peak import model_peak, pytorch_checkpoint_memory
+from optmem.simulate.verify import Replay, Wording, replay_result
 from optmem.solvers import min_peak_dp as dp
-from optmem.solvers.facade import register, register_exporter
+from optmem.solvers.registration import register, register_exporter
 
 PROBLEM = "min-peak"
 DP_VARIANTS = {"pytorch": ("linear", "quadratic"), "static": ("cubic",),
                "optmem": ("quadratic",)}
 BRUTE_MAX_LENGTH = 16
+WORDING = Wording(claim="claimed peak {claimed} but the replay says {simulated}")
 
 
 def set_result(
@@ -63,26 +65,28 @@ def set_result(
     the least peak as ``min_feasible_memory``) or ``no_solution`` (baselines).
     """
     cps = normalize_checkpoints(checkpoints, problem.n)
-    peak = model_peak(problem, cps)
     plan = checkpoint_plan(cps)
-    sim = simulate_checkpoint(problem.chain, plan)
-    info: dict[str, Any] = {
-        "model": problem.model, "count_input": problem.count_input,
-        "checkpoints": list(cps),
-        "checkpoint_plan_makespan": sim.makespan, "checkpoint_plan_peak": sim.peak_memory,
-        **(report or {}),
-    }
-    if problem.model == "pytorch":
-        info["checkpoint_memory"] = pytorch_checkpoint_memory(problem.sizes(), cps)
-    out = Result(PROBLEM, method, status, objective=float(peak), bound=bound,
-                 plan=plan_strings(plan), peak_memory=peak, memory_limit=problem.memory_limit,
-                 unit=1, variant=variant, solver=solver, report=info)
-    if claimed is not None and not math.isclose(claimed, peak, rel_tol=1e-6, abs_tol=1e-6):
-        info["error"] = f"claimed peak {claimed} but the replay says {peak}"
-        return out.with_(status=Status.ERROR)
-    if status is Status.OPTIMAL:
-        out = out.with_(bound=float(peak))
-    if problem.memory_limit is not None and peak > problem.memory_limit:
+
+    def replay() -> Replay:
+        peak = model_peak(problem, cps)
+        sim = simulate_checkpoint(problem.chain, plan)
+        info: dict[str, Any] = {
+            "model": problem.model, "count_input": problem.count_input,
+            "checkpoints": list(cps),
+            "checkpoint_plan_makespan": sim.makespan, "checkpoint_plan_peak": sim.peak_memory,
+            **(report or {}),
+        }
+        if problem.model == "pytorch":
+            info["checkpoint_memory"] = pytorch_checkpoint_memory(problem.sizes(), cps)
+        return Replay(float(peak), peak, info)
+
+    out = replay_result(PROBLEM, method, status, plan_strings(plan), replay, bound=bound,
+                        claimed=claimed, memory_limit=problem.memory_limit, unit=1,
+                        variant=variant, solver=solver, wording=WORDING, check_peak=False)
+    peak = out.peak_memory
+    if (out.status is not Status.ERROR and peak is not None
+            and problem.memory_limit is not None and peak > problem.memory_limit):
+        info = out.report
         info["hint"] = (f"the least peak found is {peak} {problem.chain.memory_unit}, above "
                         f"the limit {problem.memory_limit}")
         if status is Status.OPTIMAL:

@@ -54,7 +54,7 @@ from optmem.problems.offload import OffloadProblem
 from optmem.result import Result, SolveOptions, Status
 from optmem.simulate.checkpoint import simulate_checkpoint
 from optmem.simulate.offload import OffloadSimulation, simulate_offload
-from optmem.solvers.facade import register, register_exporter
+from optmem.simulate.verify import Replay, replay_result
 from optmem.solvers.hints import smallest_solvable_limit
 from optmem.solvers.offload_comm import (
     Layers,
@@ -70,6 +70,7 @@ from optmem.solvers.offload_schedule import (
     value_op,
     value_sizes,
 )
+from optmem.solvers.registration import register, register_exporter
 
 PROBLEM = "offload"
 DP_VARIANTS = ("contract", "thesis", "cheap")
@@ -114,28 +115,28 @@ def _infeasible(problem: OffloadProblem, disc: Discretized, method: str,
 def plan_result(problem: OffloadProblem, options: SolveOptions, plan: Sequence[AnyOp], *,
                 method: str, status: Status, claimed: float | None = None,
                 report: dict | None = None, solver: str | None = None) -> Result:
-    """Replay ``plan`` and build the result from the simulation (objective = makespan)."""
+    """Replay ``plan`` and build the result from the simulation (objective = makespan).
+
+    :func:`optmem.simulate.verify.replay_result`, and an ``error`` when the proven lower
+    bound is above the simulated makespan of a plan not claimed optimal.
+    """
     disc, beta = _disc(problem, options)
-    sim = simulate_offload(disc.chain, plan, beta, disc.memory_limit)
-    info = dict(report or {})
-    info.update({"idle_time": sim.idle_time, "offloaded": sim.offloaded_size,
-                 "transfers": len(sim.link), "bandwidth": problem.chain_bandwidth,
-                 "bandwidth_per_s": problem.bandwidth, "bandwidth_units": beta})
+
+    def replay() -> Replay:
+        sim = simulate_offload(disc.chain, plan, beta, disc.memory_limit)
+        return Replay(sim.makespan, sim.peak_memory, {
+            "idle_time": sim.idle_time, "offloaded": sim.offloaded_size,
+            "transfers": len(sim.link), "bandwidth": problem.chain_bandwidth,
+            "bandwidth_per_s": problem.bandwidth, "bandwidth_units": beta})
+
     bound = lower_bound(problem, options)
-    out = Result(PROBLEM, method, status, objective=sim.makespan, bound=bound,
-                 plan=tuple(str(op) for op in plan), peak_memory=sim.peak_memory,
-                 memory_limit=disc.memory_limit, unit=disc.unit, solver=solver, report=info)
-    if claimed is not None and not math.isclose(claimed, sim.makespan, rel_tol=1e-9,
-                                                abs_tol=1e-9):
-        info["error"] = f"claimed objective {claimed} but the simulator says {sim.makespan}"
-        return out.with_(status=Status.ERROR)
-    if sim.peak_memory > disc.memory_limit:
-        info["error"] = f"plan peaks at {sim.peak_memory}, above {disc.memory_limit}"
-        return out.with_(status=Status.ERROR)
-    if status is Status.OPTIMAL:
-        out = out.with_(bound=sim.makespan)
-    elif bound > sim.makespan + 1e-9 * max(1.0, sim.makespan):
-        info["error"] = f"lower bound {bound} above the simulated makespan {sim.makespan}"
+    out = replay_result(PROBLEM, method, status, tuple(str(op) for op in plan), replay,
+                        bound=bound, claimed=claimed, memory_limit=disc.memory_limit,
+                        unit=disc.unit, solver=solver, report=report)
+    if out.status not in (Status.ERROR, Status.OPTIMAL) and (
+            bound > out.objective + 1e-9 * max(1.0, out.objective)):
+        out.report["error"] = (f"lower bound {bound} above the simulated makespan "
+                               f"{out.objective}")
         return out.with_(status=Status.ERROR)
     return out
 

@@ -29,10 +29,10 @@ from optmem.pipeline_plan import PipelinePlan
 from optmem.problems.pipeline import PipelineProblem
 from optmem.result import Result, SolveOptions, Status
 from optmem.solvers import pipeline_contiguous as contig
-from optmem.solvers.facade import register, register_exporter
 from optmem.solvers.pipeline_common import PROBLEM, infeasible, lower_bound, plan_result
 from optmem.solvers.pipeline_exact import solve_exact
 from optmem.solvers.pipeline_madpipe import solve_madpipe
+from optmem.solvers.registration import register, register_exporter
 
 ENGINES = ("pulp",)
 MADPIPE_EXTRA = ("phase2", "madpipe_grid", "madpipe_iterations")

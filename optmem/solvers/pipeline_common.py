@@ -38,10 +38,14 @@ from optmem.pipeline_plan import PipelinePlan
 from optmem.problems.pipeline import PipelineProblem
 from optmem.result import Result, SolveOptions, Status
 from optmem.simulate.pipeline import simulate_pipeline
+from optmem.simulate.verify import Replay, Wording, replay_result
 
 PROBLEM = "pipeline"
 OPTIMALITY_TOLERANCE = 1e-6
 """Relative gap below which a plan counts as proven optimal (the simulator's time tolerance)."""
+WORDING = Wording(claim="claimed period {claimed} but the plan's period is {simulated}",
+                  peak="plan peaks at {peak}, above the memory per GPU {limit}",
+                  invalid="invalid plan: ")
 
 
 def lower_bound(problem: PipelineProblem) -> float:
@@ -58,32 +62,23 @@ def plan_result(
 ) -> Result:
     """Replay ``plan`` and build the result from the simulation (``error`` if it is invalid).
 
-    ``bound`` is kept as given (a proven lower bound in the chain's units, or ``nan``); an
-    ``optimal`` status without a bound gets the simulated period as its bound.
+    :func:`optmem.simulate.verify.replay_result`; ``bound`` is kept as given (a proven lower
+    bound in the chain's units, or ``nan``); an ``optimal`` status without a bound gets the
+    simulated period as its bound.
     """
-    info = dict(report or {})
-    try:
+
+    def replay() -> Replay:
         sim = simulate_pipeline(problem, plan)
-    except PlanError as exc:
-        info["error"] = f"invalid plan: {exc}"
-        return Result(PROBLEM, method, Status.ERROR, memory_limit=problem.memory_per_gpu,
-                      variant=variant, solver=solver, report=info)
-    info.update({"peaks": list(sim.peaks), "nca": list(sim.nca),
-                 "allocation": plan.describe(), "stages": len(plan.stages)})
-    if status is Status.OPTIMAL and not math.isfinite(bound):
-        bound = sim.period
-    out = Result(PROBLEM, method, status, objective=sim.period, bound=bound,
-                 plan=plan.to_strings(), peak_memory=sim.peak_memory,
-                 memory_limit=problem.memory_per_gpu, variant=variant, solver=solver,
-                 report=info)
-    if claimed is not None and not math.isclose(claimed, sim.period, rel_tol=1e-6,
-                                                abs_tol=1e-9):
-        info["error"] = f"claimed period {claimed} but the plan's period is {sim.period}"
-        return out.with_(status=Status.ERROR)
-    if sim.peak_memory > problem.memory_per_gpu:
-        info["error"] = (f"plan peaks at {sim.peak_memory}, above the memory per GPU "
-                         f"{problem.memory_per_gpu}")
-        return out.with_(status=Status.ERROR)
+        return Replay(sim.period, sim.peak_memory, {
+            "peaks": list(sim.peaks), "nca": list(sim.nca), "allocation": plan.describe(),
+            "stages": len(plan.stages)})
+
+    out = replay_result(PROBLEM, method, status, plan.to_strings(), replay, bound=bound,
+                        claimed=claimed, memory_limit=problem.memory_per_gpu,
+                        variant=variant, solver=solver, report=report, wording=WORDING,
+                        optimal_bound=False)
+    if out.status is Status.OPTIMAL and not math.isfinite(bound):
+        out = out.with_(bound=out.objective)
     return out
 
 

@@ -36,12 +36,13 @@ from optmem.problems.checkpoint import CheckpointProblem, Discretized, discretiz
 from optmem.problems.remat_offload import RematOffloadProblem
 from optmem.result import Result, SolveOptions, Status
 from optmem.simulate.offload import simulate_offload
+from optmem.simulate.verify import Replay, Wording, replay_result
 from optmem.solvers.checkpoint import dp_min_memory
 from optmem.solvers.checkpoint_dp import (
     PersistentTable,
     solve_persistent_table,
 )
-from optmem.solvers.facade import register
+from optmem.solvers.registration import register
 from optmem.solvers.remat_offload_dp import PofoDP, checkpoint_subplan
 from optmem.solvers.remat_offload_schedule import (
     Window,
@@ -56,9 +57,11 @@ DEFAULT_GRID = 200
 DEFAULT_BACKLOG_GRID = 25
 DP_VARIANTS = ("never-worse", "extended", "thesis")
 AUTOCAPPER_VALUES = 40
+WORDING = Wording(invalid="the plan does not replay: ")
 
 
-def _disc(problem: RematOffloadProblem, options: SolveOptions) -> tuple[Discretized, float]:
+def discretized(problem: RematOffloadProblem, options: SolveOptions) -> tuple[Discretized, float]:
+    """The discretised instance (``options.slots``) and the bandwidth in its units."""
     disc = problem.discretize(options.slots)
     return disc, problem.unit_bandwidth(disc.unit)
 
@@ -72,34 +75,25 @@ def plan_result(problem: RematOffloadProblem, options: SolveOptions, plan: Seque
                 method: str, status: Status = Status.FEASIBLE, variant: str | None = None,
                 report: dict | None = None, solver: str | None = None,
                 claimed: float | None = None) -> Result:
-    """Replay ``plan`` and build the result from the simulation (objective = makespan)."""
-    disc, beta = _disc(problem, options)
-    info = dict(report or {})
-    try:
+    """Replay ``plan`` and build the result from the simulation (objective = makespan).
+
+    :func:`optmem.simulate.verify.replay_result`: a plan that does not replay, a claim the
+    simulator does not reproduce or a peak above the limit is an ``error``.
+    """
+    disc, beta = discretized(problem, options)
+
+    def replay() -> Replay:
         sim = simulate_offload(disc.chain, plan, beta, disc.memory_limit)
-    except PlanError as exc:
-        info["error"] = f"the plan does not replay: {exc}"
-        return Result(PROBLEM, method, Status.ERROR, plan=tuple(str(op) for op in plan),
-                      memory_limit=disc.memory_limit, unit=disc.unit, variant=variant,
-                      solver=solver, report=info)
-    info.update({"idle_time": sim.idle_time, "offloaded": sim.offloaded_size,
-                 "transfers": len(sim.link), "bandwidth": problem.chain_bandwidth,
-                 "bandwidth_per_s": problem.bandwidth, "bandwidth_units": beta,
-                 "recomputed_forwards": _recomputed(plan, problem.chain.length)})
-    out = Result(PROBLEM, method, status, objective=sim.makespan, bound=lower_bound(problem),
-                 plan=tuple(str(op) for op in plan), peak_memory=sim.peak_memory,
-                 memory_limit=disc.memory_limit, unit=disc.unit, variant=variant,
-                 solver=solver, report=info)
-    if sim.peak_memory > disc.memory_limit:
-        info["error"] = f"plan peaks at {sim.peak_memory}, above {disc.memory_limit}"
-        return out.with_(status=Status.ERROR)
-    if claimed is not None and not math.isclose(claimed, sim.makespan, rel_tol=1e-9,
-                                                abs_tol=1e-9):
-        info["error"] = f"claimed objective {claimed} but the simulator says {sim.makespan}"
-        return out.with_(status=Status.ERROR)
-    if status is Status.OPTIMAL:
-        out = out.with_(bound=sim.makespan)
-    return out
+        return Replay(sim.makespan, sim.peak_memory, {
+            "idle_time": sim.idle_time, "offloaded": sim.offloaded_size,
+            "transfers": len(sim.link), "bandwidth": problem.chain_bandwidth,
+            "bandwidth_per_s": problem.bandwidth, "bandwidth_units": beta,
+            "recomputed_forwards": _recomputed(plan, problem.chain.length)})
+
+    return replay_result(PROBLEM, method, status, tuple(str(op) for op in plan), replay,
+                         bound=lower_bound(problem), claimed=claimed,
+                         memory_limit=disc.memory_limit, unit=disc.unit, variant=variant,
+                         solver=solver, report=report, wording=WORDING)
 
 
 def _recomputed(plan: Sequence[AnyOp], length: int) -> int:
@@ -108,9 +102,10 @@ def _recomputed(plan: Sequence[AnyOp], length: int) -> int:
     return forwards - length
 
 
-def _no_plan(problem: RematOffloadProblem, options: SolveOptions, method: str,
-             status: Status, report: dict, variant: str | None = None) -> Result:
-    disc, _ = _disc(problem, options)
+def no_plan_result(problem: RematOffloadProblem, options: SolveOptions, method: str,
+                   status: Status, report: dict, variant: str | None = None) -> Result:
+    """A result without a plan (``infeasible``: bound ``inf``; else the compute-time bound)."""
+    disc, _ = discretized(problem, options)
     bound = math.inf if status is Status.INFEASIBLE else lower_bound(problem)
     return Result(PROBLEM, method, status, bound=bound, memory_limit=disc.memory_limit,
                   unit=disc.unit, variant=variant, report=report)
@@ -169,7 +164,7 @@ def grid_of(options: SolveOptions) -> tuple[int, int]:
 def pofo_plan(problem: RematOffloadProblem, options: SolveOptions, last_segment: str
               ) -> tuple[tuple[AnyOp, ...] | None, dict]:
     """Solve the chapter 4 DP on the coarse grid and place its transfers (fine grid)."""
-    disc, beta = _disc(problem, options)
+    disc, beta = discretized(problem, options)
     grid, backlog = grid_of(options)
     # coarsen the discretised chain by an integer factor: conservative w.r.t. ``disc``
     coarse = discretize(disc.chain, disc.memory_limit, grid)
@@ -194,10 +189,14 @@ def pofo_plan(problem: RematOffloadProblem, options: SolveOptions, last_segment:
     return plan, info
 
 
-def _best(problem: RematOffloadProblem, options: SolveOptions,
-          candidates: Sequence[tuple[str, Sequence[AnyOp] | None]],
-          seen: dict | None = None) -> tuple[str, Sequence[AnyOp], float] | None:
-    disc, beta = _disc(problem, options)
+def best_candidate(problem: RematOffloadProblem, options: SolveOptions,
+                   candidates: Sequence[tuple[str, Sequence[AnyOp] | None]],
+                   seen: dict | None = None) -> tuple[str, Sequence[AnyOp], float] | None:
+    """The fastest candidate plan that replays within the limit: ``(label, plan, makespan)``.
+
+    ``seen`` (when given) collects each replayed candidate's makespan by label.
+    """
+    disc, beta = discretized(problem, options)
     best = None
     for label, plan in candidates:
         if plan is None:
@@ -229,11 +228,11 @@ def solve_dp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     plan, info = pofo_plan(problem, options, last)
     candidates: list[tuple[str, Sequence[AnyOp] | None]] = [("pofo", plan)]
     if variant == "never-worse":
-        disc, _ = _disc(problem, options)
+        disc, _ = discretized(problem, options)
         candidates.append(("remat only (persistent DP)", remat_candidate(disc)))
         candidates.append(("offload only (DYNPROG)", offload_candidate(problem, options)))
     seen: dict[str, float] = {}
-    best = _best(problem, options, candidates, seen)
+    best = best_candidate(problem, options, candidates, seen)
     info["candidates"] = seen
     if best is None:
         if plan is not None:  # the pofo plan exists but does not replay: an error
@@ -247,7 +246,7 @@ def solve_dp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
                         f"{problem.chain.memory_unit} (offloading may need less: try a larger "
                         "bandwidth or grid)")
         info["checkpoint_min_memory"] = least
-        return _no_plan(problem, options, "dp", status, info, variant)
+        return no_plan_result(problem, options, "dp", status, info, variant)
     info["choice"] = best[0]
     return plan_result(problem, options, best[1], method="dp", variant=variant, report=info)
 
@@ -256,12 +255,12 @@ def solve_dp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
           description="baseline: optimal persistent checkpoint plan (no transfer)")
 def solve_remat_only(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     """The persistent checkpoint DP's plan replayed with the link idle."""
-    disc, _ = _disc(problem, options)
+    disc, _ = discretized(problem, options)
     plan = remat_candidate(disc)
     if plan is None:
         least = dp_min_memory(CheckpointProblem(problem.chain, problem.memory_limit), options,
                               "paper")
-        return _no_plan(problem, options, "remat_only", Status.INFEASIBLE,
+        return no_plan_result(problem, options, "remat_only", Status.INFEASIBLE,
                         {"hint": f"the persistent checkpoint DP finds no plan below {least} "
                                  f"{problem.chain.memory_unit}"}).with_(
             min_feasible_memory=least)
@@ -275,7 +274,7 @@ def solve_offload_only(problem: RematOffloadProblem, options: SolveOptions) -> R
     """The offload problem's DYNPROG plan."""
     plan = offload_candidate(problem, options)
     if plan is None:
-        return _no_plan(problem, options, "offload_only", Status.NO_SOLUTION,
+        return no_plan_result(problem, options, "offload_only", Status.NO_SOLUTION,
                         {"hint": "DYNPROG finds no offload-only plan"})
     return plan_result(problem, options, plan, method="offload_only")
 
@@ -344,11 +343,11 @@ def opportunist_ops(disc: Discretized, beta: float, table: PersistentTable
           description="thesis 4.3 opportunist: keep the link busy, remat DP per group")
 def solve_opportunist(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     """The opportunist heuristic (may find no plan at low memory, as in the thesis)."""
-    disc, beta = _disc(problem, options)
+    disc, beta = discretized(problem, options)
     table = checkpoint_table(disc, disc.memory_limit)
     built = opportunist_ops(disc, beta, table) if table is not None else None
     if built is None:
-        return _no_plan(problem, options, "opportunist", Status.NO_SOLUTION,
+        return no_plan_result(problem, options, "opportunist", Status.NO_SOLUTION,
                         {"hint": "the opportunist heuristic finds no plan here"})
     ops, values = built
     return _placed(problem, options, "opportunist", ops, values, {})
@@ -357,7 +356,7 @@ def solve_opportunist(problem: RematOffloadProblem, options: SolveOptions) -> Re
 def _placed(problem: RematOffloadProblem, options: SolveOptions, method: str,
             ops: Sequence[Op], values: Sequence[tuple[str, int]] | None, report: dict,
             windows: Sequence[Window] | None = None) -> Result:
-    disc, beta = _disc(problem, options)
+    disc, beta = discretized(problem, options)
     try:
         static = static_replay(disc.chain, ops)
         if windows is None:
@@ -365,10 +364,10 @@ def _placed(problem: RematOffloadProblem, options: SolveOptions, method: str,
         found = best_placement(disc.chain, beta, disc.memory_limit, ops, windows)
     except PlanError as exc:
         report["error"] = f"invalid compute sequence: {exc}"
-        return _no_plan(problem, options, method, Status.ERROR, report)
+        return no_plan_result(problem, options, method, Status.ERROR, report)
     if found is None:
         report["hint"] = "the transfers cannot be placed within the memory limit"
-        return _no_plan(problem, options, method, Status.NO_SOLUTION, report)
+        return no_plan_result(problem, options, method, Status.NO_SOLUTION, report)
     plan, _, policy = found
     report["prefetch"] = policy
     return plan_result(problem, options, plan, method=method, report=report)
@@ -424,7 +423,7 @@ def capper_windows(disc: Discretized, ops: Sequence[Op]) -> list[Window] | None:
           extra=("autocapper_values",))
 def solve_autocapper(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     """Capper(M') for ``AUTOCAPPER_VALUES`` values of M' in [M, M_high]; keep the best."""
-    disc, beta = _disc(problem, options)
+    disc, beta = discretized(problem, options)
     ch = disc.chain
     high = max(disc.memory_limit, _store_all_peak(ch))
     # below the least memory of any forward nothing fits (and a limit far below the chain's
@@ -453,7 +452,7 @@ def solve_autocapper(problem: RematOffloadProblem, options: SolveOptions) -> Res
         if found is not None and (best is None or found[1].makespan < best[0] - 1e-12):
             best = (found[1].makespan, found[0], f"M' = {limit} units ({found[2]})")
     if best is None:
-        return _no_plan(problem, options, "autocapper", Status.NO_SOLUTION,
+        return no_plan_result(problem, options, "autocapper", Status.NO_SOLUTION,
                         {"hint": "no capper run fits", "capper_runs": len(tried)})
     return plan_result(problem, options, best[1], method="autocapper",
                        report={"choice": best[2], "capper_runs": len(tried)})
@@ -476,8 +475,3 @@ def _store_all_peak(chain: Chain) -> int:
 
     return simulate_checkpoint(chain, store_all_plan(chain.length)).peak_memory
 
-
-# the exact searches and the DELTA policy register themselves too (the facade imports this
-# module only)
-from optmem.solvers import remat_offload_delta as _delta  # noqa: E402,F401
-from optmem.solvers import remat_offload_exact as _exact  # noqa: E402,F401

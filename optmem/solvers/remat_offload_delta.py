@@ -34,8 +34,8 @@ from optmem.plan import LOSS, B, F_all, F_ck, F_none, Op
 from optmem.problems.checkpoint import Discretized
 from optmem.problems.remat_offload import RematOffloadProblem
 from optmem.result import Result, SolveOptions, Status
-from optmem.solvers.facade import register
-from optmem.solvers.remat_offload import PROBLEM, _disc, _no_plan, plan_result
+from optmem.solvers.registration import register
+from optmem.solvers.remat_offload import PROBLEM, discretized, no_plan_result, plan_result
 from optmem.solvers.remat_offload_schedule import (
     backward_windows,
     best_placement,
@@ -185,7 +185,7 @@ def solve_delta(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     Options ``delta_trigger`` (0.75), ``delta_kappa`` (1), ``delta_eta`` (1: the chain's
     bandwidth is already the effective one).
     """
-    disc, beta = _disc(problem, options)
+    disc, beta = discretized(problem, options)
     trigger = float(options.extra.get("delta_trigger", 0.75))
     kappa = float(options.extra.get("delta_kappa", 1.0))
     eta = float(options.extra.get("delta_eta", 1.0))
@@ -198,6 +198,6 @@ def solve_delta(problem: RematOffloadProblem, options: SolveOptions) -> Result:
                   "eta": eta, "evicted": status.count(EVICTED),
                   "offloaded_values": status.count(OFFLOADED)}
         return plan_result(problem, options, plan, method="delta", report=report)
-    return _no_plan(problem, options, "delta", Status.NO_SOLUTION,
+    return no_plan_result(problem, options, "delta", Status.NO_SOLUTION,
                     {"hint": "the online policy does not fit even with a 70% margin"})
 

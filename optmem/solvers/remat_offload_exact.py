@@ -40,14 +40,14 @@ from optmem.problems.remat_offload import RematOffloadProblem
 from optmem.result import Result, SolveOptions, Status
 from optmem.simulate.checkpoint import initial_state, is_final, transition
 from optmem.simulate.offload import reads, simulate_offload
-from optmem.solvers.facade import register, register_exporter
 from optmem.solvers.offload_bruteforce import interleave_transfers
+from optmem.solvers.registration import register, register_exporter
 from optmem.solvers.remat_offload import (
     PROBLEM,
-    _best,
-    _disc,
-    _no_plan,
+    best_candidate,
+    discretized,
     lower_bound,
+    no_plan_result,
     offload_candidate,
     plan_result,
     pofo_plan,
@@ -104,7 +104,7 @@ def all_windows(chain: Chain, ops: Sequence[Op]) -> list[Window]:
 
 
 def _brute_search(problem: RematOffloadProblem, options: SolveOptions) -> Result:
-    disc, beta = _disc(problem, options)
+    disc, beta = discretized(problem, options)
     chain, limit = disc.chain, disc.memory_limit
     seqs = compute_sequences(chain)
     best: tuple[float, tuple[AnyOp, ...]] | None = None
@@ -125,7 +125,7 @@ def _brute_search(problem: RematOffloadProblem, options: SolveOptions) -> Result
               "plan_space": "compute sequences with <= L(L+1)/2 forwards, one transfer "
                             "pair per gap between uses"}
     if best is None:
-        return _no_plan(problem, options, "brute", Status.INFEASIBLE, report)
+        return no_plan_result(problem, options, "brute", Status.INFEASIBLE, report)
     return plan_result(problem, options, best[1], method="brute", status=Status.OPTIMAL,
                        report=report, claimed=best[0])
 
@@ -235,13 +235,13 @@ def _int_option(options: SolveOptions, key: str, default: int) -> int:
 def _candidates(problem: RematOffloadProblem, options: SolveOptions
                 ) -> list[tuple[float, str, tuple[AnyOp, ...]]]:
     """The DP, checkpoint-only and offload-only plans that replay, fastest first."""
-    disc, _ = _disc(problem, options)
+    disc, _ = discretized(problem, options)
     plans: list[tuple[str, Sequence[AnyOp] | None]] = [
         ("chapter 4 dp", pofo_plan(problem, options, "extended")[0]),
         ("checkpoint only (persistent dp)", remat_candidate(disc)),
         ("offload only (dynprog)", offload_candidate(problem, options))]
     seen: dict[str, float] = {}
-    _best(problem, options, plans, seen)
+    best_candidate(problem, options, plans, seen)
     found = [(seen[label], label, tuple(plan)) for label, plan in plans
              if plan is not None and label in seen]
     found.sort(key=lambda t: t[0])
@@ -310,7 +310,7 @@ def _warm_start(problem: RematOffloadProblem, options: SolveOptions,
 
 def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: str
                  ) -> Result:
-    disc, beta = _disc(problem, options)
+    disc, beta = discretized(problem, options)
     sweeps = _int_option(options, "sweeps", 1)
     per_gap = _int_option(options, "transfers_per_gap", 1)
     engine = "cpsat" if method == "cpsat" else options.solver
@@ -333,7 +333,7 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
         report["exact_times"] = exact
     solver = "cpsat" if engine == "cpsat" else engine
     if built.model.trivially_infeasible:
-        return _no_plan(problem, options, method, Status.INFEASIBLE, report)
+        return no_plan_result(problem, options, method, Status.INFEASIBLE, report)
     start = _warm_start(problem, options, built, engine, scale)
     report["warm_start"] = start.note
     model = with_fixed(built, {}, start.model_value if start.values is not None else None)
@@ -357,7 +357,7 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
     bound = max(bound, floor) if math.isfinite(bound) else floor
     if status is Status.INFEASIBLE:
         report["note"] = "no plan of the model's class fits"
-        return _no_plan(problem, options, method, Status.INFEASIBLE, report)
+        return no_plan_result(problem, options, method, Status.INFEASIBLE, report)
     plan: tuple[AnyOp, ...] | None = None
     if status.has_plan and values is not None:
         plan = built.decode(values)
@@ -381,7 +381,7 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
         plan, sim, status = start.plan, start.makespan, Status.FEASIBLE
         report["incumbent"] = "the fastest candidate plan"
     if plan is None:
-        return _no_plan(problem, options, method, Status.NO_SOLUTION, report).with_(
+        return no_plan_result(problem, options, method, Status.NO_SOLUTION, report).with_(
             bound=bound)
     res = plan_result(problem, options, plan, method=method, solver=solver,
                       status=status, report=report)
@@ -411,7 +411,7 @@ def solve_cpsat(problem: RematOffloadProblem, options: SolveOptions) -> Result:
 @register_exporter(PROBLEM, "ilp")
 def export_ilp(problem: RematOffloadProblem, options: SolveOptions, path: str) -> None:
     """Write the model (no warm start, default horizon) as ``.mps`` or ``.lp``."""
-    disc, beta = _disc(problem, options)
+    disc, beta = discretized(problem, options)
     built = build_remat_offload(disc.chain, disc.memory_limit, beta,
                                 sweeps=_int_option(options, "sweeps", 1),
                                 transfers_per_gap=_int_option(options, "transfers_per_gap", 1))
