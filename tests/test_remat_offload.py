@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import math
+import sys
 
 import pytest
 from hypothesis import given, settings
@@ -10,6 +12,7 @@ from hypothesis import strategies as st
 
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError
+from optmem.plan import LOSS
 from optmem.problems.checkpoint import CheckpointProblem
 from optmem.problems.offload import OffloadProblem
 from optmem.problems.remat_offload import RematOffloadProblem
@@ -224,3 +227,29 @@ def test_delta_filter_and_director() -> None:
     # no link: a^0 can never leave, tapes are evicted
     none = delta_decisions(chain, 9, 0.0)
     assert none[0] == KEPT and none[1] == EVICTED
+
+
+def test_dp_leaves_the_interpreter_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The table DP and its reconstruction need no deep recursion and no recursion limit.
+
+    Issue 14.6: the plan is rebuilt with an explicit stack, so a 30-stage chain solves with
+    only 25 frames to spare and ``sys.setrecursionlimit`` is never called.
+    """
+    length = 30
+    chain = Chain.from_lists([1.0] * length, [2.0] * length, [1] * length, [1] * length,
+                             input_size=1)
+    old = sys.getrecursionlimit()
+    sys.setrecursionlimit(len(inspect.stack()) + 25)
+
+    def refuse(limit: int) -> None:
+        raise AssertionError(f"sys.setrecursionlimit({limit}) called")
+
+    try:
+        monkeypatch.setattr(sys, "setrecursionlimit", refuse)
+        sol = PofoDP(chain, 8, 0.5).solve()
+    finally:
+        monkeypatch.undo()
+        sys.setrecursionlimit(old)
+    assert math.isfinite(sol.value) and sol.ops.count(LOSS) == 1
+    memo = PofoDP(chain, 8, 0.5, mode="memo").solve()  # the recursive cross-check
+    assert (memo.value, memo.ops) == (sol.value, sol.ops)

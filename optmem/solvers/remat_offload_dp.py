@@ -33,8 +33,8 @@ persistent checkpoint DP at ``beta = 0`` (digest 7.1 item 4, erratum 14).
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -435,20 +435,20 @@ class PofoDP:
 
     # ------------------------------------------------------------------ answer
     def solve(self) -> PofoSolution:
-        """``OC_0(1, 0, 0, 0)`` and its reconstruction (5.7)."""
-        old = sys.getrecursionlimit()
-        sys.setrecursionlimit(max(old, 20 * (self.L + 10) + 10000))
-        try:
-            if self.mode == "table":
-                self._fill_tables()
-            value = self.oc(0, 1, 0, 0, 0)
-            if value == INF:
-                return PofoSolution(INF, states=self.states)
-            ops: list[Op] = []
-            offloaded: list[Value] = []
-            self._rebuild_fwd(0, 1, 0, 0, 0, ops, offloaded)
-        finally:
-            sys.setrecursionlimit(old)
+        """``OC_0(1, 0, 0, 0)`` and its reconstruction (5.7).
+
+        The ``table`` mode and the reconstruction use no deep recursion (an explicit stack);
+        the ``memo`` mode (the top-down cross-check) recurses about ``3 L`` frames deep and
+        fits Python's default recursion limit for chains of up to about 300 stages.
+        """
+        if self.mode == "table":
+            self._fill_tables()
+        value = self.oc(0, 1, 0, 0, 0)
+        if value == INF:
+            return PofoSolution(INF, states=self.states)
+        ops: list[Op] = []
+        offloaded: list[Value] = []
+        self._rebuild(ops, offloaded)
         return PofoSolution(value, tuple(ops), tuple(offloaded), self.states)
 
     @property
@@ -459,47 +459,64 @@ class PofoDP:
             return fwd + (0 if self._cd is None else self._cd.size)
         return len(self._fwd) + len(self._bwd)
 
-    def _rebuild_fwd(self, x: int, s: int, A: int, dF: int, dB: int, ops: list[Op],
-                     offloaded: list[Value]) -> None:
+    def _rebuild(self, ops: list[Op], offloaded: list[Value]) -> None:
+        """Append the ops of the optimal plan (and the offloaded values) in order.
+
+        A depth-first walk of the decisions with an explicit stack whose items are
+        forward states ``("fwd", x, s, A, dF, dB)``, backward states ``("bwd", s, t, A, D)``
+        and ops to emit.
+        """
+        stack: list[tuple[Any, ...] | Op] = [("fwd", 0, 1, 0, 0, 0)]
+        while stack:
+            item = stack.pop()
+            if isinstance(item, Op):
+                ops.append(item)
+            elif item[0] == "fwd":
+                x, s, A, dF, dB = item[1:]
+                stack.extend(reversed(self._expand_fwd(x, s, A, dF, dB, ops, offloaded)))
+            else:
+                s, t, A, D = item[1:]
+                stack.extend(reversed(self._expand_bwd(s, t, A, D, ops)))
+
+    def _expand_fwd(self, x: int, s: int, A: int, dF: int, dB: int, ops: list[Op],
+                    offloaded: list[Value]) -> list[tuple[Any, ...] | Op]:
+        """Emit the ops of forward state ``(x, s, A, dF, dB)``; return what follows, in order."""
         _, dec = self._oc(x, s, A, dF, dB)
         inp = self._input(x, s)
         value: Value = (ABAR, s - 1) if x and s > 1 else ("a", s - 1)
         if dec[0] == "loss":
             ops.append(LOSS)
-            return
+            return []
         if dec[0] == "all":
             _, v, nxt = dec
             if v == 1:
                 offloaded.append(value)
             ops.append(F_all(s))
-            self._rebuild_fwd(1, s + 1, nxt[0], nxt[1], nxt[2], ops, offloaded)
-            ops.append(B(s))
-            return
+            return [("fwd", 1, s + 1, nxt[0], nxt[1], nxt[2]), B(s)]
         _, t, v, nxt = dec
         if v == 1:
             offloaded.append(value)
         ops.append(F_ck(s))
         ops.extend(F_none(k) for k in range(s + 1, t + 1))
-        self._rebuild_fwd(0, t + 1, nxt[0], nxt[1], nxt[2], ops, offloaded)
-        self._rebuild_bwd(s, t, A + inp, dB, ops)
+        return [("fwd", 0, t + 1, nxt[0], nxt[1], nxt[2]), ("bwd", s, t, A + inp, dB)]
 
-    def _rebuild_bwd(self, s: int, t: int, A: int, D: int, ops: list[Op]) -> None:
+    def _expand_bwd(self, s: int, t: int, A: int, D: int, ops: list[Op]
+                    ) -> list[tuple[Any, ...] | Op]:
+        """Emit the ops of backward state ``(s, t, A, D)``; return what follows, in order."""
         if D <= 0:
             ops.extend(checkpoint_subplan(self.table, s, t, self.M - A))
-            return
+            return []
         _, dec = self._cdelta(s, t, A, D)
         if dec[0] == "base":
             ops.extend([F_all(s), B(s)])
-        elif dec[0] == "all":
+            return []
+        if dec[0] == "all":
             ops.append(F_all(s))
-            self._rebuild_bwd(s + 1, t, A + self.abar[s], dec[1], ops)
-            ops.append(B(s))
-        else:
-            _, sp, d2 = dec
-            ops.append(F_ck(s))
-            ops.extend(F_none(k) for k in range(s + 1, sp + 1))
-            self._rebuild_bwd(sp + 1, t, A + self.a[sp], d2, ops)
-            self._rebuild_bwd(s, sp, A, D, ops)
+            return [("bwd", s + 1, t, A + self.abar[s], dec[1]), B(s)]
+        _, sp, d2 = dec
+        ops.append(F_ck(s))
+        ops.extend(F_none(k) for k in range(s + 1, sp + 1))
+        return [("bwd", sp + 1, t, A + self.a[sp], d2), ("bwd", s, sp, A, D)]
 
 
 def checkpoint_subplan(table: PersistentTable, s: int, t: int, m: int) -> list[Op]:
