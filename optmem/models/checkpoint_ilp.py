@@ -101,6 +101,16 @@ Constraints of forward slot ``p = (k, r, j)`` (state ``A, T`` before, ``A', T'``
 7. ``F_none 1`` does not exist (it would consume ``a^0``);
 8. ``F_all j`` once: ``sum_{k,r} fa[k,r,j] = 1`` (see the tape rule above).
 
+Running memory (default with the reductions, limit mode)
+-------------------------------------------------------
+The stored size ``sum_i a[i] A[i] + abar[i] T[i]`` of rows 6 has ``2 L`` terms, so the
+memory rows hold most of the non-zeros (ResNet-152, L = 56: 174,100 of them). A continuous
+variable ``S`` per state change carries it instead: ``S' = S + sum a[i] (A'[i] - A[i]) +
+abar[i] (T'[i] - T[i])`` over the values the item changes, and each forward row reads ``S``
+(the same model; the LP relaxation is the same after projecting ``S`` out). The row of each
+backward-type op (one per phase) is also kept in the dense form (``memd_*``): HiGHS derives
+its cover cuts from those. ResNet-152 at 30 %: 67,085 non-zeros instead of 174,100.
+
 Backward-type ops (state ``A, T`` before)
 -----------------------------------------
 * ``Loss``: ``A[L] + T[L] >= 1``; ``sum + a[L] + ob[L+1] <= M``; afterwards ``A[L] = 0``.
