@@ -423,7 +423,8 @@ class _Builder:
         if not delta.terms:
             self.mem = self.mem + delta.const
             return
-        new = self.m.continuous(f"S_{name}", 0, self.limit)
+        hi = float("inf") if self.limit is None else float(self.limit)
+        new = self.m.continuous(f"S_{name}", 0, hi)
         expr = self.mem + delta
         _add(self.m, f"def_S_{name}", new - expr, 0, 0)
         self.f.derivations.append(("lin", Model.index(new), list(expr.terms), expr.const))
