@@ -122,7 +122,7 @@ def test_random_chains(length: int, seed: int, frac: float) -> None:
 
 
 def _model_optimum(chain: Chain, memory: int, reductions: bool, variant: str = "full",
-                   running_memory: bool | None = None) -> float:
+                   running_memory: bool = False) -> float:
     """Optimum of the model itself (HiGHS, one thread, no limit), inf if infeasible."""
     form = build_formulation(chain, memory, variant, reductions=reductions,
                              running_memory=running_memory)
@@ -140,7 +140,7 @@ def _model_optimum(chain: Chain, memory: int, reductions: bool, variant: str = "
 def test_reductions_keep_the_optimum(seed: int) -> None:
     """Tape rule and ``F_all`` once (RR-9302 Lemma 4) against the model without them."""
     chain = random_chain(5 + seed % 3, seed=seed)
-    reduced = build_formulation(chain, chain.store_all_peak(), running_memory=False)
+    reduced = build_formulation(chain, chain.store_all_peak())
     plain = build_formulation(chain, chain.store_all_peak(), reductions=False)
     assert reduced.size["variables"] < plain.size["variables"]
     assert any(c.name.startswith("once_") for c in reduced.constraints)
@@ -161,11 +161,11 @@ def test_running_memory_is_the_same_model(length: int, seed: int, frac: float,
     chain = random_chain(length, seed=seed, max_size=7)
     lo, hi = chain.input_size, chain.store_all_peak()
     memory = lo + int(frac * (hi - lo))
-    running = build_formulation(chain, memory, variant)
-    dense = build_formulation(chain, memory, variant, running_memory=False)
+    running = build_formulation(chain, memory, variant, running_memory=True)
+    dense = build_formulation(chain, memory, variant)
     assert running.running_memory and not dense.running_memory
-    optimum = _model_optimum(chain, memory, True, variant)
-    assert optimum == _model_optimum(chain, memory, True, variant, running_memory=False)
+    optimum = _model_optimum(chain, memory, True, variant, running_memory=True)
+    assert optimum == _model_optimum(chain, memory, True, variant)
     assert optimum == (brute_value(chain, memory) if variant == "full"
                        else dp_value(chain, memory))
 
@@ -175,15 +175,16 @@ def test_running_memory_rows_track_the_simulator() -> None:
     chain = random_chain(8, seed=2)
     memory = (chain.input_size + 2 * chain.store_all_peak()) // 3
     plan = solve_persistent_table(chain, memory - chain.input_size, "paper").plan()
-    running = build_formulation(chain, memory)
-    dense = build_formulation(chain, memory, running_memory=False)
+    running = build_formulation(chain, memory, running_memory=True)
+    dense = build_formulation(chain, memory)
     values, dense_values = running.assignment(plan), dense.assignment(plan)
     assert values is not None and dense_values is not None
     assert running.violated(values) == []
     for (_, expr), (_, dense_expr) in zip(running.memory_rows, dense.memory_rows, strict=True):
         assert expr.value(values) == dense_expr.value(dense_values)
-    assert not build_formulation(chain, memory, reductions=False).running_memory
-    assert not build_formulation(chain, None).running_memory
+    assert not build_formulation(chain, memory, reductions=False,
+                                 running_memory=True).running_memory
+    assert not build_formulation(chain, None, running_memory=True).running_memory
 
 
 def test_exact_below_dp_on_longer_chain() -> None:
@@ -346,6 +347,9 @@ def test_compare_shows_exact_models_side_by_side() -> None:
     assert results["ilp:full"].objective == results["cpsat:full"].objective == 32
     assert results["ilp:full"].gap == 0.0
     assert results["ilp:full"].report["model"]["variables"] > 0
+    # CP-SAT solves the running-memory form of the same model (one S per state change)
+    assert results["cpsat:full"].report["model"]["variables"] > \
+        results["ilp:full"].report["model"]["variables"]
 
 
 def test_engine_availability() -> None:

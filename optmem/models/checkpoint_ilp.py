@@ -101,15 +101,18 @@ Constraints of forward slot ``p = (k, r, j)`` (state ``A, T`` before, ``A', T'``
 7. ``F_none 1`` does not exist (it would consume ``a^0``);
 8. ``F_all j`` once: ``sum_{k,r} fa[k,r,j] = 1`` (see the tape rule above).
 
-Running memory (default with the reductions, limit mode)
--------------------------------------------------------
+Running memory (``running_memory=True``: limit mode, with the reductions; CP-SAT)
+---------------------------------------------------------------------------------
 The stored size ``sum_i a[i] A[i] + abar[i] T[i]`` of rows 6 has ``2 L`` terms, so the
 memory rows hold most of the non-zeros (ResNet-152, L = 56: 174,100 of them). A continuous
 variable ``S`` per state change carries it instead: ``S' = S + sum a[i] (A'[i] - A[i]) +
 abar[i] (T'[i] - T[i])`` over the values the item changes, and each forward row reads ``S``
 (the same model; the LP relaxation is the same after projecting ``S`` out). The row of each
 backward-type op (one per phase) is also kept in the dense form (``memd_*``): HiGHS derives
-its cover cuts from those. ResNet-152 at 30 %: 67,085 non-zeros instead of 174,100.
+its cover cuts from those. ResNet-152 at 30 %: 67,085 non-zeros instead of 174,100. With it
+CP-SAT proves the chains ``compare`` gives it in seconds (10-30 % gaps after 60 s from
+L = 15 with the dense rows); HiGHS gains on some instances and loses on others, so the ILP
+keeps the dense rows (``benchmarks/results/checkpoint_exact.md``).
 
 Backward-type ops (state ``A, T`` before)
 -----------------------------------------
@@ -558,7 +561,7 @@ class _Builder:
 def build_formulation(chain: Chain, memory_limit: int | None, variant: str = "full",
                       sweeps: int = 1, *, size_scale: float = 1.0,
                       reductions: bool = True,
-                      running_memory: bool | None = None) -> Formulation:
+                      running_memory: bool = False) -> Formulation:
     """Build the neutral model of ``chain`` (integer sizes) under ``memory_limit``.
 
     Parameters
@@ -587,14 +590,13 @@ def build_formulation(chain: Chain, memory_limit: int | None, variant: str = "fu
         argument does not carry over as it stands.
     running_memory
         Carry the stored size in one continuous variable per state change,
-        ``S' = S + sum_i a[i] (A'[i] - A[i]) + abar[i] (T'[i] - T[i])``, and write every
-        memory row on ``S`` (a few non-zeros) instead of on every state (``2 L``). The same
-        model and the same LP relaxation; HiGHS's LPs are much cheaper. Limit mode only;
-        ``None`` (default) turns it on with ``reductions`` (the models that
-        :mod:`optmem.models.remat_offload` extends read the dense memory rows).
+        ``S' = S + sum_i a[i] (A'[i] - A[i]) + abar[i] (T'[i] - T[i])``, and write the memory
+        row of every forward slot on ``S`` (a few non-zeros) instead of on every state
+        (``2 L``); the rows of backward-type ops are written both ways. The same model and
+        the same LP relaxation. Limit mode with the reductions only (ignored otherwise: the
+        models :mod:`optmem.models.remat_offload` extends read the dense memory rows). Used
+        for CP-SAT (see :mod:`optmem.solvers.checkpoint_exact`).
     """
-    if running_memory is None:
-        running_memory = reductions
     if size_scale != 1 and memory_limit is not None:
         raise ValueError("size_scale is for the min-peak mode (memory_limit=None) only")
     if variant not in VARIANTS:
@@ -603,7 +605,7 @@ def build_formulation(chain: Chain, memory_limit: int | None, variant: str = "fu
     if sweeps < 1:
         raise OptmemInputError(f"expected at least one sweep, got {sweeps}", field="sweeps")
     return _Builder(chain, memory_limit, variant, sweeps, size_scale, reductions,
-                    running_memory).build()
+                    running_memory and reductions).build()
 
 
 # ------------------------------------------------------------------ PuLP emission
