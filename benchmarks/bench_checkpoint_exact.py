@@ -21,7 +21,7 @@ The machine is shared: each part records ``uptime`` before it starts.
 Usage::
 
     PYTHONPATH=. python benchmarks/bench_checkpoint_exact.py [--quick] [--time-limit S]
-        [--parts 1,2,3,4,5] [--out benchmarks/results/checkpoint_exact.md]
+        [--parts 1,2,3,4,5] [--networks A,B] [--out benchmarks/results/checkpoint_exact.md]
 """
 
 from __future__ import annotations
