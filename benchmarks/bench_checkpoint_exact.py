@@ -21,7 +21,7 @@ The machine is shared: each part records ``uptime`` before it starts.
 Usage::
 
     PYTHONPATH=. python benchmarks/bench_checkpoint_exact.py [--quick] [--time-limit S]
-        [--parts 1,2,3,4,5] [--out benchmarks/results/checkpoint_exact.md]
+        [--parts 1,2,3,4,5] [--networks A,B] [--out benchmarks/results/checkpoint_exact.md]
 """
 
 from __future__ import annotations
@@ -295,6 +295,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2, help="runs of the headline instance")
     parser.add_argument("--parts", default="1,2,3,4,5")
     parser.add_argument("--out", default="benchmarks/results/checkpoint_exact.md")
+    parser.add_argument("--networks", default=None,
+                        help="comma-separated bundled profiles for part 3 (default: all)")
     args = parser.parse_args()
     parts = {int(p) for p in args.parts.split(",")}
     if args.quick:
@@ -303,6 +305,8 @@ def main() -> None:
     else:
         lengths, fracs, limit = [5, 10, 15, 20, 30], [0.1, 0.3], args.time_limit or 120.0
         count, gap_lengths, nets = 30, range(6, 13), NETWORKS
+    if args.networks:
+        nets = args.networks.split(",")
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     sections = []
 

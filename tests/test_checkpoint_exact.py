@@ -121,9 +121,11 @@ def test_random_chains(length: int, seed: int, frac: float) -> None:
         assert exact >= chain.total_compute_time()
 
 
-def _model_optimum(chain: Chain, memory: int, reductions: bool) -> float:
+def _model_optimum(chain: Chain, memory: int, reductions: bool, variant: str = "full",
+                   running_memory: bool = False) -> float:
     """Optimum of the model itself (HiGHS, one thread, no limit), inf if infeasible."""
-    form = build_formulation(chain, memory, reductions=reductions)
+    form = build_formulation(chain, memory, variant, reductions=reductions,
+                             running_memory=running_memory)
     if form.trivially_infeasible:
         return math.inf
     model = emit_pulp(form)
@@ -147,6 +149,42 @@ def test_reductions_keep_the_optimum(seed: int) -> None:
     assert len(reduced.memory_rows) == len(reduced.sequence)
     for memory in memories(chain, 5):
         assert _model_optimum(chain, memory, True) == _model_optimum(chain, memory, False)
+
+
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(length=st.integers(2, 6), seed=st.integers(0, 10_000), frac=st.floats(0.0, 1.0),
+       variant=st.sampled_from(["full", "persistent"]))
+def test_running_memory_is_the_same_model(length: int, seed: int, frac: float,
+                                          variant: str) -> None:
+    """Running memory variables ``S`` against the dense memory rows: same optimum, the
+    dense one equal to brute force (full) or the persistent DP (persistent)."""
+    chain = random_chain(length, seed=seed, max_size=7)
+    lo, hi = chain.input_size, chain.store_all_peak()
+    memory = lo + int(frac * (hi - lo))
+    running = build_formulation(chain, memory, variant, running_memory=True)
+    dense = build_formulation(chain, memory, variant)
+    assert running.running_memory and not dense.running_memory
+    optimum = _model_optimum(chain, memory, True, variant, running_memory=True)
+    assert optimum == _model_optimum(chain, memory, True, variant)
+    assert optimum == (brute_value(chain, memory) if variant == "full"
+                       else dp_value(chain, memory))
+
+
+def test_running_memory_rows_track_the_simulator() -> None:
+    """The running variables of the DP plan's assignment equal the simulated stored size."""
+    chain = random_chain(8, seed=2)
+    memory = (chain.input_size + 2 * chain.store_all_peak()) // 3
+    plan = solve_persistent_table(chain, memory - chain.input_size, "paper").plan()
+    running = build_formulation(chain, memory, running_memory=True)
+    dense = build_formulation(chain, memory)
+    values, dense_values = running.assignment(plan), dense.assignment(plan)
+    assert values is not None and dense_values is not None
+    assert running.violated(values) == []
+    for (_, expr), (_, dense_expr) in zip(running.memory_rows, dense.memory_rows, strict=True):
+        assert expr.value(values) == dense_expr.value(dense_values)
+    assert not build_formulation(chain, memory, reductions=False,
+                                 running_memory=True).running_memory
+    assert not build_formulation(chain, None, running_memory=True).running_memory
 
 
 def test_exact_below_dp_on_longer_chain() -> None:
@@ -309,6 +347,9 @@ def test_compare_shows_exact_models_side_by_side() -> None:
     assert results["ilp:full"].objective == results["cpsat:full"].objective == 32
     assert results["ilp:full"].gap == 0.0
     assert results["ilp:full"].report["model"]["variables"] > 0
+    # CP-SAT solves the running-memory form of the same model (one S per state change)
+    assert results["cpsat:full"].report["model"]["variables"] > \
+        results["ilp:full"].report["model"]["variables"]
 
 
 def test_engine_availability() -> None:

@@ -159,11 +159,20 @@ def _finish(
                   unit=disc.unit, variant=variant, solver=solver, report=report)
 
 
-def _prepare(problem: CheckpointProblem, options: SolveOptions
+def _prepare(problem: CheckpointProblem, options: SolveOptions, method: str = "ilp"
              ) -> tuple[Discretized, str, Formulation]:
+    """Discretise and build the model; CP-SAT gets the running-memory rows.
+
+    The running memory variables (:func:`~optmem.models.checkpoint_ilp.build_formulation`)
+    let CP-SAT prove every chain ``compare`` gives it (L <= 15) in seconds, where the dense
+    rows left 10-30 % gaps after 60 s from L = 15; for HiGHS the measurements are mixed
+    (ResNet-152 at 30 %: better tree progress, a weaker root bound; ResNet-101: worse), so
+    the ILP keeps the dense rows (``benchmarks/results/checkpoint_exact.md``).
+    """
     disc = discretize_for(problem, options)
     variant = _variant(options)
-    form = build_formulation(disc.chain, disc.memory_limit, variant, _sweeps(options))
+    form = build_formulation(disc.chain, disc.memory_limit, variant, _sweeps(options),
+                             running_memory=method == "cpsat")
     return disc, variant, form
 
 
@@ -220,7 +229,7 @@ def solve_checkpoint_cpsat(problem: CheckpointProblem, options: SolveOptions) ->
     """Optimal plan of the full operation model with OR-Tools CP-SAT."""
     from optmem.models.checkpoint_cpsat import emit_cpsat
 
-    disc, variant, form = _prepare(problem, options)
+    disc, variant, form = _prepare(problem, options, "cpsat")
     report: dict[str, Any] = {"model": form.size, "sweeps": form.sweeps}
     if form.trivially_infeasible:
         return _finish(problem, options, disc, form, _Start(None, math.inf, None, ""),
@@ -268,7 +277,7 @@ def export_checkpoint_cpsat(problem: CheckpointProblem, options: SolveOptions,
 
     from optmem.models.checkpoint_cpsat import emit_cpsat
 
-    _, _, form = _prepare(problem, options)
+    _, _, form = _prepare(problem, options, "cpsat")
     target = Path(path)
     suffix = target.suffix.lower()
     if suffix in (".mps", ".lp"):
