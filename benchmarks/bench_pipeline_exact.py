@@ -45,7 +45,8 @@ sys.path.insert(0, str(ROOT))
 
 from optmem.chain import Chain  # noqa: E402
 from optmem.datasets import resolve_chain  # noqa: E402
-from optmem.problems.pipeline import PipelineProblem, parse_pipeline_bandwidth  # noqa: E402
+from optmem.cli_problems import parse_pipeline_bandwidth  # noqa: E402
+from optmem.problems.pipeline import PipelineProblem  # noqa: E402
 from optmem.result import Result, SolveOptions, Status  # noqa: E402
 from optmem.solvers.facade import solve  # noqa: E402
 from optmem.solvers.pipeline import min_memory_contiguous  # noqa: E402
@@ -159,9 +160,9 @@ def part_profiles(profiles: list[str], gpus: list[int], limit: float) -> list[st
     for name, p in itertools.product(profiles, gpus):
         chain = resolve_chain(name)
         bw = parse_pipeline_bandwidth("12GB/s", chain.time_unit)
-        low = min_memory_contiguous(PipelineProblem(chain, p, 1, bw))
+        low = min_memory_contiguous(PipelineProblem(chain, p, 1, chain_bandwidth=bw))
         for factor in FACTORS:
-            problem = PipelineProblem(chain, p, int(low * factor), bw)
+            problem = PipelineProblem(chain, p, int(low * factor), chain_bandwidth=bw)
             contig = solve(problem, "contiguous")
             mad = solve(problem, "madpipe", options=SolveOptions(
                 threads=2, time_limit_s=min(limit, 60.0)))
@@ -199,7 +200,7 @@ def part_profiles(profiles: list[str], gpus: list[int], limit: float) -> list[st
 def part_headline(limit: float) -> list[str]:
     chain = resolve_chain("resnet50-b32-224")
     bw = parse_pipeline_bandwidth("12GB/s", chain.time_unit)
-    problem = PipelineProblem(chain, 4, 3 * GIB, bw)
+    problem = PipelineProblem(chain, 4, 3 * GIB, chain_bandwidth=bw)
     rows = [f"Load: {uptime()}.", "",
             "| engine | status | period | bound | gap | time (s) | nodes | incumbents |",
             "|---|---|---|---|---|---|---|---|"]
