@@ -21,7 +21,7 @@ read from its own log (the engine adapter does not report them). Machine load is
 Usage::
 
     python benchmarks/bench_pipeline_exact.py [--quick] [--time-limit S] [--headline S]
-        [--out benchmarks/results/pipeline_exact.md]
+        [--parts pcmax profiles headline] [--out benchmarks/results/pipeline_exact.md]
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from optmem.chain import Chain  # noqa: E402
-from optmem.datasets import resolve_chain  # noqa: E402
 from optmem.cli_problems import parse_pipeline_bandwidth  # noqa: E402
+from optmem.datasets import resolve_chain  # noqa: E402
 from optmem.problems.pipeline import PipelineProblem  # noqa: E402
 from optmem.result import Result, SolveOptions, Status  # noqa: E402
 from optmem.solvers.facade import solve  # noqa: E402
@@ -223,19 +223,23 @@ def main() -> None:
                         help="time limit of part 3 (0 to skip)")
     parser.add_argument("--profiles", nargs="+", default=list(PROFILES))
     parser.add_argument("--gpus", nargs="+", type=int, default=[4])
+    parser.add_argument("--parts", nargs="+", choices=("pcmax", "profiles", "headline"),
+                        default=["pcmax", "profiles", "headline"], help="parts to run")
     parser.add_argument("--out", help="write the Markdown here")
     args = parser.parse_args()
     seeds = [0, 1, 2, 3, 4]
     if args.quick:
         seeds, args.profiles, args.time_limit, args.headline = [0], ["unet-b4-512"], 5.0, 0
     start = time.perf_counter()
-    text = ["# Exact pipeline model (`benchmarks/bench_pipeline_exact.py`)", "",
-            "## P||Cmax: 8 layers, free transfers, no memory limit (no time limit)", "",
-            *part_pcmax(seeds), "",
-            f"## Bundled profiles: P = {', '.join(map(str, args.gpus))}, 12 GB/s, memory "
-            f"1.1x / 1.5x / 3x the smallest contiguous one, {args.time_limit:g} s per engine",
-            "", *part_profiles(args.profiles, args.gpus, args.time_limit), ""]
-    if args.headline:
+    text = ["# Exact pipeline model (`benchmarks/bench_pipeline_exact.py`)", ""]
+    if "pcmax" in args.parts:
+        text += ["## P||Cmax: 8 layers, free transfers, no memory limit (no time limit)", "",
+                 *part_pcmax(seeds), ""]
+    if "profiles" in args.parts:
+        text += [f"## Bundled profiles: P = {', '.join(map(str, args.gpus))}, 12 GB/s, memory "
+                 f"1.1x / 1.5x / 3x the smallest contiguous one, {args.time_limit:g} s per "
+                 "engine", "", *part_profiles(args.profiles, args.gpus, args.time_limit), ""]
+    if args.headline and "headline" in args.parts:
         text += [f"## ResNet-50, 4 GPUs, 3 GiB, 12 GB/s, {args.headline:g} s per engine", "",
                  *part_headline(args.headline), ""]
     text += [f"Total wall time {time.perf_counter() - start:.0f} s; 2 threads per engine."]
