@@ -223,15 +223,15 @@ def part_headline(limit: float) -> list[str]:
 
 # ------------------------------------------------------------------ part 4
 CHECKED_ALLOCATIONS = (
-    ("contiguous optimum (1-4 | 5-7 | 8-13 | 14-22)",
+    ("contiguous optimum (1-4 / 5-7 / 8-13 / 14-22)",
      (0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3)),
     ("relaxation's allocation at T = 33",
      (0, 1, 2, 0, 2, 3, 3, 1, 1, 1, 1, 1, 3, 3, 0, 2, 0, 0, 2, 2, 2)),
     ("relaxation's allocation at T = 34.5",
      (0, 1, 1, 2, 3, 3, 0, 0, 0, 0, 2, 2, 1, 1, 2, 2, 1, 1, 1, 0, 3)),
-    ("first units with the last ones (1-4 + 17-22 | 5-7 | 8-11 | 12-16)",
+    ("first units with the last ones (1-4 + 17-22 / 5-7 / 8-11 / 12-16)",
      (0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 3, 0, 0, 0, 0, 0)),
-    ("first units with the last ones (1-4 + 19-22 | 5-7 | 8-12 | 13-18)",
+    ("first units with the last ones (1-4 + 19-22 / 5-7 / 8-12 / 13-18)",
      (0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 0, 0, 0)),
 )
 """Allocations of ResNet-50's 21 units (GPU per unit) checked by part 4."""
