@@ -136,7 +136,7 @@ def dp_times(args: argparse.Namespace) -> list[str]:
             "| memory (GiB) | estimate | T-hat | DP states | CPU (s) | wall (s) |",
             "|---|---|---|---|---|---|"]
     for mem in args.dp_memory:
-        problem = PipelineProblem(chain, args.dp_gpus, int(mem * GIB), bw)
+        problem = PipelineProblem(chain, args.dp_gpus, int(mem * GIB), chain_bandwidth=bw)
         cpu, wall = time.process_time(), time.perf_counter()
         est, that, _, states = algorithm8(problem, exact=False, iterations=args.iterations)
         cpu, wall = time.process_time() - cpu, time.perf_counter() - wall

@@ -14,6 +14,10 @@ proven bound (and from the optimum where it is proven).
 Part 3 (headline): ResNet-50 (batch 32, 224 px; 21 units), 4 GPUs, 3 GiB, 12 GB/s, both
 emitters with a 600 s limit.
 
+Part 4 (allocations): the headline instance with the allocation fixed (the contiguous
+optimum's, the relaxation's at two periods, two hand-made non-contiguous ones) and the period
+capped just below the best known plan's: does any of them admit a better plan?
+
 Every engine runs on 2 threads. HiGHS nodes come from the engine; CP-SAT's branches are
 read from its own log (the engine adapter does not report them). Machine load is recorded
 (``uptime``) before each part: the machine is shared, wall times vary with it.
@@ -21,7 +25,7 @@ read from its own log (the engine adapter does not report them). Machine load is
 Usage::
 
     python benchmarks/bench_pipeline_exact.py [--quick] [--time-limit S] [--headline S]
-        [--out benchmarks/results/pipeline_exact.md]
+        [--parts pcmax profiles headline] [--out benchmarks/results/pipeline_exact.md]
 """
 
 from __future__ import annotations
@@ -44,11 +48,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from optmem.chain import Chain  # noqa: E402
+from optmem.cli_problems import parse_pipeline_bandwidth  # noqa: E402
 from optmem.datasets import resolve_chain  # noqa: E402
-from optmem.problems.pipeline import PipelineProblem, parse_pipeline_bandwidth  # noqa: E402
+from optmem.models.pipeline import make_units  # noqa: E402
+from optmem.problems.pipeline import PipelineProblem  # noqa: E402
 from optmem.result import Result, SolveOptions, Status  # noqa: E402
 from optmem.solvers.facade import solve  # noqa: E402
 from optmem.solvers.pipeline import min_memory_contiguous  # noqa: E402
+from optmem.solvers.pipeline_common import run_model  # noqa: E402
 
 GIB = 2**30
 PROFILES = ("unet-b4-512", "resnet18-b64-224", "vit-b16-b64-224", "gpt2-small-b8-1024",
@@ -159,9 +166,9 @@ def part_profiles(profiles: list[str], gpus: list[int], limit: float) -> list[st
     for name, p in itertools.product(profiles, gpus):
         chain = resolve_chain(name)
         bw = parse_pipeline_bandwidth("12GB/s", chain.time_unit)
-        low = min_memory_contiguous(PipelineProblem(chain, p, 1, bw))
+        low = min_memory_contiguous(PipelineProblem(chain, p, 1, chain_bandwidth=bw))
         for factor in FACTORS:
-            problem = PipelineProblem(chain, p, int(low * factor), bw)
+            problem = PipelineProblem(chain, p, int(low * factor), chain_bandwidth=bw)
             contig = solve(problem, "contiguous")
             mad = solve(problem, "madpipe", options=SolveOptions(
                 threads=2, time_limit_s=min(limit, 60.0)))
@@ -199,7 +206,7 @@ def part_profiles(profiles: list[str], gpus: list[int], limit: float) -> list[st
 def part_headline(limit: float) -> list[str]:
     chain = resolve_chain("resnet50-b32-224")
     bw = parse_pipeline_bandwidth("12GB/s", chain.time_unit)
-    problem = PipelineProblem(chain, 4, 3 * GIB, bw)
+    problem = PipelineProblem(chain, 4, 3 * GIB, chain_bandwidth=bw)
     rows = [f"Load: {uptime()}.", "",
             "| engine | status | period | bound | gap | time (s) | nodes | incumbents |",
             "|---|---|---|---|---|---|---|---|"]
@@ -214,6 +221,48 @@ def part_headline(limit: float) -> list[str]:
     return rows
 
 
+# ------------------------------------------------------------------ part 4
+CHECKED_ALLOCATIONS = (
+    ("contiguous optimum (1-4 / 5-7 / 8-13 / 14-22)",
+     (0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3)),
+    ("relaxation's allocation at T = 33",
+     (0, 1, 2, 0, 2, 3, 3, 1, 1, 1, 1, 1, 3, 3, 0, 2, 0, 0, 2, 2, 2)),
+    ("relaxation's allocation at T = 34.5",
+     (0, 1, 1, 2, 3, 3, 0, 0, 0, 0, 2, 2, 1, 1, 2, 2, 1, 1, 1, 0, 3)),
+    ("first units with the last ones (1-4 + 17-22 / 5-7 / 8-11 / 12-16)",
+     (0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 3, 0, 0, 0, 0, 0)),
+    ("first units with the last ones (1-4 + 19-22 / 5-7 / 8-12 / 13-18)",
+     (0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 0, 0, 0)),
+)
+"""Allocations of ResNet-50's 21 units (GPU per unit) checked by part 4."""
+
+
+def part_allocations(cutoff: float, limit: float) -> list[str]:
+    """The exact model with the allocation fixed and the period below ``cutoff`` (CP-SAT).
+
+    ``infeasible`` proves that no 1-periodic pattern of that allocation has a period
+    ``<= cutoff``: evidence on whether better non-contiguous plans exist, where the
+    free-allocation model proves nothing.
+    """
+    chain = resolve_chain("resnet50-b32-224")
+    bw = parse_pipeline_bandwidth("12GB/s", chain.time_unit)
+    problem = PipelineProblem(chain, 4, 3 * GIB, chain_bandwidth=bw)
+    rows = [f"Load: {uptime()}.", "",
+            "| allocation | GPU loads | status | period | time (s) |", "|---|---|---|---|---|"]
+    units = make_units(problem)
+    for name, gpu in CHECKED_ALLOCATIONS:
+        start = time.perf_counter()
+        run = run_model(problem, "cpsat", SolveOptions(time_limit_s=limit, threads=2, seed=0),
+                        gpu=list(gpu), upper_bound=cutoff)
+        per_gpu = [sum(units.load(q) for q in range(units.n) if gpu[q] == g)
+                   for g in range(problem.n_gpus)]
+        rows.append(f"| {name} | {', '.join(f'{x:.2f}' for x in per_gpu)} | {run.status} | "
+                    f"{fmt(run.plan.period) if run.plan else '-'} | "
+                    f"{time.perf_counter() - start:.0f} |")
+        print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer instances, short limits")
@@ -222,21 +271,30 @@ def main() -> None:
                         help="time limit of part 3 (0 to skip)")
     parser.add_argument("--profiles", nargs="+", default=list(PROFILES))
     parser.add_argument("--gpus", nargs="+", type=int, default=[4])
+    parser.add_argument("--parts", nargs="+",
+                        choices=("pcmax", "profiles", "headline", "allocations"),
+                        default=["pcmax", "profiles", "headline", "allocations"],
+                        help="parts to run")
     parser.add_argument("--out", help="write the Markdown here")
     args = parser.parse_args()
     seeds = [0, 1, 2, 3, 4]
     if args.quick:
         seeds, args.profiles, args.time_limit, args.headline = [0], ["unet-b4-512"], 5.0, 0
     start = time.perf_counter()
-    text = ["# Exact pipeline model (`benchmarks/bench_pipeline_exact.py`)", "",
-            "## P||Cmax: 8 layers, free transfers, no memory limit (no time limit)", "",
-            *part_pcmax(seeds), "",
-            f"## Bundled profiles: P = {', '.join(map(str, args.gpus))}, 12 GB/s, memory "
-            f"1.1x / 1.5x / 3x the smallest contiguous one, {args.time_limit:g} s per engine",
-            "", *part_profiles(args.profiles, args.gpus, args.time_limit), ""]
-    if args.headline:
+    text = ["# Exact pipeline model (`benchmarks/bench_pipeline_exact.py`)", ""]
+    if "pcmax" in args.parts:
+        text += ["## P||Cmax: 8 layers, free transfers, no memory limit (no time limit)", "",
+                 *part_pcmax(seeds), ""]
+    if "profiles" in args.parts:
+        text += [f"## Bundled profiles: P = {', '.join(map(str, args.gpus))}, 12 GB/s, memory "
+                 f"1.1x / 1.5x / 3x the smallest contiguous one, {args.time_limit:g} s per "
+                 "engine", "", *part_profiles(args.profiles, args.gpus, args.time_limit), ""]
+    if args.headline and "headline" in args.parts:
         text += [f"## ResNet-50, 4 GPUs, 3 GiB, 12 GB/s, {args.headline:g} s per engine", "",
                  *part_headline(args.headline), ""]
+    if "allocations" in args.parts:
+        text += ["## ResNet-50, 4 GPUs, 3 GiB, 12 GB/s: fixed allocations, period <= 35.5 "
+                 "(CP-SAT, 300 s each)", "", *part_allocations(35.5, 300.0), ""]
     text += [f"Total wall time {time.perf_counter() - start:.0f} s; 2 threads per engine."]
     out = "\n".join(text) + "\n"
     print(out)

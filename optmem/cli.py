@@ -179,7 +179,7 @@ def format_table(results: Sequence[Result], chain: Chain) -> str:
     header = ("method", "status", "objective", "bound", "gap%", "vs best%", "peak", "time s")
     rows = []
     for r in results:
-        label = r.method + (f":{r.variant}" if r.variant and r.variant != "paper" else "")
+        label = _label(r)
         vs_best = (r.objective / best - 1) * 100 if r.status.has_plan and best > 0 else math.nan
         peak = f"{r.peak_memory}/{r.memory_limit}" if r.peak_memory is not None else "-"
         rows.append((label, str(r.status), _fmt(r.objective), _fmt(r.bound),
@@ -193,6 +193,61 @@ def format_table(results: Sequence[Result], chain: Chain) -> str:
     units = f"(objective in {objective_unit}; peak/limit in units of {results[0].unit} " \
             f"{chain.memory_unit})" if results else ""
     return "\n".join(out + [units])
+
+
+EXACT_MODELS = ("ilp", "cpsat", "brute")
+"""Methods that solve a problem's full model: their bounds are lower bounds for every plan.
+
+Other methods' bounds may hold only in their own model (the contiguous pipeline DP is
+optimal among contiguous allocations only), so the summary leaves them out.
+"""
+
+
+def dp_summary(results: Sequence[Result]) -> dict[str, Any]:
+    """The DP's value against the exact models' proven bound (issue 15, item 5).
+
+    ``dp``: the problem's default method (best of its rows); ``bound``: the largest bound of
+    :data:`EXACT_MODELS`' rows; ``optimum``: their objective when one is proven optimal;
+    ``gap``: ``(dp - bound) / dp``. Missing values are ``None``.
+    """
+    from optmem.solvers.facade import method_info
+
+    out: dict[str, Any] = {"dp_method": None, "dp": None, "bound": None, "bound_method": None,
+                           "optimum": None, "gap": None}
+    if not results:
+        return out
+    default = method_info(results[0].problem, "auto").name
+    dps = [r for r in results if r.method == default and r.status.has_plan]
+    exact = [r for r in results if r.method in EXACT_MODELS and math.isfinite(r.bound)
+             and r.status is not Status.ERROR]
+    if dps:
+        best = min(dps, key=lambda r: r.objective)
+        out.update(dp_method=_label(best), dp=best.objective)
+    if exact:
+        top = max(exact, key=lambda r: r.bound)
+        out.update(bound=top.bound, bound_method=_label(top))
+        proven = [r for r in exact if r.status is Status.OPTIMAL]
+        if proven:
+            out["optimum"] = min(r.objective for r in proven)
+    if out["dp"] is not None and out["bound"] is not None and out["dp"] > 0:
+        out["gap"] = max(0.0, (out["dp"] - out["bound"]) / out["dp"])
+    return out
+
+
+def _label(r: Result) -> str:
+    return r.method + (f":{r.variant}" if r.variant and r.variant != "paper" else "")
+
+
+def format_summary(results: Sequence[Result]) -> str:
+    """One line: DP value, proven optimum (or best exact bound) and the DP's gap to it."""
+    s = dp_summary(results)
+    dp = "no DP plan" if s["dp"] is None else f"DP ({s['dp_method']}) {_fmt(s['dp'])}"
+    if s["bound"] is None:
+        return f"{dp}; no exact model ran ({', '.join(EXACT_MODELS)}: name them with --methods)"
+    exact = (f"proven optimum {_fmt(s['optimum'])}" if s["optimum"] is not None
+             else f"best proven bound {_fmt(s['bound'])}") + f" ({s['bound_method']})"
+    gap = "" if s["gap"] is None else f"; DP gap to it {_fmt(s['gap'] * 100, 3)}%"
+    return f"{dp}; {exact}{gap}"
 
 
 # ------------------------------------------------------------------ commands
@@ -227,11 +282,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
     results = compare(problem, names, options=options_from_args(args), progress=progress)
     if args.json:
         print(json.dumps({"problem": args.problem, "chain": chain.name,
-                          "results": [r.to_json() for r in results]}))
+                          "results": [r.to_json() for r in results],
+                          "summary": dp_summary(results)}))
     else:
         limit = "none" if args.memory is None else args.memory
         print(f"{chain.name}: {args.problem}, memory limit {limit}")
         print(format_table(results, chain))
+        print(format_summary(results))
     return EXIT_OK
 
 

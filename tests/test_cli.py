@@ -136,6 +136,38 @@ def test_compare_json_lists_every_method(capsys, chain_file):
     assert by[("store_all", None)]["status"] == "infeasible"
 
 
+def test_compare_summary_dp_against_the_exact_bound(capsys, chain_file):
+    """Issue 15 item 5: DP value, proven optimum and the DP's gap, text and JSON."""
+    code, out, _ = run(capsys, "compare", "checkpoint", str(chain_file), "-m", "17",
+                       "--methods", "dp,brute,chen", "--json")
+    assert code == 0
+    data = json.loads(out)
+    by = {r["method"]: r for r in data["results"]}
+    summary = data["summary"]
+    assert summary["dp_method"] == "dp" and summary["dp"] == by["dp"]["objective"]
+    assert summary["bound_method"] == "brute" and summary["bound"] == by["brute"]["bound"]
+    assert summary["optimum"] == by["brute"]["objective"]
+    dp, bound = summary["dp"], summary["bound"]
+    assert summary["gap"] == pytest.approx(max(0.0, (dp - bound) / dp))
+    code, out, _ = run(capsys, "compare", "checkpoint", str(chain_file), "-m", "17",
+                       "--methods", "dp,chen")
+    assert code == 0 and f"DP (dp) {dp:.6g}; no exact model ran" in out
+
+
+def test_compare_summary_ignores_bounds_of_other_models(capsys, tmp_path):
+    """The contiguous pipeline DP's bound holds among contiguous plans only: not used."""
+    path = tmp_path / "c.json"
+    random_chain(4, seed=3).save(path)
+    code, out, _ = run(capsys, "compare", "pipeline", str(path), "-m", "1000000",
+                       "--gpus", "2", "--methods", "contiguous,ilp", "--json")
+    assert code == 0
+    data = json.loads(out)
+    ilp = next(r for r in data["results"] if r["method"] == "ilp")
+    assert data["summary"]["dp_method"] == "contiguous"
+    assert data["summary"]["bound_method"] == "ilp"
+    assert data["summary"]["bound"] == ilp["bound"]
+
+
 def test_memory_with_units_and_bundled_dataset(capsys):
     code, out, _ = run(capsys, "solve", "checkpoint", "resnet-like-40", "-m", "1GiB", "--json")
     data = json.loads(out)
