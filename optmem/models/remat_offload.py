@@ -65,6 +65,12 @@ Constraints (``[x, y]``: enforced when the binaries ``x`` and ``y`` are 1)
 * memory when a prefetch starts between two ops (``[late_q, some pre at q]``):
   ``stored after p - sum_w size_w eta[w,q] <= M`` with ``eta <= H_w - pre[w,q]`` and
   ``R_w <= T_q`` ``[eta]``.
+* link cuts (valid inequalities, no big-M; they lift the LP bound above the sum of compute
+  times, which the big-M rows above leave free): the values on the host during item ``p``
+  were offloaded one after the other before it starts and are prefetched after it ends,
+  ``S_p >= sum_v tau_v h[v,p]`` and ``makespan >= E_p + sum_v tau_v h[v,p]``; every
+  transfer ends before the last op (a value on the host is prefetched before it is freed),
+  ``makespan >= sum_q busy_q``.
 
 Exactness
 ---------
