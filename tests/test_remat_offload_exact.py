@@ -259,19 +259,19 @@ def _normalised(plan: list[str]) -> list[str]:
     return [plan[first], *plan[:first], *plan[first + 1:]]
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_model_value_of_a_fixed_plan_is_the_simulated_one(seed: int) -> None:
-    """Direction 1 of exactness: a plan of the class, fixed in the model, gets exactly the
-    simulator's makespan (the DP, checkpoint-only and offload-only plans of random chains)."""
+def _fixed_plans_checked(chain: Chain, beta: float, transfers_per_gap: int) -> int:
+    """Fix the DP, checkpoint-only and offload-only plans in the model (every limit of
+    :func:`_limits`): the model never claims less than the simulator, and exactly the
+    simulated makespan when it keeps the plan's transfer positions. Returns how many plans
+    were checked exactly."""
     from optmem.models.formulation import to_pulp
     from optmem.models.remat_offload import with_fixed
     from optmem.plan import parse_mixed_plan
 
-    chain = random_chain(5, seed=20 + seed, max_size=8)
     checked = 0
     for limit in _limits(chain):
-        problem = RematOffloadProblem(chain, limit, chain_bandwidth=1.5)
-        built = build_remat_offload(chain, limit, 1.5, transfers_per_gap=2)
+        problem = RematOffloadProblem(chain, limit, chain_bandwidth=beta)
+        built = build_remat_offload(chain, limit, beta, transfers_per_gap=transfers_per_gap)
         for name in ("dp", "remat_only", "offload_only"):
             res = solve(problem, name, options=OPTS)
             if not res.status.has_plan:
@@ -288,4 +288,46 @@ def test_model_value_of_a_fixed_plan_is_the_simulated_one(seed: int) -> None:
             if decoded == _normalised(list(res.plan)):
                 assert model == pytest.approx(res.objective, abs=1e-6), name
                 checked += 1
-    assert checked >= 4
+    return checked
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_model_value_of_a_fixed_plan_is_the_simulated_one(seed: int) -> None:
+    """Direction 1 of exactness: a plan of the class, fixed in the model, gets exactly the
+    simulator's makespan (the DP, checkpoint-only and offload-only plans of random chains)."""
+    chain = random_chain(5, seed=20 + seed, max_size=8)
+    assert _fixed_plans_checked(chain, 1.5, 2) >= 4
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(length=st.integers(3, 5), seed=st.integers(0, 10_000),
+       beta=st.sampled_from([0.3, 1.0, 1.5, 4.0]), per_gap=st.integers(1, 2))
+def test_link_cuts_keep_every_simulated_plan(length: int, seed: int, beta: float,
+                                             per_gap: int) -> None:
+    """The link cuts (``cut_*`` rows: host values offloaded before the op and prefetched
+    after it, the total link time) are valid: every plan of the class keeps its simulated
+    makespan in the model (a cut that removed a schedule would raise it)."""
+    chain = random_chain(length, seed=seed, max_size=8)
+    built = build_remat_offload(chain, _limits(chain)[0], beta, transfers_per_gap=per_gap)
+    assert any(c.name.startswith("cut_") for c in built.model.constraints)
+    assert _fixed_plans_checked(chain, beta, per_gap) >= 1
+
+
+def test_link_cuts_lift_the_relaxation() -> None:
+    """The LP relaxation with the cuts is above the sum of compute times (the bound of the
+    model without them) and below the DP's plan, at a limit where the DP offloads."""
+    import pulp
+
+    from optmem.models.formulation import to_pulp
+
+    chain = random_chain(6, seed=3, max_size=8)
+    limit = _limits(chain)[0]
+    beta = 0.5
+    built = build_remat_offload(chain, limit, beta)
+    pm = to_pulp(built.model)
+    for var in pm.all_variables:
+        var.cat = pulp.LpContinuous
+    pm.problem.solve(pulp.HiGHS(msg=False))
+    relaxed = pulp.value(pm.problem.objective)
+    dp = solve(RematOffloadProblem(chain, limit, chain_bandwidth=beta), "dp", options=OPTS)
+    assert chain.total_compute_time() + 1e-6 < relaxed <= dp.objective + 1e-6

@@ -65,6 +65,12 @@ Constraints (``[x, y]``: enforced when the binaries ``x`` and ``y`` are 1)
 * memory when a prefetch starts between two ops (``[late_q, some pre at q]``):
   ``stored after p - sum_w size_w eta[w,q] <= M`` with ``eta <= H_w - pre[w,q]`` and
   ``R_w <= T_q`` ``[eta]``.
+* link cuts (valid inequalities, no big-M; they lift the LP bound above the sum of compute
+  times, which the big-M rows above leave free): the values on the host during item ``p``
+  were offloaded one after the other before it starts and are prefetched after it ends,
+  ``S_p >= sum_v tau_v h[v,p]`` and ``makespan >= E_p + sum_v tau_v h[v,p]``; every
+  transfer ends before the last op (a value on the host is prefetched before it is freed),
+  ``makespan >= sum_q busy_q``.
 
 Exactness
 ---------
@@ -309,6 +315,8 @@ def build_remat_offload(chain: Chain, memory_limit: int, bandwidth: float, *,
     prev: tuple[Expr, Expr] | None = None  # previous position's start and busy time
     last_used: tuple[int, Expr] | None = None  # item and use of the previous position
     n_h = 0
+    cuts: list[tuple[str, Expr]] = []  # (name, link time that must follow item p)
+    link_total = Expr()
     for p in range(n):
         # ---- item p: memory with the values on the host during the whole op
         host = Expr()
@@ -329,6 +337,12 @@ def build_remat_offload(chain: Chain, memory_limit: int, bandwidth: float, *,
             hvars[v] = h
         name, mexpr = cf.memory_rows[p]
         m.add(_x(mexpr) + host <= memory_limit, name)
+        if hvars:
+            # link cuts: the values on the host during item p were offloaded (one after the
+            # other, on the one link) before it starts and are prefetched after it ends
+            moved = Expr.sum(h * tau[v] for v, h in hvars.items())
+            m.add(S[p] >= moved, f"cut_off_{p}")
+            cuts.append((f"cut_pre_{p}", E[p] + moved))
         # ---- item p: reads, frees
         for v in tau:
             rv = reads[p].get(v, False)
@@ -438,9 +452,14 @@ def build_remat_offload(chain: Chain, memory_limit: int, bandwidth: float, *,
                            stored(cf.states[p + 1]) + after_delta[p], memory_limit,
                            late)
             prev = (tq, busy)
+            link_total = link_total + busy
             positions.append(pos)
     obj = m.continuous("makespan", 0.0, U)
     m.add(obj >= E[n - 1], "makespan")
+    if link_total.terms:
+        m.add(obj >= link_total, "cut_link")
+    for nm, e in cuts:
+        m.add(obj >= e, nm)
     m.minimize(obj)
     return RematOffloadModel(m, cf, [Model.index(s) for s in S], positions, Model.index(obj),
                              U, chain, {**m.size, "host_vars": n_h, "positions": len(positions)})
