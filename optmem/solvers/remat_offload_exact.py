@@ -10,8 +10,9 @@
   chapter 4 DP, the persistent checkpoint DP and the offload-only DYNPROG that fits the
   class (completed by the engine with the plan's binaries fixed), its horizon is that plan's
   makespan, and the decoded plan is replayed by the simulator (it is never slower than the
-  model says; ``report['model_objective']``). A time limit returns the best verified plan
-  with the engine's bound.
+  model says; ``report['model_objective']``). ``time_limit_s`` bounds the whole solve
+  (candidate plans, at most a quarter of it completing the warm start, the search the rest,
+  at least one second) and returns the best verified plan with the engine's bound.
 * ``brute``: the independent oracle for tiny chains: every compute sequence with at most
   ``L (L + 1) / 2`` forwards, and for every gap between two consecutive uses of a stored
   value at most one offload/prefetch pair (enumerated window subsets, link orders and issue
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -56,7 +58,8 @@ from optmem.solvers.remat_offload import (
 from optmem.solvers.remat_offload_schedule import Window, static_replay, window_before
 
 BRUTE_MAX_LENGTH = 2
-COMPLETION_TIME_S = 30.0  # least engine time to complete a warm start (binaries fixed)
+COMPLETION_SHARE = 0.25  # share of a user's time limit spent completing warm starts
+LEAST_SEARCH_TIME_S = 1.0  # the search always gets this long (an engine needs a positive limit)
 
 
 def compute_sequences(chain: Chain, max_forwards: int | None = None
@@ -109,11 +112,11 @@ def _brute_search(problem: RematOffloadProblem, options: SolveOptions) -> Result
     seqs = compute_sequences(chain)
     best: tuple[float, tuple[AnyOp, ...]] | None = None
     tried = 0
-    for time, peak, ops in seqs:
-        if best is not None and time >= best[0] - 1e-12:
+    for compute, peak, ops in seqs:
+        if best is not None and compute >= best[0] - 1e-12:
             break
         if peak <= limit:
-            best = (time, ops)
+            best = (compute, ops)
             break
         if beta <= 0 or not _may_fit(chain, limit, ops):
             continue
@@ -277,6 +280,8 @@ def _warm_start(problem: RematOffloadProblem, options: SolveOptions,
     if not options.warm_start:
         return _Start(None, math.inf, None, math.inf, "off")
     notes = []
+    began = time.monotonic()
+    budget = None if options.time_limit_s is None else COMPLETION_SHARE * options.time_limit_s
     found = _candidates(problem, options)
     best = found[0] if found else None  # the incumbent, even if the model cannot take it
     for _, label, plan in found:
@@ -284,8 +289,10 @@ def _warm_start(problem: RematOffloadProblem, options: SolveOptions,
         if fixed is None:
             notes.append(f"{label}: does not fit the model's slots")
             continue
-        limit = None if options.time_limit_s is None else max(COMPLETION_TIME_S,
-                                                              options.time_limit_s / 4)
+        limit = None if budget is None else budget - (time.monotonic() - began)
+        if limit is not None and limit <= 0:
+            notes.append(f"{label}: no time left of the warm start's share of the limit")
+            break
         done, values, _ = _engine_solve(with_fixed(built, fixed), engine, options,
                                         initial=None, scale=scale, time_limit_s=limit)
         if not done.status.has_plan or values is None:
@@ -334,11 +341,14 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
     solver = "cpsat" if engine == "cpsat" else engine
     if built.model.trivially_infeasible:
         return no_plan_result(problem, options, method, Status.INFEASIBLE, report)
+    began = time.monotonic()
     start = _warm_start(problem, options, built, engine, scale)
     report["warm_start"] = start.note
     model = with_fixed(built, {}, start.model_value if start.values is not None else None)
+    left = (None if options.time_limit_s is None else
+            max(LEAST_SEARCH_TIME_S, options.time_limit_s - (time.monotonic() - began)))
     out, values, bound = _engine_solve(model, engine, options, initial=start.values,
-                                       scale=scale, time_limit_s=options.time_limit_s)
+                                       scale=scale, time_limit_s=left)
     status = out.status
     if out.failed:
         incumbent = start.plan
