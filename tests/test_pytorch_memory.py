@@ -185,3 +185,37 @@ def test_cuda_max_memory_allocated_within_limit():
         allowance = plan_allowance(chain, cm.result.plan, list(cm.stages)) \
             + max(chain.weight_size) + 512 * (2 * chain.length + 4)
         assert peak <= limit + allowance, (peak, limit, allowance)
+
+
+class _LossAndLogits(nn.Module):
+    """An HF-style head: the loss and the logits it received (a pass-through)."""
+
+    def forward(self, x):
+        return nn.functional.log_softmax(x, dim=1)[:, 0].mean().neg(), x
+
+
+def test_real_peak_within_limit_with_a_pass_through_head():
+    """The last stage's pass-through logits are counted once: the guarantee still holds."""
+    torch.manual_seed(0)
+    stages = [nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 32),
+              _LossAndLogits()]
+    module = nn.Sequential(*stages)
+    x = torch.randn(32, 16)
+
+    def loss(out):
+        return out[0]
+
+    chain = op.profile_chain(list(stages), x, repeats=1, warmup=0, loss_fn=loss)
+    assert chain.extra["profile"]["output_aliases"][-1] == 32 * 32 * 4
+    low, store = op.smallest_limit(chain), chain.store_all_peak()
+    for limit in (low, (low + store) // 2, store):
+        for strip in (True, False):
+            cm = op.checkpoint(list(stages), x, memory_limit=limit, chain=chain,
+                               strip_suffix=strip)
+            module.zero_grad(set_to_none=True)
+            real = measure_training_peak(lambda c=cm: loss(c(x)).backward(), module, x)
+            allowance = plan_allowance(chain, cm.result.plan, list(cm.stages),
+                                       strip_suffix=strip)
+            assert real <= cm.expected_peak_bytes + allowance <= limit + allowance, \
+                (limit, strip, real)
+    module.zero_grad(set_to_none=True)

@@ -268,7 +268,10 @@ def plan_allowance(chain: Chain, plan: Sequence[Any], stages: Sequence[Any] = ()
       ``delta^{j-1}`` when the store-all suffix ``j..L`` runs natively) stays alive during
       the whole backward of the plan, where the model frees it at ``B L`` (``B j-1``);
     * the loss and its seed gradient (:data:`LOSS_SCALARS`), alive until the backward ends;
-    * with ``restore_buffers``, scratch copies of the buffers of the stage being re-run.
+    * with ``restore_buffers``, scratch copies of the buffers of the stage being re-run;
+    * the last stage's outputs that alias its input (``chain.extra["profile"]
+      ["output_aliases"]``, left out of its ``output_size``), when the plan runs that stage
+      with ``F_none``, which frees ``a^{L-1}`` in the model while ``a^L`` still holds it.
 
     Parameters
     ----------
@@ -307,7 +310,10 @@ def plan_allowance(chain: Chain, plan: Sequence[Any], stages: Sequence[Any] = ()
         modules = [getattr(s, "module", s) for s in stages]
         buffers = max((storage_bytes(list(modules[i - 1].buffers()))
                        for i, c in runs.items() if c > 1), default=0)
-    return held + LOSS_SCALARS + buffers
+    aliases = (chain.extra or {}).get("profile", {}).get("output_aliases") or ()
+    passed = sum(int(aliases[op.stage - 1]) for op in set(ops)
+                 if op.kind is OpKind.F_NONE and op.stage <= len(aliases))
+    return held + LOSS_SCALARS + buffers + passed
 
 
 @dataclass(frozen=True)
