@@ -356,8 +356,8 @@ def test_last_stage_pass_through_is_counted_once():
     assert with_logits.saved_size == (logits, logits + 4)  # log-softmax and the loss
     for name in ("output_size", "saved_size", "fwd_overhead", "bwd_overhead"):
         assert getattr(with_logits, name) == getattr(loss_only, name), name
-    assert with_logits.extra["profile"]["output_aliases"] == [0, logits]
-    assert loss_only.extra["profile"]["output_aliases"] == [0, 0]
+    assert with_logits.extra["profile"]["output_left_out"] == [0, logits]
+    assert loss_only.extra["profile"]["output_left_out"] == [0, 0]
 
 
 def test_intermediate_pass_through_stays_in_output_and_tape():
@@ -368,7 +368,7 @@ def test_intermediate_pass_through_stays_in_output_and_tape():
     # F_none 2), and the tape contains a^2 by definition (CONTRACT: saved >= output)
     assert chain.output_size == (y, 2 * y, y)
     assert chain.saved_size == (y, 2 * y, y)
-    assert chain.extra["profile"]["output_aliases"] == [0, 0, 0]
+    assert chain.extra["profile"]["output_left_out"] == [0, 0, 0]
 
 
 def test_allowance_covers_a_pass_through_stage_run_without_its_input():

@@ -56,6 +56,7 @@ import math
 import statistics
 import sys
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
@@ -132,6 +133,22 @@ def move_to(value: Any, dev: torch.device) -> Any:
     if isinstance(value, dict):
         return {k: move_to(v, dev) for k, v in value.items()}
     return value
+
+
+def _returned_beside_loss(outs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The last stage's outputs returned beside a loss: none unless a scalar is returned.
+
+    When the chain output holds a 0-dimensional floating tensor that requires grad (the
+    loss of an HF model called with ``labels=``), that is what the backward starts from;
+    the other tensors (the logits) are returned for inspection and get no gradient.
+    """
+    if len(outs) < 2 or not any(_is_loss(t) for t in outs):
+        return []
+    return [t for t in outs if not _is_loss(t)]
+
+
+def _is_loss(t: torch.Tensor) -> bool:
+    return t.dim() == 0 and t.requires_grad and t.is_floating_point()
 
 
 def _grad_targets(out: Any, skip: set[int] | frozenset[int] = frozenset()
@@ -322,6 +339,7 @@ def _stage_memory(module: nn.Module, x: Any, in_size: int, tied: Sequence[nn.Par
     """
     excluded = s.persistent | {storage_key(t) for t in value_tensors(x)}
     saved: dict[int, int] = {}
+    tape: list[weakref.ref[torch.Tensor]] = []  # what autograd saved, to watch it go
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         try:
@@ -332,6 +350,7 @@ def _stage_memory(module: nn.Module, x: Any, in_size: int, tied: Sequence[nn.Par
             nbytes = int(t.untyped_storage().nbytes())
         if key not in excluded:
             saved[key] = nbytes
+            tape.append(weakref.ref(t))
         return t
 
     counter = _flop_counter(s.count_flops)
@@ -344,12 +363,14 @@ def _stage_memory(module: nn.Module, x: Any, in_size: int, tied: Sequence[nn.Par
     out_tensors = value_tensors(out)
     if not out_tensors:
         raise OptmemInputError("the stage returns no tensor", field="module")
-    for t in out_tensors:
+    side = _returned_beside_loss(out_tensors) if last else []
+    kept = [t for t in out_tensors if not any(t is u for u in side)]
+    for t in kept:
         key = storage_key(t)
         if key not in excluded:  # an output aliasing the input is a^{i-1}, kept anyway
             saved[key] = int(t.untyped_storage().nbytes())
     output_size = storage_bytes(out, s.persistent)
-    alias = output_size - storage_bytes(out, excluded)
+    alias = output_size - storage_bytes(kept, excluded)
     if last:  # the chain output: its input aliases are a^{L-1}, held until B L
         output_size -= alias
     saved_size = max(sum(saved.values()), output_size)
@@ -358,7 +379,7 @@ def _stage_memory(module: nn.Module, x: Any, in_size: int, tied: Sequence[nn.Par
         module(x)
     fwd_overhead = max(0, trace_f.peak() - saved_size, trace_n.peak() - output_size)
 
-    outs, grads = _grad_targets(out, excluded if last else frozenset())
+    outs, grads = _grad_targets(kept, excluded if last else frozenset())
     bwd_overhead, bwd_flops = 0, 0.0
     if outs:
         for p in tied:  # a later stage's backward accumulated into it already
@@ -366,11 +387,16 @@ def _stage_memory(module: nn.Module, x: Any, in_size: int, tied: Sequence[nn.Par
         known = s.persistent | {storage_key(p.grad) for p in tied}  # type: ignore[arg-type]
         counter = _flop_counter(s.count_flops)
         trace_b = StorageTrace(known)
+        # the tape is charged whole by the model at B i, and autograd frees it node by node
+        # while the backward allocates: the trace holds it and watches it go
+        trace_b.hold([t for t in (r() for r in tape) if t is not None]
+                     + [t for t in kept if storage_key(t) not in excluded])
+        held = trace_b.alive()
         with trace_b, counter, oplog:
             torch.autograd.backward(outs, grads)
         bwd_flops = float(counter.get_total_flops()) if s.count_flops else 0.0
         wgrads = [p.grad for p in module.parameters() if p.grad is not None]
-        bwd_overhead = max(0, trace_b.peak(exclude=wgrads) - in_size)
+        bwd_overhead = max(0, trace_b.peak(exclude=wgrads) - held - in_size)
         del wgrads
         _clear_grads(list(module.parameters()))
         _clear_grads(x)
@@ -577,7 +603,7 @@ def profile_stages(
             "time_resolution": time_resolution if times == "measured" else 0.0,
             "time_classes": len({r.signature for r in rows}) if times == "measured" else None,
             "loss": "loss_fn" if loss_fn is not None else "not profiled",
-            "output_aliases": [r.alias for r in rows]}},
+            "output_left_out": [r.alias for r in rows]}},
     )
 
 
