@@ -16,10 +16,6 @@ loss, backward) is run by
 * **optmem**: ``optmem.pytorch.checkpoint`` of the whole model (one profile, then
   ``cmodel.resolve(memory_limit=...)`` for every limit), gradients checked equal to the plain
   model's;
-* **optmem + alias fix** (``--no-proposed`` leaves it out): the same, on the profiled chain
-  with the last stage's pass-through logits counted once (:func:`proposed_chain`): a
-  proposed profile fix, measured here so that its effect on real memory is known before
-  it goes into ``optmem.pytorch``.
 
 **Memory is measured, not predicted**: the exact activation peak of one step
 (:func:`optmem.pytorch.memory.measure_training_peak`: every storage created during the step,
@@ -45,7 +41,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import re
 import statistics
@@ -357,26 +352,6 @@ class Setting:
         return f"{self.method} {self.setting}"
 
 
-def proposed_chain(chain: Chain) -> Chain | None:
-    """The chain with the final stage's pass-through output counted once (proposed fix).
-
-    The last stage of an HF model called with ``labels=`` returns the loss *and the
-    logits*, which are its own input passed through (the same storage). The profile counts
-    them in the stage's output and tape on top of ``a^{L-1}`` (the same bytes twice), and
-    the chain model then also gives the chain output a gradient as large (only the loss gets
-    one). This removes the pass-through bytes from the last stage's output and tape; it
-    applies only when the last output is the previous one plus a scalar or so (64 bytes).
-    """
-    n = chain.length
-    if n < 2 or not 0 <= chain.output_size[n - 1] - chain.output_size[n - 2] <= 64:
-        return None
-    alias = chain.output_size[n - 2]
-    out, saved = list(chain.output_size), list(chain.saved_size)
-    out[n - 1] -= alias
-    saved[n - 1] = max(saved[n - 1] - alias, out[n - 1])
-    return dataclasses.replace(chain, output_size=tuple(out), saved_size=tuple(saved))
-
-
 class OptmemSearch:
     """The DP plans of one profiled chain at many limits, with their real peaks."""
 
@@ -536,7 +511,7 @@ def baselines(model: nn.Module, chain: Chain, layers_of: list[int | None], layer
 
 
 def bench_model(spec: Spec, *, rounds: int, grid: int, steps: int, sweep: int,
-                repeats: int, proposed: bool = True, more: bool = True,
+                repeats: int, more: bool = True,
                 memtracker: bool = True,
                 log: Callable[[str], None] = print) -> dict[str, Any]:
     """Measure every setting on one model (memory first, then interleaved timing)."""
@@ -563,11 +538,6 @@ def bench_model(spec: Spec, *, rounds: int, grid: int, steps: int, sweep: int,
         targets[f"sweep {k + 1}/{sweep}"] = hf.real_peak + (
             plain.real_peak - hf.real_peak) * (k + 1) // (sweep + 1)
     series = [run_series("optmem", cmodel, model, batch, targets, grid, steps)]
-    fixed = proposed_chain(chain) if proposed else None
-    if fixed is not None:
-        cfixed = op.checkpoint(model, batch, memory_limit=top, chain=fixed)
-        series.append(run_series("optmem + alias fix", cfixed, model, batch, targets, grid,
-                                 steps))
     for ser in series:
         log(f"  {ser.name}: smallest limit {ser.search.smallest / MiB:.2f} MiB, "
             f"{len(ser.search.by_plan)} plans measured, {len(ser.settings)} kept")
@@ -821,8 +791,6 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                     help="baselines store-all and HF only (no per-layer, no sequential)")
     ap.add_argument("--no-memtracker", action="store_true",
                     help="skip MemTracker's second view of the peaks (slow on big models)")
-    ap.add_argument("--no-proposed", action="store_true",
-                    help="skip the series with the proposed profile fix")
     ap.add_argument("--markdown", help="write the tables to this file")
     ap.add_argument("--plot", help="write the time/memory plot (PNG) to this file")
     args = ap.parse_args(argv)
@@ -837,7 +805,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     loads = [_load()]
     results = []
     for spec in specs:
-        results.append(bench_model(spec, rounds=rounds, proposed=not args.no_proposed,
+        results.append(bench_model(spec, rounds=rounds,
                                    more=not args.hf_only, memtracker=not args.no_memtracker,
                                    **options))
         loads.append(_load())

@@ -88,3 +88,16 @@ def test_side_inputs_never_require_grad(wrapped):
     assert tensors and not any(t.requires_grad for t in tensors)
     if name in ("gpt2", "llama", "bert"):  # masks, positions, rotary tables: side inputs
         assert ext.side.output_names
+
+
+def test_logits_returned_beside_the_loss_are_no_chain_value(wrapped):
+    """The model returns the loss and the logits: no cut at the logits (the head and the
+    loss form the last stage), and the logits are neither in ``a^L`` nor in its gradient:
+    ``a^L`` is the loss (a scalar), the logits count in the last stage's temporaries."""
+    name, model, kwargs, cmodel, limit = wrapped
+    chain = cmodel.chain
+    assert chain.output_size[-1] <= 16, (name, chain.output_size[-1])
+    logits = model(**kwargs).logits
+    nbytes = logits.numel() * logits.element_size()
+    assert chain.fwd_overhead[-1] >= nbytes
+    assert chain.extra["profile"]["output_left_out"][-1] >= nbytes

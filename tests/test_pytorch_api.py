@@ -260,7 +260,8 @@ def test_offload_one_liners_with_tuples_between_stages(kind):
     x = torch.randn(5, 8, requires_grad=True)
     chain = op.profile_chain(net, x, repeats=1, warmup=0)
     wrap = getattr(op, kind)
-    onet = wrap(net, x, memory_limit=int(0.8 * chain.store_all_peak()), bandwidth=1e9,
+    # 0.9: below store-all, above the smallest offload limit (960 of 1120 B)
+    onet = wrap(net, x, memory_limit=int(0.9 * chain.store_all_peak()), bandwidth=1e9,
                 chain=chain)
     assert any(o.startswith("offload") for o in onet.result.plan), onet.result.plan
     ref = reference_step(net, x, loss_fn, seed=2)

@@ -18,6 +18,8 @@ documented CUDA allowance (test marked ``gpu``).
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 torch = pytest.importorskip("torch", reason="the torch bridge needs torch")
@@ -185,3 +187,103 @@ def test_cuda_max_memory_allocated_within_limit():
         allowance = plan_allowance(chain, cm.result.plan, list(cm.stages)) \
             + max(chain.weight_size) + 512 * (2 * chain.length + 4)
         assert peak <= limit + allowance, (peak, limit, allowance)
+
+
+class _LossAndLogits(nn.Module):
+    """An HF-style head: the loss and the logits it received (a pass-through)."""
+
+    def forward(self, x):
+        return nn.functional.log_softmax(x, dim=1)[:, 0].mean().neg(), x
+
+
+def test_real_peak_within_limit_with_a_pass_through_head():
+    """The last stage's pass-through logits are counted once: the guarantee still holds."""
+    torch.manual_seed(0)
+    stages = [nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 32),
+              _LossAndLogits()]
+    module = nn.Sequential(*stages)
+    x = torch.randn(32, 16)
+
+    def loss(out):
+        return out[0]
+
+    chain = op.profile_chain(list(stages), x, repeats=1, warmup=0, loss_fn=loss)
+    assert chain.extra["profile"]["output_left_out"][-1] == 32 * 32 * 4
+    low, store = op.smallest_limit(chain), chain.store_all_peak()
+    for limit in (low, (low + store) // 2, store):
+        for strip in (True, False):
+            cm = op.checkpoint(list(stages), x, memory_limit=limit, chain=chain,
+                               strip_suffix=strip)
+            module.zero_grad(set_to_none=True)
+            real = measure_training_peak(lambda c=cm: loss(c(x)).backward(), module, x)
+            allowance = plan_allowance(chain, cm.result.plan, list(cm.stages),
+                                       strip_suffix=strip)
+            assert real <= cm.expected_peak_bytes + allowance <= limit + allowance, \
+                (limit, strip, real)
+    module.zero_grad(set_to_none=True)
+
+
+class _NewGelu(nn.Module):
+    """GPT-2's ``gelu_new``, written out: five activation-sized saved intermediates."""
+
+    def forward(self, x):
+        c = math.sqrt(2.0 / math.pi)
+        return 0.5 * x * (1.0 + torch.tanh(c * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+class _Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.act, self.proj = nn.Linear(8, 32), _NewGelu(), nn.Linear(32, 8)
+
+    def forward(self, x):
+        return x + self.proj(self.act(self.fc(x)))
+
+
+def test_backward_overhead_credits_the_tape_autograd_frees():
+    """``bwd_overhead`` is the backward's peak of tape still alive plus new buffers, minus
+    the tape and ``delta^{i-1}`` (the model charges both whole): autograd frees a saved
+    tensor once its node ran, so a long stage (an MLP with gelu_new) costs far less than
+    the new buffers' peak on top of the whole tape; and a real step stays within the bound.
+    """
+    from optmem.pytorch.memory import StorageTrace, storage_key
+
+    torch.manual_seed(0)
+    stages = [nn.Linear(8, 8), _Mlp(), _Mlp(), nn.Linear(8, 4)]
+    module = nn.Sequential(*stages)
+    x = torch.randn(4, 8)
+    chain = op.profile_chain(list(stages), x, repeats=1, warmup=0, loss_fn=loss_of)
+    # what the new buffers alone peak at (the accounting before): tape not credited
+    h = torch.randn(4, 8, requires_grad=True)
+    out = stages[1](h)
+    trace = StorageTrace({storage_key(p) for p in module.parameters()})
+    with trace:
+        out.backward(torch.ones_like(out))
+    wgrads = [p.grad for p in stages[1].parameters()]
+    new_only = trace.peak(exclude=wgrads) - chain.output_size[0]
+    module.zero_grad(set_to_none=True)
+    assert 0 < chain.bwd_overhead[1] < new_only
+    assert chain.bwd_overhead[1] + chain.saved_size[1] >= new_only  # never below the new
+    low, store = op.smallest_limit(chain), chain.store_all_peak()
+    for limit in (low, (low + store) // 2, store):
+        cm = op.checkpoint(list(stages), x, memory_limit=limit, chain=chain)
+        module.zero_grad(set_to_none=True)
+        real = measure_training_peak(lambda c=cm: loss_of(c(x)).backward(), module, x)
+        allowance = plan_allowance(chain, cm.result.plan, list(cm.stages))
+        assert real <= cm.expected_peak_bytes + allowance, (limit, real)
+    module.zero_grad(set_to_none=True)
+
+
+def test_allowance_counts_the_partial_gradient_of_a_tied_parameter():
+    """A weight two stages use: the executor holds its first partial gradient itself."""
+    from optmem.chain import Chain
+
+    shared = nn.Linear(16, 16)  # 16 x 16 + 16 floats
+    stages = [shared, nn.Tanh(), shared]
+    chain = Chain.from_lists([1.0] * 3, [1.0] * 3, [64] * 3, [64] * 3, input_size=64)
+    plan = ["F_all 1", "F_all 2", "F_all 3", "Loss", "B 3", "B 2", "B 1"]
+    plain = plan_allowance(chain, plan, strip_suffix=False)
+    assert plain == 64 + LOSS_SCALARS
+    assert plan_allowance(chain, plan, stages, strip_suffix=False) == plain + (16 * 16 + 16) * 4
+    assert plan_allowance(chain, plan, [nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16)],
+                          strip_suffix=False) == plain

@@ -312,3 +312,73 @@ def test_round_time_grid():
     assert round_time(0.0, 0.1) == 0.0
     with pytest.raises(OptmemInputError, match="time_resolution"):
         profile_chain(nn.Linear(2, 2), torch.randn(1, 2), time_resolution=-1)
+
+
+# ------------------------------------------------------------------ pass-through outputs
+class LossAndLogits(nn.Module):
+    """An HF-style head: returns a loss and the logits it received (the same storage)."""
+
+    def __init__(self, pass_through: bool = True) -> None:
+        super().__init__()
+        self.pass_through = pass_through
+
+    def forward(self, x):
+        loss = nn.functional.log_softmax(x, dim=1)[:, 0].mean().neg()  # saves log-softmax
+        return (loss, x) if self.pass_through else loss
+
+
+class KeepAndExp(nn.Module):
+    """Returns its input beside ``exp`` of it (an intermediate pass-through)."""
+
+    def forward(self, x):
+        return x, x.exp()
+
+
+class Add(nn.Module):
+    def forward(self, pair):
+        return pair[0] + pair[1]
+
+
+def test_last_stage_pass_through_is_counted_once():
+    """The logits a last stage returns beside the loss are a^{L-1}: no second count.
+
+    Not in its output (so no gradient as large either: only the loss gets one), not in
+    its tape, and its backward is profiled without a gradient for them; the bytes left out
+    are recorded for ``plan_allowance``.
+    """
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    logits = 4 * 10 * 4
+    chains = [profile_chain([nn.Linear(8, 10), LossAndLogits(p)], x, repeats=1, warmup=0)
+              for p in (True, False)]
+    with_logits, loss_only = chains
+    assert with_logits.output_size == (logits, 4)  # the loss scalar only
+    assert with_logits.saved_size == (logits, logits + 4)  # log-softmax and the loss
+    for name in ("output_size", "saved_size", "fwd_overhead", "bwd_overhead"):
+        assert getattr(with_logits, name) == getattr(loss_only, name), name
+    assert with_logits.extra["profile"]["output_left_out"] == [0, logits]
+    assert loss_only.extra["profile"]["output_left_out"] == [0, 0]
+
+
+def test_intermediate_pass_through_stays_in_output_and_tape():
+    x = torch.randn(4, 8)
+    chain = profile_chain([nn.Linear(8, 10), KeepAndExp(), Add()], x, repeats=1, warmup=0)
+    y = 4 * 10 * 4
+    # a^2 = (a^1, exp a^1): both count in a^2 (a^1 may be freed while a^2 lives, by
+    # F_none 2), and the tape contains a^2 by definition (CONTRACT: saved >= output)
+    assert chain.output_size == (y, 2 * y, y)
+    assert chain.saved_size == (y, 2 * y, y)
+    assert chain.extra["profile"]["output_left_out"] == [0, 0, 0]
+
+
+def test_allowance_covers_a_pass_through_stage_run_without_its_input():
+    from optmem.pytorch.memory import LOSS_SCALARS, plan_allowance
+
+    x = torch.randn(4, 8)
+    chain = profile_chain([nn.Linear(8, 10), LossAndLogits()], x, repeats=1, warmup=0)
+    logits = 4 * 10 * 4
+    plain = ["F_ck 1", "F_all 2", "Loss", "B 2", "F_all 1", "B 1"]
+    dropping = ["F_ck 1", "F_none 2", "Loss", "F_all 1", "F_all 2", "B 2", "B 1"]
+    base = plan_allowance(chain, plain, strip_suffix=False)
+    assert base == chain.output_size[-1] + LOSS_SCALARS
+    assert plan_allowance(chain, dropping, strip_suffix=False) == base + logits

@@ -302,6 +302,7 @@ def cut_graph(gm: fx.GraphModule, kinds: dict[fx.Node, str]) -> Cut:
     bounds = _drop_aliases([d for d in candidates if position[d] < last_useful
                             and not any(p > position[d]
                                         for p in writes.get(_alias_root(d), ()))])
+    bounds = _drop_returned_tail(bounds, outputs)
     stages = _assign(order, kinds, bounds, useful, position)
     while True:
         bad = _unavailable(stages, bounds, kinds)
@@ -311,6 +312,20 @@ def cut_graph(gm: fx.GraphModule, kinds: dict[fx.Node, str]) -> Cut:
         bounds = bounds[:first] + bounds[last:]
         stages = _assign(order, kinds, bounds, useful, position)
     return Cut(stages, bounds, outputs, kinds)
+
+
+def _drop_returned_tail(bounds: list[fx.Node], outputs: list[fx.Node]) -> list[fx.Node]:
+    """Drop the last boundaries that the model also returns (the logits beside the loss).
+
+    A cut at a returned value makes a last stage that passes it through: the chain model
+    then keeps it as ``a^{L-1}`` until ``B L`` although the loss's backward does not need
+    it (cross-entropy saves its log-softmax), and the caller drops it once it has the loss.
+    Without the cut the value is a returned output of the last stage, alive until ``Loss``.
+    """
+    returned = {_alias_root(n) for n in outputs}
+    while bounds and _alias_root(bounds[-1]) in returned:
+        bounds = bounds[:-1]
+    return bounds
 
 
 def _drop_aliases(bounds: list[fx.Node]) -> list[fx.Node]:

@@ -158,6 +158,25 @@ class StorageTrace(TorchDispatchMode):
             self._track(t, inputs, fresh)
         return out
 
+    def hold(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Count the storages of existing ``tensors`` as alive from now until they are freed.
+
+        For a backward: the saved tensors autograd releases node by node lower the peak.
+
+        Examples
+        --------
+        >>> saved = [torch.zeros(1000)]
+        >>> with StorageTrace() as trace:
+        ...     trace.hold(saved)
+        ...     saved.clear()            # freed: 4000 B less
+        ...     y = torch.ones(1000)
+        >>> trace.peak()
+        4000
+        """
+        for t in tensors:
+            if _has_storage(t):
+                self._track(t, set(), True)
+
     def alive(self) -> int:
         """Bytes of the storages created while active that are still alive."""
         return sum(self.sizes[r] for r in self._live.values())
@@ -268,7 +287,15 @@ def plan_allowance(chain: Chain, plan: Sequence[Any], stages: Sequence[Any] = ()
       ``delta^{j-1}`` when the store-all suffix ``j..L`` runs natively) stays alive during
       the whole backward of the plan, where the model frees it at ``B L`` (``B j-1``);
     * the loss and its seed gradient (:data:`LOSS_SCALARS`), alive until the backward ends;
-    * with ``restore_buffers``, scratch copies of the buffers of the stage being re-run.
+    * with ``restore_buffers``, scratch copies of the buffers of the stage being re-run;
+    * the partial gradient of a parameter that several stages use (a tied embedding): the
+      executor sums it itself from the first ``B`` that makes it until the plan's backward
+      returns, where plain autograd would hold it as the parameter's ``.grad`` (a weight
+      gradient, not counted); a real step's trace counts that buffer since the final
+      ``.grad`` is another storage;
+    * the last stage's outputs that alias its input (``chain.extra["profile"]
+      ["output_left_out"]``, left out of its ``output_size``), when the plan runs that stage
+      with ``F_none``, which frees ``a^{L-1}`` in the model while ``a^L`` still holds it.
 
     Parameters
     ----------
@@ -302,12 +329,27 @@ def plan_allowance(chain: Chain, plan: Sequence[Any], stages: Sequence[Any] = ()
     for op in ops:
         if op.kind in (OpKind.F_ALL, OpKind.F_CK, OpKind.F_NONE):
             runs[op.stage] = runs.get(op.stage, 0) + 1
-    buffers = 0
-    if restore_buffers and stages:
-        modules = [getattr(s, "module", s) for s in stages]
+    buffers = tied = 0
+    modules = [getattr(s, "module", s) for s in stages]
+    if restore_buffers and modules:
         buffers = max((storage_bytes(list(modules[i - 1].buffers()))
                        for i, c in runs.items() if c > 1), default=0)
-    return held + LOSS_SCALARS + buffers
+    if modules:
+        tied = storage_bytes(_shared_parameters(modules))
+    aliases = (chain.extra or {}).get("profile", {}).get("output_left_out") or ()
+    passed = sum(int(aliases[op.stage - 1]) for op in set(ops)
+                 if op.kind is OpKind.F_NONE and op.stage <= len(aliases))
+    return held + LOSS_SCALARS + buffers + passed + tied
+
+
+def _shared_parameters(modules: Sequence[Any]) -> list[torch.Tensor]:
+    """Parameters (requiring grad) that more than one of ``modules`` uses."""
+    users: dict[int, tuple[torch.Tensor, set[int]]] = {}
+    for k, m in enumerate(modules):
+        for p in m.parameters():
+            if p.requires_grad:
+                users.setdefault(id(p), (p, set()))[1].add(k)
+    return [p for p, who in users.values() if len(who) > 1]
 
 
 @dataclass(frozen=True)

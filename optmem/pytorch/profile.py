@@ -56,6 +56,7 @@ import math
 import statistics
 import sys
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
@@ -134,8 +135,26 @@ def move_to(value: Any, dev: torch.device) -> Any:
     return value
 
 
-def _grad_targets(out: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    outs = [t for t in value_tensors(out) if t.requires_grad]
+def _returned_beside_loss(outs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The last stage's outputs returned beside a loss: none unless a scalar is returned.
+
+    When the chain output holds a 0-dimensional floating tensor that requires grad (the
+    loss of an HF model called with ``labels=``), that is what the backward starts from;
+    the other tensors (the logits) are returned for inspection and get no gradient.
+    """
+    if len(outs) < 2 or not any(_is_loss(t) for t in outs):
+        return []
+    return [t for t in outs if not _is_loss(t)]
+
+
+def _is_loss(t: torch.Tensor) -> bool:
+    return t.dim() == 0 and t.requires_grad and t.is_floating_point()
+
+
+def _grad_targets(out: Any, skip: set[int] | frozenset[int] = frozenset()
+                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The outputs that get a gradient (all-ones), those on storages in ``skip`` left out."""
+    outs = [t for t in value_tensors(out) if t.requires_grad and storage_key(t) not in skip]
     return outs, [torch.ones_like(t) for t in outs]
 
 
@@ -301,17 +320,26 @@ class _StageMemory:
     has_bwd: bool
     out: Any
     signature: str
+    alias: int = 0  # bytes of input storages left out of output_size (last stage only)
 
 
 def _stage_memory(module: nn.Module, x: Any, in_size: int, tied: Sequence[nn.Parameter],
-                  s: _Setting) -> _StageMemory:
+                  s: _Setting, last: bool = False) -> _StageMemory:
     """Sizes and traced temporaries of one stage on its leaf input ``x``.
 
     ``in_size`` is the chain's size of ``a^{i-1}`` (the model charges ``delta^{i-1}`` that
-    much); ``tied`` are the stage's parameters that a later stage also uses.
+    much); ``tied`` are the stage's parameters that a later stage also uses; ``last``: the
+    stage is the last one (its output is the chain output, whose gradient is the loss's).
+
+    Outputs that share a storage with the input (a pass-through: an HF model's last stage
+    returns the loss and the logits it received) are not counted again in the tape, since
+    the tape is pinned to ``a^{i-1}`` (CONTRACT section 5); in the last stage's output they
+    are not counted either (``alias`` reports them, for :func:`~optmem.pytorch.memory.
+    plan_allowance`).
     """
     excluded = s.persistent | {storage_key(t) for t in value_tensors(x)}
     saved: dict[int, int] = {}
+    tape: list[weakref.ref[torch.Tensor]] = []  # what autograd saved, to watch it go
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         try:
@@ -322,6 +350,7 @@ def _stage_memory(module: nn.Module, x: Any, in_size: int, tied: Sequence[nn.Par
             nbytes = int(t.untyped_storage().nbytes())
         if key not in excluded:
             saved[key] = nbytes
+            tape.append(weakref.ref(t))
         return t
 
     counter = _flop_counter(s.count_flops)
@@ -334,18 +363,23 @@ def _stage_memory(module: nn.Module, x: Any, in_size: int, tied: Sequence[nn.Par
     out_tensors = value_tensors(out)
     if not out_tensors:
         raise OptmemInputError("the stage returns no tensor", field="module")
-    for t in out_tensors:
+    side = _returned_beside_loss(out_tensors) if last else []
+    kept = [t for t in out_tensors if not any(t is u for u in side)]
+    for t in kept:
         key = storage_key(t)
-        if key not in s.persistent:
+        if key not in excluded:  # an output aliasing the input is a^{i-1}, kept anyway
             saved[key] = int(t.untyped_storage().nbytes())
     output_size = storage_bytes(out, s.persistent)
+    alias = output_size - storage_bytes(kept, excluded)
+    if last:  # the chain output: its input aliases are a^{L-1}, held until B L
+        output_size -= alias
     saved_size = max(sum(saved.values()), output_size)
     trace_n = StorageTrace(excluded)
     with torch.no_grad(), trace_n:
         module(x)
     fwd_overhead = max(0, trace_f.peak() - saved_size, trace_n.peak() - output_size)
 
-    outs, grads = _grad_targets(out)
+    outs, grads = _grad_targets(kept, excluded if last else frozenset())
     bwd_overhead, bwd_flops = 0, 0.0
     if outs:
         for p in tied:  # a later stage's backward accumulated into it already
@@ -353,11 +387,16 @@ def _stage_memory(module: nn.Module, x: Any, in_size: int, tied: Sequence[nn.Par
         known = s.persistent | {storage_key(p.grad) for p in tied}  # type: ignore[arg-type]
         counter = _flop_counter(s.count_flops)
         trace_b = StorageTrace(known)
+        # the tape is charged whole by the model at B i, and autograd frees it node by node
+        # while the backward allocates: the trace holds it and watches it go
+        trace_b.hold([t for t in (r() for r in tape) if t is not None]
+                     + [t for t in kept if storage_key(t) not in excluded])
+        held = trace_b.alive()
         with trace_b, counter, oplog:
             torch.autograd.backward(outs, grads)
         bwd_flops = float(counter.get_total_flops()) if s.count_flops else 0.0
         wgrads = [p.grad for p in module.parameters() if p.grad is not None]
-        bwd_overhead = max(0, trace_b.peak(exclude=wgrads) - in_size)
+        bwd_overhead = max(0, trace_b.peak(exclude=wgrads) - held - in_size)
         del wgrads
         _clear_grads(list(module.parameters()))
         _clear_grads(x)
@@ -367,7 +406,8 @@ def _stage_memory(module: nn.Module, x: Any, in_size: int, tied: Sequence[nn.Par
         f_cuda, b_cuda = _cuda_overheads(module, x, saved_size, output_size, in_size)
         fwd_overhead, bwd_overhead = max(fwd_overhead, f_cuda), max(bwd_overhead, b_cuda)
     return _StageMemory(output_size, saved_size, fwd_overhead, bwd_overhead, fwd_flops,
-                        bwd_flops, has_bwd, _leaf(out, False), oplog.digest.hexdigest())
+                        bwd_flops, has_bwd, _leaf(out, False), oplog.digest.hexdigest(),
+                        alias if last else 0)
 
 
 class _CudaPeak:
@@ -562,7 +602,8 @@ def profile_stages(
             "clock": timer.clock if times == "measured" else None,
             "time_resolution": time_resolution if times == "measured" else 0.0,
             "time_classes": len({r.signature for r in rows}) if times == "measured" else None,
-            "loss": "loss_fn" if loss_fn is not None else "not profiled"}},
+            "loss": "loss_fn" if loss_fn is not None else "not profiled",
+            "output_left_out": [r.alias for r in rows]}},
     )
 
 
@@ -585,7 +626,7 @@ def _profile_memory(modules: Sequence[nn.Module], stages: Sequence[Stage], sampl
         needs_grad = k > 0 or any(t.requires_grad for t in value_tensors(x_value))
         x = _leaf(x_value, needs_grad)
         tied = [p for p in module.parameters() if p.requires_grad and last_use[id(p)] > k]
-        row = _stage_memory(module, x, in_size, tied, s)
+        row = _stage_memory(module, x, in_size, tied, s, last=k == len(modules) - 1)
         rows.append(row)
         leaves.append(x)
         x_value, in_size = row.out, row.output_size
