@@ -116,6 +116,11 @@ def fmt(x: float | None, digits: int = 2) -> str:
     return f"{x:.{digits}f}"
 
 
+def percent(x: float) -> str:
+    """A fraction as a percentage, or ``-``."""
+    return "-" if not math.isfinite(x) else f"{100 * x:.2f} %"
+
+
 def ratio(dp: Result, exact: Result) -> str:
     """``DP value / proven bound``, marked ``=`` where the bound is the proven optimum."""
     if not (dp.status.has_plan and math.isfinite(exact.bound) and exact.bound > 0):
@@ -146,7 +151,7 @@ def run(problems: list[str], profiles: list[str], limit: float) -> list[str]:
                     f"| {pname} | {profile} | {problem.chain.length} | {label} | {setting.dp} | "
                     f"{fmt(dp.objective)} | {setting.exact} | {exact.status} | "
                     f"{fmt(exact.objective)} | {fmt(exact.bound)} | "
-                    f"{fmt(100 * exact.gap)} % | {seconds:.1f} | {ratio(dp, exact)} |")
+                    f"{percent(exact.gap)} | {seconds:.1f} | {ratio(dp, exact)} |")
                 print(rows[-1], flush=True)
     rows += ["", "| problem | proven (optimal or infeasible) | median time to proof (s) | "
              "max time to proof (s) |", "|---|---|---|---|"]
