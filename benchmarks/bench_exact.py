@@ -20,12 +20,14 @@ side by side, random chains, deterministic work counts); this one is the overvie
 Usage::
 
     python benchmarks/bench_exact.py [--quick] [--time-limit S] [--profiles a,b]
-        [--problems checkpoint,offload] [--out benchmarks/results/exact.md]
+        [--problems checkpoint,offload] [--exact remat-offload=ilp]
+        [--out benchmarks/results/exact.md]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import platform
@@ -173,6 +175,8 @@ def main() -> None:
     parser.add_argument("--profiles", help="comma-separated bundled profiles")
     parser.add_argument("--problems", default=",".join(SETTINGS),
                         help="comma-separated subset of " + ", ".join(SETTINGS))
+    parser.add_argument("--exact", action="append", default=[], metavar="PROBLEM=METHOD",
+                        help="another exact method for a problem (e.g. remat-offload=ilp)")
     parser.add_argument("--out", default="benchmarks/results/exact.md")
     args = parser.parse_args()
     limit = 60.0 if args.quick and args.time_limit == 600.0 else args.time_limit
@@ -182,6 +186,12 @@ def main() -> None:
     unknown = sorted(set(problems) - set(SETTINGS))
     if unknown:
         parser.error(f"unknown problem(s) {', '.join(unknown)}")
+    for item in args.exact:
+        pname, _, method = item.partition("=")
+        if pname not in SETTINGS or not method:
+            parser.error(f"--exact {item}: expected PROBLEM=METHOD, PROBLEM one of "
+                         + ", ".join(SETTINGS))
+        SETTINGS[pname] = dataclasses.replace(SETTINGS[pname], exact=method)
     start = uptime()
     rows = run(problems, profiles, limit)
     head = [
