@@ -10,9 +10,10 @@
   chapter 4 DP, the persistent checkpoint DP and the offload-only DYNPROG that fits the
   class (completed by the engine with the plan's binaries fixed), its horizon is that plan's
   makespan, and the decoded plan is replayed by the simulator (it is never slower than the
-  model says; ``report['model_objective']``). ``time_limit_s`` bounds the whole solve
-  (candidate plans, at most a quarter of it completing the warm start, the search the rest,
-  at least one second) and returns the best verified plan with the engine's bound.
+  model says; ``report['model_objective']``). ``time_limit_s`` bounds everything after the
+  model is built (the candidate plans, at most a quarter of it completing the warm start,
+  the search the rest, at least one second; building and emitting the model come first)
+  and returns the best verified plan with the engine's bound.
 * ``brute``: the independent oracle for tiny chains: every compute sequence with at most
   ``L (L + 1) / 2`` forwards, and for every gap between two consecutive uses of a stored
   value at most one offload/prefetch pair (enumerated window subsets, link orders and issue
