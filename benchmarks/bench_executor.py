@@ -120,6 +120,9 @@ def measure(name: str, rounds: int) -> dict[str, float]:
     base = med["plain"]
     for k, v in med.items():
         print(f"  {k:18s} {v:8.1f} ms  x{v / base:.3f}")
+    print(f"  executor overhead (store-all plan / native): "
+          f"x{med['store-all plan'] / med['store-all native']:.3f}; "
+          f"mid plan / per-layer ckpt: x{med['mid plan'] / med['per-layer ckpt']:.3f}")
     return med
 
 
