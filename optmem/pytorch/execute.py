@@ -183,14 +183,14 @@ def _plan_reads(plan: Sequence[Op], n: int) -> list[bool]:
 
 
 @contextmanager
-def _scratch_buffers(module: nn.Module) -> Iterator[None]:
+def _scratch_buffers(modules: Sequence[nn.Module]) -> Iterator[None]:
     """Run with copies of the buffers, so that a re-run does not update them twice.
 
     The copies are swapped in and out (no in-place write on the real buffers, whose
     version autograd may check: batch norm saves its running statistics).
     """
     swapped = []
-    for sub in module.modules():
+    for sub in modules:
         for name, buf in list(sub._buffers.items()):
             if buf is not None:
                 swapped.append((sub, name, buf))
@@ -318,19 +318,21 @@ class PlanRunner:
         hooks reduce-scatter them from there), so its ``B`` runs ``autograd.backward``.
         """
         index: dict[int, int] = {}
+        modules = self.owner.stage_modules()
         for i in range(1, self.n + 1):
             ids: list[int] = []
             if _is_fsdp_unit(self.owner.stages[i - 1]):
                 self.accumulating.add(i)
                 self.stage_params[i] = ids
                 continue
-            for p in self.owner.stages[i - 1].parameters():
+            for p in _parameters_of(modules[i - 1]):
                 if not p.requires_grad:
                     continue
-                if id(p) not in index:
-                    index[id(p)] = len(self.params)
+                k = index.get(id(p))
+                if k is None:
+                    k = index[id(p)] = len(self.params)
                     self.params.append(p)
-                ids.append(index[id(p)])
+                ids.append(k)
             self.stage_params[i] = ids
         if self.accumulating:  # an input that needs a gradient, so that backward() runs
             self.params.append(self.anchor)  # type: ignore[arg-type]
@@ -341,11 +343,12 @@ class PlanRunner:
         if i - 1 not in self.storage or self.storage[i - 1].value is None:
             raise PlanError(f"{op} needs a^{i - 1}, which is not stored")
         src = self.storage[i - 1].value
-        module = self.owner.stages[i - 1]
-        call = self.functions[i - 1] if self.functions else module
+        call = self.functions[i - 1] if self.functions else self.owner.stages[i - 1]
         first = i not in self.ran
         with ExitStack() as stack:
-            stack.enter_context(side_inputs(self.context))
+            if current_side_inputs_or_none() is not self.context:
+                # in the backward (the forward runs inside the call's own side inputs)
+                stack.enter_context(side_inputs(self.context))
             if not first:
                 stack.enter_context(torch.random.fork_rng(devices=self.devices, enabled=True))
                 if i in self.rng:
@@ -355,7 +358,7 @@ class PlanRunner:
             elif self.owner.preserve_rng_state and i in self.rerun:
                 self.rng[i] = _RngState(self.devices)
             if not first and self.owner.restore_buffers:
-                stack.enter_context(_scratch_buffers(module))
+                stack.enter_context(_scratch_buffers(self.owner.stage_modules()[i - 1]))
             if op.kind is OpKind.F_ALL:
                 tape = _Tape()
                 with torch.enable_grad():
@@ -381,20 +384,24 @@ class PlanRunner:
 
     def _sources(self, value: Any, tape: _Tape, requires_grad: bool) -> Any:
         """The stage input: float tensors go through :class:`_Source` (an edge to ask for)."""
+        if isinstance(value, torch.Tensor):  # the common case, without pytree
+            return self._source(value, tape, requires_grad)
         leaves, spec = tree_flatten(value)
         out = []
         for v in leaves:
-            if isinstance(v, torch.Tensor):
-                if requires_grad and (v.is_floating_point() or v.is_complex()):
-                    # detached: the previous stage's graph must not be reachable from here
-                    t = _Source.apply(v.detach(), self.anchor)
-                    tape.in_edges.append(get_gradient_edge(t))
-                    v = t
-                else:
-                    tape.in_edges.append(None)
-                    v = v.detach()
-            out.append(v)
+            out.append(self._source(v, tape, requires_grad) if isinstance(v, torch.Tensor)
+                       else v)
         return tree_unflatten(out, spec)
+
+    def _source(self, v: torch.Tensor, tape: _Tape, requires_grad: bool) -> torch.Tensor:
+        """One input tensor of a stage (its edge, or ``None``, appended to the tape)."""
+        if requires_grad and (v.is_floating_point() or v.is_complex()):
+            # detached: the previous stage's graph must not be reachable from here
+            t = _Source.apply(v.detach(), self.anchor)
+            tape.in_edges.append(get_gradient_edge(t))
+            return t
+        tape.in_edges.append(None)
+        return v.detach()
 
     def _backward(self, i: int) -> None:
         slot = self.storage.get(i)
@@ -592,6 +599,7 @@ class CheckpointedChain(StageCalls, nn.Module):
         self.strip_suffix = strip_suffix
         self.release_early = release_early
         self._leaves_checked: set[int] = set()
+        self._stage_modules: list[list[nn.Module]] | None = None
         self.set_plan(plan)
 
     def set_plan(self, plan: Sequence[str | Op]) -> None:
@@ -599,10 +607,22 @@ class CheckpointedChain(StageCalls, nn.Module):
         ops = parse_plan(plan)
         self._check_plan(ops)
         self.plan: tuple[Op, ...] = ops
+        self._stage_modules = None
         if self.strip_suffix:
             self._prefix_plan, self._suffix_start = split_suffix(ops, len(self.stages))
         else:
             self._prefix_plan, self._suffix_start = ops, len(self.stages) + 1
+
+    def stage_modules(self) -> list[list[nn.Module]]:
+        """``list(stage.modules())`` of every stage, made once (again after :meth:`set_plan`).
+
+        The executor reads the stages' parameters and buffers through these lists at every
+        step (their current values: a parameter or buffer replaced later is seen); a
+        submodule added to a stage after the first step needs a :meth:`set_plan`.
+        """
+        if self._stage_modules is None or len(self._stage_modules) != len(self.stages):
+            self._stage_modules = [list(m.modules()) for m in self.stages]
+        return self._stage_modules
 
     def _check_plan(self, ops: tuple[Op, ...]) -> None:
         from optmem.chain import Chain
@@ -683,13 +703,35 @@ def run_disabled(executor: Any, x: Any, compiled: bool) -> Any:
     return executor._forward(x, compiled)
 
 
-def _is_fsdp_unit(module: nn.Module) -> bool:
-    """Whether ``module`` is an FSDP2 unit (``fully_shard`` was applied to it)."""
+def _fsdp_module_class() -> type | None:
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover - torch without distributed
-        return False
-    return isinstance(module, FSDPModule)
+        return None
+    return FSDPModule
+
+
+_FSDP_MODULE = _fsdp_module_class()
+
+
+def _is_fsdp_unit(module: nn.Module) -> bool:
+    """Whether ``module`` is an FSDP2 unit (``fully_shard`` was applied to it)."""
+    return _FSDP_MODULE is not None and isinstance(module, _FSDP_MODULE)
+
+
+def _parameters_of(modules: Sequence[nn.Module]) -> Iterator[nn.Parameter]:
+    """``module.parameters()`` from the list ``list(module.modules())`` (same order, each once).
+
+    Reads the modules' current ``_parameters``, so a parameter replaced since the list was
+    made is seen; walking a flat list instead of the module tree saves the recursive
+    generators of ``named_modules`` (hundreds of modules per step on a long chain).
+    """
+    seen: set[int] = set()
+    for m in modules:
+        for p in m._parameters.values():
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                yield p
 
 
 def _backward_accumulating(edges: list[Any], grads: list[torch.Tensor],
