@@ -27,6 +27,7 @@ import math
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -34,7 +35,9 @@ from optmem.datasets import list_datasets, load_dataset
 from optmem.problems.offload import OffloadProblem
 from optmem.result import Result, SolveOptions, Status
 from optmem.solvers.dataset_summary import dataset_summary
-from optmem.solvers.facade import solve
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_exact import fmt, timed  # noqa: E402  (the overview script's shared helpers)
 
 BANDWIDTH = "12GB/s"
 TARGET = ("resnet50-b32-224", 0.3)
@@ -47,16 +50,6 @@ def problem(name: str, alpha: float) -> OffloadProblem:
     return OffloadProblem(chain, int(low + alpha * (high - low)), BANDWIDTH)
 
 
-def timed(prob: OffloadProblem, method: str, options: SolveOptions) -> tuple[Result, float]:
-    start = time.perf_counter()
-    result = solve(prob, method, options=options)
-    return result, time.perf_counter() - start
-
-
-def fmt(x: float | None, digits: int = 2) -> str:
-    if x is None or not math.isfinite(x):
-        return "-"
-    return f"{x:.{digits}f}"
 
 
 def pct(x: float | None) -> str:
