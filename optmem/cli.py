@@ -195,20 +195,15 @@ def format_table(results: Sequence[Result], chain: Chain) -> str:
     return "\n".join(out + [units])
 
 
-EXACT_MODELS = ("ilp", "cpsat", "brute")
-"""Methods that solve a problem's full model: their bounds are lower bounds for every plan.
-
-Other methods' bounds may hold only in their own model (the contiguous pipeline DP is
-optimal among contiguous allocations only), so the summary leaves them out.
-"""
-
-
 def dp_summary(results: Sequence[Result]) -> dict[str, Any]:
     """The DP's value against the exact models' proven bound (issue 15, item 5).
 
     ``dp``: the problem's default method (best of its rows); ``bound``: the largest bound of
-    :data:`EXACT_MODELS`' rows; ``optimum``: their objective when one is proven optimal;
-    ``gap``: ``(dp - bound) / dp``. Missing values are ``None``.
+    the rows of methods that solve the problem's full model
+    (:meth:`~optmem.solvers.registration.MethodInfo.solves_full_model`: not a DP whose
+    bound holds in its own model only, not a restricted variant); ``optimum``: their
+    objective when one is proven optimal; ``gap``: ``(dp - bound) / dp``. Missing values
+    are ``None``.
     """
     from optmem.solvers.facade import method_info
 
@@ -218,8 +213,8 @@ def dp_summary(results: Sequence[Result]) -> dict[str, Any]:
         return out
     default = method_info(results[0].problem, "auto").name
     dps = [r for r in results if r.method == default and r.status.has_plan]
-    exact = [r for r in results if r.method in EXACT_MODELS and math.isfinite(r.bound)
-             and r.status is not Status.ERROR]
+    exact = [r for r in results if method_info(r.problem, r.method).solves_full_model(r.variant)
+             and math.isfinite(r.bound) and r.status is not Status.ERROR]
     if dps:
         best = min(dps, key=lambda r: r.objective)
         out.update(dp_method=_label(best), dp=best.objective)
@@ -234,6 +229,15 @@ def dp_summary(results: Sequence[Result]) -> dict[str, Any]:
     return out
 
 
+def _full_models(results: Sequence[Result]) -> list[str]:
+    """The names of the problem's methods that solve its full model."""
+    from optmem.solvers.facade import methods
+
+    if not results:
+        return []
+    return [m.name for m in methods(results[0].problem).values() if m.full_model]
+
+
 def _label(r: Result) -> str:
     return r.method + (f":{r.variant}" if r.variant and r.variant != "paper" else "")
 
@@ -243,7 +247,8 @@ def format_summary(results: Sequence[Result]) -> str:
     s = dp_summary(results)
     dp = "no DP plan" if s["dp"] is None else f"DP ({s['dp_method']}) {_fmt(s['dp'])}"
     if s["bound"] is None:
-        return f"{dp}; no exact model ran ({', '.join(EXACT_MODELS)}: name them with --methods)"
+        return f"{dp}; no exact model ran ({', '.join(_full_models(results))}: " \
+               "name them with --methods)"
     exact = (f"proven optimum {_fmt(s['optimum'])}" if s["optimum"] is not None
              else f"best proven bound {_fmt(s['bound'])}") + f" ({s['bound_method']})"
     gap = "" if s["gap"] is None else f"; DP gap to it {_fmt(s['gap'] * 100, 3)}%"

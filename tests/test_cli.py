@@ -168,6 +168,27 @@ def test_compare_summary_ignores_bounds_of_other_models(capsys, tmp_path):
     assert data["summary"]["bound"] == ilp["bound"]
 
 
+def test_compare_summary_ignores_restricted_variants():
+    """A persistent-variant bound holds for persistent plans only: never the summary's bound.
+
+    Results made by hand (the persistent optimum above the full one) so the check can fail.
+    """
+    from optmem.cli import dp_summary
+    from optmem.result import Result, Status
+
+    rows = [Result("checkpoint", "dp", Status.OPTIMAL, objective=110.0, bound=110.0,
+                   variant="paper"),
+            Result("checkpoint", "ilp", Status.OPTIMAL, objective=100.0, bound=100.0,
+                   variant="full"),
+            Result("checkpoint", "ilp", Status.OPTIMAL, objective=110.0, bound=110.0,
+                   variant="persistent")]
+    summary = dp_summary(rows)
+    assert summary["bound"] == 100.0 and summary["bound_method"] == "ilp:full"
+    assert summary["optimum"] == 100.0
+    assert summary["gap"] == pytest.approx(10 / 110)
+    assert dp_summary(rows[:1] + rows[2:])["bound"] is None
+
+
 def test_memory_with_units_and_bundled_dataset(capsys):
     code, out, _ = run(capsys, "solve", "checkpoint", "resnet-like-40", "-m", "1GiB", "--json")
     data = json.loads(out)

@@ -241,7 +241,7 @@ solve_revolve = _baseline(
 BRUTE_MAX_LENGTH = 5
 
 
-@register(PROBLEM, "brute", exact=True, max_length=BRUTE_MAX_LENGTH,
+@register(PROBLEM, "brute", exact=True, full_model=True, max_length=BRUTE_MAX_LENGTH,
           description="exhaustive search over op sequences (tiny chains only)")
 def solve_checkpoint_brute(problem: CheckpointProblem, options: SolveOptions) -> Result:
     """Exact optimum of the full operation model by Dijkstra over memory states."""

@@ -177,7 +177,8 @@ def _prepare(problem: CheckpointProblem, options: SolveOptions, method: str = "i
 
 
 # ------------------------------------------------------------------ ILP
-@register(PROBLEM, "ilp", exact=True, requires=("pulp",),
+@register(PROBLEM, "ilp", exact=True, full_model=True, restricted_variants=("persistent",),
+          requires=("pulp",),
           description="exact phase-indexed ILP of the full model (PuLP: HiGHS/CBC/Gurobi)",
           compare_as=(("ilp", 20), ("ilp:persistent", 20)), extra=("sweeps",))
 def solve_checkpoint_ilp(problem: CheckpointProblem, options: SolveOptions) -> Result:
@@ -222,7 +223,8 @@ def _engine_failed(problem: CheckpointProblem, disc: Discretized, start: _Start,
 
 
 # ------------------------------------------------------------------ CP-SAT
-@register(PROBLEM, "cpsat", exact=True, requires=("ortools",),
+@register(PROBLEM, "cpsat", exact=True, full_model=True, restricted_variants=("persistent",),
+          requires=("ortools",),
           description="exact CP-SAT model of the full model (same formulation as ilp)",
           compare_as=(("cpsat", 12), ("cpsat:persistent", 12)), extra=("sweeps",))
 def solve_checkpoint_cpsat(problem: CheckpointProblem, options: SolveOptions) -> Result:

@@ -130,7 +130,7 @@ def solve_min_peak_dp(problem: MinPeakProblem, options: SolveOptions) -> Result:
 
 
 # ------------------------------------------------------------------ exact ILP
-@register(PROBLEM, "ilp", exact=True, requires=("pulp",), max_length=30,
+@register(PROBLEM, "ilp", exact=True, full_model=True, requires=("pulp",), max_length=30,
           description="exact ILP over checkpoint sets (PuLP; HiGHS, CBC fallback)")
 def solve_min_peak_ilp(problem: MinPeakProblem, options: SolveOptions) -> Result:
     """Least peak by the ILP of :mod:`optmem.models.min_peak_ilp`."""
@@ -200,7 +200,7 @@ def brute_force_min_peak(problem: MinPeakProblem) -> tuple[int, tuple[int, ...]]
     return best[0], best[2]
 
 
-@register(PROBLEM, "brute", exact=True, max_length=BRUTE_MAX_LENGTH,
+@register(PROBLEM, "brute", exact=True, full_model=True, max_length=BRUTE_MAX_LENGTH,
           description="every checkpoint subset (tiny chains only)")
 def solve_min_peak_brute(problem: MinPeakProblem, options: SolveOptions) -> Result:
     """Exhaustive search over the ``2^(n-1)`` checkpoint sets."""

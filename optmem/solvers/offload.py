@@ -628,7 +628,8 @@ def _finite(x: float) -> float:
     return x if math.isfinite(x) else -math.inf
 
 
-@register(PROBLEM, "cpsat", exact=True, requires=("ortools",), max_length=CPSAT_MAX_LENGTH,
+@register(PROBLEM, "cpsat", exact=True, full_model=True,
+          requires=("ortools",), max_length=CPSAT_MAX_LENGTH,
           description="exact event-position model of OFF_int, CP-SAT (exact time grid)",
           extra=("prefetch",))
 def solve_cpsat(problem: OffloadProblem, options: SolveOptions) -> Result:
@@ -642,7 +643,8 @@ def solve_cpsat(problem: OffloadProblem, options: SolveOptions) -> Result:
     return _solve_exact(problem, options, "cpsat")
 
 
-@register(PROBLEM, "ilp", exact=True, requires=("pulp",), max_length=ILP_MAX_LENGTH,
+@register(PROBLEM, "ilp", exact=True, full_model=True,
+          requires=("pulp",), max_length=ILP_MAX_LENGTH,
           description="exact event-position model of OFF_int, MILP (HiGHS/CBC/Gurobi)",
           extra=("prefetch",))
 def solve_ilp(problem: OffloadProblem, options: SolveOptions) -> Result:
@@ -665,7 +667,7 @@ def export_offload_ilp(problem: OffloadProblem, options: SolveOptions, path: str
         pm.problem.writeMPS(str(path))
 
 
-@register(PROBLEM, "brute", exact=True, max_length=BRUTE_MAX_LENGTH,
+@register(PROBLEM, "brute", exact=True, full_model=True, max_length=BRUTE_MAX_LENGTH,
           description="enumerate offload sets, transfer orders and issue points (tiny chains)")
 def solve_brute(problem: OffloadProblem, options: SolveOptions) -> Result:
     """Exact OFF_int optimum by enumeration and simulation."""

@@ -149,7 +149,7 @@ def solve_pipeline_pipedream(problem: PipelineProblem, options: SolveOptions) ->
 
 
 # ------------------------------------------------------------------ exact models, MadPipe
-@register(PROBLEM, "ilp", exact=True, requires=("pulp",), max_length=8,
+@register(PROBLEM, "ilp", exact=True, full_model=True, requires=("pulp",), max_length=8,
           description="exact model of thesis ch. 6 (corrected), general allocations (PuLP)",
           extra=EXACT_EXTRA)
 def solve_pipeline_ilp(problem: PipelineProblem, options: SolveOptions) -> Result:
@@ -157,7 +157,7 @@ def solve_pipeline_ilp(problem: PipelineProblem, options: SolveOptions) -> Resul
     return solve_exact(problem, options, "ilp")
 
 
-@register(PROBLEM, "cpsat", exact=True, requires=("ortools",), max_length=8,
+@register(PROBLEM, "cpsat", exact=True, full_model=True, requires=("ortools",), max_length=8,
           description="the same exact model with CP-SAT (intervals), general allocations",
           extra=EXACT_EXTRA)
 def solve_pipeline_cpsat(problem: PipelineProblem, options: SolveOptions) -> Result:

@@ -52,6 +52,14 @@ class MethodInfo:
         The ``SolveOptions.extra`` keys the method reads (any other key is an input error).
     default
         Whether ``method="auto"`` picks it (one per problem).
+    full_model
+        Whether the method solves the problem's full model, so that its bound is a lower
+        bound for every plan of the problem (the exact models and brute force). ``exact``
+        alone is weaker: the contiguous pipeline DP proves optimality among contiguous
+        allocations only. ``compare``'s summary reads bounds of these methods only.
+    restricted_variants
+        Variants of a ``full_model`` method that solve a restriction of the full model (the
+        checkpoint ILP's ``persistent``): their bounds hold for that restriction only.
     """
 
     problem: str
@@ -65,6 +73,12 @@ class MethodInfo:
     compare_as: tuple[tuple[str, int | None], ...] = ()
     extra: tuple[str, ...] = ()
     default: bool = False
+    full_model: bool = False
+    restricted_variants: tuple[str, ...] = ()
+
+    def solves_full_model(self, variant: str | None) -> bool:
+        """Whether a result of this method in ``variant`` bounds every plan of the problem."""
+        return self.full_model and variant not in self.restricted_variants
 
     def is_available(self) -> bool:
         """Whether every required module can be imported."""
@@ -83,6 +97,8 @@ def register(
     max_length: int | None = None,
     compare_as: Sequence[tuple[str, int | None]] = (),
     extra: Sequence[str] = (),
+    full_model: bool = False,
+    restricted_variants: Sequence[str] = (),
 ) -> Callable[[MethodFn], MethodFn]:
     """Declare ``fn`` as method ``name`` of ``problem`` (decorator; see :class:`MethodInfo`).
 
@@ -92,7 +108,8 @@ def register(
     def deco(fn: MethodFn) -> MethodFn:
         info = MethodInfo(problem, name, fn, exact, description, tuple(requires), in_compare,
                           max_length, tuple(compare_as) or ((name, max_length),),
-                          tuple(extra), default)
+                          tuple(extra), default, full_model,
+                          tuple(restricted_variants))
         setattr(fn, _METHODS_ATTR, (*declared_methods(fn), info))
         return fn
 

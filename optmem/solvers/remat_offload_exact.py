@@ -207,7 +207,7 @@ def _overlap(windows: list[Window], chosen: Sequence[int]) -> bool:
     return False
 
 
-@register(PROBLEM, "brute", exact=True, max_length=BRUTE_MAX_LENGTH,
+@register(PROBLEM, "brute", exact=True, full_model=True, max_length=BRUTE_MAX_LENGTH,
           description="exact: compute sequences x enumerated transfers (L <= 2)")
 def solve_brute(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     """Exact optimum by enumeration and simulation (independent of the model)."""
@@ -401,7 +401,7 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
     return res
 
 
-@register(PROBLEM, "ilp", exact=True, requires=("pulp",),
+@register(PROBLEM, "ilp", exact=True, full_model=True, requires=("pulp",),
           description="exact model (checkpoint slots + link positions, O.7 memory), PuLP",
           compare_as=(("ilp", 6),),
           extra=("sweeps", "transfers_per_gap", "grid", "backlog_grid", "prefetch"))
@@ -410,7 +410,7 @@ def solve_ilp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     return _solve_model(problem, options, "ilp")
 
 
-@register(PROBLEM, "cpsat", exact=True, requires=("ortools",),
+@register(PROBLEM, "cpsat", exact=True, full_model=True, requires=("ortools",),
           description="exact model (same formulation as ilp), CP-SAT",
           compare_as=(("cpsat", 6),),
           extra=("sweeps", "transfers_per_gap", "grid", "backlog_grid", "prefetch"))
