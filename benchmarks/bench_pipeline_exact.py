@@ -18,6 +18,11 @@ Part 4 (allocations): the headline instance with the allocation fixed (the conti
 optimum's, the relaxation's at two periods, two hand-made non-contiguous ones) and the period
 capped just below the best known plan's: does any of them admit a better plan?
 
+Part 5 (strategies): ``cpsat`` with the full model against ``cpsat`` with the allocation
+decomposition (``extra={"strategy": "benders"}``, :mod:`optmem.solvers.pipeline_benders`) on
+ResNet-18 and ResNet-50 at 1.1x / 1.5x / 3x the smallest contiguous memory (4 GPUs, 12 GB/s,
+``--time-limit`` each), then the decomposition on the headline (``--headline`` seconds).
+
 Every engine runs on 2 threads. HiGHS nodes come from the engine; CP-SAT's branches are
 read from its own log (the engine adapter does not report them). Machine load is recorded
 (``uptime``) before each part: the machine is shared, wall times vary with it.
@@ -25,7 +30,8 @@ read from its own log (the engine adapter does not report them). Machine load is
 Usage::
 
     python benchmarks/bench_pipeline_exact.py [--quick] [--time-limit S] [--headline S]
-        [--parts pcmax profiles headline] [--out benchmarks/results/pipeline_exact.md]
+        [--parts pcmax profiles headline allocations strategies]
+        [--out benchmarks/results/pipeline_exact.md]
 """
 
 from __future__ import annotations
@@ -263,6 +269,44 @@ def part_allocations(cutoff: float, limit: float) -> list[str]:
     return rows
 
 
+# ------------------------------------------------------------------ part 5
+STRATEGY_PROFILES = ("resnet18-b64-224", "resnet50-b32-224")
+
+
+def strategy_row(label: str, problem: PipelineProblem, strategy: str, limit: float) -> str:
+    """One solve of ``cpsat`` with ``strategy``, as a table row."""
+    out = run(problem, "cpsat", limit, strategy=strategy)
+    r = out["result"]
+    rep = r.report
+    work = (f"{rep.get('benders_allocations', '-')} / {rep.get('benders_masters', '-')}"
+            if strategy == "benders" else "-")
+    row = (f"| {label} | {strategy} | {r.status} | {fmt(r.objective)} | {fmt(r.bound)} | "
+           f"{gap(r)} | {out['time']:.0f} | {work} |")
+    print(row, flush=True)
+    return row
+
+
+def part_strategies(limit: float, headline: float) -> list[str]:
+    rows = [f"Load: {uptime()}.", "",
+            "| instance | strategy | status | period | bound | gap | time (s) | "
+            "allocations / master solves |", "|---|---|---|---|---|---|---|---|"]
+    for name in STRATEGY_PROFILES:
+        chain = resolve_chain(name)
+        bw = parse_pipeline_bandwidth("12GB/s", chain.time_unit)
+        low = min_memory_contiguous(PipelineProblem(chain, 4, 1, chain_bandwidth=bw))
+        for factor in FACTORS:
+            problem = PipelineProblem(chain, 4, int(low * factor), chain_bandwidth=bw)
+            for strategy in ("full", "benders"):
+                rows.append(strategy_row(f"{name} {factor}x", problem, strategy, limit))
+    if headline:
+        chain = resolve_chain("resnet50-b32-224")
+        bw = parse_pipeline_bandwidth("12GB/s", chain.time_unit)
+        problem = PipelineProblem(chain, 4, 3 * GIB, chain_bandwidth=bw)
+        rows.append(f"Load before the headline: {uptime()}.")
+        rows.append(strategy_row("resnet50 3 GiB (headline)", problem, "benders", headline))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer instances, short limits")
@@ -272,8 +316,10 @@ def main() -> None:
     parser.add_argument("--profiles", nargs="+", default=list(PROFILES))
     parser.add_argument("--gpus", nargs="+", type=int, default=[4])
     parser.add_argument("--parts", nargs="+",
-                        choices=("pcmax", "profiles", "headline", "allocations"),
-                        default=["pcmax", "profiles", "headline", "allocations"],
+                        choices=("pcmax", "profiles", "headline", "allocations",
+                                 "strategies"),
+                        default=["pcmax", "profiles", "headline", "allocations",
+                                 "strategies"],
                         help="parts to run")
     parser.add_argument("--out", help="write the Markdown here")
     args = parser.parse_args()
@@ -295,6 +341,10 @@ def main() -> None:
     if "allocations" in args.parts:
         text += ["## ResNet-50, 4 GPUs, 3 GiB, 12 GB/s: fixed allocations, period <= 35.5 "
                  "(CP-SAT, 300 s each)", "", *part_allocations(35.5, 300.0), ""]
+    if "strategies" in args.parts:
+        text += [f"## Full model against the allocation decomposition (CP-SAT, "
+                 f"{args.time_limit:g} s each; headline {args.headline:g} s)", "",
+                 *part_strategies(args.time_limit, args.headline), ""]
     text += [f"Total wall time {time.perf_counter() - start:.0f} s; 2 threads per engine."]
     out = "\n".join(text) + "\n"
     print(out)

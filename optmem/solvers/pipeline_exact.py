@@ -18,7 +18,11 @@ Options: ``time_limit_s`` (``None``: no limit), ``node_limit`` (the MILP engines
 limit. ``extra["warm_madpipe"]`` (default ``True``: also run MadPipe for the incumbent; it
 gets a tenth of the time limit, or its own deterministic work limits when there is none),
 ``extra["relaxation"]`` (default ``True``: bound the period by
-:func:`relaxation_bound` first; needs OR-Tools).
+:func:`relaxation_bound` first; needs OR-Tools), ``extra["strategy"]`` (``"full"``, the
+default: the whole model at once; ``"benders"``: the allocation decomposition of
+:mod:`optmem.solvers.pipeline_benders`, the method's engine solving the fixed-allocation
+subproblems, CP-SAT the master; it falls back to ``"full"`` without an incumbent or without
+OR-Tools).
 """
 
 from __future__ import annotations
@@ -29,12 +33,14 @@ from typing import Any
 
 from optmem.engines import adapters as engines
 from optmem.engines.results import engine_failure
+from optmem.errors import OptmemInputError
 from optmem.models.formulation import rational_time_scale, to_cpsat
 from optmem.models.pipeline import TIME_RESOLUTION, build_relaxation, make_units
 from optmem.pipeline_plan import PipelinePlan
 from optmem.problems.pipeline import PipelineProblem
 from optmem.result import Result, SolveOptions, Status
 from optmem.solvers import pipeline_contiguous as contig
+from optmem.solvers.pipeline_benders import solve_benders
 from optmem.solvers.pipeline_common import (
     OPTIMALITY_TOLERANCE,
     fits,
@@ -47,6 +53,8 @@ from optmem.solvers.pipeline_common import (
 from optmem.solvers.pipeline_madpipe import solve_madpipe
 
 Candidate = tuple[float, PipelinePlan, str]
+STRATEGIES = ("full", "benders")
+"""``extra["strategy"]``: the full model, or the allocation decomposition."""
 
 
 def incumbents(problem: PipelineProblem, options: SolveOptions) -> list[Candidate]:
@@ -121,6 +129,10 @@ def relaxation_bound(problem: PipelineProblem, upper: float, options: SolveOptio
 
 def solve_exact(problem: PipelineProblem, options: SolveOptions, method: str) -> Result:
     """Optimal allocation and 1-periodic pattern (``method``: ``ilp`` or ``cpsat``)."""
+    strategy = options.extra.get("strategy", "full")
+    if strategy not in STRATEGIES:
+        raise OptmemInputError(f"unknown strategy {strategy!r} (expected one of "
+                               f"{', '.join(STRATEGIES)})", field="strategy")
     if method == "ilp":
         engines.check_engine(options.solver)
     solver = options.solver if method == "ilp" else "cpsat"
@@ -139,6 +151,10 @@ def solve_exact(problem: PipelineProblem, options: SolveOptions, method: str) ->
         return plan_result(problem, best[1], method=method, status=Status.OPTIMAL,
                            bound=min(relaxed, best[0]), claimed=best[0], solver=solver,
                            report=report)
+    if best is not None and strategy == "benders" \
+            and engines.is_available("cpsat"):
+        return _decomposed(problem, options, method, solver, starts, relaxed,
+                           None if limit is None else start + limit, report)
     left = None if limit is None else max(0.0, limit - (time.perf_counter() - start))
     run = run_model(problem, method, options.with_(time_limit_s=left),
                     upper_bound=best[0] if best else None, warm=best[1] if best else None,
@@ -169,6 +185,49 @@ def solve_exact(problem: PipelineProblem, options: SolveOptions, method: str) ->
     status = Status.OPTIMAL if proven(period, bound) else Status.FEASIBLE
     return plan_result(problem, plan, method=method, status=status, bound=min(bound, period),
                        claimed=period, solver=solver, report=report)
+
+
+FULL_SHARE = 0.25
+"""Share of a wall-clock limit the ``benders`` strategy first gives the full model."""
+
+
+def _decomposed(problem: PipelineProblem, options: SolveOptions, method: str, solver: str,
+                starts: list[Candidate], relaxed: float, deadline: float | None,
+                report: dict[str, Any]) -> Result:
+    """Strategy ``benders``: a short full-model run, then the allocation decomposition.
+
+    Under a limit (``time_limit_s``: :data:`FULL_SHARE` of what is left;
+    ``deterministic_time``: its own) the full model runs first, from the best incumbent: it
+    often finds better non-contiguous plans quickly, and its bound is kept. Then
+    :mod:`optmem.solvers.pipeline_benders` starts from the best replayed plan and bound.
+    """
+    candidates = list(starts)
+    bound = relaxed
+    if deadline is not None or options.deterministic_time is not None:
+        left = None if deadline is None else FULL_SHARE * max(0.0, deadline - time.perf_counter())
+        best = min(candidates, key=lambda c: c[0])
+        run = run_model(problem, method, options.with_(time_limit_s=left),
+                        upper_bound=best[0], warm=best[1], lower=relaxed)
+        report = {**report, "full_model": {k: run.report.get(k) for k in (
+            "engine_status", "engine_time_s", "nodes") if k in run.report}}
+        if run.plan is not None and not run.failed and fits(problem, run.plan):
+            candidates.append((run.plan.period, run.plan, "engine"))
+        if run.bound == math.inf and not run.failed:
+            bound = max(bound, best[0] - 2 * run.step)
+        elif math.isfinite(run.bound) and not run.failed:
+            bound = max(bound, run.bound)
+    period, plan, _ = min(candidates, key=lambda c: c[0])
+    out = solve_benders(problem, method, options, period=period, plan=plan, bound=bound,
+                        deadline=deadline)
+    report = {**report, **out.report, "strategy": "benders",
+              "incumbents": {s: p for p, _, s in starts}}
+    candidates += [(p, pl, "benders") for p, pl in out.found]
+    period, plan, source = min(candidates, key=lambda c: c[0])
+    report["source"] = source
+    status = Status.OPTIMAL if proven(period, out.bound) else Status.FEASIBLE
+    return plan_result(problem, plan, method=method, status=status,
+                       bound=min(out.bound, period), claimed=period, solver=solver,
+                       report=report)
 
 
 def _failure(problem: PipelineProblem, method: str, solver: str, out: engines.EngineResult,
