@@ -126,16 +126,44 @@ def options_from_args(args: argparse.Namespace) -> SolveOptions:
     if args.time_limit is not None and not args.time_limit > 0:
         raise OptmemInputError(f"expected a positive time limit, got {args.time_limit}",
                                field="--time-limit")
+    extra = parse_extra_options(getattr(args, "option", None) or [])
     try:
         return SolveOptions(variant=args.variant, slots=args.slots,
                             time_limit_s=args.time_limit, solver=args.solver,
                             threads=args.threads, verbose=args.verbose,
                             node_limit=getattr(args, "node_limit", None),
                             deterministic_time=getattr(args, "deterministic_time", None),
-                            seed=getattr(args, "seed", 0))
+                            seed=getattr(args, "seed", 0), extra=extra)
     except OptmemInputError as exc:
         raise OptmemInputError(exc.reason, field="--" + (exc.field or "").replace("_", "-")
                                ) from None
+
+
+def parse_extra_options(items: Sequence[str]) -> dict[str, Any]:
+    """``--option KEY=VALUE`` flags as ``SolveOptions.extra`` (the Python API's ``extra``).
+
+    A value is read as JSON where it parses (``4``, ``true``, ``{"a": 1}``, ``[1, 2]``),
+    otherwise kept as a string (``strategy=benders``). Which keys a method reads is checked
+    by the facade (one error naming the closest known key).
+
+    Examples
+    --------
+    >>> parse_extra_options(["strategy=benders", "sweeps=2", "prefetch=true"])
+    {'strategy': 'benders', 'sweeps': 2, 'prefetch': True}
+    """
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise OptmemInputError(f"expected KEY=VALUE, got {item!r}", field="--option")
+        if key in out:
+            raise OptmemInputError(f"option {key!r} given twice", field="--option")
+        try:
+            out[key] = json.loads(raw)
+        except ValueError:
+            out[key] = raw
+    return out
 
 
 # ------------------------------------------------------------------ output
@@ -465,6 +493,9 @@ def _add_common(p: argparse.ArgumentParser, *, memory: bool = True) -> None:
     p.add_argument("--threads", type=worker_count, default=2,
                    help="threads for exact engines (1..256)")
     p.add_argument("--verbose", action="store_true", help="show engine logs")
+    p.add_argument("--option", action="append", metavar="KEY=VALUE",
+                   help="a method option (SolveOptions.extra), repeatable; VALUE is JSON "
+                        "or a string, e.g. --option strategy=benders")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
 
 

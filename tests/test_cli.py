@@ -220,3 +220,34 @@ def test_demo_compares_and_proves(capsys):
     rows = {line.split()[0]: line.split() for line in exact.splitlines()[3:8]}
     assert rows["ilp:full"][1] == "optimal" and rows["dp"][1] == "optimal"
     assert float(rows["ilp:full"][2]) <= float(rows["dp"][2])
+
+
+def test_option_flags_reach_the_method(capsys, tmp_path):
+    """``--option KEY=VALUE`` is ``SolveOptions.extra``: the CLI accepts what the API does.
+
+    That the value reaches the method is shown by ``strategy=nonsense`` failing below.
+    """
+    path = tmp_path / "c.json"
+    random_chain(4, seed=3).save(path)
+    base = ("solve", "pipeline", str(path), "-m", "1000000", "--gpus", "2", "--method",
+            "cpsat", "--deterministic-time", "5", "--json")
+    code, out, _ = run(capsys, *base, "--option", "strategy=benders")
+    assert code == 0
+    data = json.loads(out)
+    assert data["status"] == "optimal"
+    code, plain, _ = run(capsys, *base)
+    assert code == 0 and json.loads(plain)["objective"] == data["objective"]
+
+
+@pytest.mark.parametrize("flag, words", [
+    ("strategy", "KEY=VALUE"),
+    ("stratgy=benders", "strategy"),
+    ("strategy=nonsense", "strategy"),
+])
+def test_bad_option_flags_exit_2_with_one_line(capsys, tmp_path, flag, words):
+    path = tmp_path / "c.json"
+    random_chain(4, seed=3).save(path)
+    code, out, err = run(capsys, "solve", "pipeline", str(path), "-m", "1000000", "--gpus",
+                         "2", "--method", "cpsat", "--option", flag)
+    assert code == 2 and out == ""
+    assert words in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
