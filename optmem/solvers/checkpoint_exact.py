@@ -87,10 +87,10 @@ HIGHS_DEFAULTS: dict[str, Any] = {"mip_pscost_minreliable": 0}
 ``mip_pscost_minreliable = 0``: branch on pseudo-costs without HiGHS's reliability strong
 branching. On these models the strong-branching LPs (174k non-zeros on ResNet-152) took
 most of the time and the tree did not move (0-3 nodes in 120-150 s); without them
-ResNet-101 at 10 % is proven (82 s, 262 nodes; before: gap 0.74 % after 120 s), UNet and
-the random L = 10 chain at 10-30 % in 2.2-2.3 s instead of 14-15 s
-(``benchmarks/results/checkpoint_exact.md``). The bound and the answers are unchanged
-(an engine setting, not a model change; the gaps stay 0).
+ResNet-101 at 10 % is proven (82 s, 262 nodes; before: gap 0.74 % after 120 s); small
+chains take the same time with fewer LP iterations
+(``benchmarks/results/checkpoint_exact.md``). The model and its optimum are unchanged (an
+engine setting, not a model change; the gaps stay 0).
 """
 
 
