@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import os
 import platform
@@ -56,6 +57,8 @@ NETWORKS = ["unet-b4-512", "resnet18-b64-224", "vit-b16-b64-224", "gpt2-small-b8
             "resnet101-b32-224", "gpt2-large-b2-1024", "resnet152-b32-224",
             "densenet121-b32-224"]
 HEADLINE = ("resnet152-b32-224", 0.3)
+HIGHS_OPTIONS: dict[str, object] = {}
+"""Extra HiGHS options of every ILP solve on HiGHS (``--highs-options``)."""
 
 
 # ------------------------------------------------------------------ helpers
@@ -116,8 +119,10 @@ def _run(problem: CheckpointProblem, engine: str, time_limit: float | None,
          method: str | None = None) -> tuple[Result, float, str, str]:
     """Solve; return the result, wall time, nodes (branches) and LP iterations (det. time)."""
     method = method or ("cpsat" if engine == "cpsat" else "ilp")
+    extra = {"highs_options": dict(HIGHS_OPTIONS)} if engine == "highs" and HIGHS_OPTIONS \
+        else {}
     opts = SolveOptions(solver="highs" if engine == "cpsat" else engine,
-                        time_limit_s=time_limit, threads=2, verbose=True)
+                        time_limit_s=time_limit, threads=2, verbose=True, extra=extra)
     with _captured_stdout() as log:
         start = time.perf_counter()
         r = solve(problem, method, options=opts)
@@ -297,7 +302,13 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/checkpoint_exact.md")
     parser.add_argument("--networks", default=None,
                         help="comma-separated bundled profiles for part 3 (default: all)")
+    parser.add_argument("--fracs", default=None,
+                        help="comma-separated memory fractions for part 3 (default 0.1,0.3,0.6)")
+    parser.add_argument("--highs-options", default=None,
+                        help='JSON dict of extra HiGHS options (ILP on HiGHS)')
     args = parser.parse_args()
+    if args.highs_options:
+        HIGHS_OPTIONS.update(json.loads(args.highs_options))
     parts = {int(p) for p in args.parts.split(",")}
     if args.quick:
         lengths, fracs, limit = [5, 10], [0.1], args.time_limit or 10.0
@@ -328,9 +339,12 @@ def main() -> None:
         sections.extend([f"## Persistent DP vs proven optimum ({count} random chains, L = "
                          f"{gap_lengths.start}..{gap_lengths.stop - 1}, memory at 0/10/25 %)",
                          "", f"Load before: `{load}`.", "", *body, ""])
+    net_fracs = [float(f) for f in args.fracs.split(",")] if args.fracs else [0.1, 0.3, 0.6]
     if 3 in parts:
-        section(f"Bundled profiles at 10/30/60 % (ILP on HiGHS, 2 threads, limit {limit:g} s)",
-                lambda: part_networks(nets, [0.1, 0.3, 0.6], limit))
+        shown = "/".join(f"{round(100 * f)}" for f in net_fracs)
+        options = f", HiGHS options {json.dumps(HIGHS_OPTIONS)}" if HIGHS_OPTIONS else ""
+        section(f"Bundled profiles at {shown} % (ILP on HiGHS, 2 threads, limit {limit:g} s"
+                f"{options})", lambda: part_networks(nets, net_fracs, limit))
     if 4 in parts:
         section(f"CP-SAT against the ILP where `compare` runs both (limit {limit:g} s)",
                 lambda: part_cpsat(args.quick, limit))

@@ -306,6 +306,31 @@ def test_bad_options() -> None:
         run(chain, 100, "cpsat", extra={"sweeps": 0})
 
 
+def test_highs_options_reach_the_engine() -> None:
+    """``extra["highs_options"]`` is passed to HiGHS (a leaf limit stops it, deterministically)."""
+    chain = random_chain(12, seed=11)
+    memory = chain.input_size + (chain.store_all_peak() - chain.input_size) // 2
+    default = value(run(chain, memory, "ilp"))
+    stopped = run(chain, memory, "ilp", extra={"highs_options": {"mip_max_leaves": 1}})
+    assert stopped.status is Status.FEASIBLE
+    assert stopped.report["engine_status"] == "kSolutionLimit"
+    assert stopped.bound < default == stopped.objective
+    for options in ({"mip_pscost_minreliable": 0}, {"mip_pscost_minreliable": 8}):
+        assert value(run(chain, memory, "ilp", extra={"highs_options": options})) == default
+    # other engines ignore them
+    assert value(run(chain, memory, "ilp", solver="cbc",
+                     extra={"highs_options": {"mip_max_leaves": 1}})) == default
+
+
+@pytest.mark.parametrize("bad", [{"mip_rel_gap": 0.1}, {"mip_abs_gap": 1.0}, {"threads": 1},
+                                 {"no_such_option": 1}, {"mip_pscost_minreliable": "x"},
+                                 {"mip_pscost_minreliable": [0]}, [("presolve", "off")]])
+def test_bad_highs_options(bad: object) -> None:
+    """The gaps stay 0 (``optimal`` is a proof); unknown or ill-typed options are input errors."""
+    with pytest.raises(OptmemInputError, match="highs_options"):
+        run(random_chain(3, seed=0), 100, "ilp", extra={"highs_options": bad})
+
+
 # ------------------------------------------------------------------ export
 def test_exported_mps_solved_by_highspy_alone(tmp_path) -> None:  # noqa: ANN001
     import highspy

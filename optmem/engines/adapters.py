@@ -178,12 +178,59 @@ class _Settings:
     verbose: bool
     node_limit: int | None
     seed: int
+    highs_options: dict[str, Any] = field(default_factory=dict)
+
+
+HIGHS_PROTECTED = ("mip_rel_gap", "mip_abs_gap", "threads", "time_limit", "random_seed",
+                   "mip_max_nodes", "output_flag")
+"""HiGHS options :func:`solve_pulp` sets itself (a zero gap, so ``optimal`` means proven)."""
+
+
+def check_highs_options(options: Any) -> dict[str, Any]:
+    """A copy of extra HiGHS options, checked: a dict of names to numbers / strings / bools.
+
+    Raises
+    ------
+    OptmemInputError
+        For anything else, and for the options the adapter sets itself
+        (:data:`HIGHS_PROTECTED`: the gaps stay 0 so that ``optimal`` is a proof).
+
+    Examples
+    --------
+    >>> check_highs_options({"mip_pscost_minreliable": 0})
+    {'mip_pscost_minreliable': 0}
+    """
+    if options is None:
+        return {}
+    if not isinstance(options, dict) or not all(isinstance(k, str) for k in options):
+        raise OptmemInputError(f"expected a dict of HiGHS option names to values, got "
+                               f"{options!r}", field="highs_options")
+    for key, value in options.items():
+        if key in HIGHS_PROTECTED:
+            raise OptmemInputError(f"HiGHS option {key!r} is set by optmem itself "
+                                   "(gaps stay 0; use time_limit_s / node_limit / seed / "
+                                   "threads)", field="highs_options")
+        if not isinstance(value, bool | int | float | str):
+            raise OptmemInputError(f"HiGHS option {key!r}: expected a number, string or "
+                                   f"bool, got {value!r}", field="highs_options")
+    if options and importlib.util.find_spec("highspy") is not None:
+        import highspy  # type: ignore[import-untyped]
+
+        probe = highspy.Highs()
+        probe.setOptionValue("output_flag", False)
+        for key, value in options.items():
+            if probe.setOptionValue(key, value) != highspy.HighsStatus.kOk:
+                raise OptmemInputError(f"HiGHS rejects option {key} = {value!r} (unknown "
+                                       "name or a value of the wrong type or range)",
+                                       field="highs_options")
+    return dict(options)
 
 
 def solve_pulp(
     problem: Any, variables: Sequence[Any], engine: str = "highs", *,
     time_limit_s: float | None = None, threads: int = 2, initial: Sequence[float] | None = None,
     verbose: bool = False, node_limit: int | None = None, seed: int = 0,
+    highs_options: dict[str, Any] | None = None,
 ) -> EngineResult:
     """Solve a PuLP minimisation ``problem`` with ``engine``.
 
@@ -200,6 +247,9 @@ def solve_pulp(
         random seed.
     initial
         A feasible assignment to start from (warm start), or ``None``.
+    highs_options
+        Further HiGHS options (name -> value, e.g. ``mip_pscost_minreliable``), checked by
+        :func:`check_highs_options`; the other engines ignore them.
 
     Returns
     -------
@@ -207,13 +257,15 @@ def solve_pulp(
         ``status: error`` (with the engine's message) when the engine failed.
     """
     check_engine(engine)
+    extra_highs = check_highs_options(highs_options)
     if initial is not None:
         for v, x in zip(variables, initial, strict=True):
             v.setInitialValue(x)
     else:
         for v in variables:
             v.varValue = None
-    settings = _Settings(time_limit_s, threads, initial, verbose, node_limit, seed)
+    settings = _Settings(time_limit_s, threads, initial, verbose, node_limit, seed,
+                         extra_highs)
     run = {"highs": _solve_highs, "cbc": _solve_cbc, "gurobi": _solve_gurobi}[engine]
     start = time.perf_counter()
     try:
@@ -327,7 +379,7 @@ def _solve_highs(problem: Any, settings: _Settings) -> tuple[Status, float, str,
                 # the values are already read, and the status is mapped above
                 return pulp.LpStatusNotSolved, pulp.LpSolutionNoSolutionFound
 
-    params: dict[str, Any] = {"random_seed": int(settings.seed)}
+    params: dict[str, Any] = {**settings.highs_options, "random_seed": int(settings.seed)}
     if settings.node_limit is not None:
         params["mip_max_nodes"] = int(settings.node_limit)
     solver = _Highs(msg=settings.verbose, gapRel=0.0, gapAbs=1e-9, threads=settings.threads,

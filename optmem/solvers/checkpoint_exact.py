@@ -11,7 +11,10 @@ objective of the decoded plan must equal the simulated makespan.
 Options read from :class:`optmem.result.SolveOptions`: ``variant`` (``full`` default,
 ``persistent``), ``solver`` (ILP engine), ``time_limit_s``, ``node_limit`` (``ilp``),
 ``deterministic_time`` (``cpsat``), ``seed``, ``threads``, ``warm_start``, ``verbose``,
-``extra["sweeps"]`` (increasing forward runs per phase, default 1).
+``extra["sweeps"]`` (increasing forward runs per phase, default 1), ``extra["highs_options"]``
+(``ilp`` on HiGHS: HiGHS options over :data:`HIGHS_DEFAULTS`, e.g.
+``{"mip_pscost_minreliable": 8}`` for HiGHS's own strong branching; the gaps stay 0, see
+:func:`optmem.engines.adapters.check_highs_options`).
 
 An engine that fails (:mod:`optmem.engines.results`) gives ``feasible`` with the DP
 plan when it was the warm start, ``error`` otherwise.
@@ -78,6 +81,25 @@ def _sweeps(options: SolveOptions) -> int:
     return sweeps
 
 
+HIGHS_DEFAULTS: dict[str, Any] = {"mip_pscost_minreliable": 0}
+"""HiGHS options of the checkpoint ILP unless ``extra["highs_options"]`` overrides them.
+
+``mip_pscost_minreliable = 0``: branch on pseudo-costs without HiGHS's reliability strong
+branching. On these models the strong-branching LPs (174k non-zeros on ResNet-152) took
+most of the time and the tree did not move (0-3 nodes in 120-150 s); without them
+ResNet-101 at 10 % is proven (82 s, 262 nodes; before: gap 0.74 % after 120 s); small
+chains take the same time with fewer LP iterations
+(``benchmarks/results/checkpoint_exact.md``). The model and its optimum are unchanged (an
+engine setting, not a model change; the gaps stay 0).
+"""
+
+
+def _highs_options(options: SolveOptions) -> dict[str, Any]:
+    """:data:`HIGHS_DEFAULTS` updated by the checked ``extra["highs_options"]`` (HiGHS only)."""
+    checked = engines.check_highs_options(options.extra.get("highs_options"))
+    return {**HIGHS_DEFAULTS, **checked} if options.solver == "highs" else {}
+
+
 def _dp_start(disc: Discretized, form: Formulation, wanted: bool) -> _Start:
     """The persistent DP plan (paper variant) and its assignment in ``form``."""
     budget = disc.memory_limit - disc.chain.input_size
@@ -113,7 +135,7 @@ def _min_memory(problem: CheckpointProblem, options: SolveOptions, variant: str,
     scale = engines.coefficient_scale(chain.store_all_peak())
     form = build_formulation(chain, None, variant, sweeps, size_scale=scale)
     model = emit_pulp(form)
-    settings = engines.pulp_settings(options)
+    settings = {**engines.pulp_settings(options), "highs_options": _highs_options(options)}
     if settings["time_limit_s"] is not None:
         settings["time_limit_s"] = min(settings["time_limit_s"], MIN_MEMORY_TIME_LIMIT_S)
     elif settings["node_limit"] is None:
@@ -180,10 +202,11 @@ def _prepare(problem: CheckpointProblem, options: SolveOptions, method: str = "i
 @register(PROBLEM, "ilp", exact=True, full_model=True, restricted_variants=("persistent",),
           requires=("pulp",),
           description="exact phase-indexed ILP of the full model (PuLP: HiGHS/CBC/Gurobi)",
-          compare_as=(("ilp", 20), ("ilp:persistent", 20)), extra=("sweeps",))
+          compare_as=(("ilp", 20), ("ilp:persistent", 20)), extra=("sweeps", "highs_options"))
 def solve_checkpoint_ilp(problem: CheckpointProblem, options: SolveOptions) -> Result:
     """Optimal plan of the full operation model (``persistent``: of persistent plans)."""
     engines.check_engine(options.solver)
+    highs_options = _highs_options(options)
     disc, variant, form = _prepare(problem, options)
     report: dict[str, Any] = {"model": form.size, "sweeps": form.sweeps}
     if form.trivially_infeasible:
@@ -195,7 +218,7 @@ def solve_checkpoint_ilp(problem: CheckpointProblem, options: SolveOptions) -> R
     model = emit_pulp(form)
     out = engines.solve_pulp(model.problem, model.variables, options.solver,
                              initial=model.initial(start.values),
-                             **engines.pulp_settings(options))
+                             highs_options=highs_options, **engines.pulp_settings(options))
     if out.failed:
         return _engine_failed(problem, disc, start, out, method="ilp", variant=variant,
                               report=report)
