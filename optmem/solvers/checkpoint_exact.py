@@ -249,7 +249,7 @@ def _engine_failed(problem: CheckpointProblem, disc: Discretized, start: _Start,
 @register(PROBLEM, "cpsat", exact=True, full_model=True, restricted_variants=("persistent",),
           requires=("ortools",),
           description="exact CP-SAT model of the full model (same formulation as ilp)",
-          compare_as=(("cpsat", 12), ("cpsat:persistent", 12)), extra=("sweeps",))
+          compare_as=(("cpsat", 10), ("cpsat:persistent", 10)), extra=("sweeps",))
 def solve_checkpoint_cpsat(problem: CheckpointProblem, options: SolveOptions) -> Result:
     """Optimal plan of the full operation model with OR-Tools CP-SAT."""
     from optmem.models.checkpoint_cpsat import emit_cpsat
