@@ -412,3 +412,20 @@ def test_link_relaxation_bound_is_reported_and_lifts_the_floor() -> None:
         assert res.report["relaxation"]["bound"] == pytest.approx(bound, rel=1e-6)
         assert res.bound >= bound - 1e-6
         assert res.objective >= bound - 1e-6
+
+
+def test_failing_relaxation_engine_never_fails_the_solve(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """HiGHS failing on the link relaxation leaves ``cpsat`` without that bound, not broken:
+    same optimum as with it, the failure in ``report["relaxation"]``."""
+    import optmem.solvers.remat_offload_exact as exact
+
+    problem = RematOffloadProblem(EXAMPLE, 10, chain_bandwidth=1.0)
+    good = solve(problem, "cpsat", options=OPTS)
+    monkeypatch.setattr(exact.engines, "solve_pulp", lambda *a, **k: engines.failed_result(
+        "highs", RuntimeError("injected HiGHS failure")))
+    res = solve(problem, "cpsat", options=OPTS)
+    _check(problem, res)
+    assert res.report["relaxation"]["status"] == "error"
+    assert res.status is good.status is Status.OPTIMAL
+    assert res.objective == pytest.approx(good.objective)
