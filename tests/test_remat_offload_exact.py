@@ -327,7 +327,105 @@ def test_link_cuts_lift_the_relaxation() -> None:
     pm = to_pulp(built.model)
     for var in pm.all_variables:
         var.cat = pulp.LpContinuous
-    pm.problem.solve(pulp.HiGHS(msg=False))
-    relaxed = pulp.value(pm.problem.objective)
+    # through the adapter: it keeps HiGHS's one thread pool per process consistent
+    relaxed = engines.solve_pulp(pm.problem, pm.all_variables, "highs").objective
     dp = solve(RematOffloadProblem(chain, limit, chain_bandwidth=beta), "dp", options=OPTS)
     assert chain.total_compute_time() + 1e-6 < relaxed <= dp.objective + 1e-6
+
+
+def _relaxation(chain: Chain, limit: int, beta: float) -> float:
+    """The optimum of the link relaxation (HiGHS, proven)."""
+    from optmem.models.formulation import to_pulp
+    from optmem.models.remat_offload import build_link_relaxation
+
+    pm = to_pulp(build_link_relaxation(chain, limit, beta))
+    out = engines.solve_pulp(pm.problem, pm.all_variables, "highs")
+    if out.status is Status.INFEASIBLE:
+        return math.inf
+    assert out.status is Status.OPTIMAL, out
+    return out.objective
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(chain=tiny(), limit=st.integers(3, 22), beta=st.sampled_from([0.5, 1.0, 3.0]))
+def test_link_relaxation_never_exceeds_the_brute_optimum(chain: Chain, limit: int,
+                                                         beta: float) -> None:
+    """The link relaxation's optimum is a lower bound: at most brute force's optimum (and
+    at least the compute sum where a plan exists)."""
+    brute = solve(RematOffloadProblem(chain, limit, chain_bandwidth=beta), "brute",
+                  options=OPTS)
+    assert brute.status is not Status.ERROR
+    bound = _relaxation(chain, limit, beta)
+    if brute.status.has_plan:
+        assert chain.total_compute_time() - 1e-6 <= bound <= brute.objective + 1e-6
+
+
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(length=st.integers(3, 4), seed=st.integers(0, 10_000),
+       beta=st.sampled_from([0.3, 1.0, 2.0]))
+def test_link_relaxation_never_exceeds_the_model_optimum(length: int, seed: int,
+                                                         beta: float) -> None:
+    """On random chains the relaxation stays at most the model's proven optimum (solved
+    without the relaxation, deterministic CP-SAT) and every candidate plan's makespan."""
+    chain = random_chain(length, seed=seed, max_size=8)
+    opts = SolveOptions(slots=64, threads=1, seed=1, deterministic_time=60.0,
+                        extra={"relaxation": False})
+    for limit in _limits(chain)[:2]:
+        problem = RematOffloadProblem(chain, limit, chain_bandwidth=beta)
+        bound = _relaxation(chain, limit, beta)
+        exact = solve(problem, "cpsat", options=opts)
+        _check(problem, exact, opts)
+        assert exact.report["relaxation"] == {"status": "off"}
+        if exact.status is Status.OPTIMAL:
+            assert bound <= exact.objective + 1e-6
+        for name in ("dp", "remat_only", "offload_only"):
+            res = solve(problem, name, options=OPTS)
+            if res.status.has_plan:
+                assert bound <= res.objective + 1e-6, name
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_link_relaxation_with_a_useless_link_is_the_checkpoint_optimum(seed: int) -> None:
+    """With a link too slow to relieve a unit of memory the relaxation is the checkpoint
+    model of the same class (``reductions=False``), whose optimum the checkpoint ILP proves."""
+    chain = random_chain(3 + seed % 2, seed=seed, max_size=6)
+    for limit in _limits(chain):
+        ckpt = solve(CheckpointProblem(chain, limit), "ilp", options=OPTS)
+        assert ckpt.status is Status.OPTIMAL
+        assert _relaxation(chain, limit, 1e-4) == pytest.approx(ckpt.objective)
+
+
+def test_link_relaxation_bound_is_reported_and_lifts_the_floor() -> None:
+    """The exact methods report the relaxation, use its bound (above the compute sum at a
+    tight limit) and stay consistent with it: the optimum found is not below it."""
+    chain = random_chain(6, seed=3, max_size=8)
+    limit = _limits(chain)[0]
+    problem = RematOffloadProblem(chain, limit, chain_bandwidth=0.5)
+    bound = _relaxation(chain, limit, 0.5)
+    assert bound > chain.total_compute_time() + 1e-6
+    for method in METHODS:
+        res = solve(problem, method, options=SolveOptions(slots=64, threads=1, seed=1,
+                                                          deterministic_time=20.0,
+                                                          node_limit=200))
+        _check(problem, res)
+        assert res.report["relaxation"]["status"] == "optimal"
+        assert res.report["relaxation"]["bound"] == pytest.approx(bound, rel=1e-6)
+        assert res.bound >= bound - 1e-6
+        assert res.objective >= bound - 1e-6
+
+
+def test_failing_relaxation_engine_never_fails_the_solve(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """HiGHS failing on the link relaxation leaves ``cpsat`` without that bound, not broken:
+    same optimum as with it, the failure in ``report["relaxation"]``."""
+    import optmem.solvers.remat_offload_exact as exact
+
+    problem = RematOffloadProblem(EXAMPLE, 10, chain_bandwidth=1.0)
+    good = solve(problem, "cpsat", options=OPTS)
+    monkeypatch.setattr(exact.engines, "solve_pulp", lambda *a, **k: engines.failed_result(
+        "highs", RuntimeError("injected HiGHS failure")))
+    res = solve(problem, "cpsat", options=OPTS)
+    _check(problem, res)
+    assert res.report["relaxation"]["status"] == "error"
+    assert res.status is good.status is Status.OPTIMAL
+    assert res.objective == pytest.approx(good.objective)

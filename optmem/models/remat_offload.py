@@ -72,6 +72,14 @@ Constraints (``[x, y]``: enforced when the binaries ``x`` and ``y`` are 1)
   transfer ends before the last op (a value on the host is prefetched before it is freed),
   ``makespan >= sum_q busy_q``.
 
+A bound from outside the model
+------------------------------
+:func:`build_link_relaxation` keeps the compute binaries integral and aggregates the link
+into one relief per item (its docstring proves that its optimum is at most the model's).
+It is a checkpoint-sized MILP that HiGHS solves in seconds where the model's own LP leaves
+the recompute choices fractional; the exact methods use its value as a proven bound, as a
+row ``makespan >= bound`` and to stop at once when a candidate plan meets it.
+
 Exactness
 ---------
 For any plan, the simulator starts every op as early as its constraints allow, and all of
@@ -463,6 +471,107 @@ def build_remat_offload(chain: Chain, memory_limit: int, bandwidth: float, *,
     m.minimize(obj)
     return RematOffloadModel(m, cf, [Model.index(s) for s in S], positions, Model.index(obj),
                              U, chain, {**m.size, "host_vars": n_h, "positions": len(positions)})
+
+
+def build_link_relaxation(chain: Chain, memory_limit: int, bandwidth: float, *,
+                          sweeps: int = 1, horizon: float | None = None) -> Model:
+    r"""A small relaxation of :func:`build_remat_offload`: integral compute, aggregated link.
+
+    The compute part is the same checkpoint formulation (same slots, same class, exact
+    durations); the per-value link positions are replaced by one continuous *relief*
+    ``r_p`` per item (the memory the host holds for it), with the item starts ``S_p`` of the
+    model, the makespan ``T`` and
+
+    * memory: ``checkpoint row_p - r_p <= M``; ``r_p <= stored_p - sum_v size_v reads[v,p]``;
+    * offloads: ``u_q >= r_q - r_{q-1}``, ``u_q >= 0`` (``r_{-1} = 0``) and
+      ``beta S_p >= sum_{q <= p} u_q``;
+    * prefetches: ``d_q >= r_{q-1} - r_q``, ``d_q >= 0`` (``r_n = 0``) and
+      ``beta (T - E_p) >= sum_{q > p} d_q``; the link: ``beta T >= sum_q (u_q + d_q)``.
+
+    Its optimum is a lower bound on the model's (used by the exact methods as a proven
+    bound and as a row ``makespan >= bound``). Proof: take any solution of the model and
+    raise every ``h[v,p]`` to 1 wherever the model's rows allow it (``H = 1``, ``v`` not read
+    by ``p``, ``R_v <= S_p``, no prefetch of ``v`` starting during ``p``); every row stays
+    satisfied (``h`` only relieves memory and appears with the right sign in the link cuts).
+    Set ``r_p = sum_v size_v h[v,p]``: the memory rows are the model's. ``R_v`` changes only
+    at an offload and ``R_v <= S_p`` persists, a read with ``H = 1`` pushes ``R_v`` past the
+    reader and a prefetch ends ``H``, so for one offload the items with ``h[v,.] = 1`` are one
+    contiguous run: every run starting at item ``q`` owns an offload of ``v`` that ends at
+    ``R_v <= S_q`` and a prefetch that starts at or after the run's last item ends (the
+    ``late``/``during`` rows) and ends before ``T`` (a prefetched value is read before it is
+    freed, ``wait`` rows; ``off + H + P <= 1``). These jobs are distinct and run one after
+    the other on the link from time 0, so the offloads of the runs starting at
+    ``q <= p`` fit in ``[0, S_p]`` and the prefetches of the runs ending at ``q - 1 >= p``
+    fit in ``[E_p, T]``; ``u_q = sum_v size_v (h[v,q] - h[v,q-1])^+`` (the runs starting
+    at ``q``, at least ``r_q - r_{q-1}``) and the symmetric ``d_q`` satisfy the rows. With
+    ``T`` the model's makespan the relaxation is feasible, so its optimum is at most the
+    model's (in the chain's time unit; exact durations, no grid).
+    """
+    cf = ck.build_formulation(chain, memory_limit, "full", sweeps, reductions=False)
+    a = [chain.input_size, *chain.output_size]
+    abar = [chain.input_size, *chain.saved_size]
+    uf = [0.0, *chain.fwd_time]
+    ub = [0.0, *chain.bwd_time, chain.loss_bwd_time]
+    n = len(cf.sequence)
+    if horizon is None:
+        horizon = (sum(uf) * n + sum(ub)
+                   + (2 * (sum(a) + sum(abar)) / bandwidth if bandwidth > 0 else 0.0) + 1.0)
+    U = float(horizon)
+    m = Model("remat_offload_relaxation")
+    for nm in cf.names:
+        m.binary(nm)
+    for con in cf.constraints:
+        if not con.name.startswith("mem_"):
+            m.add(Relation(Expr(con.terms), con.lo, con.hi), con.name)
+    D, reads, _, _, _ = _item_facts(m, cf, uf, ub, a)
+    S = [m.continuous(f"S{p}", 0.0, 0.0 if p == 0 else U) for p in range(n)]
+    makespan = m.continuous("makespan", 0.0, U)
+    for p in range(n - 1):
+        m.add(S[p + 1] >= S[p] + D[p], f"seq_{p}")
+    m.add(makespan >= S[n - 1] + D[n - 1], "makespan")
+
+    def size(v: Value) -> int:
+        return a[v[1]] if v[0] == A_ else abar[v[1]]
+
+    relief: list[Expr] = []
+    for p in range(n):
+        A, T = cf.states[p]
+        name, mexpr = cf.memory_rows[p]
+        if bandwidth <= 0:
+            m.add(_x(mexpr) <= memory_limit, name)
+            continue
+        r = m.continuous(f"r{p}", 0.0, float(sum(a) + sum(abar)))
+        free = Expr.sum([*(_x(e) * a[i] for i, e in A.items()),
+                         *(_x(e) * abar[i] for i, e in T.items())])
+        for v, lit in reads[p].items():
+            if lit is True:
+                free = free - size(v)
+            elif lit is not False:
+                x = Expr([(lit[0], 1.0)]) if lit[1] else 1 - Expr([(lit[0], 1.0)])
+                free = free - x * size(v)
+        m.add(r <= free, f"relief_{p}")
+        m.add(_x(mexpr) - r <= memory_limit, name)
+        relief.append(r)
+    if relief:
+        cap = float(sum(a) + sum(abar))
+        up: list[Expr] = []
+        down: list[Expr] = []
+        for q in range(n + 1):
+            cur = relief[q] if q < n else Expr()
+            prev = relief[q - 1] if q > 0 else Expr()
+            u = m.continuous(f"u{q}", 0.0, cap)
+            d = m.continuous(f"d{q}", 0.0, cap)
+            m.add(u >= cur - prev, f"u{q}")
+            m.add(d >= prev - cur, f"d{q}")
+            up.append(u)
+            down.append(d)
+        for p in range(n):
+            m.add(S[p] * bandwidth >= Expr.sum(up[:p + 1]), f"offloads_{p}")
+            m.add((makespan - S[p] - D[p]) * bandwidth >= Expr.sum(down[p + 1:]),
+                  f"prefetches_{p}")
+        m.add(makespan * bandwidth >= Expr.sum(up) + Expr.sum(down), "link")
+    m.minimize(makespan)
+    return m
 
 
 def _gap_check(m: Model, p: int, kappa: int, tq: Expr, pos: Position, prefetching: Expr,

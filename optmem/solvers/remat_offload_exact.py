@@ -11,9 +11,15 @@
   class (completed by the engine with the plan's binaries fixed), its horizon is that plan's
   makespan, and the decoded plan is replayed by the simulator (it is never slower than the
   model says; ``report['model_objective']``). ``time_limit_s`` bounds everything after the
-  model is built (the candidate plans, at most a quarter of it completing the warm start,
-  the search the rest, at least one second; building and emitting the model come first)
-  and returns the best verified plan with the engine's bound.
+  model is built (the link relaxation's bound at most a quarter of it, the candidate plans,
+  at most a quarter completing the warm start, the search the rest, at least one second;
+  building and emitting the model come first) and returns the best verified plan with the
+  engine's bound.
+* Both first solve :func:`~optmem.models.remat_offload.build_link_relaxation` (HiGHS; a
+  proven lower bound on the model's optimum, ``report["relaxation"]``; off with
+  ``extra["relaxation"] = False``): a candidate plan that meets it is returned as
+  ``optimal`` without a search, otherwise the bound becomes a row ``makespan >= bound`` of
+  the model (exact times only) and a floor of the reported bound.
 * ``brute``: the independent oracle for tiny chains: every compute sequence with at most
   ``L (L + 1) / 2`` forwards, and for every gap between two consecutive uses of a stored
   value at most one offload/prefetch pair (enumerated window subsets, link orders and issue
@@ -36,8 +42,13 @@ from optmem.engines.adapters import EngineResult
 from optmem.engines.results import engine_failure
 from optmem.errors import OptmemInputError, PlanError
 from optmem.models.checkpoint_ilp import write_model
-from optmem.models.formulation import Kind, Model, time_scale, to_cpsat, to_pulp
-from optmem.models.remat_offload import RematOffloadModel, build_remat_offload, with_fixed
+from optmem.models.formulation import Expr, Kind, Model, Relation, time_scale, to_cpsat, to_pulp
+from optmem.models.remat_offload import (
+    RematOffloadModel,
+    build_link_relaxation,
+    build_remat_offload,
+    with_fixed,
+)
 from optmem.plan import LOSS, AnyOp, B, F_all, F_ck, F_none, Op
 from optmem.problems.remat_offload import RematOffloadProblem
 from optmem.result import Result, SolveOptions, Status
@@ -60,6 +71,7 @@ from optmem.solvers.remat_offload_schedule import Window, static_replay, window_
 
 BRUTE_MAX_LENGTH = 2
 COMPLETION_SHARE = 0.25  # share of a user's time limit spent completing warm starts
+RELAXATION_SHARE = 0.25  # share of a user's time limit spent on the link relaxation's bound
 LEAST_SEARCH_TIME_S = 1.0  # the search always gets this long (an engine needs a positive limit)
 
 
@@ -316,6 +328,32 @@ def _warm_start(problem: RematOffloadProblem, options: SolveOptions,
     return _Start(best[2], best[0], None, math.inf, f"none ({note}); incumbent: {best[1]}")
 
 
+def _relaxation_bound(chain: Chain, memory_limit: int, beta: float, sweeps: int,
+                      options: SolveOptions, engine: str) -> tuple[float, dict[str, Any]]:
+    """The proven bound of :func:`~optmem.models.remat_offload.build_link_relaxation`.
+
+    Solved by the PuLP engine of the method (HiGHS for ``cpsat`` when installed) within
+    :data:`RELAXATION_SHARE` of the time limit; the engine's dual bound is valid even when it
+    stops early. ``-inf`` when it is off (``extra["relaxation"] = False``), no MILP engine is
+    installed, there is no link or the engine fails.
+    """
+    if not options.extra.get("relaxation", True) or beta <= 0:
+        return -math.inf, {"status": "off"}
+    pulp_engine = engine if engine != "cpsat" else "highs"
+    if not engines.is_available(pulp_engine):
+        return -math.inf, {"status": f"skipped ({pulp_engine} not installed)"}
+    limit = None if options.time_limit_s is None else \
+        max(LEAST_SEARCH_TIME_S, RELAXATION_SHARE * options.time_limit_s)
+    pm = to_pulp(build_link_relaxation(chain, memory_limit, beta, sweeps=sweeps))
+    out = engines.solve_pulp(pm.problem, pm.all_variables, pulp_engine,
+                             **{**engines.pulp_settings(options), "time_limit_s": limit})
+    info = {"status": str(out.status), "bound": out.bound, "seconds": round(out.time_s, 3),
+            **out.info}
+    if out.failed or not math.isfinite(out.bound):
+        return -math.inf, info
+    return out.bound - 1e-9 * max(1.0, abs(out.bound)), info
+
+
 def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: str
                  ) -> Result:
     disc, beta = discretized(problem, options)
@@ -343,9 +381,20 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
     if built.model.trivially_infeasible:
         return no_plan_result(problem, options, method, Status.INFEASIBLE, report)
     began = time.monotonic()
+    relaxed = _relaxation_bound(disc.chain, disc.memory_limit, beta, sweeps, options, engine)
+    report["relaxation"] = relaxed[1]
     start = _warm_start(problem, options, built, engine, scale)
     report["warm_start"] = start.note
+    if start.plan is not None and start.makespan <= relaxed[0] + 1e-9 * max(1.0, relaxed[0]):
+        report["note"] = "the fastest candidate plan meets the link relaxation's bound"
+        return plan_result(problem, options, start.plan, method=method, solver=solver,
+                           status=Status.OPTIMAL, report=report)
     model = with_fixed(built, {}, start.model_value if start.values is not None else None)
+    if math.isfinite(relaxed[0]) and exact:
+        # valid for the model (build_link_relaxation); a hair below for engine tolerances
+        model.add(Relation(Expr([(built.objective_var, 1.0)]),
+                           relaxed[0] - 1e-6 * max(1.0, abs(relaxed[0])), None),
+                  "relaxation_bound")
     left = (None if options.time_limit_s is None else
             max(LEAST_SEARCH_TIME_S, options.time_limit_s - (time.monotonic() - began)))
     out, values, bound = _engine_solve(model, engine, options, initial=start.values,
@@ -364,7 +413,7 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
                               fallback=fallback if incumbent is not None else None,
                               memory_limit=disc.memory_limit, unit=disc.unit)
     report.update(out.report())
-    floor = lower_bound(problem)
+    floor = max(lower_bound(problem), relaxed[0] if math.isfinite(relaxed[0]) else -math.inf)
     bound = max(bound, floor) if math.isfinite(bound) else floor
     if status is Status.INFEASIBLE:
         report["note"] = "no plan of the model's class fits"
@@ -404,7 +453,8 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
 @register(PROBLEM, "ilp", exact=True, full_model=True, requires=("pulp",),
           description="exact model (checkpoint slots + link positions, O.7 memory), PuLP",
           compare_as=(("ilp", 6),),
-          extra=("sweeps", "transfers_per_gap", "grid", "backlog_grid", "prefetch"))
+          extra=("sweeps", "transfers_per_gap", "grid", "backlog_grid", "prefetch",
+                 "relaxation"))
 def solve_ilp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     """Optimal plan over the model's class (module docstring), HiGHS/CBC/Gurobi."""
     return _solve_model(problem, options, "ilp")
@@ -413,7 +463,8 @@ def solve_ilp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
 @register(PROBLEM, "cpsat", exact=True, full_model=True, requires=("ortools",),
           description="exact model (same formulation as ilp), CP-SAT",
           compare_as=(("cpsat", 6),),
-          extra=("sweeps", "transfers_per_gap", "grid", "backlog_grid", "prefetch"))
+          extra=("sweeps", "transfers_per_gap", "grid", "backlog_grid", "prefetch",
+                 "relaxation"))
 def solve_cpsat(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     """Optimal plan over the model's class with OR-Tools CP-SAT."""
     return _solve_model(problem, options, "cpsat")
