@@ -354,23 +354,24 @@ def test_fusable_runs_on_hand_made_plans():
 
     store_all = parse_plan(["F_all 1", "F_all 2", "F_all 3", "F_all 4", "Loss",
                             "B 4", "B 3", "B 2", "B 1"])
-    assert fusable_runs(store_all, 4) == ((1, 3, 0, 6),)  # stage 4 (delta^L) never fused
+    assert fusable_runs(store_all, 4) == ((1, 3, (0, 1, 2), 6),)  # stage L never fused
     # rotor's shape: a checkpoint, then a run mirrored by its backwards
     rotor = parse_plan(["F_ck 1", "F_all 2", "F_all 3", "F_all 4", "Loss", "B 4", "B 3",
                         "B 2", "F_all 1", "B 1"])
-    assert fusable_runs(rotor, 4) == ((2, 3, 1, 6),)
-    # defeated: the forwards of 1 and 2 are not consecutive, 3..4 ends at stage L
+    assert fusable_runs(rotor, 4) == ((2, 3, (1, 2), 6),)
+    # forwards apart (a re-forward between): linked through the tape of stage 1
     apart = parse_plan(["F_all 1", "F_ck 2", "F_all 3", "F_all 4", "Loss", "B 4", "B 3",
                         "F_all 2", "B 2", "B 1"])
-    assert fusable_runs(apart, 4) == ()
-    # a run ends where the mirrored backwards stop being consecutive (a re-run between)
+    assert fusable_runs(apart, 4) == ((1, 2, (0, 7), 8),)
+    # a re-run between B 3 and B 2 cuts the run
     split = parse_plan(["F_all 1", "F_all 2", "F_ck 3", "F_all 4", "F_all 5", "Loss",
                         "B 5", "B 4", "F_all 3", "B 3", "B 2", "B 1"])
-    assert fusable_runs(split, 5) == ((1, 2, 0, 10),)
-    interleaved = parse_plan(["F_ck 1", "F_all 2", "F_ck 3", "F_all 4", "Loss", "B 4",
-                              "F_all 3", "B 3", "B 2", "F_all 1", "B 1"])
-    assert fusable_runs(interleaved, 4) == ()
-    for plan, n in ((store_all, 4), (rotor, 4), (apart, 4), (split, 5), (interleaved, 4)):
+    assert fusable_runs(split, 5) == ((1, 3, (0, 1, 8), 9),)
+    # defeated: every B follows a re-forward (recompute-all)
+    defeated = parse_plan(["F_ck 1", "F_ck 2", "F_all 3", "Loss", "B 3", "F_all 2", "B 2",
+                           "F_all 1", "B 1"])
+    assert fusable_runs(defeated, 3) == ()
+    for plan, n in ((store_all, 4), (rotor, 4), (apart, 4), (split, 5), (defeated, 3)):
         CheckpointedChain([nn.Linear(2, 2) for _ in range(n)], plan)  # valid plans
 
 
@@ -378,13 +379,15 @@ def test_runs_are_split_at_a_parameter_shared_within_them():
     from optmem.pytorch.execute import _split_runs
 
     # stages 1 and 3 share parameter 0: the run 1..4 becomes 1..2 and 3..4
-    fusion = _split_runs([(1, 4, 0, 7)], {1: [0], 2: [1], 3: [0, 2], 4: [3]}, set())
+    fusion = _split_runs([(1, 4, (0, 1, 2, 3), 7)], {1: [0], 2: [1], 3: [0, 2], 4: [3]},
+                         set())
     assert fusion.close == {1: (1, 2), 3: (3, 4)}
     assert fusion.start == {7: (3, 4), 9: (1, 2)}
     assert fusion.link == {1, 3} and fusion.skip == {8, 10}
-    # an FSDP unit (stage 2) is left out of every run
-    fusion = _split_runs([(1, 4, 0, 7)], {1: [0], 2: [], 3: [1], 4: [2]}, {2})
-    assert fusion.close == {3: (3, 4)} and fusion.start == {7: (3, 4)}
+    # an FSDP unit (stage 2) is left out of every run; positions need not be consecutive
+    fusion = _split_runs([(1, 4, (0, 1, 5, 6), 7)], {1: [0], 2: [], 3: [1], 4: [2]}, {2})
+    assert fusion.close == {6: (3, 4)} and fusion.start == {7: (3, 4)}
+    assert fusion.link == {6} and fusion.skip == {8}
 
 
 def _fused_plans(chain):
@@ -394,12 +397,18 @@ def _fused_plans(chain):
 
 
 def test_fused_and_unfused_runs_give_bitwise_equal_steps(setup):
-    """Stage fusion changes the autograd calls, not the ops: same loss, gradients, peak."""
+    """Stage fusion changes the autograd calls, not the ops: same loss, gradients, real peak.
+
+    The real peak is the exact trace of every storage of the step (no timing): fused and
+    per-stage runs free the same values at the same points (gradients inside a run no
+    later), so the fused peak is at most the per-stage one, and mostly equal.
+    """
     from optmem.pytorch.execute import add_monitor, fusable_runs, remove_monitor
     from optmem.pytorch.memory import measure_training_peak
 
     name, module, x, stages, chain = setup
     fused_somewhere = False
+    equal_peaks = 0
     for label, plan in _fused_plans(chain).items():
         for strip in (True, False):
             fused = CheckpointedChain(stages, plan, strip_suffix=strip)
@@ -414,10 +423,16 @@ def test_fused_and_unfused_runs_give_bitwise_equal_steps(setup):
                 if u is not None:
                     assert torch.equal(u, v), (name, label, strip)
             assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-            peaks = [measure_training_peak(lambda c=c: loss_fn(c(x)).backward(), module, x)
-                     for c in (fused, plain)]
+            peaks = []
+            for c in (fused, plain):
+                module.zero_grad(set_to_none=True)  # no .grad to accumulate into
+                peaks.append(measure_training_peak(lambda c=c: loss_fn(c(x)).backward(),
+                                                   module, x))
             module.zero_grad(set_to_none=True)
-            assert peaks[0] <= peaks[1], (name, label, strip, peaks)
+            # never above; below where a gradient inside a run is consumed before the run's
+            # call returns (per stage, B k holds delta^k until its call returns)
+            assert peaks[0] <= peaks[1], (name, label, strip, peaks)  # exact bytes
+            equal_peaks += peaks[0] == peaks[1]
             seen: list[str] = []
 
             def record(op, stored, gradients, seen=seen):
@@ -431,6 +446,7 @@ def test_fused_and_unfused_runs_give_bitwise_equal_steps(setup):
             module.zero_grad(set_to_none=True)
             assert seen == [str(o) for o in fused._prefix_plan if str(o) != "Loss"]
     assert fused_somewhere, name
+    assert equal_peaks >= 5, name  # mostly the very same bytes
 
 
 def test_a_parameter_used_in_and_outside_a_run_sums_in_b_order():

@@ -184,62 +184,69 @@ def _plan_reads(plan: Sequence[Op], n: int) -> list[bool]:
     return later
 
 
-_Run = tuple[int, int, int, int]  # (i, j, p, q): stages i..j, F_all i at p, B j at q
+_Run = tuple[int, int, tuple[int, ...], int]  # (i, j, positions of F_all i..j, of B j)
 
 
 def fusable_runs(plan: Sequence[Op], n: int) -> tuple[_Run, ...]:
-    """Runs of stages the executor may tape as one graph: ``(i, j, p, q)``.
+    """Runs of stages the executor may tape as one graph: ``(i, j, f, q)``.
 
-    ``plan[p:p + j - i + 1]`` is ``F_all i, ..., F_all j`` and ``plan[q:q + j - i + 1]`` is
-    ``B j, ..., B i`` (the structure of rotor's plans), ``i < j < n`` (stage ``n``'s ``B``
-    frees ``delta^n``, see :class:`_Relay`), and no op between the two runs touches the
-    stages ``i..j`` (reads ``a^i..a^{j-1}`` or writes a slot of the run). Such a run can be
-    taped as one autograd graph rooted at ``a^{i-1}`` and back-propagated by one call
-    (:meth:`PlanRunner._backward_group`): the same ops, saved tensors and gradients, with
-    the same points where values are freed. Maximal runs, left to right.
+    Stages ``k`` and ``k + 1`` are *linked* when ``B k+1`` is immediately followed by
+    ``B k`` and the tapes they consume were built in that order: the last forward of stage
+    ``k`` before ``B k`` is an ``F_all`` (at ``f_k``), and so is the last forward of stage
+    ``k + 1`` before ``B k+1`` (at ``f_{k+1} > f_k``; it reads ``a^k`` from that tape's
+    slot, which no op rewrites in between). A run is a maximal chain of linked stages
+    ``i..j`` with ``j < n`` (stage ``n``'s ``B`` frees ``delta^n``, see :class:`_Relay`);
+    ``f`` are the positions of ``F_all i..j``, ``q`` that of ``B j``. Rotor's plans are full
+    of them (``F_all i, ..., F_all j`` mirrored by ``B j, ..., B i``, or the forwards split by
+    re-forwards of other stages). Such a run can be taped as one autograd graph rooted at
+    ``a^{i-1}`` (stage ``k + 1`` reads ``a^k`` with its graph instead of a detached alias)
+    and back-propagated by one call (:meth:`PlanRunner._backward_group`): the same ops,
+    saved tensors and gradients, no value freed later.
 
     Examples
     --------
     >>> plan = parse_plan(["F_ck 1", "F_all 2", "F_all 3", "F_all 4", "Loss", "B 4", "B 3",
     ...                    "B 2", "F_all 1", "B 1"])
     >>> fusable_runs(plan, 4)
-    ((2, 3, 1, 6),)
+    ((2, 3, (1, 2), 6),)
     """
     ops = tuple(plan)
     where_b = {op.stage: k for k, op in enumerate(ops) if op.kind is OpKind.B}
+    tape_at = {s: _last_forward(ops, s, q) for s, q in where_b.items()}
+
+    def linked(k: int) -> bool:
+        q = where_b.get(k + 1)
+        if q is None or k + 1 >= n or q + 1 >= len(ops) or ops[q + 1] != Op(OpKind.B, k):
+            return False
+        low, high = tape_at.get(k), tape_at.get(k + 1)
+        return low is not None and high is not None and low < high
+
     runs: list[_Run] = []
-    p = 0
-    while p < len(ops):
-        op = ops[p]
-        if op.kind is not OpKind.F_ALL or op.stage >= n or op.stage not in where_b:
-            p += 1
-            continue
-        i = op.stage
-        m = 0  # extend while the forwards and the mirrored backwards stay consecutive
-        while (p + m + 1 < len(ops) and i + m + 1 < n
-               and ops[p + m + 1] == Op(OpKind.F_ALL, i + m + 1)
-               and where_b.get(i + m + 1) == where_b[i] - m - 1):
-            m += 1
-        while m > 0 and _touched_between(ops, i, i + m, p + m, where_b[i + m]):
-            m -= 1
-        if m > 0:
-            runs.append((i, i + m, p, where_b[i + m]))
-        p += m + 1
+    k = 1
+    while k < n:
+        j = k
+        while linked(j):
+            j += 1
+        if j > k:
+            runs.append((k, j, tuple(tape_at[s] or 0 for s in range(k, j + 1)), where_b[j]))
+        k = j + 1
     return tuple(runs)
 
 
-def _touched_between(ops: tuple[Op, ...], i: int, j: int, last_f: int, first_b: int) -> bool:
-    """Whether an op strictly between positions ``last_f`` and ``first_b`` touches ``i..j``."""
-    return first_b <= last_f or any(
-        op.kind is not OpKind.LOSS and i <= op.stage <= j
-        for op in ops[last_f + 1:first_b])
+def _last_forward(ops: tuple[Op, ...], stage: int, before: int) -> int | None:
+    """Position of the last forward of ``stage`` before ``before`` if it is an ``F_all``."""
+    for k in range(before - 1, -1, -1):
+        op = ops[k]
+        if op.stage == stage and op.kind is not OpKind.B and op.kind is not OpKind.LOSS:
+            return k if op.kind is OpKind.F_ALL else None
+    return None
 
 
 @dataclass
 class _Fusion:
     """Plan positions of the fused runs (see :func:`fusable_runs`), for one runner."""
 
-    link: set[int]  # F_all of a run's stage i+1..j: takes a^{k-1} as is (no source)
+    link: set[int]  # F_all of a run's stage i+1..j: takes a^{k-1} with its graph
     close: dict[int, tuple[int, int]]  # F_all j of a run (i, j): checks leaves, sinks
     start: dict[int, tuple[int, int]]  # B j of a run: back-propagates the whole run
     skip: set[int]  # B j-1 .. B i of a run: already done
@@ -255,26 +262,25 @@ def _split_runs(runs: Sequence[_Run], stage_params: dict[int, list[int]],
     """
     fusion = _Fusion(set(), {}, {}, set())
 
-    def emit(i: int, j: int, p: int, q: int) -> None:
-        if j <= i:
+    def emit(a: int, b: int, i: int, j: int, f: tuple[int, ...], q: int) -> None:
+        if b <= a:  # a run of one stage is the per-stage execution
             return
-        fusion.link.update(range(p + 1, p + j - i + 1))
-        fusion.close[p + j - i] = (i, j)
-        fusion.start[q] = (i, j)
-        fusion.skip.update(range(q + 1, q + j - i + 1))
+        fusion.link.update(f[s - i] for s in range(a + 1, b + 1))
+        fusion.close[f[b - i]] = (a, b)
+        fusion.start[q + j - b] = (a, b)
+        fusion.skip.update(q + j - s for s in range(a, b))
 
-    for i, j, p, q in runs:
-        a, pa, seen = i, p, set[int]()
+    for i, j, f, q in runs:
+        a, seen = i, set[int]()
         for s in range(i, j + 1):
             mine = set(stage_params.get(s, ()))
             if s in excluded or mine & seen:
-                emit(a, s - 1, pa, q + j - s + 1)
-                a, pa, seen = s, p + s - i, set()
+                emit(a, s - 1, i, j, f, q)
+                a, seen = (s + 1 if s in excluded else s), set()
                 if s in excluded:
-                    a, pa = s + 1, p + s - i + 1
                     continue
             seen |= mine
-        emit(a, j, pa, q)
+        emit(a, j, i, j, f, q)
     return fusion
 
 
