@@ -10,7 +10,9 @@ warm-up) of:
 * ``store-all plan``: the same plan run by the executor (``strip_suffix=False``): every
   stage goes through ``F_all``/``B``, so its ratio to ``plain`` is the executor overhead;
 * ``mid plan``: optmem's plan at the limit halfway between its smallest and store-all;
-* ``per-layer ckpt``: ``torch.utils.checkpoint`` around every layer (reference).
+* ``per-layer ckpt``: ``torch.utils.checkpoint`` around every layer (reference);
+* ``... unfused``: the two plans run with ``fuse_stages=False`` (every stage its own
+  autograd graph and ``autograd.grad`` call: the executor before stage fusion).
 
 Every optmem setting's gradients are checked bitwise equal to the plain model's.
 
@@ -55,16 +57,26 @@ def step_cpu_ms(call: Callable[..., Any], model: nn.Module, batch: dict[str, Any
 
 
 @contextmanager
-def _plan(cmodel: Any, plan: tuple[str, ...], strip: bool) -> Iterator[Any]:
+def _plan(cmodel: Any, plan: tuple[str, ...], strip: bool, fuse: bool = True
+          ) -> Iterator[Any]:
     executor = cmodel.executor
-    saved = executor.strip_suffix
-    executor.strip_suffix = strip
+    saved = executor.strip_suffix, executor.fuse_stages
+    executor.strip_suffix, executor.fuse_stages = strip, fuse
     executor.set_plan(plan)
     try:
         yield cmodel
     finally:
-        executor.strip_suffix = saved
+        executor.strip_suffix, executor.fuse_stages = saved
         executor.set_plan(plan)
+
+
+def _run_lengths(plan: tuple[str, ...], n: int) -> list[int]:
+    """Lengths of the runs the executor fuses in ``plan`` (its prefix, suffix stripped)."""
+    from optmem.plan import parse_plan
+    from optmem.pytorch.execute import fusable_runs, split_suffix
+
+    prefix, j = split_suffix(parse_plan(plan), n)
+    return [b - a + 1 for a, b, _, _ in fusable_runs(prefix, j - 1)] if j > 1 else []
 
 
 def settings(name: str) -> tuple[nn.Module, dict[str, Any],
@@ -82,12 +94,15 @@ def settings(name: str) -> tuple[nn.Module, dict[str, Any],
     mid = tuple(cmodel.result.plan)
     print(f"{name}: {chain.length} stages; mid plan {len(mid)} ops "
           f"({sum(o.startswith('F_all') for o in mid)} F_all, "
-          f"{sum(not o.startswith(('F_all', 'B', 'Loss')) for o in mid)} F_ck/F_none)")
+          f"{sum(not o.startswith(('F_all', 'B', 'Loss')) for o in mid)} F_ck/F_none; "
+          f"fusable runs of {_run_lengths(mid, n)} stages)")
     return model, batch, {
         "plain": lambda: bench_hf.store_all(model),
         "store-all native": lambda: _plan(cmodel, store_all, True),
         "store-all plan": lambda: _plan(cmodel, store_all, False),
         "mid plan": lambda: _plan(cmodel, mid, True),
+        "store-all plan unfused": lambda: _plan(cmodel, store_all, False, False),
+        "mid plan unfused": lambda: _plan(cmodel, mid, True, False),
         "per-layer ckpt": lambda: bench_hf.per_layer(model, 1),
     }
 
@@ -121,7 +136,8 @@ def measure(name: str, rounds: int) -> dict[str, float]:
     for k, v in med.items():
         print(f"  {k:18s} {v:8.1f} ms  x{v / base:.3f}")
     print(f"  executor overhead (store-all plan / native): "
-          f"x{med['store-all plan'] / med['store-all native']:.3f}; "
+          f"x{med['store-all plan'] / med['store-all native']:.3f} "
+          f"(unfused x{med['store-all plan unfused'] / med['store-all native']:.3f}); "
           f"mid plan / per-layer ckpt: x{med['mid plan'] / med['per-layer ckpt']:.3f}")
     return med
 

@@ -345,3 +345,120 @@ def test_torch_compile_of_the_executor_compiles_each_stage():
     assert cm._compiled is not None and len(cm._compiled) == len(stages)
     for a, b in zip(got[2], ref[2], strict=True):  # compiled: equal to float rounding
         torch.testing.assert_close(a, b)
+
+
+# ------------------------------------------------------------------ stage fusion
+def test_fusable_runs_on_hand_made_plans():
+    from optmem.plan import parse_plan
+    from optmem.pytorch.execute import fusable_runs
+
+    store_all = parse_plan(["F_all 1", "F_all 2", "F_all 3", "F_all 4", "Loss",
+                            "B 4", "B 3", "B 2", "B 1"])
+    assert fusable_runs(store_all, 4) == ((1, 3, (0, 1, 2), 6),)  # stage L never fused
+    # rotor's shape: a checkpoint, then a run mirrored by its backwards
+    rotor = parse_plan(["F_ck 1", "F_all 2", "F_all 3", "F_all 4", "Loss", "B 4", "B 3",
+                        "B 2", "F_all 1", "B 1"])
+    assert fusable_runs(rotor, 4) == ((2, 3, (1, 2), 6),)
+    # forwards apart (a re-forward between): linked through the tape of stage 1
+    apart = parse_plan(["F_all 1", "F_ck 2", "F_all 3", "F_all 4", "Loss", "B 4", "B 3",
+                        "F_all 2", "B 2", "B 1"])
+    assert fusable_runs(apart, 4) == ((1, 2, (0, 7), 8),)
+    # a re-run between B 3 and B 2 cuts the run
+    split = parse_plan(["F_all 1", "F_all 2", "F_ck 3", "F_all 4", "F_all 5", "Loss",
+                        "B 5", "B 4", "F_all 3", "B 3", "B 2", "B 1"])
+    assert fusable_runs(split, 5) == ((1, 3, (0, 1, 8), 9),)
+    # defeated: every B follows a re-forward (recompute-all)
+    defeated = parse_plan(["F_ck 1", "F_ck 2", "F_all 3", "Loss", "B 3", "F_all 2", "B 2",
+                           "F_all 1", "B 1"])
+    assert fusable_runs(defeated, 3) == ()
+    for plan, n in ((store_all, 4), (rotor, 4), (apart, 4), (split, 5), (defeated, 3)):
+        CheckpointedChain([nn.Linear(2, 2) for _ in range(n)], plan)  # valid plans
+
+
+def test_runs_are_split_at_a_parameter_shared_within_them():
+    from optmem.pytorch.execute import _split_runs
+
+    # stages 1 and 3 share parameter 0: the run 1..4 becomes 1..2 and 3..4
+    fusion = _split_runs([(1, 4, (0, 1, 2, 3), 7)], {1: [0], 2: [1], 3: [0, 2], 4: [3]},
+                         set())
+    assert fusion.close == {1: (1, 2), 3: (3, 4)}
+    assert fusion.start == {7: (3, 4), 9: (1, 2)}
+    assert fusion.link == {1, 3} and fusion.skip == {8, 10}
+    # an FSDP unit (stage 2) is left out of every run; positions need not be consecutive
+    fusion = _split_runs([(1, 4, (0, 1, 5, 6), 7)], {1: [0], 2: [], 3: [1], 4: [2]}, {2})
+    assert fusion.close == {6: (3, 4)} and fusion.start == {7: (3, 4)}
+    assert fusion.link == {6} and fusion.skip == {8}
+
+
+def _fused_plans(chain):
+    plans = dict(_plans(chain))
+    plans["store_all"] = base.store_all_plan(chain.length)
+    return plans
+
+
+def test_fused_and_unfused_runs_give_bitwise_equal_steps(setup):
+    """Stage fusion changes the autograd calls, not the ops: same loss, gradients, real peak.
+
+    The real peak is the exact trace of every storage of the step (no timing): fused and
+    per-stage runs free the same values at the same points (gradients inside a run no
+    later), so the fused peak is at most the per-stage one, and mostly equal.
+    """
+    from optmem.pytorch.execute import add_monitor, fusable_runs, remove_monitor
+    from optmem.pytorch.memory import measure_training_peak
+
+    name, module, x, stages, chain = setup
+    fused_somewhere = False
+    equal_peaks = 0
+    for label, plan in _fused_plans(chain).items():
+        for strip in (True, False):
+            fused = CheckpointedChain(stages, plan, strip_suffix=strip)
+            plain = CheckpointedChain(stages, plan, strip_suffix=strip, fuse_stages=False)
+            j = fused._suffix_start
+            runs = fusable_runs(fused._prefix_plan, j - 1) if j > 1 else ()
+            fused_somewhere = fused_somewhere or bool(runs)
+            a = reference_step(fused, x, loss_fn, owner=module)
+            b = reference_step(plain, x, loss_fn, owner=module)
+            for u, v in zip(a[2], b[2], strict=True):
+                assert (u is None) == (v is None)
+                if u is not None:
+                    assert torch.equal(u, v), (name, label, strip)
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+            peaks = []
+            for c in (fused, plain):
+                module.zero_grad(set_to_none=True)  # no .grad to accumulate into
+                peaks.append(measure_training_peak(lambda c=c: loss_fn(c(x)).backward(),
+                                                   module, x))
+            module.zero_grad(set_to_none=True)
+            # never above; below where a gradient inside a run is consumed before the run's
+            # call returns (per stage, B k holds delta^k until its call returns)
+            assert peaks[0] <= peaks[1], (name, label, strip, peaks)  # exact bytes
+            equal_peaks += peaks[0] == peaks[1]
+            seen: list[str] = []
+
+            def record(op, stored, gradients, seen=seen):
+                seen.append(op)
+
+            add_monitor(record)
+            try:
+                loss_fn(fused(x)).backward()
+            finally:
+                remove_monitor(record)
+            module.zero_grad(set_to_none=True)
+            assert seen == [str(o) for o in fused._prefix_plan if str(o) != "Loss"]
+    assert fused_somewhere, name
+    assert equal_peaks >= 5, name  # mostly the very same bytes
+
+
+def test_a_parameter_used_in_and_outside_a_run_sums_in_b_order():
+    """``shared`` in stages of one fused run and after it: the sums of plain autograd."""
+    torch.manual_seed(16)
+    shared = nn.Linear(8, 8)
+    net = nn.Sequential(shared, nn.Tanh(), shared, nn.Tanh(), shared, nn.Tanh(), shared,
+                        nn.Linear(8, 2))
+    x = torch.randn(4, 8)
+    stages = extract_stages(net)
+    n = len(stages)
+    assert n >= 4
+    for strip in (True, False):
+        cm = CheckpointedChain(stages, base.store_all_plan(n), strip_suffix=strip)
+        assert_same_step(net, cm, x)

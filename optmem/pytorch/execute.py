@@ -71,8 +71,8 @@ from optmem.plan import LOSS, Op, OpKind, parse_plan
 from optmem.pytorch.context import SideInputs, current_side_inputs_or_none, side_inputs
 from optmem.pytorch.extract import Stage, value_tensors
 
-__all__ = ["CheckpointedChain", "StageCalls", "add_monitor", "compile_stage", "remove_monitor",
-           "run_in_order", "split_suffix"]
+__all__ = ["CheckpointedChain", "StageCalls", "add_monitor", "compile_stage", "fusable_runs",
+           "remove_monitor", "run_in_order", "split_suffix"]
 
 Monitor = Callable[[str, list[torch.Tensor], list[torch.Tensor]], None]
 _MONITORS: list[Monitor] = []
@@ -154,6 +154,8 @@ class _Tape:
     def __init__(self) -> None:
         self.out_edges: list[GradientEdge | None] = []
         self.in_edges: list[GradientEdge | None] = []
+        self.sink: torch.Tensor | None = None  # the end of a fused run (its last stage)
+        self.sunk: list[bool] = []  # which outputs the sink takes
 
 
 @dataclass
@@ -180,6 +182,132 @@ def _plan_reads(plan: Sequence[Op], n: int) -> list[bool]:
         if op.kind is not OpKind.LOSS:
             pending[op.stage] = False  # reads after this op see the value it builds
     return later
+
+
+_Run = tuple[int, int, tuple[int, ...], int]  # (i, j, positions of F_all i..j, of B j)
+
+
+def fusable_runs(plan: Sequence[Op], n: int) -> tuple[_Run, ...]:
+    """Runs of stages the executor may tape as one graph: ``(i, j, f, q)``.
+
+    Stages ``k`` and ``k + 1`` are *linked* when ``B k+1`` is immediately followed by
+    ``B k`` and the tapes they consume were built in that order: the last forward of stage
+    ``k`` before ``B k`` is an ``F_all`` (at ``f_k``), and so is the last forward of stage
+    ``k + 1`` before ``B k+1`` (at ``f_{k+1} > f_k``; it reads ``a^k`` from that tape's
+    slot, which no op rewrites in between). A run is a maximal chain of linked stages
+    ``i..j`` with ``j < n`` (stage ``n``'s ``B`` frees ``delta^n``, see :class:`_Relay`);
+    ``f`` are the positions of ``F_all i..j``, ``q`` that of ``B j``. Rotor's plans are full
+    of them (``F_all i, ..., F_all j`` mirrored by ``B j, ..., B i``, or the forwards split by
+    re-forwards of other stages). Such a run can be taped as one autograd graph rooted at
+    ``a^{i-1}`` (stage ``k + 1`` reads ``a^k`` with its graph instead of a detached alias)
+    and back-propagated by one call (:meth:`PlanRunner._backward_group`): the same ops,
+    saved tensors and gradients, no value freed later.
+
+    Examples
+    --------
+    >>> plan = parse_plan(["F_ck 1", "F_all 2", "F_all 3", "F_all 4", "Loss", "B 4", "B 3",
+    ...                    "B 2", "F_all 1", "B 1"])
+    >>> fusable_runs(plan, 4)
+    ((2, 3, (1, 2), 6),)
+    """
+    ops = tuple(plan)
+    where_b = {op.stage: k for k, op in enumerate(ops) if op.kind is OpKind.B}
+    tape_at = {s: _last_forward(ops, s, q) for s, q in where_b.items()}
+
+    def linked(k: int) -> bool:
+        q = where_b.get(k + 1)
+        if q is None or k + 1 >= n or q + 1 >= len(ops) or ops[q + 1] != Op(OpKind.B, k):
+            return False
+        low, high = tape_at.get(k), tape_at.get(k + 1)
+        return low is not None and high is not None and low < high
+
+    runs: list[_Run] = []
+    k = 1
+    while k < n:
+        j = k
+        while linked(j):
+            j += 1
+        if j > k:
+            runs.append((k, j, tuple(tape_at[s] or 0 for s in range(k, j + 1)), where_b[j]))
+        k = j + 1
+    return tuple(runs)
+
+
+def _last_forward(ops: tuple[Op, ...], stage: int, before: int) -> int | None:
+    """Position of the last forward of ``stage`` before ``before`` if it is an ``F_all``."""
+    for k in range(before - 1, -1, -1):
+        op = ops[k]
+        if op.stage == stage and op.kind is not OpKind.B and op.kind is not OpKind.LOSS:
+            return k if op.kind is OpKind.F_ALL else None
+    return None
+
+
+@dataclass
+class _Fusion:
+    """Plan positions of the fused runs (see :func:`fusable_runs`), for one runner."""
+
+    link: set[int]  # F_all of a run's stage i+1..j: takes a^{k-1} with its graph
+    close: dict[int, tuple[int, int]]  # F_all j of a run (i, j): checks leaves, sinks
+    start: dict[int, tuple[int, int]]  # B j of a run: back-propagates the whole run
+    skip: set[int]  # B j-1 .. B i of a run: already done
+
+
+def _split_runs(runs: Sequence[_Run], stage_params: dict[int, list[int]],
+                excluded: set[int]) -> _Fusion:
+    """The runs cut where a stage is ``excluded`` (FSDP) or shares a parameter with the run.
+
+    A parameter used by two stages of one run would get its two contributions summed by
+    autograd inside the call instead of by the executor in ``B`` order (bitwise different
+    beyond two summands): such stages go to different runs.
+    """
+    fusion = _Fusion(set(), {}, {}, set())
+
+    def emit(a: int, b: int, i: int, j: int, f: tuple[int, ...], q: int) -> None:
+        if b <= a:  # a run of one stage is the per-stage execution
+            return
+        fusion.link.update(f[s - i] for s in range(a + 1, b + 1))
+        fusion.close[f[b - i]] = (a, b)
+        fusion.start[q + j - b] = (a, b)
+        fusion.skip.update(q + j - s for s in range(a, b))
+
+    for i, j, f, q in runs:
+        a, seen = i, set[int]()
+        for s in range(i, j + 1):
+            mine = set(stage_params.get(s, ()))
+            if s in excluded or mine & seen:
+                emit(a, s - 1, i, j, f, q)
+                a, seen = (s + 1 if s in excluded else s), set()
+                if s in excluded:
+                    continue
+            seen |= mine
+        emit(a, j, i, j, f, q)
+    return fusion
+
+
+class _Sink(torch.autograd.Function):
+    """End of a fused run: a 0-element output whose backward hands out ``delta^j``.
+
+    ``torch.autograd.grad`` keeps the gradients it is given alive until it returns; given
+    through this node instead (``holder.grads``, taken once), ``delta^j`` is freed as soon as
+    the run's last stage has consumed it, as between two ``B`` ops.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, holder: _GradHolder, *outs: torch.Tensor) -> torch.Tensor:
+        ctx.holder = holder
+        return torch.empty(0)
+
+    @staticmethod
+    def backward(ctx: Any, _: torch.Tensor) -> Any:
+        grads, ctx.holder.grads = ctx.holder.grads, []
+        return (None, *grads)
+
+
+class _GradHolder:
+    """The gradients a :class:`_Sink` returns (set just before the run's backward)."""
+
+    def __init__(self) -> None:
+        self.grads: list[torch.Tensor | None] = []
 
 
 @contextmanager
@@ -277,7 +405,14 @@ def run_in_order(functions: Sequence[Callable[[Any], Any]], x: Any) -> Any:
 
 
 class PlanRunner:
-    """State of one forward/backward pass through the plan."""
+    """State of one forward/backward pass through the plan.
+
+    ``fusable``: whether this runner may run the runs of :func:`fusable_runs` as one graph
+    (a subclass that works on each stage's tape separately, such as the remat+offload
+    runner, sets it to ``False``).
+    """
+
+    fusable = True
 
     def __init__(self, owner: CheckpointedChain, plan: tuple[Op, ...], n_stages: int) -> None:
         self.owner = owner
@@ -309,6 +444,8 @@ class PlanRunner:
         self.param_grads: list[torch.Tensor | None] = []
         # FSDP2 units: parameters gathered at each run, gradients accumulated in .grad
         self.accumulating: set[int] = set()
+        self.fusion = _Fusion(set(), {}, {}, set())
+        self.holder = _GradHolder()
 
     def collect_parameters(self) -> None:
         """The parameters (requiring grad) of stages ``1..n``, each once.
@@ -336,6 +473,10 @@ class PlanRunner:
             self.stage_params[i] = ids
         if self.accumulating:  # an input that needs a gradient, so that backward() runs
             self.params.append(self.anchor)  # type: ignore[arg-type]
+        if self.fusable:
+            runs = self.owner.fusion_runs(self.plan, self.n)
+            if runs:
+                self.fusion = _split_runs(runs, self.stage_params, self.accumulating)
 
     # -------------------------------------------------------------- ops
     def _run_stage(self, op: Op) -> None:
@@ -359,7 +500,9 @@ class PlanRunner:
                 self.rng[i] = _RngState(self.devices)
             if not first and self.owner.restore_buffers:
                 stack.enter_context(_scratch_buffers(self.owner.stage_modules()[i - 1]))
-            if op.kind is OpKind.F_ALL:
+            if op.kind is OpKind.F_ALL and self.index in self.fusion.link:
+                self.storage[i] = _Slot(self._run_linked(src, call), _Tape())
+            elif op.kind is OpKind.F_ALL:
                 tape = _Tape()
                 with torch.enable_grad():
                     inp = self._sources(src, tape, i > 1 or self.input_requires_grad)
@@ -377,10 +520,75 @@ class PlanRunner:
                     out = call(src)
                 self.storage[i] = _Slot(out)
         self.ran.add(i)
+        if self.index in self.fusion.close:
+            self._close_run(*self.fusion.close[self.index])
         if op.kind is OpKind.F_NONE:
             del self.storage[i - 1]
         elif not self.read_later[self.index] and self.owner.release_early:
             self.storage[i - 1].value = None  # nobody reads a^{i-1} again: drop it
+
+    @staticmethod
+    def _run_linked(src: Any, call: Callable[[Any], Any]) -> Any:
+        """A stage inside a fused run: its input is the previous stage's output, as is."""
+        with torch.enable_grad():
+            return call(src)
+
+    def _close_run(self, i: int, j: int) -> None:
+        """The last stage ``j`` of a fused run: leaves checked, the sink built."""
+        slot = self.storage[j]
+        tape = slot.tape
+        assert tape is not None
+        outs = value_tensors(slot.value)
+        mine = [k for s in range(i, j + 1) for k in self.stage_params[s]]
+        self.owner._check_leaves(i, outs, self.params, mine, last=j)
+        tape.sunk = [t.requires_grad for t in outs]
+        taken = [t for t in outs if t.requires_grad]
+        if taken:
+            with torch.enable_grad():
+                tape.sink = _Sink.apply(self.holder, *taken)
+
+    def _backward_group(self, i: int, j: int) -> None:
+        """``B j .. B i`` of a fused run: one ``autograd.grad`` call from its sink.
+
+        The inputs are the run's input edges and all its stages' parameters; each parameter
+        belongs to one stage of the run (:func:`_split_runs`), so the sums over stages are
+        the executor's, in ``B`` order, as without fusion.
+        """
+        last, first = self.storage.get(j), self.storage.get(i)
+        if last is None or last.tape is None or first is None or first.tape is None:
+            raise PlanError(f"B {j} needs the tapes of stages {i}..{j}, which are not stored")
+        sink, sunk = last.tape.sink, last.tape.sunk
+        current = self.current
+        grads = [current[k] if k < len(current) else None for k, s in enumerate(sunk) if s]
+        in_edges = first.tape.in_edges
+        wanted = [e for e in in_edges if e is not None]
+        params = [k for s in range(i, j + 1) for k in self.stage_params[s]
+                  if self.param_needed[k]]
+        got: Sequence[torch.Tensor | None]
+        if sink is not None and any(g is not None for g in grads) and (wanted or params):
+            self.current = []
+            self.holder.grads = grads
+            del grads, current
+            targets: list[Any] = [*wanted, *(self.params[k] for k in params)]
+            got = torch.autograd.grad([sink], targets, [torch.empty(0)], allow_unused=True)
+        else:
+            got = [None] * (len(wanted) + len(params))
+        self._take_gradients(in_edges, params, got, len(wanted))
+        for s in range(j, i - 1, -1):
+            del self.storage[s]
+        prev = self.storage.get(i - 1)
+        if prev is not None and prev.tape is None:
+            del self.storage[i - 1]
+
+    def _take_gradients(self, in_edges: list[GradientEdge | None], params: list[int],
+                        got: Sequence[torch.Tensor | None], n_wanted: int) -> None:
+        """``delta^{i-1}`` from the input edges' gradients; parameter gradients summed."""
+        it = iter(got[:n_wanted])
+        self.current = [next(it) if e is not None else None for e in in_edges]
+        for k, g in zip(params, got[n_wanted:], strict=True):
+            if g is not None:
+                acc = self.param_grads[k]
+                self.param_grads[k] = g if acc is None else acc + g
 
     def _sources(self, value: Any, tape: _Tape, requires_grad: bool) -> Any:
         """The stage input: float tensors go through :class:`_Source` (an edge to ask for)."""
@@ -423,12 +631,7 @@ class PlanRunner:
             got = torch.autograd.grad(edges, targets, grads, allow_unused=True)
         else:
             got = [None] * (len(wanted) + len(params))
-        it = iter(got[:len(wanted)])
-        self.current = [next(it) if e is not None else None for e in in_edges]
-        for k, g in zip(params, got[len(wanted):], strict=True):
-            if g is not None:
-                acc = self.param_grads[k]
-                self.param_grads[k] = g if acc is None else acc + g
+        self._take_gradients(in_edges, params, got, len(wanted))
         del self.storage[i]
         prev = self.storage.get(i - 1)
         if prev is not None and prev.tape is None:
@@ -436,7 +639,10 @@ class PlanRunner:
 
     def _run(self, op: Op) -> None:
         if op.kind is OpKind.B:
-            self._backward(op.stage)
+            if self.index in self.fusion.start:
+                self._backward_group(*self.fusion.start[self.index])
+            elif self.index not in self.fusion.skip:
+                self._backward(op.stage)
         else:
             self._run_stage(op)
         self.index += 1
@@ -579,6 +785,11 @@ class CheckpointedChain(StageCalls, nn.Module):
         Drop an activation as soon as no later op of the plan reads it (the tape keeps what
         autograd saved); otherwise it is kept until the simulator frees it. Either way the
         memory stays within the plan's simulated peak; early release is often well below.
+    fuse_stages
+        Tape each run of :func:`fusable_runs` (``F_all i..F_all j`` mirrored by ``B j..B i``)
+        as one autograd graph and back-propagate it with one call (with ``release_early``
+        only): same ops, tape and gradients (bitwise), fewer autograd calls. Monitors see
+        every op; the run's backward happens at its ``B j``, its other ``B`` ops do nothing.
 
     Notes
     -----
@@ -588,7 +799,8 @@ class CheckpointedChain(StageCalls, nn.Module):
 
     def __init__(self, stages: Sequence[Stage | nn.Module], plan: Sequence[str | Op], *,
                  preserve_rng_state: bool = True, restore_buffers: bool = True,
-                 strip_suffix: bool = True, release_early: bool = True) -> None:
+                 strip_suffix: bool = True, release_early: bool = True,
+                 fuse_stages: bool = True) -> None:
         super().__init__()
         mods = [s.module if isinstance(s, Stage) else s for s in stages]
         self.stage_names = [s.name if isinstance(s, Stage) else f"stage{k + 1}"
@@ -598,7 +810,9 @@ class CheckpointedChain(StageCalls, nn.Module):
         self.restore_buffers = restore_buffers
         self.strip_suffix = strip_suffix
         self.release_early = release_early
-        self._leaves_checked: set[int] = set()
+        self._leaves_checked: set[int | tuple[int, int]] = set()
+        self.fuse_stages = fuse_stages
+        self._fusion_cache: tuple[tuple[Op, ...], tuple[_Run, ...]] | None = None
         self._stage_modules: list[list[nn.Module]] | None = None
         self.set_plan(plan)
 
@@ -612,6 +826,15 @@ class CheckpointedChain(StageCalls, nn.Module):
             self._prefix_plan, self._suffix_start = split_suffix(ops, len(self.stages))
         else:
             self._prefix_plan, self._suffix_start = ops, len(self.stages) + 1
+
+    def fusion_runs(self, plan: tuple[Op, ...], n: int) -> tuple[_Run, ...]:
+        """:func:`fusable_runs` of ``plan`` (made once per plan); none without fusion."""
+        if not (self.fuse_stages and self.release_early):
+            return ()
+        cache = self._fusion_cache
+        if cache is None or cache[0] is not plan:
+            cache = self._fusion_cache = (plan, fusable_runs(plan, n))
+        return cache[1]
 
     def stage_modules(self) -> list[list[nn.Module]]:
         """``list(stage.modules())`` of every stage, made once (again after :meth:`set_plan`).
@@ -633,21 +856,24 @@ class CheckpointedChain(StageCalls, nn.Module):
         simulate_checkpoint(unit, ops)  # raises PlanError naming the bad op
 
     def _check_leaves(self, i: int, outs: list[torch.Tensor], params: list[nn.Parameter],
-                      mine: list[int]) -> None:
+                      mine: list[int], last: int | None = None) -> None:
         """Refuse a stage whose graph reaches a leaf that is not one of its parameters.
 
         ``B i`` asks autograd for the gradients of the stage's own parameters only; the
-        gradient of any other leaf would be lost. Checked at the first run of each stage.
+        gradient of any other leaf would be lost. Checked at the first run of each stage,
+        or of each fused run ``i..last`` (its graph, against the run's parameters).
         """
-        if i in self._leaves_checked:
+        key = i if last is None else (i, last)
+        if key in self._leaves_checked:
             return
-        self._leaves_checked.add(i)
+        self._leaves_checked.add(key)
         allowed = {id(params[k]) for k in mine}
         foreign = [t for t in _graph_leaves(outs) if id(t) not in allowed]
         if foreign:
             shapes = ", ".join(str(tuple(t.shape)) for t in foreign[:3])
+            where = f"stage {i}" if last is None else f"stages {i}..{last}"
             raise OptmemInputError(
-                f"stage {i} ({self.stage_names[i - 1]}) uses {len(foreign)} tensor(s) that "
+                f"{where} ({self.stage_names[i - 1]}) uses {len(foreign)} tensor(s) that "
                 f"require grad but are not its parameters (shapes {shapes}): register them "
                 "as parameters of the stage module (their gradient would be lost)",
                 field="module")

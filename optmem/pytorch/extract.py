@@ -30,7 +30,7 @@ from __future__ import annotations
 import inspect
 import operator
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -301,6 +301,8 @@ class Extraction:
     signature: inspect.Signature | None
     input_names: tuple[str, ...]
     tensor_positions: tuple[int, ...]
+    _graph_stages: list[GraphStage] | None = field(default=None, init=False, repr=False,
+                                                    compare=False)
 
     def flatten(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         """The call's inputs in the graph's placeholder order."""
@@ -321,12 +323,18 @@ class Extraction:
         return self.side(flat)
 
     def rebind(self) -> None:
-        """Point every stage at the model's current parameters and buffers."""
+        """Point every stage at the model's current parameters and buffers.
+
+        Called at every step: the :class:`GraphStage` modules of the stages are listed once
+        (the stages' module trees do not change after the extraction); each compares its
+        bindings with the model's current attributes.
+        """
         self.side.rebind()
-        for st in self.stages:
-            for m in st.module.modules():
-                if isinstance(m, GraphStage):
-                    m.rebind()
+        if self._graph_stages is None:
+            self._graph_stages = [m for st in self.stages for m in st.module.modules()
+                                  if isinstance(m, GraphStage)]
+        for m in self._graph_stages:
+            m.rebind()
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
         """Reference forward: the stages one after the other, output assembled."""

@@ -71,9 +71,13 @@ class _Group:
 
 
 class _OffloadRunner(PlanRunner):
-    """The checkpoint runner, plus transfers and saved-tensor groups."""
+    """The checkpoint runner, plus transfers and saved-tensor groups.
+
+    Not fused: each stage's saved tensors form a group of their own (moved on its own).
+    """
 
     owner: RematOffloadChain
+    fusable = False
 
     def __init__(self, owner: RematOffloadChain, plan: tuple[Op, ...], n_stages: int) -> None:
         super().__init__(owner, plan, n_stages)
