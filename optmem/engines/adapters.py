@@ -25,6 +25,7 @@ crash in one process; optmem pins highspy 1.14).
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import math
 import os
@@ -341,6 +342,21 @@ _HIGHS_THREADS: dict[str, int] = {}
 """Thread count of the last HiGHS run in this process (its global scheduler's)."""
 
 
+def _shut_highs_down_at_exit(highspy: Any) -> None:
+    """Stop HiGHS's worker threads before the interpreter exits (registered once).
+
+    HiGHS keeps a process-wide pool of detached worker threads; a process that exits while
+    they are still alive can abort with ``terminate called without an active exception``
+    (seen once, under load, at the end of a ``torchrun`` worker that had solved MadPipe's
+    model). Shutting the pool down at exit, blocking until the workers are gone, removes
+    that race.
+    """
+    if _HIGHS_THREADS.get("atexit"):
+        return
+    _HIGHS_THREADS["atexit"] = 1
+    atexit.register(highspy.Highs.resetGlobalScheduler, True)
+
+
 def _solve_highs(problem: Any, settings: _Settings) -> tuple[Status, float, str, str | None]:
     import highspy  # type: ignore[import-untyped]
     import pulp  # type: ignore[import-untyped]
@@ -360,6 +376,7 @@ def _solve_highs(problem: Any, settings: _Settings) -> tuple[Status, float, str,
                 # count fails with status kNotset unless the pool is rebuilt
                 highspy.Highs.resetGlobalScheduler(True)
             _HIGHS_THREADS["last"] = threads
+            _shut_highs_down_at_exit(highspy)
             if initial is not None:
                 cols = sorted(lp.variables(), key=lambda v: v.index)
                 sol = highspy.HighsSolution()
