@@ -343,7 +343,7 @@ _HIGHS_THREADS: dict[str, int] = {}
 
 
 def _shut_highs_down_at_exit(highspy: Any) -> None:
-    """Stop HiGHS's worker threads before the interpreter exits (registered once).
+    """Stop HiGHS's worker threads before the interpreter exits (call before the first run).
 
     HiGHS keeps a process-wide pool of detached worker threads; a process that exits while
     they are still alive can abort with ``terminate called without an active exception``
@@ -351,9 +351,6 @@ def _shut_highs_down_at_exit(highspy: Any) -> None:
     model). Shutting the pool down at exit, blocking until the workers are gone, removes
     that race.
     """
-    if _HIGHS_THREADS.get("atexit"):
-        return
-    _HIGHS_THREADS["atexit"] = 1
     atexit.register(highspy.Highs.resetGlobalScheduler, True)
 
 
@@ -371,12 +368,13 @@ def _solve_highs(problem: Any, settings: _Settings) -> tuple[Status, float, str,
 
         def callSolver(self, lp: Any) -> None:  # noqa: N802 - PuLP's name
             h = lp.solverModel
-            if _HIGHS_THREADS.get("last") not in (None, threads):
+            if "last" not in _HIGHS_THREADS:  # the process's first HiGHS run
+                _shut_highs_down_at_exit(highspy)
+            elif _HIGHS_THREADS["last"] != threads:
                 # HiGHS keeps one global thread pool per process: a run with another thread
                 # count fails with status kNotset unless the pool is rebuilt
                 highspy.Highs.resetGlobalScheduler(True)
             _HIGHS_THREADS["last"] = threads
-            _shut_highs_down_at_exit(highspy)
             if initial is not None:
                 cols = sorted(lp.variables(), key=lambda v: v.index)
                 sol = highspy.HighsSolution()

@@ -55,6 +55,7 @@ called from a ``torch.compile``-d module, each stage runs compiled
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -929,7 +930,9 @@ def run_disabled(executor: Any, x: Any, compiled: bool) -> Any:
     return executor._forward(x, compiled)
 
 
+@functools.cache
 def _fsdp_module_class() -> type | None:
+    """FSDP2's module class, imported once at the first use (not when optmem is imported)."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover - torch without distributed
@@ -937,12 +940,10 @@ def _fsdp_module_class() -> type | None:
     return FSDPModule
 
 
-_FSDP_MODULE = _fsdp_module_class()
-
-
 def _is_fsdp_unit(module: nn.Module) -> bool:
     """Whether ``module`` is an FSDP2 unit (``fully_shard`` was applied to it)."""
-    return _FSDP_MODULE is not None and isinstance(module, _FSDP_MODULE)
+    cls = _fsdp_module_class()
+    return cls is not None and isinstance(module, cls)
 
 
 def _parameters_of(modules: Sequence[nn.Module]) -> Iterator[nn.Parameter]:

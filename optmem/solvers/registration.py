@@ -53,10 +53,12 @@ class MethodInfo:
     default
         Whether ``method="auto"`` picks it (one per problem).
     full_model
-        Whether the method solves the problem's full model, so that its bound is a lower
-        bound for every plan of the problem (the exact models and brute force). ``exact``
-        alone is weaker: the contiguous pipeline DP proves optimality among contiguous
-        allocations only. ``compare``'s summary reads bounds of these methods only.
+        Whether the method solves the problem's exact model (the exact models and brute
+        force), so that its bound is a lower bound for every plan of that model's class
+        (the class its module documents, e.g. one increasing forward run per phase for the
+        checkpoint ILP with ``sweeps = 1``). ``exact`` alone is weaker: the contiguous
+        pipeline DP proves optimality among contiguous allocations only. ``compare``'s
+        summary reads bounds of these methods only.
     restricted_variants
         Variants of a ``full_model`` method that solve a restriction of the full model (the
         checkpoint ILP's ``persistent``): their bounds hold for that restriction only.
