@@ -7,6 +7,7 @@ chain U6, O5 trivial chain).
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
@@ -20,12 +21,14 @@ from hypothesis import strategies as st  # noqa: E402
 from optmem.chain import Chain  # noqa: E402
 from optmem.datasets.synthetic import counterexample_chain, random_chain  # noqa: E402
 from optmem.engines import adapters as engines  # noqa: E402
-from optmem.errors import OptmemInputError  # noqa: E402
+from optmem.errors import OptmemInputError, PlanError  # noqa: E402
 from optmem.models.checkpoint_cpsat import time_scale  # noqa: E402
 from optmem.models.checkpoint_ilp import build_formulation, emit_pulp  # noqa: E402
+from optmem.plan import LOSS, B, F_all, F_ck, F_none, Op, OpKind  # noqa: E402
 from optmem.problems.checkpoint import CheckpointProblem, discretize  # noqa: E402
 from optmem.result import Result, SolveOptions, Status  # noqa: E402
 from optmem.simulate import simulate_checkpoint  # noqa: E402
+from optmem.simulate.checkpoint import ABAR, initial_state, is_final, transition  # noqa: E402
 from optmem.solvers.checkpoint_bruteforce import brute_force_checkpoint  # noqa: E402
 from optmem.solvers.checkpoint_dp import solve_persistent_table  # noqa: E402
 from optmem.solvers.facade import (  # noqa: E402
@@ -121,11 +124,11 @@ def test_random_chains(length: int, seed: int, frac: float) -> None:
         assert exact >= chain.total_compute_time()
 
 
-def _model_optimum(chain: Chain, memory: int, reductions: bool, variant: str = "full",
-                   running_memory: bool = False) -> float:
+def _model_optimum(chain: Chain, memory: int | None, reductions: bool, variant: str = "full",
+                   running_memory: bool = False, tape_chain: bool = False) -> float:
     """Optimum of the model itself (HiGHS, one thread, no limit), inf if infeasible."""
     form = build_formulation(chain, memory, variant, reductions=reductions,
-                             running_memory=running_memory)
+                             running_memory=running_memory, tape_chain=tape_chain)
     if form.trivially_infeasible:
         return math.inf
     model = emit_pulp(form)
@@ -185,6 +188,93 @@ def test_running_memory_rows_track_the_simulator() -> None:
     assert not build_formulation(chain, memory, reductions=False,
                                  running_memory=True).running_memory
     assert not build_formulation(chain, None, running_memory=True).running_memory
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(length=st.integers(2, 5), seed=st.integers(0, 10_000), frac=st.floats(0.0, 1.0),
+       variant=st.sampled_from(["full", "persistent"]), running=st.booleans())
+def test_tape_chain_rows_keep_the_optimum(length: int, seed: int, frac: float, variant: str,
+                                          running: bool) -> None:
+    """Tape-chain rows: the same optimum as the model without them, and as brute force (full)
+    or the persistent DP (persistent); in min-peak mode the same least peak."""
+    chain = random_chain(length, seed=seed, max_size=7)
+    lo, hi = chain.input_size, chain.store_all_peak()
+    memory = lo + int(frac * (hi - lo))
+    with_rows = _model_optimum(chain, memory, True, variant, running, tape_chain=True)
+    assert with_rows == _model_optimum(chain, memory, True, variant, running)
+    assert with_rows == (brute_value(chain, memory) if variant == "full"
+                         else dp_value(chain, memory))
+    if length <= 4:
+        assert (_model_optimum(chain, None, True, variant, tape_chain=True)
+                == _model_optimum(chain, None, True, variant))
+
+
+def _random_sweep_plan(chain: Chain, rng: random.Random) -> tuple[Op, ...] | None:
+    """A random valid plan (simulator semantics) shaped like the model's plans.
+
+    At each step a random op valid in the simulator is taken (a backward-type op with
+    probability 0.3 when one is valid). Forward ops are the model's: above the phase's last
+    forward stage (one sweep), at most stage ``k`` in phase ``k`` (``F_all k`` only),
+    ``F_all j`` once, ``F_none`` never on a tape. ``None`` when the walk gets stuck.
+    """
+    length = chain.length
+    state, plan, last, phase, done = initial_state(), [], 0, length + 1, set()
+    ops = [LOSS, *(op(i) for i in range(1, length + 1) for op in (F_all, F_ck, F_none, B))]
+    forward = (OpKind.F_ALL, OpKind.F_CK, OpKind.F_NONE)
+
+    def shaped(op: Op) -> bool:
+        if op.kind not in forward:
+            return True
+        top = min(phase, length)
+        return (last < op.stage <= top
+                and (op.kind is OpKind.F_ALL or op.stage < phase)
+                and not (op.kind is OpKind.F_ALL and op.stage in done)
+                and not (op.kind is OpKind.F_NONE and (ABAR, op.stage - 1) in state))
+
+    while not is_final(state):
+        valid = []
+        for op in filter(shaped, ops):
+            try:
+                valid.append((op, transition(chain, state, op)[0]))
+            except PlanError:
+                continue
+        if not valid:
+            return None
+        backward = [(op, nxt) for op, nxt in valid if op.kind not in forward]
+        op, state = rng.choice(backward if backward and rng.random() < 0.3 else valid)
+        if op.kind in forward:
+            last = op.stage
+            if op.kind is OpKind.F_ALL:
+                done.add(op.stage)
+        else:
+            last, phase = 0, (length if op.kind is OpKind.LOSS else op.stage - 1)
+        plan.append(op)
+    return tuple(plan)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_tape_chain_rows_admit_every_plan_of_the_model(seed: int) -> None:
+    """Every random valid plan that fits the model without the tape-chain rows fits it with
+    them (the rows are an invariant of valid plans, not a restriction)."""
+    rng = random.Random(seed)
+    chain = random_chain(4 + seed, seed=seed, max_size=7)
+    fitted = 0
+    for _ in range(150):
+        plan = _random_sweep_plan(chain, rng)
+        if plan is None:
+            continue
+        peak = simulate_checkpoint(chain, plan).peak_memory
+        plain = build_formulation(chain, peak)
+        rows = build_formulation(chain, peak, tape_chain=True)
+        assert rows.tape_chain and any(c.name.startswith("tchain_") for c in rows.constraints)
+        if plain.assignment(plan) is None:
+            continue
+        fitted += 1
+        values = rows.assignment(plan)
+        assert values is not None, plan
+        assert rows.violated(values) == []
+    assert fitted >= 100, fitted
+    assert not build_formulation(chain, None, reductions=False, tape_chain=True).tape_chain
 
 
 def test_exact_below_dp_on_longer_chain() -> None:
@@ -253,8 +343,11 @@ WORK_LIMITS = (("ilp", {"solver": "highs", "node_limit": 1}, "nodes"),
 @pytest.mark.parametrize(("method", "opts", "limit"), WORK_LIMITS)
 def test_work_limit_returns_feasible_not_worse_than_dp(method: str, opts: dict,
                                                        limit: str) -> None:
-    """A deterministic work limit that is hit gives the warm start or better, ``feasible``."""
-    chain = random_chain(12, seed=11)
+    """A deterministic work limit that is hit gives the warm start or better, ``feasible``.
+
+    (L = 18: with the tape-chain rows CBC proves the L = 12 chain used before at the root.)
+    """
+    chain = random_chain(18, seed=5)
     memory = chain.input_size + (chain.store_all_peak() - chain.input_size) // 2
     dp = run(chain, memory, "dp")
     result = run(chain, memory, method, **opts)
@@ -329,6 +422,21 @@ def test_bad_highs_options(bad: object) -> None:
     """The gaps stay 0 (``optimal`` is a proof); unknown or ill-typed options are input errors."""
     with pytest.raises(OptmemInputError, match="highs_options"):
         run(random_chain(3, seed=0), 100, "ilp", extra={"highs_options": bad})
+
+
+def test_tape_chain_option() -> None:
+    """``extra["tape_chain"]``: on by default for both methods, the same optimum off, a
+    non-boolean is an input error."""
+    chain = random_chain(8, seed=3)
+    memory = (chain.input_size + chain.store_all_peak()) // 2
+    for method in ("ilp", "cpsat"):
+        on = run(chain, memory, method)
+        off = run(chain, memory, method, extra={"tape_chain": False})
+        assert on.report["tape_chain"] is True and off.report["tape_chain"] is False
+        assert on.report["model"]["constraints"] > off.report["model"]["constraints"]
+        assert value(on) == value(off) == 75.0
+        with pytest.raises(OptmemInputError, match="tape_chain"):
+            run(chain, memory, method, extra={"tape_chain": "yes"})
 
 
 # ------------------------------------------------------------------ export

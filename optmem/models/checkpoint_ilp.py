@@ -114,6 +114,30 @@ CP-SAT proves the chains ``compare`` gives it in seconds (10-30 % gaps after 60 
 L = 15 with the dense rows); HiGHS gains on some instances and loses on others, so the ILP
 keeps the dense rows (``benchmarks/results/checkpoint_exact.md``).
 
+Tape-chain rows (``tape_chain=True``; with the reductions only)
+---------------------------------------------------------------
+``T[j] <= A[j-1] + T[j-1]`` (``j = 2 .. L``) on the state before every backward-type op
+(``Loss``, ``B k``): while the tape ``abar^j`` is stored, the value ``F_all j`` read (``a^{j-1}``
+or ``abar^{j-1}``) is still stored. **Valid for every plan of the model** (so the optimum
+is unchanged): ``abar^j`` exists only from its ``F_all j`` to ``B j`` (tape rule above);
+``F_all j`` needs ``a^{j-1}`` or ``abar^{j-1}`` (row 2). Until ``B j``, ``a^{j-1}`` can only
+be removed by ``F_none j`` (which cannot run while ``abar^j`` is stored: no duplicates, row
+3) or by ``B j`` itself (``Loss`` removes ``a^L`` only, and ``j - 1 < L``); ``abar^{j-1}``
+only by ``B j-1``, which comes after ``B j`` (no free discard; with the reductions
+``F_none`` never consumes a tape). The rule holds for the persistent variant (a subset of
+the plans) and in min-peak mode. Without the reductions (:mod:`optmem.models.remat_offload`,
+where values may leave the GPU) no rows are added.
+
+Why: the LP relaxation of the model without them holds tapes at fractional weights whose
+inputs are not held (ResNet-152 at 30 %: in phase ``k``, ``F_all k-1`` at 1/2, ``F_all k-2``
+at 1/4, ..., each fed by a tape held at half weight while ``a^{j-1}`` was consumed in the
+forward phase), so it never pays for a recomputed segment; the rows make a held tape pay for
+its whole chain down to a stored activation. LP bound 315.83 -> 316.22, root bound after
+HiGHS's cuts 317.05 -> the optimum 317.652 (proven at the root;
+``benchmarks/results/checkpoint_exact.md``). Tests: the same optimum with and without the
+rows, equal to brute force / the persistent DP (hypothesis, derandomised), and every random
+valid plan the model admits satisfies them.
+
 Backward-type ops (state ``A, T`` before)
 -----------------------------------------
 * ``Loss``: ``A[L] + T[L] >= 1``; ``sum + a[L] + ob[L+1] <= M``; afterwards ``A[L] = 0``.
@@ -200,6 +224,9 @@ class Formulation:
     running_memory
         Whether the stored size is carried by running variables ``S`` (see
         :func:`build_formulation`); the memory rows then read ``S`` instead of every state.
+    tape_chain
+        Whether the tape-chain rows ``T[j] <= A[j-1] + T[j-1]`` are in the model (see
+        :func:`build_formulation`).
     """
 
     model: Model
@@ -215,6 +242,7 @@ class Formulation:
     states: list[tuple[dict[int, Expr], dict[int, Expr]]] = field(default_factory=list)
     memory_rows: list[tuple[str, Expr]] = field(default_factory=list)
     running_memory: bool = False
+    tape_chain: bool = False
 
     # ------------------------------------------------------------------ views of the model
     @property
@@ -343,8 +371,10 @@ class _Builder:
     """Builds the phase-indexed model slot by slot (see the module docstring)."""
 
     def __init__(self, chain: Chain, memory_limit: int | None, variant: str, sweeps: int,
-                 size_scale: float, reductions: bool, running_memory: bool) -> None:
+                 size_scale: float, reductions: bool, running_memory: bool,
+                 tape_chain: bool = False) -> None:
         self.L = L = chain.length
+        self.tape_chain = tape_chain and reductions
         self.ar = _Arrays.of_chain(chain, size_scale)
         self.m = Model("optmem_checkpoint")
         self.f = Formulation(self.m, L, -1 if memory_limit is None else memory_limit,
@@ -368,6 +398,7 @@ class _Builder:
         self.running = running_memory and memory_limit is not None
         self.mem: Expr = Expr.of(self.ar.a[0])
         self.f.running_memory = self.running
+        self.f.tape_chain = self.tape_chain
 
     # ------------------------------------------------------------------ helpers
     def fits(self, name: str, expr: Expr) -> None:
@@ -508,10 +539,24 @@ class _Builder:
             return ("lin", Model.index(target), [], 0)
         return ("and", Model.index(target), Model.index(fn), state.terms[0][0])
 
+    def chain_rows(self, name: str) -> None:
+        """Tape-chain rows ``T[j] <= A[j-1] + T[j-1]`` on the state before a backward-type op.
+
+        Valid for every plan of the model with the reductions (see *Tape-chain rows* in the
+        module docstring); added only when ``tape_chain`` is set.
+        """
+        if not self.tape_chain:
+            return
+        A, T = self.A, self.T
+        for j in range(2, self.L + 1):
+            if T[j].terms:
+                _add(self.m, f"tchain_{name}_{j}", T[j] - A[j - 1] - T[j - 1], hi=0)
+
     def loss(self) -> None:
         """``Loss``: reads ``a^L`` (or its tape), frees ``a^L``."""
         L, ar = self.L, self.ar
         self.f.sequence.append(LOSS)
+        self.chain_rows("loss")
         _add(self.m, "loss_input", self.A[L] + self.T[L], lo=1)
         self.fits_backward("loss", ar.a[L] + ar.ob[L + 1])
         before = (dict(self.A), dict(self.T))
@@ -522,6 +567,7 @@ class _Builder:
         """``B k``: needs its tape and input; frees the tape and ``a^{k-1}``."""
         ar, A, T = self.ar, self.A, self.T
         self.f.sequence.append(B(k))
+        self.chain_rows(f"B{k}")
         _add(self.m, f"tape_{k}", T[k], lo=1)
         _add(self.m, f"binput_{k}", A[k - 1] + (T[k - 1] if k > 1 else 0), lo=1)
         self.fits_backward(f"B{k}", ar.a[k] + ar.a[k - 1] + ar.ob[k])
@@ -561,7 +607,8 @@ class _Builder:
 def build_formulation(chain: Chain, memory_limit: int | None, variant: str = "full",
                       sweeps: int = 1, *, size_scale: float = 1.0,
                       reductions: bool = True,
-                      running_memory: bool = False) -> Formulation:
+                      running_memory: bool = False,
+                      tape_chain: bool = False) -> Formulation:
     """Build the neutral model of ``chain`` (integer sizes) under ``memory_limit``.
 
     Parameters
@@ -596,6 +643,10 @@ def build_formulation(chain: Chain, memory_limit: int | None, variant: str = "fu
         the same LP relaxation. Limit mode with the reductions only (ignored otherwise: the
         models :mod:`optmem.models.remat_offload` extends read the dense memory rows). Used
         for CP-SAT (see :mod:`optmem.solvers.checkpoint_exact`).
+    tape_chain
+        Add the tape-chain rows ``T[j] <= A[j-1] + T[j-1]`` before every backward-type op
+        (valid for every plan, see the module docstring; with the reductions only, ignored
+        otherwise). :mod:`optmem.solvers.checkpoint_exact` sets it by default.
     """
     if size_scale != 1 and memory_limit is not None:
         raise ValueError("size_scale is for the min-peak mode (memory_limit=None) only")
@@ -605,7 +656,7 @@ def build_formulation(chain: Chain, memory_limit: int | None, variant: str = "fu
     if sweeps < 1:
         raise OptmemInputError(f"expected at least one sweep, got {sweeps}", field="sweeps")
     return _Builder(chain, memory_limit, variant, sweeps, size_scale, reductions,
-                    running_memory and reductions).build()
+                    running_memory and reductions, tape_chain).build()
 
 
 # ------------------------------------------------------------------ PuLP emission

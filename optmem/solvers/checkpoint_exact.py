@@ -94,6 +94,21 @@ engine setting, not a model change; the gaps stay 0).
 """
 
 
+def _tape_chain(options: SolveOptions) -> bool:
+    """``extra["tape_chain"]`` (default :data:`TAPE_CHAIN_DEFAULT`): add the tape-chain rows."""
+    value = options.extra.get("tape_chain", TAPE_CHAIN_DEFAULT)
+    if not isinstance(value, bool):
+        raise OptmemInputError(f"expected true or false for tape_chain, got {value!r}",
+                               field="tape_chain")
+    return value
+
+
+TAPE_CHAIN_DEFAULT = True
+"""Whether the exact models carry the tape-chain rows by default
+(:func:`~optmem.models.checkpoint_ilp.build_formulation`, ``tape_chain``; valid rows, the
+optimum is unchanged; ``benchmarks/results/checkpoint_exact.md``)."""
+
+
 def _highs_options(options: SolveOptions) -> dict[str, Any]:
     """:data:`HIGHS_DEFAULTS` updated by the checked ``extra["highs_options"]`` (HiGHS only)."""
     checked = engines.check_highs_options(options.extra.get("highs_options"))
@@ -133,7 +148,8 @@ def _min_memory(problem: CheckpointProblem, options: SolveOptions, variant: str,
         return None
     chain = problem.chain
     scale = engines.coefficient_scale(chain.store_all_peak())
-    form = build_formulation(chain, None, variant, sweeps, size_scale=scale)
+    form = build_formulation(chain, None, variant, sweeps, size_scale=scale,
+                             tape_chain=_tape_chain(options))
     model = emit_pulp(form)
     settings = {**engines.pulp_settings(options), "highs_options": _highs_options(options)}
     if settings["time_limit_s"] is not None:
@@ -194,7 +210,8 @@ def _prepare(problem: CheckpointProblem, options: SolveOptions, method: str = "i
     disc = discretize_for(problem, options)
     variant = _variant(options)
     form = build_formulation(disc.chain, disc.memory_limit, variant, _sweeps(options),
-                             running_memory=method == "cpsat")
+                             running_memory=method == "cpsat",
+                             tape_chain=_tape_chain(options))
     return disc, variant, form
 
 
@@ -202,13 +219,15 @@ def _prepare(problem: CheckpointProblem, options: SolveOptions, method: str = "i
 @register(PROBLEM, "ilp", exact=True, full_model=True, restricted_variants=("persistent",),
           requires=("pulp",),
           description="exact phase-indexed ILP of the full model (PuLP: HiGHS/CBC/Gurobi)",
-          compare_as=(("ilp", 20), ("ilp:persistent", 20)), extra=("sweeps", "highs_options"))
+          compare_as=(("ilp", 20), ("ilp:persistent", 20)),
+          extra=("sweeps", "highs_options", "tape_chain"))
 def solve_checkpoint_ilp(problem: CheckpointProblem, options: SolveOptions) -> Result:
     """Optimal plan of the full operation model (``persistent``: of persistent plans)."""
     engines.check_engine(options.solver)
     highs_options = _highs_options(options)
     disc, variant, form = _prepare(problem, options)
-    report: dict[str, Any] = {"model": form.size, "sweeps": form.sweeps}
+    report: dict[str, Any] = {"model": form.size, "sweeps": form.sweeps,
+                              "tape_chain": form.tape_chain}
     if form.trivially_infeasible:
         return _finish(problem, options, disc, form, _Start(None, math.inf, None, ""),
                        method="ilp", variant=variant, status=Status.INFEASIBLE, values=None,
@@ -249,13 +268,15 @@ def _engine_failed(problem: CheckpointProblem, disc: Discretized, start: _Start,
 @register(PROBLEM, "cpsat", exact=True, full_model=True, restricted_variants=("persistent",),
           requires=("ortools",),
           description="exact CP-SAT model of the full model (same formulation as ilp)",
-          compare_as=(("cpsat", 10), ("cpsat:persistent", 10)), extra=("sweeps",))
+          compare_as=(("cpsat", 10), ("cpsat:persistent", 10)),
+          extra=("sweeps", "tape_chain"))
 def solve_checkpoint_cpsat(problem: CheckpointProblem, options: SolveOptions) -> Result:
     """Optimal plan of the full operation model with OR-Tools CP-SAT."""
     from optmem.models.checkpoint_cpsat import emit_cpsat
 
     disc, variant, form = _prepare(problem, options, "cpsat")
-    report: dict[str, Any] = {"model": form.size, "sweeps": form.sweeps}
+    report: dict[str, Any] = {"model": form.size, "sweeps": form.sweeps,
+                              "tape_chain": form.tape_chain}
     if form.trivially_infeasible:
         return _finish(problem, options, disc, form, _Start(None, math.inf, None, ""),
                        method="cpsat", variant=variant, status=Status.INFEASIBLE,
