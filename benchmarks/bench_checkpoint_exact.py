@@ -59,6 +59,9 @@ NETWORKS = ["unet-b4-512", "resnet18-b64-224", "vit-b16-b64-224", "gpt2-small-b8
 HEADLINE = ("resnet152-b32-224", 0.3)
 HIGHS_OPTIONS: dict[str, object] = {}
 """Extra HiGHS options of every ILP solve on HiGHS (``--highs-options``)."""
+MODEL_OPTIONS: dict[str, object] = {}
+"""Extra model options (``SolveOptions.extra``) of every exact solve (``--extra``), e.g.
+``{"tape_chain": false}`` for the model without the tape-chain rows."""
 
 
 # ------------------------------------------------------------------ helpers
@@ -119,8 +122,9 @@ def _run(problem: CheckpointProblem, engine: str, time_limit: float | None,
          method: str | None = None) -> tuple[Result, float, str, str]:
     """Solve; return the result, wall time, nodes (branches) and LP iterations (det. time)."""
     method = method or ("cpsat" if engine == "cpsat" else "ilp")
-    extra = {"highs_options": dict(HIGHS_OPTIONS)} if engine == "highs" and HIGHS_OPTIONS \
-        else {}
+    extra: dict[str, object] = dict(MODEL_OPTIONS)
+    if engine == "highs" and HIGHS_OPTIONS:
+        extra["highs_options"] = dict(HIGHS_OPTIONS)
     opts = SolveOptions(solver="highs" if engine == "cpsat" else engine,
                         time_limit_s=time_limit, threads=2, verbose=True, extra=extra)
     with _captured_stdout() as log:
@@ -306,7 +310,11 @@ def main() -> None:
                         help="comma-separated memory fractions for part 3 (default 0.1,0.3,0.6)")
     parser.add_argument("--highs-options", default=None,
                         help='JSON dict of extra HiGHS options (ILP on HiGHS)')
+    parser.add_argument("--extra", default=None,
+                        help='JSON dict of model options, e.g. \'{"tape_chain": false}\'')
     args = parser.parse_args()
+    if args.extra:
+        MODEL_OPTIONS.update(json.loads(args.extra))
     if args.highs_options:
         HIGHS_OPTIONS.update(json.loads(args.highs_options))
     parts = {int(p) for p in args.parts.split(",")}
