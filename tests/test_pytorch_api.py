@@ -242,6 +242,9 @@ def test_side_inputs_are_not_counted_as_activations():
     net = MaskedBlocks()
     x, mask = torch.randn(4, 16), torch.randint(0, 2, (4, 16))
     chain = op.profile_chain(net, (x, mask), repeats=1, warmup=0)
+    assert chain.extra["profile"]["op_overhead_ms"] > 0  # the default per-op constant
+    bare = op.profile_chain(net, (x, mask), repeats=1, warmup=0, op_overhead=0.0)
+    assert bare.extra["profile"]["op_overhead_ms"] == 0.0  # passed through the export route
     nbytes = 4 * 16 * 4
     # each mul saves the linear's output and the mask: only the former is the stage's
     for i, name in enumerate(chain.stage_names):

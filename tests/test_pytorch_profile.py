@@ -382,3 +382,31 @@ def test_allowance_covers_a_pass_through_stage_run_without_its_input():
     base = plan_allowance(chain, plain, strip_suffix=False)
     assert base == chain.output_size[-1] + LOSS_SCALARS
     assert plan_allowance(chain, dropping, strip_suffix=False) == base + logits
+
+
+def test_op_overhead_is_added_to_measured_forward_times(monkeypatch):
+    """Each measured ``fwd_time`` carries the executor's per-op constant (deterministic
+    clock); backward times, time models and the roofline do not."""
+    from optmem.pytorch.profile import DEFAULT_OP_OVERHEAD_MS, round_time
+
+    torch.manual_seed(0)
+    module, x = resolve_spec("toy-resnet", batch=2)
+    stages = extract_stages(module)
+    monkeypatch.setattr(profile_module._Timer, "__call__", _work_clock(set()))
+    bare = profile_stages(stages, x, repeats=1, warmup=0, op_overhead=0.0)
+    default = profile_stages(stages, x, repeats=1, warmup=0)
+    more = profile_stages(stages, x, repeats=1, warmup=0, op_overhead=3.0)
+    assert default.bwd_time == bare.bwd_time == more.bwd_time
+    assert default.extra["profile"]["op_overhead_ms"] == DEFAULT_OP_OVERHEAD_MS
+    assert bare.extra["profile"]["op_overhead_ms"] == 0.0
+    for t0, t1, t3 in zip(bare.fwd_time, default.fwd_time, more.fwd_time, strict=True):
+        assert t0 < t1 < t3
+        # the raw time is rounded once, after the constant is added
+        assert abs(t3 - round_time(t0 + 3.0, 1 / 64)) <= 0.02 * (t0 + 3.0)
+    # the store-all plan's predicted time grows by L * c exactly as the chain says
+    assert sum(more.fwd_time) > sum(bare.fwd_time) + 0.9 * 3.0 * len(stages)
+    net = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    meta = profile_chain(net, torch.randn(3, 4), device="meta", op_overhead=5.0)
+    assert meta.extra["profile"]["op_overhead_ms"] == 0.0 and max(meta.fwd_time) < 1.0
+    with pytest.raises(OptmemInputError, match="op_overhead"):
+        profile_chain(net, torch.randn(3, 4), op_overhead=-1.0)
