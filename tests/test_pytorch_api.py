@@ -190,14 +190,17 @@ def test_too_small_limit_error_names_a_limit_that_works():
     import re
 
     from optmem.problems.checkpoint import CheckpointProblem
+    from optmem.pytorch.planning import auto_slots
+    from optmem.result import SolveOptions
     from optmem.solvers.facade import solve
 
     rng = random.Random(0)
     for _ in range(8):
         chain = _random_chain(rng)
-        continuous = solve(CheckpointProblem(chain, 1), "dp").min_feasible_memory
+        options = SolveOptions(slots=auto_slots(chain.length))  # the planner's default
+        continuous = solve(CheckpointProblem(chain, 1), "dp", options=options).min_feasible_memory
         # the DP's hint is its threshold after discretisation: it works when passed back
-        assert solve(CheckpointProblem(chain, continuous), "dp").status.has_plan
+        assert solve(CheckpointProblem(chain, continuous), "dp", options=options).status.has_plan
         with pytest.raises(OptmemInputError, match="smallest feasible limit") as err:
             op.solve_chain(chain, chain.input_size)
         least = int(re.search(r"\((\d+) B\)", str(err.value)).group(1))
@@ -239,6 +242,9 @@ def test_side_inputs_are_not_counted_as_activations():
     net = MaskedBlocks()
     x, mask = torch.randn(4, 16), torch.randint(0, 2, (4, 16))
     chain = op.profile_chain(net, (x, mask), repeats=1, warmup=0)
+    assert chain.extra["profile"]["op_overhead_ms"] > 0  # the default per-op constant
+    bare = op.profile_chain(net, (x, mask), repeats=1, warmup=0, op_overhead=0.0)
+    assert bare.extra["profile"]["op_overhead_ms"] == 0.0  # passed through the export route
     nbytes = 4 * 16 * 4
     # each mul saves the linear's output and the mask: only the former is the stage's
     for i, name in enumerate(chain.stage_names):
@@ -284,3 +290,57 @@ def test_one_liners_are_not_shadowed_by_the_executor_modules():
     from optmem.pytorch.offload import OffloadedChain  # the executor module still imports
 
     assert OffloadedChain.__module__ == "optmem.pytorch.offload"
+
+
+# ------------------------------------------------------------------ planner: store-all, slots
+def _planner_chain(length: int, seed: int) -> Chain:
+    import random
+
+    rng = random.Random(seed)
+    out = [rng.randint(1000, 9000) for _ in range(length)]
+    return Chain.from_lists([rng.uniform(1, 5) for _ in range(length)],
+                            [rng.uniform(2, 9) for _ in range(length)],
+                            out, [o + rng.randint(0, 20000) for o in out], input_size=1500)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_dp_returns_store_all_whenever_it_fits(seed):
+    from optmem.plan import store_all_plan
+    from optmem.pytorch.planning import Planner
+    from optmem.result import Status
+    from optmem.simulate import simulate_checkpoint
+
+    chain = _planner_chain(40, seed)
+    peak = chain.store_all_peak()
+    planner = Planner("checkpoint", peak)
+    for limit in (peak, peak + 1, int(peak * 1.3)):
+        result = planner.solve_at(chain, limit)
+        assert result.plan == tuple(str(o) for o in store_all_plan(chain.length))
+        assert result.method == "dp" and result.status is Status.OPTIMAL
+        assert result.report["store_all_fits"]
+        sim = simulate_checkpoint(chain, result.plan)
+        assert result.objective == sim.makespan == result.bound
+        assert sim.peak_memory <= limit == result.memory_limit * result.unit
+    below = planner.solve_at(chain, peak - 1)
+    assert "store_all_fits" not in below.report
+    assert simulate_checkpoint(chain, below.plan).peak_memory <= peak - 1
+    # the discretised DP alone recomputes at store-all's limit (the rounding loses memory)
+    plain = op.solve_chain(chain, peak, slots=100)
+    assert plain.report.get("store_all_fits") and plain.plan == result.plan
+    from optmem.problems.checkpoint import CheckpointProblem
+    from optmem.result import SolveOptions
+    from optmem.solvers.facade import solve
+
+    dp = solve(CheckpointProblem(chain, peak), "dp", options=SolveOptions(slots=100))
+    assert dp.objective > result.objective
+
+
+def test_auto_slots_only_for_the_checkpoint_dp():
+    from optmem.pytorch.planning import DEFAULT_SLOTS, Planner, auto_slots
+
+    chain = _planner_chain(40, 0)
+    assert auto_slots(40) == 2000 and auto_slots(1000) == DEFAULT_SLOTS
+    assert Planner("checkpoint", "1MB").options(chain).slots == auto_slots(40)
+    assert Planner("checkpoint", "1MB").options(chain, "ilp").slots == DEFAULT_SLOTS
+    assert Planner("checkpoint", "1MB", slots=321).options(chain).slots == 321
+    assert Planner("offload", "1MB", bandwidth="1GB/s").options(chain).slots == DEFAULT_SLOTS

@@ -269,3 +269,86 @@ def test_unextractable_module_one_line_error():
     message = str(err.value)
     assert "Untraceable" in message and "torch.export" in message and "torch.fx" in message
     assert "\n" not in message and "nn.Sequential" in message
+
+
+# ------------------------------------------------------------------ constant attention masks
+class Attention(nn.Module):
+    """Self-attention layers given a mask built from shapes only (as HF builds it in export).
+
+    ``kind``: ``"ones"`` (all True), ``"zeros"`` (additive float zeros), ``"causal"``
+    (lower-triangular bool), ``"band"`` (a non-trivial constant) or ``"input"`` (from the
+    ``keep`` input: data-dependent).
+    """
+
+    def __init__(self, kind, width=16, heads=2, depth=3):
+        super().__init__()
+        self.kind, self.heads = kind, heads
+        self.qkv = nn.ModuleList(nn.Linear(width, 3 * width) for _ in range(depth))
+        self.head = nn.Linear(width, 3)
+
+    def mask(self, b, s, keep):
+        rows = torch.arange(s).view(1, 1, s, 1)
+        cols = torch.arange(s).view(1, 1, 1, s)
+        if self.kind == "ones":
+            return torch.ones(b, 1, s, s, dtype=torch.bool)
+        if self.kind == "zeros":
+            return torch.zeros(b, 1, s, s)
+        if self.kind == "causal":
+            return (cols <= rows).expand(b, 1, s, s)
+        if self.kind == "band":
+            return ((rows - cols).abs() <= 1).expand(b, 1, s, s)
+        return keep[:, None, None, :].expand(b, 1, s, s)
+
+    def forward(self, x, keep):
+        b, s, w = x.shape
+        mask = self.mask(b, s, keep)
+        for layer in self.qkv:
+            q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2)
+                       for t in layer(x).split(w, dim=2))
+            att = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            x = x + att.transpose(1, 2).reshape(b, s, w)
+        return self.head(x).sum()
+
+
+def _sdpa_calls(ext):
+    sdpa = torch.ops.aten.scaled_dot_product_attention.default
+    graphs = [m for st in ext.stages for m in st.module.modules()
+              if isinstance(m, torch.fx.GraphModule)]
+    return [n for gm in graphs for n in gm.graph.nodes if n.target is sdpa]
+
+
+@pytest.mark.parametrize("kind, elided, causal", [
+    ("ones", True, False), ("zeros", True, False), ("causal", True, True),
+    ("band", False, False), ("input", False, False)])
+def test_constant_trivial_attention_masks_are_elided(kind, elided, causal):
+    from optmem.pytorch.extract import extract_program
+    from optmem.pytorch.wrapper import canonical_call
+
+    torch.manual_seed(0)
+    net = Attention(kind)
+    x = torch.randn(2, 6, 16)
+    keep = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])
+    args, kwargs = canonical_call(net, (x, keep), {})
+    ext = extract_program(net, args, kwargs)
+    calls = _sdpa_calls(ext)
+    assert len(calls) == 3
+    for node in calls:
+        has_mask = len(node.args) > 3 or node.kwargs.get("attn_mask") is not None
+        assert has_mask is not elided
+        assert bool(node.kwargs.get("is_causal", False)) is causal
+    # an elided mask is no longer computed beside the chain (no 4-d side input)
+    ctx = ext.side_inputs(ext.flatten(args, kwargs))
+    masks = [n for n in ext.side.output_names if ctx[n].dim() == 4]
+    assert elided is not bool(masks)
+    # the wrapper's step: loss and gradients bitwise those of the plain module
+    import optmem.pytorch as op
+
+    ref_loss = net(x, keep)
+    ref_loss.backward()
+    ref = [p.grad.clone() for p in net.parameters()]
+    net.zero_grad(set_to_none=True)
+    cm = op.checkpoint(net, (x, keep), memory_limit="min", repeats=1, warmup=0)
+    loss = cm(x, keep)
+    loss.backward()
+    assert torch.equal(loss, ref_loss)
+    assert all(torch.equal(p.grad, g) for p, g in zip(net.parameters(), ref, strict=True))

@@ -205,14 +205,14 @@ def test_loss_is_profiled_when_given():
 # ------------------------------------------------------------------ stable profiles
 def test_two_profiles_have_identical_sizes():
     """Sizes and temporaries are counted, not timed: bit-identical across profiles, and the
-    smallest feasible limit of one profile is feasible for the other."""
+    smallest feasible limit of one profile is feasible for the other (at the facade's 500 slots)."""
     torch.manual_seed(0)
     module, x = resolve_spec("toy-cnn", batch=4)
     a = profile_chain(module, x, repeats=1, warmup=0)
     b = profile_chain(module, x, repeats=1, warmup=0)
     assert all(getattr(a, f) == getattr(b, f) for f in SIZES)
     assert sum(a.fwd_overhead) > 0 and sum(a.bwd_overhead) > 0  # CPU temporaries counted
-    assert solve(CheckpointProblem(b, smallest_limit(a)), "dp").status.has_plan
+    assert solve(CheckpointProblem(b, smallest_limit(a, slots=500)), "dp").status.has_plan
 
 
 def test_identical_stages_share_one_time():
@@ -246,7 +246,7 @@ def test_two_profiles_of_a_zoo_model_give_the_same_plan():
     b = profile_chain(blocks, x, repeats=2, warmup=1)
     assert all(getattr(a, f) == getattr(b, f) for f in SIZES)
     assert len(set(a.fwd_time)) == 1 and len(set(a.bwd_time)) == 1
-    low, store = smallest_limit(a), a.store_all_peak()
+    low, store = smallest_limit(a, slots=500), a.store_all_peak()
     plans = set()
     for frac in (0.0, 0.25, 0.5, 0.75):
         limit = int(low + frac * (store - low))
@@ -296,7 +296,7 @@ def test_median_of_interleaved_rounds_ignores_bursts(monkeypatch):
     calm, a, b = profile(set()), profile({0, 3}), profile({1, 4})
     assert calm == a == b
     assert profile({0}, repeats=1) != calm  # one sample: the burst would show
-    low, store = smallest_limit(calm), calm.store_all_peak()
+    low, store = smallest_limit(calm, slots=500), calm.store_all_peak()
     mid = (low + store) // 2
     assert solve(CheckpointProblem(a, mid), "dp").plan == \
         solve(CheckpointProblem(b, mid), "dp").plan
@@ -382,3 +382,31 @@ def test_allowance_covers_a_pass_through_stage_run_without_its_input():
     base = plan_allowance(chain, plain, strip_suffix=False)
     assert base == chain.output_size[-1] + LOSS_SCALARS
     assert plan_allowance(chain, dropping, strip_suffix=False) == base + logits
+
+
+def test_op_overhead_is_added_to_measured_forward_times(monkeypatch):
+    """Each measured ``fwd_time`` carries the executor's per-op constant (deterministic
+    clock); backward times, time models and the roofline do not."""
+    from optmem.pytorch.profile import DEFAULT_OP_OVERHEAD_MS, round_time
+
+    torch.manual_seed(0)
+    module, x = resolve_spec("toy-resnet", batch=2)
+    stages = extract_stages(module)
+    monkeypatch.setattr(profile_module._Timer, "__call__", _work_clock(set()))
+    bare = profile_stages(stages, x, repeats=1, warmup=0, op_overhead=0.0)
+    default = profile_stages(stages, x, repeats=1, warmup=0)
+    more = profile_stages(stages, x, repeats=1, warmup=0, op_overhead=3.0)
+    assert default.bwd_time == bare.bwd_time == more.bwd_time
+    assert default.extra["profile"]["op_overhead_ms"] == DEFAULT_OP_OVERHEAD_MS
+    assert bare.extra["profile"]["op_overhead_ms"] == 0.0
+    for t0, t1, t3 in zip(bare.fwd_time, default.fwd_time, more.fwd_time, strict=True):
+        assert t0 < t1 < t3
+        # the raw time is rounded once, after the constant is added
+        assert abs(t3 - round_time(t0 + 3.0, 1 / 64)) <= 0.02 * (t0 + 3.0)
+    # the store-all plan's predicted time grows by L * c exactly as the chain says
+    assert sum(more.fwd_time) > sum(bare.fwd_time) + 0.9 * 3.0 * len(stages)
+    net = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    meta = profile_chain(net, torch.randn(3, 4), device="meta", op_overhead=5.0)
+    assert meta.extra["profile"]["op_overhead_ms"] == 0.0 and max(meta.fwd_time) < 1.0
+    with pytest.raises(OptmemInputError, match="op_overhead"):
+        profile_chain(net, torch.randn(3, 4), op_overhead=-1.0)

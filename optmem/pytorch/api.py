@@ -42,7 +42,7 @@ __all__ = ["CheckpointedModule", "OffloadedModule", "PlannedModule", "RematOfflo
 
 
 def solve_chain(chain: Chain, memory_limit: int | str, method: str = "dp", *,
-                slots: int = 500, variant: str | None = None,
+                slots: int | None = None, variant: str | None = None,
                 time_limit_s: float | None = None, **extra: Any) -> Result:
     """Solve the checkpoint problem of ``chain`` and raise a clear error without a plan.
 
@@ -53,7 +53,7 @@ def solve_chain(chain: Chain, memory_limit: int | str, method: str = "dp", *,
                    time_limit_s=time_limit_s, extra=dict(extra)).solve(chain)
 
 
-def smallest_limit(chain: Chain, method: str = "dp", *, slots: int = 500) -> int:
+def smallest_limit(chain: Chain, method: str = "dp", *, slots: int | None = None) -> int:
     """The smallest memory limit (bytes) at which ``method`` finds a checkpoint plan.
 
     Starts from the method's ``min_feasible_memory`` when it reports one (the DPs do),
@@ -136,7 +136,7 @@ class RematOffloadedModule(PlannedModule):
 
 
 _PROFILE_OPTIONS = ("device", "repeats", "warmup", "progress", "time_model", "max_stages",
-                    "extract", "adjust_chain")
+                    "extract", "adjust_chain", "op_overhead")
 _SOLVER_OPTIONS = ("slots", "variant", "time_limit_s", "process_group")
 _EXECUTOR_OPTIONS = {"checkpoint": ("preserve_rng_state", "restore_buffers", "strip_suffix"),
                      "offload": (), "remat_offload": ("preserve_rng_state", "restore_buffers")}
@@ -167,7 +167,7 @@ def checkpoint(
     method: str = "dp",
     *,
     max_stages: int | None = None,
-    slots: int = 500,
+    slots: int | None = None,
     variant: str | None = None,
     time_limit_s: float | None = None,
     chain: Chain | None = None,

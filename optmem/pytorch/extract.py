@@ -39,6 +39,7 @@ from torch.fx import _pytree as fx_pytree
 from torch.utils._pytree import tree_flatten
 
 from optmem.errors import OptmemInputError
+from optmem.pytorch.attention import elide_constant_masks
 from optmem.pytorch.context import SideInputs, side_inputs
 from optmem.pytorch.graphcut import (
     Cut,
@@ -440,6 +441,7 @@ def _export_program(module: nn.Module, args: tuple[Any, ...],
                     kwargs: dict[str, Any]) -> Extraction:
     ep = torch.export.export(module, args, kwargs=kwargs, strict=False)
     gm = ep.module()
+    elide_constant_masks(gm)
     flat = list(fx_pytree.tree_flatten_spec((args, kwargs), ep.call_spec.in_spec))
     return _program(gm, module, flat, method="export", in_spec=ep.call_spec.in_spec,
                     out_spec=ep.call_spec.out_spec, signature=None)

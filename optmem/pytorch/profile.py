@@ -71,8 +71,9 @@ from optmem.errors import OptmemInputError
 from optmem.pytorch.extract import Stage, extract_stages, value_tensors
 from optmem.pytorch.memory import StorageTrace, storage_bytes, storage_key
 
-__all__ = ["DEFAULT_TIME_RESOLUTION", "LossFn", "TimeModel", "profile_chain", "profile_stages",
-           "roofline_time_model", "round_time", "storage_key", "value_nbytes"]
+__all__ = ["DEFAULT_OP_OVERHEAD_MS", "DEFAULT_TIME_RESOLUTION", "LossFn", "TimeModel",
+           "profile_chain", "profile_stages", "roofline_time_model", "round_time", "storage_key",
+           "value_nbytes"]
 
 TimeModel = Callable[[nn.Module, Any, Any], tuple[float, float]]
 """``time_model(stage_module, input, output) -> (fwd_ms, bwd_ms)``."""
@@ -84,6 +85,19 @@ DEFAULT_FLOPS_PER_S = 1e13
 DEFAULT_BYTES_PER_S = 1e12
 DEFAULT_TIME_RESOLUTION = 1 / 64
 """Relative resolution of profiled times (about 1.6 %): see :func:`round_time`."""
+DEFAULT_OP_OVERHEAD_MS = 0.5
+"""The executor's own cost of one forward op (ms), added to every measured ``fwd_time``.
+
+The chain counts the kernels of a stage; running one ``F`` op through
+:class:`~optmem.pytorch.execute.CheckpointedChain` also costs Python and autograd work
+(context re-entry, RNG state, a taped source, an unfused backward call) that the profile
+does not see. Every stage runs at least one ``F``, so the constant shifts every plan by the
+same ``L * c`` plus ``c`` per re-forward: the solver sees that a re-forward of a tiny stage
+(a LayerNorm, 0.04 ms of kernels) is not free. Measured on this project's CPU (one
+thread, shared machine): 0.07 ms per re-forward of tiny ``Linear(8, 8)`` stages, 0.55 ms
+per re-forwarded stage of BERT's exported chain, its unfused backward call included
+(``docs/pytorch.md``, "What the chain counts").
+"""
 
 
 # ------------------------------------------------------------------ sizes
@@ -529,6 +543,7 @@ def profile_stages(
     loss_fn: LossFn | None = None,
     time_resolution: float = DEFAULT_TIME_RESOLUTION,
     pool_identical: bool = True,
+    op_overhead: float = DEFAULT_OP_OVERHEAD_MS,
 ) -> Chain:
     """Profile already extracted stages on ``sample``; see :func:`profile_chain`."""
     if repeats < 1 or warmup < 0:
@@ -537,6 +552,9 @@ def profile_stages(
     if not (time_resolution >= 0 and math.isfinite(time_resolution)):
         raise OptmemInputError(f"expected time_resolution >= 0, got {time_resolution}",
                                field="time_resolution")
+    if not (op_overhead >= 0 and math.isfinite(op_overhead)):
+        raise OptmemInputError(f"expected op_overhead >= 0 (ms), got {op_overhead}",
+                               field="op_overhead")
     inputs = value_tensors(sample)
     if not inputs:
         raise OptmemInputError("the sample input holds no tensor", field="sample")
@@ -584,8 +602,9 @@ def profile_stages(
                 b.copy_(old)
     times = "time_model" if time_model is not None else ("roofline" if meta else "measured")
     q = (lambda t: round_time(t, time_resolution)) if times == "measured" else float
+    per_op = op_overhead if times == "measured" else 0.0
     return Chain(
-        fwd_time=tuple(q(t) for t in fwd_time), bwd_time=tuple(q(t) for t in bwd_time),
+        fwd_time=tuple(q(t + per_op) for t in fwd_time), bwd_time=tuple(q(t) for t in bwd_time),
         output_size=tuple(r.output_size for r in rows),
         saved_size=tuple(r.saved_size for r in rows),
         fwd_overhead=tuple(r.fwd_overhead for r in rows),
@@ -601,6 +620,7 @@ def profile_stages(
                           else "dispatch trace"),
             "clock": timer.clock if times == "measured" else None,
             "time_resolution": time_resolution if times == "measured" else 0.0,
+            "op_overhead_ms": per_op,
             "time_classes": len({r.signature for r in rows}) if times == "measured" else None,
             "loss": "loss_fn" if loss_fn is not None else "not profiled",
             "output_left_out": [r.alias for r in rows]}},
@@ -671,6 +691,7 @@ def profile_chain(
     loss_fn: LossFn | None = None,
     time_resolution: float = DEFAULT_TIME_RESOLUTION,
     pool_identical: bool = True,
+    op_overhead: float = DEFAULT_OP_OVERHEAD_MS,
 ) -> Chain:
     """Extract the chain of ``module`` and profile it on ``sample``.
 
@@ -709,6 +730,10 @@ def profile_chain(
         Give stages that run the same kernels on the same shapes (the blocks of a
         transformer) one time, the median of their pooled samples (``False``: time every
         stage on its own samples).
+    op_overhead
+        Milliseconds added to every measured forward time: the executor's own cost of an
+        ``F`` op (:data:`DEFAULT_OP_OVERHEAD_MS`; 0 gives the kernels' times alone). Not
+        added to times from ``time_model`` or the roofline.
 
     Returns
     -------
@@ -731,4 +756,5 @@ def profile_chain(
     return profile_stages(stages, sample, device=device, repeats=repeats, warmup=warmup,
                           name=name, progress=progress, time_model=time_model,
                           flops_per_s=flops_per_s, bytes_per_s=bytes_per_s, loss_fn=loss_fn,
-                          time_resolution=time_resolution, pool_identical=pool_identical)
+                          time_resolution=time_resolution, pool_identical=pool_identical,
+                          op_overhead=op_overhead)

@@ -72,6 +72,7 @@ class ProfileOptions:
     time_model: Any = None
     max_stages: int | None = None
     extract: str = "auto"
+    op_overhead: float | None = None  # ms per F op (None: profile.DEFAULT_OP_OVERHEAD_MS)
     # what the profile does not see but the plan must count: (stages, chain) -> chain
     # (FSDP2's gathered parameters: optmem.pytorch.distributed.fsdp_chain)
     adjust_chain: Callable[[Sequence[Stage], Chain], Chain] | None = None
@@ -570,6 +571,8 @@ def profile_stage_chain(stages: Sequence[Stage], x: Any, profile: ProfileOptions
               warmup=profile.warmup if warmup is None else warmup, name=name,
               progress=profile.progress, time_model=time_model or profile.time_model,
               loss_fn=loss_fn)
+    if profile.op_overhead is not None:
+        kw["op_overhead"] = profile.op_overhead
     if ctx is None:
         return profile_stages(stages, x, **kw)
     if profile.device == "meta":

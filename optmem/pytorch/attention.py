@@ -1,0 +1,134 @@
+"""Attention masks that ``torch.export`` materialises where the eager model passes none.
+
+HuggingFace's attention-mask builders (``create_causal_mask``, ``create_bidirectional_mask``)
+return ``None`` in eager mode when the batch has no padding, so that
+``scaled_dot_product_attention`` runs with ``attn_mask=None`` (and ``is_causal=True`` for a
+decoder). While a model is traced (``torch.export``), the data-dependent "no padding" test
+cannot run, so the exported graph builds the full ``[batch, 1, seq, seq]`` mask and passes
+it to every attention call. Without an ``attention_mask`` argument that mask depends only on
+the (specialised) shapes: it is a constant of the exported graph, all ``True`` (encoder) or
+lower-triangular (decoder).
+
+:func:`elide_constant_masks` evaluates every such constant mask once and, when it is
+trivial, gives the attention call what the eager model gives it: no mask, or
+``is_causal=True`` for the causal pattern. The kernels then compute the same values as the
+eager model (an all-``True`` mask adds zeros to the scores, a causal mask removes exactly
+the entries ``is_causal`` skips); the gradients stay bitwise equal to the plain model's
+(``tests/test_hf_wrapper.py``). The mask's memory and the kernel's masked path are saved.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import fx
+
+__all__ = ["elide_constant_masks"]
+
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
+
+
+def elide_constant_masks(gm: fx.GraphModule) -> int:
+    """Drop trivial constant attention masks from ``gm``'s SDPA calls, in place.
+
+    A mask is *constant* when every node it is computed from is a deterministic
+    ``call_function`` (no placeholder, no parameter or buffer, no random op), so it is the
+    same at every call of the specialised graph. An all-``True`` boolean or all-zero
+    floating mask becomes ``attn_mask=None``; a boolean mask equal to the top-left causal
+    pattern of a square ``seq x seq`` score matrix becomes ``is_causal=True``. Other masks
+    are kept. Returns the number of attention calls changed; nodes left unused are removed.
+    """
+    changed = 0
+    values: dict[fx.Node, torch.Tensor | None] = {}
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not _SDPA:
+            continue
+        named = _named_args(node)
+        mask = named.get("attn_mask")
+        if not isinstance(mask, fx.Node) or named.get("is_causal", False):
+            continue
+        if mask not in values:
+            values[mask] = _constant_value(mask)
+        kind = _trivial_kind(values[mask], node)
+        if kind is None:
+            continue
+        named["attn_mask"] = None
+        named["is_causal"] = kind == "causal"
+        node.args = tuple(named.pop(k) for k in _SDPA_ARGS[:3])
+        node.kwargs = {k: v for k, v in named.items()
+                       if not (k == "attn_mask" or (k == "is_causal" and v is False))}
+        changed += 1
+    if changed:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return changed
+
+
+def _named_args(node: fx.Node) -> dict[str, Any]:
+    named = dict(zip(_SDPA_ARGS, node.args, strict=False))
+    named.update(node.kwargs)
+    return named
+
+
+def _ancestors(node: fx.Node) -> list[fx.Node] | None:
+    """``node`` and what it is computed from, in graph order; ``None`` if not constant."""
+    seen: dict[fx.Node, None] = {}
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        if n.op != "call_function" or _is_random(n):
+            return None
+        seen[n] = None
+        stack.extend(n.all_input_nodes)
+    order = {n: k for k, n in enumerate(node.graph.nodes)}
+    return sorted(seen, key=order.__getitem__)
+
+
+def _is_random(node: fx.Node) -> bool:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return torch.Tag.nondeterministic_seeded in target.tags
+    return True  # an unknown Python function: not evaluated
+
+
+def _constant_value(node: fx.Node) -> torch.Tensor | None:
+    """The value of a constant node (evaluated once), or ``None``."""
+    nodes = _ancestors(node)
+    if nodes is None:
+        return None
+    env: dict[fx.Node, Any] = {}
+    try:
+        with torch.no_grad():
+            for n in nodes:
+                args = fx.node.map_arg(n.args, env.__getitem__)
+                kwargs = fx.node.map_arg(n.kwargs, env.__getitem__)
+                env[n] = n.target(*args, **kwargs)  # type: ignore[operator]
+    except Exception:  # noqa: BLE001 - not evaluable here (another device, say): keep it
+        return None
+    value = env[node]
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _trivial_kind(mask: torch.Tensor | None, node: fx.Node) -> str | None:
+    """``"none"`` (the mask keeps everything), ``"causal"``, or ``None`` (keep it)."""
+    if mask is None or mask.dim() < 2:
+        return None
+    if mask.dtype == torch.bool:
+        if bool(mask.all()):
+            return "none"
+        rows, cols = mask.shape[-2:]
+        query = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+        key = node.args[1].meta.get("val") if isinstance(node.args[1], fx.Node) else None
+        if query is None or key is None or rows != cols:
+            return None
+        if query.shape[-2] != rows or key.shape[-2] != cols:
+            return None  # a broadcast mask row: is_causal would use other sizes
+        causal = torch.ones(rows, cols, dtype=torch.bool, device=mask.device).tril()
+        return "causal" if bool((mask == causal).all()) else None
+    if mask.is_floating_point() and bool((mask == 0).all()):
+        return "none"
+    return None
