@@ -470,7 +470,7 @@ def test_cpsat_time_grid_is_the_exact_rational_one() -> None:
     assert cpsat_time_scale(chain, 0.5) == (1, True)  # decimal data keep the decimal grid
     assert cpsat_time_scale(chain, 8.0) == (8, True)  # coarser than the decimal 1000
     # a finer exact grid than the cap falls back to the (rounding) decimal one
-    prime = 10_000_019
+    prime = 1_000_003
     assert prime > MAX_RATIONAL_SCALE
     assert cpsat_time_scale(chain, prime / 7) == (10**6, False)
 
