@@ -216,7 +216,8 @@ def test_stopped_engine_returns_the_warm_start(monkeypatch: pytest.MonkeyPatch) 
         return real(*args, **kwargs) if len(calls) == 1 else stopped()  # type: ignore[arg-type]
 
     monkeypatch.setattr(engines, "solve_cpsat", first_real)
-    res = solve(problem, "cpsat", options=OPTS)
+    # without the link relaxation, whose deadline rows prove this instance with no search
+    res = solve(problem, "cpsat", options=OPTS.with_(extra={"relaxation": False}))
     assert res.status is Status.FEASIBLE
     assert res.report["incumbent"] == "the fastest candidate plan"
     dp = solve(problem, "dp", options=OPTS)
@@ -243,8 +244,9 @@ def test_cli_solve_and_export(capsys: pytest.CaptureFixture[str], tmp_path) -> N
 
     path = tmp_path / "example.json"
     EXAMPLE.save(path)
+    # the relaxation off: its deadline rows prove this instance without the model's search
     code = main(["solve", "remat-offload", str(path), "--memory", "12", "--bandwidth", "1B/ms",
-                 "--method", "ilp", "--json"])
+                 "--method", "ilp", "--json", "--option", "relaxation=false"])
     out, err = capsys.readouterr()
     assert code == 0, err
     data = json.loads(out)
