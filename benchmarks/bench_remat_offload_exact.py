@@ -21,6 +21,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 from pathlib import Path
@@ -64,9 +65,16 @@ def row(label: str, limit: int, method: str, res: Result, dp: Result, seconds: f
     relaxed = res.report.get("relaxation", {})
     relax = (f"{relaxed['bound']:.4g} ({relaxed.get('seconds', 0):.1f} s)"
              if isinstance(relaxed.get("bound"), float) else "-")
+    work = res.report.get("engine_work", {})
+    count = (f"{work['deterministic_time']:.0f} dt / {work.get('branches', 0)} br"
+             if "deterministic_time" in work else
+             f"{work.get('nodes', '-')} nodes" if work else "-")
+    grid = res.report.get("time_scale", "-")
+    if res.report.get("exact_times") is False:
+        grid = f"{grid} (rounded)"
     return (f"| {label} | {limit} | {method} | {res.status} | {res.objective:.4g} | "
             f"{res.bound:.4g} | {relax} | {100 * gap:.2f} % | "
-            f"{res.report.get('engine_time_s', 0):.1f} | {seconds:.1f} | "
+            f"{res.report.get('engine_time_s', 0):.1f} | {seconds:.1f} | {count} | {grid} | "
             f"{model.get('variables', '')} / {model.get('constraints', '')} | "
             f"{dp.objective:.4g} | {100 * dp_far:.2f} % |")
 
@@ -83,26 +91,35 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--slots", type=int, default=500)
     ap.add_argument("--out", default="")
+    ap.add_argument("--extra", default="{}", help="method options (JSON), e.g. "
+                    "'{\"relaxation\": false}'")
+    ap.add_argument("--bandwidth", type=float, default=0.0,
+                    help="link bandwidth in bytes/s (default: half of the activations the "
+                         "forward pass produces in its own time, in chain units)")
     args = ap.parse_args()
     args.lengths = [int(x) for x in args.lengths.split(",") if x]
     args.seeds = [int(x) for x in args.seeds.split(",") if x]
     args.networks = [x for x in args.networks.split(",") if x]
     fractions = [float(x) for x in args.fractions.split(",")]
     methods = [m for m in args.methods.split(",") if m]
-    opts = SolveOptions(threads=args.threads, time_limit_s=args.time_limit, slots=args.slots)
+    opts = SolveOptions(threads=args.threads, time_limit_s=args.time_limit, slots=args.slots,
+                        extra=json.loads(args.extra))
     head = [f"\n## run of {time.strftime('%Y-%m-%d %H:%M')}: time limit {args.time_limit:g} s, "
-            f"{args.threads} threads, load average at start "
+            f"{args.threads} threads, options {args.extra}, load average at start "
             f"{', '.join(f'{x:.0f}' for x in os.getloadavg())} (2 cores)\n",
             "| instance | memory | method | status | objective | bound | relaxation bound | gap | "
-            "engine s | total s | variables / rows | dp | dp vs bound |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "engine s | total s | engine work | time grid | variables / rows | dp | "
+            "dp vs bound |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     emit(args.out, head)
     proven = total = 0
     proof_times: list[float] = []
     for label, chain in instances(args):
         beta = bandwidth(chain)
         for limit in limits(chain, fractions):
-            problem = RematOffloadProblem(chain, limit, chain_bandwidth=beta)
+            problem = (RematOffloadProblem(chain, limit, bandwidth=args.bandwidth)
+                       if args.bandwidth > 0 else
+                       RematOffloadProblem(chain, limit, chain_bandwidth=beta))
             dp = solve(problem, "dp", options=opts)
             for method in methods:
                 t0 = time.perf_counter()

@@ -216,7 +216,8 @@ def test_stopped_engine_returns_the_warm_start(monkeypatch: pytest.MonkeyPatch) 
         return real(*args, **kwargs) if len(calls) == 1 else stopped()  # type: ignore[arg-type]
 
     monkeypatch.setattr(engines, "solve_cpsat", first_real)
-    res = solve(problem, "cpsat", options=OPTS)
+    # without the link relaxation, whose deadline rows prove this instance with no search
+    res = solve(problem, "cpsat", options=OPTS.with_(extra={"relaxation": False}))
     assert res.status is Status.FEASIBLE
     assert res.report["incumbent"] == "the fastest candidate plan"
     dp = solve(problem, "dp", options=OPTS)
@@ -231,6 +232,9 @@ def test_options_are_checked() -> None:
     with pytest.raises(OptmemInputError):
         solve(RematOffloadProblem(EXAMPLE, 12, chain_bandwidth=1.0), "cpsat",
               options=OPTS.with_(extra={"transfers_per_gap": 0}))
+    with pytest.raises(OptmemInputError, match="relaxation_deadlines"):
+        solve(RematOffloadProblem(EXAMPLE, 12, chain_bandwidth=1.0), "cpsat",
+              options=OPTS.with_(extra={"relaxation_deadlines": "yes"}))
 
 
 def test_cli_solve_and_export(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
@@ -240,8 +244,9 @@ def test_cli_solve_and_export(capsys: pytest.CaptureFixture[str], tmp_path) -> N
 
     path = tmp_path / "example.json"
     EXAMPLE.save(path)
+    # the relaxation off: its deadline rows prove this instance without the model's search
     code = main(["solve", "remat-offload", str(path), "--memory", "12", "--bandwidth", "1B/ms",
-                 "--method", "ilp", "--json"])
+                 "--method", "ilp", "--json", "--option", "relaxation=false"])
     out, err = capsys.readouterr()
     assert code == 0, err
     data = json.loads(out)
@@ -384,6 +389,33 @@ def test_link_relaxation_never_exceeds_the_model_optimum(length: int, seed: int,
                 assert bound <= res.objective + 1e-6, name
 
 
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(length=st.integers(5, 6), seed=st.integers(0, 10_000),
+       beta=st.sampled_from([0.3, 1.0, 51 / 46, 2.0]))
+def test_link_windows_never_cut_a_plan(length: int, seed: int, beta: float) -> None:
+    """The prefetch-deadline rows only lift the relaxation and keep it below every plan
+    found on longer chains: the model's incumbent after a short
+    deterministic search (relaxation off) and the DP / pure plans."""
+    from optmem.models.formulation import to_pulp
+    from optmem.models.remat_offload import build_link_relaxation
+
+    chain = random_chain(length, seed=seed, max_size=10)
+    opts = SolveOptions(slots=64, threads=1, seed=1, deterministic_time=2.0,
+                        extra={"relaxation": False})
+    for limit in _limits(chain)[:2]:
+        pm = to_pulp(build_link_relaxation(chain, limit, beta, deadlines=False))
+        plain = engines.solve_pulp(pm.problem, pm.all_variables, "highs")
+        bound = _relaxation(chain, limit, beta)
+        if plain.status is Status.INFEASIBLE:
+            continue
+        assert bound >= plain.objective - 1e-6
+        problem = RematOffloadProblem(chain, limit, chain_bandwidth=beta)
+        for name in ("cpsat", "dp", "remat_only", "offload_only"):
+            res = solve(problem, name, options=opts if name == "cpsat" else OPTS)
+            if res.status.has_plan:
+                assert bound <= res.objective + 1e-6, name
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_link_relaxation_with_a_useless_link_is_the_checkpoint_optimum(seed: int) -> None:
     """With a link too slow to relieve a unit of memory the relaxation is the checkpoint
@@ -429,3 +461,42 @@ def test_failing_relaxation_engine_never_fails_the_solve(monkeypatch: pytest.Mon
     assert res.report["relaxation"]["status"] == "error"
     assert res.status is good.status is Status.OPTIMAL
     assert res.objective == pytest.approx(good.objective)
+
+
+def test_cpsat_time_grid_is_the_exact_rational_one() -> None:
+    from optmem.solvers.remat_offload_exact import MAX_RATIONAL_SCALE, cpsat_time_scale
+
+    chain = Chain.from_lists([3, 3], [6, 2], [5, 6], [7, 9], input_size=8)
+    # transfer times size * 46 / 51: no power of ten is exact, 51 is
+    assert cpsat_time_scale(chain, 51 / 46) == (51, True)
+    assert cpsat_time_scale(chain, 0.5) == (1, True)  # decimal data keep the decimal grid
+    assert cpsat_time_scale(chain, 8.0) == (8, True)  # coarser than the decimal 1000
+    # a finer exact grid than the cap falls back to the (rounding) decimal one
+    prime = 1_000_003
+    assert prime > MAX_RATIONAL_SCALE
+    assert cpsat_time_scale(chain, prime / 7) == (10**6, False)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(chain=tiny(), limit=st.integers(3, 22), beta=st.sampled_from([0.7, 51 / 46, 1.1]))
+def test_cpsat_on_fractional_transfer_times_is_exact(chain: Chain, limit: int,
+                                                     beta: float) -> None:
+    """Fractional ``size / beta``: CP-SAT solves on the exact grid and equals brute force."""
+    problem = RematOffloadProblem(chain, limit, chain_bandwidth=beta)
+    exact = solve(problem, "cpsat", options=OPTS)
+    brute = solve(problem, "brute", options=OPTS)
+    _check(problem, exact)
+    assert exact.status.has_plan == brute.status.has_plan
+    if exact.status.has_plan:
+        assert exact.report["exact_times"] is True
+        assert exact.status is Status.OPTIMAL
+        assert exact.objective == pytest.approx(brute.objective)
+
+
+def test_engine_work_is_reported() -> None:
+    problem = RematOffloadProblem(EXAMPLE, 10, chain_bandwidth=0.5)
+    opts = SolveOptions(slots=64, extra={"relaxation": False})
+    res = solve(problem, "cpsat", options=opts)
+    assert res.status is Status.OPTIMAL
+    assert res.report["engine_work"]["deterministic_time"] >= 0
+    assert res.report["engine_work"]["branches"] >= 0

@@ -112,7 +112,7 @@ the replayed plan meets it.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from optmem.chain import Chain
@@ -474,7 +474,8 @@ def build_remat_offload(chain: Chain, memory_limit: int, bandwidth: float, *,
 
 
 def build_link_relaxation(chain: Chain, memory_limit: int, bandwidth: float, *,
-                          sweeps: int = 1, horizon: float | None = None) -> Model:
+                          sweeps: int = 1, horizon: float | None = None,
+                          deadlines: bool = True) -> Model:
     r"""A small relaxation of :func:`build_remat_offload`: integral compute, aggregated link.
 
     The compute part is the same checkpoint formulation (same slots, same class, exact
@@ -506,6 +507,20 @@ def build_link_relaxation(chain: Chain, memory_limit: int, bandwidth: float, *,
     at ``q``, at least ``r_q - r_{q-1}``) and the symmetric ``d_q`` satisfy the rows. With
     ``T`` the model's makespan the relaxation is feasible, so its optimum is at most the
     model's (in the chain's time unit; exact durations, no grid).
+
+    **Prefetch deadlines** (``deadlines=True``; :func:`_deadline_rows`): for an item ``p``
+    and a backward-type item ``q > p`` (``Loss``, ``B k``), let ``V`` be the values that
+    ``Loss`` or a ``B`` of ``(p, q]`` reads whenever they are stored (``abar^k``, ``a^{k-1}``,
+    ``abar^{k-1}`` for ``B k``). Every value of ``V`` stored at ``p`` is read in ``(p, q]``
+    (it is still stored at the ``B`` that reads it, or an op that read it freed it before:
+    no op frees a value it does not read), so a value of ``V`` on the host during ``p`` is
+    prefetched by a job that starts after ``p`` ends (``late``/``during`` rows) and ends
+    before its reader starts (``wait`` rows), inside ``[E_p, S_q]``; these jobs are distinct
+    and share the one link. The host part outside ``V`` is at most the stored, unread size
+    outside ``V``, so ``r_p - sum_{v not in V} size_v (stored_v - reads_v)_p <= beta (S_q -
+    E_p)`` holds for the solution built above: the rows keep the relaxation a relaxation.
+    They lift its bound where the link relaxation alone lets a large relief at the loss
+    drain to the end of the schedule.
     """
     cf = ck.build_formulation(chain, memory_limit, "full", sweeps, reductions=False)
     a = [chain.input_size, *chain.output_size]
@@ -552,6 +567,8 @@ def build_link_relaxation(chain: Chain, memory_limit: int, bandwidth: float, *,
         m.add(r <= free, f"relief_{p}")
         m.add(_x(mexpr) - r <= memory_limit, name)
         relief.append(r)
+    if relief and deadlines:
+        _deadline_rows(m, cf, reads, relief, D, S, bandwidth, size)
     if relief:
         cap = float(sum(a) + sum(abar))
         up: list[Expr] = []
@@ -572,6 +589,47 @@ def build_link_relaxation(chain: Chain, memory_limit: int, bandwidth: float, *,
         m.add(makespan * bandwidth >= Expr.sum(up) + Expr.sum(down), "link")
     m.minimize(makespan)
     return m
+
+
+def _unread(cf: ck.Formulation, p: int, reads: Sequence[dict[Value, Literal | bool]],
+            size: Callable[[Value], int]) -> dict[Value, Expr]:
+    """``size_v (stored_v - reads_v)`` at item ``p``, per value that may be stored unread."""
+    A, T = cf.states[p]
+    stored: dict[Value, Expr] = {(A_, i): _x(e) for i, e in A.items()}
+    stored.update({(ABAR_, i): _x(e) for i, e in T.items()})
+    unread: dict[Value, Expr] = {}
+    for v, e in stored.items():
+        lit = reads[p].get(v, False)
+        if lit is True:
+            continue
+        if lit is not False:
+            e = e - (Expr([(lit[0], 1.0)]) if lit[1] else 1 - Expr([(lit[0], 1.0)]))
+        if e.terms or e.const > 0:
+            unread[v] = e * size(v)
+    return unread
+
+
+def _deadline_rows(m: Model, cf: ck.Formulation, reads: Sequence[dict[Value, Literal | bool]],
+                   relief: Sequence[Expr], D: Sequence[Expr], S: Sequence[Expr],
+                   bandwidth: float, size: Callable[[Value], int]) -> None:
+    """The prefetch deadlines of the link relaxation (its docstring).
+
+    For every item ``p`` and backward-type item ``q > p`` whose reads add a value that may
+    be stored unread at ``p``: ``r_p - (stored, unread size at p outside V(p, q)) <= beta
+    (S_q - E_p)``.
+    """
+    n = len(cf.sequence)
+    backward = [q for q in range(n) if not isinstance(cf.sequence[q], ck.Slot)]
+    for p in range(n):
+        unread = _unread(cf, p, reads, size)
+        seen: set[Value] = set()
+        for q in (q for q in backward if q > p):
+            new = set(reads[q]) - seen
+            seen |= new
+            if new & unread.keys():
+                rest = Expr.sum(e for v, e in unread.items() if v not in seen)
+                m.add(relief[p] - rest <= (S[q] - S[p] - D[p]) * bandwidth,
+                      f"deadline_{p}_{q}")
 
 
 def _gap_check(m: Model, p: int, kappa: int, tq: Expr, pos: Position, prefetching: Expr,

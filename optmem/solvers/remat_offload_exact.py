@@ -14,12 +14,15 @@
   model is built (the link relaxation's bound at most a quarter of it, the candidate plans,
   at most a quarter completing the warm start, the search the rest, at least one second;
   building and emitting the model come first) and returns the best verified plan with the
-  engine's bound.
+  engine's bound. CP-SAT runs on the exact time grid of :func:`cpsat_time_scale` (the least
+  common denominator of durations and transfer times) where one exists;
+  ``report["engine_work"]`` holds the engine's deterministic counts.
 * Both first solve :func:`~optmem.models.remat_offload.build_link_relaxation` (HiGHS; a
   proven lower bound on the model's optimum, ``report["relaxation"]``; off with
   ``extra["relaxation"] = False``): a candidate plan that meets it is returned as
   ``optimal`` without a search, otherwise the bound becomes a row ``makespan >= bound`` of
-  the model (exact times only) and a floor of the reported bound.
+  the model (exact times only) and a floor of the reported bound. Its prefetch-deadline
+  rows are on by default (``extra["relaxation_deadlines"]``).
 * ``brute``: the independent oracle for tiny chains: every compute sequence with at most
   ``L (L + 1) / 2`` forwards, and for every gap between two consecutive uses of a stored
   value at most one offload/prefetch pair (enumerated window subsets, link orders and issue
@@ -42,7 +45,16 @@ from optmem.engines.adapters import EngineResult
 from optmem.engines.results import engine_failure
 from optmem.errors import OptmemInputError, PlanError
 from optmem.models.checkpoint_ilp import write_model
-from optmem.models.formulation import Expr, Kind, Model, Relation, time_scale, to_cpsat, to_pulp
+from optmem.models.formulation import (
+    Expr,
+    Kind,
+    Model,
+    Relation,
+    rational_time_scale,
+    time_scale,
+    to_cpsat,
+    to_pulp,
+)
 from optmem.models.remat_offload import (
     RematOffloadModel,
     build_link_relaxation,
@@ -73,6 +85,7 @@ BRUTE_MAX_LENGTH = 2
 COMPLETION_SHARE = 0.25  # share of a user's time limit spent completing warm starts
 RELAXATION_SHARE = 0.25  # share of a user's time limit spent on the link relaxation's bound
 LEAST_SEARCH_TIME_S = 1.0  # the search always gets this long (an engine needs a positive limit)
+MAX_RATIONAL_SCALE = 10**6  # largest exact CP-SAT time grid: never finer than the decimal one
 
 
 def compute_sequences(chain: Chain, max_forwards: int | None = None
@@ -328,30 +341,73 @@ def _warm_start(problem: RematOffloadProblem, options: SolveOptions,
     return _Start(best[2], best[0], None, math.inf, f"none ({note}); incumbent: {best[1]}")
 
 
+def cpsat_time_scale(chain: Chain, beta: float) -> tuple[int, bool]:
+    """The CP-SAT grid ``1 / scale`` of the durations and transfer times; whether exact.
+
+    Transfer times ``size / beta`` are fractions (``beta = 51 / 46`` on
+    ``random_chain(8, seed=1)``), which no power of ten makes integral: the decimal grid
+    (:func:`~optmem.models.formulation.time_scale`) then rounds them on ``1e-6``, the model
+    becomes a relaxation (no ``relaxation_bound`` row) and CP-SAT improves its incumbent
+    one grid step at a time. The least common denominator
+    (:func:`~optmem.models.formulation.rational_time_scale`) is exact and coarse there (51);
+    it is used when it does not exceed :data:`MAX_RATIONAL_SCALE` (CP-SAT's integer
+    coefficients stay small), else the decimal grid as before.
+    """
+    values = [*chain.fwd_time, *chain.bwd_time, chain.loss_bwd_time,
+              *([v / beta for v in (chain.input_size, *chain.output_size, *chain.saved_size)]
+                if beta > 0 else [])]
+    decimal = time_scale(values)
+    rational = rational_time_scale(values, max_scale=MAX_RATIONAL_SCALE)
+    if rational[1] and (not decimal[1] or rational[0] < decimal[0]):
+        return rational
+    return decimal
+
+
 def _relaxation_bound(chain: Chain, memory_limit: int, beta: float, sweeps: int,
                       options: SolveOptions, engine: str) -> tuple[float, dict[str, Any]]:
     """The proven bound of :func:`~optmem.models.remat_offload.build_link_relaxation`.
 
     Solved by the PuLP engine of the method (HiGHS for ``cpsat`` when installed) within
-    :data:`RELAXATION_SHARE` of the time limit; the engine's dual bound is valid even when it
-    stops early. ``-inf`` when it is off (``extra["relaxation"] = False``), no MILP engine is
-    installed, there is no link or the engine fails.
+    :data:`RELAXATION_SHARE` of the time limit, first without and then with the prefetch
+    deadlines (``extra["relaxation_deadlines"]``, default true; ``report["relaxation"]``
+    keeps the first bound as ``plain_bound``); the engine's dual bound is valid even when
+    it stops early, and the better of the two is the bound. ``-inf`` when it is off
+    (``extra["relaxation"] = False``), no MILP engine is installed, there is no link or the
+    engine fails.
     """
+    deadlines = options.extra.get("relaxation_deadlines", True)
+    if not isinstance(deadlines, bool):
+        raise OptmemInputError(f"expected true or false for relaxation_deadlines, got "
+                               f"{deadlines!r}", field="relaxation_deadlines")
     if not options.extra.get("relaxation", True) or beta <= 0:
         return -math.inf, {"status": "off"}
     pulp_engine = engine if engine != "cpsat" else "highs"
     if not engines.is_available(pulp_engine):
         return -math.inf, {"status": f"skipped ({pulp_engine} not installed)"}
-    limit = None if options.time_limit_s is None else \
+    began = time.monotonic()
+    share = None if options.time_limit_s is None else \
         max(LEAST_SEARCH_TIME_S, RELAXATION_SHARE * options.time_limit_s)
-    pm = to_pulp(build_link_relaxation(chain, memory_limit, beta, sweeps=sweeps))
-    out = engines.solve_pulp(pm.problem, pm.all_variables, pulp_engine,
-                             **{**engines.pulp_settings(options), "time_limit_s": limit})
-    info = {"status": str(out.status), "bound": out.bound, "seconds": round(out.time_s, 3),
-            **out.info}
-    if out.failed or not math.isfinite(out.bound):
-        return -math.inf, info
-    return out.bound - 1e-9 * max(1.0, abs(out.bound)), info
+    best: float = -math.inf
+    info: dict[str, Any] = {}
+    # the plain relaxation first: fast, and a valid bound should the deadline rows make the
+    # second solve stop early below it (the better of the two bounds counts)
+    for with_deadlines in (False, True) if deadlines else (False,):
+        limit = None if share is None else \
+            max(LEAST_SEARCH_TIME_S, share - (time.monotonic() - began))
+        pm = to_pulp(build_link_relaxation(chain, memory_limit, beta, sweeps=sweeps,
+                                           deadlines=with_deadlines))
+        out = engines.solve_pulp(pm.problem, pm.all_variables, pulp_engine,
+                                 **{**engines.pulp_settings(options), "time_limit_s": limit})
+        run = {"status": str(out.status), "bound": out.bound,
+               "seconds": round(out.time_s, 3), **out.info}
+        if with_deadlines:
+            run["plain_bound"] = info.get("bound")
+        info = run
+        if not out.failed and math.isfinite(out.bound):
+            best = max(best, out.bound - 1e-9 * max(1.0, abs(out.bound)))
+    if math.isfinite(best):
+        info["bound"] = best
+    return best, info
 
 
 def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: str
@@ -365,10 +421,7 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
     scale, exact = 1, True
     if engine == "cpsat":
         chain = disc.chain
-        scale, exact = time_scale([*chain.fwd_time, *chain.bwd_time, chain.loss_bwd_time,
-                                   *([v / beta for v in (chain.input_size, *chain.output_size,
-                                                         *chain.saved_size)]
-                                     if beta > 0 else [])])
+        scale, exact = cpsat_time_scale(chain, beta)
     grid = None if exact else scale
     built = build_remat_offload(disc.chain, disc.memory_limit, beta, sweeps=sweeps,
                                 transfers_per_gap=per_gap, grid=grid)
@@ -413,6 +466,8 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
                               fallback=fallback if incumbent is not None else None,
                               memory_limit=disc.memory_limit, unit=disc.unit)
     report.update(out.report())
+    if out.info:
+        report["engine_work"] = dict(out.info)  # deterministic counts (nodes, branches, ...)
     floor = max(lower_bound(problem), relaxed[0] if math.isfinite(relaxed[0]) else -math.inf)
     bound = max(bound, floor) if math.isfinite(bound) else floor
     if status is Status.INFEASIBLE:
@@ -454,7 +509,7 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
           description="exact model (checkpoint slots + link positions, O.7 memory), PuLP",
           compare_as=(("ilp", 6),),
           extra=("sweeps", "transfers_per_gap", "grid", "backlog_grid", "prefetch",
-                 "relaxation"))
+                 "relaxation", "relaxation_deadlines"))
 def solve_ilp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     """Optimal plan over the model's class (module docstring), HiGHS/CBC/Gurobi."""
     return _solve_model(problem, options, "ilp")
@@ -464,7 +519,7 @@ def solve_ilp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
           description="exact model (same formulation as ilp), CP-SAT",
           compare_as=(("cpsat", 6),),
           extra=("sweeps", "transfers_per_gap", "grid", "backlog_grid", "prefetch",
-                 "relaxation"))
+                 "relaxation", "relaxation_deadlines"))
 def solve_cpsat(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     """Optimal plan over the model's class with OR-Tools CP-SAT."""
     return _solve_model(problem, options, "cpsat")
