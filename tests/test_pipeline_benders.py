@@ -53,21 +53,29 @@ def cold(problem: PipelineProblem, method: str = "cpsat"):
                          bound=lower_bound(problem), deadline=None)
 
 
+def cold_equals_brute_force(problem: PipelineProblem):
+    """The cold loop's outcome, checked against brute force (``None``: nothing fits)."""
+    expected = brute_force(problem)
+    out = cold(problem)
+    assert not out.stop, out.report
+    if math.isinf(expected):
+        assert out.plan is None
+        return None
+    assert out.plan is not None
+    assert out.period == pytest.approx(expected, abs=1e-5)
+    assert out.bound <= expected + 1e-9
+    return out
+
+
 @settings(max_examples=25, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(problem=small_problems(), strict=st.booleans())
 def test_cold_decomposition_equals_brute_force(problem, strict):
     """Started without an incumbent, the loop finds and proves the brute-force optimum."""
     p = replace(problem, memory_model="strict") if strict else problem
-    expected = brute_force(p)
-    out = cold(p)
-    assert not out.stop, out.report
-    if math.isinf(expected):
-        assert out.plan is None
+    out = cold_equals_brute_force(p)
+    if out is None:
         return
-    assert out.plan is not None
-    assert out.period == pytest.approx(expected, abs=1e-5)
-    assert out.bound <= expected + 1e-9
     sim = simulate_pipeline(p, out.plan)
     assert sim.period == pytest.approx(out.period)
     assert sim.peak_memory <= p.memory_per_gpu
@@ -236,14 +244,9 @@ def test_trim_units_keeps_the_range():
 def test_decomposition_with_range_nogoods_equals_brute_force(problem):
     """Longer chains (trimming applies): the loop still ends at the brute-force optimum, and
     every range no-good it keeps holds for every allocation that extends it."""
-    expected = brute_force(problem)
-    out = cold(problem)
-    assert not out.stop, out.report
-    if math.isinf(expected):
-        assert out.plan is None
+    out = cold_equals_brute_force(problem)
+    if out is None:
         return
-    assert out.period == pytest.approx(expected, abs=1e-5)
-    assert out.bound <= expected + 1e-9
     units = make_units(problem)
     for (head, tail, labels), bound in out.ranges.items():
         for gpu in set_partitions(units.n, problem.n_gpus):
