@@ -16,12 +16,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from optmem.errors import OptmemInputError
-from optmem.models.pipeline import make_units
+from optmem.models.pipeline import make_units, trim_units
 from optmem.problems.pipeline import PipelineProblem
 from optmem.result import SolveOptions, Status
 from optmem.simulate.pipeline import simulate_pipeline
 from optmem.solvers.facade import solve
-from optmem.solvers.pipeline_benders import solve_benders
+from optmem.solvers.pipeline_benders import _first_use, solve_benders
 from optmem.solvers.pipeline_common import lower_bound, run_model
 from tests.test_pipeline_exact import check, set_partitions, small_problems, thesis_chain
 
@@ -53,21 +53,29 @@ def cold(problem: PipelineProblem, method: str = "cpsat"):
                          bound=lower_bound(problem), deadline=None)
 
 
+def cold_equals_brute_force(problem: PipelineProblem):
+    """The cold loop's outcome, checked against brute force (``None``: nothing fits)."""
+    expected = brute_force(problem)
+    out = cold(problem)
+    assert not out.stop, out.report
+    if math.isinf(expected):
+        assert out.plan is None
+        return None
+    assert out.plan is not None
+    assert out.period == pytest.approx(expected, abs=1e-5)
+    assert out.bound <= expected + 1e-9
+    return out
+
+
 @settings(max_examples=25, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(problem=small_problems(), strict=st.booleans())
 def test_cold_decomposition_equals_brute_force(problem, strict):
     """Started without an incumbent, the loop finds and proves the brute-force optimum."""
     p = replace(problem, memory_model="strict") if strict else problem
-    expected = brute_force(p)
-    out = cold(p)
-    assert not out.stop, out.report
-    if math.isinf(expected):
-        assert out.plan is None
+    out = cold_equals_brute_force(p)
+    if out is None:
         return
-    assert out.plan is not None
-    assert out.period == pytest.approx(expected, abs=1e-5)
-    assert out.bound <= expected + 1e-9
     sim = simulate_pipeline(p, out.plan)
     assert sim.period == pytest.approx(out.period)
     assert sim.peak_memory <= p.memory_per_gpu
@@ -144,6 +152,13 @@ def test_unknown_strategy_is_an_input_error():
         solve(problem, "cpsat", options=replace(OPTS, extra={"strategy": "magic"}))
 
 
+@pytest.mark.parametrize("work", ["fast", -1.0, 0, True])
+def test_bad_trim_work_is_an_input_error(work):
+    problem = chain_with_subproblems()
+    with pytest.raises(OptmemInputError, match="trim_work"):
+        solve(problem, "cpsat", options=replace(OPTS, extra={**BENDERS, "trim_work": work}))
+
+
 def test_failing_engine_returns_the_incumbent(monkeypatch):
     """An engine that fails inside the loop never crashes the solve: the incumbent, replayed."""
     from optmem.engines import adapters
@@ -157,3 +172,140 @@ def test_failing_engine_returns_the_incumbent(monkeypatch):
     assert "engine exploded" in r.report["benders_error"]
     assert r.report["source"] == "contiguous 1F1B*"
     assert r.bound == pytest.approx(lower_bound(problem))
+
+
+# ------------------------------------------------------------------ trimmed refutations
+@st.composite
+def trimmable_problems(draw):
+    """Chains of 3-4 layers (so that one or two units can be trimmed), 2-3 GPUs."""
+    n = draw(st.integers(3, 4))
+    f = [draw(st.integers(1, 3)) for _ in range(n)]
+    b = [draw(st.integers(1, 4)) for _ in range(n)]
+    a = [draw(st.integers(0, 3)) for _ in range(n + 1)] + [0]
+    w = [draw(st.integers(0, 2)) for _ in range(n)]
+    chain = thesis_chain(f, b, a, w)
+    gpus = draw(st.integers(2, 3))
+    lay = PipelineProblem(chain, gpus, 0).layers
+    memory = draw(st.integers(max(lay.x) + 3 * max(lay.w) + 2 * max(lay.a),
+                              3 * sum(lay.w) + 3 * sum(lay.x) + 4 * sum(lay.a) + 1))
+    beta = draw(st.sampled_from([math.inf, 1.0, 2.0]))
+    return PipelineProblem(chain, gpus, memory, chain_bandwidth=beta)
+
+
+@settings(max_examples=8, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(problem=trimmable_problems(), strict=st.booleans())
+def test_trimmed_units_relax_every_allocation(problem, strict):
+    """``trim_units`` is a relaxation: for every allocation with a plan of period ``p`` and
+    every trimming, the trimmed partition has a plan at ``p`` (its optimum is ``<= p``, and
+    the feasibility run the decomposition uses finds one at that cutoff)."""
+    p = replace(problem, memory_model="strict") if strict else problem
+    units = make_units(p)
+    opts = replace(OPTS, warm_start=False)
+    checked = 0
+    for gpu in set_partitions(units.n, p.n_gpus):
+        run = run_model(p, "cpsat", opts, gpu=gpu)
+        assert run.status in (Status.OPTIMAL, Status.INFEASIBLE), run.report
+        if run.plan is None:
+            continue
+        period = run.plan.period
+        for head in range(units.n - 1):
+            for tail in range(units.n - 1 - head):
+                if head + tail == 0:
+                    continue
+                part = trim_units(units, head, tail)
+                keep = gpu[head:units.n - tail]
+                best = run_model(p, "cpsat", opts, units=part, gpu=keep)
+                assert best.status is Status.OPTIMAL, best.report
+                assert best.plan is not None and best.plan.period <= period + 1e-6
+                feas = run_model(p, "cpsat", opts, units=part, gpu=keep,
+                                 upper_bound=period * (1 + 1e-6), feasibility=True)
+                assert feas.bound != math.inf and feas.plan is not None
+                checked += 1
+    assert checked or all(run_model(p, "cpsat", opts, gpu=g).plan is None
+                          for g in set_partitions(units.n, p.n_gpus))
+
+
+def test_trim_units_keeps_the_range():
+    """The kept units' data, the cuts between them; the new last unit sends nothing."""
+    units = make_units(chain_with_subproblems())
+    part = trim_units(units, 1, 2)
+    assert part.n == units.n - 3 and part.bounds == units.bounds[1:units.n - 2]
+    assert part.x == units.x[1:units.n - 2] and part.w == units.w[1:units.n - 2]
+    assert part.dt == units.dt[1:units.n - 3] and part.buf == units.buf[1:units.n - 3]
+    assert part.a_out[-1] == 0 and part.a_out[:-1] == units.a_out[1:units.n - 3]
+    with pytest.raises(ValueError, match="cannot keep"):
+        trim_units(units, 3, 2)
+
+
+@settings(max_examples=6, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(problem=trimmable_problems())
+def test_decomposition_with_range_nogoods_equals_brute_force(problem):
+    """Longer chains (trimming applies): the loop still ends at the brute-force optimum, and
+    every range no-good it keeps holds for every allocation that extends it."""
+    out = cold_equals_brute_force(problem)
+    if out is None:
+        return
+    units = make_units(problem)
+    for (head, tail, labels), bound in out.ranges.items():
+        for gpu in set_partitions(units.n, problem.n_gpus):
+            if _first_use(tuple(gpu[head:units.n - tail])) != labels:
+                continue
+            run = run_model(problem, "cpsat", replace(OPTS, warm_start=False), gpu=gpu)
+            if run.plan is not None:
+                assert bound <= run.plan.period + 1e-9
+
+
+def trimming_chain() -> PipelineProblem:
+    """Five layers on 3 GPUs where the master proposes allocations the subproblem refutes."""
+    chain = thesis_chain([2, 2, 3, 3, 3], [3, 2, 4, 1, 3], [3, 2, 3, 1, 0, 1, 0],
+                         [1, 1, 0, 1, 0])
+    return PipelineProblem(chain, 3, 15, chain_bandwidth=1.0)
+
+
+def test_refuted_allocations_are_generalised():
+    """From the contiguous incumbent, refuted allocations go through trimmed solves, and
+    the loop proves the full model's optimum."""
+    from optmem.solvers.pipeline_exact import incumbents
+
+    problem = trimming_chain()
+    period, plan, _ = incumbents(problem, OPTS)[0]
+    out = solve_benders(problem, "cpsat", OPTS, period=period, plan=plan,
+                        bound=lower_bound(problem), deadline=None)
+    assert out.report["benders_trimmed_solves"] >= 1, out.report
+    assert out.report["benders_allocations"] >= 1
+    full = solve(problem, "cpsat", options=OPTS)
+    assert full.status is Status.OPTIMAL
+    assert out.period == pytest.approx(full.objective, abs=1e-5)
+    assert out.bound <= out.period + 1e-9 and not out.stop
+
+
+def test_partition_nogood_excludes_every_relabelling():
+    """The master with one range no-good per partition found never proposes a partition
+    of the range twice (whatever its GPU labels), and runs out after at most Bell(3) = 5."""
+    from optmem.engines import adapters as engines
+    from optmem.models.formulation import to_cpsat
+    from optmem.models.pipeline import build_relaxation
+    from optmem.solvers.pipeline_benders import _partition_nogood
+
+    problem = replace(trimming_chain(), memory_per_gpu=10**6)
+    units = make_units(problem)
+    head, tail = 1, 1
+    seen: list[tuple[int, ...]] = []
+    for _ in range(7):
+        form = build_relaxation(units, problem.n_gpus, problem.memory_per_gpu, 10**4, 100)
+        for labels in seen:
+            form.model.add(_partition_nogood(form.z, head, labels), f"ng_{len(seen)}")
+        cm = to_cpsat(form.model, 1)
+        res = engines.solve_cpsat(cm.cp, cm.variables, threads=1, seed=0)
+        if res.status is Status.INFEASIBLE:
+            break
+        values = cm.values(res.values)
+        gpu = [max((p for p in range(form.n_gpus) if (q, p) in form.x),
+                   key=lambda p, q=q: float(form.x[(q, p)].value(values)))
+               for q in range(units.n)]
+        labels = _first_use(tuple(gpu[head:units.n - tail]))
+        assert labels not in seen  # labels by first use: a relabelling is the same key
+        seen.append(labels)
+    assert 1 <= len(seen) <= 5 and res.status is Status.INFEASIBLE

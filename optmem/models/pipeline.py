@@ -175,6 +175,50 @@ def zero_forward_merged(problem: PipelineProblem) -> list[tuple[int, int]]:
     return [(i, j) for i, j in bounds]
 
 
+def trim_units(units: Units, head: int, tail: int) -> Units:
+    r"""Units ``head .. n - tail - 1`` only: a relaxation of every allocation that extends them.
+
+    The kept units keep their durations, weights and stashes; the cuts inside the kept range
+    keep their transfers and buffers; the new last unit sends nothing (``a_out = 0``, as the
+    loss layer's output).
+
+    **Validity** (digest ``madpipe.md`` sections 1.1, 1.5, 1.6, 4.3). Take any 1-periodic
+    plan of the full units with period ``T`` and keep only the tasks of the kept units and
+    the transfers of the cuts between them, at the same start times and shifts. Then:
+
+    * every dependency of the trimmed path ``F_h -> ... -> F_k -> B_k -> ... -> B_h``
+      (``k = n - tail - 1``) holds: each is a dependency of the full path, except ``F_k ->
+      B_k`` when ``tail > 0``, which holds because the full path runs from ``F_k`` through
+      the dropped units back to ``B_k``;
+    * every GPU and link runs a subset of its tasks, so nothing overlaps and each window
+      keeps its length ``T``;
+    * a kept unit's stash lives from the start of its forward to the end of its backward,
+      unchanged, so the copies alive at any instant are the same; weights and buffers of
+      dropped units and cuts vanish; ``strict`` counts the same inputs and outputs except
+      the last unit's output (now 0) and fewer pending outputs (eq. 6.22);
+    * the shift of ``F_k -> B_k`` (periods between them, any number in the restricted plan)
+      can be lowered to the smallest one the start times allow, which only shortens the
+      stashes of units ``h..k``: the models' shifts of at most 2 per edge lose nothing.
+
+    So the restricted plan fits the same memory with the same period and the same partition
+    of the kept units: the trimmed optimum with that partition fixed is at most the optimum
+    of every full allocation that agrees with it on the kept units (up to GPU labels), and an
+    infeasible trimmed allocation at period ``T`` refutes all of them at once.
+    """
+    if head < 0 or tail < 0 or head + tail >= units.n:
+        raise ValueError(f"cannot keep units {head}..{units.n - tail - 1} of {units.n}")
+    keep = range(head, units.n - tail)
+
+    def part(values: Sequence) -> tuple:
+        return tuple(values[q] for q in keep)
+
+    cuts = range(head, units.n - tail - 1)
+    return Units(bounds=part(units.bounds), f=part(units.f), b=part(units.b), w=part(units.w),
+                 x=part(units.x), a_in=part(units.a_in),
+                 a_out=(*part(units.a_out)[:-1], 0),
+                 dt=tuple(units.dt[c] for c in cuts), buf=tuple(units.buf[c] for c in cuts))
+
+
 def load_bound(units: Units, n_gpus: int) -> float:
     """``max(total / P, heaviest unit)``: no period can be smaller."""
     total = sum(units.f) + sum(units.b)

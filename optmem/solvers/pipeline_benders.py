@@ -25,9 +25,22 @@ Probes
     plan at or below it (the incumbent falls), or at a limit / a subproblem that stops
     without proof (the loop ends; the bound stays the last one proven: valid).
 
-No-goods are the only cuts: a refuted allocation gives no valid statement about others
-(measured on the ResNet-50 headline: the relaxation admits tens of allocations per probe
-near the bound, see ``benchmarks/results/pipeline_exact.md``).
+Range no-goods (one refutation for many allocations)
+    A refuted allocation is generalised by trimming: the units ``head .. n - tail - 1``
+    alone, with the allocation's partition of them fixed
+    (:func:`~optmem.models.pipeline.trim_units`), form a relaxation of *every* allocation
+    that partitions them the same way, whatever it does with the dropped units (proof in
+    its docstring: a plan restricted to a range of units is a plan of the trimmed units
+    with the same period, within the same memory). When the trimmed model has no plan at
+    the probe, the master gets the no-good of that partition, written on the "same GPU"
+    variables (labels may differ): ``4^(head + tail)``-odd allocations go at once. Tails
+    first (on the bundled profiles the last layers are small), steps doubling while the
+    trimmed partition stays refuted; the next allocation first tries the last trimming that
+    worked, before its full model.
+Ladder
+    Phase 1 probes first at :data:`LADDER` gaps below the incumbent (1 %), then just below
+    it: a closed rung is a valid bound, and its refutations (full allocations: bounds at the
+    incumbent's cutoff) serve the later probes.
 """
 
 from __future__ import annotations
@@ -39,7 +52,13 @@ from typing import Any
 
 from optmem.engines import adapters as engines
 from optmem.models.formulation import Expr, rational_time_scale, to_cpsat
-from optmem.models.pipeline import TIME_RESOLUTION, Units, build_relaxation, make_units
+from optmem.models.pipeline import (
+    TIME_RESOLUTION,
+    Units,
+    build_relaxation,
+    make_units,
+    trim_units,
+)
 from optmem.pipeline_plan import PipelinePlan
 from optmem.problems.pipeline import PipelineProblem
 from optmem.result import SolveOptions, Status
@@ -56,6 +75,18 @@ PHASE2_SHARE = 0.1
 """Share of the time left kept for phase 2 (the master's bisection) under a time limit."""
 PHASE2_PRECISION = 1e-3
 """Phase 2 stops when the bound is within this (relative) of the incumbent's period."""
+LADDER = (0.01,)
+"""Relative gaps below the incumbent probed before the top probe (a closed one is a bound)."""
+TRIM_PROBES = 6
+"""Most trimmed solves spent on generalising one refuted allocation."""
+TRIM_WORK = 2.0
+"""Default ``extra["trim_work"]``: CP-SAT deterministic time of one trimmed solve (one
+worker, so the same cuts on every run); ``None``: no limit."""
+TRIM_MARGIN = 1e-4
+"""A trimmed solve's cutoff: the probe's period times ``1 +`` this (its refutation must
+hold strictly above the probe)."""
+Range = tuple[int, int, Allocation]
+"""``(head, tail, labels)``: the partition of units ``head .. n - tail - 1`` (first-use labels)."""
 
 
 @dataclass
@@ -79,7 +110,9 @@ class Benders:
     scale: int = field(init=False)
     cuts: dict[Allocation, float] = field(default_factory=dict)
     found: list[tuple[float, PipelinePlan]] = field(default_factory=list)
+    ranges: dict[Range, float] = field(default_factory=dict)
     report: dict[str, Any] = field(default_factory=dict)
+    trims: int = 0
     probes: int = 0
     masters: int = 0
     stop: str = ""
@@ -119,16 +152,19 @@ class Benders:
             top = self.top()
             if top <= lo:
                 break
-            verdict = self.probe(top, reserve)
+            level = self.level(top, lo)
+            verdict = self.probe(level, reserve)
             if verdict == "closed":
-                self.bound = max(self.bound, top / self.scale)
+                self.bound = max(self.bound, level / self.scale)
+                lo = max(lo, level)
             elif verdict != "improved":
                 break
         if not proven(self.period, self.bound):
             self.stop = verdict or "no probe left"
             self.bisect(lo)
         self.report.update(benders_bound=self.bound, benders_probes=self.probes,
-                           benders_masters=self.masters, benders_allocations=len(self.cuts))
+                           benders_masters=self.masters, benders_allocations=len(self.cuts),
+                           benders_ranges=len(self.ranges), benders_trimmed_solves=self.trims)
         if self.stop:
             self.report["benders_phase1_stopped"] = self.stop
         return self
@@ -136,6 +172,21 @@ class Benders:
     def top(self) -> int:
         """The highest probe below the incumbent that would prove it optimal."""
         return math.floor(self.period * self.scale * (1 - OPTIMALITY_TOLERANCE / 2))
+
+    def level(self, top: int, lo: int) -> int:
+        """The next phase-1 probe: the first :data:`LADDER` rung above ``lo``, else ``top``.
+
+        ``lo``: the highest probe closed so far (integer ticks, so a closed rung is never
+        probed again).
+
+        A closed rung is a bound within that gap of the incumbent, reached with far fewer
+        allocations than the top probe admits; refutations made there serve later probes.
+        """
+        for gap in LADDER:
+            rung = math.floor(self.period * (1 - gap) * self.scale)
+            if lo < rung < top:
+                return rung
+        return top
 
     def bisect(self, lo: int) -> None:
         """Phase 2: the master alone, bisected between ``lo`` and the incumbent."""
@@ -173,6 +224,8 @@ class Benders:
                 return gpu
             if gpu is None:
                 return "subproblems stopped without proof" if aside else "closed"
+            if self.refute_trimmed(gpu, target, left):
+                continue
             verdict = self.subproblem(gpu, left)
             if verdict:
                 return verdict
@@ -180,6 +233,8 @@ class Benders:
                 return "improved"
             if self.cuts[gpu] <= target:
                 aside.append(gpu)
+            else:
+                self.generalise(gpu, target, left)
 
     def master(self, ticks: int, aside: list[Allocation] | None = None,
                left: float | None = None) -> Allocation | str | None:
@@ -195,10 +250,15 @@ class Benders:
             if bound > target or gpu in (aside or ()):
                 form.model.add(Expr.sum(form.x[(q, gpu[q])] for q in range(u.n)) <= u.n - 1,
                                f"nogood_{k}")
+        for k, ((head, _tail, labels), bound) in enumerate(self.ranges.items()):
+            if bound > target:
+                form.model.add(_partition_nogood(form.z, head, labels), f"rangenogood_{k}")
+        limit = self.left() if left is None else left
+        if limit is not None and limit <= 0:
+            return "time limit"
         cm = to_cpsat(form.model, 1)
         res = engines.solve_cpsat(cm.cp, cm.variables, **{
-            **engines.cpsat_settings(self.options),
-            "time_limit_s": self.left() if left is None else left})
+            **engines.cpsat_settings(self.options), "time_limit_s": limit})
         self.masters += 1
         if res.failed:
             self.report["benders_error"] = res.report()["engine_error"]
@@ -233,6 +293,105 @@ class Benders:
             bound = run.bound if math.isfinite(run.bound) else self.bound
         self.cuts[gpu] = bound
         return ""
+
+
+    # ------------------------------------------------------------ trimmed refutations
+    def trimmed_bound(self, gpu: Allocation, head: int, tail: int, target: float,
+                      left: float | None) -> float | None:
+        """Proven bound of every allocation that partitions units ``head..`` like ``gpu``.
+
+        The fixed-allocation model of :func:`~optmem.models.pipeline.trim_units` (a
+        relaxation of each such allocation, proof there; CP-SAT within ``extra["trim_work"]``,
+        default :data:`TRIM_WORK`) as a feasibility problem with its
+        period at most a cutoff just above ``target`` (feasibility is monotone in the
+        period: stretching a plan's start times keeps it valid with the same copies). The
+        bound is that cutoff (less the engine's grid) when it has no plan; ``None`` when it
+        has one or the engine stops without an answer.
+        """
+        n = self.units.n
+        units = trim_units(self.units, head, tail)
+        cutoff = min(self.period, target * (1 + TRIM_MARGIN))
+        work = self.options.extra.get("trim_work", TRIM_WORK)
+        if self.options.deterministic_time is not None:
+            work = min(work, self.options.deterministic_time) if work is not None \
+                else self.options.deterministic_time
+        run = run_model(self.problem, "cpsat", self.options.with_(
+            time_limit_s=left, deterministic_time=work), units=units,
+            gpu=list(gpu[head:n - tail]), upper_bound=cutoff, feasibility=True)
+        self.trims += 1
+        if run.failed or run.bound != math.inf:
+            return None
+        return cutoff - 2 * run.step  # no plan of the trimmed partition at or below the cutoff
+
+    def record(self, gpu: Allocation, head: int, tail: int, bound: float) -> None:
+        """Keep the range no-good of ``gpu``'s partition of units ``head .. n - tail - 1``."""
+        labels = _first_use(gpu[head:self.units.n - tail])
+        key = (head, tail, labels)
+        self.ranges[key] = max(bound, self.ranges.get(key, bound))
+
+    def refute_trimmed(self, gpu: Allocation, target: float, left: float | None) -> bool:
+        """Try the last trimming that refuted an allocation on ``gpu`` (before its full model).
+
+        When it refutes ``gpu``, :meth:`generalise` goes on from it (the trimming that
+        refuted the last allocation need not be the largest that refutes this one).
+        """
+        if not self.ranges:
+            return False
+        head, tail, _ = next(reversed(self.ranges))
+        bound = self.trimmed_bound(gpu, head, tail, target, left)
+        if bound is None or bound <= target:
+            return False
+        self.generalise(gpu, target, left, (head, tail, bound))
+        return True
+
+    def generalise(self, gpu: Allocation, target: float, left: float | None,
+                   start: tuple[int, int, float] | None = None) -> None:
+        """Drop units from the tail, then the head, while the trimmed partition stays refuted.
+
+        Refutation is monotone in the trimming (trimming more relaxes more), so on each side
+        steps double until a trimmed partition has a plan at the probe (or no answer), then
+        bisect between the last refuted trimming and that one, within :data:`TRIM_PROBES`
+        solves in all; the largest refuted trimming becomes a range no-good (at least two
+        units are kept). ``start``: a trimming already refuted, with its bound.
+        """
+        n = self.units.n
+        trim = [0, 0] if start is None else [start[0], start[1]]  # head, tail
+        found = None if start is None else start[2]
+        spent = 0
+        for side in (1, 0):
+            good, bad, step = trim[side], n - 1 - trim[1 - side], 1
+            while bad - good > 1 and spent < TRIM_PROBES and not self.out_of_time():
+                k = min(good + step, (good + bad) // 2) if step else (good + bad) // 2
+                trial = [k, trim[1]] if side == 0 else [trim[0], k]
+                bound = self.trimmed_bound(gpu, trial[0], trial[1], target, left)
+                spent += 1
+                if bound is None or bound <= target:
+                    bad, step = k, 0  # bisect between the last refuted and this one
+                else:
+                    good, trim, found = k, trial, bound
+                    step = 2 * step if step else 0
+        if found is not None:
+            self.record(gpu, trim[0], trim[1], found)
+
+
+def _first_use(gpu: Allocation) -> Allocation:
+    """GPU labels renumbered by first use."""
+    labels: dict[int, int] = {}
+    return tuple(labels.setdefault(g, len(labels)) for g in gpu)
+
+
+def _partition_nogood(z: dict[tuple[int, int], Expr], head: int, labels: Allocation) -> Any:
+    """No allocation partitions units ``head .. head + len(labels) - 1`` as ``labels`` do.
+
+    Written on the "same GPU" variables ``z`` (labels may be permuted): of the pairs in the
+    range, at least one must differ from the partition's.
+    """
+    agree = []
+    for i in range(len(labels)):
+        for j in range(i + 1, len(labels)):
+            zz = z[(head + i, head + j)]
+            agree.append(zz if labels[i] == labels[j] else 1 - zz)
+    return Expr.sum(agree) <= len(agree) - 1
 
 
 def solve_benders(problem: PipelineProblem, method: str, options: SolveOptions, *,

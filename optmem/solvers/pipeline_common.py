@@ -136,6 +136,7 @@ def run_model(
     problem: PipelineProblem, method: str, options: SolveOptions, *,
     units: Units | None = None, gpu: list[int] | None = None,
     upper_bound: float | None = None, warm: PipelinePlan | None = None, lower: float = 0.0,
+    feasibility: bool = False,
 ) -> ModelRun:
     """Build the model of ``units`` (default: the layers), solve it with ``method``.
 
@@ -146,6 +147,9 @@ def run_model(
     (:func:`~optmem.engines.adapters.pulp_settings`,
     :func:`~optmem.engines.adapters.cpsat_settings`:
     ``time_limit_s``, ``node_limit``, ``deterministic_time``, ``seed``; ``None``: none).
+    ``feasibility``: no objective, so the engine stops at the first plan with a period
+    between the bounds (the answer is then "some plan at or below ``upper_bound``", proven
+    by that plan, or ``bound = inf``: none; ``bound`` means nothing else).
     """
     units = units if units is not None else make_units(problem)
     form = build_pipeline_model(units, problem.n_gpus, problem.memory_per_gpu,
@@ -153,6 +157,8 @@ def run_model(
                                 upper_bound=upper_bound,
                                 lower_bound=max(lower, lower_bound(problem))
                                 if gpu is None else lower)
+    if feasibility:
+        form.model.minimize(0)
     values = form.encode(warm) if warm is not None and options.warm_start else None
     report: dict[str, Any] = {"model_size": form.model.size,
                               "warm_start": "none" if warm is None or not options.warm_start

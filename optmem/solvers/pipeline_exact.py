@@ -22,7 +22,8 @@ gets a tenth of the time limit, or its own deterministic work limits when there 
 default: the whole model at once; ``"benders"``: the allocation decomposition of
 :mod:`optmem.solvers.pipeline_benders`, the method's engine solving the fixed-allocation
 subproblems, CP-SAT the master; it falls back to ``"full"`` without an incumbent or without
-OR-Tools).
+OR-Tools), ``extra["trim_work"]`` (``benders`` only: CP-SAT deterministic time of each
+trimmed solve that generalises a refuted allocation, default 2.0; ``None``: no limit).
 """
 
 from __future__ import annotations
@@ -133,6 +134,11 @@ def solve_exact(problem: PipelineProblem, options: SolveOptions, method: str) ->
     if strategy not in STRATEGIES:
         raise OptmemInputError(f"unknown strategy {strategy!r} (expected one of "
                                f"{', '.join(STRATEGIES)})", field="strategy")
+    work = options.extra.get("trim_work", 2.0)
+    if work is not None and (isinstance(work, bool) or not isinstance(work, (int, float))
+                             or not work > 0):
+        raise OptmemInputError(f"trim_work must be a positive number or null, got {work!r}",
+                               field="trim_work")
     if method == "ilp":
         engines.check_engine(options.solver)
     solver = options.solver if method == "ilp" else "cpsat"
