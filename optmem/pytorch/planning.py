@@ -252,13 +252,16 @@ class Planner:
 
 
 def _store_all_result(chain: Chain, limit: int, method: str) -> Result:
-    """The store-all plan as an optimal result in bytes (replayed by the simulator)."""
-    from optmem.plan import store_all_plan
-    from optmem.simulate import simulate_checkpoint
+    """The store-all plan as an optimal result at exact sizes (unit 1).
 
-    plan = store_all_plan(chain.length)
-    sim = simulate_checkpoint(chain, plan)
-    return Result("checkpoint", method, Status.OPTIMAL, objective=sim.makespan,
-                  bound=sim.makespan, plan=tuple(str(op) for op in plan),
-                  peak_memory=int(sim.peak_memory), memory_limit=int(limit), unit=1,
-                  report={"store_all_fits": True})
+    Built by the checkpoint problem's one result path
+    (:func:`optmem.solvers.checkpoint.plan_result`: replayed by the simulator, the peak
+    checked against ``limit``).
+    """
+    from optmem.plan import store_all_plan
+    from optmem.problems.checkpoint import CheckpointProblem, Discretized
+    from optmem.solvers.checkpoint import plan_result
+
+    return plan_result(CheckpointProblem(chain, limit), Discretized(chain, limit, 1),
+                       store_all_plan(chain.length), method=method, status=Status.OPTIMAL,
+                       bound=chain.total_compute_time(), report={"store_all_fits": True})
