@@ -52,10 +52,11 @@ def commands(prefix: str) -> list[str]:
     return seen
 
 
-def run(cmd: str | list[str], cwd: Path) -> str:
-    """Run ``cmd`` in its own session; on a hang (900 s, far above the run time) the whole
-    session (shell, launcher, workers) is killed and the test fails."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+def launch(cmd: str | list[str], cwd: Path) -> tuple[int, str, str]:
+    """Run ``cmd`` in its own session: ``(return code, stdout, stderr)``. On a hang (900 s,
+    far above the run time) the whole session (shell, launcher, workers) is killed and the
+    test fails. Python's fault handler is on, so a rank that dies prints its stacks."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONFAULTHANDLER="1")
     with subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True, shell=isinstance(cmd, str), start_new_session=True) as proc:
         try:
@@ -64,8 +65,28 @@ def run(cmd: str | list[str], cwd: Path) -> str:
             os.killpg(proc.pid, signal.SIGKILL)
             out, err = proc.communicate()
             pytest.fail(f"{cmd} hung; killed\n{out[-3000:]}\n{err[-6000:]}")
-    assert proc.returncode == 0, f"{cmd}\n{out[-3000:]}\n{err[-6000:]}"
+    return proc.returncode, out, err
+
+
+def run(cmd: str | list[str], cwd: Path) -> str:
+    """Run ``cmd``; it must exit 0. Returns its stdout."""
+    code, out, err = launch(cmd, cwd)
+    assert code == 0, f"{cmd}\n{out[-3000:]}\n{err[-6000:]}"
     return out
+
+
+# DDP on gloo keeps its process group alive past ``destroy_process_group`` (torch's reducer
+# holds it from C++: its gloo threads are still running when the interpreter finalises), and
+# a rank can then abort in finalisation with exactly this line, after the script's last
+# statement (pytorch/pytorch PR 179291 describes the finalisation race). Only that exit, with
+# every promised line printed, is launched once more; any other failure fails at once.
+EXIT_RACE = "terminate called without an active exception"
+
+
+def printed_all(out: str, program_name: str) -> bool:
+    """Whether ``out`` holds every line ``program_name`` promises (:data:`EXPECTED`)."""
+    return all(len(re.findall(pattern, out)) >= count
+               for pattern, count in EXPECTED[program_name])
 
 
 def workdir(tmp_path: Path) -> Path:
@@ -99,7 +120,11 @@ def program(command: str) -> str:
 
 @pytest.mark.parametrize("command", commands("torchrun"), ids=lambda c: program(c))
 def test_torchrun_example(command, tmp_path):
-    out = run(command.replace("torchrun", " ".join(TORCHRUN), 1), workdir(tmp_path))
+    cmd, cwd = command.replace("torchrun", " ".join(TORCHRUN), 1), workdir(tmp_path)
+    code, out, err = launch(cmd, cwd)
+    if code != 0 and EXIT_RACE in err and printed_all(out, program(command)):
+        code, out, err = launch(cmd, cwd)
+    assert code == 0, f"{cmd}\n{out[-3000:]}\n{err[-6000:]}"
     for pattern, count in EXPECTED[program(command)]:
         assert len(re.findall(pattern, out)) >= count, (pattern, out)
 
