@@ -355,8 +355,10 @@ class Setting:
 class OptmemSearch:
     """The DP plans of one profiled chain at many limits, with their real peaks."""
 
-    def __init__(self, cmodel: Any, model: nn.Module, batch: dict[str, Any]) -> None:
+    def __init__(self, cmodel: Any, model: nn.Module, batch: dict[str, Any],
+                 extra: dict[str, Any] | None = None) -> None:
         self.cmodel = cmodel
+        self.extra = dict(extra or {})  # the dp method's extra options (segment_cost)
         self.model = model
         self.batch = batch
         self.chain: Chain = cmodel.chain
@@ -368,7 +370,7 @@ class OptmemSearch:
     def at(self, limit: int) -> tuple[tuple[str, ...], int, float, int]:
         """``(plan, predicted peak, predicted ms, real peak)`` of the DP plan at ``limit``."""
         if limit not in self.by_limit:
-            plan = tuple(self.cmodel.resolve(memory_limit=limit).plan)
+            plan = tuple(self.cmodel.resolve(memory_limit=limit, extra=dict(self.extra)).plan)
             if plan not in self.by_plan:
                 self.by_plan[plan] = real_peak(self.cmodel, self.model, self.batch)
             sim = simulate_checkpoint(self.chain, plan)
@@ -433,13 +435,14 @@ SMALLEST = "optmem's smallest limit"
 
 
 def run_series(name: str, cmodel: Any, model: nn.Module, batch: dict[str, Any],
-               targets: dict[str, int], grid: int, steps: int) -> Series:
+               targets: dict[str, int], grid: int, steps: int,
+               extra: dict[str, Any] | None = None) -> Series:
     """Find, for every target memory, the optmem limit whose plan really fits under it.
 
     Also keeps the plan at the smallest feasible limit (label :data:`SMALLEST`), the least
     memory optmem can train in.
     """
-    series = Series(name, OptmemSearch(cmodel, model, batch))
+    series = Series(name, OptmemSearch(cmodel, model, batch, extra))
     for label, memory in targets.items():
         series.matched[label] = series.search.fit(memory, grid, steps)
     series.matched[SMALLEST] = series.search.smallest
@@ -512,7 +515,7 @@ def baselines(model: nn.Module, chain: Chain, layers_of: list[int | None], layer
 
 def bench_model(spec: Spec, *, rounds: int, grid: int, steps: int, sweep: int,
                 repeats: int, more: bool = True,
-                memtracker: bool = True,
+                memtracker: bool = True, segment_cost: float | None = None,
                 log: Callable[[str], None] = print) -> dict[str, Any]:
     """Measure every setting on one model (memory first, then interleaved timing)."""
     model, batch = build(spec)
@@ -538,6 +541,9 @@ def bench_model(spec: Spec, *, rounds: int, grid: int, steps: int, sweep: int,
         targets[f"sweep {k + 1}/{sweep}"] = hf.real_peak + (
             plain.real_peak - hf.real_peak) * (k + 1) // (sweep + 1)
     series = [run_series("optmem", cmodel, model, batch, targets, grid, steps)]
+    if segment_cost is not None:  # the DP charging each recomputed segment
+        series.append(run_series("optmem+seg", cmodel, model, batch, targets, grid, steps,
+                                 {"segment_cost": segment_cost}))
     for ser in series:
         log(f"  {ser.name}: smallest limit {ser.search.smallest / MiB:.2f} MiB, "
             f"{len(ser.search.by_plan)} plans measured, {len(ser.settings)} kept")
@@ -791,6 +797,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                     help="baselines store-all and HF only (no per-layer, no sequential)")
     ap.add_argument("--no-memtracker", action="store_true",
                     help="skip MemTracker's second view of the peaks (slow on big models)")
+    ap.add_argument("--segment-cost", type=float, default=None, metavar="MS",
+                    help="also run optmem's dp with extra segment_cost=MS per recomputed "
+                         "segment (series 'optmem+seg')")
     ap.add_argument("--markdown", help="write the tables to this file")
     ap.add_argument("--plot", help="write the time/memory plot (PNG) to this file")
     args = ap.parse_args(argv)
@@ -807,6 +816,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for spec in specs:
         results.append(bench_model(spec, rounds=rounds,
                                    more=not args.hf_only, memtracker=not args.no_memtracker,
+                                   segment_cost=args.segment_cost,
                                    **options))
         loads.append(_load())
     text = report(results, rounds, loads)

@@ -344,3 +344,29 @@ def test_auto_slots_only_for_the_checkpoint_dp():
     assert Planner("checkpoint", "1MB").options(chain, "ilp").slots == DEFAULT_SLOTS
     assert Planner("checkpoint", "1MB", slots=321).options(chain).slots == 321
     assert Planner("offload", "1MB", bandwidth="1GB/s").options(chain).slots == DEFAULT_SLOTS
+
+
+def test_checkpoint_with_a_segment_cost():
+    """``segment_cost=`` reaches the DP (``extra``): a feasible result whose report counts
+    the segments, no more segments than rotor's plan on the same chain, the same bitwise
+    step; ``resolve(extra=...)`` switches it off again."""
+    torch.manual_seed(0)
+    module, x = resolve_spec("toy-cnn", batch=4)
+    chain = op.profile_chain(module, x, repeats=1, warmup=0)
+    limit = int(chain.store_all_peak() * 0.65)
+    plain = op.checkpoint(module, x, memory_limit=limit, chain=chain)
+    cnet = op.checkpoint(module, x, memory_limit=limit, chain=chain, segment_cost=5.0)
+    r = cnet.result
+    assert r.method == "dp" and r.status == "feasible"
+    assert r.report["segment_cost"] == 5.0
+    segments = sum(1 for o in r.plan if o.startswith("F_ck"))
+    assert r.report["segments"] == segments
+    assert segments <= sum(1 for o in plain.result.plan if o.startswith("F_ck"))
+    assert cnet.expected_peak_bytes <= limit
+    ref = reference_step(module, x, loss_fn, seed=1)
+    got = reference_step(cnet, x, loss_fn, seed=1, owner=module)
+    torch.testing.assert_close(got[0], ref[0], rtol=0, atol=0)
+    for a, b in zip(got[2], ref[2], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    back = cnet.resolve(memory_limit=limit, extra={})
+    assert back.status == "optimal" and back.plan == plain.result.plan

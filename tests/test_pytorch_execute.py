@@ -462,3 +462,71 @@ def test_a_parameter_used_in_and_outside_a_run_sums_in_b_order():
     for strip in (True, False):
         cm = CheckpointedChain(stages, base.store_all_plan(n), strip_suffix=strip)
         assert_same_step(net, cm, x)
+
+
+class _Block(nn.Module):
+    def __init__(self, a, b):
+        super().__init__()
+        self.lin = nn.Linear(a, b)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+def _cache_net():
+    torch.manual_seed(21)
+    net = nn.Sequential(*(_Block(a, b) for a, b in ((8, 16), (16, 16), (16, 16), (16, 2))))
+    return net, torch.randn(4, 8)
+
+
+def test_the_parameter_setup_is_kept_between_steps_and_plans():
+    """The second step of a plan reuses the first one's setup (no module walk), also when
+    plans alternate (as bench_hf switches them); the steps stay bitwise the plain model's."""
+    net, x = _cache_net()
+    stages = extract_stages(net)
+    n = len(stages)
+    plans = [base.recompute_all_plan(n), base.chen_plan(n)]
+    cm = CheckpointedChain(stages, plans[0], strip_suffix=False)
+    setups = {}
+    for step in range(4):
+        plan = plans[step % 2]
+        cm.set_plan(plan)
+        assert_same_step(net, cm, x)
+        cache = cm._setup_caches[cm._prefix_plan]
+        assert cache.setup is not None
+        if step >= 2:  # the same setup object as two steps ago: nothing was collected
+            assert cache.setup is setups[step % 2]
+        setups[step % 2] = cache.setup
+    assert len(cm._setup_caches) == 2
+
+
+@pytest.mark.parametrize("change", ["replace", "freeze", "swap_module"])
+def test_a_changed_parameter_is_seen_at_the_next_step(change):
+    """A parameter replaced (``load_state_dict(assign=True)``) or frozen after a step, or a
+    submodule swapped (then ``set_plan``, as for any new submodule), invalidates the kept
+    setup, also when the plan is the same: the next step is the plain model's."""
+    net, x = _cache_net()
+    stages = extract_stages(net)
+    cm = CheckpointedChain(stages, base.recompute_all_plan(len(stages)), strip_suffix=False)
+    assert_same_step(net, cm, x)
+    before = cm._setup_caches[cm._prefix_plan].setup
+    block = stages[1].module
+    assert block is net[1]  # the stages are the model's blocks, shared
+    lin = block.lin
+    if change == "replace":
+        lin.weight = nn.Parameter(lin.weight.detach() * 0.5)
+    elif change == "freeze":
+        lin.weight.requires_grad_(False)
+    else:
+        block.lin = swapped = nn.Linear(lin.in_features, lin.out_features)
+        cm.set_plan(cm.plan)  # a new submodule is seen after set_plan (stage_modules)
+    assert_same_step(net, cm, x)
+    after = cm._setup_caches[cm._prefix_plan].setup
+    assert after is not before
+    params = after[0]
+    if change == "replace":
+        assert any(p is lin.weight for p in params)
+    elif change == "freeze":
+        assert not any(p is lin.weight for p in params)
+    else:
+        assert any(p is swapped.weight for p in params)

@@ -137,7 +137,7 @@ class RematOffloadedModule(PlannedModule):
 
 _PROFILE_OPTIONS = ("device", "repeats", "warmup", "progress", "time_model", "max_stages",
                     "extract", "adjust_chain", "op_overhead")
-_SOLVER_OPTIONS = ("slots", "variant", "time_limit_s", "process_group")
+_SOLVER_OPTIONS = ("slots", "variant", "time_limit_s", "process_group", "extra")
 _EXECUTOR_OPTIONS = {"checkpoint": ("preserve_rng_state", "restore_buffers", "strip_suffix"),
                      "offload": (), "remat_offload": ("preserve_rng_state", "restore_buffers")}
 
@@ -181,6 +181,7 @@ def checkpoint(
     strip_suffix: bool = True,
     extract: str = "auto",
     process_group: Any = None,
+    segment_cost: float | None = None,
 ) -> CheckpointedModule:
     """Return ``module`` wrapped to train with the optimal checkpointing plan under a limit.
 
@@ -220,6 +221,11 @@ def checkpoint(
         ``torch.distributed`` is initialised, rank 0 of the default group profiles and
         solves and broadcasts the chain and the plan; a ``ProcessGroup`` does so within it;
         ``"local"`` decides in this process alone.
+    segment_cost
+        Milliseconds charged per recomputed segment by the ``dp`` method (its ``extra``
+        option ``segment_cost``; ``docs/pytorch.md``, "What the chain does not count"):
+        the DP then prefers fewer, longer recomputed segments, and the result is
+        ``feasible`` (optimal for the chain plus that cost). ``None``: rotor's model.
 
     Returns
     -------
@@ -251,7 +257,9 @@ def checkpoint(
                                     time_model=time_model,
                                     preserve_rng_state=preserve_rng_state,
                                     restore_buffers=restore_buffers, strip_suffix=strip_suffix,
-                                    extract=extract, process_group=process_group))
+                                    extract=extract, process_group=process_group,
+                                    **({} if segment_cost is None
+                                       else {"extra": {"segment_cost": segment_cost}})))
 
 
 def offload(module: nn.Module | Sequence[nn.Module | Stage], sample: Any,

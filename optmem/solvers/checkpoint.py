@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError
-from optmem.plan import Op, plan_strings
+from optmem.plan import Op, OpKind, plan_strings
 from optmem.problems.checkpoint import CheckpointProblem, Discretized, discretize
 from optmem.result import Result, SolveOptions, Status
 from optmem.simulate import simulate_checkpoint
@@ -126,7 +127,8 @@ def plan_min_memory(chain: Chain, plans: Iterable[tuple[Op, ...]], slots: int) -
 # ------------------------------------------------------------------ dynamic programs
 @register(PROBLEM, "dp", exact=True, default=True,
           description="rotor dynamic programs (persistent: paper/rotor; floating)",
-          compare_as=(("dp", None), ("dp:rotor", None), ("dp:floating", FLOATING_MAX_LENGTH)))
+          compare_as=(("dp", None), ("dp:rotor", None), ("dp:floating", FLOATING_MAX_LENGTH)),
+          extra=("segment_cost",))
 def solve_checkpoint_dp(problem: CheckpointProblem, options: SolveOptions) -> Result:
     """Optimal persistent (or floating) plan; ``optimal`` means optimal for the DP's model."""
     variant = options.variant or "paper"
@@ -134,8 +136,12 @@ def solve_checkpoint_dp(problem: CheckpointProblem, options: SolveOptions) -> Re
         raise OptmemInputError(
             f"unknown dp variant {variant!r} (expected one of {', '.join(DP_VARIANTS)})",
             field="variant")
+    segment_cost = _segment_cost(options)
     disc = discretize_for(problem, options)
     if variant.startswith("floating"):
+        if segment_cost:
+            raise OptmemInputError("segment_cost is a persistent dp option (variants paper "
+                                   f"and rotor), not of {variant!r}", field="segment_cost")
         return _solve_floating(problem, options, disc, variant)
     limit = disc.memory_limit
     if variant == "rotor":  # the reference keeps exactly S slots (CONTRACT section 2)
@@ -145,15 +151,38 @@ def solve_checkpoint_dp(problem: CheckpointProblem, options: SolveOptions) -> Re
     if budget < 0:
         return infeasible_result(problem, disc, method="dp", variant=variant,
                                  min_memory=dp_min_memory(problem, options, variant))
-    table = solve_persistent_table(disc.chain, budget, variant)
+    table = solve_persistent_table(disc.chain, budget, variant, segment_cost)
     value = table.value()
-    report = {"dp_states": table.states, "model": "persistent"}
+    report: dict[str, Any] = {"dp_states": table.states, "model": "persistent"}
     if not math.isfinite(value):
         return infeasible_result(problem, disc, method="dp", variant=variant,
                                  min_memory=dp_min_memory(problem, options, variant),
                                  report=report)
-    return plan_result(problem, disc, table.plan(), method="dp", status=Status.OPTIMAL,
+    plan = table.plan()
+    if segment_cost:
+        # optimal for the chain plus a cost per segment, not for the chain alone: the
+        # claim is the value without the segments' charges, the bound the chain's own
+        segments = sum(1 for op in plan if op.kind is OpKind.F_CK)
+        report.update(model="persistent + segment cost", segment_cost=segment_cost,
+                      segments=segments, objective_with_segments=value)
+        return plan_result(problem, disc, plan, method="dp", status=Status.FEASIBLE,
+                           bound=lower_bound(problem), variant=variant,
+                           claimed=value - segment_cost * segments, report=report)
+    return plan_result(problem, disc, plan, method="dp", status=Status.OPTIMAL,
                        bound=value, variant=variant, claimed=value, report=report)
+
+
+def _segment_cost(options: SolveOptions) -> float:
+    """``extra["segment_cost"]`` of the dp method: a finite time >= 0 (default 0)."""
+    raw = options.extra.get("segment_cost", 0.0)
+    try:
+        cost = float(raw)
+    except (TypeError, ValueError):
+        cost = math.nan
+    if not (math.isfinite(cost) and cost >= 0):
+        raise OptmemInputError(f"expected segment_cost >= 0 (a time in the chain's unit), "
+                               f"got {raw!r}", field="segment_cost")
+    return cost
 
 
 def _solve_floating(problem: CheckpointProblem, options: SolveOptions, disc: Discretized,

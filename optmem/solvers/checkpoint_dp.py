@@ -153,6 +153,7 @@ class PersistentTable:
     variant: str
     m_null: np.ndarray
     all_lo: np.ndarray
+    segment_cost: float = 0.0  # added to every F_ck choice (see solve_persistent_table)
 
     @property
     def states(self) -> int:
@@ -184,7 +185,7 @@ class PersistentTable:
             sub = np.full(t - s, INF)
             ok = index >= 0
             sub[ok] = cost[split[ok], t, index[ok]]
-            leaf = (np.cumsum(ar.uf[s:t]) + sub) + cost[s, s:t, m]
+            leaf = (_segment_sums(ar.uf[s:t], self.segment_cost) + sub) + cost[s, s:t, m]
             k = int(np.argmin(leaf))
             if np.isfinite(leaf[k]):
                 best, pick = leaf[k], s + 1 + k
@@ -279,7 +280,14 @@ def _fill_cell(
         shifted[t, s, shift:] = row[: n_m - shift]
 
 
-def solve_persistent_table(chain: Chain, budget: int, variant: str = "paper") -> PersistentTable:
+def _segment_sums(uf: np.ndarray, segment_cost: float) -> np.ndarray:
+    """``uf[s] + ... + uf[s+k]`` for every k, plus ``segment_cost`` when it is not 0."""
+    sums = np.cumsum(uf)
+    return sums + segment_cost if segment_cost else sums
+
+
+def solve_persistent_table(chain: Chain, budget: int, variant: str = "paper",
+                           segment_cost: float = 0.0) -> PersistentTable:
     """Fill the persistent DP table for memory values ``0..budget`` (a^0 excluded).
 
     Parameters
@@ -290,6 +298,12 @@ def solve_persistent_table(chain: Chain, budget: int, variant: str = "paper") ->
         Largest memory value ``M - a^0`` of the table.
     variant
         ``paper`` (thesis formula) or ``rotor`` (reference implementation).
+    segment_cost
+        A time charged once per ``F_ck`` choice, i.e. per recomputed segment (``C_ck`` of
+        the recurrence gets ``+ segment_cost``): what an executor pays per segment beyond
+        the stages' forward times (``docs/pytorch.md``, "What the chain does not count").
+        The table's values then include it; the plan's makespan under the chain is the
+        value minus ``segment_cost`` times its ``F_ck`` ops. 0 (default) is rotor's model.
     """
     if variant not in ("paper", "rotor"):
         raise ValueError(f"unknown persistent variant {variant!r}")
@@ -328,7 +342,7 @@ def solve_persistent_table(chain: Chain, budget: int, variant: str = "paper") ->
         s_lo = max(1, s_hi - TILE + 1)
         # sums[s][k, m] = uf[s] + ... + uf[s+k] (added left to right like the reference) as a
         # contiguous block: adding it is much faster than broadcasting a column
-        sums = {s: np.repeat(np.cumsum(uf[s:L + 1])[:, None], n_m, axis=1)
+        sums = {s: np.repeat(_segment_sums(uf[s:L + 1], segment_cost)[:, None], n_m, axis=1)
                 for s in range(s_lo, s_hi + 1)}
         for t_lo in range(s_lo + 1, L + 2, TILE):
             for s in range(s_hi, s_lo - 1, -1):
@@ -336,7 +350,8 @@ def solve_persistent_table(chain: Chain, budget: int, variant: str = "paper") ->
                 for t in range(max(t_lo, s + 1), min(t_lo + TILE, L + 2)):
                     _fill_cell(cost, shifted, row_s, buf, s, t, lo_null[s][t], lo_all[s][t],
                                abar_list[s], a_list[s - 1], uf_list[s], ub_list[s], paper)
-    return PersistentTable(ar, cost, budget, variant, m_null, np.array(lo_all))
+    return PersistentTable(ar, cost, budget, variant, m_null, np.array(lo_all),
+                           float(segment_cost))
 
 
 def min_memory_persistent(chain: Chain, variant: str = "paper") -> int:
