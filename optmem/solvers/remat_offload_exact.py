@@ -79,6 +79,7 @@ from optmem.solvers.remat_offload import (
     pofo_plan,
     remat_candidate,
 )
+from optmem.solvers.remat_offload_benders import solve_benders
 from optmem.solvers.remat_offload_schedule import Window, static_replay, window_before
 
 BRUTE_MAX_LENGTH = 2
@@ -86,6 +87,7 @@ COMPLETION_SHARE = 0.25  # share of a user's time limit spent completing warm st
 RELAXATION_SHARE = 0.25  # share of a user's time limit spent on the link relaxation's bound
 LEAST_SEARCH_TIME_S = 1.0  # the search always gets this long (an engine needs a positive limit)
 MAX_RATIONAL_SCALE = 10**6  # largest exact CP-SAT time grid: never finer than the decimal one
+STRATEGIES = ("full", "benders")  # extra["strategy"] of cpsat (benders: remat_offload_benders)
 
 
 def compute_sequences(chain: Chain, max_forwards: int | None = None
@@ -423,6 +425,15 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
         chain = disc.chain
         scale, exact = cpsat_time_scale(chain, beta)
     grid = None if exact else scale
+    strategy = options.extra.get("strategy", "full")
+    if strategy not in STRATEGIES:
+        raise OptmemInputError(f"expected strategy one of {', '.join(STRATEGIES)}, got "
+                               f"{strategy!r}", field="strategy")
+    if strategy == "benders" and exact:
+        found = _candidates(problem, options)
+        return solve_benders(problem, options, sweeps=sweeps, per_gap=per_gap, scale=scale,
+                             incumbent=(found[0][0], found[0][2]) if found else None,
+                             report={"sweeps": sweeps, "transfers_per_gap": per_gap})
     built = build_remat_offload(disc.chain, disc.memory_limit, beta, sweeps=sweeps,
                                 transfers_per_gap=per_gap, grid=grid)
     report: dict[str, Any] = {"model": built.info, "sweeps": sweeps,
@@ -430,6 +441,8 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
     if engine == "cpsat":
         report["time_scale"] = scale
         report["exact_times"] = exact
+    if strategy == "benders":
+        report["strategy"] = "full (benders needs the exact time grid)"
     solver = "cpsat" if engine == "cpsat" else engine
     if built.model.trivially_infeasible:
         return no_plan_result(problem, options, method, Status.INFEASIBLE, report)
@@ -519,7 +532,8 @@ def solve_ilp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
           description="exact model (same formulation as ilp), CP-SAT",
           compare_as=(("cpsat", 6),),
           extra=("sweeps", "transfers_per_gap", "grid", "backlog_grid", "prefetch",
-                 "relaxation", "relaxation_deadlines"))
+                 "relaxation", "relaxation_deadlines", "strategy", "benders_work",
+                 "benders_filter_work", "benders_iterations"))
 def solve_cpsat(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     """Optimal plan over the model's class with OR-Tools CP-SAT."""
     return _solve_model(problem, options, "cpsat")

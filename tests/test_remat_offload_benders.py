@@ -1,0 +1,218 @@
+"""``cpsat`` with ``strategy=benders`` (:mod:`optmem.solvers.remat_offload_benders`) against
+brute force, the monolithic model, the pure optima and the DP; its cuts and options.
+
+Deterministic: CP-SAT runs with a deterministic-time limit (one worker) and a fixed seed,
+HiGHS solves the master to optimality; no verdict depends on wall-clock time.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from optmem.chain import Chain
+from optmem.datasets.synthetic import random_chain
+from optmem.errors import OptmemInputError
+from optmem.models import checkpoint_ilp as ck
+from optmem.models.remat_offload import build_remat_offload
+from optmem.plan import parse_mixed_plan
+from optmem.problems.checkpoint import CheckpointProblem
+from optmem.problems.offload import OffloadProblem
+from optmem.problems.remat_offload import RematOffloadProblem
+from optmem.result import SolveOptions, Status
+from optmem.simulate.verify import verify_plan
+from optmem.solvers import remat_offload_benders as bd
+from optmem.solvers.facade import solve
+from optmem.solvers.remat_offload import discretized
+from optmem.solvers.remat_offload_exact import cpsat_time_scale
+
+pytest.importorskip("ortools", reason="the Benders subproblem uses OR-Tools CP-SAT")
+
+OPTS = SolveOptions(slots=64, seed=1)
+BENDERS = OPTS.with_(extra={"strategy": "benders", "benders_work": 30.0})
+
+
+@st.composite
+def tiny(draw: st.DrawFn, max_length: int = 2) -> Chain:
+    n = draw(st.integers(1, max_length))
+    out = draw(st.lists(st.integers(1, 4), min_size=n, max_size=n))
+    extra = draw(st.lists(st.integers(0, 3), min_size=n, max_size=n))
+    return Chain.from_lists(
+        draw(st.lists(st.integers(1, 4), min_size=n, max_size=n)),
+        draw(st.lists(st.integers(1, 6), min_size=n, max_size=n)),
+        out, [o + e for o, e in zip(out, extra, strict=True)],
+        input_size=draw(st.integers(1, 4)),
+        fwd_overhead=draw(st.lists(st.integers(0, 1), min_size=n, max_size=n)),
+        loss_bwd_time=draw(st.integers(0, 2)))
+
+
+def _check(problem: RematOffloadProblem, res) -> None:
+    """Replayed by the one result path; an optimal claim has its bound at the objective."""
+    assert res.status is not Status.ERROR, res.report.get("error")
+    if res.status.has_plan:
+        assert verify_plan(problem, list(res.plan), OPTS)["objective"] == \
+            pytest.approx(res.objective)
+        assert res.bound <= res.objective + 1e-9
+    if res.status is Status.OPTIMAL:
+        assert res.bound == pytest.approx(res.objective)
+
+
+def _limits(chain: Chain) -> list[int]:
+    from optmem.simulate.checkpoint import simulate_checkpoint
+    from optmem.solvers.checkpoint_baselines import store_all_plan
+    from optmem.solvers.checkpoint_dp import min_memory_persistent
+
+    lo = min_memory_persistent(chain)
+    hi = simulate_checkpoint(chain, store_all_plan(chain.length)).peak_memory
+    return sorted({lo, (2 * lo + hi) // 3, (lo + 2 * hi) // 3})
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(chain=tiny(), limit=st.integers(3, 22), beta=st.sampled_from([0.5, 1.0, 3.0]))
+def test_benders_equals_brute_force(chain: Chain, limit: int, beta: float) -> None:
+    problem = RematOffloadProblem(chain, limit, chain_bandwidth=beta)
+    res = solve(problem, "cpsat", options=BENDERS)
+    brute = solve(problem, "brute", options=OPTS)
+    _check(problem, res)
+    assert res.status.has_plan == brute.status.has_plan
+    if brute.status.has_plan:
+        assert res.status is Status.OPTIMAL, res.report
+        assert res.report["strategy"] == "benders"
+        assert res.objective == pytest.approx(brute.objective)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_benders_equals_the_monolithic_model(seed: int) -> None:
+    """3-4-stage chains, three limits: both proven, same optimum (invalid cuts would cut the
+    optimum off and report a higher value or a bound above the optimum)."""
+    chain = random_chain(3 + seed % 2, seed=20 + seed, max_size=6)
+    for limit in _limits(chain):
+        problem = RematOffloadProblem(chain, limit, chain_bandwidth=1.0)
+        full = solve(problem, "cpsat", options=OPTS.with_(deterministic_time=60.0))
+        res = solve(problem, "cpsat", options=BENDERS)
+        _check(problem, res)
+        assert full.status is Status.OPTIMAL and res.status is Status.OPTIMAL, res.report
+        assert res.objective == pytest.approx(full.objective)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_stopped_loop_reports_a_valid_bound(seed: int) -> None:
+    chain = random_chain(4, seed=30 + seed, max_size=6)
+    limit = _limits(chain)[0]
+    problem = RematOffloadProblem(chain, limit, chain_bandwidth=1.0)
+    full = solve(problem, "cpsat", options=OPTS.with_(deterministic_time=60.0))
+    assert full.status is Status.OPTIMAL
+    for iterations in (1, 2, 3):
+        res = solve(problem, "cpsat", options=BENDERS.with_(
+            extra={**BENDERS.extra, "benders_iterations": iterations}))
+        _check(problem, res)
+        assert res.bound <= full.objective + 1e-9
+        assert res.objective >= full.objective - 1e-9
+        assert res.report["benders"]["iterations"] <= iterations
+
+
+@pytest.mark.parametrize("beta", [0.0, 1e-4])
+@pytest.mark.parametrize("seed", range(3))
+def test_useless_link_equals_checkpoint_optimum(seed: int, beta: float) -> None:
+    chain = random_chain(3 + seed % 2, seed=seed, max_size=6)
+    for limit in _limits(chain):
+        ckpt = solve(CheckpointProblem(chain, limit), "ilp", options=OPTS)
+        problem = RematOffloadProblem(chain, limit, chain_bandwidth=beta)
+        res = solve(problem, "cpsat", options=BENDERS)
+        _check(problem, res)
+        assert res.status is Status.OPTIMAL
+        assert res.objective == pytest.approx(ckpt.objective)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_free_link_reaches_the_compute_time(seed: int) -> None:
+    chain = random_chain(3, seed=seed, max_size=6)
+    a = [chain.input_size, *chain.output_size]
+    ab = [chain.input_size, *chain.saved_size]
+    limit = max(ab[i - 1] + ab[i] + a[i] + a[i - 1] + chain.bwd_overhead[i - 1]
+                + chain.fwd_overhead[i - 1] for i in range(1, chain.length + 1)) \
+        + ab[chain.length] + a[chain.length] + chain.loss_bwd_overhead + max(ab)
+    problem = RematOffloadProblem(chain, limit, chain_bandwidth=1e5)
+    res = solve(problem, "cpsat", options=BENDERS)
+    _check(problem, res)
+    assert res.status is Status.OPTIMAL
+    assert chain.total_compute_time() <= res.objective <= chain.total_compute_time() + 1e-3
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_never_worse_than_dp_and_pure_methods(seed: int) -> None:
+    chain = random_chain(4, seed=10 + seed, max_size=6)
+    for limit in _limits(chain)[:2]:
+        problem = RematOffloadProblem(chain, limit, chain_bandwidth=1.0)
+        res = solve(problem, "cpsat", options=BENDERS)
+        _check(problem, res)
+        assert res.status is Status.OPTIMAL
+        for name in ("dp", "remat_only", "offload_only"):
+            other = solve(problem, name, options=OPTS)
+            if other.status.has_plan:
+                assert res.objective <= other.objective + 1e-9, name
+        ckpt = solve(CheckpointProblem(chain, limit), "ilp", options=OPTS)
+        if ckpt.status.has_plan:
+            assert res.objective <= ckpt.objective + 1e-9
+        off = solve(OffloadProblem(chain, limit, chain_bandwidth=1.0), "dp", options=OPTS)
+        if off.status.has_plan:
+            assert res.objective <= off.objective + 1e-9
+
+
+def test_deletion_filter_keeps_a_refuted_set() -> None:
+    """With the optimum as the incumbent and its own compute sequence proposed, the filter's
+    slots, fixed alone, still admit no faster plan; at a horizon that admits the optimum
+    they are not refuted (the check can fail)."""
+    chain = random_chain(4, seed=31, max_size=6)
+    limit = _limits(chain)[0]
+    problem = RematOffloadProblem(chain, limit, chain_bandwidth=1.0)
+    disc, beta = discretized(problem, OPTS)
+    full = solve(problem, "cpsat", options=OPTS.with_(deterministic_time=60.0))
+    assert full.status is Status.OPTIMAL
+    scale, exact = cpsat_time_scale(disc.chain, beta)
+    assert exact
+    built = build_remat_offload(disc.chain, disc.memory_limit, beta)
+    slots = [it for it in built.checkpoint.sequence if isinstance(it, ck.Slot)]
+    fixed = built.fixing(parse_mixed_plan(full.plan))
+    assert fixed is not None
+    xhat = {i: round(fixed[i]) for sl in slots for _, i in sl.ops}
+    cp = bd._emit(built, full.objective, scale)
+    state = bd._State(None, full.objective, disc.memory_limit, beta)
+    assert bd._refuted(cp, slots, xhat, OPTS, 60.0, state)  # nothing beats the optimum
+    kept = bd.deletion_filter(cp, slots, xhat, OPTS, 5.0, state)
+    assert len(kept) < len(slots)
+    assert bd._refuted(cp, kept, xhat, OPTS, 60.0, state)
+    # a horizon at the optimum itself admits the optimal plan: nothing is refuted there
+    cp_at = bd._emit(built, full.objective + 1.0 / scale, scale)
+    assert not bd._refuted(cp_at, kept, xhat, OPTS, 60.0, state)
+
+
+def test_options_are_checked() -> None:
+    problem = RematOffloadProblem(random_chain(3, seed=1, max_size=6), 40,
+                                  chain_bandwidth=1.0)
+    for extra, field in (({"strategy": "lbbd"}, "strategy"),
+                         ({"strategy": "benders", "benders_work": 0}, "benders_work"),
+                         ({"strategy": "benders", "benders_filter_work": "x"},
+                          "benders_filter_work"),
+                         ({"strategy": "benders", "benders_iterations": 0},
+                          "benders_iterations")):
+        with pytest.raises(OptmemInputError, match=field):
+            solve(problem, "cpsat", options=OPTS.with_(extra=extra))
+
+
+def test_cli_option_reaches_the_strategy(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    import json
+
+    from optmem.cli import main
+
+    path = tmp_path / "chain.json"
+    chain = Chain.from_lists([2, 2, 2], [4, 4, 4], [2, 2, 2], [4, 4, 4], input_size=2)
+    chain.save(path)
+    code = main(["solve", "remat-offload", str(path), "--memory", "12", "--bandwidth", "1B/ms",
+                 "--method", "cpsat", "--json", "--option", "strategy=benders"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["status"] == "optimal" and data["objective"] == 22.0
+    assert data["report"]["strategy"] == "benders"
