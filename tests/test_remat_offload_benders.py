@@ -188,6 +188,27 @@ def test_deletion_filter_keeps_a_refuted_set() -> None:
     assert not bd._refuted(cp_at, kept, xhat, OPTS, 60.0, state)
 
 
+def test_warmup_search_feeds_the_loop() -> None:
+    """A warm-up bounded by deterministic time: stopped early, its plan and bound go into
+    the loop, which proves; with enough work it proves alone and is returned as is."""
+    chain = random_chain(4, seed=41, max_size=6)
+    limit = _limits(chain)[0]
+    problem = RematOffloadProblem(chain, limit, chain_bandwidth=1.0)
+    full = solve(problem, "cpsat", options=OPTS.with_(deterministic_time=60.0))
+    assert full.status is Status.OPTIMAL
+    short = solve(problem, "cpsat", options=BENDERS.with_(deterministic_time=0.01))
+    long = solve(problem, "cpsat", options=BENDERS.with_(deterministic_time=60.0))
+    for res in (short, long):
+        _check(problem, res)
+        assert res.status is Status.OPTIMAL, res.report
+        assert res.objective == pytest.approx(full.objective)
+    assert short.report["warmup"]["status"] == "feasible"
+    assert short.report["strategy"] == "benders"
+    assert short.report["benders"]["iterations"] >= 1
+    assert long.report["warmup"]["status"] == "optimal"
+    assert "warm-up" in long.report["strategy"]
+
+
 def test_options_are_checked() -> None:
     problem = RematOffloadProblem(random_chain(3, seed=1, max_size=6), 40,
                                   chain_bandwidth=1.0)
@@ -196,7 +217,8 @@ def test_options_are_checked() -> None:
                          ({"strategy": "benders", "benders_filter_work": "x"},
                           "benders_filter_work"),
                          ({"strategy": "benders", "benders_iterations": 0},
-                          "benders_iterations")):
+                          "benders_iterations"),
+                         ({"strategy": "benders", "benders_warmup": 1.5}, "benders_warmup")):
         with pytest.raises(OptmemInputError, match=field):
             solve(problem, "cpsat", options=OPTS.with_(extra=extra))
 

@@ -62,6 +62,7 @@ bound meets the incumbent.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Sequence
@@ -91,6 +92,7 @@ from optmem.solvers.remat_offload import (
 
 DEFAULT_SUB_WORK = 10.0  # CP-SAT deterministic seconds per subproblem (doubled on a repeat)
 DEFAULT_FILTER_WORK = 0.25  # CP-SAT deterministic seconds per deletion-filter check
+LOG = logging.getLogger(__name__)
 LEAST_ENGINE_TIME_S = 0.5  # an engine call always gets this long (it needs a positive limit)
 
 
@@ -106,7 +108,7 @@ class _State:
     counts: dict[str, Any] = field(default_factory=lambda: {
         "iterations": 0, "refutation_cuts": 0, "value_cuts": 0, "filter_checks": 0,
         "improvements": 0, "cut_slots": [], "master_nodes": 0,
-        "cpsat_deterministic_time": 0.0})
+        "cpsat_deterministic_time": 0.0, "cpsat_branches": 0})
 
 
 def _float_option(options: SolveOptions, key: str, default: float) -> float:
@@ -150,12 +152,18 @@ def _assume(cp: CpsatModel, slots: Sequence[ck.Slot], xhat: dict[int, int]) -> l
             for sl in slots for _, i in sl.ops]
 
 
+def _count(state: _State, info: dict[str, Any]) -> None:
+    """Add a CP-SAT call's deterministic work to the loop's counters."""
+    state.counts["cpsat_deterministic_time"] += float(info.get("deterministic_time", 0.0))
+    state.counts["cpsat_branches"] += int(info.get("branches", 0))
+
+
 def _refuted(cp: CpsatModel, slots: Sequence[ck.Slot], xhat: dict[int, int],
              options: SolveOptions, work: float, state: _State) -> bool:
     state.counts["filter_checks"] += 1
     out = engines.solve_cpsat(cp.cp, cp.variables, threads=1, deterministic_time=work,
                               seed=options.seed, assumptions=_assume(cp, slots, xhat))
-    state.counts["cpsat_deterministic_time"] += out.info.get("deterministic_time", 0.0)
+    _count(state, out.info)
     return out.status is Status.INFEASIBLE
 
 
@@ -180,8 +188,13 @@ def deletion_filter(cp: CpsatModel, slots: Sequence[ck.Slot], xhat: dict[int, in
 
 def solve_benders(problem: RematOffloadProblem, options: SolveOptions, *, sweeps: int,
                   per_gap: int, scale: int, incumbent: tuple[float, tuple[AnyOp, ...]] | None,
-                  report: dict[str, Any]) -> Result:
-    """Run the decomposition (module docstring); ``scale`` must be the exact time grid."""
+                  report: dict[str, Any], floor: float = -math.inf) -> Result:
+    """Run the decomposition (module docstring); ``scale`` must be the exact time grid.
+
+    ``incumbent`` is the best verified plan so far (simulated makespan, plan) and ``floor`` a
+    proven bound from elsewhere (the warm-up search); the reported bound is the better of it
+    and the master's.
+    """
     began = time.monotonic()
     disc, beta = discretized(problem, options)
     chain, limit = disc.chain, disc.memory_limit
@@ -206,7 +219,7 @@ def solve_benders(problem: RematOffloadProblem, options: SolveOptions, *, sweeps
         return max(LEAST_ENGINE_TIME_S, options.time_limit_s - (time.monotonic() - began))
 
     theta0: float | None = None
-    bound = -math.inf
+    bound = floor
     tries: dict[tuple[int, ...], int] = {}
     status = Status.FEASIBLE
     while True:
@@ -225,9 +238,10 @@ def solve_benders(problem: RematOffloadProblem, options: SolveOptions, *, sweeps
         if out.failed or out.values is None or not math.isfinite(out.bound):
             report["master"] = f"{out.status}: {out.message}"
             break
-        bound = max(bound, out.bound - 1e-9 * max(1.0, abs(out.bound)))
-        if theta0 is None:
-            theta0 = bound
+        master_bound = out.bound - 1e-9 * max(1.0, abs(out.bound))
+        bound = max(bound, master_bound)
+        if theta0 is None:  # at most every sequence's relaxation value (the cuts' floor)
+            theta0 = master_bound
             report["relaxation"] = {"bound": theta0, "seconds": round(out.time_s, 3)}
         if bound >= state.makespan - 1e-9 * max(1.0, state.makespan):
             status = Status.OPTIMAL
@@ -241,12 +255,17 @@ def solve_benders(problem: RematOffloadProblem, options: SolveOptions, *, sweeps
         tries[key] = tries.get(key, 0) + 1
         b = _subproblem(built, slots, xhat, options, scale, sub_work * 2 ** (tries[key] - 1),
                         filter_work, state, left, master, theta, theta0, value)
+        LOG.info("benders %d: bound %.6g, incumbent %.6g, cut %.6g, %.1f s",
+                 state.counts["iterations"], bound, state.makespan, b or math.nan,
+                 time.monotonic() - began)
         if b is None:
             break
-    if theta0 is None:
-        bound = -math.inf
     bound = max(bound, lower_bound(problem))
     report["benders"]["bound"] = bound
+    report["engine_time_s"] = round(time.monotonic() - began, 3)
+    report["engine_work"] = {"deterministic_time": state.counts["cpsat_deterministic_time"],
+                             "branches": state.counts["cpsat_branches"],
+                             "master_nodes": state.counts["master_nodes"]}
     if state.plan is None:
         return no_plan_result(problem, options, "cpsat", Status.NO_SOLUTION,
                               report).with_(bound=bound)
@@ -269,7 +288,7 @@ def _subproblem(built: RematOffloadModel, slots: Sequence[ck.Slot], xhat: dict[i
                               time_limit_s=left(), seed=options.seed,
                               deterministic_time=work,
                               assumptions=_assume(cp, slots, xhat))
-    state.counts["cpsat_deterministic_time"] += out.info.get("deterministic_time", 0.0)
+    _count(state, out.info)
     if out.failed:
         return None
     n = state.counts["iterations"]
