@@ -1,5 +1,5 @@
 """``cpsat`` with ``strategy=benders`` (:mod:`optmem.solvers.remat_offload_benders`) against
-brute force, the monolithic model, the pure optima and the DP; its cuts and options.
+brute force and the monolithic model; its stopped bound, warm-up, cuts and options.
 
 Deterministic: CP-SAT runs with a deterministic-time limit (one worker) and a fixed seed,
 HiGHS solves the master to optimality; no verdict depends on wall-clock time.
@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_remat_offload_exact import _limits, tiny
 
 from optmem.chain import Chain
 from optmem.datasets.synthetic import random_chain
@@ -17,8 +18,6 @@ from optmem.errors import OptmemInputError
 from optmem.models import checkpoint_ilp as ck
 from optmem.models.remat_offload import build_remat_offload
 from optmem.plan import parse_mixed_plan
-from optmem.problems.checkpoint import CheckpointProblem
-from optmem.problems.offload import OffloadProblem
 from optmem.problems.remat_offload import RematOffloadProblem
 from optmem.result import SolveOptions, Status
 from optmem.simulate.verify import verify_plan
@@ -31,20 +30,8 @@ pytest.importorskip("ortools", reason="the Benders subproblem uses OR-Tools CP-S
 
 OPTS = SolveOptions(slots=64, seed=1)
 BENDERS = OPTS.with_(extra={"strategy": "benders", "benders_work": 30.0})
-
-
-@st.composite
-def tiny(draw: st.DrawFn, max_length: int = 2) -> Chain:
-    n = draw(st.integers(1, max_length))
-    out = draw(st.lists(st.integers(1, 4), min_size=n, max_size=n))
-    extra = draw(st.lists(st.integers(0, 3), min_size=n, max_size=n))
-    return Chain.from_lists(
-        draw(st.lists(st.integers(1, 4), min_size=n, max_size=n)),
-        draw(st.lists(st.integers(1, 6), min_size=n, max_size=n)),
-        out, [o + e for o, e in zip(out, extra, strict=True)],
-        input_size=draw(st.integers(1, 4)),
-        fwd_overhead=draw(st.lists(st.integers(0, 1), min_size=n, max_size=n)),
-        loss_bwd_time=draw(st.integers(0, 2)))
+# the useless-link, free-link and never-worse cross-checks run the Benders strategy in
+# tests/test_remat_offload_exact.py (VARIANTS); the helpers come from there too
 
 
 def _check(problem: RematOffloadProblem, res) -> None:
@@ -56,16 +43,6 @@ def _check(problem: RematOffloadProblem, res) -> None:
         assert res.bound <= res.objective + 1e-9
     if res.status is Status.OPTIMAL:
         assert res.bound == pytest.approx(res.objective)
-
-
-def _limits(chain: Chain) -> list[int]:
-    from optmem.simulate.checkpoint import simulate_checkpoint
-    from optmem.solvers.checkpoint_baselines import store_all_plan
-    from optmem.solvers.checkpoint_dp import min_memory_persistent
-
-    lo = min_memory_persistent(chain)
-    hi = simulate_checkpoint(chain, store_all_plan(chain.length)).peak_memory
-    return sorted({lo, (2 * lo + hi) // 3, (lo + 2 * hi) // 3})
 
 
 @settings(max_examples=25, deadline=None, derandomize=True)
@@ -110,54 +87,6 @@ def test_stopped_loop_reports_a_valid_bound(seed: int) -> None:
         assert res.bound <= full.objective + 1e-9
         assert res.objective >= full.objective - 1e-9
         assert res.report["benders"]["iterations"] <= iterations
-
-
-@pytest.mark.parametrize("beta", [0.0, 1e-4])
-@pytest.mark.parametrize("seed", range(3))
-def test_useless_link_equals_checkpoint_optimum(seed: int, beta: float) -> None:
-    chain = random_chain(3 + seed % 2, seed=seed, max_size=6)
-    for limit in _limits(chain):
-        ckpt = solve(CheckpointProblem(chain, limit), "ilp", options=OPTS)
-        problem = RematOffloadProblem(chain, limit, chain_bandwidth=beta)
-        res = solve(problem, "cpsat", options=BENDERS)
-        _check(problem, res)
-        assert res.status is Status.OPTIMAL
-        assert res.objective == pytest.approx(ckpt.objective)
-
-
-@pytest.mark.parametrize("seed", range(2))
-def test_free_link_reaches_the_compute_time(seed: int) -> None:
-    chain = random_chain(3, seed=seed, max_size=6)
-    a = [chain.input_size, *chain.output_size]
-    ab = [chain.input_size, *chain.saved_size]
-    limit = max(ab[i - 1] + ab[i] + a[i] + a[i - 1] + chain.bwd_overhead[i - 1]
-                + chain.fwd_overhead[i - 1] for i in range(1, chain.length + 1)) \
-        + ab[chain.length] + a[chain.length] + chain.loss_bwd_overhead + max(ab)
-    problem = RematOffloadProblem(chain, limit, chain_bandwidth=1e5)
-    res = solve(problem, "cpsat", options=BENDERS)
-    _check(problem, res)
-    assert res.status is Status.OPTIMAL
-    assert chain.total_compute_time() <= res.objective <= chain.total_compute_time() + 1e-3
-
-
-@pytest.mark.parametrize("seed", range(3))
-def test_never_worse_than_dp_and_pure_methods(seed: int) -> None:
-    chain = random_chain(4, seed=10 + seed, max_size=6)
-    for limit in _limits(chain)[:2]:
-        problem = RematOffloadProblem(chain, limit, chain_bandwidth=1.0)
-        res = solve(problem, "cpsat", options=BENDERS)
-        _check(problem, res)
-        assert res.status is Status.OPTIMAL
-        for name in ("dp", "remat_only", "offload_only"):
-            other = solve(problem, name, options=OPTS)
-            if other.status.has_plan:
-                assert res.objective <= other.objective + 1e-9, name
-        ckpt = solve(CheckpointProblem(chain, limit), "ilp", options=OPTS)
-        if ckpt.status.has_plan:
-            assert res.objective <= ckpt.objective + 1e-9
-        off = solve(OffloadProblem(chain, limit, chain_bandwidth=1.0), "dp", options=OPTS)
-        if off.status.has_plan:
-            assert res.objective <= off.objective + 1e-9
 
 
 def test_deletion_filter_keeps_a_refuted_set() -> None:

@@ -30,6 +30,10 @@ EXAMPLE = Chain.from_lists([2, 2, 2], [4, 4, 4], [2, 2, 2], [4, 4, 4], input_siz
 # with another thread count after it fails (kNotset)
 OPTS = SolveOptions(slots=64)
 METHODS = ("cpsat", "ilp")
+# the logic-based Benders strategy of cpsat (tests/test_remat_offload_benders.py) goes
+# through the same cross-checks: (method, options) pairs
+BENDERS = OPTS.with_(seed=1, extra={"strategy": "benders", "benders_work": 30.0})
+VARIANTS = (("cpsat", OPTS), ("ilp", OPTS), ("cpsat", BENDERS))
 
 
 def _check(problem: RematOffloadProblem, res, opts: SolveOptions = OPTS) -> None:
@@ -139,11 +143,11 @@ def test_useless_link_equals_checkpoint_optimum(seed: int, beta: float) -> None:
         ckpt = solve(CheckpointProblem(chain, limit), "ilp", options=OPTS)
         assert ckpt.status is Status.OPTIMAL
         problem = RematOffloadProblem(chain, limit, chain_bandwidth=beta)
-        for method in METHODS:
-            res = solve(problem, method, options=OPTS)
+        for method, opts in VARIANTS:
+            res = solve(problem, method, options=opts)
             _check(problem, res)
-            assert res.status is Status.OPTIMAL, (method, limit)
-            assert res.objective == pytest.approx(ckpt.objective), (method, limit)
+            assert res.status is Status.OPTIMAL, (method, opts.extra, limit)
+            assert res.objective == pytest.approx(ckpt.objective), (method, opts.extra, limit)
 
 
 def _working_set(chain: Chain) -> int:
@@ -164,20 +168,21 @@ def test_free_link_reaches_the_compute_time(seed: int) -> None:
     chain = random_chain(3, seed=seed, max_size=6)
     limit = _working_set(chain)
     problem = RematOffloadProblem(chain, limit, chain_bandwidth=1e5)
-    for method in METHODS:
-        res = solve(problem, method, options=OPTS)
+    for method, opts in VARIANTS:
+        res = solve(problem, method, options=opts)
         _check(problem, res)
         assert res.status is Status.OPTIMAL
         # every transfer takes at most 1e-4: only they may delay the compute stream
         assert chain.total_compute_time() <= res.objective <= chain.total_compute_time() + 1e-3
 
 
+@pytest.mark.parametrize("opts", [OPTS, BENDERS], ids=["full", "benders"])
 @pytest.mark.parametrize("seed", range(3))
-def test_never_worse_than_dp_and_pure_methods(seed: int) -> None:
+def test_never_worse_than_dp_and_pure_methods(seed: int, opts: SolveOptions) -> None:
     chain = random_chain(4, seed=10 + seed, max_size=6)
     for limit in _limits(chain)[:2]:
         problem = RematOffloadProblem(chain, limit, chain_bandwidth=1.0)
-        exact = solve(problem, "cpsat", options=OPTS)
+        exact = solve(problem, "cpsat", options=opts)
         _check(problem, exact)
         assert exact.status is Status.OPTIMAL
         for name in ("dp", "remat_only", "offload_only"):
