@@ -65,7 +65,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -159,29 +159,35 @@ def _count(state: _State, info: dict[str, Any]) -> None:
 
 
 def _refuted(cp: CpsatModel, slots: Sequence[ck.Slot], xhat: dict[int, int],
-             options: SolveOptions, work: float, state: _State) -> bool:
+             options: SolveOptions, work: float, state: _State,
+             time_limit_s: float | None = None) -> bool:
     state.counts["filter_checks"] += 1
     out = engines.solve_cpsat(cp.cp, cp.variables, threads=1, deterministic_time=work,
+                              time_limit_s=time_limit_s,
                               seed=options.seed, assumptions=_assume(cp, slots, xhat))
     _count(state, out.info)
     return out.status is Status.INFEASIBLE
 
 
 def deletion_filter(cp: CpsatModel, slots: Sequence[ck.Slot], xhat: dict[int, int],
-                    options: SolveOptions, work: float, state: _State) -> list[ck.Slot]:
+                    options: SolveOptions, work: float, state: _State,
+                    left: Callable[[], float | None] = lambda: None) -> list[ck.Slot]:
     """A subset of ``slots`` whose assumptions alone keep the subproblem infeasible.
+
+    ``left()`` is the time left of the solve's limit (``None``: none); when it runs out the
+    filter stops and returns what it has (a set shrinks only when a check proves it).
 
     Whole phases first, then single slots; a check that does not prove infeasibility within
     ``work`` keeps what it tried to drop, so the result is always a refuted set.
     """
     keep = list(slots)
-    for phase in sorted({sl.phase for sl in slots}):
-        trial = [sl for sl in keep if sl.phase != phase]
-        if len(trial) < len(keep) and _refuted(cp, trial, xhat, options, work, state):
-            keep = trial
-    for sl in list(keep):
-        trial = [t for t in keep if t is not sl]
-        if _refuted(cp, trial, xhat, options, work, state):
+    phases = [[sl for sl in slots if sl.phase == k] for k in sorted({sl.phase for sl in slots})]
+    for group in [*phases, *([sl] for sl in slots)]:
+        limit = left()
+        if limit is not None and limit <= LEAST_ENGINE_TIME_S:
+            break
+        trial = [sl for sl in keep if not any(sl is g for g in group)]
+        if len(trial) < len(keep) and _refuted(cp, trial, xhat, options, work, state, limit):
             keep = trial
     return keep
 
@@ -278,7 +284,7 @@ def solve_benders(problem: RematOffloadProblem, options: SolveOptions, *, sweeps
 
 def _subproblem(built: RematOffloadModel, slots: Sequence[ck.Slot], xhat: dict[int, int],
                 options: SolveOptions, scale: int, work: float, filter_work: float,
-                state: _State, left: Any, master: Model, theta: int,
+                state: _State, left: Callable[[], float | None], master: Model, theta: int,
                 theta0: float, value: float) -> float | None:
     """Solve the subproblem of ``xhat``, add its cut to ``master``; the cut's ``b``."""
     if state.cp is None:
@@ -293,7 +299,7 @@ def _subproblem(built: RematOffloadModel, slots: Sequence[ck.Slot], xhat: dict[i
         return None
     n = state.counts["iterations"]
     if out.status is Status.INFEASIBLE:
-        kept = deletion_filter(cp, slots, xhat, options, filter_work, state)
+        kept = deletion_filter(cp, slots, xhat, options, filter_work, state, left)
         b = state.makespan
         master.add(Expr([(theta, 1.0)]) + _disagreement(kept, xhat) * (b - theta0) >= b,
                    f"benders_refute_{n}")
