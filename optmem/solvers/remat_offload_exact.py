@@ -468,7 +468,7 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
         chain = disc.chain
         scale, exact = cpsat_time_scale(chain, beta)
     grid = None if exact else scale
-    strategy = options.extra.get("strategy", "full")
+    strategy = options.extra.get("strategy", "full") if engine == "cpsat" else "full"
     if strategy not in STRATEGIES:
         raise OptmemInputError(f"expected strategy one of {', '.join(STRATEGIES)}, got "
                                f"{strategy!r}", field="strategy")
