@@ -82,11 +82,13 @@ def tiny(draw: st.DrawFn, max_length: int = 2) -> Chain:
         loss_bwd_time=draw(st.integers(0, 2)))
 
 
+@pytest.mark.parametrize("opts", [OPTS, BENDERS], ids=["full", "benders"])
 @settings(max_examples=30, deadline=None, derandomize=True)
 @given(chain=tiny(), limit=st.integers(3, 22), beta=st.sampled_from([0.5, 1.0, 3.0]))
-def test_exact_equals_brute_and_bounds(chain: Chain, limit: int, beta: float) -> None:
+def test_exact_equals_brute_and_bounds(chain: Chain, limit: int, beta: float,
+                                       opts: SolveOptions) -> None:
     problem = RematOffloadProblem(chain, limit, chain_bandwidth=beta)
-    exact = solve(problem, "cpsat", options=OPTS)
+    exact = solve(problem, "cpsat", options=opts)
     brute = solve(problem, "brute", options=OPTS)
     _check(problem, exact)
     assert brute.status is not Status.ERROR
@@ -257,6 +259,12 @@ def test_cli_solve_and_export(capsys: pytest.CaptureFixture[str], tmp_path) -> N
     data = json.loads(out)
     assert data["status"] == "optimal" and data["objective"] == 22.0 and data["bound"] == 22.0
     assert data["report"]["model_objective"] == pytest.approx(22.0)
+    # the Benders strategy of cpsat is reachable as an option
+    assert main(["solve", "remat-offload", str(path), "--memory", "12", "--bandwidth", "1B/ms",
+                 "--method", "cpsat", "--json", "--option", "strategy=benders"]) == 0
+    data = json.loads(capsys.readouterr()[0])
+    assert data["status"] == "optimal" and data["objective"] == 22.0
+    assert data["report"]["strategy"] == "benders"
     model = tmp_path / "m.lp"
     assert main(["export", "remat-offload", str(path), "--memory", "12", "--bandwidth", "1B/ms",
                  "--method", "ilp", "-o", str(model)]) == 0
