@@ -302,7 +302,9 @@ def _fixed_plans_checked(chain: Chain, beta: float, transfers_per_gap: int) -> i
             values = out.values[:len(built.model.vars)]
             decoded = [str(op) for op in built.decode(values)]
             model = values[built.objective_var]
-            assert model >= res.objective - 1e-6, name
+            # HiGHS's feasibility tolerance (1e-6 per row) can add up along the chained
+            # time rows: 86.999999 against 87 after other solves in the same process
+            assert model >= res.objective - 1e-5, name
             if decoded == _normalised(list(res.plan)):
                 assert model == pytest.approx(res.objective, abs=1e-6), name
                 checked += 1
