@@ -30,6 +30,10 @@ EXAMPLE = Chain.from_lists([2, 2, 2], [4, 4, 4], [2, 2, 2], [4, 4, 4], input_siz
 # with another thread count after it fails (kNotset)
 OPTS = SolveOptions(slots=64)
 METHODS = ("cpsat", "ilp")
+# the logic-based Benders strategy of cpsat (tests/test_remat_offload_benders.py) goes
+# through the same cross-checks: (method, options) pairs
+BENDERS = OPTS.with_(seed=1, extra={"strategy": "benders", "benders_work": 30.0})
+VARIANTS = (("cpsat", OPTS), ("ilp", OPTS), ("cpsat", BENDERS))
 
 
 def _check(problem: RematOffloadProblem, res, opts: SolveOptions = OPTS) -> None:
@@ -78,11 +82,13 @@ def tiny(draw: st.DrawFn, max_length: int = 2) -> Chain:
         loss_bwd_time=draw(st.integers(0, 2)))
 
 
+@pytest.mark.parametrize("opts", [OPTS, BENDERS], ids=["full", "benders"])
 @settings(max_examples=30, deadline=None, derandomize=True)
 @given(chain=tiny(), limit=st.integers(3, 22), beta=st.sampled_from([0.5, 1.0, 3.0]))
-def test_exact_equals_brute_and_bounds(chain: Chain, limit: int, beta: float) -> None:
+def test_exact_equals_brute_and_bounds(chain: Chain, limit: int, beta: float,
+                                       opts: SolveOptions) -> None:
     problem = RematOffloadProblem(chain, limit, chain_bandwidth=beta)
-    exact = solve(problem, "cpsat", options=OPTS)
+    exact = solve(problem, "cpsat", options=opts)
     brute = solve(problem, "brute", options=OPTS)
     _check(problem, exact)
     assert brute.status is not Status.ERROR
@@ -139,11 +145,11 @@ def test_useless_link_equals_checkpoint_optimum(seed: int, beta: float) -> None:
         ckpt = solve(CheckpointProblem(chain, limit), "ilp", options=OPTS)
         assert ckpt.status is Status.OPTIMAL
         problem = RematOffloadProblem(chain, limit, chain_bandwidth=beta)
-        for method in METHODS:
-            res = solve(problem, method, options=OPTS)
+        for method, opts in VARIANTS:
+            res = solve(problem, method, options=opts)
             _check(problem, res)
-            assert res.status is Status.OPTIMAL, (method, limit)
-            assert res.objective == pytest.approx(ckpt.objective), (method, limit)
+            assert res.status is Status.OPTIMAL, (method, opts.extra, limit)
+            assert res.objective == pytest.approx(ckpt.objective), (method, opts.extra, limit)
 
 
 def _working_set(chain: Chain) -> int:
@@ -164,20 +170,21 @@ def test_free_link_reaches_the_compute_time(seed: int) -> None:
     chain = random_chain(3, seed=seed, max_size=6)
     limit = _working_set(chain)
     problem = RematOffloadProblem(chain, limit, chain_bandwidth=1e5)
-    for method in METHODS:
-        res = solve(problem, method, options=OPTS)
+    for method, opts in VARIANTS:
+        res = solve(problem, method, options=opts)
         _check(problem, res)
         assert res.status is Status.OPTIMAL
         # every transfer takes at most 1e-4: only they may delay the compute stream
         assert chain.total_compute_time() <= res.objective <= chain.total_compute_time() + 1e-3
 
 
+@pytest.mark.parametrize("opts", [OPTS, BENDERS], ids=["full", "benders"])
 @pytest.mark.parametrize("seed", range(3))
-def test_never_worse_than_dp_and_pure_methods(seed: int) -> None:
+def test_never_worse_than_dp_and_pure_methods(seed: int, opts: SolveOptions) -> None:
     chain = random_chain(4, seed=10 + seed, max_size=6)
     for limit in _limits(chain)[:2]:
         problem = RematOffloadProblem(chain, limit, chain_bandwidth=1.0)
-        exact = solve(problem, "cpsat", options=OPTS)
+        exact = solve(problem, "cpsat", options=opts)
         _check(problem, exact)
         assert exact.status is Status.OPTIMAL
         for name in ("dp", "remat_only", "offload_only"):
@@ -252,6 +259,12 @@ def test_cli_solve_and_export(capsys: pytest.CaptureFixture[str], tmp_path) -> N
     data = json.loads(out)
     assert data["status"] == "optimal" and data["objective"] == 22.0 and data["bound"] == 22.0
     assert data["report"]["model_objective"] == pytest.approx(22.0)
+    # the Benders strategy of cpsat is reachable as an option
+    assert main(["solve", "remat-offload", str(path), "--memory", "12", "--bandwidth", "1B/ms",
+                 "--method", "cpsat", "--json", "--option", "strategy=benders"]) == 0
+    data = json.loads(capsys.readouterr()[0])
+    assert data["status"] == "optimal" and data["objective"] == 22.0
+    assert data["report"]["strategy"] == "benders"
     model = tmp_path / "m.lp"
     assert main(["export", "remat-offload", str(path), "--memory", "12", "--bandwidth", "1B/ms",
                  "--method", "ilp", "-o", str(model)]) == 0
@@ -289,7 +302,9 @@ def _fixed_plans_checked(chain: Chain, beta: float, transfers_per_gap: int) -> i
             values = out.values[:len(built.model.vars)]
             decoded = [str(op) for op in built.decode(values)]
             model = values[built.objective_var]
-            assert model >= res.objective - 1e-6, name
+            # HiGHS's feasibility tolerance (1e-6 per row) can add up along the chained
+            # time rows: 86.999999 against 87 after other solves in the same process
+            assert model >= res.objective - 1e-5, name
             if decoded == _normalised(list(res.plan)):
                 assert model == pytest.approx(res.objective, abs=1e-6), name
                 checked += 1

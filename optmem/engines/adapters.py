@@ -549,13 +549,16 @@ def solve_cpsat(
     model: Any, variables: Sequence[Any], *, time_limit_s: float | None = None,
     threads: int = 2, hint: Sequence[int] | None = None, verbose: bool = False,
     deterministic_time: float | None = None, seed: int = 0,
+    assumptions: Sequence[Any] | None = None,
 ) -> EngineResult:
     """Solve an OR-Tools ``CpModel`` (minimisation of an integer objective).
 
     ``objective`` and ``bound`` are in the model's integer units; ``hint`` (one value per
     variable) is passed with ``add_hint`` as a warm start. ``deterministic_time`` is CP-SAT's
     ``max_deterministic_time`` (the search then runs on one worker, so the limit gives the
-    same answer on every run); ``seed`` its ``random_seed``. An invalid model, or any OR-Tools
+    same answer on every run); ``seed`` its ``random_seed``. ``assumptions`` (literals of the
+    model) hold for this solve (CP-SAT's ``add_assumptions``; they replace the model's earlier
+    assumptions, and a call without them clears them). An invalid model, or any OR-Tools
     exception, gives ``status: error`` with the validation message.
     """
     if not is_available("cpsat"):
@@ -565,6 +568,9 @@ def solve_cpsat(
     start = time.perf_counter()
     try:
         model.clear_hints()
+        model.clear_assumptions()
+        if assumptions:
+            model.add_assumptions(list(assumptions))
         if hint is not None:
             for v, x in zip(variables, hint, strict=True):
                 model.add_hint(v, int(x))

@@ -61,7 +61,7 @@ from optmem.models.remat_offload import (
     build_remat_offload,
     with_fixed,
 )
-from optmem.plan import LOSS, AnyOp, B, F_all, F_ck, F_none, Op
+from optmem.plan import LOSS, AnyOp, B, F_all, F_ck, F_none, Op, parse_mixed_plan
 from optmem.problems.remat_offload import RematOffloadProblem
 from optmem.result import Result, SolveOptions, Status
 from optmem.simulate.checkpoint import initial_state, is_final, transition
@@ -79,6 +79,7 @@ from optmem.solvers.remat_offload import (
     pofo_plan,
     remat_candidate,
 )
+from optmem.solvers.remat_offload_benders import solve_benders
 from optmem.solvers.remat_offload_schedule import Window, static_replay, window_before
 
 BRUTE_MAX_LENGTH = 2
@@ -86,6 +87,8 @@ COMPLETION_SHARE = 0.25  # share of a user's time limit spent completing warm st
 RELAXATION_SHARE = 0.25  # share of a user's time limit spent on the link relaxation's bound
 LEAST_SEARCH_TIME_S = 1.0  # the search always gets this long (an engine needs a positive limit)
 MAX_RATIONAL_SCALE = 10**6  # largest exact CP-SAT time grid: never finer than the decimal one
+BENDERS_WARMUP = 0.3  # share of the time limit for the monolithic warm-up of strategy=benders
+STRATEGIES = ("full", "benders")  # extra["strategy"] of cpsat (benders: remat_offload_benders)
 
 
 def compute_sequences(chain: Chain, max_forwards: int | None = None
@@ -410,6 +413,48 @@ def _relaxation_bound(chain: Chain, memory_limit: int, beta: float, sweeps: int,
     return best, info
 
 
+def _benders(problem: RematOffloadProblem, options: SolveOptions, sweeps: int, per_gap: int,
+             scale: int) -> Result:
+    """``strategy=benders``: a warm-up search of the one model, then the decomposition.
+
+    The warm-up is the monolithic ``cpsat`` solve within ``extra["benders_warmup"]`` (share
+    of ``time_limit_s``, default :data:`BENDERS_WARMUP`; 0: none; without a time limit it
+    runs only with ``deterministic_time``, which bounds it). Its plan (replayed) joins the
+    candidate plans as the incumbent, whose quality sets the strength of the refutation
+    cuts, and its proven bound floors the loop's; a proof ends the solve there.
+    """
+    share = options.extra.get("benders_warmup", BENDERS_WARMUP)
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
+        raise OptmemInputError(f"expected a share in [0, 1] for benders_warmup, got {share!r}",
+                               field="benders_warmup")
+    report: dict[str, Any] = {"sweeps": sweeps, "transfers_per_gap": per_gap}
+    found = [(value, plan) for value, _, plan in _candidates(problem, options)]
+    floor = -math.inf
+    if share > 0 and (options.time_limit_s is not None or
+                      options.deterministic_time is not None):
+        warm = _solve_model(problem, options.with_(
+            time_limit_s=None if options.time_limit_s is None else
+            share * options.time_limit_s, extra={**options.extra, "strategy": "full"}),
+            "cpsat")
+        report["warmup"] = {"status": str(warm.status), "objective": warm.objective,
+                            "bound": warm.bound, "seconds": warm.report.get("engine_time_s"),
+                            "engine_work": warm.report.get("engine_work")}
+        if warm.status in (Status.OPTIMAL, Status.INFEASIBLE):
+            warm.report["strategy"] = "benders (proven by the warm-up search)"
+            warm.report["warmup"] = report["warmup"]
+            return warm
+        if warm.status.has_plan:
+            found.append((warm.objective, tuple(parse_mixed_plan(warm.plan))))
+        if math.isfinite(warm.bound):
+            floor = warm.bound
+    found.sort(key=lambda t: t[0])
+    left = None if options.time_limit_s is None else \
+        max(LEAST_SEARCH_TIME_S, options.time_limit_s * (1 - share))
+    return solve_benders(problem, options.with_(time_limit_s=left), sweeps=sweeps,
+                         per_gap=per_gap, scale=scale, incumbent=found[0] if found else None,
+                         report=report, floor=floor)
+
+
 def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: str
                  ) -> Result:
     disc, beta = discretized(problem, options)
@@ -423,6 +468,12 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
         chain = disc.chain
         scale, exact = cpsat_time_scale(chain, beta)
     grid = None if exact else scale
+    strategy = options.extra.get("strategy", "full") if engine == "cpsat" else "full"
+    if strategy not in STRATEGIES:
+        raise OptmemInputError(f"expected strategy one of {', '.join(STRATEGIES)}, got "
+                               f"{strategy!r}", field="strategy")
+    if strategy == "benders" and exact:
+        return _benders(problem, options, sweeps, per_gap, scale)
     built = build_remat_offload(disc.chain, disc.memory_limit, beta, sweeps=sweeps,
                                 transfers_per_gap=per_gap, grid=grid)
     report: dict[str, Any] = {"model": built.info, "sweeps": sweeps,
@@ -430,6 +481,8 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
     if engine == "cpsat":
         report["time_scale"] = scale
         report["exact_times"] = exact
+    if strategy == "benders":
+        report["strategy"] = "full (benders needs the exact time grid)"
     solver = "cpsat" if engine == "cpsat" else engine
     if built.model.trivially_infeasible:
         return no_plan_result(problem, options, method, Status.INFEASIBLE, report)
@@ -519,7 +572,8 @@ def solve_ilp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
           description="exact model (same formulation as ilp), CP-SAT",
           compare_as=(("cpsat", 6),),
           extra=("sweeps", "transfers_per_gap", "grid", "backlog_grid", "prefetch",
-                 "relaxation", "relaxation_deadlines"))
+                 "relaxation", "relaxation_deadlines", "strategy", "benders_work",
+                 "benders_filter_work", "benders_iterations", "benders_warmup"))
 def solve_cpsat(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     """Optimal plan over the model's class with OR-Tools CP-SAT."""
     return _solve_model(problem, options, "cpsat")

@@ -1,0 +1,327 @@
+r"""Logic-based Benders decomposition for exact remat + offload (``cpsat``, ``strategy=benders``).
+
+The monolithic ``cpsat`` / ``ilp`` solve (:mod:`optmem.solvers.remat_offload_exact`) proves
+8-stage chains but stalls at 10-12 stages at tight limits, where the weak side is the bound:
+the link relaxation's best compute sequence is worth much more in the full model than the
+relaxation says (62.33 against 52 on ``random_chain(8, seed=1)`` at 10 %). This strategy
+splits the problem (digest ``shared/design/offload.md`` 0.2 and 5, thesis chapter 4,
+Problem 8) into
+
+* a **master**: the link relaxation
+  :func:`~optmem.models.remat_offload.build_link_relaxation` (the phase-indexed checkpoint
+  slots, integral compute binaries, the link aggregated into one relief per item), a MILP
+  solved by HiGHS, whose ``makespan`` ``theta`` is an optimistic estimate of every compute
+  sequence, plus the cuts below;
+* a **subproblem** per compute sequence ``x`` the master proposes: the full model
+  :func:`~optmem.models.remat_offload.build_remat_offload` with its horizon set just below the
+  incumbent's makespan ``z`` and the compute binaries of ``x`` as CP-SAT *assumptions* (one
+  emitted model for all subproblems). CP-SAT either finds a better plan (it then minimises:
+  the new incumbent, replayed by the simulator) or proves that no plan of ``x`` beats ``z``.
+
+Cuts
+----
+For a set ``J`` of the compute binaries (the ops of some forward slots) write
+``dis_J(x) = sum_{i in J, xhat_i = 1} (1 - x_i) + sum_{i in J, xhat_i = 0} x_i`` (0 iff ``x``
+agrees with ``xhat`` on ``J``) and ``theta_0`` for the master's first optimum (the link
+relaxation's optimum). A cut is ``theta >= b - (b - theta_0) dis_J(x)``.
+
+* **Refutation cut** (``b = z``): when the subproblem is infeasible, a *deletion filter*
+  drops the assumptions of whole phases, then of single slots, as long as CP-SAT still proves
+  the subproblem infeasible with only the remaining assumptions (each check bounded by
+  ``extra["benders_filter_work"]`` deterministic seconds; a check that does not prove keeps
+  the slot). ``J`` is what is left: typically 4 of 55 slots at ``L = 10``, so one cut removes
+  every compute sequence that shares those few decisions, not one sequence as a no-good does.
+* **Value cut** (``J`` = all compute binaries, ``b`` = CP-SAT's proven bound of ``x`` in the
+  subproblem, at least the master's value): when the subproblem finds a plan or stops at its
+  work limit.
+
+Why the bound is valid
+----------------------
+Let ``x*`` be the compute sequence of an optimal plan of the model's class, of makespan
+``v*``. The point (``x*``, ``theta = v*``, the relaxation's other variables as built in the
+proof of :func:`~optmem.models.remat_offload.build_link_relaxation` with ``T = v*``) satisfies
+the relaxation's rows. It satisfies every cut: if ``x*`` differs from ``xhat`` on ``J``, the
+right-hand side is at most ``theta_0``, the least makespan of the relaxation, so at most
+``v*``. If it agrees on ``J``: for a refutation cut, the full model with the compute binaries
+of ``J`` fixed as in ``xhat`` has no solution with all times at most ``z - 1 / (2 s)``
+(``build_remat_offload``: the horizon bounds every time variable of every plan of makespan at
+most the horizon); on the exact time grid ``1 / s``
+(:func:`~optmem.solvers.remat_offload_exact.cpsat_time_scale`, required here: every
+duration and transfer time is a multiple of ``1 / s``, and so is every simulated start and
+end) no plan agreeing on ``J`` is faster than ``z``, so ``v* >= z = b``.
+For a value cut ``x* = xhat`` and ``b`` is CP-SAT's proven bound of that sequence (or the
+master's value there, itself at most ``v*``). Hence the master's optimum, and any dual bound
+of HiGHS on it, is at most ``v*`` (in the original units: the grid is exact), and the
+strategy reports ``optimal`` only when that bound meets the incumbent's simulated makespan.
+
+Termination: a value cut removes ``xhat`` unless ``b`` does not exceed the master's value
+there; the subproblem's work limit is then doubled for the next proposal of ``xhat``. The
+loop ends at the time limit, at ``extra["benders_iterations"]`` (deterministic), or when the
+bound meets the incumbent.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from optmem.engines import adapters as engines
+from optmem.errors import OptmemInputError, PlanError
+from optmem.models import checkpoint_ilp as ck
+from optmem.models.formulation import CpsatModel, Expr, Model, to_cpsat, to_pulp
+from optmem.models.remat_offload import (
+    RematOffloadModel,
+    build_link_relaxation,
+    build_remat_offload,
+    with_fixed,
+)
+from optmem.plan import AnyOp
+from optmem.problems.remat_offload import RematOffloadProblem
+from optmem.result import Result, SolveOptions, Status
+from optmem.simulate.offload import simulate_offload
+from optmem.solvers.remat_offload import (
+    discretized,
+    lower_bound,
+    no_plan_result,
+    plan_result,
+)
+
+DEFAULT_SUB_WORK = 10.0  # CP-SAT deterministic seconds per subproblem (doubled on a repeat)
+DEFAULT_FILTER_WORK = 0.25  # CP-SAT deterministic seconds per deletion-filter check
+LOG = logging.getLogger(__name__)
+LEAST_ENGINE_TIME_S = 0.5  # an engine call always gets this long (it needs a positive limit)
+
+
+@dataclass
+class _State:
+    """The incumbent, the emitted subproblem model and the loop's counters."""
+
+    plan: tuple[AnyOp, ...] | None
+    makespan: float
+    limit: int
+    beta: float
+    cp: CpsatModel | None = None
+    counts: dict[str, Any] = field(default_factory=lambda: {
+        "iterations": 0, "refutation_cuts": 0, "value_cuts": 0, "filter_checks": 0,
+        "improvements": 0, "cut_slots": [], "master_nodes": 0,
+        "cpsat_deterministic_time": 0.0, "cpsat_branches": 0})
+
+
+def _float_option(options: SolveOptions, key: str, default: float) -> float:
+    value = options.extra.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise OptmemInputError(f"expected a positive number {key}, got {value!r}", field=key)
+    return float(value)
+
+
+def _iterations(options: SolveOptions) -> int | None:
+    value = options.extra.get("benders_iterations")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise OptmemInputError(f"expected a positive integer benders_iterations, got "
+                               f"{value!r}", field="benders_iterations")
+    return value
+
+
+def _slots(built: RematOffloadModel) -> list[ck.Slot]:
+    return [it for it in built.checkpoint.sequence if isinstance(it, ck.Slot)]
+
+
+def _disagreement(slots: Sequence[ck.Slot], xhat: dict[int, int]) -> Expr:
+    """``dis_J(x)`` over the op binaries of ``slots`` (module docstring)."""
+    terms = []
+    for sl in slots:
+        for _, i in sl.ops:
+            one = Expr([(i, 1.0)])
+            terms.append(1 - one if xhat[i] else one)
+    return Expr.sum(terms)
+
+
+def _emit(built: RematOffloadModel, makespan: float, scale: int) -> CpsatModel:
+    """The subproblem model: every time at most ``makespan - 1 / (2 scale)`` (floored)."""
+    return to_cpsat(with_fixed(built, {}, makespan - 0.5 / scale), scale=scale)
+
+
+def _assume(cp: CpsatModel, slots: Sequence[ck.Slot], xhat: dict[int, int]) -> list[Any]:
+    return [cp.variables[i] if xhat[i] else cp.variables[i].Not()
+            for sl in slots for _, i in sl.ops]
+
+
+def _count(state: _State, info: dict[str, Any]) -> None:
+    """Add a CP-SAT call's deterministic work to the loop's counters."""
+    state.counts["cpsat_deterministic_time"] += float(info.get("deterministic_time", 0.0))
+    state.counts["cpsat_branches"] += int(info.get("branches", 0))
+
+
+def _refuted(cp: CpsatModel, slots: Sequence[ck.Slot], xhat: dict[int, int],
+             options: SolveOptions, work: float, state: _State,
+             time_limit_s: float | None = None) -> bool:
+    state.counts["filter_checks"] += 1
+    out = engines.solve_cpsat(cp.cp, cp.variables, threads=1, deterministic_time=work,
+                              time_limit_s=time_limit_s,
+                              seed=options.seed, assumptions=_assume(cp, slots, xhat))
+    _count(state, out.info)
+    return out.status is Status.INFEASIBLE
+
+
+def deletion_filter(cp: CpsatModel, slots: Sequence[ck.Slot], xhat: dict[int, int],
+                    options: SolveOptions, work: float, state: _State,
+                    left: Callable[[], float | None] = lambda: None) -> list[ck.Slot]:
+    """A subset of ``slots`` whose assumptions alone keep the subproblem infeasible.
+
+    ``left()`` is the time left of the solve's limit (``None``: none); when it runs out the
+    filter stops and returns what it has (a set shrinks only when a check proves it).
+
+    Whole phases first, then single slots; a check that does not prove infeasibility within
+    ``work`` keeps what it tried to drop, so the result is always a refuted set.
+    """
+    keep = list(slots)
+    phases = [[sl for sl in slots if sl.phase == k] for k in sorted({sl.phase for sl in slots})]
+    for group in [*phases, *([sl] for sl in slots)]:
+        limit = left()
+        if limit is not None and limit <= LEAST_ENGINE_TIME_S:
+            break
+        trial = [sl for sl in keep if not any(sl is g for g in group)]
+        if len(trial) < len(keep) and _refuted(cp, trial, xhat, options, work, state, limit):
+            keep = trial
+    return keep
+
+
+def solve_benders(problem: RematOffloadProblem, options: SolveOptions, *, sweeps: int,
+                  per_gap: int, scale: int, incumbent: tuple[float, tuple[AnyOp, ...]] | None,
+                  report: dict[str, Any], floor: float = -math.inf) -> Result:
+    """Run the decomposition (module docstring); ``scale`` must be the exact time grid.
+
+    ``incumbent`` is the best verified plan so far (simulated makespan, plan) and ``floor`` a
+    proven bound from elsewhere (the warm-up search); the reported bound is the better of it
+    and the master's.
+    """
+    began = time.monotonic()
+    disc, beta = discretized(problem, options)
+    chain, limit = disc.chain, disc.memory_limit
+    sub_work = _float_option(options, "benders_work", DEFAULT_SUB_WORK)
+    filter_work = _float_option(options, "benders_filter_work", DEFAULT_FILTER_WORK)
+    max_iter = _iterations(options)
+    deadlines = options.extra.get("relaxation_deadlines", True)
+    built = build_remat_offload(chain, limit, beta, sweeps=sweeps, transfers_per_gap=per_gap)
+    master: Model = build_link_relaxation(chain, limit, beta, sweeps=sweeps,
+                                          deadlines=bool(deadlines))
+    theta = next(i for i, v in enumerate(master.vars) if v.name == "makespan")
+    slots = _slots(built)
+    opvars = [i for sl in slots for _, i in sl.ops]
+    plan, z = (incumbent[1], incumbent[0]) if incumbent else (None, built.horizon)
+    state = _State(plan, z, limit=limit, beta=beta)
+    report.update({"strategy": "benders", "model": built.info, "time_scale": scale,
+                   "exact_times": True, "benders": state.counts})
+
+    def left() -> float | None:
+        if options.time_limit_s is None:
+            return None
+        return max(LEAST_ENGINE_TIME_S, options.time_limit_s - (time.monotonic() - began))
+
+    theta0: float | None = None
+    bound = floor
+    tries: dict[tuple[int, ...], int] = {}
+    status = Status.FEASIBLE
+    while True:
+        if options.time_limit_s is not None and \
+                time.monotonic() - began >= options.time_limit_s:
+            break
+        if max_iter is not None and state.counts["iterations"] >= max_iter:
+            break
+        pm = to_pulp(master)
+        out = engines.solve_pulp(pm.problem, pm.all_variables, "highs",
+                                 **{**engines.pulp_settings(options), "time_limit_s": left()})
+        state.counts["master_nodes"] += int(out.info.get("nodes", 0) or 0)
+        if out.status is Status.INFEASIBLE and theta0 is None:
+            report["note"] = "the link relaxation has no solution: no plan fits"
+            return no_plan_result(problem, options, "cpsat", Status.INFEASIBLE, report)
+        if out.failed or out.values is None or not math.isfinite(out.bound):
+            report["master"] = f"{out.status}: {out.message}"
+            break
+        master_bound = out.bound - 1e-9 * max(1.0, abs(out.bound))
+        bound = max(bound, master_bound)
+        if theta0 is None:  # at most every sequence's relaxation value (the cuts' floor)
+            theta0 = master_bound
+            report["relaxation"] = {"bound": theta0, "seconds": round(out.time_s, 3)}
+        if bound >= state.makespan - 1e-9 * max(1.0, state.makespan):
+            status = Status.OPTIMAL
+            break
+        if out.status is not Status.OPTIMAL:
+            break  # a master stopped early gives its bound, not a trustworthy proposal
+        state.counts["iterations"] += 1
+        xhat = {i: int(round(out.values[i])) for i in opvars}
+        value = out.values[theta]
+        key = tuple(xhat[i] for i in opvars)
+        tries[key] = tries.get(key, 0) + 1
+        b = _subproblem(built, slots, xhat, options, scale, sub_work * 2 ** (tries[key] - 1),
+                        filter_work, state, left, master, theta, theta0, value)
+        LOG.info("benders %d: bound %.6g, incumbent %.6g, cut %.6g, %.1f s",
+                 state.counts["iterations"], bound, state.makespan, b or math.nan,
+                 time.monotonic() - began)
+        if b is None:
+            break
+    bound = max(bound, lower_bound(problem))
+    report["benders"]["bound"] = bound
+    report["engine_time_s"] = round(time.monotonic() - began, 3)
+    report["engine_work"] = {"deterministic_time": state.counts["cpsat_deterministic_time"],
+                             "branches": state.counts["cpsat_branches"],
+                             "master_nodes": state.counts["master_nodes"]}
+    if state.plan is None:
+        return no_plan_result(problem, options, "cpsat", Status.NO_SOLUTION,
+                              report).with_(bound=bound)
+    res = plan_result(problem, options, state.plan, method="cpsat", solver="cpsat",
+                      status=status, report=report)
+    if res.status is Status.FEASIBLE:
+        res = res.with_(bound=min(bound, res.objective))
+    return res
+
+
+def _subproblem(built: RematOffloadModel, slots: Sequence[ck.Slot], xhat: dict[int, int],
+                options: SolveOptions, scale: int, work: float, filter_work: float,
+                state: _State, left: Callable[[], float | None], master: Model, theta: int,
+                theta0: float, value: float) -> float | None:
+    """Solve the subproblem of ``xhat``, add its cut to ``master``; the cut's ``b``."""
+    if state.cp is None:
+        state.cp = _emit(built, state.makespan, scale)
+    cp = state.cp
+    out = engines.solve_cpsat(cp.cp, cp.variables, threads=options.threads,
+                              time_limit_s=left(), seed=options.seed,
+                              deterministic_time=work,
+                              assumptions=_assume(cp, slots, xhat))
+    _count(state, out.info)
+    if out.failed:
+        return None
+    n = state.counts["iterations"]
+    if out.status is Status.INFEASIBLE:
+        kept = deletion_filter(cp, slots, xhat, options, filter_work, state, left)
+        b = state.makespan
+        master.add(Expr([(theta, 1.0)]) + _disagreement(kept, xhat) * (b - theta0) >= b,
+                   f"benders_refute_{n}")
+        state.counts["refutation_cuts"] += 1
+        state.counts["cut_slots"].append(len(kept))
+        return b
+    b = value
+    if out.status.has_plan and out.values is not None:
+        values = cp.values(out.values)
+        plan = built.decode(values)
+        try:
+            sim = simulate_offload(built.chain, plan, state.beta, state.limit).makespan
+        except PlanError:  # engine tolerances: the simulator is the judge, keep the incumbent
+            sim = math.inf
+        if sim < state.makespan - 1e-9 * max(1.0, sim):
+            state.plan, state.makespan = plan, sim
+            state.counts["improvements"] += 1
+            state.cp = None  # the next subproblem needs the lower horizon
+    if math.isfinite(out.bound):
+        b = max(b, cp.objective(out.bound) - 1e-9 * max(1.0, abs(value)))
+    master.add(Expr([(theta, 1.0)]) + _disagreement(slots, xhat) * (b - theta0) >= b,
+               f"benders_value_{n}")
+    state.counts["value_cuts"] += 1
+    return b
+

@@ -1,0 +1,136 @@
+"""``cpsat`` with ``strategy=benders`` (:mod:`optmem.solvers.remat_offload_benders`) against
+the monolithic model; its stopped bound, warm-up, cuts and options (brute force and the
+other cross-checks, and the CLI option: tests/test_remat_offload_exact.py).
+
+Deterministic: CP-SAT runs with a deterministic-time limit (one worker) and a fixed seed,
+HiGHS solves the master to optimality; no verdict depends on wall-clock time.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_remat_offload_exact import _limits
+
+from optmem.datasets.synthetic import random_chain
+from optmem.errors import OptmemInputError
+from optmem.models import checkpoint_ilp as ck
+from optmem.models.remat_offload import build_remat_offload
+from optmem.plan import parse_mixed_plan
+from optmem.problems.remat_offload import RematOffloadProblem
+from optmem.result import SolveOptions, Status
+from optmem.simulate.verify import verify_plan
+from optmem.solvers import remat_offload_benders as bd
+from optmem.solvers.facade import solve
+from optmem.solvers.remat_offload import discretized
+from optmem.solvers.remat_offload_exact import cpsat_time_scale
+
+pytest.importorskip("ortools", reason="the Benders subproblem uses OR-Tools CP-SAT")
+
+OPTS = SolveOptions(slots=64, seed=1)
+BENDERS = OPTS.with_(extra={"strategy": "benders", "benders_work": 30.0})
+# the brute-force, useless-link, free-link and never-worse cross-checks run the Benders strategy in
+# tests/test_remat_offload_exact.py (VARIANTS); the helpers come from there too
+
+
+def _check(problem: RematOffloadProblem, res) -> None:
+    """Replayed by the one result path; an optimal claim has its bound at the objective."""
+    assert res.status is not Status.ERROR, res.report.get("error")
+    if res.status.has_plan:
+        assert verify_plan(problem, list(res.plan), OPTS)["objective"] == \
+            pytest.approx(res.objective)
+        assert res.bound <= res.objective + 1e-9
+    if res.status is Status.OPTIMAL:
+        assert res.bound == pytest.approx(res.objective)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_benders_equals_the_monolithic_model(seed: int) -> None:
+    """3-4-stage chains, three limits: both proven, same optimum (invalid cuts would cut the
+    optimum off and report a higher value or a bound above the optimum)."""
+    chain = random_chain(3 + seed % 2, seed=20 + seed, max_size=6)
+    for limit in _limits(chain):
+        problem = RematOffloadProblem(chain, limit, chain_bandwidth=1.0)
+        full = solve(problem, "cpsat", options=OPTS.with_(deterministic_time=60.0))
+        res = solve(problem, "cpsat", options=BENDERS)
+        _check(problem, res)
+        assert full.status is Status.OPTIMAL and res.status is Status.OPTIMAL, res.report
+        assert res.objective == pytest.approx(full.objective)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_stopped_loop_reports_a_valid_bound(seed: int) -> None:
+    chain = random_chain(4, seed=30 + seed, max_size=6)
+    limit = _limits(chain)[0]
+    problem = RematOffloadProblem(chain, limit, chain_bandwidth=1.0)
+    full = solve(problem, "cpsat", options=OPTS.with_(deterministic_time=60.0))
+    assert full.status is Status.OPTIMAL
+    for iterations in (1, 2, 3):
+        res = solve(problem, "cpsat", options=BENDERS.with_(
+            extra={**BENDERS.extra, "benders_iterations": iterations}))
+        _check(problem, res)
+        assert res.bound <= full.objective + 1e-9
+        assert res.objective >= full.objective - 1e-9
+        assert res.report["benders"]["iterations"] <= iterations
+
+
+def test_deletion_filter_keeps_a_refuted_set() -> None:
+    """With the optimum as the incumbent and its own compute sequence proposed, the filter's
+    slots, fixed alone, still admit no faster plan; at a horizon that admits the optimum
+    they are not refuted (the check can fail)."""
+    chain = random_chain(4, seed=31, max_size=6)
+    limit = _limits(chain)[0]
+    problem = RematOffloadProblem(chain, limit, chain_bandwidth=1.0)
+    disc, beta = discretized(problem, OPTS)
+    full = solve(problem, "cpsat", options=OPTS.with_(deterministic_time=60.0))
+    assert full.status is Status.OPTIMAL
+    scale, exact = cpsat_time_scale(disc.chain, beta)
+    assert exact
+    built = build_remat_offload(disc.chain, disc.memory_limit, beta)
+    slots = [it for it in built.checkpoint.sequence if isinstance(it, ck.Slot)]
+    fixed = built.fixing(parse_mixed_plan(full.plan))
+    assert fixed is not None
+    xhat = {i: round(fixed[i]) for sl in slots for _, i in sl.ops}
+    cp = bd._emit(built, full.objective, scale)
+    state = bd._State(None, full.objective, disc.memory_limit, beta)
+    assert bd._refuted(cp, slots, xhat, OPTS, 60.0, state)  # nothing beats the optimum
+    kept = bd.deletion_filter(cp, slots, xhat, OPTS, 5.0, state)
+    assert len(kept) < len(slots)
+    assert bd._refuted(cp, kept, xhat, OPTS, 60.0, state)
+    # a horizon at the optimum itself admits the optimal plan: nothing is refuted there
+    cp_at = bd._emit(built, full.objective + 1.0 / scale, scale)
+    assert not bd._refuted(cp_at, kept, xhat, OPTS, 60.0, state)
+
+
+def test_warmup_search_feeds_the_loop() -> None:
+    """A warm-up bounded by deterministic time: stopped early, its plan and bound go into
+    the loop, which proves; with enough work it proves alone and is returned as is."""
+    chain = random_chain(4, seed=41, max_size=6)
+    limit = _limits(chain)[0]
+    problem = RematOffloadProblem(chain, limit, chain_bandwidth=1.0)
+    full = solve(problem, "cpsat", options=OPTS.with_(deterministic_time=60.0))
+    assert full.status is Status.OPTIMAL
+    short = solve(problem, "cpsat", options=BENDERS.with_(deterministic_time=0.01))
+    long = solve(problem, "cpsat", options=BENDERS.with_(deterministic_time=60.0))
+    for res in (short, long):
+        _check(problem, res)
+        assert res.status is Status.OPTIMAL, res.report
+        assert res.objective == pytest.approx(full.objective)
+    assert short.report["warmup"]["status"] == "feasible"
+    assert short.report["strategy"] == "benders"
+    assert short.report["benders"]["iterations"] >= 1
+    assert long.report["warmup"]["status"] == "optimal"
+    assert "warm-up" in long.report["strategy"]
+
+
+def test_options_are_checked() -> None:
+    problem = RematOffloadProblem(random_chain(3, seed=1, max_size=6), 40,
+                                  chain_bandwidth=1.0)
+    for extra, field in (({"strategy": "lbbd"}, "strategy"),
+                         ({"strategy": "benders", "benders_work": 0}, "benders_work"),
+                         ({"strategy": "benders", "benders_filter_work": "x"},
+                          "benders_filter_work"),
+                         ({"strategy": "benders", "benders_iterations": 0},
+                          "benders_iterations"),
+                         ({"strategy": "benders", "benders_warmup": 1.5}, "benders_warmup")):
+        with pytest.raises(OptmemInputError, match=field):
+            solve(problem, "cpsat", options=OPTS.with_(extra=extra))
