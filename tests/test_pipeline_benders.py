@@ -8,6 +8,7 @@ and the stopped run uses CP-SAT's deterministic time on one worker.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import replace
 
@@ -16,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from optmem.errors import OptmemInputError
-from optmem.models.pipeline import make_units, trim_units
+from optmem.models.pipeline import isolate_units, make_units, trim_units
 from optmem.problems.pipeline import PipelineProblem
 from optmem.result import SolveOptions, Status
 from optmem.simulate.pipeline import simulate_pipeline
@@ -309,3 +310,59 @@ def test_partition_nogood_excludes_every_relabelling():
         assert labels not in seen  # labels by first use: a relabelling is the same key
         seen.append(labels)
     assert 1 <= len(seen) <= 5 and res.status is Status.INFEASIBLE
+
+
+# ------------------------------------------------------------------ GPUs in isolation
+@settings(max_examples=8, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(problem=trimmable_problems(), strict=st.booleans())
+def test_isolated_gpus_relax_every_allocation(problem, strict):
+    """``isolate_units`` is a relaxation: for every allocation with an optimal plan of period
+    ``p`` and every proper subset of its GPUs kept, the isolated instance has a plan at
+    ``p`` (its optimum is ``<= p``, never above the brute-force optimum of the allocation)."""
+    p = replace(problem, memory_model="strict") if strict else problem
+    units = make_units(p)
+    opts = replace(OPTS, warm_start=False)
+    checked = 0
+    for gpu in set_partitions(units.n, p.n_gpus):
+        run = run_model(p, "cpsat", opts, gpu=gpu)
+        assert run.status in (Status.OPTIMAL, Status.INFEASIBLE), run.report
+        if run.plan is None:
+            continue
+        period = run.plan.period
+        used = sorted(set(gpu))
+        for size in range(1, len(used)):
+            for kept in itertools.combinations(used, size):
+                relaxed, alloc = isolate_units(units, gpu, kept)
+                q = replace(p, n_gpus=max(alloc) + 1)
+                best = run_model(q, "cpsat", opts, units=relaxed, gpu=list(alloc))
+                assert best.status is Status.OPTIMAL, best.report
+                assert best.plan is not None and best.plan.period <= period + 1e-6
+                feas = run_model(q, "cpsat", opts, units=relaxed, gpu=list(alloc),
+                                 upper_bound=period * (1 + 1e-6), feasibility=True)
+                assert feas.bound != math.inf and feas.plan is not None
+                checked += 1
+    assert checked or all(len(set(g)) == 1 or run_model(p, "cpsat", opts, gpu=g).plan is None
+                          for g in set_partitions(units.n, p.n_gpus))
+
+
+def test_isolate_units_frees_the_other_units():
+    """Kept GPUs' units keep everything; the others hold nothing, each on a GPU of its own;
+    cuts between two of them take no time and hold no buffers."""
+    units = make_units(chain_with_subproblems())
+    gpu = tuple([0, 1, 1, 0, 2][:units.n]) + (2,) * max(0, units.n - 5)
+    relaxed, alloc = isolate_units(units, gpu, {1})
+    inside = [g == 1 for g in gpu]
+    assert alloc == tuple(_first_use(alloc))
+    assert len({alloc[q] for q in range(units.n) if inside[q]}) == 1
+    assert len({alloc[q] for q in range(units.n) if not inside[q]}) == inside.count(False)
+    for q in range(units.n):
+        assert (relaxed.x[q], relaxed.w[q]) == ((units.x[q], units.w[q]) if inside[q]
+                                                else (0, 0))
+    for c in range(units.n - 1):
+        kept = inside[c] or inside[c + 1]
+        assert relaxed.dt[c] == (units.dt[c] if kept else 0.0)
+        assert relaxed.buf[c] == (units.buf[c] if kept else 0)
+    assert (relaxed.f, relaxed.b) == (units.f, units.b)
+    with pytest.raises(ValueError, match="allocation of"):
+        isolate_units(units, gpu[:-1], {1})
