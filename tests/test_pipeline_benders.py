@@ -366,3 +366,61 @@ def test_isolate_units_frees_the_other_units():
     assert (relaxed.f, relaxed.b) == (units.f, units.b)
     with pytest.raises(ValueError, match="allocation of"):
         isolate_units(units, gpu[:-1], {1})
+
+
+ISOLATING = replace(OPTS, extra={"isolate": True})
+
+
+def covered(units_n: int, head: int, tail: int, sets, gpu) -> bool:
+    """Whether ``gpu`` has GPUs holding exactly ``sets`` among units ``head..n-tail-1``."""
+    inside = range(head, units_n - tail)
+    return all(len({gpu[q] for q in group}) == 1
+               and {q for q in inside if gpu[q] == gpu[group[0]]} == set(group)
+               for group in sets) and len({gpu[g[0]] for g in sets}) == len(sets)
+
+
+def test_gpu_set_nogoods_hold_for_every_allocation_they_cover():
+    """With ``isolate``, the loop proves the full model's optimum, and every GPU-set
+    no-good's bound is at most the optimum of every allocation it covers (brute force)."""
+    problem = trimming_chain()
+    units = make_units(problem)
+    out = solve_benders(problem, "cpsat", ISOLATING, period=units.big_m() + 1.0, plan=None,
+                        bound=lower_bound(problem), deadline=None)
+    assert not out.stop, out.report
+    assert out.period == pytest.approx(brute_force(problem), abs=1e-5)
+    assert out.report["benders_gpu_sets"] == len(out.sets)
+    checked = 0
+    for (head, tail, sets), bound in out.sets.items():
+        for gpu in set_partitions(units.n, problem.n_gpus):
+            if not covered(units.n, head, tail, sets, gpu):
+                continue
+            run = run_model(problem, "cpsat", replace(OPTS, warm_start=False), gpu=gpu)
+            if run.plan is not None:
+                assert bound <= run.plan.period + 1e-9
+                checked += 1
+    assert out.sets and checked, out.report
+
+
+@settings(max_examples=6, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(problem=trimmable_problems(), strict=st.booleans())
+def test_decomposition_with_gpu_sets_equals_brute_force(problem, strict):
+    """The loop with ``isolate`` ends at the brute-force optimum (both memory models)."""
+    p = replace(problem, memory_model="strict") if strict else problem
+    expected = brute_force(p)
+    units = make_units(p)
+    out = solve_benders(p, "cpsat", ISOLATING, period=units.big_m() + 1.0, plan=None,
+                        bound=lower_bound(p), deadline=None)
+    assert not out.stop, out.report
+    if math.isinf(expected):
+        assert out.plan is None
+    else:
+        assert out.period == pytest.approx(expected, abs=1e-5)
+        assert out.bound <= expected + 1e-9
+
+
+@pytest.mark.parametrize("value", ["yes", 1])
+def test_bad_isolate_is_an_input_error(value):
+    problem = chain_with_subproblems()
+    with pytest.raises(OptmemInputError, match="isolate"):
+        solve(problem, "cpsat", options=replace(OPTS, extra={**BENDERS, "isolate": value}))
