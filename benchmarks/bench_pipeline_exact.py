@@ -378,7 +378,9 @@ def isolated_status(problem: PipelineProblem, gpu: tuple[int, ...], kept: tuple[
                     SolveOptions(threads=1, seed=0, deterministic_time=work),
                     units=units, gpu=list(alloc), upper_bound=period,
                     feasibility=True)
-    return str(run.status)
+    if run.status is Status.INFEASIBLE:
+        return "refuted"
+    return "plan" if run.plan is not None else "undecided"
 
 
 def part_bounds(work: float = 5.0) -> list[str]:
@@ -392,8 +394,8 @@ def part_bounds(work: float = 5.0) -> list[str]:
             f"{packing_bound(units, problem.n_gpus, problem.memory_per_gpu):.2f}; load bound "
             f"{load_bound(units, problem.n_gpus):.2f}.", "",
             f"GPU subsets in isolation at T <= {BOUND_PERIOD} (CP-SAT, 1 worker, seed 0, "
-            f"deterministic time {work:g} each; `infeasible` refutes every allocation whose "
-            "kept GPUs hold exactly these units):", "",
+            f"deterministic time {work:g} each; `refuted` holds for every allocation whose "
+            "kept GPUs hold exactly these units; `undecided`: no answer within the work):", "",
             "| allocation | kept GPUs | status | time (s) |", "|---|---|---|---|"]
     for name, gpu in BOUND_ALLOCATIONS:
         for size in (1, 2, 3):

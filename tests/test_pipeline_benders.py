@@ -47,17 +47,17 @@ def brute_force(problem: PipelineProblem) -> float:
     return best
 
 
-def cold(problem: PipelineProblem, method: str = "cpsat"):
+def cold(problem: PipelineProblem, method: str = "cpsat", options: SolveOptions = OPTS):
     """The decomposition from no plan at all: every allocation goes through the master."""
     units = make_units(problem)
-    return solve_benders(problem, method, OPTS, period=units.big_m() + 1.0, plan=None,
+    return solve_benders(problem, method, options, period=units.big_m() + 1.0, plan=None,
                          bound=lower_bound(problem), deadline=None)
 
 
-def cold_equals_brute_force(problem: PipelineProblem):
+def cold_equals_brute_force(problem: PipelineProblem, options: SolveOptions = OPTS):
     """The cold loop's outcome, checked against brute force (``None``: nothing fits)."""
     expected = brute_force(problem)
-    out = cold(problem)
+    out = cold(problem, options=options)
     assert not out.stop, out.report
     if math.isinf(expected):
         assert out.plan is None
@@ -202,29 +202,39 @@ def test_trimmed_units_relax_every_allocation(problem, strict):
     the feasibility run the decomposition uses finds one at that cutoff)."""
     p = replace(problem, memory_model="strict") if strict else problem
     units = make_units(p)
-    opts = replace(OPTS, warm_start=False)
     checked = 0
-    for gpu in set_partitions(units.n, p.n_gpus):
-        run = run_model(p, "cpsat", opts, gpu=gpu)
-        assert run.status in (Status.OPTIMAL, Status.INFEASIBLE), run.report
-        if run.plan is None:
-            continue
-        period = run.plan.period
+    for gpu, period in solved_allocations(p):
         for head in range(units.n - 1):
             for tail in range(units.n - 1 - head):
                 if head + tail == 0:
                     continue
-                part = trim_units(units, head, tail)
-                keep = gpu[head:units.n - tail]
-                best = run_model(p, "cpsat", opts, units=part, gpu=keep)
-                assert best.status is Status.OPTIMAL, best.report
-                assert best.plan is not None and best.plan.period <= period + 1e-6
-                feas = run_model(p, "cpsat", opts, units=part, gpu=keep,
-                                 upper_bound=period * (1 + 1e-6), feasibility=True)
-                assert feas.bound != math.inf and feas.plan is not None
+                assert_relaxes(p, trim_units(units, head, tail), gpu[head:units.n - tail],
+                               period)
                 checked += 1
-    assert checked or all(run_model(p, "cpsat", opts, gpu=g).plan is None
-                          for g in set_partitions(units.n, p.n_gpus))
+    assert checked or not solved_allocations(p)
+
+
+def solved_allocations(problem: PipelineProblem) -> list[tuple[list[int], float]]:
+    """Every allocation with a plan, and its optimal period (brute force)."""
+    out = []
+    for gpu in set_partitions(make_units(problem).n, problem.n_gpus):
+        run = run_model(problem, "cpsat", replace(OPTS, warm_start=False), gpu=gpu)
+        assert run.status in (Status.OPTIMAL, Status.INFEASIBLE), run.report
+        if run.plan is not None:
+            out.append((gpu, run.plan.period))
+    return out
+
+
+def assert_relaxes(problem: PipelineProblem, units, gpu, period: float) -> None:
+    """``units`` with allocation ``gpu`` has an optimum ``<= period``, and the feasibility
+    run the decomposition uses finds a plan at that cutoff."""
+    opts = replace(OPTS, warm_start=False)
+    best = run_model(problem, "cpsat", opts, units=units, gpu=list(gpu))
+    assert best.status is Status.OPTIMAL, best.report
+    assert best.plan is not None and best.plan.period <= period + 1e-6
+    feas = run_model(problem, "cpsat", opts, units=units, gpu=list(gpu),
+                     upper_bound=period * (1 + 1e-6), feasibility=True)
+    assert feas.bound != math.inf and feas.plan is not None
 
 
 def test_trim_units_keeps_the_range():
@@ -322,28 +332,15 @@ def test_isolated_gpus_relax_every_allocation(problem, strict):
     ``p`` (its optimum is ``<= p``, never above the brute-force optimum of the allocation)."""
     p = replace(problem, memory_model="strict") if strict else problem
     units = make_units(p)
-    opts = replace(OPTS, warm_start=False)
     checked = 0
-    for gpu in set_partitions(units.n, p.n_gpus):
-        run = run_model(p, "cpsat", opts, gpu=gpu)
-        assert run.status in (Status.OPTIMAL, Status.INFEASIBLE), run.report
-        if run.plan is None:
-            continue
-        period = run.plan.period
+    for gpu, period in solved_allocations(p):
         used = sorted(set(gpu))
         for size in range(1, len(used)):
             for kept in itertools.combinations(used, size):
                 relaxed, alloc = isolate_units(units, gpu, kept)
-                q = replace(p, n_gpus=max(alloc) + 1)
-                best = run_model(q, "cpsat", opts, units=relaxed, gpu=list(alloc))
-                assert best.status is Status.OPTIMAL, best.report
-                assert best.plan is not None and best.plan.period <= period + 1e-6
-                feas = run_model(q, "cpsat", opts, units=relaxed, gpu=list(alloc),
-                                 upper_bound=period * (1 + 1e-6), feasibility=True)
-                assert feas.bound != math.inf and feas.plan is not None
+                assert_relaxes(replace(p, n_gpus=max(alloc) + 1), relaxed, alloc, period)
                 checked += 1
-    assert checked or all(len(set(g)) == 1 or run_model(p, "cpsat", opts, gpu=g).plan is None
-                          for g in set_partitions(units.n, p.n_gpus))
+    assert checked or all(len(set(g)) == 1 for g, _ in solved_allocations(p))
 
 
 def test_isolate_units_frees_the_other_units():
@@ -384,19 +381,13 @@ def test_gpu_set_nogoods_hold_for_every_allocation_they_cover():
     no-good's bound is at most the optimum of every allocation it covers (brute force)."""
     problem = trimming_chain()
     units = make_units(problem)
-    out = solve_benders(problem, "cpsat", ISOLATING, period=units.big_m() + 1.0, plan=None,
-                        bound=lower_bound(problem), deadline=None)
-    assert not out.stop, out.report
-    assert out.period == pytest.approx(brute_force(problem), abs=1e-5)
-    assert out.report["benders_gpu_sets"] == len(out.sets)
-    checked = 0
+    out = cold_equals_brute_force(problem, ISOLATING)
+    assert out is not None and out.report["benders_gpu_sets"] == len(out.sets)
+    checked, solved = 0, solved_allocations(problem)
     for (head, tail, sets), bound in out.sets.items():
-        for gpu in set_partitions(units.n, problem.n_gpus):
-            if not covered(units.n, head, tail, sets, gpu):
-                continue
-            run = run_model(problem, "cpsat", replace(OPTS, warm_start=False), gpu=gpu)
-            if run.plan is not None:
-                assert bound <= run.plan.period + 1e-9
+        for gpu, period in solved:
+            if covered(units.n, head, tail, sets, gpu):
+                assert bound <= period + 1e-9
                 checked += 1
     assert out.sets and checked, out.report
 
@@ -407,16 +398,7 @@ def test_gpu_set_nogoods_hold_for_every_allocation_they_cover():
 def test_decomposition_with_gpu_sets_equals_brute_force(problem, strict):
     """The loop with ``isolate`` ends at the brute-force optimum (both memory models)."""
     p = replace(problem, memory_model="strict") if strict else problem
-    expected = brute_force(p)
-    units = make_units(p)
-    out = solve_benders(p, "cpsat", ISOLATING, period=units.big_m() + 1.0, plan=None,
-                        bound=lower_bound(p), deadline=None)
-    assert not out.stop, out.report
-    if math.isinf(expected):
-        assert out.plan is None
-    else:
-        assert out.period == pytest.approx(expected, abs=1e-5)
-        assert out.bound <= expected + 1e-9
+    cold_equals_brute_force(p, ISOLATING)
 
 
 @pytest.mark.parametrize("value", ["yes", 1])
