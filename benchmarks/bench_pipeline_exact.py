@@ -23,6 +23,11 @@ decomposition (``extra={"strategy": "benders"}``, :mod:`optmem.solvers.pipeline_
 ResNet-18 and ResNet-50 at 1.1x / 1.5x / 3x the smallest contiguous memory (4 GPUs, 12 GB/s,
 ``--time-limit`` each), then the decomposition on the headline (``--headline`` seconds).
 
+Part 6 (bounds, only with ``--parts bounds``): on the headline instance, the
+allocation-independent packing bound (load and memory per GPU, copies from lifetimes without
+waits), and for three allocations every subset of 1-3 GPUs checked in isolation at the 1 %
+rung (the other units as delays without memory): which GPUs a refutation needs.
+
 Every engine runs on 2 threads. HiGHS nodes come from the engine; CP-SAT's branches are
 read from its own log (the engine adapter does not report them). Machine load is recorded
 (``uptime``) before each part: the machine is shared, wall times vary with it.
@@ -30,7 +35,7 @@ read from its own log (the engine adapter does not report them). Machine load is
 Usage::
 
     python benchmarks/bench_pipeline_exact.py [--quick] [--time-limit S] [--headline S]
-        [--parts pcmax profiles headline allocations strategies]
+        [--parts pcmax profiles headline allocations strategies bounds]
         [--out benchmarks/results/pipeline_exact.md]
 """
 
@@ -48,6 +53,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,7 +62,12 @@ sys.path.insert(0, str(ROOT))
 from optmem.chain import Chain  # noqa: E402
 from optmem.cli_problems import parse_pipeline_bandwidth  # noqa: E402
 from optmem.datasets import resolve_chain  # noqa: E402
-from optmem.models.pipeline import make_units  # noqa: E402
+from optmem.models.pipeline import (  # noqa: E402
+    Units,
+    isolate_units,
+    load_bound,
+    make_units,
+)
 from optmem.problems.pipeline import PipelineProblem  # noqa: E402
 from optmem.result import Result, SolveOptions, Status  # noqa: E402
 from optmem.solvers.facade import solve  # noqa: E402
@@ -307,6 +318,96 @@ def part_strategies(limit: float, headline: float) -> list[str]:
     return rows
 
 
+# ------------------------------------------------------------------ part 6
+BOUND_ALLOCATIONS = (
+    ("contiguous optimum (1-4 / 5-7 / 8-13 / 14-22)", CHECKED_ALLOCATIONS[0][1]),
+    ("master's first allocation at T = 35.22",
+     (0, 1, 2, 2, 0, 3, 1, 1, 0, 0, 0, 3, 3, 3, 3, 3, 1, 1, 1, 1, 1)),
+    ("master's second allocation at T = 35.22",
+     (0, 0, 0, 1, 2, 0, 3, 2, 3, 3, 2, 3, 3, 1, 1, 1, 1, 1, 2, 2, 1)),
+)
+"""Allocations (GPU per unit) checked by part 6; the master's come from
+``Benders.master`` at 35.22 ms (CP-SAT, 2 threads, seed 0), the second after a no-good on
+the first."""
+BOUND_PERIOD = 35.22
+"""The 1 % rung below the best known plan (35.58)."""
+
+
+def packing_bound(units: Units, n_gpus: int, memory: int) -> float:
+    """The allocation-independent bound of the pipe5 brief, by bisection (CP-SAT).
+
+    Smallest ``T`` (to 1e-3) such that the units pack on ``n_gpus`` GPUs with load at most
+    ``T`` and memory ``sum(w_q + x_q ceil(D_q / T)) <= M``, ``D_q = sum_{r >= q} (f_r + b_r)``
+    (lifetime without waits or transfers).
+    """
+    from ortools.sat.python import cp_model
+
+    def fits_at(period: float) -> bool:
+        n, grid = units.n, 10**6
+        copies = [math.ceil(sum(units.load(r) for r in range(q, n)) / period - 1e-12)
+                  for q in range(n)]
+        model = cp_model.CpModel()
+        x = {(q, p): model.NewBoolVar(f"x{q}_{p}") for q in range(n) for p in range(n_gpus)}
+        for q in range(n):
+            model.AddExactlyOne(x[q, p] for p in range(n_gpus))
+        for p in range(n_gpus):
+            model.Add(sum(int(units.load(q) * grid) * x[q, p] for q in range(n))
+                      <= int(period * grid))
+            model.Add(sum((units.w[q] + units.x[q] * copies[q]) * x[q, p] for q in range(n))
+                      <= memory)
+        solver = cp_model.CpSolver()
+        solver.parameters.num_workers = 1
+        return solver.Solve(model) in (cp_model.OPTIMAL, cp_model.FEASIBLE)
+
+    lo, hi = load_bound(units, n_gpus) - 1e-3, sum(units.load(q) for q in range(units.n))
+    while hi - lo > 1e-3:
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if fits_at(mid) else (mid, hi)
+    return hi
+
+
+def isolated_status(problem: PipelineProblem, gpu: tuple[int, ...], kept: tuple[int, ...],
+                    period: float, work: float) -> str:
+    """Has the allocation, GPUs ``kept`` in isolation, a plan of period ``<= period``?
+
+    :func:`~optmem.models.pipeline.isolate_units`: a relaxation of every allocation whose
+    kept GPUs hold exactly these units.
+    """
+    units, alloc = isolate_units(make_units(problem), gpu, kept)
+    run = run_model(replace(problem, n_gpus=max(alloc) + 1), "cpsat",
+                    SolveOptions(threads=1, seed=0, deterministic_time=work),
+                    units=units, gpu=list(alloc), upper_bound=period,
+                    feasibility=True)
+    if run.status is Status.INFEASIBLE:
+        return "refuted"
+    return "plan" if run.plan is not None else "undecided"
+
+
+def part_bounds(work: float = 5.0) -> list[str]:
+    """The brief's packing bound, and GPU subsets of three allocations in isolation."""
+    chain = resolve_chain("resnet50-b32-224")
+    bw = parse_pipeline_bandwidth("12GB/s", chain.time_unit)
+    problem = PipelineProblem(chain, 4, 3 * GIB, chain_bandwidth=bw)
+    units = make_units(problem)
+    rows = [f"Load: {uptime()}.", "",
+            f"Packing bound (load and memory per GPU, copies ceil(D_q / T)): "
+            f"{packing_bound(units, problem.n_gpus, problem.memory_per_gpu):.2f}; load bound "
+            f"{load_bound(units, problem.n_gpus):.2f}.", "",
+            f"GPU subsets in isolation at T <= {BOUND_PERIOD} (CP-SAT, 1 worker, seed 0, "
+            f"deterministic time {work:g} each; `refuted` holds for every allocation whose "
+            "kept GPUs hold exactly these units; `undecided`: no answer within the work):", "",
+            "| allocation | kept GPUs | status | time (s) |", "|---|---|---|---|"]
+    for name, gpu in BOUND_ALLOCATIONS:
+        for size in (1, 2, 3):
+            for kept in itertools.combinations(range(problem.n_gpus), size):
+                start = time.perf_counter()
+                status = isolated_status(problem, gpu, kept, BOUND_PERIOD, work)
+                rows.append(f"| {name} | {', '.join(map(str, kept))} | {status} | "
+                            f"{time.perf_counter() - start:.1f} |")
+                print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer instances, short limits")
@@ -317,7 +418,7 @@ def main() -> None:
     parser.add_argument("--gpus", nargs="+", type=int, default=[4])
     parser.add_argument("--parts", nargs="+",
                         choices=("pcmax", "profiles", "headline", "allocations",
-                                 "strategies"),
+                                 "strategies", "bounds"),
                         default=["pcmax", "profiles", "headline", "allocations",
                                  "strategies"],
                         help="parts to run")
@@ -345,6 +446,9 @@ def main() -> None:
         text += [f"## Full model against the allocation decomposition (CP-SAT, "
                  f"{args.time_limit:g} s each; headline {args.headline:g} s)", "",
                  *part_strategies(args.time_limit, args.headline), ""]
+    if "bounds" in args.parts:
+        text += ["## ResNet-50, 4 GPUs, 3 GiB, 12 GB/s: bounds against allocations (part 6)",
+                 "", *part_bounds(), ""]
     text += [f"Total wall time {time.perf_counter() - start:.0f} s; 2 threads per engine."]
     out = "\n".join(text) + "\n"
     print(out)

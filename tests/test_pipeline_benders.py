@@ -8,6 +8,7 @@ and the stopped run uses CP-SAT's deterministic time on one worker.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import replace
 
@@ -16,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from optmem.errors import OptmemInputError
-from optmem.models.pipeline import make_units, trim_units
+from optmem.models.pipeline import isolate_units, make_units, trim_units
 from optmem.problems.pipeline import PipelineProblem
 from optmem.result import SolveOptions, Status
 from optmem.simulate.pipeline import simulate_pipeline
@@ -46,17 +47,17 @@ def brute_force(problem: PipelineProblem) -> float:
     return best
 
 
-def cold(problem: PipelineProblem, method: str = "cpsat"):
+def cold(problem: PipelineProblem, method: str = "cpsat", options: SolveOptions = OPTS):
     """The decomposition from no plan at all: every allocation goes through the master."""
     units = make_units(problem)
-    return solve_benders(problem, method, OPTS, period=units.big_m() + 1.0, plan=None,
+    return solve_benders(problem, method, options, period=units.big_m() + 1.0, plan=None,
                          bound=lower_bound(problem), deadline=None)
 
 
-def cold_equals_brute_force(problem: PipelineProblem):
+def cold_equals_brute_force(problem: PipelineProblem, options: SolveOptions = OPTS):
     """The cold loop's outcome, checked against brute force (``None``: nothing fits)."""
     expected = brute_force(problem)
-    out = cold(problem)
+    out = cold(problem, options=options)
     assert not out.stop, out.report
     if math.isinf(expected):
         assert out.plan is None
@@ -201,29 +202,39 @@ def test_trimmed_units_relax_every_allocation(problem, strict):
     the feasibility run the decomposition uses finds one at that cutoff)."""
     p = replace(problem, memory_model="strict") if strict else problem
     units = make_units(p)
-    opts = replace(OPTS, warm_start=False)
     checked = 0
-    for gpu in set_partitions(units.n, p.n_gpus):
-        run = run_model(p, "cpsat", opts, gpu=gpu)
-        assert run.status in (Status.OPTIMAL, Status.INFEASIBLE), run.report
-        if run.plan is None:
-            continue
-        period = run.plan.period
+    for gpu, period in solved_allocations(p):
         for head in range(units.n - 1):
             for tail in range(units.n - 1 - head):
                 if head + tail == 0:
                     continue
-                part = trim_units(units, head, tail)
-                keep = gpu[head:units.n - tail]
-                best = run_model(p, "cpsat", opts, units=part, gpu=keep)
-                assert best.status is Status.OPTIMAL, best.report
-                assert best.plan is not None and best.plan.period <= period + 1e-6
-                feas = run_model(p, "cpsat", opts, units=part, gpu=keep,
-                                 upper_bound=period * (1 + 1e-6), feasibility=True)
-                assert feas.bound != math.inf and feas.plan is not None
+                assert_relaxes(p, trim_units(units, head, tail), gpu[head:units.n - tail],
+                               period)
                 checked += 1
-    assert checked or all(run_model(p, "cpsat", opts, gpu=g).plan is None
-                          for g in set_partitions(units.n, p.n_gpus))
+    assert checked or not solved_allocations(p)
+
+
+def solved_allocations(problem: PipelineProblem) -> list[tuple[list[int], float]]:
+    """Every allocation with a plan, and its optimal period (brute force)."""
+    out = []
+    for gpu in set_partitions(make_units(problem).n, problem.n_gpus):
+        run = run_model(problem, "cpsat", replace(OPTS, warm_start=False), gpu=gpu)
+        assert run.status in (Status.OPTIMAL, Status.INFEASIBLE), run.report
+        if run.plan is not None:
+            out.append((gpu, run.plan.period))
+    return out
+
+
+def assert_relaxes(problem: PipelineProblem, units, gpu, period: float) -> None:
+    """``units`` with allocation ``gpu`` has an optimum ``<= period``, and the feasibility
+    run the decomposition uses finds a plan at that cutoff."""
+    opts = replace(OPTS, warm_start=False)
+    best = run_model(problem, "cpsat", opts, units=units, gpu=list(gpu))
+    assert best.status is Status.OPTIMAL, best.report
+    assert best.plan is not None and best.plan.period <= period + 1e-6
+    feas = run_model(problem, "cpsat", opts, units=units, gpu=list(gpu),
+                     upper_bound=period * (1 + 1e-6), feasibility=True)
+    assert feas.bound != math.inf and feas.plan is not None
 
 
 def test_trim_units_keeps_the_range():
@@ -309,3 +320,89 @@ def test_partition_nogood_excludes_every_relabelling():
         assert labels not in seen  # labels by first use: a relabelling is the same key
         seen.append(labels)
     assert 1 <= len(seen) <= 5 and res.status is Status.INFEASIBLE
+
+
+# ------------------------------------------------------------------ GPUs in isolation
+@settings(max_examples=8, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(problem=trimmable_problems(), strict=st.booleans())
+def test_isolated_gpus_relax_every_allocation(problem, strict):
+    """``isolate_units`` is a relaxation: for every allocation with an optimal plan of period
+    ``p`` and every proper subset of its GPUs kept, the isolated instance has a plan at
+    ``p`` (its optimum is ``<= p``, never above the brute-force optimum of the allocation)."""
+    p = replace(problem, memory_model="strict") if strict else problem
+    units = make_units(p)
+    checked = 0
+    for gpu, period in solved_allocations(p):
+        used = sorted(set(gpu))
+        for size in range(1, len(used)):
+            for kept in itertools.combinations(used, size):
+                relaxed, alloc = isolate_units(units, gpu, kept)
+                assert_relaxes(replace(p, n_gpus=max(alloc) + 1), relaxed, alloc, period)
+                checked += 1
+    assert checked or all(len(set(g)) == 1 for g, _ in solved_allocations(p))
+
+
+def test_isolate_units_frees_the_other_units():
+    """Kept GPUs' units keep everything; the others hold nothing, each on a GPU of its own;
+    cuts between two of them take no time and hold no buffers."""
+    units = make_units(chain_with_subproblems())
+    gpu = tuple([0, 1, 1, 0, 2][:units.n]) + (2,) * max(0, units.n - 5)
+    relaxed, alloc = isolate_units(units, gpu, {1})
+    inside = [g == 1 for g in gpu]
+    assert alloc == tuple(_first_use(alloc))
+    assert len({alloc[q] for q in range(units.n) if inside[q]}) == 1
+    assert len({alloc[q] for q in range(units.n) if not inside[q]}) == inside.count(False)
+    for q in range(units.n):
+        assert (relaxed.x[q], relaxed.w[q]) == ((units.x[q], units.w[q]) if inside[q]
+                                                else (0, 0))
+    for c in range(units.n - 1):
+        kept = inside[c] or inside[c + 1]
+        assert relaxed.dt[c] == (units.dt[c] if kept else 0.0)
+        assert relaxed.buf[c] == (units.buf[c] if kept else 0)
+    assert (relaxed.f, relaxed.b) == (units.f, units.b)
+    with pytest.raises(ValueError, match="allocation of"):
+        isolate_units(units, gpu[:-1], {1})
+
+
+ISOLATING = replace(OPTS, extra={"isolate": True})
+
+
+def covered(units_n: int, head: int, tail: int, sets, gpu) -> bool:
+    """Whether ``gpu`` has GPUs holding exactly ``sets`` among units ``head..n-tail-1``."""
+    inside = range(head, units_n - tail)
+    return all(len({gpu[q] for q in group}) == 1
+               and {q for q in inside if gpu[q] == gpu[group[0]]} == set(group)
+               for group in sets) and len({gpu[g[0]] for g in sets}) == len(sets)
+
+
+def test_gpu_set_nogoods_hold_for_every_allocation_they_cover():
+    """With ``isolate``, the loop proves the full model's optimum, and every GPU-set
+    no-good's bound is at most the optimum of every allocation it covers (brute force)."""
+    problem = trimming_chain()
+    units = make_units(problem)
+    out = cold_equals_brute_force(problem, ISOLATING)
+    assert out is not None and out.report["benders_gpu_sets"] == len(out.sets)
+    checked, solved = 0, solved_allocations(problem)
+    for (head, tail, sets), bound in out.sets.items():
+        for gpu, period in solved:
+            if covered(units.n, head, tail, sets, gpu):
+                assert bound <= period + 1e-9
+                checked += 1
+    assert out.sets and checked, out.report
+
+
+@settings(max_examples=6, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(problem=trimmable_problems(), strict=st.booleans())
+def test_decomposition_with_gpu_sets_equals_brute_force(problem, strict):
+    """The loop with ``isolate`` ends at the brute-force optimum (both memory models)."""
+    p = replace(problem, memory_model="strict") if strict else problem
+    cold_equals_brute_force(p, ISOLATING)
+
+
+@pytest.mark.parametrize("value", ["yes", 1])
+def test_bad_isolate_is_an_input_error(value):
+    problem = chain_with_subproblems()
+    with pytest.raises(OptmemInputError, match="isolate"):
+        solve(problem, "cpsat", options=replace(OPTS, extra={**BENDERS, "isolate": value}))

@@ -73,7 +73,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import reduce
 
@@ -217,6 +217,64 @@ def trim_units(units: Units, head: int, tail: int) -> Units:
                  x=part(units.x), a_in=part(units.a_in),
                  a_out=(*part(units.a_out)[:-1], 0),
                  dt=tuple(units.dt[c] for c in cuts), buf=tuple(units.buf[c] for c in cuts))
+
+
+def isolate_units(units: Units, gpu: Sequence[int], kept: Collection[int]
+                  ) -> tuple[Units, tuple[int, ...]]:
+    r"""GPUs ``kept`` of allocation ``gpu`` as they are, every other unit a pure delay.
+
+    Returns the relaxed units and their allocation (labels by first use; its number of GPUs
+    is ``len(kept)`` plus one per other unit): a unit not on a kept GPU keeps its durations
+    but holds nothing (no weights, no stash, no input or output) and sits alone on a GPU
+    of its own; a cut between two such units takes no time and holds no buffers; every
+    other cut is kept.
+
+    **Validity** (digest ``madpipe.md`` sections 1.2-1.6, 4.3). Let ``K`` be the kept GPUs
+    and ``S`` the units on them. Take any 1-periodic plan of period ``T`` within the
+    memory of an allocation ``A`` that puts exactly ``S`` on ``|K|`` GPUs, partitioned as
+    ``gpu`` partitions them. Keep every start time and shift, and put each unit outside
+    ``S`` on its own GPU:
+
+    * dependencies: unchanged, except that a cut between two units outside ``S`` becomes a
+      transfer of no time, placed when its producer ends (in ``A`` the consumer started
+      at or after that instant, with or without a transfer);
+    * resources: a kept GPU runs exactly its tasks in ``A`` (same window); a private GPU
+      runs one unit's forward and backward, which did not overlap on that unit's GPU in
+      ``A`` and lie in its window of length ``T``; a cut with an end in ``S`` joins two
+      different GPUs in ``A`` too (the other end is outside ``K``), with the same duration,
+      and its link carries a subset of what the link of ``A`` carried; the transfers of no
+      time overlap nothing;
+    * memory (``stash`` and ``strict``, eq. 6.36): a kept GPU holds the same weights,
+      buffers (its cuts are the same), stashes (same times, so same copies), inputs,
+      outputs and pending data (a producer and consumer on one kept GPU are both in
+      ``S``); a private GPU holds only buffers of cuts that also end on that unit's GPU in
+      ``A``, at the same instants: at most what ``A`` holds there.
+
+    So the relaxed plan has period ``T`` within the same memory. The model represents
+    every 1-periodic plan of its instance (thesis Lemma 15, Thm 19; module docstring), so
+    the relaxed optimum is at most the optimum of every such ``A``: an infeasible relaxed
+    instance at period ``T`` refutes all of them at once, however they split the other
+    units over the other GPUs. It composes with :func:`trim_units` (trim first).
+    """
+    if len(gpu) != units.n:
+        raise ValueError(f"allocation of {len(gpu)} units for {units.n}")
+    inside = [g in kept for g in gpu]
+    labels: dict[int, int] = {}
+    alloc = []
+    for q, g in enumerate(gpu):  # labels by first use; a unit outside alone on a new GPU
+        used = len(labels) + sum(1 for r in range(q) if not inside[r])
+        alloc.append(labels.setdefault(g, used) if inside[q] else used)
+
+    def only(values: Sequence) -> tuple:
+        return tuple(v if inside[q] else 0 for q, v in enumerate(values))
+
+    def cut(values: Sequence, zero: float) -> tuple:
+        return tuple(v if inside[c] or inside[c + 1] else zero for c, v in enumerate(values))
+
+    relaxed = Units(bounds=units.bounds, f=units.f, b=units.b, w=only(units.w),
+                    x=only(units.x), a_in=only(units.a_in), a_out=only(units.a_out),
+                    dt=cut(units.dt, 0.0), buf=cut(units.buf, 0))
+    return relaxed, tuple(alloc)
 
 
 def load_bound(units: Units, n_gpus: int) -> float:

@@ -37,7 +37,8 @@ from optmem.solvers.registration import register, register_exporter
 ENGINES = ("pulp",)
 MADPIPE_EXTRA = ("phase2", "madpipe_grid", "madpipe_iterations")
 """``SolveOptions.extra`` keys of ``madpipe``."""
-EXACT_EXTRA = ("warm_madpipe", "relaxation", "strategy", "trim_work", *MADPIPE_EXTRA)
+EXACT_EXTRA = ("warm_madpipe", "relaxation", "strategy", "trim_work", "isolate",
+               *MADPIPE_EXTRA)
 """Keys of ``ilp``/``cpsat``: their own, and MadPipe's (its run gives their warm start)."""
 
 

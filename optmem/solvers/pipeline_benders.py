@@ -37,6 +37,14 @@ Range no-goods (one refutation for many allocations)
     first (on the bundled profiles the last layers are small), steps doubling while the
     trimmed partition stays refuted; the next allocation first tries the last trimming that
     worked, before its full model.
+GPU-set no-goods (``extra["isolate"]``, default ``False``)
+    After the range no-good, two GPUs of the refuted partition are checked in isolation
+    (:func:`~optmem.models.pipeline.isolate_units` on the trimmed units: the other units
+    become delays without memory, each on a GPU of its own). When they have no plan at the
+    probe, no allocation whose GPUs hold exactly those two unit sets within the range has
+    one, however it splits the other units: the master gets that no-good on the "same GPU"
+    variables (:func:`_sets_nogood`). Single GPUs in isolation are not tried: on the
+    headline they never refute (``benchmarks/results/pipeline_exact.md``, part 6).
 Ladder
     Phase 1 probes first at :data:`LADDER` gaps below the incumbent (1 %), then just below
     it: a closed rung is a valid bound, and its refutations (full allocations: bounds at the
@@ -45,9 +53,10 @@ Ladder
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from optmem.engines import adapters as engines
@@ -56,6 +65,7 @@ from optmem.models.pipeline import (
     TIME_RESOLUTION,
     Units,
     build_relaxation,
+    isolate_units,
     make_units,
     trim_units,
 )
@@ -87,6 +97,12 @@ TRIM_MARGIN = 1e-4
 hold strictly above the probe)."""
 Range = tuple[int, int, Allocation]
 """``(head, tail, labels)``: the partition of units ``head .. n - tail - 1`` (first-use labels)."""
+GpuSets = tuple[int, int, tuple[tuple[int, ...], ...]]
+"""``(head, tail, sets)``: GPUs holding exactly these unit sets within units ``head ..
+n - tail - 1`` (units numbered in the whole chain)."""
+ISOLATE = 2
+"""GPUs kept together by ``extra["isolate"]`` (single GPUs never refute on the bundled
+profiles: ``benchmarks/results/pipeline_exact.md``, part 6)."""
 
 
 @dataclass
@@ -111,6 +127,7 @@ class Benders:
     cuts: dict[Allocation, float] = field(default_factory=dict)
     found: list[tuple[float, PipelinePlan]] = field(default_factory=list)
     ranges: dict[Range, float] = field(default_factory=dict)
+    sets: dict[GpuSets, float] = field(default_factory=dict)
     report: dict[str, Any] = field(default_factory=dict)
     trims: int = 0
     probes: int = 0
@@ -164,7 +181,8 @@ class Benders:
             self.bisect(lo)
         self.report.update(benders_bound=self.bound, benders_probes=self.probes,
                            benders_masters=self.masters, benders_allocations=len(self.cuts),
-                           benders_ranges=len(self.ranges), benders_trimmed_solves=self.trims)
+                           benders_ranges=len(self.ranges), benders_trimmed_solves=self.trims,
+                           benders_gpu_sets=len(self.sets))
         if self.stop:
             self.report["benders_phase1_stopped"] = self.stop
         return self
@@ -253,6 +271,10 @@ class Benders:
         for k, ((head, _tail, labels), bound) in enumerate(self.ranges.items()):
             if bound > target:
                 form.model.add(_partition_nogood(form.z, head, labels), f"rangenogood_{k}")
+        for k, ((head, tail, sets), bound) in enumerate(self.sets.items()):
+            if bound > target:
+                form.model.add(_sets_nogood(form.z, range(head, u.n - tail), sets),
+                               f"setnogood_{k}")
         limit = self.left() if left is None else left
         if limit is not None and limit <= 0:
             return "time limit"
@@ -309,19 +331,28 @@ class Benders:
         has one or the engine stops without an answer.
         """
         n = self.units.n
-        units = trim_units(self.units, head, tail)
+        return self.refuted(self.problem, trim_units(self.units, head, tail),
+                            gpu[head:n - tail], target, left)
+
+    def refuted(self, problem: PipelineProblem, units: Units, gpu: Allocation,
+                target: float, left: float | None) -> float | None:
+        """Proven bound of a relaxed instance (``None``: it has a plan, or no answer).
+
+        A CP-SAT feasibility run of ``units`` with allocation ``gpu`` and the period at most
+        a cutoff just above ``target``, within ``extra["trim_work"]``.
+        """
         cutoff = min(self.period, target * (1 + TRIM_MARGIN))
         work = self.options.extra.get("trim_work", TRIM_WORK)
         if self.options.deterministic_time is not None:
             work = min(work, self.options.deterministic_time) if work is not None \
                 else self.options.deterministic_time
-        run = run_model(self.problem, "cpsat", self.options.with_(
+        run = run_model(problem, "cpsat", self.options.with_(
             time_limit_s=left, deterministic_time=work), units=units,
-            gpu=list(gpu[head:n - tail]), upper_bound=cutoff, feasibility=True)
+            gpu=list(gpu), upper_bound=cutoff, feasibility=True)
         self.trims += 1
         if run.failed or run.bound != math.inf:
             return None
-        return cutoff - 2 * run.step  # no plan of the trimmed partition at or below the cutoff
+        return cutoff - 2 * run.step  # no plan at or below the cutoff
 
     def record(self, gpu: Allocation, head: int, tail: int, bound: float) -> None:
         """Keep the range no-good of ``gpu``'s partition of units ``head .. n - tail - 1``."""
@@ -372,6 +403,38 @@ class Benders:
                     step = 2 * step if step else 0
         if found is not None:
             self.record(gpu, trim[0], trim[1], found)
+        if self.options.extra.get("isolate", False):
+            self.isolate(gpu, trim[0], trim[1], target, left)
+
+    def isolate(self, gpu: Allocation, head: int, tail: int, target: float,
+                left: float | None) -> None:
+        """Refute :data:`ISOLATE` GPUs of ``gpu``'s partition of units ``head..`` in isolation.
+
+        :func:`~optmem.models.pipeline.isolate_units` on the trimmed units
+        (:func:`~optmem.models.pipeline.trim_units`; relaxations compose: a plan of any
+        allocation restricts to a plan of its trimmed partition, which isolates to a plan of
+        the kept GPUs): when the kept GPUs have no plan at the probe, no allocation whose
+        GPUs hold exactly those units within the range does, however it places the others.
+        The first refuted subset becomes a GPU-set no-good.
+        """
+        n = self.units.n
+        part = trim_units(self.units, head, tail) if head + tail else self.units
+        labels = _first_use(gpu[head:n - tail])
+        used = sorted(set(labels))
+        if len(used) <= ISOLATE or self.problem.n_gpus <= ISOLATE:
+            return
+        for kept in itertools.combinations(used, ISOLATE):
+            if self.out_of_time():
+                return
+            relaxed, alloc = isolate_units(part, labels, kept)
+            bound = self.refuted(replace(self.problem, n_gpus=max(alloc) + 1), relaxed,
+                                 alloc, target, left)
+            if bound is not None and bound > target:
+                sets = tuple(tuple(head + q for q in range(len(labels)) if labels[q] == g)
+                             for g in kept)
+                key = (head, tail, sets)
+                self.sets[key] = max(bound, self.sets.get(key, bound))
+                return
 
 
 def _first_use(gpu: Allocation) -> Allocation:
@@ -391,6 +454,24 @@ def _partition_nogood(z: dict[tuple[int, int], Expr], head: int, labels: Allocat
         for j in range(i + 1, len(labels)):
             zz = z[(head + i, head + j)]
             agree.append(zz if labels[i] == labels[j] else 1 - zz)
+    return Expr.sum(agree) <= len(agree) - 1
+
+
+def _sets_nogood(z: dict[tuple[int, int], Expr], units: range,
+                 sets: tuple[tuple[int, ...], ...]) -> Any:
+    """No allocation has GPUs holding exactly ``sets`` among ``units`` (any labels).
+
+    Agreement, on the "same GPU" variables: the units of one set together, two sets apart,
+    no other unit of the range with a unit of a set; at least one pair must differ.
+    """
+    member = {q: k for k, group in enumerate(sets) for q in group}
+    agree = []
+    for q in member:
+        for r in units:
+            if r == q or (r in member and r < q):
+                continue
+            zz = z[(min(q, r), max(q, r))]
+            agree.append(zz if member.get(r) == member[q] else 1 - zz)
     return Expr.sum(agree) <= len(agree) - 1
 
 

@@ -23,7 +23,9 @@ default: the whole model at once; ``"benders"``: the allocation decomposition of
 :mod:`optmem.solvers.pipeline_benders`, the method's engine solving the fixed-allocation
 subproblems, CP-SAT the master; it falls back to ``"full"`` without an incumbent or without
 OR-Tools), ``extra["trim_work"]`` (``benders`` only: CP-SAT deterministic time of each
-trimmed solve that generalises a refuted allocation, default 2.0; ``None``: no limit).
+trimmed solve that generalises a refuted allocation, default 2.0; ``None``: no limit),
+``extra["isolate"]`` (``benders`` only, default ``False``: also generalise each refuted
+allocation by refuting two of its GPUs in isolation, a GPU-set no-good).
 """
 
 from __future__ import annotations
@@ -139,6 +141,9 @@ def solve_exact(problem: PipelineProblem, options: SolveOptions, method: str) ->
                              or not work > 0):
         raise OptmemInputError(f"trim_work must be a positive number or null, got {work!r}",
                                field="trim_work")
+    if not isinstance(options.extra.get("isolate", False), bool):
+        raise OptmemInputError(f"isolate must be true or false, got "
+                               f"{options.extra['isolate']!r}", field="isolate")
     if method == "ilp":
         engines.check_engine(options.solver)
     solver = options.solver if method == "ilp" else "cpsat"
