@@ -7,7 +7,6 @@ from typing import Any
 import pytorch_helpers  # noqa: F401  (one thread)
 import torch
 import transformers
-from transformers.cache_utils import Cache
 from transformers import (
     BertConfig,
     BertForMaskedLM,
@@ -20,6 +19,7 @@ from transformers import (
     ViTConfig,
     ViTForImageClassification,
 )
+from transformers.cache_utils import Cache
 
 transformers.logging.set_verbosity_error()
 BATCH, SEQ, VOCAB = 2, 16, 100
