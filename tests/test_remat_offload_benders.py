@@ -101,6 +101,51 @@ def test_deletion_filter_keeps_a_refuted_set() -> None:
     assert not bd._refuted(cp_at, kept, xhat, OPTS, 60.0, state)
 
 
+@pytest.mark.parametrize("seed", range(2))
+def test_slot_filter_keeps_the_optimum(seed: int) -> None:
+    """``benders_filter=slots`` (the single-slot pass after the phases; the default,
+    ``phases``, runs in the tests above): proven, the monolithic optimum; stopped after one
+    iteration, a bound at most the optimum."""
+    chain = random_chain(4, seed=50 + seed, max_size=6)
+    extra = {**BENDERS.extra, "benders_filter": "slots", "benders_warmup": 0}
+    for limit in _limits(chain)[:2]:
+        problem = RematOffloadProblem(chain, limit, chain_bandwidth=1.0)
+        full = solve(problem, "cpsat", options=OPTS.with_(deterministic_time=60.0))
+        assert full.status is Status.OPTIMAL
+        res = solve(problem, "cpsat", options=OPTS.with_(extra=extra))
+        _check(problem, res)
+        assert res.status is Status.OPTIMAL, res.report
+        assert res.objective == pytest.approx(full.objective)
+        counts = res.report["benders"]
+        assert len(counts["cut_slots"]) == counts["refutation_cuts"]
+        one = solve(problem, "cpsat", options=OPTS.with_(
+            extra={**extra, "benders_iterations": 1}))
+        _check(problem, one)
+        assert one.bound <= full.objective + 1e-9
+
+
+def test_phase_filter_keeps_whole_phases() -> None:
+    """Without the single-slot pass the kept set is a union of whole phases, still refuted."""
+    chain = random_chain(4, seed=31, max_size=6)
+    limit = _limits(chain)[0]
+    problem = RematOffloadProblem(chain, limit, chain_bandwidth=1.0)
+    disc, beta = discretized(problem, OPTS)
+    full = solve(problem, "cpsat", options=OPTS.with_(deterministic_time=60.0))
+    scale, _ = cpsat_time_scale(disc.chain, beta)
+    built = build_remat_offload(disc.chain, disc.memory_limit, beta)
+    slots = [it for it in built.checkpoint.sequence if isinstance(it, ck.Slot)]
+    fixed = built.fixing(parse_mixed_plan(full.plan))
+    assert fixed is not None
+    xhat = {i: round(fixed[i]) for sl in slots for _, i in sl.ops}
+    cp = bd._emit(built, full.objective, scale)
+    state = bd._State(None, full.objective, disc.memory_limit, beta)
+    kept = bd.deletion_filter(cp, slots, xhat, OPTS, 5.0, state, single_slots=False)
+    phases = {sl.phase for sl in kept}
+    assert kept == [sl for sl in slots if sl.phase in phases]
+    assert len(phases) < len({sl.phase for sl in slots})
+    assert bd._refuted(cp, kept, xhat, OPTS, 60.0, state)
+
+
 def test_warmup_search_feeds_the_loop() -> None:
     """A warm-up bounded by deterministic time: stopped early, its plan and bound go into
     the loop, which proves; with enough work it proves alone and is returned as is."""
@@ -131,6 +176,7 @@ def test_options_are_checked() -> None:
                           "benders_filter_work"),
                          ({"strategy": "benders", "benders_iterations": 0},
                           "benders_iterations"),
-                         ({"strategy": "benders", "benders_warmup": 1.5}, "benders_warmup")):
+                         ({"strategy": "benders", "benders_warmup": 1.5}, "benders_warmup"),
+                         ({"strategy": "benders", "benders_filter": "x"}, "benders_filter")):
         with pytest.raises(OptmemInputError, match=field):
             solve(problem, "cpsat", options=OPTS.with_(extra=extra))
