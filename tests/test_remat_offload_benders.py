@@ -76,7 +76,8 @@ def test_stopped_loop_reports_a_valid_bound(seed: int) -> None:
 def test_deletion_filter_keeps_a_refuted_set() -> None:
     """With the optimum as the incumbent and its own compute sequence proposed, the filter's
     slots, fixed alone, still admit no faster plan; at a horizon that admits the optimum
-    they are not refuted (the check can fail)."""
+    they are not refuted (the check can fail); without the single-slot pass it keeps whole
+    phases, still refuted."""
     chain = random_chain(4, seed=31, max_size=6)
     limit = _limits(chain)[0]
     problem = RematOffloadProblem(chain, limit, chain_bandwidth=1.0)
@@ -99,6 +100,12 @@ def test_deletion_filter_keeps_a_refuted_set() -> None:
     # a horizon at the optimum itself admits the optimal plan: nothing is refuted there
     cp_at = bd._emit(built, full.objective + 1.0 / scale, scale)
     assert not bd._refuted(cp_at, kept, xhat, OPTS, 60.0, state)
+    # without the single-slot pass (benders_filter=phases): whole phases, still refuted
+    whole = bd.deletion_filter(cp, slots, xhat, OPTS, 5.0, state, single_slots=False)
+    phases = {sl.phase for sl in whole}
+    assert whole == [sl for sl in slots if sl.phase in phases]
+    assert len(phases) < len({sl.phase for sl in slots})
+    assert bd._refuted(cp, whole, xhat, OPTS, 60.0, state)
 
 
 @pytest.mark.parametrize("seed", range(2))
@@ -122,28 +129,6 @@ def test_slot_filter_keeps_the_optimum(seed: int) -> None:
             extra={**extra, "benders_iterations": 1}))
         _check(problem, one)
         assert one.bound <= full.objective + 1e-9
-
-
-def test_phase_filter_keeps_whole_phases() -> None:
-    """Without the single-slot pass the kept set is a union of whole phases, still refuted."""
-    chain = random_chain(4, seed=31, max_size=6)
-    limit = _limits(chain)[0]
-    problem = RematOffloadProblem(chain, limit, chain_bandwidth=1.0)
-    disc, beta = discretized(problem, OPTS)
-    full = solve(problem, "cpsat", options=OPTS.with_(deterministic_time=60.0))
-    scale, _ = cpsat_time_scale(disc.chain, beta)
-    built = build_remat_offload(disc.chain, disc.memory_limit, beta)
-    slots = [it for it in built.checkpoint.sequence if isinstance(it, ck.Slot)]
-    fixed = built.fixing(parse_mixed_plan(full.plan))
-    assert fixed is not None
-    xhat = {i: round(fixed[i]) for sl in slots for _, i in sl.ops}
-    cp = bd._emit(built, full.objective, scale)
-    state = bd._State(None, full.objective, disc.memory_limit, beta)
-    kept = bd.deletion_filter(cp, slots, xhat, OPTS, 5.0, state, single_slots=False)
-    phases = {sl.phase for sl in kept}
-    assert kept == [sl for sl in slots if sl.phase in phases]
-    assert len(phases) < len({sl.phase for sl in slots})
-    assert bd._refuted(cp, kept, xhat, OPTS, 60.0, state)
 
 
 def test_warmup_search_feeds_the_loop() -> None:
