@@ -76,7 +76,8 @@ def test_stopped_loop_reports_a_valid_bound(seed: int) -> None:
 def test_deletion_filter_keeps_a_refuted_set() -> None:
     """With the optimum as the incumbent and its own compute sequence proposed, the filter's
     slots, fixed alone, still admit no faster plan; at a horizon that admits the optimum
-    they are not refuted (the check can fail)."""
+    they are not refuted (the check can fail); without the single-slot pass it keeps whole
+    phases, still refuted."""
     chain = random_chain(4, seed=31, max_size=6)
     limit = _limits(chain)[0]
     problem = RematOffloadProblem(chain, limit, chain_bandwidth=1.0)
@@ -99,6 +100,35 @@ def test_deletion_filter_keeps_a_refuted_set() -> None:
     # a horizon at the optimum itself admits the optimal plan: nothing is refuted there
     cp_at = bd._emit(built, full.objective + 1.0 / scale, scale)
     assert not bd._refuted(cp_at, kept, xhat, OPTS, 60.0, state)
+    # without the single-slot pass (benders_filter=phases): whole phases, still refuted
+    whole = bd.deletion_filter(cp, slots, xhat, OPTS, 5.0, state, single_slots=False)
+    phases = {sl.phase for sl in whole}
+    assert whole == [sl for sl in slots if sl.phase in phases]
+    assert len(phases) < len({sl.phase for sl in slots})
+    assert bd._refuted(cp, whole, xhat, OPTS, 60.0, state)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_slot_filter_keeps_the_optimum(seed: int) -> None:
+    """``benders_filter=slots`` (the single-slot pass after the phases; the default,
+    ``phases``, runs in the tests above): proven, the monolithic optimum; stopped after one
+    iteration, a bound at most the optimum."""
+    chain = random_chain(4, seed=50 + seed, max_size=6)
+    extra = {**BENDERS.extra, "benders_filter": "slots", "benders_warmup": 0}
+    for limit in _limits(chain)[:2]:
+        problem = RematOffloadProblem(chain, limit, chain_bandwidth=1.0)
+        full = solve(problem, "cpsat", options=OPTS.with_(deterministic_time=60.0))
+        assert full.status is Status.OPTIMAL
+        res = solve(problem, "cpsat", options=OPTS.with_(extra=extra))
+        _check(problem, res)
+        assert res.status is Status.OPTIMAL, res.report
+        assert res.objective == pytest.approx(full.objective)
+        counts = res.report["benders"]
+        assert len(counts["cut_slots"]) == counts["refutation_cuts"]
+        one = solve(problem, "cpsat", options=OPTS.with_(
+            extra={**extra, "benders_iterations": 1}))
+        _check(problem, one)
+        assert one.bound <= full.objective + 1e-9
 
 
 def test_warmup_search_feeds_the_loop() -> None:
@@ -131,6 +161,7 @@ def test_options_are_checked() -> None:
                           "benders_filter_work"),
                          ({"strategy": "benders", "benders_iterations": 0},
                           "benders_iterations"),
-                         ({"strategy": "benders", "benders_warmup": 1.5}, "benders_warmup")):
+                         ({"strategy": "benders", "benders_warmup": 1.5}, "benders_warmup"),
+                         ({"strategy": "benders", "benders_filter": "x"}, "benders_filter")):
         with pytest.raises(OptmemInputError, match=field):
             solve(problem, "cpsat", options=OPTS.with_(extra=extra))

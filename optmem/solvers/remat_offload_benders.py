@@ -31,6 +31,11 @@ relaxation's optimum). A cut is ``theta >= b - (b - theta_0) dis_J(x)``.
   ``extra["benders_filter_work"]`` deterministic seconds; a check that does not prove keeps
   the slot). ``J`` is what is left: typically 4 of 55 slots at ``L = 10``, so one cut removes
   every compute sequence that shares those few decisions, not one sequence as a no-good does.
+  By default (``extra["benders_filter"] = "phases"``) the single-slot pass is skipped and
+  ``J`` is a union of whole phases: a slightly weaker cut for half the checks or fewer (the
+  single-slot checks are the expensive ones: CP-SAT's presolve proves them, near the work
+  limit); ``"slots"`` runs it. Each kept set is refuted either way, so the cut's validity
+  does not depend on the pass.
 * **Value cut** (``J`` = all compute binaries, ``b`` = CP-SAT's proven bound of ``x`` in the
   subproblem, at least the master's value): when the subproblem finds a plan or stops at its
   work limit.
@@ -92,6 +97,7 @@ from optmem.solvers.remat_offload import (
 
 DEFAULT_SUB_WORK = 10.0  # CP-SAT deterministic seconds per subproblem (doubled on a repeat)
 DEFAULT_FILTER_WORK = 0.25  # CP-SAT deterministic seconds per deletion-filter check
+FILTER_MODES = ("phases", "slots")  # extra["benders_filter"] (default first): filter passes
 LOG = logging.getLogger(__name__)
 LEAST_ENGINE_TIME_S = 0.5  # an engine call always gets this long (it needs a positive limit)
 
@@ -105,6 +111,7 @@ class _State:
     limit: int
     beta: float
     cp: CpsatModel | None = None
+    single_slots: bool = False  # the deletion filter's single-slot pass (benders_filter)
     counts: dict[str, Any] = field(default_factory=lambda: {
         "iterations": 0, "refutation_cuts": 0, "value_cuts": 0, "filter_checks": 0,
         "improvements": 0, "cut_slots": [], "master_nodes": 0,
@@ -119,13 +126,24 @@ def _float_option(options: SolveOptions, key: str, default: float) -> float:
 
 
 def _iterations(options: SolveOptions) -> int | None:
-    value = options.extra.get("benders_iterations")
-    if value is None:
+    if options.extra.get("benders_iterations") is None:
         return None
+    return _int_option(options, "benders_iterations", 1)
+
+
+def _int_option(options: SolveOptions, key: str, default: int) -> int:
+    value = options.extra.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise OptmemInputError(f"expected a positive integer benders_iterations, got "
-                               f"{value!r}", field="benders_iterations")
+        raise OptmemInputError(f"expected a positive integer {key}, got {value!r}", field=key)
     return value
+
+
+def _filter_mode(options: SolveOptions) -> str:
+    value = options.extra.get("benders_filter", FILTER_MODES[0])
+    if value not in FILTER_MODES:
+        raise OptmemInputError(f"expected benders_filter one of {', '.join(FILTER_MODES)}, "
+                               f"got {value!r}", field="benders_filter")
+    return str(value)
 
 
 def _slots(built: RematOffloadModel) -> list[ck.Slot]:
@@ -171,18 +189,21 @@ def _refuted(cp: CpsatModel, slots: Sequence[ck.Slot], xhat: dict[int, int],
 
 def deletion_filter(cp: CpsatModel, slots: Sequence[ck.Slot], xhat: dict[int, int],
                     options: SolveOptions, work: float, state: _State,
-                    left: Callable[[], float | None] = lambda: None) -> list[ck.Slot]:
+                    left: Callable[[], float | None] = lambda: None, *,
+                    single_slots: bool = True) -> list[ck.Slot]:
     """A subset of ``slots`` whose assumptions alone keep the subproblem infeasible.
 
     ``left()`` is the time left of the solve's limit (``None``: none); when it runs out the
     filter stops and returns what it has (a set shrinks only when a check proves it).
 
-    Whole phases first, then single slots; a check that does not prove infeasibility within
-    ``work`` keeps what it tried to drop, so the result is always a refuted set.
+    Whole phases first, then (``single_slots``) single slots; a check that does not prove
+    infeasibility within ``work`` keeps what it tried to drop, so the result is always a
+    refuted set.
     """
     keep = list(slots)
     phases = [[sl for sl in slots if sl.phase == k] for k in sorted({sl.phase for sl in slots})]
-    for group in [*phases, *([sl] for sl in slots)]:
+    singles = [[sl] for sl in slots] if single_slots else []
+    for group in [*phases, *singles]:
         limit = left()
         if limit is not None and limit <= LEAST_ENGINE_TIME_S:
             break
@@ -215,7 +236,8 @@ def solve_benders(problem: RematOffloadProblem, options: SolveOptions, *, sweeps
     slots = _slots(built)
     opvars = [i for sl in slots for _, i in sl.ops]
     plan, z = (incumbent[1], incumbent[0]) if incumbent else (None, built.horizon)
-    state = _State(plan, z, limit=limit, beta=beta)
+    state = _State(plan, z, limit=limit, beta=beta,
+                   single_slots=_filter_mode(options) == "slots")
     report.update({"strategy": "benders", "model": built.info, "time_scale": scale,
                    "exact_times": True, "benders": state.counts})
 
@@ -299,7 +321,8 @@ def _subproblem(built: RematOffloadModel, slots: Sequence[ck.Slot], xhat: dict[i
         return None
     n = state.counts["iterations"]
     if out.status is Status.INFEASIBLE:
-        kept = deletion_filter(cp, slots, xhat, options, filter_work, state, left)
+        kept = deletion_filter(cp, slots, xhat, options, filter_work, state, left,
+                               single_slots=state.single_slots)
         b = state.makespan
         master.add(Expr([(theta, 1.0)]) + _disagreement(kept, xhat) * (b - theta0) >= b,
                    f"benders_refute_{n}")

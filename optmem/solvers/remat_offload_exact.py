@@ -573,7 +573,8 @@ def solve_ilp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
           compare_as=(("cpsat", 6),),
           extra=("sweeps", "transfers_per_gap", "grid", "backlog_grid", "prefetch",
                  "relaxation", "relaxation_deadlines", "strategy", "benders_work",
-                 "benders_filter_work", "benders_iterations", "benders_warmup"))
+                 "benders_filter_work", "benders_iterations", "benders_warmup",
+                 "benders_filter"))
 def solve_cpsat(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     """Optimal plan over the model's class with OR-Tools CP-SAT."""
     return _solve_model(problem, options, "cpsat")
