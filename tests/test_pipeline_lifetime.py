@@ -1,0 +1,97 @@
+"""The lifetime relaxation's copy rows inside the full pipeline model (``lifetime_cuts``).
+
+They are valid inequalities (proof: :class:`optmem.models.pipeline._LifetimeCuts`): every
+plan of every allocation, written as an assignment of the model with the rows at its own
+period, must satisfy them, in both memory models; and the model with them proves the same
+optimum as brute force over allocations without them. No wall-clock limits: the
+instances are small enough to be proven, CP-SAT runs on one worker with a fixed seed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from optmem.models.pipeline import build_pipeline_model, make_units
+from optmem.problems.pipeline import PipelineProblem
+from optmem.result import SolveOptions, Status
+from optmem.solvers.pipeline_common import run_model
+from tests.test_pipeline_exact import set_partitions, thesis_chain
+
+pytest.importorskip("pulp", reason="the exact pipeline models need PuLP (optmem[engines])")
+pytest.importorskip("ortools", reason="the lifetime cuts are checked with CP-SAT")
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # PuLP 4.0 notices
+
+OPTS = SolveOptions(threads=1, seed=0, warm_start=False)
+
+
+@st.composite
+def chains(draw) -> PipelineProblem:
+    """2-4 layers, 2-3 GPUs, links free or slow, memory from tight to loose."""
+    n = draw(st.integers(2, 4))
+    f = [draw(st.integers(1, 3)) for _ in range(n)]
+    b = [draw(st.integers(1, 4)) for _ in range(n)]
+    a = [draw(st.integers(0, 3)) for _ in range(n + 1)] + [0]
+    w = [draw(st.integers(0, 2)) for _ in range(n)]
+    chain = thesis_chain(f, b, a, w)
+    lay = PipelineProblem(chain, 2, 0).layers
+    heavy = 3 * sum(lay.w) + 3 * sum(lay.x) + 4 * sum(lay.a)
+    memory = draw(st.integers(max(lay.x) + 3 * max(lay.w), max(heavy, 1) + 1))
+    beta = draw(st.sampled_from([math.inf, 1.0, 2.0]))
+    strict = draw(st.booleans())
+    return PipelineProblem(chain, draw(st.integers(2, 3)), memory, chain_bandwidth=beta,
+                           memory_model="strict" if strict else "stash")
+
+
+def rows(problem: PipelineProblem, **kwargs):
+    return build_pipeline_model(make_units(problem), problem.n_gpus, problem.memory_per_gpu,
+                                strict=problem.memory_model == "strict", lifetime_cuts=True,
+                                **kwargs)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(problem=chains())
+def test_every_allocation_optimum_satisfies_the_rows(problem):
+    """Each allocation's optimal plan violates no row of the model with the cuts at its period.
+
+    Also: the full model with the cuts proves the brute-force optimum over allocations.
+    """
+    n = make_units(problem).n
+    best = math.inf
+    for gpu in set_partitions(n, problem.n_gpus):
+        run = run_model(problem, "cpsat", OPTS, gpu=gpu)
+        assert run.status in (Status.OPTIMAL, Status.INFEASIBLE), run.report
+        if run.plan is None:
+            continue
+        best = min(best, run.plan.period)
+        for fixed in (None, gpu):
+            form = rows(problem, upper_bound=run.plan.period, gpu=fixed)
+            values = form.encode(run.plan)
+            assert values is not None
+            assert not form.model.violated(values, tol=1e-6), gpu
+    full = run_model(problem, "cpsat", OPTS, lifetime_cuts=True,
+                     upper_bound=None if math.isinf(best) else best * (1 + 1e-9))
+    if math.isinf(best):
+        assert full.status is Status.INFEASIBLE
+    else:
+        assert full.status is Status.OPTIMAL, full.report
+        assert full.plan is not None
+        assert full.plan.period == pytest.approx(best, abs=1e-6)
+
+
+def test_rows_are_in_the_model_when_memory_binds():
+    """The option adds the copy and chain rows; without a binding memory it adds nothing."""
+    chain = thesis_chain([1, 2, 1], [2, 3, 2], [1, 3, 2, 1, 0], [1, 1, 1])
+    tight = PipelineProblem(chain, 2, 12, chain_bandwidth=1.0)
+    names = [c.name for c in rows(tight, upper_bound=8.0).model.constraints]
+    assert sum(name.startswith("lt_own_") for name in names) == 3
+    assert any(name.startswith("chain_") for name in names)
+    loose = replace(tight, memory_per_gpu=10**6)
+    assert not any(c.name.startswith(("lt_own_", "chain_"))
+                   for c in rows(loose, upper_bound=8.0).model.constraints)
