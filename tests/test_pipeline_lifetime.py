@@ -95,3 +95,69 @@ def test_rows_are_in_the_model_when_memory_binds():
     loose = replace(tight, memory_per_gpu=10**6)
     assert not any(c.name.startswith(("lt_own_", "chain_"))
                    for c in rows(loose, upper_bound=8.0).model.constraints)
+
+
+PROBES = {"probe_step": 0.05, "probe_work": 5.0, "lifetime_cuts": True,
+          "warm_madpipe": False}
+
+
+@settings(max_examples=10, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(problem=chains(), method=st.sampled_from(["cpsat", "ilp"]))
+def test_probes_keep_the_optimum(problem, method):
+    """With probes and cuts the exact method proves the optimum it proves without them."""
+    from optmem.solvers.facade import solve
+    from tests.test_pipeline_exact import check
+
+    opts = replace(OPTS, warm_start=True)
+    plain = solve(problem, method, options=opts)
+    probed = solve(problem, method, options=replace(opts, extra=PROBES))
+    assert probed.status is plain.status, probed.report
+    if plain.status is Status.OPTIMAL:
+        check(problem, probed)
+        assert probed.objective == pytest.approx(plain.objective, abs=1e-5)
+        assert probed.report.get("probe_bound", 0.0) <= plain.objective + 1e-9
+
+
+def test_probes_raise_the_load_bound():
+    """Probes from the load bound (relaxation off) prove more than it, never above the optimum."""
+    from optmem.solvers.facade import solve
+    from optmem.solvers.pipeline_common import lower_bound
+    from tests.test_pipeline_benders import chain_with_subproblems
+
+    problem = chain_with_subproblems()
+    optimum = solve(problem, "cpsat", options=replace(OPTS, warm_start=True))
+    assert optimum.status is Status.OPTIMAL
+    for cuts in (False, True):
+        out = solve(problem, "cpsat", options=replace(OPTS, warm_start=True, extra={
+            **PROBES, "relaxation": False, "lifetime_cuts": cuts}))
+        assert out.status is Status.OPTIMAL
+        assert out.objective == pytest.approx(optimum.objective, abs=1e-6)
+        probes = out.report["probes"]
+        assert probes and probes[0]["status"] == "infeasible", probes
+        assert lower_bound(problem) < out.report["probe_bound"] <= optimum.objective + 1e-9
+
+
+def test_stopped_probe_keeps_a_valid_bound():
+    """A probe without enough work proves nothing; the bound stays the relaxation's."""
+    from optmem.solvers.facade import solve
+    from tests.test_pipeline_benders import chain_with_subproblems
+
+    problem = chain_with_subproblems()
+    optimum = solve(problem, "cpsat", options=replace(OPTS, warm_start=True)).objective
+    out = solve(problem, "cpsat", options=replace(
+        OPTS, warm_start=True, deterministic_time=1e-6,
+        extra={**PROBES, "probe_work": 1e-6}))
+    assert out.report["probe_bound"] <= optimum + 1e-9
+    assert out.bound <= optimum + 1e-9
+
+
+@pytest.mark.parametrize("extra", [{"probe_step": 2}, {"probe_step": True},
+                                   {"probe_work": 0}, {"lifetime_cuts": "yes"}])
+def test_bad_probe_options(extra):
+    from optmem.errors import OptmemInputError
+    from optmem.solvers.facade import solve
+    from tests.test_pipeline_benders import chain_with_subproblems
+
+    with pytest.raises(OptmemInputError):
+        solve(chain_with_subproblems(), "cpsat", options=replace(OPTS, extra=extra))
