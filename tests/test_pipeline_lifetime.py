@@ -20,6 +20,7 @@ from optmem.models.pipeline import build_pipeline_model, make_units
 from optmem.problems.pipeline import PipelineProblem
 from optmem.result import SolveOptions, Status
 from optmem.solvers.pipeline_common import run_model
+from tests.test_pipeline_benders import trimmable_problems
 from tests.test_pipeline_exact import set_partitions, thesis_chain
 
 pytest.importorskip("pulp", reason="the exact pipeline models need PuLP (optmem[engines])")
@@ -32,20 +33,9 @@ OPTS = SolveOptions(threads=1, seed=0, warm_start=False)
 
 @st.composite
 def chains(draw) -> PipelineProblem:
-    """2-4 layers, 2-3 GPUs, links free or slow, memory from tight to loose."""
-    n = draw(st.integers(2, 4))
-    f = [draw(st.integers(1, 3)) for _ in range(n)]
-    b = [draw(st.integers(1, 4)) for _ in range(n)]
-    a = [draw(st.integers(0, 3)) for _ in range(n + 1)] + [0]
-    w = [draw(st.integers(0, 2)) for _ in range(n)]
-    chain = thesis_chain(f, b, a, w)
-    lay = PipelineProblem(chain, 2, 0).layers
-    heavy = 3 * sum(lay.w) + 3 * sum(lay.x) + 4 * sum(lay.a)
-    memory = draw(st.integers(max(lay.x) + 3 * max(lay.w), max(heavy, 1) + 1))
-    beta = draw(st.sampled_from([math.inf, 1.0, 2.0]))
-    strict = draw(st.booleans())
-    return PipelineProblem(chain, draw(st.integers(2, 3)), memory, chain_bandwidth=beta,
-                           memory_model="strict" if strict else "stash")
+    """3-4 layers, 2-3 GPUs, links free or slow, memory from tight to loose, either model."""
+    problem = draw(trimmable_problems())
+    return replace(problem, memory_model=draw(st.sampled_from(["stash", "strict"])))
 
 
 def rows(problem: PipelineProblem, **kwargs):
