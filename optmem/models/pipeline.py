@@ -356,6 +356,7 @@ class PipelineFormulation:
     sig: dict[tuple[int, int], Expr] = field(default_factory=dict)
     bufv: dict[tuple[int, int], Expr] = field(default_factory=dict)
     pending: dict[tuple[Task, int], tuple[Expr, Task, Task]] = field(default_factory=dict)
+    link_copies: dict[int, Expr] = field(default_factory=dict)
     fixed_gpu: tuple[int, ...] | None = None
 
     # ------------------------------------------------------------ small helpers
@@ -531,7 +532,19 @@ class _Encoder:
         for (t, _), (o, x, y) in form.pending.items():
             self.set(o, max(0.0, self.val(form.prec(x, t)) + self.val(form.prec(t, y))
                             + self.val(form.prec(y, x)) - 1))
+        self._link_copies()
         return self._clamped()
+
+    def _link_copies(self) -> None:
+        """Copies of each cut's link stash (:class:`_LifetimeCuts`): ``ceil(lifetime / T)``."""
+        form = self.form
+        path = dependency_path(form.units.n)
+        for c, v in form.link_copies.items():
+            lo, hi = path.index(("S", c)), path.index(("G", c))
+            shifts = sum(self.val(v1 + v2) for _, _, v1, v2 in form.edges[lo:hi])
+            life = (self.val(form.start[("G", c)]) + self.val(form.duration(("G", c)))
+                    + shifts * self.period - self.val(form.start[("S", c)]))
+            self.set(v, max(1, math.ceil(life / self.period - 1e-9)))
 
     def _before(self, t: Task, u: Task) -> bool:
         a, b = self.val(self.form.start[t]), self.val(self.form.start[u])
@@ -607,7 +620,7 @@ class _Encoder:
 def build_pipeline_model(
     units: Units, n_gpus: int, memory: int, *, strict: bool = False,
     gpu: Sequence[int] | None = None, upper_bound: float | None = None,
-    lower_bound: float = 0.0,
+    lower_bound: float = 0.0, lifetime_cuts: bool = False,
 ) -> PipelineFormulation:
     """Build the model of the module docstring.
 
@@ -624,6 +637,9 @@ def build_pipeline_model(
     upper_bound, lower_bound
         Known bounds on the optimal period (a valid plan's period; a proven bound). The
         load bound is always added.
+    lifetime_cuts
+        Add the lifetime relaxation's copy rows at the period ``upper_bound``
+        (:class:`_LifetimeCuts`: valid inequalities, they remove no solution).
     """
     n = units.n
     if gpu is not None:
@@ -640,6 +656,10 @@ def build_pipeline_model(
                                upper, _size_unit(units, memory),
                                fixed_gpu=None if gpu is None else gpu)
     _Builder(form).build()
+    if lifetime_cuts and _Builder(form).memory_binds():
+        scale, _ = form.time_scale()
+        _LifetimeCuts(form, math.ceil(form.upper * scale), scale,
+                      math.floor(form.lower * scale)).build()
     return form
 
 
@@ -1010,8 +1030,12 @@ class _Relaxation(_Builder):
 
     def __init__(self, form: PipelineFormulation, ticks: int, scale: int) -> None:
         super().__init__(form)
+        self.grid(ticks, scale)
+
+    def grid(self, ticks: int, scale: int) -> None:
+        """Period ``ticks`` and durations rounded down on the grid ``1 / scale``."""
         self.ticks = ticks
-        u = form.units
+        u = self.u
         self.f = [math.floor(v * scale + 1e-9) for v in u.f]
         self.b = [math.floor(v * scale + 1e-9) for v in u.b]
         self.dt = [math.floor(v * scale + 1e-9) for v in u.dt]
@@ -1080,7 +1104,7 @@ class _Relaxation(_Builder):
         for q in range(u.n):
             stages.append(("unit", q, own[q]))
             if q < u.n - 1 and self.dt[q] > 0:
-                k = m.integer(f"kl_{q}", 1, most[q])
+                k = form.link_copies[q] = m.integer(f"kl_{q}", 1, most[q])
                 stages.append(("link", q, k))
         for (ka, a, ca), (kb, b, cb) in itertools.combinations(stages, 2):
             first = a + 1 if ka == "link" else a  # units first..b, cuts first..b-1 inside
@@ -1092,3 +1116,47 @@ class _Relaxation(_Builder):
             lits = [m.literal(form.same(c, c + 1), False)
                     for kind, c in ((ka, a), (kb, b)) if kind == "link"]
             m.add(self.ticks * (ca - cb + 1) >= load, f"chain_{ka}{a}_{kb}{b}", only_if=lits)
+
+
+class _LifetimeCuts(_Relaxation):
+    r"""The lifetime relaxation's copy rows, added to the full model (valid inequalities).
+
+    With ``c_q`` the model's copies of unit ``q`` (:meth:`PipelineFormulation.copies`:
+    its shifts from ``F_q`` to ``B_q`` plus ``[F_q before B_q]``) and ``T_hi`` the model's
+    upper bound on the period, on the grid ``1 / scale`` (``ticks = ceil(T_hi scale)``,
+    durations rounded down):
+
+    * ``ticks c_q >= D(q -> q)``, the work on the path from ``F_q`` to the end of ``B_q``,
+      transfers of the cuts included;
+    * the chain rows of :meth:`_Relaxation.chain`, ``(c_a - c_b + 1) ticks >= D(a..b)``
+      between units and cut links (a link's copies a new integer).
+
+    **Validity.** In every solution of the model, decoded with the model's own shifts
+    (digest ``madpipe.md`` 1.5-1.6, 4.3), unit ``q``'s stash lives ``l_q = tau_{B_q} +
+    sigma_q T + b_q - tau_{F_q}``; its forward and backward lie in one window of length
+    ``T``, so ``(c_q - 1) T + f_q + b_q <= l_q <= c_q T`` (if ``F_q`` precedes ``B_q`` in
+    the window, ``l_q - sigma_q T`` lies in ``[f_q + b_q, T]`` and ``c_q = sigma_q + 1``;
+    otherwise it lies in ``[f_q + b_q - T, 0]`` and ``c_q = sigma_q``); the same holds for
+    a cut's two transfers on their link with ``kl`` chosen as its copies. The dependency
+    rows give ``l_q >= D(q -> q)`` and ``l_a >= l_b + D(a..b) - load(b)`` for ``a`` before
+    ``b`` on the chain. So ``c_q T >= D(q -> q)`` and ``c_a T >= l_a >= (c_b - 1) T +
+    D(a..b)``, with ``T <= T_hi <= ticks / scale`` and the rounded durations at most the
+    true ones: every solution satisfies the rows (they remove none, only strengthen the
+    propagation). They are the rows :func:`build_relaxation` proves with, here on the
+    model's exact copies, so the full model sees them together with the waits its
+    schedule imposes.
+    """
+
+    def __init__(self, form: PipelineFormulation, ticks: int, scale: int, low_ticks: int
+                 ) -> None:
+        super().__init__(form, ticks, scale)
+        self.low_ticks = max(low_ticks, 1)
+
+    def build(self) -> None:
+        form, m, u = self.form, self.m, self.u
+        work = sum(self.f) + sum(self.b) + 2 * sum(self.dt)
+        most = [8 * u.n + 2 - (-work // self.low_ticks)] * u.n
+        own = [form.copies(q) for q in range(u.n)]
+        for q in range(u.n):
+            m.add(self.ticks * own[q] >= self.path(q, q), f"lt_own_{q}")
+        self.chain(own, most)

@@ -136,7 +136,7 @@ def run_model(
     problem: PipelineProblem, method: str, options: SolveOptions, *,
     units: Units | None = None, gpu: list[int] | None = None,
     upper_bound: float | None = None, warm: PipelinePlan | None = None, lower: float = 0.0,
-    feasibility: bool = False,
+    feasibility: bool = False, lifetime_cuts: bool = False,
 ) -> ModelRun:
     """Build the model of ``units`` (default: the layers), solve it with ``method``.
 
@@ -150,13 +150,16 @@ def run_model(
     ``feasibility``: no objective, so the engine stops at the first plan with a period
     between the bounds (the answer is then "some plan at or below ``upper_bound``", proven
     by that plan, or ``bound = inf``: none; ``bound`` means nothing else).
+    ``lifetime_cuts``: add the lifetime relaxation's copy rows at ``upper_bound``
+    (:func:`~optmem.models.pipeline.build_pipeline_model`; valid inequalities).
     """
     units = units if units is not None else make_units(problem)
     form = build_pipeline_model(units, problem.n_gpus, problem.memory_per_gpu,
                                 strict=problem.memory_model == "strict", gpu=gpu,
                                 upper_bound=upper_bound,
                                 lower_bound=max(lower, lower_bound(problem))
-                                if gpu is None else lower)
+                                if gpu is None else lower,
+                                lifetime_cuts=lifetime_cuts)
     if feasibility:
         form.model.minimize(0)
     values = form.encode(warm) if warm is not None and options.warm_start else None

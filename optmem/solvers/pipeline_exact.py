@@ -130,6 +130,68 @@ def relaxation_bound(problem: PipelineProblem, upper: float, options: SolveOptio
     return bound, {**report, "relaxation_bound": bound, "relaxation_probes": probes}
 
 
+PROBE_WORK = 60.0
+"""Default ``extra["probe_work"]``: CP-SAT deterministic time of one full-model probe."""
+
+
+def _probe_settings(options: SolveOptions) -> tuple[float | None, float, bool]:
+    """``probe_step`` (``None``: no probes), ``probe_work``, ``lifetime_cuts``, checked."""
+    extra = options.extra
+    step, work = extra.get("probe_step"), extra.get("probe_work", PROBE_WORK)
+    if step is not None and (isinstance(step, bool) or not isinstance(step, (int, float))
+                             or not 0 < step < 1):
+        raise OptmemInputError(f"probe_step must be a number in (0, 1) or null, got {step!r}",
+                               field="probe_step")
+    if isinstance(work, bool) or not isinstance(work, (int, float)) or not work > 0:
+        raise OptmemInputError(f"probe_work must be a positive number, got {work!r}",
+                               field="probe_work")
+    if not isinstance(extra.get("lifetime_cuts", False), bool):
+        raise OptmemInputError(f"lifetime_cuts must be true or false, got "
+                               f"{extra['lifetime_cuts']!r}", field="lifetime_cuts")
+    return step, float(work), extra.get("lifetime_cuts", False)
+
+
+def probe_bound(problem: PipelineProblem, best: Candidate, bound: float,
+                options: SolveOptions, deadline: float | None
+                ) -> tuple[float, Candidate | None, dict[str, Any]]:
+    """Raise ``bound`` by full-model feasibility probes just above it (``extra["probe_step"]``).
+
+    Probe ``k`` asks CP-SAT (``probe_work`` deterministic seconds, the options' threads and
+    seed) whether any allocation and 1-periodic pattern has a period at most ``T_k =
+    bound (1 + step)`` (below the incumbent). Infeasible: no plan has a period ``<= T_k``
+    up to the engine's grid, so ``T_k - 2 / scale`` is a proven bound (as for the
+    incumbent's cutoff in :func:`solve_exact`) and the next probe is one step higher. A
+    plan: replayed, it is returned as the new incumbent and probing ends. Undecided, a
+    failed engine or the deadline: probing ends with the last proven bound. The bisection
+    of the lifetime relaxation cannot see waits; the full model does, and just above the
+    relaxation's bound its refutations are the cheapest (``benchmarks/results/
+    pipeline_exact.md``).
+    """
+    step, work, cuts = _probe_settings(options)
+    report: dict[str, Any] = {"probes": []}
+    found: Candidate | None = None
+    while step is not None:
+        target = bound * (1 + step)
+        if target >= best[0] * (1 - OPTIMALITY_TOLERANCE):
+            break
+        left = None if deadline is None else deadline - time.perf_counter()
+        if left is not None and left <= 0:
+            break
+        opts = options.with_(deterministic_time=work, time_limit_s=left, warm_start=False)
+        run = run_model(problem, "cpsat", opts, upper_bound=target, feasibility=True,
+                        lower=bound, lifetime_cuts=cuts)
+        report["probes"].append({"period": target, "status": run.status.value,
+                                 **{k: run.report[k] for k in ("engine_time_s",)
+                                    if k in run.report}})
+        if run.failed or run.bound != math.inf:
+            if run.plan is not None and not run.failed and fits(problem, run.plan):
+                found = (run.plan.period, run.plan, "probe")
+            break
+        bound = max(bound, target - 2 * run.step)
+    report["probe_bound"] = bound
+    return bound, found, report
+
+
 def solve_exact(problem: PipelineProblem, options: SolveOptions, method: str) -> Result:
     """Optimal allocation and 1-periodic pattern (``method``: ``ilp`` or ``cpsat``)."""
     strategy = options.extra.get("strategy", "full")
@@ -144,6 +206,7 @@ def solve_exact(problem: PipelineProblem, options: SolveOptions, method: str) ->
     if not isinstance(options.extra.get("isolate", False), bool):
         raise OptmemInputError(f"isolate must be true or false, got "
                                f"{options.extra['isolate']!r}", field="isolate")
+    _probe_settings(options)
     if method == "ilp":
         engines.check_engine(options.solver)
     solver = options.solver if method == "ilp" else "cpsat"
@@ -157,6 +220,14 @@ def solve_exact(problem: PipelineProblem, options: SolveOptions, method: str) ->
             and engines.is_available("cpsat"):
         share = None if limit is None else RELAXATION_SHARE * limit
         relaxed, report = relaxation_bound(problem, best[0], options, share)
+    if best is not None and _probe_settings(options)[0] is not None \
+            and engines.is_available("cpsat"):
+        relaxed, probed, info = probe_bound(problem, best, relaxed, options,
+                                            None if limit is None else start + limit)
+        report.update(info)
+        if probed is not None:
+            starts = sorted([*starts, probed], key=lambda c: c[0])
+            best = starts[0]
     if best is not None and proven(best[0], relaxed):
         report.update(incumbents={s: p for p, _, s in starts}, source=best[2])
         return plan_result(problem, best[1], method=method, status=Status.OPTIMAL,
@@ -169,7 +240,7 @@ def solve_exact(problem: PipelineProblem, options: SolveOptions, method: str) ->
     left = None if limit is None else max(0.0, limit - (time.perf_counter() - start))
     run = run_model(problem, method, options.with_(time_limit_s=left),
                     upper_bound=best[0] if best else None, warm=best[1] if best else None,
-                    lower=relaxed)
+                    lower=relaxed, lifetime_cuts=_probe_settings(options)[2])
     report = {**report, **run.report, "incumbents": {s: p for p, _, s in starts}}
     if run.failed and run.engine is not None:
         return _failure(problem, method, solver, run.engine, report, best, relaxed)
