@@ -223,9 +223,12 @@ def checkpoint(
         ``"local"`` decides in this process alone.
     segment_cost
         Milliseconds charged per recomputed segment by the ``dp`` method (its ``extra``
-        option ``segment_cost``; ``docs/pytorch.md``, "What the chain does not count"):
-        the DP then prefers fewer, longer recomputed segments, and the result is
-        ``feasible`` (optimal for the chain plus that cost). ``None``: rotor's model.
+        option ``segment_cost``; ``docs/pytorch.md``, "What the chain counts in time"): the
+        DP then prefers fewer, longer recomputed segments. ``None`` (default): the cost the
+        profiler measured for this model (:mod:`optmem.pytorch.segments`; 0 for a chain
+        without one); ``0``: rotor's model, no charge. With a charge the result is
+        ``feasible`` for the chain and ``report["model_status"] == "optimal"``: optimal
+        for the chain plus the charges.
 
     Returns
     -------
