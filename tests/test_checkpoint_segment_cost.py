@@ -1,7 +1,7 @@
 """The persistent DP with a cost per recomputed segment (``extra={"segment_cost": c}``).
 
 Issue 13.6 target 1: a re-forward inside a long recomputed segment costs its kernels, each
-segment costs more (``docs/pytorch.md``, "What the chain does not count"). With
+segment costs more (``docs/pytorch.md``, "What the chain counts (time)"). With
 ``segment_cost = c`` the DP minimises ``makespan + c * (number of F_ck ops)``; the result is
 replayed by the simulator like any other (claim = value minus the segments' charges),
 ``feasible`` (not optimal for the chain alone), with the extended objective in its report.

@@ -223,7 +223,7 @@ def checkpoint(
         ``"local"`` decides in this process alone.
     segment_cost
         Milliseconds charged per recomputed segment by the ``dp`` method (its ``extra``
-        option ``segment_cost``; ``docs/pytorch.md``, "What the chain counts in time"): the
+        option ``segment_cost``; ``docs/pytorch.md``, "What the chain counts (time)"): the
         DP then prefers fewer, longer recomputed segments. ``None`` (default): the cost the
         profiler measured for this model (:mod:`optmem.pytorch.segments`; 0 for a chain
         without one); ``0``: rotor's model, no charge. With a charge the result is
