@@ -233,3 +233,34 @@ def _grads(module: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
 def test_the_segment_cost_type():
     cost = SegmentCost(1.5, 4, 12, (1.0, 1.5, 2.0))
     assert cost.as_dict()["ms"] == 1.5
+
+
+class _Masked(nn.Module):
+    """A module that is exported (not a Sequential), with a side input (the mask)."""
+
+    def __init__(self, width: int = 8, depth: int = 6) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x, mask):
+        m = (mask > 0).to(x.dtype)
+        for block in self.blocks:
+            x = torch.tanh(block(x) * m)
+        return x
+
+
+def test_exported_models_measure_with_their_side_inputs(grad_calls):
+    """The export route runs the two plans inside the side inputs' context; the timer and
+    the switch reach it; the one-liner then charges the measured cost."""
+    torch.manual_seed(3)
+    net, x, mask = _Masked(), torch.randn(4, 8), torch.randint(0, 2, (4, 8))
+    chain = op.profile_chain(net, (x, mask), repeats=1, warmup=0, time_model=_time_model,
+                             segment_timer=grad_calls)
+    assert chain.length >= 3 and chain.extra["profile"]["segment_cost_ms"] == 1.0
+    off = op.profile_chain(net, (x, mask), repeats=1, warmup=0, time_model=_time_model,
+                           measure_segments=False)
+    assert off.extra["profile"]["segment_cost"] is None
+    cnet = op.checkpoint(net, (x, mask), memory_limit=int(chain.store_all_peak() * 0.5),
+                         chain=chain)
+    assert cnet.result.report["segment_cost"] == 1.0
+    assert cnet.result.report["model_status"] == "optimal"

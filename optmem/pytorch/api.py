@@ -136,7 +136,8 @@ class RematOffloadedModule(PlannedModule):
 
 
 _PROFILE_OPTIONS = ("device", "repeats", "warmup", "progress", "time_model", "max_stages",
-                    "extract", "adjust_chain", "op_overhead")
+                    "extract", "adjust_chain", "op_overhead", "measure_segments",
+                    "segment_timer")
 _SOLVER_OPTIONS = ("slots", "variant", "time_limit_s", "process_group", "extra")
 _EXECUTOR_OPTIONS = {"checkpoint": ("preserve_rng_state", "restore_buffers", "strip_suffix"),
                      "offload": (), "remat_offload": ("preserve_rng_state", "restore_buffers")}

@@ -73,6 +73,8 @@ class ProfileOptions:
     max_stages: int | None = None
     extract: str = "auto"
     op_overhead: float | None = None  # ms per F op (None: profile.DEFAULT_OP_OVERHEAD_MS)
+    measure_segments: bool = True  # measure the cost per recomputed segment (segments.py)
+    segment_timer: Any = None  # its clock, timer(fn) -> ms (None: the profiler's)
     # what the profile does not see but the plan must count: (stages, chain) -> chain
     # (FSDP2's gathered parameters: optmem.pytorch.distributed.fsdp_chain)
     adjust_chain: Callable[[Sequence[Stage], Chain], Chain] | None = None
@@ -580,7 +582,8 @@ def profile_stage_chain(stages: Sequence[Stage], x: Any, profile: ProfileOptions
     kw = dict(device=profile.device, repeats=repeats or profile.repeats,
               warmup=profile.warmup if warmup is None else warmup, name=name,
               progress=profile.progress, time_model=time_model or profile.time_model,
-              loss_fn=loss_fn, measure_segments=measure_segments)
+              loss_fn=loss_fn, measure_segments=measure_segments and profile.measure_segments,
+              segment_timer=profile.segment_timer)
     if profile.op_overhead is not None:
         kw["op_overhead"] = profile.op_overhead
     if ctx is None:
