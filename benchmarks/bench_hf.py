@@ -15,7 +15,9 @@ loss, backward) is run by
   layer list in ``s`` segments (non-reentrant; the last segment is not checkpointed);
 * **optmem**: ``optmem.pytorch.checkpoint`` of the whole model (one profile, then
   ``cmodel.resolve(memory_limit=...)`` for every limit), gradients checked equal to the plain
-  model's;
+  model's; the DP charges the cost per recomputed segment the profiler measured (its
+  default); ``--segment-cost MS`` adds a series ``optmem seg=MS`` with that charge instead
+  (``0``: no charge, the default before);
 
 **Memory is measured, not predicted**: the exact activation peak of one step
 (:func:`optmem.pytorch.memory.measure_training_peak`: every storage created during the step,
@@ -541,9 +543,9 @@ def bench_model(spec: Spec, *, rounds: int, grid: int, steps: int, sweep: int,
         targets[f"sweep {k + 1}/{sweep}"] = hf.real_peak + (
             plain.real_peak - hf.real_peak) * (k + 1) // (sweep + 1)
     series = [run_series("optmem", cmodel, model, batch, targets, grid, steps)]
-    if segment_cost is not None:  # the DP charging each recomputed segment
-        series.append(run_series("optmem+seg", cmodel, model, batch, targets, grid, steps,
-                                 {"segment_cost": segment_cost}))
+    if segment_cost is not None:  # the DP with another charge per recomputed segment
+        series.append(run_series(f"optmem seg={segment_cost:g}", cmodel, model, batch,
+                                 targets, grid, steps, {"segment_cost": segment_cost}))
     for ser in series:
         log(f"  {ser.name}: smallest limit {ser.search.smallest / MiB:.2f} MiB, "
             f"{len(ser.search.by_plan)} plans measured, {len(ser.settings)} kept")
@@ -766,7 +768,9 @@ def report(results: list[dict[str, Any]], rounds: int, loads: list[str]) -> str:
         spec = res["spec"]
         out += [f"### {spec.name}: {res['layers']} layers, hidden {spec.hidden}, batch "
                 f"{spec.batch} x {spec.seq} tokens, vocabulary {spec.vocab}", "",
-                f"optmem chain: {res['chain'].length} stages.", ""]
+                f"optmem chain: {res['chain'].length} stages; cost per recomputed segment "
+                f"measured by the profiler (the dp's default `segment_cost`): "
+                f"{_segment_cost(res['chain'])}.", ""]
         out += summary(res) + ["", "Every setting (MiB; predicted: the chain model's "
                                    "simulation of the setting's plan):", ""]
         out += table(res) + ["", "At equal real memory (CPU ms):", ""] + matched_table(res)
@@ -775,6 +779,15 @@ def report(results: list[dict[str, Any]], rounds: int, loads: list[str]) -> str:
             out += [f"- {x}" for x in checks(res, ser)]
         out.append("")
     return "\n".join(out)
+
+
+def _segment_cost(chain: Chain) -> str:
+    measured = ((chain.extra or {}).get("profile") or {}).get("segment_cost") or {}
+    if not measured:
+        return "none"
+    samples = ", ".join(f"{x:.2f}" for x in measured["samples"])
+    return (f"{measured['ms']:.3f} ms ({measured['groups']} segments against 1 over "
+            f"{measured['reforwards']} re-forwarded stages; per-round samples {samples})")
 
 
 def _transformers_version() -> str:
@@ -799,7 +812,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                     help="skip MemTracker's second view of the peaks (slow on big models)")
     ap.add_argument("--segment-cost", type=float, default=None, metavar="MS",
                     help="also run optmem's dp with extra segment_cost=MS per recomputed "
-                         "segment (series 'optmem+seg')")
+                         "segment instead of the measured one (series 'optmem seg=MS'; 0: "
+                         "rotor's model, the default before the measured cost)")
     ap.add_argument("--markdown", help="write the tables to this file")
     ap.add_argument("--plot", help="write the time/memory plot (PNG) to this file")
     args = ap.parse_args(argv)

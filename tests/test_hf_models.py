@@ -34,7 +34,8 @@ def test_wrapped_at_60_percent_recomputes_within_the_limit(wrapped):
     name, model, kwargs, cmodel, limit = wrapped
     assert cmodel.extraction is not None and cmodel.extraction.method == "export"
     plan = cmodel.result.plan
-    assert cmodel.result.status == "optimal"
+    # optimal for its model: the chain's, or the chain plus the measured segment cost
+    assert (cmodel.result.report.get("model_status") or cmodel.result.status) == "optimal"
     assert any(op_.startswith(("F_ck", "F_none")) for op_ in plan), plan
     assert cmodel.expected_peak_bytes <= limit
     assert cmodel.expected_makespan >= cmodel.chain.total_compute_time()

@@ -136,7 +136,8 @@ class RematOffloadedModule(PlannedModule):
 
 
 _PROFILE_OPTIONS = ("device", "repeats", "warmup", "progress", "time_model", "max_stages",
-                    "extract", "adjust_chain", "op_overhead")
+                    "extract", "adjust_chain", "op_overhead", "measure_segments",
+                    "segment_timer")
 _SOLVER_OPTIONS = ("slots", "variant", "time_limit_s", "process_group", "extra")
 _EXECUTOR_OPTIONS = {"checkpoint": ("preserve_rng_state", "restore_buffers", "strip_suffix"),
                      "offload": (), "remat_offload": ("preserve_rng_state", "restore_buffers")}
@@ -223,9 +224,12 @@ def checkpoint(
         ``"local"`` decides in this process alone.
     segment_cost
         Milliseconds charged per recomputed segment by the ``dp`` method (its ``extra``
-        option ``segment_cost``; ``docs/pytorch.md``, "What the chain does not count"):
-        the DP then prefers fewer, longer recomputed segments, and the result is
-        ``feasible`` (optimal for the chain plus that cost). ``None``: rotor's model.
+        option ``segment_cost``; ``docs/pytorch.md``, "What the chain counts (time)"): the
+        DP then prefers fewer, longer recomputed segments. ``None`` (default): the cost the
+        profiler measured for this model (:mod:`optmem.pytorch.segments`; 0 for a chain
+        without one); ``0``: rotor's model, no charge. With a charge the result is
+        ``feasible`` for the chain and ``report["model_status"] == "optimal"``: optimal
+        for the chain plus the charges.
 
     Returns
     -------

@@ -21,6 +21,12 @@ faster); the discretised DP could miss it by rounding every size up to its unit.
 explicit ``slots``, the DP gets :func:`auto_slots` memory units: more for short chains, where
 rounding costs most and the DP is cheap.
 
+Checkpoint plans with the ``dp`` method also charge, by default, the cost per recomputed
+segment that the profiler measured (:func:`measured_segment_cost`,
+:mod:`optmem.pytorch.segments`): the executor pays it for every segment, the chain's stage
+times do not hold it. ``extra={"segment_cost": 0}`` (``op.checkpoint(segment_cost=0)``)
+turns it off, any other value replaces it.
+
 When no plan fits, the error names the smallest limit at which the method *does* find a
 plan after discretisation (:func:`smallest_feasible`): passing that figure back works.
 """
@@ -38,7 +44,8 @@ from optmem.errors import OptmemInputError
 from optmem.result import Result, SolveOptions, Status
 from optmem.units import chain_rate, format_size, parse_size
 
-__all__ = ["KINDS", "Planner", "auto_slots", "bandwidth_per_unit", "smallest_feasible"]
+__all__ = ["KINDS", "Planner", "auto_slots", "bandwidth_per_unit", "measured_segment_cost",
+           "smallest_feasible"]
 
 KINDS = ("checkpoint", "offload", "remat_offload")
 
@@ -65,6 +72,25 @@ def auto_slots(length: int) -> int:
     (2000, 1995, 500)
     """
     return max(DEFAULT_SLOTS, min(AUTO_SLOTS_MAX, AUTO_SLOTS_BUDGET // max(1, length) ** 2))
+
+
+def measured_segment_cost(chain: Chain) -> float:
+    """The cost per recomputed segment the profiler measured for ``chain`` (0 if none).
+
+    ``chain.extra["profile"]["segment_cost_ms"]`` (:mod:`optmem.pytorch.segments`): the
+    default ``segment_cost`` of the checkpoint ``dp`` method in the bridge. Chains from a
+    time model, the roofline, a file without it or of fewer than 3 stages give 0 (rotor's
+    model).
+
+    Examples
+    --------
+    >>> c = Chain.from_lists([1.0] * 3, [1.0] * 3, [4] * 3, [4] * 3, input_size=4)
+    >>> measured_segment_cost(c)
+    0.0
+    """
+    profile = (chain.extra or {}).get("profile") or {}
+    cost = profile.get("segment_cost_ms") if isinstance(profile, dict) else None
+    return float(cost) if isinstance(cost, (int, float)) and cost > 0 else 0.0
 
 
 def bandwidth_per_unit(bandwidth: float | str, chain: Chain) -> float:
@@ -169,8 +195,15 @@ class Planner:
             checkpoint_dp = self.kind == "checkpoint" and (method or self.method) == "dp"
             slots = auto_slots(chain.length) if chain is not None and checkpoint_dp \
                 else DEFAULT_SLOTS
+        extra = dict(self.extra)
+        if "segment_cost" not in extra and chain is not None and self.kind == "checkpoint" \
+                and (method or self.method) == "dp" \
+                and not (self.variant or "").startswith("floating"):
+            cost = measured_segment_cost(chain)
+            if cost:
+                extra["segment_cost"] = cost
         return SolveOptions(variant=self.variant, slots=slots,
-                            time_limit_s=self.time_limit_s, extra=dict(self.extra))
+                            time_limit_s=self.time_limit_s, extra=extra)
 
     def problem(self, chain: Chain, limit: int) -> Any:
         """The problem instance at ``limit`` bytes."""

@@ -41,6 +41,11 @@ two profiles of the same stages on the same input give the same bytes, on CPU, m
   thread, which does not advance while the process waits for a core, so other processes'
   load does not inflate it; wall-clock (``perf_counter``) with several threads.
 
+* ``segment_cost_ms`` (in ``extra["profile"]``): what a recomputed segment costs the
+  executor beyond its stages' forward times, measured by running two plans that re-forward
+  the same stages in one and in many segments (:mod:`optmem.pytorch.segments`); the
+  bridge's checkpoint DP charges it per ``F_ck`` by default.
+
 ``device="meta"`` profiles without running anything: the stages (copied to the meta device
 unless already there) are run on meta tensors, which gives the same exact sizes for models
 too large to instantiate. Times then come from ``time_model`` if given, else from a crude
@@ -70,6 +75,7 @@ from optmem.chain import Chain
 from optmem.errors import OptmemInputError
 from optmem.pytorch.extract import Stage, extract_stages, value_tensors
 from optmem.pytorch.memory import StorageTrace, storage_bytes, storage_key
+from optmem.pytorch.segments import MIN_STAGES, SegmentTimer, measure_segment_cost
 
 __all__ = ["DEFAULT_OP_OVERHEAD_MS", "DEFAULT_TIME_RESOLUTION", "LossFn", "TimeModel",
            "profile_chain", "profile_stages", "roofline_time_model", "round_time", "storage_key",
@@ -544,6 +550,8 @@ def profile_stages(
     time_resolution: float = DEFAULT_TIME_RESOLUTION,
     pool_identical: bool = True,
     op_overhead: float = DEFAULT_OP_OVERHEAD_MS,
+    measure_segments: bool = True,
+    segment_timer: SegmentTimer | None = None,
 ) -> Chain:
     """Profile already extracted stages on ``sample``; see :func:`profile_chain`."""
     if repeats < 1 or warmup < 0:
@@ -592,6 +600,12 @@ def profile_stages(
             fwd_time, bwd_time, loss_time = _stage_times(
                 modules, leaves, rows, setting, timer, repeats, warmup, time_model,
                 roofline_time_model(flops_per_s, bytes_per_s), loss_fn, last)
+            segments = None
+            if measure_segments and not meta and len(stages) >= MIN_STAGES \
+                    and (time_model is None or segment_timer is not None):
+                segments = measure_segment_cost(
+                    stages, sample, segment_timer or (lambda fn: timer(fn)[0]),
+                    repeats=2 * repeats + 1, warmup=warmup)
             bar.update(len(stages), "done")
     finally:
         bar.close()
@@ -621,6 +635,8 @@ def profile_stages(
             "clock": timer.clock if times == "measured" else None,
             "time_resolution": time_resolution if times == "measured" else 0.0,
             "op_overhead_ms": per_op,
+            "segment_cost_ms": q(segments.ms) if segments is not None and segments.ms else 0.0,
+            "segment_cost": segments.as_dict() if segments is not None else None,
             "time_classes": len({r.signature for r in rows}) if times == "measured" else None,
             "loss": "loss_fn" if loss_fn is not None else "not profiled",
             "output_left_out": [r.alias for r in rows]}},
@@ -692,6 +708,8 @@ def profile_chain(
     time_resolution: float = DEFAULT_TIME_RESOLUTION,
     pool_identical: bool = True,
     op_overhead: float = DEFAULT_OP_OVERHEAD_MS,
+    measure_segments: bool = True,
+    segment_timer: SegmentTimer | None = None,
 ) -> Chain:
     """Extract the chain of ``module`` and profile it on ``sample``.
 
@@ -734,6 +752,15 @@ def profile_chain(
         Milliseconds added to every measured forward time: the executor's own cost of an
         ``F`` op (:data:`DEFAULT_OP_OVERHEAD_MS`; 0 gives the kernels' times alone). Not
         added to times from ``time_model`` or the roofline.
+    measure_segments
+        Measure the cost per recomputed segment (:func:`~optmem.pytorch.segments.
+        measure_segment_cost`, ``2 * repeats + 1`` rounds of two train steps after
+        ``warmup``: one difference per round is noisier than one stage's time) into
+        ``chain.extra["profile"]["segment_cost_ms"]``, which the bridge's checkpoint DP
+        charges by default. Only with at least 3 stages, not on meta, and with measured
+        times or a ``segment_timer`` (else 0).
+    segment_timer
+        ``timer(fn) -> ms`` for that measurement (default: the profiler's clock).
 
     Returns
     -------
@@ -757,4 +784,5 @@ def profile_chain(
                           name=name, progress=progress, time_model=time_model,
                           flops_per_s=flops_per_s, bytes_per_s=bytes_per_s, loss_fn=loss_fn,
                           time_resolution=time_resolution, pool_identical=pool_identical,
-                          op_overhead=op_overhead)
+                          op_overhead=op_overhead, measure_segments=measure_segments,
+                          segment_timer=segment_timer)

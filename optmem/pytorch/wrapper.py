@@ -73,6 +73,8 @@ class ProfileOptions:
     max_stages: int | None = None
     extract: str = "auto"
     op_overhead: float | None = None  # ms per F op (None: profile.DEFAULT_OP_OVERHEAD_MS)
+    measure_segments: bool = True  # measure the cost per recomputed segment (segments.py)
+    segment_timer: Any = None  # its clock, timer(fn) -> ms (None: the profiler's)
     # what the profile does not see but the plan must count: (stages, chain) -> chain
     # (FSDP2's gathered parameters: optmem.pytorch.distributed.fsdp_chain)
     adjust_chain: Callable[[Sequence[Stage], Chain], Chain] | None = None
@@ -368,6 +370,12 @@ class PlannedModule(nn.Module):
                  f"(no recomputation, nothing moved: {chain.total_compute_time():.3f})",
                  f"expected activation peak {format_size(self.expected_peak_bytes)} "
                  f"(store all: {format_size(chain.store_all_peak())})"]
+        charge = result.report.get("segment_cost")
+        if charge:
+            lines.append(f"the plan's {result.report.get('segments')} recomputed segments are "
+                         f"charged {float(charge):.3f} {chain.time_unit} each when planning "
+                         f"(segment_cost; with them "
+                         f"{result.report['objective_with_segments']:.3f})")
         side = self.side_input_bytes()
         if side:
             lines.append(f"side inputs (masks, position tables; not in the limit): "
@@ -522,7 +530,8 @@ def plan_stages(fine: list[Stage], x: Any, profile: ProfileOptions, name: str,
             if like is not None and like.groups is not None and like.fine_names == fine_names:
                 groups = like.groups
             elif chain is None and profile.device != "meta":
-                quick = profile_stage_chain(fine, x, profile, name, ctx, repeats=1, warmup=1)
+                quick = profile_stage_chain(fine, x, profile, name, ctx, repeats=1, warmup=1,
+                                            measure_segments=False)
                 costs = [f + b for f, b in zip(quick.fwd_time, quick.bwd_time, strict=True)]
                 groups = stage_groups(len(fine), limit, costs)
             else:
@@ -534,6 +543,9 @@ def plan_stages(fine: list[Stage], x: Any, profile: ProfileOptions, name: str,
                 tuple(s.name for s in stages)
             prof = profile_stage_chain(stages, x, profile, name, ctx,
                                        time_model=_scaled_times(like, stages) if same else None)
+            if same:
+                assert like is not None
+                prof = _same_segment_cost(prof, like.chain)
             if profile.adjust_chain is not None:
                 prof = profile.adjust_chain(stages, prof)
         elif prof.length != len(stages):
@@ -563,14 +575,15 @@ def stage_groups(n: int, limit: int, costs: Sequence[float] | None,
 def profile_stage_chain(stages: Sequence[Stage], x: Any, profile: ProfileOptions, name: str,
                         ctx: SideInputs | None, *, repeats: int | None = None,
                         warmup: int | None = None, time_model: Any = None,
-                        loss_fn: Any = None) -> Chain:
+                        loss_fn: Any = None, measure_segments: bool = True) -> Chain:
     """Profile ``stages`` into a chain with the options of ``profile`` (side inputs ``ctx``)."""
     from optmem.pytorch.profile import profile_stages
 
     kw = dict(device=profile.device, repeats=repeats or profile.repeats,
               warmup=profile.warmup if warmup is None else warmup, name=name,
               progress=profile.progress, time_model=time_model or profile.time_model,
-              loss_fn=loss_fn)
+              loss_fn=loss_fn, measure_segments=measure_segments and profile.measure_segments,
+              segment_timer=profile.segment_timer)
     if profile.op_overhead is not None:
         kw["op_overhead"] = profile.op_overhead
     if ctx is None:
@@ -593,6 +606,18 @@ def _storage_bytes(values: Any) -> list[int]:
         for t in value_tensors(v):
             seen[t.untyped_storage()._cdata] = int(t.untyped_storage().nbytes())
     return list(seen.values())
+
+
+def _same_segment_cost(chain: Chain, like: Chain) -> Chain:
+    """``chain`` with the segment cost measured on ``like`` (same stages, other shapes)."""
+    measured = (like.extra or {}).get("profile") or {}
+    extra = dict(chain.extra or {})
+    profile = dict(extra.get("profile") or {})
+    for key in ("segment_cost_ms", "segment_cost"):
+        if key in measured:
+            profile[key] = measured[key]
+    extra["profile"] = profile
+    return dataclasses.replace(chain, extra=extra)
 
 
 def _scaled_times(like: _Variant | None, stages: Sequence[Stage]) -> Any:

@@ -130,7 +130,28 @@ def plan_min_memory(chain: Chain, plans: Iterable[tuple[Op, ...]], slots: int) -
           compare_as=(("dp", None), ("dp:rotor", None), ("dp:floating", FLOATING_MAX_LENGTH)),
           extra=("segment_cost",))
 def solve_checkpoint_dp(problem: CheckpointProblem, options: SolveOptions) -> Result:
-    """Optimal persistent (or floating) plan; ``optimal`` means optimal for the DP's model."""
+    """Optimal persistent (or floating) plan; ``optimal`` means optimal for the DP's model.
+
+    With ``extra["segment_cost"] = c > 0`` (persistent variants), the DP minimises the
+    makespan plus ``c`` per ``F_ck`` op (per recomputed segment). **It is exactly optimal for
+    that model** (``model = "persistent + segment cost"``, ``report["model_status"] =
+    "optimal"``, the minimum being ``report["objective_with_segments"]``): the plans the
+    recurrence ranges over are the persistent plans, and the objective stays additive over
+    its decisions. Proof sketch, by induction on ``t - s``: a persistent plan of the
+    sub-chain ``(s, t)`` at memory ``m`` either starts with ``F_all s`` (no ``F_ck`` op of
+    its own; its other ``F_ck`` ops are those of the sub-plan of ``(s+1, t)``) or with
+    ``F_ck s, F_none s+1 .. s'-1`` (exactly one ``F_ck`` op, then the sub-plans of
+    ``(s', t)`` and ``(s, s'-1)``, whose ``F_ck`` ops are disjoint and together all the
+    others). So ``makespan + c * #F_ck`` of the plan is the decision's local cost (``+ c``
+    on the ``F_ck`` branch only) plus that of its sub-plans, and the recurrence with ``C_ck
+    + c`` is Bellman's equation for it over the same decisions and memory states as rotor's.
+    ``tests/test_checkpoint_segment_cost.py`` checks it against a Dijkstra over every plan
+    of the simulator's op model with the persistence rule of the ``ilp:persistent`` model
+    (a value read by ``F_ck``/``F_all`` stays until its ``B``; no tape consumed), each
+    ``F_ck`` edge charged ``c``. The result's ``status`` stays ``feasible``: ``objective``,
+    ``bound`` and ``optimal`` are in the chain's time (CONTRACT section 2), and the plan
+    does not minimise the chain's makespan alone.
+    """
     variant = options.variant or "paper"
     if variant not in DP_VARIANTS:
         raise OptmemInputError(
@@ -163,8 +184,9 @@ def solve_checkpoint_dp(problem: CheckpointProblem, options: SolveOptions) -> Re
         # optimal for the chain plus a cost per segment, not for the chain alone: the
         # claim is the value without the segments' charges, the bound the chain's own
         segments = sum(1 for op in plan if op.kind is OpKind.F_CK)
-        report.update(model="persistent + segment cost", segment_cost=segment_cost,
-                      segments=segments, objective_with_segments=value)
+        report.update(model="persistent + segment cost", model_status=Status.OPTIMAL.value,
+                      segment_cost=segment_cost, segments=segments,
+                      objective_with_segments=value)
         return plan_result(problem, disc, plan, method="dp", status=Status.FEASIBLE,
                            bound=lower_bound(problem), variant=variant,
                            claimed=value - segment_cost * segments, report=report)

@@ -301,7 +301,7 @@ def solve_persistent_table(chain: Chain, budget: int, variant: str = "paper",
     segment_cost
         A time charged once per ``F_ck`` choice, i.e. per recomputed segment (``C_ck`` of
         the recurrence gets ``+ segment_cost``): what an executor pays per segment beyond
-        the stages' forward times (``docs/pytorch.md``, "What the chain does not count").
+        the stages' forward times (``docs/pytorch.md``, "What the chain counts (time)").
         The table's values then include it; the plan's makespan under the chain is the
         value minus ``segment_cost`` times its ``F_ck`` ops. 0 (default) is rotor's model.
     """
