@@ -29,6 +29,7 @@ from optmem.plan import OpKind  # noqa: E402
 from optmem.pytorch.execute import fusable_runs  # noqa: E402
 from optmem.pytorch.extract import extract_stages  # noqa: E402
 from optmem.pytorch.planning import Planner, measured_segment_cost  # noqa: E402
+from optmem.pytorch.profile import DEFAULT_SEGMENT_COST_MS  # noqa: E402
 from optmem.pytorch.segments import (  # noqa: E402
     SegmentCost,
     measure_segment_cost,
@@ -144,10 +145,11 @@ def test_a_chain_too_short_is_refused():
 def test_the_profile_records_the_measured_cost(grad_calls):
     x = torch.randn(2, 8, requires_grad=True)
     chain = op.profile_chain(_net(), x, repeats=1, warmup=0, time_model=_time_model,
-                             segment_timer=grad_calls)
+                             measure_segments=True, segment_timer=grad_calls)
     assert x.grad is None  # the measurement's steps leave the caller's input alone
     prof = chain.extra["profile"]
     assert prof["segment_cost_ms"] == 1.0 == measured_segment_cost(chain)
+    assert prof["segment_cost_source"] == "measured"
     assert prof["segment_cost"]["groups"] == 4 and len(prof["segment_cost"]["samples"]) == 3
     back = Chain.from_dict(json.loads(json.dumps(chain.to_dict())))
     assert back.extra["profile"]["segment_cost_ms"] == 1.0
@@ -163,6 +165,29 @@ def test_no_measurement_without_measured_times_or_when_off(grad_calls):
                                    segment_timer=grad_calls)):
         assert chain.extra["profile"]["segment_cost"] is None
         assert measured_segment_cost(chain) == 0.0
+
+
+def test_the_default_is_the_constant_and_takes_no_measurement():
+    """Measured times, no ``measure_segments``: :data:`DEFAULT_SEGMENT_COST_MS`, the same on
+    every profile, and the timer is never called; ``False`` records 0."""
+    x = torch.randn(2, 8)
+    used = []
+
+    def timer(fn) -> float:
+        used.append(fn)
+        return 0.0
+
+    chains = [op.profile_chain(_net(), x, repeats=1, warmup=0, segment_timer=timer)
+              for _ in range(2)]
+    assert not used
+    for chain in chains:
+        prof = chain.extra["profile"]
+        assert prof["times"] == "measured" and chain.length >= 3
+        assert prof["segment_cost_ms"] == DEFAULT_SEGMENT_COST_MS == measured_segment_cost(chain)
+        assert prof["segment_cost_source"] == "default" and prof["segment_cost"] is None
+    off = op.profile_chain(_net(), x, repeats=1, warmup=0, measure_segments=False)
+    assert off.extra["profile"]["segment_cost_ms"] == 0.0
+    assert off.extra["profile"]["segment_cost_source"] is None
 
 
 # ------------------------------------------------------------------ the bridge's default
@@ -255,7 +280,7 @@ def test_exported_models_measure_with_their_side_inputs(grad_calls):
     torch.manual_seed(3)
     net, x, mask = _Masked(), torch.randn(4, 8), torch.randint(0, 2, (4, 8))
     chain = op.profile_chain(net, (x, mask), repeats=1, warmup=0, time_model=_time_model,
-                             segment_timer=grad_calls)
+                             measure_segments=True, segment_timer=grad_calls)
     assert chain.length >= 3 and chain.extra["profile"]["segment_cost_ms"] == 1.0
     off = op.profile_chain(net, (x, mask), repeats=1, warmup=0, time_model=_time_model,
                            measure_segments=False)

@@ -226,8 +226,10 @@ def checkpoint(
         Milliseconds charged per recomputed segment by the ``dp`` method (its ``extra``
         option ``segment_cost``; ``docs/pytorch.md``, "What the chain counts (time)"): the
         DP then prefers fewer, longer recomputed segments. ``None`` (default): the cost the
-        profiler measured for this model (:mod:`optmem.pytorch.segments`; 0 for a chain
-        without one); ``0``: rotor's model, no charge. With a charge the result is
+        profile recorded for this model (1.0 ms,
+        :data:`~optmem.pytorch.profile.DEFAULT_SEGMENT_COST_MS`, or a measurement with
+        ``measure_segments=True``, :mod:`optmem.pytorch.segments`; 0 for a chain without
+        one); ``0``: rotor's model, no charge. With a charge the result is
         ``feasible`` for the chain and ``report["model_status"] == "optimal"``: optimal
         for the chain plus the charges.
 

@@ -22,10 +22,10 @@ explicit ``slots``, the DP gets :func:`auto_slots` memory units: more for short 
 rounding costs most and the DP is cheap.
 
 Checkpoint plans with the ``dp`` method also charge, by default, the cost per recomputed
-segment that the profiler measured (:func:`measured_segment_cost`,
-:mod:`optmem.pytorch.segments`): the executor pays it for every segment, the chain's stage
-times do not hold it. ``extra={"segment_cost": 0}`` (``op.checkpoint(segment_cost=0)``)
-turns it off, any other value replaces it.
+segment that the profile recorded (:func:`measured_segment_cost`: 1.0 ms by default, or
+the measurement of :mod:`optmem.pytorch.segments`): the executor pays it for every
+segment, the chain's stage times do not hold it. ``extra={"segment_cost": 0}``
+(``op.checkpoint(segment_cost=0)``) turns it off, any other value replaces it.
 
 When no plan fits, the error names the smallest limit at which the method *does* find a
 plan after discretisation (:func:`smallest_feasible`): passing that figure back works.
@@ -75,7 +75,7 @@ def auto_slots(length: int) -> int:
 
 
 def measured_segment_cost(chain: Chain) -> float:
-    """The cost per recomputed segment the profiler measured for ``chain`` (0 if none).
+    """The cost per recomputed segment the profile recorded for ``chain`` (0 if none).
 
     ``chain.extra["profile"]["segment_cost_ms"]`` (:mod:`optmem.pytorch.segments`): the
     default ``segment_cost`` of the checkpoint ``dp`` method in the bridge. Chains from a

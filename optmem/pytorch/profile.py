@@ -42,9 +42,10 @@ two profiles of the same stages on the same input give the same bytes, on CPU, m
   load does not inflate it; wall-clock (``perf_counter``) with several threads.
 
 * ``segment_cost_ms`` (in ``extra["profile"]``): what a recomputed segment costs the
-  executor beyond its stages' forward times, measured by running two plans that re-forward
-  the same stages in one and in many segments (:mod:`optmem.pytorch.segments`); the
-  bridge's checkpoint DP charges it per ``F_ck`` by default.
+  executor beyond its stages' forward times; :data:`DEFAULT_SEGMENT_COST_MS` unless
+  ``measure_segments=True`` measures it by running two plans that re-forward the same
+  stages in one and in many segments (:mod:`optmem.pytorch.segments`); the bridge's
+  checkpoint DP charges it per ``F_ck`` by default (``segment_cost_source`` says which).
 
 ``device="meta"`` profiles without running anything: the stages (copied to the meta device
 unless already there) are run on meta tensors, which gives the same exact sizes for models
@@ -75,9 +76,15 @@ from optmem.chain import Chain
 from optmem.errors import OptmemInputError
 from optmem.pytorch.extract import Stage, extract_stages, value_tensors
 from optmem.pytorch.memory import StorageTrace, storage_bytes, storage_key
-from optmem.pytorch.segments import MIN_STAGES, SegmentTimer, measure_segment_cost
+from optmem.pytorch.segments import (
+    MIN_STAGES,
+    SegmentCost,
+    SegmentTimer,
+    measure_segment_cost,
+)
 
-__all__ = ["DEFAULT_OP_OVERHEAD_MS", "DEFAULT_TIME_RESOLUTION", "LossFn", "TimeModel",
+__all__ = ["DEFAULT_OP_OVERHEAD_MS", "DEFAULT_SEGMENT_COST_MS", "DEFAULT_TIME_RESOLUTION",
+           "LossFn", "TimeModel",
            "profile_chain", "profile_stages", "roofline_time_model", "round_time", "storage_key",
            "value_nbytes"]
 
@@ -104,6 +111,21 @@ thread, shared machine): 0.07 ms per re-forward of tiny ``Linear(8, 8)`` stages,
 per re-forwarded stage of BERT's exported chain, its unfused backward call included
 (``docs/pytorch.md``, "What the chain counts").
 """
+DEFAULT_SEGMENT_COST_MS = 1.0
+"""What one recomputed segment costs the executor beyond its stages' forward times (ms).
+
+Recorded as ``chain.extra["profile"]["segment_cost_ms"]`` on chains with measured times and
+at least 3 stages unless ``measure_segments`` asks for a measurement (``True``) or for none
+(``False``: 0, rotor's model). A constant by default, like :data:`DEFAULT_OP_OVERHEAD_MS`, so
+that two profiles of one model give the same plan: the measurement
+(:func:`~optmem.pytorch.segments.measure_segment_cost`) is a difference of two noisy train
+steps, and on 2 loaded cores it gave 0-1.6 ms for BERT in eight profiles
+(``benchmarks/results/hf_segment.md``). 1.0 ms is the figure of the quiet diagnosis
+(1.1-1.3 ms per extra segment on BERT, ``benchmarks/results/hf_bert_diagnosis.md``) rounded
+down, and the value with which bench_hf's worst ratio improved on GPT-2, Llama and BERT in
+the same interleaved rounds.
+"""
+
 
 
 # ------------------------------------------------------------------ sizes
@@ -550,7 +572,7 @@ def profile_stages(
     time_resolution: float = DEFAULT_TIME_RESOLUTION,
     pool_identical: bool = True,
     op_overhead: float = DEFAULT_OP_OVERHEAD_MS,
-    measure_segments: bool = True,
+    measure_segments: bool | None = None,
     segment_timer: SegmentTimer | None = None,
 ) -> Chain:
     """Profile already extracted stages on ``sample``; see :func:`profile_chain`."""
@@ -601,7 +623,7 @@ def profile_stages(
                 modules, leaves, rows, setting, timer, repeats, warmup, time_model,
                 roofline_time_model(flops_per_s, bytes_per_s), loss_fn, last)
             segments = None
-            if measure_segments and not meta and len(stages) >= MIN_STAGES \
+            if measure_segments is True and not meta and len(stages) >= MIN_STAGES \
                     and (time_model is None or segment_timer is not None):
                 segments = measure_segment_cost(
                     stages, sample, segment_timer or (lambda fn: timer(fn)[0]),
@@ -617,6 +639,8 @@ def profile_stages(
     times = "time_model" if time_model is not None else ("roofline" if meta else "measured")
     q = (lambda t: round_time(t, time_resolution)) if times == "measured" else float
     per_op = op_overhead if times == "measured" else 0.0
+    segment_ms, segment_source = _segment_cost(segments, measure_segments,
+                                               times == "measured" and len(stages) >= MIN_STAGES)
     return Chain(
         fwd_time=tuple(q(t + per_op) for t in fwd_time), bwd_time=tuple(q(t) for t in bwd_time),
         output_size=tuple(r.output_size for r in rows),
@@ -635,12 +659,27 @@ def profile_stages(
             "clock": timer.clock if times == "measured" else None,
             "time_resolution": time_resolution if times == "measured" else 0.0,
             "op_overhead_ms": per_op,
-            "segment_cost_ms": q(segments.ms) if segments is not None and segments.ms else 0.0,
+            "segment_cost_ms": q(segment_ms) if segment_ms else 0.0,
+            "segment_cost_source": segment_source,
             "segment_cost": segments.as_dict() if segments is not None else None,
             "time_classes": len({r.signature for r in rows}) if times == "measured" else None,
             "loss": "loss_fn" if loss_fn is not None else "not profiled",
             "output_left_out": [r.alias for r in rows]}},
     )
+
+
+def _segment_cost(segments: SegmentCost | None, measure: bool | None,
+                  measured_times: bool) -> tuple[float, str | None]:
+    """The cost per recomputed segment to record, and where it comes from.
+
+    A measurement when one was taken; else :data:`DEFAULT_SEGMENT_COST_MS` on chains with
+    measured times of at least 3 stages unless ``measure`` is ``False``; else 0 (``None``).
+    """
+    if segments is not None:
+        return segments.ms, "measured"
+    if measure is None and measured_times:
+        return DEFAULT_SEGMENT_COST_MS, "default"
+    return 0.0, None
 
 
 def _profile_memory(modules: Sequence[nn.Module], stages: Sequence[Stage], sample: Any,
@@ -708,7 +747,7 @@ def profile_chain(
     time_resolution: float = DEFAULT_TIME_RESOLUTION,
     pool_identical: bool = True,
     op_overhead: float = DEFAULT_OP_OVERHEAD_MS,
-    measure_segments: bool = True,
+    measure_segments: bool | None = None,
     segment_timer: SegmentTimer | None = None,
 ) -> Chain:
     """Extract the chain of ``module`` and profile it on ``sample``.
@@ -753,12 +792,13 @@ def profile_chain(
         ``F`` op (:data:`DEFAULT_OP_OVERHEAD_MS`; 0 gives the kernels' times alone). Not
         added to times from ``time_model`` or the roofline.
     measure_segments
-        Measure the cost per recomputed segment (:func:`~optmem.pytorch.segments.
-        measure_segment_cost`, ``2 * repeats + 1`` rounds of two train steps after
-        ``warmup``: one difference per round is noisier than one stage's time) into
+        The cost per recomputed segment recorded in
         ``chain.extra["profile"]["segment_cost_ms"]``, which the bridge's checkpoint DP
-        charges by default. Only with at least 3 stages, not on meta, and with measured
-        times or a ``segment_timer`` (else 0).
+        charges by default. ``None`` (default): :data:`DEFAULT_SEGMENT_COST_MS` on chains
+        with measured times and at least 3 stages, else 0. ``True``: measure it
+        (:func:`~optmem.pytorch.segments.measure_segment_cost`, ``2 * repeats + 1`` rounds
+        of two train steps after ``warmup``; not on meta, and with ``time_model`` only with
+        a ``segment_timer``; noisy under load). ``False``: 0 (rotor's model).
     segment_timer
         ``timer(fn) -> ms`` for that measurement (default: the profiler's clock).
 

@@ -10,8 +10,11 @@ call too (:func:`~optmem.pytorch.execute.fusable_runs`). On BERT this was 1.1-1.
 segment (``benchmarks/results/hf_bert_diagnosis.md``), which the persistent DP can charge
 through its ``segment_cost`` option (:func:`optmem.solvers.checkpoint_dp.solve_persistent_table`).
 
-:func:`measure_segment_cost` measures it per model: two plans re-forward **the same
-stages** ``1 .. k`` (``k = L - 1``) exactly once each, one as a single segment
+:func:`measure_segment_cost` measures it per model when asked
+(``profile_chain(..., measure_segments=True)``; by default the profile records the constant
+:data:`~optmem.pytorch.profile.DEFAULT_SEGMENT_COST_MS`, since one difference of two noisy
+train steps per round does not give the same figure twice on a loaded machine): two plans
+re-forward **the same stages** ``1 .. k`` (``k = L - 1``) exactly once each, one as a single segment
 (:func:`segment_plans`, ``one``), the other as ``g`` segments (``many``). The chain predicts
 the same time for both (the same ops, only ``F_ck``/``F_none`` differ, which cost the same
 ``fwd_time``), so what the second costs more, divided by its ``g - 1`` extra segments, is

@@ -73,7 +73,7 @@ class ProfileOptions:
     max_stages: int | None = None
     extract: str = "auto"
     op_overhead: float | None = None  # ms per F op (None: profile.DEFAULT_OP_OVERHEAD_MS)
-    measure_segments: bool = True  # measure the cost per recomputed segment (segments.py)
+    measure_segments: bool | None = None  # segment cost: None constant, True measure, False 0
     segment_timer: Any = None  # its clock, timer(fn) -> ms (None: the profiler's)
     # what the profile does not see but the plan must count: (stages, chain) -> chain
     # (FSDP2's gathered parameters: optmem.pytorch.distributed.fsdp_chain)
@@ -575,14 +575,16 @@ def stage_groups(n: int, limit: int, costs: Sequence[float] | None,
 def profile_stage_chain(stages: Sequence[Stage], x: Any, profile: ProfileOptions, name: str,
                         ctx: SideInputs | None, *, repeats: int | None = None,
                         warmup: int | None = None, time_model: Any = None,
-                        loss_fn: Any = None, measure_segments: bool = True) -> Chain:
+                        loss_fn: Any = None, measure_segments: bool | None = None) -> Chain:
     """Profile ``stages`` into a chain with the options of ``profile`` (side inputs ``ctx``)."""
     from optmem.pytorch.profile import profile_stages
 
     kw = dict(device=profile.device, repeats=repeats or profile.repeats,
               warmup=profile.warmup if warmup is None else warmup, name=name,
               progress=profile.progress, time_model=time_model or profile.time_model,
-              loss_fn=loss_fn, measure_segments=measure_segments and profile.measure_segments,
+              loss_fn=loss_fn,
+              measure_segments=profile.measure_segments if measure_segments is None
+              else measure_segments and profile.measure_segments,
               segment_timer=profile.segment_timer)
     if profile.op_overhead is not None:
         kw["op_overhead"] = profile.op_overhead
