@@ -15,9 +15,9 @@ loss, backward) is run by
   layer list in ``s`` segments (non-reentrant; the last segment is not checkpointed);
 * **optmem**: ``optmem.pytorch.checkpoint`` of the whole model (one profile, then
   ``cmodel.resolve(memory_limit=...)`` for every limit), gradients checked equal to the plain
-  model's; the DP charges the cost per recomputed segment the profiler measured (its
-  default); ``--segment-cost MS`` adds a series ``optmem seg=MS`` with that charge instead
-  (``0``: no charge, the default before);
+  model's; the DP charges the cost per recomputed segment the profile records (1.0 ms by
+  default, ``DEFAULT_SEGMENT_COST_MS``); ``--segment-cost MS`` adds a series
+  ``optmem seg=MS`` with that charge instead (``0``: no charge, the default before);
 
 **Memory is measured, not predicted**: the exact activation peak of one step
 (:func:`optmem.pytorch.memory.measure_training_peak`: every storage created during the step,
@@ -769,7 +769,7 @@ def report(results: list[dict[str, Any]], rounds: int, loads: list[str]) -> str:
         out += [f"### {spec.name}: {res['layers']} layers, hidden {spec.hidden}, batch "
                 f"{spec.batch} x {spec.seq} tokens, vocabulary {spec.vocab}", "",
                 f"optmem chain: {res['chain'].length} stages; cost per recomputed segment "
-                f"measured by the profiler (the dp's default `segment_cost`): "
+                f"recorded by the profile (the dp's default `segment_cost`): "
                 f"{_segment_cost(res['chain'])}.", ""]
         out += summary(res) + ["", "Every setting (MiB; predicted: the chain model's "
                                    "simulation of the setting's plan):", ""]
@@ -782,9 +782,11 @@ def report(results: list[dict[str, Any]], rounds: int, loads: list[str]) -> str:
 
 
 def _segment_cost(chain: Chain) -> str:
-    measured = ((chain.extra or {}).get("profile") or {}).get("segment_cost") or {}
+    profile = (chain.extra or {}).get("profile") or {}
+    measured = profile.get("segment_cost") or {}
     if not measured:
-        return "none"
+        ms = float(profile.get("segment_cost_ms") or 0.0)
+        return f"{ms:.3f} ms ({profile.get('segment_cost_source') or 'none'})"
     samples = ", ".join(f"{x:.2f}" for x in measured["samples"])
     return (f"{measured['ms']:.3f} ms ({measured['groups']} segments against 1 over "
             f"{measured['reforwards']} re-forwarded stages; per-round samples {samples})")
