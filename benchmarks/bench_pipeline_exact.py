@@ -222,8 +222,7 @@ def part_profiles(profiles: list[str], gpus: list[int], limit: float) -> list[st
 # ------------------------------------------------------------------ part 3
 def part_headline(limit: float) -> list[str]:
     chain = resolve_chain("resnet50-b32-224")
-    bw = parse_pipeline_bandwidth("12GB/s", chain.time_unit)
-    problem = PipelineProblem(chain, 4, 3 * GIB, chain_bandwidth=bw)
+    problem = headline_problem(chain)
     rows = [f"Load: {uptime()}.", "",
             "| engine | status | period | bound | gap | time (s) | nodes | incumbents |",
             "|---|---|---|---|---|---|---|---|"]
@@ -236,6 +235,12 @@ def part_headline(limit: float) -> list[str]:
                     f"{out['nodes'] if out['nodes'] is not None else '-'} | {inc} |")
         print(rows[-1], flush=True)
     return rows
+
+
+def headline_problem(chain: Chain) -> PipelineProblem:
+    """The headline instance: ``chain`` on 4 GPUs of 3 GiB each, linked at 12 GB/s."""
+    bw = parse_pipeline_bandwidth("12GB/s", chain.time_unit)
+    return PipelineProblem(chain, 4, 3 * GIB, chain_bandwidth=bw)
 
 
 # ------------------------------------------------------------------ part 4
@@ -262,8 +267,7 @@ def part_allocations(cutoff: float, limit: float) -> list[str]:
     free-allocation model proves nothing.
     """
     chain = resolve_chain("resnet50-b32-224")
-    bw = parse_pipeline_bandwidth("12GB/s", chain.time_unit)
-    problem = PipelineProblem(chain, 4, 3 * GIB, chain_bandwidth=bw)
+    problem = headline_problem(chain)
     rows = [f"Load: {uptime()}.", "",
             "| allocation | GPU loads | status | period | time (s) |", "|---|---|---|---|---|"]
     units = make_units(problem)
@@ -311,8 +315,7 @@ def part_strategies(limit: float, headline: float) -> list[str]:
                 rows.append(strategy_row(f"{name} {factor}x", problem, strategy, limit))
     if headline:
         chain = resolve_chain("resnet50-b32-224")
-        bw = parse_pipeline_bandwidth("12GB/s", chain.time_unit)
-        problem = PipelineProblem(chain, 4, 3 * GIB, chain_bandwidth=bw)
+        problem = headline_problem(chain)
         rows.append(f"Load before the headline: {uptime()}.")
         rows.append(strategy_row("resnet50 3 GiB (headline)", problem, "benders", headline))
     return rows
@@ -322,8 +325,7 @@ def part_strategies(limit: float, headline: float) -> list[str]:
 def part_probes(limit: float, work: float = 60.0, step: float = 0.01) -> list[str]:
     """The headline with full-model probes above the relaxation (``probe_step``)."""
     chain = resolve_chain("resnet50-b32-224")
-    bw = parse_pipeline_bandwidth("12GB/s", chain.time_unit)
-    problem = PipelineProblem(chain, 4, 3 * GIB, chain_bandwidth=bw)
+    problem = headline_problem(chain)
     rows = ["| lifetime cuts | load (start / end) | status | period | bound | gap | time (s) | "
             "relaxation bound | probes (period: status, engine s) |",
             "|---|---|---|---|---|---|---|---|---|"]
@@ -409,8 +411,7 @@ def isolated_status(problem: PipelineProblem, gpu: tuple[int, ...], kept: tuple[
 def part_bounds(work: float = 5.0) -> list[str]:
     """The brief's packing bound, and GPU subsets of three allocations in isolation."""
     chain = resolve_chain("resnet50-b32-224")
-    bw = parse_pipeline_bandwidth("12GB/s", chain.time_unit)
-    problem = PipelineProblem(chain, 4, 3 * GIB, chain_bandwidth=bw)
+    problem = headline_problem(chain)
     units = make_units(problem)
     rows = [f"Load: {uptime()}.", "",
             f"Packing bound (load and memory per GPU, copies ceil(D_q / T)): "
