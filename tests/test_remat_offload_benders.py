@@ -162,6 +162,8 @@ def test_options_are_checked() -> None:
                          ({"strategy": "benders", "benders_iterations": 0},
                           "benders_iterations"),
                          ({"strategy": "benders", "benders_warmup": 1.5}, "benders_warmup"),
-                         ({"strategy": "benders", "benders_filter": "x"}, "benders_filter")):
+                         ({"strategy": "benders", "benders_filter": "x"}, "benders_filter"),
+                         ({"strategy": "benders", "benders_warmup": 0,
+                           "relaxation_deadlines": "no"}, "relaxation_deadlines")):
         with pytest.raises(OptmemInputError, match=field):
             solve(problem, "cpsat", options=OPTS.with_(extra=extra))

@@ -88,6 +88,7 @@ from optmem.plan import AnyOp
 from optmem.problems.remat_offload import RematOffloadProblem
 from optmem.result import Result, SolveOptions, Status
 from optmem.simulate.offload import simulate_offload
+from optmem.solvers.options import flag, positive_float, positive_int
 from optmem.solvers.remat_offload import (
     discretized,
     lower_bound,
@@ -118,24 +119,10 @@ class _State:
         "cpsat_deterministic_time": 0.0, "cpsat_branches": 0})
 
 
-def _float_option(options: SolveOptions, key: str, default: float) -> float:
-    value = options.extra.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise OptmemInputError(f"expected a positive number {key}, got {value!r}", field=key)
-    return float(value)
-
-
 def _iterations(options: SolveOptions) -> int | None:
     if options.extra.get("benders_iterations") is None:
         return None
-    return _int_option(options, "benders_iterations", 1)
-
-
-def _int_option(options: SolveOptions, key: str, default: int) -> int:
-    value = options.extra.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise OptmemInputError(f"expected a positive integer {key}, got {value!r}", field=key)
-    return value
+    return positive_int(options, "benders_iterations", 1)
 
 
 def _filter_mode(options: SolveOptions) -> str:
@@ -225,13 +212,13 @@ def solve_benders(problem: RematOffloadProblem, options: SolveOptions, *, sweeps
     began = time.monotonic()
     disc, beta = discretized(problem, options)
     chain, limit = disc.chain, disc.memory_limit
-    sub_work = _float_option(options, "benders_work", DEFAULT_SUB_WORK)
-    filter_work = _float_option(options, "benders_filter_work", DEFAULT_FILTER_WORK)
+    sub_work = positive_float(options, "benders_work", DEFAULT_SUB_WORK)
+    filter_work = positive_float(options, "benders_filter_work", DEFAULT_FILTER_WORK)
     max_iter = _iterations(options)
-    deadlines = options.extra.get("relaxation_deadlines", True)
+    deadlines = flag(options, "relaxation_deadlines", True)
     built = build_remat_offload(chain, limit, beta, sweeps=sweeps, transfers_per_gap=per_gap)
     master: Model = build_link_relaxation(chain, limit, beta, sweeps=sweeps,
-                                          deadlines=bool(deadlines))
+                                          deadlines=deadlines)
     theta = next(i for i, v in enumerate(master.vars) if v.name == "makespan")
     slots = _slots(built)
     opvars = [i for sl in slots for _, i in sl.ops]

@@ -67,6 +67,7 @@ from optmem.result import Result, SolveOptions, Status
 from optmem.simulate.checkpoint import initial_state, is_final, transition
 from optmem.simulate.offload import reads, simulate_offload
 from optmem.solvers.offload_bruteforce import interleave_transfers
+from optmem.solvers.options import flag, positive_int
 from optmem.solvers.registration import register, register_exporter
 from optmem.solvers.remat_offload import (
     PROBLEM,
@@ -257,13 +258,6 @@ class _Start:
     note: str
 
 
-def _int_option(options: SolveOptions, key: str, default: int) -> int:
-    value = options.extra.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise OptmemInputError(f"expected a positive integer {key}, got {value!r}", field=key)
-    return value
-
-
 def _candidates(problem: RematOffloadProblem, options: SolveOptions
                 ) -> list[tuple[float, str, tuple[AnyOp, ...]]]:
     """The DP, checkpoint-only and offload-only plans that replay, fastest first."""
@@ -378,10 +372,7 @@ def _relaxation_bound(chain: Chain, memory_limit: int, beta: float, sweeps: int,
     (``extra["relaxation"] = False``), no MILP engine is installed, there is no link or the
     engine fails.
     """
-    deadlines = options.extra.get("relaxation_deadlines", True)
-    if not isinstance(deadlines, bool):
-        raise OptmemInputError(f"expected true or false for relaxation_deadlines, got "
-                               f"{deadlines!r}", field="relaxation_deadlines")
+    deadlines = flag(options, "relaxation_deadlines", True)
     if not options.extra.get("relaxation", True) or beta <= 0:
         return -math.inf, {"status": "off"}
     pulp_engine = engine if engine != "cpsat" else "highs"
@@ -458,8 +449,8 @@ def _benders(problem: RematOffloadProblem, options: SolveOptions, sweeps: int, p
 def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: str
                  ) -> Result:
     disc, beta = discretized(problem, options)
-    sweeps = _int_option(options, "sweeps", 1)
-    per_gap = _int_option(options, "transfers_per_gap", 1)
+    sweeps = positive_int(options, "sweeps", 1)
+    per_gap = positive_int(options, "transfers_per_gap", 1)
     engine = "cpsat" if method == "cpsat" else options.solver
     if engine != "cpsat":
         engines.check_engine(engine)
@@ -585,6 +576,6 @@ def export_ilp(problem: RematOffloadProblem, options: SolveOptions, path: str) -
     """Write the model (no warm start, default horizon) as ``.mps`` or ``.lp``."""
     disc, beta = discretized(problem, options)
     built = build_remat_offload(disc.chain, disc.memory_limit, beta,
-                                sweeps=_int_option(options, "sweeps", 1),
-                                transfers_per_gap=_int_option(options, "transfers_per_gap", 1))
+                                sweeps=positive_int(options, "sweeps", 1),
+                                transfers_per_gap=positive_int(options, "transfers_per_gap", 1))
     write_model(cast(Any, to_pulp(built.model)), path)  # needs only ``.problem``

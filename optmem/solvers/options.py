@@ -1,0 +1,43 @@
+"""Checked numeric ``extra`` options of the solvers (one clear error for a bad value).
+
+Examples
+--------
+>>> from optmem.result import SolveOptions
+>>> positive_int(SolveOptions(extra={"sweeps": 2}), "sweeps", 1)
+2
+>>> positive_float(SolveOptions(), "benders_work", 10.0)
+10.0
+>>> flag(SolveOptions(extra={"relaxation_deadlines": False}), "relaxation_deadlines", True)
+False
+"""
+
+from __future__ import annotations
+
+from optmem.errors import OptmemInputError
+from optmem.result import SolveOptions
+
+__all__ = ["flag", "positive_float", "positive_int"]
+
+
+def positive_int(options: SolveOptions, key: str, default: int) -> int:
+    """``options.extra[key]`` (else ``default``) as an integer >= 1 (``bool`` refused)."""
+    value = options.extra.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise OptmemInputError(f"expected a positive integer {key}, got {value!r}", field=key)
+    return value
+
+
+def positive_float(options: SolveOptions, key: str, default: float) -> float:
+    """``options.extra[key]`` (else ``default``) as a number > 0 (``bool`` refused)."""
+    value = options.extra.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise OptmemInputError(f"expected a positive number {key}, got {value!r}", field=key)
+    return float(value)
+
+
+def flag(options: SolveOptions, key: str, default: bool) -> bool:
+    """``options.extra[key]`` (else ``default``), which must be ``True`` or ``False``."""
+    value = options.extra.get(key, default)
+    if not isinstance(value, bool):
+        raise OptmemInputError(f"expected true or false for {key}, got {value!r}", field=key)
+    return value
