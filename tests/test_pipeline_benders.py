@@ -65,6 +65,9 @@ def cold_equals_brute_force(problem: PipelineProblem, options: SolveOptions = OP
     assert out.plan is not None
     assert out.period == pytest.approx(expected, abs=1e-5)
     assert out.bound <= expected + 1e-9
+    sim = simulate_pipeline(problem, out.plan)  # every plan of the loop replays
+    assert sim.period == pytest.approx(out.period)
+    assert sim.peak_memory <= problem.memory_per_gpu
     return out
 
 
@@ -77,9 +80,6 @@ def test_cold_decomposition_equals_brute_force(problem, strict):
     out = cold_equals_brute_force(p)
     if out is None:
         return
-    sim = simulate_pipeline(p, out.plan)
-    assert sim.period == pytest.approx(out.period)
-    assert sim.peak_memory <= p.memory_per_gpu
     for gpu, bound in out.cuts.items():  # every allocation's bound holds
         run = run_model(p, "cpsat", replace(OPTS, warm_start=False), gpu=list(gpu))
         if run.plan is not None:

@@ -421,7 +421,7 @@ class Benders:
         part = trim_units(self.units, head, tail) if head + tail else self.units
         labels = _first_use(gpu[head:n - tail])
         used = sorted(set(labels))
-        if len(used) <= ISOLATE or self.problem.n_gpus <= ISOLATE:
+        if len(used) <= ISOLATE:  # len(used) <= n_gpus
             return
         for kept in itertools.combinations(used, ISOLATE):
             if self.out_of_time():
