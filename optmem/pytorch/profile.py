@@ -127,7 +127,6 @@ the same interleaved rounds.
 """
 
 
-
 # ------------------------------------------------------------------ sizes
 def value_nbytes(value: Any) -> int:
     """Bytes of the tensors of a value, from shapes (``numel * element_size``)."""

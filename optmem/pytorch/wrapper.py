@@ -575,16 +575,14 @@ def stage_groups(n: int, limit: int, costs: Sequence[float] | None,
 def profile_stage_chain(stages: Sequence[Stage], x: Any, profile: ProfileOptions, name: str,
                         ctx: SideInputs | None, *, repeats: int | None = None,
                         warmup: int | None = None, time_model: Any = None,
-                        loss_fn: Any = None, measure_segments: bool | None = None) -> Chain:
+                        loss_fn: Any = None, measure_segments: bool = True) -> Chain:
     """Profile ``stages`` into a chain with the options of ``profile`` (side inputs ``ctx``)."""
     from optmem.pytorch.profile import profile_stages
 
     kw = dict(device=profile.device, repeats=repeats or profile.repeats,
               warmup=profile.warmup if warmup is None else warmup, name=name,
               progress=profile.progress, time_model=time_model or profile.time_model,
-              loss_fn=loss_fn,
-              measure_segments=profile.measure_segments if measure_segments is None
-              else measure_segments and profile.measure_segments,
+              loss_fn=loss_fn, measure_segments=measure_segments and profile.measure_segments,
               segment_timer=profile.segment_timer)
     if profile.op_overhead is not None:
         kw["op_overhead"] = profile.op_overhead
@@ -615,7 +613,7 @@ def _same_segment_cost(chain: Chain, like: Chain) -> Chain:
     measured = (like.extra or {}).get("profile") or {}
     extra = dict(chain.extra or {})
     profile = dict(extra.get("profile") or {})
-    for key in ("segment_cost_ms", "segment_cost"):
+    for key in ("segment_cost_ms", "segment_cost_source", "segment_cost"):
         if key in measured:
             profile[key] = measured[key]
     extra["profile"] = profile
