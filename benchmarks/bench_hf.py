@@ -263,19 +263,21 @@ def _minflt() -> int:
 
 
 def timed_steps(call: Callable[..., Any], model: nn.Module, batch: dict[str, Any],
-                k: int = 1) -> Timing:
+                k: int = 1, *, gc_off: bool = True) -> Timing:
     """``k`` steps in a row, the fastest kept (gradients set to ``None`` before each).
 
     Interference (another process, an interrupt) only adds time, so the least of ``k``
-    steps is the robust figure of a round. Python's garbage collector is run before each
-    step and disabled during it (a collection would land in one step or another).
+    steps is the robust figure of a round. With ``gc_off``, Python's garbage collector is
+    run before each step and disabled during it (a collection would land in one step or
+    another).
     """
     best: tuple[float, float] | None = None
     faults = 0
     for _ in range(k):
         model.zero_grad(set_to_none=True)
-        gc.collect()
-        gc.disable()
+        if gc_off:
+            gc.collect()
+            gc.disable()
         try:
             f0 = _minflt()
             w0, c0 = time.perf_counter(), time.process_time()
@@ -283,7 +285,8 @@ def timed_steps(call: Callable[..., Any], model: nn.Module, batch: dict[str, Any
             wall, cpu = time.perf_counter() - w0, time.process_time() - c0
             faults += _minflt() - f0
         finally:
-            gc.enable()
+            if gc_off:
+                gc.enable()
         model.zero_grad(set_to_none=True)
         if best is None or cpu < best[1]:
             best = (wall, cpu)
@@ -919,7 +922,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         specs = [s for s in specs if s.name in wanted]
     rounds = args.rounds or (3 if args.quick else 9)
     options: dict[str, Any] = dict(grid=6, steps=2, sweep=1, repeats=1) if args.quick else \
-        dict(grid=8, steps=3, sweep=1, repeats=3)
+        dict(grid=8, steps=6, sweep=1, repeats=3)
     loads = [_load()]
     results = []
     for spec in specs:

@@ -217,3 +217,28 @@ def test_reexec_with_malloc_env(bench, monkeypatch):
     bench.reexec_with_malloc_env(["--quick"])
     assert len(calls) == 1
     assert "MALLOC_MMAP_THRESHOLD_" in bench._malloc_note()
+
+
+def test_timed_steps_can_leave_the_collector_on(bench, monkeypatch):
+    import gc
+
+    seen = []
+    monkeypatch.setattr(bench, "train_step", lambda *a: seen.append(gc.isenabled()))
+    bench.timed_steps(None, torch.nn.Linear(2, 2), {}, k=2, gc_off=False)
+    assert seen == [True, True]
+
+
+def test_noise_report():
+    spec = importlib.util.spec_from_file_location(
+        "bench_hf_noise", PATH.parent / "bench_hf_noise.py")
+    noise = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(noise)
+    runs = [{"cpu": {"HF|one step": [10.0, 12.0, 14.0, 16.0, 18.0]},
+             "faults": {"HF|one step": [0, 5, 5, 9, 9]}, "load": 1.5, "malloc": {}},
+            {"cpu": {"HF|one step": [10.0, 10.0, 10.0, 11.0, 11.0]},
+             "faults": {"HF|one step": [0, 0, 0, 0, 0]}, "load": 2.0,
+             "malloc": {"MALLOC_TRIM_THRESHOLD_": "1"}}]
+    text = noise.report("gpt2", 5, runs)
+    assert "| glibc defaults (load 1.5) | HF | one step | 14.0 | 4.0 | 28.6 % | 5 |" in text
+    assert "| MALLOC_TRIM_THRESHOLD_=1 (load 2.0) | HF | one step | 10.0 | 1.0 | 10.0 % | 0 |" \
+        in text
