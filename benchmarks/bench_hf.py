@@ -31,20 +31,33 @@ well. Every optmem plan's real peak is checked against its limit plus
 :func:`~optmem.pytorch.memory.plan_allowance` and the side inputs (column "real <= limit +
 allowance"). Gradients: every optmem plan bitwise equal to the plain model's
 (``torch.equal``), every baseline within :data:`GRAD_RTOL` (the largest difference is
-printed). Times are process CPU time, medians of interleaved rounds (every setting once per
-round, in a fixed order, after a warm-up round), with the interquartile range.
+printed). Times are process CPU time, medians of interleaved rounds (every setting in a
+fixed order in every round, after a warm-up round), with the interquartile range. In a round
+a setting runs ``--steps-per-round`` steps in a row (3) and keeps the fastest: interference
+only adds time. Python's garbage collector runs before each timed step and is off during it,
+and the script restarts itself with fixed glibc malloc settings (:data:`MALLOC_ENV`) so that
+no setting pays page faults for memory the one before it gave back (``--no-malloc-env``:
+glibc's defaults); the page faults per step are printed. The three measures are the same
+for every method.
 
 Usage::
 
     PYTHONPATH=. python benchmarks/bench_hf.py --quick            # GPT-2 only, short
     PYTHONPATH=. python benchmarks/bench_hf.py --markdown benchmarks/results/hf.md
+
+The full run (3 models, 7 rounds, 3 steps per round, MemTracker) took 14.8 minutes under
+load 3-4 on 2026-11-24's machine (about 11 of them CPU time of the script), of which the
+interleaved timing is about 4 minutes of CPU; ``--steps-per-round 2`` saves about a third of
+that, ``--no-memtracker`` the slow MemTracker pass.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import re
+import resource
 import statistics
 import sys
 import time
@@ -241,15 +254,72 @@ def tracker_peak(call: Callable[..., Any], model: nn.Module, batch: dict[str, An
     return peak
 
 
-def timed_step(call: Callable[..., Any], model: nn.Module,
-               batch: dict[str, Any]) -> tuple[float, float]:
-    """Wall-clock and process CPU milliseconds of one step (gradients reset outside)."""
-    model.zero_grad(set_to_none=True)
-    w0, c0 = time.perf_counter(), time.process_time()
-    train_step(call, model, batch)
-    wall, cpu = time.perf_counter() - w0, time.process_time() - c0
-    model.zero_grad(set_to_none=True)
-    return wall * 1e3, cpu * 1e3
+@dataclass(frozen=True)
+class Timing:
+    """What one round measured for one setting: the fastest of its ``k`` steps."""
+
+    wall: float  # wall-clock ms of the step with the least CPU time
+    cpu: float  # process CPU ms, the least of the k steps
+    faults: float  # minor page faults per step (mean over the k steps)
+
+
+def _minflt() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def timed_steps(call: Callable[..., Any], model: nn.Module, batch: dict[str, Any],
+                k: int = 1, *, gc_off: bool = True) -> Timing:
+    """``k`` steps in a row, the fastest kept (gradients set to ``None`` before each).
+
+    Interference (another process, an interrupt) only adds time, so the least of ``k``
+    steps is the robust figure of a round. With ``gc_off``, Python's garbage collector is
+    run before each step and disabled during it (a collection would land in one step or
+    another).
+    """
+    best: tuple[float, float] | None = None
+    faults = 0
+    for _ in range(k):
+        model.zero_grad(set_to_none=True)
+        if gc_off:
+            gc.collect()
+            gc.disable()
+        try:
+            f0 = _minflt()
+            w0, c0 = time.perf_counter(), time.process_time()
+            train_step(call, model, batch)
+            wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+            faults += _minflt() - f0
+        finally:
+            if gc_off:
+                gc.enable()
+        model.zero_grad(set_to_none=True)
+        if best is None or cpu < best[1]:
+            best = (wall, cpu)
+    assert best is not None
+    return Timing(best[0] * 1e3, best[1] * 1e3, faults / max(1, k))
+
+
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2 ** 20),
+              "MALLOC_TRIM_THRESHOLD_": str(2 ** 40)}
+"""glibc malloc settings the benchmark runs under (``--no-malloc-env``: glibc's defaults).
+
+With glibc's defaults, blocks above a dynamic threshold are ``mmap``-ed and freed memory
+at the top of the heap is returned to the system, so a step that needs more memory than
+the step before page-faults its activations in again (10,000 minor faults a step for GPT-2
+store-all after a low-memory setting: +10 % time, and the IQR doubles). A fixed mmap
+threshold (32 MiB, glibc's largest; every tensor of these configs is smaller) and no
+trimming keep the pages mapped, so every setting runs on warm memory. glibc reads these
+variables once, at start-up: :func:`reexec_with_malloc_env` restarts the process with
+them."""
+
+
+def reexec_with_malloc_env(argv: list[str]) -> None:
+    """Restart this script with :data:`MALLOC_ENV` unless it is already set (no return)."""
+    if all(os.environ.get(k) == v for k, v in MALLOC_ENV.items()):
+        return
+    env = {**os.environ, **MALLOC_ENV}
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, str(Path(__file__).resolve()), *argv], env)
 
 
 def gradients(call: Callable[..., Any], model: nn.Module,
@@ -327,6 +397,7 @@ class Setting:
     real_peak: int = 0  # exact activation peak of a step (measure_training_peak), bytes
     cpu: list[float] = field(default_factory=list)
     wall: list[float] = field(default_factory=list)
+    faults: list[float] = field(default_factory=list)  # minor page faults per step, by round
     limit: int | None = None
     allowance: int | None = None  # plan_allowance of an optmem plan (bytes)
     tracker: int | None = None  # MemTracker's activation peak of the same step (bytes)
@@ -343,6 +414,11 @@ class Setting:
             return 0.0
         q = statistics.quantiles(self.cpu, n=4, method="inclusive")
         return q[2] - q[0]
+
+    @property
+    def faults_median(self) -> float:
+        """Median minor page faults per timed step (0 when the heap stays mapped)."""
+        return statistics.median(self.faults) if self.faults else 0.0
 
     @property
     def wall_median(self) -> float:
@@ -518,8 +594,12 @@ def baselines(model: nn.Module, chain: Chain, layers_of: list[int | None], layer
 def bench_model(spec: Spec, *, rounds: int, grid: int, steps: int, sweep: int,
                 repeats: int, more: bool = True,
                 memtracker: bool = True, segment_cost: float | None = None,
-                log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Measure every setting on one model (memory first, then interleaved timing)."""
+                per_round: int = 1, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Measure every setting on one model (memory first, then interleaved timing).
+
+    Every round runs every setting ``per_round`` steps in a row and keeps the fastest
+    (:func:`timed_steps`).
+    """
     model, batch = build(spec)
     layers = len(layer_list(model))
     log(f"{spec.name}: {layers} layers, hidden {spec.hidden}, batch {spec.batch} x {spec.seq}")
@@ -575,12 +655,14 @@ def bench_model(spec: Spec, *, rounds: int, grid: int, steps: int, sweep: int,
     for r in range(rounds + 1):
         for st in everything:
             with st.enter() as call:
-                wall, cpu = timed_step(call, model, batch)
+                timing = timed_steps(call, model, batch, per_round)
             if r > 0:
-                st.wall.append(wall)
-                st.cpu.append(cpu)
+                st.wall.append(timing.wall)
+                st.cpu.append(timing.cpu)
+                st.faults.append(timing.faults)
     return {"spec": spec, "layers": layers, "chain": chain, "settings": settings,
-            "series": series, "targets": targets, "grad_diff": grad_diff}
+            "series": series, "targets": targets, "grad_diff": grad_diff,
+            "per_round": per_round}
 
 
 # ------------------------------------------------------------------ report
@@ -689,7 +771,7 @@ def table(res: dict[str, Any]) -> list[str]:
     plain, hf = settings[0], settings[1]
     rows = _header("method", "setting", "predicted peak", "real peak", "MemTracker",
                    "real <= limit + allowance", "CPU ms (median)", "IQR", "wall ms",
-                   "/ store-all", "/ HF", "predicted ms")
+                   "/ store-all", "/ HF", "predicted ms", "page faults / step")
     everything = settings + [st for ser in res["series"]
                              for st in sorted(ser.settings.values(), key=lambda s: s.limit)]
     for st in everything:
@@ -697,7 +779,7 @@ def table(res: dict[str, Any]) -> list[str]:
                     f"{_mib(st.real_peak)} | {_mib(st.tracker)} | {within(st)} | "
                     f"{st.median:.0f} | {st.iqr:.0f} | {st.wall_median:.0f} | "
                     f"{st.median / plain.median:.3f} | {st.median / hf.median:.3f} | "
-                    f"{st.predicted_ms or 0:.0f} |")
+                    f"{st.predicted_ms or 0:.0f} | {st.faults_median:.0f} |")
     return rows
 
 
@@ -762,7 +844,8 @@ def report(results: list[dict[str, Any]], rounds: int, loads: list[str]) -> str:
            "Produced by `PYTHONPATH=. python benchmarks/bench_hf.py` (see its docstring for "
            "what is measured and how).", "",
            f"torch {torch.__version__}, transformers {_transformers_version()}, CPU, "
-           f"`torch.set_num_threads(1)`, medians of {rounds} interleaved rounds; "
+           f"`torch.set_num_threads(1)`, medians of {rounds} interleaved rounds "
+           f"({_per_round(results)}); {_malloc_note()}; "
            f"load average (1 min) during the run: {', '.join(loads)}.", ""]
     for res in results:
         spec = res["spec"]
@@ -792,6 +875,18 @@ def _segment_cost(chain: Chain) -> str:
             f"{measured['reforwards']} re-forwarded stages; per-round samples {samples})")
 
 
+def _per_round(results: list[dict[str, Any]]) -> str:
+    k = max((res.get("per_round", 1) for res in results), default=1)
+    return "one step per setting and round" if k == 1 else \
+        f"per setting and round the fastest of {k} steps in a row"
+
+
+def _malloc_note() -> str:
+    if all(os.environ.get(k) == v for k, v in MALLOC_ENV.items()):
+        return "glibc malloc with " + ", ".join(f"`{k}={v}`" for k, v in MALLOC_ENV.items())
+    return "glibc malloc's default settings"
+
+
 def _transformers_version() -> str:
     import transformers
 
@@ -816,9 +911,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                     help="also run optmem's dp with extra segment_cost=MS per recomputed "
                          "segment instead of the measured one (series 'optmem seg=MS'; 0: "
                          "rotor's model, the default before the measured cost)")
+    ap.add_argument("--steps-per-round", type=int, default=None, metavar="K",
+                    help="steps in a row per setting and round, the fastest kept (3; quick 1)")
+    ap.add_argument("--no-malloc-env", action="store_true",
+                    help="keep glibc malloc's defaults (no restart with MALLOC_ENV)")
     ap.add_argument("--markdown", help="write the tables to this file")
     ap.add_argument("--plot", help="write the time/memory plot (PNG) to this file")
     args = ap.parse_args(argv)
+    if argv is None and not args.no_malloc_env:  # run as a script: glibc reads it at start
+        reexec_with_malloc_env(sys.argv[1:])
     torch.set_num_threads(1)
     specs = list(QUICK if args.quick else FULL)
     if args.models:
@@ -826,13 +927,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         specs = [s for s in specs if s.name in wanted]
     rounds = args.rounds or (3 if args.quick else 9)
     options: dict[str, Any] = dict(grid=6, steps=2, sweep=1, repeats=1) if args.quick else \
-        dict(grid=8, steps=3, sweep=1, repeats=3)
+        dict(grid=8, steps=6, sweep=1, repeats=3)
     loads = [_load()]
     results = []
     for spec in specs:
         results.append(bench_model(spec, rounds=rounds,
                                    more=not args.hf_only, memtracker=not args.no_memtracker,
                                    segment_cost=args.segment_cost,
+                                   per_round=args.steps_per_round or (1 if args.quick else 3),
                                    **options))
         loads.append(_load())
     text = report(results, rounds, loads)

@@ -79,14 +79,15 @@ def test_layer_plans(bench):
 
 def test_benchmark_code_path(bench, tmp_path):
     res = bench.bench_model(bench.Spec(**TINY), rounds=1, grid=3, steps=1, sweep=1,
-                            repeats=1, log=lambda _: None)
+                            repeats=1, per_round=2, log=lambda _: None)
     settings = res["settings"]
     plain, hf = settings[0], settings[1]
     assert [s.setting for s in settings[2:]] == ["every 2", "every 3", "2 segments",
                                                  "3 segments", "4 segments"]
     assert 0 < hf.real_peak < plain.real_peak
     assert plain.tracker is not None and hf.tracker is not None  # MemTracker's view too
-    assert all(len(s.cpu) == 1 and len(s.wall) == 1 for s in settings)
+    assert all(len(s.cpu) == 1 and len(s.wall) == 1 and len(s.faults) == 1 for s in settings)
+    assert res["per_round"] == 2
     assert [s.name for s in res["series"]] == ["optmem"]
     for ser in res["series"]:
         assert ser.settings, ser.name
@@ -104,6 +105,7 @@ def test_benchmark_code_path(bench, tmp_path):
     assert set(res["grad_diff"]) >= {s.label for s in settings[1:]}
     text = bench.report([res], 1, ["0.0"])
     assert "Targets of issue 13.6, optmem:" in text
+    assert "the fastest of 2 steps in a row" in text and "page faults / step" in text
     assert text.count("| store-all | plain model |") == 1
     assert "| HF gradient checkpointing |" in text
     bench.plot([res], tmp_path / "hf.png")
@@ -146,3 +148,97 @@ def test_grad_difference_and_tolerance(bench):
         bench.check_close([torch.ones(3) * 1.01], [torch.ones(3)], "x")
     with pytest.raises(AssertionError, match="None on one side"):
         bench.check_close([None], [torch.ones(3)], "x")
+
+
+class _Clock:
+    """Process time that advances by a scripted amount per train step (deterministic)."""
+
+    def __init__(self, steps):
+        self.steps, self.now, self.calls = list(steps), 0.0, 0
+
+    def process_time(self):
+        return self.now
+
+    def perf_counter(self):
+        return self.now
+
+    def step(self, *args, **kwargs):
+        self.calls += 1
+        self.now += self.steps.pop(0)
+
+
+def test_timed_steps_keeps_the_fastest_with_gc_off(bench, monkeypatch):
+    import gc
+
+    clock = _Clock([0.30, 0.10, 0.20])
+    seen = []
+
+    def step(*args):
+        seen.append(gc.isenabled())
+        clock.step()
+
+    monkeypatch.setattr(bench.time, "process_time", clock.process_time)
+    monkeypatch.setattr(bench.time, "perf_counter", clock.perf_counter)
+    monkeypatch.setattr(bench, "train_step", step)
+    faults = iter([10, 14, 14, 14, 20, 26])  # before/after of each step: 4, 0, 6 faults
+    monkeypatch.setattr(bench, "_minflt", lambda: next(faults))
+    model = torch.nn.Linear(2, 2)
+    got = bench.timed_steps(None, model, {}, k=3)
+    assert clock.calls == 3 and seen == [False, False, False]  # collector off in each step
+    assert gc.isenabled()
+    assert got.cpu == pytest.approx(100.0) and got.wall == pytest.approx(100.0)
+    assert got.faults == pytest.approx(10 / 3)
+
+
+def test_timed_steps_turns_the_collector_back_on_after_an_error(bench, monkeypatch):
+    import gc
+
+    def boom(*args):
+        raise RuntimeError("step failed")
+
+    monkeypatch.setattr(bench, "train_step", boom)
+    with pytest.raises(RuntimeError, match="step failed"):
+        bench.timed_steps(None, torch.nn.Linear(2, 2), {}, k=2)
+    assert gc.isenabled()
+
+
+def test_reexec_with_malloc_env(bench, monkeypatch):
+    calls = []
+    monkeypatch.setattr(bench.os, "execve", lambda *a: calls.append(a))
+    for key in bench.MALLOC_ENV:
+        monkeypatch.delenv(key, raising=False)
+    assert bench._malloc_note() == "glibc malloc's default settings"
+    bench.reexec_with_malloc_env(["--quick"])
+    (exe, args, env), = calls
+    assert exe == bench.sys.executable and args[1:] == [str(PATH), "--quick"]
+    assert all(env[k] == v for k, v in bench.MALLOC_ENV.items())
+    for key, value in bench.MALLOC_ENV.items():  # already set: no second restart
+        monkeypatch.setenv(key, value)
+    bench.reexec_with_malloc_env(["--quick"])
+    assert len(calls) == 1
+    assert "MALLOC_MMAP_THRESHOLD_" in bench._malloc_note()
+
+
+def test_timed_steps_can_leave_the_collector_on(bench, monkeypatch):
+    import gc
+
+    seen = []
+    monkeypatch.setattr(bench, "train_step", lambda *a: seen.append(gc.isenabled()))
+    bench.timed_steps(None, torch.nn.Linear(2, 2), {}, k=2, gc_off=False)
+    assert seen == [True, True]
+
+
+def test_noise_report():
+    spec = importlib.util.spec_from_file_location(
+        "bench_hf_noise", PATH.parent / "bench_hf_noise.py")
+    noise = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(noise)
+    runs = [{"cpu": {"HF|one step": [10.0, 12.0, 14.0, 16.0, 18.0]},
+             "faults": {"HF|one step": [0, 5, 5, 9, 9]}, "load": 1.5, "malloc": {}},
+            {"cpu": {"HF|one step": [10.0, 10.0, 10.0, 11.0, 11.0]},
+             "faults": {"HF|one step": [0, 0, 0, 0, 0]}, "load": 2.0,
+             "malloc": {"MALLOC_TRIM_THRESHOLD_": "1"}}]
+    text = noise.report("gpt2", 5, runs)
+    assert "| glibc defaults (load 1.5) | HF | one step | 14.0 | 4.0 | 28.6 % | 5 |" in text
+    assert "| MALLOC_TRIM_THRESHOLD_=1 (load 2.0) | HF | one step | 10.0 | 1.0 | 10.0 % | 0 |" \
+        in text

@@ -28,7 +28,7 @@ from optmem.errors import OptmemInputError  # noqa: E402
 from optmem.plan import OpKind  # noqa: E402
 from optmem.pytorch.execute import fusable_runs  # noqa: E402
 from optmem.pytorch.extract import extract_stages  # noqa: E402
-from optmem.pytorch.planning import Planner, measured_segment_cost  # noqa: E402
+from optmem.pytorch.planning import Planner, recorded_segment_cost  # noqa: E402
 from optmem.pytorch.profile import DEFAULT_SEGMENT_COST_MS  # noqa: E402
 from optmem.pytorch.segments import (  # noqa: E402
     SegmentCost,
@@ -148,7 +148,7 @@ def test_the_profile_records_the_measured_cost(grad_calls):
                              measure_segments=True, segment_timer=grad_calls)
     assert x.grad is None  # the measurement's steps leave the caller's input alone
     prof = chain.extra["profile"]
-    assert prof["segment_cost_ms"] == 1.0 == measured_segment_cost(chain)
+    assert prof["segment_cost_ms"] == 1.0 == recorded_segment_cost(chain)
     assert prof["segment_cost_source"] == "measured"
     assert prof["segment_cost"]["groups"] == 4 and len(prof["segment_cost"]["samples"]) == 3
     back = Chain.from_dict(json.loads(json.dumps(chain.to_dict())))
@@ -164,7 +164,7 @@ def test_no_measurement_without_measured_times_or_when_off(grad_calls):
                   op.profile_chain(_net(1), x, repeats=1, warmup=0,
                                    segment_timer=grad_calls)):
         assert chain.extra["profile"]["segment_cost"] is None
-        assert measured_segment_cost(chain) == 0.0
+        assert recorded_segment_cost(chain) == 0.0
 
 
 def test_the_default_is_the_constant_and_takes_no_measurement():
@@ -183,7 +183,7 @@ def test_the_default_is_the_constant_and_takes_no_measurement():
     for chain in chains:
         prof = chain.extra["profile"]
         assert prof["times"] == "measured" and chain.length >= 3
-        assert prof["segment_cost_ms"] == DEFAULT_SEGMENT_COST_MS == measured_segment_cost(chain)
+        assert prof["segment_cost_ms"] == DEFAULT_SEGMENT_COST_MS == recorded_segment_cost(chain)
         assert prof["segment_cost_source"] == "default" and prof["segment_cost"] is None
     off = op.profile_chain(_net(), x, repeats=1, warmup=0, measure_segments=False)
     assert off.extra["profile"]["segment_cost_ms"] == 0.0

@@ -22,7 +22,7 @@ explicit ``slots``, the DP gets :func:`auto_slots` memory units: more for short 
 rounding costs most and the DP is cheap.
 
 Checkpoint plans with the ``dp`` method also charge, by default, the cost per recomputed
-segment that the profile recorded (:func:`measured_segment_cost`: 1.0 ms by default, or
+segment that the profile recorded (:func:`recorded_segment_cost`: 1.0 ms by default, or
 the measurement of :mod:`optmem.pytorch.segments`): the executor pays it for every
 segment, the chain's stage times do not hold it. ``extra={"segment_cost": 0}``
 (``op.checkpoint(segment_cost=0)``) turns it off, any other value replaces it.
@@ -44,7 +44,7 @@ from optmem.errors import OptmemInputError
 from optmem.result import Result, SolveOptions, Status
 from optmem.units import chain_rate, format_size, parse_size
 
-__all__ = ["KINDS", "Planner", "auto_slots", "bandwidth_per_unit", "measured_segment_cost",
+__all__ = ["KINDS", "Planner", "auto_slots", "bandwidth_per_unit", "recorded_segment_cost",
            "smallest_feasible"]
 
 KINDS = ("checkpoint", "offload", "remat_offload")
@@ -74,8 +74,12 @@ def auto_slots(length: int) -> int:
     return max(DEFAULT_SLOTS, min(AUTO_SLOTS_MAX, AUTO_SLOTS_BUDGET // max(1, length) ** 2))
 
 
-def measured_segment_cost(chain: Chain) -> float:
+def recorded_segment_cost(chain: Chain) -> float:
     """The cost per recomputed segment the profile recorded for ``chain`` (0 if none).
+
+    Recorded, not necessarily measured: the profile's default constant
+    (:data:`~optmem.pytorch.profile.DEFAULT_SEGMENT_COST_MS`) unless ``measure_segments=True``
+    (``chain.extra["profile"]["segment_cost_source"]`` says which).
 
     ``chain.extra["profile"]["segment_cost_ms"]`` (:mod:`optmem.pytorch.segments`): the
     default ``segment_cost`` of the checkpoint ``dp`` method in the bridge. Chains from a
@@ -85,7 +89,7 @@ def measured_segment_cost(chain: Chain) -> float:
     Examples
     --------
     >>> c = Chain.from_lists([1.0] * 3, [1.0] * 3, [4] * 3, [4] * 3, input_size=4)
-    >>> measured_segment_cost(c)
+    >>> recorded_segment_cost(c)
     0.0
     """
     profile = (chain.extra or {}).get("profile") or {}
@@ -199,7 +203,7 @@ class Planner:
         if "segment_cost" not in extra and chain is not None and self.kind == "checkpoint" \
                 and (method or self.method) == "dp" \
                 and not (self.variant or "").startswith("floating"):
-            cost = measured_segment_cost(chain)
+            cost = recorded_segment_cost(chain)
             if cost:
                 extra["segment_cost"] = cost
         return SolveOptions(variant=self.variant, slots=slots,
