@@ -33,6 +33,7 @@ plan after discretisation (:func:`smallest_feasible`): passing that figure back 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,11 +42,13 @@ from torch import nn
 
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError
+from optmem.plan import parse_plan
 from optmem.result import Result, SolveOptions, Status
+from optmem.simulate import simulate_checkpoint
 from optmem.units import chain_rate, format_size, parse_size
 
 __all__ = ["KINDS", "Planner", "auto_slots", "bandwidth_per_unit", "recorded_segment_cost",
-           "smallest_feasible"]
+           "refine_by_rounding_down", "rounded_down", "smallest_feasible"]
 
 KINDS = ("checkpoint", "offload", "remat_offload")
 
@@ -231,13 +234,19 @@ class Planner:
         exact sizes (:meth:`~optmem.chain.Chain.store_all_peak`): it runs every op once,
         so it is optimal; the result keeps the method's name and says
         ``report["store_all_fits"]``.
+        Otherwise its result is :func:`refine_by_rounding_down`'s: the DP's plan, or a
+        better one from the DP on sizes rounded down that fits at exact sizes.
         """
         from optmem.solvers.facade import solve
 
         method = method or self.method
         if self.kind == "checkpoint" and method == "dp" and chain.store_all_peak() <= limit:
             return _store_all_result(chain, limit, method)
-        return solve(self.problem(chain, limit), method, options=self.options(chain, method))
+        options = self.options(chain, method)
+        result = solve(self.problem(chain, limit), method, options=options)
+        if self.kind == "checkpoint" and method == "dp" and self.variant in (None, "paper"):
+            return refine_by_rounding_down(chain, limit, options, result)
+        return result
 
     def smallest_limit(self, chain: Chain, method: str | None = None) -> int:
         """The smallest limit (bytes) at which the method finds a plan, verified."""
@@ -302,3 +311,105 @@ def _store_all_result(chain: Chain, limit: int, method: str) -> Result:
     return plan_result(CheckpointProblem(chain, limit), Discretized(chain, limit, 1),
                        store_all_plan(chain.length), method=method, status=Status.OPTIMAL,
                        bound=chain.total_compute_time(), report={"store_all_fits": True})
+
+
+ROUND_DOWN_TRIES = 3
+"""DP solves on sizes rounded down per :func:`refine_by_rounding_down` call (at most)."""
+
+
+def rounded_down(chain: Chain, unit: int) -> Chain:
+    """``chain`` with every size rounded down to a multiple of ``unit`` (times unchanged).
+
+    Discretised with that ``unit`` (CONTRACT section 2 rounds up), it gives
+    ``floor(size / unit)``: every plan's peak is then at most its exact peak, so the DP's
+    optimum on it is a lower bound on the optimum at exact sizes.
+
+    Examples
+    --------
+    >>> c = Chain.from_lists([1.0], [1.0], [150], [250], input_size=99)
+    >>> d = rounded_down(c, 100)
+    >>> d.output_size, d.saved_size, d.input_size
+    ((100,), (200,), 0)
+    """
+    def down(v: int) -> int:
+        return v - v % unit
+
+    return dataclasses.replace(
+        chain, output_size=tuple(map(down, chain.output_size)),
+        saved_size=tuple(map(down, chain.saved_size)),
+        fwd_overhead=tuple(map(down, chain.fwd_overhead)),
+        bwd_overhead=tuple(map(down, chain.bwd_overhead)),
+        input_size=down(chain.input_size), loss_bwd_overhead=down(chain.loss_bwd_overhead))
+
+
+def _model_value(result: Result) -> float:
+    """What the checkpoint DP minimised: the makespan, plus the segment charges if any."""
+    return float(result.report.get("objective_with_segments", result.objective))
+
+
+def _round_down_solve(chain: Chain, target: int, options: SolveOptions) -> Result:
+    """The checkpoint DP at ``target`` on the chain rounded down to the DP's own unit."""
+    from optmem.problems.checkpoint import CheckpointProblem
+    from optmem.solvers.facade import solve
+
+    unit = max(1, target // options.slots)
+    return solve(CheckpointProblem(rounded_down(chain, unit), target), "dp", options=options)
+
+
+def refine_by_rounding_down(chain: Chain, limit: int, options: SolveOptions,
+                            first: Result) -> Result:
+    """The checkpoint DP's result, or a better plan found by rounding sizes down.
+
+    The DP rounds every size *up* to its unit (``limit // slots``, CONTRACT section 2), so
+    plans within a unit per stage of the limit look too large to it. This solves the DP
+    again on the sizes rounded *down* (:func:`rounded_down`) and replays that plan at exact
+    sizes: if it fits ``limit`` and the DP's objective (makespan plus segment charges) is
+    lower than ``first``'s, it replaces ``first``. If it does not fit, the target is
+    lowered by the excess and the DP tried again, :data:`ROUND_DOWN_TRIES` solves in all.
+
+    The first rounded-down optimum is a lower bound at exact sizes for the DP's model (a
+    relaxation: every plan's rounded-down peak is at most its exact peak), so a plan found
+    by the first try is **optimal at exact sizes** (``status: optimal`` without a segment
+    charge, ``model_status: optimal`` with one); one found by a later try is ``feasible``
+    with that bound (``report["model_bound"]``). The result is at unit 1 and says
+    ``report["rounding"] = "down"`` and ``report["rounding_tries"]``.
+    """
+    unit = max(1, limit // options.slots)
+    if unit == 1:
+        return first
+    target, lower = limit, None
+    for attempt in range(ROUND_DOWN_TRIES):
+        trial = _round_down_solve(chain, target, options)
+        if not trial.status.has_plan:
+            return first
+        lower = _model_value(trial) if lower is None else lower
+        plan = parse_plan(trial.plan or ())
+        peak = simulate_checkpoint(chain, plan).peak_memory
+        if peak <= limit:
+            better = not first.status.has_plan or _model_value(trial) < _model_value(first)
+            return _rounded_down_result(chain, limit, trial, attempt, lower) if better \
+                else first
+        target -= peak - limit
+        if target < 1:
+            break
+    return first
+
+
+def _rounded_down_result(chain: Chain, limit: int, trial: Result, attempt: int,
+                         lower: float) -> Result:
+    """``trial``'s plan replayed at exact sizes (unit 1), with its status and bound."""
+    from optmem.problems.checkpoint import CheckpointProblem, Discretized
+    from optmem.solvers.checkpoint import plan_result
+
+    proven = attempt == 0
+    report = dict(trial.report, rounding="down", rounding_tries=attempt + 1)
+    charged = "objective_with_segments" in report
+    if charged:
+        report["model_status"] = (Status.OPTIMAL if proven else Status.FEASIBLE).value
+    if not proven:
+        report["model_bound"] = lower
+    status = Status.OPTIMAL if proven and not charged else Status.FEASIBLE
+    bound = trial.bound if charged else lower
+    return plan_result(CheckpointProblem(chain, limit), Discretized(chain, limit, 1),
+                       parse_plan(trial.plan or ()), method="dp", status=status, bound=bound,
+                       variant=trial.variant, claimed=trial.objective, report=report)
