@@ -72,7 +72,7 @@ from optmem.problems.pipeline import PipelineProblem  # noqa: E402
 from optmem.result import Result, SolveOptions, Status  # noqa: E402
 from optmem.solvers.facade import solve  # noqa: E402
 from optmem.solvers.pipeline import min_memory_contiguous  # noqa: E402
-from optmem.solvers.pipeline_common import run_model  # noqa: E402
+from optmem.solvers.pipeline_common import refute, run_model  # noqa: E402
 
 GIB = 2**30
 PROFILES = ("unet-b4-512", "resnet18-b64-224", "vit-b16-b64-224", "gpt2-small-b8-1024",
@@ -399,11 +399,10 @@ def isolated_status(problem: PipelineProblem, gpu: tuple[int, ...], kept: tuple[
     kept GPUs hold exactly these units.
     """
     units, alloc = isolate_units(make_units(problem), gpu, kept)
-    run = run_model(replace(problem, n_gpus=max(alloc) + 1), "cpsat",
-                    SolveOptions(threads=1, seed=0, deterministic_time=work),
-                    units=units, gpu=list(alloc), upper_bound=period,
-                    feasibility=True)
-    if run.status is Status.INFEASIBLE:
+    run, bound = refute(replace(problem, n_gpus=max(alloc) + 1),
+                        SolveOptions(threads=1, seed=0, deterministic_time=work), period,
+                        units=units, gpu=list(alloc))
+    if bound is not None:
         return "refuted"
     return "plan" if run.plan is not None else "undecided"
 

@@ -17,12 +17,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from optmem.errors import OptmemInputError
-from optmem.models.pipeline import isolate_units, make_units, trim_units
+from optmem.models.pipeline import first_use, isolate_units, make_units, trim_units
 from optmem.problems.pipeline import PipelineProblem
 from optmem.result import SolveOptions, Status
 from optmem.simulate.pipeline import simulate_pipeline
 from optmem.solvers.facade import solve
-from optmem.solvers.pipeline_benders import _first_use, solve_benders
+from optmem.solvers.pipeline_benders import solve_benders
 from optmem.solvers.pipeline_common import lower_bound, run_model
 from tests.test_pipeline_exact import check, set_partitions, small_problems, thesis_chain
 
@@ -261,7 +261,7 @@ def test_decomposition_with_range_nogoods_equals_brute_force(problem):
     units = make_units(problem)
     for (head, tail, labels), bound in out.ranges.items():
         for gpu in set_partitions(units.n, problem.n_gpus):
-            if _first_use(tuple(gpu[head:units.n - tail])) != labels:
+            if first_use(tuple(gpu[head:units.n - tail])) != labels:
                 continue
             run = run_model(problem, "cpsat", replace(OPTS, warm_start=False), gpu=gpu)
             if run.plan is not None:
@@ -316,7 +316,7 @@ def test_partition_nogood_excludes_every_relabelling():
         gpu = [max((p for p in range(form.n_gpus) if (q, p) in form.x),
                    key=lambda p, q=q: float(form.x[(q, p)].value(values)))
                for q in range(units.n)]
-        labels = _first_use(tuple(gpu[head:units.n - tail]))
+        labels = first_use(tuple(gpu[head:units.n - tail]))
         assert labels not in seen  # labels by first use: a relabelling is the same key
         seen.append(labels)
     assert 1 <= len(seen) <= 5 and res.status is Status.INFEASIBLE
@@ -350,7 +350,7 @@ def test_isolate_units_frees_the_other_units():
     gpu = tuple([0, 1, 1, 0, 2][:units.n]) + (2,) * max(0, units.n - 5)
     relaxed, alloc = isolate_units(units, gpu, {1})
     inside = [g == 1 for g in gpu]
-    assert alloc == tuple(_first_use(alloc))
+    assert alloc == tuple(first_use(alloc))
     assert len({alloc[q] for q in range(units.n) if inside[q]}) == 1
     assert len({alloc[q] for q in range(units.n) if not inside[q]}) == inside.count(False)
     for q in range(units.n):

@@ -156,6 +156,26 @@ def test_madpipe_phase2_repairs_optimistic_phase1():
     check(p, r)
 
 
+def test_madpipe_finer_memory_ladder_on_resnet50():
+    """ResNet-50, 4 GPUs, 3 GiB, 12 GB/s: phase 1 at x0.9 of the memory gives a
+    non-contiguous plan below the best contiguous one (x1.0 and x0.85 do not); an
+    allocation phase 1 gives twice is scheduled once. Phase 2 on its deterministic limits."""
+    from optmem.cli_problems import parse_pipeline_bandwidth
+    from optmem.datasets import resolve_chain
+
+    chain = resolve_chain("resnet50-b32-224")
+    p = PipelineProblem(chain, 4, 3 * 2**30,
+                        chain_bandwidth=parse_pipeline_bandwidth("12GB/s", chain.time_unit))
+    r = solve(p, "madpipe", options=SolveOptions(threads=1, seed=0))
+    check(p, r)
+    assert r.objective < solve(p, "contiguous").objective - 1.0
+    assert r.report["source"] == "phase 2, memory x0.9"
+    attempts = [a for a in r.report["attempts"] if "memory_factor" in a]
+    scheduled = [a["allocation"] for a in attempts if "phase2" not in a]
+    assert len(scheduled) == len(set(scheduled))
+    assert any(a.get("phase2") == "allocation already scheduled" for a in attempts)
+
+
 # ------------------------------------------------------------------ random small instances
 @st.composite
 def small_problems(draw):

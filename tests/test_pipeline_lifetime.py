@@ -79,9 +79,13 @@ def test_rows_are_in_the_model_when_memory_binds():
     """The option adds the copy and chain rows; without a binding memory it adds nothing."""
     chain = thesis_chain([1, 2, 1], [2, 3, 2], [1, 3, 2, 1, 0], [1, 1, 1])
     tight = PipelineProblem(chain, 2, 12, chain_bandwidth=1.0)
-    names = [c.name for c in rows(tight, upper_bound=8.0).model.constraints]
+    form = rows(tight, upper_bound=8.0)
+    names = [c.name for c in form.model.constraints]
     assert sum(name.startswith("lt_own_") for name in names) == 3
     assert any(name.startswith("chain_") for name in names)
+    # a cut's link copies are the model's own expression (shifts + order), no free integer
+    assert any(name.startswith("chain_link") for name in names)
+    assert not any(v.name.startswith("kl_") for v in form.model.vars)
     loose = replace(tight, memory_per_gpu=10**6)
     assert not any(c.name.startswith(("lt_own_", "chain_"))
                    for c in rows(loose, upper_bound=8.0).model.constraints)
@@ -151,3 +155,22 @@ def test_bad_probe_options(extra):
 
     with pytest.raises(OptmemInputError):
         solve(chain_with_subproblems(), "cpsat", options=replace(OPTS, extra=extra))
+
+
+def test_refute_bounds_below_the_optimum_and_finds_a_plan_at_it():
+    """``refute`` (the one feasibility check of probes, trimmed and isolated solves): below
+    the proven optimum it proves a bound at most the optimum; at the optimum it has a plan."""
+    from optmem.solvers.facade import solve
+    from optmem.solvers.pipeline_common import refute
+    from tests.test_pipeline_benders import chain_with_subproblems
+
+    problem = chain_with_subproblems()
+    optimum = solve(problem, "cpsat", options=replace(OPTS, warm_start=True))
+    assert optimum.status is Status.OPTIMAL
+    below = optimum.objective * 0.98
+    run, bound = refute(problem, OPTS, below)
+    assert run.status is Status.INFEASIBLE
+    assert bound == pytest.approx(below - 2 * run.step) and 0 < run.step < 1e-3 * below
+    run, bound = refute(problem, OPTS, optimum.objective * (1 + 1e-9))
+    assert bound is None and run.plan is not None
+    assert run.plan.period <= optimum.objective * (1 + 1e-9) + 1e-9

@@ -73,7 +73,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import reduce
 
@@ -259,11 +259,8 @@ def isolate_units(units: Units, gpu: Sequence[int], kept: Collection[int]
     if len(gpu) != units.n:
         raise ValueError(f"allocation of {len(gpu)} units for {units.n}")
     inside = [g in kept for g in gpu]
-    labels: dict[int, int] = {}
-    alloc = []
-    for q, g in enumerate(gpu):  # labels by first use; a unit outside alone on a new GPU
-        used = len(labels) + sum(1 for r in range(q) if not inside[r])
-        alloc.append(labels.setdefault(g, used) if inside[q] else used)
+    # a unit outside alone on a GPU of its own (a label no kept GPU has), labels by first use
+    alloc = first_use([g if inside[q] else ("own", q) for q, g in enumerate(gpu)])
 
     def only(values: Sequence) -> tuple:
         return tuple(v if inside[q] else 0 for q, v in enumerate(values))
@@ -274,7 +271,7 @@ def isolate_units(units: Units, gpu: Sequence[int], kept: Collection[int]
     relaxed = Units(bounds=units.bounds, f=units.f, b=units.b, w=only(units.w),
                     x=only(units.x), a_in=only(units.a_in), a_out=only(units.a_out),
                     dt=cut(units.dt, 0.0), buf=cut(units.buf, 0))
-    return relaxed, tuple(alloc)
+    return relaxed, alloc
 
 
 def load_bound(units: Units, n_gpus: int) -> float:
@@ -356,7 +353,6 @@ class PipelineFormulation:
     sig: dict[tuple[int, int], Expr] = field(default_factory=dict)
     bufv: dict[tuple[int, int], Expr] = field(default_factory=dict)
     pending: dict[tuple[Task, int], tuple[Expr, Task, Task]] = field(default_factory=dict)
-    link_copies: dict[int, Expr] = field(default_factory=dict)
     fixed_gpu: tuple[int, ...] | None = None
 
     # ------------------------------------------------------------ small helpers
@@ -396,6 +392,18 @@ class PipelineFormulation:
     def copies(self, q: int) -> Expr:
         """Stashes of unit ``q`` alive when ``F_q`` starts, its own included."""
         return self.sigma(q) + self.order[(("F", q), ("B", q))]
+
+    def link_copies(self, c: int) -> Expr:
+        """Link stashes of the cut after unit ``c`` alive when ``S_c`` starts, its own included.
+
+        As :meth:`copies` for a unit: the shifts from ``S_c`` to ``G_c`` plus ``[S_c before
+        G_c]`` on their link (the cut's two transfers share its window; 0 without a cut).
+        Defined where the cut's transfers take time (they then have an order variable).
+        """
+        path = dependency_path(self.units.n)
+        lo, hi = path.index(("S", c)), path.index(("G", c))
+        return (Expr.sum(v1 + v2 for _, _, v1, v2 in self.edges[lo:hi])
+                + self.link_order[(("S", c), ("G", c))])
 
     def time_scale(self) -> tuple[int, bool]:
         """CP-SAT grid: exact for the durations, at most ``TIME_RESOLUTION`` of the bound.
@@ -532,19 +540,7 @@ class _Encoder:
         for (t, _), (o, x, y) in form.pending.items():
             self.set(o, max(0.0, self.val(form.prec(x, t)) + self.val(form.prec(t, y))
                             + self.val(form.prec(y, x)) - 1))
-        self._link_copies()
         return self._clamped()
-
-    def _link_copies(self) -> None:
-        """Copies of each cut's link stash (:class:`_LifetimeCuts`): ``ceil(lifetime / T)``."""
-        form = self.form
-        path = dependency_path(form.units.n)
-        for c, v in form.link_copies.items():
-            lo, hi = path.index(("S", c)), path.index(("G", c))
-            shifts = sum(self.val(v1 + v2) for _, _, v1, v2 in form.edges[lo:hi])
-            life = (self.val(form.start[("G", c)]) + self.val(form.duration(("G", c)))
-                    + shifts * self.period - self.val(form.start[("S", c)]))
-            self.set(v, max(1, math.ceil(life / self.period - 1e-9)))
 
     def _before(self, t: Task, u: Task) -> bool:
         a, b = self.val(self.form.start[t]), self.val(self.form.start[u])
@@ -643,7 +639,7 @@ def build_pipeline_model(
     """
     n = units.n
     if gpu is not None:
-        gpu = _first_use(gpu)
+        gpu = first_use(gpu)
         if max(gpu) >= n_gpus:
             raise ValueError(f"the fixed allocation uses {max(gpu) + 1} GPUs > {n_gpus}")
     lower = max(lower_bound, load_bound(units, n_gpus))
@@ -658,14 +654,13 @@ def build_pipeline_model(
     _Builder(form).build()
     if lifetime_cuts and _Builder(form).memory_binds():
         scale, _ = form.time_scale()
-        _LifetimeCuts(form, math.ceil(form.upper * scale), scale,
-                      math.floor(form.lower * scale)).build()
+        _LifetimeCuts(form, math.ceil(form.upper * scale), scale).build()
     return form
 
 
-def _first_use(gpu: Sequence[int]) -> tuple[int, ...]:
-    """GPU labels renumbered by first use (the symmetry breaking's numbering)."""
-    labels: dict[int, int] = {}
+def first_use(gpu: Sequence[Hashable]) -> tuple[int, ...]:
+    """GPU labels (any hashable) renumbered by first use (the symmetry breaking's numbering)."""
+    labels: dict[Hashable, int] = {}
     for g in gpu:
         labels.setdefault(g, len(labels))
     return tuple(labels[g] for g in gpu)
@@ -1020,7 +1015,7 @@ def build_relaxation(units: Units, n_gpus: int, memory: int, ticks: int, scale: 
     period = model.integer("T_ticks", ticks, ticks)
     form = PipelineFormulation(units, min(n_gpus, units.n), memory, strict, model, period,
                                ticks / scale, ticks / scale, _size_unit(units, memory),
-                               fixed_gpu=None if gpu is None else _first_use(gpu))
+                               fixed_gpu=None if gpu is None else first_use(gpu))
     _Relaxation(form, ticks, scale).build()
     return form
 
@@ -1072,7 +1067,7 @@ class _Relaxation(_Builder):
         own = [m.integer(f"k_{q}", 1, most[q]) for q in range(n)]
         for q in range(n):
             m.add(self.ticks * own[q] >= self.path(q, q), f"own_{q}")
-        self.chain(own, most)
+        self.chain(own, {c: m.integer(f"kl_{c}", 1, most[c]) for c in self.timed_cuts()})
         for q in range(n):
             terms = []
             for r in range(n):
@@ -1090,7 +1085,11 @@ class _Relaxation(_Builder):
             extra = (u.a_in[q] + u.a_out[q]) // unit if form.strict else 0
             m.add(self.static(q) + Expr.sum(terms) + extra <= cap, f"mem_{q}")
 
-    def chain(self, own: list[Expr], most: list[int]) -> None:
+    def timed_cuts(self) -> list[int]:
+        """Cuts whose transfers take time on the grid (their links hold copies)."""
+        return [c for c in range(self.u.n - 1) if self.dt[c] > 0]
+
+    def chain(self, own: list[Expr], links: dict[int, Expr]) -> None:
         """Copies along the chain of units and links: ``(c_a - c_b + 1) T >= D(a..b)``.
 
         A unit's forward and backward share its GPU's window (a cut's two transfers share
@@ -1103,9 +1102,8 @@ class _Relaxation(_Builder):
         stages: list[tuple[str, int, Expr]] = []
         for q in range(u.n):
             stages.append(("unit", q, own[q]))
-            if q < u.n - 1 and self.dt[q] > 0:
-                k = form.link_copies[q] = m.integer(f"kl_{q}", 1, most[q])
-                stages.append(("link", q, k))
+            if q in links:
+                stages.append(("link", q, links[q]))
         for (ka, a, ca), (kb, b, cb) in itertools.combinations(stages, 2):
             first = a + 1 if ka == "link" else a  # units first..b, cuts first..b-1 inside
             load = Expr.of(sum(self.f[s] + self.b[s] for s in range(first, b + 1))
@@ -1129,7 +1127,8 @@ class _LifetimeCuts(_Relaxation):
     * ``ticks c_q >= D(q -> q)``, the work on the path from ``F_q`` to the end of ``B_q``,
       transfers of the cuts included;
     * the chain rows of :meth:`_Relaxation.chain`, ``(c_a - c_b + 1) ticks >= D(a..b)``
-      between units and cut links (a link's copies a new integer).
+      between units and cut links (a link's copies:
+      :meth:`PipelineFormulation.link_copies`, the model's own).
 
     **Validity.** In every solution of the model, decoded with the model's own shifts
     (digest ``madpipe.md`` 1.5-1.6, 4.3), unit ``q``'s stash lives ``l_q = tau_{B_q} +
@@ -1137,7 +1136,8 @@ class _LifetimeCuts(_Relaxation):
     ``T``, so ``(c_q - 1) T + f_q + b_q <= l_q <= c_q T`` (if ``F_q`` precedes ``B_q`` in
     the window, ``l_q - sigma_q T`` lies in ``[f_q + b_q, T]`` and ``c_q = sigma_q + 1``;
     otherwise it lies in ``[f_q + b_q - T, 0]`` and ``c_q = sigma_q``); the same holds for
-    a cut's two transfers on their link with ``kl`` chosen as its copies. The dependency
+    a cut's two transfers on their link, whose window holds both (``link_copies``: the
+    shifts from ``S_c`` to ``G_c`` plus ``[S_c before G_c]``). The dependency
     rows give ``l_q >= D(q -> q)`` and ``l_a >= l_b + D(a..b) - load(b)`` for ``a`` before
     ``b`` on the chain. So ``c_q T >= D(q -> q)`` and ``c_a T >= l_a >= (c_b - 1) T +
     D(a..b)``, with ``T <= T_hi <= ticks / scale`` and the rounded durations at most the
@@ -1147,16 +1147,9 @@ class _LifetimeCuts(_Relaxation):
     schedule imposes.
     """
 
-    def __init__(self, form: PipelineFormulation, ticks: int, scale: int, low_ticks: int
-                 ) -> None:
-        super().__init__(form, ticks, scale)
-        self.low_ticks = max(low_ticks, 1)
-
     def build(self) -> None:
         form, m, u = self.form, self.m, self.u
-        work = sum(self.f) + sum(self.b) + 2 * sum(self.dt)
-        most = [8 * u.n + 2 - (-work // self.low_ticks)] * u.n
         own = [form.copies(q) for q in range(u.n)]
         for q in range(u.n):
             m.add(self.ticks * own[q] >= self.path(q, q), f"lt_own_{q}")
-        self.chain(own, most)
+        self.chain(own, {c: form.link_copies(c) for c in self.timed_cuts()})

@@ -56,6 +56,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -65,6 +66,7 @@ from optmem.models.pipeline import (
     TIME_RESOLUTION,
     Units,
     build_relaxation,
+    first_use,
     isolate_units,
     make_units,
     trim_units,
@@ -77,6 +79,7 @@ from optmem.solvers.pipeline_common import (
     fits,
     lower_bound,
     proven,
+    refute,
     run_model,
 )
 
@@ -346,17 +349,14 @@ class Benders:
         if self.options.deterministic_time is not None:
             work = min(work, self.options.deterministic_time) if work is not None \
                 else self.options.deterministic_time
-        run = run_model(problem, "cpsat", self.options.with_(
-            time_limit_s=left, deterministic_time=work), units=units,
-            gpu=list(gpu), upper_bound=cutoff, feasibility=True)
+        _, bound = refute(problem, self.options.with_(time_limit_s=left, deterministic_time=work),
+                          cutoff, units=units, gpu=list(gpu))
         self.trims += 1
-        if run.failed or run.bound != math.inf:
-            return None
-        return cutoff - 2 * run.step  # no plan at or below the cutoff
+        return bound
 
     def record(self, gpu: Allocation, head: int, tail: int, bound: float) -> None:
         """Keep the range no-good of ``gpu``'s partition of units ``head .. n - tail - 1``."""
-        labels = _first_use(gpu[head:self.units.n - tail])
+        labels = first_use(gpu[head:self.units.n - tail])
         key = (head, tail, labels)
         self.ranges[key] = max(bound, self.ranges.get(key, bound))
 
@@ -419,7 +419,7 @@ class Benders:
         """
         n = self.units.n
         part = trim_units(self.units, head, tail) if head + tail else self.units
-        labels = _first_use(gpu[head:n - tail])
+        labels = first_use(gpu[head:n - tail])
         used = sorted(set(labels))
         if len(used) <= ISOLATE:  # len(used) <= n_gpus
             return
@@ -437,42 +437,37 @@ class Benders:
                 return
 
 
-def _first_use(gpu: Allocation) -> Allocation:
-    """GPU labels renumbered by first use."""
-    labels: dict[int, int] = {}
-    return tuple(labels.setdefault(g, len(labels)) for g in gpu)
+def _pairs_nogood(z: dict[tuple[int, int], Expr],
+                  pairs: Iterable[tuple[int, int, bool]]) -> Any:
+    """At least one of these unit pairs ``(q, r, together)``, ``q < r``, differs.
+
+    Written on the "same GPU" variables ``z`` (any GPU labels): a pair agrees when ``z``
+    is 1 for units ``together`` and 0 for units apart.
+    """
+    agree = [z[(q, r)] if together else 1 - z[(q, r)] for q, r, together in pairs]
+    return Expr.sum(agree) <= len(agree) - 1
 
 
 def _partition_nogood(z: dict[tuple[int, int], Expr], head: int, labels: Allocation) -> Any:
     """No allocation partitions units ``head .. head + len(labels) - 1`` as ``labels`` do.
 
-    Written on the "same GPU" variables ``z`` (labels may be permuted): of the pairs in the
-    range, at least one must differ from the partition's.
+    Every pair of the range, together where the labels agree (:func:`_pairs_nogood`).
     """
-    agree = []
-    for i in range(len(labels)):
-        for j in range(i + 1, len(labels)):
-            zz = z[(head + i, head + j)]
-            agree.append(zz if labels[i] == labels[j] else 1 - zz)
-    return Expr.sum(agree) <= len(agree) - 1
+    return _pairs_nogood(z, ((head + i, head + j, labels[i] == labels[j])
+                             for i, j in itertools.combinations(range(len(labels)), 2)))
 
 
 def _sets_nogood(z: dict[tuple[int, int], Expr], units: range,
                  sets: tuple[tuple[int, ...], ...]) -> Any:
     """No allocation has GPUs holding exactly ``sets`` among ``units`` (any labels).
 
-    Agreement, on the "same GPU" variables: the units of one set together, two sets apart,
-    no other unit of the range with a unit of a set; at least one pair must differ.
+    The pairs of :func:`_pairs_nogood`: the units of one set together, two sets apart, no
+    other unit of the range with a unit of a set.
     """
     member = {q: k for k, group in enumerate(sets) for q in group}
-    agree = []
-    for q in member:
-        for r in units:
-            if r == q or (r in member and r < q):
-                continue
-            zz = z[(min(q, r), max(q, r))]
-            agree.append(zz if member.get(r) == member[q] else 1 - zz)
-    return Expr.sum(agree) <= len(agree) - 1
+    return _pairs_nogood(z, ((min(q, r), max(q, r), member.get(r) == member[q])
+                             for q in member for r in units
+                             if r != q and not (r in member and r < q)))
 
 
 def solve_benders(problem: PipelineProblem, method: str, options: SolveOptions, *,

@@ -174,6 +174,27 @@ def run_model(
     return run
 
 
+def refute(
+    problem: PipelineProblem, options: SolveOptions, cutoff: float, *,
+    units: Units | None = None, gpu: list[int] | None = None, lower: float = 0.0,
+    lifetime_cuts: bool = False,
+) -> tuple[ModelRun, float | None]:
+    """Whether no plan has a period ``<= cutoff``: one CP-SAT feasibility run of the model.
+
+    The model of :func:`run_model` (``units``, ``gpu``, ``lower``, ``lifetime_cuts`` as
+    there; the limits of ``options`` as they are) with no objective and the period at most
+    ``cutoff``. Returns the run and the proven bound: ``cutoff - 2 / scale`` when the engine
+    proved that there is no plan (the cutoff holds up to one grid step on CP-SAT's exact
+    grid, and the optimum may lie one more step below it), ``None`` when it found one
+    (``run.plan``, not yet replayed), stopped without an answer or failed.
+    """
+    run = run_model(problem, "cpsat", options, units=units, gpu=gpu, upper_bound=cutoff,
+                    feasibility=True, lower=lower, lifetime_cuts=lifetime_cuts)
+    if run.failed or run.bound != math.inf:
+        return run, None
+    return run, cutoff - 2 * run.step
+
+
 def _run_pulp(form: PipelineFormulation, options: SolveOptions, values: list[float] | None
               ) -> ModelRun:
     pm = to_pulp(form.model)
@@ -267,4 +288,4 @@ def scaled(problem: PipelineProblem, factor: float) -> PipelineProblem:
 
 
 __all__ = ["OPTIMALITY_TOLERANCE", "PROBLEM", "ModelRun", "fits", "infeasible", "load_bound",
-           "lower_bound", "plan_result", "proven", "run_model", "scaled"]
+           "lower_bound", "plan_result", "proven", "refute", "run_model", "scaled"]

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from optmem.engines import adapters as engines
 from optmem.engines.results import engine_failure
@@ -51,6 +51,7 @@ from optmem.solvers.pipeline_common import (
     lower_bound,
     plan_result,
     proven,
+    refute,
     run_model,
 )
 from optmem.solvers.pipeline_madpipe import solve_madpipe
@@ -134,8 +135,16 @@ PROBE_WORK = 60.0
 """Default ``extra["probe_work"]``: CP-SAT deterministic time of one full-model probe."""
 
 
-def _probe_settings(options: SolveOptions) -> tuple[float | None, float, bool]:
-    """``probe_step`` (``None``: no probes), ``probe_work``, ``lifetime_cuts``, checked."""
+class ProbeSettings(NamedTuple):
+    """``extra["probe_step"]`` (``None``: no probes), ``["probe_work"]``, ``["lifetime_cuts"]``."""
+
+    step: float | None = None
+    work: float = PROBE_WORK
+    cuts: bool = False
+
+
+def probe_settings(options: SolveOptions) -> ProbeSettings:
+    """The probe options of ``options.extra``, checked (one clear error each)."""
     extra = options.extra
     step, work = extra.get("probe_step"), extra.get("probe_work", PROBE_WORK)
     if step is not None and (isinstance(step, bool) or not isinstance(step, (int, float))
@@ -148,11 +157,11 @@ def _probe_settings(options: SolveOptions) -> tuple[float | None, float, bool]:
     if not isinstance(extra.get("lifetime_cuts", False), bool):
         raise OptmemInputError(f"lifetime_cuts must be true or false, got "
                                f"{extra['lifetime_cuts']!r}", field="lifetime_cuts")
-    return step, float(work), extra.get("lifetime_cuts", False)
+    return ProbeSettings(step, float(work), extra.get("lifetime_cuts", False))
 
 
 def probe_bound(problem: PipelineProblem, best: Candidate, bound: float,
-                options: SolveOptions, deadline: float | None
+                options: SolveOptions, deadline: float | None, settings: ProbeSettings
                 ) -> tuple[float, Candidate | None, dict[str, Any]]:
     """Raise ``bound`` by full-model feasibility probes just above it (``extra["probe_step"]``).
 
@@ -165,9 +174,9 @@ def probe_bound(problem: PipelineProblem, best: Candidate, bound: float,
     failed engine or the deadline: probing ends with the last proven bound. The bisection
     of the lifetime relaxation cannot see waits; the full model does, and just above the
     relaxation's bound its refutations are the cheapest (``benchmarks/results/
-    pipeline_exact.md``).
+    pipeline_exact.md``). ``settings``: :func:`probe_settings`.
     """
-    step, work, cuts = _probe_settings(options)
+    step, work, cuts = settings
     report: dict[str, Any] = {"probes": []}
     found: Candidate | None = None
     while step is not None:
@@ -178,16 +187,15 @@ def probe_bound(problem: PipelineProblem, best: Candidate, bound: float,
         if left is not None and left <= 0:
             break
         opts = options.with_(deterministic_time=work, time_limit_s=left, warm_start=False)
-        run = run_model(problem, "cpsat", opts, upper_bound=target, feasibility=True,
-                        lower=bound, lifetime_cuts=cuts)
+        run, proved = refute(problem, opts, target, lower=bound, lifetime_cuts=cuts)
         report["probes"].append({"period": target, "status": run.status.value,
                                  **{k: run.report[k] for k in ("engine_time_s",)
                                     if k in run.report}})
-        if run.failed or run.bound != math.inf:
+        if proved is None:
             if run.plan is not None and not run.failed and fits(problem, run.plan):
                 found = (run.plan.period, run.plan, "probe")
             break
-        bound = max(bound, target - 2 * run.step)
+        bound = max(bound, proved)
     report["probe_bound"] = bound
     return bound, found, report
 
@@ -206,7 +214,7 @@ def solve_exact(problem: PipelineProblem, options: SolveOptions, method: str) ->
     if not isinstance(options.extra.get("isolate", False), bool):
         raise OptmemInputError(f"isolate must be true or false, got "
                                f"{options.extra['isolate']!r}", field="isolate")
-    _probe_settings(options)
+    probing = probe_settings(options)
     if method == "ilp":
         engines.check_engine(options.solver)
     solver = options.solver if method == "ilp" else "cpsat"
@@ -220,10 +228,9 @@ def solve_exact(problem: PipelineProblem, options: SolveOptions, method: str) ->
             and engines.is_available("cpsat"):
         share = None if limit is None else RELAXATION_SHARE * limit
         relaxed, report = relaxation_bound(problem, best[0], options, share)
-    if best is not None and _probe_settings(options)[0] is not None \
-            and engines.is_available("cpsat"):
+    if best is not None and probing.step is not None and engines.is_available("cpsat"):
         relaxed, probed, info = probe_bound(problem, best, relaxed, options,
-                                            None if limit is None else start + limit)
+                                            None if limit is None else start + limit, probing)
         report.update(info)
         if probed is not None:
             starts = sorted([*starts, probed], key=lambda c: c[0])
@@ -240,7 +247,7 @@ def solve_exact(problem: PipelineProblem, options: SolveOptions, method: str) ->
     left = None if limit is None else max(0.0, limit - (time.perf_counter() - start))
     run = run_model(problem, method, options.with_(time_limit_s=left),
                     upper_bound=best[0] if best else None, warm=best[1] if best else None,
-                    lower=relaxed, lifetime_cuts=_probe_settings(options)[2])
+                    lower=relaxed, lifetime_cuts=probing.cuts)
     report = {**report, **run.report, "incumbents": {s: p for p, _, s in starts}}
     if run.failed and run.engine is not None:
         return _failure(problem, method, solver, run.engine, report, best, relaxed)
