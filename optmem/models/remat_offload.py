@@ -295,6 +295,7 @@ def build_remat_offload(chain: Chain, memory_limit: int, bandwidth: float, *,
         m.add(Relation(Expr(con.terms), con.lo, con.hi), con.name)
     S = [m.continuous(f"S{p}", 0.0, 0.0 if p == 0 else U) for p in range(n)]
     D, reads, frees, makes, after_delta = _item_facts(m, cf, uf, ub, a)
+    early_readers = _early_readers(D, reads)
     for p in range(n - 1):
         m.add(S[p + 1] >= S[p] + D[p], f"seq_{p}")
     E = [S[p] + D[p] for p in range(n)]
@@ -383,7 +384,10 @@ def build_remat_offload(chain: Chain, memory_limit: int, bandwidth: float, *,
                 fx = Expr() + 1 if fv is True else Expr([(fv[0], 1.0)])
                 m.add(H[v] + fx <= 1, f"free_{v[0]}{v[1]}_{p}")
         for v in tau:
-            _host_since_offload(m, G, v, H[v], [hvars[v]] if v in hvars else [], f"{p}")
+            if v in early_readers[p]:
+                _host_since_offload(m, G, v, H[v], [hvars[v]] if v in hvars else [], f"{p}")
+            else:
+                G[v] = zero
         if p == n - 1:
             break
         # ---- link positions after item p
@@ -475,7 +479,8 @@ def build_remat_offload(chain: Chain, memory_limit: int, bandwidth: float, *,
             link_total = link_total + busy
             positions.append(pos)
         for v, host_at in etas.items():
-            _host_since_offload(m, G, v, None, host_at, f"{p}_gap")
+            if v in early_readers[p]:
+                _host_since_offload(m, G, v, None, host_at, f"{p}_gap")
     obj = m.continuous("makespan", 0.0, U)
     m.add(obj >= E[n - 1], "makespan")
     if link_total.terms:
@@ -644,6 +649,27 @@ def _deadline_rows(m: Model, cf: ck.Formulation, reads: Sequence[dict[Value, Lit
                 rest = Expr.sum(e for v, e in unread.items() if v not in seen)
                 m.add(relief[p] - rest <= (S[q] - S[p] - D[p]) * bandwidth,
                       f"deadline_{p}_{q}")
+
+
+def _early_readers(D: Sequence[Expr], reads: Sequence[dict[Value, Literal | bool]]
+                   ) -> list[set[Value]]:
+    """Per item ``p``, the values an item after ``p`` may read early.
+
+    Early: before the next item that always takes time (a backward op of positive
+    duration), that item excluded. Only those readers can follow an item that counted the
+    value on the host without the release rows excluding them (a reader ending after ``p``
+    starts pushes the release past it), so ``G`` is needed for these values only
+    (:func:`_host_since_offload`).
+    """
+    out: list[set[Value]] = [set() for _ in D]
+    ahead: set[Value] = set()
+    for p in range(len(D) - 1, -1, -1):
+        out[p] = set(ahead)
+        if not D[p].terms and D[p].const > 0:
+            ahead = set()
+        else:
+            ahead |= {v for v, lit in reads[p].items() if lit is not False}
+    return out
 
 
 def _host_since_offload(m: Model, G: dict[Value, Expr], v: Value, H: Expr | None,
