@@ -537,3 +537,20 @@ def test_engine_work_is_reported() -> None:
     assert res.status is Status.OPTIMAL
     assert res.report["engine_work"]["deterministic_time"] >= 0
     assert res.report["engine_work"]["branches"] >= 0
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("seed", [5, 7, 9])
+def test_decoded_plans_replay_with_idle_ops(seed: int, method: str) -> None:
+    """Random chains with zero-duration ops (``random_chain`` draws them), the relaxation
+    off so that the model's own search decides, at two limits of :func:`limits` and at 29:
+    every decoded plan replays within the limit (before the ``pendG`` rows, seed 7 at 29
+    ended in ``error`` with CP-SAT)."""
+    chain = random_chain(4, seed=seed, max_size=6)
+    assert 0.0 in (*chain.fwd_time, *chain.bwd_time, chain.loss_bwd_time)
+    opts = SolveOptions(slots=64, seed=1, deterministic_time=10.0, node_limit=5_000,
+                        extra={"relaxation": False})
+    for limit in (*limits(chain)[:2], 29):
+        for beta in (0.3, 1.0):
+            problem = RematOffloadProblem(chain, limit, chain_bandwidth=beta)
+            check(problem, solve(problem, method, options=opts), opts)
