@@ -8,6 +8,7 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from remat_offload_helpers import BENDERS, OPTS, check, limits
 
 from optmem.chain import Chain
 from optmem.datasets.synthetic import random_chain
@@ -20,32 +21,15 @@ from optmem.problems.offload import OffloadProblem
 from optmem.problems.remat_offload import RematOffloadProblem
 from optmem.result import SolveOptions, Status
 from optmem.simulate.offload import simulate_offload
-from optmem.simulate.verify import verify_plan
 from optmem.solvers.facade import solve
 
 pytest.importorskip("ortools", reason="the exact remat-offload model uses OR-Tools CP-SAT")
 
 EXAMPLE = Chain.from_lists([2, 2, 2], [4, 4, 4], [2, 2, 2], [4, 4, 4], input_size=2)
-# threads as the default: HiGHS keeps one global thread pool per process, and a solve
-# with another thread count after it fails (kNotset)
-OPTS = SolveOptions(slots=64)
 METHODS = ("cpsat", "ilp")
-# the logic-based Benders strategy of cpsat (tests/test_remat_offload_benders.py) goes
-# through the same cross-checks: (method, options) pairs
-BENDERS = OPTS.with_(seed=1, extra={"strategy": "benders", "benders_work": 30.0})
+# the Benders strategy of cpsat (tests/test_remat_offload_benders.py) goes through the same
+# cross-checks: (method, options) pairs
 VARIANTS = (("cpsat", OPTS), ("ilp", OPTS), ("cpsat", BENDERS))
-
-
-def _check(problem: RematOffloadProblem, res, opts: SolveOptions = OPTS) -> None:
-    """The plan replays to the reported objective; an optimal one to the model's value."""
-    assert res.status is not Status.ERROR, res.report.get("error")
-    if not res.status.has_plan:
-        return
-    assert verify_plan(problem, list(res.plan), opts)["objective"] == \
-        pytest.approx(res.objective)
-    if res.status is Status.OPTIMAL and "model_objective" in res.report:
-        assert res.report["model_objective"] == pytest.approx(res.objective, abs=1e-5)
-        assert res.bound == pytest.approx(res.objective)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -57,7 +41,7 @@ def test_example_exact(method: str, limit: int, beta: float, expected: float) ->
     exact = solve(problem, method, options=OPTS)
     assert exact.status is Status.OPTIMAL, exact.report
     assert exact.objective == pytest.approx(expected)
-    _check(problem, exact)
+    check(problem, exact)
     dp = solve(problem, "dp", options=OPTS)
     assert exact.objective <= dp.objective + 1e-9
 
@@ -90,10 +74,11 @@ def test_exact_equals_brute_and_bounds(chain: Chain, limit: int, beta: float,
     problem = RematOffloadProblem(chain, limit, chain_bandwidth=beta)
     exact = solve(problem, "cpsat", options=opts)
     brute = solve(problem, "brute", options=OPTS)
-    _check(problem, exact)
     assert brute.status is not Status.ERROR
+    check(problem, exact, optimum=brute.objective if brute.status.has_plan else None)
     assert exact.status.has_plan == brute.status.has_plan
     if not exact.status.has_plan:
+        assert exact.status is Status.INFEASIBLE  # proven: no limit stops these solves
         for name in ("dp", "remat_only", "offload_only", "autocapper"):
             assert not solve(problem, name, options=OPTS).status.has_plan, name
         return
@@ -113,6 +98,53 @@ def test_exact_equals_brute_and_bounds(chain: Chain, limit: int, beta: float,
         assert exact.objective <= off.objective + 1e-9
 
 
+@st.composite
+def tiny_with_idle_ops(draw: st.DrawFn) -> Chain:
+    """Like :func:`tiny`, but forwards and backwards may take no time."""
+    n = draw(st.integers(1, 2))
+    out = draw(st.lists(st.integers(1, 4), min_size=n, max_size=n))
+    return Chain.from_lists(
+        draw(st.lists(st.integers(0, 3), min_size=n, max_size=n)),
+        draw(st.lists(st.integers(0, 4), min_size=n, max_size=n)),
+        out, [o + x for o, x in zip(out, draw(st.lists(st.integers(0, 3), min_size=n,
+                                                        max_size=n)), strict=True)],
+        input_size=draw(st.integers(1, 5)),
+        fwd_overhead=draw(st.lists(st.integers(0, 2), min_size=n, max_size=n)),
+        loss_bwd_time=draw(st.integers(0, 1)))
+
+
+@pytest.mark.parametrize("opts", [OPTS, BENDERS], ids=["full", "benders"])
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(chain=tiny_with_idle_ops(), limit=st.integers(3, 24),
+       beta=st.sampled_from([0.3, 1.0]))
+def test_zero_duration_ops_equal_brute(chain: Chain, limit: int, beta: float,
+                                       opts: SolveOptions) -> None:
+    """Ops that take no time: an item that counts a value on the host may not be followed
+    by a reader of it before its prefetch (the simulator releases the value only after
+    every reader listed after the offload), even when the release rows allow it."""
+    problem = RematOffloadProblem(chain, limit, chain_bandwidth=beta)
+    exact = solve(problem, "cpsat", options=opts)
+    brute = solve(problem, "brute", options=OPTS)
+    assert brute.status is not Status.ERROR
+    check(problem, exact, optimum=brute.objective if brute.status.has_plan else None)
+    assert exact.status is (Status.OPTIMAL if brute.status.has_plan else Status.INFEASIBLE)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_reader_after_a_host_item_keeps_the_value(method: str) -> None:
+    """Regression (``random_chain(4, seed=7)``: ``F_all 1`` and ``B 2`` take no time): the
+    model let ``B 2`` count ``a^0`` on the host while ``F_all 1``, a reader listed after it,
+    had not run; the decoded plan needed 31 > 29 and the solve ended in ``error``."""
+    chain = random_chain(4, seed=7, max_size=6)
+    problem = RematOffloadProblem(chain, 29, chain_bandwidth=0.3)
+    opts = SolveOptions(slots=64, seed=1, deterministic_time=30.0, node_limit=20_000,
+                        extra={"relaxation": False})
+    res = solve(problem, method, options=opts)
+    check(problem, res, opts)
+    assert res.status is Status.OPTIMAL
+    assert res.objective == pytest.approx(128 / 3)
+
+
 @settings(max_examples=60, deadline=None, derandomize=True)
 @given(chain=tiny(max_length=3), limit=st.integers(4, 24),
        beta=st.sampled_from([0.25, 1.0, 2.0, 5.0]))
@@ -120,34 +152,24 @@ def test_highs_and_cpsat_emitters_agree(chain: Chain, limit: int, beta: float) -
     problem = RematOffloadProblem(chain, limit, chain_bandwidth=beta)
     ilp = solve(problem, "ilp", options=OPTS)
     cpsat = solve(problem, "cpsat", options=OPTS)
-    _check(problem, ilp)
-    _check(problem, cpsat)
+    check(problem, ilp)
+    check(problem, cpsat)
     assert ilp.status is cpsat.status
     if ilp.status.has_plan:
         assert ilp.objective == pytest.approx(cpsat.objective, abs=1e-6)
-
-
-def _limits(chain: Chain) -> list[int]:
-    from optmem.simulate.checkpoint import simulate_checkpoint
-    from optmem.solvers.checkpoint_baselines import store_all_plan
-    from optmem.solvers.checkpoint_dp import min_memory_persistent
-
-    lo = min_memory_persistent(chain)
-    hi = simulate_checkpoint(chain, store_all_plan(chain.length)).peak_memory
-    return sorted({lo, (2 * lo + hi) // 3, (lo + 2 * hi) // 3})
 
 
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("beta", [0.0, 1e-4])
 def test_useless_link_equals_checkpoint_optimum(seed: int, beta: float) -> None:
     chain = random_chain(3 + seed % 2, seed=seed, max_size=6)
-    for limit in _limits(chain):
+    for limit in limits(chain):
         ckpt = solve(CheckpointProblem(chain, limit), "ilp", options=OPTS)
         assert ckpt.status is Status.OPTIMAL
         problem = RematOffloadProblem(chain, limit, chain_bandwidth=beta)
         for method, opts in VARIANTS:
             res = solve(problem, method, options=opts)
-            _check(problem, res)
+            check(problem, res)
             assert res.status is Status.OPTIMAL, (method, opts.extra, limit)
             assert res.objective == pytest.approx(ckpt.objective), (method, opts.extra, limit)
 
@@ -172,7 +194,7 @@ def test_free_link_reaches_the_compute_time(seed: int) -> None:
     problem = RematOffloadProblem(chain, limit, chain_bandwidth=1e5)
     for method, opts in VARIANTS:
         res = solve(problem, method, options=opts)
-        _check(problem, res)
+        check(problem, res)
         assert res.status is Status.OPTIMAL
         # every transfer takes at most 1e-4: only they may delay the compute stream
         assert chain.total_compute_time() <= res.objective <= chain.total_compute_time() + 1e-3
@@ -182,10 +204,10 @@ def test_free_link_reaches_the_compute_time(seed: int) -> None:
 @pytest.mark.parametrize("seed", range(3))
 def test_never_worse_than_dp_and_pure_methods(seed: int, opts: SolveOptions) -> None:
     chain = random_chain(4, seed=10 + seed, max_size=6)
-    for limit in _limits(chain)[:2]:
+    for limit in limits(chain)[:2]:
         problem = RematOffloadProblem(chain, limit, chain_bandwidth=1.0)
         exact = solve(problem, "cpsat", options=opts)
-        _check(problem, exact)
+        check(problem, exact)
         assert exact.status is Status.OPTIMAL
         for name in ("dp", "remat_only", "offload_only"):
             other = solve(problem, name, options=OPTS)
@@ -198,7 +220,7 @@ def test_never_worse_than_dp_and_pure_methods(seed: int, opts: SolveOptions) -> 
 def test_model_decodes_what_it_claims() -> None:
     """Any solution of the model (not only optimal ones) replays no slower than claimed."""
     chain = random_chain(3, seed=7, max_size=6)
-    limit = _limits(chain)[0]
+    limit = limits(chain)[0]
     built = build_remat_offload(chain, limit, 1.0)
     cp = to_cpsat(built.model)
     out = engines.solve_cpsat(cp.cp, cp.variables)
@@ -287,7 +309,7 @@ def _fixed_plans_checked(chain: Chain, beta: float, transfers_per_gap: int) -> i
     from optmem.plan import parse_mixed_plan
 
     checked = 0
-    for limit in _limits(chain):
+    for limit in limits(chain):
         problem = RematOffloadProblem(chain, limit, chain_bandwidth=beta)
         built = build_remat_offload(chain, limit, beta, transfers_per_gap=transfers_per_gap)
         for name in ("dp", "remat_only", "offload_only"):
@@ -328,7 +350,7 @@ def test_link_cuts_keep_every_simulated_plan(length: int, seed: int, beta: float
     after it, the total link time) are valid: every plan of the class keeps its simulated
     makespan in the model (a cut that removed a schedule would raise it)."""
     chain = random_chain(length, seed=seed, max_size=8)
-    built = build_remat_offload(chain, _limits(chain)[0], beta, transfers_per_gap=per_gap)
+    built = build_remat_offload(chain, limits(chain)[0], beta, transfers_per_gap=per_gap)
     assert any(c.name.startswith("cut_") for c in built.model.constraints)
     assert _fixed_plans_checked(chain, beta, per_gap) >= 1
 
@@ -341,7 +363,7 @@ def test_link_cuts_lift_the_relaxation() -> None:
     from optmem.models.formulation import to_pulp
 
     chain = random_chain(6, seed=3, max_size=8)
-    limit = _limits(chain)[0]
+    limit = limits(chain)[0]
     beta = 0.5
     built = build_remat_offload(chain, limit, beta)
     pm = to_pulp(built.model)
@@ -390,11 +412,11 @@ def test_link_relaxation_never_exceeds_the_model_optimum(length: int, seed: int,
     chain = random_chain(length, seed=seed, max_size=8)
     opts = SolveOptions(slots=64, threads=1, seed=1, deterministic_time=60.0,
                         extra={"relaxation": False})
-    for limit in _limits(chain)[:2]:
+    for limit in limits(chain)[:2]:
         problem = RematOffloadProblem(chain, limit, chain_bandwidth=beta)
         bound = _relaxation(chain, limit, beta)
         exact = solve(problem, "cpsat", options=opts)
-        _check(problem, exact, opts)
+        check(problem, exact, opts)
         assert exact.report["relaxation"] == {"status": "off"}
         if exact.status is Status.OPTIMAL:
             assert bound <= exact.objective + 1e-6
@@ -417,7 +439,7 @@ def test_link_windows_never_cut_a_plan(length: int, seed: int, beta: float) -> N
     chain = random_chain(length, seed=seed, max_size=10)
     opts = SolveOptions(slots=64, threads=1, seed=1, deterministic_time=2.0,
                         extra={"relaxation": False})
-    for limit in _limits(chain)[:2]:
+    for limit in limits(chain)[:2]:
         pm = to_pulp(build_link_relaxation(chain, limit, beta, deadlines=False))
         plain = engines.solve_pulp(pm.problem, pm.all_variables, "highs")
         bound = _relaxation(chain, limit, beta)
@@ -436,7 +458,7 @@ def test_link_relaxation_with_a_useless_link_is_the_checkpoint_optimum(seed: int
     """With a link too slow to relieve a unit of memory the relaxation is the checkpoint
     model of the same class (``reductions=False``), whose optimum the checkpoint ILP proves."""
     chain = random_chain(3 + seed % 2, seed=seed, max_size=6)
-    for limit in _limits(chain):
+    for limit in limits(chain):
         ckpt = solve(CheckpointProblem(chain, limit), "ilp", options=OPTS)
         assert ckpt.status is Status.OPTIMAL
         assert _relaxation(chain, limit, 1e-4) == pytest.approx(ckpt.objective)
@@ -446,7 +468,7 @@ def test_link_relaxation_bound_is_reported_and_lifts_the_floor() -> None:
     """The exact methods report the relaxation, use its bound (above the compute sum at a
     tight limit) and stay consistent with it: the optimum found is not below it."""
     chain = random_chain(6, seed=3, max_size=8)
-    limit = _limits(chain)[0]
+    limit = limits(chain)[0]
     problem = RematOffloadProblem(chain, limit, chain_bandwidth=0.5)
     bound = _relaxation(chain, limit, 0.5)
     assert bound > chain.total_compute_time() + 1e-6
@@ -454,7 +476,7 @@ def test_link_relaxation_bound_is_reported_and_lifts_the_floor() -> None:
         res = solve(problem, method, options=SolveOptions(slots=64, threads=1, seed=1,
                                                           deterministic_time=20.0,
                                                           node_limit=200))
-        _check(problem, res)
+        check(problem, res)
         assert res.report["relaxation"]["status"] == "optimal"
         assert res.report["relaxation"]["bound"] == pytest.approx(bound, rel=1e-6)
         assert res.bound >= bound - 1e-6
@@ -472,7 +494,7 @@ def test_failing_relaxation_engine_never_fails_the_solve(monkeypatch: pytest.Mon
     monkeypatch.setattr(exact.engines, "solve_pulp", lambda *a, **k: engines.failed_result(
         "highs", RuntimeError("injected HiGHS failure")))
     res = solve(problem, "cpsat", options=OPTS)
-    _check(problem, res)
+    check(problem, res)
     assert res.report["relaxation"]["status"] == "error"
     assert res.status is good.status is Status.OPTIMAL
     assert res.objective == pytest.approx(good.objective)
@@ -500,7 +522,7 @@ def test_cpsat_on_fractional_transfer_times_is_exact(chain: Chain, limit: int,
     problem = RematOffloadProblem(chain, limit, chain_bandwidth=beta)
     exact = solve(problem, "cpsat", options=OPTS)
     brute = solve(problem, "brute", options=OPTS)
-    _check(problem, exact)
+    check(problem, exact)
     assert exact.status.has_plan == brute.status.has_plan
     if exact.status.has_plan:
         assert exact.report["exact_times"] is True
@@ -515,3 +537,20 @@ def test_engine_work_is_reported() -> None:
     assert res.status is Status.OPTIMAL
     assert res.report["engine_work"]["deterministic_time"] >= 0
     assert res.report["engine_work"]["branches"] >= 0
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("seed", [5, 7, 9])
+def test_decoded_plans_replay_with_idle_ops(seed: int, method: str) -> None:
+    """Random chains with zero-duration ops (``random_chain`` draws them), the relaxation
+    off so that the model's own search decides, at two limits of :func:`limits` and at 29:
+    every decoded plan replays within the limit (before the ``pendG`` rows, seed 7 at 29
+    ended in ``error`` with CP-SAT)."""
+    chain = random_chain(4, seed=seed, max_size=6)
+    assert 0.0 in (*chain.fwd_time, *chain.bwd_time, chain.loss_bwd_time)
+    opts = SolveOptions(slots=64, seed=1, deterministic_time=10.0, node_limit=5_000,
+                        extra={"relaxation": False})
+    for limit in (*limits(chain)[:2], 29):
+        for beta in (0.3, 1.0):
+            problem = RematOffloadProblem(chain, limit, chain_bandwidth=beta)
+            check(problem, solve(problem, method, options=opts), opts)

@@ -65,6 +65,10 @@ Constraints (``[x, y]``: enforced when the binaries ``x`` and ``y`` are 1)
 * memory when a prefetch starts between two ops (``[late_q, some pre at q]``):
   ``stored after p - sum_w size_w eta[w,q] <= M`` with ``eta <= H_w - pre[w,q]`` and
   ``R_w <= T_q`` ``[eta]``.
+* no reader of ``v`` is listed after an item or gap that counted ``v`` on the host
+  (``h`` or ``eta``) while ``v`` is still offloaded (``G[v]``, :func:`_host_since_offload`):
+  the simulator releases an offloaded value only once every reader listed after the offload
+  has run, which the release rows alone miss when ops take no time.
 * link cuts (valid inequalities, no big-M; they lift the LP bound above the sum of compute
   times, which the big-M rows above leave free): the values on the host during item ``p``
   were offloaded one after the other before it starts and are prefetched after it ends,
@@ -291,6 +295,7 @@ def build_remat_offload(chain: Chain, memory_limit: int, bandwidth: float, *,
         m.add(Relation(Expr(con.terms), con.lo, con.hi), con.name)
     S = [m.continuous(f"S{p}", 0.0, 0.0 if p == 0 else U) for p in range(n)]
     D, reads, frees, makes, after_delta = _item_facts(m, cf, uf, ub, a)
+    early_readers = _early_readers(D, reads)
     for p in range(n - 1):
         m.add(S[p + 1] >= S[p] + D[p], f"seq_{p}")
     E = [S[p] + D[p] for p in range(n)]
@@ -319,6 +324,7 @@ def build_remat_offload(chain: Chain, memory_limit: int, bandwidth: float, *,
     P: dict[Value, Expr] = {v: zero for v in tau}
     R: dict[Value, Expr] = {v: zero for v in tau}
     Pi: dict[Value, Expr] = {v: zero for v in tau}
+    G: dict[Value, Expr] = {v: zero for v in tau}  # host-only since the current offload
     positions: list[Position] = []
     prev: tuple[Expr, Expr] | None = None  # previous position's start and busy time
     last_used: tuple[int, Expr] | None = None  # item and use of the previous position
@@ -360,6 +366,9 @@ def build_remat_offload(chain: Chain, memory_limit: int, bandwidth: float, *,
                 add(S[p] >= Pi[v], f"wait_{v[0]}{v[1]}_{p}", [rv])
             if H[v].terms:
                 add(R[v] >= E[p], f"pend_{v[0]}{v[1]}_{p}", [rv, _lit(H[v])])
+                if G[v].terms:  # no reader after an item that had v on the host only
+                    rx = Expr() + 1 if rv is True else Expr([(rv[0], 1.0)])
+                    m.add(G[v] + H[v] + rx <= 2, f"pendG_{v[0]}{v[1]}_{p}")
             if P[v].terms:
                 if rv is True:
                     P[v] = zero
@@ -374,6 +383,11 @@ def build_remat_offload(chain: Chain, memory_limit: int, bandwidth: float, *,
             if fv is not False and H[v].terms:
                 fx = Expr() + 1 if fv is True else Expr([(fv[0], 1.0)])
                 m.add(H[v] + fx <= 1, f"free_{v[0]}{v[1]}_{p}")
+        for v in tau:
+            if v in early_readers[p]:
+                _host_since_offload(m, G, v, H[v], [hvars[v]] if v in hvars else [], f"{p}")
+            else:
+                G[v] = zero
         if p == n - 1:
             break
         # ---- link positions after item p
@@ -381,6 +395,7 @@ def build_remat_offload(chain: Chain, memory_limit: int, bandwidth: float, *,
         if not cands:
             continue
         can_run = bool(D[p].terms) or D[p].const > 0
+        etas: dict[Value, list[Expr]] = {}
         for kappa in range(transfers_per_gap):
             late: Expr | None = None
             tq = m.continuous(f"T{p}_{kappa}", 0.0, U)
@@ -456,12 +471,16 @@ def build_remat_offload(chain: Chain, memory_limit: int, bandwidth: float, *,
                     m.add(u <= y + last_used[1], f"fill_{p}_{kappa}")
             last_used = (p, u)
             if prefetching.terms:
-                _gap_check(m, p, kappa, tq, pos, prefetching, cands, H, R, size,
-                           stored(cf.states[p + 1]) + after_delta[p], memory_limit,
-                           late)
+                for w, eta in _gap_check(m, p, kappa, tq, pos, prefetching, cands, H, R,
+                                         size, stored(cf.states[p + 1]) + after_delta[p],
+                                         memory_limit, late).items():
+                    etas.setdefault(w, []).append(eta)
             prev = (tq, busy)
             link_total = link_total + busy
             positions.append(pos)
+        for v, host_at in etas.items():
+            if v in early_readers[p]:
+                _host_since_offload(m, G, v, None, host_at, f"{p}_gap")
     obj = m.continuous("makespan", 0.0, U)
     m.add(obj >= E[n - 1], "makespan")
     if link_total.terms:
@@ -632,19 +651,70 @@ def _deadline_rows(m: Model, cf: ck.Formulation, reads: Sequence[dict[Value, Lit
                       f"deadline_{p}_{q}")
 
 
+def _early_readers(D: Sequence[Expr], reads: Sequence[dict[Value, Literal | bool]]
+                   ) -> list[set[Value]]:
+    """Per item ``p``, the values an item after ``p`` may read early.
+
+    Early: before the next item that always takes time (a backward op of positive
+    duration), that item excluded. Only those readers can follow an item that counted the
+    value on the host without the release rows excluding them (a reader ending after ``p``
+    starts pushes the release past it), so ``G`` is needed for these values only
+    (:func:`_host_since_offload`).
+    """
+    out: list[set[Value]] = [set() for _ in D]
+    ahead: set[Value] = set()
+    for p in range(len(D) - 1, -1, -1):
+        out[p] = set(ahead)
+        if not D[p].terms and D[p].const > 0:
+            ahead = set()
+        else:
+            ahead |= {v for v, lit in reads[p].items() if lit is not False}
+    return out
+
+
+def _host_since_offload(m: Model, G: dict[Value, Expr], v: Value, H: Expr | None,
+                        host: Sequence[Expr], tag: str) -> None:
+    """Update ``G[v]``: ``v`` was on the host only (``h`` or ``eta``) since its offload.
+
+    The simulator counts a value as on the host only once every reader listed after its
+    offload (and before its prefetch) has been replayed, so no reader may follow such an
+    item while the value is still offloaded (row ``pendG``: ``G + H + reads <= 2``). With
+    positive durations the release rows already imply it (a later reader ends after the
+    item starts); with zero-duration ops they do not. ``G`` only needs lower bounds:
+    ``g >= host`` and, at an item (``H`` its state), ``g >= G + H - 1`` (the offload
+    continues: ``H`` cannot drop and rise again between two items, a prefetched value must
+    be read before it is offloaded again); at a gap (``H`` is ``None``) ``g >= G``.
+    """
+    if not G[v].terms or (H is not None and not H.terms):
+        carry = Expr()
+    else:
+        carry = G[v] if H is None else G[v] + H - 1
+    if not host and not carry.terms:
+        G[v] = Expr()
+        return
+    g = m.binary(f"G_{v[0]}{v[1]}_{tag}")
+    for k, x in enumerate(host):
+        m.add(g >= x, f"Gh_{v[0]}{v[1]}_{tag}_{k}")
+    if carry.terms:
+        m.add(g >= carry, f"Gc_{v[0]}{v[1]}_{tag}")
+    G[v] = g
+
+
 def _gap_check(m: Model, p: int, kappa: int, tq: Expr, pos: Position, prefetching: Expr,
                cands: Sequence[Value], H: dict[Value, Expr], R: dict[Value, Expr],
-               size: object, after: Expr, memory_limit: int, late: Expr | None) -> None:
+               size: object, after: Expr, memory_limit: int, late: Expr | None
+               ) -> dict[Value, Expr]:
     """Memory when the prefetch of position ``q`` starts after item ``p`` has ended.
 
     ``H`` and ``R`` are the states after the position (a value offloaded here has ``R``
     after ``T_q`` and the prefetched one ``H = 0``, so neither counts as host). Without
     ``late`` the row holds whenever a prefetch starts (implied by the op's row if it starts
-    during the op).
+    during the op). Returns the ``eta`` binaries (values counted on the host).
     """
     isp = m.binary(f"isp_{p}_{kappa}")
     m.add(isp == prefetching, f"isp_{p}_{kappa}")
     host = Expr()
+    etas: dict[Value, Expr] = {}
     for w in cands:
         if not H[w].terms:
             continue
@@ -652,8 +722,10 @@ def _gap_check(m: Model, p: int, kappa: int, tq: Expr, pos: Position, prefetchin
         m.add(eta <= H[w], f"etaH_{w[0]}{w[1]}_{p}_{kappa}")
         m.add(R[w] <= tq, f"etaR_{w[0]}{w[1]}_{p}_{kappa}", only_if=m.literal(eta))
         host = host - eta * size(w)  # type: ignore[operator]
+        etas[w] = eta
     lits = [m.literal(isp)] + ([m.literal(late)] if late is not None else [])
     m.add(after + host <= memory_limit, f"gap_{p}_{kappa}", only_if=lits)
+    return etas
 
 
 def with_fixed(built: RematOffloadModel, fixed: dict[int, float],

@@ -57,6 +57,8 @@ DEFAULT_GRID = 200
 DEFAULT_BACKLOG_GRID = 25
 DP_VARIANTS = ("never-worse", "extended", "thesis")
 AUTOCAPPER_VALUES = 40
+LEAST_ENGINE_TIME_S = 1.0  # an exact method's engine call always gets this long (it needs a
+# positive limit): the search, the relaxation, every Benders master and subproblem
 WORDING = Wording(invalid="the plan does not replay: ")
 
 

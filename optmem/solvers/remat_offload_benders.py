@@ -75,13 +75,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from optmem.engines import adapters as engines
+from optmem.engines.adapters import EngineResult
 from optmem.errors import OptmemInputError, PlanError
 from optmem.models import checkpoint_ilp as ck
 from optmem.models.formulation import CpsatModel, Expr, Model, to_cpsat, to_pulp
 from optmem.models.remat_offload import (
     RematOffloadModel,
     build_link_relaxation,
-    build_remat_offload,
     with_fixed,
 )
 from optmem.plan import AnyOp
@@ -90,6 +90,7 @@ from optmem.result import Result, SolveOptions, Status
 from optmem.simulate.offload import simulate_offload
 from optmem.solvers.options import flag, positive_float, positive_int
 from optmem.solvers.remat_offload import (
+    LEAST_ENGINE_TIME_S,
     discretized,
     lower_bound,
     no_plan_result,
@@ -100,7 +101,6 @@ DEFAULT_SUB_WORK = 10.0  # CP-SAT deterministic seconds per subproblem (doubled 
 DEFAULT_FILTER_WORK = 0.25  # CP-SAT deterministic seconds per deletion-filter check
 FILTER_MODES = ("phases", "slots")  # extra["benders_filter"] (default first): filter passes
 LOG = logging.getLogger(__name__)
-LEAST_ENGINE_TIME_S = 0.5  # an engine call always gets this long (it needs a positive limit)
 
 
 @dataclass
@@ -117,6 +117,31 @@ class _State:
         "iterations": 0, "refutation_cuts": 0, "value_cuts": 0, "filter_checks": 0,
         "improvements": 0, "cut_slots": [], "master_nodes": 0,
         "cpsat_deterministic_time": 0.0, "cpsat_branches": 0})
+
+
+@dataclass
+class _Loop:
+    """What every iteration shares: the two models, the settings and the incumbent.
+
+    ``theta`` is the index of the master's makespan, ``theta0`` the master's first optimum
+    (the cuts' floor, module docstring), ``left()`` the time left of the solve's limit.
+    """
+
+    built: RematOffloadModel
+    master: Model
+    theta: int
+    slots: list[ck.Slot]
+    options: SolveOptions
+    scale: int
+    filter_work: float
+    state: _State
+    left: Callable[[], float | None]
+    theta0: float = -math.inf
+
+    def cut(self, slots: Sequence[ck.Slot], xhat: dict[int, int], b: float, name: str) -> None:
+        """``theta >= b - (b - theta0) dis_J(x)`` over the op binaries of ``slots``."""
+        self.master.add(Expr([(self.theta, 1.0)]) + _disagreement(slots, xhat)
+                        * (b - self.theta0) >= b, name)
 
 
 def _iterations(options: SolveOptions) -> int | None:
@@ -163,14 +188,25 @@ def _count(state: _State, info: dict[str, Any]) -> None:
     state.counts["cpsat_branches"] += int(info.get("branches", 0))
 
 
+def _cpsat(cp: CpsatModel, options: SolveOptions, slots: Sequence[ck.Slot],
+           xhat: dict[int, int], state: _State, **settings: Any) -> EngineResult:
+    """CP-SAT on ``cp`` with ``xhat`` on ``slots`` assumed.
+
+    The options' engine settings (:func:`~optmem.engines.adapters.cpsat_settings`),
+    overridden by ``settings``.
+    """
+    out = engines.solve_cpsat(cp.cp, cp.variables, assumptions=_assume(cp, slots, xhat),
+                              **{**engines.cpsat_settings(options), **settings})
+    _count(state, out.info)
+    return out
+
+
 def _refuted(cp: CpsatModel, slots: Sequence[ck.Slot], xhat: dict[int, int],
              options: SolveOptions, work: float, state: _State,
              time_limit_s: float | None = None) -> bool:
     state.counts["filter_checks"] += 1
-    out = engines.solve_cpsat(cp.cp, cp.variables, threads=1, deterministic_time=work,
-                              time_limit_s=time_limit_s,
-                              seed=options.seed, assumptions=_assume(cp, slots, xhat))
-    _count(state, out.info)
+    out = _cpsat(cp, options, slots, xhat, state, threads=1, deterministic_time=work,
+                 time_limit_s=time_limit_s)
     return out.status is Status.INFEASIBLE
 
 
@@ -200,87 +236,107 @@ def deletion_filter(cp: CpsatModel, slots: Sequence[ck.Slot], xhat: dict[int, in
     return keep
 
 
-def solve_benders(problem: RematOffloadProblem, options: SolveOptions, *, sweeps: int,
-                  per_gap: int, scale: int, incumbent: tuple[float, tuple[AnyOp, ...]] | None,
-                  report: dict[str, Any], floor: float = -math.inf) -> Result:
+def solve_benders(problem: RematOffloadProblem, options: SolveOptions, *,
+                  built: RematOffloadModel, scale: int,
+                  incumbent: tuple[float, tuple[AnyOp, ...]] | None, report: dict[str, Any],
+                  floor: float = -math.inf,
+                  first: tuple[Model, EngineResult] | None = None) -> Result:
     """Run the decomposition (module docstring); ``scale`` must be the exact time grid.
 
-    ``incumbent`` is the best verified plan so far (simulated makespan, plan) and ``floor`` a
-    proven bound from elsewhere (the warm-up search); the reported bound is the better of it
-    and the master's.
+    ``built`` is the full model (no grid), ``incumbent`` the best verified plan so far
+    (simulated makespan, plan) and ``floor`` a proven bound from elsewhere (the warm-up
+    search); the reported bound is the better of it and the master's. ``first`` is the
+    master (the link relaxation with the deadline rows of ``extra["relaxation_deadlines"]``)
+    already solved by the caller, with that outcome: an optimal one is the first proposal.
+    ``infeasible`` when the loop proves that no plan of the class fits (the relaxation has
+    no solution, or the cuts remove every compute sequence below the default horizon).
     """
     began = time.monotonic()
     disc, beta = discretized(problem, options)
-    chain, limit = disc.chain, disc.memory_limit
     sub_work = positive_float(options, "benders_work", DEFAULT_SUB_WORK)
-    filter_work = positive_float(options, "benders_filter_work", DEFAULT_FILTER_WORK)
     max_iter = _iterations(options)
-    deadlines = flag(options, "relaxation_deadlines", True)
-    built = build_remat_offload(chain, limit, beta, sweeps=sweeps, transfers_per_gap=per_gap)
-    master: Model = build_link_relaxation(chain, limit, beta, sweeps=sweeps,
-                                          deadlines=deadlines)
-    theta = next(i for i, v in enumerate(master.vars) if v.name == "makespan")
-    slots = _slots(built)
-    opvars = [i for sl in slots for _, i in sl.ops]
+    if first is None:
+        master = build_link_relaxation(disc.chain, disc.memory_limit, beta,
+                                       sweeps=built.checkpoint.sweeps,
+                                       deadlines=flag(options, "relaxation_deadlines", True))
+    else:
+        master = first[0]
     plan, z = (incumbent[1], incumbent[0]) if incumbent else (None, built.horizon)
-    state = _State(plan, z, limit=limit, beta=beta,
-                   single_slots=_filter_mode(options) == "slots")
-    report.update({"strategy": "benders", "model": built.info, "time_scale": scale,
-                   "exact_times": True, "benders": state.counts})
 
     def left() -> float | None:
         if options.time_limit_s is None:
             return None
         return max(LEAST_ENGINE_TIME_S, options.time_limit_s - (time.monotonic() - began))
 
-    theta0: float | None = None
+    loop = _Loop(built, master, next(i for i, v in enumerate(master.vars)
+                                     if v.name == "makespan"), _slots(built), options, scale,
+                 positive_float(options, "benders_filter_work", DEFAULT_FILTER_WORK),
+                 _State(plan, z, limit=disc.memory_limit, beta=beta,
+                        single_slots=_filter_mode(options) == "slots"), left)
+    state = loop.state
+    opvars = [i for sl in loop.slots for _, i in sl.ops]
+    report.update({"strategy": "benders", "model": built.info, "time_scale": scale,
+                   "exact_times": True, "benders": state.counts})
     bound = floor
     tries: dict[tuple[int, ...], int] = {}
     status = Status.FEASIBLE
+    no_plan = False
     while True:
         if options.time_limit_s is not None and \
                 time.monotonic() - began >= options.time_limit_s:
             break
         if max_iter is not None and state.counts["iterations"] >= max_iter:
             break
-        pm = to_pulp(master)
-        out = engines.solve_pulp(pm.problem, pm.all_variables, "highs",
-                                 **{**engines.pulp_settings(options), "time_limit_s": left()})
-        state.counts["master_nodes"] += int(out.info.get("nodes", 0) or 0)
-        if out.status is Status.INFEASIBLE and theta0 is None:
-            report["note"] = "the link relaxation has no solution: no plan fits"
-            return no_plan_result(problem, options, "cpsat", Status.INFEASIBLE, report)
+        if first is not None and first[1].status is Status.OPTIMAL:
+            out, first = first[1], None
+        else:
+            first = None
+            pm = to_pulp(master)
+            out = engines.solve_pulp(pm.problem, pm.all_variables, "highs",
+                                     **{**engines.pulp_settings(options), "time_limit_s": left()})
+            state.counts["master_nodes"] += int(out.info.get("nodes", 0) or 0)
+        if out.status is Status.INFEASIBLE and (state.plan is None or
+                                                 not math.isfinite(loop.theta0)):
+            # no compute sequence is left: every plan of the class satisfies every row and
+            # every cut of the master (module docstring)
+            report["note"] = ("the link relaxation has no solution: no plan fits"
+                              if not math.isfinite(loop.theta0) else
+                              "the cuts leave no compute sequence: no plan fits")
+            no_plan = True
+            break
         if out.failed or out.values is None or not math.isfinite(out.bound):
             report["master"] = f"{out.status}: {out.message}"
             break
         master_bound = out.bound - 1e-9 * max(1.0, abs(out.bound))
         bound = max(bound, master_bound)
-        if theta0 is None:  # at most every sequence's relaxation value (the cuts' floor)
-            theta0 = master_bound
-            report["relaxation"] = {"bound": theta0, "seconds": round(out.time_s, 3)}
+        if not math.isfinite(loop.theta0):  # at most every sequence's relaxation value
+            loop.theta0 = master_bound
+            report["relaxation"] = {"bound": loop.theta0, "seconds": round(out.time_s, 3)}
         if bound >= state.makespan - 1e-9 * max(1.0, state.makespan):
             status = Status.OPTIMAL
-            break
+            no_plan = state.plan is None  # nothing below the default horizon, which is
+            break  # above every plan of the class
         if out.status is not Status.OPTIMAL:
             break  # a master stopped early gives its bound, not a trustworthy proposal
         state.counts["iterations"] += 1
         xhat = {i: int(round(out.values[i])) for i in opvars}
-        value = out.values[theta]
         key = tuple(xhat[i] for i in opvars)
         tries[key] = tries.get(key, 0) + 1
-        b = _subproblem(built, slots, xhat, options, scale, sub_work * 2 ** (tries[key] - 1),
-                        filter_work, state, left, master, theta, theta0, value)
+        b = _subproblem(loop, xhat, sub_work * 2 ** (tries[key] - 1), out.values[loop.theta])
         LOG.info("benders %d: bound %.6g, incumbent %.6g, cut %.6g, %.1f s",
                  state.counts["iterations"], bound, state.makespan, b or math.nan,
                  time.monotonic() - began)
         if b is None:
             break
-    bound = max(bound, lower_bound(problem))
-    report["benders"]["bound"] = bound
     report["engine_time_s"] = round(time.monotonic() - began, 3)
     report["engine_work"] = {"deterministic_time": state.counts["cpsat_deterministic_time"],
                              "branches": state.counts["cpsat_branches"],
                              "master_nodes": state.counts["master_nodes"]}
+    if no_plan:
+        report["benders"]["bound"] = math.inf
+        return no_plan_result(problem, options, "cpsat", Status.INFEASIBLE, report)
+    bound = max(bound, lower_bound(problem))
+    report["benders"]["bound"] = bound
     if state.plan is None:
         return no_plan_result(problem, options, "cpsat", Status.NO_SOLUTION,
                               report).with_(bound=bound)
@@ -291,47 +347,48 @@ def solve_benders(problem: RematOffloadProblem, options: SolveOptions, *, sweeps
     return res
 
 
-def _subproblem(built: RematOffloadModel, slots: Sequence[ck.Slot], xhat: dict[int, int],
-                options: SolveOptions, scale: int, work: float, filter_work: float,
-                state: _State, left: Callable[[], float | None], master: Model, theta: int,
-                theta0: float, value: float) -> float | None:
-    """Solve the subproblem of ``xhat``, add its cut to ``master``; the cut's ``b``."""
+def _subproblem(loop: _Loop, xhat: dict[int, int], work: float, value: float) -> float | None:
+    """Solve the subproblem of ``xhat`` (master value ``value``), add its cut to the master.
+
+    Returns the cut's ``b`` (``value`` when the subproblem proves nothing above it: no cut
+    is added then, since the master's solution already satisfies it; the caller doubles the
+    work for the next proposal of ``xhat``), ``None`` when CP-SAT failed.
+    """
+    state = loop.state
     if state.cp is None:
-        state.cp = _emit(built, state.makespan, scale)
+        state.cp = _emit(loop.built, state.makespan, loop.scale)
     cp = state.cp
-    out = engines.solve_cpsat(cp.cp, cp.variables, threads=options.threads,
-                              time_limit_s=left(), seed=options.seed,
-                              deterministic_time=work,
-                              assumptions=_assume(cp, slots, xhat))
-    _count(state, out.info)
+    out = _cpsat(cp, loop.options, loop.slots, xhat, state, time_limit_s=loop.left(),
+                 deterministic_time=work)
     if out.failed:
         return None
     n = state.counts["iterations"]
     if out.status is Status.INFEASIBLE:
-        kept = deletion_filter(cp, slots, xhat, options, filter_work, state, left,
-                               single_slots=state.single_slots)
-        b = state.makespan
-        master.add(Expr([(theta, 1.0)]) + _disagreement(kept, xhat) * (b - theta0) >= b,
-                   f"benders_refute_{n}")
+        kept = deletion_filter(cp, loop.slots, xhat, loop.options, loop.filter_work, state,
+                               loop.left, single_slots=state.single_slots)
+        loop.cut(kept, xhat, state.makespan, f"benders_refute_{n}")
         state.counts["refutation_cuts"] += 1
         state.counts["cut_slots"].append(len(kept))
-        return b
-    b = value
+        return state.makespan
     if out.status.has_plan and out.values is not None:
-        values = cp.values(out.values)
-        plan = built.decode(values)
-        try:
-            sim = simulate_offload(built.chain, plan, state.beta, state.limit).makespan
-        except PlanError:  # engine tolerances: the simulator is the judge, keep the incumbent
-            sim = math.inf
-        if sim < state.makespan - 1e-9 * max(1.0, sim):
-            state.plan, state.makespan = plan, sim
-            state.counts["improvements"] += 1
-            state.cp = None  # the next subproblem needs the lower horizon
+        _improve(loop, loop.built.decode(cp.values(out.values)))
+    b = value
     if math.isfinite(out.bound):
         b = max(b, cp.objective(out.bound) - 1e-9 * max(1.0, abs(value)))
-    master.add(Expr([(theta, 1.0)]) + _disagreement(slots, xhat) * (b - theta0) >= b,
-               f"benders_value_{n}")
-    state.counts["value_cuts"] += 1
+    if b > value + 1e-9 * max(1.0, abs(value)):  # else the cut would not remove xhat
+        loop.cut(loop.slots, xhat, b, f"benders_value_{n}")
+        state.counts["value_cuts"] += 1
     return b
 
+
+def _improve(loop: _Loop, plan: tuple[AnyOp, ...]) -> None:
+    """Replay a subproblem's plan; a faster one is the new incumbent (a lower horizon)."""
+    state = loop.state
+    try:
+        sim = simulate_offload(loop.built.chain, plan, state.beta, state.limit).makespan
+    except PlanError:  # engine tolerances: the simulator is the judge, keep the incumbent
+        return
+    if sim < state.makespan - 1e-9 * max(1.0, sim):
+        state.plan, state.makespan = plan, sim
+        state.counts["improvements"] += 1
+        state.cp = None  # the next subproblem needs the lower horizon

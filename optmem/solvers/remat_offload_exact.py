@@ -62,6 +62,7 @@ from optmem.models.remat_offload import (
     with_fixed,
 )
 from optmem.plan import LOSS, AnyOp, B, F_all, F_ck, F_none, Op, parse_mixed_plan
+from optmem.problems.checkpoint import Discretized
 from optmem.problems.remat_offload import RematOffloadProblem
 from optmem.result import Result, SolveOptions, Status
 from optmem.simulate.checkpoint import initial_state, is_final, transition
@@ -70,6 +71,7 @@ from optmem.solvers.offload_bruteforce import interleave_transfers
 from optmem.solvers.options import flag, positive_int
 from optmem.solvers.registration import register, register_exporter
 from optmem.solvers.remat_offload import (
+    LEAST_ENGINE_TIME_S,
     PROBLEM,
     best_candidate,
     discretized,
@@ -86,7 +88,6 @@ from optmem.solvers.remat_offload_schedule import Window, static_replay, window_
 BRUTE_MAX_LENGTH = 2
 COMPLETION_SHARE = 0.25  # share of a user's time limit spent completing warm starts
 RELAXATION_SHARE = 0.25  # share of a user's time limit spent on the link relaxation's bound
-LEAST_SEARCH_TIME_S = 1.0  # the search always gets this long (an engine needs a positive limit)
 MAX_RATIONAL_SCALE = 10**6  # largest exact CP-SAT time grid: never finer than the decimal one
 BENDERS_WARMUP = 0.3  # share of the time limit for the monolithic warm-up of strategy=benders
 STRATEGIES = ("full", "benders")  # extra["strategy"] of cpsat (benders: remat_offload_benders)
@@ -294,18 +295,20 @@ def _engine_solve(model: Model, engine: str, options: SolveOptions, *,
 
 
 def _warm_start(problem: RematOffloadProblem, options: SolveOptions,
-                built: RematOffloadModel, engine: str, scale: int) -> _Start:
+                built: RematOffloadModel, engine: str, scale: int,
+                found: list[tuple[float, str, tuple[AnyOp, ...]]] | None = None) -> _Start:
     """The fastest candidate plan that fits the model, completed by the engine.
 
     ``plan`` is the fastest candidate (the incumbent), ``values`` the completion of the
-    fastest one the model can take.
+    fastest one the model can take; ``found``: :func:`_candidates`, if already computed.
     """
     if not options.warm_start:
         return _Start(None, math.inf, None, math.inf, "off")
     notes = []
     began = time.monotonic()
     budget = None if options.time_limit_s is None else COMPLETION_SHARE * options.time_limit_s
-    found = _candidates(problem, options)
+    if found is None:
+        found = _candidates(problem, options)
     best = found[0] if found else None  # the incumbent, even if the model cannot take it
     for _, label, plan in found:
         fixed = built.fixing(plan)
@@ -360,36 +363,55 @@ def cpsat_time_scale(chain: Chain, beta: float) -> tuple[int, bool]:
     return decimal
 
 
+@dataclass(frozen=True)
+class _Relaxed:
+    """The link relaxation's proven bound (``-inf``: none), its report and its last solve.
+
+    ``master`` is the last model solved (with the deadline rows of
+    ``extra["relaxation_deadlines"]``) and ``out`` its outcome: the Benders loop's first
+    master and proposal (``None`` when the relaxation is off or skipped).
+    """
+
+    bound: float
+    info: dict[str, Any]
+    master: Model | None = None
+    out: EngineResult | None = None
+
+
 def _relaxation_bound(chain: Chain, memory_limit: int, beta: float, sweeps: int,
-                      options: SolveOptions, engine: str) -> tuple[float, dict[str, Any]]:
+                      options: SolveOptions, engine: str,
+                      budget_s: float | None = None) -> _Relaxed:
     """The proven bound of :func:`~optmem.models.remat_offload.build_link_relaxation`.
 
     Solved by the PuLP engine of the method (HiGHS for ``cpsat`` when installed) within
     :data:`RELAXATION_SHARE` of the time limit, first without and then with the prefetch
     deadlines (``extra["relaxation_deadlines"]``, default true; ``report["relaxation"]``
     keeps the first bound as ``plain_bound``); the engine's dual bound is valid even when
-    it stops early, and the better of the two is the bound. ``-inf`` when it is off
+    it stops early, and the better of the two is the bound (``budget_s``: another time
+    budget than that share, for both solves). ``-inf`` when it is off
     (``extra["relaxation"] = False``), no MILP engine is installed, there is no link or the
     engine fails.
     """
     deadlines = flag(options, "relaxation_deadlines", True)
     if not options.extra.get("relaxation", True) or beta <= 0:
-        return -math.inf, {"status": "off"}
+        return _Relaxed(-math.inf, {"status": "off"})
     pulp_engine = engine if engine != "cpsat" else "highs"
     if not engines.is_available(pulp_engine):
-        return -math.inf, {"status": f"skipped ({pulp_engine} not installed)"}
+        return _Relaxed(-math.inf, {"status": f"skipped ({pulp_engine} not installed)"})
     began = time.monotonic()
     share = None if options.time_limit_s is None else \
-        max(LEAST_SEARCH_TIME_S, RELAXATION_SHARE * options.time_limit_s)
+        max(LEAST_ENGINE_TIME_S, RELAXATION_SHARE * options.time_limit_s
+            if budget_s is None else budget_s)
     best: float = -math.inf
     info: dict[str, Any] = {}
     # the plain relaxation first: fast, and a valid bound should the deadline rows make the
     # second solve stop early below it (the better of the two bounds counts)
     for with_deadlines in (False, True) if deadlines else (False,):
         limit = None if share is None else \
-            max(LEAST_SEARCH_TIME_S, share - (time.monotonic() - began))
-        pm = to_pulp(build_link_relaxation(chain, memory_limit, beta, sweeps=sweeps,
-                                           deadlines=with_deadlines))
+            max(LEAST_ENGINE_TIME_S, share - (time.monotonic() - began))
+        master = build_link_relaxation(chain, memory_limit, beta, sweeps=sweeps,
+                                       deadlines=with_deadlines)
+        pm = to_pulp(master)
         out = engines.solve_pulp(pm.problem, pm.all_variables, pulp_engine,
                                  **{**engines.pulp_settings(options), "time_limit_s": limit})
         run = {"status": str(out.status), "bound": out.bound,
@@ -401,32 +423,66 @@ def _relaxation_bound(chain: Chain, memory_limit: int, beta: float, sweeps: int,
             best = max(best, out.bound - 1e-9 * max(1.0, abs(out.bound)))
     if math.isfinite(best):
         info["bound"] = best
-    return best, info
+    return _Relaxed(best, info, master, out)
 
 
-def _benders(problem: RematOffloadProblem, options: SolveOptions, sweeps: int, per_gap: int,
-             scale: int) -> Result:
+@dataclass(frozen=True)
+class _Setup:
+    """The instance as the model sees it.
+
+    The discretised chain, bandwidth, built model, engine and CP-SAT time grid (``exact``:
+    every duration and transfer time on it).
+    """
+
+    problem: RematOffloadProblem
+    method: str
+    engine: str
+    disc: Discretized
+    beta: float
+    built: RematOffloadModel
+    scale: int
+    exact: bool
+    sweeps: int
+
+    @property
+    def solver(self) -> str:
+        return "cpsat" if self.engine == "cpsat" else self.engine
+
+
+def _benders(setup: _Setup, options: SolveOptions, report: dict[str, Any]) -> Result:
     """``strategy=benders``: a warm-up search of the one model, then the decomposition.
 
     The warm-up is the monolithic ``cpsat`` solve within ``extra["benders_warmup"]`` (share
     of ``time_limit_s``, default :data:`BENDERS_WARMUP`; 0: none; without a time limit it
     runs only with ``deterministic_time``, which bounds it). Its plan (replayed) joins the
     candidate plans as the incumbent, whose quality sets the strength of the refutation
-    cuts, and its proven bound floors the loop's; a proof ends the solve there.
+    cuts, and its proven bound floors the loop's; a proof ends the solve there. The
+    candidates, the built model and the link relaxation are computed once and shared: the
+    relaxation is solved first, within the loop's share of the limit (the loop would
+    otherwise solve it again as its first master: 50-140 s at tight limits, where the
+    monolithic path's share of a quarter of the warm-up stops it early), and gives the
+    warm-up its bound and the loop its first master and proposal.
     """
     share = options.extra.get("benders_warmup", BENDERS_WARMUP)
     if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
         raise OptmemInputError(f"expected a share in [0, 1] for benders_warmup, got {share!r}",
                                field="benders_warmup")
-    report: dict[str, Any] = {"sweeps": sweeps, "transfers_per_gap": per_gap}
-    found = [(value, plan) for value, _, plan in _candidates(problem, options)]
+    problem = setup.problem
+    candidates = _candidates(problem, options)
+    found = [(value, plan) for value, _, plan in candidates]
     floor = -math.inf
-    if share > 0 and (options.time_limit_s is not None or
-                      options.deterministic_time is not None):
-        warm = _solve_model(problem, options.with_(
-            time_limit_s=None if options.time_limit_s is None else
-            share * options.time_limit_s, extra={**options.extra, "strategy": "full"}),
-            "cpsat")
+    first: tuple[Model, EngineResult] | None = None
+    began = time.monotonic()
+    limit = options.time_limit_s
+    relaxed = _relaxation_bound(setup.disc.chain, setup.disc.memory_limit, setup.beta,
+                                setup.sweeps, options, "cpsat",
+                                None if limit is None else (1 - share) * limit)
+    if relaxed.master is not None and relaxed.out is not None:
+        first = (relaxed.master, relaxed.out)
+    if share > 0 and (limit is not None or options.deterministic_time is not None):
+        warm_options = options.with_(time_limit_s=None if limit is None else share * limit)
+        warm = _full_solve(setup, warm_options, dict(report), relaxed=relaxed,
+                           candidates=candidates)
         report["warmup"] = {"status": str(warm.status), "objective": warm.objective,
                             "bound": warm.bound, "seconds": warm.report.get("engine_time_s"),
                             "engine_work": warm.report.get("engine_work")}
@@ -439,11 +495,11 @@ def _benders(problem: RematOffloadProblem, options: SolveOptions, sweeps: int, p
         if math.isfinite(warm.bound):
             floor = warm.bound
     found.sort(key=lambda t: t[0])
-    left = None if options.time_limit_s is None else \
-        max(LEAST_SEARCH_TIME_S, options.time_limit_s * (1 - share))
-    return solve_benders(problem, options.with_(time_limit_s=left), sweeps=sweeps,
-                         per_gap=per_gap, scale=scale, incumbent=found[0] if found else None,
-                         report=report, floor=floor)
+    left = None if limit is None else \
+        max(LEAST_ENGINE_TIME_S, limit - (time.monotonic() - began))
+    return solve_benders(problem, options.with_(time_limit_s=left), built=setup.built,
+                         scale=setup.scale, incumbent=found[0] if found else None,
+                         report=report, floor=floor, first=first)
 
 
 def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: str
@@ -456,44 +512,61 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
         engines.check_engine(engine)
     scale, exact = 1, True
     if engine == "cpsat":
-        chain = disc.chain
-        scale, exact = cpsat_time_scale(chain, beta)
-    grid = None if exact else scale
+        scale, exact = cpsat_time_scale(disc.chain, beta)
     strategy = options.extra.get("strategy", "full") if engine == "cpsat" else "full"
     if strategy not in STRATEGIES:
         raise OptmemInputError(f"expected strategy one of {', '.join(STRATEGIES)}, got "
                                f"{strategy!r}", field="strategy")
     if strategy == "benders" and exact:
-        return _benders(problem, options, sweeps, per_gap, scale)
+        flag(options, "relaxation_deadlines", True)  # checked before any work
     built = build_remat_offload(disc.chain, disc.memory_limit, beta, sweeps=sweeps,
-                                transfers_per_gap=per_gap, grid=grid)
+                                transfers_per_gap=per_gap, grid=None if exact else scale)
     report: dict[str, Any] = {"model": built.info, "sweeps": sweeps,
                               "transfers_per_gap": per_gap}
     if engine == "cpsat":
         report["time_scale"] = scale
         report["exact_times"] = exact
-    if strategy == "benders":
+    if strategy == "benders" and not exact:
         report["strategy"] = "full (benders needs the exact time grid)"
-    solver = "cpsat" if engine == "cpsat" else engine
     if built.model.trivially_infeasible:
         return no_plan_result(problem, options, method, Status.INFEASIBLE, report)
-    began = time.monotonic()
-    relaxed = _relaxation_bound(disc.chain, disc.memory_limit, beta, sweeps, options, engine)
-    report["relaxation"] = relaxed[1]
-    start = _warm_start(problem, options, built, engine, scale)
+    setup = _Setup(problem, method, engine, disc, beta, built, scale, exact, sweeps)
+    if strategy == "benders" and exact:
+        return _benders(setup, options, report)
+    return _full_solve(setup, options, report)
+
+
+def _full_solve(setup: _Setup, options: SolveOptions, report: dict[str, Any], *,
+                began: float | None = None, relaxed: _Relaxed | None = None,
+                candidates: list[tuple[float, str, tuple[AnyOp, ...]]] | None = None
+                ) -> Result:
+    """The monolithic solve (module docstring).
+
+    ``relaxed`` and ``candidates``: already computed by the caller, since ``began`` (which
+    the time limit counts from).
+    """
+    problem, method, solver, built = setup.problem, setup.method, setup.solver, setup.built
+    disc, beta, engine, scale = setup.disc, setup.beta, setup.engine, setup.scale
+    began = time.monotonic() if began is None else began
+    if relaxed is None:
+        relaxed = _relaxation_bound(disc.chain, disc.memory_limit, beta, setup.sweeps,
+                                    options, engine)
+    report["relaxation"] = relaxed.info
+    start = _warm_start(problem, options, built, engine, scale, candidates)
     report["warm_start"] = start.note
-    if start.plan is not None and start.makespan <= relaxed[0] + 1e-9 * max(1.0, relaxed[0]):
+    if start.plan is not None and \
+            start.makespan <= relaxed.bound + 1e-9 * max(1.0, relaxed.bound):
         report["note"] = "the fastest candidate plan meets the link relaxation's bound"
         return plan_result(problem, options, start.plan, method=method, solver=solver,
                            status=Status.OPTIMAL, report=report)
     model = with_fixed(built, {}, start.model_value if start.values is not None else None)
-    if math.isfinite(relaxed[0]) and exact:
+    if math.isfinite(relaxed.bound) and setup.exact:
         # valid for the model (build_link_relaxation); a hair below for engine tolerances
         model.add(Relation(Expr([(built.objective_var, 1.0)]),
-                           relaxed[0] - 1e-6 * max(1.0, abs(relaxed[0])), None),
+                           relaxed.bound - 1e-6 * max(1.0, abs(relaxed.bound)), None),
                   "relaxation_bound")
     left = (None if options.time_limit_s is None else
-            max(LEAST_SEARCH_TIME_S, options.time_limit_s - (time.monotonic() - began)))
+            max(LEAST_ENGINE_TIME_S, options.time_limit_s - (time.monotonic() - began)))
     out, values, bound = _engine_solve(model, engine, options, initial=start.values,
                                        scale=scale, time_limit_s=left)
     status = out.status
@@ -512,7 +585,7 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
     report.update(out.report())
     if out.info:
         report["engine_work"] = dict(out.info)  # deterministic counts (nodes, branches, ...)
-    floor = max(lower_bound(problem), relaxed[0] if math.isfinite(relaxed[0]) else -math.inf)
+    floor = max(lower_bound(problem), relaxed.bound)
     bound = max(bound, floor) if math.isfinite(bound) else floor
     if status is Status.INFEASIBLE:
         report["note"] = "no plan of the model's class fits"

@@ -1,0 +1,63 @@
+"""Shared helpers of the exact remat + offload tests: options, memory limits, the result check.
+
+Used by tests/test_remat_offload_exact.py and tests/test_remat_offload_benders.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from optmem.chain import Chain
+from optmem.problems.remat_offload import RematOffloadProblem
+from optmem.result import Result, SolveOptions, Status
+from optmem.simulate.verify import verify_plan
+
+# threads as the default: HiGHS keeps one global thread pool per process, and a solve
+# with another thread count after it fails (kNotset)
+OPTS = SolveOptions(slots=64)
+# the logic-based Benders strategy of cpsat (optmem/solvers/remat_offload_benders.py)
+BENDERS = OPTS.with_(seed=1, extra={"strategy": "benders", "benders_work": 30.0})
+
+
+def limits(chain: Chain) -> list[int]:
+    """Three memory limits: the persistent DP's least memory, 1/3 and 2/3 of the way to the
+    store-all peak."""
+    from optmem.simulate.checkpoint import simulate_checkpoint
+    from optmem.solvers.checkpoint_baselines import store_all_plan
+    from optmem.solvers.checkpoint_dp import min_memory_persistent
+
+    lo = min_memory_persistent(chain)
+    hi = simulate_checkpoint(chain, store_all_plan(chain.length)).peak_memory
+    return sorted({lo, (2 * lo + hi) // 3, (lo + 2 * hi) // 3})
+
+
+def check(problem: RematOffloadProblem, res: Result, opts: SolveOptions = OPTS,
+          optimum: float | None = None) -> None:
+    """The result of an exact method is consistent, whatever its strategy.
+
+    * no error; a plan replays to the reported objective;
+    * the bound is at most the objective, and equal to it when ``optimal`` (and the model's
+      value, when the report has it); ``infeasible`` has the bound ``inf``;
+    * ``optimum`` (a proven optimum from elsewhere, e.g. brute force): the bound is at most
+      it, and an optimal objective equals it.
+    """
+    assert res.status is not Status.ERROR, res.report.get("error")
+    if res.status is Status.INFEASIBLE:
+        assert res.bound == math.inf
+        assert optimum is None
+        return
+    if optimum is not None:
+        assert res.bound <= optimum + 1e-6 * max(1.0, abs(optimum)), (res.bound, optimum)
+    if not res.status.has_plan:
+        return
+    assert verify_plan(problem, list(res.plan), opts)["objective"] == \
+        pytest.approx(res.objective)
+    assert res.bound <= res.objective + 1e-9
+    if res.status is Status.OPTIMAL:
+        assert res.bound == pytest.approx(res.objective)
+        if "model_objective" in res.report:
+            assert res.report["model_objective"] == pytest.approx(res.objective, abs=1e-5)
+        if optimum is not None:
+            assert res.objective == pytest.approx(optimum)
