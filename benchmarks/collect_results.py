@@ -11,7 +11,8 @@ import re
 from pathlib import Path
 
 HERE = Path(__file__).parent
-ORDER = ["checkpoint_dp", "exact", "checkpoint_exact", "zoo", "pytorch", "hf", "hf_segment_quiet",
+ORDER = ["checkpoint_dp", "exact", "checkpoint_exact", "zoo", "pytorch", "hf_quiet", "hf",
+         "hf_segment_quiet",
          "hf_segment", "memory", "offload",
          "offload_exact", "remat_offload", "remat_offload_exact", "pipeline_exact",
          "pipeline", "pipeline_runtime", "min_peak", "fuzz"]
