@@ -22,10 +22,11 @@ Python tuples are 0-based (``fwd_time[0]`` is stage 1); plans and messages are 1
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import unicodedata
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -323,47 +324,37 @@ largest value (1099511627776 B) in 1.09951e+12 ms, above 1e+12: too slow to mode
         return float(sum(self.fwd_time) + sum(self.bwd_time) + self.loss_bwd_time)
 
     # ------------------------------------------------------------------ transforms
+    def map_sizes(self, fn: Callable[[int], int], *, memory_unit: str | None = None) -> Chain:
+        """Return the chain with ``fn`` applied to every size (times and names unchanged).
+
+        Every size field: the stages' ``output_size``, ``saved_size``, ``fwd_overhead``,
+        ``bwd_overhead``, ``weight_size``, and ``input_size``, ``loss_bwd_overhead``.
+        ``memory_unit`` renames the unit (kept by default).
+        """
+        sizes: dict[str, Any] = {f: tuple(map(fn, getattr(self, f))) for f in _STAGE_SIZE_FIELDS}
+        return dataclasses.replace(
+            self, **sizes, input_size=fn(self.input_size),
+            loss_bwd_overhead=fn(self.loss_bwd_overhead),
+            memory_unit=self.memory_unit if memory_unit is None else memory_unit)
+
     def quantize(self, unit: int) -> Chain:
         """Return the chain with every size replaced by ``ceil(size / unit)`` (CONTRACT 2)."""
         if unit < 1:
             raise ChainError(f"the memory unit must be >= 1, got {unit}", field="unit")
         if unit == 1:
             return self
-
-        def q(v: int) -> int:
-            return -(-v // unit)
-
-        return Chain(
-            fwd_time=self.fwd_time, bwd_time=self.bwd_time,
-            output_size=tuple(q(v) for v in self.output_size),
-            saved_size=tuple(q(v) for v in self.saved_size),
-            fwd_overhead=tuple(q(v) for v in self.fwd_overhead),
-            bwd_overhead=tuple(q(v) for v in self.bwd_overhead),
-            weight_size=tuple(q(v) for v in self.weight_size),
-            input_size=q(self.input_size), loss_bwd_time=self.loss_bwd_time,
-            loss_bwd_overhead=q(self.loss_bwd_overhead), name=self.name,
-            time_unit=self.time_unit, memory_unit=f"{unit}*{self.memory_unit}",
-            stage_names=self.stage_names, extra=self.extra, stage_extra=self.stage_extra,
-        )
+        return self.map_sizes(lambda v: -(-v // unit), memory_unit=f"{unit}*{self.memory_unit}")
 
     def scaled(self, *, time: float = 1.0, memory: int = 1) -> Chain:
         """Return the chain with times multiplied by ``time`` and sizes by ``memory``.
 
         Names, units and the unknown fields (``extra``, ``stage_extra``) are kept as they are.
         """
-        return Chain(
+        return dataclasses.replace(
+            self.map_sizes(lambda v: v * memory),
             fwd_time=tuple(v * time for v in self.fwd_time),
             bwd_time=tuple(v * time for v in self.bwd_time),
-            output_size=tuple(v * memory for v in self.output_size),
-            saved_size=tuple(v * memory for v in self.saved_size),
-            fwd_overhead=tuple(v * memory for v in self.fwd_overhead),
-            bwd_overhead=tuple(v * memory for v in self.bwd_overhead),
-            weight_size=tuple(v * memory for v in self.weight_size),
-            input_size=self.input_size * memory, loss_bwd_time=self.loss_bwd_time * time,
-            loss_bwd_overhead=self.loss_bwd_overhead * memory, name=self.name,
-            time_unit=self.time_unit, memory_unit=self.memory_unit,
-            stage_names=self.stage_names, extra=self.extra, stage_extra=self.stage_extra,
-        )
+            loss_bwd_time=self.loss_bwd_time * time)
 
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> dict[str, Any]:

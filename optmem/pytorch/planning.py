@@ -33,7 +33,6 @@ plan after discretisation (:func:`smallest_feasible`): passing that figure back 
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,9 +41,10 @@ from torch import nn
 
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError
-from optmem.plan import parse_plan
+from optmem.plan import Plan, parse_plan
 from optmem.result import Result, SolveOptions, Status
 from optmem.simulate import simulate_checkpoint
+from optmem.solvers.hints import unit_of
 from optmem.units import chain_rate, format_size, parse_size
 
 __all__ = ["KINDS", "Planner", "auto_slots", "bandwidth_per_unit", "recorded_segment_cost",
@@ -331,15 +331,7 @@ def rounded_down(chain: Chain, unit: int) -> Chain:
     >>> d.output_size, d.saved_size, d.input_size
     ((100,), (200,), 0)
     """
-    def down(v: int) -> int:
-        return v - v % unit
-
-    return dataclasses.replace(
-        chain, output_size=tuple(map(down, chain.output_size)),
-        saved_size=tuple(map(down, chain.saved_size)),
-        fwd_overhead=tuple(map(down, chain.fwd_overhead)),
-        bwd_overhead=tuple(map(down, chain.bwd_overhead)),
-        input_size=down(chain.input_size), loss_bwd_overhead=down(chain.loss_bwd_overhead))
+    return chain.map_sizes(lambda v: v - v % unit)
 
 
 def _model_value(result: Result) -> float:
@@ -352,7 +344,7 @@ def _round_down_solve(chain: Chain, target: int, options: SolveOptions) -> Resul
     from optmem.problems.checkpoint import CheckpointProblem
     from optmem.solvers.facade import solve
 
-    unit = max(1, target // options.slots)
+    unit = unit_of(target, options.slots)
     return solve(CheckpointProblem(rounded_down(chain, unit), target), "dp", options=options)
 
 
@@ -374,8 +366,7 @@ def refine_by_rounding_down(chain: Chain, limit: int, options: SolveOptions,
     with that bound (``report["model_bound"]``). The result is at unit 1 and says
     ``report["rounding"] = "down"`` and ``report["rounding_tries"]``.
     """
-    unit = max(1, limit // options.slots)
-    if unit == 1:
+    if unit_of(limit, options.slots) == 1:
         return first
     target, lower = limit, None
     for attempt in range(ROUND_DOWN_TRIES):
@@ -387,15 +378,15 @@ def refine_by_rounding_down(chain: Chain, limit: int, options: SolveOptions,
         peak = simulate_checkpoint(chain, plan).peak_memory
         if peak <= limit:
             better = not first.status.has_plan or _model_value(trial) < _model_value(first)
-            return _rounded_down_result(chain, limit, trial, attempt, lower) if better \
-                else first
+            return _rounded_down_result(chain, limit, trial, plan, attempt, lower) \
+                if better else first
         target -= peak - limit
         if target < 1:
             break
     return first
 
 
-def _rounded_down_result(chain: Chain, limit: int, trial: Result, attempt: int,
+def _rounded_down_result(chain: Chain, limit: int, trial: Result, plan: Plan, attempt: int,
                          lower: float) -> Result:
     """``trial``'s plan replayed at exact sizes (unit 1), with its status and bound."""
     from optmem.problems.checkpoint import CheckpointProblem, Discretized
@@ -411,5 +402,5 @@ def _rounded_down_result(chain: Chain, limit: int, trial: Result, attempt: int,
     status = Status.OPTIMAL if proven and not charged else Status.FEASIBLE
     bound = trial.bound if charged else lower
     return plan_result(CheckpointProblem(chain, limit), Discretized(chain, limit, 1),
-                       parse_plan(trial.plan or ()), method="dp", status=status, bound=bound,
+                       plan, method="dp", status=status, bound=bound,
                        variant=trial.variant, claimed=trial.objective, report=report)
