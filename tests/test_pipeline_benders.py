@@ -350,7 +350,7 @@ def test_isolate_units_frees_the_other_units():
     gpu = tuple([0, 1, 1, 0, 2][:units.n]) + (2,) * max(0, units.n - 5)
     relaxed, alloc = isolate_units(units, gpu, {1})
     inside = [g == 1 for g in gpu]
-    assert alloc == tuple(first_use(alloc))
+    assert alloc == first_use(alloc)
     assert len({alloc[q] for q in range(units.n) if inside[q]}) == 1
     assert len({alloc[q] for q in range(units.n) if not inside[q]}) == inside.count(False)
     for q in range(units.n):

@@ -386,7 +386,10 @@ class PipelineFormulation:
     def sigma(self, q: int) -> Expr:
         """Shifts summed from ``F_q`` to ``B_q`` (stashes held when the period starts)."""
         n = self.units.n
-        lo, hi = 2 * q, 2 * n - 1 + 2 * (n - 1 - q)  # positions of F_q and B_q on the path
+        return self._shifts(2 * q, 2 * n - 1 + 2 * (n - 1 - q))  # F_q and B_q on the path
+
+    def _shifts(self, lo: int, hi: int) -> Expr:
+        """Shifts summed over the path's edges from position ``lo`` to ``hi``."""
         return Expr.sum(v1 + v2 for _, _, v1, v2 in self.edges[lo:hi])
 
     def copies(self, q: int) -> Expr:
@@ -401,8 +404,7 @@ class PipelineFormulation:
         Defined where the cut's transfers take time (they then have an order variable).
         """
         path = dependency_path(self.units.n)
-        lo, hi = path.index(("S", c)), path.index(("G", c))
-        return (Expr.sum(v1 + v2 for _, _, v1, v2 in self.edges[lo:hi])
+        return (self._shifts(path.index(("S", c)), path.index(("G", c)))
                 + self.link_order[(("S", c), ("G", c))])
 
     def time_scale(self) -> tuple[int, bool]:

@@ -514,10 +514,11 @@ def solve_madpipe(problem: PipelineProblem, options: SolveOptions) -> Result:
         entry["allocation"] = " ".join(f"{k}:{i}-{j}" for i, j, k in alloc)
         if factor == 1.0:
             estimate = est
-        if tuple(alloc) in tried:
+        key = tuple(alloc)
+        if key in tried:
             entry["phase2"] = "allocation already scheduled"
             continue
-        tried.add(tuple(alloc))
+        tried.add(key)
         if deadline is not None:
             options = options.with_(time_limit_s=max(0.0, deadline - time.perf_counter()))
         found = _phase2(problem, alloc, options, log)
