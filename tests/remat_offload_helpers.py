@@ -24,12 +24,10 @@ BENDERS = OPTS.with_(seed=1, extra={"strategy": "benders", "benders_work": 30.0}
 def limits(chain: Chain) -> list[int]:
     """Three memory limits: the persistent DP's least memory, 1/3 and 2/3 of the way to the
     store-all peak."""
-    from optmem.simulate.checkpoint import simulate_checkpoint
-    from optmem.solvers.checkpoint_baselines import store_all_plan
     from optmem.solvers.checkpoint_dp import min_memory_persistent
 
     lo = min_memory_persistent(chain)
-    hi = simulate_checkpoint(chain, store_all_plan(chain.length)).peak_memory
+    hi = chain.store_all_peak()
     return sorted({lo, (2 * lo + hi) // 3, (lo + 2 * hi) // 3})
 
 

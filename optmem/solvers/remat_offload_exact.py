@@ -442,11 +442,6 @@ class _Setup:
     built: RematOffloadModel
     scale: int
     exact: bool
-    sweeps: int
-
-    @property
-    def solver(self) -> str:
-        return "cpsat" if self.engine == "cpsat" else self.engine
 
 
 def _benders(setup: _Setup, options: SolveOptions, report: dict[str, Any]) -> Result:
@@ -475,7 +470,7 @@ def _benders(setup: _Setup, options: SolveOptions, report: dict[str, Any]) -> Re
     began = time.monotonic()
     limit = options.time_limit_s
     relaxed = _relaxation_bound(setup.disc.chain, setup.disc.memory_limit, setup.beta,
-                                setup.sweeps, options, "cpsat",
+                                setup.built.checkpoint.sweeps, options, "cpsat",
                                 None if limit is None else (1 - share) * limit)
     if relaxed.master is not None and relaxed.out is not None:
         first = (relaxed.master, relaxed.out)
@@ -530,26 +525,26 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
         report["strategy"] = "full (benders needs the exact time grid)"
     if built.model.trivially_infeasible:
         return no_plan_result(problem, options, method, Status.INFEASIBLE, report)
-    setup = _Setup(problem, method, engine, disc, beta, built, scale, exact, sweeps)
+    setup = _Setup(problem, method, engine, disc, beta, built, scale, exact)
     if strategy == "benders" and exact:
         return _benders(setup, options, report)
     return _full_solve(setup, options, report)
 
 
 def _full_solve(setup: _Setup, options: SolveOptions, report: dict[str, Any], *,
-                began: float | None = None, relaxed: _Relaxed | None = None,
+                relaxed: _Relaxed | None = None,
                 candidates: list[tuple[float, str, tuple[AnyOp, ...]]] | None = None
                 ) -> Result:
     """The monolithic solve (module docstring).
 
-    ``relaxed`` and ``candidates``: already computed by the caller, since ``began`` (which
-    the time limit counts from).
+    ``relaxed`` and ``candidates``: already computed by the caller.
     """
-    problem, method, solver, built = setup.problem, setup.method, setup.solver, setup.built
+    problem, method, solver, built = setup.problem, setup.method, setup.engine, setup.built
     disc, beta, engine, scale = setup.disc, setup.beta, setup.engine, setup.scale
-    began = time.monotonic() if began is None else began
+    began = time.monotonic()
     if relaxed is None:
-        relaxed = _relaxation_bound(disc.chain, disc.memory_limit, beta, setup.sweeps,
+        relaxed = _relaxation_bound(disc.chain, disc.memory_limit, beta,
+                                    built.checkpoint.sweeps,
                                     options, engine)
     report["relaxation"] = relaxed.info
     start = _warm_start(problem, options, built, engine, scale, candidates)
