@@ -16,6 +16,17 @@ from optmem.units import memory_size
 DEFAULT_SLOTS = 500
 
 
+def unit_of(limit: int, slots: int) -> int:
+    """The discretisation unit of ``limit``: ``max(1, limit // slots)`` (CONTRACT section 2).
+
+    Examples
+    --------
+    >>> unit_of(10_000, 100), unit_of(50, 100)
+    (100, 1)
+    """
+    return max(1, limit // slots)
+
+
 @dataclass(frozen=True)
 class Discretized:
     """A chain and a limit on integer memory (CONTRACT section 2).
@@ -53,7 +64,7 @@ def discretize(chain: Chain, memory_limit: int, slots: int = DEFAULT_SLOTS) -> D
     if memory_limit < 0:
         raise OptmemInputError(f"expected a non-negative memory limit, got {memory_limit}",
                                field="memory")
-    unit = max(1, memory_limit // slots)
+    unit = unit_of(memory_limit, slots)
     return Discretized(chain.quantize(unit), memory_limit // unit, unit)
 
 

@@ -42,9 +42,9 @@ from torch import nn
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError
 from optmem.plan import Plan, parse_plan
+from optmem.problems.checkpoint import unit_of
 from optmem.result import Result, SolveOptions, Status
 from optmem.simulate import simulate_checkpoint
-from optmem.solvers.hints import unit_of
 from optmem.units import chain_rate, format_size, parse_size
 
 __all__ = ["KINDS", "Planner", "auto_slots", "bandwidth_per_unit", "recorded_segment_cost",

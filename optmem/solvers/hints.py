@@ -21,13 +21,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from optmem.problems.checkpoint import unit_of
+
 PRECISION = 1e-3
 MAX_STEPS = 200
-
-
-def unit_of(limit: int, slots: int) -> int:
-    """The discretisation unit of ``limit`` (CONTRACT section 2)."""
-    return max(1, limit // slots)
 
 
 def smallest_solvable_limit(
