@@ -38,7 +38,10 @@ only adds time. Python's garbage collector runs before each timed step and is of
 and the script restarts itself with fixed glibc malloc settings (:data:`MALLOC_ENV`) so that
 no setting pays page faults for memory the one before it gave back (``--no-malloc-env``:
 glibc's defaults); the page faults per step are printed. The three measures are the same
-for every method.
+for every method. **Noise floor**: the plain model is timed twice in every round, as the
+first and as the last setting (``plain model, timed again``); the ratio of its two medians
+is printed under the target verdicts (:func:`noise_floor`): a ratio to the best baseline
+within that factor of 1 is below what the run resolves (the verdicts do not use it).
 
 Usage::
 
@@ -64,7 +67,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -511,6 +514,11 @@ def _with_plan(cmodel: Any, plan: tuple[str, ...]) -> Iterator[Any]:
 SMALLEST = "optmem's smallest limit"
 """The label of the plan at the smallest feasible limit (below every target memory)."""
 
+REPEAT = "plain model, timed again"
+"""The plain model's second setting: timed last in every round (the plain model itself is
+timed first), so the two are independent settings of the same code and the ratio of their
+medians is the run's noise floor (:func:`noise_floor`)."""
+
 
 def run_series(name: str, cmodel: Any, model: nn.Module, batch: dict[str, Any],
                targets: dict[str, int], grid: int, steps: int,
@@ -650,8 +658,10 @@ def bench_model(spec: Spec, *, rounds: int, grid: int, steps: int, sweep: int,
             with st.enter() as call:
                 st.tracker = tracker_peak(call, model, batch)
 
-    # interleaved timing: a warm-up round, then `rounds` rounds over every setting
-    everything = settings + optmem_settings
+    # interleaved timing: a warm-up round, then `rounds` rounds over every setting; the plain
+    # model runs twice per round, first and last, as two settings: the bench's noise floor
+    again = replace(plain, setting=REPEAT, cpu=[], wall=[], faults=[])
+    everything = settings + optmem_settings + [again]
     for r in range(rounds + 1):
         for st in everything:
             with st.enter() as call:
@@ -662,7 +672,7 @@ def bench_model(spec: Spec, *, rounds: int, grid: int, steps: int, sweep: int,
                 st.faults.append(timing.faults)
     return {"spec": spec, "layers": layers, "chain": chain, "settings": settings,
             "series": series, "targets": targets, "grad_diff": grad_diff,
-            "per_round": per_round}
+            "per_round": per_round, "again": again}
 
 
 # ------------------------------------------------------------------ report
@@ -726,6 +736,39 @@ def checks(res: dict[str, Any], ser: Series) -> list[str]:
     return lines
 
 
+def noise_floor(res: dict[str, Any]) -> float | None:
+    """The ratio (>= 1) of the plain model's two medians in one run, None without the second.
+
+    The same code timed as two settings in the same interleaved rounds (first and last of
+    every round): any difference between them is the run's own noise, so a ratio to the
+    best baseline within this factor of 1 is below what the run resolves.
+
+    Examples
+    --------
+    >>> a = Setting("store-all", "plain model", dict, cpu=[100.0, 104.0, 102.0])
+    >>> b = Setting("store-all", REPEAT, dict, cpu=[101.0, 103.0, 103.0])
+    >>> noise_floor({"settings": [a], "again": b})
+    1.0098039215686274
+    """
+    plain, again = res["settings"][0], res.get("again")
+    if again is None or not again.cpu or not plain.cpu:
+        return None
+    low, high = sorted((plain.median, again.median))
+    return high / low
+
+
+def resolution_line(res: dict[str, Any]) -> str:
+    """The noise floor beside the target verdicts (the verdicts do not use it)."""
+    floor = noise_floor(res)
+    if floor is None:
+        return "noise floor: not measured (no second timing of the plain model)"
+    plain, again = res["settings"][0], res["again"]
+    return (f"noise floor of this run: the plain model timed twice per round (first and "
+            f"last setting) gives medians {plain.median:.1f} and {again.median:.1f} ms, "
+            f"{floor:.3f}x apart; a ratio to the best baseline within {floor:.3f}x of 1 is "
+            "below what this run resolves (the verdicts above stay strict)")
+
+
 def _header(*columns: str) -> list[str]:
     """A Markdown table's header and rule."""
     return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
@@ -772,8 +815,9 @@ def table(res: dict[str, Any]) -> list[str]:
     rows = _header("method", "setting", "predicted peak", "real peak", "MemTracker",
                    "real <= limit + allowance", "CPU ms (median)", "IQR", "wall ms",
                    "/ store-all", "/ HF", "predicted ms", "page faults / step")
-    everything = settings + [st for ser in res["series"]
-                             for st in sorted(ser.settings.values(), key=lambda s: s.limit)]
+    again = [res["again"]] if res.get("again") is not None else []
+    everything = settings + again + [st for ser in res["series"] for st in
+                                     sorted(ser.settings.values(), key=lambda s: s.limit)]
     for st in everything:
         rows.append(f"| {st.method} | {st.setting} | {_mib(st.predicted_peak)} | "
                     f"{_mib(st.real_peak)} | {_mib(st.tracker)} | {within(st)} | "
@@ -859,7 +903,7 @@ def report(results: list[dict[str, Any]], rounds: int, loads: list[str]) -> str:
         out += table(res) + ["", "At equal real memory (CPU ms):", ""] + matched_table(res)
         for ser in res["series"]:
             out += ["", f"Targets of issue 13.6, {ser.name}:", ""]
-            out += [f"- {x}" for x in checks(res, ser)]
+            out += [f"- {x}" for x in checks(res, ser)] + [f"- {resolution_line(res)}"]
         out.append("")
     return "\n".join(out)
 

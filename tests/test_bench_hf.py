@@ -103,8 +103,12 @@ def test_benchmark_code_path(bench, tmp_path):
             assert res["grad_diff"][st.label] == 0.0
     # the baselines' gradients were compared (and are within the stated tolerance)
     assert set(res["grad_diff"]) >= {s.label for s in settings[1:]}
+    again = res["again"]  # the plain model timed a second time in every round, last
+    assert again.setting == bench.REPEAT and again.real_peak == plain.real_peak
+    assert len(again.cpu) == 1 and plain.cpu and again.cpu is not plain.cpu
     text = bench.report([res], 1, ["0.0"])
     assert "Targets of issue 13.6, optmem:" in text
+    assert f"| store-all | {bench.REPEAT} |" in text and "- noise floor of this run:" in text
     assert "the fastest of 2 steps in a row" in text and "page faults / step" in text
     assert text.count("| store-all | plain model |") == 1
     assert "| HF gradient checkpointing |" in text
@@ -136,6 +140,22 @@ def test_optmem_plans_fit_and_keep_the_gradients(bench, name):
         allowance = plan_allowance(chain, cmodel.result.plan, list(cmodel.stages))
         assert 0 < real <= limit + allowance + cmodel.side_input_bytes(), (name, limit)
     assert len(plans) > 1  # the limits chose different plans: not one plan checked 4 times
+
+
+def test_noise_floor(bench):
+    """The ratio of the plain model's two medians, whichever is larger, and its line."""
+    def setting(label, cpu):
+        return bench.Setting("store-all", label, dict, cpu=list(cpu))
+
+    plain = setting("plain model", [100.0, 104.0, 102.0])
+    res = {"settings": [plain], "again": setting(bench.REPEAT, [99.0, 98.0, 101.0])}
+    assert bench.noise_floor(res) == pytest.approx(102.0 / 99.0)
+    res["again"] = setting(bench.REPEAT, [102.0, 103.0, 101.0])
+    assert bench.noise_floor(res) == 1.0
+    line = bench.resolution_line(res)
+    assert "medians 102.0 and 102.0 ms, 1.000x apart" in line and "stay strict" in line
+    assert bench.noise_floor({"settings": [plain]}) is None
+    assert "not measured" in bench.resolution_line({"settings": [plain]})
 
 
 def test_grad_difference_and_tolerance(bench):
@@ -242,3 +262,49 @@ def test_noise_report():
     assert "| glibc defaults (load 1.5) | HF | one step | 14.0 | 4.0 | 28.6 % | 5 |" in text
     assert "| MALLOC_TRIM_THRESHOLD_=1 (load 2.0) | HF | one step | 10.0 | 1.0 | 10.0 % | 0 |" \
         in text
+
+
+@pytest.fixture(scope="module")
+def tie(bench):
+    """``benchmarks/bench_hf_tie.py`` (it imports ``bench_hf``, registered by ``bench``)."""
+    spec = importlib.util.spec_from_file_location("bench_hf_tie", PATH.parent / "bench_hf_tie.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tie_analysis_splits_the_objective(tie):
+    """The DP's objective of a plan = kernels + per-op constant + segment charges, exactly,
+    and swapping the per-op constant changes every forward time by the difference."""
+    from fractions import Fraction
+
+    from optmem.chain import Chain
+    from optmem.plan import LOSS, B, F_all, F_ck, F_none
+
+    prof = {"op_overhead_ms": 0.5, "segment_cost_ms": 1.0, "time_resolution": 0.0}
+    import dataclasses
+
+    chain = dataclasses.replace(
+        Chain.from_lists([1.5, 0.75, 2.5], [1.0, 1.0, 1.0], [4, 4, 4], [8, 8, 8],
+                         input_size=4), extra={"profile": prof})
+    plan = (F_ck(1), F_none(2), F_all(3), LOSS, B(3), F_all(1), F_all(2), B(2), B(1))
+    r = tie.row("p", chain, plan, 10 ** 6)
+    assert (r["segments"], r["reforwards"]) == (1, 2) and r["fits"]
+    assert r["makespan"] == Fraction(simulate_checkpoint(chain, plan).makespan)
+    assert r["objective"] == r["makespan"] + 1
+    assert r["kernels"] + r["constant"] + Fraction(1, 2) * chain.length == r["makespan"]
+    assert r["starts"] == "F_ck 1"
+    bare = tie.with_constants(chain, 0.0, 0.25)
+    assert bare.fwd_time == (1.0, 0.25, 2.0)
+    assert bare.extra["profile"]["segment_cost_ms"] == 0.25
+    assert tie.row("p", bare, plan, 10 ** 6)["kernels"] == r["kernels"]
+
+
+def test_tie_verdict(tie):
+    from fractions import Fraction
+
+    prof = {"time_resolution": 1 / 64}
+    assert tie.verdict(Fraction(0), Fraction(187), prof).startswith("a tie")
+    assert tie.verdict(Fraction(-14185, 65536), Fraction(187), prof).startswith("a near-tie")
+    assert tie.verdict(Fraction(5), Fraction(187), prof).startswith("a clear difference")
+    assert tie.verdict(Fraction(1, 100), Fraction(187), {}).startswith("a clear")
