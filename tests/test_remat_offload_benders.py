@@ -66,15 +66,10 @@ def test_deletion_filter_keeps_a_refuted_set() -> None:
     slots, fixed alone, still admit no faster plan; at a horizon that admits the optimum
     they are not refuted (the check can fail); without the single-slot pass it keeps whole
     phases, still refuted."""
-    chain = random_chain(4, seed=31, max_size=6)
-    limit = limits(chain)[0]
-    problem = RematOffloadProblem(chain, limit, chain_bandwidth=1.0)
+    problem, built, scale = _loop_parts()
     disc, beta = discretized(problem, OPTS)
     full = solve(problem, "cpsat", options=SEEDED.with_(deterministic_time=60.0))
     assert full.status is Status.OPTIMAL
-    scale, exact = cpsat_time_scale(disc.chain, beta)
-    assert exact
-    built = build_remat_offload(disc.chain, disc.memory_limit, beta)
     slots = [it for it in built.checkpoint.sequence if isinstance(it, ck.Slot)]
     fixed = built.fixing(parse_mixed_plan(full.plan))
     assert fixed is not None
@@ -121,9 +116,7 @@ def test_slot_filter_keeps_the_optimum(seed: int) -> None:
 def test_warmup_search_feeds_the_loop() -> None:
     """A warm-up bounded by deterministic time: stopped early, its plan and bound go into
     the loop, which proves; with enough work it proves alone and is returned as is."""
-    chain = random_chain(4, seed=41, max_size=6)
-    limit = limits(chain)[0]
-    problem = RematOffloadProblem(chain, limit, chain_bandwidth=1.0)
+    problem = _problem(41)
     full = solve(problem, "cpsat", options=SEEDED.with_(deterministic_time=60.0))
     assert full.status is Status.OPTIMAL
     short = solve(problem, "cpsat", options=BENDERS.with_(deterministic_time=0.01))
@@ -151,7 +144,9 @@ def test_options_are_checked() -> None:
                          ({"strategy": "benders", "benders_warmup": 1.5}, "benders_warmup"),
                          ({"strategy": "benders", "benders_filter": "x"}, "benders_filter"),
                          ({"strategy": "benders", "benders_warmup": 0,
-                           "relaxation_deadlines": "no"}, "relaxation_deadlines")):
+                           "relaxation_deadlines": "no"}, "relaxation_deadlines"),
+                         ({"strategy": "benders", "benders_warmup": 0,
+                           "relaxation_values": "no"}, "relaxation_values")):
         with pytest.raises(OptmemInputError, match=field):
             solve(problem, "cpsat", options=SEEDED.with_(extra=extra))
 
@@ -164,8 +159,7 @@ def test_warmup_shares_the_candidates_and_the_relaxation(monkeypatch: pytest.Mon
     from optmem.models import remat_offload as model
     from optmem.solvers import remat_offload_exact as exact
 
-    chain = random_chain(4, seed=41, max_size=6)
-    problem = RematOffloadProblem(chain, limits(chain)[0], chain_bandwidth=1.0)
+    problem = _problem(41)
     calls = {"candidates": 0, "builds": 0, "relaxations": 0}
 
     def counted(name: str, real):
@@ -185,14 +179,21 @@ def test_warmup_shares_the_candidates_and_the_relaxation(monkeypatch: pytest.Mon
     check(problem, res)
     assert res.report["warmup"]["status"] == "feasible"
     assert res.report["benders"]["iterations"] >= 1
-    # the plain relaxation and the one with the deadline rows, both by the warm-up
-    assert calls == {"candidates": 1, "builds": 1, "relaxations": 2}
+    # the plain relaxation, the one with the deadline rows and the one with the host rows
+    # too, all by the warm-up
+    assert calls == {"candidates": 1, "builds": 1, "relaxations": 3}
     assert res.report["relaxation"]["bound"] <= res.bound + 1e-9
 
 
-def _loop_parts(seed: int = 31):
+def _problem(seed: int) -> RematOffloadProblem:
+    """The loop tests' instance: a 4-stage chain at its least limit, bandwidth 1."""
     chain = random_chain(4, seed=seed, max_size=6)
-    problem = RematOffloadProblem(chain, limits(chain)[0], chain_bandwidth=1.0)
+    return RematOffloadProblem(chain, limits(chain)[0], chain_bandwidth=1.0)
+
+
+def _loop_parts(seed: int = 31):
+    """The instance of seed ``seed``, its built model and its exact CP-SAT time grid."""
+    problem = _problem(seed)
     disc, beta = discretized(problem, OPTS)
     scale, exact = cpsat_time_scale(disc.chain, beta)
     assert exact

@@ -375,12 +375,17 @@ def test_link_cuts_lift_the_relaxation() -> None:
     assert chain.total_compute_time() + 1e-6 < relaxed <= dp.objective + 1e-6
 
 
-def _relaxation(chain: Chain, limit: int, beta: float) -> float:
-    """The optimum of the link relaxation (HiGHS, proven)."""
-    from optmem.models.formulation import to_pulp
+def _relaxation(chain: Chain, limit: int, beta: float, fixed: dict[int, float] | None = None,
+                **rows: bool) -> float:
+    """The optimum of the link relaxation (HiGHS, proven); ``rows``: its row options,
+    ``fixed``: variables fixed (the compute binaries of a sequence)."""
+    from optmem.models.formulation import Expr, Relation, to_pulp
     from optmem.models.remat_offload import build_link_relaxation
 
-    pm = to_pulp(build_link_relaxation(chain, limit, beta))
+    model = build_link_relaxation(chain, limit, beta, **rows)
+    for i, x in (fixed or {}).items():
+        model.add(Relation(Expr([(i, 1.0)]), x, x), f"fix_{i}")
+    pm = to_pulp(model)
     out = engines.solve_pulp(pm.problem, pm.all_variables, "highs")
     if out.status is Status.INFEASIBLE:
         return math.inf
@@ -400,6 +405,57 @@ def test_link_relaxation_never_exceeds_the_brute_optimum(chain: Chain, limit: in
     bound = _relaxation(chain, limit, beta)
     if brute.status.has_plan:
         assert chain.total_compute_time() - 1e-6 <= bound <= brute.objective + 1e-6
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(chain=st.one_of(tiny(), tiny_with_idle_ops()), limit=st.integers(3, 22),
+       beta=st.sampled_from([0.5, 1.0, 3.0]))
+def test_host_value_rows_only_lift_the_relaxation(chain: Chain, limit: int,
+                                                  beta: float) -> None:
+    """The per-value host rows (``host_values``, the default) never lower the relaxation
+    (with the aggregated deadline rows) and never lift it above brute force's optimum, also
+    with ops that take no time."""
+    brute = solve(RematOffloadProblem(chain, limit, chain_bandwidth=beta), "brute",
+                  options=OPTS)
+    assert brute.status is not Status.ERROR
+    aggregated = _relaxation(chain, limit, beta, host_values=False)
+    lifted = _relaxation(chain, limit, beta)
+    assert lifted >= aggregated - 1e-6
+    if brute.status.has_plan:
+        assert lifted <= brute.objective + 1e-6
+    else:
+        assert brute.status is Status.INFEASIBLE
+
+
+def test_host_value_rows_lift_a_compute_sequence_toward_its_value() -> None:
+    """Where the bound was weak (``random_chain(10, seed=1)`` at its 10 % limit, the
+    benchmark's bandwidth): the aggregated relaxation's own compute sequence is worth more
+    in the model (proven by CP-SAT with the sequence fixed) than the aggregated relaxation
+    says; with the host rows the relaxation of that sequence is strictly higher and still
+    at most the model's value."""
+    from optmem.models.formulation import to_pulp
+    from optmem.models.remat_offload import build_link_relaxation, with_fixed
+    from optmem.solvers.remat_offload import discretized
+
+    chain = random_chain(10, seed=1)
+    problem = RematOffloadProblem(chain, 59, chain_bandwidth=sum(chain.output_size) / sum(
+        chain.fwd_time) / 2)
+    disc, beta = discretized(problem, OPTS)
+    pm = to_pulp(build_link_relaxation(disc.chain, disc.memory_limit, beta,
+                                       host_values=False))
+    out = engines.solve_pulp(pm.problem, pm.all_variables, "highs")
+    assert out.status is Status.OPTIMAL and out.values is not None
+    built = build_remat_offload(disc.chain, disc.memory_limit, beta)
+    xhat = {i: float(round(out.values[i])) for i in built.plan_vars
+            if i < len(built.checkpoint.names)}
+    aggregated = _relaxation(disc.chain, disc.memory_limit, beta, xhat, host_values=False)
+    lifted = _relaxation(disc.chain, disc.memory_limit, beta, xhat)
+    cp = to_cpsat(with_fixed(built, xhat, 2 * out.objective), scale=1)
+    value = engines.solve_cpsat(cp.cp, cp.variables, threads=1, seed=1,
+                                deterministic_time=60.0)
+    assert value.status is Status.OPTIMAL
+    assert aggregated == pytest.approx(out.objective)
+    assert aggregated + 1 <= lifted <= cp.objective(value.objective) + 1e-6
 
 
 @settings(max_examples=8, deadline=None, derandomize=True)
@@ -481,6 +537,42 @@ def test_link_relaxation_bound_is_reported_and_lifts_the_floor() -> None:
         assert res.report["relaxation"]["bound"] == pytest.approx(bound, rel=1e-6)
         assert res.bound >= bound - 1e-6
         assert res.objective >= bound - 1e-6
+
+
+def test_relaxation_keeps_the_strongest_solved_stage(monkeypatch: pytest.MonkeyPatch
+                                                     ) -> None:
+    """The relaxation's stages (plain, deadline rows, host rows): each one's bound is
+    reported and the best is the bound; the Benders loop's first master is the strongest
+    stage solved to optimality, so a last stage stopped early (injected) gives its dual
+    bound but not the master."""
+    from dataclasses import replace
+
+    import optmem.solvers.remat_offload_exact as exact
+
+    chain = random_chain(4, seed=41, max_size=6)
+    limit = limits(chain)[0]
+    solved = exact._relaxation_bound(chain, limit, 1.0, 1, OPTS, "cpsat")
+    assert solved.out is not None and solved.out.status is Status.OPTIMAL
+    assert solved.master is not None and any(v.name.startswith("h_")
+                                             for v in solved.master.vars)
+    stages = [solved.info[key] for *_, key in exact.RELAXATION_STAGES]
+    assert stages == sorted(stages) and solved.bound == pytest.approx(stages[-1])
+    real = exact.engines.solve_pulp
+
+    def stop_the_last(*args, **kwargs):
+        out = real(*args, **kwargs)
+        if any(v.name.startswith("h_") for v in args[1]):
+            return replace(out, status=Status.FEASIBLE, bound=stages[1] + 0.5,
+                           stopped_by="time")
+        return out
+
+    monkeypatch.setattr(exact.engines, "solve_pulp", stop_the_last)
+    stopped = exact._relaxation_bound(chain, limit, 1.0, 1, OPTS, "cpsat")
+    assert stopped.out is not None and stopped.out.status is Status.OPTIMAL
+    assert stopped.master is not None
+    assert not any(v.name.startswith("h_") for v in stopped.master.vars)
+    assert any(c.name.startswith("deadline_") for c in stopped.master.constraints)
+    assert stopped.bound == pytest.approx(max(stages[1] + 0.5, stages[1]))
 
 
 def test_failing_relaxation_engine_never_fails_the_solve(monkeypatch: pytest.MonkeyPatch

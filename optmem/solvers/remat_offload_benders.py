@@ -22,8 +22,9 @@ Cuts
 ----
 For a set ``J`` of the compute binaries (the ops of some forward slots) write
 ``dis_J(x) = sum_{i in J, xhat_i = 1} (1 - x_i) + sum_{i in J, xhat_i = 0} x_i`` (0 iff ``x``
-agrees with ``xhat`` on ``J``) and ``theta_0`` for the master's first optimum (the link
-relaxation's optimum). A cut is ``theta >= b - (b - theta_0) dis_J(x)``.
+agrees with ``xhat`` on ``J``) and ``theta_0`` for the better of the master's first
+optimum (the link relaxation's optimum) and the caller's proven bound ``floor``. A cut is
+``theta >= b - (b - theta_0) dis_J(x)``.
 
 * **Refutation cut** (``b = z``): when the subproblem is infeasible, a *deletion filter*
   drops the assumptions of whole phases, then of single slots, as long as CP-SAT still proves
@@ -46,11 +47,12 @@ Let ``x*`` be the compute sequence of an optimal plan of the model's class, of m
 ``v*``. The point (``x*``, ``theta = v*``, the relaxation's other variables as built in the
 proof of :func:`~optmem.models.remat_offload.build_link_relaxation` with ``T = v*``) satisfies
 the relaxation's rows. It satisfies every cut: if ``x*`` differs from ``xhat`` on ``J``, the
-right-hand side is at most ``theta_0``, the least makespan of the relaxation, so at most
-``v*``. If it agrees on ``J``: for a refutation cut, the full model with the compute binaries
-of ``J`` fixed as in ``xhat`` has no solution with all times at most ``z - 1 / (2 s)``
-(``build_remat_offload``: the horizon bounds every time variable of every plan of makespan at
-most the horizon); on the exact time grid ``1 / s``
+right-hand side is at most ``theta_0``, the least makespan of the relaxation or the
+better proven bound ``floor`` of the caller (the warm-up search, the relaxation's slower
+stages), so at most ``v*``. If it agrees on ``J``: for a refutation cut, the full model
+with the compute binaries of ``J`` fixed as in ``xhat`` has no solution with all times at
+most ``z - 1 / (2 s)`` (``build_remat_offload``: the horizon bounds every time variable of
+every plan of makespan at most the horizon); on the exact time grid ``1 / s``
 (:func:`~optmem.solvers.remat_offload_exact.cpsat_time_scale`, required here: every
 duration and transfer time is a multiple of ``1 / s``, and so is every simulated start and
 end) no plan agreeing on ``J`` is faster than ``z``, so ``v* >= z = b``.
@@ -258,7 +260,8 @@ def solve_benders(problem: RematOffloadProblem, options: SolveOptions, *,
     if first is None:
         master = build_link_relaxation(disc.chain, disc.memory_limit, beta,
                                        sweeps=built.checkpoint.sweeps,
-                                       deadlines=flag(options, "relaxation_deadlines", True))
+                                       deadlines=flag(options, "relaxation_deadlines", True),
+                                       host_values=flag(options, "relaxation_values", True))
     else:
         master = first[0]
     plan, z = (incumbent[1], incumbent[0]) if incumbent else (None, built.horizon)
@@ -310,8 +313,9 @@ def solve_benders(problem: RematOffloadProblem, options: SolveOptions, *,
         master_bound = out.bound - 1e-9 * max(1.0, abs(out.bound))
         bound = max(bound, master_bound)
         if not math.isfinite(loop.theta0):  # at most every sequence's relaxation value
-            loop.theta0 = master_bound
-            report["relaxation"] = {"bound": loop.theta0, "seconds": round(out.time_s, 3)}
+            # and at most the optimum, as is the floor: the cuts' validity needs only that
+            loop.theta0 = max(master_bound, floor)
+            report["relaxation"] = {"bound": master_bound, "seconds": round(out.time_s, 3)}
         if bound >= state.makespan - 1e-9 * max(1.0, state.makespan):
             status = Status.OPTIMAL
             no_plan = state.plan is None  # nothing below the default horizon, which is
