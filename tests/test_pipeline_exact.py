@@ -572,15 +572,21 @@ def test_relaxation_admits_every_plan_the_methods_return(problem, strict):
         assert relaxation_feasible(problem, r.objective, unit_gpus(problem, plan)), method
 
 
+def draw_chain(draw, f_max: int, b_max: int, a_max: int) -> Chain:
+    """3-4 layers: forwards 1..f_max (none zero: see ``zero_forward_merged``), backwards
+    1..b_max, activation sizes 0..a_max (the loss output 0), weights 0..2."""
+    n = draw(st.integers(3, 4))
+    f = [draw(st.integers(1, f_max)) for _ in range(n)]
+    b = [draw(st.integers(1, b_max)) for _ in range(n)]
+    a = [draw(st.integers(0, a_max)) for _ in range(n + 1)] + [0]
+    w = [draw(st.integers(0, 2)) for _ in range(n)]
+    return thesis_chain(f, b, a, w)
+
+
 @st.composite
 def tight_problems(draw):
     """3-4 layers on 2-3 GPUs with a memory at most half of a generous one (stashes bind)."""
-    n = draw(st.integers(3, 4))
-    f = [draw(st.integers(1, 4)) for _ in range(n)]
-    b = [draw(st.integers(1, 6)) for _ in range(n)]
-    a = [draw(st.integers(0, 4)) for _ in range(n + 1)] + [0]
-    w = [draw(st.integers(0, 2)) for _ in range(n)]
-    chain = thesis_chain(f, b, a, w)
+    chain = draw_chain(draw, 4, 6, 4)
     gpus = draw(st.integers(2, 3))
     lay = PipelineProblem(chain, gpus, 0).layers
     low = max(lay.x) + 3 * max(lay.w)
