@@ -65,8 +65,9 @@ which need not lie on the data's grid, is within one step of its true value).
 (warm starts, and a check of the model against the simulator), :meth:`decode` reads a plan.
 
 :func:`build_relaxation` is a second, much smaller model: allocations only, with the copies
-of every stash bounded by lifetimes at a fixed period; its infeasibility at a period proves
-a lower bound (the exact methods search it by bisection before the full model runs).
+of every stash bounded by lifetimes and by the window arcs of its GPU's other forwards
+(:class:`_Relaxation`) at a fixed period; its infeasibility at a period proves a lower bound
+(the exact methods search it by bisection before the full model runs).
 """
 
 from __future__ import annotations
