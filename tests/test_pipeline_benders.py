@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import replace
+from functools import partial
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -24,7 +25,13 @@ from optmem.simulate.pipeline import simulate_pipeline
 from optmem.solvers.facade import solve
 from optmem.solvers.pipeline_benders import solve_benders
 from optmem.solvers.pipeline_common import lower_bound, run_model
-from tests.test_pipeline_exact import check, set_partitions, small_problems, thesis_chain
+from tests.test_pipeline_exact import (
+    check,
+    draw_chain,
+    set_partitions,
+    small_problems,
+    thesis_chain,
+)
 
 pytest.importorskip("pulp", reason="the exact pipeline models need PuLP (optmem[engines])")
 pytest.importorskip("ortools", reason="the decomposition's master needs OR-Tools")
@@ -111,17 +118,25 @@ def chain_with_subproblems() -> PipelineProblem:
     return PipelineProblem(chain, 3, 25, chain_bandwidth=2.0)
 
 
-def test_subproblems_run_and_agree():
-    """The loop evaluates allocations (not only the master) and ends at the optimum."""
+def test_subproblems_run_and_agree(monkeypatch):
+    """The loop evaluates allocations (not only the master) and ends at the optimum, with
+    the master's window arcs (one allocation) and without them (at least three)."""
+    from optmem.solvers import pipeline_benders
+
     problem = chain_with_subproblems()
+    with_arcs = cold(problem)
+    monkeypatch.setattr(pipeline_benders, "build_relaxation",
+                        partial(pipeline_benders.build_relaxation, arcs=False))
     out = cold(problem)
     assert out.cuts, out.report
     assert out.report["benders_allocations"] == len(out.cuts) >= 3
+    assert 1 <= with_arcs.report["benders_allocations"] < len(out.cuts)
     for method in ("cpsat", "ilp"):  # brute force over its 41 allocations: the hypothesis test
         full = solve(problem, method, options=OPTS)
         assert full.status is Status.OPTIMAL
-        assert out.period == pytest.approx(full.objective, abs=1e-5)
-    assert out.bound <= out.period + 1e-9
+        for run in (out, with_arcs):
+            assert run.period == pytest.approx(full.objective, abs=1e-5)
+            assert run.bound <= run.period + 1e-9
 
 
 def test_stopped_run_keeps_a_valid_bound_and_plan():
@@ -179,12 +194,7 @@ def test_failing_engine_returns_the_incumbent(monkeypatch):
 @st.composite
 def trimmable_problems(draw):
     """Chains of 3-4 layers (so that one or two units can be trimmed), 2-3 GPUs."""
-    n = draw(st.integers(3, 4))
-    f = [draw(st.integers(1, 3)) for _ in range(n)]
-    b = [draw(st.integers(1, 4)) for _ in range(n)]
-    a = [draw(st.integers(0, 3)) for _ in range(n + 1)] + [0]
-    w = [draw(st.integers(0, 2)) for _ in range(n)]
-    chain = thesis_chain(f, b, a, w)
+    chain = draw_chain(draw, 3, 4, 3)
     gpus = draw(st.integers(2, 3))
     lay = PipelineProblem(chain, gpus, 0).layers
     memory = draw(st.integers(max(lay.x) + 3 * max(lay.w) + 2 * max(lay.a),

@@ -493,7 +493,7 @@ def test_madpipe_dp_equals_enumeration(problem, ratio, exact, extra_layers):
 
 # ------------------------------------------------------------------ the lifetime relaxation
 def relaxation_feasible(problem: PipelineProblem, period: float,
-                        gpu: list[int] | None = None) -> bool:
+                        gpu: list[int] | None = None, arcs: bool = True) -> bool:
     """Whether the relaxation admits a plan of ``period`` (with the given allocation)."""
     from optmem.engines import adapters as engines
     from optmem.models.formulation import rational_time_scale, to_cpsat
@@ -503,7 +503,7 @@ def relaxation_feasible(problem: PipelineProblem, period: float,
     scale, _ = rational_time_scale([*units.f, *units.b, *units.dt], resolution=1e-3)
     form = build_relaxation(units, problem.n_gpus, problem.memory_per_gpu,
                             math.ceil(period * scale - 1e-9), scale,
-                            strict=problem.memory_model == "strict", gpu=gpu)
+                            strict=problem.memory_model == "strict", gpu=gpu, arcs=arcs)
     cm = to_cpsat(form.model, 1)
     res = engines.solve_cpsat(cm.cp, cm.variables, threads=1)
     assert res.status in (Status.OPTIMAL, Status.INFEASIBLE)
@@ -545,6 +545,103 @@ def test_relaxation_bound_never_exceeds_the_optimum(problem, strict):
     assert bound <= r.objective + 1e-9
 
 
+def unit_gpus(problem: PipelineProblem, plan: PipelinePlan) -> list[int]:
+    """The GPU of each unit of ``problem`` in ``plan`` (the stage holding its first layer)."""
+    from optmem.models.pipeline import make_units
+
+    return [next(s.gpu for s in plan.stages if s.first <= i <= s.last)
+            for i, _ in make_units(problem).bounds]
+
+
+@settings(max_examples=30, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(problem=small_problems(), strict=st.booleans())
+def test_relaxation_admits_every_plan_the_methods_return(problem, strict):
+    """Every replayed plan of ``cpsat``, ``madpipe`` and ``contiguous`` (non-contiguous
+    allocations and any window order included) satisfies the relaxation with the window
+    arcs, with its own allocation fixed, at its simulated period: the relaxation's bound
+    never exceeds a plan the methods return."""
+    if strict:
+        problem = replace(problem, memory_model="strict")
+    for method in ("cpsat", "madpipe", "contiguous"):
+        r = solve(problem, method, options=OPTS)
+        if not r.status.has_plan:
+            continue
+        check(problem, r)
+        plan = PipelinePlan.from_strings(r.plan)
+        assert relaxation_feasible(problem, r.objective, unit_gpus(problem, plan)), method
+
+
+def draw_chain(draw, f_max: int, b_max: int, a_max: int) -> Chain:
+    """3-4 layers: forwards 1..f_max (none zero: see ``zero_forward_merged``), backwards
+    1..b_max, activation sizes 0..a_max (the loss output 0), weights 0..2."""
+    n = draw(st.integers(3, 4))
+    f = [draw(st.integers(1, f_max)) for _ in range(n)]
+    b = [draw(st.integers(1, b_max)) for _ in range(n)]
+    a = [draw(st.integers(0, a_max)) for _ in range(n + 1)] + [0]
+    w = [draw(st.integers(0, 2)) for _ in range(n)]
+    return thesis_chain(f, b, a, w)
+
+
+@st.composite
+def tight_problems(draw):
+    """3-4 layers on 2-3 GPUs with a memory at most half of a generous one (stashes bind)."""
+    chain = draw_chain(draw, 4, 6, 4)
+    gpus = draw(st.integers(2, 3))
+    lay = PipelineProblem(chain, gpus, 0).layers
+    low = max(lay.x) + 3 * max(lay.w)
+    high = (3 * sum(lay.w) + 2 * sum(lay.x) + 4 * sum(lay.a)) // 2 + 1
+    memory = draw(st.integers(low, max(low, high)))
+    beta = draw(st.sampled_from([math.inf, 2.0, 4.0]))
+    return PipelineProblem(chain, gpus, memory, chain_bandwidth=beta)
+
+
+@settings(max_examples=15, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(problem=tight_problems())
+def test_relaxation_admits_the_optimum_under_memory_pressure(problem):
+    """Where the window arcs bind (several stashes per GPU, tight memory): the proven
+    optimum's plan, its allocation fixed, satisfies the relaxation at its period."""
+    r = solve(problem, "cpsat", options=SolveOptions(threads=1, seed=0,
+                                                      extra={"relaxation": False}))
+    if r.status is not Status.OPTIMAL:
+        return
+    check(problem, r)
+    plan = PipelinePlan.from_strings(r.plan)
+    assert relaxation_feasible(problem, r.objective, unit_gpus(problem, plan))
+
+
+def test_window_arcs_raise_the_relaxation_bound():
+    """Random instance (4 layers, 3 GPUs, memory 12) whose proven optimum is 16: without the
+    window arcs the relaxation admits period 12.5 (every stash counted one copy short at
+    the other forwards of its GPU, every lifetime ending just before its next forward);
+    with them it does not, and at the optimum it still does."""
+    p = PipelineProblem(thesis_chain([4, 4, 2, 1], [5, 3, 1, 5], [1, 1, 1, 1, 2, 0],
+                                     [1, 0, 2, 2]), 3, 12)
+    r = solve(p, "cpsat", options=OPTS)
+    assert r.status is Status.OPTIMAL and r.objective == pytest.approx(16.0)
+    assert relaxation_feasible(p, 12.5, arcs=False)
+    assert not relaxation_feasible(p, 12.5)
+    assert relaxation_feasible(p, r.objective)
+    plan = PipelinePlan.from_strings(r.plan)
+    assert relaxation_feasible(p, r.objective, unit_gpus(p, plan))
+
+
+def test_window_arcs_admit_a_non_contiguous_optimum():
+    """Its proven optimum (12) puts layers 1 and 4 on one GPU, 2-3 on the other: the
+    relaxation with the window arcs admits that plan at 12 (found by a random search as an
+    instance where an over-charged "outside" row would cut the optimum off)."""
+    p = PipelineProblem(thesis_chain([1, 2, 2, 4], [5, 6, 2, 2], [1, 0, 3, 1, 1, 0],
+                                     [0, 0, 0, 1]), 2, 9, chain_bandwidth=2.0)
+    r = solve(p, "cpsat", options=OPTS)
+    assert r.status is Status.OPTIMAL and r.objective == pytest.approx(12.0)
+    run = run_model(p, "cpsat", OPTS, gpu=[0, 1, 1, 0])
+    assert run.plan is not None and run.plan.period == pytest.approx(12.0)
+    sim = simulate_pipeline(p, run.plan)
+    assert sim.period == pytest.approx(12.0) and sim.peak_memory <= 9
+    assert relaxation_feasible(p, 12.0, [0, 1, 1, 0])
+
+
 @st.composite
 def unlimited_uneven_problems(draw):
     return draw_unlimited(draw, (3, 7), 30, 40, [math.inf, 1.0, 4.0], (2, 4))
@@ -571,3 +668,25 @@ def test_relaxation_admits_the_best_allocation_without_memory_pressure(problem):
         if max([*loads, *links.values()]) == period:
             assert relaxation_feasible(problem, period, labels)
             return
+
+
+
+def test_madpipe_stops_its_ladder_at_the_time_limit(monkeypatch):
+    """A limit that runs out between two rungs of the memory ladder ends the ladder with
+    the plans found so far (it used to hand phase 2 a limit of 0 s, which ``SolveOptions``
+    rejects: the solve crashed). Scripted clock: the limit is left whole for the first rung
+    and is over at the second; on this instance (digest 7.5, P = 4, M = 16) the ladder
+    otherwise schedules three allocations."""
+    from types import SimpleNamespace
+
+    from optmem.solvers import pipeline_madpipe
+
+    readings = iter([0.0, 0.0])
+    monkeypatch.setattr(pipeline_madpipe, "time",
+                        SimpleNamespace(perf_counter=lambda: next(readings, 100.0)))
+    p = PipelineProblem(thesis_chain([1, 1, 1, 1], [1, 1, 1, 1], [4, 2, 1, 1, 0]), 4, 16)
+    r = solve(p, "madpipe", options=SolveOptions(threads=1, seed=0, time_limit_s=60.0))
+    check(p, r)
+    rungs = [a for a in r.report["attempts"] if "memory_factor" in a]
+    assert [a["memory_factor"] for a in rungs] == [1.0, 0.95]
+    assert rungs[-1]["phase2"] == "time limit reached"

@@ -65,8 +65,9 @@ which need not lie on the data's grid, is within one step of its true value).
 (warm starts, and a check of the model against the simulator), :meth:`decode` reads a plan.
 
 :func:`build_relaxation` is a second, much smaller model: allocations only, with the copies
-of every stash bounded by lifetimes at a fixed period; its infeasibility at a period proves
-a lower bound (the exact methods search it by bisection before the full model runs).
+of every stash bounded by lifetimes and by the window arcs of its GPU's other forwards
+(:class:`_Relaxation`) at a fixed period; its infeasibility at a period proves a lower bound
+(the exact methods search it by bisection before the full model runs).
 """
 
 from __future__ import annotations
@@ -994,8 +995,8 @@ class _Builder:
 
 # ------------------------------------------------------------------ the lifetime relaxation
 def build_relaxation(units: Units, n_gpus: int, memory: int, ticks: int, scale: int, *,
-                     strict: bool = False, gpu: Sequence[int] | None = None
-                     ) -> PipelineFormulation:
+                     strict: bool = False, gpu: Sequence[int] | None = None,
+                     arcs: bool = True) -> PipelineFormulation:
     r"""A relaxation of "some plan has period ``T <= ticks / scale``": allocations only.
 
     No times: the copies of a stash are bounded by lifetimes instead. In a 1-periodic plan of
@@ -1011,23 +1012,57 @@ def build_relaxation(units: Units, n_gpus: int, memory: int, ticks: int, scale: 
     forward starts (``strict``: without the starting forward's own copy, with its input and
     output). Times are integers on the grid ``1 / scale``, durations rounded down, so that
     infeasibility at ``ticks`` proves every period ``<= ticks / scale`` impossible. ``gpu``
-    fixes the allocation (GPU label per unit, any labels).
+    fixes the allocation (GPU label per unit, any labels). ``arcs`` (default) adds the
+    window-arc rows of :class:`_Relaxation` (``False``: the relaxation without them, for
+    comparisons).
     """
     model = Model("pipeline-relaxation")
     period = model.integer("T_ticks", ticks, ticks)
     form = PipelineFormulation(units, min(n_gpus, units.n), memory, strict, model, period,
                                ticks / scale, ticks / scale, _size_unit(units, memory),
                                fixed_gpu=None if gpu is None else first_use(gpu))
-    _Relaxation(form, ticks, scale).build()
+    _Relaxation(form, ticks, scale, arcs=arcs).build()
     return form
 
 
 class _Relaxation(_Builder):
-    """Rows of :func:`build_relaxation` (times in integer ticks)."""
+    r"""Rows of :func:`build_relaxation` (times in integer ticks), with the window arcs.
 
-    def __init__(self, form: PipelineFormulation, ticks: int, scale: int) -> None:
+    **Window arcs: what a GPU runs while a stash waits** (digest ``madpipe.md`` sections
+    1.5-1.6, 4.3; the thesis' Lemma 9 argument, per GPU). Take a 1-periodic plan of period
+    ``T`` and a unit ``r`` on GPU ``p``. Its stash lives ``l_r = (c_r - 1) T + dist_r`` per
+    micro-batch, where ``c_r`` is its copies when ``F_r`` starts and ``dist_r`` in ``(0,
+    T]`` is the distance in ``p``'s window from the start of ``F_r`` to the end of ``B_r``:
+    the *arc* of ``r``. Every other forward ``F_q`` of ``p`` (``f_q > 0``) lies wholly
+    inside that arc or wholly in its complement (tasks of one GPU do not overlap), and:
+
+    * inside (``in[q, r] = 1``): the stash intervals ``[F_r(m), end B_r(m))`` start every
+      ``T`` and last ``(c_r - 1) T + dist_r``, so at the start of ``F_q`` exactly ``c_r``
+      of them are alive (``c_r - 1`` outside the arc): the memory row of ``F_q`` counts
+      ``c_r`` copies of ``r`` instead of ``c_r - 1``; and ``dist_r >= f_r + b_r + f_q``;
+    * outside: ``F_q`` runs between the end of ``B_r(m)`` and the start of
+      ``F_r(m + c_r)`` (the complement's tasks all do), so ``c_r T >= l_r + f_q``.
+
+    Summed over the GPU's forwards, with ``D_r`` the work on the path from ``F_r`` to the
+    end of ``B_r`` (a lower bound on ``l_r``): ``c_r T >= D_r + sum_{q outside} f_q``.
+    Without the arcs the relaxation counts every other unit's stash ``c - 1`` times at a
+    forward while each lifetime may end just before the next forward of its unit, leaving
+    no GPU time between a stash's backward and that forward: a GPU that also runs the
+    forwards of its other units can avoid only one of the two for each pair (a wait the
+    stash pays, or a copy the memory holds). The binaries ``in[q, r]`` need not describe one
+    cyclic order (a relaxation: every plan gives them values that satisfy the rows, by the
+    two cases above). Durations are rounded down on the grid, so the rows stay valid there.
+    Adding the same sums to the chain rows (inside: ``l_b`` grows; outside: ``l_a`` room
+    shrinks) is valid too but tripled the headline's bisection time for one more moved
+    bound in 20 random instances, so it is left out.
+    """
+
+    def __init__(self, form: PipelineFormulation, ticks: int, scale: int, *,
+                 arcs: bool = False) -> None:
         super().__init__(form)
         self.grid(ticks, scale)
+        self.arcs = arcs
+        self.inside: dict[tuple[int, int], Expr] = {}
 
     def grid(self, ticks: int, scale: int) -> None:
         """Period ``ticks`` and durations rounded down on the grid ``1 / scale``."""
@@ -1067,8 +1102,10 @@ class _Relaxation(_Builder):
         work = sum(self.f) + sum(self.b) + 2 * sum(self.dt)
         most = [4 * n + 2 - (-work // max(self.ticks, 1))] * n
         own = [m.integer(f"k_{q}", 1, most[q]) for q in range(n)]
+        if self.arcs:
+            self.arc_vars()
         for q in range(n):
-            m.add(self.ticks * own[q] >= self.path(q, q), f"own_{q}")
+            m.add(self.ticks * own[q] >= self.path(q, q) + self.outside(q), f"own_{q}")
         self.chain(own, {c: m.integer(f"kl_{c}", 1, most[c]) for c in self.timed_cuts()})
         for q in range(n):
             terms = []
@@ -1081,11 +1118,27 @@ class _Relaxation(_Builder):
                 k = m.integer(f"k_{q}_{r}", 0, most[r])
                 lit = m.literal(form.same(q, r))
                 m.add(k >= own[r] - 1, f"floor_{q}_{r}", only_if=lit)
+                if (q, r) in self.inside:
+                    m.add(k >= own[r], f"full_{q}_{r}",
+                          only_if=[lit, m.literal(self.inside[(q, r)])])
                 if r < q:
                     m.add(self.ticks * k >= self.path(q, r), f"low_{q}_{r}", only_if=lit)
                 terms.append(u.x[r] // unit * k)
             extra = (u.a_in[q] + u.a_out[q]) // unit if form.strict else 0
             m.add(self.static(q) + Expr.sum(terms) + extra <= cap, f"mem_{q}")
+
+    def arc_vars(self) -> None:
+        """``in[q, r]``: ``F_q`` lies in the window arc of unit ``r`` (same GPU; class doc)."""
+        form, m, n = self.form, self.m, self.u.n
+        for q, r in itertools.permutations(range(n), 2):
+            if self.f[q] and self.u.x[r]:  # without a stash, "inside" would change nothing
+                y = self.inside[(q, r)] = m.binary(f"in_{q}_{r}")
+                m.add(y <= form.same(q, r), f"inle_{q}_{r}")
+
+    def outside(self, r: int) -> Expr:
+        """Ticks of the forwards of ``r``'s GPU outside its arc (0 without the arcs)."""
+        return Expr.sum(self.f[q] * (self.form.same(q, r) - y)
+                        for (q, rr), y in self.inside.items() if rr == r)
 
     def timed_cuts(self) -> list[int]:
         """Cuts whose transfers take time on the grid (their links hold copies)."""

@@ -136,11 +136,15 @@ PROBE_WORK = 60.0
 
 
 class ProbeSettings(NamedTuple):
-    """``extra["probe_step"]`` (``None``: no probes), ``["probe_work"]``, ``["lifetime_cuts"]``."""
+    """``extra["probe_step"]`` (``None``: no probes), ``["probe_work"]``, ``["lifetime_cuts"]``.
 
-    step: float | None = None
-    work: float = PROBE_WORK
-    cuts: bool = False
+    Built only by :func:`probe_settings`, which applies the defaults (no probes,
+    :data:`PROBE_WORK`, no cuts) and checks the values.
+    """
+
+    step: float | None
+    work: float
+    cuts: bool
 
 
 def probe_settings(options: SolveOptions) -> ProbeSettings:

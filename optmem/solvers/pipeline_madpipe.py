@@ -520,7 +520,11 @@ def solve_madpipe(problem: PipelineProblem, options: SolveOptions) -> Result:
             continue
         tried.add(key)
         if deadline is not None:
-            options = options.with_(time_limit_s=max(0.0, deadline - time.perf_counter()))
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                entry["phase2"] = "time limit reached"
+                break  # the limit bounds the whole run (a limit of 0 is no limit)
+            options = options.with_(time_limit_s=left)
         found = _phase2(problem, alloc, options, log)
         if found is not None and not fits(problem, found[1]):
             log.append({"phase2": "rejected by the simulator"})
