@@ -575,6 +575,100 @@ def test_relaxation_keeps_the_strongest_solved_stage(monkeypatch: pytest.MonkeyP
     assert stopped.bound == pytest.approx(max(stages[1] + 0.5, stages[1]))
 
 
+class _Clock:
+    """A clock the tests move by hand (the relaxation's time source)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _timed_stages(monkeypatch: pytest.MonkeyPatch, build_s: float,
+                  stages: list[tuple[float, Status]]) -> tuple[_Clock, list[float | None]]:
+    """Stub the relaxation's build and engine on a :class:`_Clock`: a build takes
+    ``build_s``, the i-th solve ``stages[i]`` (seconds, capped by its limit; status, which
+    becomes ``feasible`` when the limit cuts it). Returns the clock and the limits given."""
+    import optmem.solvers.remat_offload_exact as exact
+
+    clock, limits_given = _Clock(), []
+    real_build = exact.build_link_relaxation
+
+    def build(*args, **kwargs):
+        clock.now += build_s
+        return real_build(*args, **kwargs)
+
+    def solve_pulp(*args, time_limit_s=None, **kwargs):
+        seconds, status = stages[len(limits_given)]
+        limits_given.append(time_limit_s)
+        if time_limit_s is not None and seconds > time_limit_s:
+            seconds, status = time_limit_s, Status.FEASIBLE
+        clock.now += seconds
+        return EngineResult(status, None, 80.0, 70.0 + len(limits_given), "highs", seconds)
+
+    monkeypatch.setattr(exact, "build_link_relaxation", build)
+    monkeypatch.setattr(exact.engines, "solve_pulp", solve_pulp)
+    return clock, limits_given
+
+
+_TOO_LARGE = "skipped (too large, or the deadline stage not solved)"
+
+
+@pytest.mark.parametrize(("build_s", "stages", "max_values", "ran", "skipped"), [
+    # slow builds and a deadline stage that uses all that is left: the host stage never starts
+    (3.0, [(1.0, Status.OPTIMAL), (50.0, Status.OPTIMAL)], 1200, 2, "skipped (time)"),
+    # the host stage runs in what is left, stopped at the end of the share
+    (0.5, [(1.0, Status.OPTIMAL), (2.0, Status.OPTIMAL), (60.0, Status.OPTIMAL)], 1200, 3,
+     None),
+    # too many per-value host binaries (the chain has 104): built (its time counted), not run
+    (1.0, [(1.0, Status.OPTIMAL), (3.0, Status.OPTIMAL)], 103, 2, _TOO_LARGE),
+    # the deadline stage was stopped: the harder host stage is not started
+    (0.0, [(1.0, Status.OPTIMAL), (5.0, Status.FEASIBLE)], 1200, 2, _TOO_LARGE),
+])
+def test_relaxation_stays_within_its_share(monkeypatch: pytest.MonkeyPatch, build_s: float,
+                                           stages: list[tuple[float, Status]],
+                                           max_values: int, ran: int,
+                                           skipped: str | None) -> None:
+    """The whole relaxation (builds included) keeps to ``RELAXATION_SHARE`` of the time
+    limit, on an injected clock and engine: each stage's limit is what is left after the
+    builds and the stages before it; a stage with less than the engine's least time left
+    is skipped, the host stage also when it is too large or the deadline stage was not
+    solved (``_host_stage_fits``)."""
+    import optmem.solvers.remat_offload_exact as exact
+
+    monkeypatch.setattr(exact, "HOST_STAGE_MAX_VALUES", max_values)
+    clock, given = _timed_stages(monkeypatch, build_s, stages)
+    chain = random_chain(4, seed=41, max_size=6)
+    share = exact.RELAXATION_SHARE * 100.0
+    relaxed = exact._relaxation_bound(chain, limits(chain)[0], 1.0, 1,
+                                      SolveOptions(threads=1, time_limit_s=100.0), "cpsat",
+                                      clock=clock)
+    assert len(given) == ran
+    assert clock.now <= share + 1e-9
+    assert relaxed.info["relaxation_s"] == pytest.approx(clock.now)
+    assert given[0] == pytest.approx(share - build_s)
+    spent = build_s
+    for limit, (seconds, _) in zip(given, stages):
+        assert limit == pytest.approx(share - spent)  # the builds are counted
+        spent += min(seconds, limit) + build_s
+    if skipped is not None:
+        assert relaxed.info[exact.RELAXATION_STAGES[ran][2]] == skipped
+    assert relaxed.bound == pytest.approx(70.0 + ran, rel=1e-6)
+
+
+def test_relaxation_without_time_limit_runs_every_stage(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """No time limit: every stage runs, without a limit."""
+    import optmem.solvers.remat_offload_exact as exact
+
+    clock, given = _timed_stages(monkeypatch, 1.0, [(1.0, Status.OPTIMAL)] * 3)
+    chain = random_chain(4, seed=41, max_size=6)
+    exact._relaxation_bound(chain, limits(chain)[0], 1.0, 1, SolveOptions(threads=1),
+                            "cpsat", clock=clock)
+    assert given == [None, None, None]
+
+
 def test_failing_relaxation_engine_never_fails_the_solve(monkeypatch: pytest.MonkeyPatch
                                                           ) -> None:
     """HiGHS failing on the link relaxation leaves ``cpsat`` without that bound, not broken:

@@ -35,7 +35,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -88,6 +88,7 @@ from optmem.solvers.remat_offload_schedule import Window, static_replay, window_
 BRUTE_MAX_LENGTH = 2
 COMPLETION_SHARE = 0.25  # share of a user's time limit spent completing warm starts
 RELAXATION_SHARE = 0.25  # share of a user's time limit spent on the link relaxation's bound
+HOST_STAGE_MAX_VALUES = 1200  # most per-value host binaries of the host stage (_host_stage_fits)
 MAX_RATIONAL_SCALE = 10**6  # largest exact CP-SAT time grid: never finer than the decimal one
 BENDERS_WARMUP = 0.3  # share of the time limit for the monolithic warm-up of strategy=benders
 STRATEGIES = ("full", "benders")  # extra["strategy"] of cpsat (benders: remat_offload_benders)
@@ -384,22 +385,26 @@ RELAXATION_STAGES = ((False, False, "plain_bound"), (True, False, "deadline_boun
 
 
 def _relaxation_bound(chain: Chain, memory_limit: int, beta: float, sweeps: int,
-                      options: SolveOptions, engine: str,
-                      budget_s: float | None = None) -> _Relaxed:
+                      options: SolveOptions, engine: str, *,
+                      clock: Callable[[], float] = time.monotonic) -> _Relaxed:
     """The proven bound of :func:`~optmem.models.remat_offload.build_link_relaxation`.
 
     Solved by the PuLP engine of the method (HiGHS for ``cpsat`` when installed) within
-    :data:`RELAXATION_SHARE` of the time limit (``budget_s``: another time budget than that
-    share, for all solves), in the stages of :data:`RELAXATION_STAGES`: plain, with the
-    prefetch deadlines (``extra["relaxation_deadlines"]``, default true), with the per-value
-    host rows as well (``extra["relaxation_values"]``, default true; ``host_values``). Each
-    stage is a stronger relaxation and a slower MILP (HiGHS: 0.4 s, 4 s and 28 s on
-    ``random_chain(10, seed=1)`` at its 10 % limit, load 2); the engine's dual bound is valid
-    even when it stops early, and the best one is the bound (``report["relaxation"]`` has
-    each stage's under its key). The strongest stage solved to optimality is the Benders
-    loop's first master, so a slow last stage costs its time but not the proposal.
-    ``-inf`` when it is off (``extra["relaxation"] = False``), no MILP engine is installed,
-    there is no link or the engine fails.
+    :data:`RELAXATION_SHARE` of the time limit, in the stages of :data:`RELAXATION_STAGES`:
+    plain, with the prefetch deadlines (``extra["relaxation_deadlines"]``, default true),
+    with the per-value host rows as well (``extra["relaxation_values"]``, default true;
+    ``host_values``). Each stage is a stronger relaxation and a slower MILP (HiGHS: 0.4 s,
+    4 s and 28 s on ``random_chain(10, seed=1)`` at its 10 % limit, load 2); the engine's
+    dual bound is valid even when it stops early, and the best one is the bound
+    (``report["relaxation"]`` has each stage's under its key). The strongest stage solved to
+    optimality is the Benders loop's first master.
+
+    The share covers the whole relaxation, model builds included (:func:`_stage_limit`):
+    the first stage gets at least :data:`LEAST_ENGINE_TIME_S`, a later one runs only with
+    that much left, and the host stage only when :func:`_host_stage_fits` (model size, not
+    time: the stage's time varies 3x with the load, its size does not). ``clock`` is the
+    time source (injected by the tests). ``-inf`` when it is off (``extra["relaxation"] =
+    False``), no MILP engine is installed, there is no link or the engine fails.
     """
     deadlines = flag(options, "relaxation_deadlines", True)
     host_values = flag(options, "relaxation_values", True)
@@ -408,21 +413,26 @@ def _relaxation_bound(chain: Chain, memory_limit: int, beta: float, sweeps: int,
     pulp_engine = engine if engine != "cpsat" else "highs"
     if not engines.is_available(pulp_engine):
         return _Relaxed(-math.inf, {"status": f"skipped ({pulp_engine} not installed)"})
-    began = time.monotonic()
-    share = None if options.time_limit_s is None else \
-        max(LEAST_ENGINE_TIME_S, RELAXATION_SHARE * options.time_limit_s
-            if budget_s is None else budget_s)
+    share = None if options.time_limit_s is None else RELAXATION_SHARE * options.time_limit_s
+    began = clock()
     best: float = -math.inf
     info: dict[str, Any] = {}
     kept: tuple[Model, EngineResult] | None = None
+    previous: EngineResult | None = None
     stages = [st for st in RELAXATION_STAGES
               if (deadlines or not st[0]) and (host_values or not st[1])]
     for with_deadlines, with_values, key in stages:
-        limit = None if share is None else \
-            max(LEAST_ENGINE_TIME_S, share - (time.monotonic() - began))
+        if previous is not None and share is not None and \
+                share - (clock() - began) < LEAST_ENGINE_TIME_S:
+            info[key] = "skipped (time)"
+            break
         master = build_link_relaxation(chain, memory_limit, beta, sweeps=sweeps,
                                        deadlines=with_deadlines, host_values=with_values)
+        if with_values and previous is not None and not _host_stage_fits(master, previous):
+            info[key] = "skipped (too large, or the deadline stage not solved)"
+            break
         pm = to_pulp(master)
+        limit = _stage_limit(share, clock() - began, first=previous is None)
         out = engines.solve_pulp(pm.problem, pm.all_variables, pulp_engine,
                                  **{**engines.pulp_settings(options), "time_limit_s": limit})
         info = {**{k: v for k, v in info.items() if k.endswith("_bound")},
@@ -432,9 +442,41 @@ def _relaxation_bound(chain: Chain, memory_limit: int, beta: float, sweeps: int,
             kept = (master, out)
         if not out.failed and math.isfinite(out.bound):
             best = max(best, out.bound - 1e-9 * max(1.0, abs(out.bound)))
+        previous = out
+    info["relaxation_s"] = round(clock() - began, 3)
     if math.isfinite(best):
         info["bound"] = best
     return _Relaxed(best, info, *kept) if kept is not None else _Relaxed(best, info)
+
+
+def _stage_limit(share: float | None, spent: float, *, first: bool) -> float | None:
+    """A stage's engine time limit: what is left of ``share`` after ``spent`` seconds.
+
+    The first stage gets at least :data:`LEAST_ENGINE_TIME_S` (the loop needs its
+    master), a later one only starts with that much left, so the whole relaxation overruns
+    its share by at most that floor (and the engine's own overshoot of its limit).
+    """
+    if share is None:
+        return None
+    left = share - spent
+    return max(LEAST_ENGINE_TIME_S, left) if first else max(left, 0.0)
+
+
+def _host_stage_fits(master: Model, deadline_stage: EngineResult) -> bool:
+    """Whether the host-rows stage ``master`` is solved after the deadline stage's outcome.
+
+    Only after a deadline stage solved to optimality (a harder MILP than one HiGHS could
+    not finish is not finished either) and with at most :data:`HOST_STAGE_MAX_VALUES`
+    per-value host binaries ``h_*``. Measured (``benchmarks/results/remat_offload_exact.md``,
+    ``ro9``; HiGHS, 2 threads): ``random_chain(10)`` has 1000 of them, its stage is solved in
+    28-82 s at load 2-4 (74 -> 76 at 10 %) or stopped above the deadline stage's bound
+    (67 -> 68.43 at 30 % after 120 s); ``random_chain(12)`` has 1624 and HiGHS does not finish
+    in 400 s, with a dual bound below the deadline stage's (66.49 against 67.64), so there
+    the stage would only cost the time.
+    """
+    if deadline_stage.status is not Status.OPTIMAL:
+        return False
+    return sum(v.name.startswith("h_") for v in master.vars) <= HOST_STAGE_MAX_VALUES
 
 
 @dataclass(frozen=True)
@@ -464,10 +506,10 @@ def _benders(setup: _Setup, options: SolveOptions, report: dict[str, Any]) -> Re
     candidate plans as the incumbent, whose quality sets the strength of the refutation
     cuts, and its proven bound floors the loop's; a proof ends the solve there. The
     candidates, the built model and the link relaxation are computed once and shared: the
-    relaxation is solved first, within the loop's share of the limit (the loop would
-    otherwise solve it again as its first master: 50-140 s at tight limits, where the
-    monolithic path's share of a quarter of the warm-up stops it early), and gives the
-    warm-up its bound and the loop its first master and proposal.
+    relaxation is solved first, within :data:`RELAXATION_SHARE` of the limit (the stages
+    took up to 0.6 of it at load 7-9 when they had the loop's whole share), and gives the
+    warm-up its bound and the loop its first master and proposal; the loop gets what the
+    relaxation and the warm-up leave.
     """
     share = options.extra.get("benders_warmup", BENDERS_WARMUP)
     if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
@@ -481,8 +523,7 @@ def _benders(setup: _Setup, options: SolveOptions, report: dict[str, Any]) -> Re
     began = time.monotonic()
     limit = options.time_limit_s
     relaxed = _relaxation_bound(setup.disc.chain, setup.disc.memory_limit, setup.beta,
-                                setup.built.checkpoint.sweeps, options, "cpsat",
-                                None if limit is None else (1 - share) * limit)
+                                setup.built.checkpoint.sweeps, options, "cpsat")
     if relaxed.master is not None and relaxed.out is not None:
         first = (relaxed.master, relaxed.out)
     if share > 0 and (limit is not None or options.deterministic_time is not None):
