@@ -649,12 +649,36 @@ def test_relaxation_stays_within_its_share(monkeypatch: pytest.MonkeyPatch, buil
     assert relaxed.info["relaxation_s"] == pytest.approx(clock.now)
     assert given[0] == pytest.approx(share - build_s)
     spent = build_s
-    for limit, (seconds, _) in zip(given, stages):
+    for limit, (seconds, _) in zip(given, stages[:ran], strict=True):
         assert limit == pytest.approx(share - spent)  # the builds are counted
         spent += min(seconds, limit) + build_s
     if skipped is not None:
         assert relaxed.info[exact.RELAXATION_STAGES[ran][2]] == skipped
     assert relaxed.bound == pytest.approx(70.0 + ran, rel=1e-6)
+
+
+@pytest.mark.parametrize(("stages", "given_limits", "host"), [
+    # the deadline stage runs past the share on the loop's time; no time left for the host
+    ([(1.0, Status.OPTIMAL), (40.0, Status.OPTIMAL)], [70.0, 69.0], "skipped (time)"),
+    # a quick deadline stage: the host stage gets what is left of the share, not of 70 s
+    ([(1.0, Status.OPTIMAL), (5.0, Status.OPTIMAL), (60.0, Status.OPTIMAL)],
+     [70.0, 69.0, 19.0], 70.0 + 3),
+])
+def test_relaxation_master_stages_may_use_the_loops_time(
+        monkeypatch: pytest.MonkeyPatch, stages: list[tuple[float, Status]],
+        given_limits: list[float], host: str | float) -> None:
+    """``strategy=benders``: the stages up to the deadline rows (the loop's first master)
+    run within ``master_budget_s``, the host stage within the relaxation's share."""
+    import optmem.solvers.remat_offload_exact as exact
+
+    clock, given = _timed_stages(monkeypatch, 0.0, stages)
+    chain = random_chain(4, seed=41, max_size=6)
+    relaxed = exact._relaxation_bound(chain, limits(chain)[0], 1.0, 1,
+                                      SolveOptions(threads=1, time_limit_s=100.0), "cpsat",
+                                      master_budget_s=70.0, clock=clock)
+    assert given == pytest.approx(given_limits)
+    assert relaxed.info["host_bound"] == host
+    assert clock.now <= max(exact.RELAXATION_SHARE * 100.0, sum(s for s, _ in stages[:2]))
 
 
 def test_relaxation_without_time_limit_runs_every_stage(monkeypatch: pytest.MonkeyPatch

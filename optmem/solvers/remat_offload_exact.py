@@ -386,6 +386,7 @@ RELAXATION_STAGES = ((False, False, "plain_bound"), (True, False, "deadline_boun
 
 def _relaxation_bound(chain: Chain, memory_limit: int, beta: float, sweeps: int,
                       options: SolveOptions, engine: str, *,
+                      master_budget_s: float | None = None,
                       clock: Callable[[], float] = time.monotonic) -> _Relaxed:
     """The proven bound of :func:`~optmem.models.remat_offload.build_link_relaxation`.
 
@@ -399,9 +400,12 @@ def _relaxation_bound(chain: Chain, memory_limit: int, beta: float, sweeps: int,
     (``report["relaxation"]`` has each stage's under its key). The strongest stage solved to
     optimality is the Benders loop's first master.
 
-    The share covers the whole relaxation, model builds included (:func:`_stage_limit`):
-    the first stage gets at least :data:`LEAST_ENGINE_TIME_S`, a later one runs only with
-    that much left, and the host stage only when :func:`_host_stage_fits` (model size, not
+    The share covers the whole relaxation, model builds included (:func:`_stage_limit`),
+    except that ``master_budget_s`` (``strategy=benders``: the loop's time) replaces it for
+    the stages before the host stage: the strongest of them is the loop's first master,
+    which the loop would otherwise solve again from scratch. The first stage gets at least
+    :data:`LEAST_ENGINE_TIME_S`, a later one runs only with that much left of its budget,
+    and the host stage only when :func:`_host_stage_fits` (model size, not
     time: the stage's time varies 3x with the load, its size does not). ``clock`` is the
     time source (injected by the tests). ``-inf`` when it is off (``extra["relaxation"] =
     False``), no MILP engine is installed, there is no link or the engine fails.
@@ -414,6 +418,8 @@ def _relaxation_bound(chain: Chain, memory_limit: int, beta: float, sweeps: int,
     if not engines.is_available(pulp_engine):
         return _Relaxed(-math.inf, {"status": f"skipped ({pulp_engine} not installed)"})
     share = None if options.time_limit_s is None else RELAXATION_SHARE * options.time_limit_s
+    first_budget = share if share is None or master_budget_s is None else \
+        max(share, master_budget_s)
     began = clock()
     best: float = -math.inf
     info: dict[str, Any] = {}
@@ -422,8 +428,9 @@ def _relaxation_bound(chain: Chain, memory_limit: int, beta: float, sweeps: int,
     stages = [st for st in RELAXATION_STAGES
               if (deadlines or not st[0]) and (host_values or not st[1])]
     for with_deadlines, with_values, key in stages:
-        if previous is not None and share is not None and \
-                share - (clock() - began) < LEAST_ENGINE_TIME_S:
+        budget = share if with_values else first_budget
+        if previous is not None and budget is not None and \
+                budget - (clock() - began) < LEAST_ENGINE_TIME_S:
             info[key] = "skipped (time)"
             break
         master = build_link_relaxation(chain, memory_limit, beta, sweeps=sweeps,
@@ -432,7 +439,7 @@ def _relaxation_bound(chain: Chain, memory_limit: int, beta: float, sweeps: int,
             info[key] = "skipped (too large, or the deadline stage not solved)"
             break
         pm = to_pulp(master)
-        limit = _stage_limit(share, clock() - began, first=previous is None)
+        limit = _stage_limit(budget, clock() - began, first=previous is None)
         out = engines.solve_pulp(pm.problem, pm.all_variables, pulp_engine,
                                  **{**engines.pulp_settings(options), "time_limit_s": limit})
         info = {**{k: v for k, v in info.items() if k.endswith("_bound")},
@@ -506,10 +513,11 @@ def _benders(setup: _Setup, options: SolveOptions, report: dict[str, Any]) -> Re
     candidate plans as the incumbent, whose quality sets the strength of the refutation
     cuts, and its proven bound floors the loop's; a proof ends the solve there. The
     candidates, the built model and the link relaxation are computed once and shared: the
-    relaxation is solved first, within :data:`RELAXATION_SHARE` of the limit (the stages
-    took up to 0.6 of it at load 7-9 when they had the loop's whole share), and gives the
-    warm-up its bound and the loop its first master and proposal; the loop gets what the
-    relaxation and the warm-up leave.
+    relaxation is solved first and gives the warm-up its bound and the loop its first master
+    and proposal. The stages up to the deadline rows are that master and may use the loop's
+    share of the limit (the loop would otherwise solve it again: 50-140 s at tight limits);
+    the host stage stays within :data:`RELAXATION_SHARE` (with the loop's share it took
+    160-176 s of 300 s at load 7-9). The loop gets what the relaxation and the warm-up leave.
     """
     share = options.extra.get("benders_warmup", BENDERS_WARMUP)
     if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
@@ -523,7 +531,8 @@ def _benders(setup: _Setup, options: SolveOptions, report: dict[str, Any]) -> Re
     began = time.monotonic()
     limit = options.time_limit_s
     relaxed = _relaxation_bound(setup.disc.chain, setup.disc.memory_limit, setup.beta,
-                                setup.built.checkpoint.sweeps, options, "cpsat")
+                                setup.built.checkpoint.sweeps, options, "cpsat",
+                                master_budget_s=None if limit is None else (1 - share) * limit)
     if relaxed.master is not None and relaxed.out is not None:
         first = (relaxed.master, relaxed.out)
     if share > 0 and (limit is not None or options.deterministic_time is not None):
