@@ -315,7 +315,8 @@ def solve_benders(problem: RematOffloadProblem, options: SolveOptions, *,
         if not math.isfinite(loop.theta0):  # at most every sequence's relaxation value
             # and at most the optimum, as is the floor: the cuts' validity needs only that
             loop.theta0 = max(master_bound, floor)
-            report["relaxation"] = {"bound": master_bound, "seconds": round(out.time_s, 3)}
+            report["relaxation"] = {**report.get("relaxation", {}), "bound": master_bound,
+                                    "seconds": round(out.time_s, 3)}
         if bound >= state.makespan - 1e-9 * max(1.0, state.makespan):
             status = Status.OPTIMAL
             no_plan = state.plan is None  # nothing below the default horizon, which is

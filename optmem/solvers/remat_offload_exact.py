@@ -533,6 +533,7 @@ def _benders(setup: _Setup, options: SolveOptions, report: dict[str, Any]) -> Re
     relaxed = _relaxation_bound(setup.disc.chain, setup.disc.memory_limit, setup.beta,
                                 setup.built.checkpoint.sweeps, options, "cpsat",
                                 master_budget_s=None if limit is None else (1 - share) * limit)
+    report["relaxation"] = relaxed.info  # the loop adds its first master's bound
     if relaxed.master is not None and relaxed.out is not None:
         first = (relaxed.master, relaxed.out)
     if share > 0 and (limit is not None or options.deterministic_time is not None):
