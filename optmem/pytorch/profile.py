@@ -121,8 +121,9 @@ op_overhead``, rounded to the profile's time resolution. A constant, not a measu
 that two profiles of one model give one plan (issue 13 item 4). What an extra re-forward
 costs beyond its profiled kernels grows with the stage on bench_hf's models (about 0.05 ms
 on BERT's small stages, 0.4-0.5 ms, about +20 % of the kernels, on GPT-2's ten times
-larger ones: ``docs/pytorch.md``, "What the chain counts"); the default stays 0 until
-interleaved runs show a better pair of defaults on every bench model.
+larger ones: ``docs/pytorch.md``, "What the chain counts"). The default stays 0: the
+candidate ``0.05 ms + 0.2 * t`` gave faster plans on BERT but slower ones on GPT-2 and
+Llama at one bench_hf memory each in interleaved runs (same section).
 """
 DEFAULT_SEGMENT_COST_MS = 1.0
 """What one recomputed segment costs the executor beyond its stages' forward times (ms).
