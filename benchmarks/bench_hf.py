@@ -897,7 +897,7 @@ def report(results: list[dict[str, Any]], rounds: int, loads: list[str]) -> str:
                 f"{spec.batch} x {spec.seq} tokens, vocabulary {spec.vocab}", "",
                 f"optmem chain: {res['chain'].length} stages; cost per recomputed segment "
                 f"recorded by the profile (the dp's default `segment_cost`): "
-                f"{_segment_cost(res['chain'])}.", ""]
+                f"{_segment_cost(res['chain'])}; {op_charge(res['chain'])}.", ""]
         out += summary(res) + ["", "Every setting (MiB; predicted: the chain model's "
                                    "simulation of the setting's plan):", ""]
         out += table(res) + ["", "At equal real memory (CPU ms):", ""] + matched_table(res)
@@ -917,6 +917,22 @@ def _segment_cost(chain: Chain) -> str:
     samples = ", ".join(f"{x:.2f}" for x in measured["samples"])
     return (f"{measured['ms']:.3f} ms ({measured['groups']} segments against 1 over "
             f"{measured['reforwards']} re-forwarded stages; per-round samples {samples})")
+
+
+def op_charge(chain: Chain) -> str:
+    """The profile's charge per ``F`` op (``op_overhead_ms + op_overhead_ratio * t``).
+
+    Examples
+    --------
+    >>> c = Chain.from_lists([1.0], [1.0], [4], [4], input_size=4)
+    >>> op_charge(replace(c, extra={"profile": {"op_overhead_ms": 0.05,
+    ...                                         "op_overhead_ratio": 0.2}}))
+    'charge per F op beyond its kernels t: 0.050 ms + 0.200 x t'
+    """
+    profile = (chain.extra or {}).get("profile") or {}
+    return (f"charge per F op beyond its kernels t: "
+            f"{float(profile.get('op_overhead_ms') or 0.0):.3f} ms + "
+            f"{float(profile.get('op_overhead_ratio') or 0.0):.3f} x t")
 
 
 def _per_round(results: list[dict[str, Any]]) -> str:

@@ -48,7 +48,7 @@ import optmem.pytorch as op  # noqa: E402
 from optmem.chain import Chain  # noqa: E402
 from optmem.plan import Op, OpKind, parse_plan  # noqa: E402
 from optmem.pytorch.planning import Planner, auto_slots, recorded_segment_cost, rounded_down  # noqa: E402
-from optmem.pytorch.profile import round_time  # noqa: E402
+from optmem.pytorch.profile import with_op_charge  # noqa: E402
 from optmem.simulate import simulate_checkpoint  # noqa: E402
 from optmem.solvers.hints import unit_of  # noqa: E402
 
@@ -65,12 +65,10 @@ def counts(plan: tuple[Op, ...]) -> tuple[int, int]:
 
 def with_constants(chain: Chain, a: float, cost: float) -> Chain:
     """``chain`` with the per-op constant ``a`` instead of its own and segment charge ``cost``."""
-    prof = dict((chain.extra or {}).get("profile") or {})
-    old = float(prof.get("op_overhead_ms") or 0.0)
-    res = float(prof.get("time_resolution") or 0.0)
-    fwd = tuple(round_time(t - old + a, res) for t in chain.fwd_time)
-    prof.update(op_overhead_ms=a, segment_cost_ms=cost)
-    return dataclasses.replace(chain, fwd_time=fwd, extra=dict(chain.extra or {}, profile=prof))
+    ratio = float(((chain.extra or {}).get("profile") or {}).get("op_overhead_ratio") or 0.0)
+    charged = with_op_charge(chain, a, ratio)  # the stages' kernels with the new constant
+    prof = dict(charged.extra["profile"], segment_cost_ms=cost)
+    return dataclasses.replace(charged, extra=dict(charged.extra, profile=prof))
 
 
 def row(name: str, chain: Chain, plan: tuple[Op, ...], limit: int) -> dict[str, Any]:

@@ -246,6 +246,13 @@ def test_side_inputs_are_not_counted_as_activations():
     assert chain.extra["profile"]["op_overhead_ms"] > 0  # the default per-op constant
     bare = op.profile_chain(net, (x, mask), repeats=1, warmup=0, op_overhead=0.0)
     assert bare.extra["profile"]["op_overhead_ms"] == 0.0  # passed through the export route
+    scaled = op.profile_chain(net, (x, mask), repeats=1, warmup=0, op_overhead_ratio=0.5)
+    assert scaled.extra["profile"]["op_overhead_ratio"] == 0.5  # so is the ratio
+    cnet = op.checkpoint(net, (x, mask), memory_limit=10 ** 9, op_overhead_ratio=0.25,
+                         repeats=1, warmup=0)
+    assert cnet.chain.extra["profile"]["op_overhead_ratio"] == 0.25  # and the one-liner's
+    with pytest.raises(OptmemInputError, match="op_overhead_ratio"):
+        op.checkpoint(net, (x, mask), memory_limit=10 ** 9, op_overhead_ratio=-1.0)
     nbytes = 4 * 16 * 4
     # each mul saves the linear's output and the mask: only the former is the stage's
     for i, name in enumerate(chain.stage_names):

@@ -23,6 +23,7 @@ from optmem.pytorch.profile import (  # noqa: E402
     profile_chain,
     profile_stages,
     round_time,
+    with_op_charge,
 )
 from optmem.solvers.facade import solve  # noqa: E402
 
@@ -410,3 +411,77 @@ def test_op_overhead_is_added_to_measured_forward_times(monkeypatch):
     assert meta.extra["profile"]["op_overhead_ms"] == 0.0 and max(meta.fwd_time) < 1.0
     with pytest.raises(OptmemInputError, match="op_overhead"):
         profile_chain(net, torch.randn(3, 4), op_overhead=-1.0)
+
+
+def test_op_overhead_ratio_scales_measured_forward_times(monkeypatch):
+    """``fwd_time = t * (1 + ratio) + op_overhead`` rounded once (deterministic clock), both
+    charges recorded; backward times, time models and the roofline are not charged."""
+    torch.manual_seed(0)
+    module, x = resolve_spec("toy-resnet", batch=2)
+    stages = extract_stages(module)
+    monkeypatch.setattr(profile_module._Timer, "__call__", _work_clock(set()))
+    bare = profile_stages(stages, x, repeats=1, warmup=0, op_overhead=0.0)
+    both = profile_stages(stages, x, repeats=1, warmup=0, op_overhead=0.25,
+                          op_overhead_ratio=0.5)
+    assert both.bwd_time == bare.bwd_time
+    assert both.extra["profile"]["op_overhead_ms"] == 0.25
+    assert both.extra["profile"]["op_overhead_ratio"] == 0.5
+    assert bare.extra["profile"]["op_overhead_ratio"] == profile_module.DEFAULT_OP_OVERHEAD_RATIO
+    for t0, t in zip(bare.fwd_time, both.fwd_time, strict=True):
+        want = t0 * 1.5 + 0.25  # t0 is itself rounded: within two rounding steps
+        assert abs(t - want) <= 0.02 * want
+    # re-charging the bare profile gives the same chain up to one rounding step
+    again = with_op_charge(bare, 0.25, 0.5)
+    assert again.extra["profile"]["op_overhead_ratio"] == 0.5
+    for t1, t2 in zip(both.fwd_time, again.fwd_time, strict=True):
+        assert abs(t1 - t2) <= 0.02 * t1
+    net = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    meta = profile_chain(net, torch.randn(3, 4), device="meta", op_overhead_ratio=5.0)
+    assert meta.extra["profile"]["op_overhead_ratio"] == 0.0 and max(meta.fwd_time) < 1.0
+
+
+@pytest.mark.parametrize("bad", [-0.1, float("nan"), float("inf")])
+def test_bad_op_charges_give_one_error_naming_the_field(bad):
+    net = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    for field in ("op_overhead", "op_overhead_ratio"):
+        with pytest.raises(OptmemInputError, match=field) as err:
+            profile_chain(net, torch.randn(3, 4), repeats=1, warmup=0, **{field: bad})
+        assert err.value.field == field
+        chain = Chain.from_lists([1.0], [1.0], [4], [4], input_size=4)
+        with pytest.raises(OptmemInputError, match=field) as err:
+            with_op_charge(chain, **{"op_overhead": 0.0, "op_overhead_ratio": 0.0, field: bad})
+        assert err.value.field == field
+
+
+def test_op_overhead_ratio_changes_the_bert_plan_as_predicted():
+    """On bench_hf's stored BERT profile at ``checkpoint_sequential(2)``'s memory
+    (``benchmarks/results/hf_bert_tie.md``): the old charge (0.5 ms per ``F``) picks 2
+    segments with 46 re-forwards; 0.05 ms + 20 % of the stage's kernels picks one segment
+    of 48 (``F_ck 5``), the plan that runs faster. Both replayed by the simulator."""
+    import json
+    from pathlib import Path
+
+    from optmem.plan import OpKind, parse_plan
+    from optmem.pytorch.planning import Planner
+    from optmem.simulate import simulate_checkpoint
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks/results/hf_bert_tie_chain.json"
+    stored = Chain.from_dict(json.loads(path.read_text()))
+    limit = 32967715  # the limit bench_hf uses under seq2's real peak
+    found = {}
+    for a, r in ((0.5, 0.0), (0.05, 0.2)):
+        chain = with_op_charge(stored, a, r)
+        if (a, r) == (0.5, 0.0):
+            assert chain.fwd_time == stored.fwd_time  # the stored chain's own charge
+        else:  # every stage pays 0.05 ms + 20 % of its kernels
+            for old, new in zip(stored.fwd_time, chain.fwd_time, strict=True):
+                want = (old - 0.5) * 1.2 + 0.05
+                assert abs(new - want) <= 0.02 * want
+        result = Planner("checkpoint", limit).solve_at(chain, limit)
+        plan = parse_plan(result.plan)
+        sim = simulate_checkpoint(chain, plan)
+        assert sim.peak_memory <= limit and sim.makespan == result.objective
+        found[a, r] = ([str(o) for o in plan if o.kind is OpKind.F_CK],
+                       sum(o.kind in (OpKind.F_CK, OpKind.F_NONE) for o in plan))
+    assert found[0.5, 0.0] == (["F_ck 8", "F_ck 12"], 46)
+    assert found[0.05, 0.2] == (["F_ck 5"], 48)

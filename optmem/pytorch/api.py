@@ -136,8 +136,8 @@ class RematOffloadedModule(PlannedModule):
 
 
 _PROFILE_OPTIONS = ("device", "repeats", "warmup", "progress", "time_model", "max_stages",
-                    "extract", "adjust_chain", "op_overhead", "measure_segments",
-                    "segment_timer")
+                    "extract", "adjust_chain", "op_overhead", "op_overhead_ratio",
+                    "measure_segments", "segment_timer")
 _SOLVER_OPTIONS = ("slots", "variant", "time_limit_s", "process_group", "extra")
 _EXECUTOR_OPTIONS = {"checkpoint": ("preserve_rng_state", "restore_buffers", "strip_suffix"),
                      "offload": (), "remat_offload": ("preserve_rng_state", "restore_buffers")}
@@ -183,6 +183,8 @@ def checkpoint(
     extract: str = "auto",
     process_group: Any = None,
     segment_cost: float | None = None,
+    op_overhead: float | None = None,
+    op_overhead_ratio: float | None = None,
 ) -> CheckpointedModule:
     """Return ``module`` wrapped to train with the optimal checkpointing plan under a limit.
 
@@ -232,6 +234,12 @@ def checkpoint(
         one); ``0``: rotor's model, no charge. With a charge the result is
         ``feasible`` for the chain and ``report["model_status"] == "optimal"``: optimal
         for the chain plus the charges.
+    op_overhead, op_overhead_ratio
+        The profile's charge per ``F`` op, ``op_overhead + op_overhead_ratio * t`` ms for a
+        stage of measured forward ``t`` (``None``: the defaults
+        :data:`~optmem.pytorch.profile.DEFAULT_OP_OVERHEAD_MS` and
+        :data:`~optmem.pytorch.profile.DEFAULT_OP_OVERHEAD_RATIO`; ``docs/pytorch.md``,
+        "What the chain counts (time)"). Not used with a given ``chain``.
 
     Returns
     -------
@@ -264,6 +272,8 @@ def checkpoint(
                                     preserve_rng_state=preserve_rng_state,
                                     restore_buffers=restore_buffers, strip_suffix=strip_suffix,
                                     extract=extract, process_group=process_group,
+                                    op_overhead=op_overhead,
+                                    op_overhead_ratio=op_overhead_ratio,
                                     **({} if segment_cost is None
                                        else {"extra": {"segment_cost": segment_cost}})))
 

@@ -57,6 +57,7 @@ roofline: ``max(flops / flops_per_s, bytes / bytes_per_s)``, FLOPs counted by
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import math
 import statistics
@@ -83,10 +84,10 @@ from optmem.pytorch.segments import (
     measure_segment_cost,
 )
 
-__all__ = ["DEFAULT_OP_OVERHEAD_MS", "DEFAULT_SEGMENT_COST_MS", "DEFAULT_TIME_RESOLUTION",
-           "LossFn", "TimeModel",
+__all__ = ["DEFAULT_OP_OVERHEAD_MS", "DEFAULT_OP_OVERHEAD_RATIO", "DEFAULT_SEGMENT_COST_MS",
+           "DEFAULT_TIME_RESOLUTION", "LossFn", "TimeModel",
            "profile_chain", "profile_stages", "roofline_time_model", "round_time", "storage_key",
-           "value_nbytes"]
+           "value_nbytes", "with_op_charge"]
 
 TimeModel = Callable[[nn.Module, Any, Any], tuple[float, float]]
 """``time_model(stage_module, input, output) -> (fwd_ms, bwd_ms)``."""
@@ -110,6 +111,19 @@ same ``L * c`` plus ``c`` per re-forward: the solver sees that a re-forward of a
 thread, shared machine): 0.07 ms per re-forward of tiny ``Linear(8, 8)`` stages, 0.55 ms
 per re-forwarded stage of BERT's exported chain, its unfused backward call included
 (``docs/pytorch.md``, "What the chain counts").
+"""
+DEFAULT_OP_OVERHEAD_RATIO = 0.0
+"""The executor's cost of one forward op in proportion to the stage's kernels.
+
+The charge per ``F`` op of a stage with measured forward ``t`` is ``op_overhead +
+op_overhead_ratio * t`` (ms): its ``fwd_time`` is ``t * (1 + op_overhead_ratio) +
+op_overhead``, rounded to the profile's time resolution. A constant, not a measurement, so
+that two profiles of one model give one plan (issue 13 item 4). What an extra re-forward
+costs beyond its profiled kernels grows with the stage on bench_hf's models (about 0.05 ms
+on BERT's small stages, 0.4-0.5 ms, about +20 % of the kernels, on GPT-2's ten times
+larger ones: ``docs/pytorch.md``, "What the chain counts"). The default stays 0: the
+candidate ``0.05 ms + 0.2 * t`` gave faster plans on BERT but slower ones on GPT-2 and
+Llama at one bench_hf memory each in interleaved runs (same section).
 """
 DEFAULT_SEGMENT_COST_MS = 1.0
 """What one recomputed segment costs the executor beyond its stages' forward times (ms).
@@ -573,6 +587,7 @@ def profile_stages(
     op_overhead: float = DEFAULT_OP_OVERHEAD_MS,
     measure_segments: bool | None = None,
     segment_timer: SegmentTimer | None = None,
+    op_overhead_ratio: float = DEFAULT_OP_OVERHEAD_RATIO,
 ) -> Chain:
     """Profile already extracted stages on ``sample``; see :func:`profile_chain`."""
     if repeats < 1 or warmup < 0:
@@ -581,9 +596,8 @@ def profile_stages(
     if not (time_resolution >= 0 and math.isfinite(time_resolution)):
         raise OptmemInputError(f"expected time_resolution >= 0, got {time_resolution}",
                                field="time_resolution")
-    if not (op_overhead >= 0 and math.isfinite(op_overhead)):
-        raise OptmemInputError(f"expected op_overhead >= 0 (ms), got {op_overhead}",
-                               field="op_overhead")
+    _check_charge("op_overhead", op_overhead, "ms")
+    _check_charge("op_overhead_ratio", op_overhead_ratio, "of a stage's forward time")
     inputs = value_tensors(sample)
     if not inputs:
         raise OptmemInputError("the sample input holds no tensor", field="sample")
@@ -638,10 +652,12 @@ def profile_stages(
     times = "time_model" if time_model is not None else ("roofline" if meta else "measured")
     q = (lambda t: round_time(t, time_resolution)) if times == "measured" else float
     per_op = op_overhead if times == "measured" else 0.0
+    ratio = op_overhead_ratio if times == "measured" else 0.0
     segment_ms, segment_source = _segment_cost(segments, measure_segments,
                                                times == "measured" and len(stages) >= MIN_STAGES)
     return Chain(
-        fwd_time=tuple(q(t + per_op) for t in fwd_time), bwd_time=tuple(q(t) for t in bwd_time),
+        fwd_time=tuple(q(t * (1 + ratio) + per_op) for t in fwd_time),
+        bwd_time=tuple(q(t) for t in bwd_time),
         output_size=tuple(r.output_size for r in rows),
         saved_size=tuple(r.saved_size for r in rows),
         fwd_overhead=tuple(r.fwd_overhead for r in rows),
@@ -658,6 +674,7 @@ def profile_stages(
             "clock": timer.clock if times == "measured" else None,
             "time_resolution": time_resolution if times == "measured" else 0.0,
             "op_overhead_ms": per_op,
+            "op_overhead_ratio": ratio,
             "segment_cost_ms": q(segment_ms) if segment_ms else 0.0,
             "segment_cost_source": segment_source,
             "segment_cost": segments.as_dict() if segments is not None else None,
@@ -665,6 +682,40 @@ def profile_stages(
             "loss": "loss_fn" if loss_fn is not None else "not profiled",
             "output_left_out": [r.alias for r in rows]}},
     )
+
+
+def _check_charge(field: str, value: float, unit: str) -> None:
+    """One :class:`OptmemInputError` naming ``field`` unless ``value`` is finite and >= 0."""
+    if not (value >= 0 and math.isfinite(value)):
+        raise OptmemInputError(f"expected {field} >= 0 ({unit}), got {value}", field=field)
+
+
+def with_op_charge(chain: Chain, op_overhead: float, op_overhead_ratio: float = 0.0) -> Chain:
+    """``chain`` with another per-``F``-op charge: ``t * (1 + op_overhead_ratio) + op_overhead``.
+
+    The stages' kernel times ``t`` are recovered from the recorded charge
+    (``chain.extra["profile"]``'s ``op_overhead_ms`` and ``op_overhead_ratio``, 0 when
+    absent), the new charge is applied and the result rounded to the profile's
+    ``time_resolution`` as :func:`profile_stages` rounds (so up to one rounding step from
+    a fresh profile with the new charge). Re-plans a stored profile under other constants
+    without profiling again; backward times, sizes and the segment cost are unchanged.
+
+    Examples
+    --------
+    >>> chain = Chain.from_lists([1.0, 3.0], [1.0, 1.0], [4, 4], [4, 4], input_size=4)
+    >>> with_op_charge(chain, 0.5, 0.25).fwd_time
+    (1.75, 4.25)
+    """
+    _check_charge("op_overhead", op_overhead, "ms")
+    _check_charge("op_overhead_ratio", op_overhead_ratio, "of a stage's forward time")
+    prof = dict((chain.extra or {}).get("profile") or {})
+    a0 = float(prof.get("op_overhead_ms") or 0.0)
+    r0 = float(prof.get("op_overhead_ratio") or 0.0)
+    res = float(prof.get("time_resolution") or 0.0)
+    fwd = tuple(round_time(max(0.0, (t - a0) / (1 + r0)) * (1 + op_overhead_ratio)
+                           + op_overhead, res) for t in chain.fwd_time)
+    prof.update(op_overhead_ms=op_overhead, op_overhead_ratio=op_overhead_ratio)
+    return dataclasses.replace(chain, fwd_time=fwd, extra=dict(chain.extra or {}, profile=prof))
 
 
 def _segment_cost(segments: SegmentCost | None, measure: bool | None,
@@ -748,6 +799,7 @@ def profile_chain(
     op_overhead: float = DEFAULT_OP_OVERHEAD_MS,
     measure_segments: bool | None = None,
     segment_timer: SegmentTimer | None = None,
+    op_overhead_ratio: float = DEFAULT_OP_OVERHEAD_RATIO,
 ) -> Chain:
     """Extract the chain of ``module`` and profile it on ``sample``.
 
@@ -790,6 +842,12 @@ def profile_chain(
         Milliseconds added to every measured forward time: the executor's own cost of an
         ``F`` op (:data:`DEFAULT_OP_OVERHEAD_MS`; 0 gives the kernels' times alone). Not
         added to times from ``time_model`` or the roofline.
+    op_overhead_ratio
+        The part of an ``F`` op's executor cost proportional to the stage's measured forward
+        ``t``: ``fwd_time = t * (1 + op_overhead_ratio) + op_overhead``
+        (:data:`DEFAULT_OP_OVERHEAD_RATIO`). Not applied to ``time_model`` or roofline times.
+        Both charges are recorded in ``chain.extra["profile"]`` (``op_overhead_ms``,
+        ``op_overhead_ratio``).
     measure_segments
         The cost per recomputed segment recorded in
         ``chain.extra["profile"]["segment_cost_ms"]``, which the bridge's checkpoint DP
@@ -824,4 +882,4 @@ def profile_chain(
                           flops_per_s=flops_per_s, bytes_per_s=bytes_per_s, loss_fn=loss_fn,
                           time_resolution=time_resolution, pool_identical=pool_identical,
                           op_overhead=op_overhead, measure_segments=measure_segments,
-                          segment_timer=segment_timer)
+                          segment_timer=segment_timer, op_overhead_ratio=op_overhead_ratio)

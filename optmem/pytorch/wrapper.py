@@ -73,6 +73,7 @@ class ProfileOptions:
     max_stages: int | None = None
     extract: str = "auto"
     op_overhead: float | None = None  # ms per F op (None: profile.DEFAULT_OP_OVERHEAD_MS)
+    op_overhead_ratio: float | None = None  # per F op, x its fwd (None: profile's default)
     measure_segments: bool | None = None  # segment cost: None constant, True measure, False 0
     segment_timer: Any = None  # its clock, timer(fn) -> ms (None: the profiler's)
     # what the profile does not see but the plan must count: (stages, chain) -> chain
@@ -584,8 +585,9 @@ def profile_stage_chain(stages: Sequence[Stage], x: Any, profile: ProfileOptions
               progress=profile.progress, time_model=time_model or profile.time_model,
               loss_fn=loss_fn, measure_segments=measure_segments and profile.measure_segments,
               segment_timer=profile.segment_timer)
-    if profile.op_overhead is not None:
-        kw["op_overhead"] = profile.op_overhead
+    for key in ("op_overhead", "op_overhead_ratio"):
+        if getattr(profile, key) is not None:
+            kw[key] = getattr(profile, key)
     if ctx is None:
         return profile_stages(stages, x, **kw)
     if profile.device == "meta":
