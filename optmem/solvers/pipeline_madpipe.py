@@ -25,8 +25,13 @@ bundled profiles before that was deleted; ``tests/test_pipeline_exact.py`` check
 against an enumeration of its class). A call only needs its value below the best estimate
 of Algorithm 8 so far, so it is capped there (states that cannot lead below the cap are
 never created), with smaller caps tried first from a lower bound (a DP run without
-``t_P``). ResNet-152 (L = 56), P = 8: 0.9-1.4 s of CPU for the whole of Algorithm 8 (see
-``benchmarks/results/pipeline.md``), where one call of the recursion took 96 s.
+``t_P``). On the grids a level's states are merged through a table of their keys (no sort)
+and the values of all levels live in one flat array. ResNet-152 (L = 56), P = 8, 12 GB/s:
+0.56-2.4 M states and 1.7-5.6 s of CPU for the whole of Algorithm 8 (2-16 GiB, load 7-9,
+nice 19; ``benchmarks/results/pipeline.md``); the 0.9-1.4 s once quoted here were measured
+with links 1000 times slower (a bandwidth in bytes per ms passed as bytes per second), where
+transfers decide the estimate and the DP has 0.1 M states. MadPipe's memory ladder runs
+Algorithm 8 up to ten times.
 
 Phase 2 (section 7.2): the stages become the units of a coarse chain and the exact model
 (:mod:`optmem.models.pipeline`, ``options.extra["phase2"]``: ``"cpsat"``, the default when
