@@ -491,6 +491,62 @@ def test_madpipe_dp_equals_enumeration(problem, ratio, exact, extra_layers):
         assert capped == (best if best < cap else math.inf)
 
 
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(keys=st.lists(st.integers(0, 40), max_size=60))
+def test_dense_unique_is_numpy_unique(keys):
+    """The table behind the grid DP's state merge: ``np.unique``'s inverse, and a
+    representative of each key in key order."""
+    import numpy as np
+
+    from optmem.solvers.pipeline_madpipe import _dense_unique
+
+    key = np.array(keys, dtype=np.int64)
+    first, inverse = _dense_unique(key, 41)
+    values, expected = np.unique(key, return_inverse=True)
+    assert inverse.tolist() == expected.ravel().tolist()
+    assert key[first].tolist() == values.tolist()
+
+
+@st.composite
+def longer_problems(draw):
+    """Chains of 6-16 layers on 2-8 GPUs, on the thesis grids (longer than EXACT_MAX_LAYERS
+    when drawn so), at a memory between the largest layer and store-all."""
+    rng = random.Random(draw(st.integers(0, 2**32 - 1)))
+    n = draw(st.integers(6, 16))
+    f = [rng.randint(1, 9) for _ in range(n)]
+    b = [rng.randint(1, 12) for _ in range(n)]
+    a = [rng.randint(1, 20) for _ in range(n + 1)] + [0]
+    w = [rng.randint(0, 10) for _ in range(n)]
+    gpus = draw(st.integers(2, 8))
+    chain = thesis_chain(f, b, a, w)
+    lay = PipelineProblem(chain, gpus, 0).layers
+    heavy = 3 * sum(lay.w) + 2 * sum(lay.x) + 4 * sum(lay.a)
+    memory = rng.randint(max(lay.x) + 3 * max(lay.w), heavy + 1)
+    beta = draw(st.sampled_from([math.inf, 2.0, 8.0]))
+    return PipelineProblem(chain, gpus, memory, chain_bandwidth=beta)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(problem=longer_problems())
+def test_grid_dp_dense_merge_equals_sorted_merge(problem):
+    """Algorithm 8 on the grids gives the same estimate, T-hat, allocation and state count
+    whether the states are merged by the dense table or by ``np.unique``'s sort (the merge
+    the DP used before), at three rungs of the memory ladder."""
+    import optmem.solvers.pipeline_madpipe as mp
+    from optmem.solvers.pipeline_common import scaled
+
+    for factor in (1.0, 0.85, 0.6):
+        sub = problem if factor == 1.0 else scaled(problem, factor)
+        dense = mp.algorithm8(sub, exact=False)
+        saved = mp.DENSE_KEYS
+        mp.DENSE_KEYS = 0
+        try:
+            sorted_ = mp.algorithm8(sub, exact=False)
+        finally:
+            mp.DENSE_KEYS = saved
+        assert dense == sorted_
+
+
 # ------------------------------------------------------------------ the lifetime relaxation
 def relaxation_feasible(problem: PipelineProblem, period: float,
                         gpu: list[int] | None = None, arcs: bool = True) -> bool:

@@ -25,8 +25,13 @@ bundled profiles before that was deleted; ``tests/test_pipeline_exact.py`` check
 against an enumeration of its class). A call only needs its value below the best estimate
 of Algorithm 8 so far, so it is capped there (states that cannot lead below the cap are
 never created), with smaller caps tried first from a lower bound (a DP run without
-``t_P``). ResNet-152 (L = 56), P = 8: 0.9-1.4 s of CPU for the whole of Algorithm 8 (see
-``benchmarks/results/pipeline.md``), where one call of the recursion took 96 s.
+``t_P``). On the grids a level's states are merged through a table of their keys (no sort)
+and the values of all levels live in one flat array. ResNet-152 (L = 56), P = 8, 12 GB/s:
+0.56-2.4 M states and 1.7-5.6 s of CPU for the whole of Algorithm 8 (2-16 GiB, load 7-9,
+nice 19; ``benchmarks/results/pipeline.md``); the 0.9-1.4 s once quoted here were measured
+with links 1000 times slower (a bandwidth in bytes per ms passed as bytes per second), where
+transfers decide the estimate and the DP has 0.1 M states. MadPipe's memory ladder runs
+Algorithm 8 up to ten times.
 
 Phase 2 (section 7.2): the stages become the units of a coarse chain and the exact model
 (:mod:`optmem.models.pipeline`, ``options.extra["phase2"]``: ``"cpsat"``, the default when
@@ -243,11 +248,15 @@ def _collect(chunks: list[tuple[np.ndarray, _Level | None, np.ndarray]],
     else:
         codes = [np.unique(rows[:, k], return_inverse=True)[1].ravel() for k in range(4)]
     radix = [float(c.max()) + 1 for c in codes]
-    if math.prod(radix) < 2**62:
+    size = math.prod(radix)
+    if size < 2**62:
         key = np.zeros(len(rows), dtype=np.int64)
         for code, r in zip(codes, radix, strict=True):  # mixed-radix key
             key = key * int(r) + code.astype(np.int64)
-        _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+        if steps is not None and size <= DENSE_KEYS:
+            first, inverse = _dense_unique(key, int(size))
+        else:
+            _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
     else:
         _, first, inverse = np.unique(rows, axis=0, return_index=True, return_inverse=True)
     inverse = inverse.ravel()
@@ -257,6 +266,25 @@ def _collect(chunks: list[tuple[np.ndarray, _Level | None, np.ndarray]],
             parent.child[where] = inverse[pos:pos + len(chunk)]
         pos += len(chunk)
     return rows[first]
+
+
+DENSE_KEYS = 1 << 24
+"""Largest key range :func:`_collect` tabulates instead of sorting (grid states only)."""
+
+
+def _dense_unique(key: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(first, inverse)`` of ``np.unique`` for keys in ``[0, size)``, by a table, no sort.
+
+    ``first`` is *an* occurrence of each key, not always the first (grid states with one key
+    are one row, so any occurrence represents it); ``inverse`` is ``np.unique``'s.
+    """
+    present = np.zeros(size, dtype=bool)
+    present[key] = True
+    rank = np.cumsum(present) - 1
+    where = np.empty(size, dtype=np.int64)
+    where[key] = np.arange(len(key))
+    keys = np.flatnonzero(present)
+    return where[keys], rank[key]
 
 
 def _expand(tb: DPTables, that: float, cap: float, rounders: tuple, j: int, level: _Level,
@@ -274,16 +302,20 @@ def _expand(tb: DPTables, that: float, cap: float, rounders: tuple, j: int, leve
     # neither kind can hold i..j here, nor any longer stage: the recursion stops
     alive = np.logical_and.accumulate((grows + m <= tb.limit) | (grows + stash <= tb.limit),
                                       axis=1) & (c < cap)
-    tp2 = np.zeros((len(active), len(ii))) if feasibility else rt(t + u)
-    normal, special = alive, alive & (np.maximum(tp2, c) < cap)
-    if math.isfinite(cap):  # the rest U(1, i-1) on p-1 normal GPUs and the special one
-        rest = np.where(ii > 1, tb.load[1, ii - 1], 0.0)
-        normal = normal & ((ii == 1) | ((rest + t) / p < cap))
-        special &= (ii == 1) | ((rest + tp2) / (p + 1) < cap)
-    s, k = np.nonzero(normal | special)  # the pairs worth the group arithmetic
-    normal, special, tp2 = normal[s, k], special[s, k], tp2[s, k]
+    s, k = np.nonzero(alive)  # by state, then i decreasing
     p, t, m, v = p[s, 0], t[s, 0], m[s, 0], v[s, 0]
-    u, c, stash, static, first = u[k], c[k], stash[k], tb.static[ii[k], j], ii[k]
+    u, c, stash, first = u[k], c[k], stash[k], ii[k]
+    tp2 = np.zeros(len(s)) if feasibility else rt(t + u)
+    normal, special = np.ones(len(s), dtype=bool), np.maximum(tp2, c) < cap
+    if math.isfinite(cap):  # the rest U(1, i-1) on p-1 normal GPUs and the special one
+        rest = np.where(first > 1, tb.load[1, first - 1], 0.0)
+        normal = (first == 1) | ((rest + t) / p < cap)
+        special &= (first == 1) | ((rest + tp2) / (p + 1) < cap)
+    keep = np.flatnonzero(normal | special)  # the pairs worth the group arithmetic
+    s, k, normal, special, tp2 = s[keep], k[keep], normal[keep], special[keep], tp2[keep]
+    p, t, m, v = p[keep], t[keep], m[keep], v[keep]
+    u, c, stash, first = u[keep], c[keep], stash[keep], first[keep]
+    static = tb.static[first, j]
     vs = _oplus(v, u, that)
     g = _group(vs, that)
     vn = np.where(first > 1, rv(_oplus(vs, c, that)), 0.0)
@@ -302,8 +334,9 @@ def _expand(tb: DPTables, that: float, cap: float, rounders: tuple, j: int, leve
     rows = np.column_stack([np.where(is_special, p[pick], p[pick] - 1),
                             np.where(is_special, tp2[pick], t[pick]),
                             np.where(is_special, mp2[pick], m[pick]), vn[pick]])
-    order = np.argsort(-level.first, kind="stable")
-    bounds = np.searchsorted(-level.first[order], -ii, side="left").tolist() + [len(order)]
+    rank = k[pick]  # position of i in ``firsts`` (decreasing i): a small integer
+    order = np.argsort(rank.astype(np.int16 if len(ii) < 2**15 else np.int64), kind="stable")
+    bounds = np.r_[0, np.cumsum(np.bincount(rank, minlength=len(ii)))].tolist()
     for i, a, b in zip(firsts, bounds, bounds[1:], strict=False):
         if b > a:
             pending[i - 1].append((rows[order[a:b]], level, order[a:b]))
@@ -313,12 +346,14 @@ def _evaluate(tb: DPTables, that: float, cap: float, levels: list[_Level]
               ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Values of every state by increasing ``j`` and the move each one keeps (-1: base)."""
     n = tb.n
-    values: list[np.ndarray] = [levels[0].states[:, 1].copy()]  # T(0, ...) = t_P
+    offsets, flat = _flat(levels)
+    flat[:offsets[1]] = levels[0].states[:, 1]  # T(0, ...) = t_P
+    values: list[np.ndarray] = [flat[:offsets[1]]]
     chosen: list[np.ndarray] = [np.full(len(levels[0].states), -1)]
     for j in range(1, n + 1):
         level = levels[j]
         states = level.states
-        best = np.full(len(states), np.inf)
+        best = flat[offsets[j]:offsets[j + 1]]
         move = np.full(len(states), -1)
         base = states[:, 0] == 0
         if base.any():  # T(j, 0, ...): the prefix 1..j is one more special stage
@@ -327,17 +362,14 @@ def _evaluate(tb: DPTables, that: float, cap: float, levels: list[_Level]
             ok = m + tb.static[1, j] + (g - 1) * tb.stash[1, j] <= tb.limit
             best[base] = np.where(ok, tb.load[1, j] + t, np.inf)
         if len(level.state):
-            below = np.empty(len(level.state))
-            for first in np.unique(level.first):
-                sel = level.first == first
-                below[sel] = values[first - 1][level.child[sel]]
-            cand = np.maximum(np.maximum(level.value, level.link), below)
-            starts = np.flatnonzero(np.r_[True, level.state[1:] != level.state[:-1]])
+            cand = np.maximum(np.maximum(level.value, level.link),
+                              flat[_children(level, offsets)])
+            starts = _starts(level.state)
             owners = level.state[starts]
             best[owners] = np.minimum.reduceat(cand, starts)
             hit = np.flatnonzero((cand == best[level.state]) & np.isfinite(cand))
-            owner, pick = np.unique(level.state[hit], return_index=True)
-            move[owner] = hit[pick]
+            pick = hit[_starts(level.state[hit])]  # the first best move of each state
+            move[level.state[pick]] = pick
         best[best >= cap] = np.inf
         values.append(best)
         chosen.append(move)
@@ -350,13 +382,14 @@ def _lower_bound(tb: DPTables, that: float, levels: list[_Level]) -> float:
     Every allocation's estimate is ``max(A, t_P)`` (``A``: its largest normal stage or link,
     ``t_P`` its special load, rounded up): at least both minima. ``inf`` when nothing fits.
     """
-    a_best = [np.zeros(len(levels[0].states))]
-    t_best = [np.zeros(len(levels[0].states))]
+    offsets, a_flat = _flat(levels)
+    t_flat = np.full(len(a_flat), np.inf)
+    a_flat[:offsets[1]] = t_flat[:offsets[1]] = 0.0
     for j in range(1, tb.n + 1):
         level = levels[j]
         states = level.states
-        a = np.full(len(states), np.inf)
-        t = np.full(len(states), np.inf)
+        a = a_flat[offsets[j]:offsets[j + 1]]
+        t = t_flat[offsets[j]:offsets[j + 1]]
         base = states[:, 0] == 0
         if base.any():
             _, _, m, v = states[base].T
@@ -365,24 +398,34 @@ def _lower_bound(tb: DPTables, that: float, levels: list[_Level]) -> float:
             a[base] = np.where(ok, 0.0, np.inf)
             t[base] = np.where(ok, tb.load[1, j], np.inf)
         if len(level.state):
-            below_a = np.empty(len(level.state))
-            below_t = np.empty(len(level.state))
-            for first in np.unique(level.first):
-                sel = level.first == first
-                below_a[sel] = a_best[first - 1][level.child[sel]]
-                below_t[sel] = t_best[first - 1][level.child[sel]]
+            below = _children(level, offsets)
             own = np.where(level.special, 0.0, level.load)
-            cand_a = np.maximum(np.maximum(own, level.link), below_a)
-            cand_t = np.where(level.special, level.load, 0.0) + below_t
-            starts = np.flatnonzero(np.r_[True, level.state[1:] != level.state[:-1]])
+            cand_a = np.maximum(np.maximum(own, level.link), a_flat[below])
+            cand_t = np.where(level.special, level.load, 0.0) + t_flat[below]
+            starts = _starts(level.state)
             owners = level.state[starts]
             a[owners] = np.minimum.reduceat(cand_a, starts)
             t[owners] = np.minimum.reduceat(cand_t, starts)
-        a_best.append(a)
-        t_best.append(t)
-    if not len(a_best[tb.n]):
+    if offsets[tb.n] == offsets[tb.n + 1]:
         return math.inf
-    return float(max(a_best[tb.n][0], t_best[tb.n][0]))
+    top = offsets[tb.n]
+    return float(max(a_flat[top], t_flat[top]))
+
+
+def _flat(levels: list[_Level]) -> tuple[np.ndarray, np.ndarray]:
+    """Offsets of each level's states in one flat array, and that array (``inf``)."""
+    offsets = np.r_[0, np.cumsum([len(level.states) for level in levels])]
+    return offsets, np.full(int(offsets[-1]), np.inf)
+
+
+def _children(level: _Level, offsets: np.ndarray) -> np.ndarray:
+    """Flat index of the state each move of ``level`` leads to."""
+    return offsets[level.first - 1] + level.child
+
+
+def _starts(owner: np.ndarray) -> np.ndarray:
+    """Positions where a sorted owner array starts a new run."""
+    return np.flatnonzero(np.r_[len(owner) > 0, owner[1:] != owner[:-1]])
 
 
 def algorithm8(problem: PipelineProblem, *, exact: bool, iterations: int = K_ITERATIONS
