@@ -656,7 +656,7 @@ def profile_stages(
     segment_ms, segment_source = _segment_cost(segments, measure_segments,
                                                times == "measured" and len(stages) >= MIN_STAGES)
     return Chain(
-        fwd_time=tuple(q(t * (1 + ratio) + per_op) for t in fwd_time),
+        fwd_time=tuple(q(_charged(t, per_op, ratio)) for t in fwd_time),
         bwd_time=tuple(q(t) for t in bwd_time),
         output_size=tuple(r.output_size for r in rows),
         saved_size=tuple(r.saved_size for r in rows),
@@ -682,6 +682,11 @@ def profile_stages(
             "loss": "loss_fn" if loss_fn is not None else "not profiled",
             "output_left_out": [r.alias for r in rows]}},
     )
+
+
+def _charged(t: float, op_overhead: float, op_overhead_ratio: float) -> float:
+    """A stage's ``fwd_time`` before rounding: its kernels ``t`` plus the per-``F``-op charge."""
+    return t * (1 + op_overhead_ratio) + op_overhead
 
 
 def _check_charge(field: str, value: float, unit: str) -> None:
@@ -712,8 +717,8 @@ def with_op_charge(chain: Chain, op_overhead: float, op_overhead_ratio: float = 
     a0 = float(prof.get("op_overhead_ms") or 0.0)
     r0 = float(prof.get("op_overhead_ratio") or 0.0)
     res = float(prof.get("time_resolution") or 0.0)
-    fwd = tuple(round_time(max(0.0, (t - a0) / (1 + r0)) * (1 + op_overhead_ratio)
-                           + op_overhead, res) for t in chain.fwd_time)
+    fwd = tuple(round_time(_charged(max(0.0, (t - a0) / (1 + r0)), op_overhead,
+                                    op_overhead_ratio), res) for t in chain.fwd_time)
     prof.update(op_overhead_ms=op_overhead, op_overhead_ratio=op_overhead_ratio)
     return dataclasses.replace(chain, fwd_time=fwd, extra=dict(chain.extra or {}, profile=prof))
 
