@@ -17,7 +17,10 @@ loss, backward) is run by
   ``cmodel.resolve(memory_limit=...)`` for every limit), gradients checked equal to the plain
   model's; the DP charges the cost per recomputed segment the profile records (1.0 ms by
   default, ``DEFAULT_SEGMENT_COST_MS``); ``--segment-cost MS`` adds a series
-  ``optmem seg=MS`` with that charge instead (``0``: no charge, the default before);
+  ``optmem seg=MS`` with that charge instead (``0``: no charge, the default before); from
+  the plain model's measured peak up (``chain.extra["profile"]["plain_peak"]``) the wrapper
+  calls the model itself (the store-all fast path, ``docs/pytorch.md``): such settings are
+  labelled :data:`FAST`, and the limit grid reaches that peak;
 
 **Memory is measured, not predicted**: the exact activation peak of one step
 (:func:`optmem.pytorch.memory.measure_training_peak`: every storage created during the step,
@@ -444,19 +447,28 @@ class OptmemSearch:
         self.batch = batch
         self.chain: Chain = cmodel.chain
         self.smallest = op.smallest_limit(self.chain)
-        self.top = int(self.chain.store_all_peak() * 1.02) + 1
-        self.by_plan: dict[tuple[str, ...], int] = {}
+        # up to the plain model's measured peak, where the store-all fast path starts
+        self.top = max(int(self.chain.store_all_peak() * 1.02) + 1, plain_peak(self.chain))
+        self.by_plan: dict[tuple[tuple[str, ...], bool], int] = {}
         self.by_limit: dict[int, tuple[tuple[str, ...], int, float, int]] = {}
+        self.fast: dict[int, bool] = {}  # limit -> the store-all fast path is taken there
 
     def at(self, limit: int) -> tuple[tuple[str, ...], int, float, int]:
-        """``(plan, predicted peak, predicted ms, real peak)`` of the DP plan at ``limit``."""
+        """``(plan, predicted peak, predicted ms, real peak)`` of the DP plan at ``limit``.
+
+        Where the store-all fast path is taken (the plain model's measured peak fits), the
+        model itself runs: predicted peak and time are the plain model's measured peak and
+        the chain's store-all time.
+        """
         if limit not in self.by_limit:
             plan = tuple(self.cmodel.resolve(memory_limit=limit, extra=dict(self.extra)).plan)
-            if plan not in self.by_plan:
-                self.by_plan[plan] = real_peak(self.cmodel, self.model, self.batch)
+            fast = self.fast[limit] = bool(self.cmodel.fast_path_taken)
+            if (plan, fast) not in self.by_plan:
+                self.by_plan[plan, fast] = real_peak(self.cmodel, self.model, self.batch)
             sim = simulate_checkpoint(self.chain, plan)
-            self.by_limit[limit] = (plan, int(sim.peak_memory), float(sim.makespan),
-                                    self.by_plan[plan])
+            pred = (plain_peak(self.chain), self.chain.total_compute_time()) if fast else \
+                (int(sim.peak_memory), float(sim.makespan))
+            self.by_limit[limit] = (plan, pred[0], float(pred[1]), self.by_plan[plan, fast])
         return self.by_limit[limit]
 
     def grid(self, points: int) -> list[int]:
@@ -505,11 +517,19 @@ class Series:
         return None if limit is None else self.settings[limit]
 
 
+def plain_peak(chain: Chain) -> int:
+    """The plain model's measured real peak recorded by the profile (0: not measured)."""
+    return int(((chain.extra or {}).get("profile") or {}).get("plain_peak") or 0)
+
+
 @contextmanager
-def _with_plan(cmodel: Any, plan: tuple[str, ...]) -> Iterator[Any]:
-    cmodel.use_plan(plan, method="dp")
+def _with_plan(cmodel: Any, plan: tuple[str, ...], limit: int) -> Iterator[Any]:
+    cmodel.use_plan(plan, method="dp", memory_limit=limit)  # fast path as resolve() decides
     yield cmodel
 
+
+FAST = " (fast path: the module itself)"
+"""Appended to an optmem setting's label where the store-all fast path is taken."""
 
 SMALLEST = "optmem's smallest limit"
 """The label of the plan at the smallest feasible limit (below every target memory)."""
@@ -535,12 +555,17 @@ def run_series(name: str, cmodel: Any, model: nn.Module, batch: dict[str, Any],
     for limit in series.matched.values():
         if limit is not None and limit not in series.settings:
             plan, pred_peak, pred_ms, peak = series.search.at(limit)
-            cmodel.use_plan(plan, method="dp")
-            allowance = plan_allowance(cmodel.chain, plan, list(cmodel.stages)) \
-                + cmodel.side_input_bytes()
-            series.settings[limit] = Setting(name, f"limit {limit / MiB:.2f} MiB",
-                                             partial(_with_plan, cmodel, plan), pred_peak,
-                                             pred_ms, peak, limit=limit, allowance=allowance)
+            cmodel.use_plan(plan, method="dp", memory_limit=limit)
+            fast = series.search.fast[limit]
+            assert fast == cmodel.fast_path_taken
+            # the fast path runs the model itself: its measured peak is within the limit
+            allowance = 0 if fast else plan_allowance(cmodel.chain, plan, list(
+                cmodel.stages)) + cmodel.side_input_bytes()
+            label = f"limit {limit / MiB:.2f} MiB" + (FAST if fast else "")
+            series.settings[limit] = Setting(name, label,
+                                             partial(_with_plan, cmodel, plan, limit),
+                                             pred_peak, pred_ms, peak, limit=limit,
+                                             allowance=allowance)
     return series
 
 
@@ -882,15 +907,17 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def report(results: list[dict[str, Any]], rounds: int, loads: list[str]) -> str:
-    """The tables and target checks of every model (Markdown)."""
+def report(results: list[dict[str, Any]], rounds: int, loads: list[str],
+           when: str | None = None) -> str:
+    """The tables and target checks of every model (Markdown); ``when``: the run's dates."""
     out = ["# HuggingFace models: optmem against HF's gradient checkpointing", "",
            "Produced by `PYTHONPATH=. python benchmarks/bench_hf.py` (see its docstring for "
            "what is measured and how).", "",
            f"torch {torch.__version__}, transformers {_transformers_version()}, CPU, "
            f"`torch.set_num_threads(1)`, medians of {rounds} interleaved rounds "
            f"({_per_round(results)}); {_malloc_note()}; "
-           f"load average (1 min) during the run: {', '.join(loads)}.", ""]
+           f"load average (1 min) during the run: {', '.join(loads)}"
+           + (f"; run {when}." if when else "."), ""]
     for res in results:
         spec = res["spec"]
         out += [f"### {spec.name}: {res['layers']} layers, hidden {spec.hidden}, batch "
@@ -953,6 +980,10 @@ def _transformers_version() -> str:
     return str(transformers.__version__)
 
 
+def _now() -> str:
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+
+
 def _load() -> str:
     return f"{os.getloadavg()[0]:.1f}"
 
@@ -989,6 +1020,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     options: dict[str, Any] = dict(grid=6, steps=2, sweep=1, repeats=1) if args.quick else \
         dict(grid=8, steps=6, sweep=1, repeats=3)
     loads = [_load()]
+    started = _now()
     results = []
     for spec in specs:
         results.append(bench_model(spec, rounds=rounds,
@@ -997,7 +1029,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                                    per_round=args.steps_per_round or (1 if args.quick else 3),
                                    **options))
         loads.append(_load())
-    text = report(results, rounds, loads)
+    text = report(results, rounds, loads, f"{started} to {_now()}")
     print(text)
     if args.markdown:
         Path(args.markdown).write_text(text + "\n")

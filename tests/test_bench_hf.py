@@ -96,8 +96,13 @@ def test_benchmark_code_path(bench, tmp_path):
             if st is not None:  # picked because its measured peak fits under that memory
                 assert st.real_peak <= memory
                 assert len(st.cpu) == 1
-        # the store-all memory always has a plan (the largest limit is above store-all)
-        assert ser.at_target(plain.label) is not None
+        # the store-all memory always has a plan (the largest limit is above store-all), and
+        # it is the store-all fast path: the module itself, as the plain model's real peak
+        # measured while profiling fits the limit found there
+        top = ser.at_target(plain.label)
+        assert top is not None and top.setting.endswith(bench.FAST)
+        assert ser.search.fast[top.limit] and top.limit >= bench.plain_peak(res["chain"]) > 0
+        assert top.allowance == 0 and top.real_peak <= top.limit
         assert ser.at_target(bench.SMALLEST).limit == ser.search.smallest
         for st in ser.settings.values():  # every kept plan was checked bitwise
             assert res["grad_diff"][st.label] == 0.0

@@ -33,8 +33,10 @@ from optmem.pytorch.wrapper import (
     canonical_call,
     is_plain_chain,
     leaves_no_trace,
+    solved_limit,
 )
 from optmem.result import Result, Status
+from optmem.units import parse_size
 
 __all__ = ["CheckpointedModule", "OffloadedModule", "PlannedModule", "RematOffloadedModule",
            "checkpoint", "offload", "profile_chain", "remat_offload", "smallest_limit",
@@ -105,18 +107,26 @@ class CheckpointedModule(PlannedModule):
         planner.memory_limit = memory_limit
         planner.method = method or self.result.method
         result = planner.solve(self.chain)
-        self._set_result(result)
+        self._set_result(result, limit=solved_limit(planner.memory_limit, result))
         return result
 
-    def use_plan(self, plan: Sequence[str], method: str = "custom") -> Result:
-        """Run a given plan (validated by the simulator); ``.result`` describes it."""
+    def use_plan(self, plan: Sequence[str], method: str = "custom",
+                 memory_limit: int | str | None = None) -> Result:
+        """Run a given plan (validated by the simulator); ``.result`` describes it.
+
+        ``memory_limit``: the limit the plan is run under (``None``: none). With one, the
+        store-all fast path applies as after :meth:`resolve` (the model itself is called
+        when its measured plain peak fits); the plan is not checked against it.
+        """
         from optmem.simulate import simulate_checkpoint
 
         sim = simulate_checkpoint(self.chain, plan)
         result = Result("checkpoint", method, Status.FEASIBLE, objective=sim.makespan,
                         plan=tuple(str(p) for p in plan), peak_memory=sim.peak_memory,
                         memory_limit=None, unit=1)
-        self._set_result(result, plan)
+        limit = None if memory_limit is None else parse_size(memory_limit,
+                                                             field="memory_limit")
+        self._set_result(result, plan, limit)
         return result
 
 
@@ -149,6 +159,7 @@ def build_planned(cls: type[PlannedModule], kind: str, module: Any, sample: Any,
     """Split the options of a one-liner, then extract, profile, solve and wrap."""
     options = dict(options)
     chain = options.pop("chain", None)
+    fast_path = bool(options.pop("fast_path", True))
     pick = {group: {k: options.pop(k) for k in keys if k in options}
             for group, keys in (("profile", _PROFILE_OPTIONS), ("solver", _SOLVER_OPTIONS),
                                 ("executor", _EXECUTOR_OPTIONS[kind]))}
@@ -158,7 +169,7 @@ def build_planned(cls: type[PlannedModule], kind: str, module: Any, sample: Any,
     planner = Planner(kind, memory_limit, method, bandwidth=bandwidth,
                       executor_options=pick["executor"], **pick["solver"])
     profile = ProfileOptions(**pick["profile"])
-    return cls.build(module, sample, planner, profile, chain=chain)
+    return cls.build(module, sample, planner, profile, chain=chain, fast_path=fast_path)
 
 
 def checkpoint(
@@ -185,6 +196,7 @@ def checkpoint(
     segment_cost: float | None = None,
     op_overhead: float | None = None,
     op_overhead_ratio: float | None = None,
+    fast_path: bool = True,
 ) -> CheckpointedModule:
     """Return ``module`` wrapped to train with the optimal checkpointing plan under a limit.
 
@@ -240,6 +252,11 @@ def checkpoint(
         :data:`~optmem.pytorch.profile.DEFAULT_OP_OVERHEAD_MS` and
         :data:`~optmem.pytorch.profile.DEFAULT_OP_OVERHEAD_RATIO`; ``docs/pytorch.md``,
         "What the chain counts (time)"). Not used with a given ``chain``.
+    fast_path
+        The store-all fast path (``docs/pytorch.md``): when the plain model's own training
+        step, measured while profiling (``chain.extra["profile"]["plain_peak"]``), fits
+        ``memory_limit``, the wrapper calls the model itself (no executor, no stages).
+        ``False``: the plan always runs through the executor.
 
     Returns
     -------
@@ -274,6 +291,7 @@ def checkpoint(
                                     extract=extract, process_group=process_group,
                                     op_overhead=op_overhead,
                                     op_overhead_ratio=op_overhead_ratio,
+                                    fast_path=fast_path,
                                     **({} if segment_cost is None
                                        else {"extra": {"segment_cost": segment_cost}})))
 
@@ -285,10 +303,11 @@ def offload(module: nn.Module | Sequence[nn.Module | Stage], sample: Any,
 
     Same conventions and ``options`` as :func:`checkpoint` (``max_stages``, ``slots``,
     ``variant``, ``time_limit_s``, ``chain``, ``device``, ``repeats``, ``warmup``,
-    ``progress``, ``time_model``, ``extract``). ``bandwidth`` is the host link: bytes per
-    second, or a rate such as ``"12GB/s"``. Activations saved for the backward are copied
-    to host memory and back as the plan says: on CUDA on a side stream into pinned buffers,
-    overlapped with compute; on CPU synchronously (the plan's placement, for tests).
+    ``progress``, ``time_model``, ``extract``, ``fast_path``). ``bandwidth`` is the host
+    link: bytes per second, or a rate such as ``"12GB/s"``. Activations saved for the
+    backward are copied to host memory and back as the plan says: on CUDA on a side stream
+    into pinned buffers, overlapped with compute; on CPU synchronously (the plan's
+    placement, for tests).
 
     Examples
     --------
@@ -345,10 +364,21 @@ def profile_chain(module: nn.Module | Sequence[nn.Module | Stage], sample: Any, 
     (3, 128, (256, 256, 32))
     """
     from optmem.pytorch import profile as prof
-    from optmem.pytorch.wrapper import profile_stage_chain, stage_groups
+    from optmem.pytorch.wrapper import (
+        plain_measure,
+        profile_stage_chain,
+        stage_groups,
+        with_plain_peak,
+    )
 
     if is_plain_chain(module) or not isinstance(module, nn.Module):
-        return prof.profile_chain(module, sample, **options)
+        chain = prof.profile_chain(module, sample, **options)
+        modules = [s if isinstance(s, nn.Module) else s.module for s in
+                   (module if not isinstance(module, nn.Module) else [module])]
+        measure = plain_measure(nn.Sequential(*modules), (sample,), {},
+                                ProfileOptions(device=options.get("device")),
+                                options.get("loss_fn"))
+        return with_plain_peak(chain, None if measure is None else measure())
     max_stages = options.pop("max_stages", None)
     name = options.pop("name", None) or type(module).__name__
     loss_fn = options.pop("loss_fn", None)
@@ -367,5 +397,8 @@ def profile_chain(module: nn.Module | Sequence[nn.Module | Stage], sample: Any, 
             stages = merge_stages(stages, max_stages,
                                   groups=stage_groups(len(stages), max_stages, None, stages))
         profile = ProfileOptions(**{"repeats": 5, **options, "extract": extract})
-        return profile_stage_chain(stages, ext.chain_input(flat), profile, name,
-                                   ext.side_inputs(flat), loss_fn=loss_fn)
+        chain = profile_stage_chain(stages, ext.chain_input(flat), profile, name,
+                                    ext.side_inputs(flat), loss_fn=loss_fn)
+    # with loss_fn the chain ends at the loss, whose input need not be the model's output
+    measure = None if loss_fn is not None else plain_measure(module, args, kw, profile)
+    return with_plain_peak(chain, None if measure is None else measure())

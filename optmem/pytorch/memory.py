@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 __all__ = ["LOSS_SCALARS", "ActivationTracker", "MemTrackerPeak", "StorageTrace",
            "cuda_training_peak", "live_bytes", "measure_training_peak", "memtracker_peak",
-           "plan_allowance", "storage_bytes", "storage_key"]
+           "backward_roots", "plain_step_peak", "plan_allowance", "storage_bytes", "storage_key"]
 
 # ops whose output is a fresh tensor although it is also their input (``torch.tensor``)
 _FRESH_OPS = ("lift_fresh", "lift_fresh_copy")
@@ -268,6 +268,66 @@ def cuda_training_peak(step: Callable[[], Any], module: nn.Module, inputs: Any =
     step()
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated() - base + storage_bytes(inputs)
+
+
+def backward_roots(output: Any) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """Where to start the backward of a model's output, as the chain model does.
+
+    A scalar that requires grad among the output's tensors is the loss: the backward starts
+    from it alone (an HF model called with ``labels=`` returns the loss and the logits), with
+    seed ``None`` (1). Otherwise every output tensor that requires grad gets an all-ones
+    gradient, of the size of ``a^L`` (the chain's ``delta^L`` when the loss is outside the
+    chain). Only the roots are returned, so that the rest of the output (the logits beside
+    a loss) is freed before the backward, as in ``model(**batch).loss.backward()``.
+    """
+    outs = [t for t in _tensors(output) if t.requires_grad]
+    losses = [t for t in outs if t.dim() == 0]
+    if losses:
+        return losses, None
+    return outs, [torch.ones_like(t) for t in outs]
+
+
+def _plain_step(call: Callable[[], Any]) -> None:
+    roots, seeds = backward_roots(call())  # the output itself is dropped here
+    if roots:
+        torch.autograd.backward(roots, seeds)
+
+
+def plain_step_peak(call: Callable[[], Any], module: nn.Module, inputs: Any = (),
+                    steps: int = 2) -> int | None:
+    """The real activation peak of the plain model's training step, in bytes.
+
+    ``call()`` runs the model's forward; its output is back-propagated from
+    :func:`backward_roots`. The step is measured as :func:`measure_training_peak` does (the
+    definition of the real peak everywhere in optmem: the storages created and alive at once,
+    weight gradients left out, plus ``inputs``); on CUDA the larger of that and
+    :func:`cuda_training_peak` (allocator rounding, cuDNN workspaces). The largest of
+    ``steps`` steps is kept (sizes are exact; the first step may allocate once-only
+    buffers). The gradients of the parameters and of the inputs that require grad are
+    restored afterwards. ``None`` when the step runs out
+    of device memory (the plain model does not fit, whatever the limit).
+    """
+    params = list(module.parameters())
+    # the parameters' and the inputs' gradients (an input that requires grad gets one)
+    leaves = params + [t for t in _tensors(inputs) if t.is_leaf and t.requires_grad]
+    saved = [t.grad for t in leaves]
+    cuda = any(t.is_cuda for t in (*params, *_tensors(inputs)))
+    best = 0
+    try:
+        for _ in range(steps):
+            for t in leaves:
+                t.grad = None
+            best = max(best, measure_training_peak(lambda: _plain_step(call), module, inputs))
+            if cuda:
+                for p in params:
+                    p.grad = None
+                best = max(best, cuda_training_peak(lambda: _plain_step(call), module, inputs))
+    except torch.OutOfMemoryError:
+        return None
+    finally:
+        for t, g in zip(leaves, saved, strict=True):
+            t.grad = g
+    return best
 
 
 LOSS_SCALARS = 16

@@ -42,6 +42,7 @@ from torch.utils._pytree import tree_flatten
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError
 from optmem.pytorch.context import SideInputs, side_inputs
+from optmem.pytorch.execute import run_in_order
 from optmem.pytorch.extract import (
     Extraction,
     Stage,
@@ -54,9 +55,12 @@ from optmem.pytorch.planning import Planner
 from optmem.result import Result
 from optmem.units import format_size
 
-__all__ = ["MAX_VARIANTS", "PlannedModule", "ProfileOptions", "leaves_no_trace", "plan_stages"]
+__all__ = ["MAX_VARIANTS", "PLAIN_PEAK", "PlannedModule", "ProfileOptions", "leaves_no_trace",
+           "plan_stages", "with_plain_peak"]
 
 MAX_VARIANTS = 8
+PLAIN_PEAK = "plain_peak"
+"""Key of the plain model's measured real activation peak in ``chain.extra["profile"]``."""
 _PREFIX = "_optmem_module."
 _log = logging.getLogger("optmem")
 
@@ -92,6 +96,18 @@ class _Variant:
     chain: Chain
     result: Result
     executor: nn.Module
+    limit: int | None = None  # the memory limit (bytes) the plan was solved for, if any
+
+    @property
+    def plain_peak(self) -> int | None:
+        """The plain model's measured real activation peak (bytes), if it was measured."""
+        peak = ((self.chain.extra or {}).get("profile") or {}).get(PLAIN_PEAK)
+        return None if peak is None else int(peak)
+
+    def plain_fits(self) -> bool:
+        """The plain model's own step fits the limit (the store-all fast path applies)."""
+        peak = self.plain_peak
+        return self.limit is not None and peak is not None and peak <= self.limit
 
 
 def is_plain_chain(module: Any) -> bool:
@@ -145,6 +161,10 @@ def _side_buffers(stages: Sequence[Stage], ctx: SideInputs) -> Iterator[None]:
             del m._modules["_optmem_side"]
 
 
+def _size(b: int) -> str:
+    return f"{format_size(b)} ({b} B)"
+
+
 def _replace_prefix(state_dict: dict[str, Any], old: str, new: str) -> None:
     for key in [k for k in state_dict if k.startswith(old)]:
         state_dict[new + key[len(old):]] = state_dict.pop(key)
@@ -154,14 +174,16 @@ class PlannedModule(nn.Module):
     """A model trained by following a plan; behaves like the model (see the module doc)."""
 
     def __init__(self, module: nn.Module, planner: Planner, profile: ProfileOptions,
-                 main: _Variant, main_key: Any) -> None:
+                 main: _Variant, main_key: Any, *, fast_path: bool = True) -> None:
         super().__init__()
+        self.fast_path = fast_path
         self._optmem_module = module
         self._planner = planner
         self._profile = profile
         self._variants: OrderedDict[Any, _Variant] = OrderedDict([(main_key, main)])
         self._main_key = main_key
         self._compile_options: dict[str, Any] | None = None
+        self._compiled_module: Callable[..., Any] | None = None
         self._plain = main.extraction is None
         self._signature = None if self._plain else inspect.signature(module.forward)
         self.register_state_dict_post_hook(PlannedModule._strip_prefix)
@@ -170,8 +192,13 @@ class PlannedModule(nn.Module):
     # -------------------------------------------------------------- construction
     @classmethod
     def build(cls, module: Any, sample: Any, planner: Planner, profile: ProfileOptions, *,
-              chain: Chain | None = None, name: str | None = None) -> PlannedModule:
-        """Extract, profile, solve and wrap ``module`` (``sample``: one batch or call)."""
+              chain: Chain | None = None, name: str | None = None,
+              fast_path: bool = True) -> PlannedModule:
+        """Extract, profile, solve and wrap ``module`` (``sample``: one batch or call).
+
+        ``fast_path``: call the model itself when its measured plain step fits the limit
+        (:attr:`fast_path_taken`).
+        """
         from optmem.pytorch.process_groups import refuse_sharded
 
         refuse_sharded(module)
@@ -182,8 +209,9 @@ class PlannedModule(nn.Module):
             label = name or (type(module).__name__ if isinstance(module, nn.Module)
                              else "torch")
             variant = _make_variant(None, stages, sample, planner, profile, chain, label,
-                                    ctx=None, like=None)
-            return cls(wrapped, planner, profile, variant, None)
+                                    ctx=None, like=None,
+                                    plain=_plain_measure(stages, sample, profile))
+            return cls(wrapped, planner, profile, variant, None, fast_path=fast_path)
         if not isinstance(module, nn.Module):
             raise OptmemInputError(f"expected an nn.Module or a list of modules, got "
                                    f"{type(module).__name__}", field="module")
@@ -191,7 +219,7 @@ class PlannedModule(nn.Module):
         key = signature_key(module, args, kwargs)
         variant = _extract_variant(module, args, kwargs, planner, profile, chain,
                                    name or type(module).__name__, like=None)
-        return cls(module, planner, profile, variant, key)
+        return cls(module, planner, profile, variant, key, fast_path=fast_path)
 
     # -------------------------------------------------------------- face of the model
     @property
@@ -290,9 +318,11 @@ class PlannedModule(nn.Module):
         """Stage names of every signature seen (the main one first)."""
         return [tuple(s.name for s in v.stages) for v in self._variants.values()]
 
-    def _set_result(self, result: Result, plan: Sequence[Any] | None = None) -> None:
+    def _set_result(self, result: Result, plan: Sequence[Any] | None = None,
+                    limit: int | None = None) -> None:
         main = self._main
         main.result = result
+        main.limit = limit
         main.executor.set_plan(list(plan if plan is not None else result.plan))  # type: ignore[operator]
         for key in [k for k in self._variants if k != self._main_key]:
             del self._variants[key]  # re-derived from the new policy when called again
@@ -307,6 +337,7 @@ class PlannedModule(nn.Module):
         if args:
             raise TypeError("PlannedModule.compile takes keyword options only")
         self._compile_options = dict(options)
+        self._compiled_module = None
         for v in self._variants.values():
             _compile_executor(v.executor, self._compile_options)
 
@@ -324,11 +355,16 @@ class PlannedModule(nn.Module):
                 raise TypeError(f"{type(model).__name__} takes one input (a tensor or a "
                                 f"tuple of tensors), got {len(args)} positional and "
                                 f"{len(kwargs)} keyword arguments")
-            return _run_executor(self._main.executor, args[0], compiled)
+            executor = self._main.executor
+            if self._fast(self._main):  # the stages in order: the model's own step
+                return run_in_order(executor.stage_functions(compiled), args[0])  # type: ignore[operator]
+            return _run_executor(executor, args[0], compiled)
         if not torch.is_grad_enabled():
             return model(*args, **kwargs)
         args, kwargs = canonical_call(model, args, kwargs, self._signature)
         variant = self._variant(args, kwargs)
+        if self._fast(variant):
+            return self._module_call(compiled)(*args, **kwargs)
         ext = variant.extraction
         assert ext is not None
         ext.rebind()
@@ -337,6 +373,29 @@ class PlannedModule(nn.Module):
         with side_inputs(ctx):
             out = _run_executor(variant.executor, ext.chain_input(flat), compiled)
         return ext.output.assemble(out, ctx)
+
+    # -------------------------------------------------------------- store-all fast path
+    def _fast(self, variant: _Variant) -> bool:
+        return self.fast_path and variant.plain_fits()
+
+    @property
+    def fast_path_taken(self) -> bool:
+        """The main signature calls the model itself (no executor, no stages).
+
+        True when :attr:`fast_path` is on and the plain model's measured real activation
+        peak (``chain.extra["profile"]["plain_peak"]``) is at most the memory limit the plan
+        was solved for; a plan given by :meth:`use_plan` without a limit never takes it.
+        """
+        return self._fast(self._main)
+
+    def _module_call(self, compiled: bool | None) -> Callable[..., Any]:
+        """The model, or (called from a ``torch.compile``-d wrapper) the model compiled."""
+        if not compiled:
+            return self._optmem_module
+        if self._compiled_module is None:
+            self._compiled_module = torch.compile(self._optmem_module,
+                                                  **(self._compile_options or {}))
+        return self._compiled_module
 
     def _variant(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Variant:
         key = signature_key(self._optmem_module, args, kwargs)
@@ -377,11 +436,28 @@ class PlannedModule(nn.Module):
                          f"charged {float(charge):.3f} {chain.time_unit} each when planning "
                          f"(segment_cost; with them "
                          f"{result.report['objective_with_segments']:.3f})")
+        lines.append(self._path_line())
         side = self.side_input_bytes()
         if side:
             lines.append(f"side inputs (masks, position tables; not in the limit): "
                          f"{format_size(side)}")
         return "\n".join(lines)
+
+    def _path_line(self) -> str:
+        """Which path runs the main signature, and why (the store-all fast path or not)."""
+        main = self._main
+        peak, limit = main.plain_peak, main.limit
+        if peak is None:
+            return "the plan runs through the executor (the plain model's peak was not measured)"
+        measured = f"measured plain peak {_size(peak)}"
+        if limit is None:
+            return f"the plan runs through the executor (a given plan, no limit; {measured})"
+        if not main.plain_fits():
+            return f"the plan runs through the executor ({measured} > limit {_size(limit)})"
+        if not self.fast_path:
+            return (f"the plan runs through the executor (fast_path=False; {measured} <= "
+                    f"limit {_size(limit)})")
+        return f"store-all: the module is called directly; {measured} <= limit {_size(limit)}"
 
     @property
     def expected_makespan(self) -> float:
@@ -483,29 +559,84 @@ def _extract_variant(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
         flat = ext.flatten(args, kwargs)
         ctx = ext.side_inputs(flat)
         return _make_variant(ext, ext.stages, ext.chain_input(flat), planner, profile,
-                             chain, name, ctx=ctx, like=like)
+                             chain, name, ctx=ctx, like=like,
+                             plain=plain_measure(module, args, kwargs, profile))
 
 
 def _make_variant(ext: Extraction | None, fine: list[Stage], x: Any, planner: Planner,
                   profile: ProfileOptions, chain: Chain | None, name: str,
-                  ctx: SideInputs | None, like: _Variant | None) -> _Variant:
+                  ctx: SideInputs | None, like: _Variant | None,
+                  plain: Callable[[], int | None] | None = None) -> _Variant:
     """Merge (``max_stages``), profile and solve one list of stages, build its executor.
 
     The decision runs once for every rank (:func:`plan_stages`); the executor is built on
-    every rank.
+    every rank. ``plain`` measures the plain model's real peak (recorded in the chain).
     """
     from optmem.pytorch.process_groups import resolve_group
 
     groups, stages, chain, result = plan_stages(
         fine, x, profile, name, ctx, planner.solve, chain=chain, like=like,
-        group=resolve_group(planner.process_group))
+        group=resolve_group(planner.process_group), plain=plain)
     executor = planner.executor(stages, result.plan)
-    return _Variant(ext, stages, groups, tuple(s.name for s in fine), chain, result, executor)
+    return _Variant(ext, stages, groups, tuple(s.name for s in fine), chain, result, executor,
+                    limit=solved_limit(planner.memory_limit, result))
+
+
+def solved_limit(wanted: int | str, result: Result) -> int:
+    """The memory limit in bytes a plan was solved for (``"min"``: the result's own)."""
+    from optmem.units import parse_size
+
+    if wanted == "min":
+        return int((result.memory_limit or 0) * result.unit)
+    return parse_size(wanted, field="memory_limit")
+
+
+def plain_measure(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                  profile: ProfileOptions, loss_fn: Callable[[Any], Any] | None = None
+                  ) -> Callable[[], int | None] | None:
+    """What measures the plain step ``module(*args, **kwargs)`` (``None`` on meta).
+
+    :func:`~optmem.pytorch.memory.plain_step_peak` of the call (of ``loss_fn`` of its output
+    when given), leaving no trace (buffers, RNG state and gradients restored).
+    """
+    from optmem.pytorch.memory import plain_step_peak
+
+    if profile.device == "meta" or any(t.is_meta for t in value_tensors((args, kwargs))):
+        return None
+
+    def call() -> Any:
+        out = module(*args, **kwargs)
+        return out if loss_fn is None else loss_fn(out)
+
+    def measure() -> int | None:
+        with leaves_no_trace(module):
+            return plain_step_peak(call, module, (args, kwargs))
+
+    return measure
+
+
+def _plain_measure(stages: Sequence[Stage], x: Any,
+                   profile: ProfileOptions) -> Callable[[], int | None] | None:
+    """:func:`plain_measure` of an ``nn.Sequential`` or a list of stages (run in order)."""
+    return plain_measure(nn.Sequential(*[s.module for s in stages]), (x,), {}, profile)
+
+
+def with_plain_peak(chain: Chain, peak: int | None) -> Chain:
+    """``chain`` with the plain model's real peak recorded (:data:`PLAIN_PEAK`).
+
+    ``None`` records "not measured" (no fast path), so that it is not measured later on
+    another call than the chain's (a loss outside the model, a meta profile).
+    """
+    extra = dict(chain.extra or {})
+    extra["profile"] = {**(extra.get("profile") or {}),
+                        PLAIN_PEAK: None if peak is None else int(peak)}
+    return dataclasses.replace(chain, extra=extra)
 
 
 def plan_stages(fine: list[Stage], x: Any, profile: ProfileOptions, name: str,
                 ctx: SideInputs | None, solve: Callable[[Chain], Result], *,
-                chain: Chain | None = None, like: _Variant | None = None, group: Any = None
+                chain: Chain | None = None, like: _Variant | None = None, group: Any = None,
+                plain: Callable[[], int | None] | None = None
                 ) -> tuple[list[tuple[int, int]] | None, list[Stage], Chain, Result]:
     """Merge (``profile.max_stages``), profile and ``solve`` a list of stages, once.
 
@@ -513,8 +644,10 @@ def plan_stages(fine: list[Stage], x: Any, profile: ProfileOptions, name: str,
     (:func:`~optmem.pytorch.distributed.run_once`; ``None``: here), so every rank follows
     the same plan. ``x`` is the chain input and ``ctx`` the side inputs of the sample call
     (``None`` for an ``nn.Sequential`` or a list of stages); a profiled chain goes through
-    ``profile.adjust_chain`` before the solve. Returns the merge groups (or ``None``), the
-    merged stages, the chain and the result.
+    ``profile.adjust_chain`` before the solve; ``plain()`` measures the plain model's real
+    activation peak, recorded as ``chain.extra["profile"]["plain_peak"]`` unless the chain
+    has it. Returns the merge groups (or ``None``), the merged stages, the chain and the
+    result.
     """
     from optmem.pytorch.process_groups import run_once
 
@@ -553,6 +686,8 @@ def plan_stages(fine: list[Stage], x: Any, profile: ProfileOptions, name: str,
             raise OptmemInputError(
                 f"the given chain has {prof.length} stages but the module has {len(stages)}",
                 field="chain")
+        if plain is not None and PLAIN_PEAK not in ((prof.extra or {}).get("profile") or {}):
+            prof = with_plain_peak(prof, plain())
         return groups, prof, solve(prof)
 
     groups, chain, result = run_once(decide, group)
