@@ -216,6 +216,11 @@ def test_hf_model_on_the_fast_path():
     assert_same(step(compiled, model, kwargs, seed=4), step(model, model, kwargs, seed=4),
                 bitwise=False)
     assert cmodel._compiled_module is not None  # the model itself ran compiled
+    cmodel.compile(backend="aot_eager")  # compiled in place: the next call compiles anew
+    assert cmodel._compiled_module is None
+    assert_same(step(cmodel, model, kwargs, seed=4), step(model, model, kwargs, seed=4),
+                bitwise=False)
+    assert cmodel._compiled_module is not None
 
 
 def test_measuring_leaves_the_input_gradient_alone():

@@ -175,7 +175,8 @@ def checkpoint_fsdp(module: nn.Module | Sequence[nn.Module], sample: Any,
     (:func:`fully_shard_checkpointed`). Returns the sharded
     :class:`~optmem.pytorch.api.CheckpointedModule`; ``.chain`` is the FSDP-adjusted chain.
     Other keyword arguments go to :func:`optmem.pytorch.checkpoint` (``max_stages`` is not
-    supported: the chain's stages are the FSDP units).
+    supported: the chain's stages are the FSDP units; the store-all fast path is off: the
+    plan always runs the sharded stages).
     """
     from optmem.pytorch.api import CheckpointedModule, build_planned
 
@@ -187,9 +188,11 @@ def checkpoint_fsdp(module: nn.Module | Sequence[nn.Module], sample: Any,
         return fsdp_chain(chain, stage_parameter_bytes([s.module for s in stages]),
                           prefetch=prefetch)
 
+    # no store-all fast path: the model itself would bypass the sharded stages, and its
+    # plain peak does not count FSDP's gathered parameters
     cmodule = build_planned(CheckpointedModule, "checkpoint", module, sample, memory_limit, method,
                             None, {**checkpoint_kwargs, "adjust_chain": adjust,
-                              "process_group": process_group})
+                                   "process_group": process_group, "fast_path": False})
     return fully_shard_checkpointed(cmodule, mesh=mesh, **(fsdp_kwargs or {}))
 
 

@@ -14,6 +14,10 @@ rest of PyTorch it is the model itself:
 * **attributes** missing on the wrapper are looked up on the model (``cmodel.config``);
 * **modes**: ``train()``/``eval()`` reach the model; under ``torch.no_grad()`` or
   ``torch.inference_mode()`` the model runs as it is (nothing to save for a backward).
+* **the store-all fast path**: when the plain model's real activation peak, measured while
+  profiling (``chain.extra["profile"]["plain_peak"]``), is at most the memory limit, the
+  model itself is called, no executor and no stages (``fast_path=False`` turns it off;
+  :attr:`PlannedModule.fast_path_taken`).
 
 **Specialisation.** An exported chain is specialised to the call it was extracted from:
 shapes, dtypes, flags, which keyword arguments are given, ``training``, the autocast state
@@ -389,7 +393,9 @@ class PlannedModule(nn.Module):
         return self._fast(self._main)
 
     def _module_call(self, compiled: bool | None) -> Callable[..., Any]:
-        """The model, or (called from a ``torch.compile``-d wrapper) the model compiled."""
+        """The model, or the model compiled (``compiled``, or ``None`` after :meth:`compile`)."""
+        if compiled is None:
+            compiled = self._compile_options is not None
         if not compiled:
             return self._optmem_module
         if self._compiled_module is None:
