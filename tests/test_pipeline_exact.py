@@ -586,7 +586,7 @@ def ladder_both(problem: PipelineProblem, factors) -> list[tuple]:
     return out
 
 
-@settings(max_examples=40, deadline=None, derandomize=True)
+@settings(max_examples=25, deadline=None, derandomize=True)
 @given(problem=longer_problems())
 def test_dp_bounds_keep_algorithm8(problem):
     """The child bounds of the capped DP (relaxed table, Prune, capped run without t_P)
