@@ -33,9 +33,10 @@ run used to have no estimate below the cap (over 99 % at L = 56: memory rules th
 the bounds leave the values, ties and allocations unchanged (:data:`BOUNDS` switches them
 off; tests compare both). On the grids a level's states are merged through a table of their
 keys (no sort) and the values of all levels live in one flat array. ResNet-152 (L = 56),
-P = 8, 12 GB/s: 0.2-0.5 M states and about 0.5-1.2 s of CPU for Algorithm 8 at one memory
-rung, 3-10x less than without the bounds; a whole solve's ladder (up to ten rungs) 1-10 s
-(``benchmarks/results/madpipe_speed.md``); the 0.9-1.4 s once quoted here were measured
+P = 8, 12 GB/s, 2-4 GiB: 0.24-0.32 M states and 0.8-0.9 s of CPU for Algorithm 8 at one
+memory rung, 8-12x fewer states and 5-9x less CPU than without the bounds; 7.8-9.0 s for a
+solve's ladder of ten rungs, where phase 2's CP-SAT models may take far longer (load 7-8,
+``benchmarks/results/madpipe_speed.md``); the 0.9-1.4 s once quoted here were measured
 with links 1000 times slower (a bandwidth in bytes per ms passed as bytes per second), where
 transfers decide the estimate and the DP has 0.1 M states.
 
