@@ -33,12 +33,12 @@ run used to have no estimate below the cap (over 99 % at L = 56: memory rules th
 the bounds leave the values, ties and allocations unchanged (:data:`BOUNDS` switches them
 off; tests compare both). On the grids a level's states are merged through a table of their
 keys (no sort) and the values of all levels live in one flat array. ResNet-152 (L = 56),
-P = 8, 12 GB/s, 2-4 GiB: 0.24-0.32 M states and 0.8-0.9 s of CPU for Algorithm 8 at one
-memory rung, 8-12x fewer states and 5-9x less CPU than without the bounds; 7.8-9.0 s for a
-solve's ladder of ten rungs, where phase 2's CP-SAT models may take far longer (load 7-8,
-``benchmarks/results/madpipe_speed.md``); the 0.9-1.4 s once quoted here were measured
-with links 1000 times slower (a bandwidth in bytes per ms passed as bytes per second), where
-transfers decide the estimate and the DP has 0.1 M states.
+P = 8, 12 GB/s, 2-16 GiB: 0.2-0.45 M states and 0.5-1 s of CPU for Algorithm 8 at one
+memory rung; a solve's whole ladder 0.6-9.5 s instead of 1.6-68 s (2.7-8.8x), where phase
+2's CP-SAT models may take far longer (load 8 -> 2, ``benchmarks/results/madpipe_speed.md``);
+the 0.9-1.4 s once quoted here were measured with links 1000 times slower (a bandwidth in
+bytes per ms passed as bytes per second), where transfers decide the estimate and the DP
+has 0.1 M states.
 
 Phase 2 (section 7.2): the stages become the units of a coarse chain and the exact model
 (:mod:`optmem.models.pipeline`, ``options.extra["phase2"]``: ``"cpsat"``, the default when
