@@ -17,7 +17,7 @@ ORDER = ["checkpoint_dp", "exact", "checkpoint_exact", "zoo", "pytorch", "hf_fas
          "hf_segment_quiet",
          "hf_segment", "memory", "offload",
          "offload_exact", "remat_offload", "remat_offload_exact", "pipeline_exact",
-         "pipeline", "pipeline_runtime", "min_peak", "fuzz"]
+         "pipeline", "madpipe_speed", "pipeline_runtime", "min_peak", "fuzz"]
 INTRO = """# Benchmark results
 
 Measured on this project's machine: 2 shared vCPUs, 24 GiB, no GPU, Python 3.11. Other jobs

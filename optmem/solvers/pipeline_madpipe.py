@@ -25,13 +25,20 @@ bundled profiles before that was deleted; ``tests/test_pipeline_exact.py`` check
 against an enumeration of its class). A call only needs its value below the best estimate
 of Algorithm 8 so far, so it is capped there (states that cannot lead below the cap are
 never created), with smaller caps tried first from a lower bound (a DP run without
-``t_P``). On the grids a level's states are merged through a table of their keys (no sort)
-and the values of all levels live in one flat array. ResNet-152 (L = 56), P = 8, 12 GB/s:
-0.56-2.4 M states and 1.7-5.6 s of CPU for the whole of Algorithm 8 (2-16 GiB, load 7-9,
-nice 19; ``benchmarks/results/pipeline.md``); the 0.9-1.4 s once quoted here were measured
-with links 1000 times slower (a bandwidth in bytes per ms passed as bytes per second), where
-transfers decide the estimate and the DP has 0.1 M states. MadPipe's memory ladder runs
-Algorithm 8 up to ten times.
+``t_P``). On the grids a move is also dropped when a lower bound of its child state reaches
+the cap: the DP's recursion without ``m_P`` and ``V`` (:attr:`DPTables.relaxed`, one table
+per memory rung), and the least completions of the child's ``(p, m_P, V)`` in the run
+without ``t_P`` (:class:`Prune`; that run is itself capped). Almost every state of a capped
+run used to have no estimate below the cap (over 99 % at L = 56: memory rules them out);
+the bounds leave the values, ties and allocations unchanged (:data:`BOUNDS` switches them
+off; tests compare both). On the grids a level's states are merged through a table of their
+keys (no sort) and the values of all levels live in one flat array. ResNet-152 (L = 56),
+P = 8, 12 GB/s, 2-16 GiB: 0.2-0.45 M states and 0.5-1 s of CPU for Algorithm 8 at one
+memory rung; a solve's whole ladder 0.6-9.5 s instead of 1.6-68 s (2.7-8.8x), where phase
+2's CP-SAT models may take far longer (load 8 -> 2, ``benchmarks/results/madpipe_speed.md``);
+the 0.9-1.4 s once quoted here were measured with links 1000 times slower (a bandwidth in
+bytes per ms passed as bytes per second), where transfers decide the estimate and the DP
+has 0.1 M states.
 
 Phase 2 (section 7.2): the stages become the units of a coarse chain and the exact model
 (:mod:`optmem.models.pipeline`, ``options.extra["phase2"]``: ``"cpsat"``, the default when
@@ -57,7 +64,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cached_property, partial
 from typing import Any
 
 import numpy as np
@@ -147,6 +154,44 @@ class DPTables:
             return _identity, _identity, _identity
         return tuple(partial(_round_up, step=s) for s in self.steps())
 
+    @cached_property
+    def relaxed(self) -> np.ndarray:
+        """``H[j, p, k]``: a lower bound of ``T(j, p, k * step_t, m_P, V)`` (grids).
+
+        It holds for every ``m_P`` and ``V``: the DP's recursion without them.
+        The same recursion as the module docstring's, with the same rounding of ``t_P``, on
+        a relaxed class: a normal stage only needs ``static + stash <= M`` (``g >= 1``), a
+        special one ``static`` rounded up to the ``m_P`` grid at most ``M`` (``m_P >= 0``,
+        ``g >= 1``, the rounding is monotone), and the prefix left with
+        ``p = 0`` is one special stage whatever its memory. Each value of the DP is then at
+        least ``H`` of its state (induction on ``j``: every move of the DP is a move here,
+        with the same ``t_P`` and an estimate made of the same terms). It depends on the
+        tables only, not on ``T-hat`` or the cap, so one table serves every DP call of
+        Algorithm 8. ``H`` is nondecreasing in ``k`` (``rt`` is), so a ``t_P`` beyond the
+        table may use its last column. Computed level by level with numpy.
+        """
+        step, step_m, _ = self.steps()
+        size = int(math.ceil(self.total / step)) + self.n + 2
+        tgrid = np.arange(size) * step  # the DP's t_P values: k * step, same float product
+        h = np.empty((self.n + 1, self.n_gpus, size))
+        h[0] = tgrid
+        for j in range(1, self.n + 1):
+            h[j, 0] = self.load[1, j] + tgrid
+            ii = np.arange(1, j + 1)
+            u, c = self.load[ii, j], self.cost_array[ii - 1]
+            normal = self.static[ii, j] + self.stash[ii, j] <= self.limit
+            special = _round_up(self.static[ii, j], step_m) <= self.limit  # m'_P at least
+            tp2 = _round_up(tgrid[None, :] + u[:, None], step)
+            k2 = np.minimum(np.rint(tp2 / step).astype(np.intp), size - 1)
+            own = np.maximum(tp2, c[:, None])
+            far = np.maximum(u, c)[:, None]
+            for p in range(1, self.n_gpus):
+                cand_n = np.where(normal[:, None], np.maximum(far, h[ii - 1, p - 1]), np.inf)
+                cand_s = np.where(special[:, None],
+                                  np.maximum(own, h[ii[:, None] - 1, p, k2]), np.inf)
+                h[j, p] = np.minimum(cand_n.min(axis=0), cand_s.min(axis=0))
+        return h
+
 
 def _identity(x: np.ndarray) -> np.ndarray:
     return x
@@ -191,31 +236,27 @@ Pending = list[list[tuple[np.ndarray, _Level | None, np.ndarray]]]
 
 def madpipe_dp(problem: PipelineProblem, that: float, *, exact: bool = True,
                cap: float = math.inf, tables: DPTables | None = None,
-               feasibility: bool = False) -> tuple[float, Allocation | None, int]:
+               feasibility: bool = False, prune: Prune | None = None
+               ) -> tuple[float, Allocation | None, int]:
     """MadPipe-DP(``that``): ``(period estimate, allocation, states)``; ``inf`` if none.
 
     Same values, allocations and ties as the recursion of the module docstring, computed
     level by level (``j = L .. 0``) over the reachable states with numpy: first the states
     and their moves top-down, then the values bottom-up. ``cap``: only estimates below it
     are computed exactly (``inf`` otherwise); states whose estimate cannot be below it are
-    never created (a stage, a link or the special load at ``cap`` or above; layers ``1..j``
-    left with ``U(1, j) + t_P >= cap (p + 1)``). ``feasibility``: only whether some
-    allocation fits (the special load ``t_P`` is not tracked; the value is then ``0`` or
-    ``inf``; see :func:`dp_lower_bound`).
+    never created (a stage, a link or the special load at ``cap`` or above; on the grids,
+    a lower bound of the rest at ``cap`` or above: :attr:`DPTables.relaxed` and ``prune``,
+    the least completions of the same ``(p, m_P, V)`` from a run without ``t_P``;
+    otherwise layers ``1..j`` left with ``U(1, j) + t_P >= cap (p + 1)``).
+    ``feasibility``: only whether some allocation fits (the special load ``t_P`` is not
+    tracked; the value is then ``0`` or ``inf``; see :func:`feasibility_run`).
     """
     tb = tables if tables is not None else DPTables.of(problem)
-    rounders = tb.rounders(exact)
+    levels = _levels(tb, that, exact, cap, feasibility, prune)
     n = tb.n
-    pending: Pending = [[] for _ in range(n + 1)]
-    pending[n].append((np.array([[tb.n_gpus - 1, 0.0, 0.0, 0.0]]), None, np.zeros(1, int)))
-    levels: list[_Level] = [_Level(np.empty((0, 4)))] * (n + 1)
-    for j in range(n, -1, -1):
-        levels[j] = _Level(_collect(pending[j], None if exact else tb.steps()))
-        if j > 0:
-            _expand(tb, that, cap, rounders, j, levels[j], pending, feasibility)
     count = sum(len(level.states) for level in levels)
     if feasibility:
-        return _lower_bound(tb, that, levels), None, count
+        return _least(tb, that, levels)[0], None, count
     values, chosen = _evaluate(tb, that, cap, levels)
     if not len(values[n]) or not math.isfinite(values[n][0]):
         return math.inf, None, count
@@ -231,6 +272,94 @@ def madpipe_dp(problem: PipelineProblem, that: float, *, exact: bool = True,
         alloc.append((first, j, "S" if level.special[move] else "N"))
         j, k = first - 1, int(level.child[move])
     return float(values[n][0]), alloc[::-1], count
+
+
+def _levels(tb: DPTables, that: float, exact: bool, cap: float, feasibility: bool,
+            prune: Prune | None) -> list[_Level]:
+    """The reachable states of every level ``j = L .. 0`` and their moves."""
+    rounders = tb.rounders(exact)
+    n = tb.n
+    pending: Pending = [[] for _ in range(n + 1)]
+    pending[n].append((np.array([[tb.n_gpus - 1, 0.0, 0.0, 0.0]]), None, np.zeros(1, int)))
+    levels: list[_Level] = [_Level(np.empty((0, 4)))] * (n + 1)
+    bounds = None if exact or not math.isfinite(cap) or not BOUNDS else \
+        _Bounds(tb, cap, None if feasibility else prune)
+    for j in range(n, -1, -1):
+        levels[j] = _Level(_collect(pending[j], None if exact else tb.steps()))
+        if j > 0:
+            _expand(tb, that, cap, rounders, j, levels[j], pending, feasibility, bounds)
+    return levels
+
+
+@dataclass(frozen=True)
+class Prune:
+    """Least completions of the states of a DP run without ``t_P`` (grids only).
+
+    ``a[j, p, m, v]``: the least largest normal stage or link, ``s[j, p, m, v]``: the least
+    special load (raw sums) over the completions of the state ``(j, p, m_P, V)`` (grid
+    indices ``m``, ``v``); ``inf`` when none fits, ``0`` for a state that run did not
+    reach. A run with ``t_P`` makes the same moves from ``(j, p, t_P, m_P, V)`` (``m_P``
+    and ``V`` do not depend on ``t_P``; without a cap nothing is pruned), each with an
+    estimate of at least ``max(a, t_P + s)`` (its special load only grows by the loads it
+    adds, up to the grid rounding's ``1e-9`` steps: :data:`PRUNE_SLACK`).
+    """
+
+    a: np.ndarray
+    s: np.ndarray
+
+    @classmethod
+    def of(cls, tb: DPTables, levels: list[_Level], a_flat: np.ndarray,
+           t_flat: np.ndarray, offsets: np.ndarray) -> Prune:
+        """The table of a run without ``t_P`` (its levels and least completions)."""
+        _, step_m, step_v = tb.steps()
+        size_v = 1 + max((int(np.rint(level.states[:, 3].max() / step_v))
+                          for level in levels if len(level.states)), default=0)
+        a = np.zeros((tb.n + 1, tb.n_gpus, GRID_M + 1, size_v))
+        s = np.zeros_like(a)
+        for j, level in enumerate(levels):
+            if not len(level.states):
+                continue
+            p, _, m, v = level.states.T
+            where = (j, p.astype(np.intp), np.rint(m / step_m).astype(np.intp),
+                     np.rint(v / step_v).astype(np.intp))
+            a[where] = a_flat[offsets[j]:offsets[j + 1]]
+            s[where] = t_flat[offsets[j]:offsets[j + 1]]
+        return cls(a, s)
+
+
+BOUNDS = True
+"""Whether capped DP calls drop the moves the lower bounds of their child states rule out
+(:attr:`DPTables.relaxed`, :class:`Prune`, a capped run without ``t_P``). ``False``: the
+state space of the plain capped recursion, as before these bounds (same values, estimates
+and allocations, more states; ``tests/test_pipeline_exact.py`` and
+``benchmarks/bench_madpipe.py`` compare both)."""
+PRUNE_SLACK = 1e-7
+"""Relative margin of the :class:`Prune` bound (float sums in another order, ``1e-9`` grid
+roundings): a move is dropped only when its bound is above ``cap (1 + PRUNE_SLACK)``."""
+
+
+class _Bounds:
+    """What :func:`_expand` checks a capped grid move against (its child's lower bounds)."""
+
+    def __init__(self, tb: DPTables, cap: float, prune: Prune | None) -> None:
+        self.h = tb.relaxed
+        self.prune = prune
+        self.steps = tb.steps()
+        self.limit = cap * (1 + PRUNE_SLACK)
+
+    def below(self, child: np.ndarray, p: np.ndarray, t: np.ndarray, m: np.ndarray,
+              v: np.ndarray) -> np.ndarray:
+        """Whether the state ``(child, p, t, m, v)`` may have an estimate below the cap."""
+        k = np.minimum(np.rint(t / self.steps[0]).astype(np.intp), self.h.shape[2] - 1)
+        ok = self.h[child, p, k] < self.limit
+        if self.prune is not None:
+            mc = np.rint(m / self.steps[1]).astype(np.intp)
+            vc = np.rint(v / self.steps[2]).astype(np.intp)
+            inside = vc < self.prune.a.shape[3]
+            vc = np.where(inside, vc, 0)
+            lb = np.maximum(self.prune.a[child, p, mc, vc], t + self.prune.s[child, p, mc, vc])
+            ok &= ~inside | (lb < self.limit)
+        return ok
 
 
 def _collect(chunks: list[tuple[np.ndarray, _Level | None, np.ndarray]],
@@ -288,7 +417,8 @@ def _dense_unique(key: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _expand(tb: DPTables, that: float, cap: float, rounders: tuple, j: int, level: _Level,
-            pending: Pending, feasibility: bool = False) -> None:
+            pending: Pending, feasibility: bool = False, bounds: _Bounds | None = None
+            ) -> None:
     """Moves of the states of level ``j``: every last stage ``i..j`` and GPU kind."""
     rt, rm, rv = rounders
     active = np.nonzero(level.states[:, 0] > 0)[0]
@@ -307,7 +437,7 @@ def _expand(tb: DPTables, that: float, cap: float, rounders: tuple, j: int, leve
     u, c, stash, first = u[k], c[k], stash[k], ii[k]
     tp2 = np.zeros(len(s)) if feasibility else rt(t + u)
     normal, special = np.ones(len(s), dtype=bool), np.maximum(tp2, c) < cap
-    if math.isfinite(cap):  # the rest U(1, i-1) on p-1 normal GPUs and the special one
+    if math.isfinite(cap) and bounds is None:  # U(1, i-1) on p-1 normal GPUs and the special
         rest = np.where(first > 1, tb.load[1, first - 1], 0.0)
         normal = (first == 1) | ((rest + t) / p < cap)
         special &= (first == 1) | ((rest + tp2) / (p + 1) < cap)
@@ -322,6 +452,12 @@ def _expand(tb: DPTables, that: float, cap: float, rounders: tuple, j: int, leve
     mp2 = rm(m + static + (g - 1) * stash)
     normal &= static + g * stash <= tb.limit
     special &= mp2 <= tb.limit
+    if bounds is not None:  # the child states' lower bounds
+        pi = p.astype(np.intp)
+        normal[normal] = bounds.below(first[normal] - 1, pi[normal] - 1, t[normal],
+                                      m[normal], vn[normal])
+        special[special] = bounds.below(first[special] - 1, pi[special], tp2[special],
+                                        mp2[special], vn[special])
     pick, kind = np.nonzero(np.column_stack([normal, special]))  # by state, i desc, N, S
     is_special = kind == 1
     level.state = active[s[pick]]
@@ -336,8 +472,8 @@ def _expand(tb: DPTables, that: float, cap: float, rounders: tuple, j: int, leve
                             np.where(is_special, mp2[pick], m[pick]), vn[pick]])
     rank = k[pick]  # position of i in ``firsts`` (decreasing i): a small integer
     order = np.argsort(rank.astype(np.int16 if len(ii) < 2**15 else np.int64), kind="stable")
-    bounds = np.r_[0, np.cumsum(np.bincount(rank, minlength=len(ii)))].tolist()
-    for i, a, b in zip(firsts, bounds, bounds[1:], strict=False):
+    edges = np.r_[0, np.cumsum(np.bincount(rank, minlength=len(ii)))].tolist()
+    for i, a, b in zip(firsts, edges, edges[1:], strict=False):
         if b > a:
             pending[i - 1].append((rows[order[a:b]], level, order[a:b]))
 
@@ -376,11 +512,13 @@ def _evaluate(tb: DPTables, that: float, cap: float, levels: list[_Level]
     return values, chosen
 
 
-def _lower_bound(tb: DPTables, that: float, levels: list[_Level]) -> float:
+def _least(tb: DPTables, that: float, levels: list[_Level]
+           ) -> tuple[float, np.ndarray, np.ndarray, np.ndarray]:
     """``max(least A, least special load)`` over the paths of a DP run without ``t_P``.
 
     Every allocation's estimate is ``max(A, t_P)`` (``A``: its largest normal stage or link,
     ``t_P`` its special load, rounded up): at least both minima. ``inf`` when nothing fits.
+    Also the offsets, least ``A`` and least special load of every state (:class:`Prune`).
     """
     offsets, a_flat = _flat(levels)
     t_flat = np.full(len(a_flat), np.inf)
@@ -406,10 +544,26 @@ def _lower_bound(tb: DPTables, that: float, levels: list[_Level]) -> float:
             owners = level.state[starts]
             a[owners] = np.minimum.reduceat(cand_a, starts)
             t[owners] = np.minimum.reduceat(cand_t, starts)
-    if offsets[tb.n] == offsets[tb.n + 1]:
-        return math.inf
     top = offsets[tb.n]
-    return float(max(a_flat[top], t_flat[top]))
+    bound = math.inf if top == offsets[tb.n + 1] else float(max(a_flat[top], t_flat[top]))
+    return bound, offsets, a_flat, t_flat
+
+
+def feasibility_run(tb: DPTables, that: float, exact: bool, cap: float = math.inf
+                    ) -> tuple[float, int, Prune | None]:
+    """A DP run without ``t_P``: a lower bound of the DP's value, states, :class:`Prune`.
+
+    The bound is :func:`_least`'s; the :class:`Prune` table only on the grids.
+    ``cap``: moves whose every completion has an estimate at ``cap`` or above are left out
+    (the checks of a capped run with ``t_P = 0``, a lower bound of any ``t_P``), so the
+    least completions are over the others: still lower bounds for a capped run with a cap
+    up to ``cap`` (the completions left out could not bring its value below its cap), and
+    so is the value (``>= cap``: the capped value is ``inf``).
+    """
+    levels = _levels(tb, that, exact, cap if BOUNDS else math.inf, True, None)
+    bound, offsets, a_flat, t_flat = _least(tb, that, levels)
+    prune = None if exact or not BOUNDS else Prune.of(tb, levels, a_flat, t_flat, offsets)
+    return bound, sum(len(level.states) for level in levels), prune
 
 
 def _flat(levels: list[_Level]) -> tuple[np.ndarray, np.ndarray]:
@@ -478,15 +632,16 @@ def _capped_dp(problem: PipelineProblem, tables: DPTables, that: float, exact: b
     exceed this one) and the load bound. Each capped call is exact below its cap, so the
     guess only decides the cost.
     """
-    bound, _, states = madpipe_dp(problem, that, exact=exact, tables=tables, feasibility=True)
-    if bound >= cap:
+    bound, states, prune = feasibility_run(tables, that, exact, cap)
+    if bound >= cap * (1 + PRUNE_SLACK):  # raw sums: the rounded t_P may be 1e-9 steps less
         return math.inf, None, states
     low = max(bound, floor, tables.total / problem.n_gpus,
               max(tables.load[q, q] for q in range(1, tables.n + 1)))
     limit = low * 1.04 + 1e-12
     while True:
         limit = min(limit, cap)
-        value, alloc, count = madpipe_dp(problem, that, exact=exact, cap=limit, tables=tables)
+        value, alloc, count = madpipe_dp(problem, that, exact=exact, cap=limit, tables=tables,
+                                         prune=prune)
         states += count
         if alloc is not None or limit >= cap:
             return value, alloc, states
