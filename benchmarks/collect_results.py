@@ -16,8 +16,8 @@ ORDER = ["checkpoint_dp", "exact", "checkpoint_exact", "zoo", "pytorch", "hf_fas
          "hf_bert_target1", "hf_bert_tie", "hf_gpt2_llama_floor", "hf",
          "hf_segment_quiet",
          "hf_segment", "memory", "offload",
-         "offload_exact", "remat_offload", "remat_offload_exact", "pipeline_exact",
-         "pipeline", "madpipe_speed", "pipeline_runtime", "min_peak", "fuzz"]
+         "offload_exact", "remat_offload", "remat_offload_exact", "remat_offload_proofs",
+         "pipeline_exact", "pipeline", "madpipe_speed", "pipeline_runtime", "min_peak", "fuzz"]
 INTRO = """# Benchmark results
 
 Measured on this project's machine: 2 shared vCPUs, 24 GiB, no GPU, Python 3.11. Other jobs

@@ -54,10 +54,12 @@ def test_stopped_loop_reports_a_valid_bound(seed: int) -> None:
     full = solve(problem, "cpsat", options=SEEDED.with_(deterministic_time=60.0))
     assert full.status is Status.OPTIMAL
     for iterations in (1, 2, 3):
-        res = solve(problem, "cpsat", options=BENDERS.with_(
-            extra={**BENDERS.extra, "benders_iterations": iterations}))
-        check(problem, res, optimum=full.objective)
-        assert res.objective >= full.objective - 1e-9
+        for host in (False, True):  # with host: its bounds and cuts (no warm-up)
+            res = solve(problem, "cpsat", options=BENDERS.with_(extra={
+                **BENDERS.extra, "benders_iterations": iterations,
+                **({"benders_host_bound": True, "benders_warmup": 0} if host else {})}))
+            check(problem, res, optimum=full.objective)
+            assert res.objective >= full.objective - 1e-9
         assert res.report["benders"]["iterations"] <= iterations
 
 
@@ -146,7 +148,9 @@ def test_options_are_checked() -> None:
                          ({"strategy": "benders", "benders_warmup": 0,
                            "relaxation_deadlines": "no"}, "relaxation_deadlines"),
                          ({"strategy": "benders", "benders_warmup": 0,
-                           "relaxation_values": "no"}, "relaxation_values")):
+                           "relaxation_values": "no"}, "relaxation_values"),
+                         ({"strategy": "benders", "benders_host_bound": "no"},
+                          "benders_host_bound")):
         with pytest.raises(OptmemInputError, match=field):
             solve(problem, "cpsat", options=SEEDED.with_(extra=extra))
 
@@ -180,7 +184,8 @@ def test_warmup_shares_the_candidates_and_the_relaxation(monkeypatch: pytest.Mon
     assert res.report["warmup"]["status"] == "feasible"
     assert res.report["benders"]["iterations"] >= 1
     # the plain relaxation, the one with the deadline rows and the one with the host rows
-    # too, all by the warm-up
+    # too, all by the warm-up (the loop builds its own host-rows model only with
+    # benders_host_bound)
     assert calls == {"candidates": 1, "builds": 1, "relaxations": 3}
     assert res.report["relaxation"]["bound"] <= res.bound + 1e-9
 
@@ -222,6 +227,37 @@ def test_no_useless_value_cut(monkeypatch: pytest.MonkeyPatch) -> None:
     assert works == [bd.DEFAULT_SUB_WORK * 2 ** k for k in range(3)]
     assert res.bound == pytest.approx(max(report["relaxation"]["bound"],
                                           problem.chain.total_compute_time()))
+
+
+def test_host_bound_cuts_a_proposal_without_cpsat(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A proposal whose host-rows bound reaches the incumbent gets a refutation cut from
+    that bound (its filter checks are host-rows bounds too) and CP-SAT is not called for
+    it; with ``benders_host_bound`` off, CP-SAT is. Injected bound: far above every plan."""
+    problem, built, scale = _loop_parts()
+    calls: list[int] = []
+    real = bd.engines.solve_cpsat
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bd.engines, "solve_cpsat", counted)
+    monkeypatch.setattr(bd, "host_bound", lambda host, xhat, options, limit: (
+        1e6 if host is not None else -math.inf))
+    for on in (True, False):
+        calls.clear()
+        report: dict = {}
+        res = bd.solve_benders(problem, SEEDED.with_(extra={"benders_iterations": 1,
+                                                            "benders_host_bound": on}),
+                               built=built, scale=scale, incumbent=None, report=report)
+        check(problem, res)
+        counts = report["benders"]
+        assert counts["iterations"] == 1
+        assert (calls == []) is on
+        assert counts["host_bounds"] == ([1e6] if on else [None])
+        assert counts["host_cuts"] == int(on)
+        if on:  # every phase dropped: the injected bound holds with nothing fixed
+            assert counts["cut_slots"] == [0]
 
 
 def test_proven_no_plan_is_infeasible(monkeypatch: pytest.MonkeyPatch) -> None:

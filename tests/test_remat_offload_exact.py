@@ -458,6 +458,39 @@ def test_host_value_rows_lift_a_compute_sequence_toward_its_value() -> None:
     assert aggregated + 1 <= lifted <= cp.objective(value.objective) + 1e-6
 
 
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(chain=st.one_of(tiny(), tiny_with_idle_ops()), limit=st.integers(3, 22),
+       beta=st.sampled_from([0.5, 1.0, 3.0]))
+def test_host_bound_of_a_sequence_never_exceeds_its_brute_value(chain: Chain, limit: int,
+                                                                beta: float) -> None:
+    """The Benders loop's host-rows bound of a proposal (``benders_host_bound``) is a lower
+    bound on every plan of that compute sequence: for every compute sequence of the brute
+    force's enumeration with a plan (its compute time where it fits without transfers,
+    else brute force's best transfers), the bound with the sequence fixed is at most that
+    plan's makespan (``inf``, no plan of the sequence, only where brute force finds
+    none)."""
+    from optmem.models.remat_offload import build_link_relaxation
+    from optmem.solvers.remat_offload_benders import _slots, host_bound
+    from optmem.solvers.remat_offload_exact import _brute_transfers, compute_sequences
+
+    built = build_remat_offload(chain, limit, beta)
+    host = build_link_relaxation(chain, limit, beta)
+    opvars = [i for sl in _slots(built) for _, i in sl.ops]
+    checked = 0
+    for compute, peak, ops in compute_sequences(chain):
+        fixing = built.fixing(ops)
+        if fixing is None:
+            continue  # outside the model's class (sweeps)
+        found = (compute, ops) if peak <= limit else _brute_transfers(chain, limit, beta, ops)
+        bound = host_bound(host, {i: int(fixing[i]) for i in opvars}, OPTS, None)
+        assert math.isfinite(bound) or bound == math.inf
+        if found is not None:
+            assert bound <= found[0] + 1e-6, (ops, bound, found[0])
+            checked += 1
+    assert checked > 0 or solve(RematOffloadProblem(chain, limit, chain_bandwidth=beta),
+                                "brute", options=OPTS).status is Status.INFEASIBLE
+
+
 @settings(max_examples=8, deadline=None, derandomize=True)
 @given(length=st.integers(3, 4), seed=st.integers(0, 10_000),
        beta=st.sampled_from([0.3, 1.0, 2.0]))

@@ -577,6 +577,7 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
     if strategy == "benders" and exact:
         flag(options, "relaxation_deadlines", True)  # checked before any work
         flag(options, "relaxation_values", True)
+        flag(options, "benders_host_bound", False)
     built = build_remat_offload(disc.chain, disc.memory_limit, beta, sweeps=sweeps,
                                 transfers_per_gap=per_gap, grid=None if exact else scale)
     report: dict[str, Any] = {"model": built.info, "sweeps": sweeps,
@@ -697,7 +698,7 @@ def solve_ilp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
                  "relaxation", "relaxation_deadlines", "relaxation_values", "strategy",
                  "benders_work",
                  "benders_filter_work", "benders_iterations", "benders_warmup",
-                 "benders_filter"))
+                 "benders_filter", "benders_host_bound"))
 def solve_cpsat(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     """Optimal plan over the model's class with OR-Tools CP-SAT."""
     return _solve_model(problem, options, "cpsat")
