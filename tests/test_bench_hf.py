@@ -54,6 +54,42 @@ def test_baselines_give_the_plain_gradients(bench):
     assert all(type(m).__name__ == "GPT2Block" for m in bench.layer_list(model))
 
 
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_every_method_gets_the_same_call(bench, name):
+    """Like for like: the plain model, HF, per-layer, sequential and optmem are all called
+    with the same batch and keyword arguments, ``use_cache=False`` where the model takes it
+    (GPT-2, Llama; HF builds a generation cache otherwise), nothing more where it does not
+    (BERT)."""
+    import optmem.pytorch as op
+
+    model, batch = bench.build(bench.Spec(name, layers=2, hidden=32, seq=16, batch=2,
+                                          vocab=100))
+    seen: dict[str, dict] = {}
+
+    def recorded(label, call):
+        def run(**kwargs):
+            seen[label] = kwargs
+            return call(**kwargs)
+        return run
+
+    cmodel = op.checkpoint(model, batch, memory_limit=10 ** 9, repeats=1, warmup=0,
+                           fast_path=False)
+    enters = {"plain": lambda: bench.store_all(model),
+              "HF": lambda: bench.hf_checkpointing(model),
+              "per-layer": lambda: bench.per_layer(model, 2),
+              "sequential": lambda: bench.sequential(model, 2),
+              "optmem": lambda: bench._with_plan(cmodel, tuple(cmodel.plan), 10 ** 9)}
+    for label, enter in enters.items():
+        with enter() as call:
+            bench.train_step(recorded(label, call), model, batch)
+    expected = {**batch, **({"use_cache": False} if name == "gpt2" else {})}
+    for label, kwargs in seen.items():
+        assert kwargs.keys() == expected.keys(), label
+        assert all(kwargs[k] is expected[k] for k in expected), label
+    assert len(seen) == len(enters)
+    model.zero_grad(set_to_none=True)
+
+
 def test_layer_plans(bench):
     names = ["emb", "h.0:attn", "h.0:mlp", "h.1:attn", "h.1:mlp", "h.2:attn", "h.2:mlp",
              "head", "loss"]
