@@ -422,6 +422,7 @@ class Setting:
     limit: int | None = None
     allowance: int | None = None  # plan_allowance of an optmem plan (bytes)
     tracker: int | None = None  # MemTracker's activation peak of the same step (bytes)
+    autotune: dict[str, Any] = field(default_factory=dict)  # the autotune record, if tuned
 
     @property
     def median(self) -> float:
@@ -584,6 +585,65 @@ def run_series(name: str, cmodel: Any, model: nn.Module, batch: dict[str, Any],
     return series
 
 
+AUTOTUNE = "optmem autotune"
+"""The name of the series whose plans :func:`optmem.pytorch.autotune.autotune` chose."""
+
+
+def autotune_series(base: Series, cmodel: Any, model: nn.Module, batch: dict[str, Any],
+                    targets: dict[str, int]) -> Series:
+    """optmem with measured plan selection at the limits ``base`` matched to each memory.
+
+    At every limit of ``base`` the DP's plan is re-solved and
+    :func:`~optmem.pytorch.autotune.autotune` times the candidates on the batch (wall clock,
+    its default) and keeps the fastest. A tuned plan whose real peak exceeds a target
+    memory that limit was matched to is not used there: the default plan is (the candidates
+    fit the limit, not necessarily the real memory the limit was searched for); the record
+    says so (``kept_default``).
+    """
+    from optmem.pytorch.autotune import autotune
+
+    ser = Series(AUTOTUNE, base.search, dict(base.matched))
+    for limit, default in base.settings.items():
+        cmodel.resolve(memory_limit=limit)
+        record = dict(autotune(cmodel, batch))
+        plan = tuple(str(p) for p in cmodel.plan)
+        fast = bool(cmodel.fast_path_taken)
+        same = fast or plan == base.search.at(limit)[0]
+        peak = default.real_peak if same else real_peak(cmodel, model, batch)
+        room = min((targets.get(label, peak) for label, lim in base.matched.items()
+                    if lim == limit), default=peak)
+        record["kept_default"] = peak > room
+        if peak > room:
+            plan, peak = base.search.at(limit)[0], default.real_peak
+        sim = simulate_checkpoint(cmodel.chain, plan)
+        allowance = 0 if fast else plan_allowance(cmodel.chain, plan, list(
+            cmodel.stages)) + cmodel.side_input_bytes()
+        pred = (default.predicted_peak, default.predicted_ms) if fast else \
+            (int(sim.peak_memory), float(sim.makespan))
+        ser.settings[limit] = Setting(AUTOTUNE, default.setting,
+                                      partial(_with_plan, cmodel, plan, limit), pred[0],
+                                      pred[1], peak, limit=limit, allowance=allowance,
+                                      autotune=record)
+    return ser
+
+
+def autotune_table(ser: Series) -> list[str]:
+    """Every limit of the autotune series: its candidates, measured medians and the choice."""
+    rows = _header("limit MiB", "candidate plan", "settings", "segments", "model ms",
+                   "measured ms (median)", "chosen")
+    for limit, st in sorted(ser.settings.items()):
+        record = st.autotune
+        note = f" ({record['skipped']})" if record.get("skipped") else ""
+        if record.get("kept_default"):
+            note += " (tuned plan's real peak above the target memory: default plan used)"
+        for c in record.get("candidates", []):
+            ms = "-" if c["measured_ms"] is None else f"{c['measured_ms']:.1f}"
+            rows.append(f"| {_mib(limit)} | {c['plan_id']} | {', '.join(c['settings'])} | "
+                        f"{c['segments']} | {c['model_objective']:.2f} | {ms} | "
+                        f"{'yes' if c['chosen'] else ''}{note if c['chosen'] else ''} |")
+    return rows
+
+
 def grad_difference(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> float:
     """Largest absolute difference of two gradient lists (0.0: bitwise equal).
 
@@ -642,7 +702,8 @@ def baselines(model: nn.Module, chain: Chain, layers_of: list[int | None], layer
 def bench_model(spec: Spec, *, rounds: int, grid: int, steps: int, sweep: int,
                 repeats: int, more: bool = True,
                 memtracker: bool = True, segment_cost: float | None = None,
-                per_round: int = 1, log: Callable[[str], None] = print) -> dict[str, Any]:
+                per_round: int = 1, log: Callable[[str], None] = print,
+                tune: bool = False) -> dict[str, Any]:
     """Measure every setting on one model (memory first, then interleaved timing).
 
     Every round runs every setting ``per_round`` steps in a row and keeps the fastest
@@ -674,6 +735,11 @@ def bench_model(spec: Spec, *, rounds: int, grid: int, steps: int, sweep: int,
     if segment_cost is not None:  # the DP with another charge per recomputed segment
         series.append(run_series(f"optmem seg={segment_cost:g}", cmodel, model, batch,
                                  targets, grid, steps, {"segment_cost": segment_cost}))
+    if tune:  # measured selection at the default series' limits
+        t1 = time.perf_counter()
+        series.append(autotune_series(series[0], cmodel, model, batch, targets))
+        log(f"  {AUTOTUNE}: {len(series[-1].settings)} limits tuned in "
+            f"{time.perf_counter() - t1:.0f} s")
     for ser in series:
         log(f"  {ser.name}: smallest limit {ser.search.smallest / MiB:.2f} MiB, "
             f"{len(ser.search.by_plan)} plans measured, {len(ser.settings)} kept")
@@ -946,6 +1012,10 @@ def report(results: list[dict[str, Any]], rounds: int, loads: list[str],
         for ser in res["series"]:
             out += ["", f"Targets of issue 13.6, {ser.name}:", ""]
             out += [f"- {x}" for x in checks(res, ser)] + [f"- {resolution_line(res)}"]
+            if ser.name == AUTOTUNE:
+                out += ["", "What autotune timed at each limit (wall-clock ms on the batch, "
+                        "while tuning; `model ms`: makespan + segment charges):", ""]
+                out += autotune_table(ser)
         out.append("")
     return "\n".join(out)
 
@@ -1017,6 +1087,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                     help="also run optmem's dp with extra segment_cost=MS per recomputed "
                          "segment instead of the measured one (series 'optmem seg=MS'; 0: "
                          "rotor's model, the default before the measured cost)")
+    ap.add_argument("--autotune", action="store_true",
+                    help=f"also run optmem with measured plan selection (series "
+                         f"'{AUTOTUNE}': op.checkpoint's autotune at every limit of the "
+                         "default series)")
     ap.add_argument("--steps-per-round", type=int, default=None, metavar="K",
                     help="steps in a row per setting and round, the fastest kept (3; quick 1)")
     ap.add_argument("--no-malloc-env", action="store_true",
@@ -1040,7 +1114,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for spec in specs:
         results.append(bench_model(spec, rounds=rounds,
                                    more=not args.hf_only, memtracker=not args.no_memtracker,
-                                   segment_cost=args.segment_cost,
+                                   segment_cost=args.segment_cost, tune=args.autotune,
                                    per_round=args.steps_per_round or (1 if args.quick else 3),
                                    **options))
         loads.append(_load())

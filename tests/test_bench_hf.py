@@ -115,7 +115,7 @@ def test_layer_plans(bench):
 
 def test_benchmark_code_path(bench, tmp_path):
     res = bench.bench_model(bench.Spec(**TINY), rounds=1, grid=3, steps=1, sweep=1,
-                            repeats=1, per_round=2, log=lambda _: None)
+                            repeats=1, per_round=2, log=lambda _: None, tune=True)
     settings = res["settings"]
     plain, hf = settings[0], settings[1]
     assert [s.setting for s in settings[2:]] == ["every 2", "every 3", "2 segments",
@@ -124,7 +124,16 @@ def test_benchmark_code_path(bench, tmp_path):
     assert plain.tracker is not None and hf.tracker is not None  # MemTracker's view too
     assert all(len(s.cpu) == 1 and len(s.wall) == 1 and len(s.faults) == 1 for s in settings)
     assert res["per_round"] == 2
-    assert [s.name for s in res["series"]] == ["optmem"]
+    assert [s.name for s in res["series"]] == ["optmem", bench.AUTOTUNE]
+    base, tuned = res["series"]
+    assert tuned.matched == base.matched and tuned.settings.keys() == base.settings.keys()
+    for limit, st in tuned.settings.items():  # whatever the clock chose: a record, a fit
+        record = st.autotune
+        assert record["chosen"] in [c["plan_id"] for c in record["candidates"]]
+        assert [c["chosen"] for c in record["candidates"]].count(True) == 1
+        assert st.real_peak <= st.limit + st.allowance
+        if record["skipped"] is None:
+            assert all(len(c["times_ms"]) == 5 for c in record["candidates"])
     for ser in res["series"]:
         assert ser.settings, ser.name
         for label, memory in res["targets"].items():
@@ -149,6 +158,8 @@ def test_benchmark_code_path(bench, tmp_path):
     assert len(again.cpu) == 1 and plain.cpu and again.cpu is not plain.cpu
     text = bench.report([res], 1, ["0.0"])
     assert "Targets of issue 13.6, optmem:" in text
+    assert f"Targets of issue 13.6, {bench.AUTOTUNE}:" in text
+    assert "What autotune timed at each limit" in text
     assert f"| store-all | {bench.REPEAT} |" in text and "- noise floor of this run:" in text
     assert "the fastest of 2 steps in a row" in text and "page faults / step" in text
     assert text.count("| store-all | plain model |") == 1
