@@ -593,53 +593,70 @@ def autotune_series(base: Series, cmodel: Any, model: nn.Module, batch: dict[str
                     targets: dict[str, int]) -> Series:
     """optmem with measured plan selection at the limits ``base`` matched to each memory.
 
-    At every limit of ``base`` the DP's plan is re-solved and
-    :func:`~optmem.pytorch.autotune.autotune` times the candidates on the batch (wall clock,
-    its default) and keeps the fastest. A tuned plan whose real peak exceeds a target
-    memory that limit was matched to is not used there: the default plan is (the candidates
-    fit the limit, not necessarily the real memory the limit was searched for); the record
-    says so (``kept_default``).
+    At every limit of ``base``, the candidates of :func:`optmem.pytorch.autotune.autotune`
+    (the plans of its cost-model settings at that limit) are formed; those whose real
+    peak exceeds a target memory the limit was matched to are dropped (the candidates fit
+    the limit in the chain model, not necessarily the real memory the limit was searched
+    for; the default plan always fits), the rest timed as autotune times them (wall clock,
+    interleaved, on the batch) and the fastest median kept. Where the store-all fast path
+    is taken nothing is timed.
     """
-    from optmem.pytorch.autotune import autotune
+    from optmem.pytorch.autotune import (
+        AUTOTUNE_ROUNDS,
+        candidates,
+        chosen_record,
+        fastest,
+        time_candidates,
+    )
 
     ser = Series(AUTOTUNE, base.search, dict(base.matched))
     for limit, default in base.settings.items():
         cmodel.resolve(memory_limit=limit)
-        record = dict(autotune(cmodel, batch))
-        plan = tuple(str(p) for p in cmodel.plan)
         fast = bool(cmodel.fast_path_taken)
-        same = fast or plan == base.search.at(limit)[0]
-        peak = default.real_peak if same else real_peak(cmodel, model, batch)
-        room = min((targets.get(label, peak) for label, lim in base.matched.items()
-                    if lim == limit), default=peak)
-        record["kept_default"] = peak > room
-        if peak > room:
-            plan, peak = base.search.at(limit)[0], default.real_peak
+        cands = candidates(cmodel._planner, cmodel.chain, limit, cmodel.result)
+        room = min((targets.get(label, default.real_peak) for label, lim in
+                    base.matched.items() if lim == limit), default=default.real_peak)
+        peaks = {cands[0].plan_id: default.real_peak}
+        for cand in cands[1:] if not fast else []:
+            cmodel.use_plan(cand.plan, method="dp", memory_limit=limit)
+            peaks[cand.plan_id] = real_peak(cmodel, model, batch)
+        fitting = [c for c in (cands[:1] if fast else cands) if peaks[c.plan_id] <= room]
+        skipped = "store-all fast path" if fast else None if len(fitting) > 1 else \
+            "one candidate fits the memory"
+        if skipped is None:
+            cmodel.use_plan(cands[0].plan, method="dp", memory_limit=limit)
+            time_candidates(cmodel, batch, fitting)
+        best = fitting[fastest(fitting)]
+        record = {"rounds": AUTOTUNE_ROUNDS, "warmup": 1, "skipped": skipped,
+                  **chosen_record(cands, cands.index(best))}
+        for row in record["candidates"]:
+            row["real_peak"] = peaks.get(row["plan_id"])
+        plan = tuple(str(p) for p in best.plan)
         sim = simulate_checkpoint(cmodel.chain, plan)
+        cmodel.use_plan(plan, method="dp", memory_limit=limit)
         allowance = 0 if fast else plan_allowance(cmodel.chain, plan, list(
             cmodel.stages)) + cmodel.side_input_bytes()
         pred = (default.predicted_peak, default.predicted_ms) if fast else \
             (int(sim.peak_memory), float(sim.makespan))
         ser.settings[limit] = Setting(AUTOTUNE, default.setting,
                                       partial(_with_plan, cmodel, plan, limit), pred[0],
-                                      pred[1], peak, limit=limit, allowance=allowance,
-                                      autotune=record)
+                                      pred[1], peaks[best.plan_id], limit=limit,
+                                      allowance=allowance, autotune=record)
     return ser
 
 
 def autotune_table(ser: Series) -> list[str]:
     """Every limit of the autotune series: its candidates, measured medians and the choice."""
     rows = _header("limit MiB", "candidate plan", "settings", "segments", "model ms",
-                   "measured ms (median)", "chosen")
+                   "real peak MiB", "measured ms (median)", "chosen")
     for limit, st in sorted(ser.settings.items()):
         record = st.autotune
         note = f" ({record['skipped']})" if record.get("skipped") else ""
-        if record.get("kept_default"):
-            note += " (tuned plan's real peak above the target memory: default plan used)"
         for c in record.get("candidates", []):
             ms = "-" if c["measured_ms"] is None else f"{c['measured_ms']:.1f}"
             rows.append(f"| {_mib(limit)} | {c['plan_id']} | {', '.join(c['settings'])} | "
-                        f"{c['segments']} | {c['model_objective']:.2f} | {ms} | "
+                        f"{c['segments']} | {c['model_objective']:.2f} | "
+                        f"{_mib(c.get('real_peak'))} | {ms} | "
                         f"{'yes' if c['chosen'] else ''}{note if c['chosen'] else ''} |")
     return rows
 

@@ -204,7 +204,10 @@ def test_one_candidate_is_not_timed(fixed):
 
 
 def test_autotune_is_a_checkpoint_option(fixed):
-    net, x, chain, _ = fixed
+    net, x, chain, limit = fixed
+    with pytest.raises(OptmemInputError, match="autotune_rounds: expected an integer >= 1"):
+        op.checkpoint(net, x, memory_limit=limit, chain=chain, autotune=True,
+                      autotune_rounds=0)
     with pytest.raises(OptmemInputError, match="autotune is a checkpoint option"):
         op.offload(net, x, memory_limit="1GiB", bandwidth="1GB/s", chain=chain,
                    autotune=True)

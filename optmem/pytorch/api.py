@@ -177,8 +177,9 @@ def build_planned(cls: type[PlannedModule], kind: str, module: Any, sample: Any,
     if wants_tuning:
         from optmem.pytorch.autotune import AUTOTUNE_ROUNDS, autotune
 
+        rounds = tune.get("autotune_rounds")
         autotune(planned, sample, timer=tune.get("autotune_timer"),
-                 rounds=int(tune.get("autotune_rounds") or AUTOTUNE_ROUNDS))
+                 rounds=AUTOTUNE_ROUNDS if rounds is None else rounds)
     return planned
 
 

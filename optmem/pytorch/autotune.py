@@ -50,7 +50,7 @@ from optmem.pytorch.wrapper import PlannedModule, call_of, leaves_no_trace
 from optmem.result import Result, Status
 
 __all__ = ["AUTOTUNE_ROUNDS", "SETTINGS", "Candidate", "Setting", "autotune", "candidates",
-           "default_timer", "replayed", "time_candidates"]
+           "chosen_record", "default_timer", "fastest", "replayed", "time_candidates"]
 
 AUTOTUNE_ROUNDS = 5
 """Interleaved timed rounds of :func:`autotune` (one step per candidate and round)."""
@@ -246,6 +246,17 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return list(value_tensors(value))
 
 
+def fastest(cands: Sequence[Candidate]) -> int:
+    """Index of the candidate with the least median (the earliest on ties or untimed)."""
+    return min(range(len(cands)), key=lambda k: (cands[k].median or 0.0, k))
+
+
+def chosen_record(cands: Sequence[Candidate], best: int) -> dict[str, Any]:
+    """``chosen`` (plan id) and ``candidates`` (rows) of ``report["autotune"]``."""
+    return {"chosen": cands[best].plan_id,
+            "candidates": [c.row(k == best) for k, c in enumerate(cands)]}
+
+
 def autotune(cmodel: PlannedModule, sample: Any, *, rounds: int = AUTOTUNE_ROUNDS,
              warmup: int = 1, timer: Timer | None = None,
              settings: Sequence[Setting] = SETTINGS) -> dict[str, Any]:
@@ -255,6 +266,9 @@ def autotune(cmodel: PlannedModule, sample: Any, *, rounds: int = AUTOTUNE_ROUND
     plan id, settings, segments, model objective, measured median ms; ``chosen``: the plan
     id; ``skipped``: why nothing was timed, or ``None``), and the wrapper switches to it.
     """
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise OptmemInputError(f"autotune_rounds: expected an integer >= 1, got {rounds!r}",
+                               field="autotune_rounds")
     if cmodel._planner.kind != "checkpoint":
         raise OptmemInputError("autotune chooses among checkpoint plans only",
                                field="autotune")
@@ -272,9 +286,8 @@ def autotune(cmodel: PlannedModule, sample: Any, *, rounds: int = AUTOTUNE_ROUND
             record["skipped"] = "one candidate"
         else:
             time_candidates(cmodel, sample, cands, rounds=rounds, warmup=warmup, timer=timer)
-    best = min(range(len(cands)), key=lambda k: (cands[k].median or 0.0, k))
-    record["chosen"] = cands[best].plan_id
-    record["candidates"] = [c.row(k == best) for k, c in enumerate(cands)]
+    best = fastest(cands)
+    record.update(chosen_record(cands, best))
     chosen = cands[best].result
     chosen = dataclasses.replace(chosen, report={**chosen.report, "autotune": record})
     cmodel._set_result(chosen, limit=main.limit)
