@@ -131,7 +131,7 @@ def test_benchmark_code_path(bench, tmp_path):
         record = st.autotune
         assert record["chosen"] in [c["plan_id"] for c in record["candidates"]]
         assert [c["chosen"] for c in record["candidates"]].count(True) == 1
-        assert st.real_peak <= st.limit + st.allowance
+        assert st.limit == limit and st.real_peak <= st.limit + st.allowance
         chosen = next(c for c in record["candidates"] if c["chosen"])
         assert chosen["real_peak"] == st.real_peak  # a candidate that fits the memory
         if record["skipped"] is None:  # the candidates that fit were timed, 5 rounds each
