@@ -3,7 +3,8 @@
 For GPT-2, Llama and BERT configs from ``transformers`` (random initialisation, nothing
 downloaded; 12-24 layers, small hidden size and sequence so that a step takes a fraction
 of a second on one CPU thread), one training step (forward with ``labels=``, the model's own
-loss, backward) is run by
+loss, backward; every method calls with the same keyword arguments, ``use_cache=False`` where
+the model takes it: :func:`step_kwargs`) is run by
 
 * **store-all**: the plain model;
 * **HF**: ``model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=
@@ -61,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import inspect
 import os
 import re
 import resource
@@ -237,9 +239,22 @@ def sequential(model: nn.Module, segments: int) -> Iterator[nn.Module]:
 
 
 # ------------------------------------------------------------------ measurement
+def step_kwargs(model: nn.Module) -> dict[str, Any]:
+    """Keyword arguments every method's call gets beside the batch: ``use_cache=False``.
+
+    HF's causal models build a generation cache by default (``use_cache=True``), useless in
+    training: GPT-2's plain step peaks at 102.70 MiB with it, 96.70 without. optmem's
+    wrapper already calls with ``use_cache=False``
+    (:func:`optmem.pytorch.wrapper.canonical_call`), so every method gets it, for memories
+    and times that compare like for like. Empty for a model without that argument (BERT).
+    """
+    return {"use_cache": False} if "use_cache" in inspect.signature(
+        model.forward).parameters else {}
+
+
 def train_step(call: Callable[..., Any], model: nn.Module, batch: dict[str, Any]) -> None:
-    """One forward (the model's loss) and backward."""
-    call(**batch).loss.backward()
+    """One forward (the model's loss) and backward, with :func:`step_kwargs` for every method."""
+    call(**batch, **step_kwargs(model)).loss.backward()
 
 
 def real_peak(call: Callable[..., Any], model: nn.Module, batch: dict[str, Any]) -> int:
@@ -407,6 +422,7 @@ class Setting:
     limit: int | None = None
     allowance: int | None = None  # plan_allowance of an optmem plan (bytes)
     tracker: int | None = None  # MemTracker's activation peak of the same step (bytes)
+    autotune: dict[str, Any] = field(default_factory=dict)  # the autotune record, if tuned
 
     @property
     def median(self) -> float:
@@ -569,6 +585,82 @@ def run_series(name: str, cmodel: Any, model: nn.Module, batch: dict[str, Any],
     return series
 
 
+AUTOTUNE = "optmem autotune"
+"""The name of the series whose plans :func:`optmem.pytorch.autotune.autotune` chose."""
+
+
+def autotune_series(base: Series, cmodel: Any, model: nn.Module, batch: dict[str, Any],
+                    targets: dict[str, int]) -> Series:
+    """optmem with measured plan selection at the limits ``base`` matched to each memory.
+
+    At every limit of ``base``, the candidates of :func:`optmem.pytorch.autotune.autotune`
+    (the plans of its cost-model settings at that limit) are formed; those whose real
+    peak exceeds a target memory the limit was matched to are dropped (the candidates fit
+    the limit in the chain model, not necessarily the real memory the limit was searched
+    for; the default plan always fits), the rest timed as autotune times them (wall clock,
+    interleaved, on the batch) and the fastest median kept. Where the store-all fast path
+    is taken nothing is timed.
+    """
+    from optmem.pytorch.autotune import (
+        AUTOTUNE_ROUNDS,
+        candidates,
+        chosen_record,
+        fastest,
+        time_candidates,
+    )
+
+    ser = Series(AUTOTUNE, base.search, dict(base.matched))
+    for limit, default in base.settings.items():
+        cmodel.resolve(memory_limit=limit)
+        fast = bool(cmodel.fast_path_taken)
+        cands = candidates(cmodel._planner, cmodel.chain, limit, cmodel.result)
+        room = min((targets.get(label, default.real_peak) for label, lim in
+                    base.matched.items() if lim == limit), default=default.real_peak)
+        peaks = {cands[0].plan_id: default.real_peak}
+        for cand in cands[1:] if not fast else []:
+            cmodel.use_plan(cand.plan, method="dp", memory_limit=limit)
+            peaks[cand.plan_id] = real_peak(cmodel, model, batch)
+        fitting = [c for c in (cands[:1] if fast else cands) if peaks[c.plan_id] <= room]
+        skipped = "store-all fast path" if fast else None if len(fitting) > 1 else \
+            "one candidate fits the memory"
+        if skipped is None:
+            cmodel.use_plan(cands[0].plan, method="dp", memory_limit=limit)
+            time_candidates(cmodel, batch, fitting)
+        best = fitting[fastest(fitting)]
+        record = {"rounds": AUTOTUNE_ROUNDS, "warmup": 1, "skipped": skipped,
+                  **chosen_record(cands, cands.index(best))}
+        for row in record["candidates"]:
+            row["real_peak"] = peaks.get(row["plan_id"])
+        plan = tuple(str(p) for p in best.plan)
+        sim = simulate_checkpoint(cmodel.chain, plan)
+        cmodel.use_plan(plan, method="dp", memory_limit=limit)
+        allowance = 0 if fast else plan_allowance(cmodel.chain, plan, list(
+            cmodel.stages)) + cmodel.side_input_bytes()
+        pred = (default.predicted_peak, default.predicted_ms) if fast else \
+            (int(sim.peak_memory), float(sim.makespan))
+        ser.settings[limit] = Setting(AUTOTUNE, default.setting,
+                                      partial(_with_plan, cmodel, plan, limit), pred[0],
+                                      pred[1], peaks[best.plan_id], limit=limit,
+                                      allowance=allowance, autotune=record)
+    return ser
+
+
+def autotune_table(ser: Series) -> list[str]:
+    """Every limit of the autotune series: its candidates, measured medians and the choice."""
+    rows = _header("limit MiB", "candidate plan", "settings", "segments", "model ms",
+                   "real peak MiB", "measured ms (median)", "chosen")
+    for limit, st in sorted(ser.settings.items()):
+        record = st.autotune
+        note = f" ({record['skipped']})" if record.get("skipped") else ""
+        for c in record.get("candidates", []):
+            ms = "-" if c["measured_ms"] is None else f"{c['measured_ms']:.1f}"
+            rows.append(f"| {_mib(limit)} | {c['plan_id']} | {', '.join(c['settings'])} | "
+                        f"{c['segments']} | {c['model_objective']:.2f} | "
+                        f"{_mib(c.get('real_peak'))} | {ms} | "
+                        f"{'yes' if c['chosen'] else ''}{note if c['chosen'] else ''} |")
+    return rows
+
+
 def grad_difference(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> float:
     """Largest absolute difference of two gradient lists (0.0: bitwise equal).
 
@@ -627,7 +719,8 @@ def baselines(model: nn.Module, chain: Chain, layers_of: list[int | None], layer
 def bench_model(spec: Spec, *, rounds: int, grid: int, steps: int, sweep: int,
                 repeats: int, more: bool = True,
                 memtracker: bool = True, segment_cost: float | None = None,
-                per_round: int = 1, log: Callable[[str], None] = print) -> dict[str, Any]:
+                per_round: int = 1, log: Callable[[str], None] = print,
+                tune: bool = False) -> dict[str, Any]:
     """Measure every setting on one model (memory first, then interleaved timing).
 
     Every round runs every setting ``per_round`` steps in a row and keeps the fastest
@@ -659,6 +752,11 @@ def bench_model(spec: Spec, *, rounds: int, grid: int, steps: int, sweep: int,
     if segment_cost is not None:  # the DP with another charge per recomputed segment
         series.append(run_series(f"optmem seg={segment_cost:g}", cmodel, model, batch,
                                  targets, grid, steps, {"segment_cost": segment_cost}))
+    if tune:  # measured selection at the default series' limits
+        t1 = time.perf_counter()
+        series.append(autotune_series(series[0], cmodel, model, batch, targets))
+        log(f"  {AUTOTUNE}: {len(series[-1].settings)} limits tuned in "
+            f"{time.perf_counter() - t1:.0f} s")
     for ser in series:
         log(f"  {ser.name}: smallest limit {ser.search.smallest / MiB:.2f} MiB, "
             f"{len(ser.search.by_plan)} plans measured, {len(ser.settings)} kept")
@@ -931,6 +1029,10 @@ def report(results: list[dict[str, Any]], rounds: int, loads: list[str],
         for ser in res["series"]:
             out += ["", f"Targets of issue 13.6, {ser.name}:", ""]
             out += [f"- {x}" for x in checks(res, ser)] + [f"- {resolution_line(res)}"]
+            if ser.name == AUTOTUNE:
+                out += ["", "What autotune timed at each limit (wall-clock ms on the batch, "
+                        "while tuning; `model ms`: makespan + segment charges):", ""]
+                out += autotune_table(ser)
         out.append("")
     return "\n".join(out)
 
@@ -1002,6 +1104,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                     help="also run optmem's dp with extra segment_cost=MS per recomputed "
                          "segment instead of the measured one (series 'optmem seg=MS'; 0: "
                          "rotor's model, the default before the measured cost)")
+    ap.add_argument("--autotune", action="store_true",
+                    help=f"also run optmem with measured plan selection (series "
+                         f"'{AUTOTUNE}': op.checkpoint's autotune at every limit of the "
+                         "default series)")
     ap.add_argument("--steps-per-round", type=int, default=None, metavar="K",
                     help="steps in a row per setting and round, the fastest kept (3; quick 1)")
     ap.add_argument("--no-malloc-env", action="store_true",
@@ -1025,7 +1131,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for spec in specs:
         results.append(bench_model(spec, rounds=rounds,
                                    more=not args.hf_only, memtracker=not args.no_memtracker,
-                                   segment_cost=args.segment_cost,
+                                   segment_cost=args.segment_cost, tune=args.autotune,
                                    per_round=args.steps_per_round or (1 if args.quick else 3),
                                    **options))
         loads.append(_load())

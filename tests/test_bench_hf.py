@@ -54,6 +54,42 @@ def test_baselines_give_the_plain_gradients(bench):
     assert all(type(m).__name__ == "GPT2Block" for m in bench.layer_list(model))
 
 
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_every_method_gets_the_same_call(bench, name):
+    """Like for like: the plain model, HF, per-layer, sequential and optmem are all called
+    with the same batch and keyword arguments, ``use_cache=False`` where the model takes it
+    (GPT-2, Llama; HF builds a generation cache otherwise), nothing more where it does not
+    (BERT)."""
+    import optmem.pytorch as op
+
+    model, batch = bench.build(bench.Spec(name, layers=2, hidden=32, seq=16, batch=2,
+                                          vocab=100))
+    seen: dict[str, dict] = {}
+
+    def recorded(label, call):
+        def run(**kwargs):
+            seen[label] = kwargs
+            return call(**kwargs)
+        return run
+
+    cmodel = op.checkpoint(model, batch, memory_limit=10 ** 9, repeats=1, warmup=0,
+                           fast_path=False)
+    enters = {"plain": lambda: bench.store_all(model),
+              "HF": lambda: bench.hf_checkpointing(model),
+              "per-layer": lambda: bench.per_layer(model, 2),
+              "sequential": lambda: bench.sequential(model, 2),
+              "optmem": lambda: bench._with_plan(cmodel, tuple(cmodel.plan), 10 ** 9)}
+    for label, enter in enters.items():
+        with enter() as call:
+            bench.train_step(recorded(label, call), model, batch)
+    expected = {**batch, **({"use_cache": False} if name == "gpt2" else {})}
+    for label, kwargs in seen.items():
+        assert kwargs.keys() == expected.keys(), label
+        assert all(kwargs[k] is expected[k] for k in expected), label
+    assert len(seen) == len(enters)
+    model.zero_grad(set_to_none=True)
+
+
 def test_layer_plans(bench):
     names = ["emb", "h.0:attn", "h.0:mlp", "h.1:attn", "h.1:mlp", "h.2:attn", "h.2:mlp",
              "head", "loss"]
@@ -79,7 +115,7 @@ def test_layer_plans(bench):
 
 def test_benchmark_code_path(bench, tmp_path):
     res = bench.bench_model(bench.Spec(**TINY), rounds=1, grid=3, steps=1, sweep=1,
-                            repeats=1, per_round=2, log=lambda _: None)
+                            repeats=1, per_round=2, log=lambda _: None, tune=True)
     settings = res["settings"]
     plain, hf = settings[0], settings[1]
     assert [s.setting for s in settings[2:]] == ["every 2", "every 3", "2 segments",
@@ -88,7 +124,19 @@ def test_benchmark_code_path(bench, tmp_path):
     assert plain.tracker is not None and hf.tracker is not None  # MemTracker's view too
     assert all(len(s.cpu) == 1 and len(s.wall) == 1 and len(s.faults) == 1 for s in settings)
     assert res["per_round"] == 2
-    assert [s.name for s in res["series"]] == ["optmem"]
+    assert [s.name for s in res["series"]] == ["optmem", bench.AUTOTUNE]
+    base, tuned = res["series"]
+    assert tuned.matched == base.matched and tuned.settings.keys() == base.settings.keys()
+    for limit, st in tuned.settings.items():  # whatever the clock chose: a record, a fit
+        record = st.autotune
+        assert record["chosen"] in [c["plan_id"] for c in record["candidates"]]
+        assert [c["chosen"] for c in record["candidates"]].count(True) == 1
+        assert st.limit == limit and st.real_peak <= st.limit + st.allowance
+        chosen = next(c for c in record["candidates"] if c["chosen"])
+        assert chosen["real_peak"] == st.real_peak  # a candidate that fits the memory
+        if record["skipped"] is None:  # the candidates that fit were timed, 5 rounds each
+            assert sum(len(c["times_ms"]) == 5 for c in record["candidates"]) >= 2
+            assert all(len(c["times_ms"]) in (0, 5) for c in record["candidates"])
     for ser in res["series"]:
         assert ser.settings, ser.name
         for label, memory in res["targets"].items():
@@ -113,6 +161,8 @@ def test_benchmark_code_path(bench, tmp_path):
     assert len(again.cpu) == 1 and plain.cpu and again.cpu is not plain.cpu
     text = bench.report([res], 1, ["0.0"])
     assert "Targets of issue 13.6, optmem:" in text
+    assert f"Targets of issue 13.6, {bench.AUTOTUNE}:" in text
+    assert "What autotune timed at each limit" in text
     assert f"| store-all | {bench.REPEAT} |" in text and "- noise floor of this run:" in text
     assert "the fastest of 2 steps in a row" in text and "page faults / step" in text
     assert text.count("| store-all | plain model |") == 1

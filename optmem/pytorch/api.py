@@ -16,7 +16,7 @@ of it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch import nn
@@ -160,6 +160,7 @@ def build_planned(cls: type[PlannedModule], kind: str, module: Any, sample: Any,
     options = dict(options)
     chain = options.pop("chain", None)
     fast_path = bool(options.pop("fast_path", True))
+    tune = {k: options.pop(k) for k in _AUTOTUNE_OPTIONS if k in options}
     pick = {group: {k: options.pop(k) for k in keys if k in options}
             for group, keys in (("profile", _PROFILE_OPTIONS), ("solver", _SOLVER_OPTIONS),
                                 ("executor", _EXECUTOR_OPTIONS[kind]))}
@@ -169,7 +170,35 @@ def build_planned(cls: type[PlannedModule], kind: str, module: Any, sample: Any,
     planner = Planner(kind, memory_limit, method, bandwidth=bandwidth,
                       executor_options=pick["executor"], **pick["solver"])
     profile = ProfileOptions(**pick["profile"])
-    return cls.build(module, sample, planner, profile, chain=chain, fast_path=fast_path)
+    wants_tuning = bool(tune.pop("autotune", False))
+    if wants_tuning:
+        _check_autotune(kind, planner)
+    planned = cls.build(module, sample, planner, profile, chain=chain, fast_path=fast_path)
+    if wants_tuning:
+        from optmem.pytorch.autotune import AUTOTUNE_ROUNDS, autotune
+
+        rounds = tune.get("autotune_rounds")
+        autotune(planned, sample, timer=tune.get("autotune_timer"),
+                 rounds=AUTOTUNE_ROUNDS if rounds is None else rounds)
+    return planned
+
+
+_AUTOTUNE_OPTIONS = ("autotune", "autotune_timer", "autotune_rounds")
+
+
+def _check_autotune(kind: str, planner: Planner) -> None:
+    """One clear error where measured selection does not apply (see :func:`checkpoint`)."""
+    from optmem.pytorch.process_groups import resolve_group
+
+    if kind != "checkpoint":
+        raise OptmemInputError(f"autotune is a checkpoint option (it re-solves the "
+                               f"checkpoint plan under other per-op and per-segment "
+                               f"charges); {kind} plans are not chosen that way",
+                               field="autotune")
+    if resolve_group(planner.process_group) is not None:
+        raise OptmemInputError("autotune times the plans in this process: with several "
+                               "ranks they could choose differently; pass "
+                               "process_group='local' or autotune=False", field="autotune")
 
 
 def checkpoint(
@@ -197,6 +226,9 @@ def checkpoint(
     op_overhead: float | None = None,
     op_overhead_ratio: float | None = None,
     fast_path: bool = True,
+    autotune: bool = False,
+    autotune_timer: Callable[[Callable[[], None], Any], float] | None = None,
+    autotune_rounds: int | None = None,
 ) -> CheckpointedModule:
     """Return ``module`` wrapped to train with the optimal checkpointing plan under a limit.
 
@@ -257,6 +289,17 @@ def checkpoint(
         step, measured while profiling (``chain.extra["profile"]["plain_peak"]``), fits
         ``memory_limit``, the wrapper calls the model itself (no executor, no stages).
         ``False``: the plan always runs through the executor.
+    autotune, autotune_timer, autotune_rounds
+        Measured plan selection (:mod:`optmem.pytorch.autotune`, ``docs/pytorch.md``),
+        off by default because it makes the plan depend on timings: with ``True``, the
+        DP's optima at the same limit under a few cost-model settings (the profile's
+        charges, other per-op charges, a heavier segment charge), deduplicated and
+        replayed within the limit, are each timed on ``sample`` (a warm-up step, then
+        ``autotune_rounds`` interleaved training steps, 5 by default; the model's
+        gradients, buffers and RNG state restored) and the fastest median is kept;
+        ``.result.report["autotune"]`` and :meth:`summary` list them. Nothing is timed when
+        the store-all fast path is taken or one plan remains. ``autotune_timer(step,
+        candidate) -> ms`` replaces the wall clock (tests). Not with several ranks.
 
     Returns
     -------
@@ -291,7 +334,9 @@ def checkpoint(
                                     extract=extract, process_group=process_group,
                                     op_overhead=op_overhead,
                                     op_overhead_ratio=op_overhead_ratio,
-                                    fast_path=fast_path,
+                                    fast_path=fast_path, autotune=autotune,
+                                    autotune_timer=autotune_timer,
+                                    autotune_rounds=autotune_rounds,
                                     **({} if segment_cost is None
                                        else {"extra": {"segment_cost": segment_cost}})))
 

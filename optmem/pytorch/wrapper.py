@@ -443,6 +443,7 @@ class PlannedModule(nn.Module):
                          f"(segment_cost; with them "
                          f"{result.report['objective_with_segments']:.3f})")
         lines.append(self._path_line())
+        lines += _autotune_lines(result.report.get("autotune"), chain.time_unit)
         side = self.side_input_bytes()
         if side:
             lines.append(f"side inputs (masks, position tables; not in the limit): "
@@ -478,6 +479,23 @@ class PlannedModule(nn.Module):
     def extra_repr(self) -> str:  # noqa: D102
         return f"{self._planner.kind}: {len(self.result.plan)} ops over " \
                f"{self.chain.length} stages"
+
+
+def _autotune_lines(record: dict[str, Any] | None, unit: str) -> list[str]:
+    """The measured selection (``report["autotune"]``, :mod:`optmem.pytorch.autotune`)."""
+    if not record:
+        return []
+    cands = record.get("candidates") or []
+    if record.get("skipped"):
+        return [f"autotune: nothing timed ({record['skipped']}); {len(cands)} candidate(s)"]
+    lines = [f"autotune: {len(cands)} candidate plans timed (median of {record['rounds']} "
+             f"interleaved steps after {record['warmup']} warm-up), plan "
+             f"{record['chosen']} kept"]
+    for c in cands:
+        lines.append(f"  {'*' if c['chosen'] else ' '} {c['plan_id']} "
+                     f"({', '.join(c['settings'])}): {c['segments']} segments, model "
+                     f"{c['model_objective']:.3f} {unit}, measured {c['measured_ms']:.3f} ms")
+    return lines
 
 
 # ------------------------------------------------------------------ calls and signatures
