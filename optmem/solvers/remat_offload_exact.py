@@ -756,7 +756,7 @@ def _full_solve(setup: _Setup, options: SolveOptions, report: dict[str, Any], *,
           description="exact model (checkpoint slots + link positions, O.7 memory), PuLP",
           compare_as=(("ilp", 6),),
           extra=("sweeps", "transfers_per_gap", "grid", "backlog_grid", "prefetch",
-                 "relaxation", "relaxation_deadlines", "relaxation_values"))
+                 "relaxation", "relaxation_deadlines", "relaxation_values", "relaxation_lazy"))
 def solve_ilp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     """Optimal plan over the model's class (module docstring), HiGHS/CBC/Gurobi."""
     return _solve_model(problem, options, "ilp")
@@ -766,8 +766,8 @@ def solve_ilp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
           description="exact model (same formulation as ilp), CP-SAT",
           compare_as=(("cpsat", 6),),
           extra=("sweeps", "transfers_per_gap", "grid", "backlog_grid", "prefetch",
-                 "relaxation", "relaxation_deadlines", "relaxation_values", "strategy",
-                 "benders_work",
+                 "relaxation", "relaxation_deadlines", "relaxation_values", "relaxation_lazy",
+                 "strategy", "benders_work",
                  "benders_filter_work", "benders_iterations", "benders_warmup",
                  "benders_filter", "benders_host_bound"))
 def solve_cpsat(problem: RematOffloadProblem, options: SolveOptions) -> Result:
