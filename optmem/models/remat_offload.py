@@ -566,6 +566,18 @@ def build_link_relaxation(chain: Chain, memory_limit: int, bandwidth: float, *,
     (``abar^2``) and 5 of ``a^1`` return in the two time units between ``B 4`` and ``B 3``;
     the master's compute sequence is worth 87 in the model but 74 in the aggregated
     relaxation, 84 with these rows; the relaxation's optimum rises from 74 to 76.
+
+    **Host rows on some items** (``host_items``, with ``host_values``; ``None``: every item):
+    the items of ``host_items`` get the binaries ``h[v,p]`` and their rows as above, the
+    others the aggregated relief ``r_p`` and its rows; the per-value run rows are written
+    between two neighbouring items that both have binaries (and at the schedule's ends).
+    Still a relaxation: the point the proof builds, with ``r_p = sum_v size_v h[v,p]`` on
+    the items without binaries, satisfies the aggregated rows there (``h <= stored -
+    reads``; the per-value deadline rows imply the aggregated ones) and the host rows on
+    the others, and the rows kept are a subset of the two models' rows. Its optimum lies
+    between the aggregated relaxation's and the one with host rows everywhere: the lazy
+    host stage of :func:`~optmem.solvers.remat_offload_exact._relaxation_bound` adds items
+    only where the current solution violates their rows (:func:`host_violations`).
     """
     cf = ck.build_formulation(chain, memory_limit, "full", sweeps, reductions=False)
     a = [chain.input_size, *chain.output_size]
@@ -653,7 +665,8 @@ def build_link_relaxation(chain: Chain, memory_limit: int, bandwidth: float, *,
 HOST_ITEM_MAX_VALUES = 14  # most host binaries of one item host_violations enumerates
 
 
-def host_item_rows(full: Model, aggregated: Model) -> dict[int, tuple[list[int], list[Constraint]]]:
+def host_item_rows(full: Model, aggregated: Model
+                   ) -> dict[int, tuple[list[int], list[Constraint]]]:
     """Per item ``p``: its host binaries ``h[v,p]`` in ``full`` and the rows local to them.
 
     ``full`` is :func:`build_link_relaxation` with the host rows on every item, ``aggregated``
