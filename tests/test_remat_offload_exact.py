@@ -640,7 +640,8 @@ def test_lazy_host_stage_matches_the_host_stage(seed: int) -> None:
     chain = random_chain(4, seed=seed, max_size=6)
     rounds = 0
     for limit in limits(chain):
-        full = exact._relaxation_bound(chain, limit, 1.0, 1, OPTS, "cpsat")
+        full = exact._relaxation_bound(chain, limit, 1.0, 1,
+                                       OPTS.with_(extra={"relaxation_lazy": False}), "cpsat")
         lazy = exact._relaxation_bound(chain, limit, 1.0, 1,
                                        OPTS.with_(extra={"relaxation_lazy": True}), "cpsat")
         assert lazy.info["deadline_bound"] == pytest.approx(full.info["deadline_bound"])
@@ -706,6 +707,7 @@ def _timed_stages(monkeypatch: pytest.MonkeyPatch, build_s: float,
     return clock, limits_given
 
 
+FULL_HOST = {"relaxation_lazy": False}  # the clocked tests: the host stage in one MILP
 _TOO_LARGE = "skipped (too large, or the deadline stage not solved)"
 
 
@@ -736,7 +738,8 @@ def test_relaxation_stays_within_its_share(monkeypatch: pytest.MonkeyPatch, buil
     chain = random_chain(4, seed=41, max_size=6)
     share = exact.RELAXATION_SHARE * 100.0
     relaxed = exact._relaxation_bound(chain, limits(chain)[0], 1.0, 1,
-                                      SolveOptions(threads=1, time_limit_s=100.0), "cpsat",
+                                      SolveOptions(threads=1, time_limit_s=100.0, extra=FULL_HOST),
+                                      "cpsat",
                                       clock=clock)
     assert len(given) == ran
     assert clock.now <= share + 1e-9
@@ -768,7 +771,8 @@ def test_relaxation_master_stages_may_use_the_loops_time(
     clock, given = _timed_stages(monkeypatch, 0.0, stages)
     chain = random_chain(4, seed=41, max_size=6)
     relaxed = exact._relaxation_bound(chain, limits(chain)[0], 1.0, 1,
-                                      SolveOptions(threads=1, time_limit_s=100.0), "cpsat",
+                                      SolveOptions(threads=1, time_limit_s=100.0, extra=FULL_HOST),
+                                      "cpsat",
                                       master_budget_s=70.0, clock=clock)
     assert given == pytest.approx(given_limits)
     assert relaxed.info["host_bound"] == host
@@ -782,8 +786,8 @@ def test_relaxation_without_time_limit_runs_every_stage(monkeypatch: pytest.Monk
 
     clock, given = _timed_stages(monkeypatch, 1.0, [(1.0, Status.OPTIMAL)] * 3)
     chain = random_chain(4, seed=41, max_size=6)
-    exact._relaxation_bound(chain, limits(chain)[0], 1.0, 1, SolveOptions(threads=1),
-                            "cpsat", clock=clock)
+    exact._relaxation_bound(chain, limits(chain)[0], 1.0, 1,
+                            SolveOptions(threads=1, extra=FULL_HOST), "cpsat", clock=clock)
     assert given == [None, None, None]
 
 

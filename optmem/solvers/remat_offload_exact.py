@@ -90,7 +90,7 @@ from optmem.solvers.remat_offload_schedule import Window, static_replay, window_
 BRUTE_MAX_LENGTH = 2
 COMPLETION_SHARE = 0.25  # share of a user's time limit spent completing warm starts
 RELAXATION_SHARE = 0.25  # share of a user's time limit spent on the link relaxation's bound
-LAZY_HOST_DEFAULT = False  # extra["relaxation_lazy"]: the host stage's rows added lazily
+LAZY_HOST_DEFAULT = True  # extra["relaxation_lazy"]: the host stage's rows added lazily
 HOST_STAGE_MAX_VALUES = 1200  # most per-value host binaries of the host stage (_host_stage_fits)
 MAX_RATIONAL_SCALE = 10**6  # largest exact CP-SAT time grid: never finer than the decimal one
 BENDERS_WARMUP = 0.3  # share of the time limit for the monolithic warm-up of strategy=benders
@@ -410,8 +410,12 @@ def _relaxation_bound(chain: Chain, memory_limit: int, beta: float, sweeps: int,
     :data:`LEAST_ENGINE_TIME_S`, a later one runs only with that much left of its budget,
     and the host stage only when :func:`_host_stage_fits` (model size, not
     time: the stage's time varies 3x with the load, its size does not). ``clock`` is the
-    time source (injected by the tests). ``-inf`` when it is off (``extra["relaxation"] =
-    False``), no MILP engine is installed, there is no link or the engine fails.
+    time source (injected by the tests). With ``extra["relaxation_lazy"]`` (default
+    :data:`LAZY_HOST_DEFAULT`) the host stage is :func:`_lazy_host` instead (host rows only
+    on the items the current optimum violates; no size rule, the share bounds it;
+    ``info["host_rounds"]``, ``info["host_items"]``). ``-inf`` when it is off
+    (``extra["relaxation"] = False``), no MILP engine is installed, there is no link or the
+    engine fails.
     """
     deadlines = flag(options, "relaxation_deadlines", True)
     host_values = flag(options, "relaxation_values", True)
