@@ -4,6 +4,7 @@ and the DP; HiGHS and CP-SAT emitters of the one model against each other."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -376,7 +377,7 @@ def test_link_cuts_lift_the_relaxation() -> None:
 
 
 def _relaxation(chain: Chain, limit: int, beta: float, fixed: dict[int, float] | None = None,
-                **rows: bool) -> float:
+                **rows: Any) -> float:
     """The optimum of the link relaxation (HiGHS, proven); ``rows``: its row options,
     ``fixed``: variables fixed (the compute binaries of a sequence)."""
     from optmem.models.formulation import Expr, Relation, to_pulp
@@ -423,6 +424,26 @@ def test_host_value_rows_only_lift_the_relaxation(chain: Chain, limit: int,
     assert lifted >= aggregated - 1e-6
     if brute.status.has_plan:
         assert lifted <= brute.objective + 1e-6
+    else:
+        assert brute.status is Status.INFEASIBLE
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(chain=st.one_of(tiny(), tiny_with_idle_ops()), limit=st.integers(3, 22),
+       beta=st.sampled_from([0.5, 1.0, 3.0]), items=st.sets(st.integers(0, 40), max_size=12))
+def test_host_rows_on_some_items_stay_a_relaxation(chain: Chain, limit: int, beta: float,
+                                                   items: set[int]) -> None:
+    """The per-value host rows on a subset of the items only (``host_items``, the rows a
+    lazy master would add) never lower the aggregated relaxation and never lift it above
+    brute force's optimum, nor above the relaxation with the host rows everywhere."""
+    brute = solve(RematOffloadProblem(chain, limit, chain_bandwidth=beta), "brute",
+                  options=OPTS)
+    assert brute.status is not Status.ERROR
+    aggregated = _relaxation(chain, limit, beta, host_values=False)
+    partial = _relaxation(chain, limit, beta, host_items=items)
+    assert aggregated - 1e-6 <= partial <= _relaxation(chain, limit, beta) + 1e-6
+    if brute.status.has_plan:
+        assert partial <= brute.objective + 1e-6
     else:
         assert brute.status is Status.INFEASIBLE
 
@@ -608,6 +629,47 @@ def test_relaxation_keeps_the_strongest_solved_stage(monkeypatch: pytest.MonkeyP
     assert stopped.bound == pytest.approx(max(stages[1] + 0.5, stages[1]))
 
 
+@pytest.mark.parametrize("seed", [41, 2])
+def test_lazy_host_stage_matches_the_host_stage(seed: int) -> None:
+    """``relaxation_lazy``: the host stage with its rows added only on the items whose
+    local host rows the current solution violates reaches the full host stage's bound on
+    the 4-stage chains (from the deadline stage's, in one or two rounds, with fewer
+    items), and is never above it."""
+    import optmem.solvers.remat_offload_exact as exact
+
+    chain = random_chain(4, seed=seed, max_size=6)
+    rounds = 0
+    for limit in limits(chain):
+        full = exact._relaxation_bound(chain, limit, 1.0, 1,
+                                       OPTS.with_(extra={"relaxation_lazy": False}), "cpsat")
+        lazy = exact._relaxation_bound(chain, limit, 1.0, 1,
+                                       OPTS.with_(extra={"relaxation_lazy": True}), "cpsat")
+        assert lazy.info["deadline_bound"] == pytest.approx(full.info["deadline_bound"])
+        assert lazy.bound == pytest.approx(full.bound, abs=1e-6)
+        assert lazy.info["host_bound"] <= full.info["host_bound"] + 1e-6
+        assert lazy.info["host_items"] < len(build_remat_offload(
+            chain, limit, 1.0).checkpoint.sequence)
+        rounds += lazy.info["host_rounds"]
+    assert rounds >= 1
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(chain=st.one_of(tiny(), tiny_with_idle_ops()), limit=st.integers(3, 22),
+       beta=st.sampled_from([0.5, 1.0, 3.0]))
+def test_lazy_host_stage_never_exceeds_the_brute_optimum(chain: Chain, limit: int,
+                                                         beta: float) -> None:
+    """The lazy host stage's bound (every round's) is at most brute force's optimum."""
+    import optmem.solvers.remat_offload_exact as exact
+
+    brute = solve(RematOffloadProblem(chain, limit, chain_bandwidth=beta), "brute",
+                  options=OPTS)
+    assert brute.status is not Status.ERROR
+    lazy = exact._relaxation_bound(chain, limit, beta, 1,
+                                   OPTS.with_(extra={"relaxation_lazy": True}), "cpsat")
+    if brute.status.has_plan:
+        assert lazy.bound <= brute.objective + 1e-6
+
+
 class _Clock:
     """A clock the tests move by hand (the relaxation's time source)."""
 
@@ -645,6 +707,7 @@ def _timed_stages(monkeypatch: pytest.MonkeyPatch, build_s: float,
     return clock, limits_given
 
 
+FULL_HOST = {"relaxation_lazy": False}  # the clocked tests: the host stage in one MILP
 _TOO_LARGE = "skipped (too large, or the deadline stage not solved)"
 
 
@@ -675,7 +738,8 @@ def test_relaxation_stays_within_its_share(monkeypatch: pytest.MonkeyPatch, buil
     chain = random_chain(4, seed=41, max_size=6)
     share = exact.RELAXATION_SHARE * 100.0
     relaxed = exact._relaxation_bound(chain, limits(chain)[0], 1.0, 1,
-                                      SolveOptions(threads=1, time_limit_s=100.0), "cpsat",
+                                      SolveOptions(threads=1, time_limit_s=100.0, extra=FULL_HOST),
+                                      "cpsat",
                                       clock=clock)
     assert len(given) == ran
     assert clock.now <= share + 1e-9
@@ -707,7 +771,8 @@ def test_relaxation_master_stages_may_use_the_loops_time(
     clock, given = _timed_stages(monkeypatch, 0.0, stages)
     chain = random_chain(4, seed=41, max_size=6)
     relaxed = exact._relaxation_bound(chain, limits(chain)[0], 1.0, 1,
-                                      SolveOptions(threads=1, time_limit_s=100.0), "cpsat",
+                                      SolveOptions(threads=1, time_limit_s=100.0, extra=FULL_HOST),
+                                      "cpsat",
                                       master_budget_s=70.0, clock=clock)
     assert given == pytest.approx(given_limits)
     assert relaxed.info["host_bound"] == host
@@ -721,8 +786,8 @@ def test_relaxation_without_time_limit_runs_every_stage(monkeypatch: pytest.Monk
 
     clock, given = _timed_stages(monkeypatch, 1.0, [(1.0, Status.OPTIMAL)] * 3)
     chain = random_chain(4, seed=41, max_size=6)
-    exact._relaxation_bound(chain, limits(chain)[0], 1.0, 1, SolveOptions(threads=1),
-                            "cpsat", clock=clock)
+    exact._relaxation_bound(chain, limits(chain)[0], 1.0, 1,
+                            SolveOptions(threads=1, extra=FULL_HOST), "cpsat", clock=clock)
     assert given == [None, None, None]
 
 

@@ -115,13 +115,14 @@ the replayed plan meets it.
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 
 from optmem.chain import Chain
 from optmem.models import checkpoint_ilp as ck
-from optmem.models.formulation import Expr, Literal, Model, Relation, Var
+from optmem.models.formulation import Constraint, Expr, Literal, Model, Relation, Var
 from optmem.plan import AnyOp, Op, OpKind, TransferKind, TransferOp, offload, prefetch
 
 Value = tuple[str, int]
@@ -501,7 +502,8 @@ def build_remat_offload(chain: Chain, memory_limit: int, bandwidth: float, *,
 
 def build_link_relaxation(chain: Chain, memory_limit: int, bandwidth: float, *,
                           sweeps: int = 1, horizon: float | None = None,
-                          deadlines: bool = True, host_values: bool = True) -> Model:
+                          deadlines: bool = True, host_values: bool = True,
+                          host_items: Collection[int] | None = None) -> Model:
     r"""A small relaxation of :func:`build_remat_offload`: integral compute, aggregated link.
 
     The compute part is the same checkpoint formulation (same slots, same class, exact
@@ -564,6 +566,18 @@ def build_link_relaxation(chain: Chain, memory_limit: int, bandwidth: float, *,
     (``abar^2``) and 5 of ``a^1`` return in the two time units between ``B 4`` and ``B 3``;
     the master's compute sequence is worth 87 in the model but 74 in the aggregated
     relaxation, 84 with these rows; the relaxation's optimum rises from 74 to 76.
+
+    **Host rows on some items** (``host_items``, with ``host_values``; ``None``: every item):
+    the items of ``host_items`` get the binaries ``h[v,p]`` and their rows as above, the
+    others the aggregated relief ``r_p`` and its rows; the per-value run rows are written
+    between two neighbouring items that both have binaries (and at the schedule's ends).
+    Still a relaxation: the point the proof builds, with ``r_p = sum_v size_v h[v,p]`` on
+    the items without binaries, satisfies the aggregated rows there (``h <= stored -
+    reads``; the per-value deadline rows imply the aggregated ones) and the host rows on
+    the others, and the rows kept are a subset of the two models' rows. Its optimum lies
+    between the aggregated relaxation's and the one with host rows everywhere: the lazy
+    host stage of :func:`~optmem.solvers.remat_offload_exact._relaxation_bound` adds items
+    only where the current solution violates their rows (:func:`host_violations`).
     """
     cf = ck.build_formulation(chain, memory_limit, "full", sweeps, reductions=False)
     a = [chain.input_size, *chain.output_size]
@@ -592,18 +606,20 @@ def build_link_relaxation(chain: Chain, memory_limit: int, bandwidth: float, *,
         return a[v[1]] if v[0] == A_ else abar[v[1]]
 
     relief: list[Expr] = []
-    hosts: list[dict[Value, Expr]] = []
+    hosts: list[dict[Value, Expr] | None] = []
     for p in range(n):
         A, T = cf.states[p]
         name, mexpr = cf.memory_rows[p]
         if bandwidth <= 0:
             m.add(_x(mexpr) <= memory_limit, name)
             continue
-        if host_values:
-            hosts.append(_host_relief(m, p, _unread(cf, p, reads, size), size))
-            relief.append(Expr.sum(h * size(v) for v, h in hosts[p].items()))
+        if host_values and (host_items is None or p in host_items):
+            held = _host_relief(m, p, _unread(cf, p, reads, size), size)
+            hosts.append(held)
+            relief.append(Expr.sum(h * size(v) for v, h in held.items()))
             m.add(_x(mexpr) - relief[p] <= memory_limit, name)
             continue
+        hosts.append(None)
         r = m.continuous(f"r{p}", 0.0, float(sum(a) + sum(abar)))
         free = Expr.sum([*(_x(e) * a[i] for i, e in A.items()),
                          *(_x(e) * abar[i] for i, e in T.items())])
@@ -629,9 +645,10 @@ def build_link_relaxation(chain: Chain, memory_limit: int, bandwidth: float, *,
             d = m.continuous(f"d{q}", 0.0, cap)
             m.add(u >= cur - prev, f"u{q}")
             m.add(d >= prev - cur, f"d{q}")
-            if hosts:
-                runs = _run_changes(m, q, hosts[q] if q < n else {},
-                                    hosts[q - 1] if q > 0 else {}, size)
+            cur_h = hosts[q] if q < n else {}
+            prev_h = hosts[q - 1] if q > 0 else {}
+            if cur_h is not None and prev_h is not None:
+                runs = _run_changes(m, q, cur_h, prev_h, size)
                 m.add(u >= runs[0], f"u_values{q}")
                 m.add(d >= runs[1], f"d_values{q}")
             up.append(u)
@@ -643,6 +660,79 @@ def build_link_relaxation(chain: Chain, memory_limit: int, bandwidth: float, *,
         m.add(makespan * bandwidth >= Expr.sum(up) + Expr.sum(down), "link")
     m.minimize(makespan)
     return m
+
+
+HOST_ITEM_MAX_VALUES = 14  # most host binaries of one item host_violations enumerates
+
+
+def host_item_rows(full: Model, aggregated: Model
+                   ) -> dict[int, tuple[list[int], list[Constraint]]]:
+    """Per item ``p``: its host binaries ``h[v,p]`` in ``full`` and the rows local to them.
+
+    ``full`` is :func:`build_link_relaxation` with the host rows on every item, ``aggregated``
+    the same without them (``host_items=()``). A row is local to ``p`` when the host
+    binaries it holds are those of ``p`` only and its other variables are ``aggregated``'s
+    (compute binaries, item starts, makespan): ``size_v h <= unread_v``, the memory row and
+    the per-value deadline rows of ``p``. The run rows (``up``/``dn``) are not local.
+    """
+    names = {v.name for v in aggregated.vars}
+    item: dict[int, int] = {}
+    for v in full.vars:
+        if v.name.startswith("h_"):
+            item[v.index] = int(v.name.rsplit("_", 1)[1])
+    out: dict[int, tuple[list[int], list[Constraint]]] = {}
+    for i, p in item.items():
+        out.setdefault(p, ([], []))[0].append(i)
+    for con in full.constraints:
+        held = {item[i] for i, _ in con.terms if i in item}
+        if len(held) != 1 or con.enforce or any(
+                i not in item and full.vars[i].name not in names for i, _ in con.terms):
+            continue
+        out[held.pop()][1].append(con)
+    return out
+
+
+def host_violations(full: Model, rows: dict[int, tuple[list[int], list[Constraint]]],
+                    master: Model, values: Sequence[float], covered: Collection[int]
+                    ) -> list[int]:
+    """The items outside ``covered`` whose local host rows the master's solution violates.
+
+    ``values`` is a solution of ``master`` (:func:`build_link_relaxation` with
+    ``host_items=covered``); ``rows`` is :func:`host_item_rows`. An item is violated when no
+    0/1 choice of its host binaries satisfies its local rows with the master's compute
+    binaries and item starts (enumerated; an item with more than
+    :data:`HOST_ITEM_MAX_VALUES` binaries left free counts as violated). The choice only
+    decides which rows a lazy master adds; every added row is valid whatever it picks.
+    """
+    index = {v.name: i for i, v in enumerate(master.vars)}
+    fixed = {v.index: values[index[v.name]] for v in full.vars if v.name in index}
+    out = []
+    for p in sorted(rows):
+        hs, cons = rows[p]
+        if p in covered or not cons:
+            continue
+        if not _item_fits(hs, cons, fixed):
+            out.append(p)
+    return out
+
+
+def _item_fits(hs: Sequence[int], cons: Sequence[Constraint], fixed: dict[int, float]) -> bool:
+    """Whether some 0/1 values of ``hs`` satisfy ``cons`` with the rest ``fixed``."""
+    def holds(con: Constraint, chosen: dict[int, int]) -> bool:
+        s = sum(c * (chosen[i] if i in chosen else fixed[i]) for i, c in con.terms)
+        return (con.lo is None or s >= con.lo - 1e-6) and (con.hi is None or s <= con.hi + 1e-6)
+
+    free = [h for h in hs  # a binary its own bound row forces to 0 is not enumerated
+            if all(holds(c, {h: 1}) for c in cons
+                   if all(i == h or i not in hs for i, _ in c.terms))]
+    if len(free) > HOST_ITEM_MAX_VALUES:
+        return False
+    zeros = {h: 0 for h in hs}
+    for bits in itertools.product((0, 1), repeat=len(free)):
+        chosen = {**zeros, **dict(zip(free, bits, strict=True))}
+        if all(holds(c, chosen) for c in cons):
+            return True
+    return False
 
 
 def _unread(cf: ck.Formulation, p: int, reads: Sequence[dict[Value, Literal | bool]],
@@ -702,7 +792,7 @@ def _run_changes(m: Model, q: int, cur: dict[Value, Expr], prev: dict[Value, Exp
 def _deadline_rows(m: Model, cf: ck.Formulation, reads: Sequence[dict[Value, Literal | bool]],
                    relief: Sequence[Expr], D: Sequence[Expr], S: Sequence[Expr],
                    bandwidth: float, size: Callable[[Value], int],
-                   hosts: Sequence[dict[Value, Expr]] = ()) -> None:
+                   hosts: Sequence[dict[Value, Expr] | None] = ()) -> None:
     """The prefetch deadlines of the link relaxation (its docstring).
 
     For every item ``p`` and backward-type item ``q > p`` whose reads add a value that may
@@ -720,8 +810,9 @@ def _deadline_rows(m: Model, cf: ck.Formulation, reads: Sequence[dict[Value, Lit
             seen |= new
             if not new & unread.keys():
                 continue
-            if hosts:
-                lhs = Expr.sum(h * size(v) for v, h in hosts[p].items() if v in seen)
+            held = hosts[p] if hosts else None
+            if held is not None:
+                lhs = Expr.sum(h * size(v) for v, h in held.items() if v in seen)
             else:
                 lhs = relief[p] - Expr.sum(e for v, e in unread.items() if v not in seen)
             m.add(lhs <= (S[q] - S[p] - D[p]) * bandwidth, f"deadline_{p}_{q}")

@@ -59,6 +59,8 @@ from optmem.models.remat_offload import (
     RematOffloadModel,
     build_link_relaxation,
     build_remat_offload,
+    host_item_rows,
+    host_violations,
     with_fixed,
 )
 from optmem.plan import LOSS, AnyOp, B, F_all, F_ck, F_none, Op, parse_mixed_plan
@@ -88,6 +90,7 @@ from optmem.solvers.remat_offload_schedule import Window, static_replay, window_
 BRUTE_MAX_LENGTH = 2
 COMPLETION_SHARE = 0.25  # share of a user's time limit spent completing warm starts
 RELAXATION_SHARE = 0.25  # share of a user's time limit spent on the link relaxation's bound
+LAZY_HOST_DEFAULT = True  # extra["relaxation_lazy"]: the host stage's rows added lazily
 HOST_STAGE_MAX_VALUES = 1200  # most per-value host binaries of the host stage (_host_stage_fits)
 MAX_RATIONAL_SCALE = 10**6  # largest exact CP-SAT time grid: never finer than the decimal one
 BENDERS_WARMUP = 0.3  # share of the time limit for the monolithic warm-up of strategy=benders
@@ -407,11 +410,16 @@ def _relaxation_bound(chain: Chain, memory_limit: int, beta: float, sweeps: int,
     :data:`LEAST_ENGINE_TIME_S`, a later one runs only with that much left of its budget,
     and the host stage only when :func:`_host_stage_fits` (model size, not
     time: the stage's time varies 3x with the load, its size does not). ``clock`` is the
-    time source (injected by the tests). ``-inf`` when it is off (``extra["relaxation"] =
-    False``), no MILP engine is installed, there is no link or the engine fails.
+    time source (injected by the tests). With ``extra["relaxation_lazy"]`` (default
+    :data:`LAZY_HOST_DEFAULT`) the host stage is :func:`_lazy_host` instead (host rows only
+    on the items the current optimum violates; no size rule, the share bounds it;
+    ``info["host_rounds"]``, ``info["host_items"]``). ``-inf`` when it is off
+    (``extra["relaxation"] = False``), no MILP engine is installed, there is no link or the
+    engine fails.
     """
     deadlines = flag(options, "relaxation_deadlines", True)
     host_values = flag(options, "relaxation_values", True)
+    lazy = flag(options, "relaxation_lazy", LAZY_HOST_DEFAULT)
     if not options.extra.get("relaxation", True) or beta <= 0:
         return _Relaxed(-math.inf, {"status": "off"})
     pulp_engine = engine if engine != "cpsat" else "highs"
@@ -433,6 +441,24 @@ def _relaxation_bound(chain: Chain, memory_limit: int, beta: float, sweeps: int,
                 budget - (clock() - began) < LEAST_ENGINE_TIME_S:
             info[key] = "skipped (time)"
             break
+        if with_values and lazy:
+            if previous is None or previous.status is not Status.OPTIMAL or kept is None:
+                info[key] = "skipped (the deadline stage not solved)"
+                break
+            covered: set[int] = set()
+            info["host_rounds"] = 0
+            def host_left(b: float | None = budget) -> float | None:
+                return _stage_limit(b, clock() - began, first=False)
+
+            for master, out in _lazy_host(chain, memory_limit, beta, sweeps, kept, options,
+                                          pulp_engine, covered, host_left):
+                info = _record(info, key, out)
+                info["host_rounds"] += 1
+                kept = (master, out) if out.status is Status.OPTIMAL else kept
+                best = _better(best, out)
+            info["host_items"] = len(covered)
+            info.setdefault(key, previous.bound)  # no item violated: the same optimum
+            break
         master = build_link_relaxation(chain, memory_limit, beta, sweeps=sweeps,
                                        deadlines=with_deadlines, host_values=with_values)
         if with_values and previous is not None and not _host_stage_fits(master, previous):
@@ -442,18 +468,66 @@ def _relaxation_bound(chain: Chain, memory_limit: int, beta: float, sweeps: int,
         limit = _stage_limit(budget, clock() - began, first=previous is None)
         out = engines.solve_pulp(pm.problem, pm.all_variables, pulp_engine,
                                  **{**engines.pulp_settings(options), "time_limit_s": limit})
-        info = {**{k: v for k, v in info.items() if k.endswith("_bound")},
-                "status": str(out.status), "bound": out.bound,
-                "seconds": round(out.time_s, 3), **out.info, key: out.bound}
+        info = _record(info, key, out)
         if kept is None or out.status is Status.OPTIMAL:
             kept = (master, out)
-        if not out.failed and math.isfinite(out.bound):
-            best = max(best, out.bound - 1e-9 * max(1.0, abs(out.bound)))
+        best = _better(best, out)
         previous = out
     info["relaxation_s"] = round(clock() - began, 3)
     if math.isfinite(best):
         info["bound"] = best
     return _Relaxed(best, info, *kept) if kept is not None else _Relaxed(best, info)
+
+
+def _record(info: dict[str, Any], key: str, out: EngineResult) -> dict[str, Any]:
+    """The relaxation's report after a stage's solve ``out`` (earlier stages' bounds kept)."""
+    return {**{k: v for k, v in info.items() if k.endswith("_bound") or k.startswith("host_")},
+            "status": str(out.status), "bound": out.bound,
+            "seconds": round(out.time_s, 3), **out.info, key: out.bound}
+
+
+def _better(best: float, out: EngineResult) -> float:
+    """``best`` or the engine's dual bound ``out.bound`` (less a relative 1e-9), the larger."""
+    if out.failed or not math.isfinite(out.bound):
+        return best
+    return max(best, out.bound - 1e-9 * max(1.0, abs(out.bound)))
+
+
+def _lazy_host(chain: Chain, memory_limit: int, beta: float, sweeps: int,
+               start: tuple[Model, EngineResult], options: SolveOptions, engine: str,
+               covered: set[int], limit: Callable[[], float | None]
+               ) -> Iterator[tuple[Model, EngineResult]]:
+    """The host stage with its per-value host rows added lazily (``relaxation_lazy``).
+
+    ``start`` is the deadline stage and its optimal solution. Each round adds to
+    ``covered`` the items whose local host rows that solution violates
+    (:func:`~optmem.models.remat_offload.host_violations`) and solves the relaxation with
+    the host rows on ``covered`` (``host_items``) within ``limit()``; it stops when no item
+    is violated (the optimum is then the host stage's on the rows that bind), when the
+    engine stops without an optimum, or when less than :data:`LEAST_ENGINE_TIME_S` is left.
+    Every round's model has the aggregated rows of the deadline stage where it has no host
+    rows and the full host stage's rows where it has them, a subset of the full host
+    stage's rows once the aggregated ones (which those imply) are left out: by the proof of
+    :func:`~optmem.models.remat_offload.build_link_relaxation` (the optimal plan maps to a
+    point of the full host stage with ``r_p = sum_v size_v h[v,p]``, which satisfies the
+    aggregated rows too), its optimum and any dual bound are at most the optimum (digest
+    ``shared/design/offload.md`` 0.2).
+    """
+    full = build_link_relaxation(chain, memory_limit, beta, sweeps=sweeps)
+    rows = host_item_rows(full, start[0])
+    master, out = start
+    while out.status is Status.OPTIMAL and out.values is not None:
+        violated = host_violations(full, rows, master, out.values, covered)
+        left = limit()
+        if not violated or (left is not None and left < LEAST_ENGINE_TIME_S):
+            return
+        covered.update(violated)
+        master = build_link_relaxation(chain, memory_limit, beta, sweeps=sweeps,
+                                       host_items=covered)
+        pm = to_pulp(master)
+        out = engines.solve_pulp(pm.problem, pm.all_variables, engine,
+                                 **{**engines.pulp_settings(options), "time_limit_s": left})
+        yield master, out
 
 
 def _stage_limit(share: float | None, spent: float, *, first: bool) -> float | None:
@@ -577,6 +651,7 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
     if strategy == "benders" and exact:
         flag(options, "relaxation_deadlines", True)  # checked before any work
         flag(options, "relaxation_values", True)
+        flag(options, "relaxation_lazy", LAZY_HOST_DEFAULT)
         flag(options, "benders_host_bound", False)
     built = build_remat_offload(disc.chain, disc.memory_limit, beta, sweeps=sweeps,
                                 transfers_per_gap=per_gap, grid=None if exact else scale)
@@ -685,7 +760,7 @@ def _full_solve(setup: _Setup, options: SolveOptions, report: dict[str, Any], *,
           description="exact model (checkpoint slots + link positions, O.7 memory), PuLP",
           compare_as=(("ilp", 6),),
           extra=("sweeps", "transfers_per_gap", "grid", "backlog_grid", "prefetch",
-                 "relaxation", "relaxation_deadlines", "relaxation_values"))
+                 "relaxation", "relaxation_deadlines", "relaxation_values", "relaxation_lazy"))
 def solve_ilp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     """Optimal plan over the model's class (module docstring), HiGHS/CBC/Gurobi."""
     return _solve_model(problem, options, "ilp")
@@ -695,8 +770,8 @@ def solve_ilp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
           description="exact model (same formulation as ilp), CP-SAT",
           compare_as=(("cpsat", 6),),
           extra=("sweeps", "transfers_per_gap", "grid", "backlog_grid", "prefetch",
-                 "relaxation", "relaxation_deadlines", "relaxation_values", "strategy",
-                 "benders_work",
+                 "relaxation", "relaxation_deadlines", "relaxation_values", "relaxation_lazy",
+                 "strategy", "benders_work",
                  "benders_filter_work", "benders_iterations", "benders_warmup",
                  "benders_filter", "benders_host_bound"))
 def solve_cpsat(problem: RematOffloadProblem, options: SolveOptions) -> Result:
