@@ -38,7 +38,7 @@ memory rules them out); the bounds leave the values, ties and allocations unchan
 (:data:`BOUNDS`, :data:`MEMORY_BOUND` and :data:`LIMIT_RUNS` switch them off; tests compare
 both). On the grids a level's states are merged through a table of their keys (no sort)
 and the values of all levels live in one flat array. ResNet-152 (L = 56), P = 8, 12 GB/s,
-2-16 GiB: the whole ladder of phase 1 takes 1.1-8.5 CPU s, 1.0-2.2x less than with
+2-16 GiB: the whole ladder of phase 1 takes 0.6-8.5 CPU s, 1.0-2.2x less than with
 :data:`BOUNDS` alone (``benchmarks/results/madpipe_speed.md``, load about 8); the
 0.9-1.4 s once quoted here were measured with links 1000 times slower (a bandwidth in
 bytes per ms passed as bytes per second), where transfers decide the estimate and the DP
