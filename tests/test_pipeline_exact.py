@@ -8,11 +8,13 @@ instances are small enough to be proven.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 import random
 from dataclasses import replace
 from fractions import Fraction
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -488,8 +490,10 @@ def test_madpipe_dp_equals_enumeration(problem, ratio, exact, extra_layers):
     else:
         assert alloc is None
     tables = DPTables.of(problem)
-    if not exact:  # the relaxed table bounds the DP's value from below
-        assert tables.relaxed[problem.layers.n, problem.n_gpus - 1, 0] <= best
+    if not exact:  # the relaxed tables bound the DP's value from below
+        top = problem.layers.n, problem.n_gpus - 1, 0
+        assert tables.relaxed[top] <= best
+        assert max(tables.relaxed_memory(that)[(slice(None), *top)]) <= best
     for cap in (best, best * 1.01, math.inf):  # a cap only hides values at or above it
         capped, _, _ = madpipe_dp(problem, that, exact=exact, cap=cap)
         assert capped == (best if best < cap else math.inf)
@@ -559,28 +563,29 @@ def test_grid_dp_dense_merge_equals_sorted_merge(problem):
 
 
 @contextlib.contextmanager
-def dp_bounds(on: bool):
-    """MadPipe's DP with (``True``) or without its child bounds (``BOUNDS``)."""
+def dp_bounds(on: bool, switch: str = "BOUNDS"):
+    """MadPipe with (``True``) or without one of its prunings (a module switch: ``BOUNDS``,
+    the DP's child bounds; ``MEMORY_BOUND``; ``LIMIT_RUNS``; ``SKIP_PHASE2``)."""
     import optmem.solvers.pipeline_madpipe as mp
 
-    saved = mp.BOUNDS
-    mp.BOUNDS = on
+    saved = getattr(mp, switch)
+    setattr(mp, switch, on)
     try:
         yield
     finally:
-        mp.BOUNDS = saved
+        setattr(mp, switch, saved)
 
 
-def ladder_both(problem: PipelineProblem, factors) -> list[tuple]:
-    """``algorithm8`` on the grids at each memory factor, without and with the bounds."""
+def ladder_both(problem: PipelineProblem, factors, switch: str = "BOUNDS") -> list[tuple]:
+    """``algorithm8`` on the grids at each memory factor, without and with a pruning."""
     from optmem.solvers.pipeline_common import scaled
 
     out = []
     for factor in factors:
         sub = problem if factor == 1.0 else scaled(problem, factor)
-        with dp_bounds(False):
+        with dp_bounds(False, switch):
             old = algorithm8(sub, exact=False)
-        with dp_bounds(True):
+        with dp_bounds(True, switch):
             new = algorithm8(sub, exact=False)
         out.append((old, new))
     return out
@@ -625,6 +630,77 @@ def test_dp_bounds_on_resnet152_same_result_less_work():
     assert old[:3] == new[:3]
     assert math.isfinite(new[0]) and new[2] is not None
     assert 3 * new[3] < old[3]
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(problem=longer_problems(), switch=st.sampled_from(["MEMORY_BOUND", "LIMIT_RUNS"]))
+def test_memory_bound_and_limit_runs_keep_algorithm8(problem, switch):
+    """The memory-aware bound (:meth:`DPTables.relaxed_memory`) and the runs without
+    ``t_P`` at each cap tried change no estimate, T-hat or allocation of Algorithm 8."""
+    for old, new in ladder_both(problem, (1.0, 0.85, 0.6), switch):
+        assert old[:3] == new[:3]
+
+
+def test_phase1_prunings_on_resnet152_same_result_less_work():
+    """ResNet-152 (L = 56), P = 8, 8 GiB, 12 GB/s: Algorithm 8 gives the same estimate,
+    T-hat and allocation without and with each of the memory-aware bound and the runs
+    without ``t_P`` at each cap; both together need fewer DP states (deterministic
+    counts: 227 651 with neither, 185 996 / 218 434 with either, 166 878 with both)."""
+    import optmem.solvers.pipeline_madpipe as mp
+    from optmem.cli_problems import parse_pipeline_bandwidth
+    from optmem.datasets import resolve_chain
+
+    chain = resolve_chain("resnet152-b32-224")
+    bw = parse_pipeline_bandwidth("12GB/s", chain.time_unit)
+    problem = PipelineProblem(chain, 8, 8 * 2**30, chain_bandwidth=bw)
+    counts = {}
+    for memory, limits in itertools.product((False, True), repeat=2):
+        with dp_bounds(memory, "MEMORY_BOUND"), dp_bounds(limits, "LIMIT_RUNS"):
+            counts[memory, limits] = mp.algorithm8(problem, exact=False)
+    assert all(r[:3] == counts[False, False][:3] for r in counts.values())
+    assert math.isfinite(counts[True, True][0])
+    assert counts[True, True][3] < counts[False, False][3]
+
+
+def solves_agree(problem: PipelineProblem, switch: str = "SKIP_PHASE2") -> tuple[bool, Any]:
+    """Whether MadPipe gives the same status, period, plan and ladder (rungs: memory
+    factor, estimate, T-hat, allocation) without and with a pruning; the second result."""
+    runs = []
+    for on in (False, True):
+        with dp_bounds(on, switch):
+            runs.append(solve(problem, "madpipe", options=OPTS))
+    old, new = runs
+    rungs = [[a for a in r.report["attempts"] if "memory_factor" in a] for r in runs]
+    same_objective = old.objective == new.objective or math.isnan(old.objective) and \
+        math.isnan(new.objective)
+    return (old.status, old.plan) == (new.status, new.plan) and same_objective and \
+        rungs[0] == rungs[1], new
+
+
+@settings(max_examples=6, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(problem=longer_problems())
+def test_phase2_skips_keep_madpipe_solves(problem):
+    """Skipping the phase-2 models that cannot matter keeps the period, plan and ladder."""
+    agree, new = solves_agree(problem)
+    assert agree
+    assert new.report["phase2_skipped"] >= 0 and new.report["phase2_models"] >= 0
+
+
+def test_phase2_skip_counts_and_an_invalid_skip_is_caught(monkeypatch):
+    """EX1 on 2 GPUs (madpipe.md 7.1: phase 2's non-contiguous plan, period 2, beats the
+    contiguous 3): the valid skip keeps it; a deliberately invalid bound (10x too high)
+    skips its models and the comparison catches the worse plan."""
+    import optmem.solvers.pipeline_madpipe as mp
+
+    problem = PipelineProblem(EX1, 2, 10**6)
+    agree, new = solves_agree(problem)
+    assert agree and new.objective == 2.0 and new.report["phase2_models"] >= 1
+    real = mp.allocation_bound
+    monkeypatch.setattr(mp, "allocation_bound", lambda p, units: 10 * real(p, units))
+    agree, new = solves_agree(problem)
+    assert not agree
+    assert new.objective == 3.0 and new.report["phase2_skipped"] >= 1
 
 
 # ------------------------------------------------------------------ the lifetime relaxation

@@ -28,15 +28,19 @@ never created), with smaller caps tried first from a lower bound (a DP run witho
 ``t_P``). On the grids a move is also dropped when a lower bound of its child state reaches
 the cap: the DP's recursion without ``m_P`` and ``V`` (:attr:`DPTables.relaxed`, one table
 per memory rung), and the least completions of the child's ``(p, m_P, V)`` in the run
-without ``t_P`` (:class:`Prune`; that run is itself capped). Almost every state of a capped
-run used to have no estimate below the cap (over 99 % at L = 56: memory rules them out);
-the bounds leave the values, ties and allocations unchanged (:data:`BOUNDS` switches them
-off; tests compare both). On the grids a level's states are merged through a table of their
-keys (no sort) and the values of all levels live in one flat array. ResNet-152 (L = 56),
-P = 8, 12 GB/s, 2-16 GiB: 0.2-0.45 M states and 0.5-1 s of CPU for Algorithm 8 at one
-memory rung; a solve's whole ladder 0.6-9.5 s instead of 1.6-68 s (2.7-8.8x), where phase
-2's CP-SAT models may take far longer (load 8 -> 2, ``benchmarks/results/madpipe_speed.md``);
-the 0.9-1.4 s once quoted here were measured with links 1000 times slower (a bandwidth in
+without ``t_P`` (:class:`Prune`; that run is itself capped), and a memory-aware bound
+without ``t_P`` and ``V`` (:meth:`DPTables.relaxed_memory`: ``V`` is at least the loads to
+the right, so every stage keeps at least its least number of stash copies; one small table
+per ``T-hat``; :data:`MEMORY_BOUND`). While Algorithm 8 has no estimate yet, the run without
+``t_P`` is capped at each cap tried rather than not at all (:data:`LIMIT_RUNS`). Almost
+every state of a capped run used to have no estimate below the cap (over 99 % at L = 56:
+memory rules them out); the bounds leave the values, ties and allocations unchanged
+(:data:`BOUNDS`, :data:`MEMORY_BOUND` and :data:`LIMIT_RUNS` switch them off; tests compare
+both). On the grids a level's states are merged through a table of their keys (no sort)
+and the values of all levels live in one flat array. ResNet-152 (L = 56), P = 8, 12 GB/s,
+2-16 GiB: the whole ladder of phase 1 takes 0.6-8.5 CPU s, 1.0-2.2x less than with
+:data:`BOUNDS` alone (``benchmarks/results/madpipe_speed.md``, load about 8); the
+0.9-1.4 s once quoted here were measured with links 1000 times slower (a bandwidth in
 bytes per ms passed as bytes per second), where transfers decide the estimate and the DP
 has 0.1 M states.
 
@@ -56,6 +60,13 @@ margin (the digest's fallback x0.85, x0.7, x0.55, here in steps of 0.05:
 scheduled by 1F1B* instead (optimal for it, Theorem 15). The best valid plan found is
 returned; since contiguous allocations belong to the DP's class but phase 2 cannot always
 recover them, the best contiguous 1F1B* plan is a candidate too (reported as the source).
+It is computed first, so that phase 2 skips the models of an allocation that cannot matter:
+a lower bound of every plan they can return (:func:`allocation_bound`) at or above the best
+phase-2 period so far, or above the contiguous one, and above the phase-1 estimate (so the
+ladder stops where it did); :func:`_skippable` gives the argument, :data:`SKIP_PHASE2`
+switches it off, ``report["phase2_skipped"]`` counts the skipped allocations and
+``report["phase2_models"]`` the models run. ResNet-152, P = 8, 12 GB/s: a whole solve
+takes 5.7-9.9 CPU s at 2-4 GiB instead of 6.8-200 s, with the same plans.
 """
 
 from __future__ import annotations
@@ -69,7 +80,7 @@ from typing import Any
 
 import numpy as np
 
-from optmem.models.pipeline import make_units
+from optmem.models.pipeline import load_bound, make_units
 from optmem.pipeline_plan import PipelinePlan
 from optmem.problems.pipeline import PipelineProblem
 from optmem.result import Result, SolveOptions, Status
@@ -118,6 +129,7 @@ class DPTables:
     grows: np.ndarray
     cost: tuple[float, ...]
     total: float
+    memo: dict[float, np.ndarray] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def cost_array(self) -> np.ndarray:
@@ -191,6 +203,62 @@ class DPTables:
                                   np.maximum(own, h[ii[:, None] - 1, p, k2]), np.inf)
                 h[j, p] = np.minimum(cand_n.min(axis=0), cand_s.min(axis=0))
         return h
+
+    def relaxed_memory(self, that: float) -> np.ndarray:
+        """``G``: memory-aware lower bounds of ``T(j, p, t_P, m * step_m, V)`` (grids).
+
+        ``G[0, j, p, m]``, ``G[1, j, p, m]``: lower bounds of the largest normal stage or
+        link and of the special load added by the completions of the state at ``T-hat =
+        that``, for every ``t_P`` and ``V``: ``T >= max(G[0], t_P + G[1])``.
+
+        The DP's recursion with ``m_P`` but without ``t_P`` and ``V``: ``V`` at level ``j``
+        is at least the loads to its right (``(+)`` only rounds up, up to ``TOL`` per
+        stage), so a stage ``i..j`` has ``g >= g_min = group(U(i, L))`` (slightly reduced
+        for those ``TOL``); a normal stage needs ``static + g_min stash <= M``, a special
+        one ``rm(m_P + static + (g_min - 1) stash) <= M``, the prefix left with ``p = 0``
+        ``m_P + static + (g_min - 1) stash <= M``. Each DP move is such a move, its child's
+        ``m_P`` at least the one here; ``G`` is nondecreasing in ``m`` (induction: more
+        memory used leaves fewer moves), and every estimate of the DP is at least these
+        terms, so every value of the DP (and of its runs without ``t_P``) is at least
+        ``max(G[0], t_P + G[1])`` of its state (induction on ``j``). Memoised per ``that``.
+        """
+        memo = self.memo.get(that)
+        if memo is not None:
+            return memo
+        _, step_m, _ = self.steps()
+        mgrid = np.arange(GRID_M + 1) * step_m
+        g = np.empty((2, self.n + 1, self.n_gpus, GRID_M + 1))
+        g[:, 0] = 0.0
+        for j in range(1, self.n + 1):
+            least = self._least_groups(that, j)
+            fit0 = mgrid + self.static[1, j] + (least[0] - 1) * self.stash[1, j] <= self.limit
+            g[0, j, 0] = np.where(fit0, 0.0, np.inf)
+            g[1, j, 0] = np.where(fit0, self.load[1, j], np.inf)
+            ii = np.arange(1, j + 1)
+            c, u = self.cost_array[ii - 1], self.load[ii, j]
+            fits_n = (self.static[ii, j] + least * self.stash[ii, j] <= self.limit)[:, None]
+            far = np.maximum(u, c)[:, None]
+            m2 = _round_up(mgrid[None, :] + (self.static[ii, j] + (least - 1)
+                                             * self.stash[ii, j])[:, None], step_m)
+            fits_s = m2 <= self.limit
+            k2 = np.minimum(np.rint(m2 / step_m).astype(np.intp), GRID_M)
+            pp = np.arange(1, self.n_gpus)[None, :, None]  # every p at once: the
+            rows = ii[:, None, None] - 1  # children are on lower levels, all known
+            a_n, s_n = g[0, ii - 1, :-1], g[1, ii - 1, :-1]
+            a_s, s_s = g[0][rows, pp, k2[:, None, :]], g[1][rows, pp, k2[:, None, :]]
+            fits_n, fits_s = fits_n[:, :, None], fits_s[:, None, :]
+            g[0, j, 1:] = np.minimum(
+                np.where(fits_n, np.maximum(far[:, :, None], a_n), np.inf).min(0),
+                np.where(fits_s, np.maximum(c[:, None, None], a_s), np.inf).min(0))
+            g[1, j, 1:] = np.minimum(np.where(fits_n, s_n, np.inf).min(0),
+                                     np.where(fits_s, u[:, None, None] + s_s, np.inf).min(0))
+        self.memo[that] = g
+        return g
+
+    def _least_groups(self, that: float, j: int) -> np.ndarray:
+        """``g_min`` of the stages ``i..j``, ``i = 1..j`` (:meth:`relaxed_memory`)."""
+        rest = self.load[np.arange(1, j + 1), self.n] - (2 * self.n + 4) * TOL * max(1.0, that)
+        return _group(rest, that)
 
 
 def _identity(x: np.ndarray) -> np.ndarray:
@@ -283,7 +351,7 @@ def _levels(tb: DPTables, that: float, exact: bool, cap: float, feasibility: boo
     pending[n].append((np.array([[tb.n_gpus - 1, 0.0, 0.0, 0.0]]), None, np.zeros(1, int)))
     levels: list[_Level] = [_Level(np.empty((0, 4)))] * (n + 1)
     bounds = None if exact or not math.isfinite(cap) or not BOUNDS else \
-        _Bounds(tb, cap, None if feasibility else prune)
+        _Bounds(tb, that, cap, None if feasibility else prune)
     for j in range(n, -1, -1):
         levels[j] = _Level(_collect(pending[j], None if exact else tb.steps()))
         if j > 0:
@@ -333,6 +401,10 @@ BOUNDS = True
 state space of the plain capped recursion, as before these bounds (same values, estimates
 and allocations, more states; ``tests/test_pipeline_exact.py`` and
 ``benchmarks/bench_madpipe.py`` compare both)."""
+MEMORY_BOUND = True
+"""Whether the capped runs (with and without ``t_P``) also drop the moves that
+:attr:`DPTables.relaxed_memory` rules out (the child's memory-aware lower bound). ``False``:
+as before it (same values, estimates and allocations, more states)."""
 PRUNE_SLACK = 1e-7
 """Relative margin of the :class:`Prune` bound (float sums in another order, ``1e-9`` grid
 roundings): a move is dropped only when its bound is above ``cap (1 + PRUNE_SLACK)``."""
@@ -341,8 +413,9 @@ roundings): a move is dropped only when its bound is above ``cap (1 + PRUNE_SLAC
 class _Bounds:
     """What :func:`_expand` checks a capped grid move against (its child's lower bounds)."""
 
-    def __init__(self, tb: DPTables, cap: float, prune: Prune | None) -> None:
+    def __init__(self, tb: DPTables, that: float, cap: float, prune: Prune | None) -> None:
         self.h = tb.relaxed
+        self.g = tb.relaxed_memory(that) if MEMORY_BOUND else None
         self.prune = prune
         self.steps = tb.steps()
         self.limit = cap * (1 + PRUNE_SLACK)
@@ -352,6 +425,9 @@ class _Bounds:
         """Whether the state ``(child, p, t, m, v)`` may have an estimate below the cap."""
         k = np.minimum(np.rint(t / self.steps[0]).astype(np.intp), self.h.shape[2] - 1)
         ok = self.h[child, p, k] < self.limit
+        if self.g is not None:
+            mc = np.minimum(np.rint(m / self.steps[1]).astype(np.intp), self.g.shape[3] - 1)
+            ok &= np.maximum(self.g[0, child, p, mc], t + self.g[1, child, p, mc]) < self.limit
         if self.prune is not None:
             mc = np.rint(m / self.steps[1]).astype(np.intp)
             vc = np.rint(v / self.steps[2]).astype(np.intp)
@@ -630,8 +706,11 @@ def _capped_dp(problem: PipelineProblem, tables: DPTables, that: float, exact: b
     the value upwards: a DP run without ``t_P`` (:func:`_lower_bound`; ``inf`` when nothing
     fits), ``floor`` (the DP values at larger ``T-hat``, which the thesis shows do not
     exceed this one) and the load bound. Each capped call is exact below its cap, so the
-    guess only decides the cost.
+    guess only decides the cost. Without a cap yet, on the grids:
+    :func:`_capped_dp_per_limit`.
     """
+    if not exact and BOUNDS and LIMIT_RUNS and not math.isfinite(cap):
+        return _capped_dp_per_limit(problem, tables, that, cap, floor)
     bound, states, prune = feasibility_run(tables, that, exact, cap)
     if bound >= cap * (1 + PRUNE_SLACK):  # raw sums: the rounded t_P may be 1e-9 steps less
         return math.inf, None, states
@@ -648,6 +727,57 @@ def _capped_dp(problem: PipelineProblem, tables: DPTables, that: float, exact: b
         limit *= CAP_GROWTH
 
 
+LIMIT_RUNS = True
+"""Whether a grid DP call with no cap yet (Algorithm 8 has no estimate) runs its run
+without ``t_P`` at each cap it tries (:func:`_capped_dp_per_limit`) rather than once
+uncapped (no bound can then prune it). Calls with a cap run it once at that cap (trying
+it at every cap cost more than it saved at 8-12 GiB on ResNet-152). ``False``: as before."""
+
+
+def _capped_dp_per_limit(problem: PipelineProblem, tables: DPTables, that: float,
+                         cap: float, floor: float) -> tuple[float, Allocation | None, int]:
+    """:func:`_capped_dp` on the grids, with a run without ``t_P`` capped at each cap tried.
+
+    Same value and allocation: for each cap ``limit`` tried, the run without ``t_P`` capped
+    at ``limit`` gives a lower bound of the DP's value (at or above ``limit``: the DP
+    capped there has no value, so it is not run) and the :class:`Prune` table of the DP
+    capped there (valid for caps up to ``limit``). The first lower bound is
+    :meth:`DPTables.relaxed_memory` at the top state (``inf``: nothing fits); ``cap`` is
+    lowered to :func:`_ceiling` (no finite value reaches it), so the loop ends.
+    """
+    cap = min(cap, _ceiling(tables))
+    top = tables.relaxed_memory(that)[:, tables.n, tables.n_gpus - 1, 0] if MEMORY_BOUND \
+        else np.zeros(2)
+    start = float(max(top))
+    if start >= cap * (1 + PRUNE_SLACK):
+        return math.inf, None, 0
+    low = max(start, floor, tables.total / problem.n_gpus,
+              max(tables.load[q, q] for q in range(1, tables.n + 1)))
+    limit, states = low * 1.04 + 1e-12, 0
+    while True:
+        limit = min(limit, cap)
+        bound, count, prune = feasibility_run(tables, that, False, limit)
+        states += count
+        if bound < limit * (1 + PRUNE_SLACK):
+            value, alloc, count = madpipe_dp(problem, that, exact=False, cap=limit,
+                                             tables=tables, prune=prune)
+            states += count
+            if alloc is not None:
+                return value, alloc, states
+        if limit >= cap:
+            return math.inf, None, states
+        limit *= CAP_GROWTH
+
+
+def _ceiling(tables: DPTables) -> float:
+    """A period above every finite value of the grid DP.
+
+    Each term of an estimate is a stage's load, a link, or the special load (the loads,
+    each sum rounded up by less than a step).
+    """
+    return (tables.total + tables.n * tables.steps()[0] + sum(tables.cost)) * (1 + 1e-6) + 1e-9
+
+
 def gpu_labels(alloc: Allocation) -> list[int]:
     """GPU of each stage: special stages on GPU 0, normal ones on GPUs 1, 2, ..."""
     labels, nxt = [], 1
@@ -662,9 +792,60 @@ def gpu_labels(alloc: Allocation) -> list[int]:
     return labels
 
 
+SKIP_PHASE2 = True
+"""Whether phase 2 skips the models of an allocation that cannot matter (:func:`_skippable`).
+``False``: every allocation's models run, as before (same result; ``tests`` and
+``benchmarks/bench_madpipe.py`` compare both)."""
+SKIP_SLACK = 1e-6
+"""Relative margin of :func:`_skippable`: CP-SAT's period is within one time step (at most
+``1e-7`` of the load bound) of its true value, so a bound is used as ``bound (1 - 1e-6)``."""
+
+
+def allocation_bound(problem: PipelineProblem, units: Any) -> float:
+    """A lower bound of the period of every plan either phase-2 model can return.
+
+    The free model (any GPU for each unit; the fixed one is a restriction of it, so its
+    plans are among the free model's) has ``T >=`` every GPU's load and ``T >=
+    max(total / P, heaviest unit, lower_bound(problem))`` as constraints
+    (:func:`~optmem.models.pipeline.load_bound`); with ``P + 1`` units or more, two of the
+    ``P + 1`` heaviest share a GPU, so ``T >=`` the sum of the ``P``-th and ``(P + 1)``-th
+    heaviest loads (pigeonhole).
+    """
+    loads = sorted((units.load(q) for q in range(units.n)), reverse=True)
+    pair = loads[problem.n_gpus - 1] + loads[problem.n_gpus] if len(loads) > problem.n_gpus \
+        else 0.0
+    return max(load_bound(units, problem.n_gpus), lower_bound(problem), pair)
+
+
+def _skippable(bound: float, incumbent: float, contiguous: float, estimate: float) -> bool:
+    """Whether an allocation's phase-2 models cannot change the solve (exact skip).
+
+    ``bound``: :func:`allocation_bound` of the allocation, so every plan of its models has
+    a period of at least ``b = bound (1 - SKIP_SLACK)``. ``incumbent``: the best phase-2
+    period so far, ``contiguous``: the contiguous 1F1B* candidate (computed before the
+    ladder, appended after it), ``estimate``: the phase-1 estimate of the full memory.
+    Skipped when ``b > estimate (1 + 1e-6)`` and ``b >= incumbent`` or ``b > contiguous``:
+
+    * the returned plan is the first candidate of least period; the skipped models' plan
+      (if any) would come after the incumbent and before the contiguous candidate, so a
+      period ``>= incumbent`` or ``> contiguous`` is never chosen;
+    * the ladder stops when the best phase-2 period reaches ``estimate (1 + 1e-6)``: the
+      skipped plan could not (``b`` is above), and whether the fixed model's plan exists
+      only decides if the free one runs, of which both are skipped together. So the same
+      rungs run, with the same allocations and the same final plan.
+    """
+    low = bound * (1 - SKIP_SLACK)
+    return low > estimate * (1 + 1e-6) and (low >= incumbent or low > contiguous)
+
+
 def _phase2(problem: PipelineProblem, alloc: Allocation, options: SolveOptions,
-            log: list[dict[str, Any]]) -> tuple[float, PipelinePlan] | None:
-    """Schedule the DP's allocation: 1F1B* if contiguous, else the exact model (fixed, free)."""
+            log: list[dict[str, Any]], skip: Callable[[float], bool] | None = None
+            ) -> tuple[float, PipelinePlan] | None:
+    """Schedule the DP's allocation: 1F1B* if contiguous, else the exact model (fixed, free).
+
+    ``skip(bound)``: whether the models of an allocation whose plans have periods of at
+    least ``bound`` (:func:`allocation_bound`) cannot matter (:func:`_skippable`).
+    """
     bounds = [(i, j) for i, j, _ in alloc]
     labels = gpu_labels(alloc)
     if len(set(labels)) == len(labels) and problem.memory_model == "stash":
@@ -672,6 +853,11 @@ def _phase2(problem: PipelineProblem, alloc: Allocation, options: SolveOptions,
         log.append({"phase2": "1F1B*", "period": found[0] if found else None})
         return found
     units = make_units(problem, bounds)
+    if skip is not None and SKIP_PHASE2:
+        bound = allocation_bound(problem, units)
+        if skip(bound):
+            log.append({"phase2": "skipped", "bound": bound})
+            return None
     method = str(options.extra.get("phase2", "cpsat" if _has_ortools() else "ilp"))
     if options.time_limit_s is None and options.node_limit is None \
             and options.deterministic_time is None:
@@ -700,6 +886,8 @@ def solve_madpipe(problem: PipelineProblem, options: SolveOptions) -> Result:
     tried: set[tuple] = set()
     limit = options.time_limit_s
     deadline = None if limit is None else time.perf_counter() + limit
+    contiguous = _contiguous_candidate(problem)  # first: it lets phase 2 skip models
+    skipped = 0
     for factor in MEMORY_FACTORS:
         sub = problem if factor == 1.0 else scaled(problem, factor)
         est, that, alloc, states = algorithm8(sub, exact=exact, iterations=iterations)
@@ -723,7 +911,11 @@ def solve_madpipe(problem: PipelineProblem, options: SolveOptions) -> Result:
                 entry["phase2"] = "time limit reached"
                 break  # the limit bounds the whole run (a limit of 0 is no limit)
             options = options.with_(time_limit_s=left)
-        found = _phase2(problem, alloc, options, log)
+        incumbent = min((c[0] for c in candidates), default=math.inf)
+        skip = partial(_skippable, incumbent=incumbent, estimate=estimate,
+                       contiguous=contiguous[0] if contiguous else math.inf)
+        found = _phase2(problem, alloc, options, log, skip)
+        skipped += log[-1].get("phase2") == "skipped"
         if found is not None and not fits(problem, found[1]):
             log.append({"phase2": "rejected by the simulator"})
             found = None
@@ -731,13 +923,11 @@ def solve_madpipe(problem: PipelineProblem, options: SolveOptions) -> Result:
             candidates.append((found[0], found[1], f"phase 2, memory x{factor}"))
             if min(c[0] for c in candidates) <= estimate * (1 + 1e-6):
                 break  # the valid period reaches the phase-1 estimate of the full memory
-    if problem.memory_model == "stash":
-        best_contig = contig.best_contiguous(problem)
-        if best_contig is not None:
-            sched = contig.best_period_for_allocation(problem, best_contig[1])
-            if sched is not None:
-                candidates.append((sched[0], sched[1], "contiguous 1F1B*"))
+    if contiguous is not None:
+        candidates.append((contiguous[0], contiguous[1], "contiguous 1F1B*"))
     report = {"phase1_estimate": estimate, "attempts": log, "dp_states": total_states,
+              "phase2_skipped": skipped, "phase2_models": sum(
+                  str(a.get("phase2", "")).startswith(("cpsat", "ilp")) for a in log),
               "grid": "exact" if exact else f"{GRID_T}x{GRID_M}x{GRID_V}"}
     if not candidates:
         return infeasible(problem, "madpipe", "phase 1 found no allocation or phase 2 could "
@@ -747,6 +937,16 @@ def solve_madpipe(problem: PipelineProblem, options: SolveOptions) -> Result:
     return plan_result(problem, plan, method="madpipe", status=Status.FEASIBLE,
                        bound=lower_bound(problem), claimed=period,
                        solver=options.solver, report=report)
+
+
+def _contiguous_candidate(problem: PipelineProblem) -> tuple[float, PipelinePlan] | None:
+    """The best contiguous allocation scheduled by 1F1B* (stash memory model only)."""
+    if problem.memory_model != "stash":
+        return None
+    best_contig = contig.best_contiguous(problem)
+    if best_contig is None:
+        return None
+    return contig.best_period_for_allocation(problem, best_contig[1])
 
 
 def _has_ortools() -> bool:
