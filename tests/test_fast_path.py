@@ -20,6 +20,7 @@ torch = pytest.importorskip("torch", reason="the torch bridge needs torch")
 import pytorch_helpers  # noqa: E402,F401  (one thread)
 
 import optmem.pytorch as op  # noqa: E402
+from optmem.errors import OptmemInputError  # noqa: E402
 from optmem.pytorch.memory import measure_training_peak  # noqa: E402
 from optmem.pytorch.wrapper import PLAIN_PEAK, with_plain_peak  # noqa: E402
 from optmem.units import format_size  # noqa: E402
@@ -259,3 +260,11 @@ def test_the_fast_path_dispatches_the_plain_models_ops():
     model.zero_grad(set_to_none=True)
     assert seen[0] == seen[2]  # the trace itself is reproducible
     assert seen[1] == seen[0] and len(seen[0]) > 100
+
+
+@pytest.mark.parametrize("option", ["fast_path", "autotune"])
+def test_switches_take_bools_only(option: str) -> None:
+    """``fast_path="no"`` is one clear error, not a truthy string that turns the path on."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+    with pytest.raises(OptmemInputError, match=option):
+        op.checkpoint(model, torch.randn(4, 8), memory_limit=10**9, **{option: "no"})

@@ -159,7 +159,7 @@ def build_planned(cls: type[PlannedModule], kind: str, module: Any, sample: Any,
     """Split the options of a one-liner, then extract, profile, solve and wrap."""
     options = dict(options)
     chain = options.pop("chain", None)
-    fast_path = bool(options.pop("fast_path", True))
+    fast_path = _flag(options.pop("fast_path", True), "fast_path")
     tune = {k: options.pop(k) for k in _AUTOTUNE_OPTIONS if k in options}
     pick = {group: {k: options.pop(k) for k in keys if k in options}
             for group, keys in (("profile", _PROFILE_OPTIONS), ("solver", _SOLVER_OPTIONS),
@@ -170,7 +170,7 @@ def build_planned(cls: type[PlannedModule], kind: str, module: Any, sample: Any,
     planner = Planner(kind, memory_limit, method, bandwidth=bandwidth,
                       executor_options=pick["executor"], **pick["solver"])
     profile = ProfileOptions(**pick["profile"])
-    wants_tuning = bool(tune.pop("autotune", False))
+    wants_tuning = _flag(tune.pop("autotune", False), "autotune")
     if wants_tuning:
         _check_autotune(kind, planner)
     planned = cls.build(module, sample, planner, profile, chain=chain, fast_path=fast_path)
@@ -184,6 +184,13 @@ def build_planned(cls: type[PlannedModule], kind: str, module: Any, sample: Any,
 
 
 _AUTOTUNE_OPTIONS = ("autotune", "autotune_timer", "autotune_rounds")
+
+
+def _flag(value: Any, field: str) -> bool:
+    """``value`` if it is a bool; otherwise one clear error naming ``field``."""
+    if not isinstance(value, bool):
+        raise OptmemInputError(f"{field}: expected True or False, got {value!r}", field=field)
+    return value
 
 
 def _check_autotune(kind: str, planner: Planner) -> None:
