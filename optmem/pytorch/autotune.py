@@ -43,7 +43,7 @@ import torch
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError
 from optmem.plan import OpKind, parse_plan
-from optmem.pytorch.memory import backward_roots
+from optmem.pytorch.memory import backward_step, gradients_restored
 from optmem.pytorch.planning import Planner
 from optmem.pytorch.profile import with_op_charge
 from optmem.pytorch.wrapper import PlannedModule, call_of, leaves_no_trace
@@ -198,12 +198,7 @@ def _training_step(cmodel: PlannedModule, sample: Any) -> Callable[[], None]:
     """One forward on ``sample`` and the backward from its loss (or outputs)."""
     args, kwargs = ((sample,), {}) if cmodel.extraction is None else call_of(sample)
 
-    def step() -> None:
-        roots, seeds = backward_roots(cmodel(*args, **kwargs))
-        if roots:
-            torch.autograd.backward(roots, seeds)
-
-    return step
+    return lambda: backward_step(lambda: cmodel(*args, **kwargs))
 
 
 def time_candidates(cmodel: PlannedModule, sample: Any, cands: Sequence[Candidate], *,
@@ -221,10 +216,9 @@ def time_candidates(cmodel: PlannedModule, sample: Any, cands: Sequence[Candidat
     model = cmodel.module
     leaves = list(model.parameters()) + [
         t for t in _tensors(sample) if t.is_leaf and t.requires_grad]
-    saved = [t.grad for t in leaves]
     before = list(cmodel.plan)
     try:
-        with leaves_no_trace(model):
+        with leaves_no_trace(model), gradients_restored(leaves):
             for r in range(warmup + rounds):
                 shift = r % len(cands)
                 for cand in [*cands[shift:], *cands[:shift]]:
@@ -236,8 +230,6 @@ def time_candidates(cmodel: PlannedModule, sample: Any, cands: Sequence[Candidat
                         cand.times.append(float(ms))
     finally:
         cmodel.executor.set_plan(before)  # type: ignore[operator]
-        for t, g in zip(leaves, saved, strict=True):
-            t.grad = g
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

@@ -24,8 +24,9 @@ allocator statistics do count), and the allocator's own rounding and caching.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -39,7 +40,8 @@ if TYPE_CHECKING:
 
 __all__ = ["LOSS_SCALARS", "ActivationTracker", "MemTrackerPeak", "StorageTrace",
            "cuda_training_peak", "live_bytes", "measure_training_peak", "memtracker_peak",
-           "backward_roots", "plain_step_peak", "plan_allowance", "storage_bytes", "storage_key"]
+           "backward_roots", "backward_step", "gradients_restored", "plain_step_peak",
+           "plan_allowance", "storage_bytes", "storage_key"]
 
 # ops whose output is a fresh tensor although it is also their input (``torch.tensor``)
 _FRESH_OPS = ("lift_fresh", "lift_fresh_copy")
@@ -287,10 +289,22 @@ def backward_roots(output: Any) -> tuple[list[torch.Tensor], list[torch.Tensor] 
     return outs, [torch.ones_like(t) for t in outs]
 
 
-def _plain_step(call: Callable[[], Any]) -> None:
+def backward_step(call: Callable[[], Any]) -> None:
+    """One training step: ``call()``, then the backward from :func:`backward_roots`."""
     roots, seeds = backward_roots(call())  # the output itself is dropped here
     if roots:
         torch.autograd.backward(roots, seeds)
+
+
+@contextlib.contextmanager
+def gradients_restored(leaves: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Put back the ``.grad`` of every tensor of ``leaves`` on exit (steps measured or timed)."""
+    saved = [t.grad for t in leaves]
+    try:
+        yield
+    finally:
+        for t, g in zip(leaves, saved, strict=True):
+            t.grad = g
 
 
 def plain_step_peak(call: Callable[[], Any], module: nn.Module, inputs: Any = (),
@@ -310,23 +324,22 @@ def plain_step_peak(call: Callable[[], Any], module: nn.Module, inputs: Any = ()
     params = list(module.parameters())
     # the parameters' and the inputs' gradients (an input that requires grad gets one)
     leaves = params + [t for t in _tensors(inputs) if t.is_leaf and t.requires_grad]
-    saved = [t.grad for t in leaves]
     cuda = any(t.is_cuda for t in (*params, *_tensors(inputs)))
     best = 0
-    try:
-        for _ in range(steps):
-            for t in leaves:
-                t.grad = None
-            best = max(best, measure_training_peak(lambda: _plain_step(call), module, inputs))
-            if cuda:
-                for p in params:
-                    p.grad = None
-                best = max(best, cuda_training_peak(lambda: _plain_step(call), module, inputs))
-    except torch.OutOfMemoryError:
-        return None
-    finally:
-        for t, g in zip(leaves, saved, strict=True):
-            t.grad = g
+    with gradients_restored(leaves):
+        try:
+            for _ in range(steps):
+                for t in leaves:
+                    t.grad = None
+                best = max(best, measure_training_peak(lambda: backward_step(call), module,
+                                                       inputs))
+                if cuda:
+                    for p in params:
+                        p.grad = None
+                    best = max(best, cuda_training_peak(lambda: backward_step(call), module,
+                                                        inputs))
+        except torch.OutOfMemoryError:
+            return None
     return best
 
 
