@@ -47,10 +47,23 @@ first and as the last setting (``plain model, timed again``); the ratio of its t
 is printed under the target verdicts (:func:`noise_floor`): a ratio to the best baseline
 within that factor of 1 is below what the run resolves (the verdicts do not use it).
 
+**Paired verdict** (``--paired N``): the strict verdicts compare medians of separate
+settings, so on a 2-core machine whose noise floor is 1-3 % a near-tie falls either way.
+With ``--paired N`` the comparisons the targets rest on (:func:`paired_comparisons`: at
+every memory, optmem against the best baseline under it and every baseline within
+:data:`NEAR` of it; optmem at halfway and at HF's memory against HF) are timed again in
+``N`` rounds, each pair back to back in alternating order (:func:`time_pairs`), and judged
+on the per-round ratios: their median and its distribution-free interval
+(:func:`median_interval`; 96.5 % for ``N = 15``). A comparison is ``slower`` only when the
+whole interval lies above 1; target 1 then reads "never measurably slower", target 2 uses
+the median ratio (<= 0.90), target 3 "not measurably slower than HF". Both verdicts are
+printed.
+
 Usage::
 
     PYTHONPATH=. python benchmarks/bench_hf.py --quick            # GPT-2 only, short
     PYTHONPATH=. python benchmarks/bench_hf.py --markdown benchmarks/results/hf.md
+    PYTHONPATH=. python benchmarks/bench_hf.py --rounds 5 --paired 15 --markdown out.md
 
 The full run (3 models, 7 rounds, 3 steps per round, MemTracker) took 14.8 minutes under
 load 3-4 on 2026-11-24's machine (about 11 of them CPU time of the script), of which the
@@ -63,6 +76,7 @@ from __future__ import annotations
 import argparse
 import gc
 import inspect
+import math
 import os
 import re
 import resource
@@ -720,11 +734,13 @@ def bench_model(spec: Spec, *, rounds: int, grid: int, steps: int, sweep: int,
                 repeats: int, more: bool = True,
                 memtracker: bool = True, segment_cost: float | None = None,
                 per_round: int = 1, log: Callable[[str], None] = print,
-                tune: bool = False) -> dict[str, Any]:
+                tune: bool = False, paired: int = 0) -> dict[str, Any]:
     """Measure every setting on one model (memory first, then interleaved timing).
 
     Every round runs every setting ``per_round`` steps in a row and keeps the fastest
-    (:func:`timed_steps`).
+    (:func:`timed_steps`). With ``paired`` > 0, the comparisons the targets rest on
+    (:func:`paired_comparisons`, on the default series) are then timed in ``paired`` more
+    rounds, each pair back to back (:func:`time_pairs`).
     """
     model, batch = build(spec)
     layers = len(layer_list(model))
@@ -793,9 +809,15 @@ def bench_model(spec: Spec, *, rounds: int, grid: int, steps: int, sweep: int,
                 st.wall.append(timing.wall)
                 st.cpu.append(timing.cpu)
                 st.faults.append(timing.faults)
-    return {"spec": spec, "layers": layers, "chain": chain, "settings": settings,
-            "series": series, "targets": targets, "grad_diff": grad_diff,
-            "per_round": per_round, "again": again}
+    res = {"spec": spec, "layers": layers, "chain": chain, "settings": settings,
+           "series": series, "targets": targets, "grad_diff": grad_diff,
+           "per_round": per_round, "again": again}
+    if paired > 0:
+        pairs = paired_comparisons(res, series[0])
+        log(f"  paired verdict: {len(pairs)} comparisons, {paired} rounds")
+        time_pairs(pairs, model, batch, paired, per_round)
+        res["paired"] = pairs
+    return res
 
 
 # ------------------------------------------------------------------ report
@@ -890,6 +912,152 @@ def resolution_line(res: dict[str, Any]) -> str:
             f"last setting) gives medians {plain.median:.1f} and {again.median:.1f} ms, "
             f"{floor:.3f}x apart; a ratio to the best baseline within {floor:.3f}x of 1 is "
             "below what this run resolves (the verdicts above stay strict)")
+
+
+# ------------------------------------------------------------------ paired verdict
+NEAR = 1.03
+"""A baseline whose median is within this factor of the best one under a memory is paired
+with optmem too: the main run's ranking of such near-ties is its noise."""
+
+
+def median_interval(xs: list[float], confidence: float = 0.95
+                    ) -> tuple[float, float, float, float]:
+    """The median of ``xs`` and a distribution-free confidence interval for the true median.
+
+    For ``n`` independent samples the order statistics ``[x_(r), x_(n+1-r)]`` cover the true
+    median with probability ``1 - 2 P(Bin(n, 1/2) < r)`` whatever the distribution (the sign
+    test's interval); ``r`` is the largest rank whose coverage is at least ``confidence``
+    (``r = 1``, the whole range, when ``n`` is too small for it). Returns ``(median, low,
+    high, coverage)``. Deterministic: no resampling.
+
+    Examples
+    --------
+    >>> median_interval([float(x) for x in range(1, 16)])  # n = 15: ranks 4 and 12
+    (8.0, 4.0, 12.0, 0.96484375)
+    >>> median_interval([3.0, 1.0, 2.0])  # too few rounds for 95 %: the range, 75 %
+    (2.0, 1.0, 3.0, 0.75)
+    """
+    if not xs:
+        raise ValueError("median_interval needs at least one sample")
+    ys, n = sorted(xs), len(xs)
+    below, r, coverage = 0.0, 1, 1 - 2 * 0.5 ** n  # P(Bin < 1) = P(Bin = 0)
+    for rank in range(2, (n + 1) // 2 + 1):
+        below += math.comb(n, rank - 1) * 0.5 ** n
+        if 1 - 2 * (below + 0.5 ** n) < confidence:
+            break
+        r, coverage = rank, 1 - 2 * (below + 0.5 ** n)
+    return statistics.median(ys), ys[r - 1], ys[n - r], coverage
+
+
+@dataclass
+class Pair:
+    """An optmem setting against one baseline, both timed in every paired round."""
+
+    optmem: Setting
+    baseline: Setting
+    labels: list[str]  # the target memories (and targets) this comparison decides
+    ratios: list[float] = field(default_factory=list)  # optmem / baseline CPU ms, by round
+
+    def verdict(self) -> str:
+        """``slower`` / ``faster`` when the whole interval is above / below 1, else ``tie``."""
+        _, low, high, _ = median_interval(self.ratios)
+        return "slower" if low > 1 else "faster" if high < 1 else "tie"
+
+
+def paired_comparisons(res: dict[str, Any], ser: Series) -> list[Pair]:
+    """The comparisons the three targets rest on, each once.
+
+    Target 1: at every memory from HF's to store-all's, optmem's setting against the best
+    baseline under that memory and every baseline within :data:`NEAR` of it; targets 2 and
+    3: optmem at halfway and at HF's memory against HF.
+    """
+    settings: list[Setting] = res["settings"]
+    plain, hf = settings[0], settings[1]
+    pairs: dict[tuple[int, int], Pair] = {}
+
+    def add(st: Setting | None, base: Setting, label: str) -> None:
+        if st is not None:
+            pair = pairs.setdefault((id(st), id(base)), Pair(st, base, []))
+            pair.labels.append(label)
+
+    for label, memory in sorted(res["targets"].items(), key=lambda kv: kv[1]):
+        if hf.real_peak <= memory <= plain.real_peak:
+            best = best_baseline(settings, memory)
+            assert best is not None  # HF fits under every memory of this range
+            for base in settings:
+                if base.real_peak <= memory and base.median <= NEAR * best.median:
+                    add(ser.at_target(label), base, label)
+    add(ser.at_target("halfway"), hf, "target 2")
+    add(ser.at_target(hf.label), hf, "target 3")
+    return list(pairs.values())
+
+
+def time_pairs(pairs: list[Pair], model: nn.Module, batch: dict[str, Any], rounds: int,
+               per_round: int) -> None:
+    """A warm-up round, then ``rounds`` rounds timing every pair's two settings back to back.
+
+    The order within a pair alternates from round to round and from pair to pair, so neither
+    side is always first; each side keeps the fastest of ``per_round`` steps
+    (:func:`timed_steps`), and the round's ratio is optmem's CPU time over the baseline's.
+    Pairing inside a round cancels what drifts between rounds (load, frequency), which the
+    medians of the main interleaved run do not.
+    """
+    for r in range(rounds + 1):
+        for i, pair in enumerate(pairs):
+            first, second = (pair.optmem, pair.baseline) if (r + i) % 2 == 0 else \
+                (pair.baseline, pair.optmem)
+            times = {}
+            for st in (first, second):
+                with st.enter() as call:
+                    times[id(st)] = timed_steps(call, model, batch, per_round).cpu
+            if r > 0:
+                pair.ratios.append(times[id(pair.optmem)] / times[id(pair.baseline)])
+
+
+def paired_report(res: dict[str, Any]) -> list[str]:
+    """The paired comparisons' table and the three targets judged on them (Markdown)."""
+    pairs: list[Pair] = res.get("paired") or []
+    if not pairs:
+        return []
+    n = len(pairs[0].ratios)
+    cover = median_interval(pairs[0].ratios)[3]
+    out = [f"Paired verdict ({n} rounds after a warm-up; in every round each optmem setting "
+           f"and its baseline run back to back, in alternating order; ratio = optmem / "
+           f"baseline CPU time of the round; median and its {100 * cover:.1f} % "
+           "distribution-free interval; `slower` / `faster` only when the whole interval is "
+           "above / below 1):", ""]
+    out += _header("optmem setting", "baseline", "at the memory of", "median ratio",
+                   "interval", "verdict")
+    for p in pairs:
+        med, low, high, _ = median_interval(p.ratios)
+        out.append(f"| {p.optmem.setting} | {p.baseline.label} | {', '.join(p.labels)} | "
+                   f"{med:.3f} | {low:.3f}-{high:.3f} | {p.verdict()} |")
+    target1 = [p for p in pairs if any(not x.startswith("target") for x in p.labels)]
+    slower = [p for p in target1 if p.verdict() == "slower"]
+    worst = max(target1, key=lambda p: median_interval(p.ratios)[0], default=None)
+    out += ["", "Targets of issue 13.6 on the paired rounds:", ""]
+    line = (f"- 1. never measurably slower than a baseline at equal real memory "
+            f"({len(target1)} comparisons): ")
+    line += "**met**" if not slower else f"**not met**: slower at {len(slower)} (" + \
+        "; ".join(f"{p.optmem.setting} vs {p.baseline.label}" for p in slower) + ")"
+    if worst is not None:
+        med, low, high, _ = median_interval(worst.ratios)
+        line += (f"; largest median ratio {med:.3f} ({low:.3f}-{high:.3f}, "
+                 f"{worst.optmem.setting} vs {worst.baseline.label})")
+    out.append(line)
+    for name, goal in (("target 2", "2. halfway, at least 10 % faster than HF"),
+                       ("target 3", "3. at HF's memory, as fast as HF")):
+        pair = next((p for p in pairs if name in p.labels), None)
+        if pair is None:
+            out.append(f"- {goal}: **not met**, no plan fits")
+            continue
+        med, low, high, _ = median_interval(pair.ratios)
+        ok = med <= 0.90 if name == "target 2" else pair.verdict() != "slower"
+        speed = f"{100 * (1 - med):.1f} % faster" if med <= 1 else \
+            f"{100 * (med - 1):.1f} % slower"
+        out.append(f"- {goal}: median ratio {med:.3f} ({speed}; interval {low:.3f}-"
+                   f"{high:.3f}): **{'met' if ok else 'not met'}**")
+    return out
 
 
 def _header(*columns: str) -> list[str]:
@@ -1029,6 +1197,8 @@ def report(results: list[dict[str, Any]], rounds: int, loads: list[str],
         for ser in res["series"]:
             out += ["", f"Targets of issue 13.6, {ser.name}:", ""]
             out += [f"- {x}" for x in checks(res, ser)] + [f"- {resolution_line(res)}"]
+            if ser is res["series"][0] and res.get("paired"):
+                out += [""] + paired_report(res)
             if ser.name == AUTOTUNE:
                 out += ["", "What autotune timed at each limit (wall-clock ms on the batch, "
                         "while tuning; `model ms`: makespan + segment charges):", ""]
@@ -1110,6 +1280,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                          "default series)")
     ap.add_argument("--steps-per-round", type=int, default=None, metavar="K",
                     help="steps in a row per setting and round, the fastest kept (3; quick 1)")
+    ap.add_argument("--paired", type=int, default=0, metavar="N",
+                    help="then time the comparisons the targets rest on in N paired rounds "
+                         "(each optmem setting and its baseline back to back; 0: off; 15 "
+                         "gives a 96.5 %% interval for each median ratio)")
     ap.add_argument("--no-malloc-env", action="store_true",
                     help="keep glibc malloc's defaults (no restart with MALLOC_ENV)")
     ap.add_argument("--markdown", help="write the tables to this file")
@@ -1132,6 +1306,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         results.append(bench_model(spec, rounds=rounds,
                                    more=not args.hf_only, memtracker=not args.no_memtracker,
                                    segment_cost=args.segment_cost, tune=args.autotune,
+                                   paired=args.paired,
                                    per_round=args.steps_per_round or (1 if args.quick else 3),
                                    **options))
         loads.append(_load())

@@ -115,7 +115,7 @@ def test_layer_plans(bench):
 
 def test_benchmark_code_path(bench, tmp_path):
     res = bench.bench_model(bench.Spec(**TINY), rounds=1, grid=3, steps=1, sweep=1,
-                            repeats=1, per_round=2, log=lambda _: None, tune=True)
+                            repeats=1, per_round=2, log=lambda _: None, tune=True, paired=2)
     settings = res["settings"]
     plain, hf = settings[0], settings[1]
     assert [s.setting for s in settings[2:]] == ["every 2", "every 3", "2 segments",
@@ -167,6 +167,16 @@ def test_benchmark_code_path(bench, tmp_path):
     assert "the fastest of 2 steps in a row" in text and "page faults / step" in text
     assert text.count("| store-all | plain model |") == 1
     assert "| HF gradient checkpointing |" in text
+    # the paired rounds: every target's comparison, each once, two ratios each
+    pairs = res["paired"]
+    assert pairs and all(len(p.ratios) == 2 and min(p.ratios) > 0 for p in pairs)
+    assert len({(id(p.optmem), id(p.baseline)) for p in pairs}) == len(pairs)
+    base = res["series"][0]
+    assert any(p.optmem is base.at_target("halfway") and p.baseline is hf
+               and "target 2" in p.labels for p in pairs)
+    assert any(p.baseline is hf and "target 3" in p.labels for p in pairs)
+    assert any(p.optmem is base.at_target(plain.label) and p.baseline is plain for p in pairs)
+    assert "Paired verdict (2 rounds" in text and "never measurably slower" in text
     bench.plot([res], tmp_path / "hf.png")
     assert (tmp_path / "hf.png").stat().st_size > 0
 
@@ -363,3 +373,62 @@ def test_tie_verdict(tie):
     assert tie.verdict(Fraction(-14185, 65536), Fraction(187), prof).startswith("a near-tie")
     assert tie.verdict(Fraction(5), Fraction(187), prof).startswith("a clear difference")
     assert tie.verdict(Fraction(1, 100), Fraction(187), {}).startswith("a clear")
+
+
+def test_median_interval(bench):
+    """The sign test's interval: order statistics, coverage from the binomial law."""
+    med, low, high, cover = bench.median_interval([float(x) for x in range(15, 0, -1)])
+    assert (med, low, high) == (8.0, 4.0, 12.0)
+    assert cover == pytest.approx(1 - 2 * (1 + 15 + 105 + 455) / 2 ** 15)
+    med, low, high, cover = bench.median_interval([5.0, 1.0, 4.0, 2.0, 3.0, 6.0, 7.0, 8.0])
+    assert (med, low, high) == (4.5, 1.0, 8.0) and cover == pytest.approx(1 - 2 / 2 ** 8)
+    with pytest.raises(ValueError):
+        bench.median_interval([])
+
+
+def test_paired_verdicts(bench):
+    """slower / faster only when the whole interval is past 1; the targets read from them."""
+    def setting(method, label, cpu, peak):
+        return bench.Setting(method, label, dict, cpu=[cpu], real_peak=peak)
+
+    plain = setting("store-all", "plain model", 100.0, 100)
+    hf = setting("HF", "gradient_checkpointing_enable", 130.0, 10)
+    seq = setting("sequential", "2 segments", 115.0, 50)
+    near = setting("per-layer", "every 2", 116.0, 52)  # within NEAR of seq at 55
+    lo = setting("optmem", "limit 10", 125.0, 10)
+    mid = setting("optmem", "limit 55", 112.0, 54)
+    top = setting("optmem", "limit 100", 100.0, 100)
+    ser = bench.Series("optmem", search=None)
+    ser.matched = {hf.label: 10, "halfway": 55, plain.label: 100}
+    ser.settings = {10: lo, 55: mid, 100: top}
+    res = {"settings": [plain, hf, seq, near], "series": [ser],
+           "targets": {plain.label: 100, hf.label: 10, "halfway": 55}}
+    pairs = bench.paired_comparisons(res, ser)
+    got = {(p.optmem.setting, p.baseline.label): p.labels for p in pairs}
+    assert got == {("limit 10", hf.label): [hf.label, "target 3"],
+                   ("limit 55", seq.label): ["halfway"],
+                   ("limit 55", near.label): ["halfway"],
+                   ("limit 55", hf.label): ["target 2"],
+                   ("limit 100", plain.label): [plain.label]}
+    ratios = {("limit 10", hf.label): [0.97, 0.99, 1.0, 0.98, 1.01],
+              ("limit 55", seq.label): [1.02, 1.03, 1.01, 1.04, 1.02],  # every ratio > 1
+              ("limit 55", near.label): [0.9, 0.95, 1.05, 0.99, 1.0],
+              ("limit 55", hf.label): [0.85, 0.86, 0.88, 0.87, 0.86],
+              ("limit 100", plain.label): [0.99, 1.01, 1.0, 1.02, 0.98]}
+    for p in pairs:
+        p.ratios = ratios[p.optmem.setting, p.baseline.label]
+    verdicts = {(p.optmem.setting, p.baseline.label): p.verdict() for p in pairs}
+    assert verdicts[("limit 55", seq.label)] == "slower"
+    assert verdicts[("limit 55", hf.label)] == "faster"
+    assert verdicts[("limit 100", plain.label)] == "tie"
+    text = "\n".join(bench.paired_report({**res, "paired": pairs}))
+    assert "- 1. never measurably slower than a baseline at equal real memory (4 " \
+           "comparisons): **not met**: slower at 1 (limit 55 vs sequential 2 segments)" in text
+    assert "2. halfway, at least 10 % faster than HF: median ratio 0.860 (14.0 % faster" in text
+    assert "3. at HF's memory, as fast as HF: median ratio 0.990" in text
+    assert text.count("**met**") == 2
+    ratios[("limit 55", seq.label)] = [1.02, 0.99, 1.01, 1.04, 1.02]  # now a tie
+    for p in pairs:
+        p.ratios = ratios[p.optmem.setting, p.baseline.label]
+    text = "\n".join(bench.paired_report({**res, "paired": pairs}))
+    assert "(4 comparisons): **met**" in text
