@@ -32,14 +32,18 @@ without ``t_P`` (:class:`Prune`; that run is itself capped), and a memory-aware 
 without ``t_P`` and ``V`` (:meth:`DPTables.relaxed_memory`: ``V`` is at least the loads to
 the right, so every stage keeps at least its least number of stash copies; one small table
 per ``T-hat``; :data:`MEMORY_BOUND`). While Algorithm 8 has no estimate yet, the run without
-``t_P`` is capped at each cap tried rather than not at all (:data:`LIMIT_RUNS`). Almost
-every state of a capped run used to have no estimate below the cap (over 99 % at L = 56:
-memory rules them out); the bounds leave the values, ties and allocations unchanged
-(:data:`BOUNDS`, :data:`MEMORY_BOUND` and :data:`LIMIT_RUNS` switch them off; tests compare
-both). On the grids a level's states are merged through a table of their keys (no sort)
-and the values of all levels live in one flat array. ResNet-152 (L = 56), P = 8, 12 GB/s,
-2-16 GiB: the whole ladder of phase 1 takes 0.6-8.5 CPU s, 1.0-2.2x less than with
-:data:`BOUNDS` alone (``benchmarks/results/madpipe_speed.md``, load about 8); the
+``t_P`` is capped at each cap tried rather than not at all (:data:`LIMIT_RUNS`); the
+capped runs without ``t_P`` keep in each state the least ``t_P`` of the paths reaching it
+and prune by it (:data:`PREFIX_BOUND`). Almost every state of a capped run used to have no
+estimate below the cap (over 99 % at L = 56: memory rules them out); the bounds leave the
+values, ties and allocations unchanged (:data:`BOUNDS`, :data:`MEMORY_BOUND`,
+:data:`LIMIT_RUNS` and :data:`PREFIX_BOUND` switch them off; tests compare both). A level's
+moves are computed on the (state, first layer) matrix: the same float operations per pair,
+in the same order. On the grids a level's states are merged through a table of their keys
+(no sort) and the values of all levels live in one flat array. ResNet-152 (L = 56), P = 8,
+12 GB/s, 2-16 GiB: the whole ladder of phase 1 takes 0.2-6.5 CPU s (2.9, 4.1, 4.4, 6.5,
+0.6, 2.7, 0.2 s at 2, 3, 4, 6, 8, 12, 16 GiB), 1.1-2.0x less than main before
+:data:`PREFIX_BOUND` in the same run (``benchmarks/results/madpipe_speed.md``, load 6-9); the
 0.9-1.4 s once quoted here were measured with links 1000 times slower (a bandwidth in
 bytes per ms passed as bytes per second), where transfers decide the estimate and the DP
 has 0.1 M states.
