@@ -5,7 +5,8 @@ For ResNet-152 (L = 56 layers), P = 8 GPUs, 12 GB/s and the memories of
 whole memory ladder, phase 2 on its deterministic work limits) with every pruning of
 ``pipeline_madpipe`` on, and times its phase 1 (every Algorithm 8 call of the ladder) and the
 whole solve (``time.process_time``). Phase 1 is then run again on the same rungs without the
-two prunings added after ``BOUNDS`` (``MEMORY_BOUND``, ``LIMIT_RUNS``: ``old``), checking
+three prunings added after ``BOUNDS`` (``MEMORY_BOUND``, ``LIMIT_RUNS``, ``PREFIX_BOUND``:
+``old``), checking
 the same estimates, T-hats and allocations; ``--compare-skip`` also runs the whole solve
 with ``SKIP_PHASE2 = False`` (every phase-2 model) and checks the same period, plan and
 rungs (slow: each model may take its 30 deterministic seconds).
@@ -95,10 +96,10 @@ def ladder(result: Result) -> list[tuple[Any, ...]]:
 
 def old_phase1(problem: PipelineProblem, rungs: list[tuple[Any, ...]], iterations: int
                ) -> tuple[bool, int, float]:
-    """Phase 1 on the same rungs without ``MEMORY_BOUND`` and ``LIMIT_RUNS``: whether it
-    gives the same rungs, its DP states and CPU seconds."""
+    """Phase 1 on the same rungs without ``MEMORY_BOUND``, ``LIMIT_RUNS`` and
+    ``PREFIX_BOUND``: whether it gives the same rungs, its DP states and CPU seconds."""
     same, states, start = True, 0, time.process_time()
-    with switches(MEMORY_BOUND=False, LIMIT_RUNS=False):
+    with switches(MEMORY_BOUND=False, LIMIT_RUNS=False, PREFIX_BOUND=False):
         for factor, est, that, alloc in rungs:
             sub = problem if factor == 1.0 else scaled(problem, factor)
             e, t, a, count = mp.algorithm8(sub, exact=False, iterations=iterations)
@@ -154,7 +155,8 @@ def main() -> None:
         f"{args.profile} (L = {chain.length}), P = {args.gpus}, {args.bandwidth}, "
         f"K = {args.iterations}, the whole memory ladder, phase 2 on its deterministic work "
         "limits, every pruning on. Phase 1 `old`: the same rungs again without "
-        "`MEMORY_BOUND` and `LIMIT_RUNS` (the DP of `BOUNDS` only); `phase 1 same`: same "
+        "`MEMORY_BOUND`, `LIMIT_RUNS` and `PREFIX_BOUND` (the DP of `BOUNDS` only); "
+        "`phase 1 same`: same "
         "estimates, T-hats and allocations. Phase-2 models run / skipped: CP-SAT models "
         "run, allocations whose models were skipped (`SKIP_PHASE2`). No-skip: the whole "
         "solve with every phase-2 model (`--compare-skip`; same period, plan and rungs). CPU "

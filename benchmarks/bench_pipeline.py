@@ -12,7 +12,10 @@ P GPUs and a range of memories per GPU, this script solves the ``pipeline`` prob
   wall-clock limit on the whole run instead),
 * ``exact``: the CP-SAT emission of the exact model of all allocations and 1-periodic
   patterns with the contiguous optimum as warm start and cutoff, the lifetime relaxation's
-  bound, and a time limit (``feasible`` when the limit stops it),
+  bound, and a deterministic work limit per CP-SAT call (``--deterministic-time``, 10
+  deterministic seconds: the column does not depend on the machine's load; ``--wall-clock``
+  for the former wall-clock limit ``--time-limit`` instead; ``feasible`` when the limit
+  stops it),
 
 prints the periods and their ratios to MadPipe's, writes a markdown table and a PNG plot.
 Every plan is replayed by the simulator inside ``solve``. A second table times MadPipe's
@@ -86,8 +89,11 @@ def run(args: argparse.Namespace) -> list[dict]:
                 problem = PipelineProblem(chain, gpus, int(mem * GIB), chain_bandwidth=bw)
                 row = {"profile": name, "gpus": gpus, "memory_gib": mem}
                 for method in METHODS:
-                    limit = args.madpipe_time_limit if method == "madpipe" else args.time_limit
-                    opts = SolveOptions(time_limit_s=limit, extra={
+                    limit = args.madpipe_time_limit if method == "madpipe" else \
+                        args.time_limit if args.wall_clock else None
+                    work = args.deterministic_time if method == "exact" and \
+                        not args.wall_clock else None
+                    opts = SolveOptions(time_limit_s=limit, deterministic_time=work, extra={
                         "madpipe_iterations": args.iterations, "warm_madpipe": False})
                     start = time.perf_counter()
                     r = solve(problem, "cpsat" if method == "exact" else method, options=opts)
@@ -153,10 +159,12 @@ def markdown(rows: list[dict], args: argparse.Namespace, wall: float) -> str:
     layers = f"coarsened to {args.layers} layers" if args.layers else "full (every layer)"
     mp_limit = ("phase 2 on its deterministic work limits" if args.madpipe_time_limit is None
                 else f"{args.madpipe_time_limit} s for the whole MadPipe run")
+    exact_limit = (f"time limit {args.time_limit} s per engine call" if args.wall_clock else
+                   f"{args.deterministic_time} deterministic s per CP-SAT call of `exact`")
     out = ["# Pipeline benchmark (`benchmarks/bench_pipeline.py`)", "",
            f"Profiles {layers}, bandwidth {args.bandwidth}, C = 3 "
            f"weight copies, stash memory model, MadPipe K = {args.iterations} ({mp_limit}), "
-           f"time limit {args.time_limit} s per engine call (`exact` = CP-SAT with the contiguous "
+           f"{exact_limit} (`exact` = CP-SAT with the contiguous "
            f"optimum as cutoff and the lifetime relaxation's bound). Periods in ms per "
            f"micro-batch; `-` = no plan fits. Wall time {wall:.0f} s.", "",
            "| profile | P | M (GiB) | equal | PipeDream | contiguous | MadPipe (phase 1) | "
@@ -180,7 +188,7 @@ def markdown(rows: list[dict], args: argparse.Namespace, wall: float) -> str:
     eq = geomean([r["equal"] / r["madpipe"] for r in rows
                   if math.isfinite(r["madpipe"]) and math.isfinite(r["equal"])])
     no_eq = sum(1 for r in rows if math.isfinite(r["madpipe"]) and not math.isfinite(r["equal"]))
-    out += ["", "`*` exact model stopped by the time limit: best plan found (the contiguous "
+    out += ["", "`*` exact model stopped by its limit: best plan found (the contiguous "
             "optimum when it found nothing better) and CP-SAT's proven lower bound.", "",
             f"Geometric mean PipeDream / MadPipe: {pd:.3f} (worst {worst:.2f}; PipeDream "
             f"finds no plan in {no_pd} of {len(both)} cases where MadPipe does). "
@@ -231,7 +239,12 @@ def main() -> None:
                         default=[2, 3, 4, 6, 8, 12, 16])
     parser.add_argument("--bandwidth", default="12GB/s")
     parser.add_argument("--iterations", type=int, default=10)
-    parser.add_argument("--time-limit", type=float, default=10.0)
+    parser.add_argument("--deterministic-time", type=float, default=10.0,
+                        help="CP-SAT work limit of each `exact` call, deterministic seconds")
+    parser.add_argument("--wall-clock", action="store_true",
+                        help="`exact` under the wall-clock --time-limit instead (as before)")
+    parser.add_argument("--time-limit", type=float, default=10.0,
+                        help="wall-clock limit per engine call with --wall-clock")
     parser.add_argument("--madpipe-time-limit", type=float, default=None,
                         help="wall-clock limit of a MadPipe run (default: none, phase 2 on "
                              "its deterministic work limits)")
@@ -241,6 +254,7 @@ def main() -> None:
     if args.quick:
         args.profiles, args.gpus, args.memory = ["resnet50-b32-224"], [2, 4], [3, 6, 12]
         args.iterations, args.time_limit, args.dp_memory = 6, 3.0, [4]
+        args.deterministic_time = 3.0
     start = time.perf_counter()
     load = uptime()
     rows = run(args)

@@ -565,7 +565,8 @@ def test_grid_dp_dense_merge_equals_sorted_merge(problem):
 @contextlib.contextmanager
 def dp_bounds(on: bool, switch: str = "BOUNDS"):
     """MadPipe with (``True``) or without one of its prunings (a module switch: ``BOUNDS``,
-    the DP's child bounds; ``MEMORY_BOUND``; ``LIMIT_RUNS``; ``SKIP_PHASE2``)."""
+    the DP's child bounds; ``MEMORY_BOUND``; ``LIMIT_RUNS``; ``PREFIX_BOUND``;
+    ``SKIP_PHASE2``)."""
     import optmem.solvers.pipeline_madpipe as mp
 
     saved = getattr(mp, switch)
@@ -619,7 +620,8 @@ def test_dp_bounds_keep_madpipe_solves(problem):
 def test_dp_bounds_on_resnet152_same_result_less_work():
     """ResNet-152 (L = 56), P = 8, 8 GiB, 12 GB/s (``bench_madpipe.py``): Algorithm 8 gives
     the same estimate, T-hat and allocation with the bounds, on over 3x fewer DP states
-    (deterministic counts: 852 671 without, 227 651 with, at the full memory)."""
+    (deterministic counts: 852 671 without, 227 651 with, at the full memory, before
+    :data:`PREFIX_BOUND`)."""
     from optmem.cli_problems import parse_pipeline_bandwidth
     from optmem.datasets import resolve_chain
 
@@ -645,7 +647,8 @@ def test_phase1_prunings_on_resnet152_same_result_less_work():
     """ResNet-152 (L = 56), P = 8, 8 GiB, 12 GB/s: Algorithm 8 gives the same estimate,
     T-hat and allocation without and with each of the memory-aware bound and the runs
     without ``t_P`` at each cap; both together need fewer DP states (deterministic
-    counts: 227 651 with neither, 185 996 / 218 434 with either, 166 878 with both)."""
+    counts: 227 651 with neither, 185 996 / 218 434 with either, 166 878 with both, before
+    :data:`PREFIX_BOUND`)."""
     import optmem.solvers.pipeline_madpipe as mp
     from optmem.cli_problems import parse_pipeline_bandwidth
     from optmem.datasets import resolve_chain
@@ -660,6 +663,55 @@ def test_phase1_prunings_on_resnet152_same_result_less_work():
     assert all(r[:3] == counts[False, False][:3] for r in counts.values())
     assert math.isfinite(counts[True, True][0])
     assert counts[True, True][3] < counts[False, False][3]
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(problem=longer_problems())
+def test_prefix_bound_keeps_algorithm8(problem):
+    """The prefix bound of the runs without ``t_P`` (:data:`PREFIX_BOUND`: each state
+    carries the least ``t_P`` of the paths reaching it) changes no estimate, T-hat or
+    allocation of Algorithm 8 at any rung of the ladder."""
+    for old, new in ladder_both(problem, (1.0, 0.85, 0.6), "PREFIX_BOUND"):
+        assert old[:3] == new[:3]
+
+
+@settings(max_examples=4, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(problem=longer_problems())
+def test_prefix_bound_keeps_madpipe_solves(problem):
+    """A whole MadPipe solve: same status, period, plan and ladder with and without it."""
+    agree, _ = solves_agree(problem, "PREFIX_BOUND")
+    assert agree
+
+
+def test_prefix_bound_on_resnet152_less_work_and_a_wrong_one_is_caught(monkeypatch):
+    """ResNet-152 (L = 56), P = 8, 8 GiB, 12 GB/s: the prefix bound keeps Algorithm 8's
+    estimate, T-hat and allocation on 2.7x fewer DP states (deterministic counts: 166 878
+    without, 60 960 with); a deliberately wrong one (each state's least ``t_P`` doubled,
+    no longer a lower bound of its paths') prunes completions below the cap and changes the
+    estimate (41.01 -> 43.19)."""
+    import optmem.solvers.pipeline_madpipe as mp
+    from optmem.cli_problems import parse_pipeline_bandwidth
+    from optmem.datasets import resolve_chain
+
+    chain = resolve_chain("resnet152-b32-224")
+    bw = parse_pipeline_bandwidth("12GB/s", chain.time_unit)
+    problem = PipelineProblem(chain, 8, 8 * 2**30, chain_bandwidth=bw)
+    ((old, new),) = ladder_both(problem, (1.0,), "PREFIX_BOUND")
+    assert old[:3] == new[:3] and math.isfinite(new[0])
+    assert (old[3], new[3]) == (166_878, 60_960)
+    real = mp._collect
+
+    def doubled(chunks, steps, prefix=False):
+        states = real(chunks, steps, prefix)
+        if prefix:
+            states[:, 1] *= 2.0
+        return states
+
+    monkeypatch.setattr(mp, "_collect", doubled)
+    with dp_bounds(True, "PREFIX_BOUND"):
+        wrong = algorithm8(problem, exact=False)
+    assert wrong[:3] != new[:3] and wrong[0] > new[0]
 
 
 def solves_agree(problem: PipelineProblem, switch: str = "SKIP_PHASE2") -> tuple[bool, Any]:

@@ -32,14 +32,18 @@ without ``t_P`` (:class:`Prune`; that run is itself capped), and a memory-aware 
 without ``t_P`` and ``V`` (:meth:`DPTables.relaxed_memory`: ``V`` is at least the loads to
 the right, so every stage keeps at least its least number of stash copies; one small table
 per ``T-hat``; :data:`MEMORY_BOUND`). While Algorithm 8 has no estimate yet, the run without
-``t_P`` is capped at each cap tried rather than not at all (:data:`LIMIT_RUNS`). Almost
-every state of a capped run used to have no estimate below the cap (over 99 % at L = 56:
-memory rules them out); the bounds leave the values, ties and allocations unchanged
-(:data:`BOUNDS`, :data:`MEMORY_BOUND` and :data:`LIMIT_RUNS` switch them off; tests compare
-both). On the grids a level's states are merged through a table of their keys (no sort)
-and the values of all levels live in one flat array. ResNet-152 (L = 56), P = 8, 12 GB/s,
-2-16 GiB: the whole ladder of phase 1 takes 0.6-8.5 CPU s, 1.0-2.2x less than with
-:data:`BOUNDS` alone (``benchmarks/results/madpipe_speed.md``, load about 8); the
+``t_P`` is capped at each cap tried rather than not at all (:data:`LIMIT_RUNS`); the
+capped runs without ``t_P`` keep in each state the least ``t_P`` of the paths reaching it
+and prune by it (:data:`PREFIX_BOUND`). Almost every state of a capped run used to have no
+estimate below the cap (over 99 % at L = 56: memory rules them out); the bounds leave the
+values, ties and allocations unchanged (:data:`BOUNDS`, :data:`MEMORY_BOUND`,
+:data:`LIMIT_RUNS` and :data:`PREFIX_BOUND` switch them off; tests compare both). A level's
+moves are computed on the (state, first layer) matrix: the same float operations per pair,
+in the same order. On the grids a level's states are merged through a table of their keys
+(no sort) and the values of all levels live in one flat array. ResNet-152 (L = 56), P = 8,
+12 GB/s, 2-16 GiB: the whole ladder of phase 1 takes 0.2-6.5 CPU s (2.9, 4.1, 4.4, 6.5,
+0.6, 2.7, 0.2 s at 2, 3, 4, 6, 8, 12, 16 GiB), 1.1-2.0x less than main before
+:data:`PREFIX_BOUND` in the same run (``benchmarks/results/madpipe_speed.md``, load 6-9); the
 0.9-1.4 s once quoted here were measured with links 1000 times slower (a bandwidth in
 bytes per ms passed as bytes per second), where transfers decide the estimate and the DP
 has 0.1 M states.
@@ -131,10 +135,18 @@ class DPTables:
     total: float
     memo: dict[float, np.ndarray] = field(default_factory=dict, compare=False, repr=False)
 
-    @property
+    @cached_property
     def cost_array(self) -> np.ndarray:
         """``cost`` as an array (``cost_array[i - 1]``: the cut before layer ``i``)."""
         return np.asarray(self.cost)
+
+    def firsts(self, j: int) -> np.ndarray:
+        """``j, j - 1, ..., 1``: the first layers of the stages ending at ``j``."""
+        return self._descending[self.n - j:]
+
+    @cached_property
+    def _descending(self) -> np.ndarray:
+        return np.arange(self.n, 0, -1)
 
     @classmethod
     def of(cls, problem: PipelineProblem) -> DPTables:
@@ -352,10 +364,12 @@ def _levels(tb: DPTables, that: float, exact: bool, cap: float, feasibility: boo
     levels: list[_Level] = [_Level(np.empty((0, 4)))] * (n + 1)
     bounds = None if exact or not math.isfinite(cap) or not BOUNDS else \
         _Bounds(tb, that, cap, None if feasibility else prune)
+    prefix = feasibility and bounds is not None and PREFIX_BOUND
     for j in range(n, -1, -1):
-        levels[j] = _Level(_collect(pending[j], None if exact else tb.steps()))
+        levels[j] = _Level(_collect(pending[j], None if exact else tb.steps(), prefix))
         if j > 0:
-            _expand(tb, that, cap, rounders, j, levels[j], pending, feasibility, bounds)
+            _expand(tb, that, cap, rounders, j, levels[j], pending, feasibility, bounds,
+                    prefix)
     return levels
 
 
@@ -405,6 +419,25 @@ MEMORY_BOUND = True
 """Whether the capped runs (with and without ``t_P``) also drop the moves that
 :attr:`DPTables.relaxed_memory` rules out (the child's memory-aware lower bound). ``False``:
 as before it (same values, estimates and allocations, more states)."""
+PREFIX_BOUND = True
+"""Whether a capped grid run without ``t_P`` (:func:`feasibility_run`) also drops the moves
+whose child state cannot lead below the cap *given the least special load of the paths
+reaching it*: each state carries ``t_min``, the least ``t_P`` (rounded up after each stage
+exactly as the run with ``t_P`` does: :meth:`DPTables.rounders`) over the paths of the run
+that reach it, and a move is checked by the bounds of :class:`_Bounds` (without
+:class:`Prune`) at the child's ``t_min``, as the run with ``t_P`` checks it at its ``t_P``.
+
+Validity (the :class:`Prune` table stays a table of lower bounds for the capped run with
+``t_P``): every state ``(j, p, t_P, m_P, V)`` that run reaches is reached here as ``(j, p,
+m_P, V)`` with ``t_min <= t_P`` (induction down the levels: the parent's ``t_min`` is at
+most its ``t_P``, the rounding up is monotone, and the bounds are nondecreasing in ``t_P``:
+:attr:`DPTables.relaxed` in its column, :meth:`DPTables.relaxed_memory` as ``max(G0, t_P +
+G1)``, so a move that run keeps is kept here); and every completion of such a state with
+an estimate below the cap is kept here (each of its moves passes the checks at the
+child's ``t_P``, hence at its ``t_min``). The least completions over the moves kept are
+thus at most those of the completions below the cap, and the run's bound is still a lower
+bound of the capped value (``>= cap``: nothing below it). Same values, estimates and
+allocations; fewer states. ``False``: as before."""
 PRUNE_SLACK = 1e-7
 """Relative margin of the :class:`Prune` bound (float sums in another order, ``1e-9`` grid
 roundings): a move is dropped only when its bound is above ``cap (1 + PRUNE_SLACK)``."""
@@ -428,8 +461,8 @@ class _Bounds:
         if self.g is not None:
             mc = np.minimum(np.rint(m / self.steps[1]).astype(np.intp), self.g.shape[3] - 1)
             ok &= np.maximum(self.g[0, child, p, mc], t + self.g[1, child, p, mc]) < self.limit
-        if self.prune is not None:
-            mc = np.rint(m / self.steps[1]).astype(np.intp)
+        if self.prune is not None:  # m clamped: only for pairs already ruled out
+            mc = np.minimum(np.rint(m / self.steps[1]).astype(np.intp), GRID_M)
             vc = np.rint(v / self.steps[2]).astype(np.intp)
             inside = vc < self.prune.a.shape[3]
             vc = np.where(inside, vc, 0)
@@ -439,17 +472,19 @@ class _Bounds:
 
 
 def _collect(chunks: list[tuple[np.ndarray, _Level | None, np.ndarray]],
-             steps: tuple[float, float, float] | None) -> np.ndarray:
+             steps: tuple[float, float, float] | None, prefix: bool = False) -> np.ndarray:
     """The distinct states of a level; the moves that lead there learn their indices.
 
     On the grids (``steps``) a state is an integer key (its grid indices); exact states are
-    keyed by the codes of their distinct values.
+    keyed by the codes of their distinct values. ``prefix`` (grids, a run without ``t_P``
+    under :data:`PREFIX_BOUND`): the key leaves ``t_P`` out and a state keeps the least
+    ``t_P`` of the rows that reach it.
     """
     if not chunks:
         return np.empty((0, 4))
     rows = np.concatenate([c for c, _, _ in chunks])
-    if steps is not None:
-        codes = [rows[:, 0]] + [np.rint(rows[:, k + 1] / steps[k]) for k in range(3)]
+    if prefix and steps is not None:
+        codes = [rows[:, 0]] + [np.rint(rows[:, k + 1] / steps[k]) for k in (1, 2)]
     else:
         codes = [np.unique(rows[:, k], return_inverse=True)[1].ravel() for k in range(4)]
     radix = [float(c.max()) + 1 for c in codes]
@@ -470,7 +505,12 @@ def _collect(chunks: list[tuple[np.ndarray, _Level | None, np.ndarray]],
         if parent is not None:
             parent.child[where] = inverse[pos:pos + len(chunk)]
         pos += len(chunk)
-    return rows[first]
+    states = rows[first]
+    if prefix and steps is not None:
+        least = np.full(len(first), np.inf)
+        np.minimum.at(least, inverse, rows[:, 1])
+        states[:, 1] = least
+    return states
 
 
 DENSE_KEYS = 1 << 24
@@ -493,66 +533,61 @@ def _dense_unique(key: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _expand(tb: DPTables, that: float, cap: float, rounders: tuple, j: int, level: _Level,
-            pending: Pending, feasibility: bool = False, bounds: _Bounds | None = None
-            ) -> None:
-    """Moves of the states of level ``j``: every last stage ``i..j`` and GPU kind."""
+            pending: Pending, feasibility: bool = False, bounds: _Bounds | None = None,
+            prefix: bool = False) -> None:
+    """Moves of the states of level ``j``: every last stage ``i..j`` and GPU kind.
+
+    ``prefix``: a run without ``t_P`` whose states carry the least ``t_P`` of the paths
+    reaching them (:data:`PREFIX_BOUND`), checked like a run with ``t_P``.
+    """
     rt, rm, rv = rounders
     active = np.nonzero(level.states[:, 0] > 0)[0]
-    firsts = [i for i in range(j, 0, -1) if tb.load[i, j] < cap]  # loads grow as i drops
-    if not len(active) or not firsts:
+    ii = tb.firsts(j)
+    ii = ii[tb.load[ii, j] < cap]  # loads grow as i drops
+    if not len(active) or not len(ii):
         return
-    ii = np.array(firsts)
+    # (state, i) on a matrix: state-only columns, i-only rows, the same float operations
+    # per pair as on a list of pairs (elementwise), listed by state, then i decreasing
     p, t, m, v = (col[:, None] for col in level.states[active].T)
     u, c = tb.load[ii, j], tb.cost_array[ii - 1]
-    grows, stash = tb.grows[ii, j], tb.stash[ii, j]
+    grows, stash, static = tb.grows[ii, j], tb.stash[ii, j], tb.static[ii, j]
     # neither kind can hold i..j here, nor any longer stage: the recursion stops
     alive = np.logical_and.accumulate((grows + m <= tb.limit) | (grows + stash <= tb.limit),
                                       axis=1) & (c < cap)
-    s, k = np.nonzero(alive)  # by state, then i decreasing
-    p, t, m, v = p[s, 0], t[s, 0], m[s, 0], v[s, 0]
-    u, c, stash, first = u[k], c[k], stash[k], ii[k]
-    tp2 = np.zeros(len(s)) if feasibility else rt(t + u)
-    normal, special = np.ones(len(s), dtype=bool), np.maximum(tp2, c) < cap
+    tp2 = np.zeros(alive.shape) if feasibility and not prefix else rt(t + u)
+    normal, special = alive, alive & (np.maximum(tp2, c) < cap)
     if math.isfinite(cap) and bounds is None:  # U(1, i-1) on p-1 normal GPUs and the special
-        rest = np.where(first > 1, tb.load[1, first - 1], 0.0)
-        normal = (first == 1) | ((rest + t) / p < cap)
-        special &= (first == 1) | ((rest + tp2) / (p + 1) < cap)
-    keep = np.flatnonzero(normal | special)  # the pairs worth the group arithmetic
-    s, k, normal, special, tp2 = s[keep], k[keep], normal[keep], special[keep], tp2[keep]
-    p, t, m, v = p[keep], t[keep], m[keep], v[keep]
-    u, c, stash, first = u[keep], c[keep], stash[keep], first[keep]
-    static = tb.static[first, j]
+        rest = np.where(ii > 1, tb.load[1, ii - 1], 0.0)
+        normal = alive & ((ii == 1) | ((rest + t) / p < cap))
+        special &= (ii == 1) | ((rest + tp2) / (p + 1) < cap)
     vs = _oplus(v, u, that)
     g = _group(vs, that)
-    vn = np.where(first > 1, rv(_oplus(vs, c, that)), 0.0)
+    vn = np.where(ii > 1, rv(_oplus(vs, c, that)), 0.0)
     mp2 = rm(m + static + (g - 1) * stash)
-    normal &= static + g * stash <= tb.limit
+    normal = normal & (static + g * stash <= tb.limit)
     special &= mp2 <= tb.limit
     if bounds is not None:  # the child states' lower bounds
         pi = p.astype(np.intp)
-        normal[normal] = bounds.below(first[normal] - 1, pi[normal] - 1, t[normal],
-                                      m[normal], vn[normal])
-        special[special] = bounds.below(first[special] - 1, pi[special], tp2[special],
-                                        mp2[special], vn[special])
-    pick, kind = np.nonzero(np.column_stack([normal, special]))  # by state, i desc, N, S
+        normal &= bounds.below(ii - 1, pi - 1, t, m, vn)
+        special &= bounds.below(ii - 1, pi, tp2, mp2, vn)
+    s, k, kind = np.nonzero(np.stack([normal, special], axis=2))  # by state, i desc, N, S
     is_special = kind == 1
-    level.state = active[s[pick]]
-    level.first = first[pick]
+    tp2, mp2, vn = tp2[s, k], mp2[s, k], vn[s, k]
+    p, t, m = p[s, 0], t[s, 0], m[s, 0]
+    level.state = active[s]
+    level.first = ii[k]
     level.special = is_special
-    level.value = np.where(is_special, tp2[pick], u[pick])
-    level.load = u[pick]
-    level.link = c[pick]
-    level.child = np.zeros(len(pick), dtype=np.int64)
-    rows = np.column_stack([np.where(is_special, p[pick], p[pick] - 1),
-                            np.where(is_special, tp2[pick], t[pick]),
-                            np.where(is_special, mp2[pick], m[pick]), vn[pick]])
-    rank = k[pick]  # position of i in ``firsts`` (decreasing i): a small integer
-    order = np.argsort(rank.astype(np.int16 if len(ii) < 2**15 else np.int64), kind="stable")
-    edges = np.r_[0, np.cumsum(np.bincount(rank, minlength=len(ii)))].tolist()
-    for i, a, b in zip(firsts, edges, edges[1:], strict=False):
+    level.load = u[k]
+    level.value = np.where(is_special, tp2, level.load)
+    level.link = c[k]
+    level.child = np.zeros(len(s), dtype=np.int64)
+    rows = np.column_stack([np.where(is_special, p, p - 1), np.where(is_special, tp2, t),
+                            np.where(is_special, mp2, m), vn])
+    order = np.argsort(k.astype(np.int16 if len(ii) < 2**15 else np.int64), kind="stable")
+    edges = np.r_[0, np.cumsum(np.bincount(k, minlength=len(ii)))].tolist()
+    for i, a, b in zip(ii.tolist(), edges, edges[1:], strict=False):
         if b > a:
             pending[i - 1].append((rows[order[a:b]], level, order[a:b]))
-
 
 def _evaluate(tb: DPTables, that: float, cap: float, levels: list[_Level]
               ) -> tuple[list[np.ndarray], list[np.ndarray]]:
