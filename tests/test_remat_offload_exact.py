@@ -512,6 +512,124 @@ def test_host_bound_of_a_sequence_never_exceeds_its_brute_value(chain: Chain, li
                                 "brute", options=OPTS).status is Status.INFEASIBLE
 
 
+def _sequence_bounds_checked(chain: Chain, limit: int, beta: float) -> int:
+    """For every compute sequence of brute force's enumeration with a plan (its compute
+    time where it fits without transfers, else brute force's best transfers), the link
+    relaxation with the read deadlines (``read_deadlines``; host rows and aggregated) and
+    that sequence fixed is at most the plan's makespan; returns how many were checked."""
+    built = build_remat_offload(chain, limit, beta)
+    from optmem.solvers.remat_offload_exact import _brute_transfers, compute_sequences
+
+    n_ck = len(built.checkpoint.names)
+    checked = 0
+    for compute, peak, ops in compute_sequences(chain):
+        fixing = built.fixing(ops)
+        if fixing is None:
+            continue  # outside the model's class (sweeps)
+        found = (compute, ops) if peak <= limit else _brute_transfers(chain, limit, beta, ops)
+        if found is None:
+            continue
+        xhat = {i: x for i, x in fixing.items() if i < n_ck}
+        for host_values in (True, False):
+            bound = _relaxation(chain, limit, beta, xhat, host_values=host_values,
+                                read_deadlines=True)
+            assert bound <= found[0] + 1e-6, (ops, host_values, bound, found[0])
+        checked += 1
+    return checked
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(chain=st.one_of(tiny(), tiny_with_idle_ops()), limit=st.integers(3, 22),
+       beta=st.sampled_from([0.5, 1.0, 3.0]))
+def test_read_deadlines_of_a_sequence_never_exceed_its_brute_value(chain: Chain, limit: int,
+                                                                   beta: float) -> None:
+    """The read-deadline rows (``read_deadlines``: a value on the host during an item and
+    read by a later recomputation slot is prefetched between the two) keep the relaxation
+    of every compute sequence at most that sequence's best plan (brute force), with and
+    without the per-value host rows, also with ops that take no time."""
+    checked = _sequence_bounds_checked(chain, limit, beta)
+    assert checked > 0 or solve(RematOffloadProblem(chain, limit, chain_bandwidth=beta),
+                                "brute", options=OPTS).status is Status.INFEASIBLE
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(chain=st.one_of(tiny(), tiny_with_idle_ops()), limit=st.integers(3, 22),
+       beta=st.sampled_from([0.5, 1.0, 3.0]))
+def test_read_deadlines_only_lift_the_relaxation(chain: Chain, limit: int,
+                                                 beta: float) -> None:
+    """Over all sequences the read deadlines never lower the relaxation (host rows or
+    aggregated) and never lift it above brute force's optimum."""
+    brute = solve(RematOffloadProblem(chain, limit, chain_bandwidth=beta), "brute",
+                  options=OPTS)
+    assert brute.status is not Status.ERROR
+    for host_values in (True, False):
+        before = _relaxation(chain, limit, beta, host_values=host_values)
+        after = _relaxation(chain, limit, beta, host_values=host_values, read_deadlines=True)
+        assert after >= before - 1e-6
+        if brute.status.has_plan:
+            assert after <= brute.objective + 1e-6
+
+
+# a chain, limit and link where a read-deadline row binds (found by search; F_all 1 in the
+# backward pass reads a^0, which the relaxation would otherwise bring back during it)
+READ_ROW_CASE = (Chain.from_lists([3, 4], [6, 4], [3, 2], [3, 2], input_size=2,
+                                  fwd_overhead=[1, 0]), 10, 3.0)
+
+
+@pytest.mark.parametrize("factor", [0.25, 0.5])
+def test_a_wrong_read_deadline_is_caught(monkeypatch: pytest.MonkeyPatch,
+                                         factor: float) -> None:
+    """The per-sequence check of the read deadlines fails for a deliberately wrong row (the
+    link made slower in it by ``factor``): the test above would catch an invalid row."""
+    import optmem.models.remat_offload as ro
+
+    real = ro._read_deadline
+
+    def wrong(m, p, q, slot_reads, seen, unread, held, relief, D, S, bandwidth, size):
+        return real(m, p, q, slot_reads, seen, unread, held, relief, D, S, bandwidth * factor,
+                    size)
+
+    chain, limit, beta = READ_ROW_CASE
+    assert _sequence_bounds_checked(chain, limit, beta) > 0
+    monkeypatch.setattr(ro, "_read_deadline", wrong)
+    with pytest.raises(AssertionError):
+        _sequence_bounds_checked(chain, limit, beta)
+
+
+# random_chain(10, seed=1) at its 10 % limit (59, bandwidth 1): the host relaxation's best
+# compute sequence before the read deadlines (HiGHS, 2026-11-28) with its best transfers
+# (CP-SAT with the sequence fixed proves 90)
+PLAN_10_1 = ("F_all 1", "offload a 0", "F_ck 2", "offload abar 1", "F_none 3", "F_ck 4",
+             "F_all 5", "offload a 3", "F_ck 6", "F_ck 7", "F_all 8", "F_all 9", "F_all 10",
+             "Loss", "B 10", "offload a 6", "B 9", "prefetch a 6", "B 8", "prefetch a 0",
+             "F_all 7", "B 7", "prefetch a 3", "F_all 6", "B 6", "B 5", "F_all 4", "B 4",
+             "prefetch abar 1", "F_all 2", "F_all 3", "B 3", "B 2", "B 1")
+
+
+def test_read_deadlines_lift_a_compute_sequence_toward_its_value() -> None:
+    """Where the host rows were loose (``PLAN_10_1``'s sequence: 76 in the host relaxation,
+    90 in the model): the read deadlines lift the sequence's relaxation to 85, at most the
+    simulated makespan of the plan (90; ``abar^1`` must be back before ``F_all 2``)."""
+    from optmem.plan import Op, parse_mixed_plan
+    from optmem.solvers.remat_offload import discretized
+
+    chain = random_chain(10, seed=1)
+    problem = RematOffloadProblem(chain, 59, chain_bandwidth=sum(chain.output_size) / sum(
+        chain.fwd_time) / 2)
+    disc, beta = discretized(problem, OPTS)
+    plan = parse_mixed_plan(list(PLAN_10_1))
+    makespan = simulate_offload(disc.chain, plan, beta, disc.memory_limit).makespan
+    built = build_remat_offload(disc.chain, disc.memory_limit, beta)
+    fixing = built.fixing([op for op in plan if isinstance(op, Op)])
+    assert fixing is not None
+    xhat = {i: x for i, x in fixing.items() if i < len(built.checkpoint.names)}
+    host = _relaxation(disc.chain, disc.memory_limit, beta, xhat)
+    lifted = _relaxation(disc.chain, disc.memory_limit, beta, xhat, read_deadlines=True)
+    assert makespan == pytest.approx(90)
+    assert host == pytest.approx(76)
+    assert lifted == pytest.approx(85)
+
+
 @settings(max_examples=8, deadline=None, derandomize=True)
 @given(length=st.integers(3, 4), seed=st.integers(0, 10_000),
        beta=st.sampled_from([0.3, 1.0, 2.0]))
