@@ -265,6 +265,34 @@ def test_options_are_checked() -> None:
     with pytest.raises(OptmemInputError, match="relaxation_deadlines"):
         solve(RematOffloadProblem(EXAMPLE, 12, chain_bandwidth=1.0), "cpsat",
               options=OPTS.with_(extra={"relaxation_deadlines": "yes"}))
+    for key, value in (("relaxation_read_deadlines", "yes"), ("relaxation_sequence", 2),
+                       ("relaxation_share", 0.0), ("relaxation_share", 1.5)):
+        with pytest.raises(OptmemInputError, match=key):
+            solve(RematOffloadProblem(EXAMPLE, 12, chain_bandwidth=1.0), "cpsat",
+                  options=OPTS.with_(extra={key: value}))
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("seed", [41, 2])
+def test_relaxation_sequence_is_a_candidate(method: str, seed: int) -> None:
+    """``relaxation_sequence`` (default on): the relaxation's compute sequence, completed by
+    the engine, is a replayed candidate plan no faster than the relaxation's bound; off, no
+    such candidate; the optimum is the same either way (deterministic limits)."""
+    chain = random_chain(4, seed=seed, max_size=6)
+    opts = SolveOptions(slots=64, threads=1, seed=1, deterministic_time=30.0, node_limit=200)
+    for limit in limits(chain)[:1]:
+        problem = RematOffloadProblem(chain, limit, chain_bandwidth=1.0)
+        on = solve(problem, method, options=opts)
+        off = solve(problem, method, options=opts.with_(extra={"relaxation_sequence": False}))
+        check(problem, on, opts)
+        check(problem, off, opts)
+        assert "relaxation_sequence" not in off.report
+        seq = on.report.get("relaxation_sequence")
+        if seq is not None:
+            assert seq["makespan"] >= on.report["relaxation"]["bound"] - 1e-6
+            assert seq["makespan"] >= on.objective - 1e-9
+        if on.status is Status.OPTIMAL and off.status is Status.OPTIMAL:
+            assert on.objective == pytest.approx(off.objective)
 
 
 def test_cli_solve_and_export(capsys: pytest.CaptureFixture[str], tmp_path) -> None:

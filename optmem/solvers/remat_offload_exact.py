@@ -429,7 +429,8 @@ def _relaxation_bound(chain: Chain, memory_limit: int, beta: float, sweeps: int,
     pulp_engine = engine if engine != "cpsat" else "highs"
     if not engines.is_available(pulp_engine):
         return _Relaxed(-math.inf, {"status": f"skipped ({pulp_engine} not installed)"})
-    share = None if options.time_limit_s is None else RELAXATION_SHARE * options.time_limit_s
+    share = None if options.time_limit_s is None else \
+        _relaxation_share(options) * options.time_limit_s
     first_budget = share if share is None or master_budget_s is None else \
         max(share, master_budget_s)
     began = clock()
@@ -482,6 +483,18 @@ def _relaxation_bound(chain: Chain, memory_limit: int, beta: float, sweeps: int,
     if math.isfinite(best):
         info["bound"] = best
     return _Relaxed(best, info, *kept) if kept is not None else _Relaxed(best, info)
+
+
+def _relaxation_share(options: SolveOptions) -> float:
+    """``extra["relaxation_share"]``: the relaxation's share of the time limit.
+
+    Default :data:`RELAXATION_SHARE`; a number in ``(0, 1]``.
+    """
+    share = options.extra.get("relaxation_share", RELAXATION_SHARE)
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+        raise OptmemInputError(f"expected a share in (0, 1] for relaxation_share, got "
+                               f"{share!r}", field="relaxation_share")
+    return float(share)
 
 
 def _record(info: dict[str, Any], key: str, out: EngineResult) -> dict[str, Any]:
@@ -664,6 +677,7 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
         flag(options, "benders_host_bound", False)
     flag(options, "relaxation_read_deadlines", READ_DEADLINES_DEFAULT)  # checked before work
     flag(options, "relaxation_sequence", SEQUENCE_DEFAULT)
+    _relaxation_share(options)
     built = build_remat_offload(disc.chain, disc.memory_limit, beta, sweeps=sweeps,
                                 transfers_per_gap=per_gap, grid=None if exact else scale)
     report: dict[str, Any] = {"model": built.info, "sweeps": sweeps,
@@ -829,7 +843,7 @@ def _full_solve(setup: _Setup, options: SolveOptions, report: dict[str, Any], *,
           compare_as=(("ilp", 6),),
           extra=("sweeps", "transfers_per_gap", "grid", "backlog_grid", "prefetch",
                  "relaxation", "relaxation_deadlines", "relaxation_values", "relaxation_lazy",
-                 "relaxation_read_deadlines", "relaxation_sequence"))
+                 "relaxation_read_deadlines", "relaxation_sequence", "relaxation_share"))
 def solve_ilp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     """Optimal plan over the model's class (module docstring), HiGHS/CBC/Gurobi."""
     return _solve_model(problem, options, "ilp")
@@ -840,7 +854,8 @@ def solve_ilp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
           compare_as=(("cpsat", 6),),
           extra=("sweeps", "transfers_per_gap", "grid", "backlog_grid", "prefetch",
                  "relaxation", "relaxation_deadlines", "relaxation_values", "relaxation_lazy",
-                 "relaxation_read_deadlines", "relaxation_sequence", "strategy", "benders_work",
+                 "relaxation_read_deadlines", "relaxation_sequence", "relaxation_share",
+                 "strategy", "benders_work",
                  "benders_filter_work", "benders_iterations", "benders_warmup",
                  "benders_filter", "benders_host_bound"))
 def solve_cpsat(problem: RematOffloadProblem, options: SolveOptions) -> Result:
