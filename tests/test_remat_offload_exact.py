@@ -726,7 +726,7 @@ def test_link_relaxation_bound_is_reported_and_lifts_the_floor() -> None:
     chain = random_chain(6, seed=3, max_size=8)
     limit = limits(chain)[0]
     problem = RematOffloadProblem(chain, limit, chain_bandwidth=0.5)
-    bound = _relaxation(chain, limit, 0.5)
+    bound = _relaxation(chain, limit, 0.5, read_deadlines=True)  # the methods' default
     assert bound > chain.total_compute_time() + 1e-6
     for method in METHODS:
         res = solve(problem, method, options=SolveOptions(slots=64, threads=1, seed=1,

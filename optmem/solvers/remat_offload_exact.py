@@ -11,7 +11,8 @@
   class (completed by the engine with the plan's binaries fixed), its horizon is that plan's
   makespan, and the decoded plan is replayed by the simulator (it is never slower than the
   model says; ``report['model_objective']``). ``time_limit_s`` bounds everything after the
-  model is built (the link relaxation's bound at most a quarter of it, the candidate plans,
+  model is built (the link relaxation's bound at most a quarter of it,
+  ``extra["relaxation_share"]``, the candidate plans,
   at most a quarter completing the warm start, the search the rest, at least one second;
   building and emitting the model come first) and returns the best verified plan with the
   engine's bound. CP-SAT runs on the exact time grid of :func:`cpsat_time_scale` (the least
@@ -22,7 +23,10 @@
   ``extra["relaxation"] = False``): a candidate plan that meets it is returned as
   ``optimal`` without a search, otherwise the bound becomes a row ``makespan >= bound`` of
   the model (exact times only) and a floor of the reported bound. Its prefetch-deadline
-  rows are on by default (``extra["relaxation_deadlines"]``).
+  rows are on by default (``extra["relaxation_deadlines"]``), and so are its read
+  deadlines (``extra["relaxation_read_deadlines"]``). The compute sequence of its
+  strongest stage solved to optimality, completed by the engine, is one more candidate
+  plan (``extra["relaxation_sequence"]``, :func:`_sequence_candidate`).
 * ``brute``: the independent oracle for tiny chains: every compute sequence with at most
   ``L (L + 1) / 2`` forwards, and for every gap between two consecutive uses of a stored
   value at most one offload/prefetch pair (enumerated window subsets, link orders and issue
