@@ -925,6 +925,23 @@ def test_relaxation_master_stages_may_use_the_loops_time(
     assert clock.now <= max(exact.RELAXATION_SHARE * 100.0, sum(s for s, _ in stages[:2]))
 
 
+@pytest.mark.parametrize("share", [None, 0.6, 1.0])
+def test_relaxation_share_is_the_relaxations_budget(monkeypatch: pytest.MonkeyPatch,
+                                                    share: float | None) -> None:
+    """``relaxation_share`` (default ``RELAXATION_SHARE``) is the relaxation's share of the
+    time limit: the first stage's limit on an injected clock."""
+    import optmem.solvers.remat_offload_exact as exact
+
+    clock, given = _timed_stages(monkeypatch, 1.0, [(1.0, Status.OPTIMAL)] * 3)
+    chain = random_chain(4, seed=41, max_size=6)
+    extra = FULL_HOST if share is None else {**FULL_HOST, "relaxation_share": share}
+    exact._relaxation_bound(chain, limits(chain)[0], 1.0, 1,
+                            SolveOptions(threads=1, time_limit_s=100.0, extra=extra), "cpsat",
+                            clock=clock)
+    expected = 100.0 * (exact.RELAXATION_SHARE if share is None else share)
+    assert given[0] == pytest.approx(expected - 1.0)
+
+
 def test_relaxation_without_time_limit_runs_every_stage(monkeypatch: pytest.MonkeyPatch
                                                          ) -> None:
     """No time limit: every stage runs, without a limit."""
