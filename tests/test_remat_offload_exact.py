@@ -942,6 +942,33 @@ def test_relaxation_share_is_the_relaxations_budget(monkeypatch: pytest.MonkeyPa
     assert given[0] == pytest.approx(expected - 1.0)
 
 
+@pytest.mark.parametrize(("extra", "expected"), [
+    ({"strategy": "benders"}, 0.6), ({"strategy": "benders", "relaxation_share": 0.25}, 0.25),
+    ({}, None)])
+def test_benders_gives_the_relaxation_more_time(monkeypatch: pytest.MonkeyPatch,
+                                                extra: dict[str, Any],
+                                                expected: float | None) -> None:
+    """``strategy=benders`` solves the relaxation with ``BENDERS_RELAXATION_SHARE`` unless
+    ``relaxation_share`` is given; ``full`` keeps the option as given (default absent)."""
+    import optmem.solvers.remat_offload_exact as exact
+
+    seen: list[Any] = []
+    real = exact._relaxation_bound
+
+    def spy(*args, **kwargs):
+        seen.append(args[4].extra.get("relaxation_share"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(exact, "_relaxation_bound", spy)
+    chain = random_chain(3, seed=2, max_size=6)
+    problem = RematOffloadProblem(chain, limits(chain)[0], chain_bandwidth=1.0)
+    res = solve(problem, "cpsat", options=OPTS.with_(seed=1, deterministic_time=20.0,
+                                                     extra=extra))
+    check(problem, res)
+    assert seen == [expected]
+    assert exact.BENDERS_RELAXATION_SHARE == 0.6
+
+
 def test_relaxation_without_time_limit_runs_every_stage(monkeypatch: pytest.MonkeyPatch
                                                          ) -> None:
     """No time limit: every stage runs, without a limit."""

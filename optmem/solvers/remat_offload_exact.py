@@ -97,6 +97,9 @@ RELAXATION_SHARE = 0.25  # share of a user's time limit spent on the link relaxa
 LAZY_HOST_DEFAULT = True  # extra["relaxation_lazy"]: the host stage's rows added lazily
 HOST_STAGE_MAX_VALUES = 1200  # most per-value host binaries of the host stage (_host_stage_fits)
 MAX_RATIONAL_SCALE = 10**6  # largest exact CP-SAT time grid: never finer than the decimal one
+# extra["relaxation_share"] under strategy=benders: the host stage's rows are its strongest
+# bound and its sequence the best plan (results/remat_offload_proofs.md, ro12)
+BENDERS_RELAXATION_SHARE = 0.6
 BENDERS_WARMUP = 0.3  # share of the time limit for the monolithic warm-up of strategy=benders
 SEQUENCE_DEFAULT = True  # extra["relaxation_sequence"]: the relaxation's sequence completed
 SEQUENCE_WORK = 10.0  # CP-SAT deterministic seconds completing the relaxation's sequence
@@ -614,8 +617,13 @@ def _benders(setup: _Setup, options: SolveOptions, report: dict[str, Any]) -> Re
     relaxation is solved first and gives the warm-up its bound and the loop its first master
     and proposal. The stages up to the deadline rows are that master and may use the loop's
     share of the limit (the loop would otherwise solve it again: 50-140 s at tight limits);
-    the host stage stays within :data:`RELAXATION_SHARE` (with the loop's share it took
-    160-176 s of 300 s at load 7-9). The loop gets what the relaxation and the warm-up leave.
+    the host stage stays within the relaxation's share, :data:`BENDERS_RELAXATION_SHARE`
+    under this strategy unless ``extra["relaxation_share"]`` says otherwise (with the
+    loop's share it took 160-176 s of 300 s at load 7-9 before the read deadlines; with them
+    and the relaxation's sequence as a plan, 0.6 instead of 0.25 proved
+    ``random_chain(10, seed=1)`` at 10 % and raised every other 10 % bound at L = 10-12,
+    the 30 % ones unchanged: ``benchmarks/results/remat_offload_proofs.md``, ``ro12``).
+    The loop gets what the relaxation and the warm-up leave.
     """
     share = options.extra.get("benders_warmup", BENDERS_WARMUP)
     if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
@@ -628,8 +636,10 @@ def _benders(setup: _Setup, options: SolveOptions, report: dict[str, Any]) -> Re
     first: tuple[Model, EngineResult] | None = None
     began = time.monotonic()
     limit = options.time_limit_s
+    relax_options = options if "relaxation_share" in options.extra else \
+        options.with_(extra={**options.extra, "relaxation_share": BENDERS_RELAXATION_SHARE})
     relaxed = _relaxation_bound(setup.disc.chain, setup.disc.memory_limit, setup.beta,
-                                setup.built.checkpoint.sweeps, options, "cpsat",
+                                setup.built.checkpoint.sweeps, relax_options, "cpsat",
                                 master_budget_s=None if limit is None else (1 - share) * limit)
     report["relaxation"] = relaxed.info  # the loop adds its first master's bound
     if relaxed.master is not None and relaxed.out is not None:
