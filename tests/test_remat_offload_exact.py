@@ -275,15 +275,16 @@ def test_options_are_checked() -> None:
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("seed", [41, 2])
 def test_relaxation_sequence_is_a_candidate(method: str, seed: int) -> None:
-    """``relaxation_sequence`` (default on): the relaxation's compute sequence, completed by
-    the engine, is a replayed candidate plan no faster than the relaxation's bound; off, no
-    such candidate; the optimum is the same either way (deterministic limits)."""
+    """``relaxation_sequence`` (default on under ``strategy=benders`` only): the relaxation's
+    compute sequence, completed by the engine, is a replayed candidate plan no faster than
+    the relaxation's bound; off, no such candidate; the optimum is the same either way
+    (deterministic limits)."""
     chain = random_chain(4, seed=seed, max_size=6)
     opts = SolveOptions(slots=64, threads=1, seed=1, deterministic_time=30.0, node_limit=200)
     for limit in limits(chain)[:1]:
         problem = RematOffloadProblem(chain, limit, chain_bandwidth=1.0)
-        on = solve(problem, method, options=opts)
-        off = solve(problem, method, options=opts.with_(extra={"relaxation_sequence": False}))
+        on = solve(problem, method, options=opts.with_(extra={"relaxation_sequence": True}))
+        off = solve(problem, method, options=opts)  # the default of strategy=full
         check(problem, on, opts)
         check(problem, off, opts)
         assert "relaxation_sequence" not in off.report
@@ -726,7 +727,7 @@ def test_link_relaxation_bound_is_reported_and_lifts_the_floor() -> None:
     chain = random_chain(6, seed=3, max_size=8)
     limit = limits(chain)[0]
     problem = RematOffloadProblem(chain, limit, chain_bandwidth=0.5)
-    bound = _relaxation(chain, limit, 0.5, read_deadlines=True)  # the methods' default
+    bound = _relaxation(chain, limit, 0.5)
     assert bound > chain.total_compute_time() + 1e-6
     for method in METHODS:
         res = solve(problem, method, options=SolveOptions(slots=64, threads=1, seed=1,
@@ -949,7 +950,8 @@ def test_benders_gives_the_relaxation_more_time(monkeypatch: pytest.MonkeyPatch,
                                                 extra: dict[str, Any],
                                                 expected: float | None) -> None:
     """``strategy=benders`` solves the relaxation with ``BENDERS_RELAXATION_SHARE`` unless
-    ``relaxation_share`` is given; ``full`` keeps the option as given (default absent)."""
+    ``relaxation_share`` is given, and with the read deadlines; ``full`` keeps the options
+    as given (default absent)."""
     import optmem.solvers.remat_offload_exact as exact
 
     seen: list[Any] = []
@@ -957,6 +959,8 @@ def test_benders_gives_the_relaxation_more_time(monkeypatch: pytest.MonkeyPatch,
 
     def spy(*args, **kwargs):
         seen.append(args[4].extra.get("relaxation_share"))
+        reads = args[4].extra.get("relaxation_read_deadlines")
+        assert reads is (True if expected is not None else None)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(exact, "_relaxation_bound", spy)

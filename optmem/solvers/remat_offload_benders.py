@@ -124,7 +124,7 @@ from optmem.solvers.remat_offload import (
 DEFAULT_SUB_WORK = 10.0  # CP-SAT deterministic seconds per subproblem (doubled on a repeat)
 DEFAULT_FILTER_WORK = 0.25  # CP-SAT deterministic seconds per deletion-filter check
 HOST_CHECK_S = 10.0  # HiGHS seconds per host-rows filter check (host_filter), within the limit
-READ_DEADLINES_DEFAULT = True  # extra["relaxation_read_deadlines"]: the relaxation's read rows
+READ_DEADLINES_DEFAULT = False  # extra["relaxation_read_deadlines"] (strategy=benders: true)
 FILTER_MODES = ("phases", "slots")  # extra["benders_filter"] (default first): filter passes
 LOG = logging.getLogger(__name__)
 

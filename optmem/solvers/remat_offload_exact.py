@@ -23,10 +23,11 @@
   ``extra["relaxation"] = False``): a candidate plan that meets it is returned as
   ``optimal`` without a search, otherwise the bound becomes a row ``makespan >= bound`` of
   the model (exact times only) and a floor of the reported bound. Its prefetch-deadline
-  rows are on by default (``extra["relaxation_deadlines"]``), and so are its read
-  deadlines (``extra["relaxation_read_deadlines"]``). The compute sequence of its
-  strongest stage solved to optimality, completed by the engine, is one more candidate
-  plan (``extra["relaxation_sequence"]``, :func:`_sequence_candidate`).
+  rows are on by default (``extra["relaxation_deadlines"]``); its read deadlines
+  (``extra["relaxation_read_deadlines"]``) and the compute sequence of its strongest stage
+  solved to optimality, completed by the engine, as one more candidate plan
+  (``extra["relaxation_sequence"]``, :func:`_sequence_candidate`) are on by default under
+  ``strategy=benders`` only (:data:`BENDERS_EXTRA`, where they were measured).
 * ``brute``: the independent oracle for tiny chains: every compute sequence with at most
   ``L (L + 1) / 2`` forwards, and for every gap between two consecutive uses of a stored
   value at most one offload/prefetch pair (enumerated window subsets, link orders and issue
@@ -100,8 +101,11 @@ MAX_RATIONAL_SCALE = 10**6  # largest exact CP-SAT time grid: never finer than t
 # extra["relaxation_share"] under strategy=benders: the host stage's rows are its strongest
 # bound and its sequence the best plan (results/remat_offload_proofs.md, ro12)
 BENDERS_RELAXATION_SHARE = 0.6
+# the defaults strategy=benders adds to extra (measured together there, ro12; full: not)
+BENDERS_EXTRA = {"relaxation_share": BENDERS_RELAXATION_SHARE,
+                 "relaxation_read_deadlines": True, "relaxation_sequence": True}
 BENDERS_WARMUP = 0.3  # share of the time limit for the monolithic warm-up of strategy=benders
-SEQUENCE_DEFAULT = True  # extra["relaxation_sequence"]: the relaxation's sequence completed
+SEQUENCE_DEFAULT = False  # extra["relaxation_sequence"] (strategy=full; benders: BENDERS_EXTRA)
 SEQUENCE_WORK = 10.0  # CP-SAT deterministic seconds completing the relaxation's sequence
 SEQUENCE_SHARE = 0.1  # share of a user's time limit completing the relaxation's sequence
 STRATEGIES = ("full", "benders")  # extra["strategy"] of cpsat (benders: remat_offload_benders)
@@ -618,13 +622,16 @@ def _benders(setup: _Setup, options: SolveOptions, report: dict[str, Any]) -> Re
     and proposal. The stages up to the deadline rows are that master and may use the loop's
     share of the limit (the loop would otherwise solve it again: 50-140 s at tight limits);
     the host stage stays within the relaxation's share, :data:`BENDERS_RELAXATION_SHARE`
-    under this strategy unless ``extra["relaxation_share"]`` says otherwise (with the
+    under this strategy unless ``extra["relaxation_share"]`` says otherwise (the keys of
+    :data:`BENDERS_EXTRA`, read deadlines and the relaxation's sequence on, are this
+    strategy's defaults) (with the
     loop's share it took 160-176 s of 300 s at load 7-9 before the read deadlines; with them
     and the relaxation's sequence as a plan, 0.6 instead of 0.25 proved
     ``random_chain(10, seed=1)`` at 10 % and raised every other 10 % bound at L = 10-12,
     the 30 % ones unchanged: ``benchmarks/results/remat_offload_proofs.md``, ``ro12``).
     The loop gets what the relaxation and the warm-up leave.
     """
+    options = options.with_(extra={**BENDERS_EXTRA, **options.extra})
     share = options.extra.get("benders_warmup", BENDERS_WARMUP)
     if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
         raise OptmemInputError(f"expected a share in [0, 1] for benders_warmup, got {share!r}",
@@ -636,10 +643,8 @@ def _benders(setup: _Setup, options: SolveOptions, report: dict[str, Any]) -> Re
     first: tuple[Model, EngineResult] | None = None
     began = time.monotonic()
     limit = options.time_limit_s
-    relax_options = options if "relaxation_share" in options.extra else \
-        options.with_(extra={**options.extra, "relaxation_share": BENDERS_RELAXATION_SHARE})
     relaxed = _relaxation_bound(setup.disc.chain, setup.disc.memory_limit, setup.beta,
-                                setup.built.checkpoint.sweeps, relax_options, "cpsat",
+                                setup.built.checkpoint.sweeps, options, "cpsat",
                                 master_budget_s=None if limit is None else (1 - share) * limit)
     report["relaxation"] = relaxed.info  # the loop adds its first master's bound
     if relaxed.master is not None and relaxed.out is not None:
