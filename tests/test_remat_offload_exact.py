@@ -265,6 +265,35 @@ def test_options_are_checked() -> None:
     with pytest.raises(OptmemInputError, match="relaxation_deadlines"):
         solve(RematOffloadProblem(EXAMPLE, 12, chain_bandwidth=1.0), "cpsat",
               options=OPTS.with_(extra={"relaxation_deadlines": "yes"}))
+    for key, value in (("relaxation_read_deadlines", "yes"), ("relaxation_sequence", 2),
+                       ("relaxation_share", 0.0), ("relaxation_share", 1.5)):
+        with pytest.raises(OptmemInputError, match=key):
+            solve(RematOffloadProblem(EXAMPLE, 12, chain_bandwidth=1.0), "cpsat",
+                  options=OPTS.with_(extra={key: value}))
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("seed", [41, 2])
+def test_relaxation_sequence_is_a_candidate(method: str, seed: int) -> None:
+    """``relaxation_sequence`` (default on under ``strategy=benders`` only): the relaxation's
+    compute sequence, completed by the engine, is a replayed candidate plan no faster than
+    the relaxation's bound; off, no such candidate; the optimum is the same either way
+    (deterministic limits)."""
+    chain = random_chain(4, seed=seed, max_size=6)
+    opts = SolveOptions(slots=64, threads=1, seed=1, deterministic_time=30.0, node_limit=200)
+    for limit in limits(chain)[:1]:
+        problem = RematOffloadProblem(chain, limit, chain_bandwidth=1.0)
+        on = solve(problem, method, options=opts.with_(extra={"relaxation_sequence": True}))
+        off = solve(problem, method, options=opts)  # the default of strategy=full
+        check(problem, on, opts)
+        check(problem, off, opts)
+        assert "relaxation_sequence" not in off.report
+        seq = on.report.get("relaxation_sequence")
+        if seq is not None:
+            assert seq["makespan"] >= on.report["relaxation"]["bound"] - 1e-6
+            assert seq["makespan"] >= on.objective - 1e-9
+        if on.status is Status.OPTIMAL and off.status is Status.OPTIMAL:
+            assert on.objective == pytest.approx(off.objective)
 
 
 def test_cli_solve_and_export(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
@@ -510,6 +539,124 @@ def test_host_bound_of_a_sequence_never_exceeds_its_brute_value(chain: Chain, li
             checked += 1
     assert checked > 0 or solve(RematOffloadProblem(chain, limit, chain_bandwidth=beta),
                                 "brute", options=OPTS).status is Status.INFEASIBLE
+
+
+def _sequence_bounds_checked(chain: Chain, limit: int, beta: float) -> int:
+    """For every compute sequence of brute force's enumeration with a plan (its compute
+    time where it fits without transfers, else brute force's best transfers), the link
+    relaxation with the read deadlines (``read_deadlines``; host rows and aggregated) and
+    that sequence fixed is at most the plan's makespan; returns how many were checked."""
+    built = build_remat_offload(chain, limit, beta)
+    from optmem.solvers.remat_offload_exact import _brute_transfers, compute_sequences
+
+    n_ck = len(built.checkpoint.names)
+    checked = 0
+    for compute, peak, ops in compute_sequences(chain):
+        fixing = built.fixing(ops)
+        if fixing is None:
+            continue  # outside the model's class (sweeps)
+        found = (compute, ops) if peak <= limit else _brute_transfers(chain, limit, beta, ops)
+        if found is None:
+            continue
+        xhat = {i: x for i, x in fixing.items() if i < n_ck}
+        for host_values in (True, False):
+            bound = _relaxation(chain, limit, beta, xhat, host_values=host_values,
+                                read_deadlines=True)
+            assert bound <= found[0] + 1e-6, (ops, host_values, bound, found[0])
+        checked += 1
+    return checked
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(chain=st.one_of(tiny(), tiny_with_idle_ops()), limit=st.integers(3, 22),
+       beta=st.sampled_from([0.5, 1.0, 3.0]))
+def test_read_deadlines_of_a_sequence_never_exceed_its_brute_value(chain: Chain, limit: int,
+                                                                   beta: float) -> None:
+    """The read-deadline rows (``read_deadlines``: a value on the host during an item and
+    read by a later recomputation slot is prefetched between the two) keep the relaxation
+    of every compute sequence at most that sequence's best plan (brute force), with and
+    without the per-value host rows, also with ops that take no time."""
+    checked = _sequence_bounds_checked(chain, limit, beta)
+    assert checked > 0 or solve(RematOffloadProblem(chain, limit, chain_bandwidth=beta),
+                                "brute", options=OPTS).status is Status.INFEASIBLE
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(chain=st.one_of(tiny(), tiny_with_idle_ops()), limit=st.integers(3, 22),
+       beta=st.sampled_from([0.5, 1.0, 3.0]))
+def test_read_deadlines_only_lift_the_relaxation(chain: Chain, limit: int,
+                                                 beta: float) -> None:
+    """Over all sequences the read deadlines never lower the relaxation (host rows or
+    aggregated) and never lift it above brute force's optimum."""
+    brute = solve(RematOffloadProblem(chain, limit, chain_bandwidth=beta), "brute",
+                  options=OPTS)
+    assert brute.status is not Status.ERROR
+    for host_values in (True, False):
+        before = _relaxation(chain, limit, beta, host_values=host_values)
+        after = _relaxation(chain, limit, beta, host_values=host_values, read_deadlines=True)
+        assert after >= before - 1e-6
+        if brute.status.has_plan:
+            assert after <= brute.objective + 1e-6
+
+
+# a chain, limit and link where a read-deadline row binds (found by search; F_all 1 in the
+# backward pass reads a^0, which the relaxation would otherwise bring back during it)
+READ_ROW_CASE = (Chain.from_lists([3, 4], [6, 4], [3, 2], [3, 2], input_size=2,
+                                  fwd_overhead=[1, 0]), 10, 3.0)
+
+
+@pytest.mark.parametrize("factor", [0.25, 0.5])
+def test_a_wrong_read_deadline_is_caught(monkeypatch: pytest.MonkeyPatch,
+                                         factor: float) -> None:
+    """The per-sequence check of the read deadlines fails for a deliberately wrong row (the
+    link made slower in it by ``factor``): the test above would catch an invalid row."""
+    import optmem.models.remat_offload as ro
+
+    real = ro._read_deadline
+
+    def wrong(m, p, q, slot_reads, seen, unread, held, relief, D, S, bandwidth, size):
+        return real(m, p, q, slot_reads, seen, unread, held, relief, D, S, bandwidth * factor,
+                    size)
+
+    chain, limit, beta = READ_ROW_CASE
+    assert _sequence_bounds_checked(chain, limit, beta) > 0
+    monkeypatch.setattr(ro, "_read_deadline", wrong)
+    with pytest.raises(AssertionError):
+        _sequence_bounds_checked(chain, limit, beta)
+
+
+# random_chain(10, seed=1) at its 10 % limit (59, bandwidth 1): the host relaxation's best
+# compute sequence before the read deadlines (HiGHS, 2026-11-28) with its best transfers
+# (CP-SAT with the sequence fixed proves 90)
+PLAN_10_1 = ("F_all 1", "offload a 0", "F_ck 2", "offload abar 1", "F_none 3", "F_ck 4",
+             "F_all 5", "offload a 3", "F_ck 6", "F_ck 7", "F_all 8", "F_all 9", "F_all 10",
+             "Loss", "B 10", "offload a 6", "B 9", "prefetch a 6", "B 8", "prefetch a 0",
+             "F_all 7", "B 7", "prefetch a 3", "F_all 6", "B 6", "B 5", "F_all 4", "B 4",
+             "prefetch abar 1", "F_all 2", "F_all 3", "B 3", "B 2", "B 1")
+
+
+def test_read_deadlines_lift_a_compute_sequence_toward_its_value() -> None:
+    """Where the host rows were loose (``PLAN_10_1``'s sequence: 76 in the host relaxation,
+    90 in the model): the read deadlines lift the sequence's relaxation to 85, at most the
+    simulated makespan of the plan (90; ``abar^1`` must be back before ``F_all 2``)."""
+    from optmem.plan import Op, parse_mixed_plan
+    from optmem.solvers.remat_offload import discretized
+
+    chain = random_chain(10, seed=1)
+    problem = RematOffloadProblem(chain, 59, chain_bandwidth=sum(chain.output_size) / sum(
+        chain.fwd_time) / 2)
+    disc, beta = discretized(problem, OPTS)
+    plan = parse_mixed_plan(list(PLAN_10_1))
+    makespan = simulate_offload(disc.chain, plan, beta, disc.memory_limit).makespan
+    built = build_remat_offload(disc.chain, disc.memory_limit, beta)
+    fixing = built.fixing([op for op in plan if isinstance(op, Op)])
+    assert fixing is not None
+    xhat = {i: x for i, x in fixing.items() if i < len(built.checkpoint.names)}
+    host = _relaxation(disc.chain, disc.memory_limit, beta, xhat)
+    lifted = _relaxation(disc.chain, disc.memory_limit, beta, xhat, read_deadlines=True)
+    assert makespan == pytest.approx(90)
+    assert host == pytest.approx(76)
+    assert lifted == pytest.approx(85)
 
 
 @settings(max_examples=8, deadline=None, derandomize=True)
@@ -777,6 +924,53 @@ def test_relaxation_master_stages_may_use_the_loops_time(
     assert given == pytest.approx(given_limits)
     assert relaxed.info["host_bound"] == host
     assert clock.now <= max(exact.RELAXATION_SHARE * 100.0, sum(s for s, _ in stages[:2]))
+
+
+@pytest.mark.parametrize("share", [None, 0.6, 1.0])
+def test_relaxation_share_is_the_relaxations_budget(monkeypatch: pytest.MonkeyPatch,
+                                                    share: float | None) -> None:
+    """``relaxation_share`` (default ``RELAXATION_SHARE``) is the relaxation's share of the
+    time limit: the first stage's limit on an injected clock."""
+    import optmem.solvers.remat_offload_exact as exact
+
+    clock, given = _timed_stages(monkeypatch, 1.0, [(1.0, Status.OPTIMAL)] * 3)
+    chain = random_chain(4, seed=41, max_size=6)
+    extra = FULL_HOST if share is None else {**FULL_HOST, "relaxation_share": share}
+    exact._relaxation_bound(chain, limits(chain)[0], 1.0, 1,
+                            SolveOptions(threads=1, time_limit_s=100.0, extra=extra), "cpsat",
+                            clock=clock)
+    expected = 100.0 * (exact.RELAXATION_SHARE if share is None else share)
+    assert given[0] == pytest.approx(expected - 1.0)
+
+
+@pytest.mark.parametrize(("extra", "expected"), [
+    ({"strategy": "benders"}, 0.6), ({"strategy": "benders", "relaxation_share": 0.25}, 0.25),
+    ({}, None)])
+def test_benders_gives_the_relaxation_more_time(monkeypatch: pytest.MonkeyPatch,
+                                                extra: dict[str, Any],
+                                                expected: float | None) -> None:
+    """``strategy=benders`` solves the relaxation with ``BENDERS_RELAXATION_SHARE`` unless
+    ``relaxation_share`` is given, and with the read deadlines; ``full`` keeps the options
+    as given (default absent)."""
+    import optmem.solvers.remat_offload_exact as exact
+
+    seen: list[Any] = []
+    real = exact._relaxation_bound
+
+    def spy(*args, **kwargs):
+        seen.append(args[4].extra.get("relaxation_share"))
+        reads = args[4].extra.get("relaxation_read_deadlines")
+        assert reads is (True if expected is not None else None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(exact, "_relaxation_bound", spy)
+    chain = random_chain(3, seed=2, max_size=6)
+    problem = RematOffloadProblem(chain, limits(chain)[0], chain_bandwidth=1.0)
+    res = solve(problem, "cpsat", options=OPTS.with_(seed=1, deterministic_time=20.0,
+                                                     extra=extra))
+    check(problem, res)
+    assert seen == [expected]
+    assert exact.BENDERS_RELAXATION_SHARE == 0.6
 
 
 def test_relaxation_without_time_limit_runs_every_stage(monkeypatch: pytest.MonkeyPatch

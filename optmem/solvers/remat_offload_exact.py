@@ -11,7 +11,8 @@
   class (completed by the engine with the plan's binaries fixed), its horizon is that plan's
   makespan, and the decoded plan is replayed by the simulator (it is never slower than the
   model says; ``report['model_objective']``). ``time_limit_s`` bounds everything after the
-  model is built (the link relaxation's bound at most a quarter of it, the candidate plans,
+  model is built (the link relaxation's bound at most a quarter of it,
+  ``extra["relaxation_share"]``, the candidate plans,
   at most a quarter completing the warm start, the search the rest, at least one second;
   building and emitting the model come first) and returns the best verified plan with the
   engine's bound. CP-SAT runs on the exact time grid of :func:`cpsat_time_scale` (the least
@@ -22,7 +23,11 @@
   ``extra["relaxation"] = False``): a candidate plan that meets it is returned as
   ``optimal`` without a search, otherwise the bound becomes a row ``makespan >= bound`` of
   the model (exact times only) and a floor of the reported bound. Its prefetch-deadline
-  rows are on by default (``extra["relaxation_deadlines"]``).
+  rows are on by default (``extra["relaxation_deadlines"]``); its read deadlines
+  (``extra["relaxation_read_deadlines"]``) and the compute sequence of its strongest stage
+  solved to optimality, completed by the engine, as one more candidate plan
+  (``extra["relaxation_sequence"]``, :func:`_sequence_candidate`) are on by default under
+  ``strategy=benders`` only (:data:`BENDERS_EXTRA`, where they were measured).
 * ``brute``: the independent oracle for tiny chains: every compute sequence with at most
   ``L (L + 1) / 2`` forwards, and for every gap between two consecutive uses of a stored
   value at most one offload/prefetch pair (enumerated window subsets, link orders and issue
@@ -84,7 +89,7 @@ from optmem.solvers.remat_offload import (
     pofo_plan,
     remat_candidate,
 )
-from optmem.solvers.remat_offload_benders import solve_benders
+from optmem.solvers.remat_offload_benders import READ_DEADLINES_DEFAULT, solve_benders
 from optmem.solvers.remat_offload_schedule import Window, static_replay, window_before
 
 BRUTE_MAX_LENGTH = 2
@@ -93,7 +98,16 @@ RELAXATION_SHARE = 0.25  # share of a user's time limit spent on the link relaxa
 LAZY_HOST_DEFAULT = True  # extra["relaxation_lazy"]: the host stage's rows added lazily
 HOST_STAGE_MAX_VALUES = 1200  # most per-value host binaries of the host stage (_host_stage_fits)
 MAX_RATIONAL_SCALE = 10**6  # largest exact CP-SAT time grid: never finer than the decimal one
+# extra["relaxation_share"] under strategy=benders: the host stage's rows are its strongest
+# bound and its sequence the best plan (results/remat_offload_proofs.md, ro12)
+BENDERS_RELAXATION_SHARE = 0.6
+# the defaults strategy=benders adds to extra (measured together there, ro12; full: not)
+BENDERS_EXTRA = {"relaxation_share": BENDERS_RELAXATION_SHARE,
+                 "relaxation_read_deadlines": True, "relaxation_sequence": True}
 BENDERS_WARMUP = 0.3  # share of the time limit for the monolithic warm-up of strategy=benders
+SEQUENCE_DEFAULT = False  # extra["relaxation_sequence"] (strategy=full; benders: BENDERS_EXTRA)
+SEQUENCE_WORK = 10.0  # CP-SAT deterministic seconds completing the relaxation's sequence
+SEQUENCE_SHARE = 0.1  # share of a user's time limit completing the relaxation's sequence
 STRATEGIES = ("full", "benders")  # extra["strategy"] of cpsat (benders: remat_offload_benders)
 
 
@@ -420,12 +434,14 @@ def _relaxation_bound(chain: Chain, memory_limit: int, beta: float, sweeps: int,
     deadlines = flag(options, "relaxation_deadlines", True)
     host_values = flag(options, "relaxation_values", True)
     lazy = flag(options, "relaxation_lazy", LAZY_HOST_DEFAULT)
+    reads_too = flag(options, "relaxation_read_deadlines", READ_DEADLINES_DEFAULT)
     if not options.extra.get("relaxation", True) or beta <= 0:
         return _Relaxed(-math.inf, {"status": "off"})
     pulp_engine = engine if engine != "cpsat" else "highs"
     if not engines.is_available(pulp_engine):
         return _Relaxed(-math.inf, {"status": f"skipped ({pulp_engine} not installed)"})
-    share = None if options.time_limit_s is None else RELAXATION_SHARE * options.time_limit_s
+    share = None if options.time_limit_s is None else \
+        _relaxation_share(options) * options.time_limit_s
     first_budget = share if share is None or master_budget_s is None else \
         max(share, master_budget_s)
     began = clock()
@@ -460,7 +476,8 @@ def _relaxation_bound(chain: Chain, memory_limit: int, beta: float, sweeps: int,
             info.setdefault(key, previous.bound)  # no item violated: the same optimum
             break
         master = build_link_relaxation(chain, memory_limit, beta, sweeps=sweeps,
-                                       deadlines=with_deadlines, host_values=with_values)
+                                       deadlines=with_deadlines, host_values=with_values,
+                                       read_deadlines=reads_too)
         if with_values and previous is not None and not _host_stage_fits(master, previous):
             info[key] = "skipped (too large, or the deadline stage not solved)"
             break
@@ -477,6 +494,18 @@ def _relaxation_bound(chain: Chain, memory_limit: int, beta: float, sweeps: int,
     if math.isfinite(best):
         info["bound"] = best
     return _Relaxed(best, info, *kept) if kept is not None else _Relaxed(best, info)
+
+
+def _relaxation_share(options: SolveOptions) -> float:
+    """``extra["relaxation_share"]``: the relaxation's share of the time limit.
+
+    Default :data:`RELAXATION_SHARE`; a number in ``(0, 1]``.
+    """
+    share = options.extra.get("relaxation_share", RELAXATION_SHARE)
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+        raise OptmemInputError(f"expected a share in (0, 1] for relaxation_share, got "
+                               f"{share!r}", field="relaxation_share")
+    return float(share)
 
 
 def _record(info: dict[str, Any], key: str, out: EngineResult) -> dict[str, Any]:
@@ -513,7 +542,9 @@ def _lazy_host(chain: Chain, memory_limit: int, beta: float, sweeps: int,
     aggregated rows too), its optimum and any dual bound are at most the optimum (digest
     ``shared/design/offload.md`` 0.2).
     """
-    full = build_link_relaxation(chain, memory_limit, beta, sweeps=sweeps)
+    reads_too = flag(options, "relaxation_read_deadlines", READ_DEADLINES_DEFAULT)
+    full = build_link_relaxation(chain, memory_limit, beta, sweeps=sweeps,
+                                 read_deadlines=reads_too)
     rows = host_item_rows(full, start[0])
     master, out = start
     while out.status is Status.OPTIMAL and out.values is not None:
@@ -523,7 +554,7 @@ def _lazy_host(chain: Chain, memory_limit: int, beta: float, sweeps: int,
             return
         covered.update(violated)
         master = build_link_relaxation(chain, memory_limit, beta, sweeps=sweeps,
-                                       host_items=covered)
+                                       host_items=covered, read_deadlines=reads_too)
         pm = to_pulp(master)
         out = engines.solve_pulp(pm.problem, pm.all_variables, engine,
                                  **{**engines.pulp_settings(options), "time_limit_s": left})
@@ -590,9 +621,17 @@ def _benders(setup: _Setup, options: SolveOptions, report: dict[str, Any]) -> Re
     relaxation is solved first and gives the warm-up its bound and the loop its first master
     and proposal. The stages up to the deadline rows are that master and may use the loop's
     share of the limit (the loop would otherwise solve it again: 50-140 s at tight limits);
-    the host stage stays within :data:`RELAXATION_SHARE` (with the loop's share it took
-    160-176 s of 300 s at load 7-9). The loop gets what the relaxation and the warm-up leave.
+    the host stage stays within the relaxation's share, :data:`BENDERS_RELAXATION_SHARE`
+    under this strategy unless ``extra["relaxation_share"]`` says otherwise (the keys of
+    :data:`BENDERS_EXTRA`, read deadlines and the relaxation's sequence on, are this
+    strategy's defaults) (with the
+    loop's share it took 160-176 s of 300 s at load 7-9 before the read deadlines; with them
+    and the relaxation's sequence as a plan, 0.6 instead of 0.25 proved
+    ``random_chain(10, seed=1)`` at 10 % and raised every other 10 % bound at L = 10-12,
+    the 30 % ones unchanged: ``benchmarks/results/remat_offload_proofs.md``, ``ro12``).
+    The loop gets what the relaxation and the warm-up leave.
     """
+    options = options.with_(extra={**BENDERS_EXTRA, **options.extra})
     share = options.extra.get("benders_warmup", BENDERS_WARMUP)
     if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
         raise OptmemInputError(f"expected a share in [0, 1] for benders_warmup, got {share!r}",
@@ -610,6 +649,8 @@ def _benders(setup: _Setup, options: SolveOptions, report: dict[str, Any]) -> Re
     report["relaxation"] = relaxed.info  # the loop adds its first master's bound
     if relaxed.master is not None and relaxed.out is not None:
         first = (relaxed.master, relaxed.out)
+    candidates = _with_sequence(setup, relaxed, options, candidates, report)
+    found = [(value, plan) for value, _, plan in candidates]
     if share > 0 and (limit is not None or options.deterministic_time is not None):
         warm_options = options.with_(time_limit_s=None if limit is None else share * limit)
         warm = _full_solve(setup, warm_options, dict(report), relaxed=relaxed,
@@ -653,6 +694,9 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
         flag(options, "relaxation_values", True)
         flag(options, "relaxation_lazy", LAZY_HOST_DEFAULT)
         flag(options, "benders_host_bound", False)
+    flag(options, "relaxation_read_deadlines", READ_DEADLINES_DEFAULT)  # checked before work
+    flag(options, "relaxation_sequence", SEQUENCE_DEFAULT)
+    _relaxation_share(options)
     built = build_remat_offload(disc.chain, disc.memory_limit, beta, sweeps=sweeps,
                                 transfers_per_gap=per_gap, grid=None if exact else scale)
     report: dict[str, Any] = {"model": built.info, "sweeps": sweeps,
@@ -670,6 +714,61 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
     return _full_solve(setup, options, report)
 
 
+def _sequence_candidate(setup: _Setup, relaxed: _Relaxed, options: SolveOptions
+                        ) -> tuple[float, str, tuple[AnyOp, ...]] | None:
+    """The relaxation's compute sequence completed by the engine: a candidate plan.
+
+    ``extra["relaxation_sequence"]`` (default :data:`SEQUENCE_DEFAULT`). The strongest
+    relaxation stage solved to optimality (``relaxed.master``, its first variables are the
+    model's compute binaries) proposes a compute sequence; the model with those binaries
+    fixed (transfers free) is solved by the method's engine within :data:`SEQUENCE_SHARE` of
+    the time limit (CP-SAT: at most :data:`SEQUENCE_WORK` deterministic seconds too) and
+    the decoded plan, replayed by the simulator, joins the candidates (``None`` when there
+    is none, or it does not replay). A primal heuristic only: the bound is untouched. Why:
+    on ``random_chain(10, seed=1)`` at its 10 % limit the relaxation (with its read
+    deadlines) proposes a sequence worth 76 in the model, its own bound, where every search
+    before found plans of 81-85 in 300 s (``benchmarks/results/remat_offload_proofs.md``).
+    """
+    if not flag(options, "relaxation_sequence", SEQUENCE_DEFAULT) or relaxed.master is None \
+            or relaxed.out is None or relaxed.out.values is None \
+            or relaxed.out.status is not Status.OPTIMAL:
+        return None
+    built = setup.built
+    n_ck = len(built.checkpoint.names)
+    fixed = {i: float(round(relaxed.out.values[i])) for i in range(n_ck)}
+    limit = None if options.time_limit_s is None else \
+        max(LEAST_ENGINE_TIME_S, SEQUENCE_SHARE * options.time_limit_s)
+    work = SEQUENCE_WORK if options.deterministic_time is None else \
+        min(SEQUENCE_WORK, options.deterministic_time)
+    out, values, _ = _engine_solve(with_fixed(built, fixed), setup.engine,
+                                   options.with_(deterministic_time=work), initial=None,
+                                   scale=setup.scale, time_limit_s=limit)
+    if not out.status.has_plan or values is None:
+        return None
+    plan = built.decode(values)
+    try:
+        sim = simulate_offload(setup.disc.chain, plan, setup.beta,
+                               setup.disc.memory_limit).makespan
+    except PlanError:  # engine tolerances: the simulator is the judge
+        return None
+    return sim, "the relaxation's compute sequence", plan
+
+
+def _with_sequence(setup: _Setup, relaxed: _Relaxed, options: SolveOptions,
+                   candidates: list[tuple[float, str, tuple[AnyOp, ...]]] | None,
+                   report: dict[str, Any]) -> list[tuple[float, str, tuple[AnyOp, ...]]]:
+    """``candidates`` (computed if ``None``) with :func:`_sequence_candidate`, fastest first."""
+    found = list(_candidates(setup.problem, options) if candidates is None else candidates)
+    began = time.monotonic()
+    extra = _sequence_candidate(setup, relaxed, options)
+    if extra is not None:
+        found.append(extra)
+        found.sort(key=lambda t: t[0])
+        report["relaxation_sequence"] = {"makespan": extra[0],
+                                         "seconds": round(time.monotonic() - began, 3)}
+    return found
+
+
 def _full_solve(setup: _Setup, options: SolveOptions, report: dict[str, Any], *,
                 relaxed: _Relaxed | None = None,
                 candidates: list[tuple[float, str, tuple[AnyOp, ...]]] | None = None
@@ -685,6 +784,8 @@ def _full_solve(setup: _Setup, options: SolveOptions, report: dict[str, Any], *,
         relaxed = _relaxation_bound(disc.chain, disc.memory_limit, beta,
                                     built.checkpoint.sweeps,
                                     options, engine)
+        if options.warm_start:
+            candidates = _with_sequence(setup, relaxed, options, candidates, report)
     report["relaxation"] = relaxed.info
     start = _warm_start(problem, options, built, engine, scale, candidates)
     report["warm_start"] = start.note
@@ -760,7 +861,8 @@ def _full_solve(setup: _Setup, options: SolveOptions, report: dict[str, Any], *,
           description="exact model (checkpoint slots + link positions, O.7 memory), PuLP",
           compare_as=(("ilp", 6),),
           extra=("sweeps", "transfers_per_gap", "grid", "backlog_grid", "prefetch",
-                 "relaxation", "relaxation_deadlines", "relaxation_values", "relaxation_lazy"))
+                 "relaxation", "relaxation_deadlines", "relaxation_values", "relaxation_lazy",
+                 "relaxation_read_deadlines", "relaxation_sequence", "relaxation_share"))
 def solve_ilp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     """Optimal plan over the model's class (module docstring), HiGHS/CBC/Gurobi."""
     return _solve_model(problem, options, "ilp")
@@ -771,6 +873,7 @@ def solve_ilp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
           compare_as=(("cpsat", 6),),
           extra=("sweeps", "transfers_per_gap", "grid", "backlog_grid", "prefetch",
                  "relaxation", "relaxation_deadlines", "relaxation_values", "relaxation_lazy",
+                 "relaxation_read_deadlines", "relaxation_sequence", "relaxation_share",
                  "strategy", "benders_work",
                  "benders_filter_work", "benders_iterations", "benders_warmup",
                  "benders_filter", "benders_host_bound"))
