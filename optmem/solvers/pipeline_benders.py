@@ -479,7 +479,10 @@ class Benders:
         """
         probes, closed = 0, 0
         verdict = ""
-        while not self.out_of_time():
+        while True:
+            if self.out_of_time():
+                verdict = "time limit"
+                break
             ticks = min(math.floor(self.bound * (1 + step) * self.scale), self.top())
             if ticks <= math.floor(self.bound * self.scale) or proven(self.period, self.bound):
                 verdict = verdict or "incumbent reached"
@@ -538,13 +541,16 @@ class Benders:
         the period at most a cutoff just above ``target`` (``extra["colocate_work"]``
         deterministic seconds, default :data:`COLOCATE_WORK`): the cutoff less the engine's
         grid when it has no plan; ``None`` undecided; ``"improved"`` when it found a plan
-        (replayed within the memory: the new incumbent).
+        (replayed within the memory: the new incumbent); ``"time limit"``.
         """
         # strictly above the probe, strictly below the incumbent (whose own allocation
         # would otherwise "refute" nothing at the top probe)
         cutoff = min(target * (1 + TRIM_MARGIN), (target + self.period) / 2)
         work = self.options.extra.get("colocate_work", COLOCATE_WORK)
-        opts = self.options.with_(time_limit_s=self.left(), deterministic_time=work)
+        left = self.left()
+        if left is not None and left <= 0:
+            return "time limit"
+        opts = self.options.with_(time_limit_s=left, deterministic_time=work)
         run, bound = refute(self.problem, opts, cutoff, lower=self.bound,
                             together=[group] if group else (),
                             gpu=None if gpu is None else list(gpu))
@@ -560,7 +566,8 @@ class Benders:
     def refute_together(self, group: list[int], target: float) -> str:
         """Refute ``group`` on one GPU at ``target``, shrink it, keep the no-good.
 
-        ``"refuted"`` (a no-good was added), ``""`` (not refuted), or ``"improved"``.
+        ``"refuted"`` (a no-good was added), ``""`` (not refuted), or why it stopped
+        (``"improved"``, ``"time limit"``; a refuted group is kept even then).
         """
         bound = self.colocated_bound(tuple(group), target)
         if isinstance(bound, str):
@@ -573,12 +580,17 @@ class Benders:
             smaller = [r for r in group if r != q]
             found = self.colocated_bound(tuple(smaller), target)
             if isinstance(found, str):
+                self.keep_together(group, bound)
                 return found
             if found is not None and found > target:
                 group, bound = smaller, found
+        self.keep_together(group, bound)
+        return "refuted"
+
+    def keep_together(self, group: list[int], bound: float) -> None:
+        """Record the co-location no-good of ``group`` (proven bound ``bound``)."""
         key = tuple(group)
         self.together[key] = max(bound, self.together.get(key, bound))
-        return "refuted"
 
 
 def _pairs_nogood(z: dict[tuple[int, int], Expr],
