@@ -55,10 +55,9 @@ Co-location no-goods and the bound climb (``extra["colocate_step"]``, :func:`cli
     below ``c - 2 / scale`` on its exact grid), no plan of *any* allocation co-locating
     ``S`` has a period ``<= c - 2 / scale``: the master gets ``sum_{consecutive q, r in S}
     z(q, r) <= |S| - 2`` (every allocation with ``S`` on one GPU has all those ``z`` at 1;
-    every other one has one at 0, by transitivity). Pairs of ``S``'s heaviest-stash units are
-    tried first, then ``S`` itself, shrunk (units dropped, lightest stash first, while the
-    smaller set stays refuted: dropping a unit relaxes the restriction, so a refuted subset
-    excludes a superset of allocations). One refutation
+    every other one has one at 0, by transitivity), and ``S`` is first shrunk (units dropped,
+    lightest stash first, while the smaller set stays refuted: dropping a unit relaxes the
+    restriction, so a refuted subset excludes a superset of allocations). One refutation
     removes every allocation with ``S`` together: on the ResNet-50 headline at 30 ms the
     pairs ``{3, 4}``, ``{3, 5}`` and ``{4, 6}`` (the layer1 / layer2_0 stashes) are each
     refuted in 3-7 CPU s, where one fixed allocation excludes only itself. The climb probes
@@ -132,9 +131,6 @@ COLOCATE_WORK = 5.0
 """Default ``extra["colocate_work"]``: CP-SAT deterministic time of one co-location (or
 fixed-allocation) refutation of the climb (one worker: the same no-goods on every run)."""
 SHRINK_PROBES = 6
-PAIR_UNITS = 3
-"""The pairs of a GPU set's this many heaviest-stash units are tried before the whole set
-(on the headline the layer1 / layer2_0 stash pairs are refuted in 1.5-6.4 CPU s at 28.6 ms)."""
 """Most refutations spent on shrinking one refuted co-located set."""
 ISOLATE = 2
 """GPUs kept together by ``extra["isolate"]`` (single GPUs never refute on the bundled
@@ -570,23 +566,9 @@ class Benders:
     def refute_together(self, group: list[int], target: float) -> str:
         """Refute ``group`` on one GPU at ``target``, shrink it, keep the no-good.
 
-        First each pair of its :data:`PAIR_UNITS` heaviest-stash units (a refuted pair is
-        the strongest no-good: it removes every allocation co-locating the two), then the
-        whole group, shrunk while it stays refuted.
-
         ``"refuted"`` (a no-good was added), ``""`` (not refuted), or why it stopped
         (``"improved"``, ``"time limit"``; a refuted group is kept even then).
         """
-        heavy = sorted(sorted(group, key=lambda r: (-self.units.x[r], r))[:PAIR_UNITS])
-        for pair in itertools.combinations(heavy, 2):  # a refuted pair excludes the most
-            if len(group) <= 2:
-                break
-            found = self.colocated_bound(pair, target)
-            if isinstance(found, str):
-                return found
-            if found is not None and found > target:
-                self.keep_together(list(pair), found)
-                return "refuted"
         bound = self.colocated_bound(tuple(group), target)
         if isinstance(bound, str):
             return bound
