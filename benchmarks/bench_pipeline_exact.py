@@ -60,6 +60,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from optmem.chain import Chain  # noqa: E402
+from optmem.cli import parse_extra_options  # noqa: E402
 from optmem.cli_problems import parse_pipeline_bandwidth  # noqa: E402
 from optmem.datasets import resolve_chain  # noqa: E402
 from optmem.models.pipeline import (  # noqa: E402
@@ -220,14 +221,17 @@ def part_profiles(profiles: list[str], gpus: list[int], limit: float) -> list[st
 
 
 # ------------------------------------------------------------------ part 3
-def part_headline(limit: float) -> list[str]:
+def part_headline(limit: float, methods: tuple[str, ...] = ("cpsat", "ilp"),
+                  extra: dict | None = None) -> list[str]:
+    """The headline with each engine (``extra``: ``SolveOptions.extra``, e.g. the
+    co-location climb's ``{"colocate_step": 0.01}``)."""
     chain = resolve_chain("resnet50-b32-224")
     problem = headline_problem(chain)
-    rows = [f"Load: {uptime()}.", "",
+    rows = [f"Load: {uptime()}." + (f" Options: {extra}." if extra else ""), "",
             "| engine | status | period | bound | gap | time (s) | nodes | incumbents |",
             "|---|---|---|---|---|---|---|---|"]
-    for method in ("cpsat", "ilp"):
-        out = run(problem, method, limit)
+    for method in methods:
+        out = run(problem, method, limit, **(extra or {}))
         r = out["result"]
         inc = ", ".join(f"{k} {v:.2f}" for k, v in r.report.get("incumbents", {}).items())
         rows.append(f"| {method} | {r.status} | {fmt(r.objective)} | {fmt(r.bound)} | "
@@ -445,6 +449,11 @@ def main() -> None:
                         default=["pcmax", "profiles", "headline", "allocations",
                                  "strategies"],
                         help="parts to run")
+    parser.add_argument("--headline-methods", nargs="+", default=["cpsat", "ilp"],
+                        choices=("cpsat", "ilp"), help="engines of part 3")
+    parser.add_argument("--headline-option", action="append", default=[],
+                        metavar="KEY=VALUE", help="SolveOptions.extra of part 3 (as the "
+                        "CLI's --option, e.g. colocate_step=0.01)")
     parser.add_argument("--out", help="write the Markdown here")
     args = parser.parse_args()
     seeds = [0, 1, 2, 3, 4]
@@ -461,7 +470,8 @@ def main() -> None:
                  "engine", "", *part_profiles(args.profiles, args.gpus, args.time_limit), ""]
     if args.headline and "headline" in args.parts:
         text += [f"## ResNet-50, 4 GPUs, 3 GiB, 12 GB/s, {args.headline:g} s per engine", "",
-                 *part_headline(args.headline), ""]
+                 *part_headline(args.headline, tuple(args.headline_methods),
+                                parse_extra_options(args.headline_option)), ""]
     if "allocations" in args.parts:
         text += ["## ResNet-50, 4 GPUs, 3 GiB, 12 GB/s: fixed allocations, period <= 35.5 "
                  "(CP-SAT, 300 s each)", "", *part_allocations(35.5, 300.0), ""]

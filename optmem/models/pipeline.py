@@ -620,6 +620,7 @@ def build_pipeline_model(
     units: Units, n_gpus: int, memory: int, *, strict: bool = False,
     gpu: Sequence[int] | None = None, upper_bound: float | None = None,
     lower_bound: float = 0.0, lifetime_cuts: bool = False,
+    together: Sequence[Sequence[int]] = (),
 ) -> PipelineFormulation:
     """Build the model of the module docstring.
 
@@ -639,6 +640,11 @@ def build_pipeline_model(
     lifetime_cuts
         Add the lifetime relaxation's copy rows at the period ``upper_bound``
         (:class:`_LifetimeCuts`: valid inequalities, they remove no solution).
+    together
+        Groups of units (0-based) that must share a GPU: a *restriction* to the allocations
+        that co-locate each group (rows ``z(q, r) = 1`` for consecutive units of a group;
+        "same GPU" is transitive, so the group is on one GPU). The decomposition's
+        co-location no-goods (:mod:`optmem.solvers.pipeline_benders`) refute such models.
     """
     n = units.n
     if gpu is not None:
@@ -655,6 +661,12 @@ def build_pipeline_model(
                                upper, _size_unit(units, memory),
                                fixed_gpu=None if gpu is None else gpu)
     _Builder(form).build()
+    for k, group in enumerate(together):
+        members = sorted(set(group))
+        if not all(0 <= q < n for q in members):
+            raise ValueError(f"together: units {members} outside 0..{n - 1}")
+        for q, r in itertools.pairwise(members):
+            model.add(form.same(q, r) == 1, f"together_{k}_{q}_{r}")
     if lifetime_cuts and _Builder(form).memory_binds():
         scale, _ = form.time_scale()
         _LifetimeCuts(form, math.ceil(form.upper * scale), scale).build()

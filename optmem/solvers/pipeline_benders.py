@@ -45,6 +45,30 @@ GPU-set no-goods (``extra["isolate"]``, default ``False``)
     one, however it splits the other units: the master gets that no-good on the "same GPU"
     variables (:func:`_sets_nogood`). Single GPUs in isolation are not tried: on the
     headline they never refute (``benchmarks/results/pipeline_exact.md``, part 6).
+Co-location no-goods and the bound climb (``extra["colocate_step"]``, :func:`climb_bound`)
+    A GPU set ``S`` of an allocation the master proposes is checked by the *full* model
+    restricted to the allocations that put ``S`` on one GPU (every other unit free, the
+    model's rows ``z(q, r) = 1`` for consecutive units of ``S``:
+    :func:`~optmem.models.pipeline.build_pipeline_model`'s ``together``). That model's
+    feasible set is exactly the plans of those allocations, so when CP-SAT proves it has no
+    plan at a cutoff ``c`` (:func:`~optmem.solvers.pipeline_common.refute`: none at or
+    below ``c - 2 / scale`` on its exact grid), no plan of *any* allocation co-locating
+    ``S`` has a period ``<= c - 2 / scale``: the master gets ``sum_{consecutive q, r in S}
+    z(q, r) <= |S| - 2`` (every allocation with ``S`` on one GPU has all those ``z`` at 1;
+    every other one has one at 0, by transitivity), and ``S`` is first shrunk (units dropped,
+    lightest stash first, while the smaller set stays refuted: dropping a unit relaxes the
+    restriction, so a refuted subset excludes a superset of allocations). One refutation
+    removes every allocation with ``S`` together: on the ResNet-50 headline at 30 ms the
+    pairs ``{3, 4}``, ``{3, 5}`` and ``{4, 6}`` (the layer1 / layer2_0 stashes) are each
+    refuted in 3-7 CPU s, where one fixed allocation excludes only itself. The climb probes
+    ``bound x (1 + step)`` (at most just below the incumbent): the master with every
+    no-good collected; infeasible closes the probe (a valid bound: each allocation is
+    excluded by the relaxation or by a refuted set it co-locates) and the next is one step
+    higher; an allocation none of whose GPU sets is refuted gets its own fixed-allocation
+    refutation (an allocation no-good), and when that fails too the climb stops with the
+    last closed probe. A refutation that finds a plan instead (replayed) lowers the
+    incumbent and ends the climb (the plan lies within ``step`` of the bound; the full
+    model takes it from there).
 Ladder
     Phase 1 probes first at :data:`LADDER` gaps below the incumbent (1 %), then just below
     it: a closed rung is a valid bound, and its refutations (full allocations: bounds at the
@@ -103,6 +127,11 @@ Range = tuple[int, int, Allocation]
 GpuSets = tuple[int, int, tuple[tuple[int, ...], ...]]
 """``(head, tail, sets)``: GPUs holding exactly these unit sets within units ``head ..
 n - tail - 1`` (units numbered in the whole chain)."""
+COLOCATE_WORK = 5.0
+"""Default ``extra["colocate_work"]``: CP-SAT deterministic time of one co-location (or
+fixed-allocation) refutation of the climb (one worker: the same no-goods on every run)."""
+SHRINK_PROBES = 6
+"""Most refutations spent on shrinking one refuted co-located set."""
 ISOLATE = 2
 """GPUs kept together by ``extra["isolate"]`` (single GPUs never refute on the bundled
 profiles: ``benchmarks/results/pipeline_exact.md``, part 6)."""
@@ -131,6 +160,8 @@ class Benders:
     found: list[tuple[float, PipelinePlan]] = field(default_factory=list)
     ranges: dict[Range, float] = field(default_factory=dict)
     sets: dict[GpuSets, float] = field(default_factory=dict)
+    together: dict[tuple[int, ...], float] = field(default_factory=dict)
+    colocate_solves: int = 0
     report: dict[str, Any] = field(default_factory=dict)
     trims: int = 0
     probes: int = 0
@@ -278,6 +309,9 @@ class Benders:
             if bound > target:
                 form.model.add(_sets_nogood(form.z, range(head, u.n - tail), sets),
                                f"setnogood_{k}")
+        for k, (group, bound) in enumerate(self.together.items()):
+            if bound > target:
+                form.model.add(_together_nogood(form.z, group), f"togethernogood_{k}")
         limit = self.left() if left is None else left
         if limit is not None and limit <= 0:
             return "time limit"
@@ -436,6 +470,128 @@ class Benders:
                 self.sets[key] = max(bound, self.sets.get(key, bound))
                 return
 
+    # ------------------------------------------------------------ co-location climb
+    def climb(self, step: float) -> None:
+        """Raise :attr:`bound` by probes ``bound x (1 + step)`` closed with co-location no-goods.
+
+        See the module docstring; stops below the incumbent, at the deadline, or at the
+        first probe it cannot close (the bound stays the last one closed: valid).
+        """
+        probes, closed = 0, 0
+        verdict = ""
+        while True:
+            if self.out_of_time():
+                verdict = "time limit"
+                break
+            ticks = min(math.floor(self.bound * (1 + step) * self.scale), self.top())
+            if ticks <= math.floor(self.bound * self.scale) or proven(self.period, self.bound):
+                verdict = verdict or "incumbent reached"
+                break
+            probes += 1
+            verdict = self.colocate_probe(ticks)
+            if verdict != "closed":
+                break
+            closed += 1
+            self.bound = max(self.bound, ticks / self.scale)
+        self.report.update(colocate_bound=self.bound, colocate_probes=probes,
+                           colocate_closed=closed, colocate_nogoods=len(self.together),
+                           colocate_allocations=len(self.cuts),
+                           colocate_solves=self.colocate_solves,
+                           colocate_masters=self.masters)
+        if verdict and verdict != "closed":
+            self.report["colocate_stopped"] = verdict
+
+    def colocate_probe(self, ticks: int) -> str:
+        """``closed`` when no plan has a period ``<= ticks / scale``, else why it stopped."""
+        target = ticks / self.scale
+        while True:
+            if self.out_of_time():
+                return "time limit"
+            gpu = self.master(ticks)
+            if isinstance(gpu, str):
+                return gpu
+            if gpu is None:
+                return "closed"
+            groups = sorted(({q for q in range(self.units.n) if gpu[q] == g}
+                             for g in set(gpu)),
+                            key=lambda grp: (-sum(self.units.x[q] for q in grp), min(grp)))
+            verdict = ""
+            for group in groups:
+                if len(group) < 2:
+                    continue
+                verdict = self.refute_together(sorted(group), target)
+                if verdict:
+                    break
+            if verdict == "refuted":
+                continue
+            if verdict:  # a plan at or below the probe
+                return verdict
+            bound = self.colocated_bound((), target, gpu)
+            if isinstance(bound, str):
+                return bound
+            if bound is None or bound <= target:
+                return "allocation not refuted"
+            self.cuts[gpu] = max(bound, self.cuts.get(gpu, bound))
+
+    def colocated_bound(self, group: tuple[int, ...], target: float,
+                        gpu: Allocation | None = None) -> float | str | None:
+        """Proven bound of every plan that puts ``group`` on one GPU (or of allocation ``gpu``).
+
+        The full model with ``together=[group]`` (or ``gpu`` fixed), a feasibility run with
+        the period at most a cutoff just above ``target`` (``extra["colocate_work"]``
+        deterministic seconds, default :data:`COLOCATE_WORK`): the cutoff less the engine's
+        grid when it has no plan; ``None`` undecided; ``"improved"`` when it found a plan
+        (replayed within the memory: the new incumbent); ``"time limit"``.
+        """
+        # strictly above the probe, strictly below the incumbent (whose own allocation
+        # would otherwise "refute" nothing at the top probe)
+        cutoff = min(target * (1 + TRIM_MARGIN), (target + self.period) / 2)
+        work = self.options.extra.get("colocate_work", COLOCATE_WORK)
+        left = self.left()
+        if left is not None and left <= 0:
+            return "time limit"
+        opts = self.options.with_(time_limit_s=left, deterministic_time=work)
+        run, bound = refute(self.problem, opts, cutoff, lower=self.bound,
+                            together=[group] if group else (),
+                            gpu=None if gpu is None else list(gpu))
+        self.colocate_solves += 1
+        plan = run.plan
+        if bound is None and plan is not None and not run.failed and fits(self.problem, plan) \
+                and plan.period < self.period:
+            self.found.append((plan.period, plan))
+            self.period, self.plan = plan.period, plan
+            return "improved"
+        return bound
+
+    def refute_together(self, group: list[int], target: float) -> str:
+        """Refute ``group`` on one GPU at ``target``, shrink it, keep the no-good.
+
+        ``"refuted"`` (a no-good was added), ``""`` (not refuted), or why it stopped
+        (``"improved"``, ``"time limit"``; a refuted group is kept even then).
+        """
+        bound = self.colocated_bound(tuple(group), target)
+        if isinstance(bound, str):
+            return bound
+        if bound is None or bound <= target:
+            return ""
+        for spent, q in enumerate(sorted(group, key=lambda r: (self.units.x[r], r))):
+            if len(group) <= 2 or spent >= SHRINK_PROBES or self.out_of_time():
+                break
+            smaller = [r for r in group if r != q]
+            found = self.colocated_bound(tuple(smaller), target)
+            if isinstance(found, str):
+                self.keep_together(group, bound)
+                return found
+            if found is not None and found > target:
+                group, bound = smaller, found
+        self.keep_together(group, bound)
+        return "refuted"
+
+    def keep_together(self, group: list[int], bound: float) -> None:
+        """Record the co-location no-good of ``group`` (proven bound ``bound``)."""
+        key = tuple(group)
+        self.together[key] = max(bound, self.together.get(key, bound))
+
 
 def _pairs_nogood(z: dict[tuple[int, int], Expr],
                   pairs: Iterable[tuple[int, int, bool]]) -> Any:
@@ -470,6 +626,30 @@ def _sets_nogood(z: dict[tuple[int, int], Expr], units: range,
                              if r != q and not (r in member and r < q)))
 
 
+def _together_nogood(z: dict[tuple[int, int], Expr], group: tuple[int, ...]) -> Any:
+    """Not every unit of ``group`` (sorted) on one GPU: ``sum z(q, r) <= |group| - 2``.
+
+    Over consecutive units ``q, r`` of the group: all ``|group| - 1`` of them are 1 exactly
+    when the group shares a GPU ("same GPU" is an equivalence; ``z`` is derived exactly
+    from the allocation).
+    """
+    return Expr.sum(z[(q, r)] for q, r in itertools.pairwise(group)) <= len(group) - 2
+
+
+def climb_bound(problem: PipelineProblem, options: SolveOptions, *, period: float,
+                plan: PipelinePlan | None, bound: float, deadline: float | None,
+                step: float) -> Benders:
+    """Raise the proven ``bound`` by the co-location climb (``extra["colocate_step"]``).
+
+    ``period``/``plan``: the incumbent (probes stay below it); ``deadline`` as in
+    :func:`solve_benders`. The result's ``bound`` is valid (module docstring); ``found``
+    holds the plans met on the way (replayed within the memory).
+    """
+    out = Benders(problem, "cpsat", options, period, plan, bound, deadline)
+    out.climb(step)
+    return out
+
+
 def solve_benders(problem: PipelineProblem, method: str, options: SolveOptions, *,
                   period: float, plan: PipelinePlan | None, bound: float,
                   deadline: float | None) -> Benders:
@@ -482,4 +662,4 @@ def solve_benders(problem: PipelineProblem, method: str, options: SolveOptions, 
     return Benders(problem, method, options, period, plan, bound, deadline).run()
 
 
-__all__ = ["Benders", "solve_benders"]
+__all__ = ["Benders", "climb_bound", "solve_benders"]

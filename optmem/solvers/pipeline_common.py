@@ -21,6 +21,7 @@ durations not be exact on the grid, by the largest rounding along any cycle of t
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -137,6 +138,7 @@ def run_model(
     units: Units | None = None, gpu: list[int] | None = None,
     upper_bound: float | None = None, warm: PipelinePlan | None = None, lower: float = 0.0,
     feasibility: bool = False, lifetime_cuts: bool = False,
+    together: Sequence[Sequence[int]] = (),
 ) -> ModelRun:
     """Build the model of ``units`` (default: the layers), solve it with ``method``.
 
@@ -152,6 +154,8 @@ def run_model(
     by that plan, or ``bound = inf``: none; ``bound`` means nothing else).
     ``lifetime_cuts``: add the lifetime relaxation's copy rows at ``upper_bound``
     (:func:`~optmem.models.pipeline.build_pipeline_model`; valid inequalities).
+    ``together``: groups of units restricted to one GPU each (a restriction of the model:
+    :func:`~optmem.models.pipeline.build_pipeline_model`).
     """
     units = units if units is not None else make_units(problem)
     form = build_pipeline_model(units, problem.n_gpus, problem.memory_per_gpu,
@@ -159,7 +163,7 @@ def run_model(
                                 upper_bound=upper_bound,
                                 lower_bound=max(lower, lower_bound(problem))
                                 if gpu is None else lower,
-                                lifetime_cuts=lifetime_cuts)
+                                lifetime_cuts=lifetime_cuts, together=together)
     if feasibility:
         form.model.minimize(0)
     values = form.encode(warm) if warm is not None and options.warm_start else None
@@ -177,19 +181,21 @@ def run_model(
 def refute(
     problem: PipelineProblem, options: SolveOptions, cutoff: float, *,
     units: Units | None = None, gpu: list[int] | None = None, lower: float = 0.0,
-    lifetime_cuts: bool = False,
+    lifetime_cuts: bool = False, together: Sequence[Sequence[int]] = (),
 ) -> tuple[ModelRun, float | None]:
     """Whether no plan has a period ``<= cutoff``: one CP-SAT feasibility run of the model.
 
-    The model of :func:`run_model` (``units``, ``gpu``, ``lower``, ``lifetime_cuts`` as
-    there; the limits of ``options`` as they are) with no objective and the period at most
-    ``cutoff``. Returns the run and the proven bound: ``cutoff - 2 / scale`` when the engine
-    proved that there is no plan (the cutoff holds up to one grid step on CP-SAT's exact
-    grid, and the optimum may lie one more step below it), ``None`` when it found one
-    (``run.plan``, not yet replayed), stopped without an answer or failed.
+    The model of :func:`run_model` (``units``, ``gpu``, ``lower``, ``lifetime_cuts``,
+    ``together`` as there; the limits of ``options`` as they are) with no objective and
+    the period at most ``cutoff``. Returns the run and the proven bound:
+    ``cutoff - 2 / scale`` when the engine proved that there is no plan (the cutoff holds
+    up to one grid step on CP-SAT's exact grid, and the optimum may lie one more step below
+    it), ``None`` when it found one (``run.plan``, not yet replayed), stopped without an
+    answer or failed.
     """
     run = run_model(problem, "cpsat", options, units=units, gpu=gpu, upper_bound=cutoff,
-                    feasibility=True, lower=lower, lifetime_cuts=lifetime_cuts)
+                    feasibility=True, lower=lower, lifetime_cuts=lifetime_cuts,
+                    together=together)
     if run.failed or run.bound != math.inf:
         return run, None
     return run, cutoff - 2 * run.step

@@ -25,7 +25,13 @@ subproblems, CP-SAT the master; it falls back to ``"full"`` without an incumbent
 OR-Tools), ``extra["trim_work"]`` (``benders`` only: CP-SAT deterministic time of each
 trimmed solve that generalises a refuted allocation, default 2.0; ``None``: no limit),
 ``extra["isolate"]`` (``benders`` only, default ``False``: also generalise each refuted
-allocation by refuting two of its GPUs in isolation, a GPU-set no-good).
+allocation by refuting two of its GPUs in isolation, a GPU-set no-good),
+``extra["colocate_step"]`` (default ``None``: off; a number in (0, 1): after the relaxation
+and the probes, raise the bound by the co-location climb of
+:func:`~optmem.solvers.pipeline_benders.climb_bound`, probes ``bound x (1 + step)``, with
+:data:`COLOCATE_SHARE` of the time left under a limit), ``extra["colocate_work"]`` (CP-SAT
+deterministic time of each of its refutations, default
+:data:`~optmem.solvers.pipeline_benders.COLOCATE_WORK`).
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ from optmem.pipeline_plan import PipelinePlan
 from optmem.problems.pipeline import PipelineProblem
 from optmem.result import Result, SolveOptions, Status
 from optmem.solvers import pipeline_contiguous as contig
-from optmem.solvers.pipeline_benders import solve_benders
+from optmem.solvers.pipeline_benders import COLOCATE_WORK, climb_bound, solve_benders
 from optmem.solvers.pipeline_common import (
     OPTIMALITY_TOLERANCE,
     fits,
@@ -204,6 +210,24 @@ def probe_bound(problem: PipelineProblem, best: Candidate, bound: float,
     return bound, found, report
 
 
+COLOCATE_SHARE = 0.5
+"""Share of the time left (under a wall-clock limit) given to the co-location climb."""
+
+
+def colocate_settings(options: SolveOptions) -> tuple[float | None, float]:
+    """``extra["colocate_step"]`` (``None``: off) and ``["colocate_work"]``, checked."""
+    extra = options.extra
+    step, work = extra.get("colocate_step"), extra.get("colocate_work", COLOCATE_WORK)
+    if step is not None and (isinstance(step, bool) or not isinstance(step, (int, float))
+                             or not 0 < step < 1):
+        raise OptmemInputError(f"colocate_step must be a number in (0, 1) or null, got "
+                               f"{step!r}", field="colocate_step")
+    if isinstance(work, bool) or not isinstance(work, (int, float)) or not work > 0:
+        raise OptmemInputError(f"colocate_work must be a positive number, got {work!r}",
+                               field="colocate_work")
+    return step, float(work)
+
+
 def solve_exact(problem: PipelineProblem, options: SolveOptions, method: str) -> Result:
     """Optimal allocation and 1-periodic pattern (``method``: ``ilp`` or ``cpsat``)."""
     strategy = options.extra.get("strategy", "full")
@@ -219,6 +243,7 @@ def solve_exact(problem: PipelineProblem, options: SolveOptions, method: str) ->
         raise OptmemInputError(f"isolate must be true or false, got "
                                f"{options.extra['isolate']!r}", field="isolate")
     probing = probe_settings(options)
+    colocate_step, _ = colocate_settings(options)
     if method == "ilp":
         engines.check_engine(options.solver)
     solver = options.solver if method == "ilp" else "cpsat"
@@ -238,6 +263,19 @@ def solve_exact(problem: PipelineProblem, options: SolveOptions, method: str) ->
         report.update(info)
         if probed is not None:
             starts = sorted([*starts, probed], key=lambda c: c[0])
+            best = starts[0]
+    if best is not None and colocate_step is not None and engines.is_available("cpsat") \
+            and not proven(best[0], relaxed):
+        left = None if limit is None else max(0.0, limit - (time.perf_counter() - start))
+        climbed = climb_bound(problem, options, period=best[0], plan=best[1], bound=relaxed,
+                              deadline=None if left is None
+                              else time.perf_counter() + COLOCATE_SHARE * left,
+                              step=colocate_step)
+        report.update(climbed.report)
+        relaxed = max(relaxed, climbed.bound)
+        if climbed.found:
+            starts = sorted([*starts, *((p, pl, "colocate") for p, pl in climbed.found)],
+                            key=lambda c: c[0])
             best = starts[0]
     if best is not None and proven(best[0], relaxed):
         report.update(incumbents={s: p for p, _, s in starts}, source=best[2])

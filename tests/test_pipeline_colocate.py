@@ -1,0 +1,200 @@
+"""Co-location no-goods and the bound climb (``extra["colocate_step"]``).
+
+:func:`optmem.solvers.pipeline_benders.climb_bound` refutes "these units share a GPU" with
+the full model restricted to the allocations that co-locate them
+(:func:`optmem.models.pipeline.build_pipeline_model`'s ``together``) and hands the master
+the no-good. Checked here against brute force over every allocation of random chains: the
+restricted model's optimum is the best over the co-locating allocations, every no-good's
+bound is at most the optimum of every allocation it excludes, the climb never rises above
+the optimum, and a climb whose refutations are over-stated (bounds doubled) does.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from dataclasses import replace
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from optmem.errors import OptmemInputError
+from optmem.models.pipeline import make_units
+from optmem.problems.pipeline import PipelineProblem
+from optmem.result import SolveOptions, Status
+from optmem.simulate.pipeline import simulate_pipeline
+from optmem.solvers import pipeline_benders
+from optmem.solvers.facade import solve
+from optmem.solvers.pipeline_benders import climb_bound
+from optmem.solvers.pipeline_common import lower_bound, run_model
+from tests.test_pipeline_benders import (
+    OPTS,
+    chain_with_subproblems,
+    solved_allocations,
+    trimmable_problems,
+    trimming_chain,
+)
+
+pytest.importorskip("pulp", reason="the exact pipeline models need PuLP (optmem[engines])")
+pytest.importorskip("ortools", reason="the climb's master needs OR-Tools")
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # PuLP 4.0 notices
+
+STEP = 0.1
+
+
+def together(gpu, group) -> bool:
+    """Whether allocation ``gpu`` puts every unit of ``group`` on one GPU."""
+    return len({gpu[q] for q in group}) == 1
+
+
+@settings(max_examples=6, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(problem=trimmable_problems(), strict=st.booleans())
+def test_together_model_is_the_colocating_allocations(problem, strict):
+    """The model with ``together=[S]`` has the optimum of the best allocation that puts S on
+    one GPU (brute force over allocations), and no plan when none has one."""
+    p = replace(problem, memory_model="strict") if strict else problem
+    n = make_units(p).n
+    solved = solved_allocations(p)
+    opts = replace(OPTS, warm_start=False)
+    for size in range(2, n + 1):
+        for group in itertools.combinations(range(n), size):
+            expected = min((period for gpu, period in solved if together(gpu, group)),
+                           default=math.inf)
+            run = run_model(p, "cpsat", opts, together=[group])
+            assert run.status in (Status.OPTIMAL, Status.INFEASIBLE), run.report
+            if math.isinf(expected):
+                assert run.plan is None
+            else:
+                assert run.plan is not None and together(_unit_gpus(p, run.plan), group)
+                assert run.plan.period == pytest.approx(expected, abs=1e-5)
+
+
+def _unit_gpus(problem: PipelineProblem, plan) -> list[int]:
+    """The GPU of each unit of ``problem`` in ``plan`` (its stages cover the layers)."""
+    units = make_units(problem)
+    gpu_of_layer = {}
+    for stage in plan.stages:
+        for layer in range(stage.first, stage.last + 1):
+            gpu_of_layer[layer] = stage.gpu
+    return [gpu_of_layer[i] for i, _ in units.bounds]
+
+
+def cold_climb(problem: PipelineProblem, options: SolveOptions = OPTS):
+    """The climb from the load bound with no plan (every probe up to the sequential period)."""
+    units = make_units(problem)
+    return climb_bound(problem, options, period=units.big_m() + 1.0, plan=None,
+                       bound=lower_bound(problem), deadline=None, step=STEP)
+
+
+@functools.cache
+def solved_chain(make) -> list[tuple[list[int], float]]:
+    """Brute force of a fixed chain (``make``: its constructor), computed once."""
+    return solved_allocations(make())
+
+
+def climb_is_valid(problem: PipelineProblem, *, cold: bool = True,
+                   solved: list[tuple[list[int], float]] | None = None) -> bool:
+    """Whether the climb's bound, and every no-good's, is at most the optimum of what it
+    excludes (brute force), and every plan it met replays at its period.
+
+    ``cold``: from no incumbent (probes up to the sequential period: a wrong no-good can
+    lift the bound above the optimum); else from the optimum's period (probes up to just
+    below it, and no plan ends the climb early: every rung is closed with no-goods).
+    """
+    solved = solved_allocations(problem) if solved is None else solved
+    best = min((period for _, period in solved), default=math.inf)
+    if cold or math.isinf(best):
+        out = cold_climb(problem)
+    else:
+        out = climb_bound(problem, OPTS, period=best, plan=None, bound=lower_bound(problem),
+                          deadline=None, step=STEP)
+    for period, plan in out.found:
+        sim = simulate_pipeline(problem, plan)
+        assert sim.period == pytest.approx(period)
+        assert sim.peak_memory <= problem.memory_per_gpu
+    if out.bound > best + 1e-9:
+        return False
+    return all(bound <= period + 1e-9 for group, bound in out.together.items()
+               for gpu, period in solved if together(gpu, group))
+
+
+@settings(max_examples=8, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(problem=trimmable_problems(), strict=st.booleans())
+def test_climb_never_exceeds_the_optimum(problem, strict):
+    """The climb's bound and each co-location no-good hold (both memory models)."""
+    p = replace(problem, memory_model="strict") if strict else problem
+    assert climb_is_valid(p, cold=False)
+
+
+@pytest.mark.parametrize("make", [trimming_chain, chain_with_subproblems])
+def test_climb_is_valid_where_nogoods_are_made(make):
+    """The same check on the chains used below, where the climb refutes co-locations."""
+    assert climb_is_valid(make(), solved=solved_chain(make))
+    assert climb_is_valid(make(), cold=False, solved=solved_chain(make))
+
+
+def test_climb_proves_the_optimum_with_nogoods():
+    """On a chain where the master admits allocations that only the full model refutes, the
+    climb from the load bound reaches the optimum (23) with co-location no-goods."""
+    problem = trimming_chain()
+    units = make_units(problem)
+    out = climb_bound(problem, OPTS, period=23.0, plan=None, bound=lower_bound(problem),
+                      deadline=None, step=STEP)
+    assert out.together, out.report
+    assert 22.9 < out.bound <= 23.0
+    assert out.report["colocate_nogoods"] == len(out.together)
+    assert all(2 <= len(group) < units.n for group in out.together)
+    for group, bound in out.together.items():  # each no-good against brute force
+        assert all(bound <= period + 1e-9 for gpu, period in solved_chain(trimming_chain)
+                   if together(gpu, group))
+
+
+def test_overstated_refutations_fail_the_check(monkeypatch):
+    """A climb whose co-location refutations claim twice their bound rises above the
+    optimum on one of these chains: the check above catches a wrong no-good."""
+    real = pipeline_benders.Benders.colocated_bound
+
+    def doubled(self, group, target, gpu=None):
+        out = real(self, group, target, gpu)
+        return 2 * out if isinstance(out, float) else out
+
+    monkeypatch.setattr(pipeline_benders.Benders, "colocated_bound", doubled)
+    assert not all(climb_is_valid(make(), solved=solved_chain(make))
+                   for make in (trimming_chain, chain_with_subproblems))
+
+
+def test_solve_with_the_climb_proves_the_same_optimum():
+    """``extra["colocate_step"]`` keeps the optimum, reports the climb, replays the plan."""
+    problem = trimming_chain()
+    extra = {"warm_madpipe": False, "colocate_step": STEP}
+    res = solve(problem, "cpsat", options=replace(OPTS, extra=extra))
+    assert res.status is Status.OPTIMAL and res.objective == pytest.approx(23.0)
+    assert res.bound <= 23.0 + 1e-9
+    assert {"colocate_bound", "colocate_probes", "colocate_nogoods"} <= set(res.report)
+
+
+@pytest.mark.parametrize("extra", [{"colocate_step": 0}, {"colocate_step": 1.5},
+                                   {"colocate_step": True}, {"colocate_step": "x"},
+                                   {"colocate_work": 0}, {"colocate_work": False}])
+def test_bad_colocate_options_are_input_errors(extra):
+    with pytest.raises(OptmemInputError):
+        solve(trimming_chain(), "cpsat", options=replace(OPTS, extra=extra))
+
+
+@pytest.mark.parametrize("calls", [0, 1, 2, 3, 5, 8])
+def test_deadline_passing_mid_climb_keeps_a_valid_bound(monkeypatch, calls):
+    """A deadline that passes between any two engine calls (a scripted clock: ``left`` is
+    positive for the first ``calls`` reads) stops the climb cleanly with a valid bound."""
+    reads = iter(range(10_000))
+    monkeypatch.setattr(pipeline_benders.Benders, "left",
+                        lambda self: 1.0 if next(reads) < calls else -1.0)
+    problem = trimming_chain()
+    out = climb_bound(problem, OPTS, period=23.0, plan=None, bound=lower_bound(problem),
+                      deadline=0.0, step=STEP)
+    assert lower_bound(problem) <= out.bound <= 23.0
+    assert out.report["colocate_stopped"] == "time limit"
