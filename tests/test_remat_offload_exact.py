@@ -1056,3 +1056,46 @@ def test_decoded_plans_replay_with_idle_ops(seed: int, method: str) -> None:
         for beta in (0.3, 1.0):
             problem = RematOffloadProblem(chain, limit, chain_bandwidth=beta)
             check(problem, solve(problem, method, options=opts), opts)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(chain=tiny(), limit=st.integers(3, 22), beta=st.sampled_from([0.5, 1.0, 3.0, 51 / 46]))
+def test_grid_ceiling_keeps_the_relaxation_a_bound(chain: Chain, limit: int,
+                                                   beta: float) -> None:
+    """The premise of :func:`~optmem.models.formulation.grid_ceiling`: on the exact time grid
+    every plan's makespan (here brute force's optimum) is a multiple of ``1 / scale``; so the
+    link relaxation's bound lifted to that grid stays at most the optimum."""
+    from optmem.models.formulation import grid_ceiling
+    from optmem.solvers.remat_offload_exact import cpsat_time_scale
+
+    problem = RematOffloadProblem(chain, limit, chain_bandwidth=beta)
+    brute = solve(problem, "brute", options=OPTS)
+    assert brute.status is not Status.ERROR
+    scale, exact = cpsat_time_scale(chain, beta)
+    assert exact
+    if not brute.status.has_plan:
+        return
+    ticks = brute.objective * scale
+    assert abs(ticks - round(ticks)) <= 1e-9 * max(1.0, ticks)  # the optimum is on the grid
+    bound = _relaxation(chain, limit, beta)
+    assert bound <= grid_ceiling(bound, scale) <= brute.objective + 1e-9
+
+
+def test_a_grid_ceiling_one_step_too_high_is_caught() -> None:
+    """Lifting one grid step more than :func:`grid_ceiling` does is not valid: on these
+    instances the link relaxation is tight, and one step more passes the optimum."""
+    from optmem.models.formulation import grid_ceiling
+    from optmem.solvers.remat_offload_exact import cpsat_time_scale
+
+    caught = 0
+    for seed in range(4):
+        chain = random_chain(3, seed=seed, max_size=6)
+        beta = 51 / 46
+        problem = RematOffloadProblem(chain, limits(chain)[1], chain_bandwidth=beta)
+        best = solve(problem, "cpsat", options=OPTS)
+        assert best.status is Status.OPTIMAL
+        scale, _ = cpsat_time_scale(chain, beta)
+        lifted = grid_ceiling(_relaxation(chain, problem.memory_limit, beta), scale)
+        assert lifted <= best.objective + 1e-9
+        caught += lifted + 1 / scale > best.objective + 1e-9
+    assert caught >= 1

@@ -599,6 +599,35 @@ def time_scale(values: Iterable[float], max_decimals: int = MAX_DECIMALS) -> tup
     return 10**max_decimals, False
 
 
+GRID_CEILING_SLACK = 1e-5
+"""Relative slack of :func:`grid_ceiling`: ten times the engines' tolerance on a bound."""
+
+
+def grid_ceiling(bound: float, scale: int) -> float:
+    """A lower bound lifted to the grid ``1 / scale`` of the values it bounds.
+
+    When every duration of an instance is a multiple of ``1 / scale``, so is every plan's
+    makespan (its starts and ends are maxima and sums of durations), hence so is the
+    optimum, and a valid bound ``b`` gives the bound ``ceil(b scale) / scale``. ``b`` comes
+    from an engine and may be a hair above its true value (tolerances) or a hair below the
+    grid point it proves (the margins callers take off): the ceiling is taken of ``b scale``
+    less a slack of :data:`GRID_CEILING_SLACK` relative, and only where that slack is below
+    half a grid step (otherwise ``b`` is returned as it is). Never below ``b``.
+
+    Examples
+    --------
+    >>> grid_ceiling(87.99999991, 1), grid_ceiling(87.3, 1), grid_ceiling(87.0000001, 1)
+    (88.0, 88.0, 87.0000001)
+    >>> round(grid_ceiling(67.64, 51) * 51, 9), grid_ceiling(1234.5, 1000)  # fine: unchanged
+    (3450.0, 1234.5)
+    """
+    x = bound * scale
+    slack = GRID_CEILING_SLACK * max(1.0, abs(x))
+    if not math.isfinite(x) or scale <= 0 or slack >= 0.5:
+        return bound
+    return max(bound, math.ceil(x - slack) / scale)
+
+
 def exact_scale(values: Iterable[Fraction], limit: int = 10**13) -> int | None:
     """Smallest ``scale`` with every value a multiple of ``1 / scale`` (``None`` above ``limit``).
 

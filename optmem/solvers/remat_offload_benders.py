@@ -102,7 +102,15 @@ from optmem.engines import adapters as engines
 from optmem.engines.adapters import EngineResult
 from optmem.errors import OptmemInputError, PlanError
 from optmem.models import checkpoint_ilp as ck
-from optmem.models.formulation import CpsatModel, Expr, Model, Relation, to_cpsat, to_pulp
+from optmem.models.formulation import (
+    CpsatModel,
+    Expr,
+    Model,
+    Relation,
+    grid_ceiling,
+    to_cpsat,
+    to_pulp,
+)
 from optmem.models.remat_offload import (
     RematOffloadModel,
     build_link_relaxation,
@@ -344,7 +352,7 @@ def solve_benders(problem: RematOffloadProblem, options: SolveOptions, *,
             report["master"] = f"{out.status}: {out.message}"
             break
         master_bound = out.bound - 1e-9 * max(1.0, abs(out.bound))
-        bound = max(bound, master_bound)
+        bound = max(bound, grid_ceiling(master_bound, scale))  # plans lie on the grid
         if not math.isfinite(loop.theta0):  # at most every sequence's relaxation value
             # and at most the optimum, as is the floor: the cuts' validity needs only that
             loop.theta0 = max(master_bound, floor)
@@ -373,7 +381,10 @@ def solve_benders(problem: RematOffloadProblem, options: SolveOptions, *,
     if no_plan:
         report["benders"]["bound"] = math.inf
         return no_plan_result(problem, options, "cpsat", Status.INFEASIBLE, report)
-    bound = max(bound, lower_bound(problem))
+    bound = grid_ceiling(max(bound, lower_bound(problem)), scale)
+    if status is Status.FEASIBLE and state.plan is not None and \
+            bound >= state.makespan - 1e-9 * max(1.0, state.makespan):
+        status = Status.OPTIMAL  # the bound lifted to the time grid meets the incumbent
     report["benders"]["bound"] = bound
     if state.plan is None:
         return no_plan_result(problem, options, "cpsat", Status.NO_SOLUTION,

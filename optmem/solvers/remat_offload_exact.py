@@ -55,6 +55,7 @@ from optmem.models.formulation import (
     Kind,
     Model,
     Relation,
+    grid_ceiling,
     rational_time_scale,
     time_scale,
     to_cpsat,
@@ -789,8 +790,9 @@ def _full_solve(setup: _Setup, options: SolveOptions, report: dict[str, Any], *,
     report["relaxation"] = relaxed.info
     start = _warm_start(problem, options, built, engine, scale, candidates)
     report["warm_start"] = start.note
+    lifted = grid_ceiling(relaxed.bound, scale) if setup.exact else relaxed.bound
     if start.plan is not None and \
-            start.makespan <= relaxed.bound + 1e-9 * max(1.0, relaxed.bound):
+            start.makespan <= lifted + 1e-9 * max(1.0, lifted):
         report["note"] = "the fastest candidate plan meets the link relaxation's bound"
         return plan_result(problem, options, start.plan, method=method, solver=solver,
                            status=Status.OPTIMAL, report=report)
@@ -822,6 +824,8 @@ def _full_solve(setup: _Setup, options: SolveOptions, report: dict[str, Any], *,
         report["engine_work"] = dict(out.info)  # deterministic counts (nodes, branches, ...)
     floor = max(lower_bound(problem), relaxed.bound)
     bound = max(bound, floor) if math.isfinite(bound) else floor
+    if setup.exact:  # every plan's makespan is on the grid (grid_ceiling)
+        bound = grid_ceiling(bound, scale)
     if status is Status.INFEASIBLE:
         report["note"] = "no plan of the model's class fits"
         return no_plan_result(problem, options, method, Status.INFEASIBLE, report)
@@ -844,6 +848,9 @@ def _full_solve(setup: _Setup, options: SolveOptions, report: dict[str, Any], *,
             report["incumbent"] = "the fastest candidate plan (the engine's was slower)"
         if status is Status.OPTIMAL and sim > bound + 1e-6 * max(1.0, sim):
             status = Status.FEASIBLE  # optimal for the rounded times only
+        elif status is Status.FEASIBLE and sim <= bound + 1e-9 * max(1.0, sim):
+            status = Status.OPTIMAL  # the bound lifted to the time grid meets the plan
+            report["note"] = "the bound, lifted to the time grid, meets the plan"
     elif start.plan is not None:
         plan, sim, status = start.plan, start.makespan, Status.FEASIBLE
         report["incumbent"] = "the fastest candidate plan"
