@@ -508,6 +508,21 @@ def test_host_value_rows_lift_a_compute_sequence_toward_its_value() -> None:
     assert aggregated + 1 <= lifted <= cp.objective(value.objective) + 1e-6
 
 
+def _sequence_plans(chain: Chain, limit: int, beta: float, built: Any) -> Any:
+    """Every compute sequence of brute force's enumeration inside the model's class:
+    ``(ops, fixing, found)``, ``fixing`` the model's values for it and ``found`` its best
+    plan ``(makespan, ops)`` (its compute time where it fits without transfers, else brute
+    force's best transfers; ``None``: no plan of that sequence fits)."""
+    from optmem.solvers.remat_offload_exact import _brute_transfers, compute_sequences
+
+    for compute, peak, ops in compute_sequences(chain):
+        fixing = built.fixing(ops)
+        if fixing is None:
+            continue  # outside the model's class (sweeps)
+        yield ops, fixing, ((compute, ops) if peak <= limit else
+                            _brute_transfers(chain, limit, beta, ops))
+
+
 @settings(max_examples=30, deadline=None, derandomize=True)
 @given(chain=st.one_of(tiny(), tiny_with_idle_ops()), limit=st.integers(3, 22),
        beta=st.sampled_from([0.5, 1.0, 3.0]))
@@ -521,17 +536,12 @@ def test_host_bound_of_a_sequence_never_exceeds_its_brute_value(chain: Chain, li
     none)."""
     from optmem.models.remat_offload import build_link_relaxation
     from optmem.solvers.remat_offload_benders import _slots, host_bound
-    from optmem.solvers.remat_offload_exact import _brute_transfers, compute_sequences
 
     built = build_remat_offload(chain, limit, beta)
     host = build_link_relaxation(chain, limit, beta)
     opvars = [i for sl in _slots(built) for _, i in sl.ops]
     checked = 0
-    for compute, peak, ops in compute_sequences(chain):
-        fixing = built.fixing(ops)
-        if fixing is None:
-            continue  # outside the model's class (sweeps)
-        found = (compute, ops) if peak <= limit else _brute_transfers(chain, limit, beta, ops)
+    for ops, fixing, found in _sequence_plans(chain, limit, beta, built):
         bound = host_bound(host, {i: int(fixing[i]) for i in opvars}, OPTS, None)
         assert math.isfinite(bound) or bound == math.inf
         if found is not None:
@@ -547,15 +557,9 @@ def _sequence_bounds_checked(chain: Chain, limit: int, beta: float) -> int:
     relaxation with the read deadlines (``read_deadlines``; host rows and aggregated) and
     that sequence fixed is at most the plan's makespan; returns how many were checked."""
     built = build_remat_offload(chain, limit, beta)
-    from optmem.solvers.remat_offload_exact import _brute_transfers, compute_sequences
-
     n_ck = len(built.checkpoint.names)
     checked = 0
-    for compute, peak, ops in compute_sequences(chain):
-        fixing = built.fixing(ops)
-        if fixing is None:
-            continue  # outside the model's class (sweeps)
-        found = (compute, ops) if peak <= limit else _brute_transfers(chain, limit, beta, ops)
+    for ops, fixing, found in _sequence_plans(chain, limit, beta, built):
         if found is None:
             continue
         xhat = {i: x for i, x in fixing.items() if i < n_ck}
