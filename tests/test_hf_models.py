@@ -102,3 +102,27 @@ def test_logits_returned_beside_the_loss_are_no_chain_value(wrapped):
     nbytes = logits.numel() * logits.element_size()
     assert chain.fwd_overhead[-1] >= nbytes
     assert chain.extra["profile"]["output_left_out"][-1] >= nbytes
+
+
+def test_side_inputs_read_only_by_the_native_suffix_are_not_kept(wrapped, monkeypatch):
+    """The executor keeps into the backward only the side inputs its stages read
+    (``context.read_by``): GPT-2's and Llama's shifted labels, read by the loss in the native
+    suffix alone, are freed when autograd has used them, as in the plain model. Keeping the
+    whole context (the old behaviour) gives a higher real peak there and never a lower one."""
+    name, model, kwargs, cmodel, limit = wrapped
+    from optmem.pytorch import execute
+    from optmem.pytorch.memory import measure_training_peak
+
+    def peak() -> int:
+        model.zero_grad(set_to_none=True)
+        out = measure_training_peak(lambda: cmodel(**kwargs).loss.backward(), model,
+                                    list(kwargs.values()))
+        model.zero_grad(set_to_none=True)
+        return out
+
+    narrowed = peak()
+    monkeypatch.setattr(execute, "read_by", lambda ctx, stages: ctx)
+    whole = peak()
+    assert narrowed <= whole
+    if name in ("gpt2", "llama"):
+        assert narrowed < whole

@@ -31,12 +31,13 @@ True
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
 
-__all__ = ["SideInputs", "current_side_inputs", "current_side_inputs_or_none", "side_inputs"]
+__all__ = ["SideInputs", "current_side_inputs", "current_side_inputs_or_none", "read_by",
+           "side_inputs"]
 
 
 class SideInputs(Mapping[str, Any]):
@@ -93,3 +94,33 @@ def current_side_inputs() -> SideInputs:
             "wrapper: run it inside `with optmem.pytorch.context.side_inputs(ctx):` with the "
             "SideInputs of the call (Extraction.side_inputs(*args, **kwargs))")
     return ctx
+
+
+def read_by(ctx: SideInputs | None, stages: Iterable[object]) -> SideInputs | None:
+    """The part of ``ctx`` that ``stages`` read, for an executor to keep into the backward.
+
+    Plain autograd keeps a side input (the shifted labels of a loss, a mask) only while a
+    node that saved it has not run; an executor that re-runs stages in the backward must
+    keep the side inputs those stages read, but no more. Every stage that declares the
+    names it reads (``side_names``, as :class:`~optmem.pytorch.graphcut.GraphStage` does)
+    narrows the set; one stage that does not keeps the whole context (it may read any name).
+
+    Examples
+    --------
+    >>> class Reads:
+    ...     side_names = ("mask",)
+    >>> ctx = SideInputs({"mask": 1, "labels": 2})
+    >>> dict(read_by(ctx, [Reads()]))
+    {'mask': 1}
+    >>> read_by(ctx, [Reads(), object()]) is ctx
+    True
+    """
+    if not ctx:
+        return ctx
+    names: set[str] = set()
+    for stage in stages:
+        declared = getattr(stage, "side_names", None)
+        if declared is None:
+            return ctx
+        names.update(declared)
+    return SideInputs({n: v for n, v in ctx.items() if n in names})

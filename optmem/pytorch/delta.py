@@ -33,7 +33,12 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from optmem.pytorch.context import SideInputs, current_side_inputs_or_none, side_inputs
+from optmem.pytorch.context import (
+    SideInputs,
+    current_side_inputs_or_none,
+    read_by,
+    side_inputs,
+)
 from optmem.pytorch.execute import StageCalls, run_in_order
 from optmem.pytorch.extract import Stage, value_tensors
 from optmem.pytorch.offload import kept_storages
@@ -117,7 +122,7 @@ class DeltaChain(StageCalls, nn.Module):
         self._groups = []
         self.decisions, self.recomputed, self.reloaded = [], [], []
         self._weights = kept_storages(self)
-        self._context = current_side_inputs_or_none()
+        self._context = read_by(current_side_inputs_or_none(), self.stages)
         self._functions = functions
         clock = 0.0
         for i, stage in enumerate(functions):

@@ -45,7 +45,10 @@ parameters is refused at its first run (that gradient would be lost). Double bac
 (``create_graph=True``) and ``retain_graph=True`` through the plan raise an error.
 
 **Side inputs** (:mod:`optmem.pytorch.context`): the side inputs active when the forward
-starts are re-entered around every stage run, re-runs in the backward included.
+starts are re-entered around every stage run, re-runs in the backward included. The executor
+keeps only those its stages read (:func:`~optmem.pytorch.context.read_by`): one read only by
+the native suffix (a loss's shifted labels) is freed when autograd lets go of it, as in the
+plain model.
 
 **torch.compile**: the plan interpreter never runs under dynamo (``torch.compiler.disable``,
 a graph break); with :meth:`CheckpointedChain.compile_stages`, or when the executor is
@@ -71,7 +74,12 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from optmem.errors import OptmemInputError, PlanError
 from optmem.plan import LOSS, Op, OpKind, parse_plan
-from optmem.pytorch.context import SideInputs, current_side_inputs_or_none, side_inputs
+from optmem.pytorch.context import (
+    SideInputs,
+    current_side_inputs_or_none,
+    read_by,
+    side_inputs,
+)
 from optmem.pytorch.extract import Stage, value_tensors
 
 __all__ = ["CheckpointedChain", "StageCalls", "add_monitor", "compile_stage", "fusable_runs",
@@ -983,7 +991,8 @@ class CheckpointedChain(StageCalls, nn.Module):
                   functions: list[Callable[[Any], Any]] | None = None) -> Any:
         runner = self._make_runner(plan, n)
         runner.input_requires_grad = input_needs_grad
-        runner.context = current_side_inputs_or_none()
+        # only what the plan's stages read is kept into the backward (read_by)
+        runner.context = read_by(current_side_inputs_or_none(), self.stages[:n])
         runner.functions = list(functions) if functions is not None else []
         runner.collect_parameters()
         tensors = value_tensors(x)
