@@ -90,7 +90,11 @@ from optmem.solvers.remat_offload import (
     pofo_plan,
     remat_candidate,
 )
-from optmem.solvers.remat_offload_benders import READ_DEADLINES_DEFAULT, solve_benders
+from optmem.solvers.remat_offload_benders import (
+    CUMULATIVE_READS_DEFAULT,
+    READ_DEADLINES_DEFAULT,
+    solve_benders,
+)
 from optmem.solvers.remat_offload_schedule import Window, static_replay, window_before
 
 BRUTE_MAX_LENGTH = 2
@@ -436,6 +440,7 @@ def _relaxation_bound(chain: Chain, memory_limit: int, beta: float, sweeps: int,
     host_values = flag(options, "relaxation_values", True)
     lazy = flag(options, "relaxation_lazy", LAZY_HOST_DEFAULT)
     reads_too = flag(options, "relaxation_read_deadlines", READ_DEADLINES_DEFAULT)
+    cumulative = flag(options, "relaxation_cumulative_reads", CUMULATIVE_READS_DEFAULT)
     if not options.extra.get("relaxation", True) or beta <= 0:
         return _Relaxed(-math.inf, {"status": "off"})
     pulp_engine = engine if engine != "cpsat" else "highs"
@@ -478,7 +483,7 @@ def _relaxation_bound(chain: Chain, memory_limit: int, beta: float, sweeps: int,
             break
         master = build_link_relaxation(chain, memory_limit, beta, sweeps=sweeps,
                                        deadlines=with_deadlines, host_values=with_values,
-                                       read_deadlines=reads_too)
+                                       read_deadlines=reads_too, cumulative_reads=cumulative)
         if with_values and previous is not None and not _host_stage_fits(master, previous):
             info[key] = "skipped (too large, or the deadline stage not solved)"
             break
@@ -544,8 +549,9 @@ def _lazy_host(chain: Chain, memory_limit: int, beta: float, sweeps: int,
     ``shared/design/offload.md`` 0.2).
     """
     reads_too = flag(options, "relaxation_read_deadlines", READ_DEADLINES_DEFAULT)
+    cumulative = flag(options, "relaxation_cumulative_reads", CUMULATIVE_READS_DEFAULT)
     full = build_link_relaxation(chain, memory_limit, beta, sweeps=sweeps,
-                                 read_deadlines=reads_too)
+                                 read_deadlines=reads_too, cumulative_reads=cumulative)
     rows = host_item_rows(full, start[0])
     master, out = start
     while out.status is Status.OPTIMAL and out.values is not None:
@@ -555,7 +561,8 @@ def _lazy_host(chain: Chain, memory_limit: int, beta: float, sweeps: int,
             return
         covered.update(violated)
         master = build_link_relaxation(chain, memory_limit, beta, sweeps=sweeps,
-                                       host_items=covered, read_deadlines=reads_too)
+                                       host_items=covered, read_deadlines=reads_too,
+                                       cumulative_reads=cumulative)
         pm = to_pulp(master)
         out = engines.solve_pulp(pm.problem, pm.all_variables, engine,
                                  **{**engines.pulp_settings(options), "time_limit_s": left})
@@ -696,6 +703,7 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
         flag(options, "relaxation_lazy", LAZY_HOST_DEFAULT)
         flag(options, "benders_host_bound", False)
     flag(options, "relaxation_read_deadlines", READ_DEADLINES_DEFAULT)  # checked before work
+    flag(options, "relaxation_cumulative_reads", CUMULATIVE_READS_DEFAULT)
     flag(options, "relaxation_sequence", SEQUENCE_DEFAULT)
     _relaxation_share(options)
     built = build_remat_offload(disc.chain, disc.memory_limit, beta, sweeps=sweeps,
@@ -869,7 +877,8 @@ def _full_solve(setup: _Setup, options: SolveOptions, report: dict[str, Any], *,
           compare_as=(("ilp", 6),),
           extra=("sweeps", "transfers_per_gap", "grid", "backlog_grid", "prefetch",
                  "relaxation", "relaxation_deadlines", "relaxation_values", "relaxation_lazy",
-                 "relaxation_read_deadlines", "relaxation_sequence", "relaxation_share"))
+                 "relaxation_read_deadlines", "relaxation_sequence", "relaxation_share",
+                 "relaxation_cumulative_reads"))
 def solve_ilp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     """Optimal plan over the model's class (module docstring), HiGHS/CBC/Gurobi."""
     return _solve_model(problem, options, "ilp")
@@ -881,7 +890,7 @@ def solve_ilp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
           extra=("sweeps", "transfers_per_gap", "grid", "backlog_grid", "prefetch",
                  "relaxation", "relaxation_deadlines", "relaxation_values", "relaxation_lazy",
                  "relaxation_read_deadlines", "relaxation_sequence", "relaxation_share",
-                 "strategy", "benders_work",
+                 "relaxation_cumulative_reads", "strategy", "benders_work",
                  "benders_filter_work", "benders_iterations", "benders_warmup",
                  "benders_filter", "benders_host_bound"))
 def solve_cpsat(problem: RematOffloadProblem, options: SolveOptions) -> Result:
