@@ -892,8 +892,9 @@ def _deadline_rows(m: Model, cf: ck.Formulation, reads: Sequence[dict[Value, Lit
             if isinstance(cf.sequence[q], ck.Slot):
                 if not read_deadlines:
                     continue
-                wanted = {w: lit for w, lit in reads[q].items()
-                          if w not in seen and lit is not False and w in unread}
+                wanted: dict[Value, Literal | bool] = {
+                    w: lit for w, lit in reads[q].items()
+                    if w not in seen and lit is not False and w in unread}
                 if not wanted:
                     continue
                 if not cumulative or held is None:
@@ -926,8 +927,9 @@ def _read_before(m: Model, p: int, q: int, w: Value, h: Expr, lit: Literal | boo
     """
     tag = f"{w[0]}{w[1]}_{p}_{q}"
     z = m.continuous(f"z_{tag}", 0.0, 1.0)
+    assert lit is not False
     x = Expr((), 1.0) if lit is True else (
-        Expr([(lit[0], 1.0)]) if lit[1] else 1 - Expr([(lit[0], 1.0)]))  # type: ignore[index]
+        Expr([(lit[0], 1.0)]) if lit[1] else 1 - Expr([(lit[0], 1.0)]))
     m.add(z >= h + x - 1, f"z_{tag}")
     if before is not None:
         m.add(z >= before, f"zz_{tag}")
