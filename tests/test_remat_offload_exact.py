@@ -947,7 +947,8 @@ def test_lazy_cumulative_host_stage_never_exceeds_the_brute_optimum(chain: Chain
 def test_lazy_cumulative_host_stage_stays_between_its_neighbours(seed: int) -> None:
     """On 4-stage chains the lazy host stage with the cumulative rows lies between the
     deadline stage and the full host stage with them, and never below the lazy stage
-    without them (each ``z`` of ``host_violations`` at its least value)."""
+    without them (its rounds come first; each ``z`` of ``host_violations`` at its least
+    value)."""
     import optmem.solvers.remat_offload_exact as exact
 
     chain = random_chain(4, seed=seed, max_size=6)

@@ -546,27 +546,34 @@ def _lazy_host(chain: Chain, memory_limit: int, beta: float, sweeps: int,
     :func:`~optmem.models.remat_offload.build_link_relaxation` (the optimal plan maps to a
     point of the full host stage with ``r_p = sum_v size_v h[v,p]``, which satisfies the
     aggregated rows too), its optimum and any dual bound are at most the optimum (digest
-    ``shared/design/offload.md`` 0.2).
+    ``shared/design/offload.md`` 0.2). With ``extra["relaxation_cumulative_reads"]`` the
+    rounds first run without those rows, as before; once no item is violated they go on
+    with them (their first round rebuilds the covered items with them), so the rounds
+    without them are never slower than before.
     """
     reads_too = flag(options, "relaxation_read_deadlines", READ_DEADLINES_DEFAULT)
     cumulative = flag(options, "relaxation_cumulative_reads", CUMULATIVE_READS_DEFAULT)
-    full = build_link_relaxation(chain, memory_limit, beta, sweeps=sweeps,
-                                 read_deadlines=reads_too, cumulative_reads=cumulative)
-    rows = host_item_rows(full, start[0])
     master, out = start
-    while out.status is Status.OPTIMAL and out.values is not None:
-        violated = host_violations(full, rows, master, out.values, covered)
-        left = limit()
-        if not violated or (left is not None and left < LEAST_ENGINE_TIME_S):
-            return
-        covered.update(violated)
-        master = build_link_relaxation(chain, memory_limit, beta, sweeps=sweeps,
-                                       host_items=covered, read_deadlines=reads_too,
-                                       cumulative_reads=cumulative)
-        pm = to_pulp(master)
-        out = engines.solve_pulp(pm.problem, pm.all_variables, engine,
-                                 **{**engines.pulp_settings(options), "time_limit_s": left})
-        yield master, out
+    for cum in (False, True) if cumulative else (False,):
+        full = build_link_relaxation(chain, memory_limit, beta, sweeps=sweeps,
+                                     read_deadlines=reads_too, cumulative_reads=cum)
+        rows = host_item_rows(full, start[0])
+        forced = cum and bool(covered)  # the covered items' cumulative rows: not in yet
+        while out.status is Status.OPTIMAL and out.values is not None:
+            violated = host_violations(full, rows, master, out.values, covered)
+            left = limit()
+            if (not violated and not forced) or \
+                    (left is not None and left < LEAST_ENGINE_TIME_S):
+                break
+            forced = False
+            covered.update(violated)
+            master = build_link_relaxation(chain, memory_limit, beta, sweeps=sweeps,
+                                           host_items=covered, read_deadlines=reads_too,
+                                           cumulative_reads=cum)
+            pm = to_pulp(master)
+            out = engines.solve_pulp(pm.problem, pm.all_variables, engine,
+                                     **{**engines.pulp_settings(options), "time_limit_s": left})
+            yield master, out
 
 
 def _stage_limit(share: float | None, spent: float, *, first: bool) -> float | None:
