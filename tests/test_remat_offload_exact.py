@@ -551,22 +551,25 @@ def test_host_bound_of_a_sequence_never_exceeds_its_brute_value(chain: Chain, li
                                 "brute", options=OPTS).status is Status.INFEASIBLE
 
 
-def _sequence_bounds_checked(chain: Chain, limit: int, beta: float) -> int:
+def _sequence_bounds_checked(chain: Chain, limit: int, beta: float,
+                             cumulative: bool = False) -> int:
     """For every compute sequence of brute force's enumeration with a plan (its compute
     time where it fits without transfers, else brute force's best transfers), the link
-    relaxation with the read deadlines (``read_deadlines``; host rows and aggregated) and
-    that sequence fixed is at most the plan's makespan; returns how many were checked."""
+    relaxation with the read deadlines (``read_deadlines``; host rows and aggregated; with
+    ``cumulative``: host rows with ``cumulative_reads``) and that sequence fixed is at most
+    the plan's makespan; returns how many were checked."""
     built = build_remat_offload(chain, limit, beta)
     n_ck = len(built.checkpoint.names)
     checked = 0
+    rows = [{"host_values": True, "cumulative_reads": True}] if cumulative else \
+        [{"host_values": True}, {"host_values": False}]
     for ops, fixing, found in _sequence_plans(chain, limit, beta, built):
         if found is None:
             continue
         xhat = {i: x for i, x in fixing.items() if i < n_ck}
-        for host_values in (True, False):
-            bound = _relaxation(chain, limit, beta, xhat, host_values=host_values,
-                                read_deadlines=True)
-            assert bound <= found[0] + 1e-6, (ops, host_values, bound, found[0])
+        for kw in rows:
+            bound = _relaxation(chain, limit, beta, xhat, read_deadlines=True, **kw)
+            assert bound <= found[0] + 1e-6, (ops, kw, bound, found[0])
         checked += 1
     return checked
 
@@ -661,6 +664,102 @@ def test_read_deadlines_lift_a_compute_sequence_toward_its_value() -> None:
     assert makespan == pytest.approx(90)
     assert host == pytest.approx(76)
     assert lifted == pytest.approx(85)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(chain=st.one_of(tiny(), tiny_with_idle_ops()), limit=st.integers(3, 22),
+       beta=st.sampled_from([0.5, 1.0, 3.0]))
+def test_cumulative_reads_of_a_sequence_never_exceed_its_brute_value(chain: Chain, limit: int,
+                                                                     beta: float) -> None:
+    """The cumulative read rows (``cumulative_reads``: every value on the host during an
+    item and read by a slot before ``q`` is prefetched before ``q``) keep the host
+    relaxation of every compute sequence at most that sequence's best plan (brute force),
+    also with ops that take no time."""
+    checked = _sequence_bounds_checked(chain, limit, beta, cumulative=True)
+    assert checked > 0 or solve(RematOffloadProblem(chain, limit, chain_bandwidth=beta),
+                                "brute", options=OPTS).status is Status.INFEASIBLE
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(chain=st.one_of(tiny(), tiny_with_idle_ops()), limit=st.integers(3, 22),
+       beta=st.sampled_from([0.5, 1.0, 3.0]))
+def test_cumulative_reads_only_lift_the_relaxation(chain: Chain, limit: int,
+                                                   beta: float) -> None:
+    """Over all sequences the cumulative read rows never lower the host relaxation with the
+    read deadlines and never lift it above brute force's optimum; the lazy host stage's
+    choice of items with them stays between the two as well."""
+    brute = solve(RematOffloadProblem(chain, limit, chain_bandwidth=beta), "brute",
+                  options=OPTS)
+    assert brute.status is not Status.ERROR
+    before = _relaxation(chain, limit, beta, read_deadlines=True)
+    after = _relaxation(chain, limit, beta, read_deadlines=True, cumulative_reads=True)
+    assert after >= before - 1e-6
+    if brute.status.has_plan:
+        assert after <= brute.objective + 1e-6
+
+
+# a chain, limit and link where a cumulative row binds (found by search over 2-stage chains)
+CUMULATIVE_ROW_CASE = (Chain.from_lists([3, 4], [6, 5], [1, 5], [2, 6], input_size=3), 15, 0.5)
+
+
+@pytest.mark.parametrize("wrong", ["no_read", "slow_link"])
+def test_a_wrong_cumulative_read_row_is_caught(monkeypatch: pytest.MonkeyPatch,
+                                               wrong: str) -> None:
+    """The per-sequence check fails for deliberately wrong cumulative rows: ``z`` counting
+    a value on the host whether or not a slot reads it (``z >= h``), or the link made 4x
+    slower in the deadline rows that carry ``z``."""
+    import optmem.models.remat_offload as ro
+
+    real = ro._read_before
+
+    def no_read(m, p, q, w, h, lit, before):
+        return real(m, p, q, w, h, True, before)
+
+    def slow_link(m, p, q, w, h, lit, before):
+        return real(m, p, q, w, h, lit, before) * 4
+
+    chain, limit, beta = CUMULATIVE_ROW_CASE
+    assert _sequence_bounds_checked(chain, limit, beta, cumulative=True) > 0
+    monkeypatch.setattr(ro, "_read_before", no_read if wrong == "no_read" else slow_link)
+    with pytest.raises(AssertionError):
+        _sequence_bounds_checked(chain, limit, beta, cumulative=True)
+
+
+# random_chain(10, seed=3) at its 10 % limit (55): the host relaxation's best compute
+# sequence with the read deadlines (HiGHS, 2026-11-28) and its best transfers (CP-SAT with
+# the sequence fixed proves 90.86)
+PLAN_10_3 = ("F_ck 1", "offload a 0", "F_none 2", "F_all 3", "F_ck 4", "offload abar 3",
+             "F_ck 5", "F_all 6", "F_all 7", "F_all 8", "offload a 4", "F_all 9",
+             "offload a 2", "F_all 10", "offload a 5", "Loss", "B 10", "B 9", "B 8", "B 7",
+             "prefetch a 0", "prefetch a 5", "prefetch a 4", "B 6", "prefetch abar 3",
+             "F_all 5", "B 5", "F_all 1", "prefetch a 2", "F_all 4", "offload a 0", "B 4",
+             "B 3", "prefetch a 0", "F_all 2", "B 2", "B 1")
+
+
+def test_cumulative_reads_lift_a_compute_sequence_to_its_value() -> None:
+    """Where the read deadlines were loose (``PLAN_10_3``'s sequence: 83 in the host
+    relaxation with them, 90.86 in the model): with the cumulative rows the sequence's
+    relaxation is 90.86, the simulated makespan of the plan (``a^0`` and ``abar^3``, read
+    by ``F_all 1`` and ``F_all 4``, cannot both come back in the 11 time units left)."""
+    from optmem.plan import Op, parse_mixed_plan
+    from optmem.solvers.remat_offload import discretized
+
+    chain = random_chain(10, seed=3)
+    problem = RematOffloadProblem(chain, 55, chain_bandwidth=sum(chain.output_size) / sum(
+        chain.fwd_time) / 2)
+    disc, beta = discretized(problem, OPTS)
+    plan = parse_mixed_plan(list(PLAN_10_3))
+    makespan = simulate_offload(disc.chain, plan, beta, disc.memory_limit).makespan
+    built = build_remat_offload(disc.chain, disc.memory_limit, beta)
+    fixing = built.fixing([op for op in plan if isinstance(op, Op)])
+    assert fixing is not None
+    xhat = {i: x for i, x in fixing.items() if i < len(built.checkpoint.names)}
+    reads = _relaxation(disc.chain, disc.memory_limit, beta, xhat, read_deadlines=True)
+    lifted = _relaxation(disc.chain, disc.memory_limit, beta, xhat, read_deadlines=True,
+                         cumulative_reads=True)
+    assert makespan == pytest.approx(90 + 37 / 43)
+    assert reads == pytest.approx(83)
+    assert lifted == pytest.approx(makespan)
 
 
 @settings(max_examples=8, deadline=None, derandomize=True)
@@ -819,6 +918,49 @@ def test_lazy_host_stage_never_exceeds_the_brute_optimum(chain: Chain, limit: in
                                    OPTS.with_(extra={"relaxation_lazy": True}), "cpsat")
     if brute.status.has_plan:
         assert lazy.bound <= brute.objective + 1e-6
+
+
+CUMULATIVE = {"relaxation_read_deadlines": True, "relaxation_cumulative_reads": True}
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(chain=st.one_of(tiny(), tiny_with_idle_ops()), limit=st.integers(3, 22),
+       beta=st.sampled_from([0.5, 1.0, 3.0]))
+def test_lazy_cumulative_host_stage_never_exceeds_the_brute_optimum(chain: Chain, limit: int,
+                                                                    beta: float) -> None:
+    """With the cumulative read rows (``relaxation_cumulative_reads``) the lazy host stage's
+    bound is at most brute force's optimum and never above the full host stage's."""
+    import optmem.solvers.remat_offload_exact as exact
+
+    brute = solve(RematOffloadProblem(chain, limit, chain_bandwidth=beta), "brute",
+                  options=OPTS)
+    assert brute.status is not Status.ERROR
+    lazy = exact._relaxation_bound(chain, limit, beta, 1, OPTS.with_(extra=CUMULATIVE), "cpsat")
+    full = exact._relaxation_bound(chain, limit, beta, 1, OPTS.with_(
+        extra={**CUMULATIVE, "relaxation_lazy": False}), "cpsat")
+    assert lazy.bound <= full.bound + 1e-6
+    if brute.status.has_plan:
+        assert full.bound <= brute.objective + 1e-6
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_lazy_cumulative_host_stage_stays_between_its_neighbours(seed: int) -> None:
+    """On 4-stage chains the lazy host stage with the cumulative rows lies between the
+    deadline stage and the full host stage with them, and never below the lazy stage
+    without them (its rounds come first; each ``z`` of ``host_violations`` at its least
+    value)."""
+    import optmem.solvers.remat_offload_exact as exact
+
+    chain = random_chain(4, seed=seed, max_size=6)
+    for limit in limits(chain):
+        plain = exact._relaxation_bound(chain, limit, 1.0, 1, OPTS.with_(
+            extra={"relaxation_read_deadlines": True}), "cpsat")
+        lazy = exact._relaxation_bound(chain, limit, 1.0, 1, OPTS.with_(extra=CUMULATIVE),
+                                       "cpsat")
+        full = exact._relaxation_bound(chain, limit, 1.0, 1, OPTS.with_(
+            extra={**CUMULATIVE, "relaxation_lazy": False}), "cpsat")
+        assert lazy.info["deadline_bound"] - 1e-6 <= lazy.bound <= full.bound + 1e-6
+        assert lazy.bound >= plain.bound - 1e-6
 
 
 class _Clock:

@@ -504,7 +504,7 @@ def build_link_relaxation(chain: Chain, memory_limit: int, bandwidth: float, *,
                           sweeps: int = 1, horizon: float | None = None,
                           deadlines: bool = True, host_values: bool = True,
                           host_items: Collection[int] | None = None,
-                          read_deadlines: bool = False) -> Model:
+                          read_deadlines: bool = False, cumulative_reads: bool = False) -> Model:
     r"""A small relaxation of :func:`build_remat_offload`: integral compute, aggregated link.
 
     The compute part is the same checkpoint formulation (same slots, same class, exact
@@ -588,6 +588,30 @@ def build_link_relaxation(chain: Chain, memory_limit: int, bandwidth: float, *,
     relaxation brings ``abar^1`` (14) back during the recomputation ``F_all 2`` that reads
     it; with these rows that sequence's bound is 85.
 
+    **Cumulative reads** (``cumulative_reads=True``, with ``read_deadlines`` and
+    ``host_values``; default false; :func:`_deadline_rows`, :func:`_read_before`): the read
+    deadline of ``(p, q)`` counts only the values slot ``q`` itself reads, so values that
+    *earlier* slots of ``(p, q)`` read were prefetched inside ``[E_p, S_q]`` too but are
+    counted in no common row. For a value ``w`` outside ``V(p, q)`` that some slot ``q'``
+    of ``(p, q]`` may read, let ``g[w,p,q]`` be 1 when ``w`` is on the host during ``p``
+    (``h[w,p] = 1`` in the proof's point) and a slot of ``(p, q]`` reads it. Then its host
+    copy is prefetched by a job that starts after ``p`` ends and ends before the first
+    reader after ``p`` starts (the argument of the read deadlines: a reading slot has ``w``
+    stored, and a value leaves the GPU only through an op that reads it), which is at or
+    before ``q'``, inside ``[E_p, S_q]``; these jobs and those of ``V(p, q)`` are distinct,
+    so ``sum_{v in V} size_v h[v,p] + sum_w size_w g[w,p,q] <= beta (S_q - E_p)``. The model
+    carries a continuous ``z[w,p,q]`` in ``[0, 1]`` with ``z >= h[w,p] + rd_{w,q'} - 1`` for
+    each slot ``q' <= q`` reading ``w`` (one row at each such slot, ``z[w,p,q] >=`` the
+    previous one): ``g`` satisfies them, so the proof's point with ``z = g`` satisfies the
+    rows (the row with ``z`` at its least value is weaker than with ``g``). A single ``rd``
+    literal per value in the row (``h + rd - 1``, possibly negative) would be far weaker:
+    an empty slot's ``rd = 0`` subtracts the value's size. Measured on ``random_chain(10,
+    seed=3)`` at its 10 % limit (55): the host relaxation's own best sequence is worth 83
+    in it and 90.86 in the model (CP-SAT, proven; the relaxation brings ``a^0`` and
+    ``abar^3`` back in 11 time units for two reading slots where the link needs 17.6); with
+    these rows that sequence's bound is 90.86, and the relaxation's optimum (host rows on
+    every item) rises from 83 to 84.
+
     **Host rows on some items** (``host_items``, with ``host_values``; ``None``: every item):
     the items of ``host_items`` get the binaries ``h[v,p]`` and their rows as above, the
     others the aggregated relief ``r_p`` and its rows; the per-value run rows are written
@@ -655,7 +679,7 @@ def build_link_relaxation(chain: Chain, memory_limit: int, bandwidth: float, *,
         relief.append(r)
     if relief and deadlines:
         _deadline_rows(m, cf, reads, relief, D, S, bandwidth, size, hosts,
-                       read_deadlines=read_deadlines)
+                       read_deadlines=read_deadlines, cumulative=cumulative_reads)
     if relief:
         cap = float(sum(a) + sum(abar))
         up: list[Expr] = []
@@ -694,17 +718,23 @@ def host_item_rows(full: Model, aggregated: Model
     ``full`` is :func:`build_link_relaxation` with the host rows on every item, ``aggregated``
     the same without them (``host_items=()``). A row is local to ``p`` when the host
     binaries it holds are those of ``p`` only and its other variables are ``aggregated``'s
-    (compute binaries, item starts, makespan): ``size_v h <= unread_v``, the memory row and
-    the per-value deadline rows of ``p``. The run rows (``up``/``dn``) are not local.
+    (compute binaries, item starts, makespan) or the ``z[w,p,q]`` of ``p``
+    (``cumulative_reads``): ``size_v h <= unread_v``, the memory row, the per-value
+    deadline rows of ``p`` and the rows of its ``z``. The run rows (``up``/``dn``) are not
+    local.
     """
     names = {v.name for v in aggregated.vars}
     item: dict[int, int] = {}
     for v in full.vars:
         if v.name.startswith("h_"):
             item[v.index] = int(v.name.rsplit("_", 1)[1])
+        elif v.name.startswith("z_"):
+            item[v.index] = int(v.name.split("_")[2])
     out: dict[int, tuple[list[int], list[Constraint]]] = {}
     for i, p in item.items():
-        out.setdefault(p, ([], []))[0].append(i)
+        out.setdefault(p, ([], []))
+        if full.vars[i].name.startswith("h_"):
+            out[p][0].append(i)
     for con in full.constraints:
         held = {item[i] for i, _ in con.terms if i in item}
         if len(held) != 1 or con.enforce or any(
@@ -722,9 +752,10 @@ def host_violations(full: Model, rows: dict[int, tuple[list[int], list[Constrain
     ``values`` is a solution of ``master`` (:func:`build_link_relaxation` with
     ``host_items=covered``); ``rows`` is :func:`host_item_rows`. An item is violated when no
     0/1 choice of its host binaries satisfies its local rows with the master's compute
-    binaries and item starts (enumerated; an item with more than
-    :data:`HOST_ITEM_MAX_VALUES` binaries left free counts as violated). The choice only
-    decides which rows a lazy master adds; every added row is valid whatever it picks.
+    binaries and item starts (enumerated, each ``z`` at its least value given the choice;
+    an item with more than :data:`HOST_ITEM_MAX_VALUES` binaries left free counts as
+    violated). The choice only decides which rows a lazy master adds; every added row is
+    valid whatever it picks.
     """
     index = {v.name: i for i, v in enumerate(master.vars)}
     fixed = {v.index: values[index[v.name]] for v in full.vars if v.name in index}
@@ -739,20 +770,43 @@ def host_violations(full: Model, rows: dict[int, tuple[list[int], list[Constrain
 
 
 def _item_fits(hs: Sequence[int], cons: Sequence[Constraint], fixed: dict[int, float]) -> bool:
-    """Whether some 0/1 values of ``hs`` satisfy ``cons`` with the rest ``fixed``."""
-    def holds(con: Constraint, chosen: dict[int, int]) -> bool:
-        s = sum(c * (chosen[i] if i in chosen else fixed[i]) for i, c in con.terms)
+    """Whether some 0/1 values of ``hs`` satisfy ``cons`` with the rest ``fixed``.
+
+    A variable of ``cons`` in neither (a ``z`` of ``cumulative_reads``) takes its least
+    value: the largest of 0 and what its ``>=`` rows ask, in the order of the variables
+    (each ``z`` is bounded below by earlier ones only).
+    """
+    derived = sorted({i for c in cons for i, _ in c.terms if i not in fixed and i not in hs})
+    lower = {z: [c for c in cons if c.hi is None and c.lo is not None
+                 and any(i == z and x > 0 for i, x in c.terms)
+                 and all(i <= z or i not in derived for i, _ in c.terms)] for z in derived}
+
+    def holds(con: Constraint, known: dict[int, float]) -> bool:
+        s = sum(c * (known[i] if i in known else fixed[i]) for i, c in con.terms)
         return (con.lo is None or s >= con.lo - 1e-6) and (con.hi is None or s <= con.hi + 1e-6)
+
+    def complete(chosen: dict[int, float]) -> dict[int, float]:
+        known = dict(chosen)
+        for z in derived:
+            least = 0.0
+            for c in lower[z]:
+                coef = sum(x for i, x in c.terms if i == z)
+                rest = sum(x * (known[i] if i in known else fixed[i])
+                           for i, x in c.terms if i != z)
+                assert c.lo is not None
+                least = max(least, (c.lo - rest) / coef)
+            known[z] = least
+        return known
 
     free = [h for h in hs  # a binary its own bound row forces to 0 is not enumerated
             if all(holds(c, {h: 1}) for c in cons
-                   if all(i == h or i not in hs for i, _ in c.terms))]
+                   if all(i == h or (i not in hs and i in fixed) for i, _ in c.terms))]
     if len(free) > HOST_ITEM_MAX_VALUES:
         return False
-    zeros = {h: 0 for h in hs}
+    zeros = {h: 0.0 for h in hs}
     for bits in itertools.product((0, 1), repeat=len(free)):
-        chosen = {**zeros, **dict(zip(free, bits, strict=True))}
-        if all(holds(c, chosen) for c in cons):
+        known = complete({**zeros, **dict(zip(free, map(float, bits), strict=True))})
+        if all(holds(c, known) for c in cons):
             return True
     return False
 
@@ -815,55 +869,88 @@ def _deadline_rows(m: Model, cf: ck.Formulation, reads: Sequence[dict[Value, Lit
                    relief: Sequence[Expr], D: Sequence[Expr], S: Sequence[Expr],
                    bandwidth: float, size: Callable[[Value], int],
                    hosts: Sequence[dict[Value, Expr] | None] = (), *,
-                   read_deadlines: bool = False) -> None:
+                   read_deadlines: bool = False, cumulative: bool = False) -> None:
     """The prefetch deadlines of the link relaxation (its docstring).
 
     For every item ``p`` and backward-type item ``q > p`` whose reads add a value that may
     be stored unread at ``p``: ``r_p - (stored, unread size at p outside V(p, q)) <= beta
     (S_q - E_p)``; with ``hosts`` (the ``h[v,p]``, ``host_values``) the stronger
-    ``sum_{v in V(p, q)} size_v h[v,p] <= beta (S_q - E_p)``.
+    ``sum_{v in V(p, q)} size_v h[v,p] <= beta (S_q - E_p)``. ``read_deadlines``: also at
+    every forward slot ``q`` (:func:`_read_deadline`). ``cumulative`` (with them, on the
+    items with host binaries): every row of ``(p, q)`` also counts ``size_w z[w,p,q]`` for
+    the values ``w`` outside ``V(p, q)`` that a slot of ``(p, q]`` may read, ``z`` continuous
+    in ``[0, 1]`` with ``z[w,p,q] >= h[w,p] + rd_{w,q'} - 1`` for each such slot ``q'``
+    (``build_link_relaxation``, **Cumulative reads**).
     """
     n = len(cf.sequence)
     for p in range(n):
         unread = _unread(cf, p, reads, size)
         held = hosts[p] if hosts else None
         seen: set[Value] = set()
+        early: dict[Value, Expr] = {}  # cumulative: z[w,p,q] of the last slot q reading w
         for q in range(p + 1, n):
             if isinstance(cf.sequence[q], ck.Slot):
-                if read_deadlines:
-                    _read_deadline(m, p, q, reads[q], seen, unread, held, relief[p], D, S,
+                if not read_deadlines:
+                    continue
+                wanted: dict[Value, Literal | bool] = {
+                    w: lit for w, lit in reads[q].items()
+                    if w not in seen and lit is not False and w in unread}
+                if not wanted:
+                    continue
+                if not cumulative or held is None:
+                    _read_deadline(m, p, q, wanted, seen, unread, held, relief[p], D, S,
                                    bandwidth, size)
-                continue
-            new = set(reads[q]) - seen
-            seen |= new
-            if not new & unread.keys():
-                continue
+                    continue
+                for w, lit in wanted.items():
+                    if w in held:
+                        early[w] = _read_before(m, p, q, w, held[w], lit, early.get(w))
+            else:
+                new = set(reads[q]) - seen
+                seen |= new
+                if not new & unread.keys():
+                    continue
             if held is not None:
-                lhs = Expr.sum(h * size(v) for v, h in held.items() if v in seen)
+                lhs = Expr.sum([*(h * size(v) for v, h in held.items() if v in seen),
+                                *(z * size(w) for w, z in early.items() if w not in seen)])
             else:
                 lhs = relief[p] - Expr.sum(e for v, e in unread.items() if v not in seen)
             m.add(lhs <= (S[q] - S[p] - D[p]) * bandwidth, f"deadline_{p}_{q}")
 
 
-def _read_deadline(m: Model, p: int, q: int, slot_reads: dict[Value, Literal | bool],
+def _read_before(m: Model, p: int, q: int, w: Value, h: Expr, lit: Literal | bool,
+                 before: Expr | None) -> Expr:
+    """``z[w,p,q]``: ``w`` on the host at ``p`` and read by a slot of ``(p, q]`` (a lower bound).
+
+    ``z >= h[w,p] + rd_{w,q} - 1`` (``rd`` the literal ``lit`` of slot ``q``) and ``z >=``
+    ``before`` (the same at the previous slot reading ``w``); ``cumulative`` rows of
+    :func:`_deadline_rows`.
+    """
+    tag = f"{w[0]}{w[1]}_{p}_{q}"
+    z = m.continuous(f"z_{tag}", 0.0, 1.0)
+    assert lit is not False
+    x = Expr((), 1.0) if lit is True else (
+        Expr([(lit[0], 1.0)]) if lit[1] else 1 - Expr([(lit[0], 1.0)]))
+    m.add(z >= h + x - 1, f"z_{tag}")
+    if before is not None:
+        m.add(z >= before, f"zz_{tag}")
+    return z
+
+
+def _read_deadline(m: Model, p: int, q: int, wanted: dict[Value, Literal | bool],
                    seen: set[Value], unread: dict[Value, Expr], held: dict[Value, Expr] | None,
                    relief: Expr, D: Sequence[Expr], S: Sequence[Expr], bandwidth: float,
                    size: Callable[[Value], int]) -> None:
-    r"""The prefetch deadline of item ``p`` at a forward slot ``q > p`` (``read_deadlines``).
+    r"""The prefetch deadline of item ``p`` at an item ``q > p`` with slot reads ``wanted``.
 
-    ``W`` are the values slot ``q`` may read (``rd`` literals: ``a^{j-1}`` or
-    ``abar^{j-1}``) that no ``Loss`` / ``B`` of ``(p, q)`` reads, ``seen`` the values those
-    read (``V(p, q)`` of :func:`build_link_relaxation`). With host binaries:
-    ``sum_{v in seen} size_v h[v,p] + sum_{w in W} size_w (h[w,p] + rd_w - 1) <= beta (S_q -
-    E_p)``; aggregated: ``r_p - sum_{v not in seen or W} unread_v - sum_{w in W} size_w (1 -
-    rd_w) <= beta (S_q - E_p)``. Validity: see the docstring of
-    :func:`build_link_relaxation` (**Read deadlines**).
+    ``wanted`` (``W``) maps values a forward slot of ``(p, q]`` may read (``rd`` literals:
+    ``a^{j-1}`` or ``abar^{j-1}``) that no ``Loss`` / ``B`` of ``(p, q]`` reads to the
+    literal of one such slot (``read_deadlines``: the values slot ``q`` may read), ``seen``
+    the values those read (``V(p, q)`` of :func:`build_link_relaxation`). With host
+    binaries: ``sum_{v in seen} size_v h[v,p] + sum_{w in W} size_w (h[w,p] + rd_w - 1) <=
+    beta (S_q - E_p)``; aggregated: ``r_p - sum_{v not in seen or W} unread_v - sum_{w in
+    W} size_w (1 - rd_w) <= beta (S_q - E_p)``. Validity: see the docstring of
+    :func:`build_link_relaxation` (**Read deadlines**, **Cumulative reads**).
     """
-    wanted = {w: lit for w, lit in slot_reads.items()
-              if w not in seen and lit is not False and w in unread}
-    if not wanted:
-        return
-
     def rd(lit: Literal | bool) -> Expr:
         if lit is True:
             return Expr((), 1.0)

@@ -133,6 +133,7 @@ DEFAULT_SUB_WORK = 10.0  # CP-SAT deterministic seconds per subproblem (doubled 
 DEFAULT_FILTER_WORK = 0.25  # CP-SAT deterministic seconds per deletion-filter check
 HOST_CHECK_S = 10.0  # HiGHS seconds per host-rows filter check (host_filter), within the limit
 READ_DEADLINES_DEFAULT = False  # extra["relaxation_read_deadlines"] (strategy=benders: true)
+CUMULATIVE_READS_DEFAULT = False  # extra["relaxation_cumulative_reads"] (with the read rows)
 FILTER_MODES = ("phases", "slots")  # extra["benders_filter"] (default first): filter passes
 LOG = logging.getLogger(__name__)
 
@@ -297,7 +298,10 @@ def solve_benders(problem: RematOffloadProblem, options: SolveOptions, *,
                                        deadlines=flag(options, "relaxation_deadlines", True),
                                        host_values=flag(options, "relaxation_values", True),
                                        read_deadlines=flag(options, "relaxation_read_deadlines",
-                                                           READ_DEADLINES_DEFAULT))
+                                                           READ_DEADLINES_DEFAULT),
+                                       cumulative_reads=flag(options,
+                                                             "relaxation_cumulative_reads",
+                                                             CUMULATIVE_READS_DEFAULT))
     else:
         master = first[0]
     plan, z = (incumbent[1], incumbent[0]) if incumbent else (None, built.horizon)
@@ -310,7 +314,9 @@ def solve_benders(problem: RematOffloadProblem, options: SolveOptions, *,
     host = build_link_relaxation(disc.chain, disc.memory_limit, beta,
                                  sweeps=built.checkpoint.sweeps,
                                  read_deadlines=flag(options, "relaxation_read_deadlines",
-                                                     READ_DEADLINES_DEFAULT)) \
+                                                     READ_DEADLINES_DEFAULT),
+                                 cumulative_reads=flag(options, "relaxation_cumulative_reads",
+                                                       CUMULATIVE_READS_DEFAULT)) \
         if flag(options, "benders_host_bound", False) else None
     loop = _Loop(built, master, next(i for i, v in enumerate(master.vars)
                                      if v.name == "makespan"), _slots(built), options, scale,

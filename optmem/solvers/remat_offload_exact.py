@@ -90,7 +90,11 @@ from optmem.solvers.remat_offload import (
     pofo_plan,
     remat_candidate,
 )
-from optmem.solvers.remat_offload_benders import READ_DEADLINES_DEFAULT, solve_benders
+from optmem.solvers.remat_offload_benders import (
+    CUMULATIVE_READS_DEFAULT,
+    READ_DEADLINES_DEFAULT,
+    solve_benders,
+)
 from optmem.solvers.remat_offload_schedule import Window, static_replay, window_before
 
 BRUTE_MAX_LENGTH = 2
@@ -436,6 +440,7 @@ def _relaxation_bound(chain: Chain, memory_limit: int, beta: float, sweeps: int,
     host_values = flag(options, "relaxation_values", True)
     lazy = flag(options, "relaxation_lazy", LAZY_HOST_DEFAULT)
     reads_too = flag(options, "relaxation_read_deadlines", READ_DEADLINES_DEFAULT)
+    cumulative = flag(options, "relaxation_cumulative_reads", CUMULATIVE_READS_DEFAULT)
     if not options.extra.get("relaxation", True) or beta <= 0:
         return _Relaxed(-math.inf, {"status": "off"})
     pulp_engine = engine if engine != "cpsat" else "highs"
@@ -478,7 +483,7 @@ def _relaxation_bound(chain: Chain, memory_limit: int, beta: float, sweeps: int,
             break
         master = build_link_relaxation(chain, memory_limit, beta, sweeps=sweeps,
                                        deadlines=with_deadlines, host_values=with_values,
-                                       read_deadlines=reads_too)
+                                       read_deadlines=reads_too, cumulative_reads=cumulative)
         if with_values and previous is not None and not _host_stage_fits(master, previous):
             info[key] = "skipped (too large, or the deadline stage not solved)"
             break
@@ -541,25 +546,34 @@ def _lazy_host(chain: Chain, memory_limit: int, beta: float, sweeps: int,
     :func:`~optmem.models.remat_offload.build_link_relaxation` (the optimal plan maps to a
     point of the full host stage with ``r_p = sum_v size_v h[v,p]``, which satisfies the
     aggregated rows too), its optimum and any dual bound are at most the optimum (digest
-    ``shared/design/offload.md`` 0.2).
+    ``shared/design/offload.md`` 0.2). With ``extra["relaxation_cumulative_reads"]`` the
+    rounds first run without those rows, as before; once no item is violated they go on
+    with them (their first round rebuilds the covered items with them), so the rounds
+    without them are never slower than before.
     """
     reads_too = flag(options, "relaxation_read_deadlines", READ_DEADLINES_DEFAULT)
-    full = build_link_relaxation(chain, memory_limit, beta, sweeps=sweeps,
-                                 read_deadlines=reads_too)
-    rows = host_item_rows(full, start[0])
+    cumulative = flag(options, "relaxation_cumulative_reads", CUMULATIVE_READS_DEFAULT)
     master, out = start
-    while out.status is Status.OPTIMAL and out.values is not None:
-        violated = host_violations(full, rows, master, out.values, covered)
-        left = limit()
-        if not violated or (left is not None and left < LEAST_ENGINE_TIME_S):
-            return
-        covered.update(violated)
-        master = build_link_relaxation(chain, memory_limit, beta, sweeps=sweeps,
-                                       host_items=covered, read_deadlines=reads_too)
-        pm = to_pulp(master)
-        out = engines.solve_pulp(pm.problem, pm.all_variables, engine,
-                                 **{**engines.pulp_settings(options), "time_limit_s": left})
-        yield master, out
+    for cum in (False, True) if cumulative else (False,):
+        full = build_link_relaxation(chain, memory_limit, beta, sweeps=sweeps,
+                                     read_deadlines=reads_too, cumulative_reads=cum)
+        rows = host_item_rows(full, start[0])
+        forced = cum and bool(covered)  # the covered items' cumulative rows: not in yet
+        while out.status is Status.OPTIMAL and out.values is not None:
+            violated = host_violations(full, rows, master, out.values, covered)
+            left = limit()
+            if (not violated and not forced) or \
+                    (left is not None and left < LEAST_ENGINE_TIME_S):
+                break
+            forced = False
+            covered.update(violated)
+            master = build_link_relaxation(chain, memory_limit, beta, sweeps=sweeps,
+                                           host_items=covered, read_deadlines=reads_too,
+                                           cumulative_reads=cum)
+            pm = to_pulp(master)
+            out = engines.solve_pulp(pm.problem, pm.all_variables, engine,
+                                     **{**engines.pulp_settings(options), "time_limit_s": left})
+            yield master, out
 
 
 def _stage_limit(share: float | None, spent: float, *, first: bool) -> float | None:
@@ -696,6 +710,7 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
         flag(options, "relaxation_lazy", LAZY_HOST_DEFAULT)
         flag(options, "benders_host_bound", False)
     flag(options, "relaxation_read_deadlines", READ_DEADLINES_DEFAULT)  # checked before work
+    flag(options, "relaxation_cumulative_reads", CUMULATIVE_READS_DEFAULT)
     flag(options, "relaxation_sequence", SEQUENCE_DEFAULT)
     _relaxation_share(options)
     built = build_remat_offload(disc.chain, disc.memory_limit, beta, sweeps=sweeps,
@@ -869,7 +884,8 @@ def _full_solve(setup: _Setup, options: SolveOptions, report: dict[str, Any], *,
           compare_as=(("ilp", 6),),
           extra=("sweeps", "transfers_per_gap", "grid", "backlog_grid", "prefetch",
                  "relaxation", "relaxation_deadlines", "relaxation_values", "relaxation_lazy",
-                 "relaxation_read_deadlines", "relaxation_sequence", "relaxation_share"))
+                 "relaxation_read_deadlines", "relaxation_sequence", "relaxation_share",
+                 "relaxation_cumulative_reads"))
 def solve_ilp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     """Optimal plan over the model's class (module docstring), HiGHS/CBC/Gurobi."""
     return _solve_model(problem, options, "ilp")
@@ -881,7 +897,7 @@ def solve_ilp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
           extra=("sweeps", "transfers_per_gap", "grid", "backlog_grid", "prefetch",
                  "relaxation", "relaxation_deadlines", "relaxation_values", "relaxation_lazy",
                  "relaxation_read_deadlines", "relaxation_sequence", "relaxation_share",
-                 "strategy", "benders_work",
+                 "relaxation_cumulative_reads", "strategy", "benders_work",
                  "benders_filter_work", "benders_iterations", "benders_warmup",
                  "benders_filter", "benders_host_bound"))
 def solve_cpsat(problem: RematOffloadProblem, options: SolveOptions) -> Result:
