@@ -184,11 +184,13 @@ def test_warmup_shares_the_candidates_and_the_relaxation(monkeypatch: pytest.Mon
     assert res.report["warmup"]["status"] == "feasible"
     assert res.report["benders"]["iterations"] >= 1
     # the plain relaxation, the one with the deadline rows and the one with the host rows
-    # too (the lazy host stage's source of rows), and one per lazy round, all by the
-    # warm-up (the loop builds its own host-rows model only with benders_host_bound)
+    # too (the lazy host stage's source of rows), the same with the cumulative read rows
+    # (the source of the second phase, on by default under benders), and one per lazy round,
+    # all by the warm-up (the loop builds its own host-rows model only with
+    # benders_host_bound)
     rounds = res.report["relaxation"]["host_rounds"]
     assert rounds >= 1
-    assert calls == {"candidates": 1, "builds": 1, "relaxations": 3 + rounds}
+    assert calls == {"candidates": 1, "builds": 1, "relaxations": 4 + rounds}
     assert res.report["relaxation"]["bound"] <= res.bound + 1e-9
 
 

@@ -26,7 +26,8 @@
   rows are on by default (``extra["relaxation_deadlines"]``); its read deadlines
   (``extra["relaxation_read_deadlines"]``) and the compute sequence of its strongest stage
   solved to optimality, completed by the engine, as one more candidate plan
-  (``extra["relaxation_sequence"]``, :func:`_sequence_candidate`) are on by default under
+  (``extra["relaxation_sequence"]``, :func:`_sequence_candidate`), and its cumulative read
+  rows (``extra["relaxation_cumulative_reads"]``) are on by default under
   ``strategy=benders`` only (:data:`BENDERS_EXTRA`, where they were measured).
 * ``brute``: the independent oracle for tiny chains: every compute sequence with at most
   ``L (L + 1) / 2`` forwards, and for every gap between two consecutive uses of a stored
@@ -108,7 +109,8 @@ MAX_RATIONAL_SCALE = 10**6  # largest exact CP-SAT time grid: never finer than t
 BENDERS_RELAXATION_SHARE = 0.6
 # the defaults strategy=benders adds to extra (measured together there, ro12; full: not)
 BENDERS_EXTRA = {"relaxation_share": BENDERS_RELAXATION_SHARE,
-                 "relaxation_read_deadlines": True, "relaxation_sequence": True}
+                 "relaxation_read_deadlines": True, "relaxation_sequence": True,
+                 "relaxation_cumulative_reads": True}
 BENDERS_WARMUP = 0.3  # share of the time limit for the monolithic warm-up of strategy=benders
 SEQUENCE_DEFAULT = False  # extra["relaxation_sequence"] (strategy=full; benders: BENDERS_EXTRA)
 SEQUENCE_WORK = 10.0  # CP-SAT deterministic seconds completing the relaxation's sequence
@@ -638,8 +640,8 @@ def _benders(setup: _Setup, options: SolveOptions, report: dict[str, Any]) -> Re
     share of the limit (the loop would otherwise solve it again: 50-140 s at tight limits);
     the host stage stays within the relaxation's share, :data:`BENDERS_RELAXATION_SHARE`
     under this strategy unless ``extra["relaxation_share"]`` says otherwise (the keys of
-    :data:`BENDERS_EXTRA`, read deadlines and the relaxation's sequence on, are this
-    strategy's defaults) (with the
+    :data:`BENDERS_EXTRA`, read deadlines, cumulative reads and the relaxation's sequence
+    on, are this strategy's defaults) (with the
     loop's share it took 160-176 s of 300 s at load 7-9 before the read deadlines; with them
     and the relaxation's sequence as a plan, 0.6 instead of 0.25 proved
     ``random_chain(10, seed=1)`` at 10 % and raised every other 10 % bound at L = 10-12,
