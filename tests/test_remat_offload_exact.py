@@ -485,12 +485,8 @@ def test_host_value_rows_lift_a_compute_sequence_toward_its_value() -> None:
     at most the model's value."""
     from optmem.models.formulation import to_pulp
     from optmem.models.remat_offload import build_link_relaxation, with_fixed
-    from optmem.solvers.remat_offload import discretized
 
-    chain = random_chain(10, seed=1)
-    problem = RematOffloadProblem(chain, 59, chain_bandwidth=sum(chain.output_size) / sum(
-        chain.fwd_time) / 2)
-    disc, beta = discretized(problem, OPTS)
+    disc, beta = _discretized_instance(random_chain(10, seed=1), 59)
     pm = to_pulp(build_link_relaxation(disc.chain, disc.memory_limit, beta,
                                        host_values=False))
     out = engines.solve_pulp(pm.problem, pm.all_variables, "highs")
@@ -642,23 +638,38 @@ PLAN_10_1 = ("F_all 1", "offload a 0", "F_ck 2", "offload abar 1", "F_none 3", "
              "prefetch abar 1", "F_all 2", "F_all 3", "B 3", "B 2", "B 1")
 
 
-def test_read_deadlines_lift_a_compute_sequence_toward_its_value() -> None:
-    """Where the host rows were loose (``PLAN_10_1``'s sequence: 76 in the host relaxation,
-    90 in the model): the read deadlines lift the sequence's relaxation to 85, at most the
-    simulated makespan of the plan (90; ``abar^1`` must be back before ``F_all 2``)."""
-    from optmem.plan import Op, parse_mixed_plan
+def _discretized_instance(chain: Chain, memory: int) -> tuple[Any, float]:
+    """``(disc, beta)`` of ``chain`` at ``memory`` with the proofs benchmark's link (it moves
+    half the forward's outputs in the forward's time), discretized as the solvers do."""
     from optmem.solvers.remat_offload import discretized
 
-    chain = random_chain(10, seed=1)
-    problem = RematOffloadProblem(chain, 59, chain_bandwidth=sum(chain.output_size) / sum(
+    problem = RematOffloadProblem(chain, memory, chain_bandwidth=sum(chain.output_size) / sum(
         chain.fwd_time) / 2)
-    disc, beta = discretized(problem, OPTS)
-    plan = parse_mixed_plan(list(PLAN_10_1))
+    return discretized(problem, OPTS)
+
+
+def _plan_sequence(chain: Chain, memory: int, plan_ops: tuple[str, ...]
+                   ) -> tuple[Any, float, float, dict[int, int]]:
+    """``(disc, beta, makespan, xhat)`` of a plan on ``chain`` at ``memory``
+    (:func:`_discretized_instance`): the simulated makespan of the plan and its compute
+    sequence as the model's compute binaries."""
+    from optmem.plan import Op, parse_mixed_plan
+
+    disc, beta = _discretized_instance(chain, memory)
+    plan = parse_mixed_plan(list(plan_ops))
     makespan = simulate_offload(disc.chain, plan, beta, disc.memory_limit).makespan
     built = build_remat_offload(disc.chain, disc.memory_limit, beta)
     fixing = built.fixing([op for op in plan if isinstance(op, Op)])
     assert fixing is not None
     xhat = {i: x for i, x in fixing.items() if i < len(built.checkpoint.names)}
+    return disc, beta, makespan, xhat
+
+
+def test_read_deadlines_lift_a_compute_sequence_toward_its_value() -> None:
+    """Where the host rows were loose (``PLAN_10_1``'s sequence: 76 in the host relaxation,
+    90 in the model): the read deadlines lift the sequence's relaxation to 85, at most the
+    simulated makespan of the plan (90; ``abar^1`` must be back before ``F_all 2``)."""
+    disc, beta, makespan, xhat = _plan_sequence(random_chain(10, seed=1), 59, PLAN_10_1)
     host = _relaxation(disc.chain, disc.memory_limit, beta, xhat)
     lifted = _relaxation(disc.chain, disc.memory_limit, beta, xhat, read_deadlines=True)
     assert makespan == pytest.approx(90)
@@ -741,19 +752,7 @@ def test_cumulative_reads_lift_a_compute_sequence_to_its_value() -> None:
     relaxation with them, 90.86 in the model): with the cumulative rows the sequence's
     relaxation is 90.86, the simulated makespan of the plan (``a^0`` and ``abar^3``, read
     by ``F_all 1`` and ``F_all 4``, cannot both come back in the 11 time units left)."""
-    from optmem.plan import Op, parse_mixed_plan
-    from optmem.solvers.remat_offload import discretized
-
-    chain = random_chain(10, seed=3)
-    problem = RematOffloadProblem(chain, 55, chain_bandwidth=sum(chain.output_size) / sum(
-        chain.fwd_time) / 2)
-    disc, beta = discretized(problem, OPTS)
-    plan = parse_mixed_plan(list(PLAN_10_3))
-    makespan = simulate_offload(disc.chain, plan, beta, disc.memory_limit).makespan
-    built = build_remat_offload(disc.chain, disc.memory_limit, beta)
-    fixing = built.fixing([op for op in plan if isinstance(op, Op)])
-    assert fixing is not None
-    xhat = {i: x for i, x in fixing.items() if i < len(built.checkpoint.names)}
+    disc, beta, makespan, xhat = _plan_sequence(random_chain(10, seed=3), 55, PLAN_10_3)
     reads = _relaxation(disc.chain, disc.memory_limit, beta, xhat, read_deadlines=True)
     lifted = _relaxation(disc.chain, disc.memory_limit, beta, xhat, read_deadlines=True,
                          cumulative_reads=True)
