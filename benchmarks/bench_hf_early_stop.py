@@ -1,4 +1,4 @@
-"""HF's plan run three ways: what torch's checkpoint *early stop* is worth at HF's memory.
+"""HF's plan run four ways: what torch's checkpoint *early stop* is worth at HF's memory.
 
 At HF's own memory the only plan that fits is HF's (every layer checkpointed, its input
 kept; ``bench_hf.py`` finds optmem's plan there equal to it in the chain model). This script
@@ -11,7 +11,11 @@ runs that one plan
 * **HF, early stop off**: the same under ``torch.utils.checkpoint.set_checkpoint_early_stop(
   False)`` (each layer re-run whole);
 * **optmem, HF's plan**: the optmem wrapper executing HF's plan on its extracted chain
-  (``bench_hf.grouped_plan``; every stage of a layer re-run whole, as ``F_all`` does);
+  (``bench_hf.grouped_plan``), with its default *joint re-runs* (``optmem.pytorch.joint``:
+  the last stage of each segment re-run and back-propagated as one traced graph, without
+  the ops that only feed its output);
+* **optmem, joint re-runs off**: the same with ``joint_reruns=False`` (every stage of a
+  layer re-run whole, as ``F_all`` does);
 
 in interleaved rounds (the order rotated every round, one thread, CPU time, the fastest of
 two steps per setting and round), and reports each setting's median, its median ratio to HF
@@ -48,6 +52,7 @@ from optmem.simulate import simulate_checkpoint  # noqa: E402
 HF = "HF"
 NO_EARLY_STOP = "HF, early stop off"
 OPTMEM = "optmem, HF's plan"
+OPTMEM_EAGER = "optmem, joint re-runs off"
 
 
 class _OpCount(TorchDispatchMode):
@@ -64,7 +69,7 @@ class _OpCount(TorchDispatchMode):
 
 
 def settings(spec: bh.Spec) -> tuple[dict[str, Callable[[], None]], Any]:
-    """The three steps of one model (each leaves the gradients at None) and the plan."""
+    """The four steps of one model (each leaves the gradients at None) and the plan."""
     model, batch = bh.build(spec)
     chain = op.profile_chain(model, batch, repeats=3)
     cmodel = op.checkpoint(model, batch, memory_limit=int(chain.store_all_peak() * 1.02) + 1,
@@ -83,11 +88,17 @@ def settings(spec: bh.Spec) -> tuple[dict[str, Callable[[], None]], Any]:
             model.zero_grad(set_to_none=True)
         return step
 
-    def optmem() -> None:
-        bh.train_step(cmodel, model, batch)
-        model.zero_grad(set_to_none=True)
+    executor = cmodel.executor
 
-    return {HF: hf(True), NO_EARLY_STOP: hf(False), OPTMEM: optmem}, plan
+    def optmem(joint: bool) -> Callable[[], None]:
+        def step() -> None:
+            executor.joint_reruns = joint
+            bh.train_step(cmodel, model, batch)
+            model.zero_grad(set_to_none=True)
+        return step
+
+    return {HF: hf(True), NO_EARLY_STOP: hf(False), OPTMEM: optmem(True),
+            OPTMEM_EAGER: optmem(False)}, plan
 
 
 def _cpu_ms(step: Callable[[], None]) -> float:

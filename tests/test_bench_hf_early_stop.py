@@ -1,9 +1,10 @@
 """``benchmarks/bench_hf_early_stop.py`` on a tiny GPT-2 (no timing assertions).
 
-What its table rests on: the three settings run one plan and give the plain model's loss
+What its table rests on: the four settings run one plan and give the plain model's loss
 and gradients; torch's early stop is what makes HF's re-run skip matrix products (each
-layer's MLP output projection), and optmem's executor re-runs them, as HF without early stop
-does. The report's ratios and intervals come from the per-round times.
+layer's MLP output projection); optmem's joint re-runs skip them too (the first step,
+which traces them, included), and without them the executor re-runs them, as HF without
+early stop does. The report's ratios and intervals come from the per-round times.
 """
 
 from __future__ import annotations
@@ -32,20 +33,22 @@ def es():
     return module
 
 
-def test_the_three_settings_and_what_early_stop_skips(es):
+def test_the_four_settings_and_what_early_stop_skips(es):
     bh = es.bh
     spec = bh.Spec("gpt2", 3, 32, 16, 2, vocab=100)
     steps, plan = es.settings(spec)
-    assert set(steps) == {es.HF, es.NO_EARLY_STOP, es.OPTMEM}
+    assert set(steps) == {es.HF, es.NO_EARLY_STOP, es.OPTMEM, es.OPTMEM_EAGER}
     assert sum(str(op).startswith("F_ck") for op in plan) == 3  # one segment per layer
     counts = {}
     for name, step in steps.items():
         with es._OpCount() as mode:
             step()
         counts[name] = es._matmuls(mode.ops)
-    # early stop skips one product per layer (the MLP's c_proj); the others re-run it
+    # early stop skips one product per layer (the MLP's c_proj), so do joint re-runs;
+    # without either it is re-run
     assert counts[es.NO_EARLY_STOP] == counts[es.HF] + spec.layers
-    assert counts[es.OPTMEM] == counts[es.NO_EARLY_STOP]
+    assert counts[es.OPTMEM_EAGER] == counts[es.NO_EARLY_STOP]
+    assert counts[es.OPTMEM] == counts[es.HF]
 
 
 def test_report_ratios_come_from_the_rounds(es):

@@ -81,6 +81,7 @@ from optmem.pytorch.context import (
     side_inputs,
 )
 from optmem.pytorch.extract import Stage, value_tensors
+from optmem.pytorch.joint import JointStage, dead_outputs
 
 __all__ = ["CheckpointedChain", "StageCalls", "add_monitor", "compile_stage", "fusable_runs",
            "remove_monitor", "run_in_order", "split_suffix"]
@@ -468,11 +469,13 @@ class PlanRunner:
     """
 
     fusable = True
+    joint_reruns = True  # dead F_all re-runs as joint graphs (a runner moving tapes says no)
 
     def __init__(self, owner: CheckpointedChain, plan: tuple[Op, ...], n_stages: int) -> None:
         self.owner = owner
         self.plan = plan
         self.n = n_stages
+        self.dead = owner.dead_reruns(plan, n_stages) if self.joint_reruns else frozenset()
         self.loss = plan.index(LOSS)
         counts = Counter(op.stage for op in plan if op.kind is not OpKind.B and op.stage)
         self.rerun = {s for s, c in counts.items() if c > 1}
@@ -571,6 +574,8 @@ class PlanRunner:
                 self.rng[i] = _RngState(self.devices)
             if not first and self.owner.restore_buffers:
                 stack.enter_context(_scratch_buffers(self.owner.stage_modules()[i - 1]))
+            if op.kind is OpKind.F_ALL and self.index in self.dead:
+                call = self._joint_call(i, call)
             if op.kind is OpKind.F_ALL and self.index in self.fusion.link:
                 self.storage[i] = _Slot(self._run_linked(src, call), _Tape())
             elif op.kind is OpKind.F_ALL:
@@ -597,6 +602,23 @@ class PlanRunner:
             del self.storage[i - 1]
         elif not self.read_later[self.index] and self.owner.release_early:
             self.storage[i - 1].value = None  # nobody reads a^{i-1} again: drop it
+
+    def _joint_call(self, i: int, call: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """``call``, or a joint re-run of stage ``i`` (:mod:`optmem.pytorch.joint`).
+
+        Allowed for the stage as it is (not compiled), without autocast, not an FSDP unit.
+        """
+        stage = self.owner.stages[i - 1]
+        if (self.autocast or i in self.accumulating or not self.owner.joint_reruns
+                or (self.functions and self.functions[i - 1] is not stage)):
+            return call
+        joint = self.owner.joint_stage(i)
+
+        def run(x: Any) -> Any:
+            out = joint.call(x, current_side_inputs_or_none())
+            return call(x) if out is None else out
+
+        return run
 
     @staticmethod
     def _run_linked(src: Any, call: Callable[[Any], Any]) -> Any:
@@ -861,6 +883,13 @@ class CheckpointedChain(StageCalls, nn.Module):
         as one autograd graph and back-propagate it with one call (with ``release_early``
         only): same ops, tape and gradients (bitwise), fewer autograd calls. Monitors see
         every op; the run's backward happens at its ``B j``, its other ``B`` ops do nothing.
+    joint_reruns
+        Run an ``F_all i`` whose output no later op reads (:func:`~optmem.pytorch.joint.
+        dead_outputs`: the last stage of a re-run segment) and its ``B i`` as one traced
+        forward-and-backward graph (:mod:`optmem.pytorch.joint`): the ops that only feed
+        ``a^i`` are not re-run (torch's checkpoint *early stop*, without its hooks), same
+        gradients (bitwise). Extracted graph stages only; not under autocast, with compiled
+        stages or for FSDP units (they re-run as before).
 
     Notes
     -----
@@ -871,7 +900,7 @@ class CheckpointedChain(StageCalls, nn.Module):
     def __init__(self, stages: Sequence[Stage | nn.Module], plan: Sequence[str | Op], *,
                  preserve_rng_state: bool = True, restore_buffers: bool = True,
                  strip_suffix: bool = True, release_early: bool = True,
-                 fuse_stages: bool = True) -> None:
+                 fuse_stages: bool = True, joint_reruns: bool = True) -> None:
         super().__init__()
         mods = [s.module if isinstance(s, Stage) else s for s in stages]
         self.stage_names = [s.name if isinstance(s, Stage) else f"stage{k + 1}"
@@ -883,6 +912,9 @@ class CheckpointedChain(StageCalls, nn.Module):
         self.release_early = release_early
         self._leaves_checked: set[int | tuple[int, int]] = set()
         self.fuse_stages = fuse_stages
+        self.joint_reruns = joint_reruns
+        self._joints: dict[int, JointStage] = {}
+        self._dead_cache: tuple[tuple[Op, ...], frozenset[int]] | None = None
         self._fusion_cache: tuple[tuple[Op, ...], tuple[_Run, ...]] | None = None
         self._setup_caches: dict[tuple[Op, ...], _SetupCache] = {}
         self._stage_modules: list[list[nn.Module]] | None = None
@@ -907,6 +939,20 @@ class CheckpointedChain(StageCalls, nn.Module):
         if cache is None or cache[0] is not plan:
             cache = self._fusion_cache = (plan, fusable_runs(plan, n))
         return cache[1]
+
+    def dead_reruns(self, plan: tuple[Op, ...], n: int) -> frozenset[int]:
+        """:func:`~optmem.pytorch.joint.dead_outputs` of ``plan`` (made once per plan)."""
+        cache = self._dead_cache
+        if cache is None or cache[0] is not plan:
+            cache = self._dead_cache = (plan, frozenset(dead_outputs(plan, n)))
+        return cache[1]
+
+    def joint_stage(self, i: int) -> JointStage:
+        """The :class:`~optmem.pytorch.joint.JointStage` of stage ``i`` (its traced graphs)."""
+        joint = self._joints.get(i)
+        if joint is None or joint.module is not self.stages[i - 1]:
+            joint = self._joints[i] = JointStage(self.stages[i - 1])
+        return joint
 
     def setup_cache(self, plan: tuple[Op, ...], n: int, runner: type) -> _SetupCache:
         """The :class:`_SetupCache` of ``plan``: kept if still valid, else a new empty one.

@@ -78,6 +78,7 @@ class _OffloadRunner(PlanRunner):
 
     owner: RematOffloadChain
     fusable = False
+    joint_reruns = False
 
     def __init__(self, owner: RematOffloadChain, plan: tuple[Op, ...], n_stages: int) -> None:
         super().__init__(owner, plan, n_stages)
