@@ -134,7 +134,9 @@ DEFAULT_FILTER_WORK = 0.25  # CP-SAT deterministic seconds per deletion-filter c
 HOST_CHECK_S = 10.0  # HiGHS seconds per host-rows filter check (host_filter), within the limit
 READ_DEADLINES_DEFAULT = False  # extra["relaxation_read_deadlines"] (strategy=benders: true)
 CUMULATIVE_READS_DEFAULT = False  # extra["relaxation_cumulative_reads"] (with the read rows)
-WINDOW_DEFAULT = False  # extra["relaxation_window"]: the master's makespan window (_window)
+# extra["relaxation_window"]: the re-solves' makespan floor and cut-off (_window); true
+# under strategy=benders (BENDERS_EXTRA of remat_offload_exact)
+WINDOW_DEFAULT = False
 FILTER_MODES = ("phases", "slots")  # extra["benders_filter"] (default first): filter passes
 LOG = logging.getLogger(__name__)
 
