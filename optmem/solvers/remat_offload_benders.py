@@ -134,6 +134,9 @@ DEFAULT_FILTER_WORK = 0.25  # CP-SAT deterministic seconds per deletion-filter c
 HOST_CHECK_S = 10.0  # HiGHS seconds per host-rows filter check (host_filter), within the limit
 READ_DEADLINES_DEFAULT = False  # extra["relaxation_read_deadlines"] (strategy=benders: true)
 CUMULATIVE_READS_DEFAULT = False  # extra["relaxation_cumulative_reads"] (with the read rows)
+# extra["relaxation_window"]: the re-solves' makespan floor and cut-off (_window); true
+# under strategy=benders (BENDERS_EXTRA of remat_offload_exact)
+WINDOW_DEFAULT = False
 FILTER_MODES = ("phases", "slots")  # extra["benders_filter"] (default first): filter passes
 LOG = logging.getLogger(__name__)
 
@@ -152,7 +155,7 @@ class _State:
     counts: dict[str, Any] = field(default_factory=lambda: {
         "iterations": 0, "refutation_cuts": 0, "value_cuts": 0, "filter_checks": 0,
         "improvements": 0, "cut_slots": [], "master_nodes": 0, "host_bounds": [],
-        "host_cuts": 0,
+        "host_cuts": 0, "window_proofs": 0,
         "cpsat_deterministic_time": 0.0, "cpsat_branches": 0})
 
 
@@ -292,6 +295,7 @@ def solve_benders(problem: RematOffloadProblem, options: SolveOptions, *,
     disc, beta = discretized(problem, options)
     sub_work = positive_float(options, "benders_work", DEFAULT_SUB_WORK)
     max_iter = _iterations(options)
+    window = flag(options, "relaxation_window", WINDOW_DEFAULT)
     if first is None:
         master = build_link_relaxation(disc.chain, disc.memory_limit, beta,
                                        sweeps=built.checkpoint.sweeps,
@@ -339,12 +343,26 @@ def solve_benders(problem: RematOffloadProblem, options: SolveOptions, *,
             break
         if first is not None and first[1].status is Status.OPTIMAL:
             out, first = first[1], None
+            windowed = False
         else:
             first = None
-            pm = to_pulp(master)
+            windowed = window and state.plan is not None and math.isfinite(loop.theta0)
+            pm = to_pulp(_window(master, loop.theta, bound, state.makespan, scale)
+                         if windowed else master)
             out = engines.solve_pulp(pm.problem, pm.all_variables, "highs",
                                      **{**engines.pulp_settings(options), "time_limit_s": left()})
             state.counts["master_nodes"] += int(out.info.get("nodes", 0) or 0)
+            if windowed and not out.failed and math.isfinite(out.bound):
+                # the windowed master's dual bound, capped at z, is at most v* (_window)
+                capped = min(out.bound - 1e-9 * max(1.0, abs(out.bound)), state.makespan)
+                bound = max(bound, grid_ceiling(capped, scale))
+                out = replace(out, bound=min(out.bound, state.makespan))
+            if windowed and out.status is Status.INFEASIBLE:
+                # no compute sequence's master value is below z - 1 / (2 s): _window
+                state.counts["window_proofs"] += 1
+                bound = max(bound, state.makespan)
+                status = Status.OPTIMAL
+                break
         if out.status is Status.INFEASIBLE and (state.plan is None or
                                                  not math.isfinite(loop.theta0)):
             # no compute sequence is left: every plan of the class satisfies every row and
@@ -442,6 +460,39 @@ def _subproblem(loop: _Loop, xhat: dict[int, int], work: float, value: float) ->
         loop.cut(loop.slots, xhat, b, f"benders_value_{n}")
         state.counts["value_cuts"] += 1
     return b
+
+
+def _window(master: Model, theta: int, bound: float, makespan: float, scale: int) -> Model:
+    r"""The master with its makespan ``theta`` kept in ``[bound, z - 1 / (2 s)]``.
+
+    ``extra["relaxation_window"]`` (default :data:`WINDOW_DEFAULT`): a copy of ``master``
+    (its cuts stay in ``master``) with the two rows
+
+    * ``theta >= bound - 1e-6 max(1, |bound|)``, ``bound`` the loop's proven bound: valid
+      because ``bound <= v*`` and the point of the optimal plan (module docstring) has
+      ``theta = v*``, so it satisfies the row and the master keeps every property the
+      module docstring proves (its optimum and dual bounds stay at most ``v*``). It gives
+      HiGHS the root bound at once, so a re-solve whose optimum did not rise ends as soon
+      as it finds a sequence there;
+    * ``theta <= z - 1 / (2 s)``, ``z`` the incumbent's makespan, ``s`` the exact time grid
+      (required by the loop): a proposal is useful only below ``z``, so every solution the
+      loop would use is kept, and when HiGHS proves the windowed master *infeasible*, every
+      compute sequence has a master value above ``z - 1 / (2 s)``, hence (the master's
+      optimum is at most ``v*``, plans lie on the grid ``1 / s``) ``v* >= z``: the
+      incumbent is optimal (``report.benders.window_proofs``). The caller adds this row only
+      with an incumbent and a finite ``theta_0``, so that infeasibility is not confused
+      with "no plan fits". Its dual bound is not always at most ``v*``, but capped at
+      ``z`` it is: if the unwindowed master's optimum ``m <= v*`` is below the cutoff the
+      windowed master contains its optimal point, so its dual bound is at most ``m``; if
+      not, ``v* >= m > z - 1 / (2 s)``, so ``v* >= z`` on the grid.
+
+    The first row's slack (1e-6 relative) only weakens it; the second's half grid step is far
+    above HiGHS's feasibility tolerance.
+    """
+    out = replace(master, constraints=list(master.constraints))
+    lo = bound - 1e-6 * max(1.0, abs(bound)) if math.isfinite(bound) else None
+    out.add(Relation(Expr([(theta, 1.0)]), lo, makespan - 0.5 / scale), "benders_window")
+    return out
 
 
 def host_bound(host: Model | None, xhat: dict[int, int], options: SolveOptions,
