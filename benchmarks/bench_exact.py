@@ -21,13 +21,18 @@ Usage::
 
     python benchmarks/bench_exact.py [--quick] [--time-limit S] [--profiles a,b]
         [--problems checkpoint,offload] [--exact remat-offload=ilp]
+        [--threads N] [--options '{"strategy": "benders"}'] [--memories 10%,60%]
         [--out benchmarks/results/exact.md]
+
+``--options`` is the ``extra`` of every exact solve (the DPs get only the threads);
+``--memories`` keeps the instances with these labels. Defaults: 2 threads, no extra, all.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import platform
@@ -131,18 +136,26 @@ def ratio(dp: Result, exact: Result) -> str:
     return f"{dp.objective / exact.bound:.4f}{mark}"
 
 
-def run(problems: list[str], profiles: list[str], limit: float) -> list[str]:
-    """The rows of the table, then a summary per problem."""
+def run(problems: list[str], profiles: list[str], limit: float,
+        options: SolveOptions | None = None, memories: list[str] | None = None) -> list[str]:
+    """The rows of the table, then a summary per problem.
+
+    ``options`` (default: 2 threads and ``limit`` seconds) go to every exact solve, and its
+    threads to the DP; ``memories`` keeps only the instances with these labels (``10%``).
+    """
     rows = ["| problem | profile | L | memory | DP | DP value | exact | status | objective | "
             "bound | gap | time (s) | DP / optimum |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    options = SolveOptions(threads=2, time_limit_s=limit)
+    if options is None:
+        options = SolveOptions(threads=2, time_limit_s=limit)
     tally: dict[str, list[tuple[bool, float]]] = {p: [] for p in problems}
     for pname in problems:
         setting = SETTINGS[pname]
         for profile in profiles:
             for label, problem in setting.instances(profile):
-                dp, _ = timed(problem, setting.dp, SolveOptions(threads=2))
+                if memories is not None and label not in memories:
+                    continue
+                dp, _ = timed(problem, setting.dp, SolveOptions(threads=options.threads))
                 exact, seconds = timed(problem, setting.exact, options)
                 if exact.status is Status.INFEASIBLE:
                     proven = True
@@ -177,6 +190,13 @@ def main() -> None:
                         help="comma-separated subset of " + ", ".join(SETTINGS))
     parser.add_argument("--exact", action="append", default=[], metavar="PROBLEM=METHOD",
                         help="another exact method for a problem (e.g. remat-offload=ilp)")
+    parser.add_argument("--threads", type=int, default=2,
+                        help="threads per solve (default 2)")
+    parser.add_argument("--options", default="{}", metavar="JSON",
+                        help='extra options of the exact solves, e.g. \'{"strategy": "benders"}\'')
+    parser.add_argument("--memories",
+                        help="comma-separated memory labels to keep (e.g. 10%%,60%%; "
+                             "pipeline: 1.1x); default all")
     parser.add_argument("--out", default="benchmarks/results/exact.md")
     args = parser.parse_args()
     limit = 60.0 if args.quick and args.time_limit == 600.0 else args.time_limit
@@ -192,14 +212,24 @@ def main() -> None:
             parser.error(f"--exact {item}: expected PROBLEM=METHOD, PROBLEM one of "
                          + ", ".join(SETTINGS))
         SETTINGS[pname] = dataclasses.replace(SETTINGS[pname], exact=method)
+    try:
+        extra = json.loads(args.options)
+    except json.JSONDecodeError as err:
+        parser.error(f"--options: not JSON ({err})")
+    if not isinstance(extra, dict):
+        parser.error("--options: expected a JSON object")
+    options = SolveOptions(threads=args.threads, time_limit_s=limit, extra=extra)
+    memories = args.memories.split(",") if args.memories else None
     start = uptime()
-    rows = run(problems, profiles, limit)
+    rows = run(problems, profiles, limit, options, memories)
     head = [
         "# Exact models of the four problems: proven-optimal rate and time to proof",
         "",
         f"Produced by `python benchmarks/bench_exact.py{' --quick' if args.quick else ''}` "
         f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.machine()}, "
-        f"Python {platform.python_version()}): {limit:.0f} s and 2 threads per exact solve, "
+        f"Python {platform.python_version()}): {limit:.0f} s and {args.threads} "
+        f"thread{'s' if args.threads != 1 else ''} per exact solve"
+        f"{f', options {extra}' if extra else ''}, "
         f"{BANDWIDTH} link for offloading and pipelines. Load average at the start "
         f"{start}, at the end {uptime()} (2 shared cores: wall-clock figures are noisy, "
         "statuses and bounds are what the time limit allowed).",
