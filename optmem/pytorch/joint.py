@@ -46,13 +46,14 @@ from torch.autograd.function import once_differentiable
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from optmem.plan import Op, OpKind
 from optmem.pytorch.context import SideInputs
 from optmem.pytorch.graphcut import GraphStage
 
 __all__ = ["JointStage", "dead_outputs"]
 
 
-def dead_outputs(plan: Sequence[Any], n: int) -> set[int]:
+def dead_outputs(plan: Sequence[Op], n: int) -> set[int]:
     """Positions of the ``F_all i`` ops whose output ``a^i`` no later op reads.
 
     Slot ``i`` is read by a forward of stage ``i + 1`` (by ``Loss`` when ``i = n``) and
@@ -71,8 +72,6 @@ def dead_outputs(plan: Sequence[Any], n: int) -> set[int]:
     >>> sorted(dead_outputs(plan, 2))
     [3, 5]
     """
-    from optmem.plan import OpKind
-
     dead: set[int] = set()
     for p, op in enumerate(plan):
         if op.kind is not OpKind.F_ALL:
