@@ -83,6 +83,20 @@ Hence the master's optimum, and any dual bound of HiGHS on it, is at most ``v*``
 original units: the grid is exact), and the strategy reports ``optimal`` only when that
 bound meets the incumbent's simulated makespan.
 
+**First-found proposals** (``extra["benders_first_found"]``, default false; windowed
+masters only, ``extra["relaxation_window"]``): a master re-solve stops at its first
+solution in the window ``[bound, z - 1 / (2 s)]`` (HiGHS ``mip_max_improving_sols = 1``)
+and that solution's compute sequence ``xhat`` is the next proposal. Nothing above uses the
+proposal's optimality: a refutation cut holds for any ``xhat`` (its ``J`` is refuted by
+CP-SAT), and the stopped master's dual bound, capped at ``z``, is a bound by the argument
+of :func:`_window`. Only a value cut's ``b`` may not be the stopped solution's makespan
+(the master's least makespan with ``xhat`` fixed is at most ``v*`` when ``x* = xhat``, a
+non-optimal solution's can be larger): it is CP-SAT's proven bound of ``xhat`` (or the
+host-rows bound) alone (``_subproblem``'s ``least``). A windowed master with no solution
+still proves the incumbent optimal (:func:`_window`). Measured on ``random_chain(12,
+seed=1)`` at 10 % (``benchmarks/results/remat_offload_proofs.md``, ``ro16``): 16
+iterations of 10-75 s in 645 s where optimal re-solves took 150-200 s each.
+
 Termination: a value cut removes ``xhat`` unless ``b`` does not exceed the master's value
 there; the subproblem's work limit is then doubled for the next proposal of ``xhat``. The
 loop ends at the time limit, at ``extra["benders_iterations"]`` (deterministic), or when the
@@ -137,6 +151,8 @@ CUMULATIVE_READS_DEFAULT = False  # extra["relaxation_cumulative_reads"] (with t
 # extra["relaxation_window"]: the re-solves' makespan floor and cut-off (_window); true
 # under strategy=benders (BENDERS_EXTRA of remat_offload_exact)
 WINDOW_DEFAULT = False
+# extra["benders_first_found"]: a windowed master stops at its first solution in the window
+FIRST_FOUND_DEFAULT = False
 FILTER_MODES = ("phases", "slots")  # extra["benders_filter"] (default first): filter passes
 LOG = logging.getLogger(__name__)
 
@@ -155,7 +171,7 @@ class _State:
     counts: dict[str, Any] = field(default_factory=lambda: {
         "iterations": 0, "refutation_cuts": 0, "value_cuts": 0, "filter_checks": 0,
         "improvements": 0, "cut_slots": [], "master_nodes": 0, "host_bounds": [],
-        "host_cuts": 0, "window_proofs": 0,
+        "host_cuts": 0, "window_proofs": 0, "first_found": 0,
         "cpsat_deterministic_time": 0.0, "cpsat_branches": 0})
 
 
@@ -296,6 +312,7 @@ def solve_benders(problem: RematOffloadProblem, options: SolveOptions, *,
     sub_work = positive_float(options, "benders_work", DEFAULT_SUB_WORK)
     max_iter = _iterations(options)
     window = flag(options, "relaxation_window", WINDOW_DEFAULT)
+    first_found = flag(options, "benders_first_found", FIRST_FOUND_DEFAULT)
     if first is None:
         master = build_link_relaxation(disc.chain, disc.memory_limit, beta,
                                        sweeps=built.checkpoint.sweeps,
@@ -349,9 +366,13 @@ def solve_benders(problem: RematOffloadProblem, options: SolveOptions, *,
             windowed = window and state.plan is not None and math.isfinite(loop.theta0)
             pm = to_pulp(_window(master, loop.theta, bound, state.makespan, scale)
                          if windowed else master)
-            out = engines.solve_pulp(pm.problem, pm.all_variables, "highs",
-                                     **{**engines.pulp_settings(options), "time_limit_s": left()})
+            settings = {**engines.pulp_settings(options), "time_limit_s": left()}
+            if windowed and first_found:  # stop at the first solution in the window
+                settings["highs_options"] = {"mip_max_improving_sols": 1}
+            out = engines.solve_pulp(pm.problem, pm.all_variables, "highs", **settings)
             state.counts["master_nodes"] += int(out.info.get("nodes", 0) or 0)
+            LOG.info("benders master: %s, value %.6g, bound %.6g, %.1f s, %s nodes",
+                     out.status, out.objective, out.bound, out.time_s, out.info.get("nodes"))
             if windowed and not out.failed and math.isfinite(out.bound):
                 # the windowed master's dual bound, capped at z, is at most v* (_window)
                 capped = min(out.bound - 1e-9 * max(1.0, abs(out.bound)), state.makespan)
@@ -386,13 +407,16 @@ def solve_benders(problem: RematOffloadProblem, options: SolveOptions, *,
             status = Status.OPTIMAL
             no_plan = state.plan is None  # nothing below the default horizon, which is
             break  # above every plan of the class
-        if out.status is not Status.OPTIMAL:
+        found = windowed and first_found and out.status is Status.FEASIBLE
+        if out.status is not Status.OPTIMAL and not found:
             break  # a master stopped early gives its bound, not a trustworthy proposal
         state.counts["iterations"] += 1
+        state.counts["first_found"] += found
         xhat = {i: int(round(out.values[i])) for i in opvars}
         key = tuple(xhat[i] for i in opvars)
         tries[key] = tries.get(key, 0) + 1
-        b = _subproblem(loop, xhat, sub_work * 2 ** (tries[key] - 1), out.values[loop.theta])
+        b = _subproblem(loop, xhat, sub_work * 2 ** (tries[key] - 1), out.values[loop.theta],
+                        least=not found)
         LOG.info("benders %d: bound %.6g, incumbent %.6g, cut %.6g, %.1f s",
                  state.counts["iterations"], bound, state.makespan, b or math.nan,
                  time.monotonic() - began)
@@ -420,12 +444,19 @@ def solve_benders(problem: RematOffloadProblem, options: SolveOptions, *,
     return res
 
 
-def _subproblem(loop: _Loop, xhat: dict[int, int], work: float, value: float) -> float | None:
+def _subproblem(loop: _Loop, xhat: dict[int, int], work: float, value: float, *,
+                least: bool = True) -> float | None:
     """Solve the subproblem of ``xhat`` (master value ``value``), add its cut to the master.
 
     Returns the cut's ``b`` (``value`` when the subproblem proves nothing above it: no cut
     is added then, since the master's solution already satisfies it; the caller doubles the
     work for the next proposal of ``xhat``), ``None`` when CP-SAT failed.
+
+    ``least``: ``value`` is the master's least makespan with ``xhat`` (an optimal master
+    solution), hence at most every plan of ``xhat``, and may be ``b``. A solution of a
+    stopped master (``benders_first_found``) is not: its makespan may be above the master's
+    least with ``xhat``, so ``b`` is then only the host-rows bound or CP-SAT's proven bound
+    (module docstring), and a value cut is added whenever that is above ``theta_0``.
     """
     state = loop.state
     n = state.counts["iterations"]
@@ -447,16 +478,18 @@ def _subproblem(loop: _Loop, xhat: dict[int, int], work: float, value: float) ->
     if out.status is Status.INFEASIBLE:
         kept = deletion_filter(cp, loop.slots, xhat, loop.options, loop.filter_work, state,
                                loop.left, single_slots=state.single_slots)
+        LOG.info("benders %d: refuted, cut of %d of %d slots", n, len(kept), len(loop.slots))
         loop.cut(kept, xhat, state.makespan, f"benders_refute_{n}")
         state.counts["refutation_cuts"] += 1
         state.counts["cut_slots"].append(len(kept))
         return state.makespan
     if out.status.has_plan and out.values is not None:
         _improve(loop, loop.built.decode(cp.values(out.values)))
-    b = max(value, hosted)
+    b = max(value, hosted) if least else hosted
     if math.isfinite(out.bound):
         b = max(b, cp.objective(out.bound) - 1e-9 * max(1.0, abs(value)))
-    if b > value + 1e-9 * max(1.0, abs(value)):  # else the cut would not remove xhat
+    over = value if least else loop.theta0
+    if b > over + 1e-9 * max(1.0, abs(over)):  # else the cut would not remove xhat
         loop.cut(loop.slots, xhat, b, f"benders_value_{n}")
         state.counts["value_cuts"] += 1
     return b

@@ -734,6 +734,7 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
         flag(options, "relaxation_values", True)
         flag(options, "relaxation_lazy", LAZY_HOST_DEFAULT)
         flag(options, "benders_host_bound", False)
+        flag(options, "benders_first_found", False)
     flag(options, "relaxation_read_deadlines", READ_DEADLINES_DEFAULT)  # checked before work
     flag(options, "relaxation_cumulative_reads", CUMULATIVE_READS_DEFAULT)
     flag(options, "relaxation_window", WINDOW_DEFAULT)
@@ -926,7 +927,7 @@ def solve_ilp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
                  "relaxation_cumulative_reads", "relaxation_window", "strategy",
                  "benders_work",
                  "benders_filter_work", "benders_iterations", "benders_warmup",
-                 "benders_filter", "benders_host_bound"))
+                 "benders_filter", "benders_host_bound", "benders_first_found"))
 def solve_cpsat(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     """Optimal plan over the model's class with OR-Tools CP-SAT."""
     return _solve_model(problem, options, "cpsat")
