@@ -95,7 +95,8 @@ non-optimal solution's can be larger): it is CP-SAT's proven bound of ``xhat`` (
 host-rows bound) alone (``_subproblem``'s ``least``). A windowed master with no solution
 still proves the incumbent optimal (:func:`_window`). Measured on ``random_chain(12,
 seed=1)`` at 10 % (``benchmarks/results/remat_offload_proofs.md``, ``ro16``): 16
-iterations of 10-75 s in 645 s where optimal re-solves took 150-200 s each.
+iterations (masters of 6-125 s) in 645 s where optimal re-solves took 150-200 s each,
+52 in 2400 s, every proposal refuted, the window still not empty: off by default.
 
 Termination: a value cut removes ``xhat`` unless ``b`` does not exceed the master's value
 there; the subproblem's work limit is then doubled for the next proposal of ``xhat``. The
@@ -415,8 +416,9 @@ def solve_benders(problem: RematOffloadProblem, options: SolveOptions, *,
         xhat = {i: int(round(out.values[i])) for i in opvars}
         key = tuple(xhat[i] for i in opvars)
         tries[key] = tries.get(key, 0) + 1
-        b = _subproblem(loop, xhat, sub_work * 2 ** (tries[key] - 1), out.values[loop.theta],
-                        least=not found)
+        work = sub_work * 2 ** (tries[key] - 1)
+        b = _subproblem(loop, xhat, work, out.values[loop.theta], least=False) if found \
+            else _subproblem(loop, xhat, work, out.values[loop.theta])
         LOG.info("benders %d: bound %.6g, incumbent %.6g, cut %.6g, %.1f s",
                  state.counts["iterations"], bound, state.makespan, b or math.nan,
                  time.monotonic() - began)
