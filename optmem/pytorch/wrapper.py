@@ -603,16 +603,19 @@ def _make_variant(ext: Extraction | None, fine: list[Stage], x: Any, planner: Pl
         group=resolve_group(planner.process_group), plain=plain)
     executor = planner.executor(stages, result.plan)
     return _Variant(ext, stages, groups, tuple(s.name for s in fine), chain, result, executor,
-                    limit=solved_limit(planner.memory_limit, result))
+                    limit=solved_limit(planner.memory_limit, result, chain))
 
 
-def solved_limit(wanted: int | str, result: Result) -> int:
-    """The memory limit in bytes a plan was solved for (``"min"``: the result's own)."""
-    from optmem.units import parse_size
+def solved_limit(wanted: int | str, result: Result, chain: Chain) -> int:
+    """The memory limit in bytes a plan was solved for (``"min"``: the result's own).
+
+    A percentage (``"60%"``) is of ``chain``'s store-all peak, as the planner reads it.
+    """
+    from optmem.units import relative_memory
 
     if wanted == "min":
         return int((result.memory_limit or 0) * result.unit)
-    return parse_size(wanted, field="memory_limit")
+    return relative_memory(wanted, chain.store_all_peak(), field="memory_limit")
 
 
 def plain_measure(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
