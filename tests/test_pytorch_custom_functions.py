@@ -1,0 +1,174 @@
+"""Custom ``torch.autograd.Function`` calls keep their own backward through extraction.
+
+``torch.export`` traces a custom Function's forward and drops its backward; before
+:mod:`optmem.pytorch.custom_functions`, a wrapped straight-through estimator silently got
+zero gradients. Each test runs the executor (``fast_path=False``) and compares with the
+plain model bitwise; one test checks that the inlined graph (the old behaviour, forced by
+monkeypatching) is indeed caught as wrong by the same comparison.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the torch bridge needs torch")
+
+from torch import nn  # noqa: E402
+
+import optmem.pytorch as op  # noqa: E402
+from optmem.errors import OptmemInputError  # noqa: E402
+from optmem.pytorch import custom_functions  # noqa: E402
+from optmem.pytorch.extract import extract_program, extract_stages  # noqa: E402
+
+
+class RoundSTE(torch.autograd.Function):
+    """Straight-through estimator: rounds forward, passes the gradient unchanged."""
+
+    @staticmethod
+    def forward(ctx, x, step):  # noqa: ANN001, ANN205
+        return torch.round(x / step) * step
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: ANN001, ANN205
+        return g, None
+
+
+class Reverse(torch.autograd.Function):
+    """Gradient reversal (domain adaptation): identity forward (a view), ``-scale * g``."""
+
+    @staticmethod
+    def forward(ctx, x, scale):  # noqa: ANN001, ANN205
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: ANN001, ANN205
+        return -ctx.scale * g, None
+
+
+class LeanGelu(torch.autograd.Function):
+    """Saves its input only and recomputes in its backward (as Bloom's ``GeLUFunction``)."""
+
+    @staticmethod
+    def forward(ctx, x):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(x)
+        return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: ANN001, ANN205
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            x = x.detach().requires_grad_(True)
+            y = x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+            (dx,) = torch.autograd.grad(y, x, g)
+        return dx
+
+
+class SplitScale(torch.autograd.Function):
+    """Two outputs: ``(2x, x^2)``, backward by hand."""
+
+    @staticmethod
+    def forward(ctx, x):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(x)
+        return 2 * x, x * x
+
+    @staticmethod
+    def backward(ctx, g1, g2):  # noqa: ANN001, ANN205
+        (x,) = ctx.saved_tensors
+        return 2 * g1 + 2 * x * g2
+
+
+class Net(nn.Module):
+    def __init__(self, kind: str, layers: int = 6, width: int = 32) -> None:
+        super().__init__()
+        self.kind = kind
+        self.lins = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for lin in self.lins:
+            h = torch.tanh(lin(x))
+            if self.kind == "ste":
+                h = RoundSTE.apply(h, 0.25)
+            elif self.kind == "reverse":
+                h = Reverse.apply(h, 0.5) + 0.1 * h
+            elif self.kind == "gelu":
+                h = LeanGelu.apply(h)
+            elif self.kind == "split":
+                a, b = SplitScale.apply(h)
+                h = a - b
+            x = h + x
+        return x.square().mean()
+
+
+def _grads(call, model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss = call(x)
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+@pytest.mark.parametrize("kind", ["ste", "reverse", "gelu", "split"])
+def test_custom_functions_keep_their_backward(kind: str) -> None:
+    torch.manual_seed(0)
+    model, x = Net(kind), torch.randn(8, 32)
+    cmodel = op.checkpoint(model, (x,), memory_limit="60%", repeats=1, warmup=0,
+                           fast_path=False)
+    assert any(o.startswith(("F_ck", "F_none")) for o in cmodel.result.plan)
+    ref = _grads(model, model, x)
+    got = _grads(cmodel, model, x)
+    torch.testing.assert_close(got[0], ref[0], rtol=0, atol=0)
+    for a, b in zip(got[1], ref[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    graphs = [s.module.gm for s in extract_program(model, (x,)).stages]
+    calls = sum(custom_functions.is_opaque_call(n) for gm in graphs for n in gm.graph.nodes)
+    assert calls == 6  # one node per call, run by the Function itself
+
+
+def test_the_inlined_forward_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The deliberately wrong version (export's inlining, the old behaviour) differs."""
+    monkeypatch.setattr(custom_functions, "_is_custom", lambda cls: False)
+    torch.manual_seed(0)
+    model, x = Net("ste"), torch.randn(8, 32)
+    cmodel = op.checkpoint(model, (x,), memory_limit="60%", repeats=1, warmup=0,
+                           fast_path=False)
+    ref = _grads(model, model, x)
+    got = _grads(cmodel, model, x)
+    assert not all(torch.equal(a, b) for a, b in zip(got[1], ref[1], strict=True))
+
+
+def test_a_lean_function_is_profiled_as_lean() -> None:
+    """Kept whole, LeanGelu saves its input only: the chain saves less than when inlined."""
+    torch.manual_seed(0)
+    model, x = Net("gelu", layers=2, width=64), torch.randn(16, 64)
+    kept = op.profile_chain(model, (x,), repeats=1, warmup=0)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(custom_functions, "_is_custom", lambda cls: False)
+        inlined = op.profile_chain(model, (x,), repeats=1, warmup=0)
+    assert kept.store_all_peak() < inlined.store_all_peak()
+    assert sum(kept.saved_size) < sum(inlined.saved_size)
+
+
+def test_fx_refuses_custom_functions_with_one_clear_error() -> None:
+    with pytest.raises(OptmemInputError, match=r"custom autograd Function .*RoundSTE.*torch\.fx"):
+        extract_stages(Net("ste"))
+    assert custom_functions._session() is None  # Function.apply is restored
+    assert torch.autograd.Function.__dict__["apply"].__func__ is custom_functions._ORIGINAL_APPLY
+
+
+class KeywordCall(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lins = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for lin in self.lins:
+            x = RoundSTE.apply(torch.tanh(lin(x)), step=0.5)
+        return x.sum()
+
+
+def test_keyword_calls_are_refused_not_inlined() -> None:
+    with pytest.raises(OptmemInputError, match="RoundSTE .*keyword arguments"):
+        extract_program(KeywordCall(), (torch.randn(2, 8),))
+    assert custom_functions._session() is None
