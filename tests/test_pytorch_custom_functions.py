@@ -4,7 +4,9 @@
 :mod:`optmem.pytorch.custom_functions`, a wrapped straight-through estimator silently got
 zero gradients. Each test runs the executor (``fast_path=False``) and compares with the
 plain model bitwise; one test checks that the inlined graph (the old behaviour, forced by
-monkeypatching) is indeed caught as wrong by the same comparison.
+monkeypatching) is indeed caught as wrong by the same comparison. Hooks an extracted graph
+would drop (module backward hooks, tensor hooks registered in the forward) are refused with
+one clear error; forward hooks get a warning (``optmem.pytorch.hooks``).
 """
 
 from __future__ import annotations
@@ -172,3 +174,49 @@ def test_keyword_calls_are_refused_not_inlined() -> None:
     with pytest.raises(OptmemInputError, match="RoundSTE .*keyword arguments"):
         extract_program(KeywordCall(), (torch.randn(2, 8),))
     assert custom_functions._session() is None
+
+
+class Hooked(nn.Module):
+    def __init__(self, tensor_hook: bool = False) -> None:
+        super().__init__()
+        self.tensor_hook = tensor_hook
+        self.lins = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for lin in self.lins:
+            h = torch.tanh(lin(x))
+            if self.tensor_hook and h.requires_grad:
+                h.register_hook(lambda g: g * 0.5)
+            x = h + x
+        return x.square().mean()
+
+
+def test_hooks_a_graph_would_drop_are_refused_or_reported() -> None:
+    """Backward hooks and tensor hooks change gradients: refused, not silently lost.
+    Forward hooks are traced: a warning says their side effects do not run again."""
+    x = torch.randn(2, 8)
+    model = Hooked()
+    handle = model.lins[1].register_full_backward_hook(lambda m, gi, go: (gi[0] * 0.5,))
+    with pytest.raises(OptmemInputError, match=r"Hooked\.lins\.1 \(Linear\) has a backward hook"):
+        op.checkpoint(model, (x,), memory_limit="60%", repeats=1, warmup=0)
+    with pytest.raises(OptmemInputError, match="backward hook"):
+        extract_stages(model)
+    handle.remove()
+    with pytest.raises(OptmemInputError, match=r"registers a tensor hook in its forward"):
+        extract_program(Hooked(tensor_hook=True), (x,))
+    assert torch.Tensor.register_hook.__qualname__ == "Tensor.register_hook"  # restored
+    seen: list[tuple[int, ...]] = []
+    model.lins[2].register_forward_hook(lambda m, i, o: seen.append(tuple(o.shape)))
+    with pytest.warns(UserWarning, match=r"forward hooks on Hooked\.lins\.2"):
+        cmodel = op.checkpoint(model, (x,), memory_limit="60%", repeats=1, warmup=0,
+                               fast_path=False)
+    seen.clear()
+    cmodel(x).backward()
+    assert seen == []  # as the warning says: not called again
+    # the sequential route keeps the user's modules as stages: their hooks run
+    seq = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
+    calls: list[int] = []
+    seq[2].register_full_backward_hook(lambda m, gi, go: calls.append(1))
+    cseq = op.checkpoint(seq, x, memory_limit="100%", repeats=1, warmup=0, fast_path=False)
+    cseq(x).square().mean().backward()
+    assert calls

@@ -54,6 +54,7 @@ from optmem.pytorch.graphcut import (
     make_stage,
     output_layout,
 )
+from optmem.pytorch.hooks import check_backward_hooks, refuse_tensor_hooks, warn_forward_hooks
 
 __all__ = ["Extraction", "Stage", "extract_program", "extract_stages", "merge_stages",
            "partition_costs", "stage_cost"]
@@ -238,8 +239,11 @@ def _graph_stages(gm: fx.GraphModule, model: nn.Module | None, cut: Cut,
 
 
 def _trace(module: nn.Module) -> fx.GraphModule:
+    check_backward_hooks(module)
+    warn_forward_hooks(module)
     try:
-        with refuse_functions(type(module).__name__):
+        with refuse_tensor_hooks(type(module).__name__), \
+                refuse_functions(type(module).__name__):
             return fx.symbolic_trace(module)
     except OptmemInputError:
         raise
@@ -385,6 +389,8 @@ def _extract_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
     if method not in ("auto", "export", "fx"):
         raise OptmemInputError(f"expected method auto, export or fx, got {method!r}",
                                field="extract")
+    check_backward_hooks(module)
+    warn_forward_hooks(module)
     errors = []
     if method in ("auto", "export"):
         try:
@@ -443,7 +449,8 @@ def _flat_graph_nodes(value: Any) -> list[fx.Node]:
 
 def _export_program(module: nn.Module, args: tuple[Any, ...],
                     kwargs: dict[str, Any]) -> Extraction:
-    with opaque_functions(type(module).__name__):
+    name = type(module).__name__
+    with refuse_tensor_hooks(name), opaque_functions(name):
         ep = torch.export.export(module, args, kwargs=kwargs, strict=False)
     gm = ep.module()
     restore_functions(gm)
@@ -456,7 +463,7 @@ def _export_program(module: nn.Module, args: tuple[Any, ...],
 def _fx_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Extraction:
     from torch.fx.passes.shape_prop import ShapeProp
 
-    with refuse_functions(type(module).__name__):
+    with refuse_tensor_hooks(type(module).__name__), refuse_functions(type(module).__name__):
         gm = fx.symbolic_trace(module)
     signature = inspect.signature(module.forward)
     names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
