@@ -550,7 +550,8 @@ class TensorState:
     ``model.to(torch.float64)`` the float32 graph would return float32 logits. The state
     is part of the signature, so such a change extracts again. Per call it compares every
     tensor's dtype with the recorded one and the devices of the first and last tensors
-    (7-9 us for GPT-2's 148 parameters, 22 us for BERT's 394), and recomputes the state when one differs.
+    (7-9 us for GPT-2's 148 parameters, 22 us for BERT's 394), and recomputes the state
+    when one differs.
     """
 
     def __init__(self, module: nn.Module) -> None:
