@@ -245,3 +245,19 @@ def test_frozen_parameters_and_dtype_changes_after_wrapping():
     assert got[0].logits.dtype is torch.float64
     assert_same(got, ref)
     assert len(cmodel.variants) == 2
+
+
+def test_wrapping_the_backbone_inside_its_model():
+    """``model.model = op.checkpoint(model.model, ...)``: the parent calls the backbone with
+    ``use_cache=None`` (taken as absent: no generation cache, which export cannot return);
+    loss and gradients are the model's, bitwise, and the parent's state-dict keys are too."""
+    model, kwargs = llama()
+    model.train()
+    keys = list(model.state_dict())
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    ref = step(model, model, kwargs, seed=3)
+    model.model = op.checkpoint(model.model, {"input_ids": kwargs["input_ids"]},
+                                memory_limit="60%", repeats=1, warmup=0, fast_path=False)
+    assert list(model.state_dict()) == keys
+    assert_same(step(model, model, kwargs, seed=3), ref)
+    model.load_state_dict(saved)

@@ -508,7 +508,9 @@ def canonical_call(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
 
     ``module(ids)`` and ``module(input_ids=ids)`` become the same call; ``use_cache`` (a
     generation cache, useless in training and not exportable) is set to ``False`` when the
-    model takes it and the call does not give it.
+    model takes it and the call does not give it or gives ``None`` (the model's default, as
+    a parent model passes it to a wrapped backbone: ``LlamaForCausalLM`` calls its
+    ``model`` with ``use_cache=None``).
     """
     signature = signature or inspect.signature(module.forward)
     try:
@@ -529,7 +531,7 @@ def canonical_call(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
             kw.update(value)
         else:
             kw[name] = value
-    if "use_cache" in signature.parameters and "use_cache" not in kw:
+    if "use_cache" in signature.parameters and kw.get("use_cache") is None:
         kw["use_cache"] = False
     return tuple(pos), kw
 
