@@ -220,3 +220,32 @@ def test_hooks_a_graph_would_drop_are_refused_or_reported() -> None:
     cseq = op.checkpoint(seq, x, memory_limit="100%", repeats=1, warmup=0, fast_path=False)
     cseq(x).square().mean().backward()
     assert calls
+
+
+class PythonLayerDrop(nn.Module):
+    def __init__(self, source: str) -> None:
+        super().__init__()
+        self.source = source
+        self.lins = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import random
+
+        import numpy as np
+
+        for lin in self.lins:
+            draw = random.random() if self.source == "random" else np.random.random()  # noqa: NPY002
+            if self.training and draw < 0.5:
+                continue  # LayerDrop: the trace would skip the same layers forever
+            x = torch.tanh(lin(x)) + x
+        return x.square().mean()
+
+
+@pytest.mark.parametrize("source", ["random", "numpy"])
+def test_python_randomness_in_the_forward_is_refused(source: str) -> None:
+    x = torch.randn(2, 8)
+    with pytest.raises(OptmemInputError, match=r"draws random numbers from .*random"):
+        op.checkpoint(PythonLayerDrop(source), (x,), memory_limit="60%", repeats=1, warmup=0)
+    model = PythonLayerDrop(source).eval()  # no draw decides anything... but draws happen
+    with pytest.raises(OptmemInputError, match="layerdrop=0"):
+        extract_program(model, (x,))

@@ -54,7 +54,12 @@ from optmem.pytorch.graphcut import (
     make_stage,
     output_layout,
 )
-from optmem.pytorch.hooks import check_backward_hooks, refuse_tensor_hooks, warn_forward_hooks
+from optmem.pytorch.hooks import (
+    check_backward_hooks,
+    refuse_python_random,
+    refuse_tensor_hooks,
+    warn_forward_hooks,
+)
 
 __all__ = ["Extraction", "Stage", "extract_program", "extract_stages", "merge_stages",
            "partition_costs", "stage_cost"]
@@ -242,8 +247,8 @@ def _trace(module: nn.Module) -> fx.GraphModule:
     check_backward_hooks(module)
     warn_forward_hooks(module)
     try:
-        with refuse_tensor_hooks(type(module).__name__), \
-                refuse_functions(type(module).__name__):
+        name = type(module).__name__
+        with refuse_python_random(name), refuse_tensor_hooks(name), refuse_functions(name):
             return fx.symbolic_trace(module)
     except OptmemInputError:
         raise
@@ -450,7 +455,7 @@ def _flat_graph_nodes(value: Any) -> list[fx.Node]:
 def _export_program(module: nn.Module, args: tuple[Any, ...],
                     kwargs: dict[str, Any]) -> Extraction:
     name = type(module).__name__
-    with refuse_tensor_hooks(name), opaque_functions(name):
+    with refuse_python_random(name), refuse_tensor_hooks(name), opaque_functions(name):
         ep = torch.export.export(module, args, kwargs=kwargs, strict=False)
     gm = ep.module()
     restore_functions(gm)
@@ -463,7 +468,8 @@ def _export_program(module: nn.Module, args: tuple[Any, ...],
 def _fx_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Extraction:
     from torch.fx.passes.shape_prop import ShapeProp
 
-    with refuse_tensor_hooks(type(module).__name__), refuse_functions(type(module).__name__):
+    name = type(module).__name__
+    with refuse_python_random(name), refuse_tensor_hooks(name), refuse_functions(name):
         gm = fx.symbolic_trace(module)
     signature = inspect.signature(module.forward)
     names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]

@@ -10,6 +10,9 @@ was traced, nothing else:
 * **tensor hooks registered during the forward** (``h.register_hook(fn)``, e.g. gradient
   clipping of an activation) are registered on the trace's fake tensors only: refused
   (:func:`refuse_tensor_hooks`).
+* **Python or NumPy randomness** drawn during the forward (``random.random()`` for a
+  LayerDrop) is baked into the graph as the values of the trace: refused
+  (:func:`refuse_python_random`).
 * **forward hooks** and pre-hooks ran while tracing: their tensor effects (weight norm's
   recomputed weight, a scaled output) are in the graph, but their Python side effects (a
   hook that records activations) happened once, on fake tensors, and never again. They are
@@ -21,18 +24,21 @@ hooks themselves: none of this applies to them.
 
 from __future__ import annotations
 
+import random
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn.modules import module as module_mod
 
 from optmem.errors import OptmemInputError
 
-__all__ = ["check_backward_hooks", "refuse_tensor_hooks", "warn_forward_hooks"]
+__all__ = ["check_backward_hooks", "refuse_python_random", "refuse_tensor_hooks",
+           "warn_forward_hooks"]
 
 _ALTERNATIVE = ("remove it, or pass an nn.Sequential of blocks or a list of stage modules "
                 "(stages that are your modules run their hooks themselves)")
@@ -81,6 +87,36 @@ def warn_forward_hooks(module: nn.Module) -> list[str]:
             "(side effects such as recording activations happen once, at extraction, on fake "
             f"tensors); if they must run every step, {_ALTERNATIVE}", stacklevel=3)
     return where
+
+
+@contextmanager
+def refuse_python_random(module_name: str) -> Iterator[None]:
+    """Within (while tracing): refuse draws from Python's ``random`` or NumPy's global RNG.
+
+    A traced graph holds the values such draws gave *while tracing*: a LayerDrop written as
+    ``if random.random() < p: skip the layer`` would skip the same layers at every step.
+    torch's own RNG is not concerned (its random ops are graph nodes, replayed each call).
+
+    Raises
+    ------
+    OptmemInputError
+        On leaving, when either generator's state moved.
+    """
+    # the legacy global generator is the one model code draws from (np.random.random())
+    before = (random.getstate(), np.random.get_state())  # noqa: NPY002
+    yield
+    after_py, after_np = random.getstate(), np.random.get_state()  # noqa: NPY002
+    moved = [name for name, changed in (
+        ("random", after_py != before[0]),
+        ("numpy.random", not (after_np[0] == before[1][0] and after_np[2:] == before[1][2:]
+                              and np.array_equal(after_np[1], before[1][1]))))
+        if changed]
+    if moved:
+        raise OptmemInputError(
+            f"{module_name} draws random numbers from {' and '.join(moved)} while it runs "
+            "(a LayerDrop or a mask written with Python or NumPy randomness): an extracted "
+            "graph would replay the draws of the trace at every step. Turn them off (e.g. "
+            f"layerdrop=0), use torch's RNG for them, or {_ALTERNATIVE}", field="module")
 
 
 @contextmanager
