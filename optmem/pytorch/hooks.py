@@ -89,6 +89,12 @@ def warn_forward_hooks(module: nn.Module) -> list[str]:
     return where
 
 
+def _numpy_state() -> tuple[Any, ...]:
+    """NumPy's legacy global generator (the one ``np.random.random()`` draws from)."""
+    state: Any = np.random.get_state()  # noqa: NPY002
+    return (state[0], state[1].tobytes(), *state[2:])
+
+
 @contextmanager
 def refuse_python_random(module_name: str) -> Iterator[None]:
     """Within (while tracing): refuse draws from Python's ``random`` or NumPy's global RNG.
@@ -102,15 +108,11 @@ def refuse_python_random(module_name: str) -> Iterator[None]:
     OptmemInputError
         On leaving, when either generator's state moved.
     """
-    # the legacy global generator is the one model code draws from (np.random.random())
-    before = (random.getstate(), np.random.get_state())  # noqa: NPY002
+    before = (random.getstate(), _numpy_state())
     yield
-    after_py, after_np = random.getstate(), np.random.get_state()  # noqa: NPY002
-    moved = [name for name, changed in (
-        ("random", after_py != before[0]),
-        ("numpy.random", not (after_np[0] == before[1][0] and after_np[2:] == before[1][2:]
-                              and np.array_equal(after_np[1], before[1][1]))))
-        if changed]
+    moved = [name for name, changed in (("random", random.getstate() != before[0]),
+                                        ("numpy.random", _numpy_state() != before[1]))
+             if changed]
     if moved:
         raise OptmemInputError(
             f"{module_name} draws random numbers from {' and '.join(moved)} while it runs "
