@@ -249,3 +249,72 @@ def test_python_randomness_in_the_forward_is_refused(source: str) -> None:
     model = PythonLayerDrop(source).eval()  # no draw decides anything... but draws happen
     with pytest.raises(OptmemInputError, match="layerdrop=0"):
         extract_program(model, (x,))
+
+
+class EmaNorm(nn.Module):
+    """Subtracts a running mean that it updates first (the output reads the new value)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(width))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                self.mean.mul_(0.9).add_(0.1 * x.mean(0))
+                self.steps.add_(1)
+        return x - self.mean
+
+
+class EmaNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lins = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+        self.norms = nn.ModuleList(EmaNorm(16) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for lin, norm in zip(self.lins, self.norms, strict=True):
+            x = torch.tanh(norm(lin(x))) + x
+        return x.square().mean()
+
+
+@pytest.mark.parametrize("spectral", [False, True])
+def test_reruns_start_from_the_buffers_the_first_run_saw(spectral: bool) -> None:
+    """Two steps: buffers updated once per step and gradients bitwise, for EMA normalisers
+    and for spectral norm (its power iteration updates ``u`` before computing the weight).
+    Starting re-runs from the updated buffers (the old behaviour) is caught."""
+    import copy
+    import warnings
+
+    from optmem.pytorch import execute
+
+    torch.manual_seed(0)
+    model, x = EmaNet(), torch.randn(4, 16)
+    if spectral:
+        for lin in model.lins:
+            nn.utils.spectral_norm(lin)
+    plain = copy.deepcopy(model)
+
+    def two_steps(call, owner):
+        owner.zero_grad(set_to_none=True)
+        for _ in range(2):
+            call(x).backward()
+        return [p.grad.clone() for p in owner.parameters()], {
+            k: v.clone() for k, v in owner.state_dict().items()}
+
+    ref = two_steps(plain, plain)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # spectral norm's forward pre-hooks
+        cmodel = op.checkpoint(model, (x,), memory_limit="70%", repeats=1, warmup=0,
+                               fast_path=False)
+    assert any(o.startswith("F_ck") for o in cmodel.result.plan)
+    start = copy.deepcopy(model.state_dict())
+    got = two_steps(cmodel, model)
+    assert all(torch.equal(a, b) for a, b in zip(got[0], ref[0], strict=True))
+    assert all(torch.equal(got[1][k], ref[1][k]) for k in ref[1])
+    with pytest.MonkeyPatch.context() as mp:  # the old behaviour: no snapshot
+        mp.setattr(execute._BufferSnapshot, "keep_changed", lambda self: False)
+        model.load_state_dict(start)
+        old = two_steps(cmodel, model)
+    assert not all(torch.equal(a, b) for a, b in zip(old[0], ref[0], strict=True))
