@@ -318,3 +318,33 @@ def test_reruns_start_from_the_buffers_the_first_run_saw(spectral: bool) -> None
         model.load_state_dict(start)
         old = two_steps(cmodel, model)
     assert not all(torch.equal(a, b) for a, b in zip(old[0], ref[0], strict=True))
+
+
+def test_parameter_hooks_run_once_per_step_and_never_while_profiling() -> None:
+    """``p.register_hook`` (a gradient mask) and a post-accumulate hook (an optimizer step
+    in the backward): the executor's own ``autograd.grad`` into the parameters must not run
+    them (the hook halved the gradient twice), nor may profiling's steps (the
+    post-accumulate hook ran once per profiled step). A no-op quieting is caught."""
+    import contextlib
+
+    from optmem.pytorch import execute
+
+    torch.manual_seed(0)
+    model, x = Hooked(), torch.randn(2, 8)
+    model.lins[1].weight.register_hook(lambda g: g * 0.5)
+    calls: list[int] = []
+    model.lins[2].weight.register_post_accumulate_grad_hook(lambda p: calls.append(1))
+    ref = _grads(model, model, x)
+    assert calls == [1]
+    cmodel = op.checkpoint(model, (x,), memory_limit="60%", repeats=1, warmup=0,
+                           fast_path=False)
+    assert calls == [1]  # wrapping (export, profiling, the plain measure) ran no hook
+    assert any(o.startswith(("F_ck", "F_none")) for o in cmodel.result.plan)
+    got = _grads(cmodel, model, x)
+    assert calls == [1, 1]
+    assert all(torch.equal(a, b) for a, b in zip(got[1], ref[1], strict=True))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(execute, "quiet_gradient_hooks",
+                   lambda tensors, **kw: contextlib.nullcontext())
+        wrong = _grads(cmodel, model, x)
+    assert not all(torch.equal(a, b) for a, b in zip(wrong[1], ref[1], strict=True))

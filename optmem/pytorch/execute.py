@@ -81,6 +81,7 @@ from optmem.pytorch.context import (
     side_inputs,
 )
 from optmem.pytorch.extract import Stage, value_tensors
+from optmem.pytorch.hooks import quiet_gradient_hooks
 from optmem.pytorch.joint import JointStage, dead_outputs
 
 __all__ = ["CheckpointedChain", "StageCalls", "add_monitor", "compile_stage", "fusable_runs",
@@ -700,7 +701,9 @@ class PlanRunner:
             self.holder.grads = grads
             del grads, current
             targets: list[Any] = [*wanted, *(self.params[k] for k in params)]
-            got = torch.autograd.grad([sink], targets, [torch.empty(0)], allow_unused=True)
+            with quiet_gradient_hooks(targets[len(wanted):], post_accumulate=False):
+                got = torch.autograd.grad([sink], targets, [torch.empty(0)],
+                                          allow_unused=True)
         else:
             got = [None] * (len(wanted) + len(params))
         self._take_gradients(in_edges, params, got, len(wanted))
@@ -758,7 +761,8 @@ class PlanRunner:
             got = _backward_accumulating(edges, grads, wanted)
         elif edges and (wanted or params):
             targets: list[Any] = [*wanted, *(self.params[k] for k in params)]
-            got = torch.autograd.grad(edges, targets, grads, allow_unused=True)
+            with quiet_gradient_hooks(targets[len(wanted):], post_accumulate=False):
+                got = torch.autograd.grad(edges, targets, grads, allow_unused=True)
         else:
             got = [None] * (len(wanted) + len(params))
         self._take_gradients(in_edges, params, got, len(wanted))

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import random
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -37,8 +37,8 @@ from torch.nn.modules import module as module_mod
 
 from optmem.errors import OptmemInputError
 
-__all__ = ["check_backward_hooks", "refuse_python_random", "refuse_tensor_hooks",
-           "warn_forward_hooks"]
+__all__ = ["check_backward_hooks", "quiet_gradient_hooks", "refuse_python_random",
+           "refuse_tensor_hooks", "warn_forward_hooks"]
 
 _ALTERNATIVE = ("remove it, or pass an nn.Sequential of blocks or a list of stage modules "
                 "(stages that are your modules run their hooks themselves)")
@@ -149,3 +149,33 @@ def refuse_tensor_hooks(module_name: str) -> Iterator[None]:
             f"{module_name} registers a tensor hook in its forward ({met[0]}): an extracted "
             f"graph never registers it, so gradients could be silently wrong; {_ALTERNATIVE}",
             field="module")
+
+
+@contextmanager
+def quiet_gradient_hooks(tensors: Iterable[torch.Tensor], *,
+                         post_accumulate: bool = True) -> Iterator[None]:
+    """Within: the gradient hooks of ``tensors`` (parameters) do not run.
+
+    ``p.register_hook(fn)`` and ``p.register_post_accumulate_grad_hook(fn)`` keep their
+    hooks in a dictionary that autograd reads when it runs them; emptying it for a while
+    silences them, restoring it (same order) brings them back. Used where optmem itself
+    back-propagates into parameters for a purpose of its own:
+
+    * the executor computes each stage's parameter gradients with ``torch.autograd.grad``
+      (which runs a leaf's tensor hooks) and returns them to autograd, which runs them
+      again when it accumulates: a hook ``g * 0.5`` halved the gradient twice;
+    * profiling and measuring run training steps whose gradients are thrown away: a
+      post-accumulate hook (an optimizer step in the backward) ran once per profiled step.
+    """
+    saved: list[tuple[dict[Any, Any], list[tuple[Any, Any]]]] = []
+    for t in tensors:
+        for hooks in (t._backward_hooks,
+                      t._post_accumulate_grad_hooks if post_accumulate else None):
+            if hooks:
+                saved.append((hooks, list(hooks.items())))
+                hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, items in saved:
+            hooks.update(items)

@@ -35,6 +35,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from optmem.pytorch.hooks import quiet_gradient_hooks
+
 if TYPE_CHECKING:
     from optmem.chain import Chain
 
@@ -298,10 +300,15 @@ def backward_step(call: Callable[[], Any]) -> None:
 
 @contextlib.contextmanager
 def gradients_restored(leaves: Sequence[torch.Tensor]) -> Iterator[None]:
-    """Put back the ``.grad`` of every tensor of ``leaves`` on exit (steps measured or timed)."""
+    """Put back the ``.grad`` of every tensor of ``leaves`` on exit (steps measured or timed).
+
+    Their gradient hooks do not run within (:func:`~optmem.pytorch.hooks.quiet_gradient_hooks`):
+    the steps are the measurement's, not the training's.
+    """
     saved = [t.grad for t in leaves]
     try:
-        yield
+        with quiet_gradient_hooks(leaves):
+            yield
     finally:
         for t, g in zip(leaves, saved, strict=True):
             t.grad = g
