@@ -261,3 +261,8 @@ def test_wrapping_the_backbone_inside_its_model():
     assert list(model.state_dict()) == keys
     assert_same(step(model, model, kwargs, seed=3), ref)
     model.load_state_dict(saved)
+    # one plan per model: wrapping the whole model again, or the wrapper, is refused
+    with pytest.raises(OptmemInputError, match=r"LlamaForCausalLM\.model is already wrapped"):
+        op.checkpoint(model, kwargs, memory_limit="60%", repeats=1, warmup=0)
+    with pytest.raises(OptmemInputError, match="already wrapped by optmem"):
+        op.checkpoint(model.model, {"input_ids": kwargs["input_ids"]}, memory_limit="60%")

@@ -208,6 +208,7 @@ class PlannedModule(nn.Module):
         from optmem.pytorch.process_groups import refuse_sharded
 
         refuse_sharded(module)
+        _refuse_nested(module)
         if is_plain_chain(module):
             stages = extract_stages(module)
             wrapped = module if isinstance(module, nn.Module) else nn.ModuleList(
@@ -573,6 +574,30 @@ class TensorState:
                 any(t.device != d for t, d in self._devices):
             self._refresh()
         return self.token
+
+
+def _refuse_nested(module: Any) -> None:
+    """One plan per model: a part already wrapped by optmem cannot be wrapped again.
+
+    Raises
+    ------
+    OptmemInputError
+        Naming the wrapped part.
+    """
+    parts = module if isinstance(module, Sequence) else [module]
+    for part in parts:
+        if not isinstance(part, nn.Module):
+            continue
+        if isinstance(part, PlannedModule):
+            raise OptmemInputError(f"{type(part.module).__name__} is already wrapped by optmem:"
+                                   " wrap the plain model (cmodel.module) instead",
+                                   field="module")
+        for name, sub in part.named_modules():
+            if isinstance(sub, PlannedModule):
+                raise OptmemInputError(
+                    f"{type(part).__name__}.{name} is already wrapped by optmem: wrap either "
+                    f"the whole {type(part).__name__} or that part, not both (one plan per "
+                    "model)", field="module")
 
 
 def signature_key(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
