@@ -494,8 +494,10 @@ def _add_common(p: argparse.ArgumentParser, *, memory: bool = True) -> None:
     p.add_argument("chain", help="chain file (optmem.chain/1 JSON) or bundled dataset name")
     if memory:
         p.add_argument("--memory", "-m",
-                       help="memory limit: bytes or a size like 4GiB, 512MB, 1.5GiB (required "
-                            "except for min-peak, where it is an optional upper bound)")
+                       help="memory limit: bytes or a size like 4GiB, 512MB, 1.5GiB, or 60%% "
+                            "of the chain's store-all peak (checkpoint, offload, "
+                            "remat-offload); required except for min-peak, where it is an "
+                            "optional upper bound")
     p.add_argument("--variant", help="method variant (e.g. paper, rotor, floating, persistent)")
     p.add_argument("--slots", type=int, default=500, help="memory slots (default 500)")
     add_engine_limits(p)
