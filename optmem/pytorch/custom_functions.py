@@ -176,12 +176,12 @@ def _patched(mode: str) -> Iterator[_Session]:
         raise RuntimeError("nested extraction of custom autograd Functions")
     session = _Session(mode)
     _STATE.session = session
+    current = torch.autograd.Function.__dict__["apply"]  # restored as found
     torch.autograd.Function.apply = classmethod(_apply)  # type: ignore[method-assign,assignment]
     try:
         yield session
     finally:
-        torch.autograd.Function.apply = classmethod(  # type: ignore[method-assign,assignment]
-            _ORIGINAL_APPLY)
+        torch.autograd.Function.apply = current  # type: ignore[method-assign]
         _STATE.session = None
 
 
