@@ -100,6 +100,7 @@ from optmem.solvers.remat_offload_benders import (
     solve_benders,
 )
 from optmem.solvers.remat_offload_schedule import Window, static_replay, window_before
+from optmem.solvers.time_budget import Deadline
 
 BRUTE_MAX_LENGTH = 2
 COMPLETION_SHARE = 0.25  # share of a user's time limit spent completing warm starts
@@ -327,11 +328,14 @@ def _engine_solve(model: Model, engine: str, options: SolveOptions, *,
 
 def _warm_start(problem: RematOffloadProblem, options: SolveOptions,
                 built: RematOffloadModel, engine: str, scale: int,
-                found: list[tuple[float, str, tuple[AnyOp, ...]]] | None = None) -> _Start:
+                found: list[tuple[float, str, tuple[AnyOp, ...]]] | None = None,
+                deadline: Deadline | None = None) -> _Start:
     """The fastest candidate plan that fits the model, completed by the engine.
 
     ``plan`` is the fastest candidate (the incumbent), ``values`` the completion of the
     fastest one the model can take; ``found``: :func:`_candidates`, if already computed.
+    Each completion's engine limit is what is left of :data:`COMPLETION_SHARE` of the time
+    limit, capped by ``deadline`` (the solve's, :mod:`optmem.solvers.time_budget`).
     """
     if not options.warm_start:
         return _Start(None, math.inf, None, math.inf, "off")
@@ -347,6 +351,8 @@ def _warm_start(problem: RematOffloadProblem, options: SolveOptions,
             notes.append(f"{label}: does not fit the model's slots")
             continue
         limit = None if budget is None else budget - (time.monotonic() - began)
+        if deadline is not None:
+            limit = deadline.cap(limit)
         if limit is not None and limit <= 0:
             notes.append(f"{label}: no time left of the warm start's share of the limit")
             break
@@ -417,7 +423,8 @@ RELAXATION_STAGES = ((False, False, "plain_bound"), (True, False, "deadline_boun
 def _relaxation_bound(chain: Chain, memory_limit: int, beta: float, sweeps: int,
                       options: SolveOptions, engine: str, *,
                       master_budget_s: float | None = None,
-                      clock: Callable[[], float] = time.monotonic) -> _Relaxed:
+                      clock: Callable[[], float] = time.monotonic,
+                      deadline: Deadline | None = None) -> _Relaxed:
     """The proven bound of :func:`~optmem.models.remat_offload.build_link_relaxation`.
 
     Solved by the PuLP engine of the method (HiGHS for ``cpsat`` when installed) within
@@ -437,7 +444,10 @@ def _relaxation_bound(chain: Chain, memory_limit: int, beta: float, sweeps: int,
     :data:`LEAST_ENGINE_TIME_S`, a later one runs only with that much left of its budget,
     and the host stage only when :func:`_host_stage_fits` (model size, not
     time: the stage's time varies 3x with the load, its size does not). ``clock`` is the
-    time source (injected by the tests). With ``extra["relaxation_lazy"]`` (default
+    time source (injected by the tests). ``deadline`` (the solve's,
+    :mod:`optmem.solvers.time_budget`) caps every stage's limit, whatever its share says;
+    a stage (the first one too) with less than :data:`LEAST_ENGINE_TIME_S` left of it is
+    skipped (``"skipped (time)"``). With ``extra["relaxation_lazy"]`` (default
     :data:`LAZY_HOST_DEFAULT`) the host stage is :func:`_lazy_host` instead (host rows only
     on the items the current optimum violates; no size rule, the share bounds it;
     ``info["host_rounds"]``, ``info["host_items"]``). ``-inf`` when it is off
@@ -466,10 +476,13 @@ def _relaxation_bound(chain: Chain, memory_limit: int, beta: float, sweeps: int,
     previous: EngineResult | None = None
     stages = [st for st in RELAXATION_STAGES
               if (deadlines or not st[0]) and (host_values or not st[1])]
+    if deadline is None:
+        deadline = Deadline(None)
     for with_deadlines, with_values, key in stages:
         budget = share if with_values else first_budget
-        if previous is not None and budget is not None and \
-                budget - (clock() - began) < LEAST_ENGINE_TIME_S:
+        if (previous is not None and budget is not None and
+                budget - (clock() - began) < LEAST_ENGINE_TIME_S) or \
+                deadline.spent(LEAST_ENGINE_TIME_S):
             info[key] = "skipped (time)"
             break
         if with_values and lazy:
@@ -479,7 +492,7 @@ def _relaxation_bound(chain: Chain, memory_limit: int, beta: float, sweeps: int,
             covered: set[int] = set()
             info["host_rounds"] = 0
             def host_left(b: float | None = budget) -> float | None:
-                return _stage_limit(b, clock() - began, first=False)
+                return deadline.cap(_stage_limit(b, clock() - began, first=False))
 
             for master, out in _lazy_host(chain, memory_limit, beta, sweeps, kept, options,
                                           pulp_engine, covered, host_left,
@@ -498,7 +511,10 @@ def _relaxation_bound(chain: Chain, memory_limit: int, beta: float, sweeps: int,
             info[key] = "skipped (too large, or the deadline stage not solved)"
             break
         pm = to_pulp(master)
-        limit = _stage_limit(budget, clock() - began, first=previous is None)
+        if deadline.spent(LEAST_ENGINE_TIME_S):  # the build took what was left
+            info[key] = "skipped (time)"
+            break
+        limit = deadline.cap(_stage_limit(budget, clock() - began, first=previous is None))
         out = engines.solve_pulp(pm.problem, pm.all_variables, pulp_engine,
                                  **{**engines.pulp_settings(options), "time_limit_s": limit})
         info = _record(info, key, out)
@@ -636,7 +652,9 @@ class _Setup:
     """The instance as the model sees it.
 
     The discretised chain, bandwidth, built model, engine and CP-SAT time grid (``exact``:
-    every duration and transfer time on it).
+    every duration and transfer time on it); ``deadline``: the end of the solve's time
+    limit, taken when the solve started (:mod:`optmem.solvers.time_budget`), which caps
+    every engine call of every stage.
     """
 
     problem: RematOffloadProblem
@@ -647,6 +665,7 @@ class _Setup:
     built: RematOffloadModel
     scale: int
     exact: bool
+    deadline: Deadline = Deadline(None)
 
 
 def _benders(setup: _Setup, options: SolveOptions, report: dict[str, Any]) -> Result:
@@ -676,16 +695,16 @@ def _benders(setup: _Setup, options: SolveOptions, report: dict[str, Any]) -> Re
     if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
         raise OptmemInputError(f"expected a share in [0, 1] for benders_warmup, got {share!r}",
                                field="benders_warmup")
-    problem = setup.problem
+    problem, deadline = setup.problem, setup.deadline
     candidates = _candidates(problem, options)
     found = [(value, plan) for value, _, plan in candidates]
     floor = -math.inf
     first: tuple[Model, EngineResult] | None = None
-    began = time.monotonic()
     limit = options.time_limit_s
     relaxed = _relaxation_bound(setup.disc.chain, setup.disc.memory_limit, setup.beta,
                                 setup.built.checkpoint.sweeps, options, "cpsat",
-                                master_budget_s=None if limit is None else (1 - share) * limit)
+                                master_budget_s=None if limit is None else (1 - share) * limit,
+                                deadline=deadline)
     report["relaxation"] = relaxed.info  # the loop adds its first master's bound
     if relaxed.master is not None and relaxed.out is not None:
         first = (relaxed.master, relaxed.out)
@@ -694,7 +713,8 @@ def _benders(setup: _Setup, options: SolveOptions, report: dict[str, Any]) -> Re
     if share > 0 and (limit is not None or options.deterministic_time is not None):
         warm_options = options.with_(time_limit_s=None if limit is None else share * limit)
         warm = _full_solve(setup, warm_options, dict(report), relaxed=relaxed,
-                           candidates=candidates)
+                           candidates=candidates, deadline=deadline.within(
+                               warm_options.time_limit_s))
         report["warmup"] = {"status": str(warm.status), "objective": warm.objective,
                             "bound": warm.bound, "seconds": warm.report.get("engine_time_s"),
                             "engine_work": warm.report.get("engine_work")}
@@ -707,15 +727,17 @@ def _benders(setup: _Setup, options: SolveOptions, report: dict[str, Any]) -> Re
         if math.isfinite(warm.bound):
             floor = warm.bound
     found.sort(key=lambda t: t[0])
-    left = None if limit is None else \
-        max(LEAST_ENGINE_TIME_S, limit - (time.monotonic() - began))
-    return solve_benders(problem, options.with_(time_limit_s=left), built=setup.built,
+    left = deadline.left()  # the loop's engine calls are capped by the deadline itself
+    return solve_benders(problem, options.with_(time_limit_s=None if left is None else
+                                                max(left, 1e-3)), built=setup.built,
                          scale=setup.scale, incumbent=found[0] if found else None,
-                         report=report, floor=floor, first=first)
+                         report=report, floor=floor, first=first, deadline=deadline,
+                         exact=setup.exact)
 
 
 def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: str
                  ) -> Result:
+    deadline = Deadline.start(options.time_limit_s)  # every stage within it (time_budget)
     disc, beta = discretized(problem, options)
     sweeps = positive_int(options, "sweeps", 1)
     per_gap = positive_int(options, "transfers_per_gap", 1)
@@ -729,7 +751,7 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
     if strategy not in STRATEGIES:
         raise OptmemInputError(f"expected strategy one of {', '.join(STRATEGIES)}, got "
                                f"{strategy!r}", field="strategy")
-    if strategy == "benders" and exact:
+    if strategy == "benders":
         flag(options, "relaxation_deadlines", True)  # checked before any work
         flag(options, "relaxation_values", True)
         flag(options, "relaxation_lazy", LAZY_HOST_DEFAULT)
@@ -746,12 +768,10 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
     if engine == "cpsat":
         report["time_scale"] = scale
         report["exact_times"] = exact
-    if strategy == "benders" and not exact:
-        report["strategy"] = "full (benders needs the exact time grid)"
     if built.model.trivially_infeasible:
         return no_plan_result(problem, options, method, Status.INFEASIBLE, report)
-    setup = _Setup(problem, method, engine, disc, beta, built, scale, exact)
-    if strategy == "benders" and exact:
+    setup = _Setup(problem, method, engine, disc, beta, built, scale, exact, deadline)
+    if strategy == "benders":
         return _benders(setup, options, report)
     return _full_solve(setup, options, report)
 
@@ -778,8 +798,10 @@ def _sequence_candidate(setup: _Setup, relaxed: _Relaxed, options: SolveOptions
     built = setup.built
     n_ck = len(built.checkpoint.names)
     fixed = {i: float(round(relaxed.out.values[i])) for i in range(n_ck)}
-    limit = None if options.time_limit_s is None else \
-        max(LEAST_ENGINE_TIME_S, SEQUENCE_SHARE * options.time_limit_s)
+    if setup.deadline.spent(LEAST_ENGINE_TIME_S):
+        return None
+    limit = setup.deadline.cap(None if options.time_limit_s is None else
+                               max(LEAST_ENGINE_TIME_S, SEQUENCE_SHARE * options.time_limit_s))
     work = SEQUENCE_WORK if options.deterministic_time is None else \
         min(SEQUENCE_WORK, options.deterministic_time)
     out, values, _ = _engine_solve(with_fixed(built, fixed), setup.engine,
@@ -813,23 +835,28 @@ def _with_sequence(setup: _Setup, relaxed: _Relaxed, options: SolveOptions,
 
 def _full_solve(setup: _Setup, options: SolveOptions, report: dict[str, Any], *,
                 relaxed: _Relaxed | None = None,
-                candidates: list[tuple[float, str, tuple[AnyOp, ...]]] | None = None
-                ) -> Result:
+                candidates: list[tuple[float, str, tuple[AnyOp, ...]]] | None = None,
+                deadline: Deadline | None = None) -> Result:
     """The monolithic solve (module docstring).
 
-    ``relaxed`` and ``candidates``: already computed by the caller.
+    ``relaxed`` and ``candidates``: already computed by the caller. ``deadline`` (default
+    ``setup.deadline``) caps every engine call; when less than :data:`LEAST_ENGINE_TIME_S`
+    is left for the search, it is skipped and the fastest candidate plan is returned
+    (``feasible``) with the bounds proven so far.
     """
+    if deadline is None:
+        deadline = setup.deadline
     problem, method, solver, built = setup.problem, setup.method, setup.engine, setup.built
     disc, beta, engine, scale = setup.disc, setup.beta, setup.engine, setup.scale
     began = time.monotonic()
     if relaxed is None:
         relaxed = _relaxation_bound(disc.chain, disc.memory_limit, beta,
                                     built.checkpoint.sweeps,
-                                    options, engine)
+                                    options, engine, deadline=deadline)
         if options.warm_start:
             candidates = _with_sequence(setup, relaxed, options, candidates, report)
     report["relaxation"] = relaxed.info
-    start = _warm_start(problem, options, built, engine, scale, candidates)
+    start = _warm_start(problem, options, built, engine, scale, candidates, deadline)
     report["warm_start"] = start.note
     lifted = grid_ceiling(relaxed.bound, scale) if setup.exact else relaxed.bound
     if start.plan is not None and \
@@ -843,10 +870,16 @@ def _full_solve(setup: _Setup, options: SolveOptions, report: dict[str, Any], *,
         model.add(Relation(Expr([(built.objective_var, 1.0)]),
                            relaxed.bound - 1e-6 * max(1.0, abs(relaxed.bound)), None),
                   "relaxation_bound")
-    left = (None if options.time_limit_s is None else
-            max(LEAST_ENGINE_TIME_S, options.time_limit_s - (time.monotonic() - began)))
-    out, values, bound = _engine_solve(model, engine, options, initial=start.values,
-                                       scale=scale, time_limit_s=left)
+    left = deadline.cap(None if options.time_limit_s is None else
+                        max(LEAST_ENGINE_TIME_S, options.time_limit_s - (time.monotonic() - began)))
+    if deadline.spent(LEAST_ENGINE_TIME_S):  # no time left for the search
+        report["search"] = "skipped (time)"
+        out, values, bound = EngineResult(Status.NO_SOLUTION, None, math.nan, -math.inf,
+                                          engine, 0.0, "no time left",
+                                          stopped_by="time"), None, -math.inf
+    else:
+        out, values, bound = _engine_solve(model, engine, options, initial=start.values,
+                                           scale=scale, time_limit_s=left)
     status = out.status
     if out.failed:
         incumbent = start.plan
