@@ -145,6 +145,7 @@ CUMULATIVE_READS_DEFAULT = False  # extra["relaxation_cumulative_reads"] (with t
 # extra["relaxation_window"]: the re-solves' makespan floor and cut-off (_window); true
 # under strategy=benders (BENDERS_EXTRA of remat_offload_exact)
 WINDOW_DEFAULT = False
+ROUNDED_CLAIM_TOLERANCE = 1e-6  # relative: optimal on the rounded grid (solve_benders)
 FILTER_MODES = ("phases", "slots")  # extra["benders_filter"] (default first): filter passes
 LOG = logging.getLogger(__name__)
 
@@ -319,7 +320,8 @@ def solve_benders(problem: RematOffloadProblem, options: SolveOptions, *,
     most); a value cut CP-SAT's bound of the rounded subproblem (a plan of the true
     durations maps onto it with no larger makespan), at most that refuted value; a window
     proof ``z - 1 / (2 s)`` (:func:`_window`). Plans are replayed on the true durations,
-    and ``optimal`` is claimed only when that bound meets the replayed makespan.
+    and ``optimal`` is claimed only when that bound meets the replayed makespan (within
+    :data:`ROUNDED_CLAIM_TOLERANCE` relative, the ``full`` strategy's rule on that grid).
     ``deadline`` (default: ``options.time_limit_s`` from now) caps every engine call; the
     loop stops before a master or subproblem call with less than
     :data:`~optmem.solvers.remat_offload.LEAST_ENGINE_TIME_S` left.
@@ -356,6 +358,11 @@ def solve_benders(problem: RematOffloadProblem, options: SolveOptions, *,
     left = deadline.left
     lift: Callable[[float], float] = \
         (lambda b: grid_ceiling(b, scale)) if exact else (lambda b: b)
+    # the bound meets the incumbent: relative 1e-9 on the exact grid (lifted bounds); on
+    # the rounded one the full strategy's rule there (its engine bound within 1e-6 of the
+    # replayed plan), since the cuts' values lie up to half a grid step or HiGHS's 1e-9
+    # margin below the incumbent even when they prove it
+    claim_tol = 1e-9 if exact else ROUNDED_CLAIM_TOLERANCE
 
     host = build_link_relaxation(disc.chain, disc.memory_limit, beta,
                                  sweeps=built.checkpoint.sweeps,
@@ -425,7 +432,7 @@ def solve_benders(problem: RematOffloadProblem, options: SolveOptions, *,
             loop.theta0 = max(master_bound, floor)
             report["relaxation"] = {**report.get("relaxation", {}), "bound": master_bound,
                                     "seconds": round(out.time_s, 3)}
-        if bound >= state.makespan - 1e-9 * max(1.0, state.makespan):
+        if bound >= state.makespan - claim_tol * max(1.0, state.makespan):
             status = Status.OPTIMAL
             no_plan = state.plan is None  # nothing below the default horizon, which is
             break  # above every plan of the class
@@ -452,7 +459,7 @@ def solve_benders(problem: RematOffloadProblem, options: SolveOptions, *,
         return no_plan_result(problem, options, "cpsat", Status.INFEASIBLE, report)
     bound = lift(max(bound, lower_bound(problem)))
     if status is Status.FEASIBLE and state.plan is not None and \
-            bound >= state.makespan - 1e-9 * max(1.0, state.makespan):
+            bound >= state.makespan - claim_tol * max(1.0, state.makespan):
         status = Status.OPTIMAL  # the bound lifted to the time grid meets the incumbent
     report["benders"]["bound"] = bound
     if state.plan is None:

@@ -10,13 +10,17 @@
   chapter 4 DP, the persistent checkpoint DP and the offload-only DYNPROG that fits the
   class (completed by the engine with the plan's binaries fixed), its horizon is that plan's
   makespan, and the decoded plan is replayed by the simulator (it is never slower than the
-  model says; ``report['model_objective']``). ``time_limit_s`` bounds everything after the
-  model is built (the link relaxation's bound at most a quarter of it,
-  ``extra["relaxation_share"]``, the candidate plans,
-  at most a quarter completing the warm start, the search the rest, at least one second;
-  building and emitting the model come first) and returns the best verified plan with the
-  engine's bound. CP-SAT runs on the exact time grid of :func:`cpsat_time_scale` (the least
-  common denominator of durations and transfer times) where one exists;
+  model says; ``report['model_objective']``). ``time_limit_s`` bounds the whole solve (the
+  link relaxation's bound at most a quarter of it, ``extra["relaxation_share"]``, the
+  candidate plans, at most a quarter completing the warm start, the search the rest): one
+  :class:`~optmem.solvers.time_budget.Deadline`, taken when the solve starts, less
+  :data:`~optmem.solvers.time_budget.REPLAY_MARGIN_S` for the final replay, caps every
+  engine call of every stage, and a stage with less than one second left of it is skipped
+  (``report["search"] = "skipped (time)"``, a relaxation stage's ``"skipped (time)"``); only
+  the model build, the DP candidates and an emission already started can pass it. It
+  returns the best verified plan with the engine's bound. CP-SAT runs on the exact time
+  grid of :func:`cpsat_time_scale` (the least common denominator of durations and transfer
+  times) where one exists;
   ``report["engine_work"]`` holds the engine's deterministic counts.
 * Both first solve :func:`~optmem.models.remat_offload.build_link_relaxation` (HiGHS; a
   proven lower bound on the model's optimum, ``report["relaxation"]``; off with
@@ -30,7 +34,9 @@
   rows (``extra["relaxation_cumulative_reads"]``) and its window
   (``extra["relaxation_window"]``: re-solves floored at the proven bound, Benders masters
   cut off at the incumbent) are on by default under ``strategy=benders`` only
-  (:data:`BENDERS_EXTRA`, where they were measured).
+  (:data:`BENDERS_EXTRA`, where they were measured). ``strategy=benders`` runs on either
+  grid: on the rounded one (durations rounded down, ``report["exact_times"]`` false) its
+  bounds stay in the original units (:func:`~optmem.solvers.remat_offload_benders.solve_benders`).
 * ``brute``: the independent oracle for tiny chains: every compute sequence with at most
   ``L (L + 1) / 2`` forwards, and for every gap between two consecutive uses of a stored
   value at most one offload/prefetch pair (enumerated window subsets, link orders and issue
@@ -123,6 +129,7 @@ SEQUENCE_DEFAULT = False  # extra["relaxation_sequence"] (strategy=full; benders
 SEQUENCE_WORK = 10.0  # CP-SAT deterministic seconds completing the relaxation's sequence
 SEQUENCE_SHARE = 0.1  # share of a user's time limit completing the relaxation's sequence
 STRATEGIES = ("full", "benders")  # extra["strategy"] of cpsat (benders: remat_offload_benders)
+MIN_ENGINE_LIMIT_S = 0.01  # an engine call whose emission took what was left: stops at once
 
 
 def compute_sequences(chain: Chain, max_forwards: int | None = None
@@ -308,20 +315,32 @@ def _candidates(problem: RematOffloadProblem, options: SolveOptions
 
 
 def _engine_solve(model: Model, engine: str, options: SolveOptions, *,
-                  initial: Sequence[float] | None, scale: int, time_limit_s: float | None
+                  initial: Sequence[float] | None, scale: int, time_limit_s: float | None,
+                  deadline: Deadline | None = None
                   ) -> tuple[EngineResult, list[float] | None, float]:
-    """Emit ``model`` for ``engine`` and solve: the engine outcome, model values, bound."""
+    """Emit ``model`` for ``engine`` and solve: the engine outcome, model values, bound.
+
+    ``deadline`` caps ``time_limit_s`` once the model is emitted (the emission of the
+    ResNet-50 model takes 3-5 s: a limit computed before it overran the solve's deadline).
+    """
+
+    def limit() -> float | None:
+        if deadline is None:
+            return time_limit_s
+        capped = deadline.cap(time_limit_s)
+        return None if capped is None else max(capped, MIN_ENGINE_LIMIT_S)
+
     if engine == "cpsat":
         cp = to_cpsat(model, scale=scale)
         out = engines.solve_cpsat(cp.cp, cp.variables, hint=cp.hint(initial),
                                   **{**engines.cpsat_settings(options),
-                                     "time_limit_s": time_limit_s})
+                                     "time_limit_s": limit()})
         values = cp.values(out.values) if out.values is not None else None
         bound = cp.objective(out.bound) if math.isfinite(out.bound) else math.nan
         return out, values, bound
     pm = to_pulp(model)
     out = engines.solve_pulp(pm.problem, pm.all_variables, engine, initial=pm.initial(initial),
-                             **{**engines.pulp_settings(options), "time_limit_s": time_limit_s})
+                             **{**engines.pulp_settings(options), "time_limit_s": limit()})
     values = out.values[:len(model.vars)] if out.values is not None else None
     return out, values, out.bound
 
@@ -357,7 +376,8 @@ def _warm_start(problem: RematOffloadProblem, options: SolveOptions,
             notes.append(f"{label}: no time left of the warm start's share of the limit")
             break
         done, values, _ = _engine_solve(with_fixed(built, fixed), engine, options,
-                                        initial=None, scale=scale, time_limit_s=limit)
+                                        initial=None, scale=scale, time_limit_s=limit,
+                                        deadline=deadline)
         if not done.status.has_plan or values is None:
             notes.append(f"{label}: not completed ({done.status}: {done.message})")
             continue
@@ -610,8 +630,10 @@ def _lazy_host(chain: Chain, memory_limit: int, beta: float, sweeps: int,
                 master.add(Expr([(at, 1.0)]) >= floor - 1e-6 * max(1.0, abs(floor)),
                            "relaxation_floor")
             pm = to_pulp(master)
+            left = limit()  # again: the build and emission took some of it
             out = engines.solve_pulp(pm.problem, pm.all_variables, engine,
-                                     **{**engines.pulp_settings(options), "time_limit_s": left})
+                                     **{**engines.pulp_settings(options), "time_limit_s":
+                                        None if left is None else max(left, MIN_ENGINE_LIMIT_S)})
             if not out.failed and math.isfinite(out.bound):
                 floor = max(floor, out.bound - 1e-9 * max(1.0, abs(out.bound)))
             yield master, out
@@ -806,7 +828,8 @@ def _sequence_candidate(setup: _Setup, relaxed: _Relaxed, options: SolveOptions
         min(SEQUENCE_WORK, options.deterministic_time)
     out, values, _ = _engine_solve(with_fixed(built, fixed), setup.engine,
                                    options.with_(deterministic_time=work), initial=None,
-                                   scale=setup.scale, time_limit_s=limit)
+                                   scale=setup.scale, time_limit_s=limit,
+                                   deadline=setup.deadline)
     if not out.status.has_plan or values is None:
         return None
     plan = built.decode(values)
@@ -879,7 +902,7 @@ def _full_solve(setup: _Setup, options: SolveOptions, report: dict[str, Any], *,
                                           stopped_by="time"), None, -math.inf
     else:
         out, values, bound = _engine_solve(model, engine, options, initial=start.values,
-                                           scale=scale, time_limit_s=left)
+                                           scale=scale, time_limit_s=left, deadline=deadline)
     status = out.status
     if out.failed:
         incumbent = start.plan
