@@ -17,7 +17,7 @@ ORDER = ["checkpoint_dp", "exact", "checkpoint_exact", "zoo", "pytorch", "hf_pai
          "hf_quiet3", "hf_quiet3_repeat", "hf_quiet",
          "hf_bert_target1", "hf_bert_tie", "hf_gpt2_llama_floor", "hf",
          "hf_segment_quiet",
-         "hf_segment", "memory", "offload",
+         "hf_segment", "memory", "hf_zoo", "offload",
          "offload_exact", "remat_offload", "remat_offload_exact", "remat_offload_proofs",
          "pipeline_exact", "pipeline", "madpipe_speed", "pipeline_runtime", "min_peak", "fuzz"]
 INTRO = """# Benchmark results

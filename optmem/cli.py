@@ -22,11 +22,12 @@ from optmem.cli_problems import HOOKS, ProblemHooks
 from optmem.errors import OptmemInputError, PlanError
 from optmem.fileio import read_json, write_text_atomic
 from optmem.result import Result, SolveOptions, Status
-from optmem.units import format_size, parse_size
+from optmem.units import format_size, memory_percent, relative_memory
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 MEMORY_OBJECTIVE = {"min-peak"}  # problems whose objective is a memory size, not a time
 OPTIONAL_MEMORY = {"min-peak"}  # problems for which --memory is an optional upper bound
+RELATIVE_MEMORY = {"checkpoint", "offload", "remat-offload"}  # --memory may be "60%" of store-all
 MODEL_SUFFIXES = (".mps", ".lp", ".pb", ".pbtxt")  # export: MPS/LP (every model), CP-SAT protos
 
 # Modules that add whole subcommands through ``register_cli(subparsers)``.
@@ -90,15 +91,24 @@ def add_problem_options(parser: argparse.ArgumentParser) -> None:
             group._add_action(action)
 
 
-def memory_from_args(problem: str, args: argparse.Namespace) -> int | None:
-    """``--memory`` in bytes (``None`` when absent, which only min-peak allows)."""
+def memory_from_args(problem: str, args: argparse.Namespace, chain: Chain) -> int | None:
+    """``--memory`` in bytes (``None`` when absent, which only min-peak allows).
+
+    ``--memory 60%`` is 60 % of ``chain``'s store-all peak, rounded down
+    (:func:`~optmem.units.relative_memory`), for the problems whose limit bounds the chain's
+    activations (:data:`RELATIVE_MEMORY`).
+    """
     text = getattr(args, "memory", None)
     if text is None:
         if problem in OPTIONAL_MEMORY:
             return None
         raise OptmemInputError(f"the {problem} problem needs --memory (e.g. --memory 4GiB)",
                                field="--memory")
-    return parse_size(text, field="--memory")
+    if memory_percent(text, field="--memory") is not None and problem not in RELATIVE_MEMORY:
+        raise OptmemInputError(f"a percentage of the store-all peak is a limit of "
+                               f"{', '.join(sorted(RELATIVE_MEMORY))} only; give the {problem} "
+                               f"problem a size (e.g. --memory 4GiB)", field="--memory")
+    return relative_memory(text, chain.store_all_peak(), field="--memory")
 
 
 def build_problem(problem: str, chain: Chain, memory_limit: int | None,
@@ -289,7 +299,7 @@ def cmd_solve(args: argparse.Namespace) -> int:
     from optmem.solvers.facade import solve
 
     chain = load_chain(args.chain)
-    problem = build_problem(args.problem, chain, memory_from_args(args.problem, args), args)
+    problem = build_problem(args.problem, chain, memory_from_args(args.problem, args, chain), args)
     result = solve(problem, args.method, options=options_from_args(args))
     if args.output:
         _write_json(args.output, result.to_json())
@@ -305,7 +315,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from optmem.solvers.facade import compare
 
     chain = load_chain(args.chain)
-    problem = build_problem(args.problem, chain, memory_from_args(args.problem, args), args)
+    problem = build_problem(args.problem, chain, memory_from_args(args.problem, args, chain), args)
     names = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
 
     def progress(name: str) -> None:
@@ -328,7 +338,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     """``optmem verify``: replay a plan file in the independent simulator."""
     chain = load_chain(args.chain)
-    problem = build_problem(args.problem, chain, memory_from_args(args.problem, args), args)
+    problem = build_problem(args.problem, chain, memory_from_args(args.problem, args, chain), args)
     options = options_from_args(args)
     plan_data = _read_json(args.plan)
     if args.problem == "checkpoint":
@@ -379,7 +389,7 @@ def cmd_export(args: argparse.Namespace) -> int:
                                f"{', '.join(MODEL_SUFFIXES)} (or .csv for a pipeline "
                                f"schedule), got {args.output!r}", field="-o")
     chain = load_chain(args.chain)
-    problem = build_problem(args.problem, chain, memory_from_args(args.problem, args), args)
+    problem = build_problem(args.problem, chain, memory_from_args(args.problem, args, chain), args)
     export(problem, args.method or "ilp", args.output, options=options_from_args(args))
     print(f"wrote {args.output}")
     return EXIT_OK
@@ -392,7 +402,7 @@ def export_schedule_csv(args: argparse.Namespace) -> int:
     from optmem.solvers.facade import solve
 
     chain = load_chain(args.chain)
-    problem = build_problem(args.problem, chain, memory_from_args(args.problem, args), args)
+    problem = build_problem(args.problem, chain, memory_from_args(args.problem, args, chain), args)
     result = solve(problem, args.method or "auto", options=options_from_args(args))
     if not result.status.has_plan:
         hint = "" if result.min_feasible_memory is None else \
@@ -484,8 +494,10 @@ def _add_common(p: argparse.ArgumentParser, *, memory: bool = True) -> None:
     p.add_argument("chain", help="chain file (optmem.chain/1 JSON) or bundled dataset name")
     if memory:
         p.add_argument("--memory", "-m",
-                       help="memory limit: bytes or a size like 4GiB, 512MB, 1.5GiB (required "
-                            "except for min-peak, where it is an optional upper bound)")
+                       help="memory limit: bytes or a size like 4GiB, 512MB, 1.5GiB, or 60%% "
+                            "of the chain's store-all peak (checkpoint, offload, "
+                            "remat-offload); required except for min-peak, where it is an "
+                            "optional upper bound")
     p.add_argument("--variant", help="method variant (e.g. paper, rotor, floating, persistent)")
     p.add_argument("--slots", type=int, default=500, help="memory slots (default 500)")
     add_engine_limits(p)

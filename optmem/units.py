@@ -96,6 +96,47 @@ def memory_size(value: Any, *, field: str = "memory_limit") -> int:
     return int(exact)
 
 
+def memory_percent(value: Any, *, field: str = "memory_limit") -> Decimal | None:
+    """The fraction a relative limit ``"60%"`` asks for (``None`` for anything else).
+
+    A relative limit is a percentage of the chain's store-all peak
+    (:meth:`optmem.chain.Chain.store_all_peak`): ``"60%"`` is ``0.6`` of it. Values that do
+    not end in ``%`` are left to :func:`memory_size`.
+
+    Raises
+    ------
+    OptmemInputError
+        For a percentage that is not a finite number above 0 (``"0%"``, ``"-5%"``, ``"x%"``).
+
+    Examples
+    --------
+    >>> memory_percent("60%"), memory_percent(" 12.5 % "), memory_percent("4GiB")
+    (Decimal('0.6'), Decimal('0.125'), None)
+    """
+    if not isinstance(value, str) or not value.strip().endswith("%"):
+        return None
+    m = re.fullmatch(_NUMBER + r"\s*%", value.strip())
+    number = Decimal(m.group(1)) if m else None
+    if number is None or not number.is_finite() or number <= 0 or number.adjusted() > 6:
+        raise OptmemInputError(f"expected a percentage of the store-all peak above 0 such as "
+                               f"60%, got {value!r}", field=field)
+    return number / 100
+
+
+def relative_memory(value: Any, store_all_peak: int, *, field: str = "memory_limit") -> int:
+    """A limit in bytes (units): a size, or a percentage of ``store_all_peak`` rounded down.
+
+    Examples
+    --------
+    >>> relative_memory("60%", 1000), relative_memory("33.3%", 10), relative_memory("2KiB", 7)
+    (600, 3, 2048)
+    """
+    fraction = memory_percent(value, field=field)
+    if fraction is None:
+        return memory_size(value, field=field)
+    return int((fraction * store_all_peak).to_integral_value(rounding="ROUND_FLOOR"))
+
+
 def _parse_size_text(text: str, field: str) -> Decimal:
     m = re.fullmatch(r"([+-]?)" + _NUMBER + r"\s*([a-zA-Z]*)", text.strip())
     if not m or m.group(3).lower() not in _SIZE_UNITS:

@@ -251,3 +251,32 @@ def test_bad_option_flags_exit_2_with_one_line(capsys, tmp_path, flag, words):
                          "2", "--method", "cpsat", "--option", flag)
     assert code == 2 and out == ""
     assert words in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("percent", ["60%", "100%", "37.5%", "250%"])
+def test_memory_as_a_percentage_of_store_all(capsys, chain_file, percent):
+    peak = Chain.load(chain_file).store_all_peak()
+    limit = int(float(percent[:-1]) * peak) // 100
+    code, out, err = run(capsys, "solve", "checkpoint", str(chain_file), "-m", percent, "--json")
+    by_percent = json.loads(out)
+    code2, out2, _ = run(capsys, "solve", "checkpoint", str(chain_file), "-m", str(limit),
+                         "--json")
+    by_bytes = json.loads(out2)
+    assert code == code2 == 0, err
+    assert by_percent["memory_limit"] == by_bytes["memory_limit"] == limit
+    for key in ("status", "objective", "plan", "peak_memory"):
+        assert by_percent[key] == by_bytes[key]
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["solve", "checkpoint", "{chain}", "-m", "0%"], "percentage of the store-all peak"),
+    (["solve", "checkpoint", "{chain}", "-m", "x%"], "percentage of the store-all peak"),
+    (["solve", "checkpoint", "{chain}", "--memory=-5%"], "percentage of the store-all peak"),
+    (["solve", "pipeline", "{chain}", "--gpus", "2", "-m", "50%"], "give the pipeline problem"),
+    (["solve", "min-peak", "{chain}", "-m", "50%"], "give the min-peak problem"),
+])
+def test_bad_percentages_exit_2_with_one_line(capsys, chain_file, argv, needle):
+    code, out, err = run(capsys, *[a.format(chain=chain_file) for a in argv])
+    assert code == 2 and out == ""
+    assert needle in err and "--memory" in err and len(err.strip().splitlines()) == 1
+    assert "Traceback" not in err

@@ -223,3 +223,46 @@ def test_example_script_prints_same_losses(capsys, monkeypatch):
     module.main()
     out = capsys.readouterr().out
     assert "same losses: True" in out and "DIFFERENT" not in out
+
+
+def test_frozen_parameters_and_dtype_changes_after_wrapping():
+    """Freezing (LoRA-style: only the norms train) before or after wrapping gives the
+    model's gradients; ``model.to(torch.float64)`` after wrapping extracts again (the
+    float32 graph baked in RMSNorm's cast back to float32) and gives float64 results."""
+    model, kwargs = llama()
+    model.train()
+    for name, p in model.named_parameters():
+        p.requires_grad_("norm" in name)
+    cmodel = op.checkpoint(model, kwargs, memory_limit="60%", repeats=1, warmup=0,
+                           fast_path=False)
+    assert_same(step(cmodel, model, kwargs, seed=3), step(model, model, kwargs, seed=3))
+    for p in model.parameters():
+        p.requires_grad_(True)
+    assert_same(step(cmodel, model, kwargs, seed=3), step(model, model, kwargs, seed=3))
+    assert len(cmodel.variants) == 1  # the executor follows requires_grad at run time
+    model.to(torch.float64)
+    got, ref = step(cmodel, model, kwargs, seed=3), step(model, model, kwargs, seed=3)
+    assert got[0].logits.dtype is torch.float64
+    assert_same(got, ref)
+    assert len(cmodel.variants) == 2
+
+
+def test_wrapping_the_backbone_inside_its_model():
+    """``model.model = op.checkpoint(model.model, ...)``: the parent calls the backbone with
+    ``use_cache=None`` (taken as absent: no generation cache, which export cannot return);
+    loss and gradients are the model's, bitwise, and the parent's state-dict keys are too."""
+    model, kwargs = llama()
+    model.train()
+    keys = list(model.state_dict())
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    ref = step(model, model, kwargs, seed=3)
+    model.model = op.checkpoint(model.model, {"input_ids": kwargs["input_ids"]},
+                                memory_limit="60%", repeats=1, warmup=0, fast_path=False)
+    assert list(model.state_dict()) == keys
+    assert_same(step(model, model, kwargs, seed=3), ref)
+    model.load_state_dict(saved)
+    # one plan per model: wrapping the whole model again, or the wrapper, is refused
+    with pytest.raises(OptmemInputError, match=r"LlamaForCausalLM\.model is already wrapped"):
+        op.checkpoint(model, kwargs, memory_limit="60%", repeats=1, warmup=0)
+    with pytest.raises(OptmemInputError, match="already wrapped by optmem"):
+        op.checkpoint(model.model, {"input_ids": kwargs["input_ids"]}, memory_limit="60%")

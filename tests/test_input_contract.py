@@ -226,3 +226,18 @@ def test_each_method_declares_the_extra_keys_it_reads() -> None:
             assert extra.seen <= set(info.extra), (name, method, extra.seen)
             read |= extra.seen
     assert {"sweeps", "prefetch", "grid", "autocapper_values", "delta_kappa"} <= read
+
+
+def test_problems_take_a_percentage_of_store_all_as_the_cli_does():
+    from optmem.datasets.synthetic import random_chain
+    from optmem.problems.checkpoint import CheckpointProblem
+    from optmem.problems.offload import OffloadProblem
+    from optmem.problems.remat_offload import RematOffloadProblem
+
+    chain = random_chain(6, seed=1)
+    peak = chain.store_all_peak()
+    assert CheckpointProblem(chain, "60%").memory_limit == peak * 60 // 100
+    assert OffloadProblem(chain, "50%", chain_bandwidth=1.0).memory_limit == peak // 2
+    assert RematOffloadProblem(chain, "100%", chain_bandwidth=1.0).memory_limit == peak
+    with pytest.raises(OptmemInputError, match="percentage of the store-all peak"):
+        CheckpointProblem(chain, "0%")

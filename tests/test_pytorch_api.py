@@ -75,6 +75,23 @@ def test_checkpoint_infeasible_and_bad_inputs():
                           "F_all 1", "B 1"]).objective > chain.total_compute_time()
 
 
+def test_memory_limit_as_a_percentage_of_store_all():
+    module, x = resolve_spec("toy-mlp", batch=4)
+    chain = op.profile_chain(module, x, repeats=1, warmup=0)
+    store = chain.store_all_peak()
+    by_bytes = op.checkpoint(module, x, memory_limit=int(store * 0.7), chain=chain)
+    cnet = op.checkpoint(module, x, memory_limit="70%", chain=chain)
+    assert cnet.result.plan == by_bytes.result.plan
+    assert cnet.expected_peak_bytes <= int(store * 0.7)
+    assert cnet._main.limit == by_bytes._main.limit == store * 7 // 10
+    cnet.resolve(memory_limit="100%")  # store-all fits: no re-run at all
+    assert cnet._main.limit == store and cnet.result.objective == chain.total_compute_time()
+    with pytest.raises(OptmemInputError, match="percentage of the store-all peak"):
+        op.checkpoint(module, x, memory_limit="0%", chain=chain)
+    with pytest.raises(OptmemInputError, match="smallest feasible limit"):
+        op.checkpoint(module, x, memory_limit="1%", chain=chain)
+
+
 def _argparser():
     from optmem.pytorch import cli
 

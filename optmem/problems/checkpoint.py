@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError
-from optmem.units import memory_size
+from optmem.units import memory_percent, memory_size, relative_memory
 
 DEFAULT_SLOTS = 500
 
@@ -68,8 +68,16 @@ def discretize(chain: Chain, memory_limit: int, slots: int = DEFAULT_SLOTS) -> D
     return Discretized(chain.quantize(unit), memory_limit // unit, unit)
 
 
-def check_memory_limit(value: object, *, field: str = "memory_limit") -> int:
-    """Normalise a memory limit to bytes (:func:`optmem.units.memory_size`) or raise."""
+def check_memory_limit(value: object, *, field: str = "memory_limit",
+                       chain: Chain | None = None) -> int:
+    """Normalise a memory limit to bytes (:func:`optmem.units.memory_size`) or raise.
+
+    With ``chain``, a percentage (``"60%"``) is of its store-all peak, rounded down
+    (:func:`optmem.units.relative_memory`), as the CLI's ``--memory 60%`` and the torch
+    bridge's ``memory_limit="60%"`` read it.
+    """
+    if chain is not None and memory_percent(value, field=field) is not None:
+        return relative_memory(value, chain.store_all_peak(), field=field)
     return memory_size(value, field=field)
 
 
@@ -83,8 +91,9 @@ class CheckpointProblem:
         The chain to train.
     memory_limit
         Memory limit in the chain's memory unit (bytes by default); includes a^0. An int,
-        a numpy integer, an integral float (``2e9``) or a size string (``"2GiB"``); stored
-        as an int (:func:`optmem.units.memory_size`).
+        a numpy integer, an integral float (``2e9``), a size string (``"2GiB"``) or a
+        percentage of the chain's store-all peak (``"60%"``, rounded down); stored as an
+        int (:func:`check_memory_limit`).
 
     Examples
     --------
@@ -100,7 +109,8 @@ class CheckpointProblem:
     name = "checkpoint"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "memory_limit", check_memory_limit(self.memory_limit))
+        object.__setattr__(self, "memory_limit",
+                           check_memory_limit(self.memory_limit, chain=self.chain))
 
     def discretize(self, slots: int = DEFAULT_SLOTS) -> Discretized:
         """Return the discretised instance (CONTRACT section 2)."""

@@ -98,7 +98,8 @@ class OffloadProblem:
     name = "offload"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "memory_limit", check_memory_limit(self.memory_limit))
+        object.__setattr__(self, "memory_limit",
+                           check_memory_limit(self.memory_limit, chain=self.chain))
         per_second, per_chain = link_bandwidths(self.chain, self.bandwidth,
                                                 self.chain_bandwidth)
         object.__setattr__(self, "bandwidth", per_second)

@@ -107,7 +107,7 @@ class CheckpointedModule(PlannedModule):
         planner.memory_limit = memory_limit
         planner.method = method or self.result.method
         result = planner.solve(self.chain)
-        self._set_result(result, limit=solved_limit(planner.memory_limit, result))
+        self._set_result(result, limit=solved_limit(planner.memory_limit, result, self.chain))
         return result
 
     def use_plan(self, plan: Sequence[str], method: str = "custom",
@@ -250,6 +250,7 @@ def checkpoint(
         "labels": ids}``). For an ``nn.Sequential`` or a list of stages: the one input.
     memory_limit
         Activation memory for one step: bytes or a size such as ``"2GiB"``, ``"512MB"``;
+        a percentage of the profiled store-all peak (``"60%"``, rounded down to a byte);
         ``"min"`` takes the smallest limit at which ``method`` finds a plan.
     method
         Any checkpoint method of the facade: ``dp`` (optimal persistent), ``dp:floating``,

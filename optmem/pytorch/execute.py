@@ -81,6 +81,7 @@ from optmem.pytorch.context import (
     side_inputs,
 )
 from optmem.pytorch.extract import Stage, value_tensors
+from optmem.pytorch.hooks import quiet_gradient_hooks
 from optmem.pytorch.joint import JointStage, dead_outputs
 
 __all__ = ["CheckpointedChain", "StageCalls", "add_monitor", "compile_stage", "fusable_runs",
@@ -322,19 +323,50 @@ class _GradHolder:
         self.grads: list[torch.Tensor | None] = []
 
 
+class _BufferSnapshot:
+    """The buffers of a re-run stage as they were before its first run.
+
+    A stage whose output reads a buffer it updates in the same forward (an EMA normaliser,
+    spectral norm's power iteration, a VQ codebook) must re-run from the values its first
+    run saw, not from the updated ones: taken before the first run, then trimmed to the
+    buffers that run changed (another tensor, or a new version: an in-place update).
+    """
+
+    def __init__(self, modules: Sequence[nn.Module]) -> None:
+        self.saved: dict[tuple[int, str], tuple[nn.Module, torch.Tensor, int, torch.Tensor]] = {
+            (id(sub), name): (sub, buf, buf._version, buf.detach().clone())
+            for sub in modules for name, buf in sub._buffers.items() if buf is not None}
+
+    def keep_changed(self) -> bool:
+        """Drop the copies of unchanged buffers; whether any is left."""
+        self.saved = {key: entry for key, entry in self.saved.items()
+                      if entry[0]._buffers.get(key[1]) is not entry[1]
+                      or entry[1]._version != entry[2]}
+        return bool(self.saved)
+
+    def value(self, sub: nn.Module, name: str, buf: torch.Tensor) -> torch.Tensor:
+        """The buffer's value before the first run (``buf`` when it did not change)."""
+        entry = self.saved.get((id(sub), name))
+        return buf if entry is None else entry[3]
+
+
 @contextmanager
-def _scratch_buffers(modules: Sequence[nn.Module]) -> Iterator[None]:
+def _scratch_buffers(modules: Sequence[nn.Module],
+                     snapshot: _BufferSnapshot | None = None) -> Iterator[None]:
     """Run with copies of the buffers, so that a re-run does not update them twice.
 
     The copies are swapped in and out (no in-place write on the real buffers, whose
-    version autograd may check: batch norm saves its running statistics).
+    version autograd may check: batch norm saves its running statistics). With a
+    ``snapshot``, the copies start from the values before the stage's first run, so the
+    re-run computes what the first run computed.
     """
     swapped = []
     for sub in modules:
         for name, buf in list(sub._buffers.items()):
             if buf is not None:
                 swapped.append((sub, name, buf))
-                sub._buffers[name] = buf.detach().clone()
+                start = snapshot.value(sub, name, buf) if snapshot is not None else buf
+                sub._buffers[name] = start.detach().clone()
     try:
         yield
     finally:
@@ -480,6 +512,7 @@ class PlanRunner:
         counts = Counter(op.stage for op in plan if op.kind is not OpKind.B and op.stage)
         self.rerun = {s for s, c in counts.items() if c > 1}
         self.rng: dict[int, _RngState] = {}
+        self.buffers: dict[int, _BufferSnapshot] = {}  # re-run stages' buffers, before
         self.ran: set[int] = set()
         self.storage: dict[int, _Slot] = {}
         self.input_requires_grad = False
@@ -573,7 +606,10 @@ class PlanRunner:
             elif self.owner.preserve_rng_state and i in self.rerun:
                 self.rng[i] = _RngState(self.devices)
             if not first and self.owner.restore_buffers:
-                stack.enter_context(_scratch_buffers(self.owner.stage_modules()[i - 1]))
+                stack.enter_context(_scratch_buffers(self.owner.stage_modules()[i - 1],
+                                                     self.buffers.get(i)))
+            elif self.owner.restore_buffers and i in self.rerun:
+                self.buffers[i] = _BufferSnapshot(self.owner.stage_modules()[i - 1])
             if op.kind is OpKind.F_ALL and self.index in self.dead:
                 call = self._joint_call(i, call)
             if op.kind is OpKind.F_ALL and self.index in self.fusion.link:
@@ -595,6 +631,8 @@ class PlanRunner:
                 with torch.no_grad():
                     out = call(src)
                 self.storage[i] = _Slot(out)
+        if first and i in self.buffers and not self.buffers[i].keep_changed():
+            del self.buffers[i]
         self.ran.add(i)
         if self.index in self.fusion.close:
             self._close_run(*self.fusion.close[self.index])
@@ -663,7 +701,9 @@ class PlanRunner:
             self.holder.grads = grads
             del grads, current
             targets: list[Any] = [*wanted, *(self.params[k] for k in params)]
-            got = torch.autograd.grad([sink], targets, [torch.empty(0)], allow_unused=True)
+            with quiet_gradient_hooks(targets[len(wanted):], post_accumulate=False):
+                got = torch.autograd.grad([sink], targets, [torch.empty(0)],
+                                          allow_unused=True)
         else:
             got = [None] * (len(wanted) + len(params))
         self._take_gradients(in_edges, params, got, len(wanted))
@@ -721,7 +761,8 @@ class PlanRunner:
             got = _backward_accumulating(edges, grads, wanted)
         elif edges and (wanted or params):
             targets: list[Any] = [*wanted, *(self.params[k] for k in params)]
-            got = torch.autograd.grad(edges, targets, grads, allow_unused=True)
+            with quiet_gradient_hooks(targets[len(wanted):], post_accumulate=False):
+                got = torch.autograd.grad(edges, targets, grads, allow_unused=True)
         else:
             got = [None] * (len(wanted) + len(params))
         self._take_gradients(in_edges, params, got, len(wanted))
@@ -871,7 +912,9 @@ class CheckpointedChain(StageCalls, nn.Module):
     preserve_rng_state
         Restore the RNG state for re-run stages (dropout identical to the unmodified module).
     restore_buffers
-        Undo buffer updates (BatchNorm running statistics) of re-run stages.
+        Undo buffer updates (BatchNorm running statistics) of re-run stages, and re-run a
+        stage from its buffers as they were before its first run (a stage whose output
+        reads a buffer it updates: an EMA normaliser, spectral norm, a VQ codebook).
     strip_suffix
         Run the store-all suffix of the plan as ordinary autograd code.
     release_early

@@ -41,6 +41,7 @@ from torch.utils._pytree import tree_flatten
 from optmem.errors import OptmemInputError
 from optmem.pytorch.attention import elide_constant_masks
 from optmem.pytorch.context import SideInputs, side_inputs
+from optmem.pytorch.custom_functions import opaque_functions, refuse_functions, restore_functions
 from optmem.pytorch.graphcut import (
     Cut,
     GraphStage,
@@ -52,6 +53,12 @@ from optmem.pytorch.graphcut import (
     cut_graph,
     make_stage,
     output_layout,
+)
+from optmem.pytorch.hooks import (
+    check_backward_hooks,
+    refuse_python_random,
+    refuse_tensor_hooks,
+    warn_forward_hooks,
 )
 
 __all__ = ["Extraction", "Stage", "extract_program", "extract_stages", "merge_stages",
@@ -237,8 +244,14 @@ def _graph_stages(gm: fx.GraphModule, model: nn.Module | None, cut: Cut,
 
 
 def _trace(module: nn.Module) -> fx.GraphModule:
+    check_backward_hooks(module)
+    warn_forward_hooks(module)
     try:
-        return fx.symbolic_trace(module)
+        name = type(module).__name__
+        with refuse_python_random(name), refuse_tensor_hooks(name), refuse_functions(name):
+            return fx.symbolic_trace(module)
+    except OptmemInputError:
+        raise
     except Exception as exc:  # noqa: BLE001 - any tracing failure becomes one clear message
         raise OptmemInputError(
             f"cannot extract a chain from {type(module).__name__}: it is not an nn.Sequential "
@@ -381,6 +394,8 @@ def _extract_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
     if method not in ("auto", "export", "fx"):
         raise OptmemInputError(f"expected method auto, export or fx, got {method!r}",
                                field="extract")
+    check_backward_hooks(module)
+    warn_forward_hooks(module)
     errors = []
     if method in ("auto", "export"):
         try:
@@ -439,8 +454,11 @@ def _flat_graph_nodes(value: Any) -> list[fx.Node]:
 
 def _export_program(module: nn.Module, args: tuple[Any, ...],
                     kwargs: dict[str, Any]) -> Extraction:
-    ep = torch.export.export(module, args, kwargs=kwargs, strict=False)
+    name = type(module).__name__
+    with refuse_python_random(name), refuse_tensor_hooks(name), opaque_functions(name):
+        ep = torch.export.export(module, args, kwargs=kwargs, strict=False)
     gm = ep.module()
+    restore_functions(gm)
     elide_constant_masks(gm)
     flat = list(fx_pytree.tree_flatten_spec((args, kwargs), ep.call_spec.in_spec))
     return _program(gm, module, flat, method="export", in_spec=ep.call_spec.in_spec,
@@ -450,7 +468,9 @@ def _export_program(module: nn.Module, args: tuple[Any, ...],
 def _fx_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Extraction:
     from torch.fx.passes.shape_prop import ShapeProp
 
-    gm = fx.symbolic_trace(module)
+    name = type(module).__name__
+    with refuse_python_random(name), refuse_tensor_hooks(name), refuse_functions(name):
+        gm = fx.symbolic_trace(module)
     signature = inspect.signature(module.forward)
     names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     bound = signature.bind(*args, **kwargs)

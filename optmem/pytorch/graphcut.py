@@ -39,6 +39,7 @@ from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from optmem.pytorch.context import SideInputs, current_side_inputs
+from optmem.pytorch.custom_functions import is_opaque_call
 
 __all__ = ["CHAIN", "DROP", "SIDE", "STATE", "Cut", "GraphStage", "SideProgram", "classify",
            "cut_graph"]
@@ -80,6 +81,8 @@ def _attr(root: nn.Module, target: str) -> Any:
 
 def _is_random(node: fx.Node, root: nn.Module) -> bool:
     target = node.target
+    if is_opaque_call(node):
+        return True  # a custom autograd Function: what it draws is not seen (kept in the chain)
     if isinstance(target, torch._ops.OpOverload):
         return torch.Tag.nondeterministic_seeded in target.tags
     if node.op == "call_module":

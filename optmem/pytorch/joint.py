@@ -48,6 +48,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from optmem.plan import Op, OpKind
 from optmem.pytorch.context import SideInputs
+from optmem.pytorch.custom_functions import is_opaque_call
 from optmem.pytorch.graphcut import GraphStage
 
 __all__ = ["JointStage", "dead_outputs"]
@@ -249,6 +250,8 @@ class JointStage:
 
         assert self.stage is not None
         gm = self.stage.gm
+        if any(is_opaque_call(node) for node in gm.graph.nodes):
+            return None  # a custom autograd Function: its own forward and backward run it
         dx = tuple(k for k, v in enumerate(leaves) if v.requires_grad)
         dp = tuple(k for k, t in enumerate(state) if t.requires_grad)
         mode = FakeTensorMode()

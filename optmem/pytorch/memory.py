@@ -35,6 +35,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from optmem.pytorch.hooks import quiet_gradient_hooks
+
 if TYPE_CHECKING:
     from optmem.chain import Chain
 
@@ -298,10 +300,15 @@ def backward_step(call: Callable[[], Any]) -> None:
 
 @contextlib.contextmanager
 def gradients_restored(leaves: Sequence[torch.Tensor]) -> Iterator[None]:
-    """Put back the ``.grad`` of every tensor of ``leaves`` on exit (steps measured or timed)."""
+    """Put back the ``.grad`` of every tensor of ``leaves`` on exit (steps measured or timed).
+
+    Their gradient hooks do not run within (:func:`~optmem.pytorch.hooks.quiet_gradient_hooks`):
+    the steps are the measurement's, not the training's.
+    """
     saved = [t.grad for t in leaves]
     try:
-        yield
+        with quiet_gradient_hooks(leaves):
+            yield
     finally:
         for t, g in zip(leaves, saved, strict=True):
             t.grad = g
@@ -360,7 +367,9 @@ def plan_allowance(chain: Chain, plan: Sequence[Any], stages: Sequence[Any] = ()
       ``delta^{j-1}`` when the store-all suffix ``j..L`` runs natively) stays alive during
       the whole backward of the plan, where the model frees it at ``B L`` (``B j-1``);
     * the loss and its seed gradient (:data:`LOSS_SCALARS`), alive until the backward ends;
-    * with ``restore_buffers``, scratch copies of the buffers of the stage being re-run;
+    * with ``restore_buffers``, scratch copies of the buffers of the stage being re-run,
+      and the copies of every re-run stage's buffers taken before its first run (kept for
+      the buffers that run updated, until the step ends: a re-run starts from them);
     * the partial gradient of a parameter that several stages use (a tied embedding): the
       executor sums it itself from the first ``B`` that makes it until the plan's backward
       returns, where plain autograd would hold it as the parameter's ``.grad`` (a weight
@@ -405,8 +414,9 @@ def plan_allowance(chain: Chain, plan: Sequence[Any], stages: Sequence[Any] = ()
     buffers = tied = 0
     modules = [getattr(s, "module", s) for s in stages]
     if restore_buffers and modules:
-        buffers = max((storage_bytes(list(modules[i - 1].buffers()))
-                       for i, c in runs.items() if c > 1), default=0)
+        rerun = [storage_bytes(list(modules[i - 1].buffers())) for i, c in runs.items() if c > 1]
+        # one scratch copy at a time, plus the snapshots taken before first runs
+        buffers = max(rerun, default=0) + sum(rerun)
     if modules:
         tied = storage_bytes(_shared_parameters(modules))
     aliases = (chain.extra or {}).get("profile", {}).get("output_left_out") or ()

@@ -45,7 +45,7 @@ from optmem.plan import Plan, parse_plan
 from optmem.problems.checkpoint import unit_of
 from optmem.result import Result, SolveOptions, Status
 from optmem.simulate import simulate_checkpoint
-from optmem.units import chain_rate, format_size, parse_size
+from optmem.units import chain_rate, format_size, relative_memory
 
 __all__ = ["KINDS", "Planner", "auto_slots", "bandwidth_per_unit", "recorded_segment_cost",
            "refine_by_rounding_down", "rounded_down", "smallest_feasible"]
@@ -157,7 +157,9 @@ class Planner:
     kind
         ``"checkpoint"``, ``"offload"`` or ``"remat_offload"``.
     memory_limit
-        Bytes or a size (``"2GiB"``); ``"min"`` takes the smallest limit with a plan.
+        Bytes or a size (``"2GiB"``); a percentage of the chain's store-all peak
+        (``"60%"``: :func:`~optmem.units.relative_memory`, rounded down to a byte);
+        ``"min"`` takes the smallest limit with a plan.
     method
         A method of the facade for that problem (``"dp"`` by default).
     bandwidth
@@ -192,8 +194,8 @@ class Planner:
         if self.kind != "checkpoint" and self.bandwidth is None:
             raise OptmemInputError(f"{self.kind} needs a bandwidth (bytes per second or a "
                                    "rate such as '12GB/s')", field="bandwidth")
-        if self.memory_limit != "min":
-            parse_size(self.memory_limit, field="memory_limit")  # fail early on bad sizes
+        if self.memory_limit != "min":  # fail early on bad sizes and percentages
+            relative_memory(self.memory_limit, 0, field="memory_limit")
 
     def options(self, chain: Chain | None = None, method: str | None = None) -> SolveOptions:
         """The solver options (``slots`` chosen for ``chain`` and ``method`` when unset)."""
@@ -263,7 +265,7 @@ class Planner:
         method = method or self.method
         wanted = self.memory_limit if memory_limit is None else memory_limit
         limit = (self.smallest_limit(chain, method) if wanted == "min"
-                 else parse_size(wanted, field="memory_limit"))
+                 else relative_memory(wanted, chain.store_all_peak(), field="memory_limit"))
         result = self.solve_at(chain, limit, method)
         if result.status.has_plan:
             return result

@@ -76,6 +76,7 @@ from torch.utils._pytree import tree_leaves
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError
 from optmem.pytorch.extract import Stage, extract_stages, value_tensors
+from optmem.pytorch.hooks import quiet_gradient_hooks
 from optmem.pytorch.memory import StorageTrace, storage_bytes, storage_key
 from optmem.pytorch.segments import (
     MIN_STAGES,
@@ -624,7 +625,8 @@ def profile_stages(
     fork_devices = [dev.index if dev.index is not None else torch.cuda.current_device()] \
         if setting.cuda else []
     try:
-        with torch.random.fork_rng(devices=fork_devices, enabled=True):
+        with torch.random.fork_rng(devices=fork_devices, enabled=True), \
+                quiet_gradient_hooks(params):
             rows, leaves, last = _profile_memory(modules, stages, sample, setting, bar)
             loss_overhead = _loss_memory(loss_fn, last, rows[-1].output_size, setting) \
                 if loss_fn is not None else 0

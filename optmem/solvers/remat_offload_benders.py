@@ -68,9 +68,16 @@ stages), so at most ``v*``. If it agrees on ``J``: for a refutation cut, the ful
 with the compute binaries of ``J`` fixed as in ``xhat`` has no solution with all times at
 most ``z - 1 / (2 s)`` (``build_remat_offload``: the horizon bounds every time variable of
 every plan of makespan at most the horizon); on the exact time grid ``1 / s``
-(:func:`~optmem.solvers.remat_offload_exact.cpsat_time_scale`, required here: every
+(:func:`~optmem.solvers.remat_offload_exact.cpsat_time_scale`, when exact: every
 duration and transfer time is a multiple of ``1 / s``, and so is every simulated start and
-end) no plan agreeing on ``J`` is faster than ``z``, so ``v* >= z = b``.
+end) no plan agreeing on ``J`` is faster than ``z``, so ``v* >= z = b``. On the rounded grid
+(durations not on any grid of at most 1e6 steps per unit: the subproblem's durations are
+rounded *down* to ``1 / s``, as in the ``full`` strategy) a plan of the true durations and
+makespan ``T`` maps onto a subproblem solution of makespan ``floor(T s) / s`` (floor every
+time: precedence rows keep, since ``floor(a + d) >= floor(a) + floor(d)``; the premise on
+which CONTRACT 13 states the rounded model's bound valid), so the refutation proves
+``v* >= (floor(z s - 1/2) + 1) / s`` instead, ``b`` = that or ``z``, the smaller
+(:meth:`_Loop.refuted`); grid lifts are not taken there (``solve_benders``).
 For a value cut ``x* = xhat`` and ``b`` is CP-SAT's proven bound of that sequence (or the
 master's value there, itself at most ``v*``), or the host-rows bound of ``xhat``: the proof
 of :func:`~optmem.models.remat_offload.build_link_relaxation` maps the optimal plan (compute
@@ -143,6 +150,7 @@ from optmem.solvers.remat_offload import (
     no_plan_result,
     plan_result,
 )
+from optmem.solvers.time_budget import Deadline
 
 DEFAULT_SUB_WORK = 10.0  # CP-SAT deterministic seconds per subproblem (doubled on a repeat)
 DEFAULT_FILTER_WORK = 0.25  # CP-SAT deterministic seconds per deletion-filter check
@@ -154,6 +162,7 @@ CUMULATIVE_READS_DEFAULT = False  # extra["relaxation_cumulative_reads"] (with t
 WINDOW_DEFAULT = False
 # extra["benders_first_found"]: a windowed master stops at its first solution in the window
 FIRST_FOUND_DEFAULT = False
+ROUNDED_CLAIM_TOLERANCE = 1e-6  # relative: optimal on the rounded grid (solve_benders)
 FILTER_MODES = ("phases", "slots")  # extra["benders_filter"] (default first): filter passes
 LOG = logging.getLogger(__name__)
 
@@ -194,6 +203,23 @@ class _Loop:
     state: _State
     left: Callable[[], float | None]
     theta0: float = -math.inf
+    exact: bool = True  # the time grid 1 / scale is exact (else durations rounded down)
+
+    def refuted(self, z: float) -> float:
+        """The value a refutation of the subproblem of horizon ``z`` proves (see below).
+
+        On the exact grid, ``z``. On the rounded grid (``exact`` false) the subproblem, of
+        durations rounded down to ``1 / s``, is refuted with every time at most ``c / s``,
+        ``c = floor(z s - 1/2)`` (:func:`_emit`); a plan of the true durations and makespan
+        ``T`` maps onto a solution of it with makespan ``floor(T s) / s`` (the premise of the
+        rounded grid, :mod:`optmem.models.remat_offload`), so every plan agreeing with the
+        refuted set has ``floor(T s) >= c + 1``: ``T >= (c + 1) / s``, which can lie a hair
+        below ``z``; the least of the two, less a relative 1e-12 for the float arithmetic.
+        """
+        if self.exact:
+            return z
+        c = math.floor(z * self.scale - 0.5)
+        return min(z, (c + 1) / self.scale) - 1e-12 * max(1.0, abs(z))
 
     def cut(self, slots: Sequence[ck.Slot], xhat: dict[int, int], b: float, name: str) -> None:
         """``theta >= b - (b - theta0) dis_J(x)`` over the op binaries of ``slots``."""
@@ -297,8 +323,25 @@ def solve_benders(problem: RematOffloadProblem, options: SolveOptions, *,
                   built: RematOffloadModel, scale: int,
                   incumbent: tuple[float, tuple[AnyOp, ...]] | None, report: dict[str, Any],
                   floor: float = -math.inf,
-                  first: tuple[Model, EngineResult] | None = None) -> Result:
-    """Run the decomposition (module docstring); ``scale`` must be the exact time grid.
+                  first: tuple[Model, EngineResult] | None = None,
+                  deadline: Deadline | None = None, exact: bool = True) -> Result:
+    """Run the decomposition (module docstring) on the CP-SAT time grid ``1 / scale``.
+
+    ``exact``: every duration and transfer time of the chain is a multiple of ``1 / scale``
+    (bounds are then lifted to the grid, a refutation proves the incumbent's makespan).
+    Otherwise ``built`` has its durations rounded down to the grid (``build_remat_offload(...,
+    grid=scale)``, the rounded grid of
+    :func:`~optmem.solvers.remat_offload_exact.cpsat_time_scale`) and every bound stays in
+    the original units: the master (the link relaxation of the true durations) as it is,
+    not lifted; a refutation proves :meth:`_Loop.refuted` (a hair below the incumbent at
+    most); a value cut CP-SAT's bound of the rounded subproblem (a plan of the true
+    durations maps onto it with no larger makespan), at most that refuted value; a window
+    proof ``z - 1 / (2 s)`` (:func:`_window`). Plans are replayed on the true durations,
+    and ``optimal`` is claimed only when that bound meets the replayed makespan (within
+    :data:`ROUNDED_CLAIM_TOLERANCE` relative, the ``full`` strategy's rule on that grid).
+    ``deadline`` (default: ``options.time_limit_s`` from now) caps every engine call; the
+    loop stops before a master or subproblem call with less than
+    :data:`~optmem.solvers.remat_offload.LEAST_ENGINE_TIME_S` left.
 
     ``built`` is the full model (no grid), ``incumbent`` the best verified plan so far
     (simulated makespan, plan) and ``floor`` a proven bound from elsewhere (the warm-up
@@ -328,10 +371,16 @@ def solve_benders(problem: RematOffloadProblem, options: SolveOptions, *,
         master = first[0]
     plan, z = (incumbent[1], incumbent[0]) if incumbent else (None, built.horizon)
 
-    def left() -> float | None:
-        if options.time_limit_s is None:
-            return None
-        return max(LEAST_ENGINE_TIME_S, options.time_limit_s - (time.monotonic() - began))
+    if deadline is None:
+        deadline = Deadline.start(options.time_limit_s, margin=0.0)
+    left = deadline.left
+    lift: Callable[[float], float] = \
+        (lambda b: grid_ceiling(b, scale)) if exact else (lambda b: b)
+    # the bound meets the incumbent: relative 1e-9 on the exact grid (lifted bounds); on
+    # the rounded one the full strategy's rule there (its engine bound within 1e-6 of the
+    # replayed plan), since the cuts' values lie up to half a grid step or HiGHS's 1e-9
+    # margin below the incumbent even when they prove it
+    claim_tol = 1e-9 if exact else ROUNDED_CLAIM_TOLERANCE
 
     host = build_link_relaxation(disc.chain, disc.memory_limit, beta,
                                  sweeps=built.checkpoint.sweeps,
@@ -344,25 +393,25 @@ def solve_benders(problem: RematOffloadProblem, options: SolveOptions, *,
                                      if v.name == "makespan"), _slots(built), options, scale,
                  positive_float(options, "benders_filter_work", DEFAULT_FILTER_WORK),
                  _State(plan, z, limit=disc.memory_limit, beta=beta,
-                        single_slots=_filter_mode(options) == "slots", host=host), left)
+                        single_slots=_filter_mode(options) == "slots", host=host), left,
+                 exact=exact)
     state = loop.state
     opvars = [i for sl in loop.slots for _, i in sl.ops]
     report.update({"strategy": "benders", "model": built.info, "time_scale": scale,
-                   "exact_times": True, "benders": state.counts})
+                   "exact_times": exact, "benders": state.counts})
     bound = floor
     tries: dict[tuple[int, ...], int] = {}
     status = Status.FEASIBLE
     no_plan = False
     while True:
-        if options.time_limit_s is not None and \
-                time.monotonic() - began >= options.time_limit_s:
-            break
         if max_iter is not None and state.counts["iterations"] >= max_iter:
             break
         if first is not None and first[1].status is Status.OPTIMAL:
-            out, first = first[1], None
+            out, first = first[1], None  # solved by the caller: no engine call
             windowed = False
         else:
+            if deadline.spent(LEAST_ENGINE_TIME_S):  # no time for a master
+                break
             first = None
             windowed = window and state.plan is not None and math.isfinite(loop.theta0)
             pm = to_pulp(_window(master, loop.theta, bound, state.makespan, scale)
@@ -376,14 +425,15 @@ def solve_benders(problem: RematOffloadProblem, options: SolveOptions, *,
                      out.status, out.objective, out.bound, out.time_s, out.info.get("nodes"))
             if windowed and not out.failed and math.isfinite(out.bound):
                 # the windowed master's dual bound, capped at z, is at most v* (_window)
-                capped = min(out.bound - 1e-9 * max(1.0, abs(out.bound)), state.makespan)
-                bound = max(bound, grid_ceiling(capped, scale))
+                capped = min(out.bound - 1e-9 * max(1.0, abs(out.bound)),
+                             _window_proof(state.makespan, scale, exact))
+                bound = max(bound, lift(capped))
                 out = replace(out, bound=min(out.bound, state.makespan))
             if windowed and out.status is Status.INFEASIBLE:
                 # no compute sequence's master value is below z - 1 / (2 s): _window
                 state.counts["window_proofs"] += 1
-                bound = max(bound, state.makespan)
-                status = Status.OPTIMAL
+                bound = max(bound, _window_proof(state.makespan, scale, exact))
+                status = Status.OPTIMAL if exact else status  # rounded: checked below
                 break
         if out.status is Status.INFEASIBLE and (state.plan is None or
                                                  not math.isfinite(loop.theta0)):
@@ -398,19 +448,21 @@ def solve_benders(problem: RematOffloadProblem, options: SolveOptions, *,
             report["master"] = f"{out.status}: {out.message}"
             break
         master_bound = out.bound - 1e-9 * max(1.0, abs(out.bound))
-        bound = max(bound, grid_ceiling(master_bound, scale))  # plans lie on the grid
+        bound = max(bound, lift(master_bound))  # exact grid: plans lie on it
         if not math.isfinite(loop.theta0):  # at most every sequence's relaxation value
             # and at most the optimum, as is the floor: the cuts' validity needs only that
             loop.theta0 = max(master_bound, floor)
             report["relaxation"] = {**report.get("relaxation", {}), "bound": master_bound,
                                     "seconds": round(out.time_s, 3)}
-        if bound >= state.makespan - 1e-9 * max(1.0, state.makespan):
+        if bound >= state.makespan - claim_tol * max(1.0, state.makespan):
             status = Status.OPTIMAL
             no_plan = state.plan is None  # nothing below the default horizon, which is
             break  # above every plan of the class
         found = windowed and first_found and out.status is Status.FEASIBLE
         if out.status is not Status.OPTIMAL and not found:
             break  # a master stopped early gives its bound, not a trustworthy proposal
+        if deadline.spent(LEAST_ENGINE_TIME_S):  # no time for the subproblem
+            break
         state.counts["iterations"] += 1
         state.counts["first_found"] += found
         xhat = {i: int(round(out.values[i])) for i in opvars}
@@ -431,9 +483,9 @@ def solve_benders(problem: RematOffloadProblem, options: SolveOptions, *,
     if no_plan:
         report["benders"]["bound"] = math.inf
         return no_plan_result(problem, options, "cpsat", Status.INFEASIBLE, report)
-    bound = grid_ceiling(max(bound, lower_bound(problem)), scale)
+    bound = lift(max(bound, lower_bound(problem)))
     if status is Status.FEASIBLE and state.plan is not None and \
-            bound >= state.makespan - 1e-9 * max(1.0, state.makespan):
+            bound >= state.makespan - claim_tol * max(1.0, state.makespan):
         status = Status.OPTIMAL  # the bound lifted to the time grid meets the incumbent
     report["benders"]["bound"] = bound
     if state.plan is None:
@@ -481,20 +533,34 @@ def _subproblem(loop: _Loop, xhat: dict[int, int], work: float, value: float, *,
         kept = deletion_filter(cp, loop.slots, xhat, loop.options, loop.filter_work, state,
                                loop.left, single_slots=state.single_slots)
         LOG.info("benders %d: refuted, cut of %d of %d slots", n, len(kept), len(loop.slots))
-        loop.cut(kept, xhat, state.makespan, f"benders_refute_{n}")
+        proven = loop.refuted(state.makespan)
+        loop.cut(kept, xhat, proven, f"benders_refute_{n}")
         state.counts["refutation_cuts"] += 1
         state.counts["cut_slots"].append(len(kept))
-        return state.makespan
+        return proven
     if out.status.has_plan and out.values is not None:
         _improve(loop, loop.built.decode(cp.values(out.values)))
     b = max(value, hosted) if least else hosted
     if math.isfinite(out.bound):
-        b = max(b, cp.objective(out.bound) - 1e-9 * max(1.0, abs(value)))
+        b = max(b, min(cp.objective(out.bound) - 1e-9 * max(1.0, abs(value)),
+                       loop.refuted(state.makespan)))
     over = value if least else loop.theta0
     if b > over + 1e-9 * max(1.0, abs(over)):  # else the cut would not remove xhat
         loop.cut(loop.slots, xhat, b, f"benders_value_{n}")
         state.counts["value_cuts"] += 1
     return b
+
+
+def _window_proof(z: float, scale: int, exact: bool) -> float:
+    """What a windowed master with no solution proves (:func:`_window`).
+
+    ``z`` on the exact grid; on the rounded grid only ``z - 1 / (2 s)`` (every compute
+    sequence's master value is above it, and the plans need not lie on the grid), less a
+    relative 1e-9 for HiGHS's tolerances.
+    """
+    if exact:
+        return z
+    return z - 0.5 / scale - 1e-9 * max(1.0, abs(z))
 
 
 def _window(master: Model, theta: int, bound: float, makespan: float, scale: int) -> Model:

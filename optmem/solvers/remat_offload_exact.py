@@ -10,13 +10,17 @@
   chapter 4 DP, the persistent checkpoint DP and the offload-only DYNPROG that fits the
   class (completed by the engine with the plan's binaries fixed), its horizon is that plan's
   makespan, and the decoded plan is replayed by the simulator (it is never slower than the
-  model says; ``report['model_objective']``). ``time_limit_s`` bounds everything after the
-  model is built (the link relaxation's bound at most a quarter of it,
-  ``extra["relaxation_share"]``, the candidate plans,
-  at most a quarter completing the warm start, the search the rest, at least one second;
-  building and emitting the model come first) and returns the best verified plan with the
-  engine's bound. CP-SAT runs on the exact time grid of :func:`cpsat_time_scale` (the least
-  common denominator of durations and transfer times) where one exists;
+  model says; ``report['model_objective']``). ``time_limit_s`` bounds the whole solve (the
+  link relaxation's bound at most a quarter of it, ``extra["relaxation_share"]``, the
+  candidate plans, at most a quarter completing the warm start, the search the rest): one
+  :class:`~optmem.solvers.time_budget.Deadline`, taken when the solve starts, less
+  :data:`~optmem.solvers.time_budget.REPLAY_MARGIN_S` for the final replay, caps every
+  engine call of every stage, and a stage with less than one second left of it is skipped
+  (``report["search"] = "skipped (time)"``, a relaxation stage's ``"skipped (time)"``); only
+  the model build, the DP candidates and an emission already started can pass it. It
+  returns the best verified plan with the engine's bound. CP-SAT runs on the exact time
+  grid of :func:`cpsat_time_scale` (the least common denominator of durations and transfer
+  times) where one exists;
   ``report["engine_work"]`` holds the engine's deterministic counts.
 * Both first solve :func:`~optmem.models.remat_offload.build_link_relaxation` (HiGHS; a
   proven lower bound on the model's optimum, ``report["relaxation"]``; off with
@@ -30,7 +34,9 @@
   rows (``extra["relaxation_cumulative_reads"]``) and its window
   (``extra["relaxation_window"]``: re-solves floored at the proven bound, Benders masters
   cut off at the incumbent) are on by default under ``strategy=benders`` only
-  (:data:`BENDERS_EXTRA`, where they were measured).
+  (:data:`BENDERS_EXTRA`, where they were measured). ``strategy=benders`` runs on either
+  grid: on the rounded one (durations rounded down, ``report["exact_times"]`` false) its
+  bounds stay in the original units (:func:`~optmem.solvers.remat_offload_benders.solve_benders`).
 * ``brute``: the independent oracle for tiny chains: every compute sequence with at most
   ``L (L + 1) / 2`` forwards, and for every gap between two consecutive uses of a stored
   value at most one offload/prefetch pair (enumerated window subsets, link orders and issue
@@ -100,6 +106,7 @@ from optmem.solvers.remat_offload_benders import (
     solve_benders,
 )
 from optmem.solvers.remat_offload_schedule import Window, static_replay, window_before
+from optmem.solvers.time_budget import Deadline
 
 BRUTE_MAX_LENGTH = 2
 COMPLETION_SHARE = 0.25  # share of a user's time limit spent completing warm starts
@@ -122,6 +129,7 @@ SEQUENCE_DEFAULT = False  # extra["relaxation_sequence"] (strategy=full; benders
 SEQUENCE_WORK = 10.0  # CP-SAT deterministic seconds completing the relaxation's sequence
 SEQUENCE_SHARE = 0.1  # share of a user's time limit completing the relaxation's sequence
 STRATEGIES = ("full", "benders")  # extra["strategy"] of cpsat (benders: remat_offload_benders)
+MIN_ENGINE_LIMIT_S = 0.01  # an engine call whose emission took what was left: stops at once
 
 
 def compute_sequences(chain: Chain, max_forwards: int | None = None
@@ -307,31 +315,46 @@ def _candidates(problem: RematOffloadProblem, options: SolveOptions
 
 
 def _engine_solve(model: Model, engine: str, options: SolveOptions, *,
-                  initial: Sequence[float] | None, scale: int, time_limit_s: float | None
+                  initial: Sequence[float] | None, scale: int, time_limit_s: float | None,
+                  deadline: Deadline | None = None
                   ) -> tuple[EngineResult, list[float] | None, float]:
-    """Emit ``model`` for ``engine`` and solve: the engine outcome, model values, bound."""
+    """Emit ``model`` for ``engine`` and solve: the engine outcome, model values, bound.
+
+    ``deadline`` caps ``time_limit_s`` once the model is emitted (the emission of the
+    ResNet-50 model takes 3-5 s: a limit computed before it overran the solve's deadline).
+    """
+
+    def limit() -> float | None:
+        if deadline is None:
+            return time_limit_s
+        capped = deadline.cap(time_limit_s)
+        return None if capped is None else max(capped, MIN_ENGINE_LIMIT_S)
+
     if engine == "cpsat":
         cp = to_cpsat(model, scale=scale)
         out = engines.solve_cpsat(cp.cp, cp.variables, hint=cp.hint(initial),
                                   **{**engines.cpsat_settings(options),
-                                     "time_limit_s": time_limit_s})
+                                     "time_limit_s": limit()})
         values = cp.values(out.values) if out.values is not None else None
         bound = cp.objective(out.bound) if math.isfinite(out.bound) else math.nan
         return out, values, bound
     pm = to_pulp(model)
     out = engines.solve_pulp(pm.problem, pm.all_variables, engine, initial=pm.initial(initial),
-                             **{**engines.pulp_settings(options), "time_limit_s": time_limit_s})
+                             **{**engines.pulp_settings(options), "time_limit_s": limit()})
     values = out.values[:len(model.vars)] if out.values is not None else None
     return out, values, out.bound
 
 
 def _warm_start(problem: RematOffloadProblem, options: SolveOptions,
                 built: RematOffloadModel, engine: str, scale: int,
-                found: list[tuple[float, str, tuple[AnyOp, ...]]] | None = None) -> _Start:
+                found: list[tuple[float, str, tuple[AnyOp, ...]]] | None = None,
+                deadline: Deadline | None = None) -> _Start:
     """The fastest candidate plan that fits the model, completed by the engine.
 
     ``plan`` is the fastest candidate (the incumbent), ``values`` the completion of the
     fastest one the model can take; ``found``: :func:`_candidates`, if already computed.
+    Each completion's engine limit is what is left of :data:`COMPLETION_SHARE` of the time
+    limit, capped by ``deadline`` (the solve's, :mod:`optmem.solvers.time_budget`).
     """
     if not options.warm_start:
         return _Start(None, math.inf, None, math.inf, "off")
@@ -347,11 +370,14 @@ def _warm_start(problem: RematOffloadProblem, options: SolveOptions,
             notes.append(f"{label}: does not fit the model's slots")
             continue
         limit = None if budget is None else budget - (time.monotonic() - began)
+        if deadline is not None:
+            limit = deadline.cap(limit)
         if limit is not None and limit <= 0:
             notes.append(f"{label}: no time left of the warm start's share of the limit")
             break
         done, values, _ = _engine_solve(with_fixed(built, fixed), engine, options,
-                                        initial=None, scale=scale, time_limit_s=limit)
+                                        initial=None, scale=scale, time_limit_s=limit,
+                                        deadline=deadline)
         if not done.status.has_plan or values is None:
             notes.append(f"{label}: not completed ({done.status}: {done.message})")
             continue
@@ -417,7 +443,8 @@ RELAXATION_STAGES = ((False, False, "plain_bound"), (True, False, "deadline_boun
 def _relaxation_bound(chain: Chain, memory_limit: int, beta: float, sweeps: int,
                       options: SolveOptions, engine: str, *,
                       master_budget_s: float | None = None,
-                      clock: Callable[[], float] = time.monotonic) -> _Relaxed:
+                      clock: Callable[[], float] = time.monotonic,
+                      deadline: Deadline | None = None) -> _Relaxed:
     """The proven bound of :func:`~optmem.models.remat_offload.build_link_relaxation`.
 
     Solved by the PuLP engine of the method (HiGHS for ``cpsat`` when installed) within
@@ -437,7 +464,10 @@ def _relaxation_bound(chain: Chain, memory_limit: int, beta: float, sweeps: int,
     :data:`LEAST_ENGINE_TIME_S`, a later one runs only with that much left of its budget,
     and the host stage only when :func:`_host_stage_fits` (model size, not
     time: the stage's time varies 3x with the load, its size does not). ``clock`` is the
-    time source (injected by the tests). With ``extra["relaxation_lazy"]`` (default
+    time source (injected by the tests). ``deadline`` (the solve's,
+    :mod:`optmem.solvers.time_budget`) caps every stage's limit, whatever its share says;
+    a stage (the first one too) with less than :data:`LEAST_ENGINE_TIME_S` left of it is
+    skipped (``"skipped (time)"``). With ``extra["relaxation_lazy"]`` (default
     :data:`LAZY_HOST_DEFAULT`) the host stage is :func:`_lazy_host` instead (host rows only
     on the items the current optimum violates; no size rule, the share bounds it;
     ``info["host_rounds"]``, ``info["host_items"]``). ``-inf`` when it is off
@@ -466,10 +496,13 @@ def _relaxation_bound(chain: Chain, memory_limit: int, beta: float, sweeps: int,
     previous: EngineResult | None = None
     stages = [st for st in RELAXATION_STAGES
               if (deadlines or not st[0]) and (host_values or not st[1])]
+    if deadline is None:
+        deadline = Deadline(None)
     for with_deadlines, with_values, key in stages:
         budget = share if with_values else first_budget
-        if previous is not None and budget is not None and \
-                budget - (clock() - began) < LEAST_ENGINE_TIME_S:
+        if (previous is not None and budget is not None and
+                budget - (clock() - began) < LEAST_ENGINE_TIME_S) or \
+                deadline.spent(LEAST_ENGINE_TIME_S):
             info[key] = "skipped (time)"
             break
         if with_values and lazy:
@@ -479,7 +512,7 @@ def _relaxation_bound(chain: Chain, memory_limit: int, beta: float, sweeps: int,
             covered: set[int] = set()
             info["host_rounds"] = 0
             def host_left(b: float | None = budget) -> float | None:
-                return _stage_limit(b, clock() - began, first=False)
+                return deadline.cap(_stage_limit(b, clock() - began, first=False))
 
             for master, out in _lazy_host(chain, memory_limit, beta, sweeps, kept, options,
                                           pulp_engine, covered, host_left,
@@ -498,7 +531,10 @@ def _relaxation_bound(chain: Chain, memory_limit: int, beta: float, sweeps: int,
             info[key] = "skipped (too large, or the deadline stage not solved)"
             break
         pm = to_pulp(master)
-        limit = _stage_limit(budget, clock() - began, first=previous is None)
+        if deadline.spent(LEAST_ENGINE_TIME_S):  # the build took what was left
+            info[key] = "skipped (time)"
+            break
+        limit = deadline.cap(_stage_limit(budget, clock() - began, first=previous is None))
         out = engines.solve_pulp(pm.problem, pm.all_variables, pulp_engine,
                                  **{**engines.pulp_settings(options), "time_limit_s": limit})
         info = _record(info, key, out)
@@ -594,8 +630,10 @@ def _lazy_host(chain: Chain, memory_limit: int, beta: float, sweeps: int,
                 master.add(Expr([(at, 1.0)]) >= floor - 1e-6 * max(1.0, abs(floor)),
                            "relaxation_floor")
             pm = to_pulp(master)
+            left = limit()  # again: the build and emission took some of it
             out = engines.solve_pulp(pm.problem, pm.all_variables, engine,
-                                     **{**engines.pulp_settings(options), "time_limit_s": left})
+                                     **{**engines.pulp_settings(options), "time_limit_s":
+                                        None if left is None else max(left, MIN_ENGINE_LIMIT_S)})
             if not out.failed and math.isfinite(out.bound):
                 floor = max(floor, out.bound - 1e-9 * max(1.0, abs(out.bound)))
             yield master, out
@@ -636,7 +674,9 @@ class _Setup:
     """The instance as the model sees it.
 
     The discretised chain, bandwidth, built model, engine and CP-SAT time grid (``exact``:
-    every duration and transfer time on it).
+    every duration and transfer time on it); ``deadline``: the end of the solve's time
+    limit, taken when the solve started (:mod:`optmem.solvers.time_budget`), which caps
+    every engine call of every stage.
     """
 
     problem: RematOffloadProblem
@@ -647,6 +687,7 @@ class _Setup:
     built: RematOffloadModel
     scale: int
     exact: bool
+    deadline: Deadline = Deadline(None)
 
 
 def _benders(setup: _Setup, options: SolveOptions, report: dict[str, Any]) -> Result:
@@ -676,16 +717,16 @@ def _benders(setup: _Setup, options: SolveOptions, report: dict[str, Any]) -> Re
     if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
         raise OptmemInputError(f"expected a share in [0, 1] for benders_warmup, got {share!r}",
                                field="benders_warmup")
-    problem = setup.problem
+    problem, deadline = setup.problem, setup.deadline
     candidates = _candidates(problem, options)
     found = [(value, plan) for value, _, plan in candidates]
     floor = -math.inf
     first: tuple[Model, EngineResult] | None = None
-    began = time.monotonic()
     limit = options.time_limit_s
     relaxed = _relaxation_bound(setup.disc.chain, setup.disc.memory_limit, setup.beta,
                                 setup.built.checkpoint.sweeps, options, "cpsat",
-                                master_budget_s=None if limit is None else (1 - share) * limit)
+                                master_budget_s=None if limit is None else (1 - share) * limit,
+                                deadline=deadline)
     report["relaxation"] = relaxed.info  # the loop adds its first master's bound
     if relaxed.master is not None and relaxed.out is not None:
         first = (relaxed.master, relaxed.out)
@@ -694,7 +735,8 @@ def _benders(setup: _Setup, options: SolveOptions, report: dict[str, Any]) -> Re
     if share > 0 and (limit is not None or options.deterministic_time is not None):
         warm_options = options.with_(time_limit_s=None if limit is None else share * limit)
         warm = _full_solve(setup, warm_options, dict(report), relaxed=relaxed,
-                           candidates=candidates)
+                           candidates=candidates, deadline=deadline.within(
+                               warm_options.time_limit_s))
         report["warmup"] = {"status": str(warm.status), "objective": warm.objective,
                             "bound": warm.bound, "seconds": warm.report.get("engine_time_s"),
                             "engine_work": warm.report.get("engine_work")}
@@ -707,15 +749,17 @@ def _benders(setup: _Setup, options: SolveOptions, report: dict[str, Any]) -> Re
         if math.isfinite(warm.bound):
             floor = warm.bound
     found.sort(key=lambda t: t[0])
-    left = None if limit is None else \
-        max(LEAST_ENGINE_TIME_S, limit - (time.monotonic() - began))
-    return solve_benders(problem, options.with_(time_limit_s=left), built=setup.built,
+    left = deadline.left()  # the loop's engine calls are capped by the deadline itself
+    return solve_benders(problem, options.with_(time_limit_s=None if left is None else
+                                                max(left, 1e-3)), built=setup.built,
                          scale=setup.scale, incumbent=found[0] if found else None,
-                         report=report, floor=floor, first=first)
+                         report=report, floor=floor, first=first, deadline=deadline,
+                         exact=setup.exact)
 
 
 def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: str
                  ) -> Result:
+    deadline = Deadline.start(options.time_limit_s)  # every stage within it (time_budget)
     disc, beta = discretized(problem, options)
     sweeps = positive_int(options, "sweeps", 1)
     per_gap = positive_int(options, "transfers_per_gap", 1)
@@ -729,7 +773,7 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
     if strategy not in STRATEGIES:
         raise OptmemInputError(f"expected strategy one of {', '.join(STRATEGIES)}, got "
                                f"{strategy!r}", field="strategy")
-    if strategy == "benders" and exact:
+    if strategy == "benders":
         flag(options, "relaxation_deadlines", True)  # checked before any work
         flag(options, "relaxation_values", True)
         flag(options, "relaxation_lazy", LAZY_HOST_DEFAULT)
@@ -747,12 +791,10 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
     if engine == "cpsat":
         report["time_scale"] = scale
         report["exact_times"] = exact
-    if strategy == "benders" and not exact:
-        report["strategy"] = "full (benders needs the exact time grid)"
     if built.model.trivially_infeasible:
         return no_plan_result(problem, options, method, Status.INFEASIBLE, report)
-    setup = _Setup(problem, method, engine, disc, beta, built, scale, exact)
-    if strategy == "benders" and exact:
+    setup = _Setup(problem, method, engine, disc, beta, built, scale, exact, deadline)
+    if strategy == "benders":
         return _benders(setup, options, report)
     return _full_solve(setup, options, report)
 
@@ -779,13 +821,16 @@ def _sequence_candidate(setup: _Setup, relaxed: _Relaxed, options: SolveOptions
     built = setup.built
     n_ck = len(built.checkpoint.names)
     fixed = {i: float(round(relaxed.out.values[i])) for i in range(n_ck)}
-    limit = None if options.time_limit_s is None else \
-        max(LEAST_ENGINE_TIME_S, SEQUENCE_SHARE * options.time_limit_s)
+    if setup.deadline.spent(LEAST_ENGINE_TIME_S):
+        return None
+    limit = setup.deadline.cap(None if options.time_limit_s is None else
+                               max(LEAST_ENGINE_TIME_S, SEQUENCE_SHARE * options.time_limit_s))
     work = SEQUENCE_WORK if options.deterministic_time is None else \
         min(SEQUENCE_WORK, options.deterministic_time)
     out, values, _ = _engine_solve(with_fixed(built, fixed), setup.engine,
                                    options.with_(deterministic_time=work), initial=None,
-                                   scale=setup.scale, time_limit_s=limit)
+                                   scale=setup.scale, time_limit_s=limit,
+                                   deadline=setup.deadline)
     if not out.status.has_plan or values is None:
         return None
     plan = built.decode(values)
@@ -814,23 +859,28 @@ def _with_sequence(setup: _Setup, relaxed: _Relaxed, options: SolveOptions,
 
 def _full_solve(setup: _Setup, options: SolveOptions, report: dict[str, Any], *,
                 relaxed: _Relaxed | None = None,
-                candidates: list[tuple[float, str, tuple[AnyOp, ...]]] | None = None
-                ) -> Result:
+                candidates: list[tuple[float, str, tuple[AnyOp, ...]]] | None = None,
+                deadline: Deadline | None = None) -> Result:
     """The monolithic solve (module docstring).
 
-    ``relaxed`` and ``candidates``: already computed by the caller.
+    ``relaxed`` and ``candidates``: already computed by the caller. ``deadline`` (default
+    ``setup.deadline``) caps every engine call; when less than :data:`LEAST_ENGINE_TIME_S`
+    is left for the search, it is skipped and the fastest candidate plan is returned
+    (``feasible``) with the bounds proven so far.
     """
+    if deadline is None:
+        deadline = setup.deadline
     problem, method, solver, built = setup.problem, setup.method, setup.engine, setup.built
     disc, beta, engine, scale = setup.disc, setup.beta, setup.engine, setup.scale
     began = time.monotonic()
     if relaxed is None:
         relaxed = _relaxation_bound(disc.chain, disc.memory_limit, beta,
                                     built.checkpoint.sweeps,
-                                    options, engine)
+                                    options, engine, deadline=deadline)
         if options.warm_start:
             candidates = _with_sequence(setup, relaxed, options, candidates, report)
     report["relaxation"] = relaxed.info
-    start = _warm_start(problem, options, built, engine, scale, candidates)
+    start = _warm_start(problem, options, built, engine, scale, candidates, deadline)
     report["warm_start"] = start.note
     lifted = grid_ceiling(relaxed.bound, scale) if setup.exact else relaxed.bound
     if start.plan is not None and \
@@ -844,10 +894,16 @@ def _full_solve(setup: _Setup, options: SolveOptions, report: dict[str, Any], *,
         model.add(Relation(Expr([(built.objective_var, 1.0)]),
                            relaxed.bound - 1e-6 * max(1.0, abs(relaxed.bound)), None),
                   "relaxation_bound")
-    left = (None if options.time_limit_s is None else
-            max(LEAST_ENGINE_TIME_S, options.time_limit_s - (time.monotonic() - began)))
-    out, values, bound = _engine_solve(model, engine, options, initial=start.values,
-                                       scale=scale, time_limit_s=left)
+    left = deadline.cap(None if options.time_limit_s is None else
+                        max(LEAST_ENGINE_TIME_S, options.time_limit_s - (time.monotonic() - began)))
+    if deadline.spent(LEAST_ENGINE_TIME_S):  # no time left for the search
+        report["search"] = "skipped (time)"
+        out, values, bound = EngineResult(Status.NO_SOLUTION, None, math.nan, -math.inf,
+                                          engine, 0.0, "no time left",
+                                          stopped_by="time"), None, -math.inf
+    else:
+        out, values, bound = _engine_solve(model, engine, options, initial=start.values,
+                                           scale=scale, time_limit_s=left, deadline=deadline)
     status = out.status
     if out.failed:
         incumbent = start.plan

@@ -1,0 +1,238 @@
+"""Custom ``torch.autograd.Function`` calls kept whole through extraction.
+
+``torch.export`` (and ``torch.fx``) trace a custom ``torch.autograd.Function`` through its
+``forward`` and drop its ``backward``: the extracted graph holds the forward's aten ops, and
+autograd then differentiates those. Where the Function's backward is not the derivative of
+its forward, gradients are silently wrong: a straight-through estimator (``round`` forward,
+identity backward) gets ``round``'s zero gradient, a gradient-reversal layer the un-reversed
+gradient. Where it is the derivative, memory changes: Bloom's ``GeLUFunction`` saves its
+input and recomputes in its backward, its inlined forward saves every intermediate (about
+8x as much).
+
+While optmem exports a module, :func:`opaque_functions` routes the ``apply`` of every custom
+Function (one whose class is defined outside ``torch``) through one custom op,
+``optmem::autograd_function``. Its fake kernel runs the Function's forward on the export's
+fake tensors, so the exported graph holds one node per call, with the call's tensors as
+inputs. :func:`restore_functions` then points each such node at :func:`call_function`,
+which calls the Function's own ``apply`` on real tensors: forward and backward are the
+Function's, as in the eager model. Non-tensor arguments are kept per call site (the graph
+is specialised to its call anyway).
+
+``torch.fx`` cannot keep them (its proxies run the forward), so :func:`refuse_functions`
+turns a custom Function met while fx traces into an :class:`~optmem.errors.OptmemInputError`
+naming it, never a graph with the wrong backward.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+
+from optmem.errors import OptmemInputError
+
+__all__ = ["OPAQUE_OP", "call_function", "is_opaque_call", "opaque_functions",
+           "refuse_functions", "restore_functions"]
+
+_ORIGINAL_APPLY = torch.autograd.Function.__dict__["apply"].__func__
+_STATE = threading.local()
+
+
+@dataclass
+class _Call:
+    """One call site: the Function, its non-tensor arguments, the shape of its output."""
+
+    fn: type[torch.autograd.Function]
+    template: tuple[Any, ...]  # the arguments, ``None`` where a tensor goes
+    tensor_positions: tuple[int, ...]
+    single: bool | None = None  # forward returned one tensor (None: not run yet)
+
+    def bind(self, tensors: Sequence[torch.Tensor]) -> list[Any]:
+        """The call's arguments with ``tensors`` at their positions."""
+        args = list(self.template)
+        for k, t in zip(self.tensor_positions, tensors, strict=True):
+            args[k] = t
+        return args
+
+
+_CALLS: list[_Call] = []
+
+
+@dataclass
+class _Session:
+    """What one extraction met: how to treat custom Functions, and which it met."""
+
+    mode: str  # "opaque" (export) or "refuse" (fx)
+    met: list[str] = field(default_factory=list)
+    unsupported: list[str] = field(default_factory=list)
+
+
+def _is_custom(cls: type) -> bool:
+    """A Function defined outside torch (torch's own are traced as torch means them)."""
+    module = getattr(cls, "__module__", "") or ""
+    return not (module == "torch" or module.startswith("torch."))
+
+
+def _name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _session() -> _Session | None:
+    return getattr(_STATE, "session", None)
+
+
+def _depth() -> int:
+    return int(getattr(_STATE, "depth", 0))
+
+
+@contextmanager
+def _inside() -> Iterator[None]:
+    """Calls of ``apply`` made while running a Function for a kernel go to the original."""
+    depth = _depth()
+    _STATE.depth = depth + 1
+    try:
+        yield
+    finally:
+        _STATE.depth = depth
+
+
+def _as_list(out: Any, call: _Call, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    single = isinstance(out, torch.Tensor)
+    outs = [out] if single else list(out) if isinstance(out, tuple | list) else None
+    if outs is None or not all(isinstance(o, torch.Tensor) for o in outs):
+        raise OptmemInputError(
+            f"the custom autograd Function {_name(call.fn)} returns "
+            f"{type(out).__name__} values other than tensors; optmem can keep only Functions "
+            "that return a tensor or a tuple of tensors", field="module")
+    call.single = single
+    # a fresh tensor per output: the op's outputs may not alias its inputs
+    alias = torch._C._is_alias_of  # type: ignore[attr-defined]
+    return [o.clone() if any(alias(o, t) for t in inputs) else o for o in outs]
+
+
+def _run(handle: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    call = _CALLS[handle]
+    with _inside():
+        out = _ORIGINAL_APPLY(call.fn, *call.bind(inputs))
+    return _as_list(out, call, inputs)
+
+
+@torch.library.custom_op("optmem::autograd_function", mutates_args=())
+def _opaque(handle: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A custom Function's call as one op (only traced: :func:`restore_functions`)."""
+    with torch.no_grad():
+        return _run(handle, inputs)
+
+
+@_opaque.register_fake
+def _opaque_fake(handle: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    with torch.no_grad():
+        return _run(handle, inputs)
+
+
+OPAQUE_OP = torch.ops.optmem.autograd_function.default
+
+
+def call_function(handle: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Run call site ``handle``'s Function on ``inputs`` (its own forward and backward)."""
+    call = _CALLS[handle]
+    out = call.fn.apply(*call.bind(inputs))
+    return [out] if call.single else list(out)
+
+
+call_function._optmem_opaque = True  # type: ignore[attr-defined]
+
+
+def is_opaque_call(node: fx.Node) -> bool:
+    """Whether ``node`` runs a custom Function kept whole (:func:`call_function`)."""
+    return node.op == "call_function" and node.target in (call_function, OPAQUE_OP)
+
+
+def _apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+    session = _session()
+    if session is None or _depth() > 0 or not _is_custom(cls):
+        return _ORIGINAL_APPLY(cls, *args, **kwargs)
+    session.met.append(_name(cls))
+    if session.mode == "refuse" or kwargs:
+        if kwargs:
+            session.unsupported.append(f"{_name(cls)} (called with keyword arguments)")
+        return _ORIGINAL_APPLY(cls, *args, **kwargs)
+    positions = tuple(k for k, a in enumerate(args) if isinstance(a, torch.Tensor))
+    template = tuple(None if k in positions else a for k, a in enumerate(args))
+    _CALLS.append(_Call(cls, template, positions))
+    handle = len(_CALLS) - 1
+    outs = OPAQUE_OP(handle, [args[k] for k in positions])
+    return outs[0] if _CALLS[handle].single else tuple(outs)
+
+
+@contextmanager
+def _patched(mode: str) -> Iterator[_Session]:
+    if _session() is not None:
+        raise RuntimeError("nested extraction of custom autograd Functions")
+    session = _Session(mode)
+    _STATE.session = session
+    current = torch.autograd.Function.__dict__["apply"]  # restored as found
+    torch.autograd.Function.apply = classmethod(_apply)  # type: ignore[method-assign,assignment]
+    try:
+        yield session
+    finally:
+        torch.autograd.Function.apply = current  # type: ignore[method-assign]
+        _STATE.session = None
+
+
+@contextmanager
+def opaque_functions(module_name: str) -> Iterator[_Session]:
+    """Within: every custom Function's call is one ``optmem::autograd_function`` op.
+
+    Raises
+    ------
+    OptmemInputError
+        On leaving, when a Function could not be kept whole (keyword arguments), naming it.
+    """
+    with _patched("opaque") as session:
+        yield session
+    if session.unsupported:
+        raise OptmemInputError(
+            f"cannot keep the custom autograd Function {', '.join(session.unsupported)} of "
+            f"{module_name} whole: tracing it would drop its backward. Call it with "
+            "positional arguments, or pass a list of stage modules", field="module")
+
+
+@contextmanager
+def refuse_functions(module_name: str) -> Iterator[_Session]:
+    """Within (``torch.fx`` tracing): a custom Function met raises on leaving.
+
+    Raises
+    ------
+    OptmemInputError
+        Naming the Functions: fx runs their forward on proxies and drops their backward.
+    """
+    with _patched("refuse") as session:
+        yield session
+    if session.met:
+        names = ", ".join(sorted(set(session.met)))
+        raise OptmemInputError(
+            f"{module_name} calls the custom autograd Function {names}: torch.fx would trace "
+            "its forward and drop its backward (wrong gradients). torch.export keeps it "
+            "whole; where export fails, pass an nn.Sequential of blocks or a list of stage "
+            "modules", field="module")
+
+
+def restore_functions(gm: fx.GraphModule) -> int:
+    """Point every ``optmem::autograd_function`` node of ``gm`` at :func:`call_function`.
+
+    Returns the number of calls restored.
+    """
+    count = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is OPAQUE_OP:
+            node.target = call_function
+            count += 1
+    if count:
+        gm.recompile()
+    return count

@@ -1,0 +1,181 @@
+"""Hooks that an extracted graph would silently drop: refused or reported, never lost.
+
+A graph from ``torch.export`` or ``torch.fx`` holds the tensor operations that ran while it
+was traced, nothing else:
+
+* **backward hooks** of a module (``register_full_backward_hook``,
+  ``register_full_backward_pre_hook``, the global ones) never run: a hook that scales or
+  clips ``grad_input`` would be lost and the gradients silently wrong. They are refused
+  (:func:`check_backward_hooks`).
+* **tensor hooks registered during the forward** (``h.register_hook(fn)``, e.g. gradient
+  clipping of an activation) are registered on the trace's fake tensors only: refused
+  (:func:`refuse_tensor_hooks`).
+* **Python or NumPy randomness** drawn during the forward (``random.random()`` for a
+  LayerDrop) is baked into the graph as the values of the trace: refused
+  (:func:`refuse_python_random`).
+* **forward hooks** and pre-hooks ran while tracing: their tensor effects (weight norm's
+  recomputed weight, a scaled output) are in the graph, but their Python side effects (a
+  hook that records activations) happened once, on fake tensors, and never again. They are
+  reported with a warning (:func:`warn_forward_hooks`).
+
+Stages that are the user's own modules (an ``nn.Sequential``, a list of stages) run their
+hooks themselves: none of this applies to them.
+"""
+
+from __future__ import annotations
+
+import random
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn.modules import module as module_mod
+
+from optmem.errors import OptmemInputError
+
+__all__ = ["check_backward_hooks", "quiet_gradient_hooks", "refuse_python_random",
+           "refuse_tensor_hooks", "warn_forward_hooks"]
+
+_ALTERNATIVE = ("remove it, or pass an nn.Sequential of blocks or a list of stage modules "
+                "(stages that are your modules run their hooks themselves)")
+
+
+def _where(root: nn.Module, name: str, sub: nn.Module) -> str:
+    path = f"{type(root).__name__}.{name}" if name else type(root).__name__
+    return f"{path} ({type(sub).__name__})"
+
+
+def check_backward_hooks(module: nn.Module) -> None:
+    """Refuse backward hooks on ``module``, its submodules, or global ones.
+
+    Raises
+    ------
+    OptmemInputError
+        Naming the first module with a backward hook (or the global registry).
+    """
+    if module_mod._global_backward_hooks or module_mod._global_backward_pre_hooks:
+        raise OptmemInputError(
+            "a global module backward hook is registered (torch.nn.modules.module."
+            "register_module_full_backward_hook): an extracted graph never runs it, so "
+            f"gradients could be silently wrong; {_ALTERNATIVE}", field="module")
+    for name, sub in module.named_modules():
+        if sub._backward_hooks or sub._backward_pre_hooks:
+            raise OptmemInputError(
+                f"{_where(module, name, sub)} has a backward hook: an extracted graph never "
+                f"runs it, so gradients could be silently wrong; {_ALTERNATIVE}",
+                field="module")
+
+
+def warn_forward_hooks(module: nn.Module) -> list[str]:
+    """Warn about forward hooks and pre-hooks; return where they are.
+
+    Their tensor effects are traced into the graph; their Python side effects ran once,
+    while tracing, on fake tensors.
+    """
+    where = [_where(module, name, sub) for name, sub in module.named_modules()
+             if sub._forward_hooks or sub._forward_pre_hooks]
+    if module_mod._global_forward_hooks or module_mod._global_forward_pre_hooks:
+        where.append("the global module forward hooks")
+    if where:
+        warnings.warn(
+            f"forward hooks on {', '.join(where[:3])}{' ...' if len(where) > 3 else ''}: "
+            "what they compute is traced into optmem's graph, but they are not called again "
+            "(side effects such as recording activations happen once, at extraction, on fake "
+            f"tensors); if they must run every step, {_ALTERNATIVE}", stacklevel=3)
+    return where
+
+
+def _numpy_state() -> tuple[Any, ...]:
+    """NumPy's legacy global generator (the one ``np.random.random()`` draws from)."""
+    state: Any = np.random.get_state()  # noqa: NPY002
+    return (state[0], state[1].tobytes(), *state[2:])
+
+
+@contextmanager
+def refuse_python_random(module_name: str) -> Iterator[None]:
+    """Within (while tracing): refuse draws from Python's ``random`` or NumPy's global RNG.
+
+    A traced graph holds the values such draws gave *while tracing*: a LayerDrop written as
+    ``if random.random() < p: skip the layer`` would skip the same layers at every step.
+    torch's own RNG is not concerned (its random ops are graph nodes, replayed each call).
+
+    Raises
+    ------
+    OptmemInputError
+        On leaving, when either generator's state moved.
+    """
+    before = (random.getstate(), _numpy_state())
+    yield
+    moved = [name for name, changed in (("random", random.getstate() != before[0]),
+                                        ("numpy.random", _numpy_state() != before[1]))
+             if changed]
+    if moved:
+        raise OptmemInputError(
+            f"{module_name} draws random numbers from {' and '.join(moved)} while it runs "
+            "(a LayerDrop or a mask written with Python or NumPy randomness): an extracted "
+            "graph would replay the draws of the trace at every step. Turn them off (e.g. "
+            f"layerdrop=0), use torch's RNG for them, or {_ALTERNATIVE}", field="module")
+
+
+@contextmanager
+def refuse_tensor_hooks(module_name: str) -> Iterator[None]:
+    """Within (while tracing): ``Tensor.register_hook`` is recorded; raise on leaving.
+
+    Raises
+    ------
+    OptmemInputError
+        Naming the hook function and where it is defined.
+    """
+    original = torch.Tensor.register_hook
+    met: list[str] = []
+
+    def record(self: torch.Tensor, hook: Callable[..., Any]) -> Any:
+        code = getattr(hook, "__code__", None)
+        place = f" ({code.co_filename}:{code.co_firstlineno})" if code is not None else ""
+        met.append(f"{getattr(hook, '__qualname__', repr(hook))}{place}")
+        return original(self, hook)
+
+    torch.Tensor.register_hook = record  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.register_hook = original  # type: ignore[method-assign]
+    if met:
+        raise OptmemInputError(
+            f"{module_name} registers a tensor hook in its forward ({met[0]}): an extracted "
+            f"graph never registers it, so gradients could be silently wrong; {_ALTERNATIVE}",
+            field="module")
+
+
+@contextmanager
+def quiet_gradient_hooks(tensors: Iterable[torch.Tensor], *,
+                         post_accumulate: bool = True) -> Iterator[None]:
+    """Within: the gradient hooks of ``tensors`` (parameters) do not run.
+
+    ``p.register_hook(fn)`` and ``p.register_post_accumulate_grad_hook(fn)`` keep their
+    hooks in a dictionary that autograd reads when it runs them; emptying it for a while
+    silences them, restoring it (same order) brings them back. Used where optmem itself
+    back-propagates into parameters for a purpose of its own:
+
+    * the executor computes each stage's parameter gradients with ``torch.autograd.grad``
+      (which runs a leaf's tensor hooks) and returns them to autograd, which runs them
+      again when it accumulates: a hook ``g * 0.5`` halved the gradient twice;
+    * profiling and measuring run training steps whose gradients are thrown away: a
+      post-accumulate hook (an optimizer step in the backward) ran once per profiled step.
+    """
+    saved: list[tuple[dict[Any, Any], list[tuple[Any, Any]]]] = []
+    for t in tensors:
+        for hooks in (t._backward_hooks,
+                      t._post_accumulate_grad_hooks if post_accumulate else None):
+            if hooks:
+                saved.append((hooks, list(hooks.items())))
+                hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, items in saved:
+            hooks.update(items)
