@@ -19,23 +19,21 @@ from collections.abc import Iterator
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from remat_offload_helpers import BENDERS, OPTS, check
+from remat_offload_helpers import check
 from test_remat_offload_exact import tiny
-from test_remat_offload_window import WINDOW, _instances
+from test_remat_offload_window import (
+    WINDOW,
+    _windowed_loops,
+    assert_benders_equals_brute,
+)
 
 from optmem.chain import Chain
-from optmem.models.remat_offload import build_remat_offload
-from optmem.plan import parse_mixed_plan
 from optmem.problems.remat_offload import RematOffloadProblem
-from optmem.result import Result, Status
+from optmem.result import Status
 from optmem.solvers import remat_offload_benders as bd
-from optmem.solvers.facade import solve
-from optmem.solvers.remat_offload import discretized
-from optmem.solvers.remat_offload_exact import cpsat_time_scale
 
 pytest.importorskip("ortools", reason="the Benders subproblem uses OR-Tools CP-SAT")
 
-SEEDED = OPTS.with_(seed=1)
 FIRST = {**WINDOW, "benders_first_found": True}
 
 
@@ -43,33 +41,13 @@ FIRST = {**WINDOW, "benders_first_found": True}
 @given(chain=tiny(), limit=st.integers(3, 22), beta=st.sampled_from([0.5, 1.0, 3.0]))
 def test_first_found_benders_equals_brute(chain: Chain, limit: int, beta: float) -> None:
     """``strategy=benders`` with first-found masters and no warm-up equals brute force."""
-    problem = RematOffloadProblem(chain, limit, chain_bandwidth=beta)
-    brute = solve(problem, "brute", options=OPTS)
-    assert brute.status is not Status.ERROR
-    res = solve(problem, "cpsat", options=BENDERS.with_(
-        extra={**BENDERS.extra, **FIRST, "benders_warmup": 0}))
-    check(problem, res, optimum=brute.objective if brute.status.has_plan else None)
-    assert res.status.has_plan == brute.status.has_plan
-    if brute.status.has_plan:
-        assert res.status is Status.OPTIMAL, res.report
-        assert res.objective == pytest.approx(brute.objective)
+    assert_benders_equals_brute(RematOffloadProblem(chain, limit, chain_bandwidth=beta), FIRST)
 
 
-def _loops(iterations: int) -> Iterator[tuple[RematOffloadProblem, float, Result]]:
+def _loops(iterations: int) -> Iterator[tuple[RematOffloadProblem, float, object]]:
     """The loop with first-found masters on the 4-stage instances (proven optima), from
     the persistent checkpoint plan, no warm-up, at most ``iterations``."""
-    for problem, optimum in _instances():
-        disc, beta = discretized(problem, OPTS)
-        scale, exact = cpsat_time_scale(disc.chain, beta)
-        assert exact
-        start = solve(problem, "remat_only", options=OPTS)
-        incumbent = (start.objective, tuple(parse_mixed_plan(start.plan))) \
-            if start.status.has_plan else None
-        res = bd.solve_benders(problem, SEEDED.with_(extra={
-            **FIRST, "benders_iterations": iterations}),
-            built=build_remat_offload(disc.chain, disc.memory_limit, beta), scale=scale,
-            incumbent=incumbent, report={})
-        yield problem, optimum, res
+    return _windowed_loops(iterations, FIRST)
 
 
 def test_first_found_loop_bounds_are_valid() -> None:

@@ -105,7 +105,6 @@ def test_floored_lazy_stage_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not wrong
 
 
-WINDOWED = BENDERS.with_(extra={**BENDERS.extra, "relaxation_window": True})
 
 
 @settings(max_examples=20, deadline=None, derandomize=True)
@@ -113,11 +112,17 @@ WINDOWED = BENDERS.with_(extra={**BENDERS.extra, "relaxation_window": True})
 def test_windowed_benders_equals_brute(chain: Chain, limit: int, beta: float) -> None:
     """``strategy=benders`` with the window and no warm-up (the loop does the work) equals
     brute force on tiny chains."""
-    problem = RematOffloadProblem(chain, limit, chain_bandwidth=beta)
+    assert_benders_equals_brute(RematOffloadProblem(chain, limit, chain_bandwidth=beta),
+                                {"relaxation_window": True})
+
+
+def assert_benders_equals_brute(problem: RematOffloadProblem, extra: dict) -> None:
+    """``strategy=benders`` with ``extra`` and no warm-up: brute force's status and value,
+    ``optimal`` where there is a plan, every plan replayed (:func:`check`)."""
     brute = solve(problem, "brute", options=OPTS)
     assert brute.status is not Status.ERROR
-    res = solve(problem, "cpsat", options=WINDOWED.with_(
-        extra={**WINDOWED.extra, "benders_warmup": 0}))
+    res = solve(problem, "cpsat", options=BENDERS.with_(
+        extra={**BENDERS.extra, **extra, "benders_warmup": 0}))
     check(problem, res, optimum=brute.objective if brute.status.has_plan else None)
     assert res.status.has_plan == brute.status.has_plan
     if brute.status.has_plan:
@@ -125,9 +130,11 @@ def test_windowed_benders_equals_brute(chain: Chain, limit: int, beta: float) ->
         assert res.objective == pytest.approx(brute.objective)
 
 
-def _windowed_loops(iterations: int) -> Iterator[tuple[RematOffloadProblem, float, object]]:
+def _windowed_loops(iterations: int, extra: dict | None = None
+                    ) -> Iterator[tuple[RematOffloadProblem, float, object]]:
     """The loop on each 4-stage instance from the persistent checkpoint plan (an incumbent
-    above the optimum where offloading helps), no warm-up, ``iterations`` at most."""
+    above the optimum where offloading helps), no warm-up, ``iterations`` at most; with
+    ``extra`` (default :data:`WINDOW`) as its options."""
     from optmem.models.remat_offload import build_remat_offload
     from optmem.solvers.remat_offload import discretized
     from optmem.solvers.remat_offload_exact import cpsat_time_scale
@@ -141,7 +148,7 @@ def _windowed_loops(iterations: int) -> Iterator[tuple[RematOffloadProblem, floa
             if start.status.has_plan else None
         report: dict = {}
         res = bd.solve_benders(problem, SEEDED.with_(extra={
-            **WINDOW, "benders_iterations": iterations}),
+            **(WINDOW if extra is None else extra), "benders_iterations": iterations}),
             built=build_remat_offload(disc.chain, disc.memory_limit, beta), scale=scale,
             incumbent=incumbent, report=report)
         yield problem, optimum, res
