@@ -116,23 +116,21 @@ def _as_list(out: Any, call: _Call, inputs: Sequence[torch.Tensor]) -> list[torc
 
 
 def _run(handle: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The op's kernel, fake and real alike: the Function's forward, without grad."""
     call = _CALLS[handle]
-    with _inside():
-        out = _ORIGINAL_APPLY(call.fn, *call.bind(inputs))
-    return _as_list(out, call, inputs)
+    with torch.no_grad():
+        with _inside():
+            out = _ORIGINAL_APPLY(call.fn, *call.bind(inputs))
+        return _as_list(out, call, inputs)
 
 
 @torch.library.custom_op("optmem::autograd_function", mutates_args=())
 def _opaque(handle: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """A custom Function's call as one op (only traced: :func:`restore_functions`)."""
-    with torch.no_grad():
-        return _run(handle, inputs)
+    return _run(handle, inputs)
 
 
-@_opaque.register_fake
-def _opaque_fake(handle: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    with torch.no_grad():
-        return _run(handle, inputs)
+_opaque.register_fake(_run)
 
 
 OPAQUE_OP = torch.ops.optmem.autograd_function.default

@@ -55,10 +55,9 @@ from optmem.pytorch.graphcut import (
     output_layout,
 )
 from optmem.pytorch.hooks import (
-    check_backward_hooks,
+    check_module_hooks,
     refuse_python_random,
     refuse_tensor_hooks,
-    warn_forward_hooks,
 )
 
 __all__ = ["Extraction", "Stage", "extract_program", "extract_stages", "merge_stages",
@@ -243,13 +242,21 @@ def _graph_stages(gm: fx.GraphModule, model: nn.Module | None, cut: Cut,
     return stages
 
 
+def _symbolic_trace(module: nn.Module) -> fx.GraphModule:
+    """``torch.fx``'s trace, refusing what its graph would drop.
+
+    Python randomness and tensor hooks (:mod:`~optmem.pytorch.hooks`), custom autograd
+    Functions (:func:`~optmem.pytorch.custom_functions.refuse_functions`).
+    """
+    name = type(module).__name__
+    with refuse_python_random(name), refuse_tensor_hooks(name), refuse_functions(name):
+        return fx.symbolic_trace(module)
+
+
 def _trace(module: nn.Module) -> fx.GraphModule:
-    check_backward_hooks(module)
-    warn_forward_hooks(module)
+    check_module_hooks(module)
     try:
-        name = type(module).__name__
-        with refuse_python_random(name), refuse_tensor_hooks(name), refuse_functions(name):
-            return fx.symbolic_trace(module)
+        return _symbolic_trace(module)
     except OptmemInputError:
         raise
     except Exception as exc:  # noqa: BLE001 - any tracing failure becomes one clear message
@@ -394,8 +401,7 @@ def _extract_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
     if method not in ("auto", "export", "fx"):
         raise OptmemInputError(f"expected method auto, export or fx, got {method!r}",
                                field="extract")
-    check_backward_hooks(module)
-    warn_forward_hooks(module)
+    check_module_hooks(module)
     errors = []
     if method in ("auto", "export"):
         try:
@@ -468,9 +474,7 @@ def _export_program(module: nn.Module, args: tuple[Any, ...],
 def _fx_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Extraction:
     from torch.fx.passes.shape_prop import ShapeProp
 
-    name = type(module).__name__
-    with refuse_python_random(name), refuse_tensor_hooks(name), refuse_functions(name):
-        gm = fx.symbolic_trace(module)
+    gm = _symbolic_trace(module)
     signature = inspect.signature(module.forward)
     names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     bound = signature.bind(*args, **kwargs)

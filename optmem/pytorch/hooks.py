@@ -37,8 +37,8 @@ from torch.nn.modules import module as module_mod
 
 from optmem.errors import OptmemInputError
 
-__all__ = ["check_backward_hooks", "quiet_gradient_hooks", "refuse_python_random",
-           "refuse_tensor_hooks", "warn_forward_hooks"]
+__all__ = ["check_backward_hooks", "check_module_hooks", "quiet_gradient_hooks",
+           "refuse_python_random", "refuse_tensor_hooks", "warn_forward_hooks"]
 
 _ALTERNATIVE = ("remove it, or pass an nn.Sequential of blocks or a list of stage modules "
                 "(stages that are your modules run their hooks themselves)")
@@ -68,6 +68,18 @@ def check_backward_hooks(module: nn.Module) -> None:
                 f"{_where(module, name, sub)} has a backward hook: an extracted graph never "
                 f"runs it, so gradients could be silently wrong; {_ALTERNATIVE}",
                 field="module")
+
+
+def check_module_hooks(module: nn.Module) -> None:
+    """Before extracting ``module``: refuse its backward hooks, warn about its forward ones.
+
+    Raises
+    ------
+    OptmemInputError
+        From :func:`check_backward_hooks`.
+    """
+    check_backward_hooks(module)
+    warn_forward_hooks(module)
 
 
 def warn_forward_hooks(module: nn.Module) -> list[str]:

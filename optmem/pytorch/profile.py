@@ -76,8 +76,7 @@ from torch.utils._pytree import tree_leaves
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError
 from optmem.pytorch.extract import Stage, extract_stages, value_tensors
-from optmem.pytorch.hooks import quiet_gradient_hooks
-from optmem.pytorch.memory import StorageTrace, storage_bytes, storage_key
+from optmem.pytorch.memory import StorageTrace, gradients_restored, storage_bytes, storage_key
 from optmem.pytorch.segments import (
     MIN_STAGES,
     SegmentCost,
@@ -616,9 +615,6 @@ def profile_stages(
     timer = _Timer(dev)
 
     params = [p for m in modules for p in m.parameters()]
-    old_grads = [p.grad for p in params]
-    for p in params:  # backward would accumulate into the caller's gradients otherwise
-        p.grad = None
     buffers = [b for m in modules for b in m.buffers()]
     old_buffers = [b.detach().clone() for b in buffers] if not meta else []
     bar = _Progress(len(stages), progress)
@@ -626,7 +622,9 @@ def profile_stages(
         if setting.cuda else []
     try:
         with torch.random.fork_rng(devices=fork_devices, enabled=True), \
-                quiet_gradient_hooks(params):
+                gradients_restored(params):  # their hooks silenced too
+            for p in params:  # backward would accumulate into the caller's gradients otherwise
+                p.grad = None
             rows, leaves, last = _profile_memory(modules, stages, sample, setting, bar)
             loss_overhead = _loss_memory(loss_fn, last, rows[-1].output_size, setting) \
                 if loss_fn is not None else 0
@@ -646,8 +644,6 @@ def profile_stages(
             bar.update(len(stages), "done")
     finally:
         bar.close()
-        for p, g in zip(params, old_grads, strict=True):
-            p.grad = g
         with torch.no_grad():
             for b, old in zip(buffers, old_buffers, strict=False):
                 b.copy_(old)
