@@ -59,6 +59,14 @@ whole interval lies above 1; target 1 then reads "never measurably slower", targ
 the median ratio (<= 0.90), target 3 "not measurably slower than HF". Both verdicts are
 printed.
 
+**Measured selection** (opt-in series): ``--autotune`` adds ``optmem autotune``
+(:func:`autotune_series`: ``op.checkpoint(..., autotune=True)``'s candidates at the default
+series' limits, those above the memory dropped); ``--autotune-per-memory`` adds ``optmem
+autotune per memory`` (:func:`per_memory_series`): for every target memory, each autotune
+cost-model setting's plan at that setting's *own* largest limit whose real peak fits the
+memory, timed as autotune times them, the fastest kept (ties to the default plan). Its
+comparisons join the ``--paired`` rounds and get their own paired verdict.
+
 Usage::
 
     PYTHONPATH=. python benchmarks/bench_hf.py --quick            # GPT-2 only, short
@@ -659,17 +667,165 @@ def autotune_series(base: Series, cmodel: Any, model: nn.Module, batch: dict[str
     return ser
 
 
+PER_MEMORY = "optmem autotune per memory"
+"""The series whose plans autotune's settings chose for each target memory itself."""
+
+NO_FIT = sys.maxsize
+"""The real peak recorded for a limit where a setting has no plan (nothing fits under it)."""
+
+
+class SettingSearch(OptmemSearch):
+    """The plans of one autotune cost-model setting at many limits, with their real peaks.
+
+    ``at(limit)`` is the plan :func:`optmem.pytorch.autotune._solve_under` gives at ``limit``
+    on the chain re-charged per ``setting`` (sizes unchanged, so the plan fits ``limit`` in
+    the chain model too); :meth:`OptmemSearch.fit` then finds the largest limit whose plan
+    of *this* setting really fits under a memory. The predicted peak and time are the
+    simulator's on the profiled chain. Where the store-all fast path is taken the plan is
+    irrelevant (the module itself runs), as in :class:`OptmemSearch`.
+    """
+
+    def __init__(self, cmodel: Any, model: nn.Module, batch: dict[str, Any],
+                 setting: Any) -> None:
+        super().__init__(cmodel, model, batch)
+        self.setting = setting
+
+    def at(self, limit: int) -> tuple[tuple[str, ...], int, float, int]:
+        """``(plan, predicted peak, predicted ms, real peak)`` of the setting at ``limit``."""
+        from optmem.pytorch.autotune import _solve_under
+
+        if limit not in self.by_limit:
+            own = self.cmodel.resolve(memory_limit=limit)
+            fast = self.fast[limit] = bool(self.cmodel.fast_path_taken)
+            result = own if fast else _solve_under(self.cmodel._planner, self.chain, limit,
+                                                   self.setting)
+            if result is None or not result.status.has_plan:
+                self.by_limit[limit] = ((), 0, 0.0, NO_FIT)
+                return self.by_limit[limit]
+            plan = tuple(str(x) for x in result.plan)
+            if (plan, fast) not in self.by_plan:
+                if not fast:
+                    self.cmodel.use_plan(plan, method="dp", memory_limit=limit)
+                self.by_plan[plan, fast] = real_peak(self.cmodel, self.model, self.batch)
+            sim = simulate_checkpoint(self.chain, plan)
+            pred = (plain_peak(self.chain), self.chain.total_compute_time()) if fast else \
+                (int(sim.peak_memory), float(sim.makespan))
+            self.by_limit[limit] = (plan, pred[0], float(pred[1]), self.by_plan[plan, fast])
+        return self.by_limit[limit]
+
+
+def per_memory_series(base: Series, cmodel: Any, model: nn.Module, batch: dict[str, Any],
+                      targets: dict[str, int], grid: int, steps: int,
+                      timer: Any = None) -> Series:
+    """optmem with measured plan selection among plans that fit each target memory.
+
+    For every target memory and every cost-model setting of
+    :data:`optmem.pytorch.autotune.SETTINGS`, the largest limit whose plan *of that setting*
+    really fits under the memory (:class:`SettingSearch`, the default series' own search for
+    the profile's setting); the distinct plans found are timed as
+    :func:`optmem.pytorch.autotune.autotune` times its candidates (wall clock, one warm-up
+    step, then interleaved rounds; ``timer`` replaces the clock) and the fastest median is
+    kept, ties to the default plan. Where the default plan is the store-all fast path
+    nothing is timed. Unlike :func:`autotune_series` (candidates formed at the default
+    series' limit, dropped when they exceed the memory), every setting gets its own limit
+    here, so a plan with fewer segments that needs a slightly smaller limit competes.
+    """
+    from optmem.pytorch.autotune import (
+        AUTOTUNE_ROUNDS,
+        SETTINGS,
+        Candidate,
+        chosen_record,
+        fastest,
+        replayed,
+        time_candidates,
+    )
+
+    searches = [base.search] + [SettingSearch(cmodel, model, batch, s) for s in SETTINGS[1:]]
+    cost = float(cmodel._planner.options(cmodel.chain).extra.get("segment_cost", 0.0))
+    ser = Series(PER_MEMORY, base.search)
+    kept: dict[tuple[tuple[str, ...], int], int] = {}  # (plan, limit) -> key of ser.settings
+    for label, memory in targets.items():
+        found: list[Found] = []
+        for setting, search in zip(SETTINGS, searches, strict=True):
+            limit = base.matched.get(label) if search is base.search else \
+                search.fit(memory, grid, steps)
+            if limit is None or search.at(limit)[3] > memory:
+                continue
+            plan = search.at(limit)[0]
+            same = next((f for f in found if f.candidate.plan == plan), None)
+            if same is not None:
+                same.candidate.settings.append(setting.name)
+                continue
+            result = cmodel.result if search is base.search else \
+                replayed(cmodel.chain, limit, plan, cost, setting.name)
+            found.append(Found(Candidate(plan, result, [setting.name]), limit, search))
+        if not found or found[0].search is not base.search:  # the default series has none
+            ser.matched[label] = None
+            continue
+        fast = base.search.fast[found[0].limit]
+        cands = [f.candidate for f in found]
+        skipped = "store-all fast path" if fast else None if len(cands) > 1 else \
+            "one candidate fits the memory"
+        if skipped is None:
+            cmodel.use_plan(cands[0].plan, method="dp", memory_limit=found[0].limit)
+            time_candidates(cmodel, batch, cands, timer=timer)
+        best = 0 if skipped else fastest(cands)
+        record = {"rounds": AUTOTUNE_ROUNDS, "warmup": 1, "skipped": skipped,
+                  **chosen_record(cands, best)}
+        for row, f in zip(record["candidates"], found, strict=True):
+            row["limit"] = f.limit
+            row["real_peak"] = f.search.at(f.limit)[3]
+        ser.matched[label] = _per_memory_setting(ser, kept, cmodel, found[best], record)
+    smallest = Found(Candidate(base.search.at(base.search.smallest)[0], cmodel.result,
+                               [SETTINGS[0].name]), base.search.smallest, base.search)
+    ser.matched[SMALLEST] = _per_memory_setting(ser, kept, cmodel, smallest, {
+        "skipped": "the smallest limit: the default plan"})
+    return ser
+
+
+@dataclass
+class Found:
+    """A candidate of :func:`per_memory_series`: its plan, the limit and search that gave it."""
+
+    candidate: Any
+    limit: int
+    search: OptmemSearch
+
+
+def _per_memory_setting(ser: Series, kept: dict[tuple[tuple[str, ...], int], int],
+                        cmodel: Any, found: Found, record: dict[str, Any]) -> int:
+    """The key in ``ser.settings`` of the setting running ``found`` (one per plan and limit)."""
+    limit = found.limit
+    plan, pred_peak, pred_ms, peak = found.search.at(limit)
+    key = kept.get((plan, limit))
+    if key is not None:
+        return key
+    fast = found.search.fast[limit]
+    cmodel.use_plan(plan, method="dp", memory_limit=limit)
+    assert fast == cmodel.fast_path_taken
+    allowance = 0 if fast else plan_allowance(cmodel.chain, plan, list(
+        cmodel.stages)) + cmodel.side_input_bytes()
+    label = f"limit {limit / MiB:.2f} MiB" + (FAST if fast else "") + \
+        ("" if found.search is ser.search else f" ({', '.join(found.candidate.settings)})")
+    key = kept[plan, limit] = len(kept)
+    ser.settings[key] = Setting(PER_MEMORY, label, partial(_with_plan, cmodel, plan, limit),
+                                pred_peak, pred_ms, peak, limit=limit, allowance=allowance,
+                                autotune=record)
+    return key
+
+
 def autotune_table(ser: Series) -> list[str]:
     """Every limit of the autotune series: its candidates, measured medians and the choice."""
     rows = _header("limit MiB", "candidate plan", "settings", "segments", "model ms",
                    "real peak MiB", "measured ms (median)", "chosen")
-    for limit, st in sorted(ser.settings.items()):
+    for st in sorted(ser.settings.values(), key=lambda x: x.limit or 0):
         record = st.autotune
         note = f" ({record['skipped']})" if record.get("skipped") else ""
         for c in record.get("candidates", []):
             ms = "-" if c["measured_ms"] is None else f"{c['measured_ms']:.1f}"
-            rows.append(f"| {_mib(limit)} | {c['plan_id']} | {', '.join(c['settings'])} | "
-                        f"{c['segments']} | {c['model_objective']:.2f} | "
+            rows.append(f"| {_mib(c.get('limit', st.limit))} | {c['plan_id']} | "
+                        f"{', '.join(c['settings'])} | {c['segments']} | "
+                        f"{c['model_objective']:.2f} | "
                         f"{_mib(c.get('real_peak'))} | {ms} | "
                         f"{'yes' if c['chosen'] else ''}{note if c['chosen'] else ''} |")
     return rows
@@ -734,13 +890,16 @@ def bench_model(spec: Spec, *, rounds: int, grid: int, steps: int, sweep: int,
                 repeats: int, more: bool = True,
                 memtracker: bool = True, segment_cost: float | None = None,
                 per_round: int = 1, log: Callable[[str], None] = print,
-                tune: bool = False, paired: int = 0) -> dict[str, Any]:
+                tune: bool = False, paired: int = 0,
+                tune_per_memory: bool = False) -> dict[str, Any]:
     """Measure every setting on one model (memory first, then interleaved timing).
 
     Every round runs every setting ``per_round`` steps in a row and keeps the fastest
     (:func:`timed_steps`). With ``paired`` > 0, the comparisons the targets rest on
     (:func:`paired_comparisons`, on the default series) are then timed in ``paired`` more
-    rounds, each pair back to back (:func:`time_pairs`).
+    rounds, each pair back to back (:func:`time_pairs`); with ``tune_per_memory`` also the
+    series :data:`PER_MEMORY` (:func:`per_memory_series`), whose comparisons are timed in the
+    same paired rounds.
     """
     model, batch = build(spec)
     layers = len(layer_list(model))
@@ -772,6 +931,11 @@ def bench_model(spec: Spec, *, rounds: int, grid: int, steps: int, sweep: int,
         t1 = time.perf_counter()
         series.append(autotune_series(series[0], cmodel, model, batch, targets))
         log(f"  {AUTOTUNE}: {len(series[-1].settings)} limits tuned in "
+            f"{time.perf_counter() - t1:.0f} s")
+    if tune_per_memory:  # measured selection among each setting's plans per memory
+        t1 = time.perf_counter()
+        series.append(per_memory_series(series[0], cmodel, model, batch, targets, grid, steps))
+        log(f"  {PER_MEMORY}: {len(series[-1].settings)} settings kept in "
             f"{time.perf_counter() - t1:.0f} s")
     for ser in series:
         log(f"  {ser.name}: smallest limit {ser.search.smallest / MiB:.2f} MiB, "
@@ -814,9 +978,13 @@ def bench_model(spec: Spec, *, rounds: int, grid: int, steps: int, sweep: int,
            "per_round": per_round, "again": again}
     if paired > 0:
         pairs = paired_comparisons(res, series[0])
-        log(f"  paired verdict: {len(pairs)} comparisons, {paired} rounds")
-        time_pairs(pairs, model, batch, paired, per_round)
+        more_pairs = {ser.name: paired_comparisons(res, ser) for ser in series
+                      if ser.name == PER_MEMORY}
+        every = pairs + [p for ps in more_pairs.values() for p in ps]
+        log(f"  paired verdict: {len(every)} comparisons, {paired} rounds")
+        time_pairs(every, model, batch, paired, per_round)
         res["paired"] = pairs
+        res["paired_series"] = more_pairs
     return res
 
 
@@ -1014,9 +1182,12 @@ def time_pairs(pairs: list[Pair], model: nn.Module, batch: dict[str, Any], round
                 pair.ratios.append(times[id(pair.optmem)] / times[id(pair.baseline)])
 
 
-def paired_report(res: dict[str, Any]) -> list[str]:
-    """The paired comparisons' table and the three targets judged on them (Markdown)."""
-    pairs: list[Pair] = res.get("paired") or []
+def paired_report(res: dict[str, Any], pairs: list[Pair] | None = None) -> list[str]:
+    """The paired comparisons' table and the three targets judged on them (Markdown).
+
+    ``pairs``: another series' comparisons (default: the default series', ``res["paired"]``).
+    """
+    pairs = res.get("paired") or [] if pairs is None else pairs
     if not pairs:
         return []
     n = len(pairs[0].ratios)
@@ -1199,9 +1370,16 @@ def report(results: list[dict[str, Any]], rounds: int, loads: list[str],
             out += [f"- {x}" for x in checks(res, ser)] + [f"- {resolution_line(res)}"]
             if ser is res["series"][0] and res.get("paired"):
                 out += [""] + paired_report(res)
+            if ser.name in (res.get("paired_series") or {}):
+                out += [""] + paired_report(res, res["paired_series"][ser.name])
             if ser.name == AUTOTUNE:
                 out += ["", "What autotune timed at each limit (wall-clock ms on the batch, "
                         "while tuning; `model ms`: makespan + segment charges):", ""]
+                out += autotune_table(ser)
+            if ser.name == PER_MEMORY:
+                out += ["", "What autotune timed for each memory (each candidate at its own "
+                        "setting's limit; wall-clock ms on the batch, while tuning; `model "
+                        "ms`: makespan + segment charges on the profiled chain):", ""]
                 out += autotune_table(ser)
         out.append("")
     return "\n".join(out)
@@ -1278,6 +1456,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                     help=f"also run optmem with measured plan selection (series "
                          f"'{AUTOTUNE}': op.checkpoint's autotune at every limit of the "
                          "default series)")
+    ap.add_argument("--autotune-per-memory", action="store_true",
+                    help=f"also run series '{PER_MEMORY}': for every target memory, each "
+                         "autotune setting's plan at its own largest limit that fits the "
+                         "memory, timed, the fastest kept (its comparisons join --paired)")
     ap.add_argument("--steps-per-round", type=int, default=None, metavar="K",
                     help="steps in a row per setting and round, the fastest kept (3; quick 1)")
     ap.add_argument("--paired", type=int, default=0, metavar="N",
@@ -1307,6 +1489,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                                    more=not args.hf_only, memtracker=not args.no_memtracker,
                                    segment_cost=args.segment_cost, tune=args.autotune,
                                    paired=args.paired,
+                                   tune_per_memory=args.autotune_per_memory,
                                    per_round=args.steps_per_round or (1 if args.quick else 3),
                                    **options))
         loads.append(_load())

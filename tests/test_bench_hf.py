@@ -9,6 +9,7 @@ under it.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import sys
 from pathlib import Path
@@ -432,3 +433,58 @@ def test_paired_verdicts(bench):
         p.ratios = ratios[p.optmem.setting, p.baseline.label]
     text = "\n".join(bench.paired_report({**res, "paired": pairs}))
     assert "(4 comparisons): **met**" in text
+
+
+def test_per_memory_series_times_each_settings_own_fit(bench):
+    """``per_memory_series``: for every memory, each autotune setting's plan at that
+    setting's own largest limit whose real peak fits the memory; the distinct plans are
+    timed (a scripted clock here) and the fastest kept, ties to the default plan; every
+    kept plan really fits its memory and its limit plus the allowance."""
+    import optmem.pytorch as op
+    from optmem.pytorch.autotune import SETTINGS
+
+    model, batch = bench.build(bench.Spec(**TINY))
+    chain = op.profile_chain(model, batch, repeats=1, warmup=0)
+    # fixed times (0.8 ms forward with the profile's 0.5 ms op charge), exact sizes: the same
+    # plans on every run whatever the load
+    chain = dataclasses.replace(chain, fwd_time=(0.8,) * chain.length,
+                                bwd_time=(0.6,) * chain.length)
+    top = int(chain.store_all_peak() * 1.02) + 1
+    cmodel = op.checkpoint(model, batch, memory_limit=top, chain=chain)
+    smallest = op.smallest_limit(chain)
+    peaks = [int(smallest + (top - smallest) * k / 6) for k in range(1, 6)]
+    base = bench.run_series("optmem", cmodel, model, batch, {}, 4, 2)
+    targets = {f"m{k}": base.search.at(p)[3] + k for k, p in enumerate(peaks)}
+    base = bench.run_series("optmem", cmodel, model, batch, targets, 4, 2)
+    for prefer_default in (True, False):
+        def timer(step, cand, prefer_default=prefer_default):
+            step()  # run the step as autotune would; the scripted time decides
+            default = cand.settings[0] == SETTINGS[0].name
+            return 1.0 if default == prefer_default else 2.0
+
+        ser = bench.per_memory_series(base, cmodel, model, batch, targets, 4, 2,
+                                      timer=timer)
+        assert ser.name == bench.PER_MEMORY
+        timed = 0
+        for label, memory in targets.items():
+            st = ser.at_target(label)
+            assert st is not None  # the default series' plan always fits
+            assert st.real_peak <= memory and st.real_peak <= st.limit + st.allowance
+            record = st.autotune
+            rows = record["candidates"]
+            assert [r["chosen"] for r in rows].count(True) == 1
+            assert all(r["real_peak"] <= memory for r in rows)
+            assert rows[0]["settings"][0] == SETTINGS[0].name  # the default plan first
+            assert rows[0]["limit"] == base.matched[label]
+            assert len({r["plan_id"] for r in rows}) == len(rows)
+            chosen = next(r for r in rows if r["chosen"])
+            assert chosen["real_peak"] == st.real_peak and chosen["limit"] == st.limit
+            if record["skipped"] is None:
+                timed += 1
+                assert all(len(r["times_ms"]) == 5 for r in rows)
+                assert chosen is (rows[0] if prefer_default else rows[1])
+            else:
+                assert chosen is rows[0]
+        assert timed >= 1  # some memory had a second setting's plan to time
+        assert ser.at_target(bench.SMALLEST).limit == smallest
+    model.zero_grad(set_to_none=True)
