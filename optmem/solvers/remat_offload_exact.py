@@ -1072,7 +1072,7 @@ def _full_solve(setup: _Setup, options: SolveOptions, report: dict[str, Any], *,
                  "relaxation", "relaxation_deadlines", "relaxation_values", "relaxation_lazy",
                  "relaxation_read_deadlines", "relaxation_sequence", "relaxation_share",
                  "relaxation_cumulative_reads", "relaxation_window", "dp_ladder",
-                 "autocapper_candidate"))
+                 "autocapper_candidate", "autocapper_values"))
 def solve_ilp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     """Optimal plan over the model's class (module docstring), HiGHS/CBC/Gurobi."""
     return _solve_model(problem, options, "ilp")
@@ -1085,7 +1085,7 @@ def solve_ilp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
                  "relaxation", "relaxation_deadlines", "relaxation_values", "relaxation_lazy",
                  "relaxation_read_deadlines", "relaxation_sequence", "relaxation_share",
                  "relaxation_cumulative_reads", "relaxation_window", "dp_ladder",
-                 "autocapper_candidate", "strategy",
+                 "autocapper_candidate", "autocapper_values", "strategy",
                  "benders_work",
                  "benders_filter_work", "benders_iterations", "benders_warmup",
                  "benders_filter", "benders_host_bound", "benders_first_found"))
