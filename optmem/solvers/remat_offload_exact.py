@@ -98,6 +98,7 @@ from optmem.solvers.remat_offload import (
     plan_result,
     pofo_plan,
     remat_candidate,
+    solve_autocapper,
 )
 from optmem.solvers.remat_offload_benders import (
     CUMULATIVE_READS_DEFAULT,
@@ -375,15 +376,14 @@ def _ladder_plans(problem: RematOffloadProblem, options: SolveOptions,
 
     With a time limit, the DP runs stop once :data:`DP_LADDER_SHARE` of it is spent or
     the next run, predicted from the last one's seconds per state (:func:`_dp_states`),
-    would pass that share or ``deadline`` (``notes[label] = "skipped (time)"``); a DP run
+    would pass that share or leave less than :data:`LEAST_ENGINE_TIME_S` before ``deadline``
+    (``notes[label] = "skipped (time)"``); a DP run
     is not an engine call and cannot be stopped once started. ``notes`` gets one label per
     plan tried (its makespan is filled in by the caller's replay).
     """
     out: list[tuple[str, Sequence[AnyOp] | None]] = []
     pairs = dp_ladder(options)
     if flag(options, "autocapper_candidate", AUTOCAPPER_CANDIDATE_DEFAULT):
-        from optmem.solvers.remat_offload import solve_autocapper
-
         res = solve_autocapper(problem, options.with_(variant=None))
         label = "autocapper"
         notes[label] = "no plan"
@@ -399,9 +399,8 @@ def _ladder_plans(problem: RematOffloadProblem, options: SolveOptions,
         states = _dp_states(problem.chain.length, grid, backlog)
         spent = time.monotonic() - began
         predicted = 0.0 if rate is None else rate * states
-        left = None if deadline is None else deadline.left()
         if (share is not None and spent + predicted > share) or \
-                (left is not None and predicted >= left):
+                (deadline is not None and deadline.spent(predicted + LEAST_ENGINE_TIME_S)):
             notes[label] = "skipped (time)"
             continue
         run = time.monotonic()
