@@ -98,6 +98,7 @@ from optmem.solvers.remat_offload import (
     plan_result,
     pofo_plan,
     remat_candidate,
+    solve_autocapper,
 )
 from optmem.solvers.remat_offload_benders import (
     CUMULATIVE_READS_DEFAULT,
@@ -114,6 +115,14 @@ RELAXATION_SHARE = 0.25  # share of a user's time limit spent on the link relaxa
 LAZY_HOST_DEFAULT = True  # extra["relaxation_lazy"]: the host stage's rows added lazily
 HOST_STAGE_MAX_VALUES = 1200  # most per-value host binaries of the host stage (_host_stage_fits)
 MAX_RATIONAL_SCALE = 10**6  # largest exact CP-SAT time grid: never finer than the decimal one
+# extra["dp_ladder"]: (grid, backlog_grid) pairs whose chapter 4 DP plans join the candidates
+# (strategy=full: none; benders: BENDERS_EXTRA) and extra["autocapper_candidate"] (full: off)
+DP_LADDER_DEFAULT: tuple[tuple[int, int], ...] = ()
+AUTOCAPPER_CANDIDATE_DEFAULT = False
+# ro18 (results/remat_offload_exact.md): on ResNet-50 the default grid's DP plan (200 x 25) was
+# the exact methods' plan at 10 / 30 / 60 %; these grids give plans 2.2-3.3 % faster
+BENDERS_DP_LADDER = ((200, 100), (500, 100))
+DP_LADDER_SHARE = 0.25  # share of a user's time limit for the ladder's DP runs
 # extra["relaxation_share"] under strategy=benders: the host stage's rows are its strongest
 # bound and its sequence the best plan (results/remat_offload_proofs.md, ro12)
 BENDERS_RELAXATION_SHARE = 0.6
@@ -123,7 +132,9 @@ BENDERS_EXTRA = {"relaxation_share": BENDERS_RELAXATION_SHARE,
                  "relaxation_cumulative_reads": True,
                  # ro14: 11 of the 12 instances of 10-12 stages proven in 300 s (8 before),
                  # none of them lost (results/remat_offload_proofs.md, ro14-window)
-                 "relaxation_window": True}
+                 "relaxation_window": True,
+                 # ro18: the DP ladder and the autocapper plan as candidate plans
+                 "dp_ladder": BENDERS_DP_LADDER, "autocapper_candidate": True}
 BENDERS_WARMUP = 0.3  # share of the time limit for the monolithic warm-up of strategy=benders
 SEQUENCE_DEFAULT = False  # extra["relaxation_sequence"] (strategy=full; benders: BENDERS_EXTRA)
 SEQUENCE_WORK = 10.0  # CP-SAT deterministic seconds completing the relaxation's sequence
@@ -298,20 +309,108 @@ class _Start:
     note: str
 
 
-def _candidates(problem: RematOffloadProblem, options: SolveOptions
+def _candidates(problem: RematOffloadProblem, options: SolveOptions,
+                deadline: Deadline | None = None, report: dict[str, Any] | None = None
                 ) -> list[tuple[float, str, tuple[AnyOp, ...]]]:
-    """The DP, checkpoint-only and offload-only plans that replay, fastest first."""
+    """The DP, checkpoint-only and offload-only plans that replay, fastest first.
+
+    With ``extra["dp_ladder"]`` and ``extra["autocapper_candidate"]`` also the plans of
+    :func:`_ladder_plans` (``report["dp_ladder"]``: each one's makespan, or why not).
+    """
     disc, _ = discretized(problem, options)
     plans: list[tuple[str, Sequence[AnyOp] | None]] = [
         ("chapter 4 dp", pofo_plan(problem, options, "extended")[0]),
         ("checkpoint only (persistent dp)", remat_candidate(disc)),
         ("offload only (dynprog)", offload_candidate(problem, options))]
+    notes: dict[str, Any] = {}
+    plans += _ladder_plans(problem, options, deadline, notes)
     seen: dict[str, float] = {}
     best_candidate(problem, options, plans, seen)
+    if report is not None and notes:
+        report["dp_ladder"] = {label: seen.get(label, note) for label, note in notes.items()}
     found = [(seen[label], label, tuple(plan)) for label, plan in plans
              if plan is not None and label in seen]
     found.sort(key=lambda t: t[0])
     return found
+
+
+def dp_ladder(options: SolveOptions) -> tuple[tuple[int, int], ...]:
+    """``extra["dp_ladder"]``: ``(grid, backlog_grid)`` pairs of positive integers.
+
+    Default :data:`DP_LADDER_DEFAULT` (none; :data:`BENDERS_DP_LADDER` under
+    ``strategy=benders``).
+    """
+    value = options.extra.get("dp_ladder", DP_LADDER_DEFAULT)
+    pairs: list[tuple[int, int]] = []
+    if isinstance(value, (list, tuple)):
+        for pair in value:
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2 or any(
+                    isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in pair):
+                break
+            pairs.append((int(pair[0]), int(pair[1])))
+        else:
+            return tuple(pairs)
+    raise OptmemInputError(f"expected a list of [grid, backlog_grid] pairs of positive "
+                           f"integers for dp_ladder, got {value!r}", field="dp_ladder")
+
+
+def _dp_states(length: int, grid: int, backlog: int) -> float:
+    """The chapter 4 DP's state count (``remat_offload.grid_of``): its time, up to a factor."""
+    return length * grid * (2.0 * backlog ** 2 + length * backlog / 2.0)
+
+
+def _ladder_plans(problem: RematOffloadProblem, options: SolveOptions,
+                  deadline: Deadline | None, notes: dict[str, Any]
+                  ) -> list[tuple[str, Sequence[AnyOp] | None]]:
+    """More candidate plans: the chapter 4 DP on other grids, and the autocapper plan.
+
+    ``extra["dp_ladder"]`` (:func:`dp_ladder`): for each ``(grid, backlog_grid)`` pair the
+    chapter 4 DP's plan on that grid (``pofo_plan``, the ``extended`` variant, ``grid``
+    at most ``slots``); ``extra["autocapper_candidate"]``: the autocapper heuristic's plan
+    (thesis 4.3: the persistent checkpoint plan of a larger limit ``M'`` with capper's
+    offloads, 40 values of ``M'``). Primal heuristics only: every plan is replayed by
+    the simulator before it counts (:func:`best_candidate`), no bound depends on them. Why:
+    on ResNet-50 (``bench_exact.py``'s instances, 12 GB/s) the default grid's DP plan was
+    the exact methods' final plan at 10 / 30 / 60 %, and finer backlog grids give plans
+    2.2-3.3 % faster (``benchmarks/results/remat_offload_exact.md``, ``ro18``).
+
+    With a time limit, the DP runs stop once :data:`DP_LADDER_SHARE` of it is spent or
+    the next run, predicted from the last one's seconds per state (:func:`_dp_states`),
+    would pass that share or leave less than :data:`LEAST_ENGINE_TIME_S` before ``deadline``
+    (``notes[label] = "skipped (time)"``); a DP run
+    is not an engine call and cannot be stopped once started. ``notes`` gets one label per
+    plan tried (its makespan is filled in by the caller's replay).
+    """
+    out: list[tuple[str, Sequence[AnyOp] | None]] = []
+    pairs = dp_ladder(options)
+    if flag(options, "autocapper_candidate", AUTOCAPPER_CANDIDATE_DEFAULT):
+        res = solve_autocapper(problem, options.with_(variant=None))
+        label = "autocapper"
+        notes[label] = "no plan"
+        out.append((label, parse_mixed_plan(res.plan) if res.status.has_plan else None))
+    share = None if options.time_limit_s is None else DP_LADDER_SHARE * options.time_limit_s
+    began = time.monotonic()
+    rate: float | None = None  # seconds per state of the last run
+    for grid, backlog in pairs:
+        grid = min(grid, options.slots)
+        label = f"chapter 4 dp (grid {grid}, backlog_grid {backlog})"
+        if label in notes:
+            continue
+        states = _dp_states(problem.chain.length, grid, backlog)
+        spent = time.monotonic() - began
+        predicted = 0.0 if rate is None else rate * states
+        if (share is not None and spent + predicted > share) or \
+                (deadline is not None and deadline.spent(predicted + LEAST_ENGINE_TIME_S)):
+            notes[label] = "skipped (time)"
+            continue
+        run = time.monotonic()
+        plan = pofo_plan(problem, options.with_(extra={**options.extra, "grid": grid,
+                                                       "backlog_grid": backlog}),
+                         "extended")[0]
+        rate = (time.monotonic() - run) / states
+        notes[label] = "no plan"
+        out.append((label, plan))
+    return out
 
 
 def _engine_solve(model: Model, engine: str, options: SolveOptions, *,
@@ -718,7 +817,7 @@ def _benders(setup: _Setup, options: SolveOptions, report: dict[str, Any]) -> Re
         raise OptmemInputError(f"expected a share in [0, 1] for benders_warmup, got {share!r}",
                                field="benders_warmup")
     problem, deadline = setup.problem, setup.deadline
-    candidates = _candidates(problem, options)
+    candidates = _candidates(problem, options, deadline, report)
     found = [(value, plan) for value, _, plan in candidates]
     floor = -math.inf
     first: tuple[Model, EngineResult] | None = None
@@ -783,6 +882,8 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
     flag(options, "relaxation_cumulative_reads", CUMULATIVE_READS_DEFAULT)
     flag(options, "relaxation_window", WINDOW_DEFAULT)
     flag(options, "relaxation_sequence", SEQUENCE_DEFAULT)
+    flag(options, "autocapper_candidate", AUTOCAPPER_CANDIDATE_DEFAULT)
+    dp_ladder(options)
     _relaxation_share(options)
     built = build_remat_offload(disc.chain, disc.memory_limit, beta, sweeps=sweeps,
                                 transfers_per_gap=per_gap, grid=None if exact else scale)
@@ -846,7 +947,8 @@ def _with_sequence(setup: _Setup, relaxed: _Relaxed, options: SolveOptions,
                    candidates: list[tuple[float, str, tuple[AnyOp, ...]]] | None,
                    report: dict[str, Any]) -> list[tuple[float, str, tuple[AnyOp, ...]]]:
     """``candidates`` (computed if ``None``) with :func:`_sequence_candidate`, fastest first."""
-    found = list(_candidates(setup.problem, options) if candidates is None else candidates)
+    found = list(_candidates(setup.problem, options, setup.deadline, report)
+                 if candidates is None else candidates)
     began = time.monotonic()
     extra = _sequence_candidate(setup, relaxed, options)
     if extra is not None:
@@ -968,7 +1070,8 @@ def _full_solve(setup: _Setup, options: SolveOptions, report: dict[str, Any], *,
           extra=("sweeps", "transfers_per_gap", "grid", "backlog_grid", "prefetch",
                  "relaxation", "relaxation_deadlines", "relaxation_values", "relaxation_lazy",
                  "relaxation_read_deadlines", "relaxation_sequence", "relaxation_share",
-                 "relaxation_cumulative_reads", "relaxation_window"))
+                 "relaxation_cumulative_reads", "relaxation_window", "dp_ladder",
+                 "autocapper_candidate", "autocapper_values"))
 def solve_ilp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     """Optimal plan over the model's class (module docstring), HiGHS/CBC/Gurobi."""
     return _solve_model(problem, options, "ilp")
@@ -980,7 +1083,8 @@ def solve_ilp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
           extra=("sweeps", "transfers_per_gap", "grid", "backlog_grid", "prefetch",
                  "relaxation", "relaxation_deadlines", "relaxation_values", "relaxation_lazy",
                  "relaxation_read_deadlines", "relaxation_sequence", "relaxation_share",
-                 "relaxation_cumulative_reads", "relaxation_window", "strategy",
+                 "relaxation_cumulative_reads", "relaxation_window", "dp_ladder",
+                 "autocapper_candidate", "autocapper_values", "strategy",
                  "benders_work",
                  "benders_filter_work", "benders_iterations", "benders_warmup",
                  "benders_filter", "benders_host_bound", "benders_first_found"))
