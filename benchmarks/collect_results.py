@@ -11,7 +11,8 @@ import re
 from pathlib import Path
 
 HERE = Path(__file__).parent
-ORDER = ["checkpoint_dp", "exact", "checkpoint_exact", "zoo", "pytorch", "hf_paired",
+ORDER = ["checkpoint_dp", "exact", "checkpoint_exact", "zoo", "pytorch", "hf_autotune_memory",
+         "hf_paired",
          "hf_paired_readby", "hf_paired_joint", "hf_early_stop", "hf_quiet4", "hf_autotune",
          "hf_fastpath",
          "hf_quiet3", "hf_quiet3_repeat", "hf_quiet",
