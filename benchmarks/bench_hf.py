@@ -501,13 +501,17 @@ class OptmemSearch:
         if limit not in self.by_limit:
             plan = tuple(self.cmodel.resolve(memory_limit=limit, extra=dict(self.extra)).plan)
             fast = self.fast[limit] = bool(self.cmodel.fast_path_taken)
-            if (plan, fast) not in self.by_plan:
-                self.by_plan[plan, fast] = real_peak(self.cmodel, self.model, self.batch)
-            sim = simulate_checkpoint(self.chain, plan)
-            pred = (plain_peak(self.chain), self.chain.total_compute_time()) if fast else \
-                (int(sim.peak_memory), float(sim.makespan))
-            self.by_limit[limit] = (plan, pred[0], float(pred[1]), self.by_plan[plan, fast])
+            self._record(limit, plan, fast)
         return self.by_limit[limit]
+
+    def _record(self, limit: int, plan: tuple[str, ...], fast: bool) -> None:
+        """``by_limit[limit]`` for ``plan`` (installed in ``cmodel`` unless measured before)."""
+        if (plan, fast) not in self.by_plan:
+            self.by_plan[plan, fast] = real_peak(self.cmodel, self.model, self.batch)
+        sim = simulate_checkpoint(self.chain, plan)
+        pred = (plain_peak(self.chain), self.chain.total_compute_time()) if fast else \
+            (int(sim.peak_memory), float(sim.makespan))
+        self.by_limit[limit] = (plan, pred[0], float(pred[1]), self.by_plan[plan, fast])
 
     def grid(self, points: int) -> list[int]:
         """Limits from the smallest feasible one to just above store-all."""
@@ -703,14 +707,9 @@ class SettingSearch(OptmemSearch):
                 self.by_limit[limit] = ((), 0, 0.0, NO_FIT)
                 return self.by_limit[limit]
             plan = tuple(str(x) for x in result.plan)
-            if (plan, fast) not in self.by_plan:
-                if not fast:
-                    self.cmodel.use_plan(plan, method="dp", memory_limit=limit)
-                self.by_plan[plan, fast] = real_peak(self.cmodel, self.model, self.batch)
-            sim = simulate_checkpoint(self.chain, plan)
-            pred = (plain_peak(self.chain), self.chain.total_compute_time()) if fast else \
-                (int(sim.peak_memory), float(sim.makespan))
-            self.by_limit[limit] = (plan, pred[0], float(pred[1]), self.by_plan[plan, fast])
+            if not fast and (plan, fast) not in self.by_plan:
+                self.cmodel.use_plan(plan, method="dp", memory_limit=limit)
+            self._record(limit, plan, fast)
         return self.by_limit[limit]
 
 
