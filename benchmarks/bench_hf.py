@@ -500,12 +500,12 @@ class OptmemSearch:
         """
         if limit not in self.by_limit:
             plan = tuple(self.cmodel.resolve(memory_limit=limit, extra=dict(self.extra)).plan)
-            fast = self.fast[limit] = bool(self.cmodel.fast_path_taken)
-            self._record(limit, plan, fast)
+            self.fast[limit] = bool(self.cmodel.fast_path_taken)
+            self._record(limit, plan, self.fast[limit])
         return self.by_limit[limit]
 
     def _record(self, limit: int, plan: tuple[str, ...], fast: bool) -> None:
-        """``by_limit[limit]`` for ``plan`` (installed in ``cmodel`` unless measured before)."""
+        """``by_limit[limit]`` for ``plan``, which ``cmodel`` runs now (real peak measured once)."""
         if (plan, fast) not in self.by_plan:
             self.by_plan[plan, fast] = real_peak(self.cmodel, self.model, self.batch)
         sim = simulate_checkpoint(self.chain, plan)
@@ -699,17 +699,14 @@ class SettingSearch(OptmemSearch):
         from optmem.pytorch.autotune import _solve_under
 
         if limit not in self.by_limit:
-            own = self.cmodel.resolve(memory_limit=limit)
-            fast = self.fast[limit] = bool(self.cmodel.fast_path_taken)
-            result = own if fast else _solve_under(self.cmodel._planner, self.chain, limit,
-                                                   self.setting)
+            result = _solve_under(self.cmodel._planner, self.chain, limit, self.setting)
             if result is None or not result.status.has_plan:
                 self.by_limit[limit] = ((), 0, 0.0, NO_FIT)
                 return self.by_limit[limit]
             plan = tuple(str(x) for x in result.plan)
-            if not fast and (plan, fast) not in self.by_plan:
-                self.cmodel.use_plan(plan, method="dp", memory_limit=limit)
-            self._record(limit, plan, fast)
+            self.cmodel.use_plan(plan, method="dp", memory_limit=limit)  # decides the fast path
+            self.fast[limit] = bool(self.cmodel.fast_path_taken)
+            self._record(limit, plan, self.fast[limit])
         return self.by_limit[limit]
 
 
@@ -755,8 +752,7 @@ def per_memory_series(base: Series, cmodel: Any, model: nn.Module, batch: dict[s
             if same is not None:
                 same.candidate.settings.append(setting.name)
                 continue
-            result = cmodel.result if search is base.search else \
-                replayed(cmodel.chain, limit, plan, cost, setting.name)
+            result = replayed(cmodel.chain, limit, plan, cost, setting.name)
             found.append(Found(Candidate(plan, result, [setting.name]), limit, search))
         if not found or found[0].search is not base.search:  # the default series has none
             ser.matched[label] = None
@@ -775,8 +771,10 @@ def per_memory_series(base: Series, cmodel: Any, model: nn.Module, batch: dict[s
             row["limit"] = f.limit
             row["real_peak"] = f.search.at(f.limit)[3]
         ser.matched[label] = _per_memory_setting(ser, kept, cmodel, found[best], record)
-    smallest = Found(Candidate(base.search.at(base.search.smallest)[0], cmodel.result,
-                               [SETTINGS[0].name]), base.search.smallest, base.search)
+    least = base.search.smallest
+    plan = base.search.at(least)[0]
+    smallest = Found(Candidate(plan, replayed(cmodel.chain, least, plan, cost, SETTINGS[0].name),
+                               [SETTINGS[0].name]), least, base.search)
     ser.matched[SMALLEST] = _per_memory_setting(ser, kept, cmodel, smallest, {
         "skipped": "the smallest limit: the default plan"})
     return ser

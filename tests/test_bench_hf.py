@@ -456,6 +456,7 @@ def test_per_memory_series_times_each_settings_own_fit(bench):
     base = bench.run_series("optmem", cmodel, model, batch, {}, 4, 2)
     targets = {f"m{k}": base.search.at(p)[3] + k for k, p in enumerate(peaks)}
     base = bench.run_series("optmem", cmodel, model, batch, targets, 4, 2)
+    cost = float(cmodel._planner.options(chain).extra.get("segment_cost", 0.0))
     for prefer_default in (True, False):
         def timer(step, cand, prefer_default=prefer_default):
             step()  # run the step as autotune would; the scripted time decides
@@ -479,6 +480,9 @@ def test_per_memory_series_times_each_settings_own_fit(bench):
             assert len({r["plan_id"] for r in rows}) == len(rows)
             chosen = next(r for r in rows if r["chosen"])
             assert chosen["real_peak"] == st.real_peak and chosen["limit"] == st.limit
+            plan = st.enter.args[1]  # the model's objective is this plan's, replayed
+            assert chosen["model_objective"] == pytest.approx(
+                simulate_checkpoint(chain, plan).makespan + cost * chosen["segments"])
             if record["skipped"] is None:
                 timed += 1
                 assert all(len(r["times_ms"]) == 5 for r in rows)
