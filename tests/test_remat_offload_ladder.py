@@ -147,6 +147,27 @@ def test_grids_are_capped_at_the_slots_and_deduplicated() -> None:
     assert list(notes) == [f"chapter 4 dp (grid {OPTS.slots}, backlog_grid 10)"]
 
 
+def test_a_pair_already_solved_is_taken_not_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ladder pair equal to the caller's own grid takes the plan already solved (no second
+    DP run of the same grid), and the candidates are the same as with the run."""
+    problem = _problems()[0]
+    extra = {"grid": 16, "backlog_grid": 8, "dp_ladder": [[16, 8], [64, 32]]}
+    options = OPTS.with_(extra=extra)
+    ran = exact._candidates(problem, options)
+    grids: list[tuple[int, int]] = []
+    pofo = exact.pofo_plan
+
+    def counted(problem, options, variant):  # type: ignore[no-untyped-def]
+        grids.append(ro.grid_of(options))
+        return pofo(problem, options, variant)
+
+    monkeypatch.setattr(exact, "pofo_plan", counted)
+    report: dict = {}
+    assert exact._candidates(problem, options, report=report) == ran
+    assert grids == [(16, 8), (64, 32)]  # the default once, then the other pair only
+    assert report["dp_ladder"]["chapter 4 dp (grid 16, backlog_grid 8)"] != "no plan"
+
+
 def test_benders_reports_its_default_ladder() -> None:
     """Under ``strategy=benders`` the ladder is on (``report["dp_ladder"]``); under ``full``
     it is off by default (no key)."""

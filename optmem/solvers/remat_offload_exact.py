@@ -92,6 +92,7 @@ from optmem.solvers.remat_offload import (
     PROBLEM,
     best_candidate,
     discretized,
+    grid_of,
     lower_bound,
     no_plan_result,
     offload_candidate,
@@ -318,12 +319,13 @@ def _candidates(problem: RematOffloadProblem, options: SolveOptions,
     :func:`_ladder_plans` (``report["dp_ladder"]``: each one's makespan, or why not).
     """
     disc, _ = discretized(problem, options)
+    default = pofo_plan(problem, options, "extended")[0]
     plans: list[tuple[str, Sequence[AnyOp] | None]] = [
-        ("chapter 4 dp", pofo_plan(problem, options, "extended")[0]),
+        ("chapter 4 dp", default),
         ("checkpoint only (persistent dp)", remat_candidate(disc)),
         ("offload only (dynprog)", offload_candidate(problem, options))]
     notes: dict[str, Any] = {}
-    plans += _ladder_plans(problem, options, deadline, notes)
+    plans += _ladder_plans(problem, options, deadline, notes, {grid_of(options): default})
     seen: dict[str, float] = {}
     best_candidate(problem, options, plans, seen)
     if report is not None and notes:
@@ -360,7 +362,8 @@ def _dp_states(length: int, grid: int, backlog: int) -> float:
 
 
 def _ladder_plans(problem: RematOffloadProblem, options: SolveOptions,
-                  deadline: Deadline | None, notes: dict[str, Any]
+                  deadline: Deadline | None, notes: dict[str, Any],
+                  known: dict[tuple[int, int], Sequence[AnyOp] | None] | None = None
                   ) -> list[tuple[str, Sequence[AnyOp] | None]]:
     """More candidate plans: the chapter 4 DP on other grids, and the autocapper plan.
 
@@ -379,7 +382,8 @@ def _ladder_plans(problem: RematOffloadProblem, options: SolveOptions,
     would pass that share or leave less than :data:`LEAST_ENGINE_TIME_S` before ``deadline``
     (``notes[label] = "skipped (time)"``); a DP run
     is not an engine call and cannot be stopped once started. ``notes`` gets one label per
-    plan tried (its makespan is filled in by the caller's replay).
+    plan tried (its makespan is filled in by the caller's replay). ``known``: plans already
+    solved, by ``(grid, backlog_grid)`` (the caller's default grid), taken instead of a run.
     """
     out: list[tuple[str, Sequence[AnyOp] | None]] = []
     pairs = dp_ladder(options)
@@ -395,6 +399,10 @@ def _ladder_plans(problem: RematOffloadProblem, options: SolveOptions,
         grid = min(grid, options.slots)
         label = f"chapter 4 dp (grid {grid}, backlog_grid {backlog})"
         if label in notes:
+            continue
+        if known and (grid, backlog) in known:
+            notes[label] = "no plan"
+            out.append((label, known[grid, backlog]))
             continue
         states = _dp_states(problem.chain.length, grid, backlog)
         spent = time.monotonic() - began
