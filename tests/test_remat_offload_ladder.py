@@ -138,6 +138,26 @@ def test_no_dp_run_starts_when_the_deadline_is_spent() -> None:
     assert notes["chapter 4 dp (grid 64, backlog_grid 32)"] == "skipped (time)"
 
 
+def test_the_ladder_stops_at_its_share_of_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the deadline's clock (fake here): a DP run that uses up the ladder's quarter of the
+    time limit is the last one; the deadline itself is far away."""
+    problem = _problems()[0]
+    now = [0.0]
+    pofo = exact.pofo_plan
+
+    def slow(problem, options, variant):  # type: ignore[no-untyped-def]
+        now[0] += 80.0  # more than a quarter of 300 s
+        return pofo(problem, options, variant)
+
+    monkeypatch.setattr(exact, "pofo_plan", slow)
+    notes: dict = {}
+    far = Deadline.start(10_000.0, clock=lambda: now[0])
+    exact._ladder_plans(problem, OPTS.with_(extra={"dp_ladder": [[16, 8], [64, 32]]},
+                                            time_limit_s=300.0), far, notes)
+    assert notes == {"chapter 4 dp (grid 16, backlog_grid 8)": "no plan",
+                     "chapter 4 dp (grid 64, backlog_grid 32)": "skipped (time)"}
+
+
 def test_grids_are_capped_at_the_slots_and_deduplicated() -> None:
     """``grid`` above ``slots`` runs at ``slots``; two pairs that become one run once."""
     problem = _problems()[0]

@@ -393,7 +393,9 @@ def _ladder_plans(problem: RematOffloadProblem, options: SolveOptions,
         notes[label] = "no plan"
         out.append((label, parse_mixed_plan(res.plan) if res.status.has_plan else None))
     share = None if options.time_limit_s is None else DP_LADDER_SHARE * options.time_limit_s
-    began = time.monotonic()
+    solve_deadline = Deadline(None) if deadline is None else deadline
+    clock = solve_deadline.clock
+    ladder = Deadline(None, clock).within(share)  # the ladder's share, from now
     rate: float | None = None  # seconds per state of the last run
     for grid, backlog in pairs:
         grid = min(grid, options.slots)
@@ -405,17 +407,15 @@ def _ladder_plans(problem: RematOffloadProblem, options: SolveOptions,
             out.append((label, known[grid, backlog]))
             continue
         states = _dp_states(problem.chain.length, grid, backlog)
-        spent = time.monotonic() - began
         predicted = 0.0 if rate is None else rate * states
-        if (share is not None and spent + predicted > share) or \
-                (deadline is not None and deadline.spent(predicted + LEAST_ENGINE_TIME_S)):
+        if ladder.spent(predicted) or solve_deadline.spent(predicted + LEAST_ENGINE_TIME_S):
             notes[label] = "skipped (time)"
             continue
-        run = time.monotonic()
+        run = clock()
         plan = pofo_plan(problem, options.with_(extra={**options.extra, "grid": grid,
                                                        "backlog_grid": backlog}),
                          "extended")[0]
-        rate = (time.monotonic() - run) / states
+        rate = (clock() - run) / states
         notes[label] = "no plan"
         out.append((label, plan))
     return out
