@@ -17,7 +17,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="the torch bridge needs torch")
 pytest.importorskip("transformers", reason="the HF tests need transformers (dev extra)")
 
-from hf_helpers import assert_same, gpt2, llama, step  # noqa: E402
+from hf_helpers import assert_same, bert, gpt2, llama, step  # noqa: E402
 
 import optmem.pytorch as op  # noqa: E402
 from optmem.errors import OptmemInputError  # noqa: E402
@@ -164,6 +164,47 @@ def test_torch_compile_runs_each_stage_compiled():
     functions = cmodel.executor._compiled
     assert functions is not None and len(functions) == cmodel.chain.length
 
+
+def _skewed_aot_eager(gm, example_inputs):
+    """``aot_eager`` that draws one random number before each graph: other dropout masks."""
+    compiled = torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    def run(*args):
+        torch.rand(1)
+        return compiled(*args)
+
+    return run
+
+
+@pytest.mark.parametrize(("factory", "fraction"), [(gpt2, 0.6), (bert, 0.6), (gpt2, 4.0)],
+                         ids=["gpt2-plan", "bert-plan", "gpt2-fast-path"])
+def test_torch_compile_draws_the_plain_models_dropout_masks(factory, fraction):
+    """``torch.compile(cmodel, backend="aot_eager")``: eager's masks, bitwise.
+
+    The stages (or the fast path's model) are compiled with the enclosing compile's backend
+    (they were compiled with default inductor before, whose masks differ). Dropout 0.1 (the
+    config default), train mode, a plan that recomputes; a different seed and a backend
+    that consumes the generator otherwise are both caught by the same comparison.
+    """
+    model, kwargs, cmodel, _ = _wrap(factory, fraction)
+    model.train()
+    assert cmodel.fast_path_taken == (fraction > 1)
+    if fraction < 1:
+        plan = cmodel.result.plan
+        assert any(o.startswith("F_") for o in plan[plan.index("Loss"):]), plan
+    ref = step(model, model, kwargs, seed=11)
+    plain = step(torch.compile(model, backend="aot_eager"), model, kwargs, seed=11)
+    compiled = torch.compile(cmodel, backend="aot_eager")
+    got = step(compiled, model, kwargs, seed=11)
+    assert_same(got, plain, bitwise=True)  # the plain model compiled with the same backend
+    assert_same(got, ref, bitwise=True)  # which draws eager's masks
+    assert_same(step(compiled, model, kwargs, seed=11), ref, bitwise=True)  # compiled once
+    with pytest.raises(AssertionError):  # the comparison sees other masks
+        assert_same(step(compiled, model, kwargs, seed=12), ref, bitwise=False)
+    if factory is gpt2 and fraction < 1:  # a stage drawing one number more is seen too
+        skewed = torch.compile(cmodel, backend=_skewed_aot_eager)
+        with pytest.raises(AssertionError):
+            assert_same(step(skewed, model, kwargs, seed=11), ref, bitwise=False)
 
 @pytest.mark.parametrize("kind", [op.offload, op.remat_offload])
 def test_offload_one_liners_on_llama(kind):
