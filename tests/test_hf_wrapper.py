@@ -3,8 +3,9 @@
 State dicts load both ways, attributes are forwarded, train/eval/no_grad/inference_mode,
 autocast, keyword and positional calls, ``attention_mask=``, calls without labels, dropout
 recomputed with the same masks, torch.autograd semantics (``backward(inputs=...)``, double
-backward and ``retain_graph`` refused with a clear error), ``torch.compile``, and the
-offload and remat+offload one-liners with bitwise-equal gradients.
+backward and ``retain_graph`` refused with a clear error), ``torch.compile`` (with
+``aot_eager``: eager's dropout masks, bitwise), and the offload and remat+offload one-liners
+with bitwise-equal gradients.
 """
 
 from __future__ import annotations
@@ -205,6 +206,16 @@ def test_torch_compile_draws_the_plain_models_dropout_masks(factory, fraction):
         skewed = torch.compile(cmodel, backend=_skewed_aot_eager)
         with pytest.raises(AssertionError):
             assert_same(step(skewed, model, kwargs, seed=11), ref, bitwise=False)
+
+@pytest.mark.parametrize("kind", [op.offload, op.remat_offload])
+def test_torch_compile_of_the_offload_one_liners_draws_eager_masks(kind):
+    """The offload executors under ``torch.compile(..., backend="aot_eager")``: bitwise."""
+    model, kwargs, cmodel, _ = _wrap(gpt2, kind=kind, bandwidth="1GB/s")
+    model.train()
+    assert any(o.startswith("offload") for o in cmodel.result.plan), cmodel.result.plan
+    compiled = torch.compile(cmodel, backend="aot_eager")
+    assert_same(step(compiled, model, kwargs, seed=5), step(model, model, kwargs, seed=5))
+    assert cmodel.executor._compiled is not None  # the stages ran compiled
 
 @pytest.mark.parametrize("kind", [op.offload, op.remat_offload])
 def test_offload_one_liners_on_llama(kind):
