@@ -344,8 +344,9 @@ class PlannedModule(nn.Module):
     def compile(self, *args: Any, **options: Any) -> None:
         """Compile every stage (``torch.compile(stage, **options)``).
 
-        The plan itself runs in Python. ``torch.compile(cmodel)`` compiles the stages too,
-        with these options (default ones if this was never called).
+        The plan itself runs in Python. ``torch.compile(cmodel, ...)`` compiles the stages
+        too, with these options; if this was never called, with that enclosing compile's
+        backend (:func:`~optmem.pytorch.execute.run_compiled`).
         """
         if args:
             raise TypeError("PlannedModule.compile takes keyword options only")
