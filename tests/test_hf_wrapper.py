@@ -194,11 +194,12 @@ def test_torch_compile_draws_the_plain_models_dropout_masks(factory, fraction):
         plan = cmodel.result.plan
         assert any(o.startswith("F_") for o in plan[plan.index("Loss"):]), plan
     ref = step(model, model, kwargs, seed=11)
-    plain = step(torch.compile(model, backend="aot_eager"), model, kwargs, seed=11)
     compiled = torch.compile(cmodel, backend="aot_eager")
     got = step(compiled, model, kwargs, seed=11)
-    assert_same(got, plain, bitwise=True)  # the plain model compiled with the same backend
-    assert_same(got, ref, bitwise=True)  # which draws eager's masks
+    assert_same(got, ref, bitwise=True)  # eager's masks
+    if not cmodel.fast_path_taken:  # (on the fast path the model itself runs compiled)
+        plain = step(torch.compile(model, backend="aot_eager"), model, kwargs, seed=11)
+        assert_same(got, plain, bitwise=True)  # the plain model compiled, same backend
     assert_same(step(compiled, model, kwargs, seed=11), ref, bitwise=True)  # compiled once
     with pytest.raises(AssertionError):  # the comparison sees other masks
         assert_same(step(compiled, model, kwargs, seed=12), ref, bitwise=False)
