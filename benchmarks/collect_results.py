@@ -14,7 +14,7 @@ HERE = Path(__file__).parent
 ORDER = ["checkpoint_dp", "exact", "checkpoint_exact", "zoo", "pytorch", "hf_autotune_memory",
          "hf_paired",
          "hf_paired_readby", "hf_paired_joint", "hf_early_stop", "hf_quiet4", "hf_autotune",
-         "hf_fastpath",
+         "hf_fastpath", "compile_dropout",
          "hf_quiet3", "hf_quiet3_repeat", "hf_quiet",
          "hf_bert_target1", "hf_bert_tie", "hf_gpt2_llama_floor", "hf",
          "hf_segment_quiet",

@@ -3,8 +3,9 @@
 State dicts load both ways, attributes are forwarded, train/eval/no_grad/inference_mode,
 autocast, keyword and positional calls, ``attention_mask=``, calls without labels, dropout
 recomputed with the same masks, torch.autograd semantics (``backward(inputs=...)``, double
-backward and ``retain_graph`` refused with a clear error), ``torch.compile``, and the
-offload and remat+offload one-liners with bitwise-equal gradients.
+backward and ``retain_graph`` refused with a clear error), ``torch.compile`` (with
+``aot_eager``: eager's dropout masks, bitwise), and the offload and remat+offload one-liners
+with bitwise-equal gradients.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="the torch bridge needs torch")
 pytest.importorskip("transformers", reason="the HF tests need transformers (dev extra)")
 
-from hf_helpers import assert_same, gpt2, llama, step  # noqa: E402
+from hf_helpers import assert_same, bert, gpt2, llama, step  # noqa: E402
 
 import optmem.pytorch as op  # noqa: E402
 from optmem.errors import OptmemInputError  # noqa: E402
@@ -164,6 +165,58 @@ def test_torch_compile_runs_each_stage_compiled():
     functions = cmodel.executor._compiled
     assert functions is not None and len(functions) == cmodel.chain.length
 
+
+def _skewed_aot_eager(gm, example_inputs):
+    """``aot_eager`` that draws one random number before each graph: other dropout masks."""
+    compiled = torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    def run(*args):
+        torch.rand(1)
+        return compiled(*args)
+
+    return run
+
+
+@pytest.mark.parametrize(("factory", "fraction"), [(gpt2, 0.6), (bert, 0.6), (gpt2, 4.0)],
+                         ids=["gpt2-plan", "bert-plan", "gpt2-fast-path"])
+def test_torch_compile_draws_the_plain_models_dropout_masks(factory, fraction):
+    """``torch.compile(cmodel, backend="aot_eager")``: eager's masks, bitwise.
+
+    The stages (or the fast path's model) are compiled with the enclosing compile's backend
+    (they were compiled with default inductor before, whose masks differ). Dropout 0.1 (the
+    config default), train mode, a plan that recomputes; a different seed and a backend
+    that consumes the generator otherwise are both caught by the same comparison.
+    """
+    model, kwargs, cmodel, _ = _wrap(factory, fraction)
+    model.train()
+    assert cmodel.fast_path_taken == (fraction > 1)
+    if fraction < 1:
+        plan = cmodel.result.plan
+        assert any(o.startswith("F_") for o in plan[plan.index("Loss"):]), plan
+    ref = step(model, model, kwargs, seed=11)
+    compiled = torch.compile(cmodel, backend="aot_eager")
+    got = step(compiled, model, kwargs, seed=11)
+    assert_same(got, ref, bitwise=True)  # eager's masks
+    if not cmodel.fast_path_taken:  # (on the fast path the model itself runs compiled)
+        plain = step(torch.compile(model, backend="aot_eager"), model, kwargs, seed=11)
+        assert_same(got, plain, bitwise=True)  # the plain model compiled, same backend
+    assert_same(step(compiled, model, kwargs, seed=11), ref, bitwise=True)  # compiled once
+    with pytest.raises(AssertionError):  # the comparison sees other masks
+        assert_same(step(compiled, model, kwargs, seed=12), ref, bitwise=False)
+    if factory is gpt2 and fraction < 1:  # a stage drawing one number more is seen too
+        skewed = torch.compile(cmodel, backend=_skewed_aot_eager)
+        with pytest.raises(AssertionError):
+            assert_same(step(skewed, model, kwargs, seed=11), ref, bitwise=False)
+
+@pytest.mark.parametrize("kind", [op.offload, op.remat_offload])
+def test_torch_compile_of_the_offload_one_liners_draws_eager_masks(kind):
+    """The offload executors under ``torch.compile(..., backend="aot_eager")``: bitwise."""
+    model, kwargs, cmodel, _ = _wrap(gpt2, kind=kind, bandwidth="1GB/s")
+    model.train()
+    assert any(o.startswith("offload") for o in cmodel.result.plan), cmodel.result.plan
+    compiled = torch.compile(cmodel, backend="aot_eager")
+    assert_same(step(compiled, model, kwargs, seed=5), step(model, model, kwargs, seed=5))
+    assert cmodel.executor._compiled is not None  # the stages ran compiled
 
 @pytest.mark.parametrize("kind", [op.offload, op.remat_offload])
 def test_offload_one_liners_on_llama(kind):

@@ -347,6 +347,45 @@ def test_torch_compile_of_the_executor_compiles_each_stage():
         torch.testing.assert_close(a, b)
 
 
+
+def _counting_backend(graphs):
+    """A ``torch.compile`` backend that runs the graph as it is and records it."""
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    return backend
+
+
+def test_torch_compile_of_the_executor_compiles_stages_with_its_backend():
+    """The stages take the enclosing compile's backend; ``compile_stages`` options win."""
+    from optmem.pytorch.execute import enclosing_compile_options
+
+    assert enclosing_compile_options() == {}  # no compile encloses the caller
+    torch.manual_seed(15)
+    module = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
+                           nn.Linear(8, 2))
+    x = torch.randn(4, 8)
+    stages = extract_stages(module)
+    ref = reference_step(module, x, loss_fn, seed=1)
+    cm = CheckpointedChain(stages, base.recompute_all_plan(len(stages)))
+    outer: list = []
+    got = reference_step(torch.compile(cm, backend=_counting_backend(outer)), x, loss_fn,
+                         seed=1, owner=module)
+    assert len(outer) >= len(stages)  # every stage compiled by the enclosing backend
+    for a, b in zip(got[2], ref[2], strict=True):  # graphs run as they are: bitwise
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    other: list = []  # another enclosing backend: the stages are compiled anew with it
+    reference_step(torch.compile(cm, backend=_counting_backend(other)), x, loss_fn, seed=1,
+                   owner=module)
+    assert len(other) >= len(stages)
+    chosen: list = []
+    cm.compile_stages(backend=_counting_backend(chosen))
+    n_outer = len(outer)
+    reference_step(torch.compile(cm, backend=_counting_backend(outer)), x, loss_fn, seed=1,
+                   owner=module)
+    assert len(chosen) >= len(stages)  # explicit options win over the enclosing ones
+    assert len(outer) - n_outer < len(stages)  # at most the wrapper's own frame
+
 # ------------------------------------------------------------------ stage fusion
 def test_fusable_runs_on_hand_made_plans():
     from optmem.plan import parse_plan

@@ -39,7 +39,7 @@ from optmem.pytorch.context import (
     read_by,
     side_inputs,
 )
-from optmem.pytorch.execute import StageCalls, run_in_order
+from optmem.pytorch.execute import CompileRequest, StageCalls, run_in_order
 from optmem.pytorch.extract import Stage, value_tensors
 from optmem.pytorch.offload import kept_storages
 
@@ -115,7 +115,7 @@ class DeltaChain(StageCalls, nn.Module):
     def forward(self, x: Any) -> Any:  # noqa: D102 - see the class docstring
         return self._forward(x, None)
 
-    def _forward(self, x: Any, compiled: bool | None) -> Any:
+    def _forward(self, x: Any, compiled: CompileRequest) -> Any:
         functions = self.stage_functions(compiled)
         if not torch.is_grad_enabled():
             return run_in_order(functions, x)

@@ -53,7 +53,10 @@ plain model.
 **torch.compile**: the plan interpreter never runs under dynamo (``torch.compiler.disable``,
 a graph break); with :meth:`CheckpointedChain.compile_stages`, or when the executor is
 called from a ``torch.compile``-d module, each stage runs compiled
-(``torch.compile(stage, **options)``), in the forward and in re-runs.
+(``torch.compile(stage, **options)``), in the forward and in re-runs. Called from a
+``torch.compile``-d module without :meth:`~StageCalls.compile_stages`, the stages are
+compiled with the backend of that enclosing compile (:func:`run_compiled`), so that
+``torch.compile(model, backend="aot_eager")`` runs ``aot_eager`` stages, not inductor ones.
 """
 
 from __future__ import annotations
@@ -84,8 +87,9 @@ from optmem.pytorch.extract import Stage, value_tensors
 from optmem.pytorch.hooks import quiet_gradient_hooks
 from optmem.pytorch.joint import JointStage, dead_outputs
 
-__all__ = ["CheckpointedChain", "StageCalls", "add_monitor", "compile_stage", "fusable_runs",
-           "remove_monitor", "run_in_order", "split_suffix"]
+__all__ = ["CheckpointedChain", "CompileRequest", "StageCalls", "add_monitor", "compile_stage",
+           "enclosing_compile_options", "fusable_runs", "remove_monitor", "run_compiled",
+           "run_in_order", "split_suffix"]
 
 Monitor = Callable[[str, list[torch.Tensor], list[torch.Tensor]], None]
 _MONITORS: list[Monitor] = []
@@ -390,6 +394,12 @@ class _RngState:
 
 
 
+CompileRequest = bool | dict[str, Any] | None
+"""How the stages are to run: ``None`` as :meth:`StageCalls.compile_stages` asked, ``False``
+as they are, ``True`` compiled, a dict compiled with those ``torch.compile`` options (the
+enclosing compile's, :func:`enclosing_compile_options`) unless ``compile_stages`` gave some."""
+
+
 class StageCalls:
     """How an executor calls its stages: as they are, or compiled with ``torch.compile``.
 
@@ -400,26 +410,81 @@ class StageCalls:
     stages: nn.ModuleList
     _compile_options: dict[str, Any] | None = None
     _compiled: list[Callable[[Any], Any]] | None = None
+    _compiled_with: dict[str, Any] | None = None  # the options ``_compiled`` was built with
 
     def compile_stages(self, **options: Any) -> None:
         """Run every stage compiled: ``torch.compile(stage, **options)`` (lazily built)."""
         self._compile_options = dict(options)
         self._compiled = None
 
-    def stage_functions(self, compiled: bool | None = None) -> list[Callable[[Any], Any]]:
+    def stage_functions(self, compiled: CompileRequest = None) -> list[Callable[[Any], Any]]:
         """The callables that run the stages.
 
-        ``compiled=None``: as :meth:`compile_stages` asked; ``True``: compiled (the
-        executor is called from a ``torch.compile``-d module).
+        ``compiled=None``: as :meth:`compile_stages` asked; ``False``: as they are;
+        ``True``: compiled (the executor is called from a ``torch.compile``-d module), with
+        the options of :meth:`compile_stages` (default ones if it was never called); a
+        dict: compiled, with the options of :meth:`compile_stages` if it was called, else
+        with these (those of the enclosing ``torch.compile``, :func:`run_compiled`).
         """
-        if compiled is None:
-            compiled = self._compile_options is not None
-        if not compiled:
+        options = compile_options_for(compiled, self._compile_options)
+        if options is None:
             return list(self.stages)
-        if self._compiled is None or len(self._compiled) != len(self.stages):
-            options = self._compile_options or {}
+        if (self._compiled is None or len(self._compiled) != len(self.stages)
+                or self._compiled_with != options):
             self._compiled = [compile_stage(m, options) for m in self.stages]
+            self._compiled_with = dict(options)
         return list(self._compiled)
+
+
+def compile_options_for(compiled: CompileRequest, chosen: dict[str, Any] | None
+                        ) -> dict[str, Any] | None:
+    """The ``torch.compile`` options to run with, or ``None`` to run uncompiled.
+
+    ``chosen``: the options given explicitly (``compile_stages`` / ``cmodel.compile``, or
+    ``None``); they win over the enclosing compile's (``compiled`` a dict).
+    """
+    if compiled is None:
+        return chosen
+    if compiled is False:
+        return None
+    if chosen is not None:
+        return chosen
+    return compiled if isinstance(compiled, dict) else {}
+
+
+@torch.compiler.disable(recursive=False)
+def enclosing_compile_options() -> dict[str, Any]:
+    """``{"backend": b}``, ``b`` the backend of the ``torch.compile`` running the caller.
+
+    Read from dynamo's frame callback, which stays set while this function runs (dynamo
+    skips its frame without disabling itself); ``b`` is the backend object ``torch.compile``
+    built (a named backend with its options, or inductor with its mode and options),
+    unwrapped from dynamo's wrappers. ``{}`` (default options) when no compile encloses the
+    caller, or when this torch keeps the callback elsewhere.
+    """
+    try:
+        from torch._C._dynamo.eval_frame import get_eval_frame_callback
+    except ImportError:  # pragma: no cover - another torch
+        return {}
+    backend: Any = get_eval_frame_callback()
+    while hasattr(backend, "_torchdynamo_orig_backend"):
+        backend = backend._torchdynamo_orig_backend
+    if backend is None or backend is False or not callable(backend):
+        return {}
+    return {"backend": backend}
+
+
+@torch.compiler.disable(recursive=False)
+def run_compiled(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args, options)``, ``options`` those of the enclosing ``torch.compile``.
+
+    Called from a module's ``forward`` while dynamo compiles it: dynamo breaks the graph
+    here and runs this function uncompiled, its frame callback still set, so that
+    :func:`enclosing_compile_options` finds the enclosing compile's backend. ``fn`` must
+    be wrapped in ``torch.compiler.disable`` (the executor's plan runs uncompiled, its
+    stages compiled with ``options``).
+    """
+    return fn(*args, enclosing_compile_options())
 
 
 def compile_stage(module: nn.Module, options: dict[str, Any]) -> Callable[[Any], Any]:
@@ -1058,10 +1123,10 @@ class CheckpointedChain(StageCalls, nn.Module):
 
     def forward(self, x: Any) -> Any:  # noqa: D102 - see the class docstring
         if torch.compiler.is_compiling():
-            return run_disabled(self, x, True)
+            return run_compiled(run_disabled, self, x)
         return self._forward(x, None)
 
-    def _forward(self, x: Any, compiled: bool | None) -> Any:
+    def _forward(self, x: Any, compiled: CompileRequest) -> Any:
         functions = self.stage_functions(compiled)
         params_need_grad = any(p.requires_grad for p in self.stages.parameters())
         input_needs_grad = any(t.requires_grad for t in value_tensors(x))
@@ -1103,8 +1168,11 @@ class CheckpointedChain(StageCalls, nn.Module):
 
 
 @torch.compiler.disable
-def run_disabled(executor: Any, x: Any, compiled: bool) -> Any:
-    """Run an executor outside dynamo (a graph break), its stages compiled."""
+def run_disabled(executor: Any, x: Any, compiled: CompileRequest) -> Any:
+    """Run an executor outside dynamo (a graph break), its stages compiled.
+
+    ``compiled``: ``True``, or the enclosing compile's options (:func:`run_compiled`).
+    """
     return executor._forward(x, compiled)
 
 

@@ -44,7 +44,13 @@ from torch import nn
 
 from optmem.errors import PlanError
 from optmem.plan import AnyOp, Op, OpKind, TransferKind, TransferOp, parse_mixed_plan
-from optmem.pytorch.execute import StageCalls, run_disabled, run_in_order
+from optmem.pytorch.execute import (
+    CompileRequest,
+    StageCalls,
+    run_compiled,
+    run_disabled,
+    run_in_order,
+)
 from optmem.pytorch.extract import Stage, value_tensors
 
 __all__ = ["HostCopies", "OffloadedChain", "kept_storages", "offload_plan_actions",
@@ -246,10 +252,10 @@ class OffloadedChain(StageCalls, nn.Module):
     def forward(self, x: Any) -> Any:
         """Run the stages, packing saved tensors by value and issuing transfers."""
         if torch.compiler.is_compiling():
-            return run_disabled(self, x, True)
+            return run_compiled(run_disabled, self, x)
         return self._forward(x, None)
 
-    def _forward(self, x: Any, compiled: bool | None) -> Any:
+    def _forward(self, x: Any, compiled: CompileRequest) -> Any:
         functions = self.stage_functions(compiled)
         if not torch.is_grad_enabled():
             return run_in_order(functions, x)

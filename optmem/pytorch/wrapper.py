@@ -47,7 +47,12 @@ from torch.utils._pytree import tree_flatten
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError
 from optmem.pytorch.context import SideInputs, side_inputs
-from optmem.pytorch.execute import run_in_order
+from optmem.pytorch.execute import (
+    CompileRequest,
+    compile_options_for,
+    run_compiled,
+    run_in_order,
+)
 from optmem.pytorch.extract import (
     Extraction,
     Stage,
@@ -189,6 +194,7 @@ class PlannedModule(nn.Module):
         self._main_key = main_key
         self._compile_options: dict[str, Any] | None = None
         self._compiled_module: Callable[..., Any] | None = None
+        self._compiled_module_with: dict[str, Any] | None = None
         self._plain = main.extraction is None
         self._signature = None if self._plain else inspect.signature(module.forward)
         self._tensor_state = TensorState(module)
@@ -338,8 +344,9 @@ class PlannedModule(nn.Module):
     def compile(self, *args: Any, **options: Any) -> None:
         """Compile every stage (``torch.compile(stage, **options)``).
 
-        The plan itself runs in Python. ``torch.compile(cmodel)`` compiles the stages too,
-        with these options (default ones if this was never called).
+        The plan itself runs in Python. ``torch.compile(cmodel, ...)`` compiles the stages
+        too, with these options; if this was never called, with that enclosing compile's
+        backend (:func:`~optmem.pytorch.execute.run_compiled`).
         """
         if args:
             raise TypeError("PlannedModule.compile takes keyword options only")
@@ -351,11 +358,11 @@ class PlannedModule(nn.Module):
     # -------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:  # noqa: D102 - see the class doc
         if torch.compiler.is_compiling():
-            return _forward_disabled(self, args, kwargs)
+            return run_compiled(_forward_disabled, self, args, kwargs)
         return self._forward(args, kwargs, None)
 
     def _forward(self, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 compiled: bool | None) -> Any:
+                 compiled: CompileRequest) -> Any:
         model = self._optmem_module
         if self._plain:
             if kwargs or len(args) != 1:
@@ -395,15 +402,18 @@ class PlannedModule(nn.Module):
         """
         return self._fast(self._main)
 
-    def _module_call(self, compiled: bool | None) -> Callable[..., Any]:
-        """The model, or the model compiled (``compiled``, or ``None`` after :meth:`compile`)."""
-        if compiled is None:
-            compiled = self._compile_options is not None
-        if not compiled:
+    def _module_call(self, compiled: CompileRequest) -> Callable[..., Any]:
+        """The model, or the model compiled (``compiled``, or ``None`` after :meth:`compile`).
+
+        Compiled with the options of :meth:`compile` if it was called, else with those of
+        the enclosing ``torch.compile`` (``compiled`` a dict), else default ones.
+        """
+        options = compile_options_for(compiled, self._compile_options)
+        if options is None:
             return self._optmem_module
-        if self._compiled_module is None:
-            self._compiled_module = torch.compile(self._optmem_module,
-                                                  **(self._compile_options or {}))
+        if self._compiled_module is None or self._compiled_module_with != options:
+            self._compiled_module = torch.compile(self._optmem_module, **options)
+            self._compiled_module_with = dict(options)
         return self._compiled_module
 
     def _variant(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Variant:
@@ -864,7 +874,7 @@ def _scaled_times(like: _Variant | None, stages: Sequence[Stage]) -> Any:
 
 
 # ------------------------------------------------------------------ executors
-def _run_executor(executor: nn.Module, x: Any, compiled: bool | None) -> Any:
+def _run_executor(executor: nn.Module, x: Any, compiled: CompileRequest) -> Any:
     run = getattr(executor, "_forward", None)
     if run is None:
         return executor(x)
@@ -880,7 +890,11 @@ def _compile_executor(executor: nn.Module, options: dict[str, Any]) -> None:
 
 
 @torch.compiler.disable
-def _forward_disabled(module: PlannedModule, args: tuple[Any, ...],
-                      kwargs: dict[str, Any]) -> Any:
-    """The wrapper's forward outside dynamo (a graph break); the stages run compiled."""
-    return module._forward(args, kwargs, True)
+def _forward_disabled(module: PlannedModule, args: tuple[Any, ...], kwargs: dict[str, Any],
+                      options: dict[str, Any]) -> Any:
+    """The wrapper's forward outside dynamo (a graph break); the stages run compiled.
+
+    ``options``: the enclosing compile's (:func:`~optmem.pytorch.execute.run_compiled`),
+    used unless :meth:`PlannedModule.compile` gave some.
+    """
+    return module._forward(args, kwargs, options)
