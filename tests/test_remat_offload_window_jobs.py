@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from remat_offload_helpers import OPTS
+from remat_offload_helpers import BENDERS, OPTS, check
 
 from optmem.chain import Chain
 from optmem.engines import adapters as engines
@@ -187,3 +187,24 @@ def test_a_wrong_window_row_is_caught(monkeypatch: pytest.MonkeyPatch,
     chain, beta, xhat, _ = _case(seed, limit, ops)
     monkeypatch.setattr(ro, "_window_job_rows", slow)
     assert _relaxation(chain, limit, beta, xhat, window_jobs=True, **ROWS) > value + 1e-3
+
+
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(chain=tiny(), limit=st.integers(3, 22), beta=st.sampled_from([0.5, 1.0, 3.0]))
+def test_solve_with_window_jobs_agrees_with_brute_force(chain: Chain, limit: int,
+                                                         beta: float) -> None:
+    """``extra["relaxation_window_jobs"]`` (the lazy host rounds with the window rows) keeps
+    the Benders strategy's answers consistent and equal to brute force's optimum (L <= 2),
+    its bound never above it."""
+    problem = RematOffloadProblem(chain, limit, chain_bandwidth=beta)
+    opts = BENDERS.with_(extra={**BENDERS.extra, "relaxation_window_jobs": True,
+                                "relaxation_read_deadlines": True,
+                                "relaxation_cumulative_reads": True})
+    res = solve(problem, "cpsat", options=opts)
+    check(problem, res, opts)
+    if chain.length <= 2:
+        brute = solve(problem, "brute", options=OPTS)
+        assert res.status == brute.status
+        if brute.status is Status.OPTIMAL:
+            assert res.objective == pytest.approx(brute.objective)
+            assert res.bound <= brute.objective + 1e-6

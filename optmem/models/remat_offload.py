@@ -965,7 +965,8 @@ def _deadline_rows(m: Model, cf: ck.Formulation, reads: Sequence[dict[Value, Lit
 def _window_job_rows(m: Model, cf: ck.Formulation,
                      reads: Sequence[dict[Value, Literal | bool]],
                      hosts: Sequence[dict[Value, Expr] | None], D: Sequence[Expr],
-                     S: Sequence[Expr], bandwidth: float, size: Callable[[Value], int]) -> None:
+                     S: Sequence[Expr], bandwidth: float, size: Callable[[Value], int],
+                     firsts: Collection[int] | None = None) -> None:
     r"""The window-job rows of the link relaxation (``window_jobs``; its docstring).
 
     For items ``p < q`` that both have host binaries, ``sum_v size_v (pf[v,p,q] + g[v,p,q]
@@ -980,10 +981,14 @@ def _window_job_rows(m: Model, cf: ck.Formulation,
       host at an item between (``>= 1 - h[v,r]``, ``1`` where ``v`` has no host binary:
       it cannot be stored unread there);
     * ``o``, the offload of a value not stored before ``p``: ``>= h[v,q'] - stored_v(p)``.
+
+    ``firsts``: the items ``p`` that start rows (default: every item with host binaries).
     """
     n = len(cf.sequence)
     items = [q for q in range(n) if q < len(hosts) and hosts[q]]
     for p in items:
+        if firsts is not None and p not in firsts:
+            continue
         held = hosts[p]
         assert held is not None
         A0, T0 = cf.states[p]
