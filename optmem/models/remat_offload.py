@@ -644,11 +644,17 @@ def build_link_relaxation(chain: Chain, memory_limit: int, bandwidth: float, *,
 
     Each indicator is a continuous variable in ``[0, 1]`` above these lower bounds (chained
     over ``q``), so the proof's point with the indicators at their values satisfies the
-    rows. Measured on ``random_chain(12, seed=1)`` at its 10 % limit (58): the host
-    relaxation's best sequence (70.78) is worth 71.08 in the model (CP-SAT, proven): the
-    relaxation brings ``a^0`` back after ``B 8`` and offloads it again before ``B 4``
-    while ``abar^3`` comes back for ``F_all 4`` in the same 374 / 36 time units; with these
-    rows (host binaries on every item) that sequence's relaxation is 71.08. Solve these
+    rows. Measured: on 4-stage chains (``random_chain(4, seed, max_size=8)``, the proofs
+    benchmark's link) they lift the host relaxation's own best sequence to its value in the
+    model (seed 8 at 35: 26.37 -> 26.74; seed 29 at 32: 29.58 -> 30.16) and the relaxation's
+    optimum with it (26.37 -> 26.74, 29.58 -> 30). On ``random_chain(12, seed=1)`` at its
+    10 % limit (58) the host relaxation's best sequence (70.78) is worth 71.08 in the model
+    (CP-SAT, proven): the relaxation brings ``a^0`` back and offloads it again between
+    ``B 12`` and ``B 11`` (72 / 36 time units, where the two transfers need 230 / 36),
+    which these rows forbid; but with host binaries on every item (210 k variables) HiGHS
+    does not raise that sequence's bound above 70.78 in 600 s, and with them on the 34
+    items the sequence uses, or on the lazy stage's items, the sequence's (and the
+    relaxation's) optimum stays 70.78. Solve these
     models with HiGHS's presolve off: HiGHS 1.14.0's MIP presolve returned an optimum above
     a feasible point on 4-stage sequences with them (``random_chain(4, seed=18, max_size=8)``
     at 39 and 40: 47.2 against the sequence's value 42.2; ``seed=9`` at 47 with a first
