@@ -724,7 +724,7 @@ def _lazy_host(chain: Chain, memory_limit: int, beta: float, sweeps: int,
     cumulative = flag(options, "relaxation_cumulative_reads", CUMULATIVE_READS_DEFAULT)
     jobs = flag(options, "relaxation_window_jobs", WINDOW_JOBS_DEFAULT)
     # HiGHS 1.14's MIP presolve is wrong on some models with the window rows (ro20)
-    presolve = {"highs_options": {"presolve": "off"}} if jobs else {}
+    presolve: dict[str, Any] | None = {"presolve": "off"} if jobs else None
     master, out = start
     for cum in (False, True) if cumulative else (False,):
         full = build_link_relaxation(chain, memory_limit, beta, sweeps=sweeps,
@@ -751,7 +751,7 @@ def _lazy_host(chain: Chain, memory_limit: int, beta: float, sweeps: int,
             out = engines.solve_pulp(pm.problem, pm.all_variables, engine,
                                      **{**engines.pulp_settings(options), "time_limit_s":
                                         None if left is None else max(left, MIN_ENGINE_LIMIT_S)},
-                                     **presolve)
+                                     highs_options=presolve)
             if not out.failed and math.isfinite(out.bound):
                 floor = max(floor, out.bound - 1e-9 * max(1.0, abs(out.bound)))
             yield master, out
