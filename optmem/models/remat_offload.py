@@ -504,7 +504,8 @@ def build_link_relaxation(chain: Chain, memory_limit: int, bandwidth: float, *,
                           sweeps: int = 1, horizon: float | None = None,
                           deadlines: bool = True, host_values: bool = True,
                           host_items: Collection[int] | None = None,
-                          read_deadlines: bool = False, cumulative_reads: bool = False) -> Model:
+                          read_deadlines: bool = False, cumulative_reads: bool = False,
+                          window_jobs: bool = False) -> Model:
     r"""A small relaxation of :func:`build_remat_offload`: integral compute, aggregated link.
 
     The compute part is the same checkpoint formulation (same slots, same class, exact
@@ -612,6 +613,54 @@ def build_link_relaxation(chain: Chain, memory_limit: int, bandwidth: float, *,
     these rows that sequence's bound is 90.86, and the relaxation's optimum (host rows on
     every item) rises from 83 to 84.
 
+    **Window jobs** (``window_jobs=True``, with ``host_values``; default false; ``ro20``;
+    :func:`_window_job_rows`): the rows above bound the jobs of one kind in a window: the
+    offloads before ``S_p`` (from time 0), the prefetches after ``E_p``, the prefetches due
+    before a reader. For two items ``p < q`` with host binaries, every job below lies
+    inside ``[E_p, S_q]`` in the proof's point, they are distinct and share the one link,
+    so ``sum_v size_v (pf + g + o)[v,p,q] <= beta (S_q - E_p)``:
+
+    * ``pf[v,p,q]``: the prefetch that ends ``v``'s host run through ``p``, when ``v`` is
+      read by a ``Loss`` / ``B`` of ``(p, q]`` (``h[v,p]``; the deadline rows' argument),
+      by a slot of ``(p, q]`` (``h[v,p] + rd - 1``; the read deadlines' argument) or when
+      ``v`` is on the host again at an item ``q' <= q`` after an item ``r`` of ``(p, q')``
+      where it is not (below). It starts after the run's last item ends (``late`` /
+      ``during`` rows), at or after ``E_p``;
+    * ``g[v,p,q] >= h[v,p] + (1 - h[v,r]) + h[v,q'] - 2`` for items ``p < r < q' <= q``
+      with host binaries (``h[v,r] = 0`` where ``v`` has no binary at ``r``: it cannot be
+      stored unread there): the run through ``p`` ended before ``r`` ends (the runs are
+      contiguous, proof above: ``h`` is 1 wherever the rows allow while ``v`` is moved, and
+      no reader follows an item that counted ``v`` on the host while it is still offloaded,
+      the ``G`` rows), so ``q'`` lies in a later run, whose offload ends by ``S_{q'} <=
+      S_q`` and starts after that prefetch ended (``off + H + P <= 1``: no offload of a
+      moved or prefetched-unread value; one link): the prefetch and the re-offload both lie
+      in the window, ``pf`` counts the first and ``g`` the second;
+    * ``o[v,p,q] >= h[v,q'] - stored_v(p)`` for ``q'`` of ``(p, q]``: a value not stored
+      (GPU or host: ``cf.states[p]``, a value on the host stays stored until it is
+      prefetched) before ``p`` but on the host during ``q'`` was produced by an item at or
+      after ``p`` (``nodup`` rows: never recomputed while stored), so the offload of its run
+      through ``q'`` starts at or after ``E_p`` (offload after its producer) and ends by
+      ``S_{q'}``. Such a value has ``h[v,p] = 0``, so no ``pf`` or ``g`` of it.
+
+    Each indicator is a continuous variable in ``[0, 1]`` above these lower bounds (chained
+    over ``q``), so the proof's point with the indicators at their values satisfies the
+    rows. Measured: on 4-stage chains (``random_chain(4, seed, max_size=8)``, the proofs
+    benchmark's link) they lift the host relaxation's own best sequence to its value in the
+    model (seed 8 at 35: 26.37 -> 26.74; seed 29 at 32: 29.58 -> 30.16) and the relaxation's
+    optimum with it (26.37 -> 26.74, 29.58 -> 30). On ``random_chain(12, seed=1)`` at its
+    10 % limit (58) the host relaxation's best sequence (70.78) is worth 71.08 in the model
+    (CP-SAT, proven): the relaxation brings ``a^0`` back and offloads it again between
+    ``B 12`` and ``B 11`` (72 / 36 time units, where the two transfers need 230 / 36),
+    which these rows forbid; but with host binaries on every item (210 k variables) HiGHS
+    does not raise that sequence's bound above 70.78 in 600 s, and with them on the 34
+    items the sequence uses, or on the lazy stage's items, the sequence's (and the
+    relaxation's) optimum stays 70.78. Solve these
+    models with HiGHS's presolve off: HiGHS 1.14.0's MIP presolve returned an optimum above
+    a feasible point on 4-stage sequences with them (``random_chain(4, seed=18, max_size=8)``
+    at 39 and 40: 47.2 against the sequence's value 42.2; ``seed=9`` at 47 with a first
+    writing of the same rows, where ``pf`` was bounded by ``g``; presolve off and CBC agree
+    with the model there).
+
     **Host rows on some items** (``host_items``, with ``host_values``; ``None``: every item):
     the items of ``host_items`` get the binaries ``h[v,p]`` and their rows as above, the
     others the aggregated relief ``r_p`` and its rows; the per-value run rows are written
@@ -680,6 +729,8 @@ def build_link_relaxation(chain: Chain, memory_limit: int, bandwidth: float, *,
     if relief and deadlines:
         _deadline_rows(m, cf, reads, relief, D, S, bandwidth, size, hosts,
                        read_deadlines=read_deadlines, cumulative=cumulative_reads)
+    if relief and window_jobs:
+        _window_job_rows(m, cf, reads, hosts, D, S, bandwidth, size)
     if relief:
         cap = float(sum(a) + sum(abar))
         up: list[Expr] = []
@@ -915,6 +966,92 @@ def _deadline_rows(m: Model, cf: ck.Formulation, reads: Sequence[dict[Value, Lit
             else:
                 lhs = relief[p] - Expr.sum(e for v, e in unread.items() if v not in seen)
             m.add(lhs <= (S[q] - S[p] - D[p]) * bandwidth, f"deadline_{p}_{q}")
+
+
+def _window_job_rows(m: Model, cf: ck.Formulation,
+                     reads: Sequence[dict[Value, Literal | bool]],
+                     hosts: Sequence[dict[Value, Expr] | None], D: Sequence[Expr],
+                     S: Sequence[Expr], bandwidth: float, size: Callable[[Value], int],
+                     firsts: Collection[int] | None = None) -> None:
+    r"""The window-job rows of the link relaxation (``window_jobs``; its docstring).
+
+    For items ``p < q`` that both have host binaries, ``sum_v size_v (pf[v,p,q] + g[v,p,q]
+    + o[v,p,q]) <= beta (S_q - E_p)`` with continuous ``[0, 1]`` lower bounds of the
+    indicators of the jobs that lie inside ``[E_p, S_q]``:
+
+    * ``pf``, the prefetch that ends ``v``'s host run at ``p``: ``h[v,p]`` for the values
+      ``V(p, q)`` a ``Loss`` / ``B`` of ``(p, q]`` reads; otherwise ``>= h[v,p] + rd - 1``
+      for a slot of ``(p, q]`` that reads ``v`` and ``>= g[v,p,q]``;
+    * ``g``, the offload of a later host run: ``>= h[v,p] + k + h[v,q'] - 2`` for an item
+      ``q'`` of ``(p, q]`` with host binaries and ``k`` the witness that ``v`` is off the
+      host at an item between (``>= 1 - h[v,r]``, ``1`` where ``v`` has no host binary:
+      it cannot be stored unread there);
+    * ``o``, the offload of a value not stored before ``p``: ``>= h[v,q'] - stored_v(p)``.
+
+    ``firsts``: the items ``p`` that start rows (default: every item with host binaries).
+    """
+    n = len(cf.sequence)
+    items = [q for q in range(n) if q < len(hosts) and hosts[q]]
+    for p in items:
+        if firsts is not None and p not in firsts:
+            continue
+        held = hosts[p]
+        assert held is not None
+        A0, T0 = cf.states[p]
+        seen: set[Value] = set()
+        pf: dict[Value, Expr] = {}
+        gap: dict[Value, Expr] = {}
+        wit: dict[Value, Expr] = {}
+        new: dict[Value, Expr] = {}
+
+        def var(kind: str, v: Value, q: int, lows: list[Expr], prev: Expr | None,
+                p: int = p) -> Expr:
+            tag = f"w{kind}{len(m.vars)}_{v[0]}{v[1]}_{p}_{q}"
+            x = m.continuous(tag, 0.0, 1.0)
+            for i, lo in enumerate(lows):
+                m.add(x >= lo, f"{tag}_{i}")
+            if prev is not None:
+                m.add(x >= prev, f"{tag}_p")
+            return x
+
+        for q in range(p + 1, n):
+            item = cf.sequence[q]
+            here = hosts[q] if q < len(hosts) else None
+            changed = False
+            if not isinstance(item, ck.Slot):
+                for v in set(reads[q]) - seen:
+                    seen.add(v)
+                    if v in held:
+                        pf[v] = held[v]
+            else:
+                for w, lit in reads[q].items():
+                    if w in seen or w not in held or lit is False:
+                        continue
+                    x = Expr((), 1.0) if lit is True else (
+                        Expr([(lit[0], 1.0)]) if lit[1] else 1 - Expr([(lit[0], 1.0)]))
+                    pf[w] = var("pf", w, q, [held[w] + x - 1], pf.get(w))
+            if here is not None:
+                for v, h in here.items():
+                    if v in held and v in wit:
+                        low = held[v] + wit[v] + h - 2
+                        gap[v] = var("g", v, q, [low], gap.get(v))
+                        changed = True
+                        if v not in seen:
+                            pf[v] = var("pf", v, q, [low], pf.get(v))
+                    st = _x((A0 if v[0] == A_ else T0)[v[1]])
+                    if v not in held and not (not st.terms and st.const > 0.5):
+                        new[v] = var("o", v, q, [h - st], new.get(v))
+                        changed = True
+                for v in held:
+                    if v not in wit or wit[v].terms:
+                        wit[v] = Expr((), 1.0) if v not in here else \
+                            var("k", v, q, [1 - here[v]], wit.get(v))
+            if not changed or here is None:
+                continue
+            lhs = Expr.sum([*(x * size(v) for v, x in pf.items()),
+                            *(x * size(v) for v, x in gap.items()),
+                            *(x * size(v) for v, x in new.items())])
+            m.add(lhs <= (S[q] - S[p] - D[p]) * bandwidth, f"wjobs_{p}_{q}")
 
 
 def _read_before(m: Model, p: int, q: int, w: Value, h: Expr, lit: Literal | bool,

@@ -137,6 +137,7 @@ BENDERS_EXTRA = {"relaxation_share": BENDERS_RELAXATION_SHARE,
                  # ro18: the DP ladder and the autocapper plan as candidate plans
                  "dp_ladder": BENDERS_DP_LADDER, "autocapper_candidate": True}
 BENDERS_WARMUP = 0.3  # share of the time limit for the monolithic warm-up of strategy=benders
+WINDOW_JOBS_DEFAULT = False  # extra["relaxation_window_jobs"]: window rows in the lazy rounds
 SEQUENCE_DEFAULT = False  # extra["relaxation_sequence"] (strategy=full; benders: BENDERS_EXTRA)
 SEQUENCE_WORK = 10.0  # CP-SAT deterministic seconds completing the relaxation's sequence
 SEQUENCE_SHARE = 0.1  # share of a user's time limit completing the relaxation's sequence
@@ -704,6 +705,12 @@ def _lazy_host(chain: Chain, memory_limit: int, beta: float, sweeps: int,
     with them (their first round rebuilds the covered items with them), so the rounds
     without them are never slower than before.
 
+    ``extra["relaxation_window_jobs"]`` (default :data:`WINDOW_JOBS_DEFAULT`): the rounds'
+    models also get the window-job rows among the covered items
+    (:func:`~optmem.models.remat_offload.build_link_relaxation`, ``window_jobs``; a
+    relaxation by the proof there) and are solved with HiGHS's presolve off (HiGHS 1.14.0's
+    presolve returned optima above feasible points of such models on 4-stage chains).
+
     ``floor`` (``extra["relaxation_window"]``: the best bound of the stages before, else
     ``-inf``): each round's model gets the row ``makespan >= floor`` (less 1e-6 relative),
     ``floor`` rising with every round's dual bound. Valid: ``floor`` is a proven bound, at
@@ -715,6 +722,9 @@ def _lazy_host(chain: Chain, memory_limit: int, beta: float, sweeps: int,
     """
     reads_too = flag(options, "relaxation_read_deadlines", READ_DEADLINES_DEFAULT)
     cumulative = flag(options, "relaxation_cumulative_reads", CUMULATIVE_READS_DEFAULT)
+    jobs = flag(options, "relaxation_window_jobs", WINDOW_JOBS_DEFAULT)
+    # HiGHS 1.14's MIP presolve is wrong on some models with the window rows (ro20)
+    presolve: dict[str, Any] | None = {"presolve": "off"} if jobs else None
     master, out = start
     for cum in (False, True) if cumulative else (False,):
         full = build_link_relaxation(chain, memory_limit, beta, sweeps=sweeps,
@@ -731,7 +741,7 @@ def _lazy_host(chain: Chain, memory_limit: int, beta: float, sweeps: int,
             covered.update(violated)
             master = build_link_relaxation(chain, memory_limit, beta, sweeps=sweeps,
                                            host_items=covered, read_deadlines=reads_too,
-                                           cumulative_reads=cum)
+                                           cumulative_reads=cum, window_jobs=jobs)
             if math.isfinite(floor):
                 at = next(i for i, v in enumerate(master.vars) if v.name == "makespan")
                 master.add(Expr([(at, 1.0)]) >= floor - 1e-6 * max(1.0, abs(floor)),
@@ -740,7 +750,8 @@ def _lazy_host(chain: Chain, memory_limit: int, beta: float, sweeps: int,
             left = limit()  # again: the build and emission took some of it
             out = engines.solve_pulp(pm.problem, pm.all_variables, engine,
                                      **{**engines.pulp_settings(options), "time_limit_s":
-                                        None if left is None else max(left, MIN_ENGINE_LIMIT_S)})
+                                        None if left is None else max(left, MIN_ENGINE_LIMIT_S)},
+                                     highs_options=presolve)
             if not out.failed and math.isfinite(out.bound):
                 floor = max(floor, out.bound - 1e-9 * max(1.0, abs(out.bound)))
             yield master, out
@@ -1079,7 +1090,7 @@ def _full_solve(setup: _Setup, options: SolveOptions, report: dict[str, Any], *,
                  "relaxation", "relaxation_deadlines", "relaxation_values", "relaxation_lazy",
                  "relaxation_read_deadlines", "relaxation_sequence", "relaxation_share",
                  "relaxation_cumulative_reads", "relaxation_window", "dp_ladder",
-                 "autocapper_candidate", "autocapper_values"))
+                 "autocapper_candidate", "autocapper_values", "relaxation_window_jobs"))
 def solve_ilp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     """Optimal plan over the model's class (module docstring), HiGHS/CBC/Gurobi."""
     return _solve_model(problem, options, "ilp")
@@ -1093,7 +1104,7 @@ def solve_ilp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
                  "relaxation_read_deadlines", "relaxation_sequence", "relaxation_share",
                  "relaxation_cumulative_reads", "relaxation_window", "dp_ladder",
                  "autocapper_candidate", "autocapper_values", "strategy",
-                 "benders_work",
+                 "relaxation_window_jobs", "benders_work",
                  "benders_filter_work", "benders_iterations", "benders_warmup",
                  "benders_filter", "benders_host_bound", "benders_first_found"))
 def solve_cpsat(problem: RematOffloadProblem, options: SolveOptions) -> Result:
