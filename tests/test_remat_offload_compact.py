@@ -32,6 +32,7 @@ from optmem.solvers.facade import solve
 pytest.importorskip("highspy", reason="the link relaxation is solved by HiGHS")
 
 ROWS: tuple[dict[str, Any], ...] = (
+    {"host_values": False, "deadlines": False},
     {"host_values": False},
     {"host_values": False, "read_deadlines": True},
     {"host_values": False, "read_deadlines": True, "cumulative_reads": True},

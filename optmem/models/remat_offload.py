@@ -638,6 +638,9 @@ def build_link_relaxation(chain: Chain, memory_limit: int, bandwidth: float, *,
     at most two values of ``W``). The ``y`` are defined by equalities from the other
     variables, so the projection of the feasible set (LP and MILP) on the original
     variables is the same: same optimum, same LP bound (tested equal on random chains).
+    The link rows read running sums the same way (:func:`_running_sums`: ``O(n)``
+    non-zeros for the offload and prefetch rows instead of ``O(n^2)``; 0.09 M of the plain
+    stage's 0.12 M on ResNet-50).
     """
     cf = ck.build_formulation(chain, memory_limit, "full", sweeps, reductions=False)
     a = [chain.input_size, *chain.output_size]
@@ -715,11 +718,16 @@ def build_link_relaxation(chain: Chain, memory_limit: int, bandwidth: float, *,
                 m.add(d >= runs[1], f"d_values{q}")
             up.append(u)
             down.append(d)
+        if compact:
+            offloaded, prefetched = _running_sums(m, up, down, (n + 1) * cap)
+        else:
+            offloaded = [Expr.sum(up[:p + 1]) for p in range(n + 1)]
+            prefetched = [Expr.sum(down[p:]) for p in range(n + 1)]
         for p in range(n):
-            m.add(S[p] * bandwidth >= Expr.sum(up[:p + 1]), f"offloads_{p}")
-            m.add((makespan - S[p] - D[p]) * bandwidth >= Expr.sum(down[p + 1:]),
+            m.add(S[p] * bandwidth >= offloaded[p], f"offloads_{p}")
+            m.add((makespan - S[p] - D[p]) * bandwidth >= prefetched[p + 1],
                   f"prefetches_{p}")
-        m.add(makespan * bandwidth >= Expr.sum(up) + Expr.sum(down), "link")
+        m.add(makespan * bandwidth >= offloaded[n] + prefetched[0], "link")
     m.minimize(makespan)
     return m
 
@@ -938,6 +946,29 @@ def _deadline_rows(m: Model, cf: ck.Formulation, reads: Sequence[dict[Value, Lit
             else:
                 lhs = relief[p] - Expr.sum(e for v, e in unread.items() if v not in seen)
             m.add(lhs <= (S[q] - S[p] - D[p]) * bandwidth, f"deadline_{p}_{q}")
+
+
+def _running_sums(m: Model, up: Sequence[Expr], down: Sequence[Expr], cap: float
+                  ) -> tuple[list[Expr], list[Expr]]:
+    """``sum(up[:p + 1])`` and ``sum(down[p:])`` for every ``p``, as chains of equalities.
+
+    ``compact`` of :func:`build_link_relaxation`: continuous variables equal to the running
+    sums (``U_p = U_{p-1} + u_p``, ``P_p = P_{p+1} + d_p``), so the link rows read one
+    variable each instead of ``O(n)`` terms; defined by equalities, the relaxation is the
+    same.
+    """
+    offloaded: list[Expr] = []
+    for p, u in enumerate(up):
+        total = m.continuous(f"cu_{p}", 0.0, cap)
+        m.add(total == (offloaded[-1] + u if offloaded else u), f"cu_{p}")
+        offloaded.append(total)
+    prefetched: list[Expr] = [Expr()] * len(down)
+    after: Expr | None = None
+    for p in range(len(down) - 1, -1, -1):
+        total = m.continuous(f"cd_{p}", 0.0, cap)
+        m.add(total == (after + down[p] if after is not None else down[p]), f"cd_{p}")
+        prefetched[p] = after = total
+    return offloaded, prefetched
 
 
 def _compact_outside(m: Model, p: int, relief: Expr, unread: dict[Value, Expr],
