@@ -926,9 +926,9 @@ def _deadline_rows(m: Model, cf: ck.Formulation, reads: Sequence[dict[Value, Lit
                 if not wanted:
                     continue
                 if not cumulative or held is None:
+                    extra = {} if outside is None else {"outside": outside(seen)}
                     _read_deadline(m, p, q, wanted, seen, unread, held, relief[p], D, S,
-                                   bandwidth, size,
-                                   outside=None if outside is None else outside(seen))
+                                   bandwidth, size, **extra)
                     continue
                 for w, lit in wanted.items():
                     if w in held:
