@@ -505,7 +505,7 @@ def build_link_relaxation(chain: Chain, memory_limit: int, bandwidth: float, *,
                           deadlines: bool = True, host_values: bool = True,
                           host_items: Collection[int] | None = None,
                           read_deadlines: bool = False, cumulative_reads: bool = False,
-                          window_jobs: bool = False) -> Model:
+                          window_jobs: bool = False, compact: bool = False) -> Model:
     r"""A small relaxation of :func:`build_remat_offload`: integral compute, aggregated link.
 
     The compute part is the same checkpoint formulation (same slots, same class, exact
@@ -672,6 +672,23 @@ def build_link_relaxation(chain: Chain, memory_limit: int, bandwidth: float, *,
     between the aggregated relaxation's and the one with host rows everywhere: the lazy
     host stage of :func:`~optmem.solvers.remat_offload_exact._relaxation_bound` adds items
     only where the current solution violates their rows (:func:`host_violations`).
+
+    **Compact deadline rows** (``compact=True``, default false; :func:`_compact_outside`):
+    the same relaxation written with fewer non-zeros. On the items without host binaries a
+    deadline row of ``(p, q)`` subtracts from ``r_p`` the unread size of every value
+    outside ``V(p, q)`` (and a read deadline outside ``W`` too): about 30 terms per row, and
+    one row per pair, so the read deadlines alone had 1.08 M non-zeros on ResNet-50 at its
+    10 % limit (L = 22; the plain relaxation 0.12 M). With ``compact`` each item ``p`` gets
+    continuous ``y[p,k] = r_p - sum_{v not in V_k} unread_v`` for the successive sets
+    ``V_k`` that ``V(p, q)`` takes as ``q`` advances, written as a chain of equalities
+    (``y[p,0] = r_p - sum_v unread_v``, ``y[p,k] = y[p,k-1] + sum_{v in V_k - V_{k-1}}
+    unread_v``), and each row reads ``y[p,k]`` (plus ``unread_w - size_w (1 - rd_w)`` for the
+    at most two values of ``W``). The ``y`` are defined by equalities from the other
+    variables, so the projection of the feasible set (LP and MILP) on the original
+    variables is the same: same optimum, same LP bound (tested equal on random chains).
+    The link rows read running sums the same way (:func:`_running_sums`: ``O(n)``
+    non-zeros for the offload and prefetch rows instead of ``O(n^2)``; 0.09 M of the plain
+    stage's 0.12 M on ResNet-50).
     """
     cf = ck.build_formulation(chain, memory_limit, "full", sweeps, reductions=False)
     a = [chain.input_size, *chain.output_size]
@@ -728,7 +745,8 @@ def build_link_relaxation(chain: Chain, memory_limit: int, bandwidth: float, *,
         relief.append(r)
     if relief and deadlines:
         _deadline_rows(m, cf, reads, relief, D, S, bandwidth, size, hosts,
-                       read_deadlines=read_deadlines, cumulative=cumulative_reads)
+                       read_deadlines=read_deadlines, cumulative=cumulative_reads,
+                       compact=compact)
     if relief and window_jobs:
         _window_job_rows(m, cf, reads, hosts, D, S, bandwidth, size)
     if relief:
@@ -750,11 +768,16 @@ def build_link_relaxation(chain: Chain, memory_limit: int, bandwidth: float, *,
                 m.add(d >= runs[1], f"d_values{q}")
             up.append(u)
             down.append(d)
+        if compact:
+            offloaded, prefetched = _running_sums(m, up, down, (n + 1) * cap)
+        else:
+            offloaded = [Expr.sum(up[:p + 1]) for p in range(n + 1)]
+            prefetched = [Expr.sum(down[p:]) for p in range(n + 1)]
         for p in range(n):
-            m.add(S[p] * bandwidth >= Expr.sum(up[:p + 1]), f"offloads_{p}")
-            m.add((makespan - S[p] - D[p]) * bandwidth >= Expr.sum(down[p + 1:]),
+            m.add(S[p] * bandwidth >= offloaded[p], f"offloads_{p}")
+            m.add((makespan - S[p] - D[p]) * bandwidth >= prefetched[p + 1],
                   f"prefetches_{p}")
-        m.add(makespan * bandwidth >= Expr.sum(up) + Expr.sum(down), "link")
+        m.add(makespan * bandwidth >= offloaded[n] + prefetched[0], "link")
     m.minimize(makespan)
     return m
 
@@ -920,7 +943,8 @@ def _deadline_rows(m: Model, cf: ck.Formulation, reads: Sequence[dict[Value, Lit
                    relief: Sequence[Expr], D: Sequence[Expr], S: Sequence[Expr],
                    bandwidth: float, size: Callable[[Value], int],
                    hosts: Sequence[dict[Value, Expr] | None] = (), *,
-                   read_deadlines: bool = False, cumulative: bool = False) -> None:
+                   read_deadlines: bool = False, cumulative: bool = False,
+                   compact: bool = False) -> None:
     """The prefetch deadlines of the link relaxation (its docstring).
 
     For every item ``p`` and backward-type item ``q > p`` whose reads add a value that may
@@ -931,13 +955,16 @@ def _deadline_rows(m: Model, cf: ck.Formulation, reads: Sequence[dict[Value, Lit
     items with host binaries): every row of ``(p, q)`` also counts ``size_w z[w,p,q]`` for
     the values ``w`` outside ``V(p, q)`` that a slot of ``(p, q]`` may read, ``z`` continuous
     in ``[0, 1]`` with ``z[w,p,q] >= h[w,p] + rd_{w,q'} - 1`` for each such slot ``q'``
-    (``build_link_relaxation``, **Cumulative reads**).
+    (``build_link_relaxation``, **Cumulative reads**). ``compact`` (items without host
+    binaries): the rows read :func:`_compact_outside`'s ``y[p,k]`` (same relaxation).
     """
     n = len(cf.sequence)
     for p in range(n):
         unread = _unread(cf, p, reads, size)
         held = hosts[p] if hosts else None
         seen: set[Value] = set()
+        outside = _compact_outside(m, p, relief[p], unread, size) if compact and held is None \
+            else None
         early: dict[Value, Expr] = {}  # cumulative: z[w,p,q] of the last slot q reading w
         for q in range(p + 1, n):
             if isinstance(cf.sequence[q], ck.Slot):
@@ -949,8 +976,9 @@ def _deadline_rows(m: Model, cf: ck.Formulation, reads: Sequence[dict[Value, Lit
                 if not wanted:
                     continue
                 if not cumulative or held is None:
+                    extra = {} if outside is None else {"outside": outside(seen)}
                     _read_deadline(m, p, q, wanted, seen, unread, held, relief[p], D, S,
-                                   bandwidth, size)
+                                   bandwidth, size, **extra)
                     continue
                 for w, lit in wanted.items():
                     if w in held:
@@ -963,6 +991,8 @@ def _deadline_rows(m: Model, cf: ck.Formulation, reads: Sequence[dict[Value, Lit
             if held is not None:
                 lhs = Expr.sum([*(h * size(v) for v, h in held.items() if v in seen),
                                 *(z * size(w) for w, z in early.items() if w not in seen)])
+            elif outside is not None:
+                lhs = outside(seen)
             else:
                 lhs = relief[p] - Expr.sum(e for v, e in unread.items() if v not in seen)
             m.add(lhs <= (S[q] - S[p] - D[p]) * bandwidth, f"deadline_{p}_{q}")
@@ -1054,6 +1084,63 @@ def _window_job_rows(m: Model, cf: ck.Formulation,
             m.add(lhs <= (S[q] - S[p] - D[p]) * bandwidth, f"wjobs_{p}_{q}")
 
 
+def _running_sums(m: Model, up: Sequence[Expr], down: Sequence[Expr], cap: float
+                  ) -> tuple[list[Expr], list[Expr]]:
+    """``sum(up[:p + 1])`` and ``sum(down[p:])`` for every ``p``, as chains of equalities.
+
+    ``compact`` of :func:`build_link_relaxation`: continuous variables equal to the running
+    sums (``U_p = U_{p-1} + u_p``, ``P_p = P_{p+1} + d_p``), so the link rows read one
+    variable each instead of ``O(n)`` terms; defined by equalities, the relaxation is the
+    same.
+    """
+    offloaded: list[Expr] = []
+    for p, u in enumerate(up):
+        total = m.continuous(f"cu_{p}", 0.0, cap)
+        m.add(total == (offloaded[-1] + u if offloaded else u), f"cu_{p}")
+        offloaded.append(total)
+    prefetched: list[Expr] = [Expr()] * len(down)
+    after: Expr | None = None
+    for p in range(len(down) - 1, -1, -1):
+        total = m.continuous(f"cd_{p}", 0.0, cap)
+        m.add(total == (after + down[p] if after is not None else down[p]), f"cd_{p}")
+        prefetched[p] = after = total
+    return offloaded, prefetched
+
+
+def _compact_outside(m: Model, p: int, relief: Expr, unread: dict[Value, Expr],
+                     size: Callable[[Value], int]) -> Callable[[set[Value]], Expr]:
+    """``seen -> y``: a variable equal to ``r_p - sum_{v not in seen} unread_v`` (``compact``).
+
+    ``seen`` only grows between calls (the values read by the ``Loss`` / ``B`` items after
+    ``p``, :func:`_deadline_rows`); a new ``y[p,k]`` is added when it grew by values of
+    ``unread``, by the equality ``y[p,k] = y[p,k-1] + sum`` of their unread sizes
+    (``y[p,0] = r_p - sum_v unread_v``). Equalities that define new variables from the
+    others: the relaxation is the same (``build_link_relaxation``, **Compact deadline
+    rows**).
+    """
+    # |y| <= sum_v size_v: r_p is at most the unread size (its relief row), each unread_v
+    # at most size_v (stored at most 1): the bounds cut nothing
+    cap = float(sum(size(v) for v in unread)) + 1.0
+    counted: set[Value] = set()
+    chain: list[Expr] = []
+
+    def outside(seen: set[Value]) -> Expr:
+        new = (seen & unread.keys()) - counted
+        if not chain or new:
+            y = m.continuous(f"y_{p}_{len(chain)}", -cap, cap)
+            if not chain:
+                rest = Expr.sum(e for v, e in unread.items() if v not in seen)
+                m.add(y == relief - rest, f"y_{p}_{len(chain)}")
+            else:
+                m.add(y == chain[-1] + Expr.sum(unread[v] for v in sorted(new)),
+                      f"y_{p}_{len(chain)}")
+            counted.update(new)
+            chain.append(y)
+        return chain[-1]
+
+    return outside
+
+
 def _read_before(m: Model, p: int, q: int, w: Value, h: Expr, lit: Literal | bool,
                  before: Expr | None) -> Expr:
     """``z[w,p,q]``: ``w`` on the host at ``p`` and read by a slot of ``(p, q]`` (a lower bound).
@@ -1076,7 +1163,7 @@ def _read_before(m: Model, p: int, q: int, w: Value, h: Expr, lit: Literal | boo
 def _read_deadline(m: Model, p: int, q: int, wanted: dict[Value, Literal | bool],
                    seen: set[Value], unread: dict[Value, Expr], held: dict[Value, Expr] | None,
                    relief: Expr, D: Sequence[Expr], S: Sequence[Expr], bandwidth: float,
-                   size: Callable[[Value], int]) -> None:
+                   size: Callable[[Value], int], *, outside: Expr | None = None) -> None:
     r"""The prefetch deadline of item ``p`` at an item ``q > p`` with slot reads ``wanted``.
 
     ``wanted`` (``W``) maps values a forward slot of ``(p, q]`` may read (``rd`` literals:
@@ -1086,7 +1173,9 @@ def _read_deadline(m: Model, p: int, q: int, wanted: dict[Value, Literal | bool]
     binaries: ``sum_{v in seen} size_v h[v,p] + sum_{w in W} size_w (h[w,p] + rd_w - 1) <=
     beta (S_q - E_p)``; aggregated: ``r_p - sum_{v not in seen or W} unread_v - sum_{w in
     W} size_w (1 - rd_w) <= beta (S_q - E_p)``. Validity: see the docstring of
-    :func:`build_link_relaxation` (**Read deadlines**, **Cumulative reads**).
+    :func:`build_link_relaxation` (**Read deadlines**, **Cumulative reads**). ``outside``
+    (aggregated, ``compact``): an expression equal to ``r_p - sum_{v not in seen}
+    unread_v``, which the row reads instead of the sum (same row).
     """
     def rd(lit: Literal | bool) -> Expr:
         if lit is True:
@@ -1099,6 +1188,9 @@ def _read_deadline(m: Model, p: int, q: int, wanted: dict[Value, Literal | bool]
         lhs = Expr.sum([*(h * size(v) for v, h in held.items() if v in seen),
                         *((held[w] + rd(lit) - 1) * size(w)
                           for w, lit in wanted.items() if w in held)])
+    elif outside is not None:
+        lhs = outside + Expr.sum([*(unread[w] for w in wanted),
+                                  *((rd(lit) - 1) * size(w) for w, lit in wanted.items())])
     else:
         lhs = relief - Expr.sum([*(e for v, e in unread.items()
                                    if v not in seen and v not in wanted),

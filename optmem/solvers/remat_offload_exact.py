@@ -114,6 +114,9 @@ BRUTE_MAX_LENGTH = 2
 COMPLETION_SHARE = 0.25  # share of a user's time limit spent completing warm starts
 RELAXATION_SHARE = 0.25  # share of a user's time limit spent on the link relaxation's bound
 LAZY_HOST_DEFAULT = True  # extra["relaxation_lazy"]: the host stage's rows added lazily
+# extra["relaxation_compact"]: the relaxation's deadline rows through build_link_relaxation's
+# compact y chains (the same relaxation, fewer non-zeros; ro19)
+COMPACT_DEFAULT = False
 HOST_STAGE_MAX_VALUES = 1200  # most per-value host binaries of the host stage (_host_stage_fits)
 MAX_RATIONAL_SCALE = 10**6  # largest exact CP-SAT time grid: never finer than the decimal one
 # extra["dp_ladder"]: (grid, backlog_grid) pairs whose chapter 4 DP plans join the candidates
@@ -588,6 +591,7 @@ def _relaxation_bound(chain: Chain, memory_limit: int, beta: float, sweeps: int,
     reads_too = flag(options, "relaxation_read_deadlines", READ_DEADLINES_DEFAULT)
     cumulative = flag(options, "relaxation_cumulative_reads", CUMULATIVE_READS_DEFAULT)
     window = flag(options, "relaxation_window", WINDOW_DEFAULT)
+    compact = flag(options, "relaxation_compact", COMPACT_DEFAULT)
     if not options.extra.get("relaxation", True) or beta <= 0:
         return _Relaxed(-math.inf, {"status": "off"})
     pulp_engine = engine if engine != "cpsat" else "highs"
@@ -634,7 +638,8 @@ def _relaxation_bound(chain: Chain, memory_limit: int, beta: float, sweeps: int,
             break
         master = build_link_relaxation(chain, memory_limit, beta, sweeps=sweeps,
                                        deadlines=with_deadlines, host_values=with_values,
-                                       read_deadlines=reads_too, cumulative_reads=cumulative)
+                                       read_deadlines=reads_too, cumulative_reads=cumulative,
+                                       compact=compact)
         if with_values and previous is not None and not _host_stage_fits(master, previous):
             info[key] = "skipped (too large, or the deadline stage not solved)"
             break
@@ -725,6 +730,7 @@ def _lazy_host(chain: Chain, memory_limit: int, beta: float, sweeps: int,
     jobs = flag(options, "relaxation_window_jobs", WINDOW_JOBS_DEFAULT)
     # HiGHS 1.14's MIP presolve is wrong on some models with the window rows (ro20)
     presolve: dict[str, Any] | None = {"presolve": "off"} if jobs else None
+    compact = flag(options, "relaxation_compact", COMPACT_DEFAULT)
     master, out = start
     for cum in (False, True) if cumulative else (False,):
         full = build_link_relaxation(chain, memory_limit, beta, sweeps=sweeps,
@@ -741,7 +747,8 @@ def _lazy_host(chain: Chain, memory_limit: int, beta: float, sweeps: int,
             covered.update(violated)
             master = build_link_relaxation(chain, memory_limit, beta, sweeps=sweeps,
                                            host_items=covered, read_deadlines=reads_too,
-                                           cumulative_reads=cum, window_jobs=jobs)
+                                           cumulative_reads=cum, window_jobs=jobs,
+                                           compact=compact)
             if math.isfinite(floor):
                 at = next(i for i, v in enumerate(master.vars) if v.name == "makespan")
                 master.add(Expr([(at, 1.0)]) >= floor - 1e-6 * max(1.0, abs(floor)),
@@ -900,6 +907,7 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
     flag(options, "relaxation_read_deadlines", READ_DEADLINES_DEFAULT)  # checked before work
     flag(options, "relaxation_cumulative_reads", CUMULATIVE_READS_DEFAULT)
     flag(options, "relaxation_window", WINDOW_DEFAULT)
+    flag(options, "relaxation_compact", COMPACT_DEFAULT)
     flag(options, "relaxation_sequence", SEQUENCE_DEFAULT)
     flag(options, "autocapper_candidate", AUTOCAPPER_CANDIDATE_DEFAULT)
     dp_ladder(options)
@@ -1089,8 +1097,9 @@ def _full_solve(setup: _Setup, options: SolveOptions, report: dict[str, Any], *,
           extra=("sweeps", "transfers_per_gap", "grid", "backlog_grid", "prefetch",
                  "relaxation", "relaxation_deadlines", "relaxation_values", "relaxation_lazy",
                  "relaxation_read_deadlines", "relaxation_sequence", "relaxation_share",
-                 "relaxation_cumulative_reads", "relaxation_window", "dp_ladder",
-                 "autocapper_candidate", "autocapper_values", "relaxation_window_jobs"))
+                 "relaxation_cumulative_reads", "relaxation_window", "relaxation_compact",
+                 "dp_ladder", "autocapper_candidate", "autocapper_values",
+                 "relaxation_window_jobs"))
 def solve_ilp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     """Optimal plan over the model's class (module docstring), HiGHS/CBC/Gurobi."""
     return _solve_model(problem, options, "ilp")
@@ -1102,7 +1111,8 @@ def solve_ilp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
           extra=("sweeps", "transfers_per_gap", "grid", "backlog_grid", "prefetch",
                  "relaxation", "relaxation_deadlines", "relaxation_values", "relaxation_lazy",
                  "relaxation_read_deadlines", "relaxation_sequence", "relaxation_share",
-                 "relaxation_cumulative_reads", "relaxation_window", "dp_ladder",
+                 "relaxation_cumulative_reads", "relaxation_window", "relaxation_compact",
+                 "dp_ladder",
                  "autocapper_candidate", "autocapper_values", "strategy",
                  "relaxation_window_jobs", "benders_work",
                  "benders_filter_work", "benders_iterations", "benders_warmup",
