@@ -22,6 +22,7 @@ from remat_offload_helpers import BENDERS, OPTS, check
 
 from optmem.chain import Chain
 from optmem.engines import adapters as engines
+from optmem.errors import OptmemInputError
 from optmem.models.formulation import Expr, Relation, to_pulp
 from optmem.models.remat_offload import build_link_relaxation, build_remat_offload
 from optmem.problems.remat_offload import RematOffloadProblem
@@ -208,3 +209,28 @@ def test_solve_with_window_jobs_agrees_with_brute_force(chain: Chain, limit: int
         if brute.status is Status.OPTIMAL:
             assert res.objective == pytest.approx(brute.objective)
             assert res.bound <= brute.objective + 1e-6
+
+
+
+# ``"relaxation": False``: no relaxation stage runs, so nothing else reads these flags
+BAD_FLAGS = [{"relaxation_window_jobs": "abc"}, {"relaxation_window_jobs": 2},
+             {"relaxation_compact": "maybe"},
+             {"relaxation_window_jobs": "abc", "relaxation": False},
+             {"relaxation_compact": "maybe", "relaxation": False}]
+BENDERS_EXTRA = {"strategy": "benders"}
+
+
+@pytest.mark.parametrize(("method", "extra"), [
+    *(("ilp", e) for e in BAD_FLAGS), *(("cpsat", e) for e in BAD_FLAGS),
+    *(("cpsat", {**e, **BENDERS_EXTRA}) for e in BAD_FLAGS)])
+def test_bad_flag_values_are_refused_before_any_work(method: str, extra: dict[str, Any]) -> None:
+    """A wrong value is one input error, also where the option would never be read.
+
+    (``relaxation_window_jobs`` is read by the lazy host rounds only: before this check a
+    ``strategy=full`` solve accepted ``"abc"`` in silence.)
+    """
+    chain = Chain.from_lists([2.0, 3.0, 1.0], [3.0, 4.0, 2.0], [2, 3, 2], [3, 4, 3], input_size=1,
+                             name="bad-flags")
+    problem = RematOffloadProblem(chain, 12, chain_bandwidth=1.0)
+    with pytest.raises(OptmemInputError, match=next(iter(extra))):
+        solve(problem, method, options=OPTS.with_(extra=extra))

@@ -908,6 +908,7 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
     flag(options, "relaxation_cumulative_reads", CUMULATIVE_READS_DEFAULT)
     flag(options, "relaxation_window", WINDOW_DEFAULT)
     flag(options, "relaxation_compact", COMPACT_DEFAULT)
+    flag(options, "relaxation_window_jobs", WINDOW_JOBS_DEFAULT)
     flag(options, "relaxation_sequence", SEQUENCE_DEFAULT)
     flag(options, "autocapper_candidate", AUTOCAPPER_CANDIDATE_DEFAULT)
     dp_ladder(options)
