@@ -1,6 +1,7 @@
 """Shared helpers of the exact remat + offload tests: options, memory limits, the result check.
 
-Used by tests/test_remat_offload_exact.py and tests/test_remat_offload_benders.py.
+Used by tests/test_remat_offload_exact.py, tests/test_remat_offload_benders.py and their
+neighbours.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import strategies as st
 
 from optmem.chain import Chain
 from optmem.problems.remat_offload import RematOffloadProblem
@@ -59,3 +61,26 @@ def check(problem: RematOffloadProblem, res: Result, opts: SolveOptions = OPTS,
             assert res.report["model_objective"] == pytest.approx(res.objective, abs=1e-5)
         if optimum is not None:
             assert res.objective == pytest.approx(optimum)
+
+
+def idle_op_chains(max_stages: int, max_fwd: int, max_bwd: int) -> st.SearchStrategy[Chain]:
+    """Chains of 1 to ``max_stages`` stages whose forwards and backwards may take no time.
+
+    Forward times in ``[0, max_fwd]``, backward times in ``[0, max_bwd]``, outputs 1-4,
+    saved sizes up to 3 more, forward overheads 0-2, a loss backward of 0 or 1.
+    """
+
+    @st.composite
+    def chains(draw: st.DrawFn) -> Chain:
+        n = draw(st.integers(1, max_stages))
+        out = draw(st.lists(st.integers(1, 4), min_size=n, max_size=n))
+        return Chain.from_lists(
+            draw(st.lists(st.integers(0, max_fwd), min_size=n, max_size=n)),
+            draw(st.lists(st.integers(0, max_bwd), min_size=n, max_size=n)),
+            out, [o + x for o, x in zip(out, draw(st.lists(st.integers(0, 3), min_size=n,
+                                                            max_size=n)), strict=True)],
+            input_size=draw(st.integers(1, 5)),
+            fwd_overhead=draw(st.lists(st.integers(0, 2), min_size=n, max_size=n)),
+            loss_bwd_time=draw(st.integers(0, 1)))
+
+    return chains()

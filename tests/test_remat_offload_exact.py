@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from remat_offload_helpers import BENDERS, OPTS, check, limits
+from remat_offload_helpers import BENDERS, OPTS, check, idle_op_chains, limits
 
 from optmem.chain import Chain
 from optmem.datasets.synthetic import random_chain
@@ -99,19 +99,9 @@ def test_exact_equals_brute_and_bounds(chain: Chain, limit: int, beta: float,
         assert exact.objective <= off.objective + 1e-9
 
 
-@st.composite
-def tiny_with_idle_ops(draw: st.DrawFn) -> Chain:
+def tiny_with_idle_ops() -> st.SearchStrategy[Chain]:
     """Like :func:`tiny`, but forwards and backwards may take no time."""
-    n = draw(st.integers(1, 2))
-    out = draw(st.lists(st.integers(1, 4), min_size=n, max_size=n))
-    return Chain.from_lists(
-        draw(st.lists(st.integers(0, 3), min_size=n, max_size=n)),
-        draw(st.lists(st.integers(0, 4), min_size=n, max_size=n)),
-        out, [o + x for o, x in zip(out, draw(st.lists(st.integers(0, 3), min_size=n,
-                                                        max_size=n)), strict=True)],
-        input_size=draw(st.integers(1, 5)),
-        fwd_overhead=draw(st.lists(st.integers(0, 2), min_size=n, max_size=n)),
-        loss_bwd_time=draw(st.integers(0, 1)))
+    return idle_op_chains(2, 3, 4)
 
 
 @pytest.mark.parametrize("opts", [OPTS, BENDERS], ids=["full", "benders"])

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from remat_offload_helpers import BENDERS, OPTS, check
+from remat_offload_helpers import BENDERS, OPTS, check, idle_op_chains
 
 from optmem.chain import Chain
 from optmem.engines import adapters as engines
@@ -34,19 +34,9 @@ pytest.importorskip("ortools", reason="the exact remat-offload model uses OR-Too
 ROWS = {"read_deadlines": True, "cumulative_reads": True}
 
 
-@st.composite
-def tiny(draw: st.DrawFn) -> Chain:
+def tiny() -> st.SearchStrategy[Chain]:
     """Chains of 1-3 stages whose forwards and backwards may take no time."""
-    n = draw(st.integers(1, 3))
-    out = draw(st.lists(st.integers(1, 4), min_size=n, max_size=n))
-    return Chain.from_lists(
-        draw(st.lists(st.integers(0, 4), min_size=n, max_size=n)),
-        draw(st.lists(st.integers(0, 5), min_size=n, max_size=n)),
-        out, [o + x for o, x in zip(out, draw(st.lists(st.integers(0, 3), min_size=n,
-                                                        max_size=n)), strict=True)],
-        input_size=draw(st.integers(1, 5)),
-        fwd_overhead=draw(st.lists(st.integers(0, 2), min_size=n, max_size=n)),
-        loss_bwd_time=draw(st.integers(0, 1)))
+    return idle_op_chains(3, 4, 5)
 
 
 def _relaxation(chain: Chain, limit: int, beta: float, fixed: dict[int, float] | None = None,
