@@ -232,6 +232,19 @@ def _one(x: Literal | bool) -> Expr:
     return Expr([(x[0], 1.0)])
 
 
+def _holds(x: Literal | bool) -> Expr:
+    """A literal that may hold (not ``False``) as a 0/1 expression.
+
+    1 for ``True``, its binary ``b`` for ``(i, True)``, ``1 - b`` for ``(i, False)``.
+    """
+    if x is True:
+        return Expr((), 1.0)
+    if x is False:
+        raise ValueError("a literal that never holds has no expression here")
+    b = Expr([(x[0], 1.0)])
+    return b if x[1] else 1 - b
+
+
 def _lit(e: ck.Expr | Expr) -> Literal | bool:
     """A binary expression as a literal, or its constant truth value."""
     if not e.terms:
@@ -738,8 +751,7 @@ def build_link_relaxation(chain: Chain, memory_limit: int, bandwidth: float, *,
             if lit is True:
                 free = free - size(v)
             elif lit is not False:
-                x = Expr([(lit[0], 1.0)]) if lit[1] else 1 - Expr([(lit[0], 1.0)])
-                free = free - x * size(v)
+                free = free - _holds(lit) * size(v)
         m.add(r <= free, f"relief_{p}")
         m.add(_x(mexpr) - r <= memory_limit, name)
         relief.append(r)
@@ -897,7 +909,7 @@ def _unread(cf: ck.Formulation, p: int, reads: Sequence[dict[Value, Literal | bo
         if lit is True:
             continue
         if lit is not False:
-            e = e - (Expr([(lit[0], 1.0)]) if lit[1] else 1 - Expr([(lit[0], 1.0)]))
+            e = e - _holds(lit)
         if e.terms or e.const > 0:
             unread[v] = e * size(v)
     return unread
@@ -1001,8 +1013,8 @@ def _deadline_rows(m: Model, cf: ck.Formulation, reads: Sequence[dict[Value, Lit
 def _window_job_rows(m: Model, cf: ck.Formulation,
                      reads: Sequence[dict[Value, Literal | bool]],
                      hosts: Sequence[dict[Value, Expr] | None], D: Sequence[Expr],
-                     S: Sequence[Expr], bandwidth: float, size: Callable[[Value], int],
-                     firsts: Collection[int] | None = None) -> None:
+                     S: Sequence[Expr], bandwidth: float, size: Callable[[Value], int]
+                     ) -> None:
     r"""The window-job rows of the link relaxation (``window_jobs``; its docstring).
 
     For items ``p < q`` that both have host binaries, ``sum_v size_v (pf[v,p,q] + g[v,p,q]
@@ -1017,14 +1029,10 @@ def _window_job_rows(m: Model, cf: ck.Formulation,
       host at an item between (``>= 1 - h[v,r]``, ``1`` where ``v`` has no host binary:
       it cannot be stored unread there);
     * ``o``, the offload of a value not stored before ``p``: ``>= h[v,q'] - stored_v(p)``.
-
-    ``firsts``: the items ``p`` that start rows (default: every item with host binaries).
     """
     n = len(cf.sequence)
     items = [q for q in range(n) if q < len(hosts) and hosts[q]]
     for p in items:
-        if firsts is not None and p not in firsts:
-            continue
         held = hosts[p]
         assert held is not None
         A0, T0 = cf.states[p]
@@ -1057,9 +1065,7 @@ def _window_job_rows(m: Model, cf: ck.Formulation,
                 for w, lit in reads[q].items():
                     if w in seen or w not in held or lit is False:
                         continue
-                    x = Expr((), 1.0) if lit is True else (
-                        Expr([(lit[0], 1.0)]) if lit[1] else 1 - Expr([(lit[0], 1.0)]))
-                    pf[w] = var("pf", w, q, [held[w] + x - 1], pf.get(w))
+                    pf[w] = var("pf", w, q, [held[w] + _holds(lit) - 1], pf.get(w))
             if here is not None:
                 for v, h in here.items():
                     if v in held and v in wit:
@@ -1151,10 +1157,7 @@ def _read_before(m: Model, p: int, q: int, w: Value, h: Expr, lit: Literal | boo
     """
     tag = f"{w[0]}{w[1]}_{p}_{q}"
     z = m.continuous(f"z_{tag}", 0.0, 1.0)
-    assert lit is not False
-    x = Expr((), 1.0) if lit is True else (
-        Expr([(lit[0], 1.0)]) if lit[1] else 1 - Expr([(lit[0], 1.0)]))
-    m.add(z >= h + x - 1, f"z_{tag}")
+    m.add(z >= h + _holds(lit) - 1, f"z_{tag}")
     if before is not None:
         m.add(z >= before, f"zz_{tag}")
     return z
@@ -1177,24 +1180,17 @@ def _read_deadline(m: Model, p: int, q: int, wanted: dict[Value, Literal | bool]
     (aggregated, ``compact``): an expression equal to ``r_p - sum_{v not in seen}
     unread_v``, which the row reads instead of the sum (same row).
     """
-    def rd(lit: Literal | bool) -> Expr:
-        if lit is True:
-            return Expr((), 1.0)
-        assert lit is not False
-        x = Expr([(lit[0], 1.0)])
-        return x if lit[1] else 1 - x
-
     if held is not None:
         lhs = Expr.sum([*(h * size(v) for v, h in held.items() if v in seen),
-                        *((held[w] + rd(lit) - 1) * size(w)
+                        *((held[w] + _holds(lit) - 1) * size(w)
                           for w, lit in wanted.items() if w in held)])
     elif outside is not None:
         lhs = outside + Expr.sum([*(unread[w] for w in wanted),
-                                  *((rd(lit) - 1) * size(w) for w, lit in wanted.items())])
+                                  *((_holds(lit) - 1) * size(w) for w, lit in wanted.items())])
     else:
         lhs = relief - Expr.sum([*(e for v, e in unread.items()
                                    if v not in seen and v not in wanted),
-                                 *((1 - rd(lit)) * size(w) for w, lit in wanted.items())])
+                                 *((1 - _holds(lit)) * size(w) for w, lit in wanted.items())])
     m.add(lhs <= (S[q] - S[p] - D[p]) * bandwidth, f"rdeadline_{p}_{q}")
 
 

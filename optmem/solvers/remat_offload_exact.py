@@ -1092,15 +1092,19 @@ def _full_solve(setup: _Setup, options: SolveOptions, report: dict[str, Any], *,
     return res
 
 
+# the options both engines of the model read (cpsat adds its strategy's)
+MODEL_EXTRA = ("sweeps", "transfers_per_gap", "grid", "backlog_grid", "prefetch",
+               "relaxation", "relaxation_deadlines", "relaxation_values", "relaxation_lazy",
+               "relaxation_read_deadlines", "relaxation_sequence", "relaxation_share",
+               "relaxation_cumulative_reads", "relaxation_window", "relaxation_compact",
+               "relaxation_window_jobs", "dp_ladder", "autocapper_candidate",
+               "autocapper_values")
+
+
 @register(PROBLEM, "ilp", exact=True, full_model=True, requires=("pulp",),
           description="exact model (checkpoint slots + link positions, O.7 memory), PuLP",
           compare_as=(("ilp", 6),),
-          extra=("sweeps", "transfers_per_gap", "grid", "backlog_grid", "prefetch",
-                 "relaxation", "relaxation_deadlines", "relaxation_values", "relaxation_lazy",
-                 "relaxation_read_deadlines", "relaxation_sequence", "relaxation_share",
-                 "relaxation_cumulative_reads", "relaxation_window", "relaxation_compact",
-                 "dp_ladder", "autocapper_candidate", "autocapper_values",
-                 "relaxation_window_jobs"))
+          extra=MODEL_EXTRA)
 def solve_ilp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     """Optimal plan over the model's class (module docstring), HiGHS/CBC/Gurobi."""
     return _solve_model(problem, options, "ilp")
@@ -1109,15 +1113,9 @@ def solve_ilp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
 @register(PROBLEM, "cpsat", exact=True, full_model=True, requires=("ortools",),
           description="exact model (same formulation as ilp), CP-SAT",
           compare_as=(("cpsat", 6),),
-          extra=("sweeps", "transfers_per_gap", "grid", "backlog_grid", "prefetch",
-                 "relaxation", "relaxation_deadlines", "relaxation_values", "relaxation_lazy",
-                 "relaxation_read_deadlines", "relaxation_sequence", "relaxation_share",
-                 "relaxation_cumulative_reads", "relaxation_window", "relaxation_compact",
-                 "dp_ladder",
-                 "autocapper_candidate", "autocapper_values", "strategy",
-                 "relaxation_window_jobs", "benders_work",
-                 "benders_filter_work", "benders_iterations", "benders_warmup",
-                 "benders_filter", "benders_host_bound", "benders_first_found"))
+          extra=(*MODEL_EXTRA, "strategy", "benders_work", "benders_filter_work",
+                 "benders_iterations", "benders_warmup", "benders_filter", "benders_host_bound",
+                 "benders_first_found"))
 def solve_cpsat(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     """Optimal plan over the model's class with OR-Tools CP-SAT."""
     return _solve_model(problem, options, "cpsat")
