@@ -1057,7 +1057,9 @@ def _window_job_rows(m: Model, cf: ck.Formulation,
             here = hosts[q] if q < len(hosts) else None
             changed = False
             if not isinstance(item, ck.Slot):
-                for v in set(reads[q]) - seen:
+                for v in reads[q]:  # the dict's order: rows independent of the hash seed
+                    if v in seen:
+                        continue
                     seen.add(v)
                     if v in held:
                         pf[v] = held[v]
