@@ -19,12 +19,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from remat_offload_helpers import OPTS
-from test_remat_offload_exact import _relaxation, _sequence_plans, tiny, tiny_with_idle_ops
+from test_remat_offload_exact import _fixed_sequences, _relaxation, tiny, tiny_with_idle_ops
 
 import optmem.models.remat_offload as ro
 from optmem.chain import Chain
 from optmem.datasets.synthetic import random_chain
-from optmem.models.remat_offload import build_link_relaxation, build_remat_offload
+from optmem.models.remat_offload import build_link_relaxation
 from optmem.problems.remat_offload import RematOffloadProblem
 from optmem.result import Status
 from optmem.solvers.facade import solve
@@ -44,18 +44,13 @@ def _per_sequence(chain: Chain, limit: int, beta: float) -> int:
     """For every compute sequence with a plan (brute force's enumeration), the compact
     relaxation with that sequence fixed equals the written-out one and is at most the
     sequence's best plan; returns how many sequences were checked."""
-    built = build_remat_offload(chain, limit, beta)
-    n_ck = len(built.checkpoint.names)
     checked = 0
-    for ops, fixing, found in _sequence_plans(chain, limit, beta, built):
-        if found is None:
-            continue
-        xhat = {i: x for i, x in fixing.items() if i < n_ck}
+    for ops, xhat, best in _fixed_sequences(chain, limit, beta):
         for kw in ROWS:
             written = _relaxation(chain, limit, beta, xhat, **kw)
             compact = _relaxation(chain, limit, beta, xhat, compact=True, **kw)
             assert compact == pytest.approx(written, abs=1e-6), (ops, kw, compact, written)
-            assert compact <= found[0] + 1e-6, (ops, kw, compact, found[0])
+            assert compact <= best + 1e-6, (ops, kw, compact, best)
         checked += 1
     return checked
 

@@ -396,9 +396,10 @@ def test_link_cuts_lift_the_relaxation() -> None:
 
 
 def _relaxation(chain: Chain, limit: int, beta: float, fixed: dict[int, float] | None = None,
-                **rows: Any) -> float:
+                *, highs_options: dict[str, Any] | None = None, **rows: Any) -> float:
     """The optimum of the link relaxation (HiGHS, proven); ``rows``: its row options,
-    ``fixed``: variables fixed (the compute binaries of a sequence)."""
+    ``fixed``: variables fixed (the compute binaries of a sequence), ``highs_options``:
+    HiGHS's options (``engines.solve_pulp``)."""
     from optmem.models.formulation import Expr, Relation, to_pulp
     from optmem.models.remat_offload import build_link_relaxation
 
@@ -406,7 +407,8 @@ def _relaxation(chain: Chain, limit: int, beta: float, fixed: dict[int, float] |
     for i, x in (fixed or {}).items():
         model.add(Relation(Expr([(i, 1.0)]), x, x), f"fix_{i}")
     pm = to_pulp(model)
-    out = engines.solve_pulp(pm.problem, pm.all_variables, "highs")
+    out = engines.solve_pulp(pm.problem, pm.all_variables, "highs",
+                             highs_options=highs_options)
     if out.status is Status.INFEASIBLE:
         return math.inf
     assert out.status is Status.OPTIMAL, out
@@ -509,6 +511,17 @@ def _sequence_plans(chain: Chain, limit: int, beta: float, built: Any) -> Any:
                             _brute_transfers(chain, limit, beta, ops))
 
 
+def _fixed_sequences(chain: Chain, limit: int, beta: float) -> Any:
+    """``(ops, xhat, best)`` for every compute sequence of :func:`_sequence_plans` with a
+    plan: ``xhat`` the model's compute binaries for it (what :func:`_relaxation` fixes),
+    ``best`` its best plan's makespan."""
+    built = build_remat_offload(chain, limit, beta)
+    n_ck = len(built.checkpoint.names)
+    for ops, fixing, found in _sequence_plans(chain, limit, beta, built):
+        if found is not None:
+            yield ops, {i: x for i, x in fixing.items() if i < n_ck}, found[0]
+
+
 @settings(max_examples=30, deadline=None, derandomize=True)
 @given(chain=st.one_of(tiny(), tiny_with_idle_ops()), limit=st.integers(3, 22),
        beta=st.sampled_from([0.5, 1.0, 3.0]))
@@ -544,18 +557,13 @@ def _sequence_bounds_checked(chain: Chain, limit: int, beta: float,
     relaxation with the read deadlines (``read_deadlines``; host rows and aggregated; with
     ``cumulative``: host rows with ``cumulative_reads``) and that sequence fixed is at most
     the plan's makespan; returns how many were checked."""
-    built = build_remat_offload(chain, limit, beta)
-    n_ck = len(built.checkpoint.names)
     checked = 0
     rows = [{"host_values": True, "cumulative_reads": True}] if cumulative else \
         [{"host_values": True}, {"host_values": False}]
-    for ops, fixing, found in _sequence_plans(chain, limit, beta, built):
-        if found is None:
-            continue
-        xhat = {i: x for i, x in fixing.items() if i < n_ck}
+    for ops, xhat, best in _fixed_sequences(chain, limit, beta):
         for kw in rows:
             bound = _relaxation(chain, limit, beta, xhat, read_deadlines=True, **kw)
-            assert bound <= found[0] + 1e-6, (ops, kw, bound, found[0])
+            assert bound <= best + 1e-6, (ops, kw, bound, best)
         checked += 1
     return checked
 

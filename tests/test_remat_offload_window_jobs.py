@@ -19,12 +19,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from remat_offload_helpers import BENDERS, OPTS, check, idle_op_chains
+from test_remat_offload_exact import _fixed_sequences
+from test_remat_offload_exact import _relaxation as exact_relaxation
 
 from optmem.chain import Chain
 from optmem.engines import adapters as engines
 from optmem.errors import OptmemInputError
-from optmem.models.formulation import Expr, Relation, to_pulp
-from optmem.models.remat_offload import build_link_relaxation, build_remat_offload
+from optmem.models.remat_offload import build_remat_offload
 from optmem.problems.remat_offload import RematOffloadProblem
 from optmem.result import Status
 from optmem.solvers.facade import solve
@@ -41,42 +42,25 @@ def tiny() -> st.SearchStrategy[Chain]:
 
 def _relaxation(chain: Chain, limit: int, beta: float, fixed: dict[int, float] | None = None,
                 **rows: Any) -> float:
-    """The link relaxation's optimum (HiGHS, proven; ``inf`` when infeasible)."""
-    model = build_link_relaxation(chain, limit, beta, **rows)
-    for i, x in (fixed or {}).items():
-        model.add(Relation(Expr([(i, 1.0)]), x, x), f"fix_{i}")
-    pm = to_pulp(model)
-    # HiGHS 1.14.0's MIP presolve returns optima above feasible points on some of these
-    # models (docstring of build_link_relaxation, Window jobs): presolve off
-    out = engines.solve_pulp(pm.problem, pm.all_variables, "highs",
-                             highs_options={"presolve": "off"})
-    if out.status is Status.INFEASIBLE:
-        return math.inf
-    assert out.status is Status.OPTIMAL, out
-    return out.objective
+    """The link relaxation's optimum (HiGHS, proven; ``inf`` when infeasible).
+
+    HiGHS 1.14.0's MIP presolve returns optima above feasible points on some of these
+    models (docstring of build_link_relaxation, Window jobs): presolve off.
+    """
+    return exact_relaxation(chain, limit, beta, fixed, highs_options={"presolve": "off"},
+                            **rows)
 
 
 def _checked(chain: Chain, limit: int, beta: float, **rows: Any) -> int:
     """For every compute sequence of brute force's enumeration with a plan, the relaxation
     with the window rows (``rows``) and that sequence fixed is at most its best plan."""
-    from optmem.solvers.remat_offload_exact import _brute_transfers, compute_sequences
-
     if chain.length > 2:
         return 0  # brute force's transfers: L <= 2
-    built = build_remat_offload(chain, limit, beta)
-    n_ck = len(built.checkpoint.names)
     checked = 0
-    for compute, peak, ops in compute_sequences(chain):
-        fixing = built.fixing(ops)
-        if fixing is None:
-            continue
-        found = (compute, ops) if peak <= limit else _brute_transfers(chain, limit, beta, ops)
-        if found is None:
-            continue
-        xhat = {i: x for i, x in fixing.items() if i < n_ck}
+    for ops, xhat, best in _fixed_sequences(chain, limit, beta):
         bound = _relaxation(chain, limit, beta, xhat, window_jobs=True,
                             **{**ROWS, **rows})
-        assert bound <= found[0] + 1e-6, (ops, bound, found[0])
+        assert bound <= best + 1e-6, (ops, bound, best)
         checked += 1
     return checked
 
