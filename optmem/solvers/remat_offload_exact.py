@@ -107,6 +107,7 @@ from optmem.solvers.remat_offload_benders import (
     WINDOW_DEFAULT,
     solve_benders,
 )
+from optmem.solvers.remat_offload_lns import LNS_EXTRA, improve, lns_settings
 from optmem.solvers.remat_offload_schedule import Window, static_replay, window_before
 from optmem.solvers.time_budget import Deadline
 
@@ -912,6 +913,9 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
     flag(options, "relaxation_sequence", SEQUENCE_DEFAULT)
     flag(options, "autocapper_candidate", AUTOCAPPER_CANDIDATE_DEFAULT)
     dp_ladder(options)
+    if lns_settings(options).enabled and engine != "cpsat":  # checked before any work
+        raise OptmemInputError("the large-neighbourhood search (lns) runs CP-SAT: use the "
+                               "cpsat method", field="lns")
     _relaxation_share(options)
     built = build_remat_offload(disc.chain, disc.memory_limit, beta, sweeps=sweeps,
                                 transfers_per_gap=per_gap, grid=None if exact else scale)
@@ -984,6 +988,15 @@ def _with_sequence(setup: _Setup, relaxed: _Relaxed, options: SolveOptions,
         found.sort(key=lambda t: t[0])
         report["relaxation_sequence"] = {"makespan": extra[0],
                                          "seconds": round(time.monotonic() - began, 3)}
+    settings = lns_settings(options)
+    if settings.enabled and setup.engine == "cpsat" and found:
+        # the large-neighbourhood search from the best candidate (remat_offload_lns)
+        out = improve(setup.built, setup.disc.chain, setup.disc.memory_limit, setup.beta,
+                      setup.scale, (found[0][0], found[0][2]), settings, options,
+                      setup.deadline)
+        report["lns"] = out.report
+        if out.improved:
+            found.insert(0, (out.makespan, "large-neighbourhood search", out.plan))
     return found
 
 
@@ -1115,7 +1128,7 @@ def solve_ilp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
           compare_as=(("cpsat", 6),),
           extra=(*MODEL_EXTRA, "strategy", "benders_work", "benders_filter_work",
                  "benders_iterations", "benders_warmup", "benders_filter", "benders_host_bound",
-                 "benders_first_found"))
+                 "benders_first_found", *LNS_EXTRA))
 def solve_cpsat(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     """Optimal plan over the model's class with OR-Tools CP-SAT."""
     return _solve_model(problem, options, "cpsat")
