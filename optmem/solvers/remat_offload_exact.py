@@ -978,7 +978,12 @@ def _sequence_candidate(setup: _Setup, relaxed: _Relaxed, options: SolveOptions
 def _with_sequence(setup: _Setup, relaxed: _Relaxed, options: SolveOptions,
                    candidates: list[tuple[float, str, tuple[AnyOp, ...]]] | None,
                    report: dict[str, Any]) -> list[tuple[float, str, tuple[AnyOp, ...]]]:
-    """``candidates`` (computed if ``None``) with :func:`_sequence_candidate`, fastest first."""
+    """``candidates`` (computed if ``None``) with :func:`_sequence_candidate`, fastest first.
+
+    With ``extra["lns"]`` (:mod:`optmem.solvers.remat_offload_lns`) the large-neighbourhood
+    search then starts from the fastest of them, unless it meets the relaxation's bound, and
+    its plan, when faster (replayed), comes first (``report["lns"]``).
+    """
     found = list(_candidates(setup.problem, options, setup.deadline, report)
                  if candidates is None else candidates)
     began = time.monotonic()
@@ -989,7 +994,10 @@ def _with_sequence(setup: _Setup, relaxed: _Relaxed, options: SolveOptions,
         report["relaxation_sequence"] = {"makespan": extra[0],
                                          "seconds": round(time.monotonic() - began, 3)}
     settings = lns_settings(options)
-    if settings.enabled and setup.engine == "cpsat" and found:
+    if settings.enabled and found and math.isfinite(relaxed.bound) and \
+            found[0][0] <= relaxed.bound + 1e-9 * max(1.0, abs(relaxed.bound)):
+        report["lns"] = "skipped (the fastest candidate meets the relaxation's bound)"
+    elif settings.enabled and setup.engine == "cpsat" and found:
         # the large-neighbourhood search from the best candidate (remat_offload_lns)
         out = improve(setup.built, setup.disc.chain, setup.disc.memory_limit, setup.beta,
                       setup.scale, (found[0][0], found[0][2]), settings, options,
