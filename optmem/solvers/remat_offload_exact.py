@@ -1119,7 +1119,7 @@ MODEL_EXTRA = ("sweeps", "transfers_per_gap", "grid", "backlog_grid", "prefetch"
                "relaxation_read_deadlines", "relaxation_sequence", "relaxation_share",
                "relaxation_cumulative_reads", "relaxation_window", "relaxation_compact",
                "relaxation_window_jobs", "dp_ladder", "autocapper_candidate",
-               "autocapper_values")
+               "autocapper_values", *LNS_EXTRA)  # lns: cpsat only (ilp refuses it)
 
 
 @register(PROBLEM, "ilp", exact=True, full_model=True, requires=("pulp",),
@@ -1136,7 +1136,7 @@ def solve_ilp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
           compare_as=(("cpsat", 6),),
           extra=(*MODEL_EXTRA, "strategy", "benders_work", "benders_filter_work",
                  "benders_iterations", "benders_warmup", "benders_filter", "benders_host_bound",
-                 "benders_first_found", *LNS_EXTRA))
+                 "benders_first_found"))
 def solve_cpsat(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     """Optimal plan over the model's class with OR-Tools CP-SAT."""
     return _solve_model(problem, options, "cpsat")

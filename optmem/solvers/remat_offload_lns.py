@@ -108,7 +108,7 @@ def lns_settings(options: SolveOptions) -> LnsSettings:
     >>> lns_settings(SolveOptions(extra={"lns_work": 0}))
     Traceback (most recent call last):
     ...
-    optmem.errors.OptmemInputError: expected a positive number lns_work, got 0
+    optmem.errors.OptmemInputError: field 'lns_work': expected a positive number lns_work, got 0
     """
     return LnsSettings(enabled=flag(options, "lns", LNS_DEFAULT),
                        work=positive_float(options, "lns_work", LNS_WORK),
