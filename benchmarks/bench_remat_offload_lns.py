@@ -15,7 +15,7 @@ Every figure is printed with the load average (1 min). One thread, run under ``n
 Usage::
 
     python benchmarks/bench_remat_offload_lns.py stage --memory 10% [--width 4 --step 2
-        --work 20 --windows 12 --no-forward --order up|down]
+        --work 20 --windows 12 --no-forward --start plan.json --save best.json]
     python benchmarks/bench_remat_offload_lns.py solve --memory 10% --time-limit 300
         --extra '{"lns": true, "relaxation_compact": true}'
 """
