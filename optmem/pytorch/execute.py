@@ -1069,6 +1069,8 @@ class CheckpointedChain(StageCalls, nn.Module):
         self._check_plan(ops)
         self.plan: tuple[Op, ...] = ops
         self._stage_modules = None
+        for joint in self._joints.values():
+            joint.forget_modules()
         if self.strip_suffix:
             self._prefix_plan, self._suffix_start = split_suffix(ops, len(self.stages))
         else:
