@@ -400,8 +400,9 @@ def _ladder_plans(problem: RematOffloadProblem, options: SolveOptions,
     solved, by ``(grid, backlog_grid)`` (the caller's default grid), taken instead of a run.
     ``prior``: the least seconds per state of every prediction, the first run's too
     (``None``: the first run is not predicted; ``relaxation_first``, where the ladder runs
-    near the deadline, passes :data:`DP_SECONDS_PER_STATE`: the state count underestimates
-    500 x 100 by 1.5x against 200 x 100).
+    after the relaxation, near the deadline, passes :data:`DP_SECONDS_PER_STATE`: the state
+    count underestimates 500 x 100 by 1.5x against 200 x 100); with it the ladder has no
+    share of its own, only ``deadline`` (the relaxation has had its time).
     """
     out: list[tuple[str, Sequence[AnyOp] | None]] = []
     pairs = dp_ladder(options)
@@ -410,7 +411,8 @@ def _ladder_plans(problem: RematOffloadProblem, options: SolveOptions,
         label = "autocapper"
         notes[label] = "no plan"
         out.append((label, parse_mixed_plan(res.plan) if res.status.has_plan else None))
-    share = None if options.time_limit_s is None else DP_LADDER_SHARE * options.time_limit_s
+    share = None if options.time_limit_s is None or prior is not None else \
+        DP_LADDER_SHARE * options.time_limit_s
     solve_deadline = Deadline(None) if deadline is None else deadline
     clock = solve_deadline.clock
     ladder = Deadline(None, clock).within(share)  # the ladder's share, from now
@@ -862,7 +864,8 @@ def _benders(setup: _Setup, options: SolveOptions, report: dict[str, Any]) -> Re
     ``extra["relaxation_first"]`` (default :data:`RELAXATION_FIRST_DEFAULT`): the DP ladder
     and the autocapper plan (:func:`_ladder_plans`) are computed after the relaxation
     instead of before it, with what it leaves (the default candidates, a few seconds, still
-    before: they start the relaxation). Only the order changes; every bound and plan is
+    before: they start the relaxation), every DP run predicted from
+    :data:`DP_SECONDS_PER_STATE` at least and run only if it ends before the deadline. Only the order changes; every bound and plan is
     the same kind. For chains whose relaxation needs most of the limit (ResNet-50 at 10 %:
     the deadline stage's 180 CPU s, ``benchmarks/results/remat_offload_exact.md``, ``ro21``).
     """
