@@ -161,7 +161,7 @@ def test_the_ladder_runs_after_the_relaxation(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(exact, "pofo_plan", pofo)
     monkeypatch.setattr(exact, "_relaxation_bound", relax)
     for opts, order in ((BENDERS, ["default dp", "dp", "relaxation"]),
-                        (FIRST, ["default dp", "relaxation", "default dp", "dp"])):
+                        (FIRST, ["default dp", "relaxation", "dp"])):
         events.clear()
         res = solve(problem, "cpsat", options=opts)
         check(problem, res, opts)

@@ -324,28 +324,36 @@ class _Start:
 
 def _candidates(problem: RematOffloadProblem, options: SolveOptions,
                 deadline: Deadline | None = None, report: dict[str, Any] | None = None,
-                prior: float | None = None) -> list[tuple[float, str, tuple[AnyOp, ...]]]:
+                prior: float | None = None,
+                base: list[tuple[float, str, tuple[AnyOp, ...]]] | None = None
+                ) -> list[tuple[float, str, tuple[AnyOp, ...]]]:
     """The DP, checkpoint-only and offload-only plans that replay, fastest first.
 
     With ``extra["dp_ladder"]`` and ``extra["autocapper_candidate"]`` also the plans of
     :func:`_ladder_plans` (``report["dp_ladder"]``: each one's makespan, or why not;
-    ``prior``: its seconds per state before the first run).
+    ``prior``: its seconds per state before the first run). ``base``: the default
+    candidates, already computed (``relaxation_first``): only the ladder's are added.
     """
-    disc, _ = discretized(problem, options)
-    default = pofo_plan(problem, options, "extended")[0]
-    plans: list[tuple[str, Sequence[AnyOp] | None]] = [
-        ("chapter 4 dp", default),
-        ("checkpoint only (persistent dp)", remat_candidate(disc)),
-        ("offload only (dynprog)", offload_candidate(problem, options))]
+    plans: list[tuple[str, Sequence[AnyOp] | None]] = []
+    known: dict[tuple[int, int], Sequence[AnyOp] | None] = {}
+    if base is None:
+        disc, _ = discretized(problem, options)
+        default = pofo_plan(problem, options, "extended")[0]
+        known[grid_of(options)] = default
+        plans += [("chapter 4 dp", default),
+                  ("checkpoint only (persistent dp)", remat_candidate(disc)),
+                  ("offload only (dynprog)", offload_candidate(problem, options))]
+    else:
+        known[grid_of(options)] = next((plan for _, label, plan in base
+                                        if label == "chapter 4 dp"), None)
     notes: dict[str, Any] = {}
-    plans += _ladder_plans(problem, options, deadline, notes, {grid_of(options): default},
-                           prior=prior)
+    plans += _ladder_plans(problem, options, deadline, notes, known, prior=prior)
     seen: dict[str, float] = {}
     best_candidate(problem, options, plans, seen)
     if report is not None and notes:
         report["dp_ladder"] = {label: seen.get(label, note) for label, note in notes.items()}
-    found = [(seen[label], label, tuple(plan)) for label, plan in plans
-             if plan is not None and label in seen]
+    found = list(base or []) + [(seen[label], label, tuple(plan)) for label, plan in plans
+                                if plan is not None and label in seen]
     found.sort(key=lambda t: t[0])
     return found
 
@@ -863,11 +871,12 @@ def _benders(setup: _Setup, options: SolveOptions, report: dict[str, Any]) -> Re
 
     ``extra["relaxation_first"]`` (default :data:`RELAXATION_FIRST_DEFAULT`): the DP ladder
     and the autocapper plan (:func:`_ladder_plans`) are computed after the relaxation
-    instead of before it, with what it leaves (the default candidates, a few seconds, still
-    before: they start the relaxation), every DP run predicted from
-    :data:`DP_SECONDS_PER_STATE` at least and run only if it ends before the deadline. Only the order changes; every bound and plan is
+    instead of before it, with what it leaves (the default candidates, a few seconds, stay
+    before it), every DP run predicted from :data:`DP_SECONDS_PER_STATE` at least and run
+    only if it ends before the deadline. Only the order changes; every bound and plan is
     the same kind. For chains whose relaxation needs most of the limit (ResNet-50 at 10 %:
-    the deadline stage's 180 CPU s, ``benchmarks/results/remat_offload_exact.md``, ``ro21``).
+    the deadline stage's 180 CPU s; at 30 % it leaves the ladder no time, a worse plan:
+    ``benchmarks/results/remat_offload_exact.md``, ``ro21``).
     """
     options = options.with_(extra={**BENDERS_EXTRA, **options.extra})
     share = options.extra.get("benders_warmup", BENDERS_WARMUP)
@@ -889,9 +898,9 @@ def _benders(setup: _Setup, options: SolveOptions, report: dict[str, Any]) -> Re
     report["relaxation"] = relaxed.info  # the loop adds its first master's bound
     if relaxed.master is not None and relaxed.out is not None:
         first = (relaxed.master, relaxed.out)
-    if later:  # the ladder's plans with what the relaxation left (the default ones again)
+    if later:  # the ladder's plans with what the relaxation left
         candidates = _candidates(problem, options, deadline, report,
-                                 prior=DP_SECONDS_PER_STATE)
+                                 prior=DP_SECONDS_PER_STATE, base=candidates)
     candidates = _with_sequence(setup, relaxed, options, candidates, report)
     found = [(value, plan) for value, _, plan in candidates]
     if share > 0 and (limit is not None or options.deterministic_time is not None):
