@@ -12,6 +12,7 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 ORDER = ["checkpoint_dp", "exact", "checkpoint_exact", "zoo", "pytorch", "hf_autotune_memory",
+         "hf_overhead",
          "hf_paired",
          "hf_paired_readby", "hf_paired_joint", "hf_early_stop", "hf_quiet4", "hf_autotune",
          "hf_fastpath", "compile_dropout",

@@ -208,6 +208,82 @@ def test_torch_compile_draws_the_plain_models_dropout_masks(factory, fraction):
         with pytest.raises(AssertionError):
             assert_same(step(skewed, model, kwargs, seed=11), ref, bitwise=False)
 
+def test_fullgraph_compile_names_what_to_do_instead():
+    """``torch.compile(cmodel, fullgraph=True)``: dynamo's error carries optmem's reason.
+
+    The plan breaks the graph by design; the message says so and names the two ways out
+    (compile without ``fullgraph``, or ``cmodel.compile(fullgraph=True)`` for the stages),
+    and the second one works.
+    """
+    import inspect
+
+    if "reason" not in inspect.signature(torch.compiler.disable).parameters:
+        pytest.skip("this torch's compiler.disable takes no reason (before 2.7)")
+    torch._dynamo.reset()  # a cached graph of the wrapper's forward would skip the check
+    model, kwargs, cmodel, _ = _wrap(gpt2, 0.6)
+    ref = step(model, model, kwargs, seed=3)
+    with pytest.raises(Exception, match=r"(?s)optmem runs its checkpoint plan in Python.*"
+                       r"without fullgraph=True.*cmodel\.compile\(fullgraph=True") as info:
+        step(torch.compile(cmodel, backend="aot_eager", fullgraph=True), model, kwargs, 3)
+    assert "fullgraph=True) cannot hold" in str(info.value)
+    cmodel.compile(backend="aot_eager", fullgraph=True)
+    assert_same(step(torch.compile(cmodel, backend="aot_eager"), model, kwargs, seed=3), ref,
+                bitwise=False)
+    assert cmodel.executor._compiled_with["fullgraph"] is True
+
+
+def _recording_backend(graphs):
+    """A backend that runs each graph as traced and records whether an input is symbolic."""
+
+    def backend(gm, example_inputs):
+        symbolic = False
+        for node in gm.graph.nodes:
+            value = node.meta.get("example_value") if node.op == "placeholder" else None
+            if isinstance(value, torch.SymInt) or (isinstance(value, torch.Tensor) and any(
+                    not isinstance(d, int) for d in value.shape)):
+                symbolic = True
+        graphs.append(symbolic)
+        return gm.forward
+
+    return backend
+
+
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_enclosing_compiles_dynamic_reaches_every_stage(dynamic, monkeypatch):
+    """``torch.compile(cmodel, dynamic=...)``: every stage graph is traced that way.
+
+    ``dynamic=True`` patches dynamo's configuration only while the compiled module runs, so
+    without passing it on (the wrong version below) the stages first compiled at a re-run in
+    the backward got static shapes while those of the forward got dynamic ones.
+    """
+    torch._dynamo.reset()  # graphs cached by earlier tests would not be recorded
+    model, kwargs, cmodel, _ = _wrap(gpt2, 0.6)
+    plan = cmodel.result.plan
+    assert any(o.startswith("F_all") for o in plan[plan.index("Loss"):]), plan  # re-runs
+    graphs: list[bool] = []
+    step(torch.compile(cmodel, backend=_recording_backend(graphs), dynamic=dynamic), model,
+         kwargs, seed=4)
+    assert len(graphs) > cmodel.chain.length  # the model's own graph(s) and every stage's
+    assert cmodel.executor._compiled_with["dynamic"] is dynamic
+    assert graphs == [dynamic] * len(graphs)
+    if dynamic:  # the executor not passing ``dynamic`` on: the backward's graphs are static
+        import optmem.pytorch.execute as ex
+
+        full = ex.enclosing_compile_options.__wrapped__ if hasattr(
+            ex.enclosing_compile_options, "__wrapped__") else ex.enclosing_compile_options
+
+        def without_dynamic():
+            return {k: v for k, v in full().items() if k != "dynamic"}
+
+        monkeypatch.setattr(ex, "enclosing_compile_options", without_dynamic)
+        torch._dynamo.reset()
+        model, kwargs, cmodel, _ = _wrap(gpt2, 0.6)
+        wrong: list[bool] = []
+        step(torch.compile(cmodel, backend=_recording_backend(wrong), dynamic=True), model,
+             kwargs, seed=4)
+        assert not all(wrong) and any(wrong)
+
+
 @pytest.mark.parametrize("kind", [op.offload, op.remat_offload])
 def test_torch_compile_of_the_offload_one_liners_draws_eager_masks(kind):
     """The offload executors under ``torch.compile(..., backend="aot_eager")``: bitwise."""

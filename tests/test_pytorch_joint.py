@@ -204,3 +204,52 @@ def test_one_stage_joint_equals_autograd(toy, layout):
     got = torch.autograd.grad(placeholder, [b, *params], g)
     for u, v in zip(got, ref, strict=True):
         assert torch.equal(u, v)
+
+
+def _walk(joint):
+    """The reference: ``named_parameters()`` then ``named_buffers()`` of the graph module."""
+    named = [*joint.stage.gm.named_parameters(), *joint.stage.gm.named_buffers()]
+    return [n for n, _ in named], [t for _, t in named]
+
+
+def _same_state(got, ref):
+    return got[0] == ref[0] and len(got[1]) == len(ref[1]) and all(
+        a is b for a, b in zip(got[1], ref[1], strict=True))
+
+
+def test_joint_state_is_the_module_walk_and_follows_replacements(toy):
+    """The cached module list gives the walk's names and current tensors, in its order.
+
+    A parameter replaced by another object (as ``load_state_dict(assign=True)`` or the
+    wrapper's rebinding do) is the one read at the next call, and the step's gradients stay
+    the plain model's; a joint stage still reading the stale tensors would fail here.
+    """
+    module, x, chain = toy
+    cm = op.checkpoint(module, x, memory_limit=op.smallest_limit(chain), chain=chain)
+    grads_of(cm, module, x)
+    joints = [j for j in cm.executor._joints.values() if j.stage is not None]
+    assert joints
+    for joint in joints:
+        assert _same_state(joint._state(), _walk(joint))
+    joint = joints[0]
+    owner, name = next((m, k) for m in joint.stage.gm.modules()
+                       for k, p in m._parameters.items() if p is not None)
+    old = owner._parameters[name]
+    owner._parameters[name] = torch.nn.Parameter(old.detach().clone())
+    try:
+        assert _same_state(joint._state(), _walk(joint))
+        stale = (joint._state()[0], [old if t is owner._parameters[name] else t
+                                     for t in joint._state()[1]])
+        assert not _same_state(stale, _walk(joint))  # the check sees a stale tensor
+    finally:
+        owner._parameters[name] = old
+    extra = torch.nn.Linear(2, 2)
+    joint.stage.gm.add_module("extra_for_test", extra)
+    try:
+        assert not _same_state(joint._state(), _walk(joint))  # not seen until forgotten
+        cm.executor.set_plan(cm.executor.plan)
+        assert _same_state(joint._state(), _walk(joint))
+    finally:
+        del joint.stage.gm.extra_for_test
+        joint.forget_modules()
+    assert_bitwise(grads_of(cm, module, x), grads_of(module, module, x))

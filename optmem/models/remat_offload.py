@@ -223,15 +223,6 @@ class RematOffloadModel:
         return fixed
 
 
-def _one(x: Literal | bool) -> Expr:
-    """A literal that holds (not ``False``) as an expression: 1 for ``True``, else its binary."""
-    if x is True:
-        return Expr() + 1
-    if x is False:
-        raise ValueError("a literal that never holds has no expression here")
-    return Expr([(x[0], 1.0)])
-
-
 def _holds(x: Literal | bool) -> Expr:
     """A literal that may hold (not ``False``) as a 0/1 expression.
 
@@ -390,20 +381,20 @@ def build_remat_offload(chain: Chain, memory_limit: int, bandwidth: float, *,
             if H[v].terms:
                 add(R[v] >= E[p], f"pend_{v[0]}{v[1]}_{p}", [rv, _lit(H[v])])
                 if G[v].terms:  # no reader after an item that had v on the host only
-                    m.add(G[v] + H[v] + _one(rv) <= 2, f"pendG_{v[0]}{v[1]}_{p}")
+                    m.add(G[v] + H[v] + _holds(rv) <= 2, f"pendG_{v[0]}{v[1]}_{p}")
             if P[v].terms:
                 if rv is True:
                     P[v] = zero
                 else:
                     nv = m.binary(f"P_{v[0]}{v[1]}_{p}")
-                    rx = _one(rv)
+                    rx = _holds(rv)
                     m.add(nv <= P[v], f"Pa_{v[0]}{v[1]}_{p}")
                     m.add(nv + rx <= 1, f"Pb_{v[0]}{v[1]}_{p}")
                     m.add(nv >= P[v] - rx, f"Pc_{v[0]}{v[1]}_{p}")
                     P[v] = nv
             fv = frees[p].get(v, False)
             if fv is not False and H[v].terms:
-                m.add(H[v] + _one(fv) <= 1, f"free_{v[0]}{v[1]}_{p}")
+                m.add(H[v] + _holds(fv) <= 1, f"free_{v[0]}{v[1]}_{p}")
         for v in tau:
             if v in early_readers[p]:
                 _host_since_offload(m, G, v, H[v], [hvars[v]] if v in hvars else [], f"{p}")

@@ -56,7 +56,10 @@ called from a ``torch.compile``-d module, each stage runs compiled
 (``torch.compile(stage, **options)``), in the forward and in re-runs. Called from a
 ``torch.compile``-d module without :meth:`~StageCalls.compile_stages`, the stages are
 compiled with the backend of that enclosing compile (:func:`run_compiled`), so that
-``torch.compile(model, backend="aot_eager")`` runs ``aot_eager`` stages, not inductor ones.
+``torch.compile(model, backend="aot_eager")`` runs ``aot_eager`` stages, not inductor ones,
+and with its ``dynamic=`` (:func:`enclosing_compile_options`). ``fullgraph=True`` cannot
+hold (the plan is a graph break by design): dynamo's error then carries
+:data:`FULLGRAPH_REASON`, which names ``cmodel.compile(fullgraph=True)`` instead.
 """
 
 from __future__ import annotations
@@ -87,9 +90,9 @@ from optmem.pytorch.extract import Stage, value_tensors
 from optmem.pytorch.hooks import quiet_gradient_hooks
 from optmem.pytorch.joint import JointStage, dead_outputs
 
-__all__ = ["CheckpointedChain", "CompileRequest", "StageCalls", "add_monitor", "compile_stage",
-           "enclosing_compile_options", "fusable_runs", "remove_monitor", "run_compiled",
-           "run_in_order", "split_suffix"]
+__all__ = ["FULLGRAPH_REASON", "CheckpointedChain", "CompileRequest", "StageCalls", "add_monitor",
+           "compile_stage", "enclosing_compile_options", "fusable_runs", "remove_monitor",
+           "run_compiled", "run_in_order", "split_suffix"]
 
 Monitor = Callable[[str, list[torch.Tensor], list[torch.Tensor]], None]
 _MONITORS: list[Monitor] = []
@@ -454,13 +457,20 @@ def compile_options_for(compiled: CompileRequest, chosen: dict[str, Any] | None
 
 @torch.compiler.disable(recursive=False)
 def enclosing_compile_options() -> dict[str, Any]:
-    """``{"backend": b}``, ``b`` the backend of the ``torch.compile`` running the caller.
+    """The options of the ``torch.compile`` running the caller: ``backend`` and ``dynamic``.
 
-    Read from dynamo's frame callback, which stays set while this function runs (dynamo
-    skips its frame without disabling itself); ``b`` is the backend object ``torch.compile``
-    built (a named backend with its options, or inductor with its mode and options),
-    unwrapped from dynamo's wrappers. ``{}`` (default options) when no compile encloses the
-    caller, or when this torch keeps the callback elsewhere.
+    ``backend`` is read from dynamo's frame callback, which stays set while this function
+    runs (dynamo skips its frame without disabling itself): the backend object
+    ``torch.compile`` built (a named backend with its options, or inductor with its mode
+    and options), unwrapped from dynamo's wrappers. ``dynamic`` is read from the dynamo
+    configuration that the enclosing compile's ``dynamic=True`` (``assume_static_by_default``
+    off) or ``dynamic=False`` (``automatic_dynamic_shapes`` off) patches while the compiled
+    module runs, and is left out otherwise (dynamo's default). It is passed on because the
+    patch ends when the compiled module returns: a stage compiled at a re-run in the backward
+    (after ``loss.backward()`` started) would otherwise be traced with static shapes under
+    ``dynamic=True``, while those compiled in the forward got dynamic ones (measured on tiny
+    GPT-2, ``tests/test_hf_wrapper.py``). ``{}`` (default options) when no compile encloses
+    the caller, or when this torch keeps the callback elsewhere.
     """
     try:
         from torch._C._dynamo.eval_frame import get_eval_frame_callback
@@ -471,10 +481,33 @@ def enclosing_compile_options() -> dict[str, Any]:
         backend = backend._torchdynamo_orig_backend
     if backend is None or backend is False or not callable(backend):
         return {}
-    return {"backend": backend}
+    options: dict[str, Any] = {"backend": backend}
+    config = torch._dynamo.config
+    if not getattr(config, "assume_static_by_default", True):
+        options["dynamic"] = True
+    elif not getattr(config, "automatic_dynamic_shapes", True):
+        options["dynamic"] = False
+    return options
 
 
-@torch.compiler.disable(recursive=False)
+FULLGRAPH_REASON = (
+    "optmem runs its checkpoint plan in Python between the stages (re-runs, autograd.grad "
+    "calls in the backward), so the wrapped model always breaks the graph here and "
+    "torch.compile(..., fullgraph=True) cannot hold for it. Compile it without "
+    "fullgraph=True (each stage still runs compiled, with your backend and dynamic=), or "
+    "call cmodel.compile(fullgraph=True, ...) to compile every stage as one graph each")
+"""The reason dynamo prints when ``torch.compile(cmodel, fullgraph=True)`` meets the plan."""
+
+
+def _disable(reason: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``torch.compiler.disable(recursive=False, reason=reason)`` (no reason before 2.7)."""
+    try:
+        return torch.compiler.disable(recursive=False, reason=reason)  # type: ignore[call-arg,no-any-return]
+    except TypeError:  # pragma: no cover - a torch without ``reason=``
+        return torch.compiler.disable(recursive=False)  # type: ignore[no-any-return]
+
+
+@_disable(FULLGRAPH_REASON)
 def run_compiled(fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args, options)``, ``options`` those of the enclosing ``torch.compile``.
 
@@ -482,7 +515,9 @@ def run_compiled(fn: Callable[..., Any], *args: Any) -> Any:
     here and runs this function uncompiled, its frame callback still set, so that
     :func:`enclosing_compile_options` finds the enclosing compile's backend. ``fn`` must
     be wrapped in ``torch.compiler.disable`` (the executor's plan runs uncompiled, its
-    stages compiled with ``options``).
+    stages compiled with ``options``). Under ``torch.compile(..., fullgraph=True)`` dynamo
+    refuses to skip this function and its error carries :data:`FULLGRAPH_REASON`, which says
+    what to do instead.
     """
     return fn(*args, enclosing_compile_options())
 
@@ -1034,6 +1069,8 @@ class CheckpointedChain(StageCalls, nn.Module):
         self._check_plan(ops)
         self.plan: tuple[Op, ...] = ops
         self._stage_modules = None
+        for joint in self._joints.values():
+            joint.forget_modules()
         if self.strip_suffix:
             self._prefix_plan, self._suffix_start = split_suffix(ops, len(self.stages))
         else:

@@ -182,12 +182,40 @@ class JointStage:
         self.module = stage
         self.stage = stage if isinstance(stage, GraphStage) else None
         self._graphs: dict[tuple[Any, ...], _Traced | None] = {}
+        self._modules: list[tuple[str, nn.Module]] | None = None
+
+    def forget_modules(self) -> None:
+        """Walk the stage's submodules again at the next call (one was added or removed)."""
+        self._modules = None
 
     def _state(self) -> tuple[list[str], list[torch.Tensor]]:
+        """``gm.named_parameters()`` then ``gm.named_buffers()``: names and current tensors.
+
+        The same names, tensors and order as those two walks (each deduplicated by
+        identity), read from the ``_parameters`` and ``_buffers`` dicts of the graph
+        module's submodules, whose list (with their prefixes) is made once: a parameter or
+        buffer replaced since (``load_state_dict(assign=True)``, the wrapper's rebinding,
+        which may turn one into the other) is seen, a submodule added is seen after
+        :meth:`forget_modules` (the executor calls it from ``set_plan``). Walking the
+        module tree at every joint re-run cost about 0.1 ms each under cProfile on Llama's
+        stages (``benchmarks/results/hf_overhead.md``).
+        """
         assert self.stage is not None
-        gm = self.stage.gm
-        named = [*gm.named_parameters(), *gm.named_buffers()]
-        return [n for n, _ in named], [t for _, t in named]
+        if self._modules is None:
+            self._modules = [(f"{prefix}." if prefix else "", m)
+                             for prefix, m in self.stage.gm.named_modules()]
+        names: list[str] = []
+        state: list[torch.Tensor] = []
+        for kind in ("_parameters", "_buffers"):
+            seen: set[int] = set()
+            for prefix, m in self._modules:
+                for name, t in getattr(m, kind).items():
+                    if t is None or id(t) in seen:
+                        continue
+                    seen.add(id(t))
+                    names.append(prefix + name)
+                    state.append(t)
+        return names, state
 
     def call(self, x: Any, ctx: SideInputs | None) -> Any | None:
         """``a^i`` as placeholders on a :class:`_Deferred` node, or ``None`` (not eligible).

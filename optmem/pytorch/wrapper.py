@@ -346,7 +346,9 @@ class PlannedModule(nn.Module):
 
         The plan itself runs in Python. ``torch.compile(cmodel, ...)`` compiles the stages
         too, with these options; if this was never called, with that enclosing compile's
-        backend (:func:`~optmem.pytorch.execute.run_compiled`).
+        backend and ``dynamic=`` (:func:`~optmem.pytorch.execute.run_compiled`).
+        ``torch.compile(cmodel, fullgraph=True)`` cannot hold (the plan is a graph break);
+        ``cmodel.compile(fullgraph=True)`` compiles each stage as one graph.
         """
         if args:
             raise TypeError("PlannedModule.compile takes keyword options only")

@@ -118,6 +118,11 @@ LAZY_HOST_DEFAULT = True  # extra["relaxation_lazy"]: the host stage's rows adde
 # extra["relaxation_compact"]: the relaxation's deadline rows through build_link_relaxation's
 # compact y chains (the same relaxation, fewer non-zeros; ro19)
 COMPACT_DEFAULT = False
+# extra["relaxation_plain"]: the plain stage before the deadline stage (false: the deadline
+# stage is the first; its rows contain the plain stage's, so its optimum is never lower; ro21)
+PLAIN_STAGE_DEFAULT = True
+# extra["relaxation_first"] (strategy=benders): the DP ladder after the relaxation (ro21)
+RELAXATION_FIRST_DEFAULT = False
 HOST_STAGE_MAX_VALUES = 1200  # most per-value host binaries of the host stage (_host_stage_fits)
 MAX_RATIONAL_SCALE = 10**6  # largest exact CP-SAT time grid: never finer than the decimal one
 # extra["dp_ladder"]: (grid, backlog_grid) pairs whose chapter 4 DP plans join the candidates
@@ -128,6 +133,9 @@ AUTOCAPPER_CANDIDATE_DEFAULT = False
 # the exact methods' plan at 10 / 30 / 60 %; these grids give plans 2.2-3.3 % faster
 BENDERS_DP_LADDER = ((200, 100), (500, 100))
 DP_LADDER_SHARE = 0.25  # share of a user's time limit for the ladder's DP runs
+# the ladder's first run's predicted seconds per _dp_states state under relaxation_first:
+# measured 1.3e-7 (ResNet-50, 200 x 100 and 200 x 150) and 2.0e-7 (500 x 100), load 0.2-1 (ro21)
+DP_SECONDS_PER_STATE = 2.5e-7
 # extra["relaxation_share"] under strategy=benders: the host stage's rows are its strongest
 # bound and its sequence the best plan (results/remat_offload_proofs.md, ro12)
 BENDERS_RELAXATION_SHARE = 0.6
@@ -316,27 +324,37 @@ class _Start:
 
 
 def _candidates(problem: RematOffloadProblem, options: SolveOptions,
-                deadline: Deadline | None = None, report: dict[str, Any] | None = None
+                deadline: Deadline | None = None, report: dict[str, Any] | None = None,
+                prior: float | None = None,
+                base: list[tuple[float, str, tuple[AnyOp, ...]]] | None = None
                 ) -> list[tuple[float, str, tuple[AnyOp, ...]]]:
     """The DP, checkpoint-only and offload-only plans that replay, fastest first.
 
     With ``extra["dp_ladder"]`` and ``extra["autocapper_candidate"]`` also the plans of
-    :func:`_ladder_plans` (``report["dp_ladder"]``: each one's makespan, or why not).
+    :func:`_ladder_plans` (``report["dp_ladder"]``: each one's makespan, or why not;
+    ``prior``: its seconds per state before the first run). ``base``: the default
+    candidates, already computed (``relaxation_first``): only the ladder's are added.
     """
-    disc, _ = discretized(problem, options)
-    default = pofo_plan(problem, options, "extended")[0]
-    plans: list[tuple[str, Sequence[AnyOp] | None]] = [
-        ("chapter 4 dp", default),
-        ("checkpoint only (persistent dp)", remat_candidate(disc)),
-        ("offload only (dynprog)", offload_candidate(problem, options))]
+    plans: list[tuple[str, Sequence[AnyOp] | None]] = []
+    known: dict[tuple[int, int], Sequence[AnyOp] | None] = {}
+    if base is None:
+        disc, _ = discretized(problem, options)
+        default = pofo_plan(problem, options, "extended")[0]
+        known[grid_of(options)] = default
+        plans += [("chapter 4 dp", default),
+                  ("checkpoint only (persistent dp)", remat_candidate(disc)),
+                  ("offload only (dynprog)", offload_candidate(problem, options))]
+    else:
+        known[grid_of(options)] = next((plan for _, label, plan in base
+                                        if label == "chapter 4 dp"), None)
     notes: dict[str, Any] = {}
-    plans += _ladder_plans(problem, options, deadline, notes, {grid_of(options): default})
+    plans += _ladder_plans(problem, options, deadline, notes, known, prior=prior)
     seen: dict[str, float] = {}
     best_candidate(problem, options, plans, seen)
     if report is not None and notes:
         report["dp_ladder"] = {label: seen.get(label, note) for label, note in notes.items()}
-    found = [(seen[label], label, tuple(plan)) for label, plan in plans
-             if plan is not None and label in seen]
+    found = list(base or []) + [(seen[label], label, tuple(plan)) for label, plan in plans
+                                if plan is not None and label in seen]
     found.sort(key=lambda t: t[0])
     return found
 
@@ -368,8 +386,8 @@ def _dp_states(length: int, grid: int, backlog: int) -> float:
 
 def _ladder_plans(problem: RematOffloadProblem, options: SolveOptions,
                   deadline: Deadline | None, notes: dict[str, Any],
-                  known: dict[tuple[int, int], Sequence[AnyOp] | None] | None = None
-                  ) -> list[tuple[str, Sequence[AnyOp] | None]]:
+                  known: dict[tuple[int, int], Sequence[AnyOp] | None] | None = None,
+                  prior: float | None = None) -> list[tuple[str, Sequence[AnyOp] | None]]:
     """More candidate plans: the chapter 4 DP on other grids, and the autocapper plan.
 
     ``extra["dp_ladder"]`` (:func:`dp_ladder`): for each ``(grid, backlog_grid)`` pair the
@@ -389,6 +407,11 @@ def _ladder_plans(problem: RematOffloadProblem, options: SolveOptions,
     is not an engine call and cannot be stopped once started. ``notes`` gets one label per
     plan tried (its makespan is filled in by the caller's replay). ``known``: plans already
     solved, by ``(grid, backlog_grid)`` (the caller's default grid), taken instead of a run.
+    ``prior``: the least seconds per state of every prediction, the first run's too
+    (``None``: the first run is not predicted; ``relaxation_first``, where the ladder runs
+    after the relaxation, near the deadline, passes :data:`DP_SECONDS_PER_STATE`: the state
+    count underestimates 500 x 100 by 1.5x against 200 x 100); with it the ladder has no
+    share of its own, only ``deadline`` (the relaxation has had its time).
     """
     out: list[tuple[str, Sequence[AnyOp] | None]] = []
     pairs = dp_ladder(options)
@@ -397,7 +420,8 @@ def _ladder_plans(problem: RematOffloadProblem, options: SolveOptions,
         label = "autocapper"
         notes[label] = "no plan"
         out.append((label, parse_mixed_plan(res.plan) if res.status.has_plan else None))
-    share = None if options.time_limit_s is None else DP_LADDER_SHARE * options.time_limit_s
+    share = None if options.time_limit_s is None or prior is not None else \
+        DP_LADDER_SHARE * options.time_limit_s
     solve_deadline = Deadline(None) if deadline is None else deadline
     clock = solve_deadline.clock
     ladder = Deadline(None, clock).within(share)  # the ladder's share, from now
@@ -412,7 +436,8 @@ def _ladder_plans(problem: RematOffloadProblem, options: SolveOptions,
             out.append((label, known[grid, backlog]))
             continue
         states = _dp_states(problem.chain.length, grid, backlog)
-        predicted = 0.0 if rate is None else rate * states
+        rates = [r for r in (rate, prior) if r is not None]
+        predicted = max(rates, default=0.0) * states
         if ladder.spent(predicted) or solve_deadline.spent(predicted + LEAST_ENGINE_TIME_S):
             notes[label] = "skipped (time)"
             continue
@@ -585,6 +610,10 @@ def _relaxation_bound(chain: Chain, memory_limit: int, beta: float, sweeps: int,
     ``info["host_rounds"]``, ``info["host_items"]``). ``-inf`` when it is off
     (``extra["relaxation"] = False``), no MILP engine is installed, there is no link or the
     engine fails.
+
+    ``extra["relaxation_plain"]`` (default :data:`PLAIN_STAGE_DEFAULT`) false: the plain
+    stage is skipped (``info["plain_bound"]``), the deadline stage is the first and gets its
+    budget; its model is the plain one with more rows, so its optimum is never lower.
     """
     deadlines = flag(options, "relaxation_deadlines", True)
     host_values = flag(options, "relaxation_values", True)
@@ -609,6 +638,9 @@ def _relaxation_bound(chain: Chain, memory_limit: int, beta: float, sweeps: int,
     previous: EngineResult | None = None
     stages = [st for st in RELAXATION_STAGES
               if (deadlines or not st[0]) and (host_values or not st[1])]
+    if deadlines and not flag(options, "relaxation_plain", PLAIN_STAGE_DEFAULT):
+        stages = stages[1:]  # the deadline stage first: its rows contain the plain stage's
+        info["plain_bound"] = "skipped (relaxation_plain false)"
     if deadline is None:
         deadline = Deadline(None)
     for with_deadlines, with_values, key in stages:
@@ -837,6 +869,15 @@ def _benders(setup: _Setup, options: SolveOptions, report: dict[str, Any]) -> Re
     ``random_chain(10, seed=1)`` at 10 % and raised every other 10 % bound at L = 10-12,
     the 30 % ones unchanged: ``benchmarks/results/remat_offload_proofs.md``, ``ro12``).
     The loop gets what the relaxation and the warm-up leave.
+
+    ``extra["relaxation_first"]`` (default :data:`RELAXATION_FIRST_DEFAULT`): the DP ladder
+    and the autocapper plan (:func:`_ladder_plans`) are computed after the relaxation
+    instead of before it, with what it leaves (the default candidates, a few seconds, stay
+    before it), every DP run predicted from :data:`DP_SECONDS_PER_STATE` at least and run
+    only if it ends before the deadline. Only the order changes; every bound and plan is
+    the same kind. For chains whose relaxation needs most of the limit (ResNet-50 at 10 %:
+    the deadline stage's 180 CPU s; at 30 % it leaves the ladder no time, a worse plan:
+    ``benchmarks/results/remat_offload_exact.md``, ``ro21``).
     """
     options = options.with_(extra={**BENDERS_EXTRA, **options.extra})
     share = options.extra.get("benders_warmup", BENDERS_WARMUP)
@@ -844,8 +885,10 @@ def _benders(setup: _Setup, options: SolveOptions, report: dict[str, Any]) -> Re
         raise OptmemInputError(f"expected a share in [0, 1] for benders_warmup, got {share!r}",
                                field="benders_warmup")
     problem, deadline = setup.problem, setup.deadline
-    candidates = _candidates(problem, options, deadline, report)
-    found = [(value, plan) for value, _, plan in candidates]
+    later = flag(options, "relaxation_first", RELAXATION_FIRST_DEFAULT)
+    candidates = _candidates(problem, options.with_(extra={
+        **options.extra, "dp_ladder": [], "autocapper_candidate": False}) if later else options,
+        deadline, report)
     floor = -math.inf
     first: tuple[Model, EngineResult] | None = None
     limit = options.time_limit_s
@@ -856,6 +899,9 @@ def _benders(setup: _Setup, options: SolveOptions, report: dict[str, Any]) -> Re
     report["relaxation"] = relaxed.info  # the loop adds its first master's bound
     if relaxed.master is not None and relaxed.out is not None:
         first = (relaxed.master, relaxed.out)
+    if later:  # the ladder's plans with what the relaxation left
+        candidates = _candidates(problem, options, deadline, report,
+                                 prior=DP_SECONDS_PER_STATE, base=candidates)
     candidates = _with_sequence(setup, relaxed, options, candidates, report)
     found = [(value, plan) for value, _, plan in candidates]
     if share > 0 and (limit is not None or options.deterministic_time is not None):
@@ -905,10 +951,12 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
         flag(options, "relaxation_lazy", LAZY_HOST_DEFAULT)
         flag(options, "benders_host_bound", False)
         flag(options, "benders_first_found", False)
+        flag(options, "relaxation_first", RELAXATION_FIRST_DEFAULT)
     flag(options, "relaxation_read_deadlines", READ_DEADLINES_DEFAULT)  # checked before work
     flag(options, "relaxation_cumulative_reads", CUMULATIVE_READS_DEFAULT)
     flag(options, "relaxation_window", WINDOW_DEFAULT)
     flag(options, "relaxation_compact", COMPACT_DEFAULT)
+    flag(options, "relaxation_plain", PLAIN_STAGE_DEFAULT)
     flag(options, "relaxation_window_jobs", WINDOW_JOBS_DEFAULT)
     flag(options, "relaxation_sequence", SEQUENCE_DEFAULT)
     flag(options, "autocapper_candidate", AUTOCAPPER_CANDIDATE_DEFAULT)
@@ -1118,7 +1166,7 @@ MODEL_EXTRA = ("sweeps", "transfers_per_gap", "grid", "backlog_grid", "prefetch"
                "relaxation", "relaxation_deadlines", "relaxation_values", "relaxation_lazy",
                "relaxation_read_deadlines", "relaxation_sequence", "relaxation_share",
                "relaxation_cumulative_reads", "relaxation_window", "relaxation_compact",
-               "relaxation_window_jobs", "dp_ladder", "autocapper_candidate",
+               "relaxation_window_jobs", "relaxation_plain", "dp_ladder", "autocapper_candidate",
                "autocapper_values", *LNS_EXTRA)  # lns: cpsat only (ilp refuses it)
 
 
@@ -1136,7 +1184,7 @@ def solve_ilp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
           compare_as=(("cpsat", 6),),
           extra=(*MODEL_EXTRA, "strategy", "benders_work", "benders_filter_work",
                  "benders_iterations", "benders_warmup", "benders_filter", "benders_host_bound",
-                 "benders_first_found"))
+                 "benders_first_found", "relaxation_first"))
 def solve_cpsat(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     """Optimal plan over the model's class with OR-Tools CP-SAT."""
     return _solve_model(problem, options, "cpsat")
