@@ -549,7 +549,7 @@ def solve_cpsat(
     model: Any, variables: Sequence[Any], *, time_limit_s: float | None = None,
     threads: int = 2, hint: Sequence[int] | None = None, verbose: bool = False,
     deterministic_time: float | None = None, seed: int = 0,
-    assumptions: Sequence[Any] | None = None,
+    assumptions: Sequence[Any] | None = None, parameters: dict[str, Any] | None = None,
 ) -> EngineResult:
     """Solve an OR-Tools ``CpModel`` (minimisation of an integer objective).
 
@@ -559,7 +559,8 @@ def solve_cpsat(
     same answer on every run); ``seed`` its ``random_seed``. ``assumptions`` (literals of the
     model) hold for this solve (CP-SAT's ``add_assumptions``; they replace the model's earlier
     assumptions, and a call without them clears them). An invalid model, or any OR-Tools
-    exception, gives ``status: error`` with the validation message.
+    exception, gives ``status: error`` with the validation message. ``parameters``: more
+    ``CpSolver`` parameters by name (e.g. ``{"cp_model_probing_level": 0}``), set last.
     """
     if not is_available("cpsat"):
         raise UnavailableError("CP-SAT needs ortools", field="method")
@@ -585,6 +586,8 @@ def solve_cpsat(
         params.log_search_progress = verbose
         params.relative_gap_limit = 0.0
         params.absolute_gap_limit = 0.0
+        for key, value in (parameters or {}).items():
+            setattr(params, key, value)
         code = solver.solve(model)
     except Exception as exc:  # noqa: BLE001 - an engine fault never escapes the adapter
         return failed_result("cpsat", exc, time.perf_counter() - start)

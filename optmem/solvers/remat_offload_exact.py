@@ -107,6 +107,7 @@ from optmem.solvers.remat_offload_benders import (
     WINDOW_DEFAULT,
     solve_benders,
 )
+from optmem.solvers.remat_offload_lns import LNS_EXTRA, improve, lns_settings
 from optmem.solvers.remat_offload_schedule import Window, static_replay, window_before
 from optmem.solvers.time_budget import Deadline
 
@@ -960,6 +961,9 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
     flag(options, "relaxation_sequence", SEQUENCE_DEFAULT)
     flag(options, "autocapper_candidate", AUTOCAPPER_CANDIDATE_DEFAULT)
     dp_ladder(options)
+    if lns_settings(options).enabled and engine != "cpsat":  # checked before any work
+        raise OptmemInputError("the large-neighbourhood search (lns) runs CP-SAT: use the "
+                               "cpsat method", field="lns")
     _relaxation_share(options)
     built = build_remat_offload(disc.chain, disc.memory_limit, beta, sweeps=sweeps,
                                 transfers_per_gap=per_gap, grid=None if exact else scale)
@@ -1022,7 +1026,12 @@ def _sequence_candidate(setup: _Setup, relaxed: _Relaxed, options: SolveOptions
 def _with_sequence(setup: _Setup, relaxed: _Relaxed, options: SolveOptions,
                    candidates: list[tuple[float, str, tuple[AnyOp, ...]]] | None,
                    report: dict[str, Any]) -> list[tuple[float, str, tuple[AnyOp, ...]]]:
-    """``candidates`` (computed if ``None``) with :func:`_sequence_candidate`, fastest first."""
+    """``candidates`` (computed if ``None``) with :func:`_sequence_candidate`, fastest first.
+
+    With ``extra["lns"]`` (:mod:`optmem.solvers.remat_offload_lns`) the large-neighbourhood
+    search then starts from the fastest of them, unless it meets the relaxation's bound, and
+    its plan, when faster (replayed), comes first (``report["lns"]``).
+    """
     found = list(_candidates(setup.problem, options, setup.deadline, report)
                  if candidates is None else candidates)
     began = time.monotonic()
@@ -1032,6 +1041,18 @@ def _with_sequence(setup: _Setup, relaxed: _Relaxed, options: SolveOptions,
         found.sort(key=lambda t: t[0])
         report["relaxation_sequence"] = {"makespan": extra[0],
                                          "seconds": round(time.monotonic() - began, 3)}
+    settings = lns_settings(options)
+    if settings.enabled and found and math.isfinite(relaxed.bound) and \
+            found[0][0] <= relaxed.bound + 1e-9 * max(1.0, abs(relaxed.bound)):
+        report["lns"] = "skipped (the fastest candidate meets the relaxation's bound)"
+    elif settings.enabled and setup.engine == "cpsat" and found:
+        # the large-neighbourhood search from the best candidate (remat_offload_lns)
+        out = improve(setup.built, setup.disc.chain, setup.disc.memory_limit, setup.beta,
+                      setup.scale, (found[0][0], found[0][2]), settings, options,
+                      setup.deadline)
+        report["lns"] = out.report
+        if out.improved:
+            found.insert(0, (out.makespan, "large-neighbourhood search", out.plan))
     return found
 
 
@@ -1146,7 +1167,7 @@ MODEL_EXTRA = ("sweeps", "transfers_per_gap", "grid", "backlog_grid", "prefetch"
                "relaxation_read_deadlines", "relaxation_sequence", "relaxation_share",
                "relaxation_cumulative_reads", "relaxation_window", "relaxation_compact",
                "relaxation_window_jobs", "relaxation_plain", "dp_ladder", "autocapper_candidate",
-               "autocapper_values")
+               "autocapper_values", *LNS_EXTRA)  # lns: cpsat only (ilp refuses it)
 
 
 @register(PROBLEM, "ilp", exact=True, full_model=True, requires=("pulp",),
