@@ -138,9 +138,12 @@ def test_no_dp_run_starts_when_the_deadline_is_spent() -> None:
     assert notes["chapter 4 dp (grid 64, backlog_grid 32)"] == "skipped (time)"
 
 
-def test_the_ladder_stops_at_its_share_of_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("prior", "second"), [(None, "skipped (time)"), (1e-9, "no plan")])
+def test_the_ladder_stops_at_its_share_of_the_limit(monkeypatch: pytest.MonkeyPatch,
+                                                    prior: float | None, second: str) -> None:
     """On the deadline's clock (fake here): a DP run that uses up the ladder's quarter of the
-    time limit is the last one; the deadline itself is far away."""
+    time limit is the last one; the deadline itself is far away. With ``prior``
+    (``relaxation_first``) the ladder has no share of its own: the next run still starts."""
     problem = _problems()[0]
     now = [0.0]
     pofo = exact.pofo_plan
@@ -153,9 +156,9 @@ def test_the_ladder_stops_at_its_share_of_the_limit(monkeypatch: pytest.MonkeyPa
     notes: dict = {}
     far = Deadline.start(10_000.0, clock=lambda: now[0])
     exact._ladder_plans(problem, OPTS.with_(extra={"dp_ladder": [[16, 8], [64, 32]]},
-                                            time_limit_s=300.0), far, notes)
+                                            time_limit_s=300.0), far, notes, prior=prior)
     assert notes == {"chapter 4 dp (grid 16, backlog_grid 8)": "no plan",
-                     "chapter 4 dp (grid 64, backlog_grid 32)": "skipped (time)"}
+                     "chapter 4 dp (grid 64, backlog_grid 32)": second}
 
 
 def test_grids_are_capped_at_the_slots_and_deduplicated() -> None:

@@ -181,25 +181,3 @@ def test_the_prior_skips_a_first_run_that_would_pass_the_deadline() -> None:
     assert notes == {"chapter 4 dp (grid 16, backlog_grid 8)": "skipped (time)"}
     notes.clear()
     assert len(exact._ladder_plans(problem, opts, near, notes)) == 1
-
-
-def test_with_the_prior_the_ladder_has_no_share_of_its_own(monkeypatch: pytest.MonkeyPatch
-                                                          ) -> None:
-    """Without ``prior`` a run that uses up a quarter of the limit is the last one (fake
-    clock); with it (relaxation_first) the next run still starts while the deadline is far."""
-    chain = random_chain(4, seed=0, max_size=6)
-    problem = RematOffloadProblem(chain, limits(chain)[1], chain_bandwidth=1.0)
-    now = [0.0]
-    pofo = exact.pofo_plan
-
-    def slow(problem_, options, variant):  # type: ignore[no-untyped-def]
-        now[0] += 80.0  # more than a quarter of 300 s
-        return pofo(problem_, options, variant)
-
-    monkeypatch.setattr(exact, "pofo_plan", slow)
-    opts = OPTS.with_(extra={"dp_ladder": [[16, 8], [64, 32]]}, time_limit_s=300.0)
-    for prior, second in ((None, "skipped (time)"), (1e-9, "no plan")):
-        notes: dict = {}
-        far = Deadline.start(10_000.0, clock=lambda: now[0])
-        exact._ladder_plans(problem, opts, far, notes, prior=prior)
-        assert notes["chapter 4 dp (grid 64, backlog_grid 32)"] == second
