@@ -295,3 +295,27 @@ def test_proven_no_plan_is_infeasible(monkeypatch: pytest.MonkeyPatch) -> None:
     res = bd.solve_benders(problem, SEEDED.with_(extra={"benders_iterations": 1}),
                            built=built, scale=scale, incumbent=None, report={})
     assert res.status is Status.NO_SOLUTION and res.bound < math.inf
+
+
+LOOP_BAD = [{"benders_first_found": "x"}, {"benders_host_bound": "x"}, {"benders_warmup": 7},
+            {"benders_warmup": True}, {"benders_work": -1}, {"benders_filter_work": "x"},
+            {"benders_iterations": "x"}, {"benders_filter": "x"}, {"relaxation_first": "x"}]
+
+
+@pytest.mark.parametrize("strategy", ["full", "benders"])
+@pytest.mark.parametrize("extra", LOOP_BAD)
+def test_bad_loop_options_refused_before_any_work(extra: dict, strategy: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bad value of a ``strategy=benders`` option is one input error before the model is
+    built, also under ``strategy=full``, which does not read it (they were accepted in
+    silence there, CLI exit 0)."""
+    from optmem.solvers import remat_offload_exact as exact
+
+    def no_work(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise AssertionError("work started before the options were checked")
+
+    monkeypatch.setattr(exact, "build_remat_offload", no_work)
+    chain = random_chain(3, seed=1, max_size=6)
+    problem = RematOffloadProblem(chain, limits(chain)[0], chain_bandwidth=1.0)
+    with pytest.raises(OptmemInputError, match=next(iter(extra))):
+        solve(problem, "cpsat", options=OPTS.with_(extra={**extra, "strategy": strategy}))

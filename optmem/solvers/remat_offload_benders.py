@@ -241,6 +241,20 @@ def _filter_mode(options: SolveOptions) -> str:
     return str(value)
 
 
+def check_benders_options(options: SolveOptions) -> None:
+    """Check the loop's ``extra`` options (:class:`OptmemInputError` on a bad value).
+
+    Called before any work whatever the strategy, so that a bad value is refused even where
+    the loop would not read it (``strategy=full``).
+    """
+    positive_float(options, "benders_work", DEFAULT_SUB_WORK)
+    positive_float(options, "benders_filter_work", DEFAULT_FILTER_WORK)
+    _iterations(options)
+    _filter_mode(options)
+    flag(options, "benders_host_bound", False)
+    flag(options, "benders_first_found", FIRST_FOUND_DEFAULT)
+
+
 def _slots(built: RematOffloadModel) -> list[ck.Slot]:
     return [it for it in built.checkpoint.sequence if isinstance(it, ck.Slot)]
 

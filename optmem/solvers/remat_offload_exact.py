@@ -105,6 +105,7 @@ from optmem.solvers.remat_offload_benders import (
     CUMULATIVE_READS_DEFAULT,
     READ_DEADLINES_DEFAULT,
     WINDOW_DEFAULT,
+    check_benders_options,
     solve_benders,
 )
 from optmem.solvers.remat_offload_lns import LNS_EXTRA, improve, lns_settings
@@ -880,10 +881,7 @@ def _benders(setup: _Setup, options: SolveOptions, report: dict[str, Any]) -> Re
     ``benchmarks/results/remat_offload_exact.md``, ``ro21``).
     """
     options = options.with_(extra={**BENDERS_EXTRA, **options.extra})
-    share = options.extra.get("benders_warmup", BENDERS_WARMUP)
-    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
-        raise OptmemInputError(f"expected a share in [0, 1] for benders_warmup, got {share!r}",
-                               field="benders_warmup")
+    share = _warmup_share(options)
     problem, deadline = setup.problem, setup.deadline
     later = flag(options, "relaxation_first", RELAXATION_FIRST_DEFAULT)
     candidates = _candidates(problem, options.with_(extra={
@@ -929,6 +927,15 @@ def _benders(setup: _Setup, options: SolveOptions, report: dict[str, Any]) -> Re
                          exact=setup.exact)
 
 
+def _warmup_share(options: SolveOptions) -> float:
+    """``extra["benders_warmup"]``, a share in [0, 1] (:class:`OptmemInputError` if not)."""
+    share = options.extra.get("benders_warmup", BENDERS_WARMUP)
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
+        raise OptmemInputError(f"expected a share in [0, 1] for benders_warmup, got {share!r}",
+                               field="benders_warmup")
+    return float(share)
+
+
 def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: str
                  ) -> Result:
     deadline = Deadline.start(options.time_limit_s)  # every stage within it (time_budget)
@@ -945,12 +952,14 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
     if strategy not in STRATEGIES:
         raise OptmemInputError(f"expected strategy one of {', '.join(STRATEGIES)}, got "
                                f"{strategy!r}", field="strategy")
-    if strategy == "benders":
-        flag(options, "relaxation_deadlines", True)  # checked before any work
-        flag(options, "relaxation_values", True)
-        flag(options, "relaxation_lazy", LAZY_HOST_DEFAULT)
-        flag(options, "benders_host_bound", False)
-        flag(options, "benders_first_found", False)
+    # checked before any work, whatever the strategy (a bad value of an option the chosen
+    # strategy does not read is refused too, not ignored)
+    flag(options, "relaxation_deadlines", True)
+    flag(options, "relaxation_values", True)
+    flag(options, "relaxation_lazy", LAZY_HOST_DEFAULT)
+    if engine == "cpsat":  # the loop's options are registered for cpsat only
+        check_benders_options(options)
+        _warmup_share(options)
         flag(options, "relaxation_first", RELAXATION_FIRST_DEFAULT)
     flag(options, "relaxation_read_deadlines", READ_DEADLINES_DEFAULT)  # checked before work
     flag(options, "relaxation_cumulative_reads", CUMULATIVE_READS_DEFAULT)
