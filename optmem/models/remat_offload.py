@@ -153,10 +153,14 @@ class RematOffloadModel:
     info: dict[str, int] = field(default_factory=dict)
 
     @property
+    def slots(self) -> list[ck.Slot]:
+        """The compute sequence's slots (the items whose ops are binaries), in order."""
+        return [item for item in self.checkpoint.sequence if isinstance(item, ck.Slot)]
+
+    @property
     def plan_vars(self) -> list[int]:
         """The binaries that fix a plan (compute op and transfer variables)."""
-        out = [idx for item in self.checkpoint.sequence if isinstance(item, ck.Slot)
-               for _, idx in item.ops]
+        out = [idx for item in self.slots for _, idx in item.ops]
         for pos in self.positions:
             out += list(pos.off.values()) + list(pos.pre.values())
         return out

@@ -255,10 +255,6 @@ def check_benders_options(options: SolveOptions) -> None:
     flag(options, "benders_first_found", FIRST_FOUND_DEFAULT)
 
 
-def _slots(built: RematOffloadModel) -> list[ck.Slot]:
-    return [it for it in built.checkpoint.sequence if isinstance(it, ck.Slot)]
-
-
 def _disagreement(slots: Sequence[ck.Slot], xhat: dict[int, int]) -> Expr:
     """``dis_J(x)`` over the op binaries of ``slots`` (module docstring)."""
     terms = []
@@ -404,7 +400,7 @@ def solve_benders(problem: RematOffloadProblem, options: SolveOptions, *,
                                                        CUMULATIVE_READS_DEFAULT)) \
         if flag(options, "benders_host_bound", False) else None
     loop = _Loop(built, master, next(i for i, v in enumerate(master.vars)
-                                     if v.name == "makespan"), _slots(built), options, scale,
+                                     if v.name == "makespan"), built.slots, options, scale,
                  positive_float(options, "benders_filter_work", DEFAULT_FILTER_WORK),
                  _State(plan, z, limit=disc.memory_limit, beta=beta,
                         single_slots=_filter_mode(options) == "slots", host=host), left,

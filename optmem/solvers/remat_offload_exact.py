@@ -1050,12 +1050,13 @@ def _with_sequence(setup: _Setup, relaxed: _Relaxed, options: SolveOptions,
         found.sort(key=lambda t: t[0])
         report["relaxation_sequence"] = {"makespan": extra[0],
                                          "seconds": round(time.monotonic() - began, 3)}
-    settings = lns_settings(options)
-    if settings.enabled and found and math.isfinite(relaxed.bound) and \
+    settings = lns_settings(options)  # on only with cpsat (_solve_model refuses ilp)
+    if not settings.enabled or not found:
+        return found
+    if math.isfinite(relaxed.bound) and \
             found[0][0] <= relaxed.bound + 1e-9 * max(1.0, abs(relaxed.bound)):
         report["lns"] = "skipped (the fastest candidate meets the relaxation's bound)"
-    elif settings.enabled and setup.engine == "cpsat" and found:
-        # the large-neighbourhood search from the best candidate (remat_offload_lns)
+    else:  # the large-neighbourhood search from the best candidate (remat_offload_lns)
         out = improve(setup.built, setup.disc.chain, setup.disc.memory_limit, setup.beta,
                       setup.scale, (found[0][0], found[0][2]), settings, options,
                       setup.deadline)

@@ -53,7 +53,6 @@ from typing import Any
 from optmem.chain import Chain
 from optmem.engines import adapters as engines
 from optmem.errors import OptmemInputError, PlanError
-from optmem.models import checkpoint_ilp as ck
 from optmem.models.formulation import Kind, to_cpsat
 from optmem.models.remat_offload import RematOffloadModel, with_fixed
 from optmem.plan import AnyOp
@@ -161,10 +160,6 @@ class LnsOutcome:
 Accept = Callable[[tuple[AnyOp, ...]], float | None]
 
 
-def _slots(built: RematOffloadModel) -> list[ck.Slot]:
-    return [item for item in built.checkpoint.sequence if isinstance(item, ck.Slot)]
-
-
 def _clamped(built: RematOffloadModel, values: Sequence[float]) -> list[float]:
     """An assignment with continuous values within ``[lo, makespan]`` and binaries rounded.
 
@@ -221,7 +216,7 @@ def improve(built: RematOffloadModel, chain: Chain, memory_limit: int, beta: flo
     hint = _complete(built, fixed_plan, scale, settings, options, deadline, report)
     if hint is None:
         return done()
-    slots = _slots(built)
+    slots = built.slots
     windows = phase_windows(chain.length, settings.width, settings.step, settings.forward)
     idle = 0  # window solves since the last improvement
     for n in range(settings.windows):
