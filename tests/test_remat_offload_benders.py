@@ -15,7 +15,6 @@ from remat_offload_helpers import BENDERS, OPTS, check, limits
 
 from optmem.datasets.synthetic import random_chain
 from optmem.errors import OptmemInputError
-from optmem.models import checkpoint_ilp as ck
 from optmem.models.remat_offload import build_remat_offload
 from optmem.plan import parse_mixed_plan
 from optmem.problems.remat_offload import RematOffloadProblem
@@ -72,7 +71,7 @@ def test_deletion_filter_keeps_a_refuted_set() -> None:
     disc, beta = discretized(problem, OPTS)
     full = solve(problem, "cpsat", options=SEEDED.with_(deterministic_time=60.0))
     assert full.status is Status.OPTIMAL
-    slots = [it for it in built.checkpoint.sequence if isinstance(it, ck.Slot)]
+    slots = built.slots
     fixed = built.fixing(parse_mixed_plan(full.plan))
     assert fixed is not None
     xhat = {i: round(fixed[i]) for sl in slots for _, i in sl.ops}

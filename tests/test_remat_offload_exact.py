@@ -534,11 +534,11 @@ def test_host_bound_of_a_sequence_never_exceeds_its_brute_value(chain: Chain, li
     plan's makespan (``inf``, no plan of the sequence, only where brute force finds
     none)."""
     from optmem.models.remat_offload import build_link_relaxation
-    from optmem.solvers.remat_offload_benders import _slots, host_bound
+    from optmem.solvers.remat_offload_benders import host_bound
 
     built = build_remat_offload(chain, limit, beta)
     host = build_link_relaxation(chain, limit, beta)
-    opvars = [i for sl in _slots(built) for _, i in sl.ops]
+    opvars = [i for sl in built.slots for _, i in sl.ops]
     checked = 0
     for ops, fixing, found in _sequence_plans(chain, limit, beta, built):
         bound = host_bound(host, {i: int(fixing[i]) for i in opvars}, OPTS, None)
