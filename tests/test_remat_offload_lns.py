@@ -34,9 +34,11 @@ from optmem.solvers.remat_offload import discretized, offload_candidate, remat_c
 from optmem.solvers.remat_offload_lns import (
     LnsOutcome,
     LnsSettings,
+    complete_plan,
     improve,
     lns_settings,
     phase_windows,
+    window_solve,
 )
 from optmem.solvers.time_budget import Deadline
 
@@ -247,3 +249,35 @@ def test_lns_needs_cpsat(monkeypatch) -> None:
     problem = RematOffloadProblem(chain, limits(chain)[0], chain_bandwidth=1.0)
     with pytest.raises(OptmemInputError, match="cpsat"):
         solve(problem, "ilp", options=OPTS.with_(extra={"lns": True}))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_window_solve_frees_only_its_slots(seed: int) -> None:
+    """``window_solve`` (the phase windows' and the benchmarks' stage blocks' one solve):
+    with no slot free it keeps the hint's compute binaries and makespan; with every slot
+    free it is never slower than the hint, and it decodes to a plan that replays to its
+    model makespan or faster."""
+    chain = random_chain(4, seed=seed, max_size=6)
+    problem = RematOffloadProblem(chain, limits(chain)[0], chain_bandwidth=1.0)
+    start = _start(problem)
+    assert start is not None
+    disc, beta = discretized(problem, OPTS)
+    scale, is_exact = exact.cpsat_time_scale(disc.chain, beta)
+    built = build_remat_offload(disc.chain, disc.memory_limit, beta,
+                                grid=None if is_exact else scale)
+    fixed = built.fixing(start[1])
+    assert fixed is not None
+    report: dict[str, object] = {}
+    lns = LnsSettings(enabled=True, work=WORK)
+    hint = complete_plan(built, fixed, scale, lns, OPTS, Deadline(None), report)
+    assert hint is not None
+    compute = [idx for slot in built.slots for _, idx in slot.ops]
+    entry, kept = window_solve(built, hint, lambda slot: False, scale, WORK, OPTS)
+    assert kept is not None and entry["status"] == "optimal"
+    assert [round(kept[i]) for i in compute] == [round(hint[i]) for i in compute]
+    assert kept[built.objective_var] == pytest.approx(hint[built.objective_var], abs=1e-6)
+    entry, free = window_solve(built, hint, lambda slot: True, scale, WORK, OPTS)
+    assert free is not None
+    assert free[built.objective_var] <= hint[built.objective_var] + 1e-6
+    sim = simulate_offload(disc.chain, built.decode(free), beta, disc.memory_limit)
+    assert sim.makespan <= free[built.objective_var] + 1e-6

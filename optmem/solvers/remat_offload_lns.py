@@ -53,6 +53,7 @@ from typing import Any
 from optmem.chain import Chain
 from optmem.engines import adapters as engines
 from optmem.errors import OptmemInputError, PlanError
+from optmem.models.checkpoint_ilp import Slot
 from optmem.models.formulation import Kind, to_cpsat
 from optmem.models.remat_offload import RematOffloadModel, with_fixed
 from optmem.plan import AnyOp
@@ -62,8 +63,8 @@ from optmem.solvers.options import flag, positive_float, positive_int
 from optmem.solvers.remat_offload import LEAST_ENGINE_TIME_S
 from optmem.solvers.time_budget import Deadline
 
-__all__ = ["LNS_DEFAULT", "LNS_EXTRA", "LnsOutcome", "LnsSettings", "improve",
-           "lns_settings", "phase_windows"]
+__all__ = ["LNS_DEFAULT", "LNS_EXTRA", "LnsOutcome", "LnsSettings", "clamped",
+           "complete_plan", "improve", "lns_settings", "phase_windows", "window_solve"]
 
 LNS_DEFAULT = False  # extra["lns"]: the search runs (opt-in)
 LNS_WORK = 20.0  # extra["lns_work"]: CP-SAT deterministic seconds per window (ro19: 20)
@@ -160,7 +161,7 @@ class LnsOutcome:
 Accept = Callable[[tuple[AnyOp, ...]], float | None]
 
 
-def _clamped(built: RematOffloadModel, values: Sequence[float]) -> list[float]:
+def clamped(built: RematOffloadModel, values: Sequence[float]) -> list[float]:
     """An assignment with continuous values within ``[lo, makespan]`` and binaries rounded.
 
     Unused time variables may sit anywhere below the model's horizon; every used one is at
@@ -213,10 +214,9 @@ def improve(built: RematOffloadModel, chain: Chain, memory_limit: int, beta: flo
     if fixed_plan is None:
         report["completion"] = "the start plan does not fit the model's slots"
         return done()
-    hint = _complete(built, fixed_plan, scale, settings, options, deadline, report)
+    hint = complete_plan(built, fixed_plan, scale, settings, options, deadline, report)
     if hint is None:
         return done()
-    slots = built.slots
     windows = phase_windows(chain.length, settings.width, settings.step, settings.forward)
     idle = 0  # window solves since the last improvement
     for n in range(settings.windows):
@@ -225,27 +225,13 @@ def improve(built: RematOffloadModel, chain: Chain, memory_limit: int, beta: flo
         if deadline.spent(LEAST_ENGINE_TIME_S):
             return done("skipped (time)")
         phases = windows[n % len(windows)]
-        fixed = {idx: float(round(hint[idx])) for slot in slots if slot.phase not in phases
-                 for _, idx in slot.ops}
-        horizon = hint[built.objective_var]
-        window_cpu = time.process_time()
-        cp = to_cpsat(with_fixed(built, fixed, horizon), scale=scale)
-        out = engines.solve_cpsat(
-            cp.cp, cp.variables, hint=cp.hint(hint), threads=1, seed=options.seed,
-            deterministic_time=settings.work, time_limit_s=_limit(deadline),
-            parameters=WINDOW_PARAMETERS)
-        entry: dict[str, Any] = {"phases": sorted(phases), "status": str(out.status),
-                                 "deterministic_time": out.info.get("deterministic_time"),
-                                 "seconds": round(out.time_s, 3)}
+        entry, values = window_solve(built, hint, _in_phases(phases), scale, settings.work,
+                                     options, deadline)
+        entry = {"phases": sorted(phases), **entry}
         report["windows"].append(entry)
-        entry["cpu_s"] = round(time.process_time() - window_cpu, 3)  # emission included
         idle += 1
-        if not out.status.has_plan or out.values is None:
+        if values is None:
             continue
-        values = cp.values(out.values)
-        entry["model_objective"] = values[built.objective_var]
-        if math.isfinite(out.bound):
-            entry["bound"] = cp.objective(out.bound)
         plan = built.decode(values)
         sim = accept(plan)
         entry["makespan"] = sim
@@ -253,10 +239,52 @@ def improve(built: RematOffloadModel, chain: Chain, memory_limit: int, beta: flo
         if entry["accepted"]:
             assert sim is not None
             z, best, idle = sim, plan, 0
-            hint = _clamped(built, values)
+            hint = clamped(built, values)
         LOG.info("lns window %d %s: %s, replayed %s, best %.6g, %.1f s", n, entry["phases"],
-                 entry["status"], sim, z, out.time_s)
+                 entry["status"], sim, z, entry["seconds"])
     return done("window count reached (lns_windows)")
+
+
+def window_solve(built: RematOffloadModel, hint: Sequence[float],
+                 free: Callable[[Slot], bool], scale: int, work: float,
+                 options: SolveOptions, deadline: Deadline | None = None
+                 ) -> tuple[dict[str, Any], list[float] | None]:
+    """One window: CP-SAT with the compute binaries of the slots not ``free`` fixed to ``hint``.
+
+    Times are bounded by ``hint``'s makespan and the solve is hinted with ``hint``, a
+    solution of the model (a clamped completion: module docstring, validity); ``work`` is
+    CP-SAT's deterministic seconds (:data:`WINDOW_PARAMETERS`, one thread).
+    Returns the window's report (CP-SAT ``status``, ``deterministic_time``, engine
+    ``seconds``, ``cpu_s`` with the emission, and with a solution its ``model_objective``
+    and neighbourhood ``bound``) and the solution's values (``None`` without one). The
+    phase windows of :func:`improve` and the benchmarks' stage x phase blocks
+    (``benchmarks/bench_remat_offload_lns.py blocks``) use it.
+    """
+    fixed = {idx: float(round(hint[idx])) for slot in built.slots if not free(slot)
+             for _, idx in slot.ops}
+    window_cpu = time.process_time()
+    cp = to_cpsat(with_fixed(built, fixed, hint[built.objective_var]), scale=scale)
+    out = engines.solve_cpsat(
+        cp.cp, cp.variables, hint=cp.hint(hint), threads=1, seed=options.seed,
+        deterministic_time=work, time_limit_s=_limit(Deadline(None) if deadline is None
+                                                     else deadline),
+        parameters=WINDOW_PARAMETERS)
+    entry: dict[str, Any] = {"status": str(out.status),
+                             "deterministic_time": out.info.get("deterministic_time"),
+                             "seconds": round(out.time_s, 3),
+                             "cpu_s": round(time.process_time() - window_cpu, 3)}
+    if not out.status.has_plan or out.values is None:
+        return entry, None
+    values = cp.values(out.values)
+    entry["model_objective"] = values[built.objective_var]
+    if math.isfinite(out.bound):
+        entry["bound"] = cp.objective(out.bound)
+    return entry, values
+
+
+def _in_phases(phases: frozenset[int]) -> Callable[[Slot], bool]:
+    """A window's ``free``: the slots of ``phases``."""
+    return lambda slot: slot.phase in phases
 
 
 def _limit(deadline: Deadline) -> float | None:
@@ -264,7 +292,7 @@ def _limit(deadline: Deadline) -> float | None:
     return None if left is None else max(left, LEAST_ENGINE_TIME_S)
 
 
-def _complete(built: RematOffloadModel, fixed: dict[int, float], scale: int,
+def complete_plan(built: RematOffloadModel, fixed: dict[int, float], scale: int,
               settings: LnsSettings, options: SolveOptions, deadline: Deadline,
               report: dict[str, Any]) -> list[float] | None:
     """The start plan's completion in the model (every plan binary fixed), clamped; or ``None``.
@@ -281,7 +309,7 @@ def _complete(built: RematOffloadModel, fixed: dict[int, float], scale: int,
     if not out.status.has_plan or out.values is None:
         report["completion"] = f"not completed ({out.status}: {out.message})"
         return None
-    values = _clamped(built, cp.values(out.values))
+    values = clamped(built, cp.values(out.values))
     if built.model.violated(values, tol=1e-5):
         report["completion"] = "completion not valid"
         return None
