@@ -298,7 +298,8 @@ def test_proven_no_plan_is_infeasible(monkeypatch: pytest.MonkeyPatch) -> None:
 
 LOOP_BAD = [{"benders_first_found": "x"}, {"benders_host_bound": "x"}, {"benders_warmup": 7},
             {"benders_warmup": True}, {"benders_work": -1}, {"benders_filter_work": "x"},
-            {"benders_iterations": "x"}, {"benders_filter": "x"}, {"relaxation_first": "x"}]
+            {"benders_iterations": "x"}, {"benders_filter": "x"}, {"relaxation_first": "x"},
+            {"benders_compute_cut": "x"}, {"benders_compute_work": 0}]
 
 
 @pytest.mark.parametrize("strategy", ["full", "benders"])

@@ -105,6 +105,17 @@ seed=1)`` at 10 % (``benchmarks/results/remat_offload_proofs.md``, ``ro16``): 16
 iterations (masters of 6-125 s) in 645 s where optimal re-solves took 150-200 s each,
 52 in 2400 s, every proposal refuted, the window still not empty: off by default.
 
+**Compute-class cuts** (``extra["benders_compute_cut"]``, default false; windowed masters
+on the exact grid; ``ro24``; proof in :func:`_compute_cut`): after a refutation cut, CP-SAT
+checks the proposal's whole *compute class*, the model with the row ``compute_time >= C``
+(``C`` the proposal's forward and backward time, :func:`compute_time`) and no assumptions,
+within ``extra["benders_compute_work"]`` deterministic seconds (60); refuted, the master
+gets ``compute_time <= C - 1 / s``, which removes at once every sequence of that compute
+time or more (on ``random_chain(12, seed=1)`` at 10 % most of the window's proposals share
+one compute time, 71, and differ elsewhere, each refutation cut removing few of them); a
+plan found there below the incumbent is replayed and taken. ``report.benders``:
+``compute_checks`` (``[C, status]`` per check) and ``compute_cuts``.
+
 Termination: a value cut removes ``xhat`` unless ``b`` does not exceed the master's value
 there; the subproblem's work limit is then doubled for the next proposal of ``xhat``. The
 loop ends at the time limit, at ``extra["benders_iterations"]`` (deterministic), or when the
@@ -162,6 +173,10 @@ CUMULATIVE_READS_DEFAULT = False  # extra["relaxation_cumulative_reads"] (with t
 WINDOW_DEFAULT = False
 # extra["benders_first_found"]: a windowed master stops at its first solution in the window
 FIRST_FOUND_DEFAULT = False
+# extra["benders_compute_cut"]: after a refutation, refute the proposal's compute class
+# (every plan of at least its compute time) at once (_compute_cut); its CP-SAT work
+COMPUTE_CUT_DEFAULT = False
+DEFAULT_COMPUTE_WORK = 60.0  # extra["benders_compute_work"], deterministic seconds per check
 ROUNDED_CLAIM_TOLERANCE = 1e-6  # relative: optimal on the rounded grid (solve_benders)
 FILTER_MODES = ("phases", "slots")  # extra["benders_filter"] (default first): filter passes
 LOG = logging.getLogger(__name__)
@@ -181,7 +196,8 @@ class _State:
     counts: dict[str, Any] = field(default_factory=lambda: {
         "iterations": 0, "refutation_cuts": 0, "value_cuts": 0, "filter_checks": 0,
         "improvements": 0, "cut_slots": [], "master_nodes": 0, "host_bounds": [],
-        "host_cuts": 0, "window_proofs": 0, "first_found": 0,
+        "host_cuts": 0, "window_proofs": 0, "first_found": 0, "compute_checks": [],
+        "compute_cuts": 0,
         "cpsat_deterministic_time": 0.0, "cpsat_branches": 0})
 
 
@@ -204,6 +220,8 @@ class _Loop:
     left: Callable[[], float | None]
     theta0: float = -math.inf
     exact: bool = True  # the time grid 1 / scale is exact (else durations rounded down)
+    compute_work: float | None = None  # benders_compute_cut's work per check (None: off)
+    tried: set[tuple[int, int]] = field(default_factory=set)  # compute classes checked
 
     def refuted(self, z: float) -> float:
         """The value a refutation of the subproblem of horizon ``z`` proves (see below).
@@ -253,6 +271,14 @@ def check_benders_options(options: SolveOptions) -> None:
     _filter_mode(options)
     flag(options, "benders_host_bound", False)
     flag(options, "benders_first_found", FIRST_FOUND_DEFAULT)
+    flag(options, "benders_compute_cut", COMPUTE_CUT_DEFAULT)
+    positive_float(options, "benders_compute_work", DEFAULT_COMPUTE_WORK)
+
+
+def describe(slots: Sequence[ck.Slot], xhat: dict[int, int]) -> str:
+    """The ops ``xhat`` runs in ``slots``, in order, as ``phase:op`` (the loop's debug log)."""
+    return " ".join(f"{sl.phase}:{kind.value}{sl.stage}" for sl in slots
+                    for kind, i in sl.ops if xhat[i])
 
 
 def _disagreement(slots: Sequence[ck.Slot], xhat: dict[int, int]) -> Expr:
@@ -265,9 +291,25 @@ def _disagreement(slots: Sequence[ck.Slot], xhat: dict[int, int]) -> Expr:
     return Expr.sum(terms)
 
 
-def _emit(built: RematOffloadModel, makespan: float, scale: int) -> CpsatModel:
-    """The subproblem model: every time at most ``makespan - 1 / (2 scale)`` (floored)."""
-    return to_cpsat(with_fixed(built, {}, makespan - 0.5 / scale), scale=scale)
+def _emit(built: RematOffloadModel, makespan: float, scale: int,
+          least_compute: float | None = None) -> CpsatModel:
+    """The subproblem model: every time at most ``makespan - 1 / (2 scale)`` (floored).
+
+    ``least_compute``: with the row ``compute time >= least_compute`` (:func:`_compute_cut`).
+    """
+    model = with_fixed(built, {}, makespan - 0.5 / scale)
+    if least_compute is not None:
+        model.add(Relation(compute_time(built), least_compute, None), "benders_compute_class")
+    return to_cpsat(model, scale=scale)
+
+
+def compute_time(built: RematOffloadModel) -> Expr:
+    """The compute sequence's time (forward ops' times plus the backward's) over its binaries.
+
+    The checkpoint formulation's objective (:mod:`optmem.models.checkpoint_ilp`,
+    Objective); the master and the model share these binaries' indices.
+    """
+    return Expr(list(built.checkpoint.objective.items())) + built.checkpoint.objective_const
 
 
 def _assume(cp: CpsatModel, slots: Sequence[ck.Slot], xhat: dict[int, int]) -> list[Any]:
@@ -405,6 +447,9 @@ def solve_benders(problem: RematOffloadProblem, options: SolveOptions, *,
                  _State(plan, z, limit=disc.memory_limit, beta=beta,
                         single_slots=_filter_mode(options) == "slots", host=host), left,
                  exact=exact)
+    if window and exact and flag(options, "benders_compute_cut", COMPUTE_CUT_DEFAULT):
+        loop.compute_work = positive_float(options, "benders_compute_work",
+                                           DEFAULT_COMPUTE_WORK)
     state = loop.state
     opvars = [i for sl in loop.slots for _, i in sl.ops]
     report.update({"strategy": "benders", "model": built.info, "time_scale": scale,
@@ -478,6 +523,8 @@ def solve_benders(problem: RematOffloadProblem, options: SolveOptions, *,
         xhat = {i: int(round(out.values[i])) for i in opvars}
         key = tuple(xhat[i] for i in opvars)
         tries[key] = tries.get(key, 0) + 1
+        LOG.debug("benders %d: proposal (master %.6g) %s", state.counts["iterations"],
+                  out.values[loop.theta], describe(loop.slots, xhat))
         work = sub_work * 2 ** (tries[key] - 1)
         b = _subproblem(loop, xhat, work, out.values[loop.theta], least=False) if found \
             else _subproblem(loop, xhat, work, out.values[loop.theta])
@@ -543,10 +590,14 @@ def _subproblem(loop: _Loop, xhat: dict[int, int], work: float, value: float, *,
         kept = deletion_filter(cp, loop.slots, xhat, loop.options, loop.filter_work, state,
                                loop.left, single_slots=state.single_slots)
         LOG.info("benders %d: refuted, cut of %d of %d slots", n, len(kept), len(loop.slots))
+        LOG.debug("benders %d: cut %s | slots %s", n, describe(kept, xhat),
+                  " ".join(f"{sl.phase}:{sl.stage}" for sl in kept))
         proven = loop.refuted(state.makespan)
         loop.cut(kept, xhat, proven, f"benders_refute_{n}")
         state.counts["refutation_cuts"] += 1
         state.counts["cut_slots"].append(len(kept))
+        if loop.compute_work is not None:
+            _compute_cut(loop, xhat, n)
         return proven
     if out.status.has_plan and out.values is not None:
         _improve(loop, loop.built.decode(cp.values(out.values)))
@@ -559,6 +610,57 @@ def _subproblem(loop: _Loop, xhat: dict[int, int], work: float, value: float, *,
         loop.cut(loop.slots, xhat, b, f"benders_value_{n}")
         state.counts["value_cuts"] += 1
     return b
+
+
+def _compute_cut(loop: _Loop, xhat: dict[int, int], n: int) -> None:
+    r"""Refute the compute class of a refuted proposal: ``compute >= C(xhat)`` (``C``: time).
+
+    ``extra["benders_compute_cut"]`` (windowed masters on the exact grid only; the caller
+    sets ``loop.compute_work``). CP-SAT solves the subproblem model of horizon
+    ``z - 1 / (2 s)`` with the row ``compute_time >= C`` and no assumptions, within
+    ``extra["benders_compute_work"]`` deterministic seconds; each class ``(C, z)`` once.
+
+    * **Refuted**: no plan of compute time at least ``C`` has every time at most
+      ``z - 1 / (2 s)`` (the model's horizon bounds every time of a plan of that makespan),
+      so on the exact grid ``1 / s`` every such plan has makespan ``>= z``. The master gets
+      the row ``compute_time <= C - 1 / s`` (compute times lie on the grid: every duration
+      is a multiple of ``1 / s``). It is not valid for every plan, only for those faster
+      than ``z``, and that suffices for every figure the loop takes from a windowed master:
+      let ``x*`` be an optimal plan's sequence, of makespan ``v*``. If ``v* < z`` then
+      ``compute(x*) < C``, so the point of ``x*`` (module docstring) satisfies the row and
+      every proof there holds unchanged (the master's optimum and dual bounds at most
+      ``v*``, an empty window proves ``z``: :func:`_window`). If ``v* >= z``, the
+      incumbent (of makespan ``z``, or a later one below it) is optimal and every bound
+      the loop takes from a windowed master is capped at the incumbent (``solve_benders``),
+      so at most ``v*``; an empty window then claims what is true. The incumbent only
+      falls, so a row proven for ``z`` stays valid under a later ``z' < z`` by the same
+      argument. The cuts ``theta >= b - (b - theta_0) dis_J(x)`` keep their proofs
+      (they do not depend on the other rows).
+    * **A plan**: a plan below ``z`` (of compute time at least ``C``), replayed by the
+      simulator and taken as the incumbent when faster (:func:`_improve`).
+    * **Neither** within the work: nothing.
+    """
+    state = loop.state
+    expr = compute_time(loop.built)
+    c = expr.const + sum(coef * xhat[i] for i, coef in expr.terms)
+    key = (round(c * loop.scale), round(state.makespan * loop.scale))
+    if key in loop.tried or state.plan is None:
+        return
+    loop.tried.add(key)
+    cp = _emit(loop.built, state.makespan, loop.scale, least_compute=c)
+    out = engines.solve_cpsat(cp.cp, cp.variables,
+                              **{**engines.cpsat_settings(loop.options), "threads": 1,
+                                 "deterministic_time": loop.compute_work,
+                                 "time_limit_s": loop.left()})
+    _count(state, out.info)
+    state.counts["compute_checks"].append([round(c, 6), str(out.status)])
+    LOG.info("benders %d: compute class >= %.6g: %s", n, c, out.status)
+    if out.status is Status.INFEASIBLE:
+        loop.master.add(Relation(expr, None, c - 1.0 / loop.scale),
+                        f"benders_compute_{n}")
+        state.counts["compute_cuts"] += 1
+    elif out.status.has_plan and out.values is not None:
+        _improve(loop, loop.built.decode(cp.values(out.values)))
 
 
 def _window_proof(z: float, scale: int, exact: bool) -> float:

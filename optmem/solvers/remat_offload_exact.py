@@ -1194,7 +1194,8 @@ def solve_ilp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
           compare_as=(("cpsat", 6),),
           extra=(*MODEL_EXTRA, "strategy", "benders_work", "benders_filter_work",
                  "benders_iterations", "benders_warmup", "benders_filter", "benders_host_bound",
-                 "benders_first_found", "relaxation_first"))
+                 "benders_first_found", "benders_compute_cut", "benders_compute_work",
+                 "relaxation_first"))
 def solve_cpsat(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     """Optimal plan over the model's class with OR-Tools CP-SAT."""
     return _solve_model(problem, options, "cpsat")
