@@ -28,14 +28,19 @@ allocation-independent packing bound (load and memory per GPU, copies from lifet
 waits), and for three allocations every subset of 1-3 GPUs checked in isolation at the 1 %
 rung (the other units as delays without memory): which GPUs a refutation needs.
 
-Every engine runs on 2 threads. HiGHS nodes come from the engine; CP-SAT's branches are
+Part 8 (climb, only with ``--parts climb``): the co-location climb alone on the headline
+from the relaxation's bound below the best plan (``extra["colocate_order"]``: each order
+within ``--climb-cpu`` CPU seconds, 1 thread, seed 0): bound, refutations, no-goods.
+
+Every engine runs on 2 threads (part 8: 1). HiGHS nodes come from the engine; CP-SAT's branches are
 read from its own log (the engine adapter does not report them). Machine load is recorded
 (``uptime``) before each part: the machine is shared, wall times vary with it.
 
 Usage::
 
     python benchmarks/bench_pipeline_exact.py [--quick] [--time-limit S] [--headline S]
-        [--parts pcmax profiles headline allocations strategies bounds]
+        [--parts pcmax profiles headline allocations strategies bounds probes climb]
+        [--climb-cpu S] [--climb-orders ladder bisect]
         [--out benchmarks/results/pipeline_exact.md]
 """
 
@@ -73,6 +78,7 @@ from optmem.problems.pipeline import PipelineProblem  # noqa: E402
 from optmem.result import Result, SolveOptions, Status  # noqa: E402
 from optmem.solvers.facade import solve  # noqa: E402
 from optmem.solvers.pipeline import min_memory_contiguous  # noqa: E402
+from optmem.solvers.pipeline_benders import CLIMB_ORDERS, Benders  # noqa: E402
 from optmem.solvers.pipeline_common import refute, run_model  # noqa: E402
 
 GIB = 2**30
@@ -228,17 +234,24 @@ def part_headline(limit: float, methods: tuple[str, ...] = ("cpsat", "ilp"),
     chain = resolve_chain("resnet50-b32-224")
     problem = headline_problem(chain)
     rows = [f"Load: {uptime()}." + (f" Options: {extra}." if extra else ""), "",
-            "| engine | status | period | bound | gap | time (s) | nodes | incumbents |",
-            "|---|---|---|---|---|---|---|---|"]
+            "| engine | status | period | bound | gap | time (s) | CPU s | nodes | incumbents |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    climbs = []
     for method in methods:
+        cpu = time.process_time()
         out = run(problem, method, limit, **(extra or {}))
+        cpu = time.process_time() - cpu
         r = out["result"]
         inc = ", ".join(f"{k} {v:.2f}" for k, v in r.report.get("incumbents", {}).items())
         rows.append(f"| {method} | {r.status} | {fmt(r.objective)} | {fmt(r.bound)} | "
-                    f"{gap(r)} | {out['time']:.0f} | "
+                    f"{gap(r)} | {out['time']:.0f} | {cpu:.0f} | "
                     f"{out['nodes'] if out['nodes'] is not None else '-'} | {inc} |")
         print(rows[-1], flush=True)
-    return rows
+        climb = {k: v for k, v in r.report.items() if k.startswith("colocate_")}
+        if climb:
+            climbs.append(f"{method} climb: " + ", ".join(
+                f"{k} {fmt(v, 3) if isinstance(v, float) else v}" for k, v in climb.items()))
+    return [*rows, "", f"Load after: {uptime()}.", *([""] + climbs if climbs else [])]
 
 
 def headline_problem(chain: Chain) -> PipelineProblem:
@@ -435,6 +448,62 @@ def part_bounds(work: float = 5.0) -> list[str]:
     return rows
 
 
+CLIMB_FROM = (28.03, 33.46)
+"""Part 8's start: the relaxation's headline bound (rounded down) and the best plan's period."""
+
+
+class CpuClimb(Benders):
+    """The co-location climb stopped by a CPU budget (``time.process_time``, engine threads
+    included: comparable under any load), recording each probe."""
+
+    budget: float = math.inf
+    cpu0: float = 0.0
+    trail: list[tuple[float, float, str, int, int, int]]
+
+    def out_of_time(self) -> bool:
+        return time.process_time() - self.cpu0 > self.budget
+
+    def colocate_probe(self, ticks: int) -> str:
+        verdict = super().colocate_probe(ticks)
+        self.trail.append((time.process_time() - self.cpu0, ticks / self.scale, verdict,
+                           self.colocate_solves, len(self.together), len(self.cuts)))
+        return verdict
+
+
+def part_climb(budget: float, orders: tuple[str, ...], step: float = 0.01,
+               work: float = 5.0) -> list[str]:
+    """The climb alone on the headline from :data:`CLIMB_FROM`, each order within ``budget``
+    CPU seconds (1 thread, seed 0: the same refutations on every run)."""
+    problem = headline_problem(resolve_chain("resnet50-b32-224"))
+    options = SolveOptions(threads=1, seed=0, extra={"colocate_work": work})
+    rows = [f"From bound {CLIMB_FROM[0]} below incumbent {CLIMB_FROM[1]}, step {step:g}, "
+            f"colocate_work {work:g}, {budget:g} CPU s each.", "",
+            "| order | bound | gap | probes (closed) | refutations | no-goods | allocation "
+            "no-goods | masters | CPU s | wall s | load (start / end) | stopped |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    trails = []
+    for order in orders:
+        load, wall = uptime(), time.perf_counter()
+        out = CpuClimb(problem, "cpsat", options, CLIMB_FROM[1], None, CLIMB_FROM[0])
+        out.trail, out.budget, out.cpu0 = [], budget, time.process_time()
+        out.climb(step, order)
+        r = out.report
+        rows.append(f"| {order} | {out.bound:.3f} | "
+                    f"{100 * (CLIMB_FROM[1] - out.bound) / CLIMB_FROM[1]:.2f} % | "
+                    f"{r['colocate_probes']} ({r['colocate_closed']}) | {r['colocate_solves']} | "
+                    f"{r['colocate_nogoods']} | {r['colocate_allocations']} | "
+                    f"{r['colocate_masters']} | {time.process_time() - out.cpu0:.0f} | "
+                    f"{time.perf_counter() - wall:.0f} | {load} / {uptime()} | "
+                    f"{r.get('colocate_stopped', '-')} |")
+        print(rows[-1], flush=True)
+        trails += [f"{order}: " + "; ".join(f"{p:.3f} {v} at {c:.0f} CPU s ({n} refutations, "
+                                            f"{g} no-goods, {a} allocations)"
+                                            for c, p, v, n, g, a in out.trail)]
+        print(trails[-1], flush=True)
+    return [*rows, "", "Probes (period, verdict, CPU s when it ended):", "",
+            *(f"* {t}" for t in trails)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer instances, short limits")
@@ -445,7 +514,7 @@ def main() -> None:
     parser.add_argument("--gpus", nargs="+", type=int, default=[4])
     parser.add_argument("--parts", nargs="+",
                         choices=("pcmax", "profiles", "headline", "allocations",
-                                 "strategies", "bounds", "probes"),
+                                 "strategies", "bounds", "probes", "climb"),
                         default=["pcmax", "profiles", "headline", "allocations",
                                  "strategies"],
                         help="parts to run")
@@ -454,6 +523,10 @@ def main() -> None:
     parser.add_argument("--headline-option", action="append", default=[],
                         metavar="KEY=VALUE", help="SolveOptions.extra of part 3 (as the "
                         "CLI's --option, e.g. colocate_step=0.01)")
+    parser.add_argument("--climb-cpu", type=float, default=600.0,
+                        help="CPU seconds of each climb of part 8")
+    parser.add_argument("--climb-orders", nargs="+", default=list(CLIMB_ORDERS),
+                        choices=CLIMB_ORDERS, help="climb orders of part 8")
     parser.add_argument("--out", help="write the Markdown here")
     args = parser.parse_args()
     seeds = [0, 1, 2, 3, 4]
@@ -482,6 +555,10 @@ def main() -> None:
     if "bounds" in args.parts:
         text += ["## ResNet-50, 4 GPUs, 3 GiB, 12 GB/s: bounds against allocations (part 6)",
                  "", *part_bounds(), ""]
+    if "climb" in args.parts:
+        text += [f"## ResNet-50, 4 GPUs, 3 GiB, 12 GB/s: the co-location climb alone (part 8, "
+                 f"CP-SAT, 1 thread, {args.climb_cpu:g} CPU s per order)", "",
+                 *part_climb(args.climb_cpu, tuple(args.climb_orders)), ""]
     if "probes" in args.parts:
         text += [f"## ResNet-50, 4 GPUs, 3 GiB, 12 GB/s: full-model probes (part 7, CP-SAT, "
                  f"{args.headline:g} s)", "", *part_probes(args.headline), ""]

@@ -243,6 +243,7 @@ def test_option_flags_reach_the_method(capsys, tmp_path):
     ("strategy", "KEY=VALUE"),
     ("stratgy=benders", "strategy"),
     ("strategy=nonsense", "strategy"),
+    ("colocate_order=spiral", "colocate_order"),
 ])
 def test_bad_option_flags_exit_2_with_one_line(capsys, tmp_path, flag, words):
     path = tmp_path / "c.json"

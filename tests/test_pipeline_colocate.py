@@ -22,12 +22,13 @@ from hypothesis import strategies as st
 
 from optmem.errors import OptmemInputError
 from optmem.models.pipeline import make_units
+from optmem.pipeline_plan import PipelinePlan
 from optmem.problems.pipeline import PipelineProblem
 from optmem.result import SolveOptions, Status
 from optmem.simulate.pipeline import simulate_pipeline
 from optmem.solvers import pipeline_benders
 from optmem.solvers.facade import solve
-from optmem.solvers.pipeline_benders import climb_bound
+from optmem.solvers.pipeline_benders import CLIMB_ORDERS, Benders, climb_bound
 from optmem.solvers.pipeline_common import lower_bound, run_model
 from tests.test_pipeline_benders import (
     OPTS,
@@ -83,11 +84,11 @@ def _unit_gpus(problem: PipelineProblem, plan) -> list[int]:
     return [gpu_of_layer[i] for i, _ in units.bounds]
 
 
-def cold_climb(problem: PipelineProblem, options: SolveOptions = OPTS):
+def cold_climb(problem: PipelineProblem, options: SolveOptions = OPTS, order: str = "ladder"):
     """The climb from the load bound with no plan (every probe up to the sequential period)."""
     units = make_units(problem)
     return climb_bound(problem, options, period=units.big_m() + 1.0, plan=None,
-                       bound=lower_bound(problem), deadline=None, step=STEP)
+                       bound=lower_bound(problem), deadline=None, step=STEP, order=order)
 
 
 @functools.cache
@@ -97,21 +98,23 @@ def solved_chain(make) -> list[tuple[list[int], float]]:
 
 
 def climb_is_valid(problem: PipelineProblem, *, cold: bool = True,
-                   solved: list[tuple[list[int], float]] | None = None) -> bool:
+                   solved: list[tuple[list[int], float]] | None = None,
+                   order: str = "ladder") -> bool:
     """Whether the climb's bound, and every no-good's, is at most the optimum of what it
     excludes (brute force), and every plan it met replays at its period.
 
     ``cold``: from no incumbent (probes up to the sequential period: a wrong no-good can
     lift the bound above the optimum); else from the optimum's period (probes up to just
     below it, and no plan ends the climb early: every rung is closed with no-goods).
+    ``order``: ``extra["colocate_order"]``.
     """
     solved = solved_allocations(problem) if solved is None else solved
     best = min((period for _, period in solved), default=math.inf)
     if cold or math.isinf(best):
-        out = cold_climb(problem)
+        out = cold_climb(problem, order=order)
     else:
         out = climb_bound(problem, OPTS, period=best, plan=None, bound=lower_bound(problem),
-                          deadline=None, step=STEP)
+                          deadline=None, step=STEP, order=order)
     for period, plan in out.found:
         sim = simulate_pipeline(problem, plan)
         assert sim.period == pytest.approx(period)
@@ -131,11 +134,22 @@ def test_climb_never_exceeds_the_optimum(problem, strict):
     assert climb_is_valid(p, cold=False)
 
 
+@settings(max_examples=6, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(problem=trimmable_problems(), strict=st.booleans())
+def test_bisected_climb_never_exceeds_the_optimum(problem, strict):
+    """The same with ``colocate_order="bisect"`` (probes from just below the incumbent down,
+    no-goods of high probes kept for the lower ones)."""
+    p = replace(problem, memory_model="strict") if strict else problem
+    assert climb_is_valid(p, cold=False, order="bisect")
+
+
+@pytest.mark.parametrize("order", CLIMB_ORDERS)
 @pytest.mark.parametrize("make", [trimming_chain, chain_with_subproblems])
-def test_climb_is_valid_where_nogoods_are_made(make):
+def test_climb_is_valid_where_nogoods_are_made(make, order):
     """The same check on the chains used below, where the climb refutes co-locations."""
-    assert climb_is_valid(make(), solved=solved_chain(make))
-    assert climb_is_valid(make(), cold=False, solved=solved_chain(make))
+    assert climb_is_valid(make(), solved=solved_chain(make), order=order)
+    assert climb_is_valid(make(), cold=False, solved=solved_chain(make), order=order)
 
 
 def test_climb_proves_the_optimum_with_nogoods():
@@ -154,9 +168,44 @@ def test_climb_proves_the_optimum_with_nogoods():
                    if together(gpu, group))
 
 
-def test_overstated_refutations_fail_the_check(monkeypatch):
+def test_bisected_climb_proves_the_optimum_in_fewer_probes():
+    """``colocate_order="bisect"`` reaches the same bound as the ladder on the chain above
+    with its no-goods (each checked by brute force), in fewer probes and master solves."""
+    problem = trimming_chain()
+    runs = {order: climb_bound(problem, OPTS, period=23.0, plan=None,
+                               bound=lower_bound(problem), deadline=None, step=STEP,
+                               order=order) for order in CLIMB_ORDERS}
+    ladder, bisect = runs["ladder"], runs["bisect"]
+    assert 22.9 < bisect.bound <= 23.0
+    assert bisect.bound == pytest.approx(ladder.bound)
+    assert bisect.together, bisect.report
+    assert bisect.report["colocate_probes"] < ladder.report["colocate_probes"]
+    assert bisect.report["colocate_masters"] < ladder.report["colocate_masters"]
+    for group, bound in bisect.together.items():
+        assert all(bound <= period + 1e-9 for gpu, period in solved_chain(trimming_chain)
+                   if together(gpu, group))
+
+
+def test_bisected_probes_stay_between_a_step_and_the_ceiling():
+    """:meth:`Benders.next_probe`: the ladder's rung, or halfway to the ceiling but at least
+    that rung; none once a probe less than a step above the bound was found open."""
+    problem = trimming_chain()
+    out = Benders(problem, "cpsat", OPTS, 23.0, None, 20.0, None)
+    low, top = math.floor(20.0 * out.scale), out.top()
+    rung = math.floor(20.0 * (1 + 0.01) * out.scale)
+    assert out.next_probe(0.01, "ladder", top) == rung
+    assert out.next_probe(0.01, "bisect", top) == (low + top) // 2 > rung
+    assert out.next_probe(0.01, "bisect", rung + 2) == rung
+    assert out.next_probe(0.01, "bisect", rung - 1) is None
+    assert out.next_probe(0.5, "bisect", top) == out.next_probe(0.5, "ladder", top) == top
+    out.bound = 23.0
+    assert out.next_probe(0.01, "bisect", top) is None
+
+
+@pytest.mark.parametrize("order", CLIMB_ORDERS)
+def test_overstated_refutations_fail_the_check(monkeypatch, order):
     """A climb whose co-location refutations claim twice their bound rises above the
-    optimum on one of these chains: the check above catches a wrong no-good."""
+    optimum on one of these chains (cold or warm): the check above catches a wrong no-good."""
     real = pipeline_benders.Benders.colocated_bound
 
     def doubled(self, group, target, gpu=None):
@@ -164,8 +213,9 @@ def test_overstated_refutations_fail_the_check(monkeypatch):
         return 2 * out if isinstance(out, float) else out
 
     monkeypatch.setattr(pipeline_benders.Benders, "colocated_bound", doubled)
-    assert not all(climb_is_valid(make(), solved=solved_chain(make))
-                   for make in (trimming_chain, chain_with_subproblems))
+    assert not all(climb_is_valid(make(), cold=cold, solved=solved_chain(make), order=order)
+                   for make in (trimming_chain, chain_with_subproblems)
+                   for cold in (True, False))
 
 
 def test_solve_with_the_climb_proves_the_same_optimum():
@@ -178,9 +228,32 @@ def test_solve_with_the_climb_proves_the_same_optimum():
     assert {"colocate_bound", "colocate_probes", "colocate_nogoods"} <= set(res.report)
 
 
+def test_solve_with_the_bisected_climb_proves_the_same_optimum(monkeypatch):
+    """``extra["colocate_order"]="bisect"`` reaches the climb and keeps the optimum."""
+    orders: list[str] = []
+    real = Benders.climb
+
+    def spy(self, step, order="ladder"):
+        orders.append(order)
+        return real(self, step, order)
+
+    monkeypatch.setattr(Benders, "climb", spy)
+    problem = trimming_chain()
+    extra = {"warm_madpipe": False, "colocate_step": STEP, "colocate_order": "bisect"}
+    res = solve(problem, "cpsat", options=replace(OPTS, extra=extra))
+    assert orders == ["bisect"] and res.report["colocate_probes"] >= 1
+    assert res.status is Status.OPTIMAL and res.objective == pytest.approx(23.0)
+    assert res.bound <= 23.0 + 1e-9
+    sim = simulate_pipeline(problem, PipelinePlan.from_strings(res.plan))
+    assert sim.period == pytest.approx(res.objective)
+    assert sim.peak_memory <= problem.memory_per_gpu
+
+
 @pytest.mark.parametrize("extra", [{"colocate_step": 0}, {"colocate_step": 1.5},
                                    {"colocate_step": True}, {"colocate_step": "x"},
-                                   {"colocate_work": 0}, {"colocate_work": False}])
+                                   {"colocate_work": 0}, {"colocate_work": False},
+                                   {"colocate_order": "spiral"}, {"colocate_order": 1},
+                                   {"colocate_order": None}])
 def test_bad_colocate_options_are_input_errors(extra):
     with pytest.raises(OptmemInputError):
         solve(trimming_chain(), "cpsat", options=replace(OPTS, extra=extra))

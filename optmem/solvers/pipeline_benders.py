@@ -68,7 +68,8 @@ Co-location no-goods and the bound climb (``extra["colocate_step"]``, :func:`cli
     refutation (an allocation no-good), and when that fails too the climb stops with the
     last closed probe. A refutation that finds a plan instead (replayed) lowers the
     incumbent and ends the climb (the plan lies within ``step`` of the bound; the full
-    model takes it from there).
+    model takes it from there). ``extra["colocate_order"] = "bisect"`` probes halfway to the
+    lowest probe found open instead (:meth:`Benders.climb`): same no-goods, same validity.
 Ladder
     Phase 1 probes first at :data:`LADDER` gaps below the incumbent (1 %), then just below
     it: a closed rung is a valid bound, and its refutations (full allocations: bounds at the
@@ -130,6 +131,8 @@ n - tail - 1`` (units numbered in the whole chain)."""
 COLOCATE_WORK = 5.0
 """Default ``extra["colocate_work"]``: CP-SAT deterministic time of one co-location (or
 fixed-allocation) refutation of the climb (one worker: the same no-goods on every run)."""
+CLIMB_ORDERS = ("ladder", "bisect")
+"""Values of ``extra["colocate_order"]`` (default ``ladder``): the climb's probe order."""
 SHRINK_PROBES = 6
 """Most refutations spent on shrinking one refuted co-located set."""
 ISOLATE = 2
@@ -471,24 +474,38 @@ class Benders:
                 return
 
     # ------------------------------------------------------------ co-location climb
-    def climb(self, step: float) -> None:
-        """Raise :attr:`bound` by probes ``bound x (1 + step)`` closed with co-location no-goods.
+    def climb(self, step: float, order: str = "ladder") -> None:
+        """Raise :attr:`bound` by probes closed with co-location no-goods.
 
-        See the module docstring; stops below the incumbent, at the deadline, or at the
-        first probe it cannot close (the bound stays the last one closed: valid).
+        ``order="ladder"``: probes ``bound x (1 + step)``, stopping at the first probe it
+        cannot close. ``order="bisect"``: probes halfway between the bound and the ceiling
+        (at first just below the incumbent), at least ``bound x (1 + step)``
+        (:meth:`next_probe`): a closed probe raises the bound; an open one (an allocation
+        none of whose GPU sets, nor itself, is refuted) lowers the ceiling below it; the
+        climb stops when no step fits below the ceiling, or (as the ladder) at a plan met on
+        the way (the new incumbent: going on below it, a probe at the top found plans a grid
+        step better each time, without end, on a small chain). Either way the bound is the
+        highest probe closed (valid: module docstring), and no-goods refuted at a high probe
+        serve every lower one (:meth:`master` keeps those whose bound exceeds the probe).
+        Stops at the deadline too.
         """
         probes, closed = 0, 0
         verdict = ""
+        ceiling = self.top()
         while True:
             if self.out_of_time():
                 verdict = "time limit"
                 break
-            ticks = min(math.floor(self.bound * (1 + step) * self.scale), self.top())
-            if ticks <= math.floor(self.bound * self.scale) or proven(self.period, self.bound):
-                verdict = verdict or "incumbent reached"
+            ticks = self.next_probe(step, order, ceiling)
+            if ticks is None:
+                verdict = "no step below an open probe" if ceiling < self.top() \
+                    else verdict or "incumbent reached"
                 break
             probes += 1
             verdict = self.colocate_probe(ticks)
+            if order == "bisect" and verdict == "allocation not refuted":
+                ceiling = ticks - 1
+                continue
             if verdict != "closed":
                 break
             closed += 1
@@ -500,6 +517,24 @@ class Benders:
                            colocate_masters=self.masters)
         if verdict and verdict != "closed":
             self.report["colocate_stopped"] = verdict
+
+    def next_probe(self, step: float, order: str, ceiling: int) -> int | None:
+        """The climb's next probe (integer ticks), ``None`` when none is left.
+
+        ``ladder``: ``bound x (1 + step)``, at most :meth:`top`; ``bisect``: halfway
+        between the bound and ``ceiling`` (the highest probe not found open), at least that
+        rung (at most :meth:`top`). ``None`` when that probe is not above the bound, or the
+        incumbent is proven, or (bisect) a probe below a full step was found open.
+        """
+        low = math.floor(self.bound * self.scale)
+        rung = math.floor(self.bound * (1 + step) * self.scale)
+        top = self.top()
+        if order == "bisect" and ceiling < min(rung, top):
+            return None
+        ticks = min(rung, top) if order == "ladder" else max((low + ceiling) // 2, min(rung, top))
+        if ticks <= low or proven(self.period, self.bound):
+            return None
+        return ticks
 
     def colocate_probe(self, ticks: int) -> str:
         """``closed`` when no plan has a period ``<= ticks / scale``, else why it stopped."""
@@ -638,15 +673,16 @@ def _together_nogood(z: dict[tuple[int, int], Expr], group: tuple[int, ...]) -> 
 
 def climb_bound(problem: PipelineProblem, options: SolveOptions, *, period: float,
                 plan: PipelinePlan | None, bound: float, deadline: float | None,
-                step: float) -> Benders:
+                step: float, order: str = "ladder") -> Benders:
     """Raise the proven ``bound`` by the co-location climb (``extra["colocate_step"]``).
 
     ``period``/``plan``: the incumbent (probes stay below it); ``deadline`` as in
-    :func:`solve_benders`. The result's ``bound`` is valid (module docstring); ``found``
+    :func:`solve_benders`; ``order``: :data:`CLIMB_ORDERS` (``extra["colocate_order"]``,
+    :meth:`Benders.climb`). The result's ``bound`` is valid (module docstring); ``found``
     holds the plans met on the way (replayed within the memory).
     """
     out = Benders(problem, "cpsat", options, period, plan, bound, deadline)
-    out.climb(step)
+    out.climb(step, order)
     return out
 
 
@@ -662,4 +698,4 @@ def solve_benders(problem: PipelineProblem, method: str, options: SolveOptions, 
     return Benders(problem, method, options, period, plan, bound, deadline).run()
 
 
-__all__ = ["Benders", "climb_bound", "solve_benders"]
+__all__ = ["CLIMB_ORDERS", "Benders", "climb_bound", "solve_benders"]

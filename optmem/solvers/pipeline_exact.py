@@ -31,7 +31,10 @@ and the probes, raise the bound by the co-location climb of
 :func:`~optmem.solvers.pipeline_benders.climb_bound`, probes ``bound x (1 + step)``, with
 :data:`COLOCATE_SHARE` of the time left under a limit), ``extra["colocate_work"]`` (CP-SAT
 deterministic time of each of its refutations, default
-:data:`~optmem.solvers.pipeline_benders.COLOCATE_WORK`).
+:data:`~optmem.solvers.pipeline_benders.COLOCATE_WORK`), ``extra["colocate_order"]``
+(``"ladder"``, the default: probes ``bound x (1 + step)`` upwards; ``"bisect"``: probes
+halfway between the bound and the lowest open probe, at least one step up:
+:meth:`~optmem.solvers.pipeline_benders.Benders.climb`).
 """
 
 from __future__ import annotations
@@ -49,7 +52,12 @@ from optmem.pipeline_plan import PipelinePlan
 from optmem.problems.pipeline import PipelineProblem
 from optmem.result import Result, SolveOptions, Status
 from optmem.solvers import pipeline_contiguous as contig
-from optmem.solvers.pipeline_benders import COLOCATE_WORK, climb_bound, solve_benders
+from optmem.solvers.pipeline_benders import (
+    CLIMB_ORDERS,
+    COLOCATE_WORK,
+    climb_bound,
+    solve_benders,
+)
 from optmem.solvers.pipeline_common import (
     OPTIMALITY_TOLERANCE,
     fits,
@@ -214,10 +222,18 @@ COLOCATE_SHARE = 0.5
 """Share of the time left (under a wall-clock limit) given to the co-location climb."""
 
 
-def colocate_settings(options: SolveOptions) -> tuple[float | None, float]:
-    """``extra["colocate_step"]`` (``None``: off) and ``["colocate_work"]``, checked."""
+def colocate_settings(options: SolveOptions) -> tuple[float | None, float, str]:
+    """The climb's options, checked.
+
+    ``extra["colocate_step"]`` (``None``: off), ``["colocate_work"]`` and
+    ``["colocate_order"]`` (:data:`~optmem.solvers.pipeline_benders.CLIMB_ORDERS`).
+    """
     extra = options.extra
     step, work = extra.get("colocate_step"), extra.get("colocate_work", COLOCATE_WORK)
+    order = extra.get("colocate_order", "ladder")
+    if not isinstance(order, str) or order not in CLIMB_ORDERS:
+        raise OptmemInputError(f"colocate_order must be one of {', '.join(CLIMB_ORDERS)}, "
+                               f"got {order!r}", field="colocate_order")
     if step is not None and (isinstance(step, bool) or not isinstance(step, (int, float))
                              or not 0 < step < 1):
         raise OptmemInputError(f"colocate_step must be a number in (0, 1) or null, got "
@@ -225,7 +241,7 @@ def colocate_settings(options: SolveOptions) -> tuple[float | None, float]:
     if isinstance(work, bool) or not isinstance(work, (int, float)) or not work > 0:
         raise OptmemInputError(f"colocate_work must be a positive number, got {work!r}",
                                field="colocate_work")
-    return step, float(work)
+    return step, float(work), order
 
 
 def solve_exact(problem: PipelineProblem, options: SolveOptions, method: str) -> Result:
@@ -243,7 +259,7 @@ def solve_exact(problem: PipelineProblem, options: SolveOptions, method: str) ->
         raise OptmemInputError(f"isolate must be true or false, got "
                                f"{options.extra['isolate']!r}", field="isolate")
     probing = probe_settings(options)
-    colocate_step, _ = colocate_settings(options)
+    colocate_step, _, colocate_order = colocate_settings(options)
     if method == "ilp":
         engines.check_engine(options.solver)
     solver = options.solver if method == "ilp" else "cpsat"
@@ -270,7 +286,7 @@ def solve_exact(problem: PipelineProblem, options: SolveOptions, method: str) ->
         climbed = climb_bound(problem, options, period=best[0], plan=best[1], bound=relaxed,
                               deadline=None if left is None
                               else time.perf_counter() + COLOCATE_SHARE * left,
-                              step=colocate_step)
+                              step=colocate_step, order=colocate_order)
         report.update(climbed.report)
         relaxed = max(relaxed, climbed.bound)
         if climbed.found:
