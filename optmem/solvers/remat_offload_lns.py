@@ -293,8 +293,8 @@ def _limit(deadline: Deadline) -> float | None:
 
 
 def complete_plan(built: RematOffloadModel, fixed: dict[int, float], scale: int,
-              settings: LnsSettings, options: SolveOptions, deadline: Deadline,
-              report: dict[str, Any]) -> list[float] | None:
+                  settings: LnsSettings, options: SolveOptions, deadline: Deadline,
+                  report: dict[str, Any]) -> list[float] | None:
     """The start plan's completion in the model (every plan binary fixed), clamped; or ``None``.
 
     CP-SAT within ``settings.work`` deterministic seconds; ``report["completion"]`` says what
