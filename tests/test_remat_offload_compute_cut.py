@@ -14,7 +14,6 @@ time.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,8 +24,8 @@ from test_remat_offload_exact import tiny, tiny_with_idle_ops
 from test_remat_offload_window import (
     SEEDED,
     WINDOW,
-    _windowed_loops,
     assert_benders_equals_brute,
+    assert_stopped_loops_valid,
 )
 
 from optmem.chain import Chain
@@ -49,20 +48,10 @@ def test_compute_cut_benders_equals_brute(chain: Chain, limit: int, beta: float)
                                 CLASSES)
 
 
-def _loops(iterations: int) -> Iterator[tuple[RematOffloadProblem, float, object]]:
-    """The loop with the class cuts on the 4-stage instances (proven optima), from the
-    persistent checkpoint plan, no warm-up, at most ``iterations``."""
-    return _windowed_loops(iterations, CLASSES)
-
-
 def test_compute_cut_loop_bounds_are_valid() -> None:
     """Loops stopped after 2 and 4 iterations: the bound at most the proven optimum, a
     plan replays to its objective, ``optimal`` only at the optimum."""
-    for iterations in (2, 4):
-        for problem, optimum, res in _loops(iterations):
-            check(problem, res, optimum=optimum)
-            if res.status is Status.OPTIMAL:
-                assert res.objective == pytest.approx(optimum)
+    assert_stopped_loops_valid(CLASSES)
 
 
 def _case_loop(monkeypatch: pytest.MonkeyPatch, *, stale: bool) -> tuple[object, object]:

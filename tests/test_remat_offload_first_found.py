@@ -25,11 +25,11 @@ from test_remat_offload_window import (
     WINDOW,
     _windowed_loops,
     assert_benders_equals_brute,
+    assert_stopped_loops_valid,
 )
 
 from optmem.chain import Chain
 from optmem.problems.remat_offload import RematOffloadProblem
-from optmem.result import Status
 from optmem.solvers import remat_offload_benders as bd
 
 pytest.importorskip("ortools", reason="the Benders subproblem uses OR-Tools CP-SAT")
@@ -53,11 +53,7 @@ def _loops(iterations: int) -> Iterator[tuple[RematOffloadProblem, float, object
 def test_first_found_loop_bounds_are_valid() -> None:
     """Loops stopped after 2 and 4 iterations: the bound at most the proven optimum, a
     plan replays to its objective, ``optimal`` only at the optimum."""
-    for iterations in (2, 4):
-        for problem, optimum, res in _loops(iterations):
-            check(problem, res, optimum=optimum)
-            if res.status is Status.OPTIMAL:
-                assert res.objective == pytest.approx(optimum)
+    assert_stopped_loops_valid(FIRST)
 
 
 def _stale(monkeypatch: pytest.MonkeyPatch, iterations: int = 8

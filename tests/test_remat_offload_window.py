@@ -130,6 +130,17 @@ def assert_benders_equals_brute(problem: RematOffloadProblem, extra: dict) -> No
         assert res.objective == pytest.approx(brute.objective)
 
 
+def assert_stopped_loops_valid(extra: dict) -> None:
+    """Loops with ``extra`` stopped after 2 and 4 iterations (:func:`_windowed_loops`): the
+    bound at most the proven optimum, a plan replays to its objective, ``optimal`` only at
+    the optimum."""
+    for iterations in (2, 4):
+        for problem, optimum, res in _windowed_loops(iterations, extra):
+            check(problem, res, optimum=optimum)
+            if res.status is Status.OPTIMAL:
+                assert res.objective == pytest.approx(optimum)
+
+
 def _windowed_loops(iterations: int, extra: dict | None = None
                     ) -> Iterator[tuple[RematOffloadProblem, float, object]]:
     """The loop on each 4-stage instance from the persistent checkpoint plan (an incumbent
