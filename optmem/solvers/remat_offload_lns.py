@@ -266,8 +266,7 @@ def window_solve(built: RematOffloadModel, hint: Sequence[float],
     cp = to_cpsat(with_fixed(built, fixed, hint[built.objective_var]), scale=scale)
     out = engines.solve_cpsat(
         cp.cp, cp.variables, hint=cp.hint(hint), threads=1, seed=options.seed,
-        deterministic_time=work, time_limit_s=_limit(Deadline(None) if deadline is None
-                                                     else deadline),
+        deterministic_time=work, time_limit_s=_limit(deadline),
         parameters=WINDOW_PARAMETERS)
     entry: dict[str, Any] = {"status": str(out.status),
                              "deterministic_time": out.info.get("deterministic_time"),
@@ -287,8 +286,8 @@ def _in_phases(phases: frozenset[int]) -> Callable[[Slot], bool]:
     return lambda slot: slot.phase in phases
 
 
-def _limit(deadline: Deadline) -> float | None:
-    left = deadline.cap(None)
+def _limit(deadline: Deadline | None) -> float | None:
+    left = None if deadline is None else deadline.cap(None)
     return None if left is None else max(left, LEAST_ENGINE_TIME_S)
 
 
