@@ -395,3 +395,24 @@ def test_wrapping_the_backbone_inside_its_model():
         op.checkpoint(model, kwargs, memory_limit="60%", repeats=1, warmup=0)
     with pytest.raises(OptmemInputError, match="already wrapped by optmem"):
         op.checkpoint(model.model, {"input_ids": kwargs["input_ids"]}, memory_limit="60%")
+
+
+def test_a_plain_graph_built_before_wrapping_still_backpropagates():
+    # BERT's embeddings index a slice of the ``token_type_ids`` buffer and autograd saves it:
+    # wrapping and the first wrapped call (extraction, profiling) must not write the buffers
+    # they only read, or that graph's backward fails ("modified by an inplace operation").
+    model, kwargs = bert(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    ref = model(**kwargs)
+    versions = [b._version for b in model.buffers()]
+    cmodel = op.checkpoint(model, kwargs, memory_limit="60%")
+    out = cmodel(**kwargs)
+    assert [b._version for b in model.buffers()] == versions
+    torch.testing.assert_close(out.loss, ref.loss)
+    ref.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    out.loss.backward()
+    assert grads
+    for n, p in model.named_parameters():
+        if n in grads:
+            torch.testing.assert_close(p.grad, grads[n])

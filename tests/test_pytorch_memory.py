@@ -295,3 +295,29 @@ def test_allowance_counts_the_partial_gradient_of_a_tied_parameter():
     assert plan_allowance(chain, plan, stages, strip_suffix=False) == plain + (16 * 16 + 16) * 4
     assert plan_allowance(chain, plan, [nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16)],
                           strip_suffix=False) == plain
+
+
+def test_buffers_restored_writes_only_what_changed() -> None:
+    from optmem.pytorch.memory import buffers_restored
+
+    bn = nn.BatchNorm1d(3)
+    bn.register_buffer("table", torch.arange(4))
+    kept = bn.table
+    before = {n: (b._version, b.clone()) for n, b in bn.named_buffers()}
+    with buffers_restored([bn]):
+        bn(torch.randn(5, 3))  # running statistics updated in place
+        bn.table = torch.zeros(4, dtype=torch.long)  # a buffer replaced
+        assert not torch.equal(bn.running_mean, before["running_mean"][1])
+    assert bn.table is kept
+    for n, b in bn.named_buffers():
+        torch.testing.assert_close(b, before[n][1])
+    # read only: no write, so the version counter (which autograd checks) does not move;
+    # the restore writes none either (the counter moved by the body's own ``add_`` only)
+    assert bn.table._version == before["table"][0]
+    assert bn.running_mean._version == before["running_mean"][0]
+    assert bn.num_batches_tracked._version == before["num_batches_tracked"][0] + 1
+    versions = {n: b._version for n, b in bn.named_buffers()}
+    bn.eval()  # reads its statistics, updates nothing
+    with buffers_restored([bn]):
+        bn(torch.randn(5, 3))
+    assert {n: b._version for n, b in bn.named_buffers()} == versions

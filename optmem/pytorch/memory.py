@@ -42,7 +42,8 @@ if TYPE_CHECKING:
 
 __all__ = ["LOSS_SCALARS", "ActivationTracker", "MemTrackerPeak", "StorageTrace",
            "cuda_training_peak", "live_bytes", "measure_training_peak", "memtracker_peak",
-           "backward_roots", "backward_step", "gradients_restored", "plain_step_peak",
+           "backward_roots", "backward_step", "buffers_restored", "gradients_restored",
+           "plain_step_peak",
            "plan_allowance", "storage_bytes", "storage_key"]
 
 # ops whose output is a fresh tensor although it is also their input (``torch.tensor``)
@@ -312,6 +313,35 @@ def gradients_restored(leaves: Sequence[torch.Tensor]) -> Iterator[None]:
     finally:
         for t, g in zip(leaves, saved, strict=True):
             t.grad = g
+
+
+@contextlib.contextmanager
+def buffers_restored(modules: Iterable[nn.Module]) -> Iterator[None]:
+    """Put every buffer of ``modules`` back as it was on entry, writing only what changed.
+
+    Measuring, extracting and profiling run the model's code, which updates buffers (batch
+    norm statistics and counters). On exit a buffer the body replaced by another tensor is
+    put back, and one whose values differ gets its old values copied in, through ``.data``:
+    the restore itself moves no version counter. A graph the caller built before the body
+    therefore still back-propagates: an embedding saves a slice of an index buffer (BERT's
+    ``token_type_ids``), and a ``copy_`` on the buffer would fail that backward with
+    "modified by an inplace operation". (The values are compared, not the versions: the
+    native batch norm updates its running statistics without a new version.)
+    """
+    saved: dict[tuple[int, str], tuple[nn.Module, torch.Tensor, torch.Tensor]] = {}
+    for sub in (s for m in modules for s in m.modules()):
+        for name, buf in sub._buffers.items():
+            if buf is not None and (id(sub), name) not in saved:
+                saved[(id(sub), name)] = (sub, buf, buf.detach().clone())
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for (_, name), (sub, buf, old) in saved.items():
+                if sub._buffers.get(name) is not buf:
+                    sub._buffers[name] = buf
+                if not torch.equal(buf, old):
+                    buf.data.copy_(old)
 
 
 def plain_step_peak(call: Callable[[], Any], module: nn.Module, inputs: Any = (),

@@ -76,7 +76,13 @@ from torch.utils._pytree import tree_leaves
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError
 from optmem.pytorch.extract import Stage, extract_stages, value_tensors
-from optmem.pytorch.memory import StorageTrace, gradients_restored, storage_bytes, storage_key
+from optmem.pytorch.memory import (
+    StorageTrace,
+    buffers_restored,
+    gradients_restored,
+    storage_bytes,
+    storage_key,
+)
 from optmem.pytorch.segments import (
     MIN_STAGES,
     SegmentCost,
@@ -615,14 +621,13 @@ def profile_stages(
     timer = _Timer(dev)
 
     params = [p for m in modules for p in m.parameters()]
-    buffers = [b for m in modules for b in m.buffers()]
-    old_buffers = [b.detach().clone() for b in buffers] if not meta else []
     bar = _Progress(len(stages), progress)
     fork_devices = [dev.index if dev.index is not None else torch.cuda.current_device()] \
         if setting.cuda else []
     try:
         with torch.random.fork_rng(devices=fork_devices, enabled=True), \
-                gradients_restored(params):  # their hooks silenced too
+                gradients_restored(params), \
+                buffers_restored(modules if not meta else []):  # only what changed
             for p in params:  # backward would accumulate into the caller's gradients otherwise
                 p.grad = None
             rows, leaves, last = _profile_memory(modules, stages, sample, setting, bar)
@@ -644,9 +649,6 @@ def profile_stages(
             bar.update(len(stages), "done")
     finally:
         bar.close()
-        with torch.no_grad():
-            for b, old in zip(buffers, old_buffers, strict=False):
-                b.copy_(old)
     times = "time_model" if time_model is not None else ("roofline" if meta else "measured")
     q = (lambda t: round_time(t, time_resolution)) if times == "measured" else float
     per_op = op_overhead if times == "measured" else 0.0

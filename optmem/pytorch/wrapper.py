@@ -61,6 +61,7 @@ from optmem.pytorch.extract import (
     merge_stages,
     value_tensors,
 )
+from optmem.pytorch.memory import buffers_restored
 from optmem.pytorch.planning import Planner
 from optmem.result import Result
 from optmem.units import format_size
@@ -637,18 +638,12 @@ def leaves_no_trace(module: nn.Module) -> Iterator[None]:
     """Restore the buffers and the CPU/CUDA RNG state of ``module`` on exit.
 
     Extracting and profiling run the model's code (BatchNorm statistics and counters,
-    random draws): the model must not notice.
+    random draws): the model must not notice, not even through the version counters of
+    buffers that code only read (:func:`~optmem.pytorch.memory.buffers_restored`).
     """
-    buffers = [b for b in module.buffers() if b is not None]
-    saved = [b.detach().clone() for b in buffers]
-    devices = sorted({b.device.index or 0 for b in buffers if b.is_cuda})
-    with torch.random.fork_rng(devices=devices):
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for b, old in zip(buffers, saved, strict=True):
-                    b.copy_(old)
+    devices = sorted({b.device.index or 0 for b in module.buffers() if b.is_cuda})
+    with torch.random.fork_rng(devices=devices), buffers_restored([module]):
+        yield
 
 
 def _extract_variant(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
