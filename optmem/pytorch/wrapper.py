@@ -212,10 +212,7 @@ class PlannedModule(nn.Module):
         ``fast_path``: call the model itself when its measured plain step fits the limit
         (:attr:`fast_path_taken`).
         """
-        from optmem.pytorch.process_groups import refuse_sharded
-
-        refuse_sharded(module)
-        _refuse_nested(module)
+        refuse_wrapped(module, "optmem")
         if is_plain_chain(module):
             stages = extract_stages(module)
             wrapped = module if isinstance(module, nn.Module) else nn.ModuleList(
@@ -587,6 +584,49 @@ class TensorState:
                 any(t.device != d for t, d in self._devices):
             self._refresh()
         return self.token
+
+
+def refuse_wrapped(module: Any, call: str, *, wrap_after: bool = True) -> None:
+    """One clear error for a model already wrapped in a way optmem cannot wrap again.
+
+    ``call`` names the optmem entry point in the message; ``wrap_after``: its result can be
+    wrapped in ``DistributedDataParallel`` (not a pipeline's). Refused: a model sharded with
+    ``fully_shard``, wrapped by ``DistributedDataParallel`` or ``DataParallel`` (or holding
+    such a part), compiled with ``torch.compile`` (an ``OptimizedModule``; a compiled *part*
+    is exported through and works), or already wrapped by optmem. Each message names the
+    order that works.
+
+    Raises
+    ------
+    OptmemInputError
+        Naming the wrapper and what to do instead.
+    """
+    from optmem.pytorch.process_groups import refuse_sharded
+
+    refuse_sharded(module)
+    for part in module if isinstance(module, Sequence) else [module]:
+        if not isinstance(part, nn.Module):
+            continue
+        for name, sub in part.named_modules():
+            where = (f"{type(part).__name__}.{name} is a {type(sub).__name__}" if name else
+                     f"the model is a {type(sub).__name__}")
+            if isinstance(sub, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+                after = (f" and wrap the result in {type(sub).__name__} afterwards, e.g. "
+                         "DistributedDataParallel(optmem.pytorch.checkpoint(model, sample, "
+                         "memory_limit=...))" if wrap_after else
+                         " (a pipeline spans every process of the job: no data parallelism "
+                         "around it)")
+                raise OptmemInputError(
+                    f"{where}: its forward drives the replicas and their gradient "
+                    f"synchronisation, which {call} would bypass; pass the plain model "
+                    f"(its .module){after}; see docs/distributed.md", field="module")
+            if not name and isinstance(sub, torch._dynamo.eval_frame.OptimizedModule):
+                raise OptmemInputError(
+                    f"{where} (compiled with torch.compile): {call} extracts and runs the "
+                    "plain model's stages; pass the plain model (its ._orig_mod) and compile "
+                    "the result instead, torch.compile(cmodel, ...), which compiles every "
+                    "stage with your backend and options", field="module")
+    _refuse_nested(module)
 
 
 def _refuse_nested(module: Any) -> None:
