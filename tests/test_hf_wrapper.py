@@ -426,12 +426,15 @@ def test_offload_one_liners_hold_less_than_the_plain_step_on_the_device(kind, fa
     within the plan's prediction. Before, a tensor saved by two ops got two host and two
     device copies, prefetched copies were held until the step (or the next forward) ended,
     and the remat+offload executor kept every stage output to the end: BERT's plans
-    (predicted 103 and 99 KB) peaked at 171 and 196 KB, more than the plain step (172 KB)."""
-    from optmem.pytorch.memory import measure_training_peak
+    (predicted 103 and 99 KB) peaked at 171 and 196 KB, more than the plain step (172 KB).
+    A plan that moves ``a 0`` frees nothing: the caller holds the batch (the bound adds it).
+    Fixed times: the plans do not depend on the machine's load."""
+    from optmem.pytorch.memory import measure_training_peak, storage_bytes
 
     model, kwargs = factory()
     model.eval()  # no dropout: one plain step to compare with
-    chain = op.profile_chain(model, kwargs, repeats=1, warmup=0)
+    chain = op.profile_chain(model, kwargs, repeats=1, warmup=0,
+                             time_model=lambda *_: (1.0, 2.0))
     cmodel = kind(model, kwargs, memory_limit=int(0.6 * chain.store_all_peak()), chain=chain,
                   bandwidth="1GB/s")
     assert any(o.startswith("prefetch") for o in cmodel.result.plan), cmodel.result.plan
@@ -439,7 +442,9 @@ def test_offload_one_liners_hold_less_than_the_plain_step_on_the_device(kind, fa
     model.zero_grad(set_to_none=True)
     real = measure_training_peak(lambda: cmodel(**kwargs).loss.backward(), model, kwargs,
                                  host_copies=False)
-    assert real <= cmodel.expected_peak_bytes < chain.store_all_peak()
+    held = storage_bytes(kwargs) if "offload a 0" in cmodel.result.plan else 0
+    assert real <= cmodel.expected_peak_bytes + held
+    assert cmodel.expected_peak_bytes + held < chain.store_all_peak()
 
 
 def test_a_compiled_or_data_parallel_model_is_refused_naming_the_order_that_works():
