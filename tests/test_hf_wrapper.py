@@ -465,3 +465,20 @@ def test_a_compiled_or_data_parallel_model_is_refused_naming_the_order_that_work
     cmodel = op.checkpoint(model, kwargs, memory_limit="60%")
     assert any(o.startswith(("F_ck", "F_none")) for o in cmodel.result.plan)
     assert_same(step(cmodel, model, kwargs), step(model, model, kwargs))
+
+
+def test_a_chain_of_another_model_is_refused():
+    """``chain=`` profiled on a wider GPT-2 (same stages, same names): refused on the
+    ``chain`` field naming the first stage whose parameters differ. Before, it was taken:
+    the plan was solved for the other model's sizes ("60%" of its store-all peak is above
+    this model's own store-all peak) in silence."""
+    model, kwargs = gpt2()
+    wider, _ = gpt2(n_embd=64)
+    other = op.profile_chain(wider, kwargs, repeats=1, warmup=0,
+                             time_model=lambda *_: (1.0, 2.0))
+    for kind, kw in ((op.checkpoint, {}), (op.remat_offload, {"bandwidth": 1e9})):
+        with pytest.raises(OptmemInputError, match=r"profiled on another model: its stage 1 "
+                           r"\(transformer.wte\) has 25600 bytes of parameters, the "
+                           r"module's \(transformer.wte\) 12800") as info:
+            kind(model, kwargs, memory_limit="60%", chain=other, **kw)
+        assert info.value.field == "chain"

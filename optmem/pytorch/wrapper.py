@@ -61,7 +61,7 @@ from optmem.pytorch.extract import (
     merge_stages,
     value_tensors,
 )
-from optmem.pytorch.memory import buffers_restored
+from optmem.pytorch.memory import buffers_restored, storage_bytes
 from optmem.pytorch.planning import Planner
 from optmem.result import Result
 from optmem.units import format_size
@@ -820,16 +820,43 @@ def plan_stages(fine: list[Stage], x: Any, profile: ProfileOptions, name: str,
                 prof = _same_segment_cost(prof, like.chain)
             if profile.adjust_chain is not None:
                 prof = profile.adjust_chain(stages, prof)
-        elif prof.length != len(stages):
-            raise OptmemInputError(
-                f"the given chain has {prof.length} stages but the module has {len(stages)}",
-                field="chain")
+        else:
+            check_given_chain(prof, stages)
         if plain is not None and PLAIN_PEAK not in ((prof.extra or {}).get("profile") or {}):
             prof = with_plain_peak(prof, plain())
         return groups, prof, solve(prof)
 
     groups, chain, result = run_once(decide, group)
     return groups, merged(groups), chain, result
+
+
+def check_given_chain(chain: Chain, stages: Sequence[Stage]) -> None:
+    """Refuse a chain that was not profiled on these stages (``chain=`` of another model).
+
+    The stage count, and the parameter bytes of every stage (``weight_size``, exact in a
+    profile of bytes), must match; a chain with no weights recorded is checked on its
+    length only.
+
+    Raises
+    ------
+    OptmemInputError
+        On the ``chain`` field, naming the first stage that differs.
+    """
+    if chain.length != len(stages):
+        raise OptmemInputError(
+            f"the given chain has {chain.length} stages but the module has {len(stages)}",
+            field="chain")
+    if chain.memory_unit != "B" or not any(chain.weight_size):
+        return
+    for k, stage in enumerate(stages):
+        have = storage_bytes(list(stage.module.parameters()))
+        if have != chain.weight_size[k]:
+            raise OptmemInputError(
+                f"the given chain was profiled on another model: its stage {k + 1} "
+                f"({chain.stage_names[k]}) has {chain.weight_size[k]} bytes of parameters, "
+                f"the module's ({stage.name}) {have}; profile this module "
+                "(optmem.pytorch.profile_chain(module, sample)) or leave chain= out",
+                field="chain")
 
 
 def stage_groups(n: int, limit: int, costs: Sequence[float] | None,
