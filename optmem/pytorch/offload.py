@@ -124,8 +124,10 @@ class HostCopies:
     both in a stage's tape and as a stored value) while it is alive gets the same host copy,
     and a host copy brought back twice while its first device copy is alive gets that
     device copy. Before, each holder got copies of its own, so a prefetched tensor saved
-    by two ops took twice its size on the device. The copies are remembered through weak
-    references only: nothing here keeps a tensor alive.
+    by two ops took twice its size on the device. A host copy is remembered while the
+    source's storage lives (two holders may hold two tensor objects viewing it alike), a
+    device copy while it lives; through weak references only: nothing here keeps a tensor
+    alive.
 
     ``observers`` (class-wide) are called with every new host copy
     (:func:`optmem.pytorch.memory.measure_training_peak` leaves them out on CPU).
@@ -148,8 +150,8 @@ class HostCopies:
         host, event = self._copy_to_host(t)
         for observe in self.observers:
             observe(host)
-        if key is not None:
-            self._hosts[key] = (weakref.ref(t), weakref.ref(host), event)
+        if key is not None:  # remembered while the source's storage lives (any view of it)
+            self._hosts[key] = (weakref.ref(t.untyped_storage()), weakref.ref(host), event)
         return host, event
 
     def _copy_to_host(self, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
