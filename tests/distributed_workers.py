@@ -155,7 +155,8 @@ def run_jobs(rank: int, world: int, jobs: list[dict[str, Any]], out_dir: str) ->
     """Run every job (``job["kind"]`` names the function below) and save its outcome."""
     torch.set_num_threads(1)
     kinds = {"pipeline": pipeline_job, "one_call": one_call_job, "ddp": ddp_job,
-             "fsdp": fsdp_job, "fsdp_refusal": fsdp_refusal_job, "ddp_hf": ddp_hf_job}
+             "fsdp": fsdp_job, "fsdp_refusal": fsdp_refusal_job, "ddp_hf": ddp_hf_job,
+             "refusals": refusals_job}
     for k, job in enumerate(jobs):
         _save(out_dir, rank, k, kinds[job["kind"]](rank, world, job))
         dist.barrier()
@@ -323,3 +324,36 @@ def fsdp_refusal_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, An
     except OptmemInputError as exc:
         return {"message": str(exc)}
     return {"message": ""}
+
+
+def refusals_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    """What ``op.checkpoint`` and ``op.pipeline`` say about a model they cannot take.
+
+    HuggingFace's GPT-2 inside ``DistributedDataParallel`` (both), and an optmem-wrapped
+    model given to ``op.pipeline``: ``{call: (field, message)}``, ``("", "")`` when no
+    error was raised.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    from optmem.errors import OptmemInputError
+
+    del rank, world, job
+    x, y = gpt_data(4)
+    sample = {"input_ids": x, "labels": y}
+    model = hf_gpt2()
+    calls: dict[str, Callable[[], Any]] = {
+        "checkpoint(ddp)": lambda: op.checkpoint(DistributedDataParallel(model), sample,
+                                                 memory_limit="60%"),
+        "pipeline(ddp)": lambda: op.pipeline(DistributedDataParallel(model), sample,
+                                             memory_per_gpu="1GiB"),
+        "pipeline(cmodel)": lambda: op.pipeline(
+            op.checkpoint(model, sample, memory_limit="60%", process_group="local"), sample,
+            memory_per_gpu="1GiB")}
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = ("", "")
+        except OptmemInputError as exc:
+            out[name] = (exc.field, str(exc))
+    return out

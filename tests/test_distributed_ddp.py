@@ -1,10 +1,11 @@
 """DistributedDataParallel over ``optmem.pytorch.checkpoint`` (2 gloo processes).
 
-Default DDP arguments and ``static_graph=True``, with and without suffix stripping: the
-gradients after DDP's all-reduce equal single-process training on the whole batch. Rank 1
+Default DDP arguments, ``static_graph=True`` and ``find_unused_parameters=True``, with and
+without suffix stripping: the gradients after DDP's all-reduce equal single-process training
+on the whole batch. Rank 1
 measures a 30x slower layer than rank 0: planned locally the ranks choose different plans,
 with the default process group both run rank 0's plan. HuggingFace's GPT-2 (exported) works
-the same way.
+the same way; inside DDP it is refused with a message naming the order that works.
 """
 
 from __future__ import annotations
@@ -28,11 +29,15 @@ def test_ddp_over_checkpoint_plan_matches_single_process(tmp_path):
             for ddp, strip in (({}, True), ({}, False), ({"static_graph": True}, False))]
     jobs.append({"kind": "ddp", "ddp": {}, "strip_suffix": True, "process_group": "local",
                  "memory_limit": LIMIT})
+    # find_unused_parameters=True works too (the parameters are inputs of the plan's
+    # autograd Function, so DDP's search of the output's graph finds them)
+    jobs += [{"kind": "ddp", "ddp": {"find_unused_parameters": True}, "strip_suffix": strip,
+              "process_group": None, "memory_limit": LIMIT} for strip in (True, False)]
     spawn(w.run_jobs, 2, jobs, str(tmp_path), init_file=str(tmp_path / "rendezvous"))
     model = w.residual_mlp()
     x, y = w.mlp_data(16)
     torch.nn.functional.mse_loss(model(x), y).backward()
-    for k in range(3):
+    for k in (0, 1, 2, 4, 5):
         check_ranks([w.load(str(tmp_path), r, k) for r in range(2)], model)
     alone = [w.load(str(tmp_path), r, 3)["plan"] for r in range(2)]
     assert alone[0] != alone[1]  # the timings differ enough to change the plan
@@ -45,12 +50,30 @@ def test_ddp_over_checkpoint_plan_of_huggingface_gpt2(tmp_path):
     gradients equal single-process training on the whole batch."""
     pytest.importorskip("transformers", reason="the HuggingFace model needs transformers")
     # between the smallest feasible limit (100400 B) and store-all (176640 B)
-    spawn(w.run_jobs, 2, [{"kind": "ddp_hf", "memory_limit": 140000}], str(tmp_path),
-          init_file=str(tmp_path / "rendezvous"))
+    spawn(w.run_jobs, 2, [{"kind": "ddp_hf", "memory_limit": 140000}, {"kind": "refusals"}],
+          str(tmp_path), init_file=str(tmp_path / "rendezvous"))
     model = w.hf_gpt2()
     x, y = w.gpt_data(8)
     model(input_ids=x, labels=y).loss.backward()
     check_ranks([w.load(str(tmp_path), r, 0) for r in range(2)], model)
+    check_refusals([w.load(str(tmp_path), r, 1) for r in range(2)])
+
+
+def check_refusals(ranks: list[dict]) -> None:
+    """A model inside DDP (for ``checkpoint`` and ``pipeline``) and an optmem-wrapped model
+    given to ``pipeline``: one ``OptmemInputError`` on the ``module`` field naming what to
+    pass instead (before, all three said "cannot extract a chain from ...", quoted
+    torch.export's and fx's errors and advised passing an nn.Sequential of its blocks)."""
+    for out in ranks:
+        field, message = out["checkpoint(ddp)"]
+        assert field == "module" and message.startswith(
+            "field 'module': the model is a DistributedDataParallel")
+        assert "(its .module) and wrap the result in DistributedDataParallel" in message
+        field, message = out["pipeline(ddp)"]
+        assert field == "module" and "optmem.pytorch.pipeline would bypass" in message
+        assert "no data parallelism around it" in message
+        field, message = out["pipeline(cmodel)"]
+        assert field == "module" and "already wrapped by optmem" in message
 
 
 def check_ranks(ranks: list[dict], model: torch.nn.Module) -> None:

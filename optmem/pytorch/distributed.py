@@ -8,7 +8,7 @@ Three pieces, used by :func:`optmem.pytorch.checkpoint` and :func:`optmem.pytorc
   disagree on when parameters are used (DDP's reducer, FSDP's all-gathers and the pipeline's
   point-to-point messages all assume the same program on every rank).
 * DDP: ``DistributedDataParallel(optmem.pytorch.checkpoint(model, sample, ...))`` needs no
-  special argument (``find_unused_parameters=False``, the default, is required: see
+  special argument (``find_unused_parameters=True`` is not needed, and works: see
   ``docs/distributed.md``).
 * FSDP2: :func:`fully_shard_checkpointed` shards the stages of a checkpointed module (one
   FSDP unit per stage, the root holding what stages share), and :func:`fsdp_chain` adds what

@@ -126,6 +126,7 @@ class StorageTrace(TorchDispatchMode):
         self.sizes: list[int] = []
         self.events: list[tuple[int, int]] = []  # (record, +bytes | -bytes)
         self._live: dict[int, int] = {}  # storage key -> record
+        self.left_out: set[int] = set()  # records removed from the whole history
 
     def _free(self, key: int, record: int) -> None:
         if self._live.get(key) == record:
@@ -190,13 +191,25 @@ class StorageTrace(TorchDispatchMode):
         """The record of ``t``'s storage if the trace created it and it is alive."""
         return self._live.get(storage_key(t))
 
+    def leave_out(self, t: torch.Tensor) -> None:
+        """Remove ``t``'s storage (created while active, alive now) from the whole history.
+
+        For storages that are not on the measured device although they are on the same
+        one (an offload executor's host copies on CPU).
+        """
+        record = self.record_of(t)
+        if record is not None:
+            self.left_out.add(record)
+
     def peak(self, exclude: Iterable[torch.Tensor] = ()) -> int:
         """Largest total of created storages alive at once, ignoring those of ``exclude``.
 
         ``exclude`` are tensors alive now (weight gradients, say) whose storages the trace
-        created: they are removed from the whole history.
+        created: they are removed from the whole history, as are those of
+        :meth:`leave_out`.
         """
         skip = {r for r in (self.record_of(t) for t in exclude) if r is not None}
+        skip |= self.left_out
         current = best = 0
         for record, delta in self.events:
             if record not in skip:
@@ -215,7 +228,7 @@ def _has_storage(t: torch.Tensor) -> bool:
 
 # ------------------------------------------------------------------ real training peaks
 def measure_training_peak(step: Callable[[], Any], module: nn.Module,
-                          inputs: Any = ()) -> int:
+                          inputs: Any = (), *, host_copies: bool = True) -> int:
     """The exact activation peak of ``step()`` (forward, loss and backward), in bytes.
 
     A :class:`StorageTrace` of the whole step: the bytes of ``inputs`` plus the largest total
@@ -235,6 +248,11 @@ def measure_training_peak(step: Callable[[], Any], module: nn.Module,
         The trained module.
     inputs
         Tensors made before the step that count as activations (the batch ``a^0``).
+    host_copies
+        Count the host copies of the offload executors
+        (:class:`optmem.pytorch.offload.HostCopies`). On CPU they are on the measured
+        device; ``False`` leaves them out, which gives the memory an offload plan holds on
+        its compute device (what it runs on a GPU).
 
     Examples
     --------
@@ -247,10 +265,25 @@ def measure_training_peak(step: Callable[[], Any], module: nn.Module,
     known = {storage_key(t) for t in (*params, *module.buffers(), *_tensors(inputs))}
     known |= {storage_key(p.grad) for p in params if p.grad is not None}
     trace = StorageTrace(known)
-    with trace:
+    with trace, _host_copies_left_out(trace, not host_copies):
         step()
     grads = [p.grad for p in params if p.grad is not None]
     return storage_bytes(inputs) + trace.peak(exclude=grads)
+
+
+@contextlib.contextmanager
+def _host_copies_left_out(trace: StorageTrace, enabled: bool) -> Iterator[None]:
+    """While active, every host copy an offload executor makes is left out of ``trace``."""
+    if not enabled:
+        yield
+        return
+    from optmem.pytorch.offload import HostCopies
+
+    HostCopies.observers.append(trace.leave_out)
+    try:
+        yield
+    finally:
+        HostCopies.observers.remove(trace.leave_out)
 
 
 def cuda_training_peak(step: Callable[[], Any], module: nn.Module, inputs: Any = ()) -> int:

@@ -35,9 +35,10 @@ transfers); recomputation is executed by :mod:`optmem.pytorch.execute`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -54,7 +55,7 @@ from optmem.pytorch.execute import (
 from optmem.pytorch.extract import Stage, value_tensors
 
 __all__ = ["HostCopies", "OffloadedChain", "kept_storages", "offload_plan_actions",
-           "value_device"]
+           "storage_ptr", "value_device"]
 
 Key = tuple[str, int]
 
@@ -118,14 +119,42 @@ class HostCopies:
     caching allocator until the side stream is done with it (``record_stream``). A copy
     brought back is used on the compute stream only after :meth:`ready` (the compute stream
     waits for its event). Elsewhere (CPU, for tests): synchronous copies, no events.
+
+    One tensor, one copy: a tensor moved out twice (saved by two ops, or a stage output held
+    both in a stage's tape and as a stored value) while it is alive gets the same host copy,
+    and a host copy brought back twice while its first device copy is alive gets that
+    device copy. Before, each holder got copies of its own, so a prefetched tensor saved
+    by two ops took twice its size on the device. A host copy is remembered while the
+    source's storage lives (two holders may hold two tensor objects viewing it alike), a
+    device copy while it lives; through weak references only: nothing here keeps a tensor
+    alive.
+
+    ``observers`` (class-wide) are called with every new host copy
+    (:func:`optmem.pytorch.memory.measure_training_peak` leaves them out on CPU).
     """
+
+    observers: ClassVar[list[Callable[[torch.Tensor], None]]] = []
 
     def __init__(self, device: torch.device | None) -> None:
         self.stream = (torch.cuda.Stream(device=device)
                        if device is not None and device.type == "cuda" else None)
+        self._hosts: dict[tuple[Any, ...], tuple[Any, Any, Any]] = {}
+        self._devices: dict[int, tuple[Any, Any, Any]] = {}
 
     def to_host(self, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """A host copy of ``t`` and the event that marks it complete (``None``: done)."""
+        key = _geometry(t)
+        known = self._hosts.get(key) if key is not None else None
+        if known is not None and known[0]() is not None and (host := known[1]()) is not None:
+            return host, known[2]
+        host, event = self._copy_to_host(t)
+        for observe in self.observers:
+            observe(host)
+        if key is not None:  # remembered while the source's storage lives (any view of it)
+            self._hosts[key] = (weakref.ref(t.untyped_storage()), weakref.ref(host), event)
+        return host, event
+
+    def _copy_to_host(self, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
         if self.stream is None:
             return (t.detach().clone() if t.device.type == "cpu"
                     else t.detach().to("cpu")), None
@@ -142,6 +171,16 @@ class HostCopies:
 
     def to_device(self, host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, Any]:
         """A device copy of ``host`` and the event that marks it complete."""
+        known = self._devices.get(id(host))
+        if known is not None and known[0]() is host and (dev := known[1]()) is not None \
+                and dev.device == device:
+            return dev, known[2]
+        dev, event = self._copy_to_device(host, device)
+        self._devices[id(host)] = (weakref.ref(host), weakref.ref(dev), event)
+        return dev, event
+
+    def _copy_to_device(self, host: torch.Tensor, device: torch.device
+                        ) -> tuple[torch.Tensor, Any]:
         if self.stream is None or device.type != "cuda":
             return (host.clone() if device.type == "cpu" else host.to(device)), None
         with torch.cuda.stream(self.stream):  # after the offload of ``host`` (same stream)
@@ -161,7 +200,16 @@ class HostCopies:
         return t
 
 
-def _storage_ptr(t: torch.Tensor) -> int | None:
+def _geometry(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """What makes two tensors the same data: storage, offset, shape, strides, dtype."""
+    ptr = storage_ptr(t)
+    if ptr is None:
+        return None
+    return (ptr, str(t.device), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def storage_ptr(t: torch.Tensor) -> int | None:
+    """The address of ``t``'s storage (``None`` for tensors without one)."""
     try:
         return int(t.untyped_storage().data_ptr())
     except RuntimeError:  # pragma: no cover - tensors without storage
@@ -180,7 +228,7 @@ def kept_storages(module: nn.Module) -> set[int]:
     ctx = current_side_inputs_or_none()
     if ctx is not None:
         tensors += [t for v in ctx.values() for t in value_tensors(v)]
-    return {p for t in tensors if (p := _storage_ptr(t)) is not None}
+    return {p for t in tensors if (p := storage_ptr(t)) is not None}
 
 
 def value_device(value: Any, default: nn.Module | None = None) -> torch.device:
@@ -203,8 +251,20 @@ class _Packed:
 
 @dataclass
 class _Group:
-    packed: list[_Packed] = field(default_factory=list)
+    """The saved tensors of one value, held weakly.
+
+    Autograd owns the packed tensors (until the node that saved one has run its backward);
+    the group only finds them for the value's transfers, so a tensor is freed once its
+    backward ran, not kept (with the prefetched device copies) until the next forward.
+    """
+
+    refs: list[weakref.ref[_Packed]] = field(default_factory=list)
     state: str = "device"  # device -> host -> prefetched
+
+    @property
+    def packed(self) -> list[_Packed]:
+        """The packed tensors autograd still holds."""
+        return [p for r in self.refs if (p := r()) is not None]
 
 
 class OffloadedChain(StageCalls, nn.Module):
@@ -266,7 +326,7 @@ class OffloadedChain(StageCalls, nn.Module):
         self._copies = HostCopies(value_device(x, self))
         self._issue(self.after_forward.get(0, []))
         for i, stage in enumerate(functions, start=1):
-            inputs = {p for t in value_tensors(x) if (p := _storage_ptr(t)) is not None}
+            inputs = {p for t in value_tensors(x) if (p := storage_ptr(t)) is not None}
             with torch.autograd.graph.saved_tensors_hooks(self._packer(i, inputs),
                                                           self._unpack):
                 x = stage(x)
@@ -278,12 +338,12 @@ class OffloadedChain(StageCalls, nn.Module):
 
     def _packer(self, i: int, inputs: set[int]) -> Any:
         def pack(t: torch.Tensor) -> _Packed:
-            ptr = _storage_ptr(t)
+            ptr = storage_ptr(t)
             packed = _Packed(t, t.device)
             if ptr is not None and ptr in self._weights:
                 return packed  # weights and buffers are never transferred (O.6)
             key = _key(i - 1) if ptr is not None and ptr in inputs else ("abar", i)
-            self._groups.setdefault(key, _Group()).packed.append(packed)
+            self._groups.setdefault(key, _Group()).refs.append(weakref.ref(packed))
             return packed
 
         return pack

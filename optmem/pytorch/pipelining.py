@@ -73,6 +73,7 @@ from optmem.pytorch.wrapper import (
     is_plain_chain,
     leaves_no_trace,
     plan_stages,
+    refuse_wrapped,
     signature_key,
 )
 from optmem.result import Result
@@ -179,6 +180,7 @@ class _Program:
         """Extract ``model`` as the checkpoint wrapper does (``sample``: one micro-batch)."""
         if isinstance(model, _Program):
             return model
+        refuse_wrapped(model, "optmem.pytorch.pipeline", wrap_after=False)
         if is_plain_chain(model) or sample is None:
             return cls(extract_stages(model, allow_single=True), x=sample)
         if not isinstance(model, nn.Module):

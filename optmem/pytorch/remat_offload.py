@@ -24,6 +24,7 @@ those of the unmodified chain: every copy is bit for bit.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,8 +36,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from optmem.errors import PlanError
 from optmem.plan import AnyOp, Op, OpKind, TransferKind, TransferOp, parse_mixed_plan
 from optmem.pytorch.execute import CheckpointedChain, PlanRunner
-from optmem.pytorch.extract import Stage
-from optmem.pytorch.offload import HostCopies, kept_storages, value_device
+from optmem.pytorch.extract import Stage, value_tensors
+from optmem.pytorch.offload import HostCopies, kept_storages, storage_ptr, value_device
 
 __all__ = ["RematOffloadChain", "split_mixed_plan"]
 
@@ -66,8 +67,20 @@ class _Packed:
 
 @dataclass
 class _Group:
-    packed: list[_Packed] = field(default_factory=list)
+    """The tensors autograd saved during one ``F_all``, held weakly (autograd owns them).
+
+    A tensor is freed once the backward that reads it ran, as without the plan; before,
+    the groups kept every saved tensor (and every copy brought back) until the plan's
+    backward ended.
+    """
+
+    refs: list[weakref.ref[_Packed]] = field(default_factory=list)
     on_host: bool = False
+
+    @property
+    def packed(self) -> list[_Packed]:
+        """The packed tensors autograd still holds."""
+        return [p for r in self.refs if (p := r()) is not None]
 
 
 class _OffloadRunner(PlanRunner):
@@ -83,6 +96,9 @@ class _OffloadRunner(PlanRunner):
     def __init__(self, owner: RematOffloadChain, plan: tuple[Op, ...], n_stages: int) -> None:
         super().__init__(owner, plan, n_stages)
         self.groups: dict[int, _Group] = {}
+        # tensors saved by an F_all of stage i + 1 that alias its input a^i: they are a^i
+        # (the chain's tapes exclude the stage input), so they move with slot i
+        self.input_groups: dict[int, _Group] = {}
         self.host_slots: dict[int, list[torch.device | None]] = {}
         self.slot_events: dict[int, list[Any]] = {}  # copies of a slot not waited for yet
         self.copies = HostCopies(None)
@@ -124,13 +140,15 @@ class _OffloadRunner(PlanRunner):
                 kind, i = op.key
                 if kind == "abar" and i in self.groups:
                     self._group_back(self.groups[i])
+                if i in self.input_groups:
+                    self._group_back(self.input_groups[i])
                 self._slot_back(i)
 
     def _move_out(self, key: Key) -> None:
         kind, i = key
         self.owner.moved_out += 1
-        if kind == "abar":
-            group = self.groups.get(i)
+        groups = [self.groups.get(i) if kind == "abar" else None, self.input_groups.get(i)]
+        for group in groups:
             if group is not None:
                 for p in group.packed:
                     if not p.on_host:
@@ -198,16 +216,17 @@ class _OffloadRunner(PlanRunner):
         group = _Group()
         self.groups[i] = group
         weights = self.owner.weight_ptrs
+        inputs = {p for t in value_tensors(self.storage[i - 1].value)
+                  if (p := storage_ptr(t)) is not None}
 
         def pack(t: torch.Tensor) -> Any:
-            try:
-                ptr = t.untyped_storage().data_ptr()
-            except RuntimeError:  # pragma: no cover - tensors without storage
-                ptr = None
+            ptr = storage_ptr(t)
             if ptr is not None and ptr in weights:
                 return t  # weights and buffers are never moved (O.6)
             p = _Packed(t, t.device)
-            group.packed.append(p)
+            owner = (self.input_groups.setdefault(i - 1, _Group())
+                     if ptr is not None and ptr in inputs else group)
+            owner.refs.append(weakref.ref(p))
             return p
 
         def unpack(p: Any) -> torch.Tensor:
@@ -234,6 +253,7 @@ class _OffloadRunner(PlanRunner):
                  ) -> list[torch.Tensor | None]:
         out = super().backward(grads)
         self.groups.clear()
+        self.input_groups.clear()
         self.host_slots.clear()
         return out
 
@@ -261,7 +281,7 @@ class RematOffloadChain(CheckpointedChain):
         self.weight_ptrs: set[int] = set()
         super().__init__(stages, plan, preserve_rng_state=preserve_rng_state,  # type: ignore[arg-type]
                          restore_buffers=restore_buffers, strip_suffix=False,
-                         release_early=False)
+                         release_early=True)
 
     def set_plan(self, plan: Sequence[AnyOp | str]) -> None:  # type: ignore[override]
         """Replace the plan (compute ops validated as by the checkpoint executor)."""

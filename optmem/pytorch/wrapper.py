@@ -61,7 +61,7 @@ from optmem.pytorch.extract import (
     merge_stages,
     value_tensors,
 )
-from optmem.pytorch.memory import buffers_restored
+from optmem.pytorch.memory import buffers_restored, storage_bytes
 from optmem.pytorch.planning import Planner
 from optmem.result import Result
 from optmem.units import format_size
@@ -212,10 +212,7 @@ class PlannedModule(nn.Module):
         ``fast_path``: call the model itself when its measured plain step fits the limit
         (:attr:`fast_path_taken`).
         """
-        from optmem.pytorch.process_groups import refuse_sharded
-
-        refuse_sharded(module)
-        _refuse_nested(module)
+        refuse_wrapped(module, "optmem")
         if is_plain_chain(module):
             stages = extract_stages(module)
             wrapped = module if isinstance(module, nn.Module) else nn.ModuleList(
@@ -589,6 +586,49 @@ class TensorState:
         return self.token
 
 
+def refuse_wrapped(module: Any, call: str, *, wrap_after: bool = True) -> None:
+    """One clear error for a model already wrapped in a way optmem cannot wrap again.
+
+    ``call`` names the optmem entry point in the message; ``wrap_after``: its result can be
+    wrapped in ``DistributedDataParallel`` (not a pipeline's). Refused: a model sharded with
+    ``fully_shard``, wrapped by ``DistributedDataParallel`` or ``DataParallel`` (or holding
+    such a part), compiled with ``torch.compile`` (an ``OptimizedModule``; a compiled *part*
+    is exported through and works), or already wrapped by optmem. Each message names the
+    order that works.
+
+    Raises
+    ------
+    OptmemInputError
+        Naming the wrapper and what to do instead.
+    """
+    from optmem.pytorch.process_groups import refuse_sharded
+
+    refuse_sharded(module)
+    for part in module if isinstance(module, Sequence) else [module]:
+        if not isinstance(part, nn.Module):
+            continue
+        for name, sub in part.named_modules():
+            where = (f"{type(part).__name__}.{name} is a {type(sub).__name__}" if name else
+                     f"the model is a {type(sub).__name__}")
+            if isinstance(sub, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+                after = (f" and wrap the result in {type(sub).__name__} afterwards, e.g. "
+                         "DistributedDataParallel(optmem.pytorch.checkpoint(model, sample, "
+                         "memory_limit=...))" if wrap_after else
+                         " (a pipeline spans every process of the job: no data parallelism "
+                         "around it)")
+                raise OptmemInputError(
+                    f"{where}: its forward drives the replicas and their gradient "
+                    f"synchronisation, which {call} would bypass; pass the plain model "
+                    f"(its .module){after}; see docs/distributed.md", field="module")
+            if not name and isinstance(sub, torch._dynamo.eval_frame.OptimizedModule):
+                raise OptmemInputError(
+                    f"{where} (compiled with torch.compile): {call} extracts and runs the "
+                    "plain model's stages; pass the plain model (its ._orig_mod) and compile "
+                    "the result instead, torch.compile(cmodel, ...), which compiles every "
+                    "stage with your backend and options", field="module")
+    _refuse_nested(module)
+
+
 def _refuse_nested(module: Any) -> None:
     """One plan per model: a part already wrapped by optmem cannot be wrapped again.
 
@@ -780,16 +820,43 @@ def plan_stages(fine: list[Stage], x: Any, profile: ProfileOptions, name: str,
                 prof = _same_segment_cost(prof, like.chain)
             if profile.adjust_chain is not None:
                 prof = profile.adjust_chain(stages, prof)
-        elif prof.length != len(stages):
-            raise OptmemInputError(
-                f"the given chain has {prof.length} stages but the module has {len(stages)}",
-                field="chain")
+        else:
+            check_given_chain(prof, stages)
         if plain is not None and PLAIN_PEAK not in ((prof.extra or {}).get("profile") or {}):
             prof = with_plain_peak(prof, plain())
         return groups, prof, solve(prof)
 
     groups, chain, result = run_once(decide, group)
     return groups, merged(groups), chain, result
+
+
+def check_given_chain(chain: Chain, stages: Sequence[Stage]) -> None:
+    """Refuse a chain that was not profiled on these stages (``chain=`` of another model).
+
+    The stage count, and the parameter bytes of every stage (``weight_size``, exact in a
+    profile of bytes), must match; a chain with no weights recorded is checked on its
+    length only.
+
+    Raises
+    ------
+    OptmemInputError
+        On the ``chain`` field, naming the first stage that differs.
+    """
+    if chain.length != len(stages):
+        raise OptmemInputError(
+            f"the given chain has {chain.length} stages but the module has {len(stages)}",
+            field="chain")
+    if chain.memory_unit != "B" or not any(chain.weight_size):
+        return
+    for k, stage in enumerate(stages):
+        have = storage_bytes(list(stage.module.parameters()))
+        if have != chain.weight_size[k]:
+            raise OptmemInputError(
+                f"the given chain was profiled on another model: its stage {k + 1} "
+                f"({chain.stage_names[k]}) has {chain.weight_size[k]} bytes of parameters, "
+                f"the module's ({stage.name}) {have}; profile this module "
+                "(optmem.pytorch.profile_chain(module, sample)) or leave chain= out",
+                field="chain")
 
 
 def stage_groups(n: int, limit: int, costs: Sequence[float] | None,
