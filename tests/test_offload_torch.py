@@ -120,3 +120,19 @@ def test_offloaded_tensors_leave_the_device_once_and_are_freed_after_use():
     assert sum(net.resident().values()) == 0  # nothing held after the step
     with_host = measure_training_peak(lambda: net(x).sum().backward(), plain, x)
     assert with_host > out  # the host copies are on the CPU too: counted by default
+
+
+def test_a_tensor_updated_in_place_gets_a_new_host_copy():
+    # one copy per tensor, but not across an in-place update: saved tensor hooks bypass
+    # autograd's version check, so a stale copy would silently give wrong gradients
+    from optmem.pytorch.offload import HostCopies
+
+    copies = HostCopies(None)
+    t = torch.arange(4.0)
+    first, _ = copies.to_host(t)
+    again, _ = copies.to_host(t)
+    assert again is first
+    t.add_(1)
+    updated, _ = copies.to_host(t)
+    torch.testing.assert_close(updated, t)
+    torch.testing.assert_close(first, torch.arange(4.0))

@@ -201,11 +201,16 @@ class HostCopies:
 
 
 def _geometry(t: torch.Tensor) -> tuple[Any, ...] | None:
-    """What makes two tensors the same data: storage, offset, shape, strides, dtype."""
+    """What makes two tensors the same data: storage, offset, shape, strides, dtype, version.
+
+    The version counter: a tensor updated in place after its first copy (saved tensor hooks
+    bypass autograd's version check) is new data and gets a copy of its own.
+    """
     ptr = storage_ptr(t)
     if ptr is None:
         return None
-    return (ptr, str(t.device), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+    return (ptr, str(t.device), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype,
+            t._version)
 
 
 def storage_ptr(t: torch.Tensor) -> int | None:
