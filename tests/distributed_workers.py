@@ -307,7 +307,7 @@ def _fsdp_case(name: str, world: int) -> tuple[nn.Module, tuple[torch.Tensor, to
 
 
 def fsdp_refusal_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
-    """What ``op.checkpoint`` says about a module sharded with ``fully_shard`` first."""
+    """What ``op.checkpoint`` and ``op.pipeline`` say about a module sharded first."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -319,11 +319,16 @@ def fsdp_refusal_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, An
     for block in list(model)[:-1]:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    out = {"message": "", "pipeline": ""}
     try:
         op.checkpoint(model, torch.zeros(2, 16), memory_limit="1MiB", process_group="local")
     except OptmemInputError as exc:
-        return {"message": str(exc)}
-    return {"message": ""}
+        out["message"] = str(exc)
+    try:
+        op.pipeline(model, torch.zeros(2, 16), memory_per_gpu="1MiB")
+    except OptmemInputError as exc:
+        out["pipeline"] = str(exc)
+    return out
 
 
 def refusals_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:

@@ -34,8 +34,13 @@ def test_fsdp2_with_checkpoint_plan_matches_single_process(tmp_path):
     assert units[0] == "Embedding" and units[-1] == "Linear"  # tied: left to the root
     assert all(u.startswith("FSDP") for u in units[1:-1])
     for r in range(2):
-        message = w.load(str(tmp_path), r, 2)["message"]
+        refusals = w.load(str(tmp_path), r, 2)
+        message = refusals["message"]
         assert "already sharded with fully_shard" in message and "checkpoint_fsdp" in message
+        # the pipeline's refusal names the pipeline, not the checkpoint's order
+        message = refusals["pipeline"]
+        assert "already sharded with fully_shard" in message
+        assert "optmem.pytorch.pipeline" in message and "checkpoint_fsdp" not in message
 
 
 def test_fsdp2_with_checkpoint_plan_of_huggingface_gpt2(tmp_path):

@@ -601,8 +601,14 @@ def refuse_wrapped(module: Any, call: str, *, wrap_after: bool = True) -> None:
     OptmemInputError
         Naming the wrapper and what to do instead.
     """
-    from optmem.pytorch.process_groups import refuse_sharded
+    from optmem.pytorch.process_groups import is_fsdp_module, refuse_sharded
 
+    if not wrap_after and is_fsdp_module(module):
+        raise OptmemInputError(
+            f"{type(module).__name__} is already sharded with fully_shard: {call} places "
+            "the model's stages on the ranks and runs them itself, which the shards' "
+            "gathers would bypass; pass the unsharded model; see docs/distributed.md",
+            field="module")
     refuse_sharded(module)
     for part in module if isinstance(module, Sequence) else [module]:
         if not isinstance(part, nn.Module):
