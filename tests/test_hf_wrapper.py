@@ -416,3 +416,44 @@ def test_a_plain_graph_built_before_wrapping_still_backpropagates():
     for n, p in model.named_parameters():
         if n in grads:
             torch.testing.assert_close(p.grad, grads[n])
+
+
+def test_changes_to_the_model_after_wrapping_extract_again():
+    """A submodule replaced, a parameter resized, a hook added or removed after wrapping:
+    the next call extracts again and computes what the model now computes.
+
+    Before, the stages kept reading the modules they were traced with: a new ``lm_head``
+    was silently ignored (its weights got no gradient), ``resize_token_embeddings`` made
+    the call fail in a view of the old vocabulary, and a forward hook registered after
+    wrapping (or removed) changed nothing.
+    """
+    model, kwargs = llama()
+    cmodel = op.checkpoint(model, kwargs, memory_limit="60%", repeats=1, warmup=0,
+                           fast_path=False)
+    torch.manual_seed(1)
+    model.lm_head = torch.nn.Linear(32, 100, bias=False)  # as adapters replace layers
+    assert_same(step(cmodel, model, kwargs, seed=2), step(model, model, kwargs, seed=2))
+    assert len(cmodel.variants) == 2
+    model.resize_token_embeddings(120)  # in place: the same parameter objects, new shapes
+    got, ref = step(cmodel, model, kwargs, seed=2), step(model, model, kwargs, seed=2)
+    assert got[0].logits.shape[-1] == 120
+    assert_same(got, ref)
+    handle = model.model.norm.register_forward_hook(lambda m, i, o: o * 2)
+    with pytest.warns(UserWarning, match="forward hooks on LlamaForCausalLM.model.norm"):
+        got = step(cmodel, model, kwargs, seed=2)
+    assert_same(got, step(model, model, kwargs, seed=2))
+    handle.remove()
+    assert_same(step(cmodel, model, kwargs, seed=2), step(model, model, kwargs, seed=2))
+    model.model.norm.register_full_backward_hook(lambda m, gi, go: None)
+    with pytest.raises(OptmemInputError, match=r"LlamaForCausalLM\.model\.norm .*backward hook"):
+        cmodel(**kwargs)
+
+
+def test_tied_embedding_resized_after_wrapping_stays_tied():
+    model, kwargs = gpt2(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cmodel = op.checkpoint(model, kwargs, memory_limit="60%", repeats=1, warmup=0,
+                           fast_path=False)
+    cmodel.resize_token_embeddings(128)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert_same(step(cmodel, model, kwargs, seed=3), step(model, model, kwargs, seed=3))
+

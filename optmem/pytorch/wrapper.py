@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
+from torch.utils.hooks import RemovableHandle
 
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError
@@ -559,34 +560,113 @@ def _hashable(value: Any) -> Any:
 
 
 class TensorState:
-    """The dtypes and devices of a module's parameters and buffers, checked cheaply per call.
+    """What an exported graph baked in of the model, checked cheaply per call.
 
-    An exported graph bakes in the dtype conversions it traced (Llama's RMSNorm computes in
-    float32 and casts back to the dtype of its input *at trace time*): after
-    ``model.to(torch.float64)`` the float32 graph would return float32 logits. The state
-    is part of the signature, so such a change extracts again. Per call it compares every
-    tensor's dtype with the recorded one and the devices of the first and last tensors
-    (7-9 us for GPT-2's 148 parameters, 22 us for BERT's 394), and recomputes the state
-    when one differs.
+    An exported graph bakes in what it traced of the model:
+
+    * the dtype conversions (Llama's RMSNorm computes in float32 and casts back to the dtype
+      of its input *at trace time*): after ``model.to(torch.float64)`` the float32 graph
+      would return float32 logits;
+    * the shapes of parameters (``model.resize_token_embeddings(n)`` resizes in place: the
+      graph's views of the logits kept the old vocabulary, and the call failed);
+    * the module tree: each stage reads the parameters of the *modules it was traced with*,
+      so a submodule replaced after wrapping (``model.lm_head = nn.Linear(...)``, adapters
+      injected in place of layers) was silently ignored: the old weights computed the
+      output, and the new ones got no gradient;
+    * the module hooks: forward hooks and pre-hooks are traced into the graph, backward
+      hooks are refused (:mod:`optmem.pytorch.hooks`); a hook registered or removed after
+      wrapping was silently ignored.
+
+    The state is part of the signature, so any such change extracts again (and a new
+    backward hook is then refused, a new forward hook reported, as when wrapping). The
+    token is the set of (dtype, device) of the tensors and a version that counts the
+    changes of shapes, module tree and hooks: moving the model back to its dtype reuses
+    the graph of that dtype. Replacing a parameter by one of the same shape and dtype
+    (``load_state_dict(assign=True)``) changes nothing: the stages follow it
+    (:meth:`~optmem.pytorch.extract.Extraction.rebind`).
+
+    Per call it looks up every parameter and buffer in its module and compares its dtype
+    and shape with the recorded ones, every child module with the recorded one, the devices
+    of the first and last tensors, the number of submodules, parameters and buffers (an
+    addition), the number of hooks of every module that has some (a removal), and the id
+    of the next hook handle torch will make (any registration; when it moved, which hooks
+    every module holds); it recomputes the state when one differs. What the forward reads
+    of plain Python attributes (``config`` flags, an adapter's name) is traced as it was
+    and is not checked.
     """
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
+        self._version = 0
         self._refresh()
 
     def _refresh(self) -> None:
-        tensors = [*self.module.parameters(),
-                   *(b for b in self.module.buffers() if b is not None)]
-        self._dtypes = [(t, t.dtype) for t in tensors]
-        self._devices = [(t, t.device) for t in tensors[:1] + tensors[-1:]]
-        self.token = frozenset((t.dtype, str(t.device)) for t in tensors)
+        modules = list(self.module.modules())
+        tensors: list[tuple[dict[str, Any], str, Any]] = []
+        children: list[tuple[dict[str, Any], str, Any]] = []
+        for m in modules:
+            children += [(m._modules, name, sub) for name, sub in m._modules.items()]
+            for slots in (m._parameters, m._buffers):
+                for name, t in slots.items():
+                    (children if t is None else tensors).append((slots, name, t))
+        self._tensors = [(slots, name, t.dtype, t.shape) for slots, name, t in tensors]
+        self._children = children
+        self._devices = [(slots, name, t.device) for slots, name, t in tensors[:1] + tensors[-1:]]
+        self._entries = [d for m in modules for d in (m._modules, m._parameters, m._buffers)]
+        self._n_entries = sum(map(len, self._entries))  # additions change it
+        self._all_hooks = [d for m in modules for d in _hook_dicts(m)] + _global_hook_dicts()
+        self._hook_ids = self._hook_keys()
+        self._hooks = [(d, len(d)) for d in self._all_hooks if d]  # removals change these
+        self._handle_id = RemovableHandle.next_id  # every registration moves it
+        self.token = (frozenset((t.dtype, str(t.device)) for _, _, t in tensors),
+                      self._version)
 
-    def key(self) -> frozenset[tuple[torch.dtype, str]]:
-        """The set of (dtype, device) of the module's tensors now."""
-        if any(t.dtype is not d for t, d in self._dtypes) or \
-                any(t.device != d for t, d in self._devices):
+    def _hook_keys(self) -> tuple[tuple[int, tuple[int, ...]], ...]:
+        """Which hook dictionaries hold which hooks (by handle id)."""
+        return tuple((k, tuple(d)) for k, d in enumerate(self._all_hooks) if d)
+
+    def _structure_changed(self) -> bool:
+        """Shapes, module tree or hooks differ from the recorded ones."""
+        if sum(map(len, self._entries)) != self._n_entries or \
+                any(len(d) != n for d, n in self._hooks):
+            return True
+        if RemovableHandle.next_id != self._handle_id:  # a hook of any kind, anywhere
+            if self._hook_keys() != self._hook_ids:
+                return True
+            self._handle_id = RemovableHandle.next_id
+        for slots, name, _, shape in self._tensors:
+            t = slots.get(name)
+            if t is None or t.shape != shape:
+                return True
+        return any(d.get(name) is not value for d, name, value in self._children)
+
+    def _tensors_changed(self) -> bool:
+        """Dtypes or devices differ from the recorded ones."""
+        return any(slots[name].dtype is not dtype for slots, name, dtype, _ in self._tensors) \
+            or any(d[name].device != device for d, name, device in self._devices)
+
+    def key(self) -> tuple[frozenset[tuple[torch.dtype, str]], int]:
+        """The set of (dtype, device) of the module's tensors now, and the version."""
+        if self._structure_changed():
+            self._version += 1
+            self._refresh()
+        elif self._tensors_changed():
             self._refresh()
         return self.token
+
+
+def _hook_dicts(module: nn.Module) -> tuple[dict[int, Any], ...]:
+    """The dictionaries of a module's forward and backward hooks (and pre-hooks)."""
+    return (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
+            module._backward_pre_hooks)
+
+
+def _global_hook_dicts() -> list[dict[int, Any]]:
+    """The global module hooks (``torch.nn.modules.module.register_module_*_hook``)."""
+    from torch.nn.modules import module as module_mod
+
+    return [module_mod._global_forward_hooks, module_mod._global_forward_pre_hooks,
+            module_mod._global_backward_hooks, module_mod._global_backward_pre_hooks]
 
 
 def _refuse_nested(module: Any) -> None:
