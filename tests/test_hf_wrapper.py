@@ -457,3 +457,16 @@ def test_tied_embedding_resized_after_wrapping_stays_tied():
     assert model.lm_head.weight is model.transformer.wte.weight
     assert_same(step(cmodel, model, kwargs, seed=3), step(model, model, kwargs, seed=3))
 
+
+def test_use_cache_true_in_training_is_turned_off_with_a_warning(gpt):
+    """``cmodel(..., use_cache=True)`` with grad enabled: the model's ``use_cache=False``
+    step and a warning, as HF's gradient checkpointing does (before: an extraction error on
+    the cache ``torch.export`` cannot return); without grad the model runs as it is."""
+    model, kwargs, cmodel, _ = gpt
+    with pytest.warns(UserWarning, match="use_cache=True is incompatible with optmem"):
+        got = step(cmodel, model, {**kwargs, "use_cache": True}, seed=4)
+    assert_same(got, step(model, model, {**kwargs, "use_cache": False}, seed=4))
+    from transformers.cache_utils import Cache
+
+    with torch.no_grad():  # the model itself: its generation cache
+        assert any(isinstance(v, Cache) for v in cmodel(**kwargs, use_cache=True).values())

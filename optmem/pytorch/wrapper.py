@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -67,12 +68,17 @@ from optmem.pytorch.planning import Planner
 from optmem.result import Result
 from optmem.units import format_size
 
-__all__ = ["MAX_VARIANTS", "PLAIN_PEAK", "PlannedModule", "ProfileOptions", "leaves_no_trace",
-           "plan_stages", "with_plain_peak"]
+__all__ = ["MAX_VARIANTS", "PLAIN_PEAK", "USE_CACHE_WARNING", "PlannedModule", "ProfileOptions",
+           "leaves_no_trace", "plan_stages", "with_plain_peak"]
 
 MAX_VARIANTS = 8
 PLAIN_PEAK = "plain_peak"
 """Key of the plain model's measured real activation peak in ``chain.extra["profile"]``."""
+USE_CACHE_WARNING = (
+    "use_cache=True is incompatible with optmem's plan (as with gradient checkpointing): "
+    "setting use_cache=False, the output has no generation cache; call the model under "
+    "torch.no_grad() (or cmodel.generate) for one")
+"""The warning of a call with grad enabled that asks for a generation cache."""
 _PREFIX = "_optmem_module."
 _log = logging.getLogger("optmem")
 
@@ -525,7 +531,10 @@ def canonical_call(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     generation cache, useless in training and not exportable) is set to ``False`` when the
     model takes it and the call does not give it or gives ``None`` (the model's default, as
     a parent model passes it to a wrapped backbone: ``LlamaForCausalLM`` calls its
-    ``model`` with ``use_cache=None``).
+    ``model`` with ``use_cache=None``). A call that asks for the cache (``use_cache=True``)
+    gets it turned off too, with a warning (:data:`USE_CACHE_WARNING`), as HuggingFace's
+    own gradient checkpointing does in training: before, such a call tried to extract a
+    graph that returns the cache and failed with ``torch.export``'s error on it.
     """
     signature = signature or inspect.signature(module.forward)
     try:
@@ -546,7 +555,9 @@ def canonical_call(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
             kw.update(value)
         else:
             kw[name] = value
-    if "use_cache" in signature.parameters and kw.get("use_cache") is None:
+    if "use_cache" in signature.parameters:
+        if kw.get("use_cache"):
+            warnings.warn(USE_CACHE_WARNING, stacklevel=2)
         kw["use_cache"] = False
     return tuple(pos), kw
 
