@@ -470,3 +470,17 @@ def test_use_cache_true_in_training_is_turned_off_with_a_warning(gpt):
 
     with torch.no_grad():  # the model itself: its generation cache
         assert any(isinstance(v, Cache) for v in cmodel(**kwargs, use_cache=True).values())
+
+
+def test_a_tokenizers_batch_encoding_is_keyword_arguments():
+    """A ``BatchEncoding`` (what a tokenizer or a padding collator returns; a ``UserDict``,
+    not a ``dict``) as the sample is the call's keyword arguments, as a dict is (before: it
+    was taken as one positional argument and the extraction failed)."""
+    from transformers import BatchEncoding
+
+    model, kwargs = gpt2(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    batch = BatchEncoding(dict(kwargs))
+    cmodel = op.checkpoint(model, batch, memory_limit="60%", repeats=1, warmup=0,
+                           fast_path=False)
+    assert_same(step(cmodel, model, dict(batch), seed=1), step(model, model, kwargs, seed=1))
+    assert len(cmodel.variants) == 1  # the sample's signature

@@ -36,7 +36,7 @@ import inspect
 import logging
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -140,9 +140,10 @@ def is_plain_chain(module: Any) -> bool:
 def call_of(sample: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """A sample as a call ``(args, kwargs)``.
 
-    A tensor is one argument, a tuple the positional arguments, a dict the keyword arguments.
+    A tensor is one argument, a tuple the positional arguments, a dict (any mapping, such
+    as the ``BatchEncoding`` a HuggingFace tokenizer returns) the keyword arguments.
     """
-    if isinstance(sample, dict):
+    if isinstance(sample, Mapping):
         return (), dict(sample)
     if isinstance(sample, tuple):
         return sample, {}
