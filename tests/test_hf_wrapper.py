@@ -449,13 +449,22 @@ def test_changes_to_the_model_after_wrapping_extract_again():
         cmodel(**kwargs)
 
 
-def test_tied_embedding_resized_after_wrapping_stays_tied():
+def test_tied_embedding_resized_then_untied_after_wrapping():
+    """GPT-2's graph reads one parameter for its tied embedding and head: resized, they
+    stay tied; untied after wrapping (a parameter replaced by one of the same shape), the
+    next call extracts again (before: the embedding was silently computed with the new
+    head's weight, logits 0.57 apart)."""
     model, kwargs = gpt2(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     cmodel = op.checkpoint(model, kwargs, memory_limit="60%", repeats=1, warmup=0,
                            fast_path=False)
     cmodel.resize_token_embeddings(128)
     assert model.lm_head.weight is model.transformer.wte.weight
     assert_same(step(cmodel, model, kwargs, seed=3), step(model, model, kwargs, seed=3))
+    assert len(cmodel.variants) == 2
+    with torch.no_grad():
+        model.lm_head.weight = torch.nn.Parameter(model.transformer.wte.weight * 2)
+    assert_same(step(cmodel, model, kwargs, seed=3), step(model, model, kwargs, seed=3))
+    assert len(cmodel.variants) == 3
 
 
 def test_use_cache_true_in_training_is_turned_off_with_a_warning(gpt):

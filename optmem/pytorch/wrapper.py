@@ -36,7 +36,7 @@ import inspect
 import logging
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -585,6 +585,9 @@ class TensorState:
       so a submodule replaced after wrapping (``model.lm_head = nn.Linear(...)``, adapters
       injected in place of layers) was silently ignored: the old weights computed the
       output, and the new ones got no gradient;
+    * which parameters are one object: the graph of a model with tied weights (GPT-2's
+      embedding and head) reads one parameter for both uses, so untying them after
+      wrapping silently computed the embedding with the new head;
     * the module hooks: forward hooks and pre-hooks are traced into the graph, backward
       hooks are refused (:mod:`optmem.pytorch.hooks`); a hook registered or removed after
       wrapping was silently ignored.
@@ -594,17 +597,17 @@ class TensorState:
     token is the set of (dtype, device) of the tensors and a version that counts the
     changes of shapes, module tree and hooks: moving the model back to its dtype reuses
     the graph of that dtype. Replacing a parameter by one of the same shape and dtype
-    (``load_state_dict(assign=True)``) changes nothing: the stages follow it
-    (:meth:`~optmem.pytorch.extract.Extraction.rebind`).
+    (``load_state_dict(assign=True)``), without tying or untying any, changes nothing: the
+    stages follow it (:meth:`~optmem.pytorch.extract.Extraction.rebind`).
 
-    Per call it looks up every parameter and buffer in its module and compares its dtype
-    and shape with the recorded ones, every child module with the recorded one, the devices
-    of the first and last tensors, the number of submodules, parameters and buffers (an
-    addition), the number of hooks of every module that has some (a removal), and the id
-    of the next hook handle torch will make (any registration; when it moved, which hooks
-    every module holds); it recomputes the state when one differs. What the forward reads
-    of plain Python attributes (``config`` flags, an adapter's name) is traced as it was
-    and is not checked.
+    Per call it looks up every parameter and buffer in its module and compares it, its
+    dtype and shape with the recorded ones (when one was replaced: which are one object),
+    every child module with the recorded one, the devices of the first and last tensors,
+    the number of submodules, parameters and buffers (an addition), the number of hooks of
+    every module that has some (a removal), and the id of the next hook handle torch will
+    make (any registration; when it moved, which hooks every module holds); it recomputes
+    the state when one differs. What the forward reads of plain Python attributes
+    (``config`` flags, an adapter's name) is traced as it was and is not checked.
     """
 
     def __init__(self, module: nn.Module) -> None:
@@ -621,7 +624,8 @@ class TensorState:
             for slots in (m._parameters, m._buffers):
                 for name, t in slots.items():
                     (children if t is None else tensors).append((slots, name, t))
-        self._tensors = [(slots, name, t.dtype, t.shape) for slots, name, t in tensors]
+        self._tensors = [(slots, name, t, t.dtype, t.shape) for slots, name, t in tensors]
+        self._sharing = _sharing(t for _, _, t in tensors)
         self._children = children
         self._devices = [(slots, name, t.device) for slots, name, t in tensors[:1] + tensors[-1:]]
         self._entries = [d for m in modules for d in (m._modules, m._parameters, m._buffers)]
@@ -637,34 +641,48 @@ class TensorState:
         """Which hook dictionaries hold which hooks (by handle id)."""
         return tuple((k, tuple(d)) for k, d in enumerate(self._all_hooks) if d)
 
-    def _structure_changed(self) -> bool:
-        """Shapes, module tree or hooks differ from the recorded ones."""
+    def _change(self) -> int:
+        """How the model differs from the recorded state.
+
+        0: not at all; 1: dtypes, devices or parameter objects (the graph of that dtype
+        applies, the stages follow the objects); 2: shapes, tied weights, module tree or
+        hooks (the graph does not apply).
+        """
         if sum(map(len, self._entries)) != self._n_entries or \
                 any(len(d) != n for d, n in self._hooks):
-            return True
+            return 2
         if RemovableHandle.next_id != self._handle_id:  # a hook of any kind, anywhere
             if self._hook_keys() != self._hook_ids:
-                return True
+                return 2
             self._handle_id = RemovableHandle.next_id
-        for slots, name, _, shape in self._tensors:
+        if any(d.get(name) is not value for d, name, value in self._children):
+            return 2
+        replaced = retyped = False
+        for slots, name, before, dtype, shape in self._tensors:
             t = slots.get(name)
             if t is None or t.shape != shape:
-                return True
-        return any(d.get(name) is not value for d, name, value in self._children)
-
-    def _tensors_changed(self) -> bool:
-        """Dtypes or devices differ from the recorded ones."""
-        return any(slots[name].dtype is not dtype for slots, name, dtype, _ in self._tensors) \
-            or any(d[name].device != device for d, name, device in self._devices)
+                return 2
+            replaced |= t is not before
+            retyped |= t.dtype is not dtype
+        if replaced and _sharing(slots[name] for slots, name, *_ in self._tensors) != \
+                self._sharing:  # weights tied or untied: the graph traced one or two
+            return 2
+        return 1 if replaced or retyped or any(
+            d[name].device != device for d, name, device in self._devices) else 0
 
     def key(self) -> tuple[frozenset[tuple[torch.dtype, str]], int]:
         """The set of (dtype, device) of the module's tensors now, and the version."""
-        if self._structure_changed():
-            self._version += 1
-            self._refresh()
-        elif self._tensors_changed():
+        change = self._change()
+        if change:
+            self._version += change == 2
             self._refresh()
         return self.token
+
+
+def _sharing(tensors: Iterable[torch.Tensor]) -> tuple[int, ...]:
+    """Which tensors are one object: for each, the index of the first one that is it."""
+    first: dict[int, int] = {}
+    return tuple(first.setdefault(id(t), k) for k, t in enumerate(tensors))
 
 
 def _hook_dicts(module: nn.Module) -> tuple[dict[int, Any], ...]:
