@@ -493,3 +493,20 @@ def test_a_tokenizers_batch_encoding_is_keyword_arguments():
                            fast_path=False)
     assert_same(step(cmodel, model, dict(batch), seed=1), step(model, model, kwargs, seed=1))
     assert len(cmodel.variants) == 1  # the sample's signature
+
+
+def test_a_copied_wrapper_sees_global_hooks_registered_later(lla):
+    """``copy.deepcopy(cmodel)`` (or pickling) recomputes the model's state on the copy,
+    so it watches torch's own global hook registry, not a copy of it (before: a global
+    forward hook registered after the copy was never seen, and never traced)."""
+    from torch.nn.modules.module import register_module_forward_hook
+
+    model, kwargs, cmodel, _ = lla
+    twin = copy.deepcopy(cmodel)
+    handle = register_module_forward_hook(lambda m, args, out: None)
+    try:
+        with pytest.warns(UserWarning, match="the global module forward hooks"):
+            step(twin, twin.module, kwargs, seed=1)
+    finally:
+        handle.remove()
+    assert len(twin.variants) == 2

@@ -615,6 +615,15 @@ class TensorState:
         self._version = 0
         self._refresh()
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Copied or pickled: the module and the version (the rest is recomputed)."""
+        return {"module": self.module, "_version": self._version}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Recompute the state of the (copied) module: torch's global hooks stay torch's."""
+        self.__dict__.update(state)
+        self._refresh()
+
     def _refresh(self) -> None:
         modules = list(self.module.modules())
         tensors: list[tuple[dict[str, Any], str, Any]] = []
