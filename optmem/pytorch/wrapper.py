@@ -21,8 +21,9 @@ rest of PyTorch it is the model itself:
 
 **Specialisation.** An exported chain is specialised to the call it was extracted from:
 shapes, dtypes, flags, which keyword arguments are given, ``training``, the autocast state,
-which inputs require grad, and the dtypes and devices of the model's parameters and buffers
-(:class:`TensorState`). A call with another *signature* is extracted again (about a
+which inputs require grad, the dtypes and devices of the model's parameters and buffers,
+and what the graph traced of the model: their shapes, which are tied, the module tree and
+its hooks (:class:`TensorState`). A call with another *signature* is extracted again (about a
 second), profiled again (sizes only when its stages match the first chain's: its times are
 scaled from the first profile; in full otherwise) and solved again with the same limit and
 method; the last :data:`MAX_VARIANTS` signatures are kept. Models given as an
@@ -736,7 +737,8 @@ def signature_key(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
                   tensors: Any = None) -> Any:
     """What an exported chain is specialised to (see the module docstring).
 
-    ``tensors``: :meth:`TensorState.key` of the module (its parameters' dtypes and devices).
+    ``tensors``: :meth:`TensorState.key` of the module (its parameters' dtypes and devices,
+    and the version of its structure).
     """
     leaves, spec = tree_flatten((args, dict(sorted(kwargs.items()))))
     parts: list[tuple[Any, ...]] = []
