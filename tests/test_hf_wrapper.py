@@ -18,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="the torch bridge needs torch")
 pytest.importorskip("transformers", reason="the HF tests need transformers (dev extra)")
 
-from hf_helpers import assert_same, bert, gpt2, llama, step  # noqa: E402
+from hf_helpers import assert_same, bert, gpt2, llama, resnet, step  # noqa: E402
 
 import optmem.pytorch as op  # noqa: E402
 from optmem.errors import OptmemInputError  # noqa: E402
@@ -511,3 +511,24 @@ def test_a_copied_wrapper_sees_global_hooks_registered_later(lla):
     finally:
         handle.remove()
     assert len(twin.variants) == n + 1
+
+
+def test_batchnorm_frozen_after_wrapping():
+    """``bn.eval()`` on the BatchNorm layers after wrapping (frozen statistics while the
+    rest trains): the next call extracts again; loss, gradients and buffers are the
+    model's (before: the graph kept normalising with batch statistics and updating the
+    running ones, loss 0.69 apart); back in train mode, the first graph is reused."""
+    model, kwargs = resnet()
+    cmodel = op.checkpoint(model, kwargs, memory_limit="60%", repeats=1, warmup=0,
+                           fast_path=False)
+    twin = copy.deepcopy(model)
+    for m in [*model.modules(), *twin.modules()]:
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.eval()
+    assert_same(step(cmodel, model, kwargs, seed=1), step(twin, twin, kwargs, seed=1))
+    assert all(torch.equal(a, b) for a, b in zip(model.buffers(), twin.buffers(), strict=True))
+    cmodel.train()
+    twin.train()
+    assert_same(step(cmodel, model, kwargs, seed=1), step(twin, twin, kwargs, seed=1))
+    assert all(torch.equal(a, b) for a, b in zip(model.buffers(), twin.buffers(), strict=True))
+    assert len(cmodel.variants) == 2

@@ -589,24 +589,29 @@ class TensorState:
     * which parameters are one object: the graph of a model with tied weights (GPT-2's
       embedding and head) reads one parameter for both uses, so untying them after
       wrapping silently computed the embedding with the new head;
+    * the training mode of every submodule, not only the model's (BatchNorm frozen with
+      ``bn.eval()`` after wrapping kept normalising with batch statistics and updating the
+      running ones);
     * the module hooks: forward hooks and pre-hooks are traced into the graph, backward
       hooks are refused (:mod:`optmem.pytorch.hooks`); a hook registered or removed after
       wrapping was silently ignored.
 
     The state is part of the signature, so any such change extracts again (and a new
     backward hook is then refused, a new forward hook reported, as when wrapping). The
-    token is the set of (dtype, device) of the tensors and a version that counts the
-    changes of shapes, module tree and hooks: moving the model back to its dtype reuses
-    the graph of that dtype. Replacing a parameter by one of the same shape and dtype
-    (``load_state_dict(assign=True)``), without tying or untying any, changes nothing: the
-    stages follow it (:meth:`~optmem.pytorch.extract.Extraction.rebind`).
+    token is the set of (dtype, device) of the tensors, a version that counts the changes
+    of shapes, module tree and hooks, and which modules train: moving the model back to
+    its dtype, or its submodules back to their modes, reuses the graph of that state.
+    Replacing a parameter by one of the same shape and dtype (``load_state_dict(assign=
+    True)``), without tying or untying any, changes nothing: the stages follow it
+    (:meth:`~optmem.pytorch.extract.Extraction.rebind`).
 
     Per call it looks up every parameter and buffer in its module and compares it, its
     dtype and shape with the recorded ones (when one was replaced: which are one object),
     every child module with the recorded one, the devices of the first and last tensors,
     the number of submodules, parameters and buffers (an addition), the number of hooks of
-    every module that has some (a removal), and the id of the next hook handle torch will
-    make (any registration; when it moved, which hooks every module holds); it recomputes
+    every module that has some (a removal), the id of the next hook handle torch will
+    make (any registration; when it moved, which hooks every module holds) and every
+    module's training flag; it recomputes
     the state when one differs. What the forward reads of plain Python attributes
     (``config`` flags, an adapter's name) is traced as it was and is not checked.
     """
@@ -644,8 +649,9 @@ class TensorState:
         self._hook_ids = self._hook_keys()
         self._hooks = [(d, len(d)) for d in self._all_hooks if d]  # removals change these
         self._handle_id = RemovableHandle.next_id  # every registration moves it
+        self._modes = [(m, m.training) for m in modules]
         self.token = (frozenset((t.dtype, str(t.device)) for _, _, t in tensors),
-                      self._version)
+                      self._version, sum(1 << k for k, m in enumerate(modules) if m.training))
 
     def _hook_keys(self) -> tuple[tuple[int, tuple[int, ...]], ...]:
         """Which hook dictionaries hold which hooks (by handle id)."""
@@ -654,9 +660,9 @@ class TensorState:
     def _change(self) -> int:
         """How the model differs from the recorded state.
 
-        0: not at all; 1: dtypes, devices or parameter objects (the graph of that dtype
-        applies, the stages follow the objects); 2: shapes, tied weights, module tree or
-        hooks (the graph does not apply).
+        0: not at all; 1: dtypes, devices, parameter objects or a module's training mode
+        (the graph of that state applies, the stages follow the objects); 2: shapes, tied
+        weights, module tree or hooks (the graph does not apply).
         """
         if sum(map(len, self._entries)) != self._n_entries or \
                 any(len(d) != n for d, n in self._hooks):
@@ -678,10 +684,15 @@ class TensorState:
                 self._sharing:  # weights tied or untied: the graph traced one or two
             return 2
         return 1 if replaced or retyped or any(
-            d[name].device != device for d, name, device in self._devices) else 0
+            d[name].device != device for d, name, device in self._devices) or any(
+            m.training is not mode for m, mode in self._modes) else 0
 
-    def key(self) -> tuple[frozenset[tuple[torch.dtype, str]], int]:
-        """The set of (dtype, device) of the module's tensors now, and the version."""
+    def key(self) -> tuple[frozenset[tuple[torch.dtype, str]], int, int]:
+        """The module's state now.
+
+        The set of (dtype, device) of its tensors, the version of its structure, and which
+        modules are in training mode (a bit per module).
+        """
         change = self._change()
         if change:
             self._version += change == 2
