@@ -482,3 +482,119 @@ def test_a_chain_of_another_model_is_refused():
                            r"module's \(transformer.wte\) 12800") as info:
             kind(model, kwargs, memory_limit="60%", chain=other, **kw)
         assert info.value.field == "chain"
+
+
+def test_changes_to_the_model_after_wrapping_extract_again():
+    """A submodule replaced, a parameter resized, a hook added or removed after wrapping:
+    the next call extracts again and computes what the model now computes.
+
+    Before, the stages kept reading the modules they were traced with: a new ``lm_head``
+    was silently ignored (its weights got no gradient), ``resize_token_embeddings`` made
+    the call fail in a view of the old vocabulary, and a forward hook registered after
+    wrapping (or removed) changed nothing.
+    """
+    model, kwargs = llama()
+    cmodel = op.checkpoint(model, kwargs, memory_limit="60%", repeats=1, warmup=0,
+                           fast_path=False)
+    torch.manual_seed(1)
+    model.lm_head = torch.nn.Linear(32, 100, bias=False)  # as adapters replace layers
+    assert_same(step(cmodel, model, kwargs, seed=2), step(model, model, kwargs, seed=2))
+    assert len(cmodel.variants) == 2
+    model.resize_token_embeddings(120)  # in place: the same parameter objects, new shapes
+    got, ref = step(cmodel, model, kwargs, seed=2), step(model, model, kwargs, seed=2)
+    assert got[0].logits.shape[-1] == 120
+    assert_same(got, ref)
+    handle = model.model.norm.register_forward_hook(lambda m, i, o: o * 2)
+    with pytest.warns(UserWarning, match="forward hooks on LlamaForCausalLM.model.norm"):
+        got = step(cmodel, model, kwargs, seed=2)
+    assert_same(got, step(model, model, kwargs, seed=2))
+    handle.remove()
+    assert_same(step(cmodel, model, kwargs, seed=2), step(model, model, kwargs, seed=2))
+    model.model.norm.register_full_backward_hook(lambda m, gi, go: None)
+    with pytest.raises(OptmemInputError, match=r"LlamaForCausalLM\.model\.norm .*backward hook"):
+        cmodel(**kwargs)
+
+
+def test_tied_embedding_resized_then_untied_after_wrapping():
+    """GPT-2's graph reads one parameter for its tied embedding and head: resized, they
+    stay tied; untied after wrapping (a parameter replaced by one of the same shape), the
+    next call extracts again (before: the embedding was silently computed with the new
+    head's weight, logits 0.57 apart)."""
+    model, kwargs = gpt2(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cmodel = op.checkpoint(model, kwargs, memory_limit="60%", repeats=1, warmup=0,
+                           fast_path=False)
+    cmodel.resize_token_embeddings(128)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert_same(step(cmodel, model, kwargs, seed=3), step(model, model, kwargs, seed=3))
+    assert len(cmodel.variants) == 2
+    with torch.no_grad():
+        model.lm_head.weight = torch.nn.Parameter(model.transformer.wte.weight * 2)
+    assert_same(step(cmodel, model, kwargs, seed=3), step(model, model, kwargs, seed=3))
+    assert len(cmodel.variants) == 3
+
+
+def test_use_cache_true_in_training_is_turned_off_with_a_warning(gpt):
+    """``cmodel(..., use_cache=True)`` with grad enabled: the model's ``use_cache=False``
+    step and a warning, as HF's gradient checkpointing does (before: an extraction error on
+    the cache ``torch.export`` cannot return); without grad the model runs as it is."""
+    model, kwargs, cmodel, _ = gpt
+    with pytest.warns(UserWarning, match="use_cache=True is incompatible with optmem"):
+        got = step(cmodel, model, {**kwargs, "use_cache": True}, seed=4)
+    assert_same(got, step(model, model, {**kwargs, "use_cache": False}, seed=4))
+    from transformers.cache_utils import Cache
+
+    with torch.no_grad():  # the model itself: its generation cache
+        assert any(isinstance(v, Cache) for v in cmodel(**kwargs, use_cache=True).values())
+
+
+def test_a_tokenizers_batch_encoding_is_keyword_arguments():
+    """A ``BatchEncoding`` (what a tokenizer or a padding collator returns; a ``UserDict``,
+    not a ``dict``) as the sample is the call's keyword arguments, as a dict is (before: it
+    was taken as one positional argument and the extraction failed)."""
+    from transformers import BatchEncoding
+
+    model, kwargs = gpt2(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    batch = BatchEncoding(dict(kwargs))
+    cmodel = op.checkpoint(model, batch, memory_limit="60%", repeats=1, warmup=0,
+                           fast_path=False)
+    assert_same(step(cmodel, model, dict(batch), seed=1), step(model, model, kwargs, seed=1))
+    assert len(cmodel.variants) == 1  # the sample's signature
+
+
+def test_a_copied_wrapper_sees_global_hooks_registered_later(lla):
+    """``copy.deepcopy(cmodel)`` (or pickling) recomputes the model's state on the copy,
+    so it watches torch's own global hook registry, not a copy of it (before: a global
+    forward hook registered after the copy was never seen, and never traced)."""
+    from torch.nn.modules.module import register_module_forward_hook
+
+    model, kwargs, cmodel, _ = lla
+    twin = copy.deepcopy(cmodel)
+    n = len(twin.variants)
+    handle = register_module_forward_hook(lambda m, args, out: None)
+    try:
+        with pytest.warns(UserWarning, match="the global module forward hooks"):
+            step(twin, twin.module, kwargs, seed=1)
+    finally:
+        handle.remove()
+    assert len(twin.variants) == n + 1
+
+
+def test_batchnorm_frozen_after_wrapping():
+    """``bn.eval()`` on the BatchNorm layers after wrapping (frozen statistics while the
+    rest trains): the next call extracts again; loss, gradients and buffers are the
+    model's (before: the graph kept normalising with batch statistics and updating the
+    running ones, loss 0.69 apart); back in train mode, the first graph is reused."""
+    model, kwargs = resnet()
+    cmodel = op.checkpoint(model, kwargs, memory_limit="60%", repeats=1, warmup=0,
+                           fast_path=False)
+    twin = copy.deepcopy(model)
+    for m in [*model.modules(), *twin.modules()]:
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.eval()
+    assert_same(step(cmodel, model, kwargs, seed=1), step(twin, twin, kwargs, seed=1))
+    assert all(torch.equal(a, b) for a, b in zip(model.buffers(), twin.buffers(), strict=True))
+    cmodel.train()
+    twin.train()
+    assert_same(step(cmodel, model, kwargs, seed=1), step(twin, twin, kwargs, seed=1))
+    assert all(torch.equal(a, b) for a, b in zip(model.buffers(), twin.buffers(), strict=True))
+    assert len(cmodel.variants) == 2

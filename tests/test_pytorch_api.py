@@ -243,6 +243,41 @@ def test_sequential_wrapper_keeps_the_models_face():
         cnet(x, x)
 
 
+
+def test_forward_hooks_of_sequential_stages_run_at_every_run_of_the_stage():
+    """The stages of an ``nn.Sequential`` are its modules, called by the executor: their
+    forward hooks run at each ``F`` op of the plan (the first run and every re-run, as
+    under ``torch.utils.checkpoint``), once under ``no_grad``; the hooks of the flattened
+    containers (the ``Sequential`` itself, nested ones) are not called (documented)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)])
+    x = torch.randn(8, 16, requires_grad=True)
+    cnet = op.checkpoint(net, x, memory_limit="min", repeats=1, warmup=0, fast_path=False)
+    calls: dict[str, int] = {}
+
+    def count(name):
+        def hook(module, args, out):
+            calls[name] = calls.get(name, 0) + 1
+        return hook
+
+    for k, block in enumerate(net):
+        block[0].register_forward_hook(count(f"{k}.0"))
+        block.register_forward_hook(count(f"{k}"))
+    net.register_forward_hook(count("net"))
+    cnet(x).sum().backward()
+    runs = {}
+    for o in cnet.result.plan:
+        if o.startswith("F_"):
+            name = cnet.stage_names[int(o.split()[1]) - 1]
+            runs[name] = runs.get(name, 0) + 1
+    assert any(n > 1 for n in runs.values()), cnet.result.plan  # some stage re-runs
+    assert calls == {name: n for name, n in runs.items() if name in calls}
+    assert set(calls) == {f"{k}.0" for k in range(4)}  # the containers' hooks: not called
+    calls.clear()
+    with torch.no_grad():
+        cnet(x)
+    assert calls == {f"{k}.0": 1 for k in range(4)}
+
 class MaskedBlocks(nn.Module):
     def __init__(self, width=16, depth=3):
         super().__init__()

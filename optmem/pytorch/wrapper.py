@@ -21,8 +21,9 @@ rest of PyTorch it is the model itself:
 
 **Specialisation.** An exported chain is specialised to the call it was extracted from:
 shapes, dtypes, flags, which keyword arguments are given, ``training``, the autocast state,
-which inputs require grad, and the dtypes and devices of the model's parameters and buffers
-(:class:`TensorState`). A call with another *signature* is extracted again (about a
+which inputs require grad, the dtypes and devices of the model's parameters and buffers,
+and what the graph traced of the model: their shapes, which are tied, the module tree and
+its hooks (:class:`TensorState`). A call with another *signature* is extracted again (about a
 second), profiled again (sizes only when its stages match the first chain's: its times are
 scaled from the first profile; in full otherwise) and solved again with the same limit and
 method; the last :data:`MAX_VARIANTS` signatures are kept. Models given as an
@@ -34,8 +35,9 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
+from torch.utils.hooks import RemovableHandle
 
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError
@@ -66,12 +69,17 @@ from optmem.pytorch.planning import Planner
 from optmem.result import Result
 from optmem.units import format_size
 
-__all__ = ["MAX_VARIANTS", "PLAIN_PEAK", "PlannedModule", "ProfileOptions", "leaves_no_trace",
-           "plan_stages", "with_plain_peak"]
+__all__ = ["MAX_VARIANTS", "PLAIN_PEAK", "USE_CACHE_WARNING", "PlannedModule", "ProfileOptions",
+           "leaves_no_trace", "plan_stages", "with_plain_peak"]
 
 MAX_VARIANTS = 8
 PLAIN_PEAK = "plain_peak"
 """Key of the plain model's measured real activation peak in ``chain.extra["profile"]``."""
+USE_CACHE_WARNING = (
+    "use_cache=True is incompatible with optmem's plan (as with gradient checkpointing): "
+    "setting use_cache=False, the output has no generation cache; call the model under "
+    "torch.no_grad() (or cmodel.generate) for one")
+"""The warning of a call with grad enabled that asks for a generation cache."""
 _PREFIX = "_optmem_module."
 _log = logging.getLogger("optmem")
 
@@ -133,9 +141,10 @@ def is_plain_chain(module: Any) -> bool:
 def call_of(sample: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """A sample as a call ``(args, kwargs)``.
 
-    A tensor is one argument, a tuple the positional arguments, a dict the keyword arguments.
+    A tensor is one argument, a tuple the positional arguments, a dict (any mapping, such
+    as the ``BatchEncoding`` a HuggingFace tokenizer returns) the keyword arguments.
     """
-    if isinstance(sample, dict):
+    if isinstance(sample, Mapping):
         return (), dict(sample)
     if isinstance(sample, tuple):
         return sample, {}
@@ -521,7 +530,10 @@ def canonical_call(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     generation cache, useless in training and not exportable) is set to ``False`` when the
     model takes it and the call does not give it or gives ``None`` (the model's default, as
     a parent model passes it to a wrapped backbone: ``LlamaForCausalLM`` calls its
-    ``model`` with ``use_cache=None``).
+    ``model`` with ``use_cache=None``). A call that asks for the cache (``use_cache=True``)
+    gets it turned off too, with a warning (:data:`USE_CACHE_WARNING`), as HuggingFace's
+    own gradient checkpointing does in training: before, such a call tried to extract a
+    graph that returns the cache and failed with ``torch.export``'s error on it.
     """
     signature = signature or inspect.signature(module.forward)
     try:
@@ -542,7 +554,9 @@ def canonical_call(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
             kw.update(value)
         else:
             kw[name] = value
-    if "use_cache" in signature.parameters and kw.get("use_cache") is None:
+    if "use_cache" in signature.parameters:
+        if kw.get("use_cache"):
+            warnings.warn(USE_CACHE_WARNING, stacklevel=2)
         kw["use_cache"] = False
     return tuple(pos), kw
 
@@ -556,32 +570,129 @@ def _hashable(value: Any) -> Any:
 
 
 class TensorState:
-    """The dtypes and devices of a module's parameters and buffers, checked cheaply per call.
+    """What an exported graph baked in of the model, checked cheaply per call.
 
-    An exported graph bakes in the dtype conversions it traced (Llama's RMSNorm computes in
-    float32 and casts back to the dtype of its input *at trace time*): after
-    ``model.to(torch.float64)`` the float32 graph would return float32 logits. The state
-    is part of the signature, so such a change extracts again. Per call it compares every
-    tensor's dtype with the recorded one and the devices of the first and last tensors
-    (7-9 us for GPT-2's 148 parameters, 22 us for BERT's 394), and recomputes the state
-    when one differs.
+    An exported graph bakes in what it traced of the model:
+
+    * the dtype conversions (Llama's RMSNorm computes in float32 and casts back to the dtype
+      of its input *at trace time*): after ``model.to(torch.float64)`` the float32 graph
+      would return float32 logits;
+    * the shapes of parameters (``model.resize_token_embeddings(n)`` resizes in place: the
+      graph's views of the logits kept the old vocabulary, and the call failed);
+    * the module tree: each stage reads the parameters of the *modules it was traced with*,
+      so a submodule replaced after wrapping (``model.lm_head = nn.Linear(...)``, adapters
+      injected in place of layers) was silently ignored: the old weights computed the
+      output, and the new ones got no gradient;
+    * which parameters are one object: the graph of a model with tied weights (GPT-2's
+      embedding and head) reads one parameter for both uses, so untying them after
+      wrapping silently computed the embedding with the new head;
+    * the training mode of every submodule, not only the model's (BatchNorm frozen with
+      ``bn.eval()`` after wrapping kept normalising with batch statistics and updating the
+      running ones);
+    * the module hooks: forward hooks and pre-hooks are traced into the graph, backward
+      hooks are refused (:mod:`optmem.pytorch.hooks`); a hook registered or removed after
+      wrapping was silently ignored.
+
+    The state is part of the signature, so any such change extracts again (and a new
+    backward hook is then refused, a new forward hook reported, as when wrapping). The
+    token is the set of (dtype, device) of the tensors, a version that counts the changes
+    of shapes, module tree and hooks, and which modules train: moving the model back to
+    its dtype, or its submodules back to their modes, reuses the graph of that state.
+    Replacing a parameter by one of the same shape and dtype (``load_state_dict(assign=
+    True)``), without tying or untying any, changes nothing: the stages follow it
+    (:meth:`~optmem.pytorch.extract.Extraction.rebind`).
+
+    Per call it looks up every parameter and buffer in its module and compares it, its
+    dtype and shape with the recorded ones (when one was replaced: which are one object),
+    every child module with the recorded one, the devices of the first and last tensors,
+    the number of submodules, parameters and buffers (an addition), the number of hooks of
+    every module that has some (a removal), the id of the next hook handle torch will
+    make (any registration; when it moved, which hooks every module holds) and every
+    module's training flag; it recomputes
+    the state when one differs. What the forward reads of plain Python attributes
+    (``config`` flags, an adapter's name) is traced as it was and is not checked.
     """
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
+        self._version = 0
+        self._refresh()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Copied or pickled: the module and the version (the rest is recomputed)."""
+        return {"module": self.module, "_version": self._version}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Recompute the state of the (copied) module: torch's global hooks stay torch's."""
+        self.__dict__.update(state)
         self._refresh()
 
     def _refresh(self) -> None:
-        tensors = [*self.module.parameters(),
-                   *(b for b in self.module.buffers() if b is not None)]
-        self._dtypes = [(t, t.dtype) for t in tensors]
-        self._devices = [(t, t.device) for t in tensors[:1] + tensors[-1:]]
-        self.token = frozenset((t.dtype, str(t.device)) for t in tensors)
+        modules = list(self.module.modules())
+        tensors: list[tuple[dict[str, Any], str, Any]] = []
+        children: list[tuple[dict[str, Any], str, Any]] = []
+        for m in modules:
+            children += [(m._modules, name, sub) for name, sub in m._modules.items()]
+            for slots in (m._parameters, m._buffers):
+                for name, t in slots.items():
+                    (children if t is None else tensors).append((slots, name, t))
+        self._tensors = [(slots, name, t, t.dtype, t.shape) for slots, name, t in tensors]
+        self._sharing = _sharing(t for _, _, t in tensors)
+        self._children = children
+        self._devices = [(slots, name, t.device) for slots, name, t in tensors[:1] + tensors[-1:]]
+        self._entries = [d for m in modules for d in (m._modules, m._parameters, m._buffers)]
+        self._n_entries = sum(map(len, self._entries))  # additions change it
+        self._all_hooks = [d for m in modules for d in _hook_dicts(m)] + _global_hook_dicts()
+        self._hook_ids = self._hook_keys()
+        self._hooks = [(d, len(d)) for d in self._all_hooks if d]  # removals change these
+        self._handle_id = RemovableHandle.next_id  # every registration moves it
+        self._modes = [(m, m.training) for m in modules]
+        self.token = (frozenset((t.dtype, str(t.device)) for _, _, t in tensors),
+                      self._version, sum(1 << k for k, m in enumerate(modules) if m.training))
 
-    def key(self) -> frozenset[tuple[torch.dtype, str]]:
-        """The set of (dtype, device) of the module's tensors now."""
-        if any(t.dtype is not d for t, d in self._dtypes) or \
-                any(t.device != d for t, d in self._devices):
+    def _hook_keys(self) -> tuple[tuple[int, tuple[int, ...]], ...]:
+        """Which hook dictionaries hold which hooks (by handle id)."""
+        return tuple((k, tuple(d)) for k, d in enumerate(self._all_hooks) if d)
+
+    def _change(self) -> int:
+        """How the model differs from the recorded state.
+
+        0: not at all; 1: dtypes, devices, parameter objects or a module's training mode
+        (the graph of that state applies, the stages follow the objects); 2: shapes, tied
+        weights, module tree or hooks (the graph does not apply).
+        """
+        if sum(map(len, self._entries)) != self._n_entries or \
+                any(len(d) != n for d, n in self._hooks):
+            return 2
+        if RemovableHandle.next_id != self._handle_id:  # a hook of any kind, anywhere
+            if self._hook_keys() != self._hook_ids:
+                return 2
+            self._handle_id = RemovableHandle.next_id
+        if any(d.get(name) is not value for d, name, value in self._children):
+            return 2
+        replaced = retyped = False
+        for slots, name, before, dtype, shape in self._tensors:
+            t = slots.get(name)
+            if t is None or t.shape != shape:
+                return 2
+            replaced |= t is not before
+            retyped |= t.dtype is not dtype
+        if replaced and _sharing(slots[name] for slots, name, *_ in self._tensors) != \
+                self._sharing:  # weights tied or untied: the graph traced one or two
+            return 2
+        return 1 if replaced or retyped or any(
+            d[name].device != device for d, name, device in self._devices) or any(
+            m.training is not mode for m, mode in self._modes) else 0
+
+    def key(self) -> tuple[frozenset[tuple[torch.dtype, str]], int, int]:
+        """The module's state now.
+
+        The set of (dtype, device) of its tensors, the version of its structure, and which
+        modules are in training mode (a bit per module).
+        """
+        change = self._change()
+        if change:
+            self._version += change == 2
             self._refresh()
         return self.token
 
@@ -635,6 +746,26 @@ def refuse_wrapped(module: Any, call: str, *, wrap_after: bool = True) -> None:
     _refuse_nested(module)
 
 
+def _sharing(tensors: Iterable[torch.Tensor]) -> tuple[int, ...]:
+    """Which tensors are one object: for each, the index of the first one that is it."""
+    first: dict[int, int] = {}
+    return tuple(first.setdefault(id(t), k) for k, t in enumerate(tensors))
+
+
+def _hook_dicts(module: nn.Module) -> tuple[dict[int, Any], ...]:
+    """The dictionaries of a module's forward and backward hooks (and pre-hooks)."""
+    return (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
+            module._backward_pre_hooks)
+
+
+def _global_hook_dicts() -> list[dict[int, Any]]:
+    """The global module hooks (``torch.nn.modules.module.register_module_*_hook``)."""
+    from torch.nn.modules import module as module_mod
+
+    return [module_mod._global_forward_hooks, module_mod._global_forward_pre_hooks,
+            module_mod._global_backward_hooks, module_mod._global_backward_pre_hooks]
+
+
 def _refuse_nested(module: Any) -> None:
     """One plan per model: a part already wrapped by optmem cannot be wrapped again.
 
@@ -663,7 +794,8 @@ def signature_key(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
                   tensors: Any = None) -> Any:
     """What an exported chain is specialised to (see the module docstring).
 
-    ``tensors``: :meth:`TensorState.key` of the module (its parameters' dtypes and devices).
+    ``tensors``: :meth:`TensorState.key` of the module (its parameters' dtypes and devices,
+    and the version of its structure).
     """
     leaves, spec = tree_flatten((args, dict(sorted(kwargs.items()))))
     parts: list[tuple[Any, ...]] = []
