@@ -70,6 +70,7 @@ from optmem.solvers.offload_schedule import (
     value_op,
     value_sizes,
 )
+from optmem.solvers.options import choice
 from optmem.solvers.registration import register, register_exporter
 
 PROBLEM = "offload"
@@ -77,7 +78,15 @@ DP_VARIANTS = ("contract", "thesis", "cheap")
 BRUTE_MAX_LENGTH = 3
 
 
+def prefetch_policies(options: SolveOptions) -> tuple[str, ...]:
+    """``extra["prefetch"]``: one of :data:`PREFETCH_POLICIES`, else all of them."""
+    if "prefetch" not in options.extra:
+        return PREFETCH_POLICIES
+    return (choice(options, "prefetch", PREFETCH_POLICIES[0], PREFETCH_POLICIES),)
+
+
 def _disc(problem: OffloadProblem, options: SolveOptions) -> tuple[Discretized, float]:
+    prefetch_policies(options)  # every method starts here: a bad policy fails before work
     disc = problem.discretize(options.slots)
     return disc, problem.unit_bandwidth(disc.unit)
 
@@ -153,7 +162,7 @@ def _try_sets(problem: OffloadProblem, options: SolveOptions, method: str,
         return _infeasible(problem, disc, method, report, slots=options.slots)
     best: tuple[float, str, tuple[AnyOp, ...]] | None = None
     tried = 0
-    policies = [options.extra["prefetch"]] if "prefetch" in options.extra else PREFETCH_POLICIES
+    policies = prefetch_policies(options)
     for label, values in sets:
         values = list(values)
         for policy in policies:

@@ -88,6 +88,7 @@ from optmem.solvers.offload_bruteforce import interleave_transfers
 from optmem.solvers.options import flag, positive_int
 from optmem.solvers.registration import register, register_exporter
 from optmem.solvers.remat_offload import (
+    AUTOCAPPER_VALUES,
     LEAST_ENGINE_TIME_S,
     PROBLEM,
     best_candidate,
@@ -623,7 +624,7 @@ def _relaxation_bound(chain: Chain, memory_limit: int, beta: float, sweeps: int,
     cumulative = flag(options, "relaxation_cumulative_reads", CUMULATIVE_READS_DEFAULT)
     window = flag(options, "relaxation_window", WINDOW_DEFAULT)
     compact = flag(options, "relaxation_compact", COMPACT_DEFAULT)
-    if not options.extra.get("relaxation", True) or beta <= 0:
+    if not flag(options, "relaxation", True) or beta <= 0:
         return _Relaxed(-math.inf, {"status": "off"})
     pulp_engine = engine if engine != "cpsat" else "highs"
     if not engines.is_available(pulp_engine):
@@ -969,6 +970,9 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
     flag(options, "relaxation_window_jobs", WINDOW_JOBS_DEFAULT)
     flag(options, "relaxation_sequence", SEQUENCE_DEFAULT)
     flag(options, "autocapper_candidate", AUTOCAPPER_CANDIDATE_DEFAULT)
+    flag(options, "relaxation", True)
+    grid_of(options)
+    positive_int(options, "autocapper_values", AUTOCAPPER_VALUES)
     dp_ladder(options)
     if lns_settings(options).enabled and engine != "cpsat":  # checked before any work
         raise OptmemInputError("the large-neighbourhood search (lns) runs CP-SAT: use the "
