@@ -86,7 +86,6 @@ def prefetch_policies(options: SolveOptions) -> tuple[str, ...]:
 
 
 def _disc(problem: OffloadProblem, options: SolveOptions) -> tuple[Discretized, float]:
-    prefetch_policies(options)  # every method starts here: a bad policy fails before work
     disc = problem.discretize(options.slots)
     return disc, problem.unit_bandwidth(disc.unit)
 
@@ -216,6 +215,7 @@ def solve_frac(problem: OffloadProblem, options: SolveOptions) -> Result:
           extra=("prefetch",))
 def solve_greedy(problem: OffloadProblem, options: SolveOptions) -> Result:
     """Smallest prefix ``abar_0..abar_k`` covering ``M_peak - M`` (longer if it fails)."""
+    prefetch_policies(options)  # a bad policy fails before any work
     disc, _ = _disc(problem, options)
     sizes = value_sizes(disc.chain)
     need, total, first = _need(disc), 0, 0
@@ -249,6 +249,7 @@ def solve_dynprog(problem: OffloadProblem, options: SolveOptions) -> Result:
     a whole number of units; a lower bound on OFF_int then). If the set does not fit as an
     integral plan, values are added in eager order until it does.
     """
+    prefetch_policies(options)  # a bad policy fails before any work
     disc, beta = _disc(problem, options)
     if _too_small(disc):
         return _infeasible(problem, disc, "dp", slots=options.slots)
@@ -300,6 +301,7 @@ def _ratio_candidates(problem: OffloadProblem, options: SolveOptions
           extra=("prefetch",))
 def solve_vdnn(problem: OffloadProblem, options: SolveOptions) -> Result:
     """Best of all thresholds on ``u_F_{k+1} / abar_k``, offloading all or half (3.4)."""
+    prefetch_policies(options)  # a bad policy fails before any work
     return _try_sets(problem, options, "vdnn", _ratio_candidates(problem, options))
 
 
@@ -320,6 +322,7 @@ def conv_stages(problem: OffloadProblem) -> list[int]:
           extra=("prefetch",))
 def solve_vdnn_conv(problem: OffloadProblem, options: SolveOptions) -> Result:
     """Offload the input of every convolution-like stage (falls back to every stage)."""
+    prefetch_policies(options)  # a bad policy fails before any work
     chosen = conv_stages(problem)
     label = "conv inputs" if chosen else "no conv stage found: every stage"
     return _try_sets(problem, options, "vdnn_conv",
@@ -330,6 +333,7 @@ def solve_vdnn_conv(problem: OffloadProblem, options: SolveOptions) -> Result:
           description="vDNN all: offload every saved activation", extra=("prefetch",))
 def solve_offload_all(problem: OffloadProblem, options: SolveOptions) -> Result:
     """Offload every value ``abar_0 .. abar_{L-1}``."""
+    prefetch_policies(options)  # a bad policy fails before any work
     return _try_sets(problem, options, "offload_all",
                      [("all", list(range(problem.chain.length)))])
 
@@ -564,6 +568,7 @@ def _engine_report(out: engines.EngineResult) -> dict[str, Any]:
 
 def _solve_exact(problem: OffloadProblem, options: SolveOptions, method: str) -> Result:
     """Build, solve, decode, replay; never worse than the warm start (see module docstring)."""
+    prefetch_policies(options)  # a bad policy fails before any work
     disc, _ = _disc(problem, options)
     if _too_small(disc):
         return _infeasible(problem, disc, method, slots=options.slots)
