@@ -102,12 +102,11 @@ class SolveOptions:
         for name in ("time_limit_s", "deterministic_time"):
             object.__setattr__(self, name, _limit(getattr(self, name), name))
         object.__setattr__(self, "node_limit", _node_limit(self.node_limit))
-        object.__setattr__(self, "seed", _integer(self.seed, "seed", 0, MAX_SEED,
-                                                  "a non-negative integer seed"))
-        object.__setattr__(self, "slots", _integer(self.slots, "slots", 1, None,
-                                                   "a positive number of slots"))
-        object.__setattr__(self, "threads", _integer(self.threads, "threads", 1, MAX_WORKERS,
-                                                     "a number of threads"))
+        for name, low, high, what in (("seed", 0, MAX_SEED, "a non-negative integer seed"),
+                                      ("slots", 1, None, "a positive number of slots"),
+                                      ("threads", 1, MAX_WORKERS, "a number of threads")):
+            object.__setattr__(self, name, check_integer(getattr(self, name), name, low, high,
+                                                         what))
         for name in ("warm_start", "verbose"):
             if not isinstance(getattr(self, name), bool | np.bool_):
                 raise OptmemInputError(f"expected True or False, got {getattr(self, name)!r}",
@@ -161,8 +160,14 @@ def _positive(value: Real) -> bool:
     return int(value) > 0 if isinstance(value, Integral) else float(value) > 0
 
 
-def _integer(value: Any, name: str, low: int, high: int | None, what: str) -> int:
-    """``value`` as an ``int`` in ``low..high`` (numpy integers too; booleans refused)."""
+def check_integer(value: Any, name: str, low: int, high: int | None, what: str) -> int:
+    """``value`` as an ``int`` in ``low..high`` (numpy integers too; booleans refused).
+
+    Examples
+    --------
+    >>> check_integer(np.int64(3), "slots", 1, None, "a positive number of slots")
+    3
+    """
     if isinstance(value, bool | np.bool_) or not isinstance(value, Integral) \
             or int(value) < low or (high is not None and int(value) > high):
         bounds = f"{low}..{high}" if high is not None else f"at least {low}"

@@ -172,3 +172,51 @@ def test_bad_method_options_are_one_input_error(problem: str, method: str, key: 
     monkeypatch.setattr(engines, "solve_cpsat", no_engine)
     with pytest.raises(OptmemInputError, match=f"field '{key}'"):
         solve(MAKERS[problem](), method, extra={key: value}, time_limit_s=2, threads=1)
+
+
+# ------------------------------------------------------------------ chains
+def chain_kwargs(**changes: Any) -> dict[str, Any]:
+    base = {"fwd_time": (1,), "bwd_time": (1,), "output_size": (1,), "saved_size": (1,),
+            "fwd_overhead": (0,), "bwd_overhead": (0,), "input_size": 1}
+    return {**base, **changes}
+
+
+@pytest.mark.parametrize(("make", "field"), [
+    (lambda: Chain.from_lists(None, [1], [1], [1], input_size=1), "fwd_time"),
+    (lambda: Chain.from_lists(5, [1], [1], [1], input_size=1), "fwd_time"),
+    (lambda: Chain.from_lists([1], "1", [1], [1], input_size=1), "bwd_time"),
+    (lambda: Chain(**chain_kwargs(saved_size=None)), "saved_size"),
+    (lambda: Chain(**chain_kwargs(time_unit=3)), "time_unit"),
+    (lambda: Chain(**chain_kwargs(stage_names=(3,))), "name"),
+    (lambda: Chain(**chain_kwargs(extra=[1])), "extra"),
+    (lambda: Chain(**chain_kwargs(stage_extra=(5,))), "extra"),
+    (lambda: Chain(**chain_kwargs(stage_extra=({}, {}))), "stage_extra"),
+    (lambda: Chain.from_rotor(None, None, None, None), "fw"),
+])
+def test_chain_constructors_name_the_bad_field(make: Any, field: str) -> None:
+    with pytest.raises(OptmemInputError, match=f"field '{field}'"):
+        make()
+
+
+def test_chain_constructors_refuse_empty_and_unreadable_input() -> None:
+    with pytest.raises(OptmemInputError, match="at least one stage"):
+        Chain.from_rotor([], [], [], [])
+    for path in (None, 5, "a\0b.json"):
+        with pytest.raises(OptmemInputError, match="chain file"):
+            Chain.load(path)
+
+
+def test_chain_takes_numpy_arrays_and_scalars() -> None:
+    lists = Chain.from_lists([1.5, 2], [1, 2], [3, 4], [5, 6], input_size=7)
+    arrays = Chain.from_lists(np.array([1.5, 2.0], dtype=np.float32), np.array([1, 2]),
+                              np.array([3, 4], dtype=np.int32), np.array([5.0, 6.0]),
+                              input_size=np.int64(7))
+    assert arrays == lists
+    assert [type(v) for v in (*arrays.fwd_time, *arrays.output_size, arrays.input_size)] == \
+        [float, float, int, int, int]
+
+
+def test_discretize_checks_its_slots() -> None:
+    for slots in (1.5, None, "10", 0):
+        with pytest.raises(OptmemInputError, match="field 'slots'"):
+            CheckpointProblem(CHAIN, MEMORY).discretize(slots)

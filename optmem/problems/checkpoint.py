@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from optmem.chain import Chain
 from optmem.datasets import resolve_chain
 from optmem.errors import OptmemInputError
+from optmem.result import check_integer
 from optmem.units import memory_percent, memory_size, relative_memory
 
 DEFAULT_SLOTS = 500
@@ -61,8 +62,7 @@ def discretize(chain: Chain, memory_limit: int, slots: int = DEFAULT_SLOTS) -> D
     >>> d.unit, d.memory_limit, d.chain.saved_size, d.chain.input_size
     (100, 100, (15,), 1)
     """
-    if slots < 1:
-        raise OptmemInputError(f"expected a positive number of slots, got {slots}", field="slots")
+    slots = check_integer(slots, "slots", 1, None, "a positive number of slots")
     if memory_limit < 0:
         raise OptmemInputError(f"expected a non-negative memory limit, got {memory_limit}",
                                field="memory")
