@@ -220,3 +220,42 @@ def test_discretize_checks_its_slots() -> None:
     for slots in (1.5, None, "10", 0):
         with pytest.raises(OptmemInputError, match="field 'slots'"):
             CheckpointProblem(CHAIN, MEMORY).discretize(slots)
+
+
+# ------------------------------------------------------------------ sweep
+def test_sweep_checks_jobs_and_its_arguments_before_any_process_starts(monkeypatch) -> None:
+    import optmem.sweep as sweep_module
+    from optmem.sweep import CheckpointFactory, sweep
+
+    def no_pool(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a process pool started before the arguments were checked")
+
+    monkeypatch.setattr(sweep_module, "ProcessPoolExecutor", no_pool)
+    factory = CheckpointFactory(CHAIN)
+    for kwargs, field in [
+        ({"jobs": 10_000}, "jobs"), ({"jobs": 0}, "jobs"), ({"jobs": 1.5}, "jobs"),
+        ({"progress": "x"}, "progress"), ({"extra": {"sweep": 2}}, "sweep"),
+        ({"options": {}}, "options"),
+    ]:
+        with pytest.raises(OptmemInputError, match=f"field '{field}'"):
+            sweep(factory, [MEMORY], ["dp"], **kwargs)
+    for args, field in [((None, [MEMORY], ["dp"]), "problem_factory"),
+                        ((factory, None, ["dp"]), "limits"),
+                        ((lambda m: None, [MEMORY], ["dp"]), "problem")]:
+        with pytest.raises(OptmemInputError, match=f"field '{field}'"):
+            sweep(*args)
+
+
+def test_sweep_takes_a_comma_separated_string_of_methods() -> None:
+    from optmem.sweep import CheckpointFactory, sweep
+
+    result = sweep(CheckpointFactory(CHAIN), [MEMORY], "dp,chen")
+    assert result.methods == ("dp", "chen")
+    assert {p.method for p in result.points} == {"dp", "chen"}
+
+
+def test_available_methods_of_no_problem_is_one_input_error() -> None:
+    from optmem.solvers.facade import available_methods
+
+    with pytest.raises(OptmemInputError, match="field 'problem'"):
+        available_methods(None)

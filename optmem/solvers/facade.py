@@ -99,7 +99,7 @@ def method_names_of(names: Iterable[str] | str | None) -> list[str] | None:
 
 def available_methods(problem: Any) -> list[str]:
     """Names of the methods of ``problem`` whose engines are installed."""
-    name = problem if isinstance(problem, str) else problem.name
+    name = problem if isinstance(problem, str) else problem_name(problem)
     return [m for m, info in methods(name).items() if info.is_available()]
 
 
