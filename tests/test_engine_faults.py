@@ -265,3 +265,42 @@ def test_cli_exit_codes_with_a_crashing_engine(monkeypatch, tmp_path, capsys) ->
                  "--solver", "cbc"]) == 0
     results = json.loads(capsys.readouterr().out)["results"]
     assert [r["status"] for r in results] == ["optimal", "feasible", "feasible"]
+
+
+# ------------------------------------------------------------------ a misbehaving engine
+def garbage(mode: str) -> Callable[[engines.EngineResult], engines.EngineResult]:
+    """An engine outcome that claims a solution it does not have."""
+    import dataclasses
+
+    def corrupt(out: engines.EngineResult) -> engines.EngineResult:
+        n = len(out.values or ())
+        values = {"none": None, "zeros": [0.0] * n, "ones": [1.0] * n,
+                  "short": (out.values or [])[: n // 2], "nan": [float("nan")] * n}[mode]
+        return dataclasses.replace(out, status=Status.OPTIMAL, values=values)
+
+    return corrupt
+
+
+@pytest.mark.parametrize("mode", ["none", "zeros", "ones", "short", "nan"])
+@pytest.mark.parametrize("method", ["ilp", "cpsat"])
+def test_checkpoint_engine_claiming_a_bad_solution_is_an_engine_fault(
+        monkeypatch, method: str, mode: str) -> None:
+    """A solution without values, NaN, too few values or rows violated: not decoded.
+
+    Before, it was an ``optimal`` result without a plan (``none``), a ``PlanError`` (an
+    input error) from replaying the decoded garbage, or an ``IndexError``/``ValueError``
+    from the decoder.
+    """
+    corrupt = garbage(mode)
+    real_pulp, real_cpsat = engines.solve_pulp, engines.solve_cpsat
+    monkeypatch.setattr(engines, "solve_pulp", lambda *a, **k: corrupt(real_pulp(*a, **k)))
+    monkeypatch.setattr(engines, "solve_cpsat", lambda *a, **k: corrupt(real_cpsat(*a, **k)))
+    problem = CheckpointProblem(CHAIN, MEMORY)
+    warm = solve(problem, method)
+    check_survived(warm)
+    assert warm.status is Status.FEASIBLE and warm.report["incumbent"] == "dp plan"
+    assert "without values" in warm.report["engine_error"] or \
+        "invalid solution" in warm.report["engine_error"]
+    cold = solve(problem, method, warm_start=False)
+    check_survived(cold)
+    assert cold.status is Status.ERROR

@@ -349,6 +349,26 @@ class Model:
         """Objective value of an assignment."""
         return self.objective.value(values)
 
+    def solution_error(self, values: Sequence[float], tol: float = 1e-6) -> str | None:
+        """Why ``values`` is no solution of the model (``None`` when it is one).
+
+        What an engine returns is checked with it before it is decoded: a misbehaving engine
+        (a wrong number of values, NaN, rows violated) is then an engine fault, not a
+        decoding crash.
+
+        Examples
+        --------
+        >>> m = Model("m"); x = m.integer("x", 0, 3); m.add(x >= 2, "low"); m.minimize(x)
+        >>> m.solution_error([2]), m.solution_error([1]), m.solution_error([])
+        (None, 'violates 1 constraint(s): low', '0 values for 1 variables')
+        """
+        if len(values) != len(self.vars):
+            return f"{len(values)} values for {len(self.vars)} variables"
+        if not all(math.isfinite(x) for x in values):
+            return "a value is not finite"
+        bad = self.violated(values, tol)
+        return f"violates {len(bad)} constraint(s): {', '.join(bad[:3])}" if bad else None
+
     def violated(self, values: Sequence[float], tol: float = 1e-6) -> list[str]:
         """Names of what an assignment violates: bounds, integrality, rows, no-overlaps."""
         bad: list[str] = []

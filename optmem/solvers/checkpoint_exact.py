@@ -156,7 +156,8 @@ def _min_memory(problem: CheckpointProblem, options: SolveOptions, variant: str,
         settings["time_limit_s"] = min(settings["time_limit_s"], MIN_MEMORY_TIME_LIMIT_S)
     elif settings["node_limit"] is None:
         settings["node_limit"] = MIN_MEMORY_NODE_LIMIT
-    out = engines.solve_pulp(model.problem, model.variables, options.solver, **settings)
+    out = _checked(engines.solve_pulp(model.problem, model.variables, options.solver,
+                                      **settings), form)
     if out.status is not Status.OPTIMAL or out.values is None:
         return None
     plan = form.decode([round(v) for v in out.values])
@@ -235,9 +236,10 @@ def solve_checkpoint_ilp(problem: CheckpointProblem, options: SolveOptions) -> R
     start = _dp_start(disc, form, options.warm_start)
     report["warm_start"] = start.note
     model = emit_pulp(form)
-    out = engines.solve_pulp(model.problem, model.variables, options.solver,
-                             initial=model.initial(start.values),
-                             highs_options=highs_options, **engines.pulp_settings(options))
+    out = _checked(engines.solve_pulp(model.problem, model.variables, options.solver,
+                                      initial=model.initial(start.values),
+                                      highs_options=highs_options,
+                                      **engines.pulp_settings(options)), form)
     if out.failed:
         return _engine_failed(problem, disc, start, out, method="ilp", variant=variant,
                               report=report)
@@ -245,6 +247,27 @@ def solve_checkpoint_ilp(problem: CheckpointProblem, options: SolveOptions) -> R
     return _finish(problem, options, disc, form, start, method="ilp", variant=variant,
                    status=out.status, values=out.values, bound=out.bound, solver=out.engine,
                    report=report)
+
+
+def _checked(out: engines.EngineResult, form: Formulation) -> engines.EngineResult:
+    """``out``, or an engine fault when its solution is no solution of the model.
+
+    The plan is decoded from the rounded values; a solution that lacks values, has NaN or
+    violates a row after rounding (a misbehaving engine) would decode to garbage or crash
+    the decoder, so it is handled as a failed engine call (``_engine_failed``).
+    """
+    if not out.status.has_plan:
+        return out
+    if out.values is None:
+        return engines.failed_result(out.engine, f"{out.message or out.status}: a solution "
+                                     "without values", out.time_s)
+    # the model's variables come first; the engine may add its own (objective_constant)
+    rounded = [round(v) if math.isfinite(v) else v for v in out.values]
+    fault = form.model.solution_error(rounded[:len(form.model.vars)])
+    if fault is None:
+        return out
+    return engines.failed_result(out.engine, f"returned an invalid solution ({fault})",
+                                 out.time_s)
 
 
 def _engine_failed(problem: CheckpointProblem, disc: Discretized, start: _Start,
@@ -285,8 +308,9 @@ def solve_checkpoint_cpsat(problem: CheckpointProblem, options: SolveOptions) ->
     report["warm_start"] = start.note
     model = emit_cpsat(form)
     report["time_scale"] = model.scale
-    out = engines.solve_cpsat(model.model, model.variables, hint=model.hint(start.values),
-                              **engines.cpsat_settings(options))
+    out = _checked(engines.solve_cpsat(model.model, model.variables,
+                                       hint=model.hint(start.values),
+                                       **engines.cpsat_settings(options)), form)
     if out.failed:
         return _engine_failed(problem, disc, start, out, method="cpsat", variant=variant,
                               report=report)
