@@ -304,3 +304,54 @@ def test_checkpoint_engine_claiming_a_bad_solution_is_an_engine_fault(
     cold = solve(problem, method, warm_start=False)
     check_survived(cold)
     assert cold.status is Status.ERROR
+
+
+@pytest.mark.parametrize("mode", ["zeros", "short", "nan"])
+@pytest.mark.parametrize("method", ["ilp", "cpsat"])
+def test_pipeline_engine_solution_that_does_not_decode_is_an_engine_fault(
+        monkeypatch, method: str, mode: str) -> None:
+    """Before: ``ValueError`` (math domain, NaN to integer, zip) out of the decoder."""
+    corrupt = garbage(mode)
+    real_pulp, real_cpsat = engines.solve_pulp, engines.solve_cpsat
+    monkeypatch.setattr(engines, "solve_pulp", lambda *a, **k: corrupt(real_pulp(*a, **k)))
+    monkeypatch.setattr(engines, "solve_cpsat", lambda *a, **k: corrupt(real_cpsat(*a, **k)))
+    problem = PipelineProblem(_pipeline_chain(), 2, 10**6)
+    cold = solve(problem, method, warm_start=False, extra={"relaxation": False})
+    check_survived(cold)
+    assert cold.status is Status.ERROR and "does not decode" in cold.report["error"]
+    warm = solve(problem, method, extra={"relaxation": False, "warm_madpipe": False})
+    check_survived(warm)
+    assert warm.status is Status.FEASIBLE
+
+
+@pytest.mark.parametrize("mode", ["short", "nan"])
+@pytest.mark.parametrize("method", ["ilp", "cpsat"])
+def test_offload_engine_solution_that_does_not_decode_is_an_engine_fault(
+        monkeypatch, method: str, mode: str) -> None:
+    """Before: ``IndexError`` / ``ValueError`` (zip, NaN) out of the offload decoder."""
+    corrupt = garbage(mode)
+    real_pulp, real_cpsat = engines.solve_pulp, engines.solve_cpsat
+    monkeypatch.setattr(engines, "solve_pulp", lambda *a, **k: corrupt(real_pulp(*a, **k)))
+    monkeypatch.setattr(engines, "solve_cpsat", lambda *a, **k: corrupt(real_cpsat(*a, **k)))
+    problem = OffloadProblem(CHAIN, OFFLOAD_MEMORY, chain_bandwidth=2.0)
+    cold = solve(problem, method, warm_start=False)
+    check_survived(cold)
+    assert cold.status is Status.ERROR and "does not decode" in cold.report["error"]
+    warm = solve(problem, method)
+    check_survived(warm)
+    assert warm.status is Status.FEASIBLE
+
+
+@pytest.mark.parametrize("mode", ["short", "nan"])
+@pytest.mark.parametrize("method", ["ilp", "cpsat"])
+def test_remat_offload_engine_solution_that_does_not_decode_is_an_engine_fault(
+        monkeypatch, method: str, mode: str) -> None:
+    """Before: ``IndexError`` / ``ValueError`` from the relaxation's lazy rounds and decoder."""
+    corrupt = garbage(mode)
+    real_pulp, real_cpsat = engines.solve_pulp, engines.solve_cpsat
+    monkeypatch.setattr(engines, "solve_pulp", lambda *a, **k: corrupt(real_pulp(*a, **k)))
+    monkeypatch.setattr(engines, "solve_cpsat", lambda *a, **k: corrupt(real_cpsat(*a, **k)))
+    problem = RematOffloadProblem(random_chain(2, seed=0), 46, chain_bandwidth=1.0)
+    cold = solve(problem, method, warm_start=False)
+    check_survived(cold)
+    assert cold.status is Status.ERROR and "does not decode" in cold.report["error"]

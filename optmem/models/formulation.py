@@ -362,10 +362,9 @@ class Model:
         >>> m.solution_error([2]), m.solution_error([1]), m.solution_error([])
         (None, 'violates 1 constraint(s): low', '0 values for 1 variables')
         """
-        if len(values) != len(self.vars):
-            return f"{len(values)} values for {len(self.vars)} variables"
-        if not all(math.isfinite(x) for x in values):
-            return "a value is not finite"
+        shape = shape_error(values, len(self.vars))
+        if shape is not None:
+            return shape
         bad = self.violated(values, tol)
         return f"violates {len(bad)} constraint(s): {', '.join(bad[:3])}" if bad else None
 
@@ -431,6 +430,21 @@ def _big_m(model: Model, con: Constraint) -> tuple[float | None, float | None]:
             raise ValueError(f"constraint {con.name}: enforced row needs finite variable "
                              "bounds for its big-M")
     return m_hi, m_lo
+
+
+def shape_error(values: Sequence[float], count: int) -> str | None:
+    """Why an engine's ``values`` are no assignment of ``count`` variables (``None``: they are).
+
+    Examples
+    --------
+    >>> shape_error([1.0, 2.0], 2), shape_error([1.0], 2), shape_error([math.nan], 1)
+    (None, '1 values for 2 variables', 'a value is not finite')
+    """
+    if len(values) != count:
+        return f"{len(values)} values for {count} variables"
+    if not all(math.isfinite(x) for x in values):
+        return "a value is not finite"
+    return None
 
 
 # ------------------------------------------------------------------ PuLP

@@ -32,7 +32,7 @@ from optmem.chain import Chain
 from optmem.engines import adapters as engines
 from optmem.engines.results import engine_failure
 from optmem.errors import OptmemInputError, PlanError
-from optmem.models.formulation import to_cpsat, to_pulp
+from optmem.models.formulation import shape_error, to_cpsat, to_pulp
 from optmem.models.offload import (
     OffloadData,
     OffloadModel,
@@ -499,6 +499,13 @@ class _Outcome:
     failed: engines.EngineResult | None = None
 
 
+def _undecodable(out: engines.EngineResult, fault: str, report: dict[str, Any]) -> _Outcome:
+    """A solution that is no assignment of the model (a misbehaving engine): a failed call."""
+    failed = engines.failed_result(out.engine, f"returned a solution that does not decode "
+                                   f"({fault})", out.time_s)
+    return _Outcome(Status.ERROR, None, math.nan, math.nan, report, failed=failed)
+
+
 def _solve_cpsat_model(inst: _Exact, options: SolveOptions) -> _Outcome:
     """CP-SAT on the integer steps (``to_cpsat(model, 1)``); results back in time units."""
     om = build_offload_model(inst.steps)
@@ -515,6 +522,9 @@ def _solve_cpsat_model(inst: _Exact, options: SolveOptions) -> _Outcome:
               f"relaxation: durations rounded down to 1/{inst.scale} (bound valid)",
               **hint[1], **_engine_report(out)}
     schedule = None
+    fault = None if out.values is None else shape_error(out.values, len(om.model.vars))
+    if fault is not None:
+        return _undecodable(out, fault, report)
     if out.values is not None:
         schedule = om.decode(cm.values(out.values)).map(lambda t: t / inst.scale)
     objective = cm.objective(out.objective) / inst.scale if out.values is not None \
@@ -533,7 +543,11 @@ def _solve_pulp_model(inst: _Exact, options: SolveOptions) -> _Outcome:
     out = engines.solve_pulp(pm.problem, pm.all_variables, options.solver,
                              **engines.pulp_settings(options), initial=pm.initial(hint[0]))
     report = {"model": om.model.size, **hint[1], **_engine_report(out)}
-    schedule = om.decode(out.values[:len(om.model.vars)]) if out.values is not None else None
+    values = None if out.values is None else out.values[:len(om.model.vars)]
+    fault = None if values is None else shape_error(values, len(om.model.vars))
+    if fault is not None:
+        return _undecodable(out, fault, report)
+    schedule = om.decode(values) if values is not None else None
     return _Outcome(out.status, schedule, out.objective, out.bound, report,
                     failed=out if out.failed else None)
 
