@@ -355,3 +355,24 @@ def test_remat_offload_engine_solution_that_does_not_decode_is_an_engine_fault(
     cold = solve(problem, method, warm_start=False)
     check_survived(cold)
     assert cold.status is Status.ERROR and "does not decode" in cold.report["error"]
+
+
+@pytest.mark.parametrize("method", ["ilp", "cpsat"])
+def test_checkpoint_engine_infeasible_against_its_warm_start_is_an_engine_fault(
+        monkeypatch, method: str) -> None:
+    """The DP plan is a solution of the model: an ``infeasible`` engine is refuted.
+
+    Before: ``status: infeasible`` although the verified DP plan fits.
+    """
+    import dataclasses
+
+    def lie(out: engines.EngineResult) -> engines.EngineResult:
+        return dataclasses.replace(out, status=Status.INFEASIBLE, values=None)
+
+    real_pulp, real_cpsat = engines.solve_pulp, engines.solve_cpsat
+    monkeypatch.setattr(engines, "solve_pulp", lambda *a, **k: lie(real_pulp(*a, **k)))
+    monkeypatch.setattr(engines, "solve_cpsat", lambda *a, **k: lie(real_cpsat(*a, **k)))
+    result = solve(CheckpointProblem(CHAIN, MEMORY), method)
+    check_survived(result)
+    assert result.status is Status.FEASIBLE
+    assert "warm-start plan is a solution" in result.report["engine_error"]

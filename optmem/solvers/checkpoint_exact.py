@@ -239,7 +239,7 @@ def solve_checkpoint_ilp(problem: CheckpointProblem, options: SolveOptions) -> R
     out = _checked(engines.solve_pulp(model.problem, model.variables, options.solver,
                                       initial=model.initial(start.values),
                                       highs_options=highs_options,
-                                      **engines.pulp_settings(options)), form)
+                                      **engines.pulp_settings(options)), form, start)
     if out.failed:
         return _engine_failed(problem, disc, start, out, method="ilp", variant=variant,
                               report=report)
@@ -249,13 +249,19 @@ def solve_checkpoint_ilp(problem: CheckpointProblem, options: SolveOptions) -> R
                    report=report)
 
 
-def _checked(out: engines.EngineResult, form: Formulation) -> engines.EngineResult:
+def _checked(out: engines.EngineResult, form: Formulation, start: _Start | None = None
+             ) -> engines.EngineResult:
     """``out``, or an engine fault when its solution is no solution of the model.
 
     The plan is decoded from the rounded values; a solution that lacks values, has NaN or
     violates a row after rounding (a misbehaving engine) would decode to garbage or crash
-    the decoder, so it is handled as a failed engine call (``_engine_failed``).
+    the decoder, so it is handled as a failed engine call (``_engine_failed``). So is an
+    ``infeasible`` that the warm start (an assignment of the model, ``start.values``)
+    refutes.
     """
+    if out.status is Status.INFEASIBLE and start is not None and start.values is not None:
+        return engines.failed_result(out.engine, f"{out.message or out.status}: infeasible, "
+                                     "but the warm-start plan is a solution", out.time_s)
     if not out.status.has_plan:
         return out
     if out.values is None:
@@ -310,7 +316,7 @@ def solve_checkpoint_cpsat(problem: CheckpointProblem, options: SolveOptions) ->
     report["time_scale"] = model.scale
     out = _checked(engines.solve_cpsat(model.model, model.variables,
                                        hint=model.hint(start.values),
-                                       **engines.cpsat_settings(options)), form)
+                                       **engines.cpsat_settings(options)), form, start)
     if out.failed:
         return _engine_failed(problem, disc, start, out, method="cpsat", variant=variant,
                               report=report)
