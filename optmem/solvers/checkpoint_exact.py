@@ -36,6 +36,7 @@ from optmem.models.checkpoint_ilp import (
     emit_pulp,
     write_model,
 )
+from optmem.models.formulation import Kind
 from optmem.plan import Op
 from optmem.problems.checkpoint import CheckpointProblem, Discretized
 from optmem.result import Result, SolveOptions, Status
@@ -249,6 +250,12 @@ def solve_checkpoint_ilp(problem: CheckpointProblem, options: SolveOptions) -> R
                    report=report)
 
 
+SOLUTION_TOLERANCE = 1e-4
+"""Row violation (relative to the row's largest coefficient) above which an engine's
+solution is refused: far above the engines' feasibility tolerances (1e-6 .. 1e-9), far below
+what a wrong 0/1 value does (a whole size or op)."""
+
+
 def _checked(out: engines.EngineResult, form: Formulation, start: _Start | None = None
              ) -> engines.EngineResult:
     """``out``, or an engine fault when its solution is no solution of the model.
@@ -267,9 +274,11 @@ def _checked(out: engines.EngineResult, form: Formulation, start: _Start | None 
     if out.values is None:
         return engines.failed_result(out.engine, f"{out.message or out.status}: a solution "
                                      "without values", out.time_s)
-    # the model's variables come first; the engine may add its own (objective_constant)
-    rounded = [round(v) if math.isfinite(v) else v for v in out.values]
-    fault = form.model.solution_error(rounded[:len(form.model.vars)])
+    # the model's variables come first; the engine may add its own (objective_constant);
+    # integer variables are read rounded, as the decoder reads them
+    rounded = [round(x) if math.isfinite(x) and v.kind is not Kind.CONTINUOUS else x
+               for v, x in zip(form.model.vars, out.values, strict=False)]
+    fault = form.model.solution_error(rounded, tol=SOLUTION_TOLERANCE)
     if fault is None:
         return out
     return engines.failed_result(out.engine, f"returned an invalid solution ({fault})",
