@@ -26,10 +26,13 @@ import dataclasses
 import json
 import math
 import unicodedata
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from numbers import Integral, Real
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from optmem.errors import ChainError
 from optmem.fileio import read_json, write_text_atomic
@@ -60,27 +63,42 @@ def _show(value: Any) -> str:
     return text if len(text) <= 40 else f"{text[:20]}... ({len(text)} characters)"
 
 
+def _as_tuple(value: Any, *, name: str) -> tuple[Any, ...]:
+    """``value`` (a list, tuple, numpy array, ...) as a tuple, or one error naming ``name``."""
+    if isinstance(value, str | bytes | Mapping) or not isinstance(value, Iterable):
+        raise ChainError(f"expected a list with one value per stage, got {_show(value)}",
+                         field=name)
+    return tuple(value)
+
+
 def _check_time(value: Any, *, stage: int | None, name: str) -> float:
     """Return ``value`` as a float if it is 0 or a time in ``[MIN_TIME, MAX_TOTAL_TIME]``."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if isinstance(value, bool | np.bool_) or not isinstance(value, Real):
         raise ChainError(f"expected a non-negative number, got {_show(value)}", stage=stage,
                          field=name)
-    if not (value == 0 or MIN_TIME <= value <= MAX_TOTAL_TIME):  # NaN fails both
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond any float: beyond the range too
+        number = math.inf
+    if not (number == 0 or MIN_TIME <= number <= MAX_TOTAL_TIME):  # NaN fails both
         raise ChainError(f"expected 0 or a time in [{MIN_TIME:g}, {MAX_TOTAL_TIME:g}], got "
                          f"{_show(value)}", stage=stage, field=name)
-    return float(value)
+    return number
 
 
 def _check_size(value: Any, *, stage: int | None, name: str) -> int:
     """Return ``value`` as an int if it is a non-negative integer (``12.0`` is accepted)."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if isinstance(value, bool | np.bool_) or not isinstance(value, Real):
         raise ChainError(f"expected a non-negative integer, got {_show(value)}", stage=stage,
                          field=name)
-    if isinstance(value, float):
-        if not math.isfinite(value) or value != int(value):
+    if isinstance(value, Integral):
+        value = int(value)
+    else:
+        number = float(value)
+        if not math.isfinite(number) or not number.is_integer():
             raise ChainError(f"expected an integer size, got {_show(value)}", stage=stage,
                              field=name)
-        value = int(value)
+        value = int(number)
     if value < 0:
         raise ChainError(f"expected a non-negative size, got {_show(value)}", stage=stage,
                          field=name)
@@ -97,6 +115,8 @@ def check_text(value: str, *, stage: int | None = None, name: str, allow: str = 
     can encode) and no control character (which fonts cannot draw and which break the
     one-line messages).
     """
+    if not isinstance(value, str):
+        raise ChainError(f"expected text, got {_show(value)}", stage=stage, field=name)
     bad = next((c for c in value if unicodedata.category(c) in ("Cc", "Cs") and c not in allow),
                None)
     if bad is not None:
@@ -153,17 +173,23 @@ class Chain:
     stage_extra: tuple[Mapping[str, Any], ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        for name in (*_STAGE_TIME_FIELDS, *_STAGE_SIZE_FIELDS, "stage_names", "stage_extra"):
+            object.__setattr__(self, name, _as_tuple(getattr(self, name), name=name))
         n = len(self.fwd_time)
         if n == 0:
             raise ChainError("a chain needs at least one stage", field="stages")
-        object.__setattr__(self, "weight_size", tuple(self.weight_size) or (0,) * n)
-        object.__setattr__(self, "stage_names", tuple(self.stage_names) or _default_names(n))
-        object.__setattr__(self, "stage_extra", tuple(self.stage_extra) or ({},) * n)
+        object.__setattr__(self, "weight_size", self.weight_size or (0,) * n)
+        object.__setattr__(self, "stage_names", self.stage_names or _default_names(n))
+        object.__setattr__(self, "stage_extra", self.stage_extra or ({},) * n)
         for name in ("name", "time_unit", "memory_unit"):
             check_text(getattr(self, name), stage=None, name=name)
         for i, text in enumerate(self.stage_names):
             check_text(text, stage=i + 1, name="name")
-        for name in (*_STAGE_TIME_FIELDS, *_STAGE_SIZE_FIELDS, "stage_names"):
+        if not isinstance(self.extra, Mapping) or not all(
+                isinstance(extra, Mapping) for extra in self.stage_extra):
+            raise ChainError("expected a dict of extra fields (and one per stage)",
+                             field="extra")
+        for name in (*_STAGE_TIME_FIELDS, *_STAGE_SIZE_FIELDS, "stage_names", "stage_extra"):
             if len(getattr(self, name)) != n:
                 raise ChainError(
                     f"expected {n} values (one per stage), got {len(getattr(self, name))}",
@@ -215,6 +241,7 @@ class Chain:
         name: str = "chain",
     ) -> Chain:
         """Build a chain from per-stage lists (overheads and weights default to 0)."""
+        fwd_time = _as_tuple(fwd_time, name="fwd_time")
         n = len(fwd_time)
         return cls(
             fwd_time=tuple(fwd_time), bwd_time=tuple(bwd_time),
@@ -243,11 +270,13 @@ class Chain:
         ``fw[0..L-1]``, ``bw[0..L]`` (``bw[L]`` is the loss), ``x[0..L]`` (``x[0]`` is the
         input), ``xbar[0..L]`` (``xbar[0]`` unused), ``ftmp[0..L-1]``, ``btmp[0..L]``.
         """
+        fw, bw, x, xbar = (_as_tuple(v, name=name) for v, name in
+                           ((fw, "fw"), (bw, "bw"), (x, "x"), (xbar, "xbar")))
         n = len(fw)
-        ftmp = list(ftmp) if ftmp is not None else [0] * n
-        btmp = list(btmp) if btmp is not None else [0] * (n + 1)
+        ftmp = _as_tuple(ftmp, name="ftmp") if ftmp is not None else (0,) * n
+        btmp = _as_tuple(btmp, name="btmp") if btmp is not None else (0,) * (n + 1)
         return cls.from_lists(
-            fw, bw[:n], x[1:n + 1], xbar[1:n + 1], input_size=x[0],
+            fw, bw[:n], x[1:n + 1], xbar[1:n + 1], input_size=x[0] if x else 0,
             fwd_overhead=ftmp[:n], bwd_overhead=btmp[:n],
             loss_bwd_time=bw[n] if len(bw) > n else 0.0,
             loss_bwd_overhead=btmp[n] if len(btmp) > n else 0, name=name,

@@ -21,7 +21,7 @@ from optmem.chain import Chain
 from optmem.cli_problems import HOOKS, ProblemHooks
 from optmem.errors import OptmemInputError, PlanError
 from optmem.fileio import read_json, write_text_atomic
-from optmem.result import Result, SolveOptions, Status
+from optmem.result import MAX_WORKERS, Result, SolveOptions, Status
 from optmem.units import format_size, memory_percent, relative_memory
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
@@ -34,7 +34,6 @@ MODEL_SUFFIXES = (".mps", ".lp", ".pb", ".pbtxt")  # export: MPS/LP (every model
 EXTRA_COMMANDS = ["optmem.pytorch.cli", "optmem.sweep", "optmem.show"]
 
 
-MAX_WORKERS = 256  # --threads / --jobs: beyond this, engines stall or abort spawning threads
 
 
 def worker_count(text: str) -> int:
@@ -130,9 +129,6 @@ def load_chain(spec: str) -> Chain:
 
 def options_from_args(args: argparse.Namespace) -> SolveOptions:
     """The :class:`SolveOptions` of the common flags."""
-    if args.slots < 1:
-        raise OptmemInputError(f"expected a positive number of slots, got {args.slots}",
-                               field="--slots")
     if args.time_limit is not None and not args.time_limit > 0:
         raise OptmemInputError(f"expected a positive time limit, got {args.time_limit}",
                                field="--time-limit")

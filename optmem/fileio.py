@@ -47,11 +47,15 @@ def read_json(path: str | Path, *, error: type[OptmemInputError] = OptmemInputEr
     ...
     optmem.errors.OptmemInputError: /nonexistent.json: cannot read chain file (No such file...)
     """
+    if not isinstance(path, str | os.PathLike):
+        raise error(f"expected the path of a {what}, got {type(path).__name__}")
     path = Path(path)
     try:
         raw = path.read_bytes()
     except OSError as exc:
         raise error(f"cannot read {what} ({exc.strerror or exc})", source=str(path)) from None
+    except ValueError as exc:  # a NUL byte in the name
+        raise error(f"cannot read {what} ({exc})", source=repr(str(path))) from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:

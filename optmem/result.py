@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
+from numbers import Integral, Real
 from typing import Any
+
+import numpy as np
 
 from optmem.errors import OptmemInputError, check_keywords
 
@@ -27,6 +31,13 @@ class Status(StrEnum):
     def has_plan(self) -> bool:
         """Whether a result with this status carries a plan."""
         return self in (Status.OPTIMAL, Status.FEASIBLE)
+
+
+MAX_WORKERS = 256
+"""Most threads (``threads``, ``--threads``) and worker processes (``--jobs``): beyond this,
+engines stall or abort spawning threads (HiGHS aborts the process at 100000)."""
+MAX_SEED = 2**31 - 1
+"""Largest engine seed: HiGHS ``random_seed`` and CP-SAT ``random_seed`` are 32-bit."""
 
 
 @dataclass(frozen=True)
@@ -47,11 +58,11 @@ class SolveOptions:
     solver
         ILP engine: ``highs`` (default), ``cbc`` or ``gurobi``.
     threads
-        Threads for exact engines.
+        Threads for exact engines, ``1..MAX_WORKERS`` (256, as ``--threads``).
     warm_start
-        Give exact engines the DP plan as a starting solution.
+        Give exact engines the DP plan as a starting solution (``True`` or ``False``).
     verbose
-        Let engines print their logs.
+        Let engines print their logs (``True`` or ``False``).
     node_limit
         Deterministic work limit of each MILP engine call: branch-and-bound nodes (HiGHS
         ``mip_max_nodes``, CBC ``maxNodes`` single-threaded, Gurobi ``NodeLimit``).
@@ -60,10 +71,10 @@ class SolveOptions:
         deterministic seconds); CP-SAT then runs one worker so the answer is reproducible.
     seed
         Random seed of every engine (HiGHS ``random_seed``, CBC ``randomCbcSeed``, CP-SAT
-        ``random_seed``, Gurobi ``Seed``).
+        ``random_seed``, Gurobi ``Seed``), ``0..2**31 - 1``.
     extra
-        Method-specific options; each method declares the keys it reads (an unknown key
-        raises, naming the closest known one).
+        Method-specific options, a dict with string keys; each method declares the keys it
+        reads (an unknown key raises, naming the closest known one).
 
     Examples
     --------
@@ -88,20 +99,80 @@ class SolveOptions:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("node_limit", "deterministic_time", "time_limit_s"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
-                                      or not value > 0):
-                raise OptmemInputError(f"expected a positive number or None, got {value!r}",
+        for name in ("time_limit_s", "deterministic_time"):
+            object.__setattr__(self, name, _limit(getattr(self, name), name))
+        object.__setattr__(self, "node_limit", _node_limit(self.node_limit))
+        for name, low, high, what in (("seed", 0, MAX_SEED, "a non-negative integer seed"),
+                                      ("slots", 1, None, "a positive number of slots"),
+                                      ("threads", 1, MAX_WORKERS, "a number of threads")):
+            object.__setattr__(self, name, check_integer(getattr(self, name), name, low, high,
+                                                         what))
+        for name in ("warm_start", "verbose"):
+            if not isinstance(getattr(self, name), bool | np.bool_):
+                raise OptmemInputError(f"expected True or False, got {getattr(self, name)!r}",
                                        field=name)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise OptmemInputError(f"expected a non-negative integer seed, got {self.seed!r}",
-                                   field="seed")
+            object.__setattr__(self, name, bool(getattr(self, name)))
+        for name in ("variant", "solver"):
+            value = getattr(self, name)
+            if not isinstance(value, str) and not (name == "variant" and value is None):
+                raise OptmemInputError(f"expected a name (a string), got {value!r}", field=name)
+        if not isinstance(self.extra, Mapping) or not all(isinstance(k, str) for k in self.extra):
+            raise OptmemInputError(f"expected a dict of method options with string keys, got "
+                                   f"{self.extra!r}", field="extra")
 
     def with_(self, **changes: Any) -> SolveOptions:
         """Return a copy with ``changes`` applied (unknown names raise, naming the closest)."""
         check_keywords(changes, OPTION_NAMES, what="SolveOptions")
         return replace(self, **changes)
+
+
+def _limit(value: Any, name: str) -> float | None:
+    """A time limit: ``None`` or a number > 0 (``inf``: none), as a float."""
+    if value is None:
+        return None
+    if isinstance(value, bool | np.bool_) or not isinstance(value, Real) or not _positive(value):
+        raise OptmemInputError(f"expected a positive number or None, got {value!r}", field=name)
+    try:
+        return float(value)
+    except OverflowError:
+        raise OptmemInputError(f"expected a positive number or None, got {value!r} (too large "
+                               f"for a float)", field=name) from None
+
+
+def _node_limit(value: Any) -> int | None:
+    """A node limit: ``None`` or a whole number > 0 (``1e3`` too), as an int."""
+    if value is None:
+        return None
+    if isinstance(value, bool | np.bool_) or not isinstance(value, Real) or not _positive(value):
+        raise OptmemInputError(f"expected a positive number or None, got {value!r}",
+                               field="node_limit")
+    if isinstance(value, Integral):
+        return int(value)
+    number = float(value)
+    if not (math.isfinite(number) and number.is_integer()):
+        raise OptmemInputError(f"expected a whole number of nodes, got {value!r}",
+                               field="node_limit")
+    return int(number)
+
+
+def _positive(value: Real) -> bool:
+    """Whether ``value > 0`` (``False`` for NaN; an int of any size is not made a float)."""
+    return int(value) > 0 if isinstance(value, Integral) else float(value) > 0
+
+
+def check_integer(value: Any, name: str, low: int, high: int | None, what: str) -> int:
+    """``value`` as an ``int`` in ``low..high`` (numpy integers too; booleans refused).
+
+    Examples
+    --------
+    >>> check_integer(np.int64(3), "slots", 1, None, "a positive number of slots")
+    3
+    """
+    if isinstance(value, bool | np.bool_) or not isinstance(value, Integral) \
+            or int(value) < low or (high is not None and int(value) > high):
+        bounds = f"{low}..{high}" if high is not None else f"at least {low}"
+        raise OptmemInputError(f"expected {what} ({bounds}), got {value!r}", field=name)
+    return int(value)
 
 
 OPTION_NAMES = tuple(f.name for f in fields(SolveOptions))

@@ -42,7 +42,7 @@ from typing import Any, TextIO
 from optmem.chain import Chain, check_text
 from optmem.errors import OptmemInputError
 from optmem.fileio import check_writable, write_atomic, write_text_atomic
-from optmem.result import Result, SolveOptions, Status
+from optmem.result import MAX_WORKERS, Result, SolveOptions, Status, check_integer
 from optmem.units import format_size, memory_size, parse_size
 
 ProblemFactory = Callable[[int], Any]
@@ -357,31 +357,51 @@ def sweep(
         Memory limits in the chain's memory unit, each in any form of
         :func:`optmem.units.memory_size` (``2**30``, ``1e9``, ``"1GiB"``).
     methods
-        Method labels of the facade (``dp``, ``dp:rotor``, ``chen``, ...).
+        Method labels of the facade (``dp``, ``dp:rotor``, ``chen``, ...), or one
+        comma-separated string of them (as ``--methods``).
     options
         Shared :class:`SolveOptions` (slots, time limit, solver); keyword arguments set
         its fields (an unknown one raises, naming the closest).
     jobs
-        Worker processes (1: in this process).
+        Worker processes, 1..256 as ``--jobs`` (1: in this process).
     progress
         ``True`` for a progress bar on stderr, or a :class:`Progress`.
 
     Raises
     ------
     OptmemInputError
-        For an unknown method or an empty list of limits, before anything runs.
+        For an unknown method, option or ``extra`` key, a bad ``jobs``, a factory that is
+        no function or an empty list of limits, before anything runs.
     """
-    from optmem.solvers.facade import method_info, resolve_options
+    from optmem.solvers.facade import (
+        check_extra,
+        method_info,
+        method_names_of,
+        problem_name,
+        resolve_options,
+    )
 
+    if isinstance(limits, str | bytes) or not isinstance(limits, Iterable):
+        raise OptmemInputError(f"expected a list of memory limits, got {limits!r}",
+                               field="limits")
     limits = sorted({memory_size(m, field="limits") for m in limits})
     if not limits:
         raise OptmemInputError("expected at least one memory limit", field="memory")
+    methods = method_names_of(methods) or []
     if not methods:
         raise OptmemInputError("expected at least one method", field="methods")
+    jobs = check_integer(jobs, "jobs", 1, MAX_WORKERS, "a number of worker processes")
+    if not isinstance(progress, bool | Progress):
+        raise OptmemInputError(f"expected True, False or a Progress, got {progress!r}",
+                               field="progress")
     options = resolve_options(options, option_fields)
+    if not callable(problem_factory):
+        raise OptmemInputError(f"expected a function of the memory limit returning a problem, "
+                               f"got {type(problem_factory).__name__}", field="problem_factory")
     probe = problem_factory(limits[0])
     for m in methods:
-        method_info(probe.name, m)  # unknown methods fail here
+        method_info(problem_name(probe), m)  # unknown methods fail here
+    check_extra(probe.name, options)
     tasks = [(m, limit) for limit in limits for m in methods]
     bar = progress if isinstance(progress, Progress) else \
         Progress(len(tasks)) if progress else None
@@ -393,7 +413,7 @@ def sweep(
             if bar:
                 bar.update(f"{m} @ {limit}")
     else:
-        with ProcessPoolExecutor(max_workers=jobs) as pool:
+        with ProcessPoolExecutor(max_workers=min(jobs, len(tasks))) as pool:
             futures = {pool.submit(_run_one, problem_factory, m, limit, options): (m, limit)
                        for m, limit in tasks}
             for fut in as_completed(futures):

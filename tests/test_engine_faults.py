@@ -265,3 +265,114 @@ def test_cli_exit_codes_with_a_crashing_engine(monkeypatch, tmp_path, capsys) ->
                  "--solver", "cbc"]) == 0
     results = json.loads(capsys.readouterr().out)["results"]
     assert [r["status"] for r in results] == ["optimal", "feasible", "feasible"]
+
+
+# ------------------------------------------------------------------ a misbehaving engine
+def garbage(mode: str) -> Callable[[engines.EngineResult], engines.EngineResult]:
+    """An engine outcome that claims a solution it does not have."""
+    import dataclasses
+
+    def corrupt(out: engines.EngineResult) -> engines.EngineResult:
+        n = len(out.values or ())
+        values = {"none": None, "zeros": [0.0] * n, "ones": [1.0] * n,
+                  "short": (out.values or [])[: n // 2], "nan": [float("nan")] * n}[mode]
+        return dataclasses.replace(out, status=Status.OPTIMAL, values=values)
+
+    return corrupt
+
+
+@pytest.mark.parametrize("mode", ["none", "zeros", "ones", "short", "nan"])
+@pytest.mark.parametrize("method", ["ilp", "cpsat"])
+def test_checkpoint_engine_claiming_a_bad_solution_is_an_engine_fault(
+        monkeypatch, method: str, mode: str) -> None:
+    """A solution without values, NaN, too few values or rows violated: not decoded.
+
+    Before, it was an ``optimal`` result without a plan (``none``), a ``PlanError`` (an
+    input error) from replaying the decoded garbage, or an ``IndexError``/``ValueError``
+    from the decoder.
+    """
+    corrupt = garbage(mode)
+    real_pulp, real_cpsat = engines.solve_pulp, engines.solve_cpsat
+    monkeypatch.setattr(engines, "solve_pulp", lambda *a, **k: corrupt(real_pulp(*a, **k)))
+    monkeypatch.setattr(engines, "solve_cpsat", lambda *a, **k: corrupt(real_cpsat(*a, **k)))
+    problem = CheckpointProblem(CHAIN, MEMORY)
+    warm = solve(problem, method)
+    check_survived(warm)
+    assert warm.status is Status.FEASIBLE and warm.report["incumbent"] == "dp plan"
+    assert "without values" in warm.report["engine_error"] or \
+        "invalid solution" in warm.report["engine_error"]
+    cold = solve(problem, method, warm_start=False)
+    check_survived(cold)
+    assert cold.status is Status.ERROR
+
+
+@pytest.mark.parametrize("mode", ["zeros", "short", "nan"])
+@pytest.mark.parametrize("method", ["ilp", "cpsat"])
+def test_pipeline_engine_solution_that_does_not_decode_is_an_engine_fault(
+        monkeypatch, method: str, mode: str) -> None:
+    """Before: ``ValueError`` (math domain, NaN to integer, zip) out of the decoder."""
+    corrupt = garbage(mode)
+    real_pulp, real_cpsat = engines.solve_pulp, engines.solve_cpsat
+    monkeypatch.setattr(engines, "solve_pulp", lambda *a, **k: corrupt(real_pulp(*a, **k)))
+    monkeypatch.setattr(engines, "solve_cpsat", lambda *a, **k: corrupt(real_cpsat(*a, **k)))
+    problem = PipelineProblem(_pipeline_chain(), 2, 10**6)
+    cold = solve(problem, method, warm_start=False, extra={"relaxation": False})
+    check_survived(cold)
+    assert cold.status is Status.ERROR and "does not decode" in cold.report["error"]
+    warm = solve(problem, method, extra={"relaxation": False, "warm_madpipe": False})
+    check_survived(warm)
+    assert warm.status is Status.FEASIBLE
+
+
+@pytest.mark.parametrize("mode", ["short", "nan"])
+@pytest.mark.parametrize("method", ["ilp", "cpsat"])
+def test_offload_engine_solution_that_does_not_decode_is_an_engine_fault(
+        monkeypatch, method: str, mode: str) -> None:
+    """Before: ``IndexError`` / ``ValueError`` (zip, NaN) out of the offload decoder."""
+    corrupt = garbage(mode)
+    real_pulp, real_cpsat = engines.solve_pulp, engines.solve_cpsat
+    monkeypatch.setattr(engines, "solve_pulp", lambda *a, **k: corrupt(real_pulp(*a, **k)))
+    monkeypatch.setattr(engines, "solve_cpsat", lambda *a, **k: corrupt(real_cpsat(*a, **k)))
+    problem = OffloadProblem(CHAIN, OFFLOAD_MEMORY, chain_bandwidth=2.0)
+    cold = solve(problem, method, warm_start=False)
+    check_survived(cold)
+    assert cold.status is Status.ERROR and "does not decode" in cold.report["error"]
+    warm = solve(problem, method)
+    check_survived(warm)
+    assert warm.status is Status.FEASIBLE
+
+
+@pytest.mark.parametrize("mode", ["short", "nan"])
+@pytest.mark.parametrize("method", ["ilp", "cpsat"])
+def test_remat_offload_engine_solution_that_does_not_decode_is_an_engine_fault(
+        monkeypatch, method: str, mode: str) -> None:
+    """Before: ``IndexError`` / ``ValueError`` from the relaxation's lazy rounds and decoder."""
+    corrupt = garbage(mode)
+    real_pulp, real_cpsat = engines.solve_pulp, engines.solve_cpsat
+    monkeypatch.setattr(engines, "solve_pulp", lambda *a, **k: corrupt(real_pulp(*a, **k)))
+    monkeypatch.setattr(engines, "solve_cpsat", lambda *a, **k: corrupt(real_cpsat(*a, **k)))
+    problem = RematOffloadProblem(random_chain(2, seed=0), 46, chain_bandwidth=1.0)
+    cold = solve(problem, method, warm_start=False)
+    check_survived(cold)
+    assert cold.status is Status.ERROR and "does not decode" in cold.report["error"]
+
+
+@pytest.mark.parametrize("method", ["ilp", "cpsat"])
+def test_checkpoint_engine_infeasible_against_its_warm_start_is_an_engine_fault(
+        monkeypatch, method: str) -> None:
+    """The DP plan is a solution of the model: an ``infeasible`` engine is refuted.
+
+    Before: ``status: infeasible`` although the verified DP plan fits.
+    """
+    import dataclasses
+
+    def lie(out: engines.EngineResult) -> engines.EngineResult:
+        return dataclasses.replace(out, status=Status.INFEASIBLE, values=None)
+
+    real_pulp, real_cpsat = engines.solve_pulp, engines.solve_cpsat
+    monkeypatch.setattr(engines, "solve_pulp", lambda *a, **k: lie(real_pulp(*a, **k)))
+    monkeypatch.setattr(engines, "solve_cpsat", lambda *a, **k: lie(real_cpsat(*a, **k)))
+    result = solve(CheckpointProblem(CHAIN, MEMORY), method)
+    check_survived(result)
+    assert result.status is Status.FEASIBLE
+    assert "warm-start plan is a solution" in result.report["engine_error"]

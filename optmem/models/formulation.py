@@ -349,6 +349,25 @@ class Model:
         """Objective value of an assignment."""
         return self.objective.value(values)
 
+    def solution_error(self, values: Sequence[float], tol: float = 1e-6) -> str | None:
+        """Why ``values`` is no solution of the model (``None`` when it is one).
+
+        What an engine returns is checked with it before it is decoded: a misbehaving engine
+        (a wrong number of values, NaN, rows violated) is then an engine fault, not a
+        decoding crash.
+
+        Examples
+        --------
+        >>> m = Model("m"); x = m.integer("x", 0, 3); m.add(x >= 2, "low"); m.minimize(x)
+        >>> m.solution_error([2]), m.solution_error([1]), m.solution_error([])
+        (None, 'violates 1 constraint(s): low', '0 values for 1 variables')
+        """
+        shape = shape_error(values, len(self.vars))
+        if shape is not None:
+            return shape
+        bad = self.violated(values, tol)
+        return f"violates {len(bad)} constraint(s): {', '.join(bad[:3])}" if bad else None
+
     def violated(self, values: Sequence[float], tol: float = 1e-6) -> list[str]:
         """Names of what an assignment violates: bounds, integrality, rows, no-overlaps."""
         bad: list[str] = []
@@ -411,6 +430,21 @@ def _big_m(model: Model, con: Constraint) -> tuple[float | None, float | None]:
             raise ValueError(f"constraint {con.name}: enforced row needs finite variable "
                              "bounds for its big-M")
     return m_hi, m_lo
+
+
+def shape_error(values: Sequence[float], count: int) -> str | None:
+    """Why an engine's ``values`` are no assignment of ``count`` variables (``None``: they are).
+
+    Examples
+    --------
+    >>> shape_error([1.0, 2.0], 2), shape_error([1.0], 2), shape_error([math.nan], 1)
+    (None, '1 values for 2 variables', 'a value is not finite')
+    """
+    if len(values) != count:
+        return f"{len(values)} values for {count} variables"
+    if not all(math.isfinite(x) for x in values):
+        return "a value is not finite"
+    return None
 
 
 # ------------------------------------------------------------------ PuLP

@@ -7,10 +7,13 @@ whose makespan is minimal. The chain input a^0 counts against ``M``.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from optmem.chain import Chain
+from optmem.datasets import resolve_chain
 from optmem.errors import OptmemInputError
+from optmem.result import check_integer
 from optmem.units import memory_percent, memory_size, relative_memory
 
 DEFAULT_SLOTS = 500
@@ -59,13 +62,27 @@ def discretize(chain: Chain, memory_limit: int, slots: int = DEFAULT_SLOTS) -> D
     >>> d.unit, d.memory_limit, d.chain.saved_size, d.chain.input_size
     (100, 100, (15,), 1)
     """
-    if slots < 1:
-        raise OptmemInputError(f"expected a positive number of slots, got {slots}", field="slots")
+    slots = check_integer(slots, "slots", 1, None, "a positive number of slots")
     if memory_limit < 0:
         raise OptmemInputError(f"expected a non-negative memory limit, got {memory_limit}",
                                field="memory")
     unit = unit_of(memory_limit, slots)
     return Discretized(chain.quantize(unit), memory_limit // unit, unit)
+
+
+def check_chain(value: object) -> Chain:
+    """A problem's chain: a :class:`Chain`, a chain file path or a bundled dataset name.
+
+    Strings and paths are read as the CLI reads its ``CHAIN`` argument
+    (:func:`optmem.datasets.resolve_chain`); anything else raises one
+    :class:`OptmemInputError` naming the field ``chain``.
+    """
+    if isinstance(value, Chain):
+        return value
+    if isinstance(value, str | os.PathLike):
+        return resolve_chain(os.fspath(value))
+    raise OptmemInputError(f"expected a Chain, a chain file path or a bundled dataset name, "
+                           f"got {type(value).__name__}", field="chain")
 
 
 def check_memory_limit(value: object, *, field: str = "memory_limit",
@@ -88,7 +105,8 @@ class CheckpointProblem:
     Parameters
     ----------
     chain
-        The chain to train.
+        The chain to train: a :class:`Chain`, a chain file path or a bundled dataset name
+        (as the CLI's ``CHAIN``, :func:`check_chain`).
     memory_limit
         Memory limit in the chain's memory unit (bytes by default); includes a^0. An int,
         a numpy integer, an integral float (``2e9``), a size string (``"2GiB"``) or a
@@ -109,6 +127,7 @@ class CheckpointProblem:
     name = "checkpoint"
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "chain", check_chain(self.chain))
         object.__setattr__(self, "memory_limit",
                            check_memory_limit(self.memory_limit, chain=self.chain))
 

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError, PlanError
 from optmem.plan import Op, OpKind, parse_plan, segments_plan
+from optmem.problems.checkpoint import check_chain
 from optmem.units import memory_size
 
 MODELS = ("pytorch", "static", "optmem")
@@ -62,7 +63,8 @@ class MinPeakProblem:
     Parameters
     ----------
     chain
-        The chain; ``d_0 = input_size``, ``d_k = output_size[k-1]``.
+        The chain (or a chain file path or bundled dataset name); ``d_0 = input_size``,
+        ``d_k = output_size[k-1]``.
     model
         ``pytorch`` (Hong eq. 12, default), ``static`` (eq. 6) or ``optmem`` (optmem's
         simulator, see the module docstring).
@@ -90,10 +92,14 @@ class MinPeakProblem:
     name = "min-peak"
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "chain", check_chain(self.chain))
         if self.model not in MODELS:
             raise OptmemInputError(
                 f"unknown min-peak model {self.model!r} (expected one of {', '.join(MODELS)})",
                 field="model")
+        if not isinstance(self.count_input, bool):
+            raise OptmemInputError(f"expected True or False, got {self.count_input!r}",
+                                   field="count_input")
         if self.memory_limit is not None:
             object.__setattr__(self, "memory_limit", memory_size(self.memory_limit))
         if not self.count_input and self.model == "optmem":

@@ -22,6 +22,7 @@ from optmem.errors import OptmemInputError
 from optmem.problems.checkpoint import (
     DEFAULT_SLOTS,
     Discretized,
+    check_chain,
     check_memory_limit,
     discretize,
 )
@@ -66,7 +67,7 @@ class OffloadProblem:
     Parameters
     ----------
     chain
-        The chain to train.
+        The chain to train (a :class:`Chain`, a chain file path or a bundled dataset name).
     memory_limit
         GPU memory for activations, in the chain's memory unit; includes ``a^0``. Any form
         of :func:`optmem.units.memory_size` (``2 * 2**30``, ``2e9``, ``"2GiB"``).
@@ -98,6 +99,7 @@ class OffloadProblem:
     name = "offload"
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "chain", check_chain(self.chain))
         object.__setattr__(self, "memory_limit",
                            check_memory_limit(self.memory_limit, chain=self.chain))
         per_second, per_chain = link_bandwidths(self.chain, self.bandwidth,

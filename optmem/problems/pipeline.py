@@ -61,10 +61,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
+from numbers import Integral
 
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError
-from optmem.problems.checkpoint import check_memory_limit
+from optmem.problems.checkpoint import check_chain, check_memory_limit
 from optmem.problems.offload import link_bandwidths
 
 MEMORY_MODELS = ("stash", "strict")
@@ -148,7 +149,8 @@ class PipelineProblem:
     Parameters
     ----------
     chain
-        The chain; its loss runs with layer ``L``.
+        The chain (or a chain file path or bundled dataset name); its loss runs with
+        layer ``L``.
     n_gpus
         Number of identical GPUs ``P``.
     memory_per_gpu
@@ -190,9 +192,12 @@ class PipelineProblem:
     name = "pipeline"
 
     def __post_init__(self) -> None:
-        if isinstance(self.n_gpus, bool) or not isinstance(self.n_gpus, int) or self.n_gpus < 1:
+        object.__setattr__(self, "chain", check_chain(self.chain))
+        if isinstance(self.n_gpus, bool) or not isinstance(self.n_gpus, Integral) \
+                or self.n_gpus < 1:
             raise OptmemInputError(f"expected a positive number of GPUs, got {self.n_gpus!r}",
                                    field="gpus")
+        object.__setattr__(self, "n_gpus", int(self.n_gpus))
         object.__setattr__(self, "memory_per_gpu",
                            check_memory_limit(self.memory_per_gpu, field="memory_per_gpu"))
         given = self.bandwidth
@@ -205,11 +210,15 @@ class PipelineProblem:
                                    f"{self.bandwidth!r}", field="bandwidth")
         object.__setattr__(self, "bandwidth", per_second)
         object.__setattr__(self, "chain_bandwidth", per_chain)
-        if (isinstance(self.weight_copies, bool) or not isinstance(self.weight_copies, int)
+        if (isinstance(self.weight_copies, bool) or not isinstance(self.weight_copies, Integral)
                 or self.weight_copies < 0):
             raise OptmemInputError(
                 f"expected a non-negative integer, got {self.weight_copies!r}",
                 field="weight-copies")
+        object.__setattr__(self, "weight_copies", int(self.weight_copies))
+        if not isinstance(self.buffers, bool):
+            raise OptmemInputError(f"expected True or False, got {self.buffers!r}",
+                                   field="buffers")
         if self.memory_model not in MEMORY_MODELS:
             raise OptmemInputError(
                 f"unknown memory model {self.memory_model!r} (expected one of "

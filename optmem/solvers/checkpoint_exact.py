@@ -36,6 +36,7 @@ from optmem.models.checkpoint_ilp import (
     emit_pulp,
     write_model,
 )
+from optmem.models.formulation import Kind
 from optmem.plan import Op
 from optmem.problems.checkpoint import CheckpointProblem, Discretized
 from optmem.result import Result, SolveOptions, Status
@@ -156,7 +157,8 @@ def _min_memory(problem: CheckpointProblem, options: SolveOptions, variant: str,
         settings["time_limit_s"] = min(settings["time_limit_s"], MIN_MEMORY_TIME_LIMIT_S)
     elif settings["node_limit"] is None:
         settings["node_limit"] = MIN_MEMORY_NODE_LIMIT
-    out = engines.solve_pulp(model.problem, model.variables, options.solver, **settings)
+    out = _checked(engines.solve_pulp(model.problem, model.variables, options.solver,
+                                      **settings), form)
     if out.status is not Status.OPTIMAL or out.values is None:
         return None
     plan = form.decode([round(v) for v in out.values])
@@ -235,9 +237,10 @@ def solve_checkpoint_ilp(problem: CheckpointProblem, options: SolveOptions) -> R
     start = _dp_start(disc, form, options.warm_start)
     report["warm_start"] = start.note
     model = emit_pulp(form)
-    out = engines.solve_pulp(model.problem, model.variables, options.solver,
-                             initial=model.initial(start.values),
-                             highs_options=highs_options, **engines.pulp_settings(options))
+    out = _checked(engines.solve_pulp(model.problem, model.variables, options.solver,
+                                      initial=model.initial(start.values),
+                                      highs_options=highs_options,
+                                      **engines.pulp_settings(options)), form, start)
     if out.failed:
         return _engine_failed(problem, disc, start, out, method="ilp", variant=variant,
                               report=report)
@@ -245,6 +248,41 @@ def solve_checkpoint_ilp(problem: CheckpointProblem, options: SolveOptions) -> R
     return _finish(problem, options, disc, form, start, method="ilp", variant=variant,
                    status=out.status, values=out.values, bound=out.bound, solver=out.engine,
                    report=report)
+
+
+SOLUTION_TOLERANCE = 1e-4
+"""Row violation (relative to the row's largest coefficient) above which an engine's
+solution is refused: far above the engines' feasibility tolerances (1e-6 .. 1e-9), far below
+what a wrong 0/1 value does (a whole size or op)."""
+
+
+def _checked(out: engines.EngineResult, form: Formulation, start: _Start | None = None
+             ) -> engines.EngineResult:
+    """``out``, or an engine fault when its solution is no solution of the model.
+
+    The plan is decoded from the rounded values; a solution that lacks values, has NaN or
+    violates a row after rounding (a misbehaving engine) would decode to garbage or crash
+    the decoder, so it is handled as a failed engine call (``_engine_failed``). So is an
+    ``infeasible`` that the warm start (an assignment of the model, ``start.values``)
+    refutes.
+    """
+    if out.status is Status.INFEASIBLE and start is not None and start.values is not None:
+        return engines.failed_result(out.engine, f"{out.message or out.status}: infeasible, "
+                                     "but the warm-start plan is a solution", out.time_s)
+    if not out.status.has_plan:
+        return out
+    if out.values is None:
+        return engines.failed_result(out.engine, f"{out.message or out.status}: a solution "
+                                     "without values", out.time_s)
+    # the model's variables come first; the engine may add its own (objective_constant);
+    # integer variables are read rounded, as the decoder reads them
+    rounded = [round(x) if math.isfinite(x) and v.kind is not Kind.CONTINUOUS else x
+               for v, x in zip(form.model.vars, out.values, strict=False)]
+    fault = form.model.solution_error(rounded, tol=SOLUTION_TOLERANCE)
+    if fault is None:
+        return out
+    return engines.failed_result(out.engine, f"returned an invalid solution ({fault})",
+                                 out.time_s)
 
 
 def _engine_failed(problem: CheckpointProblem, disc: Discretized, start: _Start,
@@ -285,8 +323,9 @@ def solve_checkpoint_cpsat(problem: CheckpointProblem, options: SolveOptions) ->
     report["warm_start"] = start.note
     model = emit_cpsat(form)
     report["time_scale"] = model.scale
-    out = engines.solve_cpsat(model.model, model.variables, hint=model.hint(start.values),
-                              **engines.cpsat_settings(options))
+    out = _checked(engines.solve_cpsat(model.model, model.variables,
+                                       hint=model.hint(start.values),
+                                       **engines.cpsat_settings(options)), form, start)
     if out.failed:
         return _engine_failed(problem, disc, start, out, method="cpsat", variant=variant,
                               report=report)

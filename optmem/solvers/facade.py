@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -21,7 +22,8 @@ from optmem.solvers.registration import Exporter, MethodFn, MethodInfo, register
 
 __all__ = ["Exporter", "MethodFn", "MethodInfo", "available_methods", "best_objective",
            "check_extra", "compare", "default_compare_methods", "export", "method_info",
-           "methods", "problems", "register", "resolve_options", "solve", "split_label"]
+           "method_names_of", "methods", "problem_name", "problems", "register",
+           "resolve_options", "solve", "split_label"]
 
 _REGISTRY: dict[str, dict[str, MethodInfo]] = {}
 _DEFAULT: dict[str, str] = {}
@@ -56,9 +58,48 @@ def methods(problem: str) -> dict[str, MethodInfo]:
     return dict(_REGISTRY[problem])
 
 
+def problem_name(problem: Any) -> str:
+    """The name of a problem object (``checkpoint``, ...); anything else raises.
+
+    Examples
+    --------
+    >>> problem_name("checkpoint")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    optmem.errors.OptmemInputError: field 'problem': expected a problem object ...
+    """
+    name = getattr(type(problem), "name", None)
+    if not isinstance(name, str) or name not in problems():
+        raise OptmemInputError(f"expected a problem object (CheckpointProblem, OffloadProblem, "
+                               f"RematOffloadProblem, PipelineProblem, MinPeakProblem), got "
+                               f"{type(problem).__name__}", field="problem")
+    return name
+
+
+def method_names_of(names: Iterable[str] | str | None) -> list[str] | None:
+    """Method labels of ``compare``/``sweep``: a list, or one comma-separated string.
+
+    A string is read as the CLI's ``--methods`` (``"dp,ilp"``); ``None`` stays ``None``.
+
+    Examples
+    --------
+    >>> method_names_of("dp, dp:rotor,ilp"), method_names_of(["dp"]), method_names_of(None)
+    (['dp', 'dp:rotor', 'ilp'], ['dp'], None)
+    """
+    if names is None:
+        return None
+    if isinstance(names, str):
+        return [m.strip() for m in names.split(",") if m.strip()]
+    try:
+        return list(names)
+    except TypeError:
+        raise OptmemInputError(f"expected a list of method names or a comma-separated "
+                               f"string, got {names!r}", field="methods") from None
+
+
 def available_methods(problem: Any) -> list[str]:
     """Names of the methods of ``problem`` whose engines are installed."""
-    name = problem if isinstance(problem, str) else problem.name
+    name = problem if isinstance(problem, str) else problem_name(problem)
     return [m for m, info in methods(name).items() if info.is_available()]
 
 
@@ -71,6 +112,9 @@ def split_label(label: str) -> tuple[str, str | None]:
 def method_info(problem: str, method: str) -> MethodInfo:
     """Look up one method; unknown names get one clear error listing the known ones."""
     known = methods(problem)
+    if not isinstance(method, str):
+        raise OptmemInputError(f"expected a method name such as 'dp' or 'dp:rotor', got "
+                               f"{method!r}", field="method")
     method = split_label(method)[0]
     if method == "auto":
         method = _DEFAULT.get(problem, next(iter(known)))
@@ -87,6 +131,10 @@ def resolve_options(options: SolveOptions | None, overrides: dict[str, Any]) -> 
     An unknown keyword raises :class:`OptmemInputError` naming the closest known one.
     """
     check_keywords(overrides, OPTION_NAMES, what="solve (the fields of SolveOptions)")
+    if options is not None and not isinstance(options, SolveOptions):
+        raise OptmemInputError(f"expected a SolveOptions or None, got {type(options).__name__} "
+                               f"(give its fields as keywords: solve(p, time_limit_s=10))",
+                               field="options")
     opts = options or SolveOptions()
     return opts.with_(**overrides) if overrides else opts
 
@@ -127,7 +175,7 @@ def solve(problem: Any, method: str = "auto", *, options: SolveOptions | None = 
     (<Status.OPTIMAL: 'optimal'>, 3.0, ('F_all 1', 'Loss', 'B 1'))
     """
     opts = resolve_options(options, option_fields)
-    info = method_info(problem.name, method)
+    info = method_info(problem_name(problem), method)
     check_extra(problem.name, opts)
     return _run(problem, info, method, opts)
 
@@ -159,7 +207,7 @@ def default_compare_methods(problem: Any) -> list[str]:
 
 def compare(
     problem: Any,
-    method_names: Iterable[str] | None = None,
+    method_names: Iterable[str] | str | None = None,
     *,
     options: SolveOptions | None = None,
     progress: Callable[[str], None] | None = None,
@@ -167,15 +215,18 @@ def compare(
 ) -> list[Result]:
     """Run several methods on the same problem and return their results in order.
 
-    Unknown method names, unknown option keywords and ``options.extra`` keys that no method
-    of the problem reads fail before anything runs. A method that then fails (an option it
-    does not support, such as a ``variant`` meant for another method, or an unexpected error)
-    is reported as ``status: error`` with the message in ``report['error']`` instead of
-    aborting the comparison.
+    ``method_names`` is a list of labels or one comma-separated string (``"dp,ilp"``, as the
+    CLI's ``--methods``). Unknown method names, unknown option keywords and
+    ``options.extra`` keys that no method of the problem reads fail before anything runs. A
+    method that then fails (an option it does not support, such as a ``variant`` meant for
+    another method, or an unexpected error) is reported as ``status: error`` with the
+    message in ``report['error']`` instead of aborting the comparison.
     """
     opts = resolve_options(options, option_fields)
-    names = list(method_names) if method_names is not None else default_compare_methods(problem)
-    infos = [method_info(problem.name, name) for name in names]  # unknown names fail first
+    given = method_names_of(method_names)
+    name = problem_name(problem)
+    names = given if given is not None else default_compare_methods(problem)
+    infos = [method_info(name, label) for label in names]  # unknown names fail first
     check_extra(problem.name, opts)
     results = []
     for name, info in zip(names, infos, strict=True):
@@ -198,14 +249,18 @@ def best_objective(results: Iterable[Result]) -> float:
 
 
 # ------------------------------------------------------------------ model export
-def export(problem: Any, method: str, path: str, *, options: SolveOptions | None = None,
-           **option_fields: Any) -> None:
+def export(problem: Any, method: str, path: str | os.PathLike[str], *,
+           options: SolveOptions | None = None, **option_fields: Any) -> None:
     """Write the exact model of ``problem`` built by ``method`` to ``path``.
 
     ``.mps``/``.lp`` for every exportable method; ``cpsat`` also ``.pb``/``.pbtxt``.
     """
     _load()
     options = resolve_options(options, option_fields)
+    method_info(problem_name(problem), method)  # a problem object and a known method name
+    check_extra(problem.name, options)
+    if not isinstance(path, str | os.PathLike):
+        raise OptmemInputError(f"expected a file path, got {path!r}", field="output")
     name, variant = split_label(method)
     key = (problem.name, name)
     if key not in _EXPORTERS:
@@ -217,4 +272,5 @@ def export(problem: Any, method: str, path: str, *, options: SolveOptions | None
     if variant is not None:
         opts = opts.with_(variant=variant)
     # every exporter writes a temporary file renamed over ``path``: nothing half-written
-    write_atomic(path, lambda tmp: _EXPORTERS[key](problem, opts, str(tmp)), field="output")
+    write_atomic(os.fspath(path), lambda tmp: _EXPORTERS[key](problem, opts, str(tmp)),
+                 field="output")

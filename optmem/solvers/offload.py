@@ -32,7 +32,7 @@ from optmem.chain import Chain
 from optmem.engines import adapters as engines
 from optmem.engines.results import engine_failure
 from optmem.errors import OptmemInputError, PlanError
-from optmem.models.formulation import to_cpsat, to_pulp
+from optmem.models.formulation import shape_error, to_cpsat, to_pulp
 from optmem.models.offload import (
     OffloadData,
     OffloadModel,
@@ -70,11 +70,19 @@ from optmem.solvers.offload_schedule import (
     value_op,
     value_sizes,
 )
+from optmem.solvers.options import choice
 from optmem.solvers.registration import register, register_exporter
 
 PROBLEM = "offload"
 DP_VARIANTS = ("contract", "thesis", "cheap")
 BRUTE_MAX_LENGTH = 3
+
+
+def prefetch_policies(options: SolveOptions) -> tuple[str, ...]:
+    """``extra["prefetch"]``: one of :data:`PREFETCH_POLICIES`, else all of them."""
+    if "prefetch" not in options.extra:
+        return PREFETCH_POLICIES
+    return (choice(options, "prefetch", PREFETCH_POLICIES[0], PREFETCH_POLICIES),)
 
 
 def _disc(problem: OffloadProblem, options: SolveOptions) -> tuple[Discretized, float]:
@@ -153,7 +161,7 @@ def _try_sets(problem: OffloadProblem, options: SolveOptions, method: str,
         return _infeasible(problem, disc, method, report, slots=options.slots)
     best: tuple[float, str, tuple[AnyOp, ...]] | None = None
     tried = 0
-    policies = [options.extra["prefetch"]] if "prefetch" in options.extra else PREFETCH_POLICIES
+    policies = prefetch_policies(options)
     for label, values in sets:
         values = list(values)
         for policy in policies:
@@ -207,6 +215,7 @@ def solve_frac(problem: OffloadProblem, options: SolveOptions) -> Result:
           extra=("prefetch",))
 def solve_greedy(problem: OffloadProblem, options: SolveOptions) -> Result:
     """Smallest prefix ``abar_0..abar_k`` covering ``M_peak - M`` (longer if it fails)."""
+    prefetch_policies(options)  # a bad policy fails before any work
     disc, _ = _disc(problem, options)
     sizes = value_sizes(disc.chain)
     need, total, first = _need(disc), 0, 0
@@ -240,6 +249,7 @@ def solve_dynprog(problem: OffloadProblem, options: SolveOptions) -> Result:
     a whole number of units; a lower bound on OFF_int then). If the set does not fit as an
     integral plan, values are added in eager order until it does.
     """
+    prefetch_policies(options)  # a bad policy fails before any work
     disc, beta = _disc(problem, options)
     if _too_small(disc):
         return _infeasible(problem, disc, "dp", slots=options.slots)
@@ -291,6 +301,7 @@ def _ratio_candidates(problem: OffloadProblem, options: SolveOptions
           extra=("prefetch",))
 def solve_vdnn(problem: OffloadProblem, options: SolveOptions) -> Result:
     """Best of all thresholds on ``u_F_{k+1} / abar_k``, offloading all or half (3.4)."""
+    prefetch_policies(options)  # a bad policy fails before any work
     return _try_sets(problem, options, "vdnn", _ratio_candidates(problem, options))
 
 
@@ -311,6 +322,7 @@ def conv_stages(problem: OffloadProblem) -> list[int]:
           extra=("prefetch",))
 def solve_vdnn_conv(problem: OffloadProblem, options: SolveOptions) -> Result:
     """Offload the input of every convolution-like stage (falls back to every stage)."""
+    prefetch_policies(options)  # a bad policy fails before any work
     chosen = conv_stages(problem)
     label = "conv inputs" if chosen else "no conv stage found: every stage"
     return _try_sets(problem, options, "vdnn_conv",
@@ -321,6 +333,7 @@ def solve_vdnn_conv(problem: OffloadProblem, options: SolveOptions) -> Result:
           description="vDNN all: offload every saved activation", extra=("prefetch",))
 def solve_offload_all(problem: OffloadProblem, options: SolveOptions) -> Result:
     """Offload every value ``abar_0 .. abar_{L-1}``."""
+    prefetch_policies(options)  # a bad policy fails before any work
     return _try_sets(problem, options, "offload_all",
                      [("all", list(range(problem.chain.length)))])
 
@@ -486,6 +499,13 @@ class _Outcome:
     failed: engines.EngineResult | None = None
 
 
+def _undecodable(out: engines.EngineResult, fault: str, report: dict[str, Any]) -> _Outcome:
+    """A solution that is no assignment of the model (a misbehaving engine): a failed call."""
+    failed = engines.failed_result(out.engine, f"returned a solution that does not decode "
+                                   f"({fault})", out.time_s)
+    return _Outcome(Status.ERROR, None, math.nan, math.nan, report, failed=failed)
+
+
 def _solve_cpsat_model(inst: _Exact, options: SolveOptions) -> _Outcome:
     """CP-SAT on the integer steps (``to_cpsat(model, 1)``); results back in time units."""
     om = build_offload_model(inst.steps)
@@ -502,6 +522,9 @@ def _solve_cpsat_model(inst: _Exact, options: SolveOptions) -> _Outcome:
               f"relaxation: durations rounded down to 1/{inst.scale} (bound valid)",
               **hint[1], **_engine_report(out)}
     schedule = None
+    fault = None if out.values is None else shape_error(out.values, len(om.model.vars))
+    if fault is not None:
+        return _undecodable(out, fault, report)
     if out.values is not None:
         schedule = om.decode(cm.values(out.values)).map(lambda t: t / inst.scale)
     objective = cm.objective(out.objective) / inst.scale if out.values is not None \
@@ -520,7 +543,11 @@ def _solve_pulp_model(inst: _Exact, options: SolveOptions) -> _Outcome:
     out = engines.solve_pulp(pm.problem, pm.all_variables, options.solver,
                              **engines.pulp_settings(options), initial=pm.initial(hint[0]))
     report = {"model": om.model.size, **hint[1], **_engine_report(out)}
-    schedule = om.decode(out.values[:len(om.model.vars)]) if out.values is not None else None
+    values = None if out.values is None else out.values[:len(om.model.vars)]
+    fault = None if values is None else shape_error(values, len(om.model.vars))
+    if fault is not None:
+        return _undecodable(out, fault, report)
+    schedule = om.decode(values) if values is not None else None
     return _Outcome(out.status, schedule, out.objective, out.bound, report,
                     failed=out if out.failed else None)
 
@@ -555,6 +582,7 @@ def _engine_report(out: engines.EngineResult) -> dict[str, Any]:
 
 def _solve_exact(problem: OffloadProblem, options: SolveOptions, method: str) -> Result:
     """Build, solve, decode, replay; never worse than the warm start (see module docstring)."""
+    prefetch_policies(options)  # a bad policy fails before any work
     disc, _ = _disc(problem, options)
     if _too_small(disc):
         return _infeasible(problem, disc, method, slots=options.slots)

@@ -9,14 +9,18 @@ Examples
 10.0
 >>> flag(SolveOptions(extra={"relaxation_deadlines": False}), "relaxation_deadlines", True)
 False
+>>> choice(SolveOptions(extra={"phase2": "ilp"}), "phase2", "cpsat", ("cpsat", "ilp"))
+'ilp'
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from optmem.errors import OptmemInputError
 from optmem.result import SolveOptions
 
-__all__ = ["flag", "positive_float", "positive_int"]
+__all__ = ["choice", "flag", "positive_float", "positive_int"]
 
 
 def positive_int(options: SolveOptions, key: str, default: int) -> int:
@@ -33,6 +37,15 @@ def positive_float(options: SolveOptions, key: str, default: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise OptmemInputError(f"expected a positive number {key}, got {value!r}", field=key)
     return float(value)
+
+
+def choice(options: SolveOptions, key: str, default: str, allowed: Sequence[str]) -> str:
+    """``options.extra[key]`` (else ``default``), which must be one of ``allowed``."""
+    value = options.extra.get(key, default)
+    if not isinstance(value, str) or value not in allowed:
+        raise OptmemInputError(f"expected one of {', '.join(allowed)} for {key}, got {value!r}",
+                               field=key)
+    return value
 
 
 def flag(options: SolveOptions, key: str, default: bool) -> bool:

@@ -21,13 +21,13 @@ durations not be exact on the grid, by the largest rounding along any cycle of t
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from optmem.engines import adapters as engines
 from optmem.errors import PlanError
-from optmem.models.formulation import Kind, to_cpsat, to_pulp
+from optmem.models.formulation import Kind, shape_error, to_cpsat, to_pulp
 from optmem.models.pipeline import (
     PipelineFormulation,
     Units,
@@ -217,9 +217,37 @@ def _run_pulp(form: PipelineFormulation, options: SolveOptions, values: list[flo
         return ModelRun(res.status, None, math.inf, report, engine=res)
     if not res.status.has_plan or res.values is None:
         return ModelRun(res.status, None, bound, report, engine=res)
-    exact = _polish(pm, form, res.values, options) or res.values
-    plan = form.decode(exact[:len(form.model.vars)])
+    raw = res.values
+    plan = _decode(form, lambda: (_polish(pm, form, raw, options) or raw)[:len(form.model.vars)])
+    if isinstance(plan, engines.EngineResult):
+        return _undecodable(res, plan, report)
     return ModelRun(res.status, plan, bound, report, engine=res)
+
+
+def _decode(form: PipelineFormulation, values: Callable[[], Sequence[float]]
+            ) -> PipelinePlan | engines.EngineResult:
+    """The plan of the engine's values, or an engine fault when they do not decode.
+
+    A misbehaving engine (too few values, NaN, an assignment that no pattern has) would
+    crash the decoder; that is the engine's failure, not the method's.
+    """
+    try:
+        got = list(values())
+        fault = shape_error(got, len(form.model.vars))
+        if fault is not None:
+            raise ValueError(fault)
+        return form.decode(got)
+    except (ArithmeticError, LookupError, ValueError) as exc:
+        return engines.failed_result("engine", f"returned a solution that does not decode "
+                                     f"({type(exc).__name__}: {exc})")
+
+
+def _undecodable(res: engines.EngineResult, fault: engines.EngineResult,
+                 report: dict[str, Any], step: float = 0.0) -> ModelRun:
+    """The run of an engine whose solution did not decode: a failed engine call."""
+    failed = engines.failed_result(res.engine, fault.message, res.time_s)
+    return ModelRun(Status.ERROR, None, math.nan, {**report, **failed.report()}, step,
+                    engine=failed)
 
 
 def _highs_nodes(problem: Any) -> int | None:
@@ -279,7 +307,10 @@ def _run_cpsat(form: PipelineFormulation, options: SolveOptions, values: list[fl
     bound = (res.bound - steps) / scale if math.isfinite(res.bound) else math.nan
     if not res.status.has_plan or res.values is None:
         return ModelRun(res.status, None, bound, report, step, engine=res)
-    plan = form.decode(cm.values(res.values))
+    raw = res.values
+    plan = _decode(form, lambda: cm.values(raw))
+    if isinstance(plan, engines.EngineResult):
+        return _undecodable(res, plan, report, step)
     return ModelRun(res.status, plan, bound, report, step, engine=res)
 
 

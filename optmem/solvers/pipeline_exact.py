@@ -52,6 +52,7 @@ from optmem.pipeline_plan import PipelinePlan
 from optmem.problems.pipeline import PipelineProblem
 from optmem.result import Result, SolveOptions, Status
 from optmem.solvers import pipeline_contiguous as contig
+from optmem.solvers.options import flag
 from optmem.solvers.pipeline_benders import (
     CLIMB_ORDERS,
     COLOCATE_WORK,
@@ -68,7 +69,7 @@ from optmem.solvers.pipeline_common import (
     refute,
     run_model,
 )
-from optmem.solvers.pipeline_madpipe import solve_madpipe
+from optmem.solvers.pipeline_madpipe import madpipe_settings, solve_madpipe
 
 Candidate = tuple[float, PipelinePlan, str]
 STRATEGIES = ("full", "benders")
@@ -83,7 +84,7 @@ def incumbents(problem: PipelineProblem, options: SolveOptions) -> list[Candidat
         sched = contig.best_period_for_allocation(problem, best[1]) if best else None
         if sched is not None and fits(problem, sched[1]):
             found.append((sched[0], sched[1], "contiguous 1F1B*"))
-    if options.extra.get("warm_madpipe", True):
+    if flag(options, "warm_madpipe", True):
         limit = options.time_limit_s / 10 if options.time_limit_s is not None else None
         res = solve_madpipe(problem, options.with_(time_limit_s=limit))
         if res.status.has_plan:
@@ -260,6 +261,9 @@ def solve_exact(problem: PipelineProblem, options: SolveOptions, method: str) ->
                                f"{options.extra['isolate']!r}", field="isolate")
     probing = probe_settings(options)
     colocate_step, _, colocate_order = colocate_settings(options)
+    flag(options, "warm_madpipe", True)
+    flag(options, "relaxation", True)
+    madpipe_settings(options)  # the warm start's MadPipe run reads them
     if method == "ilp":
         engines.check_engine(options.solver)
     solver = options.solver if method == "ilp" else "cpsat"
@@ -269,7 +273,7 @@ def solve_exact(problem: PipelineProblem, options: SolveOptions, method: str) ->
     limit = options.time_limit_s
     relaxed: float = lower_bound(problem)
     report: dict[str, Any] = {}
-    if best is not None and options.extra.get("relaxation", True) \
+    if best is not None and flag(options, "relaxation", True) \
             and engines.is_available("cpsat"):
         share = None if limit is None else RELAXATION_SHARE * limit
         relaxed, report = relaxation_bound(problem, best[0], options, share)

@@ -89,6 +89,7 @@ from optmem.pipeline_plan import PipelinePlan
 from optmem.problems.pipeline import PipelineProblem
 from optmem.result import Result, SolveOptions, Status
 from optmem.solvers import pipeline_contiguous as contig
+from optmem.solvers.options import choice, positive_int
 from optmem.solvers.pipeline_common import (
     fits,
     infeasible,
@@ -102,6 +103,8 @@ from optmem.solvers.pipeline_contiguous import TOL
 EXACT_MAX_LAYERS = 12
 GRID_T, GRID_M, GRID_V = 101, 11, 51
 K_ITERATIONS = 10
+MADPIPE_GRIDS = ("auto", "exact", "thesis")  # extra["madpipe_grid"]
+PHASE2_ENGINES = ("cpsat", "ilp")  # extra["phase2"]
 MEMORY_FACTORS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55)
 """Memory given to phase 1, as a share of the problem's, tried in turn (the digest's x0.85,
 x0.7, x0.55 safety margins, in steps of 0.05: on ResNet-50, 4 GPUs, 3 GiB, 12 GB/s, x0.9
@@ -893,7 +896,7 @@ def _phase2(problem: PipelineProblem, alloc: Allocation, options: SolveOptions,
         if skip(bound):
             log.append({"phase2": "skipped", "bound": bound})
             return None
-    method = str(options.extra.get("phase2", "cpsat" if _has_ortools() else "ilp"))
+    method = phase2_engine(options)
     if options.time_limit_s is None and options.node_limit is None \
             and options.deterministic_time is None:
         options = options.with_(node_limit=PHASE2_NODE_LIMIT,
@@ -909,10 +912,28 @@ def _phase2(problem: PipelineProblem, alloc: Allocation, options: SolveOptions,
     return None
 
 
+def phase2_engine(options: SolveOptions) -> str:
+    """``extra["phase2"]``: the engine of phase 2 (default CP-SAT when installed)."""
+    return choice(options, "phase2", "cpsat" if _has_ortools() else "ilp", PHASE2_ENGINES)
+
+
+def madpipe_settings(options: SolveOptions) -> tuple[str, int]:
+    """``extra["madpipe_grid"]`` and ``["madpipe_iterations"]``, with ``["phase2"]`` checked.
+
+    Raises
+    ------
+    OptmemInputError
+        For a value outside :data:`MADPIPE_GRIDS`, a non-positive or non-integer iteration
+        count or an unknown phase 2 engine (before any work).
+    """
+    phase2_engine(options)
+    return (choice(options, "madpipe_grid", "auto", MADPIPE_GRIDS),
+            positive_int(options, "madpipe_iterations", K_ITERATIONS))
+
+
 def solve_madpipe(problem: PipelineProblem, options: SolveOptions) -> Result:
     """MadPipe: phase 1 (Algorithm 8), phase 2 with fallbacks; the best valid plan."""
-    grid = str(options.extra.get("madpipe_grid", "auto"))
-    iterations = int(options.extra.get("madpipe_iterations", K_ITERATIONS))
+    grid, iterations = madpipe_settings(options)
     exact = grid == "exact" or (grid == "auto" and problem.layers.n <= EXACT_MAX_LAYERS)
     log: list[dict[str, Any]] = []
     candidates: list[tuple[float, PipelinePlan, str]] = []

@@ -42,6 +42,7 @@ from optmem.solvers.checkpoint_dp import (
     PersistentTable,
     solve_persistent_table,
 )
+from optmem.solvers.options import positive_int
 from optmem.solvers.registration import register
 from optmem.solvers.remat_offload_dp import PofoDP, checkpoint_subplan
 from optmem.solvers.remat_offload_schedule import (
@@ -155,12 +156,8 @@ def grid_of(options: SolveOptions) -> tuple[int, int]:
     ``Delta``. The forward table has ``2 L N_A N_D^2`` states, the backward one
     ``L^2 N_A N_D / 2`` (thesis Thm 12 with N split in two).
     """
-    grid = int(options.extra.get("grid", min(options.slots, DEFAULT_GRID)))
-    backlog = int(options.extra.get("backlog_grid", DEFAULT_BACKLOG_GRID))
-    if grid < 1 or backlog < 1:
-        raise OptmemInputError(f"expected positive DP grids, got {grid} and {backlog}",
-                               field="grid")
-    return grid, backlog
+    return (positive_int(options, "grid", min(options.slots, DEFAULT_GRID)),
+            positive_int(options, "backlog_grid", DEFAULT_BACKLOG_GRID))
 
 
 def pofo_plan(problem: RematOffloadProblem, options: SolveOptions, last_segment: str
@@ -425,6 +422,7 @@ def capper_windows(disc: Discretized, ops: Sequence[Op]) -> list[Window] | None:
           extra=("autocapper_values",))
 def solve_autocapper(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     """Capper(M') for ``AUTOCAPPER_VALUES`` values of M' in [M, M_high]; keep the best."""
+    count = positive_int(options, "autocapper_values", AUTOCAPPER_VALUES)
     disc, beta = discretized(problem, options)
     ch = disc.chain
     high = max(disc.memory_limit, _store_all_peak(ch))
@@ -434,7 +432,6 @@ def solve_autocapper(problem: RematOffloadProblem, options: SolveOptions) -> Res
     table = checkpoint_table(disc, high - ch.input_size) if fits else None
     if table is None or beta <= 0:
         return solve_remat_only(problem, options).with_(method="autocapper")
-    count = int(options.extra.get("autocapper_values", AUTOCAPPER_VALUES))
     tried: set[tuple[str, ...]] = set()
     best: tuple[float, tuple, str] | None = None
     for k in range(count):

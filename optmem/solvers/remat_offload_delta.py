@@ -34,6 +34,7 @@ from optmem.plan import LOSS, B, F_all, F_ck, F_none, Op
 from optmem.problems.checkpoint import Discretized
 from optmem.problems.remat_offload import RematOffloadProblem
 from optmem.result import Result, SolveOptions, Status
+from optmem.solvers.options import positive_float
 from optmem.solvers.registration import register
 from optmem.solvers.remat_offload import PROBLEM, discretized, no_plan_result, plan_result
 from optmem.solvers.remat_offload_schedule import (
@@ -186,9 +187,9 @@ def solve_delta(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     bandwidth is already the effective one).
     """
     disc, beta = discretized(problem, options)
-    trigger = float(options.extra.get("delta_trigger", 0.75))
-    kappa = float(options.extra.get("delta_kappa", 1.0))
-    eta = float(options.extra.get("delta_eta", 1.0))
+    trigger = positive_float(options, "delta_trigger", 0.75)
+    kappa = positive_float(options, "delta_kappa", 1.0)
+    eta = positive_float(options, "delta_eta", 1.0)
     for margin in MARGINS:
         built = _build(disc, beta, margin * disc.memory_limit, trigger, kappa, eta)
         if built is None:

@@ -66,6 +66,7 @@ from optmem.models.formulation import (
     Relation,
     grid_ceiling,
     rational_time_scale,
+    shape_error,
     time_scale,
     to_cpsat,
     to_pulp,
@@ -88,6 +89,7 @@ from optmem.solvers.offload_bruteforce import interleave_transfers
 from optmem.solvers.options import flag, positive_int
 from optmem.solvers.registration import register, register_exporter
 from optmem.solvers.remat_offload import (
+    AUTOCAPPER_VALUES,
     LEAST_ENGINE_TIME_S,
     PROBLEM,
     best_candidate,
@@ -470,17 +472,30 @@ def _engine_solve(model: Model, engine: str, options: SolveOptions, *,
 
     if engine == "cpsat":
         cp = to_cpsat(model, scale=scale)
-        out = engines.solve_cpsat(cp.cp, cp.variables, hint=cp.hint(initial),
-                                  **{**engines.cpsat_settings(options),
-                                     "time_limit_s": limit()})
+        out = _shaped(engines.solve_cpsat(cp.cp, cp.variables, hint=cp.hint(initial),
+                                          **{**engines.cpsat_settings(options),
+                                             "time_limit_s": limit()}), model)
         values = cp.values(out.values) if out.values is not None else None
         bound = cp.objective(out.bound) if math.isfinite(out.bound) else math.nan
         return out, values, bound
     pm = to_pulp(model)
-    out = engines.solve_pulp(pm.problem, pm.all_variables, engine, initial=pm.initial(initial),
-                             **{**engines.pulp_settings(options), "time_limit_s": limit()})
+    out = _shaped(engines.solve_pulp(pm.problem, pm.all_variables, engine,
+                                     initial=pm.initial(initial),
+                                     **{**engines.pulp_settings(options),
+                                        "time_limit_s": limit()}), model)
     values = out.values[:len(model.vars)] if out.values is not None else None
     return out, values, out.bound
+
+
+def _shaped(out: engines.EngineResult, model: Model) -> engines.EngineResult:
+    """``out``, or an engine fault when its values are no assignment of ``model``."""
+    if out.values is None:
+        return out
+    fault = shape_error(out.values[:len(model.vars)], len(model.vars))
+    if fault is None:
+        return out
+    return engines.failed_result(out.engine, f"returned a solution that does not decode "
+                                 f"({fault})", out.time_s)
 
 
 def _warm_start(problem: RematOffloadProblem, options: SolveOptions,
@@ -623,7 +638,7 @@ def _relaxation_bound(chain: Chain, memory_limit: int, beta: float, sweeps: int,
     cumulative = flag(options, "relaxation_cumulative_reads", CUMULATIVE_READS_DEFAULT)
     window = flag(options, "relaxation_window", WINDOW_DEFAULT)
     compact = flag(options, "relaxation_compact", COMPACT_DEFAULT)
-    if not options.extra.get("relaxation", True) or beta <= 0:
+    if not flag(options, "relaxation", True) or beta <= 0:
         return _Relaxed(-math.inf, {"status": "off"})
     pulp_engine = engine if engine != "cpsat" else "highs"
     if not engines.is_available(pulp_engine):
@@ -771,7 +786,10 @@ def _lazy_host(chain: Chain, memory_limit: int, beta: float, sweeps: int,
                                      read_deadlines=reads_too, cumulative_reads=cum)
         rows = host_item_rows(full, start[0])
         forced = cum and bool(covered)  # the covered items' cumulative rows: not in yet
-        while out.status is Status.OPTIMAL and out.values is not None:
+        # a solution that is no assignment of the master (a misbehaving engine) ends the
+        # lazy rounds: the bound so far is a relaxation's all the same
+        while out.status is Status.OPTIMAL and out.values is not None and \
+                shape_error(out.values[:len(master.vars)], len(master.vars)) is None:
             violated = host_violations(full, rows, master, out.values, covered)
             left = limit()
             if (not violated and not forced) or \
@@ -969,6 +987,9 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
     flag(options, "relaxation_window_jobs", WINDOW_JOBS_DEFAULT)
     flag(options, "relaxation_sequence", SEQUENCE_DEFAULT)
     flag(options, "autocapper_candidate", AUTOCAPPER_CANDIDATE_DEFAULT)
+    flag(options, "relaxation", True)
+    grid_of(options)
+    positive_int(options, "autocapper_values", AUTOCAPPER_VALUES)
     dp_ladder(options)
     if lns_settings(options).enabled and engine != "cpsat":  # checked before any work
         raise OptmemInputError("the large-neighbourhood search (lns) runs CP-SAT: use the "
