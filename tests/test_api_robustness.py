@@ -259,3 +259,18 @@ def test_available_methods_of_no_problem_is_one_input_error() -> None:
 
     with pytest.raises(OptmemInputError, match="field 'problem'"):
         available_methods(None)
+
+
+@pytest.mark.parametrize("kind", ["checkpoint", "remat-offload"])
+@pytest.mark.parametrize("method", ["ilp", "cpsat"])
+def test_a_huge_sweeps_is_refused_before_the_model_is_built(kind, method):
+    # sweeps=10**30 grew the formulation without bound (2.4 GB before it was killed)
+    chain = random_chain(4, seed=0)
+    problem = (CheckpointProblem(chain, "100%") if kind == "checkpoint" else
+               RematOffloadProblem(chain, "100%", chain_bandwidth=1.0))
+    for sweeps in (10**30, 10**6):
+        with pytest.raises(OptmemInputError, match="compute slots") as info:
+            solve(problem, method, options=SolveOptions(extra={"sweeps": sweeps}))
+        assert info.value.field == "sweeps"
+    assert solve(problem, method, options=SolveOptions(extra={"sweeps": 2})).status in (
+        Status.OPTIMAL, Status.FEASIBLE)

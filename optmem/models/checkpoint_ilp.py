@@ -604,6 +604,11 @@ class _Builder:
         return Expr([(index, 1.0)])
 
 
+MAX_SLOTS = 2_000_000
+"""Most compute slots (``sweeps`` x the phases' stage passes) a formulation is built with:
+a larger one is refused before any memory is taken (``sweeps=10**30`` grew without bound)."""
+
+
 def build_formulation(chain: Chain, memory_limit: int | None, variant: str = "full",
                       sweeps: int = 1, *, size_scale: float = 1.0,
                       reductions: bool = True,
@@ -655,6 +660,13 @@ def build_formulation(chain: Chain, memory_limit: int | None, variant: str = "fu
                                f"(expected one of {', '.join(VARIANTS)})", field="variant")
     if sweeps < 1:
         raise OptmemInputError(f"expected at least one sweep, got {sweeps}", field="sweeps")
+    L = chain.length
+    slots = sweeps * (L * (L + 1) // 2 + L)  # phases k <= L offer k stages, phase L+1 all L
+    if slots > MAX_SLOTS:
+        raise OptmemInputError(
+            f"sweeps={sweeps} gives {slots:,} compute slots on this {L}-stage chain, more "
+            f"than the {MAX_SLOTS:,} a model is built with (each slot has several binaries): "
+            "lower sweeps", field="sweeps")
     return _Builder(chain, memory_limit, variant, sweeps, size_scale, reductions,
                     running_memory and reductions, tape_chain).build()
 
