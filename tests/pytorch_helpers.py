@@ -73,3 +73,21 @@ def tightest_result(chain: Chain, method: str = "dp", slots: int = 500) -> Resul
 
 def clone_module(module: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(module)
+
+
+TANH_TRANSFER_PLAN = ["F_all 1", "F_all 2", "offload abar 1", "F_all 3", "offload abar 2",
+                      "F_all 4", "offload abar 3", "Loss", "prefetch abar 3", "B 4",
+                      "prefetch abar 2", "B 3", "prefetch abar 1", "B 2", "B 1"]
+"""A store-all plan that moves out every tape but the last and brings each back in time."""
+
+
+def tanh_chain() -> tuple[list[torch.nn.Module], torch.nn.Sequential, torch.Tensor]:
+    """Four ``Linear(256, 256) + Tanh`` stages, their ``nn.Sequential`` and a batch of 64.
+
+    One activation is 64 KiB; each ``Tanh`` output is saved twice (by the ``Tanh`` and by
+    the next stage's ``Linear``), the case of a tensor moved out by two holders.
+    """
+    torch.manual_seed(0)
+    stages = [torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh())
+              for _ in range(4)]
+    return stages, torch.nn.Sequential(*stages), torch.randn(64, 256)

@@ -281,6 +281,14 @@ def garbage(mode: str) -> Callable[[engines.EngineResult], engines.EngineResult]
     return corrupt
 
 
+def corrupt_engines(monkeypatch: pytest.MonkeyPatch,
+                    corrupt: Callable[[engines.EngineResult], engines.EngineResult]) -> None:
+    """Every PuLP and CP-SAT solve returns ``corrupt`` of its real result."""
+    real_pulp, real_cpsat = engines.solve_pulp, engines.solve_cpsat
+    monkeypatch.setattr(engines, "solve_pulp", lambda *a, **k: corrupt(real_pulp(*a, **k)))
+    monkeypatch.setattr(engines, "solve_cpsat", lambda *a, **k: corrupt(real_cpsat(*a, **k)))
+
+
 @pytest.mark.parametrize("mode", ["none", "zeros", "ones", "short", "nan"])
 @pytest.mark.parametrize("method", ["ilp", "cpsat"])
 def test_checkpoint_engine_claiming_a_bad_solution_is_an_engine_fault(
@@ -291,10 +299,7 @@ def test_checkpoint_engine_claiming_a_bad_solution_is_an_engine_fault(
     input error) from replaying the decoded garbage, or an ``IndexError``/``ValueError``
     from the decoder.
     """
-    corrupt = garbage(mode)
-    real_pulp, real_cpsat = engines.solve_pulp, engines.solve_cpsat
-    monkeypatch.setattr(engines, "solve_pulp", lambda *a, **k: corrupt(real_pulp(*a, **k)))
-    monkeypatch.setattr(engines, "solve_cpsat", lambda *a, **k: corrupt(real_cpsat(*a, **k)))
+    corrupt_engines(monkeypatch, garbage(mode))
     problem = CheckpointProblem(CHAIN, MEMORY)
     warm = solve(problem, method)
     check_survived(warm)
@@ -306,55 +311,35 @@ def test_checkpoint_engine_claiming_a_bad_solution_is_an_engine_fault(
     assert cold.status is Status.ERROR
 
 
-@pytest.mark.parametrize("mode", ["zeros", "short", "nan"])
+# problem, extra of the cold solve, extra of the warm one (None: no warm start to check)
+UNDECODABLE: dict[str, tuple[Callable[[], Any], dict[str, Any], dict[str, Any] | None]] = {
+    "pipeline": (lambda: PipelineProblem(_pipeline_chain(), 2, 10**6), {"relaxation": False},
+                 {"relaxation": False, "warm_madpipe": False}),
+    "offload": (lambda: OffloadProblem(CHAIN, OFFLOAD_MEMORY, chain_bandwidth=2.0), {}, {}),
+    "remat-offload": (lambda: RematOffloadProblem(random_chain(2, seed=0), 46,
+                                                  chain_bandwidth=1.0), {}, None),
+}
+
+
+@pytest.mark.parametrize(("kind", "mode"), [("pipeline", "zeros"), ("pipeline", "short"),
+                                            ("pipeline", "nan"), ("offload", "short"),
+                                            ("offload", "nan"), ("remat-offload", "short"),
+                                            ("remat-offload", "nan")])
 @pytest.mark.parametrize("method", ["ilp", "cpsat"])
-def test_pipeline_engine_solution_that_does_not_decode_is_an_engine_fault(
-        monkeypatch, method: str, mode: str) -> None:
-    """Before: ``ValueError`` (math domain, NaN to integer, zip) out of the decoder."""
-    corrupt = garbage(mode)
-    real_pulp, real_cpsat = engines.solve_pulp, engines.solve_cpsat
-    monkeypatch.setattr(engines, "solve_pulp", lambda *a, **k: corrupt(real_pulp(*a, **k)))
-    monkeypatch.setattr(engines, "solve_cpsat", lambda *a, **k: corrupt(real_cpsat(*a, **k)))
-    problem = PipelineProblem(_pipeline_chain(), 2, 10**6)
-    cold = solve(problem, method, warm_start=False, extra={"relaxation": False})
+def test_an_engine_solution_that_does_not_decode_is_an_engine_fault(
+        monkeypatch, method: str, kind: str, mode: str) -> None:
+    """Before: ``IndexError`` / ``ValueError`` (math domain, NaN to integer, zip) out of the
+    pipeline and offload decoders and the remat-offload relaxation's lazy rounds."""
+    corrupt_engines(monkeypatch, garbage(mode))
+    make, cold_extra, warm_extra = UNDECODABLE[kind]
+    problem = make()
+    cold = solve(problem, method, warm_start=False, extra=cold_extra)
     check_survived(cold)
     assert cold.status is Status.ERROR and "does not decode" in cold.report["error"]
-    warm = solve(problem, method, extra={"relaxation": False, "warm_madpipe": False})
-    check_survived(warm)
-    assert warm.status is Status.FEASIBLE
-
-
-@pytest.mark.parametrize("mode", ["short", "nan"])
-@pytest.mark.parametrize("method", ["ilp", "cpsat"])
-def test_offload_engine_solution_that_does_not_decode_is_an_engine_fault(
-        monkeypatch, method: str, mode: str) -> None:
-    """Before: ``IndexError`` / ``ValueError`` (zip, NaN) out of the offload decoder."""
-    corrupt = garbage(mode)
-    real_pulp, real_cpsat = engines.solve_pulp, engines.solve_cpsat
-    monkeypatch.setattr(engines, "solve_pulp", lambda *a, **k: corrupt(real_pulp(*a, **k)))
-    monkeypatch.setattr(engines, "solve_cpsat", lambda *a, **k: corrupt(real_cpsat(*a, **k)))
-    problem = OffloadProblem(CHAIN, OFFLOAD_MEMORY, chain_bandwidth=2.0)
-    cold = solve(problem, method, warm_start=False)
-    check_survived(cold)
-    assert cold.status is Status.ERROR and "does not decode" in cold.report["error"]
-    warm = solve(problem, method)
-    check_survived(warm)
-    assert warm.status is Status.FEASIBLE
-
-
-@pytest.mark.parametrize("mode", ["short", "nan"])
-@pytest.mark.parametrize("method", ["ilp", "cpsat"])
-def test_remat_offload_engine_solution_that_does_not_decode_is_an_engine_fault(
-        monkeypatch, method: str, mode: str) -> None:
-    """Before: ``IndexError`` / ``ValueError`` from the relaxation's lazy rounds and decoder."""
-    corrupt = garbage(mode)
-    real_pulp, real_cpsat = engines.solve_pulp, engines.solve_cpsat
-    monkeypatch.setattr(engines, "solve_pulp", lambda *a, **k: corrupt(real_pulp(*a, **k)))
-    monkeypatch.setattr(engines, "solve_cpsat", lambda *a, **k: corrupt(real_cpsat(*a, **k)))
-    problem = RematOffloadProblem(random_chain(2, seed=0), 46, chain_bandwidth=1.0)
-    cold = solve(problem, method, warm_start=False)
-    check_survived(cold)
-    assert cold.status is Status.ERROR and "does not decode" in cold.report["error"]
+    if warm_extra is not None:
+        warm = solve(problem, method, extra=warm_extra)
+        check_survived(warm)
+        assert warm.status is Status.FEASIBLE
 
 
 @pytest.mark.parametrize("method", ["ilp", "cpsat"])
@@ -369,9 +354,7 @@ def test_checkpoint_engine_infeasible_against_its_warm_start_is_an_engine_fault(
     def lie(out: engines.EngineResult) -> engines.EngineResult:
         return dataclasses.replace(out, status=Status.INFEASIBLE, values=None)
 
-    real_pulp, real_cpsat = engines.solve_pulp, engines.solve_cpsat
-    monkeypatch.setattr(engines, "solve_pulp", lambda *a, **k: lie(real_pulp(*a, **k)))
-    monkeypatch.setattr(engines, "solve_cpsat", lambda *a, **k: lie(real_cpsat(*a, **k)))
+    corrupt_engines(monkeypatch, lie)
     result = solve(CheckpointProblem(CHAIN, MEMORY), method)
     check_survived(result)
     assert result.status is Status.FEASIBLE

@@ -102,15 +102,12 @@ def test_offloaded_tensors_leave_the_device_once_and_are_freed_after_use():
     groups kept every prefetched copy until the next forward: the device peak was 1.7x the
     plain step's (655368 against 393224 bytes) and 448 KiB stayed alive after the step.
     """
+    from pytorch_helpers import TANH_TRANSFER_PLAN as plan
+    from pytorch_helpers import tanh_chain
+
     from optmem.pytorch.memory import measure_training_peak
 
-    torch.manual_seed(0)
-    stages = [nn.Sequential(nn.Linear(256, 256), nn.Tanh()) for _ in range(4)]
-    plain = nn.Sequential(*stages)
-    x = torch.randn(64, 256)  # one activation: 64 KiB
-    plan = ["F_all 1", "F_all 2", "offload abar 1", "F_all 3", "offload abar 2", "F_all 4",
-            "offload abar 3", "Loss", "prefetch abar 3", "B 4", "prefetch abar 2", "B 3",
-            "prefetch abar 1", "B 2", "B 1"]
+    stages, plain, x = tanh_chain()  # one activation: 64 KiB
     before = measure_training_peak(lambda: plain(x).sum().backward(), plain, x)
     net = OffloadedChain(stages, plan)
     plain.zero_grad(set_to_none=True)

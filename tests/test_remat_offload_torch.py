@@ -125,16 +125,13 @@ def test_device_memory_of_a_transfer_plan_is_the_offload_executors() -> None:
     out by the slot and by a group was copied twice: 917516 bytes against 327688; with one
     host copy per tensor remembered only while the source tensor object lived (not its
     storage), 393228."""
+    from pytorch_helpers import TANH_TRANSFER_PLAN as plan
+    from pytorch_helpers import tanh_chain
+
     from optmem.pytorch.memory import LOSS_SCALARS, measure_training_peak
     from optmem.pytorch.offload import OffloadedChain
 
-    torch.manual_seed(0)
-    stages = [nn.Sequential(nn.Linear(256, 256), nn.Tanh()) for _ in range(4)]
-    owner = nn.Sequential(*stages)
-    x = torch.randn(64, 256)  # one activation: 64 KiB
-    plan = ["F_all 1", "F_all 2", "offload abar 1", "F_all 3", "offload abar 2", "F_all 4",
-            "offload abar 3", "Loss", "prefetch abar 3", "B 4", "prefetch abar 2", "B 3",
-            "prefetch abar 1", "B 2", "B 1"]
+    stages, owner, x = tanh_chain()  # one activation: 64 KiB
     peaks = []
     for cls in (OffloadedChain, RematOffloadChain):
         net = cls(stages, plan)
