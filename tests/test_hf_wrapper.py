@@ -598,3 +598,29 @@ def test_batchnorm_frozen_after_wrapping():
     assert_same(step(cmodel, model, kwargs, seed=1), step(twin, twin, kwargs, seed=1))
     assert all(torch.equal(a, b) for a, b in zip(model.buffers(), twin.buffers(), strict=True))
     assert len(cmodel.variants) == 2
+
+
+def test_the_wrappers_forward_shows_the_models_signature():
+    # HuggingFace's Trainer keeps the dataset columns its model's forward names: the
+    # wrapper's forward(*args, **kwargs) named none, so every column was dropped
+    import gc
+    import inspect
+    import pickle
+    import weakref
+
+    model, kwargs = gpt2(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cmodel = op.checkpoint(model, kwargs, memory_limit="60%")
+    assert inspect.signature(cmodel.forward) == inspect.signature(model.forward)
+    assert "input_ids" in inspect.signature(cmodel.forward).parameters
+    ref = cmodel(**kwargs)
+    for other in (copy.deepcopy(cmodel), pickle.loads(pickle.dumps(cmodel))):
+        assert inspect.signature(other.forward) == inspect.signature(model.forward)
+        torch.testing.assert_close(other(**kwargs).loss, ref.loss)
+    # no reference cycle: a deleted wrapper is freed at once, as the plain model is
+    gc.disable()
+    try:
+        alive = weakref.ref(cmodel)
+        del cmodel
+        assert alive() is None
+    finally:
+        gc.enable()

@@ -36,6 +36,7 @@ import dataclasses
 import inspect
 import logging
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -208,6 +209,8 @@ class PlannedModule(nn.Module):
         self._plain = main.extraction is None
         self._signature = None if self._plain else inspect.signature(module.forward)
         self._tensor_state = TensorState(module)
+        if not self._plain:
+            self.forward = _SignedForward(self)  # type: ignore[method-assign]
         self.register_state_dict_post_hook(PlannedModule._strip_prefix)
         self.register_load_state_dict_pre_hook(PlannedModule._add_prefix)
 
@@ -695,6 +698,39 @@ class TensorState:
             self._version += change == 2
             self._refresh()
         return self.token
+
+
+class _SignedForward:
+    """A wrapper's ``forward`` that shows the wrapped model's signature.
+
+    Code that reads the model's signature reads the wrapped model's: HuggingFace's
+    ``Trainer`` keeps the dataset columns its model's ``forward`` names, and the
+    wrapper's own ``forward(*args, **kwargs)`` names none. ``inspect.signature`` follows
+    ``__wrapped__`` (accelerate's hooks give a model's ``forward`` the same way). Calls go
+    to :meth:`PlannedModule.forward`; the wrapper is held weakly (no reference cycle: a
+    deleted wrapper is freed at once, as the plain model is), and copies and pickles
+    rebuild it on their own wrapper.
+    """
+
+    def __init__(self, owner: PlannedModule) -> None:
+        self._owner = weakref.ref(owner)
+
+    def _wrapper(self) -> PlannedModule:
+        owner = self._owner()
+        assert owner is not None, "the wrapper of this forward was freed"
+        return owner
+
+    @property
+    def __wrapped__(self) -> Callable[..., Any]:
+        """The wrapped model's ``forward`` (read when asked: a copy sets its state later)."""
+        return self._wrapper()._optmem_module.forward
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        owner = self._wrapper()
+        return type(owner).forward(owner, *args, **kwargs)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return _SignedForward, (self._owner(),)
 
 
 def refuse_wrapped(module: Any, call: str, *, wrap_after: bool = True) -> None:
