@@ -192,7 +192,13 @@ def store_all(model: nn.Module) -> Iterator[nn.Module]:
 
 @contextmanager
 def hf_checkpointing(model: nn.Module) -> Iterator[nn.Module]:
-    """HF's own gradient checkpointing (every layer, non-reentrant)."""
+    """HF's own gradient checkpointing (every layer, non-reentrant), the model as before after.
+
+    ``gradient_checkpointing_enable`` also registers a forward hook on the input embeddings
+    (``enable_input_require_grads``) that ``gradient_checkpointing_disable`` leaves in
+    place: it is removed too, or an optmem wrapper of the same model would see a hook
+    registered after wrapping and extract again (without the plan given by ``use_plan``).
+    """
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         model.gradient_checkpointing_enable(  # type: ignore[operator]
@@ -203,6 +209,7 @@ def hf_checkpointing(model: nn.Module) -> Iterator[nn.Module]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             model.gradient_checkpointing_disable()  # type: ignore[operator]
+        model.disable_input_require_grads()  # type: ignore[operator]
 
 
 @contextmanager

@@ -561,22 +561,40 @@ def test_a_tokenizers_batch_encoding_is_keyword_arguments():
     assert len(cmodel.variants) == 1  # the sample's signature
 
 
-def test_a_copied_wrapper_sees_global_hooks_registered_later(lla):
+def test_a_copied_wrapper_sees_hooks_registered_later_on_its_model(lla):
     """``copy.deepcopy(cmodel)`` (or pickling) recomputes the model's state on the copy,
-    so it watches torch's own global hook registry, not a copy of it (before: a global
-    forward hook registered after the copy was never seen, and never traced)."""
-    from torch.nn.modules.module import register_module_forward_hook
-
+    so it watches the copy's modules, not the original's: a forward hook registered on
+    the copy's model after the copy is traced into a new graph."""
     model, kwargs, cmodel, _ = lla
     twin = copy.deepcopy(cmodel)
     n = len(twin.variants)
-    handle = register_module_forward_hook(lambda m, args, out: None)
+    handle = twin.module.lm_head.register_forward_hook(lambda m, args, out: out * 2)
     try:
-        with pytest.warns(UserWarning, match="the global module forward hooks"):
-            step(twin, twin.module, kwargs, seed=1)
+        with pytest.warns(UserWarning, match="forward hooks on"):
+            got = step(twin, twin.module, kwargs, seed=1)
+        assert len(twin.variants) == n + 1
+        assert_same(got, step(twin.module, twin.module, kwargs, seed=1))
     finally:
         handle.remove()
-    assert len(twin.variants) == n + 1
+
+
+def test_memtracker_around_a_wrapped_step_changes_nothing(lla):
+    """``MemTracker`` observes a step through global module hooks (``ModTracker``): the
+    wrapper neither extracts again under them nor traces them. Before, the hooks it
+    registers counted as a change of the model: the call extracted again inside the
+    tracker and was refused (the tracker registers tensor hooks in the forward)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    model, kwargs, cmodel, _ = lla
+    n = len(cmodel.variants)
+    ref = step(cmodel, model, kwargs, seed=1)
+    tracker = MemTracker()
+    tracker.track_external(cmodel)
+    with tracker:
+        got = step(cmodel, model, kwargs, seed=1)
+    assert tracker.get_tracker_snapshot("peak")  # it measured the step
+    assert len(cmodel.variants) == n
+    assert_same(got, ref)
 
 
 def test_batchnorm_frozen_after_wrapping():

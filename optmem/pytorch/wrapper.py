@@ -594,7 +594,11 @@ class TensorState:
       running ones);
     * the module hooks: forward hooks and pre-hooks are traced into the graph, backward
       hooks are refused (:mod:`optmem.pytorch.hooks`); a hook registered or removed after
-      wrapping was silently ignored.
+      wrapping was silently ignored. Not the *global* module hooks registered after
+      wrapping (``register_module_forward_hook``): they are how torch's tools observe a
+      step (``MemTracker``, ``ModTracker``, ``FlopCounterMode``), they run on the
+      wrapper's stage calls, and extracting again under them would trace the tools
+      themselves (``MemTracker`` registers tensor hooks in the forward, which is refused).
 
     The state is part of the signature, so any such change extracts again (and a new
     backward hook is then refused, a new forward hook reported, as when wrapping). The
@@ -645,7 +649,9 @@ class TensorState:
         self._devices = [(slots, name, t.device) for slots, name, t in tensors[:1] + tensors[-1:]]
         self._entries = [d for m in modules for d in (m._modules, m._parameters, m._buffers)]
         self._n_entries = sum(map(len, self._entries))  # additions change it
-        self._all_hooks = [d for m in modules for d in _hook_dicts(m)] + _global_hook_dicts()
+        # the global module hooks are the tools' (torch's ModTracker, MemTracker,
+        # FlopCounterMode): they run on the stage calls and are not traced (see the class doc)
+        self._all_hooks = [d for m in modules for d in _hook_dicts(m)]
         self._hook_ids = self._hook_keys()
         self._hooks = [(d, len(d)) for d in self._all_hooks if d]  # removals change these
         self._handle_id = RemovableHandle.next_id  # every registration moves it
@@ -792,14 +798,6 @@ def _hook_dicts(module: nn.Module) -> tuple[dict[int, Any], ...]:
     """The dictionaries of a module's forward and backward hooks (and pre-hooks)."""
     return (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
             module._backward_pre_hooks)
-
-
-def _global_hook_dicts() -> list[dict[int, Any]]:
-    """The global module hooks (``torch.nn.modules.module.register_module_*_hook``)."""
-    from torch.nn.modules import module as module_mod
-
-    return [module_mod._global_forward_hooks, module_mod._global_forward_pre_hooks,
-            module_mod._global_backward_hooks, module_mod._global_backward_pre_hooks]
 
 
 def _refuse_nested(module: Any) -> None:
