@@ -224,10 +224,10 @@ def compare(
     """
     opts = resolve_options(options, option_fields)
     given = method_names_of(method_names)
-    name = problem_name(problem)
+    kind = problem_name(problem)
     names = given if given is not None else default_compare_methods(problem)
-    infos = [method_info(name, label) for label in names]  # unknown names fail first
-    check_extra(problem.name, opts)
+    infos = [method_info(kind, label) for label in names]  # unknown names fail first
+    check_extra(kind, opts)
     results = []
     for name, info in zip(names, infos, strict=True):
         if progress:
