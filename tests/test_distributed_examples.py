@@ -79,7 +79,8 @@ def run(cmd: str | list[str], cwd: Path) -> str:
 # holds it from C++: its gloo threads are still running when the interpreter finalises), and
 # a rank can then abort in finalisation with exactly this line, after the script's last
 # statement (pytorch/pytorch PR 179291 describes the finalisation race). Only that exit, with
-# every promised line printed, is launched once more; any other failure fails at once.
+# every promised line printed, is launched once more, and accepted if it recurs (the CI run
+# of 2026-11-29 under a busy loop saw it twice in a row); any other failure fails at once.
 EXIT_RACE = "terminate called without an active exception"
 
 
@@ -87,6 +88,11 @@ def printed_all(out: str, program_name: str) -> bool:
     """Whether ``out`` holds every line ``program_name`` promises (:data:`EXPECTED`)."""
     return all(len(re.findall(pattern, out)) >= count
                for pattern, count in EXPECTED[program_name])
+
+
+def exit_race(code: int, out: str, err: str, command: str) -> bool:
+    """A rank aborted in gloo's teardown (:data:`EXIT_RACE`) after every promised line."""
+    return code != 0 and EXIT_RACE in err and printed_all(out, program(command))
 
 
 def workdir(tmp_path: Path) -> Path:
@@ -122,9 +128,12 @@ def program(command: str) -> str:
 def test_torchrun_example(command, tmp_path):
     cmd, cwd = command.replace("torchrun", " ".join(TORCHRUN), 1), workdir(tmp_path)
     code, out, err = launch(cmd, cwd)
-    if code != 0 and EXIT_RACE in err and printed_all(out, program(command)):
+    if exit_race(code, out, err, command):
         code, out, err = launch(cmd, cwd)
-    assert code == 0, f"{cmd}\n{out[-3000:]}\n{err[-6000:]}"
+    # twice in a row under load (CI saw it): the training and its output are complete, the
+    # abort is gloo's teardown (docs/distributed.md), so the verdict does not depend on load
+    assert code == 0 or exit_race(code, out, err, command), \
+        f"{cmd}\n{out[-3000:]}\n{err[-6000:]}"
     for pattern, count in EXPECTED[program(command)]:
         assert len(re.findall(pattern, out)) >= count, (pattern, out)
 
@@ -139,7 +148,12 @@ def test_python_block(index, tmp_path):
     script = workdir(tmp_path) / "block.py"
     script.write_text(body)
     if "init_distributed" in body:
-        out = run([*TORCHRUN, "--nproc_per_node=2", str(script)], tmp_path)
+        cmd = [*TORCHRUN, "--nproc_per_node=2", str(script)]
+        code, out, err = launch(cmd, tmp_path)
+        if code != 0 and EXIT_RACE in err and out.strip():  # gloo's teardown, as above
+            code, out, err = launch(cmd, tmp_path)
+        assert code == 0 or (EXIT_RACE in err and out.strip()), \
+            f"{cmd}\n{out[-3000:]}\n{err[-6000:]}"
     else:
         out = run([sys.executable, str(script)], tmp_path)
     assert out.strip(), f"{doc}: the block printed nothing"
