@@ -155,13 +155,16 @@ def _too_small(disc: Discretized) -> bool:
 
 def _try_sets(problem: OffloadProblem, options: SolveOptions, method: str,
               sets: Iterable[tuple[str, Iterable[int]]], report: dict | None = None) -> Result:
-    """Best plan among offload sets (each as an ordered no-wait plan); infeasible if none."""
+    """Best plan among offload sets (each as an ordered no-wait plan); infeasible if none.
+
+    The prefetch policy is checked first, before any work (``sets`` may be lazy).
+    """
+    policies = prefetch_policies(options)
     disc, beta = _disc(problem, options)
     if _too_small(disc):
         return _infeasible(problem, disc, method, report, slots=options.slots)
     best: tuple[float, str, tuple[AnyOp, ...]] | None = None
     tried = 0
-    policies = prefetch_policies(options)
     for label, values in sets:
         values = list(values)
         for policy in policies:
@@ -301,7 +304,6 @@ def _ratio_candidates(problem: OffloadProblem, options: SolveOptions
           extra=("prefetch",))
 def solve_vdnn(problem: OffloadProblem, options: SolveOptions) -> Result:
     """Best of all thresholds on ``u_F_{k+1} / abar_k``, offloading all or half (3.4)."""
-    prefetch_policies(options)  # a bad policy fails before any work
     return _try_sets(problem, options, "vdnn", _ratio_candidates(problem, options))
 
 
@@ -322,7 +324,6 @@ def conv_stages(problem: OffloadProblem) -> list[int]:
           extra=("prefetch",))
 def solve_vdnn_conv(problem: OffloadProblem, options: SolveOptions) -> Result:
     """Offload the input of every convolution-like stage (falls back to every stage)."""
-    prefetch_policies(options)  # a bad policy fails before any work
     chosen = conv_stages(problem)
     label = "conv inputs" if chosen else "no conv stage found: every stage"
     return _try_sets(problem, options, "vdnn_conv",
@@ -333,7 +334,6 @@ def solve_vdnn_conv(problem: OffloadProblem, options: SolveOptions) -> Result:
           description="vDNN all: offload every saved activation", extra=("prefetch",))
 def solve_offload_all(problem: OffloadProblem, options: SolveOptions) -> Result:
     """Offload every value ``abar_0 .. abar_{L-1}``."""
-    prefetch_policies(options)  # a bad policy fails before any work
     return _try_sets(problem, options, "offload_all",
                      [("all", list(range(problem.chain.length)))])
 
