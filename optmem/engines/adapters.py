@@ -109,6 +109,16 @@ def failed_result(engine: str, exc: BaseException | str, time_s: float = 0.0) ->
                         text.splitlines()[0] if text else "unknown failure")
 
 
+def undecodable_result(out: EngineResult, fault: str) -> EngineResult:
+    """The ``error`` result of an engine whose solution does not decode (``fault``: why).
+
+    A misbehaving engine (too few values, NaN, an assignment the model has no plan for) is
+    the engine's failure, not the method's: callers handle it as a failed engine call.
+    """
+    return failed_result(out.engine, f"returned a solution that does not decode ({fault})",
+                         out.time_s)
+
+
 def pulp_settings(options: Any) -> dict[str, Any]:
     """Keyword arguments of :func:`solve_pulp` from a :class:`~optmem.result.SolveOptions`."""
     return {"time_limit_s": options.time_limit_s, "threads": options.threads,

@@ -501,9 +501,8 @@ class _Outcome:
 
 def _undecodable(out: engines.EngineResult, fault: str, report: dict[str, Any]) -> _Outcome:
     """A solution that is no assignment of the model (a misbehaving engine): a failed call."""
-    failed = engines.failed_result(out.engine, f"returned a solution that does not decode "
-                                   f"({fault})", out.time_s)
-    return _Outcome(Status.ERROR, None, math.nan, math.nan, report, failed=failed)
+    return _Outcome(Status.ERROR, None, math.nan, math.nan, report,
+                    failed=engines.undecodable_result(out, fault))
 
 
 def _solve_cpsat_model(inst: _Exact, options: SolveOptions) -> _Outcome:

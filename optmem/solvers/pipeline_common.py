@@ -219,14 +219,14 @@ def _run_pulp(form: PipelineFormulation, options: SolveOptions, values: list[flo
         return ModelRun(res.status, None, bound, report, engine=res)
     raw = res.values
     plan = _decode(form, lambda: (_polish(pm, form, raw, options) or raw)[:len(form.model.vars)])
-    if isinstance(plan, engines.EngineResult):
+    if isinstance(plan, str):
         return _undecodable(res, plan, report)
     return ModelRun(res.status, plan, bound, report, engine=res)
 
 
 def _decode(form: PipelineFormulation, values: Callable[[], Sequence[float]]
-            ) -> PipelinePlan | engines.EngineResult:
-    """The plan of the engine's values, or an engine fault when they do not decode.
+            ) -> PipelinePlan | str:
+    """The plan of the engine's values, or why they do not decode.
 
     A misbehaving engine (too few values, NaN, an assignment that no pattern has) would
     crash the decoder; that is the engine's failure, not the method's.
@@ -238,14 +238,13 @@ def _decode(form: PipelineFormulation, values: Callable[[], Sequence[float]]
             raise ValueError(fault)
         return form.decode(got)
     except (ArithmeticError, LookupError, ValueError) as exc:
-        return engines.failed_result("engine", f"returned a solution that does not decode "
-                                     f"({type(exc).__name__}: {exc})")
+        return f"{type(exc).__name__}: {exc}"
 
 
-def _undecodable(res: engines.EngineResult, fault: engines.EngineResult,
-                 report: dict[str, Any], step: float = 0.0) -> ModelRun:
+def _undecodable(res: engines.EngineResult, fault: str, report: dict[str, Any],
+                 step: float = 0.0) -> ModelRun:
     """The run of an engine whose solution did not decode: a failed engine call."""
-    failed = engines.failed_result(res.engine, fault.message, res.time_s)
+    failed = engines.undecodable_result(res, fault)
     return ModelRun(Status.ERROR, None, math.nan, {**report, **failed.report()}, step,
                     engine=failed)
 
@@ -309,7 +308,7 @@ def _run_cpsat(form: PipelineFormulation, options: SolveOptions, values: list[fl
         return ModelRun(res.status, None, bound, report, step, engine=res)
     raw = res.values
     plan = _decode(form, lambda: cm.values(raw))
-    if isinstance(plan, engines.EngineResult):
+    if isinstance(plan, str):
         return _undecodable(res, plan, report, step)
     return ModelRun(res.status, plan, bound, report, step, engine=res)
 

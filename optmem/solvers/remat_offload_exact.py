@@ -492,10 +492,7 @@ def _shaped(out: engines.EngineResult, model: Model) -> engines.EngineResult:
     if out.values is None:
         return out
     fault = shape_error(out.values[:len(model.vars)], len(model.vars))
-    if fault is None:
-        return out
-    return engines.failed_result(out.engine, f"returned a solution that does not decode "
-                                 f"({fault})", out.time_s)
+    return out if fault is None else engines.undecodable_result(out, fault)
 
 
 def _warm_start(problem: RematOffloadProblem, options: SolveOptions,
