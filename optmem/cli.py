@@ -34,8 +34,6 @@ MODEL_SUFFIXES = (".mps", ".lp", ".pb", ".pbtxt")  # export: MPS/LP (every model
 EXTRA_COMMANDS = ["optmem.pytorch.cli", "optmem.sweep", "optmem.show"]
 
 
-
-
 def worker_count(text: str) -> int:
     """Parse ``--threads`` / ``--jobs``: an integer in ``1..MAX_WORKERS``.
 

@@ -630,7 +630,7 @@ class TensorState:
         return {"module": self.module, "_version": self._version}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        """Recompute the state of the (copied) module: torch's global hooks stay torch's."""
+        """Recompute the state of the (copied) module: its modules, hooks and modes."""
         self.__dict__.update(state)
         self._refresh()
 
