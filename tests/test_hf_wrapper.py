@@ -597,6 +597,46 @@ def test_memtracker_around_a_wrapped_step_changes_nothing(lla):
     assert_same(got, ref)
 
 
+def test_flop_counter_around_a_first_call_counts_the_step_alone():
+    """``FlopCounterMode`` around a call that extracts (a signature not seen yet): the
+    wrapper traces and profiles outside the counter, so the count is the step's, the same
+    as for the next call, above the plain model's by the recomputations. Before, the
+    extraction traced the counter's own module tracker, whose tensor hooks were refused
+    as the model's ("GPT2LMHeadModel registers a tensor hook in its forward")."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model, kwargs = gpt2()
+    ids = kwargs["input_ids"]
+    cmodel = op.checkpoint(model, (ids,), memory_limit="60%", repeats=1, warmup=0,
+                           fast_path=False)
+    counts = []
+    for _ in range(2):  # the first call extracts the (input_ids, labels) signature
+        with FlopCounterMode(display=False) as counter:
+            cmodel(ids, labels=ids).loss.backward()
+        counts.append(counter.get_total_flops())
+    assert len(cmodel.variants) == 2
+    with FlopCounterMode(display=False) as counter:
+        model(ids, labels=ids).loss.backward()
+    assert counts[0] == counts[1] >= counter.get_total_flops() > 0
+
+
+def test_memtracker_around_wrapping_and_a_step():
+    """``MemTracker`` around wrapping and the first step: the wrap extracts and profiles
+    outside it (its tensor hooks are not traced) and the step is measured; loss and
+    gradients are the plain model's. Before, wrapping under it was refused."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    model, kwargs = llama()
+    twin = copy.deepcopy(model)
+    tracker = MemTracker()
+    with tracker:
+        cmodel = op.checkpoint(model, kwargs, memory_limit="60%", repeats=1, warmup=0,
+                               fast_path=False)
+        got = step(cmodel, model, kwargs, seed=1)
+    assert tracker.get_tracker_snapshot("peak")
+    assert_same(got, step(twin, twin, kwargs, seed=1))
+
+
 def test_batchnorm_frozen_after_wrapping():
     """``bn.eval()`` on the BatchNorm layers after wrapping (frozen statistics while the
     rest trains): the next call extracts again; loss, gradients and buffers are the

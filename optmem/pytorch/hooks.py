@@ -20,6 +20,12 @@ was traced, nothing else:
 
 Stages that are the user's own modules (an ``nn.Sequential``, a list of stages) run their
 hooks themselves: none of this applies to them.
+
+The *global* module forward hooks (``register_module_forward_hook``) and the dispatch modes
+active around a call are the caller's tools observing a step (``MemTracker``,
+``ModTracker``, ``FlopCounterMode``), not part of the model: extraction, profiling and
+measuring run outside them (:func:`callers_tools_suspended`), and the tools observe the
+stage calls of every step.
 """
 
 from __future__ import annotations
@@ -34,11 +40,13 @@ import numpy as np
 import torch
 from torch import nn
 from torch.nn.modules import module as module_mod
+from torch.utils._python_dispatch import _disable_current_modes
 
 from optmem.errors import OptmemInputError
 
-__all__ = ["check_backward_hooks", "check_module_hooks", "quiet_gradient_hooks",
-           "refuse_python_random", "refuse_tensor_hooks", "warn_forward_hooks"]
+__all__ = ["callers_tools_suspended", "check_backward_hooks", "check_module_hooks",
+           "quiet_gradient_hooks", "refuse_python_random", "refuse_tensor_hooks",
+           "warn_forward_hooks"]
 
 _ALTERNATIVE = ("remove it, or pass an nn.Sequential of blocks or a list of stage modules "
                 "(stages that are your modules run their hooks themselves)")
@@ -90,8 +98,6 @@ def warn_forward_hooks(module: nn.Module) -> list[str]:
     """
     where = [_where(module, name, sub) for name, sub in module.named_modules()
              if sub._forward_hooks or sub._forward_pre_hooks]
-    if module_mod._global_forward_hooks or module_mod._global_forward_pre_hooks:
-        where.append("the global module forward hooks")
     if where:
         warnings.warn(
             f"forward hooks on {', '.join(where[:3])}{' ...' if len(where) > 3 else ''}: "
@@ -191,3 +197,38 @@ def quiet_gradient_hooks(tensors: Iterable[torch.Tensor], *,
     finally:
         for hooks, items in saved:
             hooks.update(items)
+
+
+# the global forward hook registries: where torch's tools (ModTracker and those built on
+# it) put their hooks; the backward ones stay (refused by check_backward_hooks)
+_GLOBAL_FORWARD_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks",
+                         "_global_forward_hooks_with_kwargs",
+                         "_global_forward_hooks_always_called")
+
+
+@contextmanager
+def callers_tools_suspended() -> Iterator[None]:
+    """Within: no dispatch mode of the caller and no global module forward hook runs.
+
+    ``FlopCounterMode``, ``MemTracker`` and ``ModTracker`` observe a step through a
+    dispatch mode and global module forward hooks. Extracting, profiling and measuring
+    are optmem's setup work, not the user's step: under such a tool the trace would record
+    the tool itself (``ModTracker`` registers tensor hooks in the forward, which
+    :func:`refuse_tensor_hooks` refuses), the profile would time the tool's Python, and the
+    tool would count the setup's fake and real runs as the step's. The registries are
+    emptied in place and refilled on exit (hooks registered meanwhile are kept, after the
+    suspended ones).
+    """
+    saved = [(getattr(module_mod, name), list(getattr(module_mod, name).items()))
+             for name in _GLOBAL_FORWARD_HOOKS]
+    for registry, _ in saved:
+        registry.clear()
+    try:
+        with _disable_current_modes():
+            yield
+    finally:
+        for registry, items in saved:
+            added = list(registry.items())
+            registry.clear()
+            registry.update(items)
+            registry.update(added)

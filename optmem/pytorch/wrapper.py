@@ -65,6 +65,7 @@ from optmem.pytorch.extract import (
     merge_stages,
     value_tensors,
 )
+from optmem.pytorch.hooks import callers_tools_suspended
 from optmem.pytorch.memory import buffers_restored, storage_bytes
 from optmem.pytorch.planning import Planner
 from optmem.result import Result
@@ -597,8 +598,8 @@ class TensorState:
       wrapping was silently ignored. Not the *global* module hooks registered after
       wrapping (``register_module_forward_hook``): they are how torch's tools observe a
       step (``MemTracker``, ``ModTracker``, ``FlopCounterMode``), they run on the
-      wrapper's stage calls, and extracting again under them would trace the tools
-      themselves (``MemTracker`` registers tensor hooks in the forward, which is refused).
+      wrapper's stage calls (extraction and profiling run without them:
+      :func:`~optmem.pytorch.hooks.callers_tools_suspended`).
 
     The state is part of the signature, so any such change extracts again (and a new
     backward hook is then refused, a new forward hook reported, as when wrapping). The
@@ -851,10 +852,13 @@ def leaves_no_trace(module: nn.Module) -> Iterator[None]:
 
     Extracting and profiling run the model's code (BatchNorm statistics and counters,
     random draws): the model must not notice, not even through the version counters of
-    buffers that code only read (:func:`~optmem.pytorch.memory.buffers_restored`).
+    buffers that code only read (:func:`~optmem.pytorch.memory.buffers_restored`). Nor must
+    the caller's tools (``FlopCounterMode``, ``MemTracker``): they are suspended within
+    (:func:`~optmem.pytorch.hooks.callers_tools_suspended`).
     """
     devices = sorted({b.device.index or 0 for b in module.buffers() if b.is_cuda})
-    with torch.random.fork_rng(devices=devices), buffers_restored([module]):
+    with callers_tools_suspended(), torch.random.fork_rng(devices=devices), \
+            buffers_restored([module]):
         yield
 
 
