@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from optmem.chain import Chain
@@ -90,7 +91,8 @@ def test_a_segment_cost_trades_more_recomputation_for_fewer_segments():
     assert seg.report["objective_with_segments"] < base.objective + 3.0 * _segments(base.plan)
 
 
-@pytest.mark.parametrize("bad", [-1.0, math.nan, math.inf, "fast"])
+@pytest.mark.parametrize("bad", [-1.0, math.nan, math.inf, -math.inf, "fast", True, False,
+                                 np.bool_(True), np.bool_(False)])
 def test_a_bad_segment_cost_is_an_input_error(bad):
     chain = random_chain(4, seed=1)
     with pytest.raises(OptmemInputError, match="segment_cost"):

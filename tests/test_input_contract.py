@@ -241,3 +241,33 @@ def test_problems_take_a_percentage_of_store_all_as_the_cli_does():
     assert RematOffloadProblem(chain, "100%", chain_bandwidth=1.0).memory_limit == peak
     with pytest.raises(OptmemInputError, match="percentage of the store-all peak"):
         CheckpointProblem(chain, "0%")
+
+
+BOOLEANS = [True, False, np.bool_(True), np.bool_(False)]
+
+
+@pytest.mark.parametrize(("problem", "method", "key"), [
+    ("checkpoint", "dp", "segment_cost"), ("checkpoint", "ilp", "sweeps"),
+    ("remat-offload", "dp", "grid"), ("remat-offload", "dp", "backlog_grid"),
+    ("remat-offload", "delta", "delta_trigger"),
+    ("remat-offload", "autocapper", "autocapper_values")])
+@pytest.mark.parametrize("value", BOOLEANS, ids=repr)
+def test_a_boolean_is_not_a_number_option(problem: str, method: str, key: str,
+                                          value: object) -> None:
+    """``True`` / ``False`` (and numpy's booleans) are refused by every numeric ``extra``
+    reader, naming the key (``float(True)`` is 1.0: ``segment_cost=true`` was a cost of 1)."""
+    with pytest.raises(OptmemInputError) as err:
+        solve(tiny_problems()[problem], method, options=SolveOptions(extra={key: value}))
+    assert err.value.field == key
+
+
+@pytest.mark.parametrize("value", ["true", "false"])
+def test_cli_refuses_a_boolean_segment_cost(capsys: pytest.CaptureFixture[str],
+                                            value: str) -> None:
+    code = main(["solve", "checkpoint", "resnet18-b64-224", "--memory", "60%", "--method",
+                 "dp", "--option", f"segment_cost={value}"])
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert out == ""
+    assert len(err.strip().splitlines()) == 1
+    assert "segment_cost" in err

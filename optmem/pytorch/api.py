@@ -27,6 +27,7 @@ from optmem.pytorch.extract import Stage, extract_program
 from optmem.pytorch.planning import Planner
 from optmem.pytorch.profile import TimeModel
 from optmem.pytorch.wrapper import (
+    GIVEN_SOURCE,
     PlannedModule,
     ProfileOptions,
     call_of,
@@ -117,16 +118,22 @@ class CheckpointedModule(PlannedModule):
         ``memory_limit``: the limit the plan is run under (``None``: none). With one, the
         store-all fast path applies as after :meth:`resolve` (the model itself is called
         when its measured plain peak fits); the plan is not checked against it.
+
+        The plan is kept when the wrapper extracts the model again (a hook registered, a
+        submodule replaced, a new call signature) if the new chain has the same number of
+        stages and the plan replays on it (within ``memory_limit`` when given); otherwise
+        one :class:`UserWarning` says why it was dropped and the planner solves the new
+        chain. :meth:`resolve` returns to the planner's plans.
         """
         from optmem.simulate import simulate_checkpoint
 
         sim = simulate_checkpoint(self.chain, plan)
         result = Result("checkpoint", method, Status.FEASIBLE, objective=sim.makespan,
                         plan=tuple(str(p) for p in plan), peak_memory=sim.peak_memory,
-                        memory_limit=None, unit=1)
+                        memory_limit=None, unit=1, report={"source": GIVEN_SOURCE})
         limit = None if memory_limit is None else parse_size(memory_limit,
                                                              field="memory_limit")
-        self._set_result(result, plan, limit)
+        self._set_result(result, plan, limit, given=True)
         return result
 
 

@@ -68,7 +68,7 @@ from optmem.pytorch.extract import (
 from optmem.pytorch.hooks import callers_tools_suspended
 from optmem.pytorch.memory import buffers_restored, storage_bytes
 from optmem.pytorch.planning import Planner
-from optmem.result import Result
+from optmem.result import Result, Status
 from optmem.units import format_size
 
 __all__ = ["MAX_VARIANTS", "PLAIN_PEAK", "USE_CACHE_WARNING", "PlannedModule", "ProfileOptions",
@@ -129,6 +129,62 @@ class _Variant:
         """The plain model's own step fits the limit (the store-all fast path applies)."""
         peak = self.plain_peak
         return self.limit is not None and peak is not None and peak <= self.limit
+
+
+GIVEN_SOURCE = "use_plan"
+"""``report["source"]`` of a result that runs a plan given by ``use_plan``."""
+
+
+@dataclass
+class GivenPlan:
+    """A checkpoint plan given by ``use_plan``: kept on the chains extracted later.
+
+    ``stages``: the number of stages of the chain it was given for; ``limit``: the memory
+    limit (bytes) it is run under, if any; ``warned``: whether a re-extraction dropped it
+    (one warning per given plan).
+    """
+
+    plan: tuple[str, ...]
+    method: str
+    stages: int
+    limit: int | None
+    warned: bool = False
+
+    def result(self, chain: Chain) -> Result:
+        """The plan replayed on ``chain``.
+
+        Raises :class:`OptmemInputError` if ``chain`` has another number of stages, or the
+        plan does not replay on it (within :attr:`limit`, when set).
+        """
+        from optmem.simulate import simulate_checkpoint
+
+        if chain.length != self.stages:
+            raise OptmemInputError(f"it is for {self.stages} stages and the model now has "
+                                   f"{chain.length}", field="plan")
+        sim = simulate_checkpoint(chain, self.plan, self.limit)
+        return Result("checkpoint", self.method, Status.FEASIBLE, objective=sim.makespan,
+                      plan=self.plan, peak_memory=sim.peak_memory, memory_limit=None, unit=1,
+                      report={"source": GIVEN_SOURCE})
+
+    def solve(self, planner: Planner, name: str) -> Callable[[Chain], Result]:
+        """What solves a re-extracted chain: this plan if it replays on it, else ``planner``.
+
+        The first time the plan is dropped, one :class:`UserWarning` says why.
+        """
+
+        def solve(chain: Chain) -> Result:
+            try:
+                return self.result(chain)
+            except OptmemInputError as exc:
+                if not self.warned:
+                    self.warned = True
+                    warnings.warn(f"optmem: {name} was extracted again (the model or the "
+                                  f"call changed); the plan given by use_plan() is dropped "
+                                  f"for the planner's ({planner.method}): {exc}",
+                                  UserWarning, stacklevel=2)
+                return planner.solve(chain)
+
+        return solve
 
 
 def is_plain_chain(module: Any) -> bool:
@@ -210,6 +266,7 @@ class PlannedModule(nn.Module):
         self._plain = main.extraction is None
         self._signature = None if self._plain else inspect.signature(module.forward)
         self._tensor_state = TensorState(module)
+        self._given: GivenPlan | None = None
         if not self._plain:
             self.forward = _SignedForward(self)  # type: ignore[method-assign]
         self.register_state_dict_post_hook(PlannedModule._strip_prefix)
@@ -343,10 +400,17 @@ class PlannedModule(nn.Module):
         return [tuple(s.name for s in v.stages) for v in self._variants.values()]
 
     def _set_result(self, result: Result, plan: Sequence[Any] | None = None,
-                    limit: int | None = None) -> None:
+                    limit: int | None = None, given: bool = False) -> None:
+        """Run ``result``'s plan (or ``plan``) on the main signature.
+
+        ``given``: the plan comes from ``use_plan``; the signatures extracted later run it
+        too when it replays on their chains (:class:`GivenPlan`); otherwise they are solved.
+        """
         main = self._main
         main.result = result
         main.limit = limit
+        self._given = GivenPlan(tuple(str(p) for p in (plan or result.plan)), result.method,
+                                main.chain.length, limit) if given else None
         main.executor.set_plan(list(plan if plan is not None else result.plan))  # type: ignore[operator]
         for key in [k for k in self._variants if k != self._main_key]:
             del self._variants[key]  # re-derived from the new policy when called again
@@ -437,9 +501,13 @@ class PlannedModule(nn.Module):
             return variant
         _log.info("optmem: new call signature for %s: extracting, profiling and solving "
                   "again", type(self._optmem_module).__name__)
-        variant = _extract_variant(self._optmem_module, args, kwargs, self._planner,
-                                   self._profile, None, self._main.chain.name,
-                                   like=self._main)
+        given = self._given
+        variant = _extract_variant(
+            self._optmem_module, args, kwargs, self._planner, self._profile, None,
+            self._main.chain.name, like=self._main,
+            solve=None if given is None else given.solve(self._planner, self._main.chain.name))
+        if given is not None and variant.result.report.get("source") == GIVEN_SOURCE:
+            variant.limit = given.limit  # as use_plan's (None: never the fast path)
         if self._compile_options is not None:
             _compile_executor(variant.executor, self._compile_options)
         self._variants[key] = variant
@@ -864,29 +932,32 @@ def leaves_no_trace(module: nn.Module) -> Iterator[None]:
 
 def _extract_variant(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                      planner: Planner, profile: ProfileOptions, chain: Chain | None,
-                     name: str, like: _Variant | None) -> _Variant:
+                     name: str, like: _Variant | None,
+                     solve: Callable[[Chain], Result] | None = None) -> _Variant:
     with leaves_no_trace(module):
         ext = extract_program(module, args, kwargs, method=profile.extract)
         flat = ext.flatten(args, kwargs)
         ctx = ext.side_inputs(flat)
         return _make_variant(ext, ext.stages, ext.chain_input(flat), planner, profile,
                              chain, name, ctx=ctx, like=like,
-                             plain=plain_measure(module, args, kwargs, profile))
+                             plain=plain_measure(module, args, kwargs, profile), solve=solve)
 
 
 def _make_variant(ext: Extraction | None, fine: list[Stage], x: Any, planner: Planner,
                   profile: ProfileOptions, chain: Chain | None, name: str,
                   ctx: SideInputs | None, like: _Variant | None,
-                  plain: Callable[[], int | None] | None = None) -> _Variant:
+                  plain: Callable[[], int | None] | None = None,
+                  solve: Callable[[Chain], Result] | None = None) -> _Variant:
     """Merge (``max_stages``), profile and solve one list of stages, build its executor.
 
     The decision runs once for every rank (:func:`plan_stages`); the executor is built on
-    every rank. ``plain`` measures the plain model's real peak (recorded in the chain).
+    every rank. ``plain`` measures the plain model's real peak (recorded in the chain);
+    ``solve`` (default ``planner.solve``) decides the plan.
     """
     from optmem.pytorch.process_groups import resolve_group
 
     groups, stages, chain, result = plan_stages(
-        fine, x, profile, name, ctx, planner.solve, chain=chain, like=like,
+        fine, x, profile, name, ctx, solve or planner.solve, chain=chain, like=like,
         group=resolve_group(planner.process_group), plain=plain)
     executor = planner.executor(stages, result.plan)
     return _Variant(ext, stages, groups, tuple(s.name for s in fine), chain, result, executor,

@@ -11,6 +11,8 @@ import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import numpy as np
+
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError
 from optmem.plan import Op, OpKind, plan_strings
@@ -195,10 +197,13 @@ def solve_checkpoint_dp(problem: CheckpointProblem, options: SolveOptions) -> Re
 
 
 def _segment_cost(options: SolveOptions) -> float:
-    """``extra["segment_cost"]`` of the dp method: a finite time >= 0 (default 0)."""
+    """``extra["segment_cost"]`` of the dp method: a finite time >= 0 (default 0).
+
+    A boolean (``bool`` or ``numpy.bool_``) is refused, not read as 0 or 1.
+    """
     raw = options.extra.get("segment_cost", 0.0)
     try:
-        cost = float(raw)
+        cost = math.nan if isinstance(raw, (bool, np.bool_)) else float(raw)
     except (TypeError, ValueError):
         cost = math.nan
     if not (math.isfinite(cost) and cost >= 0):

@@ -70,7 +70,7 @@ from optmem.solvers.offload_schedule import (
     value_op,
     value_sizes,
 )
-from optmem.solvers.options import choice
+from optmem.solvers.options import one_or_all
 from optmem.solvers.registration import register, register_exporter
 
 PROBLEM = "offload"
@@ -80,9 +80,7 @@ BRUTE_MAX_LENGTH = 3
 
 def prefetch_policies(options: SolveOptions) -> tuple[str, ...]:
     """``extra["prefetch"]``: one of :data:`PREFETCH_POLICIES`, else all of them."""
-    if "prefetch" not in options.extra:
-        return PREFETCH_POLICIES
-    return (choice(options, "prefetch", PREFETCH_POLICIES[0], PREFETCH_POLICIES),)
+    return one_or_all(options, "prefetch", PREFETCH_POLICIES)
 
 
 def _disc(problem: OffloadProblem, options: SolveOptions) -> tuple[Discretized, float]:

@@ -11,6 +11,8 @@ Examples
 False
 >>> choice(SolveOptions(extra={"phase2": "ilp"}), "phase2", "cpsat", ("cpsat", "ilp"))
 'ilp'
+>>> one_or_all(SolveOptions(), "prefetch", ("alap", "lazy"))
+('alap', 'lazy')
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections.abc import Sequence
 from optmem.errors import OptmemInputError
 from optmem.result import SolveOptions
 
-__all__ = ["choice", "flag", "positive_float", "positive_int"]
+__all__ = ["choice", "flag", "one_or_all", "positive_float", "positive_int"]
 
 
 def positive_int(options: SolveOptions, key: str, default: int) -> int:
@@ -46,6 +48,16 @@ def choice(options: SolveOptions, key: str, default: str, allowed: Sequence[str]
         raise OptmemInputError(f"expected one of {', '.join(allowed)} for {key}, got {value!r}",
                                field=key)
     return value
+
+
+def one_or_all(options: SolveOptions, key: str, allowed: Sequence[str]) -> tuple[str, ...]:
+    """``(options.extra[key],)`` if given (one of ``allowed``), else all of ``allowed``.
+
+    A restriction of a search over named alternatives (e.g. the prefetch policies).
+    """
+    if key not in options.extra:
+        return tuple(allowed)
+    return (choice(options, key, allowed[0], allowed),)
 
 
 def flag(options: SolveOptions, key: str, default: bool) -> bool:

@@ -42,10 +42,11 @@ from optmem.solvers.checkpoint_dp import (
     PersistentTable,
     solve_persistent_table,
 )
-from optmem.solvers.options import positive_int
+from optmem.solvers.options import one_or_all, positive_int
 from optmem.solvers.registration import register
 from optmem.solvers.remat_offload_dp import PofoDP, checkpoint_subplan
 from optmem.solvers.remat_offload_schedule import (
+    PREFETCH_POLICIES,
     Window,
     backward_windows,
     best_placement,
@@ -160,9 +161,29 @@ def grid_of(options: SolveOptions) -> tuple[int, int]:
             positive_int(options, "backlog_grid", DEFAULT_BACKLOG_GRID))
 
 
+def prefetch_policies(options: SolveOptions) -> tuple[str, ...]:
+    """``extra["prefetch"]``: the placement policies tried (one, else all of them).
+
+    One of :data:`~optmem.solvers.remat_offload_schedule.PREFETCH_POLICIES`; every method
+    that places transfers with :func:`best_placement` reads it (a bad value is one
+    :class:`OptmemInputError`, raised before any work).
+
+    Examples
+    --------
+    >>> prefetch_policies(SolveOptions(extra={"prefetch": "lazy"}))
+    ('lazy',)
+    """
+    return one_or_all(options, "prefetch", PREFETCH_POLICIES)
+
+
 def pofo_plan(problem: RematOffloadProblem, options: SolveOptions, last_segment: str
               ) -> tuple[tuple[AnyOp, ...] | None, dict]:
-    """Solve the chapter 4 DP on the coarse grid and place its transfers (fine grid)."""
+    """Solve the chapter 4 DP on the coarse grid and place its transfers (fine grid).
+
+    The transfers are placed with the policies of :func:`prefetch_policies` (the fastest
+    replay kept; ``info["prefetch"]``: its policy).
+    """
+    policies = prefetch_policies(options)  # a bad policy fails before the DP
     disc, beta = discretized(problem, options)
     grid, backlog = grid_of(options)
     # coarsen the discretised chain by an integer factor: conservative w.r.t. ``disc``
@@ -179,9 +200,10 @@ def pofo_plan(problem: RematOffloadProblem, options: SolveOptions, last_segment:
     info["dp_offloaded"] = [f"{k} {i}" for k, i in sol.offloaded]
     static = static_replay(disc.chain, sol.ops)
     windows = backward_windows(disc.chain, sol.ops, static, sol.offloaded)
-    found = best_placement(disc.chain, beta, disc.memory_limit, sol.ops, windows)
+    found = best_placement(disc.chain, beta, disc.memory_limit, sol.ops, windows, policies)
     if found is None:
-        info["placement"] = "no prefetch policy fits"
+        info["placement"] = ("no prefetch policy fits" if len(policies) > 1 else
+                             f"prefetch policy {policies[0]} does not fit")
         return None, info
     plan, _, policy = found
     info["prefetch"] = policy
@@ -339,9 +361,11 @@ def opportunist_ops(disc: Discretized, beta: float, table: PersistentTable
 
 
 @register(PROBLEM, "opportunist", exact=False,
-          description="thesis 4.3 opportunist: keep the link busy, remat DP per group")
+          description="thesis 4.3 opportunist: keep the link busy, remat DP per group",
+          extra=("prefetch",))
 def solve_opportunist(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     """The opportunist heuristic (may find no plan at low memory, as in the thesis)."""
+    prefetch_policies(options)  # a bad policy fails before any work
     disc, beta = discretized(problem, options)
     table = checkpoint_table(disc, disc.memory_limit)
     built = opportunist_ops(disc, beta, table) if table is not None else None
@@ -360,7 +384,8 @@ def _placed(problem: RematOffloadProblem, options: SolveOptions, method: str,
         static = static_replay(disc.chain, ops)
         if windows is None:
             windows = backward_windows(disc.chain, ops, static, values or ())
-        found = best_placement(disc.chain, beta, disc.memory_limit, ops, windows)
+        found = best_placement(disc.chain, beta, disc.memory_limit, ops, windows,
+                               prefetch_policies(options))
     except PlanError as exc:
         report["error"] = f"invalid compute sequence: {exc}"
         return no_plan_result(problem, options, method, Status.ERROR, report)
@@ -419,10 +444,11 @@ def capper_windows(disc: Discretized, ops: Sequence[Op]) -> list[Window] | None:
 
 @register(PROBLEM, "autocapper", exact=False,
           description="thesis 4.3 autocapper: capper for 40 relaxed limits, best simulated",
-          extra=("autocapper_values",))
+          extra=("autocapper_values", "prefetch"))
 def solve_autocapper(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     """Capper(M') for ``AUTOCAPPER_VALUES`` values of M' in [M, M_high]; keep the best."""
     count = positive_int(options, "autocapper_values", AUTOCAPPER_VALUES)
+    policies = prefetch_policies(options)
     disc, beta = discretized(problem, options)
     ch = disc.chain
     high = max(disc.memory_limit, _store_all_peak(ch))
@@ -447,7 +473,7 @@ def solve_autocapper(problem: RematOffloadProblem, options: SolveOptions) -> Res
         if key in tried:
             continue
         tried.add(key)
-        found = best_placement(ch, beta, disc.memory_limit, ops, windows)
+        found = best_placement(ch, beta, disc.memory_limit, ops, windows, policies)
         if found is not None and (best is None or found[1].makespan < best[0] - 1e-12):
             best = (found[1].makespan, found[0], f"M' = {limit} units ({found[2]})")
     if best is None:

@@ -28,6 +28,7 @@ stored value.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from optmem.chain import Chain
 from optmem.plan import LOSS, B, F_all, F_ck, F_none, Op
@@ -36,7 +37,13 @@ from optmem.problems.remat_offload import RematOffloadProblem
 from optmem.result import Result, SolveOptions, Status
 from optmem.solvers.options import positive_float
 from optmem.solvers.registration import register
-from optmem.solvers.remat_offload import PROBLEM, discretized, no_plan_result, plan_result
+from optmem.solvers.remat_offload import (
+    PROBLEM,
+    discretized,
+    no_plan_result,
+    plan_result,
+    prefetch_policies,
+)
 from optmem.solvers.remat_offload_schedule import (
     backward_windows,
     best_placement,
@@ -158,7 +165,7 @@ def _run_backward(chain: Chain, first: int, last: int, free: float) -> list[Op]:
 
 
 def _build(disc: Discretized, beta: float, budget: float, trigger: float, kappa: float,
-           eta: float) -> tuple[tuple, str, list[str]] | None:
+           eta: float, policies: Sequence[str]) -> tuple[tuple, str, list[str]] | None:
     chain = disc.chain
     status = delta_decisions(chain, budget, beta, trigger=trigger, kappa=kappa, eta=eta)
     values = [("a", 0) if k == 0 else ("abar", k) for k, s in enumerate(status)
@@ -168,7 +175,7 @@ def _build(disc: Discretized, beta: float, budget: float, trigger: float, kappa:
         ops = delta_ops(chain, status, share * disc.memory_limit)
         static = static_replay(chain, ops)
         windows = backward_windows(chain, ops, static, values)
-        found = best_placement(chain, beta, disc.memory_limit, ops, windows)
+        found = best_placement(chain, beta, disc.memory_limit, ops, windows, policies)
         if found is not None and (best is None or found[1].makespan < best[1].makespan):
             best = found
     if best is None:
@@ -179,19 +186,21 @@ def _build(disc: Discretized, beta: float, budget: float, trigger: float, kappa:
 @register(PROBLEM, "delta", exact=False,
           description="DELTA-style online policy: filter (size x staleness) + director "
                       "(recompute if cheaper than swap), simulated",
-          extra=("delta_trigger", "delta_kappa", "delta_eta"))
+          extra=("delta_trigger", "delta_kappa", "delta_eta", "prefetch"))
 def solve_delta(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     """Simulate the policy.
 
     Options ``delta_trigger`` (0.75), ``delta_kappa`` (1), ``delta_eta`` (1: the chain's
-    bandwidth is already the effective one).
+    bandwidth is already the effective one), ``prefetch`` (the placement policy; default:
+    the fastest of all).
     """
     disc, beta = discretized(problem, options)
     trigger = positive_float(options, "delta_trigger", 0.75)
     kappa = positive_float(options, "delta_kappa", 1.0)
     eta = positive_float(options, "delta_eta", 1.0)
+    policies = prefetch_policies(options)
     for margin in MARGINS:
-        built = _build(disc, beta, margin * disc.memory_limit, trigger, kappa, eta)
+        built = _build(disc, beta, margin * disc.memory_limit, trigger, kappa, eta, policies)
         if built is None:
             continue
         plan, policy, status = built

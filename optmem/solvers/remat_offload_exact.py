@@ -100,6 +100,7 @@ from optmem.solvers.remat_offload import (
     offload_candidate,
     plan_result,
     pofo_plan,
+    prefetch_policies,
     remat_candidate,
     solve_autocapper,
 )
@@ -986,6 +987,7 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
     flag(options, "autocapper_candidate", AUTOCAPPER_CANDIDATE_DEFAULT)
     flag(options, "relaxation", True)
     grid_of(options)
+    prefetch_policies(options)  # the candidate plans' placement policy
     positive_int(options, "autocapper_values", AUTOCAPPER_VALUES)
     dp_ladder(options)
     if lns_settings(options).enabled and engine != "cpsat":  # checked before any work
