@@ -109,3 +109,20 @@ def test_resolve_returns_to_the_planner() -> None:
     dropped = _call_after_a_hook(model, x, cmodel)
     assert dropped == []
     assert _new_variant(cmodel).result.report.get("source") != "use_plan"
+
+
+def test_resolve_after_use_plan_takes_the_planners_method_and_limit() -> None:
+    """``resolve()`` with no argument after ``use_plan`` solves with the planner's method
+    and the wrapper's limit (the given plan has neither). Before: "unknown method
+    'custom'" (the given plan's label) or "the current plan has no memory limit"."""
+    _, _, cmodel, plan = _wrapped()
+    planned = cmodel.result
+    cmodel.use_plan(plan)
+    again = cmodel.resolve()
+    assert (again.method, again.plan, again.objective) == (
+        planned.method, planned.plan, planned.objective)
+    peak = simulate_checkpoint(cmodel.chain, plan).peak_memory
+    cmodel.use_plan(plan, memory_limit=peak)  # the given plan's own limit is the default
+    limited = cmodel.resolve()
+    assert limited.memory_limit * limited.unit == peak
+    assert limited.peak_memory * limited.unit <= peak

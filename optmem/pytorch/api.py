@@ -94,8 +94,16 @@ class CheckpointedModule(PlannedModule):
 
     def resolve(self, memory_limit: int | str | None = None, method: str | None = None,
                 **options: Any) -> Result:
-        """Solve again (new limit and/or method) and switch to the new plan."""
+        """Solve again (new limit and/or method) and switch to the new plan.
+
+        After :meth:`use_plan`, the defaults are the given plan's limit (else the planner's)
+        and the planner's method: a given plan has neither a method nor a limit of its own.
+        """
         planner = self._planner
+        given = self.result.report.get("source") == GIVEN_SOURCE
+        if memory_limit is None and given:
+            memory_limit = self._main.limit if self._main.limit is not None else \
+                planner.memory_limit
         if memory_limit is None:
             if self.result.memory_limit is None:
                 raise OptmemInputError("the current plan has no memory limit: give one",
@@ -106,7 +114,7 @@ class CheckpointedModule(PlannedModule):
                 raise OptmemInputError(f"unknown solver option {key!r}", field=key)
             setattr(planner, key, value)
         planner.memory_limit = memory_limit
-        planner.method = method or self.result.method
+        planner.method = method or (planner.method if given else self.result.method)
         result = planner.solve(self.chain)
         self._set_result(result, limit=solved_limit(planner.memory_limit, result, self.chain))
         return result
