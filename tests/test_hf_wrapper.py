@@ -620,6 +620,30 @@ def test_flop_counter_around_a_first_call_counts_the_step_alone():
     assert counts[0] == counts[1] >= counter.get_total_flops() > 0
 
 
+def test_flop_counter_around_a_step_with_joint_backward_graphs():
+    """``FlopCounterMode`` around a step of the Llama wrapper, whose stages back-propagate
+    through traced joint graphs (``optmem.pytorch.joint``): the count is at least the
+    plain model's, loss and gradients unchanged. Before, its module tracker took the
+    joint graph for a module of the model, hooked the parameters it is called with, and
+    the executor's ``autograd.grad`` failed ("A leaf node was passed to
+    _will_engine_execute_node")."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model, kwargs, cmodel, chain = _wrap(llama)
+    assert chain.length == 8
+    # F_all 5 and F_all 3 re-run just before their B: joint graphs
+    cmodel.use_plan(["F_all 1", "F_ck 2", "F_none 3", "F_all 4", "F_ck 5", "F_all 6",
+                     "F_all 7", "F_all 8", "Loss", "B 8", "B 7", "B 6", "F_all 5", "B 5",
+                     "B 4", "F_all 2", "F_all 3", "B 3", "B 2", "B 1"])
+    step(cmodel, model, kwargs)  # a step before: the joint graphs are traced
+    with FlopCounterMode(display=False) as counter:
+        got = step(cmodel, model, kwargs, seed=1)
+    with FlopCounterMode(display=False) as plain:  # the mode moves the last bit: both in it
+        ref = step(model, model, kwargs, seed=1)
+    assert counter.get_total_flops() >= plain.get_total_flops() > 0
+    assert_same(got, ref)
+
+
 def test_memtracker_around_wrapping_and_a_step():
     """``MemTracker`` around wrapping and the first step: the wrap extracts and profiles
     outside it (its tensor hooks are not traced) and the step is measured; loss and

@@ -131,7 +131,13 @@ class _Job:
         """
         traced = self.traced
         if all(g.is_contiguous() for g in grads):
-            got = traced.graph(self.leaves, self.sides, self.state, list(grads))
+            # its forward, not its __call__: the joint graph is optmem's backward, not a
+            # module of the model. Through __call__ the caller's module trackers
+            # (ModTracker, hence FlopCounterMode and MemTracker) took it for one and hooked
+            # its arguments, the parameters among them, which the executor's
+            # autograd.grad cannot run ("A leaf node was passed to
+            # _will_engine_execute_node")
+            got = traced.graph.forward(self.leaves, self.sides, self.state, list(grads))
         else:
             got = self._autograd(grads)
         self.leaves, self.sides, self.state = [], [], []
