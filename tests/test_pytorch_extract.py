@@ -352,3 +352,55 @@ def test_constant_trivial_attention_masks_are_elided(kind, elided, causal):
     loss.backward()
     assert torch.equal(loss, ref_loss)
     assert all(torch.equal(p.grad, g) for p, g in zip(net.parameters(), ref, strict=True))
+
+
+class _ChecksLabels(nn.Module):
+    """A forward that branches on a tensor's value (as HF's CTC heads check their labels)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lins = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if labels is not None and labels.max() >= 4:
+            raise ValueError("labels out of range")
+        for lin in self.lins:
+            x = torch.tanh(lin(x))
+        return x.sum() if labels is None else (x - labels.float()).square().sum()
+
+
+def test_a_branch_on_a_tensors_value_is_one_error_naming_the_line(capsys):
+    """Before: "GuardOnDataDependentSymNode: Could not guard on data-dependent expression"
+    with torch.fx's "Proxy object cannot be iterated", after torch had printed the partial
+    graph traced so far on stderr (thousands of lines on Wav2Vec2ForCTC). Now one error
+    names the file, line and code of the branch and what to do; nothing else is printed.
+    Without the input that leads there the model extracts."""
+    from optmem.pytorch.extract import extract_program
+
+    net, x = _ChecksLabels(), torch.randn(2, 4)
+    labels = torch.zeros(2, 4, dtype=torch.long)
+    with pytest.raises(OptmemInputError) as err:
+        extract_program(net, (x,), {"labels": labels})
+    message = str(err.value)
+    assert "_ChecksLabels: its forward branches on the value of a tensor at " \
+           "test_pytorch_extract.py:" in message
+    assert "(`if labels is not None and labels.max() >= 4:`)" in message
+    assert "without labels" in message
+    captured = capsys.readouterr()
+    assert "def forward" not in captured.err + captured.out
+    assert len(extract_program(net, (x,), {}).stages) >= 3
+
+
+def test_warnings_during_a_successful_export_still_reach_stderr(capsys):
+    """The partial-graph filter keeps what else an export writes to stderr."""
+    import sys
+
+    from optmem.pytorch.extract import extract_program
+
+    class Noisy(_ChecksLabels):
+        def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+            sys.stderr.write("a message of the model\n")
+            return super().forward(x)
+
+    extract_program(Noisy(), (torch.randn(2, 4),), {})
+    assert "a message of the model" in capsys.readouterr().err

@@ -28,8 +28,14 @@ linear-partition DP minimising the costliest group).
 from __future__ import annotations
 
 import inspect
+import io
+import logging
 import operator
-from collections.abc import Callable, Sequence
+import os
+import re
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, redirect_stderr
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -403,6 +409,7 @@ def _extract_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
                                field="extract")
     check_module_hooks(module)
     errors = []
+    branch = None
     if method in ("auto", "export"):
         try:
             return _export_program(module, args, kwargs)
@@ -410,6 +417,7 @@ def _extract_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
             raise
         except Exception as exc:  # noqa: BLE001 - reported below, with the fx attempt
             errors.append(f"torch.export: {_first_line(exc)}")
+            branch = data_dependent_branch(exc)
     if method in ("auto", "fx"):
         try:
             return _fx_program(module, args, kwargs)
@@ -417,9 +425,46 @@ def _extract_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
             raise
         except Exception as exc:  # noqa: BLE001
             errors.append(f"torch.fx: {_first_line(exc)}")
+    if branch is not None:
+        raise OptmemInputError(
+            f"cannot extract a chain from {name}: its forward branches on the value of a "
+            f"tensor at {branch}, which a traced graph cannot hold. Call it without the "
+            "input that leads there (for a check on labels: without labels, computing the "
+            "loss from the outputs), or pass an nn.Sequential of its blocks or a list of "
+            "stage modules instead", field="module")
     raise OptmemInputError(
         f"cannot extract a chain from {name} ({'; '.join(errors)}): pass an nn.Sequential "
         "of its blocks or a list of stage modules instead", field="module")
+
+
+_RAISED_AT = re.compile(r'The following call raised this error:\s*\n\s*File "([^"]+)", line '
+                        r"(\d+), in \S+\s*\n\s*(.+)")
+
+
+def data_dependent_branch(exc: BaseException) -> str | None:
+    r"""Where ``torch.export`` met a branch on a tensor's value: ``file:line (`code`)``.
+
+    ``None`` unless ``exc`` is such a failure (``GuardOnDataDependentSymNode``, e.g. HF's
+    ``if labels.max() >= vocab_size: raise``) naming the user's line.
+
+    Examples
+    --------
+    >>> from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+    >>> exc = GuardOnDataDependentSymNode(None, "Could not guard on data-dependent "
+    ...     'expression\n\nThe following call raised this error:\n  File "/x/m.py", '
+    ...     "line 7, in forward\n    if y.max() > 3:\n")
+    >>> data_dependent_branch(exc)
+    'm.py:7 (`if y.max() > 3:`)'
+    """
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    if not isinstance(exc, GuardOnDataDependentSymNode):
+        return None
+    found = _RAISED_AT.search(str(exc))
+    if found is None:
+        return None
+    path, line, code = found.groups()
+    return f"{os.path.basename(path)}:{line} (`{code.strip()}`)"
 
 
 def _chain_inputs(names: Sequence[str], flat: Sequence[Any]) -> set[str]:
@@ -458,10 +503,41 @@ def _flat_graph_nodes(value: Any) -> list[fx.Node]:
     return out
 
 
+@contextmanager
+def _quiet_export() -> Iterator[None]:
+    """Within: a failed export does not dump its partial graph on stderr.
+
+    On a data-dependent branch ``torch.export`` prints the whole graph traced so far to
+    ``sys.stderr`` (``partial_fx_graph``: thousands of lines on a real model) and its
+    symbolic-shapes logger warns, before raising; optmem reports the failure in one line
+    (:func:`data_dependent_branch`). Everything else written to stderr meanwhile
+    (warnings) is written out as it was, after the call.
+    """
+    logger = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    captured = io.StringIO()
+    graph = None
+    try:
+        with redirect_stderr(captured):
+            yield
+    except Exception as exc:
+        graph = getattr(exc, "partial_fx_graph", None)
+        raise
+    finally:
+        logger.setLevel(level)
+        text = captured.getvalue()
+        if graph is not None:
+            text = text.replace(f"{graph}\n", "")
+        if text:
+            sys.stderr.write(text)
+
+
 def _export_program(module: nn.Module, args: tuple[Any, ...],
                     kwargs: dict[str, Any]) -> Extraction:
     name = type(module).__name__
-    with refuse_python_random(name), refuse_tensor_hooks(name), opaque_functions(name):
+    with refuse_python_random(name), refuse_tensor_hooks(name), opaque_functions(name), \
+            _quiet_export():
         ep = torch.export.export(module, args, kwargs=kwargs, strict=False)
     gm = ep.module()
     restore_functions(gm)
