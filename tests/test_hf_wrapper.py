@@ -706,3 +706,15 @@ def test_the_wrappers_forward_shows_the_models_signature():
         assert alive() is None
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("kind", [op.offload, op.remat_offload])
+def test_too_small_limit_names_a_limit_that_works_with_transfers(lla, kind):
+    """The offload and remat + offload one-liners name the least limit too (the remat +
+    offload DP reports none of its own: before, "status infeasible" alone)."""
+    model, kwargs, _, chain = lla
+    with pytest.raises(OptmemInputError, match="smallest feasible limit") as err:
+        kind(model, kwargs, memory_limit=chain.input_size, chain=chain)
+    least = int(re.search(r"\((\d+) B\)", str(err.value)).group(1))
+    again = kind(model, kwargs, memory_limit=least, chain=chain)
+    assert again.result.status.has_plan and again.expected_peak_bytes <= least

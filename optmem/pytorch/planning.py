@@ -270,7 +270,9 @@ class Planner:
         if result.status.has_plan:
             return result
         hint = ""
-        if result.min_feasible_memory is not None:
+        # remat + offload's methods report no least memory of their own (offloading may
+        # need less than checkpointing): the search below finds it for them too
+        if result.min_feasible_memory is not None or result.status is Status.INFEASIBLE:
             try:
                 least = self.smallest_limit(chain, method)
             except OptmemInputError:
