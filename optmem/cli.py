@@ -234,19 +234,24 @@ def dp_summary(results: Sequence[Result]) -> dict[str, Any]:
     the rows of methods that solve the problem's full model
     (:meth:`~optmem.solvers.registration.MethodInfo.solves_full_model`: not a DP whose
     bound holds in its own model only, not a restricted variant); ``optimum``: their
-    objective when one is proven optimal; ``gap``: ``(dp - bound) / dp``. Missing values
+    objective when one is proven optimal; ``gap``: ``(dp - bound) / dp``; ``infeasible``:
+    the first such method that proved the limit infeasible (no plan at all). Missing values
     are ``None``.
     """
     from optmem.solvers.facade import method_info
 
     out: dict[str, Any] = {"dp_method": None, "dp": None, "bound": None, "bound_method": None,
-                           "optimum": None, "gap": None}
+                           "optimum": None, "gap": None, "infeasible": None}
     if not results:
         return out
     default = method_info(results[0].problem, "auto").name
     dps = [r for r in results if r.method == default and r.status.has_plan]
-    exact = [r for r in results if method_info(r.problem, r.method).solves_full_model(r.variant)
-             and math.isfinite(r.bound) and r.status is not Status.ERROR]
+    full = [r for r in results
+            if method_info(r.problem, r.method).solves_full_model(r.variant)]
+    refuted = [r for r in full if r.status is Status.INFEASIBLE]
+    if refuted:
+        out["infeasible"] = _label(refuted[0])
+    exact = [r for r in full if math.isfinite(r.bound) and r.status is not Status.ERROR]
     if dps:
         best = min(dps, key=lambda r: r.objective)
         out.update(dp_method=_label(best), dp=best.objective)
@@ -278,6 +283,8 @@ def format_summary(results: Sequence[Result]) -> str:
     """One line: DP value, proven optimum (or best exact bound) and the DP's gap to it."""
     s = dp_summary(results)
     dp = "no DP plan" if s["dp"] is None else f"DP ({s['dp_method']}) {_fmt(s['dp'])}"
+    if s["infeasible"] is not None:
+        return f"{dp}; no plan fits the limit (proven infeasible by {s['infeasible']})"
     if s["bound"] is None:
         return f"{dp}; no exact model ran ({', '.join(_full_models(results))}: " \
                "name them with --methods)"

@@ -281,3 +281,17 @@ def test_bad_percentages_exit_2_with_one_line(capsys, chain_file, argv, needle):
     assert code == 2 and out == ""
     assert needle in err and "--memory" in err and len(err.strip().splitlines()) == 1
     assert "Traceback" not in err
+
+
+def test_compare_summary_of_an_infeasible_limit_names_the_proof(capsys):
+    """Exact models that prove the limit infeasible are named in the summary. Before, their
+    infinite bounds were dropped and the line said "no exact model ran (...: name them with
+    --methods)" although they had been named and had run."""
+    code, out, _ = run(capsys, "compare", "checkpoint", "resnet18-b64-224", "--memory", "60%",
+                       "--methods", "dp,ilp")
+    assert code == 0
+    assert out.strip().splitlines()[-1] == \
+        "no DP plan; no plan fits the limit (proven infeasible by ilp:full)"
+    code, out, _ = run(capsys, "compare", "checkpoint", "resnet18-b64-224", "--memory", "60%",
+                       "--methods", "dp,ilp", "--json")
+    assert json.loads(out)["summary"]["infeasible"] == "ilp:full"
