@@ -133,3 +133,28 @@ def test_a_tensor_updated_in_place_gets_a_new_host_copy():
     updated, _ = copies.to_host(t)
     torch.testing.assert_close(updated, t)
     torch.testing.assert_close(first, torch.arange(4.0))
+
+
+def test_two_forwards_before_one_backward():
+    """Two calls whose losses are summed, then one backward (a contrastive pair): each call
+    keeps its own saved tensors and transfers, and the gradients are the unmodified
+    chain's. Before, the second forward replaced the first call's groups and the first
+    call's prefetch failed ("prefetch of a value that is not on the host")."""
+    plan = ["F_all 1", "offload a 0", "F_all 2", "offload abar 1", "F_all 3", "F_all 4",
+            "Loss", "B 4", "B 3", "prefetch abar 1", "B 2", "prefetch a 0", "B 1"]
+    x1, x2 = torch.randn(5, 8, requires_grad=True), torch.randn(5, 8, requires_grad=True)
+    ref = make_stages(1)
+
+    def run(f):
+        return (f(x1) ** 2).sum() + 0.5 * (f(x2) ** 2).sum()
+
+    run(lambda x: ref[3](ref[2](ref[1](ref[0](x))))).backward()
+    want = [x1.grad.clone(), x2.grad.clone(), *grads(ref)]
+    x1.grad = x2.grad = None
+    stages = make_stages(1)
+    net = OffloadedChain(stages, plan)
+    run(net).backward()
+    got = [x1.grad, x2.grad, *grads(stages)]
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert net.late_unpacks == 0

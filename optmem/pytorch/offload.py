@@ -272,6 +272,19 @@ class _Group:
         return [p for r in self.refs if (p := r()) is not None]
 
 
+@dataclass
+class _Call:
+    """What one training call of :class:`OffloadedChain` moves: its values' saved tensors.
+
+    Each call has its own, so two forwards before one backward (two losses summed) keep
+    their saved tensors apart; the hooks of a call see only its own groups.
+    """
+
+    weights: set[int]
+    copies: HostCopies
+    groups: dict[Key, _Group] = field(default_factory=dict)
+
+
 class OffloadedChain(StageCalls, nn.Module):
     """Train a chain of stages following an offload plan.
 
@@ -304,8 +317,6 @@ class OffloadedChain(StageCalls, nn.Module):
         self.late_unpacks = 0
         self.transfers: list[str] = []
         self._groups: dict[Key, _Group] = {}
-        self._weights: set[int] = set()
-        self._copies = HostCopies(None)
 
     def set_plan(self, plan: Sequence[AnyOp | str]) -> None:
         """Replace the plan."""
@@ -324,86 +335,95 @@ class OffloadedChain(StageCalls, nn.Module):
         functions = self.stage_functions(compiled)
         if not torch.is_grad_enabled():
             return run_in_order(functions, x)
-        self._groups = {}
+        # one state per call: a second forward before the first one's backward (two losses
+        # summed, a contrastive pair) must not take over the first call's saved tensors
+        call = _Call(kept_storages(self), HostCopies(value_device(x, self)))
+        self._groups = call.groups  # the latest call's, for :meth:`resident`
         self.transfers = []
         self.late_unpacks = 0
-        self._weights = kept_storages(self)
-        self._copies = HostCopies(value_device(x, self))
-        self._issue(self.after_forward.get(0, []))
+        self._issue(call, self.after_forward.get(0, []))
         for i, stage in enumerate(functions, start=1):
             inputs = {p for t in value_tensors(x) if (p := storage_ptr(t)) is not None}
-            with torch.autograd.graph.saved_tensors_hooks(self._packer(i, inputs),
-                                                          self._unpack):
+            with torch.autograd.graph.saved_tensors_hooks(self._packer(call, i, inputs),
+                                                          self._unpack_with(call)):
                 x = stage(x)
-            self._issue(self.after_forward.get(i, []))
+            self._issue(call, self.after_forward.get(i, []))
             actions = self.before_backward.get(i, [])  # i == L: listed after Loss
             if actions and torch.is_grad_enabled():
-                self._hook_once([t for t in value_tensors(x) if t.requires_grad], actions)
+                self._hook_once(call, [t for t in value_tensors(x) if t.requires_grad],
+                                actions)
         return x
 
-    def _packer(self, i: int, inputs: set[int]) -> Any:
+    @staticmethod
+    def _packer(call: _Call, i: int, inputs: set[int]) -> Any:
         def pack(t: torch.Tensor) -> _Packed:
             ptr = storage_ptr(t)
             packed = _Packed(t, t.device)
-            if ptr is not None and ptr in self._weights:
+            if ptr is not None and ptr in call.weights:
                 return packed  # weights and buffers are never transferred (O.6)
             key = _key(i - 1) if ptr is not None and ptr in inputs else ("abar", i)
-            self._groups.setdefault(key, _Group()).refs.append(weakref.ref(packed))
+            call.groups.setdefault(key, _Group()).refs.append(weakref.ref(packed))
             return packed
 
         return pack
 
-    def _hook_once(self, outputs: list[torch.Tensor], actions: list[TransferOp]) -> None:
+    def _hook_once(self, call: _Call, outputs: list[torch.Tensor],
+                   actions: list[TransferOp]) -> None:
         """Issue ``actions`` when the first gradient of the stage's outputs arrives."""
         fired = [False]
 
         def hook(grad: torch.Tensor) -> None:
             if not fired[0]:
                 fired[0] = True
-                self._issue(actions)
+                self._issue(call, actions)
 
         for t in outputs:
             t.register_hook(hook)
 
     # ------------------------------------------------------------------ transfers
-    def _issue(self, actions: list[TransferOp]) -> None:
+    def _issue(self, call: _Call, actions: list[TransferOp]) -> None:
         for op in actions:
-            group = self._groups.get(op.key)
+            group = call.groups.get(op.key)
             self.transfers.append(str(op))
             if group is None:  # nothing saved under this value (e.g. a stage without tape)
                 continue
             if op.kind is TransferKind.OFFLOAD:
-                self._offload(group)
+                self._offload(call.copies, group)
             else:
-                self._prefetch(group)
+                self._prefetch(call.copies, group)
 
-    def _offload(self, group: _Group) -> None:
+    @staticmethod
+    def _offload(copies: HostCopies, group: _Group) -> None:
         if group.state != "device":
             raise PlanError("offload of a value that is not on the device")
         for p in group.packed:
             t = p.device_tensor
             if t is None:
                 continue
-            p.host, p.event = self._copies.to_host(t)
+            p.host, p.event = copies.to_host(t)
             p.device_tensor = None  # the device memory returns once the copy is done
         group.state = "host"
 
-    def _prefetch(self, group: _Group) -> None:
+    @staticmethod
+    def _prefetch(copies: HostCopies, group: _Group) -> None:
         if group.state != "host":
             raise PlanError("prefetch of a value that is not on the host")
         for p in group.packed:
             if p.host is not None:
-                p.device_tensor, p.event = self._copies.to_device(p.host, p.device)
+                p.device_tensor, p.event = copies.to_device(p.host, p.device)
         group.state = "prefetched"
 
-    def _unpack(self, p: _Packed) -> torch.Tensor:
-        if p.device_tensor is None:  # never prefetched: copied back now
-            self.late_unpacks += 1
-            assert p.host is not None
-            p.device_tensor, p.event = self._copies.to_device(p.host, p.device)
-        t = HostCopies.ready(p.device_tensor, p.event)
-        p.event = None
-        return t
+    def _unpack_with(self, call: _Call) -> Callable[[_Packed], torch.Tensor]:
+        def unpack(p: _Packed) -> torch.Tensor:
+            if p.device_tensor is None:  # never prefetched: copied back now
+                self.late_unpacks += 1
+                assert p.host is not None
+                p.device_tensor, p.event = call.copies.to_device(p.host, p.device)
+            t = HostCopies.ready(p.device_tensor, p.event)
+            p.event = None
+            return t
+
+        return unpack
 
     # ------------------------------------------------------------------ introspection
     def resident(self) -> dict[Key, int]:
