@@ -101,11 +101,31 @@ def _argparser():
 
 
 FACTORY_MODULE = """
+import torch
 from torch import nn
 
 
 def make_module_only():
     return nn.Sequential(nn.Linear(6, 12), nn.ReLU(), nn.Linear(12, 2))
+
+
+class Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lins = nn.ModuleList(nn.Linear(6, 6) for _ in range(3))
+
+    def forward(self, x, scale=1.0):
+        for lin in self.lins:
+            x = torch.tanh(lin(x)) * scale + x
+        return x.sum()
+
+
+def make_graph_model(batch=2):
+    return Residual(), {"x": torch.randn(batch, 6), "scale": 0.5}
+
+
+def make_broken():
+    raise RuntimeError("boom in the factory")
 """
 
 
@@ -138,8 +158,23 @@ def test_cli_profile_writes_a_chain(tmp_path, capsys, factory_module):
     assert "toy-transformer" in capsys.readouterr().out
 
 
+def test_cli_profile_of_a_graph_model_with_a_keyword_sample(capsys, factory_module):
+    """A factory's ``(module, {keyword: value})`` of a module that is no ``nn.Sequential``
+    is exported as ``op.profile_chain`` does. Before, the CLI went to the torch.fx-only
+    profiler and refused it ("give a sample batch"), although the factory gave one."""
+    spec = factory_module.replace("make_module_only", "make_graph_model")
+    args = _argparser().parse_args(["profile", spec, "--batch", "3", "--repeats", "1",
+                                    "--warmup", "0", "--no-progress"])
+    assert args.func(args) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["input_size"] == 3 * 6 * 4 and len(printed["stages"]) >= 3
+
+
 def test_cli_profile_errors(factory_module):
+    broken = factory_module.replace("make_module_only", "make_broken")
     for argv, match in ((["profile", "no-such-model"], "unknown model"),
+                        (["profile", broken], r"make_broken' raised RuntimeError at "
+                                              r"optmem_test_factories.py:\d+: boom in the "),
                         (["profile", factory_module], "input-shape"),
                         (["profile", "no_such_pkg.mod:f"], "cannot import"),
                         (["profile", "toy-mlp", "--device", "tpu"], "cpu, cuda or meta")):
@@ -430,3 +465,25 @@ def test_checkpoint_with_a_segment_cost():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     back = cnet.resolve(memory_limit=limit, extra={"segment_cost": 0})
     assert back.status == "optimal" and back.plan == plain.result.plan
+
+
+def test_meta_profile_of_an_exported_model_with_buffers_is_one_clear_error():
+    """``device="meta"`` needs an ``nn.Sequential``: an exported model with buffers (batch
+    norm) gets that error. Before, restoring its buffers compared meta tensors and an
+    ``aten::equal`` NotImplementedError replaced it."""
+
+    class Normed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lins = nn.ModuleList(nn.Linear(6, 6) for _ in range(3))
+            self.bn = nn.BatchNorm1d(6)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for lin in self.lins:
+                x = torch.tanh(lin(x)) + x
+            return self.bn(x).sum()
+
+    with torch.device("meta"):
+        module, x = Normed(), torch.randn(2, 6)
+    with pytest.raises(OptmemInputError, match="device='meta' profiles an nn.Sequential"):
+        op.profile_chain(module, x, device="meta")

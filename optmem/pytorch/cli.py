@@ -111,8 +111,8 @@ def run_profile(args: argparse.Namespace) -> int:
                                field="device")
     import torch
 
+    from optmem.pytorch import api, profile
     from optmem.pytorch.models import resolve_spec
-    from optmem.pytorch.profile import profile_chain
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise OptmemInputError("--device cuda but CUDA is not available", field="device")
@@ -122,6 +122,10 @@ def run_profile(args: argparse.Namespace) -> int:
                                       device="meta" if args.device == "meta" else None)
         if args.device != "meta":
             module = module.to(args.device)
+        # on meta (sizes without running) only the stage profiler works: an nn.Sequential
+        # or a module torch.fx traces; elsewhere the sample's call is exported, as
+        # op.profile_chain does (keyword samples, HF models)
+        profile_chain = profile.profile_chain if args.device == "meta" else api.profile_chain
         chain = profile_chain(module, sample, device=args.device, repeats=args.repeats,
                               warmup=args.warmup, max_stages=args.max_stages,
                               name=args.name or args.spec,

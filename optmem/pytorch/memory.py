@@ -373,6 +373,8 @@ def buffers_restored(modules: Iterable[nn.Module]) -> Iterator[None]:
             for (_, name), (sub, buf, old) in saved.items():
                 if sub._buffers.get(name) is not buf:
                     sub._buffers[name] = buf
+                if buf.is_meta:  # no values to compare nor to restore
+                    continue
                 if not torch.equal(buf, old):
                     buf.data.copy_(old)
 

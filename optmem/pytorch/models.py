@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -140,7 +141,7 @@ def resolve_spec(spec: str, *, batch: int | None = None,
                                    field="spec") from None
     ctx = torch.device("meta") if device == "meta" else contextlib.nullcontext()
     with ctx:
-        made = factory(**kwargs)
+        made = _call_factory(spec, factory, kwargs)
         if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module):
             module, sample = made
         elif isinstance(made, nn.Module):
@@ -155,3 +156,26 @@ def resolve_spec(spec: str, *, batch: int | None = None,
                 f"{spec!r} returned {type(made).__name__}: expected an nn.Module or a "
                 "(module, sample) pair", field="spec")
     return module, sample
+
+
+def _call_factory(spec: str, factory: Any, kwargs: dict[str, Any]) -> Any:
+    """``factory(**kwargs)``; its failure is one :class:`OptmemInputError` on ``spec``.
+
+    The error names the exception and the line of the factory's code that raised it (no
+    traceback). Running out of memory is re-raised as it is (the callers turn it into a
+    hint on the batch size).
+    """
+    import traceback
+
+    try:
+        return factory(**kwargs)
+    except OptmemInputError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the user's factory: reported, not a traceback
+        if isinstance(exc, MemoryError) or "out of memory" in str(exc).lower():
+            raise
+        frames = traceback.extract_tb(exc.__traceback__)
+        where = f" at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" \
+            if frames else ""
+        raise OptmemInputError(f"{spec!r} raised {type(exc).__name__}{where}: {exc}",
+                               field="spec") from None
