@@ -46,9 +46,11 @@ def register_cli(subparsers: Any) -> None:
     """Add the ``profile`` subcommand to ``subparsers``."""
     p = subparsers.add_parser(
         "profile", help="profile a PyTorch model into a chain file (optmem.chain/1)",
-        description="Extract the chain of a PyTorch model (nn.Sequential, or any module "
-                    "torch.fx can trace), time and size every stage on one batch, and "
-                    "write an optmem.chain/1 JSON file for `optmem solve checkpoint`.")
+        description="Extract the chain of a PyTorch model (an nn.Sequential, or any module "
+                    "torch.export or torch.fx can trace on the factory's sample, e.g. a "
+                    "HuggingFace model with a keyword sample; --device meta: nn.Sequential "
+                    "or torch.fx only), time and size every stage on one batch, and write "
+                    "an optmem.chain/1 JSON file for `optmem solve checkpoint`.")
     p.add_argument("spec", nargs="?",
                    help="registered model name or package.module:factory")
     p.add_argument("-o", "--output", help="chain file to write (default: print it)")
