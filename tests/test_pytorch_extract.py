@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 
@@ -269,6 +270,10 @@ def test_unextractable_module_one_line_error():
     message = str(err.value)
     assert "Untraceable" in message and "torch.export" in message and "torch.fx" in message
     assert "\n" not in message and "nn.Sequential" in message
+    # the branch on a value is named (test_a_branch_on_a_tensors_value_is_one_error...)
+    assert re.search(r"at test_pytorch_extract\.py:\d+ \(`if x\.sum\(\) > 0:  # "
+                     r"data-dependent control flow`\), which neither torch\.export nor "
+                     r"torch\.fx can hold", message)
 
 
 # ------------------------------------------------------------------ constant attention masks

@@ -426,12 +426,13 @@ def _extract_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
         except Exception as exc:  # noqa: BLE001
             errors.append(f"torch.fx: {_first_line(exc)}")
     if branch is not None:
+        tried = " nor ".join(e.split(":")[0] for e in errors)
         raise OptmemInputError(
             f"cannot extract a chain from {name}: its forward branches on the value of a "
-            f"tensor at {branch}, which a traced graph cannot hold. Call it without the "
-            "input that leads there (for a check on labels: without labels, computing the "
-            "loss from the outputs), or pass an nn.Sequential of its blocks or a list of "
-            "stage modules instead", field="module")
+            f"tensor at {branch}, which {'neither ' if ' nor ' in tried else ''}{tried} "
+            "can hold in a graph. Call it without the input that leads there (for a check "
+            "on labels: without labels, computing the loss from the outputs), or pass an "
+            "nn.Sequential of its blocks or a list of stage modules instead", field="module")
     raise OptmemInputError(
         f"cannot extract a chain from {name} ({'; '.join(errors)}): pass an nn.Sequential "
         "of its blocks or a list of stage modules instead", field="module")
