@@ -626,11 +626,26 @@ def canonical_call(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
             kw.update(value)
         else:
             kw[name] = value
-    if "use_cache" in signature.parameters:
+    if "use_cache" in signature.parameters or _passes_use_cache(module, signature):
         if kw.get("use_cache"):
             warnings.warn(USE_CACHE_WARNING, stacklevel=2)
         kw["use_cache"] = False
     return tuple(pos), kw
+
+
+def _passes_use_cache(module: nn.Module, signature: inspect.Signature) -> bool:
+    """Whether a pass-through wrapper hands ``use_cache`` to a model that would cache.
+
+    A wrapper such as PEFT's ``PeftModel`` (``forward(*args, **kwargs)``, ``config`` of the
+    model it wraps) names no ``use_cache`` but passes its keywords on to a HuggingFace
+    model whose ``config.use_cache`` turns the generation cache on: its output would hold
+    the cache, which ``torch.export`` cannot return. HuggingFace models read a ``use_cache``
+    keyword whenever their config has the flag.
+    """
+    takes_keywords = any(p.kind is inspect.Parameter.VAR_KEYWORD
+                         for p in signature.parameters.values())
+    return takes_keywords and getattr(getattr(module, "config", None), "use_cache",
+                                      None) is True
 
 
 def _hashable(value: Any) -> Any:
