@@ -753,3 +753,19 @@ def test_a_pass_through_wrapper_of_a_caching_model_is_extracted():
     torch.testing.assert_close(got[0].loss, ref[0].loss, rtol=0, atol=0)
     for a, b in zip(got[1], ref[1], strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_hf_gradient_checkpointing_left_on_is_named_in_the_hook_warning():
+    """``gradient_checkpointing_enable()`` before wrapping still trains as the model does;
+    the warning about its input-embedding hook says where it comes from and how to remove
+    it (before, it read as a hook of the user's)."""
+    model, kwargs = gpt2()
+    twin = copy.deepcopy(model)
+    model.gradient_checkpointing_enable()
+    with pytest.warns(UserWarning, match=r"HuggingFace's, from gradient_checkpointing_enable"):
+        cmodel = op.checkpoint(model, kwargs, memory_limit="60%", repeats=1, warmup=0,
+                               fast_path=False)
+    got, ref = step(cmodel, model, kwargs, seed=2), step(twin, twin, kwargs, seed=2)
+    torch.testing.assert_close(got[0].loss, ref[0].loss, rtol=0, atol=0)
+    for a, b in zip(got[1], ref[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -96,15 +96,29 @@ def warn_forward_hooks(module: nn.Module) -> list[str]:
     Their tensor effects are traced into the graph; their Python side effects ran once,
     while tracing, on fake tensors.
     """
-    where = [_where(module, name, sub) for name, sub in module.named_modules()
-             if sub._forward_hooks or sub._forward_pre_hooks]
+    hooked = [(name, sub) for name, sub in module.named_modules()
+              if sub._forward_hooks or sub._forward_pre_hooks]
+    where = [_where(module, name, sub) for name, sub in hooked]
     if where:
         warnings.warn(
             f"forward hooks on {', '.join(where[:3])}{' ...' if len(where) > 3 else ''}: "
             "what they compute is traced into optmem's graph, but they are not called again "
             "(side effects such as recording activations happen once, at extraction, on fake "
-            f"tensors); if they must run every step, {_ALTERNATIVE}", stacklevel=3)
+            f"tensors); if they must run every step, {_ALTERNATIVE}"
+            f"{_HF_CHECKPOINTING if _has_hf_input_grad_hook(hooked) else ''}", stacklevel=3)
     return where
+
+
+_HF_CHECKPOINTING = (". The hook is HuggingFace's, from gradient_checkpointing_enable(): "
+                     "optmem's plan replaces that checkpointing, so "
+                     "model.gradient_checkpointing_disable() and "
+                     "model.disable_input_require_grads() before wrapping remove both")
+
+
+def _has_hf_input_grad_hook(hooked: list[tuple[str, nn.Module]]) -> bool:
+    """Whether a hook is HF's ``enable_input_require_grads`` (gradient checkpointing's)."""
+    return any("enable_input_require_grads" in getattr(h, "__qualname__", "")
+               for _, sub in hooked for h in sub._forward_hooks.values())
 
 
 def _numpy_state() -> tuple[Any, ...]:
