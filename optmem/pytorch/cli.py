@@ -35,13 +35,6 @@ def _shape(text: str) -> tuple[int, ...]:
     return dims
 
 
-def _out_of_memory(exc: BaseException) -> bool:
-    """Whether ``exc`` is an allocation failure (CPU allocator, CUDA or ``MemoryError``)."""
-    text = str(exc).lower()
-    return isinstance(exc, MemoryError) or "out of memory" in text \
-        or "can't allocate memory" in text or "cannot allocate memory" in text
-
-
 def register_cli(subparsers: Any) -> None:
     """Add the ``profile`` subcommand to ``subparsers``."""
     p = subparsers.add_parser(
@@ -114,7 +107,7 @@ def run_profile(args: argparse.Namespace) -> int:
     import torch
 
     from optmem.pytorch import api, profile
-    from optmem.pytorch.models import resolve_spec
+    from optmem.pytorch.models import out_of_memory, resolve_spec
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise OptmemInputError("--device cuda but CUDA is not available", field="device")
@@ -133,7 +126,7 @@ def run_profile(args: argparse.Namespace) -> int:
                               name=args.name or args.spec,
                               progress=False if args.no_progress else None)
     except (MemoryError, RuntimeError) as exc:
-        if not _out_of_memory(exc):
+        if not out_of_memory(exc):
             raise
         raise OptmemInputError(f"not enough memory on {args.device} to profile "
                                f"{args.spec!r} with batch {args.batch} (try a smaller batch "

@@ -172,10 +172,17 @@ def _call_factory(spec: str, factory: Any, kwargs: dict[str, Any]) -> Any:
     except OptmemInputError:
         raise
     except Exception as exc:  # noqa: BLE001 - the user's factory: reported, not a traceback
-        if isinstance(exc, MemoryError) or "out of memory" in str(exc).lower():
+        if out_of_memory(exc):
             raise
         frames = traceback.extract_tb(exc.__traceback__)
         where = f" at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" \
             if frames else ""
         raise OptmemInputError(f"{spec!r} raised {type(exc).__name__}{where}: {exc}",
                                field="spec") from None
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocation failure (CPU allocator, CUDA or ``MemoryError``)."""
+    text = str(exc).lower()
+    return isinstance(exc, MemoryError) or "out of memory" in text \
+        or "can't allocate memory" in text or "cannot allocate memory" in text
