@@ -36,12 +36,12 @@ and input signature (shapes, strides, dtypes, devices; non-tensor side inputs by
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
+from torch import fx, nn
 from torch.autograd.function import once_differentiable
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -96,7 +96,7 @@ def dead_outputs(plan: Sequence[Op], n: int) -> set[int]:
 class _Traced:
     """One traced joint graph and how to call it."""
 
-    graph: Callable[..., Any]
+    graph: fx.GraphModule  # called through its forward (see _Job.run)
     module: nn.Module  # the stage's graph module (for the autograd path)
     names: list[str]  # its parameters then buffers, as the graph takes them
     out_meta: list[tuple[torch.Size, torch.dtype, torch.device]]
