@@ -38,7 +38,6 @@ import json
 import logging
 import os
 import time
-from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
@@ -48,8 +47,13 @@ from optmem.datasets import load_dataset, synthetic
 from optmem.engines import adapters as engines
 from optmem.errors import PlanError
 from optmem.models.checkpoint_ilp import Slot
-from optmem.models.formulation import Expr, Model, Relation, to_cpsat
-from optmem.models.remat_offload import RematOffloadModel, build_remat_offload, with_fixed
+from optmem.models.formulation import to_cpsat
+from optmem.models.remat_offload import (
+    RematOffloadModel,
+    build_remat_offload,
+    summed_sequence,
+    with_fixed,
+)
 from optmem.plan import AnyOp, parse_mixed_plan
 from optmem.simulate.offload import simulate_offload
 from optmem.solvers.dataset_summary import dataset_summary
@@ -201,23 +205,6 @@ def blocks(args: argparse.Namespace) -> None:
                 z, hint = sim, clamped(built, values)
         print(json.dumps(entry), f"best {z:.6f}, wall {time.perf_counter() - t:.1f} s, "
               f"load {load()}, {time.strftime('%H:%M:%S', time.gmtime())} UTC", flush=True)
-
-
-def summed_sequence(model: Model) -> Relation:
-    """The sum of the rows ``seq_p`` and ``makespan``: ``makespan >= sum of durations``.
-
-    Valid for every solution (a sum of rows); written out it lets CP-SAT bound the compute
-    binaries by the cap directly (a knapsack row).
-    """
-    acc: dict[int, float] = defaultdict(float)
-    lo = 0.0
-    for con in model.constraints:
-        if con.name.startswith("seq_") or con.name == "makespan":
-            assert con.hi is None and con.lo is not None and not con.enforce, con
-            lo += con.lo
-            for i, x in con.terms:
-                acc[i] += x
-    return Relation(Expr([(i, x) for i, x in acc.items() if abs(x) > 1e-12]), lo, None)
 
 
 def probe(args: argparse.Namespace) -> None:

@@ -1357,3 +1357,22 @@ def _item_facts(m: Model, cf: ck.Formulation, uf: Sequence[float], ub: Sequence[
             makes.append({})
             after_delta.append(a[k - 1])
     return D, reads, frees, makes, after_delta
+
+
+def summed_sequence(model: Model) -> Relation:
+    """The sum of the rows ``seq_p`` and ``makespan``: ``makespan >= sum of durations``.
+
+    Valid for every solution (a sum of rows); written out it lets CP-SAT bound the compute
+    binaries by a cap on the times directly (a knapsack row: with every time at most ``c``,
+    at most ``c`` minus the fixed work of recomputation).
+    """
+    acc: dict[int, float] = {}
+    lo = 0.0
+    for con in model.constraints:
+        if con.name.startswith("seq_") or con.name == "makespan":
+            if con.hi is not None or con.lo is None or con.enforce:
+                raise ValueError(f"row {con.name} is not a plain lower bound")
+            lo += con.lo
+            for i, x in con.terms:
+                acc[i] = acc.get(i, 0.0) + x
+    return Relation(Expr([(i, x) for i, x in acc.items() if abs(x) > 1e-12]), lo, None)

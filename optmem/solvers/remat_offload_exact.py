@@ -112,6 +112,7 @@ from optmem.solvers.remat_offload_benders import (
     solve_benders,
 )
 from optmem.solvers.remat_offload_lns import LNS_EXTRA, improve, lns_settings
+from optmem.solvers.remat_offload_probe import PROBE_EXTRA, probe_result, probe_settings
 from optmem.solvers.remat_offload_schedule import Window, static_replay, window_before
 from optmem.solvers.time_budget import Deadline
 
@@ -993,6 +994,9 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
     if lns_settings(options).enabled and engine != "cpsat":  # checked before any work
         raise OptmemInputError("the large-neighbourhood search (lns) runs CP-SAT: use the "
                                "cpsat method", field="lns")
+    if probe_settings(options)[0] is not None and engine != "cpsat":
+        raise OptmemInputError("the capped probe (probe_gap) runs CP-SAT: use the cpsat "
+                               "method", field="probe_gap")
     _relaxation_share(options)
     built = build_remat_offload(disc.chain, disc.memory_limit, beta, sweeps=sweeps,
                                 transfers_per_gap=per_gap, grid=None if exact else scale)
@@ -1004,9 +1008,17 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
     if built.model.trivially_infeasible:
         return no_plan_result(problem, options, method, Status.INFEASIBLE, report)
     setup = _Setup(problem, method, engine, disc, beta, built, scale, exact, deadline)
-    if strategy == "benders":
-        return _benders(setup, options, report)
-    return _full_solve(setup, options, report)
+    res = _benders(setup, options, report) if strategy == "benders" else \
+        _full_solve(setup, options, report)
+
+    def replay(plan: tuple[AnyOp, ...]) -> float:
+        return simulate_offload(disc.chain, plan, beta, disc.memory_limit).makespan
+
+    def rebuild(plan: tuple[AnyOp, ...], info: dict[str, Any]) -> Result:
+        return plan_result(problem, options, plan, method=method, solver=engine,
+                           status=Status.FEASIBLE, report=info)
+
+    return probe_result(res, built, scale, exact, options, deadline, replay, rebuild)
 
 
 def _sequence_candidate(setup: _Setup, relaxed: _Relaxed, options: SolveOptions
@@ -1212,7 +1224,7 @@ def solve_ilp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
 @register(PROBLEM, "cpsat", exact=True, full_model=True, requires=("ortools",),
           description="exact model (same formulation as ilp), CP-SAT",
           compare_as=(("cpsat", 6),),
-          extra=(*MODEL_EXTRA, "strategy", "benders_work", "benders_filter_work",
+          extra=(*MODEL_EXTRA, *PROBE_EXTRA, "strategy", "benders_work", "benders_filter_work",
                  "benders_iterations", "benders_warmup", "benders_filter", "benders_host_bound",
                  "benders_first_found", "benders_compute_cut", "benders_compute_work",
                  "relaxation_first"))
