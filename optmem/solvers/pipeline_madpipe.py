@@ -149,6 +149,20 @@ class DPTables:
         return self._descending[self.n - j:]
 
     @cached_property
+    def stage_columns(self) -> list[tuple[np.ndarray, ...]]:
+        """The columns of :func:`_expand`'s matrix at each level ``j``.
+
+        ``i`` (:meth:`firsts`), ``U(i, j)``, ``C(i - 1)``, ``grows``, ``stash`` and
+        ``static`` of the stages ``i..j``.
+        """
+        out: list[tuple[np.ndarray, ...]] = [()]
+        for j in range(1, self.n + 1):
+            ii = self.firsts(j)
+            out.append((ii, self.load[ii, j], self.cost_array[ii - 1], self.grows[ii, j],
+                        self.stash[ii, j], self.static[ii, j]))
+        return out
+
+    @cached_property
     def _descending(self) -> np.ndarray:
         return np.arange(self.n, 0, -1)
 
@@ -211,13 +225,14 @@ class DPTables:
             special = _round_up(self.static[ii, j], step_m) <= self.limit  # m'_P at least
             tp2 = _round_up(tgrid[None, :] + u[:, None], step)
             k2 = np.minimum(np.rint(tp2 / step).astype(np.intp), size - 1)
-            own = np.maximum(tp2, c[:, None])
-            far = np.maximum(u, c)[:, None]
-            for p in range(1, self.n_gpus):
-                cand_n = np.where(normal[:, None], np.maximum(far, h[ii - 1, p - 1]), np.inf)
-                cand_s = np.where(special[:, None],
-                                  np.maximum(own, h[ii[:, None] - 1, p, k2]), np.inf)
-                h[j, p] = np.minimum(cand_n.min(axis=0), cand_s.min(axis=0))
+            own = np.maximum(tp2, c[:, None])[:, None, :]
+            far = np.maximum(u, c)[:, None, None]
+            pp = np.arange(1, self.n_gpus)[None, :, None]  # every p at once: the children
+            cand_n = np.where(normal[:, None, None], np.maximum(far, h[ii - 1, :-1]), np.inf)
+            cand_s = np.where(special[:, None, None],  # are on lower levels, all known
+                              np.maximum(own, h[ii[:, None, None] - 1, pp, k2[:, None, :]]),
+                              np.inf)
+            h[j, 1:] = np.minimum(cand_n.min(axis=0), cand_s.min(axis=0))
         return h
 
     @cached_property
@@ -251,26 +266,31 @@ class DPTables:
         mgrid = np.arange(GRID_M + 1) * step_m
         g = np.empty((2, self.n + 1, self.n_gpus, GRID_M + 1))
         g[:, 0] = 0.0
+        # what does not depend on the levels below, for every stage i..j at once (rows i,
+        # columns j; the same float operations per entry as level by level)
+        least = self._least_groups(that, self.n)[:, None]  # g_min of i..j: i's loads right
+        static, stash = self.static[1:, 1:], self.stash[1:, 1:]
+        fits_all = static + least * stash <= self.limit
+        m2_all = _round_up(mgrid[None, None, :] + (static + (least - 1) * stash)[:, :, None],
+                           step_m)
+        k2_all = np.minimum(np.rint(m2_all / step_m).astype(np.intp), GRID_M)
+        far_all = np.maximum(self.load[1:, 1:], self.cost_array[:, None])
+        pp = np.arange(1, self.n_gpus)[None, :, None]  # every p at once: the
         for j in range(1, self.n + 1):
-            least = self._least_groups(that, j)
-            fit0 = mgrid + self.static[1, j] + (least[0] - 1) * self.stash[1, j] <= self.limit
+            fit0 = mgrid + self.static[1, j] + (least[0, 0] - 1) * self.stash[1, j] \
+                <= self.limit
             g[0, j, 0] = np.where(fit0, 0.0, np.inf)
             g[1, j, 0] = np.where(fit0, self.load[1, j], np.inf)
-            ii = np.arange(1, j + 1)
-            c, u = self.cost_array[ii - 1], self.load[ii, j]
-            fits_n = (self.static[ii, j] + least * self.stash[ii, j] <= self.limit)[:, None]
-            far = np.maximum(u, c)[:, None]
-            m2 = _round_up(mgrid[None, :] + (self.static[ii, j] + (least - 1)
-                                             * self.stash[ii, j])[:, None], step_m)
-            fits_s = m2 <= self.limit
-            k2 = np.minimum(np.rint(m2 / step_m).astype(np.intp), GRID_M)
-            pp = np.arange(1, self.n_gpus)[None, :, None]  # every p at once: the
-            rows = ii[:, None, None] - 1  # children are on lower levels, all known
-            a_n, s_n = g[0, ii - 1, :-1], g[1, ii - 1, :-1]
+            c, u = self.cost_array[:j], self.load[1:j + 1, j]
+            fits_n = fits_all[:j, j - 1, None, None]
+            far = far_all[:j, j - 1, None, None]
+            m2, k2 = m2_all[:j, j - 1], k2_all[:j, j - 1]
+            rows = np.arange(j)[:, None, None]  # children are on lower levels, all known
+            a_n, s_n = g[0, :j, :-1], g[1, :j, :-1]
             a_s, s_s = g[0][rows, pp, k2[:, None, :]], g[1][rows, pp, k2[:, None, :]]
-            fits_n, fits_s = fits_n[:, :, None], fits_s[:, None, :]
+            fits_s = (m2 <= self.limit)[:, None, :]
             g[0, j, 1:] = np.minimum(
-                np.where(fits_n, np.maximum(far[:, :, None], a_n), np.inf).min(0),
+                np.where(fits_n, np.maximum(far, a_n), np.inf).min(0),
                 np.where(fits_s, np.maximum(c[:, None, None], a_s), np.inf).min(0))
             g[1, j, 1:] = np.minimum(np.where(fits_n, s_n, np.inf).min(0),
                                      np.where(fits_s, u[:, None, None] + s_s, np.inf).min(0))
@@ -291,12 +311,16 @@ def _round_up(x: np.ndarray, step: float) -> np.ndarray:
     return np.ceil(x / step - 1e-9) * step + 0.0  # + 0.0: no -0.0 (state keys compare bytes)
 
 
-def _oplus(x: np.ndarray, y: float, period: float) -> np.ndarray:
-    """:func:`~optmem.solvers.pipeline_contiguous.oplus` on an array (same float operations)."""
+def _oplus(x: np.ndarray, y: float | np.ndarray, period: float, q: np.ndarray | None = None
+           ) -> np.ndarray:
+    """:func:`~optmem.solvers.pipeline_contiguous.oplus` on an array (same float operations).
+
+    ``q``: ``ceil(x / period - TOL)`` if already computed (:func:`_group`'s quotient).
+    """
     eps = TOL * max(1.0, period)
-    cx = np.where(x > eps, np.ceil(x / period - TOL), 0.0)
+    cx = np.where(x > eps, np.ceil(x / period - TOL) if q is None else q, 0.0) * period
     s = x + y
-    return np.where(s <= cx * period + eps, s, cx * period + y)
+    return np.where(s <= cx + eps, s, cx + y)
 
 
 def _group(v: np.ndarray, period: float) -> np.ndarray:
@@ -472,6 +496,8 @@ class _Bounds:
         self.steps = tb.steps()
         self.limit = cap * (1 + PRUNE_SLACK)
         self.kmax = self._thresholds(tb) if THRESHOLDS else None
+        if self.kmax is not None:
+            self.kmax_flat = np.ravel(self.kmax)
 
     def _thresholds(self, tb: DPTables) -> np.ndarray | None:
         """:attr:`kmax` (``None`` if ``H`` were not nondecreasing in ``k``: old checks)."""
@@ -491,7 +517,7 @@ class _Bounds:
         k = np.rint(t / self.steps[0]).astype(np.intp)
         mc = np.minimum(np.rint(m / self.steps[1]).astype(np.intp), GRID_M)
         if self.kmax is not None:
-            ok = k < self.kmax[child, p, mc]
+            ok = k < self.kmax_flat.take(child * self.kmax[0].size + (p * (GRID_M + 1) + mc))
         else:
             ok = self.h[child, p, np.minimum(k, self.h.shape[2] - 1)] < self.limit
             if self.g is not None:
@@ -499,9 +525,11 @@ class _Bounds:
                                  t + self.g[1, child, p, mc]) < self.limit
         if self.prune is not None:  # m clamped: only for pairs already ruled out
             vc = np.rint(v / self.steps[2]).astype(np.intp)
-            inside = vc < self.prune.a.shape[3]
-            vc = np.where(inside, vc, 0)
-            lb = np.maximum(self.prune.a[child, p, mc, vc], t + self.prune.s[child, p, mc, vc])
+            _, size_p, size_m, size_v = self.prune.a.shape
+            inside = vc < size_v
+            at = (child * (size_p * size_m) + (p * size_m + mc)) * size_v + np.where(inside, vc,
+                                                                                     0)
+            lb = np.maximum(self.prune.a.ravel().take(at), t + self.prune.s.ravel().take(at))
             ok &= ~inside | (lb < self.limit)
         return ok
 
@@ -546,6 +574,8 @@ def _collect(chunks: list[tuple[np.ndarray, _Level | None, np.ndarray]],
     rows = np.concatenate([c for c, _, _ in chunks])
     if prefix and steps is not None:
         codes = [rows[:, 0]] + [np.rint(rows[:, k + 1] / steps[k]) for k in (1, 2)]
+    elif steps is not None:  # grid values: their indices order them as their ranks do
+        codes = [rows[:, 0]] + [np.rint(rows[:, k + 1] / steps[k]) for k in (0, 1, 2)]
     else:
         codes = [np.unique(rows[:, k], return_inverse=True)[1].ravel() for k in range(4)]
     radix = [float(c.max()) + 1 for c in codes]
@@ -566,7 +596,7 @@ def _collect(chunks: list[tuple[np.ndarray, _Level | None, np.ndarray]],
         if parent is not None:
             parent.child[where] = inverse[pos:pos + len(chunk)]
         pos += len(chunk)
-    states = rows[first]
+    states = rows.take(first, axis=0)
     if prefix and steps is not None:
         least = np.full(len(first), np.inf)
         np.minimum.at(least, inverse, rows[:, 1])
@@ -603,15 +633,16 @@ def _expand(tb: DPTables, that: float, cap: float, rounders: tuple, j: int, leve
     """
     rt, rm, rv = rounders
     active = np.nonzero(level.states[:, 0] > 0)[0]
-    ii = tb.firsts(j)
-    ii = ii[tb.load[ii, j] < cap]  # loads grow as i drops
-    if not len(active) or not len(ii):
+    columns = tb.stage_columns[j]
+    keep = columns[1] < cap  # loads grow as i drops
+    count = int(np.count_nonzero(keep))
+    if not len(active) or not count:
         return
+    ii, u, c, grows, stash, static = (col[:count] for col in columns) if keep[:count].all() \
+        else (col[keep] for col in columns)
     # (state, i) on a matrix: state-only columns, i-only rows, the same float operations
     # per pair as on a list of pairs (elementwise), listed by state, then i decreasing
-    p, t, m, v = (col[:, None] for col in level.states[active].T)
-    u, c = tb.load[ii, j], tb.cost_array[ii - 1]
-    grows, stash, static = tb.grows[ii, j], tb.stash[ii, j], tb.static[ii, j]
+    p, t, m, v = (col[:, None] for col in level.states.take(active, axis=0).T)
     # neither kind can hold i..j here, nor any longer stage: the recursion stops
     alive = np.logical_and.accumulate((grows + m <= tb.limit) | (grows + stash <= tb.limit),
                                       axis=1) & (c < cap)
@@ -622,8 +653,9 @@ def _expand(tb: DPTables, that: float, cap: float, rounders: tuple, j: int, leve
         normal = alive & ((ii == 1) | ((rest + t) / p < cap))
         special &= (ii == 1) | ((rest + tp2) / (p + 1) < cap)
     vs = _oplus(v, u, that)
-    g = _group(vs, that)
-    vn = np.where(ii > 1, rv(_oplus(vs, c, that)), 0.0)
+    q = np.ceil(vs / that - TOL)  # the group count's quotient, and the next (+)'s
+    g = np.maximum(1.0, q)  # _group(vs, that)
+    vn = np.where(ii > 1, rv(_oplus(vs, c, that, q)), 0.0)
     mp2 = rm(m + static + (g - 1) * stash)
     normal = normal & (static + g * stash <= tb.limit)
     special &= mp2 <= tb.limit
@@ -631,11 +663,15 @@ def _expand(tb: DPTables, that: float, cap: float, rounders: tuple, j: int, leve
         pi = p.astype(np.intp)
         normal &= bounds.below(ii - 1, pi - 1, t, m, vn)
         special &= bounds.below(ii - 1, pi, tp2, mp2, vn)
-    s, k, kind = np.nonzero(np.stack([normal, special], axis=2))  # by state, i desc, N, S
-    is_special = kind == 1
-    tp2, mp2, vn = tp2[s, k], mp2[s, k], vn[s, k]
-    p, t, m = p[s, 0], t[s, 0], m[s, 0]
-    level.state = active[s]
+    both = np.empty((*normal.shape, 2), dtype=bool)
+    both[:, :, 0], both[:, :, 1] = normal, special
+    flat = np.flatnonzero(both)  # (s len(ii) + k) 2 + kind: by state, i desc, N, S
+    pair = flat >> 1  # s len(ii) + k: the (state, i) pair's place in the matrix
+    is_special = (flat & 1).astype(bool)
+    s, k = np.divmod(pair, len(ii))
+    tp2, mp2, vn = (np.ravel(x).take(pair) for x in (tp2, mp2, vn))
+    level.state = active.take(s)
+    p, t, m, _ = level.states.take(level.state, axis=0).T
     level.first = ii[k]
     level.special = is_special
     level.load = u[k]
@@ -645,7 +681,7 @@ def _expand(tb: DPTables, that: float, cap: float, rounders: tuple, j: int, leve
     rows = np.column_stack([np.where(is_special, p, p - 1), np.where(is_special, tp2, t),
                             np.where(is_special, mp2, m), vn])
     order = np.argsort(k.astype(np.int16 if len(ii) < 2**15 else np.int64), kind="stable")
-    rows = rows[order]  # grouped by child level; each group a view
+    rows = rows.take(order, axis=0)  # grouped by child level; each group a view
     edges = [0, *itertools.accumulate(np.bincount(k, minlength=len(ii)).tolist())]
     for i, a, b in zip(ii.tolist(), edges, edges[1:], strict=False):
         if b > a:
