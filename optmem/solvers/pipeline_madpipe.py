@@ -276,6 +276,7 @@ class DPTables:
         k2_all = np.minimum(np.rint(m2_all / step_m).astype(np.intp), GRID_M)
         far_all = np.maximum(self.load[1:, 1:], self.cost_array[:, None])
         pp = np.arange(1, self.n_gpus)[None, :, None]  # every p at once: the
+        flat0, flat1 = g[0].reshape(-1), g[1].reshape(-1)  # views: filled as j grows
         for j in range(1, self.n + 1):
             fit0 = mgrid + self.static[1, j] + (least[0, 0] - 1) * self.stash[1, j] \
                 <= self.limit
@@ -287,7 +288,8 @@ class DPTables:
             m2, k2 = m2_all[:j, j - 1], k2_all[:j, j - 1]
             rows = np.arange(j)[:, None, None]  # children are on lower levels, all known
             a_n, s_n = g[0, :j, :-1], g[1, :j, :-1]
-            a_s, s_s = g[0][rows, pp, k2[:, None, :]], g[1][rows, pp, k2[:, None, :]]
+            at = (rows * self.n_gpus + pp) * (GRID_M + 1) + k2[:, None, :]  # g[:, rows, pp, k2]
+            a_s, s_s = flat0.take(at), flat1.take(at)
             fits_s = (m2 <= self.limit)[:, None, :]
             g[0, j, 1:] = np.minimum(
                 np.where(fits_n, np.maximum(far, a_n), np.inf).min(0),
@@ -578,16 +580,20 @@ def _collect(chunks: list[tuple[np.ndarray, _Level | None, np.ndarray]],
         codes = [rows[:, 0]] + [np.rint(rows[:, k + 1] / steps[k]) for k in (0, 1, 2)]
     else:
         codes = [np.unique(rows[:, k], return_inverse=True)[1].ravel() for k in range(4)]
+    if steps is not None:  # indices from the least one: the same order, fewer keys
+        codes = [code - code.min() for code in codes]
     radix = [float(c.max()) + 1 for c in codes]
     size = math.prod(radix)
-    if size < 2**62:
+    if size <= DENSE_KEYS and steps is not None:  # float products exact below 2**53
+        key_f = codes[0]
+        for code, r in zip(codes[1:], radix[1:], strict=True):  # mixed-radix key
+            key_f = key_f * r + code
+        first, inverse = _dense_unique(key_f.astype(np.int64), int(size))
+    elif size < 2**62:
         key = np.zeros(len(rows), dtype=np.int64)
         for code, r in zip(codes, radix, strict=True):  # mixed-radix key
             key = key * int(r) + code.astype(np.int64)
-        if steps is not None and size <= DENSE_KEYS:
-            first, inverse = _dense_unique(key, int(size))
-        else:
-            _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+        _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
     else:
         _, first, inverse = np.unique(rows, axis=0, return_index=True, return_inverse=True)
     inverse = inverse.ravel()
