@@ -691,11 +691,12 @@ def test_bound_thresholds_are_the_bound_checks(problem, frac):
 
 
 @settings(max_examples=25, deadline=None, derandomize=True)
-@given(problem=longer_problems())
-def test_bound_thresholds_keep_algorithm8(problem):
+@given(problem=longer_problems(), switch=st.sampled_from(["THRESHOLDS", "STAGE_TABLES"]))
+def test_dp_lookup_tables_keep_algorithm8(problem, switch):
     """Algorithm 8 gives the same estimates, T-hats, allocations and DP states with the
-    threshold table of the bounds (:data:`THRESHOLDS`) as with one lookup per bound."""
-    for old, new in ladder_both(problem, (1.0, 0.85, 0.6), "THRESHOLDS"):
+    threshold table of the bounds (:data:`THRESHOLDS`) and the per-level tables of the
+    moves' terms (:data:`STAGE_TABLES`) as when computing them per state."""
+    for old, new in ladder_both(problem, (1.0, 0.85, 0.6), switch):
         assert old == new
 
 

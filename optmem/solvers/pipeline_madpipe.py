@@ -163,6 +163,27 @@ class DPTables:
         return out
 
     @cached_property
+    def stage_tables(self) -> list[tuple[np.ndarray, ...]]:
+        """Per level ``j``, on the grids: :func:`_expand`'s terms that depend on ``t_P`` or ``m_P``.
+
+        ``rt(t_P + U(i, j))`` and its index by ``t_P`` index (rows) and ``i`` (columns, as
+        :meth:`firsts`), and by ``m_P`` index whether a stage ``i..j`` and every longer one
+        can still be held (``alive`` without the cap). Computed from the grid values ``index
+        * step`` with :func:`_expand`'s float operations: a state on the grid finds its
+        terms in its rows.
+        """
+        step, step_m, _ = self.steps()
+        tgrid = (np.arange(self.relaxed.shape[2]) * step)[:, None]
+        mgrid = (np.arange(GRID_M + 2) * step_m)[:, None]
+        out: list[tuple[np.ndarray, ...]] = [()]
+        for _, u, _, grows, stash, _ in self.stage_columns[1:]:
+            tp2 = _round_up(tgrid + u, step)
+            alive = np.logical_and.accumulate((grows + mgrid <= self.limit)
+                                              | (grows + stash <= self.limit), axis=1)
+            out.append((tp2, np.rint(tp2 / step).astype(np.intp), alive))
+        return out
+
+    @cached_property
     def _descending(self) -> np.ndarray:
         return np.arange(self.n, 0, -1)
 
@@ -405,7 +426,7 @@ def _levels(tb: DPTables, that: float, exact: bool, cap: float, feasibility: boo
         levels[j] = _Level(_collect(pending[j], None if exact else tb.steps(), prefix))
         if j > 0:
             _expand(tb, that, cap, rounders, j, levels[j], pending, feasibility, bounds,
-                    prefix)
+                    prefix, not exact)
     return levels
 
 
@@ -516,8 +537,13 @@ class _Bounds:
     def below(self, child: np.ndarray, p: np.ndarray, t: np.ndarray, m: np.ndarray,
               v: np.ndarray) -> np.ndarray:
         """Whether the state ``(child, p, t, m, v)`` may have an estimate below the cap."""
-        k = np.rint(t / self.steps[0]).astype(np.intp)
-        mc = np.minimum(np.rint(m / self.steps[1]).astype(np.intp), GRID_M)
+        return self.below_at(child, p, t, np.rint(t / self.steps[0]).astype(np.intp),
+                             np.minimum(np.rint(m / self.steps[1]).astype(np.intp), GRID_M),
+                             np.rint(v / self.steps[2]).astype(np.intp))
+
+    def below_at(self, child: np.ndarray, p: np.ndarray, t: np.ndarray, k: np.ndarray,
+                 mc: np.ndarray, vc: np.ndarray) -> np.ndarray:
+        """:meth:`below` given the grid indices of ``t``, ``m`` (at most ``GRID_M``), ``v``."""
         if self.kmax is not None:
             ok = k < self.kmax_flat.take(child * self.kmax[0].size + (p * (GRID_M + 1) + mc))
         else:
@@ -526,7 +552,6 @@ class _Bounds:
                 ok &= np.maximum(self.g[0, child, p, mc],
                                  t + self.g[1, child, p, mc]) < self.limit
         if self.prune is not None:  # m clamped: only for pairs already ruled out
-            vc = np.rint(v / self.steps[2]).astype(np.intp)
             _, size_p, size_m, size_v = self.prune.a.shape
             inside = vc < size_v
             at = (child * (size_p * size_m) + (p * size_m + mc)) * size_v + np.where(inside, vc,
@@ -536,6 +561,9 @@ class _Bounds:
         return ok
 
 
+STAGE_TABLES = True
+"""Whether grid runs look ``t'_P``, its index and ``alive`` up in
+:attr:`DPTables.stage_tables` (the same values) rather than computing them per state."""
 THRESHOLDS = True
 """Whether :class:`_Bounds` checks the bounds without ``V`` through its threshold table
 (:attr:`_Bounds.kmax`; the same checks). ``False``: one lookup per bound, as before."""
@@ -631,7 +659,7 @@ def _dense_unique(key: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
 
 def _expand(tb: DPTables, that: float, cap: float, rounders: tuple, j: int, level: _Level,
             pending: Pending, feasibility: bool = False, bounds: _Bounds | None = None,
-            prefix: bool = False) -> None:
+            prefix: bool = False, grid: bool = False) -> None:
     """Moves of the states of level ``j``: every last stage ``i..j`` and GPU kind.
 
     ``prefix``: a run without ``t_P`` whose states carry the least ``t_P`` of the paths
@@ -644,15 +672,30 @@ def _expand(tb: DPTables, that: float, cap: float, rounders: tuple, j: int, leve
     count = int(np.count_nonzero(keep))
     if not len(active) or not count:
         return
-    ii, u, c, grows, stash, static = (col[:count] for col in columns) if keep[:count].all() \
+    sliced = bool(keep[:count].all())
+    ii, u, c, grows, stash, static = (col[:count] for col in columns) if sliced \
         else (col[keep] for col in columns)
     # (state, i) on a matrix: state-only columns, i-only rows, the same float operations
     # per pair as on a list of pairs (elementwise), listed by state, then i decreasing
     p, t, m, v = (col[:, None] for col in level.states.take(active, axis=0).T)
-    # neither kind can hold i..j here, nor any longer stage: the recursion stops
-    alive = np.logical_and.accumulate((grows + m <= tb.limit) | (grows + stash <= tb.limit),
-                                      axis=1) & (c < cap)
-    tp2 = np.zeros(alive.shape) if feasibility and not prefix else rt(t + u)
+    tk = mi = ti = None
+    if grid and sliced and STAGE_TABLES:  # t_P and m_P on the grid: rows of tables
+        ti = np.rint(t[:, 0] / tb.steps()[0]).astype(np.intp)
+        mi = np.rint(m[:, 0] / tb.steps()[1]).astype(np.intp)
+        t_rows, k_rows, alive_rows = tb.stage_tables[j]
+        if mi.max() >= len(alive_rows) or ti.max() >= len(t_rows):
+            tk = mi = ti = None  # beyond the tables (not seen): computed below
+    if mi is not None and ti is not None:
+        alive = alive_rows.take(mi, axis=0)[:, :count] & (c < cap)
+        if feasibility and not prefix:
+            tp2, tk = np.zeros(alive.shape), np.zeros(alive.shape, dtype=np.intp)
+        else:
+            tp2, tk = t_rows.take(ti, axis=0)[:, :count], k_rows.take(ti, axis=0)[:, :count]
+    else:
+        # neither kind can hold i..j here, nor any longer stage: the recursion stops
+        alive = np.logical_and.accumulate((grows + m <= tb.limit)
+                                          | (grows + stash <= tb.limit), axis=1) & (c < cap)
+        tp2 = np.zeros(alive.shape) if feasibility and not prefix else rt(t + u)
     normal, special = alive, alive & (np.maximum(tp2, c) < cap)
     if math.isfinite(cap) and bounds is None:  # U(1, i-1) on p-1 normal GPUs and the special
         rest = np.where(ii > 1, tb.load[1, ii - 1], 0.0)
@@ -667,8 +710,16 @@ def _expand(tb: DPTables, that: float, cap: float, rounders: tuple, j: int, leve
     special &= mp2 <= tb.limit
     if bounds is not None:  # the child states' lower bounds
         pi = p.astype(np.intp)
-        normal &= bounds.below(ii - 1, pi - 1, t, m, vn)
-        special &= bounds.below(ii - 1, pi, tp2, mp2, vn)
+        if mi is not None and ti is not None and tk is not None:
+            steps = tb.steps()
+            vc = np.rint(vn / steps[2]).astype(np.intp)
+            normal &= bounds.below_at(ii - 1, pi - 1, t, ti[:, None],
+                                      np.minimum(mi, GRID_M)[:, None], vc)
+            special &= bounds.below_at(ii - 1, pi, tp2, tk, np.minimum(
+                np.rint(mp2 / steps[1]).astype(np.intp), GRID_M), vc)
+        else:
+            normal &= bounds.below(ii - 1, pi - 1, t, m, vn)
+            special &= bounds.below(ii - 1, pi, tp2, mp2, vn)
     both = np.empty((*normal.shape, 2), dtype=bool)
     both[:, :, 0], both[:, :, 1] = normal, special
     flat = np.flatnonzero(both)  # (s len(ii) + k) 2 + kind: by state, i desc, N, S
