@@ -40,13 +40,19 @@ values, ties and allocations unchanged (:data:`BOUNDS`, :data:`MEMORY_BOUND`,
 :data:`LIMIT_RUNS` and :data:`PREFIX_BOUND` switch them off; tests compare both). A level's
 moves are computed on the (state, first layer) matrix: the same float operations per pair,
 in the same order. On the grids a level's states are merged through a table of their keys
-(no sort) and the values of all levels live in one flat array. ResNet-152 (L = 56), P = 8,
-12 GB/s, 2-16 GiB: the whole ladder of phase 1 takes 0.2-6.5 CPU s (2.9, 4.1, 4.4, 6.5,
-0.6, 2.7, 0.2 s at 2, 3, 4, 6, 8, 12, 16 GiB), 1.1-2.0x less than main before
-:data:`PREFIX_BOUND` in the same run (``benchmarks/results/madpipe_speed.md``, load 6-9); the
-0.9-1.4 s once quoted here were measured with links 1000 times slower (a bandwidth in
-bytes per ms passed as bytes per second), where transfers decide the estimate and the DP
-has 0.1 M states.
+(their grid indices; no sort) and the values of all levels live in one flat array. A level
+is small (about 116 states and 15 first layers at L = 56), so numpy's cost per call, not
+the arithmetic, dominates; the grid runs thus check the bounds without ``V`` through one
+threshold table per cap (:data:`THRESHOLDS`) and look the terms that depend on ``t_P`` or
+``m_P`` alone up in per-level tables (:data:`STAGE_TABLES`), both the same values as
+computing them per state. ResNet-152 (L = 56), P = 8, 12 GB/s, 2-16 GiB: Algorithm 8 at
+all 10 memory factors takes 1.6-3.8 CPU s (1.75, 2.38, 2.66, 3.78, 3.19, 2.02, 1.63 s at 2,
+3, 4, 6, 8, 12, 16 GiB; a solve stops its ladder after 2 factors at 8 GiB and 1 at 16),
+1.25-1.43x less than before these lookups, with the same states
+(``benchmarks/bench_madpipe_phase1.py``, ``benchmarks/results/madpipe_speed.md``, load
+1.4-1.9); the 0.9-1.4 s once quoted here were measured with links 1000 times slower (a
+bandwidth in bytes per ms passed as bytes per second), where transfers decide the estimate
+and the DP has 0.1 M states.
 
 Phase 2 (section 7.2): the stages become the units of a coarse chain and the exact model
 (:mod:`optmem.models.pipeline`, ``options.extra["phase2"]``: ``"cpsat"``, the default when
