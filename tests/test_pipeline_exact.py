@@ -666,6 +666,41 @@ def test_phase1_prunings_on_resnet152_same_result_less_work():
 
 
 @settings(max_examples=25, deadline=None, derandomize=True)
+@given(problem=longer_problems(), frac=st.sampled_from([0.3, 0.6, 1.0, 1.5]))
+def test_bound_thresholds_are_the_bound_checks(problem, frac):
+    """The threshold table of the capped runs' bounds (``_Bounds.kmax``): ``k < kmax`` is
+    the check of :attr:`DPTables.relaxed` and :meth:`DPTables.relaxed_memory` at ``t_P = k
+    step_t``, for every child, ``p``, ``m_P`` on the grid and ``k`` (also past the table)."""
+    import numpy as np
+
+    from optmem.solvers.pipeline_madpipe import DPTables, _Bounds
+
+    tables = DPTables.of(problem)
+    that = tables.total / problem.n_gpus
+    bounds = _Bounds(tables, that, frac * tables.total, None)
+    assert bounds.kmax is not None
+    step_t, step_m, _ = tables.steps()
+    h, g = bounds.h, bounds.g
+    k = np.arange(h.shape[2] + 3)
+    for child, p, m in itertools.product(range(tables.n + 1), range(problem.n_gpus),
+                                         range(g.shape[3])):
+        t = k * step_t
+        direct = (h[child, p, np.minimum(k, h.shape[2] - 1)] < bounds.limit) & (
+            np.maximum(g[0, child, p, m], t + g[1, child, p, m]) < bounds.limit)
+        assert (k < bounds.kmax[child, p, m]).tolist() == direct.tolist()
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(problem=longer_problems(), switch=st.sampled_from(["THRESHOLDS", "STAGE_TABLES"]))
+def test_dp_lookup_tables_keep_algorithm8(problem, switch):
+    """Algorithm 8 gives the same estimates, T-hats, allocations and DP states with the
+    threshold table of the bounds (:data:`THRESHOLDS`) and the per-level tables of the
+    moves' terms (:data:`STAGE_TABLES`) as when computing them per state."""
+    for old, new in ladder_both(problem, (1.0, 0.85, 0.6), switch):
+        assert old == new
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
 @given(problem=longer_problems())
 def test_prefix_bound_keeps_algorithm8(problem):
     """The prefix bound of the runs without ``t_P`` (:data:`PREFIX_BOUND`: each state

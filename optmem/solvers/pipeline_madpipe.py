@@ -40,13 +40,19 @@ values, ties and allocations unchanged (:data:`BOUNDS`, :data:`MEMORY_BOUND`,
 :data:`LIMIT_RUNS` and :data:`PREFIX_BOUND` switch them off; tests compare both). A level's
 moves are computed on the (state, first layer) matrix: the same float operations per pair,
 in the same order. On the grids a level's states are merged through a table of their keys
-(no sort) and the values of all levels live in one flat array. ResNet-152 (L = 56), P = 8,
-12 GB/s, 2-16 GiB: the whole ladder of phase 1 takes 0.2-6.5 CPU s (2.9, 4.1, 4.4, 6.5,
-0.6, 2.7, 0.2 s at 2, 3, 4, 6, 8, 12, 16 GiB), 1.1-2.0x less than main before
-:data:`PREFIX_BOUND` in the same run (``benchmarks/results/madpipe_speed.md``, load 6-9); the
-0.9-1.4 s once quoted here were measured with links 1000 times slower (a bandwidth in
-bytes per ms passed as bytes per second), where transfers decide the estimate and the DP
-has 0.1 M states.
+(their grid indices; no sort) and the values of all levels live in one flat array. A level
+is small (about 116 states and 15 first layers at L = 56), so numpy's cost per call, not
+the arithmetic, dominates; the grid runs thus check the bounds without ``V`` through one
+threshold table per cap (:data:`THRESHOLDS`) and look the terms that depend on ``t_P`` or
+``m_P`` alone up in per-level tables (:data:`STAGE_TABLES`), both the same values as
+computing them per state. ResNet-152 (L = 56), P = 8, 12 GB/s, 2-16 GiB: Algorithm 8 at
+all 10 memory factors takes 1.6-3.8 CPU s (1.75, 2.38, 2.66, 3.78, 3.19, 2.02, 1.63 s at 2,
+3, 4, 6, 8, 12, 16 GiB; a solve stops its ladder after 2 factors at 8 GiB and 1 at 16),
+1.25-1.43x less than before these lookups, with the same states
+(``benchmarks/bench_madpipe_phase1.py``, ``benchmarks/results/madpipe_speed.md``, load
+1.4-1.9); the 0.9-1.4 s once quoted here were measured with links 1000 times slower (a
+bandwidth in bytes per ms passed as bytes per second), where transfers decide the estimate
+and the DP has 0.1 M states.
 
 Phase 2 (section 7.2): the stages become the units of a coarse chain and the exact model
 (:mod:`optmem.models.pipeline`, ``options.extra["phase2"]``: ``"cpsat"``, the default when
@@ -75,6 +81,7 @@ takes 5.7-9.9 CPU s at 2-4 GiB instead of 6.8-200 s, with the same plans.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Callable
@@ -148,6 +155,41 @@ class DPTables:
         return self._descending[self.n - j:]
 
     @cached_property
+    def stage_columns(self) -> list[tuple[np.ndarray, ...]]:
+        """The columns of :func:`_expand`'s matrix at each level ``j``.
+
+        ``i`` (:meth:`firsts`), ``U(i, j)``, ``C(i - 1)``, ``grows``, ``stash`` and
+        ``static`` of the stages ``i..j``.
+        """
+        out: list[tuple[np.ndarray, ...]] = [()]
+        for j in range(1, self.n + 1):
+            ii = self.firsts(j)
+            out.append((ii, self.load[ii, j], self.cost_array[ii - 1], self.grows[ii, j],
+                        self.stash[ii, j], self.static[ii, j]))
+        return out
+
+    @cached_property
+    def stage_tables(self) -> list[tuple[np.ndarray, ...]]:
+        """Per level ``j``, on the grids: :func:`_expand`'s terms that depend on ``t_P`` or ``m_P``.
+
+        ``rt(t_P + U(i, j))`` and its index by ``t_P`` index (rows) and ``i`` (columns, as
+        :meth:`firsts`), and by ``m_P`` index whether a stage ``i..j`` and every longer one
+        can still be held (``alive`` without the cap). Computed from the grid values ``index
+        * step`` with :func:`_expand`'s float operations: a state on the grid finds its
+        terms in its rows.
+        """
+        step, step_m, _ = self.steps()
+        tgrid = (np.arange(self.relaxed.shape[2]) * step)[:, None]
+        mgrid = (np.arange(GRID_M + 2) * step_m)[:, None]
+        out: list[tuple[np.ndarray, ...]] = [()]
+        for _, u, _, grows, stash, _ in self.stage_columns[1:]:
+            tp2 = _round_up(tgrid + u, step)
+            alive = np.logical_and.accumulate((grows + mgrid <= self.limit)
+                                              | (grows + stash <= self.limit), axis=1)
+            out.append((tp2, np.rint(tp2 / step).astype(np.intp), alive))
+        return out
+
+    @cached_property
     def _descending(self) -> np.ndarray:
         return np.arange(self.n, 0, -1)
 
@@ -210,14 +252,21 @@ class DPTables:
             special = _round_up(self.static[ii, j], step_m) <= self.limit  # m'_P at least
             tp2 = _round_up(tgrid[None, :] + u[:, None], step)
             k2 = np.minimum(np.rint(tp2 / step).astype(np.intp), size - 1)
-            own = np.maximum(tp2, c[:, None])
-            far = np.maximum(u, c)[:, None]
-            for p in range(1, self.n_gpus):
-                cand_n = np.where(normal[:, None], np.maximum(far, h[ii - 1, p - 1]), np.inf)
-                cand_s = np.where(special[:, None],
-                                  np.maximum(own, h[ii[:, None] - 1, p, k2]), np.inf)
-                h[j, p] = np.minimum(cand_n.min(axis=0), cand_s.min(axis=0))
+            own = np.maximum(tp2, c[:, None])[:, None, :]
+            far = np.maximum(u, c)[:, None, None]
+            pp = np.arange(1, self.n_gpus)[None, :, None]  # every p at once: the children
+            cand_n = np.where(normal[:, None, None], np.maximum(far, h[ii - 1, :-1]), np.inf)
+            cand_s = np.where(special[:, None, None],  # are on lower levels, all known
+                              np.maximum(own, h[ii[:, None, None] - 1, pp, k2[:, None, :]]),
+                              np.inf)
+            h[j, 1:] = np.minimum(cand_n.min(axis=0), cand_s.min(axis=0))
         return h
+
+    @cached_property
+    def relaxed_nondecreasing(self) -> bool:
+        """Whether :attr:`relaxed` is nondecreasing in ``k`` (it is: see there; checked)."""
+        h = self.relaxed
+        return bool(np.all(h[:, :, 1:] >= h[:, :, :-1]))
 
     def relaxed_memory(self, that: float) -> np.ndarray:
         """``G``: memory-aware lower bounds of ``T(j, p, t_P, m * step_m, V)`` (grids).
@@ -244,26 +293,33 @@ class DPTables:
         mgrid = np.arange(GRID_M + 1) * step_m
         g = np.empty((2, self.n + 1, self.n_gpus, GRID_M + 1))
         g[:, 0] = 0.0
+        # what does not depend on the levels below, for every stage i..j at once (rows i,
+        # columns j; the same float operations per entry as level by level)
+        least = self._least_groups(that, self.n)[:, None]  # g_min of i..j: i's loads right
+        static, stash = self.static[1:, 1:], self.stash[1:, 1:]
+        fits_all = static + least * stash <= self.limit
+        m2_all = _round_up(mgrid[None, None, :] + (static + (least - 1) * stash)[:, :, None],
+                           step_m)
+        k2_all = np.minimum(np.rint(m2_all / step_m).astype(np.intp), GRID_M)
+        far_all = np.maximum(self.load[1:, 1:], self.cost_array[:, None])
+        pp = np.arange(1, self.n_gpus)[None, :, None]  # every p at once: the
+        flat0, flat1 = g[0].reshape(-1), g[1].reshape(-1)  # views: filled as j grows
         for j in range(1, self.n + 1):
-            least = self._least_groups(that, j)
-            fit0 = mgrid + self.static[1, j] + (least[0] - 1) * self.stash[1, j] <= self.limit
+            fit0 = mgrid + self.static[1, j] + (least[0, 0] - 1) * self.stash[1, j] \
+                <= self.limit
             g[0, j, 0] = np.where(fit0, 0.0, np.inf)
             g[1, j, 0] = np.where(fit0, self.load[1, j], np.inf)
-            ii = np.arange(1, j + 1)
-            c, u = self.cost_array[ii - 1], self.load[ii, j]
-            fits_n = (self.static[ii, j] + least * self.stash[ii, j] <= self.limit)[:, None]
-            far = np.maximum(u, c)[:, None]
-            m2 = _round_up(mgrid[None, :] + (self.static[ii, j] + (least - 1)
-                                             * self.stash[ii, j])[:, None], step_m)
-            fits_s = m2 <= self.limit
-            k2 = np.minimum(np.rint(m2 / step_m).astype(np.intp), GRID_M)
-            pp = np.arange(1, self.n_gpus)[None, :, None]  # every p at once: the
-            rows = ii[:, None, None] - 1  # children are on lower levels, all known
-            a_n, s_n = g[0, ii - 1, :-1], g[1, ii - 1, :-1]
-            a_s, s_s = g[0][rows, pp, k2[:, None, :]], g[1][rows, pp, k2[:, None, :]]
-            fits_n, fits_s = fits_n[:, :, None], fits_s[:, None, :]
+            c, u = self.cost_array[:j], self.load[1:j + 1, j]
+            fits_n = fits_all[:j, j - 1, None, None]
+            far = far_all[:j, j - 1, None, None]
+            m2, k2 = m2_all[:j, j - 1], k2_all[:j, j - 1]
+            rows = np.arange(j)[:, None, None]  # children are on lower levels, all known
+            a_n, s_n = g[0, :j, :-1], g[1, :j, :-1]
+            at = (rows * self.n_gpus + pp) * (GRID_M + 1) + k2[:, None, :]  # g[:, rows, pp, k2]
+            a_s, s_s = flat0.take(at), flat1.take(at)
+            fits_s = (m2 <= self.limit)[:, None, :]
             g[0, j, 1:] = np.minimum(
-                np.where(fits_n, np.maximum(far[:, :, None], a_n), np.inf).min(0),
+                np.where(fits_n, np.maximum(far, a_n), np.inf).min(0),
                 np.where(fits_s, np.maximum(c[:, None, None], a_s), np.inf).min(0))
             g[1, j, 1:] = np.minimum(np.where(fits_n, s_n, np.inf).min(0),
                                      np.where(fits_s, u[:, None, None] + s_s, np.inf).min(0))
@@ -284,12 +340,16 @@ def _round_up(x: np.ndarray, step: float) -> np.ndarray:
     return np.ceil(x / step - 1e-9) * step + 0.0  # + 0.0: no -0.0 (state keys compare bytes)
 
 
-def _oplus(x: np.ndarray, y: float, period: float) -> np.ndarray:
-    """:func:`~optmem.solvers.pipeline_contiguous.oplus` on an array (same float operations)."""
+def _oplus(x: np.ndarray, y: float | np.ndarray, period: float, q: np.ndarray | None = None
+           ) -> np.ndarray:
+    """:func:`~optmem.solvers.pipeline_contiguous.oplus` on an array (same float operations).
+
+    ``q``: ``ceil(x / period - TOL)`` if already computed (:func:`_group`'s quotient).
+    """
     eps = TOL * max(1.0, period)
-    cx = np.where(x > eps, np.ceil(x / period - TOL), 0.0)
+    cx = np.where(x > eps, np.ceil(x / period - TOL) if q is None else q, 0.0) * period
     s = x + y
-    return np.where(s <= cx * period + eps, s, cx * period + y)
+    return np.where(s <= cx + eps, s, cx + y)
 
 
 def _group(v: np.ndarray, period: float) -> np.ndarray:
@@ -372,7 +432,7 @@ def _levels(tb: DPTables, that: float, exact: bool, cap: float, feasibility: boo
         levels[j] = _Level(_collect(pending[j], None if exact else tb.steps(), prefix))
         if j > 0:
             _expand(tb, that, cap, rounders, j, levels[j], pending, feasibility, bounds,
-                    prefix)
+                    prefix, not exact)
     return levels
 
 
@@ -447,7 +507,16 @@ roundings): a move is dropped only when its bound is above ``cap (1 + PRUNE_SLAC
 
 
 class _Bounds:
-    """What :func:`_expand` checks a capped grid move against (its child's lower bounds)."""
+    """What :func:`_expand` checks a capped grid move against (its child's lower bounds).
+
+    The checks of :attr:`DPTables.relaxed` and :meth:`DPTables.relaxed_memory` at a grid
+    ``t_P = k * step_t`` are one table, :attr:`kmax`: ``k < kmax[child, p, m]`` exactly when
+    ``H[child, p, min(k, last)] < limit`` and ``max(G0, k * step_t + G1) < limit`` (both
+    are nondecreasing in ``k``, so each holds for ``k`` below a threshold; the threshold of
+    ``G`` is found with the same float sum ``k * step_t + G1`` as the check). ``t_P`` is
+    always on the grid (``0`` or rounded up by ``rt``), so this is the same check, with
+    one lookup per move instead of three.
+    """
 
     def __init__(self, tb: DPTables, that: float, cap: float, prune: Prune | None) -> None:
         self.h = tb.relaxed
@@ -455,23 +524,76 @@ class _Bounds:
         self.prune = prune
         self.steps = tb.steps()
         self.limit = cap * (1 + PRUNE_SLACK)
+        self.kmax = self._thresholds(tb) if THRESHOLDS else None
+        if self.kmax is not None:
+            self.kmax_flat = np.ravel(self.kmax)
+
+    def _thresholds(self, tb: DPTables) -> np.ndarray | None:
+        """:attr:`kmax` (``None`` if ``H`` were not nondecreasing in ``k``: old checks)."""
+        if not tb.relaxed_nondecreasing:
+            return None
+        h, lim = self.h, self.limit
+        kh = np.count_nonzero(h < lim, axis=2)  # H < lim exactly for k < kh
+        kmax = np.where(kh < h.shape[2], kh, np.iinfo(np.intp).max)[:, :, None]
+        if self.g is None:
+            return np.broadcast_to(kmax, (*h.shape[:2], GRID_M + 1))
+        return np.minimum(kmax, np.where(self.g[0] < lim,
+                                         _grid_count(self.g[1], self.steps[0], lim), 0))
 
     def below(self, child: np.ndarray, p: np.ndarray, t: np.ndarray, m: np.ndarray,
               v: np.ndarray) -> np.ndarray:
         """Whether the state ``(child, p, t, m, v)`` may have an estimate below the cap."""
-        k = np.minimum(np.rint(t / self.steps[0]).astype(np.intp), self.h.shape[2] - 1)
-        ok = self.h[child, p, k] < self.limit
-        if self.g is not None:
-            mc = np.minimum(np.rint(m / self.steps[1]).astype(np.intp), self.g.shape[3] - 1)
-            ok &= np.maximum(self.g[0, child, p, mc], t + self.g[1, child, p, mc]) < self.limit
+        return self.below_at(child, p, t, np.rint(t / self.steps[0]).astype(np.intp),
+                             np.minimum(np.rint(m / self.steps[1]).astype(np.intp), GRID_M),
+                             np.rint(v / self.steps[2]).astype(np.intp))
+
+    def below_at(self, child: np.ndarray, p: np.ndarray, t: np.ndarray, k: np.ndarray,
+                 mc: np.ndarray, vc: np.ndarray) -> np.ndarray:
+        """:meth:`below` given the grid indices of ``t``, ``m`` (at most ``GRID_M``), ``v``."""
+        if self.kmax is not None:
+            ok = k < self.kmax_flat.take(child * self.kmax[0].size + (p * (GRID_M + 1) + mc))
+        else:
+            ok = self.h[child, p, np.minimum(k, self.h.shape[2] - 1)] < self.limit
+            if self.g is not None:
+                ok &= np.maximum(self.g[0, child, p, mc],
+                                 t + self.g[1, child, p, mc]) < self.limit
         if self.prune is not None:  # m clamped: only for pairs already ruled out
-            mc = np.minimum(np.rint(m / self.steps[1]).astype(np.intp), GRID_M)
-            vc = np.rint(v / self.steps[2]).astype(np.intp)
-            inside = vc < self.prune.a.shape[3]
-            vc = np.where(inside, vc, 0)
-            lb = np.maximum(self.prune.a[child, p, mc, vc], t + self.prune.s[child, p, mc, vc])
+            _, size_p, size_m, size_v = self.prune.a.shape
+            inside = vc < size_v
+            at = (child * (size_p * size_m) + (p * size_m + mc)) * size_v + np.where(inside, vc,
+                                                                                     0)
+            lb = np.maximum(self.prune.a.ravel().take(at), t + self.prune.s.ravel().take(at))
             ok &= ~inside | (lb < self.limit)
         return ok
+
+
+STAGE_TABLES = True
+"""Whether grid runs look ``t'_P``, its index and ``alive`` up in
+:attr:`DPTables.stage_tables` (the same values) rather than computing them per state."""
+THRESHOLDS = True
+"""Whether :class:`_Bounds` checks the bounds without ``V`` through its threshold table
+(:attr:`_Bounds.kmax`; the same checks). ``False``: one lookup per bound, as before."""
+
+
+def _grid_count(s: np.ndarray, step: float, limit: float) -> np.ndarray:
+    """How many ``k = 0, 1, ...`` have ``k * step + s < limit`` (float sums; ``limit`` finite).
+
+    The sum is nondecreasing in ``k``: the count is the least ``k`` where it reaches
+    ``limit``, guessed from ``(limit - s) / step`` and corrected with the sums themselves.
+    """
+    with np.errstate(invalid="ignore"):
+        k = np.clip(np.nan_to_num(np.floor((limit - s) / step), nan=0.0, neginf=0.0),
+                    0, None).astype(np.int64)
+    while True:
+        down = (k > 0) & ((k - 1).astype(np.float64) * step + s >= limit)
+        if not down.any():
+            break
+        k -= down
+    while True:
+        up = k.astype(np.float64) * step + s < limit
+        if not up.any():
+            return k
+        k += up
 
 
 def _collect(chunks: list[tuple[np.ndarray, _Level | None, np.ndarray]],
@@ -488,18 +610,24 @@ def _collect(chunks: list[tuple[np.ndarray, _Level | None, np.ndarray]],
     rows = np.concatenate([c for c, _, _ in chunks])
     if prefix and steps is not None:
         codes = [rows[:, 0]] + [np.rint(rows[:, k + 1] / steps[k]) for k in (1, 2)]
+    elif steps is not None:  # grid values: their indices order them as their ranks do
+        codes = [rows[:, 0]] + [np.rint(rows[:, k + 1] / steps[k]) for k in (0, 1, 2)]
     else:
         codes = [np.unique(rows[:, k], return_inverse=True)[1].ravel() for k in range(4)]
+    if steps is not None:  # indices from the least one: the same order, fewer keys
+        codes = [code - code.min() for code in codes]
     radix = [float(c.max()) + 1 for c in codes]
     size = math.prod(radix)
-    if size < 2**62:
+    if size <= DENSE_KEYS and steps is not None:  # float products exact below 2**53
+        key_f = codes[0]
+        for code, r in zip(codes[1:], radix[1:], strict=True):  # mixed-radix key
+            key_f = key_f * r + code
+        first, inverse = _dense_unique(key_f.astype(np.int64), int(size))
+    elif size < 2**62:
         key = np.zeros(len(rows), dtype=np.int64)
         for code, r in zip(codes, radix, strict=True):  # mixed-radix key
             key = key * int(r) + code.astype(np.int64)
-        if steps is not None and size <= DENSE_KEYS:
-            first, inverse = _dense_unique(key, int(size))
-        else:
-            _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+        _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
     else:
         _, first, inverse = np.unique(rows, axis=0, return_index=True, return_inverse=True)
     inverse = inverse.ravel()
@@ -508,7 +636,7 @@ def _collect(chunks: list[tuple[np.ndarray, _Level | None, np.ndarray]],
         if parent is not None:
             parent.child[where] = inverse[pos:pos + len(chunk)]
         pos += len(chunk)
-    states = rows[first]
+    states = rows.take(first, axis=0)
     if prefix and steps is not None:
         least = np.full(len(first), np.inf)
         np.minimum.at(least, inverse, rows[:, 1])
@@ -537,7 +665,7 @@ def _dense_unique(key: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
 
 def _expand(tb: DPTables, that: float, cap: float, rounders: tuple, j: int, level: _Level,
             pending: Pending, feasibility: bool = False, bounds: _Bounds | None = None,
-            prefix: bool = False) -> None:
+            prefix: bool = False, grid: bool = False) -> None:
     """Moves of the states of level ``j``: every last stage ``i..j`` and GPU kind.
 
     ``prefix``: a run without ``t_P`` whose states carry the least ``t_P`` of the paths
@@ -545,39 +673,68 @@ def _expand(tb: DPTables, that: float, cap: float, rounders: tuple, j: int, leve
     """
     rt, rm, rv = rounders
     active = np.nonzero(level.states[:, 0] > 0)[0]
-    ii = tb.firsts(j)
-    ii = ii[tb.load[ii, j] < cap]  # loads grow as i drops
-    if not len(active) or not len(ii):
+    columns = tb.stage_columns[j]
+    keep = columns[1] < cap  # loads grow as i drops
+    count = int(np.count_nonzero(keep))
+    if not len(active) or not count:
         return
+    sliced = bool(keep[:count].all())
+    ii, u, c, grows, stash, static = (col[:count] for col in columns) if sliced \
+        else (col[keep] for col in columns)
     # (state, i) on a matrix: state-only columns, i-only rows, the same float operations
     # per pair as on a list of pairs (elementwise), listed by state, then i decreasing
-    p, t, m, v = (col[:, None] for col in level.states[active].T)
-    u, c = tb.load[ii, j], tb.cost_array[ii - 1]
-    grows, stash, static = tb.grows[ii, j], tb.stash[ii, j], tb.static[ii, j]
-    # neither kind can hold i..j here, nor any longer stage: the recursion stops
-    alive = np.logical_and.accumulate((grows + m <= tb.limit) | (grows + stash <= tb.limit),
-                                      axis=1) & (c < cap)
-    tp2 = np.zeros(alive.shape) if feasibility and not prefix else rt(t + u)
+    p, t, m, v = (col[:, None] for col in level.states.take(active, axis=0).T)
+    tk = mi = ti = None
+    if grid and sliced and STAGE_TABLES:  # t_P and m_P on the grid: rows of tables
+        ti = np.rint(t[:, 0] / tb.steps()[0]).astype(np.intp)
+        mi = np.rint(m[:, 0] / tb.steps()[1]).astype(np.intp)
+        t_rows, k_rows, alive_rows = tb.stage_tables[j]
+        if mi.max() >= len(alive_rows) or ti.max() >= len(t_rows):
+            tk = mi = ti = None  # beyond the tables (not seen): computed below
+    if mi is not None and ti is not None:
+        alive = alive_rows.take(mi, axis=0)[:, :count] & (c < cap)
+        if feasibility and not prefix:
+            tp2, tk = np.zeros(alive.shape), np.zeros(alive.shape, dtype=np.intp)
+        else:
+            tp2, tk = t_rows.take(ti, axis=0)[:, :count], k_rows.take(ti, axis=0)[:, :count]
+    else:
+        # neither kind can hold i..j here, nor any longer stage: the recursion stops
+        alive = np.logical_and.accumulate((grows + m <= tb.limit)
+                                          | (grows + stash <= tb.limit), axis=1) & (c < cap)
+        tp2 = np.zeros(alive.shape) if feasibility and not prefix else rt(t + u)
     normal, special = alive, alive & (np.maximum(tp2, c) < cap)
     if math.isfinite(cap) and bounds is None:  # U(1, i-1) on p-1 normal GPUs and the special
         rest = np.where(ii > 1, tb.load[1, ii - 1], 0.0)
         normal = alive & ((ii == 1) | ((rest + t) / p < cap))
         special &= (ii == 1) | ((rest + tp2) / (p + 1) < cap)
     vs = _oplus(v, u, that)
-    g = _group(vs, that)
-    vn = np.where(ii > 1, rv(_oplus(vs, c, that)), 0.0)
+    q = np.ceil(vs / that - TOL)  # the group count's quotient, and the next (+)'s
+    g = np.maximum(1.0, q)  # _group(vs, that)
+    vn = np.where(ii > 1, rv(_oplus(vs, c, that, q)), 0.0)
     mp2 = rm(m + static + (g - 1) * stash)
     normal = normal & (static + g * stash <= tb.limit)
     special &= mp2 <= tb.limit
     if bounds is not None:  # the child states' lower bounds
         pi = p.astype(np.intp)
-        normal &= bounds.below(ii - 1, pi - 1, t, m, vn)
-        special &= bounds.below(ii - 1, pi, tp2, mp2, vn)
-    s, k, kind = np.nonzero(np.stack([normal, special], axis=2))  # by state, i desc, N, S
-    is_special = kind == 1
-    tp2, mp2, vn = tp2[s, k], mp2[s, k], vn[s, k]
-    p, t, m = p[s, 0], t[s, 0], m[s, 0]
-    level.state = active[s]
+        if mi is not None and ti is not None and tk is not None:
+            steps = tb.steps()
+            vc = np.rint(vn / steps[2]).astype(np.intp)
+            normal &= bounds.below_at(ii - 1, pi - 1, t, ti[:, None],
+                                      np.minimum(mi, GRID_M)[:, None], vc)
+            special &= bounds.below_at(ii - 1, pi, tp2, tk, np.minimum(
+                np.rint(mp2 / steps[1]).astype(np.intp), GRID_M), vc)
+        else:
+            normal &= bounds.below(ii - 1, pi - 1, t, m, vn)
+            special &= bounds.below(ii - 1, pi, tp2, mp2, vn)
+    both = np.empty((*normal.shape, 2), dtype=bool)
+    both[:, :, 0], both[:, :, 1] = normal, special
+    flat = np.flatnonzero(both)  # (s len(ii) + k) 2 + kind: by state, i desc, N, S
+    pair = flat >> 1  # s len(ii) + k: the (state, i) pair's place in the matrix
+    is_special = (flat & 1).astype(bool)
+    s, k = np.divmod(pair, len(ii))
+    tp2, mp2, vn = (np.ravel(x).take(pair) for x in (tp2, mp2, vn))
+    level.state = active.take(s)
+    p, t, m, _ = level.states.take(level.state, axis=0).T
     level.first = ii[k]
     level.special = is_special
     level.load = u[k]
@@ -587,10 +744,11 @@ def _expand(tb: DPTables, that: float, cap: float, rounders: tuple, j: int, leve
     rows = np.column_stack([np.where(is_special, p, p - 1), np.where(is_special, tp2, t),
                             np.where(is_special, mp2, m), vn])
     order = np.argsort(k.astype(np.int16 if len(ii) < 2**15 else np.int64), kind="stable")
-    edges = np.r_[0, np.cumsum(np.bincount(k, minlength=len(ii)))].tolist()
+    rows = rows.take(order, axis=0)  # grouped by child level; each group a view
+    edges = [0, *itertools.accumulate(np.bincount(k, minlength=len(ii)).tolist())]
     for i, a, b in zip(ii.tolist(), edges, edges[1:], strict=False):
         if b > a:
-            pending[i - 1].append((rows[order[a:b]], level, order[a:b]))
+            pending[i - 1].append((rows[a:b], level, order[a:b]))
 
 def _evaluate(tb: DPTables, that: float, cap: float, levels: list[_Level]
               ) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -682,7 +840,8 @@ def feasibility_run(tb: DPTables, that: float, exact: bool, cap: float = math.in
 
 def _flat(levels: list[_Level]) -> tuple[np.ndarray, np.ndarray]:
     """Offsets of each level's states in one flat array, and that array (``inf``)."""
-    offsets = np.r_[0, np.cumsum([len(level.states) for level in levels])]
+    offsets = np.zeros(len(levels) + 1, dtype=np.int64)
+    np.cumsum([len(level.states) for level in levels], out=offsets[1:])
     return offsets, np.full(int(offsets[-1]), np.inf)
 
 
@@ -693,7 +852,10 @@ def _children(level: _Level, offsets: np.ndarray) -> np.ndarray:
 
 def _starts(owner: np.ndarray) -> np.ndarray:
     """Positions where a sorted owner array starts a new run."""
-    return np.flatnonzero(np.r_[len(owner) > 0, owner[1:] != owner[:-1]])
+    new = np.empty(len(owner), dtype=bool)
+    new[:1] = True
+    np.not_equal(owner[1:], owner[:-1], out=new[1:])
+    return np.flatnonzero(new)
 
 
 def algorithm8(problem: PipelineProblem, *, exact: bool, iterations: int = K_ITERATIONS
