@@ -416,6 +416,10 @@ def _extract_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
         except OptmemInputError:
             raise
         except Exception as exc:  # noqa: BLE001 - reported below, with the fx attempt
+            unknown = unknown_output_type(exc)
+            if unknown is not None:  # fx would cut a graph whose output hides its tensors
+                raise OptmemInputError(_unknown_output_message(name, unknown),
+                                       field="module") from None
             errors.append(f"torch.export: {_first_line(exc)}")
             branch = data_dependent_branch(exc)
     if method in ("auto", "fx"):
@@ -436,6 +440,47 @@ def _extract_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
     raise OptmemInputError(
         f"cannot extract a chain from {name} ({'; '.join(errors)}): pass an nn.Sequential "
         "of its blocks or a list of stage modules instead", field="module")
+
+
+_UNKNOWN_OUTPUT = re.compile(r"Found <class '([^']+)'> in output, which is not a known type")
+
+
+def unknown_output_type(exc: BaseException) -> str | None:
+    """The class ``torch.export`` found in a model's output and cannot flatten, if that failed.
+
+    Examples
+    --------
+    >>> unknown_output_type(RuntimeError("Found <class 'm.Out'> in output, which is not a "
+    ...                                  "known type. If this type holds tensors, ..."))
+    'm.Out'
+    >>> unknown_output_type(RuntimeError("something else")) is None
+    True
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        match = _UNKNOWN_OUTPUT.search(str(current))
+        if match:
+            return match.group(1)
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def _unknown_output_message(name: str, cls: str) -> str:
+    short = cls.rsplit(".", 1)[-1]
+    return (f"{name} returns a {cls}, which torch cannot look into (not a registered pytree), "
+            f"so no graph can hold its output: register it before wrapping, "
+            f"torch.export.register_dataclass({short}) for a dataclass "
+            "(torch.utils._pytree.register_pytree_node otherwise), or return a tuple or a dict")
+
+
+def _hidden_tensor_types(flat: Sequence[Any]) -> list[str]:
+    """Names of the dataclasses among the call's leaves: objects whose tensors torch cannot see."""
+    import dataclasses
+
+    return sorted({type(v).__name__ for v in flat
+                   if dataclasses.is_dataclass(v) and not isinstance(v, type)})
 
 
 _RAISED_AT = re.compile(r'The following call raised this error:\s*\n\s*File "([^"]+)", line '
@@ -482,7 +527,11 @@ def _program(gm: fx.GraphModule, model: nn.Module, flat: list[Any], *, method: s
     cut = _cut(gm, kinds, model)
     tensor_positions = tuple(k for k, v in enumerate(flat) if isinstance(v, torch.Tensor))
     if not tensor_positions:
-        raise OptmemInputError(f"{type(model).__name__} was called without any tensor",
+        hidden = _hidden_tensor_types(flat)
+        why = (f" (torch sees no tensor inside a {', '.join(hidden)}: register it as a pytree "
+               f"before wrapping, torch.export.register_dataclass({hidden[0]}), or pass its "
+               "tensors as arguments)") if hidden else ""
+        raise OptmemInputError(f"{type(model).__name__} was called without any tensor{why}",
                                field="sample")
     positions = {names[k]: j for j, k in enumerate(tensor_positions)}
     stages = _graph_stages(gm, model, cut,
