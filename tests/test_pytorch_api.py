@@ -487,3 +487,50 @@ def test_meta_profile_of_an_exported_model_with_buffers_is_one_clear_error():
         module, x = Normed(), torch.randn(2, 6)
     with pytest.raises(OptmemInputError, match="device='meta' profiles an nn.Sequential"):
         op.profile_chain(module, x, device="meta")
+
+
+@pytest.mark.parametrize("wrap", ["checkpoint", "offload", "remat_offload"])
+def test_qat_observers_that_resize_their_buffers_train_as_the_model(wrap):
+    """``prepare_qat`` with the x86 qconfig: per-channel weight observers whose min/max
+    buffers start empty and are resized in place by the first forward. Loss, gradients and
+    every buffer after each step equal the plain model's. Before, wrapping failed: putting
+    the buffers back after extracting copied an empty tensor into a resized one ("The size
+    of tensor a (8) must match the size of tensor b (0)")."""
+    import copy
+    import warnings
+
+    import torch.ao.quantization as quant
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lins = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for lin in self.lins:
+                x = torch.relu(lin(x))
+            return x
+
+    torch.manual_seed(0)
+    net = Net()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao.quantization's deprecation notices
+        net.qconfig = quant.get_default_qat_qconfig("x86")
+        quant.prepare_qat(net, inplace=True)
+    ref = copy.deepcopy(net)
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
+    options = {} if wrap == "checkpoint" else {"bandwidth": "1GB/s"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the observers' forward hooks are traced
+        wrapped = getattr(op, wrap)(net, x, "90%", repeats=1, warmup=0, fast_path=False,
+                                    **options)
+    for _ in range(2):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = reference_step(wrapped, x, lambda y: y.pow(2).sum(), owner=net)
+        want = reference_step(ref, x, lambda y: y.pow(2).sum())
+        torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+        for a, b in zip(got[2], want[2], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        for (n, a), b in zip(net.named_buffers(), ref.buffers(), strict=True):
+            assert a.shape == b.shape and torch.equal(a, b), n
