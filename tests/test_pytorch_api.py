@@ -534,3 +534,49 @@ def test_qat_observers_that_resize_their_buffers_train_as_the_model(wrap):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
         for (n, a), b in zip(net.named_buffers(), ref.buffers(), strict=True):
             assert a.shape == b.shape and torch.equal(a, b), n
+
+
+class _ScriptedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin1, self.lin2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.lin2(torch.relu(self.lin1(x)))
+
+
+class _WithScriptedBlocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(torch.jit.script(_ScriptedBlock()) for _ in range(4))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("wrap", ["checkpoint", "offload", "remat_offload"])
+def test_torch_jit_scripted_submodules_train_as_the_model(wrap):
+    """``torch.jit.script``-ed blocks inside a model (torch.export cannot call them; torch.fx
+    keeps each whole, as one module call): loss and gradients bitwise the plain model's.
+    Before, every call failed in the wrapper's model-state check ("'OrderedModuleDict'
+    object has no attribute 'get'"); past it, fx traced into the scripted ``forward`` and
+    the stages held none of the blocks' parameters ("uses 4 tensor(s) that require grad
+    but are not its parameters")."""
+    torch.manual_seed(0)
+    net = _WithScriptedBlocks()
+    torch.manual_seed(0)
+    ref = _WithScriptedBlocks()
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
+    options = {} if wrap == "checkpoint" else {"bandwidth": "1GB/s"}
+    wrapped = getattr(op, wrap)(net, x, "90%", repeats=1, warmup=0, fast_path=False,
+                                **options)
+    for _ in range(2):
+        got = reference_step(wrapped, x, lambda y: y.pow(2).sum(), owner=net)
+        want = reference_step(ref, x, lambda y: y.pow(2).sum())
+        torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+        assert all(g is not None for g in got[2])
+        for a, b in zip(got[2], want[2], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)

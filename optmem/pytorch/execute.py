@@ -552,6 +552,10 @@ SETUP_CACHE_SIZE = 8
 """How many plans an executor keeps the parameter setup of (:class:`_SetupCache`)."""
 
 
+_VALUES = operator.methodcaller("values")
+"""``d.values()``: a ``_parameters`` dict, or torch's wrapper of one on a scripted module."""
+
+
 class _SetupCache:
     """What :meth:`PlanRunner.collect_parameters` found for one plan, while it stays valid.
 
@@ -570,7 +574,7 @@ class _SetupCache:
         self.modules = [m for mods in modules for m in mods]
         self.dicts = [m._parameters for m in self.modules]
         self.lens = list(map(len, self.dicts))
-        self.params = list(itertools.chain.from_iterable(map(dict.values, self.dicts)))
+        self.params = list(itertools.chain.from_iterable(map(_VALUES, self.dicts)))
         self.flags = [p is not None and p.requires_grad for p in self.params]
         self.setup: tuple[list[nn.Parameter], dict[int, list[int]], set[int], _Fusion] | None
         self.setup = None
@@ -587,7 +591,7 @@ class _SetupCache:
             self.source = modules
         if list(map(len, self.dicts)) != self.lens:
             return False
-        params = list(itertools.chain.from_iterable(map(dict.values, self.dicts)))
+        params = list(itertools.chain.from_iterable(map(_VALUES, self.dicts)))
         return all(map(operator.is_, params, self.params)) and \
             [p is not None and p.requires_grad for p in params] == self.flags
 

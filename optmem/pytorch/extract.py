@@ -256,7 +256,23 @@ def _symbolic_trace(module: nn.Module) -> fx.GraphModule:
     """
     name = type(module).__name__
     with refuse_python_random(name), refuse_tensor_hooks(name), refuse_functions(name):
-        return fx.symbolic_trace(module)
+        tracer = _Tracer()
+        graph = tracer.trace(module)
+        return fx.GraphModule(tracer.root, graph, name)
+
+
+class _Tracer(fx.Tracer):
+    """``fx.symbolic_trace``'s tracer, keeping ``torch.jit.script``-ed submodules whole.
+
+    fx would trace into a scripted module's ``forward`` and record a call of its C++ object
+    (``self.block._c.forward(x)``), whose parameters no stage module holds: the stage's
+    backward would lose their gradients. Called as a module, the stage holds it, with its
+    parameters.
+    """
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return isinstance(m, torch.jit.ScriptModule) or super().is_leaf_module(
+            m, module_qualified_name)
 
 
 def _trace(module: nn.Module) -> fx.GraphModule:

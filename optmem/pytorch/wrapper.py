@@ -761,11 +761,11 @@ class TensorState:
             if self._hook_keys() != self._hook_ids:
                 return 2
             self._handle_id = RemovableHandle.next_id
-        if any(d.get(name) is not value for d, name, value in self._children):
+        if any(_entry(d, name) is not value for d, name, value in self._children):
             return 2
         replaced = retyped = False
         for slots, name, before, dtype, shape in self._tensors:
-            t = slots.get(name)
+            t = _entry(slots, name)
             if t is None or t.shape != shape:
                 return 2
             replaced |= t is not before
@@ -788,6 +788,15 @@ class TensorState:
             self._version += change == 2
             self._refresh()
         return self.token
+
+
+def _entry(entries: Any, name: str) -> Any:
+    """``entries[name]``, ``None`` when absent.
+
+    ``entries`` is a module's ``_modules``, ``_parameters`` or ``_buffers``: a dict, or for
+    a ``torch.jit.script``-ed module torch's wrapper of one, which has no ``get``.
+    """
+    return entries[name] if name in entries else None  # noqa: SIM401 - no .get, see above
 
 
 class _SignedForward:
