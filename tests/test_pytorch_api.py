@@ -580,3 +580,65 @@ def test_torch_jit_scripted_submodules_train_as_the_model(wrap):
         assert all(g is not None for g in got[2])
         for a, b in zip(got[2], want[2], strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _residual_mlp() -> nn.Module:
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lins = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+            self.head = nn.Linear(8, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for lin in self.lins:
+                x = x + torch.tanh(lin(x))
+            return self.head(x)
+
+    torch.manual_seed(0)
+    return Net()
+
+
+@pytest.mark.parametrize("wrap", ["checkpoint", "remat_offload"])
+def test_functional_call_and_torch_func_transforms_give_the_models_results(wrap):
+    """``torch.func.functional_call(cmodel, params, x)`` runs the plan with the given
+    parameters (gradients reach them, bitwise the model's). Under a ``torch.func`` transform
+    (``grad``, ``vmap`` of ``grad``: per-sample gradients) the model runs as it is, with one
+    warning. Before, such a call (a new signature) re-extracted under the transform and
+    failed in profiling: "NotImplementedError: Cannot access storage of TensorWrapper"."""
+    import copy
+    import warnings
+
+    from torch.func import functional_call, grad, vmap
+
+    net = _residual_mlp()
+    ref = copy.deepcopy(net)
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
+    options = {} if wrap == "checkpoint" else {"bandwidth": "1GB/s"}
+    wrapped = getattr(op, wrap)(net, x, "80%", repeats=1, warmup=0, fast_path=False,
+                                **options)
+    fast = {n: (p.detach() * 1.5).requires_grad_() for n, p in ref.named_parameters()}
+    fast_ref = {n: p.detach().clone().requires_grad_() for n, p in fast.items()}
+    out = functional_call(wrapped, fast, (x,))
+    out_ref = functional_call(ref, fast_ref, (x,))
+    torch.testing.assert_close(out, out_ref, rtol=0, atol=0)
+    out.pow(2).sum().backward()
+    out_ref.pow(2).sum().backward()
+    for n, p in fast.items():
+        torch.testing.assert_close(p.grad, fast_ref[n].grad, rtol=0, atol=0)
+    assert all(p.grad is None for p in net.parameters())
+
+    params = {n: p.detach() for n, p in net.named_parameters()}
+
+    def loss(model: nn.Module):
+        return lambda p, xi: functional_call(model, p, (xi[None],)).pow(2).sum()
+
+    with pytest.warns(UserWarning, match="torch.func transform"):
+        got = vmap(grad(loss(wrapped)), in_dims=(None, 0))(params, x)
+    want = vmap(grad(loss(ref)), in_dims=(None, 0))(params, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once per wrapper
+        got_one = grad(loss(wrapped))(params, x[0])
+    want_one = grad(loss(ref))(params, x[0])
+    for n in params:
+        torch.testing.assert_close(got[n], want[n], rtol=0, atol=0)
+        torch.testing.assert_close(got_one[n], want_one[n], rtol=0, atol=0)
