@@ -642,3 +642,43 @@ def test_functional_call_and_torch_func_transforms_give_the_models_results(wrap)
     for n in params:
         torch.testing.assert_close(got[n], want[n], rtol=0, atol=0)
         torch.testing.assert_close(got_one[n], want_one[n], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("wrap", ["checkpoint", "remat_offload"])
+def test_an_output_that_needs_no_gradient_does_not_need_one_through_the_plan(wrap):
+    """Outputs computed without a gradient (a ``detach``-ed statistic beside the logits; a
+    tail run under ``no_grad``) need none from the wrapper either, as from the model.
+    Before, the plan's last stage returned every float output as differentiable: with
+    ``remat_offload`` (and ``checkpoint(strip_suffix=False)``) ``h.detach()`` required grad,
+    and a model whose output needs no gradient back-propagated in silence, every gradient
+    ``None``, where the model raises "element 0 of tensors does not require grad"."""
+
+    class Net(nn.Module):
+        def __init__(self, tail_without_grad: bool) -> None:
+            super().__init__()
+            self.lins = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+            self.head = nn.Linear(8, 3)
+            self.tail_without_grad = tail_without_grad
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            x = torch.tanh(self.lins[0](x))
+            with torch.set_grad_enabled(not self.tail_without_grad):
+                for lin in self.lins[1:]:
+                    x = x + torch.tanh(lin(x))
+                return self.head(x), x.detach().pow(2).mean(-1)
+
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
+    options = ({"strip_suffix": False} if wrap == "checkpoint" else {"bandwidth": "1GB/s"})
+    for tail_without_grad in (False, True):
+        torch.manual_seed(0)
+        net = Net(tail_without_grad)
+        wrapped = getattr(op, wrap)(net, x, "100%", repeats=1, warmup=0, fast_path=False,
+                                    **options)
+        got, want = wrapped(x), net(x)
+        assert [t.requires_grad for t in got] == [t.requires_grad for t in want] == [
+            not tail_without_grad, False]
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        if tail_without_grad:
+            with pytest.raises(RuntimeError, match="does not require grad"):
+                got[0].sum().backward()

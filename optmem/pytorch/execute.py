@@ -629,6 +629,7 @@ class PlanRunner:
         self.out_spec: Any = None
         self.out_leaves: list[Any] = []
         self.outputs: list[torch.Tensor] = []  # a^n, from _PlanFunction to _Relay
+        self.outputs_need_grad: list[bool] = []  # which of them autograd differentiates
         self.read_later = _plan_reads(plan, n_stages)
         self.index = 0
         self.anchor = torch.empty(0, requires_grad=True)
@@ -905,7 +906,11 @@ class PlanRunner:
         elif not self.read_later[self.loss] and self.owner.release_early:
             slot.value = None
         self.index = self.loss + 1
-        return [t.detach() for t in leaves if isinstance(t, torch.Tensor)]
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        # an output computed with its tape (under grad) that needs none stays so, as in the
+        # model (the part of the forward after it ran under no_grad, or read no parameter)
+        self.outputs_need_grad = [t.requires_grad or slot.tape is None for t in tensors]
+        return [t.detach() for t in tensors]
 
     def begin_backward(self, grads: Sequence[torch.Tensor | None]) -> None:
         """Run the ops after ``Loss`` up to the first ``B`` (which consumes ``delta^n``)."""
@@ -974,7 +979,9 @@ class _Relay(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, runner: PlanRunner, token: torch.Tensor) -> Any:
         outputs, runner.outputs = runner.outputs, []
-        non_diff = [t for t in outputs if not (t.is_floating_point() or t.is_complex())]
+        need = runner.outputs_need_grad or [True] * len(outputs)
+        non_diff = [t for t, n in zip(outputs, need, strict=True)
+                    if not n or not (t.is_floating_point() or t.is_complex())]
         if non_diff:
             ctx.mark_non_differentiable(*non_diff)
         ctx.set_materialize_grads(False)  # an output without gradient stays None, not zeros
