@@ -495,7 +495,11 @@ def test_qat_observers_that_resize_their_buffers_train_as_the_model(wrap):
     buffers start empty and are resized in place by the first forward. Loss, gradients and
     every buffer after each step equal the plain model's. Before, wrapping failed: putting
     the buffers back after extracting copied an empty tensor into a resized one ("The size
-    of tensor a (8) must match the size of tensor b (0)")."""
+    of tensor a (8) must match the size of tensor b (0)"). Past that, a stage re-run by
+    the plan started from the buffers its first run had updated: the fused observer
+    (``torch.fused_moving_avg_obs_fake_quant``) writes them in place without a new version,
+    so the executor's snapshot dropped them, the re-run moved the averages twice and the
+    gradients differed from the second batch on (2e-3 at ``"70%"``, in silence)."""
     import copy
     import warnings
 
@@ -522,9 +526,11 @@ def test_qat_observers_that_resize_their_buffers_train_as_the_model(wrap):
     options = {} if wrap == "checkpoint" else {"bandwidth": "1GB/s"}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the observers' forward hooks are traced
-        wrapped = getattr(op, wrap)(net, x, "90%", repeats=1, warmup=0, fast_path=False,
+        limit = "90%" if wrap == "offload" else "70%"  # re-runs under the other two
+        wrapped = getattr(op, wrap)(net, x, limit, repeats=1, warmup=0, fast_path=False,
                                     **options)
-    for _ in range(2):
+    for step in range(3):  # a new batch each step: the observers' moving averages move
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(10 + step))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             got = reference_step(wrapped, x, lambda y: y.pow(2).sum(), owner=net)

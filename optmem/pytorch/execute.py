@@ -336,7 +336,9 @@ class _BufferSnapshot:
     A stage whose output reads a buffer it updates in the same forward (an EMA normaliser,
     spectral norm's power iteration, a VQ codebook) must re-run from the values its first
     run saw, not from the updated ones: taken before the first run, then trimmed to the
-    buffers that run changed (another tensor, or a new version: an in-place update).
+    buffers that run changed (another tensor, a new version, or other values: a native op
+    such as ``torch.fused_moving_avg_obs_fake_quant``, QAT's fused observer, updates its
+    buffers in place without a new version, as batch norm does).
     """
 
     def __init__(self, modules: Sequence[nn.Module]) -> None:
@@ -348,13 +350,18 @@ class _BufferSnapshot:
         """Drop the copies of unchanged buffers; whether any is left."""
         self.saved = {key: entry for key, entry in self.saved.items()
                       if entry[0]._buffers.get(key[1]) is not entry[1]
-                      or entry[1]._version != entry[2]}
+                      or entry[1]._version != entry[2] or not _same_values(entry[1], entry[3])}
         return bool(self.saved)
 
     def value(self, sub: nn.Module, name: str, buf: torch.Tensor) -> torch.Tensor:
         """The buffer's value before the first run (``buf`` when it did not change)."""
         entry = self.saved.get((id(sub), name))
         return buf if entry is None else entry[3]
+
+
+def _same_values(now: torch.Tensor, before: torch.Tensor) -> bool:
+    """Whether a buffer holds the values of its copy (a meta buffer: assumed so)."""
+    return now.is_meta or (now.shape == before.shape and bool(torch.equal(now, before)))
 
 
 @contextmanager
