@@ -412,8 +412,11 @@ def extract_program(module: nn.Module, args: tuple[Any, ...] = (),
 
 def _single_stage_message(module: nn.Module) -> str:
     return (f"no chain found in {type(module).__name__}: its graph has no single-tensor cut "
-            "point, so it is one stage and checkpointing cannot save memory. Split it into "
-            "an nn.Sequential of blocks, or pass allow_single=True.")
+            "point (every layer's output is returned, as with output_hidden_states=True, or "
+            "a value such as the input is used again at the very end), so it is one stage "
+            "and checkpointing cannot save memory. Call it without such outputs, or split it "
+            "into an nn.Sequential of blocks or a list of stage modules "
+            "(extract_stages/extract_program accept a single stage with allow_single=True)")
 
 
 def _extract_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None,
