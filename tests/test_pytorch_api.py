@@ -609,7 +609,7 @@ def test_functional_call_and_torch_func_transforms_give_the_models_results(wrap)
     """``torch.func.functional_call(cmodel, params, x)`` runs the plan with the given
     parameters (gradients reach them, bitwise the model's). Under a ``torch.func`` transform
     (``grad``, ``vmap`` of ``grad``: per-sample gradients) the model runs as it is, with one
-    warning. Before, such a call (a new signature) re-extracted under the transform and
+    warning. Before, a transform's call (a new signature) re-extracted under the transform and
     failed in profiling: "NotImplementedError: Cannot access storage of TensorWrapper"."""
     import copy
     import warnings
@@ -632,6 +632,24 @@ def test_functional_call_and_torch_func_transforms_give_the_models_results(wrap)
     for n, p in fast.items():
         torch.testing.assert_close(p.grad, fast_ref[n].grad, rtol=0, atol=0)
     assert all(p.grad is None for p in net.parameters())
+
+    # some parameters only (the others the model's): before, a plain tensor put into a
+    # parameter slot was bound to its stage as a buffer, and its gradient was lost in
+    # silence (checkpoint) or refused ("not its parameters", remat_offload)
+    some = {"lins.1.weight": ref.lins[1].weight.detach().mul(1.1).requires_grad_()}
+    some_ref = {n: p.detach().clone().requires_grad_() for n, p in some.items()}
+    for _ in range(2):
+        for model, owner, given in ((wrapped, net, some), (ref, ref, some_ref)):
+            owner.zero_grad(set_to_none=True)
+            given["lins.1.weight"].grad = None
+            functional_call(model, given, (x,)).pow(2).sum().backward()
+        torch.testing.assert_close(some["lins.1.weight"].grad, some_ref["lins.1.weight"].grad,
+                                   rtol=0, atol=0)
+        for a, b in zip(net.parameters(), ref.parameters(), strict=True):
+            assert (a.grad is None) == (b.grad is None)
+            if a.grad is not None:
+                torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+    net.zero_grad(set_to_none=True)
 
     params = {n: p.detach() for n, p in net.named_parameters()}
 
