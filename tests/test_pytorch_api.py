@@ -706,3 +706,42 @@ def test_an_output_that_needs_no_gradient_does_not_need_one_through_the_plan(wra
         if tail_without_grad:
             with pytest.raises(RuntimeError, match="does not require grad"):
                 got[0].sum().backward()
+
+
+@pytest.mark.parametrize("wrap", ["checkpoint", "remat_offload"])
+def test_functional_call_on_a_wrapped_sequential_reruns_with_the_given_tensors(wrap):
+    """An ``nn.Sequential``'s stages are its own children: ``functional_call`` swaps the
+    given tensors into them for the call only, and the plan re-runs stages in the backward,
+    after the call returned. The re-runs compute with the tensors of the first run, as
+    autograd's saved tensors do: gradients bitwise the plain model's. Before, a re-run read
+    the model's restored parameters: refused at the first step ("uses 1 tensor(s) that
+    require grad but are not its parameters"), wrong in silence at the next ones."""
+    import copy
+
+    from torch.func import functional_call
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), *[nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+                                           for _ in range(4)], nn.Linear(8, 3))
+    ref = copy.deepcopy(net)
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
+    options = {} if wrap == "checkpoint" else {"bandwidth": "1GB/s"}
+    wrapped = getattr(op, wrap)(net, x, "60%", repeats=1, warmup=0, fast_path=False,
+                                **options)
+    plan = [str(o) for o in wrapped.result.plan]
+    first_b = next(k for k, o in enumerate(plan) if o.startswith("B "))
+    # re-runs in the backward (remat_offload offloads at this limit instead)
+    assert any(o.startswith("F_all") for o in plan[first_b:]) == (wrap == "checkpoint")
+    for step in range(2):
+        given = {"2.0.weight": ref[2][0].weight.detach().mul(1.1 + step).requires_grad_(),
+                 "0.bias": ref[0].bias.detach().mul(0.5).requires_grad_()}
+        given_ref = {n: t.detach().clone().requires_grad_() for n, t in given.items()}
+        for model, owner, tensors in ((wrapped, net, given), (ref, ref, given_ref)):
+            owner.zero_grad(set_to_none=True)
+            functional_call(model, tensors, (x,)).pow(2).sum().backward()
+        for n in given:
+            torch.testing.assert_close(given[n].grad, given_ref[n].grad, rtol=0, atol=0)
+        for a, b in zip(net.parameters(), ref.parameters(), strict=True):
+            assert (a.grad is None) == (b.grad is None)
+            if a.grad is not None:
+                torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)

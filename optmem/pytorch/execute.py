@@ -364,6 +364,37 @@ def _same_values(now: torch.Tensor, before: torch.Tensor) -> bool:
     return now.is_meta or (now.shape == before.shape and bool(torch.equal(now, before)))
 
 
+class _Parameters:
+    """What the parameter slots of a re-run stage held at its first run.
+
+    A re-run in the backward must compute with the tensors the first run used. The
+    caller's code may have put others back in between: ``torch.func.functional_call``
+    swaps its tensors into the model's parameter slots for the call only, and the backward
+    (where a checkpointed stage is re-run) comes after it returned. A stage that is the
+    model's own module (an ``nn.Sequential`` child) would then be re-run with the model's
+    parameters, not the given ones.
+    """
+
+    def __init__(self, modules: Sequence[nn.Module]) -> None:
+        self.slots = [(m._parameters, name, t) for m in modules
+                      for name, t in m._parameters.items()]
+
+    @contextmanager
+    def bound(self) -> Iterator[None]:
+        """Within: every slot holds its first-run tensor (nothing swapped when all do)."""
+        swapped = []
+        for d, name, t in self.slots:
+            now = d[name] if name in d else None  # noqa: SIM401 - jit's wrapper has no .get
+            if now is not t:
+                swapped.append((d, name, now))
+                d[name] = t
+        try:
+            yield
+        finally:
+            for d, name, now in swapped:
+                d[name] = now
+
+
 @contextmanager
 def _scratch_buffers(modules: Sequence[nn.Module],
                      snapshot: _BufferSnapshot | None = None) -> Iterator[None]:
@@ -624,6 +655,7 @@ class PlanRunner:
         self.rerun = {s for s, c in counts.items() if c > 1}
         self.rng: dict[int, _RngState] = {}
         self.buffers: dict[int, _BufferSnapshot] = {}  # re-run stages' buffers, before
+        self.bound: dict[int, _Parameters] = {}  # re-run stages' parameters at the first run
         self.ran: set[int] = set()
         self.storage: dict[int, _Slot] = {}
         self.input_requires_grad = False
@@ -717,6 +749,10 @@ class PlanRunner:
                     stack.enter_context(torch.autocast(device_type, dtype=dtype))
             elif self.owner.preserve_rng_state and i in self.rerun:
                 self.rng[i] = _RngState(self.devices)
+            if not first and i in self.bound:
+                stack.enter_context(self.bound[i].bound())
+            elif i in self.rerun and i not in self.accumulating:  # an FSDP unit swaps its own
+                self.bound[i] = _Parameters(self.owner.stage_modules()[i - 1])
             if not first and self.owner.restore_buffers:
                 stack.enter_context(_scratch_buffers(self.owner.stage_modules()[i - 1],
                                                      self.buffers.get(i)))
