@@ -769,3 +769,14 @@ def test_hf_gradient_checkpointing_left_on_is_named_in_the_hook_warning():
     torch.testing.assert_close(got[0].loss, ref[0].loss, rtol=0, atol=0)
     for a, b in zip(got[1], ref[1], strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_call_with_every_hidden_state_is_one_error_naming_the_cause():
+    """``output_hidden_states=True`` returns every layer's output: no single-tensor cut is
+    left. The error names that cause and no option the wrapper does not take. Before, it
+    advised ``allow_single=True``, which ``op.checkpoint`` refuses (a TypeError)."""
+    model, sample = llama()
+    cmodel = op.checkpoint(model, sample, "70%", repeats=1, warmup=0, fast_path=False)
+    with pytest.raises(OptmemInputError, match="output_hidden_states=True") as info:
+        cmodel(**sample, output_hidden_states=True)
+    assert "pass allow_single" not in str(info.value)

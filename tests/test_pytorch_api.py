@@ -487,3 +487,261 @@ def test_meta_profile_of_an_exported_model_with_buffers_is_one_clear_error():
         module, x = Normed(), torch.randn(2, 6)
     with pytest.raises(OptmemInputError, match="device='meta' profiles an nn.Sequential"):
         op.profile_chain(module, x, device="meta")
+
+
+@pytest.mark.parametrize("wrap", ["checkpoint", "offload", "remat_offload"])
+def test_qat_observers_that_resize_their_buffers_train_as_the_model(wrap):
+    """``prepare_qat`` with the x86 qconfig: per-channel weight observers whose min/max
+    buffers start empty and are resized in place by the first forward. Loss, gradients and
+    every buffer after each step equal the plain model's. Before, wrapping failed: putting
+    the buffers back after extracting copied an empty tensor into a resized one ("The size
+    of tensor a (8) must match the size of tensor b (0)"). Past that, a stage re-run by
+    the plan started from the buffers its first run had updated: the fused observer
+    (``torch.fused_moving_avg_obs_fake_quant``) writes them in place without a new version,
+    so the executor's snapshot dropped them, the re-run moved the averages twice and the
+    gradients differed from the second batch on (2e-3 at ``"70%"``, in silence)."""
+    import copy
+    import warnings
+
+    import torch.ao.quantization as quant
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lins = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for lin in self.lins:
+                x = torch.relu(lin(x))
+            return x
+
+    torch.manual_seed(0)
+    net = Net()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao.quantization's deprecation notices
+        net.qconfig = quant.get_default_qat_qconfig("x86")
+        quant.prepare_qat(net, inplace=True)
+    ref = copy.deepcopy(net)
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
+    options = {} if wrap == "checkpoint" else {"bandwidth": "1GB/s"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the observers' forward hooks are traced
+        limit = "90%" if wrap == "offload" else "70%"  # re-runs under the other two
+        wrapped = getattr(op, wrap)(net, x, limit, repeats=1, warmup=0, fast_path=False,
+                                    **options)
+    for step in range(3):  # a new batch each step: the observers' moving averages move
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(10 + step))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = reference_step(wrapped, x, lambda y: y.pow(2).sum(), owner=net)
+        want = reference_step(ref, x, lambda y: y.pow(2).sum())
+        torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+        for a, b in zip(got[2], want[2], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        for (n, a), b in zip(net.named_buffers(), ref.buffers(), strict=True):
+            assert a.shape == b.shape and torch.equal(a, b), n
+
+
+class _ScriptedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin1, self.lin2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.lin2(torch.relu(self.lin1(x)))
+
+
+class _WithScriptedBlocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(torch.jit.script(_ScriptedBlock()) for _ in range(4))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("wrap", ["checkpoint", "offload", "remat_offload"])
+def test_torch_jit_scripted_submodules_train_as_the_model(wrap):
+    """``torch.jit.script``-ed blocks inside a model (torch.export cannot call them; torch.fx
+    keeps each whole, as one module call): loss and gradients bitwise the plain model's.
+    Before, every call failed in the wrapper's model-state check ("'OrderedModuleDict'
+    object has no attribute 'get'"); past it, fx traced into the scripted ``forward`` and
+    the stages held none of the blocks' parameters ("uses 4 tensor(s) that require grad
+    but are not its parameters")."""
+    torch.manual_seed(0)
+    net = _WithScriptedBlocks()
+    torch.manual_seed(0)
+    ref = _WithScriptedBlocks()
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
+    options = {} if wrap == "checkpoint" else {"bandwidth": "1GB/s"}
+    wrapped = getattr(op, wrap)(net, x, "90%", repeats=1, warmup=0, fast_path=False,
+                                **options)
+    for _ in range(2):
+        got = reference_step(wrapped, x, lambda y: y.pow(2).sum(), owner=net)
+        want = reference_step(ref, x, lambda y: y.pow(2).sum())
+        torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+        assert all(g is not None for g in got[2])
+        for a, b in zip(got[2], want[2], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _residual_mlp() -> nn.Module:
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lins = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+            self.head = nn.Linear(8, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for lin in self.lins:
+                x = x + torch.tanh(lin(x))
+            return self.head(x)
+
+    torch.manual_seed(0)
+    return Net()
+
+
+@pytest.mark.parametrize("wrap", ["checkpoint", "remat_offload"])
+def test_functional_call_and_torch_func_transforms_give_the_models_results(wrap):
+    """``torch.func.functional_call(cmodel, params, x)`` runs the plan with the given
+    parameters (gradients reach them, bitwise the model's). Under a ``torch.func`` transform
+    (``grad``, ``vmap`` of ``grad``: per-sample gradients) the model runs as it is, with one
+    warning. Before, a transform's call (a new signature) re-extracted under the transform and
+    failed in profiling: "NotImplementedError: Cannot access storage of TensorWrapper"."""
+    import copy
+    import warnings
+
+    from torch.func import functional_call, grad, vmap
+
+    net = _residual_mlp()
+    ref = copy.deepcopy(net)
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
+    options = {} if wrap == "checkpoint" else {"bandwidth": "1GB/s"}
+    wrapped = getattr(op, wrap)(net, x, "80%", repeats=1, warmup=0, fast_path=False,
+                                **options)
+    fast = {n: (p.detach() * 1.5).requires_grad_() for n, p in ref.named_parameters()}
+    fast_ref = {n: p.detach().clone().requires_grad_() for n, p in fast.items()}
+    out = functional_call(wrapped, fast, (x,))
+    out_ref = functional_call(ref, fast_ref, (x,))
+    torch.testing.assert_close(out, out_ref, rtol=0, atol=0)
+    out.pow(2).sum().backward()
+    out_ref.pow(2).sum().backward()
+    for n, p in fast.items():
+        torch.testing.assert_close(p.grad, fast_ref[n].grad, rtol=0, atol=0)
+    assert all(p.grad is None for p in net.parameters())
+
+    # some parameters only (the others the model's): before, a plain tensor put into a
+    # parameter slot was bound to its stage as a buffer, and its gradient was lost in
+    # silence (checkpoint) or refused ("not its parameters", remat_offload)
+    some = {"lins.1.weight": ref.lins[1].weight.detach().mul(1.1).requires_grad_()}
+    some_ref = {n: p.detach().clone().requires_grad_() for n, p in some.items()}
+    for _ in range(2):
+        for model, owner, given in ((wrapped, net, some), (ref, ref, some_ref)):
+            owner.zero_grad(set_to_none=True)
+            given["lins.1.weight"].grad = None
+            functional_call(model, given, (x,)).pow(2).sum().backward()
+        torch.testing.assert_close(some["lins.1.weight"].grad, some_ref["lins.1.weight"].grad,
+                                   rtol=0, atol=0)
+        for a, b in zip(net.parameters(), ref.parameters(), strict=True):
+            assert (a.grad is None) == (b.grad is None)
+            if a.grad is not None:
+                torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+    net.zero_grad(set_to_none=True)
+
+    params = {n: p.detach() for n, p in net.named_parameters()}
+
+    def loss(model: nn.Module):
+        return lambda p, xi: functional_call(model, p, (xi[None],)).pow(2).sum()
+
+    with pytest.warns(UserWarning, match="torch.func transform"):
+        got = vmap(grad(loss(wrapped)), in_dims=(None, 0))(params, x)
+    want = vmap(grad(loss(ref)), in_dims=(None, 0))(params, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once per wrapper
+        got_one = grad(loss(wrapped))(params, x[0])
+    want_one = grad(loss(ref))(params, x[0])
+    for n in params:
+        torch.testing.assert_close(got[n], want[n], rtol=0, atol=0)
+        torch.testing.assert_close(got_one[n], want_one[n], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("wrap", ["checkpoint", "remat_offload"])
+def test_an_output_that_needs_no_gradient_does_not_need_one_through_the_plan(wrap):
+    """Outputs computed without a gradient (a ``detach``-ed statistic beside the logits; a
+    tail run under ``no_grad``) need none from the wrapper either, as from the model.
+    Before, the plan's last stage returned every float output as differentiable: with
+    ``remat_offload`` (and ``checkpoint(strip_suffix=False)``) ``h.detach()`` required grad,
+    and a model whose output needs no gradient back-propagated in silence, every gradient
+    ``None``, where the model raises "element 0 of tensors does not require grad"."""
+
+    class Net(nn.Module):
+        def __init__(self, tail_without_grad: bool) -> None:
+            super().__init__()
+            self.lins = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+            self.head = nn.Linear(8, 3)
+            self.tail_without_grad = tail_without_grad
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            x = torch.tanh(self.lins[0](x))
+            with torch.set_grad_enabled(not self.tail_without_grad):
+                for lin in self.lins[1:]:
+                    x = x + torch.tanh(lin(x))
+                return self.head(x), x.detach().pow(2).mean(-1)
+
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
+    options = ({"strip_suffix": False} if wrap == "checkpoint" else {"bandwidth": "1GB/s"})
+    for tail_without_grad in (False, True):
+        torch.manual_seed(0)
+        net = Net(tail_without_grad)
+        wrapped = getattr(op, wrap)(net, x, "100%", repeats=1, warmup=0, fast_path=False,
+                                    **options)
+        got, want = wrapped(x), net(x)
+        assert [t.requires_grad for t in got] == [t.requires_grad for t in want] == [
+            not tail_without_grad, False]
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        if tail_without_grad:
+            with pytest.raises(RuntimeError, match="does not require grad"):
+                got[0].sum().backward()
+
+
+@pytest.mark.parametrize("wrap", ["checkpoint", "remat_offload"])
+def test_functional_call_on_a_wrapped_sequential_reruns_with_the_given_tensors(wrap):
+    """An ``nn.Sequential``'s stages are its own children: ``functional_call`` swaps the
+    given tensors into them for the call only, and the plan re-runs stages in the backward,
+    after the call returned. The re-runs compute with the tensors of the first run, as
+    autograd's saved tensors do: gradients bitwise the plain model's. Before, a re-run read
+    the model's restored parameters: refused at the first step ("uses 1 tensor(s) that
+    require grad but are not its parameters"), wrong in silence at the next ones."""
+    import copy
+
+    from torch.func import functional_call
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), *[nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+                                           for _ in range(4)], nn.Linear(8, 3))
+    ref = copy.deepcopy(net)
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
+    options = {} if wrap == "checkpoint" else {"bandwidth": "1GB/s"}
+    wrapped = getattr(op, wrap)(net, x, "60%", repeats=1, warmup=0, fast_path=False,
+                                **options)
+    plan = [str(o) for o in wrapped.result.plan]
+    first_b = next(k for k, o in enumerate(plan) if o.startswith("B "))
+    # re-runs in the backward (remat_offload offloads at this limit instead)
+    assert any(o.startswith("F_all") for o in plan[first_b:]) == (wrap == "checkpoint")
+    for step in range(2):
+        given = {"2.0.weight": ref[2][0].weight.detach().mul(1.1 + step).requires_grad_(),
+                 "0.bias": ref[0].bias.detach().mul(0.5).requires_grad_()}
+        given_ref = {n: t.detach().clone().requires_grad_() for n, t in given.items()}
+        for model, owner, tensors in ((wrapped, net, given), (ref, ref, given_ref)):
+            owner.zero_grad(set_to_none=True)
+            functional_call(model, tensors, (x,)).pow(2).sum().backward()
+        for n in given:
+            torch.testing.assert_close(given[n].grad, given_ref[n].grad, rtol=0, atol=0)
+        for a, b in zip(net.parameters(), ref.parameters(), strict=True):
+            assert (a.grad is None) == (b.grad is None)
+            if a.grad is not None:
+                torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)

@@ -348,3 +348,62 @@ def test_parameter_hooks_run_once_per_step_and_never_while_profiling() -> None:
                    lambda tensors, **kw: contextlib.nullcontext())
         wrong = _grads(cmodel, model, x)
     assert not all(torch.equal(a, b) for a, b in zip(wrong[1], ref[1], strict=True))
+
+
+@pytest.mark.parametrize("wrap", ["checkpoint", "offload", "remat_offload"])
+def test_torch_reentrant_checkpoint_inside_the_forward_trains_as_the_model(wrap):
+    """``torch.utils.checkpoint.checkpoint(block, x, use_reentrant=True)`` in the user's
+    forward (HF's ``gradient_checkpointing_enable`` with ``use_reentrant: True``): on a
+    block whose input needs no gradient (the first, on the data) and on blocks whose input
+    does, loss and every gradient are bitwise the plain model's. Before, torch.export traced
+    the Function's ``no_grad`` forward and the ``no_grad`` covered the rest of the graph:
+    ``remat_offload`` gave every later parameter a ``None`` gradient in silence,
+    ``checkpoint`` and ``offload`` failed with "element 0 of tensors does not require grad"."""
+    import copy
+    import warnings
+
+    from torch.utils.checkpoint import checkpoint
+
+    class Block(nn.Module):
+        def __init__(self, width_in: int = 8) -> None:
+            super().__init__()
+            self.lin1, self.lin2 = nn.Linear(width_in, 16), nn.Linear(16, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin2(torch.relu(self.lin1(x)))
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(Block() for _ in range(4))
+            self.head = nn.Linear(8, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = checkpoint(self.blocks[0], x, use_reentrant=True)  # x needs no grad
+            for block in self.blocks[1:]:
+                x = x + checkpoint(block, x, use_reentrant=True)
+            return self.head(x)
+
+    torch.manual_seed(0)
+    net = Net()
+    ref = copy.deepcopy(net)
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
+    options = {} if wrap == "checkpoint" else {"bandwidth": "1GB/s"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's: the first block's input needs no grad
+        wrapped = getattr(op, wrap)(net, x, "100%", repeats=1, warmup=0, fast_path=False,
+                                    **options)
+    for _ in range(2):
+        grads = []
+        for model, owner in ((wrapped, net), (ref, ref)):
+            owner.zero_grad(set_to_none=True)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                loss = model(x).pow(2).mean()
+            loss.backward()
+            grads.append([loss] + [p.grad for p in owner.parameters()])
+        assert [g is None for g in grads[0]] == [g is None for g in grads[1]]
+        assert grads[1][1] is None and grads[1][-1] is not None  # the first block: no grad
+        for a, b in zip(*grads, strict=True):
+            if a is not None:
+                torch.testing.assert_close(a, b, rtol=0, atol=0)

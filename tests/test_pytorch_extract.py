@@ -409,3 +409,53 @@ def test_warnings_during_a_successful_export_still_reach_stderr(capsys):
 
     extract_program(Noisy(), (torch.randn(2, 4),), {})
     assert "a message of the model" in capsys.readouterr().err
+
+
+
+
+def test_a_dataclass_output_or_input_is_one_error_saying_to_register_it():
+    """A forward returning a plain ``@dataclass`` (not a registered pytree) gets one error
+    naming the class and ``torch.export.register_dataclass``; registered, it wraps and its
+    gradients are the model's. Before, torch.export's failure sent it to torch.fx, whose
+    graph returned the dataclass whole, and profiling stopped with "the stage returns no
+    tensor". A dataclass *input* was refused as "called without any tensor", no reason."""
+    import dataclasses
+
+    from torch.utils._pytree import _deregister_pytree_node
+
+    import optmem.pytorch as op
+
+    out_cls = dataclasses.make_dataclass("Out", [("a", torch.Tensor), ("h", torch.Tensor)])
+    batch_cls = dataclasses.make_dataclass("Batch", [("x", torch.Tensor)])
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lins = nn.ModuleList(nn.Linear(6, 6) for _ in range(4))
+
+        def forward(self, x):
+            x = getattr(x, "x", x)
+            for lin in self.lins:
+                x = torch.tanh(lin(x)) + x
+            return out_cls(x.sum(-1), x)
+
+    torch.manual_seed(0)
+    net, x = Net(), torch.randn(8, 6)
+    with pytest.raises(OptmemInputError, match=r"Net returns a .*Out.*register_dataclass\(Out\)"):
+        op.checkpoint(net, x, "70%", repeats=1, warmup=0, fast_path=False)
+    with pytest.raises(OptmemInputError, match=r"inside a Batch.*register_dataclass\(Batch\)"):
+        op.checkpoint(net, (batch_cls(x),), "70%", repeats=1, warmup=0, fast_path=False)
+    torch.export.register_dataclass(out_cls)
+    try:
+        cnet = op.checkpoint(net, x, "70%", repeats=1, warmup=0, fast_path=False)
+        got = cnet(x)
+        assert type(got) is out_cls
+        (got.a.pow(2).sum() + got.h.mean()).backward()
+        grads = [p.grad.clone() for p in net.parameters()]
+        net.zero_grad()
+        ref = net(x)
+        (ref.a.pow(2).sum() + ref.h.mean()).backward()
+        for a, b in zip(grads, (p.grad for p in net.parameters()), strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    finally:
+        _deregister_pytree_node(out_cls)

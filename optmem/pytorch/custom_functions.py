@@ -151,8 +151,36 @@ def is_opaque_call(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in (call_function, OPAQUE_OP)
 
 
+def _is_reentrant_checkpoint(cls: type) -> bool:
+    """Whether ``cls`` is torch's reentrant checkpoint, ``CheckpointFunction``."""
+    from torch.utils.checkpoint import CheckpointFunction
+
+    return cls is CheckpointFunction
+
+
+def _reentrant_checkpoint(args: tuple[Any, ...]) -> Any:
+    """Trace ``torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=True)`` as eager.
+
+    It calls ``CheckpointFunction.apply(fn, preserve_rng_state, *args)``, whose forward runs
+    ``fn`` under ``no_grad`` and whose backward runs it again. Traced by ``torch.export``,
+    the backward is dropped and the ``no_grad`` does not end with the call: the block's
+    output and everything after it needed no gradient (a silent ``None`` for every later
+    parameter, or "element 0 of tensors does not require grad"). The block is traced as a
+    plain call instead (optmem's plan decides what is recomputed), the same computation
+    with the same gradients; when no tensor argument requires grad, under ``no_grad``, as
+    eager (whose block then gets no gradient: torch warns).
+    """
+    fn, call_args = args[0], args[2:]
+    if any(isinstance(a, torch.Tensor) and a.requires_grad for a in call_args):
+        return fn(*call_args)
+    with torch.no_grad():
+        return fn(*call_args)
+
+
 def _apply(cls: type, *args: Any, **kwargs: Any) -> Any:
     session = _session()
+    if session is not None and _depth() == 0 and not kwargs and _is_reentrant_checkpoint(cls):
+        return _reentrant_checkpoint(args)
     if session is None or _depth() > 0 or not _is_custom(cls):
         return _ORIGINAL_APPLY(cls, *args, **kwargs)
     session.met.append(_name(cls))

@@ -336,7 +336,9 @@ class _BufferSnapshot:
     A stage whose output reads a buffer it updates in the same forward (an EMA normaliser,
     spectral norm's power iteration, a VQ codebook) must re-run from the values its first
     run saw, not from the updated ones: taken before the first run, then trimmed to the
-    buffers that run changed (another tensor, or a new version: an in-place update).
+    buffers that run changed (another tensor, a new version, or other values: a native op
+    such as ``torch.fused_moving_avg_obs_fake_quant``, QAT's fused observer, updates its
+    buffers in place without a new version, as batch norm does).
     """
 
     def __init__(self, modules: Sequence[nn.Module]) -> None:
@@ -348,13 +350,49 @@ class _BufferSnapshot:
         """Drop the copies of unchanged buffers; whether any is left."""
         self.saved = {key: entry for key, entry in self.saved.items()
                       if entry[0]._buffers.get(key[1]) is not entry[1]
-                      or entry[1]._version != entry[2]}
+                      or entry[1]._version != entry[2] or not _same_values(entry[1], entry[3])}
         return bool(self.saved)
 
     def value(self, sub: nn.Module, name: str, buf: torch.Tensor) -> torch.Tensor:
         """The buffer's value before the first run (``buf`` when it did not change)."""
         entry = self.saved.get((id(sub), name))
         return buf if entry is None else entry[3]
+
+
+def _same_values(now: torch.Tensor, before: torch.Tensor) -> bool:
+    """Whether a buffer holds the values of its copy (a meta buffer: assumed so)."""
+    return now.is_meta or (now.shape == before.shape and bool(torch.equal(now, before)))
+
+
+class _Parameters:
+    """What the parameter slots of a re-run stage held at its first run.
+
+    A re-run in the backward must compute with the tensors the first run used. The
+    caller's code may have put others back in between: ``torch.func.functional_call``
+    swaps its tensors into the model's parameter slots for the call only, and the backward
+    (where a checkpointed stage is re-run) comes after it returned. A stage that is the
+    model's own module (an ``nn.Sequential`` child) would then be re-run with the model's
+    parameters, not the given ones.
+    """
+
+    def __init__(self, modules: Sequence[nn.Module]) -> None:
+        self.slots = [(m._parameters, name, t) for m in modules
+                      for name, t in m._parameters.items()]
+
+    @contextmanager
+    def bound(self) -> Iterator[None]:
+        """Within: every slot holds its first-run tensor (nothing swapped when all do)."""
+        swapped = []
+        for d, name, t in self.slots:
+            now = d[name] if name in d else None  # noqa: SIM401 - jit's wrapper has no .get
+            if now is not t:
+                swapped.append((d, name, now))
+                d[name] = t
+        try:
+            yield
+        finally:
+            for d, name, now in swapped:
+                d[name] = now
 
 
 @contextmanager
@@ -552,6 +590,10 @@ SETUP_CACHE_SIZE = 8
 """How many plans an executor keeps the parameter setup of (:class:`_SetupCache`)."""
 
 
+_VALUES = operator.methodcaller("values")
+"""``d.values()``: a ``_parameters`` dict, or torch's wrapper of one on a scripted module."""
+
+
 class _SetupCache:
     """What :meth:`PlanRunner.collect_parameters` found for one plan, while it stays valid.
 
@@ -570,7 +612,7 @@ class _SetupCache:
         self.modules = [m for mods in modules for m in mods]
         self.dicts = [m._parameters for m in self.modules]
         self.lens = list(map(len, self.dicts))
-        self.params = list(itertools.chain.from_iterable(map(dict.values, self.dicts)))
+        self.params = list(itertools.chain.from_iterable(map(_VALUES, self.dicts)))
         self.flags = [p is not None and p.requires_grad for p in self.params]
         self.setup: tuple[list[nn.Parameter], dict[int, list[int]], set[int], _Fusion] | None
         self.setup = None
@@ -587,7 +629,7 @@ class _SetupCache:
             self.source = modules
         if list(map(len, self.dicts)) != self.lens:
             return False
-        params = list(itertools.chain.from_iterable(map(dict.values, self.dicts)))
+        params = list(itertools.chain.from_iterable(map(_VALUES, self.dicts)))
         return all(map(operator.is_, params, self.params)) and \
             [p is not None and p.requires_grad for p in params] == self.flags
 
@@ -613,6 +655,7 @@ class PlanRunner:
         self.rerun = {s for s, c in counts.items() if c > 1}
         self.rng: dict[int, _RngState] = {}
         self.buffers: dict[int, _BufferSnapshot] = {}  # re-run stages' buffers, before
+        self.bound: dict[int, _Parameters] = {}  # re-run stages' parameters at the first run
         self.ran: set[int] = set()
         self.storage: dict[int, _Slot] = {}
         self.input_requires_grad = False
@@ -625,6 +668,7 @@ class PlanRunner:
         self.out_spec: Any = None
         self.out_leaves: list[Any] = []
         self.outputs: list[torch.Tensor] = []  # a^n, from _PlanFunction to _Relay
+        self.outputs_need_grad: list[bool] = []  # which of them autograd differentiates
         self.read_later = _plan_reads(plan, n_stages)
         self.index = 0
         self.anchor = torch.empty(0, requires_grad=True)
@@ -705,6 +749,10 @@ class PlanRunner:
                     stack.enter_context(torch.autocast(device_type, dtype=dtype))
             elif self.owner.preserve_rng_state and i in self.rerun:
                 self.rng[i] = _RngState(self.devices)
+            if not first and i in self.bound:
+                stack.enter_context(self.bound[i].bound())
+            elif i in self.rerun and i not in self.accumulating:  # an FSDP unit swaps its own
+                self.bound[i] = _Parameters(self.owner.stage_modules()[i - 1])
             if not first and self.owner.restore_buffers:
                 stack.enter_context(_scratch_buffers(self.owner.stage_modules()[i - 1],
                                                      self.buffers.get(i)))
@@ -901,7 +949,11 @@ class PlanRunner:
         elif not self.read_later[self.loss] and self.owner.release_early:
             slot.value = None
         self.index = self.loss + 1
-        return [t.detach() for t in leaves if isinstance(t, torch.Tensor)]
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        # an output computed with its tape (under grad) that needs none stays so, as in the
+        # model (the part of the forward after it ran under no_grad, or read no parameter)
+        self.outputs_need_grad = [t.requires_grad or slot.tape is None for t in tensors]
+        return [t.detach() for t in tensors]
 
     def begin_backward(self, grads: Sequence[torch.Tensor | None]) -> None:
         """Run the ops after ``Loss`` up to the first ``B`` (which consumes ``delta^n``)."""
@@ -970,7 +1022,9 @@ class _Relay(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, runner: PlanRunner, token: torch.Tensor) -> Any:
         outputs, runner.outputs = runner.outputs, []
-        non_diff = [t for t in outputs if not (t.is_floating_point() or t.is_complex())]
+        need = runner.outputs_need_grad or [True] * len(outputs)
+        non_diff = [t for t, n in zip(outputs, need, strict=True)
+                    if not n or not (t.is_floating_point() or t.is_complex())]
         if non_diff:
             ctx.mark_non_differentiable(*non_diff)
         ctx.set_materialize_grads(False)  # an output without gradient stays None, not zeros

@@ -256,7 +256,23 @@ def _symbolic_trace(module: nn.Module) -> fx.GraphModule:
     """
     name = type(module).__name__
     with refuse_python_random(name), refuse_tensor_hooks(name), refuse_functions(name):
-        return fx.symbolic_trace(module)
+        tracer = _Tracer()
+        graph = tracer.trace(module)
+        return fx.GraphModule(tracer.root, graph, name)
+
+
+class _Tracer(fx.Tracer):
+    """``fx.symbolic_trace``'s tracer, keeping ``torch.jit.script``-ed submodules whole.
+
+    fx would trace into a scripted module's ``forward`` and record a call of its C++ object
+    (``self.block._c.forward(x)``), whose parameters no stage module holds: the stage's
+    backward would lose their gradients. Called as a module, the stage holds it, with its
+    parameters.
+    """
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return isinstance(m, torch.jit.ScriptModule) or super().is_leaf_module(
+            m, module_qualified_name)
 
 
 def _trace(module: nn.Module) -> fx.GraphModule:
@@ -396,8 +412,11 @@ def extract_program(module: nn.Module, args: tuple[Any, ...] = (),
 
 def _single_stage_message(module: nn.Module) -> str:
     return (f"no chain found in {type(module).__name__}: its graph has no single-tensor cut "
-            "point, so it is one stage and checkpointing cannot save memory. Split it into "
-            "an nn.Sequential of blocks, or pass allow_single=True.")
+            "point (every layer's output is returned, as with output_hidden_states=True, or "
+            "a value such as the input is used again at the very end), so it is one stage "
+            "and checkpointing cannot save memory. Call it without such outputs, or split it "
+            "into an nn.Sequential of blocks or a list of stage modules "
+            "(extract_stages/extract_program accept a single stage with allow_single=True)")
 
 
 def _extract_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None,
@@ -416,6 +435,10 @@ def _extract_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
         except OptmemInputError:
             raise
         except Exception as exc:  # noqa: BLE001 - reported below, with the fx attempt
+            unknown = unknown_output_type(exc)
+            if unknown is not None:  # fx would cut a graph whose output hides its tensors
+                raise OptmemInputError(_unknown_output_message(name, unknown),
+                                       field="module") from None
             errors.append(f"torch.export: {_first_line(exc)}")
             branch = data_dependent_branch(exc)
     if method in ("auto", "fx"):
@@ -436,6 +459,47 @@ def _extract_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
     raise OptmemInputError(
         f"cannot extract a chain from {name} ({'; '.join(errors)}): pass an nn.Sequential "
         "of its blocks or a list of stage modules instead", field="module")
+
+
+_UNKNOWN_OUTPUT = re.compile(r"Found <class '([^']+)'> in output, which is not a known type")
+
+
+def unknown_output_type(exc: BaseException) -> str | None:
+    """The class ``torch.export`` found in a model's output and cannot flatten, if that failed.
+
+    Examples
+    --------
+    >>> unknown_output_type(RuntimeError("Found <class 'm.Out'> in output, which is not a "
+    ...                                  "known type. If this type holds tensors, ..."))
+    'm.Out'
+    >>> unknown_output_type(RuntimeError("something else")) is None
+    True
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        match = _UNKNOWN_OUTPUT.search(str(current))
+        if match:
+            return match.group(1)
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def _unknown_output_message(name: str, cls: str) -> str:
+    short = cls.rsplit(".", 1)[-1]
+    return (f"{name} returns a {cls}, which torch cannot look into (not a registered pytree), "
+            f"so no graph can hold its output: register it before wrapping, "
+            f"torch.export.register_dataclass({short}) for a dataclass "
+            "(torch.utils._pytree.register_pytree_node otherwise), or return a tuple or a dict")
+
+
+def _hidden_tensor_types(flat: Sequence[Any]) -> list[str]:
+    """Names of the dataclasses among the call's leaves: objects whose tensors torch cannot see."""
+    import dataclasses
+
+    return sorted({type(v).__name__ for v in flat
+                   if dataclasses.is_dataclass(v) and not isinstance(v, type)})
 
 
 _RAISED_AT = re.compile(r'The following call raised this error:\s*\n\s*File "([^"]+)", line '
@@ -482,7 +546,11 @@ def _program(gm: fx.GraphModule, model: nn.Module, flat: list[Any], *, method: s
     cut = _cut(gm, kinds, model)
     tensor_positions = tuple(k for k, v in enumerate(flat) if isinstance(v, torch.Tensor))
     if not tensor_positions:
-        raise OptmemInputError(f"{type(model).__name__} was called without any tensor",
+        hidden = _hidden_tensor_types(flat)
+        why = (f" (torch sees no tensor inside a {', '.join(hidden)}: register it as a pytree "
+               f"before wrapping, torch.export.register_dataclass({hidden[0]}), or pass its "
+               "tensors as arguments)") if hidden else ""
+        raise OptmemInputError(f"{type(model).__name__} was called without any tensor{why}",
                                field="sample")
     positions = {names[k]: j for j, k in enumerate(tensor_positions)}
     stages = _graph_stages(gm, model, cut,

@@ -442,12 +442,19 @@ class GraphStage(nn.Module):
 
 
 def _rebind(bindings: Sequence[tuple[nn.Module, str, nn.Module, str]]) -> None:
+    """Bind each stage attribute to the model's current tensor, in the model's kind of slot.
+
+    A parameter slot stays one whatever it holds: ``torch.func.functional_call`` puts plain
+    tensors (fast weights, requiring grad) into the model's ``_parameters``. Bound as a
+    buffer, such a tensor was no parameter of its stage: its gradient was lost in silence
+    (or refused, "uses 1 tensor(s) that require grad but are not its parameters").
+    """
     for mine, name, owner, owner_name in bindings:
         current = getattr(owner, owner_name)
         if (mine._parameters.get(name) if name in mine._parameters
                 else mine._buffers.get(name)) is current:
             continue
-        if isinstance(current, nn.Parameter):
+        if owner_name in owner._parameters or isinstance(current, nn.Parameter):
             mine._buffers.pop(name, None)
             mine._parameters[name] = current
         else:

@@ -359,7 +359,9 @@ def buffers_restored(modules: Iterable[nn.Module]) -> Iterator[None]:
     therefore still back-propagates: an embedding saves a slice of an index buffer (BERT's
     ``token_type_ids``), and a ``copy_`` on the buffer would fail that backward with
     "modified by an inplace operation". (The values are compared, not the versions: the
-    native batch norm updates its running statistics without a new version.)
+    native batch norm updates its running statistics without a new version.) A buffer the
+    body resized in place (``resize_``: the per-channel min/max of a QAT observer start
+    empty) gets its old shape and values back.
     """
     saved: dict[tuple[int, str], tuple[nn.Module, torch.Tensor, torch.Tensor]] = {}
     for sub in (s for m in modules for s in m.modules()):
@@ -375,7 +377,9 @@ def buffers_restored(modules: Iterable[nn.Module]) -> Iterator[None]:
                     sub._buffers[name] = buf
                 if buf.is_meta:  # no values to compare nor to restore
                     continue
-                if not torch.equal(buf, old):
+                if buf.shape != old.shape:  # resized in place (a per-channel observer's
+                    buf.data = old           # min/max start empty): take the old tensor
+                elif not torch.equal(buf, old):
                     buf.data.copy_(old)
 
 

@@ -441,16 +441,19 @@ class PlannedModule(nn.Module):
     def _forward(self, args: tuple[Any, ...], kwargs: dict[str, Any],
                  compiled: CompileRequest) -> Any:
         model = self._optmem_module
+        transformed = functorch_transform_active()
+        if transformed:
+            self._warn_functorch()
         if self._plain:
             if kwargs or len(args) != 1:
                 raise TypeError(f"{type(model).__name__} takes one input (a tensor or a "
                                 f"tuple of tensors), got {len(args)} positional and "
                                 f"{len(kwargs)} keyword arguments")
             executor = self._main.executor
-            if self._fast(self._main):  # the stages in order: the model's own step
+            if transformed or self._fast(self._main):  # the stages in order: the model's
                 return run_in_order(executor.stage_functions(compiled), args[0])  # type: ignore[operator]
             return _run_executor(executor, args[0], compiled)
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or transformed:
             return model(*args, **kwargs)
         args, kwargs = canonical_call(model, args, kwargs, self._signature)
         variant = self._variant(args, kwargs)
@@ -464,6 +467,11 @@ class PlannedModule(nn.Module):
         with side_inputs(ctx):
             out = _run_executor(variant.executor, ext.chain_input(flat), compiled)
         return ext.output.assemble(out, ctx)
+
+    def _warn_functorch(self) -> None:
+        if not self.__dict__.get("_functorch_warned"):
+            self.__dict__["_functorch_warned"] = True
+            warnings.warn(FUNCTORCH_WARNING, stacklevel=3)
 
     # -------------------------------------------------------------- store-all fast path
     def _fast(self, variant: _Variant) -> bool:
@@ -761,11 +769,11 @@ class TensorState:
             if self._hook_keys() != self._hook_ids:
                 return 2
             self._handle_id = RemovableHandle.next_id
-        if any(d.get(name) is not value for d, name, value in self._children):
+        if any(_entry(d, name) is not value for d, name, value in self._children):
             return 2
         replaced = retyped = False
         for slots, name, before, dtype, shape in self._tensors:
-            t = slots.get(name)
+            t = _entry(slots, name)
             if t is None or t.shape != shape:
                 return 2
             replaced |= t is not before
@@ -788,6 +796,36 @@ class TensorState:
             self._version += change == 2
             self._refresh()
         return self.token
+
+
+def _entry(entries: Any, name: str) -> Any:
+    """``entries[name]``, ``None`` when absent.
+
+    ``entries`` is a module's ``_modules``, ``_parameters`` or ``_buffers``: a dict, or for
+    a ``torch.jit.script``-ed module torch's wrapper of one, which has no ``get``.
+    """
+    return entries[name] if name in entries else None  # noqa: SIM401 - no .get, see above
+
+
+FUNCTORCH_WARNING = (
+    "optmem: called under a torch.func transform (grad, vmap, jacrev, functional_call inside "
+    "one, ...): the model runs as it is, without optmem's plan, whose autograd Function does "
+    "not compose with torch.func (results are the model's; no activation memory is saved). "
+    "Call the wrapper outside torch.func to train with the plan.")
+
+
+def functorch_transform_active() -> bool:
+    """Whether a ``torch.func`` transform (``grad``, ``vmap``, ``jvp``, ...) is running.
+
+    Examples
+    --------
+    >>> functorch_transform_active()
+    False
+    >>> torch.func.grad(lambda x: (x * functorch_transform_active()).sum())(torch.ones(2))
+    tensor([1., 1.])
+    """
+    peek = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
+    return peek is not None and peek() is not None
 
 
 class _SignedForward:
