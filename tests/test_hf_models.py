@@ -17,6 +17,7 @@ pytest.importorskip("transformers", reason="the HF tests need transformers (dev 
 from hf_helpers import MODELS, TRANSFORMER_LAYERS, assert_same, step  # noqa: E402
 
 import optmem.pytorch as op  # noqa: E402
+from optmem.pytorch.wrapper import canonical_call  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
@@ -82,8 +83,8 @@ def test_transformer_layers_give_attention_and_mlp_stages(wrapped):
 def test_side_inputs_never_require_grad(wrapped):
     name, model, kwargs, cmodel, limit = wrapped
     ext = cmodel.extraction
-    flat = ext.flatten((), dict(kwargs, **({"use_cache": False}
-                                            if name in ("gpt2", "llama") else {})))
+    # the call as the wrapper makes it (use_cache=False where the model would cache)
+    flat = ext.flatten(*canonical_call(model, (), dict(kwargs)))
     ctx = ext.side_inputs(flat)
     tensors = [v for v in ctx.values() if isinstance(v, torch.Tensor)]
     assert tensors and not any(t.requires_grad for t in tensors)

@@ -1209,7 +1209,7 @@ MODEL_EXTRA = ("sweeps", "transfers_per_gap", "grid", "backlog_grid", "prefetch"
                "relaxation_read_deadlines", "relaxation_sequence", "relaxation_share",
                "relaxation_cumulative_reads", "relaxation_window", "relaxation_compact",
                "relaxation_window_jobs", "relaxation_plain", "dp_ladder", "autocapper_candidate",
-               "autocapper_values", *LNS_EXTRA)  # lns: cpsat only (ilp refuses it)
+               "autocapper_values", *LNS_EXTRA, *PROBE_EXTRA)  # cpsat only (ilp refuses them)
 
 
 @register(PROBLEM, "ilp", exact=True, full_model=True, requires=("pulp",),
@@ -1224,7 +1224,7 @@ def solve_ilp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
 @register(PROBLEM, "cpsat", exact=True, full_model=True, requires=("ortools",),
           description="exact model (same formulation as ilp), CP-SAT",
           compare_as=(("cpsat", 6),),
-          extra=(*MODEL_EXTRA, *PROBE_EXTRA, "strategy", "benders_work", "benders_filter_work",
+          extra=(*MODEL_EXTRA, "strategy", "benders_work", "benders_filter_work",
                  "benders_iterations", "benders_warmup", "benders_filter", "benders_host_bound",
                  "benders_first_found", "benders_compute_cut", "benders_compute_work",
                  "relaxation_first"))
