@@ -58,15 +58,6 @@ def measure(root: Path, memory_gib: float) -> dict[str, object]:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def uptime() -> str:
-    """The load averages, as ``uptime`` prints them."""
-    try:
-        out = subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout
-    except OSError:
-        return "unknown"
-    return out.split("load average:")[-1].strip()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--memory", nargs="+", type=float, default=[2, 3, 4, 6, 8, 12, 16],
@@ -74,6 +65,9 @@ def main() -> None:
     parser.add_argument("--against", type=Path, help="root of another checkout (old)")
     parser.add_argument("--repeat", type=int, default=3, help="runs per tree and memory")
     args = parser.parse_args()
+    sys.path.insert(0, str(ROOT))  # here only: the measured subprocesses import no benchmark
+    from benchmarks.bench_pipeline_exact import uptime
+
     trees = [("new", ROOT)] + ([("old", args.against.resolve())] if args.against else [])
     print(f"load average at the start: {uptime()}", flush=True)
     print("| M (GiB) | DP states | " + " | ".join(

@@ -7,6 +7,7 @@ neighbours.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 from hypothesis import strategies as st
@@ -84,3 +85,36 @@ def idle_op_chains(max_stages: int, max_fwd: int, max_bwd: int) -> st.SearchStra
             loss_bwd_time=draw(st.integers(0, 1)))
 
     return chains()
+
+
+def refused_before_any_work(monkeypatch: pytest.MonkeyPatch, extra: dict,
+                            settings: Callable[[SolveOptions], object]) -> None:
+    """``extra`` is refused by ``cpsat`` before the model is built, and by ``settings``."""
+    import optmem.solvers.remat_offload_exact as exact
+    from optmem.datasets.synthetic import random_chain
+    from optmem.errors import OptmemInputError
+    from optmem.solvers.facade import solve
+
+    def no_work(*args: object, **kwargs: object) -> None:
+        raise AssertionError("work started before the options were checked")
+
+    monkeypatch.setattr(exact, "build_remat_offload", no_work)
+    chain = random_chain(3, seed=1, max_size=6)
+    problem = RematOffloadProblem(chain, limits(chain)[0], chain_bandwidth=1.0)
+    with pytest.raises(OptmemInputError):
+        solve(problem, "cpsat", options=OPTS.with_(extra=extra))
+    with pytest.raises(OptmemInputError):
+        settings(SolveOptions(extra=extra))
+
+
+def needs_cpsat(extra: dict) -> None:
+    """``ilp`` refuses ``extra`` (a CP-SAT stage), naming cpsat."""
+    from optmem.datasets.synthetic import random_chain
+    from optmem.errors import OptmemInputError
+    from optmem.solvers.facade import solve
+
+    pytest.importorskip("pulp")
+    chain = random_chain(3, seed=1, max_size=6)
+    problem = RematOffloadProblem(chain, limits(chain)[0], chain_bandwidth=1.0)
+    with pytest.raises(OptmemInputError, match="cpsat"):
+        solve(problem, "ilp", options=OPTS.with_(extra=extra))

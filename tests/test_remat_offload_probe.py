@@ -14,13 +14,19 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from remat_offload_helpers import BENDERS, OPTS, check, limits
+from remat_offload_helpers import (
+    BENDERS,
+    OPTS,
+    check,
+    limits,
+    needs_cpsat,
+    refused_before_any_work,
+)
 from test_remat_offload_exact import tiny
 
 import optmem.solvers.remat_offload_exact as exact
 from optmem.chain import Chain
 from optmem.datasets.synthetic import random_chain
-from optmem.errors import OptmemInputError
 from optmem.models.remat_offload import build_remat_offload
 from optmem.problems.remat_offload import RematOffloadProblem
 from optmem.result import SolveOptions, Status
@@ -107,21 +113,8 @@ def test_the_probe_closes_a_gap_left_by_a_stopped_solve() -> None:
                                    {"probe_gap": True}, {"probe_gap": "1%"},
                                    {"probe_gap": 0.01, "probe_work": 0}])
 def test_bad_options_refused_before_any_work(extra: dict, monkeypatch) -> None:
-    def no_work(*args, **kwargs):
-        raise AssertionError("work started before the options were checked")
-
-    monkeypatch.setattr(exact, "build_remat_offload", no_work)
-    chain = random_chain(3, seed=1, max_size=6)
-    problem = RematOffloadProblem(chain, limits(chain)[0], chain_bandwidth=1.0)
-    with pytest.raises(OptmemInputError):
-        solve(problem, "cpsat", options=OPTS.with_(extra=extra))
-    with pytest.raises(OptmemInputError):
-        probe_settings(SolveOptions(extra=extra))
+    refused_before_any_work(monkeypatch, extra, probe_settings)
 
 
 def test_the_probe_needs_cpsat() -> None:
-    pytest.importorskip("pulp")
-    chain = random_chain(3, seed=1, max_size=6)
-    problem = RematOffloadProblem(chain, limits(chain)[0], chain_bandwidth=1.0)
-    with pytest.raises(OptmemInputError, match="cpsat"):
-        solve(problem, "ilp", options=OPTS.with_(extra={"probe_gap": 0.01}))
+    needs_cpsat({"probe_gap": 0.01})
