@@ -64,7 +64,8 @@ from optmem.solvers.remat_offload import LEAST_ENGINE_TIME_S
 from optmem.solvers.time_budget import Deadline
 
 __all__ = ["LNS_DEFAULT", "LNS_EXTRA", "LnsOutcome", "LnsSettings", "clamped",
-           "complete_plan", "improve", "lns_settings", "phase_windows", "window_solve"]
+           "complete_plan", "engine_limit", "improve", "lns_settings", "phase_windows",
+           "window_solve"]
 
 LNS_DEFAULT = False  # extra["lns"]: the search runs (opt-in)
 LNS_WORK = 20.0  # extra["lns_work"]: CP-SAT deterministic seconds per window (ro19: 20)
@@ -266,7 +267,7 @@ def window_solve(built: RematOffloadModel, hint: Sequence[float],
     cp = to_cpsat(with_fixed(built, fixed, hint[built.objective_var]), scale=scale)
     out = engines.solve_cpsat(
         cp.cp, cp.variables, hint=cp.hint(hint), threads=1, seed=options.seed,
-        deterministic_time=work, time_limit_s=_limit(deadline),
+        deterministic_time=work, time_limit_s=engine_limit(deadline),
         parameters=WINDOW_PARAMETERS)
     entry: dict[str, Any] = {"status": str(out.status),
                              "deterministic_time": out.info.get("deterministic_time"),
@@ -286,7 +287,12 @@ def _in_phases(phases: frozenset[int]) -> Callable[[Slot], bool]:
     return lambda slot: slot.phase in phases
 
 
-def _limit(deadline: Deadline | None) -> float | None:
+def engine_limit(deadline: Deadline | None) -> float | None:
+    """An engine call's wall-clock limit: what ``deadline`` leaves, at least one minimum.
+
+    The minimum is :data:`~optmem.solvers.remat_offload.LEAST_ENGINE_TIME_S`; ``None``
+    when there is no deadline.
+    """
     left = None if deadline is None else deadline.cap(None)
     return None if left is None else max(left, LEAST_ENGINE_TIME_S)
 
@@ -304,7 +310,7 @@ def complete_plan(built: RematOffloadModel, fixed: dict[int, float], scale: int,
         return None
     cp = to_cpsat(with_fixed(built, fixed), scale=scale)
     out = engines.solve_cpsat(cp.cp, cp.variables, threads=1, seed=options.seed,
-                              deterministic_time=settings.work, time_limit_s=_limit(deadline))
+                              deterministic_time=settings.work, time_limit_s=engine_limit(deadline))
     if not out.status.has_plan or out.values is None:
         report["completion"] = f"not completed ({out.status}: {out.message})"
         return None

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from optmem.engines import adapters as engines
@@ -43,6 +45,7 @@ from optmem.plan import AnyOp
 from optmem.result import Result, SolveOptions, Status
 from optmem.solvers.options import positive_float
 from optmem.solvers.remat_offload import LEAST_ENGINE_TIME_S
+from optmem.solvers.remat_offload_lns import WINDOW_PARAMETERS, engine_limit
 from optmem.solvers.time_budget import Deadline
 
 __all__ = ["PROBE_EXTRA", "PROBE_WORK", "ProbeOutcome", "capped_probe", "probe_result",
@@ -50,10 +53,6 @@ __all__ = ["PROBE_EXTRA", "PROBE_WORK", "ProbeOutcome", "capped_probe", "probe_r
 
 PROBE_WORK = 600.0  # extra["probe_work"]: CP-SAT deterministic seconds of the probe
 PROBE_EXTRA = ("probe_gap", "probe_work")
-# the lns windows' lighter presolve: on ResNet-50 at 10 % the capped model with CP-SAT's
-# default presolve got no verdict in 300 deterministic seconds (790 CPU s), the lighter
-# one its infeasibility in 962 (benchmarks/results/remat_offload_exact.md)
-PROBE_PARAMETERS = {"cp_model_probing_level": 0, "symmetry_level": 0}
 
 
 def probe_settings(options: SolveOptions) -> tuple[float | None, float]:
@@ -78,21 +77,22 @@ def probe_settings(options: SolveOptions) -> tuple[float | None, float]:
     return float(raw), work
 
 
+@dataclass(frozen=True)
 class ProbeOutcome:
     """What the probe proved or found: a bound, a faster plan, and the report entry."""
 
-    def __init__(self, report: dict[str, Any], bound: float = -math.inf,
-                 plan: tuple[AnyOp, ...] | None = None,
-                 makespan: float = math.inf) -> None:
-        self.report = report
-        self.bound = bound
-        self.plan = plan
-        self.makespan = makespan
+    report: dict[str, Any]
+    bound: float = -math.inf
+    plan: tuple[AnyOp, ...] | None = None
+    makespan: float = math.inf
+
+
+Replay = Callable[[tuple[AnyOp, ...]], float]
 
 
 def capped_probe(built: RematOffloadModel, scale: int, exact: bool, cap: float,
                  work: float, options: SolveOptions, deadline: Deadline,
-                 replay: Any) -> ProbeOutcome:
+                 replay: Replay) -> ProbeOutcome:
     """CP-SAT on the model with every time at most ``cap`` (module docstring).
 
     ``replay(plan)`` is the simulated makespan of a decoded plan (``PlanError`` if it does
@@ -111,12 +111,12 @@ def capped_probe(built: RematOffloadModel, scale: int, exact: bool, cap: float,
     model = with_fixed(built, {}, cap)
     model.add(summed_sequence(model), "summed_sequence")
     cp = to_cpsat(model, scale=scale)
-    left = deadline.cap(None)
+    # the lns windows' lighter presolve: on ResNet-50 at 10 % the capped model with
+    # CP-SAT's default presolve got no verdict in 300 deterministic seconds (790 CPU s),
+    # the lighter one its infeasibility in 962 (benchmarks/results/remat_offload_exact.md)
     out = engines.solve_cpsat(cp.cp, cp.variables, threads=1, seed=options.seed,
-                              deterministic_time=work,
-                              time_limit_s=None if left is None else
-                              max(left, LEAST_ENGINE_TIME_S),
-                              parameters=PROBE_PARAMETERS)
+                              deterministic_time=work, time_limit_s=engine_limit(deadline),
+                              parameters=WINDOW_PARAMETERS)
     report.update(status=str(out.status), deterministic_time=out.info.get("deterministic_time"),
                   cpu_s=round(time.process_time() - cpu, 3),
                   seconds=round(time.monotonic() - began, 3))
@@ -135,8 +135,8 @@ def capped_probe(built: RematOffloadModel, scale: int, exact: bool, cap: float,
 
 
 def probe_result(res: Result, built: RematOffloadModel, scale: int, exact: bool,
-                 options: SolveOptions, deadline: Deadline, replay: Any,
-                 rebuild: Any) -> Result:
+                 options: SolveOptions, deadline: Deadline, replay: Replay,
+                 rebuild: Callable[[tuple[AnyOp, ...], dict[str, Any]], Result]) -> Result:
     """``res`` after the capped probe, when ``extra["probe_gap"]`` asks for it.
 
     Runs only on a ``feasible`` result whose bound is below the cap; ``replay(plan)`` is a
