@@ -158,3 +158,33 @@ def test_two_forwards_before_one_backward():
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert net.late_unpacks == 0
+
+
+def test_double_backward_through_an_offload_plan_is_the_plain_models():
+    """``create_graph=True`` through an offload plan (a gradient penalty): the plan only
+    moves the tensors autograd saves, so the second-order gradients (input and every
+    parameter) are bitwise the unmodified chain's. The backward graph's own saved tensors
+    are autograd's (not moved, not in the limit). Checkpoint and remat + offload plans
+    refuse it (their backward re-runs stages inside one autograd Function)."""
+    import optmem.pytorch as op
+
+    plan = ["F_all 1", "offload a 0", "F_all 2", "offload abar 1", "F_all 3", "F_all 4",
+            "Loss", "B 4", "B 3", "prefetch abar 1", "B 2", "prefetch a 0", "B 1"]
+    x = torch.randn(5, 8, requires_grad=True)
+
+    def penalty(f, params):
+        (g,) = torch.autograd.grad((f(x) ** 2).sum(), x, create_graph=True)
+        return torch.autograd.grad((g ** 2).sum(), [x, *params])
+
+    ref = make_stages(2)
+    want = penalty(lambda v: ref[3](ref[2](ref[1](ref[0](v)))),
+                   [p for s in ref for p in s.parameters()])
+    stages = make_stages(2)
+    net = OffloadedChain(stages, plan)
+    got = penalty(net, [p for s in stages for p in s.parameters()])
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    stages = make_stages(2)
+    cnet = op.checkpoint(nn.Sequential(*stages), x, memory_limit="50%", repeats=1, warmup=0)
+    with pytest.raises(RuntimeError, match="double backward"):
+        penalty(cnet, [p for s in stages for p in s.parameters()])

@@ -161,7 +161,7 @@ class RematOffloadedModule(PlannedModule):
 
 
 _PROFILE_OPTIONS = ("device", "repeats", "warmup", "progress", "time_model", "max_stages",
-                    "extract", "adjust_chain", "op_overhead", "op_overhead_ratio",
+                    "extract", "dynamic", "adjust_chain", "op_overhead", "op_overhead_ratio",
                     "measure_segments", "segment_timer")
 _SOLVER_OPTIONS = ("slots", "variant", "time_limit_s", "process_group", "extra")
 _EXECUTOR_OPTIONS = {"checkpoint": ("preserve_rng_state", "restore_buffers", "strip_suffix"),
@@ -243,6 +243,7 @@ def checkpoint(
     restore_buffers: bool = True,
     strip_suffix: bool = True,
     extract: str = "auto",
+    dynamic: bool = True,
     process_group: Any = None,
     segment_cost: float | None = None,
     op_overhead: float | None = None,
@@ -286,6 +287,12 @@ def checkpoint(
         Executor options (:class:`~optmem.pytorch.execute.CheckpointedChain`).
     extract
         ``"auto"`` (``torch.export``, then ``torch.fx``), ``"export"`` or ``"fx"``.
+    dynamic
+        Calls that differ from an earlier one in tensor sizes only (another sequence
+        length, a smaller last batch) share one ``torch.export`` graph with those sizes
+        dynamic, and a size at most :data:`~optmem.pytorch.wrapper.SIZE_SLACK` times smaller
+        than a solved one runs that plan (``docs/pytorch.md``, "Sizes"). ``False``: every
+        size is exported, profiled and solved on its own.
     process_group
         Ranks that must train with the same plan (``docs/distributed.md``): by default, when
         ``torch.distributed`` is initialised, rank 0 of the default group profiles and
@@ -354,7 +361,8 @@ def checkpoint(
                                     time_model=time_model,
                                     preserve_rng_state=preserve_rng_state,
                                     restore_buffers=restore_buffers, strip_suffix=strip_suffix,
-                                    extract=extract, process_group=process_group,
+                                    extract=extract, dynamic=_flag(dynamic, "dynamic"),
+                                    process_group=process_group,
                                     op_overhead=op_overhead,
                                     op_overhead_ratio=op_overhead_ratio,
                                     fast_path=fast_path, autotune=autotune,

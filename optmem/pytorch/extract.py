@@ -27,6 +27,7 @@ linear-partition DP minimising the costliest group).
 
 from __future__ import annotations
 
+import copy
 import inspect
 import io
 import logging
@@ -66,8 +67,10 @@ from optmem.pytorch.hooks import (
     refuse_tensor_hooks,
 )
 
-__all__ = ["Extraction", "Stage", "extract_program", "extract_stages", "merge_stages",
-           "partition_costs", "stage_cost"]
+__all__ = ["Extraction", "Stage", "export_dynamic", "extract_program", "extract_stages",
+           "merge_stages", "partition_costs", "stage_cost"]
+
+_log = logging.getLogger("optmem")
 
 
 @dataclass(frozen=True)
@@ -346,6 +349,11 @@ class Extraction:
     tensor_positions: tuple[int, ...]
     _graph_stages: list[GraphStage] | None = field(default=None, init=False, repr=False,
                                                     compare=False)
+    accepts: Callable[[tuple[Any, ...], dict[str, Any]], bool] | None = field(
+        default=None, repr=False, compare=False)
+    """For a graph exported with dynamic sizes (:func:`export_dynamic`): whether a call's
+    inputs meet the graph's size constraints (``None``: the graph is specialised to the
+    sizes of the call it was extracted from)."""
 
     def flatten(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         """The call's inputs in the graph's placeholder order."""
@@ -603,17 +611,127 @@ def _quiet_export() -> Iterator[None]:
 
 
 def _export_program(module: nn.Module, args: tuple[Any, ...],
-                    kwargs: dict[str, Any]) -> Extraction:
+                    kwargs: dict[str, Any], dynamic_shapes: Any = None) -> Extraction:
     name = type(module).__name__
     with refuse_python_random(name), refuse_tensor_hooks(name), opaque_functions(name), \
             _quiet_export():
-        ep = torch.export.export(module, args, kwargs=kwargs, strict=False)
+        ep = torch.export.export(module, args, kwargs=kwargs, strict=False,
+                                 dynamic_shapes=dynamic_shapes)
     gm = ep.module()
     restore_functions(gm)
     elide_constant_masks(gm)
     flat = list(fx_pytree.tree_flatten_spec((args, kwargs), ep.call_spec.in_spec))
-    return _program(gm, module, flat, method="export", in_spec=ep.call_spec.in_spec,
-                    out_spec=ep.call_spec.out_spec, signature=None)
+    ext = _program(gm, module, flat, method="export", in_spec=ep.call_spec.in_spec,
+                   out_spec=ep.call_spec.out_spec, signature=None)
+    if dynamic_shapes is not None:
+        ext.accepts = _size_guard(gm)
+    return ext
+
+
+def export_dynamic(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                   dims: Sequence[tuple[int, int]]) -> Extraction | None:
+    """Export ``module(*args, **kwargs)`` with some input sizes left symbolic.
+
+    ``dims`` lists ``(leaf, dim)``: dimension ``dim`` of the ``leaf``-th value of
+    ``tree_flatten((args, dict(sorted(kwargs.items()))))``, each given to
+    ``torch.export`` as ``Dim.AUTO`` (export infers the relations between them, e.g. equal
+    sequence lengths of ``input_ids`` and ``labels``, and their ranges). The stages then run
+    any call whose sizes meet the graph's constraints (:attr:`Extraction.accepts`), without
+    exporting again. Returns ``None`` when export fails or specialises every such size
+    (the model then stays exported per call signature, as before).
+    """
+    try:
+        shapes = _dynamic_shapes(module, args, kwargs, dims)
+        ext = _export_program(_named_keywords(module, kwargs), args, kwargs, shapes)
+    except Exception as exc:  # noqa: BLE001 - the static route stays, one log line says why
+        _log.info("optmem: %s not exported with dynamic sizes (%s): exported per size",
+                  type(module).__name__, _first_line(exc))
+        return None
+    return ext if ext.accepts is not None else None
+
+
+def _named_keywords(module: nn.Module, kwargs: dict[str, Any]) -> nn.Module:
+    """``module``, or a shallow copy whose forward names the keywords ``**kwargs`` takes.
+
+    torch 2.13's export lists a keyword that goes to ``**kwargs`` twice when it matches
+    ``dynamic_shapes`` to the inputs (``use_cache`` of a BERT call: "Must provide a
+    tree_name"). The copy shares the model's parameters, buffers and submodules (same
+    names in the graph); only its forward's signature names every keyword given.
+    """
+    signature = inspect.signature(module.forward)
+    params = list(signature.parameters.values())
+    if not any(p.kind is p.VAR_KEYWORD for p in params) or \
+            all(k in signature.parameters for k in kwargs):
+        return module
+    named = [p for p in params if p.kind is not p.VAR_KEYWORD]
+    named += [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY) for k in kwargs
+              if k not in signature.parameters]
+    forward = module.forward
+
+    def call(*args: Any, **kw: Any) -> Any:
+        return forward(*args, **kw)
+
+    call.__signature__ = signature.replace(parameters=named)  # type: ignore[attr-defined]
+    shim = copy.copy(module)
+    shim.forward = call  # type: ignore[method-assign]
+    return shim
+
+
+def _dynamic_shapes(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                    dims: Sequence[tuple[int, int]]) -> dict[str, Any]:
+    """``torch.export``'s ``dynamic_shapes``, keyed by the forward's parameter names."""
+    leaves, spec = tree_flatten((args, dict(sorted(kwargs.items()))))
+    wanted: dict[int, dict[int, Any]] = {}
+    for leaf, dim in dims:
+        wanted.setdefault(leaf, {})[dim] = torch.export.Dim.AUTO
+    per_leaf = [wanted.get(k) if isinstance(v, torch.Tensor) else None
+                for k, v in enumerate(leaves)]
+    s_args, s_kwargs = spec.unflatten(per_leaf)
+    bound = inspect.signature(_named_keywords(module, kwargs).forward).bind(*s_args,
+                                                                            **s_kwargs)
+    return dict(bound.arguments)
+
+
+def _size_guard(gm: fx.GraphModule) -> _SizeGuard | None:
+    """The check of :class:`_SizeGuard` on ``gm``.
+
+    ``None`` when no input size of ``gm`` is symbolic (export specialised them all).
+    """
+    symbolic = any(isinstance(d, torch.SymInt)
+                   for n in gm.graph.find_nodes(op="placeholder")
+                   if isinstance(n.meta.get("val"), torch.Tensor)
+                   for d in n.meta["val"].shape)
+    return _SizeGuard(gm) if symbolic else None
+
+
+class _SizeGuard:
+    """Whether a call meets the size constraints ``torch.export`` recorded on ``gm``.
+
+    The check is the one ``ExportedProgram.module()`` runs before each call: ranges of the
+    symbolic sizes, equal sizes where export found them equal, the static sizes. Any
+    violation (or a graph that lost its constraints, e.g. through pickling) is ``False``:
+    the call is then extracted on its own.
+    """
+
+    def __init__(self, gm: fx.GraphModule | None) -> None:
+        self.gm = gm
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _SizeGuard:
+        return _SizeGuard(self.gm)  # the check only reads the graph's placeholders
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"gm": None}  # export's graph module does not pickle: sizes go one by one
+
+    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        from torch.export._unlift import _check_input_constraints_for_module
+
+        if self.gm is None:
+            return False
+        try:
+            _check_input_constraints_for_module(self.gm, args, kwargs)
+        except Exception:  # noqa: BLE001 - any violation means: not this graph
+            return False
+        return True
 
 
 def _fx_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Extraction:

@@ -28,6 +28,18 @@ second), profiled again (sizes only when its stages match the first chain's: its
 scaled from the first profile; in full otherwise) and solved again with the same limit and
 method; the last :data:`MAX_VARIANTS` signatures are kept. Models given as an
 ``nn.Sequential`` or a list of stages are not specialised: any input runs the one plan.
+
+**Sizes** (``dynamic=True``, the default). Calls that differ from a known signature in
+tensor sizes only (another sequence length, a smaller last batch) form a *family*. At the
+first such call the model is exported once more with the dimensions that changed dynamic
+(``torch.export``'s ``Dim.AUTO``, :func:`~optmem.pytorch.extract.export_dynamic`), and that
+graph runs every later call of the family it accepts (the ranges and equalities export
+recorded, checked as ``ExportedProgram.module()`` checks them): no export per size. Each
+size is profiled and solved once, except that a call whose dynamic sizes are each at most
+:data:`SIZE_SLACK` times smaller than a solved size runs that size's plan: every tensor of
+its step is no larger, so its peak is no higher than the plan's (memory-safe; the plan may
+recompute more than the call needs). When export specialises the sizes or fails, each size
+is exported again, as with ``dynamic=False``.
 """
 
 from __future__ import annotations
@@ -40,7 +52,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -60,6 +72,7 @@ from optmem.pytorch.execute import (
 from optmem.pytorch.extract import (
     Extraction,
     Stage,
+    export_dynamic,
     extract_program,
     extract_stages,
     merge_stages,
@@ -75,6 +88,10 @@ __all__ = ["MAX_VARIANTS", "PLAIN_PEAK", "USE_CACHE_WARNING", "PlannedModule", "
            "leaves_no_trace", "plan_stages", "with_plain_peak"]
 
 MAX_VARIANTS = 8
+MAX_SIZE_VARIANTS = 32
+"""Plans kept per family of calls that differ in tensor sizes only (see *Sizes*)."""
+SIZE_SLACK = 1.25
+"""A plan solved for sizes at most this factor above a call's runs that call (*Sizes*)."""
 PLAIN_PEAK = "plain_peak"
 """Key of the plain model's measured real activation peak in ``chain.extra["profile"]``."""
 USE_CACHE_WARNING = (
@@ -97,6 +114,7 @@ class ProfileOptions:
     time_model: Any = None
     max_stages: int | None = None
     extract: str = "auto"
+    dynamic: bool = True  # calls that differ in sizes share one export (module doc, *Sizes*)
     op_overhead: float | None = None  # ms per F op (None: profile.DEFAULT_OP_OVERHEAD_MS)
     op_overhead_ratio: float | None = None  # per F op, x its fwd (None: profile's default)
     measure_segments: bool | None = None  # segment cost: None constant, True measure, False 0
@@ -104,6 +122,85 @@ class ProfileOptions:
     # what the profile does not see but the plan must count: (stages, chain) -> chain
     # (FSDP2's gathered parameters: optmem.pytorch.distributed.fsdp_chain)
     adjust_chain: Callable[[Sequence[Stage], Chain], Chain] | None = None
+
+
+@dataclass
+class _Family:
+    """Calls that differ from a known signature in tensor sizes only (module doc, *Sizes*)."""
+
+    reference: tuple[tuple[int, ...] | None, ...]  # per input leaf: its shape (None: no tensor)
+    dims: frozenset[tuple[int, int]] = frozenset()  # (leaf, dim) exported dynamic
+    extraction: Extraction | None = None  # the graph exported with ``dims`` dynamic
+    refused: set[frozenset[tuple[int, int]]] = field(default_factory=set)  # dims export
+    # specialised or failed on: calls that need them are exported one by one
+    variants: OrderedDict[tuple[tuple[int, ...] | None, ...], _Variant] = field(
+        default_factory=OrderedDict)  # solved sizes -> their plan
+
+    def covering(self, sizes: tuple[tuple[int, ...] | None, ...]) -> _Variant | None:
+        """The plan of the smallest solved sizes that run ``sizes`` within :data:`SIZE_SLACK`."""
+        best: tuple[int, tuple[tuple[int, ...] | None, ...]] | None = None
+        for have in self.variants:
+            if covers(have, sizes, self.dims):
+                total = sum(_dim_size(have, leaf, d) for leaf, d in self.dims)
+                if best is None or total < best[0]:
+                    best = (total, have)
+        if best is None:
+            return None
+        self.variants.move_to_end(best[1])
+        return self.variants[best[1]]
+
+
+def _dim_size(sizes: tuple[tuple[int, ...] | None, ...], leaf: int, dim: int) -> int:
+    shape = sizes[leaf]
+    assert shape is not None, "a dynamic dimension is a tensor's"
+    return shape[dim]
+
+
+def covers(have: tuple[tuple[int, ...] | None, ...], want: tuple[tuple[int, ...] | None, ...],
+           dims: frozenset[tuple[int, int]]) -> bool:
+    """A plan solved at sizes ``have`` runs a call of sizes ``want`` (module doc, *Sizes*).
+
+    Every dynamic size of ``want`` is at most the one of ``have`` and at least
+    ``1 / SIZE_SLACK`` of it; the other sizes are equal.
+
+    >>> covers(((2, 100),), ((2, 90),), frozenset({(0, 1)}))
+    True
+    >>> covers(((2, 100),), ((2, 101),), frozenset({(0, 1)}))
+    False
+    >>> covers(((2, 100),), ((2, 70),), frozenset({(0, 1)}))
+    False
+    """
+    for leaf, (h, w) in enumerate(zip(have, want, strict=True)):
+        if h is None or w is None:
+            if h != w:
+                return False
+            continue
+        for d, (a, b) in enumerate(zip(h, w, strict=True)):
+            if (leaf, d) in dims:
+                if not b <= a <= SIZE_SLACK * b:
+                    return False
+            elif a != b:
+                return False
+    return True
+
+
+def call_sizes(key: Any) -> tuple[tuple[int, ...] | None, ...]:
+    """The tensor shapes of a :func:`signature_key`, per input leaf (``None``: no tensor)."""
+    return tuple(p[1] if p[0] == "T" else None for p in key[1])
+
+
+def size_free(key: Any) -> Any:
+    """A :func:`signature_key` with each tensor's shape replaced by its rank (its family)."""
+    parts = tuple(("T", len(p[1]), *p[2:]) if p[0] == "T" else p for p in key[1])
+    return (key[0], parts, *key[2:])
+
+
+def changed_dims(a: tuple[tuple[int, ...] | None, ...],
+                 b: tuple[tuple[int, ...] | None, ...]) -> frozenset[tuple[int, int]]:
+    """The ``(leaf, dim)`` whose sizes differ between two calls of one family."""
+    return frozenset((leaf, d) for leaf, (x, y) in enumerate(zip(a, b, strict=True))
+                     if x is not None and y is not None
+                     for d, (u, v) in enumerate(zip(x, y, strict=True)) if u != v)
 
 
 @dataclass
@@ -260,6 +357,8 @@ class PlannedModule(nn.Module):
         self._profile = profile
         self._variants: OrderedDict[Any, _Variant] = OrderedDict([(main_key, main)])
         self._main_key = main_key
+        self._families: OrderedDict[Any, _Family] = OrderedDict()  # size-free key -> family
+        self._sized: OrderedDict[Any, _Variant] = OrderedDict()  # call key -> family plan
         self._compile_options: dict[str, Any] | None = None
         self._compiled_module: Callable[..., Any] | None = None
         self._compiled_module_with: dict[str, Any] | None = None
@@ -346,13 +445,24 @@ class PlannedModule(nn.Module):
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
         """``to()``/``cuda()``/``half()``: the model, and the stages' constants with it."""
         super()._apply(fn, recurse)
-        for v in self._variants.values():
-            if v.extraction is not None:
-                for st in v.stages:
+        seen: set[int] = set()
+        for v in self._all_variants():
+            ext = v.extraction
+            if ext is not None and id(ext) not in seen:  # a family's plans share its stages
+                seen.add(id(ext))
+                for st in ext.stages:
                     st.module._apply(fn)
-                v.extraction.side._apply(fn)
-                v.extraction.rebind()
+                ext.side._apply(fn)
+                ext.rebind()
         return self
+
+    def _all_variants(self) -> list[_Variant]:
+        """Every plan kept: the signatures' and the size families' (each once)."""
+        out = {id(v): v for v in self._variants.values()}
+        for family in self._families.values():
+            out.update((id(v), v) for v in family.variants.values())
+        out.update((id(v), v) for v in self._sized.values())
+        return list(out.values())
 
     # -------------------------------------------------------------- the main plan
     @property
@@ -414,6 +524,9 @@ class PlannedModule(nn.Module):
         main.executor.set_plan(list(plan if plan is not None else result.plan))  # type: ignore[operator]
         for key in [k for k in self._variants if k != self._main_key]:
             del self._variants[key]  # re-derived from the new policy when called again
+        self._sized.clear()
+        for family in self._families.values():
+            family.variants.clear()
 
     # -------------------------------------------------------------- compile
     def compile(self, *args: Any, **options: Any) -> None:
@@ -429,7 +542,7 @@ class PlannedModule(nn.Module):
             raise TypeError("PlannedModule.compile takes keyword options only")
         self._compile_options = dict(options)
         self._compiled_module = None
-        for v in self._variants.values():
+        for v in self._all_variants():
             _compile_executor(v.executor, self._compile_options)
 
     # -------------------------------------------------------------- forward
@@ -507,21 +620,84 @@ class PlannedModule(nn.Module):
         if variant is not None:
             self._variants.move_to_end(key)
             return variant
+        variant = self._sized.get(key)
+        if variant is not None:
+            self._sized.move_to_end(key)
+            return variant
+        if self._profile.dynamic and not self._plain:
+            variant = self._family_variant(key, args, kwargs)
+            if variant is not None:
+                self._sized[key] = variant
+                while len(self._sized) > 8 * MAX_SIZE_VARIANTS:
+                    self._sized.popitem(last=False)
+                return variant
         _log.info("optmem: new call signature for %s: extracting, profiling and solving "
                   "again", type(self._optmem_module).__name__)
-        given = self._given
-        variant = _extract_variant(
-            self._optmem_module, args, kwargs, self._planner, self._profile, None,
-            self._main.chain.name, like=self._main,
-            solve=None if given is None else given.solve(self._planner, self._main.chain.name))
-        if given is not None and variant.result.report.get("source") == GIVEN_SOURCE:
-            variant.limit = given.limit  # as use_plan's (None: never the fast path)
-        if self._compile_options is not None:
-            _compile_executor(variant.executor, self._compile_options)
+        variant = self._new_variant(args, kwargs, None)
         self._variants[key] = variant
         while len(self._variants) > MAX_VARIANTS:
             oldest = next(k for k in self._variants if k != self._main_key)
             del self._variants[oldest]
+        return variant
+
+    def _new_variant(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                     ext: Extraction | None) -> _Variant:
+        """Extract (unless ``ext`` is given), profile and solve one call."""
+        given = self._given
+        variant = _extract_variant(
+            self._optmem_module, args, kwargs, self._planner, self._profile, None,
+            self._main.chain.name, like=self._main,
+            solve=None if given is None else given.solve(self._planner, self._main.chain.name),
+            ext=ext)
+        if given is not None and variant.result.report.get("source") == GIVEN_SOURCE:
+            variant.limit = given.limit  # as use_plan's (None: never the fast path)
+        if self._compile_options is not None:
+            _compile_executor(variant.executor, self._compile_options)
+        return variant
+
+    def _family_variant(self, key: Any, args: tuple[Any, ...],
+                        kwargs: dict[str, Any]) -> _Variant | None:
+        """The plan of a call that differs from a known one in sizes only (*Sizes*).
+
+        ``None``: no such known call, or the sizes cannot share one export (the caller
+        extracts the call on its own).
+        """
+        family_key = size_free(key)
+        sizes = call_sizes(key)
+        family = self._families.get(family_key)
+        if family is None:
+            known = next((k for k in reversed(self._variants) if size_free(k) == family_key),
+                         None)
+            if known is None:
+                return None  # the first call of this kind: no size has changed yet
+            family = self._families[family_key] = _Family(call_sizes(known))
+            while len(self._families) > MAX_VARIANTS:
+                self._families.popitem(last=False)
+        ext = family.extraction
+        dims = family.dims | changed_dims(family.reference, sizes)
+        if ext is None or dims != family.dims:
+            if dims in family.refused:
+                return None
+            _log.info("optmem: %s called with other sizes: exporting once with dimensions "
+                      "%s dynamic", type(self._optmem_module).__name__, sorted(dims))
+            with leaves_no_trace(self._optmem_module):
+                ext = export_dynamic(self._optmem_module, args, kwargs, sorted(dims))
+            if ext is None or ext.accepts is None or not ext.accepts(args, kwargs):
+                family.refused.add(dims)
+                return None
+            family.extraction, family.dims = ext, dims
+            family.variants.clear()  # plans of the previous graph stay where already used
+        elif ext.accepts is None or not ext.accepts(args, kwargs):
+            return None  # outside the dynamic graph's ranges: this call on its own
+        variant = family.covering(sizes)
+        if variant is not None:
+            return variant
+        _log.info("optmem: %s called with new sizes: profiling and solving them (no export)",
+                  type(self._optmem_module).__name__)
+        variant = self._new_variant(args, kwargs, ext)
+        family.variants[sizes] = variant
+        while len(family.variants) > MAX_SIZE_VARIANTS:
+            family.variants.popitem(last=False)
         return variant
 
     # -------------------------------------------------------------- reporting
@@ -986,9 +1162,11 @@ def leaves_no_trace(module: nn.Module) -> Iterator[None]:
 def _extract_variant(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                      planner: Planner, profile: ProfileOptions, chain: Chain | None,
                      name: str, like: _Variant | None,
-                     solve: Callable[[Chain], Result] | None = None) -> _Variant:
+                     solve: Callable[[Chain], Result] | None = None,
+                     ext: Extraction | None = None) -> _Variant:
     with leaves_no_trace(module):
-        ext = extract_program(module, args, kwargs, method=profile.extract)
+        if ext is None:
+            ext = extract_program(module, args, kwargs, method=profile.extract)
         flat = ext.flatten(args, kwargs)
         ctx = ext.side_inputs(flat)
         return _make_variant(ext, ext.stages, ext.chain_input(flat), planner, profile,
