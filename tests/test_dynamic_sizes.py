@@ -74,9 +74,10 @@ def _family(cmodel):
 
 @pytest.mark.parametrize("factory", [gpt2, llama, bert], ids=["gpt2", "llama", "bert"])
 def test_new_lengths_are_exported_once_and_run_bitwise(factory, monkeypatch):
-    """Lengths 12, 10, 14, 8 and a smaller last batch after a sample of length 16: one
-    export for the lengths, one more when the batch size changes too; 10 runs the plan of
-    12 (12 <= 1.25 x 10), the others are profiled. Every step is bitwise the step of a
+    """Lengths 12, 10, 14, 8, then other batch sizes, after a sample of length 16: one
+    export for the lengths; 10 runs the plan of 12 (12 <= 1.25 x 10), the others are
+    profiled; a batch of 1 is exported on its own, a batch of 3 exports once more with the
+    batch size dynamic too. Every step is bitwise the step of a
     wrapper with ``dynamic=False`` (an export per size, the code before), dropout included,
     and equals the plain model's (bitwise where that wrapper is; with these padded batches
     GPT-2's logits at lengths 10 and 8 differ from the plain model's by 7e-8 either way:
@@ -84,7 +85,7 @@ def test_new_lengths_are_exported_once_and_run_bitwise(factory, monkeypatch):
     model, cmodel = _wrap(factory)
     _, static = _wrap(factory, model, dynamic=False)  # the same model: one set of gradients
     made = _exports(monkeypatch)
-    calls = [(2, 12), (2, 10), (2, 14), (2, 8), (2, 16), (1, 12)]
+    calls = [(2, 12), (2, 10), (2, 14), (2, 8), (2, 16), (1, 12), (3, 8)]
     for k, (batch, seq) in enumerate(calls):
         kwargs = _call(batch, seq, seed=k + 1)
         got = step(cmodel, model, kwargs, seed=k)
@@ -95,9 +96,12 @@ def test_new_lengths_are_exported_once_and_run_bitwise(factory, monkeypatch):
             family = _family(cmodel)
             assert sorted(sizes[0][1] for sizes in family.variants) == [8, 12, 14]
             assert family.dims == {(0, 1), (1, 1), (2, 1)}  # the length of each input
-    assert made.count(True) == 2  # the batch size changed too: exported once more
+    # a batch of 1: exported on its own (export would specialise a size of 1); a batch of 3:
+    # the batch size joins the dynamic dimensions, exported once more
+    # (the dynamic=False wrapper exports every size but the sample's: len(calls) - 1)
+    assert made.count(True) == 2 and made.count(False) == len(calls) - 1 + 1
     assert _family(cmodel).dims == {(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)}
-    assert len(cmodel.variants) == 1  # no signature of its own for any size
+    assert len(cmodel.variants) == 2  # the sample's and the batch of 1; no other size
     assert len(static.variants) == len(calls)  # one per size before (16 is the sample's)
 
 

@@ -676,8 +676,8 @@ class PlannedModule(nn.Module):
         ext = family.extraction
         dims = family.dims | changed_dims(family.reference, sizes)
         if ext is None or dims != family.dims:
-            if dims in family.refused:
-                return None
+            if dims in family.refused or any(_dim_size(sizes, leaf, d) <= 1 for leaf, d in dims):
+                return None  # export specialises sizes 0 and 1: such a call on its own
             _log.info("optmem: %s called with other sizes: exporting once with dimensions "
                       "%s dynamic", type(self._optmem_module).__name__, sorted(dims))
             with leaves_no_trace(self._optmem_module):
