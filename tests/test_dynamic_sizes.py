@@ -105,6 +105,25 @@ def test_new_lengths_are_exported_once_and_run_bitwise(factory, monkeypatch):
     assert len(static.variants) == len(calls)  # one per size before (16 is the sample's)
 
 
+@pytest.mark.parametrize("kind", [op.offload, op.remat_offload], ids=["offload", "remat"])
+def test_offload_one_liners_share_the_export_too(kind, monkeypatch):
+    """``op.offload`` and ``op.remat_offload`` (Llama, a 1 GB/s link, plans that move
+    activations): lengths 12, 10, 14 after the sample's 16 make one export, 10 runs 12's
+    plan, and each step is bitwise a ``dynamic=False`` wrapper's."""
+    model, _ = llama()
+    sample = _call(2, 16, seed=0)
+    limit = int(0.6 * op.profile_chain(model, sample, **FIXED).store_all_peak())
+    cmodel = kind(model, sample, memory_limit=limit, bandwidth="1GB/s", **FIXED)
+    static = kind(model, sample, memory_limit=limit, bandwidth="1GB/s", dynamic=False, **FIXED)
+    assert any(o.startswith("offload") for o in cmodel.result.plan)
+    made = _exports(monkeypatch)
+    for k, seq in enumerate((12, 10, 14)):
+        kwargs = _call(2, seq, seed=k)
+        assert_same(step(cmodel, model, kwargs, seed=k), step(static, model, kwargs, seed=k))
+    assert made.count(True) == 1 and made.count(False) == 3  # the static wrapper's three
+    assert sorted(sizes[0][1] for sizes in _family(cmodel).variants) == [12, 14]
+
+
 def test_a_shorter_call_stays_within_the_plan_it_reuses():
     """The plan solved at length 12 runs length 10: the real activation peak of that step
     (exact, dispatch-level) is at most the plan's predicted peak at length 12, which fits the
