@@ -156,7 +156,7 @@ def run_jobs(rank: int, world: int, jobs: list[dict[str, Any]], out_dir: str) ->
     torch.set_num_threads(1)
     kinds = {"pipeline": pipeline_job, "one_call": one_call_job, "ddp": ddp_job,
              "fsdp": fsdp_job, "fsdp_refusal": fsdp_refusal_job, "ddp_hf": ddp_hf_job,
-             "refusals": refusals_job}
+             "ddp_lengths": ddp_lengths_job, "refusals": refusals_job}
     for k, job in enumerate(jobs):
         _save(out_dir, rank, k, kinds[job["kind"]](rank, world, job))
         dist.barrier()
@@ -269,6 +269,46 @@ def ddp_hf_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
         ddp.zero_grad(set_to_none=True)
         ddp(input_ids=x, labels=y).loss.backward()
     return {"grads": _grads(model), "plan": cmodel.result.plan}
+
+
+LENGTHS = ((12, 9), (10, 13), (14, 16))  # per step: rank 0's length, rank 1's
+
+
+def hf_gpt2_long(seed: int = 0) -> nn.Module:
+    """:func:`hf_gpt2` with room for sequences of 32 tokens."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(n_layer=2, n_embd=DIM, n_head=2, vocab_size=VOCAB, n_positions=32,
+                        use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(config)
+
+
+def lengths_batch(rank: int, step: int) -> torch.Tensor:
+    """Rank ``rank``'s token ids at ``step`` of the dynamic-padding job (2 x its length)."""
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randint(0, VOCAB, (2, LENGTHS[step][rank]), generator=g)
+
+
+def ddp_lengths_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    """DDP over ``op.checkpoint`` of HuggingFace's GPT-2 with dynamic padding: the ranks
+    see different sequence lengths at the same step (:data:`LENGTHS`), some new to one rank
+    only. ``{"memory_limit"}``; the gradients after each step's all-reduce."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = hf_gpt2_long()
+    sample = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(7))
+    cmodel = op.checkpoint(model, {"input_ids": sample, "labels": sample},
+                           memory_limit=job["memory_limit"], time_model=lambda *_: (1.0, 2.0))
+    ddp = DistributedDataParallel(cmodel)
+    steps = []
+    for step in range(len(LENGTHS)):
+        ids = lengths_batch(rank, step)
+        ddp.zero_grad(set_to_none=True)
+        ddp(input_ids=ids, labels=ids).loss.backward()
+        steps.append(_grads(model))
+    return {"steps": steps, "plan": cmodel.result.plan}
 
 
 def fsdp_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:

@@ -85,3 +85,33 @@ def check_ranks(ranks: list[dict], model: torch.nn.Module) -> None:
         assert set(data["grads"]) == {n for n, _ in model.named_parameters()}
         for name, p in model.named_parameters():
             torch.testing.assert_close(data["grads"][name], p.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_ddp_with_dynamic_padding_runs_each_ranks_lengths(tmp_path):
+    """DDP over the wrapper while each rank pads to its own batch's longest sequence: at the
+    same step the ranks see different lengths, some new to one rank only (at step 1 rank
+    0's 10 runs its plan of 12 while rank 1's 13 is new; at step 2 rank 1's 16 is the
+    sample's while rank 0's 14 is new). Each rank profiles and solves its own
+    new sizes, so no rank waits for another; the gradients after every step's all-reduce
+    are the mean of the plain model's gradients on each rank's batch. Before, a new
+    length went through rank 0's decision: a length new to one rank only left it waiting
+    for a broadcast (a hang until the group's timeout), and a rank given rank 0's decision
+    ran a plan profiled on rank 0's length."""
+    pytest.importorskip("transformers", reason="the HuggingFace model needs transformers")
+    spawn(w.run_jobs, 2, [{"kind": "ddp_lengths", "memory_limit": 150000}], str(tmp_path),
+          init_file=str(tmp_path / "rendezvous"))
+    ranks = [w.load(str(tmp_path), r, 0) for r in range(2)]
+    assert any(op.startswith("F_none") or op.startswith("F_ck") for op in ranks[0]["plan"])
+    model = w.hf_gpt2_long()
+    for step in range(len(w.LENGTHS)):
+        means: dict[str, torch.Tensor] = {}
+        for rank in range(2):
+            model.zero_grad(set_to_none=True)
+            ids = w.lengths_batch(rank, step)
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+            for name, p in model.named_parameters():
+                means[name] = means.get(name, 0) + p.grad / 2
+        for data in ranks:
+            assert set(data["steps"][step]) == set(means)
+            for name, g in means.items():
+                torch.testing.assert_close(data["steps"][step][name], g, rtol=1e-5, atol=1e-6)

@@ -39,7 +39,9 @@ size is profiled and solved once, except that a call whose dynamic sizes are eac
 :data:`SIZE_SLACK` times smaller than a solved size runs that size's plan: every tensor of
 its step is no larger, so its peak is no higher than the plan's (memory-safe; the plan may
 recompute more than the call needs). When export specialises the sizes or fails, each size
-is exported again, as with ``dynamic=False``.
+is exported again, as with ``dynamic=False``. A new size is profiled and solved by the rank
+that makes the call, not by rank 0 for every rank (data-parallel ranks see different lengths
+at one step; their gradients do not depend on the plan). Not under FSDP2.
 """
 
 from __future__ import annotations
@@ -624,31 +626,52 @@ class PlannedModule(nn.Module):
         if variant is not None:
             self._sized.move_to_end(key)
             return variant
-        if self._profile.dynamic and not self._plain:
+        resized = False  # a size-only change of a known signature: decided by this rank
+        if self._dynamic_sizes():
             variant = self._family_variant(key, args, kwargs)
             if variant is not None:
                 self._sized[key] = variant
                 while len(self._sized) > 8 * MAX_SIZE_VARIANTS:
                     self._sized.popitem(last=False)
                 return variant
+            resized = size_free(key) in self._families
         _log.info("optmem: new call signature for %s: extracting, profiling and solving "
                   "again", type(self._optmem_module).__name__)
-        variant = self._new_variant(args, kwargs, None)
+        variant = self._new_variant(args, kwargs, None, local=resized)
         self._variants[key] = variant
         while len(self._variants) > MAX_VARIANTS:
             oldest = next(k for k in self._variants if k != self._main_key)
             del self._variants[oldest]
         return variant
 
+    def _dynamic_sizes(self) -> bool:
+        """Whether calls of new sizes form families (*Sizes*).
+
+        They do with ``dynamic``, for an exported model not sharded by FSDP2 (its stages are
+        sharded for the sample's graph, and every rank must run one plan: new sizes are
+        extracted as new signatures there).
+        """
+        if not self._profile.dynamic or self._plain or self._profile.adjust_chain is not None:
+            return False
+        from optmem.pytorch.process_groups import is_fsdp_module
+
+        return not is_fsdp_module(self._optmem_module) and not any(
+            is_fsdp_module(st.module) for st in self._main.stages)
+
     def _new_variant(self, args: tuple[Any, ...], kwargs: dict[str, Any],
-                     ext: Extraction | None) -> _Variant:
-        """Extract (unless ``ext`` is given), profile and solve one call."""
+                     ext: Extraction | None, *, local: bool = False) -> _Variant:
+        """Extract (unless ``ext`` is given), profile and solve one call.
+
+        ``local``: profiled and solved by this rank alone, not by rank 0 for every rank (a new
+        size: ranks of data-parallel training see different lengths at the same step, and
+        gradients do not depend on the plan; see *Sizes*).
+        """
         given = self._given
         variant = _extract_variant(
             self._optmem_module, args, kwargs, self._planner, self._profile, None,
             self._main.chain.name, like=self._main,
             solve=None if given is None else given.solve(self._planner, self._main.chain.name),
-            ext=ext)
+            ext=ext, local=local)
         if given is not None and variant.result.report.get("source") == GIVEN_SOURCE:
             variant.limit = given.limit  # as use_plan's (None: never the fast path)
         if self._compile_options is not None:
@@ -694,7 +717,7 @@ class PlannedModule(nn.Module):
             return variant
         _log.info("optmem: %s called with new sizes: profiling and solving them (no export)",
                   type(self._optmem_module).__name__)
-        variant = self._new_variant(args, kwargs, ext)
+        variant = self._new_variant(args, kwargs, ext, local=True)
         family.variants[sizes] = variant
         while len(family.variants) > MAX_SIZE_VARIANTS:
             family.variants.popitem(last=False)
@@ -1163,7 +1186,7 @@ def _extract_variant(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
                      planner: Planner, profile: ProfileOptions, chain: Chain | None,
                      name: str, like: _Variant | None,
                      solve: Callable[[Chain], Result] | None = None,
-                     ext: Extraction | None = None) -> _Variant:
+                     ext: Extraction | None = None, local: bool = False) -> _Variant:
     with leaves_no_trace(module):
         if ext is None:
             ext = extract_program(module, args, kwargs, method=profile.extract)
@@ -1171,25 +1194,28 @@ def _extract_variant(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
         ctx = ext.side_inputs(flat)
         return _make_variant(ext, ext.stages, ext.chain_input(flat), planner, profile,
                              chain, name, ctx=ctx, like=like,
-                             plain=plain_measure(module, args, kwargs, profile), solve=solve)
+                             plain=plain_measure(module, args, kwargs, profile), solve=solve,
+                             local=local)
 
 
 def _make_variant(ext: Extraction | None, fine: list[Stage], x: Any, planner: Planner,
                   profile: ProfileOptions, chain: Chain | None, name: str,
                   ctx: SideInputs | None, like: _Variant | None,
                   plain: Callable[[], int | None] | None = None,
-                  solve: Callable[[Chain], Result] | None = None) -> _Variant:
+                  solve: Callable[[Chain], Result] | None = None,
+                  local: bool = False) -> _Variant:
     """Merge (``max_stages``), profile and solve one list of stages, build its executor.
 
-    The decision runs once for every rank (:func:`plan_stages`); the executor is built on
-    every rank. ``plain`` measures the plain model's real peak (recorded in the chain);
-    ``solve`` (default ``planner.solve``) decides the plan.
+    The decision runs once for every rank (:func:`plan_stages`), or in this process alone
+    with ``local`` (a new size, see *Sizes*); the executor is built on every rank. ``plain``
+    measures the plain model's real peak (recorded in the chain); ``solve`` (default
+    ``planner.solve``) decides the plan.
     """
     from optmem.pytorch.process_groups import resolve_group
 
     groups, stages, chain, result = plan_stages(
         fine, x, profile, name, ctx, solve or planner.solve, chain=chain, like=like,
-        group=resolve_group(planner.process_group), plain=plain)
+        group=None if local else resolve_group(planner.process_group), plain=plain)
     executor = planner.executor(stages, result.plan)
     return _Variant(ext, stages, groups, tuple(s.name for s in fine), chain, result, executor,
                     limit=solved_limit(planner.memory_limit, result, chain))
