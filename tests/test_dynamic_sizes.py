@@ -242,3 +242,26 @@ def test_covers_only_smaller_sizes_within_the_slack(have, want, dynamic):
     assert ok == expected
     if ok:
         assert all(w <= h for h, w in zip(have, want, strict=True))
+
+
+def test_resolve_and_use_plan_reach_the_sizes_plans():
+    """After ``resolve`` (a new limit) the sizes are solved again under it, on the same
+    graph (no export); after ``use_plan`` they run the given plan (it replays on their
+    chains). Before a size's plan is rebuilt it is dropped, not run under the old policy."""
+    model, cmodel = _wrap(gpt2)
+    kwargs = _call(2, 12, seed=1)
+    cmodel(**kwargs).loss.backward()
+    (before,) = _family(cmodel).variants.values()
+    store_all = cmodel.chain.store_all_peak()
+    cmodel.resolve(memory_limit=int(0.9 * store_all))
+    assert not _family(cmodel).variants and not cmodel._sized
+    assert_same(step(cmodel, model, kwargs), step(model, model, _plain(kwargs)))
+    (after,) = _family(cmodel).variants.values()
+    assert after.limit > before.limit and after.extraction is before.extraction
+    plan = tuple(str(o) for o in cmodel.plan)
+    cmodel.use_plan(plan)
+    kwargs = _call(2, 10, seed=2)
+    assert_same(step(cmodel, model, kwargs), step(model, model, _plain(kwargs)))
+    (given,) = _family(cmodel).variants.values()
+    assert given.result.report.get("source") == "use_plan"
+    assert tuple(str(o) for o in given.result.plan) == plan
