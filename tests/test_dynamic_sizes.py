@@ -265,3 +265,14 @@ def test_resolve_and_use_plan_reach_the_sizes_plans():
     (given,) = _family(cmodel).variants.values()
     assert given.result.report.get("source") == "use_plan"
     assert tuple(str(o) for o in given.result.plan) == plan
+
+
+@pytest.mark.parametrize("kind", [op.checkpoint, op.offload])
+def test_dynamic_must_be_a_bool(kind):
+    """``dynamic="yes"``: one error naming the field, before any extraction."""
+    from optmem.errors import OptmemInputError
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+    with pytest.raises(OptmemInputError, match="dynamic: expected True or False") as info:
+        kind(net, torch.randn(2, 4), memory_limit="60%", dynamic="yes")
+    assert info.value.field == "dynamic"

@@ -184,6 +184,8 @@ def build_planned(cls: type[PlannedModule], kind: str, module: Any, sample: Any,
                         f"{', '.join(sorted(options))}")
     planner = Planner(kind, memory_limit, method, bandwidth=bandwidth,
                       executor_options=pick["executor"], **pick["solver"])
+    if "dynamic" in pick["profile"]:
+        _flag(pick["profile"]["dynamic"], "dynamic")
     profile = ProfileOptions(**pick["profile"])
     wants_tuning = _flag(tune.pop("autotune", False), "autotune")
     if wants_tuning:
@@ -361,7 +363,7 @@ def checkpoint(
                                     time_model=time_model,
                                     preserve_rng_state=preserve_rng_state,
                                     restore_buffers=restore_buffers, strip_suffix=strip_suffix,
-                                    extract=extract, dynamic=_flag(dynamic, "dynamic"),
+                                    extract=extract, dynamic=dynamic,
                                     process_group=process_group,
                                     op_overhead=op_overhead,
                                     op_overhead_ratio=op_overhead_ratio,
@@ -379,9 +381,9 @@ def offload(module: nn.Module | Sequence[nn.Module | Stage], sample: Any,
 
     Same conventions and ``options`` as :func:`checkpoint` (``max_stages``, ``slots``,
     ``variant``, ``time_limit_s``, ``chain``, ``device``, ``repeats``, ``warmup``,
-    ``progress``, ``time_model``, ``extract``, ``fast_path``). ``bandwidth`` is the host
-    link: bytes per second, or a rate such as ``"12GB/s"``. Activations saved for the
-    backward are copied to host memory and back as the plan says: on CUDA on a side stream
+    ``progress``, ``time_model``, ``extract``, ``dynamic``, ``fast_path``). ``bandwidth`` is
+    the host link: bytes per second, or a rate such as ``"12GB/s"``. Activations saved for
+    the backward are copied to host memory and back as the plan says: on CUDA on a side stream
     into pinned buffers, overlapped with compute; on CPU synchronously (the plan's
     placement, for tests).
 
