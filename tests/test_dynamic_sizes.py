@@ -276,3 +276,53 @@ def test_dynamic_must_be_a_bool(kind):
     with pytest.raises(OptmemInputError, match="dynamic: expected True or False") as info:
         kind(net, torch.randn(2, 4), memory_limit="60%", dynamic="yes")
     assert info.value.field == "dynamic"
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh())
+                                 for _ in range(8)])
+
+
+def test_an_nn_sequential_plans_each_batch_size_within_the_limit():
+    """An ``nn.Sequential`` wrapped on a batch of 8 at a byte limit (half its store-all
+    peak). Before, every input ran the sample's plan: a batch of 10 peaked at 20,488 B
+    against the 19,456 B limit, and a batch of 32 at about four times the limit, in
+    silence. Now a batch of 10 is profiled and solved (its real peak within the limit), 7
+    runs the sample's plan
+    (8 <= 1.25 x 7), 32 is one error naming its sizes and the smallest feasible limit, and
+    every gradient is the plain model's. Nothing is planned without gradients."""
+    from optmem.errors import OptmemInputError
+
+    net = _mlp()
+    x = torch.randn(8, 64)
+    limit = int(0.5 * op.profile_chain(net, x, **FIXED).store_all_peak())
+    cnet = op.checkpoint(net, x, memory_limit=limit, **FIXED)
+    for batch in (10, 7):
+        xb = torch.randn(batch, 64, generator=torch.Generator().manual_seed(batch))
+        cnet(xb).sum().backward()  # plans the size (profiling is not part of the step)
+        net.zero_grad(set_to_none=True)
+        real = measure_training_peak(lambda xb=xb: cnet(xb).pow(2).sum().backward(), net, xb)
+        got = [p.grad.clone() for p in net.parameters()]
+        net.zero_grad(set_to_none=True)
+        net(xb).pow(2).sum().backward()
+        for a, p in zip(got, net.parameters(), strict=True):
+            torch.testing.assert_close(a, p.grad, rtol=0, atol=0)
+        assert real <= limit
+    assert [sizes[0][0] for sizes in _family(cnet).variants] == [10]  # 7: the sample's plan
+    with pytest.raises(OptmemInputError, match=r"smallest feasible limit.*for a call with "
+                       r"input sizes \[32, 64\]; the sample's were \[8, 64\]"):
+        cnet(torch.randn(32, 64))
+    with torch.no_grad():
+        cnet(torch.randn(16, 64))
+    assert [sizes[0][0] for sizes in _family(cnet).variants] == [10]
+
+
+def test_an_nn_sequential_with_dynamic_false_runs_the_samples_plan_for_every_size():
+    """``dynamic=False``: the behaviour before, one plan for every input."""
+    net = _mlp()
+    x = torch.randn(8, 64)
+    limit = int(0.5 * op.profile_chain(net, x, **FIXED).store_all_peak())
+    cnet = op.checkpoint(net, x, memory_limit=limit, dynamic=False, **FIXED)
+    cnet(torch.randn(32, 64)).sum().backward()
+    assert not cnet._families and not cnet._sized

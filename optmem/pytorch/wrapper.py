@@ -27,7 +27,8 @@ its hooks (:class:`TensorState`). A call with another *signature* is extracted a
 second), profiled again (sizes only when its stages match the first chain's: its times are
 scaled from the first profile; in full otherwise) and solved again with the same limit and
 method; the last :data:`MAX_VARIANTS` signatures are kept. Models given as an
-``nn.Sequential`` or a list of stages are not specialised: any input runs the one plan.
+``nn.Sequential`` or a list of stages are not specialised (no graph): their plans follow the
+input's sizes as below (*Sizes*), with the sample's plan as the first solved size.
 
 **Sizes** (``dynamic=True``, the default). Calls that differ from a known signature in
 tensor sizes only (another sequence length, a smaller last batch) form a *family*. At the
@@ -184,6 +185,35 @@ def covers(have: tuple[tuple[int, ...] | None, ...], want: tuple[tuple[int, ...]
             elif a != b:
                 return False
     return True
+
+
+@contextmanager
+def _for_sizes(sizes: tuple[tuple[int, ...] | None, ...],
+               reference: tuple[tuple[int, ...] | None, ...]) -> Iterator[None]:
+    """Name the call's sizes in an input error raised while planning them.
+
+    A byte limit the wrapping sample met may be too small for a larger batch or a longer
+    sequence: the error says which call it was.
+    """
+    try:
+        yield
+    except OptmemInputError as exc:
+        shapes = ", ".join(str(list(s)) for s in sizes if s is not None)
+        sample = ", ".join(str(list(s)) for s in reference if s is not None)
+        raise OptmemInputError(f"{exc.reason} (for a call with input sizes {shapes}; the "
+                               f"sample's were {sample})", source=exc.source,
+                               stage=exc.stage, field=exc.field) from None
+
+
+def input_key(x: Any) -> Any:
+    """The sizes, dtypes and devices of the tensors in ``x``, as :func:`signature_key` has them.
+
+    For an ``nn.Sequential`` or a list of stages, whose one input is ``x``.
+    """
+    leaves, spec = tree_flatten(x)
+    return (repr(spec), tuple(("T", tuple(v.shape), v.dtype, str(v.device),
+                               bool(v.requires_grad)) if isinstance(v, torch.Tensor)
+                              else ("V", type(v).__name__) for v in leaves))
 
 
 def call_sizes(key: Any) -> tuple[tuple[int, ...] | None, ...]:
@@ -365,6 +395,8 @@ class PlannedModule(nn.Module):
         self._compiled_module: Callable[..., Any] | None = None
         self._compiled_module_with: dict[str, Any] | None = None
         self._plain = main.extraction is None
+        self._plain_stages: list[Stage] = []  # an nn.Sequential's or a list's stages
+        self._plain_key: Any = None  # input_key of their sample
         self._signature = None if self._plain else inspect.signature(module.forward)
         self._tensor_state = TensorState(module)
         self._given: GivenPlan | None = None
@@ -393,7 +425,10 @@ class PlannedModule(nn.Module):
             variant = _make_variant(None, stages, sample, planner, profile, chain, label,
                                     ctx=None, like=None,
                                     plain=_plain_measure(stages, sample, profile))
-            return cls(wrapped, planner, profile, variant, None, fast_path=fast_path)
+            planned = cls(wrapped, planner, profile, variant, None, fast_path=fast_path)
+            planned._plain_stages = stages
+            planned._plain_key = input_key(sample)
+            return planned
         if not isinstance(module, nn.Module):
             raise OptmemInputError(f"expected an nn.Module or a list of modules, got "
                                    f"{type(module).__name__}", field="module")
@@ -564,8 +599,9 @@ class PlannedModule(nn.Module):
                 raise TypeError(f"{type(model).__name__} takes one input (a tensor or a "
                                 f"tuple of tensors), got {len(args)} positional and "
                                 f"{len(kwargs)} keyword arguments")
-            executor = self._main.executor
-            if transformed or self._fast(self._main):  # the stages in order: the model's
+            variant = self._main if transformed else self._plain_variant(args[0])
+            executor = variant.executor
+            if transformed or self._fast(variant):  # the stages in order: the model's
                 return run_in_order(executor.stage_functions(compiled), args[0])  # type: ignore[operator]
             return _run_executor(executor, args[0], compiled)
         if not torch.is_grad_enabled() or transformed:
@@ -658,6 +694,64 @@ class PlannedModule(nn.Module):
         return not is_fsdp_module(self._optmem_module) and not any(
             is_fsdp_module(st.module) for st in self._main.stages)
 
+    def _plain_variant(self, x: Any) -> _Variant:
+        """The plan of an ``nn.Sequential`` or a list of stages for input ``x`` (*Sizes*).
+
+        Their stages run any size, so the sample's plan (the main one) runs every input of
+        its sizes or up to :data:`SIZE_SLACK` times smaller; another size (a larger batch,
+        which the sample's plan would run over the limit) is profiled and solved once, by
+        this rank. Without ``dynamic``, without gradients or for inputs of another
+        structure, the main plan runs, as before.
+        """
+        if not self._profile.dynamic or not torch.is_grad_enabled():
+            return self._main
+        key = input_key(x)
+        if key == self._plain_key:
+            return self._main
+        variant = self._sized.get(key)
+        if variant is not None:
+            self._sized.move_to_end(key)
+            return variant
+        family_key = size_free(key)
+        if family_key != size_free(self._plain_key):
+            return self._main
+        family = self._families.get(family_key)
+        if family is None:
+            family = self._families[family_key] = _Family(call_sizes(self._plain_key))
+        sizes = call_sizes(key)
+        family.dims |= changed_dims(family.reference, sizes)
+        variant = family.covering(sizes)
+        if variant is None and covers(family.reference, sizes, family.dims):
+            variant = self._main
+        if variant is None:
+            _log.info("optmem: %s called with new sizes: profiling and solving them",
+                      self._main.chain.name)
+            given = self._given
+            with _for_sizes(sizes, family.reference):
+                variant = self._finished(_make_variant(
+                    None, self._plain_stages, x, self._planner, self._profile, None,
+                    self._main.chain.name, ctx=None, like=self._main,
+                    plain=_plain_measure(self._plain_stages, x, self._profile),
+                    solve=None if given is None else given.solve(self._planner,
+                                                                 self._main.chain.name),
+                    local=True))
+            family.variants[sizes] = variant
+            while len(family.variants) > MAX_SIZE_VARIANTS:
+                family.variants.popitem(last=False)
+        self._sized[key] = variant
+        while len(self._sized) > 8 * MAX_SIZE_VARIANTS:
+            self._sized.popitem(last=False)
+        return variant
+
+    def _finished(self, variant: _Variant) -> _Variant:
+        """A new plan under ``use_plan``'s limit and ``compile``'s options, if any."""
+        given = self._given
+        if given is not None and variant.result.report.get("source") == GIVEN_SOURCE:
+            variant.limit = given.limit  # as use_plan's (None: never the fast path)
+        if self._compile_options is not None:
+            _compile_executor(variant.executor, self._compile_options)
+        return variant
+
     def _new_variant(self, args: tuple[Any, ...], kwargs: dict[str, Any],
                      ext: Extraction | None, *, local: bool = False) -> _Variant:
         """Extract (unless ``ext`` is given), profile and solve one call.
@@ -672,11 +766,7 @@ class PlannedModule(nn.Module):
             self._main.chain.name, like=self._main,
             solve=None if given is None else given.solve(self._planner, self._main.chain.name),
             ext=ext, local=local)
-        if given is not None and variant.result.report.get("source") == GIVEN_SOURCE:
-            variant.limit = given.limit  # as use_plan's (None: never the fast path)
-        if self._compile_options is not None:
-            _compile_executor(variant.executor, self._compile_options)
-        return variant
+        return self._finished(variant)
 
     def _family_variant(self, key: Any, args: tuple[Any, ...],
                         kwargs: dict[str, Any]) -> _Variant | None:
@@ -717,7 +807,8 @@ class PlannedModule(nn.Module):
             return variant
         _log.info("optmem: %s called with new sizes: profiling and solving them (no export)",
                   type(self._optmem_module).__name__)
-        variant = self._new_variant(args, kwargs, ext, local=True)
+        with _for_sizes(sizes, family.reference):
+            variant = self._new_variant(args, kwargs, ext, local=True)
         family.variants[sizes] = variant
         while len(family.variants) > MAX_SIZE_VARIANTS:
             family.variants.popitem(last=False)
