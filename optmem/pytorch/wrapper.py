@@ -139,6 +139,12 @@ class _Family:
     variants: OrderedDict[tuple[tuple[int, ...] | None, ...], _Variant] = field(
         default_factory=OrderedDict)  # solved sizes -> their plan
 
+    def keep(self, sizes: tuple[tuple[int, ...] | None, ...], variant: _Variant) -> None:
+        """Record the plan solved at ``sizes`` (the last :data:`MAX_SIZE_VARIANTS` kept)."""
+        self.variants[sizes] = variant
+        while len(self.variants) > MAX_SIZE_VARIANTS:
+            self.variants.popitem(last=False)
+
     def covering(self, sizes: tuple[tuple[int, ...] | None, ...]) -> _Variant | None:
         """The plan of the smallest solved sizes that run ``sizes`` within :data:`SIZE_SLACK`."""
         best: tuple[int, tuple[tuple[int, ...] | None, ...]] | None = None
@@ -666,10 +672,7 @@ class PlannedModule(nn.Module):
         if self._dynamic_sizes():
             variant = self._family_variant(key, args, kwargs)
             if variant is not None:
-                self._sized[key] = variant
-                while len(self._sized) > 8 * MAX_SIZE_VARIANTS:
-                    self._sized.popitem(last=False)
-                return variant
+                return self._remember(key, variant)
             resized = size_free(key) in self._families
         _log.info("optmem: new call signature for %s: extracting, profiling and solving "
                   "again", type(self._optmem_module).__name__)
@@ -735,9 +738,11 @@ class PlannedModule(nn.Module):
                     solve=None if given is None else given.solve(self._planner,
                                                                  self._main.chain.name),
                     local=True))
-            family.variants[sizes] = variant
-            while len(family.variants) > MAX_SIZE_VARIANTS:
-                family.variants.popitem(last=False)
+            family.keep(sizes, variant)
+        return self._remember(key, variant)
+
+    def _remember(self, key: Any, variant: _Variant) -> _Variant:
+        """Run ``variant`` for every later call of ``key`` (the last ones kept)."""
         self._sized[key] = variant
         while len(self._sized) > 8 * MAX_SIZE_VARIANTS:
             self._sized.popitem(last=False)
@@ -809,9 +814,7 @@ class PlannedModule(nn.Module):
                   type(self._optmem_module).__name__)
         with _for_sizes(sizes, family.reference):
             variant = self._new_variant(args, kwargs, ext, local=True)
-        family.variants[sizes] = variant
-        while len(family.variants) > MAX_SIZE_VARIANTS:
-            family.variants.popitem(last=False)
+        family.keep(sizes, variant)
         return variant
 
     # -------------------------------------------------------------- reporting
