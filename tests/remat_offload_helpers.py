@@ -87,6 +87,16 @@ def idle_op_chains(max_stages: int, max_fwd: int, max_bwd: int) -> st.SearchStra
     return chains()
 
 
+def brute_optimum(problem: RematOffloadProblem) -> float | None:
+    """Brute force's optimum of ``problem`` (``None``: no plan fits), after checking that
+    it ran (no ``error`` status)."""
+    from optmem.solvers.facade import solve
+
+    brute = solve(problem, "brute", options=OPTS)
+    assert brute.status is not Status.ERROR
+    return brute.objective if brute.status.has_plan else None
+
+
 def refused_before_any_work(monkeypatch: pytest.MonkeyPatch, extra: dict,
                             settings: Callable[[SolveOptions], object]) -> None:
     """``extra`` is refused by ``cpsat`` before the model is built, and by ``settings``."""

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from remat_offload_helpers import (
     BENDERS,
     OPTS,
+    brute_optimum,
     check,
     limits,
     needs_cpsat,
@@ -80,8 +81,7 @@ def test_solves_with_the_probe_agree_with_brute(chain: Chain, limit: int, beta: 
     problem = RematOffloadProblem(chain, limit, chain_bandwidth=beta)
     extra = {**opts.extra, "probe_gap": 0.01, "probe_work": WORK}
     res = solve(problem, "cpsat", options=opts.with_(extra=extra))
-    brute = solve(problem, "brute", options=OPTS)
-    check(problem, res, optimum=brute.objective if brute.status.has_plan else None)
+    check(problem, res, optimum=brute_optimum(problem))
 
 
 def test_the_probe_closes_a_gap_left_by_a_stopped_solve() -> None:
