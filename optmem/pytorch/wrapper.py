@@ -729,15 +729,12 @@ class PlannedModule(nn.Module):
         if variant is None:
             _log.info("optmem: %s called with new sizes: profiling and solving them",
                       self._main.chain.name)
-            given = self._given
             with _for_sizes(sizes, family.reference):
                 variant = self._finished(_make_variant(
                     None, self._plain_stages, x, self._planner, self._profile, None,
                     self._main.chain.name, ctx=None, like=self._main,
                     plain=_plain_measure(self._plain_stages, x, self._profile),
-                    solve=None if given is None else given.solve(self._planner,
-                                                                 self._main.chain.name),
-                    local=True))
+                    solve=self._solver(), local=True))
             family.keep(sizes, variant)
         return self._remember(key, variant)
 
@@ -747,6 +744,11 @@ class PlannedModule(nn.Module):
         while len(self._sized) > 8 * MAX_SIZE_VARIANTS:
             self._sized.popitem(last=False)
         return variant
+
+    def _solver(self) -> Callable[[Chain], Result] | None:
+        """How a new chain is solved: ``use_plan``'s plan when given, else the planner."""
+        given = self._given
+        return None if given is None else given.solve(self._planner, self._main.chain.name)
 
     def _finished(self, variant: _Variant) -> _Variant:
         """A new plan under ``use_plan``'s limit and ``compile``'s options, if any."""
@@ -765,12 +767,9 @@ class PlannedModule(nn.Module):
         size: ranks of data-parallel training see different lengths at the same step, and
         gradients do not depend on the plan; see *Sizes*).
         """
-        given = self._given
         variant = _extract_variant(
             self._optmem_module, args, kwargs, self._planner, self._profile, None,
-            self._main.chain.name, like=self._main,
-            solve=None if given is None else given.solve(self._planner, self._main.chain.name),
-            ext=ext, local=local)
+            self._main.chain.name, like=self._main, solve=self._solver(), ext=ext, local=local)
         return self._finished(variant)
 
     def _family_variant(self, key: Any, args: tuple[Any, ...],
