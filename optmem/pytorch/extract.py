@@ -641,8 +641,8 @@ def export_dynamic(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     (the model then stays exported per call signature, as before).
     """
     try:
-        shapes = _dynamic_shapes(module, args, kwargs, dims)
-        ext = _export_program(_named_keywords(module, kwargs), args, kwargs, shapes)
+        named = _named_keywords(module, kwargs)
+        ext = _export_program(named, args, kwargs, _dynamic_shapes(named, args, kwargs, dims))
     except Exception as exc:  # noqa: BLE001 - the static route stays, one log line says why
         _log.info("optmem: %s not exported with dynamic sizes (%s): exported per size",
                   type(module).__name__, _first_line(exc))
@@ -679,7 +679,10 @@ def _named_keywords(module: nn.Module, kwargs: dict[str, Any]) -> nn.Module:
 
 def _dynamic_shapes(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                     dims: Sequence[tuple[int, int]]) -> dict[str, Any]:
-    """``torch.export``'s ``dynamic_shapes``, keyed by the forward's parameter names."""
+    """``torch.export``'s ``dynamic_shapes``, keyed by the forward's parameter names.
+
+    ``module`` as :func:`_named_keywords` gives it: every keyword of the call named.
+    """
     leaves, spec = tree_flatten((args, dict(sorted(kwargs.items()))))
     wanted: dict[int, dict[int, Any]] = {}
     for leaf, dim in dims:
@@ -687,9 +690,7 @@ def _dynamic_shapes(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
     per_leaf = [wanted.get(k) if isinstance(v, torch.Tensor) else None
                 for k, v in enumerate(leaves)]
     s_args, s_kwargs = spec.unflatten(per_leaf)
-    bound = inspect.signature(_named_keywords(module, kwargs).forward).bind(*s_args,
-                                                                            **s_kwargs)
-    return dict(bound.arguments)
+    return dict(inspect.signature(module.forward).bind(*s_args, **s_kwargs).arguments)
 
 
 def _size_guard(gm: fx.GraphModule) -> _SizeGuard | None:
