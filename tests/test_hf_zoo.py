@@ -1,11 +1,13 @@
-"""The one-liner on thirty more HuggingFace families (tiny configs, random init, no download).
+"""The one-liner on 32 more HuggingFace families (tiny configs, random init, no download).
 
 ``test_hf_models.py`` checks the five models of issue 13 in depth (autograd.grad, compile,
 autocast, state-dict round trips). This file checks that the front door reaches the
 families people train beyond those five: decoder LMs (Qwen2/3, Mistral, Gemma, Gemma2,
 Phi, Phi-3, OPT, GPT-NeoX, GPT-J, Falcon, Bloom, Mixtral with its routed experts,
 GPTBigCode, MPT, CodeGen, OLMo, Granite, StarCoder2), encoders (RoBERTa, XLM-R,
-DistilBERT, ELECTRA, ALBERT with one layer shared by all), encoder-decoders (T5, BART) and
+DistilBERT, ELECTRA, ALBERT with one layer shared by all, Longformer), encoder-decoders (T5,
+BART, LED; Longformer and LED branch on their attention mask's values,
+``optmem.pytorch.branches``) and
 vision models (DeiT, Swin, SegFormer, MobileViT). Each is wrapped with
 ``memory_limit="60%"`` (of its profiled store-all peak) with its default dropout, and one
 training step through the executor must give the model's output type and keys, its loss
@@ -120,6 +122,15 @@ ZOO: dict[str, Callable[[], tuple[Any, dict[str, Any]]]] = {
     "gemma2": _lm(lambda: T.Gemma2ForCausalLM(T.Gemma2Config(**DEC, num_key_value_heads=1,
                                                              head_dim=16))),
     "phi3": _lm(lambda: T.Phi3ForCausalLM(T.Phi3Config(**DEC, pad_token_id=0))),
+    # branch on input values (`if is_global_attn:`): exported with the sample's side
+    "longformer": _lm(lambda: T.LongformerForMaskedLM(T.LongformerConfig(
+        **DEC, attention_window=4))),
+    "led": _seq2seq(lambda: T.LEDForConditionalGeneration(T.LEDConfig(
+        vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+        decoder_ffn_dim=64, max_encoder_position_embeddings=64,
+        max_decoder_position_embeddings=64, attention_window=4, pad_token_id=1,
+        decoder_start_token_id=2))),
     "deit": _image(lambda: T.DeiTForImageClassification(T.DeiTConfig(
         image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2,
         num_attention_heads=2, intermediate_size=64, num_labels=3))),

@@ -121,9 +121,10 @@ class Untraceable(nn.Module):
         self.lin = nn.Linear(2, 2)
 
     def forward(self, x):
-        if x.sum() > 0:  # data-dependent control flow
-            return self.lin(x)
-        return x
+        h = self.lin(x)
+        if h.sum() > 0:  # data-dependent control flow
+            return self.lin(h)
+        return h
 
 
 class Unet(nn.Module):
@@ -270,8 +271,9 @@ def test_unextractable_module_one_line_error():
     message = str(err.value)
     assert "Untraceable" in message and "torch.export" in message and "torch.fx" in message
     assert "\n" not in message and "nn.Sequential" in message
-    # the branch on a value is named (test_a_branch_on_a_tensors_value_is_one_error...)
-    assert re.search(r"at test_pytorch_extract\.py:\d+ \(`if x\.sum\(\) > 0:  # "
+    # the branch on an intermediate value is named (test_value_branches.py: one on an
+    # input is exported with the sample's side)
+    assert re.search(r"at test_pytorch_extract\.py:\d+ \(`if h\.sum\(\) > 0:  # "
                      r"data-dependent control flow`\), which neither torch\.export nor "
                      r"torch\.fx can hold", message)
 
@@ -379,11 +381,13 @@ def test_a_branch_on_a_tensors_value_is_one_error_naming_the_line(capsys):
     with torch.fx's "Proxy object cannot be iterated", after torch had printed the partial
     graph traced so far on stderr (thousands of lines on Wav2Vec2ForCTC). Now one error
     names the file, line and code of the branch and what to do; nothing else is printed.
-    Without the input that leads there the model extracts."""
+    Without the input that leads there the model extracts. (Since 2026-11-30 a sample whose
+    labels are in range extracts too, asserting that side: ``test_value_branches.py``; the
+    error remains for a sample whose side of the branch raises.)"""
     from optmem.pytorch.extract import extract_program
 
     net, x = _ChecksLabels(), torch.randn(2, 4)
-    labels = torch.zeros(2, 4, dtype=torch.long)
+    labels = torch.full((2, 4), 4, dtype=torch.long)  # out of range: the model raises
     with pytest.raises(OptmemInputError) as err:
         extract_program(net, (x,), {"labels": labels})
     message = str(err.value)

@@ -47,9 +47,18 @@ from torch.utils._pytree import tree_flatten
 
 from optmem.errors import OptmemInputError
 from optmem.pytorch.attention import elide_constant_masks
+from optmem.pytorch.branches import (
+    IntermediateBranch,
+    branch_location,
+    explain_value_asserts,
+    is_value_assert,
+    real_values,
+    value_branches,
+)
 from optmem.pytorch.context import SideInputs, side_inputs
 from optmem.pytorch.custom_functions import opaque_functions, refuse_functions, restore_functions
 from optmem.pytorch.graphcut import (
+    CHAIN,
     Cut,
     GraphStage,
     OutputLayout,
@@ -354,6 +363,9 @@ class Extraction:
     """For a graph exported with dynamic sizes (:func:`export_dynamic`): whether a call's
     inputs meet the graph's size constraints (``None``: the graph is specialised to the
     sizes of the call it was extracted from)."""
+    value_branches: tuple[str, ...] = field(default=(), compare=False)
+    """Where the forward branches on tensor values (``file:line (`code`)``): the graph holds
+    the sample's side of each and asserts it at every call (:mod:`optmem.pytorch.branches`)."""
 
     def flatten(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         """The call's inputs in the graph's placeholder order."""
@@ -517,8 +529,10 @@ _RAISED_AT = re.compile(r'The following call raised this error:\s*\n\s*File "([^
 def data_dependent_branch(exc: BaseException) -> str | None:
     r"""Where ``torch.export`` met a branch on a tensor's value: ``file:line (`code`)``.
 
-    ``None`` unless ``exc`` is such a failure (``GuardOnDataDependentSymNode``, e.g. HF's
-    ``if labels.max() >= vocab_size: raise``) naming the user's line.
+    ``None`` unless ``exc`` is such a failure naming the user's line: a
+    ``GuardOnDataDependentSymNode`` export could not resolve even with the sample's values
+    (the sample's side raises: HF's ``if labels.max() >= vocab_size: raise`` on labels out
+    of range), or a branch on an intermediate value (:class:`IntermediateBranch`).
 
     Examples
     --------
@@ -531,6 +545,8 @@ def data_dependent_branch(exc: BaseException) -> str | None:
     """
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
+    if isinstance(exc, IntermediateBranch):
+        return exc.where
     if not isinstance(exc, GuardOnDataDependentSymNode):
         return None
     found = _RAISED_AT.search(str(exc))
@@ -551,6 +567,9 @@ def _program(gm: fx.GraphModule, model: nn.Module, flat: list[Any], *, method: s
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     names = tuple(p.name for p in placeholders)
     kinds = classify(gm, _chain_inputs(names, flat))
+    mid = next((n for n in gm.graph.nodes if kinds.get(n) == CHAIN and is_value_assert(n)), None)
+    if mid is not None:
+        raise IntermediateBranch(branch_location(mid) or "a line of its forward")
     cut = _cut(gm, kinds, model)
     tensor_positions = tuple(k for k, v in enumerate(flat) if isinstance(v, torch.Tensor))
     if not tensor_positions:
@@ -613,19 +632,52 @@ def _quiet_export() -> Iterator[None]:
 def _export_program(module: nn.Module, args: tuple[Any, ...],
                     kwargs: dict[str, Any], dynamic_shapes: Any = None) -> Extraction:
     name = type(module).__name__
-    with refuse_python_random(name), refuse_tensor_hooks(name), opaque_functions(name), \
-            _quiet_export():
-        ep = torch.export.export(module, args, kwargs=kwargs, strict=False,
-                                 dynamic_shapes=dynamic_shapes)
+    ep = _export(module, args, kwargs, dynamic_shapes)
     gm = ep.module()
+    explain_value_asserts(gm, name)
     restore_functions(gm)
     elide_constant_masks(gm)
     flat = list(fx_pytree.tree_flatten_spec((args, kwargs), ep.call_spec.in_spec))
     ext = _program(gm, module, flat, method="export", in_spec=ep.call_spec.in_spec,
                    out_spec=ep.call_spec.out_spec, signature=None)
+    ext.value_branches = tuple(value_branches(gm))
     if dynamic_shapes is not None:
         ext.accepts = _size_guard(gm)
     return ext
+
+
+def _export(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+            dynamic_shapes: Any) -> torch.export.ExportedProgram:
+    """``torch.export.export`` (non-strict); again with real values on a value branch.
+
+    A forward that branches on a tensor's value stops the first export; the second takes
+    the sample's side of each such branch and asserts it at run time
+    (:mod:`optmem.pytorch.branches`). The first failure is raised if the second fails too.
+    """
+    name = type(module).__name__
+
+    def run() -> torch.export.ExportedProgram:
+        with refuse_python_random(name), refuse_tensor_hooks(name), \
+                opaque_functions(name), _quiet_export():
+            return torch.export.export(module, args, kwargs=kwargs, strict=False,
+                                       dynamic_shapes=dynamic_shapes)
+
+    try:
+        return run()
+    except Exception as exc:
+        from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+        if not isinstance(exc, GuardOnDataDependentSymNode):
+            raise
+        try:
+            with real_values():
+                ep = run()
+        except Exception:  # noqa: BLE001 - the first failure says what the model does
+            raise exc from None
+        _log.info("optmem: %s branches on tensor values at %s: exported with the sample's "
+                  "side of each, asserted at every call", name,
+                  "; ".join(value_branches(ep.graph_module)))
+        return ep
 
 
 def export_dynamic(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],

@@ -38,6 +38,7 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from optmem.pytorch.branches import is_value_assert
 from optmem.pytorch.context import SideInputs, current_side_inputs
 from optmem.pytorch.custom_functions import is_opaque_call
 
@@ -97,7 +98,9 @@ def _is_dropped(node: fx.Node) -> bool:
     if node.op != "call_function":
         return False
     name = _target_name(node)
-    return name.startswith("_assert") or name.startswith("sym_constrain_range")
+    if name.startswith("_assert"):
+        return not is_value_assert(node)  # a size assertion (checked before the call)
+    return name.startswith("sym_constrain_range")
 
 
 def written_args(node: fx.Node, root: nn.Module) -> list[fx.Node]:
@@ -573,10 +576,15 @@ class SideProgram(nn.Module):
 
 def build_side_program(gm: fx.GraphModule, model: nn.Module | None,
                        kinds: dict[fx.Node, str], needed: Iterable[fx.Node]) -> SideProgram:
-    """The side nodes that stages or the output read, plus side nodes that write state."""
+    """The side nodes that stages or the output read, plus side nodes that write state.
+
+    Value assertions that read side values only (a check on the labels) run here too,
+    before any stage (:mod:`optmem.pytorch.branches`).
+    """
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     wanted = {n for n in needed if kinds.get(n) == SIDE and n.op != "placeholder"}
-    effects = [n for n in gm.graph.nodes if kinds.get(n) == SIDE and written_args(n, gm)]
+    effects = [n for n in gm.graph.nodes if kinds.get(n) == SIDE
+               and (written_args(n, gm) or is_value_assert(n))]
     keep: set[fx.Node] = set()
     stack = list(wanted) + effects
     while stack:

@@ -43,6 +43,18 @@ recompute more than the call needs). When export specialises the sizes or fails,
 is exported again, as with ``dynamic=False``. A new size is profiled and solved by the rank
 that makes the call, not by rank 0 for every rank (data-parallel ranks see different lengths
 at one step; their gradients do not depend on the plan). Not under FSDP2.
+
+**Value branches.** A forward that branches on a tensor's value (a check on the labels,
+``if mask.any():``) is exported with the sample's side of each branch, asserted at every
+call (:mod:`optmem.pytorch.branches`). A call whose *input* values take another side fails
+those assertions before any stage runs; it runs the plan of an earlier call of its
+signature whose assertions it meets, or is extracted, profiled and solved on its own
+values (by the rank that makes it) and kept beside the first. If that extraction fails (the
+model raises on these values: labels out of range), the call runs the model itself, which
+raises its own error; after :data:`MAX_BRANCH_FAILURES` such failures a plan stops trying.
+A branch on an intermediate value (``if (hidden > 100).any():``) is asserted in the stage
+that computes it, mid-step: a call taking its other side raises a ``RuntimeError`` naming
+the model's line. Under FSDP2 every other side raises so.
 """
 
 from __future__ import annotations
@@ -65,6 +77,7 @@ from torch.utils.hooks import RemovableHandle
 
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError
+from optmem.pytorch.branches import is_value_branch_error
 from optmem.pytorch.context import SideInputs, side_inputs
 from optmem.pytorch.execute import (
     CompileRequest,
@@ -91,6 +104,9 @@ __all__ = ["MAX_VARIANTS", "PLAIN_PEAK", "USE_CACHE_WARNING", "PlannedModule", "
            "leaves_no_trace", "plan_stages", "with_plain_peak"]
 
 MAX_VARIANTS = 8
+MAX_BRANCH_FAILURES = 3
+"""Failed extractions of other sides of value branches after which a variant stops trying
+(its calls that take other sides then run the model itself; *Value branches*)."""
 MAX_SIZE_VARIANTS = 32
 """Plans kept per family of calls that differ in tensor sizes only (see *Sizes*)."""
 SIZE_SLACK = 1.25
@@ -253,6 +269,9 @@ class _Variant:
     result: Result
     executor: nn.Module
     limit: int | None = None  # the memory limit (bytes) the plan was solved for, if any
+    # the same call with other sides of value branches (*Value branches*), newest last
+    branches: list[_Variant] = field(default_factory=list)
+    branch_failures: int = 0  # calls of other sides whose extraction failed
 
     @property
     def plain_peak(self) -> int | None:
@@ -620,10 +639,65 @@ class PlannedModule(nn.Module):
         assert ext is not None
         ext.rebind()
         flat = ext.flatten(args, kwargs)
-        ctx = ext.side_inputs(flat)
+        try:
+            ctx = ext.side_inputs(flat)
+        except RuntimeError as exc:
+            if not is_value_branch_error(exc):
+                raise
+            if self._sharded():
+                raise  # every rank must run the stages FSDP2 sharded: the message says why
+            found = self._branch_variant(variant, args, kwargs)
+            if found is None:  # the model's own way for these values (its error, if any)
+                return self._optmem_module(*args, **kwargs)
+            variant, flat, ctx = found
+            ext = variant.extraction
+            assert ext is not None
         with side_inputs(ctx):
             out = _run_executor(variant.executor, ext.chain_input(flat), compiled)
         return ext.output.assemble(out, ctx)
+
+    def _branch_variant(self, variant: _Variant, args: tuple[Any, ...],
+                        kwargs: dict[str, Any]) -> tuple[_Variant, list[Any], Any] | None:
+        """The plan of a call whose input values take another side of a value branch.
+
+        ``variant``'s side-input program asserts the sample's side of every branch that
+        reads inputs only (*Value branches*), before any stage runs. The call runs the
+        first plan extracted for the same signature whose assertions its values meet;
+        otherwise it is extracted on its own values (by this rank: ranks see different
+        batches), profiled and solved, and kept (the last :data:`MAX_VARIANTS`). ``None``
+        when that extraction fails: the call then runs the model itself, which takes
+        the branch its own way (and raises its own error on invalid input, such as labels
+        out of range).
+        """
+        for other in reversed(variant.branches):
+            ext = other.extraction
+            assert ext is not None
+            ext.rebind()
+            flat = ext.flatten(args, kwargs)
+            try:
+                return other, flat, ext.side_inputs(flat)
+            except RuntimeError as exc:
+                if not is_value_branch_error(exc):
+                    raise
+        name = type(self._optmem_module).__name__
+        if variant.branch_failures >= MAX_BRANCH_FAILURES:
+            return None
+        _log.info("optmem: %s called with values that take another side of a branch: "
+                  "extracting, profiling and solving them", name)
+        try:
+            other = self._new_variant(args, kwargs, None, local=True)
+        except OptmemInputError as exc:
+            variant.branch_failures += 1
+            _log.info("optmem: %s runs this call itself (%s)%s", name, exc,
+                      "; later calls of other sides too, without trying to extract them"
+                      if variant.branch_failures >= MAX_BRANCH_FAILURES else "")
+            return None
+        variant.branches.append(other)
+        del variant.branches[:-MAX_VARIANTS]
+        ext = other.extraction
+        assert ext is not None
+        flat = ext.flatten(args, kwargs)
+        return other, flat, ext.side_inputs(flat)
 
     def _warn_functorch(self) -> None:
         if not self.__dict__.get("_functorch_warned"):
@@ -692,9 +766,13 @@ class PlannedModule(nn.Module):
         """
         if not self._profile.dynamic or self._plain or self._profile.adjust_chain is not None:
             return False
+        return not self._sharded()
+
+    def _sharded(self) -> bool:
+        """Whether FSDP2 shards the model or the main plan's stages."""
         from optmem.pytorch.process_groups import is_fsdp_module
 
-        return not is_fsdp_module(self._optmem_module) and not any(
+        return is_fsdp_module(self._optmem_module) or any(
             is_fsdp_module(st.module) for st in self._main.stages)
 
     def _plain_variant(self, x: Any) -> _Variant:

@@ -1,0 +1,141 @@
+"""Branches on tensor values: exported with the sample's side, checked at every call.
+
+A forward that branches on a tensor's *value* (``if labels.max() >= vocab: raise``,
+``assert torch.all(ids >= 0).item()``, Longformer's ``if is_global_attn:``) cannot be held
+in one graph: ``torch.export`` stops with a data-dependent guard. Exported again with
+real-tensor propagation (``torch._functorch.config.fake_tensor_propagate_real_tensors``, the
+mechanism of ``torch.export.draft_export``), each such branch takes the side the sample
+takes, and the graph gets a runtime assertion (``aten._assert_scalar``) that the value
+still leads there. optmem keeps those assertions in the side-input program (run before
+any stage), so a call whose values take the other side raises instead of silently running
+the sample's side. Their messages name the model's line (:func:`explain_value_asserts`).
+Only branches on the call's *inputs* are accepted (their assertions run before any stage,
+so the wrapper can pick or extract a plan for the other side); a branch on an intermediate
+value is refused at extraction (:class:`IntermediateBranch`).
+Shape assertions of dynamic sizes are not value assertions: optmem checks sizes before
+the call (``Extraction.accepts``) and drops them, as before.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import fx
+
+__all__ = ["BRANCH_MARK", "IntermediateBranch", "branch_location", "explain_value_asserts",
+           "is_value_assert", "is_value_branch_error", "real_values", "value_branches"]
+
+#: Start of the message of every value assertion optmem keeps (:func:`is_value_branch_error`).
+BRANCH_MARK = "optmem: this call's tensor values take the other side of a branch"
+
+_SCALAR_READS = ("item", "_local_scalar_dense")
+
+
+def _name(node: fx.Node) -> str:
+    target = node.target
+    name = getattr(target, "__name__", None) or str(target)
+    return name.split(".")[0] if isinstance(target, torch._ops.OpOverload) else name
+
+
+def _is_assert(node: fx.Node) -> bool:
+    return node.op == "call_function" and _name(node) in ("_assert_scalar", "_assert_async")
+
+
+def _reads_a_value(node: fx.Node) -> bool:
+    """Whether ``node``'s symbolic value comes from a tensor's value (``item``)."""
+    seen: set[fx.Node] = set()
+    stack = list(node.all_input_nodes)
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "call_function" and _name(n) in _SCALAR_READS:
+            return True
+        value = n.meta.get("val")
+        if isinstance(value, torch.Tensor) or n.op in ("placeholder", "get_attr"):
+            continue  # a tensor or an input: its sizes are not values
+        stack.extend(n.all_input_nodes)
+    return False
+
+
+def is_value_assert(node: fx.Node) -> bool:
+    """Whether ``node`` asserts a branch on a tensor's value (kept), not on a size (dropped).
+
+    ``_assert_async`` checks a tensor, so always a value; ``_assert_scalar`` when its
+    condition reads a tensor's value through ``item`` (an unbacked symbol).
+    """
+    if not _is_assert(node):
+        return False
+    return _name(node) == "_assert_async" or _reads_a_value(node)
+
+
+def branch_location(node: fx.Node) -> str:
+    """``file:line (`code`)`` of the model's line that made ``node``, or ``""``."""
+    trace = node.meta.get("stack_trace") or ""
+    lines = [ln for ln in trace.strip().splitlines() if ln.strip()]
+    for k in range(len(lines) - 1, -1, -1):
+        line = lines[k].strip()
+        if line.startswith('File "'):
+            path, _, rest = line[len('File "'):].partition('", line ')
+            number = rest.split(",")[0]
+            code = lines[k + 1].strip() if k + 1 < len(lines) else ""
+            return f"{os.path.basename(path)}:{number} (`{code}`)"
+    return ""
+
+
+def value_branches(gm: fx.GraphModule) -> list[str]:
+    """Where the model branches on tensor values, one entry per line, in graph order."""
+    return list(dict.fromkeys(branch_location(n) or "an unknown line" for n in gm.graph.nodes
+                              if is_value_assert(n)))
+
+
+def explain_value_asserts(gm: fx.GraphModule, model: str) -> None:
+    """Give each value assertion of ``gm`` a message naming ``model``'s line and the fix."""
+    for node in gm.graph.nodes:
+        if not is_value_assert(node) or _name(node) != "_assert_scalar":
+            continue
+        where = branch_location(node) or "a line of its forward"
+        node.args = (node.args[0], (
+            f"{BRANCH_MARK} of {model}'s forward at {where} than the sample it was wrapped "
+            "with; optmem's graph of this call holds the sample's side only (a graph cannot "
+            "branch on values). The model itself would take the other side here (e.g. raise "
+            "its own error on invalid labels). Wrap it with a sample whose values take "
+            "this side, or call it without the input that leads to the branch"))
+    gm.recompile()
+
+
+class IntermediateBranch(Exception):  # noqa: N818 - named for what the model does
+    """The forward branches on the value of an intermediate tensor (not an input's).
+
+    Its assertion would run mid-step, in the stage computing the value, and a call taking
+    the other side would fail half-way through a training step. Such branches (a router
+    looping over the experts hit, ``int(hidden.sum())``) usually change from batch to
+    batch, so the extraction refuses them instead, naming the line (:attr:`where`).
+    """
+
+    def __init__(self, where: str) -> None:
+        super().__init__(f"branches on the value of an intermediate tensor at {where}")
+        self.where = where
+
+
+def is_value_branch_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is a value assertion of an optmem graph failing (see above)."""
+    return isinstance(exc, RuntimeError) and BRANCH_MARK in str(exc)
+
+
+@contextmanager
+def real_values() -> Iterator[None]:
+    """Within: ``torch.export`` resolves value branches with the sample's real values.
+
+    Each such branch then takes the sample's side and becomes a runtime assertion of the
+    graph instead of a ``GuardOnDataDependentSymNode`` error; export runs the model on
+    real tensors beside the fake ones (the caller restores buffers and the RNG).
+    """
+    import torch._functorch.config as functorch_config
+
+    with functorch_config.patch(fake_tensor_propagate_real_tensors=True):
+        yield
