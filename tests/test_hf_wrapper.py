@@ -771,12 +771,19 @@ def test_hf_gradient_checkpointing_left_on_is_named_in_the_hook_warning():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_a_call_with_every_hidden_state_is_one_error_naming_the_cause():
-    """``output_hidden_states=True`` returns every layer's output: no single-tensor cut is
-    left. The error names that cause and no option the wrapper does not take. Before, it
-    advised ``allow_single=True``, which ``op.checkpoint`` refuses (a TypeError)."""
+def test_a_call_with_every_hidden_state_carries_them_to_the_end():
+    """``output_hidden_states=True`` returns every layer's output, so no single tensor
+    crosses between layers. Until 2026-11-30 the call was one error ("no chain found");
+    now the returned hidden states are carried beside the boundaries
+    (``graphcut.long_lived``), the call is planned, and its outputs and gradients are
+    the plain model's, bit for bit."""
     model, sample = llama()
     cmodel = op.checkpoint(model, sample, "70%", repeats=1, warmup=0, fast_path=False)
-    with pytest.raises(OptmemInputError, match="output_hidden_states=True") as info:
-        cmodel(**sample, output_hidden_states=True)
-    assert "pass allow_single" not in str(info.value)
+    kwargs = {**sample, "output_hidden_states": True}
+    got, ref = step(cmodel, model, kwargs, seed=1), step(model, model, kwargs, seed=1)
+    assert_same(got, ref)
+    assert len(got[0].hidden_states) == len(ref[0].hidden_states) == 3
+    assert all(torch.equal(a, b) for a, b in zip(got[0].hidden_states, ref[0].hidden_states,
+                                                 strict=True))
+    variant = next(v for k, v in cmodel._variants.items() if k != cmodel._main_key)
+    assert variant.extraction is not None and len(variant.stages) > 1

@@ -245,15 +245,25 @@ def _item(k: int) -> Callable[[fx.Graph, fx.Node], fx.Node]:
     return make
 
 
+def _boundary_inputs(boundary: fx.Node, carried: list[fx.Node]
+                     ) -> dict[fx.Node, Callable[[fx.Graph, fx.Node], fx.Node]]:
+    """What a stage reads from its input: the boundary, or the tuple ``(boundary, *carried)``."""
+    if not carried:
+        return {boundary: _whole}
+    return {v: _item(k) for k, v in enumerate([boundary, *carried])}
+
+
 def _graph_stages(gm: fx.GraphModule, model: nn.Module | None, cut: Cut,
                   first_inputs: dict[fx.Node, Callable[[fx.Graph, fx.Node], fx.Node]],
                   detailed: bool) -> list[Stage]:
     stages: list[Stage] = []
     last = len(cut.stages) - 1
+    carried = cut.carried or [[] for _ in cut.boundaries]
     for s, nodes in enumerate(cut.stages):
         inputs: dict[fx.Node, Callable[[fx.Graph, fx.Node], fx.Node]] = (
-            first_inputs if s == 0 else {cut.boundaries[s - 1]: _whole})
-        returns = cut.boundaries[s] if s < last else (
+            first_inputs if s == 0 else _boundary_inputs(cut.boundaries[s - 1], carried[s - 1]))
+        returns: Any = (cut.boundaries[s], *carried[s]) if s < last and carried[s] else (
+            cut.boundaries[s] if s < last else
             tuple(cut.outputs) if len(cut.outputs) > 1 else cut.outputs[0])
         built = build_stage_graph(nodes, cut.kinds, inputs, returns)
         stages.append(Stage(_segment_name(nodes, detailed), make_stage(gm, model, built)))
@@ -431,9 +441,8 @@ def extract_program(module: nn.Module, args: tuple[Any, ...] = (),
 
 
 def _single_stage_message(module: nn.Module) -> str:
-    return (f"no chain found in {type(module).__name__}: its graph has no single-tensor cut "
-            "point (every layer's output is returned, as with output_hidden_states=True, or "
-            "a value such as the input is used again at the very end), so it is one stage "
+    return (f"no chain found in {type(module).__name__}: its graph has no cut point (a "
+            "value such as the input is used again at the very end), so it is one stage "
             "and checkpointing cannot save memory. Call it without such outputs, or split it "
             "into an nn.Sequential of blocks or a list of stage modules "
             "(extract_stages/extract_program accept a single stage with allow_single=True)")

@@ -43,7 +43,7 @@ from optmem.pytorch.context import SideInputs, current_side_inputs
 from optmem.pytorch.custom_functions import is_opaque_call
 
 __all__ = ["CHAIN", "DROP", "SIDE", "STATE", "Cut", "GraphStage", "SideProgram", "classify",
-           "cut_graph"]
+           "cut_graph", "long_lived"]
 
 STATE, SIDE, CHAIN, DROP = "state", "side", "chain", "drop"
 _SOURCE, _SINK = "__optmem_source__", "__optmem_sink__"
@@ -241,20 +241,30 @@ class Cut:
     boundaries
         ``boundaries[k]`` is the node whose value goes from stage ``k`` to stage ``k + 1``.
     outputs
-        The chain nodes the model returns (all computed by the last stage).
+        The chain nodes the model returns (computed by the last stage, or carried to it).
     kinds
         The role of every node.
+    carried
+        ``carried[k]``: the long-lived values that cross boundary ``k`` beside
+        ``boundaries[k]`` (:func:`long_lived`); the value between stages ``k`` and ``k + 1``
+        is then the tuple ``(boundaries[k], *carried[k])``. Empty lists for a plain chain.
     """
 
     stages: list[list[fx.Node]]
     boundaries: list[fx.Node]
     outputs: list[fx.Node]
     kinds: dict[fx.Node, str]
+    carried: list[list[fx.Node]] = field(default_factory=list)
 
 
 def _dataflow(order: list[fx.Node], kinds: dict[fx.Node, str],
-              outputs: Iterable[fx.Node]) -> nx.DiGraph:
-    """The chain's data-flow graph with a source before the inputs and a sink after outputs."""
+              outputs: Iterable[fx.Node], carried: set[fx.Node] | None = None) -> nx.DiGraph:
+    """The chain's data-flow graph with a source before the inputs and a sink after outputs.
+
+    Edges out of ``carried`` values are left out: they reach their readers beside the
+    boundaries (:func:`long_lived`), so they do not keep a cut from dominating.
+    """
+    carried = carried or set()
     graph = nx.DiGraph()
     graph.add_node(_SOURCE)
     previous: Any = _SOURCE
@@ -262,7 +272,7 @@ def _dataflow(order: list[fx.Node], kinds: dict[fx.Node, str],
         if kinds.get(node) != CHAIN:
             continue
         graph.add_node(node)
-        preds = [a for a in node.all_input_nodes if kinds.get(a) == CHAIN]
+        preds = [a for a in node.all_input_nodes if kinds.get(a) == CHAIN and a not in carried]
         if node.op == "placeholder":
             graph.add_edge(_SOURCE, node)
         elif preds:
@@ -272,7 +282,7 @@ def _dataflow(order: list[fx.Node], kinds: dict[fx.Node, str],
             graph.add_edge(previous, node)
         previous = node
     graph.add_node(_SINK)
-    graph.add_edges_from((o, _SINK) for o in outputs)
+    graph.add_edges_from((o, _SINK) for o in outputs if o not in carried)
     return graph
 
 
@@ -290,19 +300,39 @@ def _dominators_of_sink(graph: nx.DiGraph) -> list[fx.Node]:
 
 
 def cut_graph(gm: fx.GraphModule, kinds: dict[fx.Node, str]) -> Cut:
-    """Find the single-value boundaries of ``gm`` and the chain nodes of every stage."""
+    """Find the boundaries of ``gm`` and the chain nodes of every stage.
+
+    Single-value boundaries first (the dominators of the output). When the graph has
+    long-lived values (:func:`long_lived`: an encoder's output that every decoder layer
+    reads, a position bias shared by all layers, an early value the model also returns),
+    the cut that carries them beside the boundaries is taken instead if it has more
+    stages.
+    """
     order = list(gm.graph.nodes)
-    position = {n: k for k, n in enumerate(order)}
     output_node = order[-1]
     outputs = list(dict.fromkeys(n for n in _flat_nodes(output_node.args[0])
                                  if kinds.get(n) == CHAIN))
     if not outputs:
         raise ValueError("the model's output does not depend on any parameter or input "
                          "that needs a gradient")
-    graph = _dataflow(order, kinds, outputs)
+    cut = _cut_carrying(gm, order, kinds, outputs, set())
+    carried = long_lived(order, kinds, outputs)
+    if carried:
+        wide = _cut_carrying(gm, order, kinds, outputs, carried)
+        if len(wide.stages) > len(cut.stages):
+            return wide
+    return cut
+
+
+def _cut_carrying(gm: fx.GraphModule, order: list[fx.Node], kinds: dict[fx.Node, str],
+                  outputs: list[fx.Node], carried: set[fx.Node]) -> Cut:
+    """The cut of ``gm`` whose boundaries carry ``carried`` beside their own value."""
+    position = {n: k for k, n in enumerate(order)}
+    graph = _dataflow(order, kinds, outputs, carried)
     useful = nx.ancestors(graph, _SINK)
+    held = {_alias_root(v) for v in carried}
     candidates = [d for d in _dominators_of_sink(graph) if d.op != "placeholder"
-                  and _is_tensor_value(d)]
+                  and _is_tensor_value(d) and _alias_root(d) not in held]
     last_useful = max(position[n] for n in useful if n != _SOURCE)
     writes = _writes_after(order, kinds, gm)
     bounds = _drop_aliases([d for d in candidates if position[d] < last_useful
@@ -311,13 +341,83 @@ def cut_graph(gm: fx.GraphModule, kinds: dict[fx.Node, str]) -> Cut:
     bounds = _drop_returned_tail(bounds, outputs)
     stages = _assign(order, kinds, bounds, useful, position)
     while True:
-        bad = _unavailable(stages, bounds, kinds)
+        bad = _unavailable(stages, bounds, kinds, carried)
         if bad is None:
             break
         first, last = bad  # merge stages first..last: drop the boundaries between them
         bounds = bounds[:first] + bounds[last:]
         stages = _assign(order, kinds, bounds, useful, position)
-    return Cut(stages, bounds, outputs, kinds)
+    return Cut(stages, bounds, outputs, kinds, _carried_at(stages, carried, outputs))
+
+
+def _carried_at(stages: list[list[fx.Node]], carried: set[fx.Node],
+                outputs: list[fx.Node]) -> list[list[fx.Node]]:
+    """``out[k]``: the carried values made at or before stage ``k`` and read after it."""
+    stage_of = {n: s for s, nodes in enumerate(stages) for n in nodes}
+    last = len(stages) - 1
+    out: list[list[fx.Node]] = [[] for _ in range(last)]
+    for v in sorted(carried, key=lambda n: stage_of.get(n, -1)):
+        if v not in stage_of:
+            continue
+        reads = [stage_of[u] for u in v.users if u in stage_of]
+        if v in outputs:
+            reads.append(last)
+        for k in range(stage_of[v], max(reads, default=stage_of[v])):
+            out[k].append(v)
+    return out
+
+
+def _layer(node: fx.Node) -> str | None:
+    """The numbered layer a node belongs to (``model.decoder.layers.1``), if any."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    parts = str(list(stack.values())[-1][0]).split(".")
+    for k, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[:k + 1])
+    return None
+
+
+def long_lived(order: list[fx.Node], kinds: dict[fx.Node, str],
+               outputs: list[fx.Node]) -> set[fx.Node]:
+    """Chain values that live across layers, carried beside the boundaries.
+
+    A value is long-lived when two or more numbered layers other than its own read it (an
+    encoder's output read by every decoder layer's cross-attention, T5's position bias
+    made by the first layer and added by every later one), or when the model returns it
+    while another returned value depends on it (LLaVA's ``image_hidden_states``, BART's
+    ``encoder_last_hidden_state``, hidden states with ``output_hidden_states=True``).
+    With such a value no single tensor crosses between two later layers, and the whole
+    decoder is one stage; carried beside the boundaries, it lets every layer be cut.
+    Layers are read from export's module stacks (``torch.fx`` graphs have none).
+    """
+    out: set[fx.Node] = set()
+    for node in order:
+        if kinds.get(node) != CHAIN or node.op == "placeholder" or not _is_tensor_value(node):
+            continue
+        own = _layer(node)
+        readers = {_layer(u) for u in node.users if kinds.get(u) == CHAIN} - {own, None}
+        if len(readers) >= 2:
+            out.add(node)
+    returned = set(outputs)
+    for node in outputs:
+        if node.op != "placeholder" and _is_tensor_value(node) and any(
+                o is not node and node in _ancestors(o, kinds) for o in returned):
+            out.add(node)
+    return out
+
+
+def _ancestors(node: fx.Node, kinds: dict[fx.Node, str]) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        for a in n.all_input_nodes:
+            if a not in seen and kinds.get(a) == CHAIN:
+                seen.add(a)
+                stack.append(a)
+    return seen
 
 
 def _drop_returned_tail(bounds: list[fx.Node], outputs: list[fx.Node]) -> list[fx.Node]:
@@ -386,12 +486,16 @@ def _assign(order: list[fx.Node], kinds: dict[fx.Node, str], bounds: list[fx.Nod
 
 
 def _unavailable(stages: list[list[fx.Node]], bounds: list[fx.Node],
-                 kinds: dict[fx.Node, str]) -> tuple[int, int] | None:
+                 kinds: dict[fx.Node, str],
+                 carried: set[fx.Node] | None = None) -> tuple[int, int] | None:
     """A pair of stages to merge because a chain value would skip a boundary, or None."""
     stage_of = {n: s for s, nodes in enumerate(stages) for n in nodes}
+    carried = carried or set()
     for s, nodes in enumerate(stages):
         for node in nodes:
             for arg in node.all_input_nodes:
+                if arg in carried:
+                    continue  # crosses the boundaries beside them
                 if kinds.get(arg) != CHAIN or arg.op == "placeholder":
                     if arg.op == "placeholder" and kinds.get(arg) == CHAIN and s > 0:
                         return 0, s

@@ -94,10 +94,14 @@ def warn_forward_hooks(module: nn.Module) -> list[str]:
     """Warn about forward hooks and pre-hooks; return where they are.
 
     Their tensor effects are traced into the graph; their Python side effects ran once,
-    while tracing, on fake tensors.
+    while tracing, on fake tensors. HuggingFace's output-capturing hooks (transformers 5
+    installs them on a model's layers the first time a call asks for hidden states, as
+    LLaVA asks its vision tower) are not named: what they capture is returned into the
+    forward, so it is in the graph, and a user cannot remove them.
     """
     hooked = [(name, sub) for name, sub in module.named_modules()
-              if sub._forward_hooks or sub._forward_pre_hooks]
+              if any(not _hf_capture(h) for h in (*sub._forward_hooks.values(),
+                                                  *sub._forward_pre_hooks.values()))]
     where = [_where(module, name, sub) for name, sub in hooked]
     if where:
         warnings.warn(
@@ -107,6 +111,11 @@ def warn_forward_hooks(module: nn.Module) -> list[str]:
             f"tensors); if they must run every step, {_ALTERNATIVE}"
             f"{_HF_CHECKPOINTING if _has_hf_input_grad_hook(hooked) else ''}", stacklevel=3)
     return where
+
+
+def _hf_capture(hook: Any) -> bool:
+    """Whether ``hook`` is one of HuggingFace's output-capturing forward hooks."""
+    return getattr(hook, "__module__", "") == "transformers.utils.output_capturing"
 
 
 _HF_CHECKPOINTING = (". The hook is HuggingFace's, from gradient_checkpointing_enable(): "

@@ -1018,12 +1018,18 @@ def _passes_use_cache(module: nn.Module, signature: inspect.Signature) -> bool:
     model it wraps) names no ``use_cache`` but passes its keywords on to a HuggingFace
     model whose ``config.use_cache`` turns the generation cache on: its output would hold
     the cache, which ``torch.export`` cannot return. HuggingFace models read a ``use_cache``
-    keyword whenever their config has the flag.
+    keyword whenever their config has the flag. A composite model (LLaVA, PaliGemma: a
+    vision tower beside a language model) has it on its text config only
+    (``config.get_text_config()``), and takes ``use_cache`` among its ``**kwargs``.
     """
     takes_keywords = any(p.kind is inspect.Parameter.VAR_KEYWORD
                          for p in signature.parameters.values())
-    return takes_keywords and getattr(getattr(module, "config", None), "use_cache",
-                                      None) is True
+    config = getattr(module, "config", None)
+    flag = getattr(config, "use_cache", None)
+    text = getattr(config, "get_text_config", None)
+    if flag is None and callable(text):
+        flag = getattr(text(), "use_cache", None)
+    return takes_keywords and flag is True
 
 
 def _hashable(value: Any) -> Any:

@@ -1,0 +1,166 @@
+"""Boundaries that carry long-lived values (``graphcut.long_lived``).
+
+An encoder's output that every decoder layer reads, a bias the first layer makes and every
+layer adds, or an early value the model also returns: with one of them, no single tensor
+crosses between two later layers, and until 2026-11-30 the whole decoder (T5, BART,
+Whisper, LED) or the whole language model of a VLM (LLaVA, PaliGemma, which return their
+image features) was one stage. Now such values are carried beside the boundaries: the value
+between two stages is the tuple ``(boundary, *carried)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the torch bridge needs torch")
+from torch import nn  # noqa: E402
+
+import optmem.pytorch as op  # noqa: E402
+import optmem.pytorch.graphcut as graphcut  # noqa: E402
+from optmem.pytorch.context import side_inputs  # noqa: E402
+from optmem.pytorch.extract import extract_program  # noqa: E402
+from optmem.pytorch.memory import measure_training_peak, plan_allowance  # noqa: E402
+
+WIDTH = 32
+
+
+class EncDec(nn.Module):
+    """Two encoder layers, then decoder layers that each read the encoder's output."""
+
+    def __init__(self, layers: int = 3, early: bool = False) -> None:
+        super().__init__()
+        self.enc = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(2))
+        self.dec = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(layers))
+        self.cross = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(layers))
+        self.head = nn.Linear(WIDTH, 4)
+        self.early = early
+
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor, labels: torch.Tensor) -> Any:
+        memory = src
+        for lin in self.enc:
+            memory = torch.tanh(lin(memory))
+        h = tgt
+        for lin, cross in zip(self.dec, self.cross, strict=True):
+            h = torch.tanh(lin(h) + cross(memory))
+        loss = nn.functional.cross_entropy(self.head(h), labels)
+        return (loss, memory) if self.early else loss
+
+
+def _sample(seed: int = 0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(8, WIDTH, generator=g), torch.randn(8, WIDTH, generator=g),
+            torch.randint(0, 4, (8,), generator=g))
+
+
+def _grads(model: nn.Module, loss: torch.Tensor) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    out = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def test_the_encoders_output_is_carried_and_every_decoder_layer_is_a_stage(monkeypatch):
+    torch.manual_seed(0)
+    model = EncDec()
+    ext = extract_program(model, _sample())
+    names = [st.name for st in ext.stages]
+    assert sum(name.startswith(("dec", "cross")) for name in names) >= 6  # 3 layers, 2 each
+    monkeypatch.setattr(graphcut, "long_lived", lambda *a: set())  # the cut before
+    before = extract_program(model, _sample())
+    assert len(ext.stages) > len(before.stages)
+    # the tuple between two decoder stages holds the encoder's output
+    flat = ext.flatten(_sample(), {})
+    with side_inputs(ext.side_inputs(flat)):
+        value = ext.chain_input(flat)
+        tuples = 0
+        for stage in ext.stages[:-1]:
+            value = stage.module(value)
+            tuples += isinstance(value, tuple) and len(value) == 2
+    assert tuples >= 6  # every boundary between decoder stages
+
+
+def test_a_plan_over_carried_boundaries_gives_the_models_gradients_within_the_limit():
+    torch.manual_seed(0)
+    model = EncDec(layers=4)
+    cmodel = op.checkpoint(model, _sample(), memory_limit="70%", repeats=1, warmup=0,
+                           fast_path=False)
+    assert any(o.startswith(("F_ck", "F_none")) for o in cmodel.result.plan), "no re-run"
+    for seed in (1, 2):
+        args = _sample(seed)
+        got, ref = cmodel(*args), model(*args)
+        assert torch.equal(got, ref)
+        for a, b in zip(_grads(model, got), _grads(model, ref), strict=True):
+            assert torch.equal(a, b)
+    limit = int(0.7 * cmodel.chain.store_all_peak())
+    allowance = plan_allowance(cmodel.chain, cmodel.result.plan, list(cmodel.stages))
+    args = _sample(3)
+    real = measure_training_peak(lambda: cmodel(*args).backward(), model, list(args))
+    assert real <= limit + allowance, (real, limit, allowance)
+
+
+def test_an_early_returned_value_is_returned_and_its_gradient_flows():
+    """A loss on the early value (the encoder's output, returned) reaches the encoder
+    through the carried boundaries, as in the plain model."""
+    torch.manual_seed(0)
+    model = EncDec(layers=3, early=True)
+    cmodel = op.checkpoint(model, _sample(), memory_limit="70%", repeats=1, warmup=0,
+                           fast_path=False)
+    assert cmodel.chain.length >= 5
+    args = _sample(1)
+    (loss, memory), (ref_loss, ref_memory) = cmodel(*args), model(*args)
+    assert torch.equal(loss, ref_loss) and torch.equal(memory, ref_memory)
+    assert memory.requires_grad
+    got = _grads(model, loss + memory.square().mean())
+    ref = _grads(model, ref_loss + ref_memory.square().mean())
+    assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+
+
+def test_a_plain_decoder_only_chain_is_unchanged():
+    """Values read by one later layer only (the residual stream) are not carried."""
+    from hf_helpers import gpt2
+
+    transformers = pytest.importorskip("transformers",
+                                       reason="the HF tests need transformers (dev extra)")
+    assert transformers is not None
+    model, sample = gpt2()
+    ext = extract_program(model, (), {**sample, "use_cache": False})
+    assert all(not carried for carried in _cut_of(model, sample).carried)
+    assert len(ext.stages) >= 8
+
+
+def _cut_of(model: nn.Module, sample: dict[str, Any]) -> graphcut.Cut:
+    ep = torch.export.export(model, (), kwargs={**sample, "use_cache": False}, strict=False)
+    gm = ep.module()
+    kinds = graphcut.classify(gm, set())
+    return graphcut.cut_graph(gm, kinds)
+
+
+def test_hf_llava_is_cut_layer_by_layer_and_its_capture_hooks_are_not_warned_about(
+        monkeypatch):
+    """LLaVA returns its image features beside the loss: before, its language model was
+    one stage (2 stages in all, no plan below the store-all peak). Transformers installs
+    output-capturing hooks on the vision tower at the first call; they are traced
+    correctly, so wrapping after a plain call warns about no hook."""
+    pytest.importorskip("transformers", reason="the HF tests need transformers (dev extra)")
+    import warnings
+
+    from hf_helpers import assert_same, step
+    from test_hf_zoo import ZOO
+
+    model, kwargs = ZOO["llava"]()
+    model.train()
+    ref = step(model, model, kwargs, seed=5)  # installs the capture hooks
+    assert any(s._forward_hooks for s in model.modules())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning fails the wrapping
+        cmodel = op.checkpoint(model, kwargs, memory_limit="60%", repeats=1, warmup=0,
+                               fast_path=False)
+    assert cmodel.chain.length >= 8
+    assert any(o.startswith(("F_ck", "F_none")) for o in cmodel.result.plan)
+    assert_same(step(cmodel, model, kwargs, seed=5), ref)
+    monkeypatch.setattr(graphcut, "long_lived", lambda *a: set())  # the cut before
+    ext = extract_program(model, (), {**kwargs, "use_cache": False})
+    assert len(ext.stages) <= 3
