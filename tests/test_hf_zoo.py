@@ -1,4 +1,4 @@
-"""The one-liner on 34 more HuggingFace families (tiny configs, random init, no download).
+"""The one-liner on 35 more HuggingFace families (tiny configs, random init, no download).
 
 ``test_hf_models.py`` checks the five models of issue 13 in depth (autograd.grad, compile,
 autocast, state-dict round trips). This file checks that the front door reaches the
@@ -7,7 +7,7 @@ Phi, Phi-3, OPT, GPT-NeoX, GPT-J, Falcon, Bloom, Mixtral with its routed experts
 GPTBigCode, MPT, CodeGen, OLMo, Granite, StarCoder2), encoders (RoBERTa, XLM-R,
 DistilBERT, ELECTRA, ALBERT with one layer shared by all, Longformer), encoder-decoders (T5,
 BART, LED, Whisper; Longformer and LED branch on their attention mask's values,
-``optmem.pytorch.branches``), a vision-language model (LLaVA) and
+``optmem.pytorch.branches``), vision-language models (LLaVA, Gemma 3) and
 vision models (DeiT, Swin, SegFormer, MobileViT). Each is wrapped with
 ``memory_limit="60%"`` (of its profiled store-all peak) with its default dropout, and one
 training step through the executor must give the model's output type and keys, its loss
@@ -85,6 +85,23 @@ def _llava() -> tuple[Any, dict[str, Any]]:
     labels[:, :16] = -100
     g = torch.Generator().manual_seed(10)
     return model, {"input_ids": ids, "labels": labels,
+                   "pixel_values": torch.randn(BATCH, 3, 32, 32, generator=g)}
+
+
+def _gemma3_vl() -> tuple[Any, dict[str, Any]]:
+    """Gemma 3 with its SigLIP tower: its image mask is built with ``torch.vmap``."""
+    torch.manual_seed(0)
+    vision = dict(model_type="siglip_vision_model", image_size=32, patch_size=8,
+                  hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                  intermediate_size=64)
+    text = dict(model_type="gemma3_text", **DEC, num_key_value_heads=1, head_dim=16)
+    image = VOCAB - 1
+    model = T.Gemma3ForConditionalGeneration(T.Gemma3Config(
+        vision_config=vision, text_config=text, image_token_index=image,
+        mm_tokens_per_image=4, boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2))
+    ids = torch.cat([torch.full((BATCH, 4), image), _ids(3)[:, :12]], 1)
+    g = torch.Generator().manual_seed(10)
+    return model, {"input_ids": ids, "labels": ids, "token_type_ids": (ids == image).long(),
                    "pixel_values": torch.randn(BATCH, 3, 32, 32, generator=g)}
 
 
@@ -166,6 +183,7 @@ ZOO: dict[str, Callable[[], tuple[Any, dict[str, Any]]]] = {
     # output every decoder layer reads; the image features LLaVA also returns
     "whisper": _whisper,
     "llava": _llava,
+    "gemma3_vl": _gemma3_vl,  # and a torch.vmap mask (graphcut.vmap_regions)
     "deit": _image(lambda: T.DeiTForImageClassification(T.DeiTConfig(
         image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2,
         num_attention_heads=2, intermediate_size=64, num_labels=3))),

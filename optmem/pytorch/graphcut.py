@@ -43,7 +43,7 @@ from optmem.pytorch.context import SideInputs, current_side_inputs
 from optmem.pytorch.custom_functions import is_opaque_call
 
 __all__ = ["CHAIN", "DROP", "SIDE", "STATE", "Cut", "GraphStage", "SideProgram", "classify",
-           "cut_graph", "long_lived"]
+           "cut_graph", "long_lived", "vmap_regions"]
 
 STATE, SIDE, CHAIN, DROP = "state", "side", "chain", "drop"
 _SOURCE, _SINK = "__optmem_source__", "__optmem_sink__"
@@ -139,6 +139,42 @@ def _flat_nodes(value: Any) -> list[fx.Node]:
     return out
 
 
+_VMAP_OPEN, _VMAP_CLOSE = "_vmap_increment_nesting", "_vmap_decrement_nesting"
+_VMAP_LOAD = "lazy_load_decompositions"
+
+
+def vmap_regions(order: Sequence[fx.Node]) -> dict[fx.Node, tuple[int, int]]:
+    """The outermost ``torch.vmap`` region of every node inside one: ``(open, close)``.
+
+    Export traces ``torch.vmap`` (HF's mask functions, Gemma 3's image mask) into calls
+    that open and close a vmap level around the batched ops; the calls have no users, so
+    only their order ties them to the region. A region must run whole, in one program:
+    positions from ``lazy_load_decompositions`` before the first open to the last close.
+    """
+    regions: dict[fx.Node, tuple[int, int]] = {}
+    depth, start = 0, -1
+    members: list[fx.Node] = []
+    for k, node in enumerate(order):
+        name = _target_name(node) if node.op == "call_function" else ""
+        if name == _VMAP_OPEN:
+            if depth == 0:
+                start = k - 1 if k and _target_name(order[k - 1]) == _VMAP_LOAD else k
+                members = list(order[start:k])
+            depth += 1
+        if depth:
+            members.append(node)
+        if name == _VMAP_CLOSE and depth:
+            depth -= 1
+            if depth == 0:
+                regions.update((m, (start, k)) for m in members)
+    return regions
+
+
+def _is_vmap_bracket(node: fx.Node) -> bool:
+    return node.op == "call_function" and _target_name(node) in (_VMAP_OPEN, _VMAP_CLOSE,
+                                                                    _VMAP_LOAD)
+
+
 def _alias_root(node: fx.Node) -> fx.Node:
     """Follow views back to the node that owns the storage (best effort)."""
     seen = 0
@@ -212,7 +248,21 @@ def classify(gm: fx.GraphModule, chain_inputs: set[str] | None, *,
             kinds[node] = CHAIN if chain else SIDE
             continue
         kinds[node] = CHAIN if (not side or _needs_chain(node, gm, kinds)) else SIDE
+    _bracket_kinds(gm, kinds)
     return kinds
+
+
+def _bracket_kinds(gm: fx.GraphModule, kinds: dict[fx.Node, str]) -> None:
+    """Give a vmap region's open and close calls the kind of the region's ops.
+
+    They run where the ops run: with the chain if one of them is in the chain, else with
+    the side inputs (:func:`vmap_regions`).
+    """
+    regions = vmap_regions(list(gm.graph.nodes))
+    chained = {span for node, span in regions.items() if kinds.get(node) == CHAIN}
+    for node, span in regions.items():
+        if _is_vmap_bracket(node):
+            kinds[node] = CHAIN if span in chained else SIDE
 
 
 def _needs_chain(node: fx.Node, gm: fx.GraphModule, kinds: dict[fx.Node, str]) -> bool:
@@ -331,8 +381,9 @@ def _cut_carrying(gm: fx.GraphModule, order: list[fx.Node], kinds: dict[fx.Node,
     graph = _dataflow(order, kinds, outputs, carried)
     useful = nx.ancestors(graph, _SINK)
     held = {_alias_root(v) for v in carried}
+    inside = vmap_regions(order)  # a cut would split a region between two stages
     candidates = [d for d in _dominators_of_sink(graph) if d.op != "placeholder"
-                  and _is_tensor_value(d) and _alias_root(d) not in held]
+                  and _is_tensor_value(d) and _alias_root(d) not in held and d not in inside]
     last_useful = max(position[n] for n in useful if n != _SOURCE)
     writes = _writes_after(order, kinds, gm)
     bounds = _drop_aliases([d for d in candidates if position[d] < last_useful
@@ -479,7 +530,11 @@ def _assign(order: list[fx.Node], kinds: dict[fx.Node, str], bounds: list[fx.Nod
                 k += 1
             s = k
         else:  # a dead end (its value is never used): with its latest chain input
-            s = max((stage_of[a] for a in node.all_input_nodes if a in stage_of), default=k)
+            inputs = [stage_of[a] for a in node.all_input_nodes if a in stage_of]
+            if not inputs:  # none (a vmap level's open or close): where it stands
+                while k < len(cut_at) and position[node] > cut_at[k]:
+                    k += 1
+            s = max(inputs, default=k)
         stage_of[node] = s
         stages[s].append(node)
     return stages
@@ -697,6 +752,9 @@ def build_side_program(gm: fx.GraphModule, model: nn.Module | None,
             continue
         keep.add(n)
         stack.extend(a for a in n.all_input_nodes if kinds.get(a) in (SIDE, STATE))
+    regions = vmap_regions(list(gm.graph.nodes))
+    spans = {regions[n] for n in keep if n in regions}
+    keep |= {n for n, span in regions.items() if span in spans and _is_vmap_bracket(n)}
     names = [n.name for n in placeholders]
     if not keep:
         return SideProgram(None, names, [], [])
