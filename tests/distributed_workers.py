@@ -97,6 +97,21 @@ def hf_llama(seed: int = 0) -> nn.Module:
     return LlamaForCausalLM(config)
 
 
+def hf_bart(seed: int = 0) -> nn.Module:
+    """HuggingFace ``BartForConditionalGeneration``, tiny, no dropout: every decoder layer
+    reads the encoder's output, carried beside the boundaries (``graphcut.long_lived``)."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    torch.manual_seed(seed)
+    config = BartConfig(vocab_size=VOCAB, d_model=DIM, encoder_layers=2, decoder_layers=2,
+                        encoder_attention_heads=2, decoder_attention_heads=2,
+                        encoder_ffn_dim=2 * DIM, decoder_ffn_dim=2 * DIM,
+                        max_position_embeddings=CONTEXT, dropout=0.0, attention_dropout=0.0,
+                        activation_dropout=0.0, use_cache=False, pad_token_id=1,
+                        decoder_start_token_id=2, bos_token_id=0, eos_token_id=2)
+    return BartForConditionalGeneration(config)
+
+
 # name: (build, data(rows) -> (x, y), loss_fn(output, y)); loss_fn None: the model's own
 # loss, the call passing labels= (model_call)
 MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int], Any], Any]] = {
@@ -108,6 +123,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int], Any], Any]] = {
     "hf-gpt2": (hf_gpt2, gpt_data, lm_loss),
     "hf-gpt2-labels": (hf_gpt2, gpt_data, None),
     "hf-llama-labels": (hf_llama, gpt_data, None),
+    "hf-bart-labels": (hf_bart, gpt_data, None),
 }
 
 
@@ -219,7 +235,7 @@ def one_call_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     return {"grads": _grads(model), "losses": [float(v) for v in losses],
             "plan": piped.result.plan, "period": piped.result.objective,
             "stages": piped.stage_indices,
-            "gpus": [st.gpu for st in piped.plan.stages]}
+            "gpus": [st.gpu for st in piped.plan.stages], "layers": piped.chain.length}
 
 
 def ddp_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:

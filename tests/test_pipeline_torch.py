@@ -192,6 +192,18 @@ def test_one_call_on_huggingface_llama(tmp_path):
     assert sorted(ranks[0]["stages"] + ranks[1]["stages"]) == list(range(len(ranks[0]["gpus"])))
 
 
+def test_one_call_on_huggingface_bart_with_carried_boundaries(tmp_path):
+    """A tiny BartForConditionalGeneration: its decoder layers are cut with the encoder's
+    output carried beside each boundary (a tuple between stages, sent between ranks), the
+    single-process gradients on 2 ranks."""
+    pytest.importorskip("transformers", reason="the HuggingFace model needs transformers")
+    (ranks,) = check_one_call([hf_job("hf-bart-labels", "contiguous",
+                                      "model.decoder.layers.1.fc1.weight",
+                                      "model.shared.weight")], tmp_path)
+    assert ranks[0]["layers"] > 10  # 10 with the decoder in one stage (before 2026-11-30)
+    assert sorted(ranks[0]["stages"] + ranks[1]["stages"]) == list(range(len(ranks[0]["gpus"])))
+
+
 def local_plan(spec: dict, rank: int) -> tuple[str, ...]:
     """The plan ``rank`` of :func:`distributed_workers.one_call_job` would solve alone."""
     from optmem.pytorch.extract import extract_stages
