@@ -68,6 +68,7 @@ def test_the_encoders_output_is_carried_and_every_decoder_layer_is_a_stage(monke
     ext = extract_program(model, _sample())
     names = [st.name for st in ext.stages]
     assert sum(name.startswith(("dec", "cross")) for name in names) >= 6  # 3 layers, 2 each
+    assert ext.carried == ("tanh_1",)  # the encoder's output (the graph's node name)
     monkeypatch.setattr(graphcut, "long_lived", lambda *a: set())  # the cut before
     before = extract_program(model, _sample())
     assert len(ext.stages) > len(before.stages)
@@ -88,6 +89,7 @@ def test_a_plan_over_carried_boundaries_gives_the_models_gradients_within_the_li
     cmodel = op.checkpoint(model, _sample(), memory_limit="70%", repeats=1, warmup=0,
                            fast_path=False)
     assert any(o.startswith(("F_ck", "F_none")) for o in cmodel.result.plan), "no re-run"
+    assert "carried beside the boundaries (read across layers): " in cmodel.summary()
     for seed in (1, 2):
         args = _sample(seed)
         got, ref = cmodel(*args), model(*args)

@@ -125,6 +125,8 @@ def test_a_call_taking_the_other_side_gets_its_own_plan_and_the_models_gradients
         _assert_bitwise(_step(cmodel, model, args), _step(model, model, args))
     main = cmodel._main
     assert len(extractions) == 1 and len(main.branches) == 1  # the masked side, once
+    assert "branches on input values (the sample's side, checked at every call): " \
+           "test_value_branches.py:" in cmodel.summary()
     other = main.branches[0]
     assert other.extraction is not None and other.extraction is not main.extraction
     assert any(o.startswith(("F_ck", "F_none")) for o in other.result.plan)

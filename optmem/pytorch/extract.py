@@ -373,6 +373,9 @@ class Extraction:
     """For a graph exported with dynamic sizes (:func:`export_dynamic`): whether a call's
     inputs meet the graph's size constraints (``None``: the graph is specialised to the
     sizes of the call it was extracted from)."""
+    carried: tuple[str, ...] = field(default=(), compare=False)
+    """The long-lived values carried beside the boundaries (their modules), if any
+    (:func:`~optmem.pytorch.graphcut.long_lived`)."""
     value_branches: tuple[str, ...] = field(default=(), compare=False)
     """Where the forward branches on tensor values (``file:line (`code`)``): the graph holds
     the sample's side of each and asserts it at every call (:mod:`optmem.pytorch.branches`)."""
@@ -598,8 +601,11 @@ def _program(gm: fx.GraphModule, model: nn.Module, flat: list[Any], *, method: s
     needed += [n for n in _flat_graph_nodes(output_node.args[0])]
     side = build_side_program(gm, model, cut.kinds, needed)
     layout = output_layout(output_node, cut.outputs, cut.kinds, spec=out_spec)
-    return Extraction(_unique_names(stages), side, layout, method, in_spec, signature,
-                      names, tensor_positions)
+    ext = Extraction(_unique_names(stages), side, layout, method, in_spec, signature,
+                     names, tensor_positions)
+    carried = dict.fromkeys(v for held in cut.carried for v in held)
+    ext.carried = tuple(_module_path(v) or v.name for v in carried)
+    return ext
 
 
 def _flat_graph_nodes(value: Any) -> list[fx.Node]:

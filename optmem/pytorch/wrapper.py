@@ -920,6 +920,13 @@ class PlannedModule(nn.Module):
         if side:
             lines.append(f"side inputs (masks, position tables; not in the limit): "
                          f"{format_size(side)}")
+        ext = self._main.extraction
+        if ext is not None and ext.carried:
+            lines.append(f"carried beside the boundaries (read across layers): "
+                         f"{_listed(ext.carried)}")
+        if ext is not None and ext.value_branches:
+            lines.append("branches on input values (the sample's side, checked at every "
+                         f"call): {_listed(ext.value_branches)}")
         return "\n".join(lines)
 
     def _path_line(self) -> str:
@@ -951,6 +958,12 @@ class PlannedModule(nn.Module):
     def extra_repr(self) -> str:  # noqa: D102
         return f"{self._planner.kind}: {len(self.result.plan)} ops over " \
                f"{self.chain.length} stages"
+
+
+def _listed(items: Sequence[str], most: int = 3) -> str:
+    """The first ``most`` items, and how many more."""
+    more = len(items) - most
+    return "; ".join(items[:most]) + (f" (and {more} more)" if more > 0 else "")
 
 
 def _autotune_lines(record: dict[str, Any] | None, unit: str) -> list[str]:
