@@ -35,6 +35,15 @@ def reference_step(module: torch.nn.Module, x: Any, loss_fn, seed: int = 0,
     return loss.detach(), out.detach(), grads, xg
 
 
+def loss_grads(model: torch.nn.Module, loss: torch.Tensor) -> list[torch.Tensor]:
+    """The gradients of ``model``'s parameters for ``loss``, in order (``.grad`` cleared)."""
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    out = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad(set_to_none=True)
+    return out
+
+
 def tightest_result(chain: Chain, method: str = "dp", slots: int = 500) -> Result:
     """The plan at (about) the smallest limit the method accepts, after discretisation.
 

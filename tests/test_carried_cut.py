@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 torch = pytest.importorskip("torch", reason="the torch bridge needs torch")
+from pytorch_helpers import loss_grads  # noqa: E402
 from torch import nn  # noqa: E402
 
 import optmem.pytorch as op  # noqa: E402
@@ -54,14 +55,6 @@ def _sample(seed: int = 0) -> tuple[torch.Tensor, ...]:
             torch.randint(0, 4, (8,), generator=g))
 
 
-def _grads(model: nn.Module, loss: torch.Tensor) -> list[torch.Tensor]:
-    model.zero_grad(set_to_none=True)
-    loss.backward()
-    out = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad(set_to_none=True)
-    return out
-
-
 def test_the_encoders_output_is_carried_and_every_decoder_layer_is_a_stage(monkeypatch):
     torch.manual_seed(0)
     model = EncDec()
@@ -94,7 +87,7 @@ def test_a_plan_over_carried_boundaries_gives_the_models_gradients_within_the_li
         args = _sample(seed)
         got, ref = cmodel(*args), model(*args)
         assert torch.equal(got, ref)
-        for a, b in zip(_grads(model, got), _grads(model, ref), strict=True):
+        for a, b in zip(loss_grads(model, got), loss_grads(model, ref), strict=True):
             assert torch.equal(a, b)
     limit = int(0.7 * cmodel.chain.store_all_peak())
     allowance = plan_allowance(cmodel.chain, cmodel.result.plan, list(cmodel.stages))
@@ -115,8 +108,8 @@ def test_an_early_returned_value_is_returned_and_its_gradient_flows():
     (loss, memory), (ref_loss, ref_memory) = cmodel(*args), model(*args)
     assert torch.equal(loss, ref_loss) and torch.equal(memory, ref_memory)
     assert memory.requires_grad
-    got = _grads(model, loss + memory.square().mean())
-    ref = _grads(model, ref_loss + ref_memory.square().mean())
+    got = loss_grads(model, loss + memory.square().mean())
+    ref = loss_grads(model, ref_loss + ref_memory.square().mean())
     assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
 
 

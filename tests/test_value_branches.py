@@ -108,11 +108,12 @@ def test_a_branch_on_inputs_is_exported_with_the_samples_side_asserted_before_th
     assert "(`if mask.any():`)" in str(err.value)
 
 
-def test_a_call_taking_the_other_side_gets_its_own_plan_and_the_models_gradients(monkeypatch):
+def _wrapped_and_counted(monkeypatch: Any) -> tuple[nn.Module, Any, list[int]]:
+    """A wrapped :class:`Branchy` and the list its later extractions append to."""
     torch.manual_seed(0)
     model = Branchy()
     cmodel = _wrap(model)
-    extractions = []
+    extractions: list[int] = []
     real = wrapper_module.extract_program
 
     def counted(*args: Any, **kwargs: Any) -> Any:
@@ -120,6 +121,11 @@ def test_a_call_taking_the_other_side_gets_its_own_plan_and_the_models_gradients
         return real(*args, **kwargs)
 
     monkeypatch.setattr(wrapper_module, "extract_program", counted)
+    return model, cmodel, extractions
+
+
+def test_a_call_taking_the_other_side_gets_its_own_plan_and_the_models_gradients(monkeypatch):
+    model, cmodel, extractions = _wrapped_and_counted(monkeypatch)
     for seed, masked in [(1, False), (2, True), (3, False), (4, True), (5, True)]:
         args = _call(seed, masked=masked)
         _assert_bitwise(_step(cmodel, model, args), _step(model, model, args))
@@ -135,17 +141,7 @@ def test_a_call_taking_the_other_side_gets_its_own_plan_and_the_models_gradients
 
 
 def test_invalid_labels_raise_the_models_own_error_and_stop_being_extracted(monkeypatch):
-    torch.manual_seed(0)
-    model = Branchy()
-    cmodel = _wrap(model)
-    extractions = []
-    real = wrapper_module.extract_program
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        extractions.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(wrapper_module, "extract_program", counted)
+    model, cmodel, extractions = _wrapped_and_counted(monkeypatch)
     for _ in range(wrapper_module.MAX_BRANCH_FAILURES + 2):
         with pytest.raises(ValueError, match="labels out of range") as err:
             cmodel(*_call(1, labels=CLASSES))

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 torch = pytest.importorskip("torch", reason="the torch bridge needs torch")
+from pytorch_helpers import loss_grads  # noqa: E402
 from torch import nn  # noqa: E402
 
 import optmem.pytorch as op  # noqa: E402
@@ -44,14 +45,6 @@ class VmapMask(nn.Module):
         return h.square().mean()
 
 
-def _grads(model: nn.Module, loss: torch.Tensor) -> list[torch.Tensor]:
-    model.zero_grad(set_to_none=True)
-    loss.backward()
-    out = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad(set_to_none=True)
-    return out
-
-
 @pytest.mark.parametrize("chain_vmap", [False, True])
 def test_a_vmapped_mask_and_a_vmapped_layer_run_whole_and_give_the_models_gradients(
         chain_vmap: bool) -> None:
@@ -66,7 +59,7 @@ def test_a_vmapped_mask_and_a_vmapped_layer_run_whole_and_give_the_models_gradie
         got, ref = cmodel(y), model(y)
         assert torch.equal(got, ref)
         assert all(torch.equal(a, b) for a, b in
-                   zip(_grads(model, got), _grads(model, ref), strict=True))
+                   zip(loss_grads(model, got), loss_grads(model, ref), strict=True))
 
 
 def test_the_side_program_holds_the_masks_region_and_no_stage_splits_one():
