@@ -172,7 +172,8 @@ def run_jobs(rank: int, world: int, jobs: list[dict[str, Any]], out_dir: str) ->
     torch.set_num_threads(1)
     kinds = {"pipeline": pipeline_job, "one_call": one_call_job, "ddp": ddp_job,
              "fsdp": fsdp_job, "fsdp_refusal": fsdp_refusal_job, "ddp_hf": ddp_hf_job,
-             "ddp_lengths": ddp_lengths_job, "refusals": refusals_job}
+             "ddp_lengths": ddp_lengths_job, "ddp_branches": ddp_branches_job,
+             "refusals": refusals_job}
     for k, job in enumerate(jobs):
         _save(out_dir, rank, k, kinds[job["kind"]](rank, world, job))
         dist.barrier()
@@ -325,6 +326,56 @@ def ddp_lengths_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any
         ddp(input_ids=ids, labels=ids).loss.backward()
         steps.append(_grads(model))
     return {"steps": steps, "plan": cmodel.result.plan}
+
+
+class Branchy(nn.Module):
+    """Scales by a mask only when one is set: a branch on an input's value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lins = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(4))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.lins[0](x))
+        if mask.any():
+            h = h * mask
+        for lin in self.lins[1:]:
+            h = torch.tanh(lin(h))
+        return h.square().mean()
+
+
+#: Per step, whether rank 0 and rank 1 set a mask: at step 1 rank 1 alone takes the other
+#: side of the branch, at step 2 both do, at step 3 rank 0 alone.
+MASKED = [(False, False), (False, True), (True, True), (True, False)]
+
+
+def branches_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    x = torch.randn(8, DIM, generator=g)
+    mask = (torch.rand(8, DIM, generator=g) > 0.5).float() if MASKED[step][rank] \
+        else torch.zeros(8, DIM)
+    return x, mask
+
+
+def ddp_branches_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    """DDP over ``op.checkpoint`` of :class:`Branchy`, the ranks on different sides of its
+    branch at the same step (:data:`MASKED`); the gradients after each all-reduce."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = Branchy()
+    sample = (torch.randn(8, DIM, generator=torch.Generator().manual_seed(7)),
+              torch.zeros(8, DIM))
+    cmodel = op.checkpoint(model, sample, memory_limit="70%", fast_path=False,
+                           time_model=lambda *_: (1.0, 2.0))
+    ddp = DistributedDataParallel(cmodel)
+    steps = []
+    for step in range(len(MASKED)):
+        ddp.zero_grad(set_to_none=True)
+        ddp(*branches_batch(rank, step)).backward()
+        steps.append(_grads(model))
+    return {"steps": steps, "plan": cmodel.result.plan,
+            "branches": len(cmodel._main.branches)}
 
 
 def fsdp_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:

@@ -115,3 +115,28 @@ def test_ddp_with_dynamic_padding_runs_each_ranks_lengths(tmp_path):
             assert set(data["steps"][step]) == set(means)
             for name, g in means.items():
                 torch.testing.assert_close(data["steps"][step][name], g, rtol=1e-5, atol=1e-6)
+
+
+def test_ddp_with_ranks_on_different_sides_of_a_value_branch(tmp_path):
+    """DDP over the wrapper of a model that branches on an input's value, the ranks on
+    different sides at the same step (``distributed_workers.MASKED``). A rank whose batch
+    takes the other side extracts, profiles and solves it alone (no rank waits for
+    another), and the gradients after every all-reduce are the mean of the plain model's
+    on each rank's batch."""
+    spawn(w.run_jobs, 2, [{"kind": "ddp_branches"}], str(tmp_path),
+          init_file=str(tmp_path / "rendezvous"))
+    ranks = [w.load(str(tmp_path), r, 0) for r in range(2)]
+    assert any(op.startswith(("F_none", "F_ck")) for op in ranks[0]["plan"])
+    assert ranks[0]["branches"] == ranks[1]["branches"] == 1  # the masked side, each rank
+    model = w.Branchy()
+    for step in range(len(w.MASKED)):
+        means: dict[str, torch.Tensor] = {}
+        for rank in range(2):
+            model.zero_grad(set_to_none=True)
+            model(*w.branches_batch(rank, step)).backward()
+            for name, p in model.named_parameters():
+                means[name] = means.get(name, 0) + p.grad / 2
+        for data in ranks:
+            assert set(data["steps"][step]) == set(means)
+            for name, g in means.items():
+                torch.testing.assert_close(data["steps"][step][name], g, rtol=1e-6, atol=1e-7)
