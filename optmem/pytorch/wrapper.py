@@ -52,9 +52,10 @@ signature whose assertions it meets, or is extracted, profiled and solved on its
 values (by the rank that makes it) and kept beside the first. If that extraction fails (the
 model raises on these values: labels out of range), the call runs the model itself, which
 raises its own error; after :data:`MAX_BRANCH_FAILURES` such failures a plan stops trying.
-A branch on an intermediate value (``if (hidden > 100).any():``) is asserted in the stage
-that computes it, mid-step: a call taking its other side raises a ``RuntimeError`` naming
-the model's line. Under FSDP2 every other side raises so.
+Under FSDP2 a call taking another side raises the assertion's ``RuntimeError``, naming the
+model's line. A branch on an intermediate value (``if (hidden > 100).any():``) is refused
+at extraction (:class:`~optmem.pytorch.branches.IntermediateBranch`): its assertion would
+fail mid-step.
 """
 
 from __future__ import annotations
