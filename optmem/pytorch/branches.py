@@ -26,7 +26,8 @@ import torch
 from torch import fx
 
 __all__ = ["BRANCH_MARK", "IntermediateBranch", "branch_location", "explain_value_asserts",
-           "is_value_assert", "is_value_branch_error", "real_values", "value_branches"]
+           "is_value_assert", "is_value_branch_error", "real_values", "target_name",
+           "value_branches"]
 
 #: Start of the message of every value assertion optmem keeps (:func:`is_value_branch_error`).
 BRANCH_MARK = "optmem: this call's tensor values take the other side of a branch"
@@ -34,14 +35,21 @@ BRANCH_MARK = "optmem: this call's tensor values take the other side of a branch
 _SCALAR_READS = ("item", "_local_scalar_dense")
 
 
-def _name(node: fx.Node) -> str:
+def target_name(node: fx.Node) -> str:
+    """The name of what ``node`` calls.
+
+    An aten op's name without namespace or overload (``_assert_scalar``), else the
+    callable's ``__name__``; shared with :mod:`~optmem.pytorch.graphcut`, which imports
+    this module.
+    """
     target = node.target
-    name = getattr(target, "__name__", None) or str(target)
-    return name.split(".")[0] if isinstance(target, torch._ops.OpOverload) else name
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target._schema.name.split("::")[-1])
+    return str(getattr(target, "__name__", target))
 
 
 def _is_assert(node: fx.Node) -> bool:
-    return node.op == "call_function" and _name(node) in ("_assert_scalar", "_assert_async")
+    return node.op == "call_function" and target_name(node) in ("_assert_scalar", "_assert_async")
 
 
 def _reads_a_value(node: fx.Node) -> bool:
@@ -53,7 +61,7 @@ def _reads_a_value(node: fx.Node) -> bool:
         if n in seen:
             continue
         seen.add(n)
-        if n.op == "call_function" and _name(n) in _SCALAR_READS:
+        if n.op == "call_function" and target_name(n) in _SCALAR_READS:
             return True
         value = n.meta.get("val")
         if isinstance(value, torch.Tensor) or n.op in ("placeholder", "get_attr"):
@@ -70,7 +78,7 @@ def is_value_assert(node: fx.Node) -> bool:
     """
     if not _is_assert(node):
         return False
-    return _name(node) == "_assert_async" or _reads_a_value(node)
+    return target_name(node) == "_assert_async" or _reads_a_value(node)
 
 
 def branch_location(node: fx.Node) -> str:
@@ -96,7 +104,7 @@ def value_branches(gm: fx.GraphModule) -> list[str]:
 def explain_value_asserts(gm: fx.GraphModule, model: str) -> None:
     """Give each value assertion of ``gm`` a message naming ``model``'s line and the fix."""
     for node in gm.graph.nodes:
-        if not is_value_assert(node) or _name(node) != "_assert_scalar":
+        if not is_value_assert(node) or target_name(node) != "_assert_scalar":
             continue
         where = branch_location(node) or "a line of its forward"
         node.args = (node.args[0], (

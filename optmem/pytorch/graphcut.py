@@ -38,7 +38,7 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from optmem.pytorch.branches import is_value_assert
+from optmem.pytorch.branches import is_value_assert, target_name
 from optmem.pytorch.context import SideInputs, current_side_inputs
 from optmem.pytorch.custom_functions import is_opaque_call
 
@@ -64,13 +64,6 @@ _VIEW_METHODS = {"view", "view_as", "reshape", "reshape_as", "transpose", "permu
 
 
 # ------------------------------------------------------------------ node properties
-def _target_name(node: fx.Node) -> str:
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        return str(target._schema.name.split("::")[-1])
-    return str(getattr(target, "__name__", target))
-
-
 def _module(root: nn.Module, node: fx.Node) -> nn.Module:
     return root.get_submodule(str(node.target))
 
@@ -89,7 +82,7 @@ def _is_random(node: fx.Node, root: nn.Module) -> bool:
     if node.op == "call_module":
         mod = _module(root, node)
         return isinstance(mod, nn.modules.dropout._DropoutNd | nn.RReLU)
-    return _target_name(node) in _RANDOM_NAMES
+    return target_name(node) in _RANDOM_NAMES
 
 
 def _is_dropped(node: fx.Node) -> bool:
@@ -97,7 +90,7 @@ def _is_dropped(node: fx.Node) -> bool:
         return True
     if node.op != "call_function":
         return False
-    name = _target_name(node)
+    name = target_name(node)
     if name.startswith("_assert"):
         return not is_value_assert(node)  # a size assertion (checked before the call)
     return name.startswith("sym_constrain_range")
@@ -123,7 +116,7 @@ def written_args(node: fx.Node, root: nn.Module) -> list[fx.Node]:
         name = str(target)
         inplace = name.endswith("_") and not name.endswith("__")
     elif node.op == "call_function":
-        name = _target_name(node)
+        name = target_name(node)
         inplace = (target in _INPLACE_OPERATORS or bool(node.kwargs.get("inplace", False))
                    or (name.endswith("_") and not name.endswith("__")))
     else:
@@ -155,10 +148,10 @@ def vmap_regions(order: Sequence[fx.Node]) -> dict[fx.Node, tuple[int, int]]:
     depth, start = 0, -1
     members: list[fx.Node] = []
     for k, node in enumerate(order):
-        name = _target_name(node) if node.op == "call_function" else ""
+        name = target_name(node) if node.op == "call_function" else ""
         if name == _VMAP_OPEN:
             if depth == 0:
-                start = k - 1 if k and _target_name(order[k - 1]) == _VMAP_LOAD else k
+                start = k - 1 if k and target_name(order[k - 1]) == _VMAP_LOAD else k
                 members = list(order[start:k])
             depth += 1
         if depth:
@@ -171,7 +164,7 @@ def vmap_regions(order: Sequence[fx.Node]) -> dict[fx.Node, tuple[int, int]]:
 
 
 def _is_vmap_bracket(node: fx.Node) -> bool:
-    return node.op == "call_function" and _target_name(node) in (_VMAP_OPEN, _VMAP_CLOSE,
+    return node.op == "call_function" and target_name(node) in (_VMAP_OPEN, _VMAP_CLOSE,
                                                                     _VMAP_LOAD)
 
 
@@ -195,7 +188,7 @@ def _alias_root(node: fx.Node) -> fx.Node:
             node = arg0
             continue
         if node.op == "call_function" and (target is operator.getitem
-                                           or _target_name(node) in _VIEW_METHODS):
+                                           or target_name(node) in _VIEW_METHODS):
             node = arg0
             continue
         return node
