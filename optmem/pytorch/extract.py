@@ -258,13 +258,16 @@ def _graph_stages(gm: fx.GraphModule, model: nn.Module | None, cut: Cut,
                   detailed: bool) -> list[Stage]:
     stages: list[Stage] = []
     last = len(cut.stages) - 1
-    carried = cut.carried or [[] for _ in cut.boundaries]
     for s, nodes in enumerate(cut.stages):
         inputs: dict[fx.Node, Callable[[fx.Graph, fx.Node], fx.Node]] = (
-            first_inputs if s == 0 else _boundary_inputs(cut.boundaries[s - 1], carried[s - 1]))
-        returns: Any = (cut.boundaries[s], *carried[s]) if s < last and carried[s] else (
-            cut.boundaries[s] if s < last else
-            tuple(cut.outputs) if len(cut.outputs) > 1 else cut.outputs[0])
+            first_inputs if s == 0
+            else _boundary_inputs(cut.boundaries[s - 1], cut.carried[s - 1]))
+        returns: Any
+        if s < last:  # the boundary, or the tuple (boundary, *carried)
+            returns = (cut.boundaries[s], *cut.carried[s]) if cut.carried[s] \
+                else cut.boundaries[s]
+        else:
+            returns = tuple(cut.outputs) if len(cut.outputs) > 1 else cut.outputs[0]
         built = build_stage_graph(nodes, cut.kinds, inputs, returns)
         stages.append(Stage(_segment_name(nodes, detailed), make_stage(gm, model, built)))
     return stages

@@ -297,17 +297,16 @@ class Cut:
     boundaries: list[fx.Node]
     outputs: list[fx.Node]
     kinds: dict[fx.Node, str]
-    carried: list[list[fx.Node]] = field(default_factory=list)
+    carried: list[list[fx.Node]]
 
 
 def _dataflow(order: list[fx.Node], kinds: dict[fx.Node, str],
-              outputs: Iterable[fx.Node], carried: set[fx.Node] | None = None) -> nx.DiGraph:
+              outputs: Iterable[fx.Node], carried: set[fx.Node]) -> nx.DiGraph:
     """The chain's data-flow graph with a source before the inputs and a sink after outputs.
 
     Edges out of ``carried`` values are left out: they reach their readers beside the
     boundaries (:func:`long_lived`), so they do not keep a cut from dominating.
     """
-    carried = carried or set()
     graph = nx.DiGraph()
     graph.add_node(_SOURCE)
     previous: Any = _SOURCE
@@ -444,11 +443,9 @@ def long_lived(order: list[fx.Node], kinds: dict[fx.Node, str],
         readers = {_layer(u) for u in node.users if kinds.get(u) == CHAIN} - {own, None}
         if len(readers) >= 2:
             out.add(node)
-    returned = set(outputs)
-    for node in outputs:
-        if node.op != "placeholder" and _is_tensor_value(node) and any(
-                o is not node and node in _ancestors(o, kinds) for o in returned):
-            out.add(node)
+    feeds = set().union(*(_ancestors(o, kinds) for o in outputs))  # each output once
+    out |= {node for node in outputs
+            if node in feeds and node.op != "placeholder" and _is_tensor_value(node)}
     return out
 
 
@@ -534,11 +531,9 @@ def _assign(order: list[fx.Node], kinds: dict[fx.Node, str], bounds: list[fx.Nod
 
 
 def _unavailable(stages: list[list[fx.Node]], bounds: list[fx.Node],
-                 kinds: dict[fx.Node, str],
-                 carried: set[fx.Node] | None = None) -> tuple[int, int] | None:
+                 kinds: dict[fx.Node, str], carried: set[fx.Node]) -> tuple[int, int] | None:
     """A pair of stages to merge because a chain value would skip a boundary, or None."""
     stage_of = {n: s for s, nodes in enumerate(stages) for n in nodes}
-    carried = carried or set()
     for s, nodes in enumerate(stages):
         for node in nodes:
             for arg in node.all_input_nodes:
