@@ -659,6 +659,9 @@ def _export_program(module: nn.Module, args: tuple[Any, ...],
     ext = _program(gm, module, flat, method="export", in_spec=ep.call_spec.in_spec,
                    out_spec=ep.call_spec.out_spec, signature=None)
     ext.value_branches = tuple(value_branches(gm))
+    if ext.value_branches:
+        _log.info("optmem: %s branches on tensor values at %s: exported with the sample's "
+                  "side of each, asserted at every call", name, "; ".join(ext.value_branches))
     if dynamic_shapes is not None:
         ext.accepts = _size_guard(gm)
     return ext
@@ -692,9 +695,6 @@ def _export(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                 ep = run()
         except Exception:  # noqa: BLE001 - the first failure says what the model does
             raise exc from None
-        _log.info("optmem: %s branches on tensor values at %s: exported with the sample's "
-                  "side of each, asserted at every call", name,
-                  "; ".join(value_branches(ep.graph_module)))
         return ep
 
 

@@ -636,29 +636,23 @@ class PlannedModule(nn.Module):
         variant = self._variant(args, kwargs)
         if self._fast(variant):
             return self._module_call(compiled)(*args, **kwargs)
-        ext = variant.extraction
-        assert ext is not None
-        ext.rebind()
-        flat = ext.flatten(args, kwargs)
-        try:
-            ctx = ext.side_inputs(flat)
-        except RuntimeError as exc:
-            if not is_value_branch_error(exc):
-                raise
+        sides = _side_inputs(variant, args, kwargs)
+        if isinstance(sides, RuntimeError):  # another side of a value branch
             if self._sharded():
-                raise  # every rank must run the stages FSDP2 sharded: the message says why
+                raise sides  # every rank must run the stages FSDP2 sharded: it says why
             found = self._branch_variant(variant, args, kwargs)
             if found is None:  # the model's own way for these values (its error, if any)
                 return self._optmem_module(*args, **kwargs)
-            variant, flat, ctx = found
-            ext = variant.extraction
-            assert ext is not None
+            variant, sides = found
+        flat, ctx = sides
+        ext = variant.extraction
+        assert ext is not None
         with side_inputs(ctx):
             out = _run_executor(variant.executor, ext.chain_input(flat), compiled)
         return ext.output.assemble(out, ctx)
 
-    def _branch_variant(self, variant: _Variant, args: tuple[Any, ...],
-                        kwargs: dict[str, Any]) -> tuple[_Variant, list[Any], Any] | None:
+    def _branch_variant(self, variant: _Variant, args: tuple[Any, ...], kwargs: dict[str, Any]
+                        ) -> tuple[_Variant, tuple[list[Any], SideInputs]] | None:
         """The plan of a call whose input values take another side of a value branch.
 
         ``variant``'s side-input program asserts the sample's side of every branch that
@@ -671,18 +665,12 @@ class PlannedModule(nn.Module):
         out of range).
         """
         for other in reversed(variant.branches):
-            ext = other.extraction
-            assert ext is not None
-            ext.rebind()
-            flat = ext.flatten(args, kwargs)
-            try:
-                return other, flat, ext.side_inputs(flat)
-            except RuntimeError as exc:
-                if not is_value_branch_error(exc):
-                    raise
-        name = type(self._optmem_module).__name__
+            sides = _side_inputs(other, args, kwargs)
+            if not isinstance(sides, RuntimeError):
+                return other, sides
         if variant.branch_failures >= MAX_BRANCH_FAILURES:
             return None
+        name = type(self._optmem_module).__name__
         _log.info("optmem: %s called with values that take another side of a branch: "
                   "extracting, profiling and solving them", name)
         try:
@@ -695,10 +683,10 @@ class PlannedModule(nn.Module):
             return None
         variant.branches.append(other)
         del variant.branches[:-MAX_VARIANTS]
-        ext = other.extraction
-        assert ext is not None
-        flat = ext.flatten(args, kwargs)
-        return other, flat, ext.side_inputs(flat)
+        sides = _side_inputs(other, args, kwargs)
+        if isinstance(sides, RuntimeError):  # extracted on these very values: never
+            raise sides
+        return other, sides
 
     def _warn_functorch(self) -> None:
         if not self.__dict__.get("_functorch_warned"):
@@ -959,6 +947,25 @@ class PlannedModule(nn.Module):
     def extra_repr(self) -> str:  # noqa: D102
         return f"{self._planner.kind}: {len(self.result.plan)} ops over " \
                f"{self.chain.length} stages"
+
+
+def _side_inputs(variant: _Variant, args: tuple[Any, ...], kwargs: dict[str, Any]
+                 ) -> tuple[list[Any], SideInputs] | RuntimeError:
+    """The call's flat inputs and side inputs under ``variant``'s extraction.
+
+    Or the error of a value assertion the call's values fail: another side of a branch
+    (*Value branches*).
+    """
+    ext = variant.extraction
+    assert ext is not None
+    ext.rebind()
+    flat = ext.flatten(args, kwargs)
+    try:
+        return flat, ext.side_inputs(flat)
+    except RuntimeError as exc:
+        if not is_value_branch_error(exc):
+            raise
+        return exc
 
 
 def _listed(items: Sequence[str], most: int = 3) -> str:
