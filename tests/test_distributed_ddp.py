@@ -10,6 +10,8 @@ the same way; inside DDP it is refused with a message naming the order that work
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 torch = pytest.importorskip("torch", reason="DDP needs torch")
@@ -103,18 +105,29 @@ def test_ddp_with_dynamic_padding_runs_each_ranks_lengths(tmp_path):
     ranks = [w.load(str(tmp_path), r, 0) for r in range(2)]
     assert any(op.startswith("F_none") or op.startswith("F_ck") for op in ranks[0]["plan"])
     model = w.hf_gpt2_long()
-    for step in range(len(w.LENGTHS)):
+
+    def loss(rank: int, step: int) -> torch.Tensor:
+        ids = w.lengths_batch(rank, step)
+        return model(input_ids=ids, labels=ids, use_cache=False).loss
+
+    _assert_plain_means(ranks, model, len(w.LENGTHS), loss, rtol=1e-5, atol=1e-6)
+
+
+def _assert_plain_means(ranks: list[dict], model: torch.nn.Module, steps: int,
+                        loss: Callable[[int, int], torch.Tensor], **tolerance: float) -> None:
+    """Each rank's gradients after each step's all-reduce are the mean over the two ranks
+    of the plain ``model``'s gradients of ``loss(rank, step)``."""
+    for step in range(steps):
         means: dict[str, torch.Tensor] = {}
         for rank in range(2):
             model.zero_grad(set_to_none=True)
-            ids = w.lengths_batch(rank, step)
-            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+            loss(rank, step).backward()
             for name, p in model.named_parameters():
                 means[name] = means.get(name, 0) + p.grad / 2
         for data in ranks:
             assert set(data["steps"][step]) == set(means)
             for name, g in means.items():
-                torch.testing.assert_close(data["steps"][step][name], g, rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(data["steps"][step][name], g, **tolerance)
 
 
 def test_ddp_with_ranks_on_different_sides_of_a_value_branch(tmp_path):
@@ -129,14 +142,6 @@ def test_ddp_with_ranks_on_different_sides_of_a_value_branch(tmp_path):
     assert any(op.startswith(("F_none", "F_ck")) for op in ranks[0]["plan"])
     assert ranks[0]["branches"] == ranks[1]["branches"] == 1  # the masked side, each rank
     model = w.Branchy()
-    for step in range(len(w.MASKED)):
-        means: dict[str, torch.Tensor] = {}
-        for rank in range(2):
-            model.zero_grad(set_to_none=True)
-            model(*w.branches_batch(rank, step)).backward()
-            for name, p in model.named_parameters():
-                means[name] = means.get(name, 0) + p.grad / 2
-        for data in ranks:
-            assert set(data["steps"][step]) == set(means)
-            for name, g in means.items():
-                torch.testing.assert_close(data["steps"][step][name], g, rtol=1e-6, atol=1e-7)
+    _assert_plain_means(ranks, model, len(w.MASKED),
+                        lambda rank, step: model(*w.branches_batch(rank, step)),
+                        rtol=1e-6, atol=1e-7)
