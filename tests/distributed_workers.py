@@ -9,6 +9,7 @@ far more than the runs) and saves what it computed to ``out_dir/rank{r}_job{k}.p
 from __future__ import annotations
 
 import os
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -381,8 +382,9 @@ def ddp_branches_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, An
 def fsdp_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     """``checkpoint_fsdp`` on a CPU device mesh; ``grad.full_tensor()`` of every weight.
 
-    ``{"model": "mlp" | "gpt" | "hf-gpt2", "memory_limit"}``; two iterations. ``hf-gpt2`` is
-    exported (``labels=`` in the call: the model's own loss).
+    ``{"model": "mlp" | "gpt" | "hf-gpt2" | "hf-bart", "memory_limit"}``; two iterations.
+    The HuggingFace models are exported (``labels=`` in the call: the model's own loss);
+    the warnings of the iterations are returned.
     """
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -394,11 +396,14 @@ def fsdp_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     args, kwargs, target = model_call(loss_fn, x, y)
     cmodel = checkpoint_fsdp(model, kwargs or args[0], job["memory_limit"], mesh=mesh,
                              time_model=lambda *_: (1.0, 2.0))
-    for _ in range(2):
-        cmodel.zero_grad(set_to_none=True)
-        out = cmodel(*args, **kwargs)
-        (out.loss if loss_fn is None else loss_fn(out, target)).backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            cmodel.zero_grad(set_to_none=True)
+            out = cmodel(*args, **kwargs)
+            (out.loss if loss_fn is None else loss_fn(out, target)).backward()
     return {"grads": {n: p.grad.full_tensor() for n, p in cmodel.named_parameters()},
+            "warnings": [str(c.message) for c in caught],
             "plan": cmodel.result.plan, "chain": cmodel.chain.to_dict(),
             "units": [type(m).__name__ for m in cmodel.stages],
             "keys": sorted(cmodel.state_dict())}
@@ -410,6 +415,8 @@ def _fsdp_case(name: str, world: int) -> tuple[nn.Module, tuple[torch.Tensor, to
         return residual_mlp(), mlp_data(8 * world), nn.functional.mse_loss
     if name == "gpt":
         return tiny_gpt(), gpt_data(4 * world), lm_loss
+    if name == "hf-bart":
+        return hf_bart(), gpt_data(4 * world), None
     return hf_gpt2(), gpt_data(4 * world), None
 
 

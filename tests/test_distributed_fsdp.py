@@ -61,6 +61,25 @@ def test_fsdp2_with_checkpoint_plan_of_huggingface_gpt2(tmp_path):
     assert ranks[0]["keys"] == sorted(w.hf_gpt2().state_dict())
 
 
+def test_fsdp2_with_carried_boundaries_of_huggingface_bart(tmp_path):
+    """HuggingFace BART: the encoder's output crosses every decoder boundary beside the
+    boundary's own value (``graphcut.long_lived``). The decoder layers' stages are FSDP
+    units, the plan recomputes some of them, the gradients are the single-process ones
+    (the embedding tied three ways gets three stages' contributions: equal to rounding),
+    and FSDP2 does not warn about views (it hands a unit its inputs as views, and a
+    carried value passes through: ``GraphStage.unview_outputs``)."""
+    pytest.importorskip("transformers", reason="the HuggingFace model needs transformers")
+    # between the smallest feasible limit and store-all (186124 B) of the adjusted chain
+    spawn(w.run_jobs, 2, [{"kind": "fsdp", "model": "hf-bart", "memory_limit": 120000}],
+          str(tmp_path), init_file=str(tmp_path / "rendezvous"))
+    ranks = [w.load(str(tmp_path), r, 0) for r in range(2)]
+    check_fsdp_job("hf-bart", ranks)
+    assert sum(u == "FSDPGraphStage" for u in ranks[0]["units"]) >= 10
+    assert any(op.startswith("F_none") for op in ranks[0]["plan"])
+    for data in ranks:
+        assert not [m for m in data["warnings"] if "view" in m], data["warnings"]
+
+
 def check_fsdp_job(name: str, ranks: list[dict]) -> None:
     """One plan that recomputes, the FSDP-adjusted chain, single-process gradients."""
     model, (x, y), loss_fn = w._fsdp_case(name, 2)

@@ -97,6 +97,8 @@ def fully_shard_checkpointed(cmodule: nn.Module, mesh: Any = None, **fsdp_kwargs
     held: set[nn.Parameter] = set(fsdp_kwargs.pop("ignored_params", None) or ())
     for k in sharded_stage_indices(stages):
         before = _parameter_slots(stages[k])
+        if hasattr(stages[k], "unview_outputs"):  # a graph stage: no view out of FSDP2
+            stages[k].unview_outputs = True
         fully_shard(stages[k], mesh=mesh, **fsdp_kwargs)
         held |= _point_model_at(cmodule, before, _parameter_slots(stages[k]))
     fully_shard(cmodule, mesh=mesh, ignored_params=held, **fsdp_kwargs)

@@ -557,6 +557,11 @@ class GraphStage(nn.Module):
     :func:`~optmem.pytorch.context.current_side_inputs` at each call). Parameters and
     buffers are the model's own objects (re-bound by :meth:`rebind` if the model replaces
     them).
+
+    ``unview_outputs`` (set on the stages FSDP2 shards) returns output views as aliases
+    that are not views (:func:`unviewed`): FSDP2 hands a unit its inputs as views, so a
+    value carried beside the boundaries comes out as one, and FSDP2 warns about every
+    view a unit returns.
     """
 
     def __init__(self, gm: fx.GraphModule, side_names: Sequence[str],
@@ -565,12 +570,15 @@ class GraphStage(nn.Module):
         self.gm = gm
         self.side_names = tuple(side_names)
         self._bindings = list(bindings)
+        self.unview_outputs = False
 
     def forward(self, x: Any) -> Any:  # noqa: D102 - see the class docstring
         if not self.side_names:
-            return self.gm(x)
-        ctx = current_side_inputs()
-        return self.gm(x, *[ctx[n] for n in self.side_names])
+            out = self.gm(x)
+        else:
+            ctx = current_side_inputs()
+            out = self.gm(x, *[ctx[n] for n in self.side_names])
+        return unviewed(out) if getattr(self, "unview_outputs", False) else out
 
     def rebind(self) -> None:
         """Point the stage at the model's current parameters and buffers."""
@@ -589,6 +597,33 @@ class GraphStage(nn.Module):
             return gm(x, *[ctx[n] for n in names])
 
         return run
+
+
+class _Alias(torch.autograd.Function):
+    """Identity whose output shares the input's storage without being a view of it."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:  # noqa: D102 - identity
+        return t.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # noqa: D102 - identity
+        return grad
+
+
+def unviewed(value: Any) -> Any:
+    """``value`` with each tensor that is a view replaced by an alias that is not one.
+
+    Same storage, same gradient (an identity in autograd), nothing copied.
+
+    >>> base = torch.zeros(4, requires_grad=True)
+    >>> out = unviewed((base.view(2, 2), 1))
+    >>> out[0]._base is None, out[0].data_ptr() == base.data_ptr(), out[1]
+    (True, True, 1)
+    """
+    leaves, spec = tree_flatten(value)
+    return tree_unflatten([_Alias.apply(t) if isinstance(t, torch.Tensor)
+                           and t._base is not None else t for t in leaves], spec)
 
 
 def _rebind(bindings: Sequence[tuple[nn.Module, str, nn.Module, str]]) -> None:
