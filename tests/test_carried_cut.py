@@ -159,3 +159,70 @@ def test_hf_llava_is_cut_layer_by_layer_and_its_capture_hooks_are_not_warned_abo
     monkeypatch.setattr(graphcut, "long_lived", lambda *a: set())  # the cut before
     ext = extract_program(model, (), {**kwargs, "use_cache": False})
     assert len(ext.stages) <= 3
+
+
+def _profile(model: nn.Module, monkeypatch: Any = None) -> Any:
+    """The chain ``op.checkpoint`` plans on (store-all limit)."""
+    return op.checkpoint(model, _sample(), memory_limit="100%", repeats=1, warmup=0,
+                         fast_path=False, time_model=lambda *_: (1.0, 2.0)).chain
+
+
+def test_a_value_carried_to_the_loss_is_counted_once(monkeypatch):
+    """The encoder's output crosses every decoder boundary: it is one storage, counted once
+    (with its gradient) in the overheads instead of in every boundary that holds it;
+    ``unshared_carried`` restores the per-boundary sizes exactly, and its overheads bound
+    the per-boundary profile's."""
+    from optmem.pytorch import profile
+
+    torch.manual_seed(0)
+    model = EncDec(layers=6)
+    chain = _profile(model)
+    nbytes = 8 * WIDTH * 4  # the encoder's output, and each decoder boundary
+    prof = chain.extra["profile"]
+    assert prof["carried_reserve"] == 2 * nbytes  # the value and its gradient
+    left_out = prof["carried_left_out"]
+    first = prof["carried_from"]
+    assert set(left_out[:first]) == {0} and left_out[first] == nbytes
+    assert sum(n == nbytes for n in left_out) >= 2 * 6  # the decoder stages, 2 per layer
+    assert set(left_out) == {0, nbytes}
+    assert all(chain.output_size[k] == nbytes for k, n in enumerate(left_out) if n)
+    monkeypatch.setattr(profile, "_share_carried",
+                        lambda rows: (list(rows), [0] * len(rows), 0, len(rows)))
+    before = _profile(model)  # every boundary counts it, as until 2026-11-30
+    full = profile.unshared_carried(chain)
+    assert full.output_size == before.output_size and full.saved_size == before.saved_size
+    assert all(a >= b for a, b in zip(full.fwd_overhead, before.fwd_overhead, strict=True))
+    assert all(a >= b for a, b in zip(full.bwd_overhead, before.bwd_overhead, strict=True))
+    assert chain.store_all_peak() < before.store_all_peak()
+
+
+@pytest.mark.parametrize("fraction", [0.55, 0.7, 0.85])
+def test_counting_a_carried_value_once_keeps_the_real_peak_within_the_limit(fraction):
+    """Plans on the shared sizes: the real peak of a step stays within the limit (plus the
+    executor's allowance), bitwise the model's gradients."""
+    torch.manual_seed(0)
+    model = EncDec(layers=6)
+    args = _sample(1)
+    cmodel = op.checkpoint(model, _sample(), memory_limit=f"{fraction:.0%}", repeats=1,
+                           warmup=0, fast_path=False, time_model=lambda *_: (1.0, 2.0))
+    assert cmodel.chain.extra["profile"]["carried_reserve"] > 0
+    assert any(o.startswith(("F_ck", "F_none")) for o in cmodel.result.plan), "no re-run"
+    limit = int(fraction * cmodel.chain.store_all_peak())
+    allowance = plan_allowance(cmodel.chain, cmodel.result.plan, list(cmodel.stages))
+    real = measure_training_peak(lambda: cmodel(*args).backward(), model, list(args))
+    assert real <= limit + allowance, (real, limit, allowance)
+    got = loss_grads(model, cmodel(*args))
+    ref = loss_grads(model, model(*args))
+    assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+
+
+def test_offload_plans_count_carried_values_in_every_boundary():
+    """An offload plan moves a stored boundary whole, its carried values with it: its chain
+    keeps the per-boundary sizes (no reserve)."""
+    torch.manual_seed(0)
+    model = EncDec(layers=4)
+    onet = op.offload(model, _sample(), memory_limit="100%", bandwidth="1GB/s", repeats=1,
+                      warmup=0, fast_path=False, time_model=lambda *_: (1.0, 2.0))
+    prof = onet.chain.extra["profile"]
+    assert "carried_reserve" not in prof and "carried_left_out" not in prof
+    assert max(onet.chain.output_size[:-1]) == 2 * 8 * WIDTH * 4  # boundary + encoder output

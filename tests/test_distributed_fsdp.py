@@ -69,13 +69,14 @@ def test_fsdp2_with_carried_boundaries_of_huggingface_bart(tmp_path):
     and FSDP2 does not warn about views (it hands a unit its inputs as views, and a
     carried value passes through: ``GraphStage.unview_outputs``)."""
     pytest.importorskip("transformers", reason="the HuggingFace model needs transformers")
-    # between the smallest feasible limit and store-all (186124 B) of the adjusted chain
+    # between the smallest feasible limit and store-all (169484 B) of the adjusted chain
     spawn(w.run_jobs, 2, [{"kind": "fsdp", "model": "hf-bart", "memory_limit": 120000}],
           str(tmp_path), init_file=str(tmp_path / "rendezvous"))
     ranks = [w.load(str(tmp_path), r, 0) for r in range(2)]
     check_fsdp_job("hf-bart", ranks)
     assert sum(u == "FSDPGraphStage" for u in ranks[0]["units"]) >= 10
-    assert any(op.startswith("F_none") for op in ranks[0]["plan"])
+    # the encoder's output is counted once (checkpoint plans: profile._share_carried)
+    assert ranks[0]["chain"]["profile"]["carried_reserve"] > 0
     for data in ranks:
         assert not [m for m in data["warnings"] if "view" in m], data["warnings"]
 

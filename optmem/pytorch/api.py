@@ -186,7 +186,7 @@ def build_planned(cls: type[PlannedModule], kind: str, module: Any, sample: Any,
                       executor_options=pick["executor"], **pick["solver"])
     if "dynamic" in pick["profile"]:
         _flag(pick["profile"]["dynamic"], "dynamic")
-    profile = ProfileOptions(**pick["profile"])
+    profile = ProfileOptions(**pick["profile"], share_carried=kind == "checkpoint")
     wants_tuning = _flag(tune.pop("autotune", False), "autotune")
     if wants_tuning:
         _check_autotune(kind, planner)

@@ -614,7 +614,7 @@ def pipeline(
 
     options = ProfileOptions(device=None if device is None else str(device), repeats=repeats,
                              warmup=warmup, progress=progress, time_model=time_model,
-                             max_stages=max_stages)
+                             max_stages=max_stages, share_carried=False)
     _, stages, chain, result = plan_stages(program.stages, program.x, options, name,
                                            program.ctx, solve_pipeline,
                                            group=resolve_group())

@@ -65,7 +65,7 @@ import sys
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 import torch
@@ -93,7 +93,7 @@ from optmem.pytorch.segments import (
 __all__ = ["DEFAULT_OP_OVERHEAD_MS", "DEFAULT_OP_OVERHEAD_RATIO", "DEFAULT_SEGMENT_COST_MS",
            "DEFAULT_TIME_RESOLUTION", "LossFn", "TimeModel",
            "profile_chain", "profile_stages", "roofline_time_model", "round_time", "storage_key",
-           "value_nbytes", "with_op_charge"]
+           "unshared_carried", "value_nbytes", "with_op_charge"]
 
 TimeModel = Callable[[nn.Module, Any, Any], tuple[float, float]]
 """``time_model(stage_module, input, output) -> (fwd_ms, bwd_ms)``."""
@@ -382,6 +382,11 @@ class _StageMemory:
     out: Any
     signature: str
     alias: int = 0  # bytes of input storages left out of output_size (last stage only)
+    # values passed through unchanged: storage -> (bytes, gets a gradient)
+    carried: dict[int, tuple[int, bool]] = field(default_factory=dict)
+    tape_size: int = 0  # what autograd saved (outputs included), before the max with a^i
+    in_size: int = 0  # the size of a^{i-1} the overheads were measured against
+    peaks: dict[str, int] = field(default_factory=dict)  # raw traced peaks (_shared)
 
 
 def _stage_memory(module: nn.Module, x: Any, in_size: int, tied: Sequence[nn.Parameter],
@@ -399,6 +404,7 @@ def _stage_memory(module: nn.Module, x: Any, in_size: int, tied: Sequence[nn.Par
     plan_allowance`).
     """
     excluded = s.persistent | {storage_key(t) for t in value_tensors(x)}
+    versions = {storage_key(t): t._version for t in value_tensors(x)}
     saved: dict[int, int] = {}
     tape: list[weakref.ref[torch.Tensor]] = []  # what autograd saved, to watch it go
 
@@ -432,13 +438,16 @@ def _stage_memory(module: nn.Module, x: Any, in_size: int, tied: Sequence[nn.Par
             saved[key] = int(t.untyped_storage().nbytes())
     output_size = storage_bytes(out, s.persistent)
     alias = output_size - storage_bytes(kept, excluded)
+    carried = {} if last else _passed_through(out_tensors, versions, s.persistent)
     if last:  # the chain output: its input aliases are a^{L-1}, held until B L
         output_size -= alias
-    saved_size = max(sum(saved.values()), output_size)
+    tape_size = sum(saved.values())
+    saved_size = max(tape_size, output_size)
     trace_n = StorageTrace(excluded)
     with torch.no_grad(), trace_n:
         module(x)
-    fwd_overhead = max(0, trace_f.peak() - saved_size, trace_n.peak() - output_size)
+    peaks = {"fwd": trace_f.peak(), "no_grad": trace_n.peak()}
+    fwd_overhead = max(0, peaks["fwd"] - saved_size, peaks["no_grad"] - output_size)
 
     outs, grads = _grad_targets(kept, excluded if last else frozenset())
     bwd_overhead, bwd_flops = 0, 0.0
@@ -457,7 +466,8 @@ def _stage_memory(module: nn.Module, x: Any, in_size: int, tied: Sequence[nn.Par
             torch.autograd.backward(outs, grads)
         bwd_flops = float(counter.get_total_flops()) if s.count_flops else 0.0
         wgrads = [p.grad for p in module.parameters() if p.grad is not None]
-        bwd_overhead = max(0, trace_b.peak(exclude=wgrads) - held - in_size)
+        peaks["bwd"] = trace_b.peak(exclude=wgrads) - held
+        bwd_overhead = max(0, peaks["bwd"] - in_size)
         del wgrads
         _clear_grads(list(module.parameters()))
         _clear_grads(x)
@@ -466,9 +476,54 @@ def _stage_memory(module: nn.Module, x: Any, in_size: int, tied: Sequence[nn.Par
     if s.cuda:
         f_cuda, b_cuda = _cuda_overheads(module, x, saved_size, output_size, in_size)
         fwd_overhead, bwd_overhead = max(fwd_overhead, f_cuda), max(bwd_overhead, b_cuda)
+        peaks.update(cuda_fwd=f_cuda, cuda_bwd=b_cuda)
     return _StageMemory(output_size, saved_size, fwd_overhead, bwd_overhead, fwd_flops,
                         bwd_flops, has_bwd, _leaf(out, False), oplog.digest.hexdigest(),
-                        alias if last else 0)
+                        alias if last else 0, carried, tape_size, in_size, peaks)
+
+
+def _shared(row: _StageMemory, strip_out: int, strip_in: int) -> _StageMemory:
+    """``row`` with carried values left out of its output and of its input.
+
+    ``strip_out`` bytes leave its output, ``strip_in`` its input (``delta^{i-1}``): the
+    sizes and overheads :func:`_stage_memory` would give with those sizes (the CUDA
+    allocator's overheads, measured at the full sizes, grow by what was left out: an
+    upper bound).
+    """
+    if not strip_out and not strip_in:
+        return row
+    p = row.peaks
+    out = row.output_size - strip_out
+    saved = max(row.tape_size, out)
+    fwd = max(0, p["fwd"] - saved, p["no_grad"] - out)
+    bwd = max(0, p["bwd"] - (row.in_size - strip_in)) if "bwd" in p else 0
+    if "cuda_fwd" in p:
+        fwd = max(fwd, p["cuda_fwd"] + strip_out)
+        bwd = max(bwd, p["cuda_bwd"] + strip_in) if row.has_bwd else bwd
+    return dataclasses.replace(row, output_size=out, saved_size=saved, fwd_overhead=fwd,
+                               bwd_overhead=bwd)
+
+
+def _passed_through(outs: Sequence[torch.Tensor], versions: dict[int, int],
+                    persistent: set[int]) -> dict[int, tuple[int, bool]]:
+    """Output storages that are input storages the stage did not write: carried values.
+
+    A value read across layers crosses each boundary beside the boundary's own value
+    (``graphcut.long_lived``, a skip tensor in a tuple): it is one storage, which every
+    boundary holding it would count again. Returns ``{storage key: (bytes, gets a
+    gradient)}``. An in-place stage (``ReLU(inplace=True)``) bumps the input's version:
+    its output is new data, not a carried value; the first output is the boundary itself
+    (an identity stage passes it through, and it is no long-lived value).
+    """
+    found: dict[int, tuple[int, bool]] = {}
+    first = storage_key(outs[0]) if outs else None
+    for t in outs[1:]:
+        key = storage_key(t)
+        if key in versions and key not in persistent and key != first \
+                and t._version == versions[key]:
+            found[key] = (int(t.untyped_storage().nbytes()),
+                          t.requires_grad and (t.is_floating_point() or t.is_complex()))
+    return found
 
 
 class _CudaPeak:
@@ -631,6 +686,7 @@ def profile_stages(
             for p in params:  # backward would accumulate into the caller's gradients otherwise
                 p.grad = None
             rows, leaves, last = _profile_memory(modules, stages, sample, setting, bar)
+            rows, left_out, reserve, carried_from = _share_carried(rows)
             loss_overhead = _loss_memory(loss_fn, last, rows[-1].output_size, setting) \
                 if loss_fn is not None else 0
             bar.update(len(stages), "timing")
@@ -660,11 +716,12 @@ def profile_stages(
         bwd_time=tuple(q(t) for t in bwd_time),
         output_size=tuple(r.output_size for r in rows),
         saved_size=tuple(r.saved_size for r in rows),
-        fwd_overhead=tuple(r.fwd_overhead for r in rows),
-        bwd_overhead=tuple(r.bwd_overhead for r in rows),
+        fwd_overhead=tuple(r.fwd_overhead + reserve for r in rows),
+        bwd_overhead=tuple(r.bwd_overhead + (reserve if k >= carried_from else 0)
+                           for k, r in enumerate(rows)),
         weight_size=tuple(_weight_nbytes(m) for m in modules),
         input_size=storage_bytes(sample), loss_bwd_time=q(loss_time) if loss_time else 0.0,
-        loss_bwd_overhead=loss_overhead, name=name,
+        loss_bwd_overhead=loss_overhead + reserve, name=name,
         time_unit="ms", memory_unit="B", stage_names=tuple(s.name for s in stages),
         extra={"profile": {
             "device": str(dev), "repeats": repeats, "warmup": warmup,
@@ -680,8 +737,81 @@ def profile_stages(
             "segment_cost": segments.as_dict() if segments is not None else None,
             "time_classes": len({r.signature for r in rows}) if times == "measured" else None,
             "loss": "loss_fn" if loss_fn is not None else "not profiled",
-            "output_left_out": [r.alias for r in rows]}},
+            "output_left_out": [r.alias for r in rows],
+            **({"carried_left_out": left_out, "carried_reserve": reserve,
+                "carried_from": carried_from} if reserve else {})}},
     )
+
+
+def _share_carried(rows: Sequence[_StageMemory]
+                   ) -> tuple[list[_StageMemory], list[int], int, int]:
+    """Count the values carried up to the loss once, not in every boundary holding them.
+
+    A value read across layers crosses each boundary beside the boundary's own value
+    (``graphcut.long_lived``: an encoder's output read by every decoder layer; a skip
+    tensor in a tuple). It is one storage, which each stored boundary would count again.
+    A value carried by at least half of the stages from the first one that passes it on
+    to the last (an encoder's output through the decoder) is left out of the boundaries'
+    sizes and counted once, with its gradient (one storage the backward accumulates into)
+    when it gets one, in the overhead of every forward, of the loss, and of the backward
+    of every stage from the first one that passes a shared value on (before it, no
+    backward holds one). An upper bound: before the value is made and after its last
+    backward it is counted too. Values carried across a shorter part of the chain (T5's
+    position bias within its encoder) stay counted in each boundary: a constant charge
+    would count them through the whole step.
+
+    Returns the rows, the bytes left out of each stage's output, the charge and the first
+    stage it applies to in a backward.
+    """
+    passes: dict[int, list[int]] = {}
+    for k, row in enumerate(rows):
+        for key in row.carried:
+            passes.setdefault(key, []).append(k)
+    shared = {key: value for k, row in enumerate(rows) for key, value in row.carried.items()
+              if 2 * len(passes[key]) >= len(rows) - passes[key][0]}
+    strips = [sum(n for k, (n, _) in row.carried.items() if k in shared) for row in rows]
+    out = [_shared(row, strips[k], strips[k - 1] if k else 0) for k, row in enumerate(rows)]
+    reserve = sum(n * (2 if grad else 1) for n, grad in shared.values())
+    first = next((k for k, n in enumerate(strips) if n), len(rows))
+    return out, strips, reserve, first
+
+
+def unshared_carried(chain: Chain) -> Chain:
+    """``chain`` with its carried values counted in every boundary that holds them again.
+
+    :func:`profile_stages` counts the values carried up to the loss once
+    (``extra["profile"]["carried_reserve"]``, see ``docs/pytorch.md``), which holds for
+    checkpoint plans. Offload plans move a stored boundary whole (its carried values with
+    it) and pipelines send them between GPUs: they need the per-boundary sizes. The sizes
+    are restored exactly; the overheads lose the reserve and keep what was measured
+    against the smaller sizes (an upper bound of the per-boundary ones). A chain without
+    carried values is returned as it is.
+
+    Examples
+    --------
+    >>> chain = Chain.from_lists([1.0] * 2, [1.0] * 2, [4, 4], [6, 4], input_size=4,
+    ...                          fwd_overhead=[10, 10], bwd_overhead=[1, 10])
+    >>> chain = dataclasses.replace(chain, extra={"profile": {
+    ...     "carried_left_out": [0, 8], "carried_reserve": 10, "carried_from": 1}})
+    >>> full = unshared_carried(chain)
+    >>> full.output_size, full.saved_size, full.fwd_overhead, full.bwd_overhead
+    ((4, 12), (6, 12), (0, 0), (1, 0))
+    """
+    prof = dict((chain.extra or {}).get("profile") or {})
+    left_out = prof.pop("carried_left_out", None)
+    if not left_out:
+        return chain
+    reserve = int(prof.pop("carried_reserve"))
+    first = int(prof.pop("carried_from"))
+    out = tuple(n + k for n, k in zip(chain.output_size, left_out, strict=True))
+    return dataclasses.replace(
+        chain, output_size=out,
+        saved_size=tuple(max(s, o) for s, o in zip(chain.saved_size, out, strict=True)),
+        fwd_overhead=tuple(max(0, f - reserve) for f in chain.fwd_overhead),
+        bwd_overhead=tuple(max(0, b - reserve) if k >= first else b
+                           for k, b in enumerate(chain.bwd_overhead)),
+        loss_bwd_overhead=max(0, chain.loss_bwd_overhead - reserve),
+        extra=dict(chain.extra or {}, profile=prof))
 
 
 def _charged(t: float, op_overhead: float, op_overhead_ratio: float) -> float:

@@ -142,6 +142,9 @@ class ProfileOptions:
     # what the profile does not see but the plan must count: (stages, chain) -> chain
     # (FSDP2's gathered parameters: optmem.pytorch.distributed.fsdp_chain)
     adjust_chain: Callable[[Sequence[Stage], Chain], Chain] | None = None
+    # values carried up to the loss counted once (checkpoint plans); False: in every boundary
+    # holding them (offload plans move boundaries whole; pipelines send them between GPUs)
+    share_carried: bool = True
 
 
 @dataclass
@@ -1580,7 +1583,7 @@ def profile_stage_chain(stages: Sequence[Stage], x: Any, profile: ProfileOptions
                         warmup: int | None = None, time_model: Any = None,
                         loss_fn: Any = None, measure_segments: bool = True) -> Chain:
     """Profile ``stages`` into a chain with the options of ``profile`` (side inputs ``ctx``)."""
-    from optmem.pytorch.profile import profile_stages
+    from optmem.pytorch.profile import profile_stages, unshared_carried
 
     kw = dict(device=profile.device, repeats=repeats or profile.repeats,
               warmup=profile.warmup if warmup is None else warmup, name=name,
@@ -1591,13 +1594,16 @@ def profile_stage_chain(stages: Sequence[Stage], x: Any, profile: ProfileOptions
         if getattr(profile, key) is not None:
             kw[key] = getattr(profile, key)
     if ctx is None:
-        return profile_stages(stages, x, **kw)
+        chain = profile_stages(stages, x, **kw)
+        return chain if profile.share_carried else unshared_carried(chain)
     if profile.device == "meta":
         raise OptmemInputError("device='meta' profiles an nn.Sequential or a list of stages "
                                "only; profile an exported model on a real device",
                                field="device")
     with side_inputs(ctx), _side_buffers(stages, ctx):
         chain = profile_stages(stages, x, **kw)
+    if not profile.share_carried:
+        chain = unshared_carried(chain)
     side = sum(_storage_bytes(ctx.values()))
     extra = dict(chain.extra or {})
     extra["side_input_bytes"] = side
