@@ -226,3 +226,10 @@ def test_offload_plans_count_carried_values_in_every_boundary():
     prof = onet.chain.extra["profile"]
     assert "carried_reserve" not in prof and "carried_left_out" not in prof
     assert max(onet.chain.output_size[:-1]) == 2 * 8 * WIDTH * 4  # boundary + encoder output
+    # a checkpoint chain given to op.offload (a profile_chain file) is unshared first
+    shared = _profile(model)
+    assert shared.extra["profile"]["carried_reserve"] > 0
+    given = op.offload(model, _sample(), memory_limit="100%", bandwidth="1GB/s",
+                       chain=shared, fast_path=False)
+    assert "carried_reserve" not in given.chain.extra["profile"]
+    assert given.chain.output_size == onet.chain.output_size

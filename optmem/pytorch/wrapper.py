@@ -1527,6 +1527,10 @@ def plan_stages(fine: list[Stage], x: Any, profile: ProfileOptions, name: str,
                 prof = profile.adjust_chain(stages, prof)
         else:
             check_given_chain(prof, stages)
+            if not profile.share_carried:  # a profile_chain file counts carried values once
+                from optmem.pytorch.profile import unshared_carried
+
+                prof = unshared_carried(prof)
         if plain is not None and PLAIN_PEAK not in ((prof.extra or {}).get("profile") or {}):
             prof = with_plain_peak(prof, plain())
         return groups, prof, solve(prof)
