@@ -187,7 +187,7 @@ def test_a_value_carried_to_the_loss_is_counted_once(monkeypatch):
     assert set(left_out) == {0, nbytes}
     assert all(chain.output_size[k] == nbytes for k, n in enumerate(left_out) if n)
     monkeypatch.setattr(profile, "_share_carried",
-                        lambda rows: (list(rows), [0] * len(rows), 0, len(rows)))
+                        lambda rows: (list(rows), [0] * len(rows), 0, len(rows), []))
     before = _profile(model)  # every boundary counts it, as until 2026-11-30
     full = profile.unshared_carried(chain)
     assert full.output_size == before.output_size and full.saved_size == before.saved_size
@@ -233,3 +233,37 @@ def test_offload_plans_count_carried_values_in_every_boundary():
                        chain=shared, fast_path=False)
     assert "carried_reserve" not in given.chain.extra["profile"]
     assert given.chain.output_size == onet.chain.output_size
+
+
+def test_a_plan_that_copies_a_carried_value_twice_is_refused():
+    """Counting a carried value once holds for plans that re-run from the latest stored
+    value (rotor's DPs: every plan they return at a grid of limits); a given plan that
+    re-runs the stage making it while a later boundary holds the first copy is one clear
+    error, and other methods plan on per-boundary sizes."""
+    from optmem.errors import OptmemInputError
+    from optmem.pytorch.planning import Planner
+    from optmem.pytorch.profile import carried_generations_error
+
+    torch.manual_seed(0)
+    model = EncDec(layers=4)
+    cmodel = op.checkpoint(model, _sample(), memory_limit="60%", repeats=1, warmup=0,
+                           fast_path=False, time_model=lambda *_: (1.0, 2.0))
+    chain = cmodel.chain
+    (made, first, _), = chain.extra["profile"]["carried_ranges"]
+    for variant in (None, "floating"):
+        planner = Planner("checkpoint", "100%", "dp", variant=variant)
+        low, high = planner.smallest_limit(chain), chain.store_all_peak()
+        for k in range(13):
+            result = planner.solve_at(chain, low + (high - low) * k // 12)
+            assert result.status.has_plan
+            assert carried_generations_error(chain, result.plan) is None, (variant, k)
+    n = chain.length
+    plan = ([f"F_all {i}" for i in range(1, made)] + [f"F_ck {made}", f"F_none {first}",
+            f"F_all {made}"] + [f"F_all {i}" for i in range(first + 1, n + 1)] + ["Loss"]
+            + [f"B {i}" for i in range(n, first, -1)] + [f"F_all {first}"]
+            + [f"B {i}" for i in range(first, 0, -1)])
+    with pytest.raises(OptmemInputError, match="second copy of a carried value"):
+        cmodel.use_plan(plan)
+    exact = op.checkpoint(model, _sample(), memory_limit="60%", method="ilp", repeats=1,
+                          warmup=0, fast_path=False, time_model=lambda *_: (1.0, 2.0))
+    assert "carried_reserve" not in exact.chain.extra["profile"]

@@ -24,7 +24,7 @@ from torch import nn
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError
 from optmem.pytorch.extract import Stage, extract_program
-from optmem.pytorch.planning import Planner
+from optmem.pytorch.planning import Planner, refuse_second_copies
 from optmem.pytorch.profile import TimeModel
 from optmem.pytorch.wrapper import (
     GIVEN_SOURCE,
@@ -136,6 +136,7 @@ class CheckpointedModule(PlannedModule):
         from optmem.simulate import simulate_checkpoint
 
         sim = simulate_checkpoint(self.chain, plan)
+        refuse_second_copies(self.chain, plan, "the given plan")
         result = Result("checkpoint", method, Status.FEASIBLE, objective=sim.makespan,
                         plan=tuple(str(p) for p in plan), peak_memory=sim.peak_memory,
                         memory_limit=None, unit=1, report={"source": GIVEN_SOURCE})
@@ -186,7 +187,10 @@ def build_planned(cls: type[PlannedModule], kind: str, module: Any, sample: Any,
                       executor_options=pick["executor"], **pick["solver"])
     if "dynamic" in pick["profile"]:
         _flag(pick["profile"]["dynamic"], "dynamic")
-    profile = ProfileOptions(**pick["profile"], share_carried=kind == "checkpoint")
+    # a value carried beside the boundaries is counted once for rotor's DPs only: their
+    # plans never copy it twice (profile.carried_generations_error)
+    profile = ProfileOptions(**pick["profile"],
+                             share_carried=kind == "checkpoint" and method == "dp")
     wants_tuning = _flag(tune.pop("autotune", False), "autotune")
     if wants_tuning:
         _check_autotune(kind, planner)

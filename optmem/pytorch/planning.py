@@ -268,6 +268,8 @@ class Planner:
                  else relative_memory(wanted, chain.store_all_peak(), field="memory_limit"))
         result = self.solve_at(chain, limit, method)
         if result.status.has_plan:
+            if self.kind == "checkpoint":
+                refuse_second_copies(chain, result.plan, f"the {method} plan")
             return result
         hint = ""
         # remat + offload's methods report no least memory of their own (offloading may
@@ -299,6 +301,23 @@ class Planner:
         from optmem.pytorch.remat_offload import RematOffloadChain
 
         return RematOffloadChain(stages, plan, **self.executor_options)
+
+
+def refuse_second_copies(chain: Chain, plan: Sequence[Any], what: str) -> None:
+    """One :class:`OptmemInputError` if ``plan`` copies a value the chain counts once.
+
+    A checkpoint chain of the torch profiler counts a value carried beside the boundaries
+    once (:func:`optmem.pytorch.profile.carried_generations_error`); rotor's DPs never
+    make a second copy, another method's plan or a given one may.
+    """
+    from optmem.pytorch.profile import carried_generations_error
+
+    why = carried_generations_error(chain, plan)
+    if why is not None:
+        raise OptmemInputError(
+            f"{what} does not fit {chain.name}, which counts each value carried beside the "
+            f"boundaries once: {why}; use method='dp', or wrap with another method (its "
+            "chain counts such values in every boundary)", field="plan")
 
 
 def _store_all_result(chain: Chain, limit: int, method: str) -> Result:

@@ -75,6 +75,7 @@ from torch.utils._pytree import tree_leaves
 
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError
+from optmem.plan import parse_plan
 from optmem.pytorch.extract import Stage, extract_stages, value_tensors
 from optmem.pytorch.memory import (
     StorageTrace,
@@ -93,7 +94,7 @@ from optmem.pytorch.segments import (
 __all__ = ["DEFAULT_OP_OVERHEAD_MS", "DEFAULT_OP_OVERHEAD_RATIO", "DEFAULT_SEGMENT_COST_MS",
            "DEFAULT_TIME_RESOLUTION", "LossFn", "TimeModel",
            "profile_chain", "profile_stages", "roofline_time_model", "round_time", "storage_key",
-           "unshared_carried", "value_nbytes", "with_op_charge"]
+           "carried_generations_error", "unshared_carried", "value_nbytes", "with_op_charge"]
 
 TimeModel = Callable[[nn.Module, Any, Any], tuple[float, float]]
 """``time_model(stage_module, input, output) -> (fwd_ms, bwd_ms)``."""
@@ -686,7 +687,7 @@ def profile_stages(
             for p in params:  # backward would accumulate into the caller's gradients otherwise
                 p.grad = None
             rows, leaves, last = _profile_memory(modules, stages, sample, setting, bar)
-            rows, left_out, reserve, carried_from = _share_carried(rows)
+            rows, left_out, reserve, carried_from, ranges = _share_carried(rows)
             loss_overhead = _loss_memory(loss_fn, last, rows[-1].output_size, setting) \
                 if loss_fn is not None else 0
             bar.update(len(stages), "timing")
@@ -739,12 +740,14 @@ def profile_stages(
             "loss": "loss_fn" if loss_fn is not None else "not profiled",
             "output_left_out": [r.alias for r in rows],
             **({"carried_left_out": left_out, "carried_reserve": reserve,
-                "carried_from": carried_from} if reserve else {})}},
+                "carried_from": carried_from, "carried_ranges": [list(r) for r in ranges]}
+               if reserve else {})}},
     )
 
 
 def _share_carried(rows: Sequence[_StageMemory]
-                   ) -> tuple[list[_StageMemory], list[int], int, int]:
+                   ) -> tuple[list[_StageMemory], list[int], int, int,
+                              list[tuple[int, int, int]]]:
     """Count the values carried up to the loss once, not in every boundary holding them.
 
     A value read across layers crosses each boundary beside the boundary's own value
@@ -760,8 +763,9 @@ def _share_carried(rows: Sequence[_StageMemory]
     position bias within its encoder) stay counted in each boundary: a constant charge
     would count them through the whole step.
 
-    Returns the rows, the bytes left out of each stage's output, the charge and the first
-    stage it applies to in a backward.
+    Returns the rows, the bytes left out of each stage's output, the charge, the first
+    stage it applies to in a backward, and each shared value's stage that makes it and
+    first and last stage whose output holds it (1-based).
     """
     passes: dict[int, list[int]] = {}
     for k, row in enumerate(rows):
@@ -773,7 +777,46 @@ def _share_carried(rows: Sequence[_StageMemory]
     out = [_shared(row, strips[k], strips[k - 1] if k else 0) for k, row in enumerate(rows)]
     reserve = sum(n * (2 if grad else 1) for n, grad in shared.values())
     first = next((k for k, n in enumerate(strips) if n), len(rows))
-    return out, strips, reserve, first
+    return out, strips, reserve, first, sorted({(passes[k][0], passes[k][0] + 1,
+                                                 passes[k][-1] + 1) for k in shared})
+
+
+def carried_generations_error(chain: Chain, plan: Sequence[Any]) -> str | None:
+    """Why ``plan`` does not fit a chain that counts its carried values once, or ``None``.
+
+    Counting a carried value once (:func:`_share_carried`) assumes one copy of it: a plan
+    that re-runs the stage making it while a later boundary still holds the first copy
+    makes a second one, which the chain does not count. Plans that re-run from the latest
+    stored value (rotor's DPs) never do; a plan that does is refused
+    (``chain.extra["profile"]["carried_ranges"]``: the stage making each shared value and
+    the first and last stage whose output holds it, 1-based).
+
+    Examples
+    --------
+    >>> chain = Chain.from_lists([1.0] * 3, [1.0] * 3, [4] * 3, [4] * 3, input_size=4)
+    >>> chain = dataclasses.replace(chain, extra={"profile": {"carried_ranges": [[1, 2, 2]]}})
+    >>> carried_generations_error(chain, ["F_ck 1", "F_ck 2", "F_all 3", "Loss", "B 3",
+    ...                                   "F_all 2", "B 2", "F_all 1", "B 1"]) is None
+    True
+    >>> carried_generations_error(chain, ["F_ck 1", "F_none 2", "F_all 1", "F_all 3",
+    ...                                   "Loss", "B 3", "F_all 2", "B 2", "B 1"])
+    'op 2 (F_all 1) makes a second copy of a carried value (a^2 holds the first)'
+    """
+    from optmem.simulate.checkpoint import initial_state, transition
+
+    ranges = ((chain.extra or {}).get("profile") or {}).get("carried_ranges") or ()
+    if not ranges:
+        return None
+    stored = initial_state()
+    for k, op in enumerate(parse_plan(plan)):
+        for made, first, last in ranges:
+            held = sorted(f"{kind}^{s}" for kind, s in stored
+                          if kind != "delta" and first <= s <= last)
+            if op.kind.name.startswith("F") and op.stage == made and held:
+                return (f"op {k} ({op}) makes a second copy of a carried value "
+                        f"({held[0]} holds the first)")
+        stored = transition(chain, stored, op)[0]
+    return None
 
 
 def unshared_carried(chain: Chain) -> Chain:
@@ -803,6 +846,7 @@ def unshared_carried(chain: Chain) -> Chain:
         return chain
     reserve = int(prof.pop("carried_reserve"))
     first = int(prof.pop("carried_from"))
+    prof.pop("carried_ranges", None)
     out = tuple(n + k for n, k in zip(chain.output_size, left_out, strict=True))
     return dataclasses.replace(
         chain, output_size=out,
