@@ -32,7 +32,7 @@ def test_ddp_over_checkpoint_plan_matches_single_process(tmp_path):
     jobs.append({"kind": "ddp", "ddp": {}, "strip_suffix": True, "process_group": "local",
                  "memory_limit": LIMIT})
     # find_unused_parameters=True works too (the parameters are inputs of the plan's
-    # autograd Function, so DDP's search of the output's graph finds them)
+    # autograd nodes, so DDP's search of the output's graph finds them)
     jobs += [{"kind": "ddp", "ddp": {"find_unused_parameters": True}, "strip_suffix": strip,
               "process_group": None, "memory_limit": LIMIT} for strip in (True, False)]
     spawn(w.run_jobs, 2, jobs, str(tmp_path), init_file=str(tmp_path / "rendezvous"))
@@ -44,6 +44,27 @@ def test_ddp_over_checkpoint_plan_matches_single_process(tmp_path):
     alone = [w.load(str(tmp_path), r, 3)["plan"] for r in range(2)]
     assert alone[0] != alone[1]  # the timings differ enough to change the plan
     assert alone[0] == w.load(str(tmp_path), 0, 0)["plan"]  # the shared plan is rank 0's
+
+
+def test_ddp_all_reduces_buckets_while_the_plans_backward_runs(tmp_path):
+    """Each parameter's gradient reaches DDP's reducer right after its last ``B`` op (the
+    executor's release nodes), so with one bucket per parameter DDP starts all-reducing
+    while the plan's backward still has ``B`` ops to run, as for the unmodified module;
+    the gradients are still the single-process ones."""
+    jobs = [{"kind": "ddp", "ddp": {"bucket_cap_mb": 1e-6}, "strip_suffix": False,
+             "process_group": None, "memory_limit": LIMIT, "watch_buckets": True}]
+    spawn(w.run_jobs, 2, jobs, str(tmp_path), init_file=str(tmp_path / "rendezvous"))
+    model = w.residual_mlp()
+    x, y = w.mlp_data(16)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    ranks = [w.load(str(tmp_path), r, 0) for r in range(2)]
+    check_ranks(ranks, model)
+    for data in ranks:
+        total = data["b_ops"][0]
+        assert total == sum(op.startswith("B ") for op in data["plan"])
+        hooks = data["bucket_hooks"]
+        assert len(hooks) >= 4  # one bucket per parameter
+        assert min(hooks) < total - 1, (hooks, total)  # before the plan's last B ops
 
 
 def test_ddp_over_checkpoint_plan_of_huggingface_gpt2(tmp_path):

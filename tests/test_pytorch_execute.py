@@ -569,3 +569,41 @@ def test_a_changed_parameter_is_seen_at_the_next_step(change):
         assert not any(p is lin.weight for p in params)
     else:
         assert any(p is swapped.weight for p in params)
+
+
+def test_parameter_gradients_reach_autograd_as_soon_as_they_are_final():
+    """Each parameter's gradient reaches ``.grad`` (and its hooks, DDP's reducer) right
+    after the last ``B`` op that adds to it, while the plan's backward goes on (a
+    :class:`_Release` node per such op); a parameter shared by two stages, only after the
+    earlier stage's ``B``. Gradients bitwise the unmodified module's."""
+    from optmem.pytorch.execute import add_monitor, remove_monitor
+
+    torch.manual_seed(13)
+    shared = nn.Linear(8, 8)
+    net = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), shared, nn.Tanh(), nn.Linear(8, 8),
+                        nn.Tanh(), shared, nn.Linear(8, 2))
+    stages = extract_stages(net)
+    plan = base.recompute_all_plan(len(stages))
+    x = torch.randn(4, 8)
+    assert_same_step(net, CheckpointedChain(stages, plan), x)
+    events: list[str] = []
+    names = {id(p): n for n, p in net.named_parameters()}
+    handles = [p.register_post_accumulate_grad_hook(
+        lambda p: events.append(f"grad {names[id(p)]}")) for p in net.parameters()]
+    monitor = lambda op, *_: events.append(op)  # noqa: E731
+    add_monitor(monitor)
+    try:
+        net.zero_grad(set_to_none=True)
+        CheckpointedChain(stages, plan)(x).square().sum().backward()
+    finally:
+        remove_monitor(monitor)
+        for h in handles:
+            h.remove()
+    b_of = {f"B {i}": k for k, e in enumerate(events) if e.startswith("B ")
+            for i in [int(e.split()[1])]}
+    grad_at = {e.split()[1]: k for k, e in enumerate(events) if e.startswith("grad ")}
+    n = len(stages)
+    assert grad_at["7.weight"] < b_of[f"B {n - 1}"]  # the head's, before the next B
+    assert grad_at["0.weight"] > b_of["B 1"]
+    assert b_of["B 3"] < grad_at["2.weight"] < b_of["B 2"]  # shared: after its earlier B
+    assert grad_at["4.weight"] < b_of["B 3"]

@@ -4,9 +4,11 @@ The plan ops (CONTRACT section 3: ``F_all i``, ``F_ck i``, ``F_none i``, ``Loss`
 are run by custom autograd Functions as rotor's ``CheckpointOptim`` does
 (digest ``rotor.md`` section 6.2): the ops before ``Loss`` run in ``forward()``, which
 returns the chain output ``a^L``; the ops after it run in ``backward()``, which receives
-``delta^L`` and returns ``delta^0``. The backward is split in two autograd nodes: the first
+``delta^L`` and returns ``delta^0``. The backward is split in autograd nodes: the first
 runs the ops up to ``B L`` and returns, so that autograd frees ``delta^L`` there (a
-Function's incoming gradient lives until its backward returns); the second runs the rest.
+Function's incoming gradient lives until its backward returns); then one node per ``B`` op
+after which some parameters' gradients are final (:class:`_Release`) runs the plan up to
+that op and returns them; the last runs the rest.
 Memory follows the simulator's rules (``optmem/simulate/checkpoint.py``):
 
 * storage slot ``i`` holds ``a^i``; a slot filled by ``F_all i`` also holds the tape: the
@@ -34,14 +36,17 @@ unmodified one does:
 plan ends with ``F_all j .. F_all L`` mirrored by ``B L .. B j`` right after ``Loss``, the
 stages ``j..L`` run as ordinary autograd code after the Function (no bookkeeping).
 
-**Parameters are inputs of the plan's autograd Function.** ``B i`` computes the gradients
+**Parameters are inputs of the plan's autograd nodes.** ``B i`` computes the gradients
 of stage ``i``'s outputs with respect to its input *and its parameters* with
-``torch.autograd.grad``; the Function sums them over the stages that use a parameter (in
-the order of the ``B`` ops, the order in which plain autograd sums them) and returns them as
-the gradients of its parameter inputs. So ``loss.backward()``, ``torch.autograd.grad(loss,
+``torch.autograd.grad``; the executor sums them over the stages that use a parameter (in
+the order of the ``B`` ops, the order in which plain autograd sums them), and the
+:class:`_Release` node of the last ``B`` op that adds to a parameter returns its gradient
+as soon as that op has run. So ``loss.backward()``, ``torch.autograd.grad(loss,
 params)``, ``backward(inputs=...)``, gradient hooks and DDP see exactly what the unmodified
-module gives. A stage that uses a tensor requiring grad that is not one of its registered
-parameters is refused at its first run (that gradient would be lost). Double backward
+module gives, stage by stage while the plan's backward goes on: DDP all-reduces a bucket
+as soon as its parameters' last ``B`` has run, overlapping the rest of the backward, as
+for the unmodified module. A stage that uses a tensor requiring grad that is not one of
+its registered parameters is refused at its first run (that gradient would be lost). Double backward
 (``create_graph=True``) and ``retain_graph=True`` through the plan raise an error.
 
 **Side inputs** (:mod:`optmem.pytorch.context`): the side inputs active when the forward
@@ -676,6 +681,7 @@ class PlanRunner:
         self.params: list[nn.Parameter] = []
         self.stage_params: dict[int, list[int]] = {}
         self.param_needed: list[bool] = []
+        self.held: list[int] = []  # parameters whose gradients _PlanFunction returns
         self.param_grads: list[torch.Tensor | None] = []
         # FSDP2 units: parameters gathered at each run, gradients accumulated in .grad
         self.accumulating: set[int] = set()
@@ -966,6 +972,29 @@ class PlanRunner:
             if op.kind is OpKind.B:
                 break
 
+    def release_groups(self) -> list[tuple[int, list[int]]]:
+        """Parameters grouped by the plan index of the last ``B`` op that adds to them.
+
+        After that op a parameter's gradient is final: :class:`_Release` hands it to
+        autograd there (its ``.grad``, gradient hooks, DDP's reducer), while the plan's
+        backward goes on. Latest index first (the order the nodes are made in).
+        """
+        last: dict[int, int] = {}
+        for idx in range(self.loss + 1, len(self.plan)):
+            op = self.plan[idx]
+            if op.kind is OpKind.B:
+                for k in self.stage_params.get(op.stage, ()):
+                    last[k] = idx
+        groups: dict[int, list[int]] = {}
+        for k, idx in last.items():
+            groups.setdefault(idx, []).append(k)
+        return sorted(groups.items(), reverse=True)
+
+    def run_through(self, stop: int) -> None:
+        """Run the plan's ops up to index ``stop`` (included)."""
+        while self.index <= stop:
+            self._run(self.plan[self.index])
+
     def backward(self, grads: Sequence[torch.Tensor | None] | None = None
                  ) -> list[torch.Tensor | None]:
         """Run the rest of the plan (all of it after ``Loss`` when ``grads`` are given)."""
@@ -981,11 +1010,11 @@ class PlanRunner:
 
 
 class _PlanFunction(torch.autograd.Function):
-    """Runs the plan: ops before ``Loss`` in forward, the ops after the first ``B`` in backward.
+    """Runs the plan: ops before ``Loss`` in forward, the rest of the plan in backward.
 
-    Inputs: the tensors of ``a^0`` then the parameters of the stages; it returns the
-    gradients of both. Its output is a token that :class:`_Relay` turns into the chain
-    output ``a^n``.
+    Inputs: the tensors of ``a^0`` then the parameters the :class:`_Release` nodes do not
+    hand over (``runner.held``: the FSDP anchor); it returns the gradients of both. Its
+    output is a token that the release nodes, then :class:`_Relay`, pass on.
     """
 
     @staticmethod
@@ -996,7 +1025,8 @@ class _PlanFunction(torch.autograd.Function):
         leaves = [next(it) if isinstance(v, torch.Tensor) else v for v in runner.in_leaves]
         runner.in_leaves = []
         runner.outputs = runner.forward(tree_unflatten(leaves, treespec))
-        runner.param_needed = list(ctx.needs_input_grad[3 + n_inputs:])
+        for k, need in zip(runner.held, ctx.needs_input_grad[3 + n_inputs:], strict=True):
+            runner.param_needed[k] = need
         ctx.runner = runner
         ctx.n_inputs = n_inputs
         return torch.zeros(())
@@ -1006,7 +1036,37 @@ class _PlanFunction(torch.autograd.Function):
         runner = _take_runner(ctx)
         input_grads = runner.backward()
         in_grads = list(input_grads) + [None] * (ctx.n_inputs - len(input_grads))
-        return (None, None, None, *in_grads[:ctx.n_inputs], *runner.param_grads)
+        return (None, None, None, *in_grads[:ctx.n_inputs],
+                *(runner.param_grads[k] for k in runner.held))
+
+
+class _Release(torch.autograd.Function):
+    """Hands autograd the gradients of the parameters whose last ``B`` op is ``stop``.
+
+    One node per such op, chained by tokens between :class:`_PlanFunction` and
+    :class:`_Relay`, so that the backward reaches them in the plan's order: each runs the
+    plan up to ``stop`` and returns its parameters' gradients (final there: summed over the
+    stages that use them, in ``B`` order). Autograd then accumulates them into ``.grad``
+    and runs their hooks (DDP's reducer starts their all-reduce) while the plan's
+    backward goes on, as it does stage by stage for the unmodified module.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, runner: PlanRunner, stop: int, indices: list[int],
+                token: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        for k, need in zip(indices, ctx.needs_input_grad[4:], strict=True):
+            runner.param_needed[k] = need
+        ctx.runner, ctx.stop, ctx.indices = runner, stop, indices
+        return torch.zeros(())
+
+    @staticmethod
+    def backward(ctx: Any, token: torch.Tensor | None) -> Any:
+        runner = _take_runner(ctx)
+        runner.run_through(ctx.stop)
+        grads = [runner.param_grads[k] for k in ctx.indices]
+        for k in ctx.indices:  # autograd holds them from here (no second reference)
+            runner.param_grads[k] = None
+        return (None, None, None, torch.zeros(()), *grads)
 
 
 class _Relay(torch.autograd.Function):
@@ -1247,7 +1307,14 @@ class CheckpointedChain(StageCalls, nn.Module):
         leaves, spec = tree_flatten(x)
         runner.in_leaves = leaves
         inputs = [t for t in leaves if isinstance(t, torch.Tensor)]
-        token = _PlanFunction.apply(runner, spec, len(inputs), *inputs, *runner.params)
+        groups = runner.release_groups()
+        released = {k for _, ks in groups for k in ks}
+        runner.held = [k for k in range(len(runner.params)) if k not in released]
+        runner.param_needed = [False] * len(runner.params)
+        token = _PlanFunction.apply(runner, spec, len(inputs), *inputs,
+                                    *(runner.params[k] for k in runner.held))
+        for stop, ks in groups:
+            token = _Release.apply(runner, stop, ks, token, *(runner.params[k] for k in ks))
         outs = _Relay.apply(runner, token)
         it = iter(outs)
         out_leaves = [next(it) if isinstance(v, torch.Tensor) else v for v in runner.out_leaves]
