@@ -181,13 +181,17 @@ def test_a_value_carried_to_the_loss_is_counted_once(monkeypatch):
     prof = chain.extra["profile"]
     assert prof["carried_reserve"] == 2 * nbytes  # the value and its gradient
     left_out = prof["carried_left_out"]
-    first = prof["carried_from"]
-    assert set(left_out[:first]) == {0} and left_out[first] == nbytes
+    (made, first, last), = prof["carried_ranges"]  # 1-based stages
+    assert first == made + 1 and set(left_out[:made]) == {0} and left_out[made] == nbytes
+    # forwards up to the stage making it count its gradient only; later ones and the
+    # backwards after it, value and gradient
+    assert prof["carried_fwd"] == [nbytes] * made + [2 * nbytes] * (chain.length - made)
+    assert prof["carried_bwd"] == [0] * made + [2 * nbytes] * (chain.length - made)
     assert sum(n == nbytes for n in left_out) >= 2 * 6  # the decoder stages, 2 per layer
     assert set(left_out) == {0, nbytes}
     assert all(chain.output_size[k] == nbytes for k, n in enumerate(left_out) if n)
     monkeypatch.setattr(profile, "_share_carried",
-                        lambda rows: (list(rows), [0] * len(rows), 0, len(rows), []))
+                        lambda rows: (list(rows), {}))
     before = _profile(model)  # every boundary counts it, as until 2026-11-30
     full = profile.unshared_carried(chain)
     assert full.output_size == before.output_size and full.saved_size == before.saved_size
@@ -262,7 +266,7 @@ def test_a_plan_that_copies_a_carried_value_twice_is_refused():
             f"F_all {made}"] + [f"F_all {i}" for i in range(first + 1, n + 1)] + ["Loss"]
             + [f"B {i}" for i in range(n, first, -1)] + [f"F_all {first}"]
             + [f"B {i}" for i in range(first, 0, -1)])
-    with pytest.raises(OptmemInputError, match="second copy of a carried value"):
+    with pytest.raises(OptmemInputError, match="re-runs a stage up to the one making a"):
         cmodel.use_plan(plan)
     exact = op.checkpoint(model, _sample(), memory_limit="60%", method="ilp", repeats=1,
                           warmup=0, fast_path=False, time_model=lambda *_: (1.0, 2.0))

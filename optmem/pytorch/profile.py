@@ -687,7 +687,7 @@ def profile_stages(
             for p in params:  # backward would accumulate into the caller's gradients otherwise
                 p.grad = None
             rows, leaves, last = _profile_memory(modules, stages, sample, setting, bar)
-            rows, left_out, reserve, carried_from, ranges = _share_carried(rows)
+            rows, carried = _share_carried(rows)
             loss_overhead = _loss_memory(loss_fn, last, rows[-1].output_size, setting) \
                 if loss_fn is not None else 0
             bar.update(len(stages), "timing")
@@ -717,12 +717,13 @@ def profile_stages(
         bwd_time=tuple(q(t) for t in bwd_time),
         output_size=tuple(r.output_size for r in rows),
         saved_size=tuple(r.saved_size for r in rows),
-        fwd_overhead=tuple(r.fwd_overhead + reserve for r in rows),
-        bwd_overhead=tuple(r.bwd_overhead + (reserve if k >= carried_from else 0)
+        fwd_overhead=tuple(r.fwd_overhead + (carried["carried_fwd"][k] if carried else 0)
+                           for k, r in enumerate(rows)),
+        bwd_overhead=tuple(r.bwd_overhead + (carried["carried_bwd"][k] if carried else 0)
                            for k, r in enumerate(rows)),
         weight_size=tuple(_weight_nbytes(m) for m in modules),
         input_size=storage_bytes(sample), loss_bwd_time=q(loss_time) if loss_time else 0.0,
-        loss_bwd_overhead=loss_overhead + reserve, name=name,
+        loss_bwd_overhead=loss_overhead + carried.get("carried_reserve", 0), name=name,
         time_unit="ms", memory_unit="B", stage_names=tuple(s.name for s in stages),
         extra={"profile": {
             "device": str(dev), "repeats": repeats, "warmup": warmup,
@@ -739,15 +740,11 @@ def profile_stages(
             "time_classes": len({r.signature for r in rows}) if times == "measured" else None,
             "loss": "loss_fn" if loss_fn is not None else "not profiled",
             "output_left_out": [r.alias for r in rows],
-            **({"carried_left_out": left_out, "carried_reserve": reserve,
-                "carried_from": carried_from, "carried_ranges": [list(r) for r in ranges]}
-               if reserve else {})}},
+            **carried}},
     )
 
 
-def _share_carried(rows: Sequence[_StageMemory]
-                   ) -> tuple[list[_StageMemory], list[int], int, int,
-                              list[tuple[int, int, int]]]:
+def _share_carried(rows: Sequence[_StageMemory]) -> tuple[list[_StageMemory], dict[str, Any]]:
     """Count the values carried up to the loss once, not in every boundary holding them.
 
     A value read across layers crosses each boundary beside the boundary's own value
@@ -755,17 +752,26 @@ def _share_carried(rows: Sequence[_StageMemory]
     tensor in a tuple). It is one storage, which each stored boundary would count again.
     A value carried by at least half of the stages from the first one that passes it on
     to the last (an encoder's output through the decoder) is left out of the boundaries'
-    sizes and counted once, with its gradient (one storage the backward accumulates into)
-    when it gets one, in the overhead of every forward, of the loss, and of the backward
-    of every stage from the first one that passes a shared value on (before it, no
-    backward holds one). An upper bound: before the value is made and after its last
-    backward it is counted too. Values carried across a shorter part of the chain (T5's
-    position bias within its encoder) stay counted in each boundary: a constant charge
-    would count them through the whole step.
+    sizes and counted once in the overheads, its gradient (one storage the backward
+    accumulates into) too when it gets one:
 
-    Returns the rows, the bytes left out of each stage's output, the charge, the first
-    stage it applies to in a backward, and each shared value's stage that makes it and
-    first and last stage whose output holds it (1-based).
+    * the backward of a stage after the one making it, and the loss: value and gradient;
+    * the forward of such a stage: value and gradient (the gradient lives while the
+      backward re-runs stages);
+    * the forward of the stage making it or of an earlier one: the gradient only. Such a
+      stage runs before the value exists or, in the backward, once no boundary holds it
+      any more: plans that re-run from the latest stored value (rotor's DPs) never run it
+      while a later boundary holds the value (:func:`carried_generations_error` refuses
+      the others).
+
+    An upper bound: the gradient is counted in the first forward too. Values carried
+    across a shorter part of the chain (T5's position bias within its encoder) stay
+    counted in each boundary: a charge through the whole step would cost more.
+
+    Returns the rows and the profile's keys: the bytes left out of each stage's output,
+    the charges added to each stage's forward and backward overheads and to the loss's,
+    and each shared value's stage that makes it and first and last stage whose output
+    holds it (1-based); no keys without shared values.
     """
     passes: dict[int, list[int]] = {}
     for k, row in enumerate(rows):
@@ -773,23 +779,31 @@ def _share_carried(rows: Sequence[_StageMemory]
             passes.setdefault(key, []).append(k)
     shared = {key: value for k, row in enumerate(rows) for key, value in row.carried.items()
               if 2 * len(passes[key]) >= len(rows) - passes[key][0]}
+    if not shared:
+        return list(rows), {}
     strips = [sum(n for k, (n, _) in row.carried.items() if k in shared) for row in rows]
     out = [_shared(row, strips[k], strips[k - 1] if k else 0) for k, row in enumerate(rows)]
-    reserve = sum(n * (2 if grad else 1) for n, grad in shared.values())
-    first = next((k for k, n in enumerate(strips) if n), len(rows))
-    return out, strips, reserve, first, sorted({(passes[k][0], passes[k][0] + 1,
-                                                 passes[k][-1] + 1) for k in shared})
+    made = {key: passes[key][0] for key in shared}  # 1-based: the stage before the first
+    fwd = [sum((n if k + 1 > made[key] else 0) + (n if grad else 0)
+               for key, (n, grad) in shared.items()) for k in range(len(rows))]
+    bwd = [sum(n * (2 if grad else 1) for key, (n, grad) in shared.items()
+               if k + 1 > made[key]) for k in range(len(rows))]
+    keys = {"carried_left_out": strips, "carried_fwd": fwd, "carried_bwd": bwd,
+            "carried_reserve": sum(n * (2 if grad else 1) for n, grad in shared.values()),
+            "carried_ranges": sorted([made[key], passes[key][0] + 1, passes[key][-1] + 1]
+                                     for key in shared)}
+    return out, keys
 
 
 def carried_generations_error(chain: Chain, plan: Sequence[Any]) -> str | None:
     """Why ``plan`` does not fit a chain that counts its carried values once, or ``None``.
 
-    Counting a carried value once (:func:`_share_carried`) assumes one copy of it: a plan
-    that re-runs the stage making it while a later boundary still holds the first copy
-    makes a second one, which the chain does not count. Plans that re-run from the latest
-    stored value (rotor's DPs) never do; a plan that does is refused
-    (``chain.extra["profile"]["carried_ranges"]``: the stage making each shared value and
-    the first and last stage whose output holds it, 1-based).
+    Counting a carried value once (:func:`_share_carried`) assumes that the stage making
+    it, and the stages before, never run while a later boundary holds it: such a run
+    would make a second copy (or run beside the first, whose value their forwards do not
+    count). Plans that re-run from the latest stored value (rotor's DPs) never do; a plan
+    that does is refused (``chain.extra["profile"]["carried_ranges"]``: the stage making
+    each shared value and the first and last stage whose output holds it, 1-based).
 
     Examples
     --------
@@ -800,7 +814,7 @@ def carried_generations_error(chain: Chain, plan: Sequence[Any]) -> str | None:
     True
     >>> carried_generations_error(chain, ["F_ck 1", "F_none 2", "F_all 1", "F_all 3",
     ...                                   "Loss", "B 3", "F_all 2", "B 2", "B 1"])
-    'op 2 (F_all 1) makes a second copy of a carried value (a^2 holds the first)'
+    'op 2 (F_all 1) re-runs a stage up to the one making a carried value while a^2 holds it'
     """
     from optmem.simulate.checkpoint import initial_state, transition
 
@@ -812,9 +826,9 @@ def carried_generations_error(chain: Chain, plan: Sequence[Any]) -> str | None:
         for made, first, last in ranges:
             held = sorted(f"{kind}^{s}" for kind, s in stored
                           if kind != "delta" and first <= s <= last)
-            if op.kind.name.startswith("F") and op.stage == made and held:
-                return (f"op {k} ({op}) makes a second copy of a carried value "
-                        f"({held[0]} holds the first)")
+            if op.kind.name.startswith("F") and op.stage <= made and held:
+                return (f"op {k} ({op}) re-runs a stage up to the one making a carried "
+                        f"value while {held[0]} holds it")
         stored = transition(chain, stored, op)[0]
     return None
 
@@ -835,7 +849,8 @@ def unshared_carried(chain: Chain) -> Chain:
     >>> chain = Chain.from_lists([1.0] * 2, [1.0] * 2, [4, 4], [6, 4], input_size=4,
     ...                          fwd_overhead=[10, 10], bwd_overhead=[1, 10])
     >>> chain = dataclasses.replace(chain, extra={"profile": {
-    ...     "carried_left_out": [0, 8], "carried_reserve": 10, "carried_from": 1}})
+    ...     "carried_left_out": [0, 8], "carried_fwd": [10, 10], "carried_bwd": [0, 10],
+    ...     "carried_reserve": 10}})
     >>> full = unshared_carried(chain)
     >>> full.output_size, full.saved_size, full.fwd_overhead, full.bwd_overhead
     ((4, 12), (6, 12), (0, 0), (1, 0))
@@ -844,16 +859,15 @@ def unshared_carried(chain: Chain) -> Chain:
     left_out = prof.pop("carried_left_out", None)
     if not left_out:
         return chain
+    fwd, bwd = prof.pop("carried_fwd"), prof.pop("carried_bwd")
     reserve = int(prof.pop("carried_reserve"))
-    first = int(prof.pop("carried_from"))
     prof.pop("carried_ranges", None)
     out = tuple(n + k for n, k in zip(chain.output_size, left_out, strict=True))
     return dataclasses.replace(
         chain, output_size=out,
         saved_size=tuple(max(s, o) for s, o in zip(chain.saved_size, out, strict=True)),
-        fwd_overhead=tuple(max(0, f - reserve) for f in chain.fwd_overhead),
-        bwd_overhead=tuple(max(0, b - reserve) if k >= first else b
-                           for k, b in enumerate(chain.bwd_overhead)),
+        fwd_overhead=tuple(max(0, o - c) for o, c in zip(chain.fwd_overhead, fwd, strict=True)),
+        bwd_overhead=tuple(max(0, o - c) for o, c in zip(chain.bwd_overhead, bwd, strict=True)),
         loss_bwd_overhead=max(0, chain.loss_bwd_overhead - reserve),
         extra=dict(chain.extra or {}, profile=prof))
 
