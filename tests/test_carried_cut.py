@@ -182,14 +182,18 @@ def test_a_value_carried_to_the_loss_is_counted_once(monkeypatch):
     assert prof["carried_reserve"] == 2 * nbytes  # the value and its gradient
     left_out = prof["carried_left_out"]
     (made, first, last), = prof["carried_ranges"]  # 1-based stages
-    assert first == made + 1 and set(left_out[:made]) == {0} and left_out[made] == nbytes
+    # left out of the output of the stage making it and of the stages passing it on
+    assert first == made + 1 and set(left_out[:made - 1]) == {0}
+    assert left_out[made - 1] == left_out[made] == nbytes
+    assert prof["carried_saved_left_out"][made - 1] == nbytes  # the maker's tape holds it
     # forwards up to the stage making it count its gradient only; later ones and the
-    # backwards after it, value and gradient
+    # backwards from it, value and gradient
     assert prof["carried_fwd"] == [nbytes] * made + [2 * nbytes] * (chain.length - made)
-    assert prof["carried_bwd"] == [0] * made + [2 * nbytes] * (chain.length - made)
+    assert prof["carried_bwd"] == [0] * (made - 1) + [2 * nbytes] * (chain.length - made + 1)
     assert sum(n == nbytes for n in left_out) >= 2 * 6  # the decoder stages, 2 per layer
     assert set(left_out) == {0, nbytes}
-    assert all(chain.output_size[k] == nbytes for k, n in enumerate(left_out) if n)
+    assert all(chain.output_size[k] == nbytes for k in range(made, chain.length)
+               if left_out[k])  # the decoder's boundaries, without the encoder's output
     monkeypatch.setattr(profile, "_share_carried",
                         lambda rows: (list(rows), {}))
     before = _profile(model)  # every boundary counts it, as until 2026-11-30

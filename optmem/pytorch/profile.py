@@ -483,11 +483,13 @@ def _stage_memory(module: nn.Module, x: Any, in_size: int, tied: Sequence[nn.Par
                         alias if last else 0, carried, tape_size, in_size, peaks)
 
 
-def _shared(row: _StageMemory, strip_out: int, strip_in: int) -> _StageMemory:
-    """``row`` with carried values left out of its output and of its input.
+def _shared(row: _StageMemory, strip_out: int, strip_in: int, strip_tape: int = 0
+            ) -> _StageMemory:
+    """``row`` with carried values left out of its output, its tape and its input.
 
-    ``strip_out`` bytes leave its output, ``strip_in`` its input (``delta^{i-1}``): the
-    sizes and overheads :func:`_stage_memory` would give with those sizes (the CUDA
+    ``strip_out`` bytes leave its output, ``strip_tape`` its tape (the stage making a
+    value: its outputs are part of its tape), ``strip_in`` its input (``delta^{i-1}``):
+    the sizes and overheads :func:`_stage_memory` would give with those sizes (the CUDA
     allocator's overheads, measured at the full sizes, grow by what was left out: an
     upper bound).
     """
@@ -495,7 +497,7 @@ def _shared(row: _StageMemory, strip_out: int, strip_in: int) -> _StageMemory:
         return row
     p = row.peaks
     out = row.output_size - strip_out
-    saved = max(row.tape_size, out)
+    saved = max(row.tape_size - strip_tape, out)
     fwd = max(0, p["fwd"] - saved, p["no_grad"] - out)
     bwd = max(0, p["bwd"] - (row.in_size - strip_in)) if "bwd" in p else 0
     if "cuda_fwd" in p:
@@ -752,17 +754,18 @@ def _share_carried(rows: Sequence[_StageMemory]) -> tuple[list[_StageMemory], di
     tensor in a tuple). It is one storage, which each stored boundary would count again.
     A value carried by at least half of the stages from the first one that passes it on
     to the last (an encoder's output through the decoder) is left out of the boundaries'
-    sizes and counted once in the overheads, its gradient (one storage the backward
-    accumulates into) too when it gets one:
+    sizes (and out of the tape of the stage making it) and counted once in the overheads,
+    its gradient (one storage the backward accumulates into) too when it gets one:
 
-    * the backward of a stage after the one making it, and the loss: value and gradient;
-    * the forward of such a stage: value and gradient (the gradient lives while the
-      backward re-runs stages);
-    * the forward of the stage making it or of an earlier one: the gradient only. Such a
-      stage runs before the value exists or, in the backward, once no boundary holds it
-      any more: plans that re-run from the latest stored value (rotor's DPs) never run it
-      while a later boundary holds the value (:func:`carried_generations_error` refuses
-      the others).
+    * the backward of the stage making it and of every later one, and the loss: value
+      and gradient;
+    * the forward of a stage after the one making it: value and gradient (the gradient
+      lives while the backward re-runs stages);
+    * the forward of the stage making it (whose traced overhead holds the value it makes)
+      or of an earlier one: the gradient only. An earlier stage runs before the value
+      exists or, in the backward, once no stored value holds it any more: plans that
+      re-run from the latest stored value (rotor's DPs) never run it while the value is
+      held (:func:`carried_generations_error` refuses the others).
 
     An upper bound: the gradient is counted in the first forward too. Values carried
     across a shorter part of the chain (T5's position bias within its encoder) stay
@@ -781,29 +784,39 @@ def _share_carried(rows: Sequence[_StageMemory]) -> tuple[list[_StageMemory], di
               if 2 * len(passes[key]) >= len(rows) - passes[key][0]}
     if not shared:
         return list(rows), {}
-    strips = [sum(n for k, (n, _) in row.carried.items() if k in shared) for row in rows]
-    out = [_shared(row, strips[k], strips[k - 1] if k else 0) for k, row in enumerate(rows)]
     made = {key: passes[key][0] for key in shared}  # 1-based: the stage before the first
+    strips = [sum(n for k, (n, _) in row.carried.items() if k in shared) for row in rows]
+    tapes = [0] * len(rows)
+    for key, (n, _) in shared.items():
+        if made[key] >= 1:  # the value is an output of stage made (not the chain input)
+            strips[made[key] - 1] += n
+            tapes[made[key] - 1] += n
+    out = [_shared(row, strips[k], strips[k - 1] if k else 0, tapes[k])
+           for k, row in enumerate(rows)]
     fwd = [sum((n if k + 1 > made[key] else 0) + (n if grad else 0)
                for key, (n, grad) in shared.items()) for k in range(len(rows))]
     bwd = [sum(n * (2 if grad else 1) for key, (n, grad) in shared.items()
-               if k + 1 > made[key]) for k in range(len(rows))]
-    keys = {"carried_left_out": strips, "carried_fwd": fwd, "carried_bwd": bwd,
+               if k + 1 >= made[key]) for k in range(len(rows))]
+    keys = {"carried_left_out": strips,
+            "carried_saved_left_out": [r.saved_size - o.saved_size
+                                       for r, o in zip(rows, out, strict=True)],
+            "carried_fwd": fwd, "carried_bwd": bwd,
             "carried_reserve": sum(n * (2 if grad else 1) for n, grad in shared.values()),
-            "carried_ranges": sorted([made[key], passes[key][0] + 1, passes[key][-1] + 1]
-                                     for key in shared)}
+            "carried_ranges": sorted({(made[key], passes[key][0] + 1, passes[key][-1] + 1)
+                                      for key in shared})}
     return out, keys
 
 
 def carried_generations_error(chain: Chain, plan: Sequence[Any]) -> str | None:
     """Why ``plan`` does not fit a chain that counts its carried values once, or ``None``.
 
-    Counting a carried value once (:func:`_share_carried`) assumes that the stage making
-    it, and the stages before, never run while a later boundary holds it: such a run
-    would make a second copy (or run beside the first, whose value their forwards do not
-    count). Plans that re-run from the latest stored value (rotor's DPs) never do; a plan
-    that does is refused (``chain.extra["profile"]["carried_ranges"]``: the stage making
-    each shared value and the first and last stage whose output holds it, 1-based).
+    Counting a carried value once (:func:`_share_carried`) assumes that no stage up to
+    the one making it runs while the output of that stage or of a later one holds it (a
+    forward before the maker does not count the value; a re-run of the maker would make
+    a second copy). Plans that re-run from the latest stored value (rotor's DPs) never
+    do; a plan that does is refused (``chain.extra["profile"]["carried_ranges"]``: the
+    stage making each shared value and the first and last stage whose output holds it,
+    1-based).
 
     Examples
     --------
@@ -823,9 +836,9 @@ def carried_generations_error(chain: Chain, plan: Sequence[Any]) -> str | None:
         return None
     stored = initial_state()
     for k, op in enumerate(parse_plan(plan)):
-        for made, first, last in ranges:
+        for made, _, last in ranges:
             held = sorted(f"{kind}^{s}" for kind, s in stored
-                          if kind != "delta" and first <= s <= last)
+                          if kind != "delta" and made <= s <= last)
             if op.kind.name.startswith("F") and op.stage <= made and held:
                 return (f"op {k} ({op}) re-runs a stage up to the one making a carried "
                         f"value while {held[0]} holds it")
@@ -849,8 +862,8 @@ def unshared_carried(chain: Chain) -> Chain:
     >>> chain = Chain.from_lists([1.0] * 2, [1.0] * 2, [4, 4], [6, 4], input_size=4,
     ...                          fwd_overhead=[10, 10], bwd_overhead=[1, 10])
     >>> chain = dataclasses.replace(chain, extra={"profile": {
-    ...     "carried_left_out": [0, 8], "carried_fwd": [10, 10], "carried_bwd": [0, 10],
-    ...     "carried_reserve": 10}})
+    ...     "carried_left_out": [0, 8], "carried_saved_left_out": [0, 8],
+    ...     "carried_fwd": [10, 10], "carried_bwd": [0, 10], "carried_reserve": 10}})
     >>> full = unshared_carried(chain)
     >>> full.output_size, full.saved_size, full.fwd_overhead, full.bwd_overhead
     ((4, 12), (6, 12), (0, 0), (1, 0))
@@ -859,13 +872,14 @@ def unshared_carried(chain: Chain) -> Chain:
     left_out = prof.pop("carried_left_out", None)
     if not left_out:
         return chain
+    saved_left_out = prof.pop("carried_saved_left_out")
     fwd, bwd = prof.pop("carried_fwd"), prof.pop("carried_bwd")
     reserve = int(prof.pop("carried_reserve"))
     prof.pop("carried_ranges", None)
     out = tuple(n + k for n, k in zip(chain.output_size, left_out, strict=True))
     return dataclasses.replace(
         chain, output_size=out,
-        saved_size=tuple(max(s, o) for s, o in zip(chain.saved_size, out, strict=True)),
+        saved_size=tuple(s + k for s, k in zip(chain.saved_size, saved_left_out, strict=True)),
         fwd_overhead=tuple(max(0, o - c) for o, c in zip(chain.fwd_overhead, fwd, strict=True)),
         bwd_overhead=tuple(max(0, o - c) for o, c in zip(chain.bwd_overhead, bwd, strict=True)),
         loss_bwd_overhead=max(0, chain.loss_bwd_overhead - reserve),
