@@ -97,7 +97,7 @@ from optmem.pytorch.extract import (
 )
 from optmem.pytorch.hooks import callers_tools_suspended
 from optmem.pytorch.memory import buffers_restored, storage_bytes
-from optmem.pytorch.planning import Planner
+from optmem.pytorch.planning import Planner, refuse_second_copies
 from optmem.result import Result, Status
 from optmem.units import format_size
 
@@ -312,7 +312,8 @@ class GivenPlan:
         """The plan replayed on ``chain``.
 
         Raises :class:`OptmemInputError` if ``chain`` has another number of stages, or the
-        plan does not replay on it (within :attr:`limit`, when set).
+        plan does not replay on it (within :attr:`limit`, when set), or it copies a value
+        the chain counts once (:func:`~optmem.pytorch.planning.refuse_second_copies`).
         """
         from optmem.simulate import simulate_checkpoint
 
@@ -320,6 +321,7 @@ class GivenPlan:
             raise OptmemInputError(f"it is for {self.stages} stages and the model now has "
                                    f"{chain.length}", field="plan")
         sim = simulate_checkpoint(chain, self.plan, self.limit)
+        refuse_second_copies(chain, self.plan, "the given plan")
         return Result("checkpoint", self.method, Status.FEASIBLE, objective=sim.makespan,
                       plan=self.plan, peak_memory=sim.peak_memory, memory_limit=None, unit=1,
                       report={"source": GIVEN_SOURCE})
