@@ -195,7 +195,7 @@ def test_a_value_carried_to_the_loss_is_counted_once(monkeypatch):
     assert all(chain.output_size[k] == nbytes for k in range(made, chain.length)
                if left_out[k])  # the decoder's boundaries, without the encoder's output
     monkeypatch.setattr(profile, "_share_carried",
-                        lambda rows: (list(rows), {}))
+                        lambda rows, _: (list(rows), {}))
     before = _profile(model)  # every boundary counts it, as until 2026-11-30
     full = profile.unshared_carried(chain)
     assert full.output_size == before.output_size and full.saved_size == before.saved_size
@@ -275,3 +275,28 @@ def test_a_plan_that_copies_a_carried_value_twice_is_refused():
     exact = op.checkpoint(model, _sample(), memory_limit="60%", method="ilp", repeats=1,
                           warmup=0, fast_path=False, time_model=lambda *_: (1.0, 2.0))
     assert "carried_reserve" not in exact.chain.extra["profile"]
+
+
+def test_carried_values_are_counted_once_only_where_that_lowers_the_peak(monkeypatch):
+    """Gemma 3 with its vision tower: its image features, made late in a short chain,
+    would cost more counted once (the charges) than in every boundary; its chain keeps
+    per-boundary sizes, which a forced sharing shows are the lower store-all peak."""
+    pytest.importorskip("transformers", reason="the HF tests need transformers (dev extra)")
+    from test_hf_zoo import ZOO
+
+    from optmem.pytorch import profile
+
+    model, kwargs = ZOO["gemma3_vl"]()
+    model.train()
+
+    def chain() -> Any:
+        return op.checkpoint(model, kwargs, memory_limit="100%", repeats=1, warmup=0,
+                             fast_path=False, time_model=lambda *_: (1.0, 2.0)).chain
+
+    kept = chain()
+    assert "carried_reserve" not in kept.extra["profile"]
+    monkeypatch.setattr(profile, "_store_all_peak",
+                        lambda rows, fwd, bwd, size: 0 if fwd is not None else 1)
+    forced = chain()
+    assert forced.extra["profile"]["carried_reserve"] > 0
+    assert forced.store_all_peak() > kept.store_all_peak()

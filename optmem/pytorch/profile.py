@@ -689,7 +689,7 @@ def profile_stages(
             for p in params:  # backward would accumulate into the caller's gradients otherwise
                 p.grad = None
             rows, leaves, last = _profile_memory(modules, stages, sample, setting, bar)
-            rows, carried = _share_carried(rows)
+            rows, carried = _share_carried(rows, storage_bytes(sample))
             loss_overhead = _loss_memory(loss_fn, last, rows[-1].output_size, setting) \
                 if loss_fn is not None else 0
             bar.update(len(stages), "timing")
@@ -746,7 +746,8 @@ def profile_stages(
     )
 
 
-def _share_carried(rows: Sequence[_StageMemory]) -> tuple[list[_StageMemory], dict[str, Any]]:
+def _share_carried(rows: Sequence[_StageMemory], input_size: int
+                   ) -> tuple[list[_StageMemory], dict[str, Any]]:
     """Count the values carried up to the loss once, not in every boundary holding them.
 
     A value read across layers crosses each boundary beside the boundary's own value
@@ -769,7 +770,11 @@ def _share_carried(rows: Sequence[_StageMemory]) -> tuple[list[_StageMemory], di
 
     An upper bound: the gradient is counted in the first forward too. Values carried
     across a shorter part of the chain (T5's position bias within its encoder) stay
-    counted in each boundary: a charge through the whole step would cost more.
+    counted in each boundary: a charge through the whole step would cost more. And the
+    values are shared only when that lowers the chain's store-all peak (with ``input_size``
+    the chain input's bytes): where the charges cost more than the boundaries saved
+    (Gemma 3 with its vision tower, whose image features are made late in a short chain),
+    every boundary keeps counting them.
 
     Returns the rows and the profile's keys: the bytes left out of each stage's output,
     the charges added to each stage's forward and backward overheads and to the loss's,
@@ -797,6 +802,9 @@ def _share_carried(rows: Sequence[_StageMemory]) -> tuple[list[_StageMemory], di
                for key, (n, grad) in shared.items()) for k in range(len(rows))]
     bwd = [sum(n * (2 if grad else 1) for key, (n, grad) in shared.items()
                if k + 1 >= made[key]) for k in range(len(rows))]
+    if _store_all_peak(out, fwd, bwd, input_size) >= _store_all_peak(rows, None, None,
+                                                                       input_size):
+        return list(rows), {}
     keys = {"carried_left_out": strips,
             "carried_saved_left_out": [r.saved_size - o.saved_size
                                        for r, o in zip(rows, out, strict=True)],
@@ -805,6 +813,19 @@ def _share_carried(rows: Sequence[_StageMemory]) -> tuple[list[_StageMemory], di
             "carried_ranges": sorted({(made[key], passes[key][0] + 1, passes[key][-1] + 1)
                                       for key in shared})}
     return out, keys
+
+
+def _store_all_peak(rows: Sequence[_StageMemory], fwd: Sequence[int] | None,
+                    bwd: Sequence[int] | None, input_size: int) -> int:
+    """The store-all peak of ``rows`` with per-stage charges (the loss's: the largest)."""
+    n = len(rows)
+    fwd, bwd = fwd or [0] * n, bwd or [0] * n
+    return Chain.from_lists(
+        [1.0] * n, [1.0] * n, [r.output_size for r in rows], [r.saved_size for r in rows],
+        input_size=input_size,
+        fwd_overhead=[r.fwd_overhead + c for r, c in zip(rows, fwd, strict=True)],
+        bwd_overhead=[r.bwd_overhead + c for r, c in zip(rows, bwd, strict=True)],
+        loss_bwd_overhead=max([*fwd, *bwd])).store_all_peak()
 
 
 def carried_generations_error(chain: Chain, plan: Sequence[Any]) -> str | None:
