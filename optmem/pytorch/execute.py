@@ -619,7 +619,8 @@ class _SetupCache:
         self.lens = list(map(len, self.dicts))
         self.params = list(itertools.chain.from_iterable(map(_VALUES, self.dicts)))
         self.flags = [p is not None and p.requires_grad for p in self.params]
-        self.setup: tuple[list[nn.Parameter], dict[int, list[int]], set[int], _Fusion] | None
+        self.setup: tuple[list[nn.Parameter], dict[int, list[int]], set[int], _Fusion,
+                          list[tuple[int, list[int]]], list[int]] | None
         self.setup = None
 
     def valid(self, key: tuple[Any, ...], modules: list[list[nn.Module]]) -> bool:
@@ -682,6 +683,7 @@ class PlanRunner:
         self.stage_params: dict[int, list[int]] = {}
         self.param_needed: list[bool] = []
         self.held: list[int] = []  # parameters whose gradients _PlanFunction returns
+        self.releases: list[tuple[int, list[int]]] = []  # the others: (stop, params)
         self.param_grads: list[torch.Tensor | None] = []
         # FSDP2 units: parameters gathered at each run, gradients accumulated in .grad
         self.accumulating: set[int] = set()
@@ -703,13 +705,20 @@ class PlanRunner:
         cache = self.owner.setup_cache(self.plan, self.n, type(self))
         if cache.setup is None:
             self._collect_parameters()
+            self.releases = self.release_groups()
+            released = {k for _, ks in self.releases for k in ks}
+            self.held = [k for k in range(len(self.params)) if k not in released]
             cache.setup = (list(self.params), self.stage_params, set(self.accumulating),
-                           self.fusion)
+                           self.fusion, self.releases, list(self.held))
         else:
-            params, self.stage_params, accumulating, self.fusion = cache.setup
-            self.params, self.accumulating = list(params), set(accumulating)
+            params, self.stage_params, accumulating, self.fusion, self.releases, held = \
+                cache.setup
+            self.params, self.accumulating, self.held = list(params), set(accumulating), \
+                list(held)
         if self.accumulating:  # an input that needs a gradient, so that backward() runs
+            self.held.append(len(self.params))  # returned by _PlanFunction
             self.params.append(self.anchor)  # type: ignore[arg-type]
+        self.param_needed = [False] * len(self.params)
 
     def _collect_parameters(self) -> None:
         """:meth:`collect_parameters` without the cache (the anchor not appended)."""
@@ -1307,13 +1316,9 @@ class CheckpointedChain(StageCalls, nn.Module):
         leaves, spec = tree_flatten(x)
         runner.in_leaves = leaves
         inputs = [t for t in leaves if isinstance(t, torch.Tensor)]
-        groups = runner.release_groups()
-        released = {k for _, ks in groups for k in ks}
-        runner.held = [k for k in range(len(runner.params)) if k not in released]
-        runner.param_needed = [False] * len(runner.params)
         token = _PlanFunction.apply(runner, spec, len(inputs), *inputs,
                                     *(runner.params[k] for k in runner.held))
-        for stop, ks in groups:
+        for stop, ks in runner.releases:
             token = _Release.apply(runner, stop, ks, token, *(runner.params[k] for k in ks))
         outs = _Relay.apply(runner, token)
         it = iter(outs)
