@@ -161,7 +161,7 @@ def test_hf_llava_is_cut_layer_by_layer_and_its_capture_hooks_are_not_warned_abo
     assert len(ext.stages) <= 3
 
 
-def _profile(model: nn.Module, monkeypatch: Any = None) -> Any:
+def _profile(model: nn.Module) -> Any:
     """The chain ``op.checkpoint`` plans on (store-all limit)."""
     return op.checkpoint(model, _sample(), memory_limit="100%", repeats=1, warmup=0,
                          fast_path=False, time_model=lambda *_: (1.0, 2.0)).chain
@@ -296,7 +296,7 @@ def test_carried_values_are_counted_once_only_where_that_lowers_the_peak(monkeyp
     kept = chain()
     assert "carried_reserve" not in kept.extra["profile"]
     monkeypatch.setattr(profile, "_store_all_peak",
-                        lambda rows, fwd, bwd, size: 0 if fwd is not None else 1)
+                        lambda rows, loss, size: 0 if loss else 1)  # shared: charged
     forced = chain()
     assert forced.extra["profile"]["carried_reserve"] > 0
     assert forced.store_all_peak() > kept.store_all_peak()

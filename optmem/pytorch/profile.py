@@ -483,18 +483,19 @@ def _stage_memory(module: nn.Module, x: Any, in_size: int, tied: Sequence[nn.Par
                         alias if last else 0, carried, tape_size, in_size, peaks)
 
 
-def _shared(row: _StageMemory, strip_out: int, strip_in: int, strip_tape: int = 0
-            ) -> _StageMemory:
+def _shared(row: _StageMemory, strip_out: int, strip_in: int, strip_tape: int,
+            fwd_charge: int, bwd_charge: int) -> _StageMemory:
     """``row`` with carried values left out of its output, its tape and its input.
 
     ``strip_out`` bytes leave its output, ``strip_tape`` its tape (the stage making a
     value: its outputs are part of its tape), ``strip_in`` its input (``delta^{i-1}``):
     the sizes and overheads :func:`_stage_memory` would give with those sizes (the CUDA
     allocator's overheads, measured at the full sizes, grow by what was left out: an
-    upper bound).
+    upper bound), then the charges (:func:`_share_carried`) added to the overheads.
     """
     if not strip_out and not strip_in:
-        return row
+        return dataclasses.replace(row, fwd_overhead=row.fwd_overhead + fwd_charge,
+                                   bwd_overhead=row.bwd_overhead + bwd_charge)
     p = row.peaks
     out = row.output_size - strip_out
     saved = max(row.tape_size - strip_tape, out)
@@ -503,8 +504,8 @@ def _shared(row: _StageMemory, strip_out: int, strip_in: int, strip_tape: int = 
     if "cuda_fwd" in p:
         fwd = max(fwd, p["cuda_fwd"] + strip_out)
         bwd = max(bwd, p["cuda_bwd"] + strip_in) if row.has_bwd else bwd
-    return dataclasses.replace(row, output_size=out, saved_size=saved, fwd_overhead=fwd,
-                               bwd_overhead=bwd)
+    return dataclasses.replace(row, output_size=out, saved_size=saved,
+                               fwd_overhead=fwd + fwd_charge, bwd_overhead=bwd + bwd_charge)
 
 
 def _passed_through(outs: Sequence[torch.Tensor], versions: dict[int, int],
@@ -719,10 +720,8 @@ def profile_stages(
         bwd_time=tuple(q(t) for t in bwd_time),
         output_size=tuple(r.output_size for r in rows),
         saved_size=tuple(r.saved_size for r in rows),
-        fwd_overhead=tuple(r.fwd_overhead + (carried["carried_fwd"][k] if carried else 0)
-                           for k, r in enumerate(rows)),
-        bwd_overhead=tuple(r.bwd_overhead + (carried["carried_bwd"][k] if carried else 0)
-                           for k, r in enumerate(rows)),
+        fwd_overhead=tuple(r.fwd_overhead for r in rows),
+        bwd_overhead=tuple(r.bwd_overhead for r in rows),
         weight_size=tuple(_weight_nbytes(m) for m in modules),
         input_size=storage_bytes(sample), loss_bwd_time=q(loss_time) if loss_time else 0.0,
         loss_bwd_overhead=loss_overhead + carried.get("carried_reserve", 0), name=name,
@@ -776,10 +775,10 @@ def _share_carried(rows: Sequence[_StageMemory], input_size: int
     (Gemma 3 with its vision tower, whose image features are made late in a short chain),
     every boundary keeps counting them.
 
-    Returns the rows and the profile's keys: the bytes left out of each stage's output,
-    the charges added to each stage's forward and backward overheads and to the loss's,
-    and each shared value's stage that makes it and first and last stage whose output
-    holds it (1-based); no keys without shared values.
+    Returns the rows (their overheads charged) and the profile's keys: the bytes left out
+    of each stage's output and tape, the charges added to each stage's forward and
+    backward overheads and to the loss's, and each shared value's stage that makes it and
+    first and last stage whose output holds it (1-based); no keys without shared values.
     """
     passes: dict[int, list[int]] = {}
     for k, row in enumerate(rows):
@@ -796,36 +795,31 @@ def _share_carried(rows: Sequence[_StageMemory], input_size: int
         if made[key] >= 1:  # the value is an output of stage made (not the chain input)
             strips[made[key] - 1] += n
             tapes[made[key] - 1] += n
-    out = [_shared(row, strips[k], strips[k - 1] if k else 0, tapes[k])
-           for k, row in enumerate(rows)]
     fwd = [sum((n if k + 1 > made[key] else 0) + (n if grad else 0)
                for key, (n, grad) in shared.items()) for k in range(len(rows))]
     bwd = [sum(n * (2 if grad else 1) for key, (n, grad) in shared.items()
                if k + 1 >= made[key]) for k in range(len(rows))]
-    if _store_all_peak(out, fwd, bwd, input_size) >= _store_all_peak(rows, None, None,
-                                                                       input_size):
+    reserve = sum(n * (2 if grad else 1) for n, grad in shared.values())
+    out = [_shared(row, strips[k], strips[k - 1] if k else 0, tapes[k], fwd[k], bwd[k])
+           for k, row in enumerate(rows)]
+    if _store_all_peak(out, reserve, input_size) >= _store_all_peak(rows, 0, input_size):
         return list(rows), {}
     keys = {"carried_left_out": strips,
             "carried_saved_left_out": [r.saved_size - o.saved_size
                                        for r, o in zip(rows, out, strict=True)],
-            "carried_fwd": fwd, "carried_bwd": bwd,
-            "carried_reserve": sum(n * (2 if grad else 1) for n, grad in shared.values()),
+            "carried_fwd": fwd, "carried_bwd": bwd, "carried_reserve": reserve,
             "carried_ranges": sorted({(made[key], passes[key][0] + 1, passes[key][-1] + 1)
                                       for key in shared})}
     return out, keys
 
 
-def _store_all_peak(rows: Sequence[_StageMemory], fwd: Sequence[int] | None,
-                    bwd: Sequence[int] | None, input_size: int) -> int:
-    """The store-all peak of ``rows`` with per-stage charges (the loss's: the largest)."""
+def _store_all_peak(rows: Sequence[_StageMemory], loss: int, input_size: int) -> int:
+    """The store-all peak of ``rows``, the loss's overhead ``loss``."""
     n = len(rows)
-    fwd, bwd = fwd or [0] * n, bwd or [0] * n
     return Chain.from_lists(
         [1.0] * n, [1.0] * n, [r.output_size for r in rows], [r.saved_size for r in rows],
-        input_size=input_size,
-        fwd_overhead=[r.fwd_overhead + c for r, c in zip(rows, fwd, strict=True)],
-        bwd_overhead=[r.bwd_overhead + c for r, c in zip(rows, bwd, strict=True)],
-        loss_bwd_overhead=max([*fwd, *bwd])).store_all_peak()
+        input_size=input_size, fwd_overhead=[r.fwd_overhead for r in rows],
+        bwd_overhead=[r.bwd_overhead for r in rows], loss_bwd_overhead=loss).store_all_peak()
 
 
 def carried_generations_error(chain: Chain, plan: Sequence[Any]) -> str | None:
@@ -857,10 +851,10 @@ def carried_generations_error(chain: Chain, plan: Sequence[Any]) -> str | None:
         return None
     stored = initial_state()
     for k, op in enumerate(parse_plan(plan)):
-        for made, _, last in ranges:
+        for made, _, last in ranges if op.kind.name.startswith("F") else ():
             held = sorted(f"{kind}^{s}" for kind, s in stored
                           if kind != "delta" and made <= s <= last)
-            if op.kind.name.startswith("F") and op.stage <= made and held:
+            if op.stage <= made and held:
                 return (f"op {k} ({op}) re-runs a stage up to the one making a carried "
                         f"value while {held[0]} holds it")
         stored = transition(chain, stored, op)[0]
