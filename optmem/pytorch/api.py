@@ -24,10 +24,11 @@ from torch import nn
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError
 from optmem.pytorch.extract import Stage, extract_program
-from optmem.pytorch.planning import Planner, refuse_second_copies
+from optmem.pytorch.planning import Planner
 from optmem.pytorch.profile import TimeModel
 from optmem.pytorch.wrapper import (
     GIVEN_SOURCE,
+    GivenPlan,
     PlannedModule,
     ProfileOptions,
     call_of,
@@ -36,7 +37,7 @@ from optmem.pytorch.wrapper import (
     leaves_no_trace,
     solved_limit,
 )
-from optmem.result import Result, Status
+from optmem.result import Result
 from optmem.units import parse_size
 
 __all__ = ["CheckpointedModule", "OffloadedModule", "PlannedModule", "RematOffloadedModule",
@@ -133,13 +134,8 @@ class CheckpointedModule(PlannedModule):
         one :class:`UserWarning` says why it was dropped and the planner solves the new
         chain. :meth:`resolve` returns to the planner's plans.
         """
-        from optmem.simulate import simulate_checkpoint
-
-        sim = simulate_checkpoint(self.chain, plan)
-        refuse_second_copies(self.chain, plan, "the given plan")
-        result = Result("checkpoint", method, Status.FEASIBLE, objective=sim.makespan,
-                        plan=tuple(str(p) for p in plan), peak_memory=sim.peak_memory,
-                        memory_limit=None, unit=1, report={"source": GIVEN_SOURCE})
+        result = GivenPlan(tuple(str(p) for p in plan), method, self.chain.length,
+                           None).result(self.chain)
         limit = None if memory_limit is None else parse_size(memory_limit,
                                                              field="memory_limit")
         self._set_result(result, plan, limit, given=True)
