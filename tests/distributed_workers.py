@@ -261,34 +261,39 @@ def ddp_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     cmodel = op.checkpoint(model, x, memory_limit=job["memory_limit"], time_model=time_model,
                            strip_suffix=job["strip_suffix"], process_group=job["process_group"])
     grads: dict[str, torch.Tensor] = {}
-    b_ops: list[int] = []  # B ops run in this step (monitor), when each bucket's hook ran
-    hooked: list[int] = []
+    b_ops = [0]  # B ops run in this step (a monitor), and that count when each bucket's
+    hooked: list[int] = []  # all-reduce started (with "watch_buckets")
     if job["process_group"] is None:
         ddp = DistributedDataParallel(cmodel, **job["ddp"])
-        if job.get("watch_buckets"):
-            _watch_buckets(ddp, b_ops, hooked)
+        monitor = _watch_buckets(ddp, b_ops, hooked) if job.get("watch_buckets") else None
         for _ in range(2):
             ddp.zero_grad(set_to_none=True)
-            b_ops[:] = [0]
+            b_ops[0] = 0
             hooked.clear()
             nn.functional.mse_loss(ddp(x), y).backward()
+        if monitor is not None:
+            from optmem.pytorch.execute import remove_monitor
+
+            remove_monitor(monitor)
         grads = _grads(model)
-    return {"grads": grads, "plan": cmodel.result.plan, "b_ops": b_ops[:1],
+    return {"grads": grads, "plan": cmodel.result.plan, "b_ops": b_ops[0],
             "bucket_hooks": list(hooked)}
 
 
-def _watch_buckets(ddp: nn.Module, b_ops: list[int], hooked: list[int]) -> None:
-    """Count the executor's ``B`` ops, and record the count when DDP all-reduces a bucket."""
+def _watch_buckets(ddp: nn.Module, b_ops: list[int], hooked: list[int]
+                   ) -> Callable[..., None]:
+    """Count the executor's ``B`` ops in ``b_ops[0]``, and record the count in ``hooked``
+    when DDP all-reduces a bucket; returns the monitor (to remove)."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     from optmem.pytorch.execute import add_monitor
 
     def count(op: str, *_: Any) -> None:
-        if op.startswith("B ") and b_ops:
+        if op.startswith("B "):
             b_ops[0] += 1
 
     def hook(state: Any, bucket: Any) -> Any:
-        hooked.append(b_ops[0] if b_ops else -1)
+        hooked.append(b_ops[0])
         return allreduce_hook(state, bucket)
 
     # DDP checks the real annotations (this module's are strings: future annotations)
@@ -297,6 +302,7 @@ def _watch_buckets(ddp: nn.Module, b_ops: list[int], hooked: list[int]) -> None:
 
     add_monitor(count)
     ddp.register_comm_hook(None, hook)  # type: ignore[operator]
+    return count
 
 
 def ddp_hf_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
