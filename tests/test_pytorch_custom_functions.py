@@ -407,3 +407,76 @@ def test_torch_reentrant_checkpoint_inside_the_forward_trains_as_the_model(wrap)
         for a, b in zip(*grads, strict=True):
             if a is not None:
                 torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+class CtcNet(nn.Module):
+    """Frames -> log-probabilities -> ``nn.CTCLoss`` with lengths as tensors (as HF's)."""
+
+    def __init__(self, reduction: str = "mean") -> None:
+        super().__init__()
+        self.lins = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.head = nn.Linear(8, 6)
+        self.loss = nn.CTCLoss(blank=0, reduction=reduction)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor, lengths: torch.Tensor
+                ) -> torch.Tensor:
+        for lin in self.lins:
+            x = torch.tanh(lin(x))
+        log_probs = self.head(x).log_softmax(-1).transpose(0, 1)  # (time, batch, classes)
+        frames = torch.full((x.shape[0],), x.shape[1], dtype=torch.long)
+        return self.loss(log_probs, targets, frames, lengths).sum()
+
+
+def _ctc_sample(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([3, 5])
+    targets = torch.randint(1, 6, (int(lengths.sum()),), generator=g)  # concatenated
+    return torch.randn(2, 12, 8, generator=g), targets, lengths
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_ctc_loss_with_tensor_lengths_is_kept_whole_and_trains_as_the_model(reduction):
+    """Before: ``DynamicOutputShapeException: aten._ctc_loss.Tensor`` (its fake kernel has
+    no size for the alphas), so every HF ``...ForCTC`` model failed to extract. The
+    traced graph holds ``optmem::ctc_loss``, restored to torch's own op."""
+    torch.manual_seed(0)
+    net = CtcNet(reduction)
+    sample = _ctc_sample(1)
+    ext = extract_program(net, sample)
+    targets = [n.target for st in ext.stages for n in st.module.gm.graph.nodes]
+    assert custom_functions.ctc_loss in targets and custom_functions.CTC_OP not in targets
+    wrapped = op.checkpoint(net, sample, memory_limit="60%", repeats=1, warmup=0,
+                            fast_path=False)
+    other = _ctc_sample(2)  # other targets, other alphas: the same graph
+    for call in (sample, other):
+        net.zero_grad(set_to_none=True)
+        wrapped(*call).backward()
+        got = [p.grad.clone() for p in net.parameters()]
+        net.zero_grad(set_to_none=True)
+        net(*call).backward()
+        assert all(torch.equal(a, p.grad) for a, p in zip(got, net.parameters(), strict=True))
+    assert torch.ctc_loss is custom_functions.ctc_loss.__globals__["_ORIGINAL_CTC"]
+
+
+@pytest.mark.parametrize("reduction", [0, 1, 2])
+def test_the_traced_ctc_op_has_torchs_values_and_gradients(reduction):
+    """``optmem::ctc_loss`` is only traced, but its own kernel and backward are right too."""
+    g = torch.Generator().manual_seed(3)
+    log_probs = torch.randn(12, 2, 6, generator=g).log_softmax(-1).requires_grad_()
+    _, targets, lengths = _ctc_sample(4)
+    frames = torch.full((2,), 12, dtype=torch.long)
+    args = (targets, frames, lengths, 0, reduction, False)
+    ours = custom_functions.CTC_OP(log_probs, *args)
+    theirs = torch.ctc_loss(log_probs, *args)
+    assert torch.equal(ours, theirs)
+    weights = torch.rand(theirs.shape, generator=g)
+    (mine,) = torch.autograd.grad(ours, log_probs, weights)
+    (ref,) = torch.autograd.grad(theirs, log_probs, weights)
+    assert torch.equal(mine, ref)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    fakes = [mode.from_tensor(t) for t in (log_probs.detach(), *args[:3])]
+    with mode:
+        fake = custom_functions.CTC_OP(*fakes, *args[3:])
+    assert fake.shape == theirs.shape and fake.dtype == theirs.dtype

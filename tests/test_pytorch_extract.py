@@ -243,6 +243,43 @@ def test_no_boundary_before_an_inplace_write():
             torch.testing.assert_close(run_stages(ext_stages, x), net(x), rtol=0, atol=0)
 
 
+class MaskThroughDropout(nn.Module):
+    """HF wav2vec2's SpecAugment: ``h = dropout(proj(x)); h[mask] = embed`` with p = 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.embed = nn.Parameter(torch.randn(4))
+        self.lins = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x, mask):
+        h = nn.functional.dropout(self.proj(x), p=0.0, training=self.training)
+        h[mask] = self.embed  # writes proj's output: dropout(p=0) returned that very tensor
+        for lin in self.lins:
+            h = torch.tanh(lin(h))
+        return h.sum()
+
+
+def test_a_dropout_returning_its_input_is_an_alias_for_the_cut():
+    """``aten.dropout(x, 0.0, True)`` returns ``x`` itself though its schema declares no
+    alias. Before, a boundary was cut after ``proj`` and the mask's write hit that stage's
+    input: "a leaf Variable that requires grad is being used in an in-place operation"."""
+    import optmem.pytorch as op
+
+    torch.manual_seed(0)
+    net = MaskThroughDropout().train()
+    g = torch.Generator().manual_seed(1)
+    x, mask = torch.randn(2, 6, 4, generator=g), torch.rand(2, 6, generator=g) > 0.5
+    wrapped = op.checkpoint(net, (x, mask), memory_limit="90%", repeats=1, warmup=0,
+                            fast_path=False)
+    assert len(wrapped.stages) >= 3
+    wrapped(x, mask).backward()
+    got = [p.grad.clone() for p in net.parameters()]
+    net.zero_grad(set_to_none=True)
+    net(x, mask).backward()
+    assert all(torch.equal(a, p.grad) for a, p in zip(got, net.parameters(), strict=True))
+
+
 class GradInputUsedLate(nn.Module):
     def __init__(self):
         super().__init__()

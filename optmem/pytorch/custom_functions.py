@@ -21,6 +21,15 @@ is specialised to its call anyway).
 ``torch.fx`` cannot keep them (its proxies run the forward), so :func:`refuse_functions`
 turns a custom Function met while fx traces into an :class:`~optmem.errors.OptmemInputError`
 naming it, never a graph with the wrong backward.
+
+The same route keeps whole one aten op whose output's *size* fake tensors cannot know:
+``torch.ctc_loss`` with lengths given as tensors (HF's ``ForCTCLoss``, used by every
+``...ForCTC`` speech model, and ``nn.CTCLoss``). Its fake kernel has no size for the
+alphas it keeps for the backward (they depend on the longest target's value), so export
+stopped with ``DynamicOutputShapeException``. While optmem exports, :func:`opaque_functions`
+routes such calls through ``optmem::ctc_loss``, whose loss has a known size, and
+:func:`restore_functions` points the node back at ``torch.ctc_loss`` (:func:`ctc_loss`):
+the eager op, forward and backward.
 """
 
 from __future__ import annotations
@@ -36,10 +45,11 @@ from torch import fx
 
 from optmem.errors import OptmemInputError
 
-__all__ = ["OPAQUE_OP", "call_function", "is_opaque_call", "opaque_functions",
-           "refuse_functions", "restore_functions"]
+__all__ = ["CTC_OP", "OPAQUE_OP", "call_function", "ctc_loss", "is_opaque_call",
+           "opaque_functions", "refuse_functions", "restore_functions"]
 
 _ORIGINAL_APPLY = torch.autograd.Function.__dict__["apply"].__func__
+_ORIGINAL_CTC = torch.ctc_loss
 _STATE = threading.local()
 
 
@@ -151,6 +161,79 @@ def is_opaque_call(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in (call_function, OPAQUE_OP)
 
 
+# ------------------------------------------------------------------ CTC loss
+_CTC_ARGS = ("log_probs", "targets", "input_lengths", "target_lengths", "blank", "reduction",
+             "zero_infinity")
+_CTC_DEFAULTS = {"blank": 0, "reduction": 1, "zero_infinity": False}
+
+
+def ctc_loss(log_probs: torch.Tensor, targets: torch.Tensor, input_lengths: torch.Tensor,
+             target_lengths: torch.Tensor, blank: int, reduction: int,
+             zero_infinity: bool) -> torch.Tensor:
+    """``torch.ctc_loss`` itself: what a restored ``optmem::ctc_loss`` node runs.
+
+    ``reduction`` is torch's enum (0 none, 1 mean, 2 sum), as ``nn.functional.ctc_loss``
+    passes it.
+    """
+    return _ORIGINAL_CTC(log_probs, targets, input_lengths, target_lengths, blank, reduction,
+                         zero_infinity)
+
+
+@torch.library.custom_op("optmem::ctc_loss", mutates_args=())
+def _ctc_op(log_probs: torch.Tensor, targets: torch.Tensor, input_lengths: torch.Tensor,
+            target_lengths: torch.Tensor, blank: int, reduction: int,
+            zero_infinity: bool) -> torch.Tensor:
+    """``torch.ctc_loss`` as one op of known output size (only traced, then restored)."""
+    return ctc_loss(log_probs, targets, input_lengths, target_lengths, blank, reduction,
+                    zero_infinity)
+
+
+@_ctc_op.register_fake
+def _ctc_fake(log_probs: torch.Tensor, targets: torch.Tensor, input_lengths: torch.Tensor,
+              target_lengths: torch.Tensor, blank: int, reduction: int,
+              zero_infinity: bool) -> torch.Tensor:
+    """The loss's size: one per sequence with ``reduction`` none, else a scalar."""
+    batched = log_probs.dim() == 3
+    shape = (log_probs.shape[1],) if reduction == 0 and batched else ()
+    return log_probs.new_empty(shape)
+
+
+def _ctc_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    ctx.save_for_backward(*inputs[:4])
+    ctx.options = inputs[4:]
+
+
+def _ctc_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """The gradient of ``log_probs``, from the eager op run again (the op is only traced:
+    a restored graph runs :func:`ctc_loss` and its own backward)."""
+    log_probs, targets, input_lengths, target_lengths = ctx.saved_tensors
+    with torch.enable_grad():
+        x = log_probs.detach().requires_grad_()
+        loss = ctc_loss(x, targets, input_lengths, target_lengths, *ctx.options)
+        (dx,) = torch.autograd.grad(loss, x, grad)
+    return dx, None, None, None, None, None, None
+
+
+_ctc_op.register_autograd(_ctc_backward, setup_context=_ctc_setup)
+
+CTC_OP = torch.ops.optmem.ctc_loss.default
+
+
+def _ctc(*args: Any, **kwargs: Any) -> Any:
+    """``torch.ctc_loss`` while patched: tensor lengths go through ``optmem::ctc_loss``.
+
+    Integer-list lengths have a fake size already (the longest target is known), and calls
+    made while running a kernel or outside an export session go to the original.
+    """
+    session = _session()
+    bound = dict(_CTC_DEFAULTS, **dict(zip(_CTC_ARGS, args, strict=False)), **kwargs)
+    tensors = all(isinstance(bound.get(k), torch.Tensor) for k in _CTC_ARGS[:4])
+    if session is None or session.mode != "opaque" or _depth() > 0 or not tensors \
+            or set(bound) != set(_CTC_ARGS):
+        return _ORIGINAL_CTC(*args, **kwargs)
+    return CTC_OP(*(bound[k] for k in _CTC_ARGS))
+
+
 def _is_reentrant_checkpoint(cls: type) -> bool:
     """Whether ``cls`` is torch's reentrant checkpoint, ``CheckpointFunction``."""
     from torch.utils.checkpoint import CheckpointFunction
@@ -203,11 +286,14 @@ def _patched(mode: str) -> Iterator[_Session]:
     session = _Session(mode)
     _STATE.session = session
     current = torch.autograd.Function.__dict__["apply"]  # restored as found
+    ctc = torch.ctc_loss
     torch.autograd.Function.apply = classmethod(_apply)  # type: ignore[method-assign,assignment]
+    torch.ctc_loss = _ctc  # type: ignore[assignment]
     try:
         yield session
     finally:
         torch.autograd.Function.apply = current  # type: ignore[method-assign]
+        torch.ctc_loss = ctc  # type: ignore[assignment]
         _STATE.session = None
 
 
@@ -252,12 +338,13 @@ def refuse_functions(module_name: str) -> Iterator[_Session]:
 def restore_functions(gm: fx.GraphModule) -> int:
     """Point every ``optmem::autograd_function`` node of ``gm`` at :func:`call_function`.
 
-    Returns the number of calls restored.
+    And every ``optmem::ctc_loss`` node at :func:`ctc_loss`. Returns the number of calls
+    restored.
     """
     count = 0
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is OPAQUE_OP:
-            node.target = call_function
+        if node.op == "call_function" and node.target in (OPAQUE_OP, CTC_OP):
+            node.target = call_function if node.target is OPAQUE_OP else ctc_loss
             count += 1
     if count:
         gm.recompile()

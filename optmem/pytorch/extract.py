@@ -72,6 +72,7 @@ from optmem.pytorch.graphcut import (
 )
 from optmem.pytorch.hooks import (
     check_module_hooks,
+    random_config,
     refuse_python_random,
     refuse_tensor_hooks,
 )
@@ -280,7 +281,8 @@ def _symbolic_trace(module: nn.Module) -> fx.GraphModule:
     Functions (:func:`~optmem.pytorch.custom_functions.refuse_functions`).
     """
     name = type(module).__name__
-    with refuse_python_random(name), refuse_tensor_hooks(name), refuse_functions(name):
+    with refuse_python_random(name, module), refuse_tensor_hooks(name), \
+            refuse_functions(name):
         tracer = _Tracer()
         graph = tracer.trace(module)
         return fx.GraphModule(tracer.root, graph, name)
@@ -463,7 +465,7 @@ def _extract_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
                                field="extract")
     check_module_hooks(module)
     errors = []
-    branch = None
+    branch, intermediate = None, False
     if method in ("auto", "export"):
         try:
             return _export_program(module, args, kwargs)
@@ -476,6 +478,7 @@ def _extract_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
                                        field="module") from None
             errors.append(f"torch.export: {_first_line(exc)}")
             branch = data_dependent_branch(exc)
+            intermediate = isinstance(exc, IntermediateBranch)
     if method in ("auto", "fx"):
         try:
             return _fx_program(module, args, kwargs)
@@ -485,6 +488,8 @@ def _extract_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
             errors.append(f"torch.fx: {_first_line(exc)}")
     if branch is not None:
         tried = " nor ".join(e.split(":")[0] for e in errors)
+        if intermediate:
+            raise OptmemInputError(_intermediate_message(module, branch, tried), field="module")
         raise OptmemInputError(
             f"cannot extract a chain from {name}: its forward branches on the value of a "
             f"tensor at {branch}, which {'neither ' if ' nor ' in tried else ''}{tried} "
@@ -494,6 +499,17 @@ def _extract_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
     raise OptmemInputError(
         f"cannot extract a chain from {name} ({'; '.join(errors)}): pass an nn.Sequential "
         "of its blocks or a list of stage modules instead", field="module")
+
+
+def _intermediate_message(module: nn.Module, where: str, tried: str) -> str:
+    """Why a branch on an intermediate value stops extraction, and what to do."""
+    neither = "neither " if " nor " in tried else ""
+    return (f"cannot extract a chain from {type(module).__name__}: its forward branches on "
+            f"the value of an intermediate tensor at {where}, a value computed inside the "
+            "forward (a router's choice, LayerDrop's random draw), which may take another "
+            f"side at every step and which {neither}{tried} can hold in a graph."
+            f"{random_config(module)} Otherwise pass an nn.Sequential of its blocks or a "
+            "list of stage modules instead")
 
 
 _UNKNOWN_OUTPUT = re.compile(r"Found <class '([^']+)'> in output, which is not a known type")
@@ -673,12 +689,14 @@ def _export(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
 
     A forward that branches on a tensor's value stops the first export; the second takes
     the sample's side of each such branch and asserts it at run time
-    (:mod:`optmem.pytorch.branches`). The first failure is raised if the second fails too.
+    (:mod:`optmem.pytorch.branches`). The first failure is raised if the second fails too,
+    unless the second found what optmem refuses past the branch (NumPy draws, tensor
+    hooks, a custom Function it cannot keep): that error says more.
     """
     name = type(module).__name__
 
     def run() -> torch.export.ExportedProgram:
-        with refuse_python_random(name), refuse_tensor_hooks(name), \
+        with refuse_python_random(name, module), refuse_tensor_hooks(name), \
                 opaque_functions(name), _quiet_export():
             return torch.export.export(module, args, kwargs=kwargs, strict=False,
                                        dynamic_shapes=dynamic_shapes)
@@ -693,6 +711,8 @@ def _export(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
         try:
             with real_values():
                 ep = run()
+        except OptmemInputError:  # found past the branch (numpy draws, hooks): clearer
+            raise
         except Exception:  # noqa: BLE001 - the first failure says what the model does
             raise exc from None
         return ep

@@ -168,6 +168,23 @@ def _is_vmap_bracket(node: fx.Node) -> bool:
                                                                     _VMAP_LOAD)
 
 
+_DROPOUTS = ("dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout")
+
+
+def _returns_its_input(node: fx.Node) -> bool:
+    """Whether ``node`` is a dropout that returns its input tensor itself.
+
+    ``aten.dropout(x, p, train)`` returns ``x`` (the same tensor, not a copy) when ``p`` is
+    0 or ``train`` is false, though its schema declares no alias. HF wav2vec2 with the
+    default ``feat_proj_dropout=0.0`` then writes SpecAugment's mask into the projection's
+    output through it (``hidden_states[mask_time_indices] = ...``).
+    """
+    if target_name(node) not in _DROPOUTS or len(node.args) < 3:
+        return False
+    p, train = node.args[1], node.args[2]
+    return p == 0 or train is False
+
+
 def _alias_root(node: fx.Node) -> fx.Node:
     """Follow views back to the node that owns the storage (best effort)."""
     seen = 0
@@ -180,7 +197,7 @@ def _alias_root(node: fx.Node) -> fx.Node:
         if isinstance(target, torch._ops.OpOverload):
             returns = target._schema.returns
             if returns and returns[0].alias_info is not None and \
-                    not returns[0].alias_info.is_write:
+                    not returns[0].alias_info.is_write or _returns_its_input(node):
                 node = arg0
                 continue
             return node

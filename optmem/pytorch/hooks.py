@@ -45,8 +45,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 from optmem.errors import OptmemInputError
 
 __all__ = ["callers_tools_suspended", "check_backward_hooks", "check_module_hooks",
-           "quiet_gradient_hooks", "refuse_python_random", "refuse_tensor_hooks",
-           "warn_forward_hooks"]
+           "quiet_gradient_hooks", "random_config", "refuse_python_random",
+           "refuse_tensor_hooks", "warn_forward_hooks"]
 
 _ALTERNATIVE = ("remove it, or pass an nn.Sequential of blocks or a list of stage modules "
                 "(stages that are your modules run their hooks themselves)")
@@ -136,13 +136,58 @@ def _numpy_state() -> tuple[Any, ...]:
     return (state[0], state[1].tobytes(), *state[2:])
 
 
+#: HF config fields that make a model draw at random while it trains, and what draws.
+_RANDOM_KNOBS = {
+    "layerdrop": "LayerDrop", "encoder_layerdrop": "LayerDrop",
+    "decoder_layerdrop": "LayerDrop", "mask_time_prob": "SpecAugment's time masks",
+    "mask_feature_prob": "SpecAugment's feature masks",
+}
+
+
+def random_config(module: nn.Module | None) -> str:
+    """A sentence naming the HF config fields that draw at random in training, or ``""``.
+
+    LayerDrop (``layerdrop``, a branch on ``torch.rand`` skipping whole layers) and
+    SpecAugment's masks (``mask_time_prob``, ``mask_feature_prob``, drawn with NumPy) change
+    the computed graph from step to step, so no extracted graph can hold them; HF reads these
+    fields at every call, so setting them to 0 on ``model.config`` is enough. Time masks
+    drawn outside and passed as ``mask_time_indices`` are an input like any other.
+
+    Examples
+    --------
+    >>> from types import SimpleNamespace
+    >>> m = nn.Linear(1, 1)
+    >>> m.config = SimpleNamespace(layerdrop=0.1, mask_time_prob=0.0)
+    >>> random_config(m)
+    ' Its config draws at random in training: layerdrop=0.1 (LayerDrop); set model.config.layerdrop = 0.0 before wrapping.'
+    """
+    config = getattr(module, "config", None)
+    if config is None or not getattr(module, "training", False):
+        return ""
+    found = [(key, value) for key in _RANDOM_KNOBS
+             if isinstance(value := getattr(config, key, None), int | float)
+             and not isinstance(value, bool) and value > 0]
+    if not found:
+        return ""
+    named = ", ".join(f"{key}={value} ({_RANDOM_KNOBS[key]})" for key, value in found)
+    fix = "; ".join(f"model.config.{key} = 0.0" for key, _ in found)
+    keep = (" To keep SpecAugment's time masks, draw them outside the model and pass them "
+            "as mask_time_indices= (transformers' _compute_mask_indices): they are then "
+            "an input, new at every call" if any(k == "mask_time_prob" for k, _ in found)
+            else "")
+    return (f" Its config draws at random in training: {named}; set {fix} before "
+            f"wrapping.{keep}")
+
+
 @contextmanager
-def refuse_python_random(module_name: str) -> Iterator[None]:
+def refuse_python_random(module_name: str, module: nn.Module | None = None) -> Iterator[None]:
     """Within (while tracing): refuse draws from Python's ``random`` or NumPy's global RNG.
 
     A traced graph holds the values such draws gave *while tracing*: a LayerDrop written as
     ``if random.random() < p: skip the layer`` would skip the same layers at every step.
     torch's own RNG is not concerned (its random ops are graph nodes, replayed each call).
+    With ``module``, the message names its HF config fields that draw
+    (:func:`random_config`).
 
     Raises
     ------
@@ -158,8 +203,9 @@ def refuse_python_random(module_name: str) -> Iterator[None]:
         raise OptmemInputError(
             f"{module_name} draws random numbers from {' and '.join(moved)} while it runs "
             "(a LayerDrop or a mask written with Python or NumPy randomness): an extracted "
-            "graph would replay the draws of the trace at every step. Turn them off (e.g. "
-            f"layerdrop=0), use torch's RNG for them, or {_ALTERNATIVE}", field="module")
+            f"graph would replay the draws of the trace at every step.{random_config(module)}"
+            " Otherwise turn them off (e.g. layerdrop=0) or draw them with torch's RNG; or "
+            f"{_ALTERNATIVE}", field="module")
 
 
 @contextmanager
