@@ -204,8 +204,10 @@ def _ctc_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
 
 
 def _ctc_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-    """The gradient of ``log_probs``, from the eager op run again (the op is only traced:
-    a restored graph runs :func:`ctc_loss` and its own backward)."""
+    """The gradient of ``log_probs``, from the eager op run again.
+
+    The op is only traced: a restored graph runs :func:`ctc_loss` and its own backward.
+    """
     log_probs, targets, input_lengths, target_lengths = ctx.saved_tensors
     with torch.enable_grad():
         x = log_probs.detach().requires_grad_()

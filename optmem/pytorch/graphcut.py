@@ -182,7 +182,7 @@ def _returns_its_input(node: fx.Node) -> bool:
     if target_name(node) not in _DROPOUTS or len(node.args) < 3:
         return False
     p, train = node.args[1], node.args[2]
-    return p == 0 or train is False
+    return bool(p == 0) or train is False
 
 
 def _alias_root(node: fx.Node) -> fx.Node:

@@ -158,8 +158,9 @@ def random_config(module: nn.Module | None) -> str:
     >>> from types import SimpleNamespace
     >>> m = nn.Linear(1, 1)
     >>> m.config = SimpleNamespace(layerdrop=0.1, mask_time_prob=0.0)
-    >>> random_config(m)
-    ' Its config draws at random in training: layerdrop=0.1 (LayerDrop); set model.config.layerdrop = 0.0 before wrapping.'
+    >>> print(random_config(m).strip())  # doctest: +NORMALIZE_WHITESPACE
+    Its config draws at random in training: layerdrop=0.1 (LayerDrop);
+    set model.config.layerdrop = 0.0 before wrapping.
     """
     config = getattr(module, "config", None)
     if config is None or not getattr(module, "training", False):
