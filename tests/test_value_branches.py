@@ -168,7 +168,7 @@ def test_a_branch_on_an_intermediate_value_is_refused_naming_the_line():
     with pytest.raises(OptmemInputError) as err:
         op.checkpoint(MidBranch(), _call(), memory_limit="70%", repeats=1, warmup=0)
     message = str(err.value)
-    assert "MidBranch: its forward branches on the value of a tensor at " \
+    assert "MidBranch: its forward branches on the value of an intermediate tensor at " \
            "test_value_branches.py:" in message
     assert "(`if (h > 0.5).any():`)" in message and "\n" not in message
 
