@@ -185,8 +185,13 @@ def _returns_its_input(node: fx.Node) -> bool:
     return bool(p == 0) or train is False
 
 
-def _alias_root(node: fx.Node) -> fx.Node:
-    """Follow views back to the node that owns the storage (best effort)."""
+def _alias_root(node: fx.Node, through_dropouts: bool = False) -> fx.Node:
+    """Follow views back to the node that owns the storage (best effort).
+
+    ``through_dropouts`` also follows a dropout that returns its input
+    (:func:`_returns_its_input`): for in-place writes, whose target is then that input.
+    Boundaries are not merged across such a dropout (a stage of it alone stays a stage).
+    """
     seen = 0
     while seen < 10_000:
         seen += 1
@@ -197,7 +202,8 @@ def _alias_root(node: fx.Node) -> fx.Node:
         if isinstance(target, torch._ops.OpOverload):
             returns = target._schema.returns
             if returns and returns[0].alias_info is not None and \
-                    not returns[0].alias_info.is_write or _returns_its_input(node):
+                    not returns[0].alias_info.is_write \
+                    or through_dropouts and _returns_its_input(node):
                 node = arg0
                 continue
             return node
@@ -396,8 +402,8 @@ def _cut_carrying(gm: fx.GraphModule, order: list[fx.Node], kinds: dict[fx.Node,
     last_useful = max(position[n] for n in useful if n != _SOURCE)
     writes = _writes_after(order, kinds, gm)
     bounds = _drop_aliases([d for d in candidates if position[d] < last_useful
-                            and not any(p > position[d]
-                                        for p in writes.get(_alias_root(d), ()))])
+                            and not any(p > position[d] for p in
+                                        writes.get(_alias_root(d, through_dropouts=True), ()))])
     bounds = _drop_returned_tail(bounds, outputs)
     stages = _assign(order, kinds, bounds, useful, position)
     while True:
@@ -518,7 +524,7 @@ def _writes_after(order: list[fx.Node], kinds: dict[fx.Node, str],
         if node.op in ("placeholder", "get_attr", "output") or kinds.get(node) == DROP:
             continue
         for w in written_args(node, gm):
-            out.setdefault(_alias_root(w), []).append(k)
+            out.setdefault(_alias_root(w, through_dropouts=True), []).append(k)
     return out
 
 
