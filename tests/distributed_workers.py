@@ -431,13 +431,18 @@ def fsdp_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     args, kwargs, target = model_call(loss_fn, x, y)
     cmodel = checkpoint_fsdp(model, kwargs or args[0], job["memory_limit"], mesh=mesh,
                              time_model=lambda *_: (1.0, 2.0))
+    units = [m for m in cmodel.stages if hasattr(m, "_get_fsdp_state")]
+    sharded = []  # per step: each unit's parameters sharded again once the forward is over
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(2):
             cmodel.zero_grad(set_to_none=True)
             out = cmodel(*args, **kwargs)
+            sharded.append([u._get_fsdp_state()._fsdp_param_group.is_sharded for u in units])
             (out.loss if loss_fn is None else loss_fn(out, target)).backward()
-    return {"grads": {n: p.grad.full_tensor() for n, p in cmodel.named_parameters()},
+    return {"grads": {n: p.grad.full_tensor() for n, p in cmodel.named_parameters()
+                      if p.grad is not None},
+            "sharded_after_forward": sharded,
             "warnings": [str(c.message) for c in caught],
             "plan": cmodel.result.plan, "chain": cmodel.chain.to_dict(),
             "units": [type(m).__name__ for m in cmodel.stages],
@@ -452,7 +457,18 @@ def _fsdp_case(name: str, world: int) -> tuple[nn.Module, tuple[torch.Tensor, to
         return tiny_gpt(), gpt_data(4 * world), lm_loss
     if name == "hf-bart":
         return hf_bart(), gpt_data(4 * world), None
+    if name == "hf-gpt2-lora":
+        return hf_gpt2_lora(), gpt_data(4 * world), None
     return hf_gpt2(), gpt_data(4 * world), None
+
+
+def hf_gpt2_lora(seed: int = 0) -> nn.Module:
+    """:func:`hf_gpt2` fine-tuned with ``peft`` LoRA adapters on ``c_attn``: the embeddings'
+    stages and the MLP halves hold frozen parameters only."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(hf_gpt2(seed), LoraConfig(
+        r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.0, fan_in_fan_out=True))
 
 
 def fsdp_refusal_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:

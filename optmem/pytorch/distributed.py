@@ -90,6 +90,14 @@ def fully_shard_checkpointed(cmodule: nn.Module, mesh: Any = None, **fsdp_kwargs
     ``state_dict()``, ``parameters()`` and the executor see one object), and the root unit
     leaves them to the stage units. Returns ``cmodule`` (sharded in place, as
     ``fully_shard`` does).
+
+    Each stage unit gets ``reshard_after_forward=True`` unless ``fsdp_kwargs`` says
+    otherwise. The stages are not submodules the root's FSDP state finds, so each unit is
+    an FSDP root of its own, and FSDP2's default (``None``) does not reshard a root after
+    its forward: every unit kept its gathered parameters from its forward to its
+    backward, against the chain (:func:`fsdp_chain`: gathered during the unit's own op),
+    and a unit whose parameters are all frozen (a LoRA fine-tune's embeddings) has no
+    backward, so it was never resharded and a second step failed.
     """
     from torch.distributed.fsdp import fully_shard
 
@@ -99,7 +107,7 @@ def fully_shard_checkpointed(cmodule: nn.Module, mesh: Any = None, **fsdp_kwargs
         before = _parameter_slots(stages[k])
         if hasattr(stages[k], "unview_outputs"):  # a graph stage: no view out of FSDP2
             stages[k].unview_outputs = True
-        fully_shard(stages[k], mesh=mesh, **fsdp_kwargs)
+        fully_shard(stages[k], mesh=mesh, **{"reshard_after_forward": True, **fsdp_kwargs})
         held |= _point_model_at(cmodule, before, _parameter_slots(stages[k]))
     fully_shard(cmodule, mesh=mesh, ignored_params=held, **fsdp_kwargs)
     return cmodule
