@@ -308,11 +308,12 @@ def _watch_buckets(ddp: nn.Module, b_ops: list[int], hooked: list[int]
 def ddp_hf_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     """DDP over ``op.checkpoint`` of HuggingFace's GPT-2 (exported; ``labels=``, tied head).
 
-    ``{"memory_limit"}``; default DDP arguments, two iterations, each rank on its shard.
+    ``{"memory_limit", "lora"}``; default DDP arguments, two iterations, each rank on its
+    shard; with ``lora``, the ``peft`` fine-tune :func:`hf_gpt2_lora`.
     """
     from torch.nn.parallel import DistributedDataParallel
 
-    model = hf_gpt2()
+    model = hf_gpt2_lora() if job.get("lora") else hf_gpt2()
     x_all, y_all = gpt_data(4 * world)
     x, y = x_all.chunk(world)[rank], y_all.chunk(world)[rank]
     cmodel = op.checkpoint(model, {"input_ids": x, "labels": y},

@@ -82,6 +82,21 @@ def test_ddp_over_checkpoint_plan_of_huggingface_gpt2(tmp_path):
     check_refusals([w.load(str(tmp_path), r, 1) for r in range(2)])
 
 
+def test_ddp_over_checkpoint_plan_of_a_lora_fine_tune(tmp_path):
+    """A ``peft`` LoRA fine-tune of HF GPT-2 in DDP with default arguments: DDP's reducer
+    holds the adapters only (the frozen weights are not in its buckets), the plan
+    recomputes, the adapters' gradients equal single-process training, the frozen weights
+    get none."""
+    pytest.importorskip("transformers", reason="the HuggingFace model needs transformers")
+    pytest.importorskip("peft", reason="the LoRA fine-tune needs peft (dev extra)")
+    spawn(w.run_jobs, 2, [{"kind": "ddp_hf", "memory_limit": 120000, "lora": True}],
+          str(tmp_path), init_file=str(tmp_path / "rendezvous"))
+    model = w.hf_gpt2_lora()
+    x, y = w.gpt_data(8)
+    model(input_ids=x, labels=y).loss.backward()
+    check_ranks([w.load(str(tmp_path), r, 0) for r in range(2)], model)
+
+
 def check_refusals(ranks: list[dict]) -> None:
     """A model inside DDP (for ``checkpoint`` and ``pipeline``) and an optmem-wrapped model
     given to ``pipeline``: one ``OptmemInputError`` on the ``module`` field naming what to
@@ -104,9 +119,10 @@ def check_ranks(ranks: list[dict], model: torch.nn.Module) -> None:
     on the whole batch in one process) on every rank."""
     assert ranks[0]["plan"] == ranks[1]["plan"]
     assert any(op.startswith("F_none") or op.startswith("F_ck") for op in ranks[0]["plan"])
+    trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
     for data in ranks:
-        assert set(data["grads"]) == {n for n, _ in model.named_parameters()}
-        for name, p in model.named_parameters():
+        assert set(data["grads"]) == set(trained)  # a frozen weight gets no gradient
+        for name, p in trained.items():
             torch.testing.assert_close(data["grads"][name], p.grad, rtol=1e-5, atol=1e-6)
 
 
