@@ -15,6 +15,15 @@ trivial, gives the attention call what the eager model gives it: no mask, or
 eager model (an all-``True`` mask adds zeros to the scores, a causal mask removes exactly
 the entries ``is_causal`` skips); the gradients stay bitwise equal to the plain model's
 (``tests/test_hf_wrapper.py``). The mask's memory and the kernel's masked path are saved.
+
+Grouped-query attention follows the mask. HF's ``sdpa_attention_forward`` repeats the key
+and value heads (``repeat_kv``: unsqueeze, expand, reshape: a copy) only when it passes a
+mask; without one it calls ``scaled_dot_product_attention(..., enable_gqa=True)`` on the
+unrepeated heads (``use_gqa_in_sdpa``: no mask and head dims at most 256). So where the
+mask is elided, the repeated key and value are replaced by the originals and
+``enable_gqa=True`` is set (:func:`_unrepeated`), as in the eager model: its kernel, its
+values to the bit under bfloat16 autocast (the repeated path differed by bfloat16 rounding
+in 13 of a GQA Llama's gradients), and no copy of the repeated heads kept for the backward.
 """
 
 from __future__ import annotations
@@ -56,6 +65,7 @@ def elide_constant_masks(gm: fx.GraphModule) -> int:
             continue
         named["attn_mask"] = None
         named["is_causal"] = kind == "causal"
+        _use_gqa(named)
         node.args = tuple(named.pop(k) for k in _SDPA_ARGS[:3])
         node.kwargs = {k: v for k, v in named.items()
                        if not (k == "attn_mask" or (k == "is_causal" and v is False))}
@@ -64,6 +74,60 @@ def elide_constant_masks(gm: fx.GraphModule) -> int:
         gm.graph.eliminate_dead_code()
         gm.recompile()
     return changed
+
+
+def _use_gqa(named: dict[str, Any]) -> None:
+    """Unrepeated key and value with ``enable_gqa=True``, where HF's eager call has them.
+
+    HF's ``use_gqa_in_sdpa`` (CPU and CUDA): no mask (elided here) and
+    ``key.shape[-1] == value.shape[-1] <= 256``; both repeated by the same factor.
+    """
+    key, value = _unrepeated(named["key"]), _unrepeated(named["value"])
+    if key is None or value is None or key[1] != value[1]:
+        return
+    k_dim, v_dim = key[0].meta["val"].shape[-1], value[0].meta["val"].shape[-1]
+    if k_dim != v_dim or k_dim > 256:
+        return
+    named["key"], named["value"], named["enable_gqa"] = key[0], value[0], True
+
+
+def _unrepeated(node: Any) -> tuple[fx.Node, int] | None:
+    """``(x, n_rep)`` if ``node`` is HF's ``repeat_kv(x, n_rep)``, else ``None``.
+
+    ``reshape(expand(unsqueeze(x, 2), [b, h, n_rep, s, d]), [b, h * n_rep, s, d])``, as
+    torch.export traces ``x[:, :, None, :, :].expand(...).reshape(...)``.
+    """
+    if not _is_call(node, "reshape", "view", "_unsafe_view"):
+        return None
+    expand = node.args[0]
+    if not _is_call(expand, "expand"):
+        return None
+    unsqueeze = expand.args[0]
+    if not _is_call(unsqueeze, "unsqueeze") or unsqueeze.args[1] != 2:
+        return None
+    source = unsqueeze.args[0]
+    values = [n.meta.get("val") for n in (source, unsqueeze, expand, node)
+              if isinstance(n, fx.Node)]
+    shapes = [tuple(v.shape) for v in values if isinstance(v, torch.Tensor)]
+    if len(shapes) != 4:
+        return None
+    x, _, wide, out = shapes
+    if len(x) != 4 or len(wide) != 5:
+        return None
+    b, h, s, d = x
+    n_rep = wide[2]
+    if wide != (b, h, n_rep, s, d) or out != (b, h * n_rep, s, d):
+        return None
+    return source, int(n_rep)
+
+
+def _is_call(node: Any, *names: str) -> bool:
+    """Whether ``node`` calls the aten op ``names`` (any overload)."""
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return False
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and \
+        target._schema.name.split("::")[-1] in names
 
 
 def _named_args(node: fx.Node) -> dict[str, Any]:

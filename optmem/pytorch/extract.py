@@ -465,7 +465,7 @@ def _extract_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
                                field="extract")
     check_module_hooks(module)
     errors = []
-    branch, intermediate = None, False
+    branch, intermediate, again = None, False, ""
     if method in ("auto", "export"):
         try:
             return _export_program(module, args, kwargs)
@@ -479,6 +479,7 @@ def _extract_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
             errors.append(f"torch.export: {_first_line(exc)}")
             branch = data_dependent_branch(exc)
             intermediate = isinstance(exc, IntermediateBranch)
+            again = _real_values_failure(exc)
     if method in ("auto", "fx"):
         try:
             return _fx_program(module, args, kwargs)
@@ -490,10 +491,12 @@ def _extract_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
         tried = " nor ".join(e.split(":")[0] for e in errors)
         if intermediate:
             raise OptmemInputError(_intermediate_message(module, branch, tried), field="module")
+        why = (f" (exported again with the sample's values, to take its side, the export "
+               f"failed further on: {again})") if again else ""
         raise OptmemInputError(
             f"cannot extract a chain from {name}: its forward branches on the value of a "
             f"tensor at {branch}, which {'neither ' if ' nor ' in tried else ''}{tried} "
-            "can hold in a graph. Call it without the input that leads there (for a check "
+            f"can hold in a graph{why}. Call it without the input that leads there (for a check "
             "on labels: without labels, computing the loss from the outputs), or pass an "
             "nn.Sequential of its blocks or a list of stage modules instead", field="module")
     raise OptmemInputError(
@@ -683,6 +686,15 @@ def _export_program(module: nn.Module, args: tuple[Any, ...],
     return ext
 
 
+_REAL_VALUES_NOTE = "optmem: exported again with the sample's values: "
+
+
+def _real_values_failure(exc: BaseException) -> str:
+    """Why the export with the sample's values failed too (a note :func:`_export` adds)."""
+    notes = [n for n in getattr(exc, "__notes__", ()) if n.startswith(_REAL_VALUES_NOTE)]
+    return notes[0][len(_REAL_VALUES_NOTE):] if notes else ""
+
+
 def _export(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
             dynamic_shapes: Any) -> torch.export.ExportedProgram:
     """``torch.export.export`` (non-strict); again with real values on a value branch.
@@ -713,7 +725,8 @@ def _export(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                 ep = run()
         except OptmemInputError:  # found past the branch (numpy draws, hooks): clearer
             raise
-        except Exception:  # noqa: BLE001 - the first failure says what the model does
+        except Exception as again:  # noqa: BLE001 - the first failure says what the model does
+            exc.add_note(f"{_REAL_VALUES_NOTE}{_first_line(again).split(' tensor([')[0]}")
             raise exc from None
         return ep
 
