@@ -59,3 +59,26 @@ def test_a_lora_fine_tune_trains_its_adapters_bitwise_within_the_limit() -> None
                                  list(kwargs.values()))
     model.zero_grad(set_to_none=True)
     assert real <= limit + allowance, (real, limit, allowance)
+
+
+def test_adapters_trained_through_the_wrapper_save_and_load_with_peft(tmp_path) -> None:
+    """Two SGD steps through the wrapper, then ``save_pretrained`` on the wrapper (the
+    ``PeftModel``'s own, reached through it): the adapters loaded into a fresh base model
+    are the trained ones, and they changed."""
+    model, kwargs = _lora_llama()
+    before = {k: v.clone() for k, v in model.state_dict().items() if "lora_B" in k}
+    cmodel = op.checkpoint(model, kwargs, memory_limit="60%", repeats=1, warmup=0,
+                           fast_path=False)
+    optimizer = torch.optim.SGD([p for p in cmodel.parameters() if p.requires_grad], lr=0.5)
+    for _ in range(2):
+        optimizer.zero_grad()
+        cmodel(**kwargs).loss.backward()
+        optimizer.step()
+    cmodel.save_pretrained(str(tmp_path))
+    fresh, _ = _lora_llama()
+    loaded = peft.PeftModel.from_pretrained(fresh.get_base_model(), str(tmp_path))
+    trained = {k: v for k, v in model.state_dict().items() if "lora_" in k}
+    restored = {k: v for k, v in loaded.state_dict().items() if "lora_" in k}
+    assert trained.keys() == restored.keys() and len(trained) == 16
+    assert all(torch.equal(trained[k], restored[k]) for k in trained)
+    assert not any(torch.equal(before[k], trained[k]) for k in before)
