@@ -502,3 +502,33 @@ def test_a_dataclass_output_or_input_is_one_error_saying_to_register_it():
             torch.testing.assert_close(a, b, rtol=0, atol=0)
     finally:
         _deregister_pytree_node(out_cls)
+
+
+class _DefaultMaskOnlyInEager(nn.Module):
+    """Builds its default mask only outside tracing, as HF's LongT5 and Switch do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lins = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        if attention_mask is None and not torch.compiler.is_compiling():
+            attention_mask = torch.ones(x.shape[:2])
+        keep = attention_mask[:, :, None]
+        for lin in self.lins:
+            x = torch.tanh(lin(x)) * keep
+        return x.sum()
+
+
+def test_a_default_mask_built_only_in_eager_mode_is_named_in_the_error():
+    """Before: only "TypeError: 'NoneType' object is not subscriptable" from the export (and
+    fx's error). Now the message says to pass the mask, and with it the model extracts."""
+    from optmem.pytorch.extract import extract_program
+
+    net, x = _DefaultMaskOnlyInEager(), torch.randn(2, 5, 4)
+    with pytest.raises(OptmemInputError) as err:
+        extract_program(net, (x,), {})
+    message = str(err.value)
+    assert "NoneType" in message and "attention_mask=torch.ones_like(input_ids)" in message
+    assert len(extract_program(net, (x,), {"attention_mask": torch.ones(2, 5)}).stages) >= 3

@@ -500,8 +500,29 @@ def _extract_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
             "on labels: without labels, computing the loss from the outputs), or pass an "
             "nn.Sequential of its blocks or a list of stage modules instead", field="module")
     raise OptmemInputError(
-        f"cannot extract a chain from {name} ({'; '.join(errors)}): pass an nn.Sequential "
-        "of its blocks or a list of stage modules instead", field="module")
+        f"cannot extract a chain from {name} ({'; '.join(errors)}):"
+        f"{_missing_mask_hint(module, kwargs, errors)} pass an nn.Sequential of its blocks "
+        "or a list of stage modules instead", field="module")
+
+
+def _missing_mask_hint(module: nn.Module, kwargs: dict[str, Any], errors: list[str]) -> str:
+    """A hint when export met a ``None`` where an ``attention_mask`` the call left out goes.
+
+    Some HF code builds its mask from ``attention_mask`` while tracing and fills it in only
+    in eager mode (``if attention_mask is None and not is_torchdynamo_compiling()``:
+    LongT5, SwitchTransformers), so the export meets ``None`` where the eager model has a
+    tensor of ones.
+    """
+    try:
+        takes_mask = "attention_mask" in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return ""
+    met_none = any("NoneType" in e for e in errors if e.startswith("torch.export"))
+    if not takes_mask or "attention_mask" in kwargs or not met_none:
+        return ""
+    return (" its export met None where eager code builds a default mask (HF's LongT5 and "
+            "SwitchTransformers fill in attention_mask only outside tracing): call it "
+            "with attention_mask=torch.ones_like(input_ids), or")
 
 
 def _intermediate_message(module: nn.Module, where: str, tried: str) -> str:
