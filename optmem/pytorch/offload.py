@@ -110,6 +110,42 @@ def offload_plan_actions(plan: Sequence[AnyOp | str], length: int
     return after_forward, before_backward
 
 
+def same_layout(t: torch.Tensor, device: torch.device, pin_memory: bool = False
+                ) -> torch.Tensor:
+    """An empty tensor on ``device`` with ``t``'s sizes and strides, to copy ``t`` into.
+
+    A copy must be ``t`` to the bit *and* in layout: a backward kernel given a contiguous
+    copy of a strided view computes in another order. HF wav2vec2's positional conv saves
+    the view ``conv(x)[:, :, :-1]`` (strides ``(5120, 160, 1)`` for sizes ``(2, 32, 159)``);
+    ``clone()`` made it contiguous, and the offload executors' gradients of the stages before
+    it differed from the model's by rounding (up to 4.8e-7), where the checkpoint
+    executor's were bitwise. ``torch.empty_strided`` keeps a non-overlapping view's strides
+    (its storage spans the view's extent, as the source's does); an overlapping one (an
+    ``expand``) gets a dense copy, as ``clone()`` gives.
+
+    Examples
+    --------
+    >>> x = torch.arange(12.0).view(3, 4)[:, :3]
+    >>> same_layout(x, torch.device("cpu")).stride(), x.clone().stride()
+    ((4, 1), (3, 1))
+    """
+    if not t.is_contiguous() and not _overlapping(t):
+        return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device,
+                                   pin_memory=pin_memory)
+    return torch.empty_like(t, device=device, pin_memory=pin_memory)
+
+
+def _overlapping(t: torch.Tensor) -> bool:
+    """Whether two indices of ``t`` may address one element (an ``expand``: stride 0)."""
+    extent = 1
+    dims = sorted((st, s) for s, st in zip(t.size(), t.stride(), strict=True) if s > 1)
+    for stride, size in dims:
+        if stride < extent:
+            return True
+        extent = stride * size
+    return False
+
+
 class HostCopies:
     """Copies between the compute device and host memory.
 
@@ -156,13 +192,14 @@ class HostCopies:
 
     def _copy_to_host(self, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
         if self.stream is None:
-            return (t.detach().clone() if t.device.type == "cpu"
-                    else t.detach().to("cpu")), None
+            host = same_layout(t, torch.device("cpu"))
+            host.copy_(t.detach())
+            return host, None
         produced = torch.cuda.Event()
         produced.record(torch.cuda.current_stream(t.device))
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(produced)
-            host = torch.empty_like(t, device="cpu", pin_memory=True)
+            host = same_layout(t, torch.device("cpu"), pin_memory=True)
             host.copy_(t.detach(), non_blocking=True)
             t.record_stream(self.stream)
             done = torch.cuda.Event()
@@ -182,9 +219,11 @@ class HostCopies:
     def _copy_to_device(self, host: torch.Tensor, device: torch.device
                         ) -> tuple[torch.Tensor, Any]:
         if self.stream is None or device.type != "cuda":
-            return (host.clone() if device.type == "cpu" else host.to(device)), None
+            dev = same_layout(host, device)
+            dev.copy_(host)
+            return dev, None
         with torch.cuda.stream(self.stream):  # after the offload of ``host`` (same stream)
-            dev = torch.empty_like(host, device=device)
+            dev = same_layout(host, device)
             dev.copy_(host, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
