@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch import fx
 
+from optmem.pytorch.branches import target_name
+
 __all__ = ["elide_constant_masks"]
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
@@ -123,11 +125,8 @@ def _unrepeated(node: Any) -> tuple[fx.Node, int] | None:
 
 def _is_call(node: Any, *names: str) -> bool:
     """Whether ``node`` calls the aten op ``names`` (any overload)."""
-    if not isinstance(node, fx.Node) or node.op != "call_function":
-        return False
-    target = node.target
-    return isinstance(target, torch._ops.OpOverload) and \
-        target._schema.name.split("::")[-1] in names
+    return isinstance(node, fx.Node) and node.op == "call_function" and \
+        isinstance(node.target, torch._ops.OpOverload) and target_name(node) in names
 
 
 def _named_args(node: fx.Node) -> dict[str, Any]:
