@@ -116,3 +116,33 @@ def assert_same(got: Any, ref: Any, *, bitwise: bool = True) -> None:
         assert (a is None) == (b is None), f"parameter {k}"
         if a is not None:
             torch.testing.assert_close(a, b, **kw, msg=f"gradient of parameter {k}")
+
+
+def check_one_liner(model: torch.nn.Module, kwargs: dict[str, Any], *, bitwise: bool = True,
+                    fraction: float = 0.6) -> tuple[Any, Any, Any]:
+    """Wrap ``model`` at ``fraction`` of its store-all peak and check one training step.
+
+    Through the executor (``fast_path=False``): exported, a plan that re-runs within the
+    limit, the model's state-dict keys, the step equal to the model's (``bitwise`` or to
+    rounding), and the real peak within the limit plus the plan's allowance. Returns the
+    wrapper and its step and the model's (:func:`step`, seed 5).
+    """
+    import optmem.pytorch as op
+    from optmem.pytorch.memory import measure_training_peak, plan_allowance
+
+    cmodel = op.checkpoint(model, kwargs, memory_limit=f"{fraction:.0%}", repeats=1,
+                           warmup=0, fast_path=False)  # the executor runs, never the model
+    limit = int(fraction * cmodel.chain.store_all_peak())
+    assert cmodel.extraction is not None and cmodel.extraction.method == "export"
+    assert any(o.startswith(("F_ck", "F_none")) for o in cmodel.result.plan), "no re-run"
+    assert cmodel.expected_peak_bytes <= limit
+    assert list(cmodel.state_dict()) == list(model.state_dict())
+    ref = step(model, model, kwargs, seed=5)
+    got = step(cmodel, model, kwargs, seed=5)
+    assert_same(got, ref, bitwise=bitwise)
+    allowance = plan_allowance(cmodel.chain, cmodel.result.plan, list(cmodel.stages))
+    real = measure_training_peak(lambda: cmodel(**kwargs).loss.backward(), model,
+                                 list(kwargs.values()))
+    model.zero_grad(set_to_none=True)
+    assert real <= limit + allowance, (real, limit, allowance)
+    return cmodel, got, ref

@@ -18,10 +18,9 @@ transformers = pytest.importorskip("transformers",
                                    reason="the HF tests need transformers (dev extra)")
 peft = pytest.importorskip("peft", reason="the LoRA tests need peft (dev extra)")
 
-from hf_helpers import assert_same, step  # noqa: E402
+from hf_helpers import check_one_liner  # noqa: E402
 
 import optmem.pytorch as op  # noqa: E402
-from optmem.pytorch.memory import measure_training_peak, plan_allowance  # noqa: E402
 
 VOCAB = 100
 
@@ -43,22 +42,10 @@ def test_a_lora_fine_tune_trains_its_adapters_bitwise_within_the_limit() -> None
     model, kwargs = _lora_llama()
     trained = [name for name, p in model.named_parameters() if p.requires_grad]
     assert trained and all("lora_" in name for name in trained)
-    cmodel = op.checkpoint(model, kwargs, memory_limit="60%", repeats=1, warmup=0,
-                           fast_path=False)  # the executor runs, never the model itself
-    assert cmodel.extraction is not None and cmodel.extraction.method == "export"
-    assert any(o.startswith(("F_ck", "F_none")) for o in cmodel.result.plan), "no re-run"
-    assert list(cmodel.state_dict()) == list(model.state_dict())
-    got, ref = step(cmodel, model, kwargs, seed=5), step(model, model, kwargs, seed=5)
-    assert_same(got, ref, bitwise=True)  # dropout on the adapters' input included
-    frozen = [g for (name, p), g in zip(model.named_parameters(), got[1], strict=True)
+    _, got, _ = check_one_liner(model, kwargs)  # dropout on the adapters' input included
+    frozen = [g for (_, p), g in zip(model.named_parameters(), got[1], strict=True)
               if not p.requires_grad]
     assert frozen and all(g is None for g in frozen)  # no gradient for a frozen weight
-    limit = int(0.6 * cmodel.chain.store_all_peak())
-    allowance = plan_allowance(cmodel.chain, cmodel.result.plan, list(cmodel.stages))
-    real = measure_training_peak(lambda: cmodel(**kwargs).loss.backward(), model,
-                                 list(kwargs.values()))
-    model.zero_grad(set_to_none=True)
-    assert real <= limit + allowance, (real, limit, allowance)
 
 
 def test_adapters_trained_through_the_wrapper_save_and_load_with_peft(tmp_path) -> None:

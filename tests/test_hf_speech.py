@@ -22,11 +22,10 @@ transformers = pytest.importorskip("transformers",
                                    reason="the HF tests need transformers (dev extra)")
 np = pytest.importorskip("numpy", reason="SpecAugment's masks are drawn with NumPy")
 
-from hf_helpers import assert_same, step  # noqa: E402
+from hf_helpers import assert_same, check_one_liner, step  # noqa: E402
 
 import optmem.pytorch as op  # noqa: E402
 from optmem.errors import OptmemInputError  # noqa: E402
-from optmem.pytorch.memory import measure_training_peak, plan_allowance  # noqa: E402
 
 T = transformers
 BATCH, SAMPLES = 2, 1600
@@ -73,28 +72,10 @@ def _time_masks(model: Any, seed: int) -> torch.Tensor:
                                               min_masks=2))
 
 
-def _check_training(model: Any, kwargs: dict[str, Any]) -> Any:
-    """Wrap at 60 %: a plan that re-runs, the model's keys, its step bitwise, the peak."""
-    cmodel = op.checkpoint(model, kwargs, memory_limit="60%", repeats=1, warmup=0,
-                           fast_path=False)  # the executor runs, never the model itself
-    limit = int(0.6 * cmodel.chain.store_all_peak())
-    assert cmodel.extraction is not None and cmodel.extraction.method == "export"
-    assert any(o.startswith(("F_ck", "F_none")) for o in cmodel.result.plan), "no re-run"
-    assert list(cmodel.state_dict()) == list(model.state_dict())
-    assert_same(step(cmodel, model, kwargs, seed=5), step(model, model, kwargs, seed=5),
-                bitwise=True)
-    allowance = plan_allowance(cmodel.chain, cmodel.result.plan, list(cmodel.stages))
-    real = measure_training_peak(lambda: cmodel(**kwargs).loss.backward(), model,
-                                 list(kwargs.values()))
-    model.zero_grad(set_to_none=True)
-    assert real <= limit + allowance, (real, limit, allowance)
-    return cmodel
-
-
 @pytest.mark.parametrize("name", sorted(SPEECH))
 def test_speech_models_train_with_their_ctc_loss(name: str) -> None:
     model, kwargs = _model(name)
-    cmodel = _check_training(model, kwargs)
+    cmodel, _, _ = check_one_liner(model, kwargs)
     if not name.endswith("_cls"):  # the loss stage runs torch's own CTC op (restored)
         from optmem.pytorch.custom_functions import ctc_loss
 
@@ -114,7 +95,7 @@ def test_specaugment_masks_passed_in_train_and_change_every_call() -> None:
     model, kwargs = _model("wav2vec2", mask_time_prob=0.2)
     assert model.config.feat_proj_dropout == 0.0
     kwargs["mask_time_indices"] = _time_masks(model, seed=0)
-    cmodel = _check_training(model, kwargs)
+    cmodel, _, _ = check_one_liner(model, kwargs)
     other = dict(kwargs, mask_time_indices=_time_masks(model, seed=1))
     assert not torch.equal(other["mask_time_indices"], kwargs["mask_time_indices"])
     assert_same(step(cmodel, model, other, seed=5), step(model, model, other, seed=5),
