@@ -55,8 +55,11 @@ def commands(prefix: str) -> list[str]:
 def launch(cmd: str | list[str], cwd: Path) -> tuple[int, str, str]:
     """Run ``cmd`` in its own session: ``(return code, stdout, stderr)``. On a hang (900 s,
     far above the run time) the whole session (shell, launcher, workers) is killed and the
-    test fails. Python's fault handler is on, so a rank that dies prints its stacks."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONFAULTHANDLER="1")
+    test fails. Python's fault handler is on, so a rank that dies prints its stacks.
+    Temporary files go under ``cwd`` (torchrun keeps a ``torchelastic_*`` log directory)."""
+    scratch = cwd / "tmp"
+    scratch.mkdir(exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONFAULTHANDLER="1", TMPDIR=str(scratch))
     with subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True, shell=isinstance(cmd, str), start_new_session=True) as proc:
         try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import stat
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,28 @@ def test_cbc_crash_exit_or_missing_binary_is_an_error_result(tmp_path, monkeypat
     assert out.status is Status.ERROR and out.failed
     assert "PulpSolverError" in out.message
     assert out.report()["engine_error"].startswith("cbc failed: PulpSolverError")
+
+
+@pytest.mark.parametrize("kind", ["segfault", "exit1", "ok"])
+def test_a_cbc_run_leaves_no_files_behind(tmp_path, monkeypatch, kind: str) -> None:
+    """PuLP deletes its model, start and solution files only when CBC succeeds; a crashed
+    run used to leave them in ``/tmp`` (two per crash, 1887 files seen on this machine)."""
+    import pulp
+
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    for name in ("TMPDIR", "TMP", "TEMP"):  # where PuLP and tempfile would write
+        monkeypatch.setenv(name, str(scratch))
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    if kind != "ok":
+        monkeypatch.setattr(engines, "CBC_PATH", fake_cbc(tmp_path, kind))
+    prob = pulp.LpProblem("p", pulp.LpMinimize)
+    x = prob.add_variable("x", 0, 1, cat=pulp.LpBinary)
+    prob += x
+    prob += (x >= 0, "c")
+    out = engines.solve_pulp(prob, [x], "cbc", time_limit_s=5, initial=[1])  # retry path too
+    assert out.status is (Status.OPTIMAL if kind == "ok" else Status.ERROR)
+    assert sorted(p.name for p in scratch.iterdir()) == []
 
 
 def test_highs_exception_is_an_error_result(monkeypatch) -> None:

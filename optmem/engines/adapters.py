@@ -461,8 +461,12 @@ CBC_PATH: str | None = None
 """A CBC binary to run instead of the one bundled with PuLP (``None``: the bundled one)."""
 
 
-def _run_cbc(problem: Any, settings: _Settings, log: str, time_mode: str) -> int:
-    """Run CBC once (``time_mode``: ``elapsed`` or ``cpu`` seconds) and return PuLP's status."""
+def _run_cbc(problem: Any, settings: _Settings, log: str, time_mode: str, work_dir: str) -> int:
+    """Run CBC once (``time_mode``: ``elapsed`` or ``cpu`` seconds) and return PuLP's status.
+
+    PuLP writes the model, the MIP start and the solution into ``work_dir``; it deletes them
+    only when CBC succeeds, so the caller removes the directory whatever happens.
+    """
     import pulp  # type: ignore[import-untyped]
 
     deterministic = settings.node_limit is not None
@@ -475,6 +479,7 @@ def _run_cbc(problem: Any, settings: _Settings, log: str, time_mode: str) -> int
         warnings.simplefilter("ignore", DeprecationWarning)
         solver = pulp.COIN_CMD(path=CBC_PATH, **kwargs) if CBC_PATH is not None \
             else pulp.PULP_CBC_CMD(**kwargs)
+    solver.tmpDir = work_dir
     return int(problem.solve(solver))
 
 
@@ -486,22 +491,20 @@ def _bounded(problem: Any) -> bool:
 def _solve_cbc(problem: Any, settings: _Settings) -> tuple[Status, float, str, str | None]:
     import pulp  # type: ignore[import-untyped]
 
-    fd, log = tempfile.mkstemp(suffix=".log", prefix="optmem-cbc-")
-    os.close(fd)
-    try:
+    # one directory per run: a CBC that crashes would leave PuLP's files behind (stop 40)
+    with tempfile.TemporaryDirectory(prefix="optmem-cbc-") as work_dir:
+        log = os.path.join(work_dir, "cbc.log")
         try:
-            pulp_status = _run_cbc(problem, settings, log, "elapsed")
+            pulp_status = _run_cbc(problem, settings, log, "elapsed", work_dir)
         except pulp.PulpSolverError:
             if settings.initial is None or settings.time_limit_s is None:
                 raise
             # the bundled CBC 2.10 segfaults when an elapsed-time limit hits while it is
             # still processing a MIP start (limits of a fraction of a second); counting CPU
             # time avoids the crash (and a second crash is reported as an engine error)
-            pulp_status = _run_cbc(problem, settings, log, "cpu")
+            pulp_status = _run_cbc(problem, settings, log, "cpu", work_dir)
         with open(log, errors="replace") as fh:
             text = fh.read()
-    finally:
-        os.unlink(log)
     result = _CBC_RESULT.findall(text) or _CBC_SHORT.findall(text)
     line = result[-1] if result else ""
     status = _cbc_status(line, pulp_status, problem.sol_status)
