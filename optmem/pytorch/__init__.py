@@ -36,6 +36,7 @@ _LAZY = {
     "profile_chain": "optmem.pytorch.api",
     "solve_chain": "optmem.pytorch.api",
     "smallest_limit": "optmem.pytorch.api",
+    "submodule_sample": "optmem.pytorch.api",
     "CheckpointedModule": "optmem.pytorch.api",
     "OffloadedModule": "optmem.pytorch.api",
     "RematOffloadedModule": "optmem.pytorch.api",

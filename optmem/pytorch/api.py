@@ -33,6 +33,7 @@ from optmem.pytorch.wrapper import (
     ProfileOptions,
     call_of,
     canonical_call,
+    graph_free,
     is_plain_chain,
     leaves_no_trace,
     solved_limit,
@@ -169,6 +170,7 @@ def build_planned(cls: type[PlannedModule], kind: str, module: Any, sample: Any,
                   memory_limit: int | str, method: str, bandwidth: float | str | None,
                   options: dict[str, Any]) -> Any:
     """Split the options of a one-liner, then extract, profile, solve and wrap."""
+    sample = graph_free(sample)  # its steps must not run into the caller's graph
     options = dict(options)
     chain = options.pop("chain", None)
     fast_path = _flag(options.pop("fast_path", True), "fast_path")
@@ -449,6 +451,7 @@ def profile_chain(module: nn.Module | Sequence[nn.Module | Stage], sample: Any, 
         with_plain_peak,
     )
 
+    sample = graph_free(sample)  # its steps must not run into the caller's graph
     if is_plain_chain(module) or not isinstance(module, nn.Module):
         chain = prof.profile_chain(module, sample, **options)
         modules = [s if isinstance(s, nn.Module) else s.module for s in
@@ -480,3 +483,84 @@ def profile_chain(module: nn.Module | Sequence[nn.Module | Stage], sample: Any, 
     # with loss_fn the chain ends at the loss, whose input need not be the model's output
     measure = None if loss_fn is not None else plain_measure(module, args, kw, profile)
     return with_plain_peak(chain, None if measure is None else measure())
+
+
+class _Captured(Exception):
+    """Raised by :func:`submodule_sample`'s hook to stop the parent's forward there."""
+
+
+def submodule_sample(model: nn.Module, submodule: str | nn.Module, *args: Any,
+                     **kwargs: Any) -> Any:
+    """The call ``model(*args, **kwargs)`` makes to ``submodule``, as a sample for it.
+
+    To plan one part of a model, wrap that part with the call its parent makes, e.g. the
+    language model of a vision-language model whose vision tower cannot be exported::
+
+        lm = model.model.language_model
+        sample = op.submodule_sample(model, lm, **batch)
+        model.model.language_model = op.checkpoint(lm, sample, memory_limit="60%")
+
+    ``model`` runs with gradients enabled up to ``submodule``'s first call and stops there,
+    so the tensors that require grad in training (the input embeddings) require grad in
+    the sample, without the rest of the forward. It leaves no trace: buffers and RNG state
+    are restored, the sample's tensors hold no graph (:func:`graph_free`).
+
+    Parameters
+    ----------
+    model
+        The model as it is called in training.
+    submodule
+        One of its modules, or its qualified name (``"model.language_model"``).
+    *args, **kwargs
+        A training call of ``model`` (one batch).
+
+    Returns
+    -------
+    dict or tuple
+        The keyword arguments of the call (positional ones bound to their names), or the
+        positional arguments of a forward that takes ``*args``.
+
+    Raises
+    ------
+    OptmemInputError
+        ``submodule`` is not a module of ``model`` or is not called by that call.
+    """
+    part = _submodule(model, submodule)
+    seen: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    def grab(_: nn.Module, call_args: tuple[Any, ...], call_kwargs: dict[str, Any]) -> None:
+        seen.append((call_args, dict(call_kwargs)))
+        raise _Captured
+
+    handle = part.register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        with leaves_no_trace(model):
+            model(*args, **kwargs)
+    except _Captured:
+        pass
+    finally:
+        handle.remove()
+    if not seen:
+        raise OptmemInputError(f"{type(model).__name__}'s call did not call "
+                               f"{type(part).__name__}", field="submodule")
+    call_args, call_kwargs = graph_free(seen[0])
+    pos, kw = canonical_call(part, call_args, call_kwargs)
+    if pos and kw:
+        raise OptmemInputError(
+            f"{type(part).__name__} is called with arguments that cannot all be named "
+            f"(*args and keywords): a sample is either a tuple or a dict", field="submodule")
+    return pos if pos else kw
+
+
+def _submodule(model: nn.Module, submodule: str | nn.Module) -> nn.Module:
+    """``submodule`` of ``model``, given as itself or by its qualified name."""
+    if isinstance(submodule, str):
+        try:
+            return model.get_submodule(submodule)
+        except AttributeError:
+            raise OptmemInputError(f"{type(model).__name__} has no submodule "
+                                   f"{submodule!r}", field="submodule") from None
+    if not any(m is submodule for m in model.modules()):
+        raise OptmemInputError(f"{type(submodule).__name__} is not a module of "
+                               f"{type(model).__name__}", field="submodule")
+    return submodule

@@ -465,7 +465,7 @@ def _extract_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
                                field="extract")
     check_module_hooks(module)
     errors = []
-    branch, intermediate, again = None, False, ""
+    branch, intermediate, again, owner = None, False, "", None
     if method in ("auto", "export"):
         try:
             return _export_program(module, args, kwargs)
@@ -478,6 +478,7 @@ def _extract_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
                                        field="module") from None
             errors.append(f"torch.export: {_first_line(exc)}")
             branch = data_dependent_branch(exc)
+            owner = failed_in(exc, module)
             intermediate = isinstance(exc, IntermediateBranch)
             again = _real_values_failure(exc)
     if method in ("auto", "fx"):
@@ -497,12 +498,51 @@ def _extract_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
             f"cannot extract a chain from {name}: its forward branches on the value of a "
             f"tensor at {branch}, which {'neither ' if ' nor ' in tried else ''}{tried} "
             f"can hold in a graph{why}. Call it without the input that leads there (for a check "
-            "on labels: without labels, computing the loss from the outputs), or pass an "
-            "nn.Sequential of its blocks or a list of stage modules instead", field="module")
+            "on labels: without labels, computing the loss from the outputs), "
+            f"{_part_hint(module, owner)}or pass an nn.Sequential of its blocks or a list of "
+            "stage modules instead", field="module")
+    part = _part_hint(module, owner)
     raise OptmemInputError(
         f"cannot extract a chain from {name} ({'; '.join(errors)}):"
-        f"{_missing_mask_hint(module, kwargs, errors)} pass an nn.Sequential of its blocks "
-        "or a list of stage modules instead", field="module")
+        f"{_missing_mask_hint(module, kwargs, errors)} {part + 'or ' if part else ''}pass an "
+        "nn.Sequential of its blocks or a list of stage modules instead", field="module")
+
+
+def failed_in(exc: BaseException, model: nn.Module) -> str | None:
+    """The qualified name of the innermost submodule of ``model`` whose code raised ``exc``.
+
+    Read from the frames of the failure's traceback (non-strict ``torch.export`` runs the
+    model's Python code): the last frame whose ``self`` is a module of ``model`` other than
+    ``model`` itself. ``None`` when no such frame is found.
+    """
+    names = {id(m): n for n, m in model.named_modules() if n}
+    found: str | None = None
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        tb = current.__traceback__
+        while tb is not None:
+            owner = tb.tb_frame.f_locals.get("self")
+            if isinstance(owner, nn.Module) and id(owner) in names:
+                found = names[id(owner)]
+            tb = tb.tb_next
+        if found is not None:
+            return found
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def _part_hint(model: nn.Module, owner: str | None) -> str:
+    """Where the export failed, and how to plan the parts of ``model`` that do not reach it."""
+    if owner is None:
+        return ""
+    kind = type(model.get_submodule(owner)).__name__
+    return (f"wrap a part of the model that does not run it (it failed in "
+            f"{owner!r}, a {kind}; e.g. the language model of a vision-language model: "
+            "`part = model.model.language_model; sample = optmem.pytorch.submodule_sample("
+            "model, part, **batch); model.model.language_model = optmem.pytorch.checkpoint("
+            "part, sample, memory_limit)`), ")
 
 
 def _missing_mask_hint(module: nn.Module, kwargs: dict[str, Any], errors: list[str]) -> str:

@@ -73,7 +73,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils.hooks import RemovableHandle
 
 from optmem.chain import Chain
@@ -453,9 +453,10 @@ class PlannedModule(nn.Module):
                 [s.module if isinstance(s, Stage) else s for s in module])
             label = name or (type(module).__name__ if isinstance(module, nn.Module)
                              else "torch")
-            variant = _make_variant(None, stages, sample, planner, profile, chain, label,
+            x = graph_free(sample)
+            variant = _make_variant(None, stages, x, planner, profile, chain, label,
                                     ctx=None, like=None,
-                                    plain=_plain_measure(stages, sample, profile))
+                                    plain=_plain_measure(stages, x, profile))
             planned = cls(wrapped, planner, profile, variant, None, fast_path=fast_path)
             planned._plain_stages = stages
             planned._plain_key = input_key(sample)
@@ -802,10 +803,11 @@ class PlannedModule(nn.Module):
             _log.info("optmem: %s called with new sizes: profiling and solving them",
                       self._main.chain.name)
             with _for_sizes(sizes, family.reference):
+                free = graph_free(x)
                 variant = self._finished(_make_variant(
-                    None, self._plain_stages, x, self._planner, self._profile, None,
+                    None, self._plain_stages, free, self._planner, self._profile, None,
                     self._main.chain.name, ctx=None, like=self._main,
-                    plain=_plain_measure(self._plain_stages, x, self._profile),
+                    plain=_plain_measure(self._plain_stages, free, self._profile),
                     solve=self._solver(), local=True))
             family.keep(sizes, variant)
         return self._remember(key, variant)
@@ -1385,11 +1387,36 @@ def leaves_no_trace(module: nn.Module) -> Iterator[None]:
         yield
 
 
+def graph_free(value: Any) -> Any:
+    """``value`` with each tensor that requires grad replaced by a leaf with no history.
+
+    Extracting, profiling and measuring run forwards and backwards on a sample or a call. A
+    tensor of it may come out of the caller's own graph (a backbone's input made by the
+    parent's embedding, ``model.model = op.checkpoint(model.model, ...)``): a backward
+    that reached it would run on into that graph, free its saved tensors (the caller's own
+    backward then fails: "Trying to backward through the graph a second time") and leave
+    gradients in the caller's parameters. A leaf that requires grad is replaced too, so its
+    ``.grad`` is never touched. Same storage, same ``requires_grad``; a tensor met twice
+    gives one leaf (aliasing is kept).
+    """
+    seen: dict[int, torch.Tensor] = {}
+
+    def leaf(t: torch.Tensor) -> torch.Tensor:
+        if not t.requires_grad:
+            return t
+        if id(t) not in seen:
+            seen[id(t)] = t.detach().requires_grad_()
+        return seen[id(t)]
+
+    return tree_map_only(torch.Tensor, leaf, value)
+
+
 def _extract_variant(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                      planner: Planner, profile: ProfileOptions, chain: Chain | None,
                      name: str, like: _Variant | None,
                      solve: Callable[[Chain], Result] | None = None,
                      ext: Extraction | None = None, local: bool = False) -> _Variant:
+    args, kwargs = graph_free((args, kwargs))
     with leaves_no_trace(module):
         if ext is None:
             ext = extract_program(module, args, kwargs, method=profile.extract)
