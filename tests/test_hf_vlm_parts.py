@@ -72,8 +72,9 @@ def test_the_whole_model_names_the_vision_part_and_the_remedy(name: str) -> None
     with pytest.raises(OptmemInputError) as info:
         op.checkpoint(model, call, memory_limit="60%", repeats=1, warmup=0)
     message = str(info.value)
-    assert f"it failed in {VLMS[name][3]!r}" in message
-    assert "submodule_sample" in message
+    assert f"in {VLMS[name][3]!r}" in message
+    assert "wrap 'model.language_model' (a " in message
+    assert "submodule_sample(model, part, **batch)" in message
 
 
 @pytest.mark.parametrize("name", sorted(VLMS))

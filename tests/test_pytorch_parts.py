@@ -22,6 +22,7 @@ from torch import nn  # noqa: E402
 
 import optmem.pytorch as op  # noqa: E402
 from optmem.errors import OptmemInputError  # noqa: E402
+from optmem.pytorch.extract import plannable_part as failed_in_part  # noqa: E402
 from optmem.pytorch.wrapper import graph_free  # noqa: E402
 
 WIDTH, DEPTH = 32, 6
@@ -146,3 +147,60 @@ def test_submodule_sample_refuses_what_is_not_a_called_part() -> None:
     model.spare = nn.Linear(WIDTH, WIDTH)
     with pytest.raises(OptmemInputError, match="did not call Linear"):
         op.submodule_sample(model, "spare", x)
+
+
+class Splitter(nn.Module):
+    """Splits its rows where a computed value says: a size export cannot hold."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        n = int((h[:, 0] > 0).sum()) + 1  # a router's choice, computed in the forward
+        return torch.cat([h[:n].cumsum(0), h[n:]])
+
+
+class TwoTowers(nn.Module):
+    """A tower that cannot be exported before a body of layers that can (a VLM's shape)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tower = Splitter()
+        self.body = Body()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(self.tower(x)).square().mean()
+
+
+def test_an_export_failure_names_its_module_and_the_part_to_plan() -> None:
+    torch.manual_seed(0)
+    model = TwoTowers()
+    x = torch.randn(12, 8)
+    with pytest.raises(OptmemInputError) as info:
+        op.checkpoint(model, x, memory_limit="60%", repeats=1, warmup=0)
+    message = str(info.value)
+    assert "in 'tower' (a Splitter)" in message
+    assert "wrap 'body' (a Body, which does not run it) alone" in message
+    # the remedy the message gives works, bitwise
+    ref = _step(model, x)
+    part = model.get_submodule("body")
+    sample = op.submodule_sample(model, part, x)
+    model.body = op.checkpoint(part, sample, memory_limit="60%", repeats=1, warmup=0,
+                               fast_path=False)
+    _same(_step(model, x), ref)
+
+
+def test_no_part_is_suggested_when_every_layer_fails() -> None:
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.layers = nn.ModuleList(Splitter() for _ in range(3))
+    assert failed_in_part(model, "layers.0") is None
+    tower = TwoTowers()
+    assert failed_in_part(tower, "tower") == "body"
+    assert failed_in_part(tower, "tower.proj") is None  # Body holds Linears too
+    holder = nn.Module()
+    holder.tower = Splitter()
+    holder.blocks = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(4))
+    assert failed_in_part(holder, "tower") is None  # a ModuleList is never called

@@ -125,9 +125,10 @@ class IntermediateBranch(Exception):  # noqa: N818 - named for what the model do
     batch, so the extraction refuses them instead, naming the line (:attr:`where`).
     """
 
-    def __init__(self, where: str) -> None:
+    def __init__(self, where: str, owner: str | None = None) -> None:
         super().__init__(f"branches on the value of an intermediate tensor at {where}")
         self.where = where
+        self.owner = owner  # the qualified name of the module computing the value, if known
 
 
 def is_value_branch_error(exc: BaseException) -> bool:

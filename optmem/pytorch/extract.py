@@ -478,7 +478,7 @@ def _extract_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
                                        field="module") from None
             errors.append(f"torch.export: {_first_line(exc)}")
             branch = data_dependent_branch(exc)
-            owner = failed_in(exc, module)
+            owner = _known_module(module, getattr(exc, "owner", None)) or failed_in(exc, module)
             intermediate = isinstance(exc, IntermediateBranch)
             again = _real_values_failure(exc)
     if method in ("auto", "fx"):
@@ -491,20 +491,20 @@ def _extract_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
     if branch is not None:
         tried = " nor ".join(e.split(":")[0] for e in errors)
         if intermediate:
-            raise OptmemInputError(_intermediate_message(module, branch, tried), field="module")
+            raise OptmemInputError(_intermediate_message(module, branch, tried, owner),
+                                   field="module")
         why = (f" (exported again with the sample's values, to take its side, the export "
                f"failed further on: {again})") if again else ""
         raise OptmemInputError(
             f"cannot extract a chain from {name}: its forward branches on the value of a "
-            f"tensor at {branch}, which {'neither ' if ' nor ' in tried else ''}{tried} "
-            f"can hold in a graph{why}. Call it without the input that leads there (for a check "
-            "on labels: without labels, computing the loss from the outputs), "
-            f"{_part_hint(module, owner)}or pass an nn.Sequential of its blocks or a list of "
-            "stage modules instead", field="module")
-    part = _part_hint(module, owner)
+            f"tensor at {branch}{_failed_at(module, owner)}, which "
+            f"{'neither ' if ' nor ' in tried else ''}{tried} can hold in a graph{why}. Call "
+            "it without the input that leads there (for a check on labels: without labels, "
+            f"computing the loss from the outputs), {_part_hint(module, owner) or 'or '}pass an "
+            "nn.Sequential of its blocks or a list of stage modules instead", field="module")
     raise OptmemInputError(
-        f"cannot extract a chain from {name} ({'; '.join(errors)}):"
-        f"{_missing_mask_hint(module, kwargs, errors)} {part + 'or ' if part else ''}pass an "
+        f"cannot extract a chain from {name} ({'; '.join(errors)}){_failed_at(module, owner)}:"
+        f"{_missing_mask_hint(module, kwargs, errors)} {_part_hint(module, owner)}pass an "
         "nn.Sequential of its blocks or a list of stage modules instead", field="module")
 
 
@@ -533,16 +533,66 @@ def failed_in(exc: BaseException, model: nn.Module) -> str | None:
     return None
 
 
-def _part_hint(model: nn.Module, owner: str | None) -> str:
-    """Where the export failed, and how to plan the parts of ``model`` that do not reach it."""
+PART_SHARE = 0.25
+"""The least share of a model's parameters a part must hold to be suggested for wrapping."""
+
+
+def plannable_part(model: nn.Module, failed: str) -> str | None:
+    """The largest part of ``model`` worth wrapping alone when the export failed in ``failed``.
+
+    The part with the most parameters (at least :data:`PART_SHARE` of the model's) that
+    holds a list of two or more blocks (an ``nn.ModuleList``: the layers, where the
+    activation memory is) and no module of the failed one's class (whose code would fail
+    the same way), is called (not a ``ModuleList`` or ``ModuleDict``), and is neither the
+    failed module nor one of its ancestors: Qwen2-VL's
+    language model when its vision attention failed. ``None`` when there is none (a
+    failure in every layer of the model).
+    """
+    kind = type(model.get_submodule(failed))
+    total = sum(p.numel() for p in model.parameters())
+    best: tuple[int, str] | None = None
+    for name, sub in model.named_modules():
+        if (not name or failed == name or failed.startswith(name + ".")
+                or isinstance(sub, (nn.ModuleList, nn.ModuleDict))):  # never called
+            continue
+        inside = list(sub.modules())
+        if any(isinstance(m, kind) for m in inside) or not any(
+                isinstance(m, nn.ModuleList) and len(m) > 1 for m in inside):
+            continue
+        size = sum(p.numel() for p in sub.parameters())
+        if size >= PART_SHARE * total and (best is None or size > best[0]):
+            best = (size, name)
+    return None if best is None else best[1]
+
+
+def _known_module(model: nn.Module, name: str | None) -> str | None:
+    """``name`` if it names a submodule of ``model`` (not ``model`` itself), else ``None``."""
+    if not name:
+        return None
+    try:
+        model.get_submodule(name)
+    except AttributeError:
+        return None
+    return name
+
+
+def _failed_at(model: nn.Module, owner: str | None) -> str:
+    """``" in 'name' (a Class)"``: the module where the export failed, if known."""
     if owner is None:
         return ""
-    kind = type(model.get_submodule(owner)).__name__
-    return (f"wrap a part of the model that does not run it (it failed in "
-            f"{owner!r}, a {kind}; e.g. the language model of a vision-language model: "
-            "`part = model.model.language_model; sample = optmem.pytorch.submodule_sample("
-            "model, part, **batch); model.model.language_model = optmem.pytorch.checkpoint("
-            "part, sample, memory_limit)`), ")
+    return f" in {owner!r} (a {type(model.get_submodule(owner)).__name__})"
+
+
+def _part_hint(model: nn.Module, owner: str | None) -> str:
+    """How to plan the part of ``model`` that does not run the failed module, if any."""
+    part = None if owner is None else plannable_part(model, owner)
+    if part is None:
+        return ""
+    kind = type(model.get_submodule(part)).__name__
+    return (f"wrap {part!r} (a {kind}, which does not run it) alone: `part = "
+            f"model.get_submodule({part!r}); sample = optmem.pytorch.submodule_sample(model, "
+            "part, **batch)`, then put `optmem.pytorch.checkpoint(part, sample, "
+            "memory_limit)` in its place, or ")
 
 
 def _missing_mask_hint(module: nn.Module, kwargs: dict[str, Any], errors: list[str]) -> str:
@@ -565,15 +615,17 @@ def _missing_mask_hint(module: nn.Module, kwargs: dict[str, Any], errors: list[s
             "with attention_mask=torch.ones_like(input_ids), or")
 
 
-def _intermediate_message(module: nn.Module, where: str, tried: str) -> str:
+def _intermediate_message(module: nn.Module, where: str, tried: str,
+                          owner: str | None = None) -> str:
     """Why a branch on an intermediate value stops extraction, and what to do."""
     neither = "neither " if " nor " in tried else ""
     return (f"cannot extract a chain from {type(module).__name__}: its forward branches on "
-            f"the value of an intermediate tensor at {where}, a value computed inside the "
-            "forward (a router's choice, LayerDrop's random draw), which may take another "
-            f"side at every step and which {neither}{tried} can hold in a graph."
-            f"{random_config(module)} Otherwise pass an nn.Sequential of its blocks or a "
-            "list of stage modules instead")
+            f"the value of an intermediate tensor at {where}{_failed_at(module, owner)}, a "
+            "value computed inside the forward (a router's choice, LayerDrop's random draw), "
+            f"which may take another side at every step and which {neither}{tried} can hold "
+            f"in a graph.{random_config(module)} Otherwise "
+            f"{_part_hint(module, owner)}pass an nn.Sequential of its blocks or a list of "
+            "stage modules instead")
 
 
 _UNKNOWN_OUTPUT = re.compile(r"Found <class '([^']+)'> in output, which is not a known type")
@@ -664,7 +716,8 @@ def _program(gm: fx.GraphModule, model: nn.Module, flat: list[Any], *, method: s
     kinds = classify(gm, _chain_inputs(names, flat))
     mid = next((n for n in gm.graph.nodes if kinds.get(n) == CHAIN and is_value_assert(n)), None)
     if mid is not None:
-        raise IntermediateBranch(branch_location(mid) or "a line of its forward")
+        raise IntermediateBranch(branch_location(mid) or "a line of its forward",
+                                 owner=_module_path(mid))
     cut = _cut(gm, kinds, model)
     tensor_positions = tuple(k for k, v in enumerate(flat) if isinstance(v, torch.Tensor))
     if not tensor_positions:
