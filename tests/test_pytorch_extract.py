@@ -532,3 +532,40 @@ def test_a_default_mask_built_only_in_eager_mode_is_named_in_the_error():
     message = str(err.value)
     assert "NoneType" in message and "attention_mask=torch.ones_like(input_ids)" in message
     assert len(extract_program(net, (x,), {"attention_mask": torch.ones(2, 5)}).stages) >= 3
+
+
+class _MovesItsRouter(nn.Module):
+    """Moves a submodule to its own dtype in the forward, as HF Switch's router does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lins = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+        self.router = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for lin in self.lins:
+            x = torch.tanh(lin(x))
+        self.router = self.router.to(x.dtype)  # a no-op in eager mode
+        return self.router(x).square().sum()
+
+
+def test_a_submodule_moved_to_its_own_dtype_in_the_forward_is_exported():
+    """Before: "_apply(): Couldn't swap Linear.weight" (fake parameters cannot be swapped).
+    Now a ``Module.to`` that changes nothing returns the module, as in eager mode (one that
+    converts still goes to torch)."""
+    import optmem.pytorch as op
+    from optmem.pytorch.extract import extract_program
+
+    torch.manual_seed(0)
+    net, x = _MovesItsRouter(), torch.randn(6, 4)
+    ext = extract_program(net, (x,), {})
+    assert ext.method == "export" and len(ext.stages) >= 3
+    net.zero_grad()
+    net(x).backward()
+    ref = [p.grad.clone() for p in net.parameters()]
+    cnet = op.checkpoint(net, x, memory_limit="60%", repeats=1, warmup=0, fast_path=False)
+    net.zero_grad()
+    cnet(x).backward()
+    for a, b in zip(ref, (p.grad for p in net.parameters()), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert nn.Module.to.__qualname__ == "Module.to"  # put back after the export

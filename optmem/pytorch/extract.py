@@ -751,6 +751,40 @@ def _flat_graph_nodes(value: Any) -> list[fx.Node]:
 
 
 @contextmanager
+def _idle_moves() -> Iterator[None]:
+    """Within: ``module.to(...)`` that changes nothing returns the module, as in eager mode.
+
+    Some forwards move a submodule to the dtype it already has (HF SwitchTransformers'
+    router: ``self.classifier = self.classifier.to(self.dtype)``). In eager mode that is a
+    no-op; under ``torch.export`` the parameters are fake tensors and ``Module._apply``
+    fails to swap them ("Couldn't swap Linear.weight"). A call that would convert some
+    tensor still goes to ``nn.Module.to``.
+    """
+    original = nn.Module.to
+
+    def to(self: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        if memory_format is None and all(_stays(t, device, dtype) for t in
+                                         (*self.parameters(), *self.buffers())):
+            return self
+        return original(self, *args, **kwargs)
+
+    nn.Module.to = to  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        nn.Module.to = original  # type: ignore[method-assign]
+
+
+def _stays(t: torch.Tensor, device: torch.device | None, dtype: torch.dtype | None) -> bool:
+    """Whether ``Module.to(device, dtype)`` leaves ``t`` as it is (only floats change dtype)."""
+    if device is not None and (device.type != t.device.type or (
+            device.index is not None and device.index != t.device.index)):
+        return False
+    return dtype is None or not (t.is_floating_point() or t.is_complex()) or t.dtype == dtype
+
+
+@contextmanager
 def _quiet_export() -> Iterator[None]:
     """Within: a failed export does not dump its partial graph on stderr.
 
@@ -823,7 +857,7 @@ def _export(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
 
     def run() -> torch.export.ExportedProgram:
         with refuse_python_random(name, module), refuse_tensor_hooks(name), \
-                opaque_functions(name), _quiet_export():
+                opaque_functions(name), _idle_moves(), _quiet_export():
             return torch.export.export(module, args, kwargs=kwargs, strict=False,
                                        dynamic_shapes=dynamic_shapes)
 
