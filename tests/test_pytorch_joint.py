@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch", reason="the torch bridge needs torch")
 import pytorch_helpers  # noqa: E402,F401  (one thread)
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from torch import nn  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import optmem.pytorch as op  # noqa: E402
@@ -253,3 +254,49 @@ def test_joint_state_is_the_module_walk_and_follows_replacements(toy):
         del joint.stage.gm.extra_for_test
         joint.forget_modules()
     assert_bitwise(grads_of(cm, module, x), grads_of(module, module, x))
+
+
+class _TransposedNorm(nn.Module):
+    """BatchNorm over a transposed input, then a reshape (HF PatchTST's ``PatchTSTBatchNorm``
+    before its projection). On CPU the real ``native_batch_norm`` returns this input's
+    output contiguous, its fake kernel keeps the input's strides, so a joint graph traced on
+    fake tensors records the reshape as a ``view`` the real tensor cannot take."""
+
+    def __init__(self, length: int = 32, channels: int = 8) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(length, track_running_stats=False)
+        self.proj = nn.Linear(length * channels, length * channels)
+        self.out = nn.Linear(length * channels, length * channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x.transpose(1, 2)).transpose(1, 2)
+        h = self.proj(h.reshape(x.shape[0], -1))
+        return self.out(torch.tanh(h)).view_as(x) + x
+
+
+class _Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_TransposedNorm() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_joint_graph_whose_replay_fails_on_real_layouts_falls_back_to_autograd():
+    """Before (stop 40): "view size is not compatible with input tensor's size and stride"
+    in the backward of HF PatchTST at 60 %. Now the failed replay is caught, autograd
+    back-propagates the stage (bitwise), and the stage keeps the ordinary re-run."""
+    torch.manual_seed(0)
+    module = _Stack()  # exported: only an extracted graph's stages have joint graphs
+    x = torch.randn(4, 8, 32)
+    chain = op.profile_chain(module, x, repeats=1, warmup=0, loss_fn=loss_of)
+    cm = op.checkpoint(module, x, memory_limit=op.smallest_limit(chain), chain=chain)
+    ref = grads_of(module, module, x)
+    assert_bitwise(grads_of(cm, module, x), ref)  # the first step: replays fail, caught
+    traced = [g for j in cm.executor._joints.values() for g in j._graphs.values()
+              if g is not None]
+    assert any(g.failed for g in traced), "no joint replay failed"
+    assert_bitwise(grads_of(cm, module, x), ref)  # later steps: the ordinary re-runs

@@ -103,6 +103,7 @@ class _Traced:
     out_spec: Any
     dx: tuple[int, ...]  # positions (in the input's tensor leaves) of the differentiable ones
     dp: tuple[int, ...]  # positions (in the stage's state) of the parameters requiring grad
+    failed: bool = False  # its replay met real tensors it was not traced for (see _Job.run)
 
 
 def _meta(t: torch.Tensor) -> tuple[Any, ...]:
@@ -128,17 +129,32 @@ class _Job:
         The graph was traced with contiguous incoming gradients (its reshapes are views);
         a gradient laid out otherwise is back-propagated by autograd through a forward of
         the stage run now (the same ops and values: the stage has no random op).
+
+        The graph was traced on fake tensors, whose layouts are those of torch's fake
+        kernels. Where a real kernel returns another layout (CPU ``native_batch_norm`` on a
+        transposed input: fake strides ``(256, 1, 32)``, real ``(256, 8, 1)``), a ``view``
+        the trace recorded can fail on the real tensor (HF PatchTST: "view size is not
+        compatible with input tensor's size and stride"). Such a failure (any error but
+        running out of memory) is caught: the graph writes nothing outside itself
+        (:func:`_replayable`), so autograd back-propagates through a forward run now, as
+        above, and the stage never uses the graph again (:attr:`_Traced.failed`).
         """
         traced = self.traced
-        if all(g.is_contiguous() for g in grads):
-            # its forward, not its __call__: the joint graph is optmem's backward, not a
-            # module of the model. Through __call__ the caller's module trackers
-            # (ModTracker, hence FlopCounterMode and MemTracker) took it for one and hooked
-            # its arguments, the parameters among them, which the executor's
-            # autograd.grad cannot run ("A leaf node was passed to
-            # _will_engine_execute_node")
-            got = traced.graph.forward(self.leaves, self.sides, self.state, list(grads))
-        else:
+        got: Sequence[torch.Tensor | None] | None = None
+        if all(g.is_contiguous() for g in grads) and not traced.failed:
+            try:
+                # its forward, not its __call__: the joint graph is optmem's backward, not a
+                # module of the model. Through __call__ the caller's module trackers
+                # (ModTracker, hence FlopCounterMode and MemTracker) took it for one and
+                # hooked its arguments, the parameters among them, which the executor's
+                # autograd.grad cannot run ("A leaf node was passed to
+                # _will_engine_execute_node")
+                got = traced.graph.forward(self.leaves, self.sides, self.state, list(grads))
+            except torch.OutOfMemoryError:
+                raise
+            except RuntimeError:
+                traced.failed = True
+        if got is None:
             got = self._autograd(grads)
         self.leaves, self.sides, self.state = [], [], []
         return list(got)
@@ -250,6 +266,8 @@ class JointStage:
         traced = self._graphs[key]
         if traced is None:  # refused: the graph's structure, not the shapes, decided
             self.stage = None
+            return None
+        if traced.failed:  # its replay failed once (_Job.run): the ordinary re-run
             return None
         job = _Job(traced, [v.detach() for v in leaves], spec, sides, state)
         inputs = [leaves[k] for k in traced.dx] + [state[k] for k in traced.dp]
