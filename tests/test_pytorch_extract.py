@@ -569,3 +569,43 @@ def test_a_submodule_moved_to_its_own_dtype_in_the_forward_is_exported():
     for a, b in zip(ref, (p.grad for p in net.parameters()), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert nn.Module.to.__qualname__ == "Module.to"  # put back after the export
+
+
+class _FillsAScratch(nn.Module):
+    """Allocates a scratch tensor in its forward and writes computed rows into its views
+    (HF xLSTM's ``matC_states = torch.zeros(...)``, then ``matC_states[..., k] = ...``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lins = nn.ModuleList(nn.Linear(4, 4) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for lin in self.lins:
+            h = torch.tanh(lin(x))
+            scratch = torch.zeros(x.shape[0], 2, 4)
+            scratch[:, 0] = h
+            scratch[:, 1] = h * 2
+            x = scratch.sum(1)
+        return x.square().sum()
+
+
+def test_a_scratch_tensor_the_chain_writes_into_is_allocated_by_its_stage():
+    """Before (stop 40): the scratch depends on no input, so it was a side input computed
+    under ``no_grad``. xLSTM's wrapping failed ("A view was created in no_grad mode and is
+    being modified inplace with grad mode enabled"); this toy, whose every layer goes
+    through its scratch, failed with "the model's output does not depend on any parameter".
+    Now a side value the chain writes in place is in the chain; the plan re-runs stages,
+    bitwise."""
+    import optmem.pytorch as op
+
+    torch.manual_seed(0)
+    net, x = _FillsAScratch(), torch.randn(6, 4)
+    net(x).backward()
+    ref = [p.grad.clone() for p in net.parameters()]
+    cnet = op.checkpoint(net, x, memory_limit="60%", repeats=1, warmup=0, fast_path=False)
+    assert any(o.startswith(("F_ck", "F_none")) for o in cnet.result.plan)
+    for _ in range(2):
+        net.zero_grad()
+        cnet(x).backward()
+        for a, b in zip(ref, (p.grad for p in net.parameters()), strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -249,6 +249,20 @@ def classify(gm: fx.GraphModule, chain_inputs: set[str] | None, *,
     side
         Allow side nodes; otherwise everything that is not state is in the chain.
     """
+    forced: set[fx.Node] = set()
+    while True:
+        kinds = _classify_once(gm, chain_inputs, side, forced)
+        written = _side_written_by_chain(gm, kinds)
+        if not written:
+            break
+        forced |= written
+    _bracket_kinds(gm, kinds)
+    return kinds
+
+
+def _classify_once(gm: fx.GraphModule, chain_inputs: set[str] | None, side: bool,
+                   forced: set[fx.Node]) -> dict[fx.Node, str]:
+    """:func:`classify`'s pass over the nodes, with the ``forced`` nodes in the chain."""
     kinds: dict[fx.Node, str] = {}
     for node in gm.graph.nodes:
         if node.op == "output":
@@ -263,9 +277,30 @@ def classify(gm: fx.GraphModule, chain_inputs: set[str] | None, *,
             chain = chain_inputs is None or node.target in chain_inputs or not side
             kinds[node] = CHAIN if chain else SIDE
             continue
-        kinds[node] = CHAIN if (not side or _needs_chain(node, gm, kinds)) else SIDE
-    _bracket_kinds(gm, kinds)
+        kinds[node] = CHAIN if (not side or node in forced or _needs_chain(node, gm, kinds)) \
+            else SIDE
     return kinds
+
+
+def _side_written_by_chain(gm: fx.GraphModule, kinds: dict[fx.Node, str]) -> set[fx.Node]:
+    """Side values a chain node writes in place (through views): they belong to the chain.
+
+    A scratch tensor the forward allocates and then fills with computed values (HF xLSTM:
+    ``matC_states = torch.zeros(...)``, then ``matC_states[..., k] = matC_k``) depends on
+    no input, so it would be a side input, computed once per call under ``no_grad``: the
+    stage's write into its view then fails ("A view was created in no_grad mode and is
+    being modified inplace"), and a re-run would write into the shared tensor again. Such
+    a tensor is allocated by the stage instead. Inputs and state are left as they are.
+    """
+    out: set[fx.Node] = set()
+    for node, kind in kinds.items():
+        if kind != CHAIN or node.op in ("placeholder", "get_attr"):
+            continue
+        for w in written_args(node, gm):
+            root = _alias_root(w, through_dropouts=True)
+            if kinds.get(root) == SIDE and root.op not in ("placeholder", "get_attr"):
+                out.add(root)
+    return out
 
 
 def _bracket_kinds(gm: fx.GraphModule, kinds: dict[fx.Node, str]) -> None:
