@@ -609,3 +609,38 @@ def test_a_scratch_tensor_the_chain_writes_into_is_allocated_by_its_stage():
         cnet(x).backward()
         for a, b in zip(ref, (p.grad for p in net.parameters()), strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+class _ClampsItsData(nn.Module):
+    """Clamps a parameter's ``.data`` in its forward, as HF Gemma 3n's AltUp does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(4, 4, bias=False)
+        self.coefs = nn.Linear(4, 4, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.coefs.weight.data.clamp_(-0.5, 0.5)
+        return h * self.coefs(torch.tanh(self.router(h)))
+
+
+class _ClampingLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_ClampsItsData() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x.sum()
+
+
+def test_a_write_to_a_parameters_data_is_named_in_the_error():
+    """Before: torch's "We found a fake tensor in the exported program constant's list"
+    alone, naming a ``lifted_tensor_0``, not the code. (torch.fx holds this toy's write,
+    so export alone is asked for; fx cannot trace Gemma 3n.)"""
+    from optmem.pytorch.extract import extract_program
+
+    with pytest.raises(OptmemInputError, match=r"writing a parameter's \.data in place"):
+        extract_program(_ClampingLayers(), (torch.randn(2, 4),), {}, method="export")

@@ -504,7 +504,8 @@ def _extract_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
             "nn.Sequential of its blocks or a list of stage modules instead", field="module")
     raise OptmemInputError(
         f"cannot extract a chain from {name} ({'; '.join(errors)}){_failed_at(module, owner)}:"
-        f"{_missing_mask_hint(module, kwargs, errors)} {_part_hint(module, owner)}pass an "
+        f"{_missing_mask_hint(module, kwargs, errors)}{_lifted_hint(errors)} "
+        f"{_part_hint(module, owner)}pass an "
         "nn.Sequential of its blocks or a list of stage modules instead", field="module")
 
 
@@ -593,6 +594,22 @@ def _part_hint(model: nn.Module, owner: str | None) -> str:
             f"model.get_submodule({part!r}); sample = optmem.pytorch.submodule_sample(model, "
             "part, **batch)`, then put `optmem.pytorch.checkpoint(part, sample, "
             "memory_limit)` in its place, or ")
+
+
+def _lifted_hint(errors: list[str]) -> str:
+    """A hint when export found a fake tensor among the graph's constants.
+
+    Torch names the constant (``model.layers.0.lifted_tensor_0``), not the code. A tensor
+    the forward makes outside autograd's view of the parameters does this, typically an
+    in-place write to a parameter's ``.data`` (HF Gemma 3n's AltUp clamps
+    ``prediction_coefs.weight.data`` in training).
+    """
+    if not any("fake tensor in the exported program constant" in e for e in errors):
+        return ""
+    return (" its forward makes a tensor outside autograd, typically by writing a "
+            "parameter's .data in place, which export cannot hold (HF Gemma 3n clamps its "
+            "AltUp coefficients so in training; model.config.altup_coef_clip = None turns "
+            "that off, and changes its training);")
 
 
 def _missing_mask_hint(module: nn.Module, kwargs: dict[str, Any], errors: list[str]) -> str:
