@@ -644,3 +644,36 @@ def test_a_write_to_a_parameters_data_is_named_in_the_error():
 
     with pytest.raises(OptmemInputError, match=r"writing a parameter's \.data in place"):
         extract_program(_ClampingLayers(), (torch.randn(2, 4),), {}, method="export")
+
+
+class _DrawsWhateverItsConfig(nn.Module):
+    """Draws ``random.uniform`` for every layer and compares it with ``layerdrop`` (HF
+    MusicGen), which is 0: the draws never change the graph, but the refusal stands."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from types import SimpleNamespace
+
+        self.config = SimpleNamespace(layerdrop=0.0)
+        self.lins = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import random
+
+        for lin in self.lins:
+            if self.training and random.uniform(0, 1) < self.config.layerdrop:
+                continue
+            x = torch.tanh(lin(x))
+        return x.sum()
+
+
+def test_python_draws_made_whatever_the_config_say_so():
+    """Before (stop 40's second sweep): the error advised "turn them off (e.g. layerdrop=0)"
+    to a model whose layerdrop was already 0."""
+    from optmem.pytorch.extract import extract_program
+
+    with pytest.raises(OptmemInputError) as err:
+        extract_program(_DrawsWhateverItsConfig(), (torch.randn(2, 4),), {})
+    message = str(err.value)
+    assert "No random option of its config is on" in message
+    assert "e.g. layerdrop=0" not in message

@@ -204,3 +204,24 @@ def test_no_part_is_suggested_when_every_layer_fails() -> None:
     holder.tower = Splitter()
     holder.blocks = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(4))
     assert failed_in_part(holder, "tower") is None  # a ModuleList is never called
+
+
+def test_the_part_named_is_one_the_call_runs_and_naming_it_leaves_no_trace() -> None:
+    """A module the forward never calls (HF Csm's ``codec_model``) is not named, even when
+    it is the largest: before (stop 40's second sweep) the error named it, and
+    ``submodule_sample`` then failed ("did not call"). Finding the called modules runs the
+    model once, leaving the RNG states and buffers as they were."""
+    import random
+
+    torch.manual_seed(0)
+    model = TwoTowers()
+    model.spare = nn.Sequential(nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(8)))
+    model.register_buffer("count", torch.zeros(()))
+    x = torch.randn(12, 8)
+    states = torch.random.get_rng_state(), random.getstate()
+    with pytest.raises(OptmemInputError) as info:
+        op.checkpoint(model, x, memory_limit="60%", repeats=1, warmup=0)
+    assert "wrap 'body' (a Body" in str(info.value) and "spare" not in str(info.value)
+    assert torch.equal(torch.random.get_rng_state(), states[0])
+    assert random.getstate() == states[1]
+    assert failed_in_part(model, "tower") == "spare"  # without the call: the largest

@@ -71,6 +71,7 @@ from optmem.pytorch.graphcut import (
     output_layout,
 )
 from optmem.pytorch.hooks import (
+    callers_tools_suspended,
     check_module_hooks,
     random_config,
     refuse_python_random,
@@ -488,10 +489,11 @@ def _extract_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
             raise
         except Exception as exc:  # noqa: BLE001
             errors.append(f"torch.fx: {_first_line(exc)}")
+    hint = _part_hint(module, owner, (args, kwargs))
     if branch is not None:
         tried = " nor ".join(e.split(":")[0] for e in errors)
         if intermediate:
-            raise OptmemInputError(_intermediate_message(module, branch, tried, owner),
+            raise OptmemInputError(_intermediate_message(module, branch, tried, owner, hint),
                                    field="module")
         why = (f" (exported again with the sample's values, to take its side, the export "
                f"failed further on: {again})") if again else ""
@@ -500,12 +502,12 @@ def _extract_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
             f"tensor at {branch}{_failed_at(module, owner)}, which "
             f"{'neither ' if ' nor ' in tried else ''}{tried} can hold in a graph{why}. Call "
             "it without the input that leads there (for a check on labels: without labels, "
-            f"computing the loss from the outputs), {_part_hint(module, owner) or 'or '}pass an "
+            f"computing the loss from the outputs), {hint or 'or '}pass an "
             "nn.Sequential of its blocks or a list of stage modules instead", field="module")
     raise OptmemInputError(
         f"cannot extract a chain from {name} ({'; '.join(errors)}){_failed_at(module, owner)}:"
         f"{_missing_mask_hint(module, kwargs, errors)}{_lifted_hint(errors)} "
-        f"{_part_hint(module, owner)}pass an "
+        f"{hint}pass an "
         "nn.Sequential of its blocks or a list of stage modules instead", field="module")
 
 
@@ -538,23 +540,69 @@ PART_SHARE = 0.25
 """The least share of a model's parameters a part must hold to be suggested for wrapping."""
 
 
-def plannable_part(model: nn.Module, failed: str) -> str | None:
+def called_modules(model: nn.Module, args: tuple[Any, ...],
+                   kwargs: dict[str, Any]) -> set[int] | None:
+    """The ids of the modules ``model(*args, **kwargs)`` runs, or ``None`` if it fails.
+
+    One plain call under ``no_grad`` (only on an extraction's error path) that leaves no
+    trace: torch's, Python's and NumPy's random states and the buffers are restored, the
+    caller's tools (``FlopCounterMode``, ...) see nothing.
+    """
+    import random
+
+    called: set[int] = set()
+
+    def note(module: nn.Module, _: Any) -> None:
+        called.add(id(module))
+
+    devices = sorted({t.device.index or 0 for t in (*model.parameters(), *model.buffers())
+                      if t.is_cuda})
+    state = random.getstate()
+    numpy = sys.modules.get("numpy")
+    numpy_state = numpy.random.get_state() if numpy is not None else None
+    buffers = [(m, name, b, b.detach().clone()) for m in model.modules()
+               for name, b in m._buffers.items() if b is not None]
+    try:
+        with callers_tools_suspended(), torch.random.fork_rng(devices=devices), \
+                torch.no_grad():
+            # registered inside: the suspension takes the global hooks away meanwhile
+            handle = nn.modules.module.register_module_forward_pre_hook(note)
+            try:
+                model(*args, **kwargs)
+            finally:
+                handle.remove()
+    except Exception:  # noqa: BLE001 - no call, no part to name
+        return None
+    finally:
+        random.setstate(state)
+        if numpy is not None:
+            numpy.random.set_state(numpy_state)
+        for owner, name, buffer, values in buffers:  # BatchNorm statistics, counters
+            owner._buffers[name] = buffer
+            if buffer.shape != values.shape or not torch.equal(buffer, values):
+                buffer.data = values
+    return called
+
+
+def plannable_part(model: nn.Module, failed: str, called: set[int] | None = None
+                   ) -> str | None:
     """The largest part of ``model`` worth wrapping alone when the export failed in ``failed``.
 
     The part with the most parameters (at least :data:`PART_SHARE` of the model's) that
     holds a list of two or more blocks (an ``nn.ModuleList``: the layers, where the
     activation memory is) and no module of the failed one's class (whose code would fail
-    the same way), is called (not a ``ModuleList`` or ``ModuleDict``), and is neither the
-    failed module nor one of its ancestors: Qwen2-VL's
-    language model when its vision attention failed. ``None`` when there is none (a
-    failure in every layer of the model).
+    the same way), is called by the sample's call (``called``, :func:`called_modules`, when
+    given; never a ``ModuleList`` or ``ModuleDict``), and is neither the failed module nor
+    one of its ancestors: Qwen2-VL's language model when its vision attention failed.
+    ``None`` when there is none (a failure in every layer of the model).
     """
     kind = type(model.get_submodule(failed))
     total = sum(p.numel() for p in model.parameters())
     best: tuple[int, str] | None = None
     for name, sub in model.named_modules():
         if (not name or failed == name or failed.startswith(name + ".")
-                or isinstance(sub, (nn.ModuleList, nn.ModuleDict))):  # never called
+                or isinstance(sub, (nn.ModuleList, nn.ModuleDict))  # never called
+                or called is not None and id(sub) not in called):
             continue
         inside = list(sub.modules())
         if any(isinstance(m, kind) for m in inside) or not any(
@@ -584,9 +632,19 @@ def _failed_at(model: nn.Module, owner: str | None) -> str:
     return f" in {owner!r} (a {type(model.get_submodule(owner)).__name__})"
 
 
-def _part_hint(model: nn.Module, owner: str | None) -> str:
-    """How to plan the part of ``model`` that does not run the failed module, if any."""
-    part = None if owner is None else plannable_part(model, owner)
+def _part_hint(model: nn.Module, owner: str | None, call: tuple[tuple[Any, ...],
+               dict[str, Any]] | None = None) -> str:
+    """How to plan the part of ``model`` that does not run the failed module, if any.
+
+    With ``call`` (the sample's), only a module that call runs is named; none if the call
+    fails.
+    """
+    if owner is None:
+        return ""
+    called = None if call is None else called_modules(model, *call)
+    if call is not None and called is None:
+        return ""
+    part = plannable_part(model, owner, called)
     if part is None:
         return ""
     kind = type(model.get_submodule(part)).__name__
@@ -633,7 +691,7 @@ def _missing_mask_hint(module: nn.Module, kwargs: dict[str, Any], errors: list[s
 
 
 def _intermediate_message(module: nn.Module, where: str, tried: str,
-                          owner: str | None = None) -> str:
+                          owner: str | None = None, hint: str = "") -> str:
     """Why a branch on an intermediate value stops extraction, and what to do."""
     neither = "neither " if " nor " in tried else ""
     return (f"cannot extract a chain from {type(module).__name__}: its forward branches on "
@@ -641,7 +699,7 @@ def _intermediate_message(module: nn.Module, where: str, tried: str,
             "value computed inside the forward (a router's choice, LayerDrop's random draw), "
             f"which may take another side at every step and which {neither}{tried} can hold "
             f"in a graph.{random_config(module)} Otherwise "
-            f"{_part_hint(module, owner)}pass an nn.Sequential of its blocks or a list of "
+            f"{hint}pass an nn.Sequential of its blocks or a list of "
             "stage modules instead")
 
 

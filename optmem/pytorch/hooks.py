@@ -201,11 +201,17 @@ def refuse_python_random(module_name: str, module: nn.Module | None = None) -> I
                                         ("numpy.random", _numpy_state() != before[1]))
              if changed]
     if moved:
+        config = random_config(module)
+        advice = (" Otherwise turn them off (e.g. layerdrop=0) or draw them with torch's RNG; "
+                  "or " if config or getattr(module, "config", None) is None else
+                  " No random option of its config is on, so it draws them whatever the "
+                  "config (HF MusicGen draws random.uniform(0, 1) for every layer and compares "
+                  "it with layerdrop, 0 or not): only a change of its code (drawing with "
+                  "torch's RNG) helps; or ")
         raise OptmemInputError(
             f"{module_name} draws random numbers from {' and '.join(moved)} while it runs "
             "(a LayerDrop or a mask written with Python or NumPy randomness): an extracted "
-            f"graph would replay the draws of the trace at every step.{random_config(module)}"
-            " Otherwise turn them off (e.g. layerdrop=0) or draw them with torch's RNG; or "
+            f"graph would replay the draws of the trace at every step.{config}{advice}"
             f"{_ALTERNATIVE}", field="module")
 
 
