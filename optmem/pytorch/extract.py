@@ -71,8 +71,10 @@ from optmem.pytorch.graphcut import (
     output_layout,
 )
 from optmem.pytorch.hooks import (
+    buffers_restored,
     callers_tools_suspended,
     check_module_hooks,
+    host_random_restored,
     random_config,
     refuse_python_random,
     refuse_tensor_hooks,
@@ -548,8 +550,6 @@ def called_modules(model: nn.Module, args: tuple[Any, ...],
     trace: torch's, Python's and NumPy's random states and the buffers are restored, the
     caller's tools (``FlopCounterMode``, ...) see nothing.
     """
-    import random
-
     called: set[int] = set()
 
     def note(module: nn.Module, _: Any) -> None:
@@ -557,14 +557,9 @@ def called_modules(model: nn.Module, args: tuple[Any, ...],
 
     devices = sorted({t.device.index or 0 for t in (*model.parameters(), *model.buffers())
                       if t.is_cuda})
-    state = random.getstate()
-    numpy = sys.modules.get("numpy")
-    numpy_state = numpy.random.get_state() if numpy is not None else None
-    buffers = [(m, name, b, b.detach().clone()) for m in model.modules()
-               for name, b in m._buffers.items() if b is not None]
     try:
         with callers_tools_suspended(), torch.random.fork_rng(devices=devices), \
-                torch.no_grad():
+                host_random_restored(), buffers_restored([model]), torch.no_grad():
             # registered inside: the suspension takes the global hooks away meanwhile
             handle = nn.modules.module.register_module_forward_pre_hook(note)
             try:
@@ -573,14 +568,6 @@ def called_modules(model: nn.Module, args: tuple[Any, ...],
                 handle.remove()
     except Exception:  # noqa: BLE001 - no call, no part to name
         return None
-    finally:
-        random.setstate(state)
-        if numpy is not None:
-            numpy.random.set_state(numpy_state)
-        for owner, name, buffer, values in buffers:  # BatchNorm statistics, counters
-            owner._buffers[name] = buffer
-            if buffer.shape != values.shape or not torch.equal(buffer, values):
-                buffer.data = values
     return called
 
 
@@ -632,19 +619,17 @@ def _failed_at(model: nn.Module, owner: str | None) -> str:
     return f" in {owner!r} (a {type(model.get_submodule(owner)).__name__})"
 
 
-def _part_hint(model: nn.Module, owner: str | None, call: tuple[tuple[Any, ...],
-               dict[str, Any]] | None = None) -> str:
+def _part_hint(model: nn.Module, owner: str | None,
+               call: tuple[tuple[Any, ...], dict[str, Any]]) -> str:
     """How to plan the part of ``model`` that does not run the failed module, if any.
 
-    With ``call`` (the sample's), only a module that call runs is named; none if the call
-    fails.
+    Only a module the sample's ``call`` runs is named; none if the call fails. The call is
+    made only when some module qualifies without it (the called ones are fewer).
     """
-    if owner is None:
+    if owner is None or plannable_part(model, owner) is None:
         return ""
-    called = None if call is None else called_modules(model, *call)
-    if call is not None and called is None:
-        return ""
-    part = plannable_part(model, owner, called)
+    called = called_modules(model, *call)
+    part = None if called is None else plannable_part(model, owner, called)
     if part is None:
         return ""
     kind = type(model.get_submodule(part)).__name__

@@ -25,7 +25,9 @@ The *global* module forward hooks (``register_module_forward_hook``) and the dis
 active around a call are the caller's tools observing a step (``MemTracker``,
 ``ModTracker``, ``FlopCounterMode``), not part of the model: extraction, profiling and
 measuring run outside them (:func:`callers_tools_suspended`), and the tools observe the
-stage calls of every step.
+stage calls of every step. Those calls leave no other trace either: the buffers the model
+updates and the host random states it draws from are put back
+(:func:`buffers_restored`, :func:`host_random_restored`).
 """
 
 from __future__ import annotations
@@ -44,9 +46,10 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from optmem.errors import OptmemInputError
 
-__all__ = ["callers_tools_suspended", "check_backward_hooks", "check_module_hooks",
-           "quiet_gradient_hooks", "random_config", "refuse_python_random",
-           "refuse_tensor_hooks", "warn_forward_hooks"]
+__all__ = ["buffers_restored", "callers_tools_suspended", "check_backward_hooks",
+           "check_module_hooks", "host_random_restored", "quiet_gradient_hooks",
+           "random_config", "refuse_python_random", "refuse_tensor_hooks",
+           "warn_forward_hooks"]
 
 _ALTERNATIVE = ("remove it, or pass an nn.Sequential of blocks or a list of stage modules "
                 "(stages that are your modules run their hooks themselves)")
@@ -128,6 +131,56 @@ def _has_hf_input_grad_hook(hooked: list[tuple[str, nn.Module]]) -> bool:
     """Whether a hook is HF's ``enable_input_require_grads`` (gradient checkpointing's)."""
     return any("enable_input_require_grads" in getattr(h, "__qualname__", "")
                for _, sub in hooked for h in sub._forward_hooks.values())
+
+
+@contextmanager
+def buffers_restored(modules: Iterable[nn.Module]) -> Iterator[None]:
+    """Put every buffer of ``modules`` back as it was on entry, writing only what changed.
+
+    Measuring, extracting and profiling run the model's code, which updates buffers (batch
+    norm statistics and counters). On exit a buffer the body replaced by another tensor is
+    put back, and one whose values differ gets its old values copied in, through ``.data``:
+    the restore itself moves no version counter. A graph the caller built before the body
+    therefore still back-propagates: an embedding saves a slice of an index buffer (BERT's
+    ``token_type_ids``), and a ``copy_`` on the buffer would fail that backward with
+    "modified by an inplace operation". (The values are compared, not the versions: the
+    native batch norm updates its running statistics without a new version.) A buffer the
+    body resized in place (``resize_``: the per-channel min/max of a QAT observer start
+    empty) gets its old shape and values back.
+    """
+    saved: dict[tuple[int, str], tuple[nn.Module, torch.Tensor, torch.Tensor]] = {}
+    for sub in (s for m in modules for s in m.modules()):
+        for name, buf in sub._buffers.items():
+            if buf is not None and (id(sub), name) not in saved:
+                saved[(id(sub), name)] = (sub, buf, buf.detach().clone())
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for (_, name), (sub, buf, old) in saved.items():
+                if sub._buffers.get(name) is not buf:
+                    sub._buffers[name] = buf
+                if buf.is_meta:  # no values to compare nor to restore
+                    continue
+                if buf.shape != old.shape:  # resized in place (a per-channel observer's
+                    buf.data = old           # min/max start empty): take the old tensor
+                elif not torch.equal(buf, old):
+                    buf.data.copy_(old)
+
+
+@contextmanager
+def host_random_restored() -> Iterator[None]:
+    """Within: Python's and NumPy's global random states are put back on exit.
+
+    For a call that leaves no trace: the model may draw from them
+    (:func:`refuse_python_random`).
+    """
+    state, numpy_state = random.getstate(), np.random.get_state()  # noqa: NPY002
+    try:
+        yield
+    finally:
+        random.setstate(state)
+        np.random.set_state(numpy_state)  # noqa: NPY002
 
 
 def _numpy_state() -> tuple[Any, ...]:

@@ -35,7 +35,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from optmem.pytorch.hooks import quiet_gradient_hooks
+from optmem.pytorch.hooks import buffers_restored, quiet_gradient_hooks
 
 if TYPE_CHECKING:
     from optmem.chain import Chain
@@ -346,41 +346,6 @@ def gradients_restored(leaves: Sequence[torch.Tensor]) -> Iterator[None]:
     finally:
         for t, g in zip(leaves, saved, strict=True):
             t.grad = g
-
-
-@contextlib.contextmanager
-def buffers_restored(modules: Iterable[nn.Module]) -> Iterator[None]:
-    """Put every buffer of ``modules`` back as it was on entry, writing only what changed.
-
-    Measuring, extracting and profiling run the model's code, which updates buffers (batch
-    norm statistics and counters). On exit a buffer the body replaced by another tensor is
-    put back, and one whose values differ gets its old values copied in, through ``.data``:
-    the restore itself moves no version counter. A graph the caller built before the body
-    therefore still back-propagates: an embedding saves a slice of an index buffer (BERT's
-    ``token_type_ids``), and a ``copy_`` on the buffer would fail that backward with
-    "modified by an inplace operation". (The values are compared, not the versions: the
-    native batch norm updates its running statistics without a new version.) A buffer the
-    body resized in place (``resize_``: the per-channel min/max of a QAT observer start
-    empty) gets its old shape and values back.
-    """
-    saved: dict[tuple[int, str], tuple[nn.Module, torch.Tensor, torch.Tensor]] = {}
-    for sub in (s for m in modules for s in m.modules()):
-        for name, buf in sub._buffers.items():
-            if buf is not None and (id(sub), name) not in saved:
-                saved[(id(sub), name)] = (sub, buf, buf.detach().clone())
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for (_, name), (sub, buf, old) in saved.items():
-                if sub._buffers.get(name) is not buf:
-                    sub._buffers[name] = buf
-                if buf.is_meta:  # no values to compare nor to restore
-                    continue
-                if buf.shape != old.shape:  # resized in place (a per-channel observer's
-                    buf.data = old           # min/max start empty): take the old tensor
-                elif not torch.equal(buf, old):
-                    buf.data.copy_(old)
 
 
 def plain_step_peak(call: Callable[[], Any], module: nn.Module, inputs: Any = (),

@@ -443,6 +443,9 @@ class PlannedModule(nn.Module):
               fast_path: bool = True) -> PlannedModule:
         """Extract, profile, solve and wrap ``module`` (``sample``: one batch or call).
 
+        ``sample`` holds no graph of the caller's (:func:`graph_free`: the one-liners'
+        :func:`~optmem.pytorch.api.build_planned` makes it so before calling this).
+
         ``fast_path``: call the model itself when its measured plain step fits the limit
         (:attr:`fast_path_taken`).
         """
@@ -453,10 +456,9 @@ class PlannedModule(nn.Module):
                 [s.module if isinstance(s, Stage) else s for s in module])
             label = name or (type(module).__name__ if isinstance(module, nn.Module)
                              else "torch")
-            x = graph_free(sample)
-            variant = _make_variant(None, stages, x, planner, profile, chain, label,
+            variant = _make_variant(None, stages, sample, planner, profile, chain, label,
                                     ctx=None, like=None,
-                                    plain=_plain_measure(stages, x, profile))
+                                    plain=_plain_measure(stages, sample, profile))
             planned = cls(wrapped, planner, profile, variant, None, fast_path=fast_path)
             planned._plain_stages = stages
             planned._plain_key = input_key(sample)
@@ -841,6 +843,7 @@ class PlannedModule(nn.Module):
         size: ranks of data-parallel training see different lengths at the same step, and
         gradients do not depend on the plan; see *Sizes*).
         """
+        args, kwargs = graph_free((args, kwargs))  # a call made inside the caller's graph
         variant = _extract_variant(
             self._optmem_module, args, kwargs, self._planner, self._profile, None,
             self._main.chain.name, like=self._main, solve=self._solver(), ext=ext, local=local)
@@ -1416,7 +1419,6 @@ def _extract_variant(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
                      name: str, like: _Variant | None,
                      solve: Callable[[Chain], Result] | None = None,
                      ext: Extraction | None = None, local: bool = False) -> _Variant:
-    args, kwargs = graph_free((args, kwargs))
     with leaves_no_trace(module):
         if ext is None:
             ext = extract_program(module, args, kwargs, method=profile.extract)
