@@ -16,6 +16,17 @@ eager model (an all-``True`` mask adds zeros to the scores, a causal mask remove
 the entries ``is_causal`` skips); the gradients stay bitwise equal to the plain model's
 (``tests/test_hf_wrapper.py``). The mask's memory and the kernel's masked path are saved.
 
+A mask computed from a parameter (a relative-position bias: Wav2Vec2-BERT, SeamlessM4T)
+requires grad in training, and SDPA picks its kernel from that: on CPU a mask that
+requires grad takes the math kernel, one that does not the flash kernel, which rounds
+otherwise. A plan's ``F_ck``/``F_none`` run under ``no_grad``, where no mask requires
+grad: a checkpointed stage's first forward then differed from its re-run and from the
+plain model in the last bits (1.3e-4 in Wav2Vec2-BERT's summed gradients).
+:func:`masks_as_in_training` gives every SDPA call whose mask requires grad in training,
+when it runs without grad, an alias of its mask that requires grad
+(:func:`as_in_training`: the same storage, no copy, no graph recorded), so the call takes
+the training kernel whatever the grad mode.
+
 Grouped-query attention follows the mask. HF's ``sdpa_attention_forward`` repeats the key
 and value heads (``repeat_kv``: unsqueeze, expand, reshape: a copy) only when it passes a
 mask; without one it calls ``scaled_dot_product_attention(..., enable_gqa=True)`` on the
@@ -35,10 +46,13 @@ from torch import fx
 
 from optmem.pytorch.branches import target_name
 
-__all__ = ["elide_constant_masks"]
+__all__ = ["as_in_training", "elide_constant_masks", "masks_as_in_training"]
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
+_DETACHES = frozenset({"detach", "detach_"})
+#: SDPA as ``torch.export`` records it and as ``torch.fx`` traces it
+_SDPA_CALLS = frozenset({_SDPA, torch.nn.functional.scaled_dot_product_attention})
 
 
 def elide_constant_masks(gm: fx.GraphModule) -> int:
@@ -130,6 +144,7 @@ def _is_call(node: Any, *names: str) -> bool:
 
 
 def _named_args(node: fx.Node) -> dict[str, Any]:
+    """An SDPA call's arguments by name."""
     named = dict(zip(_SDPA_ARGS, node.args, strict=False))
     named.update(node.kwargs)
     return named
@@ -195,3 +210,127 @@ def _trivial_kind(mask: torch.Tensor | None, node: fx.Node) -> str | None:
     if mask.is_floating_point() and bool((mask == 0).all()):
         return "none"
     return None
+
+
+def as_in_training(mask: torch.Tensor) -> torch.Tensor:
+    """``mask``, or without grad an alias of it that requires grad (a leaf, no copy).
+
+    Inserted before an SDPA call whose mask requires grad in training
+    (:func:`masks_as_in_training`): with grad enabled the mask is passed as it is; under
+    ``no_grad`` (a plan's ``F_ck``/``F_none``) the alias makes the kernel choice the
+    training one, and records nothing (no graph under ``no_grad``).
+    """
+    if torch.is_grad_enabled() or mask.requires_grad:
+        return mask
+    return mask.detach().requires_grad_()
+
+
+def masks_as_in_training(gm: fx.GraphModule, inputs_require_grad: list[bool]) -> int:
+    """Route each SDPA mask that requires grad in training through :func:`as_in_training`.
+
+    Parameters
+    ----------
+    gm : fx.GraphModule
+        An exported graph (``ExportedProgram.module()``) or a ``torch.fx`` trace (after
+        ``ShapeProp``): parameters as ``get_attr`` (or inside ``call_module``), the flat
+        user inputs as placeholders. Changed in place.
+    inputs_require_grad : list of bool
+        Whether each flat user input requires grad (the sample's).
+
+    Returns
+    -------
+    int
+        The number of SDPA calls changed.
+    """
+    carried = _requires_grad_in_training(gm, inputs_require_grad)
+    changed = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in _SDPA_CALLS:
+            continue
+        mask = _named_args(node).get("attn_mask")
+        if not isinstance(mask, fx.Node) or mask not in carried:
+            continue
+        with gm.graph.inserting_before(node):
+            alias = gm.graph.call_function(as_in_training, (mask,))
+        alias.meta.update({k: v for k, v in mask.meta.items()
+                           if k in ("val", "tensor_meta", "stack_trace", "nn_module_stack")})
+        node.replace_input_with(mask, alias)
+        changed += 1
+    if changed:
+        gm.recompile()
+    return changed
+
+
+def _requires_grad_in_training(gm: fx.GraphModule, inputs: list[bool]) -> set[fx.Node]:
+    """The nodes whose value requires grad when ``gm`` runs with grad enabled.
+
+    Autograd's rule on the graph: a floating result of an op with an input that requires
+    grad (or of a submodule with a parameter that does), unless grad is off there
+    (``_set_grad_enabled``, ``wrap_with_set_grad_enabled``) or the op detaches; a
+    parameter that requires grad; a user input that does.
+    """
+    carried: set[fx.Node] = set()
+    placeholders = iter(inputs)
+    enabled = True
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            if next(placeholders, False):
+                carried.add(node)
+        elif node.op == "get_attr":
+            value = _attr_value(gm, str(node.target))
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                carried.add(node)
+        elif node.target is torch._C._set_grad_enabled:
+            enabled = bool(node.args[0])
+        elif node.op in ("call_function", "call_method", "call_module") \
+                and _grad_flows(node, carried, enabled, gm):
+            carried.add(node)
+    return carried
+
+
+def _grad_flows(node: fx.Node, carried: set[fx.Node], enabled: bool,
+                gm: fx.GraphModule) -> bool:
+    """Whether the result of the call ``node`` requires grad in training."""
+    name = target_name(node)
+    if name == "wrap_with_set_grad_enabled":
+        enabled = bool(node.args[0])
+    if not enabled or name in _DETACHES or not _floating(node.meta):
+        return False
+    if any(n in carried for n in node.all_input_nodes):
+        return True
+    if node.op == "call_module":
+        owned = gm.get_submodule(str(node.target)).parameters()
+        return any(p.requires_grad for p in owned)
+    return False
+
+
+def _attr_value(gm: fx.GraphModule, target: str) -> Any:
+    owner, _, name = target.rpartition(".")
+    try:
+        return getattr(gm.get_submodule(owner) if owner else gm, name)
+    except AttributeError:
+        return None
+
+
+def _floating(meta: dict[str, Any]) -> bool:
+    """Whether a node's recorded result can require grad (a floating or complex tensor).
+
+    Read from ``val`` (``torch.export``) or ``ShapeProp``'s ``tensor_meta``. A node
+    without a recorded result counts as floating.
+    """
+    if "val" in meta:
+        return _floating_value(meta["val"])
+    info = meta.get("tensor_meta")
+    if info is None:
+        return True
+    infos = [info] if hasattr(info, "dtype") else list(info)  # one TensorMetadata, or many
+    return any(getattr(t, "dtype", None) is not None
+               and (t.dtype.is_floating_point or t.dtype.is_complex) for t in infos)
+
+
+def _floating_value(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.is_floating_point() or value.is_complex()
+    if isinstance(value, list | tuple):
+        return any(_floating_value(v) for v in value)
+    return not isinstance(value, int | bool | torch.SymInt | torch.SymBool)

@@ -46,7 +46,7 @@ from torch.fx import _pytree as fx_pytree
 from torch.utils._pytree import tree_flatten
 
 from optmem.errors import OptmemInputError
-from optmem.pytorch.attention import elide_constant_masks
+from optmem.pytorch.attention import elide_constant_masks, masks_as_in_training
 from optmem.pytorch.branches import (
     IntermediateBranch,
     branch_location,
@@ -883,6 +883,7 @@ def _export_program(module: nn.Module, args: tuple[Any, ...],
     restore_functions(gm)
     elide_constant_masks(gm)
     flat = list(fx_pytree.tree_flatten_spec((args, kwargs), ep.call_spec.in_spec))
+    masks_as_in_training(gm, [isinstance(v, torch.Tensor) and v.requires_grad for v in flat])
     ext = _program(gm, module, flat, method="export", in_spec=ep.call_spec.in_spec,
                    out_spec=ep.call_spec.out_spec, signature=None)
     ext.value_branches = tuple(value_branches(gm))
@@ -1057,6 +1058,7 @@ def _fx_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     flat = [bound.arguments[n] for n in names]
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         ShapeProp(gm).propagate(*flat)
+    masks_as_in_training(gm, [isinstance(v, torch.Tensor) and v.requires_grad for v in flat])
     return _program(gm, module, flat, method="fx", in_spec=None, out_spec=None,
                     signature=signature)
 
