@@ -1,10 +1,10 @@
 """The one-liner on HuggingFace models: GPT-2, Llama, BERT, ViT and ResNet (tiny configs).
 
-Each is wrapped at 60 % of its store-all activations: the plan recomputes, and the loss,
-the logits and every parameter gradient are **bitwise** equal to the unmodified model's on
-CPU (GPT-2's tied embedding/head weight included: two contributions, summed in the same
-order), ``torch.autograd.grad`` included; the output type, its keys and the state-dict keys
-are the model's.
+Each is wrapped at 60 % of its store-all activations: the plan recomputes, and the loss, the
+logits and every parameter gradient are **bitwise** equal to the unmodified model's on CPU
+(GPT-2's tied embedding/head weight included: two contributions, summed by autograd as for
+the model), ``torch.autograd.grad`` included; the output type, its keys and the state-dict
+keys are the model's.
 """
 
 from __future__ import annotations

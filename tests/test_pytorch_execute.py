@@ -607,3 +607,28 @@ def test_parameter_gradients_reach_autograd_as_soon_as_they_are_final():
     assert grad_at["0.weight"] > b_of["B 1"]
     assert b_of["B 3"] < grad_at["2.weight"] < b_of["B 2"]  # shared: after its earlier B
     assert grad_at["4.weight"] < b_of["B 3"]
+
+
+def test_a_parameter_three_stages_use_sums_as_plain_autograd_with_a_native_suffix():
+    """A weight used by two re-run stages and by one in the native suffix (BART's embedding:
+    encoder, decoder, tied head). Plain autograd sums ``(head + decoder) + encoder``; the
+    executor summed the plan's two contributions first, ``head + (decoder + encoder)``,
+    1.5e-8 apart on BART. Each ``B`` now hands its contribution to autograd, which sums
+    them in the order they arrive: bitwise."""
+    torch.manual_seed(17)
+    shared = nn.Linear(8, 8)
+    net = nn.Sequential(shared, nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), shared, nn.Tanh(),
+                        nn.Linear(8, 8), nn.Tanh(), shared, nn.Linear(8, 2))
+    stages = extract_stages(net)
+    n = len(stages)
+    uses = [i for i, s in enumerate(stages, 1) if any(p is shared.weight
+                                                      for p in s.module.parameters())]
+    k = uses[1]  # the first two uses re-run, the last one is in the native suffix
+    plan = (["F_ck 1"] + [f"F_none {i}" for i in range(2, k + 1)]
+            + [f"F_all {i}" for i in range(k + 1, n + 1)] + ["Loss"]
+            + [f"B {i}" for i in range(n, k, -1)]
+            + [f"F_all {i}" for i in range(1, k + 1)] + [f"B {i}" for i in range(k, 0, -1)])
+    assert uses[2] > k
+    for seed in range(5):  # several draws, so that a different association shows
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(seed))
+        assert_same_step(net, CheckpointedChain(stages, plan), x)

@@ -7,8 +7,8 @@ returns the chain output ``a^L``; the ops after it run in ``backward()``, which 
 ``delta^L`` and returns ``delta^0``. The backward is split in autograd nodes: the first
 runs the ops up to ``B L`` and returns, so that autograd frees ``delta^L`` there (a
 Function's incoming gradient lives until its backward returns); then one node per ``B`` op
-after which some parameters' gradients are final (:class:`_Release`) runs the plan up to
-that op and returns them; the last runs the rest.
+that adds to some parameters' gradients (:class:`_Release`) runs the plan up to that op
+and returns those contributions; the last runs the rest.
 Memory follows the simulator's rules (``optmem/simulate/checkpoint.py``):
 
 * storage slot ``i`` holds ``a^i``; a slot filled by ``F_all i`` also holds the tape: the
@@ -36,18 +36,20 @@ unmodified one does:
 plan ends with ``F_all j .. F_all L`` mirrored by ``B L .. B j`` right after ``Loss``, the
 stages ``j..L`` run as ordinary autograd code after the Function (no bookkeeping).
 
-**Parameters are inputs of the plan's autograd nodes.** ``B i`` computes the gradients
-of stage ``i``'s outputs with respect to its input *and its parameters* with
-``torch.autograd.grad``; the executor sums them over the stages that use a parameter (in
-the order of the ``B`` ops, the order in which plain autograd sums them), and the
-:class:`_Release` node of the last ``B`` op that adds to a parameter returns its gradient
-as soon as that op has run. So ``loss.backward()``, ``torch.autograd.grad(loss,
-params)``, ``backward(inputs=...)``, gradient hooks and DDP see exactly what the unmodified
-module gives, stage by stage while the plan's backward goes on: DDP all-reduces a bucket
-as soon as its parameters' last ``B`` has run, overlapping the rest of the backward, as
-for the unmodified module. A stage that uses a tensor requiring grad that is not one of
-its registered parameters is refused at its first run (that gradient would be lost). Double backward
-(``create_graph=True``) and ``retain_graph=True`` through the plan raise an error.
+**Parameters are inputs of the plan's autograd nodes.** ``B i`` computes the gradients of
+stage ``i``'s outputs with respect to its input *and its parameters* with
+``torch.autograd.grad``, and the :class:`_Release` node of each ``B`` op that adds to a
+parameter returns that contribution as soon as the op has run; autograd sums the
+contributions of a parameter several stages use (a tied embedding) in the order they arrive,
+as for the unmodified module, also with those made outside the plan (the native suffix's
+head), and sets ``.grad`` after the last. So ``loss.backward()``,
+``torch.autograd.grad(loss, params)``, ``backward(inputs=...)``, gradient hooks and DDP see
+exactly what the unmodified module gives, stage by stage while the plan's backward goes on:
+DDP all-reduces a bucket as soon as its parameters' last ``B`` has run, overlapping the rest
+of the backward, as for the unmodified module. A stage that uses a tensor requiring grad
+that is not one of its registered parameters is refused at its first run (that gradient
+would be lost). Double backward (``create_graph=True``) and ``retain_graph=True`` through
+the plan raise an error.
 
 **Side inputs** (:mod:`optmem.pytorch.context`): the side inputs active when the forward
 starts are re-entered around every stage run, re-runs in the backward included. The executor
@@ -982,21 +984,22 @@ class PlanRunner:
                 break
 
     def release_groups(self) -> list[tuple[int, list[int]]]:
-        """Parameters grouped by the plan index of the last ``B`` op that adds to them.
+        """Parameters grouped by the plan index of each ``B`` op that adds to them.
 
-        After that op a parameter's gradient is final: :class:`_Release` hands it to
-        autograd there (its ``.grad``, gradient hooks, DDP's reducer), while the plan's
-        backward goes on. Latest index first (the order the nodes are made in).
+        After that op the parameter's contribution from that stage is complete:
+        :class:`_Release` hands it to autograd there, which sums the contributions of a
+        parameter that several stages use (a tied embedding) in the order they arrive, as
+        for the unmodified module, also with those made outside the plan (a native suffix's
+        head, the caller's graph), and after the last one sets its ``.grad`` and runs its
+        gradient hooks (DDP's reducer) while the plan's backward goes on. Latest index
+        first (the order the nodes are made in).
         """
-        last: dict[int, int] = {}
+        groups: dict[int, list[int]] = {}
         for idx in range(self.loss + 1, len(self.plan)):
             op = self.plan[idx]
             if op.kind is OpKind.B:
                 for k in self.stage_params.get(op.stage, ()):
-                    last[k] = idx
-        groups: dict[int, list[int]] = {}
-        for k, idx in last.items():
-            groups.setdefault(idx, []).append(k)
+                    groups.setdefault(idx, []).append(k)
         return sorted(groups.items(), reverse=True)
 
     def run_through(self, stop: int) -> None:
@@ -1050,14 +1053,15 @@ class _PlanFunction(torch.autograd.Function):
 
 
 class _Release(torch.autograd.Function):
-    """Hands autograd the gradients of the parameters whose last ``B`` op is ``stop``.
+    """Hands autograd the gradients that the ``B`` op at ``stop`` adds to its parameters.
 
     One node per such op, chained by tokens between :class:`_PlanFunction` and
     :class:`_Relay`, so that the backward reaches them in the plan's order: each runs the
-    plan up to ``stop`` and returns its parameters' gradients (final there: summed over the
-    stages that use them, in ``B`` order). Autograd then accumulates them into ``.grad``
-    and runs their hooks (DDP's reducer starts their all-reduce) while the plan's
-    backward goes on, as it does stage by stage for the unmodified module.
+    plan up to ``stop`` and returns that stage's contributions. Autograd sums a parameter's
+    contributions in the order they arrive (from these nodes and from uses outside the
+    plan), then accumulates them into ``.grad`` and runs its hooks (DDP's reducer starts
+    its all-reduce) while the plan's backward goes on, as it does stage by stage for the
+    unmodified module.
     """
 
     @staticmethod

@@ -404,12 +404,11 @@ def plan_allowance(chain: Chain, plan: Sequence[Any], stages: Sequence[Any] = ()
     * with ``restore_buffers``, scratch copies of the buffers of the stage being re-run,
       and the copies of every re-run stage's buffers taken before its first run (kept for
       the buffers that run updated, until the step ends: a re-run starts from them);
-    * the partial gradient of a parameter that several stages use (a tied embedding): the
-      executor sums it itself from the first ``B`` that makes it until the last one
-      (``execute._Release`` then hands it to autograd), where plain autograd would hold it
-      as the parameter's ``.grad`` (a weight gradient, not counted); a real step's trace
-      counts that buffer since the final ``.grad`` is another storage (counted here until
-      the plan's backward returns: an upper bound);
+    * the partial gradient of a parameter that several stages use (a tied embedding), from
+      the first ``B`` that makes it until the plan's backward returns: each ``B`` hands its
+      contribution to autograd (``execute._Release``), which sums them in a buffer that
+      becomes ``.grad``, as for the plain model (counted here all the same: an upper
+      bound);
     * the last stage's outputs that alias its input (``chain.extra["profile"]
       ["output_left_out"]``, left out of its ``output_size``), when the plan runs that stage
       with ``F_none``, which frees ``a^{L-1}`` in the model while ``a^L`` still holds it.
