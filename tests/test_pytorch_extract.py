@@ -317,6 +317,44 @@ def test_unextractable_module_one_line_error():
     assert "without the input" not in message  # not an input's branch: no such advice
 
 
+class _Experts(nn.Module):
+    """A mixture of experts as HF's DBRX (and Switch) write it: a loop over the experts the
+    router picked, from ``nonzero``: a size no value of the call fixes."""
+
+    def __init__(self, n: int = 4, d: int = 8) -> None:
+        super().__init__()
+        self.router = nn.Linear(d, n)
+        self.w = nn.Parameter(torch.randn(n, d, d))
+        self.n = n
+
+    def forward(self, h):
+        out = torch.zeros_like(h)
+        with torch.no_grad():
+            mask = nn.functional.one_hot(self.router(h).argmax(-1), self.n).permute(1, 0)
+            hit = torch.greater(mask.sum(-1), 0).nonzero()
+        for e in hit:  # the experts hit
+            e = e[0]
+            tok = torch.where(mask[e])[0]
+            out.index_add_(0, tok, h[tok] @ self.w[e])
+        return h + out
+
+
+def test_a_loop_over_the_experts_a_router_picked_is_named_as_such():
+    """Before: "branches on the value of a tensor ... Call it without the input that leads
+    there (for a check on labels ...)", the advice for a check on an input, for HF DBRX."""
+    from optmem.pytorch.extract import extract_program
+
+    net = nn.Sequential(nn.Linear(8, 8), _Experts(), _Experts())
+    with pytest.raises(OptmemInputError) as err:
+        extract_program(net, (torch.randn(6, 8),))
+    message = str(err.value)
+    assert re.search(r"makes a tensor whose size depends on values computed in the call at "
+                     r"test_pytorch_extract\.py:\d+ \(`for e in hit:  # the experts hit`\) "
+                     r"in '1' \(a _Experts\)", message), message
+    assert "neither torch.export nor torch.fx" in message and "\n" not in message
+    assert "without the input" not in message
+
+
 # ------------------------------------------------------------------ constant attention masks
 class Attention(nn.Module):
     """Self-attention layers given a mask built from shapes only (as HF builds it in export).

@@ -468,7 +468,7 @@ def _extract_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
                                field="extract")
     check_module_hooks(module)
     errors = []
-    branch, intermediate, again, owner = None, False, "", None
+    branch, intermediate, again, owner, size = None, False, "", None, False
     if method in ("auto", "export"):
         try:
             return _export_program(module, args, kwargs)
@@ -484,6 +484,7 @@ def _extract_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
             owner = _known_module(module, getattr(exc, "owner", None)) or failed_in(exc, module)
             intermediate = isinstance(exc, IntermediateBranch)
             again = _real_values_failure(exc)
+            size = bool(getattr(exc, "data_dependent_size", False))
     if method in ("auto", "fx"):
         try:
             return _fx_program(module, args, kwargs)
@@ -494,6 +495,9 @@ def _extract_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
     hint = _part_hint(module, owner, (args, kwargs))
     if branch is not None:
         tried = " nor ".join(e.split(":")[0] for e in errors)
+        if size:
+            raise OptmemInputError(_size_message(module, branch, tried, owner, hint),
+                                   field="module")
         if intermediate:
             raise OptmemInputError(_intermediate_message(module, branch, tried, owner, hint),
                                    field="module")
@@ -686,6 +690,24 @@ def _intermediate_message(module: nn.Module, where: str, tried: str,
             f"in a graph.{random_config(module)} Otherwise "
             f"{hint}pass an nn.Sequential of its blocks or a list of "
             "stage modules instead")
+
+
+def _size_message(module: nn.Module, where: str, tried: str, owner: str | None,
+                  hint: str) -> str:
+    """Why a size that depends on computed values stops extraction, and what to do.
+
+    The export failed on a data-dependent guard, and again with the sample's values: the
+    guard is on a size no input value fixes (``nonzero``, boolean indexing, ``tolist``, a
+    loop over such a tensor: the experts a router picked).
+    """
+    neither = "neither " if " nor " in tried else ""
+    return (f"cannot extract a chain from {type(module).__name__}: its forward makes a "
+            f"tensor whose size depends on values computed in the call at {where}"
+            f"{_failed_at(module, owner)} (torch.nonzero, boolean indexing, .tolist(), or a "
+            "loop over such a tensor, e.g. over the experts a router picked), which changes "
+            f"from step to step and which {neither}{tried} can hold in a graph, even with "
+            f"the sample's values.{random_config(module)} Otherwise "
+            f"{hint}pass an nn.Sequential of its blocks or a list of stage modules instead")
 
 
 _UNKNOWN_OUTPUT = re.compile(r"Found <class '([^']+)'> in output, which is not a known type")
@@ -936,8 +958,25 @@ def _export(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
             raise
         except Exception as again:  # noqa: BLE001 - the first failure says what the model does
             exc.add_note(f"{_REAL_VALUES_NOTE}{_first_line(again).split(' tensor([')[0]}")
+            # still a data-dependent guard with the sample's values: a size (nonzero, a
+            # boolean mask, tolist) that no value of the call fixes
+            exc.data_dependent_size = _size_failure(again)  # type: ignore[attr-defined]
             raise exc from None
         return ep
+
+
+def _size_failure(exc: BaseException) -> bool:
+    """Whether the export with the sample's values failed on a data-dependent size.
+
+    A guard on a size still unknown (``GuardOnDataDependentSymNode``), or real-tensor
+    propagation finding another size than the fake one (``MetadataMismatchError``: "size
+    mismatch between fake shape ... and real shape").
+    """
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    return isinstance(exc, GuardOnDataDependentSymNode) or (
+        type(exc).__name__ == "MetadataMismatchError"
+        and "size mismatch between fake shape" in str(exc))
 
 
 def export_dynamic(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
