@@ -491,20 +491,53 @@ def long_lived(order: list[fx.Node], kinds: dict[fx.Node, str],
     ``encoder_last_hidden_state``, hidden states with ``output_hidden_states=True``).
     With such a value no single tensor crosses between two later layers, and the whole
     decoder is one stage; carried beside the boundaries, it lets every layer be cut.
-    Layers are read from export's module stacks (``torch.fx`` graphs have none).
+    Layers are read from export's module stacks (``torch.fx`` graphs have none). A view
+    made outside the layers reads for the layers that read it (Gemma 4's per-layer inputs,
+    one tensor sliced per layer in the text model's loop: ``per_layer_inputs[:, :, i]``).
     """
     out: set[fx.Node] = set()
     for node in order:
         if kinds.get(node) != CHAIN or node.op == "placeholder" or not _is_tensor_value(node):
             continue
         own = _layer(node)
-        readers = {_layer(u) for u in node.users if kinds.get(u) == CHAIN} - {own, None}
-        if len(readers) >= 2:
+        if len(_reader_layers(node, own, kinds) - {own, None}) >= 2:
             out.add(node)
     feeds = set().union(*(_ancestors(o, kinds) for o in outputs))  # each output once
     out |= {node for node in outputs
             if node in feeds and node.op != "placeholder" and _is_tensor_value(node)}
     return out
+
+
+def _reader_layers(node: fx.Node, own: str | None, kinds: dict[fx.Node, str]) -> set[str | None]:
+    """The layers whose chain ops read ``node``, directly or through views of it made in
+    ``own``'s scope (``x[:, :, i]`` before calling layer ``i``).
+
+    Empty when the one chain op reading ``node`` is such a view (``linear(...).reshape``):
+    the view is the value to carry, not its base.
+    """
+    users = [u for u in node.users if kinds.get(u) == CHAIN]
+    if len(users) == 1 and _view_outside(users[0], node, own):
+        return set()
+    layers: set[str | None] = set()
+    seen: set[fx.Node] = set()
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if kinds.get(u) != CHAIN or u in seen:
+                continue
+            seen.add(u)
+            if _view_outside(u, n, own):
+                stack.append(u)  # who reads the view
+            else:
+                layers.add(_layer(u))
+    return layers
+
+
+def _view_outside(u: fx.Node, n: fx.Node, own: str | None) -> bool:
+    """Whether ``u`` is a view of ``n`` made in ``own``'s scope (outside the layers)."""
+    return (_layer(u) in (own, None) and bool(u.args) and u.args[0] is n
+            and _alias_root(u) is _alias_root(n))
 
 
 def _ancestors(node: fx.Node, kinds: dict[fx.Node, str]) -> set[fx.Node]:
