@@ -509,11 +509,11 @@ def long_lived(order: list[fx.Node], kinds: dict[fx.Node, str],
 
 
 def _reader_layers(node: fx.Node, own: str | None, kinds: dict[fx.Node, str]) -> set[str | None]:
-    """The layers whose chain ops read ``node``, directly or through views of it made in
-    ``own``'s scope (``x[:, :, i]`` before calling layer ``i``).
+    """The layers whose chain ops read ``node``, directly or through views.
 
-    Empty when the one chain op reading ``node`` is such a view (``linear(...).reshape``):
-    the view is the value to carry, not its base.
+    Views of it made in ``own``'s scope (``x[:, :, i]`` before calling layer ``i``) are
+    followed to who reads them. Empty when the one chain op reading ``node`` is such a
+    view (``linear(...).reshape``): the view is the value to carry, not its base.
     """
     users = [u for u in node.users if kinds.get(u) == CHAIN]
     if len(users) == 1 and _view_outside(users[0], node, own):
