@@ -355,6 +355,91 @@ def test_a_loop_over_the_experts_a_router_picked_is_named_as_such():
     assert "without the input" not in message
 
 
+class _DeadEndDropout(nn.Module):
+    """A branch whose dropped-out value is never used, after a dropout that is (HF
+    Pegasus-X's last encoder layer computes its global-token branch, then drops it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l0, self.lg, self.l1, self.l2, self.l3 = (nn.Linear(16, 16) for _ in range(5))
+
+    def forward(self, x):
+        h = self.l0(x)
+        g = self.lg(h)  # the branch whose result is dropped
+        h = torch.tanh(self.l2(torch.tanh(self.l1(h))))
+        h = nn.functional.dropout(h, 0.5, self.training)  # draw 1, used
+        nn.functional.dropout(g, 0.5, self.training)  # draw 2, a dead end
+        return torch.tanh(self.l3(h)).sum()
+
+
+@pytest.mark.parametrize("limit", ["100%", "min"])
+def test_a_dead_end_dropout_draws_in_the_models_order(limit):
+    """A dead end goes with its latest chain input, so the unused dropout ran in the stage
+    of ``l0`` (before draw 1) and took draw 1's random numbers: every mask after it
+    differed (Pegasus-X: 3.1e-5 in its logits, at every limit). The stages between the two
+    draws are now one."""
+    import optmem.pytorch as op
+
+    torch.manual_seed(0)
+    model = _DeadEndDropout().train()
+    x = torch.randn(8, 16)
+    cmodel = op.checkpoint(model, x, memory_limit=limit, repeats=1, warmup=0,
+                           fast_path=False)
+    assert cmodel.chain.length >= 3
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        ref = model(x)
+        grads = torch.autograd.grad(ref, list(model.parameters()), allow_unused=True)
+        torch.manual_seed(seed)
+        got = cmodel(x)
+        assert torch.equal(got, ref)
+        for a, b in zip(torch.autograd.grad(got, list(model.parameters()), allow_unused=True),
+                        grads, strict=True):
+            assert (a is None and b is None) or torch.equal(a, b)
+
+
+class _CopiedLayerDrop(nn.Module):
+    """LayerDrop as HF M2M100 and NLLB write it: the encoder copies ``layerdrop`` from the
+    config when built, so setting ``model.config.encoder_layerdrop`` later changes nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from types import SimpleNamespace
+
+        self.config = SimpleNamespace(encoder_layerdrop=0.1)
+        self.enc = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.enc.layerdrop = self.config.encoder_layerdrop
+
+    def forward(self, x):
+        for layer in self.enc:
+            if self.training and self.enc.layerdrop > 0.0:  # noqa: SIM102 - as HF writes it
+                if torch.rand([]) < self.enc.layerdrop:
+                    continue  # skip the layer
+            x = torch.tanh(layer(x))
+        return x.sum()
+
+
+def test_a_layerdrop_the_module_copied_is_named_with_the_config_field():
+    """Before: "set model.config.encoder_layerdrop = 0.0", which left the copy at 0.1 and the
+    same refusal, now without advice (HF M2M100). And the ``torch.fx`` fallback no longer
+    keeps the draw it made while tracing: this model was "extracted" by fx with the layers
+    that draw skipped or kept for good (``torch.rand([])`` on no traced value runs at
+    trace time)."""
+    import optmem.pytorch as op
+
+    model = _CopiedLayerDrop().train()
+    x = torch.randn(4, 8)
+    with pytest.raises(OptmemInputError) as err:
+        op.checkpoint(model, x, memory_limit="100%", repeats=1, warmup=0)
+    message = str(err.value)
+    assert "model.config.encoder_layerdrop = 0.0; model.enc.layerdrop = 0.0" in message
+    model.config.encoder_layerdrop = 0.0  # the config alone: the copy is still named
+    with pytest.raises(OptmemInputError, match=r"set model\.enc\.layerdrop = 0\.0 before"):
+        op.checkpoint(model, x, memory_limit="100%", repeats=1, warmup=0)
+    model.enc.layerdrop = 0.0
+    assert op.checkpoint(model, x, memory_limit="100%", repeats=1, warmup=0).chain.length > 1
+
+
 # ------------------------------------------------------------------ constant attention masks
 class Attention(nn.Module):
     """Self-attention layers given a mask built from shapes only (as HF builds it in export).

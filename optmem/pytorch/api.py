@@ -37,6 +37,7 @@ from optmem.pytorch.wrapper import (
     is_plain_chain,
     leaves_no_trace,
     solved_limit,
+    traced_side_inputs,
 )
 from optmem.result import Result
 from optmem.units import parse_size
@@ -479,7 +480,7 @@ def profile_chain(module: nn.Module | Sequence[nn.Module | Stage], sample: Any, 
                                   groups=stage_groups(len(stages), max_stages, None, stages))
         profile = ProfileOptions(**{"repeats": 5, **options, "extract": extract})
         chain = profile_stage_chain(stages, ext.chain_input(flat), profile, name,
-                                    ext.side_inputs(flat), loss_fn=loss_fn)
+                                    traced_side_inputs(ext, flat), loss_fn=loss_fn)
     # with loss_fn the chain ends at the loss, whose input need not be the model's output
     measure = None if loss_fn is not None else plain_measure(module, args, kw, profile)
     return with_plain_peak(chain, None if measure is None else measure())

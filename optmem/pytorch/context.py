@@ -43,10 +43,13 @@ __all__ = ["SideInputs", "current_side_inputs", "current_side_inputs_or_none", "
 class SideInputs(Mapping[str, Any]):
     """The side inputs of one call, by name (read-only mapping)."""
 
-    __slots__ = ("_values",)
+    __slots__ = ("_values", "peak_bytes")
 
     def __init__(self, values: Mapping[str, Any]) -> None:
         self._values = dict(values)
+        #: the peak of the storages their computation made (temporaries included), when
+        #: measured (:func:`optmem.pytorch.wrapper.traced_side_inputs`), else ``None``
+        self.peak_bytes: int | None = None
 
     def __getitem__(self, name: str) -> Any:
         return self._values[name]

@@ -495,11 +495,12 @@ def _extract_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
     hint = _part_hint(module, owner, (args, kwargs))
     if branch is not None:
         tried = " nor ".join(e.split(":")[0] for e in errors)
+        # a random draw first (NLLB-MoE's LayerDrop, then its experts' loop): say that
+        if intermediate or (size and random_config(module)):
+            raise OptmemInputError(_intermediate_message(module, branch, tried, owner, hint),
+                                   field="module")
         if size:
             raise OptmemInputError(_size_message(module, branch, tried, owner, hint),
-                                   field="module")
-        if intermediate:
-            raise OptmemInputError(_intermediate_message(module, branch, tried, owner, hint),
                                    field="module")
         why = (f" (exported again with the sample's values, to take its side, the export "
                f"failed further on: {again})") if again else ""
@@ -687,9 +688,7 @@ def _intermediate_message(module: nn.Module, where: str, tried: str,
             f"the value of an intermediate tensor at {where}{_failed_at(module, owner)}, a "
             "value computed inside the forward (a router's choice, LayerDrop's random draw), "
             f"which may take another side at every step and which {neither}{tried} can hold "
-            f"in a graph.{random_config(module)} Otherwise "
-            f"{hint}pass an nn.Sequential of its blocks or a list of "
-            "stage modules instead")
+            f"in a graph.{_what_to_do(module, hint)}")
 
 
 def _size_message(module: nn.Module, where: str, tried: str, owner: str | None,
@@ -706,8 +705,20 @@ def _size_message(module: nn.Module, where: str, tried: str, owner: str | None,
             f"{_failed_at(module, owner)} (torch.nonzero, boolean indexing, .tolist(), or a "
             "loop over such a tensor, e.g. over the experts a router picked), which changes "
             f"from step to step and which {neither}{tried} can hold in a graph, even with "
-            f"the sample's values.{random_config(module)} Otherwise "
-            f"{hint}pass an nn.Sequential of its blocks or a list of stage modules instead")
+            f"the sample's values.{_what_to_do(module, hint)}")
+
+
+def _what_to_do(module: nn.Module, hint: str) -> str:
+    """The advice closing :func:`_intermediate_message` and :func:`_size_message`.
+
+    The config fields that draw at random first (:func:`random_config`), then the generic
+    advice; a part to plan alone (``hint``) only without them (the part has the same
+    config: M2M100's decoder has its own LayerDrop).
+    """
+    config = random_config(module)
+    rest = f"{'' if config else hint}pass an nn.Sequential of its blocks or a list of " \
+        "stage modules instead"
+    return f"{config} Otherwise {rest}" if config else f" Instead, {rest}"
 
 
 _UNKNOWN_OUTPUT = re.compile(r"Found <class '([^']+)'> in output, which is not a known type")
@@ -968,13 +979,15 @@ def _export(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
 def _size_failure(exc: BaseException) -> bool:
     """Whether the export with the sample's values failed on a data-dependent size.
 
-    A guard on a size still unknown (``GuardOnDataDependentSymNode``), or real-tensor
+    A guard on a size still unknown (``GuardOnDataDependentSymNode``), an op whose output
+    size is such a symbol (``PendingUnbackedSymbolNotFound``: HF NLLB-MoE), or real-tensor
     propagation finding another size than the fake one (``MetadataMismatchError``: "size
     mismatch between fake shape ... and real shape").
     """
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
     return isinstance(exc, GuardOnDataDependentSymNode) or (
+        type(exc).__name__ == "PendingUnbackedSymbolNotFound") or (
         type(exc).__name__ == "MetadataMismatchError"
         and "size mismatch between fake shape" in str(exc))
 
@@ -1089,7 +1102,13 @@ class _SizeGuard:
 def _fx_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Extraction:
     from torch.fx.passes.shape_prop import ShapeProp
 
+    before = torch.random.get_rng_state()
     gm = _symbolic_trace(module)
+    if not torch.equal(before, torch.random.get_rng_state()):
+        torch.random.set_rng_state(before)
+        raise RuntimeError(
+            "torch's RNG drew while tracing: a random op on no traced value (LayerDrop's "
+            "torch.rand([])) runs once at trace time, and the graph would keep its value")
     signature = inspect.signature(module.forward)
     names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     bound = signature.bind(*args, **kwargs)

@@ -442,7 +442,7 @@ def _cut_carrying(gm: fx.GraphModule, order: list[fx.Node], kinds: dict[fx.Node,
     bounds = _drop_returned_tail(bounds, outputs)
     stages = _assign(order, kinds, bounds, useful, position)
     while True:
-        bad = _unavailable(stages, bounds, kinds, carried)
+        bad = _unavailable(stages, bounds, kinds, carried) or _reordered_draws(stages, gm)
         if bad is None:
             break
         first, last = bad  # merge stages first..last: drop the boundaries between them
@@ -637,6 +637,26 @@ def _unavailable(stages: list[list[fx.Node]], bounds: list[fx.Node],
                 t = stage_of[arg]
                 if t < s and not (t == s - 1 and bounds[s - 1] is arg):
                     return t, s
+    return None
+
+
+def _reordered_draws(stages: list[list[fx.Node]], gm: fx.GraphModule) -> tuple[int, int] | None:
+    """A pair of stages to merge because their random ops would draw out of order, or None.
+
+    A dead end goes with its latest chain input (:func:`_assign`): a dropout whose value
+    is never used (Pegasus-X's last encoder layer drops its global-token branch) then runs
+    in an earlier stage than a random op before it in the model, and takes the random
+    numbers meant for that one. Merging the stages from the dead end's to the other's keeps
+    every draw in the model's order.
+    """
+    draws = [(s, n) for s, nodes in enumerate(stages) for n in nodes if _is_random(n, gm)]
+    position = {n: k for k, n in enumerate(gm.graph.nodes)}
+    draws.sort(key=lambda d: position[d[1]])
+    latest = -1
+    for s, _ in draws:
+        if s < latest:
+            return s, latest
+        latest = max(latest, s)
     return None
 
 

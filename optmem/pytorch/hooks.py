@@ -203,7 +203,8 @@ def random_config(module: nn.Module | None) -> str:
     LayerDrop (``layerdrop``, a branch on ``torch.rand`` skipping whole layers) and
     SpecAugment's masks (``mask_time_prob``, ``mask_feature_prob``, drawn with NumPy) change
     the computed graph from step to step, so no extracted graph can hold them; HF reads these
-    fields at every call, so setting them to 0 on ``model.config`` is enough. Time masks
+    fields at every call, so setting them to 0 on ``model.config`` is enough, except where
+    a submodule copied ``layerdrop`` when built (M2M100, NLLB): that copy is named too. Time masks
     drawn outside and passed as ``mask_time_indices`` are an input like any other.
 
     Examples
@@ -221,16 +222,31 @@ def random_config(module: nn.Module | None) -> str:
     found = [(key, value) for key in _RANDOM_KNOBS
              if isinstance(value := getattr(config, key, None), int | float)
              and not isinstance(value, bool) and value > 0]
-    if not found:
+    copies = _layerdrop_copies(module) if module is not None else []
+    if not found and not copies:
         return ""
-    named = ", ".join(f"{key}={value} ({_RANDOM_KNOBS[key]})" for key, value in found)
-    fix = "; ".join(f"model.config.{key} = 0.0" for key, _ in found)
+    named = ", ".join([f"{key}={value} ({_RANDOM_KNOBS[key]})" for key, value in found]
+                      + [f"model.{name}.layerdrop={value} (LayerDrop, copied when built)"
+                         for name, value in copies])
+    fix = "; ".join([f"model.config.{key} = 0.0" for key, _ in found]
+                    + [f"model.{name}.layerdrop = 0.0" for name, _ in copies])
     keep = (" To keep SpecAugment's time masks, draw them outside the model and pass them "
             "as mask_time_indices= (transformers' _compute_mask_indices): they are then "
             "an input, new at every call" if any(k == "mask_time_prob" for k, _ in found)
             else "")
     return (f" Its config draws at random in training: {named}; set {fix} before "
             f"wrapping.{keep}")
+
+
+def _layerdrop_copies(module: nn.Module) -> list[tuple[str, float]]:
+    """Submodules holding their own ``layerdrop`` above 0, with its value.
+
+    Copied from the config when built (M2M100's and NLLB's encoder and decoder): the
+    config no longer drives them.
+    """
+    return [(name, value) for name, sub in module.named_modules() if name
+            and isinstance(value := getattr(sub, "layerdrop", None), int | float)
+            and not isinstance(value, bool) and value > 0]
 
 
 @contextmanager

@@ -393,7 +393,7 @@ def plan_allowance(chain: Chain, plan: Sequence[Any], stages: Sequence[Any] = ()
     """Bytes a real step may hold beyond the plan's simulated peak (tensor level).
 
     The chain model frees a value at the op that consumes it; a training step through
-    :class:`~optmem.pytorch.execute.CheckpointedChain` holds three things longer, and
+    :class:`~optmem.pytorch.execute.CheckpointedChain` holds these things longer, and
     nothing else (``docs/pytorch.md``, "What memory_limit counts"):
 
     * the gradient of the value where the plan hands over to autograd: autograd keeps a
@@ -412,6 +412,15 @@ def plan_allowance(chain: Chain, plan: Sequence[Any], stages: Sequence[Any] = ()
     * the last stage's outputs that alias its input (``chain.extra["profile"]
       ["output_left_out"]``, left out of its ``output_size``), when the plan runs that stage
       with ``F_none``, which frees ``a^{L-1}`` in the model while ``a^L`` still holds it.
+
+    And one thing the chain model does not count at all, by design: the side inputs
+    (masks, position tables, the targets: computed once per call without gradients, read
+    by the stages, alive through the step), with the temporaries of their computation,
+    which runs before the chain: ``chain.extra["side_input_peak"]`` (the storages that
+    computation made at their peak; ``side_input_bytes``, the side inputs alone, for a
+    chain profiled before stop 41). Until stop 41 they were left out, and a model with
+    large ones (Gemma 4's rotary tables for its 512-wide global heads) exceeded the bound
+    by about their size.
 
     Parameters
     ----------
@@ -456,7 +465,9 @@ def plan_allowance(chain: Chain, plan: Sequence[Any], stages: Sequence[Any] = ()
     aliases = (chain.extra or {}).get("profile", {}).get("output_left_out") or ()
     passed = sum(int(aliases[op.stage - 1]) for op in set(ops)
                  if op.kind is OpKind.F_NONE and op.stage <= len(aliases))
-    return held + LOSS_SCALARS + buffers + passed + tied
+    extra = chain.extra or {}
+    side = int(extra.get("side_input_peak", extra.get("side_input_bytes", 0)))
+    return held + LOSS_SCALARS + buffers + passed + tied + side
 
 
 def _shared_parameters(modules: Sequence[Any]) -> list[torch.Tensor]:

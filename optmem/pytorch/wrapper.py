@@ -1423,11 +1423,27 @@ def _extract_variant(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
         if ext is None:
             ext = extract_program(module, args, kwargs, method=profile.extract)
         flat = ext.flatten(args, kwargs)
-        ctx = ext.side_inputs(flat)
+        ctx = traced_side_inputs(ext, flat)
         return _make_variant(ext, ext.stages, ext.chain_input(flat), planner, profile,
                              chain, name, ctx=ctx, like=like,
                              plain=plain_measure(module, args, kwargs, profile), solve=solve,
                              local=local)
+
+
+def traced_side_inputs(ext: Extraction, flat: Sequence[Any]) -> SideInputs:
+    """The side inputs of a call, with the peak of the storages computing them made.
+
+    The side program runs once per call, before the chain, and its temporaries (an
+    ``arange`` before its ``sin``) may peak above the side inputs it leaves:
+    ``peak_bytes`` goes to the chain (``extra["side_input_peak"]``) and to the bound's
+    allowance (:func:`~optmem.pytorch.memory.plan_allowance`).
+    """
+    from optmem.pytorch.memory import StorageTrace
+
+    with StorageTrace() as trace:
+        ctx = ext.side_inputs(flat)
+    ctx.peak_bytes = trace.peak()
+    return ctx
 
 
 def _make_variant(ext: Extraction | None, fine: list[Stage], x: Any, planner: Planner,
@@ -1642,6 +1658,7 @@ def profile_stage_chain(stages: Sequence[Stage], x: Any, profile: ProfileOptions
     side = sum(_storage_bytes(ctx.values()))
     extra = dict(chain.extra or {})
     extra["side_input_bytes"] = side
+    extra["side_input_peak"] = max(side, ctx.peak_bytes or 0)
     return dataclasses.replace(chain, extra=extra)
 
 
