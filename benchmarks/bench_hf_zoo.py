@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from hf_helpers import step  # noqa: E402
-from test_hf_zoo import ROUNDING, SUMMED, ZOO  # noqa: E402
+from test_hf_zoo import ROUNDING, ZOO  # noqa: E402
 
 import optmem.pytorch as op  # noqa: E402
 from optmem.pytorch.memory import measure_training_peak, plan_allowance  # noqa: E402
@@ -61,8 +61,7 @@ def row(name: str) -> str:
     allowance = plan_allowance(chain, cmodel.result.plan, list(cmodel.stages))
     real = peak(cmodel)
     same = _same(step(cmodel, model, kwargs, seed=5), step(model, model, kwargs, seed=5))
-    why = (f" ({name}: see test_hf_zoo.ROUNDING)" if name in ROUNDING
-           else f" ({name}: see test_hf_zoo.SUMMED)" if name in SUMMED else "")
+    why = f" ({name}: see test_hf_zoo.ROUNDING)" if name in ROUNDING else ""
     return (f"| {name} | {chain.length} | {plain / KiB:.1f} | {chain.store_all_peak() / KiB:.1f}"
             f" | {limit / KiB:.1f} | {cmodel.expected_peak_bytes / KiB:.1f} | {real / KiB:.1f}"
             f" | {allowance / KiB:.1f} | {'yes' if real <= limit + allowance else 'NO'}"
