@@ -106,7 +106,7 @@ def test_only_masks_that_require_grad_in_training_are_routed(extra_requires_grad
     x = torch.randn(1, HEADS, SEQ, DIM // HEADS)
     extra = torch.randn(SEQ, SEQ)
     gm = torch.export.export(_Masks(), (x, extra), strict=False).module()
-    changed = masks_as_in_training(gm, [False, extra_requires_grad])
+    changed = masks_as_in_training(gm, [x, extra.detach().requires_grad_(extra_requires_grad)])
     assert changed == 1 + extra_requires_grad
     routed = [n for n in gm.graph.nodes if n.target is as_in_training]
     assert len(routed) == changed

@@ -39,12 +39,14 @@ in 13 of a GQA Llama's gradients), and no copy of the repeated heads kept for th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import fx
 
 from optmem.pytorch.branches import target_name
+from optmem.pytorch.graphcut import attribute_of
 
 __all__ = ["as_in_training", "elide_constant_masks", "masks_as_in_training"]
 
@@ -225,7 +227,7 @@ def as_in_training(mask: torch.Tensor) -> torch.Tensor:
     return mask.detach().requires_grad_()
 
 
-def masks_as_in_training(gm: fx.GraphModule, inputs_require_grad: list[bool]) -> int:
+def masks_as_in_training(gm: fx.GraphModule, inputs: Sequence[Any]) -> int:
     """Route each SDPA mask that requires grad in training through :func:`as_in_training`.
 
     Parameters
@@ -234,15 +236,17 @@ def masks_as_in_training(gm: fx.GraphModule, inputs_require_grad: list[bool]) ->
         An exported graph (``ExportedProgram.module()``) or a ``torch.fx`` trace (after
         ``ShapeProp``): parameters as ``get_attr`` (or inside ``call_module``), the flat
         user inputs as placeholders. Changed in place.
-    inputs_require_grad : list of bool
-        Whether each flat user input requires grad (the sample's).
+    inputs : sequence
+        The flat user inputs of the sample, one per placeholder: whether each requires grad
+        is read from them.
 
     Returns
     -------
     int
         The number of SDPA calls changed.
     """
-    carried = _requires_grad_in_training(gm, inputs_require_grad)
+    carried = _requires_grad_in_training(
+        gm, [isinstance(v, torch.Tensor) and v.requires_grad for v in inputs])
     changed = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in _SDPA_CALLS:
@@ -277,7 +281,7 @@ def _requires_grad_in_training(gm: fx.GraphModule, inputs: list[bool]) -> set[fx
             if next(placeholders, False):
                 carried.add(node)
         elif node.op == "get_attr":
-            value = _attr_value(gm, str(node.target))
+            value = attribute_of(gm, str(node.target))
             if isinstance(value, torch.Tensor) and value.requires_grad:
                 carried.add(node)
         elif node.target is torch._C._set_grad_enabled:
@@ -302,14 +306,6 @@ def _grad_flows(node: fx.Node, carried: set[fx.Node], enabled: bool,
         owned = gm.get_submodule(str(node.target)).parameters()
         return any(p.requires_grad for p in owned)
     return False
-
-
-def _attr_value(gm: fx.GraphModule, target: str) -> Any:
-    owner, _, name = target.rpartition(".")
-    try:
-        return getattr(gm.get_submodule(owner) if owner else gm, name)
-    except AttributeError:
-        return None
 
 
 def _floating(meta: dict[str, Any]) -> bool:

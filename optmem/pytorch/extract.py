@@ -916,7 +916,7 @@ def _export_program(module: nn.Module, args: tuple[Any, ...],
     restore_functions(gm)
     elide_constant_masks(gm)
     flat = list(fx_pytree.tree_flatten_spec((args, kwargs), ep.call_spec.in_spec))
-    masks_as_in_training(gm, [isinstance(v, torch.Tensor) and v.requires_grad for v in flat])
+    masks_as_in_training(gm, flat)
     ext = _program(gm, module, flat, method="export", in_spec=ep.call_spec.in_spec,
                    out_spec=ep.call_spec.out_spec, signature=None)
     ext.value_branches = tuple(value_branches(gm))
@@ -1116,7 +1116,7 @@ def _fx_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     flat = [bound.arguments[n] for n in names]
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         ShapeProp(gm).propagate(*flat)
-    masks_as_in_training(gm, [isinstance(v, torch.Tensor) and v.requires_grad for v in flat])
+    masks_as_in_training(gm, flat)
     return _program(gm, module, flat, method="fx", in_spec=None, out_spec=None,
                     signature=signature)
 

@@ -68,7 +68,8 @@ def _module(root: nn.Module, node: fx.Node) -> nn.Module:
     return root.get_submodule(str(node.target))
 
 
-def _attr(root: nn.Module, target: str) -> Any:
+def attribute_of(root: nn.Module, target: str) -> Any:
+    """The attribute a ``get_attr`` node's ``target`` names (``"layers.0.weight"``)."""
     owner, _, name = target.rpartition(".")
     return getattr(root.get_submodule(owner) if owner else root, name)
 
@@ -321,7 +322,7 @@ def _needs_chain(node: fx.Node, gm: fx.GraphModule, kinds: dict[fx.Node, str]) -
         kind = kinds.get(arg)
         if kind == CHAIN:
             return True
-        if kind == STATE and isinstance(_attr(gm, str(arg.target)), nn.Parameter):
+        if kind == STATE and isinstance(attribute_of(gm, str(arg.target)), nn.Parameter):
             return True
     if node.op == "call_module":
         mod = _module(gm, node)
@@ -441,8 +442,9 @@ def _cut_carrying(gm: fx.GraphModule, order: list[fx.Node], kinds: dict[fx.Node,
                                         writes.get(_alias_root(d, through_dropouts=True), ()))])
     bounds = _drop_returned_tail(bounds, outputs)
     stages = _assign(order, kinds, bounds, useful, position)
+    draws = [n for n in order if kinds.get(n) == CHAIN and _is_random(n, gm)]  # model order
     while True:
-        bad = _unavailable(stages, bounds, kinds, carried) or _reordered_draws(stages, gm)
+        bad = _unavailable(stages, bounds, kinds, carried) or _reordered_draws(stages, draws)
         if bad is None:
             break
         first, last = bad  # merge stages first..last: drop the boundaries between them
@@ -640,20 +642,20 @@ def _unavailable(stages: list[list[fx.Node]], bounds: list[fx.Node],
     return None
 
 
-def _reordered_draws(stages: list[list[fx.Node]], gm: fx.GraphModule) -> tuple[int, int] | None:
+def _reordered_draws(stages: list[list[fx.Node]],
+                     draws: list[fx.Node]) -> tuple[int, int] | None:
     """A pair of stages to merge because their random ops would draw out of order, or None.
 
-    A dead end goes with its latest chain input (:func:`_assign`): a dropout whose value
-    is never used (Pegasus-X's last encoder layer drops its global-token branch) then runs
-    in an earlier stage than a random op before it in the model, and takes the random
-    numbers meant for that one. Merging the stages from the dead end's to the other's keeps
-    every draw in the model's order.
+    ``draws``: the chain's random ops, in the model's order. A dead end goes with its
+    latest chain input (:func:`_assign`): a dropout whose value is never used (Pegasus-X's
+    last encoder layer drops its global-token branch) then runs in an earlier stage than a
+    random op before it in the model, and takes the random numbers meant for that one.
+    Merging the stages from the dead end's to the other's keeps every draw in the model's
+    order.
     """
-    draws = [(s, n) for s, nodes in enumerate(stages) for n in nodes if _is_random(n, gm)]
-    position = {n: k for k, n in enumerate(gm.graph.nodes)}
-    draws.sort(key=lambda d: position[d[1]])
+    stage_of = {n: s for s, nodes in enumerate(stages) for n in nodes}
     latest = -1
-    for s, _ in draws:
+    for s in (stage_of[n] for n in draws if n in stage_of):
         if s < latest:
             return s, latest
         latest = max(latest, s)

@@ -36,7 +36,7 @@ import random
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 import torch
@@ -220,8 +220,7 @@ def random_config(module: nn.Module | None) -> str:
     if config is None or not getattr(module, "training", False):
         return ""
     found = [(key, value) for key in _RANDOM_KNOBS
-             if isinstance(value := getattr(config, key, None), int | float)
-             and not isinstance(value, bool) and value > 0]
+             if _draws(value := getattr(config, key, None))]
     copies = _layerdrop_copies(module) if module is not None else []
     if not found and not copies:
         return ""
@@ -244,9 +243,13 @@ def _layerdrop_copies(module: nn.Module) -> list[tuple[str, float]]:
     Copied from the config when built (M2M100's and NLLB's encoder and decoder): the
     config no longer drives them.
     """
-    return [(name, value) for name, sub in module.named_modules() if name
-            and isinstance(value := getattr(sub, "layerdrop", None), int | float)
-            and not isinstance(value, bool) and value > 0]
+    return [(name, value) for name, sub in module.named_modules()
+            if name and _draws(value := getattr(sub, "layerdrop", None))]
+
+
+def _draws(value: Any) -> TypeGuard[float]:
+    """Whether a probability setting is on: a number (not a bool) above 0."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
 
 
 @contextmanager
