@@ -32,15 +32,23 @@ Part 8 (climb, only with ``--parts climb``): the co-location climb alone on the 
 from the relaxation's bound below the best plan (``extra["colocate_order"]``: each order
 within ``--climb-cpu`` CPU seconds, 1 thread, seed 0): bound, refutations, no-goods.
 
-Every engine runs on 2 threads (part 8: 1). HiGHS nodes come from the engine; CP-SAT's branches are
-read from its own log (the engine adapter does not report them). Machine load is recorded
-(``uptime``) before each part: the machine is shared, wall times vary with it.
+Part 9 (lns, only with ``--parts lns``): the large-neighbourhood search
+(:mod:`optmem.solvers.pipeline_lns`) on the headline from MadPipe's plan, ``--lns-moves``
+moves of ``--lns-work`` deterministic seconds (1 worker, each seed of ``--lns-seeds``),
+against the full model on CP-SAT from the same warm start with the same deterministic
+budget (moves x work, 1 worker, same seed): the period after each budget, side by side.
+
+Every engine runs on 2 threads (parts 8 and 9: 1). HiGHS nodes come from the engine;
+CP-SAT's branches are read from its own log (the engine adapter does not report them).
+Machine load is recorded (``uptime``) before each part: the machine is shared, wall times
+vary with it.
 
 Usage::
 
     python benchmarks/bench_pipeline_exact.py [--quick] [--time-limit S] [--headline S]
-        [--parts pcmax profiles headline allocations strategies bounds probes climb]
+        [--parts pcmax profiles headline allocations strategies bounds probes climb lns]
         [--climb-cpu S] [--climb-orders ladder bisect]
+        [--lns-moves N] [--lns-work S] [--lns-seeds K ...]
         [--out benchmarks/results/pipeline_exact.md]
 """
 
@@ -74,8 +82,10 @@ from optmem.models.pipeline import (  # noqa: E402
     load_bound,
     make_units,
 )
+from optmem.pipeline_plan import PipelinePlan  # noqa: E402
 from optmem.problems.pipeline import PipelineProblem  # noqa: E402
 from optmem.result import Result, SolveOptions, Status  # noqa: E402
+from optmem.solvers import pipeline_lns  # noqa: E402
 from optmem.solvers.facade import solve  # noqa: E402
 from optmem.solvers.pipeline import min_memory_contiguous  # noqa: E402
 from optmem.solvers.pipeline_benders import CLIMB_ORDERS, Benders  # noqa: E402
@@ -504,6 +514,37 @@ def part_climb(budget: float, orders: tuple[str, ...], step: float = 0.01,
             *(f"* {t}" for t in trails)]
 
 
+def part_lns(moves: int, work: float, seeds: list[int]) -> list[str]:
+    """The search against the full model with the same deterministic budget, from MadPipe."""
+    problem = headline_problem(resolve_chain("resnet50-b32-224"))
+    start = solve(problem, "madpipe", options=SolveOptions(threads=1, seed=0))
+    plan = PipelinePlan.from_strings(start.plan)
+    rows = [f"From MadPipe's {start.objective:.2f}; {moves} moves x {work:g} deterministic s "
+            f"against the full model with {moves * work:g} deterministic s; 1 worker.", "",
+            "| seed | search: period | improvements (move: period) | CPU s | wall s | "
+            "full model: period | CPU s | wall s | full / search | load (start / end) |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for seed in seeds:
+        load = uptime()
+        cpu, wall = time.process_time(), time.perf_counter()
+        found = pipeline_lns.improve(problem, start.objective, plan, moves=moves, work=work,
+                                     seed=seed)
+        trail = [f"{m}: {p:.2f}" for m, p in zip(found.found_at, found.improvements,
+                                                   strict=True)]
+        cpu_s, wall_s = time.process_time() - cpu, time.perf_counter() - wall
+        cpu, wall = time.process_time(), time.perf_counter()
+        full = run_model(problem, "cpsat", SolveOptions(
+            threads=1, seed=seed, deterministic_time=moves * work), upper_bound=start.objective,
+            warm=plan)
+        full_period = full.plan.period if full.plan is not None else start.objective
+        rows.append(f"| {seed} | {found.period:.2f} | {'; '.join(trail) or '-'} | "
+                    f"{cpu_s:.0f} | {wall_s:.0f} | {full_period:.2f} | "
+                    f"{time.process_time() - cpu:.0f} | {time.perf_counter() - wall:.0f} | "
+                    f"{full_period / found.period:.3f} | {load} / {uptime()} |")
+        print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer instances, short limits")
@@ -514,7 +555,7 @@ def main() -> None:
     parser.add_argument("--gpus", nargs="+", type=int, default=[4])
     parser.add_argument("--parts", nargs="+",
                         choices=("pcmax", "profiles", "headline", "allocations",
-                                 "strategies", "bounds", "probes", "climb"),
+                                 "strategies", "bounds", "probes", "climb", "lns"),
                         default=["pcmax", "profiles", "headline", "allocations",
                                  "strategies"],
                         help="parts to run")
@@ -527,6 +568,11 @@ def main() -> None:
                         help="CPU seconds of each climb of part 8")
     parser.add_argument("--climb-orders", nargs="+", default=list(CLIMB_ORDERS),
                         choices=CLIMB_ORDERS, help="climb orders of part 8")
+    parser.add_argument("--lns-moves", type=int, default=40, help="moves of part 9")
+    parser.add_argument("--lns-work", type=float, default=10.0,
+                        help="deterministic seconds per move of part 9")
+    parser.add_argument("--lns-seeds", nargs="+", type=int, default=[0],
+                        help="seeds of part 9")
     parser.add_argument("--out", help="write the Markdown here")
     args = parser.parse_args()
     seeds = [0, 1, 2, 3, 4]
@@ -562,6 +608,10 @@ def main() -> None:
     if "probes" in args.parts:
         text += [f"## ResNet-50, 4 GPUs, 3 GiB, 12 GB/s: full-model probes (part 7, CP-SAT, "
                  f"{args.headline:g} s)", "", *part_probes(args.headline), ""]
+    if "lns" in args.parts:
+        text += ["## ResNet-50, 4 GPUs, 3 GiB, 12 GB/s: the large-neighbourhood search "
+                 "against the full model (part 9, CP-SAT, 1 worker)", "",
+                 *part_lns(args.lns_moves, args.lns_work, args.lns_seeds), ""]
     text += [f"Total wall time {time.perf_counter() - start:.0f} s; 2 threads per engine."]
     out = "\n".join(text) + "\n"
     print(out)

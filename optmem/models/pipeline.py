@@ -460,6 +460,12 @@ class PipelineFormulation:
         return _Encoder(self, gpu, times, period).run()
 
 
+def plan_gpus(units: Units, plan: PipelinePlan) -> tuple[int, ...] | None:
+    """GPU of each unit in ``plan``, labels by first use (``None``: a stage splits a unit)."""
+    layout = _plan_layout(units, plan)
+    return None if layout is None else tuple(layout[0])
+
+
 def _plan_layout(units: Units, plan: PipelinePlan
                  ) -> tuple[list[int], dict[Task, float]] | None:
     """GPU per unit (labels by first use) and pattern start of every task and transfer."""
@@ -621,6 +627,7 @@ def build_pipeline_model(
     gpu: Sequence[int] | None = None, upper_bound: float | None = None,
     lower_bound: float = 0.0, lifetime_cuts: bool = False,
     together: Sequence[Sequence[int]] = (),
+    same_gpu: Mapping[tuple[int, int], bool] | None = None,
 ) -> PipelineFormulation:
     """Build the model of the module docstring.
 
@@ -645,6 +652,11 @@ def build_pipeline_model(
         that co-locate each group (rows ``z(q, r) = 1`` for consecutive units of a group;
         "same GPU" is transitive, so the group is on one GPU). The decomposition's
         co-location no-goods (:mod:`optmem.solvers.pipeline_benders`) refute such models.
+    same_gpu
+        Unit pairs ``(q, r)`` (0-based) whose "same GPU" relation is fixed: rows
+        ``z(q, r) = 1`` (together) or ``0`` (apart). Also a restriction: the
+        large-neighbourhood search (:mod:`optmem.solvers.pipeline_lns`) keeps the
+        incumbent's relation between the units it does not free.
     """
     n = units.n
     if gpu is not None:
@@ -667,6 +679,10 @@ def build_pipeline_model(
             raise ValueError(f"together: units {members} outside 0..{n - 1}")
         for q, r in itertools.pairwise(members):
             model.add(form.same(q, r) == 1, f"together_{k}_{q}_{r}")
+    for (q, r), colocated in sorted((same_gpu or {}).items()):
+        if not (0 <= q < n and 0 <= r < n and q != r):
+            raise ValueError(f"same_gpu: pair {(q, r)} is not two units of 0..{n - 1}")
+        model.add(form.same(q, r) == int(colocated), f"same_{q}_{r}")
     if lifetime_cuts and _Builder(form).memory_binds():
         scale, _ = form.time_scale()
         _LifetimeCuts(form, math.ceil(form.upper * scale), scale).build()

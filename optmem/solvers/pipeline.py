@@ -39,7 +39,7 @@ MADPIPE_EXTRA = ("phase2", "madpipe_grid", "madpipe_iterations")
 """``SolveOptions.extra`` keys of ``madpipe``."""
 EXACT_EXTRA = ("warm_madpipe", "relaxation", "strategy", "trim_work", "isolate",
                "probe_step", "probe_work", "lifetime_cuts", "colocate_step", "colocate_work",
-               "colocate_order", *MADPIPE_EXTRA)
+               "colocate_order", "lns", "lns_work", *MADPIPE_EXTRA)
 """Keys of ``ilp``/``cpsat``: their own, and MadPipe's (its run gives their warm start)."""
 
 

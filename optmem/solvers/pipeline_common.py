@@ -21,7 +21,7 @@ durations not be exact on the grid, by the largest rounding along any cycle of t
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -139,6 +139,7 @@ def run_model(
     upper_bound: float | None = None, warm: PipelinePlan | None = None, lower: float = 0.0,
     feasibility: bool = False, lifetime_cuts: bool = False,
     together: Sequence[Sequence[int]] = (),
+    same_gpu: Mapping[tuple[int, int], bool] | None = None,
 ) -> ModelRun:
     """Build the model of ``units`` (default: the layers), solve it with ``method``.
 
@@ -163,7 +164,8 @@ def run_model(
                                 upper_bound=upper_bound,
                                 lower_bound=max(lower, lower_bound(problem))
                                 if gpu is None else lower,
-                                lifetime_cuts=lifetime_cuts, together=together)
+                                lifetime_cuts=lifetime_cuts, together=together,
+                                same_gpu=same_gpu)
     if feasibility:
         form.model.minimize(0)
     values = form.encode(warm) if warm is not None and options.warm_start else None

@@ -34,7 +34,11 @@ deterministic time of each of its refutations, default
 :data:`~optmem.solvers.pipeline_benders.COLOCATE_WORK`), ``extra["colocate_order"]``
 (``"ladder"``, the default: probes ``bound x (1 + step)`` upwards; ``"bisect"``: probes
 halfway between the bound and the lowest open probe, at least one step up:
-:meth:`~optmem.solvers.pipeline_benders.Benders.climb`).
+:meth:`~optmem.solvers.pipeline_benders.Benders.climb`), ``extra["lns"]`` and
+``extra["lns_work"]`` (the large-neighbourhood search of :mod:`optmem.solvers.pipeline_lns`
+after the relaxation and the probes: moves and CP-SAT deterministic seconds per move; by
+default 40 moves under a time limit on chains of at least 10 units, with
+:data:`~optmem.solvers.pipeline_lns.LNS_SHARE` of the time left, else none).
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from optmem.pipeline_plan import PipelinePlan
 from optmem.problems.pipeline import PipelineProblem
 from optmem.result import Result, SolveOptions, Status
 from optmem.solvers import pipeline_contiguous as contig
+from optmem.solvers import pipeline_lns as lns
 from optmem.solvers.options import flag
 from optmem.solvers.pipeline_benders import (
     CLIMB_ORDERS,
@@ -260,6 +265,7 @@ def solve_exact(problem: PipelineProblem, options: SolveOptions, method: str) ->
         raise OptmemInputError(f"isolate must be true or false, got "
                                f"{options.extra['isolate']!r}", field="isolate")
     probing = probe_settings(options)
+    search = lns.settings(options, make_units(problem).n)
     colocate_step, _, colocate_order = colocate_settings(options)
     flag(options, "warm_madpipe", True)
     flag(options, "relaxation", True)
@@ -283,6 +289,17 @@ def solve_exact(problem: PipelineProblem, options: SolveOptions, method: str) ->
         report.update(info)
         if probed is not None:
             starts = sorted([*starts, probed], key=lambda c: c[0])
+            best = starts[0]
+    if best is not None and search.moves and engines.is_available("cpsat") \
+            and not proven(best[0], relaxed):
+        left = None if limit is None else max(0.0, limit - (time.perf_counter() - start))
+        found = lns.improve(problem, best[0], best[1], moves=search.moves, work=search.work,
+                            seed=options.seed, bound=relaxed,
+                            deadline=None if left is None
+                            else time.perf_counter() + lns.LNS_SHARE * left)
+        report.update(found.report())
+        if found.improvements:
+            starts = sorted([*starts, (found.period, found.plan, "lns")], key=lambda c: c[0])
             best = starts[0]
     if best is not None and colocate_step is not None and engines.is_available("cpsat") \
             and not proven(best[0], relaxed):
