@@ -16,10 +16,12 @@ of it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError
@@ -170,7 +172,16 @@ _EXECUTOR_OPTIONS = {"checkpoint": ("preserve_rng_state", "restore_buffers", "st
 def build_planned(cls: type[PlannedModule], kind: str, module: Any, sample: Any,
                   memory_limit: int | str, method: str, bandwidth: float | str | None,
                   options: dict[str, Any]) -> Any:
-    """Split the options of a one-liner, then extract, profile, solve and wrap."""
+    """Split the options of a one-liner, then extract, profile, solve and wrap.
+
+    Under ``torch.inference_mode()`` it runs with inference mode off, on a copy of the
+    sample's inference tensors (:func:`outside_inference_mode`): profiling runs backwards.
+    """
+    refuse_inference_tensors(module)
+    if torch.is_inference_mode_enabled():
+        with torch.inference_mode(False):
+            return build_planned(cls, kind, module, outside_inference_mode(sample),
+                                 memory_limit, method, bandwidth, options)
     sample = graph_free(sample)  # its steps must not run into the caller's graph
     options = dict(options)
     chain = options.pop("chain", None)
@@ -204,6 +215,43 @@ def build_planned(cls: type[PlannedModule], kind: str, module: Any, sample: Any,
 
 
 _AUTOTUNE_OPTIONS = ("autotune", "autotune_timer", "autotune_rounds")
+
+
+def refuse_inference_tensors(module: Any) -> None:
+    """One clear error for a model whose parameters or buffers are inference tensors.
+
+    Tensors made under ``torch.inference_mode()`` (the model built or loaded there) cannot
+    be saved for a backward, nor updated outside it: the model cannot be trained.
+
+    Raises
+    ------
+    OptmemInputError
+        On the ``module`` field, naming the first such parameter or buffer.
+    """
+    parts = module if isinstance(module, Sequence) else [module]
+    for part in parts:
+        if not isinstance(part, nn.Module):
+            continue
+        for name, t in (*part.named_parameters(), *part.named_buffers()):
+            if t.is_inference():
+                raise OptmemInputError(
+                    f"{type(part).__name__}.{name} is an inference tensor (made under "
+                    "torch.inference_mode()), which autograd cannot train: build or load "
+                    "the model outside torch.inference_mode() before wrapping it",
+                    field="module")
+
+
+def outside_inference_mode(sample: Any) -> Any:
+    """``sample`` with each inference tensor copied into a normal one (call it outside).
+
+    A model wrapped under ``torch.inference_mode()`` is profiled with inference mode off
+    (its backward is measured): the sample's tensors made under inference mode cannot be
+    used there, their copies can.
+    """
+    if isinstance(sample, Mapping):  # a tokenizer's BatchEncoding: its tensors too
+        sample = dict(sample)
+    return tree_map_only(torch.Tensor, lambda t: t.clone() if t.is_inference() else t,
+                         sample)
 
 
 def _flag(value: Any, field: str) -> bool:

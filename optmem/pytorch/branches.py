@@ -14,6 +14,10 @@ so the wrapper can pick or extract a plan for the other side); a branch on an in
 value is refused at extraction (:class:`IntermediateBranch`).
 Shape assertions of dynamic sizes are not value assertions: optmem checks sizes before
 the call (``Extraction.accepts``) and drops them, as before.
+One value is not a branch but a number: a BatchNorm with ``momentum=None`` (a cumulative
+average) reads its counter ``num_batches_tracked`` as its factor, ``1 / n``, which export
+bakes in with an assertion ``n == 1`` that every later step fails.
+:func:`cumulative_batch_norms` reads the counter at run time instead, as the module does.
 """
 
 from __future__ import annotations
@@ -23,9 +27,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-from torch import fx
+from torch import fx, nn
 
-__all__ = ["BRANCH_MARK", "IntermediateBranch", "branch_location", "explain_value_asserts",
+__all__ = ["BRANCH_MARK", "IntermediateBranch", "batch_norm_cumulative",
+           "branch_location", "cumulative_batch_norms", "explain_value_asserts",
            "is_value_assert", "is_value_branch_error", "real_values", "target_name",
            "value_branches"]
 
@@ -148,3 +153,104 @@ def real_values() -> Iterator[None]:
 
     with functorch_config.patch(fake_tensor_propagate_real_tensors=True):
         yield
+
+
+# ------------------------------------------------------------------ BatchNorm(momentum=None)
+def batch_norm_cumulative(input: torch.Tensor, weight: torch.Tensor | None,
+                          bias: torch.Tensor | None, running_mean: torch.Tensor,
+                          running_var: torch.Tensor, training: bool,
+                          num_batches_tracked: torch.Tensor, eps: float,
+                          cudnn_enabled: bool) -> torch.Tensor:
+    """``aten.batch_norm`` with the factor of a cumulative average read from the counter.
+
+    What ``nn.BatchNorm*(momentum=None)`` computes in training: ``1 / n`` with ``n`` the
+    counter it has just incremented (the side program increments it before any stage).
+    """
+    factor = 1.0 / float(num_batches_tracked)
+    return torch.ops.aten.batch_norm.default(input, weight, bias, running_mean, running_var,
+                                             training, factor, eps, cudnn_enabled)
+
+
+def cumulative_batch_norms(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Make ``gm``'s BatchNorms with ``momentum=None`` read their counter at run time.
+
+    Export bakes the factor ``1 / num_batches_tracked`` of the sample's step into the
+    graph and asserts the counter's value, so that every later step takes "another side"
+    (and was extracted again). Each such ``aten.batch_norm`` of a module of ``model``
+    training with running statistics calls :func:`batch_norm_cumulative` on the counter,
+    and the assertions on the counter's value are dropped (the increment stays).
+    """
+    counters: set[fx.Node] = set()
+    for node in list(gm.graph.nodes):
+        counter = _cumulative_counter(gm, model, node)
+        if counter is None:
+            continue
+        args = list(node.args)
+        args[6] = counter
+        node.target = batch_norm_cumulative
+        node.args = tuple(args)
+        counters.add(counter)
+    if counters:
+        _drop_counter_asserts(gm, counters)
+        gm.recompile()
+
+
+def _cumulative_counter(gm: fx.GraphModule, model: nn.Module,
+                        node: fx.Node) -> fx.Node | None:
+    """The counter node of ``node``, an ``aten.batch_norm`` of a cumulative BatchNorm.
+
+    ``None`` for any other node, or when the running mean is not a buffer of a
+    ``_BatchNorm`` of ``model`` with ``momentum=None`` training with running statistics.
+    """
+    if node.op != "call_function" or node.target is not torch.ops.aten.batch_norm.default:
+        return None
+    mean = node.args[3]
+    if not isinstance(mean, fx.Node) or mean.op != "get_attr" or node.args[5] is not True:
+        return None
+    path, _, _ = str(mean.target).rpartition(".")
+    try:
+        owner = model.get_submodule(path)
+    except AttributeError:
+        return None
+    if not (isinstance(owner, nn.modules.batchnorm._BatchNorm) and owner.momentum is None
+            and owner.training and owner.num_batches_tracked is not None):
+        return None
+    target = f"{path}.num_batches_tracked" if path else "num_batches_tracked"
+    found = next((n for n in gm.graph.nodes if n.op == "get_attr" and n.target == target),
+                 None)
+    if found is not None:
+        return found
+    with gm.graph.inserting_before(node):
+        return gm.graph.get_attr(target)
+
+
+def _drop_counter_asserts(gm: fx.GraphModule, counters: set[fx.Node]) -> None:
+    """Remove the value assertions on ``counters`` (and what computes only them)."""
+    reads = [n for n in gm.graph.nodes if n.op == "call_function"
+             and target_name(n) in _SCALAR_READS and _counter_of(n.args[0], counters)]
+    dead: list[fx.Node] = []
+    stack = list(reads)
+    while stack:
+        n = stack.pop()
+        if n in dead:
+            continue
+        dead.append(n)
+        stack.extend(n.users)
+    if not all(is_value_assert(n) or not isinstance(n.meta.get("val"), torch.Tensor)
+               for n in dead):
+        return  # the value reaches a tensor: not only the factor's assertions, kept
+    for n in reversed(_topological(gm, dead)):
+        gm.graph.erase_node(n)
+
+
+def _counter_of(arg: object, counters: set[fx.Node]) -> bool:
+    """Whether ``arg`` is a counter or its in-place increment (``add_``)."""
+    if not isinstance(arg, fx.Node):
+        return False
+    return arg in counters or (target_name(arg) == "add_" and arg.args[0] in counters)
+
+
+def _topological(gm: fx.GraphModule, nodes: list[fx.Node]) -> list[fx.Node]:
+    """``nodes`` in the graph's order."""
+    wanted = set(nodes)
+    return [n for n in gm.graph.nodes if n in wanted]

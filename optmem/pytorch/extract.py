@@ -50,6 +50,7 @@ from optmem.pytorch.attention import elide_constant_masks, masks_as_in_training
 from optmem.pytorch.branches import (
     IntermediateBranch,
     branch_location,
+    cumulative_batch_norms,
     explain_value_asserts,
     is_value_assert,
     real_values,
@@ -912,6 +913,7 @@ def _export_program(module: nn.Module, args: tuple[Any, ...],
     name = type(module).__name__
     ep = _export(module, args, kwargs, dynamic_shapes)
     gm = ep.module()
+    cumulative_batch_norms(gm, module)
     explain_value_asserts(gm, name)
     restore_functions(gm)
     elide_constant_masks(gm)

@@ -29,7 +29,8 @@ checkpoint), when ``d`` is not a tensor, and when nothing follows it.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -855,14 +856,51 @@ class SideProgram(nn.Module):
         self.input_names = tuple(input_names)
         self.output_names = tuple(output_names)
         self._bindings = list(bindings)
+        self._written: list[str] | None = None  # get_attr targets written (see below)
 
     def forward(self, flat: Sequence[Any]) -> SideInputs:  # noqa: D102
         values = dict(zip(self.input_names, flat, strict=True))
         if self.gm is not None and (self.output_names or len(self.gm.graph.nodes)):
-            with torch.no_grad():
+            with torch.no_grad(), self._writes_undone_on_error():
                 out = self.gm(*flat)
             values.update(zip(self.output_names, out, strict=True))
         return SideInputs(values)
+
+    @contextmanager
+    def _writes_undone_on_error(self) -> Iterator[None]:
+        """Within: a failing program leaves the buffers it writes in place as they were.
+
+        A program that asserts a value branch (:mod:`optmem.pytorch.branches`) may first
+        write a buffer (BatchNorm's ``num_batches_tracked.add_(1)`` before its branch on
+        the counter): a call rejected for taking another side must not have counted, or
+        the plan tried next counts it again. Only programs holding both are guarded.
+        """
+        written = self._guarded_writes()
+        if not written:
+            yield
+            return
+        saved = [(t, t.detach().clone()) for t in written]
+        try:
+            yield
+        except BaseException:
+            for t, old in saved:
+                t.data.copy_(old)  # through .data, as buffers_restored: no new version
+            raise
+
+    def _guarded_writes(self) -> list[torch.Tensor]:
+        """The model tensors this program writes in place, if it also asserts values."""
+        if self._written is None:
+            gm = self.gm
+            assert gm is not None
+            nodes = list(gm.graph.nodes)
+            targets: list[str] = []
+            if any(is_value_assert(n) for n in nodes):
+                targets = list(dict.fromkeys(
+                    str(w.target) for n in nodes if n.op == "call_function"
+                    for w in written_args(n, gm) if w.op == "get_attr"))
+            self._written = targets
+        assert self.gm is not None
+        return [attribute_of(self.gm, t) for t in self._written]
 
     def rebind(self) -> None:
         """Point the program at the model's current parameters and buffers."""

@@ -188,7 +188,12 @@ class StorageTrace(TorchDispatchMode):
         return sum(self.sizes[r] for r in self._live.values())
 
     def record_of(self, t: torch.Tensor) -> int | None:
-        """The record of ``t``'s storage if the trace created it and it is alive."""
+        """The record of ``t``'s storage if the trace created it and it is alive.
+
+        ``None`` for a tensor without a storage (a sparse gradient): the trace counts none.
+        """
+        if not _has_storage(t):
+            return None
         return self._live.get(storage_key(t))
 
     def leave_out(self, t: torch.Tensor) -> None:

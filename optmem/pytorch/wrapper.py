@@ -9,8 +9,10 @@ rest of PyTorch it is the model itself:
   returns (a ``ModelOutput`` with ``.logits``, and ``.loss`` when ``labels=`` is given);
 * **state**: ``state_dict()`` has the model's keys and ``load_state_dict`` takes them (a
   state-dict post-hook strips the wrapper's prefix, a load pre-hook puts it back, as
-  PyTorch's ``checkpoint_wrapper`` does); ``named_parameters()``/``named_buffers()`` give
-  the model's names; parameters and buffers are the model's own objects;
+  PyTorch's ``checkpoint_wrapper`` does), and reports missing and unexpected keys under
+  the model's names (:meth:`PlannedModule.load_state_dict`);
+  ``named_parameters()``/``named_buffers()`` give the model's names; parameters and
+  buffers are the model's own objects;
 * **attributes** missing on the wrapper are looked up on the model (``cmodel.config``);
 * **modes**: ``train()``/``eval()`` reach the model; under ``torch.no_grad()`` or
   ``torch.inference_mode()`` the model runs as it is (nothing to save for a backward).
@@ -21,14 +23,15 @@ rest of PyTorch it is the model itself:
 
 **Specialisation.** An exported chain is specialised to the call it was extracted from:
 shapes, dtypes, flags, which keyword arguments are given, ``training``, the autocast state,
-which inputs require grad, the dtypes and devices of the model's parameters and buffers,
-and what the graph traced of the model: their shapes, which are tied, the module tree and
-its hooks (:class:`TensorState`). A call with another *signature* is extracted again (about a
-second), profiled again (sizes only when its stages match the first chain's: its times are
-scaled from the first profile; in full otherwise) and solved again with the same limit and
-method; the last :data:`MAX_VARIANTS` signatures are kept. Models given as an
-``nn.Sequential`` or a list of stages are not specialised (no graph): their plans follow the
-input's sizes as below (*Sizes*), with the sample's plan as the first solved size.
+which inputs require grad, each input tensor's memory layout (:func:`memory_layout`), the
+dtypes and devices of the model's parameters and buffers, and what the graph traced of the
+model: their shapes, which are tied, the module tree and its hooks (:class:`TensorState`).
+A call with another *signature* is extracted again (about a second), profiled again (sizes
+only when its stages match the first chain's: its times are scaled from the first profile;
+in full otherwise) and solved again with the same limit and method; the last
+:data:`MAX_VARIANTS` signatures are kept. Models given as an ``nn.Sequential`` or a list of
+stages are not specialised (no graph): their plans follow the input's sizes as below
+(*Sizes*), with the sample's plan as the first solved size.
 
 **Sizes** (``dynamic=True``, the default). Calls that differ from a known signature in
 tensor sizes only (another sequence length, a smaller last batch) form a *family*. At the
@@ -102,7 +105,7 @@ from optmem.result import Result, Status
 from optmem.units import format_size
 
 __all__ = ["MAX_VARIANTS", "PLAIN_PEAK", "USE_CACHE_WARNING", "PlannedModule", "ProfileOptions",
-           "leaves_no_trace", "plan_stages", "with_plain_peak"]
+           "leaves_no_trace", "memory_layout", "plan_stages", "with_plain_peak"]
 
 MAX_VARIANTS = 8
 MAX_BRANCH_FAILURES = 3
@@ -403,6 +406,19 @@ def _size(b: int) -> str:
     return f"{format_size(b)} ({b} B)"
 
 
+def _model_metadata(metadata: Mapping[str, Any]) -> dict[str, Any]:
+    """A state dict's ``_metadata`` (per module: its version) under the model's names.
+
+    The wrapper's ``state_dict()`` keeps the metadata of its own tree (``""`` the
+    wrapper, ``"_optmem_module"`` the model); a plain model's is kept as it is.
+    """
+    root = _PREFIX[:-1]
+    if root not in metadata:
+        return dict(metadata)
+    return {("" if k == root else k[len(_PREFIX):]): v for k, v in metadata.items()
+            if k == root or k.startswith(_PREFIX)}
+
+
 def _replace_prefix(state_dict: dict[str, Any], old: str, new: str) -> None:
     for key in [k for k in state_dict if k.startswith(old)]:
         state_dict[new + key[len(old):]] = state_dict.pop(key)
@@ -435,6 +451,7 @@ class PlannedModule(nn.Module):
             self.forward = _SignedForward(self)  # type: ignore[method-assign]
         self.register_state_dict_post_hook(PlannedModule._strip_prefix)
         self.register_load_state_dict_pre_hook(PlannedModule._add_prefix)
+        self.register_load_state_dict_post_hook(PlannedModule._strip_reported)
 
     # -------------------------------------------------------------- construction
     @classmethod
@@ -512,6 +529,34 @@ class PlannedModule(nn.Module):
         if any(k.startswith(prefix + _PREFIX) for k in state_dict):
             return  # already the wrapper's own keys
         _replace_prefix(state_dict, prefix, prefix + _PREFIX)
+
+    @staticmethod
+    def _strip_reported(module: nn.Module, keys: Any) -> None:
+        """The missing and unexpected keys of a load under the model's names (in place).
+
+        Also when a parent loads its state and this wrapper is one of its parts.
+        """
+        for found in (keys.missing_keys, keys.unexpected_keys):
+            found[:] = [k.replace(_PREFIX, "", 1) for k in found]
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
+                        assign: bool = False) -> Any:
+        """The model's ``load_state_dict``: its result and errors name the model's keys.
+
+        The model loads ``state_dict`` itself (keys with the wrapper's prefix are taken
+        too), so that its missing and unexpected keys, and the error of ``strict``, are
+        those of the plain model. With load hooks registered on the wrapper, the wrapper
+        loads it through them (the reported keys are still the model's).
+        """
+        if len(self._load_state_dict_pre_hooks) != 1 or \
+                len(self._load_state_dict_post_hooks) != 1:  # others than the wrapper's
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        own: OrderedDict[str, Any] = OrderedDict(state_dict)
+        _replace_prefix(own, _PREFIX, "")
+        metadata = getattr(state_dict, "_metadata", None)
+        if metadata is not None:
+            own._metadata = _model_metadata(metadata)  # type: ignore[attr-defined]
+        return self._optmem_module.load_state_dict(own, strict=strict, assign=assign)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
         """``to()``/``cuda()``/``half()``: the model, and the stages' constants with it."""
@@ -1365,12 +1410,40 @@ def signature_key(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     for v in leaves:
         if isinstance(v, torch.Tensor):
             parts.append(("T", tuple(v.shape), v.dtype, str(v.device),
-                          bool(v.requires_grad)))
+                          bool(v.requires_grad), memory_layout(v)))
         else:
             parts.append(("V", type(v).__name__, _hashable(v)))
     autocast = tuple((d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
                      if torch.is_autocast_enabled(d))
     return (repr(spec), tuple(parts), module.training, autocast, tensors)
+
+
+def memory_layout(t: torch.Tensor) -> str | tuple[int, ...]:
+    """How ``t``'s elements lie in memory, whatever its sizes (part of :func:`signature_key`).
+
+    ``"contiguous"``, ``"channels_last"`` (4-d), ``"channels_last_3d"`` (5-d), else the
+    order of its dimensions from the largest stride to the smallest (a transposed input).
+    A graph holds what the sample's layout made of stride-dependent code: ``x.contiguous()``
+    of a contiguous sample is no op in it, and a transposed call would fail in its ``view``.
+
+    Examples
+    --------
+    >>> x = torch.zeros(2, 3, 4)
+    >>> memory_layout(x), memory_layout(x.transpose(1, 2))
+    ('contiguous', (0, 2, 1))
+    >>> memory_layout(torch.zeros(2, 3, 4, 5).contiguous(memory_format=torch.channels_last))
+    'channels_last'
+    """
+    if t.layout != torch.strided:
+        return str(t.layout)
+    if t.is_contiguous():
+        return "contiguous"
+    formats = {4: ("channels_last", torch.channels_last),
+               5: ("channels_last_3d", torch.channels_last_3d)}
+    if t.dim() in formats and t.is_contiguous(memory_format=formats[t.dim()][1]):
+        return formats[t.dim()][0]
+    strides = t.stride()
+    return tuple(sorted(range(t.dim()), key=lambda d: (-strides[d], d)))
 
 
 # ------------------------------------------------------------------ variants

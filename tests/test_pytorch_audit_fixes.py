@@ -1,0 +1,287 @@
+"""Defects an audit of the torch bridge found, each checked against the plain model.
+
+* **BatchNorm with ``momentum=None``** (a cumulative average, factor ``1 / n`` read from
+  ``num_batches_tracked``): export baked the first step's factor and asserted the counter,
+  so every step took "another side", was extracted again, and the first BatchNorm's counter
+  was incremented by every side program tried (1, 3, 6, 10). The factor is now read at run
+  time (``branches.cumulative_batch_norms``), and a side program that fails its value
+  assertions undoes its in-place writes (``graphcut.SideProgram``).
+* **``load_state_dict``** reported keys under the wrapper's internal prefix.
+* **``nn.Embedding(sparse=True)``** failed at profiling (``StorageTrace.record_of``).
+* **Wrapping under ``torch.inference_mode()``** failed at profiling.
+* **A transposed input after a contiguous sample** failed in the graph's ``view`` (the
+  sample's ``x.contiguous()`` was no op): the layout is part of the call's signature.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the torch bridge needs torch")
+
+import optmem.pytorch as op  # noqa: E402
+from optmem.errors import OptmemInputError  # noqa: E402
+from optmem.pytorch import wrapper  # noqa: E402
+
+nn = torch.nn
+
+WRAP: dict[str, Any] = {"repeats": 1, "warmup": 0, "fast_path": False}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Any:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _count_extractions(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the wrapper's extractions (one entry each)."""
+    calls: list[int] = []
+    extract: Callable[..., Any] = wrapper.extract_program
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return extract(*args, **kwargs)
+
+    monkeypatch.setattr(wrapper, "extract_program", counted)
+    return calls
+
+
+def _same_tensors(a: Any, b: Any) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.to_dense() for p in model.parameters()]  # type: ignore[union-attr]
+
+
+# ------------------------------------------------------------------ 1. BatchNorm(momentum=None)
+class _CumulativeBN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8, momentum=None), nn.ReLU())
+            for _ in range(3))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("limit", ["60%", "min"])
+def test_batchnorm_cumulative_average_is_the_plain_models(
+        monkeypatch: pytest.MonkeyPatch, limit: str) -> None:
+    torch.manual_seed(0)
+    net, ref = _CumulativeBN(), _CumulativeBN()
+    ref.load_state_dict(net.state_dict())
+    g = torch.Generator().manual_seed(1)
+    cmodel = op.checkpoint(net, torch.randn(6, 8, generator=g), memory_limit=limit, **WRAP)
+    extractions = _count_extractions(monkeypatch)
+    for _ in range(4):
+        x = torch.randn(6, 8, generator=g)
+        out, want = cmodel(x), ref(x)
+        out.pow(2).mean().backward()
+        want.pow(2).mean().backward()
+        assert torch.equal(out, want)
+        assert _same_tensors(_grads(net), _grads(ref))
+        assert _same_tensors(net.buffers(), ref.buffers())
+    assert [int(b[1].num_batches_tracked) for b in net.blocks] == [4, 4, 4]
+    assert extractions == []  # the counter's value is no branch: no step extracted again
+    net.eval()
+    ref.eval()
+    x = torch.randn(6, 8, generator=g)
+    with torch.no_grad():
+        assert torch.equal(cmodel(x), ref(x))
+
+
+class _CountedBranch(nn.Module):
+    """Writes a buffer, then branches on an input's value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.blocks = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+                                      for _ in range(3)))
+
+    def forward(self, x: torch.Tensor, flag: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        if flag.item() > 0:
+            x = x * 2
+        return self.blocks(x)
+
+
+def test_a_rejected_side_program_leaves_the_buffers_it_writes() -> None:
+    torch.manual_seed(0)
+    net, ref = _CountedBranch(), _CountedBranch()
+    ref.load_state_dict(net.state_dict())
+    g = torch.Generator().manual_seed(2)
+    cmodel = op.checkpoint(net, (torch.randn(4, 8, generator=g), torch.tensor(1)),
+                           memory_limit="60%", **WRAP)
+    for flag in (0, 1, 0, 0):
+        x = torch.randn(4, 8, generator=g)
+        out, want = cmodel(x, torch.tensor(flag)), ref(x, torch.tensor(flag))
+        out.sum().backward()
+        want.sum().backward()
+        assert torch.equal(out, want)
+        assert int(net.calls) == int(ref.calls)
+    assert int(net.calls) == 4
+    assert _same_tensors(_grads(net), _grads(ref))
+
+
+# ------------------------------------------------------------------ 2. load_state_dict
+class _Named(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(),
+                                  nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def _error(load: Callable[[], Any]) -> str:
+    with pytest.raises(RuntimeError) as info:
+        load()
+    return str(info.value)
+
+
+def test_load_state_dict_reports_the_models_keys() -> None:
+    torch.manual_seed(0)
+    net, plain = _Named(), _Named()
+    cmodel = op.checkpoint(net, torch.randn(4, 8), memory_limit="100%", **WRAP)
+    state = cmodel.state_dict()
+    assert str(cmodel.load_state_dict(state)) == str(plain.load_state_dict(state))
+    broken = dict(state)
+    broken.pop("body.0.bias")
+    broken["extra.weight"] = torch.zeros(1)
+    got = cmodel.load_state_dict(broken, strict=False)
+    assert got == plain.load_state_dict(broken, strict=False)
+    assert got.missing_keys == ["body.0.bias"] and got.unexpected_keys == ["extra.weight"]
+    assert _error(lambda: cmodel.load_state_dict(broken)) == \
+        _error(lambda: plain.load_state_dict(broken))
+    resized = dict(state, **{"body.0.weight": torch.zeros(3, 3)})
+    assert _error(lambda: cmodel.load_state_dict(resized)) == \
+        _error(lambda: plain.load_state_dict(resized))
+    parent, plain_parent = nn.Module(), nn.Module()
+    parent.inner, plain_parent.inner = cmodel, _Named()
+    nested = {f"inner.{k}": v for k, v in broken.items()}
+    assert parent.load_state_dict(nested, strict=False) == \
+        plain_parent.load_state_dict(nested, strict=False)
+
+
+# ------------------------------------------------------------------ 3. sparse gradients
+class _SparseEmbedding(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 8, sparse=True)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 16), nn.GELU(),
+                                                  nn.Linear(16, 8)) for _ in range(3))
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)
+
+
+def test_sparse_embedding_gradients_are_the_plain_models() -> None:
+    torch.manual_seed(0)
+    net, ref = _SparseEmbedding(), _SparseEmbedding()
+    ref.load_state_dict(net.state_dict())
+    g = torch.Generator().manual_seed(3)
+    cmodel = op.checkpoint(net, torch.randint(0, 50, (4, 6), generator=g), memory_limit="min",
+                           **WRAP)
+    for _ in range(2):  # accumulated, as the plain model accumulates them
+        ids = torch.randint(0, 50, (4, 6), generator=g)
+        out, want = cmodel(ids), ref(ids)
+        out.pow(2).mean().backward()
+        want.pow(2).mean().backward()
+        assert torch.equal(out, want)
+    assert net.emb.weight.grad is not None and net.emb.weight.grad.is_sparse
+    assert _same_tensors(_grads(net), _grads(ref))
+
+
+# ------------------------------------------------------------------ 4. inference mode
+def _mlp() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
+                         nn.Linear(16, 2))
+
+
+class _Exported(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = _mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x) * 2
+
+
+@pytest.mark.parametrize("make", [_mlp, _Exported], ids=["sequential", "exported"])
+def test_wrapping_under_inference_mode(make: Callable[[], nn.Module]) -> None:
+    torch.manual_seed(0)
+    net, ref = make(), make()
+    ref.load_state_dict(net.state_dict())
+    with torch.inference_mode():
+        sample = torch.randn(4, 8)
+        cmodel = op.checkpoint(net, sample, memory_limit="min", **WRAP)
+        assert torch.equal(cmodel(sample), ref(sample))  # runs the model itself
+    x = torch.randn(4, 8)
+    out, want = cmodel(x), ref(x)
+    out.sum().backward()
+    want.sum().backward()
+    assert torch.equal(out, want)
+    assert _same_tensors(_grads(net), _grads(ref))
+
+
+def test_a_model_made_under_inference_mode_is_refused() -> None:
+    with torch.inference_mode():
+        net = _mlp()
+    with pytest.raises(OptmemInputError, match=r"Sequential\.0\.weight is an inference tensor"):
+        op.checkpoint(net, torch.randn(4, 8), memory_limit="min", **WRAP)
+
+
+# ------------------------------------------------------------------ 5. memory layout
+class _Flatten(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(24, 8)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 16),
+                                                  nn.GELU(), nn.Linear(16, 8))
+                                    for _ in range(3))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [B, 6, 4]
+        h = self.inp(x.contiguous().view(x.shape[0], -1))
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)
+
+
+def test_a_transposed_input_after_a_contiguous_sample() -> None:
+    torch.manual_seed(0)
+    net, ref = _Flatten(), _Flatten()
+    ref.load_state_dict(net.state_dict())
+    g = torch.Generator().manual_seed(4)
+    cmodel = op.checkpoint(net, torch.randn(4, 6, 4, generator=g), memory_limit="60%", **WRAP)
+    # the sample's layout, then a transposed one; with and without an input gradient
+    for transposed, needs_grad in ((True, False), (False, True), (True, True)):
+        base = torch.randn(4, 4, 6, generator=g)
+        base = base.transpose(1, 2) if transposed else base.transpose(1, 2).contiguous()
+        x, xr = (base.clone().requires_grad_(needs_grad) for _ in range(2))  # same strides
+        assert x.is_contiguous() is not transposed
+        out, want = cmodel(x), ref(xr)
+        out.pow(2).sum().backward()
+        want.pow(2).sum().backward()
+        assert torch.equal(out, want)
+        assert _same_tensors(_grads(net), _grads(ref))
+        if needs_grad:
+            assert torch.equal(x.grad, xr.grad)
+    assert wrapper.memory_layout(x) == (0, 2, 1)
