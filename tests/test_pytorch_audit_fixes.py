@@ -285,3 +285,38 @@ def test_a_transposed_input_after_a_contiguous_sample() -> None:
         if needs_grad:
             assert torch.equal(x.grad, xr.grad)
     assert wrapper.memory_layout(x) == (0, 2, 1)
+
+
+class _TwoInputs(nn.Module):
+    """Four residual blocks; the second input joins after the third."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32))
+            for _ in range(4))
+        self.head = nn.Linear(32, 5)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = x
+        for i, block in enumerate(self.blocks):
+            h = h + block(h)
+            if i == 2:
+                h = h + y
+        return self.head(h)
+
+
+def test_a_call_the_limit_does_not_hold_says_how_it_differs() -> None:
+    """Inputs that require grad where the sample's did not: the 60 % limit of the sample
+    does not hold (their gradients are stored too), and the error names the difference."""
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 32), torch.randn(16, 32)
+    model = _TwoInputs()
+    wrapped = op.checkpoint(model, (x, y), memory_limit="60%", **WRAP)
+    with pytest.raises(OptmemInputError) as err:
+        wrapped(x.clone().requires_grad_(), y.clone().requires_grad_())
+    text = str(err.value)
+    assert "smallest feasible limit" in text
+    assert "x requires_grad (True, the sample False)" in text
+    assert "y requires_grad (True, the sample False)" in text
+    wrapped(x, y).pow(2).mean().backward()  # the sample's signature still runs

@@ -76,7 +76,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_map_only
 from torch.utils.hooks import RemovableHandle
 
 from optmem.chain import Chain
@@ -232,6 +232,74 @@ def _for_sizes(sizes: tuple[tuple[int, ...] | None, ...],
         raise OptmemInputError(f"{exc.reason} (for a call with input sizes {shapes}; the "
                                f"sample's were {sample})", source=exc.source,
                                stage=exc.stage, field=exc.field) from None
+
+
+@contextmanager
+def _for_signature(key: Any, reference: Any, args: tuple[Any, ...],
+                   kwargs: dict[str, Any]) -> Iterator[None]:
+    """Name how a call differs from the sample in an input error raised while planning it.
+
+    A limit the sample met may not hold for a call whose input requires grad where the
+    sample's did not (its gradient is then stored and computed too): the error says so.
+    """
+    try:
+        yield
+    except OptmemInputError as exc:
+        raise OptmemInputError(
+            f"{exc.reason} (for a call that differs from the sample in "
+            f"{signature_difference(key, reference, args, kwargs)})", source=exc.source,
+            stage=exc.stage, field=exc.field) from None
+
+
+_TENSOR_FIELDS = ("sizes", "dtype", "device", "requires_grad", "memory layout")
+"""The fields of a tensor's entry in :func:`signature_key`, after its tag."""
+
+
+def signature_difference(key: Any, reference: Any, args: tuple[Any, ...],
+                         kwargs: dict[str, Any]) -> str:
+    """How :func:`signature_key` ``key`` differs from ``reference``, in words.
+
+    ``args``, ``kwargs``: the call of ``key`` (the names of its inputs).
+
+    Examples
+    --------
+    >>> m = nn.Linear(2, 2)
+    >>> x = torch.zeros(3, 2)
+    >>> old = signature_key(m, (x,), {})
+    >>> new = signature_key(m, (x.requires_grad_(),), {})
+    >>> signature_difference(new, old, (x,), {})
+    'args[0] requires_grad (True, the sample False)'
+    """
+    spec, parts, training, autocast, tensors = key
+    spec0, parts0, training0, autocast0, tensors0 = reference
+    what: list[str] = []
+    if spec != spec0 or len(parts) != len(parts0):
+        what.append("which arguments are given")
+    else:
+        paths = [_argument_name(path) for path, _ in tree_flatten_with_path(
+            (args, dict(sorted(kwargs.items()))))[0]]
+        for name, new, old in zip(paths, parts, parts0, strict=True):
+            if new[0] == old[0] == "T":
+                what += [f"{name} {field} ({a}, the sample {b})" for field, a, b
+                         in zip(_TENSOR_FIELDS, new[1:], old[1:], strict=True) if a != b]
+            elif new != old:
+                what.append(f"{name}'s value")
+    if training != training0:
+        what.append(f"training {training} (the sample {training0})")
+    if autocast != autocast0:
+        what.append("autocast")
+    if tensors != tensors0:
+        what.append("the model's parameters or buffers (dtypes, devices or structure)")
+    return "; ".join(what) or "nothing optmem records"
+
+
+def _argument_name(path: tuple[Any, ...]) -> str:
+    """``args[0]``, ``input_ids``, ``pixel_values[1]``: a leaf of ``(args, kwargs)``."""
+    first, *rest = path
+    head = f"args{rest[0]}" if first.idx == 0 and rest else ""
+    if first.idx == 1 and rest:
+        head = str(getattr(rest[0], "key", rest[0]))
+    return head + "".join(str(k) for k in rest[1:])
 
 
 def input_key(x: Any) -> Any:
@@ -792,7 +860,8 @@ class PlannedModule(nn.Module):
             resized = size_free(key) in self._families
         _log.info("optmem: new call signature for %s: extracting, profiling and solving "
                   "again", type(self._optmem_module).__name__)
-        variant = self._new_variant(args, kwargs, None, local=resized)
+        with _for_signature(key, self._main_key, args, kwargs):
+            variant = self._new_variant(args, kwargs, None, local=resized)
         self._variants[key] = variant
         while len(self._variants) > MAX_VARIANTS:
             oldest = next(k for k in self._variants if k != self._main_key)
