@@ -93,12 +93,18 @@ def infeasible(problem: PipelineProblem, method: str, reason: str, *,
                   memory_limit=problem.memory_per_gpu, report=info)
 
 
+def replayed_period(problem: PipelineProblem, plan: PipelinePlan) -> float | None:
+    """The simulated period of ``plan`` (``None``: invalid, or above the memory per GPU)."""
+    try:
+        sim = simulate_pipeline(problem, plan)
+    except PlanError:
+        return None
+    return sim.period if sim.peak_memory <= problem.memory_per_gpu else None
+
+
 def fits(problem: PipelineProblem, plan: PipelinePlan) -> bool:
     """Whether ``plan`` replays without error within the memory per GPU."""
-    try:
-        return simulate_pipeline(problem, plan).peak_memory <= problem.memory_per_gpu
-    except PlanError:
-        return False
+    return replayed_period(problem, plan) is not None
 
 
 def proven(objective: float, bound: float) -> bool:
@@ -326,4 +332,5 @@ def scaled(problem: PipelineProblem, factor: float) -> PipelineProblem:
 
 
 __all__ = ["OPTIMALITY_TOLERANCE", "PROBLEM", "ModelRun", "fits", "infeasible", "load_bound",
-           "lower_bound", "plan_result", "proven", "refute", "run_model", "scaled"]
+           "lower_bound", "plan_result", "proven", "refute", "replayed_period", "run_model",
+           "scaled"]

@@ -265,7 +265,8 @@ def solve_exact(problem: PipelineProblem, options: SolveOptions, method: str) ->
         raise OptmemInputError(f"isolate must be true or false, got "
                                f"{options.extra['isolate']!r}", field="isolate")
     probing = probe_settings(options)
-    search = lns.settings(options, make_units(problem).n)
+    units = make_units(problem)
+    search = lns.settings(options, units.n)
     colocate_step, _, colocate_order = colocate_settings(options)
     flag(options, "warm_madpipe", True)
     flag(options, "relaxation", True)
@@ -288,18 +289,18 @@ def solve_exact(problem: PipelineProblem, options: SolveOptions, method: str) ->
                                             None if limit is None else start + limit, probing)
         report.update(info)
         if probed is not None:
-            starts = sorted([*starts, probed], key=lambda c: c[0])
+            starts = _joined(starts, [probed])
             best = starts[0]
     if best is not None and search.moves and engines.is_available("cpsat") \
             and not proven(best[0], relaxed):
         left = None if limit is None else max(0.0, limit - (time.perf_counter() - start))
         found = lns.improve(problem, best[0], best[1], moves=search.moves, work=search.work,
-                            seed=options.seed, bound=relaxed,
+                            seed=options.seed, bound=relaxed, units=units,
                             deadline=None if left is None
                             else time.perf_counter() + lns.LNS_SHARE * left)
         report.update(found.report())
         if found.improvements:
-            starts = sorted([*starts, (found.period, found.plan, "lns")], key=lambda c: c[0])
+            starts = _joined(starts, [(found.period, found.plan, "lns")])
             best = starts[0]
     if best is not None and colocate_step is not None and engines.is_available("cpsat") \
             and not proven(best[0], relaxed):
@@ -311,8 +312,7 @@ def solve_exact(problem: PipelineProblem, options: SolveOptions, method: str) ->
         report.update(climbed.report)
         relaxed = max(relaxed, climbed.bound)
         if climbed.found:
-            starts = sorted([*starts, *((p, pl, "colocate") for p, pl in climbed.found)],
-                            key=lambda c: c[0])
+            starts = _joined(starts, [(p, pl, "colocate") for p, pl in climbed.found])
             best = starts[0]
     if best is not None and proven(best[0], relaxed):
         report.update(incumbents={s: p for p, _, s in starts}, source=best[2])
@@ -353,6 +353,11 @@ def solve_exact(problem: PipelineProblem, options: SolveOptions, method: str) ->
     status = Status.OPTIMAL if proven(period, bound) else Status.FEASIBLE
     return plan_result(problem, plan, method=method, status=status, bound=min(bound, period),
                        claimed=period, solver=solver, report=report)
+
+
+def _joined(starts: list[Candidate], found: list[Candidate]) -> list[Candidate]:
+    """The incumbents with plans ``found`` on the way, fastest first."""
+    return sorted([*starts, *found], key=lambda c: c[0])
 
 
 FULL_SHARE = 0.25

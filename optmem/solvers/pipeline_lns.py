@@ -18,7 +18,7 @@ move; only a wall-clock deadline (a solve's ``time_limit_s``) can end the search
 earlier than its work. There is no hidden wall-clock limit.
 
 Soundness: a plan is taken only after the simulator replays it within the memory limit
-(:func:`~optmem.simulate.pipeline.simulate_pipeline`) with a smaller period; the restricted
+(:func:`~optmem.solvers.pipeline_common.replayed_period`) with a smaller period; the restricted
 models' bounds are bounds of a neighbourhood, not of the problem, and are never reported.
 An engine that fails on a move is counted (``lns_failed``) and the search goes on.
 """
@@ -30,14 +30,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from optmem.errors import OptmemInputError, PlanError
+from optmem.errors import OptmemInputError
 from optmem.models.pipeline import Units, make_units, plan_gpus
 from optmem.pipeline_plan import PipelinePlan
 from optmem.problems.pipeline import PipelineProblem
 from optmem.result import SolveOptions
-from optmem.simulate.pipeline import simulate_pipeline
 from optmem.solvers.options import positive_float
-from optmem.solvers.pipeline_common import proven, run_model
+from optmem.solvers.pipeline_common import proven, replayed_period, run_model
 
 LNS_MOVES = 40
 """Default ``extra["lns"]`` (moves) under a time limit, on chains of at least
@@ -50,6 +49,8 @@ LNS_WORK = 10.0
 """Default ``extra["lns_work"]``: CP-SAT deterministic seconds of one move."""
 LNS_SHARE = 0.5
 """Share of the time left (under a limit) that the search may use."""
+LEAST_MOVE_TIME_S = 1.0
+"""Under a deadline, no move starts with less time left than this (seconds)."""
 KINDS = ("window", "gpus", "random")
 
 
@@ -139,7 +140,7 @@ def improve(problem: PipelineProblem, period: float, plan: PipelinePlan, *,
             found.stopped = "bound met"
             break
         left = None if deadline is None else deadline - time.perf_counter()
-        if left is not None and left < 1.0:
+        if left is not None and left < LEAST_MOVE_TIME_S:
             found.stopped = "time"
             break
         free = neighbourhood(rng, gpu)
@@ -151,7 +152,7 @@ def improve(problem: PipelineProblem, period: float, plan: PipelinePlan, *,
         if run.failed:
             found.failed += 1
             continue
-        replayed = None if run.plan is None else _replayed(problem, run.plan)
+        replayed = None if run.plan is None else replayed_period(problem, run.plan)
         if replayed is not None and replayed < found.period * (1 - 1e-9):
             found.period, found.plan = replayed, run.plan  # type: ignore[assignment]
             found.improvements.append(replayed)
@@ -159,14 +160,5 @@ def improve(problem: PipelineProblem, period: float, plan: PipelinePlan, *,
     return found
 
 
-def _replayed(problem: PipelineProblem, plan: PipelinePlan) -> float | None:
-    """The simulated period of ``plan`` (``None``: invalid, or above the memory per GPU)."""
-    try:
-        sim = simulate_pipeline(problem, plan)
-    except PlanError:
-        return None
-    return sim.period if sim.peak_memory <= problem.memory_per_gpu else None
-
-
-__all__ = ["KINDS", "LNS_MIN_UNITS", "LNS_MOVES", "LNS_SHARE", "LNS_WORK", "LnsSettings",
-           "Search", "improve", "kept_relation", "neighbourhood", "settings"]
+__all__ = ["KINDS", "LEAST_MOVE_TIME_S", "LNS_MIN_UNITS", "LNS_MOVES", "LNS_SHARE", "LNS_WORK",
+           "LnsSettings", "Search", "improve", "kept_relation", "neighbourhood", "settings"]
