@@ -538,9 +538,9 @@ def part_lns(moves: int, work: float, seeds: list[int], bound: float = 0.0,
         trail = [f"{m}: {p:.2f}" for m, p in zip(found.found_at, found.improvements,
                                                    strict=True)]
         cpu_s, wall_s = time.process_time() - cpu, time.perf_counter() - wall
-        cpu, wall = time.process_time(), time.perf_counter()
         full_period = math.nan
         if full:
+            cpu, wall = time.process_time(), time.perf_counter()
             run = run_model(problem, "cpsat", SolveOptions(
                 threads=1, seed=seed, deterministic_time=moves * work),
                 upper_bound=start.objective, warm=plan, lower=bound)
