@@ -38,7 +38,15 @@ moves of ``--lns-work`` deterministic seconds (1 worker, each seed of ``--lns-se
 against the full model on CP-SAT from the same warm start with the same deterministic
 budget (moves x work, 1 worker, same seed): the period after each budget, side by side.
 
-Every engine runs on 2 threads (parts 8 and 9: 1). HiGHS nodes come from the engine;
+Part 10 (chunks, only with ``--parts chunks``): the chunk scan
+(:mod:`optmem.solvers.pipeline_chunks`, method ``chunks``) on the headline from each start of
+``--chunks-starts`` (MadPipe's plan, the contiguous 1F1B* plan), ``--chunks-work``
+deterministic seconds per allocation, 1 worker: the period, the evaluation that found each
+improvement, allocations refuted and undecided, the family bound, CPU seconds; against the
+search of part 9 from the same start (``--lns-moves`` x ``--lns-work``, seed 0; skipped with
+``--chunks-no-search``).
+
+Every engine runs on 2 threads (parts 8, 9 and 10: 1). HiGHS nodes come from the engine;
 CP-SAT's branches are read from its own log (the engine adapter does not report them).
 Machine load is recorded (``uptime``) before each part: the machine is shared, wall times
 vary with it.
@@ -46,9 +54,10 @@ vary with it.
 Usage::
 
     python benchmarks/bench_pipeline_exact.py [--quick] [--time-limit S] [--headline S]
-        [--parts pcmax profiles headline allocations strategies bounds probes climb lns]
+        [--parts pcmax profiles headline allocations strategies bounds probes climb lns chunks]
         [--climb-cpu S] [--climb-orders ladder bisect]
         [--lns-moves N] [--lns-work S] [--lns-seeds K ...]
+        [--chunks-starts madpipe contiguous] [--chunks-work S] [--chunks-no-search]
         [--out benchmarks/results/pipeline_exact.md]
 """
 
@@ -85,11 +94,12 @@ from optmem.models.pipeline import (  # noqa: E402
 from optmem.pipeline_plan import PipelinePlan  # noqa: E402
 from optmem.problems.pipeline import PipelineProblem  # noqa: E402
 from optmem.result import Result, SolveOptions, Status  # noqa: E402
-from optmem.solvers import pipeline_lns  # noqa: E402
+from optmem.solvers import pipeline_chunks, pipeline_lns  # noqa: E402
 from optmem.solvers.facade import solve  # noqa: E402
 from optmem.solvers.pipeline import min_memory_contiguous  # noqa: E402
 from optmem.solvers.pipeline_benders import CLIMB_ORDERS, Benders  # noqa: E402
 from optmem.solvers.pipeline_common import refute, run_model  # noqa: E402
+from optmem.solvers.pipeline_exact import incumbents  # noqa: E402
 
 GIB = 2**30
 PROFILES = ("unet-b4-512", "resnet18-b64-224", "vit-b16-b64-224", "gpt2-small-b8-1024",
@@ -554,6 +564,50 @@ def part_lns(moves: int, work: float, seeds: list[int], bound: float = 0.0,
     return rows
 
 
+def part_chunks(starts: tuple[str, ...], work: float, moves: int, move_work: float,
+                search: bool = True) -> list[str]:
+    """The chunk scan from each start, and the search of part 9 from the same start."""
+    problem = headline_problem(resolve_chain("resnet50-b32-224"))
+    units = make_units(problem)
+    plans = {c[2]: c for c in incumbents(problem, SolveOptions(threads=1, seed=0))}
+    names = {"madpipe": "madpipe", "contiguous": "contiguous 1F1B*"}
+    rows = [f"{work:g} deterministic s per allocation, 1 worker, at most "
+            f"{pipeline_chunks.MAX_CHUNKS} chunks per GPU; the search: {moves} moves x "
+            f"{move_work:g} deterministic s, seed 0.", "",
+            "| start | method | period | found at (evaluation or move: period) | evaluated "
+            "| refuted | undecided | family bound | CPU s | wall s | load (start / end) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for start in starts:
+        period, plan, _ = plans[names[start]]
+        load = uptime()
+        cpu, wall = time.process_time(), time.perf_counter()
+        found = pipeline_chunks.scan(problem, units, period, plan,
+                                     chunks=pipeline_chunks.MAX_CHUNKS, work=work,
+                                     step=pipeline_chunks.CHUNK_STEP)
+        trail = [f"{m}: {p:.2f}" for m, p in zip(found.found_at, found.improvements,
+                                                   strict=True)]
+        rows.append(f"| {start} {period:.2f} | chunks | {found.period:.2f} | "
+                    f"{'; '.join(trail[-4:]) or '-'} | {found.evaluated} | {found.refuted} | "
+                    f"{found.undecided} | {fmt(None if math.isnan(found.bound) else found.bound)}"
+                    f" | {time.process_time() - cpu:.0f} | {time.perf_counter() - wall:.0f} | "
+                    f"{load} / {uptime()} |")
+        print(rows[-1], flush=True)
+        if not search:
+            continue
+        load = uptime()
+        cpu, wall = time.process_time(), time.perf_counter()
+        moved = pipeline_lns.improve(problem, period, plan, moves=moves, work=move_work,
+                                     seed=0, units=units)
+        trail = [f"{m}: {p:.2f}" for m, p in zip(moved.found_at, moved.improvements,
+                                                   strict=True)]
+        rows.append(f"| {start} {period:.2f} | search | {moved.period:.2f} | "
+                    f"{'; '.join(trail[-4:]) or '-'} | {moved.moves} | - | - | - | "
+                    f"{time.process_time() - cpu:.0f} | {time.perf_counter() - wall:.0f} | "
+                    f"{load} / {uptime()} |")
+        print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer instances, short limits")
@@ -564,7 +618,7 @@ def main() -> None:
     parser.add_argument("--gpus", nargs="+", type=int, default=[4])
     parser.add_argument("--parts", nargs="+",
                         choices=("pcmax", "profiles", "headline", "allocations",
-                                 "strategies", "bounds", "probes", "climb", "lns"),
+                                 "strategies", "bounds", "probes", "climb", "lns", "chunks"),
                         default=["pcmax", "profiles", "headline", "allocations",
                                  "strategies"],
                         help="parts to run")
@@ -586,6 +640,12 @@ def main() -> None:
                         help="lower bound row of part 9 (a solve gives the relaxation's)")
     parser.add_argument("--lns-no-full", action="store_true",
                         help="part 9 without the full model's run")
+    parser.add_argument("--chunks-starts", nargs="+", default=["madpipe", "contiguous"],
+                        choices=("madpipe", "contiguous"), help="starts of part 10")
+    parser.add_argument("--chunks-work", type=float, default=pipeline_chunks.CHUNK_WORK,
+                        help="deterministic seconds per allocation of part 10")
+    parser.add_argument("--chunks-no-search", action="store_true",
+                        help="part 10 without the search's rows")
     parser.add_argument("--out", help="write the Markdown here")
     args = parser.parse_args()
     seeds = [0, 1, 2, 3, 4]
@@ -626,6 +686,11 @@ def main() -> None:
                  "against the full model (part 9, CP-SAT, 1 worker)", "",
                  *part_lns(args.lns_moves, args.lns_work, args.lns_seeds, args.lns_bound,
                            not args.lns_no_full), ""]
+    if "chunks" in args.parts:
+        text += ["## ResNet-50, 4 GPUs, 3 GiB, 12 GB/s: the chunk scan against the search "
+                 "(part 10, CP-SAT, 1 worker)", "",
+                 *part_chunks(tuple(args.chunks_starts), args.chunks_work, args.lns_moves,
+                              args.lns_work, not args.chunks_no_search), ""]
     text += [f"Total wall time {time.perf_counter() - start:.0f} s; 2 threads per engine."]
     out = "\n".join(text) + "\n"
     print(out)

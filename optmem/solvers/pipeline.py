@@ -14,6 +14,10 @@ method          exact   what
 ``ilp``         yes     the exact model of chapter 6 with the digest's corrections, emitted
                         to PuLP (:mod:`optmem.models.pipeline`)
 ``cpsat``       yes     the same model emitted to CP-SAT (intervals, no-overlap)
+``chunks``      yes*    every allocation with at most k chunks (runs of layers) per GPU,
+                        each decided by the exact model with the allocation fixed
+                        (:mod:`optmem.solvers.pipeline_chunks`); *optimal among those
+                        allocations and 1-periodic patterns when ``chunks_bound`` is set
 ==============  ======  ==================================================================
 
 Every plan is replayed by :func:`optmem.simulate.pipeline.simulate_pipeline` before it is
@@ -22,15 +26,24 @@ returned: the objective is the simulated period and every GPU's peak is within t
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import replace
 
+from optmem.models.pipeline import make_units
 from optmem.pipeline_plan import PipelinePlan
 from optmem.problems.pipeline import PipelineProblem
 from optmem.result import Result, SolveOptions, Status
+from optmem.solvers import pipeline_chunks as chunked
 from optmem.solvers import pipeline_contiguous as contig
-from optmem.solvers.pipeline_common import PROBLEM, infeasible, lower_bound, plan_result
-from optmem.solvers.pipeline_exact import solve_exact
+from optmem.solvers.pipeline_common import (
+    PROBLEM,
+    infeasible,
+    lower_bound,
+    plan_result,
+    proven,
+)
+from optmem.solvers.pipeline_exact import incumbents, solve_exact
 from optmem.solvers.pipeline_madpipe import solve_madpipe
 from optmem.solvers.registration import register, register_exporter
 
@@ -41,6 +54,8 @@ EXACT_EXTRA = ("warm_madpipe", "relaxation", "strategy", "trim_work", "isolate",
                "probe_step", "probe_work", "lifetime_cuts", "colocate_step", "colocate_work",
                "colocate_order", "lns", "lns_work", *MADPIPE_EXTRA)
 """Keys of ``ilp``/``cpsat``: their own, and MadPipe's (its run gives their warm start)."""
+CHUNKS_EXTRA = ("chunks", "chunk_work", "chunk_step", "warm_madpipe", *MADPIPE_EXTRA)
+"""Keys of ``chunks``: its own, and MadPipe's (its run gives the first cutoff)."""
 
 
 def _schedule_allocation(problem: PipelineProblem, bounds: contig.Bounds
@@ -175,6 +190,36 @@ def solve_pipeline_madpipe(problem: PipelineProblem, options: SolveOptions) -> R
     start = time.perf_counter()
     result = solve_madpipe(problem, options)
     return result.with_(solve_time_s=time.perf_counter() - start)
+
+
+@register(PROBLEM, "chunks", exact=False, requires=("ortools",),
+          description="best plan with at most k chunks of layers per GPU (V-shaped, "
+                      "interleaved): each allocation decided by the exact model",
+          extra=CHUNKS_EXTRA)
+def solve_pipeline_chunks(problem: PipelineProblem, options: SolveOptions) -> Result:
+    """The chunk scan (:mod:`optmem.solvers.pipeline_chunks`) from the best incumbent."""
+    start = time.perf_counter()
+    conf = chunked.settings(options)
+    units = make_units(problem)
+    starts = incumbents(problem, options) if options.warm_start else []
+    period, plan = (starts[0][0], starts[0][1]) if starts else (math.inf, None)
+    limit = options.time_limit_s
+    found = chunked.scan(problem, units, period, plan, chunks=conf.chunks, work=conf.work,
+                         step=conf.step, seed=options.seed,
+                         deadline=None if limit is None else start + limit)
+    report: dict[str, object] = {**found.report(),
+                                 "incumbents": {s: p for p, _, s in starts},
+                                 "source": "chunks" if found.improvements
+                                 else starts[0][2] if starts else None}
+    if found.plan is None:
+        return infeasible(problem, "chunks", f"no plan with at most {conf.chunks} chunks per "
+                          "GPU was found", proven=False, report=report).with_(
+            solve_time_s=time.perf_counter() - start)
+    bound = lower_bound(problem)
+    status = Status.OPTIMAL if proven(found.period, bound) else Status.FEASIBLE
+    return plan_result(problem, found.plan, method="chunks", status=status, bound=bound,
+                       claimed=found.period, report=report).with_(
+        solve_time_s=time.perf_counter() - start)
 
 
 @register_exporter(PROBLEM, "ilp")

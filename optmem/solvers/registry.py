@@ -71,6 +71,7 @@ METHODS: dict[str, tuple[MethodFn, ...]] = {
         pipeline.solve_pipeline_ilp,
         pipeline.solve_pipeline_cpsat,
         pipeline.solve_pipeline_madpipe,
+        pipeline.solve_pipeline_chunks,
     ),
     "min-peak": (
         min_peak.solve_min_peak_dp,

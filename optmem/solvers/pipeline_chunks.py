@@ -1,0 +1,372 @@
+"""Chunk scan: the best pipeline plan whose GPUs each hold at most ``k`` runs of layers.
+
+Interleaved and V-shaped pipeline schedules (``torch.distributed.pipelining``'s
+``ScheduleInterleaved1F1B`` and ``ScheduleZBVZeroBubble``; Qi et al., "Pipeline Parallelism
+with Controllable Memory", 2024) give each GPU two or more *chunks*: runs of consecutive
+layers. The V shape puts an early, stash-heavy chunk and a late, stash-light one on the same
+GPU, which balances memory where a contiguous split cannot (thesis Part III, ch. 7: MadPipe's
+non-contiguous allocations serve the same end). This method searches that family exactly:
+
+1. **Enumerate** every allocation of the units (:func:`~optmem.models.pipeline.make_units`)
+   in which each GPU holds at most ``k`` chunks (``extra["chunks"]``, default 2), GPUs
+   numbered by first use, each GPU's load at most the incumbent's period.
+2. **Bound** each one (:func:`allocation_floor`): its GPU and link loads, and the memory
+   when each forward starts with the stash copies that lifetimes force at a period ``T``
+   (the rows of :func:`~optmem.models.pipeline.build_relaxation` without window arcs, with
+   the allocation fixed: ``ceil(D / T)`` copies of the starting unit's stash, of every lower
+   unit's ``ceil(D(q -> r) / T)``, of every higher unit's ``ceil(D_r / T) - 1``). The floor
+   is the least ``T`` that passes them (a bisection: memory needs only shrink as ``T``
+   grows).
+3. **Scan** the allocations by increasing floor: the exact model with the allocation fixed
+   (``build_pipeline_model(gpu=...)``, CP-SAT, one worker, ``extra["chunk_work"]``
+   deterministic seconds, default 5) asked for *any* plan of period at most the incumbent's
+   less one step (``extra["chunk_step"]``, relative, default 1e-4). A cutoff near the
+   answer decides it in about a second (ResNet-50 below); a plan found is then polished
+   (the same model minimising the period, hinted with it) and taken after the simulator
+   replays it. An allocation refuted at a cutoff stays refuted at every lower one, so one
+   pass suffices; the scan stops at the first floor at or above the cutoff.
+
+When the pass ends with no allocation undecided, every plan of the family has a period of at
+least the last cutoff (less CP-SAT's grid step): ``report["chunks_bound"]``, a bound of the
+family, not of the problem (plans with more chunks may be faster), and the result's status
+stays ``feasible`` unless the problem's own lower bound meets the plan.
+
+On ResNet-50 (21 units, 4 GPUs, 3 GiB, 12 GB/s), 1,534 two-chunk allocations have a floor
+below 31.39 ms; each is decided in 0.3-17 s, and 31.39 (the exact solve's best plan) is the
+family's optimum (``benchmarks/results/pipeline_exact.md``, "Chunk scan").
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from optmem.errors import OptmemInputError
+from optmem.models.pipeline import Units
+from optmem.pipeline_plan import PipelinePlan
+from optmem.problems.pipeline import PipelineProblem
+from optmem.result import SolveOptions, Status
+from optmem.solvers.options import positive_float
+from optmem.solvers.pipeline_common import replayed_period, run_model
+
+MAX_CHUNKS = 2
+"""Default ``extra["chunks"]``: chunks (runs of consecutive units) per GPU."""
+CHUNK_WORK = 5.0
+"""Default ``extra["chunk_work"]``: CP-SAT deterministic seconds per allocation (each run)."""
+CHUNK_STEP = 1e-4
+"""Default ``extra["chunk_step"]``: the cutoff is the incumbent's period times ``1 - step``."""
+MAX_ALLOCATIONS = 2_000_000
+"""Enumeration stops after this many allocations (``report["chunks_truncated"]``)."""
+FLOOR_ITERATIONS = 40
+"""Bisection steps of :func:`allocation_floor` (relative precision about 1e-12)."""
+_EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class ChunkSettings:
+    """``extra["chunks"]``, ``extra["chunk_work"]``, ``extra["chunk_step"]`` (checked)."""
+
+    chunks: int
+    work: float
+    step: float
+
+
+def settings(options: SolveOptions) -> ChunkSettings:
+    """The scan's settings (defaults :data:`MAX_CHUNKS`, :data:`CHUNK_WORK`, :data:`CHUNK_STEP`)."""
+    chunks = options.extra.get("chunks", MAX_CHUNKS)
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise OptmemInputError(f"expected a number of chunks per GPU (an integer >= 1) for "
+                               f"chunks, got {chunks!r}", field="chunks")
+    step = positive_float(options, "chunk_step", CHUNK_STEP)
+    if step >= 1:
+        raise OptmemInputError(f"expected a relative step below 1 for chunk_step, got {step!r}",
+                               field="chunk_step")
+    return ChunkSettings(chunks, positive_float(options, "chunk_work", CHUNK_WORK), step)
+
+
+# ------------------------------------------------------------------ enumeration
+def chunk_allocations(units: Units, n_gpus: int, chunks: int, cap: float
+                      ) -> Iterator[tuple[int, ...]]:
+    """Allocations with at most ``chunks`` chunks per GPU and every GPU's load <= ``cap``.
+
+    GPUs are numbered by first use (each allocation once); GPUs may stay unused. A depth-first
+    walk over the units in order, pruned by the loads (what is left must fit under ``cap``
+    on the GPUs).
+    """
+    n = units.n
+    load = [units.load(q) for q in range(n)]
+    left = [0.0] * (n + 1)
+    for q in range(n - 1, -1, -1):
+        left[q] = left[q + 1] + load[q]
+    loads = [0.0] * n_gpus
+    count = [0] * n_gpus
+    gpu: list[int] = []
+
+    def walk(q: int, used: int) -> Iterator[tuple[int, ...]]:
+        if q == n:
+            yield tuple(gpu)
+            return
+        last = gpu[-1] if gpu else -1
+        for g in range(min(used + 1, n_gpus)):
+            if g != last and count[g] >= chunks:
+                continue
+            if loads[g] + load[q] > cap * (1 + _EPS):
+                continue
+            loads[g] += load[q]
+            count[g] += g != last
+            gpu.append(g)
+            room = sum(max(0.0, cap - x) for x in loads[:max(used, g + 1)]) \
+                + cap * (n_gpus - max(used, g + 1))
+            if room >= left[q + 1] * (1 - _EPS):
+                yield from walk(q + 1, max(used, g + 1))
+            gpu.pop()
+            count[g] -= g != last
+            loads[g] -= load[q]
+
+    yield from walk(0, 0)
+
+
+# ------------------------------------------------------------------ the floor
+def _paths(units: Units, gpu: Sequence[int]) -> tuple[list[float], list[float]]:
+    """``D_q`` (``F_q`` to the end of ``B_q``, cut transfers included) and backward prefixes.
+
+    ``back[q] - back[r]`` (``r < q``) is the time from the end of ``B_q`` to the end of
+    ``B_r`` along the micro-batch's path (backwards ``r..q-1`` and the gradients of the cuts
+    between them).
+    """
+    n = units.n
+    cut = [gpu[c] != gpu[c + 1] for c in range(n - 1)]
+    down = [0.0] * n
+    acc = 0.0
+    for q in range(n - 1, -1, -1):
+        acc += units.load(q) + (2 * units.dt[q] if q < n - 1 and cut[q] else 0.0)
+        down[q] = acc
+    back = [0.0] * (n + 1)
+    for s in range(n):
+        back[s + 1] = back[s] + units.b[s] + (units.dt[s] if s < n - 1 and cut[s] else 0.0)
+    return down, back
+
+
+def _statics(units: Units, gpu: Sequence[int], n_gpus: int) -> list[int]:
+    """Weights and cut buffers per GPU."""
+    static = [0] * n_gpus
+    for q in range(units.n):
+        static[gpu[q]] += units.w[q]
+    for c in range(units.n - 1):
+        if gpu[c] != gpu[c + 1]:
+            static[gpu[c]] += units.buf[c]
+            static[gpu[c + 1]] += units.buf[c]
+    return static
+
+
+def memory_fits(units: Units, gpu: Sequence[int], n_gpus: int, memory: int, period: float
+                ) -> bool:
+    """Whether the lifetime copies at ``period`` fit the memory when each forward starts.
+
+    The stash model's rows of :func:`~optmem.models.pipeline.build_relaxation` (no window
+    arcs) with the allocation fixed: a necessary condition for a plan of this allocation with
+    that period.
+    """
+    down, back = _paths(units, gpu)
+    static = _statics(units, gpu, n_gpus)
+    on = [[q for q in range(units.n) if gpu[q] == g] for g in range(n_gpus)]
+
+    def copies(d: float) -> int:
+        return math.ceil(d / period - _EPS)
+
+    for g, qs in enumerate(on):
+        for q in qs:
+            need = static[g] + units.x[q] * copies(down[q])
+            for r in qs:
+                if r < q:
+                    need += units.x[r] * copies(down[q] + back[q] - back[r])
+                elif r > q:
+                    need += units.x[r] * max(0, copies(down[r]) - 1)
+            if need > memory:
+                return False
+    return True
+
+
+def allocation_floor(units: Units, gpu: Sequence[int], n_gpus: int, memory: int | None,
+                     cap: float) -> float:
+    """A lower bound of the period of every plan with allocation ``gpu`` (``inf``: above ``cap``).
+
+    ``max`` of the GPU loads, the link loads (two transfers per cut) and, with ``memory``
+    (stash model; ``None`` skips it), the least period at which :func:`memory_fits` holds,
+    found by bisection between the loads and ``cap``.
+    """
+    loads = [0.0] * n_gpus
+    for q in range(units.n):
+        loads[gpu[q]] += units.load(q)
+    links: dict[tuple[int, int], float] = {}
+    for c in range(units.n - 1):
+        if gpu[c] != gpu[c + 1]:
+            key = (min(gpu[c], gpu[c + 1]), max(gpu[c], gpu[c + 1]))
+            links[key] = links.get(key, 0.0) + 2 * units.dt[c]
+    low = max([*loads, *links.values()])
+    if low > cap * (1 + _EPS):
+        return math.inf
+    if memory is None or memory_fits(units, gpu, n_gpus, memory, low):
+        return low
+    if not memory_fits(units, gpu, n_gpus, memory, cap):
+        return math.inf
+    high = cap
+    for _ in range(FLOOR_ITERATIONS):
+        mid = (low + high) / 2
+        if memory_fits(units, gpu, n_gpus, memory, mid):
+            high = mid
+        else:
+            low = mid
+    return low
+
+
+# ------------------------------------------------------------------ the scan
+@dataclass
+class Scan:
+    """Outcome of :func:`scan`: the best plan and what the pass decided.
+
+    ``family``: allocations with a floor below the first cutoff; ``refuted``: decided
+    without a plan below the cutoff then in force; ``undecided``: stopped by the work limit
+    (or an engine failure, also counted in ``failed``); ``skipped``: whose floor reached a
+    lowered cutoff; ``bound``: every plan of the family has at least this period (``nan``
+    unless the pass ended with none undecided and none truncated); ``found_at``: the
+    evaluation (1-based) that found each of ``improvements``.
+    """
+
+    period: float
+    plan: PipelinePlan | None
+    family: int = 0
+    evaluated: int = 0
+    refuted: int = 0
+    undecided: int = 0
+    failed: int = 0
+    skipped: int = 0
+    truncated: bool = False
+    stopped: str = "done"
+    bound: float = math.nan
+    improvements: list[float] = field(default_factory=list)
+    found_at: list[int] = field(default_factory=list)
+
+    def report(self) -> dict[str, object]:
+        """Report keys (``chunks_*``)."""
+        return {"chunks_family": self.family, "chunks_evaluated": self.evaluated,
+                "chunks_refuted": self.refuted, "chunks_undecided": self.undecided,
+                "chunks_failed": self.failed, "chunks_skipped": self.skipped,
+                "chunks_truncated": self.truncated, "chunks_stopped": self.stopped,
+                "chunks_bound": None if math.isnan(self.bound) else self.bound,
+                "chunks_improvements": list(self.improvements),
+                "chunks_found_at": list(self.found_at)}
+
+
+def ranked(problem: PipelineProblem, units: Units, chunks: int, cap: float
+           ) -> tuple[list[tuple[float, tuple[int, ...]]], bool]:
+    """The family's allocations with a floor below ``cap``, by floor; and whether truncated."""
+    memory = problem.memory_per_gpu if problem.memory_model == "stash" else None
+    found: list[tuple[float, tuple[int, ...]]] = []
+    truncated = False
+    for k, gpu in enumerate(chunk_allocations(units, problem.n_gpus, chunks, cap)):
+        if k >= MAX_ALLOCATIONS:
+            truncated = True
+            break
+        floor = allocation_floor(units, gpu, problem.n_gpus, memory, cap)
+        if floor < cap * (1 + _EPS):
+            found.append((floor, gpu))
+    found.sort()
+    return found, truncated
+
+
+def scan(problem: PipelineProblem, units: Units, period: float, plan: PipelinePlan | None, *,
+         chunks: int, work: float, step: float, seed: int = 0,
+         deadline: float | None = None) -> Scan:
+    """Improve ``plan`` (period ``period``; ``inf`` and ``None`` without one) over the family.
+
+    One pass by increasing :func:`allocation_floor`; see the module docstring. An allocation
+    that gives a better plan is asked again at the lowered cutoff until it is refuted there,
+    its polished plan is proven optimal for it, or it is undecided.
+    """
+    out = Scan(period, plan)
+    cap = period if math.isfinite(period) else units.big_m()
+    family, out.truncated = ranked(problem, units, chunks, cap)
+    out.family = len(family)
+    grid = 0.0
+    for k, (floor, gpu) in enumerate(family):
+        if floor >= _cutoff(out, cap, step) * (1 - _EPS):
+            out.skipped = len(family) - k
+            break
+        while True:
+            left = None if deadline is None else deadline - time.perf_counter()
+            if left is not None and left <= 0:
+                out.stopped = "time"
+                break
+            outcome = _decide(problem, units, gpu, _cutoff(out, cap, step), work, seed, left)
+            out.evaluated += 1
+            grid = max(grid, outcome.grid)
+            if outcome.found is None:
+                out.refuted += outcome.refuted
+                out.undecided += not outcome.refuted
+                out.failed += outcome.failed
+                break
+            out.period, out.plan = outcome.found
+            out.improvements.append(outcome.found[0])
+            out.found_at.append(out.evaluated)
+            if outcome.optimal:
+                break
+        if out.stopped == "time":
+            break
+    if out.stopped == "done" and not out.truncated and out.undecided == 0:
+        out.bound = max(0.0, _cutoff(out, cap, step) - 2 * grid)
+    return out
+
+
+def _cutoff(out: Scan, cap: float, step: float) -> float:
+    """The period a plan must reach to improve ``out`` (``cap`` before any plan)."""
+    return out.period * (1 - step) if math.isfinite(out.period) else cap
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """One allocation at one cutoff (:func:`_decide`)."""
+
+    found: tuple[float, PipelinePlan] | None = None
+    refuted: bool = False
+    failed: bool = False
+    optimal: bool = False
+    grid: float = 0.0
+
+
+def _decide(problem: PipelineProblem, units: Units, gpu: Sequence[int], cutoff: float,
+            work: float, seed: int, left: float | None) -> _Outcome:
+    """Some plan of allocation ``gpu`` with period <= ``cutoff`` (then polished), or a refutation.
+
+    ``found``: a replayed plan below ``cutoff``, then the same model minimising the period
+    from it (``optimal``: proven for this allocation); ``refuted``: none exists;
+    neither: undecided within ``work`` (``failed``: the engine failed).
+    """
+    opts = SolveOptions(threads=1, deterministic_time=work, seed=seed, time_limit_s=left)
+    run = run_model(problem, "cpsat", opts, units=units, gpu=list(gpu), upper_bound=cutoff,
+                    feasibility=True)
+    if run.failed:
+        return _Outcome(failed=True, grid=run.step)
+    if run.status is Status.INFEASIBLE or run.bound == math.inf:
+        return _Outcome(refuted=True, grid=run.step)
+    period = None if run.plan is None else replayed_period(problem, run.plan)
+    if period is None or run.plan is None or period > cutoff * (1 + _EPS):
+        return _Outcome(grid=run.step)
+    best = (period, run.plan)
+    polish = run_model(problem, "cpsat", opts, units=units, gpu=list(gpu), upper_bound=period,
+                       warm=run.plan)
+    optimal = False
+    if polish.plan is not None and not polish.failed:
+        again = replayed_period(problem, polish.plan)
+        if again is not None and again < period:
+            best = (again, polish.plan)
+        optimal = polish.status is Status.OPTIMAL and again is not None \
+            and again <= best[0] * (1 + _EPS)
+    return _Outcome(found=best, optimal=optimal, grid=max(run.step, polish.step))
+
+
+__all__ = ["CHUNK_STEP", "CHUNK_WORK", "FLOOR_ITERATIONS", "MAX_ALLOCATIONS", "MAX_CHUNKS",
+           "ChunkSettings", "Scan", "allocation_floor", "chunk_allocations", "memory_fits",
+           "ranked", "scan", "settings"]

@@ -1,0 +1,197 @@
+"""The chunk scan (:mod:`optmem.solvers.pipeline_chunks`, method ``chunks``).
+
+Checked against brute force over every allocation (each solved by the exact model with the
+allocation fixed): the enumeration is exactly the allocations with at most ``k`` chunks per
+GPU under the load cap; the floor never exceeds an allocation's optimum (stash and strict
+models, with and without link times); the method's plan is the best of the family (within its
+step) when it reports a family bound, never beats the problem's optimum, and equals it when
+``k`` allows every allocation; engine failures are counted and survived; bad options are
+refused with one clear error.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from optmem.errors import OptmemInputError
+from optmem.models.pipeline import make_units
+from optmem.problems.pipeline import PipelineProblem
+from optmem.result import SolveOptions, Status
+from optmem.solvers import pipeline_chunks as chunked
+from optmem.solvers.facade import solve
+from optmem.solvers.pipeline_common import ModelRun, run_model
+from tests.test_pipeline import thesis_chain
+from tests.test_pipeline_benders import solved_allocations, trimmable_problems
+from tests.test_pipeline_exact import set_partitions
+
+pytest.importorskip("pulp", reason="the exact pipeline models need PuLP (optmem[engines])")
+pytest.importorskip("ortools", reason="the scan decides each allocation with CP-SAT")
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # PuLP 4.0 notices
+
+FAST = SolveOptions(threads=1, seed=0, extra={"warm_madpipe": False})
+BRUTE = SolveOptions(threads=1, seed=0, deterministic_time=5.0, warm_start=False)
+
+
+def decided_allocations(problem: PipelineProblem) -> list[tuple[list[int], float]] | None:
+    """Every allocation with a plan and its optimal period (brute force, 5 deterministic s
+    each); ``None`` when some allocation is undecided in that work (the example is dropped)."""
+    out = []
+    for gpu in set_partitions(make_units(problem).n, problem.n_gpus):
+        run = run_model(problem, "cpsat", BRUTE, gpu=gpu)
+        if run.status not in (Status.OPTIMAL, Status.INFEASIBLE):
+            return None
+        if run.plan is not None:
+            out.append((gpu, run.plan.period))
+    return out
+
+
+def n_chunks(gpu) -> dict[int, int]:
+    """Chunks (runs of consecutive units) per GPU label."""
+    out: dict[int, int] = {}
+    for q, g in enumerate(gpu):
+        if q == 0 or gpu[q - 1] != g:
+            out[g] = out.get(g, 0) + 1
+    return out
+
+
+@st.composite
+def five_layer_problems(draw):
+    """Five layers, 2 GPUs, a memory between one layer's needs and plenty, links of
+    speed inf, 2 or 4: enough layers for families of one or two chunks to differ."""
+    n = 5
+    f = [draw(st.integers(1, 6)) for _ in range(n)]
+    b = [draw(st.integers(1, 6)) for _ in range(n)]
+    a = [draw(st.integers(0, 4)) for _ in range(n + 1)] + [0]
+    w = [draw(st.integers(0, 2)) for _ in range(n)]
+    chain = thesis_chain(f, b, a, w)
+    gpus = 2
+    lay = PipelineProblem(chain, gpus, 0).layers
+    memory = draw(st.integers(max(lay.x) + 3 * max(lay.w) + 2 * max(lay.a),
+                              3 * sum(lay.w) + 3 * sum(lay.x) + 4 * sum(lay.a) + 1))
+    beta = draw(st.sampled_from([math.inf, 2.0, 4.0]))
+    return PipelineProblem(chain, gpus, memory, chain_bandwidth=beta)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(loads=st.lists(st.integers(1, 9), min_size=1, max_size=7), gpus=st.integers(1, 3),
+       chunks=st.integers(1, 3), cap=st.integers(1, 40))
+def test_enumeration_is_the_family(loads, gpus, chunks, cap):
+    """:func:`chunk_allocations` lists each allocation with at most ``chunks`` chunks per GPU
+    and every GPU's load at most ``cap`` once, and nothing else (brute force)."""
+    chain = thesis_chain(loads, [1] * len(loads), [0] * (len(loads) + 2), [0] * len(loads))
+    units = make_units(PipelineProblem(chain, gpus, 10**9))
+    expected = set()
+    for gpu in set_partitions(units.n, gpus):
+        per = [sum(units.load(q) for q in range(units.n) if gpu[q] == g) for g in set(gpu)]
+        if max(n_chunks(gpu).values()) <= chunks and max(per) <= cap + 1e-9:
+            expected.add(tuple(gpu))
+    listed = list(chunked.chunk_allocations(units, gpus, chunks, float(cap)))
+    assert len(listed) == len(set(listed))
+    assert set(listed) == expected
+
+
+@settings(max_examples=10, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(problem=trimmable_problems(), strict=st.booleans())
+def test_floor_never_exceeds_an_allocations_optimum(problem, strict):
+    """:func:`allocation_floor` (memory rows in the stash model only) is at most the optimal
+    period of every allocation's fixed model, and ``inf`` only above the cap."""
+    p = replace(problem, memory_model="strict") if strict else problem
+    units = make_units(p)
+    memory = None if strict else p.memory_per_gpu
+    for gpu, period in solved_allocations(p):
+        floor = chunked.allocation_floor(units, gpu, p.n_gpus, memory, units.big_m())
+        assert floor <= period * (1 + 1e-9), (gpu, floor, period)
+        assert chunked.allocation_floor(units, gpu, p.n_gpus, memory, period) <= period
+
+
+@settings(max_examples=6, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(problem=five_layer_problems(), chunks=st.integers(1, 2))
+def test_chunks_is_the_best_of_its_family(problem, chunks):
+    """With a family bound, the plan is the best over the family's allocations (brute force,
+    within the step) and the bound is at most that; the plan never beats the optimum over
+    every allocation and replays (the facade's result is the simulator's); the bound is
+    withheld only when some allocation was undecided. The contiguous incumbent is in every
+    family, so an empty family means no plan."""
+    solved = decided_allocations(problem)
+    assume(solved is not None)
+    assert solved is not None
+    family = [period for gpu, period in solved if max(n_chunks(gpu).values()) <= chunks]
+    overall = min((period for _, period in solved), default=math.inf)
+    res = solve(problem, "chunks", options=replace(FAST, extra={**FAST.extra, "chunks": chunks}))
+    if not family:
+        assert not res.status.has_plan
+        return
+    best = min(family)
+    assert res.status.has_plan, res.report
+    assert res.objective >= overall * (1 - 1e-6)
+    bound = res.report["chunks_bound"]
+    assert bound is not None or res.report["chunks_undecided"] > 0, res.report
+    if bound is not None:
+        assert res.objective <= best * (1 + chunked.CHUNK_STEP) + 1e-6
+        assert bound <= best + 1e-6
+
+
+@settings(max_examples=4, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(problem=trimmable_problems())
+def test_enough_chunks_is_the_exact_optimum(problem):
+    """With as many chunks as units every allocation is in the family: with a family bound,
+    the scan's plan is the exact optimum (brute force) within its step, and the bound is a
+    bound of it."""
+    solved = decided_allocations(problem)
+    assume(solved is not None)
+    assert solved is not None
+    overall = min((period for _, period in solved), default=math.inf)
+    n = make_units(problem).n
+    res = solve(problem, "chunks", options=replace(FAST, extra={**FAST.extra, "chunks": n}))
+    if math.isinf(overall):
+        assert not res.status.has_plan
+        return
+    assert res.objective >= overall * (1 - 1e-6)
+    bound = res.report["chunks_bound"]
+    assert bound is not None or res.report["chunks_undecided"] > 0, res.report
+    if bound is not None:
+        assert res.objective == pytest.approx(overall, rel=2 * chunked.CHUNK_STEP)
+        assert bound <= overall + 1e-6
+
+
+def test_engine_failures_are_counted_and_survived(monkeypatch):
+    """An engine that fails on every allocation leaves the incumbent, counts the failures as
+    undecided, and withholds the family bound."""
+    chain = thesis_chain([1, 3, 1, 4, 4, 4], [6, 4, 2, 1, 4, 1], [3, 3, 4, 0, 3, 2, 1, 0],
+                         [2, 0, 1, 0, 0, 0])
+    problem = PipelineProblem(chain, 3, 52)
+
+    def broken(*args, **kwargs):
+        return ModelRun(Status.ERROR, None, math.nan, {}, engine=SimpleNamespace(failed=True))
+
+    monkeypatch.setattr(chunked, "run_model", broken)
+    res = solve(problem, "chunks", options=FAST)
+    assert res.status.has_plan
+    assert res.report["chunks_failed"] == res.report["chunks_evaluated"] > 0
+    assert res.report["chunks_undecided"] == res.report["chunks_failed"]
+    assert res.report["chunks_bound"] is None
+    assert res.report["source"] == "contiguous 1F1B*"
+
+
+@pytest.mark.parametrize(("extra", "field"), [
+    ({"chunks": 0}, "chunks"), ({"chunks": True}, "chunks"), ({"chunks": 1.5}, "chunks"),
+    ({"chunk_work": 0}, "chunk_work"), ({"chunk_step": 1.0}, "chunk_step"),
+    ({"chunk_step": -1}, "chunk_step"),
+])
+def test_bad_options_are_refused(extra, field):
+    """One clear error naming the option."""
+    problem = PipelineProblem(thesis_chain([1, 2, 3], [1, 2, 3], [1, 1, 1, 1, 0], [0, 0, 0]),
+                              2, 10**6)
+    with pytest.raises(OptmemInputError) as err:
+        solve(problem, "chunks", options=replace(FAST, extra={**FAST.extra, **extra}))
+    assert err.value.field == field
