@@ -24,7 +24,10 @@ non-contiguous allocations serve the same end). This method searches that family
    answer decides it in about a second (ResNet-50 below); a plan found is then polished
    (the same model minimising the period, hinted with it) and taken after the simulator
    replays it. An allocation refuted at a cutoff stays refuted at every lower one, so one
-   pass suffices; the scan stops at the first floor at or above the cutoff.
+   pass suffices; the scan stops at the first floor at or above the cutoff. The allocations
+   left undecided are asked once more at the final cutoff with :data:`RETRY_WORK` times the
+   work. CP-SAT's refutations count only where the durations lie on its time grid
+   (:func:`~optmem.solvers.pipeline_common.run_model`); elsewhere they stay undecided.
 
 When the pass ends with no allocation undecided, every plan of the family has a period of at
 least the last cutoff (less CP-SAT's grid step): ``report["chunks_bound"]``, a bound of the
@@ -57,6 +60,9 @@ CHUNK_WORK = 5.0
 """Default ``extra["chunk_work"]``: CP-SAT deterministic seconds per allocation (each run)."""
 CHUNK_STEP = 1e-4
 """Default ``extra["chunk_step"]``: the cutoff is the incumbent's period times ``1 - step``."""
+RETRY_WORK = 4.0
+"""The allocations left undecided are asked once more at the final cutoff with this many
+times ``chunk_work``."""
 MAX_ALLOCATIONS = 2_000_000
 """Enumeration stops after this many allocations (``report["chunks_truncated"]``)."""
 FLOOR_ITERATIONS = 40
@@ -284,40 +290,71 @@ def scan(problem: PipelineProblem, units: Units, period: float, plan: PipelinePl
 
     One pass by increasing :func:`allocation_floor`; see the module docstring. An allocation
     that gives a better plan is asked again at the lowered cutoff until it is refuted there,
-    its polished plan is proven optimal for it, or it is undecided.
+    its polished plan is proven optimal for it, or it is undecided. The allocations left
+    undecided are asked once more at the final cutoff with :data:`RETRY_WORK` times the work
+    (a cutoff lowered since their first run is often decided at once).
     """
     out = Scan(period, plan)
     cap = period if math.isfinite(period) else units.big_m()
     family, out.truncated = ranked(problem, units, chunks, cap)
     out.family = len(family)
     grid = 0.0
+    pending: list[tuple[float, tuple[int, ...]]] = []
     for k, (floor, gpu) in enumerate(family):
         if floor >= _cutoff(out, cap, step) * (1 - _EPS):
             out.skipped = len(family) - k
             break
-        while True:
-            left = None if deadline is None else deadline - time.perf_counter()
-            if left is not None and left <= 0:
-                out.stopped = "time"
-                break
-            outcome = _decide(problem, units, gpu, _cutoff(out, cap, step), work, seed, left)
-            out.evaluated += 1
-            grid = max(grid, outcome.grid)
-            if outcome.found is None:
-                out.refuted += outcome.refuted
-                out.undecided += not outcome.refuted
-                out.failed += outcome.failed
-                break
-            out.period, out.plan = outcome.found
-            out.improvements.append(outcome.found[0])
-            out.found_at.append(out.evaluated)
-            if outcome.optimal:
-                break
-        if out.stopped == "time":
+        state, width = _settle(out, problem, units, gpu, cap, step, work, seed, deadline)
+        grid = max(grid, width)
+        if state == "undecided":
+            pending.append((floor, gpu))
+        if state == "time":
+            break
+    for floor, gpu in pending if out.stopped == "done" else []:
+        out.undecided -= 1  # counted again below unless decided now
+        if floor >= _cutoff(out, cap, step) * (1 - _EPS):
+            out.skipped += 1
+            continue
+        state, width = _settle(out, problem, units, gpu, cap, step, RETRY_WORK * work, seed,
+                               deadline)
+        grid = max(grid, width)
+        if state == "time":
+            out.undecided += 1
             break
     if out.stopped == "done" and not out.truncated and out.undecided == 0:
         out.bound = max(0.0, _cutoff(out, cap, step) - 2 * grid)
     return out
+
+
+def _settle(out: Scan, problem: PipelineProblem, units: Units, gpu: tuple[int, ...],
+            cap: float, step: float, work: float, seed: int, deadline: float | None
+            ) -> tuple[str, float]:
+    """Ask one allocation at the cutoff until it is refuted, optimal, undecided or out of time.
+
+    Updates ``out`` (plan, improvements, counts); returns the state (``refuted``,
+    ``optimal``, ``undecided``, ``failed``, ``time``) and the largest CP-SAT grid step seen.
+    """
+    grid = 0.0
+    while True:
+        left = None if deadline is None else deadline - time.perf_counter()
+        if left is not None and left <= 0:
+            out.stopped = "time"
+            return "time", grid
+        outcome = _decide(problem, units, gpu, _cutoff(out, cap, step), work, seed, left)
+        out.evaluated += 1
+        grid = max(grid, outcome.grid)
+        if outcome.found is None:
+            out.refuted += outcome.refuted
+            out.undecided += not outcome.refuted
+            out.failed += outcome.failed
+            state = "refuted" if outcome.refuted else "failed" if outcome.failed \
+                else "undecided"
+            return state, grid
+        out.period, out.plan = outcome.found
+        out.improvements.append(outcome.found[0])
+        out.found_at.append(out.evaluated)
+        if outcome.optimal:
+            return "optimal", grid
 
 
 def _cutoff(out: Scan, cap: float, step: float) -> float:
@@ -368,5 +405,5 @@ def _decide(problem: PipelineProblem, units: Units, gpu: Sequence[int], cutoff: 
 
 
 __all__ = ["CHUNK_STEP", "CHUNK_WORK", "FLOOR_ITERATIONS", "MAX_ALLOCATIONS", "MAX_CHUNKS",
-           "ChunkSettings", "Scan", "allocation_floor", "chunk_allocations", "memory_fits",
-           "ranked", "scan", "settings"]
+           "RETRY_WORK", "ChunkSettings", "Scan", "allocation_floor", "chunk_allocations",
+           "memory_fits", "ranked", "scan", "settings"]
