@@ -195,3 +195,12 @@ def test_bad_options_are_refused(extra, field):
     with pytest.raises(OptmemInputError) as err:
         solve(problem, "chunks", options=replace(FAST, extra={**FAST.extra, **extra}))
     assert err.value.field == field
+
+
+def test_not_in_the_default_comparison():
+    """A scan can take minutes: ``compare`` and ``sweep`` run ``chunks`` only when named."""
+    from optmem.solvers.facade import method_info
+    from optmem.sweep import default_methods
+
+    assert not method_info("pipeline", "chunks").in_compare
+    assert "chunks" not in default_methods("pipeline")
