@@ -149,6 +149,11 @@ def run(problem: PipelineProblem, method: str, limit: float | None, **extra) -> 
     return {"result": result, "time": wall, "nodes": nodes}
 
 
+def found_trail(found_at: list[int], periods: list[float]) -> list[str]:
+    """``"move: period"`` of each improvement of a search or a scan."""
+    return [f"{m}: {p:.2f}" for m, p in zip(found_at, periods, strict=True)]
+
+
 def fmt(x: float | None, digits: int = 2) -> str:
     if x is None or not math.isfinite(x):
         return "-"
@@ -545,8 +550,7 @@ def part_lns(moves: int, work: float, seeds: list[int], bound: float = 0.0,
         cpu, wall = time.process_time(), time.perf_counter()
         found = pipeline_lns.improve(problem, start.objective, plan, moves=moves, work=work,
                                      seed=seed, bound=bound)
-        trail = [f"{m}: {p:.2f}" for m, p in zip(found.found_at, found.improvements,
-                                                   strict=True)]
+        trail = found_trail(found.found_at, found.improvements)
         cpu_s, wall_s = time.process_time() - cpu, time.perf_counter() - wall
         full_period = math.nan
         if full:
@@ -584,8 +588,7 @@ def part_chunks(starts: tuple[str, ...], work: float, moves: int, move_work: flo
         found = pipeline_chunks.scan(problem, units, period, plan,
                                      chunks=pipeline_chunks.MAX_CHUNKS, work=work,
                                      step=pipeline_chunks.CHUNK_STEP)
-        trail = [f"{m}: {p:.2f}" for m, p in zip(found.found_at, found.improvements,
-                                                   strict=True)]
+        trail = found_trail(found.found_at, found.improvements)
         rows.append(f"| {start} {period:.2f} | chunks | {found.period:.2f} | "
                     f"{'; '.join(trail[-4:]) or '-'} | {found.evaluated} | {found.refuted} | "
                     f"{found.undecided} | {fmt(None if math.isnan(found.bound) else found.bound)}"
@@ -598,8 +601,7 @@ def part_chunks(starts: tuple[str, ...], work: float, moves: int, move_work: flo
         cpu, wall = time.process_time(), time.perf_counter()
         moved = pipeline_lns.improve(problem, period, plan, moves=moves, work=move_work,
                                      seed=0, units=units)
-        trail = [f"{m}: {p:.2f}" for m, p in zip(moved.found_at, moved.improvements,
-                                                   strict=True)]
+        trail = found_trail(moved.found_at, moved.improvements)
         rows.append(f"| {start} {period:.2f} | search | {moved.period:.2f} | "
                     f"{'; '.join(trail[-4:]) or '-'} | {moved.moves} | - | - | - | "
                     f"{time.process_time() - cpu:.0f} | {time.perf_counter() - wall:.0f} | "

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from optmem.errors import OptmemInputError
@@ -51,7 +51,7 @@ from optmem.models.pipeline import Units
 from optmem.pipeline_plan import PipelinePlan
 from optmem.problems.pipeline import PipelineProblem
 from optmem.result import SolveOptions, Status
-from optmem.solvers.options import positive_float
+from optmem.solvers.options import positive_float, positive_int
 from optmem.solvers.pipeline_common import replayed_period, run_model
 
 MAX_CHUNKS = 2
@@ -81,10 +81,7 @@ class ChunkSettings:
 
 def settings(options: SolveOptions) -> ChunkSettings:
     """The scan's settings (defaults :data:`MAX_CHUNKS`, :data:`CHUNK_WORK`, :data:`CHUNK_STEP`)."""
-    chunks = options.extra.get("chunks", MAX_CHUNKS)
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-        raise OptmemInputError(f"expected a number of chunks per GPU (an integer >= 1) for "
-                               f"chunks, got {chunks!r}", field="chunks")
+    chunks = positive_int(options, "chunks", MAX_CHUNKS)
     step = positive_float(options, "chunk_step", CHUNK_STEP)
     if step >= 1:
         raise OptmemInputError(f"expected a relative step below 1 for chunk_step, got {step!r}",
@@ -167,6 +164,37 @@ def _statics(units: Units, gpu: Sequence[int], n_gpus: int) -> list[int]:
     return static
 
 
+def memory_check(units: Units, gpu: Sequence[int], n_gpus: int, memory: int
+                 ) -> Callable[[float], bool]:
+    """:func:`memory_fits` of one allocation as a function of the period.
+
+    The paths, static memory and GPU members do not depend on the period: they are computed
+    once here, so that a bisection over the period (:func:`allocation_floor`) pays only for
+    the copy counts.
+    """
+    down, back = _paths(units, gpu)
+    static = _statics(units, gpu, n_gpus)
+    on = [[q for q in range(units.n) if gpu[q] == g] for g in range(n_gpus)]
+
+    def fits(period: float) -> bool:
+        def copies(d: float) -> int:
+            return math.ceil(d / period - _EPS)
+
+        for g, qs in enumerate(on):
+            for q in qs:
+                need = static[g] + units.x[q] * copies(down[q])
+                for r in qs:
+                    if r < q:
+                        need += units.x[r] * copies(down[q] + back[q] - back[r])
+                    elif r > q:
+                        need += units.x[r] * max(0, copies(down[r]) - 1)
+                if need > memory:
+                    return False
+        return True
+
+    return fits
+
+
 def memory_fits(units: Units, gpu: Sequence[int], n_gpus: int, memory: int, period: float
                 ) -> bool:
     """Whether the lifetime copies at ``period`` fit the memory when each forward starts.
@@ -175,24 +203,7 @@ def memory_fits(units: Units, gpu: Sequence[int], n_gpus: int, memory: int, peri
     arcs) with the allocation fixed: a necessary condition for a plan of this allocation with
     that period.
     """
-    down, back = _paths(units, gpu)
-    static = _statics(units, gpu, n_gpus)
-    on = [[q for q in range(units.n) if gpu[q] == g] for g in range(n_gpus)]
-
-    def copies(d: float) -> int:
-        return math.ceil(d / period - _EPS)
-
-    for g, qs in enumerate(on):
-        for q in qs:
-            need = static[g] + units.x[q] * copies(down[q])
-            for r in qs:
-                if r < q:
-                    need += units.x[r] * copies(down[q] + back[q] - back[r])
-                elif r > q:
-                    need += units.x[r] * max(0, copies(down[r]) - 1)
-            if need > memory:
-                return False
-    return True
+    return memory_check(units, gpu, n_gpus, memory)(period)
 
 
 def allocation_floor(units: Units, gpu: Sequence[int], n_gpus: int, memory: int | None,
@@ -214,14 +225,17 @@ def allocation_floor(units: Units, gpu: Sequence[int], n_gpus: int, memory: int 
     low = max([*loads, *links.values()])
     if low > cap * (1 + _EPS):
         return math.inf
-    if memory is None or memory_fits(units, gpu, n_gpus, memory, low):
+    if memory is None:
         return low
-    if not memory_fits(units, gpu, n_gpus, memory, cap):
+    fits = memory_check(units, gpu, n_gpus, memory)
+    if fits(low):
+        return low
+    if not fits(cap):
         return math.inf
     high = cap
     for _ in range(FLOOR_ITERATIONS):
         mid = (low + high) / 2
-        if memory_fits(units, gpu, n_gpus, memory, mid):
+        if fits(mid):
             high = mid
         else:
             low = mid
@@ -406,4 +420,4 @@ def _decide(problem: PipelineProblem, units: Units, gpu: Sequence[int], cutoff: 
 
 __all__ = ["CHUNK_STEP", "CHUNK_WORK", "FLOOR_ITERATIONS", "MAX_ALLOCATIONS", "MAX_CHUNKS",
            "RETRY_WORK", "ChunkSettings", "Scan", "allocation_floor", "chunk_allocations",
-           "memory_fits", "ranked", "scan", "settings"]
+           "memory_check", "memory_fits", "ranked", "scan", "settings"]
