@@ -569,13 +569,14 @@ def part_lns(moves: int, work: float, seeds: list[int], bound: float = 0.0,
 
 
 def part_chunks(starts: tuple[str, ...], work: float, moves: int, move_work: float,
-                search: bool = True) -> list[str]:
+                search: bool = True, workers: int = 1) -> list[str]:
     """The chunk scan from each start, and the search of part 9 from the same start."""
     problem = headline_problem(resolve_chain("resnet50-b32-224"))
     units = make_units(problem)
     plans = {c[2]: c for c in incumbents(problem, SolveOptions(threads=1, seed=0))}
     names = {"madpipe": "madpipe", "contiguous": "contiguous 1F1B*"}
-    rows = [f"{work:g} deterministic s per allocation, 1 worker, at most "
+    rows = [f"{work:g} deterministic s per allocation, one CP-SAT worker each, {workers} "
+            f"allocation(s) asked at once, at most "
             f"{pipeline_chunks.MAX_CHUNKS} chunks per GPU; the search: {moves} moves x "
             f"{move_work:g} deterministic s, seed 0.", "",
             "| start | method | period | found at (evaluation or move: period) | evaluated "
@@ -587,7 +588,7 @@ def part_chunks(starts: tuple[str, ...], work: float, moves: int, move_work: flo
         cpu, wall = time.process_time(), time.perf_counter()
         found = pipeline_chunks.scan(problem, units, period, plan,
                                      chunks=pipeline_chunks.MAX_CHUNKS, work=work,
-                                     step=pipeline_chunks.CHUNK_STEP)
+                                     step=pipeline_chunks.CHUNK_STEP, workers=workers)
         trail = found_trail(found.found_at, found.improvements)
         rows.append(f"| {start} {period:.2f} | chunks | {found.period:.2f} | "
                     f"{'; '.join(trail[-4:]) or '-'} | {found.evaluated} | {found.refuted} | "
@@ -648,6 +649,8 @@ def main() -> None:
                         help="deterministic seconds per allocation of part 10")
     parser.add_argument("--chunks-no-search", action="store_true",
                         help="part 10 without the search's rows")
+    parser.add_argument("--chunks-workers", type=int, default=1,
+                        help="allocations asked at once by part 10's scan (threads)")
     parser.add_argument("--out", help="write the Markdown here")
     args = parser.parse_args()
     seeds = [0, 1, 2, 3, 4]
@@ -690,9 +693,10 @@ def main() -> None:
                            not args.lns_no_full), ""]
     if "chunks" in args.parts:
         text += ["## ResNet-50, 4 GPUs, 3 GiB, 12 GB/s: the chunk scan against the search "
-                 "(part 10, CP-SAT, 1 worker)", "",
+                 f"(part 10, CP-SAT, {args.chunks_workers} thread(s))", "",
                  *part_chunks(tuple(args.chunks_starts), args.chunks_work, args.lns_moves,
-                              args.lns_work, not args.chunks_no_search), ""]
+                              args.lns_work, not args.chunks_no_search,
+                              args.chunks_workers), ""]
     text += [f"Total wall time {time.perf_counter() - start:.0f} s; 2 threads per engine."]
     out = "\n".join(text) + "\n"
     print(out)

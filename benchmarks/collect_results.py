@@ -21,7 +21,8 @@ ORDER = ["checkpoint_dp", "exact", "checkpoint_exact", "zoo", "pytorch", "hf_aut
          "hf_segment_quiet",
          "hf_segment", "memory", "hf_zoo", "offload",
          "offload_exact", "remat_offload", "remat_offload_exact", "remat_offload_proofs",
-         "pipeline_exact", "pipeline", "madpipe_speed", "pipeline_runtime", "min_peak", "fuzz"]
+         "pipeline_exact", "pipeline_fixed", "pipeline", "madpipe_speed", "pipeline_runtime",
+         "min_peak", "fuzz"]
 INTRO = """# Benchmark results
 
 Measured on this project's machine: 2 shared vCPUs, 24 GiB, no GPU, Python 3.11. Other jobs

@@ -12,6 +12,7 @@ refused with one clear error.
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -162,6 +163,57 @@ def test_enough_chunks_is_the_exact_optimum(problem):
     if bound is not None:
         assert res.objective == pytest.approx(overall, rel=2 * chunked.CHUNK_STEP)
         assert bound <= overall + 1e-6
+
+
+def eight_layer_problem(seed: int) -> PipelineProblem:
+    """Eight layers, 3 GPUs, a tight memory: families of 30 allocations, several asked."""
+    rng = random.Random(seed)
+    n = 8
+    f = [rng.randint(1, 6) for _ in range(n)]
+    b = [rng.randint(1, 8) for _ in range(n)]
+    a = [rng.randint(0, 4) for _ in range(n + 1)] + [0]
+    w = [rng.randint(0, 2) for _ in range(n)]
+    chain = thesis_chain(f, b, a, w)
+    lay = PipelineProblem(chain, 3, 0).layers
+    lo = max(lay.x) + 3 * max(lay.w) + 2 * max(lay.a)
+    hi = 3 * sum(lay.w) + 3 * sum(lay.x) + 4 * sum(lay.a)
+    return PipelineProblem(chain, 3, lo + (hi - lo) // 12,
+                           chain_bandwidth=rng.choice([math.inf, 2.0, 4.0]))
+
+
+@pytest.mark.parametrize("seed", [1, 5])
+def test_parallel_scan_is_deterministic_and_finds_the_same_best(seed):
+    """Two and three workers (threads; batches asked at one cutoff, settled in order): the
+    same report on a second run, the same best period and family bound as one worker (the
+    family's optimum either way); several allocations are asked, so batches are used."""
+    problem = eight_layer_problem(seed)
+
+    def run(threads):
+        return solve(problem, "chunks", options=replace(FAST, threads=threads))
+
+    one = run(1)
+    assert one.report["chunks_bound"] is not None, one.report
+    assert one.report["chunks_evaluated"] >= 3, one.report
+    for threads in (2, 3):
+        first, again = run(threads), run(threads)
+        keys = [k for k in first.report if k.startswith("chunks_")]
+        assert {k: first.report[k] for k in keys} == {k: again.report[k] for k in keys}
+        assert first.objective == again.objective
+        assert first.status is one.status
+        assert first.objective == pytest.approx(one.objective, rel=2 * chunked.CHUNK_STEP)
+        assert first.report["chunks_bound"] == pytest.approx(one.report["chunks_bound"])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_time_limit_keeps_a_plan_and_withholds_the_bound(threads):
+    """A time limit (a tiny one here) returns a replayed plan; whenever the scan stopped on
+    time, no family bound is claimed (invariants that hold however far the scan got)."""
+    problem = eight_layer_problem(5)
+    res = solve(problem, "chunks", options=replace(FAST, threads=threads, time_limit_s=0.05))
+    assert res.status.has_plan, res.report
+    assert res.report["chunks_stopped"] in ("done", "time")
+    if res.report["chunks_stopped"] == "time":
+        assert res.report["chunks_bound"] is None
 
 
 def test_engine_failures_are_counted_and_survived(monkeypatch):

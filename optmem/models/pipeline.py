@@ -78,7 +78,7 @@ from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import reduce
 
-from optmem.models.formulation import Expr, Model, rational_time_scale
+from optmem.models.formulation import Expr, Literal, Model, rational_time_scale
 from optmem.pipeline_plan import (
     PipelinePlan,
     PipelineStage,
@@ -95,6 +95,12 @@ TIME_RESOLUTION = 1e-7
 """CP-SAT time grid, relative to the load bound (see :meth:`PipelineFormulation.time_scale`)."""
 
 MAX_SECANTS = 64
+
+SLIM_FIXED = True
+"""With the allocation fixed (``build_pipeline_model(gpu=...)``), write ``x``, ``z``, ``e``,
+``zl`` and the buffer indicators as constants and leave out the rows and order variables
+of pairs that never share a GPU or link (``False``: the general model with fixing rows,
+for comparisons; both have the same solutions, see :class:`_Builder`)."""
 
 
 # ------------------------------------------------------------------ units
@@ -510,7 +516,8 @@ class _Encoder:
         self.values = [0.0] * len(form.model.vars)
 
     def set(self, e: Expr, value: float) -> None:
-        self.values[Model.index(e)] = float(value)
+        if e.terms:  # constants (a slim model's fixed indicators) hold no variable
+            self.values[Model.index(e)] = float(value)
 
     def val(self, e: Expr) -> float:
         return float(e.value(self.values))
@@ -672,7 +679,7 @@ def build_pipeline_model(
     form = PipelineFormulation(units, min(n_gpus, n), memory, strict, model, period, lower,
                                upper, _size_unit(units, memory),
                                fixed_gpu=None if gpu is None else gpu)
-    _Builder(form).build()
+    _Builder(form, slim=SLIM_FIXED and gpu is not None and not lifetime_cuts).build()
     for k, group in enumerate(together):
         members = sorted(set(group))
         if not all(0 <= q < n for q in members):
@@ -704,13 +711,35 @@ def _size_unit(units: Units, memory: int) -> int:
 
 
 class _Builder:
-    """Adds the rows of :func:`build_pipeline_model` to a formulation, one block at a time."""
+    """Adds the rows of :func:`build_pipeline_model` to a formulation, one block at a time.
 
-    def __init__(self, form: PipelineFormulation) -> None:
+    ``slim`` (a fixed allocation, :data:`SLIM_FIXED`): the allocation's indicators are
+    constants (``x``, ``z``, the cut-to-link ``e``, the shared-link ``zl``, the buffer
+    indicators), so a row enforced by an indicator is written unconditionally when it is 1
+    and left out when it is 0, and a pair of tasks on different GPUs or links gets the
+    constant 0 as its order instead of a binary with rows. The general model with the
+    allocation fixed by rows has exactly these solutions (its fixed binaries take these
+    values, its free order binaries of such pairs constrain nothing); only the number of
+    variables and rows differs (ResNet-50's 21 units on 4 GPUs: 578 variables and 1,214
+    rows instead of 3,326 and 11,729; ``benchmarks/bench_pipeline_fixed.py``).
+    """
+
+    def __init__(self, form: PipelineFormulation, *, slim: bool = False) -> None:
         self.form = form
         self.m = form.model
         self.u = form.units
         self.T = form.period
+        self.slim = slim and form.fixed_gpu is not None
+
+    def when(self, e: Expr, value: bool = True) -> tuple[Literal, ...] | None:
+        """Literals that enforce a row when the indicator ``e`` equals ``value``.
+
+        ``e`` is a binary variable, or a constant 0/1 in a slim model: then ``()`` (always)
+        or ``None`` (never: leave the row out).
+        """
+        if not e.terms:
+            return () if (e.const > 0.5) == value else None
+        return (self.m.literal(e, value),)
 
     def build(self) -> None:
         self.allocation()
@@ -731,6 +760,9 @@ class _Builder:
     def allocation(self) -> None:
         form, m, u = self.form, self.m, self.u
         n, gpus = u.n, form.n_gpus
+        if self.slim:
+            self.fixed_allocation()
+            return
         for q in range(n):
             for p in range(min(q, gpus - 1) + 1):
                 form.x[(q, p)] = m.binary(f"x_{q}_{p}")
@@ -749,6 +781,17 @@ class _Builder:
                 m.add(z >= xq + xr - 1, f"zlo_{q}_{r}_{p}")
                 m.add(z <= 1 - xq + xr, f"zhi_{q}_{r}_{p}")
                 m.add(z <= 1 - xr + xq, f"zhj_{q}_{r}_{p}")
+
+    def fixed_allocation(self) -> None:
+        """``x`` and ``z`` as the fixed allocation's constants (slim model)."""
+        form, n = self.form, self.u.n
+        gpu = form.fixed_gpu
+        assert gpu is not None
+        for q in range(n):
+            for p in range(min(q, form.n_gpus - 1) + 1):
+                form.x[(q, p)] = Expr.of(1 if gpu[q] == p else 0)
+        for q, r in itertools.combinations(range(n), 2):
+            form.z[(q, r)] = Expr.of(1 if gpu[q] == gpu[r] else 0)
 
     def gpu_loads(self) -> None:
         """``T >=`` the load of every GPU (a cut)."""
@@ -776,12 +819,13 @@ class _Builder:
             tau, d, q = form.start[t], self.dur(t), t[1]
             m.add(tau + d <= 2 * T, f"end_{t[0]}{t[1]}")
             for p in range(form.n_gpus):
-                if (q, p) not in form.x:
+                lits = None if (q, p) not in form.x else self.when(form.x[(q, p)])
+                if lits is None:
                     continue
-                lit = m.literal(form.x[(q, p)])
-                m.add(tau >= form.window[p], f"wlo_{t[0]}{q}_{p}", only_if=lit)
-                m.add(tau + d <= form.window[p] + T, f"whi_{t[0]}{q}_{p}", only_if=lit)
-                intervals[p].append(m.interval(f"iv_{t[0]}{q}_{p}", tau, d, lit))
+                m.add(tau >= form.window[p], f"wlo_{t[0]}{q}_{p}", only_if=lits)
+                m.add(tau + d <= form.window[p] + T, f"whi_{t[0]}{q}_{p}", only_if=lits)
+                intervals[p].append(m.interval(f"iv_{t[0]}{q}_{p}", tau, d,
+                                               lits[0] if lits else None))
         for p, ivs in intervals.items():
             m.no_overlap(f"gpu_{p}", ivs, redundant=True)
         for t, v in itertools.combinations(form.tasks, 2):
@@ -791,8 +835,11 @@ class _Builder:
         return self.u.f[t[1]] if t[0] == "F" else self.u.b[t[1]]
 
     def pair(self, t: Task, v: Task, same: Expr, store: dict, tag: str) -> None:
-        """One order binary for a pair that may share a resource (``same``)."""
+        """One order binary for a pair that may share a resource (``same``; 0: none)."""
         m, form = self.m, self.form
+        if self.when(same) is None:  # never on one resource (slim model)
+            store[(t, v)] = Expr.of(0)
+            return
         w = store[(t, v)] = m.binary(f"{tag}_{t[0]}{t[1]}_{v[0]}{v[1]}")
         lits: list = []
         if same.terms:
@@ -813,14 +860,20 @@ class _Builder:
                 tau = form.start[t] = m.continuous(f"tau_{kind}{c}", 0, 2 * form.upper)
                 m.add(tau + form.duration(t) <= 2 * T, f"end_{kind}{c}")
                 ready = form.start[src] + self.dur(src)
-                if not u.comm:  # no link is ever busy: right after its producer (no loss)
-                    m.add(tau == ready, f"tie_{kind}{c}")
-                else:
-                    m.add(tau == ready, f"tie_{kind}{c}", only_if=m.literal(form.same(c, c + 1)))
+                lits = () if not u.comm else self.when(form.same(c, c + 1))
+                if lits is not None:  # no link busy (no comm, or no cut): right after its producer
+                    m.add(tau == ready, f"tie_{kind}{c}", only_if=lits)
 
     def link_vars(self) -> None:
         """``e[c, p, p']``: the cut after unit ``c`` joins GPUs ``p < p'`` (exact)."""
         form, m = self.form, self.m
+        if self.slim:
+            gpu = form.fixed_gpu
+            assert gpu is not None
+            for c in range(self.u.n - 1):
+                if gpu[c] != gpu[c + 1]:
+                    form.e[(c, min(gpu[c], gpu[c + 1]), max(gpu[c], gpu[c + 1]))] = Expr.of(1)
+            return
         pairs = list(itertools.combinations(range(form.n_gpus), 2))
         for c in range(self.u.n - 1):
             for p, pp in pairs:
@@ -854,19 +907,24 @@ class _Builder:
                   f"linkload_{p}_{pp}")
             ivs = []
             for c in on:
-                lit = m.literal(form.e[(c, p, pp)])
+                lits = self.when(form.e[(c, p, pp)])
+                assert lits is not None  # a slim model lists only the cuts that exist
                 for kind in ("S", "G"):
                     tau = form.start[(kind, c)]
-                    m.add(tau >= win, f"lwlo_{kind}{c}_{p}_{pp}", only_if=lit)
-                    m.add(tau + u.dt[c] <= win + T, f"lwhi_{kind}{c}_{p}_{pp}", only_if=lit)
+                    m.add(tau >= win, f"lwlo_{kind}{c}_{p}_{pp}", only_if=lits)
+                    m.add(tau + u.dt[c] <= win + T, f"lwhi_{kind}{c}_{p}_{pp}", only_if=lits)
                     if u.dt[c] > 0:
-                        ivs.append(m.interval(f"liv_{kind}{c}_{p}_{pp}", tau, u.dt[c], lit))
+                        ivs.append(m.interval(f"liv_{kind}{c}_{p}_{pp}", tau, u.dt[c],
+                                              lits[0] if lits else None))
             m.no_overlap(f"link_{p}_{pp}", ivs, redundant=True)
         for c, d in itertools.combinations(timed, 2):
             if u.dt[c] == 0 and u.dt[d] == 0:
                 continue
             shared = [(p, pp) for p, pp in pairs if (c, p, pp) in form.e and (d, p, pp) in form.e]
             if not shared:
+                continue
+            if self.slim:  # both cuts exist, on the same link
+                form.zl[(c, d)] = Expr.of(1)
                 continue
             zl = form.zl[(c, d)] = m.binary(f"zl_{c}_{d}")
             for p, pp in shared:
@@ -884,15 +942,16 @@ class _Builder:
     def cut_pair(self, t: Task, v: Task, cut: Expr) -> None:
         """The two transfers of one cut share its link when the cut exists."""
         m, form = self.m, self.form
-        z = form.same(t[1], t[1] + 1)
+        apart = self.when(form.same(t[1], t[1] + 1), False)
+        if apart is None:  # no cut (slim model)
+            form.link_order[(t, v)] = Expr.of(0)
+            return
         w = form.link_order[(t, v)] = m.binary(f"wl_{t[0]}{t[1]}_{v[0]}{v[1]}")
         m.add(w <= cut, f"wlle_{t[0]}{t[1]}_{v[0]}{v[1]}")
         a, b = form.start[t], form.start[v]
         dt = self.u.dt[t[1]]
-        m.add(b >= a + dt, f"wla_{t[0]}{t[1]}_{v[0]}", only_if=[m.literal(z, False),
-                                                              m.literal(w)])
-        m.add(a >= b + dt, f"wlb_{t[0]}{t[1]}_{v[0]}", only_if=[m.literal(z, False),
-                                                              m.literal(w, False)])
+        m.add(b >= a + dt, f"wla_{t[0]}{t[1]}_{v[0]}", only_if=[*apart, m.literal(w)])
+        m.add(a >= b + dt, f"wlb_{t[0]}{t[1]}_{v[0]}", only_if=[*apart, m.literal(w, False)])
 
     # ------------------------------------------------------------ shifts
     def shifts(self) -> None:
@@ -923,8 +982,12 @@ class _Builder:
             sigma = form.sigma(q)
             for r in range(n):
                 if r != q and u.x[q]:
+                    lits = self.when(form.same(q, r))
+                    if lits is None:  # other GPU (slim model): never counted
+                        form.sig[(r, q)] = Expr.of(0)
+                        continue
                     s = form.sig[(r, q)] = m.integer(f"sig_{r}_{q}", 0, 2 * len(form.edges))
-                    m.add(s >= sigma, f"sig_{r}_{q}", only_if=m.literal(form.same(q, r)))
+                    m.add(s >= sigma, f"sig_{r}_{q}", only_if=lits)
         direct = self.direct_data()
         for t in form.tasks:
             if t[0] == "B" and not form.strict:
@@ -949,7 +1012,10 @@ class _Builder:
         form, m, u = self.form, self.m, self.u
         for q in range(u.n):
             for c in range(u.n - 1):
-                if u.buf[c]:
+                if u.buf[c] and self.slim:
+                    form.bufv[(q, c)] = Expr.of(abs(form.same(q, c).const
+                                                    - form.same(q, c + 1).const))
+                elif u.buf[c]:
                     b = form.bufv[(q, c)] = m.binary(f"buf_{q}_{c}")
                     m.add(b >= form.same(q, c) - form.same(q, c + 1), f"bufa_{q}_{c}")
                     m.add(b >= form.same(q, c + 1) - form.same(q, c), f"bufb_{q}_{c}")

@@ -206,7 +206,8 @@ def solve_pipeline_chunks(problem: PipelineProblem, options: SolveOptions) -> Re
     limit = options.time_limit_s
     found = chunked.scan(problem, units, period, plan, chunks=conf.chunks, work=conf.work,
                          step=conf.step, seed=options.seed,
-                         deadline=None if limit is None else start + limit)
+                         deadline=None if limit is None else start + limit,
+                         workers=options.threads)
     report: dict[str, object] = {**found.report(),
                                  "incumbents": {s: p for p, _, s in starts},
                                  "source": "chunks" if found.improvements

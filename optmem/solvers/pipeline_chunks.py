@@ -28,6 +28,10 @@ non-contiguous allocations serve the same end). This method searches that family
    left undecided are asked once more at the final cutoff with :data:`RETRY_WORK` times the
    work. CP-SAT's refutations count only where the durations lie on its time grid
    (:func:`~optmem.solvers.pipeline_common.run_model`); elsewhere they stay undecided.
+4. **In parallel**: with ``w`` threads (``SolveOptions.threads``) up to ``LOOKAHEAD * w``
+   questions are in flight, each sent at the cutoff in force a fixed number of answers
+   earlier and answered in the order sent (:class:`_Asker`), so the scan is the same for
+   the same ``w`` on any machine.
 
 When the pass ends with no allocation undecided, every plan of the family has a period of at
 least the last cutoff (less CP-SAT's grid step): ``report["chunks_bound"]``, a bound of the
@@ -43,7 +47,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from optmem.errors import OptmemInputError
@@ -63,6 +69,8 @@ CHUNK_STEP = 1e-4
 RETRY_WORK = 4.0
 """The allocations left undecided are asked once more at the final cutoff with this many
 times ``chunk_work``."""
+LOOKAHEAD = 4
+"""With ``w > 1`` workers, up to ``LOOKAHEAD * w`` questions are in flight (:class:`_Asker`)."""
 MAX_ALLOCATIONS = 2_000_000
 """Enumeration stops after this many allocations (``report["chunks_truncated"]``)."""
 FLOOR_ITERATIONS = 40
@@ -299,7 +307,7 @@ def ranked(problem: PipelineProblem, units: Units, chunks: int, cap: float
 
 def scan(problem: PipelineProblem, units: Units, period: float, plan: PipelinePlan | None, *,
          chunks: int, work: float, step: float, seed: int = 0,
-         deadline: float | None = None) -> Scan:
+         deadline: float | None = None, workers: int = 1) -> Scan:
     """Improve ``plan`` (period ``period``; ``inf`` and ``None`` without one) over the family.
 
     One pass by increasing :func:`allocation_floor`; see the module docstring. An allocation
@@ -307,68 +315,136 @@ def scan(problem: PipelineProblem, units: Units, period: float, plan: PipelinePl
     its polished plan is proven optimal for it, or it is undecided. The allocations left
     undecided are asked once more at the final cutoff with :data:`RETRY_WORK` times the work
     (a cutoff lowered since their first run is often decided at once).
+
+    ``workers`` allocations are asked at once (threads; CP-SAT runs outside the GIL), each
+    at the cutoff in force a fixed number of answers earlier, the answers taken in the
+    scan's order (:class:`_Asker`): the same answers for the same ``workers`` on any
+    machine, as each question is deterministic.
     """
     out = Scan(period, plan)
     cap = period if math.isfinite(period) else units.big_m()
     family, out.truncated = ranked(problem, units, chunks, cap)
     out.family = len(family)
-    grid = 0.0
-    pending: list[tuple[float, tuple[int, ...]]] = []
-    for k, (floor, gpu) in enumerate(family):
-        if floor >= _cutoff(out, cap, step) * (1 - _EPS):
-            out.skipped = len(family) - k
-            break
-        state, width = _settle(out, problem, units, gpu, cap, step, work, seed, deadline)
-        grid = max(grid, width)
-        if state == "undecided":
-            pending.append((floor, gpu))
-        if state == "time":
-            break
-    for floor, gpu in pending if out.stopped == "done" else []:
-        out.undecided -= 1  # counted again below unless decided now
-        if floor >= _cutoff(out, cap, step) * (1 - _EPS):
-            out.skipped += 1
-            continue
-        state, width = _settle(out, problem, units, gpu, cap, step, RETRY_WORK * work, seed,
-                               deadline)
-        grid = max(grid, width)
-        if state == "time":
-            out.undecided += 1
-            break
+    ask = _Asker(problem, units, cap, step, seed, deadline, max(1, workers))
+    with ask:
+        pending = ask.run(out, family, work)
+        if out.stopped == "done" and pending:
+            out.undecided -= len(pending)  # counted again below unless decided now
+            ask.run(out, pending, RETRY_WORK * work)
     if out.stopped == "done" and not out.truncated and out.undecided == 0:
-        out.bound = max(0.0, _cutoff(out, cap, step) - 2 * grid)
+        out.bound = max(0.0, _cutoff(out, cap, step) - 2 * ask.grid)
     return out
 
 
-def _settle(out: Scan, problem: PipelineProblem, units: Units, gpu: tuple[int, ...],
-            cap: float, step: float, work: float, seed: int, deadline: float | None
-            ) -> tuple[str, float]:
-    """Ask one allocation at the cutoff until it is refuted, optimal, undecided or out of time.
+class _Asker:
+    """Asks allocations through a window of in-flight questions; takes answers in order.
 
-    Updates ``out`` (plan, improvements, counts); returns the state (``refuted``,
-    ``optimal``, ``undecided``, ``failed``, ``time``) and the largest CP-SAT grid step seen.
+    With one worker each allocation is asked at the cutoff in force when the previous
+    answer was taken (the plain sequential scan). With ``w > 1`` workers, up to
+    ``LOOKAHEAD * w`` questions are in flight on ``w`` threads (CP-SAT runs outside the
+    GIL); the ``k``-th question is sent right after the ``(k - window)``-th answer is taken,
+    at the cutoff then in force, and answers are taken in the order sent. So which
+    allocation is asked at which cutoff depends only on earlier answers, never on which
+    thread finishes first: the same scan for the same ``w`` on any machine (each question
+    being deterministic), and a slow question holds back only its own answer's turn.
     """
-    grid = 0.0
-    while True:
-        left = None if deadline is None else deadline - time.perf_counter()
-        if left is not None and left <= 0:
-            out.stopped = "time"
-            return "time", grid
-        outcome = _decide(problem, units, gpu, _cutoff(out, cap, step), work, seed, left)
+
+    def __init__(self, problem: PipelineProblem, units: Units, cap: float, step: float,
+                 seed: int, deadline: float | None, workers: int) -> None:
+        self.problem, self.units, self.cap, self.step = problem, units, cap, step
+        self.seed, self.deadline, self.workers = seed, deadline, workers
+        self.window = 1 if workers == 1 else LOOKAHEAD * workers
+        self.grid = 0.0
+        self.pool: ThreadPoolExecutor | None = None
+
+    def __enter__(self) -> _Asker:
+        if self.workers > 1:
+            self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="optmem-chunks")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(cancel_futures=True)
+
+    def left(self) -> float | None:
+        return None if self.deadline is None else self.deadline - time.perf_counter()
+
+    def run(self, out: Scan, items: list[tuple[float, tuple[int, ...]]], work: float
+            ) -> list[tuple[float, tuple[int, ...]]]:
+        """One pass over ``items`` (by floor); returns the allocations left undecided.
+
+        An allocation whose plan was taken (not proven optimal for it), or whose plan was
+        overtaken by an answer taken before it, goes back to the front of the queue, to be
+        asked at the cutoff then in force. Once the front's floor reaches the cutoff, the
+        rest of the queue is skipped.
+        """
+        queue = deque(items)
+        flight: deque[tuple[tuple[float, tuple[int, ...]], Future[_Outcome]]] = deque()
+        pending: list[tuple[float, tuple[int, ...]]] = []
+        while True:
+            cutoff = _cutoff(out, self.cap, self.step)
+            if queue and queue[0][0] >= cutoff * (1 - _EPS):
+                out.skipped += len(queue)
+                queue.clear()
+            left = self.left()
+            if left is not None and left <= 0:
+                out.stopped = "time"
+                break
+            while queue and len(flight) < self.window:
+                item = queue.popleft()
+                flight.append((item, self.send(item[1], cutoff, work)))
+            if not flight:
+                break
+            item, answer = flight.popleft()
+            state = self.take(out, answer.result())
+            if state == "undecided":
+                pending.append(item)
+            elif state == "again":
+                queue.appendleft(item)
+        for _, answer in flight:
+            answer.cancel()
+        return pending
+
+    def send(self, gpu: tuple[int, ...], cutoff: float, work: float) -> Future[_Outcome]:
+        """Ask ``gpu`` at ``cutoff`` (on the pool, or at once without one)."""
+        def ask() -> _Outcome:
+            left = self.left()
+            return _decide(self.problem, self.units, gpu, cutoff, work, self.seed,
+                           None if left is None else max(left, 1e-3))
+
+        if self.pool is not None:
+            return self.pool.submit(ask)
+        done: Future[_Outcome] = Future()
+        done.set_result(ask())
+        return done
+
+    def take(self, out: Scan, outcome: _Outcome) -> str:
+        """Count one outcome, in the scan's order, against the cutoff now in force.
+
+        A refutation at the cutoff the batch was asked at holds at the cutoff now (never
+        higher); a plan below the cutoff now is taken; a plan overtaken by an earlier one of
+        the batch refutes the allocation if it was proven optimal for it. Returns
+        ``refuted``, ``failed``, ``undecided``, ``optimal`` (a plan taken, proven optimal
+        for its allocation) or ``again`` (ask this allocation again at the cutoff now).
+        """
+        cutoff = _cutoff(out, self.cap, self.step)
         out.evaluated += 1
-        grid = max(grid, outcome.grid)
+        self.grid = max(self.grid, outcome.grid)
         if outcome.found is None:
             out.refuted += outcome.refuted
             out.undecided += not outcome.refuted
             out.failed += outcome.failed
-            state = "refuted" if outcome.refuted else "failed" if outcome.failed \
+            return "refuted" if outcome.refuted else "failed" if outcome.failed \
                 else "undecided"
-            return state, grid
+        if outcome.found[0] > cutoff * (1 + _EPS):  # overtaken within its batch
+            if outcome.optimal:
+                out.refuted += 1
+                return "refuted"
+            return "again"
         out.period, out.plan = outcome.found
         out.improvements.append(outcome.found[0])
         out.found_at.append(out.evaluated)
-        if outcome.optimal:
-            return "optimal", grid
+        return "optimal" if outcome.optimal else "again"
 
 
 def _cutoff(out: Scan, cap: float, step: float) -> float:
@@ -418,6 +494,6 @@ def _decide(problem: PipelineProblem, units: Units, gpu: Sequence[int], cutoff: 
     return _Outcome(found=best, optimal=optimal, grid=max(run.step, polish.step))
 
 
-__all__ = ["CHUNK_STEP", "CHUNK_WORK", "FLOOR_ITERATIONS", "MAX_ALLOCATIONS", "MAX_CHUNKS",
-           "RETRY_WORK", "ChunkSettings", "Scan", "allocation_floor", "chunk_allocations",
-           "memory_check", "memory_fits", "ranked", "scan", "settings"]
+__all__ = ["CHUNK_STEP", "CHUNK_WORK", "FLOOR_ITERATIONS", "LOOKAHEAD", "MAX_ALLOCATIONS",
+           "MAX_CHUNKS", "RETRY_WORK", "ChunkSettings", "Scan", "allocation_floor",
+           "chunk_allocations", "memory_check", "memory_fits", "ranked", "scan", "settings"]

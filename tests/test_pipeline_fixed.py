@@ -1,0 +1,153 @@
+"""The slim fixed-allocation pipeline model (``SLIM_FIXED``) against the general one.
+
+With the allocation fixed, :func:`~optmem.models.pipeline.build_pipeline_model` writes the
+allocation's indicators as constants and leaves out the rows of pairs that never share a
+GPU or link. These tests check that this changes the size of the model and nothing else:
+the same optimum (both proven, both emitters), the same plans accepted, and far fewer rows.
+Every solve runs without a time limit (small instances that always prove).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from optmem.chain import Chain
+from optmem.pipeline_plan import PipelinePlan
+from optmem.problems.pipeline import PipelineProblem
+from optmem.result import SolveOptions, Status
+from optmem.simulate.pipeline import simulate_pipeline
+
+pytest.importorskip("pulp", reason="the exact pipeline models need PuLP (optmem[engines])")
+pytest.importorskip("ortools", reason="the CP-SAT pipeline model needs OR-Tools")
+
+import optmem.models.pipeline as mp  # noqa: E402
+from optmem.models.pipeline import build_pipeline_model, first_use, make_units  # noqa: E402
+from optmem.solvers.pipeline_common import run_model  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # PuLP 4.0 notices
+
+OPTS = SolveOptions(warm_start=False, threads=1)
+
+
+@st.composite
+def fixed_problems(draw):
+    """A chain of 2-5 layers, 2-3 GPUs, a link of three speeds, and one allocation."""
+    n = draw(st.integers(2, 5))
+    f = [draw(st.integers(1, 3)) for _ in range(n)]
+    b = [draw(st.integers(1, 4)) for _ in range(n)]
+    a = [draw(st.integers(0, 3)) for _ in range(n)] + [0]
+    w = [draw(st.integers(0, 3)) for _ in range(n)]
+    gpus = draw(st.integers(2, 3))
+    chain = Chain.from_lists(f, b, a[1:], a[1:], input_size=a[0], weight_size=w)
+    lay = PipelineProblem(chain, gpus, 0).layers
+    heavy = 3 * sum(lay.w) + 2 * sum(lay.x) + 4 * sum(lay.a)
+    memory = draw(st.integers(max(lay.x) + 3 * max(lay.w), max(heavy, 1) + 1))
+    beta = draw(st.sampled_from([math.inf, 1.0, 2.0]))
+    problem = PipelineProblem(chain, gpus, memory, chain_bandwidth=beta)
+    if draw(st.booleans()):
+        problem = replace(problem, memory_model="strict")
+    gpu = first_use([draw(st.integers(0, gpus - 1)) for _ in range(n)])
+    return problem, list(gpu)
+
+
+def solve_fixed(problem: PipelineProblem, gpu: list[int], method: str, slim: bool):
+    saved = mp.SLIM_FIXED
+    mp.SLIM_FIXED = slim
+    try:
+        return run_model(problem, method, OPTS, gpu=gpu)
+    finally:
+        mp.SLIM_FIXED = saved
+
+
+@settings(max_examples=40, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(case=fixed_problems(), method=st.sampled_from(["cpsat", "ilp"]))
+def test_slim_equals_general_model(case, method):
+    """Same status and proven optimum for the fixed allocation; both plans replay."""
+    problem, gpu = case
+    slim = solve_fixed(problem, gpu, method, True)
+    general = solve_fixed(problem, gpu, method, False)
+    assert slim.status is general.status, (slim.report, general.report)
+    if slim.status is Status.INFEASIBLE:
+        return
+    assert slim.status is Status.OPTIMAL
+    tol = max(slim.step, general.step) + 1e-6
+    assert slim.plan.period == pytest.approx(general.plan.period, abs=tol)
+    for run in (slim, general):
+        sim = simulate_pipeline(problem, run.plan)
+        assert sim.peak_memory <= problem.memory_per_gpu
+        assert sim.period == pytest.approx(run.plan.period, abs=1e-6)
+        assert mp.plan_gpus(make_units(problem), run.plan) == tuple(gpu)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(case=fixed_problems(), frac=st.floats(0, 1))
+def test_slim_model_accepts_what_the_simulator_accepts(case, frac):
+    """A 1F1B* plan of a contiguous allocation, encoded in the slim model of that allocation,
+    violates nothing iff the simulator accepts it (else only memory rows), as in the general
+    model; its objective is the plan's period."""
+    from optmem.solvers import pipeline_contiguous as contig
+
+    problem, _ = case
+    k = min(problem.n_gpus, problem.layers.n)
+    bounds = contig.equal_split(problem, k)
+    f, b = contig.pseudo_loads(problem, bounds)
+    loads = [x + y for x, y in zip(f, b, strict=True)]
+    period = max(loads) + frac * (sum(loads) - max(loads))
+    plan = contig.one_f_one_b_star(problem, bounds, period)
+    units = make_units(problem)
+    gpu = mp.plan_gpus(units, plan)
+    assert gpu is not None
+    form = build_pipeline_model(units, problem.n_gpus, problem.memory_per_gpu,
+                                strict=problem.memory_model == "strict", gpu=gpu)
+    values = form.encode(plan)
+    assert values is not None
+    bad = form.model.violated(values)
+    fits = simulate_pipeline(problem, plan).peak_memory <= problem.memory_per_gpu
+    if fits:
+        assert not bad, bad
+        assert form.model.evaluate(values) == pytest.approx(plan.period)
+    else:
+        assert bad and all(name.startswith("mem") for name in bad), bad
+    assert form.decode(values).period == pytest.approx(plan.period)
+
+
+def test_slim_model_is_smaller_on_resnet50():
+    """ResNet-50's 21 units on 4 GPUs, one two-chunk allocation: a tenth of the rows."""
+    from optmem.datasets import resolve_chain
+
+    problem = PipelineProblem(resolve_chain("resnet50-b32-224"), 4, 3 * 2**30,
+                              bandwidth=12e9)
+    units = make_units(problem)
+    gpu = [0] * 3 + [1] * 5 + [2] * 5 + [3] * 5 + [0] * (units.n - 18)
+    sizes = {}
+    for slim in (True, False):
+        saved = mp.SLIM_FIXED
+        mp.SLIM_FIXED = slim
+        try:
+            form = build_pipeline_model(units, 4, problem.memory_per_gpu, gpu=gpu,
+                                        upper_bound=40.0)
+        finally:
+            mp.SLIM_FIXED = saved
+        sizes[slim] = form.model.size
+    assert sizes[True]["constraints"] * 5 < sizes[False]["constraints"], sizes
+    assert sizes[True]["variables"] * 3 < sizes[False]["variables"], sizes
+
+
+def test_lifetime_cuts_keep_the_general_model():
+    """``lifetime_cuts`` rows need the indicator variables: the general model is built."""
+    problem = PipelineProblem(Chain.from_lists([1, 2, 1], [2, 2, 2], [1, 1, 0], [1, 1, 0],
+                                               input_size=1), 2, 40, chain_bandwidth=1.0)
+    units = make_units(problem)
+    form = build_pipeline_model(units, 2, 40, gpu=[0, 1, 0], upper_bound=9.0,
+                                lifetime_cuts=True)
+    assert all(v.terms for v in form.x.values())
+    plan = run_model(problem, "cpsat", OPTS, gpu=[0, 1, 0], upper_bound=9.0,
+                     lifetime_cuts=True).plan
+    assert plan is None or isinstance(plan, PipelinePlan)
