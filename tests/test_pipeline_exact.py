@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pipeline_helpers import assert_model_agrees_with_simulator, equal_split_plan, split_stages
 
 from optmem.chain import Chain
 from optmem.pipeline_plan import PipelinePlan
@@ -230,10 +231,19 @@ def test_ilp_equals_cpsat(problem, strict):
 
 
 @pytest.mark.parametrize(("gpus", "memory", "expected", "fixed_fails"), [
-    (4, 16, 8.0, False), (4, 20, 4.0, False), (2, 14, 8.0, False), (2, 12, 8.0, True),
+    (4, 16, 8.0, False), (4, 20, 4.0, False), (2, 14, 8.0, False), (2, 12, 8.0, False),
+    (2, 11, 8.0, True),
 ])
 def test_madpipe_phase2_golden_75_strict(gpus, memory, expected, fixed_fails):
-    """madpipe.md 7.5 phase 2 (strict ILP memory): 8, 4, 8; P=2, M=12 needs free GPUs."""
+    """madpipe.md 7.5 phase 2 (strict ILP memory): 8, 4, 8, 8.
+
+    The digest's prototype ran phase 2 on the coarse chain, one task per stage, so it
+    charged the stage ``1-2`` backward its input and output (4 + 1) over its whole stash
+    (6) and 2 of buffers: 13 > 12, so ``P = 2, M = 12`` needed free GPUs. optmem checks
+    every layer (eq. 6.36's tasks are layers, ``Layers.strict_task``): layer 2's backward
+    holds 6 + 1 + 2 and layer 1's 4 + 2 + 4 (layer 2's stash freed), 11 and 12 with the
+    buffers, so the fixed allocation fits at ``M = 12`` and fails at ``M = 11``.
+    """
     chain = thesis_chain([1] * 4, [1] * 4, [4, 2, 1, 1, 0])
     p = PipelineProblem(chain, gpus, memory, memory_model="strict")
     r = solve(p, "madpipe", options=OPTS)
@@ -358,38 +368,71 @@ def test_single_gpu(memory):
 
 
 # ------------------------------------------------------------------ the model and the simulator
-@settings(max_examples=60, deadline=None, derandomize=True)
-@given(problem=small_problems(), frac=st.floats(0, 1), strict=st.booleans())
-def test_contiguous_plans_are_model_solutions(problem, frac, strict):
+@pytest.mark.parametrize("strict", [False, True])
+@pytest.mark.parametrize("shared", [False, True])
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(problem=small_problems(), frac=st.floats(0, 1))
+def test_contiguous_plans_are_model_solutions(problem, frac, strict, shared):
     """A 1F1B* plan is an assignment of the model (objective: its period) iff it fits.
 
     The model's memory rows and the simulator agree on every such plan, in both memory
-    models: a plan the simulator accepts violates nothing, one it rejects violates a
-    memory row and nothing else.
+    models, written with multi-layer stages or one stage per layer: a plan the simulator
+    accepts violates nothing, one it rejects violates a memory row and nothing else.
+    ``shared``: fewer GPUs than layers, so that some stage has several layers.
     """
     from optmem.models.pipeline import build_pipeline_model, make_units
-    from optmem.solvers import pipeline_contiguous as contig
 
     if strict:
         problem = replace(problem, memory_model="strict")
-
-    k = min(problem.n_gpus, problem.layers.n)
-    bounds = contig.equal_split(problem, k)
-    f, b = contig.pseudo_loads(problem, bounds)
-    loads = [x + y for x, y in zip(f, b, strict=True)]
-    period = max(loads) + frac * (sum(loads) - max(loads))  # up to the sequential period
-    plan = contig.one_f_one_b_star(problem, bounds, period)
+    if shared:
+        problem = with_fewer_gpus(problem)
+    plan = equal_split_plan(problem, frac)
     form = build_pipeline_model(make_units(problem), problem.n_gpus,
                                 problem.memory_per_gpu, strict=strict)
-    values = form.encode(plan)
-    assert values is not None
-    bad = form.model.violated(values)
-    fits = simulate_pipeline(problem, plan).peak_memory <= problem.memory_per_gpu
-    if fits:
-        assert not bad, bad
-        assert form.model.evaluate(values) == pytest.approx(plan.period)
-    else:
-        assert bad and all(name.startswith("mem") for name in bad), bad
+    for p in (plan, split_stages(problem, plan)):  # also with one stage per layer
+        assert_model_agrees_with_simulator(form, problem, p)
+
+
+@pytest.mark.parametrize("memory", [1, 2])
+def test_strict_memory_of_a_two_layer_stage(memory):
+    """Strict memory checks every layer of a stage (eq. 6.36's tasks are layers).
+
+    Layer 1 stashes 1 and outputs 1; layer 2 stashes and outputs nothing. When layer 2's
+    backward starts, layer 1's stash (1) and layer 2's input gradient (1) are both held: 2,
+    whether the two layers form one stage or two. (The simulator once counted only the
+    stage's own input and output, 0 + 0, and accepted memory 1 where the model did not.)
+    """
+    from optmem.models.pipeline import build_pipeline_model, make_units
+
+    chain = Chain.from_lists([1, 1], [1, 1], [1, 0], [1, 0], input_size=0)
+    problem = PipelineProblem(chain, 1, memory, memory_model="strict")
+    plan = equal_split_plan(problem, 0.0)
+    assert [(s.first, s.last) for s in plan.stages] == [(1, 2)]
+    for p in (plan, split_stages(problem, plan)):
+        assert simulate_pipeline(problem, p).peak_memory == 2
+    form = build_pipeline_model(make_units(problem), 1, memory, strict=True)
+    assert_model_agrees_with_simulator(form, problem, plan)
+    r = solve(problem, "ilp", options=OPTS)
+    assert r.status is (Status.OPTIMAL if memory >= 2 else Status.INFEASIBLE)
+
+
+def with_fewer_gpus(problem: PipelineProblem) -> PipelineProblem:
+    """``problem`` on fewer GPUs than layers where it has 2 layers or more."""
+    return replace(problem, n_gpus=max(1, min(problem.n_gpus, problem.layers.n - 1)))
+
+
+@pytest.mark.parametrize("model", ["stash", "strict"])
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(problem=small_problems(), frac=st.floats(0, 1))
+def test_memory_does_not_depend_on_the_grouping_into_stages(problem, frac, model):
+    """One execution, written with multi-layer stages or with one stage per layer, has the
+    same period and the same peak on every GPU, in both memory models."""
+    problem = with_fewer_gpus(replace(problem, memory_model=model))
+    plan = equal_split_plan(problem, frac)
+    split = split_stages(problem, plan)
+    a, b = simulate_pipeline(problem, plan), simulate_pipeline(problem, split)
+    assert a.period == pytest.approx(b.period)
+    assert a.peaks == b.peaks
 
 
 def test_no_hidden_time_limit(monkeypatch):

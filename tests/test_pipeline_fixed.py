@@ -24,6 +24,8 @@ from optmem.simulate.pipeline import simulate_pipeline
 pytest.importorskip("pulp", reason="the exact pipeline models need PuLP (optmem[engines])")
 pytest.importorskip("ortools", reason="the CP-SAT pipeline model needs OR-Tools")
 
+from pipeline_helpers import assert_model_agrees_with_simulator, equal_split_plan  # noqa: E402
+
 import optmem.models.pipeline as mp  # noqa: E402
 from optmem.models.pipeline import build_pipeline_model, first_use, make_units  # noqa: E402
 from optmem.solvers.pipeline_common import run_model  # noqa: E402
@@ -91,29 +93,15 @@ def test_slim_model_accepts_what_the_simulator_accepts(case, frac):
     """A 1F1B* plan of a contiguous allocation, encoded in the slim model of that allocation,
     violates nothing iff the simulator accepts it (else only memory rows), as in the general
     model; its objective is the plan's period."""
-    from optmem.solvers import pipeline_contiguous as contig
-
     problem, _ = case
-    k = min(problem.n_gpus, problem.layers.n)
-    bounds = contig.equal_split(problem, k)
-    f, b = contig.pseudo_loads(problem, bounds)
-    loads = [x + y for x, y in zip(f, b, strict=True)]
-    period = max(loads) + frac * (sum(loads) - max(loads))
-    plan = contig.one_f_one_b_star(problem, bounds, period)
+    plan = equal_split_plan(problem, frac)
     units = make_units(problem)
     gpu = mp.plan_gpus(units, plan)
     assert gpu is not None
     form = build_pipeline_model(units, problem.n_gpus, problem.memory_per_gpu,
                                 strict=problem.memory_model == "strict", gpu=gpu)
+    assert_model_agrees_with_simulator(form, problem, plan)
     values = form.encode(plan)
-    assert values is not None
-    bad = form.model.violated(values)
-    fits = simulate_pipeline(problem, plan).peak_memory <= problem.memory_per_gpu
-    if fits:
-        assert not bad, bad
-        assert form.model.evaluate(values) == pytest.approx(plan.period)
-    else:
-        assert bad and all(name.startswith("mem") for name in bad), bad
     assert form.decode(values).period == pytest.approx(plan.period)
 
 

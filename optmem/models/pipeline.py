@@ -111,7 +111,9 @@ class Units:
     ``f``/``b``: forward/backward durations; ``w``: weight memory (copies included);
     ``x``: stash per in-flight micro-batch; ``a_in``/``a_out``: input and output sizes;
     ``dt[c]``: duration of one transfer over the cut after unit ``c``; ``buf[c]``: buffers
-    each GPU of that cut holds.
+    each GPU of that cut holds; ``task_f``/``task_b``: what the unit's forward / backward
+    adds under the ``strict`` memory model (``Layers.strict_task``: its layers run one
+    after the other; ``a_in + a_out`` for one layer).
     """
 
     bounds: tuple[tuple[int, int], ...]
@@ -123,6 +125,8 @@ class Units:
     a_out: tuple[int, ...]
     dt: tuple[float, ...]
     buf: tuple[int, ...]
+    task_f: tuple[int, ...]
+    task_b: tuple[int, ...]
 
     @property
     def n(self) -> int:
@@ -160,6 +164,8 @@ def make_units(problem: PipelineProblem, bounds: Sequence[tuple[int, int]] | Non
         a_out=tuple(lay.a[j] for _, j in bounds),
         dt=tuple(problem.transfer_time(j) for _, j in bounds[:-1]),
         buf=tuple(problem.buffer_size(j) for _, j in bounds[:-1]),
+        task_f=tuple(lay.strict_task(i, j)[0] for i, j in bounds),
+        task_b=tuple(lay.strict_task(i, j)[1] for i, j in bounds),
     )
 
 
@@ -201,8 +207,9 @@ def trim_units(units: Units, head: int, tail: int) -> Units:
       keeps its length ``T``;
     * a kept unit's stash lives from the start of its forward to the end of its backward,
       unchanged, so the copies alive at any instant are the same; weights and buffers of
-      dropped units and cuts vanish; ``strict`` counts the same inputs and outputs except
-      the last unit's output (now 0) and fewer pending outputs (eq. 6.22);
+      dropped units and cuts vanish; ``strict`` counts the same task terms (``task_f``,
+      ``task_b``: the kept tasks' inputs and outputs are unchanged) and fewer pending
+      outputs (eq. 6.22: the last unit's output no longer waits on its GPU);
     * the shift of ``F_k -> B_k`` (periods between them, any number in the restricted plan)
       can be lowered to the smallest one the start times allow, which only shortens the
       stashes of units ``h..k``: the models' shifts of at most 2 per edge lose nothing.
@@ -222,7 +229,8 @@ def trim_units(units: Units, head: int, tail: int) -> Units:
     cuts = range(head, units.n - tail - 1)
     return Units(bounds=part(units.bounds), f=part(units.f), b=part(units.b), w=part(units.w),
                  x=part(units.x), a_in=part(units.a_in),
-                 a_out=(*part(units.a_out)[:-1], 0),
+                 a_out=(*part(units.a_out)[:-1], 0), task_f=part(units.task_f),
+                 task_b=part(units.task_b),
                  dt=tuple(units.dt[c] for c in cuts), buf=tuple(units.buf[c] for c in cuts))
 
 
@@ -277,7 +285,8 @@ def isolate_units(units: Units, gpu: Sequence[int], kept: Collection[int]
 
     relaxed = Units(bounds=units.bounds, f=units.f, b=units.b, w=only(units.w),
                     x=only(units.x), a_in=only(units.a_in), a_out=only(units.a_out),
-                    dt=cut(units.dt, 0.0), buf=cut(units.buf, 0))
+                    dt=cut(units.dt, 0.0), buf=cut(units.buf, 0), task_f=only(units.task_f),
+                    task_b=only(units.task_b))
     return relaxed, alloc
 
 
@@ -706,7 +715,8 @@ def first_use(gpu: Sequence[Hashable]) -> tuple[int, ...]:
 
 def _size_unit(units: Units, memory: int) -> int:
     """Greatest common divisor of every size (memory rows are divided by it, exactly)."""
-    sizes = [s for s in (*units.w, *units.x, *units.a_in, *units.a_out, *units.buf) if s]
+    sizes = [s for s in (*units.w, *units.x, *units.a_in, *units.a_out, *units.buf,
+                         *units.task_f, *units.task_b) if s]
     return reduce(math.gcd, sizes, 0) or 1
 
 
@@ -971,7 +981,7 @@ class _Builder:
         u = self.u
         most = sum(u.w) + sum(u.buf) + sum(x * (2 * len(self.form.edges) + 1) for x in u.x)
         if self.form.strict:
-            most += 3 * (sum(u.a_in) + sum(u.a_out))
+            most += max(u.task_f) + max(u.task_b) + 2 * sum(u.a_out)
         return most > self.form.memory
 
     def memory(self) -> None:
@@ -997,14 +1007,14 @@ class _Builder:
             stash = Expr.sum(u.x[r] // unit * self.alive(r, q, t) for r in range(n) if u.x[r])
             extra = Expr.of(0)
             if form.strict:
-                extra = Expr.of((u.a_in[q] + u.a_out[q]) // unit) + self.pending(t, direct)
+                task = u.task_f[q] if t[0] == "F" else u.task_b[q]
+                extra = Expr.of(task // unit) + self.pending(t, direct)
             elif u.x[q]:
                 extra = Expr.of(u.x[q] // unit)
             m.add(static + stash + extra <= cap, f"mem_{t[0]}{q}")
             if t[0] == "F":  # cut: every lower unit of the GPU stashes this micro-batch
                 low = Expr.sum(u.x[r] // unit * form.same(q, r) for r in range(q) if u.x[r])
-                own = Expr.of((u.a_in[q] + u.a_out[q]) // unit if form.strict
-                              else u.x[q] // unit)
+                own = Expr.of((u.task_f[q] if form.strict else u.x[q]) // unit)
                 m.add(static + low + own <= cap, f"memlow_{q}")
 
     def buffer_vars(self) -> None:
@@ -1218,7 +1228,7 @@ class _Relaxation(_Builder):
                 if r < q:
                     m.add(self.ticks * k >= self.path(q, r), f"low_{q}_{r}", only_if=lit)
                 terms.append(u.x[r] // unit * k)
-            extra = (u.a_in[q] + u.a_out[q]) // unit if form.strict else 0
+            extra = u.task_f[q] // unit if form.strict else 0
             m.add(self.static(q) + Expr.sum(terms) + extra <= cap, f"mem_{q}")
 
     def arc_vars(self) -> None:

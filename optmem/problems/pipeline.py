@@ -45,10 +45,14 @@ Memory per GPU (the digest's sections 1.6, 4.3 and 5.2)
 
 ``memory_model = "strict"`` (thesis chapter 6, eq. 6.36): checked at the start of every task,
 weights + buffers + the stash of in-flight micro-batches (the one whose forward starts now
-not included) + the task's input and output (``a_{i-1} + a_j`` for a forward,
-``delta_j + delta_{i-1}`` for a backward) + outputs of tasks on the same GPU still waiting
-for their consumer on that GPU (``M^(DIR)``). It is more conservative on thesis-style chains;
-1F1B* is only optimal for the ``stash`` model.
+not included) + the task's input and output (``a_{k-1} + a_k`` for the forward of layer
+``k``, ``delta_k + delta_{k-1}`` for its backward) + outputs of tasks on the same GPU still
+waiting for their consumer on that GPU (``M^(DIR)``). The chapter's tasks are layers: a stage
+of layers ``i..j`` runs them one after the other, so its forward is checked at the start of
+each of its layers, holding the stash of its layers already run for that micro-batch, and
+its backward likewise in reverse (:meth:`Layers.strict_task`). So a plan's memory does not
+depend on how it groups layers of one GPU into stages. It is more conservative on
+thesis-style chains; 1F1B* is only optimal for the ``stash`` model.
 
 Communication: with bandwidth ``beta`` a cut after layer ``j`` costs one transfer of ``a_j /
 beta`` forward and one of ``delta_j / beta`` backward on the link joining the two GPUs; links
@@ -126,6 +130,29 @@ class Layers:
     def weights(self, i: int, j: int) -> int:
         """Parameter size of layers ``i..j``."""
         return int(self._sum("w", i, j))
+
+    def strict_task(self, i: int, j: int) -> tuple[int, int]:
+        """Memory a stage of layers ``i..j`` adds while its forward / backward runs (strict).
+
+        The stage runs its layers one after the other, and eq. 6.36 (thesis ch. 6, digest
+        ``madpipe.md`` 4.3) checks the memory at the start of each layer's task (the
+        chapter's tasks are layers). The forward of layer ``k`` holds the stash of layers
+        ``i..k-1`` of its micro-batch (their forwards have started) and its input and
+        output ``a_{k-1} + a_k``; the backward of layer ``k`` holds the stash of layers
+        ``i..k`` (those of ``k+1..j`` are freed) and ``delta_k + delta_{k-1}``.
+
+        Returns
+        -------
+        tuple of int
+            ``max_k stash(i, k-1) + a_{k-1} + a_k`` (on top of the other micro-batches'
+            stashes) and ``max_k a_{k-1} + a_k - stash(k+1, j)`` (on top of every stash
+            alive when the backward starts, the micro-batch's whole ``stash(i, j)``
+            included). One layer: ``a_{i-1} + a_i`` both.
+        """
+        a = self.a
+        fwd = max(self.stash(i, k - 1) + a[k - 1] + a[k] for k in range(i, j + 1))
+        bwd = max(a[k - 1] + a[k] - self.stash(k + 1, j) for k in range(i, j + 1))
+        return fwd, bwd
 
 
 def chain_layers(chain: Chain) -> Layers:

@@ -272,9 +272,9 @@ def _memory(problem, plan, tasks, dur, start, n_mb, eps):  # noqa: ANN001, ANN20
                             continue
                         if f0 <= now + eps and b1 > now + eps:
                             mem += stash[s2 - 1]
-                if strict:
-                    first, last = st.first, st.last
-                    mem += lay.a[first - 1] + lay.a[last]
+                if strict:  # the stage's layers run one after the other (strict_task)
+                    task_f, task_b = lay.strict_task(st.first, st.last)
+                    mem += task_f if op == "F" else task_b
                     for x, y, size, gpu in direct:
                         if gpu != st.gpu or size == 0 or (op, k) in (x, y):
                             continue

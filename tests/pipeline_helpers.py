@@ -1,0 +1,68 @@
+"""Pipeline test helpers: 1F1B* plans of an equal split, and the model-versus-simulator check.
+
+Shared by ``test_pipeline_exact.py`` (the general model) and ``test_pipeline_fixed.py`` (the
+slim fixed-allocation model): a plan encoded in a model violates nothing iff the simulator
+accepts it, else only memory rows.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from optmem.pipeline_plan import PipelinePlan, PipelineStage, PipelineTask
+from optmem.problems.pipeline import PipelineProblem
+from optmem.simulate.pipeline import simulate_pipeline
+
+
+def equal_split_plan(problem: PipelineProblem, frac: float) -> PipelinePlan:
+    """1F1B* on the equal split into ``min(P, L)`` stages, at a period ``frac`` of the way
+    from the heaviest stage's load to the sequential period."""
+    from optmem.solvers import pipeline_contiguous as contig
+
+    k = min(problem.n_gpus, problem.layers.n)
+    bounds = contig.equal_split(problem, k)
+    f, b = contig.pseudo_loads(problem, bounds)
+    loads = [x + y for x, y in zip(f, b, strict=True)]
+    period = max(loads) + frac * (sum(loads) - max(loads))
+    return contig.one_f_one_b_star(problem, bounds, period)
+
+
+def assert_model_agrees_with_simulator(form, problem: PipelineProblem,
+                                       plan: PipelinePlan) -> None:
+    """``plan`` encoded in ``form`` violates nothing iff the simulator accepts it (then the
+    objective is its period), else it violates memory rows only."""
+    values = form.encode(plan)
+    assert values is not None
+    bad = form.model.violated(values)
+    fits = simulate_pipeline(problem, plan).peak_memory <= problem.memory_per_gpu
+    if fits:
+        assert not bad, bad
+        assert form.model.evaluate(values) == pytest.approx(plan.period)
+    else:
+        assert bad and all(name.startswith("mem") for name in bad), bad
+
+
+def split_stages(problem: PipelineProblem, plan: PipelinePlan) -> PipelinePlan:
+    """The same execution with one stage per layer: a stage's forward becomes its layers'
+    forwards back to back from the same start, its backward their backwards in reverse."""
+    lay = problem.layers
+    stages: list[PipelineStage] = []
+    first_of: dict[int, int] = {}  # old stage -> its first new stage
+    for s, st in enumerate(plan.stages, start=1):
+        first_of[s] = len(stages) + 1
+        stages.extend(PipelineStage(k, k, st.gpu) for k in range(st.first, st.last + 1))
+    tasks: list[PipelineTask] = []
+    for t in plan.tasks:
+        st = plan.stages[t.stage - 1]
+        base = first_of[t.stage]
+        if t.op == "F":
+            tasks.extend(PipelineTask("F", base + k - st.first,
+                                      t.start + lay.fwd(st.first, k - 1), t.shift)
+                         for k in range(st.first, st.last + 1))
+        elif t.op == "B":
+            tasks.extend(PipelineTask("B", base + k - st.first,
+                                      t.start + lay.bwd(k + 1, st.last), t.shift)
+                         for k in range(st.first, st.last + 1))
+        else:  # a transfer after the stage's last layer
+            tasks.append(PipelineTask(t.op, base + st.last - st.first, t.start, t.shift))
+    return PipelinePlan(plan.period, tuple(stages), tuple(tasks))
