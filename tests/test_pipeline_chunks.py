@@ -216,6 +216,24 @@ def test_time_limit_keeps_a_plan_and_withholds_the_bound(threads):
         assert res.report["chunks_bound"] is None
 
 
+def test_retry_pass_decides_with_its_own_work():
+    """``chunk_retry_work``: the allocations a tiny ``chunk_work`` leaves undecided are asked
+    again with that much work; enough of it decides them and gives the family bound, while
+    a retry no larger than ``chunk_work`` (it is raised to it) leaves them undecided."""
+    problem = eight_layer_problem(3)
+
+    def run(work, retry):
+        extra = {**FAST.extra, "chunk_work": work, "chunk_retry_work": retry}
+        return solve(problem, "chunks", options=replace(FAST, extra=extra))
+
+    short, long = run(0.002, 0.001), run(0.002, 5.0)
+    assert short.report["chunks_undecided"] >= 1, short.report
+    assert short.report["chunks_bound"] is None
+    assert long.report["chunks_undecided"] == 0, long.report
+    assert long.report["chunks_bound"] <= long.objective * (1 + 1e-9)
+    assert long.objective <= short.objective * (1 + 1e-9)
+
+
 def test_engine_failures_are_counted_and_survived(monkeypatch):
     """An engine that fails on every allocation leaves the incumbent, counts the failures as
     undecided, and withholds the family bound."""
@@ -238,7 +256,8 @@ def test_engine_failures_are_counted_and_survived(monkeypatch):
 @pytest.mark.parametrize(("extra", "field"), [
     ({"chunks": 0}, "chunks"), ({"chunks": True}, "chunks"), ({"chunks": 1.5}, "chunks"),
     ({"chunk_work": 0}, "chunk_work"), ({"chunk_step": 1.0}, "chunk_step"),
-    ({"chunk_step": -1}, "chunk_step"),
+    ({"chunk_step": -1}, "chunk_step"), ({"chunk_retry_work": 0}, "chunk_retry_work"),
+    ({"chunk_retry_work": "x"}, "chunk_retry_work"),
 ])
 def test_bad_options_are_refused(extra, field):
     """One clear error naming the option."""

@@ -54,7 +54,8 @@ EXACT_EXTRA = ("warm_madpipe", "relaxation", "strategy", "trim_work", "isolate",
                "probe_step", "probe_work", "lifetime_cuts", "colocate_step", "colocate_work",
                "colocate_order", "lns", "lns_work", *MADPIPE_EXTRA)
 """Keys of ``ilp``/``cpsat``: their own, and MadPipe's (its run gives their warm start)."""
-CHUNKS_EXTRA = ("chunks", "chunk_work", "chunk_step", "warm_madpipe", *MADPIPE_EXTRA)
+CHUNKS_EXTRA = ("chunks", "chunk_work", "chunk_step", "chunk_retry_work", "warm_madpipe",
+                *MADPIPE_EXTRA)
 """Keys of ``chunks``: its own, and MadPipe's (its run gives the first cutoff)."""
 
 
@@ -207,7 +208,7 @@ def solve_pipeline_chunks(problem: PipelineProblem, options: SolveOptions) -> Re
     found = chunked.scan(problem, units, period, plan, chunks=conf.chunks, work=conf.work,
                          step=conf.step, seed=options.seed,
                          deadline=None if limit is None else start + limit,
-                         workers=options.threads)
+                         workers=options.threads, retry=conf.retry)
     report: dict[str, object] = {**found.report(),
                                  "incumbents": {s: p for p, _, s in starts},
                                  "source": "chunks" if found.improvements

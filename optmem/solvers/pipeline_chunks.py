@@ -25,8 +25,9 @@ non-contiguous allocations serve the same end). This method searches that family
    (the same model minimising the period, hinted with it) and taken after the simulator
    replays it. An allocation refuted at a cutoff stays refuted at every lower one, so one
    pass suffices; the scan stops at the first floor at or above the cutoff. The allocations
-   left undecided are asked once more at the final cutoff with :data:`RETRY_WORK` times the
-   work. CP-SAT's refutations count only where the durations lie on its time grid
+   left undecided are asked once more at the final cutoff with ``extra["chunk_retry_work"]``
+   deterministic seconds each (default :data:`RETRY_WORK`). CP-SAT's refutations count only
+   where the durations lie on its time grid
    (:func:`~optmem.solvers.pipeline_common.run_model`); elsewhere they stay undecided.
 4. **In parallel**: with ``w`` threads (``SolveOptions.threads``) up to ``LOOKAHEAD * w``
    questions are in flight, each sent at the cutoff in force a fixed number of answers
@@ -66,9 +67,10 @@ CHUNK_WORK = 5.0
 """Default ``extra["chunk_work"]``: CP-SAT deterministic seconds per allocation (each run)."""
 CHUNK_STEP = 1e-4
 """Default ``extra["chunk_step"]``: the cutoff is the incumbent's period times ``1 - step``."""
-RETRY_WORK = 4.0
-"""The allocations left undecided are asked once more at the final cutoff with this many
-times ``chunk_work``."""
+RETRY_WORK = 200.0
+"""Default ``extra["chunk_retry_work"]``: CP-SAT deterministic seconds per allocation when the
+allocations left undecided are asked once more at the final cutoff (at least ``chunk_work``).
+40x the first pass: 4x left 4 of the headline's 1,534 allocations undecided, 40x none."""
 LOOKAHEAD = 4
 """With ``w > 1`` workers, up to ``LOOKAHEAD * w`` questions are in flight (:class:`_Asker`)."""
 MAX_ALLOCATIONS = 2_000_000
@@ -80,11 +82,12 @@ _EPS = 1e-9
 
 @dataclass(frozen=True)
 class ChunkSettings:
-    """``extra["chunks"]``, ``extra["chunk_work"]``, ``extra["chunk_step"]`` (checked)."""
+    """``extra["chunks"]``, ``["chunk_work"]``, ``["chunk_step"]``, ``["chunk_retry_work"]``."""
 
     chunks: int
     work: float
     step: float
+    retry: float = RETRY_WORK
 
 
 def settings(options: SolveOptions) -> ChunkSettings:
@@ -94,7 +97,8 @@ def settings(options: SolveOptions) -> ChunkSettings:
     if step >= 1:
         raise OptmemInputError(f"expected a relative step below 1 for chunk_step, got {step!r}",
                                field="chunk_step")
-    return ChunkSettings(chunks, positive_float(options, "chunk_work", CHUNK_WORK), step)
+    return ChunkSettings(chunks, positive_float(options, "chunk_work", CHUNK_WORK), step,
+                         positive_float(options, "chunk_retry_work", RETRY_WORK))
 
 
 # ------------------------------------------------------------------ enumeration
@@ -307,14 +311,16 @@ def ranked(problem: PipelineProblem, units: Units, chunks: int, cap: float
 
 def scan(problem: PipelineProblem, units: Units, period: float, plan: PipelinePlan | None, *,
          chunks: int, work: float, step: float, seed: int = 0,
-         deadline: float | None = None, workers: int = 1) -> Scan:
+         deadline: float | None = None, workers: int = 1,
+         retry: float = RETRY_WORK) -> Scan:
     """Improve ``plan`` (period ``period``; ``inf`` and ``None`` without one) over the family.
 
     One pass by increasing :func:`allocation_floor`; see the module docstring. An allocation
     that gives a better plan is asked again at the lowered cutoff until it is refuted there,
     its polished plan is proven optimal for it, or it is undecided. The allocations left
-    undecided are asked once more at the final cutoff with :data:`RETRY_WORK` times the work
-    (a cutoff lowered since their first run is often decided at once).
+    undecided are asked once more at the final cutoff with ``max(retry, work)``
+    deterministic seconds each (a cutoff lowered since their first run is often decided at
+    once; the others need more work).
 
     ``workers`` allocations are asked at once (threads; CP-SAT runs outside the GIL), each
     at the cutoff in force a fixed number of answers earlier, the answers taken in the
@@ -330,7 +336,7 @@ def scan(problem: PipelineProblem, units: Units, period: float, plan: PipelinePl
         pending = ask.run(out, family, work)
         if out.stopped == "done" and pending:
             out.undecided -= len(pending)  # counted again below unless decided now
-            ask.run(out, pending, RETRY_WORK * work)
+            ask.run(out, pending, max(retry, work))
     if out.stopped == "done" and not out.truncated and out.undecided == 0:
         out.bound = max(0.0, _cutoff(out, cap, step) - 2 * ask.grid)
     return out
