@@ -416,6 +416,27 @@ def test_strict_memory_of_a_two_layer_stage(memory):
     assert r.status is (Status.OPTIMAL if memory >= 2 else Status.INFEASIBLE)
 
 
+@settings(max_examples=50, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(problem=small_problems())
+def test_strict_exact_le_contiguous_with_shared_gpus(problem):
+    """Strict memory, fewer GPUs than layers: the exact model's optimum is never above the
+    best contiguous 1F1B* plan (whose stages hold several layers). The model counts each
+    layer of a stage as the simulator does, so it represents that plan; when it counted
+    differently it could refuse it and claim a worse optimum."""
+    problem = with_fewer_gpus(replace(problem, memory_model="strict"))
+    rc = solve(problem, "contiguous")
+    rs = solve(problem, "cpsat", options=OPTS)
+    if rs.status is Status.INFEASIBLE:
+        assert not rc.status.has_plan, rc.report
+        return
+    assert rs.status is Status.OPTIMAL, rs.report
+    check(problem, rs)
+    if rc.status.has_plan:
+        check(problem, rc)
+        assert rs.objective <= rc.objective * (1 + 1e-6)
+
+
 def with_fewer_gpus(problem: PipelineProblem) -> PipelineProblem:
     """``problem`` on fewer GPUs than layers where it has 2 layers or more."""
     return replace(problem, n_gpus=max(1, min(problem.n_gpus, problem.layers.n - 1)))
