@@ -511,7 +511,8 @@ def _warm_start(problem: RematOffloadProblem, options: SolveOptions,
     if not options.warm_start:
         return _Start(None, math.inf, None, math.inf, "off")
     notes = []
-    began = time.monotonic()
+    clock = time.monotonic if deadline is None else deadline.clock  # one clock per solve
+    began = clock()
     budget = None if options.time_limit_s is None else COMPLETION_SHARE * options.time_limit_s
     if found is None:
         found = _candidates(problem, options)
@@ -521,8 +522,11 @@ def _warm_start(problem: RematOffloadProblem, options: SolveOptions,
         if fixed is None:
             notes.append(f"{label}: does not fit the model's slots")
             continue
-        limit = None if budget is None else budget - (time.monotonic() - began)
+        limit = None if budget is None else budget - (clock() - began)
         if deadline is not None:
+            if deadline.spent(LEAST_ENGINE_TIME_S):  # as every stage: the emission needs it
+                notes.append(f"{label}: less than {LEAST_ENGINE_TIME_S:g} s left of the limit")
+                break
             limit = deadline.cap(limit)
         if limit is not None and limit <= 0:
             notes.append(f"{label}: no time left of the warm start's share of the limit")
@@ -595,7 +599,7 @@ RELAXATION_STAGES = ((False, False, "plain_bound"), (True, False, "deadline_boun
 def _relaxation_bound(chain: Chain, memory_limit: int, beta: float, sweeps: int,
                       options: SolveOptions, engine: str, *,
                       master_budget_s: float | None = None,
-                      clock: Callable[[], float] = time.monotonic,
+                      clock: Callable[[], float] | None = None,
                       deadline: Deadline | None = None) -> _Relaxed:
     """The proven bound of :func:`~optmem.models.remat_offload.build_link_relaxation`.
 
@@ -646,6 +650,8 @@ def _relaxation_bound(chain: Chain, memory_limit: int, beta: float, sweeps: int,
         _relaxation_share(options) * options.time_limit_s
     first_budget = share if share is None or master_budget_s is None else \
         max(share, master_budget_s)
+    if clock is None:  # the deadline's clock (injected by the tests), else the machine's
+        clock = time.monotonic if deadline is None else deadline.clock
     began = clock()
     best: float = -math.inf
     info: dict[str, Any] = {}
@@ -1113,7 +1119,7 @@ def _full_solve(setup: _Setup, options: SolveOptions, report: dict[str, Any], *,
         deadline = setup.deadline
     problem, method, solver, built = setup.problem, setup.method, setup.engine, setup.built
     disc, beta, engine, scale = setup.disc, setup.beta, setup.engine, setup.scale
-    began = time.monotonic()
+    began = deadline.clock()
     if relaxed is None:
         relaxed = _relaxation_bound(disc.chain, disc.memory_limit, beta,
                                     built.checkpoint.sweeps,
@@ -1136,7 +1142,7 @@ def _full_solve(setup: _Setup, options: SolveOptions, report: dict[str, Any], *,
                            relaxed.bound - 1e-6 * max(1.0, abs(relaxed.bound)), None),
                   "relaxation_bound")
     left = deadline.cap(None if options.time_limit_s is None else
-                        max(LEAST_ENGINE_TIME_S, options.time_limit_s - (time.monotonic() - began)))
+                        max(LEAST_ENGINE_TIME_S, options.time_limit_s - (deadline.clock() - began)))
     if deadline.spent(LEAST_ENGINE_TIME_S):  # no time left for the search
         report["search"] = "skipped (time)"
         out, values, bound = EngineResult(Status.NO_SOLUTION, None, math.nan, -math.inf,
