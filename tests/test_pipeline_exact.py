@@ -437,6 +437,36 @@ def test_strict_exact_le_contiguous_with_shared_gpus(problem):
         assert rs.objective <= rc.objective * (1 + 1e-6)
 
 
+@pytest.mark.parametrize("model", ["stash", "strict"])
+@settings(max_examples=20, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(problem=small_problems())
+def test_coarse_units_restrict_the_layer_model(problem, model):
+    """MadPipe's phase 2 schedules coarse units (whole stages, layers back to back); the
+    layer model with the same allocation may interleave them. So with the allocation fixed
+    the coarse optimum is never below the layer optimum, and a coarse plan means a layer
+    plan exists; both replay (memory counted per layer in either, ``Layers.strict_task``)."""
+    from optmem.models.pipeline import make_units
+    from optmem.solvers import pipeline_contiguous as contig
+
+    problem = with_fewer_gpus(replace(problem, memory_model=model))
+    bounds = contig.equal_split(problem, min(problem.n_gpus, problem.layers.n))
+    fine_gpu = [s for s, (i, j) in enumerate(bounds) for _ in range(i, j + 1)]
+    coarse = run_model(problem, "cpsat", OPTS, units=make_units(problem, bounds),
+                       gpu=list(range(len(bounds))))
+    fine = run_model(problem, "cpsat", OPTS, gpu=fine_gpu)
+    assert coarse.status in (Status.OPTIMAL, Status.INFEASIBLE), coarse.report
+    assert fine.status in (Status.OPTIMAL, Status.INFEASIBLE), fine.report
+    if coarse.status is Status.INFEASIBLE:
+        return
+    assert fine.status is Status.OPTIMAL
+    for run in (coarse, fine):
+        sim = simulate_pipeline(problem, run.plan)
+        assert sim.peak_memory <= problem.memory_per_gpu
+        assert sim.period == pytest.approx(run.plan.period, abs=1e-6)
+    assert fine.plan.period <= coarse.plan.period + max(fine.step, coarse.step) + 1e-6
+
+
 def with_fewer_gpus(problem: PipelineProblem) -> PipelineProblem:
     """``problem`` on fewer GPUs than layers where it has 2 layers or more."""
     return replace(problem, n_gpus=max(1, min(problem.n_gpus, problem.layers.n - 1)))
