@@ -256,6 +256,8 @@ def _memory(problem, plan, tasks, dur, start, n_mb, eps):  # noqa: ANN001, ANN20
     peaks = list(static)
     for k, st in enumerate(stages, start=1):
         kinds = ("F",) if not strict else ("F", "B")
+        # strict: the stage's layers run one after the other (Layers.strict_task)
+        task = dict(zip(("F", "B"), lay.strict_task(st.first, st.last), strict=True))
         for op in kinds:
             for m in range(n_mb):
                 now = start((op, k), m)
@@ -272,9 +274,8 @@ def _memory(problem, plan, tasks, dur, start, n_mb, eps):  # noqa: ANN001, ANN20
                             continue
                         if f0 <= now + eps and b1 > now + eps:
                             mem += stash[s2 - 1]
-                if strict:  # the stage's layers run one after the other (strict_task)
-                    task_f, task_b = lay.strict_task(st.first, st.last)
-                    mem += task_f if op == "F" else task_b
+                if strict:
+                    mem += task[op]
                     for x, y, size, gpu in direct:
                         if gpu != st.gpu or size == 0 or (op, k) in (x, y):
                             continue
