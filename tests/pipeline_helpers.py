@@ -28,9 +28,9 @@ def equal_split_plan(problem: PipelineProblem, frac: float) -> PipelinePlan:
 
 
 def assert_model_agrees_with_simulator(form, problem: PipelineProblem,
-                                       plan: PipelinePlan) -> None:
+                                       plan: PipelinePlan) -> list[float]:
     """``plan`` encoded in ``form`` violates nothing iff the simulator accepts it (then the
-    objective is its period), else it violates memory rows only."""
+    objective is its period), else it violates memory rows only. Returns the encoding."""
     values = form.encode(plan)
     assert values is not None
     bad = form.model.violated(values)
@@ -40,6 +40,14 @@ def assert_model_agrees_with_simulator(form, problem: PipelineProblem,
         assert form.model.evaluate(values) == pytest.approx(plan.period)
     else:
         assert bad and all(name.startswith("mem") for name in bad), bad
+    return values
+
+
+def assert_replays(problem: PipelineProblem, plan: PipelinePlan) -> None:
+    """The simulator replays ``plan`` (a model's decoded plan) to its period within memory."""
+    sim = simulate_pipeline(problem, plan)
+    assert sim.peak_memory <= problem.memory_per_gpu
+    assert sim.period == pytest.approx(plan.period, abs=1e-6)
 
 
 def split_stages(problem: PipelineProblem, plan: PipelinePlan) -> PipelinePlan:

@@ -19,12 +19,15 @@ from hypothesis import strategies as st
 from optmem.chain import Chain
 from optmem.problems.pipeline import PipelineProblem
 from optmem.result import SolveOptions, Status
-from optmem.simulate.pipeline import simulate_pipeline
 
 pytest.importorskip("pulp", reason="the exact pipeline models need PuLP (optmem[engines])")
 pytest.importorskip("ortools", reason="the CP-SAT pipeline model needs OR-Tools")
 
-from pipeline_helpers import assert_model_agrees_with_simulator, equal_split_plan  # noqa: E402
+from pipeline_helpers import (  # noqa: E402
+    assert_model_agrees_with_simulator,
+    assert_replays,
+    equal_split_plan,
+)
 
 import optmem.models.pipeline as mp  # noqa: E402
 from optmem.models.pipeline import build_pipeline_model, first_use, make_units  # noqa: E402
@@ -80,9 +83,7 @@ def test_slim_equals_general_model(case, method):
     tol = max(slim.step, general.step) + 1e-6
     assert slim.plan.period == pytest.approx(general.plan.period, abs=tol)
     for run in (slim, general):
-        sim = simulate_pipeline(problem, run.plan)
-        assert sim.peak_memory <= problem.memory_per_gpu
-        assert sim.period == pytest.approx(run.plan.period, abs=1e-6)
+        assert_replays(problem, run.plan)
         assert mp.plan_gpus(make_units(problem), run.plan) == tuple(gpu)
 
 
@@ -100,8 +101,7 @@ def test_slim_model_accepts_what_the_simulator_accepts(case, frac):
     assert gpu is not None
     form = build_pipeline_model(units, problem.n_gpus, problem.memory_per_gpu,
                                 strict=problem.memory_model == "strict", gpu=gpu)
-    assert_model_agrees_with_simulator(form, problem, plan)
-    values = form.encode(plan)
+    values = assert_model_agrees_with_simulator(form, problem, plan)
     assert form.decode(values).period == pytest.approx(plan.period)
 
 

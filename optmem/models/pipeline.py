@@ -154,6 +154,7 @@ def make_units(problem: PipelineProblem, bounds: Sequence[tuple[int, int]] | Non
     if bounds is None:
         bounds = zero_forward_merged(problem)
     bounds = tuple((int(i), int(j)) for i, j in bounds)
+    tasks = [lay.strict_task(i, j) for i, j in bounds]
     return Units(
         bounds=bounds,
         f=tuple(lay.fwd(i, j) for i, j in bounds),
@@ -164,8 +165,8 @@ def make_units(problem: PipelineProblem, bounds: Sequence[tuple[int, int]] | Non
         a_out=tuple(lay.a[j] for _, j in bounds),
         dt=tuple(problem.transfer_time(j) for _, j in bounds[:-1]),
         buf=tuple(problem.buffer_size(j) for _, j in bounds[:-1]),
-        task_f=tuple(lay.strict_task(i, j)[0] for i, j in bounds),
-        task_b=tuple(lay.strict_task(i, j)[1] for i, j in bounds),
+        task_f=tuple(f for f, _ in tasks),
+        task_b=tuple(b for _, b in tasks),
     )
 
 

@@ -650,8 +650,10 @@ def _relaxation_bound(chain: Chain, memory_limit: int, beta: float, sweeps: int,
         _relaxation_share(options) * options.time_limit_s
     first_budget = share if share is None or master_budget_s is None else \
         max(share, master_budget_s)
-    if clock is None:  # the deadline's clock (injected by the tests), else the machine's
-        clock = time.monotonic if deadline is None else deadline.clock
+    if deadline is None:
+        deadline = Deadline(None)
+    if clock is None:  # the deadline's clock (injected by the tests; the machine's if none)
+        clock = deadline.clock
     began = clock()
     best: float = -math.inf
     info: dict[str, Any] = {}
@@ -662,8 +664,6 @@ def _relaxation_bound(chain: Chain, memory_limit: int, beta: float, sweeps: int,
     if deadlines and not flag(options, "relaxation_plain", PLAIN_STAGE_DEFAULT):
         stages = stages[1:]  # the deadline stage first: its rows contain the plain stage's
         info["plain_bound"] = "skipped (relaxation_plain false)"
-    if deadline is None:
-        deadline = Deadline(None)
     for with_deadlines, with_values, key in stages:
         budget = share if with_values else first_budget
         if (previous is not None and budget is not None and
