@@ -75,6 +75,7 @@ def main() -> None:
         print_mean_loss(step, loss)
     dist.barrier()  # every rank done with its collectives before gloo tears down
     dist.destroy_process_group()
+    op.end_process()  # skips finalisation, where gloo's threads can abort (docs/distributed.md)
 
 
 if __name__ == "__main__":

@@ -97,6 +97,7 @@ def main() -> None:
             print(f"rank {rank} step {step}: mean micro-batch loss {mean:.5f}", flush=True)
     dist.barrier()  # every rank done with its collectives before gloo tears down
     dist.destroy_process_group()
+    op.end_process()  # skips finalisation, where gloo's threads can abort (docs/distributed.md)
 
 
 if __name__ == "__main__":

@@ -528,3 +528,39 @@ def refusals_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
         except OptmemInputError as exc:
             out[name] = (exc.field, str(exc))
     return out
+
+
+# ------------------------------------------------------------------ process exit
+_KEPT: list[Any] = []  # alive until the process ends, as a script's globals are
+
+
+def exit_hooks(rank: int, world: int, out_dir: str) -> None:
+    """Leave work for the process's exit; each piece marks ``out_dir/{name}{rank}`` when done.
+
+    An ``atexit`` handler, a non-daemon thread still sleeping, a thread pool never shut down
+    (its task waits for the thread), a line printed to a redirected ``sys.stdout`` without a
+    flush, and a DDP module kept alive (its reducer holds the process group past
+    ``destroy_process_group``: the case the race of ``end_process`` needs).
+    """
+    import atexit
+    import sys
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    def mark(name: str) -> None:
+        with open(os.path.join(out_dir, f"{name}{rank}"), "w") as fh:
+            fh.write(name)
+
+    ddp = DistributedDataParallel(nn.Linear(2, 2))
+    ddp(torch.ones(1, 2)).sum().backward()
+    done = threading.Event()
+    atexit.register(mark, "atexit")
+    threading.Thread(target=lambda: (time.sleep(0.5), mark("thread"), done.set())).start()
+    pool = ThreadPoolExecutor(1)
+    pool.submit(lambda: (done.wait(), mark("pool")))
+    sys.stdout = open(os.path.join(out_dir, f"stdout{rank}"), "w")  # noqa: SIM115
+    print(f"rank {rank} of {world}")  # no flush: the exit flushes it
+    _KEPT.extend([ddp, pool])

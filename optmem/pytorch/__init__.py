@@ -58,6 +58,7 @@ _LAZY = {
     "pipeline": "optmem.pytorch.pipelining",
     "PipelinedModel": "optmem.pytorch.pipelining",
     "init_distributed": "optmem.pytorch.distributed",
+    "end_process": "optmem.pytorch.distributed",
     "resolve_spec": "optmem.pytorch.models",
 }
 

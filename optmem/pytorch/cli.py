@@ -152,7 +152,7 @@ def run_train_pipeline(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from optmem.pytorch.distributed import init_distributed
+    from optmem.pytorch.distributed import end_process, init_distributed
     from optmem.pytorch.models import resolve_spec
     from optmem.pytorch.pipelining import PipelinedModel, pipeline
 
@@ -191,7 +191,7 @@ def run_train_pipeline(args: argparse.Namespace) -> int:
             print(f"rank {rank} step {step}: mean micro-batch loss "
                   f"{sum(float(v) for v in losses) / len(losses):.6g}", flush=True)
     dist.destroy_process_group()
-    return 0
+    end_process(0)  # no interpreter finalisation: gloo's threads can abort it (end_process)
 
 
 def _repeated_call(sample: Any, n: int) -> tuple[tuple[Any, ...], dict[str, Any]]:

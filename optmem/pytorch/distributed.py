@@ -25,12 +25,15 @@ them without this module, which imports the one-liners for :func:`checkpoint_fsd
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -48,7 +51,7 @@ from optmem.pytorch.process_groups import (
     run_once,
 )
 
-__all__ = ["LOCAL", "checkpoint_fsdp", "default_device", "fsdp_chain",
+__all__ = ["LOCAL", "checkpoint_fsdp", "default_device", "end_process", "fsdp_chain",
            "fully_shard_checkpointed", "init_distributed", "is_fsdp_module", "refuse_sharded",
            "resolve_group", "run_once", "spawn", "stage_parameter_bytes"]
 
@@ -220,6 +223,31 @@ def _spawned(rank: int, world: int, init: str, fn: Callable[..., Any], args: tup
         dist.barrier()  # all ranks done before teardown (gloo aborts on a peer's early exit)
     finally:
         dist.destroy_process_group()
+    end_process(0)
+
+
+def end_process(code: int = 0) -> NoReturn:
+    """End a rank's process once its job is done and its process group destroyed.
+
+    Waits for the threads that are not daemons (after ``threading``'s own exit hooks, which
+    stop idle thread pools), runs the ``atexit`` handlers (``multiprocessing``'s finalizers
+    among them) and flushes the standard streams, as a normal exit does, then leaves with
+    ``os._exit(code)``, skipping the interpreter's finalisation. There, gloo's threads still
+    held by a C++ object (DDP's reducer keeps its process group alive past
+    ``destroy_process_group``) can abort a finished rank with "terminate called without an
+    active exception" (pytorch/pytorch PR 179291 describes the race; seen in this project's
+    CI on the DDP example and once on the FSDP2 LoRA test, after every rank had saved its
+    results). :func:`spawn`'s ranks and ``optmem train-pipeline`` end with it; a torchrun
+    script may call it as its last line.
+    """
+    shutdown = getattr(threading, "_shutdown", None)  # what the interpreter's exit calls
+    if shutdown is not None:
+        shutdown()  # threading's own exit hooks (thread pools), then non-daemon threads
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:
+            stream.flush()
+    os._exit(code)
 
 
 def spawn(fn: Callable[..., Any], world: int, *args: Any, init_file: str,
