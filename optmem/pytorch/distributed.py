@@ -264,6 +264,8 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any, init_file: str,
     the others), and if the processes have not all finished ``deadline_s`` seconds after the
     start (``None``: no deadline) they are terminated and :class:`TimeoutError` is raised.
     Both are guards against hangs, not measurements: set them well above the job's run time.
+    A rank whose ``fn`` returned ends with :func:`end_process` (a normal exit's work, without
+    the interpreter's finalisation, where gloo can abort a finished rank).
     """
     import torch.multiprocessing as mp
 
