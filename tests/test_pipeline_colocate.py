@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import time
 from dataclasses import replace
 
 import pytest
@@ -26,7 +27,8 @@ from optmem.pipeline_plan import PipelinePlan
 from optmem.problems.pipeline import PipelineProblem
 from optmem.result import SolveOptions, Status
 from optmem.simulate.pipeline import simulate_pipeline
-from optmem.solvers import pipeline_benders
+from optmem.solvers import pipeline_benders, pipeline_exact
+from optmem.solvers import pipeline_lns as lns
 from optmem.solvers.facade import solve
 from optmem.solvers.pipeline_benders import CLIMB_ORDERS, Benders, climb_bound
 from optmem.solvers.pipeline_common import lower_bound, run_model
@@ -253,7 +255,8 @@ def test_solve_with_the_bisected_climb_proves_the_same_optimum(monkeypatch):
                                    {"colocate_step": True}, {"colocate_step": "x"},
                                    {"colocate_work": 0}, {"colocate_work": False},
                                    {"colocate_order": "spiral"}, {"colocate_order": 1},
-                                   {"colocate_order": None}])
+                                   {"colocate_order": None}, {"colocate_beside": "yes"},
+                                   {"colocate_beside": 1}])
 def test_bad_colocate_options_are_input_errors(extra):
     with pytest.raises(OptmemInputError):
         solve(trimming_chain(), "cpsat", options=replace(OPTS, extra=extra))
@@ -271,3 +274,99 @@ def test_deadline_passing_mid_climb_keeps_a_valid_bound(monkeypatch, calls):
                       deadline=0.0, step=STEP)
     assert lower_bound(problem) <= out.bound <= 23.0
     assert out.report["colocate_stopped"] == "time limit"
+
+
+
+BESIDE = SolveOptions(threads=2, seed=0, time_limit_s=3600.0,
+                      extra={"warm_madpipe": False, "lns": 3})
+"""The climb beside the search: a time limit (never reached here), two threads, a search."""
+QUICK_BESIDE = BESIDE.with_(deterministic_time=2.0)
+"""The same, the full model after the search stopped by CP-SAT's deterministic work (the
+climb, whose bound would let it prove 23 at once, is stopped or off in these tests)."""
+
+
+def spied_beside(monkeypatch) -> list[tuple[pipeline_exact.BesideSearch, tuple]]:
+    """Each :class:`~optmem.solvers.pipeline_exact.BesideSearch` a solve starts, with the
+    incumbent and the bound it started from."""
+    made: list[tuple[pipeline_exact.BesideSearch, tuple]] = []
+    real = pipeline_exact.BesideSearch.__init__
+
+    def init(self, problem, options, best, bound, deadline, step, order):
+        real(self, problem, options, best, bound, deadline, step, order)
+        made.append((self, (best, bound, step, order)))
+
+    monkeypatch.setattr(pipeline_exact.BesideSearch, "__init__", init)
+    return made
+
+
+def test_the_climb_beside_the_search_proves_what_it_proves_alone(monkeypatch):
+    """Beside the search, the climb (one worker, deterministic work) reaches the bound and
+    the no-goods the same climb reaches alone, when the search waits for it to end: the
+    thread changes when it runs, not what it proves. The solve keeps the optimum, reports
+    the climb, and its bound is at least the climb's."""
+    made = spied_beside(monkeypatch)
+    real = lns.improve
+
+    def after_the_climb(*args, **kwargs):
+        made[-1][0].thread.join()  # the climb ends on its own (its deadline is an hour away)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(lns, "improve", after_the_climb)
+    problem = trimming_chain()
+    res = solve(problem, "cpsat", options=BESIDE)
+    assert len(made) == 1
+    beside, (best, bound, step, order) = made[0]
+    assert not beside.thread.is_alive() and (step, order) == (pipeline_exact.BESIDE_STEP,
+                                                                "ladder")
+    climbed = beside.climber
+    alone = climb_bound(problem, BESIDE.with_(threads=1), period=best[0], plan=best[1],
+                        bound=bound, deadline=None, step=step)
+    assert climbed.bound == alone.bound > bound
+    assert climbed.together == alone.together and climbed.together
+    assert res.report["colocate_beside"] is True
+    assert res.report["colocate_bound"] == climbed.bound
+    assert res.status is Status.OPTIMAL and res.objective == pytest.approx(23.0)
+    assert climbed.bound <= res.bound <= 23.0 + 1e-9
+    sim = simulate_pipeline(problem, PipelinePlan.from_strings(res.plan))
+    assert sim.period == pytest.approx(res.objective)
+    assert sim.peak_memory <= problem.memory_per_gpu
+
+
+def test_the_climb_beside_the_search_stops_with_it(monkeypatch):
+    """A climb that would never end on its own (it waits for its deadline) is stopped when
+    the search returns: the solve ends, the thread is gone."""
+    made = spied_beside(monkeypatch)
+
+    def endless(self, step, order="ladder"):
+        while not self.out_of_time():
+            time.sleep(0.001)
+        self.report["colocate_stopped"] = "time limit"
+
+    monkeypatch.setattr(Benders, "climb", endless)
+    res = solve(trimming_chain(), "cpsat", options=QUICK_BESIDE)
+    assert len(made) == 1 and not made[0][0].thread.is_alive()
+    assert res.report["colocate_beside"] is True
+    assert res.report["colocate_stopped"] == "time limit"
+    assert res.objective == pytest.approx(23.0) and res.bound <= 23.0 + 1e-9
+
+
+def test_an_error_in_the_climb_reaches_the_solve(monkeypatch):
+    """An exception on the climb's thread is raised by the solve, not lost with the thread."""
+    def broken(self, step, order="ladder"):
+        raise RuntimeError("climb broke")
+
+    monkeypatch.setattr(Benders, "climb", broken)
+    with pytest.raises(RuntimeError, match="climb broke"):
+        solve(trimming_chain(), "cpsat", options=BESIDE)
+
+
+@pytest.mark.parametrize("change", [{"threads": 1}, {"time_limit_s": None},
+                                    {"extra": {**BESIDE.extra, "colocate_beside": False}},
+                                    {"extra": {**BESIDE.extra, "lns": 0}}])
+def test_no_climb_beside_without_a_limit_a_second_thread_or_a_search(monkeypatch, change):
+    """Off without a time limit (a request for a proof stays deterministic), on one thread
+    (no idle core), when turned off, and when no search runs."""
+    made = spied_beside(monkeypatch)
+    res = solve(trimming_chain(), "cpsat", options=replace(QUICK_BESIDE, **change))
+    assert made == [] and "colocate_beside" not in res.report
+    assert res.objective == pytest.approx(23.0) and res.bound <= 23.0 + 1e-9

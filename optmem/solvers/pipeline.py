@@ -52,7 +52,7 @@ MADPIPE_EXTRA = ("phase2", "madpipe_grid", "madpipe_iterations")
 """``SolveOptions.extra`` keys of ``madpipe``."""
 EXACT_EXTRA = ("warm_madpipe", "relaxation", "strategy", "trim_work", "isolate",
                "probe_step", "probe_work", "lifetime_cuts", "colocate_step", "colocate_work",
-               "colocate_order", "lns", "lns_work", *MADPIPE_EXTRA)
+               "colocate_order", "colocate_beside", "lns", "lns_work", *MADPIPE_EXTRA)
 """Keys of ``ilp``/``cpsat``: their own, and MadPipe's (its run gives their warm start)."""
 CHUNKS_EXTRA = ("chunks", "chunk_work", "chunk_step", "chunk_retry_work", "warm_madpipe",
                 *MADPIPE_EXTRA)

@@ -38,12 +38,17 @@ halfway between the bound and the lowest open probe, at least one step up:
 ``extra["lns_work"]`` (the large-neighbourhood search of :mod:`optmem.solvers.pipeline_lns`
 after the relaxation and the probes: moves and CP-SAT deterministic seconds per move; by
 default 40 moves under a time limit on chains of at least 10 units, with
-:data:`~optmem.solvers.pipeline_lns.LNS_SHARE` of the time left, else none).
+:data:`~optmem.solvers.pipeline_lns.LNS_SHARE` of the time left, else none),
+``extra["colocate_beside"]`` (default ``True``: while the search runs under a time limit
+with ``threads >= 2``, the co-location climb runs on a thread beside it, one CP-SAT worker
+each, with ``colocate_step`` or :data:`BESIDE_STEP`, and stops with the search: the search
+uses one worker, so the climb takes the core it leaves idle; :class:`BesideSearch`).
 """
 
 from __future__ import annotations
 
 import math
+import threading
 import time
 from typing import Any, NamedTuple
 
@@ -61,6 +66,7 @@ from optmem.solvers.options import flag
 from optmem.solvers.pipeline_benders import (
     CLIMB_ORDERS,
     COLOCATE_WORK,
+    Benders,
     climb_bound,
     solve_benders,
 )
@@ -250,6 +256,66 @@ def colocate_settings(options: SolveOptions) -> tuple[float | None, float, str]:
     return step, float(work), order
 
 
+BESIDE_STEP = 0.01
+"""Step of the climb beside the search when ``extra["colocate_step"]`` is not set: the 1 %
+ladder, the order that closes the most rungs on the headline per CPU second
+(``benchmarks/results/pipeline_exact.md``, "Climb order")."""
+
+
+class BesideSearch:
+    """The co-location climb on a thread of its own while the search runs.
+
+    The search (:func:`~optmem.solvers.pipeline_lns.improve`) asks CP-SAT with one worker,
+    so under ``threads >= 2`` a core is idle while it runs: the climb
+    (:meth:`~optmem.solvers.pipeline_benders.Benders.climb`, one worker per CP-SAT call)
+    takes it. :meth:`stop` moves the climb's deadline to now and waits for its engine call
+    in flight (at most ``colocate_work`` deterministic seconds, and never past the search's
+    own deadline). The climb reads the incumbent it started from; a plan the search finds
+    meanwhile does not change what the climb proves (its probes are lower bounds on every
+    plan), only where it would have stopped.
+    """
+
+    def __init__(self, problem: PipelineProblem, options: SolveOptions, best: Candidate,
+                 bound: float, deadline: float | None, step: float, order: str) -> None:
+        self.climber = Benders(problem, "cpsat", options.with_(threads=1), best[0], best[1],
+                               bound, deadline)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._climb, args=(step, order),
+                                       name="optmem-colocate-climb", daemon=True)
+        self.thread.start()
+
+    def _climb(self, step: float, order: str) -> None:
+        try:
+            self.climber.climb(step, order)
+        except BaseException as exc:  # handed to the solving thread by stop()
+            self.error = exc
+
+    def stop(self) -> Benders:
+        """End the climb now (after its engine call in flight) and return its state."""
+        now = time.perf_counter()
+        if self.climber.deadline is None or self.climber.deadline > now:
+            self.climber.deadline = now
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.climber
+
+
+def beside_search(problem: PipelineProblem, options: SolveOptions, best: Candidate,
+                  bound: float, deadline: float | None) -> BesideSearch | None:
+    """Start the climb beside the search (``None`` when it does not run).
+
+    It runs when ``extra["colocate_beside"]`` (default ``True``) and the setting allow it:
+    a time limit, ``threads >= 2`` and CP-SAT.
+    """
+    if not flag(options, "colocate_beside", True) or options.time_limit_s is None \
+            or options.threads < 2 or not engines.is_available("cpsat"):
+        return None
+    step, _, order = colocate_settings(options)
+    return BesideSearch(problem, options, best, bound, deadline,
+                        BESIDE_STEP if step is None else step, order)
+
+
 def solve_exact(problem: PipelineProblem, options: SolveOptions, method: str) -> Result:
     """Optimal allocation and 1-periodic pattern (``method``: ``ilp`` or ``cpsat``)."""
     strategy = options.extra.get("strategy", "full")
@@ -270,6 +336,7 @@ def solve_exact(problem: PipelineProblem, options: SolveOptions, method: str) ->
     colocate_step, _, colocate_order = colocate_settings(options)
     flag(options, "warm_madpipe", True)
     flag(options, "relaxation", True)
+    flag(options, "colocate_beside", True)
     madpipe_settings(options)  # the warm start's MadPipe run reads them
     if method == "ilp":
         engines.check_engine(options.solver)
@@ -294,14 +361,19 @@ def solve_exact(problem: PipelineProblem, options: SolveOptions, method: str) ->
     if best is not None and search.moves and engines.is_available("cpsat") \
             and not proven(best[0], relaxed):
         left = None if limit is None else max(0.0, limit - (time.perf_counter() - start))
+        deadline = None if left is None else time.perf_counter() + lns.LNS_SHARE * left
+        beside = beside_search(problem, options, best, relaxed, deadline)
         found = lns.improve(problem, best[0], best[1], moves=search.moves, work=search.work,
-                            seed=options.seed, bound=relaxed, units=units,
-                            deadline=None if left is None
-                            else time.perf_counter() + lns.LNS_SHARE * left)
+                            seed=options.seed, bound=relaxed, units=units, deadline=deadline)
         report.update(found.report())
         if found.improvements:
             starts = _joined(starts, [(found.period, found.plan, "lns")])
-            best = starts[0]
+        if beside is not None:
+            climbed = beside.stop()
+            report.update(climbed.report, colocate_beside=True)
+            relaxed = max(relaxed, climbed.bound)
+            starts = _joined(starts, [(p, pl, "colocate") for p, pl in climbed.found])
+        best = starts[0]
     if best is not None and colocate_step is not None and engines.is_available("cpsat") \
             and not proven(best[0], relaxed):
         left = None if limit is None else max(0.0, limit - (time.perf_counter() - start))
