@@ -644,7 +644,7 @@ def build_pipeline_model(
     gpu: Sequence[int] | None = None, upper_bound: float | None = None,
     lower_bound: float = 0.0, lifetime_cuts: bool = False,
     together: Sequence[Sequence[int]] = (),
-    same_gpu: Mapping[tuple[int, int], bool] | None = None,
+    same_gpu: Mapping[tuple[int, int], bool] | None = None, slim: bool = True,
 ) -> PipelineFormulation:
     """Build the model of the module docstring.
 
@@ -674,6 +674,11 @@ def build_pipeline_model(
         ``z(q, r) = 1`` (together) or ``0`` (apart). Also a restriction: the
         large-neighbourhood search (:mod:`optmem.solvers.pipeline_lns`) keeps the
         incumbent's relation between the units it does not free.
+    slim
+        With ``gpu`` fixed, build the slim model (:data:`SLIM_FIXED`, same solutions,
+        fewer rows); ``False``: the general model with the allocation fixed, whose search
+        under a work limit can find better plans (MadPipe's phase 2,
+        :data:`~optmem.solvers.pipeline_madpipe.PHASE2_SLIM`).
     """
     n = units.n
     if gpu is not None:
@@ -689,7 +694,7 @@ def build_pipeline_model(
     form = PipelineFormulation(units, min(n_gpus, n), memory, strict, model, period, lower,
                                upper, _size_unit(units, memory),
                                fixed_gpu=None if gpu is None else gpu)
-    _Builder(form, slim=SLIM_FIXED and gpu is not None and not lifetime_cuts).build()
+    _Builder(form, slim=slim and SLIM_FIXED and gpu is not None and not lifetime_cuts).build()
     for k, group in enumerate(together):
         members = sorted(set(group))
         if not all(0 <= q < n for q in members):

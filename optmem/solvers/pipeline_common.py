@@ -145,7 +145,7 @@ def run_model(
     upper_bound: float | None = None, warm: PipelinePlan | None = None, lower: float = 0.0,
     feasibility: bool = False, lifetime_cuts: bool = False,
     together: Sequence[Sequence[int]] = (),
-    same_gpu: Mapping[tuple[int, int], bool] | None = None,
+    same_gpu: Mapping[tuple[int, int], bool] | None = None, slim: bool = True,
 ) -> ModelRun:
     """Build the model of ``units`` (default: the layers), solve it with ``method``.
 
@@ -162,7 +162,8 @@ def run_model(
     ``lifetime_cuts``: add the lifetime relaxation's copy rows at ``upper_bound``
     (:func:`~optmem.models.pipeline.build_pipeline_model`; valid inequalities).
     ``together``: groups of units restricted to one GPU each (a restriction of the model:
-    :func:`~optmem.models.pipeline.build_pipeline_model`).
+    :func:`~optmem.models.pipeline.build_pipeline_model`). ``slim``: with ``gpu`` fixed,
+    the slim fixed-allocation model (default) or the general one (``False``).
     """
     units = units if units is not None else make_units(problem)
     form = build_pipeline_model(units, problem.n_gpus, problem.memory_per_gpu,
@@ -171,7 +172,7 @@ def run_model(
                                 lower_bound=max(lower, lower_bound(problem))
                                 if gpu is None else lower,
                                 lifetime_cuts=lifetime_cuts, together=together,
-                                same_gpu=same_gpu)
+                                same_gpu=same_gpu, slim=slim)
     if feasibility:
         form.model.minimize(0)
     values = form.encode(warm) if warm is not None and options.warm_start else None

@@ -121,6 +121,16 @@ PHASE2_NODE_LIMIT = 20_000
 """Default ILP work limit of each phase-2 model (branch-and-bound nodes) when no limit is set."""
 PHASE2_DETERMINISTIC_TIME = 30.0
 """Default CP-SAT work limit of each phase-2 model (deterministic seconds) likewise."""
+PHASE2_SLIM = False
+"""Whether phase 2's fixed-allocation model is the slim one
+(:data:`~optmem.models.pipeline.SLIM_FIXED`); ``False``: the general model with the
+allocation fixed. Both have the same solutions, but phase 2 stops at a work limit, where
+their searches differ. On the 63 settings of ``bench_pipeline.py`` (stop 48,
+``benchmarks/results/pipeline.md``): the general model gives 240.04 on ResNet-101 (b8,
+1000 px), P = 8, 12 GiB, where the slim one stops at 258.97 (-7.3 %), the slim one 19.46 on
+Inception-v3, P = 8, 12 GiB, where the general one gives 19.74 (+1.5 %), the other 61 the
+same, in 366 CPU s in all against 424. Asking the general model only after an unproven
+slim one gave 243.82 and 19.46 but took 775 CPU s."""
 
 Allocation = list[tuple[int, int, str]]  # (first, last, "N"|"S") in chain order
 
@@ -1064,7 +1074,7 @@ def _phase2(problem: PipelineProblem, alloc: Allocation, options: SolveOptions,
         options = options.with_(node_limit=PHASE2_NODE_LIMIT,
                                 deterministic_time=PHASE2_DETERMINISTIC_TIME)
     for mode, gpu in (("fixed", labels), ("free", None)):
-        run = run_model(problem, method, options, units=units, gpu=gpu)
+        run = run_model(problem, method, options, units=units, gpu=gpu, slim=PHASE2_SLIM)
         plan = run.plan
         log.append({"phase2": f"{method}-{mode}", "status": str(run.status),
                     "period": plan.period if plan is not None else None,
