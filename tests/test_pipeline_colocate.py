@@ -360,6 +360,24 @@ def test_an_error_in_the_climb_reaches_the_solve(monkeypatch):
         solve(trimming_chain(), "cpsat", options=BESIDE)
 
 
+def test_an_error_in_the_search_stops_the_climb(monkeypatch):
+    """The search raising ends the climb too: no thread left running after the solve."""
+    made = spied_beside(monkeypatch)
+
+    def endless(self, step, order="ladder"):
+        while not self.out_of_time():
+            time.sleep(0.001)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("search broke")
+
+    monkeypatch.setattr(Benders, "climb", endless)
+    monkeypatch.setattr(lns, "improve", broken)
+    with pytest.raises(RuntimeError, match="search broke"):
+        solve(trimming_chain(), "cpsat", options=BESIDE)
+    assert len(made) == 1 and not made[0][0].thread.is_alive()
+
+
 @pytest.mark.parametrize("change", [{"threads": 1}, {"time_limit_s": None},
                                     {"extra": {**BESIDE.extra, "colocate_beside": False}},
                                     {"extra": {**BESIDE.extra, "lns": 0}}])

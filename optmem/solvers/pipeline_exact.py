@@ -363,13 +363,16 @@ def solve_exact(problem: PipelineProblem, options: SolveOptions, method: str) ->
         left = None if limit is None else max(0.0, limit - (time.perf_counter() - start))
         deadline = None if left is None else time.perf_counter() + lns.LNS_SHARE * left
         beside = beside_search(problem, options, best, relaxed, deadline)
-        found = lns.improve(problem, best[0], best[1], moves=search.moves, work=search.work,
-                            seed=options.seed, bound=relaxed, units=units, deadline=deadline)
+        try:
+            found = lns.improve(problem, best[0], best[1], moves=search.moves,
+                                work=search.work, seed=options.seed, bound=relaxed,
+                                units=units, deadline=deadline)
+        finally:  # the climb never outlives the search, whatever ends it
+            climbed = beside.stop() if beside is not None else None
         report.update(found.report())
         if found.improvements:
             starts = _joined(starts, [(found.period, found.plan, "lns")])
-        if beside is not None:
-            climbed = beside.stop()
+        if climbed is not None:
             report.update(climbed.report, colocate_beside=True)
             relaxed = max(relaxed, climbed.bound)
             starts = _joined(starts, [(p, pl, "colocate") for p, pl in climbed.found])
