@@ -302,16 +302,18 @@ class BesideSearch:
 
 
 def beside_search(problem: PipelineProblem, options: SolveOptions, best: Candidate,
-                  bound: float, deadline: float | None) -> BesideSearch | None:
+                  bound: float, deadline: float | None, step: float | None, order: str
+                  ) -> BesideSearch | None:
     """Start the climb beside the search (``None`` when it does not run).
 
     It runs when ``extra["colocate_beside"]`` (default ``True``) and the setting allow it:
-    a time limit, ``threads >= 2`` and CP-SAT.
+    a time limit, ``threads >= 2`` and CP-SAT. ``step``, ``order``: the checked
+    ``colocate_step`` (``None``: :data:`BESIDE_STEP`) and ``colocate_order``
+    (:func:`colocate_settings`).
     """
     if not flag(options, "colocate_beside", True) or options.time_limit_s is None \
             or options.threads < 2 or not engines.is_available("cpsat"):
         return None
-    step, _, order = colocate_settings(options)
     return BesideSearch(problem, options, best, bound, deadline,
                         BESIDE_STEP if step is None else step, order)
 
@@ -362,7 +364,8 @@ def solve_exact(problem: PipelineProblem, options: SolveOptions, method: str) ->
             and not proven(best[0], relaxed):
         left = None if limit is None else max(0.0, limit - (time.perf_counter() - start))
         deadline = None if left is None else time.perf_counter() + lns.LNS_SHARE * left
-        beside = beside_search(problem, options, best, relaxed, deadline)
+        beside = beside_search(problem, options, best, relaxed, deadline, colocate_step,
+                               colocate_order)
         try:
             found = lns.improve(problem, best[0], best[1], moves=search.moves,
                                 work=search.work, seed=options.seed, bound=relaxed,
