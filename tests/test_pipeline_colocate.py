@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import threading
 import time
 from dataclasses import replace
 
@@ -388,3 +389,82 @@ def test_no_climb_beside_without_a_limit_a_second_thread_or_a_search(monkeypatch
     res = solve(trimming_chain(), "cpsat", options=replace(QUICK_BESIDE, **change))
     assert made == [] and "colocate_beside" not in res.report
     assert res.objective == pytest.approx(23.0) and res.bound <= 23.0 + 1e-9
+
+
+def test_a_resumed_climb_keeps_what_it_refuted(monkeypatch):
+    """``climb_bound(..., state=...)`` goes on from an earlier climb: stopped after its
+    first probe and resumed, the climb reaches the bound and no-goods of one climb run
+    through, with the same number of co-location refutations in all (none asked twice),
+    and its report counts the probes of both parts."""
+    problem = trimming_chain()
+    whole = climb_bound(problem, OPTS, period=23.0, plan=None, bound=lower_bound(problem),
+                        deadline=None, step=STEP)
+    real = Benders.colocate_probe
+
+    def one_probe(self, ticks):
+        verdict = real(self, ticks)
+        self.deadline = time.perf_counter() - 1.0  # the limit passes after the first probe
+        return verdict
+
+    monkeypatch.setattr(Benders, "colocate_probe", one_probe)
+    first = climb_bound(problem, OPTS, period=23.0, plan=None, bound=lower_bound(problem),
+                        deadline=time.perf_counter() + 3600.0, step=STEP)
+    monkeypatch.setattr(Benders, "colocate_probe", real)
+    assert first.report["colocate_probes"] == 1
+    assert first.report["colocate_stopped"] == "time limit"
+    assert first.bound < whole.bound
+    done = first.colocate_solves
+    resumed = climb_bound(problem, OPTS.with_(threads=2), period=23.0, plan=None,
+                          bound=lower_bound(problem), deadline=None, step=STEP, state=first)
+    assert resumed is first and resumed.options.threads == 2
+    assert resumed.bound == whole.bound and resumed.together == whole.together
+    assert resumed.colocate_solves == whole.colocate_solves > done
+    assert resumed.report["colocate_probes"] == whole.report["colocate_probes"]
+    assert "colocate_stopped" not in resumed.report or \
+        resumed.report["colocate_stopped"] == whole.report.get("colocate_stopped")
+
+
+def test_a_resumed_climb_takes_the_better_incumbent_and_the_higher_bound():
+    """The state's incumbent and bound are replaced only by better ones, and a state of
+    another problem is refused."""
+    problem = trimming_chain()
+    state = Benders(problem, "cpsat", OPTS, 30.0, None, 20.0, time.perf_counter() - 1.0)
+    out = climb_bound(problem, OPTS, period=40.0, plan=None, bound=10.0,
+                      deadline=time.perf_counter() - 1.0, step=STEP, state=state)
+    assert (out.period, out.bound) == (30.0, 20.0)
+    out = climb_bound(problem, OPTS, period=25.0, plan=None, bound=21.0,
+                      deadline=time.perf_counter() - 1.0, step=STEP, state=state)
+    assert (out.period, out.bound) == (25.0, 21.0)
+    with pytest.raises(ValueError, match="another problem"):
+        climb_bound(replace(problem), OPTS, period=25.0, plan=None, bound=21.0,
+                    deadline=None, step=STEP, state=state)
+
+
+def test_with_a_step_the_climb_after_the_search_goes_on_from_the_one_beside(monkeypatch):
+    """With ``colocate_step`` set, the climb after the search is handed the state of the
+    climb beside it (its no-goods kept), with the solve's threads; the solve still proves
+    the optimum 23 and its plan replays."""
+    made = spied_beside(monkeypatch)
+    handed = []
+    real_climb, real_bound = Benders.climb, pipeline_exact.climb_bound
+
+    def beside_idle(self, step, order="ladder"):  # the beside climb is stopped at once
+        if threading.current_thread().name == "optmem-colocate-climb":
+            self.report["colocate_stopped"] = "time limit"
+            return
+        real_climb(self, step, order)
+
+    def spy(*args, **kwargs):
+        handed.append(kwargs.get("state"))
+        return real_bound(*args, **kwargs)
+
+    monkeypatch.setattr(Benders, "climb", beside_idle)
+    monkeypatch.setattr(pipeline_exact, "climb_bound", spy)
+    options = QUICK_BESIDE.with_(extra={**QUICK_BESIDE.extra, "colocate_step": STEP})
+    res = solve(trimming_chain(), "cpsat", options=options)
+    assert len(made) == 1 and not made[0][0].thread.is_alive()
+    assert handed == [made[0][0].climber]
+    assert handed[0].options.threads == 2
+    assert res.status is Status.OPTIMAL and res.objective == pytest.approx(23.0)
+    sim = simulate_pipeline(trimming_chain(), PipelinePlan.from_strings(res.plan))
+    assert sim.period == pytest.approx(res.objective)

@@ -489,7 +489,8 @@ class Benders:
         serve every lower one (:meth:`master` keeps those whose bound exceeds the probe).
         Stops at the deadline too.
         """
-        probes, closed = 0, 0
+        probes = self.report.get("colocate_probes", 0)  # a resumed climb counts both
+        closed = self.report.get("colocate_closed", 0)
         verdict = ""
         ceiling = self.top()
         while True:
@@ -673,15 +674,29 @@ def _together_nogood(z: dict[tuple[int, int], Expr], group: tuple[int, ...]) -> 
 
 def climb_bound(problem: PipelineProblem, options: SolveOptions, *, period: float,
                 plan: PipelinePlan | None, bound: float, deadline: float | None,
-                step: float, order: str = "ladder") -> Benders:
+                step: float, order: str = "ladder", state: Benders | None = None) -> Benders:
     """Raise the proven ``bound`` by the co-location climb (``extra["colocate_step"]``).
 
     ``period``/``plan``: the incumbent (probes stay below it); ``deadline`` as in
     :func:`solve_benders`; ``order``: :data:`CLIMB_ORDERS` (``extra["colocate_order"]``,
     :meth:`Benders.climb`). The result's ``bound`` is valid (module docstring); ``found``
     holds the plans met on the way (replayed within the memory).
+
+    ``state``: an earlier climb of the same problem (the one beside the search) to go on
+    from: its no-goods, allocation bounds and plans are kept (each was proven or replayed
+    for the problem, whatever the incumbent), it takes ``options`` (e.g. more threads),
+    the better incumbent and the higher bound, and its report counts both climbs.
     """
-    out = Benders(problem, "cpsat", options, period, plan, bound, deadline)
+    if state is None:
+        out = Benders(problem, "cpsat", options, period, plan, bound, deadline)
+    else:
+        out = state
+        if out.problem is not problem:
+            raise ValueError("climb_bound: state belongs to another problem")
+        out.options, out.deadline, out.bound = options, deadline, max(out.bound, bound)
+        if period < out.period:
+            out.period, out.plan = period, plan
+        out.report.pop("colocate_stopped", None)
     out.climb(step, order)
     return out
 

@@ -42,7 +42,8 @@ default 40 moves under a time limit on chains of at least 10 units, with
 ``extra["colocate_beside"]`` (default ``True``: while the search runs under a time limit
 with ``threads >= 2``, the co-location climb runs on a thread beside it, one CP-SAT worker
 each, with ``colocate_step`` or :data:`BESIDE_STEP`, and stops with the search: the search
-uses one worker, so the climb takes the core it leaves idle; :class:`BesideSearch`).
+uses one worker, so the climb takes the core it leaves idle; :class:`BesideSearch`; with
+``colocate_step`` set, the climb after the search goes on from its state).
 """
 
 from __future__ import annotations
@@ -360,6 +361,7 @@ def solve_exact(problem: PipelineProblem, options: SolveOptions, method: str) ->
         if probed is not None:
             starts = _joined(starts, [probed])
             best = starts[0]
+    climbed: Benders | None = None  # the climb beside the search; the one after goes on
     if best is not None and search.moves and engines.is_available("cpsat") \
             and not proven(best[0], relaxed):
         left = None if limit is None else max(0.0, limit - (time.perf_counter() - start))
@@ -383,14 +385,15 @@ def solve_exact(problem: PipelineProblem, options: SolveOptions, method: str) ->
     if best is not None and colocate_step is not None and engines.is_available("cpsat") \
             and not proven(best[0], relaxed):
         left = None if limit is None else max(0.0, limit - (time.perf_counter() - start))
+        known = 0 if climbed is None else len(climbed.found)  # joined already
         climbed = climb_bound(problem, options, period=best[0], plan=best[1], bound=relaxed,
                               deadline=None if left is None
                               else time.perf_counter() + COLOCATE_SHARE * left,
-                              step=colocate_step, order=colocate_order)
+                              step=colocate_step, order=colocate_order, state=climbed)
         report.update(climbed.report)
         relaxed = max(relaxed, climbed.bound)
-        if climbed.found:
-            starts = _joined(starts, [(p, pl, "colocate") for p, pl in climbed.found])
+        if climbed.found[known:]:
+            starts = _joined(starts, [(p, pl, "colocate") for p, pl in climbed.found[known:]])
             best = starts[0]
     if best is not None and proven(best[0], relaxed):
         report.update(incumbents={s: p for p, _, s in starts}, source=best[2])
