@@ -165,3 +165,106 @@ def test_lifetime_cuts_keep_the_general_model():
     assert cut.status is plain.status  # valid rows: the same answer as the slim model's
     if plain.plan is not None:
         assert cut.plan.period == pytest.approx(plain.plan.period, abs=cut.step + 1e-6)
+
+
+# ------------------------------------------------------------------ CP-SAT's linearization
+def stalling_chain() -> PipelineProblem:
+    """4 layers, 3 GPUs, a slow link: with CP-SAT's default linearization (level 1) the
+    allocation ``[0, 1, 2, 1]`` stayed at a plan of 22.99 with the bound 13 after 60
+    deterministic seconds (slim build); its optimum is 16 (the general build and HiGHS)."""
+    chain = Chain.from_lists([3.0, 4.0, 1.0, 3.0], [3.0, 4.0, 2.0, 2.0], [3, 2, 1, 2],
+                             [3, 2, 1, 2], input_size=0, weight_size=[1, 3, 2, 3])
+    return PipelineProblem(chain, 3, 41, chain_bandwidth=0.5)
+
+
+@pytest.mark.parametrize("slim", [True, False])
+def test_fixed_allocations_are_solved_with_level_2_linearization(monkeypatch, slim):
+    """``FIXED_PARAMETERS`` (``linearization_level`` 2) reach CP-SAT when a fixed
+    allocation's period is minimised (not for the free allocation, nor for feasibility
+    questions), and prove the allocation that stalled at level 1 within 2 deterministic
+    seconds; the plan replays. With CP-SAT's default the slim build does not
+    prove it within the same work (the reason for the parameter)."""
+    from optmem.engines import adapters
+    from optmem.solvers import pipeline_common
+
+    problem, gpu = stalling_chain(), [0, 1, 2, 1]
+    seen = []
+    real = adapters.solve_cpsat
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("parameters"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(adapters, "solve_cpsat", spy)
+    opts = replace(OPTS, deterministic_time=2.0)
+    run = run_model(problem, "cpsat", opts, gpu=gpu, slim=slim)
+    assert seen == [{"linearization_level": 2}]
+    assert run.status is Status.OPTIMAL and run.plan is not None
+    assert run.plan.period == pytest.approx(16.0)
+    assert_replays(problem, run.plan)
+    run_model(problem, "cpsat", opts)  # the allocation free: CP-SAT's defaults
+    assert seen[-1] is None
+    run_model(problem, "cpsat", opts, gpu=gpu, slim=slim, upper_bound=16.0,
+              feasibility=True)  # a feasibility question (the chunk scan's): the defaults
+    assert seen[-1] is None
+    if slim:
+        monkeypatch.setattr(pipeline_common, "FIXED_PARAMETERS", {})
+        stalled = run_model(problem, "cpsat", opts, gpu=gpu, slim=True)
+        assert stalled.status is not Status.OPTIMAL
+
+
+def stalling_subproblems_chain() -> PipelineProblem:
+    """5 layers, 3 GPUs: ``strategy=benders`` without a time limit ran for minutes on it
+    (one subproblem at level 1); its optimum is 16 (the full model)."""
+    chain = Chain.from_lists([1.0, 1.0, 3.0, 1.0, 2.0], [5.0, 4.0, 4.0, 5.0, 4.0],
+                             [3, 2, 1, 3, 0], [3, 2, 1, 3, 0], input_size=0,
+                             weight_size=[1, 2, 1, 0, 3])
+    return PipelineProblem(chain, 3, 19, chain_bandwidth=1.0)
+
+
+def decomposed(problem: PipelineProblem, monkeypatch) -> tuple[object, list[Status]]:
+    """``solve(..., "cpsat")`` with ``strategy=benders`` and no limit (the loop runs at once,
+    from the solve's incumbent and bound), each engine call of the loop held to 5
+    deterministic seconds; the result and the status of each subproblem."""
+    from optmem.solvers import pipeline_benders, pipeline_exact
+    from optmem.solvers.facade import solve
+
+    real, real_run = pipeline_exact.solve_benders, pipeline_benders.run_model
+    statuses: list[Status] = []
+
+    def limited(problem, method, options, **kwargs):
+        return real(problem, method, options.with_(deterministic_time=5.0), **kwargs)
+
+    def subproblem(*args, **kwargs):
+        run = real_run(*args, **kwargs)
+        statuses.append(run.status)
+        return run
+
+    monkeypatch.setattr(pipeline_exact, "solve_benders", limited)
+    monkeypatch.setattr(pipeline_benders, "run_model", subproblem)
+    res = solve(problem, "cpsat", options=SolveOptions(threads=1, seed=0,
+                                                       extra={"strategy": "benders"}))
+    monkeypatch.undo()
+    return res, statuses
+
+
+def test_decomposition_proves_a_small_chain_its_subproblems_stalled_on(monkeypatch):
+    """Without a limit the decomposition proves the full model's optimum 16, every
+    subproblem of its loop decided within 5 deterministic seconds, and its plan replays;
+    with CP-SAT's default linearization a subproblem is not decided within that work (with
+    no limit at all it ran for minutes)."""
+    from optmem.pipeline_plan import PipelinePlan
+    from optmem.solvers import pipeline_common
+    from optmem.solvers.facade import solve
+
+    problem = stalling_subproblems_chain()
+    full = solve(problem, "cpsat", options=SolveOptions(threads=1, seed=0))
+    assert full.status is Status.OPTIMAL and full.objective == pytest.approx(16.0)
+    res, statuses = decomposed(problem, monkeypatch)
+    assert res.report["strategy"] == "benders" and statuses
+    assert all(s in (Status.OPTIMAL, Status.INFEASIBLE) for s in statuses), statuses
+    assert res.status is Status.OPTIMAL and res.objective == pytest.approx(16.0)
+    assert_replays(problem, PipelinePlan.from_strings(res.plan))
+    monkeypatch.setattr(pipeline_common, "FIXED_PARAMETERS", {})
+    _, stalled = decomposed(problem, monkeypatch)
+    assert any(s not in (Status.OPTIMAL, Status.INFEASIBLE) for s in stalled), stalled
