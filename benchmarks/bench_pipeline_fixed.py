@@ -56,6 +56,15 @@ def linked(profile: str, gpus: int, gib: float) -> PipelineProblem:
                            chain_bandwidth=parse_pipeline_bandwidth("12GB/s", chain.time_unit))
 
 
+def madpipe_profiles() -> list[tuple[str, PipelineProblem]]:
+    """Part 2's instances: the headline, UNet and ResNet-152 (where phase 2 runs several
+    models), each with its label."""
+    return [("ResNet-50, 4 GPUs, 3 GiB", headline()),
+            ("UNet, 2 GPUs, 8 GiB", linked("unet-b4-512", 2, 8)),
+            ("ResNet-152, 8 GPUs, 6 GiB", linked("resnet152-b32-224", 8, 6)),
+            ("ResNet-152, 8 GPUs, 8 GiB", linked("resnet152-b32-224", 8, 8))]
+
+
 def with_build(slim: bool, fn: Callable[[], object]) -> tuple[object, float]:
     """``fn()`` with ``SLIM_FIXED = slim``; its result and CPU seconds."""
     saved = model.SLIM_FIXED
@@ -111,17 +120,28 @@ def part_allocations(stride: int, repeats: int) -> list[str]:
     return rows
 
 
-def part_madpipe(profiles: list[tuple[str, PipelineProblem]]) -> list[str]:
-    rows = ["| instance | build | period | CPU s | phase-2 models |", "|---|---|---|---|---|"]
+Variant = Callable[[Callable[[], object]], tuple[object, float]]
+"""Runs a thunk under one setting (a build, CP-SAT parameters): its result and CPU s."""
+
+
+def madpipe_rows(profiles: list[tuple[str, PipelineProblem]], column: str,
+                 variants: dict[str, Variant]) -> list[str]:
+    """``solve(problem, "madpipe")`` under each variant: period, CPU s, phase-2 models."""
+    rows = [f"| instance | {column} | period | CPU s | phase-2 models |", "|---|---|---|---|---|"]
     opts = SolveOptions(threads=1, seed=0)
     for name, problem in profiles:
-        for slim in (False, True):
-            res, cpu = with_build(slim, lambda p=problem: solve(p, "madpipe", options=opts))
-            rows.append(f"| {name} | {'slim' if slim else 'general'} | "
+        for label, variant in variants.items():
+            res, cpu = variant(lambda p=problem: solve(p, "madpipe", options=opts))
+            rows.append(f"| {name} | {label} | "
                         f"{res.objective:.4f} | {cpu:.1f} | "  # type: ignore[attr-defined]
                         f"{res.report.get('phase2_models', '-')} |")  # type: ignore[attr-defined]
             print(rows[-1], flush=True)
     return rows
+
+
+def part_madpipe(profiles: list[tuple[str, PipelineProblem]]) -> list[str]:
+    return madpipe_rows(profiles, "build", {
+        "general": lambda fn: with_build(False, fn), "slim": lambda fn: with_build(True, fn)})
 
 
 def main() -> None:
@@ -131,10 +151,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out")
     args = parser.parse_args()
-    profiles = [("ResNet-50, 4 GPUs, 3 GiB", headline()),
-                ("UNet, 2 GPUs, 8 GiB", linked("unet-b4-512", 2, 8)),
-                ("ResNet-152, 8 GPUs, 6 GiB", linked("resnet152-b32-224", 8, 6)),
-                ("ResNet-152, 8 GPUs, 8 GiB", linked("resnet152-b32-224", 8, 8))]
+    profiles = madpipe_profiles()
     if args.quick:
         args.stride, args.repeats, profiles = 200, 1, profiles[:1]
     text = ["# Fixed-allocation models: slim against general (`bench_pipeline_fixed.py`)", "",

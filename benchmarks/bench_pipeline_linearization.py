@@ -48,7 +48,13 @@ from optmem.solvers.pipeline_common import run_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_pipeline_exact import uptime  # noqa: E402
-from bench_pipeline_fixed import CUTOFF, headline, linked, verdict  # noqa: E402
+from bench_pipeline_fixed import (  # noqa: E402
+    CUTOFF,
+    headline,
+    madpipe_profiles,
+    madpipe_rows,
+    verdict,
+)
 
 LEVELS: dict[str, dict[str, Any]] = {"default (level 1)": {},
                                      "level 2": {"linearization_level": 2}}
@@ -159,15 +165,8 @@ def part_chunks(stride: int) -> list[str]:
 
 
 def part_madpipe(profiles: list[tuple[str, PipelineProblem]]) -> list[str]:
-    rows = ["| instance | linearization | period | CPU s |", "|---|---|---|---|"]
-    opts = SolveOptions(threads=1, seed=0)
-    for label, problem in profiles:
-        for name, params in LEVELS.items():
-            res, seconds = with_parameters(params,
-                                           lambda p=problem: solve(p, "madpipe", options=opts))
-            rows.append(f"| {label} | {name} | {res.objective:.4f} | {seconds:.1f} |")
-            print(rows[-1], flush=True)
-    return rows
+    return madpipe_rows(profiles, "linearization", {
+        name: lambda fn, p=params: with_parameters(p, fn) for name, params in LEVELS.items()})
 
 
 def part_sweep() -> list[str]:
@@ -215,10 +214,6 @@ def main() -> None:
     parser.add_argument("--out")
     args = parser.parse_args()
     parts = args.parts.split(",")
-    profiles = [("ResNet-50, 4 GPUs, 3 GiB", headline()),
-                ("UNet, 2 GPUs, 8 GiB", linked("unet-b4-512", 2, 8)),
-                ("ResNet-152, 8 GPUs, 6 GiB", linked("resnet152-b32-224", 8, 6)),
-                ("ResNet-152, 8 GPUs, 8 GiB", linked("resnet152-b32-224", 8, 8))]
     text = ["# Fixed-allocation models: CP-SAT's linearization level "
             "(`bench_pipeline_linearization.py`)", "",
             f"Run of {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, Python "
@@ -233,7 +228,7 @@ def main() -> None:
         print("\n".join(text[-8:]), flush=True)
     if "madpipe" in parts:
         text += ["## Part 3: MadPipe (phase 2 schedules fixed allocations)", "",
-                 *part_madpipe(profiles), ""]
+                 *part_madpipe(madpipe_profiles()), ""]
     if "sweep" in parts:
         text += ["## Part 4: MadPipe over `bench_pipeline.py`'s 63 settings", "",
                  *part_sweep(), ""]
