@@ -246,6 +246,61 @@ def test_stopped_engine_returns_the_warm_start(monkeypatch: pytest.MonkeyPatch) 
     assert res.bound >= EXAMPLE.total_compute_time()
 
 
+# stop 50's hunt: CBC, given the DP's optimal plan as a start, called the model with every
+# time at most the start's value infeasible (its completion broke a row by 3.3e-8)
+CBC_START_CHAIN = Chain.from_lists([1.0, 0.0, 0.0], [0.0, 0.0, 0.0], [2, 4, 1], [3, 5, 1],
+                                   input_size=1)
+
+
+def test_cbc_with_an_optimal_warm_start_proves_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The horizon lies :data:`HORIZON_SLACK` above the start's value: CBC proves the start.
+
+    Without the slack CBC's preprocessing says infeasible, and the solve returns the
+    start as ``feasible`` with the contradiction reported, never ``infeasible``."""
+    from optmem.solvers import remat_offload_exact as exact
+
+    problem = RematOffloadProblem(CBC_START_CHAIN, 13, chain_bandwidth=3.0)
+    opts = OPTS.with_(solver="cbc", extra={"relaxation": False})
+    res = solve(problem, "ilp", options=opts)
+    check(problem, res)
+    assert res.status is Status.OPTIMAL
+    assert res.objective == pytest.approx(7 / 3)
+    assert "engine_contradiction" not in res.report
+    monkeypatch.setattr(exact, "HORIZON_SLACK", 0.0)
+    bare = solve(problem, "ilp", options=opts)
+    check(problem, bare)
+    assert bare.status is Status.FEASIBLE  # CBC's verdict at the bare horizon is not taken
+    assert "engine_contradiction" in bare.report
+    assert bare.objective == pytest.approx(7 / 3)
+
+
+def test_an_infeasible_verdict_below_a_start_is_not_taken(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """An engine that calls the model infeasible although the warm start fits it is wrong:
+    the solve returns the start (``feasible``, the relaxation's bound), not ``infeasible``."""
+    from optmem.solvers import remat_offload_exact as exact
+
+    def wrong(*args: object, **kwargs: object) -> EngineResult:
+        return EngineResult(Status.INFEASIBLE, None, math.inf, math.inf, "cpsat", 0.0,
+                            "infeasible")
+
+    problem = RematOffloadProblem(EXAMPLE, 12, chain_bandwidth=1.0)
+    real = exact._engine_solve
+
+    def wrong_search(model: Any, engine: str, options: SolveOptions, **kw: Any) -> Any:
+        if kw.get("initial") is None:  # the warm start's completion stays real
+            return real(model, engine, options, **kw)
+        return wrong(), None, math.inf
+
+    monkeypatch.setattr(exact, "_engine_solve", wrong_search)
+    res = solve(problem, "cpsat", options=OPTS.with_(extra={"relaxation": False}))
+    check(problem, res)
+    assert res.status is Status.FEASIBLE
+    assert "engine_contradiction" in res.report
+    assert res.bound <= res.objective
+    assert res.objective <= solve(problem, "dp", options=OPTS).objective + 1e-9
+
+
 def test_options_are_checked() -> None:
     from optmem.errors import OptmemInputError
 

@@ -160,6 +160,11 @@ SEQUENCE_WORK = 10.0  # CP-SAT deterministic seconds completing the relaxation's
 SEQUENCE_SHARE = 0.1  # share of a user's time limit completing the relaxation's sequence
 STRATEGIES = ("full", "benders")  # extra["strategy"] of cpsat (benders: remat_offload_benders)
 MIN_ENGINE_LIMIT_S = 0.01  # an engine call whose emission took what was left: stops at once
+# the full solve's horizon (every time at most the warm start's makespan) lies this far
+# (relative) above the start's model value: that value is an engine's, exact only to its
+# feasibility tolerance (a CBC completion broke a row by 3.3e-8, and CBC's preprocessing
+# then called the model with the horizon at that value infeasible; stop 50's hunt)
+HORIZON_SLACK = 1e-6
 
 
 def compute_sequences(chain: Chain, max_forwards: int | None = None
@@ -1135,7 +1140,7 @@ def _full_solve(setup: _Setup, options: SolveOptions, report: dict[str, Any], *,
         report["note"] = "the fastest candidate plan meets the link relaxation's bound"
         return plan_result(problem, options, start.plan, method=method, solver=solver,
                            status=Status.OPTIMAL, report=report)
-    model = with_fixed(built, {}, start.model_value if start.values is not None else None)
+    model = with_fixed(built, {}, _horizon(start))
     if math.isfinite(relaxed.bound) and setup.exact:
         # valid for the model (build_link_relaxation); a hair below for engine tolerances
         model.add(Relation(Expr([(built.objective_var, 1.0)]),
@@ -1171,9 +1176,15 @@ def _full_solve(setup: _Setup, options: SolveOptions, report: dict[str, Any], *,
     bound = max(bound, floor) if math.isfinite(bound) else floor
     if setup.exact:  # every plan's makespan is on the grid (grid_ceiling)
         bound = grid_ceiling(bound, scale)
-    if status is Status.INFEASIBLE:
+    if status is Status.INFEASIBLE and start.plan is None:
         report["note"] = "no plan of the model's class fits"
         return no_plan_result(problem, options, method, Status.INFEASIBLE, report)
+    if status is Status.INFEASIBLE:  # the start replays within the memory: the engine is wrong
+        report["engine_contradiction"] = ("the engine found no plan within the warm start's "
+                                          "makespan; the warm start replays, so its verdict "
+                                          "is not taken")
+        status = Status.NO_SOLUTION
+        bound = grid_ceiling(floor, scale) if setup.exact else floor  # the engine's is void
     plan: tuple[AnyOp, ...] | None = None
     if status.has_plan and values is not None:
         plan = built.decode(values)
@@ -1207,6 +1218,16 @@ def _full_solve(setup: _Setup, options: SolveOptions, report: dict[str, Any], *,
     if res.status is Status.FEASIBLE:
         res = res.with_(bound=min(bound, res.objective))
     return res
+
+
+def _horizon(start: _Start) -> float | None:
+    """The full solve's bound on every time (``None``: no completed warm start).
+
+    The warm start's model value plus :data:`HORIZON_SLACK` of it.
+    """
+    if start.values is None:
+        return None
+    return start.model_value + HORIZON_SLACK * max(1.0, abs(start.model_value))
 
 
 # the options both engines of the model read (cpsat adds its strategy's)
