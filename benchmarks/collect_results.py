@@ -11,7 +11,8 @@ import re
 from pathlib import Path
 
 HERE = Path(__file__).parent
-ORDER = ["checkpoint_dp", "exact", "checkpoint_exact", "zoo", "pytorch", "hf_autotune_memory",
+ORDER = ["checkpoint_dp", "exact", "checkpoint_exact", "cpsat_linearization", "zoo", "pytorch",
+         "hf_autotune_memory",
          "hf_overhead",
          "hf_paired",
          "hf_paired_readby", "hf_paired_joint", "hf_early_stop", "hf_quiet4", "hf_autotune",
@@ -21,7 +22,8 @@ ORDER = ["checkpoint_dp", "exact", "checkpoint_exact", "zoo", "pytorch", "hf_aut
          "hf_segment_quiet",
          "hf_segment", "memory", "hf_zoo", "offload",
          "offload_exact", "remat_offload", "remat_offload_exact", "remat_offload_proofs",
-         "pipeline_exact", "pipeline_fixed", "pipeline", "madpipe_speed", "pipeline_runtime",
+         "pipeline_exact", "pipeline_fixed", "pipeline_linearization", "pipeline",
+         "madpipe_speed", "pipeline_runtime",
          "min_peak", "fuzz"]
 INTRO = """# Benchmark results
 

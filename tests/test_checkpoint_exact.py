@@ -415,6 +415,27 @@ def test_highs_options_reach_the_engine() -> None:
                      extra={"highs_options": {"mip_max_leaves": 1}})) == default
 
 
+def test_cpsat_linearization_level_proves_a_longer_chain(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """``CPSAT_PARAMETERS`` (``linearization_level`` 2) reach CP-SAT: ``random_chain(24,
+    seed=1)`` at 30 % is proven within 3 deterministic seconds with them, and not at CP-SAT's
+    default level (stop 50, ``benchmarks/bench_cpsat_linearization.py``)."""
+    from optmem.solvers import checkpoint_exact
+    from optmem.solvers.checkpoint_dp import min_memory_persistent
+
+    assert checkpoint_exact.CPSAT_PARAMETERS == {"linearization_level": 2}
+    chain = random_chain(24, seed=1)
+    low = min_memory_persistent(chain)
+    memory = low + int(0.3 * (chain.store_all_peak() - low))
+    opts = {"threads": 1, "seed": 0, "deterministic_time": 3.0}
+    proven = run(chain, memory, "cpsat", **opts)
+    assert value(proven) == pytest.approx(192)
+    monkeypatch.setattr(checkpoint_exact, "CPSAT_PARAMETERS", {})
+    default = run(chain, memory, "cpsat", **opts)
+    assert default.status is Status.FEASIBLE
+    assert default.bound < proven.objective <= default.objective
+
+
 @pytest.mark.parametrize("bad", [{"mip_rel_gap": 0.1}, {"mip_abs_gap": 1.0}, {"threads": 1},
                                  {"no_such_option": 1}, {"mip_pscost_minreliable": "x"},
                                  {"mip_pscost_minreliable": [0]}, [("presolve", "off")]])
