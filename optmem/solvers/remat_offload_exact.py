@@ -1180,8 +1180,9 @@ def _full_solve(setup: _Setup, options: SolveOptions, report: dict[str, Any], *,
         report["note"] = "no plan of the model's class fits"
         return no_plan_result(problem, options, method, Status.INFEASIBLE, report)
     if status is Status.INFEASIBLE:  # the start replays within the memory: the engine is wrong
-        report["engine_contradiction"] = ("the engine found no plan within the warm start's "
-                                          "makespan; the warm start replays, so its verdict "
+        report["engine_contradiction"] = ("the engine called the model infeasible (every "
+                                          "time at most the warm start's makespan, when it "
+                                          "had one); the warm start replays, so its verdict "
                                           "is not taken")
         status = Status.NO_SOLUTION
         bound = grid_ceiling(floor, scale) if setup.exact else floor  # the engine's is void
