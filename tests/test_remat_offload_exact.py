@@ -256,7 +256,8 @@ def test_cbc_with_an_optimal_warm_start_proves_it(monkeypatch: pytest.MonkeyPatc
     """The horizon lies :data:`HORIZON_SLACK` above the start's value: CBC proves the start.
 
     Without the slack CBC's preprocessing says infeasible, and the solve returns the
-    start as ``feasible`` with the contradiction reported, never ``infeasible``."""
+    start as ``feasible`` with the contradiction reported as an engine fault, never
+    ``infeasible``."""
     from optmem.solvers import remat_offload_exact as exact
 
     problem = RematOffloadProblem(CBC_START_CHAIN, 13, chain_bandwidth=3.0)
@@ -265,19 +266,20 @@ def test_cbc_with_an_optimal_warm_start_proves_it(monkeypatch: pytest.MonkeyPatc
     check(problem, res)
     assert res.status is Status.OPTIMAL
     assert res.objective == pytest.approx(7 / 3)
-    assert "engine_contradiction" not in res.report
+    assert "engine_error" not in res.report
     monkeypatch.setattr(exact, "HORIZON_SLACK", 0.0)
     bare = solve(problem, "ilp", options=opts)
     check(problem, bare)
     assert bare.status is Status.FEASIBLE  # CBC's verdict at the bare horizon is not taken
-    assert "engine_contradiction" in bare.report
+    assert "but the warm-start plan replays" in bare.report["engine_error"]
+    assert bare.report["incumbent"] == "the fastest candidate plan"
     assert bare.objective == pytest.approx(7 / 3)
 
 
 def test_an_infeasible_verdict_below_a_start_is_not_taken(monkeypatch: pytest.MonkeyPatch
                                                           ) -> None:
-    """An engine that calls the model infeasible although the warm start fits it is wrong:
-    the solve returns the start (``feasible``, the relaxation's bound), not ``infeasible``."""
+    """An engine that calls the model infeasible although the warm start fits it is wrong
+    (an engine fault): the solve returns the start (``feasible``), not ``infeasible``."""
     from optmem.solvers import remat_offload_exact as exact
 
     def wrong(*args: object, **kwargs: object) -> EngineResult:
@@ -296,7 +298,7 @@ def test_an_infeasible_verdict_below_a_start_is_not_taken(monkeypatch: pytest.Mo
     res = solve(problem, "cpsat", options=OPTS.with_(extra={"relaxation": False}))
     check(problem, res)
     assert res.status is Status.FEASIBLE
-    assert "engine_contradiction" in res.report
+    assert "but the warm-start plan replays" in res.report["engine_error"]
     assert res.bound <= res.objective
     assert res.objective <= solve(problem, "dp", options=OPTS).objective + 1e-9
 

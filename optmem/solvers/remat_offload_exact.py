@@ -1156,15 +1156,22 @@ def _full_solve(setup: _Setup, options: SolveOptions, report: dict[str, Any], *,
     else:
         out, values, bound = _engine_solve(model, engine, options, initial=start.values,
                                            scale=scale, time_limit_s=left, deadline=deadline)
+    if out.status is Status.INFEASIBLE and start.plan is not None:
+        # the warm start replays within the memory: an engine fault (as checkpoint's _checked)
+        out = engines.failed_result(out.engine, f"{out.message or out.status}: infeasible, "
+                                    "but the warm-start plan replays", out.time_s)
     status = out.status
+    floor = max(lower_bound(problem), relaxed.bound)
     if out.failed:
         incumbent = start.plan
+        proven = grid_ceiling(floor, scale) if setup.exact else floor
 
         def fallback(info: dict[str, Any]) -> Result:
             assert incumbent is not None
-            return plan_result(problem, options, incumbent, method=method, solver=solver,
-                               status=Status.FEASIBLE,
-                               report={**info, "incumbent": "the fastest candidate plan"})
+            res = plan_result(problem, options, incumbent, method=method, solver=solver,
+                              status=Status.FEASIBLE,
+                              report={**info, "incumbent": "the fastest candidate plan"})
+            return res.with_(bound=min(proven, res.objective)) if res.status.has_plan else res
 
         return engine_failure(PROBLEM, method, out, report=report,
                               fallback=fallback if incumbent is not None else None,
@@ -1172,20 +1179,12 @@ def _full_solve(setup: _Setup, options: SolveOptions, report: dict[str, Any], *,
     report.update(out.report())
     if out.info:
         report["engine_work"] = dict(out.info)  # deterministic counts (nodes, branches, ...)
-    floor = max(lower_bound(problem), relaxed.bound)
     bound = max(bound, floor) if math.isfinite(bound) else floor
     if setup.exact:  # every plan's makespan is on the grid (grid_ceiling)
         bound = grid_ceiling(bound, scale)
-    if status is Status.INFEASIBLE and start.plan is None:
+    if status is Status.INFEASIBLE:
         report["note"] = "no plan of the model's class fits"
         return no_plan_result(problem, options, method, Status.INFEASIBLE, report)
-    if status is Status.INFEASIBLE:  # the start replays within the memory: the engine is wrong
-        report["engine_contradiction"] = ("the engine called the model infeasible (every "
-                                          "time at most the warm start's makespan, when it "
-                                          "had one); the warm start replays, so its verdict "
-                                          "is not taken")
-        status = Status.NO_SOLUTION
-        bound = grid_ceiling(floor, scale) if setup.exact else floor  # the engine's is void
     plan: tuple[AnyOp, ...] | None = None
     if status.has_plan and values is not None:
         plan = built.decode(values)
