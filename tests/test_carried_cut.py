@@ -20,6 +20,7 @@ from torch import nn  # noqa: E402
 
 import optmem.pytorch as op  # noqa: E402
 import optmem.pytorch.graphcut as graphcut  # noqa: E402
+from optmem.errors import OptmemInputError  # noqa: E402
 from optmem.pytorch.context import side_inputs  # noqa: E402
 from optmem.pytorch.extract import extract_program  # noqa: E402
 from optmem.pytorch.memory import measure_training_peak, plan_allowance  # noqa: E402
@@ -141,6 +142,97 @@ def test_a_value_read_by_every_layer_through_its_slices_is_carried():
     assert torch.equal(got, ref)
     for a, b in zip(loss_grads(model, got), loss_grads(model, ref), strict=True):
         assert torch.equal(a, b)
+
+
+class _RoutedLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.mlp = nn.Linear(WIDTH, 4), nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.gate(h)
+        return h + torch.tanh(self.mlp(h)) * logits.softmax(-1).amax(-1, keepdim=True), logits
+
+
+class Routed(nn.Module):
+    """HF's MoE models with ``output_router_logits=True`` in miniature: every layer's router
+    logits are returned, and the load-balancing loss, after the LM loss, reads them through
+    ``logits.to(device)``, a no-op alias that export binds the returned tensors to."""
+
+    def __init__(self, layers: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_RoutedLayer() for _ in range(layers))
+        self.head = nn.Linear(WIDTH, 4)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> Any:
+        h, routed = x, []
+        for layer in self.layers:
+            h, logits = layer(h)
+            routed.append(logits)
+        loss = nn.functional.cross_entropy(self.head(h), labels)
+        aux = sum(g.to(x.device).softmax(-1).mean(0).square().sum() for g in routed)
+        return loss + 0.01 * aux, aux, tuple(routed)
+
+
+def test_router_logits_returned_through_a_late_alias_are_carried_from_their_layer(
+        monkeypatch):
+    """Before: the returned aliases, made after the last layer, were carried, so each
+    layer's logits were read from the last stage and no later layer boundary dominated:
+    one stage for all the layers (Mixtral, Qwen3-MoE, OLMoE, GraniteMoe with
+    ``output_router_logits=True``: 3 stages, no plan below 85-100 % of the store-all peak;
+    this miniature: no cut at all). ``graphcut._made_in_layer`` carries the layer's value
+    too, so that a node reading only carried values is not pinned behind the alias."""
+    torch.manual_seed(0)
+    model = Routed()
+    g = torch.Generator().manual_seed(4)
+    sample = (torch.randn(8, WIDTH, generator=g), torch.randint(0, 4, (8,), generator=g))
+    cmodel = op.checkpoint(model, sample, memory_limit="60%", repeats=1, warmup=0,
+                           fast_path=False, time_model=lambda *_: (1.0, 2.0))
+    assert cmodel.chain.length >= 5  # a stage per layer, the head
+    assert any(o.startswith(("F_ck", "F_none")) for o in cmodel.result.plan), "no re-run"
+    args = (torch.randn(8, WIDTH, generator=g), torch.randint(0, 4, (8,), generator=g))
+    (loss, aux, routed), (ref_loss, ref_aux, ref_routed) = cmodel(*args), model(*args)
+    assert torch.equal(loss, ref_loss) and torch.equal(aux, ref_aux)
+    assert len(routed) == len(ref_routed)
+    assert all(torch.equal(a, b) for a, b in zip(routed, ref_routed, strict=True))
+    got, ref = loss_grads(model, loss), loss_grads(model, ref_loss)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+    limit = int(0.6 * cmodel.chain.store_all_peak())
+    allowance = plan_allowance(cmodel.chain, cmodel.result.plan, list(cmodel.stages))
+    real = measure_training_peak(lambda: cmodel(*args)[0].backward(), model, list(args))
+    assert real <= limit + allowance, (real, limit, allowance)
+    monkeypatch.setattr(graphcut, "_made_in_layer", lambda node, kinds: node)  # before
+    with pytest.raises(OptmemInputError, match="no cut point"):
+        extract_program(model, sample, {})
+
+
+@pytest.mark.parametrize("family", ["Mixtral", "Qwen3Moe"])
+def test_hf_moe_with_router_logits_is_cut_layer_by_layer(family, monkeypatch):
+    """HF's MoE training setting, ``output_router_logits=True`` (the load-balancing loss):
+    before, 3 stages and no plan below 96 % (Mixtral) / 85 % (Qwen3-MoE) of the store-all
+    peak. Now a stage per half layer, a plan at 60 % that re-runs, bitwise (loss, aux loss,
+    logits, every layer's router logits, gradients), the real peak within the bound."""
+    transformers = pytest.importorskip("transformers",
+                                       reason="the HF tests need transformers (dev extra)")
+    from hf_helpers import check_one_liner
+
+    config = getattr(transformers, f"{family}Config")(
+        vocab_size=100, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        max_position_embeddings=64, num_local_experts=4, num_experts=4,
+        num_experts_per_tok=2, output_router_logits=True)
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{family}ForCausalLM")(config).train()
+    ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(1))
+    kwargs = {"input_ids": ids, "labels": ids}
+    cmodel, (out, _), (ref, _) = check_one_liner(model, kwargs)
+    assert cmodel.chain.length >= 8
+    assert torch.equal(out.aux_loss, ref.aux_loss)
+    assert len(out.router_logits) == len(ref.router_logits) == 3
+    assert all(torch.equal(a, b) for a, b in zip(out.router_logits, ref.router_logits,
+                                                  strict=True))
+    monkeypatch.setattr(graphcut, "_made_in_layer", lambda node, kinds: node)  # before
+    assert len(extract_program(model, (), {**kwargs, "use_cache": False}).stages) <= 3
 
 
 def test_an_early_returned_value_is_returned_and_its_gradient_flows():
@@ -295,7 +387,6 @@ def test_a_plan_that_copies_a_carried_value_twice_is_refused():
     value (rotor's DPs: every plan they return at a grid of limits); a given plan that
     re-runs the stage making it while a later boundary holds the first copy is one clear
     error, and other methods plan on per-boundary sizes."""
-    from optmem.errors import OptmemInputError
     from optmem.pytorch.planning import Planner
     from optmem.pytorch.profile import carried_generations_error
 

@@ -506,9 +506,38 @@ def long_lived(order: list[fx.Node], kinds: dict[fx.Node, str],
         if len(_reader_layers(node, own, kinds) - {own, None}) >= 2:
             out.add(node)
     feeds = set().union(*(_ancestors(o, kinds) for o in outputs))  # each output once
-    out |= {node for node in outputs
-            if node in feeds and node.op != "placeholder" and _is_tensor_value(node)}
+    for node in outputs:
+        if node in feeds and node.op != "placeholder" and _is_tensor_value(node):
+            out |= {node, _made_in_layer(node, kinds)}
     return out
+
+
+def _made_in_layer(node: fx.Node, kinds: dict[fx.Node, str]) -> fx.Node:
+    """The value a layer made, when ``node`` is an alias of it made outside the layers.
+
+    HF's MoE models return each layer's router logits through the load-balancing loss's
+    ``layer_gate.to(device)``, a no-op alias made after the last layer: export binds the
+    returned tensor to that late node. Carrying it would leave the layer's own node read
+    from the last stage, and no later layer boundary would dominate the output (Mixtral's
+    chain was 3 stages with ``output_router_logits=True``). The layer's value is carried
+    too (the alias is the same storage, counted once).
+    """
+    current = node
+    while _layer(current) is None:
+        parent = _alias_parent(current)
+        if parent is None or kinds.get(parent) != CHAIN or parent.op == "placeholder":
+            return node
+        current = parent
+    return current
+
+
+def _alias_parent(node: fx.Node) -> fx.Node | None:
+    """The node whose storage ``node`` views, one step back (None if not a view)."""
+    root = _alias_root(node)
+    if root is node:
+        return None
+    arg0 = node.args[0]
+    return arg0 if isinstance(arg0, fx.Node) else None
 
 
 def _reader_layers(node: fx.Node, own: str | None, kinds: dict[fx.Node, str]) -> set[str | None]:
