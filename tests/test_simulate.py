@@ -8,6 +8,7 @@ from optmem.chain import Chain
 from optmem.errors import PlanError
 from optmem.plan import from_rotor_sequence, load_plan, parse_plan
 from optmem.simulate import simulate_checkpoint
+from optmem.simulate.checkpoint import value_size
 from optmem.solvers import checkpoint_baselines as base
 
 # H1 of rotor.md section 8 (O3), rotor convention
@@ -78,6 +79,9 @@ def test_tape_input_kept_by_backward() -> None:
     (["F_ck 1", "F_all 2", "Loss", "B 2", "B 1"], 4, "B 1 needs abar^1 in memory"),
     (["Loss"], 0, "Loss needs a^2 in memory"),
     (["F_all 1", "F_all 2", "Loss", "Loss"], 3, "Loss runs twice"),
+    # after B 2, delta^2 is gone: a second Loss was accepted until stop 51, and the torch
+    # executor then failed mid-backward ("Loss needs a^-1")
+    (["F_all 1", "F_all 2", "Loss", "B 2", "F_ck 2", "Loss"], 5, "Loss runs twice"),
     (["F_none 1"], 0, "consume the chain input a^0"),
     (["F_ck 3"], 0, "stage 3 out of range 1..2"),
     (["F_all 1", "F_all 2", "Loss", "B 2"], 4, "ends before B 1 has run"),
@@ -110,6 +114,20 @@ def test_pinning_rule() -> None:
         simulate_checkpoint(chain, trick)
     assert info.value.index == 2
     assert "abar^2" in str(info.value)
+
+
+def test_pinning_rule_at_a_backward() -> None:
+    """``B i`` frees ``abar^i``, which holds ``a^i``: refused while a tape ``abar^{i+1}``
+    made again after ``B i+1`` is alive (a torch step of such a plan held ``a^i`` through
+    that tape, one activation above the replayed peak; found by a hunt in stop 51)."""
+    plan = ["F_all 1", "F_all 2", "Loss", "B 2", "F_all 2", "B 1"]
+    with pytest.raises(PlanError) as info:
+        simulate_checkpoint(TWO, plan)
+    assert info.value.index == 5
+    assert "B 1 would free a^1, the input of stage 2, while abar^2 is alive" in str(info.value)
+    # a plain output made again (no tape) pins nothing: accepted, its memory counted
+    sim = simulate_checkpoint(TWO, ["F_all 1", "F_all 2", "Loss", "B 2", "F_ck 2", "B 1"])
+    assert sim.timeline[-1].after == value_size(TWO, ("a", 2)) + value_size(TWO, ("delta", 0))
 
 
 def test_limit_is_checked_per_op() -> None:

@@ -17,11 +17,15 @@ digested in ``shared/design/rotor.md`` section 2, with these rules made explicit
   kept for ``B i-1``). Peak: stored + ``delta^{i-1}`` + ``bwd_overhead``.
 * No free discard: values leave memory only as above.
 * **No duplicates**: an op may not produce a value that memory already holds in either form
-  (``a^i`` while ``a^i`` or ``abar^i`` is stored). With this rule the *pinning rule* of the
-  digest (a stage's input cannot be freed while its tape is alive) holds automatically: the
-  only op that frees ``a^{i-1}`` without consuming ``abar^i`` is ``F_none i``, which would
-  duplicate ``a^i`` while ``abar^i`` is alive. It is checked explicitly all the same.
-* A complete plan runs ``Loss`` once and ends with ``delta^0`` in memory (every ``B`` done).
+  (``a^i`` while ``a^i`` or ``abar^i`` is stored).
+* **Pinning rule** of the digest: a stage's input cannot be freed while its tape is alive.
+  Two ops could: ``F_none i`` frees ``a^{i-1}`` (it would also duplicate ``a^i`` while
+  ``abar^i`` is alive), and ``B i`` frees ``abar^i``, which holds ``a^i``, the input of
+  stage ``i+1``: a plan that runs ``F_all i+1`` again after ``B i+1`` (a tape nothing will
+  read) and then ``B i``. Both are refused (the second since stop 51: a torch step of such
+  a plan held ``a^i`` through the new tape, one activation above the replayed peak).
+* A complete plan runs ``Loss`` once (a second ``Loss``, even after ``B L``, is refused) and
+  ends with ``delta^0`` in memory (every ``B`` done).
 
 The makespan is the sum of op durations; the peak is the maximum op peak.
 """
@@ -114,7 +118,7 @@ def transition(
         src = _stored_input(stored, L)
         if src is None:
             raise PlanError(f"Loss needs a^{L} in memory")
-        if (DELTA, L) in stored:
+        if any(kind == DELTA for kind, _ in stored):  # delta^L, or what B made of it
             raise PlanError("Loss runs twice")
         peak = used + value_size(chain, (DELTA, L)) + chain.loss_bwd_overhead
         after = stored | {(DELTA, L)}
@@ -152,6 +156,9 @@ def _backward(
     src = _stored_input(stored, i - 1)
     if src is None:
         raise PlanError(f"B {i} needs a^{i - 1} in memory")
+    if (ABAR, i + 1) in stored:  # pinning rule: abar^i holds a^i, the input of stage i+1
+        raise PlanError(f"B {i} would free a^{i}, the input of stage {i + 1}, while "
+                        f"abar^{i + 1} is alive")
     peak = used + value_size(chain, (DELTA, i - 1)) + chain.bwd_overhead[i - 1]
     after = (set(stored) - {(DELTA, i), (ABAR, i)}) | {(DELTA, i - 1)}
     if src[0] == A:
