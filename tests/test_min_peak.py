@@ -230,6 +230,34 @@ def test_ilp_matches_dp(model: str) -> None:
         assert dp.objective == ilp.objective == cold.objective
 
 
+@pytest.mark.parametrize("model", ["pytorch", "static", "optmem"])
+def test_ilp_on_terabyte_sizes_is_never_a_wrong_infeasible(model: str) -> None:
+    """HiGHS solves the ILP on sizes scaled to coefficients of at most 1e4: on activations
+    of 2^40 bytes it returned a set one byte above the least peak as optimal, so at the
+    least peak as the limit the ILP said ``infeasible`` (and its bound was above the
+    optimum). Found by a hunt in stop 51. Now the warm start (the DP's set) is kept when
+    the engine's set peaks higher, the bound never exceeds the plan, and without a warm
+    start a set above the limit within the engine's tolerance is ``no_solution``."""
+    pytest.importorskip("pulp", reason="the ILP needs PuLP (optmem[engines])")
+    big = 2**40
+    chain = Chain.from_lists([1.0] * 3, [1.0] * 3, [big, big, 1], [big, big, 1],
+                             input_size=0)
+    least = solve(MinPeakProblem(chain, model=model), "brute").objective
+    ilp = solve(MinPeakProblem(chain, model=model), "ilp")
+    assert ilp.status is Status.OPTIMAL and ilp.objective == least and ilp.bound <= least
+    at_least = solve(MinPeakProblem(chain, model=model, memory_limit=int(least)), "ilp")
+    assert at_least.status is Status.OPTIMAL and at_least.objective == least
+    cold = solve(MinPeakProblem(chain, model=model, memory_limit=int(least)), "ilp",
+                 options=SolveOptions(warm_start=False))
+    assert cold.status in (Status.OPTIMAL, Status.NO_SOLUTION), cold.status
+    if cold.status is Status.NO_SOLUTION:
+        assert "not proven infeasible" in cold.report["hint"]
+    else:
+        assert cold.objective == least
+    far = solve(MinPeakProblem(chain, model=model, memory_limit=10), "ilp")
+    assert far.status is Status.INFEASIBLE and far.min_feasible_memory == least
+
+
 # ------------------------------------------------------------------ optmem accounting
 @pytest.mark.parametrize("seed", range(20))
 def test_optmem_model_is_the_checkpoint_simulator(seed: int) -> None:
@@ -275,6 +303,15 @@ def test_cli_hooks_and_verify() -> None:
         verify_plan(problem, ["F_all 1", "F_all 2", "F_all 3", "F_all 4", "Loss", "B 4"])
     with pytest.raises(PlanError):
         verify_plan(min_peak_from_cli(chain, 7, parser.parse_args([])), [3])
+    # an infeasible result has no plan: verified as the set {0, n} until stop 51
+    tight = min_peak_from_cli(chain, 7, parser.parse_args([]))
+    infeasible = solve(tight, "dp")
+    assert infeasible.status is Status.INFEASIBLE and not infeasible.plan
+    with pytest.raises(PlanError, match="the plan is empty .the result's status is "
+                                        "infeasible"):
+        verify_plan(tight, infeasible.to_json())
+    with pytest.raises(PlanError, match="the plan is empty"):
+        verify_plan(problem, [])
 
 
 def test_cli_end_to_end(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

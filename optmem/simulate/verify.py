@@ -173,6 +173,11 @@ def verify_min_peak_plan(problem: MinPeakProblem, plan_data: Any,
     if not isinstance(data, list | tuple):
         raise PlanError("expected a list of ops, a list of checkpoints, or an object with "
                         "'plan' or 'checkpoints'")
+    if not data:  # read as the set {0, n} until stop 51: an infeasible result verified
+        status = plan_data.get("status") if isinstance(plan_data, dict) else None
+        raise PlanError("the plan is empty" + (f" (the result's status is {status})"
+                                                if status else "")
+                        + f"; give the checkpoints (e.g. [0, {problem.n}]) or the ops")
     n = problem.n
     if all(isinstance(x, int) and not isinstance(x, bool) for x in data):
         checkpoints = normalize_checkpoints(data, n)

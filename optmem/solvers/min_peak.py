@@ -35,7 +35,7 @@ from optmem.problems.min_peak import (
 from optmem.result import Result, SolveOptions, Status
 from optmem.simulate.checkpoint import simulate_checkpoint
 from optmem.simulate.min_peak import model_peak, pytorch_checkpoint_memory
-from optmem.simulate.verify import Replay, Wording, replay_result
+from optmem.simulate.verify import CLAIM_TOLERANCE, Replay, Wording, replay_result
 from optmem.solvers import min_peak_dp as dp
 from optmem.solvers.registration import register, register_exporter
 
@@ -57,12 +57,17 @@ def set_result(
     solver: str | None = None,
     claimed: float | None = None,
     report: dict[str, Any] | None = None,
+    engine_tolerance: bool = False,
 ) -> Result:
     """Replay ``checkpoints`` and build the result from the replay (not from the claim).
 
     A claimed peak the replay does not reproduce makes the result an ``error``. A peak
     above ``problem.memory_limit`` makes it ``infeasible`` (exact methods: proven, with
-    the least peak as ``min_feasible_memory``) or ``no_solution`` (baselines).
+    the least peak as ``min_feasible_memory``) or ``no_solution`` (baselines). With
+    ``engine_tolerance`` (the ILP: sizes scaled to coefficients of at most 1e4, solved in
+    floating point), a peak above the limit by at most :data:`CLAIM_TOLERANCE` (relative)
+    is not a proof: the engine cannot tell such sets apart (on activations of 2^40 bytes
+    HiGHS returned a set one byte above the least peak), so the result is ``no_solution``.
     """
     cps = normalize_checkpoints(checkpoints, problem.n)
     plan = checkpoint_plan(cps)
@@ -89,7 +94,11 @@ def set_result(
         info = out.report
         info["hint"] = (f"the least peak found is {peak} {problem.chain.memory_unit}, above "
                         f"the limit {problem.memory_limit}")
-        if status is Status.OPTIMAL:
+        unresolved = engine_tolerance and peak <= problem.memory_limit * (1 + CLAIM_TOLERANCE)
+        if unresolved:
+            info["hint"] += (", within the engine's tolerance of it: not proven infeasible "
+                             "(the dp method is exact)")
+        if status is Status.OPTIMAL and not unresolved:
             return Result(PROBLEM, method, Status.INFEASIBLE, bound=math.inf,
                           memory_limit=problem.memory_limit, unit=1, variant=variant,
                           solver=solver, min_feasible_memory=peak, report=info)
@@ -154,9 +163,14 @@ def solve_min_peak_ilp(problem: MinPeakProblem, options: SolveOptions) -> Result
     if not outcome.status.has_plan:
         return Result(PROBLEM, "ilp", outcome.status, memory_limit=problem.memory_limit,
                       solver=outcome.solver, report=report)
-    return set_result(problem, ilp.decode_min_peak_ilp(model), method="ilp",
-                      status=outcome.status, bound=outcome.bound, solver=outcome.solver,
-                      claimed=outcome.objective, report=report)
+    cps, claimed = ilp.decode_min_peak_ilp(model), outcome.objective
+    if start is not None and model_peak(problem, start) < model_peak(problem, cps):
+        cps, claimed = start, float(model_peak(problem, start))
+        report["incumbent"] = "dp set (the engine's set peaks higher, within its tolerances)"
+    bound = min(outcome.bound, float(model_peak(problem, cps)))  # the engine's, to tolerance
+    return set_result(problem, cps, method="ilp", status=outcome.status, bound=bound,
+                      solver=outcome.solver, claimed=claimed, report=report,
+                      engine_tolerance=True)
 
 
 def _ilp_failed(problem: MinPeakProblem, out: Any, start: tuple[int, ...] | None,
