@@ -393,6 +393,51 @@ LOSS_SCALARS = 16
 """Bytes of the loss and its seed gradient (two scalars, float64 at most)."""
 
 
+def _scratch_peak(ops: Sequence[Any], sizes: dict[int, int]) -> int:
+    """The most bytes of scratch buffer copies a plan's re-runs hold at once.
+
+    A re-run stage runs on scratch copies of its buffers (``execute._scratch_buffers``).
+    After an ``F_ck`` or ``F_none`` re-run nothing holds them; an ``F_all`` re-run's
+    autograd nodes may save them (batch norm saves its running statistics for its
+    backward), so they live until the stage's ``B`` frees its tape, and consecutive
+    ``F_all`` re-runs (a segment re-run in the backward) hold theirs together.
+
+    Parameters
+    ----------
+    ops
+        The plan's ops (:class:`~optmem.plan.Op`).
+    sizes
+        Bytes of the buffers of each stage the plan runs more than once.
+
+    Examples
+    --------
+    >>> from optmem.plan import parse_plan
+    >>> plan = parse_plan(["F_ck 1", "F_none 2", "F_all 3", "Loss", "B 3", "F_all 1",
+    ...                    "F_all 2", "B 2", "B 1"])
+    >>> _scratch_peak(plan, {1: 10, 2: 100})  # F_all 1 and F_all 2 held together
+    110
+    """
+    from optmem.plan import OpKind
+
+    ran: set[int] = set()
+    held: dict[int, int] = {}
+    peak = 0
+    for op in ops:
+        i = op.stage
+        if op.kind is OpKind.B:
+            peak = max(peak, sum(held.values()))  # the tape is freed after B runs
+            held.pop(i, None)
+        elif op.kind in (OpKind.F_ALL, OpKind.F_CK, OpKind.F_NONE):
+            if i in ran and i in sizes:
+                # a tape of an earlier run of the stage, if any, is replaced after this one
+                peak = max(peak, sum(held.values()) + sizes[i])
+                held.pop(i, None)
+                if op.kind is OpKind.F_ALL:
+                    held[i] = sizes[i]
+            ran.add(i)
+    return peak
+
+
 def plan_allowance(chain: Chain, plan: Sequence[Any], stages: Sequence[Any] = (), *,
                    strip_suffix: bool = True, restore_buffers: bool = True) -> int:
     """Bytes a real step may hold beyond the plan's simulated peak (tensor level).
@@ -407,8 +452,11 @@ def plan_allowance(chain: Chain, plan: Sequence[Any], stages: Sequence[Any] = ()
       the whole backward of the plan, where the model frees it at ``B L`` (``B j-1``);
     * the loss and its seed gradient (:data:`LOSS_SCALARS`), alive until the backward ends;
     * with ``restore_buffers``, scratch copies of the buffers of the stage being re-run,
-      and the copies of every re-run stage's buffers taken before its first run (kept for
-      the buffers that run updated, until the step ends: a re-run starts from them);
+      those of a stage re-run with ``F_all`` until its ``B`` (its autograd nodes may save
+      them: batch norm's saves the running statistics), so several at once when ``F_all``
+      re-runs follow each other (:func:`_scratch_peak`); and the copies of every re-run
+      stage's buffers taken before its first run (kept for the buffers that run updated,
+      until the step ends: a re-run starts from them);
     * the partial gradient of a parameter that several stages use (a tied embedding), from
       the first ``B`` that makes it until the plan's backward returns: each ``B`` hands its
       contribution to autograd (``execute._Release``), which sums them in a buffer that
@@ -462,9 +510,10 @@ def plan_allowance(chain: Chain, plan: Sequence[Any], stages: Sequence[Any] = ()
     buffers = tied = 0
     modules = [getattr(s, "module", s) for s in stages]
     if restore_buffers and modules:
-        rerun = [storage_bytes(list(modules[i - 1].buffers())) for i, c in runs.items() if c > 1]
-        # one scratch copy at a time, plus the snapshots taken before first runs
-        buffers = max(rerun, default=0) + sum(rerun)
+        rerun = {i: storage_bytes(list(modules[i - 1].buffers()))
+                 for i, c in runs.items() if c > 1}
+        # the snapshots taken before first runs, plus the scratch copies held at once
+        buffers = sum(rerun.values()) + _scratch_peak(ops, rerun)
     if modules:
         tied = storage_bytes(_shared_parameters(modules))
     aliases = (chain.extra or {}).get("profile", {}).get("output_left_out") or ()
