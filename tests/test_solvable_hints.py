@@ -71,6 +71,23 @@ def test_ilp_hint_on_the_reported_chain() -> None:
         assert 43 * 10**9 <= hint <= 43 * 10**9 * 1.01  # the least peak, 43 GB, + rounding
 
 
+def test_persistent_exact_hints_are_the_persistent_dps() -> None:
+    """``ilp:persistent`` and ``cpsat:persistent`` solve the persistent DP's model; their
+    hint was the least limit at which the min-peak plan fits after rounding (572000 here),
+    above the least limit of the model (570000, the DP's, where they find a plan too).
+    Found by a hunt in stop 51."""
+    chain = Chain.from_lists(
+        [4.0, 2.0, 1.0], [7.0, 1.0, 1.0], [74070, 123450, 61725], [74070, 148140, 74070],
+        input_size=98760, fwd_overhead=[0, 12345, 12345], bwd_overhead=[12345, 49380, 12345],
+        loss_bwd_time=0.0, loss_bwd_overhead=24690)
+    dp = hinted(lambda m: CheckpointProblem(chain, m), "dp")
+    assert dp == 570000
+    for method in ("ilp:persistent", "cpsat:persistent"):
+        assert hinted(lambda m: CheckpointProblem(chain, m), method) == dp
+        below = solve(CheckpointProblem(chain, dp - 1), method)
+        assert below.status is Status.INFEASIBLE, method
+
+
 # ------------------------------------------------------------------ properties
 @settings(max_examples=25)
 @given(byte_chains())

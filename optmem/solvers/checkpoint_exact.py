@@ -44,6 +44,7 @@ from optmem.simulate import simulate_checkpoint
 from optmem.solvers.checkpoint import (
     PROBLEM,
     discretize_for,
+    dp_min_memory,
     infeasible_result,
     lower_bound,
     plan_min_memory,
@@ -186,7 +187,12 @@ def _finish(
     bound = max(bound, lower_bound(problem)) if math.isfinite(bound) else lower_bound(problem)
     if status is Status.INFEASIBLE:
         sweeps = _sweeps(options)
-        min_mem = _min_memory(problem, options, variant, sweeps) if method == "ilp" else None
+        if variant == "persistent":  # the persistent DP's model: its exact least limit
+            min_mem = dp_min_memory(problem, options, "paper")
+        elif method == "ilp":
+            min_mem = _min_memory(problem, options, variant, sweeps)
+        else:
+            min_mem = None
         if min_mem is None and method == "cpsat" and engines.is_available("highs"):
             min_mem = _min_memory(problem, options.with_(solver="highs"), variant, sweeps)
         return infeasible_result(problem, disc, method=method, variant=variant,
