@@ -320,3 +320,57 @@ def test_a_call_the_limit_does_not_hold_says_how_it_differs() -> None:
     assert "x requires_grad (True, the sample False)" in text
     assert "y requires_grad (True, the sample False)" in text
     wrapped(x, y).pow(2).mean().backward()  # the sample's signature still runs
+
+
+class _LinTanh(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+
+def test_an_nn_sequential_input_that_requires_grad_is_a_new_signature() -> None:
+    """An ``nn.Sequential`` wrapped on a sample that does not require grad, then called on
+    one that does. Before, the sample's plan ran it (one variant): its first stage's
+    backward temporaries (128 B, the input's gradient) were profiled without an input
+    gradient, and the real peak, 652 B, broke the bound of 576 B (prediction 512 +
+    allowance). Now the call is profiled and solved as its own signature, as an exported
+    model's is: its real peak is within its own bound, every gradient (the input's too) is
+    the plain model's, and a limit it cannot meet names the difference."""
+    from optmem.pytorch.memory import measure_training_peak, plan_allowance
+
+    torch.manual_seed(0)
+    net = nn.Sequential(_LinTanh(), nn.Linear(8, 3))
+    ref = nn.Sequential(_LinTanh(), nn.Linear(8, 3))
+    ref.load_state_dict(net.state_dict())
+    x = torch.randn(4, 8)
+    wrapped = op.checkpoint(net, x, memory_limit=640, method="revolve", **WRAP)
+    main = wrapped._main
+    assert main.chain.bwd_overhead[0] == 0  # profiled without the input's gradient
+    xg = x.clone().requires_grad_()
+    wrapped(xg).sum().backward()  # profiles and solves the new signature (not measured)
+    assert len(wrapped.variants) == 2
+    variant = wrapped._plain_variant(xg)
+    assert variant is not main and variant.chain.bwd_overhead[0] == 128
+    for v, xm in ((main, x), (variant, xg)):
+        net.zero_grad(set_to_none=True)
+        xm.grad = None
+        real = measure_training_peak(lambda xm=xm: wrapped(xm).sum().backward(), net, xm)
+        expected = int((v.result.peak_memory or 0) * v.result.unit)
+        assert real <= expected + plan_allowance(v.chain, v.result.plan, list(v.stages))
+    # the sample's plan would not hold it: the sabotage the fix removes
+    assert real > main.result.peak_memory * main.result.unit + plan_allowance(
+        main.chain, main.result.plan, list(main.stages))
+    xr = x.clone().requires_grad_()
+    ref(xr).sum().backward()
+    assert _same_tensors(_grads(net), _grads(ref))
+    assert xg.grad is not None and torch.equal(xg.grad, xr.grad)  # type: ignore[arg-type]
+    wrapped(x).sum().backward()  # the sample's signature still runs its own plan
+    assert wrapped._plain_variant(x) is main and len(wrapped.variants) == 2
+
+    tight = op.checkpoint(net, x, memory_limit=512, method="revolve", **WRAP)
+    with pytest.raises(OptmemInputError, match=r"for a call that differs from the sample "
+                       r"in x requires_grad \(True, the sample False\)"):
+        tight(x.clone().requires_grad_())

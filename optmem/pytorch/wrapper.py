@@ -31,7 +31,8 @@ only when its stages match the first chain's: its times are scaled from the firs
 in full otherwise) and solved again with the same limit and method; the last
 :data:`MAX_VARIANTS` signatures are kept. Models given as an ``nn.Sequential`` or a list of
 stages are not specialised (no graph): their plans follow the input's sizes as below
-(*Sizes*), with the sample's plan as the first solved size.
+(*Sizes*), with the sample's plan as the first solved size, and which input tensors require
+grad is their signature (a call that differs there is profiled and solved on its own).
 
 **Sizes** (``dynamic=True``, the default). Calls that differ from a known signature in
 tensor sizes only (another sequence length, a smaller last batch) form a *family*. At the
@@ -249,6 +250,31 @@ def _for_signature(key: Any, reference: Any, args: tuple[Any, ...],
             f"{exc.reason} (for a call that differs from the sample in "
             f"{signature_difference(key, reference, args, kwargs)})", source=exc.source,
             stage=exc.stage, field=exc.field) from None
+
+
+def _grad_free(key: Any) -> Any:
+    """An :func:`input_key` with every tensor's ``requires_grad`` left out."""
+    return (key[0], tuple(p[:4] if p[0] == "T" else p for p in key[1]))
+
+
+@contextmanager
+def _for_input_grad(key: Any, reference: Any) -> Iterator[None]:
+    """Name the inputs whose ``requires_grad`` differs from the sample's in an input error.
+
+    :func:`_for_signature` for an ``nn.Sequential`` or a list of stages (``key`` and
+    ``reference``: :func:`input_key` of the call and of the sample).
+    """
+    try:
+        yield
+    except OptmemInputError as exc:
+        parts, parts0 = key[1], reference[1]
+        what = "; ".join(
+            f"{'x' if len(parts) == 1 else f'x leaf {i}'} requires_grad ({new[4]}, the sample "
+            f"{old[4]})" for i, (new, old) in enumerate(zip(parts, parts0, strict=True))
+            if new[0] == old[0] == "T" and new[4] != old[4])
+        raise OptmemInputError(f"{exc.reason} (for a call that differs from the sample in "
+                               f"{what})", source=exc.source, stage=exc.stage,
+                               field=exc.field) from None
 
 
 _TENSOR_FIELDS = ("sizes", "dtype", "device", "requires_grad", "memory layout")
@@ -511,7 +537,6 @@ class PlannedModule(nn.Module):
         self._compiled_module_with: dict[str, Any] | None = None
         self._plain = main.extraction is None
         self._plain_stages: list[Stage] = []  # an nn.Sequential's or a list's stages
-        self._plain_key: Any = None  # input_key of their sample
         self._signature = None if self._plain else inspect.signature(module.forward)
         self._tensor_state = TensorState(module)
         self._given: GivenPlan | None = None
@@ -544,9 +569,9 @@ class PlannedModule(nn.Module):
             variant = _make_variant(None, stages, sample, planner, profile, chain, label,
                                     ctx=None, like=None,
                                     plain=_plain_measure(stages, sample, profile))
-            planned = cls(wrapped, planner, profile, variant, None, fast_path=fast_path)
+            planned = cls(wrapped, planner, profile, variant, input_key(sample),
+                          fast_path=fast_path)
             planned._plain_stages = stages
-            planned._plain_key = input_key(sample)
             return planned
         if not isinstance(module, nn.Module):
             raise OptmemInputError(f"expected an nn.Module or a list of modules, got "
@@ -892,41 +917,78 @@ class PlannedModule(nn.Module):
         Their stages run any size, so the sample's plan (the main one) runs every input of
         its sizes or up to :data:`SIZE_SLACK` times smaller; another size (a larger batch,
         which the sample's plan would run over the limit) is profiled and solved once, by
-        this rank. Without ``dynamic``, without gradients or for inputs of another
-        structure, the main plan runs, as before.
+        this rank. Which input tensors require grad is part of the signature, as for an
+        exported model: a call that differs from the sample there (its input's gradient
+        is computed too, with the temporaries of the first stage's backward) is profiled
+        and solved on its own, and its sizes follow from it in the same way. Without
+        ``dynamic``, that signature's first plan runs all its sizes; without gradients or
+        for inputs of another structure, dtype or device, the main plan runs, as before.
         """
-        if not self._profile.dynamic or not torch.is_grad_enabled():
+        if not torch.is_grad_enabled():
             return self._main
         key = input_key(x)
-        if key == self._plain_key:
-            return self._main
+        variant = self._variants.get(key)
+        if variant is not None:
+            self._variants.move_to_end(key)
+            return variant
+        known = next((k for k in self._variants if size_free(k) == size_free(key)), None)
+        if known is None:
+            if _grad_free(size_free(key)) != _grad_free(size_free(self._main_key)):
+                return self._main  # another structure, dtype or device: as before
+            return self._plain_signature(key, x)
+        if not self._profile.dynamic:
+            return self._variants[known]
         variant = self._sized.get(key)
         if variant is not None:
             self._sized.move_to_end(key)
             return variant
         family_key = size_free(key)
-        if family_key != size_free(self._plain_key):
-            return self._main
         family = self._families.get(family_key)
         if family is None:
-            family = self._families[family_key] = _Family(call_sizes(self._plain_key))
+            family = self._families[family_key] = _Family(call_sizes(known))
         sizes = call_sizes(key)
         family.dims |= changed_dims(family.reference, sizes)
         variant = family.covering(sizes)
         if variant is None and covers(family.reference, sizes, family.dims):
-            variant = self._main
+            variant = self._variants[known]
         if variant is None:
             _log.info("optmem: %s called with new sizes: profiling and solving them",
                       self._main.chain.name)
             with _for_sizes(sizes, family.reference):
-                free = graph_free(x)
-                variant = self._finished(_make_variant(
-                    None, self._plain_stages, free, self._planner, self._profile, None,
-                    self._main.chain.name, ctx=None, like=self._main,
-                    plain=_plain_measure(self._plain_stages, free, self._profile),
-                    solve=self._solver(), local=True))
+                variant = self._plain_plan(x, local=True)
             family.keep(sizes, variant)
         return self._remember(key, variant)
+
+    def _plain_signature(self, key: Any, x: Any) -> _Variant:
+        """Profile and solve an input whose tensors' ``requires_grad`` differ from the sample's.
+
+        Kept beside the main plan (the last :data:`MAX_VARIANTS` signatures) and decided by
+        rank 0 for every rank, as a new signature of an exported model is.
+        """
+        _log.info("optmem: new call signature for %s: profiling and solving again",
+                  self._main.chain.name)
+        with _for_input_grad(key, self._main_key):
+            variant = self._plain_plan(x, local=False)
+        self._families.pop(size_free(key), None)  # sizes of a signature solved before
+        self._variants[key] = variant
+        while len(self._variants) > MAX_VARIANTS:
+            oldest = next(k for k in self._variants if k != self._main_key)
+            del self._variants[oldest]
+            self._families.pop(size_free(oldest), None)
+        return variant
+
+    def _plain_plan(self, x: Any, *, local: bool) -> _Variant:
+        """Profile and solve the plain stages on input ``x``.
+
+        ``local``: by this rank alone (a new size, *Sizes*); otherwise by rank 0 for every
+        rank, as a new signature of an exported model.
+        """
+        free = graph_free(x)
+        return self._finished(_make_variant(
+            None, self._plain_stages, free, self._planner, self._profile, None,
+            self._main.chain.name, ctx=None, like=self._main,
+            plain=_plain_measure(self._plain_stages, free, self._profile),
+            solve=self._solver(), local=local))
 
     def _remember(self, key: Any, variant: _Variant) -> _Variant:
         """Run ``variant`` for every later call of ``key`` (the last ones kept)."""
