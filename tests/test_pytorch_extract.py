@@ -800,3 +800,89 @@ def test_python_draws_made_whatever_the_config_say_so():
     message = str(err.value)
     assert "No random option of its config is on" in message
     assert "e.g. layerdrop=0" not in message
+
+
+class _View(nn.Module):
+    """Returns a view of its input (a reshape module)."""
+
+    def forward(self, x):
+        return x.view(x.shape)
+
+
+class _AddOne(nn.Module):
+    """Writes into its input in place (no ``inplace`` attribute)."""
+
+    def forward(self, x):
+        return x.add_(1.0)
+
+
+def _writer_models():
+    def body(*mid):
+        return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), *mid,
+                             nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
+                             nn.Linear(32, 4))
+    return {
+        "flatten-relu_": (lambda: body(nn.Flatten(), nn.ReLU(inplace=True)), "2..4", 4),
+        "view-relu_": (lambda: body(_View(), nn.ReLU(inplace=True)), "2..4", 4),
+        "add_": (lambda: body(_AddOne()), "2..3", 4),
+        "view-view-relu_": (lambda: body(_View(), _View(), nn.ReLU(inplace=True)), "2..5", 5),
+    }
+
+
+@pytest.mark.parametrize("kind", list(_writer_models()))
+def test_a_stage_writing_into_its_input_is_merged_into_the_one_before(kind):
+    """Stages that write in place into their input, or into the view of it the stage before
+    returns: ``nn.Flatten`` (on a 2-D tensor it returns the tensor itself) or a view module
+    then ``ReLU(inplace=True)``, a custom ``x.add_(1)``. The plain step trains; before,
+    wrapping raised autograd's "a leaf Variable that requires grad is being used in an
+    in-place operation" (or "a view of a leaf Variable ..."), and the un-merged stages
+    still do, now as one error naming the stage. Now the dry run merges each writer into
+    the stage before it (repeatedly through views), the profile agrees with the wrapper,
+    and a plan that re-runs stages gives the plain model's loss and gradients bitwise."""
+    import copy
+
+    import optmem.pytorch as op
+    from optmem.pytorch.profile import profile_stages
+
+    make, merged, writer = _writer_models()[kind]
+    torch.manual_seed(0)
+    net = make()
+    plain = copy.deepcopy(net)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(OptmemInputError, match=r"writes in place into its input") as info:
+        profile_stages(extract_stages(net), x, repeats=1, warmup=0)  # the sabotage: not merged
+    assert info.value.stage == writer
+    wrapped = op.checkpoint(net, x, memory_limit="min", repeats=1, warmup=0, fast_path=False)
+    names = list(wrapped.stage_names)
+    assert merged in names and len(names) == 8
+    assert op.profile_chain(net, x, repeats=1, warmup=0).stage_names == tuple(names)
+    forwards = [str(o) for o in wrapped.plan if str(o).startswith("F")]
+    assert len(forwards) > len(names)  # some stage runs more than once
+    loss = wrapped(x).square().mean()
+    loss.backward()
+    want = plain(x).square().mean()
+    want.backward()
+    assert torch.equal(loss, want)
+    for (name, p), q in zip(net.named_parameters(), plain.parameters(), strict=True):
+        assert p.grad is not None and torch.equal(p.grad, q.grad), name
+
+
+@pytest.mark.parametrize("head, stage, through", [
+    ((_AddOne(),), 1, ""),
+    ((nn.Flatten(), nn.ReLU(inplace=True)), 1, ""),
+    ((_View(), _AddOne()), 2, ", through the view stage 1 returns,"),
+])
+def test_a_stage_writing_into_the_model_input_is_refused(head, stage, through):
+    """A write in place into the model input (the plan may run that stage again on the
+    input it wrote): one error naming the stage, and the sample is left as it was."""
+    import optmem.pytorch as op
+
+    net = nn.Sequential(*head, nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    x = torch.randn(4, 8)
+    before = x.clone()
+    with pytest.raises(OptmemInputError, match=re.escape(
+            f"writes in place into the model input{through} and the plan may run it again")
+            ) as info:
+        op.checkpoint(net, x, memory_limit="min", repeats=1, warmup=0)
+    assert info.value.stage == stage and info.value.field == "module"
+    assert torch.equal(x, before)

@@ -76,7 +76,7 @@ from torch.utils._pytree import tree_leaves
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError
 from optmem.plan import parse_plan
-from optmem.pytorch.extract import Stage, extract_stages, value_tensors
+from optmem.pytorch.extract import Stage, extract_stages, merge_stages, value_tensors
 from optmem.pytorch.memory import (
     StorageTrace,
     buffers_restored,
@@ -94,7 +94,8 @@ from optmem.pytorch.segments import (
 __all__ = ["DEFAULT_OP_OVERHEAD_MS", "DEFAULT_OP_OVERHEAD_RATIO", "DEFAULT_SEGMENT_COST_MS",
            "DEFAULT_TIME_RESOLUTION", "LossFn", "TimeModel",
            "profile_chain", "profile_stages", "roofline_time_model", "round_time", "storage_key",
-           "carried_generations_error", "unshared_carried", "value_nbytes", "with_op_charge"]
+           "carried_generations_error", "merge_inplace_writers", "unshared_carried",
+           "value_nbytes", "with_op_charge"]
 
 TimeModel = Callable[[nn.Module, Any, Any], tuple[float, float]]
 """``time_model(stage_module, input, output) -> (fwd_ms, bwd_ms)``."""
@@ -954,6 +955,149 @@ def _segment_cost(segments: SegmentCost | None, measure: bool | None,
     return 0.0, None
 
 
+# ------------------------------------------------------------------ in-place writers
+_FAILED = object()
+"""A dry run that failed otherwise than by writing into its input (the profile reports it)."""
+_WRITES_INPUT = object()
+"""A dry run whose stages write in place into their input (or a view of it)."""
+
+
+def _writes_into_leaf(exc: BaseException) -> bool:
+    """Autograd's refusal of an in-place write into a leaf that requires grad, or a view of one."""
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and "leaf Variable that requires grad" in text \
+        and "in-place operation" in text
+
+
+def _inplace_message(k: int, name: str, exc: BaseException) -> str:
+    return (f"stage {k + 1} ({name}) writes in place into its input ("
+            f"{str(exc).splitlines()[0].rstrip('.')}): the plan runs a stage on a stored "
+            "input and may run it again; make the write out of place (x = x + 1 rather "
+            "than x.add_(1), inplace=False), or put it in one module with the stage that "
+            "makes its input")
+
+
+def _run_modules(modules: Sequence[nn.Module], x: Any) -> Any:
+    for m in modules:
+        x = m(x)
+    return x
+
+
+def _dry_run(modules: Sequence[nn.Module], value: Any) -> Any:
+    """Run ``modules`` in order on a detached leaf of ``value``, as the executor runs a stage.
+
+    Returns the output, :data:`_WRITES_INPUT` when autograd refuses an in-place write into
+    the leaf (or a view of it) and the same modules run on a fresh copy of it, or
+    :data:`_FAILED` on any other error.
+    """
+    leaf = _leaf(value, True)
+    try:
+        return _run_modules(modules, leaf)
+    except RuntimeError as exc:
+        if not _writes_into_leaf(exc):
+            return _FAILED
+    except Exception:  # noqa: BLE001 - the profile meets it again and reports it
+        return _FAILED
+    try:  # a non-leaf copy: the write was into the input, not into a parameter
+        _run_modules(modules, _clone(leaf))
+    except Exception:  # noqa: BLE001 - as above
+        return _FAILED
+    return _WRITES_INPUT
+
+
+def _clone(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, tuple | list):
+        return type(value)(_clone(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
+    return value
+
+
+def merge_inplace_writers(stages: Sequence[Stage], sample: Any,
+                          device: str | torch.device | None = None) -> list[Stage]:
+    """Merge every stage that writes in place into its input into the stage before it.
+
+    The executor runs a stage on a stored input (a checkpoint, or a leaf that requires
+    grad): a stage that writes into it (``x.add_(1)``, ``ReLU(inplace=True)`` after a
+    stage returning a view of its input, such as ``nn.Flatten`` on a 2-D tensor) would
+    overwrite the checkpoint, and autograd refuses it on the leaf. A dry run (one forward
+    of every stage, with gradients, on a detached leaf of its input; buffers and RNG state
+    restored) finds them: such a stage is merged with the one before it, again while the
+    merged stage still writes into its own input (the stage before returned a view of its
+    input too). A run that fails otherwise stops the dry run (the profile reports that
+    error); so does a ``device`` of ``"meta"`` when the stages have real parameters (the
+    profile then names the stage).
+
+    Parameters
+    ----------
+    stages
+        The chain's stages, in order.
+    sample
+        Their input (one batch).
+    device
+        Where the profile runs (``None``: the sample's device).
+
+    Returns
+    -------
+    list of Stage
+        ``stages``, with every writer merged into the stage before it
+        (:func:`~optmem.pytorch.extract.merge_stages` names them ``first..last``).
+
+    Raises
+    ------
+    OptmemInputError
+        Naming the stage, when it writes in place into the model input (the first stage,
+        or through views every stage before it returns): the plan may run it again on
+        the input it wrote.
+    """
+    stages = list(stages)
+    inputs = value_tensors(sample)
+    if not stages or not inputs:
+        return stages
+    dev = torch.device(device) if device is not None else inputs[0].device
+    modules = [s.module for s in stages]
+    if dev.type == "meta":
+        if not all(p.is_meta for m in modules for p in m.parameters()):
+            return stages
+        sample = _to_meta(sample)
+    elif dev != inputs[0].device:
+        sample = move_to(sample, dev)
+    fork = [dev.index if dev.index is not None else torch.cuda.current_device()] \
+        if dev.type == "cuda" else []
+    groups: list[tuple[int, int]] = []
+    starts: list[Any] = []  # the input of every group
+    x = sample
+    with torch.random.fork_rng(devices=fork), buffers_restored(modules), torch.enable_grad():
+        for k in range(len(stages)):
+            before = list(groups)
+            first, value = k, x
+            out = _dry_run(modules[k:k + 1], value)
+            while out is _WRITES_INPUT:
+                if not groups:
+                    through = "" if not k else (", through the view stage 1 returns," if k == 1
+                                                else f", through the views stages 1-{k} return,")
+                    raise OptmemInputError(
+                        f"stage {k + 1} ({stages[k].name}) writes in place into the model "
+                        f"input{through} and the plan may run it again on the input it "
+                        "wrote; make the write out of place (x = x + 1 rather than "
+                        "x.add_(1), inplace=False), or clone the input first",
+                        stage=k + 1, field="module")
+                first, _ = groups.pop()
+                value = starts.pop()
+                out = _dry_run(modules[first:k + 1], value)
+            if out is _FAILED:  # the profile meets it again and reports it
+                groups = before + [(j, j) for j in range(k, len(stages))]
+                break
+            groups.append((first, k))
+            starts.append(value)
+            x = _leaf(out, False)
+    if len(groups) == len(stages):
+        return stages
+    return merge_stages(stages, len(groups), groups=groups)
+
+
 def _profile_memory(modules: Sequence[nn.Module], stages: Sequence[Stage], sample: Any,
                     s: _Setting, bar: _Progress) -> tuple[list[_StageMemory], list[Any], Any]:
     """The memory pass: every stage in order on the previous stage's output.
@@ -973,7 +1117,13 @@ def _profile_memory(modules: Sequence[nn.Module], stages: Sequence[Stage], sampl
         needs_grad = k > 0 or any(t.requires_grad for t in value_tensors(x_value))
         x = _leaf(x_value, needs_grad)
         tied = [p for p in module.parameters() if p.requires_grad and last_use[id(p)] > k]
-        row = _stage_memory(module, x, in_size, tied, s, last=k == len(modules) - 1)
+        try:
+            row = _stage_memory(module, x, in_size, tied, s, last=k == len(modules) - 1)
+        except RuntimeError as exc:
+            if not _writes_into_leaf(exc):
+                raise
+            raise OptmemInputError(_inplace_message(k, stages[k].name, exc), stage=k + 1,
+                                   field="module") from None
         rows.append(row)
         leaves.append(x)
         x_value, in_size = row.out, row.output_size
@@ -1094,9 +1244,11 @@ def profile_chain(
     >>> chain.length, chain.input_size, chain.output_size
     (3, 128, (256, 256, 32))
     """
-    stages = extract_stages(module, max_stages=max_stages, allow_single=True) \
-        if isinstance(module, nn.Module) else extract_stages(list(module), allow_single=True,
-                                                             max_stages=max_stages)
+    stages = extract_stages(module if isinstance(module, nn.Module) else list(module),
+                            allow_single=True)
+    stages = merge_inplace_writers(stages, sample, device)  # as the wrapper's, before max_stages
+    if max_stages is not None and len(stages) > max_stages:
+        stages = merge_stages(stages, max_stages)
     if name is None:
         name = type(module).__name__ if isinstance(module, nn.Module) else "torch"
     return profile_stages(stages, sample, device=device, repeats=repeats, warmup=warmup,

@@ -561,7 +561,9 @@ class PlannedModule(nn.Module):
         """
         refuse_wrapped(module, "optmem")
         if is_plain_chain(module):
-            stages = extract_stages(module)
+            from optmem.pytorch.profile import merge_inplace_writers
+
+            stages = merge_inplace_writers(extract_stages(module), sample, profile.device)
             wrapped = module if isinstance(module, nn.Module) else nn.ModuleList(
                 [s.module if isinstance(s, Stage) else s for s in module])
             label = name or (type(module).__name__ if isinstance(module, nn.Module)
