@@ -442,18 +442,18 @@ largest value (1099511627776 B) in 1.09951e+12 ms, above 1e+12: too slow to mode
                     raise ChainError("missing required field", stage=i, field=f)
             for f in columns:
                 columns[f].append(stage.get(f, 0))
-            names.append(str(stage.get("name", f"stage{i}")))
+            names.append(stage.get("name", f"stage{i}"))  # text, checked: never str()
             extras.append({k: v for k, v in stage.items() if k not in _STAGE_KNOWN})
-        loss = data.get("loss", {}) or {}
-        if not isinstance(loss, Mapping):
+        loss = data.get("loss", {})
+        if not isinstance(loss, Mapping):  # 0 and false were taken as no loss until stop 51
             raise ChainError("expected an object with bwd_time and bwd_overhead", field="loss")
         return cls(
             **{f: tuple(v) for f, v in columns.items()},
             input_size=data["input_size"],
             loss_bwd_time=loss.get("bwd_time", 0.0),
             loss_bwd_overhead=loss.get("bwd_overhead", 0),
-            name=str(data.get("name", "chain")), time_unit=str(data.get("time_unit", "ms")),
-            memory_unit=str(data.get("memory_unit", "B")), stage_names=tuple(names),
+            name=data.get("name", "chain"), time_unit=data.get("time_unit", "ms"),
+            memory_unit=data.get("memory_unit", "B"), stage_names=tuple(names),
             extra={k: v for k, v in data.items() if k not in _TOP_KNOWN},
             stage_extra=tuple(extras),
         )

@@ -391,6 +391,22 @@ def test_chain_names_that_no_output_can_print_are_rejected_not_a_unicode_error(n
     assert "expected printable text" in err
 
 
+@pytest.mark.parametrize(("field", "value"), [("name", None), ("memory_unit", 3),
+                                               ("time_unit", False), ("stage name", [1]),
+                                               ("loss", 0), ("loss", False)])
+def test_text_fields_that_are_not_text_are_rejected_not_turned_into_text(field, value):
+    """``str()`` made ``None``, ``3`` and ``[1]`` the texts 'None', '3' and '[1]', and a
+    ``loss`` of 0 or false read as no loss, in silence (a hunt in stop 51)."""
+    doc = json.loads(json.dumps(CHAIN))
+    if field == "stage name":
+        doc["stages"][0]["name"], where = value, (1, "name")
+    else:
+        doc[field], where = value, (None, field)
+    err = rejects(["solve", "checkpoint", "{d}/c.json", "-m", "12"],
+                  {"c.json": dumps(doc).encode()}, blame="c.json", where=where)
+    assert "expected" in err
+
+
 @pytest.mark.parametrize("title", ["\udcff", "\x00"])
 def test_titles_that_fonts_cannot_draw_are_rejected_before_drawing(title):
     plan = reference_plans()["checkpoint"][1]

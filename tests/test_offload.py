@@ -333,6 +333,12 @@ def test_ilp_export(tmp_path):
     path = tmp_path / "offload.lp"
     export(problem, "ilp", str(path))
     assert "off0" in path.read_text()
+    # a suffix the method cannot write is refused, nothing written (until stop 51 the offload
+    # exporter wrote MPS text to any name: model.pb, model.txt)
+    for name in ("model.pb", "model.pbtxt", "model.txt"):
+        with pytest.raises(OptmemInputError, match="cannot tell the model format"):
+            export(problem, "ilp", str(tmp_path / name))
+        assert not (tmp_path / name).exists()
 
 
 def test_remat_plan_with_offloaded_checkpoints_lowers_peak():

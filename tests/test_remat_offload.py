@@ -253,3 +253,24 @@ def test_dp_leaves_the_interpreter_alone(monkeypatch: pytest.MonkeyPatch) -> Non
     assert math.isfinite(sol.value) and sol.ops.count(LOSS) == 1
     memo = PofoDP(chain, 8, 0.5, mode="memo").solve()  # the recursive cross-check
     assert (memo.value, memo.ops) == (sol.value, sol.ops)
+
+
+def test_autocapper_below_the_least_forward_memory_names_no_checkpoint_hint() -> None:
+    """Below the least memory of any forward, the autocapper answered with remat_only's
+    result: ``infeasible`` and ``min_feasible_memory`` 58 (the persistent checkpoint DP's
+    least memory), where the autocapper itself finds a plan at 49 (an offloading plan).
+    Found by a hunt in stop 51. Now: ``infeasible`` (a proof: every plan holds some
+    forward's input and output), no hint of another method's."""
+    from optmem.datasets.synthetic import random_chain
+
+    chain = random_chain(4, seed=1)
+    at_zero = solve(RematOffloadProblem(chain, 0, chain_bandwidth=3.0), "autocapper")
+    assert at_zero.status is Status.INFEASIBLE and math.isinf(at_zero.bound)
+    assert at_zero.min_feasible_memory is None
+    assert "every plan needs at least 18" in at_zero.report["hint"]
+    at_49 = solve(RematOffloadProblem(chain, 49, chain_bandwidth=3.0), "autocapper")
+    assert at_49.status.has_plan and at_49.peak_memory <= 49
+    remat = solve(RematOffloadProblem(chain, 49, chain_bandwidth=3.0), "remat_only")
+    assert not remat.status.has_plan  # the hint it gave was not the autocapper's
+    useless = solve(RematOffloadProblem(chain, 0, chain_bandwidth=0.0), "autocapper")
+    assert useless.status is Status.INFEASIBLE and useless.min_feasible_memory == 58

@@ -268,6 +268,11 @@ def export(problem: Any, method: str, path: str | os.PathLike[str], *,
         raise OptmemInputError(
             f"method {name!r} of {problem.name} has no exportable model (exportable: {known})",
             field="method")
+    formats = (".mps", ".lp") + ((".pb", ".pbtxt") if name == "cpsat" else ())
+    if not os.fspath(path).endswith(formats):  # offload's exporter wrote MPS to any name
+        raise OptmemInputError(f"cannot tell the model format from {os.fspath(path)!r} "
+                               f"(expected a {', '.join(formats[:-1])} or {formats[-1]} file)",
+                               field="output")
     opts = options or SolveOptions()
     if variant is not None:
         opts = opts.with_(variant=variant)

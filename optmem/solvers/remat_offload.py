@@ -454,9 +454,13 @@ def solve_autocapper(problem: RematOffloadProblem, options: SolveOptions) -> Res
     high = max(disc.memory_limit, _store_all_peak(ch))
     # below the least memory of any forward nothing fits (and a limit far below the chain's
     # sizes, such as 0 on a chain in bytes, would tabulate up to the store-all peak in bytes)
-    fits = disc.memory_limit >= _least_forward_memory(ch)
-    table = checkpoint_table(disc, high - ch.input_size) if fits else None
-    if table is None or beta <= 0:
+    least = _least_forward_memory(ch)
+    if disc.memory_limit < least and beta > 0:  # remat_only's hint is not offloading's
+        return no_plan_result(problem, options, "autocapper", Status.INFEASIBLE, {
+            "hint": f"every plan needs at least {least * disc.unit} "
+                    f"{problem.chain.memory_unit} (the least memory of some forward)"})
+    table = checkpoint_table(disc, high - ch.input_size) if beta > 0 else None
+    if table is None:
         return solve_remat_only(problem, options).with_(method="autocapper")
     tried: set[tuple[str, ...]] = set()
     best: tuple[float, tuple, str] | None = None
