@@ -572,9 +572,15 @@ def check_outputs(args: argparse.Namespace) -> None:
         from optmem.plotting import check_plot_path
 
         check_plot_path(args.plot)
+    seen: dict[str, str] = {}
     for name in ("csv", "json", "plot"):
         if getattr(args, name):
             check_writable(getattr(args, name), field=name)
+            path = os.path.realpath(getattr(args, name))
+            if path in seen:  # one output would overwrite the other
+                raise OptmemInputError(f"--{seen[path]} and --{name} name the same file "
+                                       f"{getattr(args, name)!r}", field=name)
+            seen[path] = name
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:

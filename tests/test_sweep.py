@@ -170,6 +170,13 @@ def test_cli(tmp_path: Path, chain: Chain, capsys: pytest.CaptureFixture[str]) -
     assert main(["sweep", "checkpoint", str(path), "--memory", "1:2:2", "--methods",
                  "nope", "-q"]) == 2
     assert main(["sweep", "checkpoint", str(path), "--memory", "1:2", "-q"]) == 2
+    # two outputs on one file: one overwrote the other, exit 0 (a hunt in stop 51)
+    same = tmp_path / "same.out"
+    capsys.readouterr()
+    assert main(["sweep", "checkpoint", str(path), "--memory", f"{low}:{high}:2", "-q",
+                 "--json", str(same), "--csv", str(tmp_path / "." / "same.out")]) == 2
+    assert "--csv and --json name the same file" in capsys.readouterr().err
+    assert not same.exists()
 
 
 def test_bundled_chain_curve(tmp_path: Path) -> None:
