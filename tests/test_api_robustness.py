@@ -172,6 +172,9 @@ def test_bad_method_options_are_one_input_error(problem: str, method: str, key: 
     monkeypatch.setattr(engines, "solve_cpsat", no_engine)
     with pytest.raises(OptmemInputError, match=f"field '{key}'"):
         solve(MAKERS[problem](), method, extra={key: value}, time_limit_s=2, threads=1)
+    # compare too (until stop 51 it made an error row, and the CLI exited 0)
+    with pytest.raises(OptmemInputError, match=f"field '{key}'"):
+        compare(MAKERS[problem](), [method], extra={key: value}, time_limit_s=2, threads=1)
 
 
 # ------------------------------------------------------------------ chains

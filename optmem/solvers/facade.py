@@ -220,7 +220,9 @@ def compare(
     ``options.extra`` keys that no method of the problem reads fail before anything runs. A
     method that then fails (an option it does not support, such as a ``variant`` meant for
     another method, or an unexpected error) is reported as ``status: error`` with the
-    message in ``report['error']`` instead of aborting the comparison.
+    message in ``report['error']`` instead of aborting the comparison. A bad value of an
+    ``extra`` key that the method reads raises, as :func:`solve` does (since stop 51: the
+    CLI's ``compare`` exited 0 with an error row where ``solve`` exits 2).
     """
     opts = resolve_options(options, option_fields)
     given = method_names_of(method_names)
@@ -234,12 +236,20 @@ def compare(
             progress(name)
         try:
             results.append(_run(problem, info, name, opts))
+        except OptmemInputError as exc:
+            if exc.field in opts.extra and exc.field in info.extra:
+                raise  # a bad value of a key this method reads: bad input, as for solve
+            results.append(_error_row(problem, name, opts, exc))
         except Exception as exc:  # noqa: BLE001 - reported in the table, not swallowed
-            label, variant = split_label(name)
-            results.append(Result(problem.name, label, Status.ERROR,
-                                  variant=variant or opts.variant,
-                                  report={"error": f"{type(exc).__name__}: {exc}"}))
+            results.append(_error_row(problem, name, opts, exc))
     return results
+
+
+def _error_row(problem: Any, name: str, options: SolveOptions, exc: BaseException) -> Result:
+    """``compare``'s row for a method that failed (``status: error``, the message)."""
+    label, variant = split_label(name)
+    return Result(problem.name, label, Status.ERROR, variant=variant or options.variant,
+                  report={"error": f"{type(exc).__name__}: {exc}"})
 
 
 def best_objective(results: Iterable[Result]) -> float:
