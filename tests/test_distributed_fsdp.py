@@ -59,6 +59,11 @@ def test_fsdp2_with_checkpoint_plan_of_huggingface_gpt2(tmp_path):
     # units: wpe, the 4 block halves, ln_f; wte and lm_head (tied), dropout and loss: root
     assert [k for k, u in enumerate(units) if u == "FSDPGraphStage"] == [1, 3, 4, 5, 6, 7]
     assert ranks[0]["keys"] == sorted(w.hf_gpt2().state_dict())
+    # a shorter call: it blamed the extraction ("got mixed torch.Tensor and DTensor") and
+    # suggested an nn.Sequential (a hunt in stop 51); now it says to pad, on every rank
+    for rank in ranks:
+        assert "sharded by FSDP2" in rank["new_size"] and "pad to the sample" in rank["new_size"]
+        assert "input_ids sizes" in rank["new_size"]
 
 
 def test_fsdp2_with_carried_boundaries_of_huggingface_bart(tmp_path):
@@ -125,3 +130,30 @@ def test_fsdp_chain_counts_gathered_parameters():
     assert out.bwd_overhead == (200, 100, 14)  # own params + grads, prefetch of the previous
     assert fsdp_chain(chain, [100, 0, 7], prefetch=False).bwd_overhead == (200, 0, 14)
     assert out.store_all_peak() > chain.store_all_peak()
+
+
+def test_fsdp2_mixed_precision_on_exported_stages_is_one_error_before_the_profile(
+        monkeypatch):
+    """``fsdp_kwargs={"mp_policy": MixedPrecisionPolicy(param_dtype=bf16)}`` on an exported
+    model failed inside a stage (Llama: "expected m1 and m2 to have the same dtype") or
+    with a message about extraction (GPT-2): its stages keep the float32 model's dtypes (a
+    hunt in stop 51). One error naming the policy, before anything is profiled."""
+    pytest.importorskip("transformers", reason="the HF tests need transformers (dev extra)")
+    from hf_helpers import llama
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    import optmem.pytorch.api as api
+    from optmem.errors import OptmemInputError
+    from optmem.pytorch.distributed import checkpoint_fsdp
+
+    def no_profile(*args, **kwargs):
+        raise AssertionError("profiled before the policy was checked")
+
+    monkeypatch.setattr(api, "build_planned", no_profile)
+    model, kwargs = llama()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    with pytest.raises(OptmemInputError, match=r"mixed precision .*param_dtype=torch.bfloat16"
+                                               r".*LlamaForCausalLM"):
+        checkpoint_fsdp(model, kwargs, "60%", fsdp_kwargs={"mp_policy": policy})
+    with pytest.raises(AssertionError, match="profiled"):  # no policy: it goes on
+        checkpoint_fsdp(model, kwargs, "60%", fsdp_kwargs={})

@@ -104,6 +104,8 @@ def fully_shard_checkpointed(cmodule: nn.Module, mesh: Any = None, **fsdp_kwargs
     """
     from torch.distributed.fsdp import fully_shard
 
+    if getattr(cmodule, "extraction", None) is not None:
+        refuse_mixed_precision(type(cmodule.module).__name__, fsdp_kwargs)
     stages = list(cmodule.stages)  # type: ignore[arg-type]
     held: set[nn.Parameter] = set(fsdp_kwargs.pop("ignored_params", None) or ())
     for k in sharded_stage_indices(stages):
@@ -114,6 +116,28 @@ def fully_shard_checkpointed(cmodule: nn.Module, mesh: Any = None, **fsdp_kwargs
         held |= _point_model_at(cmodule, before, _parameter_slots(stages[k]))
     fully_shard(cmodule, mesh=mesh, ignored_params=held, **fsdp_kwargs)
     return cmodule
+
+
+def refuse_mixed_precision(name: str, fsdp_kwargs: dict[str, Any]) -> None:
+    """One error for FSDP2 mixed precision on the stages of an exported model.
+
+    Its stages are graphs exported from the float32 model and keep its dtypes, where
+    ``MixedPrecisionPolicy(param_dtype=...)`` casts the gathered parameters: a tiny Llama
+    failed inside a stage ("expected m1 and m2 to have the same dtype"), GPT-2 with a
+    message about extraction (a hunt in stop 51). An ``nn.Sequential``'s stages are the
+    model's own modules and take the policy.
+    """
+    policy = fsdp_kwargs.get("mp_policy")
+    dtypes = {k: getattr(policy, k, None) for k in ("param_dtype", "reduce_dtype",
+                                                    "output_dtype")}
+    given = {k: v for k, v in dtypes.items() if v is not None}
+    if given:
+        shown = ", ".join(f"{k}={v}" for k, v in given.items())
+        raise OptmemInputError(
+            f"FSDP2 mixed precision (mp_policy with {shown}) is not supported on the "
+            f"exported stages of {name}: they keep the dtypes of the float32 model they "
+            "were exported from. Shard without mp_policy, or pass an nn.Sequential of the "
+            "model's blocks, whose stages take the policy", field="fsdp_kwargs")
 
 
 def _parameter_slots(module: nn.Module) -> dict[tuple[int, str], nn.Parameter]:
@@ -192,7 +216,10 @@ def checkpoint_fsdp(module: nn.Module | Sequence[nn.Module], sample: Any,
     plan always runs the sharded stages).
     """
     from optmem.pytorch.api import CheckpointedModule, build_planned
+    from optmem.pytorch.wrapper import is_plain_chain
 
+    if not is_plain_chain(module):  # before the profile: it would be for nothing
+        refuse_mixed_precision(type(module).__name__, fsdp_kwargs or {})
     if "max_stages" in checkpoint_kwargs or "chain" in checkpoint_kwargs:
         raise OptmemInputError("checkpoint_fsdp profiles the module's stages itself: "
                                "max_stages and chain are not supported", field="max_stages")

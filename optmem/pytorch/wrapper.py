@@ -634,6 +634,21 @@ class PlannedModule(nn.Module):
         for found in (keys.missing_keys, keys.unexpected_keys):
             found[:] = [k.replace(_PREFIX, "", 1) for k in found]
 
+    def _fqn_modifiers(self) -> dict[str, str]:
+        """``torch.distributed.checkpoint.state_dict``'s hook for keys without a prefix.
+
+        Its ``set_optimizer_state_dict`` (the FSDP2 save/resume path) walks
+        ``named_children()``, where the model is ``_optmem_module``, and met the model's
+        keys from :meth:`named_parameters` and ``state_dict()`` without it: "Missing
+        optimizer state for parameter '_optmem_module.transformer.wpe.weight'" (a hunt in
+        stop 51). Each top-level name of the model maps to the attribute that holds it.
+        """
+        model = self._optmem_module
+        names = [n for n, _ in model.named_children()]
+        names += [n for n, _ in model.named_parameters(recurse=False)]
+        names += [n for n, _ in model.named_buffers(recurse=False)]
+        return dict.fromkeys(names, "_optmem_module")
+
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
                         assign: bool = False) -> Any:
         """The model's ``load_state_dict``: its result and errors name the model's keys.
@@ -885,6 +900,13 @@ class PlannedModule(nn.Module):
             if variant is not None:
                 return self._remember(key, variant)
             resized = size_free(key) in self._families
+        if self._sharded():  # the stages hold DTensors: nothing can be exported again
+            raise OptmemInputError(
+                f"{type(self._optmem_module).__name__} is sharded by FSDP2 "
+                "(checkpoint_fsdp), so every call keeps the sample's signature; this call "
+                "differs in " + signature_difference(key, self._main_key, args, kwargs)
+                + ": pad to the sample's sizes (or wrap again with a sample of these)",
+                field="sample")
         _log.info("optmem: new call signature for %s: extracting, profiling and solving "
                   "again", type(self._optmem_module).__name__)
         with _for_signature(key, self._main_key, args, kwargs):
