@@ -298,3 +298,28 @@ def test_strict_contiguous_is_simulated():
     r = solve(p, "contiguous")
     assert r.status is Status.FEASIBLE and r.peak_memory <= 6
     assert r.objective >= 4  # the ILP optimum of madpipe.md 7.6 Ex4 at M = 6
+
+
+def test_contiguous_is_optimal_for_one_stage_per_gpu_not_for_every_contiguous_plan() -> None:
+    """``contiguous``'s class is one stage per GPU (1F1B*): in the stash model a GPU whose
+    run is split into one stage per layer frees each layer's stash at its own backward
+    and can fit a shorter period on the same allocation. A hunt (stop 51) read the class
+    as every plan of a contiguous allocation; the docs now say which it is, and this pins
+    both facts: ``contiguous`` 19 (optimal in its class), the exact model 16 on its
+    allocation, replayed, with a stage per layer on the two GPUs."""
+    from optmem.result import SolveOptions
+    from optmem.solvers.pipeline_common import run_model
+
+    chain = Chain.from_lists([5, 3, 4, 3, 1], [4, 3, 1, 5, 2], [2, 2, 2, 2, 0],
+                             [2, 2, 2, 2, 0], input_size=2, weight_size=[2, 2, 2, 2, 0])
+    problem = PipelineProblem(chain, n_gpus=2, memory_per_gpu=27, weight_copies=3,
+                              chain_bandwidth=1.0)
+    best = solve(problem, "contiguous")
+    assert best.status is Status.OPTIMAL and best.objective == best.bound == 19
+    assert best.report["allocation"] == "GPU 0: 1,2; GPU 1: 3,4,5"
+    options = SolveOptions(threads=1, seed=0, deterministic_time=10.0, warm_start=False)
+    run = run_model(problem, "cpsat", options, gpu=[0, 0, 1, 1, 1])
+    assert run.plan is not None and run.plan.period == 16
+    replay = verify_plan(problem, list(run.plan.to_strings()))
+    assert replay["objective"] == 16 and replay["peak_memory"] <= 27
+    assert len(run.plan.stages) > 2  # one stage per layer: outside contiguous's class
