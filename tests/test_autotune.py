@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 
 import pytest
 
@@ -211,6 +212,15 @@ def test_autotune_is_a_checkpoint_option(fixed):
     with pytest.raises(OptmemInputError, match="autotune is a checkpoint option"):
         op.offload(net, x, memory_limit="1GiB", bandwidth="1GB/s", chain=chain,
                    autotune=True)
+    # a timer that is not a function, or answers no duration: raw TypeError / ValueError
+    # from inside the tuning, or NaN taken as a time, until stop 51 (a hunt)
+    with pytest.raises(OptmemInputError, match="autotune_timer: expected a function"):
+        op.checkpoint(net, x, memory_limit=limit, chain=chain, autotune=True,
+                      autotune_timer=5)
+    for answer in (None, "x", math.nan, -1.0, True):
+        with pytest.raises(OptmemInputError, match="expected a finite number of milli"):
+            op.checkpoint(net, x, memory_limit=limit, chain=chain, autotune=True,
+                          autotune_timer=lambda step, cand, a=answer: a, autotune_rounds=1)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None,

@@ -477,7 +477,7 @@ def test_a_plain_graph_built_before_wrapping_still_backpropagates():
 
 
 @pytest.mark.parametrize("kind", [op.offload, op.remat_offload])
-@pytest.mark.parametrize("factory", [bert, resnet], ids=["bert", "resnet"])
+@pytest.mark.parametrize("factory", [bert, resnet, gpt2], ids=["bert", "resnet", "gpt2"])
 def test_offload_one_liners_hold_less_than_the_plain_step_on_the_device(kind, factory):
     """The one-liners at 60 % of store-all (the plans transfer, no recomputation here):
     gradients bitwise, and the real peak on the compute device (host copies left out)
@@ -486,8 +486,11 @@ def test_offload_one_liners_hold_less_than_the_plain_step_on_the_device(kind, fa
     and the remat+offload executor kept every stage output to the end: BERT's plans
     (predicted 103 and 99 KB) peaked at 171 and 196 KB, more than the plain step (172 KB).
     A plan that moves ``a 0`` frees nothing: the caller holds the batch (the bound adds it).
+    A parameter several stages use (GPT-2's tied embedding and head) holds a partial
+    gradient from its first ``B`` on, as for checkpoint plans (allowance item 5): GPT-2 was
+    untested, and its peak was 11.3 KB above the prediction alone (a hunt in stop 51).
     Fixed times: the plans do not depend on the machine's load."""
-    from optmem.pytorch.memory import measure_training_peak, storage_bytes
+    from optmem.pytorch.memory import _shared_parameters, measure_training_peak, storage_bytes
 
     model, kwargs = factory()
     model.eval()  # no dropout: one plain step to compare with
@@ -501,6 +504,7 @@ def test_offload_one_liners_hold_less_than_the_plain_step_on_the_device(kind, fa
     real = measure_training_peak(lambda: cmodel(**kwargs).loss.backward(), model, kwargs,
                                  host_copies=False)
     held = storage_bytes(kwargs) if "offload a 0" in cmodel.result.plan else 0
+    held += storage_bytes(_shared_parameters(list(cmodel.stages)))
     assert real <= cmodel.expected_peak_bytes + held
     assert cmodel.expected_peak_bytes + held < chain.store_all_peak()
 

@@ -126,6 +126,10 @@ def make_graph_model(batch=2):
 
 def make_broken():
     raise RuntimeError("boom in the factory")
+
+
+def make_mismatched(batch=2):
+    return nn.Sequential(nn.Linear(4, 4)), torch.randn(batch, 5)
 """
 
 
@@ -177,6 +181,10 @@ def test_cli_profile_errors(factory_module):
                                               r"optmem_test_factories.py:\d+: boom in the "),
                         (["profile", factory_module], "input-shape"),
                         (["profile", "no_such_pkg.mod:f"], "cannot import"),
+                        # the profile's own traceback, exit 1, until stop 51 (a hunt)
+                        (["profile", factory_module.replace("make_module_only",
+                                                            "make_mismatched")],
+                         r"does not run on its own sample: RuntimeError: mat1 and mat2"),
                         (["profile", "toy-mlp", "--device", "tpu"], "cpu, cuda or meta")):
         args = _argparser().parse_args(argv)
         with pytest.raises(OptmemInputError, match=match):
@@ -745,3 +753,21 @@ def test_functional_call_on_a_wrapped_sequential_reruns_with_the_given_tensors(w
             assert (a.grad is None) == (b.grad is None)
             if a.grad is not None:
                 torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", [op.offload, op.remat_offload])
+def test_checkpoint_only_methods_name_their_wrapper_not_the_model(kind):
+    """``resolve`` and ``use_plan`` belong to ``op.checkpoint``'s wrapper; asked of an
+    offload wrapper, the attribute fell through to the model: "'Sequential' object has no
+    attribute 'resolve'" (a hunt in stop 51)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
+    x = torch.randn(4, 8)
+    wrapped = kind(net, x, memory_limit="100%", bandwidth="1GB/s", repeats=1, warmup=0)
+    for name in ("resolve", "use_plan"):
+        with pytest.raises(AttributeError, match=rf"Module has no {name}\(\): it is a method "
+                                                 r"of the checkpoint wrapper"):
+            getattr(wrapped, name)
+    with pytest.raises(AttributeError, match="'Sequential' object has no attribute 'nope'"):
+        wrapped.nope  # noqa: B018 - other names still reach the model
+    assert wrapped.summary()  # a method of every wrapper

@@ -204,6 +204,10 @@ def build_planned(cls: type[PlannedModule], kind: str, module: Any, sample: Any,
     wants_tuning = _flag(tune.pop("autotune", False), "autotune")
     if wants_tuning:
         _check_autotune(kind, planner)
+        timer = tune.get("autotune_timer")
+        if timer is not None and not callable(timer):  # was a raw TypeError mid-tuning
+            raise OptmemInputError(f"autotune_timer: expected a function (step, candidate) "
+                                   f"-> milliseconds, got {timer!r}", field="autotune_timer")
     planned = cls.build(module, sample, planner, profile, chain=chain, fast_path=fast_path)
     if wants_tuning:
         from optmem.pytorch.autotune import AUTOTUNE_ROUNDS, autotune

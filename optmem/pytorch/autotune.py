@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -225,11 +226,20 @@ def time_candidates(cmodel: PlannedModule, sample: Any, cands: Sequence[Candidat
                     cmodel.executor.set_plan(list(cand.plan))  # type: ignore[operator]
                     for t in leaves:
                         t.grad = None
-                    ms = timer(step, cand)
+                    ms = _milliseconds(timer(step, cand))
                     if r >= warmup:
-                        cand.times.append(float(ms))
+                        cand.times.append(ms)
     finally:
         cmodel.executor.set_plan(before)  # type: ignore[operator]
+
+
+def _milliseconds(value: Any) -> float:
+    """A timer's answer as a duration: a finite number >= 0, or one clear error."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or \
+            not math.isfinite(value) or value < 0:
+        raise OptmemInputError(f"autotune_timer: expected a finite number of milliseconds "
+                               f">= 0, got {value!r}", field="autotune_timer")
+    return float(value)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

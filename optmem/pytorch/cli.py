@@ -111,6 +111,7 @@ def run_profile(args: argparse.Namespace) -> int:
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise OptmemInputError("--device cuda but CUDA is not available", field="device")
+    module = sample = None
     try:
         module, sample = resolve_spec(args.spec, batch=args.batch,
                                       input_shape=args.input_shape,
@@ -127,6 +128,7 @@ def run_profile(args: argparse.Namespace) -> int:
                               progress=False if args.no_progress else None)
     except (MemoryError, RuntimeError) as exc:
         if not out_of_memory(exc):
+            _raise_if_the_model_fails(args.spec, module, sample)
             raise
         raise OptmemInputError(f"not enough memory on {args.device} to profile "
                                f"{args.spec!r} with batch {args.batch} (try a smaller batch "
@@ -143,6 +145,29 @@ def run_profile(args: argparse.Namespace) -> int:
 
         print(json.dumps(chain.to_dict(), indent=1))
     return 0
+
+
+def _raise_if_the_model_fails(spec: str, module: Any, sample: Any) -> None:
+    """One input error when the model itself cannot run its sample (a profile failed).
+
+    A factory whose module does not take its own sample (``Linear(4, 4)`` with a ``(2, 5)``
+    batch) printed the profile's 59-line traceback, exit 1 (a hunt in stop 51); a profile
+    that fails where the model runs is optmem's error and keeps its traceback.
+    """
+    import torch
+
+    from optmem.pytorch.wrapper import call_of
+
+    if module is None:  # the factory itself failed: its own error
+        return
+    args, kwargs = call_of(sample)
+    try:
+        with torch.no_grad():
+            module(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - the user's model: reported in one line
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise OptmemInputError(f"the model of {spec!r} does not run on its own sample: "
+                               f"{type(exc).__name__}: {first}", field="spec") from None
 
 
 def run_train_pipeline(args: argparse.Namespace) -> int:

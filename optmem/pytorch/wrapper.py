@@ -518,6 +518,10 @@ def _replace_prefix(state_dict: dict[str, Any], old: str, new: str) -> None:
         state_dict[new + key[len(old):]] = state_dict.pop(key)
 
 
+_CHECKPOINT_ONLY = ("resolve", "use_plan")
+"""Methods of ``CheckpointedModule`` alone (named when another wrapper is asked for them)."""
+
+
 class PlannedModule(nn.Module):
     """A model trained by following a plan; behaves like the model (see the module doc)."""
 
@@ -596,7 +600,15 @@ class PlannedModule(nn.Module):
         except AttributeError:
             if name == "_optmem_module":
                 raise
-            return getattr(self._optmem_module, name)
+            try:
+                return getattr(self._optmem_module, name)
+            except AttributeError:
+                if name in _CHECKPOINT_ONLY:  # it blamed the model (a hunt in stop 51)
+                    raise AttributeError(
+                        f"{type(self).__name__} has no {name}(): it is a method of the "
+                        "checkpoint wrapper (op.checkpoint); to plan again, call this "
+                        "one-liner again (with chain= to skip the profile)") from None
+                raise
 
     def __getitem__(self, key: Any) -> Any:
         return self._optmem_module[key]  # type: ignore[index]
