@@ -102,6 +102,12 @@ class PipelinePlan:
             if not isinstance(text, str):
                 raise PlanError(f"expected an op string, got {text!r}", index=index)
             parts = text.split()
+            # given twice, the last one won in silence until stop 51 (two GPUs for one stage)
+            if parts[:1] == ["period"] and period is not None:
+                raise PlanError("the plan gives the period twice", index=index)
+            if (parts[:1] == ["stage"] and len(parts) > 1 and parts[1].isascii()
+                    and parts[1].isdigit() and int(parts[1]) in stages):
+                raise PlanError(f"stage {parts[1]} is defined twice", index=index)
             try:
                 if parts[:1] == ["period"] and len(parts) == 2:
                     period = float(parts[1])

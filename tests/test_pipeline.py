@@ -218,6 +218,15 @@ def test_plan_round_trips():
     out = verify_plan(p, {"plan": list(plan.to_strings())})
     assert out["objective"] == 2 and out["memory_limit"] == 100
     assert out["nca"] == [2, 1]
+    # a stage or the period given twice: the last one won and the plan verified (stop 51)
+    ops = list(plan.to_strings())
+    stage = next(o for o in ops if o.startswith("stage 1 "))
+    moved = stage.rsplit(" ", 1)[0] + " 1" if not stage.endswith(" 1") else \
+        stage.rsplit(" ", 1)[0] + " 0"
+    with pytest.raises(PlanError, match="stage 1 is defined twice"):
+        PipelinePlan.from_strings([*ops, moved])
+    with pytest.raises(PlanError, match="the period twice"):
+        PipelinePlan.from_strings([*ops, "period 100"])
 
 
 def _with_task(plan: PipelinePlan, op: str, stage: int, **changes) -> PipelinePlan:
@@ -323,3 +332,30 @@ def test_contiguous_is_optimal_for_one_stage_per_gpu_not_for_every_contiguous_pl
     replay = verify_plan(problem, list(run.plan.to_strings()))
     assert replay["objective"] == 16 and replay["peak_memory"] <= 27
     assert len(run.plan.stages) > 2  # one stage per layer: outside contiguous's class
+
+
+def test_a_zero_time_task_at_anothers_start_is_at_its_boundary_within_the_tolerance() -> None:
+    """A zero-time ``F 2`` at the start of ``B 2`` on the same GPU: accepted when the two
+    starts were bit-equal, refused as an overlap when ``F 2`` started 2e-15 later (far
+    within the 1e-6 tolerance), and ``contiguous`` then raised that error from its own
+    replay (a hunt in stop 51). Inside the backward it is still an overlap."""
+    from optmem.datasets.synthetic import random_chain
+
+    chain = random_chain(3, seed=4)  # stage 2's forward takes no time
+    assert chain.fwd_time[1] == 0
+    problem = PipelineProblem(chain, 3, 10**6, chain_bandwidth=3.0, memory_model="strict")
+    ops = ["period 14", "stage 1 layers 1-1 gpu 0", "stage 2 layers 2-2 gpu 1",
+           "stage 3 layers 3-3 gpu 2", "B 1 start 5 shift 0", "F 1 start 0 shift 2",
+           "grad 1 start 9.666666666666664 shift 1", "send 1 start 5 shift 2",
+           "B 2 start 7.666666666666664 shift 1", "F 2 start {f2} shift 2",
+           "grad 2 start 3 shift 1", "send 2 start 7.666666666666666 shift 2",
+           "B 3 start 13 shift 2", "F 3 start 11 shift 2"]
+    for f2 in ("7.666666666666664", "7.666666666666666"):
+        plan = PipelinePlan.from_strings([o.replace("{f2}", f2) for o in ops])
+        assert simulate_pipeline(problem, plan).period == 14
+    inside = PipelinePlan.from_strings([o.replace("{f2}", "8.5") for o in ops])
+    with pytest.raises(PlanError, match="GPU 1 runs B 2 .* overlap"):
+        simulate_pipeline(problem, inside)
+    result = solve(PipelineProblem(chain, 3, 67, chain_bandwidth=3.0, memory_model="strict"),
+                   "contiguous")
+    assert result.status.has_plan and result.objective == 17

@@ -6,7 +6,7 @@ import pytest
 
 from optmem.chain import Chain
 from optmem.errors import PlanError
-from optmem.plan import from_rotor_sequence, load_plan, parse_plan
+from optmem.plan import TransferOp, from_rotor_sequence, load_plan, parse_plan
 from optmem.simulate import simulate_checkpoint
 from optmem.simulate.checkpoint import value_size
 from optmem.solvers import checkpoint_baselines as base
@@ -144,6 +144,15 @@ def test_plan_parsing_and_files(tmp_path) -> None:
         parse_plan(["F_all 0"])
     with pytest.raises(PlanError, match="op 2: cannot parse"):
         parse_plan(["F_all 1", "Loss", "B"])
+    # digits that are not ASCII: "²" was a raw ValueError from int(), "١" read as 1 (stop 51)
+    for text in ("F_all ²", "B ١"):
+        with pytest.raises(PlanError, match="op 0: bad stage"):
+            parse_plan([text])
+    for text in ("offload a ²", "prefetch abar ١"):
+        with pytest.raises(PlanError, match="bad index"):
+            TransferOp.parse(text)
+    with pytest.raises(PlanError, match="cannot parse rotor op"):
+        from_rotor_sequence("Fe_² L", 1)
     path = tmp_path / "plan.json"
     path.write_text('{"plan": ["F_all 1", "F_all 2", "Loss", "B 2", "B 1"], "objective": 1}')
     assert simulate_checkpoint(TWO, load_plan(path)).peak_memory == 54

@@ -121,6 +121,26 @@ def _check_structure(problem: PipelineProblem, plan: PipelinePlan) -> dict[tuple
     return tasks
 
 
+def _check_exclusive(res: tuple, items: list[tuple[float, float, str]], eps: float) -> None:
+    """Refuse two occurrences on one resource that overlap by more than ``eps``.
+
+    ``items``: ``(start, end, name)`` sorted by start. Each is compared with the earlier
+    one that reaches furthest, both ways: a zero-time task ``eps`` or less after another's
+    start lies at its boundary, not inside it. Until stop 51 only the end of the previous
+    item was compared, so such a task a few ulps after a backward's start was an overlap
+    and one ulps before it was not (a hunt; ``contiguous`` then raised this error).
+    """
+    reach: tuple[float, float, str] | None = None
+    for s2, e2, n2 in items:
+        if reach is not None:
+            s1, e1, n1 = reach
+            if s2 < e1 - eps and s1 < e2 - eps:
+                name = f"GPU {res[1]}" if res[0] == "gpu" else f"link {res[1]}-{res[2]}"
+                raise PlanError(f"{name} runs {n1} until {e1:g} and {n2} from {s2:g}: overlap")
+        if reach is None or e2 > reach[1]:
+            reach = (s2, e2, n2)
+
+
 def _dependency_order(plan: PipelinePlan, tasks: dict) -> list[tuple[str, int]]:
     n_stages = len(plan.stages)
     order: list[tuple[str, int]] = []
@@ -193,11 +213,7 @@ def simulate_pipeline(
             s0 = start(key, m)
             busy[resource(key)].append((s0, s0 + dur[key], f"{key[0]} {key[1]} (micro-batch {m})"))
     for res, items in busy.items():
-        items.sort()
-        for (_s1, e1, n1), (s2, _e2, n2) in zip(items, items[1:], strict=False):
-            if s2 < e1 - eps:
-                name = f"GPU {res[1]}" if res[0] == "gpu" else f"link {res[1]}-{res[2]}"
-                raise PlanError(f"{name} runs {n1} until {e1:g} and {n2} from {s2:g}: overlap")
+        _check_exclusive(res, sorted(items), eps)
     # ---- dependencies
     order = _dependency_order(plan, tasks)
     for x, y in zip(order, order[1:], strict=False):
