@@ -25,7 +25,7 @@ from typing import Any
 from optmem.chain import Chain, check_text
 from optmem.errors import OptmemInputError, PlanError
 from optmem.plan import read_plan_json
-from optmem.units import format_size, parse_bandwidth, parse_size
+from optmem.units import chain_bandwidth_value, format_size, parse_bandwidth, parse_size
 
 TRANSFER_WORDS = ("offload", "prefetch")
 
@@ -84,6 +84,10 @@ def show_plan(
     if memory_limit is None and file_limit is not None:
         memory_limit = file_limit * unit
     label = str(data.get("problem") or "checkpoint")
+    if label == "pipeline" or any(isinstance(o, str) and o.startswith("period ") for o in ops):
+        raise OptmemInputError("optmem show draws checkpoint, min-peak, offload and remat-"
+                               "offload plans, not pipeline plans (their schedule: optmem "
+                               "export pipeline ... -o schedule.csv)", field="plan")
     method = f" ({data['method']})" if data.get("method") else ""
     if is_offload_plan(ops):
         from optmem.simulate.offload import simulate_offload
@@ -141,7 +145,11 @@ def _file_bandwidth(data: dict[str, Any], chain: Chain) -> float | None:
     if value is None:
         return None
     try:
-        return parse_bandwidth(value, time_unit=chain.time_unit, field=name)
+        if isinstance(value, str):  # a rate such as "12GB/s"
+            return parse_bandwidth(value, time_unit=chain.time_unit, field=name)
+        # a number is in chain units, as solve writes it: parsed as bytes per second until
+        # stop 51, the link was 1000x slower per ms (137.8 ms drawn as 112,140 ms; a hunt)
+        return chain_bandwidth_value(value, field=name, allow_inf=True)
     except OptmemInputError as exc:
         raise PlanError(f"field '{name}': {exc.reason}") from None
 

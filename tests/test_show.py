@@ -79,3 +79,26 @@ def test_offload_plan_two_lanes(tmp_path: Path) -> None:
     assert (tmp_path / "o.png").stat().st_size > 1000
     with pytest.raises(OptmemInputError):
         show_plan(chain, data, tmp_path / "o2.png")
+
+
+def test_a_solve_files_bandwidth_is_in_chain_units(tmp_path: Path) -> None:
+    """``report.bandwidth`` of ``solve --json`` is in chain units (per ms); it was parsed
+    as bytes per second, so ``optmem show result.json`` drew an offload plan of 137.8 ms
+    with a link 1000x slower: 112,140 ms (a hunt in stop 51). A rate string still works,
+    and a pipeline file is one clear error (it said "unknown op kind 'period'")."""
+    from optmem.datasets import load_dataset
+    from optmem.problems import OffloadProblem
+    from optmem.solvers.facade import solve
+
+    chain = load_dataset("resnet-like-40")
+    result = solve(OffloadProblem(chain, 800 * 2**20, bandwidth="12GB/s"), "dp")
+    data = result.to_json()
+    assert data["report"]["bandwidth"] == pytest.approx(1.2e7)  # bytes per ms
+    info = show_plan(chain, data, tmp_path / "r.png")
+    assert info["makespan"] == pytest.approx(result.objective)
+    as_rate = {**data, "bandwidth": "12GB/s"}
+    assert show_plan(chain, as_rate, tmp_path / "s.png")["makespan"] == pytest.approx(
+        result.objective)
+    pipeline = {"problem": "pipeline", "plan": ["period 2", "stage 1 layers 1-1 gpu 0"]}
+    with pytest.raises(OptmemInputError, match="not pipeline plans"):
+        show_plan(chain, pipeline, tmp_path / "p.png")
