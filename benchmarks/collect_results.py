@@ -24,7 +24,7 @@ ORDER = ["checkpoint_dp", "exact", "checkpoint_exact", "cpsat_linearization", "z
          "offload_exact", "remat_offload", "remat_offload_exact", "remat_offload_proofs",
          "pipeline_exact", "pipeline_fixed", "pipeline_linearization", "pipeline",
          "madpipe_speed", "pipeline_runtime",
-         "min_peak", "fuzz"]
+         "min_peak", "fuzz", "hunts"]
 INTRO = """# Benchmark results
 
 Measured on this project's machine: 2 shared vCPUs, 24 GiB, no GPU, Python 3.11. Other jobs
