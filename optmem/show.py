@@ -85,9 +85,9 @@ def show_plan(
         memory_limit = file_limit * unit
     label = str(data.get("problem") or "checkpoint")
     if label == "pipeline" or any(isinstance(o, str) and o.startswith("period ") for o in ops):
-        raise OptmemInputError("optmem show draws checkpoint, min-peak, offload and remat-"
-                               "offload plans, not pipeline plans (their schedule: optmem "
-                               "export pipeline ... -o schedule.csv)", field="plan")
+        raise PlanError("optmem show draws checkpoint, min-peak, offload and remat-offload "
+                        "plans, not pipeline plans (their schedule: optmem export pipeline "
+                        "... -o schedule.csv)")
     method = f" ({data['method']})" if data.get("method") else ""
     if is_offload_plan(ops):
         from optmem.simulate.offload import simulate_offload

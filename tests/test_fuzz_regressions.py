@@ -435,3 +435,15 @@ def test_show_of_a_plan_file_with_a_400_digit_unit_is_one_error(field):
                    "-o", "{d}/o.png"],
                   {"c.json": chain_bytes(), "p.json": dumps(plan).encode()}, blame="p.json")
     assert field in err
+
+
+def test_show_of_a_pipeline_result_names_the_file():
+    """``optmem show`` of a pipeline ``solve --json`` output: "unknown op kind 'period'"
+    until stop 51, then one line without the file's name (the long fuzz run, seed 2)."""
+    plan = {"problem": "pipeline", "plan": ["period 7", "stage 1 layers 1-1 gpu 0",
+                                            "stage 2 layers 2-3 gpu 1"]}
+    err = rejects(["show", "{d}/plan.json", "--chain", "{d}/chain.json", "-o",
+                   "{d}/plan.png"],
+                  {"plan.json": dumps(plan).encode(), "chain.json": dumps(CHAIN).encode()},
+                  blame="plan.json")
+    assert "not pipeline plans" in err

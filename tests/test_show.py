@@ -100,5 +100,5 @@ def test_a_solve_files_bandwidth_is_in_chain_units(tmp_path: Path) -> None:
     assert show_plan(chain, as_rate, tmp_path / "s.png")["makespan"] == pytest.approx(
         result.objective)
     pipeline = {"problem": "pipeline", "plan": ["period 2", "stage 1 layers 1-1 gpu 0"]}
-    with pytest.raises(OptmemInputError, match="not pipeline plans"):
+    with pytest.raises(PlanError, match="not pipeline plans"):
         show_plan(chain, pipeline, tmp_path / "p.png")
