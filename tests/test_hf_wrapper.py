@@ -849,3 +849,20 @@ def test_a_call_with_every_hidden_state_carries_them_to_the_end():
                                                  strict=True))
     variant = next(v for k, v in cmodel._variants.items() if k != cmodel._main_key)
     assert variant.extraction is not None and len(variant.stages) > 1
+
+
+def test_a_side_input_that_is_the_chain_input_is_not_counted_twice():
+    """ResNet reads ``pixel_values`` again beside the chain (a channel check): the whole
+    batch was counted as a side input ("not in the limit: 24.02 KiB" in ``summary()``,
+    and in the allowance) while the chain counts it as ``a^0`` (a hunt in stop 51)."""
+    from optmem.pytorch.memory import plan_allowance, storage_bytes
+
+    model, kwargs = resnet()
+    model.train()
+    cmodel = op.checkpoint(model, kwargs, memory_limit="60%", repeats=1, warmup=0,
+                           fast_path=False)
+    assert cmodel.chain.input_size == storage_bytes(kwargs)  # a^0: the batch
+    assert cmodel.chain.extra["side_input_bytes"] == 0
+    assert "side inputs" not in cmodel.summary()
+    assert plan_allowance(cmodel.chain, cmodel.result.plan, list(cmodel.stages)) < \
+        storage_bytes(kwargs["pixel_values"])
