@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from optmem.errors import PlanError
+from optmem.plan import ascii_digits
 
 FORMAT = "optmem.pipeline-plan/1"
 TASK_OPS = ("F", "B", "send", "grad")
@@ -105,8 +106,8 @@ class PipelinePlan:
             # given twice, the last one won in silence until stop 51 (two GPUs for one stage)
             if parts[:1] == ["period"] and period is not None:
                 raise PlanError("the plan gives the period twice", index=index)
-            if (parts[:1] == ["stage"] and len(parts) > 1 and parts[1].isascii()
-                    and parts[1].isdigit() and int(parts[1]) in stages):
+            if (parts[:1] == ["stage"] and len(parts) > 1 and ascii_digits(parts[1])
+                    and int(parts[1]) in stages):
                 raise PlanError(f"stage {parts[1]} is defined twice", index=index)
             try:
                 if parts[:1] == ["period"] and len(parts) == 2:

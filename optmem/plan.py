@@ -64,14 +64,14 @@ class Op:
             kinds = ", ".join(k.value for k in OpKind)
             raise PlanError(f"unknown op kind {parts[0]!r} (expected one of {kinds})",
                             index=index) from None
-        if kind is OpKind.LOSS or not _ascii_digits(parts[1]) or int(parts[1]) < 1:
+        if kind is OpKind.LOSS or not ascii_digits(parts[1]) or int(parts[1]) < 1:
             raise PlanError(f"bad stage in op {text!r} (expected a positive integer)",
                             index=index)
         return cls(kind, int(parts[1]))
 
 
-def _ascii_digits(text: str) -> bool:
-    """Whether ``text`` is an index written in ASCII digits.
+def ascii_digits(text: str) -> bool:
+    """Whether ``text`` is an index written in ASCII digits (every plan parser's test).
 
     ``str.isdigit`` is also true for ``"²"``, which ``int`` refuses (a traceback from
     ``verify``), and for ``"١"``, which ``int`` reads as 1 (a hunt in stop 51).
@@ -148,7 +148,7 @@ def from_rotor_sequence(text: str, length: int) -> Plan:
             ops.append(LOSS)
             continue
         name, _, idx = token.partition("_")
-        if name not in _ROTOR_NAMES or not _ascii_digits(idx):
+        if name not in _ROTOR_NAMES or not ascii_digits(idx):
             raise PlanError(f"cannot parse rotor op {token!r}", index=k)
         ops.append(Op(_ROTOR_NAMES[name], int(idx) + 1))
     return tuple(ops)
@@ -225,7 +225,7 @@ class TransferOp:
         if parts[1] not in TRANSFER_VALUES:
             raise PlanError(f"bad value in {text!r}: only 'a' and 'abar' can be transferred "
                             "(gradients stay on the GPU)", index=index)
-        if not _ascii_digits(parts[2]) or (parts[1] == "abar" and int(parts[2]) < 1):
+        if not ascii_digits(parts[2]) or (parts[1] == "abar" and int(parts[2]) < 1):
             raise PlanError(f"bad index in op {text!r} (expected 'a i' with i >= 0 or "
                             "'abar i' with i >= 1)", index=index)
         return cls(TransferKind(parts[0]), parts[1], int(parts[2]))

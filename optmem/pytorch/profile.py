@@ -76,6 +76,7 @@ from torch.utils._pytree import tree_leaves
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError
 from optmem.plan import parse_plan
+from optmem.pytorch.execute import run_in_order
 from optmem.pytorch.extract import Stage, extract_stages, merge_stages, value_tensors
 from optmem.pytorch.memory import (
     StorageTrace,
@@ -177,25 +178,32 @@ def _leaf(value: Any, requires_grad: bool) -> Any:
     return value
 
 
-def _to_meta(value: Any) -> Any:
+def _map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``value`` with ``fn`` applied to every tensor in it (tuples, lists, dicts)."""
     if isinstance(value, torch.Tensor):
-        return torch.empty_like(value, device="meta").requires_grad_(value.requires_grad)
+        return fn(value)
     if isinstance(value, tuple | list):
-        return type(value)(_to_meta(v) for v in value)
+        return type(value)(_map_tensors(v, fn) for v in value)
     if isinstance(value, dict):
-        return {k: _to_meta(v) for k, v in value.items()}
+        return {k: _map_tensors(v, fn) for k, v in value.items()}
     return value
+
+
+def _to_meta(value: Any) -> Any:
+    return _map_tensors(value, lambda t: torch.empty_like(t, device="meta").requires_grad_(
+        t.requires_grad))
 
 
 def move_to(value: Any, dev: torch.device) -> Any:
     """``value`` with every tensor in it (tuples, lists, dicts) moved to ``dev``."""
-    if isinstance(value, torch.Tensor):
-        return value.to(dev)
-    if isinstance(value, tuple | list):
-        return type(value)(move_to(v, dev) for v in value)
-    if isinstance(value, dict):
-        return {k: move_to(v, dev) for k, v in value.items()}
-    return value
+    return _map_tensors(value, lambda t: t.to(dev))
+
+
+def _rng_devices(dev: torch.device) -> list[int]:
+    """The CUDA devices whose RNG state a profile on ``dev`` forks (none off CUDA)."""
+    if dev.type != "cuda":
+        return []
+    return [dev.index if dev.index is not None else torch.cuda.current_device()]
 
 
 def _returned_beside_loss(outs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -682,8 +690,7 @@ def profile_stages(
 
     params = [p for m in modules for p in m.parameters()]
     bar = _Progress(len(stages), progress)
-    fork_devices = [dev.index if dev.index is not None else torch.cuda.current_device()] \
-        if setting.cuda else []
+    fork_devices = _rng_devices(dev)
     try:
         with torch.random.fork_rng(devices=fork_devices, enabled=True), \
                 gradients_restored(params), \
@@ -977,12 +984,6 @@ def _inplace_message(k: int, name: str, exc: BaseException) -> str:
             "makes its input")
 
 
-def _run_modules(modules: Sequence[nn.Module], x: Any) -> Any:
-    for m in modules:
-        x = m(x)
-    return x
-
-
 def _dry_run(modules: Sequence[nn.Module], value: Any) -> Any:
     """Run ``modules`` in order on a detached leaf of ``value``, as the executor runs a stage.
 
@@ -992,27 +993,17 @@ def _dry_run(modules: Sequence[nn.Module], value: Any) -> Any:
     """
     leaf = _leaf(value, True)
     try:
-        return _run_modules(modules, leaf)
+        return run_in_order(modules, leaf)
     except RuntimeError as exc:
         if not _writes_into_leaf(exc):
             return _FAILED
     except Exception:  # noqa: BLE001 - the profile meets it again and reports it
         return _FAILED
     try:  # a non-leaf copy: the write was into the input, not into a parameter
-        _run_modules(modules, _clone(leaf))
+        run_in_order(modules, _map_tensors(leaf, torch.Tensor.clone))
     except Exception:  # noqa: BLE001 - as above
         return _FAILED
     return _WRITES_INPUT
-
-
-def _clone(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, tuple | list):
-        return type(value)(_clone(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _clone(v) for k, v in value.items()}
-    return value
 
 
 def merge_inplace_writers(stages: Sequence[Stage], sample: Any,
@@ -1064,8 +1055,7 @@ def merge_inplace_writers(stages: Sequence[Stage], sample: Any,
         sample = _to_meta(sample)
     elif dev != inputs[0].device:
         sample = move_to(sample, dev)
-    fork = [dev.index if dev.index is not None else torch.cuda.current_device()] \
-        if dev.type == "cuda" else []
+    fork = _rng_devices(dev)
     groups: list[tuple[int, int]] = []
     starts: list[Any] = []  # the input of every group
     x = sample

@@ -164,10 +164,11 @@ def solve_min_peak_ilp(problem: MinPeakProblem, options: SolveOptions) -> Result
         return Result(PROBLEM, "ilp", outcome.status, memory_limit=problem.memory_limit,
                       solver=outcome.solver, report=report)
     cps, claimed = ilp.decode_min_peak_ilp(model), outcome.objective
-    if start is not None and model_peak(problem, start) < model_peak(problem, cps):
-        cps, claimed = start, float(model_peak(problem, start))
+    peak = model_peak(problem, cps)
+    if start is not None and (start_peak := model_peak(problem, start)) < peak:
+        cps, claimed, peak = start, float(start_peak), start_peak
         report["incumbent"] = "dp set (the engine's set peaks higher, within its tolerances)"
-    bound = min(outcome.bound, float(model_peak(problem, cps)))  # the engine's, to tolerance
+    bound = min(outcome.bound, float(peak))  # the engine's, to tolerance
     return set_result(problem, cps, method="ilp", status=outcome.status, bound=bound,
                       solver=outcome.solver, claimed=claimed, report=report,
                       engine_tolerance=True)
