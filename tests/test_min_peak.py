@@ -354,3 +354,35 @@ def test_optmem_model_dp_matches_brute_force(n: int, seed: int) -> None:
     dp = solve(problem, "dp")
     assert dp.objective == solve(problem, "brute").objective
     assert dp.objective == simulate_checkpoint(chain, dp.plan).peak_memory
+
+
+@pytest.mark.parametrize("model", ["pytorch", "static"])
+def test_exported_model_has_the_limit_row(tmp_path, model: str) -> None:  # noqa: ANN001
+    """The exported ILP, solved by highspy alone, gives the method's verdict at the limit.
+
+    Before, the file had no limit row: at a limit below the least peak another solver
+    returned that least peak as optimal where ``solve`` says ``infeasible``.
+    """
+    highspy = pytest.importorskip("highspy", reason="the ILP engine is HiGHS (optmem[engines])")
+    from optmem.models.min_peak_ilp import build_min_peak_ilp
+    from optmem.solvers.facade import export
+
+    chain = random_chain(7, seed=3)
+    least = solve(MinPeakProblem(chain, model=model), "ilp").objective
+    for limit, feasible in ((least, True), (least - 1, False)):
+        problem = MinPeakProblem(chain, model=model, memory_limit=int(limit))
+        assert (solve(problem, "ilp").status is Status.OPTIMAL) is feasible
+        path = tmp_path / f"m_{model}_{int(limit)}.mps"
+        export(problem, "ilp", str(path))
+        h = highspy.Highs()
+        h.setOptionValue("output_flag", False)
+        h.setOptionValue("mip_rel_gap", 0.0)
+        assert h.readModel(str(path)) == highspy.HighsStatus.kOk
+        h.run()
+        status = h.getModelStatus()
+        if feasible:
+            assert status == highspy.HighsModelStatus.kOptimal
+            scale = build_min_peak_ilp(problem).scale
+            assert h.getInfo().objective_function_value * scale == pytest.approx(least)
+        else:
+            assert status == highspy.HighsModelStatus.kInfeasible

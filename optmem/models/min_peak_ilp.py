@@ -91,8 +91,19 @@ def _paths(m: Model, n: int) -> tuple[list[Expr], dict[tuple[int, int], Expr]]:
     return x, y
 
 
-def build_min_peak_ilp(problem: MinPeakProblem) -> MinPeakModel:
-    """Build the ILP of the module docstring for ``problem``."""
+def build_min_peak_ilp(problem: MinPeakProblem, *, limit_row: bool = False) -> MinPeakModel:
+    """Build the ILP of the module docstring for ``problem``.
+
+    Parameters
+    ----------
+    problem : MinPeakProblem
+        The chain, memory model and optional ``memory_limit``.
+    limit_row : bool
+        Add ``peak <= memory_limit`` (scaled like the sizes) when the problem has a limit.
+        The solver leaves it out, so that an infeasible limit still yields the least peak
+        as ``min_feasible_memory``; the exported model has it, so that another solver's
+        verdict on the file is the method's (optimum, or infeasible).
+    """
     n = problem.n
     if problem.model == "static":
         d = list(problem.sizes())
@@ -126,6 +137,8 @@ def build_min_peak_ilp(problem: MinPeakProblem) -> MinPeakModel:
                 i = h + 1 + off
                 m.add(peak >= z[h] + y[(h, i)] * (u / scale + prefix_total) - prefix_total,
                       f"peak_{h}_{i}")
+    if limit_row and problem.memory_limit is not None:
+        m.add(peak <= problem.memory_limit / scale, "memory_limit")
     return MinPeakModel(m, to_pulp(m), [Model.index(v) for v in x],
                         {key: Model.index(v) for key, v in y.items()}, Model.index(peak),
                         scale)
@@ -181,8 +194,8 @@ def decode_min_peak_ilp(model: MinPeakModel) -> tuple[int, ...]:
 
 
 def write_min_peak_ilp(problem: MinPeakProblem, path: str) -> None:
-    """Write the model to ``path`` (``.lp`` or ``.mps``)."""
-    model = build_min_peak_ilp(problem)
+    """Write the model, with its limit row, to ``path`` (``.lp`` or ``.mps``)."""
+    model = build_min_peak_ilp(problem, limit_row=True)
     if path.endswith(".lp"):
         model.lp.writeLP(path)
     elif path.endswith(".mps"):
