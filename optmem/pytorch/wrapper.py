@@ -923,11 +923,7 @@ class PlannedModule(nn.Module):
                   "again", type(self._optmem_module).__name__)
         with _for_signature(key, self._main_key, args, kwargs):
             variant = self._new_variant(args, kwargs, None, local=resized)
-        self._variants[key] = variant
-        while len(self._variants) > MAX_VARIANTS:
-            oldest = next(k for k in self._variants if k != self._main_key)
-            del self._variants[oldest]
-        return variant
+        return self._keep_signature(key, variant, plain=False)
 
     def _dynamic_sizes(self) -> bool:
         """Whether calls of new sizes form families (*Sizes*).
@@ -1005,12 +1001,24 @@ class PlannedModule(nn.Module):
                   self._main.chain.name)
         with _for_input_grad(key, self._main_key):
             variant = self._plain_plan(x, local=False)
-        self._families.pop(size_free(key), None)  # sizes of a signature solved before
+        return self._keep_signature(key, variant, plain=True)
+
+    def _keep_signature(self, key: Any, variant: _Variant, *, plain: bool) -> _Variant:
+        """Keep ``variant`` for signature ``key`` beside the main plan (the last few).
+
+        ``plain`` (an ``nn.Sequential``'s signature): the size family of ``key`` and of an
+        evicted signature go too, since they grow from that signature's plan; an exported
+        model's families hold their own dynamic export and are bounded where they are made
+        (:meth:`_family_variant`), so they stay.
+        """
+        if plain:
+            self._families.pop(size_free(key), None)  # sizes of a signature solved before
         self._variants[key] = variant
         while len(self._variants) > MAX_VARIANTS:
             oldest = next(k for k in self._variants if k != self._main_key)
             del self._variants[oldest]
-            self._families.pop(size_free(oldest), None)
+            if plain:
+                self._families.pop(size_free(oldest), None)
         return variant
 
     def _plain_plan(self, x: Any, *, local: bool) -> _Variant:
