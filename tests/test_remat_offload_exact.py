@@ -121,6 +121,37 @@ def test_zero_duration_ops_equal_brute(chain: Chain, limit: int, beta: float,
     assert exact.status is (Status.OPTIMAL if brute.status.has_plan else Status.INFEASIBLE)
 
 
+@pytest.mark.parametrize("beta", [0.0, 1.0])
+def test_brute_enumerates_the_recomputed_loss_stage(beta: float) -> None:
+    """Regression: ``brute`` enumerated compute sequences with at most ``L(L+1)/2``
+    forwards, which leaves out ``F_ck 1, Loss, F_all 1, B 1`` (the last stage run again
+    for its backward). At 5 (the loss' overhead makes ``F_all 1, Loss`` need 6) it answered
+    ``infeasible`` where ``remat_only``, ``dp`` and ``cpsat`` run that plan in 3."""
+    chain = Chain.from_lists([1], [1], [1], [2], input_size=1, loss_bwd_overhead=2)
+    problem = RematOffloadProblem(chain, 5, chain_bandwidth=beta)
+    brute = solve(problem, "brute", options=OPTS)
+    assert brute.status is Status.OPTIMAL
+    assert brute.objective == pytest.approx(3.0)
+    if beta == 0:  # with a link, offloading a^0 during the loss is as fast
+        assert brute.plan == ("F_ck 1", "Loss", "F_all 1", "B 1")
+    for method in ("remat_only", "cpsat"):
+        assert solve(problem, method, options=OPTS).objective == pytest.approx(3.0), method
+
+
+@pytest.mark.parametrize(("seed", "integer_times"), [(79, True), (23, False), (27, False)])
+def test_brute_never_worse_than_the_checkpoint_dp(seed: int, integer_times: bool) -> None:
+    """``brute``'s class holds every persistent sequence: at the persistent checkpoint DP's
+    least memory, where its plan recomputes the last stage (``random_chain(2, seed=79)``:
+    ``F_ck 1, F_none 2, Loss, F_ck 1, F_all 2, B 2, F_all 1, B 1``, five forwards), it
+    equals ``remat_only`` with bandwidth 0 (it answered ``infeasible`` at 15, 17, 16)."""
+    chain = random_chain(2, seed=seed, max_size=6, integer_times=integer_times)
+    problem = RematOffloadProblem(chain, limits(chain)[0], chain_bandwidth=0.0)
+    remat = solve(problem, "remat_only", options=OPTS)
+    brute = solve(problem, "brute", options=OPTS)
+    assert remat.status.has_plan and brute.status is Status.OPTIMAL, remat.plan
+    assert brute.objective == pytest.approx(remat.objective)
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_reader_after_a_host_item_keeps_the_value(method: str) -> None:
     """Regression (``random_chain(4, seed=7)``: ``F_all 1`` and ``B 2`` take no time): the

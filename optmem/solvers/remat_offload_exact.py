@@ -38,10 +38,10 @@
   grid: on the rounded one (durations rounded down, ``report["exact_times"]`` false) its
   bounds stay in the original units (:func:`~optmem.solvers.remat_offload_benders.solve_benders`).
 * ``brute``: the independent oracle for tiny chains: every compute sequence with at most
-  ``L (L + 1) / 2`` forwards, and for every gap between two consecutive uses of a stored
-  value at most one offload/prefetch pair (enumerated window subsets, link orders and issue
-  points), each plan replayed by :func:`optmem.simulate.offload.simulate_offload`
-  (``L <= 2``).
+  ``L (L + 1) / 2 + L`` forwards (every persistent sequence), and for every gap between two
+  consecutive uses of a stored value at most one offload/prefetch pair (enumerated window
+  subsets, link orders and issue points), each plan replayed by
+  :func:`optmem.simulate.offload.simulate_offload` (``L <= 2``).
 """
 
 from __future__ import annotations
@@ -167,11 +167,33 @@ MIN_ENGINE_LIMIT_S = 0.01  # an engine call whose emission took what was left: s
 HORIZON_SLACK = 1e-6
 
 
+def persistent_forwards(length: int) -> int:
+    """The most forward ops of a persistent compute sequence of ``length`` stages.
+
+    ``L (L + 1) / 2 + L``, the compute slots of the phase-indexed checkpoint model: at
+    worst ``F_ck 1``, ``F_none 2 .. L`` and ``Loss`` (``L`` forwards), then a persistent
+    sequence of the ``L`` stages without the loss (at most ``L (L + 1) / 2``). The loss
+    stage's own recomputation is what ``L (L + 1) / 2`` alone misses, e.g.
+    ``F_ck 1, Loss, F_all 1, B 1``.
+
+    Examples
+    --------
+    >>> persistent_forwards(1), persistent_forwards(2)
+    (2, 5)
+    """
+    return length * (length + 1) // 2 + length
+
+
 def compute_sequences(chain: Chain, max_forwards: int | None = None
                       ) -> list[tuple[float, int, tuple[Op, ...]]]:
-    """Every complete compute sequence: ``(compute time, checkpoint peak, ops)``."""
+    """Every complete compute sequence: ``(compute time, checkpoint peak, ops)``.
+
+    ``max_forwards`` caps the forward ops of a sequence; the default,
+    :func:`persistent_forwards`, is the most any persistent sequence runs, so every plan of
+    the persistent checkpoint DP (``remat_only``) is enumerated.
+    """
     L = chain.length
-    cap = L * (L + 1) // 2 if max_forwards is None else max_forwards
+    cap = persistent_forwards(L) if max_forwards is None else max_forwards
     out: list[tuple[float, int, tuple[Op, ...]]] = []
     candidates = [LOSS, *(f(i) for i in range(1, L + 1) for f in (F_all, F_ck, F_none)),
                   *(B(i) for i in range(1, L + 1))]
@@ -230,7 +252,7 @@ def _brute_search(problem: RematOffloadProblem, options: SolveOptions) -> Result
         if found is not None and (best is None or found[0] < best[0] - 1e-12):
             best = found
     report = {"sequences": len(seqs), "sequences_with_transfers": tried,
-              "plan_space": "compute sequences with <= L(L+1)/2 forwards, one transfer "
+              "plan_space": "compute sequences with <= L(L+1)/2 + L forwards, one transfer "
                             "pair per gap between uses"}
     if best is None:
         return no_plan_result(problem, options, "brute", Status.INFEASIBLE, report)
