@@ -368,3 +368,19 @@ def test_thesis_discretisation_variant(key):
     assert result.report["comm_value"] == pytest.approx(WORKED[key][2], rel=0.02)
     with pytest.raises(OptmemInputError, match="unknown dp variant"):
         solve(problem, "dp:nope")
+
+
+def test_brute_refuses_more_than_three_stages(monkeypatch):
+    """Regression: ``brute`` accepted up to 6 stages (docs: L <= 3) and on 4 enumerated for
+    minutes (``random_chain(4, seed=1)`` at 40 B: no answer in 120 s). It now refuses
+    before any enumeration, as the remat + offload brute force does (CLI: exit 2)."""
+    import optmem.solvers.offload_bruteforce as bruteforce
+
+    def enumeration(*args, **kwargs):
+        raise AssertionError("the enumeration started")
+
+    monkeypatch.setattr(bruteforce, "brute_force_offload", enumeration)
+    chain = random_chain(4, seed=1, max_size=6)
+    problem = OffloadProblem(chain, 40, chain_bandwidth=1.0)
+    with pytest.raises(OptmemInputError, match="brute force is for L <= 3; got L = 4"):
+        solve(problem, "brute")

@@ -698,8 +698,8 @@ def solve_brute(problem: OffloadProblem, options: SolveOptions) -> Result:
     """Exact OFF_int optimum by enumeration and simulation."""
     from optmem.solvers.offload_bruteforce import brute_force_offload
 
-    if problem.chain.length > 2 * BRUTE_MAX_LENGTH:
-        raise OptmemInputError(f"brute force is exponential; refusing L = "
+    if problem.chain.length > BRUTE_MAX_LENGTH:
+        raise OptmemInputError(f"brute force is for L <= {BRUTE_MAX_LENGTH}; got L = "
                                f"{problem.chain.length}", field="method")
     disc, beta = _disc(problem, options)
     if _too_small(disc):
