@@ -384,3 +384,16 @@ def test_brute_refuses_more_than_three_stages(monkeypatch):
     problem = OffloadProblem(chain, 40, chain_bandwidth=1.0)
     with pytest.raises(OptmemInputError, match="brute force is for L <= 3; got L = 4"):
         solve(problem, "brute")
+
+
+def test_dp_variant_is_checked_and_kept_below_the_least_memory():
+    """Regression: below the least memory ``dp`` answered ``infeasible`` before it read
+    its variant: ``dp:nope`` was accepted there, and the rows of ``dp`` and ``dp:thesis``
+    had no variant (``compare`` listed two rows named ``dp``). The variant is now checked
+    first and the infeasible row carries it."""
+    problem = OffloadProblem(worked_chain(), 1, chain_bandwidth=1.0)
+    with pytest.raises(OptmemInputError, match="unknown dp variant"):
+        solve(problem, "dp:nope")
+    for label, variant in (("dp", "contract"), ("dp:thesis", "thesis")):
+        result = solve(problem, label)
+        assert result.status is Status.INFEASIBLE and result.variant == variant

@@ -251,13 +251,13 @@ def solve_dynprog(problem: OffloadProblem, options: SolveOptions) -> Result:
     integral plan, values are added in eager order until it does.
     """
     prefetch_policies(options)  # a bad policy fails before any work
-    disc, beta = _disc(problem, options)
-    if _too_small(disc):
-        return _infeasible(problem, disc, "dp", slots=options.slots)
     variant = options.variant or "contract"
     if variant not in DP_VARIANTS:
         raise OptmemInputError(f"unknown dp variant {variant!r} (expected one of "
                                f"{', '.join(DP_VARIANTS)})", field="variant")
+    disc, beta = _disc(problem, options)
+    if _too_small(disc):
+        return _infeasible(problem, disc, "dp", slots=options.slots).with_(variant=variant)
     cheap = variant == "cheap"
     report: dict[str, Any] = {"junction": "cheap" if cheap else "exact (3.16)/(3.17)"}
     if variant == "thesis":
