@@ -397,3 +397,17 @@ def test_dp_variant_is_checked_and_kept_below_the_least_memory():
     for label, variant in (("dp", "contract"), ("dp:thesis", "thesis")):
         result = solve(problem, label)
         assert result.status is Status.INFEASIBLE and result.variant == variant
+
+
+
+def test_hint_without_a_solvable_limit_names_the_slots():
+    """Regression: with ``--slots 2`` no limit is solvable (every value takes a unit of
+    half the limit) and the hint read ``(None B, as solved)`` (``random_chain(4, seed=1)``
+    at 40 B). It now says that no limit fits with that many slots and to raise them;
+    ``min_feasible_memory`` stays unknown (``None``)."""
+    from optmem.result import SolveOptions
+
+    problem = OffloadProblem(random_chain(4, seed=1, max_size=6), 40, chain_bandwidth=1.0)
+    result = solve(problem, "dp", options=SolveOptions(slots=2))
+    assert result.status is Status.INFEASIBLE and result.min_feasible_memory is None
+    assert "None" not in result.report["hint"] and "slots = 2" in result.report["hint"]

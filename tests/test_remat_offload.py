@@ -274,3 +274,18 @@ def test_autocapper_below_the_least_forward_memory_names_no_checkpoint_hint() ->
     assert not remat.status.has_plan  # the hint it gave was not the autocapper's
     useless = solve(RematOffloadProblem(chain, 0, chain_bandwidth=0.0), "autocapper")
     assert useless.status is Status.INFEASIBLE and useless.min_feasible_memory == 58
+
+
+@pytest.mark.parametrize("method", ["dp", "remat_only"])
+def test_hint_without_a_solvable_limit_names_the_slots(method: str) -> None:
+    """Regression: with ``slots = 2`` no limit is solvable (every value takes a unit of
+    half the limit) and the hints read ``a plan without transfers fits from None B`` and
+    ``finds no plan below None B`` (``random_chain(4, seed=1)`` at 40 B). They now say that
+    no limit fits with that many slots and to raise them."""
+    from optmem.datasets.synthetic import random_chain
+
+    problem = RematOffloadProblem(random_chain(4, seed=1, max_size=6), 40,
+                                  chain_bandwidth=1.0)
+    result = solve(problem, method, options=SolveOptions(slots=2))
+    assert result.status is Status.INFEASIBLE and result.min_feasible_memory is None
+    assert "None" not in result.report["hint"] and "slots = 2" in result.report["hint"]

@@ -93,3 +93,11 @@ def smallest_solvable_limit(
         else:
             bad = mid
     return at_unit(good)
+
+
+def too_few_slots() -> str:
+    """The end of a hint when :func:`smallest_solvable_limit` finds no limit (``None``).
+
+    Every stored value takes at least one unit, so with few slots no limit fits.
+    """
+    return "every stored value takes at least one slot; raise slots (--slots)"

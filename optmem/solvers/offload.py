@@ -55,7 +55,7 @@ from optmem.result import Result, SolveOptions, Status
 from optmem.simulate.checkpoint import simulate_checkpoint
 from optmem.simulate.offload import OffloadSimulation, simulate_offload
 from optmem.simulate.verify import Replay, replay_result
-from optmem.solvers.hints import smallest_solvable_limit
+from optmem.solvers.hints import smallest_solvable_limit, too_few_slots
 from optmem.solvers.offload_comm import (
     Layers,
     fractional_bound,
@@ -112,7 +112,10 @@ def _infeasible(problem: OffloadProblem, disc: Discretized, method: str,
     need = min_memory(problem, slots)
     info = dict(report or {})
     info["hint"] = (f"below the minimum memory of the store-all sequence with everything "
-                    f"offloaded ({need} {problem.chain.memory_unit}, as solved)")
+                    f"offloaded ({need} {problem.chain.memory_unit}, as solved)"
+                    if need is not None else
+                    f"the store-all sequence with everything offloaded fits no limit with "
+                    f"slots = {slots}: {too_few_slots()}")
     return Result(PROBLEM, method, Status.INFEASIBLE, bound=math.inf,
                   memory_limit=disc.memory_limit, unit=disc.unit, min_feasible_memory=need,
                   report=info)
