@@ -411,3 +411,20 @@ def test_hint_without_a_solvable_limit_names_the_slots():
     result = solve(problem, "dp", options=SolveOptions(slots=2))
     assert result.status is Status.INFEASIBLE and result.min_feasible_memory is None
     assert "None" not in result.report["hint"] and "slots = 2" in result.report["hint"]
+
+
+def test_hint_does_not_say_below_when_the_least_limit_is_smaller():
+    """Regression: after rounding, feasibility is not monotone in the limit
+    (``random_chain(5, seed=1707, max_size=8, integer_times=False)``, 2 B/ms, 7 slots: 48 B
+    fits with a unit of 6, 49-55 B do not with a unit of 7). At 51 B the hint read "below the
+    minimum memory of the store-all sequence with everything offloaded (48 B, as solved)",
+    false at 51 > 48; it now says the smallest feasible memory is 48 B, as solved, as the
+    checkpoint hint does."""
+    from optmem.result import SolveOptions
+
+    chain = random_chain(5, seed=1707, max_size=8, integer_times=False)
+    result = solve(OffloadProblem(chain, 51, chain_bandwidth=2.0), "dp",
+                   options=SolveOptions(slots=7))
+    assert result.status is Status.INFEASIBLE and result.min_feasible_memory == 48
+    assert "below" not in result.report["hint"]
+    assert "smallest feasible memory is 48 B" in result.report["hint"]

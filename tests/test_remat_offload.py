@@ -289,3 +289,17 @@ def test_hint_without_a_solvable_limit_names_the_slots(method: str) -> None:
     result = solve(problem, method, options=SolveOptions(slots=2))
     assert result.status is Status.INFEASIBLE and result.min_feasible_memory is None
     assert "None" not in result.report["hint"] and "slots = 2" in result.report["hint"]
+
+
+def test_remat_only_hint_does_not_say_below_when_the_least_limit_is_smaller() -> None:
+    """Regression: after rounding, feasibility is not monotone in the limit
+    (``random_chain(3, seed=1, max_size=8)``, 7 slots: the persistent DP fits 40 B, not
+    42 B). ``remat_only``'s hint read "finds no plan below 40 B", false at 42; it now gives
+    the smallest memory of a persistent plan, as solved."""
+    from optmem.datasets.synthetic import random_chain
+
+    problem = RematOffloadProblem(random_chain(3, seed=1, max_size=8), 42,
+                                  chain_bandwidth=1.0)
+    result = solve(problem, "remat_only", options=SolveOptions(slots=7))
+    assert result.status is Status.INFEASIBLE and result.min_feasible_memory == 40
+    assert "below" not in result.report["hint"] and "is 40 B" in result.report["hint"]

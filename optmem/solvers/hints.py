@@ -24,6 +24,8 @@ from collections.abc import Callable
 from optmem.problems.checkpoint import unit_of
 
 PRECISION = 1e-3
+# how a hint qualifies its limit: a larger limit can round to fewer units and fail
+AS_SOLVED = "as solved: sizes rounded up to the discretisation unit of that limit"
 MAX_STEPS = 200
 
 

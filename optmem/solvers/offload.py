@@ -55,7 +55,7 @@ from optmem.result import Result, SolveOptions, Status
 from optmem.simulate.checkpoint import simulate_checkpoint
 from optmem.simulate.offload import OffloadSimulation, simulate_offload
 from optmem.simulate.verify import Replay, replay_result
-from optmem.solvers.hints import smallest_solvable_limit, too_few_slots
+from optmem.solvers.hints import AS_SOLVED, smallest_solvable_limit, too_few_slots
 from optmem.solvers.offload_comm import (
     Layers,
     fractional_bound,
@@ -111,8 +111,8 @@ def _infeasible(problem: OffloadProblem, disc: Discretized, method: str,
                 report: dict | None = None, *, slots: int) -> Result:
     need = min_memory(problem, slots)
     info = dict(report or {})
-    info["hint"] = (f"below the minimum memory of the store-all sequence with everything "
-                    f"offloaded ({need} {problem.chain.memory_unit}, as solved)"
+    info["hint"] = (f"the smallest feasible memory is {need} {problem.chain.memory_unit} "
+                    f"(the store-all sequence with everything offloaded; {AS_SOLVED})"
                     if need is not None else
                     f"the store-all sequence with everything offloaded fits no limit with "
                     f"slots = {slots}: {too_few_slots()}")

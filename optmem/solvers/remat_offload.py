@@ -42,7 +42,7 @@ from optmem.solvers.checkpoint_dp import (
     PersistentTable,
     solve_persistent_table,
 )
-from optmem.solvers.hints import too_few_slots
+from optmem.solvers.hints import AS_SOLVED, too_few_slots
 from optmem.solvers.options import one_or_all, positive_int
 from optmem.solvers.registration import register
 from optmem.solvers.remat_offload_dp import PofoDP, checkpoint_subplan
@@ -264,9 +264,10 @@ def solve_dp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
             Status.NO_SOLUTION
         least = dp_min_memory(CheckpointProblem(problem.chain, problem.memory_limit), options,
                               "paper")
-        info["hint"] = ((f"no plan fits; a plan without transfers fits from {least} "
-                         f"{problem.chain.memory_unit} (offloading may need less: try a "
-                         "larger bandwidth or grid)") if least is not None else
+        info["hint"] = ((f"no plan fits; the smallest memory of a persistent checkpoint plan "
+                         f"(no transfers) is {least} {problem.chain.memory_unit} ({AS_SOLVED}; "
+                         "offloading may need less: try a larger bandwidth or grid)")
+                        if least is not None else
                         f"no plan fits; none without transfers at any limit with slots = "
                         f"{options.slots}: {too_few_slots()}")
         info["checkpoint_min_memory"] = least
@@ -284,8 +285,8 @@ def solve_remat_only(problem: RematOffloadProblem, options: SolveOptions) -> Res
     if plan is None:
         least = dp_min_memory(CheckpointProblem(problem.chain, problem.memory_limit), options,
                               "paper")
-        hint = (f"the persistent checkpoint DP finds no plan below {least} "
-                f"{problem.chain.memory_unit}" if least is not None else
+        hint = (f"the smallest memory of a persistent checkpoint DP plan is {least} "
+                f"{problem.chain.memory_unit} ({AS_SOLVED})" if least is not None else
                 f"the persistent checkpoint DP finds no plan at any limit with slots = "
                 f"{options.slots}: {too_few_slots()}")
         return no_plan_result(problem, options, "remat_only", Status.INFEASIBLE,
