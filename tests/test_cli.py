@@ -295,3 +295,26 @@ def test_compare_summary_of_an_infeasible_limit_names_the_proof(capsys):
     code, out, _ = run(capsys, "compare", "checkpoint", "resnet18-b64-224", "--memory", "60%",
                        "--methods", "dp,ilp", "--json")
     assert json.loads(out)["summary"]["infeasible"] == "ilp:full"
+
+
+@pytest.mark.parametrize("problem, options", [
+    ("checkpoint", ["-m", "30"]),
+    ("offload", ["-m", "30", "--bandwidth", "1000"]),
+    ("remat-offload", ["-m", "30", "--bandwidth", "1000"]),
+    ("pipeline", ["-m", "200", "--gpus", "2"]),
+    ("min-peak", []),
+])
+def test_verify_json_has_the_contract_fields_for_every_problem(capsys, chain_file, tmp_path,
+                                                               problem, options):
+    """CONTRACT section 6: ``verify --json`` prints ``valid``, ``objective``, ``peak_memory``,
+    ``memory_limit`` and ``unit`` for every problem (min-peak and pipeline had no ``unit``)."""
+    plan = tmp_path / "plan.json"
+    code, _, err = run(capsys, "solve", problem, str(chain_file), *options, "-o", str(plan))
+    assert code == 0, err
+    solved = json.loads(plan.read_text())
+    code, out, err = run(capsys, "verify", problem, str(chain_file), str(plan), *options,
+                         "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert set(data) >= {"valid", "objective", "peak_memory", "memory_limit", "unit"}
+    assert data["unit"] == solved["unit"] and data["peak_memory"] == solved["peak_memory"]

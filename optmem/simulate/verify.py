@@ -190,7 +190,7 @@ def verify_min_peak_plan(problem: MinPeakProblem, plan_data: Any,
                         f"{problem.memory_limit}")
     return {
         "objective": peak, "peak_memory": peak, "memory_limit": problem.memory_limit,
-        "model": problem.model, "checkpoints": list(checkpoints),
+        "unit": 1, "model": problem.model, "checkpoints": list(checkpoints),
         "checkpoint_plan_makespan": sim.makespan, "checkpoint_plan_peak": sim.peak_memory,
     }
 
@@ -223,7 +223,8 @@ def verify_pipeline_plan(problem: PipelineProblem, plan_data: Any,
     """Replay a pipeline plan (a result JSON, a plan JSON or a list of op strings).
 
     Returns ``objective`` (the period), ``peak_memory`` (largest GPU peak), ``memory_limit``,
-    ``peaks`` (per GPU) and ``nca`` (per stage). Raises :class:`optmem.errors.PlanError`.
+    ``unit`` (1: pipelines are not discretised), ``peaks`` (per GPU) and ``nca`` (per stage).
+    Raises :class:`optmem.errors.PlanError`.
     """
     del options
     plan = PipelinePlan.from_any(plan_data)
@@ -233,7 +234,7 @@ def verify_pipeline_plan(problem: PipelineProblem, plan_data: Any,
         raise PlanError(f"GPU {worst} peaks at {sim.peaks[worst]}, above the memory per GPU "
                         f"{problem.memory_per_gpu}")
     return {"objective": sim.period, "peak_memory": sim.peak_memory,
-            "memory_limit": problem.memory_per_gpu, "peaks": list(sim.peaks),
+            "memory_limit": problem.memory_per_gpu, "unit": 1, "peaks": list(sim.peaks),
             "nca": list(sim.nca)}
 
 
