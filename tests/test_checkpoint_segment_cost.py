@@ -3,7 +3,8 @@
 Issue 13.6 target 1: a re-forward inside a long recomputed segment costs its kernels, each
 segment costs more (``docs/pytorch.md``, "What the chain counts (time)"). With
 ``segment_cost = c`` the DP minimises ``makespan + c * (number of F_ck ops)``; the result is
-replayed by the simulator like any other (claim = value minus the segments' charges),
+replayed by the simulator like any other (the DP's value checked against the replayed makespan
+plus the segments' charges),
 ``feasible`` (not optimal for the chain alone), with the extended objective in its report.
 """
 
@@ -92,11 +93,25 @@ def test_a_segment_cost_trades_more_recomputation_for_fewer_segments():
 
 
 @pytest.mark.parametrize("bad", [-1.0, math.nan, math.inf, -math.inf, "fast", True, False,
-                                 np.bool_(True), np.bool_(False)])
+                                 np.bool_(True), np.bool_(False), 1.0000001e12, 1e300, 2**70])
 def test_a_bad_segment_cost_is_an_input_error(bad):
     chain = random_chain(4, seed=1)
     with pytest.raises(OptmemInputError, match="segment_cost"):
         _solve(chain, chain.store_all_peak() // 2, bad)
+
+
+@pytest.mark.parametrize("cost", [1e9, 1e12])
+def test_a_large_segment_cost_on_a_chain_of_microseconds_keeps_its_plan(cost):
+    """Charges of up to 1e12 (the range of every time) dwarf a chain of microseconds: the
+    claim ``value - charges`` cancelled (1.907e-05 for 1.9e-05) and the plan was an error."""
+    chain = Chain.from_rotor([1e-6, 2e-6, 1e-6, 3e-6], [2e-6, 3e-6, 1e-6, 2e-6, 0],
+                             [2, 2, 3, 1, 2], [2, 3, 4, 2, 5])
+    result = _solve(chain, 14, cost)
+    assert result.status is Status.FEASIBLE, result.report
+    assert _segments(result.plan) >= 1
+    assert result.objective == simulate_checkpoint(chain, parse_plan(result.plan)).makespan
+    assert math.isclose(result.report["objective_with_segments"],
+                        result.objective + cost * _segments(result.plan), rel_tol=1e-9)
 
 
 def test_the_floating_dp_refuses_a_segment_cost():

@@ -13,13 +13,13 @@ from typing import Any
 
 import numpy as np
 
-from optmem.chain import Chain
+from optmem.chain import MAX_TOTAL_TIME, Chain
 from optmem.errors import OptmemInputError
 from optmem.plan import Op, OpKind, plan_strings
 from optmem.problems.checkpoint import CheckpointProblem, Discretized, discretize
 from optmem.result import Result, SolveOptions, Status
 from optmem.simulate import simulate_checkpoint
-from optmem.simulate.verify import Replay, Wording, replay_result
+from optmem.simulate.verify import Replay, Wording, claim_holds, replay_result
 from optmem.solvers import checkpoint_baselines as base
 from optmem.solvers.checkpoint_bruteforce import brute_force_checkpoint
 from optmem.solvers.checkpoint_dp import min_memory_persistent, solve_persistent_table
@@ -189,26 +189,34 @@ def solve_checkpoint_dp(problem: CheckpointProblem, options: SolveOptions) -> Re
         report.update(model="persistent + segment cost", model_status=Status.OPTIMAL.value,
                       segment_cost=segment_cost, segments=segments,
                       objective_with_segments=value)
-        return plan_result(problem, disc, plan, method="dp", status=Status.FEASIBLE,
-                           bound=lower_bound(problem), variant=variant,
-                           claimed=value - segment_cost * segments, report=report)
+        result = plan_result(problem, disc, plan, method="dp", status=Status.FEASIBLE,
+                             bound=lower_bound(problem), variant=variant, report=report)
+        # The DP's claim is checked on its own scale, charges included: ``value - charges``
+        # cancels (a 1e9 charge on a chain of microseconds left 1.907e-05 for 1.9e-05).
+        charges = segment_cost * segments
+        if result.status.has_plan and not claim_holds(value, result.objective + charges):
+            error = WORDING.claim.format(claimed=value - charges, simulated=result.objective)
+            return result.with_(status=Status.ERROR, report={**result.report, "error": error})
+        return result
     return plan_result(problem, disc, plan, method="dp", status=Status.OPTIMAL,
                        bound=value, variant=variant, claimed=value, report=report)
 
 
 def _segment_cost(options: SolveOptions) -> float:
-    """``extra["segment_cost"]`` of the dp method: a finite time >= 0 (default 0).
+    """``extra["segment_cost"]`` of the dp method: a time in ``[0, MAX_TOTAL_TIME]`` (0).
 
-    A boolean (``bool`` or ``numpy.bool_``) is refused, not read as 0 or 1.
+    The range of every time of a chain (CONTRACT section 1): a larger charge overflowed the
+    DP's sums (``1e308`` made every plan with a segment infinite). A boolean (``bool`` or
+    ``numpy.bool_``) is refused, not read as 0 or 1.
     """
     raw = options.extra.get("segment_cost", 0.0)
     try:
         cost = math.nan if isinstance(raw, (bool, np.bool_)) else float(raw)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         cost = math.nan
-    if not (math.isfinite(cost) and cost >= 0):
-        raise OptmemInputError(f"expected segment_cost >= 0 (a time in the chain's unit), "
-                               f"got {raw!r}", field="segment_cost")
+    if not (math.isfinite(cost) and 0 <= cost <= MAX_TOTAL_TIME):
+        raise OptmemInputError(f"expected segment_cost in [0, {MAX_TOTAL_TIME:g}] (a time in "
+                               f"the chain's unit), got {raw!r}", field="segment_cost")
     return cost
 
 
