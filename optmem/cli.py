@@ -422,7 +422,7 @@ def export_schedule_csv(args: argparse.Namespace) -> int:
 
 
 def cmd_datasets(args: argparse.Namespace) -> int:
-    """``optmem datasets [list | show NAME | path NAME]``."""
+    """``optmem datasets [list | show NAME | path NAME]``; NAME may be a chain file, as CHAIN."""
     from optmem.datasets import dataset_path, list_datasets
 
     if args.action == "list":
@@ -440,7 +440,8 @@ def cmd_datasets(args: argparse.Namespace) -> int:
     if not args.name:
         raise OptmemInputError(f"'datasets {args.action}' needs a dataset NAME")
     if args.action == "path":
-        path = str(dataset_path(args.name))
+        path = str(Path(args.name).resolve() if _chain_file(args.name)
+                   else dataset_path(args.name))
         print(json.dumps(path) if args.json else path)
     else:
         row = _dataset_row(args.name)
@@ -449,10 +450,20 @@ def cmd_datasets(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _dataset_row(name: str) -> dict[str, Any]:
-    from optmem.solvers.dataset_summary import dataset_summary
+def _chain_file(name: str) -> bool:
+    """Whether ``datasets show|path NAME`` names a chain file (loaded: errors name it)."""
+    from optmem.datasets import is_chain_path
 
-    row = dict(dataset_summary(name))
+    if not is_chain_path(name):
+        return False
+    Chain.load(name)
+    return True
+
+
+def _dataset_row(name: str) -> dict[str, Any]:
+    from optmem.solvers.dataset_summary import chain_file_summary, dataset_summary
+
+    row = dict(chain_file_summary(name) if _chain_file(name) else dataset_summary(name))
     row["store_all_h"] = format_size(row["store_all"])
     row["min_feasible_h"] = format_size(row["min_feasible"])
     params = row.get("parameters")
@@ -462,12 +473,11 @@ def _dataset_row(name: str) -> dict[str, Any]:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Solve a bundled network at three memory limits, then prove one DP answer exactly."""
-    from optmem.datasets import load_dataset
     from optmem.problems import CheckpointProblem
     from optmem.solvers.checkpoint_dp import min_memory_persistent
     from optmem.solvers.facade import available_methods, compare
 
-    chain = load_dataset(args.chain)
+    chain = load_chain(args.chain)
     low, high = min_memory_persistent(chain), chain.store_all_peak()
     print(f"optmem demo: {chain.name}, {chain.length} stages; store-all peak "
           f"{format_size(high)}, smallest feasible memory {format_size(low)}\n")
@@ -477,7 +487,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"== memory limit {format_size(limit)} ({limit} B)")
         results = compare(CheckpointProblem(chain, limit), options=options)
         print(format_table(results, chain) + "\n")
-    small = load_dataset(args.exact_chain)
+    small = load_chain(args.exact_chain)
     if "ilp" in available_methods("checkpoint"):
         limit = int(min_memory_persistent(small) * 1.25)
         print(f"== exact check: {small.name} ({small.length} stages) at "

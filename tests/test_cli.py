@@ -318,3 +318,26 @@ def test_verify_json_has_the_contract_fields_for_every_problem(capsys, chain_fil
     data = json.loads(out)
     assert set(data) >= {"valid", "objective", "peak_memory", "memory_limit", "unit"}
     assert data["unit"] == solved["unit"] and data["peak_memory"] == solved["peak_memory"]
+
+
+def test_datasets_show_and_path_take_a_chain_file_as_chain_does(capsys, chain_file):
+    """``datasets show small.json`` said "no chain file or bundled dataset named
+    'small.json'" for a chain file that exists; NAME is now read as CHAIN is."""
+    code, out, err = run(capsys, "datasets", "show", str(chain_file), "--json")
+    assert code == 0, err
+    row = json.loads(out)
+    chain = Chain.load(chain_file)
+    assert row["stages"] == chain.length and row["store_all"] == chain.store_all_peak()
+    assert row["min_feasible"] == 15  # as test_infeasible_exits_zero_and_names_smallest_memory
+    code, out, err = run(capsys, "datasets", "path", str(chain_file))
+    assert code == 0 and Path(out.strip()) == chain_file.resolve()
+    missing = chain_file.with_name("missing.json")
+    code, out, err = run(capsys, "datasets", "show", str(missing))
+    assert code == 2 and "missing.json: cannot read chain file" in err
+
+
+def test_demo_takes_a_chain_file(capsys, chain_file):
+    code, out, err = run(capsys, "demo", "--chain", str(chain_file), "--exact-chain",
+                         str(chain_file), "--time-limit", "5")
+    assert code == 0, err
+    assert out.startswith("optmem demo: H1, 4 stages") and "exact check: H1" in out

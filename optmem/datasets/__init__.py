@@ -59,13 +59,22 @@ def load_dataset(name: str) -> Chain:
     return Chain.load(dataset_path(name))
 
 
-def resolve_chain(spec: str | Path) -> Chain:
-    """Load ``spec`` as a chain file if it exists, else as a bundled dataset name."""
+def is_chain_path(spec: str | Path) -> bool:
+    """Whether ``spec`` names a chain file rather than a bundled dataset.
+
+    A path that exists, ends in ``.json`` or contains a ``/`` is a file (read with
+    :meth:`Chain.load`, which names it when it cannot be read); anything else is a name.
+    """
     path = Path(spec)
     try:
-        is_file = path.exists()
+        exists = path.exists()
     except OSError:  # a name too long for the file system: Chain.load says so
-        is_file = True
-    if is_file or path.suffix == ".json" or "/" in str(spec):
-        return Chain.load(path)
+        exists = True
+    return exists or path.suffix == ".json" or "/" in str(spec)
+
+
+def resolve_chain(spec: str | Path) -> Chain:
+    """Load ``spec`` as a chain file if it exists, else as a bundled dataset name."""
+    if is_chain_path(spec):
+        return Chain.load(Path(spec))
     return load_dataset(str(spec))

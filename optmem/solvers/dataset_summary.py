@@ -1,4 +1,4 @@
-"""One-line summaries of bundled chains for ``optmem datasets list``.
+"""One-line summaries of bundled chains (and chain files) for ``optmem datasets``.
 
 :func:`dataset_summary` returns the number of stages, the parameter count, the store-all
 activation peak (:meth:`optmem.chain.Chain.store_all_peak`) and the smallest memory at which
@@ -41,6 +41,18 @@ def compute_summary(chain: Chain) -> dict[str, Any]:
         "min_feasible": min_memory_persistent(chain),
         "compute_time": round(chain.total_compute_time(), 6),
     }
+
+
+def chain_file_summary(path: str) -> dict[str, Any]:
+    """:func:`dataset_summary` of the chain file ``path`` (always recomputed, not cached).
+
+    ``name`` is ``path`` as given; the figures come from the chain, never from a ``summary``
+    field the file may carry.
+    """
+    chain = Chain.load(path)
+    return {"name": path, "description": str(chain.extra.get("description", "")),
+            "time_unit": chain.time_unit, "memory_unit": chain.memory_unit,
+            **compute_summary(chain)}
 
 
 @cache
