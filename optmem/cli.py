@@ -516,10 +516,18 @@ def _add_common(p: argparse.ArgumentParser, *, memory: bool = True) -> None:
     p.add_argument("--threads", type=worker_count, default=2,
                    help="threads for exact engines (1..256)")
     p.add_argument("--verbose", action="store_true", help="show engine logs")
+    add_option_flag(p)
+    p.add_argument("--json", action="store_true", help="print exactly one JSON object")
+
+
+def add_option_flag(p: argparse.ArgumentParser) -> None:
+    """Add ``--option KEY=VALUE`` (repeatable): ``SolveOptions.extra``.
+
+    Read by :func:`parse_extra_options`; ``solve``, ``compare``, ``export`` and ``sweep``.
+    """
     p.add_argument("--option", action="append", metavar="KEY=VALUE",
                    help="a method option (SolveOptions.extra), repeatable; VALUE is JSON "
                         "or a string, e.g. --option strategy=benders")
-    p.add_argument("--json", action="store_true", help="print exactly one JSON object")
 
 
 def add_engine_limits(p: argparse.ArgumentParser) -> None:

@@ -320,20 +320,26 @@ class Progress:
 
 def _run_one(factory: ProblemFactory, method: str, limit: int,
              options: SolveOptions) -> SweepPoint:
-    """Solve one (method, limit) task; unexpected failures become ``error`` points."""
+    """Solve one (method, limit) task; unexpected failures become ``error`` points.
+
+    A bad value of an ``extra`` key the method reads raises, as in :func:`solve` and
+    ``compare``: it is bad input, not one failed point.
+    """
     from optmem.solvers.facade import method_info, solve
 
     problem = factory(limit)
-    exact = method_info(problem.name, method).exact
+    info = method_info(problem.name, method)
     try:
         result = solve(problem, method, options=options)
-        return point_of(method, limit, result, exact, plan_memory(problem, result))
+        return point_of(method, limit, result, info.exact, plan_memory(problem, result))
     except OptmemInputError as exc:
+        if exc.field in options.extra and exc.field in info.extra:
+            raise
         result = Result(problem.name, method, Status.ERROR, report={"error": str(exc)})
     except Exception as exc:  # noqa: BLE001 - one bad point must not end the sweep
         result = Result(problem.name, method, Status.ERROR,
                         report={"error": f"{type(exc).__name__}: {exc}"})
-    return point_of(method, limit, result, exact)
+    return point_of(method, limit, result, info.exact)
 
 
 def sweep(
@@ -371,7 +377,9 @@ def sweep(
     ------
     OptmemInputError
         For an unknown method, option or ``extra`` key, a bad ``jobs``, a factory that is
-        no function or an empty list of limits, before anything runs.
+        no function or an empty list of limits, before anything runs; for a value of an
+        ``extra`` key that a method reading it refuses, when that method runs (as
+        :func:`optmem.solvers.facade.compare`).
     """
     from optmem.solvers.facade import (
         check_extra,
@@ -533,7 +541,7 @@ def default_methods(problem: str) -> list[str]:
 
 def register_cli(subparsers: Any) -> None:
     """Add ``optmem sweep`` to the CLI."""
-    from optmem.cli import add_engine_limits, add_problem_options, worker_count
+    from optmem.cli import add_engine_limits, add_option_flag, add_problem_options, worker_count
 
     p = subparsers.add_parser(
         "sweep", help="solve across memory limits: Pareto fronts, CSV/JSON, the curve",
@@ -559,6 +567,7 @@ def register_cli(subparsers: Any) -> None:
     p.add_argument("--threads", type=worker_count, default=1,
                    help="threads per exact solve (1..256)")
     p.add_argument("--verbose", action="store_true", help="show engine logs")
+    add_option_flag(p)
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     add_problem_options(p)
     p.set_defaults(func=cmd_sweep)

@@ -185,3 +185,39 @@ def test_bundled_chain_curve(tmp_path: Path) -> None:
     r = sweep(CheckpointFactory(chain), parse_memory_range("auto:8", chain), ["dp"], jobs=2)
     assert len(r.fronts()["dp"]) >= 5
     assert r.plot(tmp_path / "r.png").stat().st_size > 1000
+
+
+def test_cli_sweep_takes_option_as_solve_does(tmp_path: Path, chain: Chain,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """CONTRACT section 7: sweep takes the common options of solve; ``--option KEY=VALUE``
+    was refused ("unrecognized arguments") although ``sweep(...)`` takes ``extra``."""
+    path = tmp_path / "c.json"
+    chain.save(path)
+    low, high = min_memory_persistent(chain), chain.store_all_peak()
+    csv_path = tmp_path / "s.csv"
+    code = main(["sweep", "checkpoint", str(path), "--memory", f"{low}:{high}:3", "-q",
+                 "--methods", "dp", "--jobs", "1", "--option", "segment_cost=1.5",
+                 "--csv", str(csv_path)])
+    assert code == 0, capsys.readouterr().err
+    rows = list(csv.DictReader(csv_path.read_text().splitlines()))
+    direct = [solve(CheckpointProblem(chain, int(row["memory_limit"])), "dp",
+                    extra={"segment_cost": 1.5}) for row in rows]
+    assert [row["status"] for row in rows] == [str(r.status) for r in direct]
+    assert [float(row["objective"]) for row in rows] == [r.objective for r in direct]
+    capsys.readouterr()
+    assert main(["sweep", "checkpoint", str(path), "--memory", f"{low}:{high}:2", "-q",
+                 "--methods", "dp", "--option", "nope=1"]) == 2
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_a_bad_value_of_a_read_extra_key_is_an_input_error(chain: Chain, jobs: int,
+                                                           capsys) -> None:
+    """As ``compare`` (stop 51): a value the method reading the key refuses is bad input,
+    not one ``error`` point per limit with exit 0."""
+    low, high = min_memory_persistent(chain), chain.store_all_peak()
+    with pytest.raises(OptmemInputError, match="segment_cost"):
+        sweep(CheckpointFactory(chain), [low, high], ["chen", "dp"], jobs=jobs,
+              extra={"segment_cost": -1})
+    factory = CliFactory("checkpoint", chain, {})
+    r = sweep(factory, [high], ["chen"], extra={"segment_cost": -1})  # chen does not read it
+    assert r.method_points("chen")[0].status != Status.ERROR.value
