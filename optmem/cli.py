@@ -342,40 +342,18 @@ def cmd_verify(args: argparse.Namespace) -> int:
     problem = build_problem(args.problem, chain, memory_from_args(args.problem, args, chain), args)
     options = options_from_args(args)
     plan_data = _read_json(args.plan)
-    if args.problem == "checkpoint":
-        report = verify_checkpoint_plan(problem, plan_data, options, source=args.plan)
-    else:
-        try:
-            from optmem.simulate.verify import verify_plan
+    try:
+        from optmem.simulate.verify import verify_plan
 
-            report = verify_plan(problem, plan_data, options)
-        except OptmemInputError as exc:  # whatever is wrong with the plan, name the plan file
-            raise (exc if exc.source else exc.with_source(args.plan)) from None
+        report = verify_plan(problem, plan_data, options)
+    except OptmemInputError as exc:  # whatever is wrong with the plan, name the plan file
+        raise (exc if exc.source else exc.with_source(args.plan)) from None
     report = {"valid": True, **report}
     if args.json:
         print(json.dumps(report))
     else:
         print("valid plan: " + ", ".join(f"{k} {v}" for k, v in report.items() if k != "valid"))
     return EXIT_OK
-
-
-def verify_checkpoint_plan(problem: Any, plan_data: Any, options: SolveOptions, *,
-                           source: str) -> dict[str, Any]:
-    """Replay a checkpoint plan under the problem's discretisation and limit."""
-    from optmem.plan import parse_plan
-    from optmem.simulate.checkpoint import simulate_checkpoint
-
-    ops = plan_data.get("plan") if isinstance(plan_data, dict) else plan_data
-    if not isinstance(ops, list):
-        raise PlanError("expected a JSON list of ops or an object with a 'plan' list",
-                        source=source)
-    disc = problem.discretize(options.slots)
-    try:
-        sim = simulate_checkpoint(disc.chain, parse_plan(ops), disc.memory_limit)
-    except PlanError as exc:
-        raise exc.with_source(source) from None
-    return {"objective": sim.makespan, "peak_memory": sim.peak_memory,
-            "memory_limit": disc.memory_limit, "unit": disc.unit, "ops": len(ops)}
 
 
 def cmd_export(args: argparse.Namespace) -> int:

@@ -171,3 +171,25 @@ def test_baseline_plans_simulate(length: int) -> None:
     assert store.peak_memory == 1 + 2 * length + 1 + 1  # a0 + tapes + delta_L + delta_{L-1}
     recompute = simulate_checkpoint(chain, base.recompute_all_plan(length))
     assert recompute.makespan == 3 * length + length * (length + 1) / 2
+
+
+def test_verify_plan_takes_a_checkpoint_problem_as_optmem_verify_does():
+    """``verify_plan`` raised "no plan verifier for CheckpointProblem" (only ``optmem
+    verify`` replayed checkpoint plans): the Python API accepted less than the CLI."""
+    from optmem.problems import CheckpointProblem
+    from optmem.simulate.verify import verify_plan
+    from optmem.solvers.facade import solve
+
+    chain = Chain.from_rotor([2, 3, 1, 4], [3, 5, 2, 6, 0], [2, 3, 1, 2, 3], [2, 5, 2, 4, 5],
+                             [1, 0, 2, 1], [1, 2, 0, 1, 0])
+    problem = CheckpointProblem(chain, 18)
+    solved = solve(problem, "dp")
+    report = verify_plan(problem, solved.to_json())
+    assert report == {"objective": solved.objective, "peak_memory": solved.peak_memory,
+                      "memory_limit": 18, "unit": 1, "ops": len(solved.plan)}
+    assert verify_plan(problem, list(solved.plan)) == report
+    coarse = CheckpointProblem(chain, 2**20)  # unit 2**20 // 500: replayed as solved
+    assert verify_plan(coarse, ["F_all 1", "F_all 2", "F_all 3", "F_all 4", "Loss", "B 4",
+                                "B 3", "B 2", "B 1"])["unit"] == 2**20 // 500
+    with pytest.raises(PlanError, match="above the limit 17"):
+        verify_plan(CheckpointProblem(chain, 17), list(solved.plan))

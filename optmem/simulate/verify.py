@@ -4,8 +4,8 @@
 problem's class. Each verifier accepts the shapes a plan file may take (a list of op
 strings, or a ``solve --json`` object), replays the plan in this package's simulators and
 returns the verified ``objective``, ``peak_memory`` and ``memory_limit`` with per-problem
-details. Checkpoint plans are verified by :func:`optmem.cli.verify_checkpoint_plan` (it
-discretises first).
+details. Checkpoint, offload and remat + offload plans are replayed on the problem's
+discretised instance (CONTRACT section 2), as solved.
 
 Every solver builds its :class:`~optmem.result.Result` through :func:`replay_result`: the
 one place where a method's claimed objective is compared with the simulator's
@@ -22,8 +22,8 @@ from typing import Any
 
 from optmem.errors import OptmemInputError, PlanError
 from optmem.pipeline_plan import PipelinePlan
-from optmem.plan import parse_mixed_plan
-from optmem.problems.checkpoint import DEFAULT_SLOTS
+from optmem.plan import parse_mixed_plan, parse_plan
+from optmem.problems.checkpoint import DEFAULT_SLOTS, CheckpointProblem
 from optmem.problems.min_peak import (
     MinPeakProblem,
     checkpoint_plan,
@@ -39,7 +39,8 @@ from optmem.simulate.offload import simulate_offload
 from optmem.simulate.pipeline import simulate_pipeline
 
 __all__ = ["CLAIM_TOLERANCE", "Replay", "Wording", "claim_holds", "replay_result",
-           "verify_min_peak_plan", "verify_offload_plan", "verify_pipeline_plan", "verify_plan"]
+           "verify_checkpoint_plan", "verify_min_peak_plan", "verify_offload_plan",
+           "verify_pipeline_plan", "verify_plan"]
 
 CLAIM_TOLERANCE = 1e-6
 """Relative tolerance between a method's claimed objective and the simulated one.
@@ -154,6 +155,28 @@ def replay_result(
     return out
 
 
+def verify_checkpoint_plan(problem: CheckpointProblem, plan_data: Any,
+                           options: Any = None) -> dict[str, Any]:
+    """Replay a checkpoint plan (ops or ``solve --json`` output) under the problem's limit.
+
+    The plan runs on the instance discretised with ``options.slots`` (default 500), as
+    solved; returns ``objective``, ``peak_memory``, ``memory_limit`` and ``unit`` (in
+    discretised units) and ``ops``.
+
+    Raises
+    ------
+    PlanError
+        With the index of the first invalid op and the reason (the limit included).
+    """
+    ops = plan_data.get("plan") if isinstance(plan_data, dict) else plan_data
+    if not isinstance(ops, list):
+        raise PlanError("expected a JSON list of ops or an object with a 'plan' list")
+    disc = problem.discretize(getattr(options, "slots", DEFAULT_SLOTS))
+    sim = simulate_checkpoint(disc.chain, parse_plan(ops), disc.memory_limit)
+    return {"objective": sim.makespan, "peak_memory": sim.peak_memory,
+            "memory_limit": disc.memory_limit, "unit": disc.unit, "ops": len(ops)}
+
+
 def verify_min_peak_plan(problem: MinPeakProblem, plan_data: Any,
                          options: SolveOptions | None = None) -> dict[str, Any]:
     """Check a min-peak plan and return its peak under the problem's model.
@@ -248,7 +271,7 @@ def verify_plan(problem: Any, plan_data: Any, options: Any = None) -> dict[str, 
     PlanError
         If the plan is invalid or exceeds the memory limit.
     OptmemInputError
-        If ``problem`` has no verifier here (checkpoint plans: ``optmem verify``).
+        If ``problem`` is no problem object of optmem.
     """
     for cls, verifier in _VERIFIERS:
         if isinstance(problem, cls):
@@ -257,6 +280,7 @@ def verify_plan(problem: Any, plan_data: Any, options: Any = None) -> dict[str, 
 
 
 _VERIFIERS: tuple[tuple[type, Callable[..., dict[str, Any]]], ...] = (
+    (CheckpointProblem, verify_checkpoint_plan),
     (MinPeakProblem, verify_min_peak_plan),
     (OffloadProblem, verify_offload_plan),
     (PipelineProblem, verify_pipeline_plan),
