@@ -8,12 +8,15 @@ line on stderr and exits 2; an infeasible instance exits 0 with ``status: infeas
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import importlib
 import importlib.util
 import json
 import math
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -295,13 +298,44 @@ def format_summary(results: Sequence[Result]) -> str:
 
 
 # ------------------------------------------------------------------ commands
+@contextlib.contextmanager
+def engine_logs_to_stderr(active: bool) -> Iterator[None]:
+    """While ``active``, send standard output (file descriptor 1) to standard error.
+
+    For engine logs (``--verbose``) under ``--json``: HiGHS and CP-SAT write them from C++
+    to descriptor 1, past ``sys.stdout``, so with ``--json --verbose`` they came before the
+    JSON object, which then did not parse.
+    """
+    if not active:
+        yield
+        return
+    _flush_c_stdio()
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        _flush_c_stdio()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _flush_c_stdio() -> None:
+    """Flush the C library's output buffers (``fflush(NULL)``) where the library is found."""
+    with contextlib.suppress(OSError, AttributeError, TypeError):  # no C library: nothing
+        ctypes.CDLL(None).fflush(None)
+
+
 def cmd_solve(args: argparse.Namespace) -> int:
     """``optmem solve``."""
     from optmem.solvers.facade import solve
 
     chain = load_chain(args.chain)
     problem = build_problem(args.problem, chain, memory_from_args(args.problem, args, chain), args)
-    result = solve(problem, args.method, options=options_from_args(args))
+    with engine_logs_to_stderr(args.json and args.verbose):
+        result = solve(problem, args.method, options=options_from_args(args))
     if args.output:
         _write_json(args.output, result.to_json())
     if args.json:
@@ -323,7 +357,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         if not args.json and sys.stderr.isatty():
             print(f"  running {name} ...", file=sys.stderr)
 
-    results = compare(problem, names, options=options_from_args(args), progress=progress)
+    with engine_logs_to_stderr(args.json and args.verbose):
+        results = compare(problem, names, options=options_from_args(args), progress=progress)
     if args.json:
         print(json.dumps({"problem": args.problem, "chain": chain.name,
                           "results": [r.to_json() for r in results],

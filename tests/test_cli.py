@@ -341,3 +341,21 @@ def test_demo_takes_a_chain_file(capsys, chain_file):
                          str(chain_file), "--time-limit", "5")
     assert code == 0, err
     assert out.startswith("optmem demo: H1, 4 stages") and "exact check: H1" in out
+
+
+@pytest.mark.parametrize("argv", [
+    ["solve", "checkpoint", "{chain}", "-m", "18", "--method", "ilp"],
+    ["solve", "checkpoint", "{chain}", "-m", "18", "--method", "cpsat"],
+    ["compare", "checkpoint", "{chain}", "-m", "18", "--methods", "dp,ilp,cpsat"],
+])
+def test_json_with_verbose_prints_one_json_object_on_stdout(chain_file, argv):
+    """CONTRACT section 4: ``--json`` prints exactly one JSON object on stdout. HiGHS and
+    CP-SAT logged (``--verbose``) from C++ to stdout before it (the output did not parse);
+    their logs now go to stderr under ``--json``."""
+    cmd = [sys.executable, "-m", "optmem", *(a.format(chain=chain_file) for a in argv),
+           "--threads", "1", "--verbose", "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert len(proc.stdout.strip().splitlines()) == 1
+    json.loads(proc.stdout)
+    assert proc.stderr.strip()  # the engine logs, on stderr
