@@ -92,6 +92,17 @@ def test_compare_takes_a_comma_separated_string_as_the_cli() -> None:
     assert [r.method for r in results] == ["dp", "chen"]
 
 
+@pytest.mark.parametrize("empty", [",", " , ", []])
+def test_compare_refuses_an_empty_list_of_methods(empty, capsys) -> None:
+    """``compare --methods ,`` printed an empty table (summary "no exact model ran (: name
+    them with --methods)") and exited 0; ``sweep`` already refused no methods."""
+    with pytest.raises(OptmemInputError, match="field 'methods'"):
+        compare(CheckpointProblem(CHAIN, MEMORY), empty)
+    if isinstance(empty, str):
+        assert main(["compare", "checkpoint", DATASET, "-m", "1GiB", "--methods", empty]) == 2
+        assert "at least one method" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------ the problems
 def every_problem(chain: Any) -> list[Any]:
     return [CheckpointProblem(chain, "60%"), OffloadProblem(chain, "60%", "12GB/s"),

@@ -216,17 +216,21 @@ def compare(
     """Run several methods on the same problem and return their results in order.
 
     ``method_names`` is a list of labels or one comma-separated string (``"dp,ilp"``, as the
-    CLI's ``--methods``). Unknown method names, unknown option keywords and
-    ``options.extra`` keys that no method of the problem reads fail before anything runs. A
-    method that then fails (an option it does not support, such as a ``variant`` meant for
-    another method, or an unexpected error) is reported as ``status: error`` with the
-    message in ``report['error']`` instead of aborting the comparison. A bad value of an
+    CLI's ``--methods``), not empty; ``None`` runs the problem's default methods. Unknown
+    method names, unknown option keywords and ``options.extra`` keys that no method of the
+    problem reads fail before anything runs. A method that then fails (an option it does
+    not support, such as a ``variant`` meant for another method, or an unexpected error) is
+    reported as ``status: error`` with the message in ``report['error']`` instead of
+    aborting the comparison. A bad value of an
     ``extra`` key that the method reads raises, as :func:`solve` does (since stop 51: the
     CLI's ``compare`` exited 0 with an error row where ``solve`` exits 2).
     """
     opts = resolve_options(options, option_fields)
     given = method_names_of(method_names)
     kind = problem_name(problem)
+    if given is not None and not given:  # "," or []: an empty table, exit 0, until stop 52
+        raise OptmemInputError("expected at least one method (None: the default ones)",
+                               field="methods")
     names = given if given is not None else default_compare_methods(problem)
     infos = [method_info(kind, label) for label in names]  # unknown names fail first
     check_extra(kind, opts)
