@@ -444,7 +444,7 @@ def cmd_datasets(args: argparse.Namespace) -> int:
             print(json.dumps(rows))
             return EXIT_OK
         header = ("name", "stages", "parameters", "store-all", "min feasible", "description")
-        table = [(r["name"], str(r["stages"]), r["parameters"], r["store_all_h"],
+        table = [(r["name"], str(r["stages"]), r["parameters_h"], r["store_all_h"],
                   r["min_feasible_h"], r["description"][:60]) for r in rows]
         widths = [max(len(x) for x in col) for col in zip(header, *table, strict=True)]
         fmt = "  ".join(f"{{:<{w}}}" for w in widths)
@@ -479,8 +479,8 @@ def _dataset_row(name: str) -> dict[str, Any]:
     row = dict(chain_file_summary(name) if _chain_file(name) else dataset_summary(name))
     row["store_all_h"] = format_size(row["store_all"])
     row["min_feasible_h"] = format_size(row["min_feasible"])
-    params = row.get("parameters")
-    row["parameters"] = f"{params / 1e6:.1f}M" if isinstance(params, int | float) else "-"
+    params = row.get("parameters")  # an int (or None) in the JSON, as in the file's summary
+    row["parameters_h"] = f"{params / 1e6:.1f}M" if isinstance(params, int | float) else "-"
     return row
 
 

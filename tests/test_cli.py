@@ -199,6 +199,11 @@ def test_datasets_list_and_path(capsys):
     code, out, _ = run(capsys, "datasets", "list", "--json")
     names = [row["name"] for row in json.loads(out)]
     assert code == 0 and "resnet-like-40" in names
+    rows = {row["name"]: row for row in json.loads(out)}
+    # the parameter count is a number in the JSON ("25.6M" until stop 52), text beside it
+    assert rows["resnet50-b32-224"]["parameters"] == 25557032
+    assert rows["resnet50-b32-224"]["parameters_h"] == "25.6M"
+    assert rows["resnet-like-40"]["parameters"] is None
     code, out, _ = run(capsys, "datasets", "path", "resnet-like-40")
     assert code == 0 and Path(out.strip()).exists()
 
