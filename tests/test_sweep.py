@@ -221,3 +221,31 @@ def test_a_bad_value_of_a_read_extra_key_is_an_input_error(chain: Chain, jobs: i
     factory = CliFactory("checkpoint", chain, {})
     r = sweep(factory, [high], ["chen"], extra={"segment_cost": -1})  # chen does not read it
     assert r.method_points("chen")[0].status != Status.ERROR.value
+
+
+def test_auto_range_of_a_pipeline_reaches_its_fastest_plan(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]
+                                                           ) -> None:
+    """``auto`` ended 5 % above the chain's store-all peak, which a pipeline's limit per GPU
+    (weights, several micro-batches' stashes) may never reach: on this chain ``auto:3`` gave
+    one limit, below the memory of the fastest plan. It now ends 5 % above that plan's peak."""
+    from optmem.problems import PipelineProblem
+
+    chain = Chain.from_lists([1, 2, 1, 3], [2, 3, 1, 2], [2, 3, 1, 2], [3, 4, 2, 5],
+                             input_size=2, fwd_overhead=[0, 1, 0, 0],
+                             bwd_overhead=[0, 0, 1, 0], weight_size=[5, 5, 5, 5],
+                             loss_bwd_time=0.5)
+    path = tmp_path / "c.json"
+    chain.save(path)
+    free = solve(PipelineProblem(chain, n_gpus=2, memory_per_gpu=2**62), "contiguous")
+    least = solve(PipelineProblem(chain, n_gpus=2, memory_per_gpu=0), "contiguous")
+    assert free.peak_memory > chain.store_all_peak() * 1.05  # the case: store-all is too low
+    csv_path = tmp_path / "p.csv"
+    code = main(["sweep", "pipeline", str(path), "--gpus", "2", "--memory", "auto:3", "-q",
+                 "--methods", "contiguous", "--jobs", "1", "--csv", str(csv_path)])
+    assert code == 0, capsys.readouterr().err
+    rows = list(csv.DictReader(csv_path.read_text().splitlines()))
+    limits = [int(row["memory_limit"]) for row in rows]
+    assert limits[0] == least.min_feasible_memory and len(limits) == 3
+    assert limits[-1] == -(-free.peak_memory * 105 // 100)
+    assert float(rows[-1]["objective"]) == free.objective
