@@ -490,11 +490,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from optmem.solvers.checkpoint_dp import min_memory_persistent
     from optmem.solvers.facade import available_methods, compare
 
+    try:  # checked before any output; 0 was read as the default 20 s until stop 52
+        options = SolveOptions(time_limit_s=20.0 if args.time_limit is None
+                               else args.time_limit)
+    except OptmemInputError as exc:
+        raise OptmemInputError(exc.reason, field="--time-limit") from None
     chain = load_chain(args.chain)
     low, high = min_memory_persistent(chain), chain.store_all_peak()
     print(f"optmem demo: {chain.name}, {chain.length} stages; store-all peak "
           f"{format_size(high)}, smallest feasible memory {format_size(low)}\n")
-    options = SolveOptions(time_limit_s=args.time_limit or 20.0)
     for frac in (0.25, 0.5, 0.75):
         limit = int(low + frac * (high - low))
         print(f"== memory limit {format_size(limit)} ({limit} B)")

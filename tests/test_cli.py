@@ -364,3 +364,12 @@ def test_json_with_verbose_prints_one_json_object_on_stdout(chain_file, argv):
     assert len(proc.stdout.strip().splitlines()) == 1
     json.loads(proc.stdout)
     assert proc.stderr.strip()  # the engine logs, on stderr
+
+
+@pytest.mark.parametrize("limit", ["0", "-1", "nan"])
+def test_demo_refuses_a_bad_time_limit_before_any_output(capsys, chain_file, limit):
+    """``demo --time-limit 0`` ran with the default 20 s; -1 and nan exited 2 after the
+    first lines of the demo. Now one line and exit 2 before anything, as ``solve``."""
+    code, out, err = run(capsys, "demo", "--chain", str(chain_file), f"--time-limit={limit}")
+    assert code == 2 and out == ""
+    assert "--time-limit" in err and len(err.strip().splitlines()) == 1
