@@ -428,3 +428,18 @@ def test_hint_does_not_say_below_when_the_least_limit_is_smaller():
     assert result.status is Status.INFEASIBLE and result.min_feasible_memory == 48
     assert "below" not in result.report["hint"]
     assert "smallest feasible memory is 48 B" in result.report["hint"]
+
+
+@pytest.mark.parametrize("limit", [0, 5, 12, 40])
+def test_an_unknown_dp_variant_is_an_input_error_at_every_limit(limit):
+    """``dp:bogus`` was ``infeasible`` (exit 0) below the least memory and an input error
+    above it; the variant is now checked first, and an infeasible ``dp`` names its variant."""
+    chain = Chain.from_lists([1, 2, 1, 3], [2, 3, 1, 2], [2, 3, 1, 2], [3, 4, 2, 5],
+                             input_size=2, fwd_overhead=[0, 1, 0, 0],
+                             bwd_overhead=[0, 0, 1, 0], loss_bwd_time=0.5)
+    problem = OffloadProblem(chain, limit, chain_bandwidth=1.0)
+    with pytest.raises(OptmemInputError, match="field 'variant'"):
+        solve(problem, "dp:bogus")
+    result = solve(problem, "dp:thesis")
+    assert result.variant == "thesis"
+    assert result.status is (Status.INFEASIBLE if limit < 12 else Status.FEASIBLE)

@@ -255,7 +255,7 @@ def solve_dynprog(problem: OffloadProblem, options: SolveOptions) -> Result:
     """
     prefetch_policies(options)  # a bad policy fails before any work
     variant = options.variant or "contract"
-    if variant not in DP_VARIANTS:
+    if variant not in DP_VARIANTS:  # before the limit is looked at: at every limit alike
         raise OptmemInputError(f"unknown dp variant {variant!r} (expected one of "
                                f"{', '.join(DP_VARIANTS)})", field="variant")
     disc, beta = _disc(problem, options)
