@@ -183,8 +183,8 @@ def cmd_show(args: argparse.Namespace) -> int:
         check_text(args.title, name="--title", allow="\n")
     data = read_plan_file(args.plan)
     out = args.output or str(Path(args.plan).with_suffix(".png"))
-    limit = parse_size(args.memory) if args.memory else None
-    bandwidth = (parse_bandwidth(args.bandwidth, time_unit=chain.time_unit)
+    limit = parse_size(args.memory, field="--memory") if args.memory else None
+    bandwidth = (parse_bandwidth(args.bandwidth, time_unit=chain.time_unit, field="--bandwidth")
                  if args.bandwidth else None)
     try:
         info = show_plan(chain, data, out, memory_limit=limit, bandwidth=bandwidth,

@@ -69,6 +69,21 @@ def test_bad_plans_are_one_line_errors(tmp_path: Path, chain_file: Path,
                  str(tmp_path / "x.txt")]) == 2
 
 
+@pytest.mark.parametrize("option, value", [("--memory", "1.5"), ("--memory", "-1"),
+                                           ("--bandwidth", "fast"), ("--bandwidth", "-2")])
+def test_a_bad_option_value_names_the_option(tmp_path: Path, chain_file: Path, option: str,
+                                             value: str, capsys) -> None:
+    """CONTRACT section 14: errors name the field as given (``--memory``, as ``solve``);
+    ``show`` said ``field 'memory'`` / ``field 'bandwidth'``."""
+    plan = tmp_path / "ops.json"
+    plan.write_text(json.dumps(["F_all 1", "F_all 2", "F_all 3", "F_all 4", "F_all 5",
+                                "F_all 6", "Loss", "B 6", "B 5", "B 4", "B 3", "B 2", "B 1"]))
+    assert main(["show", str(plan), "--chain", str(chain_file), f"{option}={value}"]) == 2
+    err = capsys.readouterr().err
+    assert f"field '{option}'" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "ops.png").exists()
+
+
 def test_offload_plan_two_lanes(tmp_path: Path) -> None:
     chain = Chain.from_lists([2, 2], [4, 4], [2, 2], [4, 4], input_size=2)
     ops = ["F_all 1", "offload a 0", "F_all 2", "Loss", "B 2", "prefetch a 0", "B 1"]
