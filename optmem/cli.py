@@ -477,8 +477,9 @@ def _dataset_row(name: str) -> dict[str, Any]:
     from optmem.solvers.dataset_summary import chain_file_summary, dataset_summary
 
     row = dict(chain_file_summary(name) if _chain_file(name) else dataset_summary(name))
-    row["store_all_h"] = format_size(row["store_all"])
-    row["min_feasible_h"] = format_size(row["min_feasible"])
+    unit = row.get("memory_unit", "B")  # sizes are in the chain's unit: "B" gets KiB, GiB...
+    for key in ("store_all", "min_feasible"):
+        row[f"{key}_h"] = format_size(row[key]) if unit == "B" else f"{row[key]} {unit}"
     params = row.get("parameters")  # an int (or None) in the JSON, as in the file's summary
     row["parameters_h"] = f"{params / 1e6:.1f}M" if isinstance(params, int | float) else "-"
     return row

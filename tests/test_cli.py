@@ -373,3 +373,16 @@ def test_demo_refuses_a_bad_time_limit_before_any_output(capsys, chain_file, lim
     code, out, err = run(capsys, "demo", "--chain", str(chain_file), f"--time-limit={limit}")
     assert code == 2 and out == ""
     assert "--time-limit" in err and len(err.strip().splitlines()) == 1
+
+
+def test_datasets_show_prints_sizes_in_the_chains_memory_unit(capsys, tmp_path):
+    """A chain in ``KiB``: ``store_all_h`` said ``19 B`` for 19 KiB."""
+    chain = Chain.from_rotor([2, 3, 1, 4], [3, 5, 2, 6, 0], [2, 3, 1, 2, 3], [2, 5, 2, 4, 5],
+                             [1, 0, 2, 1], [1, 2, 0, 1, 0], name="H1")
+    path = tmp_path / "kib.json"
+    path.write_text(json.dumps({**chain.to_dict(), "memory_unit": "KiB"}))
+    code, out, err = run(capsys, "datasets", "show", str(path), "--json")
+    assert code == 0, err
+    row = json.loads(out)
+    assert row["store_all_h"] == f"{chain.store_all_peak()} KiB"
+    assert row["min_feasible_h"] == "15 KiB"
