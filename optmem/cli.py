@@ -180,6 +180,16 @@ def _fmt(value: float | None, digits: int = 6) -> str:
     return f"{value:.{digits}g}"
 
 
+def size_text(value: int, unit: Chain | str) -> str:
+    """A size in a chain's memory unit as text: ``1.50 GiB`` for bytes, ``19 KiB`` otherwise.
+
+    ``unit`` is the chain or its ``memory_unit``. Byte sizes get binary prefixes
+    (:func:`~optmem.units.format_size`); a size in another unit is printed as it is.
+    """
+    name = unit.memory_unit if isinstance(unit, Chain) else unit
+    return format_size(value) if name == "B" else f"{value} {name}"
+
+
 def format_result(result: Result, chain: Chain) -> str:
     """Human-readable summary of one result."""
     lines = [f"problem   {result.problem}   method {result.method}"
@@ -193,12 +203,12 @@ def format_result(result: Result, chain: Chain) -> str:
         limit = "" if result.memory_limit is None else f" / {result.memory_limit}"
         lines.append(f"peak      {result.peak_memory}{limit} units of "
                      f"{result.unit} {chain.memory_unit}"
-                     f" ({format_size((result.peak_memory or 0) * result.unit)})")
+                     f" ({size_text((result.peak_memory or 0) * result.unit, chain)})")
         lines.append(f"plan      {len(result.plan)} ops: " + " ".join(result.plan[:30])
                      + (" ..." if len(result.plan) > 30 else ""))
     if result.min_feasible_memory is not None:
         lines.append(f"smallest feasible memory: {result.min_feasible_memory} "
-                     f"{chain.memory_unit} ({format_size(result.min_feasible_memory)})")
+                     f"{chain.memory_unit} ({size_text(result.min_feasible_memory, chain)})")
     for key in ("hint", "error"):
         if key in result.report:
             lines.append(f"{key}: {result.report[key]}")
@@ -477,9 +487,8 @@ def _dataset_row(name: str) -> dict[str, Any]:
     from optmem.solvers.dataset_summary import chain_file_summary, dataset_summary
 
     row = dict(chain_file_summary(name) if _chain_file(name) else dataset_summary(name))
-    unit = row.get("memory_unit", "B")  # sizes are in the chain's unit: "B" gets KiB, GiB...
     for key in ("store_all", "min_feasible"):
-        row[f"{key}_h"] = format_size(row[key]) if unit == "B" else f"{row[key]} {unit}"
+        row[f"{key}_h"] = size_text(row[key], row.get("memory_unit", "B"))
     params = row.get("parameters")  # an int (or None) in the JSON, as in the file's summary
     row["parameters_h"] = f"{params / 1e6:.1f}M" if isinstance(params, int | float) else "-"
     return row
@@ -499,17 +508,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
     chain = load_chain(args.chain)
     low, high = min_memory_persistent(chain), chain.store_all_peak()
     print(f"optmem demo: {chain.name}, {chain.length} stages; store-all peak "
-          f"{format_size(high)}, smallest feasible memory {format_size(low)}\n")
+          f"{size_text(high, chain)}, smallest feasible memory {size_text(low, chain)}\n")
     for frac in (0.25, 0.5, 0.75):
         limit = int(low + frac * (high - low))
-        print(f"== memory limit {format_size(limit)} ({limit} B)")
+        print(f"== memory limit {size_text(limit, chain)} ({limit} {chain.memory_unit})")
         results = compare(CheckpointProblem(chain, limit), options=options)
         print(format_table(results, chain) + "\n")
     small = load_chain(args.exact_chain)
     if "ilp" in available_methods("checkpoint"):
         limit = int(min_memory_persistent(small) * 1.25)
         print(f"== exact check: {small.name} ({small.length} stages) at "
-              f"{format_size(limit)}: the DPs against the proven optimum of the full model")
+              f"{size_text(limit, small)}: the DPs against the proven optimum of the full model")
         results = compare(CheckpointProblem(small, limit),
                           ["dp", "dp:floating", "ilp", "ilp:persistent", "sequential"],
                           options=options)

@@ -386,3 +386,17 @@ def test_datasets_show_prints_sizes_in_the_chains_memory_unit(capsys, tmp_path):
     row = json.loads(out)
     assert row["store_all_h"] == f"{chain.store_all_peak()} KiB"
     assert row["min_feasible_h"] == "15 KiB"
+
+
+def test_solve_text_prints_sizes_in_the_chains_memory_unit(capsys, tmp_path):
+    """The text output put sizes of a ``KiB`` chain in bytes: ``(14 B)`` for 14 KiB."""
+    chain = Chain.from_rotor([2, 3, 1, 4], [3, 5, 2, 6, 0], [2, 3, 1, 2, 3], [2, 5, 2, 4, 5],
+                             [1, 0, 2, 1], [1, 2, 0, 1, 0], name="H1")
+    path = tmp_path / "kib.json"
+    path.write_text(json.dumps({**chain.to_dict(), "memory_unit": "KiB"}))
+    code, out, err = run(capsys, "solve", "checkpoint", str(path), "-m", "18")
+    assert code == 0, err
+    assert "units of 1 KiB (18 KiB)" in out or "units of 1 KiB (17 KiB)" in out
+    assert " B)" not in out
+    code, out, err = run(capsys, "solve", "checkpoint", str(path), "-m", "14")
+    assert "smallest feasible memory: 15 KiB (15 KiB)" in out
