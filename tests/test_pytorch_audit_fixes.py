@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -374,3 +375,68 @@ def test_an_nn_sequential_input_that_requires_grad_is_a_new_signature() -> None:
     with pytest.raises(OptmemInputError, match=r"for a call that differs from the sample "
                        r"in x requires_grad \(True, the sample False\)"):
         tight(x.clone().requires_grad_())
+
+
+class _FrozenLinears(nn.Module):
+    """Linear layers scaled by a constant: a frozen layer saves nothing for its backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(64, 64) for _ in range(6)])
+        self.head = nn.Linear(64, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x) * 2.0
+        return self.head(x)
+
+
+class _WideBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(32, 128)
+        self.l2 = nn.Linear(128, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(self.l1(x) * 2.0) * 2.0
+
+
+@pytest.mark.parametrize("kind", ["exported", "sequential"])
+def test_parameters_unfrozen_after_wrapping_are_a_new_signature(kind: str) -> None:
+    """A model wrapped frozen but for its head (LoRA-style), then unfrozen, then trained.
+
+    A frozen linear layer saves no input for its weight's gradient, so the profile of the
+    frozen model (its tapes, and the plain peak that decides the store-all fast path) is
+    too small for the unfrozen one. Before, which parameters require grad was not part of
+    the signature: the exported model took the fast path decided on the frozen plain peak
+    and ran the plain step, 65,544 B against a bound of 49,208 B at the smallest limit;
+    the ``nn.Sequential`` ran the frozen plan, 32,780 B against 26,664 B. Now unfreezing is
+    a new signature, profiled and solved again: the real peak is within its own bound, and
+    the gradients are the plain model's."""
+    from optmem.pytorch.memory import measure_training_peak, plan_allowance
+
+    torch.manual_seed(0)
+    if kind == "exported":
+        net: nn.Module = _FrozenLinears()
+        x, options = torch.randn(32, 64), {"repeats": 1, "warmup": 0}
+    else:
+        net = nn.Sequential(*[_WideBlock() for _ in range(6)], nn.Linear(32, 2))
+        x, options = torch.randn(16, 32), WRAP
+    ref = copy.deepcopy(net)
+    head = list(net.children())[-1]
+    for p in net.parameters():
+        p.requires_grad_(p is head.weight)
+    wrapped = op.checkpoint(net, x, memory_limit="min", **options)
+    for p in net.parameters():
+        p.requires_grad_(True)
+    wrapped(x).sum().backward()  # profiles and solves the unfrozen model
+    assert len(wrapped.variants) == 2
+    variant = next(reversed(wrapped._variants.values()))
+    assert variant is not wrapped._main and not wrapped._fast(variant)
+    net.zero_grad(set_to_none=True)
+    real = measure_training_peak(lambda: wrapped(x).sum().backward(), net, x)
+    expected = int((variant.result.peak_memory or 0) * variant.result.unit)
+    assert real <= expected + plan_allowance(variant.chain, variant.result.plan,
+                                             list(variant.stages))
+    ref(x).sum().backward()
+    assert _same_tensors(_grads(net), _grads(ref))

@@ -24,15 +24,17 @@ rest of PyTorch it is the model itself:
 **Specialisation.** An exported chain is specialised to the call it was extracted from:
 shapes, dtypes, flags, which keyword arguments are given, ``training``, the autocast state,
 which inputs require grad, each input tensor's memory layout (:func:`memory_layout`), the
-dtypes and devices of the model's parameters and buffers, and what the graph traced of the
+dtypes and devices of the model's parameters and buffers, which of them require grad (what
+a step stores depends on it: :meth:`TensorState.grads`), and what the graph traced of the
 model: their shapes, which are tied, the module tree and its hooks (:class:`TensorState`).
 A call with another *signature* is extracted again (about a second), profiled again (sizes
 only when its stages match the first chain's: its times are scaled from the first profile;
 in full otherwise) and solved again with the same limit and method; the last
 :data:`MAX_VARIANTS` signatures are kept. Models given as an ``nn.Sequential`` or a list of
 stages are not specialised (no graph): their plans follow the input's sizes as below
-(*Sizes*), with the sample's plan as the first solved size, and which input tensors require
-grad is their signature (a call that differs there is profiled and solved on its own).
+(*Sizes*), with the sample's plan as the first solved size, and which input tensors and
+parameters require grad is their signature (a call that differs there is profiled and
+solved on its own).
 
 **Sizes** (``dynamic=True``, the default). Calls that differ from a known signature in
 tensor sizes only (another sequence length, a smaller last batch) form a *family*. At the
@@ -67,6 +69,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import operator
 import warnings
 import weakref
 from collections import OrderedDict
@@ -262,18 +265,20 @@ def _for_input_grad(key: Any, reference: Any) -> Iterator[None]:
     """Name the inputs whose ``requires_grad`` differs from the sample's in an input error.
 
     :func:`_for_signature` for an ``nn.Sequential`` or a list of stages (``key`` and
-    ``reference``: :func:`input_key` of the call and of the sample).
+    ``reference``: :func:`input_key` of the call and of the sample, each followed by
+    :meth:`TensorState.grads`, which parameters require grad, also named when they differ).
     """
     try:
         yield
     except OptmemInputError as exc:
         parts, parts0 = key[1], reference[1]
-        what = "; ".join(
-            f"{'x' if len(parts) == 1 else f'x leaf {i}'} requires_grad ({new[4]}, the sample "
-            f"{old[4]})" for i, (new, old) in enumerate(zip(parts, parts0, strict=True))
-            if new[0] == old[0] == "T" and new[4] != old[4])
+        what = [f"{'x' if len(parts) == 1 else f'x leaf {i}'} requires_grad ({new[4]}, the "
+                f"sample {old[4]})" for i, (new, old) in enumerate(zip(parts, parts0, strict=True))
+                if new[0] == old[0] == "T" and new[4] != old[4]]
+        if key[2] != reference[2]:
+            what.append(_grads_difference(key[2], reference[2]))
         raise OptmemInputError(f"{exc.reason} (for a call that differs from the sample in "
-                               f"{what})", source=exc.source, stage=exc.stage,
+                               f"{'; '.join(what)})", source=exc.source, stage=exc.stage,
                                field=exc.field) from None
 
 
@@ -315,8 +320,22 @@ def signature_difference(key: Any, reference: Any, args: tuple[Any, ...],
     if autocast != autocast0:
         what.append("autocast")
     if tensors != tensors0:
-        what.append("the model's parameters or buffers (dtypes, devices or structure)")
+        what.append(_tensor_state_difference(tensors, tensors0))
     return "; ".join(what) or "nothing optmem records"
+
+
+def _tensor_state_difference(tensors: Any, reference: Any) -> str:
+    """How two :meth:`TensorState.key` differ, in words (``None``: not recorded)."""
+    if tensors is not None and reference is not None and tensors[:-1] == reference[:-1]:
+        return _grads_difference(tensors[-1], reference[-1])
+    return "the model's parameters or buffers (dtypes, devices or structure)"
+
+
+def _grads_difference(grads: int, reference: int) -> str:
+    """Name how the model's tensors that require grad differ from the sample's (bit sets)."""
+    more, fewer = bin(grads & ~reference).count("1"), bin(reference & ~grads).count("1")
+    return (f"which parameters require grad ({more} more and {fewer} fewer than for the "
+            "sample)")
 
 
 def _argument_name(path: tuple[Any, ...]) -> str:
@@ -575,7 +594,8 @@ class PlannedModule(nn.Module):
             variant = _make_variant(None, stages, sample, planner, profile, chain, label,
                                     ctx=None, like=None,
                                     plain=_plain_measure(stages, sample, profile))
-            planned = cls(wrapped, planner, profile, variant, input_key(sample),
+            planned = cls(wrapped, planner, profile, variant,
+                          (*input_key(sample), TensorState(wrapped).key()[-1]),
                           fast_path=fast_path)
             planned._plain_stages = stages
             return planned
@@ -958,7 +978,7 @@ class PlannedModule(nn.Module):
         """
         if not torch.is_grad_enabled():
             return self._main
-        key = input_key(x)
+        key = (*input_key(x), self._tensor_state.key()[-1])
         variant = self._variants.get(key)
         if variant is not None:
             self._variants.move_to_end(key)
@@ -1363,6 +1383,7 @@ class TensorState:
                 for name, t in slots.items():
                     (children if t is None else tensors).append((slots, name, t))
         self._tensors = [(slots, name, t, t.dtype, t.shape) for slots, name, t in tensors]
+        self._objects = [t for _, _, t in tensors]  # for grads()
         self._sharing = _sharing(t for _, _, t in tensors)
         self._children = children
         self._devices = [(slots, name, t.device) for slots, name, t in tensors[:1] + tensors[-1:]]
@@ -1412,17 +1433,33 @@ class TensorState:
             d[name].device != device for d, name, device in self._devices) or any(
             m.training is not mode for m, mode in self._modes) else 0
 
-    def key(self) -> tuple[frozenset[tuple[torch.dtype, str]], int, int]:
+    def key(self) -> tuple[frozenset[tuple[torch.dtype, str]], int, int, int]:
         """The module's state now.
 
-        The set of (dtype, device) of its tensors, the version of its structure, and which
-        modules are in training mode (a bit per module).
+        The set of (dtype, device) of its tensors, the version of its structure, which
+        modules are in training mode (a bit per module) and which of its parameters require
+        grad (:meth:`grads`).
         """
         change = self._change()
         if change:
             self._version += change == 2
             self._refresh()
-        return self.token
+        return (*self.token, self.grads())
+
+    def grads(self) -> int:
+        """Which of the module's tensors require grad now (a byte per recorded tensor).
+
+        What a step stores and computes depends on it: a linear layer whose weight is
+        frozen saves no input for its weight's gradient, and the plain step of a model
+        frozen but for its head is far smaller. A profile (its tapes, its backward
+        temporaries and the plain peak of the store-all fast path) holds for the
+        parameters that required grad when it was measured, so unfreezing after wrapping
+        is a new signature. Call after :meth:`key` (which records replaced tensors).
+        """
+        return int.from_bytes(bytes(map(_REQUIRES_GRAD, self._objects)), "little")
+
+
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 def _entry(entries: Any, name: str) -> Any:
