@@ -440,3 +440,88 @@ def test_parameters_unfrozen_after_wrapping_are_a_new_signature(kind: str) -> No
                                              list(variant.stages))
     ref(x).sum().backward()
     assert _same_tensors(_grads(net), _grads(ref))
+
+
+def _nested_sequential() -> nn.Sequential:
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+    return nn.Sequential(nn.Linear(16, 16), nn.Tanh(), inner, nn.Tanh(), nn.Linear(16, 16),
+                         nn.Tanh(), nn.Linear(16, 3))
+
+
+def _triple(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+    return out * 3
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_hooks_on_a_wrapped_sequential_itself_are_named(when: str) -> None:
+    """The plan calls an ``nn.Sequential``'s entries as stages, never the container: a
+    hook on the container (or on a nested ``nn.Sequential`` it flattens) is not called
+    (documented), and before, in silence (an output hook scaling the root by 3: gradients
+    0.82 apart). Now one ``UserWarning`` names it and what to do, when wrapping and at the
+    next call after one was registered; a hook on the wrapper runs as on the model."""
+    x = torch.randn(4, 16)
+    for where in ("root", "nested"):
+        net = _nested_sequential()
+        target = net if where == "root" else net[2]
+        name = "the Sequential itself" if where == "root" else "Sequential 2"
+        if when == "before":
+            target.register_forward_hook(_triple)
+            with pytest.warns(UserWarning, match=f"module hooks on {name}: .* not called"):
+                op.checkpoint(net, x, memory_limit="60%", **WRAP)
+            continue
+        wrapped = op.checkpoint(net, x, memory_limit="60%", **WRAP)
+        target.register_forward_hook(_triple)
+        with pytest.warns(UserWarning, match=f"module hooks on {name}: .* not called"):
+            wrapped(x)
+    net = _nested_sequential()
+    ref = copy.deepcopy(net)
+    wrapped = op.checkpoint(net, x, memory_limit="60%", **WRAP)
+    wrapped.register_forward_hook(_triple)
+    ref.register_forward_hook(_triple)
+    out, expected = wrapped(x), ref(x)
+    out.sum().backward()
+    expected.sum().backward()
+    assert torch.equal(out, expected) and _same_tensors(_grads(net), _grads(ref))
+
+
+class _Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(16, 16), nn.GELU())
+                                     for _ in range(6)])
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def _halve_input(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return (args[0] * 0.5,)
+
+
+@pytest.mark.parametrize(("when", "limit"), [("before", "60%"), ("after", "60%"),
+                                            ("after", "100%")])
+def test_a_pre_hook_of_the_model_sees_its_positional_argument(when: str, limit: str) -> None:
+    """A forward pre-hook on the model reading ``args[0]``, the model called ``model(x)``.
+    The wrapper called the model as ``model(x=x)`` (its canonical call), so the hook got
+    no positional argument: ``IndexError: tuple index out of range`` when wrapping (hook
+    registered before) or at the next call (after). Now a model with hooks of its own is
+    called with the arguments given positionally kept positional: the plan (60 %) and
+    the fast path (100 %) give the model's output and gradients."""
+    torch.manual_seed(0)
+    net, x = _Residual(), torch.randn(4, 16)
+    ref = copy.deepcopy(net)
+    if when == "before":
+        net.register_forward_pre_hook(_halve_input)
+    wrapped = op.checkpoint(net, x, memory_limit=limit, repeats=1, warmup=0)
+    if when == "after":
+        net.register_forward_pre_hook(_halve_input)
+    ref.register_forward_pre_hook(_halve_input)
+    out, expected = wrapped(x), ref(x)
+    out.sum().backward()
+    expected.sum().backward()
+    assert torch.equal(out, expected) and _same_tensors(_grads(net), _grads(ref))
+    assert wrapped.fast_path_taken is (limit == "100%")

@@ -82,7 +82,7 @@ from optmem.pytorch.hooks import (
 )
 
 __all__ = ["Extraction", "Stage", "export_dynamic", "extract_program", "extract_stages",
-           "merge_stages", "partition_costs", "stage_cost"]
+           "flattened_containers", "merge_stages", "partition_costs", "stage_cost"]
 
 _log = logging.getLogger("optmem")
 
@@ -140,6 +140,20 @@ def _flatten_sequential(module: nn.Sequential, prefix: str) -> list[Stage]:
             out.extend(_flatten_sequential(child, full))  # type: ignore[arg-type]
         else:
             out.append(Stage(full, child))
+    return out
+
+
+def flattened_containers(module: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]]:
+    """The ``nn.Sequential`` containers :func:`_flatten_sequential` flattens, ``module`` first.
+
+    ``(name, container)`` pairs; their own hooks never run in a plan's stage calls
+    (:func:`~optmem.pytorch.hooks.warn_container_hooks`).
+    """
+    out: list[tuple[str, nn.Module]] = [(prefix, module)]
+    for name, child in module._modules.items():
+        full = f"{prefix}.{name}" if prefix else name
+        if child is not None and is_plain_sequential(child):
+            out.extend(flattened_containers(child, full))
     return out
 
 

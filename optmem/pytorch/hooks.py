@@ -47,9 +47,9 @@ from torch.utils._python_dispatch import _disable_current_modes
 from optmem.errors import OptmemInputError
 
 __all__ = ["buffers_restored", "callers_tools_suspended", "check_backward_hooks",
-           "check_module_hooks", "host_random_restored", "quiet_gradient_hooks",
+           "check_module_hooks", "has_module_hooks", "host_random_restored", "quiet_gradient_hooks",
            "random_config", "refuse_python_random", "refuse_tensor_hooks",
-           "warn_forward_hooks"]
+           "warn_container_hooks", "warn_forward_hooks"]
 
 _ALTERNATIVE = ("remove it, or pass an nn.Sequential of blocks or a list of stage modules "
                 "(stages that are your modules run their hooks themselves)")
@@ -79,6 +79,34 @@ def check_backward_hooks(module: nn.Module) -> None:
                 f"{_where(module, name, sub)} has a backward hook: an extracted graph never "
                 f"runs it, so gradients could be silently wrong; {_ALTERNATIVE}",
                 field="module")
+
+
+def has_module_hooks(module: nn.Module) -> bool:
+    """Whether ``module`` itself has forward, forward-pre, backward or backward-pre hooks."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks)
+
+
+def warn_container_hooks(containers: Iterable[tuple[str, nn.Module]]) -> list[str]:
+    """Warn about hooks on the ``nn.Sequential`` containers whose entries run as stages.
+
+    The plan calls the stages (the entries of an ``nn.Sequential``, flattened through the
+    nested ones), never the containers, so their hooks are not called (documented); before
+    (until stop 52) silently: an output hook scaling the wrapped ``nn.Sequential`` by 3
+    was ignored, gradients 0.82 apart. ``containers``: ``(name, module)``, the root first
+    (name ``""``). Returns where the hooks are (empty: none, no warning).
+    """
+    where = [f"{type(sub).__name__} {name}" if name else f"the {type(sub).__name__} itself"
+             for name, sub in containers if has_module_hooks(sub)]
+    if where:
+        warnings.warn(
+            f"module hooks on {', '.join(where[:3])}{' ...' if len(where) > 3 else ''}: "
+            "optmem calls the entries of an nn.Sequential as stages, never the containers, "
+            "so these hooks are not called; register a hook of the whole model on the "
+            "wrapper optmem returned (cmodel.register_forward_hook, ...), one of a block on "
+            "its entries, or keep the block whole (not_really_sequential = True)",
+            stacklevel=4)
+    return where
 
 
 def check_module_hooks(module: nn.Module) -> None:

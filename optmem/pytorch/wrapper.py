@@ -99,10 +99,12 @@ from optmem.pytorch.extract import (
     export_dynamic,
     extract_program,
     extract_stages,
+    flattened_containers,
+    is_plain_sequential,
     merge_stages,
     value_tensors,
 )
-from optmem.pytorch.hooks import callers_tools_suspended
+from optmem.pytorch.hooks import callers_tools_suspended, warn_container_hooks
 from optmem.pytorch.memory import buffers_restored, storage_bytes
 from optmem.pytorch.planning import Planner, refuse_second_copies
 from optmem.result import Result, Status
@@ -560,6 +562,10 @@ class PlannedModule(nn.Module):
         self._compiled_module_with: dict[str, Any] | None = None
         self._plain = main.extraction is None
         self._plain_stages: list[Stage] = []  # an nn.Sequential's or a list's stages
+        # the nn.Sequential containers of those stages: their own hooks are not called
+        self._containers = flattened_containers(module) if self._plain and \
+            is_plain_sequential(module) else []
+        self._container_hooks = RemovableHandle.next_id  # warned up to this registration
         self._signature = None if self._plain else inspect.signature(module.forward)
         self._tensor_state = TensorState(module)
         self._given: GivenPlan | None = None
@@ -585,6 +591,9 @@ class PlannedModule(nn.Module):
         refuse_wrapped(module, "optmem")
         if is_plain_chain(module):
             from optmem.pytorch.profile import merge_inplace_writers
+
+            if is_plain_sequential(module):
+                warn_container_hooks(flattened_containers(module))
 
             stages = merge_inplace_writers(extract_stages(module), sample, profile.device)
             wrapped = module if isinstance(module, nn.Module) else nn.ModuleList(
@@ -816,6 +825,9 @@ class PlannedModule(nn.Module):
         if transformed:
             self._warn_functorch()
         if self._plain:
+            if RemovableHandle.next_id != self._container_hooks:  # a hook was registered
+                self._container_hooks = RemovableHandle.next_id
+                warn_container_hooks(self._containers)
             if kwargs or len(args) != 1:
                 raise TypeError(f"{type(model).__name__} takes one input (a tensor or a "
                                 f"tuple of tensors), got {len(args)} positional and "
@@ -1255,21 +1267,29 @@ def canonical_call(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     gets it turned off too, with a warning (:data:`USE_CACHE_WARNING`), as HuggingFace's
     own gradient checkpointing does in training: before, such a call tried to extract a
     graph that returns the cache and failed with ``torch.export``'s error on it.
+
+    A model with forward hooks or pre-hooks of its own keeps the arguments given
+    positionally as positional: its hooks receive them (``args[0]``), as when the caller
+    calls the model. Before (until stop 52), a pre-hook reading ``args[0]`` failed with
+    ``IndexError`` when wrapping or at the call, since the model was called ``model(x=x)``.
     """
     signature = signature or inspect.signature(module.forward)
     try:
         bound = signature.bind(*args, **kwargs)
     except TypeError as exc:
         raise TypeError(f"{type(module).__name__}: {exc}") from None
+    # the model's own forward hooks see its positional arguments as the caller gave them
+    hooked = bool(module._forward_pre_hooks or module._forward_hooks)
     pos: list[Any] = []
     kw: dict[str, Any] = {}
-    for name, value in bound.arguments.items():
+    for index, (name, value) in enumerate(bound.arguments.items()):
         kind = signature.parameters[name].kind
         if kind is inspect.Parameter.VAR_POSITIONAL:
             if value:
                 return args, dict(kwargs)  # cannot name them: keep the call as it is
             continue
-        if kind is inspect.Parameter.POSITIONAL_ONLY:
+        if kind is inspect.Parameter.POSITIONAL_ONLY or (
+                hooked and kind is inspect.Parameter.POSITIONAL_OR_KEYWORD and index < len(args)):
             pos.append(value)
         elif kind is inspect.Parameter.VAR_KEYWORD:
             kw.update(value)
