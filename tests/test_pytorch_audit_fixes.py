@@ -525,3 +525,27 @@ def test_a_pre_hook_of_the_model_sees_its_positional_argument(when: str, limit: 
     expected.sum().backward()
     assert torch.equal(out, expected) and _same_tensors(_grads(net), _grads(ref))
     assert wrapped.fast_path_taken is (limit == "100%")
+
+
+def test_under_fsdp2_parameters_frozen_after_wrapping_keep_the_sample_plan(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """FSDP2 (``checkpoint_fsdp``) keeps the sample's signature: a call that differs only
+    in which parameters require grad runs the sample's plan, the executor following
+    ``requires_grad`` at run time (as before stop 52), not the sharded model's error."""
+    torch.manual_seed(0)
+    net, x = _Residual(), torch.randn(4, 16)
+    ref = copy.deepcopy(net)
+    wrapped = op.checkpoint(net, x, memory_limit="60%", **WRAP)
+    monkeypatch.setattr(type(wrapped), "_sharded", lambda self: True)
+    for model in (net, ref):
+        model.blocks[0][0].weight.requires_grad_(False)
+    out, expected = wrapped(x), ref(x)
+    out.sum().backward()
+    expected.sum().backward()
+    assert len(wrapped.variants) == 1 and net.blocks[0][0].weight.grad is None
+    assert torch.equal(out, expected)
+    assert _same_tensors([p.grad for p in net.parameters() if p.requires_grad],
+                         [p.grad for p in ref.parameters() if p.requires_grad])
+    net.blocks[0][0].weight.requires_grad_(True)
+    with pytest.raises(OptmemInputError, match="sharded by FSDP2"):
+        wrapped(torch.randn(5, 16, 1))  # another signature still says why
