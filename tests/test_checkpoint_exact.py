@@ -511,3 +511,33 @@ def test_engine_availability() -> None:
     assert engines.is_available("cbc")
     assert engines.is_available("cpsat")
     assert not engines.is_available("nonsense")
+
+
+# ------------------------------------------------------------------ nanosecond times
+NANO = [  # times of 1e-9 ms, the least nonzero time a chain may hold (CONTRACT section 1)
+    (Chain.from_lists([5e-9, 2e-9], [1e-9, 2e-9], [0, 3], [2, 6], input_size=1,
+                      loss_bwd_time=1e-9), 11),
+    (Chain.from_lists([1e-9, 0.0, 1e-9, 1e-9], [1e-9, 0.0, 1e-9, 1e-9], [2, 2, 8, 5],
+                      [8, 8, 15, 5], input_size=8), 38),
+]
+
+
+@pytest.mark.parametrize("method", ["ilp", "cpsat"])
+@pytest.mark.parametrize("case", range(len(NANO)))
+def test_nanosecond_times_keep_the_claims(method: str, case: int) -> None:
+    """``optimal`` and ``bound`` hold in the chain's units when every time is ~1e-9.
+
+    Before: HiGHS judged the objective with absolute tolerances and called the 2.3e-8
+    recompute-all plan of case 0 optimal (bound 2.3e-8, the optimum is 1.6e-8; the DP plan
+    was returned, ``feasible`` with that bound); CP-SAT took 1e-9 for 0 on the grid of 1
+    (``exact``) and proved case 1's 9e-9 plan ``optimal`` (the optimum is 8e-9).
+    """
+    chain, memory = NANO[case]
+    best = brute_value(chain, memory)
+    result = run(chain, memory, method, threads=1)
+    assert result.bound <= best * (1 + 1e-9)
+    assert result.objective >= best * (1 - 1e-9)
+    if result.status is Status.OPTIMAL:
+        assert result.objective == pytest.approx(best, rel=1e-9)
+    if method == "ilp":
+        assert result.status is Status.OPTIMAL

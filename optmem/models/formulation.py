@@ -623,12 +623,15 @@ def time_scale(values: Iterable[float], max_decimals: int = MAX_DECIMALS) -> tup
     --------
     >>> time_scale([1.0, 2.0]), time_scale([0.25, 1.5]), time_scale([1 / 3])
     ((1, True), (100, True), (1000000, False))
+    >>> time_scale([1e-9, 0.0])  # 1e-9 is not 0: off every grid up to 1e-6
+    (1000000, False)
     """
     vals = [float(v) for v in values if math.isfinite(v)]
     for d in range(max_decimals + 1):
         scale = 10**d
-        if all(abs(t * scale - round(t * scale)) <= 1e-9 * max(1.0, abs(t * scale))
-               for t in vals):
+        # relative only: an absolute 1e-9 took a time of 1e-9 for 0 on the grid of 1
+        # ("exact"), and CP-SAT then proved "optimal" plans that were not
+        if all(abs(t * scale - round(t * scale)) <= 1e-9 * abs(t * scale) for t in vals):
             return scale, True
     return 10**max_decimals, False
 
