@@ -443,3 +443,20 @@ def test_an_unknown_dp_variant_is_an_input_error_at_every_limit(limit):
     result = solve(problem, "dp:thesis")
     assert result.variant == "thesis"
     assert result.status is (Status.INFEASIBLE if limit < 12 else Status.FEASIBLE)
+
+
+@pytest.mark.parametrize("method", ["dp", "greedy", "brute", "ilp", "cpsat"])
+def test_no_link_hint_is_the_store_all_peak(method: str) -> None:
+    """At bandwidth 0 (no link) ``min_feasible_memory`` is a limit with a plan (section 14).
+
+    Before: the hint was the least memory with everything offloaded (22), at which no
+    method finds a plan without a link (the store-all peak, 31, is the least).
+    """
+    chain = Chain.from_lists([1.0, 2.0, 1.0], [2.0, 3.0, 2.0], [4, 4, 4], [8, 6, 5],
+                             input_size=4)
+    result = solve(OffloadProblem(chain, 20, bandwidth=0), method, threads=1)
+    assert result.status is Status.INFEASIBLE
+    assert result.min_feasible_memory == chain.store_all_peak() == 31
+    again = solve(OffloadProblem(chain, result.min_feasible_memory, bandwidth=0), method,
+                  threads=1)
+    assert again.status.has_plan

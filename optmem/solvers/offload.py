@@ -99,10 +99,12 @@ def min_memory(problem: OffloadProblem, slots: int) -> int | None:
     """Least limit at which the store-all sequence runs with everything offloaded, as solved.
 
     The minimum memory of the OFF_comm model (digest 1.1) on the chain rounded to each
-    candidate unit (:func:`optmem.solvers.hints.smallest_solvable_limit`).
+    candidate unit (:func:`optmem.solvers.hints.smallest_solvable_limit`). Without a link
+    (bandwidth 0) nothing leaves the GPU: the store-all peak.
     """
     def need(unit: int) -> int:
-        return math.ceil(Layers.of(problem.chain.quantize(unit)).min_memory())
+        layers = Layers.of(problem.chain.quantize(unit))
+        return math.ceil(layers.peak() if problem.chain_bandwidth == 0 else layers.min_memory())
 
     return smallest_solvable_limit(need(1), need, slots)
 
@@ -111,11 +113,16 @@ def _infeasible(problem: OffloadProblem, disc: Discretized, method: str,
                 report: dict | None = None, *, slots: int) -> Result:
     need = min_memory(problem, slots)
     info = dict(report or {})
-    info["hint"] = (f"the smallest feasible memory is {need} {problem.chain.memory_unit} "
-                    f"(the store-all sequence with everything offloaded; {AS_SOLVED})"
-                    if need is not None else
-                    f"the store-all sequence with everything offloaded fits no limit with "
-                    f"slots = {slots}: {too_few_slots()}")
+    if need is None:
+        info["hint"] = (f"the store-all sequence with everything offloaded fits no limit with "
+                        f"slots = {slots}: {too_few_slots()}")
+    elif problem.chain_bandwidth == 0:
+        info["hint"] = (f"the smallest feasible memory is {need} {problem.chain.memory_unit} "
+                        f"(the store-all peak: nothing is offloaded at bandwidth 0; "
+                        f"{AS_SOLVED})")
+    else:
+        info["hint"] = (f"the smallest feasible memory is {need} {problem.chain.memory_unit} "
+                        f"(the store-all sequence with everything offloaded; {AS_SOLVED})")
     return Result(PROBLEM, method, Status.INFEASIBLE, bound=math.inf,
                   memory_limit=disc.memory_limit, unit=disc.unit, min_feasible_memory=need,
                   report=info)
