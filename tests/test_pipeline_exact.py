@@ -1086,3 +1086,23 @@ def test_madpipe_stops_its_ladder_at_the_time_limit(monkeypatch):
     rungs = [a for a in r.report["attempts"] if "memory_factor" in a]
     assert [a["memory_factor"] for a in rungs] == [1.0, 0.95]
     assert rungs[-1]["phase2"] == "time limit reached"
+
+
+@pytest.mark.parametrize("method", ["cpsat", "ilp", "madpipe"])
+def test_exact_grid_fits_cpsat_integers(method: str) -> None:
+    """A chain at the contract's ranges (a 1e9 ms layer, a 2^46 B value at 1e15 B/s) solves.
+
+    Before: the exact grid of the transfer times (1 / 2.8e12) put the period's bounds at
+    2.8e21, beyond CP-SAT's 64-bit domains: a raw ``TypeError`` from OR-Tools escaped
+    ``solve`` (``madpipe`` and the ``ilp``'s MadPipe warm start too).
+    """
+    chain = Chain.from_lists([0.0, 1e9, 7.0], [0.1, 0.0, 1e-6], [0, 2**46, 1],
+                             [2**20, 2**46 + 2, 2**30 + 1], input_size=3,
+                             weight_size=[1000, 2, 2], loss_bwd_time=1e-6)
+    problem = PipelineProblem(chain, n_gpus=2, memory_per_gpu=140738563145735,
+                              bandwidth=1e15)
+    best = solve(problem, "contiguous", threads=1)
+    result = solve(problem, method, threads=1)
+    assert result.status.has_plan
+    assert result.bound <= best.objective * (1 + 1e-6)
+    assert result.objective == pytest.approx(best.objective, rel=1e-6)

@@ -94,6 +94,10 @@ Task = tuple[str, int]
 TIME_RESOLUTION = 1e-7
 """CP-SAT time grid, relative to the load bound (see :meth:`PipelineFormulation.time_scale`)."""
 
+MAX_SCALED_TIME = 2.0**50
+"""Largest scaled sum of durations for which :meth:`PipelineFormulation.time_scale` keeps an
+exact grid (CP-SAT's domains and sums are 64-bit integers)."""
+
 MAX_SECANTS = 64
 
 SLIM_FIXED = True
@@ -433,9 +437,15 @@ class PipelineFormulation:
         u = self.units
         values = [*u.f, *u.b, *u.dt]
         resolution = TIME_RESOLUTION * max(self.lower, 1e-12)
-        scale, exact = rational_time_scale(values, resolution=resolution)
+        # an exact grid finer than MAX_SCALED_TIME / (every duration summed) would put the
+        # period's bounds beyond CP-SAT's 64-bit domains (a raw TypeError before: period
+        # 1e9 ms on the exact grid 1 / 2.8e12 of a 2^46 B transfer at 1e15 B/s)
+        top = max(1.0, math.fsum(v for v in values if math.isfinite(v)))
+        max_scale = max(1, min(10**13, int(MAX_SCALED_TIME / top)))
+        scale, exact = rational_time_scale(values, resolution=resolution, max_scale=max_scale)
         if not exact:
-            scale, exact = rational_time_scale(values, resolution=resolution / 100)
+            scale, exact = rational_time_scale(values, resolution=resolution / 100,
+                                               max_scale=max_scale)
         return scale, exact
 
     # ------------------------------------------------------------ decode
