@@ -1106,3 +1106,23 @@ def test_exact_grid_fits_cpsat_integers(method: str) -> None:
     assert result.status.has_plan
     assert result.bound <= best.objective * (1 + 1e-6)
     assert result.objective == pytest.approx(best.objective, rel=1e-6)
+
+
+def test_period_bounds_without_a_grid_point_are_no_engine_error() -> None:
+    """A period bounded by lower = upper between two grid points is no CP-SAT fault.
+
+    One layer of 2e-9 + 5e-9 ms on 2 GPUs with 0 bytes each: the period is bounded by
+    7e-9 on both sides, on a grid of 7e-18 that has no point there. Before: the empty
+    domain was CP-SAT's ``MODEL_INVALID`` (``status: error``) where ``ilp`` proves the
+    instance infeasible; now ``no_solution`` (rounded times prove no infeasibility).
+    """
+    chain = Chain.from_lists([2e-9], [0.0], [2], [5], input_size=2, fwd_overhead=[3],
+                             bwd_overhead=[2], weight_size=[1], loss_bwd_time=5e-9)
+    problem = PipelineProblem(chain, n_gpus=2, memory_per_gpu=0)
+    assert solve(problem, "ilp", threads=1).status is Status.INFEASIBLE
+    result = solve(problem, "cpsat", threads=1)
+    assert result.status in (Status.INFEASIBLE, Status.NO_SOLUTION)
+    assert "engine_error" not in result.report
+    fits = solve(PipelineProblem(chain, n_gpus=2, memory_per_gpu=12), "cpsat", threads=1)
+    assert fits.status is Status.OPTIMAL
+    assert fits.objective == pytest.approx(7e-9)

@@ -759,8 +759,14 @@ def _cp_bound(v: Var, scale: int) -> tuple[int, int]:
     if v.kind is Kind.CONTINUOUS:
         lo, hi = lo * scale, hi * scale
     big = 2**62 // 4
-    return (max(-big, _ceil(lo)) if math.isfinite(lo) else -big,
-            min(big, _floor(hi)) if math.isfinite(hi) else big)
+    low = max(-big, _ceil(lo)) if math.isfinite(lo) else -big
+    high = min(big, _floor(hi)) if math.isfinite(hi) else big
+    if low > high and lo <= hi:
+        # no grid point between the two bounds (a period bounded by lower = upper = 7e-9 on
+        # a grid of 7e-18): the nearest one above, not an empty domain (CP-SAT's
+        # MODEL_INVALID, an engine error where the instance was only infeasible)
+        high = low
+    return low, high
 
 
 def to_cpsat(model: Model, scale: int = 1, objective_scale: int | None = None) -> CpsatModel:
