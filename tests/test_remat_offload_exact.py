@@ -1330,3 +1330,25 @@ def test_a_grid_ceiling_one_step_too_high_is_caught() -> None:
         assert lifted <= best.objective + 1e-9
         caught += lifted + 1 / scale > best.objective + 1e-9
     assert caught >= 1
+
+
+@pytest.mark.parametrize("factor", [1, 4])
+def test_cpsat_grid_fits_int64_at_the_contract_ranges(factor: int) -> None:
+    """A 1e9 ms stage beside a 3e-9 ms one (in the contract's ranges) solves with CP-SAT.
+
+    Before: the decimal grid 1e-6 of the rounded times put the model's domains beyond
+    int64 in sum, CP-SAT's ``MODEL_INVALID``: ``status: error`` at the store-all peak less
+    one (brute force and ``ilp``: infeasible), the warm start only (``feasible``, an
+    ``engine_error``) at four times it. Now the grid is coarser when the durations summed
+    are that large (``time_scale`` 100 here).
+    """
+    chain = Chain.from_lists([1e9, 3e-9], [1e9, 1e-6], [2**46, 7], [2**46 + 1, 2**30 + 7],
+                             input_size=2, loss_bwd_time=1e-6)
+    memory = chain.store_all_peak() - 1 if factor == 1 else factor * chain.store_all_peak()
+    problem = RematOffloadProblem(chain, memory, bandwidth=1e6)
+    brute = solve(problem, "brute")
+    result = solve(problem, "cpsat", threads=1)
+    assert "engine_error" not in result.report
+    assert result.status is brute.status
+    if brute.status is Status.OPTIMAL:
+        assert result.objective == pytest.approx(brute.objective, rel=1e-9)

@@ -60,6 +60,7 @@ from optmem.engines.results import engine_failure
 from optmem.errors import OptmemInputError, PlanError
 from optmem.models.checkpoint_ilp import write_model
 from optmem.models.formulation import (
+    MAX_DECIMALS,
     Expr,
     Kind,
     Model,
@@ -130,6 +131,9 @@ PLAIN_STAGE_DEFAULT = True
 RELAXATION_FIRST_DEFAULT = False
 HOST_STAGE_MAX_VALUES = 1200  # most per-value host binaries of the host stage (_host_stage_fits)
 MAX_RATIONAL_SCALE = 10**6  # largest exact CP-SAT time grid: never finer than the decimal one
+MAX_SCALED_HORIZON = 2.0**44
+"""Largest scaled sum of durations and transfer times of :func:`cpsat_time_scale`'s grid:
+room for 2^19 time variables (repeated forwards, each transfer twice) within int64."""
 # extra["dp_ladder"]: (grid, backlog_grid) pairs whose chapter 4 DP plans join the candidates
 # (strategy=full: none; benders: BENDERS_EXTRA) and extra["autocapper_candidate"] (full: off)
 DP_LADDER_DEFAULT: tuple[tuple[int, int], ...] = ()
@@ -596,8 +600,13 @@ def cpsat_time_scale(chain: Chain, beta: float) -> tuple[int, bool]:
     values = [*chain.fwd_time, *chain.bwd_time, chain.loss_bwd_time,
               *([v / beta for v in (chain.input_size, *chain.output_size, *chain.saved_size)]
                 if beta > 0 else [])]
-    decimal = time_scale(values)
-    rational = rational_time_scale(values, max_scale=MAX_RATIONAL_SCALE)
+    # every time variable lies below the durations summed; CP-SAT refuses a model whose
+    # domains add up beyond int64 (MODEL_INVALID on a 1e9 ms stage at the 1e-6 grid)
+    top = max(1.0, math.fsum(v for v in values if math.isfinite(v)))
+    finest = max(1, int(MAX_SCALED_HORIZON / top))
+    decimals = max(0, min(MAX_DECIMALS, int(math.floor(math.log10(finest)))))
+    decimal = time_scale(values, decimals)
+    rational = rational_time_scale(values, max_scale=min(MAX_RATIONAL_SCALE, finest))
     if rational[1] and (not decimal[1] or rational[0] < decimal[0]):
         return rational
     return decimal
