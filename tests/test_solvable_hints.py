@@ -186,3 +186,25 @@ def test_export_cpsat_model_proto(tmp_path, capsys, suffix: str) -> None:
     assert main(["export", "checkpoint", str(chain), "--memory", "30MB", "--method",
                  "ilp", "-o", str(wrong)]) == 2
     assert "expected a .mps or .lp" in capsys.readouterr().err and not wrong.exists()
+
+
+def test_hint_search_stops_when_no_coarser_unit_can_fit() -> None:
+    """More values than any unit's limit holds: the search ends after a few rounded solves.
+
+    ``need`` of 1,002 units at every unit (a 1,000-stage chain whose sizes round to one
+    unit each, 500 slots): no limit fits. Before, the search jumped through 200 units and
+    rounded the chain 402 times (``store_all`` on ``uniform_chain(1000)`` spent minutes on
+    its ``infeasible`` answer); now the first check against ``need(COARSEST)`` stops it.
+    """
+    from optmem.solvers.hints import smallest_solvable_limit
+
+    calls: list[int] = []
+
+    def need(unit: int) -> int:
+        calls.append(unit)
+        return 1002
+
+    assert smallest_solvable_limit(2002, need, slots=500) is None
+    assert len(calls) <= 3
+    fits = smallest_solvable_limit(100_000, lambda u: -(-100_000 // u) + 3, slots=500)
+    assert fits == 100701

@@ -27,6 +27,9 @@ PRECISION = 1e-3
 # how a hint qualifies its limit: a larger limit can round to fewer units and fail
 AS_SOLVED = "as solved: sizes rounded up to the discretisation unit of that limit"
 MAX_STEPS = 200
+COARSEST = 2**62
+"""A unit above every size of a chain (sizes add up to at most 2^50): every size is then
+one unit, or none."""
 
 
 def smallest_solvable_limit(
@@ -45,7 +48,10 @@ def smallest_solvable_limit(
         ``S`` of the discretisation.
     units_of_limit
         ``(M, unit) -> limit in units``; default ``M // unit`` (``dp:rotor`` keeps
-        ``min(S, M // unit)``).
+        ``min(S, M // unit)``). Its value at the largest limit of a unit must not grow
+        with the unit (both do not), and ``need`` must not grow with the unit (rounding
+        up to a coarser unit never adds units): the search stops as soon as
+        ``need(COARSEST)`` exceeds every coarser unit's largest limit.
 
     Examples
     --------
@@ -55,6 +61,8 @@ def smallest_solvable_limit(
     >>> m = smallest_solvable_limit(100_000, lambda u: -(-100_000 // u) + 3, slots=500)
     >>> m, m // unit_of(m, 500) >= -(-100_000 // unit_of(m, 500)) + 3
     (100701, True)
+    >>> print(smallest_solvable_limit(2002, lambda u: 1002, slots=500))  # 1,002 values
+    None
     """
     limit_units = units_of_limit or (lambda m, u: m // u)
     cache: dict[int, int | None] = {}
@@ -75,8 +83,13 @@ def smallest_solvable_limit(
     u = unit_of(max(0, low), slots)
     if at_unit(u) is not None:
         return at_unit(u)
+    # every size rounds to one unit of COARSEST: no coarser unit needs fewer units, and no
+    # coarser unit holds more than the limit with the largest M of its unit
+    floor = need(COARSEST)
     bad, good = u, None
     for _ in range(MAX_STEPS):  # jump up until a unit fits
+        if floor is not None and floor > limit_units(bad * slots + slots - 1, bad):
+            return None  # (1,002 one-unit values and 500 slots: 400 rounded solves before)
         n = need(bad)
         if n is None:
             return None
