@@ -1126,3 +1126,22 @@ def test_period_bounds_without_a_grid_point_are_no_engine_error() -> None:
     fits = solve(PipelineProblem(chain, n_gpus=2, memory_per_gpu=12), "cpsat", threads=1)
     assert fits.status is Status.OPTIMAL
     assert fits.objective == pytest.approx(7e-9)
+
+
+def test_resolution_keeps_the_grid_within_cpsat_integers() -> None:
+    """1e-6 ms layers beside 1.1e6 ms transfers (2^40 B at 1e9 B/s) get a grid CP-SAT holds.
+
+    Before: the grid's resolution, relative to the period's lower bound (3.5e-6), refined
+    it to 1 / 2.9e14, the transfer rows reached -3.1e20 and a raw ``TypeError`` escaped
+    ``solve`` (``ilp`` and ``contiguous``: infeasible).
+    """
+    size = 2**40
+    chain = Chain.from_lists([1e-6] * 3, [1e-6] * 3, [size] * 3, [2 * size] * 3,
+                             input_size=size, fwd_overhead=[size] * 3,
+                             bwd_overhead=[size] * 3, weight_size=[size] * 3,
+                             loss_bwd_time=1e-6)
+    problem = PipelineProblem(chain, n_gpus=2, memory_per_gpu=10 * size - 1, bandwidth=1e9)
+    assert solve(problem, "ilp", threads=1).status is Status.INFEASIBLE
+    result = solve(problem, "cpsat", threads=1)
+    assert result.status in (Status.INFEASIBLE, Status.NO_SOLUTION)
+    assert result.report["time_scale"] * 2 * size / 1e6 < 2**62

@@ -699,7 +699,7 @@ def rational_time_scale(values: Iterable[float], *, resolution: float | None = N
     smallest integer making ``1 / s <= resolution`` (a finer grid keeps values that the data
     do not fix, such as a period ``D / k``, within one grid step of their true value). When
     ``s`` would exceed ``max_scale``, the result is ``10**MAX_DECIMALS`` (refined the same
-    way) and ``False``.
+    way; ``max_scale`` if smaller) and ``False``.
 
     Examples
     --------
@@ -724,7 +724,7 @@ def rational_time_scale(values: Iterable[float], *, resolution: float | None = N
     exact = lcm is not None
     scale = lcm if lcm is not None else 1
     if not exact:
-        scale = 10**MAX_DECIMALS
+        scale = min(10**MAX_DECIMALS, max_scale)
     if resolution is not None and resolution > 0 and 1 / scale > resolution:
         scale *= math.ceil(1 / (scale * resolution) - 1e-12)
     return scale, exact

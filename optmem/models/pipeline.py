@@ -436,15 +436,18 @@ class PipelineFormulation:
         """
         u = self.units
         values = [*u.f, *u.b, *u.dt]
-        resolution = TIME_RESOLUTION * max(self.lower, 1e-12)
-        # an exact grid finer than MAX_SCALED_TIME / (every duration summed) would put the
-        # period's bounds beyond CP-SAT's 64-bit domains (a raw TypeError before: period
-        # 1e9 ms on the exact grid 1 / 2.8e12 of a 2^46 B transfer at 1e15 B/s)
+        # a grid finer than MAX_SCALED_TIME / (every duration summed) would put the period's
+        # bounds and rows beyond CP-SAT's 64-bit integers (a raw TypeError before: period
+        # 1e9 ms on the exact grid 1 / 2.8e12 of a 2^46 B transfer at 1e15 B/s; 1e-6 ms
+        # layers beside 1.1e6 ms transfers refined to 1 / 2.9e14 by the resolution)
         top = max(1.0, math.fsum(v for v in values if math.isfinite(v)))
+        coarsest = top / MAX_SCALED_TIME
         max_scale = max(1, min(10**13, int(MAX_SCALED_TIME / top)))
+        resolution = max(TIME_RESOLUTION * max(self.lower, 1e-12), coarsest)
         scale, exact = rational_time_scale(values, resolution=resolution, max_scale=max_scale)
         if not exact:
-            scale, exact = rational_time_scale(values, resolution=resolution / 100,
+            scale, exact = rational_time_scale(values, resolution=max(resolution / 100,
+                                                                      coarsest),
                                                max_scale=max_scale)
         return scale, exact
 
