@@ -1145,3 +1145,23 @@ def test_resolution_keeps_the_grid_within_cpsat_integers() -> None:
     result = solve(problem, "cpsat", threads=1)
     assert result.status in (Status.INFEASIBLE, Status.NO_SOLUTION)
     assert result.report["time_scale"] * 2 * size / 1e6 < 2**62
+
+
+def test_relaxation_grid_fits_cpsat_integers() -> None:
+    """The relaxation's bisection and the decomposition use the model's capped grid.
+
+    Backward times of 1e9 ms beside 0.1 ms ones: the relaxation's own grid (1 / 1.3e11)
+    put its period at 2.6e20, and a raw ``TypeError`` escaped ``solve`` (``cpsat`` and the
+    ``ilp``) after the model's grid was capped.
+    """
+    chain = Chain.from_lists([1e6, 0.0, 1e3], [1e9, 0.1, 1e9], [2, 7, 2], [5, 2**40 + 7, 2],
+                             input_size=0, fwd_overhead=[0, 2**20, 3], bwd_overhead=[3, 1, 1],
+                             weight_size=[0, 7, 2**20], loss_bwd_time=0.1)
+    problem = PipelineProblem(chain, n_gpus=2, memory_per_gpu=1099512676364, bandwidth=1e9)
+    best = solve(problem, "contiguous", threads=1)
+    for method in ("cpsat", "ilp"):
+        result = solve(problem, method, threads=1)
+        assert result.status is Status.OPTIMAL
+        assert result.objective <= best.objective * (1 + 1e-9)
+    benders = solve(problem, "cpsat", threads=1, extra={"strategy": "benders"})
+    assert benders.status.has_plan

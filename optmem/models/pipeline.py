@@ -95,8 +95,38 @@ TIME_RESOLUTION = 1e-7
 """CP-SAT time grid, relative to the load bound (see :meth:`PipelineFormulation.time_scale`)."""
 
 MAX_SCALED_TIME = 2.0**50
-"""Largest scaled sum of durations for which :meth:`PipelineFormulation.time_scale` keeps an
-exact grid (CP-SAT's domains and sums are 64-bit integers)."""
+"""Largest scaled sum of durations of :func:`grid_scale` (CP-SAT's domains and sums are
+64-bit integers)."""
+
+
+def grid_scale(values: list[float], lower: float, *, refine: bool = True) -> tuple[int, bool]:
+    """CP-SAT grid of a pipeline's durations: exact, at most ``TIME_RESOLUTION`` of ``lower``.
+
+    Durations that no grid makes exact are rounded on a grid 100 times finer (``refine``;
+    the model's grid), so that the rounding along a cycle stays far below the optimality
+    tolerance. No grid is finer than
+    the durations summed over :data:`MAX_SCALED_TIME`: beyond, the period's bounds and rows
+    leave CP-SAT's 64-bit integers (a raw ``TypeError`` before stop 52: a period of 1e9 ms
+    on the exact grid 1 / 2.8e12 of a 2^46 B transfer at 1e15 B/s; 1e-6 ms layers beside
+    1.1e6 ms transfers refined to 1 / 2.9e14 by the resolution). The one grid of the model,
+    the relaxation's bisection and the decomposition.
+
+    Examples
+    --------
+    >>> grid_scale([1.0, 0.5], 1.5)  # the grid 1/2, refined to 1e-7 of 1.5
+    (6666668, True)
+    >>> grid_scale([1e9, 70368.744177664], 1e9)[0] <= 2**50 / (1e9 + 70368.744177664)
+    True
+    """
+    top = max(1.0, math.fsum(v for v in values if math.isfinite(v)))
+    coarsest = top / MAX_SCALED_TIME
+    max_scale = max(1, min(10**13, int(MAX_SCALED_TIME / top)))
+    resolution = max(TIME_RESOLUTION * max(lower, 1e-12), coarsest)
+    scale, exact = rational_time_scale(values, resolution=resolution, max_scale=max_scale)
+    if refine and not exact:
+        scale, exact = rational_time_scale(values, resolution=max(resolution / 100, coarsest),
+                                           max_scale=max_scale)
+    return scale, exact
 
 MAX_SECANTS = 64
 
@@ -435,21 +465,7 @@ class PipelineFormulation:
         the rounding along a cycle stays far below the optimality tolerance.
         """
         u = self.units
-        values = [*u.f, *u.b, *u.dt]
-        # a grid finer than MAX_SCALED_TIME / (every duration summed) would put the period's
-        # bounds and rows beyond CP-SAT's 64-bit integers (a raw TypeError before: period
-        # 1e9 ms on the exact grid 1 / 2.8e12 of a 2^46 B transfer at 1e15 B/s; 1e-6 ms
-        # layers beside 1.1e6 ms transfers refined to 1 / 2.9e14 by the resolution)
-        top = max(1.0, math.fsum(v for v in values if math.isfinite(v)))
-        coarsest = top / MAX_SCALED_TIME
-        max_scale = max(1, min(10**13, int(MAX_SCALED_TIME / top)))
-        resolution = max(TIME_RESOLUTION * max(self.lower, 1e-12), coarsest)
-        scale, exact = rational_time_scale(values, resolution=resolution, max_scale=max_scale)
-        if not exact:
-            scale, exact = rational_time_scale(values, resolution=max(resolution / 100,
-                                                                      coarsest),
-                                               max_scale=max_scale)
-        return scale, exact
+        return grid_scale([*u.f, *u.b, *u.dt], self.lower)
 
     # ------------------------------------------------------------ decode
     def decode(self, values: Sequence[float]) -> PipelinePlan:

@@ -86,12 +86,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from optmem.engines import adapters as engines
-from optmem.models.formulation import Expr, rational_time_scale, to_cpsat
+from optmem.models.formulation import Expr, to_cpsat
 from optmem.models.pipeline import (
-    TIME_RESOLUTION,
     Units,
     build_relaxation,
     first_use,
+    grid_scale,
     isolate_units,
     make_units,
     trim_units,
@@ -174,8 +174,8 @@ class Benders:
     def __post_init__(self) -> None:
         self.units = make_units(self.problem)
         low = lower_bound(self.problem)
-        self.scale, _ = rational_time_scale([*self.units.f, *self.units.b, *self.units.dt],
-                                            resolution=TIME_RESOLUTION * low)
+        self.scale, _ = grid_scale([*self.units.f, *self.units.b, *self.units.dt], low,
+                                   refine=False)
 
     # ------------------------------------------------------------ limits
     def left(self) -> float | None:

@@ -56,8 +56,8 @@ from typing import Any, NamedTuple
 from optmem.engines import adapters as engines
 from optmem.engines.results import engine_failure
 from optmem.errors import OptmemInputError
-from optmem.models.formulation import rational_time_scale, to_cpsat
-from optmem.models.pipeline import TIME_RESOLUTION, build_relaxation, make_units
+from optmem.models.formulation import to_cpsat
+from optmem.models.pipeline import build_relaxation, grid_scale, make_units
 from optmem.pipeline_plan import PipelinePlan
 from optmem.problems.pipeline import PipelineProblem
 from optmem.result import Result, SolveOptions, Status
@@ -125,8 +125,7 @@ def relaxation_bound(problem: PipelineProblem, upper: float, options: SolveOptio
     """
     units = make_units(problem)
     low = lower_bound(problem)
-    scale, _ = rational_time_scale([*units.f, *units.b, *units.dt],
-                                   resolution=TIME_RESOLUTION * low)
+    scale, _ = grid_scale([*units.f, *units.b, *units.dt], low, refine=False)
     lo, hi = math.floor(low * scale) - 1, math.floor(upper * scale)
     probe = math.floor(upper * scale * (1 - OPTIMALITY_TOLERANCE / 2))
     deadline = None if time_limit_s is None else time.perf_counter() + time_limit_s
