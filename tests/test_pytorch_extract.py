@@ -886,3 +886,49 @@ def test_a_stage_writing_into_the_model_input_is_refused(head, stage, through):
         op.checkpoint(net, x, memory_limit="min", repeats=1, warmup=0)
     assert info.value.stage == stage and info.value.field == "module"
     assert torch.equal(x, before)
+
+
+class _ReturnsItsState(nn.Module):
+    """Returns one of its own tensors beside the logits (a temperature, a codebook)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__()
+        self.what = what
+        self.lins = nn.ModuleList(nn.Linear(4, 4) for _ in range(4))
+        self.head = nn.Linear(4, 2)
+        self.register_buffer("codebook", torch.randn(3, 4))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        for lin in self.lins:
+            x = x + torch.tanh(lin(x))
+        state = self.head.weight if self.what == "parameter" else self.codebook
+        return self.head(x), state
+
+
+@pytest.mark.parametrize("extract", ["export", "fx"])
+@pytest.mark.parametrize("what", ["parameter", "buffer"])
+@pytest.mark.parametrize("kind", ["checkpoint", "offload", "remat_offload"])
+def test_a_parameter_or_buffer_the_model_returns_is_that_tensor(kind, what, extract):
+    """Before (stop 52): a model returning one of its parameters or buffers as an output
+    wrapped, and then every call failed with a raw ``KeyError: 'head_weight'`` (the output
+    layout read it from the side inputs, which never computed it). Now the side program
+    returns it: the output is the model's own tensor, and a loss on it gives the model's
+    gradients, bitwise."""
+    import optmem.pytorch as op
+
+    torch.manual_seed(0)
+    net, x = _ReturnsItsState(what), torch.randn(6, 4)
+    logits, state = net(x)
+    (logits.square().sum() + state.square().sum()).backward()
+    ref = [p.grad.clone() for p in net.parameters()]
+    options = {} if kind == "checkpoint" else {"bandwidth": "1GB/s"}
+    wrapped = getattr(op, kind)(net, x, memory_limit="60%", repeats=1, warmup=0,
+                                fast_path=False, extract=extract, **options)
+    for _ in range(2):
+        net.zero_grad()
+        out, got = wrapped(x)
+        assert got is state
+        torch.testing.assert_close(out, logits, rtol=0, atol=0)
+        (out.square().sum() + got.square().sum()).backward()
+        for a, b in zip(ref, (p.grad for p in net.parameters()), strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -842,8 +842,9 @@ def _program(gm: fx.GraphModule, model: nn.Module, flat: list[Any], *, method: s
                            detailed=method == "export")
     output_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     needed = [a for st in cut.stages for n in st for a in n.all_input_nodes]
-    needed += [n for n in _flat_graph_nodes(output_node.args[0])]
-    side = build_side_program(gm, model, cut.kinds, needed)
+    returned = _flat_graph_nodes(output_node.args[0])
+    needed += returned
+    side = build_side_program(gm, model, cut.kinds, needed, returned)
     layout = output_layout(output_node, cut.outputs, cut.kinds, spec=out_spec)
     ext = Extraction(_unique_names(stages), side, layout, method, in_spec, signature,
                      names, tensor_positions)

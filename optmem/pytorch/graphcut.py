@@ -937,14 +937,19 @@ class SideProgram(nn.Module):
 
 
 def build_side_program(gm: fx.GraphModule, model: nn.Module | None,
-                       kinds: dict[fx.Node, str], needed: Iterable[fx.Node]) -> SideProgram:
+                       kinds: dict[fx.Node, str], needed: Iterable[fx.Node],
+                       returned: Iterable[fx.Node] = ()) -> SideProgram:
     """The side nodes that stages or the output read, plus side nodes that write state.
 
     Value assertions that read side values only (a check on the labels) run here too,
-    before any stage (:mod:`optmem.pytorch.branches`).
+    before any stage (:mod:`optmem.pytorch.branches`). A parameter or buffer in
+    ``returned`` (the nodes the model output holds) is an output of the program too: the
+    model returns that tensor itself (a learned temperature, a codebook), and the stages
+    read their own copies of the state they use.
     """
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     wanted = {n for n in needed if kinds.get(n) == SIDE and n.op != "placeholder"}
+    wanted |= {n for n in returned if kinds.get(n) == STATE}
     effects = [n for n in gm.graph.nodes if kinds.get(n) == SIDE
                and (written_args(n, gm) or is_value_assert(n))]
     keep: set[fx.Node] = set()
