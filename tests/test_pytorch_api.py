@@ -771,3 +771,112 @@ def test_checkpoint_only_methods_name_their_wrapper_not_the_model(kind):
     with pytest.raises(AttributeError, match="'Sequential' object has no attribute 'nope'"):
         wrapped.nope  # noqa: B018 - other names still reach the model
     assert wrapped.summary()  # a method of every wrapper
+
+
+class _NoisyLayer(nn.Module):
+    """Adds noise drawn from a generator it holds (noise injection, diffusion timesteps)."""
+
+    def __init__(self, gen: torch.Generator) -> None:
+        super().__init__()
+        self.lin, self.gen = nn.Linear(8, 8), gen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x)) + 0.1 * torch.randn(x.shape, generator=self.gen)
+
+
+class _NoisyNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(5)
+        self.layers = nn.ModuleList(_NoisyLayer(gen) for _ in range(5))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def _own_generators(model: nn.Module) -> list[torch.Generator]:
+    return list({id(v): v for m in model.modules() for v in vars(m).values()
+                 if isinstance(v, torch.Generator)}.values())
+
+
+@pytest.mark.parametrize("sequential", [False, True], ids=["exported", "sequential"])
+@pytest.mark.parametrize("kind", ["checkpoint", "offload", "remat_offload"])
+def test_a_generator_the_model_holds_is_drawn_as_in_the_plain_model(kind, sequential):
+    """Before (stop 52): a model drawing from a ``torch.Generator`` of its own
+    (``torch.randn(..., generator=self.gen)``) found it advanced by wrapping (profiling
+    and the plain-step measurement drew from it: other noise at every later step, all
+    three one-liners), and a checkpoint plan's re-runs drew fresh noise instead of the
+    first run's: gradients 0.6 to 3.6 off in silence. Now wrapping puts the model's
+    generators back, and a re-run restores them as it restores the global RNG: the
+    gradients and the generators' states are the plain model's, bitwise, at every step
+    (re-running plans: checkpoint at its smallest limit, remat + offload over a link of
+    1 B/s)."""
+    import copy
+
+    torch.manual_seed(0)
+    base = _NoisyNet()
+    if sequential:
+        base = nn.Sequential(*base.layers, base.head)
+    plain, model = copy.deepcopy(base), copy.deepcopy(base)
+    x = torch.randn(4, 8)
+    options = {"checkpoint": {"memory_limit": "min"},
+               "offload": {"memory_limit": "60%", "bandwidth": "1GB/s"},
+               "remat_offload": {"memory_limit": "60%", "bandwidth": 1.0}}[kind]
+    wrapped = getattr(op, kind)(model, x, repeats=1, warmup=0, fast_path=False, **options)
+    if kind != "offload":
+        assert any(o.startswith(("F_ck", "F_none")) for o in wrapped.result.plan)
+    mine, theirs = _own_generators(model), _own_generators(plain)
+    assert len(mine) == 1
+    assert torch.equal(mine[0].get_state(), theirs[0].get_state())  # wrapping drew nothing
+    for _ in range(2):
+        plain(x).square().sum().backward()
+        wrapped(x).square().sum().backward()
+        for p, q in zip(plain.parameters(), model.parameters(), strict=True):
+            torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0)
+        assert torch.equal(mine[0].get_state(), theirs[0].get_state())
+        plain.zero_grad()
+        model.zero_grad()
+
+
+class _NoiseFromTheCall(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lins = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        for lin in self.lins:
+            x = torch.tanh(lin(x)) + 0.1 * torch.randn(x.shape, generator=generator)
+        return self.head(x)
+
+
+def test_a_generator_passed_in_the_call_is_drawn_as_in_the_plain_model():
+    """Before (stop 52): a ``generator=`` argument was advanced by wrapping (on the
+    sample's generator) and by the extraction and profiling of every new signature (a new
+    generator object is one), before the step drew from it: each step's noise was
+    another, gradients 0.56-0.68 off in silence. Now those runs put it back: the same
+    generator at every call, or a new one per call (each extracted again, as any new
+    Python value of a call), trains as the plain model, bitwise."""
+    import copy
+
+    torch.manual_seed(0)
+    plain = _NoiseFromTheCall()
+    model = copy.deepcopy(plain)
+    x = torch.randn(4, 8)
+    kept, kept_plain = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    wrapped = op.checkpoint(model, {"x": x, "generator": kept}, memory_limit="min",
+                            repeats=1, warmup=0, fast_path=False)
+    assert any(o.startswith(("F_ck", "F_none")) for o in wrapped.result.plan)
+    assert torch.equal(kept.get_state(), kept_plain.get_state())
+    fresh = [(torch.Generator().manual_seed(s), torch.Generator().manual_seed(s)) for s in (4, 5)]
+    for mine, theirs in [(kept, kept_plain), (kept, kept_plain), *fresh]:
+        plain(x, generator=theirs).square().sum().backward()
+        wrapped(x, generator=mine).square().sum().backward()
+        for p, q in zip(plain.parameters(), model.parameters(), strict=True):
+            torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0)
+        assert torch.equal(mine.get_state(), theirs.get_state())
+        plain.zero_grad()
+        model.zero_grad()

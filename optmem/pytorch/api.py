@@ -521,7 +521,7 @@ def profile_chain(module: nn.Module | Sequence[nn.Module | Stage], sample: Any, 
         raise OptmemInputError(f"profile_chain of an exported model does not take "
                                f"{', '.join(sorted(unknown))}", field="options")
     args, kw = canonical_call(module, *call_of(sample))
-    with leaves_no_trace(module):
+    with leaves_no_trace(module, (args, kw)):
         ext = extract_program(module, args, kw, method=extract, allow_single=True)
         flat = ext.flatten(args, kw)
         stages = ext.stages
@@ -587,7 +587,7 @@ def submodule_sample(model: nn.Module, submodule: str | nn.Module, *args: Any,
 
     handle = part.register_forward_pre_hook(grab, with_kwargs=True)
     try:
-        with leaves_no_trace(model):
+        with leaves_no_trace(model, (args, kwargs)):
             model(*args, **kwargs)
     except _Captured:
         pass

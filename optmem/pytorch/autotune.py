@@ -219,7 +219,7 @@ def time_candidates(cmodel: PlannedModule, sample: Any, cands: Sequence[Candidat
         t for t in _tensors(sample) if t.is_leaf and t.requires_grad]
     before = list(cmodel.plan)
     try:
-        with leaves_no_trace(model), gradients_restored(leaves):
+        with leaves_no_trace(model, sample), gradients_restored(leaves):
             for r in range(warmup + rounds):
                 shift = r % len(cands)
                 for cand in [*cands[shift:], *cands[:shift]]:

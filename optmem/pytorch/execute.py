@@ -25,9 +25,10 @@ Memory follows the simulator's rules (``optmem/simulate/checkpoint.py``):
 Differences from rotor, all making the checkpointed module compute *exactly* what the
 unmodified one does:
 
-* The RNG state (CPU and the CUDA devices of the input) is saved before the first run of
-  every stage the plan runs more than once, and restored (inside ``fork_rng``) before each
-  re-run, whatever the op kinds; the global RNG advances exactly as without the plan.
+* The RNG state (CPU and the CUDA devices of the input, and the ``torch.Generator`` objects
+  the stage's modules hold) is saved before the first run of every stage the plan runs more
+  than once, and restored (inside ``fork_rng``) before each re-run, whatever the op kinds;
+  the global RNG and the stages' generators advance exactly as without the plan.
 * A re-run stage runs on scratch copies of its buffers (BatchNorm running statistics), so
   the statistics are updated once per step, as in the unmodified module.
 * The autocast state of the forward is re-entered for re-runs in the backward.
@@ -94,7 +95,7 @@ from optmem.pytorch.context import (
     side_inputs,
 )
 from optmem.pytorch.extract import Stage, value_tensors
-from optmem.pytorch.hooks import quiet_gradient_hooks
+from optmem.pytorch.hooks import generators_restored, module_generators, quiet_gradient_hooks
 from optmem.pytorch.joint import JointStage, dead_outputs
 
 __all__ = ["FULLGRAPH_REASON", "CheckpointedChain", "CompileRequest", "StageCalls", "add_monitor",
@@ -427,17 +428,25 @@ def _scratch_buffers(modules: Sequence[nn.Module],
 
 
 class _RngState:
-    """CPU and CUDA generator states taken before the first run of a stage."""
+    """CPU, CUDA and the stage's own generator states taken before the first run of a stage.
 
-    def __init__(self, devices: list[int]) -> None:
+    ``generators`` are those the stage's modules hold
+    (:func:`~optmem.pytorch.hooks.module_generators`: a model drawing with
+    ``generator=self.gen``), which ``fork_rng`` does not save.
+    """
+
+    def __init__(self, devices: list[int], generators: Sequence[torch.Generator] = ()) -> None:
         self.devices = devices
         self.cpu = torch.get_rng_state()
         self.cuda = [torch.cuda.get_rng_state(d) for d in devices]
+        self.generators = [(g, g.get_state()) for g in generators]
 
     def restore(self) -> None:
         torch.set_rng_state(self.cpu)
         for d, s in zip(self.devices, self.cuda, strict=True):
             torch.cuda.set_rng_state(s, d)
+        for g, state in self.generators:
+            g.set_state(state)
 
 
 
@@ -662,6 +671,7 @@ class PlanRunner:
         counts = Counter(op.stage for op in plan if op.kind is not OpKind.B and op.stage)
         self.rerun = {s for s, c in counts.items() if c > 1}
         self.rng: dict[int, _RngState] = {}
+        self.generators: dict[int, list[torch.Generator]] = {}  # the stages' own (re-runs)
         self.buffers: dict[int, _BufferSnapshot] = {}  # re-run stages' buffers, before
         self.bound: dict[int, _Parameters] = {}  # re-run stages' parameters at the first run
         self.ran: set[int] = set()
@@ -746,6 +756,12 @@ class PlanRunner:
             if runs:
                 self.fusion = _split_runs(runs, self.stage_params, self.accumulating)
 
+    def _generators(self, i: int) -> list[torch.Generator]:
+        """The generators stage ``i``'s modules hold (found once per run of the plan)."""
+        if i not in self.generators:
+            self.generators[i] = module_generators(self.owner.stage_modules()[i - 1])
+        return self.generators[i]
+
     # -------------------------------------------------------------- ops
     def _run_stage(self, op: Op) -> None:
         i = op.stage
@@ -760,12 +776,13 @@ class PlanRunner:
                 stack.enter_context(side_inputs(self.context))
             if not first:
                 stack.enter_context(torch.random.fork_rng(devices=self.devices, enabled=True))
+                stack.enter_context(generators_restored(self._generators(i)))
                 if i in self.rng:
                     self.rng[i].restore()
                 for device_type, dtype in self.autocast:
                     stack.enter_context(torch.autocast(device_type, dtype=dtype))
             elif self.owner.preserve_rng_state and i in self.rerun:
-                self.rng[i] = _RngState(self.devices)
+                self.rng[i] = _RngState(self.devices, self._generators(i))
             if not first and i in self.bound:
                 stack.enter_context(self.bound[i].bound())
             elif i in self.rerun and i not in self.accumulating:  # an FSDP unit swaps its own

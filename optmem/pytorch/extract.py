@@ -75,7 +75,9 @@ from optmem.pytorch.hooks import (
     buffers_restored,
     callers_tools_suspended,
     check_module_hooks,
+    generators_restored,
     host_random_restored,
+    module_generators,
     random_config,
     refuse_python_random,
     refuse_tensor_hooks,
@@ -579,7 +581,8 @@ def called_modules(model: nn.Module, args: tuple[Any, ...],
                       if t.is_cuda})
     try:
         with callers_tools_suspended(), torch.random.fork_rng(devices=devices), \
-                host_random_restored(), buffers_restored([model]), torch.no_grad():
+                generators_restored(module_generators(model)), host_random_restored(), \
+                buffers_restored([model]), torch.no_grad():
             # registered inside: the suspension takes the global hooks away meanwhile
             handle = nn.modules.module.register_module_forward_pre_hook(note)
             try:

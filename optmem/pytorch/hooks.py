@@ -47,7 +47,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 from optmem.errors import OptmemInputError
 
 __all__ = ["buffers_restored", "callers_tools_suspended", "check_backward_hooks",
-           "check_module_hooks", "has_module_hooks", "host_random_restored", "quiet_gradient_hooks",
+           "check_module_hooks", "generators_restored", "has_module_hooks",
+           "host_random_restored", "module_generators", "quiet_gradient_hooks",
            "random_config", "refuse_python_random", "refuse_tensor_hooks",
            "warn_container_hooks", "warn_forward_hooks"]
 
@@ -209,6 +210,52 @@ def host_random_restored() -> Iterator[None]:
     finally:
         random.setstate(state)
         np.random.set_state(numpy_state)  # noqa: NPY002
+
+
+def module_generators(modules: nn.Module | Iterable[nn.Module]) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects that ``modules`` (and their submodules) hold, once each.
+
+    A model may draw from a generator of its own (``torch.randn(..., generator=self.gen)``:
+    noise injection, diffusion timesteps). ``torch.export`` keeps that object as a constant
+    of the graph (``lifted_custom_0``), so a stage holds the model's generator itself.
+    Unlike the global RNG, no ``fork_rng`` saves it: whoever runs the model's code
+    without it counting (profiling, a re-run) must put these states back.
+
+    Parameters
+    ----------
+    modules
+        A module, or modules (their submodules are searched too).
+
+    Returns
+    -------
+    list of torch.Generator
+        The generators found in the modules' attributes, in module order.
+    """
+    roots = [modules] if isinstance(modules, nn.Module) else list(modules)
+    found: dict[int, torch.Generator] = {}
+    for root in roots:
+        for sub in root.modules():
+            for value in vars(sub).values():
+                if isinstance(value, torch.Generator):
+                    found.setdefault(id(value), value)
+    return list(found.values())
+
+
+@contextmanager
+def generators_restored(generators: Iterable[torch.Generator]) -> Iterator[None]:
+    """Within: the states of ``generators`` (see :func:`module_generators`) are put back on exit.
+
+    Parameters
+    ----------
+    generators
+        The generators to restore (``torch.random.fork_rng`` does the global ones).
+    """
+    saved = [(g, g.get_state()) for g in generators]
+    try:
+        yield
+    finally:
+        for g, state in saved:
+            g.set_state(state)
 
 
 def _numpy_state() -> tuple[Any, ...]:

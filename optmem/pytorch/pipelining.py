@@ -187,7 +187,7 @@ class _Program:
             raise OptmemInputError(f"expected an nn.Module or a list of modules, got "
                                    f"{type(model).__name__}", field="module")
         args, kwargs = canonical_call(model, *call_of(sample))
-        with leaves_no_trace(model):
+        with leaves_no_trace(model, (args, kwargs)):
             ext = extract_program(model, args, kwargs, method=extract, allow_single=True)
         ext.rebind()
         flat = ext.flatten(args, kwargs)

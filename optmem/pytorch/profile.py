@@ -78,6 +78,7 @@ from optmem.errors import OptmemInputError
 from optmem.plan import parse_plan
 from optmem.pytorch.execute import run_in_order
 from optmem.pytorch.extract import Stage, extract_stages, merge_stages, value_tensors
+from optmem.pytorch.hooks import generators_restored, module_generators
 from optmem.pytorch.memory import (
     StorageTrace,
     buffers_restored,
@@ -693,7 +694,7 @@ def profile_stages(
     fork_devices = _rng_devices(dev)
     try:
         with torch.random.fork_rng(devices=fork_devices, enabled=True), \
-                gradients_restored(params), \
+                generators_restored(module_generators(modules)), gradients_restored(params), \
                 buffers_restored(modules if not meta else []):  # only what changed
             for p in params:  # backward would accumulate into the caller's gradients otherwise
                 p.grad = None
@@ -1059,7 +1060,8 @@ def merge_inplace_writers(stages: Sequence[Stage], sample: Any,
     groups: list[tuple[int, int]] = []
     starts: list[Any] = []  # the input of every group
     x = sample
-    with torch.random.fork_rng(devices=fork), buffers_restored(modules), torch.enable_grad():
+    with torch.random.fork_rng(devices=fork), generators_restored(module_generators(modules)), \
+            buffers_restored(modules), torch.enable_grad():
         for k in range(len(stages)):
             before = list(groups)
             first, value = k, x

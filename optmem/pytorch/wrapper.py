@@ -104,7 +104,12 @@ from optmem.pytorch.extract import (
     merge_stages,
     value_tensors,
 )
-from optmem.pytorch.hooks import callers_tools_suspended, warn_container_hooks
+from optmem.pytorch.hooks import (
+    callers_tools_suspended,
+    generators_restored,
+    module_generators,
+    warn_container_hooks,
+)
 from optmem.pytorch.memory import buffers_restored, storage_bytes
 from optmem.pytorch.planning import Planner, refuse_second_copies
 from optmem.result import Result, Status
@@ -1131,7 +1136,7 @@ class PlannedModule(nn.Module):
                 return None  # export specialises sizes 0 and 1: such a call on its own
             _log.info("optmem: %s called with other sizes: exporting once with dimensions "
                       "%s dynamic", type(self._optmem_module).__name__, sorted(dims))
-            with leaves_no_trace(self._optmem_module):
+            with leaves_no_trace(self._optmem_module, (args, kwargs)):
                 ext = export_dynamic(self._optmem_module, args, kwargs, sorted(dims))
             if ext is None or ext.accepts is None or not ext.accepts(args, kwargs):
                 family.refused.add(dims)
@@ -1685,18 +1690,23 @@ def memory_layout(t: torch.Tensor) -> str | tuple[int, ...]:
 
 # ------------------------------------------------------------------ variants
 @contextmanager
-def leaves_no_trace(module: nn.Module) -> Iterator[None]:
+def leaves_no_trace(module: nn.Module, call: Any = None) -> Iterator[None]:
     """Restore the buffers and the CPU/CUDA RNG state of ``module`` on exit.
 
     Extracting and profiling run the model's code (BatchNorm statistics and counters,
     random draws): the model must not notice, not even through the version counters of
-    buffers that code only read (:func:`~optmem.pytorch.memory.buffers_restored`). Nor must
-    the caller's tools (``FlopCounterMode``, ``MemTracker``): they are suspended within
+    buffers that code only read (:func:`~optmem.pytorch.memory.buffers_restored`), or the
+    states of the generators it holds (:func:`~optmem.pytorch.hooks.module_generators`) or
+    that ``call`` (the arguments extracted or profiled on) passes it
+    (``generator=torch.Generator()``). Nor must the caller's tools (``FlopCounterMode``,
+    ``MemTracker``): they are suspended within
     (:func:`~optmem.pytorch.hooks.callers_tools_suspended`).
     """
     devices = sorted({b.device.index or 0 for b in module.buffers() if b.is_cuda})
+    generators = module_generators(module)
+    generators += [v for v in tree_flatten(call)[0] if isinstance(v, torch.Generator)]
     with callers_tools_suspended(), torch.random.fork_rng(devices=devices), \
-            buffers_restored([module]):
+            generators_restored(generators), buffers_restored([module]):
         yield
 
 
@@ -1729,7 +1739,7 @@ def _extract_variant(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
                      name: str, like: _Variant | None,
                      solve: Callable[[Chain], Result] | None = None,
                      ext: Extraction | None = None, local: bool = False) -> _Variant:
-    with leaves_no_trace(module):
+    with leaves_no_trace(module, (args, kwargs)):
         if ext is None:
             ext = extract_program(module, args, kwargs, method=profile.extract)
         flat = ext.flatten(args, kwargs)
@@ -1809,7 +1819,7 @@ def plain_measure(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
         return out if loss_fn is None else loss_fn(out)
 
     def measure() -> int | None:
-        with leaves_no_trace(module):
+        with leaves_no_trace(module, (args, kwargs)):
             return plain_step_peak(call, module, (args, kwargs))
 
     return measure
