@@ -880,3 +880,31 @@ def test_a_generator_passed_in_the_call_is_drawn_as_in_the_plain_model():
         assert torch.equal(mine.get_state(), theirs.get_state())
         plain.zero_grad()
         model.zero_grad()
+
+
+def test_a_copy_of_the_wrapper_draws_from_the_copied_models_generator():
+    """Before (stop 52): export lifts the model's generator as a second Python object on
+    its state, so ``copy.deepcopy`` of the wrapper gave the copy's stages a generator of
+    their own, apart from the copied model's: reseeding the copy's model (or drawing from
+    it in a call under ``no_grad``, which runs the model) changed nothing for the stages,
+    whose noise went on from the old state. Now the stages hold the model's generator
+    object itself, and the copy copies one."""
+    import copy
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    wrapped = op.checkpoint(_NoisyNet(), x, memory_limit="min", repeats=1, warmup=0,
+                            fast_path=False)
+    twin = copy.deepcopy(wrapped)
+    plain = copy.deepcopy(wrapped.module)
+    for model in (plain, twin.module):
+        _own_generators(model)[0].manual_seed(11)
+    for _ in range(2):
+        plain(x).square().sum().backward()
+        twin(x).square().sum().backward()
+        for p, q in zip(plain.parameters(), twin.module.parameters(), strict=True):
+            torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0)
+        plain.zero_grad()
+        twin.zero_grad()
+    with torch.no_grad():
+        torch.testing.assert_close(twin(x), plain(x), rtol=0, atol=0)

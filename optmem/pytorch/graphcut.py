@@ -42,6 +42,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from optmem.pytorch.branches import is_value_assert, target_name
 from optmem.pytorch.context import SideInputs, current_side_inputs
 from optmem.pytorch.custom_functions import is_opaque_call
+from optmem.pytorch.hooks import module_generators, same_generator
 
 __all__ = ["CHAIN", "DROP", "SIDE", "STATE", "Cut", "GraphStage", "SideProgram", "classify",
            "cut_graph", "long_lived", "vmap_regions"]
@@ -870,7 +871,30 @@ def make_stage(root: nn.Module, model: nn.Module | None, built: _StageGraph,
     """A :class:`GraphStage` of a built graph; state shared with ``root`` / ``model``."""
     built.graph.lint()
     gm = fx.GraphModule(root, built.graph, class_name=class_name)
+    if model is not None:
+        _share_generators(gm, model)
     return GraphStage(gm, built.side_names, _bindings(gm, model))
+
+
+def _share_generators(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Hold the model's own ``torch.Generator`` objects where ``gm`` holds another on them.
+
+    Export lifts a generator the forward draws from (``generator=self.gen``) as a constant,
+    a second Python object on the same state. A copy of the wrapper (``copy.deepcopy``,
+    ``torch.save``) would make it a generator of its own, apart from the copied model's:
+    the copy's stages drew from a stream that the model's generator (reseeded by the user,
+    or drawn from by a call under ``no_grad``, which runs the model) never saw. Holding
+    the model's object itself, a copy copies one generator.
+    """
+    own = module_generators(model)
+    if not own:
+        return
+    for sub in gm.modules():
+        for name, value in list(vars(sub).items()):
+            if isinstance(value, torch.Generator) and all(value is not g for g in own):
+                match = next((g for g in own if same_generator(g, value)), None)
+                if match is not None:
+                    setattr(sub, name, match)
 
 
 # ------------------------------------------------------------------ side program

@@ -49,7 +49,7 @@ from optmem.errors import OptmemInputError
 __all__ = ["buffers_restored", "callers_tools_suspended", "check_backward_hooks",
            "check_module_hooks", "generators_restored", "has_module_hooks",
            "host_random_restored", "module_generators", "quiet_gradient_hooks",
-           "random_config", "refuse_python_random", "refuse_tensor_hooks",
+           "random_config", "refuse_python_random", "refuse_tensor_hooks", "same_generator",
            "warn_container_hooks", "warn_forward_hooks"]
 
 _ALTERNATIVE = ("remove it, or pass an nn.Sequential of blocks or a list of stage modules "
@@ -239,6 +239,38 @@ def module_generators(modules: nn.Module | Iterable[nn.Module]) -> list[torch.Ge
                 if isinstance(value, torch.Generator):
                     found.setdefault(id(value), value)
     return list(found.values())
+
+
+def same_generator(a: torch.Generator, b: torch.Generator) -> bool:
+    """Whether ``a`` and ``b`` are one generator (two Python objects may share one state).
+
+    ``torch.export`` lifts a generator the forward draws from as a constant of the graph:
+    another Python object on the model's generator, which drawing from either advances.
+    Decided by reseeding ``a`` and reading ``b``; both states are put back.
+
+    Parameters
+    ----------
+    a, b
+        The generators.
+
+    Returns
+    -------
+    bool
+        ``True`` when they share their state.
+    """
+    if a is b:
+        return True
+    if a.device != b.device:
+        return False
+    state_a, state_b = a.get_state(), b.get_state()
+    if not torch.equal(state_a, state_b):
+        return False
+    try:
+        a.manual_seed(a.initial_seed() + 1)
+        return not torch.equal(b.get_state(), state_b)
+    finally:
+        a.set_state(state_a)
+        b.set_state(state_b)
 
 
 @contextmanager
