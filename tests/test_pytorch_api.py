@@ -908,3 +908,67 @@ def test_a_copy_of_the_wrapper_draws_from_the_copied_models_generator():
         twin.zero_grad()
     with torch.no_grad():
         torch.testing.assert_close(twin(x), plain(x), rtol=0, atol=0)
+
+
+class _SavedLoadedNet(nn.Module):
+    """Noise of a static shape, a ``no_grad`` and an autocast region, a counter buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lins = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.teacher = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 2)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        with torch.no_grad():
+            target = self.teacher(x)
+        x = x + 0.1 * target
+        for k, lin in enumerate(self.lins):
+            if k == 2:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    x = torch.tanh(lin(x)).float()
+            else:
+                x = torch.tanh(lin(x)) + 0.1 * torch.randn(x.shape)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("kind", ["checkpoint", "remat_offload"])
+def test_a_wrapper_saved_and_loaded_computes_what_the_model_computes(kind):
+    """Before (stop 52): ``torch.load`` of a saved wrapper traced each stage's code again
+    with ``torch.fx``, which runs every call none of whose arguments is traced: a draw of a
+    static shape (``torch.randn(x.shape)``) became a constant (the same noise at every
+    step), the side program's ``calls += 1`` ran once while loading and never again, and
+    the ``no_grad`` and autocast regions (higher-order ops) were traced into and lost
+    (gradients 0.06 off, or "Tensor dtype mismatch"). Now the stages and the side program
+    are loaded by ``graphcut.ReloadTracer``, which keeps those ops as nodes: the loaded
+    wrapper is bitwise the model, outputs, gradients and buffers, over two steps."""
+    import copy
+    import io
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    options = {"bandwidth": 1.0} if kind == "remat_offload" else {}
+    wrapped = getattr(op, kind)(_SavedLoadedNet(), x, memory_limit="min", repeats=1,
+                                warmup=0, fast_path=False, **options)
+    assert any(o.startswith(("F_ck", "F_none")) for o in wrapped.result.plan)
+    plain = copy.deepcopy(wrapped.module)
+    buffer = io.BytesIO()
+    torch.save(wrapped, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        expected = plain(x)
+        expected.square().sum().backward()
+        torch.manual_seed(seed)
+        got = loaded(x)
+        got.square().sum().backward()
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        for p, q in zip(plain.parameters(), loaded.module.parameters(), strict=True):
+            torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0)
+        for a, b in zip(plain.buffers(), loaded.module.buffers(), strict=True):
+            torch.testing.assert_close(b, a, rtol=0, atol=0)
+        plain.zero_grad()
+        loaded.zero_grad()

@@ -694,6 +694,74 @@ def _reordered_draws(stages: list[list[fx.Node]],
 
 
 # ------------------------------------------------------------------ stage modules
+def _holds_a_proxy(value: Any) -> bool:
+    found: list[fx.Proxy] = []
+    fx.node.map_aggregate(value, lambda a: found.append(a) if isinstance(a, fx.Proxy) else a)
+    return bool(found)
+
+
+class ReloadTracer(fx.Tracer):
+    """The tracer that rebuilds a stage's graph when a pickled stage is loaded.
+
+    ``torch.load`` of a ``GraphModule`` traces its generated code again, and
+    ``torch.fx.Tracer`` runs every call none of whose arguments is traced: an op of the
+    exported graph whose arguments are all constants (``aten.randn.default([4, 16])`` of a
+    ``torch.randn(x.shape)``, a draw from a generator the model holds, an in-place update
+    of a buffer in the side program) ran once while loading, and its result became a
+    constant of the graph. A loaded wrapper (``torch.save(cmodel)``) then added the same
+    noise at every step. A higher-order op (a ``no_grad`` or autocast region) was traced
+    into, its region lost. Here each such op is a node again, as in the graph that was
+    saved; a generator or submodule it reads is the attribute that holds it.
+    """
+
+    def trace(self, root: nn.Module | Callable[..., Any],
+              concrete_args: dict[str, Any] | None = None) -> fx.Graph:
+        """Trace ``root`` with every ATen op a node, whatever its arguments."""
+        tracer = self
+
+        class _OpsAsNodes(torch.overrides.TorchFunctionMode):
+            def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                                   kwargs: Any = None) -> Any:
+                kwargs = kwargs or {}
+                if isinstance(func, torch._ops.OpOverload) and not _holds_a_proxy((args, kwargs)):
+                    return tracer.create_proxy("call_function", func, tuple(args), kwargs)
+                return func(*args, **kwargs)
+
+        def hop_as_node(op: Any, *args: Any, **kwargs: Any) -> Any:
+            return tracer.create_proxy("call_function", op, args, kwargs)
+
+        # higher-order ops run their body when called (``wrap_with_autocast`` enters
+        # autocast and calls the submodule): each class defining ``__call__`` is patched
+        classes, stack = [], [torch._ops.HigherOrderOperator]
+        while stack:
+            cls = stack.pop()
+            stack.extend(cls.__subclasses__())
+            if "__call__" in vars(cls):
+                classes.append((cls, vars(cls)["__call__"]))
+        for cls, _ in classes:
+            cls.__call__ = hop_as_node  # type: ignore[method-assign]
+        try:
+            with _OpsAsNodes():
+                return super().trace(root, concrete_args)
+        finally:
+            for cls, call in classes:
+                cls.__call__ = call  # type: ignore[method-assign]
+
+    def create_arg(self, a: Any) -> Any:
+        """A ``torch.Generator`` or a submodule of the traced module is read as its attribute.
+
+        A submodule is an argument of a higher-order op (``wrap_with_set_grad_enabled``,
+        ``wrap_with_autocast``: a ``no_grad`` or autocast region of the forward).
+        """
+        if isinstance(a, torch.Generator):
+            for name, value in vars(self.root).items():
+                if value is a:
+                    return self.create_node("get_attr", name, (), {})
+        if isinstance(a, nn.Module):
+            return self.create_node("get_attr", self.path_of_module(a), (), {})
+        return super().create_arg(a)
+
+
 class GraphStage(nn.Module):
     """A piece of a graph as a module ``value -> value``; side inputs from the context.
 
@@ -711,6 +779,7 @@ class GraphStage(nn.Module):
     def __init__(self, gm: fx.GraphModule, side_names: Sequence[str],
                  bindings: Sequence[tuple[nn.Module, str, nn.Module, str]]) -> None:
         super().__init__()
+        gm._tracer_cls = gm.graph._tracer_cls = ReloadTracer  # torch.save / torch.load
         self.gm = gm
         self.side_names = tuple(side_names)
         self._bindings = list(bindings)
@@ -905,6 +974,8 @@ class SideProgram(nn.Module):
                  output_names: Sequence[str],
                  bindings: Sequence[tuple[nn.Module, str, nn.Module, str]]) -> None:
         super().__init__()
+        if gm is not None:
+            gm._tracer_cls = gm.graph._tracer_cls = ReloadTracer  # torch.save / torch.load
         self.gm = gm
         self.input_names = tuple(input_names)
         self.output_names = tuple(output_names)
