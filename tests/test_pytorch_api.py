@@ -972,3 +972,54 @@ def test_a_wrapper_saved_and_loaded_computes_what_the_model_computes(kind):
             torch.testing.assert_close(b, a, rtol=0, atol=0)
         plain.zero_grad()
         loaded.zero_grad()
+
+
+def test_a_compiled_training_step_runs_the_plan_outside_dynamo(monkeypatch):
+    """``backward()`` inside a ``torch.compile``-d step, three one-liners in one process.
+
+    Autograd calls the executors' backward Python (re-runs, transfers, unpack and tensor
+    hooks) with the caller's frame callback. Before, dynamo traced it: ``op.checkpoint``
+    failed with a false ``OptmemInputError`` (a fake tensor of shape ``(0,)`` taken for a
+    tensor that is not a parameter) and the offload executors' transfer functions were
+    traced, one frame per call site (the recompile limit after a few wrappers). Now no
+    transfer runs under dynamo, the stages still run compiled, gradients bitwise over two
+    steps.
+    """
+    import copy
+
+    from optmem.pytorch.offload import HostCopies
+
+    traced: list[str] = []
+    for name in ("to_host", "to_device"):
+        original = getattr(HostCopies, name)
+
+        def record(self, *args, _original=original, _name=name):
+            if torch.compiler.is_compiling():
+                traced.append(_name)
+            return _original(self, *args)
+
+        monkeypatch.setattr(HostCopies, name, record)
+    torch._dynamo.reset()
+
+    @torch.compile(backend="aot_eager")
+    def train_step(module, x):
+        module(x).square().sum().backward()
+
+    for width in (8, 12):
+        for kind in (op.checkpoint, op.offload, op.remat_offload):
+            torch.manual_seed(width)
+            model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh())
+                                    for _ in range(5)])
+            plain = copy.deepcopy(model)
+            x = torch.randn(3, width, generator=torch.Generator().manual_seed(width))
+            options = {} if kind is op.checkpoint else {"bandwidth": "1GB/s"}
+            cmodel = kind(model, x, memory_limit="50%", **options)
+            assert any(o.startswith(("F_ck", "offload")) for o in cmodel.result.plan)
+            for _ in range(2):
+                train_step(cmodel, x)
+                plain(x).square().sum().backward()
+            for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+                assert torch.equal(p.grad, q.grad), (kind.__name__, width)
+            assert cmodel.executor._compiled is not None  # the stages ran compiled
+    assert traced == []
+    torch._dynamo.reset()

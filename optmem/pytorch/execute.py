@@ -99,8 +99,8 @@ from optmem.pytorch.hooks import generators_restored, module_generators, quiet_g
 from optmem.pytorch.joint import JointStage, dead_outputs
 
 __all__ = ["FULLGRAPH_REASON", "CheckpointedChain", "CompileRequest", "StageCalls", "add_monitor",
-           "compile_stage", "enclosing_compile_options", "fusable_runs", "remove_monitor",
-           "run_compiled", "run_in_order", "split_suffix"]
+           "backward_outside_dynamo", "compile_stage", "enclosing_compile_options",
+           "fusable_runs", "remove_monitor", "run_compiled", "run_in_order", "split_suffix"]
 
 Monitor = Callable[[str, list[torch.Tensor], list[torch.Tensor]], None]
 _MONITORS: list[Monitor] = []
@@ -157,6 +157,20 @@ def _unstrip(ops: tuple[Op, ...], length: int, j: int) -> tuple[Op, ...]:
     loss = ops.index(LOSS)
     k = length - j + 1
     return ops[:loss - k] + (LOSS,) + ops[loss + 1 + k:]
+
+
+def backward_outside_dynamo(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (a hook or a ``Function.backward`` autograd calls) run outside dynamo.
+
+    The forward's plan runs outside dynamo (:func:`run_disabled`), but autograd calls the
+    executor's backward Python (re-runs, transfers, the plan's bookkeeping, saved-tensor
+    unpack hooks, tensor hooks) with the caller's frame callback: a ``backward()`` called
+    inside a ``torch.compile``-d training step had dynamo trace that Python (a false
+    ``OptmemInputError`` from ``op.checkpoint``, and for the offload executors every
+    transfer function traced, hitting the recompile limit after a few wrappers). The stages
+    it re-runs still run compiled (their own ``torch.compile`` turns dynamo back on).
+    """
+    return torch.compiler.disable(fn)  # type: ignore[no-any-return]
 
 
 class _Source(torch.autograd.Function):
@@ -326,6 +340,7 @@ class _Sink(torch.autograd.Function):
         return torch.empty(0)
 
     @staticmethod
+    @backward_outside_dynamo
     def backward(ctx: Any, _: torch.Tensor) -> Any:
         grads, ctx.holder.grads = ctx.holder.grads, []
         return (None, *grads)
@@ -1061,6 +1076,7 @@ class _PlanFunction(torch.autograd.Function):
         return torch.zeros(())
 
     @staticmethod
+    @backward_outside_dynamo
     def backward(ctx: Any, token: torch.Tensor | None) -> Any:
         runner = _take_runner(ctx)
         input_grads = runner.backward()
@@ -1090,6 +1106,7 @@ class _Release(torch.autograd.Function):
         return torch.zeros(())
 
     @staticmethod
+    @backward_outside_dynamo
     def backward(ctx: Any, token: torch.Tensor | None) -> Any:
         runner = _take_runner(ctx)
         runner.run_through(ctx.stop)
@@ -1122,6 +1139,7 @@ class _Relay(torch.autograd.Function):
         return tuple(outputs)
 
     @staticmethod
+    @backward_outside_dynamo
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
         runner = _take_runner(ctx)
         runner.begin_backward(grads)

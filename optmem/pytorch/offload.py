@@ -48,6 +48,7 @@ from optmem.plan import AnyOp, Op, OpKind, TransferKind, TransferOp, parse_mixed
 from optmem.pytorch.execute import (
     CompileRequest,
     StageCalls,
+    backward_outside_dynamo,
     run_compiled,
     run_disabled,
     run_in_order,
@@ -416,8 +417,9 @@ class OffloadedChain(StageCalls, nn.Module):
                 fired[0] = True
                 self._issue(call, actions)
 
+        outside = backward_outside_dynamo(hook)
         for t in outputs:
-            t.register_hook(hook)
+            t.register_hook(outside)
 
     # ------------------------------------------------------------------ transfers
     def _issue(self, call: _Call, actions: list[TransferOp]) -> None:
@@ -462,7 +464,7 @@ class OffloadedChain(StageCalls, nn.Module):
             p.event = None
             return t
 
-        return unpack
+        return backward_outside_dynamo(unpack)
 
     # ------------------------------------------------------------------ introspection
     def resident(self) -> dict[Key, int]:
