@@ -1023,3 +1023,36 @@ def test_a_compiled_training_step_runs_the_plan_outside_dynamo(monkeypatch):
             assert cmodel.executor._compiled is not None  # the stages ran compiled
     assert traced == []
     torch._dynamo.reset()
+
+
+def test_wrappers_compiled_past_dynamos_recompile_limit_run_eager_stages():
+    """Once the wrapper's ``forward`` hits the recompile limit, no stage gets inductor.
+
+    Dynamo then runs the cached code of an earlier wrapper of the same class with its frame
+    callback ``False`` (run-only). Before, the stages read no backend from it and were
+    compiled with default options (inductor under ``backend="aot_eager"``: gradients 1.2e-7
+    off the plain model's); now they run as they are, as dynamo runs what it gave up on.
+    """
+    import copy
+
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for i, kind in enumerate((op.offload, op.checkpoint, op.offload)):
+            torch.manual_seed(i)
+            model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+                                    for _ in range(5)])
+            plain = copy.deepcopy(model)
+            x = torch.randn(3, 8, generator=torch.Generator().manual_seed(i))
+            options = {} if kind is op.checkpoint else {"bandwidth": "1GB/s"}
+            cmodel = kind(model, x, memory_limit="50%", **options)
+            compiled = torch.compile(cmodel, backend="aot_eager")
+            for _ in range(2):
+                compiled(x).square().sum().backward()
+                plain(x).square().sum().backward()
+            for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+                assert torch.equal(p.grad, q.grad), (i, kind.__name__)
+            if i == 0:  # the first wrapper compiles its stages with the enclosing backend
+                assert cmodel.executor._compiled_with["backend"] is not None
+            else:  # past the limit: dynamo and the stages run eagerly
+                assert cmodel.executor._compiled is None
+    torch._dynamo.reset()

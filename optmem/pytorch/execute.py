@@ -525,7 +525,7 @@ def compile_options_for(compiled: CompileRequest, chosen: dict[str, Any] | None
 
 
 @torch.compiler.disable(recursive=False)
-def enclosing_compile_options() -> dict[str, Any]:
+def enclosing_compile_options() -> dict[str, Any] | None:
     """The options of the ``torch.compile`` running the caller: ``backend`` and ``dynamic``.
 
     ``backend`` is read from dynamo's frame callback, which stays set while this function
@@ -539,13 +539,21 @@ def enclosing_compile_options() -> dict[str, Any]:
     (after ``loss.backward()`` started) would otherwise be traced with static shapes under
     ``dynamic=True``, while those compiled in the forward got dynamic ones (measured on tiny
     GPT-2, ``tests/test_hf_wrapper.py``). ``{}`` (default options) when no compile encloses
-    the caller, or when this torch keeps the callback elsewhere.
+    the caller, or when this torch keeps the callback elsewhere. ``None`` when dynamo runs
+    the caller's cached code but compiles nothing new (its callback is ``False``: the
+    recompile limit of the wrapper's ``forward`` was hit, or ``torch._dynamo.run``): the
+    stages then run as :meth:`StageCalls.compile_stages` asked (as they are if it was never
+    called), as dynamo runs the frames it gave up on. Before, they were compiled with
+    default options (inductor, not the enclosing ``aot_eager``: gradients 1.2e-7 off the
+    plain model's).
     """
     try:
         from torch._C._dynamo.eval_frame import get_eval_frame_callback
     except ImportError:  # pragma: no cover - another torch
         return {}
     backend: Any = get_eval_frame_callback()
+    if backend is False:  # run-only: dynamo compiles nothing new (recompile limit hit)
+        return None
     while hasattr(backend, "_torchdynamo_orig_backend"):
         backend = backend._torchdynamo_orig_backend
     if backend is None or backend is False or not callable(backend):

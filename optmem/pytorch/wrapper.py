@@ -2039,10 +2039,11 @@ def _compile_executor(executor: nn.Module, options: dict[str, Any]) -> None:
 
 @torch.compiler.disable
 def _forward_disabled(module: PlannedModule, args: tuple[Any, ...], kwargs: dict[str, Any],
-                      options: dict[str, Any]) -> Any:
+                      options: CompileRequest) -> Any:
     """The wrapper's forward outside dynamo (a graph break); the stages run compiled.
 
     ``options``: the enclosing compile's (:func:`~optmem.pytorch.execute.run_compiled`),
-    used unless :meth:`PlannedModule.compile` gave some.
+    used unless :meth:`PlannedModule.compile` gave some; ``None`` when dynamo compiles
+    nothing new (its recompile limit hit): as :meth:`PlannedModule.compile` asked.
     """
     return module._forward(args, kwargs, options)
