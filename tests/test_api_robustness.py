@@ -167,6 +167,18 @@ BAD_EXTRA = [
     ("pipeline", "madpipe", "madpipe_grid", "x"), ("pipeline", "madpipe", "phase2", "glpk"),
     ("pipeline", "ilp", "warm_madpipe", "no"), ("pipeline", "cpsat", "relaxation", "no"),
     ("pipeline", "cpsat", "madpipe_iterations", math.inf),
+    # work counts far above any real use ran for ever until stop 52 (now bounded)
+    ("pipeline", "madpipe", "madpipe_iterations", 2**70),
+    ("pipeline", "cpsat", "madpipe_iterations", 10_001),
+    ("pipeline", "chunks", "chunks", 2**70),
+    ("remat-offload", "autocapper", "autocapper_values", 2**70),
+    ("remat-offload", "cpsat", "autocapper_values", 10_001),
+    ("remat-offload", "ilp", "transfers_per_gap", 2**70),
+    ("remat-offload", "cpsat", "transfers_per_gap", 101),
+    ("remat-offload", "dp", "grid", 2**70),
+    ("remat-offload", "dp", "backlog_grid", 2**70),
+    ("remat-offload", "cpsat", "lns_windows", 2**70),
+    ("remat-offload", "cpsat", "benders_iterations", 2**70),
 ]
 
 

@@ -103,6 +103,8 @@ def test_malformed_chain_one_line_exit_2(capsys, chain_file, tmp_path, mutation,
     (["solve", "checkpoint", "CHAIN", "-m", "16", "--variant", "magic"], "unknown dp variant"),
     (["solve", "checkpoint", "CHAIN", "-m", "16", "--slots", "0"], "slots"),
     (["solve", "checkpoint"], "required"),
+    (["solve", "remat-offload", "CHAIN", "-m", "16", "--bandwidth", "1", "--method",
+      "autocapper", "--option", f"autocapper_values={2**70}"], "autocapper_values at most"),
 ])
 def test_bad_arguments_one_line_exit_2(capsys, chain_file, argv, needle):
     argv = [str(chain_file) if a == "CHAIN" else a for a in argv]

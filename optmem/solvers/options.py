@@ -22,14 +22,45 @@ from collections.abc import Sequence
 from optmem.errors import OptmemInputError
 from optmem.result import SolveOptions
 
-__all__ = ["choice", "flag", "one_or_all", "positive_float", "positive_int"]
+__all__ = ["WORK_COUNT_MAX", "choice", "flag", "one_or_all", "positive_float", "positive_int"]
+
+WORK_COUNT_MAX: dict[str, int] = {
+    "transfers_per_gap": 100,  # transfer positions per gap: the model grows linearly
+    "grid": 1_000_000,  # remat-offload DP memory values (checkpoint slots go to 2e6)
+    "backlog_grid": 10_000,  # DP backlog values: the DP's states grow with grid x backlog
+    "autocapper_values": 10_000,  # one DP solve per cap value
+    "madpipe_iterations": 10_000,  # one phase-1 DP run per iteration
+    "chunks": 1_000,  # runs of layers per GPU (a chain has far fewer useful ones)
+    "benders_iterations": 100_000,  # one master solve per iteration
+    "lns_windows": 100_000,  # one window solve each
+    "lns_width": 100_000,  # backward phases per window (clamped to the chain)
+    "lns_step": 100_000,  # backward phases from one window to the next
+}
+"""The largest value of each integer work count of ``SolveOptions.extra``.
+
+A method's work grows with these counts (solves, DP runs, model size), so a value far above
+any real use (``2**70``) would run for ever: :func:`positive_int` refuses more than the
+bound with one :class:`~optmem.errors.OptmemInputError` naming the option (CLI exit 2).
+``sweeps`` is bounded by the model it builds instead (``MAX_SLOTS`` compute slots).
+"""
 
 
 def positive_int(options: SolveOptions, key: str, default: int) -> int:
-    """``options.extra[key]`` (else ``default``) as an integer >= 1 (``bool`` refused)."""
+    """``options.extra[key]`` (else ``default``) as an integer >= 1 (``bool`` refused).
+
+    Raises
+    ------
+    OptmemInputError
+        For a value that is not an integer >= 1, or one above ``WORK_COUNT_MAX[key]``
+        (keys of :data:`WORK_COUNT_MAX`), naming ``key``.
+    """
     value = options.extra.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise OptmemInputError(f"expected a positive integer {key}, got {value!r}", field=key)
+    most = WORK_COUNT_MAX.get(key)
+    if most is not None and value > most:
+        raise OptmemInputError(f"expected {key} at most {most:,} (its work grows with it), "
+                               f"got {value!r}", field=key)
     return value
 
 
