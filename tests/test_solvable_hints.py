@@ -88,6 +88,17 @@ def test_persistent_exact_hints_are_the_persistent_dps() -> None:
         assert below.status is Status.INFEASIBLE, method
 
 
+def test_brute_names_its_least_limit() -> None:
+    """Checkpoint ``brute`` said ``infeasible`` with no ``min_feasible_memory`` (where
+    ``ilp`` named 13 B on the hunt's 5-stage chain). Found by the stop-52 contract hunt."""
+    chain = Chain.from_lists([1, 2, 1, 3, 1], [2, 3, 1, 2, 2], [2, 3, 1, 2, 2],
+                             [3, 4, 2, 3, 2], input_size=2, fwd_overhead=[0, 1, 0, 0, 1],
+                             bwd_overhead=[0, 0, 1, 1, 0])
+    brute = hinted(lambda m: CheckpointProblem(chain, m), "brute")
+    assert solve(CheckpointProblem(chain, brute - 1), "brute").status is Status.INFEASIBLE
+    assert brute <= hinted(lambda m: CheckpointProblem(chain, m), "ilp")
+
+
 # ------------------------------------------------------------------ properties
 @settings(max_examples=25)
 @given(byte_chains())
@@ -109,6 +120,7 @@ def test_checkpoint_exact_and_floating_hints_solve(chain: Chain) -> None:
 
     exact = [hinted(make, method) for method in ("ilp", "cpsat")]
     assert exact[0] == exact[1]  # the same model, the same min-peak search
+    assert hinted(make, "brute") <= exact[0]  # every plan, so at most the ILP's least limit
     assert exact[0] <= hinted(make, "dp")  # the full model needs at most the DP's memory
     hinted(make, "dp:floating")
 

@@ -21,7 +21,7 @@ from optmem.result import Result, SolveOptions, Status
 from optmem.simulate import simulate_checkpoint
 from optmem.simulate.verify import Replay, Wording, claim_holds, replay_result
 from optmem.solvers import checkpoint_baselines as base
-from optmem.solvers.checkpoint_bruteforce import brute_force_checkpoint
+from optmem.solvers.checkpoint_bruteforce import brute_force_checkpoint, brute_force_min_peak
 from optmem.solvers.checkpoint_dp import min_memory_persistent, solve_persistent_table
 from optmem.solvers.hints import smallest_solvable_limit
 from optmem.solvers.registration import MethodFn, register
@@ -308,14 +308,22 @@ BRUTE_MAX_LENGTH = 5
 @register(PROBLEM, "brute", exact=True, full_model=True, max_length=BRUTE_MAX_LENGTH,
           description="exhaustive search over op sequences (tiny chains only)")
 def solve_checkpoint_brute(problem: CheckpointProblem, options: SolveOptions) -> Result:
-    """Exact optimum of the full operation model by Dijkstra over memory states."""
+    """Exact optimum of the full operation model by Dijkstra over memory states.
+
+    Infeasible: ``min_feasible_memory`` is the least limit with a plan as solved (the least
+    peak over all plans, :func:`brute_force_min_peak`, on the chain rounded to each unit).
+    """
     if problem.chain.length > 2 * BRUTE_MAX_LENGTH:
         raise OptmemInputError(
             f"brute force is exponential; refusing L = {problem.chain.length}", field="method")
     disc = discretize_for(problem, options)
     found = brute_force_checkpoint(disc.chain, disc.memory_limit)
     if found is None:
-        return infeasible_result(problem, disc, method="brute", variant=None, min_memory=None)
+        chain = problem.chain
+        least = smallest_solvable_limit(brute_force_min_peak(chain),
+                                        lambda unit: brute_force_min_peak(chain.quantize(unit)),
+                                        options.slots)
+        return infeasible_result(problem, disc, method="brute", variant=None, min_memory=least)
     value, plan = found
     return plan_result(problem, disc, plan, method="brute", status=Status.OPTIMAL, bound=value,
                        claimed=value, report={"model": "full"})

@@ -81,3 +81,43 @@ def _rebuild(
         state, op = parent[state]
         ops.append(op)
     return tuple(reversed(ops))
+
+
+def brute_force_min_peak(chain: Chain, *, max_states: int = 2_000_000) -> int:
+    """Least peak memory over all valid plans: the least limit at which a plan exists.
+
+    The same search as :func:`brute_force_checkpoint` over the same ops, with the peak so
+    far (the max of each op's peak, from the input alone) in place of the elapsed time: a
+    bottleneck shortest path, exhaustive like it (storing every activation is always a plan,
+    so there is one).
+
+    Raises
+    ------
+    RuntimeError
+        If more than ``max_states`` states are settled (the chain is too long).
+    """
+    start = initial_state()
+    ops = _candidate_ops(chain.length)
+    tie = itertools.count()
+    frontier: list[tuple[int, int, frozenset[Value]]] = [(chain.input_size, next(tie), start)]
+    best: dict[frozenset[Value], int] = {start: chain.input_size}
+    settled: set[frozenset[Value]] = set()
+    while frontier:
+        peak_so_far, _, state = heapq.heappop(frontier)
+        if state in settled:
+            continue
+        settled.add(state)
+        if len(settled) > max_states:
+            raise RuntimeError(f"brute force gave up after {max_states} states")
+        if is_final(state):
+            return peak_so_far
+        for op in ops:
+            try:
+                nxt, peak, _duration = transition(chain, state, op)
+            except PlanError:
+                continue
+            new_peak = max(peak_so_far, peak)
+            if nxt not in settled and new_peak < best.get(nxt, new_peak + 1):
+                best[nxt] = new_peak
+                heapq.heappush(frontier, (new_peak, next(tie), nxt))
+    raise RuntimeError("no final state reachable")  # pragma: no cover - store-all is a plan
