@@ -460,3 +460,16 @@ def test_no_link_hint_is_the_store_all_peak(method: str) -> None:
     again = solve(OffloadProblem(chain, result.min_feasible_memory, bandwidth=0), method,
                   threads=1)
     assert again.status.has_plan
+
+
+@pytest.mark.parametrize("method", ["vdnn", "vdnn_conv", "offload_all"])
+def test_no_link_heuristics_that_always_offload_name_no_limit(method: str) -> None:
+    """Their plans always offload, so at bandwidth 0 no limit gives them one: they named the
+    store-all peak (31) and answered ``no_solution`` there. Found by the stop-52 hunt."""
+    chain = Chain.from_lists([1.0, 2.0, 1.0], [2.0, 3.0, 2.0], [4, 4, 4], [8, 6, 5],
+                             input_size=4)
+    result = solve(OffloadProblem(chain, 20, bandwidth=0), method, threads=1)
+    assert result.status is Status.INFEASIBLE and result.min_feasible_memory is None
+    assert "always offloads" in result.report["hint"]
+    for limit in (31, 100):  # the store-all peak and above: still no plan
+        assert not solve(OffloadProblem(chain, limit, bandwidth=0), method).status.has_plan

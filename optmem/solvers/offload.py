@@ -110,9 +110,19 @@ def min_memory(problem: OffloadProblem, slots: int) -> int | None:
 
 
 def _infeasible(problem: OffloadProblem, disc: Discretized, method: str,
-                report: dict | None = None, *, slots: int) -> Result:
-    need = min_memory(problem, slots)
+                report: dict | None = None, *, slots: int, offloads: bool = False) -> Result:
+    """``status: infeasible`` with the least limit at which ``method`` finds a plan.
+
+    ``offloads``: every plan of ``method`` offloads some value (``vdnn``, ``vdnn_conv``,
+    ``offload_all``), so at bandwidth 0 it finds a plan at no limit and names none.
+    """
     info = dict(report or {})
+    if offloads and problem.chain_bandwidth == 0:
+        info["hint"] = (f"{method} always offloads, which needs a link: at bandwidth 0 it finds "
+                        f"a plan at no limit (use dp, which can offload nothing)")
+        return Result(PROBLEM, method, Status.INFEASIBLE, bound=math.inf,
+                      memory_limit=disc.memory_limit, unit=disc.unit, report=info)
+    need = min_memory(problem, slots)
     if need is None:
         info["hint"] = (f"the store-all sequence with everything offloaded fits no limit with "
                         f"slots = {slots}: {too_few_slots()}")
@@ -162,15 +172,18 @@ def _too_small(disc: Discretized) -> bool:
 
 
 def _try_sets(problem: OffloadProblem, options: SolveOptions, method: str,
-              sets: Iterable[tuple[str, Iterable[int]]], report: dict | None = None) -> Result:
+              sets: Iterable[tuple[str, Iterable[int]]], report: dict | None = None, *,
+              offloads: bool = False) -> Result:
     """Best plan among offload sets (each as an ordered no-wait plan); infeasible if none.
 
     The prefetch policy is checked first, before any work (``sets`` may be lazy).
+    ``offloads``: every set is non-empty (see :func:`_infeasible`).
     """
     policies = prefetch_policies(options)
     disc, beta = _disc(problem, options)
     if _too_small(disc):
-        return _infeasible(problem, disc, method, report, slots=options.slots)
+        return _infeasible(problem, disc, method, report, slots=options.slots,
+                           offloads=offloads)
     best: tuple[float, str, tuple[AnyOp, ...]] | None = None
     tried = 0
     for label, values in sets:
@@ -312,7 +325,8 @@ def _ratio_candidates(problem: OffloadProblem, options: SolveOptions
           extra=("prefetch",))
 def solve_vdnn(problem: OffloadProblem, options: SolveOptions) -> Result:
     """Best of all thresholds on ``u_F_{k+1} / abar_k``, offloading all or half (3.4)."""
-    return _try_sets(problem, options, "vdnn", _ratio_candidates(problem, options))
+    return _try_sets(problem, options, "vdnn", _ratio_candidates(problem, options),
+                     offloads=True)
 
 
 def conv_stages(problem: OffloadProblem) -> list[int]:
@@ -335,7 +349,7 @@ def solve_vdnn_conv(problem: OffloadProblem, options: SolveOptions) -> Result:
     chosen = conv_stages(problem)
     label = "conv inputs" if chosen else "no conv stage found: every stage"
     return _try_sets(problem, options, "vdnn_conv",
-                     [(label, chosen or list(range(problem.chain.length)))])
+                     [(label, chosen or list(range(problem.chain.length)))], offloads=True)
 
 
 @register(PROBLEM, "offload_all", exact=False,
@@ -343,7 +357,7 @@ def solve_vdnn_conv(problem: OffloadProblem, options: SolveOptions) -> Result:
 def solve_offload_all(problem: OffloadProblem, options: SolveOptions) -> Result:
     """Offload every value ``abar_0 .. abar_{L-1}``."""
     return _try_sets(problem, options, "offload_all",
-                     [("all", list(range(problem.chain.length)))])
+                     [("all", list(range(problem.chain.length)))], offloads=True)
 
 
 # ------------------------------------------------------------------ exact
