@@ -1056,3 +1056,16 @@ def test_wrappers_compiled_past_dynamos_recompile_limit_run_eager_stages():
             else:  # past the limit: dynamo and the stages run eagerly
                 assert cmodel.executor._compiled is None
     torch._dynamo.reset()
+
+
+def test_a_list_of_stages_is_named_as_such_in_the_no_plan_error():
+    """The error named a Python list of stage modules "torch" (the stop-52 hunt)."""
+    torch.manual_seed(0)
+    stages = [torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8)]
+    x = torch.randn(4, 8)
+    with pytest.raises(OptmemInputError, match="plan for list of 3 stages within") as err:
+        op.checkpoint(stages, x, memory_limit=1)
+    assert "torch" not in str(err.value)
+    with pytest.raises(OptmemInputError, match="plan for Sequential within"):
+        op.checkpoint(torch.nn.Sequential(*stages), x, memory_limit=1)
+    assert op.profile_chain(stages, x, repeats=1, warmup=0).name == "list of 3 stages"

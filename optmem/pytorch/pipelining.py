@@ -65,7 +65,7 @@ from optmem.pytorch.context import SideInputs, current_side_inputs, side_inputs
 from optmem.pytorch.distributed import default_device, resolve_group, spawn
 from optmem.pytorch.extract import Extraction, Stage, extract_program, extract_stages
 from optmem.pytorch.graphcut import OutputLayout
-from optmem.pytorch.profile import TimeModel, move_to
+from optmem.pytorch.profile import TimeModel, model_name, move_to
 from optmem.pytorch.wrapper import (
     ProfileOptions,
     call_of,
@@ -595,7 +595,7 @@ def pipeline(
         raise OptmemInputError(f"the plan is for {gpus} GPUs but only {world} ranks run",
                                field="gpus")
     program = _Program.build(model, sample, extract)
-    name = type(model).__name__ if isinstance(model, nn.Module) else "torch"
+    name = model_name(model)
     memory = parse_size(memory_per_gpu)
 
     def solve_pipeline(chain: Chain) -> Result:

@@ -64,7 +64,7 @@ import statistics
 import sys
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Sized
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -94,7 +94,7 @@ from optmem.pytorch.segments import (
 )
 
 __all__ = ["DEFAULT_OP_OVERHEAD_MS", "DEFAULT_OP_OVERHEAD_RATIO", "DEFAULT_SEGMENT_COST_MS",
-           "DEFAULT_TIME_RESOLUTION", "LossFn", "TimeModel",
+           "DEFAULT_TIME_RESOLUTION", "LossFn", "TimeModel", "model_name",
            "profile_chain", "profile_stages", "roofline_time_model", "round_time", "storage_key",
            "carried_generations_error", "merge_inplace_writers", "unshared_carried",
            "value_nbytes", "with_op_charge"]
@@ -1144,6 +1144,19 @@ def _stage_times(modules: Sequence[nn.Module], leaves: Sequence[Any],
                         loss_fn, loss_input)
 
 
+def model_name(module: Any) -> str:
+    """The name of a model in chains and messages: its class, or ``list of N stages``.
+
+    Examples
+    --------
+    >>> model_name(nn.Sequential()), model_name([nn.ReLU(), nn.ReLU()])
+    ('Sequential', 'list of 2 stages')
+    """
+    if isinstance(module, nn.Module):
+        return type(module).__name__
+    return f"list of {len(module)} stages" if isinstance(module, Sized) else "torch"
+
+
 def profile_chain(
     module: nn.Module | Sequence[nn.Module | Stage],
     sample: Any,
@@ -1242,7 +1255,7 @@ def profile_chain(
     if max_stages is not None and len(stages) > max_stages:
         stages = merge_stages(stages, max_stages)
     if name is None:
-        name = type(module).__name__ if isinstance(module, nn.Module) else "torch"
+        name = model_name(module)
     return profile_stages(stages, sample, device=device, repeats=repeats, warmup=warmup,
                           name=name, progress=progress, time_model=time_model,
                           flops_per_s=flops_per_s, bytes_per_s=bytes_per_s, loss_fn=loss_fn,

@@ -595,7 +595,7 @@ class PlannedModule(nn.Module):
         """
         refuse_wrapped(module, "optmem")
         if is_plain_chain(module):
-            from optmem.pytorch.profile import merge_inplace_writers
+            from optmem.pytorch.profile import merge_inplace_writers, model_name
 
             if is_plain_sequential(module):
                 warn_container_hooks(flattened_containers(module))
@@ -603,8 +603,7 @@ class PlannedModule(nn.Module):
             stages = merge_inplace_writers(extract_stages(module), sample, profile.device)
             wrapped = module if isinstance(module, nn.Module) else nn.ModuleList(
                 [s.module if isinstance(s, Stage) else s for s in module])
-            label = name or (type(module).__name__ if isinstance(module, nn.Module)
-                             else "torch")
+            label = name or model_name(module)
             variant = _make_variant(None, stages, sample, planner, profile, chain, label,
                                     ctx=None, like=None,
                                     plain=_plain_measure(stages, sample, profile))
