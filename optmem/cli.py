@@ -393,6 +393,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
         report = verify_plan(problem, plan_data, options)
     except OptmemInputError as exc:  # whatever is wrong with the plan, name the plan file
         raise (exc if exc.source else exc.with_source(args.plan)) from None
+    solved_unit = plan_data.get("unit") if isinstance(plan_data, dict) else None
+    if isinstance(solved_unit, int) and not isinstance(solved_unit, bool) and \
+            solved_unit != report.get("unit", solved_unit):
+        print(f"optmem: warning: {args.plan} was solved with unit {solved_unit} "
+              f"{chain.memory_unit}; this replay rounds sizes to unit {report['unit']} "
+              f"(--memory {args.memory}, --slots {args.slots}): pass the limit and slots it "
+              "was solved with to replay it as solved", file=sys.stderr)
     report = {"valid": True, **report}
     if args.json:
         print(json.dumps(report))

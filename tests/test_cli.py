@@ -67,6 +67,22 @@ def test_verify_accepts_solve_output(capsys, chain_file, tmp_path):
     assert code == 0 and json.loads(out)["objective"] == 31.0
 
 
+def test_verify_warns_when_its_slots_give_another_unit(capsys, chain_file, tmp_path):
+    """A result solved with --slots 7 (unit 2) replayed with the default slots (unit 1) was
+    accepted without a word (the stop-52 hunt): now one warning line on stderr."""
+    plan = tmp_path / "plan.json"
+    code, _, _ = run(capsys, "solve", "checkpoint", str(chain_file), "-m", "20", "--slots", "7",
+                     "-o", str(plan))
+    assert code == 0 and json.loads(plan.read_text())["unit"] == 2
+    code, out, err = run(capsys, "verify", "checkpoint", str(chain_file), str(plan), "-m", "20",
+                         "--json")
+    assert code == 0 and json.loads(out)["unit"] == 1
+    assert "was solved with unit 2" in err and len(err.strip().splitlines()) == 1
+    code, out, err = run(capsys, "verify", "checkpoint", str(chain_file), str(plan), "-m", "20",
+                         "--slots", "7", "--json")
+    assert code == 0 and json.loads(out)["unit"] == 2 and err == ""
+
+
 def test_verify_rejects_over_limit_plan_with_index(capsys, chain_file, tmp_path):
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps(["F_all 1", "F_all 2", "F_all 3", "F_all 4", "Loss", "B 4",
