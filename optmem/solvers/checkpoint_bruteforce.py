@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Callable
 
 from optmem.chain import Chain
 from optmem.errors import PlanError
@@ -23,6 +24,60 @@ def _candidate_ops(length: int) -> list[Op]:
     for i in range(1, length + 1):
         ops.extend([F_all(i), F_ck(i), F_none(i), B(i)])
     return ops
+
+
+State = frozenset[Value]
+Step = Callable[[float, int, float], float | None]
+
+
+def _search(chain: Chain, start_cost: float, step: Step, max_states: int
+            ) -> tuple[float, tuple[Op, ...]] | None:
+    """Label-setting search over memory states from the empty one to a final one.
+
+    ``step(cost, peak, duration)`` is the cost after an op of that peak and duration from a
+    state of that cost (``None``: the op is not allowed); it must never decrease the cost
+    (Dijkstra's condition), as a sum of durations or a running maximum of peaks do.
+
+    Returns
+    -------
+    (cost, plan) or None
+        The least cost of a final state and the ops reaching it; ``None`` when none is
+        reachable.
+
+    Raises
+    ------
+    RuntimeError
+        If more than ``max_states`` states are settled (the chain is too long).
+    """
+    start = initial_state()
+    ops = _candidate_ops(chain.length)
+    tie = itertools.count()
+    frontier: list[tuple[float, int, State]] = [(start_cost, next(tie), start)]
+    best: dict[State, float] = {start: start_cost}
+    parent: dict[State, tuple[State, Op]] = {}
+    settled: set[State] = set()
+    while frontier:
+        cost, _, state = heapq.heappop(frontier)
+        if state in settled:
+            continue
+        settled.add(state)
+        if len(settled) > max_states:
+            raise RuntimeError(f"brute force gave up after {max_states} states")
+        if is_final(state):
+            return cost, _rebuild(parent, state)
+        for op in ops:
+            try:
+                nxt, peak, duration = transition(chain, state, op)
+            except PlanError:
+                continue
+            new_cost = step(cost, peak, duration)
+            if new_cost is None or nxt in settled:
+                continue
+            if new_cost < best.get(nxt, float("inf")):
+                best[nxt] = new_cost
+                parent[nxt] = (state, op)
+                heapq.heappush(frontier, (new_cost, next(tie), nxt))
+    return None
 
 
 def brute_force_checkpoint(
@@ -40,37 +95,11 @@ def brute_force_checkpoint(
     RuntimeError
         If more than ``max_states`` states are settled (the chain is too long).
     """
-    start = initial_state()
     if chain.input_size > memory_limit:
         return None
-    ops = _candidate_ops(chain.length)
-    tie = itertools.count()
-    frontier: list[tuple[float, int, frozenset[Value]]] = [(0.0, next(tie), start)]
-    best: dict[frozenset[Value], float] = {start: 0.0}
-    parent: dict[frozenset[Value], tuple[frozenset[Value], Op]] = {}
-    settled: set[frozenset[Value]] = set()
-    while frontier:
-        cost, _, state = heapq.heappop(frontier)
-        if state in settled:
-            continue
-        settled.add(state)
-        if len(settled) > max_states:
-            raise RuntimeError(f"brute force gave up after {max_states} states")
-        if is_final(state):
-            return cost, _rebuild(parent, state)
-        for op in ops:
-            try:
-                nxt, peak, duration = transition(chain, state, op)
-            except PlanError:
-                continue
-            if peak > memory_limit or nxt in settled:
-                continue
-            new_cost = cost + duration
-            if new_cost < best.get(nxt, float("inf")):
-                best[nxt] = new_cost
-                parent[nxt] = (state, op)
-                heapq.heappush(frontier, (new_cost, next(tie), nxt))
-    return None
+    return _search(chain, 0.0,
+                   lambda cost, peak, duration: None if peak > memory_limit else cost + duration,
+                   max_states)
 
 
 def _rebuild(
@@ -96,28 +125,8 @@ def brute_force_min_peak(chain: Chain, *, max_states: int = 2_000_000) -> int:
     RuntimeError
         If more than ``max_states`` states are settled (the chain is too long).
     """
-    start = initial_state()
-    ops = _candidate_ops(chain.length)
-    tie = itertools.count()
-    frontier: list[tuple[int, int, frozenset[Value]]] = [(chain.input_size, next(tie), start)]
-    best: dict[frozenset[Value], int] = {start: chain.input_size}
-    settled: set[frozenset[Value]] = set()
-    while frontier:
-        peak_so_far, _, state = heapq.heappop(frontier)
-        if state in settled:
-            continue
-        settled.add(state)
-        if len(settled) > max_states:
-            raise RuntimeError(f"brute force gave up after {max_states} states")
-        if is_final(state):
-            return peak_so_far
-        for op in ops:
-            try:
-                nxt, peak, _duration = transition(chain, state, op)
-            except PlanError:
-                continue
-            new_peak = max(peak_so_far, peak)
-            if nxt not in settled and new_peak < best.get(nxt, new_peak + 1):
-                best[nxt] = new_peak
-                heapq.heappush(frontier, (new_peak, next(tie), nxt))
-    raise RuntimeError("no final state reachable")  # pragma: no cover - store-all is a plan
+    found = _search(chain, chain.input_size, lambda cost, peak, _duration: max(cost, peak),
+                    max_states)
+    if found is None:  # pragma: no cover - store-all is a plan
+        raise RuntimeError("no final state reachable")
+    return int(found[0])
