@@ -61,6 +61,15 @@ def _grads(model: nn.Module) -> list[torch.Tensor]:
     return [p.grad.to_dense() for p in model.parameters()]  # type: ignore[union-attr]
 
 
+def _same_step(wrapped: nn.Module, net: nn.Module, ref: nn.Module, x: torch.Tensor) -> bool:
+    """One forward and backward of ``wrapped`` (over ``net``) and ``ref``: equal outputs
+    and gradients, bitwise."""
+    out, expected = wrapped(x), ref(x)
+    out.sum().backward()
+    expected.sum().backward()
+    return torch.equal(out, expected) and _same_tensors(_grads(net), _grads(ref))
+
+
 # ------------------------------------------------------------------ 1. BatchNorm(momentum=None)
 class _CumulativeBN(nn.Module):
     def __init__(self) -> None:
@@ -235,11 +244,7 @@ def test_wrapping_under_inference_mode(make: Callable[[], nn.Module]) -> None:
         cmodel = op.checkpoint(net, sample, memory_limit="min", **WRAP)
         assert torch.equal(cmodel(sample), ref(sample))  # runs the model itself
     x = torch.randn(4, 8)
-    out, want = cmodel(x), ref(x)
-    out.sum().backward()
-    want.sum().backward()
-    assert torch.equal(out, want)
-    assert _same_tensors(_grads(net), _grads(ref))
+    assert _same_step(cmodel, net, ref, x)
 
 
 def test_a_model_made_under_inference_mode_is_refused() -> None:
@@ -479,10 +484,7 @@ def test_hooks_on_a_wrapped_sequential_itself_are_named(when: str) -> None:
     wrapped = op.checkpoint(net, x, memory_limit="60%", **WRAP)
     wrapped.register_forward_hook(_triple)
     ref.register_forward_hook(_triple)
-    out, expected = wrapped(x), ref(x)
-    out.sum().backward()
-    expected.sum().backward()
-    assert torch.equal(out, expected) and _same_tensors(_grads(net), _grads(ref))
+    assert _same_step(wrapped, net, ref, x)
 
 
 class _Residual(nn.Module):
@@ -520,10 +522,7 @@ def test_a_pre_hook_of_the_model_sees_its_positional_argument(when: str, limit: 
     if when == "after":
         net.register_forward_pre_hook(_halve_input)
     ref.register_forward_pre_hook(_halve_input)
-    out, expected = wrapped(x), ref(x)
-    out.sum().backward()
-    expected.sum().backward()
-    assert torch.equal(out, expected) and _same_tensors(_grads(net), _grads(ref))
+    assert _same_step(wrapped, net, ref, x)
     assert wrapped.fast_path_taken is (limit == "100%")
 
 
