@@ -23,7 +23,7 @@ from optmem.simulate.verify import Replay, Wording, claim_holds, replay_result
 from optmem.solvers import checkpoint_baselines as base
 from optmem.solvers.checkpoint_bruteforce import brute_force_checkpoint, brute_force_min_peak
 from optmem.solvers.checkpoint_dp import min_memory_persistent, solve_persistent_table
-from optmem.solvers.hints import smallest_solvable_limit
+from optmem.solvers.hints import AS_SOLVED, smallest_solvable_limit
 from optmem.solvers.registration import MethodFn, register
 
 PROBLEM = "checkpoint"
@@ -88,7 +88,7 @@ def infeasible_result(
 def _min_memory_hint(problem: CheckpointProblem, disc: Discretized, min_memory: int) -> str:
     del disc
     return (f"the smallest feasible memory is {min_memory} {problem.chain.memory_unit} "
-            f"(as solved: sizes rounded up to the discretisation unit of that limit)")
+            f"({AS_SOLVED})")
 
 
 def dp_min_memory(problem: CheckpointProblem, options: SolveOptions, variant: str) -> int | None:
