@@ -29,8 +29,8 @@ from pathlib import Path
 from optmem.errors import OptmemInputError
 from optmem.pipeline_plan import PipelinePlan
 
-__all__ = ["RankOp", "default_microbatches", "pipeline_ranks", "rank_programs",
-           "schedule_csv", "schedule_rows", "write_schedule_csv"]
+__all__ = ["RankOp", "check_microbatches", "default_microbatches", "pipeline_ranks",
+           "rank_programs", "schedule_csv", "schedule_rows", "write_schedule_csv"]
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,8 @@ class RankOp:
         return f"{self.stage - 1}{self.kind}{self.microbatch}"
 
 
-def _check_microbatches(microbatches: int) -> None:
+def check_microbatches(microbatches: int) -> None:
+    """Raise an :class:`~optmem.errors.OptmemInputError` unless ``microbatches`` is an int >= 1."""
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise OptmemInputError(f"expected a positive number of micro-batches, got "
                                f"{microbatches!r}", field="microbatches")
@@ -68,7 +69,7 @@ def rank_programs(plan: PipelinePlan, microbatches: int) -> dict[int, list[RankO
     >>> [op.action() for op in rank_programs(plan, 2)[0]]
     ['0F0', '0F1', '0B0', '0B1']
     """
-    _check_microbatches(microbatches)
+    check_microbatches(microbatches)
     programs: dict[int, list[RankOp]] = defaultdict(list)
     n_stages = len(plan.stages)
     for t in plan.tasks:

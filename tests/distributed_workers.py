@@ -174,7 +174,7 @@ def run_jobs(rank: int, world: int, jobs: list[dict[str, Any]], out_dir: str) ->
     kinds = {"pipeline": pipeline_job, "one_call": one_call_job, "ddp": ddp_job,
              "fsdp": fsdp_job, "fsdp_refusal": fsdp_refusal_job, "ddp_hf": ddp_hf_job,
              "ddp_lengths": ddp_lengths_job, "ddp_branches": ddp_branches_job,
-             "refusals": refusals_job}
+             "refusals": refusals_job, "pipeline_inputs": pipeline_inputs_job}
     for k, job in enumerate(jobs):
         _save(out_dir, rank, k, kinds[job["kind"]](rank, world, job))
         dist.barrier()
@@ -197,6 +197,42 @@ def pipeline_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
         losses = pipelining.run_plan_pipelining(model, job["plan"], xs, ys, loss_fn,
                                                 schedule_csv=job.get("csv"))
     return {"grads": _grads(model), "losses": losses}
+
+
+def pipeline_inputs_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    """What a 6-layer MLP's ``PipelinedModel`` (4 micro-batches) says about bad inputs.
+
+    ``{"plan", "csv"}``: ``csv`` is the plan's schedule for 8 micro-batches. Returns the
+    message of each call (``""``: it ran): the CSV, then steps of 10 rows, 8, 4, 12, 8
+    under ``torch.no_grad()`` and 8 again; ``grads`` after them (two 8-row steps).
+    """
+    from optmem.errors import OptmemInputError
+
+    del rank, world
+    model = MODELS["mlp"][0]()
+    loss_fn = nn.functional.mse_loss
+    x, y = mlp_data(8, 8)
+    out: dict[str, Any] = {}
+
+    def attempt(name: str, call: Callable[[], Any]) -> None:
+        try:
+            call()
+            out[name] = ""
+        except OptmemInputError as exc:
+            out[name] = str(exc)
+
+    attempt("csv", lambda: pipelining.PipelinedModel(model, job["plan"], microbatches=4,
+                                                     loss_fn=loss_fn, schedule_csv=job["csv"]))
+    piped = pipelining.PipelinedModel(model, job["plan"], microbatches=4, loss_fn=loss_fn)
+    attempt("10 rows", lambda: piped.step(torch.cat([x, x[:2]]), target=torch.cat([y, y[:2]])))
+    attempt("8 rows", lambda: piped.step(x, target=y))
+    attempt("4 rows", lambda: piped.step(x[:4], target=y[:4]))
+    attempt("12 rows", lambda: piped.step(torch.cat([x, x[:4]]), target=torch.cat([y, y[:4]])))
+    with torch.no_grad():
+        attempt("no_grad", lambda: piped.step(x, target=y))
+    attempt("8 rows again", lambda: piped.step(x, target=y))
+    out["grads"] = _grads(model)
+    return out
 
 
 def one_call_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:

@@ -20,8 +20,9 @@ import distributed_workers as w  # noqa: E402
 
 from optmem.chain import Chain  # noqa: E402
 from optmem.cli import main  # noqa: E402
+from optmem.errors import OptmemInputError  # noqa: E402
 from optmem.pipeline_plan import PipelinePlan  # noqa: E402
-from optmem.pipeline_schedule import rank_programs  # noqa: E402
+from optmem.pipeline_schedule import rank_programs, write_schedule_csv  # noqa: E402
 from optmem.problems.pipeline import PipelineProblem  # noqa: E402
 from optmem.pytorch import pipelining  # noqa: E402
 from optmem.pytorch.distributed import spawn  # noqa: E402
@@ -262,3 +263,47 @@ def test_result_and_its_plan_are_accepted():
     expected = PipelinePlan.from_strings(result.plan)
     for form in (result, result.plan, result.to_json(), expected.to_dict()):
         assert pipelining.as_pipeline_plan(form) == expected
+
+
+def test_batches_the_runtime_cannot_run_are_one_error_on_every_rank(tmp_path):
+    """PyTorch's runtime runs equal micro-batches, shaped as at the first step, and a CSV
+    for as many micro-batches as the pipeline. A batch of 10 rows for 4 micro-batches, then
+    (after a step of 8) one of 4 or 12 rows, failed inside the runtime on one rank (a shape
+    error, "Expecting 4 arg_mbs but got 3") while the other waited for the group's timeout,
+    or aborted it in gloo; a CSV for 8 micro-batches raised PyTorch's AssertionError; a step
+    under no_grad PyTorch's advice to call eval(), which trains all the same. Each is now one
+    input error on both ranks, before any message, and training goes on after it."""
+    plan = plan_for([1] * 6, 2, "contiguous")
+    csv = tmp_path / "eight.csv"
+    write_schedule_csv(plan, 8, csv)
+    spawn(w.run_jobs, 2, [{"kind": "pipeline_inputs", "plan": plan.to_dict(), "csv": str(csv)}],
+          str(tmp_path), init_file=str(tmp_path / "rendezvous"))
+    grads, _ = w.reference_grads("mlp", 4, 8, mean=True)
+    seen: set[str] = set()
+    for rank in range(2):
+        data = w.load(str(tmp_path), rank, 0)
+        assert "does not fit this pipeline (4 micro-batches, 2 stages)" in data["csv"]
+        assert "into 4 equal micro-batches along dimension 0, got 10 rows" in data["10 rows"]
+        for name in ("4 rows", "12 rows"):
+            assert "differ from the first step's ([2, 8] torch.float32)" in data[name]
+        assert "outside torch.no_grad()" in data["no_grad"]
+        assert data["8 rows"] == data["8 rows again"] == ""
+        for name, g in data["grads"].items():  # two steps of the 8 rows, nothing else
+            torch.testing.assert_close(g, 2 * grads[name], rtol=1e-5, atol=1e-6)
+            seen.add(name)
+    assert seen == set(grads)
+
+
+def test_micro_batch_counts_and_sizes_are_checked_before_any_rank_works():
+    """``microbatches=0`` silently became the default (twice the stages); micro-batches of
+    different sizes given to the runners failed inside a rank. Both are input errors now,
+    raised before the process group is used."""
+    plan = plan_for([1, 1, 1], 2, "contiguous")
+    model = pipelining.demo_model(8, 3)
+    with pytest.raises(OptmemInputError, match="positive number of micro-batches, got 0"):
+        pipelining.PipelinedModel(model, plan, microbatches=0)
+    xs = [torch.zeros(2, 8), torch.zeros(3, 8)]
+    ys = [torch.zeros(2, 1), torch.zeros(3, 1)]
+    for runner in (pipelining.run_plan, pipelining.run_plan_pipelining):
+        with pytest.raises(OptmemInputError, match=r"micro-batch 1 is \[3, 8\] torch.float32"):
+            runner(model, plan, xs, ys, torch.nn.functional.mse_loss)

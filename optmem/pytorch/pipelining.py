@@ -56,6 +56,7 @@ from optmem.errors import OptmemInputError, PlanError
 from optmem.pipeline_plan import PipelinePlan
 from optmem.pipeline_schedule import (
     RankOp,
+    check_microbatches,
     default_microbatches,
     pipeline_ranks,
     rank_programs,
@@ -335,7 +336,9 @@ class PipelinedModel(nn.Module):
         One micro-batch call (a tensor, a tuple of positional or a dict of keyword
         arguments) the model is exported for; every micro-batch must look like it.
     microbatches
-        Micro-batches per :meth:`step` (one flush); the call is split along dimension 0.
+        Micro-batches per :meth:`step` (one flush; ``None``: twice the plan's stages); the
+        call is split along dimension 0 into that many equal micro-batches, which must have
+        the shapes of the first step's (PyTorch's runtime fixes its receive buffers then).
     loss_fn
         ``loss_fn(output, target)`` of one micro-batch (``output``: what the model returns,
         a ``ModelOutput`` for a HuggingFace model), run at the end of the last stage.
@@ -374,7 +377,10 @@ class PipelinedModel(nn.Module):
                  extract: str = "auto") -> None:
         super().__init__()
         self.plan = as_pipeline_plan(plan)
-        self.microbatches = microbatches or default_microbatches(self.plan)
+        if microbatches is not None:  # 0 is an error, not the default
+            check_microbatches(microbatches)
+        self.microbatches = default_microbatches(self.plan) if microbatches is None \
+            else microbatches
         self.device = torch.device(device) if device is not None else default_device()
         self.chain: Chain | None = None
         self.result: Result | None = None
@@ -401,6 +407,7 @@ class PipelinedModel(nn.Module):
         self.has_last = len(gpu_of) - 1 in self.stage_indices
         self.scale_grads = scale_grads
         self._contexts: list[SideInputs] = []
+        self._micro_shapes: list[tuple[tuple[int, ...], torch.dtype]] | None = None
         self.schedule = self._build_schedule(modules, schedule_csv) \
             if self.stage_indices else None
 
@@ -430,7 +437,13 @@ class PipelinedModel(nn.Module):
             loss_fn=_ScaledLoss(self.microbatches if self.scale_grads else 1),
             scale_grads=False)
         if schedule_csv is not None:
-            schedule._load_csv(schedule_csv)
+            try:
+                schedule._load_csv(schedule_csv)
+            except AssertionError as exc:  # PyTorch's validation of the action list
+                raise OptmemInputError(
+                    f"the schedule {schedule_csv} does not fit this pipeline "
+                    f"({self.microbatches} micro-batches, {n_stages} stages): {exc}",
+                    field="schedule_csv") from None
         else:
             actions = {r: [_Action.from_str(a) for a in row]
                        for r, row in enumerate(schedule_rows(self.plan, self.microbatches))}
@@ -454,15 +467,24 @@ class PipelinedModel(nn.Module):
         exported model every rank passes the call (each computes the side inputs of every
         micro-batch). Returns the micro-batch losses on the rank holding the last stage,
         ``[]`` elsewhere. Gradients accumulate in ``.grad`` (call ``zero_grad()`` between
-        steps, as usual).
+        steps, as usual). A batch that is not a positive multiple of ``microbatches`` rows,
+        micro-batches shaped unlike the first step's, or a call under ``torch.no_grad()``
+        (there is no forward-only pass) raise :class:`~optmem.errors.OptmemInputError`
+        before any message.
         """
         before = [(p, None if p.grad is None else p.grad.detach().clone())
                   for p, _ in self._tied]
         losses: list[torch.Tensor] = []
         if self.schedule is not None:
+            if not torch.is_grad_enabled():
+                raise OptmemInputError(
+                    "PipelinedModel.step() trains (the forward and backward of every "
+                    "micro-batch) and has no forward-only pass: call it with gradients "
+                    "enabled, outside torch.no_grad() (docs/pipeline.md)", field="inputs")
             n = self.microbatches
             args, kwargs = move_to(args, self.device), move_to(kwargs, self.device)
             chain_args, calls = self.program.split(args, kwargs, n)
+            self._check_batch(chain_args, target)
             targets = list(torch.tensor_split(move_to(target, self.device), n)) \
                 if isinstance(target, torch.Tensor) else [target] * n
             self._contexts[:] = [SideInputs({**(ctx or {}), TARGET: t})
@@ -477,6 +499,44 @@ class PipelinedModel(nn.Module):
         factor = self.microbatches if self.scale_grads else 1
         return [loss.detach() * factor for loss in losses]
 
+    def _check_batch(self, chain_args: tuple[Any, ...], target: Any) -> None:
+        """One input error for a batch PyTorch's runtime cannot split or receive.
+
+        The runtime splits every tensor of the chain input (and ``step`` the target) along
+        dimension 0 into ``microbatches`` pieces, and its stages fix their receive buffers
+        to the micro-batch shapes of the first step. A batch that is not a positive multiple
+        of ``microbatches`` rows, or micro-batches shaped unlike the first step's, failed
+        inside the runtime on one rank (a shape error, ``Expecting 4 arg_mbs but got 3``)
+        while the next rank waited for the group's timeout, or aborted a rank in gloo
+        ("Received data size doesn't match expected size"). Checked on every rank that
+        passes the call or the target, before any message.
+        """
+        n = self.microbatches
+        tensors = [t for t in chain_args if isinstance(t, torch.Tensor)]
+        if isinstance(target, torch.Tensor) and target.dim() > 0:
+            tensors.append(target)
+        for t in tensors:
+            if t.dim() == 0 or t.shape[0] < n or t.shape[0] % n:
+                rows = "a scalar" if t.dim() == 0 else f"{t.shape[0]} rows"
+                raise OptmemInputError(
+                    f"step() splits the batch into {n} equal micro-batches along dimension "
+                    f"0, got {rows}: pass a multiple of {n} rows (PyTorch's pipeline runtime "
+                    "runs equal micro-batches; pad or drop a short last batch)", field="inputs")
+        shapes = [((t.shape[0] // n, *t.shape[1:]), t.dtype) for t in chain_args
+                  if isinstance(t, torch.Tensor)]
+        if not shapes:  # this rank was not given the call
+            return
+        if self._micro_shapes is None:
+            self._micro_shapes = shapes
+        elif shapes != self._micro_shapes:
+            def show(s: list[tuple[tuple[int, ...], torch.dtype]]) -> str:
+                return ", ".join(f"{list(shape)} {dtype}" for shape, dtype in s)
+            raise OptmemInputError(
+                f"the micro-batches of this step ({show(shapes)}) differ from the first "
+                f"step's ({show(self._micro_shapes)}): PyTorch's pipeline runtime fixes its "
+                "receive buffers at the first step, so every step must have the same "
+                "micro-batch shapes (pad every batch to one size)", field="inputs")
+
     def _reduce_tied(self, before: list[tuple[nn.Parameter, torch.Tensor | None]]) -> None:
         """Sum this step's gradient of every tied weight over the ranks holding it."""
         for (param, group), (_, old) in zip(self._tied, before, strict=True):
@@ -490,6 +550,27 @@ class PipelinedModel(nn.Module):
                 f"microbatches={self.microbatches}, period={self.plan.period:g}")
 
 
+def _check_equal(micro: Sequence[Any], field: str) -> None:
+    """One input error unless ``micro`` is a non-empty list of tensors of one shape and dtype.
+
+    The runners size every message (and PyTorch's runtime its receive buffers) from the
+    first micro-batch: unequal ones failed inside a rank, or aborted it in gloo.
+    """
+    if not micro:
+        raise OptmemInputError("expected at least one micro-batch", field=field)
+    def show(t: Any) -> str:
+        return f"{list(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+
+    first = micro[0]
+    for k, t in enumerate(micro):
+        if not isinstance(t, torch.Tensor) or not isinstance(first, torch.Tensor) \
+                or t.shape != first.shape or t.dtype != first.dtype:
+            raise OptmemInputError(
+                f"the micro-batches must be tensors of one shape and dtype: micro-batch {k} "
+                f"is {show(t)}, micro-batch 0 {show(first)} (pad them to one size)",
+                field=field)
+
+
 def run_plan_pipelining(
     model: nn.Module | Sequence[nn.Module | Stage], plan: Any,
     inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor], loss_fn: LossFn, *,
@@ -500,6 +581,7 @@ def run_plan_pipelining(
     ``inputs`` and ``targets`` are the micro-batches (equal sizes). Returns the micro-batch
     losses on the rank of the last stage. Same results as :func:`run_plan`.
     """
+    _check_equal(inputs, "inputs")
     piped = PipelinedModel(model, plan, microbatches=len(inputs), loss_fn=loss_fn,
                            device=device, scale_grads=False, schedule_csv=schedule_csv)
     losses = piped.step(torch.cat(list(inputs)), target=torch.cat(list(targets)))
@@ -589,6 +671,8 @@ def pipeline(
         raise OptmemInputError("optmem.pytorch.pipeline runs under torch.distributed: launch "
                                "with torchrun and call init_distributed() (or "
                                "init_process_group) first", field="backend")
+    if microbatches is not None:  # before the profile: 0 is an error, not the default
+        check_microbatches(microbatches)
     world = dist.get_world_size()
     gpus = world if gpus is None else gpus
     if gpus > world:
@@ -679,6 +763,7 @@ def run_plan(
     Returns the losses of the micro-batches whose last stage ran here.
     """
     plan = as_pipeline_plan(plan)
+    _check_equal(inputs, "inputs")
     modules = plan_stage_modules(model, plan)
     rank = dist.get_rank()
     device = device or torch.device("cpu")
