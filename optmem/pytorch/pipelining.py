@@ -291,6 +291,43 @@ def _tied_parameters(modules: Sequence[nn.Module], gpu_of: Sequence[int]
             if len(holders[k][1]) > 1]
 
 
+def _tied_groups(modules: Sequence[nn.Module], gpu_of: Sequence[int], rank: int
+                 ) -> list[tuple[nn.Parameter, Any]]:
+    """Tied parameters held on ``rank``, each with the group of its holders.
+
+    Collective: every rank of the default group calls it (every group is made on all ranks,
+    in the same order).
+    """
+    groups: dict[tuple[int, ...], Any] = {}
+    mine = []
+    for param, gpus in _tied_parameters(modules, gpu_of):
+        if gpus not in groups:
+            groups[gpus] = dist.new_group(list(gpus))
+        if rank in gpus:
+            mine.append((param, groups[gpus]))
+    return mine
+
+
+def _grads_before(tied: Sequence[tuple[nn.Parameter, Any]]
+                  ) -> list[tuple[nn.Parameter, torch.Tensor | None]]:
+    """A copy of each tied parameter's gradient before a step (``None``: no gradient)."""
+    return [(p, None if p.grad is None else p.grad.detach().clone()) for p, _ in tied]
+
+
+def _reduce_tied(tied: Sequence[tuple[nn.Parameter, Any]],
+                 before: Sequence[tuple[nn.Parameter, torch.Tensor | None]]) -> None:
+    """Sum a step's gradient of every tied weight over the ranks holding it.
+
+    Only what the step added (the gradient minus ``before``) is reduced, so gradients
+    accumulated over earlier steps are not counted twice.
+    """
+    for (param, group), (_, old) in zip(tied, before, strict=True):
+        grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        delta = grad if old is None else grad - old
+        dist.all_reduce(delta, group=group)
+        param.grad = delta if old is None else old + delta
+
+
 class _ScaledLoss:
     """The runtime's loss: the last stage's output (the loss) divided by ``factor``."""
 
@@ -402,7 +439,7 @@ class PipelinedModel(nn.Module):
         self.stages = nn.ModuleList([modules[k] for k in self.stage_indices]).to(self.device)
         self.program.to(self.device)
         self.pp_group = dist.group.WORLD if used == list(range(size)) else dist.new_group(used)
-        self._tied = self._tied_groups(modules, gpu_of, rank)
+        self._tied = _tied_groups(modules, gpu_of, rank)
         self.has_first = 0 in self.stage_indices
         self.has_last = len(gpu_of) - 1 in self.stage_indices
         self.scale_grads = scale_grads
@@ -410,18 +447,6 @@ class PipelinedModel(nn.Module):
         self._micro_shapes: list[tuple[tuple[int, ...], torch.dtype]] | None = None
         self.schedule = self._build_schedule(modules, schedule_csv) \
             if self.stage_indices else None
-
-    def _tied_groups(self, modules: Sequence[nn.Module], gpu_of: Sequence[int], rank: int
-                     ) -> list[tuple[nn.Parameter, Any]]:
-        """Tied parameters held here, each with the group of its holders (made on all ranks)."""
-        groups: dict[tuple[int, ...], Any] = {}
-        mine = []
-        for param, gpus in _tied_parameters(modules, gpu_of):
-            if gpus not in groups:  # every rank creates every group, in the same order
-                groups[gpus] = dist.new_group(list(gpus))
-            if rank in gpus:
-                mine.append((param, groups[gpus]))
-        return mine
 
     def _build_schedule(self, modules: Sequence[nn.Module], schedule_csv: str | None) -> Any:
         from torch.distributed.pipelining.schedules import _Action, _PipelineScheduleRuntime
@@ -472,8 +497,7 @@ class PipelinedModel(nn.Module):
         (there is no forward-only pass) raise :class:`~optmem.errors.OptmemInputError`
         before any message.
         """
-        before = [(p, None if p.grad is None else p.grad.detach().clone())
-                  for p, _ in self._tied]
+        before = _grads_before(self._tied)
         losses: list[torch.Tensor] = []
         if self.schedule is not None:
             if not torch.is_grad_enabled():
@@ -495,7 +519,7 @@ class PipelinedModel(nn.Module):
                 self.schedule.step(*(chain_args if self.has_first else ()), target=dummy,
                                    losses=losses, return_outputs=False)
             self._contexts.clear()
-        self._reduce_tied(before)
+        _reduce_tied(self._tied, before)
         factor = self.microbatches if self.scale_grads else 1
         return [loss.detach() * factor for loss in losses]
 
@@ -536,14 +560,6 @@ class PipelinedModel(nn.Module):
                 f"step's ({show(self._micro_shapes)}): PyTorch's pipeline runtime fixes its "
                 "receive buffers at the first step, so every step must have the same "
                 "micro-batch shapes (pad every batch to one size)", field="inputs")
-
-    def _reduce_tied(self, before: list[tuple[nn.Parameter, torch.Tensor | None]]) -> None:
-        """Sum this step's gradient of every tied weight over the ranks holding it."""
-        for (param, group), (_, old) in zip(self._tied, before, strict=True):
-            grad = param.grad if param.grad is not None else torch.zeros_like(param)
-            delta = grad if old is None else grad - old
-            dist.all_reduce(delta, group=group)
-            param.grad = delta if old is None else old + delta
 
     def extra_repr(self) -> str:  # noqa: D102
         return (f"stages={self.stage_indices} of {len(self.plan.stages)}, "
@@ -759,7 +775,9 @@ def run_plan(
     Every rank holds the same ``model`` (only its own stages are moved to ``device``); the
     operations run in the plan's order (:func:`~optmem.pipeline_schedule.rank_programs`),
     with ``isend``/``irecv`` received in the sender's order (no tags: NCCL and gloo). Stage
-    outputs must be single tensors. Gradients of the micro-batches are summed in ``.grad``.
+    outputs must be single tensors. Gradients of the micro-batches are summed in ``.grad``;
+    a weight shared by stages on several ranks (a tied embedding and head) gets the sum
+    over those ranks on each, as with :class:`PipelinedModel`.
     Returns the losses of the micro-batches whose last stage ran here.
     """
     plan = as_pipeline_plan(plan)
@@ -772,6 +790,8 @@ def run_plan(
     for k, g in gpu_of.items():
         if g == rank:
             modules[k - 1].to(device)
+    tied = _tied_groups(modules, list(gpu_of.values()), rank)
+    before = _grads_before(tied)
     shapes = _shapes(modules, inputs[0].to(device))
     programs = rank_programs(plan, len(inputs))
     # messages: ("a", s, m) = output of stage s sent to s+1; ("g", s, m) = grad to stage s
@@ -834,6 +854,7 @@ def run_plan(
                 deliver("g", s - 1, m, gpu_of[s - 1], leaf.grad)
     for req in pending:
         req.wait()
+    _reduce_tied(tied, before)
     return losses
 
 
