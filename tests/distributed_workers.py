@@ -204,11 +204,12 @@ def pipeline_inputs_job(rank: int, world: int, job: dict[str, Any]) -> dict[str,
 
     ``{"plan", "csv"}``: ``csv`` is the plan's schedule for 8 micro-batches. Returns the
     message of each call (``""``: it ran): the CSV, then steps of 10 rows, 8, 4, 12, 8
-    under ``torch.no_grad()`` and 8 again; ``grads`` after them (two 8-row steps).
+    under ``torch.no_grad()`` and 8 again, and on rank 0 (the first stage) a step without
+    the batch; ``grads`` after them (two 8-row steps).
     """
     from optmem.errors import OptmemInputError
 
-    del rank, world
+    del world
     model = MODELS["mlp"][0]()
     loss_fn = nn.functional.mse_loss
     x, y = mlp_data(8, 8)
@@ -231,6 +232,8 @@ def pipeline_inputs_job(rank: int, world: int, job: dict[str, Any]) -> dict[str,
     with torch.no_grad():
         attempt("no_grad", lambda: piped.step(x, target=y))
     attempt("8 rows again", lambda: piped.step(x, target=y))
+    if rank == 0:  # the first stage's rank without the batch (the others wait for nothing)
+        attempt("no call", lambda: piped.step(target=y))
     out["grads"] = _grads(model)
     return out
 

@@ -273,8 +273,9 @@ def test_batches_the_runtime_cannot_run_are_one_error_on_every_rank(tmp_path):
     (after a step of 8) one of 4 or 12 rows, failed inside the runtime on one rank (a shape
     error, "Expecting 4 arg_mbs but got 3") while the other waited for the group's timeout,
     or aborted it in gloo; a CSV for 8 micro-batches raised PyTorch's AssertionError; a step
-    under no_grad PyTorch's advice to call eval(), which trains all the same. Each is now one
-    input error on both ranks, before any message, and training goes on after it."""
+    under no_grad PyTorch's advice to call eval(), which trains all the same; a step without
+    the batch on the first stage's rank linear()'s TypeError. Each is now one input error on
+    the ranks given the batch, before any message, and training goes on after it."""
     plan = plan_for([1] * 6, 2, "contiguous")
     csv = tmp_path / "eight.csv"
     write_schedule_csv(plan, 8, csv)
@@ -290,6 +291,8 @@ def test_batches_the_runtime_cannot_run_are_one_error_on_every_rank(tmp_path):
             assert "differ from the first step's ([2, 8] torch.float32)" in data[name]
         assert "outside torch.no_grad()" in data["no_grad"]
         assert data["8 rows"] == data["8 rows again"] == ""
+        if rank == 0:  # was linear()'s TypeError on rank 0 and a timeout on rank 1
+            assert "holds the pipeline's first stage: pass it the batch" in data["no call"]
         for name, g in data["grads"].items():  # two steps of the 8 rows, nothing else
             torch.testing.assert_close(g, 2 * grads[name], rtol=1e-5, atol=1e-6)
             seen.add(name)

@@ -508,6 +508,10 @@ class PipelinedModel(nn.Module):
             n = self.microbatches
             args, kwargs = move_to(args, self.device), move_to(kwargs, self.device)
             chain_args, calls = self.program.split(args, kwargs, n)
+            if self.has_first and not chain_args:
+                raise OptmemInputError(
+                    f"rank {dist.get_rank()} holds the pipeline's first stage: pass it the "
+                    "batch, step(x, target=...) (every rank may pass it)", field="inputs")
             self._check_batch(chain_args, target)
             targets = list(torch.tensor_split(move_to(target, self.device), n)) \
                 if isinstance(target, torch.Tensor) else [target] * n
