@@ -20,7 +20,7 @@ import distributed_workers as w  # noqa: E402
 
 from optmem.chain import Chain  # noqa: E402
 from optmem.cli import main  # noqa: E402
-from optmem.errors import OptmemInputError  # noqa: E402
+from optmem.errors import OptmemInputError, PlanError  # noqa: E402
 from optmem.pipeline_plan import PipelinePlan  # noqa: E402
 from optmem.pipeline_schedule import rank_programs, write_schedule_csv  # noqa: E402
 from optmem.problems.pipeline import PipelineProblem  # noqa: E402
@@ -256,6 +256,32 @@ def test_stage_modules_follow_the_flattened_chain():
     assert modules[-1].layers[0] is model.head.lm_head
     with pytest.raises(Exception, match="covers 5 chain layers but the model has 4"):
         pipelining.plan_stage_modules(w.tiny_gpt(blocks=1), plan)
+
+
+def test_plans_that_do_not_partition_the_chain_are_refused():
+    """A plan with a gap (layer 2 on no stage) built a 3-layer model of the 4 layers and
+    trained it, one with overlapping stages ran layers 2-3 twice, one without tasks or on
+    GPU -1 was taken too; the torch bridge now checks the structure as the simulator does."""
+    model = pipelining.demo_model(8, 4)
+    tasks = ["F 1 start 0 shift 1", "F 2 start 1 shift 1", "B 2 start 2 shift 0",
+             "B 1 start 3 shift 0", "send 1 start 1 shift 1", "grad 1 start 3 shift 0"]
+    cases = {"1-1 gpu 0|3-4 gpu 1": "stage 2 covers layers 3-4; expected a range starting "
+                                    "at layer 2",
+             "1-3 gpu 0|2-4 gpu 1": "stage 2 covers layers 2-4; expected a range starting "
+                                    "at layer 4",
+             "1-2 gpu -1|3-4 gpu 1": "stage 1 is on GPU -1; expected a GPU >= 0"}
+    for stages, message in cases.items():
+        ops = ["period 4", *(f"stage {k} layers {s}" for k, s in
+                             enumerate(stages.split("|"), start=1)), *tasks]
+        with pytest.raises(PlanError, match=message):
+            pipelining.plan_stage_modules(model, PipelinePlan.from_strings(ops))
+    bare = PipelinePlan.from_strings(["period 4", "stage 1 layers 1-2 gpu 0",
+                                      "stage 2 layers 3-4 gpu 1"])
+    with pytest.raises(PlanError, match="missing tasks: B 1, B 2, F 1, F 2, grad 1, send 1"):
+        pipelining.plan_stage_modules(model, bare)
+    good = PipelinePlan.from_strings(["period 4", "stage 1 layers 1-2 gpu 0",
+                                      "stage 2 layers 3-4 gpu 1", *tasks])
+    assert [len(m.layers) for m in pipelining.plan_stage_modules(model, good)] == [2, 2]
 
 
 def test_result_and_its_plan_are_accepted():

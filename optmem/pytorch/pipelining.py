@@ -78,6 +78,7 @@ from optmem.pytorch.wrapper import (
     signature_key,
 )
 from optmem.result import Result
+from optmem.simulate.pipeline import check_plan_structure
 
 __all__ = ["PipelinedModel", "PlanStage", "as_pipeline_plan", "pipeline", "plan_stage_modules",
            "rank_programs", "run_plan", "run_plan_pipelining", "spawn"]
@@ -271,6 +272,7 @@ def plan_stage_modules(model: nn.Module | Sequence[nn.Module | Stage] | _Program
             f"the plan covers {n} chain layers but the model has {len(layers)} (the stages "
             "the extraction finds, nested nn.Sequential flattened): profile and plan the "
             "same model", field="plan")
+    check_plan_structure(plan, n)  # a gap or an overlap would train another model
     last = len(plan.stages) - 1
     return [PlanStage(layers[st.first - 1:st.last], head if k == last else None)
             for k, st in enumerate(plan.stages)]

@@ -83,7 +83,19 @@ def _durations(problem: PipelineProblem, plan: PipelinePlan) -> dict[tuple[str, 
 
 def _check_structure(problem: PipelineProblem, plan: PipelinePlan) -> dict[tuple[str, int],
                                                                            PipelineTask]:
-    n = problem.layers.n
+    return check_plan_structure(plan, problem.layers.n, problem.n_gpus)
+
+
+def check_plan_structure(plan: PipelinePlan, n: int, n_gpus: int | None = None
+                         ) -> dict[tuple[str, int], PipelineTask]:
+    """Check that ``plan`` is well formed for a chain of ``n`` layers; its tasks by key.
+
+    The stages partition layers ``1..n`` in order, each on a GPU ``0..n_gpus-1`` (``None``:
+    any GPU >= 0), and the pattern has one forward and one backward per stage and one
+    ``send`` and ``grad`` per cut between GPUs, each starting within the period. Raises
+    :class:`~optmem.errors.PlanError` naming the first fault. Times and memory are not
+    checked (:func:`simulate_pipeline` does).
+    """
     if not (math.isfinite(plan.period) and plan.period > 0):
         raise PlanError(f"the period must be positive and finite, got {plan.period}")
     nxt = 1
@@ -91,8 +103,9 @@ def _check_structure(problem: PipelineProblem, plan: PipelinePlan) -> dict[tuple
         if st.first != nxt or st.last < st.first:
             raise PlanError(f"stage {k} covers layers {st.first}-{st.last}; expected a range "
                             f"starting at layer {nxt} (stages partition 1..{n} in order)")
-        if not 0 <= st.gpu < problem.n_gpus:
-            raise PlanError(f"stage {k} is on GPU {st.gpu}; expected 0..{problem.n_gpus - 1}")
+        if st.gpu < 0 or (n_gpus is not None and st.gpu >= n_gpus):
+            shown = "a GPU >= 0" if n_gpus is None else f"0..{n_gpus - 1}"
+            raise PlanError(f"stage {k} is on GPU {st.gpu}; expected {shown}")
         nxt = st.last + 1
     if nxt != n + 1:
         raise PlanError(f"the stages cover layers 1..{nxt - 1}; expected 1..{n}")
