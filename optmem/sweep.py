@@ -322,18 +322,21 @@ def _run_one(factory: ProblemFactory, method: str, limit: int,
              options: SolveOptions) -> SweepPoint:
     """Solve one (method, limit) task; unexpected failures become ``error`` points.
 
-    A bad value of an ``extra`` key the method reads raises, as in :func:`solve` and
-    ``compare``: it is bad input, not one failed point.
+    A bad value of an ``extra`` key the method reads, or a variant it refuses, raises, as
+    in :func:`solve` and ``compare``: it is bad input, not one failed point. The shared
+    ``options.variant`` reaches the methods that declare it, as in ``compare``
+    (:func:`optmem.solvers.facade.run_options`).
     """
-    from optmem.solvers.facade import method_info, solve
+    from optmem.solvers.facade import method_info, reraise_input_error, run_options, solve
 
     problem = factory(limit)
     info = method_info(problem.name, method)
+    run = run_options(problem.name, info, method, options, shared=True)
     try:
-        result = solve(problem, method, options=options)
+        result = solve(problem, info.name, options=run)
         return point_of(method, limit, result, info.exact, plan_memory(problem, result))
     except OptmemInputError as exc:
-        if exc.field in options.extra and exc.field in info.extra:
+        if reraise_input_error(exc, info, run):
             raise
         result = Result(problem.name, method, Status.ERROR, report={"error": str(exc)})
     except Exception as exc:  # noqa: BLE001 - one bad point must not end the sweep
@@ -383,10 +386,12 @@ def sweep(
     """
     from optmem.solvers.facade import (
         check_extra,
+        check_shared_variant,
         method_info,
         method_names_of,
         problem_name,
         resolve_options,
+        run_options,
     )
 
     if isinstance(limits, str | bytes) or not isinstance(limits, Iterable):
@@ -407,9 +412,11 @@ def sweep(
         raise OptmemInputError(f"expected a function of the memory limit returning a problem, "
                                f"got {type(problem_factory).__name__}", field="problem_factory")
     probe = problem_factory(limits[0])
-    for m in methods:
-        method_info(problem_name(probe), m)  # unknown methods fail here
-    check_extra(probe.name, options)
+    kind = problem_name(probe)
+    for m in methods:  # unknown methods and variants (dp:bogus, chen:rotor) fail here
+        run_options(kind, method_info(kind, m), m, options, shared=True)
+    check_extra(kind, options)
+    check_shared_variant(kind, methods, options)
     tasks = [(m, limit) for limit in limits for m in methods]
     bar = progress if isinstance(progress, Progress) else \
         Progress(len(tasks)) if progress else None
@@ -505,12 +512,15 @@ def auto_start(problem_factory: ProblemFactory, methods: Sequence[str],
     which solving again succeeds, rounding included); the least of them, ``None`` if no
     method reports one.
     """
-    from optmem.solvers.facade import solve
+    from optmem.solvers.facade import method_info, run_options, solve
 
     found = []
     for method in methods:
         try:
-            result = solve(problem_factory(0), method, options=options)
+            problem = problem_factory(0)
+            run = run_options(problem.name, method_info(problem.name, method), method, options,
+                              shared=True)
+            result = solve(problem, method.partition(":")[0], options=run)
         except OptmemInputError:
             continue
         if result.status.has_plan:
@@ -532,9 +542,11 @@ def auto_end(problem_factory: ProblemFactory, problem: str, chain: Chain,
     """
     end = chain.store_all_peak()
     if problem == "pipeline":
-        from optmem.solvers.facade import solve
+        from optmem.solvers.facade import method_info, run_options, solve
 
-        free = solve(problem_factory(MAX_SIZE), "auto", options=options)
+        problem_at = problem_factory(MAX_SIZE)
+        free = solve(problem_at, "auto", options=run_options(
+            problem, method_info(problem, "auto"), "auto", options, shared=True))
         if free.status.has_plan and free.peak_memory is not None:
             end = free.peak_memory * free.unit
     return math.ceil(end * 1.05)
@@ -583,7 +595,8 @@ def register_cli(subparsers: Any) -> None:
     p.add_argument("--json", help="write points, fronts and summary as JSON")
     p.add_argument("--plot", help="draw the curve (.png, .svg or .pdf)")
     p.add_argument("--title", help="plot title")
-    p.add_argument("--variant", help="method variant for every method")
+    p.add_argument("--variant", help="method variant for the methods that have it (the "
+                                     "others run their default)")
     p.add_argument("--slots", type=int, default=500, help="memory slots (default 500)")
     add_engine_limits(p)
     p.add_argument("--solver", default="highs", help="ILP engine: highs, cbc, gurobi")

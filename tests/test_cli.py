@@ -418,3 +418,107 @@ def test_solve_text_prints_sizes_in_the_chains_memory_unit(capsys, tmp_path):
     assert " B)" not in out
     code, out, err = run(capsys, "solve", "checkpoint", str(path), "-m", "14")
     assert "smallest feasible memory: 15 KiB (15 KiB)" in out
+
+
+# ------------------------------------------------------------------ stop 53: variants
+@pytest.mark.parametrize("argv", [
+    ["--method", "chen:rotor"], ["--method", "chen", "--variant", "rotor"],
+    ["--method", "store_all:x"], ["--method", "ilp:rotor"], ["--variant", "paperr"],
+])
+def test_a_variant_the_method_lacks_exits_2_naming_the_method(capsys, chain_file, argv):
+    """``--method chen:rotor`` and ``--method chen --variant X`` ran ``chen`` (exit 0) until
+    stop 53: a method without variants ignored any. Now one error naming the method and
+    the variants of the problem's methods (each method declares its own)."""
+    code, out, err = run(capsys, "solve", "checkpoint", str(chain_file), "-m", "16", *argv)
+    assert code == 2 and out == "", out
+    assert len(err.strip().splitlines()) == 1 and "field 'variant'" in err
+    method = argv[1].split(":")[0] if argv[0] == "--method" else "dp"
+    assert f"'{method}'" in err or f"unknown {method} variant" in err
+    assert "rotor" in err  # the list of variants that exist
+
+
+def test_python_refuses_a_variant_the_method_lacks(chain_file):
+    from optmem.errors import OptmemInputError
+    from optmem.problems import CheckpointProblem, MinPeakProblem
+    from optmem.solvers.facade import export, solve
+
+    problem = CheckpointProblem(Chain.load(chain_file), 16)
+    for method, kwargs in [("chen:rotor", {}), ("chen", {"variant": "rotor"}),
+                           ("revolve", {"variant": "x"}), ("dp", {"variant": "persistent"})]:
+        with pytest.raises(OptmemInputError, match="field 'variant'"):
+            solve(problem, method, **kwargs)
+    with pytest.raises(OptmemInputError, match="field 'variant'"):
+        export(problem, "ilp:rotor", "m.lp")
+    with pytest.raises(OptmemInputError, match="'ilp' of min-peak has no variants"):
+        solve(MinPeakProblem(Chain.load(chain_file)), "ilp:quadratic")
+    assert solve(problem, "dp", variant="").variant == "paper"  # empty: the default
+
+
+def test_every_declared_variant_runs():
+    """The registry's variants are what the methods accept: each one solves."""
+    from optmem.problems import (
+        CheckpointProblem,
+        MinPeakProblem,
+        OffloadProblem,
+        RematOffloadProblem,
+    )
+    from optmem.solvers.facade import methods, solve
+    from optmem.solvers.min_peak import DP_VARIANTS
+
+    chain = random_chain(3, seed=1)
+    peak = chain.store_all_peak()
+    problems = [CheckpointProblem(chain, peak), OffloadProblem(chain, peak, "1GB/s"),
+                RematOffloadProblem(chain, peak, "1GB/s")]
+    for problem in problems:
+        for name, info in methods(problem.name).items():
+            for variant in info.variants:
+                result = solve(problem, f"{name}:{variant}", time_limit_s=20)
+                assert result.variant == variant and result.status.has_plan, (name, variant)
+    declared = methods("min-peak")["dp"].variants
+    assert set(declared) == {v for names in DP_VARIANTS.values() for v in names}
+    for model, names in DP_VARIANTS.items():
+        for variant in names:
+            assert solve(MinPeakProblem(chain, model=model), f"dp:{variant}").status.has_plan
+    assert [n for n, i in methods("pipeline").items() if i.variants] == []
+
+
+def test_compare_applies_a_variant_to_the_methods_that_declare_it(capsys, chain_file):
+    """``compare --variant rotor`` gave ``ilp`` an ``error`` row (``ilp:rotor``) and ran
+    ``chen`` silently; now the variant reaches the methods that declare it, the others run
+    their default, and a variant no compared method declares exits 2."""
+    code, out, err = run(capsys, "compare", "checkpoint", str(chain_file), "-m", "16",
+                         "--variant", "rotor", "--methods", "dp,chen,ilp", "--json")
+    assert code == 0, err
+    rows = {r["method"]: r for r in json.loads(out)["results"]}
+    assert rows["dp"]["variant"] == "rotor" and rows["ilp"]["variant"] == "full"
+    assert rows["chen"]["variant"] is None
+    assert all(r["status"] != "error" for r in rows.values())
+    code, out, err = run(capsys, "compare", "checkpoint", str(chain_file), "-m", "16",
+                         "--variant", "persistent", "--methods", "dp,ilp", "--json")
+    rows = {r["method"]: r for r in json.loads(out)["results"]}
+    assert code == 0 and rows["dp"]["variant"] == "paper"
+    assert rows["ilp"]["variant"] == "persistent"
+    for argv in (["--variant", "rotor", "--methods", "chen,store_all"],
+                 ["--variant", "bogus"], ["--methods", "dp,chen:rotor"],
+                 ["--variant", "rotor", "--methods", "dp:floating,chen"]):
+        code, out, err = run(capsys, "compare", "checkpoint", str(chain_file), "-m", "16",
+                             *argv)
+        assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, argv
+        assert "field 'variant'" in err
+
+
+def test_sweep_applies_a_variant_as_compare_does(capsys, chain_file, tmp_path):
+    from optmem.errors import OptmemInputError
+    from optmem.sweep import CheckpointFactory, sweep
+
+    factory = CheckpointFactory(Chain.load(chain_file))
+    result = sweep(factory, [16, 20], ["dp", "chen"], variant="rotor")
+    assert {p.status for p in result.points} <= {"optimal", "feasible", "infeasible"}
+    for methods, variant in ((["chen", "store_all"], "rotor"), (["chen:rotor"], None),
+                             (["dp"], "bogus")):
+        with pytest.raises(OptmemInputError, match="field 'variant'"):
+            sweep(factory, [16], methods, variant=variant)
+    code, _, err = run(capsys, "sweep", "checkpoint", str(chain_file), "-m", "16:20:2",
+                       "--methods", "chen,store_all", "--variant", "rotor", "-q", "-j", "1")
+    assert code == 2 and "field 'variant'" in err
+

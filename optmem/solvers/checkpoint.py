@@ -130,7 +130,7 @@ def plan_min_memory(chain: Chain, plans: Iterable[tuple[Op, ...]], slots: int) -
 @register(PROBLEM, "dp", exact=True, default=True,
           description="rotor dynamic programs (persistent: paper/rotor; floating)",
           compare_as=(("dp", None), ("dp:rotor", None), ("dp:floating", FLOATING_MAX_LENGTH)),
-          extra=("segment_cost",))
+          extra=("segment_cost",), variants=DP_VARIANTS)
 def solve_checkpoint_dp(problem: CheckpointProblem, options: SolveOptions) -> Result:
     """Optimal persistent (or floating) plan; ``optimal`` means optimal for the DP's model.
 

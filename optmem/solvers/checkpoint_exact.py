@@ -240,7 +240,7 @@ def _prepare(problem: CheckpointProblem, options: SolveOptions, method: str = "i
           requires=("pulp",),
           description="exact phase-indexed ILP of the full model (PuLP: HiGHS/CBC/Gurobi)",
           compare_as=(("ilp", 20), ("ilp:persistent", 20)),
-          extra=("sweeps", "highs_options", "tape_chain"))
+          extra=("sweeps", "highs_options", "tape_chain"), variants=VARIANTS)
 def solve_checkpoint_ilp(problem: CheckpointProblem, options: SolveOptions) -> Result:
     """Optimal plan of the full operation model (``persistent``: of persistent plans)."""
     engines.check_engine(options.solver)
@@ -325,7 +325,7 @@ def _engine_failed(problem: CheckpointProblem, disc: Discretized, start: _Start,
           requires=("ortools",),
           description="exact CP-SAT model of the full model (same formulation as ilp)",
           compare_as=(("cpsat", 10), ("cpsat:persistent", 10)),
-          extra=("sweeps", "tape_chain"))
+          extra=("sweeps", "tape_chain"), variants=VARIANTS)
 def solve_checkpoint_cpsat(problem: CheckpointProblem, options: SolveOptions) -> Result:
     """Optimal plan of the full operation model with OR-Tools CP-SAT."""
     from optmem.models.checkpoint_cpsat import emit_cpsat

@@ -21,9 +21,10 @@ from optmem.result import OPTION_NAMES, Result, SolveOptions, Status
 from optmem.solvers.registration import Exporter, MethodFn, MethodInfo, register
 
 __all__ = ["Exporter", "MethodFn", "MethodInfo", "available_methods", "best_objective",
-           "check_extra", "compare", "default_compare_methods", "export", "method_info",
-           "method_names_of", "methods", "problem_name", "problems", "register",
-           "resolve_options", "solve", "split_label"]
+           "check_extra", "check_shared_variant", "check_variant", "compare",
+           "default_compare_methods", "export", "method_info", "method_names_of", "methods",
+           "problem_name", "problems", "register", "reraise_input_error", "resolve_options",
+           "run_options", "solve", "split_label"]
 
 _REGISTRY: dict[str, dict[str, MethodInfo]] = {}
 _DEFAULT: dict[str, str] = {}
@@ -125,6 +126,80 @@ def method_info(problem: str, method: str) -> MethodInfo:
     return known[method]
 
 
+def check_variant(problem: str, info: MethodInfo, variant: str | None) -> None:
+    """Raise unless ``variant`` is one the method declares (``None`` or ``""``: its default).
+
+    Each method declares its variants where it is registered (``register(...,
+    variants=...)``); a method without variants takes none (``chen:rotor`` ran ``chen``
+    until stop 53).
+
+    Examples
+    --------
+    >>> check_variant("checkpoint", method_info("checkpoint", "dp"), "rotor")
+    >>> check_variant("checkpoint", method_info("checkpoint", "chen"), "rotor")
+    Traceback (most recent call last):
+    ...
+    optmem.errors.OptmemInputError: field 'variant': method 'chen' of checkpoint has no \
+variants, got 'rotor' (methods with variants: dp: paper, rotor, floating, floating-printed; \
+ilp: full, persistent; cpsat: full, persistent)
+    """
+    if not variant or variant in info.variants:
+        return
+    if info.variants:
+        raise OptmemInputError(f"unknown {info.name} variant {variant!r} (expected one of "
+                               f"{', '.join(info.variants)})", field="variant")
+    raise OptmemInputError(f"method {info.name!r} of {problem} has no variants, got "
+                           f"{variant!r} ({_variants_text(problem)})", field="variant")
+
+
+def _variants_text(problem: str) -> str:
+    having = [f"{name}: {', '.join(info.variants)}" for name, info in methods(problem).items()
+              if info.variants]
+    return "methods with variants: " + "; ".join(having) if having else \
+        f"no method of {problem} has variants"
+
+
+def check_shared_variant(problem: str, labels: Iterable[str], options: SolveOptions) -> None:
+    """Raise when ``options.variant`` is a variant of none of the methods it applies to.
+
+    ``compare`` and ``sweep`` apply one ``options.variant`` (``--variant``) to each method
+    of ``labels`` without a variant of its own (``dp``, not ``dp:rotor``) that declares it;
+    the other methods run their default (:func:`run_options`). A variant that none of them
+    declares is an input error, before anything runs.
+    """
+    variant = options.variant
+    if not variant:
+        return
+    receivers = [method_info(problem, label) for label in labels
+                 if split_label(label)[1] is None]
+    if any(variant in info.variants for info in receivers):
+        return
+    names = ", ".join(dict.fromkeys(info.name for info in receivers)) or "none"
+    raise OptmemInputError(f"variant {variant!r} is a variant of none of the methods it "
+                           f"applies to (methods without a variant in their name: {names}; "
+                           f"{_variants_text(problem)})", field="variant")
+
+
+def run_options(problem: str, info: MethodInfo, label: str, options: SolveOptions, *,
+                shared: bool = False) -> SolveOptions:
+    """The options one method runs with: the variant of ``label`` or ``options.variant``.
+
+    The variant of ``label`` (``dp:rotor``) overrides ``options.variant``; either is checked
+    against the variants the method declares (:func:`check_variant`). With ``shared``
+    (``compare``, ``sweep``: one ``options.variant`` for several methods), an
+    ``options.variant`` the method does not declare is dropped and the method runs its
+    default variant.
+    """
+    variant = split_label(label)[1]
+    if variant is not None:
+        check_variant(problem, info, variant)
+        return options.with_(variant=variant)
+    if shared and options.variant and options.variant not in info.variants:
+        return options.with_(variant=None)
+    check_variant(problem, info, options.variant)
+    return options
+
+
 def resolve_options(options: SolveOptions | None, overrides: dict[str, Any]) -> SolveOptions:
     """``options`` (default ``SolveOptions()``) with keyword ``overrides`` of its fields.
 
@@ -159,9 +234,11 @@ def solve(problem: Any, method: str = "auto", *, options: SolveOptions | None = 
     """Solve ``problem`` with ``method`` and return a :class:`Result` (timed).
 
     ``method`` may carry a variant after a colon (``"dp:rotor"``); it overrides
-    ``options.variant``. Keyword arguments set fields of :class:`SolveOptions`
-    (``solve(p, "ilp", time_limit_s=10)``); an unknown one, or an ``options.extra`` key that
-    no method of the problem reads, raises :class:`OptmemInputError` naming the closest.
+    ``options.variant``. A variant the method does not declare (``"chen:rotor"``, a typo)
+    raises :class:`OptmemInputError` naming the method and its variants. Keyword arguments
+    set fields of :class:`SolveOptions` (``solve(p, "ilp", time_limit_s=10)``); an unknown
+    one, or an ``options.extra`` key that no method of the problem reads, raises
+    :class:`OptmemInputError` naming the closest.
     A failing engine does not raise: the result is ``status: error`` (or ``feasible`` with
     a verified warm start) and ``report['engine_error']`` says what the engine said.
 
@@ -177,17 +254,15 @@ def solve(problem: Any, method: str = "auto", *, options: SolveOptions | None = 
     opts = resolve_options(options, option_fields)
     info = method_info(problem_name(problem), method)
     check_extra(problem.name, opts)
-    return _run(problem, info, method, opts)
+    return _run(problem, info, run_options(problem.name, info, method, opts))
 
 
-def _run(problem: Any, info: MethodInfo, method: str, opts: SolveOptions) -> Result:
+def _run(problem: Any, info: MethodInfo, opts: SolveOptions) -> Result:
+    """Run one method with the options :func:`run_options` gave it (timed)."""
     if not info.is_available():
         raise UnavailableError(
             f"method {info.name!r} needs {', '.join(info.requires)}; install optmem[engines]",
             field="method")
-    variant = split_label(method)[1]
-    if variant is not None:
-        opts = opts.with_(variant=variant)
     start = time.perf_counter()
     result = info.fn(problem, opts)
     elapsed = time.perf_counter() - start
@@ -218,8 +293,11 @@ def compare(
     ``method_names`` is a list of labels or one comma-separated string (``"dp,ilp"``, as the
     CLI's ``--methods``), not empty; ``None`` runs the problem's default methods. Unknown
     method names, unknown option keywords and ``options.extra`` keys that no method of the
-    problem reads fail before anything runs. A method that then fails (an option it does
-    not support, such as a ``variant`` meant for another method, or an unexpected error) is
+    problem reads fail before anything runs. ``options.variant`` applies to each method
+    that declares it and has no variant in its label; the others run their default variant
+    (an error before anything runs if none declares it, :func:`check_shared_variant`); a
+    variant in a label (``dp:rotor``) must be one of that method's. A method that then fails
+    (an option it does not support, or an unexpected error) is
     reported as ``status: error`` with the message in ``report['error']`` instead of
     aborting the comparison. A bad value of an
     ``extra`` key that the method reads raises, as :func:`solve` does (since stop 51: the
@@ -234,25 +312,40 @@ def compare(
     names = given if given is not None else default_compare_methods(problem)
     infos = [method_info(kind, label) for label in names]  # unknown names fail first
     check_extra(kind, opts)
+    runs = [run_options(kind, info, label, opts, shared=True)  # dp:bogus, chen:rotor
+            for label, info in zip(names, infos, strict=True)]
+    check_shared_variant(kind, names, opts)
     results = []
-    for name, info in zip(names, infos, strict=True):
+    for name, info, run in zip(names, infos, runs, strict=True):
         if progress:
             progress(name)
         try:
-            results.append(_run(problem, info, name, opts))
+            results.append(_run(problem, info, run))
         except OptmemInputError as exc:
-            if exc.field in opts.extra and exc.field in info.extra:
-                raise  # a bad value of a key this method reads: bad input, as for solve
-            results.append(_error_row(problem, name, opts, exc))
+            if reraise_input_error(exc, info, run):
+                raise  # a bad value of an option this method reads: bad input, as for solve
+            results.append(_error_row(problem, name, run, exc))
         except Exception as exc:  # noqa: BLE001 - reported in the table, not swallowed
-            results.append(_error_row(problem, name, opts, exc))
+            results.append(_error_row(problem, name, run, exc))
     return results
+
+
+def reraise_input_error(exc: OptmemInputError, info: MethodInfo,
+                        options: SolveOptions) -> bool:
+    """Whether an input error of one method of ``compare``/``sweep`` is the user's input.
+
+    True for a refused value of an ``extra`` key the method reads, and for a refused
+    variant the method was given (a variant it declares but not for this problem, such as
+    min-peak ``dp:cubic`` on the ``pytorch`` model): ``solve`` exits 2 on both, and so do
+    ``compare`` and ``sweep``, instead of an ``error`` row.
+    """
+    return (exc.field in options.extra and exc.field in info.extra) or \
+        (exc.field == "variant" and bool(options.variant))
 
 
 def _error_row(problem: Any, name: str, options: SolveOptions, exc: BaseException) -> Result:
     """``compare``'s row for a method that failed (``status: error``, the message)."""
-    label, variant = split_label(name)
-    return Result(problem.name, label, Status.ERROR, variant=variant or options.variant,
+    return Result(problem.name, split_label(name)[0], Status.ERROR, variant=options.variant,
                   report={"error": f"{type(exc).__name__}: {exc}"})
 
 
@@ -275,7 +368,9 @@ def export(problem: Any, method: str, path: str | os.PathLike[str], *,
     check_extra(problem.name, options)
     if not isinstance(path, str | os.PathLike):
         raise OptmemInputError(f"expected a file path, got {path!r}", field="output")
-    name, variant = split_label(method)
+    name = split_label(method)[0]
+    opts = run_options(problem.name, method_info(problem.name, method), method,
+                       options or SolveOptions())
     key = (problem.name, name)
     if key not in _EXPORTERS:
         known = ", ".join(m for p, m in _EXPORTERS if p == problem.name) or "none"
@@ -287,9 +382,6 @@ def export(problem: Any, method: str, path: str | os.PathLike[str], *,
         raise OptmemInputError(f"cannot tell the model format from {os.fspath(path)!r} "
                                f"(expected a {', '.join(formats[:-1])} or {formats[-1]} file)",
                                field="output")
-    opts = options or SolveOptions()
-    if variant is not None:
-        opts = opts.with_(variant=variant)
     # every exporter writes a temporary file renamed over ``path``: nothing half-written
     write_atomic(os.fspath(path), lambda tmp: _EXPORTERS[key](problem, opts, str(tmp)),
                  field="output")

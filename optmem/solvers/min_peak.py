@@ -42,6 +42,8 @@ from optmem.solvers.registration import register, register_exporter
 PROBLEM = "min-peak"
 DP_VARIANTS = {"pytorch": ("linear", "quadratic"), "static": ("cubic",),
                "optmem": ("quadratic",)}
+DP_VARIANT_NAMES = tuple(dict.fromkeys(v for names in DP_VARIANTS.values() for v in names))
+"""Every variant of ``dp`` over the models (each model accepts its own, ``DP_VARIANTS``)."""
 BRUTE_MAX_LENGTH = 16
 WORDING = Wording(claim="claimed peak {claimed} but the replay says {simulated}")
 
@@ -116,7 +118,8 @@ def _check(problem: Any) -> MinPeakProblem:
 
 # ------------------------------------------------------------------ dynamic programs
 @register(PROBLEM, "dp", exact=True, default=True,
-          description="Hong et al. DPs: Alg. 3 (static), Alg. 6/5 (pytorch), Alg. 5 (optmem)")
+          description="Hong et al. DPs: Alg. 3 (static), Alg. 6/5 (pytorch), Alg. 5 (optmem)",
+          variants=DP_VARIANT_NAMES)
 def solve_min_peak_dp(problem: MinPeakProblem, options: SolveOptions) -> Result:
     """Least peak by the DP of the problem's model (variants in ``DP_VARIANTS``)."""
     problem = _check(problem)

@@ -261,7 +261,8 @@ def solve_greedy(problem: OffloadProblem, options: SolveOptions) -> Result:
 
 @register(PROBLEM, "dp", exact=False, default=True,
           description="DYNPROG: OFF_comm-optimal set (Algorithm 5) run as an OFF_int plan",
-          compare_as=(("dp", None), ("dp:thesis", None)), extra=("prefetch",))
+          compare_as=(("dp", None), ("dp:thesis", None)), extra=("prefetch",),
+          variants=DP_VARIANTS)
 def solve_dynprog(problem: OffloadProblem, options: SolveOptions) -> Result:
     """Algorithm 5 on the discretised instance, then the ordered no-wait integral plan.
 

@@ -62,6 +62,10 @@ class MethodInfo:
     restricted_variants
         Variants of a ``full_model`` method that solve a restriction of the full model (the
         checkpoint ILP's ``persistent``): their bounds hold for that restriction only.
+    variants
+        Every variant the method accepts (``options.variant``, ``NAME:VARIANT``), its
+        default first; empty for a method without variants. The facade refuses any other
+        variant before the method runs (:func:`optmem.solvers.facade.solve`).
     """
 
     problem: str
@@ -77,6 +81,7 @@ class MethodInfo:
     default: bool = False
     full_model: bool = False
     restricted_variants: tuple[str, ...] = ()
+    variants: tuple[str, ...] = ()
 
     def solves_full_model(self, variant: str | None) -> bool:
         """Whether a result of this method in ``variant`` bounds every plan of the problem."""
@@ -101,6 +106,7 @@ def register(
     extra: Sequence[str] = (),
     full_model: bool = False,
     restricted_variants: Sequence[str] = (),
+    variants: Sequence[str] = (),
 ) -> Callable[[MethodFn], MethodFn]:
     """Declare ``fn`` as method ``name`` of ``problem`` (decorator; see :class:`MethodInfo`).
 
@@ -111,7 +117,7 @@ def register(
         info = MethodInfo(problem, name, fn, exact, description, tuple(requires), in_compare,
                           max_length, tuple(compare_as) or ((name, max_length),),
                           tuple(extra), default, full_model,
-                          tuple(restricted_variants))
+                          tuple(restricted_variants), tuple(variants))
         setattr(fn, _METHODS_ATTR, (*declared_methods(fn), info))
         return fn
 

@@ -239,7 +239,7 @@ def best_candidate(problem: RematOffloadProblem, options: SolveOptions,
           description="thesis ch. 4 DP (pofo): remat + offload; variants never-worse, "
                       "extended, thesis",
           compare_as=(("dp", None), ("dp:thesis", None)),
-          extra=("grid", "backlog_grid", "prefetch"))
+          extra=("grid", "backlog_grid", "prefetch"), variants=DP_VARIANTS)
 def solve_dp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     """The chapter 4 DP; ``report['dp_value']`` is its value under Assumptions 4."""
     variant = options.variant or "never-worse"
