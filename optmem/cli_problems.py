@@ -21,7 +21,7 @@ from optmem.problems.min_peak import MODELS, MinPeakProblem
 from optmem.problems.offload import OffloadProblem
 from optmem.problems.pipeline import DEFAULT_WEIGHT_COPIES, MEMORY_MODELS, PipelineProblem
 from optmem.problems.remat_offload import RematOffloadProblem
-from optmem.units import chain_rate
+from optmem.units import chain_rate, parse_chain_bandwidth
 
 __all__ = [
     "HOOKS",
@@ -29,7 +29,9 @@ __all__ = [
     "add_min_peak_options",
     "add_offload_options",
     "add_pipeline_options",
+    "add_chain_bandwidth_option",
     "bandwidth_from_cli",
+    "link_from_cli",
     "checkpoint_from_cli",
     "min_peak_from_cli",
     "offload_from_cli",
@@ -63,11 +65,62 @@ def min_peak_from_cli(chain: Chain, memory_limit: int | None, args: Any) -> MinP
 
 # ------------------------------------------------------------------ offload, remat-offload
 def add_offload_options(parser: argparse.ArgumentParser) -> None:
-    """Options of ``optmem solve offload`` and ``remat-offload``: ``--bandwidth``."""
+    """Options of ``optmem solve offload``, ``remat-offload``: ``--[chain-]bandwidth``."""
     parser.add_argument(
         "--bandwidth", default=None,
         help="offload link bandwidth: a rate such as 12GB/s or 500MiB/s, or a bare number "
              "of bytes (memory units) per second, as in Python")
+    add_chain_bandwidth_option(parser)
+
+
+def add_chain_bandwidth_option(parser: Any) -> None:
+    """Add ``--chain-bandwidth`` (Python's ``chain_bandwidth=``) to a parser or group."""
+    parser.add_argument(
+        "--chain-bandwidth", default=None, metavar="X",
+        help="link bandwidth in the chain's own units instead of --bandwidth: a number of "
+             "memory units per chain time unit (chains in other units than bytes and "
+             "s/ms/us/ns)")
+
+
+def link_from_cli(args: Any, problem: str, *, required: bool) -> dict[str, Any]:
+    """The link of ``args`` as the problem's keyword: ``bandwidth`` or ``chain_bandwidth``.
+
+    ``--bandwidth`` (a rate, or bytes per second: the problem class parses it) and
+    ``--chain-bandwidth`` (memory units per chain time unit, Python's ``chain_bandwidth=``)
+    exclude each other; ``required``: one of them must be given. The problem class then
+    checks the value as from Python.
+    """
+    text = getattr(args, "bandwidth", None)
+    chain_text = getattr(args, "chain_bandwidth", None)
+    if text is not None and chain_text is not None:
+        raise OptmemInputError("give the link as --bandwidth (bytes per second or a rate) "
+                               "or as --chain-bandwidth (chain units), not both",
+                               field="--chain-bandwidth")
+    if chain_text is not None:
+        return {"chain_bandwidth": parse_chain_bandwidth(
+            str(chain_text), field="--chain-bandwidth", allow_inf=problem == "pipeline")}
+    if text is None:
+        if required:
+            raise OptmemInputError(f"the {problem} problem needs --bandwidth (e.g. 12GB/s) or "
+                                   f"--chain-bandwidth (memory units per chain time unit)",
+                                   field="--bandwidth")
+        return {}
+    return {"bandwidth": str(text)}
+
+
+def _build_with_link(build: Callable[..., Any], link: dict[str, Any]) -> Any:
+    """``build(**link)``; an error of the problem class on ``chain_bandwidth`` names the flag.
+
+    The problem class checks the link as from Python (a link too slow for the chain, a
+    pipeline link of 0) and names ``bandwidth``/``chain_bandwidth``; given as
+    ``--chain-bandwidth``, the error names ``--chain-bandwidth``.
+    """
+    try:
+        return build(**link)
+    except OptmemInputError as exc:
+        if "chain_bandwidth" in link and exc.field in ("bandwidth", "chain_bandwidth"):
+            raise OptmemInputError(exc.reason, field="--chain-bandwidth") from None
+        raise
 
 
 def bandwidth_from_cli(args: Any, problem: str) -> str:
@@ -80,13 +133,15 @@ def bandwidth_from_cli(args: Any, problem: str) -> str:
 
 
 def offload_from_cli(chain: Chain, memory_limit: int, args: Any) -> OffloadProblem:
-    """Build the offload problem from CLI arguments (``--bandwidth`` is required)."""
-    return OffloadProblem(chain, memory_limit, bandwidth_from_cli(args, "offload"))
+    """Build the offload problem (``--bandwidth`` or ``--chain-bandwidth`` is required)."""
+    return _build_with_link(lambda **link: OffloadProblem(chain, memory_limit, **link),
+                            link_from_cli(args, "offload", required=True))
 
 
 def remat_offload_from_cli(chain: Chain, memory_limit: int, args: Any) -> RematOffloadProblem:
-    """Build the remat + offload problem from CLI arguments (``--bandwidth`` is required)."""
-    return RematOffloadProblem(chain, memory_limit, bandwidth_from_cli(args, "remat-offload"))
+    """Build the remat + offload problem (``--bandwidth`` or ``--chain-bandwidth``)."""
+    return _build_with_link(lambda **link: RematOffloadProblem(chain, memory_limit, **link),
+                            link_from_cli(args, "remat-offload", required=True))
 
 
 # ------------------------------------------------------------------ pipeline
@@ -98,6 +153,7 @@ def add_pipeline_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--bandwidth", default=None,
                        help="link bandwidth: a rate such as 12GB/s, a bare number of bytes "
                             "(memory units) per second, or inf (pipeline; default inf)")
+    add_chain_bandwidth_option(group)
     group.add_argument("--weight-copies", type=int, default=DEFAULT_WEIGHT_COPIES,
                        help="copies of each weight held per GPU: 3 = 2 versions + gradient "
                             "(default), 5 with Adam states")
@@ -120,12 +176,11 @@ def pipeline_from_cli(chain: Chain, memory_limit: int, args: Any) -> PipelinePro
     gpus = getattr(args, "gpus", None)
     if gpus is None:
         raise OptmemInputError("the pipeline problem needs --gpus P", field="gpus")
-    return PipelineProblem(
-        chain, n_gpus=int(gpus), memory_per_gpu=memory_limit,
-        bandwidth=getattr(args, "bandwidth", None),
+    return _build_with_link(lambda **link: PipelineProblem(
+        chain, n_gpus=int(gpus), memory_per_gpu=memory_limit, **link,
         weight_copies=int(getattr(args, "weight_copies", DEFAULT_WEIGHT_COPIES)),
         memory_model=str(getattr(args, "memory_model", "stash") or "stash"),
-    )
+    ), link_from_cli(args, "pipeline", required=False))
 
 
 # ------------------------------------------------------------------ checkpoint

@@ -284,6 +284,35 @@ def chain_bandwidth_value(value: Any, *, field: str = "chain_bandwidth",
     return rate
 
 
+def parse_chain_bandwidth(value: Any, *, field: str = "chain_bandwidth",
+                          allow_inf: bool = False) -> float:
+    """:func:`chain_bandwidth_value` of a number or its text (the CLI's ``--chain-bandwidth``).
+
+    A string is a plain decimal number (``"1.5e3"``; ``"inf"`` where ``allow_inf``): memory
+    units per chain time unit, without units, since the chain's own units are meant.
+
+    Examples
+    --------
+    >>> parse_chain_bandwidth("2.5"), parse_chain_bandwidth("inf", allow_inf=True)
+    (2.5, inf)
+    >>> parse_chain_bandwidth("12GB/s")
+    Traceback (most recent call last):
+    ...
+    optmem.errors.OptmemInputError: field 'chain_bandwidth': expected a number of memory \
+units per chain time unit, got '12GB/s' (a rate with units is --bandwidth / bandwidth=)
+    """
+    if isinstance(value, str):
+        raw = value.strip()
+        if allow_inf and raw.lower() in ("inf", "infinity"):
+            return math.inf
+        if not re.fullmatch(r"[+-]?" + _NUMBER, raw):
+            raise OptmemInputError(f"expected a number of memory units per chain time unit, "
+                                   f"got {value!r} (a rate with units is --bandwidth / "
+                                   f"bandwidth=)", field=field)
+        value = float(Decimal(raw))
+    return chain_bandwidth_value(value, field=field, allow_inf=allow_inf)
+
+
 def format_size(n: float) -> str:
     """Human-readable size in binary units (``1.5 GiB``)."""
     for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):

@@ -522,3 +522,77 @@ def test_sweep_applies_a_variant_as_compare_does(capsys, chain_file, tmp_path):
                        "--methods", "chen,store_all", "--variant", "rotor", "-q", "-j", "1")
     assert code == 2 and "field 'variant'" in err
 
+
+# ------------------------------------------------------------------ stop 53: --chain-bandwidth
+@pytest.fixture
+def kib_chain(tmp_path: Path) -> tuple[Path, Chain]:
+    """A chain in KiB and steps: no rate per second reaches it, only chain units."""
+    import dataclasses
+
+    chain = dataclasses.replace(
+        Chain.from_lists([1.0, 2.0, 1.0], [2.0, 3.0, 2.0], [4, 6, 4], [8, 10, 6],
+                         input_size=4, name="kib"), time_unit="step", memory_unit="KiB")
+    path = tmp_path / "kib.json"
+    chain.save(path)
+    return path, chain
+
+
+@pytest.mark.parametrize("problem, extra", [
+    ("offload", []), ("remat-offload", []), ("pipeline", ["--gpus", "2"])])
+def test_chain_bandwidth_on_the_cli_is_the_apis_chain_bandwidth(capsys, kib_chain, problem,
+                                                                  extra):
+    """A chain whose time unit is no time could get a link from Python only
+    (``chain_bandwidth=``); ``--bandwidth`` exited 2. ``--chain-bandwidth X`` is that
+    keyword on every command taking ``--bandwidth``, and gives the API's result."""
+    from optmem.cli_problems import HOOKS
+    from optmem.solvers.facade import solve
+
+    path, chain = kib_chain
+    memory = "40" if problem != "pipeline" else "100"
+    base = [str(path), "-m", memory, *extra]
+    code, _, err = run(capsys, "solve", problem, *base, "--bandwidth", "1GB/s")
+    assert code == 2 and "time unit 'step'" in err
+    code, out, err = run(capsys, "solve", problem, *base, "--chain-bandwidth", "2.5", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    import argparse
+
+    args = argparse.Namespace(gpus=2, chain_bandwidth=None, bandwidth=None)
+    cls = type(HOOKS[problem].from_cli(chain, int(memory), argparse.Namespace(
+        **{**vars(args), "chain_bandwidth": "2.5"})))
+    kwargs = {"n_gpus": 2, "memory_per_gpu": int(memory)} if problem == "pipeline" \
+        else {"memory_limit": int(memory)}
+    expected = solve(cls(chain, chain_bandwidth=2.5, **kwargs))
+    assert (data["objective"], data["plan"]) == (expected.objective, list(expected.plan))
+    for cmd in (["compare", problem, *base, "--methods", "dp" if problem != "pipeline"
+                 else "contiguous"], ["sweep", problem, str(path), "-m", f"{memory}:{memory}:1",
+                                      *extra, "-q", "-j", "1"]):
+        code, _, err = run(capsys, *cmd, "--chain-bandwidth", "2.5")
+        assert code == 0, (cmd, err)
+    plan = path.parent / "r.json"
+    plan.write_text(out)
+    code, out, err = run(capsys, "verify", problem, *base, str(plan), "--chain-bandwidth",
+                         "2.5", "--json")
+    assert code == 0 and json.loads(out)["objective"] == pytest.approx(data["objective"])
+
+
+@pytest.mark.parametrize("value, needle", [
+    ("1GB/s", "expected a number of memory units per chain time unit"),
+    ("-1", "non-negative"), ("nan", "expected a number"), ("inf", "expected a number"),
+    ("1e-12", "too slow to model"), ("BOTH", "not both")])
+def test_bad_chain_bandwidth_exits_2_naming_the_flag(capsys, kib_chain, value, needle):
+    path, _ = kib_chain
+    link = ["--chain-bandwidth", "2", "--bandwidth", "1GB/s"] if value == "BOTH" \
+        else ["--chain-bandwidth", value]
+    for command in ("solve", "compare"):
+        code, out, err = run(capsys, command, "offload", str(path), "-m", "40", *link)
+        assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+        assert "field '--chain-bandwidth'" in err and needle in err, err
+    code, _, err = run(capsys, "solve", "pipeline", str(path), "-m", "100", "--gpus", "2",
+                       "--chain-bandwidth", "0")
+    assert code == 2 and "field '--chain-bandwidth'" in err and "positive" in err
+    code, out, err = run(capsys, "solve", "pipeline", str(path), "-m", "100", "--gpus", "2",
+                         "--chain-bandwidth", "inf", "--json")
+    assert code == 0 and json.loads(out)["status"] == "optimal"
+    code, _, err = run(capsys, "solve", "offload", str(path), "-m", "40")
+    assert code == 2 and "--chain-bandwidth" in err

@@ -232,9 +232,10 @@ class PipelineProblem:
             given = math.inf
         per_second, per_chain = link_bandwidths(self.chain, given, self.chain_bandwidth,
                                                 allow_inf=True)
-        if not per_chain > 0:
+        if not per_chain > 0:  # named chain_bandwidth=0 "got None" until stop 53
+            name = "bandwidth" if self.bandwidth is not None else "chain_bandwidth"
             raise OptmemInputError(f"expected a positive bandwidth (or inf), got "
-                                   f"{self.bandwidth!r}", field="bandwidth")
+                                   f"{getattr(self, name)!r}", field=name)
         object.__setattr__(self, "bandwidth", per_second)
         object.__setattr__(self, "chain_bandwidth", per_chain)
         if (isinstance(self.weight_copies, bool) or not isinstance(self.weight_copies, Integral)

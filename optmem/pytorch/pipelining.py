@@ -655,7 +655,8 @@ def pipeline(
     memory_per_gpu
         Memory of each GPU: bytes or a size such as ``"16GiB"``.
     bandwidth
-        Link bandwidth (``"12GB/s"`` or bytes per ms); ``None``: transfers are free.
+        Link bandwidth (``"12GB/s"`` or a number of bytes per second, CONTRACT section
+        14); ``None``: transfers are free.
     loss_fn
         ``loss_fn(output, target)`` of one micro-batch (``output``: what the model returns).
         ``None``: the model's own loss (``output.loss``; the sample passes ``labels=``, and
