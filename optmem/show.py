@@ -19,15 +19,24 @@ matplotlib is imported only when a picture is drawn.
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from optmem.chain import Chain, check_text
 from optmem.errors import OptmemInputError, PlanError
 from optmem.plan import read_plan_json
-from optmem.units import chain_bandwidth_value, format_size, parse_bandwidth, parse_size
+from optmem.units import (
+    chain_bandwidth_value,
+    format_size,
+    parse_bandwidth,
+    parse_chain_bandwidth,
+    parse_size,
+)
 
 TRANSFER_WORDS = ("offload", "prefetch")
+_Sim = TypeVar("_Sim")
 
 
 def read_plan_file(path: str | Path) -> dict[str, Any]:
@@ -73,7 +82,17 @@ def show_plan(
     Returns
     -------
     dict
-        ``kind``, ``makespan``, ``peak_memory`` (chain units), ``memory_limit``, ``path``.
+        ``kind``, ``makespan``, ``peak_memory`` (chain units), ``memory_limit``, ``path``,
+        ``above_limit`` (``None``, or why the plan does not fit ``memory_limit``).
+
+    Notes
+    -----
+    One rule for every problem (since stop 53; before, a checkpoint plan above the limit
+    was drawn and an offload plan refused): the plan is replayed under the limit drawn, as
+    ``verify`` replays it; a plan that does not fit that limit is drawn as replayed without
+    it (an offload plan's compute then never waits for memory) over the limit line, and
+    ``above_limit`` says which op first goes above it. A plan invalid in itself raises
+    :class:`~optmem.errors.PlanError`.
     """
     from optmem import plotting
 
@@ -95,9 +114,12 @@ def show_plan(
         bw = bandwidth if bandwidth is not None else _file_bandwidth(data, chain)
         if bw is None:
             raise OptmemInputError("an offload plan needs the link bandwidth: pass "
-                                   "--bandwidth (e.g. 12GB/s)", field="bandwidth")
+                                   "--bandwidth (e.g. 12GB/s) or --chain-bandwidth (memory "
+                                   "units per chain time unit)", field="bandwidth")
         limit_units = memory_limit // unit if memory_limit is not None else None
-        sim = simulate_offload(chain.quantize(unit), ops, float(bw) / unit, limit_units)
+        quantized = chain.quantize(unit)
+        sim, above = _replay(lambda limit: simulate_offload(quantized, ops, float(bw) / unit,
+                                                            limit), limit_units)
         peak = sim.peak_memory * unit
         head = title or (f"{chain.name}: {label} plan{method}, makespan {sim.makespan:.6g} "
                          f"{chain.time_unit}, peak {_size(peak, chain)}")
@@ -105,17 +127,32 @@ def show_plan(
                                        memory_unit=chain.memory_unit, time_unit=chain.time_unit,
                                        title=head)
         return {"kind": "offload", "makespan": sim.makespan, "peak_memory": peak,
-                "memory_limit": memory_limit, "path": str(path)}
+                "memory_limit": memory_limit, "path": str(path), "above_limit": above}
     from optmem.simulate.checkpoint import simulate_checkpoint
 
-    sim_c = simulate_checkpoint(chain, ops)
+    sim_c, above = _replay(lambda limit: simulate_checkpoint(chain, ops, limit), memory_limit)
     head = title or (f"{chain.name}: {label} plan{method}, makespan {sim_c.makespan:.6g} "
                      f"{chain.time_unit}, peak {_size(sim_c.peak_memory, chain)}")
     plotting.plot_checkpoint_timeline(sim_c.timeline, chain.length, path,
                                       memory_limit=memory_limit, memory_unit=chain.memory_unit,
                                       time_unit=chain.time_unit, title=head)
     return {"kind": "checkpoint", "makespan": sim_c.makespan, "peak_memory": sim_c.peak_memory,
-            "memory_limit": memory_limit, "path": str(path)}
+            "memory_limit": memory_limit, "path": str(path), "above_limit": above}
+
+
+def _replay(run: Callable[[int | None], _Sim], limit: int | None) -> tuple[_Sim, str | None]:
+    """``run(limit)``; ``run(None)`` and the reason when the plan does not fit ``limit``.
+
+    The rule of :func:`show_plan`: a plan valid without the limit but not under it is
+    replayed without it; a plan invalid in itself raises from ``run(None)``.
+    """
+    if limit is None:
+        return run(None), None
+    try:
+        return run(limit), None
+    except PlanError as exc:
+        sim = run(None)  # a plan invalid in itself raises its own error here
+        return sim, exc.reason
 
 
 def _file_int(data: dict[str, Any], name: str, *, default: int | None,
@@ -170,6 +207,9 @@ def register_cli(subparsers: Any) -> None:
                                           "PLAN.png next to the plan)")
     p.add_argument("--memory", "-m", help="memory limit to draw (default: the file's)")
     p.add_argument("--bandwidth", help="link bandwidth for offload plans (e.g. 12GB/s)")
+    p.add_argument("--chain-bandwidth", metavar="X",
+                   help="link bandwidth in the chain's own units instead of --bandwidth: "
+                        "memory units per chain time unit")
     p.add_argument("--title", help="figure title")
     p.set_defaults(func=cmd_show)
 
@@ -186,6 +226,13 @@ def cmd_show(args: argparse.Namespace) -> int:
     limit = parse_size(args.memory, field="--memory") if args.memory else None
     bandwidth = (parse_bandwidth(args.bandwidth, time_unit=chain.time_unit, field="--bandwidth")
                  if args.bandwidth else None)
+    if args.chain_bandwidth is not None:
+        if bandwidth is not None:
+            raise OptmemInputError("give the link as --bandwidth (bytes per second or a rate) "
+                                   "or as --chain-bandwidth (chain units), not both",
+                                   field="--chain-bandwidth")
+        bandwidth = chain.check_rate(parse_chain_bandwidth(
+            args.chain_bandwidth, field="--chain-bandwidth"), field="--chain-bandwidth")
     try:
         info = show_plan(chain, data, out, memory_limit=limit, bandwidth=bandwidth,
                          title=args.title)
@@ -193,6 +240,11 @@ def cmd_show(args: argparse.Namespace) -> int:
         raise exc.with_source(args.plan) from None
     limit_text = f" / limit {_size(info['memory_limit'], chain)}" \
         if info["memory_limit"] is not None else ""
+    if info["above_limit"] is not None:
+        limit_text += " (above the limit)"
+        print(f"optmem: warning: {args.plan} does not fit the limit "
+              f"{_size(info['memory_limit'], chain)} ({info['above_limit']}); drawn as "
+              "replayed without the limit", file=sys.stderr)
     print(f"{info['kind']} plan: makespan {info['makespan']:.6g} {chain.time_unit}, peak "
           f"{_size(info['peak_memory'], chain)}{limit_text}; picture written to {out}")
     return 0

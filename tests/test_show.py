@@ -117,3 +117,90 @@ def test_a_solve_files_bandwidth_is_in_chain_units(tmp_path: Path) -> None:
     pipeline = {"problem": "pipeline", "plan": ["period 2", "stage 1 layers 1-1 gpu 0"]}
     with pytest.raises(PlanError, match="not pipeline plans"):
         show_plan(chain, pipeline, tmp_path / "p.png")
+
+
+def _solved(tmp_path: Path, problem: str, *argv: str) -> Path:
+    out = tmp_path / f"{problem}.json"
+    assert main(["solve", problem, *argv, "--json", "-o", str(out)]) == 0
+    return out
+
+
+@pytest.mark.parametrize("problem, argv, lower", [
+    ("checkpoint", ["--memory", "700MB"], "300MB"),
+    ("min-peak", [], "100MB"),
+    ("offload", ["--memory", "800MiB", "--bandwidth", "12GB/s"], "300MB"),
+    ("remat-offload", ["--memory", "500MiB", "--bandwidth", "12GB/s"], "200MiB"),
+])
+def test_a_plan_above_the_limit_is_drawn_with_a_warning_for_every_problem(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], problem: str, argv: list[str],
+        lower: str) -> None:
+    """One rule for every problem (stop 53): ``show`` drew a checkpoint plan whose peak is
+    above ``--memory`` in silence and refused an offload plan in the same case (exit 2,
+    "op 6: F_all 5 needs 181 memory, above the limit 178"). Now a plan that fits the limit
+    is replayed under it (as solved); one that does not is drawn as replayed without it,
+    with one warning line naming the first op above it, exit 0, for each problem."""
+    plan = _solved(tmp_path, problem, "resnet-like-40", *argv)
+    capsys.readouterr()
+    assert main(["show", str(plan), "--chain", "resnet-like-40", "-o",
+                 str(tmp_path / "fits.png")]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and "above the limit" not in out
+    assert main(["show", str(plan), "--chain", "resnet-like-40", "--memory", lower, "-o",
+                 str(tmp_path / "above.png")]) == 0
+    out, err = capsys.readouterr()
+    assert "(above the limit)" in out and (tmp_path / "above.png").stat().st_size > 1000
+    assert len(err.strip().splitlines()) == 1 and err.startswith("optmem: warning: ")
+    assert "does not fit the limit" in err and "op " in err
+    data = read_plan_file(plan)
+    info = show_plan(_bundled(), data, tmp_path / "api.png", memory_limit=_limit(lower),
+                     bandwidth=1.2e7 if "--bandwidth" in argv else None)
+    assert info["above_limit"] is not None and info["peak_memory"] > info["memory_limit"]
+
+
+def _bundled() -> Chain:
+    from optmem.datasets import load_dataset
+
+    return load_dataset("resnet-like-40")
+
+
+def _limit(text: str) -> int:
+    from optmem.units import parse_size
+
+    return parse_size(text)
+
+
+def test_an_offload_plan_above_the_limit_is_drawn_as_replayed_without_it(
+        tmp_path: Path) -> None:
+    chain = Chain.from_lists([2, 2], [4, 4], [2, 2], [4, 4], input_size=2)
+    ops = ["F_all 1", "offload a 0", "F_all 2", "Loss", "B 2", "prefetch a 0", "B 1"]
+    fits = show_plan(chain, {"plan": ops, "memory_limit": 12, "unit": 1}, tmp_path / "a.png",
+                     bandwidth=1.0)
+    assert fits["above_limit"] is None and fits["peak_memory"] == 12
+    above = show_plan(chain, {"plan": ops, "memory_limit": 11, "unit": 1},
+                      tmp_path / "b.png", bandwidth=1.0)
+    assert above["peak_memory"] > above["memory_limit"] == 11
+    assert "above the limit 11" in above["above_limit"]
+    with pytest.raises(PlanError):  # a plan invalid in itself is still refused
+        show_plan(chain, {"plan": ops[:-1] + ["B 2"], "memory_limit": 11, "unit": 1},
+                  tmp_path / "c.png", bandwidth=1.0)
+
+
+def test_show_takes_the_link_in_chain_units(tmp_path: Path, capsys) -> None:
+    """``--chain-bandwidth`` (stop 53): the link in memory units per chain time unit, as
+    ``solve``'s, exclusive with ``--bandwidth``, checked as the API checks it."""
+    plan = _solved(tmp_path, "offload", "resnet-like-40", "--memory", "800MiB",
+                   "--chain-bandwidth", "1.2e7")
+    data = json.loads(plan.read_text())
+    capsys.readouterr()
+    (tmp_path / "ops.json").write_text(json.dumps({**data, "report": {}}))  # no bandwidth
+    assert main(["show", str(tmp_path / "ops.json"), "--chain", "resnet-like-40",
+                 "--chain-bandwidth", "1.2e7"]) == 0
+    assert f"makespan {data['objective']:.6g}" in capsys.readouterr().out
+    assert main(["show", str(tmp_path / "ops.json"), "--chain", "resnet-like-40"]) == 2
+    assert "--chain-bandwidth" in capsys.readouterr().err
+    for extra in (["--chain-bandwidth", "12GB/s"], ["--chain-bandwidth", "1e-9"],
+                  ["--chain-bandwidth", "1", "--bandwidth", "1GB/s"]):
+        assert main(["show", str(tmp_path / "ops.json"), "--chain", "resnet-like-40",
+                     *extra]) == 2
+        err = capsys.readouterr().err
+        assert "field '--chain-bandwidth'" in err and len(err.strip().splitlines()) == 1
