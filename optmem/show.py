@@ -231,8 +231,7 @@ def cmd_show(args: argparse.Namespace) -> int:
             raise OptmemInputError("give the link as --bandwidth (bytes per second or a rate) "
                                    "or as --chain-bandwidth (chain units), not both",
                                    field="--chain-bandwidth")
-        bandwidth = chain.check_rate(parse_chain_bandwidth(
-            args.chain_bandwidth, field="--chain-bandwidth"), field="--chain-bandwidth")
+        bandwidth = parse_chain_bandwidth(args.chain_bandwidth, field="--chain-bandwidth")
     try:
         info = show_plan(chain, data, out, memory_limit=limit, bandwidth=bandwidth,
                          title=args.title)

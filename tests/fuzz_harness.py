@@ -87,6 +87,10 @@ BAD_RATES = ("0", "-1", "1e400", "nan", "inf", "-inf", "1/s", "GB/s", "12GB/h", 
              "12GB/S", "\udcff")
 EXTREME_SIZES = ("0", "1", "2.7", "1e18", "4611686018427387904", "1EiB", "1e30")
 EXTREME_RATES = ("1e-300", "1e-9", "1e18", "1e308", "1B/ns", "1000TB/s", "1B/s")
+CHAIN_RATES = ("2", "0.5", "1e6")  # --chain-bandwidth: memory units per chain time unit
+BAD_CHAIN_RATES = ("-1", "nan", "1e400", "-inf", "12GB/s", "2B/ms", "", "abc", "1/2", "0x10",
+                   " ", "\udcff")
+EXTREME_CHAIN_RATES = ("0", "1e-300", "1e-9", "1e18", "1e308", "inf")
 BAD_INTS = ("0", "-1", "1.5", "x", "", "10000000000", "1" + "0" * 30, "\u0663", "0x1", " 2",
             "1e3", "-0")
 BAD_FLOATS = ("0", "-1", "nan", "inf", "-inf", "1e-300", "1e308", "x", "", "1e400", "0.0")
@@ -611,13 +615,11 @@ def output_path(draw: st.DrawFn, files: dict[str, Any], suffix: str,
 def problem_options(draw: st.DrawFn, problem: str, args: Args) -> None:
     """The options a problem needs (bandwidth, GPUs, min-peak model), good or bad."""
     if problem in ("offload", "remat-offload"):
-        args.add(draw, "--bandwidth", ("2", "0.5", "12GB/s", "1", "100"), BAD_RATES,
-                 extreme=EXTREME_RATES)
+        link_option(draw, args, ("2", "0.5", "12GB/s", "1", "100"))
     elif problem == "pipeline":
         args.add(draw, "--gpus", ("1", "2", "3"), BAD_INTS,
                  extreme=("8", "64", "4096", "4097", "10000000000"))
-        args.add(draw, "--bandwidth", ("inf", "2", "12GB/s"), BAD_RATES, p_skip=2,
-                 extreme=EXTREME_RATES)
+        link_option(draw, args, ("inf", "2", "12GB/s"), p_skip=2)
         args.add(draw, "--weight-copies", ("3", "1", "0"), BAD_INTS, p_skip=2,
                  extreme=("64", "65", "1000000", "1" + "0" * 30))
         args.add(draw, "--memory-model", ("stash", "strict"), ("bogus", ""), p_skip=2)
@@ -625,6 +627,20 @@ def problem_options(draw: st.DrawFn, problem: str, args: Args) -> None:
         args.add(draw, "--model", ("pytorch", "static", "optmem"), ("bogus",), p_skip=2)
         if chance(draw, 25):
             args.argv.append("--ignore-input")
+
+
+def link_option(draw: st.DrawFn, args: Args, good: Sequence[str], *, p_skip: int = 0,
+                required: bool = False) -> None:
+    """``--bandwidth``, or one time in four ``--chain-bandwidth`` (rarely with both)."""
+    if not chance(draw, 25):
+        args.add(draw, "--bandwidth", good, BAD_RATES, p_skip=p_skip, required=required,
+                 extreme=EXTREME_RATES)
+        return
+    args.add(draw, "--chain-bandwidth", CHAIN_RATES, BAD_CHAIN_RATES, p_skip=p_skip,
+             required=required, extreme=EXTREME_CHAIN_RATES)
+    if chance(draw, 5):  # exclusive: one error
+        args.argv += ["--bandwidth", good[0]]
+        args.clean = False
 
 
 def common_options(draw: st.DrawFn, args: Args, *, exact: bool) -> None:
@@ -774,7 +790,7 @@ def show_cases(draw: st.DrawFn) -> Case:
     else:
         outputs.append("plan.png")
     args.add(draw, "--memory", ("12", "100"), BAD_SIZES, p_skip=3, extreme=EXTREME_SIZES)
-    args.add(draw, "--bandwidth", ("2", "12GB/s"), BAD_RATES, p_skip=6, required=True)
+    link_option(draw, args, ("2", "12GB/s"), p_skip=6, required=True)
     if chance(draw, 15):
         args.add(draw, "--title", TITLES, NASTY_TEXT, p_bad=3)
     return finish(args, files, outputs, plan, blame_name="plan.json", note=plan.note,

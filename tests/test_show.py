@@ -187,7 +187,7 @@ def test_an_offload_plan_above_the_limit_is_drawn_as_replayed_without_it(
 
 def test_show_takes_the_link_in_chain_units(tmp_path: Path, capsys) -> None:
     """``--chain-bandwidth`` (stop 53): the link in memory units per chain time unit, as
-    ``solve``'s, exclusive with ``--bandwidth``, checked as the API checks it."""
+    ``solve``'s, exclusive with ``--bandwidth``, its value checked as ``--bandwidth``'s."""
     plan = _solved(tmp_path, "offload", "resnet-like-40", "--memory", "800MiB",
                    "--chain-bandwidth", "1.2e7")
     data = json.loads(plan.read_text())
@@ -198,7 +198,7 @@ def test_show_takes_the_link_in_chain_units(tmp_path: Path, capsys) -> None:
     assert f"makespan {data['objective']:.6g}" in capsys.readouterr().out
     assert main(["show", str(tmp_path / "ops.json"), "--chain", "resnet-like-40"]) == 2
     assert "--chain-bandwidth" in capsys.readouterr().err
-    for extra in (["--chain-bandwidth", "12GB/s"], ["--chain-bandwidth", "1e-9"],
+    for extra in (["--chain-bandwidth", "12GB/s"], ["--chain-bandwidth=-1e-9"],
                   ["--chain-bandwidth", "1", "--bandwidth", "1GB/s"]):
         assert main(["show", str(tmp_path / "ops.json"), "--chain", "resnet-like-40",
                      *extra]) == 2
