@@ -359,3 +359,13 @@ def test_a_zero_time_task_at_anothers_start_is_at_its_boundary_within_the_tolera
     result = solve(PipelineProblem(chain, 3, 67, chain_bandwidth=3.0, memory_model="strict"),
                    "contiguous")
     assert result.status.has_plan and result.objective == 17
+
+
+def test_a_zero_link_names_the_field_it_was_given_in() -> None:
+    """``PipelineProblem(..., chain_bandwidth=0)`` said ``field 'bandwidth': expected a
+    positive bandwidth (or inf), got None`` (the unset ``bandwidth``) until stop 53."""
+    chain = random_pipeline_chain(4, seed=1)
+    with pytest.raises(OptmemInputError, match=r"field 'chain_bandwidth'.*got 0"):
+        PipelineProblem(chain, n_gpus=2, memory_per_gpu=10**9, chain_bandwidth=0)
+    with pytest.raises(OptmemInputError, match=r"field 'bandwidth'.*got '0'"):
+        PipelineProblem(chain, n_gpus=2, memory_per_gpu=10**9, bandwidth="0")
