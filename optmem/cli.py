@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from optmem.chain import Chain
-from optmem.cli_problems import HOOKS, ProblemHooks
+from optmem.cli_problems import HOOKS, ProblemHooks, check_problem_options
 from optmem.errors import OptmemInputError, PlanError
 from optmem.fileio import read_json, write_text_atomic
 from optmem.result import MAX_WORKERS, Result, SolveOptions, Status
@@ -115,6 +115,7 @@ def build_problem(problem: str, chain: Chain, memory_limit: int | None,
                   args: argparse.Namespace) -> Any:
     """Build the problem object from the parsed arguments."""
     hooks = problem_hooks(problem)
+    check_problem_options(problem, args)
     if memory_limit is None and problem not in OPTIONAL_MEMORY:
         raise OptmemInputError(f"the {problem} problem needs --memory (e.g. --memory 4GiB)",
                                field="--memory")

@@ -31,6 +31,7 @@ __all__ = [
     "add_pipeline_options",
     "add_chain_bandwidth_option",
     "bandwidth_from_cli",
+    "check_problem_options",
     "link_from_cli",
     "checkpoint_from_cli",
     "min_peak_from_cli",
@@ -191,16 +192,49 @@ def checkpoint_from_cli(chain: Chain, memory_limit: int, args: Any) -> Checkpoin
 
 
 class ProblemHooks(NamedTuple):
-    """A problem's CLI hooks: options to add (or ``None``) and the problem builder."""
+    """A problem's CLI hooks: its options, its builder and the options the builder reads.
+
+    ``add_options`` adds the options (or is ``None``), ``from_cli(chain, memory_limit,
+    args)`` builds the problem, ``reads`` lists the ``argparse`` destinations it reads.
+    """
 
     add_options: Callable[[argparse.ArgumentParser], None] | None
     from_cli: Callable[[Chain, Any, Any], Any]
+    reads: tuple[str, ...] = ()
 
 
+_LINK = ("bandwidth", "chain_bandwidth")
 HOOKS: dict[str, ProblemHooks] = {
     "checkpoint": ProblemHooks(None, checkpoint_from_cli),
-    "min-peak": ProblemHooks(add_min_peak_options, min_peak_from_cli),
-    "offload": ProblemHooks(add_offload_options, offload_from_cli),
-    "remat-offload": ProblemHooks(add_offload_options, remat_offload_from_cli),
-    "pipeline": ProblemHooks(add_pipeline_options, pipeline_from_cli),
+    "min-peak": ProblemHooks(add_min_peak_options, min_peak_from_cli, ("model", "ignore_input")),
+    "offload": ProblemHooks(add_offload_options, offload_from_cli, _LINK),
+    "remat-offload": ProblemHooks(add_offload_options, remat_offload_from_cli, _LINK),
+    "pipeline": ProblemHooks(add_pipeline_options, pipeline_from_cli,
+                             ("gpus", *_LINK, "weight_copies", "memory_model")),
 }
+
+
+def check_problem_options(problem: str, args: Any) -> None:
+    """Raise for an option of another problem given to ``problem`` (``checkpoint --gpus 4``).
+
+    Every command lists the options of every problem (``add_problem_options``); until stop
+    53 the ones ``problem`` does not read were ignored in silence (``solve checkpoint
+    --bandwidth 12GB/s`` solved plain checkpointing). An option counts as given when its
+    value differs from its default.
+    """
+    reads = HOOKS[problem].reads
+    for other in HOOKS.values():
+        if other.add_options is None:
+            continue
+        probe = argparse.ArgumentParser(add_help=False)
+        other.add_options(probe)
+        for action in probe._actions:
+            if action.dest in reads or getattr(args, action.dest, action.default) \
+                    == action.default:
+                continue
+            flag = action.option_strings[0]
+            takes = [name for name, hooks in HOOKS.items() if action.dest in hooks.reads]
+            names = takes[0] if len(takes) == 1 else \
+                f"{', '.join(takes[:-1])} and {takes[-1]}"
+            raise OptmemInputError(f"{flag} is an option of {names}, not of {problem}",
+                                   field=flag)

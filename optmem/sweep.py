@@ -631,9 +631,11 @@ def check_outputs(args: argparse.Namespace) -> None:
 def cmd_sweep(args: argparse.Namespace) -> int:
     """Handler of ``optmem sweep``."""
     from optmem.cli import load_chain, options_from_args, problem_hooks
+    from optmem.cli_problems import check_problem_options
 
     chain = load_chain(args.chain)
     problem_hooks(args.problem)  # unknown problems fail with the list of known ones
+    check_problem_options(args.problem, args)  # checkpoint --gpus 4: an error
     check_outputs(args)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods \
         else default_methods(args.problem)

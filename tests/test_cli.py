@@ -596,3 +596,26 @@ def test_bad_chain_bandwidth_exits_2_naming_the_flag(capsys, kib_chain, value, n
     assert code == 0 and json.loads(out)["status"] == "optimal"
     code, _, err = run(capsys, "solve", "offload", str(path), "-m", "40")
     assert code == 2 and "--chain-bandwidth" in err
+
+
+# ------------------------------------------------------------------ stop 53: problem options
+@pytest.mark.parametrize("command, problem, argv, flag", [
+    ("solve", "checkpoint", ["-m", "16", "--bandwidth", "12GB/s"], "--bandwidth"),
+    ("solve", "checkpoint", ["-m", "16", "--gpus", "4"], "--gpus"),
+    ("compare", "offload", ["-m", "16", "--bandwidth", "1", "--gpus", "2"], "--gpus"),
+    ("solve", "min-peak", ["--chain-bandwidth", "2"], "--chain-bandwidth"),
+    ("solve", "pipeline", ["-m", "100", "--gpus", "2", "--ignore-input"], "--ignore-input"),
+    ("export", "checkpoint", ["-m", "16", "--model", "static", "-o", "{d}/m.lp"], "--model"),
+    ("sweep", "checkpoint", ["-m", "16:20:2", "--memory-model", "strict", "-q"],
+     "--memory-model"),
+])
+def test_an_option_of_another_problem_exits_2(capsys, chain_file, tmp_path, command, problem,
+                                              argv, flag):
+    """Every command lists every problem's options; one the problem does not read was
+    ignored in silence until stop 53 (``solve checkpoint --bandwidth 12GB/s`` solved plain
+    checkpointing, exit 0). Now one error naming the flag and the problems that take it."""
+    argv = [a.replace("{d}", str(tmp_path)) for a in argv]
+    code, out, err = run(capsys, command, problem, str(chain_file), *argv)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert f"field '{flag}'" in err and f"not of {problem}" in err
+    assert list(tmp_path.iterdir()) == [chain_file]
