@@ -79,11 +79,24 @@ def _temporary_name(target: Path) -> Path:
 
 
 def _create(tmp: Path, path: str | Path, field: str) -> None:
-    """Create ``tmp`` empty (mode 0666 minus the umask, unlike ``mkstemp``'s 0600)."""
+    """Create ``tmp`` empty (mode 0666 minus the umask, unlike ``mkstemp``'s 0600).
+
+    ``path`` itself is looked up first: ``tmp`` has a short name, so a name too long for
+    the file system only failed at the final rename (``sweep --csv ok.csv --json
+    <300 x>.json`` passed its check of every output, solved, wrote the CSV and then exited
+    2 with the CSV left behind, until stop 53).
+    """
     target = Path(path)
     if str(path).endswith(os.sep) or os.path.isdir(target):
         raise OptmemInputError("cannot write the file: it is a directory", source=str(path),
                                field=field)
+    try:
+        os.lstat(target)
+    except FileNotFoundError:
+        pass  # the usual case: a new file
+    except OSError as exc:  # name too long, a loop, no permission to look
+        raise OptmemInputError(f"cannot write the file ({exc.strerror or exc})",
+                               source=str(path), field=field) from None
     try:
         os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
     except OSError as exc:

@@ -23,7 +23,7 @@ from fuzz_harness import (
 
 from optmem.chain import Chain
 from optmem.errors import ChainError, OptmemInputError, PlanError
-from optmem.fileio import read_json, write_text_atomic
+from optmem.fileio import check_writable, read_json, write_text_atomic
 from optmem.pipeline_plan import PipelinePlan
 
 CHAIN = {"format": "optmem.chain/1", "input_size": 2, "stages": [
@@ -179,6 +179,18 @@ def test_sweep_checks_every_output_before_solving_and_leaves_nothing(flag, suffi
     argv = ["sweep", "checkpoint", "{d}/c.json", "-m", "10:20:3", "-q", "--csv", "{d}/s.csv",
             "--json", "{d}/s.json", flag, "{d}/missing/out" + suffix]
     rejects(argv, {"c.json": chain_bytes()})
+
+
+def test_sweep_checks_an_output_name_too_long_before_writing_any():
+    """Fuzz seed 4 (stop 53): ``--json <300 x>.json`` passed the check of every output
+    (its temporary file has a short name), the sweep solved, wrote ``--csv`` and exited 2
+    at the rename of the JSON, leaving the CSV behind."""
+    long_name = "{d}/" + "x" * 300 + ".json"
+    err = rejects(["sweep", "checkpoint", "{d}/c.json", "-m", "10:20:2", "-q", "-j", "1",
+                   "--csv", "{d}/s.csv", "--json", long_name], {"c.json": chain_bytes()})
+    assert "File name too long" in err and "field 'json'" in err
+    with pytest.raises(OptmemInputError, match="File name too long"):
+        check_writable("x" * 300 + ".csv")
 
 
 def test_export_writes_atomically_and_names_the_target_not_a_temporary_file():
