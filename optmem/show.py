@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from optmem.chain import Chain, check_text
+from optmem.chain import Chain, ChainError, check_text
 from optmem.errors import OptmemInputError, PlanError
 from optmem.plan import read_plan_json
 from optmem.units import (
@@ -102,12 +102,13 @@ def show_plan(
     file_limit = _file_int(data, "memory_limit", default=None, least=0)
     if memory_limit is None and file_limit is not None:
         memory_limit = file_limit * unit
-    label = str(data.get("problem") or "checkpoint")
+    label = _file_text(data, "problem") or "checkpoint"
     if label == "pipeline" or any(isinstance(o, str) and o.startswith("period ") for o in ops):
         raise PlanError("optmem show draws checkpoint, min-peak, offload and remat-offload "
                         "plans, not pipeline plans (their schedule: optmem export pipeline "
                         "... -o schedule.csv)")
-    method = f" ({data['method']})" if data.get("method") else ""
+    method_name = _file_text(data, "method")
+    method = f" ({method_name})" if method_name else ""
     if is_offload_plan(ops):
         from optmem.simulate.offload import simulate_offload
 
@@ -166,6 +167,21 @@ def _file_int(data: dict[str, Any], name: str, *, default: int | None,
         raise PlanError(f"field '{name}': expected an integer in {least}..2^62 (a size in "
                         f"memory units), got {shown!r}")
     return value
+
+
+def _file_text(data: dict[str, Any], name: str) -> str | None:
+    """The text field ``name`` of a plan file (``problem``, ``method``); ``None`` if absent.
+
+    It is drawn in the title: an unpaired surrogate (a JSON escape of one) made matplotlib
+    raise a ``TypeError`` traceback until stop 53 (fuzz seed 5).
+    """
+    value = data.get(name)
+    if value is None:
+        return None
+    try:
+        return check_text(value, name=name)
+    except ChainError as exc:
+        raise PlanError(f"field '{name}': {exc.reason}") from None
 
 
 def _file_bandwidth(data: dict[str, Any], chain: Chain) -> float | None:

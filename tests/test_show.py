@@ -204,3 +204,20 @@ def test_show_takes_the_link_in_chain_units(tmp_path: Path, capsys) -> None:
                      *extra]) == 2
         err = capsys.readouterr().err
         assert "field '--chain-bandwidth'" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("field, value", [("method", "dp \udcff"), ("problem", "a\x07"),
+                                          ("method", 5)])
+def test_a_plan_files_text_fields_are_checked(tmp_path: Path, chain_file: Path, field: str,
+                                              value: object, capsys) -> None:
+    """Fuzz seed 5 (stop 53): a plan file whose ``method`` held an unpaired surrogate
+    (``"\\udcff"`` in its JSON) reached the figure's title and matplotlib raised a
+    ``TypeError`` traceback (7 of 3,000 cases). Now one error naming the file and field."""
+    plan = tmp_path / "p.json"
+    ops = ["F_all 1", "F_all 2", "F_all 3", "F_all 4", "F_all 5", "F_all 6", "Loss", "B 6",
+           "B 5", "B 4", "B 3", "B 2", "B 1"]
+    plan.write_text(json.dumps({"plan": ops, field: value}))
+    assert main(["show", str(plan), "--chain", str(chain_file)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and f"field '{field}'" in err and "p.json" in err
+    assert not (tmp_path / "p.png").exists()
