@@ -345,6 +345,39 @@ def _run_one(factory: ProblemFactory, method: str, limit: int,
     return point_of(method, limit, result, info.exact)
 
 
+def _run_parallel(factory: ProblemFactory, tasks: list[tuple[str, int]],
+                  options: SolveOptions, jobs: int, done: dict[tuple[str, int], SweepPoint],
+                  bar: Progress | None) -> None:
+    """Run ``tasks`` on ``jobs`` worker processes into ``done``.
+
+    A task that raises (a bad value of an ``extra`` key) does not end the run at once: the
+    error raised is that of the first failing task in ``tasks`` order, the one the
+    sequential run (``jobs=1``) raises, whatever order the workers finish in (it used to
+    be the first to finish, so ``--jobs 2`` named one bad option or another from run to
+    run). Tasks after a known failure that have not started are cancelled.
+    """
+    failed: dict[int, Exception] = {}
+    with ProcessPoolExecutor(max_workers=min(jobs, len(tasks))) as pool:
+        futures = {pool.submit(_run_one, factory, m, limit, options): k
+                   for k, (m, limit) in enumerate(tasks)}
+        for fut in as_completed(futures):
+            k = futures[fut]
+            if fut.cancelled():
+                continue
+            try:
+                done[tasks[k]] = fut.result()
+            except Exception as exc:  # noqa: BLE001 - raised below, in the tasks' order
+                failed[k] = exc
+                for later, j in futures.items():
+                    if j > k:
+                        later.cancel()
+                continue
+            if bar:
+                bar.update(f"{tasks[k][0]} @ {tasks[k][1]}")
+    if failed:
+        raise failed[min(failed)]
+
+
 def sweep(
     problem_factory: ProblemFactory,
     limits: Sequence[int],
@@ -428,14 +461,7 @@ def sweep(
             if bar:
                 bar.update(f"{m} @ {limit}")
     else:
-        with ProcessPoolExecutor(max_workers=min(jobs, len(tasks))) as pool:
-            futures = {pool.submit(_run_one, problem_factory, m, limit, options): (m, limit)
-                       for m, limit in tasks}
-            for fut in as_completed(futures):
-                m, limit = futures[fut]
-                done[(m, limit)] = fut.result()
-                if bar:
-                    bar.update(f"{m} @ {limit}")
+        _run_parallel(problem_factory, tasks, options, jobs, done, bar)
     chain = getattr(probe, "chain", None)
     store_all = no_recompute = None
     if isinstance(chain, Chain):

@@ -223,6 +223,33 @@ def test_a_bad_value_of_a_read_extra_key_is_an_input_error(chain: Chain, jobs: i
     assert r.method_points("chen")[0].status != Status.ERROR.value
 
 
+def test_parallel_workers_raise_the_sequential_runs_error(chain: Chain,
+                                                         monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """Two bad values read by two methods: ``jobs=2`` raises the error ``jobs=1`` raises
+    (the first failing task in order), whatever order the workers finish in. Before, it
+    raised the first error to arrive: ``--methods ilp,dp --option sweeps=0 --option
+    segment_cost=-1 --jobs 2`` named ``sweeps`` in four runs of five and ``segment_cost``
+    in one. The workers' finishing order is scripted here (last task first)."""
+    from concurrent.futures import wait
+
+    import optmem.sweep as sweep_module
+
+    def last_first(futures):  # every task done, then handed back in reverse task order
+        futures = list(futures)
+        wait(futures)
+        return reversed(futures)
+
+    low, high = min_memory_persistent(chain), chain.store_all_peak()
+    bad = {"sweeps": 0, "segment_cost": -1}  # ilp refuses the first, dp the second
+    with pytest.raises(OptmemInputError, match="sweeps") as alone:
+        sweep(CheckpointFactory(chain), [low, high], ["ilp", "dp"], jobs=1, extra=bad)
+    monkeypatch.setattr(sweep_module, "as_completed", last_first)
+    with pytest.raises(OptmemInputError, match="sweeps") as parallel:
+        sweep(CheckpointFactory(chain), [low, high], ["ilp", "dp"], jobs=2, extra=bad)
+    assert str(parallel.value) == str(alone.value)
+
+
 def test_auto_range_of_a_pipeline_reaches_its_fastest_plan(tmp_path: Path,
                                                            capsys: pytest.CaptureFixture[str]
                                                            ) -> None:
