@@ -114,6 +114,19 @@ def test_layer_plans(bench):
     assert sim.peak_memory < simulate_checkpoint(chain, store_all_plan(9)).peak_memory
 
 
+def assert_store_all_pairs(bench, res, ser, pairs) -> None:
+    """At the store-all target the pairs' baselines are exactly the fastest baseline under
+    that memory and every baseline within ``NEAR`` of it, by the measured medians."""
+    plain = res["settings"][0]
+    memory = res["targets"][plain.label]
+    best = bench.best_baseline(res["settings"], memory)
+    near = {id(s) for s in res["settings"]
+            if s.real_peak <= memory and s.median <= bench.NEAR * best.median}
+    paired = {id(p.baseline) for p in pairs
+              if p.optmem is ser.at_target(plain.label) and plain.label in p.labels}
+    assert id(best) in paired and paired == near
+
+
 def test_benchmark_code_path(bench, tmp_path):
     res = bench.bench_model(bench.Spec(**TINY), rounds=1, grid=3, steps=1, sweep=1,
                             repeats=1, per_round=2, log=lambda _: None, tune=True, paired=2)
@@ -176,7 +189,11 @@ def test_benchmark_code_path(bench, tmp_path):
     assert any(p.optmem is base.at_target("halfway") and p.baseline is hf
                and "target 2" in p.labels for p in pairs)
     assert any(p.baseline is hf and "target 3" in p.labels for p in pairs)
-    assert any(p.optmem is base.at_target(plain.label) and p.baseline is plain for p in pairs)
+    # target 1 at store-all memory: optmem against the fastest baseline there and every one
+    # within NEAR of it. Which baselines those are is measured (one round here): the plain
+    # model was asserted to be one, which failed when load made a recomputing baseline
+    # measure more than 3 % faster than it (the pairing rule, not the timing, is checked)
+    assert_store_all_pairs(bench, res, base, pairs)
     assert "Paired verdict (2 rounds" in text and "never measurably slower" in text
     bench.plot([res], tmp_path / "hf.png")
     assert (tmp_path / "hf.png").stat().st_size > 0
