@@ -139,3 +139,56 @@ def test_device_memory_of_a_transfer_plan_is_the_offload_executors() -> None:
         peaks.append(measure_training_peak(lambda net=net: net(x).sum().backward(), owner, x,
                                            host_copies=False))
     assert peaks[1] <= peaks[0] + LOSS_SCALARS
+
+
+@pytest.mark.parametrize("fast_link", [False, True])
+def test_delta_policy_in_a_compiled_training_step_runs_outside_dynamo(fast_link, monkeypatch):
+    """``backward()`` inside a ``torch.compile``-d step: DELTA's Python is never traced.
+
+    Before (the stop-53 hunt), ``DeltaChain.forward`` had no graph break: dynamo traced the
+    policy (``_forward``, ``_release``, the pack hooks: 9 graph breaks on 5 stages, the
+    stages inlined into the caller's graphs), and under inductor with dropout the outputs and
+    gradients were not the plain model's compiled (gradients 2.2 apart). Now the policy runs
+    under ``torch.compiler.disable`` as the other executors (its unpack hook too, which
+    autograd calls with the caller's frame callback), the stages run compiled with the
+    enclosing backend, gradients bitwise over two steps.
+    """
+    import copy
+
+    from optmem.pytorch.delta import EVICT, OFFLOAD, DeltaChain
+
+    traced: list[str] = []
+    for name in ("_release", "_unpack", "_recompute"):
+        original = getattr(DeltaChain, name)
+
+        def record(self, *args, _original=original, _name=name):
+            if torch.compiler.is_compiling():
+                traced.append(_name)
+            return _original(self, *args)
+
+        monkeypatch.setattr(DeltaChain, name, record)
+    torch._dynamo.reset()
+    stages = [nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Dropout(0.3)) for _ in range(5)]
+    plain = nn.Sequential(*copy.deepcopy(stages))
+    net = DeltaChain(stages, budget=200, bandwidth=1e12 if fast_link else 1.0)
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(1))
+
+    def train_step(module, x):
+        out = module(x)
+        out.square().sum().backward()
+        return out
+
+    compiled = torch.compile(train_step, backend="aot_eager")
+    for seed in (3, 4):
+        torch.manual_seed(seed)
+        got = compiled(net, x)
+        torch.manual_seed(seed)
+        ref = train_step(plain, x)
+        assert torch.equal(got, ref)
+    assert {k for _, k in net.decisions} == {OFFLOAD if fast_link else EVICT}
+    assert net.recomputed or net.reloaded
+    for p, q in zip(net.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+    assert net._compiled is not None  # the stages ran compiled
+    assert traced == []
+    torch._dynamo.reset()

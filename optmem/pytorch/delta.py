@@ -20,6 +20,13 @@ baseline ``delta`` of :mod:`optmem.solvers.remat_offload_delta`); the input of a
 stage is kept (a strong reference), DTR's recursive rematerialisation of evicted inputs is
 not needed on a chain because the input is an ordinary activation. Gradients equal the
 unmodified chain's: recomputation replays the same RNG state and copies are bit for bit.
+
+**torch.compile**: as the other executors (:mod:`optmem.pytorch.execute`), the policy never
+runs under dynamo: ``torch.compile(chain)`` or a compiled training step breaks the graph at
+the forward (:func:`~optmem.pytorch.execute.run_compiled`), the stages run compiled with the
+enclosing compile's options, and the unpack hook (which autograd calls with the caller's
+frame callback when ``backward()`` runs inside the compiled step) is wrapped in
+``torch.compiler.disable`` (:func:`~optmem.pytorch.execute.backward_outside_dynamo`).
 """
 
 from __future__ import annotations
@@ -39,7 +46,14 @@ from optmem.pytorch.context import (
     read_by,
     side_inputs,
 )
-from optmem.pytorch.execute import CompileRequest, StageCalls, run_in_order
+from optmem.pytorch.execute import (
+    CompileRequest,
+    StageCalls,
+    backward_outside_dynamo,
+    run_compiled,
+    run_disabled,
+    run_in_order,
+)
 from optmem.pytorch.extract import Stage, value_tensors
 from optmem.pytorch.offload import kept_storages
 
@@ -113,6 +127,8 @@ class DeltaChain(StageCalls, nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: Any) -> Any:  # noqa: D102 - see the class docstring
+        if torch.compiler.is_compiling():
+            return run_compiled(run_disabled, self, x)
         return self._forward(x, None)
 
     def _forward(self, x: Any, compiled: CompileRequest) -> Any:
@@ -124,6 +140,7 @@ class DeltaChain(StageCalls, nn.Module):
         self._weights = kept_storages(self)
         self._context = read_by(current_side_inputs_or_none(), self.stages)
         self._functions = functions
+        unpack = backward_outside_dynamo(self._unpack)
         clock = 0.0
         for i, stage in enumerate(functions):
             self._release(i, clock, x)
@@ -132,7 +149,7 @@ class DeltaChain(StageCalls, nn.Module):
             group.buffers = [(sub, name, buf.detach().clone())
                              for sub in self.stages[i].modules()
                              for name, buf in sub._buffers.items() if buf is not None]
-            with torch.autograd.graph.saved_tensors_hooks(self._packer(group), self._unpack):
+            with torch.autograd.graph.saved_tensors_hooks(self._packer(group), unpack):
                 x = stage(x)
             clock += self.fwd_time[i]
             group.last_use = clock
