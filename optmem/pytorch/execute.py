@@ -572,8 +572,15 @@ FULLGRAPH_REASON = (
     "calls in the backward), so the wrapped model always breaks the graph here and "
     "torch.compile(..., fullgraph=True) cannot hold for it. Compile it without "
     "fullgraph=True (each stage still runs compiled, with your backend and dynamic=), or "
-    "call cmodel.compile(fullgraph=True, ...) to compile every stage as one graph each")
-"""The reason dynamo prints when ``torch.compile(cmodel, fullgraph=True)`` meets the plan."""
+    "call cmodel.compile(fullgraph=True, ...) to compile every stage as one graph each (on "
+    "an executor such as CheckpointedChain or DeltaChain, whose compile() is nn.Module's "
+    "and fails the same way: executor.compile_stages(fullgraph=True, ...))")
+"""The reason dynamo prints when ``torch.compile(cmodel, fullgraph=True)`` meets the plan.
+
+Until stop 53 it named only the wrappers' ``cmodel.compile``: on an executor that is
+``nn.Module.compile``, which compiles the executor's own ``forward`` with
+``fullgraph=True`` and fails with this same error.
+"""
 
 
 def _disable(reason: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
