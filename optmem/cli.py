@@ -141,7 +141,8 @@ def options_from_args(args: argparse.Namespace) -> SolveOptions:
                             threads=args.threads, verbose=args.verbose,
                             node_limit=getattr(args, "node_limit", None),
                             deterministic_time=getattr(args, "deterministic_time", None),
-                            seed=getattr(args, "seed", 0), extra=extra)
+                            seed=getattr(args, "seed", 0), extra=extra,
+                            work_budget=getattr(args, "work_budget", None))
     except OptmemInputError as exc:
         raise OptmemInputError(exc.reason, field="--" + (exc.field or "").replace("_", "-")
                                ) from None
@@ -566,7 +567,11 @@ def add_option_flag(p: argparse.ArgumentParser) -> None:
 
 
 def add_engine_limits(p: argparse.ArgumentParser) -> None:
-    """``--time-limit``, ``--node-limit``, ``--deterministic-time``, ``--seed``."""
+    """Add the engine limits and the seed.
+
+    ``--time-limit``, ``--node-limit``, ``--deterministic-time``, ``--work-budget``,
+    ``--seed``.
+    """
     p.add_argument("--time-limit", type=float,
                    help="wall-clock seconds per exact engine call (default: none)")
     p.add_argument("--node-limit", type=int,
@@ -574,6 +579,10 @@ def add_engine_limits(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deterministic-time", type=float,
                    help="deterministic limit: CP-SAT deterministic seconds per call "
                         "(one worker)")
+    p.add_argument("--work-budget", type=float, metavar="S",
+                   help="deterministic limit of the whole solve: CP-SAT deterministic "
+                        "seconds summed over all its CP-SAT calls (one worker; inf: measure "
+                        "only); HiGHS/CBC calls are not counted")
     p.add_argument("--seed", type=int, default=0, help="random seed of every engine (0)")
 
 

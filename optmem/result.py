@@ -75,6 +75,12 @@ class SolveOptions:
     extra
         Method-specific options, a dict with string keys; each method declares the keys it
         reads (an unknown key raises, naming the closest known one).
+    work_budget
+        Deterministic work limit of the whole solve: CP-SAT deterministic seconds summed over
+        every CP-SAT call of the method (each call gets at most what is left, one worker);
+        ``inf`` measures without limiting. HiGHS / CBC / Gurobi calls are not counted (they
+        have no deterministic time; ``node_limit`` bounds them). The ``report`` gets the
+        ``work_*`` keys (CONTRACT section 14).
 
     Examples
     --------
@@ -97,9 +103,10 @@ class SolveOptions:
     deterministic_time: float | None = None
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    work_budget: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("time_limit_s", "deterministic_time"):
+        for name in ("time_limit_s", "deterministic_time", "work_budget"):
             object.__setattr__(self, name, _limit(getattr(self, name), name))
         object.__setattr__(self, "node_limit", _node_limit(self.node_limit))
         for name, low, high, what in (("seed", 0, MAX_SEED, "a non-negative integer seed"),

@@ -89,7 +89,9 @@ class SweepPoint:
     """One solve of the sweep.
 
     ``memory`` is the plan's peak in the chain's memory unit (``None`` without a plan);
-    ``memory_limit`` the limit it was solved under.
+    ``memory_limit`` the limit it was solved under; ``work_used`` the CP-SAT deterministic
+    seconds the solve spent under a work budget (``SolveOptions.work_budget``; ``None``
+    without one).
     """
 
     method: str
@@ -102,6 +104,7 @@ class SweepPoint:
     exact: bool
     min_feasible_memory: int | None = None
     error: str | None = None
+    work_used: float | None = None
 
     @property
     def has_plan(self) -> bool:
@@ -143,7 +146,8 @@ def point_of(method: str, limit: int, result: Result, exact: bool,
     return SweepPoint(method, limit, str(result.status), num(result.objective) if memory
                       is not None else None, num(result.bound), memory,
                       round(result.solve_time_s, 6), exact, result.min_feasible_memory,
-                      result.report.get("error") if result.status is Status.ERROR else None)
+                      result.report.get("error") if result.status is Status.ERROR else None,
+                      result.report.get("work_used"))
 
 
 def pareto_front(points: Iterable[SweepPoint]) -> list[SweepPoint]:

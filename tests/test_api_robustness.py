@@ -42,6 +42,8 @@ DATASET = "resnet-like-40"
     ("seed", 2**70), ("seed", 2**31), ("seed", 1.0),
     ("node_limit", 1.5), ("node_limit", math.inf), ("node_limit", -3),
     ("time_limit_s", 10**400), ("deterministic_time", np.bool_(True)),
+    ("work_budget", 0), ("work_budget", -1.0), ("work_budget", math.nan),
+    ("work_budget", "10"), ("work_budget", True), ("work_budget", 10**400),
     ("warm_start", "no"), ("warm_start", None), ("verbose", "no"),
     ("variant", 3), ("solver", None),
     ("extra", None), ("extra", [1]), ("extra", {1: 2}),

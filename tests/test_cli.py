@@ -619,3 +619,36 @@ def test_an_option_of_another_problem_exits_2(capsys, chain_file, tmp_path, comm
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
     assert f"field '{flag}'" in err and f"not of {problem}" in err
     assert list(tmp_path.iterdir()) == [chain_file]
+
+
+def test_work_budget_flag_reaches_solve_compare_and_sweep(capsys, chain_file, tmp_path):
+    """``--work-budget S``: the ``work_*`` report keys on every row, the budget in force."""
+    base = ("checkpoint", str(chain_file), "--memory", "16")
+    code, out, err = run(capsys, "solve", *base, "--method", "cpsat", "--work-budget", "5",
+                         "--json")
+    assert code == 0, err
+    report = json.loads(out)["report"]
+    assert report["work_budget"] == 5.0 and 0 < report["work_used"] <= 5.0
+    assert report["work_calls"] >= 1 and report["work_exhausted"] is False
+    code, out, err = run(capsys, "compare", *base, "--methods", "dp,cpsat",
+                         "--work-budget", "inf", "--json")
+    assert code == 0, err
+    rows = json.loads(out)["results"]
+    assert [r["report"]["work_budget"] for r in rows] == [None, None]  # inf: JSON null
+    assert rows[0]["report"]["work_calls"] == 0 and rows[1]["report"]["work_calls"] >= 1
+    path = tmp_path / "sweep.json"
+    code, _, err = run(capsys, "sweep", *base[:2], "--memory", "14:16:2", "--methods",
+                       "cpsat", "--work-budget", "5", "--json", str(path), "-q")
+    assert code == 0, err
+    points = json.loads(path.read_text())["points"]
+    assert [p["status"] for p in points] == ["infeasible", "optimal"]
+    assert points[0]["work_used"] is not None and 0 < points[1]["work_used"] <= 5.0
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "ten"])
+def test_bad_work_budgets_exit_2_naming_the_flag(capsys, chain_file, value):
+    code, out, err = run(capsys, "solve", "checkpoint", str(chain_file), "--memory", "16",
+                         "--method", "cpsat", "--work-budget", value)
+    assert code == 2 and not out
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "work-budget" in lines[0], lines

@@ -275,3 +275,20 @@ def test_not_in_the_default_comparison():
 
     assert not method_info("pipeline", "chunks").in_compare
     assert "chunks" not in default_methods("pipeline")
+
+
+def test_a_work_budget_asks_one_allocation_at_a_time_whatever_the_threads():
+    """Under ``work_budget`` the scan asks one allocation at a time: what a question in
+    flight is granted of the budget would depend on when it starts. So three threads give
+    the very result of one (timings aside), with the budget spent part-way through (0.1 of
+    the 0.26 deterministic seconds the scan takes without a budget)."""
+    from tests.test_pipeline_lns import timeless
+
+    problem = eight_layer_problem(1)
+    opts = replace(FAST, work_budget=0.1, extra={**FAST.extra, "chunk_work": 0.05,
+                                                 "chunk_retry_work": 0.05})
+    one = solve(problem, "chunks", options=opts)
+    three = solve(problem, "chunks", options=replace(opts, threads=3))
+    assert one.report["work_exhausted"] is True and one.status.has_plan
+    assert one.report["work_calls"] >= 3 and one.report["work_skipped_calls"] >= 1
+    assert timeless(one) == timeless(three)

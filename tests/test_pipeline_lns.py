@@ -214,3 +214,49 @@ def test_no_hidden_time_limit(monkeypatch):
     monkeypatch.setattr(engines, "solve_cpsat", spy)
     found = lns.improve(problem, period, plan, moves=3, work=1.5)
     assert found.moves == 3 and seen == [(None, 1.5)] * 3
+
+
+# ------------------------------------------------------------------ the solve's work budget
+def timeless(result) -> dict:
+    """The JSON result without its wall-clock figures (keys ending ``_s``, ``seconds``)."""
+    def clean(value):
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items()
+                    if not (k.endswith("_s") or k == "seconds")}
+        if isinstance(value, list):
+            return [clean(v) for v in value]
+        return value
+
+    return clean(result.to_json())
+
+
+@pytest.mark.parametrize("extra", [{"strategy": "benders"}, {"lns": 4},
+                                   {"probe_step": 0.02, "lns": 2}, {"colocate_step": 0.05}])
+def test_a_work_budget_gives_the_same_result_twice_with_a_valid_bound(extra):
+    """One budget of 0.003 deterministic seconds for every CP-SAT call of the solve (the
+    relaxation's bisection, probes, Benders masters, LNS moves, the climb): the same JSON
+    twice (timings aside), work within the budget plus the last call's overshoot, and a
+    replayed plan whose bound is at most the optimum 12, proven without a budget."""
+    problem = missed_chain()
+    opts = SolveOptions(threads=1, seed=0, deterministic_time=5.0, extra=extra)
+    first = solve(problem, "cpsat", options=opts.with_(work_budget=0.003))
+    again = solve(problem, "cpsat", options=opts.with_(work_budget=0.003))
+    assert timeless(first) == timeless(again)
+    assert first.status in (Status.FEASIBLE, Status.OPTIMAL)
+    assert first.bound <= 12.0 + 1e-9 and first.objective >= 12.0 - 1e-9
+    assert first.plan  # replayed by the simulator on the one result path
+    if first.status is Status.OPTIMAL:
+        assert first.objective == pytest.approx(12.0)
+    report = first.report
+    assert report["work_exhausted"] is True and 0.003 <= report["work_used"] <= 0.0033
+    assert report["work_calls"] >= 2
+
+
+def test_a_spent_budget_skips_calls_and_never_claims_optimal():
+    """With next to nothing left, the solve skips its later CP-SAT calls and returns the
+    best incumbent (13 or 14 against the optimum 12) as ``feasible``, never an error."""
+    problem = missed_chain()
+    out = solve(problem, "cpsat", options=SolveOptions(
+        threads=1, seed=0, work_budget=1e-4, extra={"strategy": "benders"}))
+    assert out.status is Status.FEASIBLE and out.objective > 12.0
+    assert out.bound <= 12.0 and out.report["work_skipped_calls"] >= 1

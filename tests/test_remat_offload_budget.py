@@ -25,6 +25,7 @@ from remat_offload_helpers import OPTS, brute_optimum, check, limits
 
 import optmem.solvers.remat_offload_exact as exact
 from optmem.chain import Chain
+from optmem.datasets.synthetic import random_chain
 from optmem.engines import adapters
 from optmem.problems.remat_offload import RematOffloadProblem
 from optmem.result import Status
@@ -293,3 +294,46 @@ def test_rounded_grid_taken_as_exact_is_caught() -> None:
         wrong.append(res.bound > optimum + 1e-6 or
                      (res.status is Status.OPTIMAL and res.objective > optimum + 1e-6))
     assert any(wrong)
+
+
+# ------------------------------------------------------------------ the solve's work budget
+def timeless(result: Any) -> dict[str, Any]:
+    """The JSON result without its wall-clock figures (keys ending ``_s``, ``seconds``)."""
+    def clean(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items()
+                    if not (k.endswith("_s") or k == "seconds")}
+        if isinstance(value, list):
+            return [clean(v) for v in value]
+        return value
+
+    return clean(result.to_json())
+
+
+@pytest.mark.parametrize("strategy", ["full", "benders"])
+def test_a_work_budget_gives_the_same_result_twice_with_a_valid_bound(strategy: str) -> None:
+    """``work_budget`` bounds the CP-SAT work of the whole solve, not of each call.
+
+    A 5-stage chain whose solve needs several CP-SAT calls (relaxation stages, the model;
+    Benders masters and subproblems), at 0.01 deterministic seconds for all of them: the
+    same JSON twice (timings aside), the work used within the budget plus the last call's
+    overshoot, a replayed plan whose bound is at most the optimum proven without a budget,
+    and ``optimal`` only where the bound meets the plan.
+    """
+    problem = RematOffloadProblem(random_chain(5, seed=0), 48, chain_bandwidth=1.0)
+    opts = OPTS.with_(threads=1, seed=1, deterministic_time=1.0,
+                      extra={"strategy": strategy})
+    proven = solve(problem, "cpsat", options=opts)
+    assert proven.status is Status.OPTIMAL
+    first = solve(problem, "cpsat", options=opts.with_(work_budget=0.01))
+    again = solve(problem, "cpsat", options=opts.with_(work_budget=0.01))
+    assert timeless(first) == timeless(again)
+    check(problem, first, opts, optimum=proven.objective)
+    report = first.report
+    assert report["work_exhausted"] is True and report["work_calls"] >= 1
+    assert 0.01 <= report["work_used"] <= 0.01 * 1.1
+    if strategy == "full":  # the budget ends the search above the optimum: not proven
+        assert first.status is Status.FEASIBLE and first.objective > proven.objective
+    roomy = solve(problem, "cpsat", options=opts.with_(work_budget=100.0))
+    assert roomy.status is Status.OPTIMAL and roomy.objective == proven.objective
+    assert roomy.report["work_exhausted"] is False

@@ -17,6 +17,9 @@ from optmem.engines.adapters import (
     ILP_ENGINES,
     MAX_COEFFICIENT,
     EngineResult,
+    WorkBudget,
+    active_budget,
+    carry_budget,
     check_engine,
     coefficient_scale,
     cpsat_settings,
@@ -25,6 +28,7 @@ from optmem.engines.adapters import (
     pulp_settings,
     solve_cpsat,
     solve_pulp,
+    work_budget,
 )
 from optmem.engines.results import FALLBACK_NOTE, engine_failure
 
@@ -33,6 +37,9 @@ __all__ = [
     "ILP_ENGINES",
     "MAX_COEFFICIENT",
     "EngineResult",
+    "WorkBudget",
+    "active_budget",
+    "carry_budget",
     "check_engine",
     "coefficient_scale",
     "cpsat_settings",
@@ -42,4 +49,5 @@ __all__ = [
     "pulp_settings",
     "solve_cpsat",
     "solve_pulp",
+    "work_budget",
 ]

@@ -19,6 +19,14 @@ and a CP-SAT ``MODEL_INVALID`` become an ``error`` :class:`EngineResult` whose `
 carries the engine's own text; nothing is raised past the adapter except bad input
 (an unknown or uninstalled engine).
 
+One deterministic work budget per solve (:class:`WorkBudget`, ``SolveOptions.work_budget``):
+the facade opens it around a method (:func:`work_budget`, a context variable, so it follows
+the solve and not the process) and :func:`solve_cpsat`, the one door to CP-SAT, gives each
+call ``min(deterministic_time, what is left)`` and charges the deterministic time CP-SAT
+reports; a call made when nothing is left is not run (``no_solution``, ``stopped_by:
+"work_budget"``). :func:`solve_pulp` only counts its calls (HiGHS, CBC and Gurobi have no
+deterministic time: ``node_limit`` bounds them).
+
 PuLP, highspy and OR-Tools are imported inside the functions (ortools 9.15 and highspy >= 1.15
 crash in one process; optmem pins highspy 1.14).
 """
@@ -26,14 +34,17 @@ crash in one process; optmem pins highspy 1.14).
 from __future__ import annotations
 
 import atexit
+import contextlib
+import contextvars
 import importlib.util
 import math
 import os
 import re
 import tempfile
+import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,7 +77,9 @@ class EngineResult:
         The backend's own status text (the exception text when the engine failed).
     stopped_by
         The limit that stopped the engine before it proved its answer: ``"time"``,
-        ``"nodes"``, ``"deterministic_time"`` or ``"other"``; ``None`` otherwise.
+        ``"nodes"``, ``"deterministic_time"``, ``"work_budget"`` (the solve's
+        :class:`WorkBudget`: it cut the call short, or nothing was left to run it) or
+        ``"other"``; ``None`` otherwise.
     info
         Deterministic work counts: ``nodes`` (HiGHS); ``branches``, ``conflicts``,
         ``deterministic_time`` (CP-SAT).
@@ -117,6 +130,135 @@ def undecodable_result(out: EngineResult, fault: str) -> EngineResult:
     """
     return failed_result(out.engine, f"returned a solution that does not decode ({fault})",
                          out.time_s)
+
+
+@dataclass
+class WorkBudget:
+    """Deterministic CP-SAT seconds one solve may spend, summed over all its CP-SAT calls.
+
+    Opened by :func:`work_budget` (the facade does it for every ``solve``/``compare`` row
+    with ``SolveOptions.work_budget``) and read by :func:`solve_cpsat` through
+    :func:`active_budget`: each call gets :meth:`grant` (the smaller of its own
+    ``deterministic_time`` and what is left; one worker) and is charged the deterministic
+    time CP-SAT reports (:meth:`charge`, which may pass the total by the overshoot of the
+    last call: CP-SAT checks its limit between steps). Thread-safe: threads a method starts
+    share their solve's budget (:func:`carry_budget`).
+
+    Examples
+    --------
+    >>> b = WorkBudget(1.0)
+    >>> b.grant(None), b.grant(0.25)
+    (1.0, 0.25)
+    >>> b.charge(0.75, cut=False); b.grant(None), b.left()
+    (0.25, 0.25)
+    >>> b.charge(0.3, cut=True); b.grant(5.0), b.exhausted
+    (None, True)
+    >>> sorted(b.report())[:3]
+    ['work_budget', 'work_calls', 'work_cut_calls']
+    """
+
+    total: float
+    used: float = 0.0
+    calls: int = 0
+    cut_calls: int = 0
+    skipped_calls: int = 0
+    milp_calls: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def left(self) -> float:
+        """Deterministic seconds left (never negative; ``inf`` for an unbounded budget)."""
+        with self._lock:
+            return max(0.0, self.total - self.used)
+
+    @property
+    def exhausted(self) -> bool:
+        """Whether nothing is left."""
+        return self.left() <= 0.0
+
+    def grant(self, deterministic_time: float | None) -> float | None:
+        """The limit of the next CP-SAT call (``None``: nothing left, do not run it).
+
+        An unbounded budget (``inf``) grants ``deterministic_time`` unchanged, ``inf`` when
+        the call has none (then it measures the work only).
+        """
+        left = self.left()
+        if left <= 0.0:
+            return None
+        return left if deterministic_time is None else min(float(deterministic_time), left)
+
+    def charge(self, used: float, *, cut: bool) -> None:
+        """Count a call that ran ``used`` deterministic seconds (``cut``: stopped by this)."""
+        with self._lock:
+            self.used += max(0.0, float(used))
+            self.calls += 1
+            self.cut_calls += int(cut)
+
+    def skip(self) -> None:
+        """Count a call that was not run (nothing left)."""
+        with self._lock:
+            self.skipped_calls += 1
+
+    def count_milp(self) -> None:
+        """Count a HiGHS / CBC / Gurobi call (not bounded by the budget)."""
+        with self._lock:
+            self.milp_calls += 1
+
+    def report(self) -> dict[str, Any]:
+        """The ``work_*`` report keys of a solve (CONTRACT section 14)."""
+        with self._lock:
+            return {"work_budget": self.total, "work_used": round(self.used, 6),
+                    "work_calls": self.calls, "work_cut_calls": self.cut_calls,
+                    "work_skipped_calls": self.skipped_calls,
+                    "work_exhausted": self.used >= self.total,
+                    "work_milp_calls": self.milp_calls}
+
+
+_BUDGET: contextvars.ContextVar[WorkBudget | None] = contextvars.ContextVar(
+    "optmem_work_budget", default=None)
+
+
+def active_budget() -> WorkBudget | None:
+    """The work budget of the solve running in this context (``None``: none)."""
+    return _BUDGET.get()
+
+
+@contextlib.contextmanager
+def work_budget(total: float | None) -> Iterator[WorkBudget | None]:
+    """Open a :class:`WorkBudget` of ``total`` deterministic seconds for the code inside.
+
+    ``None`` opens nothing (yields the budget already open, if any). Inside an open budget
+    (a method that solves through the facade again) the outer budget stays the one in
+    force: one solve, one budget.
+    """
+    current = _BUDGET.get()
+    if total is None or current is not None:
+        yield current
+        return
+    budget = WorkBudget(float(total))
+    token = _BUDGET.set(budget)
+    try:
+        yield budget
+    finally:
+        _BUDGET.reset(token)
+
+
+def carry_budget(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` bound to this context, so a thread running it charges this solve's budget.
+
+    Threads do not inherit context variables: a method that runs engine calls on a thread
+    (the chunk scan's pool, the co-location climb beside the search) submits them through
+    this.
+    """
+    budget = _BUDGET.get()
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        token = _BUDGET.set(budget)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _BUDGET.reset(token)
+
+    return run
 
 
 def pulp_settings(options: Any) -> dict[str, Any]:
@@ -292,6 +434,9 @@ def solve_pulp(
     """
     check_engine(engine)
     extra_highs = check_highs_options(highs_options)
+    budget = _BUDGET.get()
+    if budget is not None:
+        budget.count_milp()
     if initial is not None:
         for v, x in zip(variables, initial, strict=True):
             v.setInitialValue(x)
@@ -578,6 +723,14 @@ def _solve_gurobi(problem: Any, settings: _Settings) -> tuple[Status, float, str
 
 
 # ------------------------------------------------------------------ CP-SAT
+def _work_of(solver: Any) -> float:
+    """The deterministic time a ``CpSolver`` reports (0 when it has none to report)."""
+    try:
+        return float(solver.deterministic_time) if solver is not None else 0.0
+    except Exception:  # noqa: BLE001 - a solver that failed before solving
+        return 0.0
+
+
 def _cpsat_status(code: Any, cp_model: Any) -> Status:
     """CP-SAT status -> Status (the one mapping for CP-SAT)."""
     return {
@@ -603,13 +756,31 @@ def solve_cpsat(
     model) hold for this solve (CP-SAT's ``add_assumptions``; they replace the model's earlier
     assumptions, and a call without them clears them). An invalid model, or any OR-Tools
     exception, gives ``status: error`` with the validation message. ``parameters``: more
-    ``CpSolver`` parameters by name (e.g. ``{"cp_model_probing_level": 0}``), set last.
+    ``CpSolver`` parameters by name (e.g. ``{"cp_model_probing_level": 0}``), set last
+    (``max_deterministic_time`` and ``num_workers`` excepted under a work budget).
+
+    Under the solve's :class:`WorkBudget` (:func:`active_budget`) the call's deterministic
+    time is ``min(deterministic_time, left)`` (so one worker) and the deterministic time
+    CP-SAT reports is charged to it; with nothing left the call is not run and returns
+    ``no_solution`` with ``stopped_by: "work_budget"`` (and ``info["skipped"]``).
     """
     if not is_available("cpsat"):
         raise UnavailableError("CP-SAT needs ortools", field="method")
     from ortools.sat.python import cp_model
 
+    budget = _BUDGET.get()
+    own_limit = deterministic_time
+    if budget is not None:
+        deterministic_time = budget.grant(own_limit)
+        if deterministic_time is None:
+            budget.skip()
+            return EngineResult(Status.NO_SOLUTION, None, math.nan, math.nan, "cpsat", 0.0,
+                                "WORK_BUDGET_SPENT", stopped_by="work_budget",
+                                info={"deterministic_time": 0.0, "skipped": True})
+        if math.isinf(deterministic_time):  # an unbounded budget only measures
+            deterministic_time = None
     start = time.perf_counter()
+    solver: Any = None
     try:
         model.clear_hints()
         model.clear_assumptions()
@@ -630,11 +801,21 @@ def solve_cpsat(
         params.relative_gap_limit = 0.0
         params.absolute_gap_limit = 0.0
         for key, value in (parameters or {}).items():
+            if budget is not None and key in ("max_deterministic_time", "num_workers"):
+                continue  # the budget's limit, one worker: nothing may widen them
             setattr(params, key, value)
         code = solver.solve(model)
     except Exception as exc:  # noqa: BLE001 - an engine fault never escapes the adapter
+        if budget is not None:
+            budget.charge(_work_of(solver), cut=False)
         return failed_result("cpsat", exc, time.perf_counter() - start)
     elapsed = time.perf_counter() - start
+    used = float(solver.deterministic_time)
+    cut = budget is not None and deterministic_time is not None \
+        and (own_limit is None or deterministic_time < own_limit) \
+        and used >= 0.95 * deterministic_time
+    if budget is not None:
+        budget.charge(used, cut=cut and code in (cp_model.FEASIBLE, cp_model.UNKNOWN))
     status = _cpsat_status(code, cp_model)
     message = solver.status_name(code)
     if code == cp_model.MODEL_INVALID:
@@ -648,14 +829,15 @@ def solve_cpsat(
         bound = objective if status is Status.OPTIMAL else float(solver.best_objective_bound)
     stopped = None
     if status in (Status.FEASIBLE, Status.NO_SOLUTION):
-        used = float(solver.deterministic_time)
-        if deterministic_time is not None and used >= 0.95 * deterministic_time:
+        if cut:
+            stopped = "work_budget"
+        elif deterministic_time is not None and used >= 0.95 * deterministic_time:
             stopped = "deterministic_time"
         elif time_limit_s is not None:
             stopped = "time"
         else:
             stopped = "other"
     work = {"branches": int(solver.num_branches), "conflicts": int(solver.num_conflicts),
-            "deterministic_time": float(solver.deterministic_time)}  # deterministic counts
+            "deterministic_time": used}  # deterministic counts
     return EngineResult(status, values, objective, bound, "cpsat", elapsed, message,
                         stopped_by=stopped, info=work)

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from optmem.engines.adapters import work_budget
 from optmem.errors import OptmemInputError, UnavailableError, check_keywords
 from optmem.fileio import write_atomic
 from optmem.result import OPTION_NAMES, Result, SolveOptions, Status
@@ -264,8 +265,11 @@ def _run(problem: Any, info: MethodInfo, opts: SolveOptions) -> Result:
             f"method {info.name!r} needs {', '.join(info.requires)}; install optmem[engines]",
             field="method")
     start = time.perf_counter()
-    result = info.fn(problem, opts)
+    with work_budget(opts.work_budget) as budget:
+        result = info.fn(problem, opts)
     elapsed = time.perf_counter() - start
+    if budget is not None:  # the solve's work so far (the whole solve's, outermost)
+        result = result.with_(report={**result.report, **budget.report()})
     return result.with_(solve_time_s=elapsed) if result.solve_time_s == 0.0 else result
 
 

@@ -53,6 +53,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from optmem.engines.adapters import active_budget, carry_budget
 from optmem.errors import OptmemInputError
 from optmem.models.pipeline import Units
 from optmem.pipeline_plan import PipelinePlan
@@ -325,8 +326,12 @@ def scan(problem: PipelineProblem, units: Units, period: float, plan: PipelinePl
     ``workers`` allocations are asked at once (threads; CP-SAT runs outside the GIL), each
     at the cutoff in force a fixed number of answers earlier, the answers taken in the
     scan's order (:class:`_Asker`): the same answers for the same ``workers`` on any
-    machine, as each question is deterministic.
+    machine, as each question is deterministic. Under a work budget
+    (``SolveOptions.work_budget``) one allocation is asked at a time: what each question
+    in flight would be granted of the budget depends on when it starts.
     """
+    if active_budget() is not None:
+        workers = 1
     out = Scan(period, plan)
     cap = period if math.isfinite(period) else units.big_m()
     family, out.truncated = ranked(problem, units, chunks, cap)
@@ -419,7 +424,7 @@ class _Asker:
                            None if left is None else max(left, 1e-3))
 
         if self.pool is not None:
-            return self.pool.submit(ask)
+            return self.pool.submit(carry_budget(ask))
         done: Future[_Outcome] = Future()
         done.set_result(ask())
         return done

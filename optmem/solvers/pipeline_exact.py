@@ -280,7 +280,8 @@ class BesideSearch:
         self.climber = Benders(problem, "cpsat", options.with_(threads=1), best[0], best[1],
                                bound, deadline)
         self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._climb, args=(step, order),
+        self.thread = threading.Thread(target=engines.carry_budget(self._climb),
+                                       args=(step, order),
                                        name="optmem-colocate-climb", daemon=True)
         self.thread.start()
 
