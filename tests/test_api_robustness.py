@@ -53,6 +53,15 @@ def test_solve_options_reject_bad_values_naming_the_field(field: str, value: Any
         SolveOptions(**{field: value})
 
 
+def test_work_budget_takes_positive_numbers_and_inf() -> None:
+    """``work_budget`` (stop 53): a number > 0 as a float, ``inf`` (measure only), ``None``."""
+    assert SolveOptions(work_budget=np.int64(2)).work_budget == 2.0
+    assert SolveOptions(work_budget=math.inf).work_budget == math.inf
+    assert SolveOptions().work_budget is None
+    res = solve(CheckpointProblem(CHAIN, MEMORY), "dp", work_budget=1.0)
+    assert res.report["work_calls"] == 0 and res.report["work_used"] == 0.0
+
+
 def test_solve_options_normalise_numpy_integers_and_integral_floats() -> None:
     opts = SolveOptions(slots=np.int64(500), threads=np.int32(1), seed=np.uint8(3),
                         node_limit=1e3, time_limit_s=np.int64(5), warm_start=np.bool_(False))

@@ -468,3 +468,32 @@ def test_with_a_step_the_climb_after_the_search_goes_on_from_the_one_beside(monk
     assert res.status is Status.OPTIMAL and res.objective == pytest.approx(23.0)
     sim = simulate_pipeline(trimming_chain(), PipelinePlan.from_strings(res.plan))
     assert sim.period == pytest.approx(res.objective)
+
+
+def test_the_climb_beside_the_search_charges_the_solve_s_work_budget(monkeypatch):
+    """The climb's thread draws on the budget of the solve that started it: every CP-SAT
+    call, on either thread, sees the solve's :class:`~optmem.engines.adapters.WorkBudget`
+    (a thread does not inherit context variables; before ``carry_budget`` the climb's
+    calls were outside every budget)."""
+    from optmem.engines import adapters
+
+    made = spied_beside(monkeypatch)
+    real_improve, real_cpsat = lns.improve, adapters.solve_cpsat
+    seen: list[tuple[str, object]] = []
+
+    def after_the_climb(*args, **kwargs):
+        made[-1][0].thread.join()
+        return real_improve(*args, **kwargs)
+
+    def spy(*args, **kwargs):
+        seen.append((threading.current_thread().name, adapters.active_budget()))
+        return real_cpsat(*args, **kwargs)
+
+    monkeypatch.setattr(lns, "improve", after_the_climb)
+    monkeypatch.setattr(adapters, "solve_cpsat", spy)
+    res = solve(trimming_chain(), "cpsat", options=BESIDE.with_(work_budget=math.inf))
+    assert len(made) == 1 and res.report["colocate_beside"] is True
+    climb = [b for name, b in seen if name == "optmem-colocate-climb"]
+    assert climb and all(b is not None for _, b in seen)
+    assert len({id(b) for _, b in seen}) == 1  # one budget for the whole solve
+    assert res.report["work_calls"] == len(seen)
