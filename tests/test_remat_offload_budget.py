@@ -337,3 +337,30 @@ def test_a_work_budget_gives_the_same_result_twice_with_a_valid_bound(strategy: 
     roomy = solve(problem, "cpsat", options=opts.with_(work_budget=100.0))
     assert roomy.status is Status.OPTIMAL and roomy.objective == proven.objective
     assert roomy.report["work_exhausted"] is False
+
+
+def test_benders_stops_at_the_first_subproblem_the_spent_budget_skips(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A subproblem the spent work budget does not run gives no cut, so the master would
+    propose the same sequence again, each master a HiGHS solve the budget does not bound:
+    before stop 53's fix the loop ran to its iteration cap (40 here; none by default: the
+    `unet` solve with ``--work-budget 5`` ran for more than 20 minutes). Now it stops at the
+    first skipped subproblem with the plan and bound it holds."""
+    from optmem.models.remat_offload import build_remat_offload
+    from optmem.plan import parse_mixed_plan
+    from optmem.solvers.remat_offload import discretized
+
+    problem = _three_stage()[1]
+    disc, beta = discretized(problem, OPTS)
+    start = solve(problem, "remat_only", options=OPTS)
+    incumbent = (start.objective, tuple(parse_mixed_plan(start.plan)))
+    monkeypatch.setattr(bd, "_improve", lambda loop, plan: None)  # keep the loop going
+    with adapters.work_budget(1e-6) as budget:
+        res = bd.solve_benders(problem, OPTS.with_(seed=1, extra={
+            "benders_iterations": 40, "benders_work": 5.0}),
+            built=build_remat_offload(disc.chain, disc.memory_limit, beta, grid=COARSE),
+            scale=COARSE, incumbent=incumbent, report={}, exact=False)
+    assert budget is not None and budget.exhausted
+    assert budget.skipped_calls == 1 and res.report["benders"]["iterations"] < 40
+    check(problem, res, OPTS)
+    assert res.status is Status.FEASIBLE and res.objective == start.objective

@@ -561,7 +561,9 @@ def _subproblem(loop: _Loop, xhat: dict[int, int], work: float, value: float, *,
 
     Returns the cut's ``b`` (``value`` when the subproblem proves nothing above it: no cut
     is added then, since the master's solution already satisfies it; the caller doubles the
-    work for the next proposal of ``xhat``), ``None`` when CP-SAT failed.
+    work for the next proposal of ``xhat``), ``None`` when CP-SAT failed or was not run
+    because the solve's work budget (``SolveOptions.work_budget``) is spent: without a cut
+    the master would propose ``xhat`` again, for ever.
 
     ``least``: ``value`` is the master's least makespan with ``xhat`` (an optimal master
     solution), hence at most every plan of ``xhat``, and may be ``b``. A solution of a
@@ -584,8 +586,8 @@ def _subproblem(loop: _Loop, xhat: dict[int, int], work: float, value: float, *,
     cp = state.cp
     out = _cpsat(cp, loop.options, loop.slots, xhat, state, time_limit_s=loop.left(),
                  deterministic_time=work)
-    if out.failed:
-        return None
+    if out.failed or out.info.get("skipped"):
+        return None  # an engine failure, or the solve's work budget is spent: no cut
     if out.status is Status.INFEASIBLE:
         kept = deletion_filter(cp, loop.slots, xhat, loop.options, loop.filter_work, state,
                                loop.left, single_slots=state.single_slots)
