@@ -282,7 +282,7 @@ def test_a_work_budget_asks_one_allocation_at_a_time_whatever_the_threads():
     flight is granted of the budget would depend on when it starts. So three threads give
     the very result of one (timings aside), with the budget spent part-way through (0.1 of
     the 0.26 deterministic seconds the scan takes without a budget)."""
-    from tests.test_pipeline_lns import timeless
+    from json_helpers import timeless
 
     problem = eight_layer_problem(1)
     opts = replace(FAST, work_budget=0.1, extra={**FAST.extra, "chunk_work": 0.05,

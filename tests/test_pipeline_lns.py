@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from json_helpers import timeless
 
 from optmem.errors import OptmemInputError
 from optmem.models.pipeline import make_units, plan_gpus
@@ -217,19 +218,6 @@ def test_no_hidden_time_limit(monkeypatch):
 
 
 # ------------------------------------------------------------------ the solve's work budget
-def timeless(result) -> dict:
-    """The JSON result without its wall-clock figures (keys ending ``_s``, ``seconds``)."""
-    def clean(value):
-        if isinstance(value, dict):
-            return {k: clean(v) for k, v in value.items()
-                    if not (k.endswith("_s") or k == "seconds")}
-        if isinstance(value, list):
-            return [clean(v) for v in value]
-        return value
-
-    return clean(result.to_json())
-
-
 @pytest.mark.parametrize("extra", [{"strategy": "benders"}, {"lns": 4},
                                    {"probe_step": 0.02, "lns": 2}, {"colocate_step": 0.05}])
 def test_a_work_budget_gives_the_same_result_twice_with_a_valid_bound(extra):

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from json_helpers import timeless
 from remat_offload_helpers import OPTS, brute_optimum, check, limits
 
 import optmem.solvers.remat_offload_exact as exact
@@ -297,19 +298,6 @@ def test_rounded_grid_taken_as_exact_is_caught() -> None:
 
 
 # ------------------------------------------------------------------ the solve's work budget
-def timeless(result: Any) -> dict[str, Any]:
-    """The JSON result without its wall-clock figures (keys ending ``_s``, ``seconds``)."""
-    def clean(value: Any) -> Any:
-        if isinstance(value, dict):
-            return {k: clean(v) for k, v in value.items()
-                    if not (k.endswith("_s") or k == "seconds")}
-        if isinstance(value, list):
-            return [clean(v) for v in value]
-        return value
-
-    return clean(result.to_json())
-
-
 @pytest.mark.parametrize("strategy", ["full", "benders"])
 def test_a_work_budget_gives_the_same_result_twice_with_a_valid_bound(strategy: str) -> None:
     """``work_budget`` bounds the CP-SAT work of the whole solve, not of each call.
