@@ -141,9 +141,9 @@ class WorkBudget:
     :func:`active_budget`: each call gets :meth:`grant` (the smaller of its own
     ``deterministic_time`` and what is left; one worker) and is charged the deterministic
     time CP-SAT reports (:meth:`charge`, which may pass the total by the overshoot of the
-    last call: CP-SAT checks its limit between steps, up to about 7e-4 deterministic
-    seconds seen). Thread-safe: threads a method starts
-    share their solve's budget (:func:`carry_budget`).
+    last call: CP-SAT checks its limit between steps, a few thousandths of a
+    deterministic second: 2.3e-3 seen on a 41-stage checkpoint model). Thread-safe:
+    threads a method starts share their solve's budget (:func:`carry_budget`).
 
     Examples
     --------
