@@ -406,6 +406,24 @@ def _planner_chain(length: int, seed: int) -> Chain:
                             out, [o + rng.randint(0, 20000) for o in out], input_size=1500)
 
 
+def test_store_all_fast_path_refuses_a_variant_dp_does_not_declare():
+    """Above the store-all peak the checkpoint ``dp`` returns store-all without solving; a
+    variant ``dp`` does not declare is refused there as below it (stop 53's docs hunt:
+    ``checkpoint(model, x, "1GiB", variant="bogus")`` returned a ``CheckpointedModule``
+    while the same call at ``"60%"`` raised, and ``chen`` with ``variant="rotor"`` was
+    refused at both limits)."""
+    from optmem.pytorch.planning import Planner
+
+    chain = _planner_chain(6, 0)
+    peak = chain.store_all_peak()
+    for limit in (peak, peak - 1):
+        with pytest.raises(OptmemInputError, match="variant 'bogus'") as info:
+            Planner("checkpoint", limit, variant="bogus").solve_at(chain, limit)
+        assert info.value.field == "variant"
+    assert Planner("checkpoint", peak, variant="rotor").solve_at(chain, peak) \
+        .report["store_all_fits"]
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_dp_returns_store_all_whenever_it_fits(seed):
     from optmem.plan import store_all_plan

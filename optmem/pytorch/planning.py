@@ -235,14 +235,16 @@ class Planner:
         A checkpoint ``dp`` solve returns the store-all plan when it fits the limit at
         exact sizes (:meth:`~optmem.chain.Chain.store_all_peak`): it runs every op once,
         so it is optimal; the result keeps the method's name and says
-        ``report["store_all_fits"]``.
+        ``report["store_all_fits"]``; its ``variant`` is checked as the solve checks it
+        (a variant ``dp`` does not declare is an :class:`~optmem.errors.OptmemInputError`).
         Otherwise its result is :func:`refine_by_rounding_down`'s: the DP's plan, or a
         better one from the DP on sizes rounded down that fits at exact sizes.
         """
-        from optmem.solvers.facade import solve
+        from optmem.solvers.facade import check_variant, method_info, solve
 
         method = method or self.method
         if self.kind == "checkpoint" and method == "dp" and chain.store_all_peak() <= limit:
+            check_variant(self.kind, method_info(self.kind, method), self.variant)
             return _store_all_result(chain, limit, method)
         options = self.options(chain, method)
         result = solve(self.problem(chain, limit), method, options=options)
