@@ -236,7 +236,8 @@ def seconds_per(time_unit: str, *, field: str = "bandwidth") -> float:
         raise OptmemInputError(
             f"cannot convert a bandwidth per second to the chain's time unit {time_unit!r} "
             f"(expected one of {', '.join(TIME_UNITS)}); give the bandwidth in chain units "
-            f"(chain_bandwidth=..., memory units per chain time unit)", field=field)
+            f"(memory units per chain time unit: chain_bandwidth=... in Python, "
+            f"--chain-bandwidth on the command line)", field=field)
     return TIME_UNITS[time_unit]
 
 

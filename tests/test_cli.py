@@ -552,6 +552,7 @@ def test_chain_bandwidth_on_the_cli_is_the_apis_chain_bandwidth(capsys, kib_chai
     base = [str(path), "-m", memory, *extra]
     code, _, err = run(capsys, "solve", problem, *base, "--bandwidth", "1GB/s")
     assert code == 2 and "time unit 'step'" in err
+    assert "--chain-bandwidth" in err  # the flag that works, not only the Python keyword
     code, out, err = run(capsys, "solve", problem, *base, "--chain-bandwidth", "2.5", "--json")
     assert code == 0, err
     data = json.loads(out)
