@@ -1165,3 +1165,37 @@ def test_relaxation_grid_fits_cpsat_integers() -> None:
         assert result.objective <= best.objective * (1 + 1e-9)
     benders = solve(problem, "cpsat", threads=1, extra={"strategy": "benders"})
     assert benders.status.has_plan
+
+
+@pytest.mark.parametrize("strategy", ["full", "benders"])
+def test_a_time_limit_spent_before_the_engine_run_gives_the_incumbent_not_an_input_error(
+        monkeypatch, strategy: str) -> None:
+    """A ``time_limit_s`` that the warm start, the relaxation and the probes use up before
+    the final engine run (here a scripted clock: every reading 1000 s after the last, far
+    in the past for the real clock the other modules read) left that run
+    ``time_limit_s=0.0``, which ``SolveOptions`` refuses: the user's valid limit came back
+    as ``OptmemInputError: field 'time_limit_s': ... got 0.0`` (CLI exit 2; ``optmem solve
+    pipeline resnet18-b64-224 --gpus 2 --memory 4GiB --method cpsat --time-limit 0.1``).
+    Now the run gets ``MIN_ENGINE_LIMIT_S`` and the solve returns the best replayed plan
+    with a bound at most the optimum."""
+    from types import SimpleNamespace
+
+    from optmem.datasets.synthetic import random_chain
+    from optmem.solvers import pipeline_exact
+
+    chain = random_chain(5, seed=0)
+    lay = PipelineProblem(chain, 2, 0).layers
+    memory = (max(lay.x) + 3 * max(lay.w) + 2 * max(lay.a)
+              + 3 * sum(lay.w) + 3 * sum(lay.x) + 4 * sum(lay.a)) // 2
+    problem = PipelineProblem(chain, 2, memory, chain_bandwidth=2.0)
+    optimum = solve(problem, "cpsat", options=OPTS.with_(seed=0))
+    assert optimum.status is Status.OPTIMAL
+    readings = itertools.count(-1e9, 1000.0)
+    monkeypatch.setattr(pipeline_exact, "time",
+                        SimpleNamespace(perf_counter=lambda: next(readings)))
+    r = solve(problem, "cpsat", options=SolveOptions(threads=1, seed=0, time_limit_s=60.0,
+                                                     extra={"strategy": strategy}))
+    check(problem, r)
+    assert r.status in (Status.FEASIBLE, Status.OPTIMAL)
+    assert r.objective >= optimum.objective - 1e-9
+    assert r.bound <= optimum.objective + 1e-9

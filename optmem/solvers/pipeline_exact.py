@@ -105,6 +105,12 @@ def incumbents(problem: PipelineProblem, options: SolveOptions) -> list[Candidat
     return sorted(found, key=lambda c: c[0])
 
 
+MIN_ENGINE_LIMIT_S = 1e-3
+"""Least wall-clock limit of the final engine run when the solve's ``time_limit_s`` is spent
+before it (the madpipe warm start, the relaxation, the probes and the search took it all):
+the engine stops at once with what it has. Without it the run got ``time_limit_s=0``, which
+``SolveOptions`` refuses as an input error (as ``pipeline_chunks`` floors its calls)."""
+
 RELAXATION_SHARE = 0.3
 """Share of a time limit (wall-clock or deterministic) given to the relaxation's bisection
 (none without a limit)."""
@@ -404,7 +410,8 @@ def solve_exact(problem: PipelineProblem, options: SolveOptions, method: str) ->
             and engines.is_available("cpsat"):
         return _decomposed(problem, options, method, solver, starts, relaxed,
                            None if limit is None else start + limit, report)
-    left = None if limit is None else max(0.0, limit - (time.perf_counter() - start))
+    left = None if limit is None else max(MIN_ENGINE_LIMIT_S,
+                                          limit - (time.perf_counter() - start))
     run = run_model(problem, method, options.with_(time_limit_s=left),
                     upper_bound=best[0] if best else None, warm=best[1] if best else None,
                     lower=relaxed, lifetime_cuts=probing.cuts)
@@ -458,7 +465,8 @@ def _decomposed(problem: PipelineProblem, options: SolveOptions, method: str, so
     candidates = list(starts)
     bound = relaxed
     if deadline is not None or options.deterministic_time is not None:
-        left = None if deadline is None else FULL_SHARE * max(0.0, deadline - time.perf_counter())
+        left = None if deadline is None else max(
+            MIN_ENGINE_LIMIT_S, FULL_SHARE * (deadline - time.perf_counter()))
         best = min(candidates, key=lambda c: c[0])
         run = run_model(problem, method, options.with_(time_limit_s=left),
                         upper_bound=best[0], warm=best[1], lower=relaxed)
