@@ -30,7 +30,6 @@ __all__ = [
     "add_offload_options",
     "add_pipeline_options",
     "add_chain_bandwidth_option",
-    "bandwidth_from_cli",
     "check_problem_options",
     "link_from_cli",
     "checkpoint_from_cli",
@@ -124,15 +123,6 @@ def _build_with_link(build: Callable[..., Any], link: dict[str, Any]) -> Any:
         raise
 
 
-def bandwidth_from_cli(args: Any, problem: str) -> str:
-    """The ``--bandwidth`` text of ``args`` (required; the problem class parses it)."""
-    text = getattr(args, "bandwidth", None)
-    if text is None:
-        raise OptmemInputError(f"the {problem} problem needs --bandwidth (e.g. 12GB/s)",
-                               field="--bandwidth")
-    return str(text)
-
-
 def offload_from_cli(chain: Chain, memory_limit: int, args: Any) -> OffloadProblem:
     """Build the offload problem (``--bandwidth`` or ``--chain-bandwidth`` is required)."""
     return _build_with_link(lambda **link: OffloadProblem(chain, memory_limit, **link),
@@ -192,26 +182,32 @@ def checkpoint_from_cli(chain: Chain, memory_limit: int, args: Any) -> Checkpoin
 
 
 class ProblemHooks(NamedTuple):
-    """A problem's CLI hooks: its options, its builder and the options the builder reads.
+    """A problem's CLI hooks: options to add (or ``None``) and the problem builder.
 
-    ``add_options`` adds the options (or is ``None``), ``from_cli(chain, memory_limit,
-    args)`` builds the problem, ``reads`` lists the ``argparse`` destinations it reads.
+    ``from_cli(chain, memory_limit, args)`` reads the options ``add_options`` adds, and
+    only those (:func:`check_problem_options` refuses the other problems' options).
     """
 
     add_options: Callable[[argparse.ArgumentParser], None] | None
     from_cli: Callable[[Chain, Any, Any], Any]
-    reads: tuple[str, ...] = ()
 
 
-_LINK = ("bandwidth", "chain_bandwidth")
 HOOKS: dict[str, ProblemHooks] = {
     "checkpoint": ProblemHooks(None, checkpoint_from_cli),
-    "min-peak": ProblemHooks(add_min_peak_options, min_peak_from_cli, ("model", "ignore_input")),
-    "offload": ProblemHooks(add_offload_options, offload_from_cli, _LINK),
-    "remat-offload": ProblemHooks(add_offload_options, remat_offload_from_cli, _LINK),
-    "pipeline": ProblemHooks(add_pipeline_options, pipeline_from_cli,
-                             ("gpus", *_LINK, "weight_copies", "memory_model")),
+    "min-peak": ProblemHooks(add_min_peak_options, min_peak_from_cli),
+    "offload": ProblemHooks(add_offload_options, offload_from_cli),
+    "remat-offload": ProblemHooks(add_offload_options, remat_offload_from_cli),
+    "pipeline": ProblemHooks(add_pipeline_options, pipeline_from_cli),
 }
+
+
+def _own_options(hooks: ProblemHooks) -> list[argparse.Action]:
+    """The options a problem's hooks add (its builder reads these)."""
+    if hooks.add_options is None:
+        return []
+    probe = argparse.ArgumentParser(add_help=False)
+    hooks.add_options(probe)
+    return list(probe._actions)
 
 
 def check_problem_options(problem: str, args: Any) -> None:
@@ -222,18 +218,14 @@ def check_problem_options(problem: str, args: Any) -> None:
     --bandwidth 12GB/s`` solved plain checkpointing). An option counts as given when its
     value differs from its default.
     """
-    reads = HOOKS[problem].reads
+    owners = {name: {a.dest for a in _own_options(hooks)} for name, hooks in HOOKS.items()}
     for other in HOOKS.values():
-        if other.add_options is None:
-            continue
-        probe = argparse.ArgumentParser(add_help=False)
-        other.add_options(probe)
-        for action in probe._actions:
-            if action.dest in reads or getattr(args, action.dest, action.default) \
+        for action in _own_options(other):
+            if action.dest in owners[problem] or getattr(args, action.dest, action.default) \
                     == action.default:
                 continue
             flag = action.option_strings[0]
-            takes = [name for name, hooks in HOOKS.items() if action.dest in hooks.reads]
+            takes = [name for name, dests in owners.items() if action.dest in dests]
             names = takes[0] if len(takes) == 1 else \
                 f"{', '.join(takes[:-1])} and {takes[-1]}"
             raise OptmemInputError(f"{flag} is an option of {names}, not of {problem}",
