@@ -100,3 +100,80 @@ def tanh_chain() -> tuple[list[torch.nn.Module], torch.nn.Sequential, torch.Tens
     stages = [torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh())
               for _ in range(4)]
     return stages, torch.nn.Sequential(*stages), torch.randn(64, 256)
+
+
+# ------------------------------------------------------------------ a fake torch.cuda
+class FakeCudaTensor(torch.Tensor):
+    """A CPU tensor that says it lives on ``cuda:1`` (``is_cuda``, ``device``): for checking,
+    without a GPU, which device the CUDA paths pick."""
+
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
+        return True
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return torch.device("cuda", 1)
+
+
+def on_fake_cuda(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a :class:`FakeCudaTensor` (same storage)."""
+    return torch.Tensor._make_subclass(FakeCudaTensor, t)
+
+
+class FakeCuda:
+    """``torch.cuda``'s stream, event, synchronisation and allocator statistics, faked.
+
+    ``install(monkeypatch)`` replaces them; every call that targets a device is logged as
+    ``(what, device index)``, with ``None`` resolved to the current device (``current``,
+    0 unless set), as PyTorch resolves it. ``stats[d] = (allocated, peak)``.
+    """
+
+    def __init__(self, current: int = 0) -> None:
+        self.current = current
+        self.log: list[tuple[str, int]] = []
+        self.stats = {0: (0, 0), 1: (100, 600), 3: (0, 0)}
+
+    def index(self, device: Any) -> int:
+        if device is None:
+            return self.current
+        if isinstance(device, int):
+            return device
+        d = torch.device(device)
+        return d.index if d.index is not None else self.current
+
+    def install(self, monkeypatch: Any) -> FakeCuda:
+        fake = self
+
+        class Stream:
+            def __init__(self, device: Any = None) -> None:
+                self.device = torch.device("cuda", fake.index(device))
+
+        class Event:
+            def __init__(self, enable_timing: bool = False) -> None:
+                pass
+
+            def record(self, stream: Any = None) -> None:
+                fake.log.append(("record", (stream or Stream()).device.index))
+
+            def elapsed_time(self, other: Any) -> float:
+                return 1.0
+
+        def logged(what: str, value: Any = None) -> Any:
+            def call(device: Any = None) -> Any:
+                fake.log.append((what, fake.index(device)))
+                return value(fake.index(device)) if value is not None else None
+            return call
+
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(device))
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: fake.current)
+        monkeypatch.setattr(torch.cuda, "synchronize", logged("sync"))
+        monkeypatch.setattr(torch.cuda, "set_device", logged("set_device"))
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", logged("reset"))
+        monkeypatch.setattr(torch.cuda, "memory_allocated",
+                            logged("allocated", lambda d: fake.stats[d][0]))
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated",
+                            logged("peak", lambda d: fake.stats[d][1]))
+        return self

@@ -248,3 +248,32 @@ def test_an_exported_model_with_a_dict_sample():
     for cand in cands:
         cmodel.set_plan(list(cand.plan))
         assert_same(step(cmodel, model, batch), ref)
+
+
+def test_the_default_timer_synchronises_the_models_cuda_devices(monkeypatch):
+    """The default timer called ``torch.cuda.synchronize()``: the current device only, so a
+    model on ``cuda:1`` (current device 0) was timed by its kernel launches. It now
+    synchronises the devices of the model's and the sample's CUDA tensors."""
+    from pytorch_helpers import FakeCuda, on_fake_cuda
+
+    from optmem.pytorch import autotune
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    x = torch.randn(4, 8)
+    assert autotune.cuda_devices(net, x) == []
+    assert autotune.cuda_devices(net, {"x": on_fake_cuda(x)}) == [torch.device("cuda", 1)]
+    cmodel = op.checkpoint(net, x, memory_limit="1GiB", repeats=1, warmup=0, fast_path=False)
+    fake = FakeCuda(current=0).install(monkeypatch)
+    ms = autotune.default_timer(lambda: None, None, devices=[torch.device("cuda", 1)])
+    assert ms >= 0 and fake.log == [("sync", 1), ("sync", 1)]
+    fake.log.clear()
+    assert autotune.default_timer(lambda: None, None) >= 0  # no devices: the current one
+    assert fake.log == [("sync", 0), ("sync", 0)]
+    seen = []
+    monkeypatch.setattr(autotune, "cuda_devices", lambda model, sample: [torch.device("cuda", 1)])
+    monkeypatch.setattr(autotune, "default_timer",
+                        lambda step, cand, devices=None: seen.append(devices) or 1.0)
+    cands = [Candidate(tuple(cmodel.plan), cmodel.result, ["a"])]
+    time_candidates(cmodel, x, cands, rounds=1, warmup=0)
+    assert seen == [[torch.device("cuda", 1)]]

@@ -1087,3 +1087,33 @@ def test_a_list_of_stages_is_named_as_such_in_the_no_plan_error():
     with pytest.raises(OptmemInputError, match="plan for Sequential within"):
         op.checkpoint(torch.nn.Sequential(*stages), x, memory_limit=1)
     assert op.profile_chain(stages, x, repeats=1, warmup=0).name == "list of 3 stages"
+
+
+def test_wrapping_restores_the_cuda_rng_of_a_model_without_cuda_buffers(monkeypatch):
+    """``leaves_no_trace`` (around extraction, profiling and autotune timing) forked the
+    CUDA RNG of the devices holding a *buffer* only: a model on a GPU without buffers (an
+    MLP with dropout) had its CUDA generator advanced by wrapping, so training drew other
+    masks than without the wrapper. Parameters' and the call's devices count now."""
+    from pytorch_helpers import on_fake_cuda
+
+    from optmem.pytorch import wrapper
+
+    forked = []
+    real = torch.random.fork_rng
+
+    def fork_rng(devices=None, enabled=True, **kwargs):
+        forked.append(list(devices))
+        return real(devices=[], enabled=enabled)  # no GPU here: the CPU state only
+
+    class OnGpu(nn.Module):  # a parameter on "cuda:1", no buffer
+        def parameters(self, recurse: bool = True):
+            yield on_fake_cuda(torch.zeros(2))
+
+    monkeypatch.setattr(torch.random, "fork_rng", fork_rng)
+    with wrapper.leaves_no_trace(OnGpu()):
+        pass
+    with wrapper.leaves_no_trace(nn.Linear(2, 2), ((on_fake_cuda(torch.zeros(2)),), {})):
+        pass
+    with wrapper.leaves_no_trace(nn.Linear(2, 2), ((torch.zeros(2),), {})):
+        pass
+    assert forked == [[1], [1], []]

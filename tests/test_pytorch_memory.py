@@ -414,3 +414,16 @@ def test_the_allowance_counts_the_side_inputs_and_their_computation(fraction):
     real = measure_training_peak(lambda: cmodel(x).sum().backward(), model, x)
     assert real <= limit + allowance, (real, limit, allowance)
     assert real > limit + allowance - extra["side_input_peak"]  # not met without them
+
+
+def test_cuda_training_peak_reads_the_models_device(monkeypatch):
+    """``cuda_training_peak`` synchronised and read the allocator statistics of the current
+    device: for a model on ``cuda:1`` (current device 0) it returned only the inputs' bytes
+    (12 here). It now reads the device of the model's (or the inputs') CUDA tensors."""
+    from pytorch_helpers import FakeCuda, on_fake_cuda
+
+    fake = FakeCuda(current=0).install(monkeypatch)
+    net = nn.Linear(2, 2).requires_grad_(False)
+    x = on_fake_cuda(torch.zeros(3))  # 12 bytes on "cuda:1"
+    assert cuda_training_peak(lambda: None, net, x) == 500 + 12
+    assert {d for _, d in fake.log} == {1}

@@ -485,3 +485,26 @@ def test_op_overhead_ratio_changes_the_bert_plan_as_predicted():
                        sum(o.kind in (OpKind.F_CK, OpKind.F_NONE) for o in plan))
     assert found[0.5, 0.0] == (["F_ck 8", "F_ck 12"], 46)
     assert found[0.05, 0.2] == (["F_ck 5"], 48)
+
+
+def test_cuda_timing_and_peaks_are_those_of_the_profiled_device(monkeypatch):
+    """A model profiled on ``cuda:1`` while the current device is ``cuda:0`` (a model on the
+    second GPU, ``profile --device cuda:1``): the timing events were recorded on the current
+    device's stream and only it was synchronised (times of nothing), and the allocator's
+    peak was read there (0). Events, synchronisation and statistics are now the profiled
+    device's (PyTorch: ``Event.record()`` uses ``current_stream()``, and ``synchronize``,
+    ``reset_peak_memory_stats``, ``max_memory_allocated`` default to ``current_device()``)."""
+    from pytorch_helpers import FakeCuda
+
+    fake = FakeCuda(current=0).install(monkeypatch)
+    cuda1 = torch.device("cuda", 1)
+    assert profile_module._Timer(cuda1)(lambda: 7) == (1.0, 7)
+    assert fake.log == [("record", 1), ("record", 1), ("sync", 1)]
+    fake.log.clear()
+    with profile_module._CudaPeak(cuda1) as peak:
+        pass
+    assert peak.peak == 500  # fake.stats: 100 allocated at entry, peak 600
+    fwd, bwd = profile_module._cuda_overheads(nn.Linear(2, 2), torch.ones(3, 2), 0, 0, 0,
+                                              cuda1)
+    assert (fwd, bwd) == (500, 500)
+    assert {d for _, d in fake.log} == {1}

@@ -31,6 +31,7 @@ wrapper calls the model itself: no plan of the executor can beat the plain step)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 import statistics
@@ -40,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError
@@ -51,7 +53,8 @@ from optmem.pytorch.wrapper import PlannedModule, call_of, leaves_no_trace
 from optmem.result import Result, Status
 
 __all__ = ["AUTOTUNE_ROUNDS", "SETTINGS", "Candidate", "Setting", "autotune", "candidates",
-           "chosen_record", "default_timer", "fastest", "replayed", "time_candidates"]
+           "chosen_record", "cuda_devices", "default_timer", "fastest", "replayed",
+           "time_candidates"]
 
 AUTOTUNE_ROUNDS = 5
 """Interleaved timed rounds of :func:`autotune` (one step per candidate and round)."""
@@ -185,14 +188,35 @@ def candidates(planner: Planner, chain: Chain, limit: int, current: Result,
     return out
 
 
-def default_timer(step: Callable[[], None], candidate: Candidate) -> float:
-    """Wall-clock milliseconds of ``step()`` (CUDA synchronised before and after)."""
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+def default_timer(step: Callable[[], None], candidate: Candidate,
+                  devices: Sequence[torch.device] | None = None) -> float:
+    """Wall-clock milliseconds of ``step()`` (CUDA synchronised before and after).
+
+    ``devices``: the CUDA devices the step runs on, each synchronised (``None``: the
+    current device, when CUDA is available). :func:`time_candidates` passes the model's
+    and the sample's: ``torch.cuda.synchronize()`` alone waits for the current device
+    only, so a model on ``cuda:1`` was timed by its kernel launches.
+    """
+    if devices is None:
+        devices = [torch.device("cuda", torch.cuda.current_device())] \
+            if torch.cuda.is_available() else []
+
+    def sync() -> None:
+        for device in devices:
+            torch.cuda.synchronize(device)
+
     sync()
     t0 = time.perf_counter()
     step()
     sync()
     return (time.perf_counter() - t0) * 1e3
+
+
+def cuda_devices(module: nn.Module, sample: Any = None) -> list[torch.device]:
+    """The CUDA devices of ``module``'s parameters and buffers and of ``sample``'s tensors."""
+    tensors = [*module.parameters(), *module.buffers(), *_tensors(sample)]
+    return [torch.device("cuda", i) for i in sorted({t.device.index or 0 for t in tensors
+                                                     if t.is_cuda})]
 
 
 def _training_step(cmodel: PlannedModule, sample: Any) -> Callable[[], None]:
@@ -212,9 +236,10 @@ def time_candidates(cmodel: PlannedModule, sample: Any, cands: Sequence[Candidat
     tensors), buffers and the RNG state are as before; the executor's plan is left as
     found.
     """
-    timer = timer or default_timer
     step = _training_step(cmodel, sample)
     model = cmodel.module
+    if timer is None:
+        timer = functools.partial(default_timer, devices=cuda_devices(model, sample))
     leaves = list(model.parameters()) + [
         t for t in _tensors(sample) if t.is_leaf and t.requires_grad]
     before = list(cmodel.plan)

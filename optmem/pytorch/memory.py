@@ -300,17 +300,22 @@ def cuda_training_peak(step: Callable[[], Any], module: nn.Module, inputs: Any =
     temporaries'; ``inputs`` are added back. Compared with the chain model it also counts
     the caching allocator's rounding (512-byte blocks), cuDNN workspaces, and the temporary
     of each in-place gradient accumulation (at most a stage's weights). Run one step
-    before measuring, so that one-time allocations are in the base.
+    before measuring, so that one-time allocations are in the base. The statistics are
+    those of the device of the module's first CUDA parameter (else of the inputs' first
+    CUDA tensor, else the current device): a model on ``cuda:1`` is measured there, not on
+    the current device.
     """
-    for p in module.parameters():
+    params = list(module.parameters())
+    device = next((t.device for t in (*params, *_tensors(inputs)) if t.is_cuda), None)
+    for p in params:
         if p.requires_grad and p.grad is None:
             p.grad = torch.zeros_like(p)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
     step()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base + storage_bytes(inputs)
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base + storage_bytes(inputs)
 
 
 def backward_roots(output: Any) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:

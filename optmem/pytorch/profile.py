@@ -270,6 +270,7 @@ class _Timer:
     """Milliseconds of ``fn()``: CUDA events, the thread's CPU time, or the wall clock."""
 
     def __init__(self, device: torch.device) -> None:
+        self.device = device
         self.cuda = device.type == "cuda"
         self.cpu_time = not self.cuda and torch.get_num_threads() == 1
         self.clock = "cuda events" if self.cuda else (
@@ -277,12 +278,15 @@ class _Timer:
 
     def __call__(self, fn: Callable[[], Any]) -> tuple[float, Any]:
         if self.cuda:
+            # on the profiled device's stream: ``record()`` and ``synchronize()`` without one
+            # take the current device's, which times nothing when the stages run on another
+            stream = torch.cuda.current_stream(self.device)
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
-            start.record()
+            start.record(stream)
             value = fn()
-            end.record()
-            torch.cuda.synchronize()
+            end.record(stream)
+            torch.cuda.synchronize(self.device)
             return float(start.elapsed_time(end)), value
         clock = time.thread_time_ns if self.cpu_time else time.perf_counter_ns
         t0 = clock()
@@ -379,6 +383,7 @@ class _Setting:
     meta: bool
     cuda: bool
     count_flops: bool
+    device: torch.device = torch.device("cpu")  # the profiled device (its allocator's stats)
 
 
 @dataclass
@@ -485,7 +490,8 @@ def _stage_memory(module: nn.Module, x: Any, in_size: int, tied: Sequence[nn.Par
     has_bwd = bool(outs)
     del outs, grads
     if s.cuda:
-        f_cuda, b_cuda = _cuda_overheads(module, x, saved_size, output_size, in_size)
+        f_cuda, b_cuda = _cuda_overheads(module, x, saved_size, output_size, in_size,
+                                        s.device)
         fwd_overhead, bwd_overhead = max(fwd_overhead, f_cuda), max(bwd_overhead, b_cuda)
         peaks.update(cuda_fwd=f_cuda, cuda_bwd=b_cuda)
     return _StageMemory(output_size, saved_size, fwd_overhead, bwd_overhead, fwd_flops,
@@ -541,31 +547,38 @@ def _passed_through(outs: Sequence[torch.Tensor], versions: dict[int, int],
 
 
 class _CudaPeak:
-    """``torch.cuda.max_memory_allocated`` above the allocation at entry (synchronised)."""
+    """``torch.cuda.max_memory_allocated`` of ``device`` above its allocation at entry.
+
+    Synchronised. The device is explicit: the statistics of ``device=None`` are the current
+    device's, not those of a profile on another one (``cuda:1``).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
 
     def __enter__(self) -> _CudaPeak:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        self.base = torch.cuda.memory_allocated()
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.base = torch.cuda.memory_allocated(self.device)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        torch.cuda.synchronize()
-        self.peak = torch.cuda.max_memory_allocated() - self.base
+        torch.cuda.synchronize(self.device)
+        self.peak = torch.cuda.max_memory_allocated(self.device) - self.base
 
 
 def _cuda_overheads(module: nn.Module, x: Any, saved_size: int, output_size: int,
-                    in_size: int) -> tuple[int, int]:
+                    in_size: int, device: torch.device) -> tuple[int, int]:
     """Rotor's allocator protocol: peaks of the CUDA caching allocator around each op.
 
     Counts what the trace cannot see (cuDNN/cuBLAS workspaces, the allocator's rounding to
     512-byte blocks). The weight gradients are allocated before the backward, as rotor does,
     so that they are not part of its peak; the temporary of each accumulation then is
-    (conservative when gradients start at ``None``).
+    (conservative when gradients start at ``None``). The statistics are ``device``'s.
     """
-    with torch.no_grad(), _CudaPeak() as nograd:
+    with torch.no_grad(), _CudaPeak(device) as nograd:
         module(x)
-    with torch.enable_grad(), _CudaPeak() as grad:
+    with torch.enable_grad(), _CudaPeak(device) as grad:
         out = module(x)
     fwd = max(0, grad.peak - saved_size, nograd.peak - output_size)
     outs, grads = _grad_targets(out)
@@ -574,7 +587,7 @@ def _cuda_overheads(module: nn.Module, x: Any, saved_size: int, output_size: int
         for p in module.parameters():
             if p.requires_grad:
                 p.grad = torch.zeros_like(p)
-        with _CudaPeak() as back:
+        with _CudaPeak(device) as back:
             torch.autograd.backward(outs, grads)
         bwd = max(0, back.peak - in_size)
         _clear_grads(list(module.parameters()))
@@ -686,7 +699,7 @@ def profile_stages(
     elif dev != inputs[0].device:
         sample = move_to(sample, dev)
     setting = _Setting(_persistent_keys(modules), meta, dev.type == "cuda",
-                       count_flops=meta and time_model is None)
+                       count_flops=meta and time_model is None, device=dev)
     timer = _Timer(dev)
 
     params = [p for m in modules for p in m.parameters()]

@@ -1699,11 +1699,16 @@ def leaves_no_trace(module: nn.Module, call: Any = None) -> Iterator[None]:
     that ``call`` (the arguments extracted or profiled on) passes it
     (``generator=torch.Generator()``). Nor must the caller's tools (``FlopCounterMode``,
     ``MemTracker``): they are suspended within
-    (:func:`~optmem.pytorch.hooks.callers_tools_suspended`).
+    (:func:`~optmem.pytorch.hooks.callers_tools_suspended`). The CUDA RNG states restored
+    are those of every device holding a parameter, a buffer or a tensor of ``call``: a
+    model whose CUDA tensors are all parameters (no buffer) draws its dropout masks there.
     """
-    devices = sorted({b.device.index or 0 for b in module.buffers() if b.is_cuda})
+    leaves = tree_flatten(call)[0]
+    tensors = [*module.parameters(), *module.buffers(),
+               *(v for v in leaves if isinstance(v, torch.Tensor))]
+    devices = sorted({t.device.index or 0 for t in tensors if t.is_cuda})
     generators = module_generators(module)
-    generators += [v for v in tree_flatten(call)[0] if isinstance(v, torch.Generator)]
+    generators += [v for v in leaves if isinstance(v, torch.Generator)]
     with callers_tools_suspended(), torch.random.fork_rng(devices=devices), \
             generators_restored(generators), buffers_restored([module]):
         yield
