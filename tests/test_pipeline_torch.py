@@ -338,3 +338,52 @@ def test_micro_batch_counts_and_sizes_are_checked_before_any_rank_works():
     for runner in (pipelining.run_plan, pipelining.run_plan_pipelining):
         with pytest.raises(OptmemInputError, match=r"micro-batch 1 is \[3, 8\] torch.float32"):
             runner(model, plan, xs, ys, torch.nn.functional.mse_loss)
+
+
+def test_default_device_without_local_rank_is_the_current_one(monkeypatch):
+    """Under NCCL without ``LOCAL_RANK`` (a group made by ``mp.spawn`` as in PyTorch's DDP
+    tutorial, each rank having called ``torch.cuda.set_device(rank)``), ``default_device``
+    made ``cuda:0`` current on every rank: ``run_once``'s broadcast then put all ranks on
+    one GPU (NCCL refuses it) and the caller's device was changed. It is now the current
+    device, left as set; with ``LOCAL_RANK`` it is ``cuda:LOCAL_RANK``, made current."""
+    import torch.distributed as dist
+    from pytorch_helpers import FakeCuda
+
+    from optmem.pytorch.process_groups import default_device
+
+    fake = FakeCuda(current=3).install(monkeypatch)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert default_device() == torch.device("cuda", 3)
+    assert fake.log == []
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert default_device() == torch.device("cuda", 1)
+    assert fake.log == [("set_device", 1)]
+
+
+def test_run_plan_takes_the_ranks_device_and_runs_each_stage_where_it_is(monkeypatch):
+    """``run_plan`` without ``device`` ran on the CPU even under NCCL (whose point-to-point
+    messages must be CUDA tensors), unlike ``PipelinedModel`` and ``run_plan_pipelining``;
+    it now takes ``default_device()``. Its shape dry run fed every stage the input on the
+    rank's device, while only this rank's stages are moved there: on CUDA, the first stage
+    of another rank (still on the CPU) failed. Each stage now runs where its weights are
+    (here: the rank's stage and the input on the CPU, the other rank's stage on ``meta``;
+    ``meta`` stands for the other device: no copy out of it)."""
+
+    class Consulted(Exception):
+        pass
+
+    def default_device():
+        raise Consulted
+
+    plan = plan_for([1, 1], 2, "contiguous")
+    model = pipelining.demo_model(4, 2)
+    monkeypatch.setattr(pipelining, "default_device", default_device)
+    monkeypatch.setattr(pipelining.dist, "get_rank", lambda group=None: 0)
+    with pytest.raises(Consulted):
+        pipelining.run_plan(model, plan, [torch.zeros(2, 4)], [torch.zeros(2, 1)],
+                            torch.nn.functional.mse_loss)
+    stages = [model[0], model[1].to("meta")]
+    shapes = pipelining._shapes(stages, torch.zeros(2, 4))
+    assert shapes == [(torch.Size([2, 4]), torch.float32), (torch.Size([2, 1]), torch.float32)]

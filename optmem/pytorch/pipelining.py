@@ -42,6 +42,7 @@ difference. Launch with :func:`optmem.pytorch.distributed.spawn` or ``torchrun``
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections import defaultdict, deque
 from collections.abc import Callable, Mapping, Sequence
@@ -762,12 +763,19 @@ class _Mailbox:
 
 def _shapes(modules: Sequence[nn.Module], sample: torch.Tensor
             ) -> list[tuple[torch.Size, torch.dtype]]:
-    """Output shape and dtype of every stage for one micro-batch (a no-grad dry run)."""
+    """Output shape and dtype of every stage for one micro-batch (a no-grad dry run).
+
+    Each stage runs where its parameters (or buffers) are: this rank's stages on its
+    device, the others' where the model was built (a stage without either where its input
+    is). Before, every stage got the input on the rank's device, and ``run_plan`` on CUDA
+    with a model built on the CPU failed in the first stage of another rank.
+    """
     out = []
     x = sample
     with torch.no_grad():
         for mod in modules:
-            x = mod(x)
+            held = next(itertools.chain(mod.parameters(), mod.buffers()), None)
+            x = mod(x if held is None else x.to(held.device))
             out.append((x.shape, x.dtype))
     return out
 
@@ -785,13 +793,15 @@ def run_plan(
     outputs must be single tensors. Gradients of the micro-batches are summed in ``.grad``;
     a weight shared by stages on several ranks (a tied embedding and head) gets the sum
     over those ranks on each, as with :class:`PipelinedModel`.
-    Returns the losses of the micro-batches whose last stage ran here.
+    Returns the losses of the micro-batches whose last stage ran here. ``device``: as for
+    :class:`PipelinedModel` (default ``cuda:LOCAL_RANK`` with NCCL, else the CPU; before,
+    the CPU always, whose tensors NCCL refuses).
     """
     plan = as_pipeline_plan(plan)
     _check_equal(inputs, "inputs")
     modules = plan_stage_modules(model, plan)
     rank = dist.get_rank()
-    device = device or torch.device("cpu")
+    device = device or default_device()
     n_stages = len(plan.stages)
     gpu_of = {k: st.gpu for k, st in enumerate(plan.stages, start=1)}
     for k, g in gpu_of.items():

@@ -44,9 +44,18 @@ def init_distributed(backend: str | None = None) -> torch.device:
 
 
 def default_device() -> torch.device:
-    """``cuda:LOCAL_RANK`` (made current) when the default group uses NCCL, else the CPU."""
+    """``cuda:LOCAL_RANK`` (made current) when the default group uses NCCL, else the CPU.
+
+    Without ``LOCAL_RANK`` (a group made without torchrun, e.g. by ``mp.spawn``): the current
+    CUDA device, which the caller sets per rank with ``torch.cuda.set_device``, as
+    PyTorch's object collectives require. Before, every such rank was made to use
+    ``cuda:0``: NCCL refuses two ranks on one GPU, and the caller's device was changed.
+    """
     if dist.is_initialized() and dist.get_backend() == "nccl":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        local = os.environ.get("LOCAL_RANK")
+        if local is None:
+            return torch.device("cuda", torch.cuda.current_device())
+        device = torch.device("cuda", int(local))
         torch.cuda.set_device(device)
         return device
     return torch.device("cpu")
