@@ -1117,3 +1117,22 @@ def test_wrapping_restores_the_cuda_rng_of_a_model_without_cuda_buffers(monkeypa
     with wrapper.leaves_no_trace(nn.Linear(2, 2), ((torch.zeros(2),), {})):
         pass
     assert forked == [[1], [1], []]
+
+
+def test_cli_profile_refuses_a_cuda_device_the_machine_lacks(monkeypatch, capsys):
+    """``optmem profile --device cuda:3`` on a one-GPU machine, or a malformed ``cudax`` /
+    ``cuda:-1``, failed in ``module.to`` with PyTorch's error (here, without CUDA, a raw
+    ``AssertionError``; on a GPU machine ``invalid device ordinal`` or a message about the
+    model). Each is one input error now, exit 2 (a one-GPU machine faked)."""
+    from optmem.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for device, match in (("cuda:3", "this machine has 1 CUDA device"),
+                          ("cudax", "cpu, cuda, cuda:N or meta, got 'cudax'"),
+                          ("cuda:-1", "cpu, cuda, cuda:N or meta, got 'cuda:-1'")):
+        args = _argparser().parse_args(["profile", "toy-mlp", "--device", device])
+        with pytest.raises(OptmemInputError, match=match):
+            args.func(args)
+        assert main(["profile", "toy-mlp", "--device", device]) == 2
+        assert match.split(",")[0] in capsys.readouterr().err

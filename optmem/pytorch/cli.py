@@ -104,13 +104,12 @@ def run_profile(args: argparse.Namespace) -> int:
     if args.device not in ("cpu", "meta") and not args.device.startswith("cuda"):
         raise OptmemInputError(f"expected cpu, cuda or meta, got {args.device!r}",
                                field="device")
-    import torch
 
     from optmem.pytorch import api, profile
     from optmem.pytorch.models import out_of_memory, resolve_spec
 
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise OptmemInputError("--device cuda but CUDA is not available", field="device")
+    if args.device.startswith("cuda"):
+        _check_cuda_device(args.device)
     module = sample = None
     try:
         module, sample = resolve_spec(args.spec, batch=args.batch,
@@ -145,6 +144,31 @@ def run_profile(args: argparse.Namespace) -> int:
 
         print(json.dumps(chain.to_dict(), indent=1))
     return 0
+
+
+def _check_cuda_device(name: str) -> None:
+    """``--device cuda[:N]``: one this machine has, else one clear input error.
+
+    Before, a malformed name (``cudax``, ``cuda:-1``) or a device index beyond the
+    machine's (``cuda:3`` with one GPU) failed in ``module.to`` with PyTorch's error (a raw
+    traceback, or a message about the model).
+    """
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise OptmemInputError(f"expected cpu, cuda, cuda:N or meta, got {name!r}",
+                               field="device") from None
+    if device.type != "cuda":
+        raise OptmemInputError(f"expected cpu, cuda, cuda:N or meta, got {name!r}",
+                               field="device")
+    if not torch.cuda.is_available():
+        raise OptmemInputError("--device cuda but CUDA is not available", field="device")
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise OptmemInputError(f"--device {name}: this machine has {count} CUDA device(s), "
+                               f"cuda:0 to cuda:{count - 1}", field="device")
 
 
 def _raise_if_the_model_fails(spec: str, module: Any, sample: Any) -> None:
