@@ -508,3 +508,20 @@ def test_cuda_timing_and_peaks_are_those_of_the_profiled_device(monkeypatch):
                                               cuda1)
     assert (fwd, bwd) == (500, 500)
     assert {d for _, d in fake.log} == {1}
+
+
+def test_profiling_on_a_device_the_model_is_not_on_is_one_input_error():
+    """``profile_chain(model_on_cpu, x, device="cuda")`` moved the sample only, and the first
+    stage failed with PyTorch's device mismatch (here, without CUDA, a raw "Torch not
+    compiled with CUDA enabled"). It is one input error naming the fix now; the model is
+    not moved (the profile leaves it where it is)."""
+    import optmem.pytorch as op
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    x = torch.randn(2, 4)
+    for profile in (profile_module.profile_chain, op.profile_chain):
+        with pytest.raises(OptmemInputError, match=r"weights are on cpu, the profile's "
+                                                   r"device is cuda: move the model there"):
+            profile(net, x, device="cuda", repeats=1, warmup=0)
+    assert all(p.device.type == "cpu" for p in net.parameters())

@@ -656,6 +656,24 @@ def _time_rounds(modules: Sequence[nn.Module], inputs: Sequence[Any], classes: S
             float(med(loss_times)) if loss_times else 0.0)
 
 
+
+def _check_weights_on(modules: Sequence[nn.Module], dev: torch.device) -> None:
+    """Refuse to move the sample to ``dev`` when none of the stages' weights is there.
+
+    The profile moves the sample only (it leaves the caller's model where it is): a model on
+    the CPU profiled with ``device="cuda"`` failed in its first stage with PyTorch's
+    device mismatch (or, without CUDA, "Torch not compiled with CUDA enabled"). A model
+    placing some weights elsewhere on purpose (an embedding kept on the CPU) is accepted as
+    long as one of them is on ``dev`` (``"cuda"`` stands for any CUDA device).
+    """
+    held = [t.device for m in modules for t in (*m.parameters(), *m.buffers())]
+    if held and not any(d.type == dev.type and dev.index in (None, d.index) for d in held):
+        raise OptmemInputError(
+            f"the model's weights are on {held[0]}, the profile's device is {dev}: move the "
+            f"model there first (model.to({str(dev)!r})); the profile moves the sample only",
+            field="device")
+
+
 # ------------------------------------------------------------------ profiling
 def profile_stages(
     stages: Sequence[Stage],
@@ -697,6 +715,7 @@ def profile_stages(
                    for m in modules]
         sample = _to_meta(sample)
     elif dev != inputs[0].device:
+        _check_weights_on(modules, dev)
         sample = move_to(sample, dev)
     setting = _Setting(_persistent_keys(modules), meta, dev.type == "cuda",
                        count_flops=meta and time_model is None, device=dev)
@@ -1068,6 +1087,7 @@ def merge_inplace_writers(stages: Sequence[Stage], sample: Any,
             return stages
         sample = _to_meta(sample)
     elif dev != inputs[0].device:
+        _check_weights_on(modules, dev)
         sample = move_to(sample, dev)
     fork = _rng_devices(dev)
     groups: list[tuple[int, int]] = []
