@@ -1364,7 +1364,10 @@ class CheckpointedChain(StageCalls, nn.Module):
         runner.functions = list(functions) if functions is not None else []
         runner.collect_parameters()
         tensors = value_tensors(x)
-        runner.devices = sorted({t.device.index or 0 for t in tensors if t.is_cuda})
+        # the CUDA RNGs a re-run restores: the input's devices and the stages' parameters'
+        # (a chain placed over two GPUs draws its later dropout masks on the second)
+        runner.devices = sorted({t.device.index or 0 for t in (*tensors, *runner.params)
+                                 if t.is_cuda})
         runner.autocast = [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
                            if torch.is_autocast_enabled(d)]
         leaves, spec = tree_flatten(x)
