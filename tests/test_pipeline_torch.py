@@ -387,3 +387,30 @@ def test_run_plan_takes_the_ranks_device_and_runs_each_stage_where_it_is(monkeyp
     stages = [model[0], model[1].to("meta")]
     shapes = pipelining._shapes(stages, torch.zeros(2, 4))
     assert shapes == [(torch.Size([2, 4]), torch.float32), (torch.Size([2, 1]), torch.float32)]
+
+
+def test_the_one_call_profiles_where_the_model_is(monkeypatch):
+    """``op.pipeline(model, sample, device=d)`` profiled on ``d`` (where this rank's stages
+    will run) while the model stays where it was built: ``optmem train-pipeline`` under
+    NCCL (``device=cuda:r``, a model built on the CPU) failed in rank 0's profile on the
+    device mismatch. The profile now runs where the model's weights are (here ``meta``
+    stands for the GPU: the options say ``cpu``)."""
+
+    class Profiled(Exception):
+        pass
+
+    seen = []
+
+    def plan_stages(stages, x, options, *args, **kwargs):
+        seen.append(options.device)
+        raise Profiled
+
+    monkeypatch.setattr(pipelining.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(pipelining.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(pipelining, "plan_stages", plan_stages)
+    monkeypatch.setattr(pipelining, "resolve_group", lambda: None)
+    model = pipelining.demo_model(4, 3)
+    with pytest.raises(Profiled):
+        pipelining.pipeline(model, torch.zeros(2, 4), gpus=2, device=torch.device("meta"),
+                            loss_fn=torch.nn.functional.mse_loss)
+    assert seen == ["cpu"]

@@ -674,7 +674,9 @@ def pipeline(
     max_stages
         Merge the extracted layers into at most this many, balanced by measured time.
     device
-        As in :class:`PipelinedModel`.
+        As in :class:`PipelinedModel` (where this rank's stages run). The profile runs
+        where the model's weights are, the sample moved there: CPU times for a model built
+        on the CPU (``time_model`` gives a GPU's).
     repeats, warmup, time_model, progress
         Profiling options (:func:`~optmem.pytorch.profile.profile_stages`).
     extract
@@ -720,7 +722,13 @@ def pipeline(
                                    field="memory_per_gpu")
         return result
 
-    options = ProfileOptions(device=None if device is None else str(device), repeats=repeats,
+    # the profile runs where the model is (it moves the sample only): ``device`` is where
+    # this rank's stages will run, and the whole model is there only if the caller put it
+    # there (``optmem train-pipeline`` under NCCL gave cuda:r with the model on the CPU,
+    # and rank 0's profile failed on the device mismatch)
+    held = next((t.device for s in program.stages
+                 for t in itertools.chain(s.module.parameters(), s.module.buffers())), None)
+    options = ProfileOptions(device=None if held is None else str(held), repeats=repeats,
                              warmup=warmup, progress=progress, time_model=time_model,
                              max_stages=max_stages, share_carried=False)
     _, stages, chain, result = plan_stages(program.stages, program.x, options, name,
