@@ -293,9 +293,21 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any, init_file: str,
     Both are guards against hangs, not measurements: set them well above the job's run time.
     A rank whose ``fn`` returned ends with :func:`end_process` (a normal exit's work, without
     the interpreter's finalisation, where gloo can abort a finished rank).
+
+    Raises
+    ------
+    OptmemInputError
+        With CUDA, when ``world`` exceeds the GPUs: NCCL does not take two ranks on one GPU
+        (before, ranks ``r`` and ``r + count`` shared a GPU and failed inside NCCL).
     """
     import torch.multiprocessing as mp
 
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count and world > count:
+        raise OptmemInputError(f"spawn: {world} processes but {count} CUDA device(s): NCCL "
+                               "takes one GPU per rank (hide the GPUs, "
+                               "CUDA_VISIBLE_DEVICES='', to run gloo on the CPU)",
+                               field="world")
     context = mp.start_processes(_spawned, args=(world, f"file://{init_file}", fn, args,
                                                  timeout_s),
                                  nprocs=world, join=False, start_method="spawn")
