@@ -137,7 +137,7 @@ def remat_offload_from_cli(chain: Chain, memory_limit: int, args: Any) -> RematO
 
 # ------------------------------------------------------------------ pipeline
 def add_pipeline_options(parser: argparse.ArgumentParser) -> None:
-    """Add ``--gpus``, ``--bandwidth``, ``--weight-copies``, ``--memory-model``."""
+    """Add the pipeline options: ``--gpus``, ``--bandwidth`` ... ``--temporaries``."""
     group = parser.add_argument_group("pipeline")
     group.add_argument("--gpus", type=int, default=None,
                        help="number of GPUs P (pipeline; --memory is per GPU)")
@@ -150,6 +150,9 @@ def add_pipeline_options(parser: argparse.ArgumentParser) -> None:
                             "(default), 5 with Adam states")
     group.add_argument("--memory-model", choices=MEMORY_MODELS, default="stash",
                        help="stash (thesis ch. 5/7, default) or strict (ch. 6 eq. 6.36)")
+    group.add_argument("--temporaries", action="store_true", default=False,
+                       help="also count each task's temporaries (the chain's overheads, the "
+                            "loss gradient): with --memory-model strict only")
 
 
 def parse_pipeline_bandwidth(text: Any, time_unit: str) -> float:
@@ -171,6 +174,7 @@ def pipeline_from_cli(chain: Chain, memory_limit: int, args: Any) -> PipelinePro
         chain, n_gpus=int(gpus), memory_per_gpu=memory_limit, **link,
         weight_copies=int(getattr(args, "weight_copies", DEFAULT_WEIGHT_COPIES)),
         memory_model=str(getattr(args, "memory_model", "stash") or "stash"),
+        temporaries=bool(getattr(args, "temporaries", False)),
     ), link_from_cli(args, "pipeline", required=False))
 
 

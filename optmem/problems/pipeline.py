@@ -54,6 +54,24 @@ its backward likewise in reverse (:meth:`Layers.strict_task`). So a plan's memor
 depend on how it groups layers of one GPU into stages. It is more conservative on
 thesis-style chains; 1F1B* is only optimal for the ``stash`` model.
 
+Temporaries (``temporaries=True``, strict model only)
+----------------------------------------------------
+Both models above leave out what a task holds only while it runs: the chain's
+``fwd_overhead``, ``bwd_overhead`` and ``loss.bwd_overhead``, a forward's tape beyond its
+output while it is built, and the loss gradient ``delta_L`` (``a_L = 0`` in the layers), so
+a plan's peak is no bound on what a GPU allocates. ``temporaries=True`` adds them to the
+strict model's per-layer checks (the checks are per task, where temporaries live; the stash
+model checks only when a forward starts, so it is refused with them): the forward of layer
+``k`` adds ``fwd_overhead_k + saved_size_k - a_k`` (what the checkpoint simulator's
+``F_all k`` holds above its input), the backward of layer ``k < L`` adds ``bwd_overhead_k``,
+and layer ``L``'s backward, which runs the loss step and then ``B_L``, adds the larger of
+``delta_L + loss.bwd_overhead - a_{L-1}`` and ``delta_L + bwd_overhead_L`` (each step with
+the micro-batch's whole stash). Memory only grows with them: every plan feasible with them
+is feasible without, so an optimum with them is never below the one without and period
+bounds computed without memory (``lower_bound``) stay valid. With every overhead 0, tapes
+equal to outputs and ``output_size_L = 0`` (the thesis' chains) the results are those of
+the plain strict model.
+
 Communication: with bandwidth ``beta`` a cut after layer ``j`` costs one transfer of ``a_j /
 beta`` forward and one of ``delta_j / beta`` backward on the link joining the two GPUs; links
 are exclusive (one transfer at a time) and independent of each other and of computation
@@ -83,6 +101,8 @@ class Layers:
     """The ``n = L`` layers of a pipeline problem (loss folded into the last), 1-based lists.
 
     Index 0 of ``f``, ``b``, ``w``, ``x`` is unused (0); ``a[0]`` is the chain input.
+    ``tf`` / ``tb``: what the forward / backward of each layer holds beyond ``a_{k-1} + a_k``
+    (``temporaries=True``, :func:`chain_layers`); empty (the default): nothing.
     """
 
     f: tuple[float, ...]
@@ -90,6 +110,8 @@ class Layers:
     w: tuple[int, ...]
     x: tuple[int, ...]
     a: tuple[int, ...]
+    tf: tuple[int, ...] = ()
+    tb: tuple[int, ...] = ()
 
     @property
     def n(self) -> int:
@@ -139,7 +161,9 @@ class Layers:
         chapter's tasks are layers). The forward of layer ``k`` holds the stash of layers
         ``i..k-1`` of its micro-batch (their forwards have started) and its input and
         output ``a_{k-1} + a_k``; the backward of layer ``k`` holds the stash of layers
-        ``i..k`` (those of ``k+1..j`` are freed) and ``delta_k + delta_{k-1}``.
+        ``i..k`` (those of ``k+1..j`` are freed) and ``delta_k + delta_{k-1}``. With
+        temporaries (``tf`` / ``tb`` not empty) each layer's check adds ``tf[k]`` /
+        ``tb[k]`` (:func:`chain_layers`).
 
         Returns
         -------
@@ -150,13 +174,38 @@ class Layers:
             included). One layer: ``a_{i-1} + a_i`` both.
         """
         a = self.a
-        fwd = max(self.stash(i, k - 1) + a[k - 1] + a[k] for k in range(i, j + 1))
-        bwd = max(a[k - 1] + a[k] - self.stash(k + 1, j) for k in range(i, j + 1))
+        tf = self.tf or (0,) * len(a)
+        tb = self.tb or (0,) * len(a)
+        fwd = max(self.stash(i, k - 1) + a[k - 1] + a[k] + tf[k] for k in range(i, j + 1))
+        bwd = max(a[k - 1] + a[k] + tb[k] - self.stash(k + 1, j) for k in range(i, j + 1))
         return fwd, bwd
 
 
-def chain_layers(chain: Chain) -> Layers:
-    """The layers of ``chain`` for pipelining (see the module notation table)."""
+def chain_layers(chain: Chain, *, temporaries: bool = False) -> Layers:
+    """The layers of ``chain`` for pipelining (see the module notation table).
+
+    Parameters
+    ----------
+    chain
+        The chain.
+    temporaries
+        Also fill ``Layers.tf`` / ``Layers.tb``, what each task holds beyond ``a_{k-1} +
+        a_k`` (module section "Temporaries"). The forward of layer ``k`` holds, as the
+        checkpoint simulator's ``F_all k``, its whole tape and ``fwd_overhead_k`` (the
+        profiler measures it above the tape): ``tf[k] = fwd_overhead_k + saved_size_k -
+        a_k`` (``a_L = 0``: layer ``L``'s output is in its tape). The backward of layer
+        ``k < L`` holds ``bwd_overhead_k``: ``tb[k] = bwd_overhead_k``. Layer ``L``'s
+        backward task runs the loss step (holding ``delta_L``, of ``output_size_L``, and
+        ``loss.bwd_overhead``) and then ``B_L`` (holding ``delta_L``, ``delta_{L-1}`` and
+        ``bwd_overhead_L``), each with the micro-batch's whole stash: ``tb[L] =
+        max(output_size_L + loss.bwd_overhead - a_{L-1}, output_size_L + bwd_overhead_L)``
+        (the check adds ``a_{L-1} + a_L = a_{L-1}``). Every entry is ``>= 0``.
+
+    Returns
+    -------
+    Layers
+        The ``L`` layers, the loss folded into the last.
+    """
     n = chain.length
     a = (chain.input_size, *chain.output_size[:-1], 0)
     x = [0]
@@ -165,8 +214,35 @@ def chain_layers(chain: Chain) -> Layers:
     x[n] += chain.output_size[n - 1]
     b = list(chain.bwd_time)
     b[-1] += chain.loss_bwd_time
+    tf: tuple[int, ...] = ()
+    tb: tuple[int, ...] = ()
+    if temporaries:
+        out = chain.output_size[n - 1]
+        tf = (0, *(chain.fwd_overhead[k - 1] + chain.saved_size[k - 1] - a[k]
+                   for k in range(1, n + 1)))
+        tb = (0, *chain.bwd_overhead[:n - 1],
+              max(out + chain.loss_bwd_overhead - a[n - 1], out + chain.bwd_overhead[n - 1]))
     return Layers(f=(0.0, *chain.fwd_time), b=(0.0, *b), w=(0, *chain.weight_size),
-                  x=tuple(x), a=a)
+                  x=tuple(x), a=a, tf=tf, tb=tb)
+
+
+def check_temporaries(memory_model: str, temporaries: object) -> None:
+    """Raise unless ``temporaries`` is a bool usable with ``memory_model``.
+
+    Raises
+    ------
+    OptmemInputError
+        ``temporaries`` is no bool, or is ``True`` with another model than ``"strict"``
+        (field ``temporaries``).
+    """
+    if not isinstance(temporaries, bool):
+        raise OptmemInputError(f"expected True or False, got {temporaries!r}",
+                               field="temporaries")
+    if temporaries and memory_model != "strict":
+        raise OptmemInputError(
+            f"temporaries are counted by the strict memory model only (its checks are per "
+            f"task), not by {memory_model!r}: use memory_model='strict' (--memory-model "
+            "strict)", field="temporaries")
 
 
 @dataclass(frozen=True)
@@ -198,6 +274,11 @@ class PipelineProblem:
     buffers
         Count the communication buffers (default). ``False`` reproduces the memory of the
         thesis' chapter 5 examples, which ignore them.
+    temporaries
+        Keyword only, ``memory_model="strict"`` only: also count each task's temporaries
+        (the chain's ``fwd_overhead``, ``bwd_overhead``, ``loss.bwd_overhead``, the forward's
+        tape beyond its output and the loss gradient ``delta_L``) at the check of its layer
+        (module section "Temporaries"). Default ``False``: the plain strict model.
 
     Examples
     --------
@@ -215,6 +296,7 @@ class PipelineProblem:
     memory_model: str = "stash"
     buffers: bool = True
     chain_bandwidth: float = field(default=None, kw_only=True)  # type: ignore[assignment]
+    temporaries: bool = field(default=False, kw_only=True)
 
     name = "pipeline"
 
@@ -251,6 +333,7 @@ class PipelineProblem:
             raise OptmemInputError(
                 f"unknown memory model {self.memory_model!r} (expected one of "
                 f"{', '.join(MEMORY_MODELS)})", field="memory-model")
+        check_temporaries(self.memory_model, self.temporaries)
         if self.chain.total_compute_time() == 0:  # every period would be 0: no valid pattern
             raise OptmemInputError("every time of the chain is 0: a pipeline needs compute "
                                    "times to have a period (profile the chain with times)",
@@ -270,8 +353,8 @@ class PipelineProblem:
 
     @cached_property
     def layers(self) -> Layers:
-        """The ``L`` layers (the loss folded into the last)."""
-        return chain_layers(self.chain)
+        """The ``L`` layers (the loss folded into the last; temporaries if asked)."""
+        return chain_layers(self.chain, temporaries=self.temporaries)
 
     def buffer_size(self, j: int) -> int:
         """Buffers held by each of the two GPUs of a cut after layer ``j`` (``2 a_j``)."""

@@ -79,6 +79,10 @@ def register_cli(subparsers: Any) -> None:
     p.add_argument("--memory-per-gpu", default="16GiB", help="memory of each GPU")
     p.add_argument("--bandwidth", default=None, help="link bandwidth, e.g. 12GB/s (default inf)")
     p.add_argument("--method", default="madpipe", help="pipeline method (default madpipe)")
+    p.add_argument("--memory-model", choices=("stash", "strict"), default="stash",
+                   help="memory model of the plan (default stash)")
+    p.add_argument("--temporaries", action="store_true", default=False,
+                   help="also count each task's temporaries (with --memory-model strict)")
     p.add_argument("--plan", default=None,
                    help="run this plan (result or plan JSON) instead of solving")
     p.add_argument("--steps", type=int, default=2, help="training steps")
@@ -198,6 +202,9 @@ def run_train_pipeline(args: argparse.Namespace) -> int:
     """Handler of ``optmem train-pipeline`` (every rank of a torchrun job runs it)."""
     if args.batch < 1 or args.steps < 1:
         raise OptmemInputError("expected a positive --batch and --steps", field="batch")
+    from optmem.problems.pipeline import check_temporaries
+
+    check_temporaries(args.memory_model, args.temporaries)  # exit 2 before any process group
     import torch
     import torch.distributed as dist
 
@@ -224,6 +231,7 @@ def run_train_pipeline(args: argparse.Namespace) -> int:
         piped = pipeline(module, sample, memory_per_gpu=args.memory_per_gpu,
                          bandwidth=args.bandwidth, loss_fn=loss_fn, method=args.method,
                          microbatches=args.microbatches, max_stages=args.max_stages,
+                         memory_model=args.memory_model, temporaries=args.temporaries,
                          device=device)
     rank = dist.get_rank()
     if rank == 0 and piped.result is not None:

@@ -624,6 +624,7 @@ def pipeline(
     method: str = "madpipe",
     weight_copies: int = 4,
     memory_model: str = "stash",
+    temporaries: bool = False,
     max_stages: int | None = None,
     time_limit_s: float | None = None,
     device: torch.device | str | None = None,
@@ -669,8 +670,10 @@ def pipeline(
     weight_copies
         Copies of every weight a GPU holds: weights, gradients and Adam's two moments = 4
         (this runtime keeps one weight version: synchronous training with a flush).
-    memory_model, time_limit_s
-        Problem and solver options (``docs/pipeline.md``).
+    memory_model, temporaries, time_limit_s
+        Problem and solver options (``docs/pipeline.md``; ``temporaries=True`` needs
+        ``memory_model="strict"`` and makes the plan's per-rank peak count each task's
+        temporaries, the loss's included).
     max_stages
         Merge the extracted layers into at most this many, balanced by measured time.
     device
@@ -688,7 +691,7 @@ def pipeline(
         With ``.result`` (the solve: ``objective`` = predicted period in ms per micro-batch),
         ``.chain`` and ``.plan``; identical on every rank.
     """
-    from optmem.problems.pipeline import PipelineProblem
+    from optmem.problems.pipeline import PipelineProblem, check_temporaries
     from optmem.result import SolveOptions
     from optmem.solvers.facade import solve
     from optmem.units import chain_rate, format_size, parse_size
@@ -699,6 +702,7 @@ def pipeline(
                                "init_process_group) first", field="backend")
     if microbatches is not None:  # before the profile: 0 is an error, not the default
         check_microbatches(microbatches)
+    check_temporaries(memory_model, temporaries)  # likewise, before the profile
     world = dist.get_world_size()
     gpus = world if gpus is None else gpus
     if gpus > world:
@@ -712,7 +716,8 @@ def pipeline(
         beta = math.inf if bandwidth is None else \
             chain_rate(bandwidth, chain.time_unit, allow_inf=True)
         problem = PipelineProblem(chain, gpus, memory, chain_bandwidth=beta,
-                                  weight_copies=weight_copies, memory_model=memory_model)
+                                  weight_copies=weight_copies, memory_model=memory_model,
+                                  temporaries=temporaries)
         result = solve(problem, method, options=SolveOptions(time_limit_s=time_limit_s))
         if not result.status.has_plan:
             hint = "" if result.min_feasible_memory is None else \

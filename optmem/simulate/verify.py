@@ -246,7 +246,8 @@ def verify_pipeline_plan(problem: PipelineProblem, plan_data: Any,
     """Replay a pipeline plan (a result JSON, a plan JSON or a list of op strings).
 
     Returns ``objective`` (the period), ``peak_memory`` (largest GPU peak), ``memory_limit``,
-    ``unit`` (1: pipelines are not discretised), ``peaks`` (per GPU) and ``nca`` (per stage).
+    ``unit`` (1: pipelines are not discretised), ``peaks`` (per GPU) and ``nca`` (per stage);
+    with ``problem.temporaries`` also ``memory_model`` and ``temporaries`` (``True``).
     Raises :class:`optmem.errors.PlanError`.
     """
     del options
@@ -258,7 +259,9 @@ def verify_pipeline_plan(problem: PipelineProblem, plan_data: Any,
                         f"{problem.memory_per_gpu}")
     return {"objective": sim.period, "peak_memory": sim.peak_memory,
             "memory_limit": problem.memory_per_gpu, "unit": 1, "peaks": list(sim.peaks),
-            "nca": list(sim.nca)}
+            "nca": list(sim.nca),
+            **({"memory_model": problem.memory_model, "temporaries": True}
+               if problem.temporaries else {})}
 
 
 def verify_plan(problem: Any, plan_data: Any, options: Any = None) -> dict[str, Any]:
