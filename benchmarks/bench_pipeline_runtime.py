@@ -1,6 +1,10 @@
 """PyTorch's pipeline runtime vs optmem's point-to-point runner on the same plans.
 
     python benchmarks/bench_pipeline_runtime.py [--quick]
+    python benchmarks/bench_pipeline_runtime.py --temporaries
+
+``--temporaries``: planned against measured per rank, each plan replayed under the
+``stash``, ``strict`` and ``strict`` + ``temporaries=True`` models (see below ``temps_main``).
 
 Two gloo processes run one plan (contiguous 1F1B*, and MadPipe's non-contiguous plan) for a
 wide MLP: each runner executes the plan's own operation order. Per rank we measure the peak
@@ -22,6 +26,7 @@ import sys
 import tempfile
 import time
 import weakref
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -135,10 +140,121 @@ def worker(rank: int, world: int, jobs: list[tuple[str, int, dict, int]], steps:
     torch.save(rows, os.path.join(out, f"rank{rank}.pt"))
 
 
+# ------------------------------------------------------------------ --temporaries
+TEMP_WIDTH, TEMP_ROWS, TEMP_MB = 256, 64, 8  # one activation: 64 x 256 floats = 64 KiB
+
+
+def temps_model() -> nn.Sequential:
+    """Three ``Linear(256, 256)`` + ``Tanh`` and a ``Linear(256, 256)``: 7 chain layers."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(3):
+        layers += [nn.Linear(TEMP_WIDTH, TEMP_WIDTH), nn.Tanh()]
+    layers.append(nn.Linear(TEMP_WIDTH, TEMP_WIDTH))
+    return nn.Sequential(*layers)
+
+
+def temps_data() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    return ([torch.randn(TEMP_ROWS, TEMP_WIDTH, generator=gen) for _ in range(TEMP_MB)],
+            [torch.randn(TEMP_ROWS, TEMP_WIDTH, generator=gen) for _ in range(TEMP_MB)])
+
+
+def temps_measure(runner: str, plan: PipelinePlan) -> int:
+    """Exact activation peak of this rank's second step (``measure_training_peak``: every
+    storage created during the step; weights, their gradients and the data made before
+    the step are not counted)."""
+    from optmem.pytorch.memory import measure_training_peak
+
+    net = temps_model()
+    xs, ys = temps_data()
+    if runner == "p2p":
+        def step() -> None:
+            pipelining.run_plan(net, plan, xs, ys, nn.functional.mse_loss)
+    else:
+        piped = pipelining.PipelinedModel(net, plan, microbatches=TEMP_MB,
+                                          loss_fn=nn.functional.mse_loss, scale_grads=False)
+        x, y = torch.cat(xs), torch.cat(ys)
+
+        def step() -> None:
+            piped.step(x, target=y)
+    net.zero_grad(set_to_none=True)
+    dist.barrier()
+    step()  # the first step builds the runtime's communicators and buffers
+    net.zero_grad(set_to_none=True)
+    dist.barrier()
+    return measure_training_peak(step, net)
+
+
+def temps_worker(rank: int, world: int, jobs: list[tuple[str, dict]], out: str) -> None:
+    del world
+    torch.set_num_threads(1)
+    rows = [(name, rank, {r: temps_measure(r, PipelinePlan.from_dict(data))
+                          for r in ("runtime", "p2p")}) for name, data in jobs]
+    torch.save(rows, os.path.join(out, f"rank{rank}.pt"))
+
+
+def temps_chain() -> Chain:
+    """The profiled chain (sizes and overheads measured: deterministic), with fixed times
+    (``Linear`` 1, ``Tanh`` 0.25, backward twice the forward, loss 0.25) so that the plans
+    do not depend on the machine's load."""
+    from optmem.pytorch.api import profile_chain
+
+    xs, ys = temps_data()
+    chain = profile_chain(temps_model(), xs[0], repeats=1, warmup=0, progress=False,
+                          loss_fn=lambda out: nn.functional.mse_loss(out, ys[0]))
+    fwd = tuple(1.0 if w else 0.25 for w in chain.weight_size)
+    return replace(chain, fwd_time=fwd, bwd_time=tuple(2 * t for t in fwd), loss_bwd_time=0.25)
+
+
+def temps_main() -> None:
+    """The stop-53 setup: planned per-GPU peaks (stash / strict / strict + temporaries)
+    against the measured peak of each rank, on PyTorch's runtime and on ``run_plan``."""
+    from optmem.simulate.pipeline import simulate_pipeline
+
+    torch.set_num_threads(1)
+    chain = temps_chain()
+    print(f"chain: {chain.length} layers; output {list(chain.output_size)}; saved "
+          f"{list(chain.saved_size)}; fwd_overhead {list(chain.fwd_overhead)}; bwd_overhead "
+          f"{list(chain.bwd_overhead)}; loss.bwd_overhead {chain.loss_bwd_overhead}")
+    base = PipelineProblem(chain, 2, 2**34, weight_copies=0)
+    models = {"stash": base, "strict": replace(base, memory_model="strict"),
+              "strict+temporaries": replace(base, memory_model="strict", temporaries=True)}
+    jobs = []
+    planned: dict[str, dict[str, tuple[int, ...]]] = {}
+    for method in ("contiguous", "madpipe"):
+        result = solve(base, method, options=SolveOptions(threads=1))
+        plan = PipelinePlan.from_strings(result.plan)
+        name = f"{method} ({plan.describe()})"
+        planned[name] = {k: simulate_pipeline(p, plan).peaks for k, p in models.items()}
+        jobs.append((name, plan.to_dict()))
+    out = tempfile.mkdtemp()
+    spawn(temps_worker, 2, jobs, out, init_file=os.path.join(out, "rendezvous"))
+    rows = [r for k in range(2) for r in torch.load(os.path.join(out, f"rank{k}.pt"))]
+    kib = 1024
+    print("| plan | rank | planned stash | strict | strict+temporaries | measured runtime | "
+          "measured run_plan | runtime / strict+temporaries | run_plan / "
+          "strict+temporaries |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, rank, measured in sorted(rows):
+        peaks = planned[name]
+        temp = peaks["strict+temporaries"][rank]
+        print(f"| {name} | {rank} | {peaks['stash'][rank] / kib:.0f} | "
+              f"{peaks['strict'][rank] / kib:.0f} | {temp / kib:.0f} | "
+              f"{measured['runtime'] / kib:.0f} | {measured['p2p'] / kib:.0f} | "
+              f"{measured['runtime'] / temp:.2f} | {measured['p2p'] / temp:.2f} |")
+    sys.stdout.flush()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--temporaries", action="store_true",
+                    help="planned (stash / strict / strict + temporaries) vs measured peaks")
     args = ap.parse_args()
+    if args.temporaries:
+        temps_main()
+        return
     from optmem.simulate.pipeline import simulate_pipeline
 
     steps = 1 if args.quick else 5

@@ -241,7 +241,8 @@ def pipeline_inputs_job(rank: int, world: int, job: dict[str, Any]) -> dict[str,
 def one_call_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     """``op.pipeline(...)`` then one step; rank 1 profiles a slower layer than rank 0.
 
-    ``{"model", "method", "microbatches", "rows", "slow_layer", "fast_ends"?}``. The time
+    ``{"model", "method", "microbatches", "rows", "slow_layer", "fast_ends"?,
+    "memory_model"?, "temporaries"?}`` (the last two: ``op.pipeline``'s options). The time
     model gives every layer 1 ms forward and 2 ms backward, and ``slow_layer`` 30 ms forward
     on rank 1 only: ranks that planned alone would split differently. ``slow_layer`` is the
     index of an ``nn.Sequential``'s layer, or for another model the name of a parameter of
@@ -271,10 +272,14 @@ def one_call_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     sample = sample_kwargs or sample_args[0]
     piped = op.pipeline(model, sample, gpus=world, memory_per_gpu="1GiB", bandwidth="10GB/s",
                         loss_fn=loss_fn, method=job["method"], microbatches=m,
-                        time_model=time_model, repeats=1, warmup=0)
+                        time_model=time_model, repeats=1, warmup=0,
+                        memory_model=job.get("memory_model", "stash"),
+                        temporaries=job.get("temporaries", False))
     losses = piped.step(*args, target=target, **kwargs)
     return {"grads": _grads(model), "losses": [float(v) for v in losses],
             "plan": piped.result.plan, "period": piped.result.objective,
+            "report": dict(piped.result.report), "peak": piped.result.peak_memory,
+            "chain": piped.chain,
             "stages": piped.stage_indices,
             "gpus": [st.gpu for st in piped.plan.stages], "layers": piped.chain.length}
 

@@ -11,6 +11,7 @@ rank even when ranks measure different times.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -156,6 +157,31 @@ def check_one_call(jobs: list[dict], tmp_path) -> list[list[dict]]:
         assert ranks[0]["losses"] + ranks[1]["losses"] == pytest.approx(losses, rel=1e-5)
         out.append(ranks)
     return out
+
+
+def test_one_call_passes_temporaries(tmp_path):
+    """``op.pipeline(..., memory_model="strict", temporaries=True)`` plans with them: the
+    result says so, its peaks are the plan's replay under that problem (above the plain
+    strict replay on the last rank: the loss step's ``delta_L``, the weight gradients), and
+    training gives the single-process gradients. With the stash model: refused at once."""
+    from optmem.simulate.pipeline import simulate_pipeline
+
+    spec = {"kind": "one_call", "model": "mlp", "method": "contiguous", "microbatches": 4,
+            "rows": 8, "slow_layer": 4, "memory_model": "strict", "temporaries": True}
+    (ranks,) = check_one_call([spec], tmp_path)
+    report = ranks[0]["report"]
+    assert report["memory_model"] == "strict" and report["temporaries"] is True
+    plan = PipelinePlan.from_strings(ranks[0]["plan"])
+    problem = PipelineProblem(ranks[0]["chain"], 2, 2**30, bandwidth="10GB/s",
+                              weight_copies=4, memory_model="strict", temporaries=True)
+    with_t = simulate_pipeline(problem, plan).peaks
+    plain = simulate_pipeline(replace(problem, temporaries=False), plan).peaks
+    assert list(with_t) == report["peaks"] and ranks[0]["peak"] == max(with_t)
+    last = plan.stages[-1].gpu
+    assert with_t[last] > plain[last] and all(a >= b for a, b in zip(with_t, plain, strict=True))
+    with pytest.raises(OptmemInputError, match="strict") as err:
+        pipelining.pipeline(w.MODELS["mlp"][0](), torch.zeros(2, 8), temporaries=True)
+    assert err.value.field == "temporaries"
 
 
 def hf_job(model: str, method: str, slow: str, fast: str) -> dict:

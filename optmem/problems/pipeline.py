@@ -63,14 +63,17 @@ a plan's peak is no bound on what a GPU allocates. ``temporaries=True`` adds the
 strict model's per-layer checks (the checks are per task, where temporaries live; the stash
 model checks only when a forward starts, so it is refused with them): the forward of layer
 ``k`` adds ``fwd_overhead_k + saved_size_k - a_k`` (what the checkpoint simulator's
-``F_all k`` holds above its input), the backward of layer ``k < L`` adds ``bwd_overhead_k``,
-and layer ``L``'s backward, which runs the loss step and then ``B_L``, adds the larger of
-``delta_L + loss.bwd_overhead - a_{L-1}`` and ``delta_L + bwd_overhead_L`` (each step with
-the micro-batch's whole stash). Memory only grows with them: every plan feasible with them
+``F_all k`` holds above its input), the backward of layer ``k < L`` adds ``bwd_overhead_k +
+weight_size_k`` (the layer's weight gradient of the micro-batch, a new tensor until autograd
+adds it to ``.grad``: gradients accumulate over the micro-batches of a step, and the
+profiler leaves weight gradients out of ``bwd_overhead``), and layer ``L``'s backward, which
+runs the loss step and then ``B_L``, adds the larger of ``delta_L + loss.bwd_overhead -
+a_{L-1}`` and ``delta_L + bwd_overhead_L + weight_size_L`` (each step with the
+micro-batch's whole stash). Memory only grows with them: every plan feasible with them
 is feasible without, so an optimum with them is never below the one without and period
 bounds computed without memory (``lower_bound``) stay valid. With every overhead 0, tapes
-equal to outputs and ``output_size_L = 0`` (the thesis' chains) the results are those of
-the plain strict model.
+equal to outputs, weights 0 and ``output_size_L = 0`` the results are those of the plain
+strict model.
 
 Communication: with bandwidth ``beta`` a cut after layer ``j`` costs one transfer of ``a_j /
 beta`` forward and one of ``delta_j / beta`` backward on the link joining the two GPUs; links
@@ -194,12 +197,16 @@ def chain_layers(chain: Chain, *, temporaries: bool = False) -> Layers:
         checkpoint simulator's ``F_all k``, its whole tape and ``fwd_overhead_k`` (the
         profiler measures it above the tape): ``tf[k] = fwd_overhead_k + saved_size_k -
         a_k`` (``a_L = 0``: layer ``L``'s output is in its tape). The backward of layer
-        ``k < L`` holds ``bwd_overhead_k``: ``tb[k] = bwd_overhead_k``. Layer ``L``'s
+        ``k < L`` holds ``bwd_overhead_k`` and its weight gradient of this micro-batch,
+        ``weight_size_k``, before autograd adds it to ``.grad`` (a pipeline accumulates
+        gradients over micro-batches; the profiler leaves weight gradients out of
+        ``bwd_overhead``): ``tb[k] = bwd_overhead_k + weight_size_k``. Layer ``L``'s
         backward task runs the loss step (holding ``delta_L``, of ``output_size_L``, and
-        ``loss.bwd_overhead``) and then ``B_L`` (holding ``delta_L``, ``delta_{L-1}`` and
-        ``bwd_overhead_L``), each with the micro-batch's whole stash: ``tb[L] =
-        max(output_size_L + loss.bwd_overhead - a_{L-1}, output_size_L + bwd_overhead_L)``
-        (the check adds ``a_{L-1} + a_L = a_{L-1}``). Every entry is ``>= 0``.
+        ``loss.bwd_overhead``) and then ``B_L`` (holding ``delta_L``, ``delta_{L-1}``,
+        ``bwd_overhead_L`` and ``weight_size_L``), each with the micro-batch's whole stash:
+        ``tb[L] = max(output_size_L + loss.bwd_overhead - a_{L-1}, output_size_L +
+        bwd_overhead_L + weight_size_L)`` (the check adds ``a_{L-1} + a_L = a_{L-1}``).
+        Every entry is ``>= 0``.
 
     Returns
     -------
@@ -220,8 +227,8 @@ def chain_layers(chain: Chain, *, temporaries: bool = False) -> Layers:
         out = chain.output_size[n - 1]
         tf = (0, *(chain.fwd_overhead[k - 1] + chain.saved_size[k - 1] - a[k]
                    for k in range(1, n + 1)))
-        tb = (0, *chain.bwd_overhead[:n - 1],
-              max(out + chain.loss_bwd_overhead - a[n - 1], out + chain.bwd_overhead[n - 1]))
+        grad = [o + w for o, w in zip(chain.bwd_overhead, chain.weight_size, strict=True)]
+        tb = (0, *grad[:n - 1], max(out + chain.loss_bwd_overhead - a[n - 1], out + grad[-1]))
     return Layers(f=(0.0, *chain.fwd_time), b=(0.0, *b), w=(0, *chain.weight_size),
                   x=tuple(x), a=a, tf=tf, tb=tb)
 
@@ -277,7 +284,8 @@ class PipelineProblem:
     temporaries
         Keyword only, ``memory_model="strict"`` only: also count each task's temporaries
         (the chain's ``fwd_overhead``, ``bwd_overhead``, ``loss.bwd_overhead``, the forward's
-        tape beyond its output and the loss gradient ``delta_L``) at the check of its layer
+        tape beyond its output, the loss gradient ``delta_L`` and a backward's weight
+        gradient before it is accumulated) at the check of its layer
         (module section "Temporaries"). Default ``False``: the plain strict model.
 
     Examples

@@ -696,13 +696,13 @@ def pipeline(
     from optmem.solvers.facade import solve
     from optmem.units import chain_rate, format_size, parse_size
 
+    check_temporaries(memory_model, temporaries)  # an input error before anything else
     if not dist.is_initialized():
         raise OptmemInputError("optmem.pytorch.pipeline runs under torch.distributed: launch "
                                "with torchrun and call init_distributed() (or "
                                "init_process_group) first", field="backend")
     if microbatches is not None:  # before the profile: 0 is an error, not the default
         check_microbatches(microbatches)
-    check_temporaries(memory_model, temporaries)  # likewise, before the profile
     world = dist.get_world_size()
     gpus = world if gpus is None else gpus
     if gpus > world:
