@@ -623,6 +623,8 @@ def problem_options(draw: st.DrawFn, problem: str, args: Args) -> None:
         args.add(draw, "--weight-copies", ("3", "1", "0"), BAD_INTS, p_skip=2,
                  extreme=("64", "65", "1000000", "1" + "0" * 30))
         args.add(draw, "--memory-model", ("stash", "strict"), ("bogus", ""), p_skip=2)
+        if args.argv[-2:] == ["--memory-model", "strict"] and chance(draw, 50):
+            args.argv.append("--temporaries")  # strict only (else exit 2, tested elsewhere)
     elif problem == "min-peak":
         args.add(draw, "--model", ("pytorch", "static", "optmem"), ("bogus",), p_skip=2)
         if chance(draw, 25):
