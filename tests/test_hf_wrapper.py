@@ -224,6 +224,41 @@ def test_torch_compile_runs_each_stage_compiled():
     assert functions is not None and len(functions) == cmodel.chain.length
 
 
+@pytest.mark.parametrize("how", ["torch.compile(cmodel)", "cmodel.compile()"])
+def test_a_compiled_wrapper_runs_the_model_compiled_under_no_grad(how):
+    """Evaluation of a compiled wrapper (``no_grad``) runs the model compiled, as asked.
+
+    Under ``no_grad`` the wrapper calls the model itself (nothing to save). Before (the
+    stop-54 compile hunt) it called it uncompiled in both ways of compiling: no graph at
+    all under ``no_grad`` (tiny GPT-2 at 60 %, plan and fast path alike), so a compiled
+    model's validation loop ran eagerly. It now runs the model compiled with the same
+    options as the fast path's (``cmodel.compile``'s, else the enclosing compile's
+    backend); ``aot_eager`` keeps the logits bitwise.
+    """
+    torch._dynamo.reset()  # cached graphs of an earlier test would not be counted
+    model, kwargs, cmodel, _ = _wrap(gpt2, 0.6)
+    assert not cmodel.fast_path_taken
+    model.eval()
+    graphs: list[int] = []
+
+    def counted_aot_eager(gm, example_inputs):
+        graphs.append(len(gm.graph.nodes))
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    if how == "cmodel.compile()":
+        cmodel.compile(backend=counted_aot_eager)
+        call = cmodel
+    else:
+        call = torch.compile(cmodel, backend=counted_aot_eager)
+    ids = kwargs["input_ids"]
+    with torch.no_grad():
+        got = call(input_ids=ids, use_cache=False).logits
+        ref = model(input_ids=ids, use_cache=False).logits
+    assert graphs, "the model ran uncompiled"
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    torch._dynamo.reset()
+
+
 def _skewed_aot_eager(gm, example_inputs):
     """``aot_eager`` that draws one random number before each graph: other dropout masks."""
     compiled = torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)

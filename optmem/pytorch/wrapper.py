@@ -15,7 +15,9 @@ rest of PyTorch it is the model itself:
   buffers are the model's own objects;
 * **attributes** missing on the wrapper are looked up on the model (``cmodel.config``);
 * **modes**: ``train()``/``eval()`` reach the model; under ``torch.no_grad()`` or
-  ``torch.inference_mode()`` the model runs as it is (nothing to save for a backward).
+  ``torch.inference_mode()`` the model runs as it is (nothing to save for a backward),
+  compiled as on the fast path when the wrapper is (:meth:`PlannedModule.compile`, or
+  ``torch.compile(cmodel)``).
 * **the store-all fast path**: when the plain model's real activation peak, measured while
   profiling (``chain.extra["profile"]["plain_peak"]``), is at most the memory limit, the
   model itself is called, no executor and no stages (``fast_path=False`` turns it off;
@@ -803,9 +805,11 @@ class PlannedModule(nn.Module):
     def compile(self, *args: Any, **options: Any) -> None:
         """Compile every stage (``torch.compile(stage, **options)``).
 
-        The plan itself runs in Python. ``torch.compile(cmodel, ...)`` compiles the stages
-        too, with these options; if this was never called, with that enclosing compile's
-        backend and ``dynamic=`` (:func:`~optmem.pytorch.execute.run_compiled`).
+        The plan itself runs in Python. Calls that run the model itself (the store-all
+        fast path, ``no_grad``) run it compiled with these options. ``torch.compile(cmodel,
+        ...)`` compiles the stages too, with these options; if this was never called, with
+        that enclosing compile's backend and ``dynamic=``
+        (:func:`~optmem.pytorch.execute.run_compiled`).
         ``torch.compile(cmodel, fullgraph=True)`` cannot hold (the plan is a graph break);
         ``cmodel.compile(fullgraph=True)`` compiles each stage as one graph.
         """
@@ -841,8 +845,10 @@ class PlannedModule(nn.Module):
             if transformed or self._fast(variant):  # the stages in order: the model's
                 return run_in_order(executor.stage_functions(compiled), args[0])  # type: ignore[operator]
             return _run_executor(executor, args[0], compiled)
-        if not torch.is_grad_enabled() or transformed:
+        if transformed:
             return model(*args, **kwargs)
+        if not torch.is_grad_enabled():  # nothing to save: the model, compiled if asked
+            return self._module_call(compiled)(*args, **kwargs)
         args, kwargs = canonical_call(model, args, kwargs, self._signature)
         variant = self._variant(args, kwargs)
         if self._fast(variant):
