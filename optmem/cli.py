@@ -580,9 +580,10 @@ def add_engine_limits(p: argparse.ArgumentParser) -> None:
                    help="deterministic limit: CP-SAT deterministic seconds per call "
                         "(one worker)")
     p.add_argument("--work-budget", type=float, metavar="S",
-                   help="deterministic limit of the whole solve: CP-SAT deterministic "
-                        "seconds summed over all its CP-SAT calls (one worker; inf: measure "
-                        "only); HiGHS/CBC calls are not counted")
+                   help="deterministic limit of the whole solve: deterministic seconds "
+                        "summed over all its CP-SAT, HiGHS and CBC calls (one worker/thread; "
+                        "50 HiGHS limit checks or CBC nodes a second; Gurobi calls are not "
+                        "bounded; inf: measure only)")
     p.add_argument("--seed", type=int, default=0, help="random seed of every engine (0)")
 
 

@@ -76,11 +76,12 @@ class SolveOptions:
         Method-specific options, a dict with string keys; each method declares the keys it
         reads (an unknown key raises, naming the closest known one).
     work_budget
-        Deterministic work limit of the whole solve: CP-SAT deterministic seconds summed over
-        every CP-SAT call of the method (each call gets at most what is left, one worker);
-        ``inf`` measures without limiting. HiGHS / CBC / Gurobi calls are not counted (they
-        have no deterministic time; ``node_limit`` bounds them). The ``report`` gets the
-        ``work_*`` keys (CONTRACT section 14).
+        Deterministic work limit of the whole solve: deterministic seconds summed over
+        every CP-SAT, HiGHS and CBC call of the method (each call gets at most what is
+        left, one worker / thread; HiGHS and CBC at fixed rates: 50 HiGHS limit checks,
+        10,000 HiGHS LP iterations or 50 CBC nodes a second); ``inf`` measures without
+        limiting. Gurobi calls run without a limit from it (counted). The ``report`` gets
+        the ``work_*`` keys (CONTRACT section 14).
 
     Examples
     --------

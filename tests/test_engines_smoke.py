@@ -146,7 +146,7 @@ def test_threads_charge_the_budget_of_the_solve_that_started_them() -> None:
         assert budget.calls == 1 and budget.used > 0
 
 
-def test_nested_budgets_share_the_outermost_and_milp_calls_are_only_counted() -> None:
+def test_nested_budgets_share_the_outermost_and_count_milp_calls() -> None:
     prob, xs = _knapsack()
     with engines.work_budget(1.0) as outer, engines.work_budget(5.0) as inner:
         assert inner is outer

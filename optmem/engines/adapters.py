@@ -24,8 +24,10 @@ the facade opens it around a method (:func:`work_budget`, a context variable, so
 the solve and not the process) and :func:`solve_cpsat`, the one door to CP-SAT, gives each
 call ``min(deterministic_time, what is left)`` and charges the deterministic time CP-SAT
 reports; a call made when nothing is left is not run (``no_solution``, ``stopped_by:
-"work_budget"``). :func:`solve_pulp` only counts its calls (HiGHS, CBC and Gurobi have no
-deterministic time: ``node_limit`` bounds them).
+"work_budget"``). :func:`solve_pulp` does the same for HiGHS and CBC in their own
+deterministic units, converted at documented rates (:data:`HIGHS_CHECKS_PER_SECOND`,
+:data:`HIGHS_LP_ITERATIONS_PER_SECOND`, :data:`CBC_NODES_PER_SECOND`); Gurobi calls are
+only counted.
 
 PuLP, highspy and OR-Tools are imported inside the functions (ortools 9.15 and highspy >= 1.15
 crash in one process; optmem pins highspy 1.14).
@@ -134,16 +136,22 @@ def undecodable_result(out: EngineResult, fault: str) -> EngineResult:
 
 @dataclass
 class WorkBudget:
-    """Deterministic CP-SAT seconds one solve may spend, summed over all its CP-SAT calls.
+    """Deterministic seconds one solve may spend, summed over all its engine calls.
 
     Opened by :func:`work_budget` (the facade does it for every ``solve``/``compare`` row
-    with ``SolveOptions.work_budget``) and read by :func:`solve_cpsat` through
-    :func:`active_budget`: each call gets :meth:`grant` (the smaller of its own
-    ``deterministic_time`` and what is left; one worker) and is charged the deterministic
-    time CP-SAT reports (:meth:`charge`, which may pass the total by the overshoot of the
-    last call: CP-SAT checks its limit between steps, a few thousandths of a
-    deterministic second: 2.3e-3 seen on a 41-stage checkpoint model). Thread-safe:
-    threads a method starts share their solve's budget (:func:`carry_budget`).
+    with ``SolveOptions.work_budget``) and read by :func:`solve_cpsat` and
+    :func:`solve_pulp` through :func:`active_budget`: each CP-SAT call gets :meth:`grant`
+    (the smaller of its own ``deterministic_time`` and what is left; one worker) and is
+    charged the deterministic time CP-SAT reports (:meth:`charge`, which may pass the
+    total by the overshoot of the last call: CP-SAT checks its limit between steps, a few
+    thousandths of a deterministic second: 2.3e-3 seen on a 41-stage checkpoint model).
+    Each HiGHS / CBC call gets what is left, converted to its own deterministic unit
+    (HiGHS limit checks or LP iterations, CBC nodes; one thread), and is charged what it
+    used, converted back (:meth:`charge_milp`; the overshoot is the work between two of
+    HiGHS's checks, or CBC's root node). Gurobi calls run without a limit from the budget
+    (:meth:`unbounded_milp`). A call made with nothing left is not run (:meth:`skip`,
+    :meth:`skip_milp`). Thread-safe: threads a method starts share their solve's budget
+    (:func:`carry_budget`).
 
     Examples
     --------
@@ -164,6 +172,10 @@ class WorkBudget:
     cut_calls: int = 0
     skipped_calls: int = 0
     milp_calls: int = 0
+    milp_used: float = 0.0
+    milp_cut_calls: int = 0
+    milp_skipped_calls: int = 0
+    milp_unbounded_calls: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def left(self) -> float:
@@ -200,9 +212,26 @@ class WorkBudget:
             self.skipped_calls += 1
 
     def count_milp(self) -> None:
-        """Count a HiGHS / CBC / Gurobi call (not bounded by the budget)."""
+        """Count a HiGHS / CBC / Gurobi call (made, whether it runs or not)."""
         with self._lock:
             self.milp_calls += 1
+
+    def charge_milp(self, used: float, *, cut: bool) -> None:
+        """Count a HiGHS / CBC call that ran ``used`` deterministic seconds (converted)."""
+        with self._lock:
+            self.used += max(0.0, float(used))
+            self.milp_used += max(0.0, float(used))
+            self.milp_cut_calls += int(cut)
+
+    def skip_milp(self) -> None:
+        """Count a HiGHS / CBC / Gurobi call that was not run (nothing left)."""
+        with self._lock:
+            self.milp_skipped_calls += 1
+
+    def unbounded_milp(self) -> None:
+        """Count a Gurobi call: run without a limit from the budget, charged nothing."""
+        with self._lock:
+            self.milp_unbounded_calls += 1
 
     def report(self) -> dict[str, Any]:
         """The ``work_*`` report keys of a solve (CONTRACT section 14)."""
@@ -211,7 +240,11 @@ class WorkBudget:
                     "work_calls": self.calls, "work_cut_calls": self.cut_calls,
                     "work_skipped_calls": self.skipped_calls,
                     "work_exhausted": self.used >= self.total,
-                    "work_milp_calls": self.milp_calls}
+                    "work_milp_calls": self.milp_calls,
+                    "work_milp_used": round(self.milp_used, 6),
+                    "work_milp_cut_calls": self.milp_cut_calls,
+                    "work_milp_skipped_calls": self.milp_skipped_calls,
+                    "work_milp_unbounded_calls": self.milp_unbounded_calls}
 
 
 _BUDGET: contextvars.ContextVar[WorkBudget | None] = contextvars.ContextVar(
@@ -322,9 +355,40 @@ def check_engine(engine: str) -> None:
 
 
 # ------------------------------------------------------------------ PuLP engines
+HIGHS_CHECKS_PER_SECOND = 50
+"""HiGHS limit checks one deterministic second of a :class:`WorkBudget` buys.
+
+HiGHS 1.14 honours no deterministic limit that bounds a MIP's root node (``mip_max_nodes``,
+``mip_max_leaves``, ``mip_max_stall_nodes`` and ``mip_max_improving_sols`` count nodes and
+solutions; ``simplex_iteration_limit`` is not applied to the MIP's LPs), but it calls its
+MIP interrupt callback each time it checks its limits: after presolve, after each root
+separation round and root heuristic, at each node of the search (sub-MIPs excepted). Their
+number is a deterministic count of the work done (the same on every run at one thread);
+under a budget :func:`solve_pulp` interrupts HiGHS at the check that spends the call's
+grant. Measured on this repository's checkpoint ILP (one thread, ``nice 19``): 1,296
+checks took 22-29 s of wall clock on a 20-stage chain at 30 % of its store-all peak and
+991 checks 154 s on a 40-stage one, while CP-SAT ran 4.1-4.2 wall seconds per
+deterministic second on the same models and load (``benchmarks/results/work_budget.md``):
+50 checks per deterministic second lies between the two, a rough rate.
+"""
+
+HIGHS_LP_ITERATIONS_PER_SECOND = 10_000
+"""Simplex iterations one deterministic second buys a HiGHS call on a pure LP (no integer
+variable: no MIP check is made; its simplex interrupt callback counts iterations)."""
+
+CBC_NODES_PER_SECOND = 50
+"""Branch-and-bound nodes one deterministic second buys a CBC call (``maxNodes``; CBC's
+root node, cuts and heuristics are not bounded by it: CBC has no other deterministic
+limit PuLP can pass, and no callback)."""
+
+
 @dataclass(frozen=True)
 class _Settings:
-    """What every PuLP engine call is given."""
+    """What every PuLP engine call is given.
+
+    ``work_grant``: deterministic seconds of the solve's :class:`WorkBudget` this call may
+    spend (``inf``: measure only; ``None``: no budget).
+    """
 
     time_limit_s: float | None
     threads: int
@@ -333,6 +397,17 @@ class _Settings:
     node_limit: int | None
     seed: int
     highs_options: dict[str, Any] = field(default_factory=dict)
+    work_grant: float | None = None
+
+    def cap(self, rate: float) -> int | None:
+        """The grant in an engine's unit (at least 1; ``None``: no cap)."""
+        if self.work_grant is None or math.isinf(self.work_grant):
+            return None
+        return max(1, math.floor(self.work_grant * rate))
+
+
+_Run = tuple[Status, float, str, str | None, dict[str, Any]]
+"""What an engine runner returns: status, bound, message, stopped_by, work counts."""
 
 
 HIGHS_PROTECTED = ("mip_rel_gap", "mip_abs_gap", "threads", "time_limit", "random_seed",
@@ -432,12 +507,37 @@ def solve_pulp(
     -------
     EngineResult
         ``status: error`` (with the engine's message) when the engine failed.
+
+    Notes
+    -----
+    Under the solve's :class:`WorkBudget` (:func:`active_budget`) a HiGHS or CBC call runs
+    on one thread with what is left of the budget, converted to the engine's deterministic
+    unit: HiGHS is interrupted at the limit check (MIP; :data:`HIGHS_CHECKS_PER_SECOND`) or
+    simplex iteration (LP; :data:`HIGHS_LP_ITERATIONS_PER_SECOND`) that spends it, CBC gets
+    ``maxNodes`` (:data:`CBC_NODES_PER_SECOND`; the smaller of it and ``node_limit``). The
+    call is charged what it used (``info``: ``checks``, ``nodes``, ``lp_iterations`` and
+    ``work``, in deterministic seconds); ``stopped_by`` is ``"work_budget"`` when the
+    budget's limit stopped it. With nothing left the call is not run: ``no_solution``,
+    ``stopped_by: "work_budget"``, ``info["skipped"]``. A Gurobi call runs without a limit
+    from the budget (counted, ``work_milp_unbounded_calls``).
     """
     check_engine(engine)
     extra_highs = check_highs_options(highs_options)
     budget = _BUDGET.get()
+    grant: float | None = None
     if budget is not None:
         budget.count_milp()
+        grant = budget.grant(None)
+        if grant is None:
+            budget.skip_milp()
+            return EngineResult(Status.NO_SOLUTION, None, math.nan, math.nan, engine, 0.0,
+                                "WORK_BUDGET_SPENT", stopped_by="work_budget",
+                                info={"work": 0.0, "skipped": True})
+        if engine == "gurobi":
+            budget.unbounded_milp()
+            grant = None
+        else:
+            threads = 1  # one thread: the same counts, so the same answer, on every run
     if initial is not None:
         for v, x in zip(variables, initial, strict=True):
             v.setInitialValue(x)
@@ -445,7 +545,7 @@ def solve_pulp(
         for v in variables:
             v.varValue = None
     settings = _Settings(time_limit_s, threads, initial, verbose, node_limit, seed,
-                         extra_highs)
+                         extra_highs, grant)
     run = {"highs": _solve_highs, "cbc": _solve_cbc, "gurobi": _solve_gurobi}[engine]
     factor = objective_factor(problem.objective)
     original = problem.objective
@@ -453,11 +553,16 @@ def solve_pulp(
     try:
         if factor != 1.0:
             problem.objective = original * factor
-        status, bound, message, stopped = run(problem, settings)
+        status, bound, message, stopped, work = run(problem, settings)
     except Exception as exc:  # noqa: BLE001 - an engine fault never escapes the adapter
+        if budget is not None and grant is not None:
+            budget.charge_milp(0.0, cut=False)
         return failed_result(engine, exc, time.perf_counter() - start)
     finally:
         problem.objective = original
+    if budget is not None and grant is not None:
+        budget.charge_milp(work["work"], cut=stopped == "work_budget"
+                           and status in (Status.FEASIBLE, Status.NO_SOLUTION))
     bound /= factor
     elapsed = time.perf_counter() - start
     values = None
@@ -477,18 +582,21 @@ def solve_pulp(
             bound = objective
     if status in (Status.OPTIMAL, Status.INFEASIBLE):
         stopped = None
-    info = _highs_work(problem) if engine == "highs" else {}
+    if grant is None:  # the counts of a budget only under one that bounds the call
+        work = {"nodes": work["nodes"]} if "nodes" in work else {}
     return EngineResult(status, values, objective, bound, engine, elapsed, message,
-                        stopped_by=stopped, info=info)
+                        stopped_by=stopped, info=work)
 
 
 def _highs_work(problem: Any) -> dict[str, Any]:
-    """HiGHS's deterministic work count: branch-and-bound ``nodes`` of the last run."""
+    """HiGHS's deterministic work counts of the last run: ``nodes``, ``lp_iterations``."""
     model = getattr(problem, "solverModel", None)
     if model is None:
         return {}
     try:
-        return {"nodes": int(model.getInfo().mip_node_count)}
+        info = model.getInfo()
+        return {"nodes": int(info.mip_node_count),
+                "lp_iterations": int(info.simplex_iteration_count)}
     except Exception:  # noqa: BLE001 - a count is informative only
         return {}
 
@@ -540,12 +648,48 @@ def _shut_highs_down_at_exit(highspy: Any) -> None:
     atexit.register(highspy.Highs.resetGlobalScheduler, True)
 
 
-def _solve_highs(problem: Any, settings: _Settings) -> tuple[Status, float, str, str | None]:
+class _HighsMeter:
+    """Counts HiGHS's limit checks (MIP) and simplex iterations (LP) of one run.
+
+    It interrupts the run at the check / iteration that spends its grant
+    (:class:`_Settings`).
+    """
+
+    def __init__(self, settings: _Settings) -> None:
+        self.check_cap = settings.cap(HIGHS_CHECKS_PER_SECOND)
+        self.iteration_cap = settings.cap(HIGHS_LP_ITERATIONS_PER_SECOND)
+        self.checks = 0
+        self.lp_iterations = 0
+        self.interrupted = False
+
+    def on_check(self, event: Any) -> None:
+        """HiGHS's MIP interrupt callback: one limit check."""
+        self.checks += 1
+        if self.check_cap is not None and self.checks >= self.check_cap:
+            self.interrupted = True
+            event.interrupt()
+
+    def on_iteration(self, event: Any) -> None:
+        """HiGHS's simplex interrupt callback (pure LPs): the iteration count so far."""
+        self.lp_iterations = max(self.lp_iterations,
+                                 int(event.data_out.simplex_iteration_count))
+        if self.iteration_cap is not None and self.lp_iterations >= self.iteration_cap:
+            self.interrupted = True
+            event.interrupt()
+
+    def work(self) -> float:
+        """The run's work in deterministic seconds (the rates of the module)."""
+        return self.checks / HIGHS_CHECKS_PER_SECOND \
+            + self.lp_iterations / HIGHS_LP_ITERATIONS_PER_SECOND
+
+
+def _solve_highs(problem: Any, settings: _Settings) -> _Run:
     import highspy  # type: ignore[import-untyped]
     import pulp  # type: ignore[import-untyped]
 
     initial = settings.initial
     threads = settings.threads
+    meter = _HighsMeter(settings)
 
     class _Highs(pulp.HiGHS):  # type: ignore[misc, name-defined]
         """PuLP's highspy interface plus a warm start and the final info."""
@@ -567,6 +711,9 @@ def _solve_highs(problem: Any, settings: _Settings) -> tuple[Status, float, str,
                 sol.col_value = [float(v.varValue or 0.0) for v in cols]
                 sol.value_valid = True
                 h.setSolution(sol)
+            if settings.work_grant is not None:
+                h.cbMipInterrupt.subscribe(meter.on_check)
+                h.cbSimplexInterrupt.subscribe(meter.on_iteration)
             h.run()
             info = h.getInfo()
             self.captured = {"status": h.getModelStatus(),
@@ -591,7 +738,13 @@ def _solve_highs(problem: Any, settings: _Settings) -> tuple[Status, float, str,
     bound = cap["bound"] + problem.objective.constant
     if not math.isfinite(bound):
         bound = math.nan
-    return status, bound, str(cap["status"]).split(".")[-1], _highs_stopped(cap["status"])
+    stopped = _highs_stopped(cap["status"])
+    if meter.interrupted and stopped == "other":
+        stopped = "work_budget"
+        if meter.checks == 0:  # an LP stopped mid-simplex: its objective bounds nothing
+            bound = math.nan
+    work = {**_highs_work(problem), "checks": meter.checks, "work": meter.work()}
+    return status, bound, str(cap["status"]).split(".")[-1], stopped, work
 
 
 _CBC_RESULT = re.compile(r"Result - (.*)")
@@ -645,12 +798,13 @@ def _run_cbc(problem: Any, settings: _Settings, log: str, time_mode: str, work_d
     """
     import pulp  # type: ignore[import-untyped]
 
-    deterministic = settings.node_limit is not None
+    deterministic = settings.node_limit is not None or settings.work_grant is not None
     kwargs: dict[str, Any] = {
         "msg": settings.verbose, "timeLimit": settings.time_limit_s,
         "threads": 1 if deterministic else settings.threads, "gapRel": 0.0, "gapAbs": 1e-9,
         "warmStart": settings.initial is not None, "logPath": log, "timeMode": time_mode,
-        "maxNodes": settings.node_limit, "options": [f"randomCbcSeed {int(settings.seed)}"]}
+        "maxNodes": _cbc_nodes(settings)[0],
+        "options": [f"randomCbcSeed {int(settings.seed)}"]}
     with warnings.catch_warnings():  # PuLP 3.3 deprecates the bundled CBC for 4.0
         warnings.simplefilter("ignore", DeprecationWarning)
         solver = pulp.COIN_CMD(path=CBC_PATH, **kwargs) if CBC_PATH is not None \
@@ -659,12 +813,27 @@ def _run_cbc(problem: Any, settings: _Settings, log: str, time_mode: str, work_d
     return int(problem.solve(solver))
 
 
+def _cbc_nodes(settings: _Settings) -> tuple[int | None, bool]:
+    """CBC's ``maxNodes``: the node limit or the budget's grant, the smaller.
+
+    Also whether the grant is the one in force.
+    """
+    cap = settings.cap(CBC_NODES_PER_SECOND)
+    if cap is not None and (settings.node_limit is None or cap < settings.node_limit):
+        return cap, True
+    return settings.node_limit, False
+
+
+_CBC_NODES = re.compile(r"Enumerated nodes:\s*(\d+)")
+_CBC_ITERATIONS = re.compile(r"Total iterations:\s*(\d+)")
+
+
 def _bounded(problem: Any) -> bool:
     """Whether every variable of a PuLP problem has finite bounds (so it is not unbounded)."""
     return all(v.lowBound is not None and v.upBound is not None for v in problem.variables())
 
 
-def _solve_cbc(problem: Any, settings: _Settings) -> tuple[Status, float, str, str | None]:
+def _solve_cbc(problem: Any, settings: _Settings) -> _Run:
     import pulp  # type: ignore[import-untyped]
 
     # one directory per run: a CBC that crashes would leave PuLP's files behind (stop 40)
@@ -690,7 +859,18 @@ def _solve_cbc(problem: Any, settings: _Settings) -> tuple[Status, float, str, s
     # PuLP does not give CBC the objective constant: add it back
     bound = float(low[-1]) + float(problem.objective.constant) if low else math.nan
     message = line or f"no result line in the CBC log (pulp status {pulp_status})"
-    return status, bound, message, _cbc_stopped(line)
+    stopped = _cbc_stopped(line)
+    nodes = [int(n) for n in _CBC_NODES.findall(text)]
+    iterations = [int(n) for n in _CBC_ITERATIONS.findall(text)]
+    work: dict[str, Any] = {}
+    if settings.work_grant is not None:
+        if stopped == "nodes" and _cbc_nodes(settings)[1]:
+            stopped = "work_budget"
+        # at least the root node, which CBC always solves (a log without the line included)
+        spent = max(1, nodes[-1] if nodes else 0)
+        work = {"nodes": spent, "lp_iterations": iterations[-1] if iterations else 0,
+                "work": spent / CBC_NODES_PER_SECOND}
+    return status, bound, message, stopped, work
 
 
 def _gurobi_status(code: int, solutions: int) -> Status:
@@ -704,7 +884,7 @@ def _gurobi_status(code: int, solutions: int) -> Status:
     return Status.ERROR
 
 
-def _solve_gurobi(problem: Any, settings: _Settings) -> tuple[Status, float, str, str | None]:
+def _solve_gurobi(problem: Any, settings: _Settings) -> _Run:
     import pulp  # type: ignore[import-untyped]
 
     params: dict[str, Any] = {"Seed": int(settings.seed)}
@@ -720,7 +900,7 @@ def _solve_gurobi(problem: Any, settings: _Settings) -> tuple[Status, float, str
     stopped = {9: "time", 8: "nodes"}.get(int(model.Status),
                                           "other" if int(model.Status) in (7, 10, 11, 13, 16,
                                                                            17) else None)
-    return status, bound, f"gurobi status {model.Status}", stopped
+    return status, bound, f"gurobi status {model.Status}", stopped, {}
 
 
 # ------------------------------------------------------------------ CP-SAT
