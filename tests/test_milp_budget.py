@@ -2,8 +2,8 @@
 
 Before: :func:`~optmem.engines.adapters.solve_pulp` only counted its calls under a
 ``work_budget``; a checkpoint ``ilp`` solve under ``work_budget=0.1`` ran HiGHS to its
-proof (27 nodes, 85,289 LP iterations, 19-29 s of wall clock on the 20-stage chain below,
-181 s on a 40-stage one), and what it returned depended on nothing the budget set. Now each
+proof (682 limit checks, 21-41 s of wall clock on the 20-stage chain below, 519 s on a
+40-stage one, under load), and what it returned depended on nothing the budget set. Now each
 HiGHS call is interrupted at the limit check that spends what is left (50 checks per
 deterministic second, one thread), each CBC call gets ``maxNodes`` from it (50 nodes per
 deterministic second), both are charged what they used, and a call made with nothing left
@@ -28,12 +28,13 @@ from optmem.result import Status  # noqa: E402
 from optmem.solvers.facade import solve  # noqa: E402
 
 HARD_OPTIMUM = 184.0
-"""The optimum of :func:`_hard` (HiGHS and CP-SAT prove it without a budget: 27 nodes)."""
+"""The optimum of :func:`_hard` (HiGHS and CP-SAT prove it without a budget)."""
 
 
 def _hard() -> CheckpointProblem:
     """A 20-stage chain at 30 % of its store-all peak: HiGHS does not prove it at the root
-    (root bound 180, 1,296 limit checks to the proof)."""
+    (bound 178 after 5 limit checks, 180 after 50; 682 checks to the proof from the DP
+    warm start)."""
     chain = random_chain(20, seed=0)
     return CheckpointProblem(chain, memory_limit=int(chain.store_all_peak() * 0.3))
 

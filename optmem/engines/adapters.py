@@ -365,11 +365,12 @@ MIP interrupt callback each time it checks its limits: after presolve, after eac
 separation round and root heuristic, at each node of the search (sub-MIPs excepted). Their
 number is a deterministic count of the work done (the same on every run at one thread);
 under a budget :func:`solve_pulp` interrupts HiGHS at the check that spends the call's
-grant. Measured on this repository's checkpoint ILP (one thread, ``nice 19``): 1,296
-checks took 22-29 s of wall clock on a 20-stage chain at 30 % of its store-all peak and
-991 checks 154 s on a 40-stage one, while CP-SAT ran 4.1-4.2 wall seconds per
-deterministic second on the same models and load (``benchmarks/results/work_budget.md``):
-50 checks per deterministic second lies between the two, a rough rate.
+grant. Measured on this repository's checkpoint ILP (the model alone, no warm start;
+one thread, ``nice 19``): 1,296 checks took 22-29 s of wall clock on a 20-stage chain at
+30 % of its store-all peak and 991 checks 154 s on a 40-stage one, while CP-SAT ran
+4.1-4.2 wall seconds per deterministic second on the same models and load
+(``benchmarks/results/work_budget.md``): 50 checks per deterministic second lies between
+the two, a rough rate.
 """
 
 HIGHS_LP_ITERATIONS_PER_SECOND = 10_000
