@@ -180,3 +180,29 @@ def test_an_unbounded_budget_measures_highs_without_limiting() -> None:
     assert measured.objective == plain.objective
     assert measured.report["work_milp_used"] > 0.0
     assert measured.report["work_exhausted"] is False
+
+
+def test_the_pipeline_polish_lp_runs_even_when_the_mip_spent_the_budget(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pipeline ILP re-solves its LP with the integers fixed to read the plan exactly.
+
+    Under a budget its MIP spends (0.02: one check), that LP was skipped with the rest
+    (``no_solution``, ``work_budget``: found by this hunt, introduced by the change above)
+    and the plan decoded from the unpolished values. It now runs outside the budget.
+    """
+    from test_pipeline_lns import missed_chain
+
+    seen: list[engines.EngineResult] = []
+    real = engines.solve_pulp
+
+    def spy(*args: object, **kwargs: object) -> engines.EngineResult:
+        out = real(*args, **kwargs)  # type: ignore[arg-type]
+        seen.append(out)
+        return out
+
+    monkeypatch.setattr(engines, "solve_pulp", spy)
+    out = solve(missed_chain(), "ilp", threads=1, work_budget=0.02)
+    assert out.status is Status.FEASIBLE and out.bound <= 12.0 <= out.objective
+    assert [r.stopped_by for r in seen] == ["work_budget", None]
+    assert seen[1].status is Status.OPTIMAL and not seen[1].info.get("skipped")
+    assert out.report["work_milp_skipped_calls"] == 0

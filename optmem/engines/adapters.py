@@ -276,6 +276,22 @@ def work_budget(total: float | None) -> Iterator[WorkBudget | None]:
         _BUDGET.reset(token)
 
 
+@contextlib.contextmanager
+def outside_budget() -> Iterator[None]:
+    """Run the engine calls inside without the solve's budget (neither limited nor charged).
+
+    For a call that reads a plan rather than searches for one: the pipeline ILP's polish
+    LP (every integer variable fixed to the engine's rounded value). Skipped under a spent
+    budget, the plan would be decoded from the MIP's unpolished values, whose integrality
+    tolerance can move a task by a period.
+    """
+    token = _BUDGET.set(None)
+    try:
+        yield
+    finally:
+        _BUDGET.reset(token)
+
+
 def carry_budget(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` bound to this context, so a thread running it charges this solve's budget.
 

@@ -294,7 +294,9 @@ def _polish(pm: Any, form: PipelineFormulation, values: list[float], options: So
 
     MIP engines accept integers within a tolerance, which the big-M rows multiply into time
     errors of about ``1e-6 K``: enough to move a task by a period in the decoder. With the
-    integers fixed the LP's vertex is exact up to the LP tolerance. The LP is small: no limit.
+    integers fixed the LP's vertex is exact up to the LP tolerance. The LP is small: no limit,
+    and it runs outside the solve's work budget (it reads the plan the MIP found; skipped
+    under a budget the MIP spent, the plan was decoded from the unpolished values).
     """
     import pulp  # type: ignore[import-untyped]
 
@@ -305,8 +307,9 @@ def _polish(pm: Any, form: PipelineFormulation, values: list[float], options: So
             v.cat = pulp.LpContinuous
             v.lowBound = v.upBound = round(x)
     try:
-        res = engines.solve_pulp(pm.problem, pm.all_variables, options.solver,
-                                 threads=options.threads, seed=options.seed)
+        with engines.outside_budget():
+            res = engines.solve_pulp(pm.problem, pm.all_variables, options.solver,
+                                     threads=options.threads, seed=options.seed)
         return res.values if res.status is Status.OPTIMAL else None
     finally:
         for v, lo, hi in saved:
