@@ -28,6 +28,7 @@ from optmem.errors import OptmemInputError
 from optmem.pipeline_plan import PipelinePlan
 from optmem.problems.pipeline import PipelineProblem
 from optmem.result import SolveOptions, Status
+from optmem.simulate.checkpoint import simulate_checkpoint
 from optmem.simulate.pipeline import simulate_pipeline
 from optmem.solvers.facade import solve
 from optmem.solvers.pipeline_common import lower_bound
@@ -54,14 +55,15 @@ def run(problem: PipelineProblem, name: str):
     return solve(problem, name.split("-")[0], options=METHODS[name])
 
 
-def chain_of(draw, n_max: int = 3, *, overheads: bool = True, last_out: bool = True) -> Chain:
+def chain_of(draw, n_max: int = 3, *, overheads: bool = True, last_out: bool = True,
+             outputs: bool = True) -> Chain:
     """2..n_max layers, forwards 1..3, backwards 1..4, outputs 0..3, tapes output + 0..2,
     overheads 0..3, weights 0..2 (``overheads=False``: overheads and weights 0, tapes equal
-    to outputs)."""
+    to outputs; ``outputs=False``: every output 0, the input 0..3)."""
     n = draw(st.integers(2, n_max))
     f = [draw(st.integers(1, 3)) for _ in range(n)]  # zero forwards: zero_forward_merged
     b = [draw(st.integers(1, 4)) for _ in range(n)]
-    out = [draw(st.integers(0, 3)) for _ in range(n)]
+    out = [draw(st.integers(0, 3)) if outputs else 0 for _ in range(n)]
     if not last_out:
         out[-1] = 0
     extra = [draw(st.integers(0, 2)) if overheads else 0 for _ in range(n)]
@@ -75,9 +77,10 @@ def chain_of(draw, n_max: int = 3, *, overheads: bool = True, last_out: bool = T
 
 
 @st.composite
-def temp_problems(draw, n_max: int = 3, overheads: bool = True, last_out: bool = True):
+def temp_problems(draw, n_max: int = 3, overheads: bool = True, last_out: bool = True,
+                  outputs: bool = True):
     """A strict problem with temporaries, memory from tight to generous."""
-    chain = chain_of(draw, n_max, overheads=overheads, last_out=last_out)
+    chain = chain_of(draw, n_max, overheads=overheads, last_out=last_out, outputs=outputs)
     gpus = draw(st.integers(1, 3))
     beta = draw(st.sampled_from([math.inf, 1.0, 2.0]))
     lay = PipelineProblem(chain, gpus, 0, memory_model="strict", temporaries=True).layers
@@ -112,17 +115,17 @@ def test_default_off_and_stash_refused():
 
 def test_layer_terms_from_the_chain_fields():
     """tf[k] = fwd_overhead + tape beyond output (layer L: whole tape), tb[k < L] =
-    bwd_overhead + weight gradient, tb[L] = max(delta_L + loss overhead - a_{L-1}, delta_L +
-    bwd_overhead + weight gradient)."""
+    bwd_overhead + weight gradient + the output a_k the tape holds, tb[L] = max(delta_L +
+    loss overhead - a_{L-1}, delta_L + bwd_overhead + weight gradient)."""
     chain = Chain.from_lists([1, 1, 1], [1, 1, 1], [2, 3, 4], [3, 3, 5], input_size=1,
                              fwd_overhead=[1, 2, 3], bwd_overhead=[4, 5, 6],
                              loss_bwd_overhead=7)
     lay = PipelineProblem(chain, 2, 100, memory_model="strict", temporaries=True).layers
     assert lay.tf == (0, 1 + 1, 2 + 0, 3 + 5)
-    assert lay.tb == (0, 4, 5, max(4 + 7 - 3, 4 + 6))
+    assert lay.tb == (0, 4 + 2, 5 + 3, max(4 + 7 - 3, 4 + 6))
     weighted = replace(chain, weight_size=(10, 20, 30))
     heavy = PipelineProblem(weighted, 2, 100, memory_model="strict", temporaries=True).layers
-    assert heavy.tb == (0, 4 + 10, 5 + 20, max(4 + 7 - 3, 4 + 6 + 30))
+    assert heavy.tb == (0, 4 + 10 + 2, 5 + 20 + 3, max(4 + 7 - 3, 4 + 6 + 30))
     plain = PipelineProblem(chain, 2, 100, memory_model="strict").layers
     for i in range(1, 4):
         for j in range(i, 4):
@@ -138,12 +141,12 @@ def test_layer_terms_from_the_chain_fields():
 # ------------------------------------------------------------------ nothing added: as before
 @settings(max_examples=30, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
-@given(problem=temp_problems(overheads=False, last_out=False),
+@given(problem=temp_problems(overheads=False, outputs=False),
        name=st.sampled_from(sorted(METHODS)))
 def test_zero_temporaries_give_the_strict_results(problem, name):
-    """Overheads and weights 0, tapes equal to outputs and ``output_size_L = 0``: every
-    method's result
-    is the plain strict model's (status, period, plan, peaks)."""
+    """Overheads and weights 0, tapes equal to outputs and every output 0 (the input
+    not): every method's result is the plain strict model's (status, period, plan,
+    peaks)."""
     plain = replace(problem, temporaries=False)
     assert problem.layers.strict_task(1, problem.layers.n) == \
         plain.layers.strict_task(1, plain.layers.n)
@@ -167,8 +170,10 @@ def independent_peaks(problem: PipelineProblem, plan: PipelinePlan, n_mb: int,
     from its forward's start to its backward's end; data waiting on the same GPU), but each
     layer's check is what the checkpoint simulator's op holds: ``F_all k`` the input
     ``a^{k-1}``, the tape ``abar^k`` and ``fwd_overhead``; ``Loss`` the micro-batch's stash,
-    ``delta^L`` and ``loss.bwd_overhead``; ``B k`` the stash up to ``k``, ``delta^k``,
-    ``delta^{k-1}``, ``bwd_overhead`` and the layer's weight gradient (``weight_size``).
+    ``delta^L`` and ``loss.bwd_overhead``; ``B k`` the stash up to ``k`` with the whole tape
+    ``abar^k`` (its output ``a^k`` included, as ``B k`` of the checkpoint simulator),
+    ``delta^k``, ``delta^{k-1}``, ``bwd_overhead`` and the layer's weight gradient
+    (``weight_size``).
     """
     c = problem.chain
     n = c.length
@@ -230,8 +235,9 @@ def independent_peaks(problem: PipelineProblem, plan: PipelinePlan, n_mb: int,
                         held.append(size[n] + c.loss_bwd_overhead)
                     for k in range(sg.last, sg.first - 1, -1):
                         freed = sum(x(q) for q in range(k + 1, sg.last + 1))
+                        tape_out = size[k] if k < n else 0  # a^k, left to x(k + 1)
                         held.append(size[k] + size[k - 1] + c.bwd_overhead[k - 1]
-                                    + c.weight_size[k - 1] - freed)
+                                    + c.weight_size[k - 1] + tape_out - freed)
                     assert whole >= 0
                 peaks[g] = max(peaks[g], base + max(held))
     return peaks
@@ -265,6 +271,46 @@ def test_simulator_peak_equals_layer_by_layer_count(case):
     assert list(sim.peaks) == independent_peaks(problem, plan, sim.microbatches)
     plain = simulate_pipeline(replace(problem, temporaries=False), plan)
     assert all(p >= q for p, q in zip(sim.peaks, plain.peaks, strict=True))
+
+
+def store_all_op_peaks(chain: Chain) -> list[int]:
+    """The checkpoint simulator's peak of each op of the store-all schedule of ``chain``
+    (``F_all 1..L``, ``Loss``, ``B L..1``), each ``B k`` plus its weight gradient."""
+    n = chain.length
+    ops = [f"F_all {k}" for k in range(1, n + 1)] + ["Loss"] \
+        + [f"B {k}" for k in range(n, 0, -1)]
+    steps = simulate_checkpoint(chain, ops).timeline
+    return [st.peak + (chain.weight_size[int(st.op.split()[1]) - 1]
+                       if st.op.startswith("B ") else 0) for st in steps]
+
+
+def test_one_gpu_backward_keeps_its_output_as_the_checkpoint_simulator():
+    """Until stop 54 the backward of layer k < L was charged its tape without its output
+    a_k (the stash leaves a_k to layer k + 1, freed by B_{k+1}), though the tape holds it
+    (Tanh, ReLU, Sigmoid save their result) and the checkpoint simulator's ``B k`` counts
+    it: here 18 where store-all's ``B 1`` holds 19 (with its weight gradient 22)."""
+    chain = Chain.from_lists([3, 2], [3, 2], [4, 0], [6, 0], input_size=3,
+                             weight_size=[3, 0], fwd_overhead=[0, 3], bwd_overhead=[3, 3],
+                             loss_bwd_overhead=1)
+    problem = PipelineProblem(chain, 1, 10**6, weight_copies=0, memory_model="strict",
+                              temporaries=True)
+    out = solve(problem, "contiguous", options=OPTS)
+    assert max(store_all_op_peaks(chain)) == 22
+    assert out.peak_memory == 22
+
+
+@settings(max_examples=200, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_one_gpu_peak_is_the_store_all_checkpoint_peak_with_weight_gradients(data):
+    """One GPU, one stage, no weight copies: one micro-batch is in flight, so the strict
+    peak with temporaries is the checkpoint simulator's store-all peak, each ``B k`` with
+    its weight gradient (the pipeline's other terms are 0 here)."""
+    chain = chain_of(data.draw, 5)
+    problem = PipelineProblem(chain, 1, 10**6, weight_copies=0, memory_model="strict",
+                              temporaries=True)
+    out = solve(problem, "contiguous", options=OPTS)
+    assert out.peak_memory == max(store_all_op_peaks(chain))
 
 
 # ------------------------------------------------------------------ every method

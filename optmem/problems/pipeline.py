@@ -64,15 +64,20 @@ strict model's per-layer checks (the checks are per task, where temporaries live
 model checks only when a forward starts, so it is refused with them): the forward of layer
 ``k`` adds ``fwd_overhead_k + saved_size_k - a_k`` (what the checkpoint simulator's
 ``F_all k`` holds above its input), the backward of layer ``k < L`` adds ``bwd_overhead_k +
-weight_size_k`` (the layer's weight gradient of the micro-batch, a new tensor until autograd
-adds it to ``.grad``: gradients accumulate over the micro-batches of a step, and the
-profiler leaves weight gradients out of ``bwd_overhead``), and layer ``L``'s backward, which
+weight_size_k + a_k`` (the layer's weight gradient of the micro-batch, a new tensor until
+autograd adds it to ``.grad``: gradients accumulate over the micro-batches of a step, and
+the profiler leaves weight gradients out of ``bwd_overhead``; and its output ``a_k``, part
+of the tape ``B_k`` reads, as in the checkpoint simulator, which the stash leaves to layer
+``k + 1`` and frees with ``B_{k+1}``: Tanh, ReLU and Sigmoid keep their result to their
+backward), and layer ``L``'s backward, which
 runs the loss step and then ``B_L``, adds the larger of ``delta_L + loss.bwd_overhead -
 a_{L-1}`` and ``delta_L + bwd_overhead_L + weight_size_L`` (each step with the
-micro-batch's whole stash). Memory only grows with them: every plan feasible with them
+micro-batch's whole stash). On one GPU with one micro-batch in flight (and no weight
+copies) the peak is then the checkpoint simulator's store-all peak of the chain, each
+``B k`` with its weight gradient. Memory only grows with them: every plan feasible with them
 is feasible without, so an optimum with them is never below the one without and period
 bounds computed without memory (``lower_bound``) stay valid. With every overhead 0, tapes
-equal to outputs, weights 0 and ``output_size_L = 0`` the results are those of the plain
+equal to outputs, weights 0 and every ``output_size`` 0 the results are those of the plain
 strict model.
 
 Communication: with bandwidth ``beta`` a cut after layer ``j`` costs one transfer of ``a_j /
@@ -200,7 +205,10 @@ def chain_layers(chain: Chain, *, temporaries: bool = False) -> Layers:
         ``k < L`` holds ``bwd_overhead_k`` and its weight gradient of this micro-batch,
         ``weight_size_k``, before autograd adds it to ``.grad`` (a pipeline accumulates
         gradients over micro-batches; the profiler leaves weight gradients out of
-        ``bwd_overhead``): ``tb[k] = bwd_overhead_k + weight_size_k``. Layer ``L``'s
+        ``bwd_overhead``), and its output ``a_k``, part of the tape ``abar_k`` it reads
+        (the stash leaves ``a_k`` to layer ``k + 1``, freed by ``B_{k+1}``; the checkpoint
+        simulator's ``B k`` counts it): ``tb[k] = bwd_overhead_k + weight_size_k + a_k``
+        (until stop 54 without ``a_k``). Layer ``L``'s
         backward task runs the loss step (holding ``delta_L``, of ``output_size_L``, and
         ``loss.bwd_overhead``) and then ``B_L`` (holding ``delta_L``, ``delta_{L-1}``,
         ``bwd_overhead_L`` and ``weight_size_L``), each with the micro-batch's whole stash:
@@ -228,7 +236,8 @@ def chain_layers(chain: Chain, *, temporaries: bool = False) -> Layers:
         tf = (0, *(chain.fwd_overhead[k - 1] + chain.saved_size[k - 1] - a[k]
                    for k in range(1, n + 1)))
         grad = [o + w for o, w in zip(chain.bwd_overhead, chain.weight_size, strict=True)]
-        tb = (0, *grad[:n - 1], max(out + chain.loss_bwd_overhead - a[n - 1], out + grad[-1]))
+        tb = (0, *(grad[k - 1] + a[k] for k in range(1, n)),
+              max(out + chain.loss_bwd_overhead - a[n - 1], out + grad[-1]))
     return Layers(f=(0.0, *chain.fwd_time), b=(0.0, *b), w=(0, *chain.weight_size),
                   x=tuple(x), a=a, tf=tf, tb=tb)
 
@@ -284,8 +293,9 @@ class PipelineProblem:
     temporaries
         Keyword only, ``memory_model="strict"`` only: also count each task's temporaries
         (the chain's ``fwd_overhead``, ``bwd_overhead``, ``loss.bwd_overhead``, the forward's
-        tape beyond its output, the loss gradient ``delta_L`` and a backward's weight
-        gradient before it is accumulated) at the check of its layer
+        tape beyond its output, the loss gradient ``delta_L``, a backward's weight
+        gradient before it is accumulated and the output its tape holds) at the check of
+        its layer
         (module section "Temporaries"). Default ``False``: the plain strict model.
 
     Examples
