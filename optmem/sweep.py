@@ -560,6 +560,53 @@ def auto_start(problem_factory: ProblemFactory, methods: Sequence[str],
     return min(found, default=None)
 
 
+def _any_plan(problem_factory: ProblemFactory, methods: Sequence[str], options: SolveOptions,
+              limit: int) -> bool:
+    """Whether one of ``methods`` finds a plan at ``limit`` (as :func:`auto_start` runs them)."""
+    from optmem.solvers.facade import method_info, run_options, solve
+
+    for method in methods:
+        try:
+            problem = problem_factory(limit)
+            run = run_options(problem.name, method_info(problem.name, method), method, options,
+                              shared=True)
+            if solve(problem, method.partition(":")[0], options=run).status.has_plan:
+                return True
+        except OptmemInputError:
+            continue
+    return False
+
+
+PIPELINE_START_TOLERANCE = 0.01
+"""How close (relative to the sweep's end) :func:`pipeline_start` brackets its threshold."""
+
+
+def pipeline_start(problem_factory: ProblemFactory, methods: Sequence[str],
+                   options: SolveOptions, high: int) -> int | None:
+    """Where ``auto`` starts a pipeline sweep whose methods report no least memory.
+
+    Under the ``strict`` memory model no pipeline method reports ``min_feasible_memory``,
+    and the checkpoint DP's least memory (where ``auto`` started until stop 54) says
+    nothing of a limit per GPU: on one chain plans fit below it (missed), on another none
+    fits above it (wasted points). From :meth:`PipelineProblem.memory_lower_bound`, below
+    which no plan fits, a bisection up to ``high`` (the sweep's end) brackets the least
+    limit at which one of ``methods`` finds a plan to within
+    :data:`PIPELINE_START_TOLERANCE` of ``high`` (the limit returned has a plan; about 7
+    rounds of the methods); ``None`` when no method finds one at ``high``.
+    """
+    low = int(problem_factory(0).memory_lower_bound())
+    if _any_plan(problem_factory, methods, options, low):
+        return low
+    if not _any_plan(problem_factory, methods, options, high):
+        return None
+    step = max(1, math.ceil(PIPELINE_START_TOLERANCE * high))
+    while high - low > step:  # no plan at low, a plan at high
+        mid = (low + high) // 2
+        low, high = (low, mid) if _any_plan(problem_factory, methods, options, mid) \
+            else (mid, high)
+    return high
+
+
 def auto_end(problem_factory: ProblemFactory, problem: str, chain: Chain,
              options: SolveOptions) -> int:
     """Where ``auto`` ends: 5 % above the memory at which the limit stops mattering.
@@ -675,9 +722,11 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     low = high = None
     if args.memory.split(":")[0] == "auto":
         low = auto_start(factory, methods, options)
+        high = auto_end(factory, args.problem, chain, options)
+        if low is None and args.problem == "pipeline":  # a limit per GPU: not the DP's
+            low = pipeline_start(factory, methods, options, high)
         if low is None:
             low = checkpoint_start(chain, options)
-        high = auto_end(factory, args.problem, chain, options)
     limits = parse_memory_range(args.memory, chain, low=low, high=high)
     result = sweep(factory, limits, methods, options=options, jobs=args.jobs,
                    progress=not args.quiet)

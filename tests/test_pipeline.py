@@ -15,7 +15,7 @@ from optmem.datasets.synthetic import random_pipeline_chain
 from optmem.errors import OptmemInputError, PlanError
 from optmem.pipeline_plan import PipelinePlan, PipelineStage, PipelineTask
 from optmem.problems.pipeline import PipelineProblem
-from optmem.result import Status
+from optmem.result import SolveOptions, Status
 from optmem.simulate.pipeline import simulate_pipeline
 from optmem.simulate.verify import verify_plan
 from optmem.solvers import pipeline_contiguous as contig
@@ -369,3 +369,32 @@ def test_a_zero_link_names_the_field_it_was_given_in() -> None:
         PipelineProblem(chain, n_gpus=2, memory_per_gpu=10**9, chain_bandwidth=0)
     with pytest.raises(OptmemInputError, match=r"field 'bandwidth'.*got '0'"):
         PipelineProblem(chain, n_gpus=2, memory_per_gpu=10**9, bandwidth="0")
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(st.data())
+def test_no_pipeline_plan_fits_below_the_memory_lower_bound(data: st.DataObject) -> None:
+    """:meth:`PipelineProblem.memory_lower_bound` is a bound: the exact model proves every
+    limit below it infeasible (stash, strict, strict with temporaries; 1-3 GPUs)."""
+    n = data.draw(st.integers(1, 3))
+    sizes = st.lists(st.integers(0, 5), min_size=n, max_size=n)
+    out = data.draw(sizes)
+    chain = Chain.from_lists([float(t) for t in data.draw(
+                                 st.lists(st.integers(0, 3), min_size=n, max_size=n))],
+                             [float(t) for t in data.draw(
+                                 st.lists(st.integers(1, 3), min_size=n, max_size=n))],
+                             out, [o + e for o, e in zip(out, data.draw(sizes), strict=True)],
+                             input_size=data.draw(st.integers(0, 4)),
+                             fwd_overhead=data.draw(sizes), bwd_overhead=data.draw(sizes),
+                             weight_size=data.draw(sizes),
+                             loss_bwd_overhead=data.draw(st.integers(0, 3)))
+    model, temporaries = data.draw(st.sampled_from([("stash", False), ("strict", False),
+                                                    ("strict", True)]))
+    problem = PipelineProblem(chain, n_gpus=data.draw(st.integers(1, 3)), memory_per_gpu=0,
+                              weight_copies=data.draw(st.integers(0, 3)),
+                              memory_model=model, temporaries=temporaries)
+    bound = problem.memory_lower_bound()
+    if bound > 0:
+        below = solve(replace(problem, memory_per_gpu=bound - 1), "cpsat",
+                      options=SolveOptions(threads=1, deterministic_time=30))
+        assert below.status is Status.INFEASIBLE

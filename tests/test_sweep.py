@@ -16,7 +16,7 @@ from optmem.datasets.synthetic import random_chain
 from optmem.errors import OptmemInputError
 from optmem.problems import CheckpointProblem
 from optmem.problems.min_peak import MinPeakProblem
-from optmem.result import Status
+from optmem.result import SolveOptions, Status
 from optmem.solvers.checkpoint_dp import min_memory_persistent
 from optmem.solvers.facade import solve
 from optmem.sweep import (
@@ -24,6 +24,7 @@ from optmem.sweep import (
     CliFactory,
     Progress,
     SweepPoint,
+    checkpoint_start,
     pareto_front,
     parse_memory_range,
     sweep,
@@ -276,3 +277,45 @@ def test_auto_range_of_a_pipeline_reaches_its_fastest_plan(tmp_path: Path,
     assert limits[0] == least.min_feasible_memory and len(limits) == 3
     assert limits[-1] == -(-free.peak_memory * 105 // 100)
     assert float(rows[-1]["objective"]) == free.objective
+
+
+# a chain on which the checkpoint DP's least memory (16 B, where ``auto`` started a strict
+# pipeline sweep until stop 54) is above the least limit per GPU (14 B on 2 GPUs)
+_STRICT_CHAIN = dict(fwd=[1.0, 2.0, 1.0], bwd=[2.0, 2.0, 1.0], out=[3, 2, 4], saved=[4, 2, 4],
+                     fo=[2, 1, 3], bo=[1, 2, 2])
+
+
+@pytest.mark.parametrize("temporaries", [False, True])
+def test_auto_range_of_a_strict_pipeline_starts_where_a_method_finds_a_plan(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], temporaries: bool) -> None:
+    """Under ``strict`` no pipeline method reports a least memory, and ``auto`` started at
+    the checkpoint DP's, which says nothing of a limit per GPU. It now starts where one of
+    the swept methods finds a plan and none finds one a step below (bisection from
+    :meth:`PipelineProblem.memory_lower_bound`)."""
+    from optmem.problems import PipelineProblem
+
+    spec = _STRICT_CHAIN
+    chain = Chain.from_lists(spec["fwd"], spec["bwd"], spec["out"], spec["saved"],
+                             input_size=2, fwd_overhead=spec["fo"], bwd_overhead=spec["bo"],
+                             loss_bwd_overhead=5)
+    path = tmp_path / "t.json"
+    chain.save(path)
+
+    def at(limit: int) -> PipelineProblem:
+        return PipelineProblem(chain, n_gpus=2, memory_per_gpu=limit, memory_model="strict",
+                               temporaries=temporaries)
+
+    csv_path = tmp_path / "p.csv"
+    flags = ["--temporaries"] if temporaries else []
+    code = main(["sweep", "pipeline", str(path), "--gpus", "2", "--memory-model", "strict",
+                 *flags, "--memory", "auto:4", "-q", "--methods", "contiguous",
+                 "--jobs", "1", "--csv", str(csv_path)])
+    assert code == 0, capsys.readouterr().err
+    rows = list(csv.DictReader(csv_path.read_text().splitlines()))
+    start = min(int(row["memory_limit"]) for row in rows)
+    assert start >= at(0).memory_lower_bound()
+    assert solve(at(start), "contiguous").status.has_plan
+    assert not solve(at(start - 1), "contiguous").status.has_plan
+    assert start == (19 if temporaries else 14)
+    assert checkpoint_start(chain, SolveOptions()) == 16  # where auto started before
+

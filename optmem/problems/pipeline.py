@@ -374,6 +374,42 @@ class PipelineProblem:
         """The ``L`` layers (the loss folded into the last; temporaries if asked)."""
         return chain_layers(self.chain, temporaries=self.temporaries)
 
+    def memory_lower_bound(self) -> int:
+        """A memory per GPU below which no plan fits (a valid bound, not the least limit).
+
+        The GPUs hold ``C x`` every weight between them, so one holds at least ``C W / P``.
+        The GPU of layer ``k`` holds ``C w_k`` and, at the check of a task of ``k`` (module
+        section "Memory per GPU"), under ``stash`` the micro-batch's stash ``x_k`` (a
+        forward's own micro-batch counts), under ``strict`` the larger of its forward's
+        task ``a_{k-1} + a_k`` and its backward's ``x_k + a_{k-1} + a_k`` (temporaries
+        included when counted), whatever the allocation, grouping and schedule: a stage of
+        several layers, other micro-batches, buffers and other layers' weights only add.
+
+        Returns
+        -------
+        int
+            ``max(ceil(C W / P), max_k C w_k + task_k)``.
+
+        Examples
+        --------
+        >>> from optmem.chain import Chain
+        >>> c = Chain(fwd_time=(1.0, 1.0), bwd_time=(1.0, 1.0), output_size=(3, 5),
+        ...           saved_size=(3, 5), fwd_overhead=(0, 0), bwd_overhead=(0, 0),
+        ...           weight_size=(4, 1), input_size=2)
+        >>> PipelineProblem(c, n_gpus=2, memory_per_gpu=100).memory_lower_bound()
+        14
+        """
+        lay = self.layers
+        copies = self.weight_copies
+        need = math.ceil(copies * lay.weights(1, lay.n) / self.n_gpus)
+        for k in range(1, lay.n + 1):
+            task = lay.x[k]
+            if self.memory_model == "strict":
+                fwd, bwd = lay.strict_task(k, k)
+                task = max(fwd, lay.x[k] + bwd)
+            need = max(need, copies * lay.w[k] + task)
+        return int(need)
+
     def buffer_size(self, j: int) -> int:
         """Buffers held by each of the two GPUs of a cut after layer ``j`` (``2 a_j``)."""
         return 2 * self.layers.a[j] if self.buffers else 0
