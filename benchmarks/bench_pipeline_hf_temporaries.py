@@ -1,10 +1,11 @@
 """Planned against measured per-rank peaks of ``op.pipeline`` on tiny HuggingFace models.
 
-    python benchmarks/bench_pipeline_hf_temporaries.py [gpt2,llama]
+    python benchmarks/bench_pipeline_hf_temporaries.py [gpt2,llama] [--loss-fn]
 
 ``GPT2LMHeadModel`` and ``LlamaForCausalLM`` from configs (random init, 2 layers, hidden 64,
 vocabulary 128, sequences of 64, micro-batches of 8 rows = 128 KiB per activation, 4 per
-step, the model's own loss with ``labels=``), planned by ``op.pipeline(...,
+step, the model's own loss with ``labels=``; ``--loss-fn``: a cross-entropy ``loss_fn`` on the
+logits instead, which runs outside the chain, unprofiled), planned by ``op.pipeline(...,
 memory_model="strict", temporaries=True, weight_copies=0)`` on 2 gloo processes (one thread
 each) with fixed times (a stage with weights 1 forward / 2 backward, one without 0.25 / 0.5)
 so that the plans do not depend on the machine's load, contiguous and MadPipe. Each plan is
@@ -16,6 +17,7 @@ rank's **second** step. Results: ``benchmarks/results/pipeline_runtime.md``.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import tempfile
@@ -57,7 +59,13 @@ def time_model(module: nn.Module, _x: Any, _y: Any) -> tuple[float, float]:
     return (1.0, 2.0) if any(True for _ in module.parameters()) else (0.25, 0.5)
 
 
-def worker(rank: int, world: int, jobs: list[tuple[str, str]], out: str) -> None:
+def lm_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+    logits = output.logits
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def worker(rank: int, world: int, jobs: list[tuple[str, str]], use_loss_fn: bool, out: str
+           ) -> None:
     import optmem.pytorch as op
     from optmem.problems.pipeline import PipelineProblem
     from optmem.pytorch.memory import measure_training_peak
@@ -69,13 +77,17 @@ def worker(rank: int, world: int, jobs: list[tuple[str, str]], out: str) -> None
     for name, method in jobs:
         model = build(name)
         x, y = data()
-        piped = op.pipeline(model, {"input_ids": x[:ROWS], "labels": y[:ROWS]}, gpus=2,
-                            memory_per_gpu="1GiB", method=method, microbatches=MB,
-                            time_model=time_model, repeats=1, warmup=0,
-                            memory_model="strict", temporaries=True, weight_copies=0)
+        sample = x[:ROWS] if use_loss_fn else {"input_ids": x[:ROWS], "labels": y[:ROWS]}
+        piped = op.pipeline(model, sample, gpus=2, memory_per_gpu="1GiB", method=method,
+                            microbatches=MB, time_model=time_model, repeats=1, warmup=0,
+                            memory_model="strict", temporaries=True, weight_copies=0,
+                            loss_fn=lm_loss if use_loss_fn else None)
 
         def step(piped: Any = piped, x: torch.Tensor = x, y: torch.Tensor = y) -> None:
-            piped.step(input_ids=x, labels=y)
+            if use_loss_fn:
+                piped.step(x, target=y)
+            else:
+                piped.step(input_ids=x, labels=y)
 
         model.zero_grad(set_to_none=True)
         dist.barrier()
@@ -95,10 +107,15 @@ def worker(rank: int, world: int, jobs: list[tuple[str, str]], out: str) -> None
 def main() -> None:
     from optmem.pytorch.distributed import spawn
 
-    names = sys.argv[1].split(",") if len(sys.argv) > 1 else ["gpt2", "llama"]
-    jobs = [(name, method) for name in names for method in ("contiguous", "madpipe")]
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("models", nargs="?", default="gpt2,llama")
+    ap.add_argument("--loss-fn", action="store_true",
+                    help="a cross-entropy loss_fn on the logits instead of labels=")
+    args = ap.parse_args()
+    jobs = [(name, method) for name in args.models.split(",")
+            for method in ("contiguous", "madpipe")]
     out = tempfile.mkdtemp()
-    spawn(worker, 2, jobs, out, init_file=os.path.join(out, "rendezvous"))
+    spawn(worker, 2, jobs, args.loss_fn, out, init_file=os.path.join(out, "rendezvous"))
     rows = sorted(r for k in range(2) for r in torch.load(os.path.join(out, f"rank{k}.pt")))
     kib = 1024
     print("| model | plan | rank | planned stash | strict | strict + temporaries | "

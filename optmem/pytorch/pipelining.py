@@ -673,7 +673,8 @@ def pipeline(
     memory_model, temporaries, time_limit_s
         Problem and solver options (``docs/pipeline.md``; ``temporaries=True`` needs
         ``memory_model="strict"`` and makes the plan's per-rank peak count each task's
-        temporaries, the loss's included).
+        temporaries, the loss's included when it is the model's own, ``loss_fn=None``: a
+        ``loss_fn`` runs outside the profiled chain, so only its ``delta_L`` is counted).
     max_stages
         Merge the extracted layers into at most this many, balanced by measured time.
     device
