@@ -1,6 +1,7 @@
 """Planned against measured per-rank peaks of ``op.pipeline`` on tiny HuggingFace models.
 
     python benchmarks/bench_pipeline_hf_temporaries.py [gpt2,llama] [--loss-fn]
+        [--layers 2] [--hidden 64] [--seq 64]
 
 ``GPT2LMHeadModel`` and ``LlamaForCausalLM`` from configs (random init, 2 layers, hidden 64,
 vocabulary 128, sequences of 64, micro-batches of 8 rows = 128 KiB per activation, 4 per
@@ -28,31 +29,31 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-VOCAB, SEQ, ROWS, MB = 128, 64, 8, 4
+VOCAB, ROWS, MB = 128, 8, 4
 
 
-def build(name: str) -> nn.Module:
+def build(name: str, layers: int, hidden: int, seq: int) -> nn.Module:
     """A tiny HuggingFace model, seeded, no dropout."""
     torch.manual_seed(0)
     if name == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
 
         return GPT2LMHeadModel(GPT2Config(
-            n_layer=2, n_embd=64, n_head=2, vocab_size=VOCAB, n_positions=SEQ,
+            n_layer=layers, n_embd=hidden, n_head=2, vocab_size=VOCAB, n_positions=seq,
             use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
             bos_token_id=0, eos_token_id=0))
     from transformers import LlamaConfig, LlamaForCausalLM
 
     return LlamaForCausalLM(LlamaConfig(
-        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=2,
-        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=SEQ,
+        num_hidden_layers=layers, hidden_size=hidden, intermediate_size=2 * hidden,
+        num_attention_heads=2, num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=seq,
         use_cache=False))
 
 
-def data() -> tuple[torch.Tensor, torch.Tensor]:
+def data(seq: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(5)
-    return (torch.randint(0, VOCAB, (ROWS * MB, SEQ), generator=gen),
-            torch.randint(0, VOCAB, (ROWS * MB, SEQ), generator=gen))
+    return (torch.randint(0, VOCAB, (ROWS * MB, seq), generator=gen),
+            torch.randint(0, VOCAB, (ROWS * MB, seq), generator=gen))
 
 
 def time_model(module: nn.Module, _x: Any, _y: Any) -> tuple[float, float]:
@@ -64,8 +65,8 @@ def lm_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
 
-def worker(rank: int, world: int, jobs: list[tuple[str, str]], use_loss_fn: bool, out: str
-           ) -> None:
+def worker(rank: int, world: int, jobs: list[tuple[str, str]], use_loss_fn: bool,
+           size: tuple[int, int, int], out: str) -> None:
     import optmem.pytorch as op
     from optmem.problems.pipeline import PipelineProblem
     from optmem.pytorch.memory import measure_training_peak
@@ -75,8 +76,8 @@ def worker(rank: int, world: int, jobs: list[tuple[str, str]], use_loss_fn: bool
     torch.set_num_threads(1)
     rows = []
     for name, method in jobs:
-        model = build(name)
-        x, y = data()
+        model = build(name, *size)
+        x, y = data(size[2])
         sample = x[:ROWS] if use_loss_fn else {"input_ids": x[:ROWS], "labels": y[:ROWS]}
         piped = op.pipeline(model, sample, gpus=2, memory_per_gpu="1GiB", method=method,
                             microbatches=MB, time_model=time_model, repeats=1, warmup=0,
@@ -111,11 +112,15 @@ def main() -> None:
     ap.add_argument("models", nargs="?", default="gpt2,llama")
     ap.add_argument("--loss-fn", action="store_true",
                     help="a cross-entropy loss_fn on the logits instead of labels=")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--seq", type=int, default=64)
     args = ap.parse_args()
     jobs = [(name, method) for name in args.models.split(",")
             for method in ("contiguous", "madpipe")]
     out = tempfile.mkdtemp()
-    spawn(worker, 2, jobs, args.loss_fn, out, init_file=os.path.join(out, "rendezvous"))
+    spawn(worker, 2, jobs, args.loss_fn, (args.layers, args.hidden, args.seq), out,
+          init_file=os.path.join(out, "rendezvous"))
     rows = sorted(r for k in range(2) for r in torch.load(os.path.join(out, f"rank{k}.pt")))
     kib = 1024
     print("| model | plan | rank | planned stash | strict | strict + temporaries | "
