@@ -185,7 +185,7 @@ def test_cli_profile_errors(factory_module):
                         (["profile", factory_module.replace("make_module_only",
                                                             "make_mismatched")],
                          r"does not run on its own sample: RuntimeError: mat1 and mat2"),
-                        (["profile", "toy-mlp", "--device", "tpu"], "cpu, cuda or meta")):
+                        (["profile", "toy-mlp", "--device", "tpu"], "cpu, cuda, cuda:N or meta")):
         args = _argparser().parse_args(argv)
         with pytest.raises(OptmemInputError, match=match):
             args.func(args)
@@ -1136,3 +1136,20 @@ def test_cli_profile_refuses_a_cuda_device_the_machine_lacks(monkeypatch, capsys
             args.func(args)
         assert main(["profile", "toy-mlp", "--device", device]) == 2
         assert match.split(",")[0] in capsys.readouterr().err
+
+
+def test_cli_profile_names_cuda_n_for_every_refused_device(capsys):
+    """``optmem profile --device CPU`` (or ``mps``, ``cpu:0``) said ``expected cpu, cuda or
+    meta`` while ``cudax`` said ``expected cpu, cuda, cuda:N or meta`` and ``cuda:1`` is
+    taken (stop 54's fuzz, 66 device forms): every refused name now gets the one message
+    that lists ``cuda:N``, and ``--help`` names it."""
+    from optmem.cli import main
+
+    for device in ("CPU", "mps", "cpu:0", ""):
+        assert main(["profile", "toy-mlp", "--device", device]) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert err == [f"optmem: error: field 'device': expected cpu, cuda, cuda:N or meta, "
+                       f"got {device!r}"]
+    with pytest.raises(SystemExit):
+        main(["profile", "--help"])
+    assert "cpu, cuda, cuda:N, or meta" in " ".join(capsys.readouterr().out.split())

@@ -52,7 +52,8 @@ def register_cli(subparsers: Any) -> None:
     p.add_argument("--input-shape", type=_shape, default=None,
                    help="shape of one example, e.g. 3,224,224 (if the factory gives no sample)")
     p.add_argument("--device", default="cpu",
-                   help="cpu, cuda, or meta (exact sizes without running; times from FLOPs)")
+                   help="cpu, cuda, cuda:N, or meta (exact sizes without running; times "
+                        "from FLOPs)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per stage (median)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs per stage")
     p.add_argument("--max-stages", type=int, default=None,
@@ -106,7 +107,7 @@ def run_profile(args: argparse.Namespace) -> int:
         raise OptmemInputError(f"expected a positive batch size, got {args.batch}",
                                field="batch")
     if args.device not in ("cpu", "meta") and not args.device.startswith("cuda"):
-        raise OptmemInputError(f"expected cpu, cuda or meta, got {args.device!r}",
+        raise OptmemInputError(f"expected cpu, cuda, cuda:N or meta, got {args.device!r}",
                                field="device")
 
     from optmem.pytorch import api, profile
