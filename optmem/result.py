@@ -139,12 +139,13 @@ def _limit(value: Any, name: str) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool | np.bool_) or not isinstance(value, Real) or not _positive(value):
-        raise OptmemInputError(f"expected a positive number or None, got {value!r}", field=name)
+        raise OptmemInputError(f"expected a positive number (inf or None: no limit), got "
+                               f"{value!r}", field=name)
     try:
         return float(value)
     except OverflowError:
-        raise OptmemInputError(f"expected a positive number or None, got {value!r} (too large "
-                               f"for a float)", field=name) from None
+        raise OptmemInputError(f"expected a positive number (inf or None: no limit), got "
+                               f"{value!r} (too large for a float)", field=name) from None
 
 
 def _node_limit(value: Any) -> int | None:

@@ -653,3 +653,19 @@ def test_bad_work_budgets_exit_2_naming_the_flag(capsys, chain_file, value):
     assert code == 2 and not out
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "work-budget" in lines[0], lines
+
+
+@pytest.mark.parametrize("flag", ["--work-budget", "--deterministic-time"])
+def test_a_refused_limit_names_what_the_cli_takes_for_no_limit(capsys, chain_file, flag):
+    """``--work-budget nan`` said ``expected a positive number or None, got nan``: ``None``
+    is Python's spelling, which the flag refuses (``invalid float value: 'None'``); stop 54's
+    budget fuzz (630 command lines). The message now names ``inf`` too, which both take."""
+    code, out, err = run(capsys, "solve", "checkpoint", str(chain_file), "--memory", "16",
+                         "--method", "cpsat", flag, "nan")
+    assert code == 2 and not out
+    assert err.strip().splitlines() == [
+        f"optmem: error: field '{flag}': expected a positive number (inf or None: no limit), "
+        "got nan"]
+    code, out, err = run(capsys, "solve", "checkpoint", str(chain_file), "--memory", "16",
+                         "--method", "cpsat", flag, "inf", "--json")
+    assert code == 0, err
