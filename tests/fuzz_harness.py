@@ -94,6 +94,7 @@ EXTREME_CHAIN_RATES = ("0", "1e-300", "1e-9", "1e18", "1e308", "inf")
 BAD_INTS = ("0", "-1", "1.5", "x", "", "10000000000", "1" + "0" * 30, "\u0663", "0x1", " 2",
             "1e3", "-0")
 BAD_FLOATS = ("0", "-1", "nan", "inf", "-inf", "1e-300", "1e308", "x", "", "1e400", "0.0")
+BAD_BUDGETS = ("0", "-1", "nan", "-inf", "x", "", "0.0", "1e-400", "None", "true")
 BUNDLED = ("resnet-like-40", "vgg16-b64-224", "resnet18-b64-224")
 BAD_CHAIN_NAMES = ("", ".", "..", "-", "/", "resnet", "RESNET-LIKE-40", "nonexistent",
                    "nonexistent.json", "/nonexistent/chain.json", "~", "resnet-like-40.json",
@@ -646,7 +647,8 @@ def link_option(draw: st.DrawFn, args: Args, good: Sequence[str], *, p_skip: int
 
 
 def common_options(draw: st.DrawFn, args: Args, *, exact: bool) -> None:
-    """``--slots``, ``--time-limit``, ``--threads``, ``--solver``, ``--variant``."""
+    """``--slots``, ``--time-limit``, ``--threads``, ``--solver``, ``--work-budget``,
+    ``--variant``."""
     args.add(draw, "--slots", ("500", "50", "7", "1"), BAD_INTS, p_skip=2,
              extreme=("2", "3", "5000", "100000", "100000000", "10000000000"))
     args.add(draw, "--time-limit", ("5", "2.5"), BAD_FLOATS, p_skip=1 if exact else 2,
@@ -654,6 +656,9 @@ def common_options(draw: st.DrawFn, args: Args, *, exact: bool) -> None:
     args.add(draw, "--threads", ("1", "2"), BAD_INTS, p_skip=2,
              extreme=("256", "257", "100000"))
     args.add(draw, "--solver", ("highs", "cbc"), ("bogus", "gurobi", ""), p_skip=3)
+    if chance(draw, 20):  # stop 54: HiGHS and CBC under the budget (no fuzz coverage before)
+        args.add(draw, "--work-budget", ("0.05", "1", "inf", "1e400"), BAD_BUDGETS,
+                 extreme=("1e-300", "1e308"))
     if chance(draw, 15):
         args.add(draw, "--variant", VARIANTS, ("bogus",))
 
