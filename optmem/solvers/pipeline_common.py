@@ -240,9 +240,8 @@ def _run_pulp(form: PipelineFormulation, options: SolveOptions, values: list[flo
     report: dict[str, Any] = res.report()
     if res.failed:
         return ModelRun(Status.ERROR, None, math.nan, report, engine=res)
-    nodes = _highs_nodes(pm.problem) if options.solver == "highs" else None
-    if nodes is not None:
-        report["nodes"] = nodes
+    if options.solver == "highs" and "nodes" in res.info:  # the adapter read HiGHS's count
+        report["nodes"] = res.info["nodes"]
     bound = res.bound if math.isfinite(res.bound) else math.nan
     if res.status is Status.INFEASIBLE:
         return ModelRun(res.status, None, math.inf, report, engine=res)
@@ -278,14 +277,6 @@ def _undecodable(res: engines.EngineResult, fault: str, report: dict[str, Any],
     failed = engines.undecodable_result(res, fault)
     return ModelRun(Status.ERROR, None, math.nan, {**report, **failed.report()}, step,
                     engine=failed)
-
-
-def _highs_nodes(problem: Any) -> int | None:
-    """Branch-and-bound nodes of the last HiGHS solve of ``problem`` (None if unknown)."""
-    try:
-        return int(problem.solverModel.getInfo().mip_node_count)
-    except (AttributeError, TypeError, ValueError):
-        return None
 
 
 def _polish(pm: Any, form: PipelineFormulation, values: list[float], options: SolveOptions
