@@ -23,7 +23,7 @@ ORDER = ["checkpoint_dp", "exact", "checkpoint_exact", "cpsat_linearization", "z
          "hf_segment", "memory", "hf_zoo", "offload",
          "offload_exact", "remat_offload", "remat_offload_exact", "remat_offload_proofs",
          "pipeline_exact", "pipeline_fixed", "pipeline_linearization", "pipeline",
-         "madpipe_speed", "pipeline_runtime",
+         "madpipe_speed", "pipeline_strict", "pipeline_runtime",
          "min_peak", "fuzz", "hunts"]
 INTRO = """# Benchmark results
 

@@ -30,16 +30,8 @@ def thesis_chain(f, b, a, w=None) -> Chain:
 
 def brute_contiguous(problem: PipelineProblem) -> float:
     """Best 1F1B* period over every contiguous split into at most P stages."""
-    n = problem.layers.n
-    best = math.inf
-    for k in range(1, min(problem.n_gpus, n) + 1):
-        for cuts in itertools.combinations(range(1, n), k - 1):
-            edges = [0, *cuts, n]
-            bounds = [(edges[t] + 1, edges[t + 1]) for t in range(k)]
-            found = contig.best_period_for_allocation(problem, bounds)
-            if found:
-                best = min(best, found[0])
-    return best
+    found = contig.scan_contiguous(problem)
+    return math.inf if found is None else found[0]
 
 
 # ------------------------------------------------------------------ 1F1B* (madpipe.md 7.3)
@@ -376,18 +368,7 @@ def test_a_zero_link_names_the_field_it_was_given_in() -> None:
 def test_no_pipeline_plan_fits_below_the_memory_lower_bound(data: st.DataObject) -> None:
     """:meth:`PipelineProblem.memory_lower_bound` is a bound: the exact model proves every
     limit below it infeasible (stash, strict, strict with temporaries; 1-3 GPUs)."""
-    n = data.draw(st.integers(1, 3))
-    sizes = st.lists(st.integers(0, 5), min_size=n, max_size=n)
-    out = data.draw(sizes)
-    chain = Chain.from_lists([float(t) for t in data.draw(
-                                 st.lists(st.integers(0, 3), min_size=n, max_size=n))],
-                             [float(t) for t in data.draw(
-                                 st.lists(st.integers(1, 3), min_size=n, max_size=n))],
-                             out, [o + e for o, e in zip(out, data.draw(sizes), strict=True)],
-                             input_size=data.draw(st.integers(0, 4)),
-                             fwd_overhead=data.draw(sizes), bwd_overhead=data.draw(sizes),
-                             weight_size=data.draw(sizes),
-                             loss_bwd_overhead=data.draw(st.integers(0, 3)))
+    chain = _random_layers_chain(data, data.draw(st.integers(1, 3)))
     model, temporaries = data.draw(st.sampled_from([("stash", False), ("strict", False),
                                                     ("strict", True)]))
     problem = PipelineProblem(chain, n_gpus=data.draw(st.integers(1, 3)), memory_per_gpu=0,
@@ -398,3 +379,68 @@ def test_no_pipeline_plan_fits_below_the_memory_lower_bound(data: st.DataObject)
         below = solve(replace(problem, memory_per_gpu=bound - 1), "cpsat",
                       options=SolveOptions(threads=1, deterministic_time=30))
         assert below.status is Status.INFEASIBLE
+
+
+def _random_layers_chain(data: st.DataObject, n: int) -> Chain:
+    """A small chain with random integer times and sizes (every field drawn)."""
+    sizes = st.lists(st.integers(0, 5), min_size=n, max_size=n)
+    out = data.draw(sizes)
+    return Chain.from_lists([float(t) for t in data.draw(
+                                st.lists(st.integers(0, 3), min_size=n, max_size=n))],
+                            [float(t) for t in data.draw(
+                                st.lists(st.integers(1, 3), min_size=n, max_size=n))],
+                            out, [o + e for o, e in zip(out, data.draw(sizes), strict=True)],
+                            input_size=data.draw(st.integers(0, 4)),
+                            fwd_overhead=data.draw(sizes), bwd_overhead=data.draw(sizes),
+                            weight_size=data.draw(sizes),
+                            loss_bwd_overhead=data.draw(st.integers(0, 3)))
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(st.data())
+def test_a_stage_never_uses_less_than_its_memory_floor(data: st.DataObject) -> None:
+    """:meth:`PipelineProblem.stage_memory_floor` is a bound the simulator never beats:
+    on every 1F1B* pattern of random contiguous splits (every candidate period), the GPU
+    of each stage peaks at least at the stage's floor (stash, strict, strict with
+    temporaries, buffers or not). ``contiguous`` under ``strict`` skips splits below it."""
+    n = data.draw(st.integers(1, 5))
+    chain = _random_layers_chain(data, n)
+    model, temporaries = data.draw(st.sampled_from([("stash", False), ("strict", False),
+                                                    ("strict", True)]))
+    problem = PipelineProblem(chain, n_gpus=3, memory_per_gpu=10**9,
+                              weight_copies=data.draw(st.integers(0, 3)),
+                              buffers=data.draw(st.booleans()), chain_bandwidth=2.0,
+                              memory_model=model, temporaries=temporaries)
+    cuts = sorted(data.draw(st.sets(st.integers(1, n - 1), max_size=2)) if n > 1 else [])
+    edges = [0, *cuts, n]
+    bounds = [(edges[t] + 1, edges[t + 1]) for t in range(len(edges) - 1)]
+    f, b = contig.pseudo_loads(problem, bounds)
+    loads = [x + y for x, y in zip(f, b, strict=True)]
+    for period in contig.period_candidates(loads, max(loads)):
+        peaks = simulate_pipeline(problem, contig.one_f_one_b_star(problem, bounds,
+                                                                   period)).peaks
+        for gpu, (i, j) in enumerate(bounds):
+            assert peaks[gpu] >= problem.stage_memory_floor(i, j)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(st.data())
+def test_strict_contiguous_returns_the_full_scans_plan(data: st.DataObject) -> None:
+    """``contiguous`` under ``strict`` (splits by least period, memory floors, periods
+    cut at the best) returns the plan of the full scan it replaced in stop 55: every split
+    in enumeration order, every candidate period, the first split of the least period."""
+    n = data.draw(st.integers(1, 6))
+    chain = _random_layers_chain(data, n)
+    problem = PipelineProblem(chain, n_gpus=data.draw(st.integers(1, 4)), memory_per_gpu=0,
+                              chain_bandwidth=data.draw(st.sampled_from([1.0, 4.0, math.inf])),
+                              memory_model="strict", temporaries=data.draw(st.booleans()))
+    limit = data.draw(st.integers(problem.memory_lower_bound(),
+                                  problem.memory_lower_bound() + 30))
+    problem = replace(problem, memory_per_gpu=limit)
+    best = contig.scan_contiguous(problem)
+    result = solve(problem, "contiguous")
+    if best is None:
+        assert result.status is Status.INFEASIBLE
+    else:
+        assert result.objective == best[0]
+        assert result.plan == tuple(best[1].to_strings())

@@ -400,15 +400,31 @@ class PipelineProblem:
         14
         """
         lay = self.layers
-        copies = self.weight_copies
-        need = math.ceil(copies * lay.weights(1, lay.n) / self.n_gpus)
-        for k in range(1, lay.n + 1):
-            task = lay.x[k]
-            if self.memory_model == "strict":
-                fwd, bwd = lay.strict_task(k, k)
-                task = max(fwd, lay.x[k] + bwd)
-            need = max(need, copies * lay.w[k] + task)
-        return int(need)
+        need = math.ceil(self.weight_copies * lay.weights(1, lay.n) / self.n_gpus)
+        return int(max(need, *(self.stage_memory_floor(k, k) for k in range(1, lay.n + 1))))
+
+    def stage_memory_floor(self, i: int, j: int) -> int:
+        """A memory below which no GPU running layers ``i..j`` as one stage fits.
+
+        Whatever the grouping and schedule, the GPU holds ``C`` copies of the stage's
+        weights and at least one micro-batch of it: under ``stash`` its stash ``x(i..j)``,
+        under ``strict`` the larger of its forward's and its backward's task
+        (:meth:`Layers.strict_task`, the backward on top of the micro-batch's whole
+        stash). Other stages, micro-batches and buffers only add. For one layer this is
+        the per-layer term of :meth:`memory_lower_bound`, which holds for any plan.
+
+        Returns
+        -------
+        int
+            ``C w(i..j) + x(i..j)`` (stash) or ``C w(i..j) + max(fwd, x(i..j) + bwd)``
+            (strict).
+        """
+        lay = self.layers
+        task = lay.stash(i, j)
+        if self.memory_model == "strict":
+            fwd, bwd = lay.strict_task(i, j)
+            task = max(fwd, task + bwd)
+        return int(self.weight_copies * lay.weights(i, j) + task)
 
     def buffer_size(self, j: int) -> int:
         """Buffers held by each of the two GPUs of a cut after layer ``j`` (``2 a_j``)."""

@@ -107,28 +107,53 @@ def solve_pipeline_contiguous(problem: PipelineProblem, options: SolveOptions) -
 
 
 def _best_contiguous_strict(problem: PipelineProblem) -> Result:
-    """Strict memory model: enumerate contiguous splits (small chains) and scan periods."""
-    from itertools import combinations
+    """Strict memory model: enumerate contiguous splits (small chains) and scan periods.
 
-    n = problem.layers.n
+    Splits are tried in order of their least period (their largest pseudo-stage load) and
+    the scan stops at the first whose least period exceeds the best found; a split with a
+    stage below :meth:`PipelineProblem.stage_memory_floor`'s memory, and periods not below
+    the best, are not scheduled. The plan is the one the full scan in enumeration order
+    returns (ties go to the earlier split).
+    """
     best: tuple[float, PipelinePlan] | None = None
-    count = 0
-    for k in range(1, min(problem.n_gpus, n) + 1):
-        for cuts in combinations(range(1, n), k - 1):
-            count += 1
-            if count > 20000:
-                break
-            edges = [0, *cuts, n]
-            bounds = [(edges[t] + 1, edges[t + 1]) for t in range(k)]
-            found = _schedule_allocation(problem, bounds)
-            if found and (best is None or found[0] < best[0]):
-                best = found
+    best_index = -1
+    splits = _contiguous_splits(problem)
+    for floor, index, bounds in sorted(splits):
+        if best is not None and floor > best[0]:
+            break
+        if any(problem.stage_memory_floor(i, j) > problem.memory_per_gpu for i, j in bounds):
+            continue
+        found = contig.best_period_for_allocation(
+            problem, bounds, at_most=math.inf if best is None else best[0],
+            equal=best is None or index < best_index)
+        if found and (best is None or (found[0], index) < (best[0], best_index)):
+            best, best_index = found, index
     if best is None:
         return infeasible(problem, "contiguous", "no contiguous allocation fits with 1F1B*")
     return plan_result(problem, best[1], method="contiguous", status=Status.FEASIBLE,
                        bound=lower_bound(problem), claimed=best[0],
                        report={"model": "1F1B* (strict memory: not proven optimal)",
-                               "splits": count})
+                               "splits": len(splits)})
+
+
+def _contiguous_splits(problem: PipelineProblem) -> list[tuple[float, int, contig.Bounds]]:
+    """The first 20,000 contiguous splits on at most ``P`` GPUs, fewer stages first.
+
+    Each comes with its least period (its largest pseudo-stage load) and its rank in that
+    order (:func:`_best_contiguous_strict` breaks ties by it).
+    """
+    from itertools import chain, combinations, islice
+
+    n = problem.layers.n
+    every = chain.from_iterable(combinations(range(1, n), k - 1)
+                                for k in range(1, min(problem.n_gpus, n) + 1))
+    out: list[tuple[float, int, contig.Bounds]] = []
+    for cuts in islice(every, 20000):
+        edges = [0, *cuts, n]
+        bounds = [(edges[t] + 1, edges[t + 1]) for t in range(len(edges) - 1)]
+        f, b = contig.pseudo_loads(problem, bounds)
+        out.append((max(x + y for x, y in zip(f, b, strict=True)), len(out), bounds))
+    return out
 
 
 # ------------------------------------------------------------------ baselines

@@ -157,9 +157,14 @@ def period_candidates(loads: Sequence[float], lower: float) -> list[float]:
 
 
 def best_period_for_allocation(
-    problem: PipelineProblem, bounds: Bounds
+    problem: PipelineProblem, bounds: Bounds, *, at_most: float = math.inf,
+    equal: bool = True,
 ) -> tuple[float, PipelinePlan] | None:
-    """Smallest ``T`` whose 1F1B*(T) fits (exact scan over the candidates, Algorithm 7)."""
+    """Smallest ``T`` whose 1F1B*(T) fits (exact scan over the candidates, Algorithm 7).
+
+    Under ``strict`` only periods below ``at_most`` (or equal to it, with ``equal``) are
+    tried: a caller that holds a plan of period ``at_most`` skips the rest of the scan.
+    """
     f, b = pseudo_loads(problem, bounds)
     loads = [x + y for x, y in zip(f, b, strict=True)]
     cands = period_candidates(loads, max(loads))
@@ -177,6 +182,8 @@ def best_period_for_allocation(
     from optmem.simulate.pipeline import simulate_pipeline
 
     for period in cands:  # strict model: memory is not monotone in general; scan upwards
+        if period > at_most or (period == at_most and not equal):
+            break
         plan = one_f_one_b_star(problem, bounds, period)
         if simulate_pipeline(problem, plan).peak_memory <= problem.memory_per_gpu:
             return period, plan
@@ -229,6 +236,28 @@ def feasible_contiguous_split(
                 i, kk = j, kk - 1
             return bounds
     return None
+
+
+def scan_contiguous(problem: PipelineProblem) -> tuple[float, PipelinePlan] | None:
+    """The best 1F1B* plan of every contiguous split, by brute force (a reference).
+
+    Every split on at most ``P`` GPUs (fewer stages first, cuts in lexicographic order),
+    every candidate period of each (:func:`best_period_for_allocation`); the first split of
+    the least period wins. What ``contiguous`` under ``strict`` computed until stop 55, and
+    what its pruned scan must return (tests, ``benchmarks/bench_pipeline_strict.py``).
+    """
+    from itertools import combinations
+
+    n = problem.layers.n
+    best: tuple[float, PipelinePlan] | None = None
+    for k in range(1, min(problem.n_gpus, n) + 1):
+        for cuts in combinations(range(1, n), k - 1):
+            edges = [0, *cuts, n]
+            found = best_period_for_allocation(
+                problem, [(edges[t] + 1, edges[t + 1]) for t in range(k)])
+            if found and (best is None or found[0] < best[0]):
+                best = found
+    return best
 
 
 def best_contiguous(problem: PipelineProblem) -> tuple[float, Bounds, bool] | None:
