@@ -21,16 +21,23 @@ from __future__ import annotations
 
 import csv
 import io
+import math
 import os
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from optmem.errors import OptmemInputError
+from optmem.errors import OptmemInputError, PlanError
 from optmem.pipeline_plan import PipelinePlan
 
-__all__ = ["RankOp", "check_microbatches", "default_microbatches", "pipeline_ranks",
-           "rank_programs", "schedule_csv", "schedule_rows", "write_schedule_csv"]
+__all__ = ["Message", "RankOp", "RankStep", "check_microbatches", "default_microbatches",
+           "held_sends", "pipeline_ranks", "rank_messages", "rank_programs", "schedule_csv",
+           "schedule_rows", "write_schedule_csv"]
+
+Message = tuple[str, int, int]
+"""A value crossing a cut: ``("a", s, m)`` is the output of 1-based stage ``s`` on micro-batch
+``m`` (for stage ``s + 1``), ``("g", s, m)`` the gradient of that output (for stage ``s``)."""
+Link = tuple[int, Message]  # (peer GPU, message)
 
 
 @dataclass(frozen=True)
@@ -46,6 +53,32 @@ class RankOp:
     def action(self) -> str:
         """The action string of ``torch.distributed.pipelining`` (``0F3``: 0-based stage)."""
         return f"{self.stage - 1}{self.kind}{self.microbatch}"
+
+
+@dataclass(frozen=True)
+class RankStep:
+    """One operation of a GPU with its messages to and from other GPUs.
+
+    Attributes
+    ----------
+    op
+        The operation (:func:`rank_programs`).
+    receive
+        ``(peer, message)`` pairs received before it runs, in each peer's send order: the
+        last is the one it needs, the others came earlier on the same link and are kept
+        until their operation (a runner receives each link in order, no tags).
+    send
+        ``(peer, message)`` sent after it runs (``None``: its output stays on this GPU or
+        it has none).
+    release
+        Messages this GPU sent earlier that are known received once ``receive`` is done:
+        waiting on them there does not wait for any peer, and their buffers can go.
+    """
+
+    op: RankOp
+    receive: tuple[Link, ...] = ()
+    send: Link | None = None
+    release: tuple[Message, ...] = ()
 
 
 def check_microbatches(microbatches: int) -> None:
@@ -83,6 +116,122 @@ def rank_programs(plan: PipelinePlan, microbatches: int) -> dict[int, list[RankO
     for ops in programs.values():
         ops.sort(key=lambda o: (o.time, o.microbatch, o.order))
     return dict(programs)
+
+
+def _links(plan: PipelinePlan, op: RankOp) -> tuple[Link | None, Link | None]:
+    """The message ``op`` needs from another GPU and the one it sends to another, if any."""
+    gpu_of = [0, *(st.gpu for st in plan.stages)]  # 1-based stages
+    n, s, m, here = len(plan.stages), op.stage, op.microbatch, gpu_of[op.stage]
+    if op.kind == "F":
+        need = ("a", s - 1, m) if s > 1 else None
+        out = ("a", s, m) if s < n else None
+        source, target = s - 1, s + 1
+    else:
+        need = ("g", s, m) if s < n else None
+        out = ("g", s - 1, m) if s > 1 else None
+        source, target = s + 1, s - 1
+    return ((gpu_of[source], need) if need and gpu_of[source] != here else None,
+            (gpu_of[target], out) if out and gpu_of[target] != here else None)
+
+
+def _receive_lists(programs: dict[int, list[RankOp]],
+                   links: dict[int, list[tuple[Link | None, Link | None]]]
+                   ) -> dict[int, list[tuple[Link, ...]]]:
+    """What each operation receives: every message of the needed one's link up to it."""
+    queues: dict[tuple[int, int], deque[Message]] = defaultdict(deque)
+    for gpu, ops in links.items():  # each link carries its sender's order
+        for _, send in ops:
+            if send is not None:
+                queues[(gpu, send[0])].append(send[1])
+    lists: dict[int, list[tuple[Link, ...]]] = {}
+    for gpu in programs:
+        lists[gpu] = []
+        taken: set[Message] = set()
+        for need, _ in links[gpu]:
+            got: list[Link] = []
+            if need is not None and need[1] not in taken:
+                queue = queues[(need[0], gpu)]
+                while need[1] not in taken:
+                    got.append((need[0], queue.popleft()))
+                    taken.add(got[-1][1])
+            lists[gpu].append(tuple(got))
+    return lists
+
+
+def _releases(programs: dict[int, list[RankOp]],
+              receives: dict[int, list[tuple[Link, ...]]],
+              links: dict[int, list[tuple[Link | None, Link | None]]]
+              ) -> dict[int, list[tuple[Message, ...]]]:
+    """The sends known complete at each operation (vector clocks over the static order).
+
+    ``clock[g][h] = k + 1``: GPU ``g`` has received news of GPU ``h``'s operation ``k``
+    (its receives included). A send to ``h`` received at ``h``'s operation ``k`` is known
+    complete on its sender once the sender's ``clock[h] > k``. The GPUs are replayed with
+    blocking receives; a plan whose order would deadlock is a :class:`PlanError`.
+    """
+    clock = {g: dict.fromkeys(programs, 0) for g in programs}
+    stamp: dict[Message, dict[int, int]] = {}  # the sender's clock when it sent
+    received: dict[Message, int] = {}  # 1 + the receiver's operation index
+    outstanding: dict[int, list[Link]] = {g: [] for g in programs}
+    done: dict[int, list[tuple[Message, ...]]] = {g: [] for g in programs}
+    progress = True
+    while progress:
+        progress = False
+        for g, ops in programs.items():
+            while (k := len(done[g])) < len(ops) and all(msg in stamp
+                                                         for _, msg in receives[g][k]):
+                mine = clock[g]
+                for _, msg in receives[g][k]:
+                    received[msg] = k + 1
+                    for h, t in stamp[msg].items():
+                        mine[h] = max(mine[h], t)
+                mine[g] = k + 1
+                free = [(h, msg) for h, msg in outstanding[g]
+                        if received.get(msg, math.inf) <= mine[h]]
+                done[g].append(tuple(msg for _, msg in free))
+                outstanding[g] = [link for link in outstanding[g] if link not in free]
+                send = links[g][k][1]
+                if send is not None:
+                    stamp[send[1]] = dict(mine)
+                    outstanding[g].append(send)
+                progress = True
+    stuck = [f"GPU {g} at {ops[len(done[g])].action()}" for g, ops in programs.items()
+             if len(done[g]) < len(ops)]
+    if stuck:
+        raise PlanError(f"the plan's operation order deadlocks: {', '.join(stuck)} waits for "
+                        "a message sent after it (an order that breaks a dependency)")
+    return done
+
+
+def rank_messages(plan: PipelinePlan, microbatches: int) -> dict[int, list[RankStep]]:
+    """Every GPU's operations (:func:`rank_programs`) with their messages.
+
+    Examples
+    --------
+    >>> plan = PipelinePlan.from_strings(["period 2", "stage 1 layers 1-1 gpu 0",
+    ...     "stage 2 layers 2-2 gpu 1", "F 1 start 0 shift 1", "F 2 start 1 shift 1",
+    ...     "B 2 start 0 shift 0", "B 1 start 1 shift 0"])
+    >>> [(st.op.action(), st.release) for st in rank_messages(plan, 2)[0]]
+    [('0F0', ()), ('0F1', ()), ('0B0', (('a', 1, 0),)), ('0B1', (('a', 1, 1),))]
+    """
+    programs = rank_programs(plan, microbatches)
+    links = {g: [_links(plan, op) for op in ops] for g, ops in programs.items()}
+    receives = _receive_lists(programs, links)
+    releases = _releases(programs, receives, links)
+    return {g: [RankStep(op, receives[g][k], links[g][k][1], releases[g][k])
+                for k, op in enumerate(ops)] for g, ops in programs.items()}
+
+
+def held_sends(steps: list[RankStep]) -> int:
+    """The most messages a GPU has sent and not released at once (after an operation's send).
+
+    Released messages go before the operation runs; the others are held until the step ends.
+    """
+    held = peak = 0
+    for step in steps:
+        held += (step.send is not None) - len(step.release)
+        peak = max(peak, held)
+    return peak
 
 
 def pipeline_ranks(plan: PipelinePlan) -> list[int]:

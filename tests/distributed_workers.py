@@ -8,10 +8,12 @@ far more than the runs) and saves what it computed to ``out_dir/rank{r}_job{k}.p
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
+import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -180,23 +182,73 @@ def run_jobs(rank: int, world: int, jobs: list[dict[str, Any]], out_dir: str) ->
         dist.barrier()
 
 
+class SendCount:
+    """``isend`` handles alive and not waited on (a sent message a runner still holds)."""
+
+    def __init__(self) -> None:
+        self.held = self.peak = 0
+
+    def _release(self, state: list[bool]) -> None:
+        if not state[0]:
+            state[0] = True
+            self.held -= 1
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[SendCount]:
+        """Count the sends of ``dist.isend`` while active."""
+        isend = dist.isend
+
+        def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            work = isend(tensor, *args, **kwargs)
+            state = [False]  # waited on or dropped
+            handle = _CountedWork(work, lambda: self._release(state))
+            weakref.finalize(handle, self._release, state)
+            self.held += 1
+            self.peak = max(self.peak, self.held)
+            return handle
+
+        dist.isend = counted
+        try:
+            yield self
+        finally:
+            dist.isend = isend
+
+
+class _CountedWork:
+    """A send's work that reports its ``wait()``."""
+
+    def __init__(self, work: Any, on_wait: Callable[[], None]) -> None:
+        self.work, self.on_wait = work, on_wait
+
+    def wait(self) -> Any:
+        out = self.work.wait()
+        self.on_wait()
+        return out
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+
 def pipeline_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     """``{"model", "plan", "microbatches", "rows", "runner", "csv"?}``.
 
     ``runner`` is ``"runtime"`` (PyTorch's pipeline runtime, the plan's own action list or the
     CSV file ``csv``) or ``"p2p"`` (optmem's runner). Gradients are summed over micro-batches.
+    ``held``: the most sends ``run_plan`` held at once (:class:`SendCount`).
     """
     del rank, world
     build, data, loss_fn = MODELS[job["model"]]
     model = build()
     x, y = data(job["rows"])
     xs, ys = list(x.chunk(job["microbatches"])), list(y.chunk(job["microbatches"]))
+    sends = SendCount()
     if job["runner"] == "p2p":
-        losses = pipelining.run_plan(model, job["plan"], xs, ys, loss_fn)
-    else:
+        with sends.counting():
+            losses = pipelining.run_plan(model, job["plan"], xs, ys, loss_fn)
+    else:  # PyTorch's runtime sends with batch_isend_irecv (not counted)
         losses = pipelining.run_plan_pipelining(model, job["plan"], xs, ys, loss_fn,
                                                 schedule_csv=job.get("csv"))
-    return {"grads": _grads(model), "losses": losses}
+    return {"grads": _grads(model), "losses": losses, "held": sends.peak}
 
 
 def pipeline_inputs_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:

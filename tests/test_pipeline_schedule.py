@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import re
+from collections import deque
 
 import pytest
 from hypothesis import given, settings
@@ -18,11 +19,14 @@ from hypothesis import strategies as st
 
 from optmem.chain import Chain
 from optmem.cli import main
-from optmem.errors import OptmemInputError
+from optmem.errors import OptmemInputError, PlanError
 from optmem.pipeline_plan import PipelinePlan
 from optmem.pipeline_schedule import (
+    RankStep,
     default_microbatches,
+    held_sends,
     pipeline_ranks,
+    rank_messages,
     rank_programs,
     schedule_csv,
     schedule_rows,
@@ -100,6 +104,91 @@ def test_action_lists_of_random_plans_are_executable(costs, gpus, memory, method
                    options=WORK_LIMITS)
     if result.status.has_plan:
         assert_executable(PipelinePlan.from_strings(result.plan), 5)
+
+
+def reachable(steps: dict[int, list[RankStep]], start: tuple[int, int]) -> set[tuple[int, int]]:
+    """The operations ``(gpu, index)`` that happen after ``start``'s receives (breadth-first
+    over program order and message edges, independent of the vector clocks)."""
+    receiver = {msg: (g, k) for g, ops in steps.items() for k, st in enumerate(ops)
+                for _, msg in st.receive}
+    seen, todo = {start}, deque([start])
+    while todo:
+        g, k = todo.popleft()
+        send = steps[g][k].send
+        nxt = [(g, k + 1)] if k + 1 < len(steps[g]) else []
+        nxt += [receiver[send[1]]] if send is not None else []
+        for node in nxt:
+            if node not in seen:
+                seen.add(node)
+                todo.append(node)
+    return seen
+
+
+def assert_releases_follow_receipt(plan: PipelinePlan, microbatches: int) -> None:
+    """Each cross-GPU message is received once, in its link's order, by its stage's GPU; a
+    send is released at the first operation of its sender reachable from its receipt, and
+    only a send with no such operation is never released."""
+    steps = rank_messages(plan, microbatches)
+    sent = {st.send[1]: (g, k, st.send[0]) for g, ops in steps.items()
+            for k, st in enumerate(ops) if st.send is not None}
+    got = {msg: (g, k, peer) for g, ops in steps.items() for k, st in enumerate(ops)
+           for peer, msg in st.receive}
+    assert got.keys() == sent.keys()
+    for msg, (g, _, peer) in sent.items():  # received by its addressee, from its sender
+        assert (got[msg][0], got[msg][2]) == (peer, g)
+    for g, ops in steps.items():  # the link to g from each peer is read in its send order
+        for peer in steps:
+            order = [st.send[1] for st in steps[peer] if st.send and st.send[0] == g]
+            assert [m for st in ops for p, m in st.receive if p == peer] == order
+    released = {m: (g, k) for g, ops in steps.items() for k, st in enumerate(ops)
+                for m in st.release}
+    for msg, (g, _, _) in sent.items():
+        after = reachable(steps, got[msg][:2])
+        first = min((k for h, k in after if h == g), default=None)
+        assert released.get(msg, (g, None)) == (g, first), msg
+
+
+@pytest.mark.parametrize(("costs", "gpus", "method", "memory"), [
+    ([1, 1, 1, 1, 1, 1], 2, "contiguous", 10**6), ([1, 2, 1], 2, "cpsat", 10**6),
+    ([1, 2, 2, 2, 1], 2, "madpipe", 10**6), ([1, 2, 1, 1, 2, 1], 3, "madpipe", 60),
+    ([1, 2, 1, 1, 2, 1], 4, "cpsat", 10**6), ([3, 1, 4, 1, 5, 9, 2, 6], 3, "madpipe", 30),
+])
+def test_sends_are_released_where_the_receipt_happens_before(costs, gpus, method, memory):
+    plan = plan_for(costs, gpus, method, memory)
+    for microbatches in (1, 3, 8):
+        assert_releases_follow_receipt(plan, microbatches)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(costs=st.lists(st.integers(1, 9), min_size=2, max_size=9), gpus=st.integers(2, 4),
+       memory=st.integers(8, 60), method=st.sampled_from(["contiguous", "madpipe", "equal"]))
+def test_sends_of_random_plans_are_released_where_received(costs, gpus, memory, method):
+    chain = Chain.from_lists([c / 2 for c in costs], [c / 2 for c in costs],
+                             [1] * len(costs), [1] * len(costs), input_size=1)
+    result = solve(PipelineProblem(chain, gpus, memory), method, options=WORK_LIMITS)
+    if result.status.has_plan:
+        assert_releases_follow_receipt(PipelinePlan.from_strings(result.plan), 5)
+
+
+def test_a_contiguous_plan_holds_two_sends_per_rank_not_a_step():
+    """1F1B on 2 GPUs: GPU 1's gradient of micro-batch m is released when GPU 0's forward of
+    m + 2 arrives; the last two have no later message and are held to the end."""
+    steps = rank_messages(plan_for([1] * 6, 2, "contiguous"), 8)
+    assert [held_sends(steps[g]) for g in (0, 1)] == [2, 2]
+    released = [msg for st in steps[1] for msg in st.release]
+    assert released == [("g", 1, m) for m in range(6)]
+    assert [st.op.action() for st in steps[1] if st.release][0] == "1F2"
+
+
+def test_an_order_that_deadlocks_is_a_plan_error():
+    """GPU 0 runs B 1 before F 1, and GPU 1 F 2 before B 2: each waits for the other's
+    message (``run_plan`` would have waited forever; it computes the messages first)."""
+    plan = PipelinePlan.from_strings([
+        "period 2", "stage 1 layers 1-1 gpu 0", "stage 2 layers 2-2 gpu 1",
+        "F 1 start 1 shift 0", "B 1 start 0 shift 0", "F 2 start 0 shift 0",
+        "B 2 start 1 shift 0"])
+    with pytest.raises(PlanError, match="deadlocks: GPU 0 at 0B0, GPU 1 at 1F0 waits"):
+        rank_messages(plan, 1)
 
 
 def test_csv_text_is_one_row_per_used_gpu():

@@ -23,7 +23,12 @@ from optmem.chain import Chain  # noqa: E402
 from optmem.cli import main  # noqa: E402
 from optmem.errors import OptmemInputError, PlanError  # noqa: E402
 from optmem.pipeline_plan import PipelinePlan  # noqa: E402
-from optmem.pipeline_schedule import rank_programs, write_schedule_csv  # noqa: E402
+from optmem.pipeline_schedule import (  # noqa: E402
+    held_sends,
+    rank_messages,
+    rank_programs,
+    write_schedule_csv,
+)
 from optmem.problems.pipeline import PipelineProblem  # noqa: E402
 from optmem.pytorch import pipelining  # noqa: E402
 from optmem.pytorch.distributed import spawn  # noqa: E402
@@ -32,11 +37,11 @@ from optmem.solvers.facade import solve  # noqa: E402
 pytestmark = pytest.mark.distributed
 
 
-def plan_for(costs: list[float], gpus: int, method: str) -> PipelinePlan:
+def plan_for(costs: list[float], gpus: int, method: str, memory: int = 10**6) -> PipelinePlan:
     """A plan for a chain of unit-size layers with forward = backward = cost / 2."""
     chain = Chain.from_lists([c / 2 for c in costs], [c / 2 for c in costs],
                              [1] * len(costs), [1] * len(costs), input_size=1)
-    problem = PipelineProblem(chain, gpus, 10**6)
+    problem = PipelineProblem(chain, gpus, memory)
     result = solve(problem, method)  # no limit: small instances, proven in well under a second
     assert result.status.has_plan, result.report
     return PipelinePlan.from_strings(result.plan)
@@ -112,6 +117,35 @@ def test_plans_on_four_ranks_match_single_process(tmp_path):
     assert [st.gpu for st in idle.stages] == [0, 1, 2]
     jobs = [job("mlp", general, microbatches=6), job("gpt", equal), job("gpt", idle)]
     check_pipeline_jobs(jobs, 4, tmp_path)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_run_plan_drops_a_sent_message_once_its_receiver_has_it(world, tmp_path):
+    """On gloo a send completes in ``wait()`` only, and ``run_plan`` held every message it
+    sent until the step ended (8 of 8 on each rank of the contiguous plan). It now waits on
+    a send where the static schedule shows the receiver has it, which cannot wait for a peer:
+    every plan runs to the end (no deadlock) with the single-process gradients, and no rank
+    holds more sends than :func:`held_sends` computes from the plan (2 of 8 there). The
+    2-rank plans of the other tests, a 3-rank MadPipe plan with an interleaved GPU (stages
+    3, 4 and 6) and a 4-rank CP-SAT optimum."""
+    ranks = {2: [job("mlp", plan_for([1] * 6, 2, "contiguous"), "p2p", microbatches=8),
+                 job("mlp3", plan_for([1, 2, 1], 2, "cpsat"), "p2p"),
+                 job("gpt", plan_for([1, 2, 2, 2, 1], 2, "madpipe"), "p2p", microbatches=8)],
+             3: [job("mlp", plan_for([1, 2, 1, 1, 2, 1], 3, "madpipe", memory=60), "p2p",
+                     microbatches=6)],
+             4: [job("mlp", plan_for([1, 2, 1, 1, 2, 1], 4, "cpsat"), "p2p", microbatches=6)]}
+    jobs = ranks[world]
+    plans = [PipelinePlan.from_dict(spec["plan"]) for spec in jobs]
+    assert world == 2 or all(non_contiguous(plan) for plan in plans)
+    check_pipeline_jobs(jobs, world, tmp_path)
+    for k, (spec, plan) in enumerate(zip(jobs, plans, strict=True)):
+        steps = rank_messages(plan, spec["microbatches"])
+        for rank in range(world):
+            assert w.load(str(tmp_path), rank, k)["held"] <= held_sends(steps[rank]), (k, rank)
+    if world == 2:
+        steps = rank_messages(plans[0], 8)
+        assert [held_sends(steps[g]) for g in (0, 1)] == [2, 2]
+        assert all(sum(st.send is not None for st in steps[g]) == 8 for g in (0, 1))
 
 
 def test_one_call_same_plan_on_every_rank(tmp_path):

@@ -33,9 +33,10 @@ holding them after every step, so each copy sees the full gradient.
 
 :func:`run_plan` is optmem's own point-to-point runner, kept for what the runtime does not
 do: PyTorch allocates a receive buffer for every micro-batch of every cut up front (input
-and gradient) and keeps them for the whole step, while the plan's memory model (and
-:func:`run_plan`) holds the messages in flight only; ``docs/pipeline.md`` gives the measured
-difference. Launch with :func:`optmem.pytorch.distributed.spawn` or ``torchrun`` (see
+and gradient) and keeps them for the whole step, while the plan's memory model counts two
+buffers per cut and :func:`run_plan` holds a sent message until it knows, from the static
+schedule, that the receiver has it; ``docs/pipeline.md`` gives the measured difference.
+Launch with :func:`optmem.pytorch.distributed.spawn` or ``torchrun`` (see
 ``examples/pipeline_train.py`` and ``optmem train-pipeline``).
 """
 
@@ -44,7 +45,6 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections import defaultdict, deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -56,10 +56,13 @@ from optmem.chain import Chain
 from optmem.errors import OptmemInputError, PlanError
 from optmem.pipeline_plan import PipelinePlan
 from optmem.pipeline_schedule import (
+    Message,
     RankOp,
+    RankStep,
     check_microbatches,
     default_microbatches,
     pipeline_ranks,
+    rank_messages,
     rank_programs,
     schedule_rows,
 )
@@ -752,27 +755,14 @@ def pipeline(
 
 
 # ------------------------------------------------------------------ optmem's own runner
-class _Mailbox:
-    """Receives from each peer in that peer's send order (no tags needed)."""
-
-    def __init__(self, expected: dict[int, list[tuple[str, int, int]]],
-                 shapes: dict[tuple[str, int, int], tuple[torch.Size, torch.dtype]],
-                 device: torch.device) -> None:
-        self.queues = {peer: deque(keys) for peer, keys in expected.items()}
-        self.shapes = shapes
-        self.device = device
-        self.box: dict[tuple[str, int, int], torch.Tensor] = {}
-
-    def get(self, peer: int, key: tuple[str, int, int]) -> torch.Tensor:
-        while key not in self.box:
-            nxt = self.queues[peer].popleft()
-            shape, dtype = self.shapes[nxt]
-            buf = torch.empty(shape, dtype=dtype, device=self.device)
-            work = dist.irecv(buf, src=peer)
-            assert work is not None
-            work.wait()
-            self.box[nxt] = buf
-        return self.box.pop(key)
+def _receive(peer: int, shape: tuple[torch.Size, torch.dtype], device: torch.device
+             ) -> torch.Tensor:
+    """The next message from ``peer`` (links carry their sender's order: no tags needed)."""
+    buf = torch.empty(shape[0], dtype=shape[1], device=device)
+    work = dist.irecv(buf, src=peer)
+    assert work is not None
+    work.wait()
+    return buf
 
 
 def _shapes(modules: Sequence[nn.Module], sample: torch.Tensor
@@ -803,8 +793,12 @@ def run_plan(
 
     Every rank holds the same ``model`` (only its own stages are moved to ``device``); the
     operations run in the plan's order (:func:`~optmem.pipeline_schedule.rank_programs`),
-    with ``isend``/``irecv`` received in the sender's order (no tags: NCCL and gloo). Stage
-    outputs must be single tensors. Gradients of the micro-batches are summed in ``.grad``;
+    with ``isend``/``irecv`` received in the sender's order (no tags: NCCL and gloo). A sent
+    message is waited on and dropped at the first operation that happens after its
+    receiver took it (:func:`~optmem.pipeline_schedule.rank_messages`: the peer then sent
+    something this rank has received, so the wait does not wait for a peer); messages with
+    no such operation are held until the step ends. Stage outputs must be single tensors.
+    Gradients of the micro-batches are summed in ``.grad``;
     a weight shared by stages on several ranks (a tied embedding and head) gets the sum
     over those ranks on each, as with :class:`PipelinedModel`.
     Returns the losses of the micro-batches whose last stage ran here. ``device``: as for
@@ -824,66 +818,51 @@ def run_plan(
     tied = _tied_groups(modules, list(gpu_of.values()), rank)
     before = _grads_before(tied)
     shapes = _shapes(modules, inputs[0].to(device))
-    programs = rank_programs(plan, len(inputs))
-    # messages: ("a", s, m) = output of stage s sent to s+1; ("g", s, m) = grad to stage s
-    sends: dict[tuple[int, int], list[tuple[float, tuple[str, int, int]]]] = defaultdict(list)
-    msg_shapes: dict[tuple[str, int, int], tuple[torch.Size, torch.dtype]] = {}
-    for gpu, ops in programs.items():
-        for op in ops:
-            if op.kind == "F" and op.stage < n_stages and gpu_of[op.stage + 1] != gpu:
-                key = ("a", op.stage, op.microbatch)
-                sends[(gpu, gpu_of[op.stage + 1])].append((op.time, key))
-                msg_shapes[key] = shapes[op.stage - 1]
-            if op.kind == "B" and op.stage > 1 and gpu_of[op.stage - 1] != gpu:
-                key = ("g", op.stage - 1, op.microbatch)
-                sends[(gpu, gpu_of[op.stage - 1])].append((op.time, key))
-                msg_shapes[key] = shapes[op.stage - 2]
-    order = {pair: [k for _, k in sorted(v, key=lambda item: item[0])]
-             for pair, v in sends.items()}
-    mailbox = _Mailbox({src: keys for (src, dst), keys in order.items() if dst == rank},
-                       msg_shapes, device)
-    pending: list[Any] = []
+    box: dict[Message, torch.Tensor] = {}  # received (or kept here) until their operation
+    held: dict[Message, Any] = {}  # sent, not yet known received (gloo: until wait())
     stash: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
-    local: dict[tuple[str, int, int], torch.Tensor] = {}
     losses: list[float] = []
 
-    def receive(kind: str, stage: int, m: int, peer: int) -> torch.Tensor:
-        key = (kind, stage, m)
-        return local.pop(key) if peer == rank else mailbox.get(peer, key)
-
-    def deliver(kind: str, stage: int, m: int, peer: int, value: torch.Tensor) -> None:
-        if peer == rank:
-            local[(kind, stage, m)] = value
+    def deliver(step: RankStep, key: Message, value: torch.Tensor) -> None:
+        if step.send is None:
+            box[key] = value
         else:
-            pending.append(dist.isend(value.contiguous(), dst=peer))
-        pending[:] = [req for req in pending if not req.is_completed()]  # free sent buffers
+            held[key] = dist.isend(value.contiguous(), dst=step.send[0])
+        for done in [k for k, req in held.items() if req.is_completed()]:
+            del held[done]  # NCCL may complete a send early; gloo only in wait()
 
-    for op in programs.get(rank, []):
-        m, s = op.microbatch, op.stage
-        if op.kind == "F":
+    for step in rank_messages(plan, len(inputs)).get(rank, []):
+        for peer, key in step.receive:
+            box[key] = _receive(peer, shapes[key[1] - 1], device)
+        for key in step.release:  # the peer has it: wait() does not wait for the peer
+            req = held.pop(key, None)
+            if req is not None:
+                req.wait()
+        m, s = step.op.microbatch, step.op.stage
+        if step.op.kind == "F":
             leaf = None
             if s == 1:
                 x = inputs[m].to(device)
             else:
-                leaf = receive("a", s - 1, m, gpu_of[s - 1]).detach().requires_grad_(True)
+                leaf = box.pop(("a", s - 1, m)).detach().requires_grad_(True)
                 x = leaf
             out = modules[s - 1](x)
             if s == n_stages:
                 out = loss_fn(out, targets[m].to(device))
                 losses.append(float(out.detach()))
             else:
-                deliver("a", s, m, gpu_of[s + 1], out.detach())
+                deliver(step, ("a", s, m), out.detach())
             stash[(s, m)] = (leaf, out)
         else:
             leaf, out = stash.pop((s, m))
             if s == n_stages:
                 out.backward()
             else:
-                out.backward(receive("g", s, m, gpu_of[s + 1]))
+                out.backward(box.pop(("g", s, m)))
             if s > 1:
                 assert leaf is not None and leaf.grad is not None
-                deliver("g", s - 1, m, gpu_of[s - 1], leaf.grad)
-    for req in pending:
+                deliver(step, ("g", s - 1, m), leaf.grad)
+    for req in held.values():
         req.wait()
     _reduce_tied(tied, before)
     return losses
