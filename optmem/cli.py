@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from optmem.chain import Chain
-from optmem.cli_problems import HOOKS, ProblemHooks, check_problem_options
+from optmem.cli_problems import HOOKS, ProblemHooks, check_problem_options, option_defaults
 from optmem.errors import OptmemInputError, PlanError
 from optmem.fileio import read_json, write_text_atomic
 from optmem.result import MAX_WORKERS, Result, SolveOptions, Status
@@ -384,17 +384,26 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    """``optmem verify``: replay a plan file in the independent simulator."""
+    """``optmem verify``: replay a plan file in the independent simulator.
+
+    A setting the result records (``memory_model``, ``temporaries`` ..., CONTRACT section
+    6) that the command line does not give is taken from the plan file (``from_plan``).
+    """
+    from optmem.simulate.verify import settings_as_solved, verify_plan
+
     chain = load_chain(args.chain)
+    explicit = recorded_flags_given(args)
     problem = build_problem(args.problem, chain, memory_from_args(args.problem, args, chain), args)
     options = options_from_args(args)
     plan_data = _read_json(args.plan)
+    taken: dict[str, Any] = {}
     try:
-        from optmem.simulate.verify import verify_plan
-
+        problem, taken = settings_as_solved(problem, plan_data, explicit=explicit)
         report = verify_plan(problem, plan_data, options)
     except OptmemInputError as exc:  # whatever is wrong with the plan, name the plan file
-        raise (exc if exc.source else exc.with_source(args.plan)) from None
+        if taken:  # a refusal under settings the command line did not give says so
+            exc.reason += f" (replayed as solved: {_settings_text(taken)})"
+        raise exc.with_source(exc.source or args.plan) from None
     solved_unit = plan_data.get("unit") if isinstance(plan_data, dict) else None
     if isinstance(solved_unit, int) and not isinstance(solved_unit, bool) and \
             solved_unit != report.get("unit", solved_unit):
@@ -402,12 +411,46 @@ def cmd_verify(args: argparse.Namespace) -> int:
               f"{chain.memory_unit}; this replay rounds sizes to unit {report['unit']} "
               f"(--memory {args.memory}, --slots {args.slots}): pass the limit and slots it "
               "was solved with to replay it as solved", file=sys.stderr)
-    report = {"valid": True, **report}
+    report = {"valid": True, **report, **({"from_plan": taken} if taken else {})}
     if args.json:
         print(json.dumps(report))
     else:
-        print("valid plan: " + ", ".join(f"{k} {v}" for k, v in report.items() if k != "valid"))
+        print("valid plan: " + ", ".join(f"{k} {v}" for k, v in report.items()
+                                         if k not in ("valid", "from_plan")))
+        if taken:
+            print(f"replayed as solved: {_settings_text(taken)} (recorded in {args.plan}; "
+                  "not given on the command line)")
     return EXIT_OK
+
+
+def _settings_text(settings: dict[str, Any]) -> str:
+    """``memory_model "strict", temporaries true``: settings as the plan file writes them."""
+    return ", ".join(f"{k} {json.dumps(v)}" for k, v in settings.items())
+
+
+def _recorded_dests() -> dict[str, tuple[str, ...]]:
+    """The recorded settings of every problem and the ``argparse`` destinations giving them."""
+    from optmem.simulate.verify import RECORDED_SETTINGS
+
+    return {name: tuple(flag[2:].replace("-", "_") for flag in flags)
+            for settings in RECORDED_SETTINGS.values() for name, flags in settings.items()}
+
+
+def recorded_flags_given(args: argparse.Namespace) -> set[str]:
+    """The recorded settings the ``verify`` command line gives; fills in the others' defaults.
+
+    ``verify`` parses the flags of the recorded settings with the default ``None``, so that
+    a flag left out tells from one given at its default value (``--memory-model stash``).
+    """
+    defaults = option_defaults()
+    given = set()
+    for name, dests in _recorded_dests().items():
+        if any(getattr(args, dest, None) is not None for dest in dests):
+            given.add(name)
+        for dest in dests:
+            if getattr(args, dest, None) is None:
+                setattr(args, dest, defaults.get(dest))
+    return given
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -615,7 +658,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     add_problem_options(p)
     p.set_defaults(func=cmd_verify, variant=None, time_limit=None, solver="highs", threads=2,
-                   verbose=False)
+                   verbose=False, **dict.fromkeys(
+                       dest for dests in _recorded_dests().values() for dest in dests))
 
     p = sub.add_parser("export", help="write the exact model (MPS, LP; CP-SAT: .pb/.pbtxt) "
                        "or a pipeline schedule (CSV)")

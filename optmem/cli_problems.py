@@ -32,6 +32,7 @@ __all__ = [
     "add_chain_bandwidth_option",
     "check_problem_options",
     "link_from_cli",
+    "option_defaults",
     "checkpoint_from_cli",
     "min_peak_from_cli",
     "offload_from_cli",
@@ -212,6 +213,12 @@ def _own_options(hooks: ProblemHooks) -> list[argparse.Action]:
     probe = argparse.ArgumentParser(add_help=False)
     hooks.add_options(probe)
     return list(probe._actions)
+
+
+def option_defaults() -> dict[str, Any]:
+    """The default of every problem option, by ``argparse`` destination."""
+    return {action.dest: action.default for hooks in HOOKS.values()
+            for action in _own_options(hooks)}
 
 
 def check_problem_options(problem: str, args: Any) -> None:

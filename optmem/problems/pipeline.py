@@ -92,6 +92,7 @@ import math
 from dataclasses import dataclass, field
 from functools import cached_property
 from numbers import Integral
+from typing import Any
 
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError
@@ -363,6 +364,35 @@ class PipelineProblem:
             raise OptmemInputError(f"expected at most {MAX_WEIGHT_COPIES} weight copies, got "
                                    f"{self.weight_copies}", field="weight-copies")
         self.chain.check_rate(self.chain_bandwidth)
+
+    def settings_report(self) -> dict[str, Any]:
+        """The settings of the memory check that differ from their defaults, by keyword.
+
+        ``memory_model`` (``"strict"``), ``temporaries`` (``True``), ``weight_copies`` (not
+        3), ``buffers`` (``False``) and ``chain_bandwidth`` (finite): a result's ``report``
+        and ``verify pipeline`` carry them, and ``verify`` replays a result under them
+        (:func:`optmem.simulate.verify.settings_as_solved`). Empty for the defaults, so
+        that a result without them stays as it was.
+
+        Examples
+        --------
+        >>> from optmem.datasets.synthetic import uniform_chain
+        >>> PipelineProblem(uniform_chain(4), 2, 100, memory_model="strict",
+        ...                 temporaries=True).settings_report()
+        {'memory_model': 'strict', 'temporaries': True}
+        """
+        out: dict[str, Any] = {}
+        if self.memory_model != "stash":
+            out["memory_model"] = self.memory_model
+        if self.temporaries:
+            out["temporaries"] = True
+        if self.weight_copies != DEFAULT_WEIGHT_COPIES:
+            out["weight_copies"] = self.weight_copies
+        if not self.buffers:
+            out["buffers"] = False
+        if math.isfinite(self.chain_bandwidth):
+            out["chain_bandwidth"] = self.chain_bandwidth
+        return out
 
     @property
     def memory_limit(self) -> int:

@@ -15,6 +15,7 @@ the core and the simulators.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,9 +39,9 @@ from optmem.simulate.min_peak import model_peak
 from optmem.simulate.offload import simulate_offload
 from optmem.simulate.pipeline import simulate_pipeline
 
-__all__ = ["CLAIM_TOLERANCE", "Replay", "Wording", "claim_holds", "replay_result",
-           "verify_checkpoint_plan", "verify_min_peak_plan", "verify_offload_plan",
-           "verify_pipeline_plan", "verify_plan"]
+__all__ = ["CLAIM_TOLERANCE", "RECORDED_SETTINGS", "Replay", "Wording", "claim_holds",
+           "recorded_settings", "replay_result", "settings_as_solved", "verify_checkpoint_plan",
+           "verify_min_peak_plan", "verify_offload_plan", "verify_pipeline_plan", "verify_plan"]
 
 CLAIM_TOLERANCE = 1e-6
 """Relative tolerance between a method's claimed objective and the simulated one.
@@ -213,7 +214,8 @@ def verify_min_peak_plan(problem: MinPeakProblem, plan_data: Any,
                         f"{problem.memory_limit}")
     return {
         "objective": peak, "peak_memory": peak, "memory_limit": problem.memory_limit,
-        "unit": 1, "model": problem.model, "checkpoints": list(checkpoints),
+        "unit": 1, "model": problem.model, "count_input": problem.count_input,
+        "checkpoints": list(checkpoints),
         "checkpoint_plan_makespan": sim.makespan, "checkpoint_plan_peak": sim.peak_memory,
     }
 
@@ -246,8 +248,10 @@ def verify_pipeline_plan(problem: PipelineProblem, plan_data: Any,
     """Replay a pipeline plan (a result JSON, a plan JSON or a list of op strings).
 
     Returns ``objective`` (the period), ``peak_memory`` (largest GPU peak), ``memory_limit``,
-    ``unit`` (1: pipelines are not discretised), ``peaks`` (per GPU) and ``nca`` (per stage);
-    with ``problem.temporaries`` also ``memory_model`` and ``temporaries`` (``True``).
+    ``unit`` (1: pipelines are not discretised), ``peaks`` (per GPU) and ``nca`` (per stage),
+    and the settings that differ from their defaults
+    (:meth:`~optmem.problems.pipeline.PipelineProblem.settings_report`: ``memory_model``,
+    ``temporaries`` ...).
     Raises :class:`optmem.errors.PlanError`.
     """
     del options
@@ -259,27 +263,146 @@ def verify_pipeline_plan(problem: PipelineProblem, plan_data: Any,
                         f"{problem.memory_per_gpu}")
     return {"objective": sim.period, "peak_memory": sim.peak_memory,
             "memory_limit": problem.memory_per_gpu, "unit": 1, "peaks": list(sim.peaks),
-            "nca": list(sim.nca),
-            **({"memory_model": problem.memory_model, "temporaries": True}
-               if problem.temporaries else {})}
+            "nca": list(sim.nca), **problem.settings_report()}
 
 
-def verify_plan(problem: Any, plan_data: Any, options: Any = None) -> dict[str, Any]:
+def verify_plan(problem: Any, plan_data: Any, options: Any = None, *,
+                as_solved: bool = False) -> dict[str, Any]:
     """Replay ``plan_data`` for ``problem`` with the verifier of its class.
 
     Remat + offload problems are offload problems (their plans may also recompute).
+
+    A result (``solve --json``, ``Result.to_json()``) of a pipeline or min-peak problem
+    records the settings it was solved under in its ``report``
+    (:data:`RECORDED_SETTINGS`). By default they must equal ``problem``'s: a plan solved
+    under a stronger memory check is never replayed under a weaker one in silence. With
+    ``as_solved`` the recorded settings replace ``problem``'s, and the returned object
+    names them in ``from_plan`` (CONTRACT section 6). A bare plan (a list of ops, a
+    pipeline plan object) records nothing and replays under ``problem``'s settings.
 
     Raises
     ------
     PlanError
         If the plan is invalid or exceeds the memory limit.
     OptmemInputError
-        If ``problem`` is no problem object of optmem.
+        If ``problem`` is no problem object of optmem, or (field ``report.NAME``) the plan
+        records a setting ``NAME`` that differs from ``problem``'s (without ``as_solved``)
+        or that the problem refuses.
     """
+    solved, taken = settings_as_solved(problem, plan_data, explicit=None if not as_solved
+                                       else ())
     for cls, verifier in _VERIFIERS:
-        if isinstance(problem, cls):
-            return verifier(problem, plan_data, options)
+        if isinstance(solved, cls):
+            out = verifier(solved, plan_data, options)
+            return {**out, "from_plan": taken} if taken else out
     raise OptmemInputError(f"no plan verifier for {type(problem).__name__}", field="problem")
+
+
+RECORDED_SETTINGS: dict[str, dict[str, tuple[str, ...]]] = {
+    "pipeline": {"memory_model": ("--memory-model",), "temporaries": ("--temporaries",),
+                 "weight_copies": ("--weight-copies",), "buffers": (),
+                 "chain_bandwidth": ("--bandwidth", "--chain-bandwidth")},
+    "min-peak": {"model": ("--model",), "count_input": ("--ignore-input",)},
+}
+"""The settings a result records in its ``report``, by problem: keyword -> CLI flags.
+
+Each changes the memory check (or, ``chain_bandwidth``, the transfers) of the replay. The
+report key is the problem's keyword; a pipeline result records the ones that differ from
+their defaults (:meth:`~optmem.problems.pipeline.PipelineProblem.settings_report`), a
+min-peak result both of its own.
+"""
+
+
+def recorded_settings(problem: Any, plan_data: Any) -> dict[str, Any]:
+    """The settings ``plan_data`` records for ``problem``'s kind, as stored (unchecked).
+
+    Only a result of the same problem (an object with ``problem`` equal to the problem's
+    name and a ``report`` object) records settings; anything else records none.
+    """
+    names = RECORDED_SETTINGS.get(getattr(problem, "name", ""), {})
+    if not names or not isinstance(plan_data, dict) or plan_data.get("problem") != problem.name:
+        return {}
+    report = plan_data.get("report")
+    if not isinstance(report, dict):
+        return {}
+    return {name: report[name] for name in names if name in report}
+
+
+def settings_as_solved(problem: Any, plan_data: Any, *,
+                       explicit: Any = None) -> tuple[Any, dict[str, Any]]:
+    """``problem`` under the settings ``plan_data`` records, and the settings taken from it.
+
+    The recorded values are checked by the problem class itself (one clear error, field
+    ``report.NAME``, for a value it refuses). A setting named in ``explicit`` (``None``:
+    every setting) was asked for by the caller and must equal the recorded one (else an
+    error, field ``report.NAME``, naming both values and the flag); the others are taken
+    from the plan (and listed when they change the problem).
+
+    Parameters
+    ----------
+    problem
+        The problem as built from the caller's arguments.
+    plan_data
+        The plan file's content.
+    explicit
+        The keywords of :data:`RECORDED_SETTINGS` the caller gave (the CLI: the flags on
+        its command line), or ``None`` for all of them (Python's ``verify_plan``).
+
+    Returns
+    -------
+    tuple
+        The problem to replay under and ``{keyword: value}`` of the settings taken from
+        the plan that differ from ``problem``'s (empty: ``problem`` itself).
+    """
+    recorded = recorded_settings(problem, plan_data)
+    if not recorded:
+        return problem, {}
+    flags = RECORDED_SETTINGS[problem.name]
+    solved = _with_settings(problem, recorded, recorded)
+    asked = set(recorded) if explicit is None else set(explicit) & set(recorded)
+    for name in (n for n in flags if n in asked):
+        if not _same(getattr(solved, name), getattr(problem, name)):
+            raise OptmemInputError(
+                f"the plan was solved with {name} {getattr(solved, name)!r}, this replay "
+                f"asks for {getattr(problem, name)!r} ({_flag(flags[name], name)}): to "
+                f"replay the plan as solved, leave the flag out (Python: as_solved=True); "
+                f"to replay its ops under other settings, verify them alone (the result's "
+                f"'plan' list)",
+                field=f"report.{name}")
+    taken = {name: getattr(solved, name) for name in flags if name in recorded
+             and name not in asked and not _same(getattr(solved, name), getattr(problem, name))}
+    return (_with_settings(problem, taken, recorded) if taken else problem), taken
+
+
+def _with_settings(problem: Any, values: dict[str, Any], recorded: dict[str, Any]) -> Any:
+    """``problem`` rebuilt with ``values`` (its class checks them; errors name the key)."""
+    changes = dict(values)
+    if isinstance(problem, PipelineProblem):  # the link is rebuilt from chain_bandwidth
+        changes.update(bandwidth=None,
+                       chain_bandwidth=changes.get("chain_bandwidth", problem.chain_bandwidth))
+    try:
+        return dataclasses.replace(problem, **changes)
+    except (OptmemInputError, TypeError, ValueError) as exc:
+        reason = getattr(exc, "reason", str(exc))
+        key = str(getattr(exc, "field", "") or "").replace("-", "_")
+        key = "chain_bandwidth" if "bandwidth" in key else key
+        if key not in values:
+            key = next(iter(values))
+        raise OptmemInputError(f"the plan records {key} {recorded.get(key)!r}: {reason}",
+                               field=f"report.{key}") from None
+
+
+def _flag(flags: tuple[str, ...], name: str) -> str:
+    """How a setting is given: ``--memory-model, Python memory_model=``."""
+    return "".join(f"{flag}, " for flag in flags) + f"Python {name}="
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two setting values are equal (floats within 1e-9 relative)."""
+    if isinstance(a, float) or isinstance(b, float):
+        return isinstance(a, int | float) and isinstance(b, int | float) and \
+            math.isclose(a, b, rel_tol=1e-9)
+    return bool(a == b and type(a) is type(b))
 
 
 _VERIFIERS: tuple[tuple[type, Callable[..., dict[str, Any]]], ...] = (

@@ -67,16 +67,6 @@ def lower_bound(problem: PipelineProblem) -> float:
                max(lay.load(q, q) for q in range(1, lay.n + 1)))
 
 
-def model_report(problem: PipelineProblem) -> dict[str, Any]:
-    """``{"memory_model": "strict", "temporaries": True}`` with temporaries, else ``{}``.
-
-    Reported only when on, so that every result without them stays as it was.
-    """
-    if not problem.temporaries:
-        return {}
-    return {"memory_model": problem.memory_model, "temporaries": True}
-
-
 def plan_result(
     problem: PipelineProblem, plan: PipelinePlan, *, method: str, status: Status,
     bound: float, claimed: float | None = None, variant: str | None = None,
@@ -93,7 +83,7 @@ def plan_result(
         sim = simulate_pipeline(problem, plan)
         return Replay(sim.period, sim.peak_memory, {
             "peaks": list(sim.peaks), "nca": list(sim.nca), "allocation": plan.describe(),
-            "stages": len(plan.stages), **model_report(problem)})
+            "stages": len(plan.stages), **problem.settings_report()})
 
     out = replay_result(PROBLEM, method, status, plan.to_strings(), replay, bound=bound,
                         claimed=claimed, memory_limit=problem.memory_per_gpu,
