@@ -52,6 +52,22 @@ def worker_count(text: str) -> int:
     return value
 
 
+def number_text(text: str) -> int | float:
+    """A number flag's text as Python would give it: ``1000`` an int, ``1e3`` a float.
+
+    For flags whose value :class:`SolveOptions` checks (``--node-limit``): the CLI takes
+    what ``SolveOptions(node_limit=1e3)`` takes, and refuses it in the same words.
+    """
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
 class _Parser(argparse.ArgumentParser):
     """An argument parser whose errors are one line and exit code 2."""
 
@@ -131,9 +147,6 @@ def load_chain(spec: str) -> Chain:
 
 def options_from_args(args: argparse.Namespace) -> SolveOptions:
     """The :class:`SolveOptions` of the common flags."""
-    if args.time_limit is not None and not args.time_limit > 0:
-        raise OptmemInputError(f"expected a positive time limit, got {args.time_limit}",
-                               field="--time-limit")
     extra = parse_extra_options(getattr(args, "option", None) or [])
     try:
         return SolveOptions(variant=args.variant, slots=args.slots,
@@ -143,9 +156,9 @@ def options_from_args(args: argparse.Namespace) -> SolveOptions:
                             deterministic_time=getattr(args, "deterministic_time", None),
                             seed=getattr(args, "seed", 0), extra=extra,
                             work_budget=getattr(args, "work_budget", None))
-    except OptmemInputError as exc:
-        raise OptmemInputError(exc.reason, field="--" + (exc.field or "").replace("_", "-")
-                               ) from None
+    except OptmemInputError as exc:  # the flag of the field (time_limit_s: --time-limit)
+        name = {"time_limit_s": "time_limit"}.get(exc.field or "", exc.field or "")
+        raise OptmemInputError(exc.reason, field="--" + name.replace("_", "-")) from None
 
 
 def parse_extra_options(items: Sequence[str]) -> dict[str, Any]:
@@ -359,11 +372,11 @@ def cmd_solve(args: argparse.Namespace) -> int:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     """``optmem compare``."""
-    from optmem.solvers.facade import compare
+    from optmem.solvers.facade import compare, method_names_of
 
     chain = load_chain(args.chain)
     problem = build_problem(args.problem, chain, memory_from_args(args.problem, args, chain), args)
-    names = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
+    names = method_names_of(args.methods)  # as Python reads it: '' is no method, not all
 
     def progress(name: str) -> None:
         if not args.json and sys.stderr.isatty():
@@ -617,7 +630,7 @@ def add_engine_limits(p: argparse.ArgumentParser) -> None:
     """
     p.add_argument("--time-limit", type=float,
                    help="wall-clock seconds per exact engine call (default: none)")
-    p.add_argument("--node-limit", type=int,
+    p.add_argument("--node-limit", type=number_text,
                    help="deterministic limit: branch-and-bound nodes per ILP engine call")
     p.add_argument("--deterministic-time", type=float,
                    help="deterministic limit: CP-SAT deterministic seconds per call "

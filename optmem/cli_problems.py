@@ -21,7 +21,7 @@ from optmem.problems.min_peak import MODELS, MinPeakProblem
 from optmem.problems.offload import OffloadProblem
 from optmem.problems.pipeline import DEFAULT_WEIGHT_COPIES, MEMORY_MODELS, PipelineProblem
 from optmem.problems.remat_offload import RematOffloadProblem
-from optmem.units import chain_rate, parse_chain_bandwidth
+from optmem.units import chain_rate
 
 __all__ = [
     "HOOKS",
@@ -97,9 +97,8 @@ def link_from_cli(args: Any, problem: str, *, required: bool) -> dict[str, Any]:
         raise OptmemInputError("give the link as --bandwidth (bytes per second or a rate) "
                                "or as --chain-bandwidth (chain units), not both",
                                field="--chain-bandwidth")
-    if chain_text is not None:
-        return {"chain_bandwidth": parse_chain_bandwidth(
-            str(chain_text), field="--chain-bandwidth", allow_inf=problem == "pipeline")}
+    if chain_text is not None:  # the problem class parses the text, as from Python
+        return {"chain_bandwidth": str(chain_text)}
     if text is None:
         if required:
             raise OptmemInputError(f"the {problem} problem needs --bandwidth (e.g. 12GB/s) or "

@@ -153,8 +153,8 @@ def _node_limit(value: Any) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool | np.bool_) or not isinstance(value, Real) or not _positive(value):
-        raise OptmemInputError(f"expected a positive number or None, got {value!r}",
-                               field="node_limit")
+        raise OptmemInputError(f"expected a positive whole number of nodes (None, or no "
+                               f"--node-limit: no limit), got {value!r}", field="node_limit")
     if isinstance(value, Integral):
         return int(value)
     number = float(value)

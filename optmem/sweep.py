@@ -384,8 +384,8 @@ def _run_parallel(factory: ProblemFactory, tasks: list[tuple[str, int]],
 
 def sweep(
     problem_factory: ProblemFactory,
-    limits: Sequence[int],
-    methods: Sequence[str],
+    limits: Sequence[int] | str,
+    methods: Sequence[str] | str | None = None,
     *,
     options: SolveOptions | None = None,
     jobs: int = 1,
@@ -401,10 +401,13 @@ def sweep(
         :class:`CheckpointFactory`, :class:`CliFactory`, ``functools.partial``).
     limits
         Memory limits in the chain's memory unit, each in any form of
-        :func:`optmem.units.memory_size` (``2**30``, ``1e9``, ``"1GiB"``).
+        :func:`optmem.units.memory_size` (``2**30``, ``1e9``, ``"1GiB"``), or one string as
+        the CLI's ``--memory`` takes it: ``"FROM:TO:STEPS"`` (``"1GiB:4GiB:20"``) or
+        ``"auto[:STEPS]"`` (:func:`memory_limits`; since stop 55).
     methods
         Method labels of the facade (``dp``, ``dp:rotor``, ``chen``, ...), or one
-        comma-separated string of them (as ``--methods``).
+        comma-separated string of them (as ``--methods``); ``None`` (default, since stop
+        55): the CLI's default methods (:func:`default_methods`).
     options
         Shared :class:`SolveOptions` (slots, time limit, solver); keyword arguments set
         its fields (an unknown one raises, naming the closest).
@@ -422,6 +425,7 @@ def sweep(
         :func:`optmem.solvers.facade.compare`).
     """
     from optmem.solvers.facade import (
+        NO_METHODS,
         check_extra,
         check_shared_variant,
         method_info,
@@ -431,15 +435,16 @@ def sweep(
         run_options,
     )
 
-    if isinstance(limits, str | bytes) or not isinstance(limits, Iterable):
-        raise OptmemInputError(f"expected a list of memory limits, got {limits!r}",
-                               field="limits")
-    limits = sorted({memory_size(m, field="limits") for m in limits})
-    if not limits:
-        raise OptmemInputError("expected at least one memory limit", field="memory")
-    methods = method_names_of(methods) or []
-    if not methods:
-        raise OptmemInputError("expected at least one method", field="methods")
+    if isinstance(limits, bytes) or not isinstance(limits, str | Iterable):
+        raise OptmemInputError(f"expected a list of memory limits or a range FROM:TO:STEPS / "
+                               f"auto[:STEPS], got {limits!r}", field="limits")
+    if not isinstance(limits, str):
+        limits = sorted({memory_size(m, field="limits") for m in limits})
+        if not limits:
+            raise OptmemInputError("expected at least one memory limit", field="memory")
+    given = method_names_of(methods)
+    if given is not None and not given:
+        raise OptmemInputError(NO_METHODS, field="methods")
     jobs = check_integer(jobs, "jobs", 1, MAX_WORKERS, "a number of worker processes")
     if not isinstance(progress, bool | Progress):
         raise OptmemInputError(f"expected True, False or a Progress, got {progress!r}",
@@ -448,12 +453,15 @@ def sweep(
     if not callable(problem_factory):
         raise OptmemInputError(f"expected a function of the memory limit returning a problem, "
                                f"got {type(problem_factory).__name__}", field="problem_factory")
-    probe = problem_factory(limits[0])
+    probe = problem_factory(0 if isinstance(limits, str) else limits[0])
     kind = problem_name(probe)
+    methods = default_methods(kind) if given is None else given
     for m in methods:  # unknown methods and variants (dp:bogus, chen:rotor) fail here
         run_options(kind, method_info(kind, m), m, options, shared=True)
     check_extra(kind, options)
     check_shared_variant(kind, methods, options)
+    if isinstance(limits, str):
+        limits = memory_limits(limits, problem_factory, methods, options, field="limits")
     tasks = [(m, limit) for limit in limits for m in methods]
     bar = progress if isinstance(progress, Progress) else \
         Progress(len(tasks)) if progress else None
@@ -486,7 +494,8 @@ def sweep(
 
 # ------------------------------------------------------------------ CLI
 def parse_memory_range(text: str, chain: Chain | None = None, *,
-                       low: int | None = None, high: int | None = None) -> list[int]:
+                       low: int | None = None, high: int | None = None,
+                       field: str = "--memory") -> list[int]:
     """``FROM:TO:STEPS`` (sizes with units) or ``auto[:STEPS]`` into a list of limits.
 
     ``auto`` goes from ``low`` (default: the smallest limit at which the checkpoint DP
@@ -504,25 +513,47 @@ def parse_memory_range(text: str, chain: Chain | None = None, *,
     parts = text.split(":")
     if parts[0] == "auto":
         if chain is None:
-            raise OptmemInputError("'auto' needs a chain", field="--memory")
-        steps = _steps(parts[1] if len(parts) > 1 else "20")
+            raise OptmemInputError("'auto' needs a chain", field=field)
+        steps = _steps(parts[1] if len(parts) > 1 else "20", field)
         if low is None:
             low = checkpoint_start(chain, SolveOptions())
         if high is None:
             high = math.ceil(chain.store_all_peak() * 1.05)
         high = max(low, high)
     elif len(parts) == 3:
-        low = parse_size(parts[0], field="--memory")
-        high = parse_size(parts[1], field="--memory")
-        steps = _steps(parts[2])
+        low = parse_size(parts[0], field=field)
+        high = parse_size(parts[1], field=field)
+        steps = _steps(parts[2], field)
     else:
         raise OptmemInputError(f"expected FROM:TO:STEPS (e.g. 1GiB:4GiB:20) or auto[:STEPS], "
-                               f"got {text!r}", field="--memory")
+                               f"got {text!r}", field=field)
     if high < low:
-        raise OptmemInputError(f"expected FROM <= TO, got {text!r}", field="--memory")
+        raise OptmemInputError(f"expected FROM <= TO, got {text!r}", field=field)
     if steps == 1:
         return [low]
     return sorted({round(low + (high - low) * k / (steps - 1)) for k in range(steps)})
+
+
+def memory_limits(text: str, problem_factory: ProblemFactory, methods: Sequence[str],
+                  options: SolveOptions, *, field: str = "--memory") -> list[int]:
+    """The limits of a sweep of ``methods`` given as ``FROM:TO:STEPS`` or ``auto[:STEPS]``.
+
+    The CLI's ``--memory`` and Python's ``sweep(factory, "auto:20")``: ``auto`` starts
+    where one of ``methods`` first finds a plan (:func:`auto_start`; a pipeline's from
+    :func:`pipeline_start`; else the checkpoint DP's least memory) and ends where the
+    limit stops mattering (:func:`auto_end`); :func:`parse_memory_range` spaces them.
+    """
+    if text.split(":")[0] != "auto":
+        return parse_memory_range(text, field=field)
+    probe = problem_factory(0)
+    chain = probe.chain
+    low = auto_start(problem_factory, methods, options)
+    high = auto_end(problem_factory, probe.name, chain, options)
+    if low is None and probe.name == "pipeline":  # a limit per GPU: not the DP's
+        low = pipeline_start(problem_factory, methods, options, high)
+    if low is None:
+        low = checkpoint_start(chain, options)
+    return parse_memory_range(text, chain, low=low, high=high, field=field)
 
 
 def checkpoint_start(chain: Chain, options: SolveOptions) -> int:
@@ -632,10 +663,10 @@ def auto_end(problem_factory: ProblemFactory, problem: str, chain: Chain,
 MAX_STEPS = 10_000  # limits of one sweep (each is solved by every method)
 
 
-def _steps(text: str) -> int:
+def _steps(text: str, field: str) -> int:
     if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= MAX_STEPS:
         raise OptmemInputError(f"expected a number of steps in 1..{MAX_STEPS}, got {text!r}",
-                               field="--memory")
+                               field=field)
     return int(text)
 
 
@@ -714,24 +745,18 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     problem_hooks(args.problem)  # unknown problems fail with the list of known ones
     check_problem_options(args.problem, args)  # checkpoint --gpus 4: an error
     check_outputs(args)
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods \
-        else default_methods(args.problem)
     extra = {k: v for k, v in vars(args).items() if k != "func"}
     factory = CliFactory(args.problem, chain, extra)
     options = options_from_args(args)
-    low = high = None
-    if args.memory.split(":")[0] == "auto":
-        low = auto_start(factory, methods, options)
-        high = auto_end(factory, args.problem, chain, options)
-        if low is None and args.problem == "pipeline":  # a limit per GPU: not the DP's
-            low = pipeline_start(factory, methods, options, high)
-        if low is None:
-            low = checkpoint_start(chain, options)
-    limits = parse_memory_range(args.memory, chain, low=low, high=high)
-    result = sweep(factory, limits, methods, options=options, jobs=args.jobs,
-                   progress=not args.quiet)
-    print(f"{chain.name}: {args.problem}, {len(limits)} limits x {len(methods)} methods "
-          f"in {result.wall_time_s:.1f}s")
+    try:  # --memory and --methods are read as sweep(...) reads them ('' is no method)
+        result = sweep(factory, args.memory, args.methods, options=options, jobs=args.jobs,
+                       progress=not args.quiet)
+    except OptmemInputError as exc:
+        if exc.field in ("limits", "memory"):
+            raise OptmemInputError(exc.reason, field="--memory") from None
+        raise
+    print(f"{chain.name}: {args.problem}, {len(result.limits)} limits x "
+          f"{len(result.methods)} methods in {result.wall_time_s:.1f}s")
     print(result.table())
     errors = [p for p in result.points if p.status == Status.ERROR.value]
     for p in errors[:5]:

@@ -26,7 +26,7 @@ from optmem.problems.checkpoint import (
     check_memory_limit,
     discretize,
 )
-from optmem.units import chain_bandwidth_value, rate_per_second, seconds_per
+from optmem.units import parse_chain_bandwidth, rate_per_second, seconds_per
 
 
 def link_bandwidths(chain: Chain, bandwidth: Any, chain_bandwidth: Any, *,
@@ -34,14 +34,15 @@ def link_bandwidths(chain: Chain, bandwidth: Any, chain_bandwidth: Any, *,
     """``(per second, per chain time unit)`` of a bandwidth given either way (one place).
 
     ``bandwidth`` is memory units (bytes) per second or a rate string (``"12GB/s"``);
-    ``chain_bandwidth`` is memory units per chain time unit. Give one (or both, consistent).
+    ``chain_bandwidth`` is memory units per chain time unit, a number or its text (``"2.5"``,
+    the CLI's ``--chain-bandwidth``: one parser). Give one (or both, consistent).
     The per-second value is ``None`` when the chain's time unit is not a time.
     """
     if bandwidth is None and chain_bandwidth is None:
         raise OptmemInputError("expected a bandwidth (bytes per second, or a rate like "
                                "12GB/s)", field="bandwidth")
     per_chain = None if chain_bandwidth is None else \
-        chain_bandwidth_value(chain_bandwidth, allow_inf=allow_inf)
+        parse_chain_bandwidth(chain_bandwidth, allow_inf=allow_inf)
     if bandwidth is None:
         assert per_chain is not None
         if per_chain == 0 or math.isinf(per_chain):
@@ -77,8 +78,9 @@ class OffloadProblem:
         when the chain's time unit is not a time and ``chain_bandwidth`` was given).
     chain_bandwidth
         Keyword only, instead of ``bandwidth``: memory units per chain time unit (what the
-        models and the simulator use; ``12GB/s`` with a chain in milliseconds is ``1.2e7``).
-        Always set after construction.
+        models and the simulator use; ``12GB/s`` with a chain in milliseconds is ``1.2e7``),
+        a number or its text (``"1.2e7"``, as ``--chain-bandwidth``). Always set, as a
+        float, after construction.
 
     Examples
     --------

@@ -282,7 +282,8 @@ class PipelineProblem:
         Stored as a float per second.
     chain_bandwidth
         Keyword only, instead of ``bandwidth``: memory units per chain time unit (what the
-        models use). Always set after construction.
+        models use), a number or its text (``"2.5"``, ``"inf"``, as ``--chain-bandwidth``).
+        Always set, as a float, after construction.
     weight_copies
         ``C``: copies of every weight held (2 versions + gradient = 3, the thesis' value;
         add optimizer states, e.g. 5 for Adam).

@@ -16,6 +16,7 @@ the core and the simulators.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,8 +41,9 @@ from optmem.simulate.offload import simulate_offload
 from optmem.simulate.pipeline import simulate_pipeline
 
 __all__ = ["CLAIM_TOLERANCE", "RECORDED_SETTINGS", "Replay", "Wording", "claim_holds",
-           "recorded_settings", "replay_result", "settings_as_solved", "verify_checkpoint_plan",
-           "verify_min_peak_plan", "verify_offload_plan", "verify_pipeline_plan", "verify_plan"]
+           "plan_input", "recorded_settings", "replay_result", "settings_as_solved",
+           "verify_checkpoint_plan", "verify_min_peak_plan", "verify_offload_plan",
+           "verify_pipeline_plan", "verify_plan"]
 
 CLAIM_TOLERANCE = 1e-6
 """Relative tolerance between a method's claimed objective and the simulated one.
@@ -289,6 +291,7 @@ def verify_plan(problem: Any, plan_data: Any, options: Any = None, *,
         records a setting ``NAME`` that differs from ``problem``'s (without ``as_solved``)
         or that the problem refuses.
     """
+    plan_data = plan_input(plan_data)
     solved, taken = settings_as_solved(problem, plan_data, explicit=None if not as_solved
                                        else ())
     for cls, verifier in _VERIFIERS:
@@ -296,6 +299,30 @@ def verify_plan(problem: Any, plan_data: Any, options: Any = None, *,
             out = verifier(solved, plan_data, options)
             return {**out, "from_plan": taken} if taken else out
     raise OptmemInputError(f"no plan verifier for {type(problem).__name__}", field="problem")
+
+
+def plan_input(plan_data: Any) -> Any:
+    """``plan_data`` in the form the verifiers read, whatever the problem.
+
+    A :class:`~optmem.result.Result` becomes its JSON object (``solve --json``), a string
+    is read as JSON text, a tuple of ops (``Result.plan``) becomes a list; anything else is
+    returned as it is. Until stop 55 only the pipeline verifier took JSON text and tuples,
+    and no verifier took a ``Result``.
+
+    Raises
+    ------
+    PlanError
+        For a string that is not JSON.
+    """
+    if isinstance(plan_data, Result):
+        return plan_data.to_json()
+    if isinstance(plan_data, str):
+        try:
+            return json.loads(plan_data)
+        except ValueError:
+            raise PlanError("not valid JSON (a plan as JSON text, a list of ops, a result "
+                            "or its JSON object)") from None
+    return list(plan_data) if isinstance(plan_data, tuple) else plan_data
 
 
 RECORDED_SETTINGS: dict[str, dict[str, tuple[str, ...]]] = {

@@ -78,6 +78,11 @@ def problem_name(problem: Any) -> str:
     return name
 
 
+NO_METHODS = ("expected at least one method (for the default ones: no --methods on the "
+              "command line, methods=None in Python)")
+"""The refusal of an empty list of methods (``--methods ''``, ``","``, ``[]``)."""
+
+
 def method_names_of(names: Iterable[str] | str | None) -> list[str] | None:
     """Method labels of ``compare``/``sweep``: a list, or one comma-separated string.
 
@@ -311,8 +316,7 @@ def compare(
     given = method_names_of(method_names)
     kind = problem_name(problem)
     if given is not None and not given:  # "," or []: an empty table, exit 0, until stop 52
-        raise OptmemInputError("expected at least one method (None: the default ones)",
-                               field="methods")
+        raise OptmemInputError(NO_METHODS, field="methods")
     names = given if given is not None else default_compare_methods(problem)
     infos = [method_info(kind, label) for label in names]  # unknown names fail first
     check_extra(kind, opts)
