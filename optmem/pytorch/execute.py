@@ -31,7 +31,10 @@ unmodified one does:
   the global RNG and the stages' generators advance exactly as without the plan.
 * A re-run stage runs on scratch copies of its buffers (BatchNorm running statistics), so
   the statistics are updated once per step, as in the unmodified module.
-* The autocast state of the forward is re-entered for re-runs in the backward.
+* The autocast state of the forward is re-entered for re-runs in the backward, its
+  ``cache_enabled`` too (with the weight cache off, each use of a weight casts it anew and
+  autograd sums its uses' gradients in float32; a re-run that cached the cast summed them
+  in the low precision, as one node).
 
 **Suffix stripping** (optional, on by default as in rotor): when the forward part of the
 plan ends with ``F_all j .. F_all L`` mirrored by ``B L .. B j`` right after ``Loss``, the
@@ -709,6 +712,7 @@ class PlanRunner:
         self.input_requires_grad = False
         self.devices: list[int] = []
         self.autocast: list[tuple[str, torch.dtype]] = []
+        self.autocast_cache = True  # the forward's torch.is_autocast_cache_enabled()
         self.context: SideInputs | None = None
         self.functions: list[Callable[[Any], Any]] = []
         self.current: list[torch.Tensor | None] = []
@@ -810,7 +814,8 @@ class PlanRunner:
                 if i in self.rng:
                     self.rng[i].restore()
                 for device_type, dtype in self.autocast:
-                    stack.enter_context(torch.autocast(device_type, dtype=dtype))
+                    stack.enter_context(torch.autocast(device_type, dtype=dtype,
+                                                       cache_enabled=self.autocast_cache))
             elif self.owner.preserve_rng_state and i in self.rerun:
                 self.rng[i] = _RngState(self.devices, self._generators(i))
             if not first and i in self.bound:
@@ -1370,6 +1375,7 @@ class CheckpointedChain(StageCalls, nn.Module):
                                  if t.is_cuda})
         runner.autocast = [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
                            if torch.is_autocast_enabled(d)]
+        runner.autocast_cache = torch.is_autocast_cache_enabled()
         leaves, spec = tree_flatten(x)
         runner.in_leaves = leaves
         inputs = [t for t in leaves if isinstance(t, torch.Tensor)]

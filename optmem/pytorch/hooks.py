@@ -472,14 +472,15 @@ def callers_tools_suspended() -> Iterator[None]:
     :func:`refuse_tensor_hooks` refuses), the profile would time the tool's Python, and the
     tool would count the setup's fake and real runs as the step's. The registries are
     emptied in place and refilled on exit (hooks registered meanwhile are kept, after the
-    suspended ones).
+    suspended ones). The caller's autocast weight cache is left alone too
+    (:func:`autocast_cache_untouched`).
     """
     saved = [(getattr(module_mod, name), list(getattr(module_mod, name).items()))
              for name in _GLOBAL_FORWARD_HOOKS]
     for registry, _ in saved:
         registry.clear()
     try:
-        with _disable_current_modes():
+        with _disable_current_modes(), autocast_cache_untouched():
             yield
     finally:
         for registry, items in saved:
@@ -487,3 +488,26 @@ def callers_tools_suspended() -> Iterator[None]:
             registry.clear()
             registry.update(items)
             registry.update(added)
+
+
+@contextmanager
+def autocast_cache_untouched() -> Iterator[None]:
+    """Within: no cast is added to the caller's autocast weight cache.
+
+    Under ``torch.autocast`` (``cache_enabled=True``, the default) the low-precision copy
+    of a weight made at its first use is kept until the outermost autocast region exits,
+    and every later use in the region reads that copy, through the autograd node made with
+    it. Wrapping or extracting inside the caller's region (the first call of a new
+    signature under autocast) ran setup steps that made those copies: the step then read
+    them, and autograd, which runs ready nodes latest-made first, summed the
+    contributions of a weight used three times (BART's embedding, shared by the encoder,
+    the decoder and the head) in another order than the plain model (1.5e-8 on that
+    call). Casts made within are not cached, as outside any region; the caller's own
+    entries stay.
+    """
+    enabled = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(enabled)
