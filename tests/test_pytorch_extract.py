@@ -932,3 +932,54 @@ def test_a_parameter_or_buffer_the_model_returns_is_that_tensor(kind, what, extr
         (out.square().sum() + got.square().sum()).backward()
         for a, b in zip(ref, (p.grad for p in net.parameters()), strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+class _TinyLM(nn.Module):
+    """Embedding, two residual blocks, head and a cross-entropy on ``labels``."""
+
+    def __init__(self, vocab: int = 20, d: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(nn.Linear(d, d) for _ in range(4))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, input_ids, labels):
+        h = self.emb(input_ids)
+        for block in self.blocks:
+            h = h + torch.tanh(block(h))
+        logits = self.head(h)
+        return nn.functional.cross_entropy(
+            logits.flatten(0, 1), labels.flatten(), ignore_index=-100
+        )
+
+
+def test_one_tensor_given_as_two_arguments_is_exported_as_two_inputs():
+    """Wrapped on ``{"input_ids": ids, "labels": ids}`` (one tensor, the docs' sample), the
+    graph read both arguments from one placeholder: other labels ran the embedding on the
+    labels (other tokens: loss and gradients wrong in silence; ``-100``: IndexError)."""
+    import optmem.pytorch as op
+
+    torch.manual_seed(0)
+    model = _TinyLM()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 20, (2, 8), generator=g)
+    cmodel = op.checkpoint(
+        model,
+        {"input_ids": ids, "labels": ids},
+        memory_limit="60%",
+        repeats=1,
+        warmup=0,
+        fast_path=False,
+    )
+    assert any(o.startswith(("F_ck", "F_none")) for o in cmodel.result.plan)
+    padded = ids.clone()
+    padded[0, :3] = -100
+    for labels in (torch.randint(0, 20, (2, 8), generator=g), padded, ids):
+        got, ref = [], []
+        for call, out in ((cmodel, got), (model, ref)):
+            loss = call(input_ids=ids, labels=labels)
+            loss.backward()
+            out += [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+            model.zero_grad(set_to_none=True)
+        for a, b in zip(got, ref, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
