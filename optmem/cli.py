@@ -406,12 +406,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     chain = load_chain(args.chain)
     explicit = recorded_flags_given(args)
+    needed = _model_of_temporaries(args, explicit)
     problem = build_problem(args.problem, chain, memory_from_args(args.problem, args, chain), args)
     options = options_from_args(args)
     plan_data = _read_json(args.plan)
     taken: dict[str, Any] = {}
     try:
         problem, taken = settings_as_solved(problem, plan_data, explicit=explicit)
+        taken = {**needed, **taken}
         report = verify_plan(problem, plan_data, options)
     except OptmemInputError as exc:  # whatever is wrong with the plan, name the plan file
         if taken:  # a refusal under settings the command line did not give says so
@@ -434,6 +436,28 @@ def cmd_verify(args: argparse.Namespace) -> int:
             print(f"replayed as solved: {_settings_text(taken)} (recorded in {args.plan}; "
                   "not given on the command line)")
     return EXIT_OK
+
+
+def _model_of_temporaries(args: argparse.Namespace, explicit: set[str]) -> dict[str, Any]:
+    """``--temporaries`` without ``--memory-model`` on a strict result: its model, taken.
+
+    ``--temporaries`` needs ``--memory-model strict``; left out, the memory model is the
+    one the result records (CONTRACT section 6), so it is set in ``args`` before the
+    problem is built (else the default ``stash`` refuses the flag) and returned to be
+    listed in ``from_plan``. Empty otherwise (a bare plan records no model: the refusal).
+    Until the stop 55 review the flag was refused there, naming no file.
+    """
+    from types import SimpleNamespace
+
+    from optmem.simulate.verify import recorded_settings
+
+    if not getattr(args, "temporaries", False) or "memory_model" in explicit:
+        return {}
+    recorded = recorded_settings(SimpleNamespace(name=args.problem), _read_json(args.plan))
+    if recorded.get("memory_model") != "strict":
+        return {}
+    args.memory_model = "strict"
+    return {"memory_model": "strict"}
 
 
 def _settings_text(settings: dict[str, Any]) -> str:

@@ -148,6 +148,27 @@ def test_the_flags_given_as_solved_take_nothing_from_the_plan(capsys, tmp_path, 
     assert json.loads(out)["from_plan"] == {"temporaries": True, "weight_copies": 5}
 
 
+def test_temporaries_alone_take_the_strict_model_from_the_plan(capsys, tmp_path, chain_file):
+    """``--temporaries`` without ``--memory-model`` on a strict result: the model left out
+    is the plan's (stop 55 review; before, the default ``stash`` refused the flag, naming no
+    file). A bare plan records no model: still the refusal."""
+    result, path = solved(capsys, tmp_path, chain_file, *STRICT_T, "--weight-copies", 5)
+    base = ("verify", "pipeline", chain_file, path, "--gpus", 2, "-m", 1000, "--temporaries")
+    code, out, err = cli(capsys, *base, "--json")
+    assert code == 0, err
+    checked = json.loads(out)
+    assert checked["peak_memory"] == result["peak_memory"]
+    assert checked["from_plan"] == {"memory_model": "strict", "weight_copies": 5}
+    code, out, err = cli(capsys, *base)
+    assert code == 0 and 'replayed as solved: memory_model "strict", weight_copies 5' in out
+    code, out, err = cli(capsys, *base[:-2], result["peak_memory"] - 1, "--temporaries")
+    assert code == 2 and "above the memory" in err and 'memory_model "strict"' in err
+    ops = tmp_path / "ops.json"
+    ops.write_text(json.dumps(result["plan"]))
+    code, out, err = cli(capsys, *base[:3], ops, *base[4:])
+    assert code == 2 and "field 'temporaries'" in err and "--memory-model strict" in err
+
+
 def test_a_refusal_under_the_recorded_settings_says_so(capsys, tmp_path, chain_file):
     result, path = solved(capsys, tmp_path, chain_file, *STRICT_T)
     code, out, err = cli(
