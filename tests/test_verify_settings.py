@@ -292,6 +292,17 @@ def test_python_refuses_other_settings_unless_as_solved():
     assert verify_plan(plain, result["plan"])["peak_memory"] < result["peak_memory"]
 
 
+@pytest.mark.parametrize("flag", ["no", 1, None, "False"])
+def test_as_solved_is_a_bool(flag):
+    """``as_solved="no"`` replayed as solved (a truthy string); now one error (stop 55
+    review)."""
+    problem = PipelineProblem(chain(), 2, 1000, memory_model="strict")
+    result = solve(problem).to_json()
+    with pytest.raises(OptmemInputError, match="expected True or False") as exc:
+        verify_plan(PipelineProblem(chain(), 2, 1000), result, as_solved=flag)
+    assert exc.value.field == "as_solved"
+
+
 def test_python_min_peak_refuses_another_model():
     result = solve(MinPeakProblem(chain(), model="static")).to_json()
     with pytest.raises(OptmemInputError) as exc:

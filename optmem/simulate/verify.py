@@ -289,8 +289,10 @@ def verify_plan(problem: Any, plan_data: Any, options: Any = None, *,
     OptmemInputError
         If ``problem`` is no problem object of optmem, or (field ``report.NAME``) the plan
         records a setting ``NAME`` that differs from ``problem``'s (without ``as_solved``)
-        or that the problem refuses.
+        or that the problem refuses; (field ``as_solved``) ``as_solved`` is no bool.
     """
+    if not isinstance(as_solved, bool):  # "no" would replay as solved
+        raise OptmemInputError(f"expected True or False, got {as_solved!r}", field="as_solved")
     plan_data = plan_input(plan_data)
     solved, taken = settings_as_solved(problem, plan_data, explicit=None if not as_solved
                                        else ())
