@@ -441,7 +441,7 @@ def sweep(
     if not isinstance(limits, str):
         limits = sorted({memory_size(m, field="limits") for m in limits})
         if not limits:
-            raise OptmemInputError("expected at least one memory limit", field="memory")
+            raise OptmemInputError("expected at least one memory limit", field="limits")
     given = method_names_of(methods)
     if given is not None and not given:
         raise OptmemInputError(NO_METHODS, field="methods")
@@ -752,7 +752,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         result = sweep(factory, args.memory, args.methods, options=options, jobs=args.jobs,
                        progress=not args.quiet)
     except OptmemInputError as exc:
-        if exc.field in ("limits", "memory"):
+        if exc.field == "limits":
             raise OptmemInputError(exc.reason, field="--memory") from None
         raise
     print(f"{chain.name}: {args.problem}, {len(result.limits)} limits x "

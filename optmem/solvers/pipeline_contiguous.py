@@ -244,7 +244,8 @@ def scan_contiguous(problem: PipelineProblem) -> tuple[float, PipelinePlan] | No
     Every split on at most ``P`` GPUs (fewer stages first, cuts in lexicographic order),
     every candidate period of each (:func:`best_period_for_allocation`); the first split of
     the least period wins. What ``contiguous`` under ``strict`` computed until stop 55, and
-    what its pruned scan must return (tests, ``benchmarks/bench_pipeline_strict.py``).
+    what its pruned scan must return (tests, ``benchmarks/bench_pipeline_strict.py``), on
+    chains of at most 20,000 splits: ``contiguous`` stops at that many, this scan does not.
     """
     from itertools import combinations
 
