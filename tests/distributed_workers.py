@@ -514,7 +514,8 @@ def ddp_branches_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, An
 def fsdp_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     """``checkpoint_fsdp`` on a CPU device mesh; ``grad.full_tensor()`` of every weight.
 
-    ``{"model": "mlp" | "gpt" | "hf-gpt2" | "hf-bart", "memory_limit"}``; two iterations.
+    ``{"model": "mlp" | "gpt" | "hf-gpt2" | "hf-bart", "memory_limit", "accumulate"}``; two
+    iterations, each over two micro-batches with ``accumulate`` (:func:`_accumulate_twice`).
     The HuggingFace models are exported (``labels=`` in the call: the model's own loss);
     the warnings of the iterations are returned.
     """
@@ -530,10 +531,14 @@ def fsdp_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
                              time_model=lambda *_: (1.0, 2.0))
     units = [m for m in cmodel.stages if hasattr(m, "_get_fsdp_state")]
     sharded = []  # per step: each unit's parameters sharded again once the forward is over
+    reduced_early = []  # with "accumulate": parameters with a gradient after the unsynced half
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(2):
             cmodel.zero_grad(set_to_none=True)
+            if job.get("accumulate"):
+                reduced_early.append(_accumulate_twice(cmodel, loss_fn, x, y))
+                continue
             out = cmodel(*args, **kwargs)
             sharded.append([u._get_fsdp_state()._fsdp_param_group.is_sharded for u in units])
             (out.loss if loss_fn is None else loss_fn(out, target)).backward()
@@ -549,11 +554,28 @@ def fsdp_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
         except OptmemInputError as exc:
             new_size = str(exc)
     return {"grads": grads, "new_size": new_size,
-            "sharded_after_forward": sharded,
+            "sharded_after_forward": sharded, "reduced_early": reduced_early,
             "warnings": [str(c.message) for c in caught],
             "plan": cmodel.result.plan, "chain": cmodel.chain.to_dict(),
             "units": [type(m).__name__ for m in cmodel.stages],
             "keys": sorted(cmodel.state_dict())}
+
+
+def _accumulate_twice(cmodel: nn.Module, loss_fn: Any, x: torch.Tensor, y: torch.Tensor
+                      ) -> list[str]:
+    """Gradient accumulation over two micro-batches (the shard twice: a sharded exported
+    model keeps the sample's sizes), FSDP2's way: the root's
+    ``set_requires_gradient_sync(False)`` for the first. Returns the parameters that hold a
+    (reduce-scattered) gradient after it, which none should."""
+    args, kwargs, target = model_call(loss_fn, x, y)
+    early: list[str] = []
+    for k in range(2):
+        cmodel.set_requires_gradient_sync(k == 1)  # type: ignore[operator]
+        out = cmodel(*args, **kwargs)
+        ((out.loss if loss_fn is None else loss_fn(out, target)) / 2).backward()
+        if k == 0:
+            early = [n for n, p in cmodel.named_parameters() if p.grad is not None]
+    return early
 
 
 def _fsdp_case(name: str, world: int) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor],

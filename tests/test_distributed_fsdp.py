@@ -107,6 +107,25 @@ def test_fsdp2_with_a_lora_fine_tune(tmp_path, memory_limit):
         assert data["sharded_after_forward"] == [[True] * 6] * 2  # 6 units, both steps
 
 
+def test_gradient_accumulation_without_sync_reaches_the_stage_units(tmp_path):
+    """``cmodel.set_requires_gradient_sync(False)`` (FSDP2's ``no_sync``) for the first of
+    two micro-batches. The stage units are FSDP roots of their own, not submodules of the
+    wrapper's root, so FSDP2's recursion over ``modules()`` missed them: every stage unit
+    still reduce-scattered the unsynced micro-batch (a hunt in stop 55: its sharded
+    gradients were there after it, where the plain model's under ``fully_shard`` were not).
+    Now no parameter has a gradient before the synced micro-batch, and the accumulated
+    gradients are the single-process ones. (An ``nn.Sequential``'s stages are the model's
+    own modules, which the root finds: exported stages only.)"""
+    pytest.importorskip("transformers", reason="the HuggingFace model needs transformers")
+    spawn(w.run_jobs, 2, [{"kind": "fsdp", "model": "hf-gpt2", "memory_limit": 160000,
+                           "accumulate": True}],
+          str(tmp_path), init_file=str(tmp_path / "rendezvous"))
+    ranks = [w.load(str(tmp_path), r, 0) for r in range(2)]
+    check_fsdp_job("hf-gpt2", ranks)
+    for data in ranks:
+        assert data["reduced_early"] == [[], []]
+
+
 def check_fsdp_job(name: str, ranks: list[dict], recomputes: bool = True) -> None:
     """One plan that recomputes, the FSDP-adjusted chain, single-process gradients."""
     model, (x, y), loss_fn = w._fsdp_case(name, 2)

@@ -26,6 +26,7 @@ them without this module, which imports the one-liners for :func:`checkpoint_fsd
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import sys
 import threading
@@ -108,14 +109,42 @@ def fully_shard_checkpointed(cmodule: nn.Module, mesh: Any = None, **fsdp_kwargs
         refuse_mixed_precision(type(cmodule.module).__name__, fsdp_kwargs)
     stages = list(cmodule.stages)  # type: ignore[arg-type]
     held: set[nn.Parameter] = set(fsdp_kwargs.pop("ignored_params", None) or ())
-    for k in sharded_stage_indices(stages):
-        before = _parameter_slots(stages[k])
-        if hasattr(stages[k], "unview_outputs"):  # a graph stage: no view out of FSDP2
-            stages[k].unview_outputs = True
-        fully_shard(stages[k], mesh=mesh, **{"reshard_after_forward": True, **fsdp_kwargs})
-        held |= _point_model_at(cmodule, before, _parameter_slots(stages[k]))
+    units = [stages[k] for k in sharded_stage_indices(stages)]
+    for unit in units:
+        before = _parameter_slots(unit)
+        if hasattr(unit, "unview_outputs"):  # a graph stage: no view out of FSDP2
+            unit.unview_outputs = True
+        fully_shard(unit, mesh=mesh, **{"reshard_after_forward": True, **fsdp_kwargs})
+        held |= _point_model_at(cmodule, before, _parameter_slots(unit))
     fully_shard(cmodule, mesh=mesh, ignored_params=held, **fsdp_kwargs)
+    for name in _RECURSIVE_SETTERS:
+        if hasattr(cmodule, name):  # FSDP2's setters differ between torch versions
+            setattr(cmodule, name, _setter_of_every_unit(getattr(cmodule, name), units))
     return cmodule
+
+
+# FSDPModule setters that set an option on every FSDP unit of ``self.modules()`` (recurse)
+_RECURSIVE_SETTERS = ("set_requires_gradient_sync", "set_requires_all_reduce",
+                      "set_reshard_after_forward", "set_reshard_after_backward",
+                      "set_reduce_scatter_unused_params", "set_reduce_scatter_max_input_buffers",
+                      "set_separate_reduce_scatter_group")
+
+
+def _setter_of_every_unit(root_setter: Callable[..., None], units: Sequence[nn.Module]
+                          ) -> Callable[..., None]:
+    """``root_setter`` (a bound FSDP2 setter of the root unit) that reaches the stage units.
+
+    The stages are no submodules of the root (each unit is an FSDP root of its own), so
+    FSDP2's recursion over ``self.modules()`` missed them: ``set_requires_gradient_sync(
+    False)`` for gradient accumulation left every stage unit reduce-scattering each
+    micro-batch (a hunt in stop 55). With ``recurse=False`` the root alone, as in FSDP2.
+    """
+    @functools.wraps(root_setter)
+    def set_everywhere(*args: Any, recurse: bool = True, **kwargs: Any) -> None:
+        root_setter(*args, recurse=recurse, **kwargs)
+        for unit in units if recurse else ():
+            getattr(unit, root_setter.__name__)(*args, recurse=True, **kwargs)
+    return set_everywhere
 
 
 def refuse_mixed_precision(name: str, fsdp_kwargs: dict[str, Any]) -> None:
