@@ -532,6 +532,7 @@ def fsdp_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     units = [m for m in cmodel.stages if hasattr(m, "_get_fsdp_state")]
     sharded = []  # per step: each unit's parameters sharded again once the forward is over
     reduced_early = []  # with "accumulate": parameters with a gradient after the unsynced half
+    after_step = []  # per step: each unit's parameters sharded again once the step is over
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(2):
@@ -542,6 +543,8 @@ def fsdp_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
             out = cmodel(*args, **kwargs)
             sharded.append([u._get_fsdp_state()._fsdp_param_group.is_sharded for u in units])
             (out.loss if loss_fn is None else loss_fn(out, target)).backward()
+            after_step.append([u._get_fsdp_state()._fsdp_param_group.is_sharded
+                               for u in units])
     grads = {n: p.grad.full_tensor() for n, p in cmodel.named_parameters()
              if p.grad is not None}
     new_size = ""  # a shorter call on every rank: one error saying to pad (stop 51)
@@ -554,7 +557,8 @@ def fsdp_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
         except OptmemInputError as exc:
             new_size = str(exc)
     return {"grads": grads, "new_size": new_size,
-            "sharded_after_forward": sharded, "reduced_early": reduced_early,
+            "sharded_after_forward": sharded, "sharded_after_step": after_step,
+            "reduced_early": reduced_early,
             "warnings": [str(c.message) for c in caught],
             "plan": cmodel.result.plan, "chain": cmodel.chain.to_dict(),
             "units": [type(m).__name__ for m in cmodel.stages],
@@ -588,7 +592,19 @@ def _fsdp_case(name: str, world: int) -> tuple[nn.Module, tuple[torch.Tensor, to
         return hf_bart(), gpt_data(4 * world), None
     if name == "hf-gpt2-lora":
         return hf_gpt2_lora(), gpt_data(4 * world), None
+    if name == "hf-llama-frozen":
+        return hf_llama_frozen(), gpt_data(4 * world), None
     return hf_gpt2(), gpt_data(4 * world), None
+
+
+def hf_llama_frozen(seed: int = 0) -> nn.Module:
+    """:func:`hf_llama` with the first half of its parameters frozen: the embedding's unit
+    and the first block's halves hold frozen parameters only (and get no gradient in)."""
+    model = hf_llama(seed)
+    params = list(model.parameters())
+    for p in params[:len(params) // 2]:
+        p.requires_grad_(False)
+    return model
 
 
 def hf_gpt2_lora(seed: int = 0) -> nn.Module:

@@ -107,6 +107,27 @@ def test_fsdp2_with_a_lora_fine_tune(tmp_path, memory_limit):
         assert data["sharded_after_forward"] == [[True] * 6] * 2  # 6 units, both steps
 
 
+def test_frozen_units_rerun_in_the_backward_are_sharded_again(tmp_path):
+    """HF Llama with the first half of its parameters frozen: the plan re-runs the frozen
+    first block's halves in the backward. FSDP2 does not reshard a unit after a forward
+    run inside a backward (the post-backward hook does), and a unit whose outputs need no
+    gradient has none: it stayed gathered, and the second step's forward failed ("got
+    mixed torch.Tensor and DTensor", a hunt in stop 55: Qwen2, Llama, ViT, ResNet). Now
+    the executor reshards such a unit after it runs: both steps, every unit sharded, the
+    trained parameters' gradients the single-process ones, none for the frozen ones."""
+    pytest.importorskip("transformers", reason="the HuggingFace model needs transformers")
+    # just above the smallest feasible limit (52598 B; store-all: 92352 B)
+    spawn(w.run_jobs, 2, [{"kind": "fsdp", "model": "hf-llama-frozen", "memory_limit": 53000}],
+          str(tmp_path), init_file=str(tmp_path / "rendezvous"))
+    ranks = [w.load(str(tmp_path), r, 0) for r in range(2)]
+    check_fsdp_job("hf-llama-frozen", ranks)
+    plan = ranks[0]["plan"]
+    assert plan.index("F_all 1") > plan.index("Loss")  # the frozen embedding re-run there
+    for data in ranks:
+        assert data["sharded_after_forward"] == [[True] * 7] * 2
+        assert data["sharded_after_step"] == [[True] * 7] * 2
+
+
 def test_gradient_accumulation_without_sync_reaches_the_stage_units(tmp_path):
     """``cmodel.set_requires_gradient_sync(False)`` (FSDP2's ``no_sync``) for the first of
     two micro-batches. The stage units are FSDP roots of their own, not submodules of the

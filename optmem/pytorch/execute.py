@@ -850,6 +850,8 @@ class PlanRunner:
                 self.storage[i] = _Slot(out)
         if first and i in self.buffers and not self.buffers[i].keep_changed():
             del self.buffers[i]
+        if i in self.accumulating:
+            _reshard_without_backward(self.owner.stages[i - 1], self.storage[i].value)
         self.ran.add(i)
         if self.index in self.fusion.close:
             self._close_run(*self.fusion.close[self.index])
@@ -1416,6 +1418,21 @@ def _is_fsdp_unit(module: nn.Module) -> bool:
     """Whether ``module`` is an FSDP2 unit (``fully_shard`` was applied to it)."""
     cls = _fsdp_module_class()
     return cls is not None and isinstance(module, cls)
+
+
+def _reshard_without_backward(unit: nn.Module, out: Any) -> None:
+    """Reshard an FSDP2 unit whose outputs need no gradient: no backward will do it.
+
+    FSDP2 reshards a unit after its forward unless the forward runs inside a backward (a
+    re-run of the plan), where it leaves the parameters to the unit's post-backward hook
+    and its root's final callback. A unit whose outputs need no gradient (its parameters
+    frozen and its input without one, or a forward under ``no_grad``) gets neither: a
+    frozen embedding re-run in the backward stayed gathered past the step, and the next
+    step's forward failed in it ("got mixed torch.Tensor and DTensor", a hunt in stop 55:
+    Qwen2, Llama, ViT, ResNet with their first half frozen).
+    """
+    if not any(t.requires_grad for t in value_tensors(out)):
+        unit.reshard()  # type: ignore[operator]
 
 
 def _parameters_of(modules: Sequence[nn.Module]) -> Iterator[nn.Parameter]:
