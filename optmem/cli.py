@@ -426,6 +426,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
               f"{chain.memory_unit}; this replay rounds sizes to unit {report['unit']} "
               f"(--memory {args.memory}, --slots {args.slots}): pass the limit and slots it "
               "was solved with to replay it as solved", file=sys.stderr)
+    else:
+        _warn_if_not_as_recorded(args.plan, plan_data, report)
     report = {"valid": True, **report, **({"from_plan": taken} if taken else {})}
     if args.json:
         print(json.dumps(report))
@@ -436,6 +438,30 @@ def cmd_verify(args: argparse.Namespace) -> int:
             print(f"replayed as solved: {_settings_text(taken)} (recorded in {args.plan}; "
                   "not given on the command line)")
     return EXIT_OK
+
+
+def _warn_if_not_as_recorded(path: str, plan_data: Any, report: dict[str, Any]) -> None:
+    """One stderr warning when the replay's objective or peak is not the one PLAN records.
+
+    A result replayed under the settings it was solved with (and the same unit) gives its
+    own ``objective`` and ``peak_memory`` back; another value means this replay's settings
+    differ from the solve's in a way the file does not record (a pipeline result written
+    before stop 55 records neither ``weight_copies`` nor its link; a chain changed since):
+    the plan is still checked, against this replay's settings.
+    """
+    if not isinstance(plan_data, dict):
+        return
+    differ = []
+    for key in ("objective", "peak_memory"):
+        recorded, replayed = plan_data.get(key), report.get(key)
+        if isinstance(recorded, int | float) and not isinstance(recorded, bool) and \
+                isinstance(replayed, int | float) and \
+                not math.isclose(recorded, replayed, rel_tol=1e-9, abs_tol=1e-9):
+            differ.append(f"{key} {replayed} where it records {recorded}")
+    if differ:
+        print(f"optmem: warning: this replay of {path} gives {' and '.join(differ)}: it was "
+              "solved under other settings than this replay's (pass the flags it was solved "
+              "with to replay it as solved)", file=sys.stderr)
 
 
 def _model_of_temporaries(args: argparse.Namespace, explicit: set[str]) -> dict[str, Any]:

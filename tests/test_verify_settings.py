@@ -343,3 +343,36 @@ def test_as_solved_replays_every_recorded_setting(model, copies, beta, buffers, 
     assert checked["objective"] == pytest.approx(result["objective"], rel=1e-9)
     assert checked.get("from_plan", {}) == problem.settings_report()
     assert "from_plan" not in verify_plan(problem, result)
+
+
+@pytest.mark.parametrize(
+    ("problem", "flags"),
+    [
+        ("checkpoint", ["-m", "40"]),
+        ("offload", ["-m", "40", "--bandwidth", "2"]),
+        ("remat-offload", ["-m", "40", "--bandwidth", "2"]),
+        ("min-peak", []),
+        ("pipeline", ["--gpus", "2", "-m", "1000", "--weight-copies", "5"]),
+    ],
+)
+def test_a_replay_that_differs_from_the_recorded_result_warns(
+    capsys, tmp_path, chain_file, problem, flags
+):
+    """``verify`` of a result under its own settings gives its objective and peak back, in
+    silence; under settings it does not record (a pipeline result written before stop 55
+    has no ``weight_copies``), one warning line names both values (since stop 55; before,
+    ``valid plan`` with another peak than the file's, in silence)."""
+    code, out, err = cli(capsys, "solve", problem, chain_file, *flags, "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(result))
+    code, out, err = cli(capsys, "verify", problem, chain_file, path, *flags)
+    assert code == 0 and "valid plan" in out and err == "", err
+    result["peak_memory"] += 1  # as a result solved under settings it does not record
+    result["report"].pop("weight_copies", None)
+    path.write_text(json.dumps(result))
+    code, out, err = cli(capsys, "verify", problem, chain_file, path, *flags)
+    assert code == 0 and "valid plan" in out
+    assert err.count("\n") == 1 and "optmem: warning:" in err
+    assert f"where it records {result['peak_memory']}" in err
