@@ -292,3 +292,16 @@ def test_a_work_budget_asks_one_allocation_at_a_time_whatever_the_threads():
     assert one.report["work_exhausted"] is True and one.status.has_plan
     assert one.report["work_calls"] >= 3 and one.report["work_skipped_calls"] >= 1
     assert timeless(one) == timeless(three)
+
+
+def test_without_an_incumbent_a_plan_at_the_cap_is_found():
+    """From no plan (``warm_start=False``) the scan's cap is ``Units.big_m``, which one GPU
+    running five layers in sequence reaches exactly: that allocation is asked, not skipped.
+    Before stop 55 it was skipped (its floor equals the cap) and ``chunks`` answered
+    ``no_solution`` with a family bound of 10 where the optimum is 10."""
+    chain = thesis_chain([1] * 5, [1] * 5, [0] * 7, [0] * 5)
+    problem = PipelineProblem(chain, 1, 0)
+    res = solve(problem, "chunks", options=SolveOptions(threads=1, seed=0, warm_start=False))
+    assert res.status is Status.OPTIMAL, res.report
+    assert res.objective == pytest.approx(10.0)
+    assert res.report["chunks_skipped"] == 0

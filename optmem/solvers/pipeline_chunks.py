@@ -394,7 +394,7 @@ class _Asker:
         pending: list[tuple[float, tuple[int, ...]]] = []
         while True:
             cutoff = _cutoff(out, self.cap, self.step)
-            if queue and queue[0][0] >= cutoff * (1 - _EPS):
+            if queue and _out_of_reach(out, queue[0][0], cutoff):
                 out.skipped += len(queue)
                 queue.clear()
             left = self.left()
@@ -461,6 +461,20 @@ class _Asker:
 def _cutoff(out: Scan, cap: float, step: float) -> float:
     """The period a plan must reach to improve ``out`` (``cap`` before any plan)."""
     return out.period * (1 - step) if math.isfinite(out.period) else cap
+
+
+def _out_of_reach(out: Scan, floor: float, cutoff: float) -> bool:
+    """Whether an allocation with this floor (and every later one) cannot meet ``cutoff``.
+
+    With a plan, the cutoff is below its period and a floor at the cutoff cannot beat it.
+    Before any plan the cutoff is the cap itself, which a plan may reach exactly (one GPU
+    running everything in sequence takes ``Units.big_m``): only a floor above it is out of
+    reach. Until stop 55 a floor at the cap was skipped there too, and ``chunks`` without
+    an incumbent (``warm_start=False``) answered ``no_solution`` on one GPU.
+    """
+    if math.isfinite(out.period):
+        return floor >= cutoff * (1 - _EPS)
+    return floor > cutoff * (1 + _EPS)
 
 
 @dataclass(frozen=True)
