@@ -21,12 +21,12 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from optmem.errors import OptmemInputError
-from optmem.models.pipeline import make_units
+from optmem.models.pipeline import make_units, plan_gpus
 from optmem.problems.pipeline import PipelineProblem
 from optmem.result import SolveOptions, Status
 from optmem.solvers import pipeline_chunks as chunked
 from optmem.solvers.facade import solve
-from optmem.solvers.pipeline_common import ModelRun, run_model
+from optmem.solvers.pipeline_common import ModelRun, replayed_period, run_model
 from tests.test_pipeline import thesis_chain
 from tests.test_pipeline_benders import solved_allocations, trimmable_problems
 from tests.test_pipeline_exact import set_partitions
@@ -163,6 +163,46 @@ def test_enough_chunks_is_the_exact_optimum(problem):
     if bound is not None:
         assert res.objective == pytest.approx(overall, rel=2 * chunked.CHUNK_STEP)
         assert bound <= overall + 1e-6
+
+
+@settings(max_examples=5, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(problem=five_layer_problems(), keep=st.integers(1, 2**16 - 1))
+def test_asking_any_family_gives_its_best_and_a_bound_of_it(problem, keep):
+    """:func:`ask_family` over an arbitrary set of allocations (a bit mask over the
+    allocations, not a chunk family) from no plan: with a bound, the plan is the best of
+    that set (brute force) within the step and replays, the bound is at most that best, and
+    an allocation outside the set never shows; the bound is withheld only when some
+    allocation was undecided."""
+    solved = decided_allocations(problem)
+    assume(solved is not None)
+    assert solved is not None
+    units = make_units(problem)
+    every = list(set_partitions(units.n, problem.n_gpus))
+    assert len(every) == 16
+    chosen = {tuple(gpu) for k, gpu in enumerate(every) if keep >> k & 1}
+    cap = units.big_m()
+    family = sorted((chunked.allocation_floor(units, gpu, problem.n_gpus,
+                                              problem.memory_per_gpu, cap), gpu)
+                    for gpu in chosen)
+    family = [(floor, gpu) for floor, gpu in family if floor < math.inf]
+    periods = [period for gpu, period in solved if tuple(gpu) in chosen]
+    out = chunked.ask_family(problem, units, math.inf, None, family, work=5.0,
+                             step=chunked.CHUNK_STEP)
+    assert out.family == len(family)
+    if not periods:
+        assert out.plan is None
+        assert out.undecided > 0 or not math.isnan(out.bound)
+        return
+    best = min(periods)
+    assert out.plan is not None, out
+    assert plan_gpus(units, out.plan) in chosen
+    assert replayed_period(problem, out.plan) == pytest.approx(out.period, rel=1e-9)
+    assert out.period >= best * (1 - 1e-6)
+    assert out.undecided > 0 or not math.isnan(out.bound), out
+    if not math.isnan(out.bound):
+        assert out.period <= best * (1 + chunked.CHUNK_STEP) + 1e-6
+        assert out.bound <= best + 1e-6
 
 
 def eight_layer_problem(seed: int) -> PipelineProblem:

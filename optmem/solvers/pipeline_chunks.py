@@ -330,11 +330,29 @@ def scan(problem: PipelineProblem, units: Units, period: float, plan: PipelinePl
     (``SolveOptions.work_budget``) one allocation is asked at a time: what each question
     in flight would be granted of the budget depends on when it starts.
     """
+    cap = period if math.isfinite(period) else units.big_m()
+    family, truncated = ranked(problem, units, chunks, cap)
+    return ask_family(problem, units, period, plan, family, work=work, step=step, seed=seed,
+                      deadline=deadline, workers=workers, retry=retry, truncated=truncated)
+
+
+def ask_family(problem: PipelineProblem, units: Units, period: float,
+               plan: PipelinePlan | None, family: Sequence[tuple[float, tuple[int, ...]]], *,
+               work: float, step: float, seed: int = 0, deadline: float | None = None,
+               workers: int = 1, retry: float = RETRY_WORK, truncated: bool = False) -> Scan:
+    """:func:`scan`'s pass and retry pass over a given ``family`` of ``(floor, allocation)``.
+
+    ``family`` must be sorted by floor (:func:`allocation_floor`, as :func:`ranked` gives it)
+    and hold allocations numbered by first use; any set of allocations may be asked this way
+    (e.g. the neighbourhood of a plan's allocation, ``benchmarks/bench_pipeline_neighbours.py``).
+    ``Scan.bound`` then bounds the plans of these allocations only; ``truncated`` (the
+    family is incomplete) withholds it.
+    """
     if active_budget() is not None:
         workers = 1
-    out = Scan(period, plan)
+    out = Scan(period, plan, truncated=truncated)
     cap = period if math.isfinite(period) else units.big_m()
-    family, out.truncated = ranked(problem, units, chunks, cap)
+    family = list(family)
     out.family = len(family)
     ask = _Asker(problem, units, cap, step, seed, deadline, max(1, workers))
     with ask:
@@ -520,5 +538,5 @@ def _decide(problem: PipelineProblem, units: Units, gpu: Sequence[int], cutoff: 
 
 
 __all__ = ["CHUNK_STEP", "CHUNK_WORK", "FLOOR_ITERATIONS", "LOOKAHEAD", "MAX_ALLOCATIONS",
-           "MAX_CHUNKS", "RETRY_WORK", "ChunkSettings", "Scan", "allocation_floor",
+           "MAX_CHUNKS", "RETRY_WORK", "ChunkSettings", "Scan", "allocation_floor", "ask_family",
            "chunk_allocations", "memory_check", "memory_fits", "ranked", "scan", "settings"]
