@@ -112,38 +112,12 @@ def test_verify_without_the_flags_replays_as_solved(capsys, tmp_path, chain_file
 
 def test_the_flags_given_as_solved_take_nothing_from_the_plan(capsys, tmp_path, chain_file):
     _, path = solved(capsys, tmp_path, chain_file, *STRICT_T, "--weight-copies", 5)
-    code, out, err = cli(
-        capsys,
-        "verify",
-        "pipeline",
-        chain_file,
-        path,
-        "--gpus",
-        2,
-        "-m",
-        1000,
-        *STRICT_T,
-        "--weight-copies",
-        5,
-        "--json",
-    )
+    base = ("verify", "pipeline", chain_file, path, "--gpus", 2, "-m", 1000)
+    code, out, err = cli(capsys, *base, *STRICT_T, "--weight-copies", 5, "--json")
     assert code == 0, err
     assert "from_plan" not in json.loads(out)
     # partly given: the rest comes from the plan
-    code, out, err = cli(
-        capsys,
-        "verify",
-        "pipeline",
-        chain_file,
-        path,
-        "--gpus",
-        2,
-        "-m",
-        1000,
-        "--memory-model",
-        "strict",
-        "--json",
-    )
+    code, out, err = cli(capsys, *base, "--memory-model", "strict", "--json")
     assert code == 0, err
     assert json.loads(out)["from_plan"] == {"temporaries": True, "weight_copies": 5}
 
