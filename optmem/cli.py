@@ -24,7 +24,7 @@ from optmem.chain import Chain
 from optmem.cli_problems import HOOKS, ProblemHooks, check_problem_options, option_defaults
 from optmem.errors import OptmemInputError, PlanError
 from optmem.fileio import read_json, write_text_atomic
-from optmem.result import MAX_WORKERS, Result, SolveOptions, Status
+from optmem.result import MAX_WORKERS, OPTION_NAMES, Result, SolveOptions, Status
 from optmem.units import format_size, memory_percent, relative_memory
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
@@ -148,6 +148,11 @@ def load_chain(spec: str) -> Chain:
 def options_from_args(args: argparse.Namespace) -> SolveOptions:
     """The :class:`SolveOptions` of the common flags."""
     extra = parse_extra_options(getattr(args, "option", None) or [])
+    for key in extra:  # Python's SolveOptions(time_limit_s=3) is a flag here, not an option
+        if key in OPTION_NAMES and key != "extra":
+            raise OptmemInputError(f"{key} is a setting of every method, not an option of "
+                                   f"one: on the command line it is {_flag_of(key)}",
+                                   field="--option")
     try:
         return SolveOptions(variant=args.variant, slots=args.slots,
                             time_limit_s=args.time_limit, solver=args.solver,
@@ -156,9 +161,13 @@ def options_from_args(args: argparse.Namespace) -> SolveOptions:
                             deterministic_time=getattr(args, "deterministic_time", None),
                             seed=getattr(args, "seed", 0), extra=extra,
                             work_budget=getattr(args, "work_budget", None))
-    except OptmemInputError as exc:  # the flag of the field (time_limit_s: --time-limit)
-        name = {"time_limit_s": "time_limit"}.get(exc.field or "", exc.field or "")
-        raise OptmemInputError(exc.reason, field="--" + name.replace("_", "-")) from None
+    except OptmemInputError as exc:
+        raise OptmemInputError(exc.reason, field=_flag_of(exc.field or "")) from None
+
+
+def _flag_of(field: str) -> str:
+    """The flag of a :class:`SolveOptions` field (``time_limit_s``: ``--time-limit``)."""
+    return "--" + {"time_limit_s": "time_limit"}.get(field, field).replace("_", "-")
 
 
 def parse_extra_options(items: Sequence[str]) -> dict[str, Any]:

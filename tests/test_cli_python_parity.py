@@ -216,3 +216,23 @@ def test_a_refused_node_limit_reads_as_in_python(capsys, chain_file, value):
     code, out, err = run(capsys, "solve", "checkpoint", chain_file, "-m", 40, "--node-limit", value)
     assert code == 2 and out == "" and "field '--node-limit'" in err
     assert exc.value.reason.split(", got")[0] in err
+
+
+@pytest.mark.parametrize(
+    ("key", "flag"),
+    [("time_limit_s", "--time-limit"), ("node_limit", "--node-limit"), ("threads", "--threads"),
+     ("work_budget", "--work-budget")],
+)
+def test_a_solve_options_field_given_as_an_option_names_its_flag(capsys, chain_file, key, flag):
+    """``--option time_limit_s=3`` is Python's ``SolveOptions(time_limit_s=3)``, a flag on the
+    command line: one error naming the flag (exit 2; until stop 55 it said "did you mean
+    'time_limit_s'? ('time_limit_s' is a SolveOptions field, not an extra key)", the Python
+    name the command line does not take). In Python the field is taken, the key refused."""
+    code, out, err = run(capsys, "solve", "checkpoint", chain_file, "-m", 30, "--method", "ilp",
+                         "--option", f"{key}=3")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "field '--option'" in err and f"it is {flag}" in err
+    problem = CheckpointProblem(chain(), 30)
+    assert solve(problem, "ilp", **{key: 3}).status.has_plan
+    with pytest.raises(OptmemInputError, match="SolveOptions field"):
+        solve(problem, "ilp", extra={key: 3})
