@@ -10,13 +10,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import functools
 import importlib
 import importlib.util
 import json
 import math
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -415,10 +416,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     chain = load_chain(args.chain)
     explicit = recorded_flags_given(args)
-    needed = _model_of_temporaries(args, explicit)
+    plan_file = functools.cache(functools.partial(_read_json, args.plan))  # read once
+    needed = _model_of_temporaries(args, explicit, plan_file)
     problem = build_problem(args.problem, chain, memory_from_args(args.problem, args, chain), args)
     options = options_from_args(args)
-    plan_data = _read_json(args.plan)
+    plan_data = plan_file()
     taken: dict[str, Any] = {}
     try:
         problem, taken = settings_as_solved(problem, plan_data, explicit=explicit)
@@ -473,7 +475,8 @@ def _warn_if_not_as_recorded(path: str, plan_data: Any, report: dict[str, Any]) 
               "with to replay it as solved)", file=sys.stderr)
 
 
-def _model_of_temporaries(args: argparse.Namespace, explicit: set[str]) -> dict[str, Any]:
+def _model_of_temporaries(args: argparse.Namespace, explicit: set[str],
+                          plan_file: Callable[[], Any]) -> dict[str, Any]:
     """``--temporaries`` without ``--memory-model`` on a strict result: its model, taken.
 
     ``--temporaries`` needs ``--memory-model strict``; left out, the memory model is the
@@ -488,7 +491,7 @@ def _model_of_temporaries(args: argparse.Namespace, explicit: set[str]) -> dict[
 
     if not getattr(args, "temporaries", False) or "memory_model" in explicit:
         return {}
-    recorded = recorded_settings(SimpleNamespace(name=args.problem), _read_json(args.plan))
+    recorded = recorded_settings(SimpleNamespace(name=args.problem), plan_file())
     if recorded.get("memory_model") != "strict":
         return {}
     args.memory_model = "strict"

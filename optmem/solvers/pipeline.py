@@ -26,6 +26,7 @@ returned: the objective is the simulated period and every GPU's peak is within t
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import replace
@@ -118,10 +119,11 @@ def _best_contiguous_strict(problem: PipelineProblem) -> Result:
     best: tuple[float, PipelinePlan] | None = None
     best_index = -1
     splits = _contiguous_splits(problem)
+    stage_floor = functools.cache(problem.stage_memory_floor)  # stages recur across splits
     for floor, index, bounds in sorted(splits):
         if best is not None and floor > best[0]:
             break
-        if any(problem.stage_memory_floor(i, j) > problem.memory_per_gpu for i, j in bounds):
+        if any(stage_floor(i, j) > problem.memory_per_gpu for i, j in bounds):
             continue
         found = contig.best_period_for_allocation(
             problem, bounds, at_most=math.inf if best is None else best[0],
