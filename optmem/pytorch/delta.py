@@ -50,8 +50,6 @@ from optmem.pytorch.execute import (
     CompileRequest,
     StageCalls,
     backward_outside_dynamo,
-    run_compiled,
-    run_disabled,
     run_in_order,
 )
 from optmem.pytorch.extract import Stage, value_tensors
@@ -126,11 +124,6 @@ class DeltaChain(StageCalls, nn.Module):
         self._functions: list[Any] = []
 
     # ------------------------------------------------------------------ forward
-    def forward(self, x: Any) -> Any:  # noqa: D102 - see the class docstring
-        if torch.compiler.is_compiling():
-            return run_compiled(run_disabled, self, x)
-        return self._forward(x, None)
-
     def _forward(self, x: Any, compiled: CompileRequest) -> Any:
         functions = self.stage_functions(compiled)
         if not torch.is_grad_enabled():

@@ -479,13 +479,28 @@ class StageCalls:
     """How an executor calls its stages: as they are, or compiled with ``torch.compile``.
 
     Mixed into the executors (:class:`CheckpointedChain`, ``OffloadedChain``,
-    ``RematOffloadChain``, ``DeltaChain``), which keep their stages in ``self.stages``.
+    ``RematOffloadChain``, ``DeltaChain``), which keep their stages in ``self.stages`` and
+    run their plan in ``_forward`` (called by :meth:`forward`).
     """
 
     stages: nn.ModuleList
     _compile_options: dict[str, Any] | None = None
     _compiled: list[Callable[[Any], Any]] | None = None
     _compiled_with: dict[str, Any] | None = None  # the options ``_compiled`` was built with
+
+    def forward(self, x: Any) -> Any:
+        """Run the stages by the executor's plan (:meth:`_forward`).
+
+        Under ``torch.compile`` the plan runs outside dynamo (a graph break,
+        :func:`run_compiled`), its stages compiled with the enclosing compile's options.
+        """
+        if torch.compiler.is_compiling():
+            return run_compiled(run_disabled, self, x)
+        return self._forward(x, None)
+
+    def _forward(self, x: Any, compiled: CompileRequest) -> Any:
+        """Run the stages (``compiled``: see :meth:`stage_functions`); each executor's own."""
+        raise NotImplementedError
 
     def compile_stages(self, **options: Any) -> None:
         """Run every stage compiled: ``torch.compile(stage, **options)`` (lazily built)."""
@@ -1341,11 +1356,6 @@ class CheckpointedChain(StageCalls, nn.Module):
                 f"require grad but are not its parameters (shapes {shapes}): register them "
                 "as parameters of the stage module (their gradient would be lost)",
                 field="module")
-
-    def forward(self, x: Any) -> Any:  # noqa: D102 - see the class docstring
-        if torch.compiler.is_compiling():
-            return run_compiled(run_disabled, self, x)
-        return self._forward(x, None)
 
     def _forward(self, x: Any, compiled: CompileRequest) -> Any:
         functions = self.stage_functions(compiled)

@@ -49,8 +49,6 @@ from optmem.pytorch.execute import (
     CompileRequest,
     StageCalls,
     backward_outside_dynamo,
-    run_compiled,
-    run_disabled,
     run_in_order,
 )
 from optmem.pytorch.extract import Stage, value_tensors
@@ -365,12 +363,6 @@ class OffloadedChain(StageCalls, nn.Module):
                                                                         len(self.stages))
 
     # ------------------------------------------------------------------ forward
-    def forward(self, x: Any) -> Any:
-        """Run the stages, packing saved tensors by value and issuing transfers."""
-        if torch.compiler.is_compiling():
-            return run_compiled(run_disabled, self, x)
-        return self._forward(x, None)
-
     def _forward(self, x: Any, compiled: CompileRequest) -> Any:
         functions = self.stage_functions(compiled)
         if not torch.is_grad_enabled():
