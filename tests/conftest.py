@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -25,6 +26,22 @@ settings.register_profile("ci", derandomize=True, deadline=None, database=None,
 settings.register_profile("dev", deadline=None, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """Run the test with one torch thread, then restore the count (torch imported here only).
+
+    Tiny kernels run faster on one thread than on oversubscribed ones on a shared machine;
+    modules ask for it with ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``.
+    """
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 
 _ALLOWED = ("CUDA", "GPU")
 _unexpected: list[str] = []

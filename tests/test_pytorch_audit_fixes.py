@@ -31,13 +31,7 @@ nn = torch.nn
 
 WRAP: dict[str, Any] = {"repeats": 1, "warmup": 0, "fast_path": False}
 
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Any:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def _count_extractions(monkeypatch: pytest.MonkeyPatch) -> list[int]:

@@ -29,13 +29,7 @@ F = torch.nn.functional
 
 WRAP: dict[str, Any] = {"repeats": 1, "warmup": 0, "fast_path": False}
 
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Any:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 class _TiedThreeWays(nn.Module):
