@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from optmem.engines import adapters as engines
 from optmem.engines.results import engine_failure
@@ -235,6 +235,35 @@ def _prepare(problem: CheckpointProblem, options: SolveOptions, method: str = "i
     return disc, variant, form
 
 
+class _Begun(NamedTuple):
+    """A solve's instance, model, report so far and DP warm start (:func:`_begin`)."""
+
+    disc: Discretized
+    variant: str
+    form: Formulation
+    report: dict[str, Any]
+    start: _Start
+
+
+def _begin(problem: CheckpointProblem, options: SolveOptions, method: str, solver: str
+           ) -> _Begun | Result:
+    """Build ``method``'s model and its report, and the DP warm start.
+
+    The ``infeasible`` result instead when the model is trivially infeasible (then no DP
+    runs); ``solver`` is the engine named in that result.
+    """
+    disc, variant, form = _prepare(problem, options, method)
+    report: dict[str, Any] = {"model": form.size, "sweeps": form.sweeps,
+                              "tape_chain": form.tape_chain}
+    if form.trivially_infeasible:
+        return _finish(problem, options, disc, form, _Start(None, math.inf, None, ""),
+                       method=method, variant=variant, status=Status.INFEASIBLE, values=None,
+                       bound=math.inf, solver=solver, report=report)
+    start = _dp_start(disc, form, options.warm_start)
+    report["warm_start"] = start.note
+    return _Begun(disc, variant, form, report, start)
+
+
 # ------------------------------------------------------------------ ILP
 @register(PROBLEM, "ilp", exact=True, full_model=True, restricted_variants=("persistent",),
           requires=("pulp",),
@@ -245,15 +274,10 @@ def solve_checkpoint_ilp(problem: CheckpointProblem, options: SolveOptions) -> R
     """Optimal plan of the full operation model (``persistent``: of persistent plans)."""
     engines.check_engine(options.solver)
     highs_options = _highs_options(options)
-    disc, variant, form = _prepare(problem, options)
-    report: dict[str, Any] = {"model": form.size, "sweeps": form.sweeps,
-                              "tape_chain": form.tape_chain}
-    if form.trivially_infeasible:
-        return _finish(problem, options, disc, form, _Start(None, math.inf, None, ""),
-                       method="ilp", variant=variant, status=Status.INFEASIBLE, values=None,
-                       bound=math.inf, solver=options.solver, report=report)
-    start = _dp_start(disc, form, options.warm_start)
-    report["warm_start"] = start.note
+    begun = _begin(problem, options, "ilp", options.solver)
+    if isinstance(begun, Result):
+        return begun
+    disc, variant, form, report, start = begun
     model = emit_pulp(form)
     out = _checked(engines.solve_pulp(model.problem, model.variables, options.solver,
                                       initial=model.initial(start.values),
@@ -330,15 +354,10 @@ def solve_checkpoint_cpsat(problem: CheckpointProblem, options: SolveOptions) ->
     """Optimal plan of the full operation model with OR-Tools CP-SAT."""
     from optmem.models.checkpoint_cpsat import emit_cpsat
 
-    disc, variant, form = _prepare(problem, options, "cpsat")
-    report: dict[str, Any] = {"model": form.size, "sweeps": form.sweeps,
-                              "tape_chain": form.tape_chain}
-    if form.trivially_infeasible:
-        return _finish(problem, options, disc, form, _Start(None, math.inf, None, ""),
-                       method="cpsat", variant=variant, status=Status.INFEASIBLE,
-                       values=None, bound=math.inf, solver="cpsat", report=report)
-    start = _dp_start(disc, form, options.warm_start)
-    report["warm_start"] = start.note
+    begun = _begin(problem, options, "cpsat", "cpsat")
+    if isinstance(begun, Result):
+        return begun
+    disc, variant, form, report, start = begun
     model = emit_cpsat(form)
     report["time_scale"] = model.scale
     out = _checked(engines.solve_cpsat(model.model, model.variables,
