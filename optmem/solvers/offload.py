@@ -138,6 +138,20 @@ def _infeasible(problem: OffloadProblem, disc: Discretized, method: str,
                   report=info)
 
 
+def replay_offload(problem: OffloadProblem, disc: Discretized, beta: float,
+                   plan: Sequence[AnyOp], extra: dict[str, Any] | None = None) -> Replay:
+    """Replay ``plan`` on the discretised instance: makespan, peak and the link's report keys.
+
+    The report of every offload-shaped plan (offload and remat + offload): ``idle_time``,
+    ``offloaded``, ``transfers`` and the bandwidths, then ``extra``.
+    """
+    sim = simulate_offload(disc.chain, plan, beta, disc.memory_limit)
+    return Replay(sim.makespan, sim.peak_memory, {
+        "idle_time": sim.idle_time, "offloaded": sim.offloaded_size,
+        "transfers": len(sim.link), "bandwidth": problem.chain_bandwidth,
+        "bandwidth_per_s": problem.bandwidth, "bandwidth_units": beta, **(extra or {})})
+
+
 def plan_result(problem: OffloadProblem, options: SolveOptions, plan: Sequence[AnyOp], *,
                 method: str, status: Status, claimed: float | None = None,
                 report: dict | None = None, solver: str | None = None) -> Result:
@@ -149,11 +163,7 @@ def plan_result(problem: OffloadProblem, options: SolveOptions, plan: Sequence[A
     disc, beta = _disc(problem, options)
 
     def replay() -> Replay:
-        sim = simulate_offload(disc.chain, plan, beta, disc.memory_limit)
-        return Replay(sim.makespan, sim.peak_memory, {
-            "idle_time": sim.idle_time, "offloaded": sim.offloaded_size,
-            "transfers": len(sim.link), "bandwidth": problem.chain_bandwidth,
-            "bandwidth_per_s": problem.bandwidth, "bandwidth_units": beta})
+        return replay_offload(problem, disc, beta, plan)
 
     bound = lower_bound(problem, options)
     out = replay_result(PROBLEM, method, status, tuple(str(op) for op in plan), replay,
@@ -721,11 +731,9 @@ def export_offload_ilp(problem: OffloadProblem, options: SolveOptions, path: str
           description="enumerate offload sets, transfer orders and issue points (tiny chains)")
 def solve_brute(problem: OffloadProblem, options: SolveOptions) -> Result:
     """Exact OFF_int optimum by enumeration and simulation."""
-    from optmem.solvers.offload_bruteforce import brute_force_offload
+    from optmem.solvers.offload_bruteforce import brute_force_offload, check_brute_length
 
-    if problem.chain.length > BRUTE_MAX_LENGTH:
-        raise OptmemInputError(f"brute force is for L <= {BRUTE_MAX_LENGTH}; got L = "
-                               f"{problem.chain.length}", field="method")
+    check_brute_length(problem.chain.length, BRUTE_MAX_LENGTH)
     disc, beta = _disc(problem, options)
     if _too_small(disc):
         return _infeasible(problem, disc, "brute", slots=options.slots)

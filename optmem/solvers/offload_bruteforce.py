@@ -13,10 +13,10 @@ than it (see the simulator's docstring), so the minimum is the OFF_int optimum.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from optmem.chain import Chain
-from optmem.errors import PlanError
+from optmem.errors import OptmemInputError, PlanError
 from optmem.plan import AnyOp, offload, prefetch, store_all_plan
 from optmem.simulate.offload import simulate_offload
 from optmem.solvers.offload_schedule import value_op, value_sizes
@@ -70,21 +70,39 @@ def brute_force_offload(chain: Chain, bandwidth: float, memory_limit: int
     seq = store_all_plan(length)
     sizes = value_sizes(chain)
     cand = [k for k in range(length) if sizes[k] > 0 and bandwidth > 0]
+    plans = (interleave_transfers(seq, [(kind, value_op(k)) for kind, k in order], gaps)
+             for r in range(len(cand) + 1)
+             for values in itertools.combinations(cand, r)
+             for order in _orders(list(values))
+             for gaps in _gaps(order, length))
+    return fastest_plan(chain, bandwidth, memory_limit, plans)
+
+
+def fastest_plan(chain: Chain, bandwidth: float, memory_limit: int,
+                 plans: Iterable[Sequence[AnyOp]]
+                 ) -> tuple[float, tuple[AnyOp, ...], int] | None:
+    """The plan of least simulated makespan among ``plans``, and how many were simulated.
+
+    Plans the simulator rejects (over the limit, invalid) are passed over; of equal
+    makespans (within 1e-12) the first is kept. ``None`` when none replays.
+    """
     best: tuple[float, tuple[AnyOp, ...]] | None = None
     count = 0
-    for r in range(len(cand) + 1):
-        for values in itertools.combinations(cand, r):
-            for order in _orders(list(values)):
-                for gaps in _gaps(order, length):
-                    plan = interleave_transfers(
-                        seq, [(kind, value_op(k)) for kind, k in order], gaps)
-                    count += 1
-                    try:
-                        sim = simulate_offload(chain, plan, bandwidth, memory_limit)
-                    except PlanError:
-                        continue
-                    if best is None or sim.makespan < best[0] - 1e-12:
-                        best = (sim.makespan, tuple(plan))
+    for plan in plans:
+        count += 1
+        try:
+            sim = simulate_offload(chain, plan, bandwidth, memory_limit)
+        except PlanError:
+            continue
+        if best is None or sim.makespan < best[0] - 1e-12:
+            best = (sim.makespan, tuple(plan))
     if best is None:
         return None
     return best[0], best[1], count
+
+
+def check_brute_length(length: int, most: int) -> None:
+    """Refuse a chain longer than ``most`` stages for a brute force (``method`` error)."""
+    if length > most:
+        raise OptmemInputError(f"brute force is for L <= {most}; got L = {length}",
+                               field="method")

@@ -43,6 +43,7 @@ from optmem.solvers.checkpoint_dp import (
     solve_persistent_table,
 )
 from optmem.solvers.hints import AS_SOLVED, too_few_slots
+from optmem.solvers.offload import replay_offload
 from optmem.solvers.options import one_or_all, positive_int
 from optmem.solvers.registration import register
 from optmem.solvers.remat_offload_dp import PofoDP, checkpoint_subplan
@@ -88,11 +89,7 @@ def plan_result(problem: RematOffloadProblem, options: SolveOptions, plan: Seque
     disc, beta = discretized(problem, options)
 
     def replay() -> Replay:
-        sim = simulate_offload(disc.chain, plan, beta, disc.memory_limit)
-        return Replay(sim.makespan, sim.peak_memory, {
-            "idle_time": sim.idle_time, "offloaded": sim.offloaded_size,
-            "transfers": len(sim.link), "bandwidth": problem.chain_bandwidth,
-            "bandwidth_per_s": problem.bandwidth, "bandwidth_units": beta,
+        return replay_offload(problem, disc, beta, plan, {
             "recomputed_forwards": _recomputed(plan, problem.chain.length)})
 
     return replay_result(PROBLEM, method, status, tuple(str(op) for op in plan), replay,

@@ -86,7 +86,11 @@ from optmem.problems.remat_offload import RematOffloadProblem
 from optmem.result import Result, SolveOptions, Status
 from optmem.simulate.checkpoint import initial_state, is_final, transition
 from optmem.simulate.offload import reads, simulate_offload
-from optmem.solvers.offload_bruteforce import interleave_transfers
+from optmem.solvers.offload_bruteforce import (
+    check_brute_length,
+    fastest_plan,
+    interleave_transfers,
+)
 from optmem.solvers.options import flag, positive_int
 from optmem.solvers.registration import register, register_exporter
 from optmem.solvers.remat_offload import (
@@ -308,8 +312,13 @@ def _gaps(order: list[tuple[str, int]], windows: list[Window], lo: int = 0
 
 def _brute_transfers(chain: Chain, limit: int, beta: float, ops: tuple[Op, ...]
                      ) -> tuple[float, tuple[AnyOp, ...]] | None:
+    found = fastest_plan(chain, beta, limit, _transfer_plans(chain, ops))
+    return None if found is None else (found[0], found[1])
+
+
+def _transfer_plans(chain: Chain, ops: tuple[Op, ...]) -> Iterator[list[AnyOp]]:
+    """``ops`` with every set, order and issue point of transfers in their windows."""
     windows = all_windows(chain, ops)
-    best: tuple[float, tuple[AnyOp, ...]] | None = None
     idx = list(range(len(windows)))
     for r in range(1, len(idx) + 1):
         for chosen in itertools.combinations(idx, r):
@@ -318,15 +327,8 @@ def _brute_transfers(chain: Chain, limit: int, beta: float, ops: tuple[Op, ...]
                 continue
             for order in _orders(list(chosen), windows):
                 for gaps in _gaps(order, windows):
-                    plan = interleave_transfers(
+                    yield interleave_transfers(
                         ops, [(kind, windows[i].value) for kind, i in order], gaps)
-                    try:
-                        sim = simulate_offload(chain, plan, beta, limit)
-                    except PlanError:
-                        continue
-                    if best is None or sim.makespan < best[0] - 1e-12:
-                        best = (sim.makespan, tuple(plan))
-    return best
 
 
 def _overlap(windows: list[Window], chosen: Sequence[int]) -> bool:
@@ -341,9 +343,7 @@ def _overlap(windows: list[Window], chosen: Sequence[int]) -> bool:
           description="exact: compute sequences x enumerated transfers (L <= 2)")
 def solve_brute(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     """Exact optimum by enumeration and simulation (independent of the model)."""
-    if problem.chain.length > BRUTE_MAX_LENGTH:
-        raise OptmemInputError(f"brute force is for L <= {BRUTE_MAX_LENGTH}; got L = "
-                               f"{problem.chain.length}", field="method")
+    check_brute_length(problem.chain.length, BRUTE_MAX_LENGTH)
     return _brute_search(problem, options)
 
 
