@@ -2,6 +2,10 @@
 
     python benchmarks/bench_pipeline_runtime.py [--quick]
     python benchmarks/bench_pipeline_runtime.py --temporaries
+    python benchmarks/bench_pipeline_runtime.py --waits 41
+
+``--waits ROUNDS``: ``run_plan`` with the schedule's waits (stop 56) against without them
+(as before), on the ``--temporaries`` plans: peaks against the plan, step time ratio.
 
 ``--temporaries``: planned against measured per rank, each plan replayed under the
 ``stash``, ``strict`` and ``strict`` + ``temporaries=True`` models (see below ``temps_main``).
@@ -20,12 +24,14 @@ pipeline_runtime.md``, reading in ``docs/pipeline.md``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
 import tempfile
 import time
 import weakref
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -37,6 +43,7 @@ from torch.utils._pytree import tree_flatten
 
 from optmem.chain import Chain
 from optmem.pipeline_plan import PipelinePlan
+from optmem.pipeline_schedule import RankStep, rank_messages
 from optmem.problems.pipeline import PipelineProblem
 from optmem.pytorch import pipelining
 from optmem.pytorch.distributed import spawn
@@ -246,12 +253,110 @@ def temps_main() -> None:
     sys.stdout.flush()
 
 
+# ------------------------------------------------------------------ --waits
+@contextlib.contextmanager
+def without_waits() -> Iterator[None]:
+    """``run_plan`` as before stop 56: the schedule's ``RankStep.wait`` left out (a send
+    with no release point is held until the step ends)."""
+    messages = pipelining.rank_messages
+
+    def stripped(plan: PipelinePlan, microbatches: int) -> dict[int, list[RankStep]]:
+        return {g: [replace(st, wait=()) for st in ops]
+                for g, ops in messages(plan, microbatches).items()}
+
+    pipelining.rank_messages = stripped
+    try:
+        yield
+    finally:
+        pipelining.rank_messages = messages
+
+
+def waits_measure(plan: PipelinePlan, rounds: int) -> dict[str, tuple[int, float]]:
+    """This rank's peak (as :func:`temps_measure`) and median step time with and without
+    the waits, the two run alternately ``rounds`` times after a warm-up step each."""
+    from optmem.pytorch.memory import measure_training_peak
+
+    net = temps_model()
+    xs, ys = temps_data()
+
+    def step() -> None:
+        pipelining.run_plan(net, plan, xs, ys, nn.functional.mse_loss)
+
+    variants = {"waits": contextlib.nullcontext, "none": without_waits}
+    peaks, times = {}, {k: [] for k in variants}
+    for name, ctx in variants.items():
+        with ctx():
+            step()
+            net.zero_grad(set_to_none=True)
+            dist.barrier()
+            peaks[name] = measure_training_peak(step, net)
+    for _ in range(rounds):
+        for name, ctx in variants.items():
+            with ctx():
+                dist.barrier()
+                start = time.perf_counter()
+                step()
+                times[name].append(time.perf_counter() - start)
+    return {k: (peaks[k], statistics.median(times[k])) for k in variants}
+
+
+def waits_worker(rank: int, world: int, jobs: list[tuple[str, dict]], rounds: int,
+                 out: str) -> None:
+    del world
+    torch.set_num_threads(1)
+    rows = [(name, rank, waits_measure(PipelinePlan.from_dict(data), rounds))
+            for name, data in jobs]
+    torch.save(rows, os.path.join(out, f"rank{rank}.pt"))
+
+
+def waits_main(rounds: int) -> None:
+    """``run_plan`` with and without the schedule's waits on the ``--temporaries`` plans:
+    each rank's peak against its plan (strict + temporaries) and the step time ratio."""
+    from optmem.simulate.pipeline import simulate_pipeline
+
+    torch.set_num_threads(1)
+    base = PipelineProblem(temps_chain(), 2, 2**34, weight_copies=0)
+    temps = replace(base, memory_model="strict", temporaries=True)
+    jobs, planned = [], {}
+    for method in ("contiguous", "madpipe"):
+        plan = PipelinePlan.from_strings(
+            solve(base, method, options=SolveOptions(threads=1)).plan)
+        name = f"{method} ({plan.describe()})"
+        planned[name] = simulate_pipeline(temps, plan).peaks
+        waits = sum(len(st.wait) for ops in rank_messages(plan, TEMP_MB).values()
+                    for st in ops)
+        print(f"{name}: {waits} waits")
+        jobs.append((name, plan.to_dict()))
+    out = tempfile.mkdtemp()
+    spawn(waits_worker, 2, jobs, rounds, out, init_file=os.path.join(out, "rendezvous"))
+    rows = [r for k in range(2) for r in torch.load(os.path.join(out, f"rank{k}.pt"))]
+    kib = 1024
+    print(f"2 gloo processes, 1 thread each; load average {os.getloadavg()[0]:.1f}; medians "
+          f"of {rounds} interleaved steps")
+    print("| plan | rank | strict + temporaries | without waits | with | without / plan | "
+          "with / plan | step without (ms) | with (ms) | with / without |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, rank, m in sorted(rows):
+        plan_peak = planned[name][rank]
+        (p0, t0), (p1, t1) = m["none"], m["waits"]
+        print(f"| {name} | {rank} | {plan_peak / kib:.0f} | {p0 / kib:.0f} | {p1 / kib:.0f} | "
+              f"{p0 / plan_peak:.2f} | {p1 / plan_peak:.2f} | {t0 * 1e3:.2f} | "
+              f"{t1 * 1e3:.2f} | {t1 / t0:.2f} |")
+    sys.stdout.flush()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--temporaries", action="store_true",
                     help="planned (stash / strict / strict + temporaries) vs measured peaks")
+    ap.add_argument("--waits", type=int, metavar="ROUNDS", default=0,
+                    help="run_plan with and without the schedule's waits (stop 56), "
+                         "ROUNDS interleaved steps each")
     args = ap.parse_args()
+    if args.waits:
+        waits_main(args.waits)
+        return
     if args.temporaries:
         temps_main()
         return

@@ -30,9 +30,9 @@ from pathlib import Path
 from optmem.errors import OptmemInputError, PlanError
 from optmem.pipeline_plan import PipelinePlan
 
-__all__ = ["Message", "RankOp", "RankStep", "check_microbatches", "default_microbatches",
-           "held_sends", "pipeline_ranks", "rank_messages", "rank_programs", "schedule_csv",
-           "schedule_rows", "write_schedule_csv"]
+__all__ = ["SEND_BUFFERS", "Message", "RankOp", "RankStep", "check_microbatches",
+           "default_microbatches", "held_sends", "pipeline_ranks", "rank_messages",
+           "rank_programs", "schedule_csv", "schedule_rows", "write_schedule_csv"]
 
 Message = tuple[str, int, int]
 """A value crossing a cut: ``("a", s, m)`` is the output of 1-based stage ``s`` on micro-batch
@@ -73,12 +73,19 @@ class RankStep:
     release
         Messages this GPU sent earlier that are known received once ``receive`` is done:
         waiting on them there does not wait for any peer, and their buffers can go.
+    wait
+        Messages this GPU sent earlier, not known received, that it waits on before the
+        operation (after ``release``) so that it holds at most :data:`SEND_BUFFERS` of a
+        cut's messages besides its stash (:func:`_bounded_waits`): the wait may block
+        until the receiver takes the message, which the replay of the step shows it does
+        without waiting for this GPU.
     """
 
     op: RankOp
     receive: tuple[Link, ...] = ()
     send: Link | None = None
     release: tuple[Message, ...] = ()
+    wait: tuple[Message, ...] = ()
 
 
 def check_microbatches(microbatches: int) -> None:
@@ -158,33 +165,58 @@ def _receive_lists(programs: dict[int, list[RankOp]],
     return lists
 
 
-def _releases(programs: dict[int, list[RankOp]],
-              receives: dict[int, list[tuple[Link, ...]]],
-              links: dict[int, list[tuple[Link | None, Link | None]]]
-              ) -> dict[int, list[tuple[Message, ...]]]:
+SEND_BUFFERS = 2
+"""Messages of one cut a GPU may hold as buffers of their own when an operation starts: the
+pipeline models count two buffers of the cut's size on each of its GPUs
+(:meth:`~optmem.problems.pipeline.PipelineProblem.buffer_size`), and a runner that receives
+a message when its operation runs has the receive side counted by that operation (its
+input or output gradient) and the stash."""
+
+Waits = dict[int, dict[int, tuple[Message, ...]]]  # GPU -> operation index -> messages
+
+
+def _replay(programs: dict[int, list[RankOp]],
+            receives: dict[int, list[tuple[Link, ...]]],
+            links: dict[int, list[tuple[Link | None, Link | None]]],
+            waits: Waits) -> tuple[dict[int, list[tuple[Message, ...]]], dict[int, int]]:
     """The sends known complete at each operation (vector clocks over the static order).
 
     ``clock[g][h] = k + 1``: GPU ``g`` has received news of GPU ``h``'s operation ``k``
     (its receives included). A send to ``h`` received at ``h``'s operation ``k`` is known
-    complete on its sender once the sender's ``clock[h] > k``. The GPUs are replayed with
-    blocking receives; a plan whose order would deadlock is a :class:`PlanError`.
+    complete on its sender once the sender's ``clock[h] > k``. The GPUs are replayed as a
+    runner executes them: an operation takes its receives one by one (each blocks until its
+    message is sent), then waits on its sends in ``waits`` (each blocks until the receiver
+    has taken it), then runs and sends. A wait adds no news to the clock (the sender learns
+    only that its message left).
+
+    Returns
+    -------
+    tuple
+        The releases of each GPU's operations done, and the GPUs that could not finish,
+        each with the index of the operation it is blocked at (empty: no deadlock).
     """
     clock = {g: dict.fromkeys(programs, 0) for g in programs}
     stamp: dict[Message, dict[int, int]] = {}  # the sender's clock when it sent
     received: dict[Message, int] = {}  # 1 + the receiver's operation index
     outstanding: dict[int, list[Link]] = {g: [] for g in programs}
     done: dict[int, list[tuple[Message, ...]]] = {g: [] for g in programs}
+    taken = dict.fromkeys(programs, 0)  # receives of the current operation taken
     progress = True
     while progress:
         progress = False
         for g, ops in programs.items():
-            while (k := len(done[g])) < len(ops) and all(msg in stamp
-                                                         for _, msg in receives[g][k]):
-                mine = clock[g]
-                for _, msg in receives[g][k]:
+            while (k := len(done[g])) < len(ops):
+                mine, got = clock[g], receives[g][k]
+                while taken[g] < len(got) and got[taken[g]][1] in stamp:
+                    msg = got[taken[g]][1]
                     received[msg] = k + 1
                     for h, t in stamp[msg].items():
                         mine[h] = max(mine[h], t)
+                    taken[g] += 1
+                    progress = True
+                if taken[g] < len(got) or not received.keys() >= set(waits[g].get(k, ())):
+                    break
+                taken[g] = 0
                 mine[g] = k + 1
                 free = [(h, msg) for h, msg in outstanding[g]
                         if received.get(msg, math.inf) <= mine[h]]
@@ -195,12 +227,64 @@ def _releases(programs: dict[int, list[RankOp]],
                     stamp[send[1]] = dict(mine)
                     outstanding[g].append(send)
                 progress = True
-    stuck = [f"GPU {g} at {ops[len(done[g])].action()}" for g, ops in programs.items()
-             if len(done[g]) < len(ops)]
+    return done, {g: len(done[g]) for g, ops in programs.items() if len(done[g]) < len(ops)}
+
+
+def _bounded_waits(programs: dict[int, list[RankOp]],
+                   links: dict[int, list[tuple[Link | None, Link | None]]],
+                   releases: dict[int, list[tuple[Message, ...]]]) -> Waits:
+    """Where each GPU must wait on a send to hold at most :data:`SEND_BUFFERS` per cut.
+
+    A sent gradient is a buffer of its own from the operation after the backward that made
+    it; a sent activation shares its storage with the stage's stash until the stage's
+    backward has run. When the third message of a cut becomes a buffer of its own, the
+    first must be gone: a send whose release (:func:`_replay`) comes later, or never, is
+    waited on at that operation, the latest point where the plan's count holds. Nothing
+    is added where the releases keep within the bound.
+    """
+    waits: Waits = {}
+    for g, ops in programs.items():
+        index = {(op.kind, op.stage, op.microbatch): k for k, op in enumerate(ops)}
+        freed = {msg: k for k, msgs in enumerate(releases[g]) for msg in msgs}
+        alone: dict[tuple[str, int], list[tuple[int, Message]]] = defaultdict(list)
+        for k, (_, send) in enumerate(links[g]):
+            if send is not None:
+                kind, s, m = send[1]
+                own = k + 1 if kind == "g" else index[("B", s, m)] + 1
+                alone[(kind, s)].append((own, send[1]))
+        due: dict[int, list[Message]] = defaultdict(list)
+        for sends in alone.values():
+            sends.sort()
+            for (_, msg), (at, _) in zip(sends, sends[SEND_BUFFERS:], strict=False):
+                if at < len(ops) and freed.get(msg, math.inf) > at:
+                    due[at].append(msg)
+        waits[g] = {k: tuple(msgs) for k, msgs in due.items()}
+    return waits
+
+
+def _releases(programs: dict[int, list[RankOp]],
+              receives: dict[int, list[tuple[Link, ...]]],
+              links: dict[int, list[tuple[Link | None, Link | None]]]
+              ) -> tuple[dict[int, list[tuple[Message, ...]]], Waits]:
+    """The releases of every operation (:func:`_replay`) and the bounded waits.
+
+    A plan whose order deadlocks without waits is a :class:`PlanError`. The waits of
+    :func:`_bounded_waits` are replayed: a wait the replay finds blocked for good (its
+    receiver needs a message this GPU sends later) is dropped, and the replay runs again,
+    so the waits kept cannot deadlock.
+    """
+    no_waits: Waits = {g: {} for g in programs}
+    releases, stuck = _replay(programs, receives, links, no_waits)
     if stuck:
-        raise PlanError(f"the plan's operation order deadlocks: {', '.join(stuck)} waits for "
-                        "a message sent after it (an order that breaks a dependency)")
-    return done
+        where = ", ".join(f"GPU {g} at {programs[g][k].action()}" for g, k in stuck.items())
+        raise PlanError(f"the plan's operation order deadlocks: {where} waits for a message "
+                        "sent after it (an order that breaks a dependency)")
+    waits = _bounded_waits(programs, links, releases)
+    while (stuck := _replay(programs, receives, links, waits)[1]):
+        # a GPU blocked at a receive waits for one blocked at a wait: drop those waits
+        dropped = [waits[g].pop(k) for g, k in stuck.items() if k in waits[g]]
+        assert dropped, "without waits the replay finished"
+    return releases, waits
 
 
 def rank_messages(plan: PipelinePlan, microbatches: int) -> dict[int, list[RankStep]]:
@@ -217,20 +301,25 @@ def rank_messages(plan: PipelinePlan, microbatches: int) -> dict[int, list[RankS
     programs = rank_programs(plan, microbatches)
     links = {g: [_links(plan, op) for op in ops] for g, ops in programs.items()}
     receives = _receive_lists(programs, links)
-    releases = _releases(programs, receives, links)
-    return {g: [RankStep(op, receives[g][k], links[g][k][1], releases[g][k])
-                for k, op in enumerate(ops)] for g, ops in programs.items()}
+    releases, waits = _releases(programs, receives, links)
+    return {g: [RankStep(op, receives[g][k], links[g][k][1], releases[g][k],
+                         waits[g].get(k, ())) for k, op in enumerate(ops)]
+            for g, ops in programs.items()}
 
 
 def held_sends(steps: list[RankStep]) -> int:
     """The most messages a GPU has sent and not released at once (after an operation's send).
 
-    Released messages go before the operation runs; the others are held until the step ends.
+    Released and waited messages go before the operation runs (a message at the first of
+    its ``wait`` and ``release``); the others are held until the step ends.
     """
-    held = peak = 0
+    held: set[Message] = set()
+    peak = 0
     for step in steps:
-        held += (step.send is not None) - len(step.release)
-        peak = max(peak, held)
+        held -= {*step.release, *step.wait}
+        if step.send is not None:
+            held.add(step.send[1])
+        peak = max(peak, len(held))
     return peak
 
 

@@ -74,3 +74,18 @@ def split_stages(problem: PipelineProblem, plan: PipelinePlan) -> PipelinePlan:
         else:  # a transfer after the stage's last layer
             tasks.append(PipelineTask(t.op, base + st.last - st.first, t.start, t.shift))
     return PipelinePlan(plan.period, tuple(stages), tuple(tasks))
+
+
+def forwards_ahead_plan(first_layers: int = 4) -> PipelinePlan:
+    """MadPipe's plan of ``bench_pipeline_runtime.py --temporaries`` (GPU 0: layers 1-4, GPU
+    1: the next three, one stage each): GPU 0 runs 7 forwards before its first backward,
+    so GPU 1 hears back from it once only after its first gradient. ``first_layers``: the
+    layers of stage 1 (3 for a 6-layer model; the schedule does not change)."""
+    k = first_layers
+    return PipelinePlan.from_strings([
+        "period 7.5", f"stage 1 layers 1-{k} gpu 0", f"stage 2 layers {k + 1}-{k + 1} gpu 1",
+        f"stage 3 layers {k + 2}-{k + 2} gpu 1", f"stage 4 layers {k + 3}-{k + 3} gpu 1",
+        "B 1 start 0 shift 0", "F 1 start 5 shift 7", "grad 1 start 2 shift 1",
+        "send 1 start 0 shift 6", "B 2 start 0 shift 1", "F 2 start 6 shift 6",
+        "B 3 start 2 shift 2", "F 3 start 5.75 shift 5", "B 4 start 2.5 shift 3",
+        "F 4 start 4.75 shift 4"])

@@ -16,12 +16,15 @@ from collections import deque
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pipeline_helpers import forwards_ahead_plan
 
 from optmem.chain import Chain
 from optmem.cli import main
 from optmem.errors import OptmemInputError, PlanError
 from optmem.pipeline_plan import PipelinePlan
 from optmem.pipeline_schedule import (
+    SEND_BUFFERS,
+    Message,
     RankStep,
     default_microbatches,
     held_sends,
@@ -146,6 +149,73 @@ def assert_releases_follow_receipt(plan: PipelinePlan, microbatches: int) -> Non
         after = reachable(steps, got[msg][:2])
         first = min((k for h, k in after if h == g), default=None)
         assert released.get(msg, (g, None)) == (g, first), msg
+    assert_sends_bounded(steps)
+    assert_runs_to_the_end(steps)
+
+
+def assert_sends_bounded(steps: dict[int, list[RankStep]]) -> None:
+    """When an operation starts (its releases and waits done), its GPU holds at most
+    ``SEND_BUFFERS`` sent messages of each cut that are buffers of their own: a gradient
+    from the operation after the backward that sent it, an activation from the operation
+    after its stage's backward (until then it is the stash)."""
+    for ops in steps.values():
+        ran: set[tuple[str, int, int]] = set()
+        sent: dict[Message, int] = {}
+        gone: set[Message] = set()
+        for k, step in enumerate(ops):
+            gone |= {*step.release, *step.wait}
+            alone = [(kind, s) for (kind, s, m), at in sent.items() if at < k
+                     and (kind, s, m) not in gone and (kind == "g" or ("B", s, m) in ran)]
+            assert all(alone.count(key) <= SEND_BUFFERS for key in alone), (k, alone)
+            ran.add((step.op.kind, step.op.stage, step.op.microbatch))
+            if step.send is not None:
+                sent[step.send[1]] = k
+
+
+def assert_runs_to_the_end(steps: dict[int, list[RankStep]]) -> None:
+    """Run the steps as ``run_plan`` does, each GPU as far as it can: receive (blocks until
+    the message is sent), wait on ``release`` and ``wait`` (blocks until the receiver has
+    taken the message), send. Every GPU reaches its end: the waits cannot deadlock."""
+    actions = {g: [(what, msg) for st in ops
+                   for what, msg in [*(("take", m) for _, m in st.receive),
+                                     *(("wait", m) for m in (*st.release, *st.wait)),
+                                     *([("send", st.send[1])] if st.send else [])]]
+               for g, ops in steps.items()}
+    sent: set[Message] = set()
+    taken: set[Message] = set()
+    pos = dict.fromkeys(actions, 0)
+    progress = True
+    while progress:
+        progress = False
+        for g, todo in actions.items():
+            while pos[g] < len(todo):
+                what, msg = todo[pos[g]]
+                if (what == "take" and msg not in sent) or (what == "wait" and msg not in taken):
+                    break
+                (taken if what == "take" else sent).add(msg)
+                pos[g] += 1
+                progress = True
+    assert all(pos[g] == len(todo) for g, todo in actions.items()), pos
+
+
+def test_a_rank_running_forwards_ahead_waits_on_its_gradients():
+    """MadPipe's plan of ``bench_pipeline_runtime.py --temporaries``: GPU 0 runs 7 forwards
+    before its first backward and then sends only the forward of micro-batch 7, so no
+    message tells GPU 1 that its gradients of micro-batches 1-7 arrived, and it held 7 of
+    its 8 to the end of the step (1.14x its plan). It now waits on the gradient of m when
+    the one of m + 2 becomes a buffer of its own (before ``2B(m+3)``: GPU 0 took it at
+    ``0B(m)``, a period earlier in the plan); GPU 0's sent activations are its stash until
+    their backward, which releases them: no wait there. The contiguous plan keeps its
+    releases, without waits."""
+    steps = rank_messages(forwards_ahead_plan(), 8)
+    assert [held_sends(steps[g]) for g in (0, 1)] == [7, 3]
+    waits = [(st.op.action(), st.wait) for st in steps[1] if st.wait]
+    assert waits == [(f"2B{m + 3}", (("g", 1, m),)) for m in range(5)]
+    assert not any(st.wait for st in steps[0])
+    assert_sends_bounded(steps)
+    assert_runs_to_the_end(steps)
+    contiguous = rank_messages(plan_for([1] * 6, 2, "contiguous"), 8)
+    assert not any(st.wait for ops in contiguous.values() for st in ops)
 
 
 @pytest.mark.parametrize(("costs", "gpus", "method", "memory"), [

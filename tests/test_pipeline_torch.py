@@ -18,6 +18,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="the pipeline executor needs torch")
 
 import distributed_workers as w  # noqa: E402
+from pipeline_helpers import forwards_ahead_plan  # noqa: E402
 
 from optmem.chain import Chain  # noqa: E402
 from optmem.cli import main  # noqa: E402
@@ -127,10 +128,15 @@ def test_run_plan_drops_a_sent_message_once_its_receiver_has_it(world, tmp_path)
     every plan runs to the end (no deadlock) with the single-process gradients, and no rank
     holds more sends than :func:`held_sends` computes from the plan (2 of 8 there). The
     2-rank plans of the other tests, a 3-rank MadPipe plan with an interleaved GPU (stages
-    3, 4 and 6) and a 4-rank CP-SAT optimum."""
+    3, 4 and 6) and a 4-rank CP-SAT optimum. Where no message tells a rank that its send
+    arrived (rank 0 of MadPipe's forwards-ahead plan runs 7 forwards before its first
+    backward: rank 1 held 7 of its 8 gradients), it waits on the send once it would hold
+    more than the plan's two buffers of the cut (``RankStep.wait``; 3 at most, counting the
+    one just sent), which cannot deadlock either."""
     ranks = {2: [job("mlp", plan_for([1] * 6, 2, "contiguous"), "p2p", microbatches=8),
                  job("mlp3", plan_for([1, 2, 1], 2, "cpsat"), "p2p"),
-                 job("gpt", plan_for([1, 2, 2, 2, 1], 2, "madpipe"), "p2p", microbatches=8)],
+                 job("gpt", plan_for([1, 2, 2, 2, 1], 2, "madpipe"), "p2p", microbatches=8),
+                 job("mlp", forwards_ahead_plan(first_layers=3), "p2p", microbatches=8)],
              3: [job("mlp", plan_for([1, 2, 1, 1, 2, 1], 3, "madpipe", memory=60), "p2p",
                      microbatches=6)],
              4: [job("mlp", plan_for([1, 2, 1, 1, 2, 1], 4, "cpsat"), "p2p", microbatches=6)]}
@@ -146,6 +152,7 @@ def test_run_plan_drops_a_sent_message_once_its_receiver_has_it(world, tmp_path)
         steps = rank_messages(plans[0], 8)
         assert [held_sends(steps[g]) for g in (0, 1)] == [2, 2]
         assert all(sum(st.send is not None for st in steps[g]) == 8 for g in (0, 1))
+        assert [w.load(str(tmp_path), g, 3)["held"] for g in (0, 1)] == [7, 3]
 
 
 def test_one_call_same_plan_on_every_rank(tmp_path):

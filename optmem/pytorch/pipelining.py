@@ -796,8 +796,11 @@ def run_plan(
     with ``isend``/``irecv`` received in the sender's order (no tags: NCCL and gloo). A sent
     message is waited on and dropped at the first operation that happens after its
     receiver took it (:func:`~optmem.pipeline_schedule.rank_messages`: the peer then sent
-    something this rank has received, so the wait does not wait for a peer); messages with
-    no such operation are held until the step ends. Stage outputs must be single tensors.
+    something this rank has received, so the wait does not wait for a peer), or earlier,
+    where the rank would otherwise hold more than two messages of a cut besides its stash
+    (``RankStep.wait``: the wait may wait for the receiver to take it, which the static
+    replay shows never needs this rank); other messages are held until the step ends.
+    Stage outputs must be single tensors.
     Gradients of the micro-batches are summed in ``.grad``;
     a weight shared by stages on several ranks (a tied embedding and head) gets the sum
     over those ranks on each, as with :class:`PipelinedModel`.
@@ -834,7 +837,9 @@ def run_plan(
     for step in rank_messages(plan, len(inputs)).get(rank, []):
         for peer, key in step.receive:
             box[key] = _receive(peer, shapes[key[1] - 1], device)
-        for key in step.release:  # the peer has it: wait() does not wait for the peer
+        # release: the peer has it, wait() does not wait for the peer; wait: the plan's
+        # buffers are full, wait() may wait until the peer takes it (never for this rank)
+        for key in (*step.release, *step.wait):
             req = held.pop(key, None)
             if req is not None:
                 req.wait()
