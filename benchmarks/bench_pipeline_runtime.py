@@ -3,6 +3,12 @@
     python benchmarks/bench_pipeline_runtime.py [--quick]
     python benchmarks/bench_pipeline_runtime.py --temporaries
     python benchmarks/bench_pipeline_runtime.py --waits 41
+    python benchmarks/bench_pipeline_runtime.py --breakdown
+
+``--breakdown``: on the ``--temporaries`` plans, each rank's ``run_plan`` step op by op
+(stop 56, hunt ``rank1``): the largest memory during each operation against the plan's at
+that task (``PipelineSimulation.task_memory``, strict + temporaries), the operations above
+it, and the storages alive at the rank's peak by the operation and aten op that made them.
 
 ``--waits ROUNDS``: ``run_plan`` with the schedule's waits (stop 56) against without them
 (as before), on the ``--temporaries`` plans: peaks against the plan, step time ratio.
@@ -47,6 +53,7 @@ from optmem.pipeline_schedule import RankStep, rank_messages
 from optmem.problems.pipeline import PipelineProblem
 from optmem.pytorch import pipelining
 from optmem.pytorch.distributed import spawn
+from optmem.pytorch.memory import StorageTrace, storage_key
 from optmem.result import SolveOptions
 from optmem.solvers.facade import solve
 
@@ -345,6 +352,131 @@ def waits_main(rounds: int) -> None:
     sys.stdout.flush()
 
 
+# ------------------------------------------------------------------ --breakdown
+class OpTrace(StorageTrace):
+    """A :class:`StorageTrace` that labels each storage with the operation running (``op``,
+    set from outside) and the aten op that made it."""
+
+    def __init__(self, known: set[int]) -> None:
+        super().__init__(known)
+        self.op = "build"
+        self.labels: list[str] = []  # per record
+        self.marks: list[tuple[int, str]] = []  # (first event of the operation, op)
+
+    def start(self, op: str) -> None:
+        self.op = op
+        self.marks.append((len(self.events), op))
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        first = len(self.sizes)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        self.labels += [f"{self.op} {func._overloadpacket.__name__}"] * (len(self.sizes) - first)
+        return out
+
+    def breakdown(self, skip: set[int]) -> tuple[dict[str, int], str, dict[str, int]]:
+        """Largest bytes during each operation, the one at the peak, and what is alive
+        there (bytes by label); records in ``skip`` (weight gradients) left out."""
+        starts = dict(self.marks)
+        op, current, peak, per_op = "build", 0, -1, {"build": 0}
+        alive: dict[int, int] = {}
+        at_peak: tuple[str, dict[int, int]] = ("build", {})
+        for i, (record, delta) in enumerate(self.events):
+            if i in starts:
+                op = starts[i]
+                per_op[op] = current
+            if record in skip:
+                continue
+            current += delta
+            if delta > 0:
+                alive[record] = delta
+            else:
+                alive.pop(record, None)
+            per_op[op] = max(per_op[op], current)
+            if current > peak:
+                peak, at_peak = current, (op, dict(alive))
+        held: dict[str, int] = {}
+        for record, size in at_peak[1].items():
+            held[self.labels[record]] = held.get(self.labels[record], 0) + size
+        return per_op, at_peak[0], held
+
+
+@contextlib.contextmanager
+def labelled(trace: list[OpTrace | None]) -> Iterator[None]:
+    """``run_plan`` tells ``trace[0]`` (when set) which operation it starts."""
+    messages = pipelining.rank_messages
+
+    def steps(st: RankStep) -> RankStep:
+        if trace[0] is not None:
+            trace[0].start(f"{st.op.kind}{st.op.stage},{st.op.microbatch}")
+        return st
+
+    def told(plan: PipelinePlan, microbatches: int) -> dict[int, Any]:
+        return {g: map(steps, ops) for g, ops in messages(plan, microbatches).items()}
+
+    pipelining.rank_messages = told
+    try:
+        yield
+    finally:
+        pipelining.rank_messages = messages
+
+
+def breakdown_measure(plan: PipelinePlan) -> tuple[dict[str, int], str, dict[str, int]]:
+    """:meth:`OpTrace.breakdown` of this rank's second step (as :func:`temps_measure`)."""
+    net = temps_model()
+    xs, ys = temps_data()
+    box: list[OpTrace | None] = [None]
+    with labelled(box):
+        pipelining.run_plan(net, plan, xs, ys, nn.functional.mse_loss)
+        net.zero_grad(set_to_none=True)
+        dist.barrier()
+        params = list(net.parameters())
+        box[0] = trace = OpTrace({storage_key(t) for t in (*params, *net.buffers())})
+        with trace:
+            pipelining.run_plan(net, plan, xs, ys, nn.functional.mse_loss)
+    grads = {trace.record_of(p.grad) for p in params if p.grad is not None}
+    return trace.breakdown({r for r in grads if r is not None})
+
+
+def breakdown_worker(rank: int, world: int, jobs: list[tuple[str, dict]], out: str) -> None:
+    del world
+    torch.set_num_threads(1)
+    rows = [(name, rank, breakdown_measure(PipelinePlan.from_dict(data)))
+            for name, data in jobs]
+    torch.save(rows, os.path.join(out, f"rank{rank}.pt"))
+
+
+def breakdown_main() -> None:
+    """Each rank's ``run_plan`` op by op against the plan (strict + temporaries)."""
+    from optmem.simulate.pipeline import simulate_pipeline
+
+    torch.set_num_threads(1)
+    base = PipelineProblem(temps_chain(), 2, 2**34, weight_copies=0)
+    temps = replace(base, memory_model="strict", temporaries=True)
+    jobs, planned = [], {}
+    for method in ("contiguous", "madpipe"):
+        plan = PipelinePlan.from_strings(
+            solve(base, method, options=SolveOptions(threads=1)).plan)
+        name = f"{method} ({plan.describe()})"
+        planned[name] = simulate_pipeline(temps, plan, microbatches=TEMP_MB)
+        jobs.append((name, plan.to_dict()))
+    out = tempfile.mkdtemp()
+    spawn(breakdown_worker, 2, jobs, out, init_file=os.path.join(out, "rendezvous"))
+    rows = [r for k in range(2) for r in torch.load(os.path.join(out, f"rank{k}.pt"))]
+    kib = 1024
+    for name, rank, (per_op, peak_op, held) in sorted(rows):
+        sim = planned[name]
+        plan_at = {f"{k}{s},{m}": v for (k, s, m), v in sim.task_memory.items()}
+        print(f"{name}, rank {rank}: peak {max(per_op.values()) / kib:.0f} KiB during "
+              f"{peak_op} (operation 'kind stage,micro-batch'); plan {sim.peaks[rank] / kib:.0f}")
+        print("  alive at the peak (made by 'operation aten-op': KiB): " + ", ".join(
+            f"{label}: {size / kib:.0f}" for label, size in sorted(held.items())))
+        above = [f"{op} {v / kib:.0f}/{plan_at[op] / kib:.0f}" for op, v in per_op.items()
+                 if op in plan_at and v > plan_at[op]]
+        print("  operations above the plan (measured/plan): " + (", ".join(above) or "none"))
+    sys.stdout.flush()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
@@ -353,7 +485,12 @@ def main() -> None:
     ap.add_argument("--waits", type=int, metavar="ROUNDS", default=0,
                     help="run_plan with and without the schedule's waits (stop 56), "
                          "ROUNDS interleaved steps each")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="run_plan op by op against the plan, on the --temporaries plans")
     args = ap.parse_args()
+    if args.breakdown:
+        breakdown_main()
+        return
     if args.waits:
         waits_main(args.waits)
         return

@@ -117,11 +117,28 @@ def hf_bart(seed: int = 0) -> nn.Module:
 
 # name: (build, data(rows) -> (x, y), loss_fn(output, y)); loss_fn None: the model's own
 # loss, the call passing labels= (model_call)
+def wide_mlp(seed: int = 0) -> nn.Sequential:
+    """Three ``Linear(256, 256)`` + ``Tanh`` and a ``Linear(256, 256)``: 7 chain layers, the
+    MLP of ``benchmarks/bench_pipeline_runtime.py --temporaries``."""
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for _ in range(3):
+        layers += [nn.Linear(256, 256), nn.Tanh()]
+    layers.append(nn.Linear(256, 256))
+    return nn.Sequential(*layers)
+
+
+def wide_data(rows: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, 256, generator=gen), torch.randn(rows, 256, generator=gen)
+
+
 MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int], Any], Any]] = {
     "mlp": (lambda: pipelining.demo_model(8, 6), lambda rows: mlp_data(rows, 8),
             nn.functional.mse_loss),
     "mlp3": (lambda: pipelining.demo_model(8, 3), lambda rows: mlp_data(rows, 8),
              nn.functional.mse_loss),
+    "wide": (wide_mlp, wide_data, nn.functional.mse_loss),
     "gpt": (tiny_gpt, gpt_data, lm_loss),
     "hf-gpt2": (hf_gpt2, gpt_data, lm_loss),
     "hf-gpt2-labels": (hf_gpt2, gpt_data, None),
@@ -176,7 +193,8 @@ def run_jobs(rank: int, world: int, jobs: list[dict[str, Any]], out_dir: str) ->
     kinds = {"pipeline": pipeline_job, "one_call": one_call_job, "ddp": ddp_job,
              "fsdp": fsdp_job, "fsdp_refusal": fsdp_refusal_job, "ddp_hf": ddp_hf_job,
              "ddp_lengths": ddp_lengths_job, "ddp_branches": ddp_branches_job,
-             "refusals": refusals_job, "pipeline_inputs": pipeline_inputs_job}
+             "refusals": refusals_job, "pipeline_inputs": pipeline_inputs_job,
+             "pipeline_peak": pipeline_peak_job}
     for k, job in enumerate(jobs):
         _save(out_dir, rank, k, kinds[job["kind"]](rank, world, job))
         dist.barrier()
@@ -249,6 +267,32 @@ def pipeline_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
         losses = pipelining.run_plan_pipelining(model, job["plan"], xs, ys, loss_fn,
                                                 schedule_csv=job.get("csv"))
     return {"grads": _grads(model), "losses": losses, "held": sends.peak}
+
+
+def pipeline_peak_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    """``{"model", "plan", "microbatches", "rows"}`` on ``run_plan``, two steps.
+
+    ``peak``: :func:`~optmem.pytorch.memory.measure_training_peak` of the second step
+    (every storage the step creates; weights and their gradients left out), whose
+    gradients and losses are returned.
+    """
+    from optmem.pytorch.memory import measure_training_peak
+
+    del rank, world
+    build, data, loss_fn = MODELS[job["model"]]
+    model = build()
+    x, y = data(job["rows"])
+    xs, ys = list(x.chunk(job["microbatches"])), list(y.chunk(job["microbatches"]))
+    losses: list[float] = []
+
+    def step() -> None:
+        losses[:] = pipelining.run_plan(model, job["plan"], xs, ys, loss_fn)
+
+    step()  # the first step sets up the process group's pairs
+    model.zero_grad(set_to_none=True)
+    dist.barrier()
+    peak = measure_training_peak(step, model)
+    return {"grads": _grads(model), "losses": losses, "peak": peak}
 
 
 def pipeline_inputs_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:

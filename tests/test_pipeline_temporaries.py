@@ -164,8 +164,9 @@ def test_zero_temporaries_give_the_strict_results(problem, name):
 
 # ------------------------------------------------------------------ independent peak
 def independent_peaks(problem: PipelineProblem, plan: PipelinePlan, n_mb: int,
-                      tol: float = 1e-6) -> list[int]:
-    """Per-GPU strict peak with temporaries, layer by layer from the chain's fields.
+                      tol: float = 1e-6, at: dict | None = None) -> list[int]:
+    """Per-GPU strict peak with temporaries, layer by layer from the chain's fields (and in
+    ``at``, if given, each task's count by ``(op, stage, micro-batch)``).
 
     Same instants and windows as the simulator (a task's checks at its start; a stash alive
     from its forward's start to its backward's end; data waiting on the same GPU), but each
@@ -241,6 +242,8 @@ def independent_peaks(problem: PipelineProblem, plan: PipelinePlan, n_mb: int,
                                     + c.weight_size[k - 1] + tape_out - freed)
                     assert whole >= 0
                 peaks[g] = max(peaks[g], base + max(held))
+                if at is not None:
+                    at[(op, s, m)] = base + max(held)
     return peaks
 
 
@@ -269,9 +272,43 @@ def plans(draw):
 def test_simulator_peak_equals_layer_by_layer_count(case):
     problem, plan = case
     sim = simulate_pipeline(problem, plan)
-    assert list(sim.peaks) == independent_peaks(problem, plan, sim.microbatches)
+    at: dict = {}
+    assert list(sim.peaks) == independent_peaks(problem, plan, sim.microbatches, at=at)
+    assert sim.task_memory == at
     plain = simulate_pipeline(replace(problem, temporaries=False), plan)
     assert all(p >= q for p, q in zip(sim.peaks, plain.peaks, strict=True))
+
+
+def test_task_memory_of_madpipes_rank_1_is_the_hand_count():
+    """``task_memory`` at the peak of GPU 1 of MadPipe's plan of the ``--temporaries`` bench
+    (``benchmarks/results/pipeline_runtime.md``, stop 56 ``rank1``): the backward of layer 5
+    on micro-batch 2, counted by hand in KiB (``run_plan`` measures the same 1409)."""
+    act, w = 64 * 1024, 257 * 1024  # a 64 x 256 activation; Linear(256, 256) weight + bias
+    fwd = [1.0, 0.25] * 3 + [1.0]
+    chain = Chain.from_lists(fwd, [2 * t for t in fwd], [act] * 7, [act] * 7, input_size=act,
+                             weight_size=[w, 0] * 3 + [w], loss_bwd_time=0.25,
+                             loss_bwd_overhead=act + 4)
+    problem = PipelineProblem(chain, 2, 2**34, weight_copies=0, memory_model="strict",
+                              temporaries=True)
+    plan = PipelinePlan.from_strings([
+        "period 7.5", "stage 1 layers 1-4 gpu 0", "stage 2 layers 5-5 gpu 1",
+        "stage 3 layers 6-6 gpu 1", "stage 4 layers 7-7 gpu 1", "B 1 start 0 shift 0",
+        "F 1 start 5 shift 7", "grad 1 start 2 shift 1", "send 1 start 0 shift 6",
+        "B 2 start 0 shift 1", "F 2 start 6 shift 6", "B 3 start 2 shift 2",
+        "F 3 start 5.75 shift 5", "B 4 start 2.5 shift 3", "F 4 start 4.75 shift 4"])
+    sim = simulate_pipeline(problem, plan, microbatches=8)
+    kib = {key: v // 1024 for key, v in sim.task_memory.items()}
+    buffers = 2 * 64  # the cut after layer 4
+    mb2 = 64 + 64 + 64 + (257 + 64)  # stash a4, delta5 + delta4, weight gradient + a5
+    mb3 = 64 + 64 + 64  # stashes a4, a5; delta6 waits for B 3
+    mb4 = 64 + 64 + 128  # stashes a4, a5, a6 + a7 (layer 7 keeps its output for the loss)
+    mb5 = 64 + 64 + 64  # stashes a4, a5; a6 waits for F 4
+    mb6 = 64 + 64  # stash a4; a5 waits for F 3
+    assert kib[("B", 2, 2)] == buffers + mb2 + mb3 + mb4 + mb5 + mb6 == 1409
+    assert sim.peaks[1] == max(v for (_, s, _), v in sim.task_memory.items() if s > 1) \
+        == 1409 * 1024
+    assert set(sim.task_memory) == {(op, s, m) for op in "FB" for s in range(1, 5)
+                                    for m in range(8)}
 
 
 def store_all_op_peaks(chain: Chain) -> list[int]:

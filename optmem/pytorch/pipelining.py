@@ -51,6 +51,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError, PlanError
@@ -784,6 +785,40 @@ def _shapes(modules: Sequence[nn.Module], sample: torch.Tensor
     return out
 
 
+class _Root:
+    """Where :func:`run_plan` starts a stage's backward: its output's gradient edge.
+
+    A stash that kept the output tensor kept its storage to the backward: the output is
+    the next stage's input (its stash counts it), a message, or part of the tape (then the
+    tape keeps it), and a loss may keep more than its one element (``mse_loss`` of
+    PyTorch 2.13 returns a view of its 64 KiB squared errors: rank 1 of the ``--temporaries``
+    MadPipe plan held 64 KiB per micro-batch from its loss to its backward, stop 56). An
+    output that needs no gradient is kept as is (its backward raises, as before).
+    """
+
+    def __init__(self, edge: Any, like: tuple[torch.Size, torch.dtype, torch.device] | None
+                 ) -> None:
+        self.edge, self.like = edge, like
+
+    @classmethod
+    def of(cls, out: torch.Tensor, *, loss: bool) -> _Root:
+        """The root of ``out``'s backward (``loss``: its gradient is one, a scalar)."""
+        if not out.requires_grad:
+            return cls(out, None)
+        if loss and out.numel() != 1:
+            raise OptmemInputError(f"loss_fn returned a tensor of shape {tuple(out.shape)}; "
+                                   "expected a scalar", field="loss_fn")
+        like = (out.shape, out.dtype, out.device) if loss else None
+        return cls(get_gradient_edge(out), like)
+
+    def backward(self, grad: torch.Tensor | None) -> None:
+        """``out.backward(grad)`` (a loss: ``grad`` None, ``out.backward()``)."""
+        if grad is None and self.like is not None:
+            shape, dtype, device = self.like
+            grad = torch.ones(shape, dtype=dtype, device=device)
+        torch.autograd.backward([self.edge], None if grad is None else [grad])
+
+
 def run_plan(
     model: nn.Module | Sequence[nn.Module | Stage], plan: Any,
     inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor], loss_fn: LossFn, *,
@@ -800,7 +835,10 @@ def run_plan(
     where the rank would otherwise hold more than two messages of a cut besides its stash
     (``RankStep.wait``: the wait may wait for the receiver to take it, which the static
     replay shows never needs this rank); other messages are held until the step ends.
-    Stage outputs must be single tensors.
+    A stage's output is kept only by those who need it (the next stage's input, a message,
+    the tape): the backward starts from its gradient edge (stop 56, before from the output,
+    which kept it and the micro-batch's loss to the backward).
+    Stage outputs must be single tensors and ``loss_fn`` must return one element.
     Gradients of the micro-batches are summed in ``.grad``;
     a weight shared by stages on several ranks (a tied embedding and head) gets the sum
     over those ranks on each, as with :class:`PipelinedModel`.
@@ -823,7 +861,10 @@ def run_plan(
     shapes = _shapes(modules, inputs[0].to(device))
     box: dict[Message, torch.Tensor] = {}  # received (or kept here) until their operation
     held: dict[Message, Any] = {}  # sent, not yet known received (gloo: until wait())
-    stash: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+    # per stage and micro-batch: the input leaf (None for stage 1) and the root of the
+    # backward (_Root: the output's gradient edge, not the output, whose storage is
+    # the next stage's, the message's or the tape's to keep)
+    stash: dict[tuple[int, int], tuple[torch.Tensor | None, _Root]] = {}
     losses: list[float] = []
 
     def deliver(step: RankStep, key: Message, value: torch.Tensor) -> None:
@@ -834,39 +875,45 @@ def run_plan(
         for done in [k for k, req in held.items() if req.is_completed()]:
             del held[done]  # NCCL may complete a send early; gloo only in wait()
 
+    def forward(step: RankStep) -> None:
+        m, s = step.op.microbatch, step.op.stage
+        leaf = None
+        if s == 1:
+            x = inputs[m].to(device)
+        else:
+            leaf = x = box.pop(("a", s - 1, m)).detach().requires_grad_(True)
+        out = modules[s - 1](x)
+        if s == n_stages:
+            out = loss_fn(out, targets[m].to(device))
+            losses.append(float(out.detach()))
+        else:
+            deliver(step, ("a", s, m), out.detach())
+        stash[(s, m)] = (leaf, _Root.of(out, loss=s == n_stages))
+
+    def backward(step: RankStep) -> None:
+        m, s = step.op.microbatch, step.op.stage
+        leaf, root = stash.pop((s, m))
+        root.backward(None if s == n_stages else box.pop(("g", s, m)))
+        if s > 1:
+            assert leaf is not None and leaf.grad is not None
+            deliver(step, ("g", s - 1, m), leaf.grad)
+
+    def settle(step: RankStep) -> None:
+        for key in (*step.release, *step.wait):
+            req = held.pop(key, None)
+            if req is not None:
+                req.wait()  # gloo's work keeps its tensor: dropped with it on return
+
+    # settle / forward / backward are functions: their locals (a stage's output, the loss,
+    # a send waited on) go when they return, not when the loop's next operation rebinds
+    # them
     for step in rank_messages(plan, len(inputs)).get(rank, []):
         for peer, key in step.receive:
             box[key] = _receive(peer, shapes[key[1] - 1], device)
         # release: the peer has it, wait() does not wait for the peer; wait: the plan's
         # buffers are full, wait() may wait until the peer takes it (never for this rank)
-        for key in (*step.release, *step.wait):
-            req = held.pop(key, None)
-            if req is not None:
-                req.wait()
-        m, s = step.op.microbatch, step.op.stage
-        if step.op.kind == "F":
-            leaf = None
-            if s == 1:
-                x = inputs[m].to(device)
-            else:
-                leaf = box.pop(("a", s - 1, m)).detach().requires_grad_(True)
-                x = leaf
-            out = modules[s - 1](x)
-            if s == n_stages:
-                out = loss_fn(out, targets[m].to(device))
-                losses.append(float(out.detach()))
-            else:
-                deliver(step, ("a", s, m), out.detach())
-            stash[(s, m)] = (leaf, out)
-        else:
-            leaf, out = stash.pop((s, m))
-            if s == n_stages:
-                out.backward()
-            else:
-                out.backward(box.pop(("g", s, m)))
-            if s > 1:
-                assert leaf is not None and leaf.grad is not None
-                deliver(step, ("g", s - 1, m), leaf.grad)
+        settle(step)
+        (forward if step.op.kind == "F" else backward)(step)
     for req in held.values():
         req.wait()
     _reduce_tied(tied, before)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from optmem.errors import PlanError
 from optmem.pipeline_plan import PipelinePlan, PipelineTask
@@ -55,6 +55,10 @@ class PipelineSimulation:
         Busy time per period of each GPU and of each used link.
     microbatches
         Number of micro-batches replayed.
+    task_memory
+        The memory of its GPU at the start of each task checked (``("F" | "B", stage,
+        micro-batch)``; the stash model checks forwards only), the largest of its per-layer
+        checks under ``strict``: what a runner's operation can be compared with.
     """
 
     period: float
@@ -63,6 +67,8 @@ class PipelineSimulation:
     gpu_loads: tuple[float, ...]
     link_loads: dict[tuple[int, int], float]
     microbatches: int
+    task_memory: dict[tuple[str, int, int], int] = field(default_factory=dict, compare=False,
+                                                         repr=False)
 
     @property
     def peak_memory(self) -> int:
@@ -245,9 +251,9 @@ def simulate_pipeline(
         else:
             link_loads[(res[1], res[2])] += dur[key]
     # ---- memory
-    peaks, nca = _memory(problem, plan, tasks, dur, start, n_mb, eps)
+    peaks, nca, at = _memory(problem, plan, tasks, dur, start, n_mb, eps)
     return PipelineSimulation(period, tuple(peaks), tuple(nca), tuple(gpu_loads),
-                              dict(link_loads), n_mb)
+                              dict(link_loads), n_mb, at)
 
 
 def _memory(problem, plan, tasks, dur, start, n_mb, eps):  # noqa: ANN001, ANN202
@@ -283,6 +289,7 @@ def _memory(problem, plan, tasks, dur, start, n_mb, eps):  # noqa: ANN001, ANN20
                 direct.append((("B", s + 1), ("B", s), size, stages[s].gpu))
         direct.append((("F", n_stages), ("B", n_stages), lay.a[lay.n], stages[-1].gpu))
     peaks = list(static)
+    at: dict[tuple[str, int, int], int] = {}
     for k, st in enumerate(stages, start=1):
         kinds = ("F",) if not strict else ("F", "B")
         # strict: the stage's layers run one after the other (Layers.strict_task)
@@ -313,4 +320,5 @@ def _memory(problem, plan, tasks, dur, start, n_mb, eps):  # noqa: ANN001, ANN20
                                     and start(y, m2) > now + eps):
                                 mem += size
                 peaks[st.gpu] = max(peaks[st.gpu], mem)
-    return peaks, nca
+                at[(op, k, m)] = mem
+    return peaks, nca, at
