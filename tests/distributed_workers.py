@@ -67,6 +67,32 @@ def tiny_gpt(blocks: int = 2, seed: int = 0) -> nn.Sequential:
     return nn.Sequential(mods)
 
 
+class Transpose(nn.Module):
+    """``x.transpose(1, 2)``: a non-contiguous view (ViT's patch embedding ends in one)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(1, 2)
+
+
+def transposing(seed: int = 0) -> nn.Sequential:
+    """Linear, two transposes, Linear: cut after the first transpose, a stage returns a
+    non-contiguous tensor and the next one's input gradient is transposed."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 6), Transpose(), Transpose(), nn.Linear(6, 3))
+
+
+def transposing_data(rows: int, seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, 4, 4, generator=gen), torch.randn(rows, 4, 3, generator=gen)
+
+
+def batchnorm_mlp(seed: int = 0) -> nn.Sequential:
+    """Linear, BatchNorm, Tanh twice and a linear head: running statistics in two halves."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Tanh(),
+                         nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
+
+
 def gpt_data(rows: int, seed: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return (torch.randint(0, VOCAB, (rows, CONTEXT), generator=gen),
@@ -140,6 +166,8 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int], Any], Any]] = {
              nn.functional.mse_loss),
     "wide": (wide_mlp, wide_data, nn.functional.mse_loss),
     "gpt": (tiny_gpt, gpt_data, lm_loss),
+    "transposing": (transposing, transposing_data, nn.functional.mse_loss),
+    "batchnorm": (batchnorm_mlp, lambda rows: mlp_data(rows, 8), nn.functional.mse_loss),
     "hf-gpt2": (hf_gpt2, gpt_data, lm_loss),
     "hf-gpt2-labels": (hf_gpt2, gpt_data, None),
     "hf-llama-labels": (hf_llama, gpt_data, None),
@@ -252,7 +280,8 @@ def pipeline_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
 
     ``runner`` is ``"runtime"`` (PyTorch's pipeline runtime, the plan's own action list or the
     CSV file ``csv``) or ``"p2p"`` (optmem's runner). Gradients are summed over micro-batches.
-    ``held``: the most sends ``run_plan`` held at once (:class:`SendCount`).
+    ``held``: the most sends ``run_plan`` held at once (:class:`SendCount`); ``buffers``: the
+    model's buffers that the run changed on this rank.
     """
     del rank, world
     build, data, loss_fn = MODELS[job["model"]]
@@ -266,7 +295,9 @@ def pipeline_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     else:  # PyTorch's runtime sends with batch_isend_irecv (not counted)
         losses = pipelining.run_plan_pipelining(model, job["plan"], xs, ys, loss_fn,
                                                 schedule_csv=job.get("csv"))
-    return {"grads": _grads(model), "losses": losses, "held": sends.peak}
+    initial = dict(build().named_buffers())
+    moved = {n: b.clone() for n, b in model.named_buffers() if not torch.equal(b, initial[n])}
+    return {"grads": _grads(model), "losses": losses, "held": sends.peak, "buffers": moved}
 
 
 def pipeline_peak_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:

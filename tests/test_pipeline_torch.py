@@ -120,6 +120,44 @@ def test_plans_on_four_ranks_match_single_process(tmp_path):
     check_pipeline_jobs(jobs, 4, tmp_path)
 
 
+def test_a_stage_boundary_at_a_transposed_view_runs(tmp_path):
+    """gloo sends and receives contiguous tensors only, and PyTorch's runtime made its
+    receive buffers with the strides of the sender's output (a transposed view) and of the
+    receiver's input gradient (transposed back: ViT's patch embedding,
+    ``flatten(2).transpose(1, 2)``, between two ranks): the step failed with "input tensor
+    has to be contiguous" on one rank while the other waited for the group's timeout. Both
+    runners now give the single-process gradients."""
+    plan = plan_for([1, 1, 1, 1], 2, "contiguous")
+    assert [(st.first, st.last) for st in plan.stages] == [(1, 2), (3, 4)]
+    check_pipeline_jobs([job("transposing", plan), job("transposing", plan, "p2p")], 2,
+                        tmp_path)
+
+
+def test_running_statistics_take_each_micro_batch_once(tmp_path):
+    """At its first step PyTorch's runtime runs every stage's forward once more to learn
+    the shapes: on the first micro-batch on the first rank, on uninitialised tensors on the
+    others. BatchNorm's running statistics took it in (HF's ResNet on 2 ranks: NaN and inf
+    on rank 1, an extra update on rank 0). Now each rank's BatchNorm layers hold the
+    statistics of single-process training over the micro-batches, on both runners."""
+    plan = plan_for([1] * 6, 2, "contiguous")
+    assert [(st.first, st.last) for st in plan.stages] == [(1, 3), (4, 6)]
+    jobs = [job("batchnorm", plan), job("batchnorm", plan, "p2p")]
+    check_pipeline_jobs(jobs, 2, tmp_path)
+    build, data, loss_fn = w.MODELS["batchnorm"]
+    model = build()
+    x, y = data(8)
+    for xm, ym in zip(x.chunk(4), y.chunk(4), strict=True):
+        loss_fn(model(xm), ym).backward()
+    want = dict(model.named_buffers())
+    for k in range(len(jobs)):
+        ranks = [w.load(str(tmp_path), r, k)["buffers"] for r in range(2)]
+        assert {n for n in ranks[0]} == {n for n in want if n.startswith("1.")}, k
+        assert {n for n in ranks[1]} == {n for n in want if n.startswith("4.")}
+        for got in ranks:
+            for name, value in got.items():
+                torch.testing.assert_close(value, want[name], rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_run_plan_drops_a_sent_message_once_its_receiver_has_it(world, tmp_path):
     """On gloo a send completes in ``wait()`` only, and ``run_plan`` held every message it

@@ -113,8 +113,13 @@ class PlanStage(nn.Module):
     """The chain layers of one plan stage, run one after the other.
 
     Takes the positional tensors PyTorch's pipeline passes (one value, or the members of a
-    tuple value the previous stage returned) and returns the last layer's value; the last
-    stage of a plan also computes the loss (``head``, a :class:`LossHead`).
+    tuple value the previous stage returned) and returns the last layer's value, its
+    tensors made contiguous; the last stage of a plan also computes the loss (``head``, a
+    :class:`LossHead`). PyTorch's runtime makes a stage's gradient receive buffers with
+    the strides of its outputs (``empty_strided``), and gloo refuses to receive into a
+    non-contiguous one: a stage ending in a transposed view (ViT's patch embedding,
+    ``flatten(2).transpose(1, 2)``) failed in its first backward receive while the next
+    rank waited for the group's timeout.
     """
 
     def __init__(self, layers: Sequence[nn.Module], head: LossHead | None = None) -> None:
@@ -126,7 +131,14 @@ class PlanStage(nn.Module):
         x: Any = args[0] if len(args) == 1 else tuple(args)
         for layer in self.layers:
             x = layer(x)
-        return x if self.head is None else self.head(x)
+        return _contiguous(x) if self.head is None else self.head(x)
+
+
+def _contiguous(value: Any) -> Any:
+    """``value`` (a tensor or a tuple of them) with every tensor contiguous."""
+    if isinstance(value, tuple):
+        return tuple(_contiguous(v) for v in value)
+    return value.contiguous() if isinstance(value, torch.Tensor) else value
 
 
 def model_loss(output: Any) -> torch.Tensor:
@@ -358,6 +370,38 @@ def _stage_class() -> type:
         def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
             with side_inputs(self.contexts[fwd_chunk_id]):
                 return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+        def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+            """The runtime's shape inference, leaving the stage's buffers and RNG as they were.
+
+            At the first step the runtime runs each stage's forward once more to learn its
+            shapes, on the first micro-batch on the first stage and on uninitialised
+            tensors (``torch.empty`` of the received shapes) on the others: BatchNorm's
+            running statistics took that forward in (HF's ResNet: NaN and inf on the second
+            rank after one step, an extra update on the first), and dropout drew one mask
+            more. :func:`~optmem.pytorch.wrapper.leaves_no_trace` restores them.
+            """
+            with leaves_no_trace(self.submod):
+                return super()._forward_metadata_inference(*args, **kwargs)
+
+        def _create_grad_recv_info(self, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
+            """The runtime's gradient receive buffers, each made contiguous.
+
+            The runtime shapes them after the gradient the next stage's autograd makes
+            for its input, strides included (``empty_strided``), and gloo receives into
+            contiguous tensors only: ViT's patch embedding, ``flatten(2).transpose(1,
+            2)``, has a transposed gradient, and its stage failed in its first backward
+            receive ("input tensor has to be contiguous") while the next rank waited for
+            the group's timeout. What the next stage sends is its input's ``.grad``,
+            laid out as that input, a contiguous receive buffer (:class:`PlanStage`
+            returns contiguous outputs), so the bytes are read in that order.
+            """
+            infos = super()._create_grad_recv_info(*args, **kwargs)
+            for info in infos:
+                if info.buffer is not None and not info.buffer.is_contiguous():
+                    info.buffer = torch.empty(info.buffer.shape, dtype=info.buffer.dtype,
+                                              device=info.buffer.device)
+            return infos
 
     return CallStage
 
@@ -773,11 +817,13 @@ def _shapes(modules: Sequence[nn.Module], sample: torch.Tensor
     Each stage runs where its parameters (or buffers) are: this rank's stages on its
     device, the others' where the model was built (a stage without either where its input
     is). Before, every stage got the input on the rank's device, and ``run_plan`` on CUDA
-    with a model built on the CPU failed in the first stage of another rank.
+    with a model built on the CPU failed in the first stage of another rank. The run leaves
+    no trace (:func:`~optmem.pytorch.wrapper.leaves_no_trace`): it updated the BatchNorm
+    running statistics of every stage on every rank, and drew dropout masks.
     """
     out = []
     x = sample
-    with torch.no_grad():
+    with torch.no_grad(), leaves_no_trace(nn.ModuleList(modules)):
         for mod in modules:
             held = next(itertools.chain(mod.parameters(), mod.buffers()), None)
             x = mod(x if held is None else x.to(held.device))
