@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 import optmem.pytorch as op
+from optmem.errors import OptmemInputError
 from optmem.pytorch import pipelining
 from optmem.pytorch.zoo.gpt2 import Block, Embedding
 
@@ -369,7 +370,9 @@ def one_call_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     """``op.pipeline(...)`` then one step; rank 1 profiles a slower layer than rank 0.
 
     ``{"model", "method", "microbatches", "rows", "slow_layer", "fast_ends"?,
-    "memory_model"?, "temporaries"?}`` (the last two: ``op.pipeline``'s options). The time
+    "memory_model"?, "temporaries"?, "short_batch"?}`` (``memory_model``, ``temporaries``:
+    ``op.pipeline``'s options; ``short_batch``: then a step two rows short, its error in
+    ``short``). The time
     model gives every layer 1 ms forward and 2 ms backward, and ``slow_layer`` 30 ms forward
     on rank 1 only: ranks that planned alone would split differently. ``slow_layer`` is the
     index of an ``nn.Sequential``'s layer, or for another model the name of a parameter of
@@ -403,7 +406,14 @@ def one_call_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
                         memory_model=job.get("memory_model", "stash"),
                         temporaries=job.get("temporaries", False))
     losses = piped.step(*args, target=target, **kwargs)
-    return {"grads": _grads(model), "losses": [float(v) for v in losses],
+    short = ""
+    if job.get("short_batch"):  # two rows short: one input error, before any message
+        try:
+            piped.step(*[a[:-2] for a in args], target=target,
+                       **{k: v[:-2] for k, v in kwargs.items()})
+        except OptmemInputError as exc:
+            short = str(exc)
+    return {"grads": _grads(model), "losses": [float(v) for v in losses], "short": short,
             "plan": piped.result.plan, "period": piped.result.objective,
             "report": dict(piped.result.report), "peak": piped.result.peak_memory,
             "chain": piped.chain,

@@ -353,12 +353,17 @@ def test_one_call_on_huggingface_gpt2(tmp_path):
 
 def test_one_call_on_huggingface_llama(tmp_path):
     """A tiny LlamaForCausalLM (rotary cos/sin tables as side inputs of every attention
-    stage, untied head) with its own loss: the single-process gradients on 2 ranks."""
+    stage, untied head) with its own loss: the single-process gradients on 2 ranks. A call
+    of 6 rows for 4 micro-batches is the rows error on both ranks (it was "a micro-batch of
+    this call differs from the sample", which did not name the rows)."""
     pytest.importorskip("transformers", reason="the HuggingFace model needs transformers")
-    (ranks,) = check_one_call([hf_job("hf-llama-labels", "madpipe",
-                                      "model.layers.1.mlp.up_proj.weight",
-                                      "model.embed_tokens.weight")], tmp_path)
+    (ranks,) = check_one_call([{**hf_job("hf-llama-labels", "madpipe",
+                                         "model.layers.1.mlp.up_proj.weight",
+                                         "model.embed_tokens.weight"), "short_batch": True}],
+                              tmp_path)
     assert sorted(ranks[0]["stages"] + ranks[1]["stages"]) == list(range(len(ranks[0]["gpus"])))
+    for data in ranks:
+        assert "into 4 equal micro-batches along dimension 0, got 6 rows" in data["short"]
 
 
 def test_one_call_on_huggingface_bart_with_carried_boundaries(tmp_path):

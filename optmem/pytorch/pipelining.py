@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
+from torch.utils._pytree import tree_flatten
 
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError, PlanError
@@ -558,6 +559,8 @@ class PipelinedModel(nn.Module):
                     "enabled, outside torch.no_grad() (docs/pipeline.md)", field="inputs")
             n = self.microbatches
             args, kwargs = move_to(args, self.device), move_to(kwargs, self.device)
+            _check_rows([t for t in tree_flatten((args, kwargs))[0]
+                         if isinstance(t, torch.Tensor) and t.dim() > 0], n)
             chain_args, calls = self.program.split(args, kwargs, n)
             if self.has_first and not chain_args:
                 raise OptmemInputError(
@@ -594,13 +597,7 @@ class PipelinedModel(nn.Module):
         tensors = [t for t in chain_args if isinstance(t, torch.Tensor)]
         if isinstance(target, torch.Tensor) and target.dim() > 0:
             tensors.append(target)
-        for t in tensors:
-            if t.dim() == 0 or t.shape[0] < n or t.shape[0] % n:
-                rows = "a scalar" if t.dim() == 0 else f"{t.shape[0]} rows"
-                raise OptmemInputError(
-                    f"step() splits the batch into {n} equal micro-batches along dimension "
-                    f"0, got {rows}: pass a multiple of {n} rows (PyTorch's pipeline runtime "
-                    "runs equal micro-batches; pad or drop a short last batch)", field="inputs")
+        _check_rows(tensors, n)
         shapes = [((t.shape[0] // n, *t.shape[1:]), t.dtype) for t in chain_args
                   if isinstance(t, torch.Tensor)]
         if not shapes:  # this rank was not given the call
@@ -619,6 +616,22 @@ class PipelinedModel(nn.Module):
     def extra_repr(self) -> str:  # noqa: D102
         return (f"stages={self.stage_indices} of {len(self.plan.stages)}, "
                 f"microbatches={self.microbatches}, period={self.plan.period:g}")
+
+
+def _check_rows(tensors: Sequence[torch.Tensor], n: int) -> None:
+    """One input error unless every tensor has a positive multiple of ``n`` rows.
+
+    Checked on the whole call before it is split: an exported model's call of 10 rows for
+    4 micro-batches was refused as "a micro-batch of this call differs from the sample",
+    which did not say that the rows were the fault (stop 56).
+    """
+    for t in tensors:
+        if t.dim() == 0 or t.shape[0] < n or t.shape[0] % n:
+            rows = "a scalar" if t.dim() == 0 else f"{t.shape[0]} rows"
+            raise OptmemInputError(
+                f"step() splits the batch into {n} equal micro-batches along dimension "
+                f"0, got {rows}: pass a multiple of {n} rows (PyTorch's pipeline runtime "
+                "runs equal micro-batches; pad or drop a short last batch)", field="inputs")
 
 
 def _check_equal(micro: Sequence[Any], field: str) -> None:
