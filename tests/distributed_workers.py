@@ -94,6 +94,22 @@ def batchnorm_mlp(seed: int = 0) -> nn.Sequential:
                          nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
 
 
+def dropout_pair(seed: int = 0) -> nn.Sequential:
+    """Identity, Dropout(0.5), identity, Dropout(0.5): each unit survives both with
+    probability 1/4 when the two masks are independent, 1/2 when they are equal."""
+    torch.manual_seed(seed)
+    eyes = [nn.Linear(64, 64, bias=False) for _ in range(2)]
+    with torch.no_grad():
+        for lin in eyes:
+            lin.weight.copy_(torch.eye(64))
+    return nn.Sequential(eyes[0], nn.Dropout(0.5), eyes[1], nn.Dropout(0.5))
+
+
+def kept_fraction(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The fraction of nonzero outputs (a loss with a gradient, zero)."""
+    return (out * target).sum() + (out != 0).float().mean()
+
+
 def gpt_data(rows: int, seed: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return (torch.randint(0, VOCAB, (rows, CONTEXT), generator=gen),
@@ -169,6 +185,8 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int], Any], Any]] = {
     "gpt": (tiny_gpt, gpt_data, lm_loss),
     "transposing": (transposing, transposing_data, nn.functional.mse_loss),
     "batchnorm": (batchnorm_mlp, lambda rows: mlp_data(rows, 8), nn.functional.mse_loss),
+    "dropout": (dropout_pair, lambda rows: (torch.ones(rows, 64), torch.zeros(rows, 64)),
+                kept_fraction),
     "hf-gpt2": (hf_gpt2, gpt_data, lm_loss),
     "hf-gpt2-labels": (hf_gpt2, gpt_data, None),
     "hf-llama-labels": (hf_llama, gpt_data, None),

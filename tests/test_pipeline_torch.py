@@ -158,6 +158,20 @@ def test_running_statistics_take_each_micro_batch_once(tmp_path):
                 torch.testing.assert_close(value, want[name], rtol=1e-6, atol=1e-7)
 
 
+def test_stages_on_different_ranks_draw_different_dropout_masks(tmp_path):
+    """With the same seed on every rank (the same weights), each rank drew its dropout
+    masks from its global generator, so rank 1's repeated rank 0's: two Dropout(0.5) on
+    two ranks kept half the units (0.502), single-process training a quarter. Each stage
+    now draws from its own stream: a quarter, and the same masks on both runners."""
+    plan = plan_for([1, 1, 1, 1], 2, "contiguous")
+    assert [(st.first, st.last) for st in plan.stages] == [(1, 2), (3, 4)]
+    jobs = [job("dropout", plan, microbatches=8), job("dropout", plan, "p2p", microbatches=8)]
+    spawn(w.run_jobs, 2, jobs, str(tmp_path), init_file=str(tmp_path / "rendezvous"))
+    runtime, p2p = (w.load(str(tmp_path), 1, k)["losses"] for k in range(2))
+    assert len(runtime) == 8 and runtime == p2p
+    assert abs(sum(runtime) / 8 - 0.25) < 0.05
+
+
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_run_plan_drops_a_sent_message_once_its_receiver_has_it(world, tmp_path):
     """On gloo a send completes in ``wait()`` only, and ``run_plan`` held every message it

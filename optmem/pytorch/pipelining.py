@@ -42,10 +42,11 @@ Launch with :func:`optmem.pytorch.distributed.spawn` or ``torchrun`` (see
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -70,6 +71,7 @@ from optmem.pipeline_schedule import (
 )
 from optmem.pytorch.context import SideInputs, current_side_inputs, side_inputs
 from optmem.pytorch.distributed import default_device, resolve_group, spawn
+from optmem.pytorch.execute import _RngState
 from optmem.pytorch.extract import Extraction, Stage, extract_program, extract_stages
 from optmem.pytorch.graphcut import OutputLayout
 from optmem.pytorch.profile import TimeModel, model_name, move_to
@@ -348,6 +350,34 @@ def _reduce_tied(tied: Sequence[tuple[nn.Parameter, Any]],
         param.grad = delta if old is None else old + delta
 
 
+class _StageStream:
+    """The random stream of one plan stage (its dropout masks), whatever rank holds it.
+
+    Each stage draws from its own CPU (and CUDA) generator state, seeded from
+    ``torch.initial_seed()`` and the stage's index, and kept between its forwards. Until
+    stop 56 every rank drew from its global generator, which the docs' ``manual_seed``
+    (the same weights on every rank) made identical on every rank: rank 1's dropout
+    masks repeated rank 0's (two ``Dropout(0.5)`` on two ranks kept half the units, not
+    a quarter). A stage's masks now depend on its layers and the seed only, so both
+    runners draw the same ones for a plan.
+    """
+
+    def __init__(self, stage: int, device: torch.device) -> None:
+        devices = [] if device.type != "cuda" else \
+            [device.index if device.index is not None else torch.cuda.current_device()]
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(hash((torch.initial_seed(), stage)) % 2**63)
+            self.state = _RngState(devices)
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """Draw from this stage's stream within; the global generators are left as they were."""
+        with torch.random.fork_rng(devices=self.state.devices):
+            self.state.restore()
+            yield
+            self.state = _RngState(self.state.devices)
+
+
 class _ScaledLoss:
     """The runtime's loss: the last stage's output (the loss) divided by ``factor``."""
 
@@ -367,9 +397,10 @@ def _stage_class() -> type:
         """A ``PipelineStage`` whose forward of micro-batch ``m`` sees ``contexts[m]``."""
 
         contexts: list[SideInputs] = []
+        stream: _StageStream
 
         def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-            with side_inputs(self.contexts[fwd_chunk_id]):
+            with side_inputs(self.contexts[fwd_chunk_id]), self.stream.running():
                 return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
         def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
@@ -508,6 +539,7 @@ class PipelinedModel(nn.Module):
         for k in self.stage_indices:
             stage = _stage_class()(modules[k], k, n_stages, self.device, group=self.pp_group)
             stage.contexts = self._contexts  # filled by every step
+            stage.stream = _StageStream(k, self.device)
             stages.append(stage)
         schedule = _PipelineScheduleRuntime(
             stages, self.microbatches,
@@ -912,9 +944,11 @@ def run_plan(
     device = device or default_device()
     n_stages = len(plan.stages)
     gpu_of = {k: st.gpu for k, st in enumerate(plan.stages, start=1)}
+    streams = {}
     for k, g in gpu_of.items():
         if g == rank:
             modules[k - 1].to(device)
+            streams[k] = _StageStream(k - 1, device)
     tied = _tied_groups(modules, list(gpu_of.values()), rank)
     before = _grads_before(tied)
     shapes = _shapes(modules, inputs[0].to(device))
@@ -941,7 +975,8 @@ def run_plan(
             x = inputs[m].to(device)
         else:
             leaf = x = box.pop(("a", s - 1, m)).detach().requires_grad_(True)
-        out = modules[s - 1](x)
+        with streams[s].running():
+            out = modules[s - 1](x)
         if s == n_stages:
             out = loss_fn(out, targets[m].to(device))
             losses.append(float(out.detach()))
