@@ -510,6 +510,26 @@ def test_batches_the_runtime_cannot_run_are_one_error_on_every_rank(tmp_path):
     assert seen == set(grads)
 
 
+class _Branchy(torch.nn.Module):
+    """Data-dependent control flow: torch.fx cannot trace it (torch.export can, given a call)."""
+
+    def forward(self, x):
+        return x if x.sum() > 0 else -x
+
+
+def test_run_plan_names_what_runs_a_module_it_cannot_extract():
+    """``run_plan`` given a module torch.fx cannot trace (a HuggingFace model) repeated the
+    extractor's advice, "Give a sample batch", which it takes none of (stop 56 hunt on
+    Qwen2ForCausalLM); it now names the runtime's entry points that take one."""
+    plan = plan_for([1], 1, "contiguous")
+    xs = [torch.zeros(2, 4)]
+    with pytest.raises(OptmemInputError, match="run_plan takes no sample") as err:
+        pipelining.run_plan(_Branchy(), plan, xs, xs, torch.nn.functional.mse_loss)
+    assert err.value.field == "module"
+    assert "PipelinedModel(model, plan, sample=one_micro_batch_call" in str(err.value)
+    assert "torch.fx cannot trace it" in str(err.value)  # the extractor's reason, kept
+
+
 def test_micro_batch_counts_and_sizes_are_checked_before_any_rank_works():
     """``microbatches=0`` silently became the default (twice the stages); micro-batches of
     different sizes given to the runners failed inside a rank. Both are input errors now,

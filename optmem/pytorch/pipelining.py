@@ -687,6 +687,27 @@ def _check_equal(micro: Sequence[Any], field: str) -> None:
                 field=field)
 
 
+@contextlib.contextmanager
+def _takes_no_sample(runner: str, model: Any) -> Iterator[None]:
+    """A model the runner cannot extract: one error saying what runs it.
+
+    The extractor's advice, "give a sample batch", does not fit a runner that takes none
+    (stop 56 hunt, a Qwen2ForCausalLM given to ``run_plan``).
+    """
+    try:
+        yield
+    except OptmemInputError as exc:
+        if exc.field != "module":
+            raise
+        name = type(model).__name__
+        raise OptmemInputError(
+            f"{runner} takes no sample: it runs an nn.Sequential, a list of stages or a module "
+            f"torch.fx traces, and {name} is none of them. Run {name} on PyTorch's runtime, "
+            "which exports it from a sample call: PipelinedModel(model, plan, "
+            "sample=one_micro_batch_call, ...) or optmem.pytorch.pipeline(model, sample, ...) "
+            f"(the extraction said: {exc.reason})", field="module") from None
+
+
 def run_plan_pipelining(
     model: nn.Module | Sequence[nn.Module | Stage], plan: Any,
     inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor], loss_fn: LossFn, *,
@@ -698,8 +719,9 @@ def run_plan_pipelining(
     losses on the rank of the last stage. Same results as :func:`run_plan`.
     """
     _check_equal(inputs, "inputs")
-    piped = PipelinedModel(model, plan, microbatches=len(inputs), loss_fn=loss_fn,
-                           device=device, scale_grads=False, schedule_csv=schedule_csv)
+    with _takes_no_sample("run_plan_pipelining", model):
+        piped = PipelinedModel(model, plan, microbatches=len(inputs), loss_fn=loss_fn,
+                               device=device, scale_grads=False, schedule_csv=schedule_csv)
     losses = piped.step(torch.cat(list(inputs)), target=torch.cat(list(targets)))
     return [float(v) for v in losses]
 
@@ -939,7 +961,8 @@ def run_plan(
     """
     plan = as_pipeline_plan(plan)
     _check_equal(inputs, "inputs")
-    modules = plan_stage_modules(model, plan)
+    with _takes_no_sample("run_plan", model):
+        modules = plan_stage_modules(model, plan)
     rank = dist.get_rank()
     device = device or default_device()
     n_stages = len(plan.stages)
