@@ -110,6 +110,13 @@ def kept_fraction(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (out * target).sum() + (out != 0).float().mean()
 
 
+def tiny_gpt_frozen_tie(seed: int = 0) -> nn.Sequential:
+    """:func:`tiny_gpt` with its tied embedding and head weight frozen."""
+    model = tiny_gpt(seed=seed)
+    model.embed.wte.weight.requires_grad_(False)
+    return model
+
+
 def gpt_data(rows: int, seed: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return (torch.randint(0, VOCAB, (rows, CONTEXT), generator=gen),
@@ -183,6 +190,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int], Any], Any]] = {
              nn.functional.mse_loss),
     "wide": (wide_mlp, wide_data, nn.functional.mse_loss),
     "gpt": (tiny_gpt, gpt_data, lm_loss),
+    "gpt-frozen-tie": (tiny_gpt_frozen_tie, gpt_data, lm_loss),
     "transposing": (transposing, transposing_data, nn.functional.mse_loss),
     "batchnorm": (batchnorm_mlp, lambda rows: mlp_data(rows, 8), nn.functional.mse_loss),
     "dropout": (dropout_pair, lambda rows: (torch.ones(rows, 64), torch.zeros(rows, 64)),
@@ -205,7 +213,8 @@ def model_call(loss_fn: Any, x: torch.Tensor, y: torch.Tensor
 
 def reference_grads(model_name: str, microbatches: int, rows: int, *, mean: bool
                     ) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """Single-process gradients (summed or averaged over micro-batches) and losses."""
+    """Single-process gradients (summed or averaged over micro-batches) and losses; a
+    parameter without a gradient (frozen) is left out."""
     from optmem.pytorch.pipelining import model_loss
 
     build, data, loss_fn = MODELS[model_name]
@@ -218,7 +227,7 @@ def reference_grads(model_name: str, microbatches: int, rows: int, *, mean: bool
         loss = model_loss(out) if loss_fn is None else loss_fn(out, target)
         (loss / microbatches if mean else loss).backward()
         losses.append(float(loss.detach()))
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}, losses
+    return _grads(model), losses
 
 
 def _save(out_dir: str, rank: int, job: int, data: dict[str, Any]) -> None:

@@ -172,6 +172,21 @@ def test_stages_on_different_ranks_draw_different_dropout_masks(tmp_path):
     assert abs(sum(runtime) / 8 - 0.25) < 0.05
 
 
+def test_a_frozen_tied_weight_gets_no_gradient(tmp_path):
+    """A tied weight held on two ranks got a zero gradient after every step even when it
+    was frozen (in one process it has none), so an optimizer over ``piped.parameters()``
+    stepped it: AdamW's weight decay moved BERT MLM's frozen tied embedding. Frozen, it
+    now has no gradient on either rank, on both runners."""
+    plan = plan_for([1] * 5, 2, "contiguous")
+    gpus = [st.gpu for st in plan.stages]
+    assert gpus[0] != gpus[-1]  # the embedding and the head (tied) on two ranks
+    check_pipeline_jobs([job("gpt-frozen-tie", plan), job("gpt-frozen-tie", plan, "p2p")], 2,
+                        tmp_path)
+    for k in range(2):
+        for rank in range(2):
+            assert "embed.wte.weight" not in w.load(str(tmp_path), rank, k)["grads"]
+
+
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_run_plan_drops_a_sent_message_once_its_receiver_has_it(world, tmp_path):
     """On gloo a send completes in ``wait()`` only, and ``run_plan`` held every message it

@@ -341,9 +341,14 @@ def _reduce_tied(tied: Sequence[tuple[nn.Parameter, Any]],
     """Sum a step's gradient of every tied weight over the ranks holding it.
 
     Only what the step added (the gradient minus ``before``) is reduced, so gradients
-    accumulated over earlier steps are not counted twice.
+    accumulated over earlier steps are not counted twice. A frozen weight
+    (``requires_grad=False``, the same on every rank) is left without a gradient: it got
+    a zero one, which an optimizer over ``piped.parameters()`` then stepped (AdamW's
+    weight decay moved BERT's frozen tied embedding, stop 56).
     """
     for (param, group), (_, old) in zip(tied, before, strict=True):
+        if not param.requires_grad:
+            continue
         grad = param.grad if param.grad is not None else torch.zeros_like(param)
         delta = grad if old is None else grad - old
         dist.all_reduce(delta, group=group)
