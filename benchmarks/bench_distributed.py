@@ -22,7 +22,6 @@ from optmem.datasets import load_dataset
 from optmem.problems.pipeline import PipelineProblem
 from optmem.result import SolveOptions
 from optmem.solvers.facade import solve
-from optmem.units import parse_bandwidth
 
 CHAIN = "gpt2-large-b2-1024"
 MEMORY = 16 * 2**30
@@ -45,7 +44,7 @@ def main() -> None:
           "solve times (s) |")
     print("|---|---|" + "---|" * len(methods) + "---|---|")
     for gpus, bandwidth in settings:
-        problem = PipelineProblem(chain, gpus, MEMORY, parse_bandwidth(bandwidth),
+        problem = PipelineProblem(chain, gpus, MEMORY, bandwidth,
                                   weight_copies=COPIES)
         periods, times = {}, {}
         for method in methods:

@@ -50,9 +50,10 @@ def child(name: str, rounds: int) -> dict[str, Any]:
     chain = op.profile_chain(model, batch, repeats=3)
     top = int(chain.store_all_peak() * 1.02) + 1
     cmodel = op.checkpoint(model, batch, memory_limit=top, chain=chain)
-    plan = tuple(cmodel.resolve(memory_limit=(op.smallest_limit(chain) + top) // 2).plan)
+    halfway = (op.smallest_limit(chain) + top) // 2
+    plan = tuple(cmodel.resolve(memory_limit=halfway).plan)
     settings = {"store-all": lambda: b.store_all(model), "HF": lambda: b.hf_checkpointing(model),
-                "optmem halfway": lambda: b._with_plan(cmodel, plan)}
+                "optmem halfway": lambda: b._with_plan(cmodel, plan, halfway)}
     cpu: dict[str, list[float]] = {f"{s}|{v}": [] for s in settings for v in VARIANTS}
     faults: dict[str, list[float]] = {k: [] for k in cpu}
     for r in range(rounds + 1):
@@ -68,6 +69,8 @@ def child(name: str, rounds: int) -> dict[str, Any]:
 
 
 def _iqr(xs: list[float]) -> float:
+    if len(xs) < 2:  # one round: no spread to measure
+        return 0.0
     q = statistics.quantiles(xs, n=4, method="inclusive")
     return q[2] - q[0]
 
@@ -81,8 +84,9 @@ def run(name: str, rounds: int) -> list[dict[str, Any]]:
     base = {k: v for k, v in os.environ.items() if k not in MALLOC_ENV}
     for env in (base, {**base, **MALLOC_ENV}):
         done = subprocess.run([sys.executable, __file__, "--child", name, "--rounds",
-                               str(rounds)], env=env, check=True, capture_output=True,
-                              text=True)
+                               str(rounds)], env=env, capture_output=True, text=True)
+        if done.returncode:
+            raise SystemExit(f"bench_hf_noise: the child process failed:\n{done.stderr}")
         out.append(json.loads(done.stdout.strip().splitlines()[-1]))
     return out
 

@@ -7,6 +7,7 @@ level, so RESULTS.md never disagrees with the per-area files. Run it after a ben
 
 from __future__ import annotations
 
+import argparse
 import re
 from pathlib import Path
 
@@ -45,16 +46,21 @@ def demote(text: str) -> str:
     return "\n".join(out)
 
 
-def main() -> None:
-    """Write RESULTS.md."""
+def main(argv: list[str] | None = None) -> None:
+    """Write RESULTS.md (or ``--out``)."""
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--out", type=Path, default=HERE / "RESULTS.md",
+                        help="write here (default benchmarks/RESULTS.md; its links are "
+                             "relative to benchmarks/)")
+    args = parser.parse_args(argv)
     files = {p.stem: p for p in (HERE / "results").glob("*.md")}
     names = [n for n in ORDER if n in files] + sorted(set(files) - set(ORDER))
     parts = [INTRO, "## Contents\n"]
     parts += [f"- [{n}](results/{n}.md)" for n in names]
     for name in names:
         parts.append("\n" + demote(files[name].read_text().strip()) + "\n")
-    (HERE / "RESULTS.md").write_text("\n".join(parts) + "\n")
-    print(f"wrote {HERE / 'RESULTS.md'} from {len(names)} files")
+    args.out.write_text("\n".join(parts) + "\n")
+    print(f"wrote {args.out} from {len(names)} files")
 
 
 if __name__ == "__main__":
