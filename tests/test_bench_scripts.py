@@ -1,23 +1,37 @@
-"""Cheap smoke runs of benchmark scripts no other test runs.
+"""Every benchmark script still imports and builds its command line; a few cheap smoke runs.
 
 No test ran most of ``benchmarks/``, so a refactor of ``optmem`` could break a script
 unnoticed (stop 56 found ``bench_distributed.py`` planning with a bandwidth 1000x too small
-and ``bench_hf_noise.py`` calling a helper with a missing argument). The smoke runs are the
-scripts' smallest deterministic modes (seconds, no torch distributed); they assert on the
-output's shape and on solver figures, never on timings.
+and ``bench_hf_noise.py`` calling a helper with a missing argument). Each script is imported
+in-process and its ``main`` run until it parses its arguments: the parser is captured there,
+so nothing runs; it must build its help and know every option its docstring's usage lines
+name. The smoke runs are the scripts' smallest deterministic modes (seconds, no torch
+distributed); they assert on the output's shape and on solver figures, never on timings.
 """
 
 from __future__ import annotations
 
+import argparse
+import ast
 import importlib.util
 import re
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+SCRIPTS = sorted(p.stem for p in BENCH.glob("bench_*.py")) + ["collect_results", "fuzz_cli"]
+
+
+class _Parsed(Exception):
+    """Raised in place of parsing: carries the parser ``main`` built."""
+
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        super().__init__("parsed")
+        self.parser = parser
 
 
 def _load(name: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
@@ -31,6 +45,57 @@ def _load(name: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     monkeypatch.setitem(sys.modules, name, module)  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
+
+
+def _parser_of(module: ModuleType, monkeypatch: pytest.MonkeyPatch) -> argparse.ArgumentParser:
+    """The parser ``module.main`` builds, caught at its ``parse_args`` call."""
+    def capture(self: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        raise _Parsed(self)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", capture)
+    monkeypatch.setattr(sys, "argv", [module.__file__])
+    with pytest.raises(_Parsed) as caught:
+        module.main()
+    return caught.value.parser
+
+
+def documented_options(name: str) -> set[str]:
+    """The ``--options`` of the docstring's usage lines: lines naming ``<name>.py`` and their
+    more indented continuation lines."""
+    doc = ast.get_docstring(ast.parse((BENCH / f"{name}.py").read_text())) or ""
+    found: set[str] = set()
+    indent = None
+    for line in doc.splitlines():
+        depth = len(line) - len(line.lstrip())
+        if f"{name}.py" in line:
+            indent = depth
+        elif indent is None or not line.strip() or depth <= indent:
+            indent = None
+            continue
+        found.update(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", line))
+    return found
+
+
+def test_every_script_is_listed() -> None:
+    assert len(SCRIPTS) >= 36
+    assert {"bench_distributed", "bench_pipeline_exact", "bench_hf"} <= set(SCRIPTS)
+
+
+def test_documented_options_reads_usage_lines() -> None:
+    assert documented_options("bench_remat_offload_lns") >= {"--memory", "--work", "--start",
+                                                             "--blocks", "--cap", "--light"}
+    # the CLI's --memory-model in its prose is no option of the script
+    assert "--memory-model" not in documented_options("bench_pipeline_strict")
+    assert documented_options("bench_pipeline_strict") == {"--quick", "--markdown"}
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_script_builds_its_parser(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    parser = _parser_of(_load(name, monkeypatch), monkeypatch)
+    text = parser.format_help()
+    assert text.startswith("usage:") and "--help" in text
+    missing = documented_options(name) - set(parser._option_string_actions)
+    assert not missing, f"{name}.py's docstring names options its parser lacks: {missing}"
 
 
 def test_collect_results_help_writes_nothing(monkeypatch: pytest.MonkeyPatch,
