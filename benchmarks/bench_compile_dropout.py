@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import subprocess
 import sys
 import time
@@ -46,7 +45,9 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(HERE))
 
+from _common import uptime  # noqa: E402
 from hf_helpers import bert, gpt2, step  # noqa: E402
 
 import optmem.pytorch as op  # noqa: E402
@@ -68,11 +69,6 @@ def models(quick: bool) -> dict[str, Any]:
     return out
 
 
-def loadavg() -> str:
-    """The load averages (1, 5, 15 min)."""
-    return ", ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
 def max_diff(a: Any, b: Any) -> float:
     """The largest absolute difference of two steps' gradients."""
     return max(float((x - y).abs().max()) for x, y in zip(a[1], b[1], strict=True)
@@ -83,7 +79,7 @@ def row(name: str, factory: Any, limit: str, setting: str) -> dict[str, Any]:
     """One step per call; figures of one model, limit and compile setting."""
     outer, inner = SETTINGS[setting]
     cpu, wall = time.process_time(), time.perf_counter()
-    load = loadavg()
+    load = uptime()
     torch._dynamo.reset()
     model, kwargs = factory()
     model.train()

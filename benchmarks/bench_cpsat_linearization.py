@@ -41,9 +41,9 @@ from optmem.result import Result, SolveOptions
 from optmem.solvers.facade import solve
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import uptime  # noqa: E402
 from bench_checkpoint_exact import _limit, _zoo_limit, cpsat_instances  # noqa: E402
 from bench_exact import SETTINGS  # noqa: E402
-from bench_pipeline_exact import uptime  # noqa: E402
 
 LEVELS = (1, 2)
 BIG = (("resnet50-b32-224", (0.1, 0.3, 0.6)), ("inception3-b32-299", (0.3,)),

@@ -34,9 +34,9 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -56,6 +56,9 @@ from optmem.datasets import load_dataset
 from optmem.result import Result
 from optmem.solvers.dataset_summary import dataset_summary
 from optmem.solvers.pipeline import min_memory_contiguous
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import uptime  # noqa: E402
 
 BANDWIDTH = "12GB/s"
 ALPHAS = (0.1, 0.3, 0.6)
@@ -102,11 +105,6 @@ SETTINGS = {
                              checkpoint_like(RematOffloadProblem, bandwidth=BANDWIDTH)),
     "pipeline": Setting("ilp", "madpipe", pipeline_instances),
 }
-
-
-def uptime() -> str:
-    """The load averages (1, 5, 15 min), as ``uptime`` prints them."""
-    return ", ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def timed(problem: Any, method: str, options: SolveOptions) -> tuple[Result, float]:

@@ -31,7 +31,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_pipeline_exact import uptime  # noqa: E402
+from benchmarks._common import print_and_write, uptime  # noqa: E402
 from optmem.cli_problems import parse_pipeline_bandwidth  # noqa: E402
 from optmem.datasets import resolve_chain  # noqa: E402
 from optmem.problems.pipeline import PipelineProblem  # noqa: E402
@@ -164,9 +164,7 @@ def main() -> None:
         *rows, "",
         f"Run {datetime.date.today()}, wall time {time.perf_counter() - start:.0f} s. "
         f"Load average at the start: {load}; at the end: {uptime()}.", ""])
-    print(text)
-    if args.markdown:
-        Path(args.markdown).write_text(text)
+    print_and_write(text, args.markdown)
 
 
 if __name__ == "__main__":

@@ -66,7 +66,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="runs per tree and memory")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))  # here only: the measured subprocesses import no benchmark
-    from benchmarks.bench_pipeline_exact import uptime
+    from benchmarks._common import uptime
 
     trees = [("new", ROOT)] + ([("old", args.against.resolve())] if args.against else [])
     print(f"load average at the start: {uptime()}", flush=True)

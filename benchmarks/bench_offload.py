@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import math
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -24,7 +25,9 @@ from optmem.problems.offload import OffloadProblem
 from optmem.result import SolveOptions
 from optmem.solvers.facade import solve
 from optmem.solvers.offload_comm import Layers
-from optmem.units import parse_bandwidth
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import memory_grid  # noqa: E402
 
 METHODS = ("greedy", "dp", "vdnn", "vdnn_conv", "offload_all")
 
@@ -37,23 +40,20 @@ def named(chain):
 
 def sweep(chain, alphas, bandwidths, options):
     lay = Layers.of(chain)
-    low, high = lay.min_memory(), lay.peak()
     rows = []
-    for bw in bandwidths:
-        beta = parse_bandwidth(bw, time_unit=chain.time_unit)
-        for alpha in alphas:
-            memory = int(math.ceil(low + alpha * (high - low)))
-            problem = OffloadProblem(chain, memory, chain_bandwidth=beta)
-            row = {"bandwidth": bw, "alpha": alpha, "memory": memory}
-            for method in METHODS:
-                start = time.perf_counter()
-                result = solve(problem, method, options=options)
-                elapsed = time.perf_counter() - start
-                assert result.status.value != "error", result.report
-                ratio = result.objective / result.bound if result.status.has_plan else math.inf
-                row[method] = (ratio, elapsed)
-                row["bound"] = result.bound
-            rows.append(row)
+    for bw, beta, alpha, memory in memory_grid(chain, lay.min_memory(), lay.peak(), alphas,
+                                               bandwidths):
+        problem = OffloadProblem(chain, memory, chain_bandwidth=beta)
+        row = {"bandwidth": bw, "alpha": alpha, "memory": memory}
+        for method in METHODS:
+            start = time.perf_counter()
+            result = solve(problem, method, options=options)
+            elapsed = time.perf_counter() - start
+            assert result.status.value != "error", result.report
+            ratio = result.objective / result.bound if result.status.has_plan else math.inf
+            row[method] = (ratio, elapsed)
+            row["bound"] = result.bound
+        rows.append(row)
     return rows
 
 

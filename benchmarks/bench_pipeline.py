@@ -39,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_pipeline_exact import uptime  # noqa: E402
+from benchmarks._common import print_and_write, uptime  # noqa: E402
 from optmem.chain import Chain  # noqa: E402
 from optmem.cli_problems import parse_pipeline_bandwidth  # noqa: E402
 from optmem.datasets import resolve_chain  # noqa: E402
@@ -261,9 +261,7 @@ def main() -> None:
     wall = time.perf_counter() - start
     text = markdown(rows, args, wall) + f"\nLoad average when the run started: {load}.\n\n"
     text += "\n".join(dp_times(args)) + f"\n\nLoad average after: {uptime()}.\n"
-    print(text)
-    if args.markdown:
-        Path(args.markdown).write_text(text)
+    print_and_write(text, args.markdown)
     if args.plot:
         plot(rows, args.plot)
 

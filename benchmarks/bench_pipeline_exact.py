@@ -70,7 +70,6 @@ import math
 import os
 import random
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -101,19 +100,13 @@ from optmem.solvers.pipeline_benders import CLIMB_ORDERS, Benders  # noqa: E402
 from optmem.solvers.pipeline_common import refute, run_model  # noqa: E402
 from optmem.solvers.pipeline_exact import incumbents  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import print_and_write, uptime  # noqa: E402
+
 GIB = 2**30
 PROFILES = ("unet-b4-512", "resnet18-b64-224", "vit-b16-b64-224", "gpt2-small-b8-1024",
             "resnet50-b32-224")
 FACTORS = (1.1, 1.5, 3.0)
-
-
-def uptime() -> str:
-    """The load averages, as ``uptime`` prints them."""
-    try:
-        out = subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout
-    except OSError:
-        return "unknown"
-    return out.split("load average:")[-1].strip()
 
 
 @contextlib.contextmanager
@@ -698,10 +691,7 @@ def main() -> None:
                               args.lns_work, not args.chunks_no_search,
                               args.chunks_workers), ""]
     text += [f"Total wall time {time.perf_counter() - start:.0f} s; 2 threads per engine."]
-    out = "\n".join(text) + "\n"
-    print(out)
-    if args.out:
-        Path(args.out).write_text(out)
+    print_and_write("\n".join(text) + "\n", args.out)
 
 
 if __name__ == "__main__":

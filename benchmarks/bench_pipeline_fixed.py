@@ -39,7 +39,8 @@ from optmem.solvers import pipeline_chunks
 from optmem.solvers.facade import solve
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_pipeline_exact import headline_problem, parse_pipeline_bandwidth, uptime  # noqa: E402
+from _common import print_and_write, uptime  # noqa: E402
+from bench_pipeline_exact import headline_problem, parse_pipeline_bandwidth  # noqa: E402
 
 CUTOFF = 31.3896 * (1 - 1e-4)
 
@@ -161,10 +162,7 @@ def main() -> None:
             *part_allocations(args.stride, args.repeats), "",
             "## Part 2: MadPipe (phase 2 schedules fixed allocations)", "",
             *part_madpipe(profiles), ""]
-    out = "\n".join(text) + "\n"
-    print(out)
-    if args.out:
-        Path(args.out).write_text(out)
+    print_and_write("\n".join(text) + "\n", args.out)
 
 
 if __name__ == "__main__":

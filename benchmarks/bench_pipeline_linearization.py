@@ -34,7 +34,7 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,8 @@ from optmem.solvers.facade import solve
 from optmem.solvers.pipeline_common import run_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_pipeline_exact import uptime  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from _common import print_and_write, uptime  # noqa: E402
 from bench_pipeline_fixed import (  # noqa: E402
     CUTOFF,
     headline,
@@ -55,6 +56,7 @@ from bench_pipeline_fixed import (  # noqa: E402
     madpipe_rows,
     verdict,
 )
+from pipeline_helpers import set_partitions  # noqa: E402
 
 LEVELS: dict[str, dict[str, Any]] = {"default (level 1)": {},
                                      "level 2": {"linearization_level": 2}}
@@ -90,17 +92,6 @@ def random_problem(rng: random.Random) -> PipelineProblem:
                            memory_model="strict" if strict else "stash")
 
 
-def allocations(n: int, parts: int) -> Iterator[list[int]]:
-    """GPU labels of every allocation of ``n`` units to at most ``parts`` GPUs (by first use)."""
-    def rec(prefix: list[int], used: int) -> Iterator[list[int]]:
-        if len(prefix) == n:
-            yield list(prefix)
-            return
-        for g in range(min(used + 1, parts)):
-            yield from rec([*prefix, g], max(used, g + 1))
-    yield from rec([], 0)
-
-
 def part_random(chains: int, seed: int) -> list[str]:
     rng = random.Random(seed)
     opts = SolveOptions(threads=1, seed=0, warm_start=False, deterministic_time=WORK)
@@ -111,7 +102,7 @@ def part_random(chains: int, seed: int) -> list[str]:
     load = uptime()
     for _ in range(chains):
         problem = random_problem(rng)
-        for gpu in allocations(make_units(problem).n, problem.n_gpus):
+        for gpu in set_partitions(make_units(problem).n, problem.n_gpus):
             count += 1
             optima = set()
             for slim, name in keys:
@@ -232,10 +223,7 @@ def main() -> None:
     if "sweep" in parts:
         text += ["## Part 4: MadPipe over `bench_pipeline.py`'s 63 settings", "",
                  *part_sweep(), ""]
-    out = "\n".join(text) + "\n"
-    print(out)
-    if args.out:
-        Path(args.out).write_text(out)
+    print_and_write("\n".join(text) + "\n", args.out)
 
 
 if __name__ == "__main__":

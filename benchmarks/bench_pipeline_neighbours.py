@@ -42,7 +42,8 @@ from optmem.solvers import pipeline_chunks
 from optmem.solvers.pipeline_common import replayed_period, run_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_pipeline_exact import headline_problem, uptime  # noqa: E402
+from _common import uptime  # noqa: E402
+from bench_pipeline_exact import headline_problem  # noqa: E402
 
 SEEDS = ("0,0,0,1,2,2,3,3,3,3,1,1,1,1,0,0,0,0,0,0,0", "0,1,1,2,0,0,3,3,3,3,2,2,2,2,1,1,1,1,1,1,1")
 """Two of the headline's 31.3896 allocations (stop 42's search, stop 44's scan; unit = layer

@@ -31,7 +31,7 @@ from unittest import mock
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_pipeline_exact import uptime  # noqa: E402
+from benchmarks._common import uptime  # noqa: E402
 from optmem import sweep  # noqa: E402
 from optmem.cli_problems import parse_pipeline_bandwidth  # noqa: E402
 from optmem.datasets import resolve_chain  # noqa: E402

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -28,6 +29,9 @@ from optmem.simulate.checkpoint import simulate_checkpoint
 from optmem.solvers.checkpoint_baselines import recompute_all_plan, store_all_plan
 from optmem.solvers.facade import solve
 from optmem.units import parse_bandwidth
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import memory_grid  # noqa: E402
 
 METHODS = (("remat_only", None, "checkpoint only"), ("offload_only", None, "offload only"),
            ("dp", None, "combined (pofo, never-worse)"), ("dp", "thesis", "pofo (thesis)"),
@@ -45,22 +49,18 @@ def sweep(chain, alphas, bandwidths, options):
     low, high = memory_range(chain)
     total = chain.total_compute_time()
     rows = []
-    for bw in bandwidths:
-        beta = parse_bandwidth(bw, time_unit=chain.time_unit)
-        for alpha in alphas:
-            memory = int(math.ceil(low + alpha * (high - low)))
-            problem = RematOffloadProblem(chain, memory, chain_bandwidth=beta)
-            row = {"bandwidth": bw, "alpha": alpha, "memory": memory,
-                   "reduction": high / memory}
-            for method, variant, label in METHODS:
-                start = time.perf_counter()
-                res = solve(problem, method, options=options.with_(variant=variant))
-                row[label] = (res.objective / total - 1) if res.status.has_plan else math.inf
-                row[label + " time"] = time.perf_counter() - start
-                row[label + " status"] = str(res.status)
-            rows.append(row)
-            print(f"{chain.name} {bw} alpha={alpha:.2f} M_high/M={high / memory:.2f}: "
-                  + ", ".join(f"{lab}={_pct(row[lab])}" for _, _, lab in METHODS), flush=True)
+    for bw, beta, alpha, memory in memory_grid(chain, low, high, alphas, bandwidths):
+        problem = RematOffloadProblem(chain, memory, chain_bandwidth=beta)
+        row = {"bandwidth": bw, "alpha": alpha, "memory": memory, "reduction": high / memory}
+        for method, variant, label in METHODS:
+            start = time.perf_counter()
+            res = solve(problem, method, options=options.with_(variant=variant))
+            row[label] = (res.objective / total - 1) if res.status.has_plan else math.inf
+            row[label + " time"] = time.perf_counter() - start
+            row[label + " status"] = str(res.status)
+        rows.append(row)
+        print(f"{chain.name} {bw} alpha={alpha:.2f} M_high/M={high / memory:.2f}: "
+              + ", ".join(f"{lab}={_pct(row[lab])}" for _, _, lab in METHODS), flush=True)
     return rows
 
 

@@ -7,6 +7,8 @@ accepts it, else only memory rows.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 from optmem.pipeline_plan import PipelinePlan, PipelineStage, PipelineTask
@@ -89,3 +91,15 @@ def forwards_ahead_plan(first_layers: int = 4) -> PipelinePlan:
         "send 1 start 0 shift 6", "B 2 start 0 shift 1", "F 2 start 6 shift 6",
         "B 3 start 2 shift 2", "F 3 start 5.75 shift 5", "B 4 start 2.5 shift 3",
         "F 4 start 4.75 shift 4"])
+
+
+def set_partitions(n: int, parts: int) -> Iterator[list[int]]:
+    """GPU labels of every allocation of ``n`` layers to at most ``parts`` GPUs (up to symmetry:
+    labels by first use), depth first (``bench_pipeline_linearization.py`` enumerates with it)."""
+    def rec(prefix: list[int], used: int) -> Iterator[list[int]]:
+        if len(prefix) == n:
+            yield list(prefix)
+            return
+        for g in range(min(used + 1, parts)):
+            yield from rec([*prefix, g], max(used, g + 1))
+    yield from rec([], 0)

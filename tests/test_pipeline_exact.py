@@ -23,6 +23,7 @@ from pipeline_helpers import (
     assert_model_agrees_with_simulator,
     assert_replays,
     equal_split_plan,
+    set_partitions,
     split_stages,
 )
 
@@ -298,17 +299,6 @@ def allocation_brute_force(problem: PipelineProblem) -> float:
                 links[key] = links.get(key, 0.0) + 2 * problem.transfer_time(q)
         best = min(best, max([*gpu_load, *links.values()]))
     return best
-
-
-def set_partitions(n: int, parts: int):
-    """GPU labels of every allocation of ``n`` layers to at most ``parts`` GPUs (up to symmetry)."""
-    def rec(prefix: list[int], used: int):
-        if len(prefix) == n:
-            yield list(prefix)
-            return
-        for g in range(min(used + 1, parts)):
-            yield from rec([*prefix, g], max(used, g + 1))
-    yield from rec([], 0)
 
 
 def draw_unlimited(draw, lengths, f_max, b_max, betas, gpus) -> PipelineProblem:
