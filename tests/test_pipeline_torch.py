@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -170,6 +171,44 @@ def test_stages_on_different_ranks_draw_different_dropout_masks(tmp_path):
     runtime, p2p = (w.load(str(tmp_path), 1, k)["losses"] for k in range(2))
     assert len(runtime) == 8 and runtime == p2p
     assert abs(sum(runtime) / 8 - 0.25) < 0.05
+
+
+def test_a_stage_stream_seeds_no_other_device(monkeypatch):
+    """A stage's random stream was seeded with ``torch.manual_seed``, which seeds every GPU
+    (``torch.cuda.manual_seed_all``; queued until CUDA starts when it has not), while
+    ``fork_rng`` restores only the stage's device: building the stream re-seeded the
+    process' other GPUs, and on the CPU every GPU once CUDA started, with the stage's seed.
+    Now the CPU generator and the stage's device's are seeded, and the global ones are
+    left as they were (a stage on a faked ``cuda:1`` of a two-GPU process here)."""
+    from optmem.pytorch.pipelining import _StageStream
+
+    seeded: list[Any] = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: seeded.append(("all", seed)))
+    cpu = torch.get_rng_state()
+    stream = _StageStream(1, torch.device("cpu"))
+    assert seeded == [] and stream.state.devices == []
+    assert torch.equal(torch.get_rng_state(), cpu)  # the caller's CPU state is kept
+
+    class Generator:  # a GPU's default generator (none here)
+        def __init__(self, index: int) -> None:
+            self.index = index
+
+        def manual_seed(self, seed: int) -> None:
+            seeded.append((self.index, seed))
+
+    real = torch.random.fork_rng
+    monkeypatch.setattr(torch.random, "fork_rng",
+                        lambda devices=None, **kw: real(devices=[], **kw))  # the CPU only
+    monkeypatch.setattr(torch.cuda, "default_generators", (Generator(0), Generator(1)))
+    monkeypatch.setattr(torch.cuda, "get_rng_state",
+                        lambda d=None: torch.tensor([d], dtype=torch.uint8))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, d=None: None)
+    on_gpu = _StageStream(1, torch.device("cuda", 1))
+    assert [d for d, _ in seeded] == [1] and on_gpu.state.devices == [1]
+    with stream.running():  # same stage, same seed: the same CPU stream on any device
+        a = torch.rand(4)
+    with on_gpu.running():
+        assert torch.equal(torch.rand(4), a)
 
 
 def test_a_frozen_tied_weight_gets_no_gradient(tmp_path):

@@ -365,13 +365,22 @@ class _StageStream:
     masks repeated rank 0's (two ``Dropout(0.5)`` on two ranks kept half the units, not
     a quarter). A stage's masks now depend on its layers and the seed only, so both
     runners draw the same ones for a plan.
+
+    Only the CPU generator and that of the stage's device are seeded: ``torch.manual_seed``
+    seeds every GPU (``torch.cuda.manual_seed_all``, queued for CUDA's lazy initialisation
+    when it has not started), and ``fork_rng`` restores the ``devices`` it is given only, so
+    building a stage's stream re-seeded the process' other GPUs (on the CPU, every GPU once
+    CUDA started) with the stage's seed.
     """
 
     def __init__(self, stage: int, device: torch.device) -> None:
         devices = [] if device.type != "cuda" else \
             [device.index if device.index is not None else torch.cuda.current_device()]
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(hash((torch.initial_seed(), stage)) % 2**63)
+        seed = hash((torch.initial_seed(), stage)) % 2**63
+        with torch.random.fork_rng(devices=devices):  # CUDA is initialised for ``devices``
+            torch.default_generator.manual_seed(seed)
+            for d in devices:
+                torch.cuda.default_generators[d].manual_seed(seed)
             self.state = _RngState(devices)
 
     @contextlib.contextmanager
