@@ -117,6 +117,93 @@ def test_delta_policy_gradients(fast_link: bool) -> None:
         assert torch.equal(b, r)
 
 
+class _OwnNoise(nn.Module):
+    """``tanh(W x * u)``, ``u`` drawn from a generator the module holds (noise injection)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.gen = torch.Generator().manual_seed(5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x) * torch.rand(x.shape, generator=self.gen))
+
+
+def _delta_and_plain_grads(make, autocast: bool = False, device: str = "cpu"):
+    """Gradients of the input and the parameters: plain chain, then DELTA evicting all."""
+    from optmem.pytorch.delta import EVICT, DeltaChain
+
+    out = []
+    for policy in (False, True):
+        torch.manual_seed(0)
+        stages = [m.to(device) for m in make()]
+        x = torch.randn(3, 8, device=device, requires_grad=True)
+        net = DeltaChain(stages, budget=100, bandwidth=0.0) if policy else nn.Sequential(*stages)
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+            y = net(x)
+        y.float().square().sum().backward()
+        out.append([x.grad, *(p.grad for s in stages for p in s.parameters())])
+        if policy:
+            assert {k for _, k in net.decisions} == {EVICT} and net.recomputed
+    return out
+
+
+@pytest.mark.parametrize("case", ["own generator", "autocast"])
+def test_delta_recomputation_replays_generators_and_autocast(case: str) -> None:
+    """DELTA's recomputation restored the CPU RNG state only and ran without the forward's
+    autocast (the checkpoint executor's re-runs restore the stages' own generators and the
+    CUDA generators, and re-enter autocast): a stage drawing from a generator it holds was
+    recomputed with other numbers (gradients 0.065 off the plain chain's), and a forward
+    under ``torch.autocast`` failed in the backward ("mat1 and mat2 must have the same
+    dtype"). Both now equal the plain chain's, bitwise."""
+    if case == "own generator":
+        plain, got = _delta_and_plain_grads(lambda: [_OwnNoise() for _ in range(4)])
+    else:
+        plain, got = _delta_and_plain_grads(
+            lambda: [nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)], autocast=True)
+    for a, b in zip(got, plain, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_delta_recomputation_restores_the_cuda_rng_of_the_stages_devices(monkeypatch):
+    """The CUDA generators a recomputation restores: those of the devices of the input and
+    the parameters (here a parameter on a faked ``cuda:1``); before, none (dropout on a GPU
+    was recomputed with fresh masks)."""
+    from pytorch_helpers import on_fake_cuda
+
+    from optmem.pytorch.delta import DeltaChain
+
+    torch.manual_seed(0)
+    stages = [nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)) for _ in range(3)]
+    stages[1][0]._parameters["extra"] = on_fake_cuda(torch.zeros(1)).requires_grad_()
+    seen: list = []
+    real = torch.random.fork_rng
+
+    def fork_rng(devices=None, enabled=True, **kwargs):
+        seen.append(("fork", list(devices)))
+        return real(devices=[], enabled=enabled)  # no GPU here: the CPU state only
+
+    monkeypatch.setattr(torch.random, "fork_rng", fork_rng)
+    monkeypatch.setattr(torch.cuda, "get_rng_state",
+                        lambda d=None: seen.append(("get", d)) or torch.zeros(1, dtype=torch.uint8))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, d=None: seen.append(("set", d)))
+    net = DeltaChain(stages, budget=10, bandwidth=0.0)
+    net(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    assert net.recomputed == [0]
+    assert seen == [("get", 1)] * 3 + [("fork", [1]), ("set", 1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (no GPU here)")
+def test_delta_recomputes_cuda_dropout_with_its_masks() -> None:
+    """On a GPU: dropout recomputed by DELTA draws the masks of the first run."""
+    plain, got = _delta_and_plain_grads(
+        lambda: [nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5)) for _ in range(4)],
+        device="cuda")
+    for a, b in zip(got, plain, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_device_memory_of_a_transfer_plan_is_the_offload_executors() -> None:
     """The same store-all transfer plan: the remat+offload executor holds on the device
     what the offload executor holds (but the loss scalars). Before, a stage input that the

@@ -46,6 +46,7 @@ from torch import nn
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError
 from optmem.plan import OpKind, parse_plan
+from optmem.pytorch.hooks import cuda_indices
 from optmem.pytorch.memory import backward_step, gradients_restored
 from optmem.pytorch.planning import Planner
 from optmem.pytorch.profile import with_op_charge
@@ -215,8 +216,7 @@ def default_timer(step: Callable[[], None], candidate: Candidate,
 def cuda_devices(module: nn.Module, sample: Any = None) -> list[torch.device]:
     """The CUDA devices of ``module``'s parameters and buffers and of ``sample``'s tensors."""
     tensors = [*module.parameters(), *module.buffers(), *_tensors(sample)]
-    return [torch.device("cuda", i) for i in sorted({t.device.index or 0 for t in tensors
-                                                     if t.is_cuda})]
+    return [torch.device("cuda", i) for i in cuda_indices(tensors)]
 
 
 def _training_step(cmodel: PlannedModule, sample: Any) -> Callable[[], None]:

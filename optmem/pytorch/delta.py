@@ -19,7 +19,12 @@ synchronous on first unpack (no prefetcher thread; Alg. 4 is modelled by the sim
 baseline ``delta`` of :mod:`optmem.solvers.remat_offload_delta`); the input of an evicted
 stage is kept (a strong reference), DTR's recursive rematerialisation of evicted inputs is
 not needed on a chain because the input is an ordinary activation. Gradients equal the
-unmodified chain's: recomputation replays the same RNG state and copies are bit for bit.
+unmodified chain's: copies are bit for bit, and a recomputation replays the first run's
+random states (the CPU's, the CUDA generators of the devices of the input and the
+parameters, the stage's own generators) under the forward's autocast, as the checkpoint
+executor's re-runs do (before stop 56 the CPU state only, without autocast: a stage
+drawing on a GPU or from its own generator was recomputed with other random numbers, and
+a forward under ``torch.autocast`` failed in the backward on mixed dtypes).
 
 **torch.compile**: as the other executors (:mod:`optmem.pytorch.execute`), the policy never
 runs under dynamo: ``torch.compile(chain)`` or a compiled training step breaks the graph at
@@ -49,10 +54,13 @@ from optmem.pytorch.context import (
 from optmem.pytorch.execute import (
     CompileRequest,
     StageCalls,
+    _RngState,
+    autocast_modes,
     backward_outside_dynamo,
     run_in_order,
 )
 from optmem.pytorch.extract import Stage, value_tensors
+from optmem.pytorch.hooks import cuda_indices, generators_restored, module_generators
 from optmem.pytorch.offload import kept_storages
 
 __all__ = ["DeltaChain"]
@@ -69,7 +77,9 @@ class _Group:
     last_use: float = 0.0
     state: str = "resident"  # resident | evicted | offloaded
     inp: Any = None  # the stage input (a tensor or a tuple), detached
-    rng: Any = None
+    rng: _RngState | None = None  # CPU, CUDA and the stage's own generators, before its run
+    autocast: list[tuple[str, torch.dtype]] = field(default_factory=list)
+    autocast_cache: bool = True
     buffers: list[tuple[nn.Module, str, torch.Tensor]] = field(default_factory=list)
     order: list[bool] = field(default_factory=list)  # per pack call: released or not
 
@@ -134,11 +144,16 @@ class DeltaChain(StageCalls, nn.Module):
         self._context = read_by(current_side_inputs_or_none(), self.stages)
         self._functions = functions
         unpack = backward_outside_dynamo(self._unpack)
+        # what a recomputation replays: the CUDA generators of the input's and the stages'
+        # devices (dropout on a GPU), the stages' own generators, the forward's autocast
+        devices = cuda_indices([*value_tensors(x), *self.parameters()])
+        autocast, cache = autocast_modes(), torch.is_autocast_cache_enabled()
         clock = 0.0
         for i, stage in enumerate(functions):
             self._release(i, clock, x)
-            group = _Group(i, inp=tree_map(_detached, x))
-            group.rng = torch.get_rng_state()
+            group = _Group(i, inp=tree_map(_detached, x), autocast=autocast,
+                           autocast_cache=cache)
+            group.rng = _RngState(devices, module_generators(self.stages[i]))
             group.buffers = [(sub, name, buf.detach().clone())
                              for sub in self.stages[i].modules()
                              for name, buf in sub._buffers.items() if buf is not None]
@@ -218,8 +233,13 @@ class DeltaChain(StageCalls, nn.Module):
         stage = self._functions[g.stage] if self._functions else self.stages[g.stage]
         with contextlib.ExitStack() as stack:
             stack.enter_context(side_inputs(self._context))
-            stack.enter_context(torch.random.fork_rng(devices=[]))
-            torch.set_rng_state(g.rng)
+            assert g.rng is not None
+            stack.enter_context(torch.random.fork_rng(devices=g.rng.devices))
+            stack.enter_context(generators_restored(gen for gen, _ in g.rng.generators))
+            g.rng.restore()
+            for device_type, dtype in g.autocast:
+                stack.enter_context(torch.autocast(device_type, dtype=dtype,
+                                                   cache_enabled=g.autocast_cache))
             for sub, name, first in g.buffers:
                 live = sub._buffers[name]
                 if live is not None:

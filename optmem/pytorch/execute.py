@@ -98,12 +98,18 @@ from optmem.pytorch.context import (
     side_inputs,
 )
 from optmem.pytorch.extract import Stage, value_tensors
-from optmem.pytorch.hooks import generators_restored, module_generators, quiet_gradient_hooks
+from optmem.pytorch.hooks import (
+    cuda_indices,
+    generators_restored,
+    module_generators,
+    quiet_gradient_hooks,
+)
 from optmem.pytorch.joint import JointStage, dead_outputs
 
 __all__ = ["FULLGRAPH_REASON", "CheckpointedChain", "CompileRequest", "StageCalls", "add_monitor",
-           "backward_outside_dynamo", "compile_stage", "enclosing_compile_options",
-           "fusable_runs", "remove_monitor", "run_compiled", "run_in_order", "split_suffix"]
+           "autocast_modes", "backward_outside_dynamo", "compile_stage",
+           "enclosing_compile_options", "fusable_runs", "remove_monitor", "run_compiled",
+           "run_in_order", "split_suffix"]
 
 Monitor = Callable[[str, list[torch.Tensor], list[torch.Tensor]], None]
 _MONITORS: list[Monitor] = []
@@ -443,6 +449,16 @@ def _scratch_buffers(modules: Sequence[nn.Module],
     finally:
         for sub, name, buf in swapped:
             sub._buffers[name] = buf
+
+
+def autocast_modes() -> list[tuple[str, torch.dtype]]:
+    """The autocast modes enabled now, ``(device type, dtype)``: what a re-run re-enters.
+
+    A stage re-run in the backward (where the caller's ``torch.autocast`` has been left)
+    must compute in the dtypes of its first run.
+    """
+    return [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
+            if torch.is_autocast_enabled(d)]
 
 
 class _RngState:
@@ -1383,10 +1399,8 @@ class CheckpointedChain(StageCalls, nn.Module):
         tensors = value_tensors(x)
         # the CUDA RNGs a re-run restores: the input's devices and the stages' parameters'
         # (a chain placed over two GPUs draws its later dropout masks on the second)
-        runner.devices = sorted({t.device.index or 0 for t in (*tensors, *runner.params)
-                                 if t.is_cuda})
-        runner.autocast = [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
-                           if torch.is_autocast_enabled(d)]
+        runner.devices = cuda_indices([*tensors, *runner.params])
+        runner.autocast = autocast_modes()
         runner.autocast_cache = torch.is_autocast_cache_enabled()
         leaves, spec = tree_flatten(x)
         runner.in_leaves = leaves

@@ -75,6 +75,7 @@ from optmem.pytorch.hooks import (
     buffers_restored,
     callers_tools_suspended,
     check_module_hooks,
+    cuda_indices,
     generators_restored,
     host_random_restored,
     module_generators,
@@ -577,8 +578,7 @@ def called_modules(model: nn.Module, args: tuple[Any, ...],
     def note(module: nn.Module, _: Any) -> None:
         called.add(id(module))
 
-    devices = sorted({t.device.index or 0 for t in (*model.parameters(), *model.buffers())
-                      if t.is_cuda})
+    devices = cuda_indices([*model.parameters(), *model.buffers()])
     try:
         with callers_tools_suspended(), torch.random.fork_rng(devices=devices), \
                 generators_restored(module_generators(model)), host_random_restored(), \

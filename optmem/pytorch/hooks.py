@@ -47,7 +47,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from optmem.errors import OptmemInputError
 
 __all__ = ["buffers_restored", "callers_tools_suspended", "check_backward_hooks",
-           "check_module_hooks", "generators_restored", "has_module_hooks",
+           "check_module_hooks", "cuda_indices", "generators_restored", "has_module_hooks",
            "host_random_restored", "module_generators", "quiet_gradient_hooks",
            "random_config", "refuse_python_random", "refuse_tensor_hooks", "same_generator",
            "warn_container_hooks", "warn_forward_hooks"]
@@ -239,6 +239,20 @@ def module_generators(modules: nn.Module | Iterable[nn.Module]) -> list[torch.Ge
                 if isinstance(value, torch.Generator):
                     found.setdefault(id(value), value)
     return list(found.values())
+
+
+def cuda_indices(tensors: Iterable[torch.Tensor]) -> list[int]:
+    """The indices of the CUDA devices holding ``tensors``, sorted, once each.
+
+    The devices whose CUDA generators a re-run of code reading ``tensors`` forks and
+    restores (``torch.random.fork_rng(devices=...)`` takes device indices).
+
+    Examples
+    --------
+    >>> cuda_indices([torch.zeros(1)])
+    []
+    """
+    return sorted({t.device.index or 0 for t in tensors if t.is_cuda})
 
 
 def same_generator(a: torch.Generator, b: torch.Generator) -> bool:

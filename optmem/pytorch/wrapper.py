@@ -91,6 +91,7 @@ from optmem.pytorch.branches import is_value_branch_error
 from optmem.pytorch.context import SideInputs, side_inputs
 from optmem.pytorch.execute import (
     CompileRequest,
+    autocast_modes,
     compile_options_for,
     run_compiled,
     run_in_order,
@@ -108,6 +109,7 @@ from optmem.pytorch.extract import (
 )
 from optmem.pytorch.hooks import (
     callers_tools_suspended,
+    cuda_indices,
     generators_restored,
     module_generators,
     warn_container_hooks,
@@ -1660,8 +1662,7 @@ def signature_key(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
                           bool(v.requires_grad), memory_layout(v)))
         else:
             parts.append(("V", type(v).__name__, _hashable(v)))
-    autocast = tuple((d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
-                     if torch.is_autocast_enabled(d))
+    autocast = tuple(autocast_modes())
     return (repr(spec), tuple(parts), module.training, autocast, tensors)
 
 
@@ -1712,7 +1713,7 @@ def leaves_no_trace(module: nn.Module, call: Any = None) -> Iterator[None]:
     leaves = tree_flatten(call)[0]
     tensors = [*module.parameters(), *module.buffers(),
                *(v for v in leaves if isinstance(v, torch.Tensor))]
-    devices = sorted({t.device.index or 0 for t in tensors if t.is_cuda})
+    devices = cuda_indices(tensors)
     generators = module_generators(module)
     generators += [v for v in leaves if isinstance(v, torch.Generator)]
     with callers_tools_suspended(), torch.random.fork_rng(devices=devices), \
