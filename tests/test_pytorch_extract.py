@@ -983,3 +983,35 @@ def test_one_tensor_given_as_two_arguments_is_exported_as_two_inputs():
             model.zero_grad(set_to_none=True)
         for a, b in zip(got, ref, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_fx_extraction_forks_the_cuda_rng_of_the_models_devices(monkeypatch):
+    """The fx route's shape propagation runs the model (its dropout draws) inside
+    ``fork_rng(devices=[])``: the CPU generator was kept, those of the GPUs holding the
+    model or the sample advanced, so a direct ``extract_program`` call changed the masks
+    the training then drew. The devices of the parameters, buffers and inputs are forked
+    now (a weight on a faked ``cuda:1`` here)."""
+    from pytorch_helpers import on_fake_cuda
+
+    from optmem.pytorch.extract import extract_program
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(torch.tanh(self.a(x)))
+
+    forked: list[list[int]] = []
+    real = torch.random.fork_rng
+
+    def fork_rng(devices=None, enabled=True, **kwargs):
+        forked.append(list(devices))
+        return real(devices=[], enabled=enabled)  # no GPU here: the CPU state only
+
+    net = Net()
+    net.a.weight = nn.Parameter(on_fake_cuda(net.a.weight.detach()))
+    monkeypatch.setattr(torch.random, "fork_rng", fork_rng)
+    ext = extract_program(net, (torch.randn(2, 4),), method="fx")
+    assert len(ext.stages) == 3 and forked == [[1]]

@@ -1158,7 +1158,11 @@ def _fx_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     bound = signature.bind(*args, **kwargs)
     bound.apply_defaults()
     flat = [bound.arguments[n] for n in names]
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
+    # the propagation runs the model (its dropout draws): the caller's generators are kept,
+    # the CUDA ones too (fork_rng forks the CPU's and the ``devices`` given only)
+    devices = cuda_indices([*module.parameters(), *module.buffers(),
+                            *(v for v in flat if isinstance(v, torch.Tensor))])
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
         ShapeProp(gm).propagate(*flat)
     masks_as_in_training(gm, flat)
     return _program(gm, module, flat, method="fx", in_spec=None, out_spec=None,
