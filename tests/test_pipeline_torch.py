@@ -621,6 +621,45 @@ def test_default_device_without_local_rank_is_the_current_one(monkeypatch):
     assert fake.log == [("set_device", 1)]
 
 
+@pytest.mark.parametrize("spawned", [False, True])
+def test_nccl_ranks_set_their_device_before_the_group_is_made(monkeypatch, spawned):
+    """``init_distributed`` (torchrun) and ``spawn``'s ranks made the NCCL group first and
+    set ``cuda:LOCAL_RANK`` after; PyTorch's DDP tutorial asks for ``set_device`` "before
+    initializing the group process ... to prevent hangs or excessive memory utilization on
+    GPU:0". The device is now current before ``init_process_group`` (gloo: untouched)."""
+    import torch.distributed as dist
+    from pytorch_helpers import FakeCuda
+
+    from optmem.pytorch import distributed, process_groups
+
+    fake = FakeCuda().install(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    made: list[str] = []
+
+    def init_process_group(backend, **kwargs):
+        fake.log.append(("init", backend))
+        made.append(backend)
+
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    monkeypatch.setattr(dist, "is_initialized", lambda: bool(made))
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: made[-1])
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    if spawned:
+        monkeypatch.setattr(dist, "barrier", lambda: None)
+        monkeypatch.setattr(dist, "destroy_process_group", lambda: None)
+        monkeypatch.setattr(distributed, "end_process", lambda code=0: None)
+        distributed._spawned(2, 4, "file:///nowhere", lambda rank, world: None, ())
+    else:
+        assert process_groups.init_distributed() == torch.device("cuda", 2)
+    assert fake.log[:2] == [("set_device", 2), ("init", "nccl")]
+    fake.log.clear()
+    made.clear()
+    assert process_groups.init_distributed("gloo") == torch.device("cpu")
+    assert fake.log == [("init", "gloo")]
+
+
 def test_run_plan_takes_the_ranks_device_and_runs_each_stage_where_it_is(monkeypatch):
     """``run_plan`` without ``device`` ran on the CPU even under NCCL (whose point-to-point
     messages must be CUDA tensors), unlike ``PipelinedModel`` and ``run_plan_pipelining``;

@@ -50,11 +50,12 @@ from optmem.pytorch.process_groups import (
     refuse_sharded,
     resolve_group,
     run_once,
+    set_local_device,
 )
 
 __all__ = ["LOCAL", "checkpoint_fsdp", "default_device", "end_process", "fsdp_chain",
            "fully_shard_checkpointed", "init_distributed", "is_fsdp_module", "refuse_sharded",
-           "resolve_group", "run_once", "spawn", "stage_parameter_bytes"]
+           "resolve_group", "run_once", "set_local_device", "spawn", "stage_parameter_bytes"]
 
 
 # ------------------------------------------------------------------ FSDP2
@@ -271,10 +272,10 @@ def _spawned(rank: int, world: int, init: str, fn: Callable[..., Any], args: tup
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     local = rank % torch.cuda.device_count() if backend == "nccl" else rank
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local))
+    set_local_device(backend)  # cuda:LOCAL_RANK is current before NCCL's group is made
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s))
     try:
-        default_device()  # cuda:LOCAL_RANK becomes the current device with NCCL
         fn(rank, world, *args)
         dist.barrier()  # all ranks done before teardown (gloo aborts on a peer's early exit)
     finally:

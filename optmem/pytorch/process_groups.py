@@ -19,7 +19,7 @@ from torch import nn
 from optmem.errors import OptmemInputError
 
 __all__ = ["LOCAL", "default_device", "init_distributed", "is_fsdp_module", "refuse_sharded",
-           "resolve_group", "run_once"]
+           "resolve_group", "run_once", "set_local_device"]
 
 T = TypeVar("T")
 LOCAL = "local"
@@ -30,6 +30,9 @@ def init_distributed(backend: str | None = None) -> torch.device:
 
     Returns this process' device: ``cuda:LOCAL_RANK`` with NCCL (set as the current device),
     the CPU with gloo. ``backend`` defaults to NCCL when CUDA is available, gloo otherwise.
+    With NCCL the device is made current before the group is made, as PyTorch's DDP
+    tutorial asks ("before initializing the group process, call set_device ... to prevent
+    hangs or excessive memory utilization on GPU:0"); before, it was set after.
     """
     if not dist.is_available():
         raise OptmemInputError("torch.distributed is not available in this PyTorch build",
@@ -39,8 +42,21 @@ def init_distributed(backend: str | None = None) -> torch.device:
             raise OptmemInputError(
                 "no process group: launch with torchrun (or call "
                 "torch.distributed.init_process_group first)", field="backend")
-        dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"))
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        set_local_device(backend)
+        dist.init_process_group(backend)
     return default_device()
+
+
+def set_local_device(backend: str) -> None:
+    """Make ``cuda:LOCAL_RANK`` the current device when ``backend`` is NCCL (else nothing).
+
+    Called before ``init_process_group``, so that NCCL's communicators and CUDA contexts
+    are made on this rank's GPU, not on ``cuda:0``.
+    """
+    local = os.environ.get("LOCAL_RANK")
+    if backend == "nccl" and local is not None:
+        torch.cuda.set_device(int(local))
 
 
 def default_device() -> torch.device:
