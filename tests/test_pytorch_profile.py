@@ -525,3 +525,34 @@ def test_profiling_on_a_device_the_model_is_not_on_is_one_input_error():
                                                    r"device is cuda: move the model there"):
             profile(net, x, device="cuda", repeats=1, warmup=0)
     assert all(p.device.type == "cpu" for p in net.parameters())
+
+
+def test_a_bare_cuda_device_is_the_one_holding_the_model(monkeypatch):
+    """``device="cuda"`` is the current device wherever PyTorch takes it (``.to``, streams,
+    ``synchronize``), but any CUDA device when the weights are checked: a model on
+    ``cuda:1`` (current device 0) profiled with ``device="cuda"`` passed the check, then had
+    its sample moved to ``cuda:0`` (a device mismatch in the first stage, even when the
+    sample was on ``cuda:1`` already) and its events and RNG taken on ``cuda:0``. The bare
+    name now means the device of the model's first CUDA weight (a faked ``cuda:1``)."""
+    from pytorch_helpers import on_fake_cuda
+
+    from optmem.pytorch.extract import extract_stages
+
+    class Stop(Exception):
+        pass
+
+    moved: list[torch.device] = []
+
+    def move_to(value, dev):
+        moved.append(dev)
+        raise Stop
+
+    net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    net[0].weight = nn.Parameter(on_fake_cuda(net[0].weight.detach()))
+    monkeypatch.setattr(profile_module, "move_to", move_to)
+    stages = extract_stages(net)
+    for run in (profile_module.profile_stages, profile_module.merge_inplace_writers):
+        with pytest.raises(Stop):
+            run(stages, torch.randn(2, 4), device="cuda")
+    assert moved == [torch.device("cuda", 1)] * 2
+    assert profile_module._profile_device([nn.Linear(2, 2)], "cuda", []) == torch.device("cuda")

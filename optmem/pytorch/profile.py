@@ -657,6 +657,26 @@ def _time_rounds(modules: Sequence[nn.Module], inputs: Sequence[Any], classes: S
 
 
 
+def _profile_device(modules: Sequence[nn.Module], device: str | torch.device | None,
+                    inputs: Sequence[torch.Tensor]) -> torch.device:
+    """Where a profile runs: ``device`` (default the sample's), a bare ``cuda`` made exact.
+
+    ``torch.device("cuda")`` is the *current* device wherever it is used (``.to``,
+    ``current_stream``, ``synchronize``), while ``"cuda"`` stands for any CUDA device when
+    the weights are checked (:func:`_check_weights_on`). Before, a model on ``cuda:1``
+    profiled with ``device="cuda"`` (current device 0) passed the check, then had its
+    sample moved to ``cuda:0`` (PyTorch's device mismatch in the first stage, even for a
+    sample already on ``cuda:1``), and its events and RNG taken on ``cuda:0``. A bare
+    ``cuda`` is now the device of the first CUDA weight (without one it stays bare: the
+    check refuses weights elsewhere, and a model without weights runs on the current device).
+    """
+    dev = torch.device(device) if device is not None else inputs[0].device
+    if dev.type != "cuda" or dev.index is not None:
+        return dev
+    return next((t.device for m in modules for t in (*m.parameters(), *m.buffers())
+                 if t.is_cuda), dev)
+
+
 def _check_weights_on(modules: Sequence[nn.Module], dev: torch.device) -> None:
     """Refuse to move the sample to ``dev`` when none of the stages' weights is there.
 
@@ -707,9 +727,9 @@ def profile_stages(
     inputs = value_tensors(sample)
     if not inputs:
         raise OptmemInputError("the sample input holds no tensor", field="sample")
-    dev = torch.device(device) if device is not None else inputs[0].device
-    meta = dev.type == "meta"
     modules = [s.module for s in stages]
+    dev = _profile_device(modules, device, inputs)
+    meta = dev.type == "meta"
     if meta:
         modules = [m if all(p.is_meta for p in m.parameters()) else copy.deepcopy(m).to("meta")
                    for m in modules]
@@ -1080,8 +1100,8 @@ def merge_inplace_writers(stages: Sequence[Stage], sample: Any,
     inputs = value_tensors(sample)
     if not stages or not inputs:
         return stages
-    dev = torch.device(device) if device is not None else inputs[0].device
     modules = [s.module for s in stages]
+    dev = _profile_device(modules, device, inputs)
     if dev.type == "meta":
         if not all(p.is_meta for m in modules for p in m.parameters()):
             return stages
