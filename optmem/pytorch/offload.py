@@ -165,7 +165,8 @@ class HostCopies:
     alive.
 
     ``observers`` (class-wide) are called with every new host copy
-    (:func:`optmem.pytorch.memory.measure_training_peak` leaves them out on CPU).
+    (:func:`optmem.pytorch.memory.measure_training_peak` with ``host_copies=False`` leaves
+    them out: the memory an offload plan holds on its compute device).
     """
 
     observers: ClassVar[list[Callable[[torch.Tensor], None]]] = []
