@@ -205,6 +205,117 @@ def test_asking_any_family_gives_its_best_and_a_bound_of_it(problem, keep):
         assert out.bound <= best + 1e-6
 
 
+@st.composite
+def small_problems(draw):
+    """4-6 layers, 2-3 GPUs, a memory between one layer's needs and plenty or none binding
+    (10**9), links of speed inf, 2 or 4."""
+    n = draw(st.integers(4, 6))
+    f = [draw(st.integers(1, 6)) for _ in range(n)]
+    b = [draw(st.integers(1, 6)) for _ in range(n)]
+    a = [draw(st.integers(0, 4)) for _ in range(n + 1)] + [0]
+    w = [draw(st.integers(0, 2)) for _ in range(n)]
+    chain = thesis_chain(f, b, a, w)
+    gpus = draw(st.integers(2, 3))
+    lay = PipelineProblem(chain, gpus, 0).layers
+    memory = draw(st.one_of(st.just(10**9), st.integers(
+        max(lay.x) + 3 * max(lay.w) + 2 * max(lay.a),
+        3 * sum(lay.w) + 3 * sum(lay.x) + 4 * sum(lay.a) + 1)))
+    beta = draw(st.sampled_from([math.inf, 2.0, 4.0]))
+    return PipelineProblem(chain, gpus, memory, chain_bandwidth=beta)
+
+
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(problem=small_problems(), data=st.data())
+def test_partial_floor_never_exceeds_a_completions_floor(problem, data):
+    """The floor of a prefix (:func:`allocation_floor` of units ``0..m-1`` placed) only grows
+    as units are placed, so it never exceeds the floor of any completion; and the pruned
+    enumeration with no chunk limit lists exactly the allocations whose floor is finite at
+    the cap (brute force over every allocation): the pruning loses none."""
+    units = make_units(problem)
+    memory = problem.memory_per_gpu
+    gpu = data.draw(st.lists(st.integers(0, problem.n_gpus - 1), min_size=units.n,
+                             max_size=units.n))
+    cap = units.big_m()
+    floors = [chunked.allocation_floor(units, gpu[:m], problem.n_gpus, memory, cap)
+              for m in range(1, units.n + 1)]
+    for shorter, longer in zip(floors, floors[1:], strict=False):
+        assert shorter <= longer * (1 + 1e-9), (gpu, floors)
+    cap = data.draw(st.floats(0.3, 1.0)) * units.big_m()
+    expected = {tuple(g) for g in set_partitions(units.n, problem.n_gpus)
+                if chunked.allocation_floor(units, g, problem.n_gpus, memory, cap) < math.inf}
+    listed = list(chunked.chunk_allocations(units, problem.n_gpus, units.n, cap, memory))
+    assert len(listed) == len(set(listed))
+    assert set(listed) == expected
+
+
+@settings(max_examples=6, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(problem=small_problems())
+def test_the_complete_family_is_the_exact_optimum(problem):
+    """``family="all"``: with every allocation decided (``complete_bound`` set) the plan is
+    the optimum over every allocation (brute force: each allocation's fixed model solved),
+    replayed by the simulator (an ``error`` result otherwise), and the status ``optimal``
+    with a bound at most that optimum; with no plan anywhere, ``infeasible``. Without the
+    bound some allocation was undecided."""
+    solved = decided_allocations(problem)
+    assume(solved is not None)
+    assert solved is not None
+    overall = min((period for _, period in solved), default=math.inf)
+    res = solve(problem, "chunks", options=replace(FAST, extra={**FAST.extra, "family": "all"}))
+    closed = res.report["complete_bound"] is not None
+    assert closed or res.report["complete_undecided"] > 0, res.report
+    if math.isinf(overall):
+        assert not res.status.has_plan
+        assert res.status is (Status.INFEASIBLE if closed else Status.NO_SOLUTION)
+        return
+    assert res.status in (Status.OPTIMAL, Status.FEASIBLE), res.report
+    assert res.objective >= overall * (1 - 1e-6)
+    if closed:
+        assert res.status is Status.OPTIMAL, res.report
+        assert res.objective == pytest.approx(overall, rel=1e-6)
+        assert res.report["complete_bound"] <= overall * (1 + 1e-9)
+
+
+def test_a_complete_family_above_its_limit_is_not_asked():
+    """More allocations below the cutoff than ``family_limit``: the complete family is not
+    asked (``complete_truncated``, ``complete_stopped = "limit"``), no problem bound is
+    claimed, and the k-chunk scan's plan is returned."""
+    chain = thesis_chain([1, 3, 1, 4, 4, 4], [6, 4, 2, 1, 4, 1], [3, 3, 4, 0, 3, 2, 1, 0],
+                         [2, 0, 1, 0, 0, 0])
+    problem = PipelineProblem(chain, 3, 52)
+    extra = {**FAST.extra, "family": "all"}
+    whole = solve(problem, "chunks", options=replace(FAST, extra=extra))
+    assert whole.status is Status.OPTIMAL, whole.report
+    assert whole.report["complete_family"] >= 2, whole.report
+    capped = solve(problem, "chunks", options=replace(FAST, extra={**extra, "family_limit": 1}))
+    assert capped.report["complete_truncated"] is True
+    assert capped.report["complete_stopped"] == "limit"
+    assert capped.report["complete_bound"] is None
+    assert capped.report["complete_evaluated"] == 0
+    assert capped.objective == pytest.approx(
+        solve(problem, "chunks", options=FAST).objective, rel=1e-9)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_allocations_whose_floor_reached_the_cutoff_are_not_asked(workers):
+    """The window of questions in flight is filled only with allocations whose floor is
+    below the cutoff: one allocation with a plan, one whose (given) floor is the incumbent's
+    period. Before stop 56 two workers asked both (the window was filled before the front's
+    floor was checked again)."""
+    chain = thesis_chain([1, 3, 1, 4, 4, 4], [6, 4, 2, 1, 4, 1], [3, 3, 4, 0, 3, 2, 1, 0],
+                         [2, 0, 1, 0, 0, 0])
+    problem = PipelineProblem(chain, 3, 52)
+    units = make_units(problem)
+    run = run_model(problem, "cpsat", BRUTE, gpu=[0, 0, 0, 1, 1, 1])
+    assert run.plan is not None
+    period = replayed_period(problem, run.plan)
+    assert period is not None
+    family = [(0.0, (0, 0, 0, 1, 1, 1)), (period, (0, 0, 1, 1, 2, 2))]
+    out = chunked.ask_family(problem, units, period, run.plan, family, work=5.0,
+                             step=chunked.CHUNK_STEP, workers=workers)
+    assert (out.evaluated, out.skipped) == (1, 1), out
+
+
 def eight_layer_problem(seed: int) -> PipelineProblem:
     """Eight layers, 3 GPUs, a tight memory: families of 30 allocations, several asked."""
     rng = random.Random(seed)
@@ -297,7 +408,9 @@ def test_engine_failures_are_counted_and_survived(monkeypatch):
     ({"chunks": 0}, "chunks"), ({"chunks": True}, "chunks"), ({"chunks": 1.5}, "chunks"),
     ({"chunk_work": 0}, "chunk_work"), ({"chunk_step": 1.0}, "chunk_step"),
     ({"chunk_step": -1}, "chunk_step"), ({"chunk_retry_work": 0}, "chunk_retry_work"),
-    ({"chunk_retry_work": "x"}, "chunk_retry_work"),
+    ({"chunk_retry_work": "x"}, "chunk_retry_work"), ({"family": "every"}, "family"),
+    ({"family": True}, "family"), ({"family_limit": 0}, "family_limit"),
+    ({"family_limit": 10**7}, "family_limit"),
 ])
 def test_bad_options_are_refused(extra, field):
     """One clear error naming the option."""

@@ -31,6 +31,7 @@ WORK_COUNT_MAX: dict[str, int] = {
     "autocapper_values": 10_000,  # one DP solve per cap value
     "madpipe_iterations": 10_000,  # one phase-1 DP run per iteration
     "chunks": 1_000,  # runs of layers per GPU (a chain has far fewer useful ones)
+    "family_limit": 2_000_000,  # allocations asked by the chunk scan's complete family
     "benders_iterations": 100_000,  # one master solve per iteration
     "lns_windows": 100_000,  # one window solve each
     "lns_width": 100_000,  # backward phases per window (clamped to the chain)

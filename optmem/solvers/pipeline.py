@@ -55,8 +55,8 @@ EXACT_EXTRA = ("warm_madpipe", "relaxation", "strategy", "trim_work", "isolate",
                "probe_step", "probe_work", "lifetime_cuts", "colocate_step", "colocate_work",
                "colocate_order", "colocate_beside", "lns", "lns_work", *MADPIPE_EXTRA)
 """Keys of ``ilp``/``cpsat``: their own, and MadPipe's (its run gives their warm start)."""
-CHUNKS_EXTRA = ("chunks", "chunk_work", "chunk_step", "chunk_retry_work", "warm_madpipe",
-                *MADPIPE_EXTRA)
+CHUNKS_EXTRA = ("chunks", "chunk_work", "chunk_step", "chunk_retry_work", "family",
+                "family_limit", "warm_madpipe", *MADPIPE_EXTRA)
 """Keys of ``chunks``: its own, and MadPipe's (its run gives the first cutoff)."""
 
 
@@ -232,19 +232,30 @@ def solve_pipeline_chunks(problem: PipelineProblem, options: SolveOptions) -> Re
     starts = incumbents(problem, options) if options.warm_start else []
     period, plan = (starts[0][0], starts[0][1]) if starts else (math.inf, None)
     limit = options.time_limit_s
+    deadline = None if limit is None else start + limit
     found = chunked.scan(problem, units, period, plan, chunks=conf.chunks, work=conf.work,
-                         step=conf.step, seed=options.seed,
-                         deadline=None if limit is None else start + limit,
+                         step=conf.step, seed=options.seed, deadline=deadline,
                          workers=options.threads, retry=conf.retry)
-    report: dict[str, object] = {**found.report(),
-                                 "incumbents": {s: p for p, _, s in starts},
-                                 "source": "chunks" if found.improvements
-                                 else starts[0][2] if starts else None}
+    report: dict[str, object] = found.report()
+    improved = bool(found.improvements)
+    bound, closed = lower_bound(problem), False
+    if conf.family == "all":
+        whole = chunked.complete(problem, units, found, limit=conf.limit, work=conf.work,
+                                 step=conf.step, seed=options.seed, deadline=deadline,
+                                 workers=options.threads, retry=conf.retry)
+        report.update(whole.report("complete"))
+        improved = improved or bool(whole.improvements)
+        closed = not math.isnan(whole.bound)  # every allocation decided: the problem's bound
+        if closed:
+            bound = max(bound, whole.bound)
+        found = whole
+    report.update({"incumbents": {s: p for p, _, s in starts},
+                   "source": "chunks" if improved else starts[0][2] if starts else None})
     if found.plan is None:
-        return infeasible(problem, "chunks", f"no plan with at most {conf.chunks} chunks per "
-                          "GPU was found", proven=False, report=report).with_(
+        reason = "no allocation has a plan" if closed else "no plan with at most " \
+            f"{conf.chunks} chunks per GPU was found"
+        return infeasible(problem, "chunks", reason, proven=closed, report=report).with_(
             solve_time_s=time.perf_counter() - start)
-    bound = lower_bound(problem)
     status = Status.OPTIMAL if proven(found.period, bound) else Status.FEASIBLE
     return plan_result(problem, found.plan, method="chunks", status=status, bound=bound,
                        claimed=found.period, report=report).with_(

@@ -39,6 +39,19 @@ least the last cutoff (less CP-SAT's grid step): ``report["chunks_bound"]``, a b
 family, not of the problem (plans with more chunks may be faster), and the result's status
 stays ``feasible`` unless the problem's own lower bound meets the plan.
 
+**The complete family** (``extra["family"] = "all"``, :func:`complete`): after the k-chunk
+scan, every allocation (any number of chunks, GPUs numbered by first use: the problem's GPUs
+are identical) whose floor is below the plan's period is enumerated by a depth-first walk
+pruned by the floor of the prefix placed so far (a lower bound of the floor of every
+completion, :func:`allocation_floor`), and asked the same way at the period less
+``min(chunk_step, PROOF_STEP)``. If none is left undecided, ``report["complete_bound"]``
+bounds every plan of the problem (1-periodic patterns, as the exact model): the result is
+``optimal``. It is asked only when at most ``extra["family_limit"]`` allocations
+(:data:`FAMILY_LIMIT`) are below the cutoff: a deterministic limit on the work. On the
+bench_exact rows (4 GPUs, 12 GB/s) that proves ResNet-18 at 1.1x, 1.5x and 3x and
+ResNet-50 at 1.1x (108.98, where the exact solve's 60 s plan is 119.82) optimal
+(``benchmarks/results/pipeline_exact.md``, "Stop 56").
+
 On ResNet-50 (21 units, 4 GPUs, 3 GiB, 12 GB/s), 1,534 two-chunk allocations have a floor
 below 31.39 ms; each is decided in 0.3-17 s, and 31.39 (the exact solve's best plan) is the
 family's optimum (``benchmarks/results/pipeline_exact.md``, "Chunk scan").
@@ -59,8 +72,8 @@ from optmem.models.pipeline import Units
 from optmem.pipeline_plan import PipelinePlan
 from optmem.problems.pipeline import PipelineProblem
 from optmem.result import SolveOptions, Status
-from optmem.solvers.options import positive_float, positive_int
-from optmem.solvers.pipeline_common import replayed_period, run_model
+from optmem.solvers.options import choice, positive_float, positive_int
+from optmem.solvers.pipeline_common import OPTIMALITY_TOLERANCE, replayed_period, run_model
 
 MAX_CHUNKS = 2
 """Default ``extra["chunks"]``: chunks (runs of consecutive units) per GPU."""
@@ -76,6 +89,14 @@ LOOKAHEAD = 4
 """With ``w > 1`` workers, up to ``LOOKAHEAD * w`` questions are in flight (:class:`_Asker`)."""
 MAX_ALLOCATIONS = 2_000_000
 """Enumeration stops after this many allocations (``report["chunks_truncated"]``)."""
+FAMILIES = ("chunks", "all")
+"""``extra["family"]``: the k-chunk family alone (default), or then every allocation."""
+FAMILY_LIMIT = 20_000
+"""Default ``extra["family_limit"]``: ``family="all"`` asks the complete family only when at
+most this many allocations have a floor below the cutoff (a deterministic work limit)."""
+PROOF_STEP = OPTIMALITY_TOLERANCE / 2
+"""Largest relative step of the complete family's pass: its bound then meets the
+optimality tolerance (:func:`~optmem.solvers.pipeline_common.proven`) up to the grid."""
 FLOOR_ITERATIONS = 40
 """Bisection steps of :func:`allocation_floor` (relative precision about 1e-12)."""
 _EPS = 1e-9
@@ -83,12 +104,18 @@ _EPS = 1e-9
 
 @dataclass(frozen=True)
 class ChunkSettings:
-    """``extra["chunks"]``, ``["chunk_work"]``, ``["chunk_step"]``, ``["chunk_retry_work"]``."""
+    """The scan's ``extra`` options.
+
+    ``chunks``, ``chunk_work``, ``chunk_step``, ``chunk_retry_work``, ``family``,
+    ``family_limit``.
+    """
 
     chunks: int
     work: float
     step: float
     retry: float = RETRY_WORK
+    family: str = "chunks"
+    limit: int = FAMILY_LIMIT
 
 
 def settings(options: SolveOptions) -> ChunkSettings:
@@ -99,18 +126,31 @@ def settings(options: SolveOptions) -> ChunkSettings:
         raise OptmemInputError(f"expected a relative step below 1 for chunk_step, got {step!r}",
                                field="chunk_step")
     return ChunkSettings(chunks, positive_float(options, "chunk_work", CHUNK_WORK), step,
-                         positive_float(options, "chunk_retry_work", RETRY_WORK))
+                         positive_float(options, "chunk_retry_work", RETRY_WORK),
+                         choice(options, "family", "chunks", FAMILIES),
+                         positive_int(options, "family_limit", FAMILY_LIMIT))
 
 
 # ------------------------------------------------------------------ enumeration
-def chunk_allocations(units: Units, n_gpus: int, chunks: int, cap: float
+def chunk_allocations(units: Units, n_gpus: int, chunks: int, cap: float,
+                      memory: int | None = None, stats: dict[str, int] | None = None
                       ) -> Iterator[tuple[int, ...]]:
-    """Allocations with at most ``chunks`` chunks per GPU and every GPU's load <= ``cap``.
+    """Allocations with at most ``chunks`` chunks per GPU and a floor of at most ``cap``.
 
-    GPUs are numbered by first use (each allocation once); GPUs may stay unused. A depth-first
-    walk over the units in order, pruned by the loads (what is left must fit under ``cap``
-    on the GPUs).
+    GPUs are numbered by first use (each allocation once; the GPUs of a problem are
+    identical: one memory, one bandwidth for every pair); GPUs may stay unused. A
+    depth-first walk over the units in order, pruned by the loads (what is left must fit
+    under ``cap`` on the GPUs) and by the floor of the prefix (:func:`within`: its GPU and
+    link loads and, with ``memory``, its lifetime copies at ``cap``), which never exceeds
+    the floor of any completion. Without ``memory`` every allocation whose GPU and link
+    loads are at most ``cap`` is listed; with it, exactly those whose
+    :func:`allocation_floor` is finite at ``cap``. ``stats`` (if given) counts the
+    prefixes tried (``tried``), cut by the loads (``load``) and by the partial floor
+    (``floor``).
     """
+    tally = {"tried": 0, "load": 0, "floor": 0} if stats is None else stats
+    for key in ("tried", "load", "floor"):
+        tally.setdefault(key, 0)
     n = units.n
     load = [units.load(q) for q in range(n)]
     left = [0.0] * (n + 1)
@@ -128,14 +168,20 @@ def chunk_allocations(units: Units, n_gpus: int, chunks: int, cap: float
         for g in range(min(used + 1, n_gpus)):
             if g != last and count[g] >= chunks:
                 continue
+            tally["tried"] += 1
             if loads[g] + load[q] > cap * (1 + _EPS):
+                tally["load"] += 1
                 continue
             loads[g] += load[q]
             count[g] += g != last
             gpu.append(g)
             room = sum(max(0.0, cap - x) for x in loads[:max(used, g + 1)]) \
                 + cap * (n_gpus - max(used, g + 1))
-            if room >= left[q + 1] * (1 - _EPS):
+            if room < left[q + 1] * (1 - _EPS):
+                tally["load"] += 1
+            elif not within(units, gpu, n_gpus, memory, cap):
+                tally["floor"] += 1
+            else:
                 yield from walk(q + 1, max(used, g + 1))
             gpu.pop()
             count[g] -= g != last
@@ -150,27 +196,29 @@ def _paths(units: Units, gpu: Sequence[int]) -> tuple[list[float], list[float]]:
 
     ``back[q] - back[r]`` (``r < q``) is the time from the end of ``B_q`` to the end of
     ``B_r`` along the micro-batch's path (backwards ``r..q-1`` and the gradients of the cuts
-    between them).
+    between them). ``gpu`` may be a prefix (units ``0..m-1`` placed): ``D_q`` then counts
+    the loads of every unit but only the transfers of the cuts placed (``c < m - 1``), a
+    lower bound of its value in any completion; ``back`` is exact for ``r < q < m``.
     """
-    n = units.n
-    cut = [gpu[c] != gpu[c + 1] for c in range(n - 1)]
-    down = [0.0] * n
-    acc = 0.0
-    for q in range(n - 1, -1, -1):
-        acc += units.load(q) + (2 * units.dt[q] if q < n - 1 and cut[q] else 0.0)
+    n, m = units.n, len(gpu)
+    cut = [gpu[c] != gpu[c + 1] for c in range(m - 1)]
+    down = [0.0] * m
+    acc = sum(units.load(q) for q in range(m, n))
+    for q in range(m - 1, -1, -1):
+        acc += units.load(q) + (2 * units.dt[q] if q < m - 1 and cut[q] else 0.0)
         down[q] = acc
-    back = [0.0] * (n + 1)
-    for s in range(n):
-        back[s + 1] = back[s] + units.b[s] + (units.dt[s] if s < n - 1 and cut[s] else 0.0)
+    back = [0.0] * (m + 1)
+    for s in range(m):
+        back[s + 1] = back[s] + units.b[s] + (units.dt[s] if s < m - 1 and cut[s] else 0.0)
     return down, back
 
 
 def _statics(units: Units, gpu: Sequence[int], n_gpus: int) -> list[int]:
-    """Weights and cut buffers per GPU."""
+    """Weights and cut buffers per GPU (of the units and cuts placed, for a prefix)."""
     static = [0] * n_gpus
-    for q in range(units.n):
+    for q in range(len(gpu)):
         static[gpu[q]] += units.w[q]
-    for c in range(units.n - 1):
+    for c in range(len(gpu) - 1):
         if gpu[c] != gpu[c + 1]:
             static[gpu[c]] += units.buf[c]
             static[gpu[c + 1]] += units.buf[c]
@@ -183,11 +231,14 @@ def memory_check(units: Units, gpu: Sequence[int], n_gpus: int, memory: int
 
     The paths, static memory and GPU members do not depend on the period: they are computed
     once here, so that a bisection over the period (:func:`allocation_floor`) pays only for
-    the copy counts.
+    the copy counts. For a prefix ``gpu`` (units ``0..m-1`` placed) it checks the rows of
+    the units placed, with the terms of the units placed and the lower bounds of
+    :func:`_paths`: every term is at most its value in any completion, so a prefix that
+    fails at a period fails in every completion (:func:`allocation_floor`).
     """
     down, back = _paths(units, gpu)
     static = _statics(units, gpu, n_gpus)
-    on = [[q for q in range(units.n) if gpu[q] == g] for g in range(n_gpus)]
+    on = [[q for q in range(len(gpu)) if gpu[q] == g] for g in range(n_gpus)]
 
     def fits(period: float) -> bool:
         def copies(d: float) -> int:
@@ -219,6 +270,27 @@ def memory_fits(units: Units, gpu: Sequence[int], n_gpus: int, memory: int, peri
     return memory_check(units, gpu, n_gpus, memory)(period)
 
 
+def _load_floor(units: Units, gpu: Sequence[int], n_gpus: int) -> float:
+    """The largest GPU load and link load (two transfers per cut) of ``gpu`` (or a prefix)."""
+    loads = [0.0] * n_gpus
+    for q in range(len(gpu)):
+        loads[gpu[q]] += units.load(q)
+    links: dict[tuple[int, int], float] = {}
+    for c in range(len(gpu) - 1):
+        if gpu[c] != gpu[c + 1]:
+            key = (min(gpu[c], gpu[c + 1]), max(gpu[c], gpu[c + 1]))
+            links[key] = links.get(key, 0.0) + 2 * units.dt[c]
+    return max([*loads, *links.values()])
+
+
+def within(units: Units, gpu: Sequence[int], n_gpus: int, memory: int | None, cap: float
+           ) -> bool:
+    """Whether :func:`allocation_floor` of ``gpu`` (or of a prefix) is finite at ``cap``."""
+    if _load_floor(units, gpu, n_gpus) > cap * (1 + _EPS):
+        return False
+    return memory is None or memory_check(units, gpu, n_gpus, memory)(cap)
+
+
 def allocation_floor(units: Units, gpu: Sequence[int], n_gpus: int, memory: int | None,
                      cap: float) -> float:
     """A lower bound of the period of every plan with allocation ``gpu`` (``inf``: above ``cap``).
@@ -226,16 +298,22 @@ def allocation_floor(units: Units, gpu: Sequence[int], n_gpus: int, memory: int 
     ``max`` of the GPU loads, the link loads (two transfers per cut) and, with ``memory``
     (stash model; ``None`` skips it), the least period at which :func:`memory_fits` holds,
     found by bisection between the loads and ``cap``.
+
+    ``gpu`` may be a prefix (units ``0..m-1`` placed; the *partial floor*): then it is at
+    most the floor of every completion, and it only grows as units are added. Proof: a GPU
+    load and a link load are sums of non-negative terms over the units and cuts placed,
+    and placing a unit only adds terms. In each memory row (:func:`memory_check`) the
+    static memory (weights and buffers of the units and cuts placed) only grows; ``D_q``
+    counts every unit's load but only the placed cuts' transfers (a later cut only adds
+    ``2 dt``), so it only grows, and with it each copy count ``ceil(D / T)`` (the paths
+    ``back[q] - back[r]``, ``r < q``, lie between placed units: exact); a unit placed later
+    only adds a row (its own) and a non-negative term ``x_r (ceil(D_r / T) - 1)^+`` to the
+    rows of the earlier units of its GPU. So every row of a prefix is at most the same row
+    in any completion, which has more rows: whatever period a completion's rows pass, the
+    prefix's rows pass, and the least such period (the bisection's answer, up to its
+    precision) cannot be larger for the prefix.
     """
-    loads = [0.0] * n_gpus
-    for q in range(units.n):
-        loads[gpu[q]] += units.load(q)
-    links: dict[tuple[int, int], float] = {}
-    for c in range(units.n - 1):
-        if gpu[c] != gpu[c + 1]:
-            key = (min(gpu[c], gpu[c + 1]), max(gpu[c], gpu[c + 1]))
-            links[key] = links.get(key, 0.0) + 2 * units.dt[c]
-    low = max([*loads, *links.values()])
+    low = _load_floor(units, gpu, n_gpus)
     if low > cap * (1 + _EPS):
         return math.inf
     if memory is None:
@@ -282,25 +360,29 @@ class Scan:
     improvements: list[float] = field(default_factory=list)
     found_at: list[int] = field(default_factory=list)
 
-    def report(self) -> dict[str, object]:
-        """Report keys (``chunks_*``)."""
-        return {"chunks_family": self.family, "chunks_evaluated": self.evaluated,
-                "chunks_refuted": self.refuted, "chunks_undecided": self.undecided,
-                "chunks_failed": self.failed, "chunks_skipped": self.skipped,
-                "chunks_truncated": self.truncated, "chunks_stopped": self.stopped,
-                "chunks_bound": None if math.isnan(self.bound) else self.bound,
-                "chunks_improvements": list(self.improvements),
-                "chunks_found_at": list(self.found_at)}
+    def report(self, prefix: str = "chunks") -> dict[str, object]:
+        """Report keys (``chunks_*``; ``complete_*`` for the complete family)."""
+        keys: dict[str, object] = {
+            "family": self.family, "evaluated": self.evaluated, "refuted": self.refuted,
+            "undecided": self.undecided, "failed": self.failed, "skipped": self.skipped,
+            "truncated": self.truncated, "stopped": self.stopped,
+            "bound": None if math.isnan(self.bound) else self.bound,
+            "improvements": list(self.improvements), "found_at": list(self.found_at)}
+        return {f"{prefix}_{key}": value for key, value in keys.items()}
 
 
-def ranked(problem: PipelineProblem, units: Units, chunks: int, cap: float
-           ) -> tuple[list[tuple[float, tuple[int, ...]]], bool]:
-    """The family's allocations with a floor below ``cap``, by floor; and whether truncated."""
+def ranked(problem: PipelineProblem, units: Units, chunks: int, cap: float,
+           limit: int = MAX_ALLOCATIONS) -> tuple[list[tuple[float, tuple[int, ...]]], bool]:
+    """The family's allocations with a floor below ``cap``, by floor; and whether truncated.
+
+    The enumeration stops after ``limit`` allocations (then ``truncated``).
+    """
     memory = problem.memory_per_gpu if problem.memory_model == "stash" else None
     found: list[tuple[float, tuple[int, ...]]] = []
     truncated = False
-    for k, gpu in enumerate(chunk_allocations(units, problem.n_gpus, chunks, cap)):
-        if k >= MAX_ALLOCATIONS:
+    for k, gpu in enumerate(chunk_allocations(units, problem.n_gpus, chunks, cap,
+                                                      memory)):
+        if k >= limit:
             truncated = True
             break
         floor = allocation_floor(units, gpu, problem.n_gpus, memory, cap)
@@ -334,6 +416,33 @@ def scan(problem: PipelineProblem, units: Units, period: float, plan: PipelinePl
     family, truncated = ranked(problem, units, chunks, cap)
     return ask_family(problem, units, period, plan, family, work=work, step=step, seed=seed,
                       deadline=deadline, workers=workers, retry=retry, truncated=truncated)
+
+
+def complete(problem: PipelineProblem, units: Units, first: Scan, *, limit: int,
+             work: float, step: float, seed: int = 0, deadline: float | None = None,
+             workers: int = 1, retry: float = RETRY_WORK) -> Scan:
+    """Every allocation (any chunk count) with a floor below ``first``'s period, asked.
+
+    The complete family (``extra["family"] = "all"``): the allocations of the units with
+    GPUs numbered by first use (the GPUs are identical) whose :func:`allocation_floor` is
+    below ``first.period`` (the k-chunk scan's plan; :data:`Units.big_m` without one),
+    enumerated by :func:`chunk_allocations` with no chunk limit (pruned by the partial
+    floor), asked by :func:`ask_family` at the period less ``min(step, PROOF_STEP)``.
+    With no allocation undecided, ``Scan.bound`` is a lower bound of every plan of the
+    problem (1-periodic patterns): all allocations were asked or have a floor at or
+    above the cutoff. More than ``limit`` allocations: nothing is asked
+    (``truncated``, ``stopped = "limit"``); a run stopped by the time limit is not continued.
+    """
+    if first.stopped != "done":
+        return Scan(first.period, first.plan, stopped=first.stopped)
+    cap = first.period if math.isfinite(first.period) else units.big_m()
+    family, truncated = ranked(problem, units, units.n, cap, limit=limit)
+    if truncated:
+        return Scan(first.period, first.plan, family=len(family), truncated=True,
+                    stopped="limit")
+    return ask_family(problem, units, first.period, first.plan, family, work=work,
+                      step=min(step, PROOF_STEP), seed=seed, deadline=deadline,
+                      workers=workers, retry=retry)
 
 
 def ask_family(problem: PipelineProblem, units: Units, period: float,
@@ -404,8 +513,11 @@ class _Asker:
 
         An allocation whose plan was taken (not proven optimal for it), or whose plan was
         overtaken by an answer taken before it, goes back to the front of the queue, to be
-        asked at the cutoff then in force. Once the front's floor reaches the cutoff, the
-        rest of the queue is skipped.
+        asked at the cutoff then in force. The window is filled only with allocations whose
+        floor is below the cutoff in force; once the front's floor reaches the cutoff (and
+        the questions in flight are answered), the rest of the queue is skipped. Until stop
+        56 the window was filled regardless, so with two workers up to eight allocations
+        whose floor had reached the cutoff were asked.
         """
         queue = deque(items)
         flight: deque[tuple[tuple[float, tuple[int, ...]], Future[_Outcome]]] = deque()
@@ -419,7 +531,8 @@ class _Asker:
             if left is not None and left <= 0:
                 out.stopped = "time"
                 break
-            while queue and len(flight) < self.window:
+            while queue and len(flight) < self.window \
+                    and not _out_of_reach(out, queue[0][0], cutoff):
                 item = queue.popleft()
                 flight.append((item, self.send(item[1], cutoff, work)))
             if not flight:
@@ -537,6 +650,7 @@ def _decide(problem: PipelineProblem, units: Units, gpu: Sequence[int], cutoff: 
     return _Outcome(found=best, optimal=optimal, grid=max(run.step, polish.step))
 
 
-__all__ = ["CHUNK_STEP", "CHUNK_WORK", "FLOOR_ITERATIONS", "LOOKAHEAD", "MAX_ALLOCATIONS",
-           "MAX_CHUNKS", "RETRY_WORK", "ChunkSettings", "Scan", "allocation_floor", "ask_family",
-           "chunk_allocations", "memory_check", "memory_fits", "ranked", "scan", "settings"]
+__all__ = ["CHUNK_STEP", "CHUNK_WORK", "FAMILIES", "FAMILY_LIMIT", "FLOOR_ITERATIONS",
+           "LOOKAHEAD", "MAX_ALLOCATIONS", "MAX_CHUNKS", "PROOF_STEP", "RETRY_WORK",
+           "ChunkSettings", "Scan", "allocation_floor", "ask_family", "chunk_allocations",
+           "complete", "memory_check", "memory_fits", "ranked", "scan", "settings", "within"]

@@ -1,0 +1,131 @@
+"""The chunk scan's complete family (``extra["family"] = "all"``) on the bench_exact pipeline rows.
+
+The six pipeline rows of ``benchmarks/bench_exact.py`` (ResNet-18 and ResNet-50, 4 GPUs,
+12 GB/s, memory 1.1x / 1.5x / 3x the smallest contiguous one) and the headline (ResNet-50,
+4 GPUs, 3 GiB, 12 GB/s), stash model.
+
+``--count-only``: for each instance, the allocations of the complete family (every
+allocation, GPUs numbered by first use) whose floor
+(:func:`~optmem.solvers.pipeline_chunks.allocation_floor`) is below a period (the best known
+plan's, :data:`KNOWN`, less :data:`~optmem.solvers.pipeline_chunks.PROOF_STEP`), counted by
+the enumeration the method uses (pruned by the partial floor; stopped at ``--max``), with
+the prefixes it tried and how many of them the loads and the partial floor cut.
+
+Otherwise: ``solve(problem, "chunks", extra={"family": "all"})`` on each instance (2
+threads, the defaults otherwise, ``--time-limit`` seconds): status, period, bound, the k-chunk
+scan's and the complete family's counts, CPU and wall seconds, the load.
+
+Usage::
+
+    python benchmarks/bench_pipeline_family.py [--count-only [--max N]] [--only NAME ...]
+        [--time-limit S] [--family-limit N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from optmem import PipelineProblem, SolveOptions, solve
+from optmem.datasets import resolve_chain
+from optmem.models.pipeline import make_units
+from optmem.solvers import pipeline_chunks
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_exact import pipeline_instances  # noqa: E402
+from bench_pipeline_exact import headline_problem  # noqa: E402
+
+KNOWN = {
+    "resnet18 1.1x": 91.64148533333334, "resnet18 1.5x": 82.33949533333333,
+    "resnet18 3.0x": 32.149554, "resnet50 1.1x": 108.984662, "resnet50 1.5x": 66.08,
+    "resnet50 3.0x": 33.45, "headline": 31.3896,
+}
+"""Best periods known (stop 56's proofs where it proved one; ``bench_exact``'s 60 s ``ilp``
+plans, two decimals, and the headline's 31.3896 otherwise)."""
+
+
+def instances() -> Iterator[tuple[str, PipelineProblem]]:
+    """The six bench_exact pipeline rows, then the headline."""
+    for name in ("resnet18-b64-224", "resnet50-b32-224"):
+        for label, problem in pipeline_instances(name):
+            yield f"{name.split('-')[0]} {label}", problem
+    yield "headline", headline_problem(resolve_chain("resnet50-b32-224"))
+
+
+def load() -> str:
+    """The 1-minute load average."""
+    return f"{os.getloadavg()[0]:.1f}"
+
+
+def count(name: str, problem: PipelineProblem, most: int) -> None:
+    """One row of the count table."""
+    units = make_units(problem)
+    cutoff = KNOWN[name] * (1 - pipeline_chunks.PROOF_STEP)
+    stats: dict[str, int] = {}
+    cpu, start = time.process_time(), load()
+    found = 0
+    for _ in pipeline_chunks.chunk_allocations(units, problem.n_gpus, units.n, cutoff,
+                                               problem.memory_per_gpu, stats):
+        found += 1
+        if found >= most:
+            break
+    shown = f">= {found:,}" if found >= most else f"{found:,}"
+    cut = stats["floor"] / max(1, stats["tried"] - stats["load"])
+    print(f"| {name} | {units.n} | {cutoff:.4f} | {shown} | {stats['tried']:,} | "
+          f"{stats['load']:,} | {stats['floor']:,} ({cut:.0%}) | "
+          f"{time.process_time() - cpu:.1f} | {start} / {load()} |", flush=True)
+
+
+def run(name: str, problem: PipelineProblem, limit: float | None, family_limit: int) -> None:
+    """One row of the solve table."""
+    extra = {"family": "all", "family_limit": family_limit}
+    cpu, wall, start = time.process_time(), time.perf_counter(), load()
+    res = solve(problem, "chunks", options=SolveOptions(threads=2, time_limit_s=limit,
+                                                        extra=extra))
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    r = res.report
+
+    def part(prefix: str) -> str:
+        return (f"{r[prefix + '_family']:,} / {r[prefix + '_evaluated']:,} / "
+                f"{r[prefix + '_refuted']:,} / {r[prefix + '_undecided']:,}")
+
+    gap = (res.objective - res.bound) / res.objective if math.isfinite(res.bound) else math.nan
+    print(f"| {name} | {res.status.value} | {res.objective:.4f} | {res.bound:.4f} | "
+          f"{gap:.2%} | {part('chunks')} | {part('complete')} ({r['complete_stopped']}) | "
+          f"{cpu:.0f} | {wall:.0f} | {start} / {load()} |", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--count-only", action="store_true")
+    parser.add_argument("--max", type=int, default=pipeline_chunks.MAX_ALLOCATIONS)
+    parser.add_argument("--only", nargs="+", default=None,
+                        help="instances by name ('resnet18 1.5x', 'headline', ...)")
+    parser.add_argument("--time-limit", type=float, default=None)
+    parser.add_argument("--family-limit", type=int, default=pipeline_chunks.FAMILY_LIMIT)
+    args = parser.parse_args()
+    if args.count_only:
+        print("| instance | units | cutoff | allocations below it | prefixes tried | "
+              "cut by loads | cut by the partial floor | CPU s | load (start / end) |")
+        print("|---|---|---|---|---|---|---|---|---|")
+    else:
+        print("| instance | status | period | bound | gap | k-chunk family / asked / refuted "
+              "/ undecided | complete family / asked / refuted / undecided | CPU s | "
+              "wall s | load (start / end) |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, problem in instances():
+        if args.only and name not in args.only:
+            continue
+        if args.count_only:
+            count(name, problem, args.max)
+        else:
+            run(name, problem, args.time_limit, args.family_limit)
+
+
+if __name__ == "__main__":
+    main()
