@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -221,30 +221,44 @@ def temps_chain() -> Chain:
     return replace(chain, fwd_time=fwd, bwd_time=tuple(2 * t for t in fwd), loss_bwd_time=0.25)
 
 
+def temps_plans() -> tuple[PipelineProblem, list[tuple[str, PipelinePlan]]]:
+    """The ``--temporaries`` problem (stash model) and its contiguous and MadPipe plans,
+    each with its name."""
+    base = PipelineProblem(temps_chain(), 2, 2**34, weight_copies=0)
+    plans = []
+    for method in ("contiguous", "madpipe"):
+        plan = PipelinePlan.from_strings(
+            solve(base, method, options=SolveOptions(threads=1)).plan)
+        plans.append((f"{method} ({plan.describe()})", plan))
+    return base, plans
+
+
+def spawned_rows(worker: Callable[..., None], *args: Any) -> list[Any]:
+    """The rows ``worker(rank, 2, *args, out)`` saved in ``out`` on each of 2 processes."""
+    out = tempfile.mkdtemp()
+    spawn(worker, 2, *args, out, init_file=os.path.join(out, "rendezvous"))
+    return [r for k in range(2) for r in torch.load(os.path.join(out, f"rank{k}.pt"))]
+
+
 def temps_main() -> None:
     """The stop-53 setup: planned per-GPU peaks (stash / strict / strict + temporaries)
     against the measured peak of each rank, on PyTorch's runtime and on ``run_plan``."""
     from optmem.simulate.pipeline import simulate_pipeline
 
     torch.set_num_threads(1)
-    chain = temps_chain()
+    base, plans = temps_plans()
+    chain = base.chain
     print(f"chain: {chain.length} layers; output {list(chain.output_size)}; saved "
           f"{list(chain.saved_size)}; fwd_overhead {list(chain.fwd_overhead)}; bwd_overhead "
           f"{list(chain.bwd_overhead)}; loss.bwd_overhead {chain.loss_bwd_overhead}")
-    base = PipelineProblem(chain, 2, 2**34, weight_copies=0)
     models = {"stash": base, "strict": replace(base, memory_model="strict"),
               "strict+temporaries": replace(base, memory_model="strict", temporaries=True)}
     jobs = []
     planned: dict[str, dict[str, tuple[int, ...]]] = {}
-    for method in ("contiguous", "madpipe"):
-        result = solve(base, method, options=SolveOptions(threads=1))
-        plan = PipelinePlan.from_strings(result.plan)
-        name = f"{method} ({plan.describe()})"
+    for name, plan in plans:
         planned[name] = {k: simulate_pipeline(p, plan).peaks for k, p in models.items()}
         jobs.append((name, plan.to_dict()))
-    out = tempfile.mkdtemp()
-    spawn(temps_worker, 2, jobs, out, init_file=os.path.join(out, "rendezvous"))
-    rows = [r for k in range(2) for r in torch.load(os.path.join(out, f"rank{k}.pt"))]
+    rows = spawned_rows(temps_worker, jobs)
     kib = 1024
     print("| plan | rank | planned stash | strict | strict+temporaries | measured runtime | "
           "measured run_plan | runtime / strict+temporaries | run_plan / "
@@ -322,21 +336,16 @@ def waits_main(rounds: int) -> None:
     from optmem.simulate.pipeline import simulate_pipeline
 
     torch.set_num_threads(1)
-    base = PipelineProblem(temps_chain(), 2, 2**34, weight_copies=0)
+    base, plans = temps_plans()
     temps = replace(base, memory_model="strict", temporaries=True)
     jobs, planned = [], {}
-    for method in ("contiguous", "madpipe"):
-        plan = PipelinePlan.from_strings(
-            solve(base, method, options=SolveOptions(threads=1)).plan)
-        name = f"{method} ({plan.describe()})"
+    for name, plan in plans:
         planned[name] = simulate_pipeline(temps, plan).peaks
         waits = sum(len(st.wait) for ops in rank_messages(plan, TEMP_MB).values()
                     for st in ops)
         print(f"{name}: {waits} waits")
         jobs.append((name, plan.to_dict()))
-    out = tempfile.mkdtemp()
-    spawn(waits_worker, 2, jobs, rounds, out, init_file=os.path.join(out, "rendezvous"))
-    rows = [r for k in range(2) for r in torch.load(os.path.join(out, f"rank{k}.pt"))]
+    rows = spawned_rows(waits_worker, jobs, rounds)
     kib = 1024
     print(f"2 gloo processes, 1 thread each; load average {os.getloadavg()[0]:.1f}; medians "
           f"of {rounds} interleaved steps")
@@ -451,18 +460,13 @@ def breakdown_main() -> None:
     from optmem.simulate.pipeline import simulate_pipeline
 
     torch.set_num_threads(1)
-    base = PipelineProblem(temps_chain(), 2, 2**34, weight_copies=0)
+    base, plans = temps_plans()
     temps = replace(base, memory_model="strict", temporaries=True)
     jobs, planned = [], {}
-    for method in ("contiguous", "madpipe"):
-        plan = PipelinePlan.from_strings(
-            solve(base, method, options=SolveOptions(threads=1)).plan)
-        name = f"{method} ({plan.describe()})"
+    for name, plan in plans:
         planned[name] = simulate_pipeline(temps, plan, microbatches=TEMP_MB)
         jobs.append((name, plan.to_dict()))
-    out = tempfile.mkdtemp()
-    spawn(breakdown_worker, 2, jobs, out, init_file=os.path.join(out, "rendezvous"))
-    rows = [r for k in range(2) for r in torch.load(os.path.join(out, f"rank{k}.pt"))]
+    rows = spawned_rows(breakdown_worker, jobs)
     kib = 1024
     for name, rank, (per_op, peak_op, held) in sorted(rows):
         sim = planned[name]
@@ -504,9 +508,7 @@ def main() -> None:
     plans = {label: plan_for(costs, label) for label, costs in cases}
     jobs = [(f"{label} ({plans[label].describe()})", len(costs), plans[label].to_dict(), n)
             for label, costs in cases for n in ((8,) if args.quick else (4, 16))]
-    out = tempfile.mkdtemp()
-    spawn(worker, 2, jobs, steps, out, init_file=os.path.join(out, "rendezvous"))
-    rows = sorted(r for k in range(2) for r in torch.load(os.path.join(out, f"rank{k}.pt")))
+    rows = sorted(spawned_rows(worker, jobs, steps))
     print(f"2 gloo processes, 1 thread each; load average {os.getloadavg()[0]:.1f}; "
           f"median of {steps} steps after the first")
     print("| plan | micro-batches | rank | runtime peak (KiB) | p2p peak (KiB) | ratio | "

@@ -20,7 +20,7 @@ from dataclasses import replace
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pipeline_helpers import equal_split_plan, split_stages
+from pipeline_helpers import equal_split_plan, forwards_ahead_plan, split_stages
 
 from optmem.chain import Chain
 from optmem.cli import main
@@ -290,12 +290,7 @@ def test_task_memory_of_madpipes_rank_1_is_the_hand_count():
                              loss_bwd_overhead=act + 4)
     problem = PipelineProblem(chain, 2, 2**34, weight_copies=0, memory_model="strict",
                               temporaries=True)
-    plan = PipelinePlan.from_strings([
-        "period 7.5", "stage 1 layers 1-4 gpu 0", "stage 2 layers 5-5 gpu 1",
-        "stage 3 layers 6-6 gpu 1", "stage 4 layers 7-7 gpu 1", "B 1 start 0 shift 0",
-        "F 1 start 5 shift 7", "grad 1 start 2 shift 1", "send 1 start 0 shift 6",
-        "B 2 start 0 shift 1", "F 2 start 6 shift 6", "B 3 start 2 shift 2",
-        "F 3 start 5.75 shift 5", "B 4 start 2.5 shift 3", "F 4 start 4.75 shift 4"])
+    plan = forwards_ahead_plan()
     sim = simulate_pipeline(problem, plan, microbatches=8)
     kib = {key: v // 1024 for key, v in sim.task_memory.items()}
     buffers = 2 * 64  # the cut after layer 4

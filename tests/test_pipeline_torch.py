@@ -274,12 +274,7 @@ def test_run_plan_holds_no_stage_output_or_loss_to_its_backward(tmp_path):
     from optmem.pytorch.api import profile_chain
     from optmem.simulate.pipeline import simulate_pipeline
 
-    plan = PipelinePlan.from_strings([
-        "period 7.5", "stage 1 layers 1-4 gpu 0", "stage 2 layers 5-5 gpu 1",
-        "stage 3 layers 6-6 gpu 1", "stage 4 layers 7-7 gpu 1", "B 1 start 0 shift 0",
-        "F 1 start 5 shift 7", "grad 1 start 2 shift 1", "send 1 start 0 shift 6",
-        "B 2 start 0 shift 1", "F 2 start 6 shift 6", "B 3 start 2 shift 2",
-        "F 3 start 5.75 shift 5", "B 4 start 2.5 shift 3", "F 4 start 4.75 shift 4"])
+    plan = forwards_ahead_plan()
     x, y = w.wide_data(64)
     chain = profile_chain(w.wide_mlp(), x, repeats=1, warmup=0, progress=False,
                           loss_fn=lambda out: torch.nn.functional.mse_loss(out, y))
