@@ -122,7 +122,35 @@ def rank_programs(plan: PipelinePlan, microbatches: int) -> dict[int, list[RankO
             programs[gpu].append(RankOp(start, order, t.op, t.stage, m))
     for ops in programs.values():
         ops.sort(key=lambda o: (o.time, o.microbatch, o.order))
+    _check_local_order(plan, programs)
     return dict(programs)
+
+
+def _check_local_order(plan: PipelinePlan, programs: dict[int, list[RankOp]]) -> None:
+    """A :class:`PlanError` unless every GPU runs an operation after its own it needs.
+
+    A backward needs its stage's forward, a forward the previous stage's forward and a
+    backward the next stage's backward when that stage is on the same GPU (messages
+    between GPUs are checked by the replay, :func:`_replay`). A plan that broke one
+    (shifts that put a backward before its forward) passed the replay, and ``run_plan``
+    failed with a ``KeyError`` on one rank while its peers waited for it (review of stop
+    56); the simulator refuses such a plan, a solver makes none.
+    """
+    gpu_of = [0, *(st.gpu for st in plan.stages)]  # 1-based stages
+    for g, ops in programs.items():
+        index = {(op.kind, op.stage, op.microbatch): k for k, op in enumerate(ops)}
+        for k, op in enumerate(ops):
+            s, m = op.stage, op.microbatch
+            beside = s - 1 if op.kind == "F" else s + 1
+            needs = [("F", s, m)] if op.kind == "B" else []
+            if 1 <= beside < len(gpu_of) and gpu_of[beside] == g:
+                needs.append((op.kind, beside, m))
+            late = [ops[index[need]].action() for need in needs if index[need] > k]
+            if late:
+                raise PlanError(
+                    f"the plan's operation order runs {op.action()} before {late[0]} on GPU "
+                    f"{g}, which it needs (a backward before its forward, or a stage before "
+                    "the one it follows on its GPU)")
 
 
 def _links(plan: PipelinePlan, op: RankOp) -> tuple[Link | None, Link | None]:

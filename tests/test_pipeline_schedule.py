@@ -251,14 +251,34 @@ def test_a_contiguous_plan_holds_two_sends_per_rank_not_a_step():
 
 
 def test_an_order_that_deadlocks_is_a_plan_error():
-    """GPU 0 runs B 1 before F 1, and GPU 1 F 2 before B 2: each waits for the other's
-    message (``run_plan`` would have waited forever; it computes the messages first)."""
+    """GPU 0 runs B 1 of micro-batch 0 before F 1 of micro-batch 1, and GPU 1 F 2 of
+    micro-batch 1 before B 2 of micro-batch 0: each waits for the other's message
+    (``run_plan`` would have waited forever; it computes the messages first). Until the
+    review of stop 56 this test's plan ran B 1 before F 1 on GPU 0, now refused before
+    the replay (below)."""
     plan = PipelinePlan.from_strings([
-        "period 2", "stage 1 layers 1-1 gpu 0", "stage 2 layers 2-2 gpu 1",
-        "F 1 start 1 shift 0", "B 1 start 0 shift 0", "F 2 start 0 shift 0",
+        "period 4", "stage 1 layers 1-1 gpu 0", "stage 2 layers 2-2 gpu 1",
+        "F 1 start 0 shift 0", "B 1 start 1 shift 0", "F 2 start 0 shift 1",
         "B 2 start 1 shift 0"])
-    with pytest.raises(PlanError, match="deadlocks: GPU 0 at 0B0, GPU 1 at 1F0 waits"):
-        rank_messages(plan, 1)
+    with pytest.raises(PlanError, match="deadlocks: GPU 0 at 0B0, GPU 1 at 1F1 waits"):
+        rank_messages(plan, 2)
+
+
+def test_an_order_that_runs_a_backward_before_its_forward_is_a_plan_error():
+    """Shifts that put each GPU's backwards before its forwards: the replay of the
+    messages finished (it checks messages between GPUs only), its waits deadlocked and
+    were dropped, and ``run_plan`` failed with a ``KeyError`` on rank 1 (``2B0`` without its
+    forward) while rank 0 waited for it (review of stop 56). Refused before any rank runs;
+    no plan of the solvers does this (the waits of 250,000 random plans ordered by their
+    dependencies never needed dropping)."""
+    plan = PipelinePlan.from_strings([
+        "period 1", "stage 1 layers 1-1 gpu 0", "stage 2 layers 2-2 gpu 1",
+        "F 1 start 0.75 shift 1", "B 1 start 0.5 shift 3", "F 2 start 0.5 shift 1",
+        "B 2 start 0.25 shift 4", "send 1 start 0 shift 0", "grad 1 start 0 shift 0"])
+    with pytest.raises(PlanError, match="runs 0B0 before 0F0 on GPU 0"):
+        rank_messages(plan, 3)
+    with pytest.raises(PlanError, match="before"):
+        schedule_rows(plan, 3)
 
 
 def test_csv_text_is_one_row_per_used_gpu():
