@@ -117,6 +117,32 @@ def tiny_gpt_frozen_tie(seed: int = 0) -> nn.Sequential:
     return model
 
 
+def frozen_first_mlp(seed: int = 0) -> nn.Sequential:
+    """``demo_model(8, 6)`` with its first three blocks frozen (a frozen embedding's place):
+    the output of a plan stage holding only them needs no gradient."""
+    model = pipelining.demo_model(8, 6, seed=seed)
+    model[:3].requires_grad_(False)
+    return model
+
+
+class _Pair(nn.Module):
+    """Returns its input and twice it (a head with two outputs)."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, 2 * x
+
+
+def pair_head_mlp(seed: int = 0) -> nn.Sequential:
+    """``demo_model(8, 4)`` ending in :class:`_Pair`: the last stage returns a tuple."""
+    model = pipelining.demo_model(8, 4, seed=seed)
+    model.append(_Pair())
+    return model
+
+
+def pair_loss(out: tuple[torch.Tensor, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(out[0], target) + out[1].mean()
+
+
 def gpt_data(rows: int, seed: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return (torch.randint(0, VOCAB, (rows, CONTEXT), generator=gen),
@@ -189,6 +215,9 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int], Any], Any]] = {
     "mlp3": (lambda: pipelining.demo_model(8, 3), lambda rows: mlp_data(rows, 8),
              nn.functional.mse_loss),
     "wide": (wide_mlp, wide_data, nn.functional.mse_loss),
+    "mlp-pair-head": (pair_head_mlp, lambda rows: mlp_data(rows, 8), pair_loss),
+    "mlp-frozen-first": (frozen_first_mlp, lambda rows: mlp_data(rows, 8),
+                         nn.functional.mse_loss),
     "gpt": (tiny_gpt, gpt_data, lm_loss),
     "gpt-frozen-tie": (tiny_gpt_frozen_tie, gpt_data, lm_loss),
     "transposing": (transposing, transposing_data, nn.functional.mse_loss),
@@ -304,12 +333,13 @@ class _CountedWork:
 
 
 def pipeline_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
-    """``{"model", "plan", "microbatches", "rows", "runner", "csv"?}``.
+    """``{"model", "plan", "microbatches", "rows", "runner", "csv"?, "calls"?}``.
 
     ``runner`` is ``"runtime"`` (PyTorch's pipeline runtime, the plan's own action list or the
     CSV file ``csv``) or ``"p2p"`` (optmem's runner). Gradients are summed over micro-batches.
     ``held``: the most sends ``run_plan`` held at once (:class:`SendCount`); ``buffers``: the
-    model's buffers that the run changed on this rank.
+    model's buffers that the run changed on this rank. ``calls``: how many times the runner
+    is called one after the other (default 1), the losses of each call in turn.
     """
     del rank, world
     build, data, loss_fn = MODELS[job["model"]]
@@ -317,12 +347,14 @@ def pipeline_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     x, y = data(job["rows"])
     xs, ys = list(x.chunk(job["microbatches"])), list(y.chunk(job["microbatches"]))
     sends = SendCount()
-    if job["runner"] == "p2p":
-        with sends.counting():
-            losses = pipelining.run_plan(model, job["plan"], xs, ys, loss_fn)
-    else:  # PyTorch's runtime sends with batch_isend_irecv (not counted)
-        losses = pipelining.run_plan_pipelining(model, job["plan"], xs, ys, loss_fn,
-                                                schedule_csv=job.get("csv"))
+    losses = []
+    for _ in range(job.get("calls", 1)):  # the losses of every call, one after the other
+        if job["runner"] == "p2p":
+            with sends.counting():
+                losses += pipelining.run_plan(model, job["plan"], xs, ys, loss_fn)
+        else:  # PyTorch's runtime sends with batch_isend_irecv (not counted)
+            losses += pipelining.run_plan_pipelining(model, job["plan"], xs, ys, loss_fn,
+                                                     schedule_csv=job.get("csv"))
     initial = dict(build().named_buffers())
     moved = {n: b.clone() for n, b in model.named_buffers() if not torch.equal(b, initial[n])}
     return {"grads": _grads(model), "losses": losses, "held": sends.peak, "buffers": moved}

@@ -185,7 +185,7 @@ def test_a_stage_stream_seeds_no_other_device(monkeypatch):
     seeded: list[Any] = []
     monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: seeded.append(("all", seed)))
     cpu = torch.get_rng_state()
-    stream = _StageStream(1, torch.device("cpu"))
+    stream = _StageStream(1, torch.device("cpu"), 7)
     assert seeded == [] and stream.state.devices == []
     assert torch.equal(torch.get_rng_state(), cpu)  # the caller's CPU state is kept
 
@@ -203,12 +203,60 @@ def test_a_stage_stream_seeds_no_other_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_rng_state",
                         lambda d=None: torch.tensor([d], dtype=torch.uint8))
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, d=None: None)
-    on_gpu = _StageStream(1, torch.device("cuda", 1))
+    on_gpu = _StageStream(1, torch.device("cuda", 1), 7)
     assert [d for d, _ in seeded] == [1] and on_gpu.state.devices == [1]
-    with stream.running():  # same stage, same seed: the same CPU stream on any device
+    with stream.running():  # same stage and base: the same CPU stream on any device
         a = torch.rand(4)
     with on_gpu.running():
         assert torch.equal(torch.rand(4), a)
+
+
+def test_each_call_of_a_runner_draws_new_dropout_masks(tmp_path):
+    """Stop 56 seeded each stage's stream from ``torch.initial_seed()`` when the runner was
+    built, and ``run_plan`` and ``run_plan_pipelining`` build theirs at every call: a training
+    loop drew the same dropout masks at every step (the kept fractions of two calls were
+    equal). A call's streams now start from one draw of the global generator: new masks at
+    each call, still the same on both runners."""
+    plan = plan_for([1, 1, 1, 1], 2, "contiguous")
+    jobs = [job("dropout", plan, microbatches=4, calls=2),
+            job("dropout", plan, "p2p", microbatches=4, calls=2)]
+    spawn(w.run_jobs, 2, jobs, str(tmp_path), init_file=str(tmp_path / "rendezvous"))
+    runtime, p2p = (w.load(str(tmp_path), 1, k)["losses"] for k in range(2))
+    assert len(runtime) == 8 and runtime == p2p
+    assert runtime[:4] != runtime[4:]
+
+
+def test_run_plan_trains_after_a_frozen_first_stage(tmp_path):
+    """A first stage whose layers are all frozen (a frozen embedding) outputs a tensor that
+    needs no gradient: ``run_plan`` called ``backward`` on it at the stage's backward and
+    failed ("element 0 of tensors does not require grad") while the other rank lost its
+    peer; PyTorch's runtime skips it. The stage's backward now has nothing to do: both
+    runners give the single-process gradients (none for the frozen layers)."""
+    plan = plan_for([1] * 6, 2, "contiguous")
+    assert [(st.first, st.last) for st in plan.stages] == [(1, 3), (4, 6)]
+    check_pipeline_jobs([job("mlp-frozen-first", plan), job("mlp-frozen-first", plan, "p2p")],
+                        2, tmp_path)
+
+
+def test_run_plan_takes_a_last_stage_that_returns_a_tuple(tmp_path):
+    """The last stage's output goes to ``loss_fn`` only, but ``run_plan`` dry-ran every
+    stage for the shapes of its messages and failed on a head returning a tuple
+    (``AttributeError: 'tuple' object has no attribute 'shape'`` on every rank; review of
+    stop 56). Both runners now give the single-process gradients."""
+    plan = plan_for([1] * 5, 2, "contiguous")
+    assert plan.stages[-1].last == 5  # the tuple head is in the last stage
+    check_pipeline_jobs([job("mlp-pair-head", plan), job("mlp-pair-head", plan, "p2p")], 2,
+                        tmp_path)
+
+
+def test_run_plan_names_a_stage_that_would_send_a_tuple():
+    """A stage before the last that returns a tuple: one input error naming it and the
+    runner that sends tuples (it was an ``AttributeError`` on every rank)."""
+    model = w.pair_head_mlp()
+    modules = [model[:4], model[4:]]
+    with pytest.raises(OptmemInputError, match="stage 1 of the plan returns a tuple"):
+        pipelining._shapes([model, torch.nn.Identity()], torch.zeros(2, 8))
+    assert len(pipelining._shapes(modules, torch.zeros(2, 8))) == 1
 
 
 def test_a_frozen_tied_weight_gets_no_gradient(tmp_path):
@@ -677,9 +725,11 @@ def test_run_plan_takes_the_ranks_device_and_runs_each_stage_where_it_is(monkeyp
     with pytest.raises(Consulted):
         pipelining.run_plan(model, plan, [torch.zeros(2, 4)], [torch.zeros(2, 1)],
                             torch.nn.functional.mse_loss)
-    stages = [model[0], model[1].to("meta")]
+    # the last stage's output is no message: not run since the review of stop 56
+    model = pipelining.demo_model(4, 3)
+    stages = [model[0], model[1].to("meta"), model[2].to("meta")]
     shapes = pipelining._shapes(stages, torch.zeros(2, 4))
-    assert shapes == [(torch.Size([2, 4]), torch.float32), (torch.Size([2, 1]), torch.float32)]
+    assert shapes == [(torch.Size([2, 4]), torch.float32)] * 2
 
 
 def test_the_one_call_profiles_where_the_model_is(monkeypatch):

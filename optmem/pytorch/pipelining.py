@@ -356,15 +356,16 @@ def _reduce_tied(tied: Sequence[tuple[nn.Parameter, Any]],
 
 
 class _StageStream:
-    """The random stream of one plan stage (its dropout masks), whatever rank holds it.
+    """The random stream of one plan stage in one step (its dropout masks), on any rank.
 
-    Each stage draws from its own CPU (and CUDA) generator state, seeded from
-    ``torch.initial_seed()`` and the stage's index, and kept between its forwards. Until
-    stop 56 every rank drew from its global generator, which the docs' ``manual_seed``
-    (the same weights on every rank) made identical on every rank: rank 1's dropout
-    masks repeated rank 0's (two ``Dropout(0.5)`` on two ranks kept half the units, not
-    a quarter). A stage's masks now depend on its layers and the seed only, so both
-    runners draw the same ones for a plan.
+    Each stage draws from its own CPU (and CUDA) generator state, seeded from the step's
+    ``base`` (:func:`_step_base`) and the stage's 0-based index, and kept between its
+    forwards of the step. Until stop 56 every rank drew from its global generator, which
+    the docs' ``manual_seed`` (the same weights on every rank) made identical on every
+    rank: rank 1's dropout masks repeated rank 0's (two ``Dropout(0.5)`` on two ranks kept
+    half the units, not a quarter). A stage's masks now depend on its layers and the
+    global generator's state at the step only, so both runners draw the same ones for a
+    plan.
 
     Only the CPU generator and that of the stage's device are seeded: ``torch.manual_seed``
     seeds every GPU (``torch.cuda.manual_seed_all``, queued for CUDA's lazy initialisation
@@ -373,10 +374,10 @@ class _StageStream:
     CUDA started) with the stage's seed.
     """
 
-    def __init__(self, stage: int, device: torch.device) -> None:
+    def __init__(self, stage: int, device: torch.device, base: int) -> None:
         devices = [] if device.type != "cuda" else \
             [device.index if device.index is not None else torch.cuda.current_device()]
-        seed = hash((torch.initial_seed(), stage)) % 2**63
+        seed = hash((base, stage)) % 2**63  # a tuple of ints: no hash salt
         with torch.random.fork_rng(devices=devices):  # CUDA is initialised for ``devices``
             torch.default_generator.manual_seed(seed)
             for d in devices:
@@ -390,6 +391,18 @@ class _StageStream:
             self.state.restore()
             yield
             self.state = _RngState(self.state.devices)
+
+
+def _step_base() -> int:
+    """The base of a step's stage streams (:class:`_StageStream`): one global CPU draw.
+
+    Each step (each call of :func:`run_plan`) advances the global CPU generator by that
+    draw (before stop 56 by the masks its stages drew, in stop 56 not at all). Stop 56
+    seeded the streams from ``torch.initial_seed()`` when the runner was built:
+    ``run_plan`` and ``run_plan_pipelining``, which build theirs at every call, drew the
+    same dropout masks at every step of a training loop.
+    """
+    return int(torch.randint(2**62, ()))
 
 
 class _ScaledLoss:
@@ -542,6 +555,7 @@ class PipelinedModel(nn.Module):
         self.scale_grads = scale_grads
         self._contexts: list[SideInputs] = []
         self._micro_shapes: list[tuple[tuple[int, ...], torch.dtype]] | None = None
+        self._stages: list[Any] = []  # this rank's PipelineStages (_build_schedule)
         self.schedule = self._build_schedule(modules, schedule_csv) \
             if self.stage_indices else None
 
@@ -553,8 +567,8 @@ class PipelinedModel(nn.Module):
         for k in self.stage_indices:
             stage = _stage_class()(modules[k], k, n_stages, self.device, group=self.pp_group)
             stage.contexts = self._contexts  # filled by every step
-            stage.stream = _StageStream(k, self.device)
             stages.append(stage)
+        self._stages = stages  # their streams are set by every step
         schedule = _PipelineScheduleRuntime(
             stages, self.microbatches,
             loss_fn=_ScaledLoss(self.microbatches if self.scale_grads else 1),
@@ -597,6 +611,9 @@ class PipelinedModel(nn.Module):
         """
         before = _grads_before(self._tied)
         losses: list[torch.Tensor] = []
+        base = _step_base()  # on every rank, as run_plan
+        for stage in self._stages:
+            stage.stream = _StageStream(stage.stage_index, self.device, base)
         if self.schedule is not None:
             if not torch.is_grad_enabled():
                 raise OptmemInputError(
@@ -893,9 +910,13 @@ def _receive(peer: int, shape: tuple[torch.Size, torch.dtype], device: torch.dev
 
 def _shapes(modules: Sequence[nn.Module], sample: torch.Tensor
             ) -> list[tuple[torch.Size, torch.dtype]]:
-    """Output shape and dtype of every stage for one micro-batch (a no-grad dry run).
+    """Output shape and dtype of every stage but the last: the messages (a no-grad dry run).
 
-    Each stage runs where its parameters (or buffers) are: this rank's stages on its
+    The last stage's output goes to ``loss_fn`` only and may be anything it takes (a
+    tuple); until the review of stop 56 it was dry-run too, and a tuple failed there
+    (``AttributeError``) on every rank. Another stage's output is a message: one that is
+    not a tensor is an :class:`~optmem.errors.OptmemInputError`. Each stage runs where
+    its parameters (or buffers) are: this rank's stages on its
     device, the others' where the model was built (a stage without either where its input
     is). Before, every stage got the input on the rank's device, and ``run_plan`` on CUDA
     with a model built on the CPU failed in the first stage of another rank. The run leaves
@@ -905,9 +926,14 @@ def _shapes(modules: Sequence[nn.Module], sample: torch.Tensor
     out = []
     x = sample
     with torch.no_grad(), leaves_no_trace(nn.ModuleList(modules)):
-        for mod in modules:
+        for k, mod in enumerate(modules[:-1], start=1):
             held = next(itertools.chain(mod.parameters(), mod.buffers()), None)
             x = mod(x if held is None else x.to(held.device))
+            if not isinstance(x, torch.Tensor):
+                raise OptmemInputError(
+                    f"run_plan sends single tensors between stages; stage {k} of the plan "
+                    f"returns a {type(x).__name__}: run the model on PyTorch's runtime "
+                    "(run_plan_pipelining, PipelinedModel), which sends tuples", field="model")
             out.append((x.shape, x.dtype))
     return out
 
@@ -920,7 +946,10 @@ class _Root:
     tape keeps it), and a loss may keep more than its one element (``mse_loss`` of
     PyTorch 2.13 returns a view of its 64 KiB squared errors: rank 1 of the ``--temporaries``
     MadPipe plan held 64 KiB per micro-batch from its loss to its backward, stop 56). An
-    output that needs no gradient is kept as is (its backward raises, as before).
+    output that needs no gradient (a first stage of frozen layers) has no backward to run
+    (``edge`` None), as on PyTorch's runtime; until the review of stop 56 its backward
+    raised ("element 0 of tensors does not require grad") and the other ranks lost their
+    peer.
     """
 
     def __init__(self, edge: Any, like: tuple[torch.Size, torch.dtype, torch.device] | None
@@ -931,7 +960,7 @@ class _Root:
     def of(cls, out: torch.Tensor, *, loss: bool) -> _Root:
         """The root of ``out``'s backward (``loss``: its gradient is one, a scalar)."""
         if not out.requires_grad:
-            return cls(out, None)
+            return cls(None, None)
         if loss and out.numel() != 1:
             raise OptmemInputError(f"loss_fn returned a tensor of shape {tuple(out.shape)}; "
                                    "expected a scalar", field="loss_fn")
@@ -939,7 +968,12 @@ class _Root:
         return cls(get_gradient_edge(out), like)
 
     def backward(self, grad: torch.Tensor | None) -> None:
-        """``out.backward(grad)`` (a loss: ``grad`` None, ``out.backward()``)."""
+        """``out.backward(grad)`` (a loss: ``grad`` None, ``out.backward()``).
+
+        Nothing for an output that needs no gradient.
+        """
+        if self.edge is None:
+            return
         if grad is None and self.like is not None:
             shape, dtype, device = self.like
             grad = torch.ones(shape, dtype=dtype, device=device)
@@ -981,11 +1015,12 @@ def run_plan(
     device = device or default_device()
     n_stages = len(plan.stages)
     gpu_of = {k: st.gpu for k, st in enumerate(plan.stages, start=1)}
+    base = _step_base()
     streams = {}
     for k, g in gpu_of.items():
         if g == rank:
             modules[k - 1].to(device)
-            streams[k] = _StageStream(k - 1, device)
+            streams[k] = _StageStream(k - 1, device, base)
     tied = _tied_groups(modules, list(gpu_of.values()), rank)
     before = _grads_before(tied)
     shapes = _shapes(modules, inputs[0].to(device))
