@@ -35,6 +35,7 @@ import dataclasses
 import json
 import math
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -176,6 +177,16 @@ def run(problems: list[str], profiles: list[str], limit: float,
     return rows
 
 
+def _command_line(argv: list[str]) -> str:
+    """The arguments as given, for the file's first line (until stop 56 only ``--quick``).
+
+    The default ``--out`` is left out; every other option is what reproduces the table.
+    """
+    if argv[-2:-1] == ["--out"] and argv[-1] == "benchmarks/results/exact.md":
+        argv = argv[:-2]
+    return "".join(" " + shlex.quote(a) for a in argv)
+
+
 def main() -> None:
     """Run the table and write it as Markdown."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -223,7 +234,7 @@ def main() -> None:
     head = [
         "# Exact models of the four problems: proven-optimal rate and time to proof",
         "",
-        f"Produced by `python benchmarks/bench_exact.py{' --quick' if args.quick else ''}` "
+        f"Produced by `python benchmarks/bench_exact.py{_command_line(sys.argv[1:])}` "
         f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.machine()}, "
         f"Python {platform.python_version()}): {limit:.0f} s and {args.threads} "
         f"thread{'s' if args.threads != 1 else ''} per exact solve"
