@@ -121,6 +121,30 @@ def on_fake_cuda(t: torch.Tensor) -> torch.Tensor:
     return torch.Tensor._make_subclass(FakeCudaTensor, t)
 
 
+def dropout_stages_with_cuda_rng_log(monkeypatch: Any) -> tuple[list[Any], list[tuple]]:
+    """Three ``Linear + Dropout(0.5)`` stages, stage 2 holding a parameter on a faked
+    ``cuda:1``, and the log of the CUDA generator calls (``torch.cuda.get_rng_state`` /
+    ``set_rng_state`` as ``("get" | "set", device)``, ``fork_rng`` as ``("fork", devices)``;
+    the fork keeps the CPU state only: no GPU here)."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    stages = [nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)) for _ in range(3)]
+    stages[1][0]._parameters["extra"] = on_fake_cuda(torch.zeros(1)).requires_grad_()
+    seen: list[tuple] = []
+    real = torch.random.fork_rng
+
+    def fork_rng(devices: Any = None, enabled: bool = True, **kwargs: Any) -> Any:
+        seen.append(("fork", list(devices)))
+        return real(devices=[], enabled=enabled)
+
+    monkeypatch.setattr(torch.random, "fork_rng", fork_rng)
+    monkeypatch.setattr(torch.cuda, "get_rng_state",
+                        lambda d=None: seen.append(("get", d)) or torch.zeros(1, dtype=torch.uint8))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, d=None: seen.append(("set", d)))
+    return stages, seen
+
+
 class FakeCuda:
     """``torch.cuda``'s stream, event, synchronisation and allocator statistics, faked.
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any
 
 import pytest
 
@@ -671,23 +670,10 @@ def test_reruns_restore_the_cuda_rng_of_the_stages_devices(monkeypatch):
     re-ran its dropout on ``cuda:1`` with fresh masks, so the gradients were those of other
     masks, in silence. The stages' parameters' devices count now (here stage 2 holds a
     parameter on a faked ``cuda:1``; the input is on the CPU)."""
-    from pytorch_helpers import on_fake_cuda
+    from pytorch_helpers import dropout_stages_with_cuda_rng_log
 
-    torch.manual_seed(0)
-    stages = [nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)) for _ in range(3)]
-    stages[1][0]._parameters["extra"] = on_fake_cuda(torch.zeros(1)).requires_grad_()
+    stages, seen = dropout_stages_with_cuda_rng_log(monkeypatch)
     plan = ["F_ck 1", "F_ck 2", "F_all 3", "Loss", "B 3", "F_all 2", "B 2", "F_all 1", "B 1"]
-    seen: list[tuple[str, Any]] = []
-    real = torch.random.fork_rng
-
-    def fork_rng(devices=None, enabled=True, **kwargs):
-        seen.append(("fork", list(devices)))
-        return real(devices=[], enabled=enabled)  # no GPU here: the CPU state only
-
-    monkeypatch.setattr(torch.random, "fork_rng", fork_rng)
-    monkeypatch.setattr(torch.cuda, "get_rng_state",
-                        lambda d=None: seen.append(("get", d)) or torch.zeros(1, dtype=torch.uint8))
-    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, d=None: seen.append(("set", d)))
     x = torch.randn(2, 4, requires_grad=True)
     CheckpointedChain(stages, plan)(x).sum().backward()
     assert seen == [("get", 1), ("get", 1), ("fork", [1]), ("set", 1), ("fork", [1]),

@@ -169,24 +169,11 @@ def test_delta_recomputation_restores_the_cuda_rng_of_the_stages_devices(monkeyp
     """The CUDA generators a recomputation restores: those of the devices of the input and
     the parameters (here a parameter on a faked ``cuda:1``); before, none (dropout on a GPU
     was recomputed with fresh masks)."""
-    from pytorch_helpers import on_fake_cuda
+    from pytorch_helpers import dropout_stages_with_cuda_rng_log
 
     from optmem.pytorch.delta import DeltaChain
 
-    torch.manual_seed(0)
-    stages = [nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)) for _ in range(3)]
-    stages[1][0]._parameters["extra"] = on_fake_cuda(torch.zeros(1)).requires_grad_()
-    seen: list = []
-    real = torch.random.fork_rng
-
-    def fork_rng(devices=None, enabled=True, **kwargs):
-        seen.append(("fork", list(devices)))
-        return real(devices=[], enabled=enabled)  # no GPU here: the CPU state only
-
-    monkeypatch.setattr(torch.random, "fork_rng", fork_rng)
-    monkeypatch.setattr(torch.cuda, "get_rng_state",
-                        lambda d=None: seen.append(("get", d)) or torch.zeros(1, dtype=torch.uint8))
-    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, d=None: seen.append(("set", d)))
+    stages, seen = dropout_stages_with_cuda_rng_log(monkeypatch)
     net = DeltaChain(stages, budget=10, bandwidth=0.0)
     net(torch.randn(2, 4, requires_grad=True)).sum().backward()
     assert net.recomputed == [0]
