@@ -12,8 +12,9 @@ the enumeration the method uses (pruned by the partial floor; stopped at ``--max
 the prefixes it tried and how many of them the loads and the partial floor cut.
 
 Otherwise: ``solve(problem, "chunks", extra={"family": "all"})`` on each instance (2
-threads, the defaults otherwise, ``--time-limit`` seconds): status, period, bound, the k-chunk
-scan's and the complete family's counts, CPU and wall seconds, the load.
+threads, the defaults otherwise, ``--time-limit`` seconds): status, period, bound, the least
+bound of an allocation (``report["allocations_bound"]``, stop 57), the k-chunk scan's and the
+complete family's counts, CPU and wall seconds, the load.
 
 Usage::
 
@@ -96,7 +97,8 @@ def run(name: str, problem: PipelineProblem, limit: float | None, family_limit: 
 
     gap = (res.objective - res.bound) / res.objective if math.isfinite(res.bound) else math.nan
     print(f"| {name} | {res.status.value} | {res.objective:.4f} | {res.bound:.4f} | "
-          f"{gap:.2%} | {part('chunks')} | {part('complete')} ({r['complete_stopped']}) | "
+          f"{gap:.2%} | {r['allocations_bound']:.4f} | {part('chunks')} | "
+          f"{part('complete')} ({r['complete_stopped']}) | "
           f"{cpu:.0f} | {wall:.0f} | {start} / {load()} |", flush=True)
 
 
@@ -114,10 +116,10 @@ def main() -> None:
               "cut by loads | cut by the partial floor | CPU s | load (start / end) |")
         print("|---|---|---|---|---|---|---|---|---|")
     else:
-        print("| instance | status | period | bound | gap | k-chunk family / asked / refuted "
-              "/ undecided | complete family / asked / refuted / undecided | CPU s | "
-              "wall s | load (start / end) |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        print("| instance | status | period | bound | gap | least bound of an allocation | "
+              "k-chunk family / asked / refuted / undecided | complete family / asked / "
+              "refuted / undecided | CPU s | wall s | load (start / end) |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, problem in instances():
         if args.only and name not in args.only:
             continue

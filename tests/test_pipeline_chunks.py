@@ -134,6 +134,8 @@ def test_chunks_is_the_best_of_its_family(problem, chunks):
     best = min(family)
     assert res.status.has_plan, res.report
     assert res.objective >= overall * (1 - 1e-6)
+    assert res.report["allocations_bound"] <= overall * (1 + 1e-9), res.report
+    assert res.bound <= overall * (1 + 1e-9), res.report
     bound = res.report["chunks_bound"]
     assert bound is not None or res.report["chunks_undecided"] > 0, res.report
     if bound is not None:
@@ -270,10 +272,39 @@ def test_the_complete_family_is_the_exact_optimum(problem):
         return
     assert res.status in (Status.OPTIMAL, Status.FEASIBLE), res.report
     assert res.objective >= overall * (1 - 1e-6)
+    assert res.report["allocations_bound"] <= overall * (1 + 1e-9), res.report
     if closed:
         assert res.status is Status.OPTIMAL, res.report
         assert res.objective == pytest.approx(overall, rel=1e-6)
         assert res.report["complete_bound"] <= overall * (1 + 1e-9)
+        # every allocation asked: the least over them is the plan, up to the grid and step
+        assert res.report["allocations_bound"] >= res.objective * (1 - 1e-6) - 1e-6, \
+            res.report
+
+
+@settings(max_examples=12, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(problem=small_problems(), data=st.data())
+def test_the_allocations_bound_is_the_least_bound_of_every_allocation(problem, data):
+    """``allocations_bound`` is the least over every allocation (brute force over the set
+    partitions, GPUs numbered by first use) of its floor, or of what was proven for it
+    when that is larger, capped at ``cap`` and never below ``low``; a work limit of one
+    prefix gives ``low`` or a value the brute force confirms."""
+    units = make_units(problem)
+    memory = problem.memory_per_gpu if problem.memory_model == "stash" else None
+    cap = data.draw(st.floats(0.3, 1.0)) * units.big_m()
+    parts = [tuple(g) for g in set_partitions(units.n, problem.n_gpus)]
+    decided = {g: data.draw(st.floats(0.0, 1.2 * units.big_m())) for g in parts
+               if data.draw(st.booleans())}
+    least = min(max(chunked.allocation_floor(units, g, problem.n_gpus, memory, cap),
+                    decided.get(g, 0.0)) for g in parts)
+    expected = min(least, cap)
+    low = data.draw(st.floats(0.0, 1.0)) * expected
+    got = chunked.allocations_bound(units, problem.n_gpus, memory, low, cap, decided)
+    assert got == pytest.approx(expected, rel=1e-6, abs=1e-9)
+    short = chunked.allocations_bound(units, problem.n_gpus, memory, low, cap, decided,
+                                      work=1)
+    assert low <= short <= expected * (1 + 1e-9) + 1e-9
 
 
 def test_a_complete_family_above_its_limit_is_not_asked():

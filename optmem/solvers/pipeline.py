@@ -31,7 +31,7 @@ import math
 import time
 from dataclasses import replace
 
-from optmem.models.pipeline import make_units
+from optmem.models.pipeline import Units, make_units
 from optmem.pipeline_plan import PipelinePlan
 from optmem.problems.pipeline import PipelineProblem
 from optmem.result import Result, SolveOptions, Status
@@ -239,18 +239,24 @@ def solve_pipeline_chunks(problem: PipelineProblem, options: SolveOptions) -> Re
     report: dict[str, object] = found.report()
     improved = bool(found.improvements)
     bound, closed = lower_bound(problem), False
+    decided = dict(found.decided)
     if conf.family == "all":
         whole = chunked.complete(problem, units, found, limit=conf.limit, work=conf.work,
                                  step=conf.step, seed=options.seed, deadline=deadline,
                                  workers=options.threads, retry=conf.retry)
         report.update(whole.report("complete"))
         improved = improved or bool(whole.improvements)
+        for gpu, proven_at in whole.decided.items():
+            decided[gpu] = max(proven_at, decided.get(gpu, 0.0))
         closed = not math.isnan(whole.bound)  # every allocation decided: the problem's bound
         if closed:
             bound = max(bound, whole.bound)
         found = whole
+    every = _allocations_bound(problem, units, found.period, bound, decided)
+    bound = max(bound, every)
     report.update({"incumbents": {s: p for p, _, s in starts},
-                   "source": "chunks" if improved else starts[0][2] if starts else None})
+                   "source": "chunks" if improved else starts[0][2] if starts else None,
+                   "allocations_bound": every})
     if found.plan is None:
         reason = "no allocation has a plan" if closed else "no plan with at most " \
             f"{conf.chunks} chunks per GPU was found"
@@ -260,6 +266,19 @@ def solve_pipeline_chunks(problem: PipelineProblem, options: SolveOptions) -> Re
     return plan_result(problem, found.plan, method="chunks", status=status, bound=bound,
                        claimed=found.period, report=report).with_(
         solve_time_s=time.perf_counter() - start)
+
+
+def _allocations_bound(problem: PipelineProblem, units: Units, period: float, low: float,
+                       decided: dict[tuple[int, ...], float]) -> float:
+    """:func:`~optmem.solvers.pipeline_chunks.allocations_bound` below the plan's ``period``.
+
+    The least bound over every allocation (its floor, or what the scan proved for it);
+    ``low`` (the problem's own bound) without a plan, as no cap is then known.
+    """
+    if not math.isfinite(period):
+        return low
+    memory = problem.memory_per_gpu if problem.memory_model == "stash" else None
+    return chunked.allocations_bound(units, problem.n_gpus, memory, low, period, decided)
 
 
 @register_exporter(PROBLEM, "ilp")

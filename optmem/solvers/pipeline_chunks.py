@@ -62,7 +62,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -99,6 +99,8 @@ PROOF_STEP = OPTIMALITY_TOLERANCE / 2
 optimality tolerance (:func:`~optmem.solvers.pipeline_common.proven`) up to the grid."""
 FLOOR_ITERATIONS = 40
 """Bisection steps of :func:`allocation_floor` (relative precision about 1e-12)."""
+BOUND_WORK = 1_000_000
+"""Prefixes :func:`allocations_bound`'s walks may try in all (a deterministic work limit)."""
 _EPS = 1e-9
 
 
@@ -333,6 +335,64 @@ def allocation_floor(units: Units, gpu: Sequence[int], n_gpus: int, memory: int 
     return low
 
 
+def allocations_bound(units: Units, n_gpus: int, memory: int | None, low: float, cap: float,
+                      decided: Mapping[tuple[int, ...], float] | None = None,
+                      work: int = BOUND_WORK) -> float:
+    """A lower bound of every plan of the problem: the least bound over all allocations.
+
+    Every plan (a 1-periodic pattern, as the exact model) has an allocation of the units
+    to GPUs, equal up to renumbering the GPUs (they are identical) to one numbered by first
+    use, whose period is at least its :func:`allocation_floor` and, if it was asked,
+    at least what the exact model proved for it (``decided``, :attr:`Scan.decided`: its
+    refutation cutoff or its optimum, less the grid). So the least of
+    ``max(floor, decided)`` over all allocations bounds every plan: a branch and bound
+    over allocations whose leaves are bounded, not solved. It is found by bisection on
+    ``c`` between ``low`` (a bound known to hold, e.g. the load bound) and ``cap``: some
+    allocation has a bound at most ``c`` iff :func:`chunk_allocations` (no chunk limit)
+    lists, at ``c``, one that is not decided above ``c`` (its floor is finite at ``c``
+    exactly when every prefix passes :func:`within` at ``c``, as memory rows only relax
+    when the period grows). Returns ``cap`` when no allocation has a bound below it.
+
+    ``work`` caps the prefixes the walks try in all (deterministic); the bisection then
+    stops, and the largest ``c`` proven so far is returned: each step that finds no
+    allocation proves its ``c``, so a partial bisection is still a bound.
+    """
+    done = {} if decided is None else decided
+    stats: dict[str, int] = {"tried": 0}
+
+    def some_below(c: float) -> bool | None:
+        for gpu in chunk_allocations(units, n_gpus, units.n, c, memory, stats):
+            if stats["tried"] > work:
+                return None
+            if done.get(gpu, -math.inf) <= c * (1 + _EPS):
+                return True
+        return None if stats["tried"] > work else False
+
+    if low >= cap:
+        return cap
+    hit = some_below(cap)
+    if hit is not False:
+        return low if hit is None else _bisect_bound(some_below, low, cap)
+    return cap
+
+
+def _bisect_bound(some_below: Callable[[float], bool | None], low: float, high: float
+                  ) -> float:
+    """The largest ``c`` in ``[low, high)`` found with ``some_below(c)`` False (else ``low``)."""
+    for _ in range(FLOOR_ITERATIONS):
+        if high - low <= _EPS * high:
+            break
+        mid = (low + high) / 2
+        hit = some_below(mid)
+        if hit is None:
+            break
+        if hit:
+            high = mid
+        else:
+            low = mid
+    return low
+
+
 # ------------------------------------------------------------------ the scan
 @dataclass
 class Scan:
@@ -343,7 +403,10 @@ class Scan:
     (or an engine failure, also counted in ``failed``); ``skipped``: whose floor reached a
     lowered cutoff; ``bound``: every plan of the family has at least this period (``nan``
     unless the pass ended with none undecided and none truncated); ``found_at``: the
-    evaluation (1-based) that found each of ``improvements``.
+    evaluation (1-based) that found each of ``improvements``; ``decided``: for each
+    allocation asked and refuted, or solved to its optimum, a lower bound of its plans'
+    periods proven by the exact model (the cutoff, or its optimum, less two steps of
+    CP-SAT's grid), which :func:`allocations_bound` takes over the floor.
     """
 
     period: float
@@ -359,6 +422,7 @@ class Scan:
     bound: float = math.nan
     improvements: list[float] = field(default_factory=list)
     found_at: list[int] = field(default_factory=list)
+    decided: dict[tuple[int, ...], float] = field(default_factory=dict)
 
     def report(self, prefix: str = "chunks") -> dict[str, object]:
         """Report keys (``chunks_*``; ``complete_*`` for the complete family)."""
@@ -538,7 +602,11 @@ class _Asker:
             if not flight:
                 break
             item, answer = flight.popleft()
-            state = self.take(out, answer.result())
+            outcome = answer.result()
+            state = self.take(out, outcome)
+            proven = outcome.proven()
+            if proven is not None:
+                out.decided[item[1]] = max(proven, out.decided.get(item[1], 0.0))
             if state == "undecided":
                 pending.append(item)
             elif state == "again":
@@ -617,6 +685,20 @@ class _Outcome:
     failed: bool = False
     optimal: bool = False
     grid: float = 0.0
+    cutoff: float = math.nan
+
+    def proven(self) -> float | None:
+        """A lower bound of every plan of the allocation, or ``None`` (nothing proven).
+
+        Refuted at ``cutoff``: no plan has a period at most the cutoff on CP-SAT's grid, so
+        every plan has at least the cutoff less two grid steps (as :func:`ask_family`'s
+        family bound); a plan proven optimal for the allocation: its period, less the same.
+        """
+        if self.refuted:
+            return max(0.0, self.cutoff - 2 * self.grid)
+        if self.found is not None and self.optimal:
+            return max(0.0, self.found[0] - 2 * self.grid)
+        return None
 
 
 def _decide(problem: PipelineProblem, units: Units, gpu: Sequence[int], cutoff: float,
@@ -631,12 +713,12 @@ def _decide(problem: PipelineProblem, units: Units, gpu: Sequence[int], cutoff: 
     run = run_model(problem, "cpsat", opts, units=units, gpu=list(gpu), upper_bound=cutoff,
                     feasibility=True)
     if run.failed:
-        return _Outcome(failed=True, grid=run.step)
+        return _Outcome(failed=True, grid=run.step, cutoff=cutoff)
     if run.status is Status.INFEASIBLE or run.bound == math.inf:
-        return _Outcome(refuted=True, grid=run.step)
+        return _Outcome(refuted=True, grid=run.step, cutoff=cutoff)
     period = None if run.plan is None else replayed_period(problem, run.plan)
     if period is None or run.plan is None or period > cutoff * (1 + _EPS):
-        return _Outcome(grid=run.step)
+        return _Outcome(grid=run.step, cutoff=cutoff)
     best = (period, run.plan)
     polish = run_model(problem, "cpsat", opts, units=units, gpu=list(gpu), upper_bound=period,
                        warm=run.plan)
@@ -647,10 +729,12 @@ def _decide(problem: PipelineProblem, units: Units, gpu: Sequence[int], cutoff: 
             best = (again, polish.plan)
         optimal = polish.status is Status.OPTIMAL and again is not None \
             and again <= best[0] * (1 + _EPS)
-    return _Outcome(found=best, optimal=optimal, grid=max(run.step, polish.step))
+    return _Outcome(found=best, optimal=optimal, grid=max(run.step, polish.step),
+                    cutoff=cutoff)
 
 
-__all__ = ["CHUNK_STEP", "CHUNK_WORK", "FAMILIES", "FAMILY_LIMIT", "FLOOR_ITERATIONS",
-           "LOOKAHEAD", "MAX_ALLOCATIONS", "MAX_CHUNKS", "PROOF_STEP", "RETRY_WORK",
-           "ChunkSettings", "Scan", "allocation_floor", "ask_family", "chunk_allocations",
-           "complete", "memory_check", "memory_fits", "ranked", "scan", "settings", "within"]
+__all__ = ["BOUND_WORK", "CHUNK_STEP", "CHUNK_WORK", "FAMILIES", "FAMILY_LIMIT",
+           "FLOOR_ITERATIONS", "LOOKAHEAD", "MAX_ALLOCATIONS", "MAX_CHUNKS", "PROOF_STEP",
+           "RETRY_WORK", "ChunkSettings", "Scan", "allocation_floor", "allocations_bound",
+           "ask_family", "chunk_allocations", "complete", "memory_check", "memory_fits",
+           "ranked", "scan", "settings", "within"]
