@@ -26,7 +26,7 @@ from optmem.problems.pipeline import PipelineProblem
 from optmem.result import SolveOptions, Status
 from optmem.solvers import pipeline_chunks as chunked
 from optmem.solvers.facade import solve
-from optmem.solvers.pipeline_common import ModelRun, replayed_period, run_model
+from optmem.solvers.pipeline_common import ModelRun, lower_bound, replayed_period, run_model
 from tests.test_pipeline import thesis_chain
 from tests.test_pipeline_benders import solved_allocations, trimmable_problems
 from tests.test_pipeline_exact import set_partitions
@@ -441,7 +441,7 @@ def test_engine_failures_are_counted_and_survived(monkeypatch):
     ({"chunk_step": -1}, "chunk_step"), ({"chunk_retry_work": 0}, "chunk_retry_work"),
     ({"chunk_retry_work": "x"}, "chunk_retry_work"), ({"family": "every"}, "family"),
     ({"family": True}, "family"), ({"family_limit": 0}, "family_limit"),
-    ({"family_limit": 10**7}, "family_limit"),
+    ({"family_limit": 10**7}, "family_limit"), ({"relaxation": "yes"}, "relaxation"),
 ])
 def test_bad_options_are_refused(extra, field):
     """One clear error naming the option."""
@@ -450,6 +450,25 @@ def test_bad_options_are_refused(extra, field):
     with pytest.raises(OptmemInputError) as err:
         solve(problem, "chunks", options=replace(FAST, extra={**FAST.extra, **extra}))
     assert err.value.field == field
+
+
+def test_the_relaxation_raises_the_bound_and_can_be_skipped():
+    """Before the scan, the lifetime relaxation's bisection below the incumbent (as ``ilp``
+    runs it): ``relaxation_bound`` reported and ``bound`` at least it, never above the
+    plan; ``relaxation=False`` skips it (no key) and the plan is the same."""
+    problem = PipelineProblem(thesis_chain([1, 3, 1, 4, 4, 4], [6, 4, 2, 1, 4, 1],
+                                           [3, 3, 4, 0, 3, 2, 1, 0], [2, 0, 1, 0, 0, 0]),
+                              3, 52)
+    on = solve(problem, "chunks", options=replace(FAST, extra={**FAST.extra, "chunks": 1}))
+    off = solve(problem, "chunks", options=replace(
+        FAST, extra={**FAST.extra, "chunks": 1, "relaxation": False}))
+    assert on.report["relaxation_probes"] >= 1, on.report
+    assert "relaxation_bound" not in off.report
+    assert on.bound >= on.report["relaxation_bound"] - 1e-9
+    assert on.bound <= on.objective * (1 + 1e-9)
+    assert on.objective == pytest.approx(off.objective, rel=1e-12)
+    # here the relaxation is above the load bound (11.67), its start, and below the plan
+    assert lower_bound(problem) < on.report["relaxation_bound"] <= on.objective
 
 
 def test_not_in_the_default_comparison():

@@ -44,7 +44,7 @@ from optmem.solvers.pipeline_common import (
     plan_result,
     proven,
 )
-from optmem.solvers.pipeline_exact import incumbents, solve_exact
+from optmem.solvers.pipeline_exact import first_bound, incumbents, solve_exact
 from optmem.solvers.pipeline_madpipe import solve_madpipe
 from optmem.solvers.registration import register, register_exporter
 
@@ -56,7 +56,7 @@ EXACT_EXTRA = ("warm_madpipe", "relaxation", "strategy", "trim_work", "isolate",
                "colocate_order", "colocate_beside", "lns", "lns_work", *MADPIPE_EXTRA)
 """Keys of ``ilp``/``cpsat``: their own, and MadPipe's (its run gives their warm start)."""
 CHUNKS_EXTRA = ("chunks", "chunk_work", "chunk_step", "chunk_retry_work", "family",
-                "family_limit", "warm_madpipe", *MADPIPE_EXTRA)
+                "family_limit", "warm_madpipe", "relaxation", *MADPIPE_EXTRA)
 """Keys of ``chunks``: its own, and MadPipe's (its run gives the first cutoff)."""
 
 
@@ -233,12 +233,13 @@ def solve_pipeline_chunks(problem: PipelineProblem, options: SolveOptions) -> Re
     period, plan = (starts[0][0], starts[0][1]) if starts else (math.inf, None)
     limit = options.time_limit_s
     deadline = None if limit is None else start + limit
+    relaxed, report = first_bound(problem, period, options)
     found = chunked.scan(problem, units, period, plan, chunks=conf.chunks, work=conf.work,
                          step=conf.step, seed=options.seed, deadline=deadline,
                          workers=options.threads, retry=conf.retry)
-    report: dict[str, object] = found.report()
+    report.update(found.report())
     improved = bool(found.improvements)
-    bound, closed = lower_bound(problem), False
+    bound, closed = relaxed, False
     decided = dict(found.decided)
     if conf.family == "all":
         whole = chunked.complete(problem, units, found, limit=conf.limit, work=conf.work,

@@ -163,6 +163,22 @@ def relaxation_bound(problem: PipelineProblem, upper: float, options: SolveOptio
     return bound, {**report, "relaxation_bound": bound, "relaxation_probes": probes}
 
 
+def first_bound(problem: PipelineProblem, upper: float, options: SolveOptions
+                ) -> tuple[float, dict[str, Any]]:
+    """The problem's bound before any search: :func:`relaxation_bound` below ``upper``.
+
+    With ``extra["relaxation"]`` (default true), CP-SAT and a plan (``upper`` finite), the
+    relaxation's bisection within :data:`RELAXATION_SHARE` of the time limit; otherwise
+    :func:`~optmem.solvers.pipeline_common.lower_bound` and an empty report.
+    """
+    wanted = flag(options, "relaxation", True)  # checked with or without a plan
+    if wanted and math.isfinite(upper) and engines.is_available("cpsat"):
+        limit = options.time_limit_s
+        share = None if limit is None else RELAXATION_SHARE * limit
+        return relaxation_bound(problem, upper, options, share)
+    return lower_bound(problem), {}
+
+
 PROBE_WORK = 60.0
 """Default ``extra["probe_work"]``: CP-SAT deterministic time of one full-model probe."""
 
@@ -354,12 +370,7 @@ def solve_exact(problem: PipelineProblem, options: SolveOptions, method: str) ->
     starts = incumbents(problem, options) if options.warm_start else []
     best = starts[0] if starts else None
     limit = options.time_limit_s
-    relaxed: float = lower_bound(problem)
-    report: dict[str, Any] = {}
-    if best is not None and flag(options, "relaxation", True) \
-            and engines.is_available("cpsat"):
-        share = None if limit is None else RELAXATION_SHARE * limit
-        relaxed, report = relaxation_bound(problem, best[0], options, share)
+    relaxed, report = first_bound(problem, math.inf if best is None else best[0], options)
     if best is not None and probing.step is not None and engines.is_available("cpsat"):
         relaxed, probed, info = probe_bound(problem, best, relaxed, options,
                                             None if limit is None else start + limit, probing)
