@@ -159,3 +159,32 @@ def test_generate_between_training_steps():
                                           step(cmodel, model, kwargs, seed=3))
     assert torch.equal(out.loss, ref_out.loss)
     assert _equal(grads, ref_grads)
+
+
+def _eval_loss(model: Any, out: Path, **options: Any) -> dict[str, float]:
+    """``Trainer.evaluate`` of ``model`` on the eight sequences (batches of 4)."""
+    args = transformers.TrainingArguments(
+        output_dir=str(out), per_device_eval_batch_size=4, report_to=[], use_cpu=True,
+        disable_tqdm=True, **options)
+    trainer = transformers.Trainer(model=model, args=args, eval_dataset=_Tokens())
+    return trainer.evaluate()
+
+
+def test_trainer_evaluates_a_wrapped_backbone_and_a_whole_model_given_label_names(tmp_path):
+    """``Trainer.evaluate`` reports the plain model's ``eval_loss`` for a model whose backbone
+    is wrapped, and for a whole-model wrapper given ``label_names=["labels"]``. Without it,
+    ``Trainer`` finds no labels for the whole-model wrapper (``find_labels`` reads the
+    *class*'s ``forward`` signature, the wrapper's ``forward(*args, **kwargs)``): the loss is
+    not computed and ``eval_loss`` is missing from the metrics (docs/pytorch.md)."""
+    pytest.importorskip("accelerate", reason="Trainer needs accelerate")
+    plain, kwargs = gpt2()
+    want = _eval_loss(plain, tmp_path / "plain")["eval_loss"]
+    model, _ = gpt2()
+    model.transformer = op.checkpoint(model.transformer, {"input_ids": kwargs["input_ids"]},
+                                      memory_limit="60%", repeats=1, warmup=0, fast_path=False)
+    assert _eval_loss(model, tmp_path / "backbone")["eval_loss"] == want
+    whole, _ = gpt2()
+    cmodel = op.checkpoint(whole, kwargs, memory_limit="60%", repeats=1, warmup=0,
+                           fast_path=False)
+    got = _eval_loss(cmodel, tmp_path / "whole", label_names=["labels"])
+    assert got["eval_loss"] == want
