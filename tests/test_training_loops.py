@@ -55,7 +55,8 @@ def _train(model: Any, out: Path) -> tuple[list[float], Any]:
     args = transformers.TrainingArguments(
         output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2,
         max_steps=3, max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to=[],
-        use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True)
+        use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True, weight_decay=0.5,
+        learning_rate=1e-2)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=_Tokens())
     trainer.train()
     trainer.save_model(str(out / "final"))
@@ -69,15 +70,20 @@ def test_trainer_trains_saves_and_reloads_a_model_whose_backbone_is_wrapped(tmp_
     embedding included) that ``from_pretrained`` loads into a plain model with the same
     weights. Wrapping the whole model instead made ``save_model`` fail: ``Trainer`` saves a
     module that is not a ``PreTrainedModel`` with safetensors' ``save_file``, which refuses
-    GPT-2's tied ``wte``/``lm_head`` ("Some tensors share memory")."""
+    GPT-2's tied ``wte``/``lm_head`` ("Some tensors share memory"); and its weight decay
+    reached no parameter (its names, from ``named_children()``, carry ``_optmem_module.``;
+    the optimizer's, from ``named_parameters()``, do not)."""
     pytest.importorskip("accelerate", reason="Trainer needs accelerate")
     plain, _ = gpt2()
-    ref_losses, _ = _train(plain, tmp_path / "plain")
+    ref_losses, ref_trainer = _train(plain, tmp_path / "plain")
     model, kwargs = gpt2()
     model.transformer = op.checkpoint(model.transformer, {"input_ids": kwargs["input_ids"]},
                                       memory_limit="60%", repeats=1, warmup=0, fast_path=False)
-    losses, _ = _train(model, tmp_path / "wrapped")
+    losses, trainer = _train(model, tmp_path / "wrapped")
     assert losses == ref_losses and len(losses) == 3
+    # weight decay on the same parameters (10 of GPT-2's 28: not biases, not LayerNorms)
+    groups = [len(g["params"]) for g in trainer.optimizer.param_groups]
+    assert groups == [len(g["params"]) for g in ref_trainer.optimizer.param_groups] == [10, 18]
     assert list(model.state_dict()) == list(plain.state_dict())
     assert _equal(_params(model), _params(plain))
     assert (tmp_path / "wrapped" / "final" / "config.json").exists()
