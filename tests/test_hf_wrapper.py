@@ -903,3 +903,57 @@ def test_a_side_input_that_is_the_chain_input_is_not_counted_twice():
     assert "side inputs" not in cmodel.summary()
     assert plan_allowance(cmodel.chain, cmodel.result.plan, list(cmodel.stages)) < \
         storage_bytes(kwargs["pixel_values"])
+
+
+def _raised(call) -> BaseException:
+    with pytest.raises(Exception) as info:  # noqa: PT011 - compared with the plain model's
+        call()
+    return info.value
+
+
+@pytest.mark.parametrize("bad", ["dtype", "vocab"])
+def test_a_wrong_input_raises_the_plain_models_error(bad):
+    """A float ``input_ids`` (or an id past the vocabulary) raised, on the wrapped GPT-2,
+    "OptmemInputError: cannot extract a chain from GPT2LMHeadModel (torch.export: ...) ...
+    pass an nn.Sequential of its blocks or a list of stage modules instead" (a hunt in stop
+    57): the new call is extracted, the export fails on the input, and the message blamed
+    the model. The wrapper now raises what the plain model raises on that call (its type
+    and message; ``wrapper._extracted``), and the wrapped model still trains bitwise after."""
+    model, kwargs = gpt2()
+    cmodel = op.checkpoint(model, kwargs, memory_limit="60%", repeats=1, warmup=0)
+    ids = kwargs["input_ids"]
+    wrong = ids.float() if bad == "dtype" else ids + 1000
+    plain = _raised(lambda: model(input_ids=wrong, labels=ids))
+    got = _raised(lambda: cmodel(input_ids=wrong, labels=ids))
+    assert type(got) is type(plain) and not isinstance(got, OptmemInputError)
+    assert str(got) == str(plain)
+    if bad == "dtype":  # an id past the vocabulary passes the export: profiling raises
+        assert any("raised by GPT2LMHeadModel itself" in n for n in got.__notes__)
+    assert len(cmodel.variants) == 1
+    assert_same(step(cmodel, model, kwargs, seed=4), step(model, model, kwargs, seed=4))
+
+
+def test_a_wrong_sample_when_wrapping_raises_the_plain_models_error():
+    model, kwargs = gpt2()
+    wrong = {"input_ids": kwargs["input_ids"].float()}
+    plain = _raised(lambda: model(**wrong))
+    got = _raised(lambda: op.checkpoint(model, wrong, memory_limit="60%", repeats=1,
+                                        warmup=0))
+    assert type(got) is type(plain) and str(got) == str(plain)
+
+
+def test_a_model_that_runs_plainly_but_not_extracted_keeps_optmems_error():
+    """The plain call is only the error's judge: a forward that runs eagerly but cannot be
+    extracted (a branch on a tensor's value) still gets optmem's message."""
+
+    class Branchy(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.a(x)
+            return self.b(h) if h.sum() > 0 else self.b(-h)
+
+    with pytest.raises(OptmemInputError, match="cannot extract a chain from Branchy"):
+        op.checkpoint(Branchy(), torch.randn(2, 4), memory_limit="60%", repeats=1, warmup=0)

@@ -1752,13 +1752,45 @@ def _extract_variant(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
                      ext: Extraction | None = None, local: bool = False) -> _Variant:
     with leaves_no_trace(module, (args, kwargs)):
         if ext is None:
-            ext = extract_program(module, args, kwargs, method=profile.extract)
+            ext = _extracted(module, args, kwargs, profile.extract)
         flat = ext.flatten(args, kwargs)
         ctx = traced_side_inputs(ext, flat)
         return _make_variant(ext, ext.stages, ext.chain_input(flat), planner, profile,
                              chain, name, ctx=ctx, like=like,
                              plain=plain_measure(module, args, kwargs, profile), solve=solve,
                              local=local)
+
+
+def _extracted(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+               method: str) -> Extraction:
+    """:func:`extract_program` of a call, or the model's own error if the call fails on it.
+
+    A wrong input (a float ``input_ids``, an id past the vocabulary) makes the export fail,
+    and the extractor's error blames the model ("cannot extract a chain from ... pass an
+    nn.Sequential of its blocks"). When extraction fails, the model is called plainly on the
+    same arguments (under ``no_grad``; the caller restores buffers and RNG states): if that
+    raises too, its exception is raised, as a call of the plain model would.
+    """
+    try:
+        return extract_program(module, args, kwargs, method=method)
+    except OptmemInputError as exc:
+        plain = _plain_call_error(module, args, kwargs)
+        if plain is None:
+            raise
+        plain.add_note(f"optmem: raised by {type(module).__name__} itself on this call "
+                       f"(extracting it failed: {exc.reason[:200]})")
+        raise plain from None
+
+
+def _plain_call_error(module: nn.Module, args: tuple[Any, ...],
+                      kwargs: dict[str, Any]) -> Exception | None:
+    """The exception ``module(*args, **kwargs)`` raises under ``no_grad``, or ``None``."""
+    try:
+        with torch.no_grad():
+            module(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - handed back, raised by the caller
+        return exc
+    return None
 
 
 def traced_side_inputs(ext: Extraction, flat: Sequence[Any]) -> SideInputs:
