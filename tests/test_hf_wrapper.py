@@ -957,3 +957,13 @@ def test_a_model_that_runs_plainly_but_not_extracted_keeps_optmems_error():
 
     with pytest.raises(OptmemInputError, match="cannot extract a chain from Branchy"):
         op.checkpoint(Branchy(), torch.randn(2, 4), memory_limit="60%", repeats=1, warmup=0)
+
+
+@pytest.mark.parametrize("kind", ["offload", "remat_offload"])
+def test_the_offload_one_liners_raise_the_plain_models_error_on_a_wrong_input(kind):
+    model, kwargs = gpt2()
+    cmodel = getattr(op, kind)(model, kwargs, memory_limit="60%", repeats=1, warmup=0)
+    ids = kwargs["input_ids"]
+    plain = _raised(lambda: model(input_ids=ids.float(), labels=ids))
+    got = _raised(lambda: cmodel(input_ids=ids.float(), labels=ids))
+    assert type(got) is type(plain) and str(got) == str(plain)
