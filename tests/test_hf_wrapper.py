@@ -967,3 +967,21 @@ def test_the_offload_one_liners_raise_the_plain_models_error_on_a_wrong_input(ki
     plain = _raised(lambda: model(input_ids=ids.float(), labels=ids))
     got = _raised(lambda: cmodel(input_ids=ids.float(), labels=ids))
     assert type(got) is type(plain) and str(got) == str(plain)
+
+
+def test_running_out_of_memory_in_the_plain_call_keeps_optmems_error(monkeypatch):
+    """The plain call judges a failed extraction; out of memory there is no verdict on the
+    call, so the extractor's error stays (a model refused for its hooks, its eager forward
+    then OOM on the device, would otherwise report the OOM)."""
+    import optmem.pytorch.wrapper as wrapper
+
+    model, kwargs = gpt2()
+    wrong = {"input_ids": kwargs["input_ids"].float()}
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("out of memory")
+
+    monkeypatch.setattr(model, "forward", oom)
+    assert wrapper._plain_call_error(model, (), wrong) is None
+    monkeypatch.undo()
+    assert isinstance(wrapper._plain_call_error(model, (), wrong), RuntimeError)

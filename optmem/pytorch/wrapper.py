@@ -1784,10 +1784,15 @@ def _extracted(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
 
 def _plain_call_error(module: nn.Module, args: tuple[Any, ...],
                       kwargs: dict[str, Any]) -> Exception | None:
-    """The exception ``module(*args, **kwargs)`` raises under ``no_grad``, or ``None``."""
+    """The exception ``module(*args, **kwargs)`` raises under ``no_grad``, or ``None``.
+
+    Running out of memory is no verdict on the call (``None``): the extractor's error stays.
+    """
     try:
         with torch.no_grad():
             module(*args, **kwargs)
+    except (torch.OutOfMemoryError, MemoryError):
+        return None
     except Exception as exc:  # noqa: BLE001 - handed back, raised by the caller
         return exc
     return None
