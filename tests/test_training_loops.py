@@ -194,3 +194,50 @@ def test_trainer_evaluates_a_wrapped_backbone_and_a_whole_model_given_label_name
                            fast_path=False)
     got = _eval_loss(cmodel, tmp_path / "whole", label_names=["labels"])
     assert got["eval_loss"] == want
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(32)
+        self.linear = torch.nn.Linear(32, 32)
+        self.drop = torch.nn.Dropout(0.1)
+
+    def forward(self, x: Any) -> Any:
+        return x + self.drop(torch.relu(self.linear(self.norm(x))))
+
+
+def test_a_dropout_schedule_after_wrapping_is_followed():
+    """A dropout schedule sets ``dropout.p`` between steps: the wrapped step uses the new
+    probability, as the plain model does, bitwise. Before, export had baked ``p`` into the
+    graph and the wrapper kept dropping 10 % of the units at ``p = 0.5`` and ``p = 0``, in
+    silence (gradients differed from the plain model's)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), *[_Block() for _ in range(6)],
+                                torch.nn.Linear(32, 4))
+    model = torch.nn.ModuleDict({"net": model})  # not an nn.Sequential: exported
+    plain = copy.deepcopy(model)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+
+    class Net(torch.nn.Module):
+        def __init__(self, inner: Any) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x: Any) -> Any:
+            return self.inner["net"](x)
+
+    net, ref = Net(model), Net(plain)
+    cmodel = op.checkpoint(net, x, memory_limit="60%", repeats=1, warmup=0, fast_path=False)
+    assert cmodel.extraction is not None
+    for p in (0.5, 0.0, 0.1):
+        for module in (*model.modules(), *plain.modules()):
+            if isinstance(module, torch.nn.Dropout):
+                module.p = p
+        grads = []
+        for call, owner in ((ref, plain), (cmodel, model)):
+            owner.zero_grad(set_to_none=True)
+            torch.manual_seed(3)
+            call(x).square().mean().backward()
+            grads.append([q.grad.clone() for q in owner.parameters()])
+        assert _equal(*grads), f"p = {p}"

@@ -82,6 +82,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.dropout import _DropoutNd
 from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_map_only
 from torch.utils.hooks import RemovableHandle
 
@@ -1368,6 +1369,9 @@ class TensorState:
     * the training mode of every submodule, not only the model's (BatchNorm frozen with
       ``bn.eval()`` after wrapping kept normalising with batch statistics and updating the
       running ones);
+    * the probability ``p`` of every ``nn.Dropout`` (and its 1-3d, alpha and feature
+      variants): export bakes it in as a constant, so a dropout schedule that sets ``p``
+      between steps was silently ignored (a hunt in stop 57);
     * the module hooks: forward hooks and pre-hooks are traced into the graph, backward
       hooks are refused (:mod:`optmem.pytorch.hooks`); a hook registered or removed after
       wrapping was silently ignored. Not the *global* module hooks registered after
@@ -1391,7 +1395,7 @@ class TensorState:
     the number of submodules, parameters and buffers (an addition), the number of hooks of
     every module that has some (a removal), the id of the next hook handle torch will
     make (any registration; when it moved, which hooks every module holds) and every
-    module's training flag; it recomputes
+    module's training flag and every dropout module's ``p``; it recomputes
     the state when one differs. What the forward reads of plain Python attributes
     (``config`` flags, an adapter's name) is traced as it was and is not checked.
     """
@@ -1433,6 +1437,7 @@ class TensorState:
         self._hooks = [(d, len(d)) for d in self._all_hooks if d]  # removals change these
         self._handle_id = RemovableHandle.next_id  # every registration moves it
         self._modes = [(m, m.training) for m in modules]
+        self._dropout = [(m, m.p) for m in modules if isinstance(m, _DropoutNd)]
         self.token = (frozenset((t.dtype, str(t.device)) for _, _, t in tensors),
                       self._version, sum(1 << k for k, m in enumerate(modules) if m.training))
 
@@ -1445,10 +1450,11 @@ class TensorState:
 
         0: not at all; 1: dtypes, devices, parameter objects or a module's training mode
         (the graph of that state applies, the stages follow the objects); 2: shapes, tied
-        weights, module tree or hooks (the graph does not apply).
+        weights, module tree, hooks or a dropout probability (the graph does not apply).
         """
         if sum(map(len, self._entries)) != self._n_entries or \
-                any(len(d) != n for d, n in self._hooks):
+                any(len(d) != n for d, n in self._hooks) or \
+                any(m.p != p for m, p in self._dropout):
             return 2
         if RemovableHandle.next_id != self._handle_id:  # a hook of any kind, anywhere
             if self._hook_keys() != self._hook_ids:
