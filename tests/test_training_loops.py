@@ -73,7 +73,6 @@ def test_trainer_trains_saves_and_reloads_a_model_whose_backbone_is_wrapped(tmp_
     GPT-2's tied ``wte``/``lm_head`` ("Some tensors share memory"); and its weight decay
     reached no parameter (its names, from ``named_children()``, carry ``_optmem_module.``;
     the optimizer's, from ``named_parameters()``, do not)."""
-    pytest.importorskip("accelerate", reason="Trainer needs accelerate")
     plain, _ = gpt2()
     ref_losses, ref_trainer = _train(plain, tmp_path / "plain")
     model, kwargs = gpt2()
@@ -182,7 +181,6 @@ def test_trainer_evaluates_a_wrapped_backbone_and_a_whole_model_given_label_name
     ``Trainer`` finds no labels for the whole-model wrapper (``find_labels`` reads the
     *class*'s ``forward`` signature, the wrapper's ``forward(*args, **kwargs)``): the loss is
     not computed and ``eval_loss`` is missing from the metrics (docs/pytorch.md)."""
-    pytest.importorskip("accelerate", reason="Trainer needs accelerate")
     plain, kwargs = gpt2()
     want = _eval_loss(plain, tmp_path / "plain")["eval_loss"]
     model, _ = gpt2()
