@@ -412,7 +412,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     A setting the result records (``memory_model``, ``temporaries`` ..., CONTRACT section
     6) that the command line does not give is taken from the plan file (``from_plan``).
     """
-    from optmem.simulate.verify import settings_as_solved, verify_plan
+    from optmem.simulate.verify import plan_input, replay_plan, settings_as_solved
 
     chain = load_chain(args.chain)
     explicit = recorded_flags_given(args)
@@ -422,10 +422,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     options = options_from_args(args)
     plan_data = plan_file()
     taken: dict[str, Any] = {}
-    try:
+    try:  # the recorded settings are checked once, here (verify_plan would redo it)
         problem, taken = settings_as_solved(problem, plan_data, explicit=explicit)
         taken = {**needed, **taken}
-        report = verify_plan(problem, plan_data, options)
+        report = replay_plan(problem, plan_input(plan_data), options)
     except OptmemInputError as exc:  # whatever is wrong with the plan, name the plan file
         if taken:  # a refusal under settings the command line did not give says so
             exc.reason += f" (replayed as solved: {_settings_text(taken)})"

@@ -296,10 +296,27 @@ def verify_plan(problem: Any, plan_data: Any, options: Any = None, *,
     plan_data = plan_input(plan_data)
     solved, taken = settings_as_solved(problem, plan_data, explicit=None if not as_solved
                                        else ())
+    out = replay_plan(solved, plan_data, options)
+    return {**out, "from_plan": taken} if taken else out
+
+
+def replay_plan(problem: Any, plan_data: Any, options: Any = None) -> dict[str, Any]:
+    """Replay ``plan_data`` under ``problem``'s own settings (no recorded-settings pass).
+
+    The verifier dispatch of :func:`verify_plan`, for a caller that has already put
+    ``problem`` under the plan's settings with :func:`settings_as_solved` (the CLI's
+    ``verify``); ``plan_data`` is in the form :func:`plan_input` returns.
+
+    Raises
+    ------
+    PlanError
+        If the plan is invalid or exceeds the memory limit.
+    OptmemInputError
+        If ``problem`` is no problem object of optmem.
+    """
     for cls, verifier in _VERIFIERS:
-        if isinstance(solved, cls):
-            out = verifier(solved, plan_data, options)
-            return {**out, "from_plan": taken} if taken else out
+        if isinstance(problem, cls):
+            return verifier(problem, plan_data, options)
     raise OptmemInputError(f"no plan verifier for {type(problem).__name__}", field="problem")
 
 
