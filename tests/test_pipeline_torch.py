@@ -757,3 +757,20 @@ def test_the_one_call_profiles_where_the_model_is(monkeypatch):
         pipelining.pipeline(model, torch.zeros(2, 4), gpus=2, device=torch.device("meta"),
                             loss_fn=torch.nn.functional.mse_loss)
     assert seen == ["cpu"]
+
+
+def test_stage_output_is_made_contiguous_keeping_its_container() -> None:
+    """``_contiguous`` (``tree_map``): every tensor contiguous, a named tuple kept (gloo)."""
+    import collections
+
+    import torch
+
+    Pair = collections.namedtuple("Pair", "a b")
+    t = torch.arange(6.0).reshape(2, 3).T
+    assert not t.is_contiguous()
+    out = pipelining._contiguous(Pair(t, (t, 3)))
+    assert type(out) is Pair and out.b[1] == 3
+    assert out.a.is_contiguous() and out.b[0].is_contiguous()
+    assert torch.equal(out.a, t)
+    single = pipelining._contiguous(t)
+    assert single.is_contiguous() and torch.equal(single, t)

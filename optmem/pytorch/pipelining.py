@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError, PlanError
@@ -138,10 +138,11 @@ class PlanStage(nn.Module):
 
 
 def _contiguous(value: Any) -> Any:
-    """``value`` (a tensor or a tuple of them) with every tensor contiguous."""
-    if isinstance(value, tuple):
-        return tuple(_contiguous(v) for v in value)
-    return value.contiguous() if isinstance(value, torch.Tensor) else value
+    """``value`` (a tensor or a tuple of them) with every tensor contiguous.
+
+    gloo sends contiguous buffers only; ``tree_map`` also keeps a named tuple's type.
+    """
+    return tree_map(lambda v: v.contiguous() if isinstance(v, torch.Tensor) else v, value)
 
 
 def model_loss(output: Any) -> torch.Tensor:
@@ -657,7 +658,9 @@ class PipelinedModel(nn.Module):
         passes the call or the target, before any message.
         """
         n = self.microbatches
-        tensors = [t for t in chain_args if isinstance(t, torch.Tensor)]
+        # step() checked the rows of the call's tensors: left are a scalar chain input
+        # (that check skips scalars) and the target
+        tensors = [t for t in chain_args if isinstance(t, torch.Tensor) and t.dim() == 0]
         if isinstance(target, torch.Tensor) and target.dim() > 0:
             tensors.append(target)
         _check_rows(tensors, n)
