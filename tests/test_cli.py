@@ -67,6 +67,26 @@ def test_verify_accepts_solve_output(capsys, chain_file, tmp_path):
     assert code == 0 and json.loads(out)["objective"] == 31.0
 
 
+def test_verify_checks_the_recorded_settings_once(capsys, chain_file, tmp_path,
+                                                  monkeypatch):
+    import optmem.simulate.verify as verify_module
+    calls: list[object] = []
+    real = verify_module.settings_as_solved
+
+    def counted(*args, **kwargs):
+        calls.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(verify_module, "settings_as_solved", counted)
+    plan = tmp_path / "plan.json"
+    code, _, _ = run(capsys, "solve", "checkpoint", str(chain_file), "-m", "18", "-o", str(plan))
+    assert code == 0
+    code, out, _ = run(capsys, "verify", "checkpoint", str(chain_file), str(plan), "-m", "18",
+                       "--json")
+    assert code == 0 and json.loads(out)["objective"] == 31.0
+    assert len(calls) == 1
+
+
 def test_verify_warns_when_its_slots_give_another_unit(capsys, chain_file, tmp_path):
     """A result solved with --slots 7 (unit 2) replayed with the default slots (unit 1) was
     accepted without a word (the stop-52 hunt): now one warning line on stderr."""
