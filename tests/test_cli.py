@@ -58,13 +58,18 @@ def test_infeasible_exits_zero_and_names_smallest_memory(capsys, chain_file):
     assert data["min_feasible_memory"] == 15 and data["plan"] == []
 
 
-def test_verify_accepts_solve_output(capsys, chain_file, tmp_path):
+def _solve_then_verify(capsys, chain_file, tmp_path) -> None:
+    """Solve checkpoint at 18, write the plan, and verify it (objective 31)."""
     plan = tmp_path / "plan.json"
     code, _, _ = run(capsys, "solve", "checkpoint", str(chain_file), "-m", "18", "-o", str(plan))
     assert code == 0
     code, out, _ = run(capsys, "verify", "checkpoint", str(chain_file), str(plan), "-m", "18",
                        "--json")
     assert code == 0 and json.loads(out)["objective"] == 31.0
+
+
+def test_verify_accepts_solve_output(capsys, chain_file, tmp_path):
+    _solve_then_verify(capsys, chain_file, tmp_path)
 
 
 def test_verify_checks_the_recorded_settings_once(capsys, chain_file, tmp_path,
@@ -78,12 +83,7 @@ def test_verify_checks_the_recorded_settings_once(capsys, chain_file, tmp_path,
         return real(*args, **kwargs)
 
     monkeypatch.setattr(verify_module, "settings_as_solved", counted)
-    plan = tmp_path / "plan.json"
-    code, _, _ = run(capsys, "solve", "checkpoint", str(chain_file), "-m", "18", "-o", str(plan))
-    assert code == 0
-    code, out, _ = run(capsys, "verify", "checkpoint", str(chain_file), str(plan), "-m", "18",
-                       "--json")
-    assert code == 0 and json.loads(out)["objective"] == 31.0
+    _solve_then_verify(capsys, chain_file, tmp_path)
     assert len(calls) == 1
 
 
