@@ -508,3 +508,110 @@ def test_without_an_incumbent_a_plan_at_the_cap_is_found():
     assert res.status is Status.OPTIMAL, res.report
     assert res.objective == pytest.approx(10.0)
     assert res.report["chunks_skipped"] == 0
+
+
+ROUNDS = chunked.WAIT_ROUNDS
+"""The waits floor's rounds where it is asked (the method does not ask it yet)."""
+
+
+def first_use(gpu) -> list[int]:
+    """``gpu`` renumbered by first use (the exact model's symmetry breaking)."""
+    names: dict[int, int] = {}
+    return [names.setdefault(g, len(names)) for g in gpu]
+
+
+def old_floor(units, gpu, n_gpus: int, memory: int) -> float:
+    """The floor before stop 57 (loads and lifetime rows at the path's least lengths)."""
+    return chunked._old_floor(units, gpu, n_gpus, memory, units.big_m())
+
+
+@settings(max_examples=30, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(problem=st.one_of(small_problems(), trimmable_problems(), five_layer_problems()),
+       data=st.data())
+def test_the_waits_floor_is_valid_and_never_below_the_old(problem, data):
+    """Stop 57's floor (waits between the ops of one GPU and the transfers of one link,
+    :func:`waits_check`) is at least the floor of loads and lifetimes, and at most the
+    optimum of the exact model with the allocation fixed, proven by CP-SAT (integer
+    durations: its grid is exact; 5 deterministic seconds; undecided runs are dropped); at
+    that optimum ``waits_check`` itself passes; an allocation whose floor is ``inf`` below
+    the cap has no plan at or below the cap."""
+    units = make_units(problem)
+    memory = problem.memory_per_gpu
+    gpu = first_use(data.draw(st.lists(st.integers(0, problem.n_gpus - 1),
+                                       min_size=units.n, max_size=units.n)))
+    old = old_floor(units, gpu, problem.n_gpus, memory)
+    new = chunked.allocation_floor(units, gpu, problem.n_gpus, memory, units.big_m(), ROUNDS)
+    assert new >= old * (1 - 1e-12), (gpu, old, new)
+    run = run_model(problem, "cpsat", BRUTE, gpu=gpu)
+    assume(run.status in (Status.OPTIMAL, Status.INFEASIBLE))
+    if run.plan is None:
+        return
+    period = run.plan.period
+    assert new <= period * (1 + 1e-9), (gpu, old, new, period)
+    assert chunked.waits_check(units, gpu, problem.n_gpus, memory, old)(period)
+    assert chunked.allocation_floor(units, gpu, problem.n_gpus, memory, period,
+                                    ROUNDS) <= period
+    assert chunked.within(units, gpu, problem.n_gpus, memory, period, ROUNDS)
+
+
+def test_the_waits_floor_is_strictly_stronger_on_a_handmade_instance():
+    """Three layers on two GPUs, the middle one apart (f = 2, 4, 3; b = 3, 4, 1; memory 2:
+    one stash of size 1, layer 1's, and at most two copies of it): the loads and lifetimes
+    give 9 (GPU 0's load; layer 1's stash lives at least its path, 17, and two copies fit), while
+    on GPU 0 the ops of layers 1 and 3 cannot all follow one another at their path delays
+    modulo the period: the waits floor is 11 after one round, 12 (the exact optimum) after
+    two."""
+    problem = PipelineProblem(thesis_chain([2, 4, 3], [3, 4, 1], [1, 0, 0, 0, 0]), 2, 2)
+    units = make_units(problem)
+    gpu = [0, 1, 0]
+    old = old_floor(units, gpu, 2, 2)
+    new = chunked.allocation_floor(units, gpu, 2, 2, units.big_m(), ROUNDS)
+    assert old == pytest.approx(9.0)
+    assert new == pytest.approx(12.0)
+    assert chunked.allocation_floor(units, gpu, 2, 2, units.big_m(), 1) == pytest.approx(11.0)
+    assert chunked.allocation_floor(units, gpu, 2, 2, units.big_m()) == pytest.approx(9.0)
+    # the walk with the waits floor lists it only from 12 on; without, from 9
+    assert tuple(gpu) not in set(chunked.chunk_allocations(units, 2, 3, 11.9, 2,
+                                                             rounds=ROUNDS))
+    assert tuple(gpu) in set(chunked.chunk_allocations(units, 2, 3, 11.9, 2))
+    assert chunked.allocations_bound(units, 2, 2, 0.0, units.big_m(), rounds=ROUNDS) >= \
+        chunked.allocations_bound(units, 2, 2, 0.0, units.big_m()) - 1e-9
+    run = run_model(problem, "cpsat", BRUTE, gpu=gpu)
+    assert run.status is Status.OPTIMAL and run.plan is not None
+    assert run.plan.period >= new * (1 - 1e-9)
+    assert not chunked.waits_check(units, gpu, 2, 2, old)(10.9)
+    assert chunked.memory_check(units, gpu, 2, 2)(10.9)
+
+
+def test_the_waits_floor_is_valid_where_it_is_stronger():
+    """Random small instances (3-5 layers, 2-3 GPUs, links of speed inf, 1 or 2, tight
+    memory, fixed seed) until twelve allocations whose waits floor exceeds the old floor:
+    each one's exact optimum (CP-SAT, 5 deterministic seconds, proven optimal or infeasible)
+    is at least the waits floor. About one random allocation in 60 is strengthened."""
+    rng = random.Random(57)
+    checked = 0
+    for _ in range(5000):
+        n, gpus = rng.randint(3, 5), rng.randint(2, 3)
+        f = [rng.randint(1, 5) for _ in range(n)]
+        b = [rng.randint(1, 5) for _ in range(n)]
+        a = [rng.randint(0, 3) for _ in range(n + 1)] + [0]
+        chain = thesis_chain(f, b, a)
+        lay = PipelineProblem(chain, gpus, 0).layers
+        memory = rng.randint(max(lay.x), 2 * sum(lay.x) + 2 * sum(lay.a))
+        problem = PipelineProblem(chain, gpus, memory,
+                                  chain_bandwidth=rng.choice([math.inf, 1.0, 2.0]))
+        units = make_units(problem)
+        gpu = first_use([rng.randrange(gpus) for _ in range(units.n)])
+        old = old_floor(units, gpu, gpus, memory)
+        new = chunked.allocation_floor(units, gpu, gpus, memory, units.big_m(), ROUNDS)
+        if not new > old + 1e-6:
+            continue
+        run = run_model(problem, "cpsat", BRUTE, gpu=gpu)
+        assert run.status in (Status.OPTIMAL, Status.INFEASIBLE), run.report
+        if run.plan is not None:
+            assert new <= run.plan.period * (1 + 1e-9), (f, b, a, memory, gpu, old, new)
+            checked += 1
+        if checked == 12:
+            break
+    assert checked == 12

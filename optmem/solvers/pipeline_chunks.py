@@ -16,7 +16,10 @@ non-contiguous allocations serve the same end). This method searches that family
    the allocation fixed: ``ceil(D / T)`` copies of the starting unit's stash, of every lower
    unit's ``ceil(D(q -> r) / T)``, of every higher unit's ``ceil(D_r / T) - 1``). The floor
    is the least ``T`` that passes them (a bisection: memory needs only shrink as ``T``
-   grows).
+   grows). Where asked (``rounds``, off in the method: its cost), a complete allocation's
+   rows then take the *waits* (stop 57, :func:`waits_check`): the ops of one GPU, and the
+   transfers of one link, do not overlap modulo ``T``, so the delays between them avoid
+   windows and the lifetimes ``D`` grow.
 3. **Scan** the allocations by increasing floor: the exact model with the allocation fixed
    (``build_pipeline_model(gpu=...)``, CP-SAT, one worker, ``extra["chunk_work"]``
    deterministic seconds, default 5) asked for *any* plan of period at most the incumbent's
@@ -101,6 +104,13 @@ FLOOR_ITERATIONS = 40
 """Bisection steps of :func:`allocation_floor` (relative precision about 1e-12)."""
 BOUND_WORK = 1_000_000
 """Prefixes :func:`allocations_bound`'s walks may try in all (a deterministic work limit)."""
+WAIT_ROUNDS = 2
+"""Rounds of the waits floor where it is asked (``rounds=WAIT_ROUNDS`` in
+:func:`allocation_floor`, :func:`within`, :func:`chunk_allocations`,
+:func:`allocations_bound`), each from the previous round's floor. The method ``chunks``
+does not ask it yet (``rounds=0``): it costs about 0.1 s per allocation on 21 units, 10-100
+times the lifetimes floor, which made ``allocations_bound`` on ResNet-50 at 1.5x run over 15
+minutes (``benchmarks/bench_pipeline_floor.py``)."""
 _EPS = 1e-9
 
 
@@ -135,8 +145,8 @@ def settings(options: SolveOptions) -> ChunkSettings:
 
 # ------------------------------------------------------------------ enumeration
 def chunk_allocations(units: Units, n_gpus: int, chunks: int, cap: float,
-                      memory: int | None = None, stats: dict[str, int] | None = None
-                      ) -> Iterator[tuple[int, ...]]:
+                      memory: int | None = None, stats: dict[str, int] | None = None,
+                      rounds: int = 0) -> Iterator[tuple[int, ...]]:
     """Allocations with at most ``chunks`` chunks per GPU and a floor of at most ``cap``.
 
     GPUs are numbered by first use (each allocation once; the GPUs of a problem are
@@ -148,7 +158,9 @@ def chunk_allocations(units: Units, n_gpus: int, chunks: int, cap: float,
     loads are at most ``cap`` is listed; with it, exactly those whose
     :func:`allocation_floor` is finite at ``cap``. ``stats`` (if given) counts the
     prefixes tried (``tried``), cut by the loads (``load``) and by the partial floor
-    (``floor``).
+    (``floor``). ``rounds > 0``: complete allocations must also pass the waits floor with
+    that many rounds (:func:`within`; prefixes keep the lifetimes floor, so the pruning
+    stays valid).
     """
     tally = {"tried": 0, "load": 0, "floor": 0} if stats is None else stats
     for key in ("tried", "load", "floor"):
@@ -181,7 +193,7 @@ def chunk_allocations(units: Units, n_gpus: int, chunks: int, cap: float,
                 + cap * (n_gpus - max(used, g + 1))
             if room < left[q + 1] * (1 - _EPS):
                 tally["load"] += 1
-            elif not within(units, gpu, n_gpus, memory, cap):
+            elif not within(units, gpu, n_gpus, memory, cap, rounds):
                 tally["floor"] += 1
             else:
                 yield from walk(q + 1, max(used, g + 1))
@@ -285,36 +297,10 @@ def _load_floor(units: Units, gpu: Sequence[int], n_gpus: int) -> float:
     return max([*loads, *links.values()])
 
 
-def within(units: Units, gpu: Sequence[int], n_gpus: int, memory: int | None, cap: float
-           ) -> bool:
-    """Whether :func:`allocation_floor` of ``gpu`` (or of a prefix) is finite at ``cap``."""
-    if _load_floor(units, gpu, n_gpus) > cap * (1 + _EPS):
-        return False
-    return memory is None or memory_check(units, gpu, n_gpus, memory)(cap)
 
-
-def allocation_floor(units: Units, gpu: Sequence[int], n_gpus: int, memory: int | None,
-                     cap: float) -> float:
-    """A lower bound of the period of every plan with allocation ``gpu`` (``inf``: above ``cap``).
-
-    ``max`` of the GPU loads, the link loads (two transfers per cut) and, with ``memory``
-    (stash model; ``None`` skips it), the least period at which :func:`memory_fits` holds,
-    found by bisection between the loads and ``cap``.
-
-    ``gpu`` may be a prefix (units ``0..m-1`` placed; the *partial floor*): then it is at
-    most the floor of every completion, and it only grows as units are added. Proof: a GPU
-    load and a link load are sums of non-negative terms over the units and cuts placed,
-    and placing a unit only adds terms. In each memory row (:func:`memory_check`) the
-    static memory (weights and buffers of the units and cuts placed) only grows; ``D_q``
-    counts every unit's load but only the placed cuts' transfers (a later cut only adds
-    ``2 dt``), so it only grows, and with it each copy count ``ceil(D / T)`` (the paths
-    ``back[q] - back[r]``, ``r < q``, lie between placed units: exact); a unit placed later
-    only adds a row (its own) and a non-negative term ``x_r (ceil(D_r / T) - 1)^+`` to the
-    rows of the earlier units of its GPU. So every row of a prefix is at most the same row
-    in any completion, which has more rows: whatever period a completion's rows pass, the
-    prefix's rows pass, and the least such period (the bisection's answer, up to its
-    precision) cannot be larger for the prefix.
-    """
+def _old_floor(units: Units, gpu: Sequence[int], n_gpus: int, memory: int | None,
+               cap: float) -> float:
+    """The loads-and-lifetimes floor (before stop 57's waits; see :func:`allocation_floor`)."""
     low = _load_floor(units, gpu, n_gpus)
     if low > cap * (1 + _EPS):
         return math.inf
@@ -335,9 +321,221 @@ def allocation_floor(units: Units, gpu: Sequence[int], n_gpus: int, memory: int 
     return low
 
 
+def _lift(delay: float, first: float, second: float, low: float, period: float) -> float:
+    """The least delay ``>= delay`` between two ops of one resource, for periods in a range.
+
+    The plans considered have a period ``T`` in ``[low, period]``. Ops ``a`` (duration
+    ``first``) and ``b`` (``second``) of one GPU (or transfers of one link), ``b`` after
+    ``a`` on the micro-batch's path, do not overlap modulo ``T``: ``t_b - t_a`` avoids every open
+    window ``(kT - second, kT + first)`` (``k >= 1``; ``k = 0`` is ``t_b - t_a < first``,
+    already excluded by the path). For every ``T`` in ``[low, period]`` that window holds
+    ``(k period - second, k low + first)``, so a delay inside the latter is infeasible for
+    every such ``T``. The least delay ``>= delay`` outside all of them is returned (windows
+    are empty once ``k (period - low) >= first + second``). It only grows with ``delay``
+    and ``low`` and only shrinks as ``period`` grows.
+    """
+    if period <= 0:
+        return delay
+    while True:
+        k = math.floor((delay + second) / period)
+        moved = False
+        for j in (k, k - 1):  # the latest window that opens below ``delay``
+            if j >= 1 and j * period - second < delay < j * low + first:
+                delay = j * low + first
+                moved = True
+                break
+        if not moved:
+            return delay
+
+
+def _path_ops(units: Units, gpu: Sequence[int], n_gpus: int
+              ) -> tuple[list[int], list[float], list[int], list[int]]:
+    """The micro-batch's path ``F_0 -> S_0 -> F_1 -> ... -> B_{n-1} -> G_{n-2} -> ... -> B_0``.
+
+    Returns each op's resource (the GPU, or ``n_gpus`` plus an id of the unordered GPU pair
+    for a transfer, present only over a cut: the link it occupies), its duration (also the
+    least delay from its start to the next op's, the shift rows (6.23)-(6.30)), and the
+    positions of ``F_q`` and of ``B_q``.
+    """
+    n = units.n
+    where: list[int] = []
+    dur: list[float] = []
+    fpos = [0] * n
+    bpos = [0] * n
+
+    def link(c: int) -> None:
+        if gpu[c] != gpu[c + 1]:
+            lo, hi = sorted((gpu[c], gpu[c + 1]))
+            where.append(n_gpus + lo * n_gpus + hi)
+            dur.append(units.dt[c])
+
+    for q in range(n):
+        fpos[q] = len(where)
+        where.append(gpu[q])
+        dur.append(units.f[q])
+        if q < n - 1:
+            link(q)
+    for q in range(n - 1, -1, -1):
+        bpos[q] = len(where)
+        where.append(gpu[q])
+        dur.append(units.b[q])
+        if q > 0:
+            link(q - 1)
+    return where, dur, fpos, bpos
+
+
+def _waited_delays(where: Sequence[int], dur: Sequence[float], low: float, period: float
+                   ) -> list[list[float]]:
+    """``L[i][j]``: a lower bound of ``t_j - t_i`` (path positions ``i <= j``).
+
+    It holds in every plan of period in ``[low, period]``.
+
+    Proof by induction on ``j - i``: ``t_j - t_i = (t_{j-1} - t_i) + (t_j - t_{j-1})`` with
+    ``t_j - t_{j-1} >= dur[j-1]`` (path precedence); for ``i < k < j``,
+    ``t_j - t_i = (t_k - t_i) + (t_j - t_k)``; and when ``i`` and ``j`` use one resource
+    (a GPU, or a link: its transfers do not overlap modulo the period either, (6.5)-(6.16)),
+    ``t_j - t_i`` is a delay that :func:`_lift` allows and is at least the bound so far, so
+    at least its lift (the least allowed delay above it). Each bound only grows with
+    ``low`` and shrinks as ``period`` grows (:func:`_lift`, sums and maxima).
+    """
+    size = len(where)
+    same = [[k for k in range(j) if where[k] == where[j]] for j in range(size)]
+    lb = [[0.0] * size for _ in range(size)]
+    for j in range(1, size):
+        for i in range(j - 1, -1, -1):
+            value = lb[i][j - 1] + dur[j - 1]
+            for k in same[j]:
+                if k > i:
+                    value = max(value, lb[i][k] + lb[k][j])
+            if where[i] == where[j]:
+                value = _lift(value, dur[i], dur[j], low, period)
+            lb[i][j] = value
+    return lb
+
+
+def waits_check(units: Units, gpu: Sequence[int], n_gpus: int, memory: int, low: float
+                ) -> Callable[[float], bool]:
+    """Whether a complete allocation may have a plan of period in ``[low, c]`` (as ``c -> bool``).
+
+    :func:`memory_check`'s rows (each forward start: the static memory, ``ceil(D / c)``
+    copies of the unit's own stash, ``ceil(D(q -> r) / c)`` of each lower unit of the GPU,
+    ``ceil(D_r / c) - 1`` of each higher one), with every path length ``D`` taken from
+    :func:`_waited_delays` (the start of ``F_q`` to the start of ``B_r``, plus ``b_r``)
+    instead of the path's least length: the waits that non-overlap modulo the period forces
+    between the ops of one GPU and between the transfers of one link. ``low`` must be a
+    lower bound of the period of every plan of the allocation (e.g. :func:`_old_floor`).
+
+    Validity: in a plan of period ``T`` in ``[low, c]``, each lifetime is at least its bound
+    (:func:`_waited_delays`, as ``T`` lies in the interval), the copies alive when a forward
+    starts are at least :func:`memory_check`'s counts at ``T`` of the actual lifetimes, so
+    at least those at ``T`` of the bounds, and at ``c = T`` the row is exactly this one:
+    ``check(T)`` holds for every plan's period ``T``. Monotone: as ``c`` grows each bound
+    and each ``ceil(D / c)`` only shrinks, so a ``c`` that passes makes every larger one
+    pass (a bisection on ``c`` is exact up to its precision).
+    """
+    n = units.n
+    where, dur, fpos, bpos = _path_ops(units, gpu, n_gpus)
+    static = _statics(units, gpu, n_gpus)
+    on = [[q for q in range(n) if gpu[q] == g] for g in range(n_gpus)]
+
+    def fits(period: float) -> bool:
+        lb = _waited_delays(where, dur, low, period)
+
+        def copies(q: int, r: int) -> int:  # F_q to the end of B_r
+            return math.ceil((lb[fpos[q]][bpos[r]] + units.b[r]) / period - _EPS)
+
+        for g, qs in enumerate(on):
+            for q in qs:
+                need = static[g] + units.x[q] * copies(q, q)
+                for r in qs:
+                    if r < q:
+                        need += units.x[r] * copies(q, r)
+                    elif r > q:
+                        need += units.x[r] * max(0, copies(r, r) - 1)
+                if need > memory:
+                    return False
+        return True
+
+    return fits
+
+
+def within(units: Units, gpu: Sequence[int], n_gpus: int, memory: int | None, cap: float,
+           rounds: int = 0) -> bool:
+    """Whether :func:`allocation_floor` of ``gpu`` (or of a prefix) is finite at ``cap``.
+
+    A prefix: its loads and lifetime rows (:func:`memory_check`); a complete allocation
+    with ``rounds > 0``: also the waits rows (its :func:`allocation_floor` with those rounds
+    is at most ``cap``).
+    """
+    if _load_floor(units, gpu, n_gpus) > cap * (1 + _EPS):
+        return False
+    if memory is None:
+        return True
+    if len(gpu) < units.n or rounds <= 0:
+        return memory_check(units, gpu, n_gpus, memory)(cap)
+    return allocation_floor(units, gpu, n_gpus, memory, cap, rounds) < math.inf
+
+
+def allocation_floor(units: Units, gpu: Sequence[int], n_gpus: int, memory: int | None,
+                     cap: float, rounds: int = 0) -> float:
+    """A lower bound of the period of every plan with allocation ``gpu`` (``inf``: above ``cap``).
+
+    ``max`` of the GPU loads, the link loads (two transfers per cut) and, with ``memory``
+    (stash model; ``None`` skips it), the least period at which :func:`memory_fits` holds,
+    found by bisection between the loads and ``cap`` (the *old floor*, :func:`_old_floor`).
+    For a complete allocation with ``memory`` and ``rounds > 0`` (stop 57; at most
+    ``rounds`` rounds, :data:`WAIT_ROUNDS` where asked), then the least ``c`` at or above
+    the old floor ``L`` at which :func:`waits_check` (from ``L``) passes, by bisection up
+    to ``cap``: no plan has a period in ``[L, c)`` when the check fails at ``c``, and none
+    has one below ``L``. Valid: at a plan's period ``T`` the check from ``L <= T`` passes
+    (:func:`waits_check`), so the least passing ``c`` is at most ``T``; the check only
+    relaxes as ``c`` grows, so the bisection finds that least ``c`` (up to its precision,
+    returning the failing end). That ``c`` is again a lower bound of every plan's period:
+    the next round (``rounds`` in all, stopping when one gains nothing) checks
+    from it, with wider windows (:func:`_lift`). The waits rows dominate the lifetime rows
+    (each waited delay is at least the path's), so this floor is never below the old one.
+
+    ``gpu`` may be a prefix (units ``0..m-1`` placed; the *partial floor*): then it is at
+    most the floor of every completion, and it only grows as units are added. Proof: a GPU
+    load and a link load are sums of non-negative terms over the units and cuts placed,
+    and placing a unit only adds terms. In each memory row (:func:`memory_check`) the
+    static memory (weights and buffers of the units and cuts placed) only grows; ``D_q``
+    counts every unit's load but only the placed cuts' transfers (a later cut only adds
+    ``2 dt``), so it only grows, and with it each copy count ``ceil(D / T)`` (the paths
+    ``back[q] - back[r]``, ``r < q``, lie between placed units: exact); a unit placed later
+    only adds a row (its own) and a non-negative term ``x_r (ceil(D_r / T) - 1)^+`` to the
+    rows of the earlier units of its GPU. So every row of a prefix is at most the same row
+    in any completion, which has more rows: whatever period a completion's rows pass, the
+    prefix's rows pass, and the least such period (the bisection's answer, up to its
+    precision) cannot be larger for the prefix. The waits rows apply to complete
+    allocations only: a prefix's floor (old) is at most the old floor of any completion,
+    at most its floor.
+    """
+    low = _old_floor(units, gpu, n_gpus, memory, cap)
+    if memory is None or low == math.inf or len(gpu) < units.n:
+        return low
+    for _ in range(rounds):
+        waits = waits_check(units, gpu, n_gpus, memory, low)
+        if waits(low):
+            return low
+        high = max(low, cap)
+        if not waits(high):
+            return math.inf
+        start = low
+        for _ in range(FLOOR_ITERATIONS):
+            mid = (low + high) / 2
+            if waits(mid):
+                high = mid
+            else:
+                low = mid
+        if low <= start * (1 + _EPS):
+            break
+    return low
+
+
 def allocations_bound(units: Units, n_gpus: int, memory: int | None, low: float, cap: float,
                       decided: Mapping[tuple[int, ...], float] | None = None,
-                      work: int = BOUND_WORK) -> float:
+                      work: int = BOUND_WORK, rounds: int = 0) -> float:
     """A lower bound of every plan of the problem: the least bound over all allocations.
 
     Every plan (a 1-periodic pattern, as the exact model) has an allocation of the units
@@ -355,13 +553,14 @@ def allocations_bound(units: Units, n_gpus: int, memory: int | None, low: float,
 
     ``work`` caps the prefixes the walks try in all (deterministic); the bisection then
     stops, and the largest ``c`` proven so far is returned: each step that finds no
-    allocation proves its ``c``, so a partial bisection is still a bound.
+    allocation proves its ``c``, so a partial bisection is still a bound. ``rounds > 0``
+    bounds each complete allocation by the waits floor too (:func:`allocation_floor`).
     """
     done = {} if decided is None else decided
     stats: dict[str, int] = {"tried": 0}
 
     def some_below(c: float) -> bool | None:
-        for gpu in chunk_allocations(units, n_gpus, units.n, c, memory, stats):
+        for gpu in chunk_allocations(units, n_gpus, units.n, c, memory, stats, rounds):
             if stats["tried"] > work:
                 return None
             if done.get(gpu, -math.inf) <= c * (1 + _EPS):
@@ -735,6 +934,6 @@ def _decide(problem: PipelineProblem, units: Units, gpu: Sequence[int], cutoff: 
 
 __all__ = ["BOUND_WORK", "CHUNK_STEP", "CHUNK_WORK", "FAMILIES", "FAMILY_LIMIT",
            "FLOOR_ITERATIONS", "LOOKAHEAD", "MAX_ALLOCATIONS", "MAX_CHUNKS", "PROOF_STEP",
-           "RETRY_WORK", "ChunkSettings", "Scan", "allocation_floor", "allocations_bound",
-           "ask_family", "chunk_allocations", "complete", "memory_check", "memory_fits",
-           "ranked", "scan", "settings", "within"]
+           "RETRY_WORK", "WAIT_ROUNDS", "ChunkSettings", "Scan", "allocation_floor",
+           "allocations_bound", "ask_family", "chunk_allocations", "complete", "memory_check",
+           "memory_fits", "ranked", "scan", "settings", "waits_check", "within"]
