@@ -311,7 +311,15 @@ def _old_floor(units: Units, gpu: Sequence[int], n_gpus: int, memory: int | None
         return low
     if not fits(cap):
         return math.inf
-    high = cap
+    return _bisect(fits, low, cap)
+
+
+def _bisect(fits: Callable[[float], bool], low: float, high: float) -> float:
+    """The failing end after :data:`FLOOR_ITERATIONS` halvings of ``[low, high]``.
+
+    ``fits`` must fail at ``low``, pass at ``high`` and only pass more as its argument grows
+    (memory rows relax as the period grows): the answer is at most the least passing value.
+    """
     for _ in range(FLOOR_ITERATIONS):
         mid = (low + high) / 2
         if fits(mid):
@@ -521,13 +529,7 @@ def allocation_floor(units: Units, gpu: Sequence[int], n_gpus: int, memory: int 
         high = max(low, cap)
         if not waits(high):
             return math.inf
-        start = low
-        for _ in range(FLOOR_ITERATIONS):
-            mid = (low + high) / 2
-            if waits(mid):
-                high = mid
-            else:
-                low = mid
+        start, low = low, _bisect(waits, low, high)
         if low <= start * (1 + _EPS):
             break
     return low
