@@ -68,6 +68,7 @@ fail mid-step.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import logging
@@ -895,7 +896,11 @@ class PlannedModule(nn.Module):
                   "extracting, profiling and solving them", name)
         try:
             other = self._new_variant(args, kwargs, None, local=True)
-        except OptmemInputError as exc:
+        except Exception as exc:
+            # optmem's error, or the model's own on these values (:func:`_extracted`): a
+            # failed extraction either way, counted; the model then runs the call itself
+            if not isinstance(exc, OptmemInputError) and not getattr(exc, _PLAIN_ERROR, False):
+                raise
             variant.branch_failures += 1
             _log.info("optmem: %s runs this call itself (%s)%s", name, exc,
                       "; later calls of other sides too, without trying to extract them"
@@ -1785,7 +1790,13 @@ def _extracted(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
             raise
         plain.add_note(f"optmem: raised by {type(module).__name__} itself on this call "
                        f"(extracting it failed: {exc.reason[:200]})")
+        with contextlib.suppress(AttributeError):  # a failed extraction all the same
+            setattr(plain, _PLAIN_ERROR, True)  # (:meth:`_branch_variant` counts it)
         raise plain from None
+
+
+_PLAIN_ERROR = "_optmem_failed_extraction"
+"""Set on the model's own exception that :func:`_extracted` raises for a failed extraction."""
 
 
 def _plain_call_error(module: nn.Module, args: tuple[Any, ...],
