@@ -278,8 +278,8 @@ def _allocations_bound(problem: PipelineProblem, units: Units, period: float, lo
     """
     if not math.isfinite(period):
         return low
-    memory = problem.memory_per_gpu if problem.memory_model == "stash" else None
-    return chunked.allocations_bound(units, problem.n_gpus, memory, low, period, decided)
+    return chunked.allocations_bound(units, problem.n_gpus, chunked.floor_memory(problem), low,
+                                     period, decided)
 
 
 @register_exporter(PROBLEM, "ilp")

@@ -636,13 +636,18 @@ class Scan:
         return {f"{prefix}_{key}": value for key, value in keys.items()}
 
 
+def floor_memory(problem: PipelineProblem) -> int | None:
+    """The memory the floors check (stash model), ``None`` (loads only) for the strict one."""
+    return problem.memory_per_gpu if problem.memory_model == "stash" else None
+
+
 def ranked(problem: PipelineProblem, units: Units, chunks: int, cap: float,
            limit: int = MAX_ALLOCATIONS) -> tuple[list[tuple[float, tuple[int, ...]]], bool]:
     """The family's allocations with a floor below ``cap``, by floor; and whether truncated.
 
     The enumeration stops after ``limit`` allocations (then ``truncated``).
     """
-    memory = problem.memory_per_gpu if problem.memory_model == "stash" else None
+    memory = floor_memory(problem)
     found: list[tuple[float, tuple[int, ...]]] = []
     truncated = False
     for k, gpu in enumerate(chunk_allocations(units, problem.n_gpus, chunks, cap,
@@ -937,5 +942,5 @@ def _decide(problem: PipelineProblem, units: Units, gpu: Sequence[int], cutoff: 
 __all__ = ["BOUND_WORK", "CHUNK_STEP", "CHUNK_WORK", "FAMILIES", "FAMILY_LIMIT",
            "FLOOR_ITERATIONS", "LOOKAHEAD", "MAX_ALLOCATIONS", "MAX_CHUNKS", "PROOF_STEP",
            "RETRY_WORK", "WAIT_ROUNDS", "ChunkSettings", "Scan", "allocation_floor",
-           "allocations_bound", "ask_family", "chunk_allocations", "complete", "memory_check",
-           "memory_fits", "ranked", "scan", "settings", "waits_check", "within"]
+           "allocations_bound", "ask_family", "chunk_allocations", "complete", "floor_memory",
+           "memory_check", "memory_fits", "ranked", "scan", "settings", "waits_check", "within"]
