@@ -615,3 +615,26 @@ def test_the_waits_floor_is_valid_where_it_is_stronger():
         if checked == 12:
             break
     assert checked == 12
+
+
+def test_the_waits_floor_on_the_parallel_scan_instance_stays_below_the_optima():
+    """Stop 58, the eight-layer instance (seed 5) on which one and two workers ended with
+    different statuses when the waits floor was on (FEASIBLE, bound 30.9969, vs OPTIMAL,
+    both at 31): an order effect, not a floor above the truth. The two allocations with
+    the least waits floor (30.25, old floor 28) have the exact optimum 31 (CP-SAT with the
+    allocation fixed); the least bound over every allocation is at most that optimum."""
+    problem = eight_layer_problem(5)
+    units = make_units(problem)
+    memory = chunked.floor_memory(problem)
+    cap = units.big_m()
+    for gpu in ([0, 0, 0, 1, 1, 1, 2, 2], [0, 1, 1, 0, 0, 0, 2, 2]):
+        old = chunked.allocation_floor(units, gpu, 3, memory, cap)
+        new = chunked.allocation_floor(units, gpu, 3, memory, cap, ROUNDS)
+        assert old < new, (old, new)
+        run = run_model(problem, "cpsat", BRUTE, gpu=gpu)
+        assert run.status is Status.OPTIMAL and run.plan is not None
+        assert run.plan.period == pytest.approx(31.0, rel=1e-6)
+        assert new <= run.plan.period * (1 + 1e-9)
+    bound = chunked.allocations_bound(units, 3, memory, 0.0, cap, rounds=ROUNDS)
+    assert bound <= 31.0 * (1 + 1e-9)
+    assert bound >= chunked.allocations_bound(units, 3, memory, 0.0, cap)
