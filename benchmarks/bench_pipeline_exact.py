@@ -58,6 +58,7 @@ Usage::
         [--climb-cpu S] [--climb-orders ladder bisect]
         [--lns-moves N] [--lns-work S] [--lns-seeds K ...]
         [--chunks-starts madpipe contiguous] [--chunks-work S] [--chunks-no-search]
+        [--chunks-workers W] [--chunks-waits on|off]
         [--out benchmarks/results/pipeline_exact.md]
 """
 
@@ -562,18 +563,23 @@ def part_lns(moves: int, work: float, seeds: list[int], bound: float = 0.0,
 
 
 def part_chunks(starts: tuple[str, ...], work: float, moves: int, move_work: float,
-                search: bool = True, workers: int = 1) -> list[str]:
-    """The chunk scan from each start, and the search of part 9 from the same start."""
+                search: bool = True, workers: int = 1, waits: bool = True) -> list[str]:
+    """The chunk scan from each start, and the search of part 9 from the same start.
+
+    ``waits``: the scan's waits rows (stop 59, the method's default; ``--chunks-waits off``
+    for the scan before it).
+    """
     problem = headline_problem(resolve_chain("resnet50-b32-224"))
     units = make_units(problem)
     plans = {c[2]: c for c in incumbents(problem, SolveOptions(threads=1, seed=0))}
     names = {"madpipe": "madpipe", "contiguous": "contiguous 1F1B*"}
     rows = [f"{work:g} deterministic s per allocation, one CP-SAT worker each, {workers} "
-            f"allocation(s) asked at once, at most "
+            f"allocation(s) asked at once, waits rows {'on' if waits else 'off'}, at most "
             f"{pipeline_chunks.MAX_CHUNKS} chunks per GPU; the search: {moves} moves x "
             f"{move_work:g} deterministic s, seed 0.", "",
             "| start | method | period | found at (evaluation or move: period) | evaluated "
-            "| refuted | undecided | family bound | CPU s | wall s | load (start / end) |",
+            "| refuted (by the waits rows) | undecided | family bound | CPU s | wall s "
+            "| load (start / end) |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for start in starts:
         period, plan, _ = plans[names[start]]
@@ -581,10 +587,12 @@ def part_chunks(starts: tuple[str, ...], work: float, moves: int, move_work: flo
         cpu, wall = time.process_time(), time.perf_counter()
         found = pipeline_chunks.scan(problem, units, period, plan,
                                      chunks=pipeline_chunks.MAX_CHUNKS, work=work,
-                                     step=pipeline_chunks.CHUNK_STEP, workers=workers)
+                                     step=pipeline_chunks.CHUNK_STEP, workers=workers,
+                                     waits=waits)
         trail = found_trail(found.found_at, found.improvements)
         rows.append(f"| {start} {period:.2f} | chunks | {found.period:.2f} | "
-                    f"{'; '.join(trail[-4:]) or '-'} | {found.evaluated} | {found.refuted} | "
+                    f"{'; '.join(trail[-4:]) or '-'} | {found.evaluated} | {found.refuted} "
+                    f"({found.waited}) | "
                     f"{found.undecided} | {fmt(None if math.isnan(found.bound) else found.bound)}"
                     f" | {time.process_time() - cpu:.0f} | {time.perf_counter() - wall:.0f} | "
                     f"{load} / {uptime()} |")
@@ -644,6 +652,8 @@ def main() -> None:
                         help="part 10 without the search's rows")
     parser.add_argument("--chunks-workers", type=int, default=1,
                         help="allocations asked at once by part 10's scan (threads)")
+    parser.add_argument("--chunks-waits", choices=("on", "off"), default="on",
+                        help="part 10's scan with the waits rows (stop 59) or without")
     parser.add_argument("--out", help="write the Markdown here")
     args = parser.parse_args()
     seeds = [0, 1, 2, 3, 4]
@@ -689,7 +699,7 @@ def main() -> None:
                  f"(part 10, CP-SAT, {args.chunks_workers} thread(s))", "",
                  *part_chunks(tuple(args.chunks_starts), args.chunks_work, args.lns_moves,
                               args.lns_work, not args.chunks_no_search,
-                              args.chunks_workers), ""]
+                              args.chunks_workers, args.chunks_waits == "on"), ""]
     text += [f"Total wall time {time.perf_counter() - start:.0f} s; 2 threads per engine."]
     print_and_write("\n".join(text) + "\n", args.out)
 

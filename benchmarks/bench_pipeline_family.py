@@ -14,12 +14,14 @@ the prefixes it tried and how many of them the loads and the partial floor cut.
 Otherwise: ``solve(problem, "chunks", extra={"family": "all"})`` on each instance (2
 threads, the defaults otherwise, ``--time-limit`` seconds): status, period, bound, the least
 bound of an allocation (``report["allocations_bound"]``, stop 57), the k-chunk scan's and the
-complete family's counts, CPU and wall seconds, the load.
+complete family's counts (asked / refuted, of which by the waits rows without a question,
+stop 59 / undecided), CPU and wall seconds, the load. ``--waits off`` runs the method
+without the waits rows (``extra["waits"] = False``, the method before stop 59).
 
 Usage::
 
     python benchmarks/bench_pipeline_family.py [--count-only [--max N]] [--only NAME ...]
-        [--time-limit S] [--family-limit N]
+        [--time-limit S] [--family-limit N] [--waits on|off]
 """
 
 from __future__ import annotations
@@ -82,9 +84,10 @@ def count(name: str, problem: PipelineProblem, most: int) -> None:
           f"{time.process_time() - cpu:.1f} | {start} / {load()} |", flush=True)
 
 
-def run(name: str, problem: PipelineProblem, limit: float | None, family_limit: int) -> None:
+def run(name: str, problem: PipelineProblem, limit: float | None, family_limit: int,
+        waits: bool = True) -> None:
     """One row of the solve table."""
-    extra = {"family": "all", "family_limit": family_limit}
+    extra = {"family": "all", "family_limit": family_limit, "waits": waits}
     cpu, wall, start = time.process_time(), time.perf_counter(), load()
     res = solve(problem, "chunks", options=SolveOptions(threads=2, time_limit_s=limit,
                                                         extra=extra))
@@ -93,10 +96,12 @@ def run(name: str, problem: PipelineProblem, limit: float | None, family_limit: 
 
     def part(prefix: str) -> str:
         return (f"{r[prefix + '_family']:,} / {r[prefix + '_evaluated']:,} / "
-                f"{r[prefix + '_refuted']:,} / {r[prefix + '_undecided']:,}")
+                f"{r[prefix + '_refuted']:,} ({r.get(prefix + '_waited', 0):,}) / "
+                f"{r[prefix + '_undecided']:,}")
 
     gap = (res.objective - res.bound) / res.objective if math.isfinite(res.bound) else math.nan
-    print(f"| {name} | {res.status.value} | {res.objective:.4f} | {res.bound:.4f} | "
+    label = name if waits else f"{name} (waits off)"
+    print(f"| {label} | {res.status.value} | {res.objective:.4f} | {res.bound:.4f} | "
           f"{gap:.2%} | {r['allocations_bound']:.4f} | {part('chunks')} | "
           f"{part('complete')} ({r['complete_stopped']}) | "
           f"{cpu:.0f} | {wall:.0f} | {start} / {load()} |", flush=True)
@@ -110,6 +115,7 @@ def main() -> None:
                         help="instances by name ('resnet18 1.5x', 'headline', ...)")
     parser.add_argument("--time-limit", type=float, default=None)
     parser.add_argument("--family-limit", type=int, default=pipeline_chunks.FAMILY_LIMIT)
+    parser.add_argument("--waits", choices=("on", "off"), default="on")
     args = parser.parse_args()
     if args.count_only:
         print("| instance | units | cutoff | allocations below it | prefixes tried | "
@@ -117,8 +123,8 @@ def main() -> None:
         print("|---|---|---|---|---|---|---|---|---|")
     else:
         print("| instance | status | period | bound | gap | least bound of an allocation | "
-              "k-chunk family / asked / refuted / undecided | complete family / asked / "
-              "refuted / undecided | CPU s | wall s | load (start / end) |")
+              "k-chunk family / asked / refuted (waits) / undecided | complete family / "
+              "asked / refuted (waits) / undecided | CPU s | wall s | load (start / end) |")
         print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, problem in instances():
         if args.only and name not in args.only:
@@ -126,7 +132,7 @@ def main() -> None:
         if args.count_only:
             count(name, problem, args.max)
         else:
-            run(name, problem, args.time_limit, args.family_limit)
+            run(name, problem, args.time_limit, args.family_limit, args.waits == "on")
 
 
 if __name__ == "__main__":

@@ -363,15 +363,21 @@ def eight_layer_problem(seed: int) -> PipelineProblem:
                            chain_bandwidth=rng.choice([math.inf, 2.0, 4.0]))
 
 
+NO_WAITS = replace(FAST, extra={**FAST.extra, "waits": False})
+"""The scan without the waits rows (stop 59): every allocation below the cutoff is asked,
+for the tests of the asking itself (batches, retries)."""
+
+
 @pytest.mark.parametrize("seed", [1, 5])
 def test_parallel_scan_is_deterministic_and_finds_the_same_best(seed):
     """Two and three workers (threads; batches asked at one cutoff, settled in order): the
     same report on a second run, the same best period and family bound as one worker (the
-    family's optimum either way); several allocations are asked, so batches are used."""
+    family's optimum either way); several allocations are asked (without the waits rows,
+    which refute most of them here), so batches are used."""
     problem = eight_layer_problem(seed)
 
     def run(threads):
-        return solve(problem, "chunks", options=replace(FAST, threads=threads))
+        return solve(problem, "chunks", options=replace(NO_WAITS, threads=threads))
 
     one = run(1)
     assert one.report["chunks_bound"] is not None, one.report
@@ -405,7 +411,7 @@ def test_retry_pass_decides_with_its_own_work():
     problem = eight_layer_problem(3)
 
     def run(work, retry):
-        extra = {**FAST.extra, "chunk_work": work, "chunk_retry_work": retry}
+        extra = {**NO_WAITS.extra, "chunk_work": work, "chunk_retry_work": retry}
         return solve(problem, "chunks", options=replace(FAST, extra=extra))
 
     short, long = run(0.002, 0.001), run(0.002, 5.0)
@@ -442,6 +448,7 @@ def test_engine_failures_are_counted_and_survived(monkeypatch):
     ({"chunk_retry_work": "x"}, "chunk_retry_work"), ({"family": "every"}, "family"),
     ({"family": True}, "family"), ({"family_limit": 0}, "family_limit"),
     ({"family_limit": 10**7}, "family_limit"), ({"relaxation": "yes"}, "relaxation"),
+    ({"waits": "on"}, "waits"), ({"waits": 1}, "waits"),
 ])
 def test_bad_options_are_refused(extra, field):
     """One clear error naming the option."""
@@ -511,7 +518,7 @@ def test_without_an_incumbent_a_plan_at_the_cap_is_found():
 
 
 ROUNDS = chunked.WAIT_ROUNDS
-"""The waits floor's rounds where it is asked (the method does not ask it yet)."""
+"""The waits floor's rounds where it is asked (the scan's check before each question)."""
 
 
 def first_use(gpu) -> list[int]:
@@ -638,3 +645,65 @@ def test_the_waits_floor_on_the_parallel_scan_instance_stays_below_the_optima():
     bound = chunked.allocations_bound(units, 3, memory, 0.0, cap, rounds=ROUNDS)
     assert bound <= 31.0 * (1 + 1e-9)
     assert bound >= chunked.allocations_bound(units, 3, memory, 0.0, cap)
+
+
+@pytest.mark.parametrize("seed", [3, 5])
+def test_the_waits_rows_in_the_scan_refute_without_asking_and_keep_the_best(seed):
+    """Stop 59: the method asks the waits rows (:func:`waits_check`, from each allocation's
+    floor, at the cutoff in force) before the exact model. On the eight-layer instances
+    they refute allocations without a question (``chunks_waited``, counted in
+    ``chunks_refuted``), so fewer questions are asked; the plan is the scan's without them
+    (the family's best, up to the step), the family bound holds, and the run is the same
+    on a second run and with two workers up to the order effect of stop 58 (the status)."""
+    problem = eight_layer_problem(seed)
+    plain = solve(problem, "chunks", options=NO_WAITS)
+    waited = solve(problem, "chunks", options=FAST)
+    assert plain.report["chunks_waited"] == 0
+    assert waited.report["chunks_waited"] >= 1, waited.report
+    assert waited.report["chunks_refuted"] >= waited.report["chunks_waited"]
+    assert waited.report["chunks_evaluated"] < plain.report["chunks_evaluated"]
+    assert waited.objective == pytest.approx(plain.objective, rel=2 * chunked.CHUNK_STEP)
+    assert waited.report["chunks_bound"] is not None, waited.report
+    assert waited.report["chunks_bound"] <= plain.objective * (1 + 1e-9)
+    assert waited.bound <= waited.objective * (1 + 1e-9)
+    again = solve(problem, "chunks", options=FAST)
+    assert {k: v for k, v in again.report.items() if k.startswith("chunks_")} == \
+        {k: v for k, v in waited.report.items() if k.startswith("chunks_")}
+    two = solve(problem, "chunks", options=replace(FAST, threads=2))
+    assert two.objective == pytest.approx(waited.objective, rel=2 * chunked.CHUNK_STEP)
+    assert two.bound <= two.objective * (1 + 1e-9)
+
+
+@settings(max_examples=12, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(problem=st.one_of(small_problems(), five_layer_problems()))
+def test_the_allocations_bound_with_waits_lies_between_the_plain_one_and_the_optimum(problem):
+    """``allocations_bound(waits=True)`` (stop 59: each allocation listed at a step is
+    asked the waits rows from the bound proven so far) is at least the bound without them
+    and at most the optimum over every allocation (brute force: each allocation's fixed
+    model, CP-SAT, 5 deterministic seconds; instances with an undecided one are dropped)."""
+    solved = decided_allocations(problem)
+    assume(solved is not None)
+    assert solved is not None
+    overall = min((period for _, period in solved), default=math.inf)
+    units = make_units(problem)
+    memory = chunked.floor_memory(problem)
+    cap = units.big_m()
+    plain = chunked.allocations_bound(units, problem.n_gpus, memory, 0.0, cap)
+    waited = chunked.allocations_bound(units, problem.n_gpus, memory, 0.0, cap, waits=True)
+    assert waited >= plain * (1 - 1e-12)
+    assert waited <= min(overall, cap) * (1 + 1e-9), (plain, waited, overall)
+
+
+def test_the_allocations_bound_with_waits_is_stronger_on_the_handmade_instance():
+    """The three-layer instance above (old floor 9, waits floor 12, its optimum 12): over
+    every allocation the bound with the waits rows exceeds the one without, and stays at
+    most the best allocation's optimum (brute force)."""
+    problem = PipelineProblem(thesis_chain([2, 4, 3], [3, 4, 1], [1, 0, 0, 0, 0]), 2, 2)
+    units = make_units(problem)
+    solved = decided_allocations(problem)
+    assert solved is not None
+    overall = min(period for _, period in solved)
+    plain = chunked.allocations_bound(units, 2, 2, 0.0, units.big_m())
+    waited = chunked.allocations_bound(units, 2, 2, 0.0, units.big_m(), waits=True)
+    assert plain < waited <= overall * (1 + 1e-9), (plain, waited, overall)

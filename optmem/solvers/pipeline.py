@@ -56,7 +56,7 @@ EXACT_EXTRA = ("warm_madpipe", "relaxation", "strategy", "trim_work", "isolate",
                "colocate_order", "colocate_beside", "lns", "lns_work", *MADPIPE_EXTRA)
 """Keys of ``ilp``/``cpsat``: their own, and MadPipe's (its run gives their warm start)."""
 CHUNKS_EXTRA = ("chunks", "chunk_work", "chunk_step", "chunk_retry_work", "family",
-                "family_limit", "warm_madpipe", "relaxation", *MADPIPE_EXTRA)
+                "family_limit", "waits", "warm_madpipe", "relaxation", *MADPIPE_EXTRA)
 """Keys of ``chunks``: its own, and MadPipe's (its run gives the first cutoff)."""
 
 
@@ -236,7 +236,7 @@ def solve_pipeline_chunks(problem: PipelineProblem, options: SolveOptions) -> Re
     relaxed, report = first_bound(problem, period, options)
     found = chunked.scan(problem, units, period, plan, chunks=conf.chunks, work=conf.work,
                          step=conf.step, seed=options.seed, deadline=deadline,
-                         workers=options.threads, retry=conf.retry)
+                         workers=options.threads, retry=conf.retry, waits=conf.waits)
     report.update(found.report())
     improved = bool(found.improvements)
     bound, closed = relaxed, False
@@ -244,7 +244,7 @@ def solve_pipeline_chunks(problem: PipelineProblem, options: SolveOptions) -> Re
     if conf.family == "all":
         whole = chunked.complete(problem, units, found, limit=conf.limit, work=conf.work,
                                  step=conf.step, seed=options.seed, deadline=deadline,
-                                 workers=options.threads, retry=conf.retry)
+                                 workers=options.threads, retry=conf.retry, waits=conf.waits)
         report.update(whole.report("complete"))
         improved = improved or bool(whole.improvements)
         for gpu, proven_at in whole.decided.items():
@@ -253,7 +253,7 @@ def solve_pipeline_chunks(problem: PipelineProblem, options: SolveOptions) -> Re
         if closed:
             bound = max(bound, whole.bound)
         found = whole
-    every = _allocations_bound(problem, units, found.period, bound, decided)
+    every = _allocations_bound(problem, units, found.period, bound, decided, conf.waits)
     bound = max(bound, every)
     report.update({"incumbents": {s: p for p, _, s in starts},
                    "source": "chunks" if improved else starts[0][2] if starts else None,
@@ -270,7 +270,7 @@ def solve_pipeline_chunks(problem: PipelineProblem, options: SolveOptions) -> Re
 
 
 def _allocations_bound(problem: PipelineProblem, units: Units, period: float, low: float,
-                       decided: dict[tuple[int, ...], float]) -> float:
+                       decided: dict[tuple[int, ...], float], waits: bool) -> float:
     """:func:`~optmem.solvers.pipeline_chunks.allocations_bound` below the plan's ``period``.
 
     The least bound over every allocation (its floor, or what the scan proved for it);
@@ -279,7 +279,7 @@ def _allocations_bound(problem: PipelineProblem, units: Units, period: float, lo
     if not math.isfinite(period):
         return low
     return chunked.allocations_bound(units, problem.n_gpus, chunked.floor_memory(problem), low,
-                                     period, decided)
+                                     period, decided, waits=waits)
 
 
 @register_exporter(PROBLEM, "ilp")

@@ -16,10 +16,12 @@ non-contiguous allocations serve the same end). This method searches that family
    the allocation fixed: ``ceil(D / T)`` copies of the starting unit's stash, of every lower
    unit's ``ceil(D(q -> r) / T)``, of every higher unit's ``ceil(D_r / T) - 1``). The floor
    is the least ``T`` that passes them (a bisection: memory needs only shrink as ``T``
-   grows). Where asked (``rounds``, off in the method: its cost), a complete allocation's
-   rows then take the *waits* (stop 57, :func:`waits_check`): the ops of one GPU, and the
-   transfers of one link, do not overlap modulo ``T``, so the delays between them avoid
-   windows and the lifetimes ``D`` grow.
+   grows). Where asked (``rounds``), a complete allocation's rows then take the *waits*
+   (stop 57, :func:`waits_check`): the ops of one GPU, and the transfers of one link, do
+   not overlap modulo ``T``, so the delays between them avoid windows and the lifetimes
+   ``D`` grow. The method asks them (``extra["waits"]``, default true, stop 59) before
+   each question of the scan (:meth:`_Asker.waited`) and in :func:`allocations_bound`,
+   not in the walks (their cost).
 3. **Scan** the allocations by increasing floor: the exact model with the allocation fixed
    (``build_pipeline_model(gpu=...)``, CP-SAT, one worker, ``extra["chunk_work"]``
    deterministic seconds, default 5) asked for *any* plan of period at most the incumbent's
@@ -75,7 +77,7 @@ from optmem.models.pipeline import Units
 from optmem.pipeline_plan import PipelinePlan
 from optmem.problems.pipeline import PipelineProblem
 from optmem.result import SolveOptions, Status
-from optmem.solvers.options import choice, positive_float, positive_int
+from optmem.solvers.options import choice, flag, positive_float, positive_int
 from optmem.solvers.pipeline_common import OPTIMALITY_TOLERANCE, replayed_period, run_model
 
 MAX_CHUNKS = 2
@@ -104,13 +106,19 @@ FLOOR_ITERATIONS = 40
 """Bisection steps of :func:`allocation_floor` (relative precision about 1e-12)."""
 BOUND_WORK = 1_000_000
 """Prefixes :func:`allocations_bound`'s walks may try in all (a deterministic work limit)."""
+WAITS_WORK = 5_000
+"""Interval DPs (:func:`waits_check`) :func:`allocations_bound` may run with ``waits`` (a
+deterministic work limit; about 0.4-3 ms each on 14-21 units): past it the bisection goes
+on with the floors alone. ResNet-18 at 3x: 31.90 with 2,000, 32.12 with 5,000 (3 s), its
+optimum 32.15 with 21,662 (8 s); ResNet-50 at 3x gains nothing and 5,000 take 15 s."""
 WAIT_ROUNDS = 2
 """Rounds of the waits floor where it is asked (``rounds=WAIT_ROUNDS`` in
 :func:`allocation_floor`, :func:`within`, :func:`chunk_allocations`,
-:func:`allocations_bound`), each from the previous round's floor. The method ``chunks``
-does not ask it yet (``rounds=0``): it costs about 0.1 s per allocation on 21 units, 10-100
-times the lifetimes floor, which made ``allocations_bound`` on ResNet-50 at 1.5x run over 15
-minutes (``benchmarks/bench_pipeline_floor.py``)."""
+:func:`allocations_bound`; the scan's check before each question, :meth:`_Asker.waited`),
+each from the previous round's floor. The walks of the method ``chunks`` keep ``rounds=0``:
+a floor costs about 0.1 s per allocation on 21 units, 10-100 times the lifetimes floor,
+which made ``allocations_bound`` on ResNet-50 at 1.5x run over 15 minutes
+(``benchmarks/bench_pipeline_floor.py``); its ``waits`` option is the cheap form."""
 _EPS = 1e-9
 
 
@@ -119,7 +127,9 @@ class ChunkSettings:
     """The scan's ``extra`` options.
 
     ``chunks``, ``chunk_work``, ``chunk_step``, ``chunk_retry_work``, ``family``,
-    ``family_limit``.
+    ``family_limit``, ``waits`` (stop 59, default true: the waits rows,
+    :func:`waits_check`, refute allocations before the exact model is asked and in
+    :func:`allocations_bound`).
     """
 
     chunks: int
@@ -128,6 +138,7 @@ class ChunkSettings:
     retry: float = RETRY_WORK
     family: str = "chunks"
     limit: int = FAMILY_LIMIT
+    waits: bool = True
 
 
 def settings(options: SolveOptions) -> ChunkSettings:
@@ -140,7 +151,8 @@ def settings(options: SolveOptions) -> ChunkSettings:
     return ChunkSettings(chunks, positive_float(options, "chunk_work", CHUNK_WORK), step,
                          positive_float(options, "chunk_retry_work", RETRY_WORK),
                          choice(options, "family", "chunks", FAMILIES),
-                         positive_int(options, "family_limit", FAMILY_LIMIT))
+                         positive_int(options, "family_limit", FAMILY_LIMIT),
+                         flag(options, "waits", True))
 
 
 # ------------------------------------------------------------------ enumeration
@@ -537,7 +549,8 @@ def allocation_floor(units: Units, gpu: Sequence[int], n_gpus: int, memory: int 
 
 def allocations_bound(units: Units, n_gpus: int, memory: int | None, low: float, cap: float,
                       decided: Mapping[tuple[int, ...], float] | None = None,
-                      work: int = BOUND_WORK, rounds: int = 0) -> float:
+                      work: int = BOUND_WORK, rounds: int = 0, waits: bool = False,
+                      waits_work: int = WAITS_WORK) -> float:
     """A lower bound of every plan of the problem: the least bound over all allocations.
 
     Every plan (a 1-periodic pattern, as the exact model) has an allocation of the units
@@ -557,17 +570,47 @@ def allocations_bound(units: Units, n_gpus: int, memory: int | None, low: float,
     stops, and the largest ``c`` proven so far is returned: each step that finds no
     allocation proves its ``c``, so a partial bisection is still a bound. ``rounds > 0``
     bounds each complete allocation by the waits floor too (:func:`allocation_floor`).
+
+    ``waits`` (stop 59, what the method ``chunks`` asks; cheaper than ``rounds``): a
+    complete allocation listed at ``c`` is also asked :func:`waits_check` from the bound
+    the bisection has proven so far (``L``: no plan of *any* allocation is below it, so it
+    is a lower bound of this one's) at ``c``, one interval DP; when that fails, no plan of
+    the allocation has a period in ``[L, c]`` (:func:`waits_check`: the check passes at
+    every plan's period in ``[L, c]`` and only relaxes as ``c`` grows), so none at most
+    ``c``, and the allocation is not counted (nor asked again at a lower ``c``: a proven
+    bound is kept per allocation). The rounds of :func:`allocation_floor` happen through
+    the bisection itself: each step that finds no allocation raises ``L``, and the windows
+    of the next steps widen with it. At most ``waits_work`` DPs are run (deterministic);
+    the steps after that ask the floors alone (each step's answer stays a proof).
     """
     done = {} if decided is None else decided
     stats: dict[str, int] = {"tried": 0}
+    proven = {"low": low}
+    beyond: dict[tuple[int, ...], float] = {}  # allocation -> c at which the waits refuted it
+
+    def refuted(gpu: tuple[int, ...], c: float) -> bool:
+        if not waits or memory is None:
+            return False
+        if beyond.get(gpu, -math.inf) >= c:
+            return True
+        if stats.setdefault("waits", 0) >= waits_work:
+            return False
+        stats["waits"] += 1
+        if waits_check(units, gpu, n_gpus, memory, proven["low"])(c):
+            return False
+        beyond[gpu] = c
+        return True
 
     def some_below(c: float) -> bool | None:
         for gpu in chunk_allocations(units, n_gpus, units.n, c, memory, stats, rounds):
             if stats["tried"] > work:
                 return None
-            if done.get(gpu, -math.inf) <= c * (1 + _EPS):
+            if done.get(gpu, -math.inf) <= c * (1 + _EPS) and not refuted(gpu, c):
                 return True
-        return None if stats["tried"] > work else False
+        if stats["tried"] > work:
+            return None
+        proven["low"] = max(proven["low"], c)
+        return False
 
     if low >= cap:
         return cap
@@ -602,8 +645,10 @@ class Scan:
     ``family``: allocations with a floor below the first cutoff; ``refuted``: decided
     without a plan below the cutoff then in force; ``undecided``: stopped by the work limit
     (or an engine failure, also counted in ``failed``); ``skipped``: whose floor reached a
-    lowered cutoff; ``bound``: every plan of the family has at least this period (``nan``
-    unless the pass ended with none undecided and none truncated); ``found_at``: the
+    lowered cutoff; ``waited``: refuted by the waits rows before the exact model was asked
+    (:meth:`_Asker.run`, counted in ``refuted`` too); ``bound``: every plan of the family
+    has at least this period (``nan`` unless the pass ended with none undecided and none
+    truncated); ``found_at``: the
     evaluation (1-based) that found each of ``improvements``; ``decided``: for each
     allocation asked and refuted, or solved to its optimum, a lower bound of its plans'
     periods proven by the exact model (the cutoff, or its optimum, less two steps of
@@ -618,6 +663,7 @@ class Scan:
     undecided: int = 0
     failed: int = 0
     skipped: int = 0
+    waited: int = 0
     truncated: bool = False
     stopped: str = "done"
     bound: float = math.nan
@@ -630,6 +676,7 @@ class Scan:
         keys: dict[str, object] = {
             "family": self.family, "evaluated": self.evaluated, "refuted": self.refuted,
             "undecided": self.undecided, "failed": self.failed, "skipped": self.skipped,
+            "waited": self.waited,
             "truncated": self.truncated, "stopped": self.stopped,
             "bound": None if math.isnan(self.bound) else self.bound,
             "improvements": list(self.improvements), "found_at": list(self.found_at)}
@@ -665,7 +712,7 @@ def ranked(problem: PipelineProblem, units: Units, chunks: int, cap: float,
 def scan(problem: PipelineProblem, units: Units, period: float, plan: PipelinePlan | None, *,
          chunks: int, work: float, step: float, seed: int = 0,
          deadline: float | None = None, workers: int = 1,
-         retry: float = RETRY_WORK) -> Scan:
+         retry: float = RETRY_WORK, waits: bool = False) -> Scan:
     """Improve ``plan`` (period ``period``; ``inf`` and ``None`` without one) over the family.
 
     One pass by increasing :func:`allocation_floor`; see the module docstring. An allocation
@@ -680,17 +727,19 @@ def scan(problem: PipelineProblem, units: Units, period: float, plan: PipelinePl
     scan's order (:class:`_Asker`): the same answers for the same ``workers`` on any
     machine, as each question is deterministic. Under a work budget
     (``SolveOptions.work_budget``) one allocation is asked at a time: what each question
-    in flight would be granted of the budget depends on when it starts.
+    in flight would be granted of the budget depends on when it starts. ``waits``: an
+    allocation the waits rows refute at the cutoff is not asked (:meth:`_Asker.run`).
     """
     cap = period if math.isfinite(period) else units.big_m()
     family, truncated = ranked(problem, units, chunks, cap)
     return ask_family(problem, units, period, plan, family, work=work, step=step, seed=seed,
-                      deadline=deadline, workers=workers, retry=retry, truncated=truncated)
+                      deadline=deadline, workers=workers, retry=retry, truncated=truncated,
+                      waits=waits)
 
 
 def complete(problem: PipelineProblem, units: Units, first: Scan, *, limit: int,
              work: float, step: float, seed: int = 0, deadline: float | None = None,
-             workers: int = 1, retry: float = RETRY_WORK) -> Scan:
+             workers: int = 1, retry: float = RETRY_WORK, waits: bool = False) -> Scan:
     """Every allocation (any chunk count) with a floor below ``first``'s period, asked.
 
     The complete family (``extra["family"] = "all"``): the allocations of the units with
@@ -712,20 +761,22 @@ def complete(problem: PipelineProblem, units: Units, first: Scan, *, limit: int,
                     stopped="limit")
     return ask_family(problem, units, first.period, first.plan, family, work=work,
                       step=min(step, PROOF_STEP), seed=seed, deadline=deadline,
-                      workers=workers, retry=retry)
+                      workers=workers, retry=retry, waits=waits)
 
 
 def ask_family(problem: PipelineProblem, units: Units, period: float,
                plan: PipelinePlan | None, family: Sequence[tuple[float, tuple[int, ...]]], *,
                work: float, step: float, seed: int = 0, deadline: float | None = None,
-               workers: int = 1, retry: float = RETRY_WORK, truncated: bool = False) -> Scan:
+               workers: int = 1, retry: float = RETRY_WORK, truncated: bool = False,
+               waits: bool = False) -> Scan:
     """:func:`scan`'s pass and retry pass over a given ``family`` of ``(floor, allocation)``.
 
     ``family`` must be sorted by floor (:func:`allocation_floor`, as :func:`ranked` gives it)
     and hold allocations numbered by first use; any set of allocations may be asked this way
     (e.g. the neighbourhood of a plan's allocation, ``benchmarks/bench_pipeline_neighbours.py``).
     ``Scan.bound`` then bounds the plans of these allocations only; ``truncated`` (the
-    family is incomplete) withholds it.
+    family is incomplete) withholds it. ``waits``: allocations the waits rows refute at the
+    cutoff in force are not asked (:meth:`_Asker.waited`).
     """
     if active_budget() is not None:
         workers = 1
@@ -733,7 +784,7 @@ def ask_family(problem: PipelineProblem, units: Units, period: float,
     cap = period if math.isfinite(period) else units.big_m()
     family = list(family)
     out.family = len(family)
-    ask = _Asker(problem, units, cap, step, seed, deadline, max(1, workers))
+    ask = _Asker(problem, units, cap, step, seed, deadline, max(1, workers), waits)
     with ask:
         pending = ask.run(out, family, work)
         if out.stopped == "done" and pending:
@@ -758,9 +809,11 @@ class _Asker:
     """
 
     def __init__(self, problem: PipelineProblem, units: Units, cap: float, step: float,
-                 seed: int, deadline: float | None, workers: int) -> None:
+                 seed: int, deadline: float | None, workers: int, waits: bool = False
+                 ) -> None:
         self.problem, self.units, self.cap, self.step = problem, units, cap, step
         self.seed, self.deadline, self.workers = seed, deadline, workers
+        self.memory = floor_memory(problem) if waits else None
         self.window = 1 if workers == 1 else LOOKAHEAD * workers
         self.grid = 0.0
         self.pool: ThreadPoolExecutor | None = None
@@ -787,7 +840,9 @@ class _Asker:
         floor is below the cutoff in force; once the front's floor reaches the cutoff (and
         the questions in flight are answered), the rest of the queue is skipped. Until stop
         56 the window was filled regardless, so with two workers up to eight allocations
-        whose floor had reached the cutoff were asked.
+        whose floor had reached the cutoff were asked. With the waits rows on (stash
+        memory), an allocation they refute at the cutoff in force is not asked
+        (:meth:`waited`): it depends only on the cutoff, so the scan stays deterministic.
         """
         queue = deque(items)
         flight: deque[tuple[tuple[float, tuple[int, ...]], Future[_Outcome]]] = deque()
@@ -804,6 +859,8 @@ class _Asker:
             while queue and len(flight) < self.window \
                     and not _out_of_reach(out, queue[0][0], cutoff):
                 item = queue.popleft()
+                if self.waited(out, item, cutoff):
+                    continue
                 flight.append((item, self.send(item[1], cutoff, work)))
             if not flight:
                 break
@@ -820,6 +877,28 @@ class _Asker:
         for _, answer in flight:
             answer.cancel()
         return pending
+
+    def waited(self, out: Scan, item: tuple[float, tuple[int, ...]], cutoff: float) -> bool:
+        """Whether the waits rows refute ``item`` at ``cutoff`` (then counted and decided).
+
+        :func:`within` at ``cutoff`` with :data:`WAIT_ROUNDS` rounds: the waits floor of
+        :func:`allocation_floor`, from the allocation's loads-and-lifetimes floor, is
+        above ``cutoff``, so no plan of the allocation has a period at most ``cutoff``: it
+        is decided there (:attr:`Scan.decided`) without a question. Up to two bisections
+        of interval DPs (tens of milliseconds on 21 units), where a question takes CP-SAT
+        seconds. On ResNet-18 at 3x (4 GPUs, 12 GB/s) it refutes all 873 allocations of
+        the complete family below the optimum, on the headline 1,463 of the 1,534
+        two-chunk allocations below 31.39 (one round: 777 and 1,431).
+        """
+        if self.memory is None:
+            return False
+        gpu = item[1]
+        if within(self.units, gpu, self.problem.n_gpus, self.memory, cutoff, WAIT_ROUNDS):
+            return False
+        out.waited += 1
+        out.refuted += 1
+        out.decided[gpu] = max(cutoff, out.decided.get(gpu, 0.0))
+        return True
 
     def send(self, gpu: tuple[int, ...], cutoff: float, work: float) -> Future[_Outcome]:
         """Ask ``gpu`` at ``cutoff`` (on the pool, or at once without one)."""
@@ -941,6 +1020,6 @@ def _decide(problem: PipelineProblem, units: Units, gpu: Sequence[int], cutoff: 
 
 __all__ = ["BOUND_WORK", "CHUNK_STEP", "CHUNK_WORK", "FAMILIES", "FAMILY_LIMIT",
            "FLOOR_ITERATIONS", "LOOKAHEAD", "MAX_ALLOCATIONS", "MAX_CHUNKS", "PROOF_STEP",
-           "RETRY_WORK", "WAIT_ROUNDS", "ChunkSettings", "Scan", "allocation_floor",
+           "RETRY_WORK", "WAITS_WORK", "WAIT_ROUNDS", "ChunkSettings", "Scan", "allocation_floor",
            "allocations_bound", "ask_family", "chunk_allocations", "complete", "floor_memory",
            "memory_check", "memory_fits", "ranked", "scan", "settings", "waits_check", "within"]
