@@ -21,6 +21,7 @@ not count).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -197,7 +198,8 @@ ZOO: dict[str, Callable[[], tuple[Any, dict[str, Any]]]] = {
 #: Families whose outputs and gradients match to float rounding only, and why (measured
 #: without optmem: the differences are the model's own under what the executor must do).
 ROUNDING: dict[str, str] = {
-    "t5": "torch.export's graph of T5 alone (no optmem) gives logits 1.1e-6 from eager's",
+    "t5": "torch.export's graph of T5 alone (no optmem) gave logits 1.1e-6 from eager's "
+          "on some CPUs (own_rounding: excused only where it still does)",
 }
 # Bitwise since stop 41, were to rounding: ALBERT (one shared layer, four contributions per
 # parameter), BART and LED (an embedding tied three ways: encoder, decoder, head), whose
@@ -209,20 +211,18 @@ ROUNDING: dict[str, str] = {
 #: are too few stages for a 60 % plan; they get four.
 
 
-@pytest.mark.parametrize("name", sorted(ZOO))
-def test_one_liner_reaches_the_family(name: str) -> None:
-    model, kwargs = ZOO[name]()
-    model.train()
-    check_one_liner(model, kwargs, bitwise=name not in ROUNDING)
+@functools.cache
+def own_rounding(name: str) -> bool:
+    """Whether the family's own exported graph (no optmem) rounds away from eager *here*.
 
-
-def test_the_rounding_exceptions_are_the_models_own() -> None:
-    """Each :data:`ROUNDING` entry is justified by the model alone (no optmem involved).
-
-    When torch or transformers change so that a reason no longer holds, this fails and the
-    family must go back to the bitwise check.
+    Measured on this machine, each run: whether torch.export's graph of the model alone
+    gives other logits than eager (they must still be close). The difference depends on
+    the CPU's kernels, not on optmem: T5 differed by 1.1e-6 on the machine of stop 41 and
+    is bitwise on the one of stop 60 (same torch, transformers 5.20-5.25), where the fixed
+    expectation "differs" failed CI. Where the model's own graph is bitwise, the family
+    gets the bitwise check.
     """
-    model, kwargs = ZOO["t5"]()
+    model, kwargs = ZOO[name]()
     model.train()
     exported = torch.export.export(model, (), kwargs={**kwargs, "use_cache": False},
                                    strict=False).module()
@@ -230,9 +230,28 @@ def test_the_rounding_exceptions_are_the_models_own() -> None:
     eager = model(**kwargs).logits
     torch.manual_seed(5)
     graph = exported(**kwargs, use_cache=False)["logits"]
-    assert not torch.equal(eager, graph)
     torch.testing.assert_close(eager, graph)
+    return not torch.equal(eager, graph)
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_one_liner_reaches_the_family(name: str) -> None:
+    bitwise = name not in ROUNDING or not own_rounding(name)
+    model, kwargs = ZOO[name]()
+    model.train()
+    check_one_liner(model, kwargs, bitwise=bitwise)
+
+
+def test_the_rounding_exceptions_are_the_models_own() -> None:
+    """Each :data:`ROUNDING` entry is justified by the model alone (no optmem involved).
+
+    Its own exported graph is close to eager (and, where it is not bitwise on this
+    machine, :func:`own_rounding` grants the family the rounding); no other family is
+    excused.
+    """
     assert set(ROUNDING) == {"t5"}
+    for name in ROUNDING:
+        own_rounding(name)  # asserts the model's own graph is close to eager
 
 
 def test_swin_differs_under_no_grad_which_the_plan_undoes() -> None:
