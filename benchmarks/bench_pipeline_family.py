@@ -9,7 +9,10 @@ allocation, GPUs numbered by first use) whose floor
 (:func:`~optmem.solvers.pipeline_chunks.allocation_floor`) is below a period (the best known
 plan's, :data:`KNOWN`, less :data:`~optmem.solvers.pipeline_chunks.PROOF_STEP`), counted by
 the enumeration the method uses (pruned by the partial floor; stopped at ``--max``), with
-the prefixes it tried and how many of them the loads and the partial floor cut.
+the prefixes it tried and how many of them the loads and the partial floor cut;
+``--count-waits``: and how many of them the waits rows
+(:func:`~optmem.solvers.pipeline_chunks.within`, ``WAIT_ROUNDS`` rounds, what the scan asks
+before each question since stop 59) leave at that period.
 
 Otherwise: ``solve(problem, "chunks", extra={"family": "all"})`` on each instance (2
 threads, the defaults otherwise, ``--time-limit`` seconds): status, period, bound, the least
@@ -20,8 +23,8 @@ without the waits rows (``extra["waits"] = False``, the method before stop 59).
 
 Usage::
 
-    python benchmarks/bench_pipeline_family.py [--count-only [--max N]] [--only NAME ...]
-        [--time-limit S] [--family-limit N] [--waits on|off]
+    python benchmarks/bench_pipeline_family.py [--count-only [--max N] [--count-waits]]
+        [--only NAME ...] [--time-limit S] [--family-limit N] [--waits on|off]
 """
 
 from __future__ import annotations
@@ -65,22 +68,29 @@ def load() -> str:
     return f"{os.getloadavg()[0]:.1f}"
 
 
-def count(name: str, problem: PipelineProblem, most: int) -> None:
-    """One row of the count table."""
+def count(name: str, problem: PipelineProblem, most: int, waits: bool = False) -> None:
+    """One row of the count table (``waits``: and how many the waits rows leave)."""
     units = make_units(problem)
     cutoff = KNOWN[name] * (1 - pipeline_chunks.PROOF_STEP)
     stats: dict[str, int] = {}
     cpu, start = time.process_time(), load()
-    found = 0
-    for _ in pipeline_chunks.chunk_allocations(units, problem.n_gpus, units.n, cutoff,
-                                               problem.memory_per_gpu, stats):
-        found += 1
-        if found >= most:
+    family = []
+    for gpu in pipeline_chunks.chunk_allocations(units, problem.n_gpus, units.n, cutoff,
+                                                 problem.memory_per_gpu, stats):
+        family.append(gpu)
+        if len(family) >= most:
             break
+    found = len(family)
     shown = f">= {found:,}" if found >= most else f"{found:,}"
     cut = stats["floor"] / max(1, stats["tried"] - stats["load"])
+    left = "-"
+    if waits:
+        memory = pipeline_chunks.floor_memory(problem)
+        kept = sum(pipeline_chunks.within(units, gpu, problem.n_gpus, memory, cutoff,
+                                          pipeline_chunks.WAIT_ROUNDS) for gpu in family)
+        left = f"{kept:,}"
     print(f"| {name} | {units.n} | {cutoff:.4f} | {shown} | {stats['tried']:,} | "
-          f"{stats['load']:,} | {stats['floor']:,} ({cut:.0%}) | "
+          f"{stats['load']:,} | {stats['floor']:,} ({cut:.0%}) | {left} | "
           f"{time.process_time() - cpu:.1f} | {start} / {load()} |", flush=True)
 
 
@@ -116,11 +126,14 @@ def main() -> None:
     parser.add_argument("--time-limit", type=float, default=None)
     parser.add_argument("--family-limit", type=int, default=pipeline_chunks.FAMILY_LIMIT)
     parser.add_argument("--waits", choices=("on", "off"), default="on")
+    parser.add_argument("--count-waits", action="store_true",
+                        help="with --count-only: how many the waits rows leave")
     args = parser.parse_args()
     if args.count_only:
         print("| instance | units | cutoff | allocations below it | prefixes tried | "
-              "cut by loads | cut by the partial floor | CPU s | load (start / end) |")
-        print("|---|---|---|---|---|---|---|---|---|")
+              "cut by loads | cut by the partial floor | left by the waits rows | CPU s | "
+              "load (start / end) |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
     else:
         print("| instance | status | period | bound | gap | least bound of an allocation | "
               "k-chunk family / asked / refuted (waits) / undecided | complete family / "
@@ -130,7 +143,7 @@ def main() -> None:
         if args.only and name not in args.only:
             continue
         if args.count_only:
-            count(name, problem, args.max)
+            count(name, problem, args.max, args.count_waits)
         else:
             run(name, problem, args.time_limit, args.family_limit, args.waits == "on")
 
