@@ -72,11 +72,12 @@ def count(name: str, problem: PipelineProblem, most: int, waits: bool = False) -
     """One row of the count table (``waits``: and how many the waits rows leave)."""
     units = make_units(problem)
     cutoff = KNOWN[name] * (1 - pipeline_chunks.PROOF_STEP)
+    memory = pipeline_chunks.floor_memory(problem)
     stats: dict[str, int] = {}
     cpu, start = time.process_time(), load()
     family = []
     for gpu in pipeline_chunks.chunk_allocations(units, problem.n_gpus, units.n, cutoff,
-                                                 problem.memory_per_gpu, stats):
+                                                 memory, stats):
         family.append(gpu)
         if len(family) >= most:
             break
@@ -85,7 +86,6 @@ def count(name: str, problem: PipelineProblem, most: int, waits: bool = False) -
     cut = stats["floor"] / max(1, stats["tried"] - stats["load"])
     left = "-"
     if waits:
-        memory = pipeline_chunks.floor_memory(problem)
         kept = sum(pipeline_chunks.within(units, gpu, problem.n_gpus, memory, cutoff,
                                           pipeline_chunks.WAIT_ROUNDS) for gpu in family)
         left = f"{kept:,}"
