@@ -117,11 +117,11 @@ def floor_gap(name: str, problem: PipelineProblem, most: int, work: float) -> No
     for old, gpu in family:
         if shown >= most:
             break
-        if not pipeline_chunks.within(units, gpu, problem.n_gpus, memory, cutoff, rounds):
-            continue
-        shown += 1
         waits = pipeline_chunks.allocation_floor(units, gpu, problem.n_gpus, memory, cutoff,
                                                  rounds)
+        if waits == math.inf:  # what ``within`` answers: the waits rows refute it
+            continue
+        shown += 1
         cpu = time.process_time()
         answer = pipeline_chunks._decide(problem, units, gpu, cutoff,
                                          pipeline_chunks.CHUNK_WORK, 0, None)
