@@ -42,7 +42,8 @@ Part 10 (chunks, only with ``--parts chunks``): the chunk scan
 (:mod:`optmem.solvers.pipeline_chunks`, method ``chunks``) on the headline from each start of
 ``--chunks-starts`` (MadPipe's plan, the contiguous 1F1B* plan), ``--chunks-work``
 deterministic seconds per allocation, 1 worker: the period, the evaluation that found each
-improvement, allocations refuted and undecided, the family bound, CPU seconds; against the
+improvement, allocations refuted (by the waits rows, stop 59; by trimmed questions,
+``--chunks-trim``, stop 62) and undecided, the family bound, CPU seconds; against the
 search of part 9 from the same start (``--lns-moves`` x ``--lns-work``, seed 0; skipped with
 ``--chunks-no-search``).
 
@@ -58,7 +59,7 @@ Usage::
         [--climb-cpu S] [--climb-orders ladder bisect]
         [--lns-moves N] [--lns-work S] [--lns-seeds K ...]
         [--chunks-starts madpipe contiguous] [--chunks-work S] [--chunks-no-search]
-        [--chunks-workers W] [--chunks-waits on|off]
+        [--chunks-workers W] [--chunks-waits on|off] [--chunks-trim N]
         [--out benchmarks/results/pipeline_exact.md]
 """
 
@@ -563,22 +564,26 @@ def part_lns(moves: int, work: float, seeds: list[int], bound: float = 0.0,
 
 
 def part_chunks(starts: tuple[str, ...], work: float, moves: int, move_work: float,
-                search: bool = True, workers: int = 1, waits: bool = True) -> list[str]:
+                search: bool = True, workers: int = 1, waits: bool = True,
+                tail: int = pipeline_chunks.TRIM_TAIL) -> list[str]:
     """The chunk scan from each start, and the search of part 9 from the same start.
 
     ``waits``: the scan's waits rows (stop 59, the method's default; ``--chunks-waits off``
-    for the scan before it).
+    for the scan before it). ``tail``: the trimmed questions (stop 62, the method's
+    default; ``--chunks-trim 0`` for the scan before it).
     """
     problem = headline_problem(resolve_chain("resnet50-b32-224"))
     units = make_units(problem)
     plans = {c[2]: c for c in incumbents(problem, SolveOptions(threads=1, seed=0))}
     names = {"madpipe": "madpipe", "contiguous": "contiguous 1F1B*"}
     rows = [f"{work:g} deterministic s per allocation, one CP-SAT worker each, {workers} "
-            f"allocation(s) asked at once, waits rows {'on' if waits else 'off'}, at most "
+            f"allocation(s) asked at once, waits rows {'on' if waits else 'off'}, trimmed "
+            f"questions {f'from {tail} units dropped' if tail else 'off'}, at most "
             f"{pipeline_chunks.MAX_CHUNKS} chunks per GPU; the search: {moves} moves x "
             f"{move_work:g} deterministic s, seed 0.", "",
             "| start | method | period | found at (evaluation or move: period) | evaluated "
-            "| refuted (by the waits rows) | undecided | family bound | CPU s | wall s "
+            "| refuted (by the waits rows / trimmed of trimmed questions) | undecided "
+            "| family bound | CPU s | wall s "
             "| load (start / end) |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for start in starts:
@@ -588,11 +593,11 @@ def part_chunks(starts: tuple[str, ...], work: float, moves: int, move_work: flo
         found = pipeline_chunks.scan(problem, units, period, plan,
                                      chunks=pipeline_chunks.MAX_CHUNKS, work=work,
                                      step=pipeline_chunks.CHUNK_STEP, workers=workers,
-                                     waits=waits)
+                                     waits=waits, tail=tail)
         trail = found_trail(found.found_at, found.improvements)
         rows.append(f"| {start} {period:.2f} | chunks | {found.period:.2f} | "
                     f"{'; '.join(trail[-4:]) or '-'} | {found.evaluated} | {found.refuted} "
-                    f"({found.waited}) | "
+                    f"({found.waited} / {found.trimmed} of {found.trim_questions}) | "
                     f"{found.undecided} | {fmt(None if math.isnan(found.bound) else found.bound)}"
                     f" | {time.process_time() - cpu:.0f} | {time.perf_counter() - wall:.0f} | "
                     f"{load} / {uptime()} |")
@@ -654,6 +659,9 @@ def main() -> None:
                         help="allocations asked at once by part 10's scan (threads)")
     parser.add_argument("--chunks-waits", choices=("on", "off"), default="on",
                         help="part 10's scan with the waits rows (stop 59) or without")
+    parser.add_argument("--chunks-trim", type=int, default=pipeline_chunks.TRIM_TAIL,
+                        help="part 10's trimmed questions from this many units dropped "
+                             "(stop 62; 0: off)")
     parser.add_argument("--out", help="write the Markdown here")
     args = parser.parse_args()
     seeds = [0, 1, 2, 3, 4]
@@ -699,7 +707,8 @@ def main() -> None:
                  f"(part 10, CP-SAT, {args.chunks_workers} thread(s))", "",
                  *part_chunks(tuple(args.chunks_starts), args.chunks_work, args.lns_moves,
                               args.lns_work, not args.chunks_no_search,
-                              args.chunks_workers, args.chunks_waits == "on"), ""]
+                              args.chunks_workers, args.chunks_waits == "on",
+                              args.chunks_trim), ""]
     text += [f"Total wall time {time.perf_counter() - start:.0f} s; 2 threads per engine."]
     print_and_write("\n".join(text) + "\n", args.out)
 

@@ -18,8 +18,10 @@ Otherwise: ``solve(problem, "chunks", extra={"family": "all"})`` on each instanc
 threads, the defaults otherwise, ``--time-limit`` seconds): status, period, bound, the least
 bound of an allocation (``report["allocations_bound"]``, stop 57), the k-chunk scan's and the
 complete family's counts (asked / refuted, of which by the waits rows without a question,
-stop 59 / undecided), CPU and wall seconds, the load. ``--waits off`` runs the method
-without the waits rows (``extra["waits"] = False``, the method before stop 59).
+stop 59, and by trimmed questions of how many asked, stop 62 / undecided), CPU and wall
+seconds, the load. ``--waits off`` runs the method without the waits rows
+(``extra["waits"] = False``, the method before stop 59); ``--trim off`` without the trimmed
+questions (``extra["trim"] = False``, the method before stop 62).
 
 ``--floor-gap N``: how far the floors are from what the exact model proves. For each
 instance, the first ``N`` allocations of the complete family in the scan's order (increasing
@@ -33,6 +35,7 @@ Usage::
 
     python benchmarks/bench_pipeline_family.py [--count-only [--max N] [--count-waits]]
         [--only NAME ...] [--time-limit S] [--family-limit N] [--waits on|off]
+        [--trim on|off]
         [--floor-gap N [--optimum-work S]]
 """
 
@@ -138,9 +141,9 @@ def floor_gap(name: str, problem: PipelineProblem, most: int, work: float) -> No
 
 
 def run(name: str, problem: PipelineProblem, limit: float | None, family_limit: int,
-        waits: bool = True) -> None:
+        waits: bool = True, trim: bool = True) -> None:
     """One row of the solve table."""
-    extra = {"family": "all", "family_limit": family_limit, "waits": waits}
+    extra = {"family": "all", "family_limit": family_limit, "waits": waits, "trim": trim}
     cpu, wall, start = time.process_time(), time.perf_counter(), load()
     res = solve(problem, "chunks", options=SolveOptions(threads=2, time_limit_s=limit,
                                                         extra=extra))
@@ -149,11 +152,12 @@ def run(name: str, problem: PipelineProblem, limit: float | None, family_limit: 
 
     def part(prefix: str) -> str:
         return (f"{r[prefix + '_family']:,} / {r[prefix + '_evaluated']:,} / "
-                f"{r[prefix + '_refuted']:,} ({r.get(prefix + '_waited', 0):,}) / "
+                f"{r[prefix + '_refuted']:,} ({r.get(prefix + '_waited', 0):,} / "
+                f"{r.get(prefix + '_trimmed', 0):,} of {r.get(prefix + '_trim_questions', 0):,}) / "
                 f"{r[prefix + '_undecided']:,}")
 
     gap = (res.objective - res.bound) / res.objective if math.isfinite(res.bound) else math.nan
-    label = name if waits else f"{name} (waits off)"
+    label = name + ("" if waits else " (waits off)") + ("" if trim else " (trim off)")
     print(f"| {label} | {res.status.value} | {res.objective:.4f} | {res.bound:.4f} | "
           f"{gap:.2%} | {r['allocations_bound']:.4f} | {part('chunks')} | "
           f"{part('complete')} ({r['complete_stopped']}) | "
@@ -169,6 +173,7 @@ def main() -> None:
     parser.add_argument("--time-limit", type=float, default=None)
     parser.add_argument("--family-limit", type=int, default=pipeline_chunks.FAMILY_LIMIT)
     parser.add_argument("--waits", choices=("on", "off"), default="on")
+    parser.add_argument("--trim", choices=("on", "off"), default="on")
     parser.add_argument("--count-waits", action="store_true",
                         help="with --count-only: how many the waits rows leave")
     parser.add_argument("--floor-gap", type=int, default=0,
@@ -186,8 +191,9 @@ def main() -> None:
         print("|---|---|---|---|---|---|---|---|---|---|")
     else:
         print("| instance | status | period | bound | gap | least bound of an allocation | "
-              "k-chunk family / asked / refuted (waits) / undecided | complete family / "
-              "asked / refuted (waits) / undecided | CPU s | wall s | load (start / end) |")
+              "k-chunk family / asked / refuted (waits / trimmed of trimmed questions) / "
+              "undecided | complete family / asked / refuted (waits / trimmed of trimmed "
+              "questions) / undecided | CPU s | wall s | load (start / end) |")
         print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, problem in instances():
         if args.only and name not in args.only:
@@ -197,7 +203,8 @@ def main() -> None:
         elif args.count_only:
             count(name, problem, args.max, args.count_waits)
         else:
-            run(name, problem, args.time_limit, args.family_limit, args.waits == "on")
+            run(name, problem, args.time_limit, args.family_limit, args.waits == "on",
+                args.trim == "on")
 
 
 if __name__ == "__main__":

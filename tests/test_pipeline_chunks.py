@@ -448,7 +448,9 @@ def test_engine_failures_are_counted_and_survived(monkeypatch):
     ({"chunk_retry_work": "x"}, "chunk_retry_work"), ({"family": "every"}, "family"),
     ({"family": True}, "family"), ({"family_limit": 0}, "family_limit"),
     ({"family_limit": 10**7}, "family_limit"), ({"relaxation": "yes"}, "relaxation"),
-    ({"waits": "on"}, "waits"), ({"waits": 1}, "waits"),
+    ({"waits": "on"}, "waits"), ({"waits": 1}, "waits"), ({"trim": "off"}, "trim"),
+    ({"trim_tail": 0}, "trim_tail"), ({"trim_tail": 2.5}, "trim_tail"),
+    ({"trim_share": 0}, "trim_share"), ({"trim_share": "x"}, "trim_share"),
 ])
 def test_bad_options_are_refused(extra, field):
     """One clear error naming the option."""
@@ -707,3 +709,91 @@ def test_the_allocations_bound_with_waits_is_stronger_on_the_handmade_instance()
     plain = chunked.allocations_bound(units, 2, 2, 0.0, units.big_m())
     waited = chunked.allocations_bound(units, 2, 2, 0.0, units.big_m(), waits=True)
     assert plain < waited <= overall * (1 + 1e-9), (plain, waited, overall)
+
+
+def tail_light_problem(seed: int) -> PipelineProblem:
+    """Nine layers, 3 GPUs, a tight memory, the stashes of the last layers small (as in the
+    ResNets): the trimmed questions (stop 62) refute allocations by their first layers."""
+    rng = random.Random(seed)
+    n = 9
+    f = [rng.randint(1, 6) for _ in range(n)]
+    b = [rng.randint(1, 8) for _ in range(n)]
+    a = [rng.randint(2, 6) if i < n // 2 else rng.randint(0, 1) for i in range(n + 1)] + [0]
+    w = [rng.randint(0, 2) for _ in range(n)]
+    chain = thesis_chain(f, b, a, w)
+    lay = PipelineProblem(chain, 3, 0).layers
+    lo = max(lay.x) + 3 * max(lay.w) + 2 * max(lay.a)
+    hi = 3 * sum(lay.w) + 3 * sum(lay.x) + 4 * sum(lay.a)
+    return PipelineProblem(chain, 3, lo + (hi - lo) // 12,
+                           chain_bandwidth=rng.choice([math.inf, 2.0, 4.0]))
+
+
+@pytest.mark.parametrize(("seed", "tail"), [(4, 1), (4, 2), (11, 1)])
+def test_trimmed_questions_refute_only_what_brute_force_refutes(seed, tail):
+    """Stop 62: the complete family asked with trimmed questions (the first ``n - tail``
+    units' allocation alone, :func:`~optmem.models.pipeline.trim_units`) refutes some
+    allocations without their own question, and whatever it proves for an allocation
+    (:attr:`Scan.decided`, trimmed or not) is at most the period of a plan of that
+    allocation (its fixed model solved, 5 deterministic seconds); the pass closes with the
+    same best period and a family bound at most it, as without trimmed questions; with two
+    workers the same scan twice."""
+    problem = tail_light_problem(seed)
+    units = make_units(problem)
+    best = solve(problem, "chunks", options=replace(NO_WAITS, extra={
+        **NO_WAITS.extra, "family": "all", "trim": False}))
+    assert best.status is Status.OPTIMAL and best.plan is not None
+    family, _ = chunked.ranked(problem, units, units.n, best.objective * (1 + 1e-6))
+
+    def ask(workers: int) -> chunked.Scan:
+        return chunked.ask_family(problem, units, math.inf, None, family, work=5.0,
+                                  step=chunked.PROOF_STEP, workers=workers, tail=tail,
+                                  share=1e-9)  # every level, however few share a prefix
+
+    out = ask(1)
+    assert out.trimmed >= 1 and out.trim_questions >= 1, out
+    assert out.refuted >= out.trimmed
+    assert out.undecided == 0 and not math.isnan(out.bound), out
+    assert out.period == pytest.approx(best.objective, rel=1e-6)
+    assert out.bound <= best.objective * (1 + 1e-9)
+    assert out.plan is not None
+    assert replayed_period(problem, out.plan) == pytest.approx(out.period, rel=1e-9)
+    for gpu, proven_at in out.decided.items():
+        run = run_model(problem, "cpsat", BRUTE, gpu=list(gpu))  # a plan: its optimum or above
+        if run.plan is not None:
+            assert proven_at <= run.plan.period * (1 + 1e-9), (gpu, proven_at)
+    first, again = ask(2), ask(2)
+    assert first == again
+    assert first.period == pytest.approx(out.period, rel=1e-6)
+    assert first.trimmed >= 1 and not math.isnan(first.bound)
+
+
+def test_trimmed_questions_are_on_by_default_and_can_be_turned_off():
+    """``extra["trim"]`` (default true), ``extra["trim_tail"]`` (default
+    :data:`~optmem.solvers.pipeline_chunks.TRIM_TAIL`) and ``extra["trim_share"]``: with
+    them off no trimmed question is asked; with them on the plan and the complete family's
+    bound are the same."""
+    problem = tail_light_problem(11)
+    extra = {**NO_WAITS.extra, "family": "all", "trim_tail": 1, "trim_share": 1e-9}
+    on = solve(problem, "chunks", options=replace(NO_WAITS, extra=extra))
+    off = solve(problem, "chunks", options=replace(NO_WAITS, extra={**extra, "trim": False}))
+    assert chunked.settings(SolveOptions()).tail == chunked.TRIM_TAIL
+    assert off.report["complete_trim_questions"] == off.report["complete_trimmed"] == 0
+    assert on.report["complete_trimmed"] >= 1, on.report
+    assert on.report["complete_evaluated"] < off.report["complete_evaluated"]
+    assert on.objective == pytest.approx(off.objective, rel=1e-9)
+    assert on.status is off.status is Status.OPTIMAL
+    assert on.report["complete_bound"] == pytest.approx(off.report["complete_bound"],
+                                                        rel=1e-6)
+
+
+def test_trim_levels_keep_the_levels_whose_prefixes_are_shared():
+    """:func:`trim_levels`: a level is kept when the family holds at least ``share``
+    allocations per prefix of it (most units dropped first, at least two units kept)."""
+    family = [(0.0, gpu) for gpu in [(0, 0, 1, 1, 0), (0, 0, 1, 1, 1), (0, 0, 1, 0, 0),
+                                     (0, 1, 1, 1, 0), (0, 1, 0, 0, 0), (0, 1, 2, 2, 2)]]
+    # prefixes: 3 units dropped {00, 01} (3 each), 2 dropped {001, 011, 010, 012}, 1 dropped 5
+    assert chunked.trim_levels(family, 5, 4) == chunked.trim_levels(family, 5, 3, 2.5) == (3,)
+    assert chunked.trim_levels(family, 5, 4, 1.5) == (3, 2)
+    assert chunked.trim_levels(family, 5, 4, 1.0) == (3, 2, 1)
+    assert chunked.trim_levels(family, 5, 2, 1.0) == (2, 1)
+    assert chunked.trim_levels([], 5, 4, 1.0) == ()

@@ -56,7 +56,8 @@ EXACT_EXTRA = ("warm_madpipe", "relaxation", "strategy", "trim_work", "isolate",
                "colocate_order", "colocate_beside", "lns", "lns_work", *MADPIPE_EXTRA)
 """Keys of ``ilp``/``cpsat``: their own, and MadPipe's (its run gives their warm start)."""
 CHUNKS_EXTRA = ("chunks", "chunk_work", "chunk_step", "chunk_retry_work", "family",
-                "family_limit", "waits", "warm_madpipe", "relaxation", *MADPIPE_EXTRA)
+                "family_limit", "waits", "trim", "trim_tail", "trim_share", "warm_madpipe",
+                "relaxation", *MADPIPE_EXTRA)
 """Keys of ``chunks``: its own, and MadPipe's (its run gives the first cutoff)."""
 
 
@@ -236,7 +237,8 @@ def solve_pipeline_chunks(problem: PipelineProblem, options: SolveOptions) -> Re
     relaxed, report = first_bound(problem, period, options)
     found = chunked.scan(problem, units, period, plan, chunks=conf.chunks, work=conf.work,
                          step=conf.step, seed=options.seed, deadline=deadline,
-                         workers=options.threads, retry=conf.retry, waits=conf.waits)
+                         workers=options.threads, retry=conf.retry, waits=conf.waits,
+                         tail=conf.tail, share=conf.share)
     report.update(found.report())
     improved = bool(found.improvements)
     bound, closed = relaxed, False
@@ -244,7 +246,8 @@ def solve_pipeline_chunks(problem: PipelineProblem, options: SolveOptions) -> Re
     if conf.family == "all":
         whole = chunked.complete(problem, units, found, limit=conf.limit, work=conf.work,
                                  step=conf.step, seed=options.seed, deadline=deadline,
-                                 workers=options.threads, retry=conf.retry, waits=conf.waits)
+                                 workers=options.threads, retry=conf.retry, waits=conf.waits,
+                                 tail=conf.tail, share=conf.share)
         report.update(whole.report("complete"))
         improved = improved or bool(whole.improvements)
         for gpu, proven_at in whole.decided.items():

@@ -38,6 +38,17 @@ non-contiguous allocations serve the same end). This method searches that family
    questions are in flight, each sent at the cutoff in force a fixed number of answers
    earlier and answered in the order sent (:class:`_Asker`), so the scan is the same for
    the same ``w`` on any machine.
+5. **Trimmed questions** (stop 62; ``extra["trim"]``, default true, ``extra["trim_tail"]``,
+   default :data:`TRIM_TAIL`): allocations that place units ``0 .. n - 1 - t`` alike share
+   a *prefix* (levels ``t = tail, tail - 1, ..., 1``, those at which the pass's
+   allocations are at least :data:`TRIM_SHARE` per prefix). Before its own question, an
+   allocation asks, most trimmed first, each of its prefixes not yet asked whether those
+   units alone (:func:`~optmem.models.pipeline.trim_units`, a relaxation of every
+   allocation with that prefix, whatever it does with the last ``t`` units) have a plan at
+   the cutoff; the first that has none refutes every allocation with that prefix, without
+   their own questions (:class:`_Asker`). On the ResNets the last units' stashes are small
+   and the memory binds on the first ones: on ResNet-50 at 1.5x the 11,934 allocations of
+   the complete family share 660 prefixes of 17 units and 1,922 of 19.
 
 When the pass ends with no allocation undecided, every plan of the family has a period of at
 least the last cutoff (less CP-SAT's grid step): ``report["chunks_bound"]``, a bound of the
@@ -69,16 +80,21 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from optmem.engines.adapters import active_budget, carry_budget
 from optmem.errors import OptmemInputError
-from optmem.models.pipeline import Units
+from optmem.models.pipeline import Units, trim_units
 from optmem.pipeline_plan import PipelinePlan
 from optmem.problems.pipeline import PipelineProblem
 from optmem.result import SolveOptions, Status
 from optmem.solvers.options import choice, flag, positive_float, positive_int
-from optmem.solvers.pipeline_common import OPTIMALITY_TOLERANCE, replayed_period, run_model
+from optmem.solvers.pipeline_common import (
+    OPTIMALITY_TOLERANCE,
+    refute,
+    replayed_period,
+    run_model,
+)
 
 MAX_CHUNKS = 2
 """Default ``extra["chunks"]``: chunks (runs of consecutive units) per GPU."""
@@ -119,7 +135,23 @@ each from the previous round's floor. The walks of the method ``chunks`` keep ``
 a floor costs about 0.1 s per allocation on 21 units, 10-100 times the lifetimes floor,
 which made ``allocations_bound`` on ResNet-50 at 1.5x run over 15 minutes
 (``benchmarks/bench_pipeline_floor.py``); its ``waits`` option is the cheap form."""
+TRIM_TAIL = 4
+"""Default ``extra["trim_tail"]``: most units dropped from the end for a trimmed question
+(:meth:`_Asker.send`, stop 62; then one fewer, down to 1): allocations that place units
+``0 .. n - 1 - t`` alike share a question. On ResNet-50 at 1.5x the complete family's
+11,934 allocations share 660 prefixes with 4 units dropped (1,023 with 3, 1,922 with 2, 184
+with 8); the trimmed question refuted 7 of the first 8 allocations asked with 4 dropped,
+none with 8."""
+TRIM_SHARE = 2.5
+"""A level of the trimmed questions is asked in a pass only when the pass's allocations are
+at least this many per prefix of that level (:func:`trim_levels`). A prefix's question costs
+about one full question (0.1-7 CPU s on ResNet-50): it pays when several allocations share
+it. ResNet-50 at 1.5x: 1,269 two-chunk allocations, 252 / 288 / 433 / 613 prefixes with
+4 / 3 / 2 / 1 units dropped (levels 4, 3, 2 asked); the headline's 1,517 have 766 / 911 /
+1,017 / 1,181 (none asked: with all four it took 948 CPU s instead of 782)."""
 _EPS = 1e-9
+_Key = tuple[int, tuple[int, ...]]
+"""A prefix of :class:`_Asker`'s trimmed questions: units dropped, GPUs of the units kept."""
 
 
 @dataclass(frozen=True)
@@ -129,7 +161,9 @@ class ChunkSettings:
     ``chunks``, ``chunk_work``, ``chunk_step``, ``chunk_retry_work``, ``family``,
     ``family_limit``, ``waits`` (stop 59, default true: the waits rows,
     :func:`waits_check`, refute allocations before the exact model is asked and in
-    :func:`allocations_bound`).
+    :func:`allocations_bound`), ``trim``, ``trim_tail`` and ``trim_share`` (stop 62,
+    default true, :data:`TRIM_TAIL` and :data:`TRIM_SHARE`: the trimmed questions of
+    :class:`_Asker`; ``tail`` is 0 when off).
     """
 
     chunks: int
@@ -139,6 +173,8 @@ class ChunkSettings:
     family: str = "chunks"
     limit: int = FAMILY_LIMIT
     waits: bool = True
+    tail: int = TRIM_TAIL
+    share: float = TRIM_SHARE
 
 
 def settings(options: SolveOptions) -> ChunkSettings:
@@ -152,7 +188,10 @@ def settings(options: SolveOptions) -> ChunkSettings:
                          positive_float(options, "chunk_retry_work", RETRY_WORK),
                          choice(options, "family", "chunks", FAMILIES),
                          positive_int(options, "family_limit", FAMILY_LIMIT),
-                         flag(options, "waits", True))
+                         flag(options, "waits", True),
+                         positive_int(options, "trim_tail", TRIM_TAIL)
+                         if flag(options, "trim", True) else 0,
+                         positive_float(options, "trim_share", TRIM_SHARE))
 
 
 # ------------------------------------------------------------------ enumeration
@@ -646,9 +685,11 @@ class Scan:
     without a plan below the cutoff then in force; ``undecided``: stopped by the work limit
     (or an engine failure, also counted in ``failed``); ``skipped``: whose floor reached a
     lowered cutoff; ``waited``: refuted by the waits rows before the exact model was asked
-    (:meth:`_Asker.run`, counted in ``refuted`` too); ``bound``: every plan of the family
-    has at least this period (``nan`` unless the pass ended with none undecided and none
-    truncated); ``found_at``: the
+    (:meth:`_Asker.run`, counted in ``refuted`` too); ``trimmed``: refuted by a trimmed
+    question (:meth:`_Asker.send`: its own, or one asked for an allocation with the same
+    prefix; counted in ``refuted`` too), of ``trim_questions`` asked; ``bound``: every
+    plan of the family has at least this period (``nan`` unless the pass ended with none
+    undecided and none truncated); ``found_at``: the
     evaluation (1-based) that found each of ``improvements``; ``decided``: for each
     allocation asked and refuted, or solved to its optimum, a lower bound of its plans'
     periods proven by the exact model (the cutoff, or its optimum, less two steps of
@@ -664,6 +705,8 @@ class Scan:
     failed: int = 0
     skipped: int = 0
     waited: int = 0
+    trimmed: int = 0
+    trim_questions: int = 0
     truncated: bool = False
     stopped: str = "done"
     bound: float = math.nan
@@ -676,7 +719,8 @@ class Scan:
         keys: dict[str, object] = {
             "family": self.family, "evaluated": self.evaluated, "refuted": self.refuted,
             "undecided": self.undecided, "failed": self.failed, "skipped": self.skipped,
-            "waited": self.waited,
+            "waited": self.waited, "trimmed": self.trimmed,
+            "trim_questions": self.trim_questions,
             "truncated": self.truncated, "stopped": self.stopped,
             "bound": None if math.isnan(self.bound) else self.bound,
             "improvements": list(self.improvements), "found_at": list(self.found_at)}
@@ -712,7 +756,8 @@ def ranked(problem: PipelineProblem, units: Units, chunks: int, cap: float,
 def scan(problem: PipelineProblem, units: Units, period: float, plan: PipelinePlan | None, *,
          chunks: int, work: float, step: float, seed: int = 0,
          deadline: float | None = None, workers: int = 1,
-         retry: float = RETRY_WORK, waits: bool = False) -> Scan:
+         retry: float = RETRY_WORK, waits: bool = False, tail: int = 0,
+         share: float = TRIM_SHARE) -> Scan:
     """Improve ``plan`` (period ``period``; ``inf`` and ``None`` without one) over the family.
 
     One pass by increasing :func:`allocation_floor`; see the module docstring. An allocation
@@ -729,17 +774,19 @@ def scan(problem: PipelineProblem, units: Units, period: float, plan: PipelinePl
     (``SolveOptions.work_budget``) one allocation is asked at a time: what each question
     in flight would be granted of the budget depends on when it starts. ``waits``: an
     allocation the waits rows refute at the cutoff is not asked (:meth:`_Asker.run`).
+    ``tail > 0``: the trimmed questions (:meth:`_Asker.send`) with that many units dropped.
     """
     cap = period if math.isfinite(period) else units.big_m()
     family, truncated = ranked(problem, units, chunks, cap)
     return ask_family(problem, units, period, plan, family, work=work, step=step, seed=seed,
                       deadline=deadline, workers=workers, retry=retry, truncated=truncated,
-                      waits=waits)
+                      waits=waits, tail=tail, share=share)
 
 
 def complete(problem: PipelineProblem, units: Units, first: Scan, *, limit: int,
              work: float, step: float, seed: int = 0, deadline: float | None = None,
-             workers: int = 1, retry: float = RETRY_WORK, waits: bool = False) -> Scan:
+             workers: int = 1, retry: float = RETRY_WORK, waits: bool = False,
+             tail: int = 0, share: float = TRIM_SHARE) -> Scan:
     """Every allocation (any chunk count) with a floor below ``first``'s period, asked.
 
     The complete family (``extra["family"] = "all"``): the allocations of the units with
@@ -761,14 +808,15 @@ def complete(problem: PipelineProblem, units: Units, first: Scan, *, limit: int,
                     stopped="limit")
     return ask_family(problem, units, first.period, first.plan, family, work=work,
                       step=min(step, PROOF_STEP), seed=seed, deadline=deadline,
-                      workers=workers, retry=retry, waits=waits)
+                      workers=workers, retry=retry, waits=waits, tail=tail,
+                      share=share)
 
 
 def ask_family(problem: PipelineProblem, units: Units, period: float,
                plan: PipelinePlan | None, family: Sequence[tuple[float, tuple[int, ...]]], *,
                work: float, step: float, seed: int = 0, deadline: float | None = None,
                workers: int = 1, retry: float = RETRY_WORK, truncated: bool = False,
-               waits: bool = False) -> Scan:
+               waits: bool = False, tail: int = 0, share: float = TRIM_SHARE) -> Scan:
     """:func:`scan`'s pass and retry pass over a given ``family`` of ``(floor, allocation)``.
 
     ``family`` must be sorted by floor (:func:`allocation_floor`, as :func:`ranked` gives it)
@@ -776,7 +824,8 @@ def ask_family(problem: PipelineProblem, units: Units, period: float,
     (e.g. the neighbourhood of a plan's allocation, ``benchmarks/bench_pipeline_neighbours.py``).
     ``Scan.bound`` then bounds the plans of these allocations only; ``truncated`` (the
     family is incomplete) withholds it. ``waits``: allocations the waits rows refute at the
-    cutoff in force are not asked (:meth:`_Asker.waited`).
+    cutoff in force are not asked (:meth:`_Asker.waited`); ``tail > 0``: the trimmed
+    questions of :meth:`_Asker.send` at the levels of :func:`trim_levels` (``share``).
     """
     if active_budget() is not None:
         workers = 1
@@ -784,7 +833,8 @@ def ask_family(problem: PipelineProblem, units: Units, period: float,
     cap = period if math.isfinite(period) else units.big_m()
     family = list(family)
     out.family = len(family)
-    ask = _Asker(problem, units, cap, step, seed, deadline, max(1, workers), waits)
+    ask = _Asker(problem, units, cap, step, seed, deadline, max(1, workers), waits,
+                 trim_levels(family, units.n, tail, share))
     with ask:
         pending = ask.run(out, family, work)
         if out.stopped == "done" and pending:
@@ -806,17 +856,29 @@ class _Asker:
     allocation is asked at which cutoff depends only on earlier answers, never on which
     thread finishes first: the same scan for the same ``w`` on any machine (each question
     being deterministic), and a slow question holds back only its own answer's turn.
+
+    With ``levels`` (stop 62, :func:`trim_levels`) allocations are grouped by their
+    *prefixes*, the GPUs of units ``0 .. n - 1 - t`` for each level ``t`` (:meth:`keys`),
+    and a prefix is asked once, before the first allocation with it (:meth:`send`): its
+    answer refutes or opens every allocation that shares it. The state that decides what is
+    asked (refuted, open and in-flight prefixes) changes only when an answer is taken, so
+    the scan stays deterministic.
     """
 
     def __init__(self, problem: PipelineProblem, units: Units, cap: float, step: float,
-                 seed: int, deadline: float | None, workers: int, waits: bool = False
-                 ) -> None:
+                 seed: int, deadline: float | None, workers: int, waits: bool = False,
+                 levels: Sequence[int] = ()) -> None:
         self.problem, self.units, self.cap, self.step = problem, units, cap, step
         self.seed, self.deadline, self.workers = seed, deadline, workers
         self.memory = floor_memory(problem) if waits else None
         self.window = 1 if workers == 1 else LOOKAHEAD * workers
         self.grid = 0.0
         self.pool: ThreadPoolExecutor | None = None
+        self.levels = tuple(levels)  # units dropped, most first
+        self.trimmed = {t: trim_units(units, 0, t) for t in self.levels}
+        self.cut: dict[_Key, float] = {}  # refuted prefix -> proven bound
+        self.opened: dict[_Key, float] = {}  # prefix -> the cutoff it was not refuted at
+        self.parked: dict[_Key, list[tuple[float, tuple[int, ...]]]] = {}  # in flight
 
     def __enter__(self) -> _Asker:
         if self.workers > 1:
@@ -845,7 +907,8 @@ class _Asker:
         (:meth:`waited`): it depends only on the cutoff, so the scan stays deterministic.
         """
         queue = deque(items)
-        flight: deque[tuple[tuple[float, tuple[int, ...]], Future[_Outcome]]] = deque()
+        flight: deque[tuple[tuple[float, tuple[int, ...]], tuple[_Key, ...],
+                            Future[_Outcome]]] = deque()
         pending: list[tuple[float, tuple[int, ...]]] = []
         while True:
             cutoff = _cutoff(out, self.cap, self.step)
@@ -859,22 +922,24 @@ class _Asker:
             while queue and len(flight) < self.window \
                     and not _out_of_reach(out, queue[0][0], cutoff):
                 item = queue.popleft()
-                if self.waited(out, item, cutoff):
+                if self.pruned(out, item) or self.waited(out, item, cutoff):
                     continue
-                flight.append((item, self.send(item[1], cutoff, work)))
+                needed = self.needed(out, item[1], cutoff)
+                flight.append((item, needed, self.send(item[1], needed, cutoff, work)))
             if not flight:
                 break
-            item, answer = flight.popleft()
+            item, needed, answer = flight.popleft()
             outcome = answer.result()
             state = self.take(out, outcome)
             proven = outcome.proven()
             if proven is not None:
                 out.decided[item[1]] = max(proven, out.decided.get(item[1], 0.0))
+            self.settle(out, needed, outcome, queue)
             if state == "undecided":
                 pending.append(item)
             elif state == "again":
                 queue.appendleft(item)
-        for _, answer in flight:
+        for _, _, answer in flight:
             answer.cancel()
         return pending
 
@@ -900,18 +965,111 @@ class _Asker:
         out.decided[gpu] = max(cutoff, out.decided.get(gpu, 0.0))
         return True
 
-    def send(self, gpu: tuple[int, ...], cutoff: float, work: float) -> Future[_Outcome]:
-        """Ask ``gpu`` at ``cutoff`` (on the pool, or at once without one)."""
+    def keys(self, gpu: tuple[int, ...]) -> list[_Key]:
+        """``gpu``'s prefixes, most trimmed first: ``(t, GPUs of units 0 .. n - 1 - t)``."""
+        return [(t, gpu[:self.units.n - t]) for t in self.levels]
+
+    def pruned(self, out: Scan, item: tuple[float, tuple[int, ...]]) -> bool:
+        """Whether ``item``'s prefixes decide it now: one refuted, or one not yet answered.
+
+        A refuted prefix refutes ``item`` (counted and decided: :meth:`refute_by`); else a
+        prefix in flight parks ``item`` until its answer is taken (:meth:`settle`).
+        """
+        keys = self.keys(item[1])
+        for key in keys:
+            if key in self.cut:
+                self.refute_by(out, item[1], self.cut[key])
+                return True
+        for key in keys:
+            if key in self.parked:
+                self.parked[key].append(item)
+                return True
+        return False
+
+    def refute_by(self, out: Scan, gpu: tuple[int, ...], proven: float) -> None:
+        """Count ``gpu`` refuted by a prefix's trimmed question (``proven``: its bound)."""
+        out.refuted += 1
+        out.trimmed += 1
+        out.decided[gpu] = max(proven, out.decided.get(gpu, 0.0))
+
+    def needed(self, out: Scan, gpu: tuple[int, ...], cutoff: float) -> tuple[_Key, ...]:
+        """The prefixes of ``gpu`` to ask at ``cutoff`` (none refuted, none in flight).
+
+        Those never asked, or open at a cutoff above this one; each is marked in flight.
+        """
+        keys = tuple(key for key in self.keys(gpu)
+                     if cutoff < self.opened.get(key, math.inf) * (1 - _EPS))
+        for key in keys:
+            self.parked[key] = []
+        out.trim_questions += len(keys)
+        return keys
+
+    def settle(self, out: Scan, needed: tuple[_Key, ...], outcome: _Outcome,
+               queue: deque[tuple[float, tuple[int, ...]]]) -> None:
+        """Take the answers of the trimmed questions of one allocation (``needed``).
+
+        The refuting prefix (if any) refutes every allocation parked on it, and every later
+        one (:meth:`pruned`); the allocation itself was counted by :meth:`take`. A prefix
+        asked and open is asked again only once the cutoff falls below this one. The
+        allocations parked on the others go back to the front of the queue, by floor
+        (their floors are at most the front's: they left the queue before it).
+        """
+        back: list[tuple[float, tuple[int, ...]]] = []
+        proven = outcome.proven()
+        for key in needed:
+            waiting = self.parked.pop(key, [])
+            if key[0] == outcome.cut_by and proven is not None:
+                out.trimmed += 1
+                self.cut[key] = proven
+                for item in waiting:
+                    self.refute_by(out, item[1], proven)
+                continue
+            if key[0] in outcome.asked:
+                self.opened[key] = outcome.cutoff
+            back.extend(waiting)
+        queue.extendleft(sorted(back, reverse=True))
+
+    def send(self, gpu: tuple[int, ...], needed: tuple[_Key, ...], cutoff: float, work: float
+             ) -> Future[_Outcome]:
+        """Ask ``gpu`` at ``cutoff`` (on the pool, or at once without one).
+
+        With trimmed questions (``needed``: prefixes to ask, most trimmed first), each is
+        asked first, in turn, whether :func:`~optmem.models.pipeline.trim_units` of its
+        prefix (units ``0 .. n - 1 - t``, the allocation's GPUs) has a plan at ``cutoff``
+        (:func:`~optmem.solvers.pipeline_common.refute`, the same work). That instance
+        relaxes every allocation with the same prefix, whatever it does with the dropped
+        units (proof in ``trim_units``): when it has none, none of them has a plan at most
+        the cutoff less two steps of its grid, and the allocation is refuted without its
+        own question; when every prefix has one (or no answer, or the engine failed), the
+        allocation's own question follows.
+        """
         def ask() -> _Outcome:
+            asked: list[int] = []
+            for tail, key in needed:
+                asked.append(tail)
+                trimmed = self.trim_question(tail, key, cutoff, work)
+                if trimmed.refuted:
+                    return replace(trimmed, asked=tuple(asked))
             left = self.left()
-            return _decide(self.problem, self.units, gpu, cutoff, work, self.seed,
-                           None if left is None else max(left, 1e-3))
+            answer = _decide(self.problem, self.units, gpu, cutoff, work, self.seed,
+                             None if left is None else max(left, 1e-3))
+            return replace(answer, asked=tuple(asked))
 
         if self.pool is not None:
             return self.pool.submit(carry_budget(ask))
         done: Future[_Outcome] = Future()
         done.set_result(ask())
         return done
+
+    def trim_question(self, tail: int, key: tuple[int, ...], cutoff: float, work: float
+                      ) -> _Outcome:
+        """Whether the units less the last ``tail`` with allocation ``key`` have no plan."""
+        left = self.left()
+        opts = SolveOptions(threads=1, deterministic_time=work, seed=self.seed,
+                            time_limit_s=None if left is None else max(left, 1e-3))
+        run, bound = refute(self.problem, opts, cutoff, units=self.trimmed[tail], gpu=list(key))
+        return _Outcome(refuted=bound is not None, grid=run.step, cutoff=cutoff,
+                        cut_by=tail if bound is not None else 0)
 
     def take(self, out: Scan, outcome: _Outcome) -> str:
         """Count one outcome, in the scan's order, against the cutoff now in force.
@@ -940,6 +1098,22 @@ class _Asker:
         out.improvements.append(outcome.found[0])
         out.found_at.append(out.evaluated)
         return "optimal" if outcome.optimal else "again"
+
+
+def trim_levels(family: Sequence[tuple[float, tuple[int, ...]]], n: int, tail: int,
+                share: float = TRIM_SHARE) -> tuple[int, ...]:
+    """The levels of trimmed questions worth asking over ``family``, most units dropped first.
+
+    Among ``tail, tail - 1, ..., 1`` (at least two units kept), those at which ``family``
+    holds at least ``share`` (:data:`TRIM_SHARE`) allocations per prefix (the GPUs of units
+    ``0 .. n - 1 - t``): a question pays only when several allocations share it.
+    """
+    levels = []
+    for t in range(min(tail, n - 2), 0, -1):
+        prefixes = {gpu[:n - t] for _, gpu in family}
+        if prefixes and len(family) >= share * len(prefixes):
+            levels.append(t)
+    return tuple(levels)
 
 
 def _cutoff(out: Scan, cap: float, step: float) -> float:
@@ -971,6 +1145,10 @@ class _Outcome:
     optimal: bool = False
     grid: float = 0.0
     cutoff: float = math.nan
+    asked: tuple[int, ...] = ()
+    """The levels (units dropped) of the trimmed questions asked first (:meth:`_Asker.send`)."""
+    cut_by: int = 0
+    """The level whose trimmed question refuted the allocation (0: none did)."""
 
     def proven(self) -> float | None:
         """A lower bound of every plan of the allocation, or ``None`` (nothing proven).
@@ -1020,6 +1198,8 @@ def _decide(problem: PipelineProblem, units: Units, gpu: Sequence[int], cutoff: 
 
 __all__ = ["BOUND_WORK", "CHUNK_STEP", "CHUNK_WORK", "FAMILIES", "FAMILY_LIMIT",
            "FLOOR_ITERATIONS", "LOOKAHEAD", "MAX_ALLOCATIONS", "MAX_CHUNKS", "PROOF_STEP",
-           "RETRY_WORK", "WAITS_WORK", "WAIT_ROUNDS", "ChunkSettings", "Scan", "allocation_floor",
-           "allocations_bound", "ask_family", "chunk_allocations", "complete", "floor_memory",
-           "memory_check", "memory_fits", "ranked", "scan", "settings", "waits_check", "within"]
+           "RETRY_WORK", "TRIM_SHARE", "TRIM_TAIL", "WAITS_WORK", "WAIT_ROUNDS",
+           "ChunkSettings", "Scan",
+           "allocation_floor", "allocations_bound", "ask_family", "chunk_allocations", "complete",
+           "floor_memory", "memory_check", "memory_fits", "ranked", "scan", "settings",
+           "trim_levels", "waits_check", "within"]
