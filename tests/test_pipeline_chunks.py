@@ -347,13 +347,14 @@ def test_allocations_whose_floor_reached_the_cutoff_are_not_asked(workers):
     assert (out.evaluated, out.skipped) == (1, 1), out
 
 
-def eight_layer_problem(seed: int) -> PipelineProblem:
-    """Eight layers, 3 GPUs, a tight memory: families of 30 allocations, several asked."""
+def eight_layer_problem(seed: int, n: int = 8, tail_light: bool = False) -> PipelineProblem:
+    """Eight layers (``n``), 3 GPUs, a tight memory: families of 30 allocations, several
+    asked. ``tail_light``: the activations of the second half small (as in the ResNets)."""
     rng = random.Random(seed)
-    n = 8
     f = [rng.randint(1, 6) for _ in range(n)]
     b = [rng.randint(1, 8) for _ in range(n)]
-    a = [rng.randint(0, 4) for _ in range(n + 1)] + [0]
+    a = [(rng.randint(2, 6) if i < n // 2 else rng.randint(0, 1)) if tail_light
+         else rng.randint(0, 4) for i in range(n + 1)] + [0]
     w = [rng.randint(0, 2) for _ in range(n)]
     chain = thesis_chain(f, b, a, w)
     lay = PipelineProblem(chain, 3, 0).layers
@@ -714,18 +715,7 @@ def test_the_allocations_bound_with_waits_is_stronger_on_the_handmade_instance()
 def tail_light_problem(seed: int) -> PipelineProblem:
     """Nine layers, 3 GPUs, a tight memory, the stashes of the last layers small (as in the
     ResNets): the trimmed questions (stop 62) refute allocations by their first layers."""
-    rng = random.Random(seed)
-    n = 9
-    f = [rng.randint(1, 6) for _ in range(n)]
-    b = [rng.randint(1, 8) for _ in range(n)]
-    a = [rng.randint(2, 6) if i < n // 2 else rng.randint(0, 1) for i in range(n + 1)] + [0]
-    w = [rng.randint(0, 2) for _ in range(n)]
-    chain = thesis_chain(f, b, a, w)
-    lay = PipelineProblem(chain, 3, 0).layers
-    lo = max(lay.x) + 3 * max(lay.w) + 2 * max(lay.a)
-    hi = 3 * sum(lay.w) + 3 * sum(lay.x) + 4 * sum(lay.a)
-    return PipelineProblem(chain, 3, lo + (hi - lo) // 12,
-                           chain_bandwidth=rng.choice([math.inf, 2.0, 4.0]))
+    return eight_layer_problem(seed, n=9, tail_light=True)
 
 
 @pytest.mark.parametrize(("seed", "tail"), [(4, 1), (4, 2), (11, 1)])
