@@ -578,7 +578,8 @@ def part_chunks(starts: tuple[str, ...], work: float, moves: int, move_work: flo
     names = {"madpipe": "madpipe", "contiguous": "contiguous 1F1B*"}
     rows = [f"{work:g} deterministic s per allocation, one CP-SAT worker each, {workers} "
             f"allocation(s) asked at once, waits rows {'on' if waits else 'off'}, trimmed "
-            f"questions {f'from {tail} units dropped' if tail else 'off'}, at most "
+            f"questions {f'from {tail} units dropped, where shared' if tail else 'off'}, "
+            "at most "
             f"{pipeline_chunks.MAX_CHUNKS} chunks per GPU; the search: {moves} moves x "
             f"{move_work:g} deterministic s, seed 0.", "",
             "| start | method | period | found at (evaluation or move: period) | evaluated "

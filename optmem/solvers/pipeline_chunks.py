@@ -774,7 +774,8 @@ def scan(problem: PipelineProblem, units: Units, period: float, plan: PipelinePl
     (``SolveOptions.work_budget``) one allocation is asked at a time: what each question
     in flight would be granted of the budget depends on when it starts. ``waits``: an
     allocation the waits rows refute at the cutoff is not asked (:meth:`_Asker.run`).
-    ``tail > 0``: the trimmed questions (:meth:`_Asker.send`) with that many units dropped.
+    ``tail > 0``: the trimmed questions (:meth:`_Asker.send`) from that many units
+    dropped, at the levels :func:`trim_levels` keeps (``share``).
     """
     cap = period if math.isfinite(period) else units.big_m()
     family, truncated = ranked(problem, units, chunks, cap)
@@ -875,7 +876,7 @@ class _Asker:
         self.grid = 0.0
         self.pool: ThreadPoolExecutor | None = None
         self.levels = tuple(levels)  # units dropped, most first
-        self.trimmed = {t: trim_units(units, 0, t) for t in self.levels}
+        self.trimmed_units = {t: trim_units(units, 0, t) for t in self.levels}
         self.cut: dict[_Key, float] = {}  # refuted prefix -> proven bound
         self.opened: dict[_Key, float] = {}  # prefix -> the cutoff it was not refuted at
         self.parked: dict[_Key, list[tuple[float, tuple[int, ...]]]] = {}  # in flight
@@ -891,6 +892,11 @@ class _Asker:
 
     def left(self) -> float | None:
         return None if self.deadline is None else self.deadline - time.perf_counter()
+
+    def limit(self) -> float | None:
+        """A question's time limit: what is left of the run (at least 1 ms), or none."""
+        left = self.left()
+        return None if left is None else max(left, 1e-3)
 
     def run(self, out: Scan, items: list[tuple[float, tuple[int, ...]]], work: float
             ) -> list[tuple[float, tuple[int, ...]]]:
@@ -1050,9 +1056,8 @@ class _Asker:
                 trimmed = self.trim_question(tail, key, cutoff, work)
                 if trimmed.refuted:
                     return replace(trimmed, asked=tuple(asked))
-            left = self.left()
             answer = _decide(self.problem, self.units, gpu, cutoff, work, self.seed,
-                             None if left is None else max(left, 1e-3))
+                             self.limit())
             return replace(answer, asked=tuple(asked))
 
         if self.pool is not None:
@@ -1064,10 +1069,8 @@ class _Asker:
     def trim_question(self, tail: int, key: tuple[int, ...], cutoff: float, work: float
                       ) -> _Outcome:
         """Whether the units less the last ``tail`` with allocation ``key`` have no plan."""
-        left = self.left()
-        opts = SolveOptions(threads=1, deterministic_time=work, seed=self.seed,
-                            time_limit_s=None if left is None else max(left, 1e-3))
-        run, bound = refute(self.problem, opts, cutoff, units=self.trimmed[tail], gpu=list(key))
+        run, bound = refute(self.problem, _question_options(work, self.seed, self.limit()),
+                            cutoff, units=self.trimmed_units[tail], gpu=list(key))
         return _Outcome(refuted=bound is not None, grid=run.step, cutoff=cutoff,
                         cut_by=tail if bound is not None else 0)
 
@@ -1164,6 +1167,11 @@ class _Outcome:
         return None
 
 
+def _question_options(work: float, seed: int, left: float | None) -> SolveOptions:
+    """One question's options: one CP-SAT worker, ``work`` deterministic seconds, ``left``."""
+    return SolveOptions(threads=1, deterministic_time=work, seed=seed, time_limit_s=left)
+
+
 def _decide(problem: PipelineProblem, units: Units, gpu: Sequence[int], cutoff: float,
             work: float, seed: int, left: float | None) -> _Outcome:
     """Some plan of allocation ``gpu`` with period <= ``cutoff`` (then polished), or a refutation.
@@ -1172,7 +1180,7 @@ def _decide(problem: PipelineProblem, units: Units, gpu: Sequence[int], cutoff: 
     from it (``optimal``: proven for this allocation); ``refuted``: none exists;
     neither: undecided within ``work`` (``failed``: the engine failed).
     """
-    opts = SolveOptions(threads=1, deterministic_time=work, seed=seed, time_limit_s=left)
+    opts = _question_options(work, seed, left)
     run = run_model(problem, "cpsat", opts, units=units, gpu=list(gpu), upper_bound=cutoff,
                     feasibility=True)
     if run.failed:
