@@ -21,7 +21,10 @@ complete family's counts (asked / refuted, of which by the waits rows without a 
 stop 59, and by trimmed questions of how many asked, stop 62 / undecided), CPU and wall
 seconds, the load. ``--waits off`` runs the method without the waits rows
 (``extra["waits"] = False``, the method before stop 59); ``--trim off`` without the trimmed
-questions (``extra["trim"] = False``, the method before stop 62).
+questions (``extra["trim"] = False``, the method before stop 62); ``--heads off`` without
+the head pass (``extra["heads"] = False``, the method before stop 63; the table's heads
+column: heads asked / refuted by :func:`~optmem.solvers.pipeline_chunks.head_pass`, and how
+the pass ended).
 
 ``--floor-gap N``: how far the floors are from what the exact model proves. For each
 instance, the first ``N`` allocations of the complete family in the scan's order (increasing
@@ -35,7 +38,7 @@ Usage::
 
     python benchmarks/bench_pipeline_family.py [--count-only [--max N] [--count-waits]]
         [--only NAME ...] [--time-limit S] [--family-limit N] [--waits on|off]
-        [--trim on|off]
+        [--trim on|off] [--heads on|off]
         [--floor-gap N [--optimum-work S]]
 """
 
@@ -141,9 +144,10 @@ def floor_gap(name: str, problem: PipelineProblem, most: int, work: float) -> No
 
 
 def run(name: str, problem: PipelineProblem, limit: float | None, family_limit: int,
-        waits: bool = True, trim: bool = True) -> None:
+        waits: bool = True, trim: bool = True, heads: bool = True) -> None:
     """One row of the solve table."""
-    extra = {"family": "all", "family_limit": family_limit, "waits": waits, "trim": trim}
+    extra = {"family": "all", "family_limit": family_limit, "waits": waits, "trim": trim,
+             "heads": heads}
     cpu, wall, start = time.process_time(), time.perf_counter(), load()
     res = solve(problem, "chunks", options=SolveOptions(threads=2, time_limit_s=limit,
                                                         extra=extra))
@@ -157,10 +161,13 @@ def run(name: str, problem: PipelineProblem, limit: float | None, family_limit: 
                 f"{r[prefix + '_undecided']:,}")
 
     gap = (res.objective - res.bound) / res.objective if math.isfinite(res.bound) else math.nan
-    label = name + ("" if waits else " (waits off)") + ("" if trim else " (trim off)")
+    label = name + ("" if waits else " (waits off)") + ("" if trim else " (trim off)") \
+        + ("" if heads else " (heads off)")
+    asked = (f"{r.get('complete_heads', 0):,} / {r.get('complete_heads_refuted', 0):,} "
+             f"({r.get('complete_heads_stopped', '-')})")
     print(f"| {label} | {res.status.value} | {res.objective:.4f} | {res.bound:.4f} | "
           f"{gap:.2%} | {r['allocations_bound']:.4f} | {part('chunks')} | "
-          f"{part('complete')} ({r['complete_stopped']}) | "
+          f"{asked} | {part('complete')} ({r['complete_stopped']}) | "
           f"{cpu:.0f} | {wall:.0f} | {start} / {load()} |", flush=True)
 
 
@@ -174,6 +181,7 @@ def main() -> None:
     parser.add_argument("--family-limit", type=int, default=pipeline_chunks.FAMILY_LIMIT)
     parser.add_argument("--waits", choices=("on", "off"), default="on")
     parser.add_argument("--trim", choices=("on", "off"), default="on")
+    parser.add_argument("--heads", choices=("on", "off"), default="on")
     parser.add_argument("--count-waits", action="store_true",
                         help="with --count-only: how many the waits rows leave")
     parser.add_argument("--floor-gap", type=int, default=0,
@@ -192,9 +200,10 @@ def main() -> None:
     else:
         print("| instance | status | period | bound | gap | least bound of an allocation | "
               "k-chunk family / asked / refuted (waits / trimmed of trimmed questions) / "
-              "undecided | complete family / asked / refuted (waits / trimmed of trimmed "
-              "questions) / undecided | CPU s | wall s | load (start / end) |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
+              "undecided | heads asked / refuted (pass) | complete family / asked / refuted "
+              "(waits / trimmed of trimmed questions) / undecided | CPU s | wall s | "
+              "load (start / end) |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, problem in instances():
         if args.only and name not in args.only:
             continue
@@ -204,7 +213,7 @@ def main() -> None:
             count(name, problem, args.max, args.count_waits)
         else:
             run(name, problem, args.time_limit, args.family_limit, args.waits == "on",
-                args.trim == "on")
+                args.trim == "on", args.heads == "on")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from optmem.errors import OptmemInputError
-from optmem.models.pipeline import first_use, isolate_units, make_units, trim_units
+from optmem.models.pipeline import (
+    delay_tail,
+    first_use,
+    isolate_units,
+    make_units,
+    trim_units,
+)
 from optmem.problems.pipeline import PipelineProblem
 from optmem.result import SolveOptions, Status
 from optmem.simulate.pipeline import simulate_pipeline
@@ -373,6 +379,58 @@ def test_isolate_units_frees_the_other_units():
     assert (relaxed.f, relaxed.b) == (units.f, units.b)
     with pytest.raises(ValueError, match="allocation of"):
         isolate_units(units, gpu[:-1], {1})
+
+
+# ------------------------------------------------------------------ delayed tails
+@settings(max_examples=8, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(problem=trimmable_problems(), strict=st.booleans())
+def test_delayed_tails_relax_every_allocation(problem, strict):
+    """``delay_tail`` is a relaxation no weaker than ``trim_units``: for every allocation
+    with an optimal plan of period ``p`` and every head of it (units ``0 .. k - 1``, the
+    later units pure delays), the relaxed instance has a plan at ``p``; and its optimum is
+    at least the trimmed instance's (dropping its delays leaves a plan of the trimmed
+    one)."""
+    p = replace(problem, memory_model="strict") if strict else problem
+    units = make_units(p)
+    opts = replace(OPTS, warm_start=False)
+    checked = 0
+    for gpu, period in solved_allocations(p):
+        for k in range(1, units.n + 1):
+            relaxed, alloc = delay_tail(units, gpu[:k])
+            wider = replace(p, n_gpus=max(alloc) + 1)
+            assert_relaxes(wider, relaxed, alloc, period)
+            if k < units.n:
+                delayed = run_model(wider, "cpsat", opts, units=relaxed, gpu=list(alloc))
+                trimmed = run_model(p, "cpsat", opts, units=trim_units(units, 0, units.n - k),
+                                    gpu=list(gpu[:k]))
+                assert delayed.plan is not None and trimmed.plan is not None
+                assert delayed.plan.period >= trimmed.plan.period * (1 - 1e-6)
+            checked += 1
+    assert checked or not solved_allocations(p)
+
+
+def test_delay_tail_keeps_the_head_and_delays_the_rest():
+    """The head's units and the cuts inside it keep everything, the head's last unit sends
+    nothing; the later units keep their durations, hold nothing and sit alone on GPUs of
+    their own; the cuts from the head's last unit on take no time and hold no buffers."""
+    units = make_units(chain_with_subproblems())
+    head = (0, 1, 1)[:units.n - 1]
+    k = len(head)
+    relaxed, alloc = delay_tail(units, head)
+    assert alloc[:k] == first_use(head) and alloc == first_use(alloc)
+    assert len(set(alloc[k:])) == units.n - k and not set(alloc[k:]) & set(alloc[:k])
+    assert (relaxed.f, relaxed.b) == (units.f, units.b)
+    for q in range(units.n):
+        inside = q < k
+        assert (relaxed.x[q], relaxed.w[q], relaxed.a_in[q]) == (
+            (units.x[q], units.w[q], units.a_in[q]) if inside else (0, 0, 0))
+        assert relaxed.a_out[q] == (units.a_out[q] if q < k - 1 else 0)
+    for c in range(units.n - 1):
+        assert (relaxed.dt[c], relaxed.buf[c]) == (
+            (units.dt[c], units.buf[c]) if c < k - 1 else (0.0, 0))
+    with pytest.raises(ValueError, match="head of 0 units"):
+        delay_tail(units, ())
 
 
 ISOLATING = replace(OPTS, extra={"isolate": True})

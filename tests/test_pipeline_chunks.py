@@ -314,7 +314,7 @@ def test_a_complete_family_above_its_limit_is_not_asked():
     chain = thesis_chain([1, 3, 1, 4, 4, 4], [6, 4, 2, 1, 4, 1], [3, 3, 4, 0, 3, 2, 1, 0],
                          [2, 0, 1, 0, 0, 0])
     problem = PipelineProblem(chain, 3, 52)
-    extra = {**FAST.extra, "family": "all"}
+    extra = {**FAST.extra, "family": "all", "heads": False}  # heads refute them all here
     whole = solve(problem, "chunks", options=replace(FAST, extra=extra))
     assert whole.status is Status.OPTIMAL, whole.report
     assert whole.report["complete_family"] >= 2, whole.report
@@ -452,6 +452,8 @@ def test_engine_failures_are_counted_and_survived(monkeypatch):
     ({"waits": "on"}, "waits"), ({"waits": 1}, "waits"), ({"trim": "off"}, "trim"),
     ({"trim_tail": 0}, "trim_tail"), ({"trim_tail": 2.5}, "trim_tail"),
     ({"trim_share": 0}, "trim_share"), ({"trim_share": "x"}, "trim_share"),
+    ({"heads": "yes"}, "heads"), ({"head_step": 0}, "head_step"),
+    ({"head_step": 1.5}, "head_step"),
 ])
 def test_bad_options_are_refused(extra, field):
     """One clear error naming the option."""
@@ -763,7 +765,8 @@ def test_trimmed_questions_are_on_by_default_and_can_be_turned_off():
     them off no trimmed question is asked; with them on the plan and the complete family's
     bound are the same."""
     problem = tail_light_problem(11)
-    extra = {**NO_WAITS.extra, "family": "all", "trim_tail": 1, "trim_share": 1e-9}
+    extra = {**NO_WAITS.extra, "family": "all", "trim_tail": 1, "trim_share": 1e-9,
+             "heads": False}  # the head pass would leave no allocation to trim here
     on = solve(problem, "chunks", options=replace(NO_WAITS, extra=extra))
     off = solve(problem, "chunks", options=replace(NO_WAITS, extra={**extra, "trim": False}))
     assert chunked.settings(SolveOptions()).tail == chunked.TRIM_TAIL
@@ -787,3 +790,97 @@ def test_trim_levels_keep_the_levels_whose_prefixes_are_shared():
     assert chunked.trim_levels(family, 5, 4, 1.0) == (3, 2, 1)
     assert chunked.trim_levels(family, 5, 2, 1.0) == (2, 1)
     assert chunked.trim_levels([], 5, 4, 1.0) == ()
+
+
+# ------------------------------------------------------------------ heads (stop 63)
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(problem=small_problems(), data=st.data())
+def test_heads_and_skips_list_what_the_full_walk_lists(problem, data):
+    """:func:`chunk_allocations` with ``depth``: exactly the distinct heads of that length of
+    the allocations it lists, in their order; with ``skip``: exactly those allocations that
+    extend no skipped head (brute force over the full listing)."""
+    units = make_units(problem)
+    cap = data.draw(st.floats(0.3, 1.0)) * units.big_m()
+    full = list(chunked.chunk_allocations(units, problem.n_gpus, units.n, cap,
+                                          problem.memory_per_gpu))
+    depth = data.draw(st.integers(1, units.n))
+    heads = list(chunked.chunk_allocations(units, problem.n_gpus, units.n, cap,
+                                           problem.memory_per_gpu, depth=depth))
+    assert heads == list(dict.fromkeys(gpu[:depth] for gpu in full))
+    skip = {gpu[:data.draw(st.integers(1, units.n))] for gpu in full
+            if data.draw(st.booleans())}
+    kept = list(chunked.chunk_allocations(units, problem.n_gpus, units.n, cap,
+                                          problem.memory_per_gpu, skip=skip))
+    assert kept == [gpu for gpu in full if not any(gpu[:k] in skip for k in range(units.n + 1))]
+
+
+@pytest.mark.parametrize("seed", [4, 11])
+def test_refuted_heads_bound_every_allocation_extending_them(seed):
+    """Stop 63: :func:`head_pass` at the best plan's period refutes heads (the later units
+    delayed, :func:`~optmem.models.pipeline.delay_tail`), and every allocation extending a
+    refuted head has no plan below the bound it proves (each allocation's fixed model
+    solved, 5 deterministic seconds); two workers give the same pass."""
+    problem = tail_light_problem(seed)
+    units = make_units(problem)
+    best = solve(problem, "chunks", options=replace(FAST, extra={
+        **FAST.extra, "family": "all", "heads": False}))
+    assert best.status is Status.OPTIMAL
+    cap = best.objective * (1 + 1e-6)
+    depths = chunked.head_depths(units.n, 1)
+
+    def heads(workers: int) -> chunked.Heads:
+        return chunked.head_pass(problem, units, cap, best.objective, depths=depths,
+                                 work=5.0, limit=10_000, workers=workers)
+
+    out = heads(1)
+    assert out.stopped == "done" and out.depths == depths
+    assert out.cut, out
+    assert heads(2) == out
+    memory = chunked.floor_memory(problem)
+    checked = 0
+    for gpu in chunked.chunk_allocations(units, problem.n_gpus, units.n, units.big_m(),
+                                         memory):
+        bounds = [out.cut[gpu[:k]] for k in range(1, units.n) if gpu[:k] in out.cut]
+        if not bounds:
+            continue
+        run = run_model(problem, "cpsat", BRUTE, gpu=list(gpu))  # a plan: its optimum or above
+        if run.plan is not None:
+            assert max(bounds) <= run.plan.period * (1 + 1e-9), (gpu, bounds)
+            checked += 1
+        if checked == 8:
+            break
+    assert checked >= 1
+
+
+def test_heads_are_on_by_default_and_can_be_turned_off():
+    """``extra["heads"]`` (default true) and ``extra["head_step"]`` (default
+    :data:`~optmem.solvers.pipeline_chunks.HEAD_STEP`): with heads the complete family asks
+    fewer allocations and closes at the same plan and bound as without; off, no head is
+    asked; a level with more heads than the limit stops the pass before it (``"limit"``)."""
+    problem = tail_light_problem(11)
+    extra = {**FAST.extra, "family": "all", "head_step": 1}
+    on = solve(problem, "chunks", options=replace(FAST, extra=extra))
+    off = solve(problem, "chunks", options=replace(FAST, extra={**extra, "heads": False}))
+    assert chunked.settings(SolveOptions()).head_step == chunked.HEAD_STEP
+    assert off.report["complete_heads"] == off.report["complete_heads_refuted"] == 0
+    assert on.report["complete_heads_refuted"] >= 1, on.report
+    assert on.report["complete_head_depths"] == chunked.head_depths(9, 1)
+    assert on.report["complete_family"] < off.report["complete_family"], on.report
+    assert on.objective == pytest.approx(off.objective, rel=1e-9)
+    assert on.status is off.status is Status.OPTIMAL
+    assert on.report["complete_bound"] == pytest.approx(off.report["complete_bound"],
+                                                        rel=1e-6)
+    units = make_units(problem)
+    first = len(list(chunked.chunk_allocations(units, 3, units.n, units.big_m(),
+                                               chunked.floor_memory(problem), depth=4)))
+    capped = chunked.head_pass(problem, units, units.big_m(), on.objective, depths=[4, 5],
+                               work=5.0, limit=first - 1)
+    assert first >= 2 and capped == chunked.Heads(stopped="limit")
+
+
+def test_head_depths():
+    """Half the units first, then every ``step`` units, below ``n``."""
+    assert chunked.head_depths(21, 2) == [10, 12, 14, 16, 18, 20]
+    assert chunked.head_depths(9, 1) == [4, 5, 6, 7, 8]
+    assert chunked.head_depths(2, 3) == [1]
+    assert chunked.head_depths(1, 1) == []

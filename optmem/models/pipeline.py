@@ -325,6 +325,64 @@ def isolate_units(units: Units, gpu: Sequence[int], kept: Collection[int]
     return relaxed, alloc
 
 
+def delay_tail(units: Units, head: Sequence[int]) -> tuple[Units, tuple[int, ...]]:
+    r"""Units ``0 .. k - 1`` placed as ``head`` (``k = len(head)``), every later unit a pure delay.
+
+    Returns the relaxed units and their allocation (``head``'s labels by first use, then one
+    GPU of its own per later unit): a later unit keeps its durations but holds nothing (no
+    weights, stash, input, output or task terms) and sits alone on its GPU; unit ``k - 1``
+    sends nothing (``a_out = 0``); the cuts from unit ``k - 1`` on take no time and hold no
+    buffers; the cuts between units of ``head`` are kept.
+
+    Where :func:`trim_units` drops the later units, this keeps them on the micro-batch's
+    path: the stash of every unit of ``head`` still lives through the later units'
+    forwards and backwards, as the floors of a partial allocation count it
+    (:func:`~optmem.solvers.pipeline_chunks.allocation_floor`). On ResNet-50 (21 units,
+    4 GPUs, 3 GiB) the instance refutes every one of 15 sampled 14-unit heads at 31.39 ms
+    that the trimmed one left open (``benchmarks/results/pipeline_exact.md``, "Stop 63").
+
+    **Validity** (digest ``madpipe.md`` sections 1.2-1.6, 4.3; the arguments of
+    :func:`trim_units` and :func:`isolate_units` together). Take any 1-periodic plan of
+    period ``T`` within the memory of an allocation that places units ``0 .. k - 1`` as
+    ``head`` does (up to GPU labels). Keep every start time and shift, drop the later
+    units' tasks from their GPUs and put each later unit on its own GPU:
+
+    * dependencies: unchanged, except that each cut from ``k - 1`` on becomes a transfer of
+      no time, placed when its producer ends (in the plan the consumer started at or after
+      that instant, with or without a transfer between two GPUs); every edge keeps a shift
+      of at most 2, and lowering a shift to the smallest one the start times allow only
+      shortens lifetimes (as in :func:`trim_units`);
+    * resources: a GPU of ``head`` runs a subset of its tasks (same window), a private GPU
+      one unit's forward and backward, which did not overlap on that unit's GPU in the plan
+      and lie in one window of length ``T``; the links carry the transfers of the cuts
+      inside ``head``, a subset of what they carried;
+    * memory (``stash`` and ``strict``, eq. 6.36): a GPU of ``head`` holds the weights,
+      stashes (same times and shifts, so the same copies) and task terms of its units of
+      ``head``, the buffers of the cuts inside ``head`` and the data pending between them:
+      a subset of what it held; a private GPU holds nothing.
+
+    So the relaxed plan has period ``T`` within the same memory: when the relaxed instance
+    has no plan at period ``T``, no allocation extending ``head`` has one, however it places
+    the later units.
+    """
+    k = len(head)
+    if not 0 < k <= units.n:
+        raise ValueError(f"cannot place a head of {k} units of {units.n}")
+
+    def only(values: Sequence) -> tuple:
+        return tuple(v if q < k else 0 for q, v in enumerate(values))
+
+    def kept(values: Sequence, zero: float) -> tuple:
+        return tuple(v if c < k - 1 else zero for c, v in enumerate(values))
+
+    relaxed = Units(bounds=units.bounds, f=units.f, b=units.b, w=only(units.w),
+                    x=only(units.x), a_in=only(units.a_in),
+                    a_out=tuple(v if q < k - 1 else 0 for q, v in enumerate(units.a_out)),
+                    dt=kept(units.dt, 0.0), buf=kept(units.buf, 0),
+                    task_f=only(units.task_f), task_b=only(units.task_b))
+    return relaxed, first_use([*head, *(("own", q) for q in range(k, units.n))])
+
+
 def load_bound(units: Units, n_gpus: int) -> float:
     """``max(total / P, heaviest unit)``: no period can be smaller."""
     total = sum(units.f) + sum(units.b)

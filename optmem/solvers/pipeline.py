@@ -56,8 +56,8 @@ EXACT_EXTRA = ("warm_madpipe", "relaxation", "strategy", "trim_work", "isolate",
                "colocate_order", "colocate_beside", "lns", "lns_work", *MADPIPE_EXTRA)
 """Keys of ``ilp``/``cpsat``: their own, and MadPipe's (its run gives their warm start)."""
 CHUNKS_EXTRA = ("chunks", "chunk_work", "chunk_step", "chunk_retry_work", "family",
-                "family_limit", "waits", "trim", "trim_tail", "trim_share", "warm_madpipe",
-                "relaxation", *MADPIPE_EXTRA)
+                "family_limit", "waits", "trim", "trim_tail", "trim_share", "heads",
+                "head_step", "warm_madpipe", "relaxation", *MADPIPE_EXTRA)
 """Keys of ``chunks``: its own, and MadPipe's (its run gives the first cutoff)."""
 
 
@@ -243,12 +243,17 @@ def solve_pipeline_chunks(problem: PipelineProblem, options: SolveOptions) -> Re
     improved = bool(found.improvements)
     bound, closed = relaxed, False
     decided = dict(found.decided)
+    refuted: dict[tuple[int, ...], float] = {}
     if conf.family == "all":
-        whole = chunked.complete(problem, units, found, limit=conf.limit, work=conf.work,
-                                 step=conf.step, seed=options.seed, deadline=deadline,
-                                 workers=options.threads, retry=conf.retry, waits=conf.waits,
-                                 tail=conf.tail, share=conf.share)
+        heads = chunked.head_depths(units.n, conf.head_step) if conf.head_step else []
+        whole, cut = chunked.complete(problem, units, found, limit=conf.limit,
+                                      work=conf.work, step=conf.step, seed=options.seed,
+                                      deadline=deadline, workers=options.threads,
+                                      retry=conf.retry, waits=conf.waits, tail=conf.tail,
+                                      share=conf.share, heads=heads)
         report.update(whole.report("complete"))
+        report.update(cut.report("complete"))
+        refuted = cut.cut
         improved = improved or bool(whole.improvements)
         for gpu, proven_at in whole.decided.items():
             decided[gpu] = max(proven_at, decided.get(gpu, 0.0))
@@ -256,7 +261,8 @@ def solve_pipeline_chunks(problem: PipelineProblem, options: SolveOptions) -> Re
         if closed:
             bound = max(bound, whole.bound)
         found = whole
-    every = _allocations_bound(problem, units, found.period, bound, decided, conf.waits)
+    every = _allocations_bound(problem, units, found.period, bound, decided, conf.waits,
+                               refuted)
     bound = max(bound, every)
     report.update({"incumbents": {s: p for p, _, s in starts},
                    "source": "chunks" if improved else starts[0][2] if starts else None,
@@ -273,16 +279,18 @@ def solve_pipeline_chunks(problem: PipelineProblem, options: SolveOptions) -> Re
 
 
 def _allocations_bound(problem: PipelineProblem, units: Units, period: float, low: float,
-                       decided: dict[tuple[int, ...], float], waits: bool) -> float:
+                       decided: dict[tuple[int, ...], float], waits: bool,
+                       heads: dict[tuple[int, ...], float]) -> float:
     """:func:`~optmem.solvers.pipeline_chunks.allocations_bound` below the plan's ``period``.
 
-    The least bound over every allocation (its floor, or what the scan proved for it);
-    ``low`` (the problem's own bound) without a plan, as no cap is then known.
+    The least bound over every allocation (its floor, or what the scan proved for it or
+    for a head it extends); ``low`` (the problem's own bound) without a plan, as no cap is
+    then known.
     """
     if not math.isfinite(period):
         return low
     return chunked.allocations_bound(units, problem.n_gpus, chunked.floor_memory(problem), low,
-                                     period, decided, waits=waits)
+                                     period, decided, waits=waits, heads=heads)
 
 
 @register_exporter(PROBLEM, "ilp")

@@ -60,10 +60,17 @@ scan, every allocation (any number of chunks, GPUs numbered by first use: the pr
 are identical) whose floor is below the plan's period is enumerated by a depth-first walk
 pruned by the floor of the prefix placed so far (a lower bound of the floor of every
 completion, :func:`allocation_floor`), and asked the same way at the period less
-``min(chunk_step, PROOF_STEP)``. If none is left undecided, ``report["complete_bound"]``
-bounds every plan of the problem (1-periodic patterns, as the exact model): the result is
-``optimal``. It is asked only when at most ``extra["family_limit"]`` allocations
-(:data:`FAMILY_LIMIT`) are below the cutoff: a deterministic limit on the work. On the
+``min(chunk_step, PROOF_STEP)``. Before that listing, the **head pass** (stop 63,
+:func:`head_pass`; ``extra["heads"]``, default true, ``extra["head_step"]``, default
+:data:`HEAD_STEP`) refutes whole subtrees of the walk: for head lengths ``n // 2``,
+``n // 2 + step``, ..., each head still open (the GPUs of units ``0 .. k - 1``) is asked
+whether those units, the later ones kept as pure delays on GPUs of their own
+(:func:`~optmem.models.pipeline.delay_tail`), have a plan at the cutoff; one that has none
+removes every allocation extending it, and the walk lists only the others. If none is
+left undecided, ``report["complete_bound"]`` bounds every plan of the problem (1-periodic
+patterns, as the exact model): the result is ``optimal``. It is asked only when at most
+``extra["family_limit"]`` allocations (:data:`FAMILY_LIMIT`) are below the cutoff, and at
+most that many heads at each length: a deterministic limit on the work. On the
 bench_exact rows (4 GPUs, 12 GB/s) that proves ResNet-18 at 1.1x, 1.5x and 3x and
 ResNet-50 at 1.1x (108.98, where the exact solve's 60 s plan is 119.82) optimal
 (``benchmarks/results/pipeline_exact.md``, "Stop 56").
@@ -78,19 +85,20 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Generator, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from optmem.engines.adapters import active_budget, carry_budget
 from optmem.errors import OptmemInputError
-from optmem.models.pipeline import Units, trim_units
+from optmem.models.pipeline import Units, delay_tail, trim_units
 from optmem.pipeline_plan import PipelinePlan
 from optmem.problems.pipeline import PipelineProblem
 from optmem.result import SolveOptions, Status
 from optmem.solvers.options import choice, flag, positive_float, positive_int
 from optmem.solvers.pipeline_common import (
     OPTIMALITY_TOLERANCE,
+    lower_bound,
     refute,
     replayed_period,
     run_model,
@@ -149,6 +157,13 @@ about one full question (0.1-7 CPU s on ResNet-50): it pays when several allocat
 it. ResNet-50 at 1.5x: 1,269 two-chunk allocations, 252 / 288 / 433 / 613 prefixes with
 4 / 3 / 2 / 1 units dropped (levels 4, 3, 2 asked); the headline's 1,517 have 766 / 911 /
 1,017 / 1,181 (none asked: with all four it took 948 CPU s instead of 782)."""
+HEAD_STEP = 1
+"""Default ``extra["head_step"]``: :func:`head_pass` asks the heads of ``n // 2``,
+``n // 2 + step``, ... units (below ``n``; :func:`head_depths`). On the headline (21
+units) the delayed heads of 10 units refute 179 of 366, those of 12 (extending no refuted
+one) 529 of 817, of 14 2,172 of 2,365 (stop 63, a step of 2: 2,925 CPU s for three
+levels): a head asked at every length spares the questions of the children of the heads
+it refutes."""
 _EPS = 1e-9
 _Key = tuple[int, tuple[int, ...]]
 """A prefix of :class:`_Asker`'s trimmed questions: units dropped, GPUs of the units kept."""
@@ -163,7 +178,9 @@ class ChunkSettings:
     :func:`waits_check`, refute allocations before the exact model is asked and in
     :func:`allocations_bound`), ``trim``, ``trim_tail`` and ``trim_share`` (stop 62,
     default true, :data:`TRIM_TAIL` and :data:`TRIM_SHARE`: the trimmed questions of
-    :class:`_Asker`; ``tail`` is 0 when off).
+    :class:`_Asker`; ``tail`` is 0 when off), ``heads`` and ``head_step`` (stop 63, default
+    true and :data:`HEAD_STEP`: the complete family's :func:`head_pass`; ``head_step`` is 0
+    when off).
     """
 
     chunks: int
@@ -175,6 +192,8 @@ class ChunkSettings:
     waits: bool = True
     tail: int = TRIM_TAIL
     share: float = TRIM_SHARE
+    head_step: int = HEAD_STEP
+    """Units between the head lengths of :func:`head_pass` (0: no head pass)."""
 
 
 def settings(options: SolveOptions) -> ChunkSettings:
@@ -191,13 +210,16 @@ def settings(options: SolveOptions) -> ChunkSettings:
                          flag(options, "waits", True),
                          positive_int(options, "trim_tail", TRIM_TAIL)
                          if flag(options, "trim", True) else 0,
-                         positive_float(options, "trim_share", TRIM_SHARE))
+                         positive_float(options, "trim_share", TRIM_SHARE),
+                         positive_int(options, "head_step", HEAD_STEP)
+                         if flag(options, "heads", True) else 0)
 
 
 # ------------------------------------------------------------------ enumeration
 def chunk_allocations(units: Units, n_gpus: int, chunks: int, cap: float,
                       memory: int | None = None, stats: dict[str, int] | None = None,
-                      rounds: int = 0) -> Iterator[tuple[int, ...]]:
+                      rounds: int = 0, depth: int | None = None,
+                      skip: Collection[tuple[int, ...]] = ()) -> Iterator[tuple[int, ...]]:
     """Allocations with at most ``chunks`` chunks per GPU and a floor of at most ``cap``.
 
     GPUs are numbered by first use (each allocation once; the GPUs of a problem are
@@ -212,11 +234,17 @@ def chunk_allocations(units: Units, n_gpus: int, chunks: int, cap: float,
     (``floor``). ``rounds > 0``: complete allocations must also pass the waits floor with
     that many rounds (:func:`within`; prefixes keep the lifetimes floor, so the pruning
     stays valid).
+
+    ``skip``: prefixes (of any length) whose allocations are not listed (those refuted by
+    :func:`head_pass`). ``depth``: list the prefixes of units ``0 .. depth - 1`` of the
+    allocations that would be listed instead (each once, as soon as one completion is
+    found), in the same order.
     """
     tally = {"tried": 0, "load": 0, "floor": 0} if stats is None else stats
     for key in ("tried", "load", "floor"):
         tally.setdefault(key, 0)
     n = units.n
+    stop = n if depth is None else depth
     load = [units.load(q) for q in range(n)]
     left = [0.0] * (n + 1)
     for q in range(n - 1, -1, -1):
@@ -225,9 +253,10 @@ def chunk_allocations(units: Units, n_gpus: int, chunks: int, cap: float,
     count = [0] * n_gpus
     gpu: list[int] = []
 
-    def walk(q: int, used: int) -> Iterator[tuple[int, ...]]:
-        if q == n:
-            yield tuple(gpu)
+    def walk(q: int, used: int, end: int) -> Generator[tuple[int, ...], None, None]:
+        if q == end:
+            if end == n or completes(q, used):
+                yield tuple(gpu)
             return
         last = gpu[-1] if gpu else -1
         for g in range(min(used + 1, n_gpus)):
@@ -240,19 +269,30 @@ def chunk_allocations(units: Units, n_gpus: int, chunks: int, cap: float,
             loads[g] += load[q]
             count[g] += g != last
             gpu.append(g)
-            room = sum(max(0.0, cap - x) for x in loads[:max(used, g + 1)]) \
-                + cap * (n_gpus - max(used, g + 1))
-            if room < left[q + 1] * (1 - _EPS):
-                tally["load"] += 1
-            elif not within(units, gpu, n_gpus, memory, cap, rounds):
-                tally["floor"] += 1
-            else:
-                yield from walk(q + 1, max(used, g + 1))
-            gpu.pop()
-            count[g] -= g != last
-            loads[g] -= load[q]
+            try:
+                room = sum(max(0.0, cap - x) for x in loads[:max(used, g + 1)]) \
+                    + cap * (n_gpus - max(used, g + 1))
+                if skip and tuple(gpu) in skip:
+                    pass
+                elif room < left[q + 1] * (1 - _EPS):
+                    tally["load"] += 1
+                elif not within(units, gpu, n_gpus, memory, cap, rounds):
+                    tally["floor"] += 1
+                else:
+                    yield from walk(q + 1, max(used, g + 1), end)
+            finally:  # also when a completion check stops its walk early
+                gpu.pop()
+                count[g] -= g != last
+                loads[g] -= load[q]
 
-    yield from walk(0, 0)
+    def completes(q: int, used: int) -> bool:
+        inner = walk(q, used, n)
+        try:
+            return next(inner, None) is not None
+        finally:
+            inner.close()  # its finally clauses restore the state it changed
+
+    yield from walk(0, 0, stop)
 
 
 # ------------------------------------------------------------------ the floor
@@ -589,7 +629,8 @@ def allocation_floor(units: Units, gpu: Sequence[int], n_gpus: int, memory: int 
 def allocations_bound(units: Units, n_gpus: int, memory: int | None, low: float, cap: float,
                       decided: Mapping[tuple[int, ...], float] | None = None,
                       work: int = BOUND_WORK, rounds: int = 0, waits: bool = False,
-                      waits_work: int = WAITS_WORK) -> float:
+                      waits_work: int = WAITS_WORK,
+                      heads: Mapping[tuple[int, ...], float] | None = None) -> float:
     """A lower bound of every plan of the problem: the least bound over all allocations.
 
     Every plan (a 1-periodic pattern, as the exact model) has an allocation of the units
@@ -621,6 +662,9 @@ def allocations_bound(units: Units, n_gpus: int, memory: int | None, low: float,
     the bisection itself: each step that finds no allocation raises ``L``, and the windows
     of the next steps widen with it. At most ``waits_work`` DPs are run (deterministic);
     the steps after that ask the floors alone (each step's answer stays a proof).
+
+    ``heads`` (:attr:`Heads.cut`): a head refuted with bound ``b`` bounds every allocation
+    extending it by ``b``; a step at ``c < b`` skips them all (:func:`chunk_allocations`).
     """
     done = {} if decided is None else decided
     stats: dict[str, int] = {"tried": 0}
@@ -641,7 +685,9 @@ def allocations_bound(units: Units, n_gpus: int, memory: int | None, low: float,
         return True
 
     def some_below(c: float) -> bool | None:
-        for gpu in chunk_allocations(units, n_gpus, units.n, c, memory, stats, rounds):
+        skip = {head for head, b in (heads or {}).items() if b > c * (1 + _EPS)}
+        for gpu in chunk_allocations(units, n_gpus, units.n, c, memory, stats, rounds,
+                                     skip=skip):
             if stats["tried"] > work:
                 return None
             if done.get(gpu, -math.inf) <= c * (1 + _EPS) and not refuted(gpu, c):
@@ -733,16 +779,18 @@ def floor_memory(problem: PipelineProblem) -> int | None:
 
 
 def ranked(problem: PipelineProblem, units: Units, chunks: int, cap: float,
-           limit: int = MAX_ALLOCATIONS) -> tuple[list[tuple[float, tuple[int, ...]]], bool]:
+           limit: int = MAX_ALLOCATIONS, skip: Collection[tuple[int, ...]] = ()
+           ) -> tuple[list[tuple[float, tuple[int, ...]]], bool]:
     """The family's allocations with a floor below ``cap``, by floor; and whether truncated.
 
-    The enumeration stops after ``limit`` allocations (then ``truncated``).
+    The enumeration stops after ``limit`` allocations (then ``truncated``); allocations
+    extending a head of ``skip`` are left out (:func:`chunk_allocations`).
     """
     memory = floor_memory(problem)
     found: list[tuple[float, tuple[int, ...]]] = []
     truncated = False
     for k, gpu in enumerate(chunk_allocations(units, problem.n_gpus, chunks, cap,
-                                                      memory)):
+                                              memory, skip=skip)):
         if k >= limit:
             truncated = True
             break
@@ -787,7 +835,8 @@ def scan(problem: PipelineProblem, units: Units, period: float, plan: PipelinePl
 def complete(problem: PipelineProblem, units: Units, first: Scan, *, limit: int,
              work: float, step: float, seed: int = 0, deadline: float | None = None,
              workers: int = 1, retry: float = RETRY_WORK, waits: bool = False,
-             tail: int = 0, share: float = TRIM_SHARE) -> Scan:
+             tail: int = 0, share: float = TRIM_SHARE, heads: Sequence[int] = ()
+             ) -> tuple[Scan, Heads]:
     """Every allocation (any chunk count) with a floor below ``first``'s period, asked.
 
     The complete family (``extra["family"] = "all"``): the allocations of the units with
@@ -795,22 +844,119 @@ def complete(problem: PipelineProblem, units: Units, first: Scan, *, limit: int,
     below ``first.period`` (the k-chunk scan's plan; :data:`Units.big_m` without one),
     enumerated by :func:`chunk_allocations` with no chunk limit (pruned by the partial
     floor), asked by :func:`ask_family` at the period less ``min(step, PROOF_STEP)``.
-    With no allocation undecided, ``Scan.bound`` is a lower bound of every plan of the
-    problem (1-periodic patterns): all allocations were asked or have a floor at or
-    above the cutoff. More than ``limit`` allocations: nothing is asked
-    (``truncated``, ``stopped = "limit"``); a run stopped by the time limit is not continued.
+    ``heads`` (stop 63): :func:`head_pass` first refutes whole subtrees at that cutoff
+    (heads of those lengths, the later units delayed), and only the allocations extending
+    no refuted head are listed and asked. With no allocation undecided, ``Scan.bound`` is a
+    lower bound of every plan of the problem (1-periodic patterns): every allocation was
+    asked, extends a refuted head or has a floor at or above the cutoff. More than
+    ``limit`` allocations (or heads at one level): nothing more is asked (``truncated``,
+    ``stopped = "limit"``); a run stopped by the time limit is not continued.
     """
     if first.stopped != "done":
-        return Scan(first.period, first.plan, stopped=first.stopped)
+        return Scan(first.period, first.plan, stopped=first.stopped), Heads()
     cap = first.period if math.isfinite(first.period) else units.big_m()
-    family, truncated = ranked(problem, units, units.n, cap, limit=limit)
+    cut = min(step, PROOF_STEP)
+    cutoff = _cutoff(first, cap, cut)
+    pre = head_pass(problem, units, cap, cutoff, depths=heads, work=work, limit=limit,
+                      seed=seed, deadline=deadline, workers=workers)
+    if pre.stopped != "done":
+        return Scan(first.period, first.plan, truncated=pre.stopped == "limit",
+                    stopped=pre.stopped), pre
+    family, truncated = ranked(problem, units, units.n, cap, limit=limit, skip=pre.cut)
     if truncated:
         return Scan(first.period, first.plan, family=len(family), truncated=True,
-                    stopped="limit")
-    return ask_family(problem, units, first.period, first.plan, family, work=work,
-                      step=min(step, PROOF_STEP), seed=seed, deadline=deadline,
-                      workers=workers, retry=retry, waits=waits, tail=tail,
-                      share=share)
+                    stopped="limit"), pre
+    out = ask_family(problem, units, first.period, first.plan, family, work=work, step=cut,
+                     seed=seed, deadline=deadline, workers=workers, retry=retry,
+                     waits=waits, tail=tail, share=share)
+    if pre.cut and not math.isnan(out.bound):
+        out.bound = min(out.bound, *pre.cut.values())
+    return out, pre
+
+
+@dataclass
+class Heads:
+    """Outcome of :func:`head_pass`: the heads refuted, with the bound each proves.
+
+    ``cut``: head (GPUs of units ``0 .. k - 1``) -> a lower bound of every plan of every
+    allocation extending it (the cutoff less two steps of CP-SAT's grid); ``asked``: heads
+    asked; ``depths``: the head lengths asked, in order; ``stopped``: ``"done"``, ``"time"``
+    (the deadline passed) or ``"limit"`` (a level had more heads than the limit).
+    """
+
+    cut: dict[tuple[int, ...], float] = field(default_factory=dict)
+    asked: int = 0
+    depths: list[int] = field(default_factory=list)
+    stopped: str = "done"
+
+    def report(self, prefix: str = "complete") -> dict[str, object]:
+        """Report keys (``complete_heads``, ``complete_heads_refuted``, ...)."""
+        return {f"{prefix}_heads": self.asked, f"{prefix}_heads_refuted": len(self.cut),
+                f"{prefix}_head_depths": list(self.depths),
+                f"{prefix}_heads_stopped": self.stopped}
+
+
+def head_depths(n: int, step: int) -> list[int]:
+    """Head lengths :func:`head_pass` asks: ``n // 2``, then every ``step`` units, below ``n``."""
+    return list(range(max(1, n // 2), n, step))
+
+
+def head_pass(problem: PipelineProblem, units: Units, cap: float, cutoff: float, *,
+                depths: Sequence[int], work: float, limit: int, seed: int = 0,
+                deadline: float | None = None, workers: int = 1) -> Heads:
+    """Refute whole subtrees of the allocations: their heads, with the later units delayed.
+
+    For each length ``k`` of ``depths`` in turn, every head (the GPUs of units
+    ``0 .. k - 1``) of an allocation :func:`chunk_allocations` lists at ``cap`` (no chunk
+    limit), less those extending a head already refuted, is asked whether
+    :func:`~optmem.models.pipeline.delay_tail` of it has a plan at ``cutoff``
+    (:func:`~optmem.solvers.pipeline_common.refute`, one CP-SAT worker, ``work``
+    deterministic seconds, the problem's load bound as the period's floor). That instance
+    relaxes every allocation extending the head (proof in ``delay_tail``): when it has
+    none, none of them has a plan at most the cutoff less two steps of the grid, and the
+    head is kept in :attr:`Heads.cut`. The heads of one level are asked on ``workers``
+    threads and their answers taken in order, at one cutoff: the pass is the same on any
+    machine. It stops at the deadline (``"time"``) or before a level with more than
+    ``limit`` heads (``"limit"``); the heads refuted so far stay valid.
+    """
+    out = Heads()
+    memory = floor_memory(problem)
+    low = lower_bound(problem)
+
+    def ask(head: tuple[int, ...]) -> float | None:
+        left = None if deadline is None else deadline - time.perf_counter()
+        if left is not None and left <= 0:
+            return None
+        relaxed, alloc = delay_tail(units, head)
+        _, bound = refute(replace(problem, n_gpus=max(alloc) + 1),
+                          _question_options(work, seed, left), cutoff, units=relaxed,
+                          gpu=list(alloc), lower=low)
+        return bound
+
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="optmem-heads") \
+        if workers > 1 and active_budget() is None else None
+    try:
+        for depth in depths:
+            heads: list[tuple[int, ...]] = []
+            for head in chunk_allocations(units, problem.n_gpus, units.n, cap, memory,
+                                          depth=depth, skip=out.cut):
+                heads.append(head)
+                if len(heads) > limit:
+                    out.stopped = "limit"
+                    return out
+            out.depths.append(depth)
+            answers = pool.map(carry_budget(ask), heads) if pool else map(ask, heads)
+            for head, bound in zip(heads, answers, strict=True):
+                out.asked += 1
+                if bound is not None:
+                    out.cut[head] = bound
+            if deadline is not None and time.perf_counter() >= deadline:
+                out.stopped = "time"
+                return out
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+    return out
 
 
 def ask_family(problem: PipelineProblem, units: Units, period: float,
@@ -1205,9 +1351,9 @@ def _decide(problem: PipelineProblem, units: Units, gpu: Sequence[int], cutoff: 
 
 
 __all__ = ["BOUND_WORK", "CHUNK_STEP", "CHUNK_WORK", "FAMILIES", "FAMILY_LIMIT",
-           "FLOOR_ITERATIONS", "LOOKAHEAD", "MAX_ALLOCATIONS", "MAX_CHUNKS", "PROOF_STEP",
-           "RETRY_WORK", "TRIM_SHARE", "TRIM_TAIL", "WAITS_WORK", "WAIT_ROUNDS",
-           "ChunkSettings", "Scan",
+           "FLOOR_ITERATIONS", "HEAD_STEP", "LOOKAHEAD", "MAX_ALLOCATIONS", "MAX_CHUNKS",
+           "PROOF_STEP", "RETRY_WORK", "TRIM_SHARE", "TRIM_TAIL", "WAITS_WORK", "WAIT_ROUNDS",
+           "ChunkSettings", "Heads", "Scan",
            "allocation_floor", "allocations_bound", "ask_family", "chunk_allocations", "complete",
-           "floor_memory", "memory_check", "memory_fits", "ranked", "scan", "settings",
-           "trim_levels", "waits_check", "within"]
+           "floor_memory", "head_depths", "head_pass", "memory_check", "memory_fits", "ranked",
+           "scan", "settings", "trim_levels", "waits_check", "within"]
