@@ -858,7 +858,7 @@ def complete(problem: PipelineProblem, units: Units, first: Scan, *, limit: int,
     cut = min(step, PROOF_STEP)
     cutoff = _cutoff(first, cap, cut)
     pre = head_pass(problem, units, cap, cutoff, depths=heads, work=work, limit=limit,
-                      seed=seed, deadline=deadline, workers=workers)
+                    seed=seed, deadline=deadline, workers=workers)
     if pre.stopped != "done":
         return Scan(first.period, first.plan, truncated=pre.stopped == "limit",
                     stopped=pre.stopped), pre
@@ -902,8 +902,8 @@ def head_depths(n: int, step: int) -> list[int]:
 
 
 def head_pass(problem: PipelineProblem, units: Units, cap: float, cutoff: float, *,
-                depths: Sequence[int], work: float, limit: int, seed: int = 0,
-                deadline: float | None = None, workers: int = 1) -> Heads:
+              depths: Sequence[int], work: float, limit: int, seed: int = 0,
+              deadline: float | None = None, workers: int = 1) -> Heads:
     """Refute whole subtrees of the allocations: their heads, with the later units delayed.
 
     For each length ``k`` of ``depths`` in turn, every head (the GPUs of units
