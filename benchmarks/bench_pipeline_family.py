@@ -23,8 +23,10 @@ seconds, the load. ``--waits off`` runs the method without the waits rows
 (``extra["waits"] = False``, the method before stop 59); ``--trim off`` without the trimmed
 questions (``extra["trim"] = False``, the method before stop 62); ``--heads off`` without
 the head pass (``extra["heads"] = False``, the method before stop 63; the table's heads
-column: heads asked / refuted by :func:`~optmem.solvers.pipeline_chunks.head_pass`, and how
-the pass ended).
+column: heads asked / refuted by :func:`~optmem.solvers.pipeline_chunks.head_pass`, of
+which by the heads' floor without a question, and how the pass ended; the heads of each
+length, ``[length, asked, refuted, by the floor]``, go to stderr); ``--head-floor off``
+without the heads' floor (``extra["head_floor"] = False``, the pass of stop 63).
 
 ``--floor-gap N``: how far the floors are from what the exact model proves. For each
 instance, the first ``N`` allocations of the complete family in the scan's order (increasing
@@ -38,7 +40,7 @@ Usage::
 
     python benchmarks/bench_pipeline_family.py [--count-only [--max N] [--count-waits]]
         [--only NAME ...] [--time-limit S] [--family-limit N] [--waits on|off]
-        [--trim on|off] [--heads on|off]
+        [--trim on|off] [--heads on|off] [--head-floor on|off]
         [--floor-gap N [--optimum-work S]]
 """
 
@@ -145,10 +147,11 @@ def floor_gap(name: str, problem: PipelineProblem, most: int, work: float) -> No
 
 
 def run(name: str, problem: PipelineProblem, limit: float | None, family_limit: int,
-        waits: bool = True, trim: bool = True, heads: bool = True) -> None:
-    """One row of the solve table."""
+        waits: bool = True, trim: bool = True, heads: bool = True, head_floor: bool = True
+        ) -> None:
+    """One row of the solve table (the heads of each length to stderr)."""
     extra = {"family": "all", "family_limit": family_limit, "waits": waits, "trim": trim,
-             "heads": heads}
+             "heads": heads, "head_floor": head_floor}
     cpu, wall, start = time.process_time(), time.perf_counter(), load()
     res = solve(problem, "chunks", options=SolveOptions(threads=2, time_limit_s=limit,
                                                         extra=extra))
@@ -163,9 +166,12 @@ def run(name: str, problem: PipelineProblem, limit: float | None, family_limit: 
 
     gap = (res.objective - res.bound) / res.objective if math.isfinite(res.bound) else math.nan
     label = name + ("" if waits else " (waits off)") + ("" if trim else " (trim off)") \
-        + ("" if heads else " (heads off)")
+        + ("" if heads else " (heads off)") + ("" if head_floor else " (head floor off)")
     asked = (f"{r.get('complete_heads', 0):,} / {r.get('complete_heads_refuted', 0):,} "
+             f"({r.get('complete_heads_floored', 0):,} by the floor) "
              f"({r.get('complete_heads_stopped', '-')})")
+    print(f"{label}: heads [length, asked, refuted, by the floor]: "
+          f"{r.get('complete_head_levels', [])}", file=sys.stderr, flush=True)
     print(f"| {label} | {res.status.value} | {res.objective:.4f} | {res.bound:.4f} | "
           f"{gap:.2%} | {r['allocations_bound']:.4f} | {part('chunks')} | "
           f"{asked} | {part('complete')} ({r['complete_stopped']}) | "
@@ -183,6 +189,7 @@ def main() -> None:
     parser.add_argument("--waits", choices=("on", "off"), default="on")
     parser.add_argument("--trim", choices=("on", "off"), default="on")
     parser.add_argument("--heads", choices=("on", "off"), default="on")
+    parser.add_argument("--head-floor", choices=("on", "off"), default="on")
     parser.add_argument("--count-waits", action="store_true",
                         help="with --count-only: how many the waits rows leave")
     parser.add_argument("--floor-gap", type=int, default=0,
@@ -201,9 +208,9 @@ def main() -> None:
     else:
         print("| instance | status | period | bound | gap | least bound of an allocation | "
               "k-chunk family / asked / refuted (waits / trimmed of trimmed questions) / "
-              "undecided | heads asked / refuted (pass) | complete family / asked / refuted "
-              "(waits / trimmed of trimmed questions) / undecided | CPU s | wall s | "
-              "load (start / end) |")
+              "undecided | heads asked / refuted (by the floor) (pass) | complete family / "
+              "asked / refuted (waits / trimmed of trimmed questions) / undecided | CPU s | "
+              "wall s | load (start / end) |")
         print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, problem in instances():
         if args.only and name not in args.only:
@@ -214,7 +221,7 @@ def main() -> None:
             count(name, problem, args.max, args.count_waits)
         else:
             run(name, problem, args.time_limit, args.family_limit, args.waits == "on",
-                args.trim == "on", args.heads == "on")
+                args.trim == "on", args.heads == "on", args.head_floor == "on")
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ EXACT_EXTRA = ("warm_madpipe", "relaxation", "strategy", "trim_work", "isolate",
 """Keys of ``ilp``/``cpsat``: their own, and MadPipe's (its run gives their warm start)."""
 CHUNKS_EXTRA = ("chunks", "chunk_work", "chunk_step", "chunk_retry_work", "family",
                 "family_limit", "waits", "trim", "trim_tail", "trim_share", "heads",
-                "head_step", "warm_madpipe", "relaxation", *MADPIPE_EXTRA)
+                "head_step", "head_floor", "warm_madpipe", "relaxation", *MADPIPE_EXTRA)
 """Keys of ``chunks``: its own, and MadPipe's (its run gives the first cutoff)."""
 
 
@@ -250,7 +250,8 @@ def solve_pipeline_chunks(problem: PipelineProblem, options: SolveOptions) -> Re
                                       work=conf.work, step=conf.step, seed=options.seed,
                                       deadline=deadline, workers=options.threads,
                                       retry=conf.retry, waits=conf.waits, tail=conf.tail,
-                                      share=conf.share, heads=heads)
+                                      share=conf.share, heads=heads,
+                                      head_rounds=conf.head_rounds)
         report.update(whole.report("complete"))
         report.update(cut.report("complete"))
         refuted = cut.cut

@@ -164,6 +164,15 @@ units) the delayed heads of 10 units refute 179 of 366, those of 12 (extending n
 one) 529 of 817, of 14 2,172 of 2,365 (stop 63, a step of 2: 2,925 CPU s for three
 levels): a head asked at every length spares the questions of the children of the heads
 it refutes."""
+HEAD_ROUNDS = 4
+"""Default rounds of the waits floor :func:`head_pass` tries on each delayed head before its
+question (``extra["head_floor"]``, stop 64; 0 when off): a head whose
+:func:`allocation_floor` (the relaxed instance of
+:func:`~optmem.models.pipeline.delay_tail`, complete, so with the waits rows) is above the
+cutoff is refuted without CP-SAT. On the headline at 31.3896, of the heads of 10 / 12 / 14
+units the floor refutes 37 of 366 / 237 of 1,239 / 536 of 1,500 with 2 rounds (about
+45 ms a head) and 62 / 350 / 675 with 4 (about 75 ms); a question takes about 500 ms
+(``benchmarks/results/pipeline_exact.md``, "Stop 64")."""
 _EPS = 1e-9
 _Key = tuple[int, tuple[int, ...]]
 """A prefix of :class:`_Asker`'s trimmed questions: units dropped, GPUs of the units kept."""
@@ -180,7 +189,8 @@ class ChunkSettings:
     default true, :data:`TRIM_TAIL` and :data:`TRIM_SHARE`: the trimmed questions of
     :class:`_Asker`; ``tail`` is 0 when off), ``heads`` and ``head_step`` (stop 63, default
     true and :data:`HEAD_STEP`: the complete family's :func:`head_pass`; ``head_step`` is 0
-    when off).
+    when off), ``head_floor`` (stop 64, default true: the heads' floor rounds
+    :data:`HEAD_ROUNDS`, 0 when off).
     """
 
     chunks: int
@@ -194,6 +204,8 @@ class ChunkSettings:
     share: float = TRIM_SHARE
     head_step: int = HEAD_STEP
     """Units between the head lengths of :func:`head_pass` (0: no head pass)."""
+    head_rounds: int = HEAD_ROUNDS
+    """Rounds of the floor :func:`head_pass` tries before each question (0: none)."""
 
 
 def settings(options: SolveOptions) -> ChunkSettings:
@@ -212,7 +224,8 @@ def settings(options: SolveOptions) -> ChunkSettings:
                          if flag(options, "trim", True) else 0,
                          positive_float(options, "trim_share", TRIM_SHARE),
                          positive_int(options, "head_step", HEAD_STEP)
-                         if flag(options, "heads", True) else 0)
+                         if flag(options, "heads", True) else 0,
+                         HEAD_ROUNDS if flag(options, "head_floor", True) else 0)
 
 
 # ------------------------------------------------------------------ enumeration
@@ -835,8 +848,8 @@ def scan(problem: PipelineProblem, units: Units, period: float, plan: PipelinePl
 def complete(problem: PipelineProblem, units: Units, first: Scan, *, limit: int,
              work: float, step: float, seed: int = 0, deadline: float | None = None,
              workers: int = 1, retry: float = RETRY_WORK, waits: bool = False,
-             tail: int = 0, share: float = TRIM_SHARE, heads: Sequence[int] = ()
-             ) -> tuple[Scan, Heads]:
+             tail: int = 0, share: float = TRIM_SHARE, heads: Sequence[int] = (),
+             head_rounds: int = HEAD_ROUNDS) -> tuple[Scan, Heads]:
     """Every allocation (any chunk count) with a floor below ``first``'s period, asked.
 
     The complete family (``extra["family"] = "all"``): the allocations of the units with
@@ -846,7 +859,8 @@ def complete(problem: PipelineProblem, units: Units, first: Scan, *, limit: int,
     floor), asked by :func:`ask_family` at the period less ``min(step, PROOF_STEP)``.
     ``heads`` (stop 63): :func:`head_pass` first refutes whole subtrees at that cutoff
     (heads of those lengths, the later units delayed), and only the allocations extending
-    no refuted head are listed and asked. With no allocation undecided, ``Scan.bound`` is a
+    no refuted head are listed and asked (``head_rounds``: the pass's floor, stop 64).
+    With no allocation undecided, ``Scan.bound`` is a
     lower bound of every plan of the problem (1-periodic patterns): every allocation was
     asked, extends a refuted head or has a floor at or above the cutoff. More than
     ``limit`` allocations (or heads at one level): nothing more is asked (``truncated``,
@@ -858,7 +872,7 @@ def complete(problem: PipelineProblem, units: Units, first: Scan, *, limit: int,
     cut = min(step, PROOF_STEP)
     cutoff = _cutoff(first, cap, cut)
     pre = head_pass(problem, units, cap, cutoff, depths=heads, work=work, limit=limit,
-                    seed=seed, deadline=deadline, workers=workers)
+                    seed=seed, deadline=deadline, workers=workers, rounds=head_rounds)
     if pre.stopped != "done":
         return Scan(first.period, first.plan, truncated=pre.stopped == "limit",
                     stopped=pre.stopped), pre
@@ -879,21 +893,28 @@ class Heads:
     """Outcome of :func:`head_pass`: the heads refuted, with the bound each proves.
 
     ``cut``: head (GPUs of units ``0 .. k - 1``) -> a lower bound of every plan of every
-    allocation extending it (the cutoff less two steps of CP-SAT's grid); ``asked``: heads
-    asked; ``depths``: the head lengths asked, in order; ``stopped``: ``"done"``, ``"time"``
-    (the deadline passed) or ``"limit"`` (a level had more heads than the limit).
+    allocation extending it (the cutoff less two steps of CP-SAT's grid, or the cutoff
+    itself for a head its floor refuted); ``asked``: heads asked (by the floor or by
+    CP-SAT); ``floored``: heads the floor refuted without a question; ``depths``: the head
+    lengths asked, in order; ``levels``: ``[length, asked, refuted, floored]`` for each;
+    ``stopped``: ``"done"``, ``"time"`` (the deadline passed) or ``"limit"`` (a level had
+    more heads than the limit).
     """
 
     cut: dict[tuple[int, ...], float] = field(default_factory=dict)
     asked: int = 0
     depths: list[int] = field(default_factory=list)
     stopped: str = "done"
+    floored: int = 0
+    levels: list[list[int]] = field(default_factory=list)
 
     def report(self, prefix: str = "complete") -> dict[str, object]:
         """Report keys (``complete_heads``, ``complete_heads_refuted``, ...)."""
         return {f"{prefix}_heads": self.asked, f"{prefix}_heads_refuted": len(self.cut),
                 f"{prefix}_head_depths": list(self.depths),
-                f"{prefix}_heads_stopped": self.stopped}
+                f"{prefix}_heads_stopped": self.stopped,
+                f"{prefix}_heads_floored": self.floored,
+                f"{prefix}_head_levels": [list(level) for level in self.levels]}
 
 
 def head_depths(n: int, step: int) -> list[int]:
@@ -903,7 +924,7 @@ def head_depths(n: int, step: int) -> list[int]:
 
 def head_pass(problem: PipelineProblem, units: Units, cap: float, cutoff: float, *,
               depths: Sequence[int], work: float, limit: int, seed: int = 0,
-              deadline: float | None = None, workers: int = 1) -> Heads:
+              deadline: float | None = None, workers: int = 1, rounds: int = 0) -> Heads:
     """Refute whole subtrees of the allocations: their heads, with the later units delayed.
 
     For each length ``k`` of ``depths`` in turn, every head (the GPUs of units
@@ -914,7 +935,12 @@ def head_pass(problem: PipelineProblem, units: Units, cap: float, cutoff: float,
     deterministic seconds, the problem's load bound as the period's floor). That instance
     relaxes every allocation extending the head (proof in ``delay_tail``): when it has
     none, none of them has a plan at most the cutoff less two steps of the grid, and the
-    head is kept in :attr:`Heads.cut`. The heads of one level are asked on ``workers``
+    head is kept in :attr:`Heads.cut`. With ``rounds > 0`` (stop 64) a head is first tried
+    on :func:`allocation_floor` of that instance (complete, so with ``rounds`` rounds of
+    the waits rows) at the cutoff: a floor above it refutes the head with no question, at
+    the cutoff itself (every such plan has a larger period; valid as the instance relaxes
+    every allocation extending the head, and the floor bounds every plan of the instance).
+    The heads of one level are asked on ``workers``
     threads and their answers taken in order, at one cutoff: the pass is the same on any
     machine. It stops at the deadline (``"time"``) or before a level with more than
     ``limit`` heads (``"limit"``); the heads refuted so far stay valid.
@@ -923,15 +949,18 @@ def head_pass(problem: PipelineProblem, units: Units, cap: float, cutoff: float,
     memory = floor_memory(problem)
     low = lower_bound(problem)
 
-    def ask(head: tuple[int, ...]) -> float | None:
+    def ask(head: tuple[int, ...]) -> tuple[float | None, bool]:
         left = None if deadline is None else deadline - time.perf_counter()
         if left is not None and left <= 0:
-            return None
+            return None, False
         relaxed, alloc = delay_tail(units, head)
+        if rounds > 0 and allocation_floor(relaxed, alloc, max(alloc) + 1, memory, cutoff,
+                                           rounds) == math.inf:
+            return cutoff, True
         _, bound = refute(replace(problem, n_gpus=max(alloc) + 1),
                           _question_options(work, seed, left), cutoff, units=relaxed,
                           gpu=list(alloc), lower=low)
-        return bound
+        return bound, False
 
     pool = ThreadPoolExecutor(workers, thread_name_prefix="optmem-heads") \
         if workers > 1 and active_budget() is None else None
@@ -945,11 +974,17 @@ def head_pass(problem: PipelineProblem, units: Units, cap: float, cutoff: float,
                     out.stopped = "limit"
                     return out
             out.depths.append(depth)
+            level = [depth, 0, 0, 0]
+            out.levels.append(level)
             answers = pool.map(carry_budget(ask), heads) if pool else map(ask, heads)
-            for head, bound in zip(heads, answers, strict=True):
+            for head, (bound, floored) in zip(heads, answers, strict=True):
                 out.asked += 1
+                level[1] += 1
                 if bound is not None:
                     out.cut[head] = bound
+                    level[2] += 1
+                    level[3] += floored
+                    out.floored += floored
             if deadline is not None and time.perf_counter() >= deadline:
                 out.stopped = "time"
                 return out
@@ -1351,9 +1386,9 @@ def _decide(problem: PipelineProblem, units: Units, gpu: Sequence[int], cutoff: 
 
 
 __all__ = ["BOUND_WORK", "CHUNK_STEP", "CHUNK_WORK", "FAMILIES", "FAMILY_LIMIT",
-           "FLOOR_ITERATIONS", "HEAD_STEP", "LOOKAHEAD", "MAX_ALLOCATIONS", "MAX_CHUNKS",
-           "PROOF_STEP", "RETRY_WORK", "TRIM_SHARE", "TRIM_TAIL", "WAITS_WORK", "WAIT_ROUNDS",
-           "ChunkSettings", "Heads", "Scan",
+           "FLOOR_ITERATIONS", "HEAD_ROUNDS", "HEAD_STEP", "LOOKAHEAD", "MAX_ALLOCATIONS",
+           "MAX_CHUNKS", "PROOF_STEP", "RETRY_WORK", "TRIM_SHARE", "TRIM_TAIL", "WAITS_WORK",
+           "WAIT_ROUNDS", "ChunkSettings", "Heads", "Scan",
            "allocation_floor", "allocations_bound", "ask_family", "chunk_allocations", "complete",
            "floor_memory", "head_depths", "head_pass", "memory_check", "memory_fits", "ranked",
            "scan", "settings", "trim_levels", "waits_check", "within"]
