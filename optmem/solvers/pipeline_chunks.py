@@ -66,7 +66,10 @@ completion, :func:`allocation_floor`), and asked the same way at the period less
 ``n // 2 + step``, ..., each head still open (the GPUs of units ``0 .. k - 1``) is asked
 whether those units, the later ones kept as pure delays on GPUs of their own
 (:func:`~optmem.models.pipeline.delay_tail`), have a plan at the cutoff; one that has none
-removes every allocation extending it, and the walk lists only the others. If none is
+removes every allocation extending it, and the walk lists only the others (stop 64,
+``extra["head_floor"]``, default true: a head whose :func:`allocation_floor` on that
+instance, :data:`HEAD_ROUNDS` rounds of the waits rows, is above the cutoff is refuted
+without a question). If none is
 left undecided, ``report["complete_bound"]`` bounds every plan of the problem (1-periodic
 patterns, as the exact model): the result is ``optimal``. It is asked only when at most
 ``extra["family_limit"]`` allocations (:data:`FAMILY_LIMIT`) are below the cutoff, and at
