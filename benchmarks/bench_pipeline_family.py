@@ -25,8 +25,9 @@ questions (``extra["trim"] = False``, the method before stop 62); ``--heads off`
 the head pass (``extra["heads"] = False``, the method before stop 63; the table's heads
 column: heads asked / refuted by :func:`~optmem.solvers.pipeline_chunks.head_pass`, of
 which by the heads' floor without a question, and how the pass ended; the heads of each
-length, ``[length, asked, refuted, by the floor]``, go to stderr); ``--head-floor off``
-without the heads' floor (``extra["head_floor"] = False``, the pass of stop 63).
+length, ``[length, asked, refuted, by the floor]``, go to stderr); ``--head-floor on``
+with the heads' floor (``extra["head_floor"] = True``, stop 64; off by default, as in
+the method).
 
 ``--floor-gap N``: how far the floors are from what the exact model proves. For each
 instance, the first ``N`` allocations of the complete family in the scan's order (increasing
@@ -147,7 +148,7 @@ def floor_gap(name: str, problem: PipelineProblem, most: int, work: float) -> No
 
 
 def run(name: str, problem: PipelineProblem, limit: float | None, family_limit: int,
-        waits: bool = True, trim: bool = True, heads: bool = True, head_floor: bool = True
+        waits: bool = True, trim: bool = True, heads: bool = True, head_floor: bool = False
         ) -> None:
     """One row of the solve table (the heads of each length to stderr)."""
     extra = {"family": "all", "family_limit": family_limit, "waits": waits, "trim": trim,
@@ -166,7 +167,7 @@ def run(name: str, problem: PipelineProblem, limit: float | None, family_limit: 
 
     gap = (res.objective - res.bound) / res.objective if math.isfinite(res.bound) else math.nan
     label = name + ("" if waits else " (waits off)") + ("" if trim else " (trim off)") \
-        + ("" if heads else " (heads off)") + ("" if head_floor else " (head floor off)")
+        + ("" if heads else " (heads off)") + (" (head floor on)" if head_floor else "")
     asked = (f"{r.get('complete_heads', 0):,} / {r.get('complete_heads_refuted', 0):,} "
              f"({r.get('complete_heads_floored', 0):,} by the floor) "
              f"({r.get('complete_heads_stopped', '-')})")
@@ -189,7 +190,7 @@ def main() -> None:
     parser.add_argument("--waits", choices=("on", "off"), default="on")
     parser.add_argument("--trim", choices=("on", "off"), default="on")
     parser.add_argument("--heads", choices=("on", "off"), default="on")
-    parser.add_argument("--head-floor", choices=("on", "off"), default="on")
+    parser.add_argument("--head-floor", choices=("on", "off"), default="off")
     parser.add_argument("--count-waits", action="store_true",
                         help="with --count-only: how many the waits rows leave")
     parser.add_argument("--floor-gap", type=int, default=0,

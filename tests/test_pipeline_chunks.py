@@ -874,8 +874,9 @@ def test_heads_are_on_by_default_and_can_be_turned_off():
     off = solve(problem, "chunks", options=replace(FAST, extra={**extra, "heads": False}))
     assert chunked.settings(SolveOptions()).head_step == chunked.HEAD_STEP
     assert off.report["complete_heads"] == off.report["complete_heads_refuted"] == 0
-    assert chunked.settings(SolveOptions()).head_rounds == chunked.HEAD_ROUNDS
-    assert chunked.settings(SolveOptions(extra={"head_floor": False})).head_rounds == 0
+    assert chunked.settings(SolveOptions()).head_rounds == 0  # measured: no time saved
+    assert chunked.settings(SolveOptions(extra={"head_floor": True})).head_rounds \
+        == chunked.HEAD_ROUNDS
     levels = on.report["complete_head_levels"]
     assert [level[0] for level in levels] == chunked.head_depths(9, 1)
     assert [sum(level[i] for level in levels) for i in (1, 2, 3)] == [

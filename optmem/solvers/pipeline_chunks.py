@@ -67,7 +67,7 @@ completion, :func:`allocation_floor`), and asked the same way at the period less
 whether those units, the later ones kept as pure delays on GPUs of their own
 (:func:`~optmem.models.pipeline.delay_tail`), have a plan at the cutoff; one that has none
 removes every allocation extending it, and the walk lists only the others (stop 64,
-``extra["head_floor"]``, default true: a head whose :func:`allocation_floor` on that
+``extra["head_floor"]``, default false: a head whose :func:`allocation_floor` on that
 instance, :data:`HEAD_ROUNDS` rounds of the waits rows, is above the cutoff is refuted
 without a question). If none is
 left undecided, ``report["complete_bound"]`` bounds every plan of the problem (1-periodic
@@ -168,13 +168,16 @@ one) 529 of 817, of 14 2,172 of 2,365 (stop 63, a step of 2: 2,925 CPU s for thr
 levels): a head asked at every length spares the questions of the children of the heads
 it refutes."""
 HEAD_ROUNDS = 4
-"""Default rounds of the waits floor :func:`head_pass` tries on each delayed head before its
-question (``extra["head_floor"]``, stop 64; 0 when off): a head whose
+"""Rounds of the waits floor :func:`head_pass` tries on each delayed head before its
+question when ``extra["head_floor"]`` is true (stop 64; default false): a head whose
 :func:`allocation_floor` (the relaxed instance of
 :func:`~optmem.models.pipeline.delay_tail`, complete, so with the waits rows) is above the
 cutoff is refuted without CP-SAT. On the headline at 31.3896, of the heads of 10 / 12 / 14
 units the floor refutes 37 of 366 / 237 of 1,239 / 536 of 1,500 with 2 rounds (about
-45 ms a head) and 62 / 350 / 675 with 4 (about 75 ms); a question takes about 500 ms
+45 ms a head) and 62 / 350 / 675 with 4 (about 75 ms). In the method it refuted 794 of
+the 4,336 heads asked but saved no time (5,471 CPU s against stop 63's 4,873, both under
+load): the heads it refutes are those CP-SAT refutes fastest (0.36 s against 0.83 s at
+14 units), and it costs every head its 75 ms. Off by default
 (``benchmarks/results/pipeline_exact.md``, "Stop 64")."""
 _EPS = 1e-9
 _Key = tuple[int, tuple[int, ...]]
@@ -192,8 +195,8 @@ class ChunkSettings:
     default true, :data:`TRIM_TAIL` and :data:`TRIM_SHARE`: the trimmed questions of
     :class:`_Asker`; ``tail`` is 0 when off), ``heads`` and ``head_step`` (stop 63, default
     true and :data:`HEAD_STEP`: the complete family's :func:`head_pass`; ``head_step`` is 0
-    when off), ``head_floor`` (stop 64, default true: the heads' floor rounds
-    :data:`HEAD_ROUNDS`, 0 when off).
+    when off), ``head_floor`` (stop 64, default false: the heads' floor rounds,
+    :data:`HEAD_ROUNDS` when on, 0 when off).
     """
 
     chunks: int
@@ -207,7 +210,7 @@ class ChunkSettings:
     share: float = TRIM_SHARE
     head_step: int = HEAD_STEP
     """Units between the head lengths of :func:`head_pass` (0: no head pass)."""
-    head_rounds: int = HEAD_ROUNDS
+    head_rounds: int = 0
     """Rounds of the floor :func:`head_pass` tries before each question (0: none)."""
 
 
@@ -228,7 +231,7 @@ def settings(options: SolveOptions) -> ChunkSettings:
                          positive_float(options, "trim_share", TRIM_SHARE),
                          positive_int(options, "head_step", HEAD_STEP)
                          if flag(options, "heads", True) else 0,
-                         HEAD_ROUNDS if flag(options, "head_floor", True) else 0)
+                         HEAD_ROUNDS if flag(options, "head_floor", False) else 0)
 
 
 # ------------------------------------------------------------------ enumeration
@@ -852,7 +855,7 @@ def complete(problem: PipelineProblem, units: Units, first: Scan, *, limit: int,
              work: float, step: float, seed: int = 0, deadline: float | None = None,
              workers: int = 1, retry: float = RETRY_WORK, waits: bool = False,
              tail: int = 0, share: float = TRIM_SHARE, heads: Sequence[int] = (),
-             head_rounds: int = HEAD_ROUNDS) -> tuple[Scan, Heads]:
+             head_rounds: int = 0) -> tuple[Scan, Heads]:
     """Every allocation (any chunk count) with a floor below ``first``'s period, asked.
 
     The complete family (``extra["family"] = "all"``): the allocations of the units with
