@@ -911,8 +911,12 @@ class Heads:
     asked: int = 0
     depths: list[int] = field(default_factory=list)
     stopped: str = "done"
-    floored: int = 0
     levels: list[list[int]] = field(default_factory=list)
+
+    @property
+    def floored(self) -> int:
+        """Heads the floor refuted without a question (summed over :attr:`levels`)."""
+        return sum(level[3] for level in self.levels)
 
     def report(self, prefix: str = "complete") -> dict[str, object]:
         """Report keys (``complete_heads``, ``complete_heads_refuted``, ...)."""
@@ -960,8 +964,7 @@ def head_pass(problem: PipelineProblem, units: Units, cap: float, cutoff: float,
         if left is not None and left <= 0:
             return None, False
         relaxed, alloc = delay_tail(units, head)
-        if rounds > 0 and allocation_floor(relaxed, alloc, max(alloc) + 1, memory, cutoff,
-                                           rounds) == math.inf:
+        if rounds > 0 and not within(relaxed, alloc, max(alloc) + 1, memory, cutoff, rounds):
             return cutoff, True
         _, bound = refute(replace(problem, n_gpus=max(alloc) + 1),
                           _question_options(work, seed, left), cutoff, units=relaxed,
@@ -990,7 +993,6 @@ def head_pass(problem: PipelineProblem, units: Units, cap: float, cutoff: float,
                     out.cut[head] = bound
                     level[2] += 1
                     level[3] += floored
-                    out.floored += floored
             if deadline is not None and time.perf_counter() >= deadline:
                 out.stopped = "time"
                 return out
