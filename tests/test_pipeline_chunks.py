@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -831,9 +832,10 @@ def test_refuted_heads_bound_every_allocation_extending_them(seed):
     cap = best.objective * (1 + 1e-6)
     depths = chunked.head_depths(units.n, 1)
 
-    def heads(workers: int, rounds: int) -> chunked.Heads:
+    def heads(workers: int, rounds: int, deadline: float | None = None) -> chunked.Heads:
         return chunked.head_pass(problem, units, cap, best.objective, depths=depths,
-                                 work=5.0, limit=10_000, workers=workers, rounds=rounds)
+                                 work=5.0, limit=10_000, workers=workers, rounds=rounds,
+                                 deadline=deadline)
 
     plain, floored = heads(1, 0), heads(1, chunked.HEAD_ROUNDS)
     for out in (plain, floored):
@@ -844,7 +846,7 @@ def test_refuted_heads_bound_every_allocation_extending_them(seed):
         assert sum(level[2] for level in out.levels) == len(out.cut)
         assert sum(level[3] for level in out.levels) == out.floored
     assert plain.floored == 0 and floored.floored >= 1, floored
-    assert heads(2, chunked.HEAD_ROUNDS) == floored
+    assert heads(2, chunked.HEAD_ROUNDS, deadline=time.perf_counter() + 1e6) == floored
     by_floor = {head for head, b in floored.cut.items() if b == best.objective}  # no grid
     assert len(by_floor) == floored.floored
     cut = {**plain.cut, **floored.cut}
@@ -894,6 +896,24 @@ def test_heads_are_on_by_default_and_can_be_turned_off():
     capped = chunked.head_pass(problem, units, units.big_m(), on.objective, depths=[4, 5],
                                work=5.0, limit=first - 1)
     assert first >= 2 and capped == chunked.Heads(stopped="limit")
+
+
+def test_heads_reached_after_the_deadline_are_neither_asked_nor_counted():
+    """Stop 65: a head the pass reaches once the deadline has passed gets no question and
+    is not counted as asked (until then, the heads of the level the deadline fell in were
+    counted: ResNet-50 3x, 326 "asked" heads of 17 units, 5 refuted). No clock is raced:
+    the deadline has passed before the pass starts."""
+    problem = tail_light_problem(11)
+    units = make_units(problem)
+    late = chunked.head_pass(problem, units, units.big_m(), 1e9, depths=[4, 5], work=5.0,
+                             limit=10_000, deadline=time.perf_counter() - 1.0)
+    assert late == chunked.Heads(depths=[4], levels=[[4, 0, 0, 0]], stopped="time")
+    assert late.report()["complete_heads"] == 0
+    now = time.perf_counter()
+    assert not chunked.passed(None) and chunked.passed(now - 1.0)
+    assert not chunked.passed(now + 1e6)
+    assert chunked.time_limit(None) is None and chunked.time_limit(now - 1.0) == 1e-3
+    assert 1e6 - 60 < chunked.time_limit(now + 1e6) <= 1e6
 
 
 def test_head_depths():

@@ -106,6 +106,7 @@ from optmem.solvers.pipeline_common import (
     replayed_period,
     run_model,
 )
+from optmem.solvers.time_budget import Deadline
 
 MAX_CHUNKS = 2
 """Default ``extra["chunks"]``: chunks (runs of consecutive units) per GPU."""
@@ -927,6 +928,21 @@ class Heads:
                 f"{prefix}_head_levels": [list(level) for level in self.levels]}
 
 
+def passed(deadline: float | None) -> bool:
+    """Whether ``deadline`` (a :func:`time.perf_counter` instant, or none) has passed."""
+    return Deadline(deadline, time.perf_counter).spent()
+
+
+def time_limit(deadline: float | None) -> float | None:
+    """A question's time limit: what is left before ``deadline`` (at least 1 ms), or none.
+
+    One rule for the scan's questions (:meth:`_Asker.limit`) and the heads'
+    (:func:`head_pass`); until stop 65 the head pass computed it itself.
+    """
+    left = Deadline(deadline, time.perf_counter).left()
+    return None if left is None else max(left, 1e-3)
+
+
 def head_depths(n: int, step: int) -> list[int]:
     """Head lengths :func:`head_pass` asks: ``n // 2``, then every ``step`` units, below ``n``."""
     return list(range(max(1, n // 2), n, step))
@@ -959,16 +975,15 @@ def head_pass(problem: PipelineProblem, units: Units, cap: float, cutoff: float,
     memory = floor_memory(problem)
     low = lower_bound(problem)
 
-    def ask(head: tuple[int, ...]) -> tuple[float | None, bool]:
-        left = None if deadline is None else deadline - time.perf_counter()
-        if left is not None and left <= 0:
-            return None, False
+    def ask(head: tuple[int, ...]) -> tuple[float | None, bool] | None:
+        if passed(deadline):
+            return None  # not asked: the deadline fell inside the level
         relaxed, alloc = delay_tail(units, head)
         if rounds > 0 and not within(relaxed, alloc, max(alloc) + 1, memory, cutoff, rounds):
             return cutoff, True
         _, bound = refute(replace(problem, n_gpus=max(alloc) + 1),
-                          _question_options(work, seed, left), cutoff, units=relaxed,
-                          gpu=list(alloc), lower=low)
+                          _question_options(work, seed, time_limit(deadline)), cutoff,
+                          units=relaxed, gpu=list(alloc), lower=low)
         return bound, False
 
     pool = ThreadPoolExecutor(workers, thread_name_prefix="optmem-heads") \
@@ -986,14 +1001,17 @@ def head_pass(problem: PipelineProblem, units: Units, cap: float, cutoff: float,
             level = [depth, 0, 0, 0]
             out.levels.append(level)
             answers = pool.map(carry_budget(ask), heads) if pool else map(ask, heads)
-            for head, (bound, floored) in zip(heads, answers, strict=True):
+            for head, answer in zip(heads, answers, strict=True):
+                if answer is None:
+                    continue
+                bound, floored = answer
                 out.asked += 1
                 level[1] += 1
                 if bound is not None:
                     out.cut[head] = bound
                     level[2] += 1
                     level[3] += floored
-            if deadline is not None and time.perf_counter() >= deadline:
+            if passed(deadline):
                 out.stopped = "time"
                 return out
     finally:
@@ -1079,13 +1097,9 @@ class _Asker:
         if self.pool is not None:
             self.pool.shutdown(cancel_futures=True)
 
-    def left(self) -> float | None:
-        return None if self.deadline is None else self.deadline - time.perf_counter()
-
     def limit(self) -> float | None:
         """A question's time limit: what is left of the run (at least 1 ms), or none."""
-        left = self.left()
-        return None if left is None else max(left, 1e-3)
+        return time_limit(self.deadline)
 
     def run(self, out: Scan, items: list[tuple[float, tuple[int, ...]]], work: float
             ) -> list[tuple[float, tuple[int, ...]]]:
@@ -1110,8 +1124,7 @@ class _Asker:
             if queue and _out_of_reach(out, queue[0][0], cutoff):
                 out.skipped += len(queue)
                 queue.clear()
-            left = self.left()
-            if left is not None and left <= 0:
+            if passed(self.deadline):
                 out.stopped = "time"
                 break
             while queue and len(flight) < self.window \
