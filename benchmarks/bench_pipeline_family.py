@@ -25,9 +25,12 @@ questions (``extra["trim"] = False``, the method before stop 62); ``--heads off`
 the head pass (``extra["heads"] = False``, the method before stop 63; the table's heads
 column: heads asked / refuted by :func:`~optmem.solvers.pipeline_chunks.head_pass`, of
 which by the heads' floor without a question, and how the pass ended; the heads of each
-length, ``[length, asked, refuted, by the floor]``, go to stderr); ``--head-floor on``
-with the heads' floor (``extra["head_floor"] = True``, stop 64; off by default, as in
-the method).
+length, ``[length, asked, refuted, by the floor, by a GPU content]``, go to stderr);
+``--head-floor on`` with the heads' floor (``extra["head_floor"] = True``, stop 64; off by
+default, as in the method); ``--head-contents on`` with the GPU contents of refuted heads
+(``extra["head_contents"] = True``, stop 65; off by default, as in the method: the heads
+column then adds the heads a content refuted without a question and the contents asked /
+refuted).
 
 ``--floor-gap N``: how far the floors are from what the exact model proves. For each
 instance, the first ``N`` allocations of the complete family in the scan's order (increasing
@@ -41,7 +44,7 @@ Usage::
 
     python benchmarks/bench_pipeline_family.py [--count-only [--max N] [--count-waits]]
         [--only NAME ...] [--time-limit S] [--family-limit N] [--waits on|off]
-        [--trim on|off] [--heads on|off] [--head-floor on|off]
+        [--trim on|off] [--heads on|off] [--head-floor on|off] [--head-contents on|off]
         [--floor-gap N [--optimum-work S]]
 """
 
@@ -148,11 +151,11 @@ def floor_gap(name: str, problem: PipelineProblem, most: int, work: float) -> No
 
 
 def run(name: str, problem: PipelineProblem, limit: float | None, family_limit: int,
-        waits: bool = True, trim: bool = True, heads: bool = True, head_floor: bool = False
-        ) -> None:
+        waits: bool = True, trim: bool = True, heads: bool = True, head_floor: bool = False,
+        head_contents: bool = False) -> None:
     """One row of the solve table (the heads of each length to stderr)."""
     extra = {"family": "all", "family_limit": family_limit, "waits": waits, "trim": trim,
-             "heads": heads, "head_floor": head_floor}
+             "heads": heads, "head_floor": head_floor, "head_contents": head_contents}
     cpu, wall, start = time.process_time(), time.perf_counter(), load()
     res = solve(problem, "chunks", options=SolveOptions(threads=2, time_limit_s=limit,
                                                         extra=extra))
@@ -167,11 +170,16 @@ def run(name: str, problem: PipelineProblem, limit: float | None, family_limit: 
 
     gap = (res.objective - res.bound) / res.objective if math.isfinite(res.bound) else math.nan
     label = name + ("" if waits else " (waits off)") + ("" if trim else " (trim off)") \
-        + ("" if heads else " (heads off)") + (" (head floor on)" if head_floor else "")
+        + ("" if heads else " (heads off)") + (" (head floor on)" if head_floor else "") \
+        + (" (head contents on)" if head_contents else "")
     asked = (f"{r.get('complete_heads', 0):,} / {r.get('complete_heads_refuted', 0):,} "
-             f"({r.get('complete_heads_floored', 0):,} by the floor) "
+             f"({r.get('complete_heads_floored', 0):,} by the floor"
+             + (f", {r.get('complete_heads_covered', 0):,} by a GPU content; contents "
+                f"asked / refuted {r.get('complete_head_contents', [0, 0])[0]:,} / "
+                f"{r.get('complete_head_contents', [0, 0])[1]:,}" if head_contents else "")
+             + ") "
              f"({r.get('complete_heads_stopped', '-')})")
-    print(f"{label}: heads [length, asked, refuted, by the floor]: "
+    print(f"{label}: heads [length, asked, refuted, by the floor, by a GPU content]: "
           f"{r.get('complete_head_levels', [])}", file=sys.stderr, flush=True)
     print(f"| {label} | {res.status.value} | {res.objective:.4f} | {res.bound:.4f} | "
           f"{gap:.2%} | {r['allocations_bound']:.4f} | {part('chunks')} | "
@@ -191,6 +199,7 @@ def main() -> None:
     parser.add_argument("--trim", choices=("on", "off"), default="on")
     parser.add_argument("--heads", choices=("on", "off"), default="on")
     parser.add_argument("--head-floor", choices=("on", "off"), default="off")
+    parser.add_argument("--head-contents", choices=("on", "off"), default="off")
     parser.add_argument("--count-waits", action="store_true",
                         help="with --count-only: how many the waits rows leave")
     parser.add_argument("--floor-gap", type=int, default=0,
@@ -222,7 +231,8 @@ def main() -> None:
             count(name, problem, args.max, args.count_waits)
         else:
             run(name, problem, args.time_limit, args.family_limit, args.waits == "on",
-                args.trim == "on", args.heads == "on", args.head_floor == "on")
+                args.trim == "on", args.heads == "on", args.head_floor == "on",
+                args.head_contents == "on")
 
 
 if __name__ == "__main__":

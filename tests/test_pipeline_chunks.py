@@ -455,6 +455,7 @@ def test_engine_failures_are_counted_and_survived(monkeypatch):
     ({"trim_share": 0}, "trim_share"), ({"trim_share": "x"}, "trim_share"),
     ({"heads": "yes"}, "heads"), ({"head_step": 0}, "head_step"),
     ({"head_floor": "yes"}, "head_floor"),
+    ({"head_contents": 2}, "head_contents"),
     ({"head_step": 1.5}, "head_step"),
 ])
 def test_bad_options_are_refused(extra, field):
@@ -814,6 +815,33 @@ def test_heads_and_skips_list_what_the_full_walk_lists(problem, data):
     kept = list(chunked.chunk_allocations(units, problem.n_gpus, units.n, cap,
                                           problem.memory_per_gpu, skip=skip))
     assert kept == [gpu for gpu in full if not any(gpu[:k] in skip for k in range(units.n + 1))]
+    contents: dict[int, set[int]] = {}  # stop 65: GPU contents of units 0 .. k - 1
+    for gpu in full:
+        if data.draw(st.booleans()):
+            k = data.draw(st.integers(1, units.n))
+            units_on = [q for q in range(k) if gpu[q] == gpu[data.draw(st.integers(0, k - 1))]]
+            contents.setdefault(k, set()).add(sum(1 << q for q in units_on))
+    both = chunked.Skip(frozenset(skip), contents)
+    kept = list(chunked.chunk_allocations(units, problem.n_gpus, units.n, cap,
+                                          problem.memory_per_gpu, skip=both))
+
+    def covered(gpu: tuple[int, ...]) -> bool:  # some GPU holds exactly a mask of units < k
+        return any({sum(1 << q for q in range(k) if gpu[q] == g) for g in gpu[:k]}
+                   & masks for k, masks in contents.items())
+
+    assert kept == [gpu for gpu in full if not covered(gpu)
+                    and not any(gpu[:k] in skip for k in range(units.n + 1))]
+
+
+def test_skip_checks_heads_and_gpu_contents_at_their_length():
+    """:class:`~optmem.solvers.pipeline_chunks.Skip` (stop 65): a prefix is skipped when it
+    is a refuted head or one of its GPUs holds exactly a refuted content of its length."""
+    skip = chunked.Skip(frozenset({(0, 1)}), {3: {0b101}})
+    assert (0, 1) in skip and (0, 1, 0) in skip  # GPU 0 holds units 0 and 2
+    assert (0, 0, 1) not in skip and (0, 1, 1) not in skip and (0, 1, 0, 2) not in skip
+    assert [0, 1] not in skip and not chunked.Skip() and skip
+    assert chunked.gpu_masks((0, 1, 0, 2), 3) == [0b101, 0b010]
+    assert chunked.gpu_masks((0, 1, 0, 2), 4) == [0b101, 0b010, 0b1000]
 
 
 @pytest.mark.parametrize("seed", [4, 11])
@@ -851,18 +879,29 @@ def test_refuted_heads_bound_every_allocation_extending_them(seed):
     assert len(by_floor) == floored.floored
     cut = {**plain.cut, **floored.cut}
     memory = chunked.floor_memory(problem)
-    checked = [0, 0]  # allocations extending a head the floor refuted, and the others
+    checked = bounds_hold(  # allocations extending a head the floor refuted, and the others
+        problem, lambda gpu: [cut[gpu[:k]] for k in range(1, units.n) if gpu[:k] in cut],
+        lambda gpu: int(not any(gpu[:k] in by_floor for k in range(1, units.n))), memory)
+    assert checked[0] >= 1, checked  # the floor's heads; on seed 4 every head refuted is one
+
+
+def bounds_hold(problem: PipelineProblem, bounds_of, kind_of, memory: int, most: int = 6
+                ) -> list[int]:
+    """Allocations of each kind (0 or 1) with bounds whose plan (fixed model solved, 5
+    deterministic seconds: its optimum or above) is at least each bound: up to ``most``
+    of each kind checked, their counts returned."""
+    units = make_units(problem)
+    checked = [0, 0]
     for gpu in chunked.chunk_allocations(units, problem.n_gpus, units.n, units.big_m(),
                                          memory):
-        bounds = [cut[gpu[:k]] for k in range(1, units.n) if gpu[:k] in cut]
-        kind = int(not any(gpu[:k] in by_floor for k in range(1, units.n)))
-        if not bounds or checked[kind] == 6:
+        bounds, kind = bounds_of(gpu), kind_of(gpu)
+        if not bounds or checked[kind] == most:
             continue
-        run = run_model(problem, "cpsat", BRUTE, gpu=list(gpu))  # a plan: its optimum or above
+        run = run_model(problem, "cpsat", BRUTE, gpu=list(gpu))
         if run.plan is not None:
             assert max(bounds) <= run.plan.period * (1 + 1e-9), (gpu, bounds)
             checked[kind] += 1
-    assert checked[0] >= 1, checked  # the floor's heads; on seed 4 every head refuted is one
+    return checked
 
 
 def test_heads_are_on_by_default_and_can_be_turned_off():
@@ -877,6 +916,8 @@ def test_heads_are_on_by_default_and_can_be_turned_off():
     assert chunked.settings(SolveOptions()).head_step == chunked.HEAD_STEP
     assert off.report["complete_heads"] == off.report["complete_heads_refuted"] == 0
     assert chunked.settings(SolveOptions()).head_rounds == 0  # measured: no time saved
+    assert not chunked.settings(SolveOptions()).head_contents
+    assert chunked.settings(SolveOptions(extra={"head_contents": True})).head_contents
     assert chunked.settings(SolveOptions(extra={"head_floor": True})).head_rounds \
         == chunked.HEAD_ROUNDS
     levels = on.report["complete_head_levels"]
@@ -898,6 +939,52 @@ def test_heads_are_on_by_default_and_can_be_turned_off():
     assert first >= 2 and capped == chunked.Heads(stopped="limit")
 
 
+@pytest.mark.parametrize("seed", [8, 13])
+def test_refuted_gpu_contents_bound_every_allocation_putting_them_on_a_gpu(seed):
+    """Stop 65: with ``contents``, :func:`head_pass` asks each GPU of a refuted head alone
+    (:func:`~optmem.solvers.pipeline_chunks.refuted_contents`); every allocation whose
+    first ``k`` units put a refuted content on one GPU has no plan below its bound (each
+    allocation's fixed model solved, 5 deterministic seconds, including allocations
+    extending no refuted head); later heads holding one are refuted without a question
+    (seed 8, a lag of one answer); two workers give the same pass; the method closes at
+    the same plan and bound with ``head_contents=true`` as without."""
+    problem = tail_light_problem(seed)
+    units = make_units(problem)
+    extra = {**FAST.extra, "family": "all", "head_step": 1}
+    best = solve(problem, "chunks", options=replace(FAST, extra={**extra, "heads": False}))
+    assert best.status is Status.OPTIMAL
+
+    def heads(workers: int, lag: int = 1) -> chunked.Heads:
+        return chunked.head_pass(problem, units, best.objective * (1 + 1e-6), best.objective,
+                                 depths=chunked.head_depths(units.n, 1), work=5.0,
+                                 limit=10_000, workers=workers, contents=True, lag=lag)
+
+    out = heads(1)
+    assert out.contents and out.questions[1] == len(out.contents), out
+    assert sum(level[4] for level in out.levels) == out.covered
+    assert out.covered >= (seed == 8), out
+    assert heads(2) == out
+    wide = heads(2, chunked.HEAD_LAG)  # contents applied later: fewer heads covered
+    assert wide.covered <= out.covered and set(wide.cut) >= set(out.cut) - {
+        head for head in out.cut if any(head[:k] in wide.cut for k in range(len(head)))}
+    assert all(b < best.objective for b in out.contents.values())
+    checked = bounds_hold(  # allocations holding a content: extending a refuted head, or not
+        problem, lambda gpu: [b for (k, mask), b in out.contents.items()
+                              if mask in chunked.gpu_masks(gpu, k)],
+        lambda gpu: int(not any(gpu[:k] in out.cut for k in range(1, units.n))),
+        chunked.floor_memory(problem))
+    assert checked[1] >= 1, checked
+    on = solve(problem, "chunks", options=replace(FAST, extra={**extra, "head_contents": True}))
+    off = solve(problem, "chunks", options=replace(FAST, extra=extra))
+    assert on.status is off.status is Status.OPTIMAL
+    assert on.objective == pytest.approx(off.objective, rel=1e-9)
+    assert on.report["complete_bound"] == pytest.approx(off.report["complete_bound"],
+                                                        rel=1e-6)
+    assert on.report["complete_head_contents"][2] >= 1, on.report
+    assert off.report["complete_head_contents"] == [0, 0, 0]
+    assert on.report["complete_family"] <= off.report["complete_family"], on.report
+
+
 def test_heads_reached_after_the_deadline_are_neither_asked_nor_counted():
     """Stop 65: a head the pass reaches once the deadline has passed gets no question and
     is not counted as asked (until then, the heads of the level the deadline fell in were
@@ -907,7 +994,7 @@ def test_heads_reached_after_the_deadline_are_neither_asked_nor_counted():
     units = make_units(problem)
     late = chunked.head_pass(problem, units, units.big_m(), 1e9, depths=[4, 5], work=5.0,
                              limit=10_000, deadline=time.perf_counter() - 1.0)
-    assert late == chunked.Heads(depths=[4], levels=[[4, 0, 0, 0]], stopped="time")
+    assert late == chunked.Heads(depths=[4], levels=[[4, 0, 0, 0, 0]], stopped="time")
     assert late.report()["complete_heads"] == 0
     now = time.perf_counter()
     assert not chunked.passed(None) and chunked.passed(now - 1.0)

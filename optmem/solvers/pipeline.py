@@ -57,7 +57,8 @@ EXACT_EXTRA = ("warm_madpipe", "relaxation", "strategy", "trim_work", "isolate",
 """Keys of ``ilp``/``cpsat``: their own, and MadPipe's (its run gives their warm start)."""
 CHUNKS_EXTRA = ("chunks", "chunk_work", "chunk_step", "chunk_retry_work", "family",
                 "family_limit", "waits", "trim", "trim_tail", "trim_share", "heads",
-                "head_step", "head_floor", "warm_madpipe", "relaxation", *MADPIPE_EXTRA)
+                "head_step", "head_floor", "head_contents", "warm_madpipe", "relaxation",
+                *MADPIPE_EXTRA)
 """Keys of ``chunks``: its own, and MadPipe's (its run gives the first cutoff)."""
 
 
@@ -243,7 +244,7 @@ def solve_pipeline_chunks(problem: PipelineProblem, options: SolveOptions) -> Re
     improved = bool(found.improvements)
     bound, closed = relaxed, False
     decided = dict(found.decided)
-    refuted: dict[tuple[int, ...], float] = {}
+    refuted: chunked.Heads | None = None
     if conf.family == "all":
         heads = chunked.head_depths(units.n, conf.head_step) if conf.head_step else []
         whole, cut = chunked.complete(problem, units, found, limit=conf.limit,
@@ -251,10 +252,11 @@ def solve_pipeline_chunks(problem: PipelineProblem, options: SolveOptions) -> Re
                                       deadline=deadline, workers=options.threads,
                                       retry=conf.retry, waits=conf.waits, tail=conf.tail,
                                       share=conf.share, heads=heads,
-                                      head_rounds=conf.head_rounds)
+                                      head_rounds=conf.head_rounds,
+                                      head_contents=conf.head_contents)
         report.update(whole.report("complete"))
         report.update(cut.report("complete"))
-        refuted = cut.cut
+        refuted = cut
         improved = improved or bool(whole.improvements)
         for gpu, proven_at in whole.decided.items():
             decided[gpu] = max(proven_at, decided.get(gpu, 0.0))
@@ -281,7 +283,7 @@ def solve_pipeline_chunks(problem: PipelineProblem, options: SolveOptions) -> Re
 
 def _allocations_bound(problem: PipelineProblem, units: Units, period: float, low: float,
                        decided: dict[tuple[int, ...], float], waits: bool,
-                       heads: dict[tuple[int, ...], float]) -> float:
+                       heads: chunked.Heads | None) -> float:
     """:func:`~optmem.solvers.pipeline_chunks.allocations_bound` below the plan's ``period``.
 
     The least bound over every allocation (its floor, or what the scan proved for it or

@@ -69,7 +69,10 @@ whether those units, the later ones kept as pure delays on GPUs of their own
 removes every allocation extending it, and the walk lists only the others (stop 64,
 ``extra["head_floor"]``, default false: a head whose :func:`allocation_floor` on that
 instance, :data:`HEAD_ROUNDS` rounds of the waits rows, is above the cutoff is refuted
-without a question). If none is
+without a question; stop 65, ``extra["head_contents"]``, default false: each GPU of a
+refuted head is asked alone, :func:`refuted_contents`, and a GPU content refuted removes
+every head and allocation that puts it on one GPU; the heads' questions run with
+:data:`HEAD_PARAMETERS`). If none is
 left undecided, ``report["complete_bound"]`` bounds every plan of the problem (1-periodic
 patterns, as the exact model): the result is ``optimal``. It is asked only when at most
 ``extra["family_limit"]`` allocations (:data:`FAMILY_LIMIT`) are below the cutoff, and at
@@ -88,13 +91,21 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Generator, Iterator, Mapping, Sequence
+from collections.abc import (
+    Callable,
+    Collection,
+    Container,
+    Generator,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from optmem.engines.adapters import active_budget, carry_budget
 from optmem.errors import OptmemInputError
-from optmem.models.pipeline import Units, delay_tail, trim_units
+from optmem.models.pipeline import Units, delay_tail, isolate_units, trim_units
 from optmem.pipeline_plan import PipelinePlan
 from optmem.problems.pipeline import PipelineProblem
 from optmem.result import SolveOptions, Status
@@ -180,6 +191,24 @@ the 4,336 heads asked but saved no time (5,471 CPU s against stop 63's 4,873, bo
 load): the heads it refutes are those CP-SAT refutes fastest (0.36 s against 0.83 s at
 14 units), and it costs every head its 75 ms. Off by default
 (``benchmarks/results/pipeline_exact.md``, "Stop 64")."""
+HEAD_PARAMETERS: dict[str, object] = {"use_precedences_in_disjunctive_constraint": False}
+"""CP-SAT parameters of :func:`head_pass`'s questions (and :func:`refuted_contents`'):
+without the precedences CP-SAT infers inside each no-overlap (disjunctive) constraint.
+Measured on the headline's delayed heads at 31.3896 (stop 65, one worker, 5 deterministic
+seconds, 40 random heads per length, each asked with both settings in alternating order):
+CPU 26.3 -> 22.6 s for heads of 12 units, 26.5 -> 18.0 of 14, 47.7 -> 27.2 of 16, the
+same answer for every head (``benchmarks/results/pipeline_exact.md``, "Stop 65"). The
+scan's questions on whole allocations gain little (45.9 -> 45.4 s on 30 of the complete
+family) and keep CP-SAT's defaults."""
+HEAD_LAG = 16
+"""Default ``lag`` of :func:`head_pass`: answers taken between a head's predecessor
+``lag + 1`` places before it and the head's own check against the contents refuted (the
+window of its threads: the same for any number of them, so the pass is too). Wide enough
+that a slow question does not leave a thread idle (with 4, the pass at 2 threads used 1.6
+CPUs of 2 on the headline)."""
+CONTENT_WORK = 0.5
+"""CP-SAT deterministic seconds for one GPU content of :func:`refuted_contents`. On the
+headline most are answered in 0.05-0.1 CPU s; a few run to any cap given (5-9 s at 5)."""
 _EPS = 1e-9
 _Key = tuple[int, tuple[int, ...]]
 """A prefix of :class:`_Asker`'s trimmed questions: units dropped, GPUs of the units kept."""
@@ -197,7 +226,8 @@ class ChunkSettings:
     :class:`_Asker`; ``tail`` is 0 when off), ``heads`` and ``head_step`` (stop 63, default
     true and :data:`HEAD_STEP`: the complete family's :func:`head_pass`; ``head_step`` is 0
     when off), ``head_floor`` (stop 64, default false: the heads' floor rounds,
-    :data:`HEAD_ROUNDS` when on, 0 when off).
+    :data:`HEAD_ROUNDS` when on, 0 when off), ``head_contents`` (stop 65, default false:
+    :func:`refuted_contents` after each refuted head).
     """
 
     chunks: int
@@ -213,6 +243,8 @@ class ChunkSettings:
     """Units between the head lengths of :func:`head_pass` (0: no head pass)."""
     head_rounds: int = 0
     """Rounds of the floor :func:`head_pass` tries before each question (0: none)."""
+    head_contents: bool = False
+    """Whether :func:`head_pass` asks the GPUs of each refuted head alone (stop 65)."""
 
 
 def settings(options: SolveOptions) -> ChunkSettings:
@@ -232,14 +264,15 @@ def settings(options: SolveOptions) -> ChunkSettings:
                          positive_float(options, "trim_share", TRIM_SHARE),
                          positive_int(options, "head_step", HEAD_STEP)
                          if flag(options, "heads", True) else 0,
-                         HEAD_ROUNDS if flag(options, "head_floor", False) else 0)
+                         HEAD_ROUNDS if flag(options, "head_floor", False) else 0,
+                         flag(options, "head_contents", False))
 
 
 # ------------------------------------------------------------------ enumeration
 def chunk_allocations(units: Units, n_gpus: int, chunks: int, cap: float,
                       memory: int | None = None, stats: dict[str, int] | None = None,
                       rounds: int = 0, depth: int | None = None,
-                      skip: Collection[tuple[int, ...]] = ()) -> Iterator[tuple[int, ...]]:
+                      skip: Container[tuple[int, ...]] = ()) -> Iterator[tuple[int, ...]]:
     """Allocations with at most ``chunks`` chunks per GPU and a floor of at most ``cap``.
 
     GPUs are numbered by first use (each allocation once; the GPUs of a problem are
@@ -650,7 +683,7 @@ def allocations_bound(units: Units, n_gpus: int, memory: int | None, low: float,
                       decided: Mapping[tuple[int, ...], float] | None = None,
                       work: int = BOUND_WORK, rounds: int = 0, waits: bool = False,
                       waits_work: int = WAITS_WORK,
-                      heads: Mapping[tuple[int, ...], float] | None = None) -> float:
+                      heads: Heads | None = None) -> float:
     """A lower bound of every plan of the problem: the least bound over all allocations.
 
     Every plan (a 1-periodic pattern, as the exact model) has an allocation of the units
@@ -683,8 +716,9 @@ def allocations_bound(units: Units, n_gpus: int, memory: int | None, low: float,
     of the next steps widen with it. At most ``waits_work`` DPs are run (deterministic);
     the steps after that ask the floors alone (each step's answer stays a proof).
 
-    ``heads`` (:attr:`Heads.cut`): a head refuted with bound ``b`` bounds every allocation
-    extending it by ``b``; a step at ``c < b`` skips them all (:func:`chunk_allocations`).
+    ``heads`` (:func:`head_pass`): a head (or GPU content, :attr:`Heads.contents`) refuted
+    with bound ``b`` bounds every allocation extending it (putting it on a GPU) by ``b``; a
+    step at ``c < b`` skips them all (:func:`chunk_allocations`, :meth:`Heads.skip`).
     """
     done = {} if decided is None else decided
     stats: dict[str, int] = {"tried": 0}
@@ -705,7 +739,7 @@ def allocations_bound(units: Units, n_gpus: int, memory: int | None, low: float,
         return True
 
     def some_below(c: float) -> bool | None:
-        skip = {head for head, b in (heads or {}).items() if b > c * (1 + _EPS)}
+        skip = heads.skip(c) if heads is not None else ()
         for gpu in chunk_allocations(units, n_gpus, units.n, c, memory, stats, rounds,
                                      skip=skip):
             if stats["tried"] > work:
@@ -799,7 +833,7 @@ def floor_memory(problem: PipelineProblem) -> int | None:
 
 
 def ranked(problem: PipelineProblem, units: Units, chunks: int, cap: float,
-           limit: int = MAX_ALLOCATIONS, skip: Collection[tuple[int, ...]] = ()
+           limit: int = MAX_ALLOCATIONS, skip: Container[tuple[int, ...]] = ()
            ) -> tuple[list[tuple[float, tuple[int, ...]]], bool]:
     """The family's allocations with a floor below ``cap``, by floor; and whether truncated.
 
@@ -856,7 +890,7 @@ def complete(problem: PipelineProblem, units: Units, first: Scan, *, limit: int,
              work: float, step: float, seed: int = 0, deadline: float | None = None,
              workers: int = 1, retry: float = RETRY_WORK, waits: bool = False,
              tail: int = 0, share: float = TRIM_SHARE, heads: Sequence[int] = (),
-             head_rounds: int = 0) -> tuple[Scan, Heads]:
+             head_rounds: int = 0, head_contents: bool = False) -> tuple[Scan, Heads]:
     """Every allocation (any chunk count) with a floor below ``first``'s period, asked.
 
     The complete family (``extra["family"] = "all"``): the allocations of the units with
@@ -866,7 +900,9 @@ def complete(problem: PipelineProblem, units: Units, first: Scan, *, limit: int,
     floor), asked by :func:`ask_family` at the period less ``min(step, PROOF_STEP)``.
     ``heads`` (stop 63): :func:`head_pass` first refutes whole subtrees at that cutoff
     (heads of those lengths, the later units delayed), and only the allocations extending
-    no refuted head are listed and asked (``head_rounds``: the pass's floor, stop 64).
+    no refuted head are listed and asked (``head_rounds``: the pass's floor, stop 64;
+    ``head_contents``: its GPU contents, stop 65, which remove every allocation putting
+    one of them on a GPU too).
     With no allocation undecided, ``Scan.bound`` is a
     lower bound of every plan of the problem (1-periodic patterns): every allocation was
     asked, extends a refuted head or has a floor at or above the cutoff. More than
@@ -879,19 +915,20 @@ def complete(problem: PipelineProblem, units: Units, first: Scan, *, limit: int,
     cut = min(step, PROOF_STEP)
     cutoff = _cutoff(first, cap, cut)
     pre = head_pass(problem, units, cap, cutoff, depths=heads, work=work, limit=limit,
-                    seed=seed, deadline=deadline, workers=workers, rounds=head_rounds)
+                    seed=seed, deadline=deadline, workers=workers, rounds=head_rounds,
+                    contents=head_contents)
     if pre.stopped != "done":
         return Scan(first.period, first.plan, truncated=pre.stopped == "limit",
                     stopped=pre.stopped), pre
-    family, truncated = ranked(problem, units, units.n, cap, limit=limit, skip=pre.cut)
+    family, truncated = ranked(problem, units, units.n, cap, limit=limit, skip=pre.skip())
     if truncated:
         return Scan(first.period, first.plan, family=len(family), truncated=True,
                     stopped="limit"), pre
     out = ask_family(problem, units, first.period, first.plan, family, work=work, step=cut,
                      seed=seed, deadline=deadline, workers=workers, retry=retry,
                      waits=waits, tail=tail, share=share)
-    if pre.cut and not math.isnan(out.bound):
-        out.bound = min(out.bound, *pre.cut.values())
+    if pre.bounds() and not math.isnan(out.bound):
+        out.bound = min(out.bound, *pre.bounds())
     return out, pre
 
 
@@ -913,11 +950,37 @@ class Heads:
     depths: list[int] = field(default_factory=list)
     stopped: str = "done"
     levels: list[list[int]] = field(default_factory=list)
+    contents: dict[tuple[int, int], float] = field(default_factory=dict)
+    """``(k, mask)`` -> a lower bound of every plan of every allocation that puts exactly
+    the units of ``mask`` (bit ``q``: unit ``q``) of units ``0 .. k - 1`` on one GPU
+    (stop 65, :func:`refuted_contents`)."""
+    questions: list[int] = field(default_factory=lambda: [0, 0], compare=False)
+    """GPU contents asked and refuted by :func:`refuted_contents` (``extra["head_contents"]``;
+    the count depends on the threads' timing through a shared cache, so it is left out of
+    comparisons)."""
 
     @property
     def floored(self) -> int:
         """Heads the floor refuted without a question (summed over :attr:`levels`)."""
         return sum(level[3] for level in self.levels)
+
+    @property
+    def covered(self) -> int:
+        """Heads refuted by a GPU content refuted before them (summed over :attr:`levels`)."""
+        return sum(level[4] for level in self.levels)
+
+    def skip(self, above: float = -math.inf) -> Skip:
+        """The prefixes refuted with a bound above ``above``, for :func:`chunk_allocations`."""
+        sets: dict[int, set[int]] = {}
+        for (k, mask), bound in self.contents.items():
+            if bound > above * (1 + _EPS):
+                sets.setdefault(k, set()).add(mask)
+        return Skip(frozenset(head for head, bound in self.cut.items()
+                              if bound > above * (1 + _EPS)), sets)
+
+    def bounds(self) -> list[float]:
+        """The bounds of the heads and GPU contents refuted."""
+        return [*self.cut.values(), *self.contents.values()]
 
     def report(self, prefix: str = "complete") -> dict[str, object]:
         """Report keys (``complete_heads``, ``complete_heads_refuted``, ...)."""
@@ -925,7 +988,43 @@ class Heads:
                 f"{prefix}_head_depths": list(self.depths),
                 f"{prefix}_heads_stopped": self.stopped,
                 f"{prefix}_heads_floored": self.floored,
+                f"{prefix}_heads_covered": self.covered,
+                f"{prefix}_head_contents": [*self.questions, len(self.contents)],
                 f"{prefix}_head_levels": [list(level) for level in self.levels]}
+
+
+@dataclass(frozen=True)
+class Skip:
+    """Prefixes whose allocations :func:`chunk_allocations` does not list (stop 65).
+
+    ``heads``: refuted heads (:attr:`Heads.cut`); ``contents``: length ``k`` -> masks of
+    units ``0 .. k - 1`` refuted on one GPU (:attr:`Heads.contents`). A prefix of length
+    ``k`` is skipped when it is a head of ``heads`` or one of its GPUs holds exactly a
+    mask of ``contents[k]``: a walk reaches every prefix's shorter prefixes first, so a
+    prefix is checked at its own length only.
+    """
+
+    heads: Collection[tuple[int, ...]] = frozenset()
+    contents: Mapping[int, Collection[int]] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.heads) or bool(self.contents)
+
+    def __contains__(self, prefix: object) -> bool:
+        if not isinstance(prefix, tuple):
+            return False
+        if prefix in self.heads:
+            return True
+        masks = self.contents.get(len(prefix), ())
+        return any(m in masks for m in gpu_masks(prefix, len(prefix))) if masks else False
+
+
+def gpu_masks(gpu: Sequence[int], k: int) -> list[int]:
+    """The units of ``0 .. k - 1`` on each GPU ``gpu`` uses (bit ``q``: unit ``q``)."""
+    masks: dict[int, int] = {}
+    for q in range(k):
+        masks[gpu[q]] = masks.get(gpu[q], 0) | 1 << q
+    return list(masks.values())
 
 
 def passed(deadline: float | None) -> bool:
@@ -950,7 +1049,8 @@ def head_depths(n: int, step: int) -> list[int]:
 
 def head_pass(problem: PipelineProblem, units: Units, cap: float, cutoff: float, *,
               depths: Sequence[int], work: float, limit: int, seed: int = 0,
-              deadline: float | None = None, workers: int = 1, rounds: int = 0) -> Heads:
+              deadline: float | None = None, workers: int = 1, rounds: int = 0,
+              contents: bool = False, lag: int = HEAD_LAG) -> Heads:
     """Refute whole subtrees of the allocations: their heads, with the later units delayed.
 
     For each length ``k`` of ``depths`` in turn, every head (the GPUs of units
@@ -966,25 +1066,39 @@ def head_pass(problem: PipelineProblem, units: Units, cap: float, cutoff: float,
     the waits rows) at the cutoff: a floor above it refutes the head with no question, at
     the cutoff itself (every such plan has a larger period; valid as the instance relaxes
     every allocation extending the head, and the floor bounds every plan of the instance).
-    The heads of one level are asked on ``workers``
-    threads and their answers taken in order, at one cutoff: the pass is the same on any
-    machine. It stops at the deadline (``"time"``) or before a level with more than
-    ``limit`` heads (``"limit"``); the heads refuted so far stay valid.
+    With ``contents`` (stop 65) each GPU of a refuted head is then asked alone
+    (:func:`refuted_contents`); a content refuted there refutes every head, of this
+    length or longer, that puts exactly those units of ``0 .. k - 1`` on one GPU, with no
+    question (:attr:`Heads.contents`, counted in :attr:`Heads.covered`).
+
+    The heads of one level are asked in order on ``workers`` threads, at most ``lag + 1``
+    in flight (:data:`HEAD_LAG`): a head is sent once the answer ``lag + 1`` places before
+    it is taken, and checked against the contents refuted by the answers taken so far, so
+    the pass is the same with any number of workers on any machine. It stops at the
+    deadline (``"time"``: the heads reached after it are neither asked nor counted) or
+    before a level with more than ``limit`` heads (``"limit"``); the heads refuted so far
+    stay valid.
     """
     out = Heads()
     memory = floor_memory(problem)
     low = lower_bound(problem)
+    seen: dict[tuple[int, int], float | None] = {}  # GPU contents asked -> bound, or None
 
-    def ask(head: tuple[int, ...]) -> tuple[float | None, bool] | None:
+    def ask(head: tuple[int, ...]) -> _HeadAnswer | None:
         if passed(deadline):
             return None  # not asked: the deadline fell inside the level
         relaxed, alloc = delay_tail(units, head)
         if rounds > 0 and not within(relaxed, alloc, max(alloc) + 1, memory, cutoff, rounds):
-            return cutoff, True
+            return _HeadAnswer(cutoff, floored=True)
         _, bound = refute(replace(problem, n_gpus=max(alloc) + 1),
                           _question_options(work, seed, time_limit(deadline)), cutoff,
-                          units=relaxed, gpu=list(alloc), lower=low)
-        return bound, False
+                          units=relaxed, gpu=list(alloc), lower=low,
+                          parameters=HEAD_PARAMETERS)
+        if bound is None or not contents:
+            return _HeadAnswer(bound)
+        return _HeadAnswer(bound, found=refuted_contents(
+            problem, relaxed, alloc, len(head), cutoff, seed=seed, deadline=deadline,
+            lower=low, seen=seen, tally=out.questions))
 
     pool = ThreadPoolExecutor(workers, thread_name_prefix="optmem-heads") \
         if workers > 1 and active_budget() is None else None
@@ -992,25 +1106,26 @@ def head_pass(problem: PipelineProblem, units: Units, cap: float, cutoff: float,
         for depth in depths:
             heads: list[tuple[int, ...]] = []
             for head in chunk_allocations(units, problem.n_gpus, units.n, cap, memory,
-                                          depth=depth, skip=out.cut):
+                                          depth=depth, skip=out.skip()):
                 heads.append(head)
                 if len(heads) > limit:
                     out.stopped = "limit"
                     return out
             out.depths.append(depth)
-            level = [depth, 0, 0, 0]
+            level = [depth, 0, 0, 0, 0]
             out.levels.append(level)
-            answers = pool.map(carry_budget(ask), heads) if pool else map(ask, heads)
-            for head, answer in zip(heads, answers, strict=True):
+            for head, answer in _in_order(heads, ask, out, pool, lag):
                 if answer is None:
                     continue
-                bound, floored = answer
-                out.asked += 1
-                level[1] += 1
-                if bound is not None:
-                    out.cut[head] = bound
+                out.asked += not answer.covered
+                level[1] += not answer.covered
+                if answer.bound is not None:
+                    out.cut[head] = answer.bound
                     level[2] += 1
-                    level[3] += floored
+                    level[3] += answer.floored
+                    level[4] += answer.covered
+                for key, bound in answer.found:
+                    out.contents[key] = bound
             if passed(deadline):
                 out.stopped = "time"
                 return out
@@ -1018,6 +1133,101 @@ def head_pass(problem: PipelineProblem, units: Units, cap: float, cutoff: float,
         if pool is not None:
             pool.shutdown(cancel_futures=True)
     return out
+
+
+@dataclass(frozen=True)
+class _HeadAnswer:
+    """One head's answer: its bound (``None``: not refuted), how, and contents refuted."""
+
+    bound: float | None
+    floored: bool = False
+    covered: bool = False
+    found: tuple[tuple[tuple[int, int], float], ...] = ()
+
+
+def _in_order(heads: list[tuple[int, ...]],
+              ask: Callable[[tuple[int, ...]], _HeadAnswer | None], out: Heads,
+              pool: ThreadPoolExecutor | None, lag: int
+              ) -> Iterator[tuple[tuple[int, ...], _HeadAnswer | None]]:
+    """``(head, answer)`` in order (``None``: not asked, the deadline had passed).
+
+    A head covered by a content refuted ``lag + 1`` answers or more before it is answered
+    at that content's bound without a question.
+    """
+    flight: deque[tuple[tuple[int, ...], Future[_HeadAnswer | None] | _HeadAnswer]] = deque()
+    sent = 0
+
+    def send(upto: int) -> None:
+        nonlocal sent
+        while sent < min(upto, len(heads)):
+            head = heads[sent]
+            sent += 1
+            bound = _covering(out, head)
+            if bound is not None:
+                flight.append((head, _HeadAnswer(bound, covered=True)))
+            elif pool is None:
+                answer = ask(head)
+                flight.append((head, answer if answer is not None else _NOT_ASKED))
+            else:
+                flight.append((head, pool.submit(carry_budget(ask), head)))
+
+    send(lag + 1)
+    while flight:
+        head, pending = flight.popleft()
+        answer = pending.result() if isinstance(pending, Future) else pending
+        yield head, None if answer is _NOT_ASKED else answer
+        send(sent + 1)
+
+
+_NOT_ASKED = _HeadAnswer(None)
+
+
+def _covering(out: Heads, head: Sequence[int]) -> float | None:
+    """The largest bound of the GPU contents refuted that cover ``head`` (``None``: none)."""
+    return max((bound for (k, mask), bound in out.contents.items()
+                if k <= len(head) and mask in gpu_masks(head, k)), default=None)
+
+
+def refuted_contents(problem: PipelineProblem, relaxed: Units, alloc: Sequence[int], k: int,
+                     cutoff: float, *, seed: int, deadline: float | None, lower: float,
+                     seen: dict[tuple[int, int], float | None], tally: list[int]
+                     ) -> tuple[tuple[tuple[int, int], float], ...]:
+    """The GPUs of a refuted head that refute it alone: ``((j, mask), bound)`` for each.
+
+    ``relaxed, alloc``: :func:`~optmem.models.pipeline.delay_tail` of a head of ``k``
+    units. Each GPU of the head is asked alone at ``cutoff``
+    (:func:`~optmem.models.pipeline.isolate_units` of that instance, :data:`CONTENT_WORK`
+    deterministic seconds). The isolated instance relaxes every allocation whose units
+    ``0 .. k - 1`` put exactly those units on one GPU (``delay_tail`` relaxes the
+    allocation to its head's instance, ``isolate_units`` that instance to the GPU; both
+    proofs in :mod:`optmem.models.pipeline`), and depends only on the units on that GPU
+    (``mask``, highest unit ``m``) and on ``j = min(k, m + 2)``: every unit outside the
+    mask is a pure delay and every cut between two of them is free in both steps, so the
+    heads of every length from ``m + 2`` up give the same instance (for ``k = m + 1`` the
+    cut after ``m`` is free too). A refuted content is kept as ``(j, mask)``: it refutes
+    every allocation whose units ``0 .. j - 1`` put exactly ``mask`` on one GPU, which is
+    more than those of length ``k``. ``seen`` caches the answers by ``(j, mask)`` across
+    heads, levels and threads (an answer depends on nothing else, CP-SAT being
+    deterministic); ``tally``: contents asked and refuted, counted here.
+    """
+    found = []
+    for mask in gpu_masks(alloc, k):
+        key = (min(k, mask.bit_length() + 1), mask)  # the shortest prefix it speaks of
+        if key not in seen:
+            if passed(deadline):
+                break
+            kept = {alloc[(mask & -mask).bit_length() - 1]}
+            part, labels = isolate_units(relaxed, alloc, kept)
+            _, seen[key] = refute(replace(problem, n_gpus=max(labels) + 1),
+                                  _question_options(CONTENT_WORK, seed, time_limit(deadline)),
+                                  cutoff, units=part, gpu=list(labels), lower=lower,
+                                  parameters=HEAD_PARAMETERS)
+            tally[0] += 1
+            tally[1] += seen[key] is not None
+        bound = seen[key]
+        if bound is not None:
+            found.append((key, bound))
+    return tuple(found)
 
 
 def ask_family(problem: PipelineProblem, units: Units, period: float,

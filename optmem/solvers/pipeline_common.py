@@ -157,6 +157,7 @@ def run_model(
     feasibility: bool = False, lifetime_cuts: bool = False,
     together: Sequence[Sequence[int]] = (),
     same_gpu: Mapping[tuple[int, int], bool] | None = None, slim: bool = True,
+    parameters: Mapping[str, Any] | None = None,
 ) -> ModelRun:
     """Build the model of ``units`` (default: the layers), solve it with ``method``.
 
@@ -175,6 +176,8 @@ def run_model(
     ``together``: groups of units restricted to one GPU each (a restriction of the model:
     :func:`~optmem.models.pipeline.build_pipeline_model`). ``slim``: with ``gpu`` fixed,
     the slim fixed-allocation model (default) or the general one (``False``).
+    ``parameters``: CP-SAT parameters for this run (default: :data:`FIXED_PARAMETERS` when
+    minimising over a fixed allocation, CP-SAT's own otherwise).
     """
     units = units if units is not None else make_units(problem)
     form = build_pipeline_model(units, problem.n_gpus, problem.memory_per_gpu,
@@ -194,7 +197,8 @@ def run_model(
         run = _run_pulp(form, options, values)
     else:
         optimising = gpu is not None and not feasibility
-        run = _run_cpsat(form, options, values, FIXED_PARAMETERS if optimising else None)
+        run = _run_cpsat(form, options, values, dict(parameters) if parameters is not None
+                         else FIXED_PARAMETERS if optimising else None)
     run.report = {**report, **run.report}
     return run
 
@@ -203,12 +207,13 @@ def refute(
     problem: PipelineProblem, options: SolveOptions, cutoff: float, *,
     units: Units | None = None, gpu: list[int] | None = None, lower: float = 0.0,
     lifetime_cuts: bool = False, together: Sequence[Sequence[int]] = (),
+    parameters: Mapping[str, Any] | None = None,
 ) -> tuple[ModelRun, float | None]:
     """Whether no plan has a period ``<= cutoff``: one CP-SAT feasibility run of the model.
 
     The model of :func:`run_model` (``units``, ``gpu``, ``lower``, ``lifetime_cuts``,
-    ``together`` as there; the limits of ``options`` as they are) with no objective and
-    the period at most ``cutoff``. Returns the run and the proven bound:
+    ``together``, ``parameters`` as there; the limits of ``options`` as they are) with no
+    objective and the period at most ``cutoff``. Returns the run and the proven bound:
     ``cutoff - 2 / scale`` when the engine proved that there is no plan (the cutoff holds
     up to one grid step on CP-SAT's exact grid, and the optimum may lie one more step below
     it), ``None`` when it found one (``run.plan``, not yet replayed), stopped without an
@@ -216,7 +221,7 @@ def refute(
     """
     run = run_model(problem, "cpsat", options, units=units, gpu=gpu, upper_bound=cutoff,
                     feasibility=True, lower=lower, lifetime_cuts=lifetime_cuts,
-                    together=together)
+                    together=together, parameters=parameters)
     if run.failed or run.bound != math.inf:
         return run, None
     return run, cutoff - 2 * run.step
