@@ -22,12 +22,18 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from optmem.errors import OptmemInputError
-from optmem.models.pipeline import make_units, plan_gpus
+from optmem.models.pipeline import delay_tail, make_units, plan_gpus
 from optmem.problems.pipeline import PipelineProblem
 from optmem.result import SolveOptions, Status
 from optmem.solvers import pipeline_chunks as chunked
 from optmem.solvers.facade import solve
-from optmem.solvers.pipeline_common import ModelRun, lower_bound, replayed_period, run_model
+from optmem.solvers.pipeline_common import (
+    ModelRun,
+    lower_bound,
+    refute,
+    replayed_period,
+    run_model,
+)
 from tests.test_pipeline import thesis_chain
 from tests.test_pipeline_benders import solved_allocations, trimmable_problems
 from tests.test_pipeline_exact import set_partitions
@@ -983,6 +989,35 @@ def test_refuted_gpu_contents_bound_every_allocation_putting_them_on_a_gpu(seed)
     assert on.report["complete_head_contents"][2] >= 1, on.report
     assert off.report["complete_head_contents"] == [0, 0, 0]
     assert on.report["complete_family"] <= off.report["complete_family"], on.report
+
+
+def test_head_questions_refute_what_cpsat_defaults_refute():
+    """Stop 65: :func:`~optmem.solvers.pipeline_chunks.head_question` (first with
+    :data:`~optmem.solvers.pipeline_chunks.HEAD_PARAMETERS` and a share of the work, then
+    CP-SAT's defaults if that run leaves the head open) refutes every head of every length
+    that one run with the defaults refutes, at the same bound, and none in which that run
+    finds a plan."""
+    problem = tail_light_problem(11)
+    units = make_units(problem)
+    best = solve(problem, "chunks", options=replace(FAST, extra={
+        **FAST.extra, "family": "all", "heads": False}))
+    low = lower_bound(problem)
+    answers = []
+    for depth in chunked.head_depths(units.n, 1):
+        for head in chunked.chunk_allocations(units, problem.n_gpus, units.n,
+                                              best.objective * (1 + 1e-6),
+                                              chunked.floor_memory(problem), depth=depth):
+            relaxed, alloc = delay_tail(units, head)
+            run, plain = refute(replace(problem, n_gpus=max(alloc) + 1),
+                                chunked._question_options(5.0, 0, None), best.objective,
+                                units=relaxed, gpu=list(alloc), lower=low)
+            method = chunked.head_question(problem, relaxed, alloc, best.objective, work=5.0,
+                                           seed=0, deadline=None, lower=low)
+            answers.append((plain, method, run.plan is not None))
+    assert any(plain is not None for plain, _, _ in answers), answers
+    assert any(plan for _, _, plan in answers), answers
+    assert all(method == plain for plain, method, _ in answers if plain is not None), answers
+    assert all(method is None for _, method, plan in answers if plan), answers
 
 
 def test_heads_reached_after_the_deadline_are_neither_asked_nor_counted():
