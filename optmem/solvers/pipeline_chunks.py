@@ -1154,7 +1154,8 @@ def _in_order(heads: list[tuple[int, ...]],
     A head covered by a content refuted ``lag + 1`` answers or more before it is answered
     at that content's bound without a question.
     """
-    flight: deque[tuple[tuple[int, ...], Future[_HeadAnswer | None] | _HeadAnswer]] = deque()
+    flight: deque[tuple[tuple[int, ...], Future[_HeadAnswer | None] | _HeadAnswer | None]] \
+        = deque()
     sent = 0
 
     def send(upto: int) -> None:
@@ -1166,20 +1167,15 @@ def _in_order(heads: list[tuple[int, ...]],
             if bound is not None:
                 flight.append((head, _HeadAnswer(bound, covered=True)))
             elif pool is None:
-                answer = ask(head)
-                flight.append((head, answer if answer is not None else _NOT_ASKED))
+                flight.append((head, ask(head)))
             else:
                 flight.append((head, pool.submit(carry_budget(ask), head)))
 
     send(lag + 1)
     while flight:
         head, pending = flight.popleft()
-        answer = pending.result() if isinstance(pending, Future) else pending
-        yield head, None if answer is _NOT_ASKED else answer
+        yield head, pending.result() if isinstance(pending, Future) else pending
         send(sent + 1)
-
-
-_NOT_ASKED = _HeadAnswer(None)
 
 
 def _covering(out: Heads, head: Sequence[int]) -> float | None:
