@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from optmem.errors import OptmemInputError
-from optmem.models.pipeline import delay_tail, make_units, plan_gpus
+from optmem.models.pipeline import build_pipeline_model, delay_tail, make_units, plan_gpus
 from optmem.problems.pipeline import PipelineProblem
 from optmem.result import SolveOptions, Status
 from optmem.solvers import pipeline_chunks as chunked
@@ -574,6 +574,71 @@ def test_the_waits_floor_is_valid_and_never_below_the_old(problem, data):
     assert chunked.allocation_floor(units, gpu, problem.n_gpus, memory, period,
                                     ROUNDS) <= period
     assert chunked.within(units, gpu, problem.n_gpus, memory, period, ROUNDS)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(problem=st.one_of(small_problems(), trimmable_problems(), five_layer_problems()),
+       data=st.data(), slack=st.sampled_from([1.0, 1.3]))
+def test_stash_floors_hold_in_the_optimal_plan_of_each_allocation(problem, data, slack):
+    """Stop 66: the least stash counts (:func:`stash_floors`, the waits rows' counts at a
+    cap) hold in a plan with a period at most the cap: the optimal plan of a drawn
+    allocation (exact model with the allocation fixed, CP-SAT, 5 deterministic seconds),
+    written into the model with the rows at the cap (its optimum, or 1.3 times it),
+    violates no row; and the model with the rows has the same optimum."""
+    units = make_units(problem)
+    memory = problem.memory_per_gpu
+    gpu = first_use(data.draw(st.lists(st.integers(0, problem.n_gpus - 1),
+                                       min_size=units.n, max_size=units.n)))
+    run = run_model(problem, "cpsat", BRUTE, gpu=gpu)
+    assume(run.status is Status.OPTIMAL and run.plan is not None)
+    assert run.plan is not None
+    cap = run.plan.period * slack
+    floors = chunked.stash_floors(units, gpu, problem.n_gpus, memory, 0.0, cap)
+    assert all(k >= 1 and gpu[r] == gpu[q] for (r, q), k in floors.items()), floors
+    form = build_pipeline_model(units, problem.n_gpus, memory, gpu=gpu, upper_bound=cap,
+                                stash_floors=floors)
+    values = form.encode(run.plan)
+    assert values is not None
+    assert not form.model.violated(values, tol=1e-6), (gpu, floors)
+    again = run_model(problem, "cpsat", BRUTE, gpu=gpu, upper_bound=cap, stash_floors=floors)
+    assert again.status is Status.OPTIMAL and again.plan is not None, again.report
+    assert again.plan.period == pytest.approx(run.plan.period, abs=1e-6)
+
+
+def test_stash_floors_are_rows_of_the_fixed_model_only():
+    """The rows need a fixed allocation and pairs of one GPU (one clear error otherwise);
+    without a memory limit there are none; on the tail-light instance some count exceeds
+    the one copy every stash has at the allocation's floor."""
+    problem = tail_light_problem(11)
+    units = make_units(problem)
+    gpu = [0, 0, 0, 0, 0, 1, 0, 1, 0]
+    assert chunked.stash_floors(units, gpu, 3, None, 0.0, units.big_m()) == {}
+    cap = chunked.allocation_floor(units, gpu, 3, problem.memory_per_gpu, units.big_m())
+    floors = chunked.stash_floors(units, gpu, 3, problem.memory_per_gpu, 0.0, cap)
+    assert max(floors.values()) >= 2, floors
+    with pytest.raises(ValueError, match="fixed allocation"):
+        build_pipeline_model(units, 3, problem.memory_per_gpu, stash_floors=floors)
+    with pytest.raises(ValueError, match="not on one GPU"):
+        build_pipeline_model(units, 3, problem.memory_per_gpu, gpu=gpu,
+                             stash_floors={(0, 5): 1})
+
+
+def test_the_method_with_and_without_stash_floors(monkeypatch):
+    """:data:`STASH_FLOORS` (default on) changes no answer of the method ``chunks``: the
+    complete family closes at the same optimum and bound, with as many allocations and
+    heads refuted, as with the rows off."""
+    assert chunked.STASH_FLOORS
+    problem = tail_light_problem(11)
+    options = replace(FAST, extra={**FAST.extra, "family": "all"})
+    on = solve(problem, "chunks", options=options)
+    monkeypatch.setattr(chunked, "STASH_FLOORS", False)
+    off = solve(problem, "chunks", options=options)
+    assert on.status is off.status is Status.OPTIMAL
+    assert on.objective == pytest.approx(off.objective, rel=1e-9)
+    assert on.bound == pytest.approx(off.bound, rel=1e-9)
+    for key in ("complete_heads_refuted", "complete_family", "chunks_refuted"):
+        assert on.report[key] == off.report[key], key
 
 
 def test_the_waits_floor_is_strictly_stronger_on_a_handmade_instance():

@@ -732,6 +732,7 @@ def build_pipeline_model(
     lower_bound: float = 0.0, lifetime_cuts: bool = False,
     together: Sequence[Sequence[int]] = (),
     same_gpu: Mapping[tuple[int, int], bool] | None = None, slim: bool = True,
+    stash_floors: Mapping[tuple[int, int], int] | None = None,
 ) -> PipelineFormulation:
     """Build the model of the module docstring.
 
@@ -795,7 +796,27 @@ def build_pipeline_model(
     if lifetime_cuts and _Builder(form).memory_binds():
         scale, _ = form.time_scale()
         _LifetimeCuts(form, math.ceil(form.upper * scale), scale).build()
+    if stash_floors:
+        _stash_rows(form, gpu, stash_floors)
     return form
+
+
+def _stash_rows(form: PipelineFormulation, gpu: Sequence[int] | None,
+                floors: Mapping[tuple[int, int], int]) -> None:
+    """The rows of ``stash_floors`` (:func:`build_pipeline_model`)."""
+    if gpu is None:
+        raise ValueError("stash_floors need a fixed allocation")
+    builder = _Builder(form)
+    if not builder.memory_binds():
+        return  # no memory rows: the counts constrain nothing
+    n = form.units.n
+    for (r, q), k in sorted(floors.items()):
+        if not (0 <= r < n and 0 <= q < n) or gpu[r] != gpu[q]:
+            raise ValueError(f"stash_floors: units {r} and {q} are not on one GPU")
+        if k <= 0 or not form.units.x[r]:
+            continue
+        held = form.copies(q) if r == q else builder.alive(r, q, ("F", q))
+        form.model.add(held >= k, f"stashes_{r}_{q}")
 
 
 def first_use(gpu: Sequence[Hashable]) -> tuple[int, ...]:

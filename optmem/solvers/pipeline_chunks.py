@@ -211,6 +211,12 @@ CPUs of 2 on the headline)."""
 CONTENT_WORK = 0.5
 """CP-SAT deterministic seconds for one GPU content of :func:`refuted_contents`. On the
 headline most are answered in 0.05-0.1 CPU s; a few run to any cap given (5-9 s at 5)."""
+STASH_FLOORS = True
+"""Whether the exact model's questions of this module (:func:`_decide`, the scan's and the
+complete family's; :func:`head_question`, the head pass's) carry :func:`stash_floors`: rows
+giving CP-SAT the least stash counts the waits rows prove at the cutoff (stop 66; valid
+inequalities: the same answers, 2-4x less CPU on the headline's heads). ``False`` asks
+the models as before (tests compare both)."""
 _EPS = 1e-9
 _Key = tuple[int, tuple[int, ...]]
 """A prefix of :class:`_Asker`'s trimmed questions: units dropped, GPUs of the units kept."""
@@ -593,24 +599,77 @@ def waits_check(units: Units, gpu: Sequence[int], n_gpus: int, memory: int, low:
     on = [[q for q in range(n) if gpu[q] == g] for g in range(n_gpus)]
 
     def fits(period: float) -> bool:
-        lb = _waited_delays(where, dur, low, period)
-
-        def copies(q: int, r: int) -> int:  # F_q to the end of B_r
-            return math.ceil((lb[fpos[q]][bpos[r]] + units.b[r]) / period - _EPS)
-
+        copies = _waited_copies(units, _waited_delays(where, dur, low, period), fpos, bpos,
+                                period)
         for g, qs in enumerate(on):
             for q in qs:
-                need = static[g] + units.x[q] * copies(q, q)
-                for r in qs:
-                    if r < q:
-                        need += units.x[r] * copies(q, r)
-                    elif r > q:
-                        need += units.x[r] * max(0, copies(r, r) - 1)
+                need = static[g] + sum(units.x[r] * c for r, c in _row_counts(qs, q, copies))
                 if need > memory:
                     return False
         return True
 
     return fits
+
+
+def _waited_copies(units: Units, lb: list[list[float]], fpos: Sequence[int],
+                   bpos: Sequence[int], period: float) -> Callable[[int, int], int]:
+    """``copies(q, r)``: ``ceil(D / period)``, ``D`` the waited delay from ``F_q`` to ``B_r``."""
+    def copies(q: int, r: int) -> int:
+        return math.ceil((lb[fpos[q]][bpos[r]] + units.b[r]) / period - _EPS)
+
+    return copies
+
+
+def _row_counts(qs: Sequence[int], q: int, copies: Callable[[int, int], int]
+                ) -> Iterator[tuple[int, int]]:
+    """``(r, stashes of r alive when F_q starts)`` for the units ``qs`` of ``q``'s GPU.
+
+    :func:`memory_check`'s counts: ``copies(q, q)`` of its own (the new copy included),
+    ``copies(q, r)`` of a lower unit (``F_q`` to the end of ``B_r``), ``copies(r, r) - 1``
+    (at least 0) of a higher one.
+    """
+    for r in qs:
+        yield r, copies(q, r) if r <= q else max(0, copies(r, r) - 1)
+
+
+def stash_floors(units: Units, gpu: Sequence[int], n_gpus: int, memory: int | None,
+                 low: float, cap: float) -> dict[tuple[int, int], int]:
+    """Least stash counts of every plan of allocation ``gpu`` with a period in ``[low, cap]``.
+
+    ``{(r, q): k}`` for ``r`` and ``q`` on one GPU, ``r`` with a stash: in every such plan
+    at least ``k > 0`` micro-batches' stashes of unit ``r`` are alive when ``F_q`` starts
+    (``r == q``: its own new copy included), the rows
+    :func:`~optmem.models.pipeline.build_pipeline_model` adds as ``stash_floors`` (stop
+    66). ``{}`` without a memory limit (``memory`` is ``None``: no memory rows to help).
+
+    The counts are :func:`waits_check`'s at ``cap``, from ``L = max(low, old floor)``
+    (:func:`_old_floor` at ``cap``, when finite: no plan of the allocation is below it).
+    Validity: in a plan of period ``T`` in ``[L, cap]``, the time from ``F_q``'s start to
+    ``B_r``'s end is at least its waited bound ``D`` (:func:`_waited_delays`: ``T`` lies
+    in the interval), and the stashes of ``r`` alive then are at least ``ceil(D / T)``
+    (``r <= q``) or ``ceil(D_r / T) - 1`` (``r > q``; :func:`memory_check`'s proof), which
+    are at least the same at ``cap >= T``. A plan with a period below ``L`` has none.
+
+    On the headline's heads (21 units, 4 GPUs, 3 GiB, 31.3896; 30 heads drawn per length,
+    one CP-SAT worker) the rows cut a head question's CPU 2-4x: 18.2 -> 6.1 s at 10
+    units, 20.2 -> 5.3 at 12, 12.9 -> 8.1 at 14, 21.9 -> 6.3 at 16, the same answers
+    (``benchmarks/results/pipeline_exact.md``, "Stop 66"); CP-SAT's own propagation
+    through the shifts' conditional rows does not find these counts.
+    """
+    if memory is None:
+        return {}
+    old = _old_floor(units, gpu, n_gpus, memory, cap)
+    start = max(low, old) if math.isfinite(old) else low
+    where, dur, fpos, bpos = _path_ops(units, gpu, n_gpus)
+    copies = _waited_copies(units, _waited_delays(where, dur, start, cap), fpos, bpos, cap)
+    floors: dict[tuple[int, int], int] = {}
+    for g in range(n_gpus):
+        qs = [q for q in range(units.n) if gpu[q] == g]
+        for q in qs:
+            for r, count in _row_counts(qs, q, copies):
+                if count > 0 and units.x[r]:
+                    floors[(r, q)] = count
+    return floors
 
 
 def within(units: Units, gpu: Sequence[int], n_gpus: int, memory: int | None, cap: float,
@@ -1197,13 +1256,14 @@ def head_question(problem: PipelineProblem, relaxed: Units, alloc: Sequence[int]
     on the headline, refuted by the defaults in 0.7 CPU s after 8.9 s).
     """
     shape = replace(problem, n_gpus=max(alloc) + 1)
+    floors = _floors(problem, relaxed, alloc, shape.n_gpus, lower, cutoff)
     bound = None
     for parameters, share in ((HEAD_PARAMETERS, HEAD_FIRST_SHARE), (None, 1.0)):
         if passed(deadline):
             break
         run, bound = refute(shape, _question_options(work * share, seed, time_limit(deadline)),
                             cutoff, units=relaxed, gpu=list(alloc), lower=lower,
-                            parameters=parameters)
+                            parameters=parameters, stash_floors=floors)
         if bound is not None or run.plan is not None:
             break
     return bound
@@ -1600,6 +1660,14 @@ class _Outcome:
         return None
 
 
+def _floors(problem: PipelineProblem, units: Units, gpu: Sequence[int], n_gpus: int,
+            low: float, cutoff: float) -> dict[tuple[int, int], int]:
+    """A question's :func:`stash_floors` at ``cutoff`` (none when :data:`STASH_FLOORS` is off)."""
+    if not STASH_FLOORS:
+        return {}
+    return stash_floors(units, gpu, n_gpus, floor_memory(problem), low, cutoff)
+
+
 def _question_options(work: float, seed: int, left: float | None) -> SolveOptions:
     """One question's options: one CP-SAT worker, ``work`` deterministic seconds, ``left``."""
     return SolveOptions(threads=1, deterministic_time=work, seed=seed, time_limit_s=left)
@@ -1614,8 +1682,9 @@ def _decide(problem: PipelineProblem, units: Units, gpu: Sequence[int], cutoff: 
     neither: undecided within ``work`` (``failed``: the engine failed).
     """
     opts = _question_options(work, seed, left)
+    floors = _floors(problem, units, gpu, problem.n_gpus, 0.0, cutoff)
     run = run_model(problem, "cpsat", opts, units=units, gpu=list(gpu), upper_bound=cutoff,
-                    feasibility=True)
+                    feasibility=True, stash_floors=floors)
     if run.failed:
         return _Outcome(failed=True, grid=run.step, cutoff=cutoff)
     if run.status is Status.INFEASIBLE or run.bound == math.inf:
@@ -1625,7 +1694,7 @@ def _decide(problem: PipelineProblem, units: Units, gpu: Sequence[int], cutoff: 
         return _Outcome(grid=run.step, cutoff=cutoff)
     best = (period, run.plan)
     polish = run_model(problem, "cpsat", opts, units=units, gpu=list(gpu), upper_bound=period,
-                       warm=run.plan)
+                       warm=run.plan, stash_floors=floors)  # rows at cutoff >= period
     optimal = False
     if polish.plan is not None and not polish.failed:
         again = replayed_period(problem, polish.plan)
@@ -1639,8 +1708,9 @@ def _decide(problem: PipelineProblem, units: Units, gpu: Sequence[int], cutoff: 
 
 __all__ = ["BOUND_WORK", "CHUNK_STEP", "CHUNK_WORK", "FAMILIES", "FAMILY_LIMIT",
            "FLOOR_ITERATIONS", "HEAD_ROUNDS", "HEAD_STEP", "LOOKAHEAD", "MAX_ALLOCATIONS",
-           "MAX_CHUNKS", "PROOF_STEP", "RETRY_WORK", "TRIM_SHARE", "TRIM_TAIL", "WAITS_WORK",
+           "MAX_CHUNKS", "PROOF_STEP", "RETRY_WORK", "STASH_FLOORS", "TRIM_SHARE", "TRIM_TAIL",
+           "WAITS_WORK",
            "WAIT_ROUNDS", "ChunkSettings", "Heads", "Scan",
            "allocation_floor", "allocations_bound", "ask_family", "chunk_allocations", "complete",
            "floor_memory", "head_depths", "head_pass", "memory_check", "memory_fits", "ranked",
-           "scan", "settings", "trim_levels", "waits_check", "within"]
+           "scan", "settings", "stash_floors", "trim_levels", "waits_check", "within"]

@@ -158,6 +158,7 @@ def run_model(
     together: Sequence[Sequence[int]] = (),
     same_gpu: Mapping[tuple[int, int], bool] | None = None, slim: bool = True,
     parameters: Mapping[str, Any] | None = None,
+    stash_floors: Mapping[tuple[int, int], int] | None = None,
 ) -> ModelRun:
     """Build the model of ``units`` (default: the layers), solve it with ``method``.
 
@@ -177,7 +178,9 @@ def run_model(
     :func:`~optmem.models.pipeline.build_pipeline_model`). ``slim``: with ``gpu`` fixed,
     the slim fixed-allocation model (default) or the general one (``False``).
     ``parameters``: CP-SAT parameters for this run (default: :data:`FIXED_PARAMETERS` when
-    minimising over a fixed allocation, CP-SAT's own otherwise).
+    minimising over a fixed allocation, CP-SAT's own otherwise). ``stash_floors``: with
+    ``gpu`` fixed, least stash counts (valid rows,
+    :func:`~optmem.models.pipeline.build_pipeline_model`).
     """
     units = units if units is not None else make_units(problem)
     form = build_pipeline_model(units, problem.n_gpus, problem.memory_per_gpu,
@@ -186,7 +189,7 @@ def run_model(
                                 lower_bound=max(lower, lower_bound(problem))
                                 if gpu is None else lower,
                                 lifetime_cuts=lifetime_cuts, together=together,
-                                same_gpu=same_gpu, slim=slim)
+                                same_gpu=same_gpu, slim=slim, stash_floors=stash_floors)
     if feasibility:
         form.model.minimize(0)
     values = form.encode(warm) if warm is not None and options.warm_start else None
@@ -208,20 +211,21 @@ def refute(
     units: Units | None = None, gpu: list[int] | None = None, lower: float = 0.0,
     lifetime_cuts: bool = False, together: Sequence[Sequence[int]] = (),
     parameters: Mapping[str, Any] | None = None,
+    stash_floors: Mapping[tuple[int, int], int] | None = None,
 ) -> tuple[ModelRun, float | None]:
     """Whether no plan has a period ``<= cutoff``: one CP-SAT feasibility run of the model.
 
     The model of :func:`run_model` (``units``, ``gpu``, ``lower``, ``lifetime_cuts``,
-    ``together``, ``parameters`` as there; the limits of ``options`` as they are) with no
-    objective and the period at most ``cutoff``. Returns the run and the proven bound:
-    ``cutoff - 2 / scale`` when the engine proved that there is no plan (the cutoff holds
-    up to one grid step on CP-SAT's exact grid, and the optimum may lie one more step below
-    it), ``None`` when it found one (``run.plan``, not yet replayed), stopped without an
-    answer or failed.
+    ``together``, ``parameters``, ``stash_floors`` as there; the limits of ``options`` as
+    they are) with no objective and the period at most ``cutoff``. Returns the run and the
+    proven bound: ``cutoff - 2 / scale`` when the engine proved that there is no plan (the
+    cutoff holds up to one grid step on CP-SAT's exact grid, and the optimum may lie one
+    more step below it), ``None`` when it found one (``run.plan``, not yet replayed),
+    stopped without an answer or failed.
     """
     run = run_model(problem, "cpsat", options, units=units, gpu=gpu, upper_bound=cutoff,
                     feasibility=True, lower=lower, lifetime_cuts=lifetime_cuts,
-                    together=together, parameters=parameters)
+                    together=together, parameters=parameters, stash_floors=stash_floors)
     if run.failed or run.bound != math.inf:
         return run, None
     return run, cutoff - 2 * run.step
