@@ -213,10 +213,11 @@ CONTENT_WORK = 0.5
 headline most are answered in 0.05-0.1 CPU s; a few run to any cap given (5-9 s at 5)."""
 STASH_FLOORS = True
 """Whether the exact model's questions of this module (:func:`_decide`, the scan's and the
-complete family's; :func:`head_question`, the head pass's) carry :func:`stash_floors`: rows
-giving CP-SAT the least stash counts the waits rows prove at the cutoff (stop 66; valid
-inequalities: the same answers, 2-4x less CPU on the headline's heads). ``False`` asks
-the models as before (tests compare both)."""
+complete family's; :func:`head_question`, the head pass's; the trimmed questions and
+:func:`refuted_contents`) carry :func:`stash_floors`: rows giving CP-SAT the least stash
+counts the waits rows prove at the cutoff (stop 66; valid inequalities: the same answers,
+2-4x less CPU on the headline's heads). ``False`` asks the models as before (tests compare
+both)."""
 _EPS = 1e-9
 _Key = tuple[int, tuple[int, ...]]
 """A prefix of :class:`_Asker`'s trimmed questions: units dropped, GPUs of the units kept."""
@@ -1299,10 +1300,13 @@ def refuted_contents(problem: PipelineProblem, relaxed: Units, alloc: Sequence[i
                 break
             kept = {alloc[(mask & -mask).bit_length() - 1]}
             part, labels = isolate_units(relaxed, alloc, kept)
-            _, seen[key] = refute(replace(problem, n_gpus=max(labels) + 1),
+            shape = replace(problem, n_gpus=max(labels) + 1)
+            _, seen[key] = refute(shape,
                                   _question_options(CONTENT_WORK, seed, time_limit(deadline)),
                                   cutoff, units=part, gpu=list(labels), lower=lower,
-                                  parameters=HEAD_PARAMETERS)
+                                  parameters=HEAD_PARAMETERS,
+                                  stash_floors=_floors(problem, part, labels, shape.n_gpus,
+                                                       lower, cutoff))
             tally[0] += 1
             tally[1] += seen[key] is not None
         bound = seen[key]
@@ -1562,8 +1566,11 @@ class _Asker:
     def trim_question(self, tail: int, key: tuple[int, ...], cutoff: float, work: float
                       ) -> _Outcome:
         """Whether the units less the last ``tail`` with allocation ``key`` have no plan."""
+        trimmed = self.trimmed_units[tail]
         run, bound = refute(self.problem, _question_options(work, self.seed, self.limit()),
-                            cutoff, units=self.trimmed_units[tail], gpu=list(key))
+                            cutoff, units=trimmed, gpu=list(key),
+                            stash_floors=_floors(self.problem, trimmed, key,
+                                                 self.problem.n_gpus, 0.0, cutoff))
         return _Outcome(refuted=bound is not None, grid=run.step, cutoff=cutoff,
                         cut_by=tail if bound is not None else 0)
 
