@@ -652,9 +652,10 @@ def stash_floors(units: Units, gpu: Sequence[int], n_gpus: int, memory: int | No
     are at least the same at ``cap >= T``. A plan with a period below ``L`` has none.
 
     On the headline's heads (21 units, 4 GPUs, 3 GiB, 31.3896; 30 heads drawn per length,
-    one CP-SAT worker) the rows cut a head question's CPU 2-4x: 18.2 -> 6.1 s at 10
-    units, 20.2 -> 5.3 at 12, 12.9 -> 8.1 at 14, 21.9 -> 6.3 at 16, the same answers
-    (``benchmarks/results/pipeline_exact.md``, "Stop 66"); CP-SAT's own propagation
+    one CP-SAT worker, ``benchmarks/bench_pipeline_stash_floors.py``) the rows cut a head
+    question's CPU to 0.20x at 10 units, 0.30x at 12, 0.48x at 14 and 0.36x at 16, with
+    the same answers, and the headline's proof from 3,942 to 1,519 CPU s
+    (``benchmarks/results/pipeline_exact.md``, "Stop 66"): CP-SAT's own propagation
     through the shifts' conditional rows does not find these counts.
     """
     if memory is None:
