@@ -10,9 +10,12 @@ no-overlap emission and the CP-SAT time scaling.
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import math
 import os
+import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -20,6 +23,7 @@ from hypothesis import strategies as st
 
 from optmem.engines import adapters as engines
 from optmem.models.formulation import (
+    Constraint,
     Expr,
     Kind,
     Model,
@@ -239,3 +243,95 @@ def test_rational_time_scale(values, resolution, expected):
         assert all(abs(v * scale - round(v * scale)) < 1e-6 for v in values)
     if resolution is not None:
         assert 1 / scale <= resolution
+
+
+
+def _api_writer():
+    """``api_to_cpsat`` of ``benchmarks/bench_cpsat_writer.py``: the writer of stops up to
+    66, every row through CP-SAT's Python API (the oracle of the proto writer)."""
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(bench))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_cpsat_writer",
+                                                      bench / "bench_cpsat_writer.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(bench))
+    return module.api_to_cpsat
+
+
+@pytest.fixture(scope="module")
+def api_writer():
+    return _api_writer()
+
+
+@st.composite
+def rows_in_any_order(draw):
+    """Rows over mixed kinds with terms out of order, fractional and vanishing coefficients."""
+    m = Model("rows")
+    kinds = draw(st.lists(st.sampled_from(["b", "i", "c"]), min_size=1, max_size=6))
+    xs = [m.binary(f"v{j}") if k == "b" else m.integer(f"v{j}", -5, 5) if k == "i"
+          else m.continuous(f"v{j}", -5, 5) for j, k in enumerate(kinds)]
+    binaries = [x for x, k in zip(xs, kinds, strict=True) if k == "b"]
+    coef = st.sampled_from([1.0, -1.0, 3.0, 0.5, -2.25, 1e-4, 7 / 3])
+    side = st.one_of(st.none(), st.sampled_from([0.0, 0.3, -1.5, 2.0, 1 / 3]))
+    for r in range(draw(st.integers(1, 5))):
+        picked = draw(st.permutations(range(len(xs))))[:draw(st.integers(1, len(xs)))]
+        expr = Expr.sum(draw(coef) * xs[j] for j in picked)
+        lo, hi = draw(side), draw(side)
+        lits = [m.literal(b, draw(st.booleans())) for b in binaries[:draw(st.integers(0, 2))]]
+        if lo is not None:
+            m.add(expr >= lo, f"lo{r}", only_if=lits)
+        if hi is not None:
+            m.add(expr <= hi, f"hi{r}", only_if=lits)
+        if lo is not None and hi is not None:  # one two-sided row (crossed bounds possible)
+            m.constraints.append(Constraint(f"both{r}", expr.merged(), lo, hi, tuple(lits)))
+        if draw(st.booleans()):  # a row without variables, violated (kept as such)
+            m.add(Expr.of(0) >= 1, f"never{r}", only_if=lits)
+    m.minimize(Expr.sum(xs))
+    return m, draw(st.sampled_from([1, 10, 1000]))
+
+
+@SETTINGS
+@given(rows_in_any_order())
+def test_rows_are_written_as_the_cpsat_api_writes_them(api_writer, case):
+    """:func:`to_cpsat` writes the rows' proto directly; CP-SAT's API must write the same.
+
+    Terms out of variable order, coefficients that round to zero on the grid, bounds that
+    cross once rounded to it (an empty domain), rows without variables and negated
+    enforcement literals included; the oracle is the writer of stops up to 66.
+    """
+    model, scale = case
+    ours, api = to_cpsat(model, scale), api_writer(model, scale)
+    assert (ours.exact, ours.max_rounding) == (api.exact, api.max_rounding)
+    rows, api_rows = ours.cp.proto.constraints, api.cp.proto.constraints
+    assert len(rows) == len(api_rows) == len(model.constraints) + model.trivially_infeasible
+    for j in range(len(rows)):
+        if str(rows[j]) != str(api_rows[j]):
+            # the one divergence: every coefficient rounded to 0 and the bounds crossed.
+            # CP-SAT's API then writes an empty constraint (always true); the row is
+            # infeasible, and so is ours (a linear row with no term and an empty domain)
+            assert str(api_rows[j]) == "" and model.constraints[j].terms
+            assert not rows[j].linear.vars and not rows[j].linear.domain
+            rows[j].copy_from(api_rows[j])
+    assert str(ours.cp.proto) == str(api.cp.proto)
+
+
+def test_a_row_rounded_to_no_term_with_crossed_bounds_stays_infeasible():
+    """``0.5 v`` within ``[0, -1.5]`` on the grid of 1: ``0 v`` within ``[0, -2]``, no plan.
+
+    CP-SAT's Python API writes such a row as an empty, always satisfied constraint (so the
+    writer of stops up to 66 reported this model ``optimal``); :func:`to_cpsat` writes it
+    as the infeasible row it is.
+    """
+    m = Model("crossed")
+    v = m.binary("v0")
+    m.constraints.append(Constraint("crossed", ((0, 0.5),), 0.0, -1.5, ()))
+    m.minimize(v)
+    assert m.violated([0]) and m.violated([1])
+    cm = to_cpsat(m, 1)
+    assert not cm.exact
+    res = engines.solve_cpsat(cm.cp, cm.variables, threads=1)
+    assert res.status is Status.INFEASIBLE

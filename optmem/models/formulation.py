@@ -49,6 +49,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from fractions import Fraction
+from operator import sub, truediv
 from typing import Any
 
 __all__ = [
@@ -106,10 +107,22 @@ class Expr:
         self.terms: list[Term] = list(terms)
         self.const = float(const)
 
+    @classmethod
+    def _own(cls, terms: list[Term], const: float) -> Expr:
+        """An expression taking ``terms`` (a new list) and the float ``const`` as they are.
+
+        The constructor's copy and conversion skipped: the operators below build one
+        expression per step of every model (a pipeline question builds ~100,000).
+        """
+        e = object.__new__(cls)
+        e.terms = terms
+        e.const = const
+        return e
+
     @staticmethod
     def of(value: ExprLike) -> Expr:
         """``value`` as an expression (numbers become constants)."""
-        if isinstance(value, Expr):
+        if type(value) is Expr or isinstance(value, Expr):
             return value
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise TypeError(f"cannot use {value!r} in a linear expression")
@@ -121,14 +134,14 @@ class Expr:
         terms: list[Term] = []
         const = 0.0
         for item in items:
-            e = Expr.of(item)
-            terms.extend(e.terms)
-            const += e.const
-        return Expr(terms, const)
+            e = item if type(item) is Expr else Expr.of(item)
+            terms.extend(e.terms)  # type: ignore[union-attr]
+            const += e.const  # type: ignore[union-attr]
+        return Expr._own(terms, const)
 
     def __add__(self, other: ExprLike) -> Expr:
-        o = Expr.of(other)
-        return Expr(self.terms + o.terms, self.const + o.const)
+        o = other if type(other) is Expr else Expr.of(other)
+        return Expr._own(self.terms + o.terms, self.const + o.const)  # type: ignore[union-attr]
 
     __radd__ = __add__
 
@@ -145,7 +158,7 @@ class Expr:
         if isinstance(c, Expr | bool) or not isinstance(c, int | float):
             raise TypeError("a linear expression can only be multiplied by a number")
         c = float(c)
-        return Expr([(i, c * v) for i, v in self.terms], c * self.const)
+        return Expr._own([(i, c * v) for i, v in self.terms], c * self.const)
 
     __rmul__ = __mul__
 
@@ -162,6 +175,9 @@ class Expr:
 
     def merged(self) -> tuple[Term, ...]:
         """Terms with one entry per variable and no zero coefficients."""
+        terms = self.terms
+        if len({i for i, _ in terms}) == len(terms):  # nothing to merge: the same order
+            return tuple(t for t in terms if t[1] != 0.0)
         acc: dict[int, float] = {}
         for i, c in self.terms:
             acc[i] = acc.get(i, 0.0) + c
@@ -769,6 +785,50 @@ def _cp_bound(v: Var, scale: int) -> tuple[int, int]:
     return low, high
 
 
+def _write_row(row: Any, con: Constraint, divisor: Sequence[int], scale: int) -> float:
+    """Write ``con`` into the empty CP-SAT ``row`` (a ``ConstraintProto``); its rounding error.
+
+    The proto is written directly, as ``CpModel.add_linear_constraint`` and
+    ``only_enforce_if`` write it (variables in increasing order, zero coefficients dropped,
+    no domain where the bounds cross), without CP-SAT's expression objects built term by
+    term: 2.2x faster on the pipeline's head questions (``benchmarks/bench_cpsat_writer.py``).
+    One difference, on purpose: a row whose coefficients all round to 0 and whose bounds
+    cross stays an infeasible row (no term, no domain), where the API writes an empty
+    constraint, always true.
+    """
+    # map() over C-level callables: this loop runs once per row of every CP-SAT model
+    ids = [i for i, _ in con.terms]
+    scaled = [c for _, c in con.terms]
+    k = 1
+    if scale != 1 and any(map((1).__lt__, map(divisor.__getitem__, ids))):  # continuous
+        k = scale
+        scaled = list(map(truediv, map(float(k).__mul__, scaled), map(divisor.__getitem__, ids)))
+    coefs = list(map(round, scaled))
+    worst = max(map(abs, map(sub, scaled, coefs)))
+    if 0 in coefs or ids != sorted(ids):  # CP-SAT's canonical form
+        pairs = sorted((i, r) for i, r in zip(ids, coefs, strict=True) if r)
+        ids = [i for i, _ in pairs]
+        coefs = [r for _, r in pairs]
+    lo = -_INT_MAX if con.lo is None else _ceil(con.lo * k)
+    hi = _INT_MAX if con.hi is None else _floor(con.hi * k)
+    for side in (con.lo, con.hi):
+        if side is not None:
+            worst = max(worst, _integral(side * k)[1])
+    if con.enforce:
+        row.enforcement_literal.extend([i if positive else -i - 1
+                                        for i, positive in con.enforce])
+    linear = row.linear
+    linear.vars.extend(ids)
+    linear.coeffs.extend(coefs)
+    if lo <= hi:
+        linear.domain.extend([lo, hi])
+    return worst
+
+
+_INT_MAX = 2**63 - 1
+"""CP-SAT's ``INT_MAX`` (``cp_model.INT_MAX``): an open side of a row."""
+
+
 def to_cpsat(model: Model, scale: int = 1, objective_scale: int | None = None) -> CpsatModel:
     """Write ``model`` for CP-SAT, continuous variables on a grid of ``1 / scale``.
 
@@ -785,36 +845,21 @@ def to_cpsat(model: Model, scale: int = 1, objective_scale: int | None = None) -
         else:
             lo, hi = _cp_bound(v, scale)
             xs.append(cp.new_int_var(lo, hi, v.name))
+    # a term's divisor: the grid of a continuous variable (its coefficient is per grid step)
+    divisor = [scale if v.kind is Kind.CONTINUOUS else 1 for v in model.vars]
     worst = 0.0
 
     def lit(literal: Literal) -> Any:
         return xs[literal[0]] if literal[1] else xs[literal[0]].negated()
 
-    def row_scale(terms: Iterable[Term]) -> int:
-        return scale if any(model.vars[i].kind is Kind.CONTINUOUS for i, _ in terms) else 1
-
+    rows = cp.proto.constraints
     for con in model.constraints:
         if not con.terms:
             c0 = cp.add_bool_or([])  # violated constant row
             if con.enforce:
                 c0.only_enforce_if([lit(x) for x in con.enforce])
             continue
-        k = row_scale(con.terms)
-        coefs = []
-        for i, c in con.terms:
-            cc = c * k / (scale if model.vars[i].kind is Kind.CONTINUOUS else 1)
-            ic, err = _integral(cc)
-            worst = max(worst, err)
-            coefs.append((i, ic))
-        expr = sum(c * xs[i] for i, c in coefs)
-        lo = -cp_model.INT_MAX if con.lo is None else _ceil(con.lo * k)
-        hi = cp_model.INT_MAX if con.hi is None else _floor(con.hi * k)
-        for side in (con.lo, con.hi):
-            if side is not None:
-                worst = max(worst, _integral(side * k)[1])
-        ct = cp.add_linear_constraint(expr, lo, hi)
-        if con.enforce:
-            ct.only_enforce_if([lit(x) for x in con.enforce])
+        worst = max(worst, _write_row(rows.add(), con, divisor, scale))
     ivs: list[Any] = []
     for it in model.intervals:
         v = model.vars[it.var]
