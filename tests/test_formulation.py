@@ -335,3 +335,20 @@ def test_a_row_rounded_to_no_term_with_crossed_bounds_stays_infeasible():
     assert not cm.exact
     res = engines.solve_cpsat(cm.cp, cm.variables, threads=1)
     assert res.status is Status.INFEASIBLE
+
+
+def test_expression_algebra_keeps_operands_and_merges_terms():
+    """The operators' fast paths (stop 67) build new term lists and merge as before."""
+    m = Model("algebra")
+    x, y = m.binary("x"), m.integer("y", 0, 3)
+    e = 2 * x + y
+    f = e + x - 3
+    g = Expr.sum([e, 1, -1 * e, 0.5 * y])
+    assert (e.terms, e.const) == ([(0, 2.0), (1, 1.0)], 0.0)  # the operands unchanged
+    assert (f.terms, f.const) == ([(0, 2.0), (1, 1.0), (0, 1.0)], -3.0)
+    assert f.merged() == ((0, 3.0), (1, 1.0))
+    assert g.merged() == ((1, 0.5),) and g.const == 1.0  # cancelled terms dropped
+    assert (x * 0.0).merged() == ()  # a zero coefficient with nothing to merge: dropped
+    assert isinstance(g.const, float) and all(isinstance(c, float) for _, c in g.terms)
+    with pytest.raises(TypeError):
+        e + "1"  # noqa: B018
