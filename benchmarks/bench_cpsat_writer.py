@@ -102,7 +102,7 @@ def api_to_cpsat(model: Model, scale: int = 1, objective_scale: int | None = Non
 
 
 def head_models(lengths: list[int], size: int) -> list[tuple[str, list[tuple[Model, int]]]]:
-    """The head pass's models (and their time scales) per length, and their build time."""
+    """The head pass's models (with their time scales) per length of ``lengths``."""
     problem = headline_problem(resolve_chain("resnet50-b32-224"))
     units = make_units(problem)
     cutoff = OPTIMUM * (1 - pipeline_chunks.PROOF_STEP)
