@@ -49,7 +49,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from fractions import Fraction
-from operator import sub, truediv
 from typing import Any
 
 __all__ = [
@@ -122,7 +121,7 @@ class Expr:
     @staticmethod
     def of(value: ExprLike) -> Expr:
         """``value`` as an expression (numbers become constants)."""
-        if type(value) is Expr or isinstance(value, Expr):
+        if isinstance(value, Expr):
             return value
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise TypeError(f"cannot use {value!r} in a linear expression")
@@ -796,15 +795,15 @@ def _write_row(row: Any, con: Constraint, divisor: Sequence[int], scale: int) ->
     cross stays an infeasible row (no term, no domain), where the API writes an empty
     constraint, always true.
     """
-    # map() over C-level callables: this loop runs once per row of every CP-SAT model
     ids = [i for i, _ in con.terms]
-    scaled = [c for _, c in con.terms]
-    k = 1
-    if scale != 1 and any(map((1).__lt__, map(divisor.__getitem__, ids))):  # continuous
+    if any(divisor[i] != 1 for i in ids):  # a continuous term: the row is on the grid
         k = scale
-        scaled = list(map(truediv, map(float(k).__mul__, scaled), map(divisor.__getitem__, ids)))
-    coefs = list(map(round, scaled))
-    worst = max(map(abs, map(sub, scaled, coefs)))
+        scaled = [c * k / divisor[i] for i, c in con.terms]
+    else:
+        k = 1
+        scaled = [c for _, c in con.terms]
+    coefs = [round(c) for c in scaled]
+    worst = max(abs(c - r) for c, r in zip(scaled, coefs, strict=True))
     if 0 in coefs or ids != sorted(ids):  # CP-SAT's canonical form
         pairs = sorted((i, r) for i, r in zip(ids, coefs, strict=True) if r)
         ids = [i for i, _ in pairs]
@@ -862,8 +861,7 @@ def to_cpsat(model: Model, scale: int = 1, objective_scale: int | None = None) -
         worst = max(worst, _write_row(rows.add(), con, divisor, scale))
     ivs: list[Any] = []
     for it in model.intervals:
-        v = model.vars[it.var]
-        k = scale if v.kind is Kind.CONTINUOUS else 1
+        k = divisor[it.var]
         off, e1 = _integral(it.offset * k)
         size, e2 = _integral(it.size * k)
         worst = max(worst, e1, e2)
@@ -879,8 +877,7 @@ def to_cpsat(model: Model, scale: int = 1, objective_scale: int | None = None) -
     k = scale if objective_scale is None else objective_scale
     obj = []
     for i, c in terms:
-        cc = c * k / (scale if model.vars[i].kind is Kind.CONTINUOUS else 1)
-        ic, err = _integral(cc)
+        ic, err = _integral(c * k / divisor[i])
         worst = max(worst, err)
         obj.append(ic * xs[i])
     cp.minimize(sum(obj))
