@@ -40,9 +40,9 @@ from optmem.models.formulation import (
     _integral,
     to_cpsat,
 )
-from optmem.models.pipeline import build_pipeline_model, delay_tail, make_units
+from optmem.models.pipeline import delay_tail, make_units
 from optmem.solvers import pipeline_chunks
-from optmem.solvers.pipeline_common import lower_bound
+from optmem.solvers.pipeline_common import build_model, lower_bound
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_pipeline_exact import headline_problem  # noqa: E402
@@ -112,12 +112,9 @@ def head_models(lengths: list[int], size: int) -> list[tuple[str, list[tuple[Mod
         models = []
         for head in picked:
             relaxed, alloc = delay_tail(units, head)
-            floors = pipeline_chunks._floors(problem, relaxed, alloc, max(alloc) + 1, low,
-                                             cutoff)
-            form = build_pipeline_model(relaxed, max(alloc) + 1, problem.memory_per_gpu,
-                                        gpu=alloc, upper_bound=cutoff, lower_bound=low,
-                                        stash_floors=floors)
-            form.model.minimize(0)
+            shape, floors = pipeline_chunks.head_instance(problem, relaxed, alloc, cutoff, low)
+            form = build_model(shape, units=relaxed, gpu=list(alloc), upper_bound=cutoff,
+                               lower=low, feasibility=True, stash_floors=floors)
             models.append((form.model, form.time_scale()[0]))
         out.append((label, models))
     return out

@@ -29,6 +29,7 @@ from optmem.solvers import pipeline_chunks as chunked
 from optmem.solvers.facade import solve
 from optmem.solvers.pipeline_common import (
     ModelRun,
+    build_model,
     lower_bound,
     refute,
     replayed_period,
@@ -1085,6 +1086,48 @@ def test_head_questions_refute_what_cpsat_defaults_refute():
     assert any(plan for _, _, plan in answers), answers
     assert all(method == plain for plain, method, _ in answers if plain is not None), answers
     assert all(method is None for _, method, plan in answers if plan), answers
+
+
+def test_head_instance_builds_the_model_the_head_question_solves(monkeypatch):
+    """Stop 68: :func:`~optmem.solvers.pipeline_chunks.head_instance` and
+    :func:`~optmem.solvers.pipeline_common.build_model` (what ``bench_cpsat_writer.py``
+    builds) give, for every head of two lengths, the very model CP-SAT receives from
+    :func:`~optmem.solvers.pipeline_chunks.head_question` (the same proto), stash floors
+    included."""
+    from optmem.engines import adapters
+    from optmem.models.formulation import to_cpsat
+
+    problem = tail_light_problem(11)
+    units = make_units(problem)
+    cap = units.big_m()
+    low = lower_bound(problem)
+    sent = []
+    real = adapters.solve_cpsat
+
+    def spy(cp, *args, **kwargs):
+        sent.append(str(cp.Proto()))
+        return real(cp, *args, **kwargs)
+
+    monkeypatch.setattr(adapters, "solve_cpsat", spy)
+    checked = floored = 0
+    for depth in (6, 8):
+        for head in list(chunked.chunk_allocations(units, problem.n_gpus, units.n, cap,
+                                                   chunked.floor_memory(problem),
+                                                   depth=depth))[:6]:
+            relaxed, alloc = delay_tail(units, head)
+            cutoff = 1.05 * chunked.allocation_floor(relaxed, alloc, max(alloc) + 1,
+                                                     problem.memory_per_gpu, cap)
+            sent.clear()
+            chunked.head_question(problem, relaxed, alloc, cutoff, work=5.0, seed=0,
+                                  deadline=None, lower=low)
+            shape, floors = chunked.head_instance(problem, relaxed, alloc, cutoff, low)
+            form = build_model(shape, units=relaxed, gpu=list(alloc), upper_bound=cutoff,
+                               lower=low, feasibility=True, stash_floors=floors)
+            written = to_cpsat(form.model, form.time_scale()[0])
+            assert sent and sent[0] == str(written.cp.Proto())
+            checked += 1
+            floored += bool(floors)
+    assert checked == 12 and floored >= 1, (checked, floored)
 
 
 def test_heads_reached_after_the_deadline_are_neither_asked_nor_counted():

@@ -25,6 +25,10 @@ Windows (6.17)-(6.21)
     (unordered GPU pairs) have windows too; a transfer over the cut after unit ``c`` takes
     ``dt_c`` on the link ``{p, p'}`` when ``e[c, p, p'] = 1`` (the cut joins ``p`` and
     ``p'``, defined exactly from ``x``) and no time when both units share a GPU.
+    Where a window starts is part of the plan, not a symmetry: shifts are at least 0, so
+    the tasks that come first in each window decide which path edges may wait a period
+    longer than needed (rows that opened each window with a chosen task refuted allocations
+    that have plans; ``benchmarks/results/pipeline_exact.md``, "Stop 68").
 No overlap (6.5)-(6.16)
     One order binary per pair of tasks, enforced when the pair shares a GPU (``z``) or a
     link (``zl``, bounded below by the ``e``); the same sets are also given as optional
@@ -463,6 +467,8 @@ class PipelineFormulation:
     bufv: dict[tuple[int, int], Expr] = field(default_factory=dict)
     pending: dict[tuple[Task, int], tuple[Expr, Task, Task]] = field(default_factory=dict)
     fixed_gpu: tuple[int, ...] | None = None
+    _sums: dict[tuple[int, int, int], Expr] = field(default_factory=dict, repr=False,
+                                                    compare=False)
 
     # ------------------------------------------------------------ small helpers
     @property
@@ -498,8 +504,15 @@ class PipelineFormulation:
         return self._shifts(2 * q, 2 * n - 1 + 2 * (n - 1 - q))  # F_q and B_q on the path
 
     def _shifts(self, lo: int, hi: int) -> Expr:
-        """Shifts summed over the path's edges from position ``lo`` to ``hi``."""
-        return Expr.sum(v1 + v2 for _, _, v1, v2 in self.edges[lo:hi])
+        """Shifts summed over the path's edges from position ``lo`` to ``hi``.
+
+        Kept per range (and number of edges): the memory rows ask each unit's sum about 60
+        times per model, and expressions are never changed in place.
+        """
+        key = (lo, hi, len(self.edges))
+        if key not in self._sums:
+            self._sums[key] = Expr.sum(v1 + v2 for _, _, v1, v2 in self.edges[lo:hi])
+        return self._sums[key]
 
     def copies(self, q: int) -> Expr:
         """Stashes of unit ``q`` alive when ``F_q`` starts, its own included."""
@@ -1118,7 +1131,8 @@ class _Builder:
                 continue  # stash model: memory only grows when a forward starts
             q = t[1]
             static = self.static(q)
-            stash = Expr.sum(u.x[r] // unit * self.alive(r, q, t) for r in range(n) if u.x[r])
+            stash = Expr.sum(u.x[r] // unit * self.alive(r, q, t) for r in range(n)
+                             if u.x[r] and not self.apart(q, r))
             extra = Expr.of(0)
             if form.strict:
                 task = u.task_f[q] if t[0] == "F" else u.task_b[q]
@@ -1147,9 +1161,18 @@ class _Builder:
     def static(self, q: int) -> Expr:
         """Weights and buffers on the GPU of unit ``q`` (in size units)."""
         form, u, unit = self.form, self.u, self.form.mem_unit
-        return (Expr.sum(u.w[r] // unit * form.same(q, r) for r in range(u.n) if u.w[r])
+        return (Expr.sum(u.w[r] // unit * form.same(q, r) for r in range(u.n)
+                         if u.w[r] and not self.apart(q, r))
                 + Expr.sum(u.buf[c] // unit * form.bufv[(q, c)]
                            for c in range(u.n - 1) if u.buf[c]))
+
+    def apart(self, q: int, r: int) -> bool:
+        """Whether units ``q`` and ``r`` are on different GPUs for sure (a slim model's 0).
+
+        Their terms in the memory rows are zeros, left out before they are written.
+        """
+        same = self.form.same(q, r)
+        return not same.terms and same.const == 0
 
     def alive(self, r: int, q: int, t: Task) -> Expr:
         """Stashes of unit ``r`` alive when task ``t`` (of unit ``q``) starts, same GPU."""

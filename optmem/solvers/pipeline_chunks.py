@@ -1257,8 +1257,7 @@ def head_question(problem: PipelineProblem, relaxed: Units, alloc: Sequence[int]
     more, for the rare head the parameters leave open: 1 of 40 sampled heads of 10 units
     on the headline, refuted by the defaults in 0.7 CPU s after 8.9 s).
     """
-    shape = replace(problem, n_gpus=max(alloc) + 1)
-    floors = _floors(problem, relaxed, alloc, shape.n_gpus, lower, cutoff)
+    shape, floors = head_instance(problem, relaxed, alloc, cutoff, lower)
     bound = None
     for parameters, share in ((HEAD_PARAMETERS, HEAD_FIRST_SHARE), (None, 1.0)):
         if passed(deadline):
@@ -1269,6 +1268,21 @@ def head_question(problem: PipelineProblem, relaxed: Units, alloc: Sequence[int]
         if bound is not None or run.plan is not None:
             break
     return bound
+
+
+def head_instance(problem: PipelineProblem, relaxed: Units, alloc: Sequence[int],
+                  cutoff: float, lower: float
+                  ) -> tuple[PipelineProblem, dict[tuple[int, int], int]]:
+    """The problem a head question asks (one GPU per label of ``alloc``) and its stash floors.
+
+    ``relaxed, alloc``: the head's instance (:func:`~optmem.models.pipeline.delay_tail`);
+    the floors are :func:`stash_floors` at ``cutoff`` (none when :data:`STASH_FLOORS` is
+    off). :func:`head_question` asks
+    :func:`~optmem.solvers.pipeline_common.refute` of them; the benchmarks build the same
+    model with :func:`~optmem.solvers.pipeline_common.build_model`.
+    """
+    shape = replace(problem, n_gpus=max(alloc) + 1)
+    return shape, _floors(problem, relaxed, alloc, shape.n_gpus, lower, cutoff)
 
 
 def refuted_contents(problem: PipelineProblem, relaxed: Units, alloc: Sequence[int], k: int,

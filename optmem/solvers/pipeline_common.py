@@ -182,16 +182,10 @@ def run_model(
     ``gpu`` fixed, least stash counts (valid rows,
     :func:`~optmem.models.pipeline.build_pipeline_model`).
     """
-    units = units if units is not None else make_units(problem)
-    form = build_pipeline_model(units, problem.n_gpus, problem.memory_per_gpu,
-                                strict=problem.memory_model == "strict", gpu=gpu,
-                                upper_bound=upper_bound,
-                                lower_bound=max(lower, lower_bound(problem))
-                                if gpu is None else lower,
-                                lifetime_cuts=lifetime_cuts, together=together,
-                                same_gpu=same_gpu, slim=slim, stash_floors=stash_floors)
-    if feasibility:
-        form.model.minimize(0)
+    form = build_model(problem, units=units, gpu=gpu, upper_bound=upper_bound, lower=lower,
+                       feasibility=feasibility, lifetime_cuts=lifetime_cuts,
+                       together=together, same_gpu=same_gpu, slim=slim,
+                       stash_floors=stash_floors)
     values = form.encode(warm) if warm is not None and options.warm_start else None
     report: dict[str, Any] = {"model_size": form.model.size,
                               "warm_start": "none" if warm is None or not options.warm_start
@@ -204,6 +198,31 @@ def run_model(
                          else FIXED_PARAMETERS if optimising else None)
     run.report = {**report, **run.report}
     return run
+
+
+def build_model(
+    problem: PipelineProblem, *, units: Units | None = None, gpu: list[int] | None = None,
+    upper_bound: float | None = None, lower: float = 0.0, feasibility: bool = False,
+    lifetime_cuts: bool = False, together: Sequence[Sequence[int]] = (),
+    same_gpu: Mapping[tuple[int, int], bool] | None = None, slim: bool = True,
+    stash_floors: Mapping[tuple[int, int], int] | None = None,
+) -> PipelineFormulation:
+    """The model :func:`run_model` solves (its arguments, as there), built and not solved.
+
+    With ``gpu`` free the period's floor is also the problem's :func:`lower_bound`; with
+    ``feasibility`` the objective is 0.
+    """
+    units = units if units is not None else make_units(problem)
+    form = build_pipeline_model(units, problem.n_gpus, problem.memory_per_gpu,
+                                strict=problem.memory_model == "strict", gpu=gpu,
+                                upper_bound=upper_bound,
+                                lower_bound=max(lower, lower_bound(problem))
+                                if gpu is None else lower,
+                                lifetime_cuts=lifetime_cuts, together=together,
+                                same_gpu=same_gpu, slim=slim, stash_floors=stash_floors)
+    if feasibility:
+        form.model.minimize(0)
+    return form
 
 
 def refute(
