@@ -1171,8 +1171,7 @@ class _Builder:
 
         Their terms in the memory rows are zeros, left out before they are written.
         """
-        same = self.form.same(q, r)
-        return not same.terms and same.const == 0
+        return self.when(self.form.same(q, r)) is None
 
     def alive(self, r: int, q: int, t: Task) -> Expr:
         """Stashes of unit ``r`` alive when task ``t`` (of unit ``q``) starts, same GPU."""
