@@ -12,8 +12,12 @@ refused with one clear error.
 from __future__ import annotations
 
 import math
+import os
 import random
+import sys
+import threading
 import time
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -21,6 +25,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from optmem.engines.adapters import work_budget
 from optmem.errors import OptmemInputError
 from optmem.models.pipeline import build_pipeline_model, delay_tail, make_units, plan_gpus
 from optmem.problems.pipeline import PipelineProblem
@@ -579,6 +584,31 @@ def test_the_waits_floor_is_valid_and_never_below_the_old(problem, data):
     assert chunked.within(units, gpu, problem.n_gpus, memory, period, ROUNDS)
 
 
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(problem=st.one_of(small_problems(), trimmable_problems(), five_layer_problems()),
+       data=st.data(), rounds=st.sampled_from([1, 2, 4]))
+def test_within_answers_as_the_floor_does_without_its_last_bisection(problem, data, rounds):
+    """Stop 69: :func:`within` with waits rounds skips the last round's bisection (it asks
+    only whether the floor is finite at the cap): for every drawn allocation and caps
+    from below its floor to above it, its answer is whether :func:`allocation_floor` with
+    the same rounds is finite there."""
+    units = make_units(problem)
+    memory = problem.memory_per_gpu
+    gpu = first_use(data.draw(st.lists(st.integers(0, problem.n_gpus - 1),
+                                       min_size=units.n, max_size=units.n)))
+    floor = chunked.allocation_floor(units, gpu, problem.n_gpus, memory, units.big_m(), rounds)
+    assume(math.isfinite(floor))
+    answers = set()
+    for scale in (0.9, 0.99, 1.0, 1.0 + 1e-6, 1.01, 1.2, 2.0):
+        cap = floor * scale
+        finite = chunked.allocation_floor(units, gpu, problem.n_gpus, memory, cap,
+                                          rounds) < math.inf
+        assert chunked.within(units, gpu, problem.n_gpus, memory, cap, rounds) is finite, \
+            (gpu, cap, floor)
+        answers.add(finite)
+    assert answers == {False, True}, (gpu, floor)
+
+
 @settings(max_examples=30, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(problem=st.one_of(small_problems(), trimmable_problems(), five_layer_problems()),
@@ -957,6 +987,106 @@ def test_refuted_heads_bound_every_allocation_extending_them(seed):
         problem, lambda gpu: [cut[gpu[:k]] for k in range(1, units.n) if gpu[:k] in cut],
         lambda gpu: int(not any(gpu[:k] in by_floor for k in range(1, units.n))), memory)
     assert checked[0] >= 1, checked  # the floor's heads; on seed 4 every head refuted is one
+
+
+def test_head_pass_on_processes_asks_and_answers_as_on_threads():
+    """Stop 69: the head pass on two forked worker processes (where :func:`can_fork`: Linux,
+    one Python thread) gives the same heads, levels and bounds as on two threads and as
+    asked in turn; the method reports where its heads were asked
+    (``complete_head_pool``) and closes at the same plan and bound with processes or
+    threads."""
+    problem = tail_light_problem(4)
+    units = make_units(problem)
+    best = solve(problem, "chunks", options=replace(FAST, extra={
+        **FAST.extra, "family": "all", "heads": False}))
+    depths = chunked.head_depths(units.n, 1)
+
+    def heads(workers: int, processes: bool) -> chunked.Heads:
+        return chunked.head_pass(problem, units, best.objective * (1 + 1e-6), best.objective,
+                                 depths=depths, work=5.0, limit=10_000, workers=workers,
+                                 processes=processes)
+
+    forks = sys.platform.startswith("linux") and threading.active_count() == 1
+    assert chunked.can_fork() is forks
+    serial, threads, processes = heads(1, True), heads(2, False), heads(2, True)
+    assert serial.cut and serial == threads == processes, (serial, processes)
+    assert (serial.pool, threads.pool) == ("serial", "threads")
+    assert processes.pool == ("processes" if forks else "threads")
+    extra = {**FAST.extra, "family": "all"}
+    two = replace(FAST, threads=2)
+    on = solve(problem, "chunks", options=replace(two, extra=extra))
+    off = solve(problem, "chunks", options=replace(two, extra={**extra,
+                                                               "head_processes": False}))
+    assert on.report["complete_head_pool"] == ("processes" if forks else "threads")
+    assert off.report["complete_head_pool"] == "threads"
+    assert on.status is off.status is Status.OPTIMAL
+    assert on.objective == off.objective and on.bound == off.bound
+    assert on.report["complete_head_levels"] == off.report["complete_head_levels"]
+
+
+def test_head_pool_forks_only_from_a_lone_thread_and_never_under_a_budget():
+    """Stop 69: :func:`head_pool` gives no pool to one worker, threads where another
+    Python thread runs (a fork would copy only the forking thread, and any lock another
+    holds would stay held in the child) or when processes are not asked, and processes
+    otherwise on Linux."""
+    assert chunked.head_pool(1, True) is None
+    with work_budget(10.0):
+        assert chunked.head_pool(2, True) is None
+    with chunked.head_pool(2, False) as pool:
+        assert isinstance(pool, ThreadPoolExecutor)
+    release = threading.Event()
+    other = threading.Thread(target=release.wait)
+    other.start()
+    try:
+        assert not chunked.can_fork()
+        with chunked.head_pool(2, True) as pool:
+            assert isinstance(pool, ThreadPoolExecutor)
+    finally:
+        release.set()
+        other.join()
+    if chunked.can_fork():
+        with chunked.head_pool(2, True) as pool:
+            assert isinstance(pool, ProcessPoolExecutor)
+            assert pool.submit(sum, (1, 2)).result() == 3
+
+
+_PARENT = os.getpid()
+_ASK_HEAD = chunked.ask_head
+
+
+def _ask_or_die(problem: PipelineProblem, units, head: tuple[int, ...], **kwargs):
+    """:func:`chunked.ask_head`, except that a worker process asked a head of 6 or more
+    units exits at once (a worker killed, as by the kernel's out-of-memory killer)."""
+    if os.getpid() != _PARENT and len(head) >= 6:
+        os._exit(1)
+    return _ASK_HEAD(problem, units, head, **kwargs)
+
+
+def test_head_pass_survives_its_worker_processes_dying(monkeypatch):
+    """Stop 69: when the worker processes of :func:`head_pass` die (every question of a
+    later level kills its worker, breaking the pool with questions in flight), the heads
+    in flight and all later ones are asked in the solving process: the pass ends with the
+    same heads, levels and bounds as asked in turn, and nothing is raised."""
+    if not chunked.can_fork():
+        pytest.skip("worker processes are forked on Linux from a lone Python thread only")
+    problem = tail_light_problem(4)
+    units = make_units(problem)
+    best = solve(problem, "chunks", options=replace(FAST, extra={
+        **FAST.extra, "family": "all", "heads": False}))
+    depths = chunked.head_depths(units.n, 1)
+    assert min(depths) < 6 <= max(depths), depths  # some levels on workers, then they die
+
+    def heads(workers: int) -> chunked.Heads:
+        return chunked.head_pass(problem, units, best.objective * (1 + 1e-6), best.objective,
+                                 depths=depths, work=5.0, limit=10_000, workers=workers,
+                                 processes=True)
+
+    serial = heads(1)
+    monkeypatch.setattr(chunked, "ask_head", _ask_or_die)
+    dying = heads(2)
+    assert dying.pool == "processes"
+    assert serial.cut and dying == serial, (serial, dying)
+    assert dying.levels == serial.levels
 
 
 def bounds_hold(problem: PipelineProblem, bounds_of, kind_of, memory: int, most: int = 6

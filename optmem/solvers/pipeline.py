@@ -57,7 +57,8 @@ EXACT_EXTRA = ("warm_madpipe", "relaxation", "strategy", "trim_work", "isolate",
 """Keys of ``ilp``/``cpsat``: their own, and MadPipe's (its run gives their warm start)."""
 CHUNKS_EXTRA = ("chunks", "chunk_work", "chunk_step", "chunk_retry_work", "family",
                 "family_limit", "waits", "trim", "trim_tail", "trim_share", "heads",
-                "head_step", "head_floor", "head_contents", "warm_madpipe", "relaxation",
+                "head_step", "head_floor", "head_contents", "head_processes", "warm_madpipe",
+                "relaxation",
                 *MADPIPE_EXTRA)
 """Keys of ``chunks``: its own, and MadPipe's (its run gives the first cutoff)."""
 
@@ -253,7 +254,8 @@ def solve_pipeline_chunks(problem: PipelineProblem, options: SolveOptions) -> Re
                                       retry=conf.retry, waits=conf.waits, tail=conf.tail,
                                       share=conf.share, heads=heads,
                                       head_rounds=conf.head_rounds,
-                                      head_contents=conf.head_contents)
+                                      head_contents=conf.head_contents,
+                                      head_processes=conf.head_processes)
         report.update(whole.report("complete"))
         report.update(cut.report("complete"))
         refuted = cut
@@ -264,8 +266,11 @@ def solve_pipeline_chunks(problem: PipelineProblem, options: SolveOptions) -> Re
         if closed:
             bound = max(bound, whole.bound)
         found = whole
-    every = _allocations_bound(problem, units, found.period, bound, decided, conf.waits,
-                               refuted)
+    if closed and proven(found.period, bound):
+        every = bound  # the complete family's bound proves the plan: no walk can add to it
+    else:
+        every = _allocations_bound(problem, units, found.period, bound, decided, conf.waits,
+                                   refuted)
     bound = max(bound, every)
     report.update({"incumbents": {s: p for p, _, s in starts},
                    "source": "chunks" if improved else starts[0][2] if starts else None,

@@ -89,6 +89,9 @@ family's optimum (``benchmarks/results/pipeline_exact.md``, "Chunk scan").
 from __future__ import annotations
 
 import math
+import multiprocessing
+import sys
+import threading
 import time
 from collections import deque
 from collections.abc import (
@@ -100,8 +103,15 @@ from collections.abc import (
     Mapping,
     Sequence,
 )
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import (
+    BrokenExecutor,
+    Executor,
+    Future,
+    ProcessPoolExecutor,
+    ThreadPoolExecutor,
+)
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 from optmem.engines.adapters import active_budget, carry_budget
 from optmem.errors import OptmemInputError
@@ -208,6 +218,14 @@ HEAD_LAG = 16
 window of its threads: the same for any number of them, so the pass is too). Wide enough
 that a slow question does not leave a thread idle (with 4, the pass at 2 threads used 1.6
 CPUs of 2 on the headline)."""
+HEAD_PROCESSES = True
+"""Default ``extra["head_processes"]`` (stop 69): :func:`head_pass` asks its heads on worker
+processes (forked, :func:`can_fork`) instead of threads where it can. A head question
+spends about 36 ms of its ~0.24 s in Python (building and writing the model), which
+threads run one at a time under the GIL; processes run it side by side. On 240 heads
+captured from the headline's pass (4 blocks of 60, each asked by 2 threads and by 2
+processes in alternating order): 20.5 s of wall time on threads, 19.3 s on processes
+(0.95x), 1.72-1.94 CPUs busy against 1.89-1.97."""
 CONTENT_WORK = 0.5
 """CP-SAT deterministic seconds for one GPU content of :func:`refuted_contents`. On the
 headline most are answered in 0.05-0.1 CPU s; a few run to any cap given (5-9 s at 5)."""
@@ -236,7 +254,9 @@ class ChunkSettings:
     true and :data:`HEAD_STEP`: the complete family's :func:`head_pass`; ``head_step`` is 0
     when off), ``head_floor`` (stop 64, default false: the heads' floor rounds,
     :data:`HEAD_ROUNDS` when on, 0 when off), ``head_contents`` (stop 65, default false:
-    :func:`refuted_contents` after each refuted head).
+    :func:`refuted_contents` after each refuted head), ``head_processes`` (stop 69,
+    default :data:`HEAD_PROCESSES`: the heads asked on worker processes where
+    :func:`can_fork`).
     """
 
     chunks: int
@@ -254,6 +274,8 @@ class ChunkSettings:
     """Rounds of the floor :func:`head_pass` tries before each question (0: none)."""
     head_contents: bool = False
     """Whether :func:`head_pass` asks the GPUs of each refuted head alone (stop 65)."""
+    head_processes: bool = HEAD_PROCESSES
+    """Whether :func:`head_pass` may ask its heads on worker processes (stop 69)."""
 
 
 def settings(options: SolveOptions) -> ChunkSettings:
@@ -274,7 +296,8 @@ def settings(options: SolveOptions) -> ChunkSettings:
                          positive_int(options, "head_step", HEAD_STEP)
                          if flag(options, "heads", True) else 0,
                          HEAD_ROUNDS if flag(options, "head_floor", False) else 0,
-                         flag(options, "head_contents", False))
+                         flag(options, "head_contents", False),
+                         flag(options, "head_processes", HEAD_PROCESSES))
 
 
 # ------------------------------------------------------------------ enumeration
@@ -688,7 +711,9 @@ def within(units: Units, gpu: Sequence[int], n_gpus: int, memory: int | None, ca
         return True
     if len(gpu) < units.n or rounds <= 0:
         return memory_check(units, gpu, n_gpus, memory)(cap)
-    return allocation_floor(units, gpu, n_gpus, memory, cap, rounds) < math.inf
+    low = _old_floor(units, gpu, n_gpus, memory, cap)
+    return low < math.inf and _waits_floor(units, gpu, n_gpus, memory, low, cap, rounds,
+                                           settle=False) < math.inf
 
 
 def allocation_floor(units: Units, gpu: Sequence[int], n_gpus: int, memory: int | None,
@@ -729,13 +754,29 @@ def allocation_floor(units: Units, gpu: Sequence[int], n_gpus: int, memory: int 
     low = _old_floor(units, gpu, n_gpus, memory, cap)
     if memory is None or low == math.inf or len(gpu) < units.n:
         return low
-    for _ in range(rounds):
+    return _waits_floor(units, gpu, n_gpus, memory, low, cap, rounds)
+
+
+def _waits_floor(units: Units, gpu: Sequence[int], n_gpus: int, memory: int, low: float,
+                 cap: float, rounds: int, settle: bool = True) -> float:
+    """:func:`allocation_floor`'s rounds of the waits rows from the old floor ``low``.
+
+    ``settle=False`` (:func:`within`, stop 69) skips the last round's bisection and
+    returns ``max(low, cap)`` when that round's check passes at ``cap``: whether the floor
+    is finite is decided by that check alone (a check passing at ``low`` passes at ``cap``
+    too), so the answer is finite exactly when :func:`allocation_floor`'s is, at some 40
+    interval DPs less for an allocation that passes.
+    """
+    for done in range(1, rounds + 1):
         waits = waits_check(units, gpu, n_gpus, memory, low)
-        if waits(low):
+        last = done == rounds and not settle
+        if not last and waits(low):
             return low
         high = max(low, cap)
         if not waits(high):
             return math.inf
+        if last:
+            return high
         start, low = low, _bisect(waits, low, high)
         if low <= start * (1 + _EPS):
             break
@@ -953,7 +994,8 @@ def complete(problem: PipelineProblem, units: Units, first: Scan, *, limit: int,
              work: float, step: float, seed: int = 0, deadline: float | None = None,
              workers: int = 1, retry: float = RETRY_WORK, waits: bool = False,
              tail: int = 0, share: float = TRIM_SHARE, heads: Sequence[int] = (),
-             head_rounds: int = 0, head_contents: bool = False) -> tuple[Scan, Heads]:
+             head_rounds: int = 0, head_contents: bool = False,
+             head_processes: bool = False) -> tuple[Scan, Heads]:
     """Every allocation (any chunk count) with a floor below ``first``'s period, asked.
 
     The complete family (``extra["family"] = "all"``): the allocations of the units with
@@ -965,7 +1007,7 @@ def complete(problem: PipelineProblem, units: Units, first: Scan, *, limit: int,
     (heads of those lengths, the later units delayed), and only the allocations extending
     no refuted head are listed and asked (``head_rounds``: the pass's floor, stop 64;
     ``head_contents``: its GPU contents, stop 65, which remove every allocation putting
-    one of them on a GPU too).
+    one of them on a GPU too; ``head_processes``: its heads on worker processes, stop 69).
     With no allocation undecided, ``Scan.bound`` is a
     lower bound of every plan of the problem (1-periodic patterns): every allocation was
     asked, extends a refuted head or has a floor at or above the cutoff. More than
@@ -979,7 +1021,7 @@ def complete(problem: PipelineProblem, units: Units, first: Scan, *, limit: int,
     cutoff = _cutoff(first, cap, cut)
     pre = head_pass(problem, units, cap, cutoff, depths=heads, work=work, limit=limit,
                     seed=seed, deadline=deadline, workers=workers, rounds=head_rounds,
-                    contents=head_contents)
+                    contents=head_contents, processes=head_processes)
     if pre.stopped != "done":
         return Scan(first.period, first.plan, truncated=pre.stopped == "limit",
                     stopped=pre.stopped), pre
@@ -1017,6 +1059,9 @@ class Heads:
     """``(k, mask)`` -> a lower bound of every plan of every allocation that puts exactly
     the units of ``mask`` (bit ``q``: unit ``q``) of units ``0 .. k - 1`` on one GPU
     (stop 65, :func:`refuted_contents`)."""
+    pool: str = field(default="serial", compare=False)
+    """Where the heads were asked: ``"serial"`` (one worker, or under a work budget),
+    ``"threads"`` or ``"processes"`` (stop 69, :func:`head_pool`)."""
     questions: list[int] = field(default_factory=lambda: [0, 0], compare=False)
     """GPU contents asked and refuted by :func:`refuted_contents` (``extra["head_contents"]``;
     the count depends on the threads' timing through a shared cache, so it is left out of
@@ -1053,6 +1098,7 @@ class Heads:
                 f"{prefix}_heads_floored": self.floored,
                 f"{prefix}_heads_covered": self.covered,
                 f"{prefix}_head_contents": [*self.questions, len(self.contents)],
+                f"{prefix}_head_pool": self.pool,
                 f"{prefix}_head_levels": [list(level) for level in self.levels]}
 
 
@@ -1113,7 +1159,8 @@ def head_depths(n: int, step: int) -> list[int]:
 def head_pass(problem: PipelineProblem, units: Units, cap: float, cutoff: float, *,
               depths: Sequence[int], work: float, limit: int, seed: int = 0,
               deadline: float | None = None, workers: int = 1, rounds: int = 0,
-              contents: bool = False, lag: int = HEAD_LAG) -> Heads:
+              contents: bool = False, lag: int = HEAD_LAG, processes: bool = False
+              ) -> Heads:
     """Refute whole subtrees of the allocations: their heads, with the later units delayed.
 
     For each length ``k`` of ``depths`` in turn, every head (the GPUs of units
@@ -1137,7 +1184,9 @@ def head_pass(problem: PipelineProblem, units: Units, cap: float, cutoff: float,
     The heads of one level are asked in order on ``workers`` threads, at most ``lag + 1``
     in flight (:data:`HEAD_LAG`): a head is sent once the answer ``lag + 1`` places before
     it is taken, and checked against the contents refuted by the answers taken so far, so
-    the pass is the same with any number of workers on any machine. It stops at the
+    the pass is the same with any number of workers on any machine. With ``processes``
+    (stop 69) the workers are forked processes where :func:`head_pool` allows them (the
+    same questions, each answered the same: CP-SAT is deterministic). It stops at the
     deadline (``"time"``: the heads reached after it are neither asked nor counted) or
     before a level with more than ``limit`` heads (``"limit"``); the heads refuted so far
     stay valid.
@@ -1146,23 +1195,25 @@ def head_pass(problem: PipelineProblem, units: Units, cap: float, cutoff: float,
     memory = floor_memory(problem)
     low = lower_bound(problem)
     seen: dict[tuple[int, int], float | None] = {}  # GPU contents asked -> bound, or None
+    question = partial(ask_head, problem, units, cutoff=cutoff, work=work, seed=seed,
+                       deadline=deadline, lower=low, rounds=rounds)
 
     def ask(head: tuple[int, ...]) -> _HeadAnswer | None:
-        if passed(deadline):
-            return None  # not asked: the deadline fell inside the level
+        answer = question(head)
+        if answer is None or answer.bound is None or answer.floored or not contents:
+            return answer
         relaxed, alloc = delay_tail(units, head)
-        if rounds > 0 and not within(relaxed, alloc, max(alloc) + 1, memory, cutoff, rounds):
-            return _HeadAnswer(cutoff, floored=True)
-        bound = head_question(problem, relaxed, alloc, cutoff, work=work, seed=seed,
-                              deadline=deadline, lower=low)
-        if bound is None or not contents:
-            return _HeadAnswer(bound)
-        return _HeadAnswer(bound, found=refuted_contents(
+        return replace(answer, found=refuted_contents(
             problem, relaxed, alloc, len(head), cutoff, seed=seed, deadline=deadline,
             lower=low, seen=seen, tally=out.questions))
 
-    pool = ThreadPoolExecutor(workers, thread_name_prefix="optmem-heads") \
-        if workers > 1 and active_budget() is None else None
+    # the contents' cache is shared by the workers: threads only
+    pool = head_pool(workers, processes and not contents)
+    submit: Callable[[tuple[int, ...]], Future[_HeadAnswer | None]] | None = None
+    if isinstance(pool, ProcessPoolExecutor):
+        out.pool, submit = "processes", partial(pool.submit, question)
+    elif pool is not None:
+        out.pool, submit = "threads", partial(pool.submit, carry_budget(ask))
     try:
         for depth in depths:
             heads: list[tuple[int, ...]] = []
@@ -1175,7 +1226,7 @@ def head_pass(problem: PipelineProblem, units: Units, cap: float, cutoff: float,
             out.depths.append(depth)
             level = [depth, 0, 0, 0, 0]
             out.levels.append(level)
-            for head, answer in _in_order(heads, ask, out, pool, lag):
+            for head, answer in _in_order(heads, ask, out, submit, lag):
                 if answer is None:
                     continue
                 out.asked += not answer.covered
@@ -1196,6 +1247,55 @@ def head_pass(problem: PipelineProblem, units: Units, cap: float, cutoff: float,
     return out
 
 
+def can_fork() -> bool:
+    """Whether :func:`head_pool` may fork worker processes here (stop 69).
+
+    Only on Linux, where ``fork`` is a start method, and only from a process running one
+    Python thread: a fork copies the forking thread alone, so a lock another thread held
+    would stay held in the child (CPython warns of it since 3.12). ``fork`` also needs no
+    ``if __name__ == "__main__"`` guard in the user's script (``spawn`` and
+    ``forkserver`` import it again).
+    """
+    return (sys.platform.startswith("linux")
+            and "fork" in multiprocessing.get_all_start_methods()
+            and threading.active_count() == 1)
+
+
+def head_pool(workers: int, processes: bool) -> Executor | None:
+    """The workers of :func:`head_pass`: ``None`` (asked in turn), processes or threads.
+
+    ``None`` with one worker or under a work budget (what each question may use of the
+    budget depends on when it starts); forked processes (:func:`can_fork`) when
+    ``processes``: the questions' Python (building and writing each model, about 15 % of
+    a head question on the headline) then runs on both cores, not under one GIL;
+    threads otherwise (CP-SAT runs outside the GIL).
+    """
+    if workers <= 1 or active_budget() is not None:
+        return None
+    if processes and can_fork():
+        return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
+    return ThreadPoolExecutor(workers, thread_name_prefix="optmem-heads")
+
+
+def ask_head(problem: PipelineProblem, units: Units, head: tuple[int, ...], *,
+             cutoff: float, work: float, seed: int, deadline: float | None, lower: float,
+             rounds: int) -> _HeadAnswer | None:
+    """One head of :func:`head_pass` (``None``: not asked, the deadline had passed).
+
+    Its delayed instance (:func:`~optmem.models.pipeline.delay_tail`) is refuted by the
+    floor (``rounds > 0``, :func:`within` at ``cutoff``) or asked :func:`head_question`.
+    A module-level function of picklable arguments, so a worker process can run it.
+    """
+    if passed(deadline):
+        return None  # not asked: the deadline fell inside the level
+    relaxed, alloc = delay_tail(units, head)
+    if rounds > 0 and not within(relaxed, alloc, max(alloc) + 1, floor_memory(problem),
+                                 cutoff, rounds):
+        return _HeadAnswer(cutoff, floored=True)
+    return _HeadAnswer(head_question(problem, relaxed, alloc, cutoff, work=work, seed=seed,
+                                     deadline=deadline, lower=lower))
+
+
 @dataclass(frozen=True)
 class _HeadAnswer:
     """One head's answer: its bound (``None``: not refuted), how, and contents refuted."""
@@ -1208,16 +1308,30 @@ class _HeadAnswer:
 
 def _in_order(heads: list[tuple[int, ...]],
               ask: Callable[[tuple[int, ...]], _HeadAnswer | None], out: Heads,
-              pool: ThreadPoolExecutor | None, lag: int
-              ) -> Iterator[tuple[tuple[int, ...], _HeadAnswer | None]]:
+              submit: Callable[[tuple[int, ...]], Future[_HeadAnswer | None]] | None,
+              lag: int) -> Iterator[tuple[tuple[int, ...], _HeadAnswer | None]]:
     """``(head, answer)`` in order (``None``: not asked, the deadline had passed).
 
+    ``submit`` sends a head to the workers (``None``: ``ask`` it here, in turn).
+
     A head covered by a content refuted ``lag + 1`` answers or more before it is answered
-    at that content's bound without a question.
+    at that content's bound without a question. If the workers break (a worker process
+    killed, e.g. by the kernel's out-of-memory killer), the heads they had and every later
+    head are asked here: the answers are the same (deterministic work limits and seeds),
+    and a dead worker never ends a solve.
     """
     flight: deque[tuple[tuple[int, ...], Future[_HeadAnswer | None] | _HeadAnswer | None]] \
         = deque()
     sent = 0
+
+    def dispatch(head: tuple[int, ...]) -> Future[_HeadAnswer | None] | _HeadAnswer | None:
+        nonlocal submit
+        if submit is not None:
+            try:
+                return submit(head)
+            except BrokenExecutor:
+                submit = None
+        return ask(head)
 
     def send(upto: int) -> None:
         nonlocal sent
@@ -1225,17 +1339,18 @@ def _in_order(heads: list[tuple[int, ...]],
             head = heads[sent]
             sent += 1
             bound = _covering(out, head)
-            if bound is not None:
-                flight.append((head, _HeadAnswer(bound, covered=True)))
-            elif pool is None:
-                flight.append((head, ask(head)))
-            else:
-                flight.append((head, pool.submit(carry_budget(ask), head)))
+            flight.append((head, _HeadAnswer(bound, covered=True) if bound is not None
+                           else dispatch(head)))
 
     send(lag + 1)
     while flight:
         head, pending = flight.popleft()
-        yield head, pending.result() if isinstance(pending, Future) else pending
+        if isinstance(pending, Future):
+            try:
+                pending = pending.result()
+            except BrokenExecutor:
+                submit, pending = None, ask(head)
+        yield head, pending
         send(sent + 1)
 
 
@@ -1729,10 +1844,10 @@ def _decide(problem: PipelineProblem, units: Units, gpu: Sequence[int], cutoff: 
 
 
 __all__ = ["BOUND_WORK", "CHUNK_STEP", "CHUNK_WORK", "FAMILIES", "FAMILY_LIMIT",
-           "FLOOR_ITERATIONS", "HEAD_ROUNDS", "HEAD_STEP", "LOOKAHEAD", "MAX_ALLOCATIONS",
-           "MAX_CHUNKS", "PROOF_STEP", "RETRY_WORK", "STASH_FLOORS", "TRIM_SHARE", "TRIM_TAIL",
-           "WAITS_WORK",
-           "WAIT_ROUNDS", "ChunkSettings", "Heads", "Scan",
-           "allocation_floor", "allocations_bound", "ask_family", "chunk_allocations", "complete",
-           "floor_memory", "head_depths", "head_pass", "memory_check", "memory_fits", "ranked",
-           "scan", "settings", "stash_floors", "trim_levels", "waits_check", "within"]
+           "FLOOR_ITERATIONS", "HEAD_PROCESSES", "HEAD_ROUNDS", "HEAD_STEP", "LOOKAHEAD",
+           "MAX_ALLOCATIONS", "MAX_CHUNKS", "PROOF_STEP", "RETRY_WORK", "STASH_FLOORS",
+           "TRIM_SHARE", "TRIM_TAIL", "WAITS_WORK", "WAIT_ROUNDS", "ChunkSettings", "Heads",
+           "Scan", "allocation_floor", "allocations_bound", "ask_family", "ask_head",
+           "can_fork", "chunk_allocations", "complete", "floor_memory", "head_depths",
+           "head_pass", "head_pool", "memory_check", "memory_fits", "ranked", "scan",
+           "settings", "stash_floors", "trim_levels", "waits_check", "within"]
