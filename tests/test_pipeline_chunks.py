@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import math
 import os
+import pathlib
 import random
+import subprocess
 import sys
 import threading
 import time
@@ -989,12 +991,34 @@ def test_refuted_heads_bound_every_allocation_extending_them(seed):
     assert checked[0] >= 1, checked  # the floor's heads; on seed 4 every head refuted is one
 
 
+def on_a_lone_thread(body: str) -> None:
+    """Run the function ``body`` of this module here if this process may fork worker
+    processes (:func:`chunked.can_fork`), else in a fresh interpreter, where it may on
+    Linux: tests run earlier in the suite can leave Python threads behind (in the whole
+    suite, something does), and the head pass then keeps to threads, as it should."""
+    if chunked.can_fork() or not sys.platform.startswith("linux"):
+        globals()[body]()
+        return
+    root = pathlib.Path(__file__).resolve().parents[1]
+    code = (f"import sys; sys.path[:0] = [{str(root)!r}, {str(root / 'tests')!r}]; "
+            f"import tests.test_pipeline_chunks as t; t.{body}()")
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
+                          text=True, check=False)
+    assert done.returncode == 0, done.stderr[-6000:]
+
+
 def test_head_pass_on_processes_asks_and_answers_as_on_threads():
     """Stop 69: the head pass on two forked worker processes (where :func:`can_fork`: Linux,
     one Python thread) gives the same heads, levels and bounds as on two threads and as
     asked in turn; the method reports where its heads were asked
     (``complete_head_pool``) and closes at the same plan and bound with processes or
-    threads."""
+    threads. Run on a lone thread (:func:`on_a_lone_thread`), so processes are used on
+    Linux."""
+    on_a_lone_thread("processes_answer_as_threads")
+
+
+def processes_answer_as_threads() -> None:
+    """The body of :func:`test_head_pass_on_processes_asks_and_answers_as_on_threads`."""
     problem = tail_light_problem(4)
     units = make_units(problem)
     best = solve(problem, "chunks", options=replace(FAST, extra={
@@ -1062,13 +1086,20 @@ def _ask_or_die(problem: PipelineProblem, units, head: tuple[int, ...], **kwargs
     return _ASK_HEAD(problem, units, head, **kwargs)
 
 
-def test_head_pass_survives_its_worker_processes_dying(monkeypatch):
+def test_head_pass_survives_its_worker_processes_dying():
     """Stop 69: when the worker processes of :func:`head_pass` die (every question of a
     later level kills its worker, breaking the pool with questions in flight), the heads
     in flight and all later ones are asked in the solving process: the pass ends with the
-    same heads, levels and bounds as asked in turn, and nothing is raised."""
-    if not chunked.can_fork():
-        pytest.skip("worker processes are forked on Linux from a lone Python thread only")
+    same heads, levels and bounds as asked in turn, and nothing is raised. Run on a lone
+    thread (:func:`on_a_lone_thread`), so the workers are processes."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("worker processes are forked on Linux only")
+    on_a_lone_thread("pass_survives_dying_workers")
+
+
+def pass_survives_dying_workers() -> None:
+    """The body of :func:`test_head_pass_survives_its_worker_processes_dying`."""
+    assert chunked.can_fork()
     problem = tail_light_problem(4)
     units = make_units(problem)
     best = solve(problem, "chunks", options=replace(FAST, extra={
@@ -1082,8 +1113,11 @@ def test_head_pass_survives_its_worker_processes_dying(monkeypatch):
                                  processes=True)
 
     serial = heads(1)
-    monkeypatch.setattr(chunked, "ask_head", _ask_or_die)
-    dying = heads(2)
+    chunked.ask_head = _ask_or_die  # type: ignore[assignment]
+    try:
+        dying = heads(2)
+    finally:
+        chunked.ask_head = _ASK_HEAD  # type: ignore[assignment]
     assert dying.pool == "processes"
     assert serial.cut and dying == serial, (serial, dying)
     assert dying.levels == serial.levels
