@@ -30,7 +30,8 @@ length, ``[length, asked, refuted, by the floor, by a GPU content]``, go to stde
 default, as in the method); ``--head-contents on`` with the GPU contents of refuted heads
 (``extra["head_contents"] = True``, stop 65; off by default, as in the method: the heads
 column then adds the heads a content refuted without a question and the contents asked /
-refuted).
+refuted). ``--proof-gap G`` proves the plan within the share ``G`` instead of optimal
+(``extra["proof_gap"]``, stop 70; e.g. 0.01).
 
 ``--floor-gap N``: how far the floors are from what the exact model proves. For each
 instance, the first ``N`` allocations of the complete family in the scan's order (increasing
@@ -45,7 +46,7 @@ Usage::
     python benchmarks/bench_pipeline_family.py [--count-only [--max N] [--count-waits]]
         [--only NAME ...] [--time-limit S] [--family-limit N] [--waits on|off]
         [--trim on|off] [--heads on|off] [--head-floor on|off] [--head-contents on|off]
-        [--floor-gap N [--optimum-work S]]
+        [--proof-gap G] [--floor-gap N [--optimum-work S]]
 """
 
 from __future__ import annotations
@@ -161,10 +162,11 @@ def cpu_time() -> float:
 
 def run(name: str, problem: PipelineProblem, limit: float | None, family_limit: int,
         waits: bool = True, trim: bool = True, heads: bool = True, head_floor: bool = False,
-        head_contents: bool = False) -> None:
+        head_contents: bool = False, proof_gap: float | None = None) -> None:
     """One row of the solve table (the heads of each length to stderr)."""
     extra = {"family": "all", "family_limit": family_limit, "waits": waits, "trim": trim,
-             "heads": heads, "head_floor": head_floor, "head_contents": head_contents}
+             "heads": heads, "head_floor": head_floor, "head_contents": head_contents,
+             "proof_gap": proof_gap}
     cpu, wall, start = cpu_time(), time.perf_counter(), load()
     res = solve(problem, "chunks", options=SolveOptions(threads=2, time_limit_s=limit,
                                                         extra=extra))
@@ -180,7 +182,8 @@ def run(name: str, problem: PipelineProblem, limit: float | None, family_limit: 
     gap = (res.objective - res.bound) / res.objective if math.isfinite(res.bound) else math.nan
     label = name + ("" if waits else " (waits off)") + ("" if trim else " (trim off)") \
         + ("" if heads else " (heads off)") + (" (head floor on)" if head_floor else "") \
-        + (" (head contents on)" if head_contents else "")
+        + (" (head contents on)" if head_contents else "") \
+        + ("" if proof_gap is None else f" (proof gap {proof_gap:g})")
     asked = (f"{r.get('complete_heads', 0):,} / {r.get('complete_heads_refuted', 0):,} "
              f"({r.get('complete_heads_floored', 0):,} by the floor"
              + (f", {r.get('complete_heads_covered', 0):,} by a GPU content; contents "
@@ -209,6 +212,8 @@ def main() -> None:
     parser.add_argument("--heads", choices=("on", "off"), default="on")
     parser.add_argument("--head-floor", choices=("on", "off"), default="off")
     parser.add_argument("--head-contents", choices=("on", "off"), default="off")
+    parser.add_argument("--proof-gap", type=float, default=None,
+                        help="prove the plan within this share (extra['proof_gap'])")
     parser.add_argument("--count-waits", action="store_true",
                         help="with --count-only: how many the waits rows leave")
     parser.add_argument("--floor-gap", type=int, default=0,
@@ -241,7 +246,7 @@ def main() -> None:
         else:
             run(name, problem, args.time_limit, args.family_limit, args.waits == "on",
                 args.trim == "on", args.heads == "on", args.head_floor == "on",
-                args.head_contents == "on")
+                args.head_contents == "on", args.proof_gap)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from optmem.solvers.pipeline_common import (
     ModelRun,
     build_model,
     lower_bound,
+    proven,
     refute,
     replayed_period,
     run_model,
@@ -297,6 +298,50 @@ def test_the_complete_family_is_the_exact_optimum(problem):
             res.report
 
 
+@settings(max_examples=8, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(problem=small_problems(), gap=st.sampled_from([0.02, 0.1, 0.3]))
+def test_a_proof_gap_proves_the_plan_within_it(problem, gap):
+    """Stop 70, ``extra["proof_gap"]``: the complete family's pass asks at the plan's period
+    less ``gap``. Closed, its bound is at most the optimum over every allocation (brute
+    force) and at least the plan's period less ``gap``: the plan is within ``gap`` of the
+    optimum, and the result's gap is at most ``gap``; ``optimal`` only with a bound that
+    proves it."""
+    solved = decided_allocations(problem)
+    assume(solved is not None and solved)
+    assert solved is not None
+    overall = min(period for _, period in solved)
+    res = solve(problem, "chunks", options=replace(FAST, extra={
+        **FAST.extra, "family": "all", "proof_gap": gap}))
+    assert res.report["complete_proof_gap"] == gap
+    assume(res.report["complete_bound"] is not None)  # some allocation left undecided
+    assert res.status.has_plan, res.report
+    assert res.objective >= overall * (1 - 1e-6)
+    assert res.bound <= overall * (1 + 1e-9), res.report
+    assert res.report["complete_bound"] <= overall * (1 + 1e-9), res.report
+    assert res.report["complete_bound"] >= res.objective * (1 - gap) * (1 - 1e-6) - 1e-6
+    assert res.objective <= overall / (1 - gap) * (1 + 1e-6)
+    assert res.gap <= gap + 1e-6, res
+    assert (res.status is Status.OPTIMAL) == proven(res.objective, res.bound)
+
+
+def test_a_proof_gap_asks_at_the_lowered_cutoff():
+    """On a fixed instance the pass with ``proof_gap`` 5 % closes at the plan's period less
+    5 % (the cutoff, up to CP-SAT's grid), with the plan of the exact proof, and asks no more
+    heads than the exact proof (here one each; on the headline 1,280 against 4,139); the
+    report names the gap (``None`` for the exact proof)."""
+    problem = tail_light_problem(11)
+    extra = {**FAST.extra, "family": "all", "head_step": 1}
+    exact = solve(problem, "chunks", options=replace(FAST, extra=extra))
+    near = solve(problem, "chunks", options=replace(FAST, extra={**extra, "proof_gap": 0.05}))
+    assert exact.status is Status.OPTIMAL and exact.report["complete_proof_gap"] is None
+    assert near.status is Status.FEASIBLE, near.report
+    assert near.objective == pytest.approx(exact.objective, rel=1e-9)
+    assert near.report["complete_bound"] == pytest.approx(near.objective * 0.95, rel=1e-6)
+    assert exact.objective * 0.95 * (1 - 1e-6) <= near.bound <= exact.objective
+    assert near.report["complete_heads"] <= exact.report["complete_heads"], near.report
+
+
 @settings(max_examples=12, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(problem=small_problems(), data=st.data())
@@ -473,6 +518,11 @@ def test_engine_failures_are_counted_and_survived(monkeypatch):
     ({"head_floor": "yes"}, "head_floor"),
     ({"head_contents": 2}, "head_contents"),
     ({"head_step": 1.5}, "head_step"),
+    ({"family": "all", "proof_gap": 1.0}, "proof_gap"),
+    ({"family": "all", "proof_gap": 0}, "proof_gap"),
+    ({"family": "all", "proof_gap": "1%"}, "proof_gap"),
+    ({"family": "all", "proof_gap": True}, "proof_gap"),
+    ({"proof_gap": 0.01}, "proof_gap"),  # the k-chunk family alone proves nothing
 ])
 def test_bad_options_are_refused(extra, field):
     """One clear error naming the option."""

@@ -13,6 +13,8 @@ False
 'ilp'
 >>> one_or_all(SolveOptions(), "prefetch", ("alap", "lazy"))
 ('alap', 'lazy')
+>>> fraction(SolveOptions(extra={"proof_gap": 0.01}), "proof_gap")
+0.01
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from collections.abc import Sequence
 from optmem.errors import OptmemInputError
 from optmem.result import SolveOptions
 
-__all__ = ["WORK_COUNT_MAX", "choice", "flag", "one_or_all", "positive_float", "positive_int"]
+__all__ = ["WORK_COUNT_MAX", "choice", "flag", "one_or_all", "positive_float", "positive_int",
+           "fraction"]
 
 WORK_COUNT_MAX: dict[str, int] = {
     "transfers_per_gap": 100,  # transfer positions per gap: the model grows linearly
@@ -70,6 +73,17 @@ def positive_float(options: SolveOptions, key: str, default: float) -> float:
     value = options.extra.get(key, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise OptmemInputError(f"expected a positive number {key}, got {value!r}", field=key)
+    return float(value)
+
+
+def fraction(options: SolveOptions, key: str) -> float | None:
+    """``options.extra[key]`` as a share in (0, 1), e.g. ``0.01`` for 1 % (``None``: not given)."""
+    value = options.extra.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+        raise OptmemInputError(f"expected a share in (0, 1) for {key} (e.g. 0.01 for 1 %), "
+                               f"got {value!r}", field=key)
     return float(value)
 
 

@@ -57,8 +57,8 @@ EXACT_EXTRA = ("warm_madpipe", "relaxation", "strategy", "trim_work", "isolate",
 """Keys of ``ilp``/``cpsat``: their own, and MadPipe's (its run gives their warm start)."""
 CHUNKS_EXTRA = ("chunks", "chunk_work", "chunk_step", "chunk_retry_work", "family",
                 "family_limit", "waits", "trim", "trim_tail", "trim_share", "heads",
-                "head_step", "head_floor", "head_contents", "head_processes", "warm_madpipe",
-                "relaxation",
+                "head_step", "head_floor", "head_contents", "head_processes", "proof_gap",
+                "warm_madpipe", "relaxation",
                 *MADPIPE_EXTRA)
 """Keys of ``chunks``: its own, and MadPipe's (its run gives the first cutoff)."""
 
@@ -255,9 +255,10 @@ def solve_pipeline_chunks(problem: PipelineProblem, options: SolveOptions) -> Re
                                       share=conf.share, heads=heads,
                                       head_rounds=conf.head_rounds,
                                       head_contents=conf.head_contents,
-                                      head_processes=conf.head_processes)
+                                      head_processes=conf.head_processes, gap=conf.gap)
         report.update(whole.report("complete"))
         report.update(cut.report("complete"))
+        report["complete_proof_gap"] = conf.gap
         refuted = cut
         improved = improved or bool(whole.improvements)
         for gpu, proven_at in whole.decided.items():

@@ -119,7 +119,7 @@ from optmem.models.pipeline import Units, delay_tail, isolate_units, trim_units
 from optmem.pipeline_plan import PipelinePlan
 from optmem.problems.pipeline import PipelineProblem
 from optmem.result import SolveOptions, Status
-from optmem.solvers.options import choice, flag, positive_float, positive_int
+from optmem.solvers.options import choice, flag, fraction, positive_float, positive_int
 from optmem.solvers.pipeline_common import (
     OPTIMALITY_TOLERANCE,
     lower_bound,
@@ -256,7 +256,8 @@ class ChunkSettings:
     :data:`HEAD_ROUNDS` when on, 0 when off), ``head_contents`` (stop 65, default false:
     :func:`refuted_contents` after each refuted head), ``head_processes`` (stop 69,
     default :data:`HEAD_PROCESSES`: the heads asked on worker processes where
-    :func:`can_fork`).
+    :func:`can_fork`), ``proof_gap`` (stop 70, default none: the complete family's pass
+    proves a bound within this share of the plan instead of its optimality, :func:`complete`).
     """
 
     chunks: int
@@ -276,6 +277,8 @@ class ChunkSettings:
     """Whether :func:`head_pass` asks the GPUs of each refuted head alone (stop 65)."""
     head_processes: bool = HEAD_PROCESSES
     """Whether :func:`head_pass` may ask its heads on worker processes (stop 69)."""
+    gap: float | None = None
+    """``proof_gap``: the share below the plan the complete family's pass proves (stop 70)."""
 
 
 def settings(options: SolveOptions) -> ChunkSettings:
@@ -297,7 +300,17 @@ def settings(options: SolveOptions) -> ChunkSettings:
                          if flag(options, "heads", True) else 0,
                          HEAD_ROUNDS if flag(options, "head_floor", False) else 0,
                          flag(options, "head_contents", False),
-                         flag(options, "head_processes", HEAD_PROCESSES))
+                         flag(options, "head_processes", HEAD_PROCESSES),
+                         _proof_gap(options))
+
+
+def _proof_gap(options: SolveOptions) -> float | None:
+    """``extra["proof_gap"]``: a share in (0, 1), only with ``family="all"`` (its pass)."""
+    gap = fraction(options, "proof_gap")
+    if gap is not None and options.extra.get("family") != "all":
+        raise OptmemInputError("proof_gap sets the complete family's proof: give it with "
+                               "family=all", field="proof_gap")
+    return gap
 
 
 # ------------------------------------------------------------------ enumeration
@@ -995,7 +1008,7 @@ def complete(problem: PipelineProblem, units: Units, first: Scan, *, limit: int,
              workers: int = 1, retry: float = RETRY_WORK, waits: bool = False,
              tail: int = 0, share: float = TRIM_SHARE, heads: Sequence[int] = (),
              head_rounds: int = 0, head_contents: bool = False,
-             head_processes: bool = False) -> tuple[Scan, Heads]:
+             head_processes: bool = False, gap: float | None = None) -> tuple[Scan, Heads]:
     """Every allocation (any chunk count) with a floor below ``first``'s period, asked.
 
     The complete family (``extra["family"] = "all"``): the allocations of the units with
@@ -1008,7 +1021,10 @@ def complete(problem: PipelineProblem, units: Units, first: Scan, *, limit: int,
     no refuted head are listed and asked (``head_rounds``: the pass's floor, stop 64;
     ``head_contents``: its GPU contents, stop 65, which remove every allocation putting
     one of them on a GPU too; ``head_processes``: its heads on worker processes, stop 69).
-    With no allocation undecided, ``Scan.bound`` is a
+    ``gap`` (stop 70, ``extra["proof_gap"]``): the pass asks at the period less this share
+    instead (when larger than that step), so its bound proves the plan within ``gap`` rather
+    than optimal: a lower cutoff refutes sooner (on the headline, 1 %: 1,280 heads asked and
+    410 CPU s against 4,139 and 1,039 CPU s). With no allocation undecided, ``Scan.bound`` is a
     lower bound of every plan of the problem (1-periodic patterns): every allocation was
     asked, extends a refuted head or has a floor at or above the cutoff. More than
     ``limit`` allocations (or heads at one level): nothing more is asked (``truncated``,
@@ -1017,7 +1033,7 @@ def complete(problem: PipelineProblem, units: Units, first: Scan, *, limit: int,
     if first.stopped != "done":
         return Scan(first.period, first.plan, stopped=first.stopped), Heads()
     cap = first.period if math.isfinite(first.period) else units.big_m()
-    cut = min(step, PROOF_STEP)
+    cut = max(min(step, PROOF_STEP), gap or 0.0)
     cutoff = _cutoff(first, cap, cut)
     pre = head_pass(problem, units, cap, cutoff, depths=heads, work=work, limit=limit,
                     seed=seed, deadline=deadline, workers=workers, rounds=head_rounds,

@@ -38,12 +38,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from optmem.engines import adapters as engines
-from optmem.errors import OptmemInputError, PlanError
+from optmem.errors import PlanError
 from optmem.models.formulation import grid_ceiling, to_cpsat
 from optmem.models.remat_offload import RematOffloadModel, summed_sequence, with_fixed
 from optmem.plan import AnyOp
 from optmem.result import Result, SolveOptions, Status
-from optmem.solvers.options import positive_float
+from optmem.solvers.options import fraction, positive_float
 from optmem.solvers.remat_offload import LEAST_ENGINE_TIME_S
 from optmem.solvers.remat_offload_lns import WINDOW_PARAMETERS, engine_limit
 from optmem.solvers.time_budget import Deadline
@@ -67,14 +67,7 @@ def probe_settings(options: SolveOptions) -> tuple[float | None, float]:
     >>> probe_settings(SolveOptions())
     (None, 600.0)
     """
-    work = positive_float(options, "probe_work", PROBE_WORK)
-    raw = options.extra.get("probe_gap")
-    if raw is None:
-        return None, work
-    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not 0 < raw < 1:
-        raise OptmemInputError(f"expected a share in (0, 1) for probe_gap (e.g. 0.01 for 1 "
-                               f"%), got {raw!r}", field="probe_gap")
-    return float(raw), work
+    return fraction(options, "probe_gap"), positive_float(options, "probe_work", PROBE_WORK)
 
 
 @dataclass(frozen=True)
