@@ -288,9 +288,9 @@ def settings(options: SolveOptions) -> ChunkSettings:
     if step >= 1:
         raise OptmemInputError(f"expected a relative step below 1 for chunk_step, got {step!r}",
                                field="chunk_step")
+    family = choice(options, "family", "chunks", FAMILIES)
     return ChunkSettings(chunks, positive_float(options, "chunk_work", CHUNK_WORK), step,
-                         positive_float(options, "chunk_retry_work", RETRY_WORK),
-                         choice(options, "family", "chunks", FAMILIES),
+                         positive_float(options, "chunk_retry_work", RETRY_WORK), family,
                          positive_int(options, "family_limit", FAMILY_LIMIT),
                          flag(options, "waits", True),
                          positive_int(options, "trim_tail", TRIM_TAIL)
@@ -301,13 +301,13 @@ def settings(options: SolveOptions) -> ChunkSettings:
                          HEAD_ROUNDS if flag(options, "head_floor", False) else 0,
                          flag(options, "head_contents", False),
                          flag(options, "head_processes", HEAD_PROCESSES),
-                         _proof_gap(options))
+                         _proof_gap(options, family))
 
 
-def _proof_gap(options: SolveOptions) -> float | None:
+def _proof_gap(options: SolveOptions, family: str) -> float | None:
     """``extra["proof_gap"]``: a share in (0, 1), only with ``family="all"`` (its pass)."""
     gap = fraction(options, "proof_gap")
-    if gap is not None and options.extra.get("family") != "all":
+    if gap is not None and family != "all":
         raise OptmemInputError("proof_gap sets the complete family's proof: give it with "
                                "family=all", field="proof_gap")
     return gap
