@@ -8,8 +8,10 @@ One table for the four problems, on bundled profiles at three memory limits, 2 t
 * **offload**: ``cpsat`` (exact time grid) against DYNPROG (``dp``), 12 GB/s; the same limits
   (an ``alpha`` below the offloading minimum reports ``infeasible``).
 * **remat-offload**: ``cpsat`` against the chapter-4 DP (``dp``), 12 GB/s, the same limits.
-* **pipeline**: ``ilp`` against MadPipe (``madpipe``), 4 GPUs, 12 GB/s, memory per GPU 1.1x,
-  1.5x and 3x the smallest contiguous allocation's.
+* **pipeline**: ``chunks`` with ``family="all"`` (every allocation decided by the exact
+  model with the allocation fixed: a bound of every plan, 1-periodic patterns as ``ilp``;
+  ``ilp`` until stop 71, which proves little past 8 layers) against MadPipe (``madpipe``),
+  4 GPUs, 12 GB/s, memory per GPU 1.1x, 1.5x and 3x the smallest contiguous allocation's.
 
 Every row is a result of :func:`optmem.solve` (each plan is replayed by the simulator
 there); ``DP / optimum`` is the DP's value over the exact method's proven bound (the DP's
@@ -72,11 +74,16 @@ QUICK_PROFILES = ("resnet18-b64-224", "resnet50-b32-224")
 
 @dataclass(frozen=True)
 class Setting:
-    """How one problem is benchmarked: its exact method, its DP, and its instances."""
+    """How one problem is benchmarked: its exact method, its DP, and its instances.
+
+    ``extra``: ``SolveOptions.extra`` entries of the exact method (under ``--options``;
+    dropped when ``--exact`` names another method).
+    """
 
     exact: str
     dp: str
     instances: Callable[[str], Iterator[tuple[str, Any]]]
+    extra: tuple[tuple[str, Any], ...] = ()
 
 
 def checkpoint_like(cls: type, **kwargs: Any) -> Callable[[str], Iterator[tuple[str, Any]]]:
@@ -104,7 +111,7 @@ SETTINGS = {
     "offload": Setting("cpsat", "dp", checkpoint_like(OffloadProblem, bandwidth=BANDWIDTH)),
     "remat-offload": Setting("cpsat", "dp",
                              checkpoint_like(RematOffloadProblem, bandwidth=BANDWIDTH)),
-    "pipeline": Setting("ilp", "madpipe", pipeline_instances),
+    "pipeline": Setting("chunks", "madpipe", pipeline_instances, (("family", "all"),)),
 }
 
 
@@ -155,7 +162,8 @@ def run(problems: list[str], profiles: list[str], limit: float,
                 if memories is not None and label not in memories:
                     continue
                 dp, _ = timed(problem, setting.dp, SolveOptions(threads=options.threads))
-                exact, seconds = timed(problem, setting.exact, options)
+                exact, seconds = timed(problem, setting.exact, options.with_(
+                    extra={**dict(setting.extra), **options.extra}))
                 if exact.status is Status.INFEASIBLE:
                     proven = True
                 else:
@@ -220,7 +228,7 @@ def main() -> None:
         if pname not in SETTINGS or not method:
             parser.error(f"--exact {item}: expected PROBLEM=METHOD, PROBLEM one of "
                          + ", ".join(SETTINGS))
-        SETTINGS[pname] = dataclasses.replace(SETTINGS[pname], exact=method)
+        SETTINGS[pname] = dataclasses.replace(SETTINGS[pname], exact=method, extra=())
     try:
         extra = json.loads(args.options)
     except json.JSONDecodeError as err:

@@ -85,3 +85,21 @@ def test_options_must_be_a_json_object(bench, monkeypatch, tmp_path, bad):
     with pytest.raises(SystemExit):
         main(bench, monkeypatch, tmp_path, "--options", bad)
     assert bench.calls == []
+
+
+def test_the_pipeline_rows_decide_every_allocation(bench, monkeypatch, tmp_path):
+    """Stop 71: the pipeline's exact method is ``chunks`` with ``family="all"`` (its
+    ``extra`` under ``--options``); ``--exact pipeline=ilp`` drops that entry (ilp refuses
+    it)."""
+    setting = bench.SETTINGS["pipeline"]
+    assert (setting.exact, setting.dp, dict(setting.extra)) == ("chunks", "madpipe",
+                                                               {"family": "all"})
+    monkeypatch.setitem(bench.SETTINGS, "remat-offload",
+                        bench.dataclasses.replace(bench.SETTINGS["remat-offload"],
+                                                  extra=(("family", "all"),)))
+    main(bench, monkeypatch, tmp_path, "--options", '{"chunk_work": 2}', "--memories", "10%")
+    exact = [options for _, method, options in bench.calls if method == "cpsat"]
+    assert [o.extra for o in exact] == [{"family": "all", "chunk_work": 2}]
+    bench.calls.clear()
+    main(bench, monkeypatch, tmp_path, "--exact", "remat-offload=cpsat", "--memories", "10%")
+    assert [o.extra for _, m, o in bench.calls if m == "cpsat"] == [{}]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
 from dataclasses import replace
 
@@ -368,17 +369,71 @@ def test_a_zero_link_names_the_field_it_was_given_in() -> None:
 def test_no_pipeline_plan_fits_below_the_memory_lower_bound(data: st.DataObject) -> None:
     """:meth:`PipelineProblem.memory_lower_bound` is a bound: the exact model proves every
     limit below it infeasible (stash, strict, strict with temporaries; 1-3 GPUs)."""
-    chain = _random_layers_chain(data, data.draw(st.integers(1, 3)))
-    model, temporaries = data.draw(st.sampled_from([("stash", False), ("strict", False),
-                                                    ("strict", True)]))
-    problem = PipelineProblem(chain, n_gpus=data.draw(st.integers(1, 3)), memory_per_gpu=0,
-                              weight_copies=data.draw(st.integers(0, 3)),
-                              memory_model=model, temporaries=temporaries)
+    problem = _unlimited_problem(data, 3)
     bound = problem.memory_lower_bound()
     if bound > 0:
         below = solve(replace(problem, memory_per_gpu=bound - 1), "cpsat",
                       options=SolveOptions(threads=1, deterministic_time=30))
         assert below.status is Status.INFEASIBLE
+
+
+HEURISTICS = ("equal", "pipedream", "madpipe", "chunks")
+"""Pipeline methods whose own search only finds plans: below
+:meth:`PipelineProblem.memory_lower_bound` they prove infeasibility from the bound."""
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(st.data())
+def test_plan_finding_methods_prove_limits_below_the_memory_lower_bound(
+        data: st.DataObject) -> None:
+    """Stop 71: below :meth:`PipelineProblem.memory_lower_bound` (which the exact model
+    confirms, test above), ``equal``, ``pipedream``, ``madpipe`` and ``chunks`` answer
+    ``infeasible`` (proven: bound infinite) with the bound in the report, where they said
+    ``no_solution``; at or above it, every plan they find replays and peaks at least at the
+    bound (stash, strict, strict with temporaries)."""
+    problem = _unlimited_problem(data, 4)
+    bound = problem.memory_lower_bound()
+    above = replace(problem, memory_per_gpu=bound + data.draw(st.integers(0, 30)))
+    options = SolveOptions(threads=1, deterministic_time=5, seed=0)
+    for method in HEURISTICS:
+        if bound > 0:
+            below = solve(replace(problem, memory_per_gpu=bound - 1), method, options=options)
+            assert below.status is Status.INFEASIBLE, (method, below)
+            assert below.bound == math.inf and below.plan == ()
+            assert below.report["memory_lower_bound"] == bound
+        found = solve(above, method, options=options)
+        assert found.status is not Status.INFEASIBLE or found.report.get(
+            "memory_lower_bound") is None, (method, found)
+        if found.status.has_plan:
+            peak = simulate_pipeline(above, PipelinePlan.from_strings(found.plan)).peak_memory
+            assert bound <= peak <= above.memory_per_gpu, (method, peak, bound)
+
+
+def test_a_limit_below_the_memory_lower_bound_is_one_line_on_every_method(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Stop 71: ``optmem solve pipeline resnet50-b32-224 --gpus 4 --memory 1KiB`` answers
+    ``infeasible`` (exit 0) with the least memory any plan needs, for ``chunks`` without
+    ``family=all`` and ``madpipe`` too (they said ``no_solution``)."""
+    from optmem.cli import main
+
+    for method in HEURISTICS:
+        code = main(["solve", "pipeline", "resnet50-b32-224", "--gpus", "4", "--memory",
+                     "1KiB", "--method", method, "--json"])
+        out = json.loads(capsys.readouterr().out)
+        assert code == 0 and out["status"] == "infeasible", (method, out)
+        assert out["report"]["memory_lower_bound"] > 1024
+
+
+def _unlimited_problem(data: st.DataObject, layers: int) -> PipelineProblem:
+    """A problem on a random chain of 1-``layers`` layers, 1-3 GPUs, memory 0 (stash,
+    strict, strict with temporaries; 0-3 weight copies)."""
+    chain = _random_layers_chain(data, data.draw(st.integers(1, layers)))
+    model, temporaries = data.draw(st.sampled_from([("stash", False), ("strict", False),
+                                                    ("strict", True)]))
+    problem = PipelineProblem(chain, n_gpus=data.draw(st.integers(1, 3)), memory_per_gpu=0,
+                              weight_copies=data.draw(st.integers(0, 3)),
+                              memory_model=model, temporaries=temporaries)
+    return problem
 
 
 def _random_layers_chain(data: st.DataObject, n: int) -> Chain:

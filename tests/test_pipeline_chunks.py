@@ -1043,9 +1043,11 @@ def test_refuted_heads_bound_every_allocation_extending_them(seed):
 
 def on_a_lone_thread(body: str) -> None:
     """Run the function ``body`` of this module here if this process may fork worker
-    processes (:func:`chunked.can_fork`), else in a fresh interpreter, where it may on
-    Linux: tests run earlier in the suite can leave Python threads behind (in the whole
-    suite, something does), and the head pass then keeps to threads, as it should."""
+    processes (:func:`chunked.can_fork`, once idle tqdm monitors are stopped), else in a
+    fresh interpreter, where it may on Linux: tests run earlier in the suite can leave
+    Python threads behind (stop 71: in the whole suite, tqdm's monitor, started by a
+    ``torch.compile`` test), and the head pass then keeps to threads, as it should."""
+    chunked.stop_idle_tqdm_monitors()
     if chunked.can_fork() or not sys.platform.startswith("linux"):
         globals()[body]()
         return
@@ -1145,6 +1147,44 @@ def test_head_pass_survives_its_worker_processes_dying():
     if not sys.platform.startswith("linux"):
         pytest.skip("worker processes are forked on Linux only")
     on_a_lone_thread("pass_survives_dying_workers")
+
+
+def test_an_idle_tqdm_monitor_does_not_keep_the_head_pass_on_threads():
+    """Stop 71: ``torch.fx``'s interpreter (``torch.compile`` with ``aot_eager``) opens a
+    tqdm bar, whose monitor thread then lived to the end of the process and kept
+    :func:`chunked.can_fork` false: the head pass ran on threads after any compile (found in
+    the suite by ``test_fast_path.py::test_hf_model_on_the_fast_path``). With no bar open
+    the monitor is stopped and the pool forks processes; with a bar open it is left alone
+    (threads); the next bar starts a new monitor. Run on a lone thread."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("worker processes are forked on Linux only")
+    on_a_lone_thread("idle_tqdm_monitor_is_stopped")
+
+
+def idle_tqdm_monitor_is_stopped() -> None:
+    """The body of :func:`test_an_idle_tqdm_monitor_does_not_keep_the_head_pass_on_threads`."""
+    import io
+
+    from tqdm import tqdm
+
+    def monitors() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "tqdm_monitor" and t.is_alive()]
+
+    assert threading.active_count() == 1 and chunked.can_fork()
+    bar = tqdm(total=2, file=io.StringIO())
+    assert len(monitors()) == 1 and not chunked.can_fork()
+    pool = chunked.head_pool(2, True)
+    assert isinstance(pool, ThreadPoolExecutor) and len(monitors()) == 1  # a bar is open
+    pool.shutdown()
+    bar.close()
+    pool = chunked.head_pool(2, True)
+    assert isinstance(pool, ProcessPoolExecutor), pool
+    assert not monitors() and threading.active_count() == 1
+    pool.shutdown()
+    with tqdm(total=1, file=io.StringIO()) as again:  # tqdm goes on: a new monitor
+        again.update()
+        assert len(monitors()) == 1
+    assert chunked.stop_idle_tqdm_monitors() == 1 and not monitors()
 
 
 def pass_survives_dying_workers() -> None:

@@ -303,3 +303,37 @@ def test_remat_only_hint_does_not_say_below_when_the_least_limit_is_smaller() ->
     result = solve(problem, "remat_only", options=SolveOptions(slots=7))
     assert result.status is Status.INFEASIBLE and result.min_feasible_memory == 40
     assert "below" not in result.report["hint"] and "is 40 B" in result.report["hint"]
+
+
+PLAN_FINDERS = ("offload_only", "opportunist", "delta", "autocapper")
+"""Remat + offload methods whose own search only finds plans."""
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(chain=chains(max_length=2), beta=st.sampled_from([0.5, 1.0, 3.0]),
+       above=st.integers(0, 40))
+def test_limits_below_the_least_forward_memory_are_proven_infeasible(
+        chain: Chain, beta: float, above: int) -> None:
+    """Stop 71: below the least memory of every plan (some forward of each stage holds its
+    input and output), ``offload_only``, ``opportunist``, ``delta`` and ``autocapper``
+    answer ``infeasible`` with that bound in ``report.memory_lower_bound`` (the first three
+    said ``no_solution``), and so do ``cpsat`` and ``ilp`` without a search; brute force
+    agrees (no plan below it). At or above it, every plan found peaks at least at it."""
+    inputs = (chain.input_size, *chain.output_size[:-1])
+    least = max(x + y + o for x, y, o in zip(inputs, chain.output_size,
+                                             chain.fwd_overhead, strict=True))
+    options = SolveOptions(slots=64, threads=1, deterministic_time=20, seed=0)
+    below = RematOffloadProblem(chain, least - 1, chain_bandwidth=beta)
+    assert solve(below, "brute", options=options).status is Status.INFEASIBLE
+    for method in (*PLAN_FINDERS, "cpsat", "ilp"):
+        out = solve(below, method, options=options)
+        assert out.status is Status.INFEASIBLE and out.unit == 1, (method, out)
+        assert out.report["memory_lower_bound"] == least and math.isinf(out.bound)
+        assert f"every plan needs at least {least} " in out.report["hint"]
+    at = RematOffloadProblem(chain, least + above, chain_bandwidth=beta)
+    for method in (*PLAN_FINDERS, "brute"):
+        out = solve(at, method, options=options)
+        assert "memory_lower_bound" not in out.report, (method, out.report)
+        if out.status.has_plan:
+            _check_replay(at, out, options)
+            assert out.unit == 1 and least <= out.peak_memory <= least + above

@@ -39,6 +39,7 @@ from optmem.solvers import pipeline_chunks as chunked
 from optmem.solvers import pipeline_contiguous as contig
 from optmem.solvers.pipeline_common import (
     PROBLEM,
+    below_least_memory,
     infeasible,
     lower_bound,
     plan_result,
@@ -167,6 +168,8 @@ def _contiguous_splits(problem: PipelineProblem) -> list[tuple[float, int, conti
 def solve_pipeline_equal(problem: PipelineProblem, options: SolveOptions) -> Result:
     """Split the layers in ``P`` equal runs and schedule them with the optimal 1F1B*."""
     del options
+    if (below := below_least_memory(problem, "equal")) is not None:
+        return below
     bounds = contig.equal_split(problem, problem.n_gpus)
     found = _schedule_allocation(problem, bounds)
     if found is None:
@@ -181,6 +184,8 @@ def solve_pipeline_equal(problem: PipelineProblem, options: SolveOptions) -> Res
 def solve_pipeline_pipedream(problem: PipelineProblem, options: SolveOptions) -> Result:
     """PipeDream's partitioning for each stage count, scheduled by 1F1B*; the best one."""
     del options
+    if (below := below_least_memory(problem, "pipedream")) is not None:
+        return below
     best: tuple[float, PipelinePlan, int] | None = None
     for k in range(1, min(problem.n_gpus, problem.layers.n) + 1):
         bounds = contig.pipedream_split(problem, k)
@@ -231,6 +236,8 @@ def solve_pipeline_chunks(problem: PipelineProblem, options: SolveOptions) -> Re
     """The chunk scan (:mod:`optmem.solvers.pipeline_chunks`) from the best incumbent."""
     start = time.perf_counter()
     conf = chunked.settings(options)
+    if (below := below_least_memory(problem, "chunks")) is not None:
+        return below.with_(solve_time_s=time.perf_counter() - start)
     units = make_units(problem)
     starts = incumbents(problem, options) if options.warm_start else []
     period, plan = (starts[0][0], starts[0][1]) if starts else (math.inf, None)

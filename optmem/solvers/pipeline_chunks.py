@@ -1277,6 +1277,29 @@ def can_fork() -> bool:
             and threading.active_count() == 1)
 
 
+def stop_idle_tqdm_monitors() -> int:
+    """Stop tqdm's monitor threads that watch no open bar; return how many were stopped.
+
+    ``torch.fx``'s interpreter opens a tqdm bar (``torch.compile`` with ``aot_eager`` runs
+    it), and tqdm's first bar starts a daemon monitor thread (``tqdm._monitor.TMonitor``)
+    that lives to the end of the process: that one thread kept :func:`can_fork` false, so
+    the head pass ran on threads in any process that had compiled a model (stop 71, found
+    in the test suite). A monitor only sleeps and nudges open bars; with none open it has
+    nothing to do, and tqdm starts a new one with its next bar (``tqdm.__new__`` does when
+    ``monitor.report()`` is false), so stopping it changes nothing a user sees. A monitor
+    of an open bar is left alone.
+    """
+    module = sys.modules.get("tqdm._monitor")
+    if module is None:
+        return 0
+    stopped = 0
+    for thread in threading.enumerate():
+        if isinstance(thread, module.TMonitor) and not thread.get_instances():
+            thread.exit()
+            stopped += 1
+    return stopped
+
+
 def head_pool(workers: int, processes: bool) -> Executor | None:
     """The workers of :func:`head_pass`: ``None`` (asked in turn), processes or threads.
 
@@ -1284,11 +1307,12 @@ def head_pool(workers: int, processes: bool) -> Executor | None:
     budget depends on when it starts); forked processes (:func:`can_fork`) when
     ``processes``: the questions' Python (building and writing each model, about 15 % of
     a head question on the headline) then runs on both cores, not under one GIL;
-    threads otherwise (CP-SAT runs outside the GIL).
+    threads otherwise (CP-SAT runs outside the GIL). Idle tqdm monitor threads are stopped
+    first (:func:`stop_idle_tqdm_monitors`).
     """
     if workers <= 1 or active_budget() is not None:
         return None
-    if processes and can_fork():
+    if processes and (can_fork() or stop_idle_tqdm_monitors() and can_fork()):
         return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
     return ThreadPoolExecutor(workers, thread_name_prefix="optmem-heads")
 
@@ -1866,4 +1890,5 @@ __all__ = ["BOUND_WORK", "CHUNK_STEP", "CHUNK_WORK", "FAMILIES", "FAMILY_LIMIT",
            "Scan", "allocation_floor", "allocations_bound", "ask_family", "ask_head",
            "can_fork", "chunk_allocations", "complete", "floor_memory", "head_depths",
            "head_pass", "head_pool", "memory_check", "memory_fits", "ranked", "scan",
-           "settings", "stash_floors", "trim_levels", "waits_check", "within"]
+           "settings", "stash_floors", "stop_idle_tqdm_monitors", "trim_levels", "waits_check",
+           "within"]

@@ -104,6 +104,28 @@ def infeasible(problem: PipelineProblem, method: str, reason: str, *,
                   memory_limit=problem.memory_per_gpu, report=info)
 
 
+def below_least_memory(problem: PipelineProblem, method: str) -> Result | None:
+    """``infeasible`` (proven for every plan) when the memory per GPU is below the least.
+
+    :meth:`PipelineProblem.memory_lower_bound` holds for any allocation, grouping and
+    schedule (thesis ch. 5/7 memory model: ``C`` weight copies and one micro-batch's stash or
+    task per layer), so a method whose own search only finds plans (``equal``,
+    ``pipedream``, ``madpipe``, ``chunks``) can still prove such a limit infeasible, at once.
+
+    Returns
+    -------
+    Result or None
+        The ``infeasible`` result (report keys ``hint`` and ``memory_lower_bound``), or
+        ``None`` when the limit is not below the bound.
+    """
+    least = problem.memory_lower_bound()
+    if problem.memory_per_gpu >= least:
+        return None
+    return infeasible(problem, method, "no plan fits: every plan needs at least "
+                      f"{least} per GPU (C x weights / P, and each layer's weights with "
+                      "one micro-batch's stash)", report={"memory_lower_bound": least})
+
+
 def replayed_period(problem: PipelineProblem, plan: PipelinePlan) -> float | None:
     """The simulated period of ``plan`` (``None``: invalid, or above the memory per GPU)."""
     try:
@@ -366,6 +388,6 @@ def scaled(problem: PipelineProblem, factor: float) -> PipelineProblem:
     return replace(problem, memory_per_gpu=int(problem.memory_per_gpu * factor))
 
 
-__all__ = ["OPTIMALITY_TOLERANCE", "PROBLEM", "ModelRun", "fits", "infeasible", "load_bound",
-           "lower_bound", "plan_result", "proven", "refute", "replayed_period", "run_model",
-           "scaled"]
+__all__ = ["OPTIMALITY_TOLERANCE", "PROBLEM", "ModelRun", "below_least_memory", "fits",
+           "infeasible", "load_bound", "lower_bound", "plan_result", "proven", "refute",
+           "replayed_period", "run_model", "scaled"]

@@ -98,6 +98,7 @@ from optmem.result import Result, SolveOptions, Status
 from optmem.solvers import pipeline_contiguous as contig
 from optmem.solvers.options import choice, positive_int
 from optmem.solvers.pipeline_common import (
+    below_least_memory,
     fits,
     infeasible,
     lower_bound,
@@ -1106,6 +1107,8 @@ def madpipe_settings(options: SolveOptions) -> tuple[str, int]:
 def solve_madpipe(problem: PipelineProblem, options: SolveOptions) -> Result:
     """MadPipe: phase 1 (Algorithm 8), phase 2 with fallbacks; the best valid plan."""
     grid, iterations = madpipe_settings(options)
+    if (below := below_least_memory(problem, "madpipe")) is not None:
+        return below
     exact = grid == "exact" or (grid == "auto" and problem.layers.n <= EXACT_MAX_LAYERS)
     log: list[dict[str, Any]] = []
     candidates: list[tuple[float, PipelinePlan, str]] = []

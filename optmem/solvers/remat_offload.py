@@ -113,6 +113,32 @@ def no_plan_result(problem: RematOffloadProblem, options: SolveOptions, method: 
                   unit=disc.unit, variant=variant, report=report)
 
 
+def below_least_forward(problem: RematOffloadProblem, options: SolveOptions, method: str,
+                        report: dict | None = None) -> Result | None:
+    """``infeasible`` when the limit is below the least memory of every plan, else ``None``.
+
+    Every plan runs some forward of each stage with its input and output on the GPU
+    (:func:`_least_forward_memory`, on the discretised chain the methods solve), so a method
+    whose own search only finds plans (``offload_only``, ``opportunist``, ``autocapper``,
+    ``delta``) proves such a limit infeasible at once (stop 71: three of them answered
+    ``no_solution``), and the exact models name the bound when their build is infeasible.
+
+    Returns
+    -------
+    Result or None
+        ``infeasible`` with report keys ``hint`` and ``memory_lower_bound`` (in the chain's
+        memory unit), or ``None``.
+    """
+    disc, _ = discretized(problem, options)
+    least = _least_forward_memory(disc.chain)
+    if disc.memory_limit >= least:
+        return None
+    return no_plan_result(problem, options, method, Status.INFEASIBLE, {
+        **(report or {}), "memory_lower_bound": least * disc.unit,
+        "hint": f"every plan needs at least {least * disc.unit} "
+                f"{problem.chain.memory_unit} (the least memory of some forward)"})
+
+
 # ------------------------------------------------------------------ candidates
 def checkpoint_table(disc: Discretized, budget: int | None = None) -> PersistentTable | None:
     """Persistent checkpoint table of the discretised chain.
@@ -296,6 +322,8 @@ def solve_remat_only(problem: RematOffloadProblem, options: SolveOptions) -> Res
           extra=("prefetch",))
 def solve_offload_only(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     """The offload problem's DYNPROG plan."""
+    if (below := below_least_forward(problem, options, "offload_only")) is not None:
+        return below
     plan = offload_candidate(problem, options)
     if plan is None:
         return no_plan_result(problem, options, "offload_only", Status.NO_SOLUTION,
@@ -369,6 +397,8 @@ def opportunist_ops(disc: Discretized, beta: float, table: PersistentTable
 def solve_opportunist(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     """The opportunist heuristic (may find no plan at low memory, as in the thesis)."""
     prefetch_policies(options)  # a bad policy fails before any work
+    if (below := below_least_forward(problem, options, "opportunist")) is not None:
+        return below
     disc, beta = discretized(problem, options)
     table = checkpoint_table(disc, disc.memory_limit)
     built = opportunist_ops(disc, beta, table) if table is not None else None
@@ -457,11 +487,9 @@ def solve_autocapper(problem: RematOffloadProblem, options: SolveOptions) -> Res
     high = max(disc.memory_limit, _store_all_peak(ch))
     # below the least memory of any forward nothing fits (and a limit far below the chain's
     # sizes, such as 0 on a chain in bytes, would tabulate up to the store-all peak in bytes)
-    least = _least_forward_memory(ch)
-    if disc.memory_limit < least and beta > 0:  # remat_only's hint is not offloading's
-        return no_plan_result(problem, options, "autocapper", Status.INFEASIBLE, {
-            "hint": f"every plan needs at least {least * disc.unit} "
-                    f"{problem.chain.memory_unit} (the least memory of some forward)"})
+    below = below_least_forward(problem, options, "autocapper") if beta > 0 else None
+    if below is not None:
+        return below  # without a link remat_only's hint (its least memory) is the one
     table = checkpoint_table(disc, high - ch.input_size) if beta > 0 else None
     if table is None:
         return solve_remat_only(problem, options).with_(method="autocapper")

@@ -39,6 +39,7 @@ from optmem.solvers.options import positive_float
 from optmem.solvers.registration import register
 from optmem.solvers.remat_offload import (
     PROBLEM,
+    below_least_forward,
     discretized,
     no_plan_result,
     plan_result,
@@ -199,6 +200,8 @@ def solve_delta(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     kappa = positive_float(options, "delta_kappa", 1.0)
     eta = positive_float(options, "delta_eta", 1.0)
     policies = prefetch_policies(options)
+    if (below := below_least_forward(problem, options, "delta")) is not None:
+        return below
     for margin in MARGINS:
         built = _build(disc, beta, margin * disc.memory_limit, trigger, kappa, eta, policies)
         if built is None:

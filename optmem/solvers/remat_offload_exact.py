@@ -97,6 +97,7 @@ from optmem.solvers.remat_offload import (
     AUTOCAPPER_VALUES,
     LEAST_ENGINE_TIME_S,
     PROBLEM,
+    below_least_forward,
     best_candidate,
     discretized,
     grid_of,
@@ -1047,8 +1048,12 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
     if engine == "cpsat":
         report["time_scale"] = scale
         report["exact_times"] = exact
+    if (below := below_least_forward(problem, options, method, report)) is not None:
+        return below  # no search: no plan of any class fits
     if built.model.trivially_infeasible:
-        return no_plan_result(problem, options, method, Status.INFEASIBLE, report)
+        return no_plan_result(problem, options, method, Status.INFEASIBLE, {
+            **report, "hint": "no plan of the model's class fits (its rows contradict "
+                              "before any search)"})
     setup = _Setup(problem, method, engine, disc, beta, built, scale, exact, deadline)
     res = _benders(setup, options, report) if strategy == "benders" else \
         _full_solve(setup, options, report)
