@@ -1408,3 +1408,26 @@ def test_head_depths():
     assert chunked.head_depths(9, 1) == [4, 5, 6, 7, 8]
     assert chunked.head_depths(2, 3) == [1]
     assert chunked.head_depths(1, 1) == []
+
+
+def test_compare_summary_takes_the_complete_familys_proof():
+    """Stop 71: ``chunks`` is a full-model method for ``compare``'s summary (its bound,
+    ``optimal`` and ``infeasible`` hold for every plan, as ``ilp``'s): with
+    ``family="all"`` it gives the proven optimum and the DP's gap to it, and its
+    ``infeasible`` below the least memory is reported as proven; ``madpipe``'s is not (a
+    plan-finding method)."""
+    from optmem.cli import dp_summary
+
+    problem = tail_light_problem(4)
+    dp = solve(problem, "contiguous")
+    whole = solve(problem, "chunks", options=replace(FAST, extra={**FAST.extra,
+                                                                  "family": "all"}))
+    assert whole.status is Status.OPTIMAL, whole.report
+    summary = dp_summary([dp, solve(problem, "madpipe"), whole])
+    assert summary["bound_method"] == "chunks" and summary["optimum"] == whole.objective
+    assert summary["dp"] == dp.objective >= whole.objective
+    assert summary["gap"] == pytest.approx((dp.objective - whole.bound) / dp.objective)
+    tiny = replace(problem, memory_per_gpu=problem.memory_lower_bound() - 1)
+    assert dp_summary([solve(tiny, "madpipe")])["infeasible"] is None
+    assert dp_summary([solve(tiny, "madpipe"), solve(tiny, "chunks", options=FAST)]
+                      )["infeasible"] == "chunks"

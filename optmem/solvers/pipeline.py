@@ -228,7 +228,8 @@ def solve_pipeline_madpipe(problem: PipelineProblem, options: SolveOptions) -> R
     return result.with_(solve_time_s=time.perf_counter() - start)
 
 
-@register(PROBLEM, "chunks", exact=False, requires=("ortools",), in_compare=False,
+@register(PROBLEM, "chunks", exact=False, full_model=True, requires=("ortools",),
+          in_compare=False,
           description="best plan with at most k chunks of layers per GPU (V-shaped, "
                       "interleaved): each allocation decided by the exact model",
           extra=CHUNKS_EXTRA)

@@ -54,7 +54,9 @@ class MethodInfo:
         Whether ``method="auto"`` picks it (one per problem).
     full_model
         Whether the method solves the problem's exact model (the exact models and brute
-        force), so that its bound is a lower bound for every plan of that model's class
+        force; pipeline ``chunks``, which decides allocations with the exact model and whose
+        bound, ``optimal`` and ``infeasible`` hold for every plan of the problem, as
+        ``ilp``'s), so that its bound is a lower bound for every plan of that model's class
         (the class its module documents, e.g. one increasing forward run per phase for the
         checkpoint ILP with ``sweeps = 1``). ``exact`` alone is weaker: the contiguous
         pipeline DP proves optimality among contiguous allocations only. ``compare``'s
