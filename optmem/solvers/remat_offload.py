@@ -121,7 +121,8 @@ def below_least_forward(problem: RematOffloadProblem, options: SolveOptions, met
     (:func:`_least_forward_memory`, on the discretised chain the methods solve), so a method
     whose own search only finds plans (``offload_only``, ``opportunist``, ``autocapper``,
     ``delta``) proves such a limit infeasible at once (stop 71: three of them answered
-    ``no_solution``), and the exact models name the bound when their build is infeasible.
+    ``no_solution``), and the exact models (``ilp``, ``cpsat``) answer it without a search
+    (they searched, and named no bound).
 
     Returns
     -------
