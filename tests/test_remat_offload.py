@@ -337,3 +337,13 @@ def test_limits_below_the_least_forward_memory_are_proven_infeasible(
         if out.status.has_plan:
             _check_replay(at, out, options)
             assert out.unit == 1 and least <= out.peak_memory <= least + above
+
+
+@pytest.mark.parametrize("method", [*PLAN_FINDERS, "cpsat", "ilp"])
+def test_a_bad_option_is_refused_below_the_least_forward_memory_too(method: str) -> None:
+    """Stop 71: the early ``infeasible`` comes after the options are checked (a bad
+    ``prefetch`` at 0 B was answered ``infeasible`` by ``offload_only`` in review)."""
+    problem = RematOffloadProblem(EXAMPLE, 0, chain_bandwidth=1.0)
+    with pytest.raises(OptmemInputError, match="prefetch"):
+        solve(problem, method, options=SolveOptions(extra={"prefetch": "bogus"}))
+    assert solve(problem, method).status is Status.INFEASIBLE

@@ -323,6 +323,7 @@ def solve_remat_only(problem: RematOffloadProblem, options: SolveOptions) -> Res
           extra=("prefetch",))
 def solve_offload_only(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     """The offload problem's DYNPROG plan."""
+    prefetch_policies(options)  # a bad policy fails before any answer
     if (below := below_least_forward(problem, options, "offload_only")) is not None:
         return below
     plan = offload_candidate(problem, options)
