@@ -349,7 +349,9 @@ def test_the_allocations_bound_is_the_least_bound_of_every_allocation(problem, d
     """``allocations_bound`` is the least over every allocation (brute force over the set
     partitions, GPUs numbered by first use) of its floor, or of what was proven for it
     when that is larger, capped at ``cap`` and never below ``low``; a work limit of one
-    prefix gives ``low`` or a value the brute force confirms."""
+    prefix gives ``low`` or a value the brute force confirms; a deadline already past gives
+    ``low`` (stop 71; ``cap`` when no allocation is listed below it), none in reach the same
+    bound."""
     units = make_units(problem)
     memory = problem.memory_per_gpu if problem.memory_model == "stash" else None
     cap = data.draw(st.floats(0.3, 1.0)) * units.big_m()
@@ -365,6 +367,12 @@ def test_the_allocations_bound_is_the_least_bound_of_every_allocation(problem, d
     short = chunked.allocations_bound(units, problem.n_gpus, memory, low, cap, decided,
                                       work=1)
     assert low <= short <= expected * (1 + 1e-9) + 1e-9
+    late = chunked.allocations_bound(units, problem.n_gpus, memory, low, cap, decided,
+                                     deadline=time.perf_counter() - 1.0)
+    # stop 71: a walk past its deadline stops (one that lists nothing at cap proves cap)
+    assert late == low or late == got == cap, (late, low, got, cap)
+    assert chunked.allocations_bound(units, problem.n_gpus, memory, low, cap, decided,
+                                     deadline=math.inf) == got
 
 
 def test_a_complete_family_above_its_limit_is_not_asked():
