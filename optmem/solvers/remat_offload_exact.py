@@ -1041,15 +1041,15 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
         raise OptmemInputError("the capped probe (probe_gap) runs CP-SAT: use the cpsat "
                                "method", field="probe_gap")
     _relaxation_share(options)
+    report: dict[str, Any] = {"sweeps": sweeps, "transfers_per_gap": per_gap}
+    if (below := below_least_forward(problem, options, method, report)) is not None:
+        return below  # no plan of any class fits: no model to build, no search
     built = build_remat_offload(disc.chain, disc.memory_limit, beta, sweeps=sweeps,
                                 transfers_per_gap=per_gap, grid=None if exact else scale)
-    report: dict[str, Any] = {"model": built.info, "sweeps": sweeps,
-                              "transfers_per_gap": per_gap}
+    report = {"model": built.info, **report}
     if engine == "cpsat":
         report["time_scale"] = scale
         report["exact_times"] = exact
-    if (below := below_least_forward(problem, options, method, report)) is not None:
-        return below  # no search: no plan of any class fits
     if built.model.trivially_infeasible:
         return no_plan_result(problem, options, method, Status.INFEASIBLE, {
             **report, "hint": "no plan of the model's class fits (its rows contradict "
