@@ -253,6 +253,37 @@ def _x(e: ck.Expr) -> Expr:
     return Expr(e.terms, e.const)
 
 
+def _class_horizon(seq: Sequence[ck.Slot | Op], uf: Sequence[float], ub: Sequence[float],
+                   longest: float, transfers_per_gap: int) -> float:
+    """A makespan no plan of the class exceeds (the default horizon of the model).
+
+    Every slot runs at most its slowest forward, every backward runs once, and at most
+    ``transfers_per_gap`` transfers, each at most ``longest``, are listed between two
+    consecutive items; the earliest schedule leaves the compute stream idle only while the
+    link is busy, plus one time unit of slack.
+    """
+    slot_max = [max((uf[it.stage] for _ in it.ops), default=0.0)
+                if isinstance(it, ck.Slot) else 0.0 for it in seq]
+    return (sum(slot_max) + sum(ub) + (len(seq) - 1) * transfers_per_gap * longest + 1.0)
+
+
+def class_horizon(chain: Chain, memory_limit: int, bandwidth: float, *, sweeps: int = 1,
+                  transfers_per_gap: int = 1) -> float:
+    """The default horizon of :func:`build_remat_offload`, without building the model.
+
+    No plan of the class (``sweeps``, ``transfers_per_gap``) on ``chain`` has a larger
+    makespan, so a relaxation built with it as its horizon keeps a point for every plan.
+    """
+    cf = ck.build_formulation(chain, memory_limit, "full", sweeps, reductions=False)
+    a = [chain.input_size, *chain.output_size]
+    abar = [chain.input_size, *chain.saved_size]
+    sizes = [*a, *abar[1:]]
+    longest = max(sizes, default=0) / bandwidth if bandwidth > 0 else 0.0
+    uf = [0.0, *chain.fwd_time]
+    ub = [0.0, *chain.bwd_time, chain.loss_bwd_time]
+    return _class_horizon(cf.sequence, uf, ub, longest, transfers_per_gap)
+
+
 def build_remat_offload(chain: Chain, memory_limit: int, bandwidth: float, *,
                         sweeps: int = 1, transfers_per_gap: int = 1,
                         horizon: float | None = None, grid: int | None = None
@@ -299,10 +330,8 @@ def build_remat_offload(chain: Chain, memory_limit: int, bandwidth: float, *,
     seq = cf.sequence
     n = len(seq)
     if horizon is None:
-        slot_max = [max((uf[it.stage] for _ in it.ops), default=0.0)
-                    if isinstance(it, ck.Slot) else 0.0 for it in seq]
-        horizon = (sum(slot_max) + sum(ub) + (n - 1) * transfers_per_gap
-                   * max(tau.values(), default=0.0) + 1.0)
+        horizon = _class_horizon(seq, uf, ub, max(tau.values(), default=0.0),
+                                 transfers_per_gap)
     U = float(horizon)
     m = Model("remat_offload")
     for nm in cf.names:
