@@ -325,7 +325,7 @@ def format_summary(results: Sequence[Result]) -> str:
         return f"{dp}; no plan fits the limit (proven infeasible by {s['infeasible']})"
     if s["bound"] is None:
         return f"{dp}; no exact model ran ({', '.join(_full_models(results))}: " \
-               "name them with --methods)"
+               "name them with --methods, or give --time-limit)"
     exact = (f"proven optimum {_fmt(s['optimum'])}" if s["optimum"] is not None
              else f"best proven bound {_fmt(s['bound'])}") + f" ({s['bound_method']})"
     gap = "" if s["gap"] is None else f"; DP gap to it {_fmt(s['gap'] * 100, 3)}%"

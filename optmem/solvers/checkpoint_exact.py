@@ -268,7 +268,7 @@ def _begin(problem: CheckpointProblem, options: SolveOptions, method: str, solve
 @register(PROBLEM, "ilp", exact=True, full_model=True, restricted_variants=("persistent",),
           requires=("pulp",),
           description="exact phase-indexed ILP of the full model (PuLP: HiGHS/CBC/Gurobi)",
-          compare_as=(("ilp", 20), ("ilp:persistent", 20)),
+          compare_as=(("ilp", 20), ("ilp:persistent", 20)), compare_limited=100,
           extra=("sweeps", "highs_options", "tape_chain"), variants=VARIANTS)
 def solve_checkpoint_ilp(problem: CheckpointProblem, options: SolveOptions) -> Result:
     """Optimal plan of the full operation model (``persistent``: of persistent plans)."""

@@ -278,14 +278,27 @@ def _run(problem: Any, info: MethodInfo, opts: SolveOptions) -> Result:
     return result.with_(solve_time_s=elapsed) if result.solve_time_s == 0.0 else result
 
 
-def default_compare_methods(problem: Any) -> list[str]:
-    """Methods ``compare`` runs when none are named (available, and sized for the chain)."""
+def default_compare_methods(problem: Any, options: SolveOptions | None = None) -> list[str]:
+    """Methods ``compare`` runs when none are named (available, and sized for the chain).
+
+    Each method's ``compare_as`` labels up to their chain lengths; when ``options`` bound
+    the solve (``time_limit_s`` or ``work_budget``), also the ``compare_limited`` method of
+    each problem up to its own, longer, length (since stop 73: ``compare remat-offload``
+    and ``compare pipeline`` ran no exact model past 6 and 8 stages, so their summary had
+    no proven bound on any bundled profile).
+    """
     length = getattr(getattr(problem, "chain", None), "length", 0)
+    limited = options is not None and (options.time_limit_s is not None
+                                       or options.work_budget is not None)
     out: list[str] = []
     for info in methods(problem.name).values():
-        if not info.in_compare or not info.is_available():
+        if not info.is_available():
             continue
-        out.extend(label for label, limit in info.compare_as if limit is None or length <= limit)
+        if info.in_compare:
+            out.extend(label for label, limit in info.compare_as
+                       if limit is None or length <= limit)
+        if limited and length <= info.compare_limited and info.name not in out:
+            out.append(info.name)
     return out
 
 
@@ -317,7 +330,7 @@ def compare(
     kind = problem_name(problem)
     if given is not None and not given:  # "," or []: an empty table, exit 0, until stop 52
         raise OptmemInputError(NO_METHODS, field="methods")
-    names = given if given is not None else default_compare_methods(problem)
+    names = given if given is not None else default_compare_methods(problem, opts)
     infos = [method_info(kind, label) for label in names]  # unknown names fail first
     check_extra(kind, opts)
     runs = [run_options(kind, info, label, opts, shared=True)  # dp:bogus, chen:rotor

@@ -689,7 +689,7 @@ def _finite(x: float) -> float:
 
 
 @register(PROBLEM, "cpsat", exact=True, full_model=True,
-          requires=("ortools",), max_length=CPSAT_MAX_LENGTH,
+          requires=("ortools",), max_length=CPSAT_MAX_LENGTH, compare_limited=100,
           description="exact event-position model of OFF_int, CP-SAT (exact time grid)",
           extra=("prefetch",))
 def solve_cpsat(problem: OffloadProblem, options: SolveOptions) -> Result:

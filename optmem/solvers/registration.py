@@ -48,6 +48,13 @@ class MethodInfo:
     compare_as
         ``(label, max_length)`` pairs that ``compare`` runs by default, where a label is
         ``name`` or ``name:variant``; default ``((name, max_length),)``.
+    compare_limited
+        Longest chain ``compare`` also runs it on by default (as ``name``, despite
+        ``max_length`` and ``in_compare=False``) when a time limit or a work budget bounds
+        the solve (:func:`optmem.solvers.facade.default_compare_methods`; 0: never): the
+        problem's exact model with the best bound in a bounded time, so that ``compare``'s
+        summary has a proven bound for every problem (issue 15, item 5). Capped where the
+        method was measured to keep a 10 s limit within about 2.5x (stop 73).
     extra
         The ``SolveOptions.extra`` keys the method reads (any other key is an input error).
     default
@@ -84,6 +91,7 @@ class MethodInfo:
     full_model: bool = False
     restricted_variants: tuple[str, ...] = ()
     variants: tuple[str, ...] = ()
+    compare_limited: int = 0
 
     def solves_full_model(self, variant: str | None) -> bool:
         """Whether a result of this method in ``variant`` bounds every plan of the problem."""
@@ -109,6 +117,7 @@ def register(
     full_model: bool = False,
     restricted_variants: Sequence[str] = (),
     variants: Sequence[str] = (),
+    compare_limited: int = 0,
 ) -> Callable[[MethodFn], MethodFn]:
     """Declare ``fn`` as method ``name`` of ``problem`` (decorator; see :class:`MethodInfo`).
 
@@ -119,7 +128,7 @@ def register(
         info = MethodInfo(problem, name, fn, exact, description, tuple(requires), in_compare,
                           max_length, tuple(compare_as) or ((name, max_length),),
                           tuple(extra), default, full_model,
-                          tuple(restricted_variants), tuple(variants))
+                          tuple(restricted_variants), tuple(variants), compare_limited)
         setattr(fn, _METHODS_ATTR, (*declared_methods(fn), info))
         return fn
 
