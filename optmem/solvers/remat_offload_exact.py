@@ -1015,9 +1015,9 @@ def _benders_start(problem: RematOffloadProblem, method: str, disc: Discretized,
     The candidate plans and the relaxation in the order :func:`_benders` describes
     (``extra["relaxation_first"]``), then the relaxation's verdict
     (:func:`_refuted_by_relaxation`): when it has no point the solve ends here, without the
-    model's build (since stop 73).
+    model's build (since stop 73). ``options`` carry :data:`BENDERS_EXTRA` already
+    (:func:`_solve_model`).
     """
-    options = options.with_(extra={**BENDERS_EXTRA, **options.extra})
     share = _warmup_share(options)
     later = flag(options, "relaxation_first", RELAXATION_FIRST_DEFAULT)
     candidates = _candidates(problem, options.with_(extra={
@@ -1070,8 +1070,7 @@ def _benders(setup: _Setup, options: SolveOptions, report: dict[str, Any], early
     the deadline stage's 180 CPU s; at 30 % it leaves the ladder no time, a worse plan:
     ``benchmarks/results/remat_offload_exact.md``, ``ro21``).
     """
-    options = options.with_(extra={**BENDERS_EXTRA, **options.extra})
-    share = _warmup_share(options)
+    share = _warmup_share(options)  # options carry BENDERS_EXTRA (_solve_model)
     problem, deadline = setup.problem, setup.deadline
     floor = -math.inf
     first: tuple[Model, EngineResult] | None = None
@@ -1163,7 +1162,11 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
     report: dict[str, Any] = {"sweeps": sweeps, "transfers_per_gap": per_gap}
     if (below := below_least_forward(problem, options, method, report)) is not None:
         return below  # no plan of any class fits: no model to build, no search
-    early = _benders_start(problem, method, disc, beta, sweeps, options, deadline, report) \
+    # the benders strategy's defaults, merged once for its two halves (before and after the
+    # build)
+    benders = options.with_(extra={**BENDERS_EXTRA, **options.extra}) \
+        if strategy == "benders" else options
+    early = _benders_start(problem, method, disc, beta, sweeps, benders, deadline, report) \
         if strategy == "benders" else \
         _full_start(problem, method, disc, beta, sweeps, engine, options, deadline, report)
     if early.refuted is not None:
@@ -1180,7 +1183,7 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
                               "before any search)"})
     setup = _Setup(problem, method, engine, disc, beta, built, scale, exact, deadline)
     if strategy == "benders":
-        res = _benders(setup, options, report, early)
+        res = _benders(setup, benders, report, early)
     else:
         candidates = _with_sequence(setup, early.relaxed, options, early.candidates, report) \
             if options.warm_start else None
