@@ -37,6 +37,7 @@ from optmem.models.checkpoint_ilp import (
     write_model,
 )
 from optmem.models.formulation import Kind
+from optmem.models.interrupt import Interrupted, stop_when
 from optmem.plan import Op
 from optmem.problems.checkpoint import CheckpointProblem, Discretized
 from optmem.result import Result, SolveOptions, Status
@@ -52,6 +53,7 @@ from optmem.solvers.checkpoint import (
 )
 from optmem.solvers.checkpoint_dp import solve_persistent_table
 from optmem.solvers.registration import register, register_exporter
+from optmem.solvers.time_budget import Deadline, left_for_engine
 
 MIN_MEMORY_TIME_LIMIT_S = 30.0
 MIN_MEMORY_NODE_LIMIT = 20_000
@@ -129,16 +131,45 @@ def _highs_options(options: SolveOptions) -> dict[str, Any]:
     return {**HIGHS_DEFAULTS, **checked} if options.solver == "highs" else {}
 
 
-def _dp_start(disc: Discretized, form: Formulation, wanted: bool) -> _Start:
-    """The persistent DP plan (paper variant) and its assignment in ``form``."""
+def _dp_plan(disc: Discretized) -> tuple[tuple[Op, ...], float] | None:
+    """The persistent DP plan (paper variant) and its simulated makespan, or ``None``."""
     budget = disc.memory_limit - disc.chain.input_size
     if budget < 0:
-        return _Start(None, math.inf, None, "the DP has no plan")
+        return None
     table = solve_persistent_table(disc.chain, budget, "paper")
     if not math.isfinite(table.value()):
-        return _Start(None, math.inf, None, "the DP has no plan")
+        return None
     plan = table.plan()
-    makespan = simulate_checkpoint(disc.chain, plan).makespan
+    return plan, simulate_checkpoint(disc.chain, plan).makespan
+
+
+def _stopped(problem: CheckpointProblem, options: SolveOptions, method: str, solver: str,
+             disc: Discretized, dp: tuple[tuple[Op, ...], float] | None) -> Result:
+    """The answer when the model's build or emission reaches the solve's deadline.
+
+    The persistent DP plan ``dp`` (computed before the build; replayed), ``feasible`` with
+    the compute-time bound, or ``no_solution``; ``report["stopped"]``. Why: at L = 339
+    (ResNet-1001, 50 %) the ILP's build ran past 2 minutes and 10 GB under
+    ``--time-limit 10`` (stop 74); the build polls the deadline
+    (:mod:`optmem.models.interrupt`).
+    """
+    variant = _variant(options)
+    report: dict[str, Any] = {"stopped": "time limit (during the model's build)"}
+    if dp is None:
+        return Result(PROBLEM, method, Status.NO_SOLUTION, bound=lower_bound(problem),
+                      memory_limit=disc.memory_limit, unit=disc.unit, variant=variant,
+                      solver=solver, report=report)
+    report["incumbent"] = "dp plan"
+    return plan_result(problem, disc, dp[0], method=method, status=Status.FEASIBLE,
+                       bound=lower_bound(problem), variant=variant, solver=solver,
+                       report=report)
+
+
+def _dp_start(dp: tuple[tuple[Op, ...], float] | None, form: Formulation, wanted: bool) -> _Start:
+    """The persistent DP plan ``dp`` (:func:`_dp_plan`) and its assignment in ``form``."""
+    if dp is None:
+        return _Start(None, math.inf, None, "the DP has no plan")
+    plan, makespan = dp
     if not wanted:
         return _Start(plan, makespan, None, "off")
     values = form.assignment(plan)
@@ -217,8 +248,8 @@ def _finish(
                   unit=disc.unit, variant=variant, solver=solver, report=report)
 
 
-def _prepare(problem: CheckpointProblem, options: SolveOptions, method: str = "ilp"
-             ) -> tuple[Discretized, str, Formulation]:
+def _prepare(problem: CheckpointProblem, options: SolveOptions, method: str = "ilp",
+             disc: Discretized | None = None) -> tuple[Discretized, str, Formulation]:
     """Discretise and build the model; CP-SAT gets the running-memory rows.
 
     The running memory variables (:func:`~optmem.models.checkpoint_ilp.build_formulation`)
@@ -227,7 +258,7 @@ def _prepare(problem: CheckpointProblem, options: SolveOptions, method: str = "i
     (ResNet-152 at 30 %: better tree progress, a weaker root bound; ResNet-101: worse), so
     the ILP keeps the dense rows (``benchmarks/results/checkpoint_exact.md``).
     """
-    disc = discretize_for(problem, options)
+    disc = discretize_for(problem, options) if disc is None else disc
     variant = _variant(options)
     form = build_formulation(disc.chain, disc.memory_limit, variant, _sweeps(options),
                              running_memory=method == "cpsat",
@@ -245,21 +276,23 @@ class _Begun(NamedTuple):
     start: _Start
 
 
-def _begin(problem: CheckpointProblem, options: SolveOptions, method: str, solver: str
-           ) -> _Begun | Result:
-    """Build ``method``'s model and its report, and the DP warm start.
+def _begin(problem: CheckpointProblem, options: SolveOptions, method: str, solver: str,
+           disc: Discretized, dp: tuple[tuple[Op, ...], float] | None) -> _Begun | Result:
+    """Build ``method``'s model and its report, and the DP warm start from ``dp``.
 
-    The ``infeasible`` result instead when the model is trivially infeasible (then no DP
-    runs); ``solver`` is the engine named in that result.
+    The ``infeasible`` result instead when the model is trivially infeasible; ``solver`` is
+    the engine named in that result. ``dp`` (:func:`_dp_plan`) is computed before the
+    build (since stop 74; after it before), so that a build stopped by the deadline still
+    answers with it (:func:`_stopped`).
     """
-    disc, variant, form = _prepare(problem, options, method)
+    disc, variant, form = _prepare(problem, options, method, disc)
     report: dict[str, Any] = {"model": form.size, "sweeps": form.sweeps,
                               "tape_chain": form.tape_chain}
     if form.trivially_infeasible:
         return _finish(problem, options, disc, form, _Start(None, math.inf, None, ""),
                        method=method, variant=variant, status=Status.INFEASIBLE, values=None,
                        bound=math.inf, solver=solver, report=report)
-    start = _dp_start(disc, form, options.warm_start)
+    start = _dp_start(dp, form, options.warm_start)
     report["warm_start"] = start.note
     return _Begun(disc, variant, form, report, start)
 
@@ -274,15 +307,24 @@ def solve_checkpoint_ilp(problem: CheckpointProblem, options: SolveOptions) -> R
     """Optimal plan of the full operation model (``persistent``: of persistent plans)."""
     engines.check_engine(options.solver)
     highs_options = _highs_options(options)
-    begun = _begin(problem, options, "ilp", options.solver)
-    if isinstance(begun, Result):
-        return begun
-    disc, variant, form, report, start = begun
-    model = emit_pulp(form)
+    deadline = Deadline.start(options.time_limit_s, margin=0.0)  # the build's time counts
+    disc = discretize_for(problem, options)
+    dp = _dp_plan(disc)
+    try:
+        with stop_when(None if deadline.end is None else deadline.spent):
+            begun = _begin(problem, options, "ilp", options.solver, disc, dp)
+            if isinstance(begun, Result):
+                return begun
+            disc, variant, form, report, start = begun
+            model = emit_pulp(form)
+    except Interrupted:
+        return _stopped(problem, options, "ilp", options.solver, disc, dp)
     out = _checked(engines.solve_pulp(model.problem, model.variables, options.solver,
                                       initial=model.initial(start.values),
                                       highs_options=highs_options,
-                                      **engines.pulp_settings(options)), form, start)
+                                      **{**engines.pulp_settings(options),
+                                         "time_limit_s": left_for_engine(deadline)}),
+                   form, start)
     if out.failed:
         return _engine_failed(problem, disc, start, out, method="ilp", variant=variant,
                               report=report)
@@ -354,16 +396,25 @@ def solve_checkpoint_cpsat(problem: CheckpointProblem, options: SolveOptions) ->
     """Optimal plan of the full operation model with OR-Tools CP-SAT."""
     from optmem.models.checkpoint_cpsat import emit_cpsat
 
-    begun = _begin(problem, options, "cpsat", "cpsat")
-    if isinstance(begun, Result):
-        return begun
-    disc, variant, form, report, start = begun
-    model = emit_cpsat(form)
+    deadline = Deadline.start(options.time_limit_s, margin=0.0)  # the build's time counts
+    disc = discretize_for(problem, options)
+    dp = _dp_plan(disc)
+    try:
+        with stop_when(None if deadline.end is None else deadline.spent):
+            begun = _begin(problem, options, "cpsat", "cpsat", disc, dp)
+            if isinstance(begun, Result):
+                return begun
+            disc, variant, form, report, start = begun
+            model = emit_cpsat(form)
+    except Interrupted:
+        return _stopped(problem, options, "cpsat", "cpsat", disc, dp)
     report["time_scale"] = model.scale
     out = _checked(engines.solve_cpsat(model.model, model.variables,
                                        hint=model.hint(start.values),
                                        parameters=CPSAT_PARAMETERS,
-                                       **engines.cpsat_settings(options)), form, start)
+                                       **{**engines.cpsat_settings(options),
+                                          "time_limit_s": left_for_engine(deadline)}),
+                   form, start)
     if out.failed:
         return _engine_failed(problem, disc, start, out, method="cpsat", variant=variant,
                               report=report)

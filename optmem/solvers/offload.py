@@ -33,6 +33,7 @@ from optmem.engines import adapters as engines
 from optmem.engines.results import engine_failure
 from optmem.errors import OptmemInputError, PlanError
 from optmem.models.formulation import shape_error, to_cpsat, to_pulp
+from optmem.models.interrupt import Interrupted, stop_when
 from optmem.models.offload import (
     OffloadData,
     OffloadModel,
@@ -72,6 +73,7 @@ from optmem.solvers.offload_schedule import (
 )
 from optmem.solvers.options import one_or_all
 from optmem.solvers.registration import register, register_exporter
+from optmem.solvers.time_budget import Deadline, left_for_engine
 
 PROBLEM = "offload"
 DP_VARIANTS = ("contract", "thesis", "cheap")
@@ -538,7 +540,7 @@ def _undecodable(out: engines.EngineResult, fault: str, report: dict[str, Any]) 
                     failed=engines.undecodable_result(out, fault))
 
 
-def _solve_cpsat_model(inst: _Exact, options: SolveOptions) -> _Outcome:
+def _solve_cpsat_model(inst: _Exact, options: SolveOptions, deadline: Deadline) -> _Outcome:
     """CP-SAT on the integer steps (``to_cpsat(model, 1)``); results back in time units."""
     om = build_offload_model(inst.steps)
     cm = to_cpsat(om.model, 1)
@@ -546,7 +548,9 @@ def _solve_cpsat_model(inst: _Exact, options: SolveOptions) -> _Outcome:
     to_steps = (lambda t: round(t * inst.scale)) if inst.exact else (
         lambda t: math.floor(t * inst.scale))
     hint = _hint(om, inst, to_steps, tol=0.5)  # integer times: exact comparisons
-    out = engines.solve_cpsat(cm.cp, cm.variables, **engines.cpsat_settings(options),
+    out = engines.solve_cpsat(cm.cp, cm.variables,
+                              **{**engines.cpsat_settings(options),
+                                 "time_limit_s": left_for_engine(deadline)},
                               hint=cm.hint(hint[0]) if hint[0] is not None else None)
     exact = inst.exact and cm.exact
     report = {"model": om.model.size, "time_scale": inst.scale, "exact_times": exact,
@@ -567,13 +571,15 @@ def _solve_cpsat_model(inst: _Exact, options: SolveOptions) -> _Outcome:
                     failed=out if out.failed else None)
 
 
-def _solve_pulp_model(inst: _Exact, options: SolveOptions) -> _Outcome:
+def _solve_pulp_model(inst: _Exact, options: SolveOptions, deadline: Deadline) -> _Outcome:
     """A MILP engine on the data in time units (``to_pulp``)."""
     om = build_offload_model(inst.data)
     pm = to_pulp(om.model)
     hint = _hint(om, inst, float, tol=1e-9 * max(1.0, inst.data.upper))
     out = engines.solve_pulp(pm.problem, pm.all_variables, options.solver,
-                             **engines.pulp_settings(options), initial=pm.initial(hint[0]))
+                             **{**engines.pulp_settings(options),
+                                "time_limit_s": left_for_engine(deadline)},
+                             initial=pm.initial(hint[0]))
     report = {"model": om.model.size, **hint[1], **_engine_report(out)}
     values = None if out.values is None else out.values[:len(om.model.vars)]
     fault = None if values is None else shape_error(values, len(om.model.vars))
@@ -615,15 +621,28 @@ def _engine_report(out: engines.EngineResult) -> dict[str, Any]:
 def _solve_exact(problem: OffloadProblem, options: SolveOptions, method: str) -> Result:
     """Build, solve, decode, replay; never worse than the warm start (see module docstring)."""
     prefetch_policies(options)  # a bad policy fails before any work
+    deadline = Deadline.start(options.time_limit_s, margin=0.0)  # the build's time counts
     disc, _ = _disc(problem, options)
     if _too_small(disc):
         return _infeasible(problem, disc, method, slots=options.slots)
     inst = exact_instance(problem, options)
     run = _solve_cpsat_model if method == "cpsat" else _solve_pulp_model
-    outcome = run(inst, options)
-    report = outcome.report
     solver = "cpsat" if method == "cpsat" else options.solver
     lower = lower_bound(problem, options)
+    try:  # the model's build and emission poll the deadline (optmem.models.interrupt)
+        with stop_when(None if deadline.end is None else deadline.spent):
+            outcome = run(inst, options, deadline)
+    except Interrupted:  # at L = 339 the cpsat build ran 270 s under --time-limit 10
+        report: dict[str, Any] = {"stopped": "time limit (during the model's build)"}
+        if inst.start is None:
+            return Result(PROBLEM, method, Status.NO_SOLUTION, bound=lower,
+                          memory_limit=disc.memory_limit, unit=disc.unit, solver=solver,
+                          report=report)
+        report["incumbent"] = f"the warm start ({inst.start.method})"
+        return plan_result(problem, options, inst.start.plan, method=method,
+                           status=Status.FEASIBLE, report=report, solver=solver
+                           ).with_(bound=lower)
+    report = outcome.report
     if outcome.failed is not None:  # the engine crashed: the verified warm start, or error
         return _engine_failed(problem, options, disc, inst, outcome, method, solver, lower)
     if math.isfinite(outcome.bound):

@@ -115,6 +115,7 @@ from functools import partial
 
 from optmem.engines.adapters import active_budget, carry_budget
 from optmem.errors import OptmemInputError
+from optmem.models.interrupt import Interrupted, poll, stop_when
 from optmem.models.pipeline import Units, delay_tail, isolate_units, trim_units
 from optmem.pipeline_plan import PipelinePlan
 from optmem.problems.pipeline import PipelineProblem
@@ -361,6 +362,7 @@ def chunk_allocations(units: Units, n_gpus: int, chunks: int, cap: float,
             if g != last and count[g] >= chunks:
                 continue
             tally["tried"] += 1
+            poll()  # a caller's deadline (optmem.models.interrupt; ranked)
             if loads[g] + load[q] > cap * (1 + _EPS):
                 tally["load"] += 1
                 continue
@@ -861,13 +863,16 @@ def allocations_bound(units: Units, n_gpus: int, memory: int | None, low: float,
 
     def some_below(c: float) -> bool | None:
         skip = heads.skip(c) if heads is not None else ()
-        for gpu in chunk_allocations(units, n_gpus, units.n, c, memory, stats, rounds,
-                                     skip=skip):
-            if stats["tried"] > work or (deadline is not None
-                                         and time.perf_counter() >= deadline):
-                return None
-            if done.get(gpu, -math.inf) <= c * (1 + _EPS) and not refuted(gpu, c):
-                return True
+        try:  # the walk itself polls the deadline (stop 74: 8.4 s past it at L = 68)
+            with stop_when(None if deadline is None else lambda: passed(deadline)):
+                for gpu in chunk_allocations(units, n_gpus, units.n, c, memory, stats,
+                                             rounds, skip=skip):
+                    if stats["tried"] > work or passed(deadline):
+                        return None
+                    if done.get(gpu, -math.inf) <= c * (1 + _EPS) and not refuted(gpu, c):
+                        return True
+        except Interrupted:
+            return None  # a walk cut short proves nothing at c
         if stats["tried"] > work:
             return None
         proven["low"] = max(proven["low"], c)
@@ -955,24 +960,32 @@ def floor_memory(problem: PipelineProblem) -> int | None:
 
 
 def ranked(problem: PipelineProblem, units: Units, chunks: int, cap: float,
-           limit: int = MAX_ALLOCATIONS, skip: Container[tuple[int, ...]] = ()
+           limit: int = MAX_ALLOCATIONS, skip: Container[tuple[int, ...]] = (),
+           deadline: float | None = None
            ) -> tuple[list[tuple[float, tuple[int, ...]]], bool]:
     """The family's allocations with a floor below ``cap``, by floor; and whether truncated.
 
-    The enumeration stops after ``limit`` allocations (then ``truncated``); allocations
-    extending a head of ``skip`` are left out (:func:`chunk_allocations`).
+    The enumeration stops after ``limit`` allocations, or once ``deadline`` (a
+    :func:`time.perf_counter` instant) has passed (then ``truncated``: the list proves
+    nothing about the family); allocations extending a head of ``skip`` are left out
+    (:func:`chunk_allocations`). Why the deadline: on ResNet-101 (L = 39, 4 GPUs, 3 GiB,
+    12 GB/s) the enumeration and its floors ran 113 s under ``--time-limit 10`` (stop 74).
     """
     memory = floor_memory(problem)
     found: list[tuple[float, tuple[int, ...]]] = []
     truncated = False
-    for k, gpu in enumerate(chunk_allocations(units, problem.n_gpus, chunks, cap,
-                                              memory, skip=skip)):
-        if k >= limit:
+    with stop_when(None if deadline is None else lambda: passed(deadline)):
+        try:  # the walk polls too: at L = 339 it ran 53 s before its first allocation
+            for k, gpu in enumerate(chunk_allocations(units, problem.n_gpus, chunks, cap,
+                                                      memory, skip=skip)):
+                if k >= limit or passed(deadline):
+                    truncated = True
+                    break
+                floor = allocation_floor(units, gpu, problem.n_gpus, memory, cap)
+                if floor < cap * (1 + _EPS):
+                    found.append((floor, gpu))
+        except Interrupted:
             truncated = True
-            break
-        floor = allocation_floor(units, gpu, problem.n_gpus, memory, cap)
-        if floor < cap * (1 + _EPS):
-            found.append((floor, gpu))
     found.sort()
     return found, truncated
 
@@ -1002,7 +1015,7 @@ def scan(problem: PipelineProblem, units: Units, period: float, plan: PipelinePl
     dropped, at the levels :func:`trim_levels` keeps (``share``).
     """
     cap = period if math.isfinite(period) else units.big_m()
-    family, truncated = ranked(problem, units, chunks, cap)
+    family, truncated = ranked(problem, units, chunks, cap, deadline=deadline)
     return ask_family(problem, units, period, plan, family, work=work, step=step, seed=seed,
                       deadline=deadline, workers=workers, retry=retry, truncated=truncated,
                       waits=waits, tail=tail, share=share)
@@ -1046,10 +1059,11 @@ def complete(problem: PipelineProblem, units: Units, first: Scan, *, limit: int,
     if pre.stopped != "done":
         return Scan(first.period, first.plan, truncated=pre.stopped == "limit",
                     stopped=pre.stopped), pre
-    family, truncated = ranked(problem, units, units.n, cap, limit=limit, skip=pre.skip())
+    family, truncated = ranked(problem, units, units.n, cap, limit=limit, skip=pre.skip(),
+                               deadline=deadline)
     if truncated:
         return Scan(first.period, first.plan, family=len(family), truncated=True,
-                    stopped="limit"), pre
+                    stopped="time" if passed(deadline) else "limit"), pre
     out = ask_family(problem, units, first.period, first.plan, family, work=work, step=cut,
                      seed=seed, deadline=deadline, workers=workers, retry=retry,
                      waits=waits, tail=tail, share=share)

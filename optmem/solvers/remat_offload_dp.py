@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from optmem.chain import Chain
+from optmem.models.interrupt import poll_now
 from optmem.plan import LOSS, B, F_all, F_ck, F_none, Op
 from optmem.simulate.checkpoint import ABAR, Value
 from optmem.solvers.checkpoint_dp import (
@@ -312,12 +313,14 @@ class PofoDP:
         mem = np.arange(M + 1)
         for d in range(L):
             for s in range(1, L + 1 - d):
+                poll_now()  # stops at its solve's deadline (optmem.models.interrupt)
                 t = s + d
                 cd[s, t] = self._cd_cell(cd, s, t)
                 cd[s, t, :, 0] = self.table.cost[s, t][M - mem]
         self._cd = cd
         for s in range(L + 1, 0, -1):
             for x in ((0, 1) if s > 1 else (0,)):
+                poll_now()
                 self._oc_tab[(x, s)] = self._oc_cell(x, s)
 
     def _cd_cell(self, cd: np.ndarray, s: int, t: int) -> np.ndarray:

@@ -50,7 +50,7 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 from optmem.chain import Chain
@@ -72,6 +72,7 @@ from optmem.models.formulation import (
     to_cpsat,
     to_pulp,
 )
+from optmem.models.interrupt import Interrupted, stop_when
 from optmem.models.remat_offload import (
     RematOffloadModel,
     build_link_relaxation,
@@ -361,10 +362,28 @@ class _Start:
     note: str
 
 
+def _cheap_candidates(problem: RematOffloadProblem, options: SolveOptions
+                      ) -> list[tuple[float, str, tuple[AnyOp, ...]]]:
+    """The checkpoint-only and offload-only plans that replay, fastest first.
+
+    The persistent checkpoint DP's plan and DYNPROG's: what a solve stopped by its time
+    limit answers with at least (:func:`_stopped`); 4.5 + 0.7 s at L = 339, neither polls
+    the deadline.
+    """
+    disc, _ = discretized(problem, options)
+    plans = [("checkpoint only (persistent dp)", remat_candidate(disc)),
+             ("offload only (dynprog)", offload_candidate(problem, options))]
+    seen: dict[str, float] = {}
+    best_candidate(problem, options, plans, seen)
+    return sorted((seen[label], label, tuple(plan)) for label, plan in plans
+                  if plan is not None and label in seen)
+
+
 def _candidates(problem: RematOffloadProblem, options: SolveOptions,
                 deadline: Deadline | None = None, report: dict[str, Any] | None = None,
                 prior: float | None = None,
-                base: list[tuple[float, str, tuple[AnyOp, ...]]] | None = None
+                base: list[tuple[float, str, tuple[AnyOp, ...]]] | None = None,
+                cheap: list[tuple[float, str, tuple[AnyOp, ...]]] | None = None
                 ) -> list[tuple[float, str, tuple[AnyOp, ...]]]:
     """The DP, checkpoint-only and offload-only plans that replay, fastest first.
 
@@ -372,16 +391,19 @@ def _candidates(problem: RematOffloadProblem, options: SolveOptions,
     :func:`_ladder_plans` (``report["dp_ladder"]``: each one's makespan, or why not;
     ``prior``: its seconds per state before the first run). ``base``: the default
     candidates, already computed (``relaxation_first``): only the ladder's are added.
+    ``cheap``: :func:`_cheap_candidates`, already computed (a solve under a time limit
+    computes them first): not computed again.
     """
     plans: list[tuple[str, Sequence[AnyOp] | None]] = []
     known: dict[tuple[int, int], Sequence[AnyOp] | None] = {}
     if base is None:
-        disc, _ = discretized(problem, options)
-        default = pofo_plan(problem, options, "extended")[0]
+        default = _pofo_candidate(problem, options, report)
         known[grid_of(options)] = default
-        plans += [("chapter 4 dp", default),
-                  ("checkpoint only (persistent dp)", remat_candidate(disc)),
-                  ("offload only (dynprog)", offload_candidate(problem, options))]
+        plans.append(("chapter 4 dp", default))
+        if cheap is None:
+            base = _cheap_candidates(problem, options)
+        else:
+            base = list(cheap)
     else:
         known[grid_of(options)] = next((plan for _, label, plan in base
                                         if label == "chapter 4 dp"), None)
@@ -393,8 +415,31 @@ def _candidates(problem: RematOffloadProblem, options: SolveOptions,
         report["dp_ladder"] = {label: seen.get(label, note) for label, note in notes.items()}
     found = list(base or []) + [(seen[label], label, tuple(plan)) for label, plan in plans
                                 if plan is not None and label in seen]
-    found.sort(key=lambda t: t[0])
+    found.sort(key=lambda t: (t[0], _RANK.get(t[1], len(_RANK))))  # ties: as before stop 74
     return found
+
+
+# the order of equally fast candidates: the default ones first, as they were listed
+_RANK = {"chapter 4 dp": 0, "checkpoint only (persistent dp)": 1, "offload only (dynprog)": 2}
+
+
+def _pofo_candidate(problem: RematOffloadProblem, options: SolveOptions,
+                    report: dict[str, Any] | None = None) -> tuple[AnyOp, ...] | None:
+    """The chapter 4 DP's plan (``extended``), or ``None`` when the DP refuses the size.
+
+    The DP's memory guard refuses tables past 4 GiB (ResNet-1001, L = 339, 500 slots:
+    11.3 GiB) with an input error, right for the ``dp`` method, whose grid the user can
+    coarsen; for the exact methods it is one candidate fewer, not a failed solve (stop 74:
+    ``solve remat-offload resnet1001-b8-224 --method ilp`` exited 2 with the DP's message;
+    ``report["dp_candidate"]`` now has it). The options were checked before any work
+    (:func:`_solve_model`).
+    """
+    try:
+        return pofo_plan(problem, options, "extended")[0]
+    except OptmemInputError as exc:
+        if report is not None:
+            report["dp_candidate"] = str(exc)
+        return None
 
 
 def dp_ladder(options: SolveOptions) -> tuple[tuple[int, int], ...]:
@@ -480,9 +525,8 @@ def _ladder_plans(problem: RematOffloadProblem, options: SolveOptions,
             notes[label] = "skipped (time)"
             continue
         run = clock()
-        plan = pofo_plan(problem, options.with_(extra={**options.extra, "grid": grid,
-                                                       "backlog_grid": backlog}),
-                         "extended")[0]
+        plan = _pofo_candidate(problem, options.with_(extra={**options.extra, "grid": grid,
+                                                             "backlog_grid": backlog}))
         rate = (clock() - run) / states
         notes[label] = "no plan"
         out.append((label, plan))
@@ -702,57 +746,61 @@ def _relaxation_bound(chain: Chain, memory_limit: int, beta: float, sweeps: int,
     if deadlines and not flag(options, "relaxation_plain", PLAIN_STAGE_DEFAULT):
         stages = stages[1:]  # the deadline stage first: its rows contain the plain stage's
         info["plain_bound"] = "skipped (relaxation_plain false)"
-    for with_deadlines, with_values, key in stages:
-        budget = share if with_values else first_budget
-        if (previous is not None and budget is not None and
-                budget - (clock() - began) < LEAST_ENGINE_TIME_S) or \
-                deadline.spent(LEAST_ENGINE_TIME_S):
-            info[key] = "skipped (time)"
-            break
-        if with_values and lazy:
-            if previous is None or previous.status is not Status.OPTIMAL or kept is None:
-                info[key] = "skipped (the deadline stage not solved)"
+    key = ""
+    try:  # the stages' builds and emissions stop at the solve's deadline (stop 74)
+        for with_deadlines, with_values, key in stages:
+            budget = share if with_values else first_budget
+            if (previous is not None and budget is not None and
+                    budget - (clock() - began) < LEAST_ENGINE_TIME_S) or \
+                    deadline.spent(LEAST_ENGINE_TIME_S):
+                info[key] = "skipped (time)"
                 break
-            covered: set[int] = set()
-            info["host_rounds"] = 0
-            def host_left(b: float | None = budget) -> float | None:
-                return deadline.cap(_stage_limit(b, clock() - began, first=False))
+            if with_values and lazy:
+                if previous is None or previous.status is not Status.OPTIMAL or kept is None:
+                    info[key] = "skipped (the deadline stage not solved)"
+                    break
+                covered: set[int] = set()
+                info["host_rounds"] = 0
+                def host_left(b: float | None = budget) -> float | None:
+                    return deadline.cap(_stage_limit(b, clock() - began, first=False))
 
-            for master, out in _lazy_host(chain, memory_limit, beta, sweeps, kept, options,
-                                          pulp_engine, covered, host_left,
-                                          floor=best if window else -math.inf):
-                info = _record(info, key, out)
-                info["host_rounds"] += 1
-                kept = (master, out) if out.status is Status.OPTIMAL else kept
-                best = _better(best, out)
-            info["host_items"] = len(covered)
-            info.setdefault(key, previous.bound)  # no item violated: the same optimum
-            break
-        master = build_link_relaxation(chain, memory_limit, beta, sweeps=sweeps,
-                                       deadlines=with_deadlines, host_values=with_values,
-                                       read_deadlines=reads_too, cumulative_reads=cumulative,
-                                       compact=compact)
-        if with_values and previous is not None and not _host_stage_fits(master, previous):
-            info[key] = "skipped (too large, or the deadline stage not solved)"
-            break
-        pm = to_pulp(master)
-        if deadline.spent(LEAST_ENGINE_TIME_S):  # the build took what was left
-            info[key] = "skipped (time)"
-            break
-        limit = deadline.cap(_stage_limit(budget, clock() - began, first=previous is None))
-        out = engines.solve_pulp(pm.problem, pm.all_variables, pulp_engine,
-                                 **{**engines.pulp_settings(options), "time_limit_s": limit})
-        info = _record(info, key, out)
-        if out.status is Status.INFEASIBLE and not out.failed:
-            if _confirmed_empty(chain, memory_limit, beta, sweeps, options, pulp_engine,
-                                deadline, info):
-                info["relaxation_s"] = round(clock() - began, 3)
-                return _Relaxed(math.inf, info)
-            break  # not confirmed: no bound from this stage, and none stronger to try
-        if kept is None or out.status is Status.OPTIMAL:
-            kept = (master, out)
-        best = _better(best, out)
-        previous = out
+                for master, out in _lazy_host(chain, memory_limit, beta, sweeps, kept, options,
+                                              pulp_engine, covered, host_left,
+                                              floor=best if window else -math.inf):
+                    info = _record(info, key, out)
+                    info["host_rounds"] += 1
+                    kept = (master, out) if out.status is Status.OPTIMAL else kept
+                    best = _better(best, out)
+                info["host_items"] = len(covered)
+                info.setdefault(key, previous.bound)  # no item violated: the same optimum
+                break
+            master = build_link_relaxation(chain, memory_limit, beta, sweeps=sweeps,
+                                           deadlines=with_deadlines, host_values=with_values,
+                                           read_deadlines=reads_too, cumulative_reads=cumulative,
+                                           compact=compact)
+            if with_values and previous is not None and not _host_stage_fits(master, previous):
+                info[key] = "skipped (too large, or the deadline stage not solved)"
+                break
+            pm = to_pulp(master)
+            if deadline.spent(LEAST_ENGINE_TIME_S):  # the build took what was left
+                info[key] = "skipped (time)"
+                break
+            limit = deadline.cap(_stage_limit(budget, clock() - began, first=previous is None))
+            out = engines.solve_pulp(pm.problem, pm.all_variables, pulp_engine,
+                                     **{**engines.pulp_settings(options), "time_limit_s": limit})
+            info = _record(info, key, out)
+            if out.status is Status.INFEASIBLE and not out.failed:
+                if _confirmed_empty(chain, memory_limit, beta, sweeps, options, pulp_engine,
+                                    deadline, info):
+                    info["relaxation_s"] = round(clock() - began, 3)
+                    return _Relaxed(math.inf, info)
+                break  # not confirmed: no bound from this stage, and none stronger to try
+            if kept is None or out.status is Status.OPTIMAL:
+                kept = (master, out)
+            best = _better(best, out)
+            previous = out
+    except Interrupted:
+        info[key] = "stopped (time)"  # the earlier stages' bounds stand
     info["relaxation_s"] = round(clock() - began, 3)
     if math.isfinite(best):
         info["bound"] = best
@@ -1009,25 +1057,29 @@ class _Setup:
 
 def _benders_start(problem: RematOffloadProblem, method: str, disc: Discretized,
                    beta: float, sweeps: int, options: SolveOptions, deadline: Deadline,
-                   report: dict[str, Any]) -> _Early:
+                   report: dict[str, Any], progress: _Progress | None = None) -> _Early:
     """``strategy=benders`` before the model is built: candidates and the link relaxation.
 
     The candidate plans and the relaxation in the order :func:`_benders` describes
     (``extra["relaxation_first"]``), then the relaxation's verdict
     (:func:`_refuted_by_relaxation`): when it has no point the solve ends here, without the
     model's build (since stop 73). ``options`` carry :data:`BENDERS_EXTRA` already
-    (:func:`_solve_model`).
+    (:func:`_solve_model`). ``progress`` (:func:`_stopped`) gets the candidates and the
+    bound as soon as each is known.
     """
+    progress = _Progress() if progress is None else progress
     share = _warmup_share(options)
     later = flag(options, "relaxation_first", RELAXATION_FIRST_DEFAULT)
     candidates = _candidates(problem, options.with_(extra={
         **options.extra, "dp_ladder": [], "autocapper_candidate": False}) if later else options,
         deadline, report)
+    progress.learnt(_Early(_Relaxed(-math.inf, {}), candidates))
     limit = options.time_limit_s
     relaxed = _relaxation_bound(disc.chain, disc.memory_limit, beta, sweeps, options, "cpsat",
                                 master_budget_s=None if limit is None else (1 - share) * limit,
                                 deadline=deadline)
     report["relaxation"] = relaxed.info  # the loop adds its first master's bound
+    progress.learnt(_Early(relaxed, candidates))
     if later:  # the ladder's plans with what the relaxation left
         candidates = _candidates(problem, options, deadline, report,
                                  prior=DP_SECONDS_PER_STATE, base=candidates)
@@ -1117,15 +1169,11 @@ def _warmup_share(options: SolveOptions) -> float:
 def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: str
                  ) -> Result:
     deadline = Deadline.start(options.time_limit_s)  # every stage within it (time_budget)
-    disc, beta = discretized(problem, options)
     sweeps = positive_int(options, "sweeps", 1)
     per_gap = positive_int(options, "transfers_per_gap", 1)
     engine = "cpsat" if method == "cpsat" else options.solver
     if engine != "cpsat":
         engines.check_engine(engine)
-    scale, exact = 1, True
-    if engine == "cpsat":
-        scale, exact = cpsat_time_scale(disc.chain, beta)
     strategy = options.extra.get("strategy", "full") if engine == "cpsat" else "full"
     if strategy not in STRATEGIES:
         raise OptmemInputError(f"expected strategy one of {', '.join(STRATEGIES)}, got "
@@ -1162,18 +1210,110 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
     report: dict[str, Any] = {"sweeps": sweeps, "transfers_per_gap": per_gap}
     if (below := below_least_forward(problem, options, method, report)) is not None:
         return below  # no plan of any class fits: no model to build, no search
+    progress = _Progress()
+    with stop_when(None if deadline.end is None else deadline.spent):
+        try:
+            return _staged(problem, options, method, engine, strategy, deadline, report,
+                           progress)
+        except Interrupted:
+            pass
+    return _stopped(problem, options, method, engine, progress, report)
+
+
+@dataclass
+class _Progress:
+    """What a solve has when its time limit stops its Python work (:func:`_stopped`).
+
+    ``stage``: the stage running; ``bound``: the link relaxation's proven bound (``-inf``
+    before it); ``candidates``: the replayed candidate plans, fastest first (``None``:
+    not computed yet).
+    """
+
+    stage: str = "the link relaxation"
+    bound: float = -math.inf
+    candidates: list[tuple[float, str, tuple[AnyOp, ...]]] | None = None
+    relaxation: dict[str, Any] | None = None
+
+    def learnt(self, early: _Early) -> None:
+        """Keep the bound and the candidates computed before the model's build."""
+        if early.relaxed.info:
+            self.relaxation = early.relaxed.info
+        if math.isfinite(early.relaxed.bound):
+            self.bound = early.relaxed.bound
+        if early.candidates is not None:
+            self.candidates = early.candidates
+
+
+def _stopped(problem: RematOffloadProblem, options: SolveOptions, method: str, engine: str,
+             progress: _Progress, report: dict[str, Any]) -> Result:
+    """The answer of a solve whose Python work reached its deadline (stop 74).
+
+    Building the model, emitting it and the chapter 4 DP are not engine calls and had no
+    limit: ``ilp --time-limit 10`` on ResNet-101 (L = 39, 50 %, 12 GB/s) answered after 27 s,
+    at L = 68 after 220 s and 5 GB. They now poll the solve's deadline
+    (:mod:`optmem.models.interrupt`) and the solve answers with what it has: the fastest
+    replayed candidate (the checkpoint-only and offload-only DPs, computed now when none
+    was, a fraction of a second) as ``feasible`` (``optimal`` when it meets the bound), and
+    the link relaxation's bound if it was solved; ``no_solution`` with the bound when no
+    candidate replays. ``report["stopped"]`` names the stage.
+    """
+    report = {**report, "stopped": f"time limit (during {progress.stage})"}
+    if progress.relaxation is not None:
+        report.setdefault("relaxation", progress.relaxation)
+    found = progress.candidates or _cheap_candidates(problem, options)
+    bound = max(lower_bound(problem), progress.bound)
+    if not found:
+        return no_plan_result(problem, options, method, Status.NO_SOLUTION, report).with_(
+            bound=bound)
+    report["incumbent"] = found[0][1]
+    res = plan_result(problem, options, found[0][2], method=method, solver=engine,
+                      status=Status.FEASIBLE, report=report)
+    if not res.status.has_plan:
+        return res
+    if res.objective <= bound + 1e-9 * max(1.0, bound):
+        return res.with_(status=Status.OPTIMAL, bound=res.objective)
+    return res.with_(bound=bound)
+
+
+def _staged(problem: RematOffloadProblem, options: SolveOptions, method: str, engine: str,
+            strategy: str, deadline: Deadline, report: dict[str, Any], progress: _Progress
+            ) -> Result:
+    """The stages of :func:`_solve_model`, ``progress`` kept for :func:`_stopped`.
+
+    Under ``strategy=full`` the candidate plans (the chapter 4 DP) are computed before the
+    model's build (since stop 74; after it before): the same plans, and a solve stopped in
+    the build still has them.
+    """
+    disc, beta = discretized(problem, options)
+    sweeps = positive_int(options, "sweeps", 1)
+    per_gap = positive_int(options, "transfers_per_gap", 1)
+    scale, exact = cpsat_time_scale(disc.chain, beta) if engine == "cpsat" else (1, True)
     # the benders strategy's defaults, merged once for its two halves (before and after the
     # build)
     benders = options.with_(extra={**BENDERS_EXTRA, **options.extra}) \
         if strategy == "benders" else options
-    early = _benders_start(problem, method, disc, beta, sweeps, benders, deadline, report) \
-        if strategy == "benders" else \
+    cheap = None
+    if strategy != "benders" and options.time_limit_s is not None:
+        # what a stopped solve answers with, before the relaxation takes its time
+        progress.stage = "the candidate plans"
+        cheap = progress.candidates = _cheap_candidates(problem, options)
+        progress.stage = "the link relaxation"
+    early = _benders_start(problem, method, disc, beta, sweeps, benders, deadline, report,
+                           progress) if strategy == "benders" else \
         _full_start(problem, method, disc, beta, sweeps, engine, options, deadline, report)
+    progress.learnt(early)
     if early.refuted is not None:
         return early.refuted  # the link relaxation has no point: no model to build either
+    if strategy != "benders" and early.candidates is None and options.warm_start:
+        progress.stage = "the candidate plans"
+        early = replace(early, candidates=_candidates(problem, options, deadline, report,
+                                                      cheap=cheap))
+        progress.learnt(early)
+    progress.stage = "the model's build"
     built = build_remat_offload(disc.chain, disc.memory_limit, beta, sweeps=sweeps,
                                 transfers_per_gap=per_gap, grid=None if exact else scale)
-    report = {"model": built.info, **report}
+    progress.stage = "the search"
+    report["model"] = built.info
     if engine == "cpsat":
         report["time_scale"] = scale
         report["exact_times"] = exact

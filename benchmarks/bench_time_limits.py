@@ -1,0 +1,129 @@
+"""Does ``--time-limit`` hold on long chains? Wall time and peak memory of the limited methods.
+
+    python benchmarks/bench_time_limits.py [--time-limit 10] [--base PATH] [--cap 120]
+                                           [--quick] [--out FILE.md]
+
+Each exact method ``compare`` adds under a limit (stop 73: checkpoint ``ilp``, offload
+``cpsat``, remat + offload ``ilp`` and ``cpsat``, pipeline ``chunks``) is run by the CLI,
+``solve ... --time-limit T --json``, in its own process, on bundled profiles of 39, 68, 92
+and 339 stages (50 % of the store-all peak, 12 GB/s; pipelines on 4 GPUs of 3 GiB). The
+table gives the wall time of the whole command (interpreter start included), its ratio to
+``T``, the process's peak RSS, and the answer (status, objective, bound, and
+``report.stopped`` when the deadline stopped Python work, stop 74).
+
+``--base PATH``: the same runs with the package at ``PATH`` (a checkout, e.g. ``git worktree
+add /tmp/base <commit>``) side by side, each killed after ``--cap`` seconds (reported as
+``> cap``). The baseline of a time limit is the limit itself: a ratio above 1 is an overrun.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from _common import print_and_write, uptime
+
+PROFILES = ("resnet101-b32-224", "densenet121-b32-224", "densenet169-b16-500",
+            "resnet1001-b8-224")
+METHODS = (("checkpoint", "ilp"), ("offload", "cpsat"), ("remat-offload", "ilp"),
+           ("remat-offload", "cpsat"), ("pipeline", "chunks"))
+QUICK = PROFILES[:2]
+
+
+def arguments(problem: str) -> list[str]:
+    """The instance's CLI options (memory, link, GPUs)."""
+    if problem == "pipeline":
+        return ["--gpus", "4", "-m", "3GiB", "--bandwidth", "12GB/s"]
+    if problem == "checkpoint":
+        return ["-m", "50%"]
+    return ["-m", "50%", "--bandwidth", "12GB/s"]
+
+
+def run(root: str | None, problem: str, method: str, profile: str, limit: float, cap: float
+        ) -> dict[str, object]:
+    """One CLI run: wall seconds, peak RSS (MiB), the JSON answer (``None`` if killed)."""
+    env = dict(os.environ)
+    if root is not None:
+        env["PYTHONPATH"] = root
+    cmd = [sys.executable, "-m", "optmem", "solve", problem, profile, *arguments(problem),
+           "--method", method, "--time-limit", str(limit), "--json"]
+    began = time.perf_counter()
+    # a forked runner per command: its RUSAGE_CHILDREN peak is that command's alone (the
+    # parent's is the largest of every command run so far)
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=cap, env=env,
+                                 cwd="/" if root is not None else None)
+            stdout = out.stdout
+        except subprocess.TimeoutExpired:
+            stdout, code = "", 3
+        rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+        Path(f"/tmp/bench_time_limits.{os.getpid()}.json").write_text(
+            json.dumps({"stdout": stdout, "rss": rss}))
+        os._exit(code)
+    os.waitpid(pid, 0)
+    wall = time.perf_counter() - began
+    path = Path(f"/tmp/bench_time_limits.{pid}.json")
+    record = json.loads(path.read_text())
+    path.unlink()
+    try:
+        answer = json.loads(record["stdout"]) if record["stdout"] else None
+    except json.JSONDecodeError:
+        answer = None
+    return {"wall": wall, "rss": record["rss"], "answer": answer}
+
+
+def cell(out: dict[str, object], limit: float, cap: float) -> str:
+    """``wall s (ratio x), RSS MiB: status objective / bound [stopped]``."""
+    answer = out["answer"]
+    if not isinstance(answer, dict):
+        return f"> {cap:g} s (killed)"
+    stopped = answer.get("report", {}).get("stopped") or ""
+    objective, bound = answer.get("objective"), answer.get("bound")
+    value = "-" if objective is None else f"{objective:.6g}"
+    low = "-" if bound is None else f"{bound:.6g}"
+    wall = float(out["wall"])  # type: ignore[arg-type]
+    text = f"{wall:.1f} s ({wall / limit:.2f}x), {float(out['rss']):.0f} MiB: " \
+        f"{answer['status']} {value} / {low}"  # type: ignore[arg-type]
+    return text + (f" [{stopped}]" if stopped else "")
+
+
+def table(profiles: tuple[str, ...], limit: float, base: str | None, cap: float) -> str:
+    """The Markdown table, one row per (profile, method); the baseline's column if asked."""
+    head = "| profile | problem, method | this checkout |" + (" base |" if base else "")
+    rows = [head, "|---|---|---|" + ("---|" if base else "")]
+    for profile in profiles:
+        for problem, method in METHODS:
+            mine = cell(run(None, problem, method, profile, limit, cap), limit, cap)
+            row = f"| {profile} | {problem} {method} | {mine} |"
+            if base:
+                row += f" {cell(run(base, problem, method, profile, limit, cap), limit, cap)} |"
+            rows.append(row)
+            print(row, flush=True)
+    return "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--time-limit", type=float, default=10.0)
+    parser.add_argument("--base", default=None, help="a checkout to run side by side")
+    parser.add_argument("--cap", type=float, default=120.0, help="seconds before a kill")
+    parser.add_argument("--quick", action="store_true", help="L = 39 and 68 only")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    began = uptime()
+    text = table(QUICK if args.quick else PROFILES, args.time_limit, args.base, args.cap)
+    print_and_write(f"time limit {args.time_limit:g} s; load {began} before, {uptime()} "
+                    f"after\n\n{text}\n", args.out)
+
+
+if __name__ == "__main__":
+    main()
