@@ -317,15 +317,21 @@ def _label(r: Result) -> str:
     return r.method + (f":{r.variant}" if r.variant and r.variant != "paper" else "")
 
 
-def format_summary(results: Sequence[Result]) -> str:
-    """One line: DP value, proven optimum (or best exact bound) and the DP's gap to it."""
+def format_summary(results: Sequence[Result], limited: Sequence[str] = ()) -> str:
+    """One line: DP value, proven optimum (or best exact bound) and the DP's gap to it.
+
+    ``limited``: the exact methods a time limit would add to the run
+    (:func:`~optmem.solvers.facade.limited_compare_methods`); the hint offers the limit
+    only when there are some.
+    """
     s = dp_summary(results)
     dp = "no DP plan" if s["dp"] is None else f"DP ({s['dp_method']}) {_fmt(s['dp'])}"
     if s["infeasible"] is not None:
         return f"{dp}; no plan fits the limit (proven infeasible by {s['infeasible']})"
     if s["bound"] is None:
+        offer = f", or give --time-limit (adds {', '.join(limited)})" if limited else ""
         return f"{dp}; no exact model ran ({', '.join(_full_models(results))}: " \
-               "name them with --methods, or give --time-limit)"
+               f"name them with --methods{offer})"
     exact = (f"proven optimum {_fmt(s['optimum'])}" if s["optimum"] is not None
              else f"best proven bound {_fmt(s['bound'])}") + f" ({s['bound_method']})"
     gap = "" if s["gap"] is None else f"; DP gap to it {_fmt(s['gap'] * 100, 3)}%"
@@ -382,7 +388,7 @@ def cmd_solve(args: argparse.Namespace) -> int:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     """``optmem compare``."""
-    from optmem.solvers.facade import compare, method_names_of
+    from optmem.solvers.facade import compare, limited_compare_methods, method_names_of
 
     chain = load_chain(args.chain)
     problem = build_problem(args.problem, chain, memory_from_args(args.problem, args, chain), args)
@@ -392,8 +398,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
         if not args.json and sys.stderr.isatty():
             print(f"  running {name} ...", file=sys.stderr)
 
+    options = options_from_args(args)
     with engine_logs_to_stderr(args.json and args.verbose):
-        results = compare(problem, names, options=options_from_args(args), progress=progress)
+        results = compare(problem, names, options=options, progress=progress)
     if args.json:
         print(json.dumps({"problem": args.problem, "chain": chain.name,
                           "results": [r.to_json() for r in results],
@@ -402,7 +409,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
         limit = "none" if args.memory is None else args.memory
         print(f"{chain.name}: {args.problem}, memory limit {limit}")
         print(format_table(results, chain))
-        print(format_summary(results))
+        unlimited = options.time_limit_s is None and options.work_budget is None
+        print(format_summary(results, limited_compare_methods(problem)
+                             if names is None and unlimited else ()))
     return EXIT_OK
 
 

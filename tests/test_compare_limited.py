@@ -117,8 +117,33 @@ def test_cli_compare_with_a_work_budget_names_the_exact_model(capsys, tmp_path) 
     data = json.loads(capsys.readouterr().out)
     assert [r["method"] for r in data["results"]][-1] == "ilp"
     assert data["summary"]["bound_method"] == "ilp"
-    # without a limit, the table's hint says how to get the bound
+    # without a limit, the table's hint says how to get the bound: a limit adds ilp here
+    code = main(["compare", "remat-offload", str(path), "--memory", "70%",
+                 "--chain-bandwidth", "1"])
+    assert code == 0
+    assert "or give --time-limit (adds ilp)" in capsys.readouterr().out
+    # named methods: a limit would add nothing, so the hint does not offer it (stop 74)
     code = main(["compare", "remat-offload", str(path), "--memory", "70%",
                  "--chain-bandwidth", "1", "--methods", "dp"])
     assert code == 0
-    assert "or give --time-limit" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "name them with --methods)" in out and "--time-limit" not in out
+
+
+def test_the_hint_offers_a_limit_only_where_it_adds_an_exact_model() -> None:
+    """Past every cap (L = 339) and for min-peak, which declares no limited method, a
+    limit adds nothing; on a 30-stage chain it adds remat-offload ilp (cap 24: no)."""
+    from optmem.cli import format_summary
+    from optmem.problems.checkpoint import CheckpointProblem
+    from optmem.problems.remat_offload import RematOffloadProblem
+    from optmem.solvers.facade import limited_compare_methods
+
+    long = random_chain(339, seed=1)
+    assert limited_compare_methods(RematOffloadProblem(long, long.store_all_peak(),
+                                                       chain_bandwidth=1.0)) == []
+    assert limited_compare_methods(CheckpointProblem(long, long.store_all_peak())) == []
+    mid = random_chain(30, seed=1)
+    assert limited_compare_methods(CheckpointProblem(mid, mid.store_all_peak())) == ["ilp"]
+    assert limited_compare_methods(RematOffloadProblem(mid, mid.store_all_peak(),
+                                                       chain_bandwidth=1.0)) == []
+    assert "--time-limit" not in format_summary([])

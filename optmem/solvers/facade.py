@@ -23,7 +23,8 @@ from optmem.solvers.registration import Exporter, MethodFn, MethodInfo, register
 
 __all__ = ["Exporter", "MethodFn", "MethodInfo", "available_methods", "best_objective",
            "check_extra", "check_shared_variant", "check_variant", "compare",
-           "default_compare_methods", "export", "method_info", "method_names_of", "methods",
+           "default_compare_methods", "export", "limited_compare_methods", "method_info",
+           "method_names_of", "methods",
            "problem_name", "problems", "register", "reraise_input_error", "resolve_options",
            "run_options", "solve", "split_label"]
 
@@ -300,6 +301,18 @@ def default_compare_methods(problem: Any, options: SolveOptions | None = None) -
         if limited and length <= info.compare_limited and info.name not in out:
             out.append(info.name)
     return out
+
+
+def limited_compare_methods(problem: Any) -> list[str]:
+    """The methods a time limit or work budget would add to ``compare``'s defaults.
+
+    What :func:`default_compare_methods` adds under a limit (``compare_limited``) for this
+    chain's length: the text summary's hint names them, and only offers the limit when
+    there is one (since stop 74; before, it offered it past every cap and for ``min-peak``).
+    """
+    free = default_compare_methods(problem)
+    limited = default_compare_methods(problem, SolveOptions(time_limit_s=1.0))
+    return [name for name in limited if name not in free]
 
 
 def compare(
