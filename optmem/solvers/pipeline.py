@@ -234,7 +234,7 @@ def solve_pipeline_madpipe(problem: PipelineProblem, options: SolveOptions) -> R
 
 
 @register(PROBLEM, "chunks", exact=False, full_model=True, requires=("ortools",),
-          in_compare=False, compare_limited=24,
+          in_compare=False, compare_limited=100,
           description="best plan with at most k chunks of layers per GPU (V-shaped, "
                       "interleaved): each allocation decided by the exact model",
           extra=CHUNKS_EXTRA)

@@ -1543,7 +1543,7 @@ MODEL_EXTRA = ("sweeps", "transfers_per_gap", "grid", "backlog_grid", "prefetch"
 
 @register(PROBLEM, "ilp", exact=True, full_model=True, requires=("pulp",),
           description="exact model (checkpoint slots + link positions, O.7 memory), PuLP",
-          compare_as=(("ilp", 6),), compare_limited=24,
+          compare_as=(("ilp", 6),), compare_limited=60,
           extra=MODEL_EXTRA)
 def solve_ilp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     """Optimal plan over the model's class (module docstring), HiGHS/CBC/Gurobi."""
