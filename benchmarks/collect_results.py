@@ -12,7 +12,8 @@ import re
 from pathlib import Path
 
 HERE = Path(__file__).parent
-ORDER = ["checkpoint_dp", "exact", "time_limits", "highs_pass", "checkpoint_exact", "cpsat_linearization", "zoo", "pytorch",
+ORDER = ["checkpoint_dp", "exact", "time_limits", "highs_pass", "checkpoint_exact",
+         "cpsat_linearization", "zoo", "pytorch",
          "hf_autotune_memory",
          "hf_overhead",
          "hf_paired",
