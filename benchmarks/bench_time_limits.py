@@ -1,7 +1,7 @@
 """Does ``--time-limit`` hold on long chains? Wall time and peak memory of the limited methods.
 
     python benchmarks/bench_time_limits.py [--time-limit 10] [--base PATH] [--cap 120]
-                                           [--quick] [--out FILE.md]
+                                           [--quick] [--profiles NAME ...] [--out FILE.md]
 
 Each exact method ``compare`` adds under a limit (stop 73: checkpoint ``ilp``, offload
 ``cpsat``, remat + offload ``ilp`` and ``cpsat``, pipeline ``chunks``) is run by the CLI,
@@ -13,7 +13,8 @@ table gives the wall time of the whole command (interpreter start included), its
 
 ``--base PATH``: the same runs with the package at ``PATH`` (a checkout, e.g. ``git worktree
 add /tmp/base <commit>``) side by side, each killed after ``--cap`` seconds (reported as
-``> cap``). The baseline of a time limit is the limit itself: a ratio above 1 is an overrun.
+``> cap``; a run that exits with an error is reported with its last line). The baseline
+of a time limit is the limit itself: a ratio above 1 is an overrun.
 """
 
 from __future__ import annotations
@@ -58,17 +59,17 @@ def run(root: str | None, problem: str, method: str, profile: str, limit: float,
     # parent's is the largest of every command run so far)
     pid = os.fork()
     if pid == 0:
-        code = 0
         try:
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=cap, env=env,
                                  cwd="/" if root is not None else None)
-            stdout = out.stdout
+            stdout, code, error = out.stdout, out.returncode, out.stderr.strip()
         except subprocess.TimeoutExpired:
-            stdout, code = "", 3
+            stdout, code, error = "", None, ""
         rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-        Path(f"/tmp/bench_time_limits.{os.getpid()}.json").write_text(
-            json.dumps({"stdout": stdout, "rss": rss}))
-        os._exit(code)
+        Path(f"/tmp/bench_time_limits.{os.getpid()}.json").write_text(json.dumps(
+            {"stdout": stdout, "rss": rss, "code": code,
+             "error": error.splitlines()[-1] if error else ""}))
+        os._exit(0)
     os.waitpid(pid, 0)
     wall = time.perf_counter() - began
     path = Path(f"/tmp/bench_time_limits.{pid}.json")
@@ -78,14 +79,18 @@ def run(root: str | None, problem: str, method: str, profile: str, limit: float,
         answer = json.loads(record["stdout"]) if record["stdout"] else None
     except json.JSONDecodeError:
         answer = None
-    return {"wall": wall, "rss": record["rss"], "answer": answer}
+    return {"wall": wall, "rss": record["rss"], "answer": answer, "code": record["code"],
+            "error": record["error"]}
 
 
 def cell(out: dict[str, object], limit: float, cap: float) -> str:
     """``wall s (ratio x), RSS MiB: status objective / bound [stopped]``."""
     answer = out["answer"]
-    if not isinstance(answer, dict):
+    if out["code"] is None:
         return f"> {cap:g} s (killed)"
+    if not isinstance(answer, dict):
+        wall = float(out["wall"])  # type: ignore[arg-type]
+        return f"{wall:.1f} s, exit {out['code']}: {out['error']}"
     stopped = answer.get("report", {}).get("stopped") or ""
     objective, bound = answer.get("objective"), answer.get("bound")
     value = "-" if objective is None else f"{objective:.6g}"
@@ -117,10 +122,12 @@ def main() -> None:
     parser.add_argument("--base", default=None, help="a checkout to run side by side")
     parser.add_argument("--cap", type=float, default=120.0, help="seconds before a kill")
     parser.add_argument("--quick", action="store_true", help="L = 39 and 68 only")
+    parser.add_argument("--profiles", nargs="+", default=None, help="bundled profiles to run")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     began = uptime()
-    text = table(QUICK if args.quick else PROFILES, args.time_limit, args.base, args.cap)
+    profiles = tuple(args.profiles) if args.profiles else QUICK if args.quick else PROFILES
+    text = table(profiles, args.time_limit, args.base, args.cap)
     print_and_write(f"time limit {args.time_limit:g} s; load {began} before, {uptime()} "
                     f"after\n\n{text}\n", args.out)
 
