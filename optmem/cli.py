@@ -700,7 +700,9 @@ def add_engine_limits(p: argparse.ArgumentParser) -> None:
     ``--seed``.
     """
     p.add_argument("--time-limit", type=float,
-                   help="wall-clock seconds per exact engine call (default: none)")
+                   help="wall-clock seconds per solve: the exact methods keep their model "
+                        "builds and engine calls within it, and answer with the best plan "
+                        "and bound found (compare: per method; default: none)")
     p.add_argument("--node-limit", type=number_text,
                    help="deterministic limit: branch-and-bound nodes per ILP engine call")
     p.add_argument("--deterministic-time", type=float,

@@ -330,3 +330,24 @@ def test_an_offload_build_stopped_answers_with_the_warm_start(
     assert whole.bound - 1e-9 <= res.objective and res.bound <= res.objective + 1e-9
     if whole.status is Status.OPTIMAL:
         assert res.bound <= whole.objective + 1e-9
+
+
+@pytest.mark.parametrize("method", ["ilp", "cpsat"])
+def test_a_pipeline_search_stopped_answers_with_the_incumbent(
+        method: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The full pipeline model's search stopped at its first build: the best incumbent
+    (contiguous 1F1B* or MadPipe), replayed, with the bound proven before the search."""
+    from optmem.solvers import pipeline_exact
+
+    chain = random_pipeline_chain(6, seed=2)
+    problem = PipelineProblem(chain, 3, 10**12)
+    whole = solve(problem, method, options=OPTS)
+    assert whole.status is Status.OPTIMAL and "stopped" not in whole.report
+    monkeypatch.setattr(interrupt, "EVERY", 1)  # small models: every row polls
+    real = pipeline_exact.stop_when
+    monkeypatch.setattr(pipeline_exact, "stop_when", lambda stop: real(_after(1)))
+    res = solve(problem, method, options=OPTS)
+    assert res.report["stopped"] == "time limit (during the model's build)"
+    assert res.status.has_plan and res.report["source"] in ("contiguous 1F1B*", "madpipe")
+    assert res.objective >= whole.objective - 1e-6
+    assert res.bound <= whole.objective + 1e-6 and res.bound <= res.objective + 1e-9

@@ -21,6 +21,7 @@ durations not be exact on the grid, by the largest rounding along any cycle of t
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -181,6 +182,7 @@ def run_model(
     same_gpu: Mapping[tuple[int, int], bool] | None = None, slim: bool = True,
     parameters: Mapping[str, Any] | None = None,
     stash_floors: Mapping[tuple[int, int], int] | None = None,
+    deadline: float | None = None,
 ) -> ModelRun:
     """Build the model of ``units`` (default: the layers), solve it with ``method``.
 
@@ -202,7 +204,11 @@ def run_model(
     ``parameters``: CP-SAT parameters for this run (default: :data:`FIXED_PARAMETERS` when
     minimising over a fixed allocation, CP-SAT's own otherwise). ``stash_floors``: with
     ``gpu`` fixed, least stash counts (valid rows,
-    :func:`~optmem.models.pipeline.build_pipeline_model`).
+    :func:`~optmem.models.pipeline.build_pipeline_model`). ``deadline`` (a
+    :func:`time.perf_counter` instant): the engine's time limit is what the build and the
+    emission left before it (at least :data:`LEAST_ENGINE_S`), and no more than
+    ``options.time_limit_s`` (since stop 74: the full model's build at L = 68 took 10 s
+    outside a 10 s limit).
     """
     form = build_model(problem, units=units, gpu=gpu, upper_bound=upper_bound, lower=lower,
                        feasibility=feasibility, lifetime_cuts=lifetime_cuts,
@@ -213,11 +219,11 @@ def run_model(
                               "warm_start": "none" if warm is None or not options.warm_start
                               else "plan" if values is not None else "not representable"}
     if method == "ilp":
-        run = _run_pulp(form, options, values)
+        run = _run_pulp(form, options, values, deadline)
     else:
         optimising = gpu is not None and not feasibility
         run = _run_cpsat(form, options, values, dict(parameters) if parameters is not None
-                         else FIXED_PARAMETERS if optimising else None)
+                         else FIXED_PARAMETERS if optimising else None, deadline)
     run.report = {**report, **run.report}
     return run
 
@@ -272,11 +278,25 @@ def refute(
     return run, cutoff - 2 * run.step
 
 
-def _run_pulp(form: PipelineFormulation, options: SolveOptions, values: list[float] | None
-              ) -> ModelRun:
+LEAST_ENGINE_S = 1e-3
+"""The least engine limit :func:`run_model` gives under a deadline its build has spent."""
+
+
+def _limited(options: SolveOptions, deadline: float | None) -> SolveOptions:
+    """``options`` with the time limit capped by what is left before ``deadline``."""
+    if deadline is None:
+        return options
+    left = max(LEAST_ENGINE_S, deadline - time.perf_counter())
+    limit = options.time_limit_s
+    return options.with_(time_limit_s=left if limit is None else min(limit, left))
+
+
+def _run_pulp(form: PipelineFormulation, options: SolveOptions, values: list[float] | None,
+              deadline: float | None = None) -> ModelRun:
     pm = to_pulp(form.model)
     res = engines.solve_pulp(pm.problem, pm.all_variables, options.solver,
-                             initial=pm.initial(values), **engines.pulp_settings(options))
+                             initial=pm.initial(values),
+                             **engines.pulp_settings(_limited(options, deadline)))
     report: dict[str, Any] = res.report()
     if res.failed:
         return ModelRun(Status.ERROR, None, math.nan, report, engine=res)
@@ -349,11 +369,13 @@ def _polish(pm: Any, form: PipelineFormulation, values: list[float], options: So
 
 
 def _run_cpsat(form: PipelineFormulation, options: SolveOptions, values: list[float] | None,
-               parameters: dict[str, Any] | None = None) -> ModelRun:
+               parameters: dict[str, Any] | None = None, deadline: float | None = None
+               ) -> ModelRun:
     scale, exact_data = form.time_scale()
     cm = to_cpsat(form.model, scale)
     res = engines.solve_cpsat(cm.cp, cm.variables, hint=cm.hint(values),
-                              parameters=parameters, **engines.cpsat_settings(options))
+                              parameters=parameters,
+                              **engines.cpsat_settings(_limited(options, deadline)))
     # one grid step: the true optimum may lie between two grid points; when the data were
     # rounded, also the largest rounding along any cycle of the model's time rows
     steps = 1.0 if cm.exact else 1.0 + _cycle_terms(form) * cm.max_rounding
