@@ -1252,8 +1252,9 @@ def _stopped(problem: RematOffloadProblem, options: SolveOptions, method: str, e
     limit: ``ilp --time-limit 10`` on ResNet-101 (L = 39, 50 %, 12 GB/s) answered after 27 s,
     at L = 68 after 220 s and 5 GB. They now poll the solve's deadline
     (:mod:`optmem.models.interrupt`) and the solve answers with what it has: the fastest
-    replayed candidate (the checkpoint-only and offload-only DPs, computed now when none
-    was, a fraction of a second) as ``feasible`` (``optimal`` when it meets the bound), and
+    replayed candidate (at least the checkpoint-only and offload-only DPs' plans, which a
+    solve under a time limit computes first, :func:`_staged`; computed here when none
+    was) as ``feasible`` (``optimal`` when it meets the bound), and
     the link relaxation's bound if it was solved; ``no_solution`` with the bound when no
     candidate replays. ``report["stopped"]`` names the stage.
     """
