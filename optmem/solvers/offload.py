@@ -630,7 +630,7 @@ def _solve_exact(problem: OffloadProblem, options: SolveOptions, method: str) ->
     solver = "cpsat" if method == "cpsat" else options.solver
     lower = lower_bound(problem, options)
     try:  # the model's build and emission poll the deadline (optmem.models.interrupt)
-        with stop_when(None if deadline.end is None else deadline.spent):
+        with stop_when(deadline.stopper()):
             outcome = run(inst, options, deadline)
     except Interrupted:  # at L = 339 the cpsat build ran 270 s under --time-limit 10
         report: dict[str, Any] = {"stopped": "time limit (during the model's build)"}

@@ -128,7 +128,7 @@ from optmem.solvers.pipeline_common import (
     replayed_period,
     run_model,
 )
-from optmem.solvers.time_budget import Deadline
+from optmem.solvers.time_budget import Deadline, left_for_engine
 
 MAX_CHUNKS = 2
 """Default ``extra["chunks"]``: chunks (runs of consecutive units) per GPU."""
@@ -864,7 +864,7 @@ def allocations_bound(units: Units, n_gpus: int, memory: int | None, low: float,
     def some_below(c: float) -> bool | None:
         skip = heads.skip(c) if heads is not None else ()
         try:  # the walk itself polls the deadline (stop 74: 8.4 s past it at L = 68)
-            with stop_when(None if deadline is None else lambda: passed(deadline)):
+            with stop_when(Deadline(deadline, time.perf_counter).stopper()):
                 for gpu in chunk_allocations(units, n_gpus, units.n, c, memory, stats,
                                              rounds, skip=skip):
                     if stats["tried"] > work or passed(deadline):
@@ -974,7 +974,7 @@ def ranked(problem: PipelineProblem, units: Units, chunks: int, cap: float,
     memory = floor_memory(problem)
     found: list[tuple[float, tuple[int, ...]]] = []
     truncated = False
-    with stop_when(None if deadline is None else lambda: passed(deadline)):
+    with stop_when(Deadline(deadline, time.perf_counter).stopper()):
         try:  # the walk polls too: at L = 339 it ran 53 s before its first allocation
             for k, gpu in enumerate(chunk_allocations(units, problem.n_gpus, chunks, cap,
                                                       memory, skip=skip)):
@@ -1182,8 +1182,7 @@ def time_limit(deadline: float | None) -> float | None:
     One rule for the scan's questions (:meth:`_Asker.limit`) and the heads'
     (:func:`head_pass`); until stop 65 the head pass computed it itself.
     """
-    left = Deadline(deadline, time.perf_counter).left()
-    return None if left is None else max(left, 1e-3)
+    return left_for_engine(Deadline(deadline, time.perf_counter), least=1e-3)
 
 
 def head_depths(n: int, step: int) -> list[int]:

@@ -41,6 +41,7 @@ from optmem.problems.pipeline import PipelineProblem
 from optmem.result import Result, SolveOptions, Status
 from optmem.simulate.pipeline import simulate_pipeline
 from optmem.simulate.verify import Replay, Wording, replay_result
+from optmem.solvers.time_budget import Deadline, left_for_engine
 
 PROBLEM = "pipeline"
 FIXED_PARAMETERS: dict[str, Any] = {"linearization_level": 2}
@@ -206,7 +207,7 @@ def run_model(
     ``gpu`` fixed, least stash counts (valid rows,
     :func:`~optmem.models.pipeline.build_pipeline_model`). ``deadline`` (a
     :func:`time.perf_counter` instant): the engine's time limit is what the build and the
-    emission left before it (at least :data:`LEAST_ENGINE_S`), and no more than
+    emission left before it (at least :data:`MIN_ENGINE_LIMIT_S`), and no more than
     ``options.time_limit_s`` (since stop 74: the full model's build at L = 68 took 10 s
     outside a 10 s limit).
     """
@@ -278,17 +279,20 @@ def refute(
     return run, cutoff - 2 * run.step
 
 
-LEAST_ENGINE_S = 1e-3
-"""The least engine limit :func:`run_model` gives under a deadline its build has spent."""
+MIN_ENGINE_LIMIT_S = 1e-3
+"""Least wall-clock limit of an engine run when the solve's ``time_limit_s`` is spent before
+it (the madpipe warm start, the relaxation, the probes, the search or the model's build
+took it all): the engine stops at once with what it has. Without it the run got
+``time_limit_s=0``, which ``SolveOptions`` refuses as an input error (as
+``pipeline_chunks`` floors its calls)."""
 
 
 def _limited(options: SolveOptions, deadline: float | None) -> SolveOptions:
     """``options`` with the time limit capped by what is left before ``deadline``."""
     if deadline is None:
         return options
-    left = max(LEAST_ENGINE_S, deadline - time.perf_counter())
-    limit = options.time_limit_s
-    return options.with_(time_limit_s=left if limit is None else min(limit, left))
+    return options.with_(time_limit_s=left_for_engine(
+        Deadline(deadline, time.perf_counter), options.time_limit_s, MIN_ENGINE_LIMIT_S))
 
 
 def _run_pulp(form: PipelineFormulation, options: SolveOptions, values: list[float] | None,
@@ -410,6 +414,6 @@ def scaled(problem: PipelineProblem, factor: float) -> PipelineProblem:
     return replace(problem, memory_per_gpu=int(problem.memory_per_gpu * factor))
 
 
-__all__ = ["OPTIMALITY_TOLERANCE", "PROBLEM", "ModelRun", "below_least_memory", "fits",
-           "infeasible", "load_bound", "lower_bound", "plan_result", "proven", "refute",
-           "replayed_period", "run_model", "scaled"]
+__all__ = ["MIN_ENGINE_LIMIT_S", "OPTIMALITY_TOLERANCE", "PROBLEM", "ModelRun",
+           "below_least_memory", "fits", "infeasible", "load_bound", "lower_bound",
+           "plan_result", "proven", "refute", "replayed_period", "run_model", "scaled"]

@@ -73,6 +73,7 @@ from optmem.solvers.pipeline_benders import (
     solve_benders,
 )
 from optmem.solvers.pipeline_common import (
+    MIN_ENGINE_LIMIT_S,
     OPTIMALITY_TOLERANCE,
     fits,
     infeasible,
@@ -83,6 +84,7 @@ from optmem.solvers.pipeline_common import (
     run_model,
 )
 from optmem.solvers.pipeline_madpipe import madpipe_settings, solve_madpipe
+from optmem.solvers.time_budget import Deadline
 
 Candidate = tuple[float, PipelinePlan, str]
 STRATEGIES = ("full", "benders")
@@ -106,11 +108,6 @@ def incumbents(problem: PipelineProblem, options: SolveOptions) -> list[Candidat
     return sorted(found, key=lambda c: c[0])
 
 
-MIN_ENGINE_LIMIT_S = 1e-3
-"""Least wall-clock limit of the final engine run when the solve's ``time_limit_s`` is spent
-before it (the madpipe warm start, the relaxation, the probes and the search took it all):
-the engine stops at once with what it has. Without it the run got ``time_limit_s=0``, which
-``SolveOptions`` refuses as an input error (as ``pipeline_chunks`` floors its calls)."""
 
 RELAXATION_SHARE = 0.3
 """Share of a time limit (wall-clock or deterministic) given to the relaxation's bisection
@@ -146,8 +143,7 @@ def relaxation_bound(problem: PipelineProblem, upper: float, options: SolveOptio
         if left is not None and left <= 0:
             break
         try:  # the build and emission stop at the deadline too (5.8 + 2.1 s at L = 68)
-            with stop_when(None if deadline is None else
-                           lambda: time.perf_counter() >= deadline):
+            with stop_when(Deadline(deadline, time.perf_counter).stopper()):
                 form = build_relaxation(units, problem.n_gpus, problem.memory_per_gpu, probe,
                                         scale, strict=problem.memory_model == "strict")
                 cm = to_cpsat(form.model, 1)
@@ -383,7 +379,7 @@ def solve_exact(problem: PipelineProblem, options: SolveOptions, method: str) ->
     relaxed, report = first_bound(problem, math.inf if best is None else best[0], options)
     end = None if limit is None else start + limit
     try:  # every build of the search polls the deadline (stop 74; optmem.models.interrupt)
-        with stop_when(None if end is None else lambda: time.perf_counter() >= end):
+        with stop_when(Deadline(end, time.perf_counter).stopper()):
             if best is not None and probing.step is not None and engines.is_available("cpsat"):
                 relaxed, probed, info = probe_bound(problem, best, relaxed, options, end,
                                                     probing)

@@ -122,7 +122,7 @@ from optmem.solvers.remat_offload_benders import (
 from optmem.solvers.remat_offload_lns import LNS_EXTRA, improve, lns_settings
 from optmem.solvers.remat_offload_probe import PROBE_EXTRA, probe_result, probe_settings
 from optmem.solvers.remat_offload_schedule import Window, static_replay, window_before
-from optmem.solvers.time_budget import Deadline
+from optmem.solvers.time_budget import Deadline, left_for_engine
 
 BRUTE_MAX_LENGTH = 2
 COMPLETION_SHARE = 0.25  # share of a user's time limit spent completing warm starts
@@ -544,10 +544,7 @@ def _engine_solve(model: Model, engine: str, options: SolveOptions, *,
     """
 
     def limit() -> float | None:
-        if deadline is None:
-            return time_limit_s
-        capped = deadline.cap(time_limit_s)
-        return None if capped is None else max(capped, MIN_ENGINE_LIMIT_S)
+        return left_for_engine(deadline, time_limit_s, MIN_ENGINE_LIMIT_S)
 
     if engine == "cpsat":
         cp = to_cpsat(model, scale=scale)
@@ -1211,7 +1208,7 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
     if (below := below_least_forward(problem, options, method, report)) is not None:
         return below  # no plan of any class fits: no model to build, no search
     progress = _Progress()
-    with stop_when(None if deadline.end is None else deadline.spent):
+    with stop_when(deadline.stopper()):
         try:
             return _staged(problem, options, method, engine, strategy, deadline, report,
                            progress)

@@ -61,7 +61,7 @@ from optmem.result import SolveOptions
 from optmem.simulate.offload import simulate_offload
 from optmem.solvers.options import flag, positive_float, positive_int
 from optmem.solvers.remat_offload import LEAST_ENGINE_TIME_S
-from optmem.solvers.time_budget import Deadline
+from optmem.solvers.time_budget import Deadline, left_for_engine
 
 __all__ = ["LNS_DEFAULT", "LNS_EXTRA", "LnsOutcome", "LnsSettings", "clamped",
            "complete_plan", "engine_limit", "improve", "lns_settings", "phase_windows",
@@ -293,8 +293,7 @@ def engine_limit(deadline: Deadline | None) -> float | None:
     The minimum is :data:`~optmem.solvers.remat_offload.LEAST_ENGINE_TIME_S`; ``None``
     when there is no deadline.
     """
-    left = None if deadline is None else deadline.cap(None)
-    return None if left is None else max(left, LEAST_ENGINE_TIME_S)
+    return left_for_engine(deadline, least=LEAST_ENGINE_TIME_S)
 
 
 def complete_plan(built: RematOffloadModel, fixed: dict[int, float], scale: int,

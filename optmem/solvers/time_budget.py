@@ -80,19 +80,27 @@ class Deadline:
         end = self.clock() + seconds
         return Deadline(end if self.end is None else min(end, self.end), self.clock)
 
+    def stopper(self) -> Callable[[], bool] | None:
+        """:meth:`spent` for :func:`optmem.models.interrupt.stop_when` (``None``: no limit)."""
+        return None if self.end is None else self.spent
+
 
 LEAST_ENGINE_LIMIT_S = 0.05
 """The least time limit :func:`left_for_engine` gives: an engine stops at once with what it
 has (a warm start), rather than being refused a limit of zero."""
 
 
-def left_for_engine(deadline: Deadline, least: float = LEAST_ENGINE_LIMIT_S) -> float | None:
-    """A single-call solve's engine limit: what the build and the warm start left of it.
+def left_for_engine(deadline: Deadline | None, limit: float | None = None,
+                    least: float = LEAST_ENGINE_LIMIT_S) -> float | None:
+    """An engine call's limit: ``limit`` capped by what ``deadline`` leaves, at least ``least``.
 
-    The checkpoint and offload exact methods make one engine call, which got the whole
-    ``time_limit_s`` after the model's build and the DP warm start had run (stop 74:
+    ``None`` when neither bounds the call; ``limit`` as it is without a deadline. The one
+    rule of every engine call under a solve's deadline (the remat + offload stages and LNS
+    windows, the pipeline scan's questions and full model, the checkpoint and offload
+    methods). The checkpoint and offload exact methods make one engine call, which got the
+    whole ``time_limit_s`` after the model's build and the DP warm start had run (stop 74:
     ``--time-limit 10`` answered after 12 s on DenseNet-121, L = 68); they now start a
-    :class:`Deadline` (no margin) and give the engine what is left, at least ``least``.
+    :class:`Deadline` (no margin) and give the engine what is left.
 
     Examples
     --------
@@ -102,8 +110,10 @@ def left_for_engine(deadline: Deadline, least: float = LEAST_ENGINE_LIMIT_S) -> 
     >>> left_for_engine(d), left_for_engine(Deadline.start(None))
     (7.0, None)
     >>> now[0] = 12.0
-    >>> left_for_engine(d)
-    0.05
+    >>> left_for_engine(d), left_for_engine(d, 3.0, least=1.0), left_for_engine(None, 3.0)
+    (0.05, 1.0, 3.0)
     """
-    left = deadline.left()
-    return None if left is None else max(left, least)
+    if deadline is None:
+        return limit
+    capped = deadline.cap(limit)
+    return None if capped is None else max(capped, least)
