@@ -23,8 +23,9 @@ plan when it was the warm start, ``error`` otherwise.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from optmem.engines import adapters as engines
 from optmem.engines.results import engine_failure
@@ -266,6 +267,9 @@ def _prepare(problem: CheckpointProblem, options: SolveOptions, method: str = "i
     return disc, variant, form
 
 
+_Emitted = TypeVar("_Emitted")  # the engine's model (emit_pulp's or emit_cpsat's)
+
+
 class _Begun(NamedTuple):
     """A solve's instance, model, report so far and DP warm start (:func:`_begin`)."""
 
@@ -277,24 +281,32 @@ class _Begun(NamedTuple):
 
 
 def _begin(problem: CheckpointProblem, options: SolveOptions, method: str, solver: str,
-           disc: Discretized, dp: tuple[tuple[Op, ...], float] | None) -> _Begun | Result:
-    """Build ``method``'s model and its report, and the DP warm start from ``dp``.
+           emit: Callable[[Formulation], _Emitted], deadline: Deadline
+           ) -> tuple[_Begun, _Emitted] | Result:
+    """Build ``method``'s model, its report and the DP warm start, and ``emit`` the model.
 
     The ``infeasible`` result instead when the model is trivially infeasible; ``solver`` is
-    the engine named in that result. ``dp`` (:func:`_dp_plan`) is computed before the
-    build (since stop 74; after it before), so that a build stopped by the deadline still
-    answers with it (:func:`_stopped`).
+    the engine named in that result. The DP plan (:func:`_dp_plan`) is computed before the
+    build (since stop 74; after it before); the build and the emission poll ``deadline``
+    (:mod:`optmem.models.interrupt`), and when it passes the answer is that plan
+    (:func:`_stopped`).
     """
-    disc, variant, form = _prepare(problem, options, method, disc)
-    report: dict[str, Any] = {"model": form.size, "sweeps": form.sweeps,
-                              "tape_chain": form.tape_chain}
-    if form.trivially_infeasible:
-        return _finish(problem, options, disc, form, _Start(None, math.inf, None, ""),
-                       method=method, variant=variant, status=Status.INFEASIBLE, values=None,
-                       bound=math.inf, solver=solver, report=report)
-    start = _dp_start(dp, form, options.warm_start)
-    report["warm_start"] = start.note
-    return _Begun(disc, variant, form, report, start)
+    disc = discretize_for(problem, options)
+    dp = _dp_plan(disc)
+    try:
+        with stop_when(deadline.stopper()):
+            disc, variant, form = _prepare(problem, options, method, disc)
+            report: dict[str, Any] = {"model": form.size, "sweeps": form.sweeps,
+                                      "tape_chain": form.tape_chain}
+            if form.trivially_infeasible:
+                return _finish(problem, options, disc, form, _Start(None, math.inf, None, ""),
+                               method=method, variant=variant, status=Status.INFEASIBLE,
+                               values=None, bound=math.inf, solver=solver, report=report)
+            start = _dp_start(dp, form, options.warm_start)
+            report["warm_start"] = start.note
+            return _Begun(disc, variant, form, report, start), emit(form)
+    except Interrupted:
+        return _stopped(problem, options, method, solver, disc, dp)
 
 
 # ------------------------------------------------------------------ ILP
@@ -308,17 +320,10 @@ def solve_checkpoint_ilp(problem: CheckpointProblem, options: SolveOptions) -> R
     engines.check_engine(options.solver)
     highs_options = _highs_options(options)
     deadline = Deadline.start(options.time_limit_s, margin=0.0)  # the build's time counts
-    disc = discretize_for(problem, options)
-    dp = _dp_plan(disc)
-    try:
-        with stop_when(None if deadline.end is None else deadline.spent):
-            begun = _begin(problem, options, "ilp", options.solver, disc, dp)
-            if isinstance(begun, Result):
-                return begun
-            disc, variant, form, report, start = begun
-            model = emit_pulp(form)
-    except Interrupted:
-        return _stopped(problem, options, "ilp", options.solver, disc, dp)
+    begun = _begin(problem, options, "ilp", options.solver, emit_pulp, deadline)
+    if isinstance(begun, Result):
+        return begun
+    (disc, variant, form, report, start), model = begun
     out = _checked(engines.solve_pulp(model.problem, model.variables, options.solver,
                                       initial=model.initial(start.values),
                                       highs_options=highs_options,
@@ -397,17 +402,10 @@ def solve_checkpoint_cpsat(problem: CheckpointProblem, options: SolveOptions) ->
     from optmem.models.checkpoint_cpsat import emit_cpsat
 
     deadline = Deadline.start(options.time_limit_s, margin=0.0)  # the build's time counts
-    disc = discretize_for(problem, options)
-    dp = _dp_plan(disc)
-    try:
-        with stop_when(None if deadline.end is None else deadline.spent):
-            begun = _begin(problem, options, "cpsat", "cpsat", disc, dp)
-            if isinstance(begun, Result):
-                return begun
-            disc, variant, form, report, start = begun
-            model = emit_cpsat(form)
-    except Interrupted:
-        return _stopped(problem, options, "cpsat", "cpsat", disc, dp)
+    begun = _begin(problem, options, "cpsat", "cpsat", emit_cpsat, deadline)
+    if isinstance(begun, Result):
+        return begun
+    (disc, variant, form, report, start), model = begun
     report["time_scale"] = model.scale
     out = _checked(engines.solve_cpsat(model.model, model.variables,
                                        hint=model.hint(start.values),
