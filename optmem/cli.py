@@ -409,9 +409,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         limit = "none" if args.memory is None else args.memory
         print(f"{chain.name}: {args.problem}, memory limit {limit}")
         print(format_table(results, chain))
-        unlimited = options.time_limit_s is None and options.work_budget is None
-        print(format_summary(results, limited_compare_methods(problem)
-                             if names is None and unlimited else ()))
+        print(format_summary(results, limited_compare_methods(problem, options)
+                             if names is None else ()))
     return EXIT_OK
 
 

@@ -147,6 +147,9 @@ def test_the_hint_offers_a_limit_only_where_it_adds_an_exact_model() -> None:
     assert limited_compare_methods(CheckpointProblem(long, long.store_all_peak())) == []
     mid = random_chain(70, seed=1)
     assert limited_compare_methods(CheckpointProblem(mid, mid.store_all_peak())) == ["ilp"]
+    # a limit given already: nothing more to offer
+    assert limited_compare_methods(CheckpointProblem(mid, mid.store_all_peak()),
+                                   SolveOptions(time_limit_s=5.0)) == []
     assert limited_compare_methods(RematOffloadProblem(mid, mid.store_all_peak(),
                                                        chain_bandwidth=1.0)) == []
     assert "--time-limit" not in format_summary([])

@@ -289,8 +289,7 @@ def default_compare_methods(problem: Any, options: SolveOptions | None = None) -
     no proven bound on any bundled profile).
     """
     length = getattr(getattr(problem, "chain", None), "length", 0)
-    limited = options is not None and (options.time_limit_s is not None
-                                       or options.work_budget is not None)
+    limited = _bounded(options)
     out: list[str] = []
     for info in methods(problem.name).values():
         if not info.is_available():
@@ -303,13 +302,22 @@ def default_compare_methods(problem: Any, options: SolveOptions | None = None) -
     return out
 
 
-def limited_compare_methods(problem: Any) -> list[str]:
+def _bounded(options: SolveOptions | None) -> bool:
+    """Whether ``options`` bound the whole solve (a time limit or a work budget)."""
+    return options is not None and (options.time_limit_s is not None
+                                    or options.work_budget is not None)
+
+
+def limited_compare_methods(problem: Any, options: SolveOptions | None = None) -> list[str]:
     """The methods a time limit or work budget would add to ``compare``'s defaults.
 
     What :func:`default_compare_methods` adds under a limit (``compare_limited``) for this
-    chain's length: the text summary's hint names them, and only offers the limit when
-    there is one (since stop 74; before, it offered it past every cap and for ``min-peak``).
+    chain's length, none when ``options`` bound the solve already: the text summary's hint
+    names them, and only offers the limit when there is one (since stop 74; before, it
+    offered it past every cap and for ``min-peak``).
     """
+    if _bounded(options):
+        return []
     free = default_compare_methods(problem)
     limited = default_compare_methods(problem, SolveOptions(time_limit_s=1.0))
     return [name for name in limited if name not in free]
