@@ -199,3 +199,26 @@ def test_the_model_is_not_built_when_the_relaxation_has_no_point(
     res = solve(fits, method, options=opts)
     check(fits, res, optimum=solve(fits, "brute", options=OPTS).objective)
     assert builds[0] == 1 and res.report["model"]["variables"] > 0
+
+
+@pytest.mark.parametrize("method", ["ilp", "cpsat"])
+def test_under_a_time_limit_the_cheap_candidates_are_computed_once(
+        monkeypatch: pytest.MonkeyPatch, method: str) -> None:
+    """A solve under a time limit computes the checkpoint-only and offload-only plans first;
+    an empty relaxation's check of its verdict reuses them (stop 74 computed them twice on
+    that path: up to 5 s at L = 339). The verdict is the same as without a limit."""
+    problem = _first_limit_by_relaxation()
+    calls = [0]
+    real = exact._cheap_candidates
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(exact, "_cheap_candidates", counted)
+    res = solve(problem, method, options=OPTS.with_(time_limit_s=600))
+    assert res.status is Status.INFEASIBLE and _by_relaxation(res)
+    assert calls[0] == 1
+    calls[0] = 0
+    res = solve(problem, method, options=OPTS)
+    assert res.status is Status.INFEASIBLE and _by_relaxation(res) and calls[0] == 1

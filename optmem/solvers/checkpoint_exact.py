@@ -54,7 +54,7 @@ from optmem.solvers.checkpoint import (
 )
 from optmem.solvers.checkpoint_dp import solve_persistent_table
 from optmem.solvers.registration import register, register_exporter
-from optmem.solvers.time_budget import Deadline, left_for_engine
+from optmem.solvers.time_budget import Deadline, left_for_engine, stopped_during
 
 MIN_MEMORY_TIME_LIMIT_S = 30.0
 MIN_MEMORY_NODE_LIMIT = 20_000
@@ -155,7 +155,7 @@ def _stopped(problem: CheckpointProblem, options: SolveOptions, method: str, sol
     (:mod:`optmem.models.interrupt`).
     """
     variant = _variant(options)
-    report: dict[str, Any] = {"stopped": "time limit (during the model's build)"}
+    report: dict[str, Any] = {"stopped": stopped_during("the model's build")}
     if dp is None:
         return Result(PROBLEM, method, Status.NO_SOLUTION, bound=lower_bound(problem),
                       memory_limit=disc.memory_limit, unit=disc.unit, variant=variant,

@@ -73,7 +73,7 @@ from optmem.solvers.offload_schedule import (
 )
 from optmem.solvers.options import one_or_all
 from optmem.solvers.registration import register, register_exporter
-from optmem.solvers.time_budget import Deadline, left_for_engine
+from optmem.solvers.time_budget import Deadline, left_for_engine, stopped_during
 
 PROBLEM = "offload"
 DP_VARIANTS = ("contract", "thesis", "cheap")
@@ -633,7 +633,7 @@ def _solve_exact(problem: OffloadProblem, options: SolveOptions, method: str) ->
         with stop_when(deadline.stopper()):
             outcome = run(inst, options, deadline)
     except Interrupted:  # at L = 339 the cpsat build ran 270 s under --time-limit 10
-        report: dict[str, Any] = {"stopped": "time limit (during the model's build)"}
+        report: dict[str, Any] = {"stopped": stopped_during("the model's build")}
         if inst.start is None:
             return Result(PROBLEM, method, Status.NO_SOLUTION, bound=lower,
                           memory_limit=disc.memory_limit, unit=disc.unit, solver=solver,

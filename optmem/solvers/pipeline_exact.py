@@ -84,7 +84,7 @@ from optmem.solvers.pipeline_common import (
     run_model,
 )
 from optmem.solvers.pipeline_madpipe import madpipe_settings, solve_madpipe
-from optmem.solvers.time_budget import Deadline
+from optmem.solvers.time_budget import Deadline, stopped_during
 
 Candidate = tuple[float, PipelinePlan, str]
 STRATEGIES = ("full", "benders")
@@ -476,7 +476,7 @@ def _stopped(problem: PipelineProblem, method: str, solver: str, starts: list[Ca
     proven infeasible). Before, the build ran outside the limit: ``ilp`` took 24.6 s and
     ``cpsat`` 22.1 s under ``--time-limit 10`` on DenseNet-121 (L = 68, 4 GPUs, 3 GiB).
     """
-    report = {**report, "stopped": "time limit (during the model's build)",
+    report = {**report, "stopped": stopped_during("the model's build"),
               "incumbents": {s: p for p, _, s in starts}}
     if not starts:
         return infeasible(problem, method, "the time limit passed before the model was "

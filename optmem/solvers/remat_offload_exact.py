@@ -122,7 +122,7 @@ from optmem.solvers.remat_offload_benders import (
 from optmem.solvers.remat_offload_lns import LNS_EXTRA, improve, lns_settings
 from optmem.solvers.remat_offload_probe import PROBE_EXTRA, probe_result, probe_settings
 from optmem.solvers.remat_offload_schedule import Window, static_replay, window_before
-from optmem.solvers.time_budget import Deadline, left_for_engine
+from optmem.solvers.time_budget import Deadline, left_for_engine, stopped_during
 
 BRUTE_MAX_LENGTH = 2
 COMPLETION_SHARE = 0.25  # share of a user's time limit spent completing warm starts
@@ -854,7 +854,9 @@ class _Early:
 def _refuted_by_relaxation(problem: RematOffloadProblem, method: str, deadline: Deadline,
                            relaxed: _Relaxed,
                            candidates: list[tuple[float, str, tuple[AnyOp, ...]]] | None,
-                           options: SolveOptions, report: dict[str, Any]) -> _Early:
+                           options: SolveOptions, report: dict[str, Any],
+                           cheap: list[tuple[float, str, tuple[AnyOp, ...]]] | None = None
+                           ) -> _Early:
     """The ``infeasible`` answer when the link relaxation has no point, and the relaxation.
 
     ``relaxed.bound`` is ``inf`` only when :func:`_confirmed_empty` holds: then no plan of
@@ -864,12 +866,14 @@ def _refuted_by_relaxation(problem: RematOffloadProblem, method: str, deadline: 
     since stop 73, before the model is built (:func:`_solve_model`). An engine can be
     wrong: if a candidate plan (``candidates``, computed here when ``None``) replays within
     the limit, the verdict is not believed; the relaxation then gives no bound
-    (``report["relaxation"]["engine_error"]``) and the solve goes on.
+    (``report["relaxation"]["engine_error"]``) and the solve goes on. ``cheap``: the
+    checkpoint-only and offload-only plans when already computed (:func:`_cheap_candidates`,
+    a solve under a time limit computes them first), not computed again.
     """
     if relaxed.bound != math.inf:
         return _Early(relaxed, candidates)
     found = candidates if candidates is not None else \
-        _candidates(problem, options, deadline, report)
+        _candidates(problem, options, deadline, report, cheap=cheap)
     if found:
         info = {**relaxed.info, "engine_error": f"the relaxation has no point, but "
                 f"{found[0][1]} replays at {found[0][0]:g} within the limit"}
@@ -883,16 +887,20 @@ def _refuted_by_relaxation(problem: RematOffloadProblem, method: str, deadline: 
 
 def _full_start(problem: RematOffloadProblem, method: str, disc: Discretized, beta: float,
                 sweeps: int, engine: str, options: SolveOptions, deadline: Deadline,
-                report: dict[str, Any]) -> _Early:
+                report: dict[str, Any],
+                cheap: list[tuple[float, str, tuple[AnyOp, ...]]] | None = None) -> _Early:
     """``strategy=full`` before the model is built: the link relaxation and its verdict.
 
     The relaxation does not need the model (:func:`_relaxation_bound`); when it has no point
     the solve ends here (:func:`_refuted_by_relaxation`), without the model's build (before
     stop 73, 5.5 of 13.6 s of ``ilp`` on ResNet-50 at 25 %, 12 GB/s, under cProfile).
+    ``cheap``: the candidates :func:`_staged` computed first under a time limit, passed on
+    so that the verdict's check does not compute them again.
     """
     relaxed = _relaxation_bound(disc.chain, disc.memory_limit, beta, sweeps, options, engine,
                                 deadline=deadline)
-    return _refuted_by_relaxation(problem, method, deadline, relaxed, None, options, report)
+    return _refuted_by_relaxation(problem, method, deadline, relaxed, None, options, report,
+                                  cheap)
 
 
 def _relaxation_share(options: SolveOptions) -> float:
@@ -1255,7 +1263,7 @@ def _stopped(problem: RematOffloadProblem, options: SolveOptions, method: str, e
     the link relaxation's bound if it was solved; ``no_solution`` with the bound when no
     candidate replays. ``report["stopped"]`` names the stage.
     """
-    report = {**report, "stopped": f"time limit (during {progress.stage})"}
+    report = {**report, "stopped": stopped_during(progress.stage)}
     if progress.relaxation is not None:
         report.setdefault("relaxation", progress.relaxation)
     found = progress.candidates or _cheap_candidates(problem, options)
@@ -1298,7 +1306,8 @@ def _staged(problem: RematOffloadProblem, options: SolveOptions, method: str, en
         progress.stage = "the link relaxation"
     early = _benders_start(problem, method, disc, beta, sweeps, benders, deadline, report,
                            progress) if strategy == "benders" else \
-        _full_start(problem, method, disc, beta, sweeps, engine, options, deadline, report)
+        _full_start(problem, method, disc, beta, sweeps, engine, options, deadline, report,
+                    cheap)
     progress.learnt(early)
     if early.refuted is not None:
         return early.refuted  # the link relaxation has no point: no model to build either

@@ -117,3 +117,17 @@ def left_for_engine(deadline: Deadline | None, limit: float | None = None,
         return limit
     capped = deadline.cap(limit)
     return None if capped is None else max(capped, least)
+
+
+def stopped_during(stage: str) -> str:
+    """``report["stopped"]`` of a solve whose Python work reached its deadline in ``stage``.
+
+    One wording for the checkpoint, offload, remat + offload and pipeline exact methods
+    (CONTRACT: ``report.stopped``).
+
+    Examples
+    --------
+    >>> stopped_during("the model's build")
+    "time limit (during the model's build)"
+    """
+    return f"time limit (during {stage})"
