@@ -172,6 +172,19 @@ def _first_limit_by_relaxation() -> RematOffloadProblem:
     raise AssertionError("no 2-stage limit is proven by the relaxation")
 
 
+def _counted(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
+    """Count the calls of ``exact.<name>`` (a one-element list, updated in place)."""
+    calls = [0]
+    real = getattr(exact, name)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(exact, name, counted)
+    return calls
+
+
 @pytest.mark.parametrize("method, strategy", [("ilp", "full"), ("cpsat", "full"),
                                               ("cpsat", "benders")])
 def test_the_model_is_not_built_when_the_relaxation_has_no_point(
@@ -180,14 +193,7 @@ def test_the_model_is_not_built_when_the_relaxation_has_no_point(
     without it (ResNet-50 at 25 %: the build was 5.5 of 13.6 s); a feasible limit builds it
     once and reaches the same optimum as brute force."""
     problem = _first_limit_by_relaxation()
-    builds = [0]
-    real = exact.build_remat_offload
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        builds[0] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(exact, "build_remat_offload", counted)
+    builds = _counted(monkeypatch, "build_remat_offload")
     opts = OPTS.with_(extra={"strategy": strategy}) if method == "cpsat" else OPTS
     res = solve(problem, method, options=opts)
     assert res.status is Status.INFEASIBLE and _by_relaxation(res) and builds[0] == 0
@@ -208,14 +214,7 @@ def test_under_a_time_limit_the_cheap_candidates_are_computed_once(
     an empty relaxation's check of its verdict reuses them (stop 74 computed them twice on
     that path: up to 5 s at L = 339). The verdict is the same as without a limit."""
     problem = _first_limit_by_relaxation()
-    calls = [0]
-    real = exact._cheap_candidates
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        calls[0] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(exact, "_cheap_candidates", counted)
+    calls = _counted(monkeypatch, "_cheap_candidates")
     res = solve(problem, method, options=OPTS.with_(time_limit_s=600))
     assert res.status is Status.INFEASIBLE and _by_relaxation(res)
     assert calls[0] == 1
