@@ -11,6 +11,10 @@
 * **Wrapping under ``torch.inference_mode()``** failed at profiling.
 * **A transposed input after a contiguous sample** failed in the graph's ``view`` (the
   sample's ``x.contiguous()`` was no op): the layout is part of the call's signature.
+* **Stop 75:** ``torch.save`` of an ``op.offload`` wrapper after a training step (weak
+  references of the latest call), and a tuple sample an ``nn.Sequential``'s first child
+  cannot take (a raw ``TypeError`` from profiling). Unused outputs' parameters:
+  ``tests/test_hf_unused_outputs.py``.
 """
 
 from __future__ import annotations
@@ -542,3 +546,41 @@ def test_under_fsdp2_parameters_frozen_after_wrapping_keep_the_sample_plan(
     net.blocks[0][0].weight.requires_grad_(True)
     with pytest.raises(OptmemInputError, match="sharded by FSDP2"):
         wrapped(torch.randn(5, 16, 1))  # another signature still says why
+
+
+def test_an_offload_wrapper_saves_after_a_training_step() -> None:
+    """``torch.save`` of an ``op.offload`` wrapper that has trained a step (stop 75 audit:
+    "cannot pickle 'weakref.ReferenceType'", the latest call's saved-tensor groups); the
+    loaded copy trains like the wrapper."""
+    import io
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                        nn.Linear(64, 4))
+    x = torch.randn(8, 16)
+    wrapped = op.offload(net, x, memory_limit="90%", **WRAP)
+    wrapped(x).sum().backward()
+    buffer = io.BytesIO()
+    torch.save(wrapped, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    grads = []
+    for model in (wrapped, loaded):
+        model.zero_grad(set_to_none=True)
+        model(x).sum().backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert _same_tensors(grads[0], grads[1])
+    assert [k for k, _ in loaded.named_parameters()] == [k for k, _ in wrapped.named_parameters()]
+
+
+def test_a_tuple_sample_a_sequential_cannot_take_is_one_clear_error() -> None:
+    """An ``nn.Sequential`` takes the sample as its one input (a tuple whole, as its
+    ``forward`` does): a first child that cannot take it is an ``OptmemInputError`` naming
+    the stage and the field, not the child's raw ``TypeError`` from profiling (stop 75)."""
+    net = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2))
+    x = torch.randn(4, 16)
+    with pytest.raises(OptmemInputError, match="cannot take the sample") as info:
+        op.checkpoint(net, (x,), memory_limit="60%", **WRAP)
+    assert info.value.stage == 1 and info.value.field == "sample"
+    wrapped = op.checkpoint(net, x, memory_limit="100%", **WRAP)  # the tensor itself works
+    assert torch.equal(wrapped(x), net(x))

@@ -123,12 +123,17 @@ class _Job:
         self.sides = sides
         self.state = state
 
-    def run(self, grads: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+    def run(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """``delta^{i-1}`` and the parameter gradients: the joint graph, or autograd.
 
         The graph was traced with contiguous incoming gradients (its reshapes are views);
         a gradient laid out otherwise is back-propagated by autograd through a forward of
-        the stage run now (the same ops and values: the stage has no random op).
+        the stage run now (the same ops and values: the stage has no random op). So is a
+        call where some output has no gradient (``None``: the loss does not read it, e.g.
+        the last hidden state when only an earlier one is used): the graph takes a
+        gradient for every output, and zeros there gave the parameters that only feed such
+        outputs a zero gradient where the model leaves ``None`` (an optimizer with weight
+        decay then moved them).
 
         The graph was traced on fake tensors, whose layouts are those of torch's fake
         kernels. Where a real kernel returns another layout (CPU ``native_batch_norm`` on a
@@ -141,7 +146,7 @@ class _Job:
         """
         traced = self.traced
         got: Sequence[torch.Tensor | None] | None = None
-        if all(g.is_contiguous() for g in grads) and not traced.failed:
+        if all(g is not None and g.is_contiguous() for g in grads) and not traced.failed:
             try:
                 # its forward, not its __call__: the joint graph is optmem's backward, not a
                 # module of the model. Through __call__ the caller's module trackers
@@ -159,16 +164,24 @@ class _Job:
         self.leaves, self.sides, self.state = [], [], []
         return list(got)
 
-    def _autograd(self, grads: Sequence[torch.Tensor]) -> Sequence[torch.Tensor | None]:
+    def _autograd(self, grads: Sequence[torch.Tensor | None]
+                  ) -> Sequence[torch.Tensor | None]:
         traced = self.traced
         xs = [v.detach().requires_grad_(True) if k in traced.dx else v
               for k, v in enumerate(self.leaves)]
         state = dict(zip(traced.names, self.state, strict=True))
+        wanted_n = len(traced.dx) + len(traced.dp)
+        if all(g is None for g in grads):
+            return [None] * wanted_n
         with torch.enable_grad():
             out = torch.func.functional_call(traced.module, state,
                                              (tree_unflatten(xs, self.spec), *self.sides))
             wanted = [xs[k] for k in traced.dx] + [self.state[k] for k in traced.dp]
-            return torch.autograd.grad(tree_flatten(out)[0], wanted, list(grads),
+            pairs = [(o, g) for o, g in zip(tree_flatten(out)[0], grads, strict=True)
+                     if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
+            if not pairs:
+                return [None] * wanted_n
+            return torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
                                        allow_unused=True)
 
 
@@ -178,12 +191,13 @@ class _Deferred(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, job: _Job, *inputs: torch.Tensor) -> Any:
         ctx.job = job
+        ctx.set_materialize_grads(False)  # an output the loss does not read: None, not zeros
         return tuple(torch.empty_strided(shape, (0,) * len(shape), dtype=dtype, device=device)
                      for shape, dtype, device in job.traced.out_meta)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
         job, ctx.job = ctx.job, None
         if job is None:
             raise RuntimeError("a joint re-run of the optmem executor was back-propagated "

@@ -363,6 +363,18 @@ class OffloadedChain(StageCalls, nn.Module):
         self.after_forward, self.before_backward = offload_plan_actions(self.plan,
                                                                         len(self.stages))
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Copied or pickled (``torch.save``): without the latest call's saved-tensor groups.
+
+        They are weak references to what autograd holds (:class:`_Group`), which pickle
+        refuses: ``torch.save`` of a wrapper that had trained one step failed with "cannot
+        pickle 'weakref.ReferenceType' object" (stop 75 audit). A copy starts with none, as
+        a new wrapper does; :meth:`resident` then reports nothing until its next call.
+        """
+        state = dict(super().__getstate__())
+        state["_groups"] = {}
+        return state
+
     # ------------------------------------------------------------------ forward
     def _forward(self, x: Any, compiled: CompileRequest) -> Any:
         functions = self.stage_functions(compiled)

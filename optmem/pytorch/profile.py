@@ -1169,10 +1169,27 @@ def _profile_memory(modules: Sequence[nn.Module], stages: Sequence[Stage], sampl
                 raise
             raise OptmemInputError(_inplace_message(k, stages[k].name, exc), stage=k + 1,
                                    field="module") from None
+        except TypeError as exc:
+            if k > 0:
+                raise
+            raise OptmemInputError(_sample_message(stages[0].name, exc), stage=1,
+                                   field="sample") from None
         rows.append(row)
         leaves.append(x)
         x_value, in_size = row.out, row.output_size
     return rows, leaves, x_value
+
+
+def _sample_message(name: str, exc: TypeError) -> str:
+    """Why the first stage cannot take the sample (a tuple given to an ``nn.Sequential``).
+
+    An ``nn.Sequential`` (or a list of stages) takes the sample as its one input, as
+    ``nn.Sequential.forward`` does: a tuple is passed to the first stage whole. Before stop
+    75 ``op.checkpoint(seq, (x,), ...)`` ended in the stage's raw ``TypeError``.
+    """
+    return (f"the first stage ({name}) cannot take the sample: {exc}; an nn.Sequential or a "
+            f"list of stages takes the sample as its one input, and a tuple is passed to "
+            f"its first stage whole (give the tensor itself)")
 
 
 def _stage_times(modules: Sequence[nn.Module], leaves: Sequence[Any],
