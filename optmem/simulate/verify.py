@@ -24,7 +24,7 @@ from typing import Any
 
 from optmem.errors import OptmemInputError, PlanError
 from optmem.pipeline_plan import PipelinePlan
-from optmem.plan import parse_mixed_plan, parse_plan
+from optmem.plan import MixedPlan, Op, parse_mixed_plan, parse_plan, store_all_plan
 from optmem.problems.checkpoint import DEFAULT_SLOTS, CheckpointProblem
 from optmem.problems.min_peak import (
     MinPeakProblem,
@@ -40,10 +40,11 @@ from optmem.simulate.min_peak import model_peak
 from optmem.simulate.offload import simulate_offload
 from optmem.simulate.pipeline import simulate_pipeline
 
-__all__ = ["CLAIM_TOLERANCE", "RECORDED_SETTINGS", "Replay", "Wording", "claim_holds",
-           "plan_input", "recorded_settings", "replay_result", "settings_as_solved",
-           "verify_checkpoint_plan", "verify_min_peak_plan", "verify_offload_plan",
-           "verify_pipeline_plan", "verify_plan"]
+__all__ = ["CLAIM_TOLERANCE", "RECORDED_SETTINGS", "Replay", "Wording",
+           "check_store_all_sequence", "claim_holds", "plan_input", "recorded_settings",
+           "replay_result", "settings_as_solved", "verify_checkpoint_plan",
+           "verify_min_peak_plan", "verify_offload_plan", "verify_pipeline_plan",
+           "verify_plan"]
 
 CLAIM_TOLERANCE = 1e-6
 """Relative tolerance between a method's claimed objective and the simulated one.
@@ -236,13 +237,45 @@ def verify_offload_plan(problem: OffloadProblem, plan_data: Any,
         raise PlanError("expected a JSON list of ops or an object with a 'plan' list")
     slots = getattr(options, "slots", DEFAULT_SLOTS)
     disc = problem.discretize(slots)
-    sim = simulate_offload(disc.chain, parse_mixed_plan(ops), problem.unit_bandwidth(disc.unit),
+    plan = parse_mixed_plan(ops)
+    if problem.name == "offload":  # remat-offload plans may also recompute
+        check_store_all_sequence(plan, problem.chain.length)
+    sim = simulate_offload(disc.chain, plan, problem.unit_bandwidth(disc.unit),
                            disc.memory_limit)
     if sim.peak_memory > disc.memory_limit:
         raise PlanError(f"the plan peaks at {sim.peak_memory}, above {disc.memory_limit}")
     return {"objective": sim.makespan, "peak_memory": sim.peak_memory,
             "memory_limit": disc.memory_limit, "unit": disc.unit, "ops": len(ops),
             "idle_time": sim.idle_time, "offloaded": sim.offloaded_size}
+
+
+def check_store_all_sequence(plan: MixedPlan, length: int) -> None:
+    """Refuse an offload plan whose compute ops are not the store-all sequence.
+
+    The offload problem (CONTRACT section 10) allows one compute sequence, ``F_all 1 ..
+    F_all L``, ``Loss``, ``B L .. B 1``, with transfer ops between its ops; a plan that
+    recomputes (``F_ck``, ``F_none``) or runs the ops in another order belongs to the
+    remat-offload problem. A plan that stops early is left to the simulator (incomplete).
+
+    Raises
+    ------
+    PlanError
+        Naming the first compute op that differs from the store-all sequence and the op
+        expected there.
+    """
+    expected = store_all_plan(length)
+    k = 0
+    for index, op in enumerate(plan):
+        if not isinstance(op, Op):
+            continue
+        want = expected[k] if k < len(expected) else None
+        if op != want:
+            here = f"which has {want} here" if want else "which has ended here"
+            raise PlanError(f"{op} is not in the offload problem's compute sequence, {here} "
+                            f"(store-all: F_all 1 .. F_all {length}, Loss, B {length} .. "
+                            f"B 1, transfers between them); a plan that recomputes is a "
+                            f"remat-offload plan (verify remat-offload)", index=index)
+        k += 1
 
 
 def verify_pipeline_plan(problem: PipelineProblem, plan_data: Any,

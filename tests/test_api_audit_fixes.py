@@ -1,0 +1,69 @@
+"""Fixes of the CLI and Python API audit: each test failed before its fix."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from optmem.cli import main
+from optmem.datasets.synthetic import random_chain
+from optmem.errors import PlanError
+from optmem.problems import OffloadProblem
+from optmem.problems.remat_offload import RematOffloadProblem
+from optmem.simulate.verify import verify_plan
+
+# the checkpoint ILP's optimum on random_chain(6, seed=1) at 60: it recomputes
+CHECKPOINT_PLAN = ["F_ck 1", "F_ck 2", "F_none 3", "F_all 4", "F_all 5", "F_all 6", "Loss",
+                   "B 6", "B 5", "B 4", "F_all 2", "F_all 3", "B 3", "B 2", "F_all 1", "B 1"]
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def c6(tmp_path: Path) -> Path:
+    path = tmp_path / "c6.json"
+    random_chain(6, seed=1).save(path)
+    return path
+
+
+def write(tmp_path: Path, name: str, data: object) -> Path:
+    path = tmp_path / name
+    path.write_text(json.dumps(data))
+    return path
+
+
+# ------------------------------------------------------------------ 1: offload compute sequence
+def test_verify_offload_refuses_a_plan_that_recomputes(capsys, tmp_path, c6):
+    plan = write(tmp_path, "plan.json", CHECKPOINT_PLAN)
+    code, out, err = run(capsys, "verify", "offload", str(c6), str(plan), "--memory", "60",
+                         "--bandwidth", "0")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "op 0: F_ck 1 is not in the offload problem's compute sequence" in err
+    assert "F_all 1 here" in err and "remat-offload" in err and "Traceback" not in err
+    code, out, err = run(capsys, "verify", "remat-offload", str(c6), str(plan), "--memory",
+                         "60", "--bandwidth", "0")
+    assert code == 0 and out.startswith("valid plan"), err
+
+
+def test_verify_plan_offload_refuses_another_compute_order():
+    chain = random_chain(6, seed=1)
+    problem = OffloadProblem(chain, 60, 0)
+    with pytest.raises(PlanError, match="op 0: F_ck 1 is not in the offload problem's"):
+        verify_plan(problem, CHECKPOINT_PLAN)
+    swapped = [f"F_all {i}" for i in range(1, 7)] + ["Loss", "B 6", "B 4", "B 5", "B 3",
+                                                     "B 2", "B 1"]
+    with pytest.raises(PlanError, match="op 8: B 4 .* which has B 5 here"):
+        verify_plan(problem, swapped)
+    extra = [*swapped[:8], "B 5", "B 4", "B 3", "B 2", "B 1", "F_all 1"]
+    with pytest.raises(PlanError, match="op 13: F_all 1 .* which has ended here"):
+        verify_plan(OffloadProblem(chain, 10**6, 0), extra)
+    store_all = [*swapped[:8], "B 5", "B 4", "B 3", "B 2", "B 1"]
+    assert verify_plan(OffloadProblem(chain, 10**6, 0), store_all)["objective"] > 0
+    remat = RematOffloadProblem(chain, 60, 0)
+    assert verify_plan(remat, CHECKPOINT_PLAN)["objective"] == 42.0
