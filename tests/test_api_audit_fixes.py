@@ -9,7 +9,7 @@ import pytest
 
 from optmem.cli import main
 from optmem.datasets.synthetic import random_chain
-from optmem.errors import PlanError
+from optmem.errors import OptmemInputError, PlanError
 from optmem.problems import OffloadProblem
 from optmem.problems.remat_offload import RematOffloadProblem
 from optmem.simulate.verify import verify_plan
@@ -67,3 +67,27 @@ def test_verify_plan_offload_refuses_another_compute_order():
     assert verify_plan(OffloadProblem(chain, 10**6, 0), store_all)["objective"] > 0
     remat = RematOffloadProblem(chain, 60, 0)
     assert verify_plan(remat, CHECKPOINT_PLAN)["objective"] == 42.0
+
+
+# ------------------------------------------------------------------ 2: pipeline lns bounded
+def test_pipeline_lns_moves_are_bounded(capsys, monkeypatch, c6):
+    pytest.importorskip("ortools")
+    from optmem.problems.pipeline import PipelineProblem
+    from optmem.result import SolveOptions
+    from optmem.solvers import pipeline_lns
+    from optmem.solvers.facade import solve
+
+    def no_search(*args, **kwargs):
+        raise AssertionError("the search ran: lns was not refused before any work")
+
+    monkeypatch.setattr(pipeline_lns, "improve", no_search)
+    assert pipeline_lns.settings(SolveOptions(extra={"lns": 100_000}), 21).moves == 100_000
+    with pytest.raises(OptmemInputError, match="lns at most 100,000") as info:
+        pipeline_lns.settings(SolveOptions(extra={"lns": 100_001}), 21)
+    assert info.value.field == "lns"
+    problem = PipelineProblem(random_chain(6, seed=1), n_gpus=2, memory_per_gpu=10**6)
+    with pytest.raises(OptmemInputError, match="lns at most"):
+        solve(problem, "cpsat", extra={"lns": 2**70})
+    code, out, err = run(capsys, "solve", "pipeline", str(c6), "--gpus", "2", "--memory",
+                         "1000000", "--method", "cpsat", "--option", f"lns={2**70}")
+    assert code == 2 and out == "" and "'lns'" in err and "at most 100,000" in err
