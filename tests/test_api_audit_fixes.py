@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -91,3 +93,32 @@ def test_pipeline_lns_moves_are_bounded(capsys, monkeypatch, c6):
     code, out, err = run(capsys, "solve", "pipeline", str(c6), "--gpus", "2", "--memory",
                          "1000000", "--method", "cpsat", "--option", f"lns={2**70}")
     assert code == 2 and out == "" and "'lns'" in err and "at most 100,000" in err
+
+
+# ------------------------------------------------------------------ 3: exported files' mode
+@pytest.mark.parametrize("method,name", [("ilp", "m.mps"), ("ilp", "m.lp"),
+                                         ("cpsat", "m.pb"), ("cpsat", "m.mps")])
+def test_exported_models_get_the_mode_of_every_other_output(capsys, tmp_path, c6, method,
+                                                            name):
+    pytest.importorskip("pulp")
+    if method == "cpsat":
+        pytest.importorskip("ortools")
+    from optmem.fileio import write_text_atomic
+    from optmem.problems import CheckpointProblem
+    from optmem.solvers.facade import export
+
+    old = os.umask(0o027)
+    try:
+        reference = write_text_atomic(tmp_path / "ref.json", "{}")
+        code, _, err = run(capsys, "export", "checkpoint", str(c6), "--memory", "60",
+                           "--method", method, "-o", str(tmp_path / name))
+        assert code == 0, err
+        export(CheckpointProblem(random_chain(6, seed=1), 60), method, tmp_path / f"py-{name}")
+    finally:
+        os.umask(old)
+    want = stat.S_IMODE(reference.stat().st_mode)
+    assert want == 0o640
+    assert stat.S_IMODE((tmp_path / name).stat().st_mode) == want
+    assert stat.S_IMODE((tmp_path / f"py-{name}").stat().st_mode) == want
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["c6.json", "ref.json", name, f"py-{name}"])  # no temporary file left
