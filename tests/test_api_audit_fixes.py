@@ -122,3 +122,22 @@ def test_exported_models_get_the_mode_of_every_other_output(capsys, tmp_path, c6
     assert stat.S_IMODE((tmp_path / f"py-{name}").stat().st_mode) == want
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         ["c6.json", "ref.json", name, f"py-{name}"])  # no temporary file left
+
+
+# ------------------------------------------------------------------ 4: conflicting variants
+def test_a_variant_given_twice_must_agree(capsys, c6):
+    from optmem.problems import CheckpointProblem
+    from optmem.solvers.facade import solve
+
+    problem = CheckpointProblem(random_chain(6, seed=1), 60)
+    with pytest.raises(OptmemInputError, match="'dp:rotor' names the variant 'rotor'") as info:
+        solve(problem, "dp:rotor", variant="paper")
+    assert info.value.field == "variant"
+    assert solve(problem, "dp:rotor", variant="rotor").variant == "rotor"  # equal: fine
+    assert solve(problem, "dp:rotor", variant="").variant == "rotor"  # "": not given
+    code, out, err = run(capsys, "solve", "checkpoint", str(c6), "--memory", "60", "--method",
+                         "dp:rotor", "--variant", "paper")
+    assert code == 2 and out == "" and "field 'variant'" in err and "'paper'" in err
+    code, out, err = run(capsys, "solve", "checkpoint", str(c6), "--memory", "60", "--method",
+                         "dp:rotor", "--variant", "rotor", "--json")
+    assert code == 0 and json.loads(out)["variant"] == "rotor", err

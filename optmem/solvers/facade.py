@@ -195,11 +195,18 @@ def run_options(problem: str, info: MethodInfo, label: str, options: SolveOption
     against the variants the method declares (:func:`check_variant`). With ``shared``
     (``compare``, ``sweep``: one ``options.variant`` for several methods), an
     ``options.variant`` the method does not declare is dropped and the method runs its
-    default variant.
+    default variant. Without ``shared`` (``solve``, ``export``), a variant in ``label``
+    and another ``options.variant`` (``"dp:rotor"`` with ``variant="paper"``) are one input
+    error (field ``variant``): until the API audit the label's variant ran in silence.
     """
     variant = split_label(label)[1]
     if variant is not None:
         check_variant(problem, info, variant)
+        if not shared and options.variant and options.variant != variant:
+            raise OptmemInputError(
+                f"method {label!r} names the variant {variant!r}, and the variant "
+                f"{options.variant!r} is also given (--variant, SolveOptions.variant): give "
+                f"the variant once, in the method or as the variant", field="variant")
         return options.with_(variant=variant)
     if shared and options.variant and options.variant not in info.variants:
         return options.with_(variant=None)
