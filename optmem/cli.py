@@ -420,7 +420,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     A setting the result records (``memory_model``, ``temporaries`` ..., CONTRACT section
     6) that the command line does not give is taken from the plan file (``from_plan``).
     """
-    from optmem.simulate.verify import plan_input, replay_plan, settings_as_solved
+    from optmem.simulate.verify import (
+        check_result_fields,
+        plan_input,
+        replay_plan,
+        settings_as_solved,
+    )
 
     chain = load_chain(args.chain)
     explicit = recorded_flags_given(args)
@@ -431,6 +436,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     plan_data = plan_file()
     taken: dict[str, Any] = {}
     try:  # the recorded settings are checked once, here (verify_plan would redo it)
+        check_result_fields(problem, plan_data)
         problem, taken = settings_as_solved(problem, plan_data, explicit=explicit)
         taken = {**needed, **taken}
         report = replay_plan(problem, plan_input(plan_data), options)

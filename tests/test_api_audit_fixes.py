@@ -141,3 +141,43 @@ def test_a_variant_given_twice_must_agree(capsys, c6):
     code, out, err = run(capsys, "solve", "checkpoint", str(c6), "--memory", "60", "--method",
                          "dp:rotor", "--variant", "rotor", "--json")
     assert code == 0 and json.loads(out)["variant"] == "rotor", err
+
+
+# ------------------------------------------------------------------ 5: the result's own fields
+@pytest.mark.parametrize("unit", [0, -3, "x", 2**70, True])
+def test_verify_checks_the_result_unit_as_show_does(capsys, tmp_path, c6, unit):
+    from optmem.problems import CheckpointProblem
+    from optmem.solvers.facade import solve
+
+    problem = CheckpointProblem(random_chain(6, seed=1), 60)
+    data = {**solve(problem, "dp").to_json(), "unit": unit}
+    path = write(tmp_path, "r.json", data)
+    code, out, err = run(capsys, "verify", "checkpoint", str(c6), str(path), "--memory", "60")
+    assert code == 2 and out == "" and "field 'unit': expected an integer in 1..2^62" in err
+    _, _, shown = run(capsys, "show", str(path), "--chain", str(c6), "-o",
+                      str(tmp_path / "o.png"))
+    assert shown == err  # one check, one message
+    with pytest.raises(PlanError, match="expected an integer in 1..2") as info:
+        verify_plan(problem, data)
+    assert info.value.field == "unit"
+    with pytest.raises(PlanError, match="memory_limit"):
+        verify_plan(problem, {**data, "unit": 1, "memory_limit": -1})
+
+
+def test_verify_refuses_a_result_of_another_problem(capsys, tmp_path, c6):
+    from optmem.solvers.facade import solve
+
+    chain = random_chain(6, seed=1)
+    result = solve(OffloadProblem(chain, 60, "12GB/s"), "dp")
+    path = write(tmp_path, "r.json", result.to_json())
+    code, out, err = run(capsys, "verify", "remat-offload", str(c6), str(path), "--memory",
+                         "60", "--bandwidth", "12GB/s")
+    assert code == 2 and out == "" and "field 'problem'" in err
+    assert "result of the offload problem, not of remat-offload" in err
+    remat = RematOffloadProblem(chain, 60, "12GB/s")
+    with pytest.raises(PlanError, match="not of remat-offload") as info:
+        verify_plan(remat, result)
+    assert info.value.field == "problem"
+    assert verify_plan(remat, list(result.plan))["objective"] == result.objective  # the ops
+    assert verify_plan(OffloadProblem(chain, 60, "12GB/s"), result)["objective"] == \
+        result.objective

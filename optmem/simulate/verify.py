@@ -24,7 +24,14 @@ from typing import Any
 
 from optmem.errors import OptmemInputError, PlanError
 from optmem.pipeline_plan import PipelinePlan
-from optmem.plan import MixedPlan, Op, parse_mixed_plan, parse_plan, store_all_plan
+from optmem.plan import (
+    MixedPlan,
+    Op,
+    parse_mixed_plan,
+    parse_plan,
+    plan_file_int,
+    store_all_plan,
+)
 from optmem.problems.checkpoint import DEFAULT_SLOTS, CheckpointProblem
 from optmem.problems.min_peak import (
     MinPeakProblem,
@@ -41,10 +48,10 @@ from optmem.simulate.offload import simulate_offload
 from optmem.simulate.pipeline import simulate_pipeline
 
 __all__ = ["CLAIM_TOLERANCE", "RECORDED_SETTINGS", "Replay", "Wording",
-           "check_store_all_sequence", "claim_holds", "plan_input", "recorded_settings",
-           "replay_result", "settings_as_solved", "verify_checkpoint_plan",
-           "verify_min_peak_plan", "verify_offload_plan", "verify_pipeline_plan",
-           "verify_plan"]
+           "check_result_fields", "check_store_all_sequence", "claim_holds", "plan_input",
+           "recorded_settings", "replay_result", "settings_as_solved",
+           "verify_checkpoint_plan", "verify_min_peak_plan", "verify_offload_plan",
+           "verify_pipeline_plan", "verify_plan"]
 
 CLAIM_TOLERANCE = 1e-6
 """Relative tolerance between a method's claimed objective and the simulated one.
@@ -327,6 +334,7 @@ def verify_plan(problem: Any, plan_data: Any, options: Any = None, *,
     if not isinstance(as_solved, bool):  # "no" would replay as solved
         raise OptmemInputError(f"expected True or False, got {as_solved!r}", field="as_solved")
     plan_data = plan_input(plan_data)
+    check_result_fields(problem, plan_data)
     solved, taken = settings_as_solved(problem, plan_data, explicit=None if not as_solved
                                        else ())
     out = replay_plan(solved, plan_data, options)
@@ -351,6 +359,33 @@ def replay_plan(problem: Any, plan_data: Any, options: Any = None) -> dict[str, 
         if isinstance(problem, cls):
             return verifier(problem, plan_data, options)
     raise OptmemInputError(f"no plan verifier for {type(problem).__name__}", field="problem")
+
+
+def check_result_fields(problem: Any, plan_data: Any) -> None:
+    """Check the fields a result object carries besides its plan, as ``optmem show`` does.
+
+    ``unit`` (an integer >= 1) and ``memory_limit`` (an integer >= 0, or ``null``) are
+    checked by :func:`optmem.plan.plan_file_int`, the check of ``show``; ``problem``, when
+    present, must name ``problem``'s kind: a result of another problem is not replayed as
+    this one's (verify its ``plan`` list alone to replay its ops). Anything but a JSON
+    object (a list of ops) has no such fields.
+
+    Raises
+    ------
+    PlanError
+        Naming the field (``unit``, ``memory_limit``, ``problem``).
+    """
+    if not isinstance(plan_data, dict):
+        return
+    plan_file_int(plan_data, "unit", default=1, least=1)
+    plan_file_int(plan_data, "memory_limit", default=None, least=0)
+    recorded = plan_data.get("problem")
+    name = getattr(problem, "name", None)
+    if recorded is not None and name is not None and recorded != name:
+        shown = recorded if isinstance(recorded, str) else repr(recorded)
+        raise PlanError(f"the file is a result of the {shown} problem, not of {name}: "
+                        f"to replay its ops as a {name} plan, verify its 'plan' list alone",
+                        field="problem")
 
 
 def plan_input(plan_data: Any) -> Any:
