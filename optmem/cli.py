@@ -436,10 +436,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
     plan_data = plan_file()
     taken: dict[str, Any] = {}
     try:  # the recorded settings are checked once, here (verify_plan would redo it)
+        plan_data = plan_input(plan_data, text=False)  # the file's JSON string is no JSON text
         check_result_fields(problem, plan_data)
         problem, taken = settings_as_solved(problem, plan_data, explicit=explicit)
         taken = {**needed, **taken}
-        report = replay_plan(problem, plan_input(plan_data), options)
+        report = replay_plan(problem, plan_data, options)
     except OptmemInputError as exc:  # whatever is wrong with the plan, name the plan file
         if taken:  # a refusal under settings the command line did not give says so
             exc.reason += f" (replayed as solved: {_settings_text(taken)})"

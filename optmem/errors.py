@@ -117,10 +117,13 @@ did you mean 'time_limit_s'? (known: slots, time_limit_s)
     for name in given:
         if name in names:
             continue
-        near = closest(name, names) or closest(name, other)
-        hint = f"; did you mean {near!r}?" if near else ""
-        if near in other and near not in names:
-            hint += f" ({near!r} is {other[near]})"
+        if name in other:  # not misspelt: misplaced ("did you mean" itself, until the audit)
+            hint = f": {name!r} is {other[name]}"
+        else:
+            near = closest(name, names) or closest(name, other)
+            hint = f"; did you mean {near!r}?" if near else ""
+            if near in other and near not in names:
+                hint += f" ({near!r} is {other[near]})"
         listed = ", ".join(names) if names else "none"
         raise OptmemInputError(f"unknown option of {what}{hint} (known: {listed})",
                                field=name)

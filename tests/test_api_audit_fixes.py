@@ -181,3 +181,70 @@ def test_verify_refuses_a_result_of_another_problem(capsys, tmp_path, c6):
     assert verify_plan(remat, list(result.plan))["objective"] == result.objective  # the ops
     assert verify_plan(OffloadProblem(chain, 60, "12GB/s"), result)["objective"] == \
         result.objective
+
+
+# ------------------------------------------------------------------ 6: misleading messages
+def test_slots_must_be_an_integer_says_so():
+    from optmem.result import SolveOptions
+
+    with pytest.raises(OptmemInputError, match="expected an integer number of slots") as info:
+        SolveOptions(slots=1000.0)
+    assert info.value.field == "slots"
+
+
+def test_a_plan_file_holding_a_json_string_says_what_is_expected(capsys, tmp_path, c6):
+    path = write(tmp_path, "p.json", "F_all 1")
+    code, out, err = run(capsys, "verify", "checkpoint", str(c6), str(path), "--memory", "60")
+    assert code == 2 and out == "" and "not valid JSON" not in err
+    assert "expected a JSON list of ops" in err and "result object" in err
+    assert "got the JSON string 'F_all 1'" in err
+
+
+def test_verify_min_peak_names_the_bad_item(capsys, tmp_path, c6):
+    for plan, k in (([0, 1.5], 1), ([0, 3, 9], 2), (["F_ck 1", 3], 1)):
+        path = write(tmp_path, "p.json", plan)
+        code, out, err = run(capsys, "verify", "min-peak", str(c6), str(path))
+        assert code == 2 and out == "" and f"item {k}: " in err and "op 0" not in err, err
+
+
+@pytest.mark.parametrize("op,least", [("offload a 9", 0), ("offload abar 9", 1),
+                                      ("prefetch a 7", 0)])
+def test_verify_offload_names_an_index_out_of_range(capsys, tmp_path, c6, op, least):
+    plan = ["F_all 1", op, *(f"F_all {i}" for i in range(2, 7)), "Loss",
+            *(f"B {i}" for i in range(6, 0, -1))]
+    path = write(tmp_path, "p.json", plan)
+    code, out, err = run(capsys, "verify", "offload", str(c6), str(path), "--memory", "1000",
+                         "--bandwidth", "1e9")
+    assert code == 2 and out == ""
+    assert f"op 1: {op}: index {op.split()[-1]} out of range {least}..6" in err
+
+
+def test_extra_is_not_an_option_key(capsys, c6):
+    from optmem.problems import CheckpointProblem
+    from optmem.solvers.facade import solve
+
+    code, out, err = run(capsys, "solve", "checkpoint", str(c6), "--memory", "60", "--option",
+                         "extra=1")
+    assert code == 2 and "did you mean" not in err and "'extra' is not an option key" in err
+    with pytest.raises(OptmemInputError, match="'extra' is not an option key") as info:
+        solve(CheckpointProblem(random_chain(6, seed=1), 60), extra={"extra": {"sweeps": 2}})
+    assert info.value.field == "extra" and "did you mean" not in str(info.value)
+
+
+@pytest.mark.parametrize("method,name", [("ilp", "m.MPS"), ("ilp", "m.Lp"),
+                                         ("cpsat", "m.PBTXT")])
+def test_export_takes_a_suffix_in_any_case(capsys, tmp_path, c6, method, name):
+    pytest.importorskip("pulp")
+    if method == "cpsat":
+        pytest.importorskip("ortools")
+    from optmem.problems import CheckpointProblem
+    from optmem.solvers.facade import export
+
+    code, out, err = run(capsys, "export", "checkpoint", str(c6), "--memory", "60",
+                         "--method", method, "-o", str(tmp_path / name))
+    assert code == 0, err
+    export(CheckpointProblem(random_chain(6, seed=1), 60), method, tmp_path / f"py-{name}")
+    lower = tmp_path / f"lower{Path(name).suffix.lower()}"
+    export(CheckpointProblem(random_chain(6, seed=1), 60), method, lower)
+    text = lower.read_text()  # the same format: .PBTXT is text, as .pbtxt
+    assert (tmp_path / name).read_text() == text == (tmp_path / f"py-{name}").read_text()

@@ -213,10 +213,21 @@ def verify_min_peak_plan(problem: MinPeakProblem, plan_data: Any,
                                                 if status else "")
                         + f"; give the checkpoints (e.g. [0, {problem.n}]) or the ops")
     n = problem.n
-    if all(isinstance(x, int) and not isinstance(x, bool) for x in data):
-        checkpoints = normalize_checkpoints(data, n)
-    else:
+    texts = [isinstance(x, str) for x in data]
+    if all(texts):
         checkpoints = checkpoints_of_plan(data, n)
+    elif any(texts):  # one kind or the other: name the first item of the other kind
+        k = texts.index(not texts[0])
+        raise PlanError(f"item {k}: expected {'an op string' if texts[0] else 'a checkpoint'} "
+                        f"as item 0 is, got {data[k]!r} (a list of ops or a list of "
+                        f"checkpoints, not both)")
+    else:  # checkpoints: name the first bad one by its place (op 0 was named until the audit)
+        for k, c in enumerate(data):
+            try:
+                normalize_checkpoints([c], n)
+            except OptmemInputError as exc:
+                raise OptmemInputError(f"item {k}: {exc.reason}", field=exc.field) from None
+        checkpoints = normalize_checkpoints(data, n)
     peak = model_peak(problem, checkpoints)
     sim = simulate_checkpoint(problem.chain, checkpoint_plan(checkpoints))
     if problem.memory_limit is not None and peak > problem.memory_limit:
@@ -388,21 +399,26 @@ def check_result_fields(problem: Any, plan_data: Any) -> None:
                         field="problem")
 
 
-def plan_input(plan_data: Any) -> Any:
+def plan_input(plan_data: Any, *, text: bool = True) -> Any:
     """``plan_data`` in the form the verifiers read, whatever the problem.
 
     A :class:`~optmem.result.Result` becomes its JSON object (``solve --json``), a string
     is read as JSON text, a tuple of ops (``Result.plan``) becomes a list; anything else is
     returned as it is. Until stop 55 only the pipeline verifier took JSON text and tuples,
-    and no verifier took a ``Result``.
+    and no verifier took a ``Result``. With ``text=False`` (``plan_data`` is a plan file's
+    content, already read as JSON) a string is what the file holds, not JSON text.
 
     Raises
     ------
     PlanError
-        For a string that is not JSON.
+        For a string that is not JSON, or (``text=False``) for any string.
     """
     if isinstance(plan_data, Result):
         return plan_data.to_json()
+    if isinstance(plan_data, str) and not text:  # "F_all 1" said "not valid JSON" until the audit
+        shown = plan_data if len(plan_data) <= 40 else plan_data[:40] + "..."
+        raise PlanError(f"expected a JSON list of ops (e.g. [\"F_all 1\", \"Loss\", \"B 1\"]) "
+                        f"or a result object (solve --json), got the JSON string {shown!r}")
     if isinstance(plan_data, str):
         try:
             return json.loads(plan_data)

@@ -239,8 +239,11 @@ def check_extra(problem: str, options: SolveOptions) -> None:
     if options.extra:
         known = {key for info in methods(problem).values() for key in info.extra}
         check_keywords(options.extra, known, what=f"SolveOptions.extra of {problem}",
-                       elsewhere={name: "a SolveOptions field, not an extra key"
-                                  for name in OPTION_NAMES})
+                       elsewhere={**{name: "a SolveOptions field, not an extra key"
+                                     for name in OPTION_NAMES},
+                                  "extra": "not an option key: the options are the extra "
+                                           "keys themselves (--option KEY=VALUE, Python "
+                                           "extra={KEY: VALUE})"})
 
 
 def solve(problem: Any, method: str = "auto", *, options: SolveOptions | None = None,
@@ -427,7 +430,8 @@ def export(problem: Any, method: str, path: str | os.PathLike[str], *,
             f"method {name!r} of {problem.name} has no exportable model (exportable: {known})",
             field="method")
     formats = (".mps", ".lp") + ((".pb", ".pbtxt") if name == "cpsat" else ())
-    if not os.fspath(path).endswith(formats):  # offload's exporter wrote MPS to any name
+    # any case, as the exporters and the CLI read it (m.MPS was refused until the API audit)
+    if not os.fspath(path).lower().endswith(formats):  # offload's exporter took any name
         raise OptmemInputError(f"cannot tell the model format from {os.fspath(path)!r} "
                                f"(expected a {', '.join(formats[:-1])} or {formats[-1]} file)",
                                field="output")
