@@ -428,6 +428,7 @@ def sweep(
         NO_METHODS,
         check_extra,
         check_shared_variant,
+        distinct_methods,
         method_info,
         method_names_of,
         problem_name,
@@ -460,6 +461,7 @@ def sweep(
         run_options(kind, method_info(kind, m), m, options, shared=True)
     check_extra(kind, options)
     check_shared_variant(kind, methods, options)
+    methods = distinct_methods(kind, methods, options)  # dp,dp ran twice until the API audit
     if isinstance(limits, str):
         limits = memory_limits(limits, problem_factory, methods, options, field="limits")
     tasks = [(m, limit) for limit in limits for m in methods]

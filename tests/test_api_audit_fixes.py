@@ -248,3 +248,24 @@ def test_export_takes_a_suffix_in_any_case(capsys, tmp_path, c6, method, name):
     export(CheckpointProblem(random_chain(6, seed=1), 60), method, lower)
     text = lower.read_text()  # the same format: .PBTXT is text, as .pbtxt
     assert (tmp_path / name).read_text() == text == (tmp_path / f"py-{name}").read_text()
+
+
+# ------------------------------------------------------------------ 7: duplicate methods
+def test_compare_and_sweep_run_each_method_and_variant_once(capsys, c6):
+    from optmem.problems import CheckpointProblem
+    from optmem.solvers.facade import compare
+    from optmem.sweep import sweep
+
+    chain = random_chain(6, seed=1)
+    labels = [r.method + (f":{r.variant}" if r.variant else "") for r in compare(
+        CheckpointProblem(chain, 60), "dp,chen,dp,dp:paper,dp:rotor,chen")]
+    assert labels == ["dp:paper", "chen", "dp:rotor"]
+    code, out, err = run(capsys, "compare", "checkpoint", str(c6), "--memory", "60",
+                         "--methods", "dp,dp", "--json")
+    assert code == 0 and len(json.loads(out)["results"]) == 1, err
+    result = sweep(lambda m: CheckpointProblem(chain, m), [50, 60], "dp,dp,chen,dp",
+                   progress=False)
+    assert list(result.methods) == ["dp", "chen"] and len(result.points) == 4
+    code, out, err = run(capsys, "sweep", "checkpoint", str(c6), "--memory", "50:60:2",
+                         "--methods", "dp,dp", "-q")
+    assert code == 0 and "2 limits x 1 methods" in out, err
