@@ -269,3 +269,23 @@ def test_compare_and_sweep_run_each_method_and_variant_once(capsys, c6):
     code, out, err = run(capsys, "sweep", "checkpoint", str(c6), "--memory", "50:60:2",
                          "--methods", "dp,dp", "-q")
     assert code == 0 and "2 limits x 1 methods" in out, err
+
+
+# ------------------------------------------------------------------ 8: unpicklable factory
+def test_sweep_refuses_an_unpicklable_factory_before_any_work():
+    from optmem.problems import CheckpointProblem
+    from optmem.sweep import sweep
+
+    chain = random_chain(6, seed=1)
+    calls = []
+
+    def factory(m):
+        calls.append(m)
+        return CheckpointProblem(chain, m)
+
+    for bad in (lambda m: CheckpointProblem(chain, m), factory):
+        with pytest.raises(OptmemInputError, match="picklable") as info:
+            sweep(bad, [60], "dp", jobs=2, progress=False)
+        assert info.value.field == "problem_factory"
+    assert calls == []  # before any work, the probe included
+    assert len(sweep(factory, [60], "dp", jobs=1, progress=False).points) == 1
