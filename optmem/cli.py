@@ -726,6 +726,10 @@ def build_parser() -> argparse.ArgumentParser:
     """The full ``optmem`` parser."""
     parser = _Parser(prog="optmem", description="Proven-optimal memory-saving plans for "
                      "training deep networks: checkpointing, offloading, pipelining.")
+    from optmem import __version__
+
+    parser.add_argument("--version", action="version", version=f"optmem {__version__}",
+                        help="print the package version and exit")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("solve", help="solve one instance")

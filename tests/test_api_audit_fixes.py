@@ -289,3 +289,13 @@ def test_sweep_refuses_an_unpicklable_factory_before_any_work():
         assert info.value.field == "problem_factory"
     assert calls == []  # before any work, the probe included
     assert len(sweep(factory, [60], "dp", jobs=1, progress=False).points) == 1
+
+
+# ------------------------------------------------------------------ 9: --version
+def test_version_prints_the_package_version(capsys):
+    import optmem
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    out, err = capsys.readouterr()
+    assert info.value.code == 0 and out == f"optmem {optmem.__version__}\n" and err == ""
