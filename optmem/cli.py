@@ -420,7 +420,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     A setting the result records (``memory_model``, ``temporaries`` ..., CONTRACT section
     6) that the command line does not give is taken from the plan file (``from_plan``).
     """
-    from optmem.simulate.verify import plan_input, replay_plan, settings_as_solved
+    from optmem.simulate.verify import (
+        check_result_fields,
+        plan_input,
+        replay_plan,
+        settings_as_solved,
+    )
 
     chain = load_chain(args.chain)
     explicit = recorded_flags_given(args)
@@ -431,9 +436,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
     plan_data = plan_file()
     taken: dict[str, Any] = {}
     try:  # the recorded settings are checked once, here (verify_plan would redo it)
+        plan_data = plan_input(plan_data, text=False)  # the file's JSON string is no JSON text
+        check_result_fields(problem, plan_data)
         problem, taken = settings_as_solved(problem, plan_data, explicit=explicit)
         taken = {**needed, **taken}
-        report = replay_plan(problem, plan_input(plan_data), options)
+        report = replay_plan(problem, plan_data, options)
     except OptmemInputError as exc:  # whatever is wrong with the plan, name the plan file
         if taken:  # a refusal under settings the command line did not give says so
             exc.reason += f" (replayed as solved: {_settings_text(taken)})"
@@ -719,6 +726,10 @@ def build_parser() -> argparse.ArgumentParser:
     """The full ``optmem`` parser."""
     parser = _Parser(prog="optmem", description="Proven-optimal memory-saving plans for "
                      "training deep networks: checkpointing, offloading, pipelining.")
+    from optmem import __version__
+
+    parser.add_argument("--version", action="version", version=f"optmem {__version__}",
+                        help="print the package version and exit")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("solve", help="solve one instance")

@@ -69,16 +69,19 @@ class PlanError(OptmemInputError):
         Why the plan is invalid.
     index
         0-based index of the offending op in the plan, if known.
+    field
+        The plan file's field at fault (``unit``, ``problem``), if any.
     """
 
-    def __init__(self, message: str, *, index: int | None = None, source: str | None = None):
+    def __init__(self, message: str, *, index: int | None = None, source: str | None = None,
+                 field: str | None = None):
         self.index = index
         text = f"op {index}: {message}" if index is not None else message
-        super().__init__(text, source=source)
+        super().__init__(text, source=source, field=field)
 
     def with_source(self, source: str) -> PlanError:
         """Return a copy of this error that names ``source`` as the origin."""
-        err = PlanError(self.reason, source=source)
+        err = PlanError(self.reason, source=source, field=self.field)
         err.index = self.index
         return err
 
@@ -114,10 +117,13 @@ did you mean 'time_limit_s'? (known: slots, time_limit_s)
     for name in given:
         if name in names:
             continue
-        near = closest(name, names) or closest(name, other)
-        hint = f"; did you mean {near!r}?" if near else ""
-        if near in other and near not in names:
-            hint += f" ({near!r} is {other[near]})"
+        if name in other:  # not misspelt: misplaced ("did you mean" itself, until the audit)
+            hint = f": {name!r} is {other[name]}"
+        else:
+            near = closest(name, names) or closest(name, other)
+            hint = f"; did you mean {near!r}?" if near else ""
+            if near in other and near not in names:
+                hint += f" ({near!r} is {other[near]})"
         listed = ", ".join(names) if names else "none"
         raise OptmemInputError(f"unknown option of {what}{hint} (known: {listed})",
                                field=name)

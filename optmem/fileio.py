@@ -74,8 +74,13 @@ def read_json(path: str | Path, *, error: type[OptmemInputError] = OptmemInputEr
 
 
 def _temporary_name(target: Path) -> Path:
-    """A fresh name beside ``target`` that keeps its suffix (short: never too long)."""
-    return target.parent / f".optmem-{os.getpid()}-{secrets.token_hex(4)}.tmp{target.suffix}"
+    """A fresh name beside ``target`` that keeps its suffix (short: never too long).
+
+    The suffix is lower-cased: writers that pick a format by suffix (CP-SAT writes text
+    for a name ending in ``txt``, not ``TXT``) see ``m.PBTXT`` as ``m.pbtxt``.
+    """
+    suffix = target.suffix.lower()
+    return target.parent / f".optmem-{os.getpid()}-{secrets.token_hex(4)}.tmp{suffix}"
 
 
 def _create(tmp: Path, path: str | Path, field: str) -> None:

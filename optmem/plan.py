@@ -170,6 +170,28 @@ def read_plan_json(path: str | Path) -> dict[str, Any]:
     return data
 
 
+def plan_file_int(data: dict[str, Any], name: str, *, default: int | None,
+                  least: int) -> int | None:
+    """The integer field ``name`` of a plan file or result (``unit``, ``memory_limit``), checked.
+
+    ``default`` when absent or ``null``. The one check of ``optmem show`` and ``optmem
+    verify`` (and Python's ``show_plan`` and ``verify_plan``).
+
+    Raises
+    ------
+    PlanError
+        (field ``name``) For a value that is no integer in ``least..2^62``.
+    """
+    value = data.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= 2**62:
+        shown = value if not isinstance(value, int) or value < 10**30 else "a larger integer"
+        raise PlanError(f"expected an integer in {least}..2^62 (a size in memory units), got "
+                        f"{shown!r}", field=name)
+    return value
+
+
 def load_plan(path: str | Path) -> Plan:
     """Read and parse a checkpoint plan file (see :func:`read_plan_json`)."""
     try:

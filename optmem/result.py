@@ -111,8 +111,8 @@ class SolveOptions:
             object.__setattr__(self, name, _limit(getattr(self, name), name))
         object.__setattr__(self, "node_limit", _node_limit(self.node_limit))
         for name, low, high, what in (("seed", 0, MAX_SEED, "a non-negative integer seed"),
-                                      ("slots", 1, None, "a positive number of slots"),
-                                      ("threads", 1, MAX_WORKERS, "a number of threads")):
+                                      ("slots", 1, None, "an integer number of slots"),
+                                      ("threads", 1, MAX_WORKERS, "an integer number of threads")):
             object.__setattr__(self, name, check_integer(getattr(self, name), name, low, high,
                                                          what))
         for name in ("warm_start", "verbose"):
@@ -174,7 +174,7 @@ def check_integer(value: Any, name: str, low: int, high: int | None, what: str) 
 
     Examples
     --------
-    >>> check_integer(np.int64(3), "slots", 1, None, "a positive number of slots")
+    >>> check_integer(np.int64(3), "slots", 1, None, "an integer number of slots")
     3
     """
     if isinstance(value, bool | np.bool_) or not isinstance(value, Integral) \

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 from optmem.chain import Chain, ChainError, check_text
 from optmem.errors import OptmemInputError, PlanError
-from optmem.plan import read_plan_json
+from optmem.plan import plan_file_int, read_plan_json
 from optmem.units import (
     chain_bandwidth_value,
     format_size,
@@ -97,9 +97,9 @@ def show_plan(
     from optmem import plotting
 
     ops = data["plan"]
-    unit_value = _file_int(data, "unit", default=1, least=1)
+    unit_value = plan_file_int(data, "unit", default=1, least=1)
     unit = 1 if unit_value is None else unit_value
-    file_limit = _file_int(data, "memory_limit", default=None, least=0)
+    file_limit = plan_file_int(data, "memory_limit", default=None, least=0)
     if memory_limit is None and file_limit is not None:
         memory_limit = file_limit * unit
     label = _file_text(data, "problem") or "checkpoint"
@@ -154,19 +154,6 @@ def _replay(run: Callable[[int | None], _Sim], limit: int | None) -> tuple[_Sim,
     except PlanError as exc:
         sim = run(None)  # a plan invalid in itself raises its own error here
         return sim, exc.reason
-
-
-def _file_int(data: dict[str, Any], name: str, *, default: int | None,
-              least: int) -> int | None:
-    """The integer field ``name`` of a plan file (``unit``, ``memory_limit``), checked."""
-    value = data.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= 2**62:
-        shown = value if not isinstance(value, int) or value < 10**30 else "a larger integer"
-        raise PlanError(f"field '{name}': expected an integer in {least}..2^62 (a size in "
-                        f"memory units), got {shown!r}")
-    return value
 
 
 def _file_text(data: dict[str, Any], name: str) -> str | None:

@@ -382,6 +382,25 @@ def _run_parallel(factory: ProblemFactory, tasks: list[tuple[str, int]],
         raise failed[min(failed)]
 
 
+def _check_picklable(problem_factory: Callable[[int], Any], jobs: int) -> None:
+    """Refuse, before any work, a factory the worker processes of ``jobs > 1`` cannot get.
+
+    An error rather than a fall back to one process: ``jobs`` asks for the workers, and a
+    run that silently takes ``jobs`` times longer is worse than one line saying why (a
+    lambda raised ``PicklingError`` from inside the pool until the API audit).
+    """
+    import pickle
+
+    try:
+        pickle.dumps(problem_factory)
+    except Exception as exc:  # PicklingError, AttributeError (local), TypeError
+        raise OptmemInputError(
+            f"with jobs={jobs} the factory goes to worker processes, which needs it "
+            f"picklable ({type(exc).__name__}: {exc}): give a top-level function, a "
+            f"functools.partial of one or CheckpointFactory, or jobs=1",
+            field="problem_factory") from None
+
+
 def sweep(
     problem_factory: ProblemFactory,
     limits: Sequence[int] | str,
@@ -420,7 +439,9 @@ def sweep(
     ------
     OptmemInputError
         For an unknown method, option or ``extra`` key, a bad ``jobs``, a factory that is
-        no function or an empty list of limits, before anything runs; for a value of an
+        no function (or, with ``jobs > 1``, that cannot be pickled: a lambda, a local
+        function; field ``problem_factory``) or an empty list of limits, before anything
+        runs; for a value of an
         ``extra`` key that a method reading it refuses, when that method runs (as
         :func:`optmem.solvers.facade.compare`).
     """
@@ -428,6 +449,7 @@ def sweep(
         NO_METHODS,
         check_extra,
         check_shared_variant,
+        distinct_methods,
         method_info,
         method_names_of,
         problem_name,
@@ -453,6 +475,8 @@ def sweep(
     if not callable(problem_factory):
         raise OptmemInputError(f"expected a function of the memory limit returning a problem, "
                                f"got {type(problem_factory).__name__}", field="problem_factory")
+    if jobs > 1:
+        _check_picklable(problem_factory, jobs)
     probe = problem_factory(0 if isinstance(limits, str) else limits[0])
     kind = problem_name(probe)
     methods = default_methods(kind) if given is None else given
@@ -460,6 +484,7 @@ def sweep(
         run_options(kind, method_info(kind, m), m, options, shared=True)
     check_extra(kind, options)
     check_shared_variant(kind, methods, options)
+    methods = distinct_methods(kind, methods, options)  # dp,dp ran twice until the API audit
     if isinstance(limits, str):
         limits = memory_limits(limits, problem_factory, methods, options, field="limits")
     tasks = [(m, limit) for limit in limits for m in methods]

@@ -164,8 +164,6 @@ when they are continuous, see ``rotor.md`` Findings 3).
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -173,6 +171,7 @@ from typing import Any
 
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError
+from optmem.fileio import write_atomic
 from optmem.models.formulation import Constraint, Expr, Model, PulpModel, Relation, to_pulp
 from optmem.plan import LOSS, B, F_all, F_ck, F_none, Op, OpKind
 
@@ -704,7 +703,10 @@ def emit_pulp(form: Formulation) -> CheckpointILP:
 
 
 def write_model(model: CheckpointILP, path: str | Path) -> None:
-    """Write ``model`` as ``.mps`` or ``.lp`` (by suffix), atomically.
+    """Write ``model`` as ``.mps`` or ``.lp`` (by suffix, any case), atomically.
+
+    Through :func:`optmem.fileio.write_atomic`, so the file gets the mode every other
+    output gets (0666 minus the umask; ``mkstemp`` made it 0600 until the API audit).
 
     Raises
     ------
@@ -716,20 +718,11 @@ def write_model(model: CheckpointILP, path: str | Path) -> None:
     if suffix not in (".mps", ".lp"):
         raise OptmemInputError(f"cannot tell the model format from {path.name!r} "
                                "(expected a .mps or .lp file)", field="output")
-    directory = path.parent if str(path.parent) else Path(".")
-    try:
-        fd, tmp = tempfile.mkstemp(suffix=suffix, prefix=".optmem-", dir=directory)
-    except OSError as exc:
-        raise OptmemInputError(f"cannot write {path} ({exc.strerror})", field="output") from None
-    os.close(fd)
-    try:
+
+    def write(tmp: Path) -> None:
         if suffix == ".mps":
-            model.problem.writeMPS(tmp)
+            model.problem.writeMPS(str(tmp))
         else:
-            model.problem.writeLP(tmp)
-        os.replace(tmp, path)
-    except OSError as exc:
-        raise OptmemInputError(f"cannot write {path} ({exc.strerror})", field="output") from None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+            model.problem.writeLP(str(tmp))
+
+    write_atomic(path, write, field="output")

@@ -196,9 +196,9 @@ def decode_min_peak_ilp(model: MinPeakModel) -> tuple[int, ...]:
 def write_min_peak_ilp(problem: MinPeakProblem, path: str) -> None:
     """Write the model, with its limit row, to ``path`` (``.lp`` or ``.mps``)."""
     model = build_min_peak_ilp(problem, limit_row=True)
-    if path.endswith(".lp"):
+    if path.lower().endswith(".lp"):
         model.lp.writeLP(path)
-    elif path.endswith(".mps"):
+    elif path.lower().endswith(".mps"):
         model.lp.writeMPS(path)
     else:
         raise OptmemInputError(f"expected a .lp or .mps file name, got {path!r}", field="output")

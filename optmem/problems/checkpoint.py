@@ -62,7 +62,7 @@ def discretize(chain: Chain, memory_limit: int, slots: int = DEFAULT_SLOTS) -> D
     >>> d.unit, d.memory_limit, d.chain.saved_size, d.chain.input_size
     (100, 100, (15,), 1)
     """
-    slots = check_integer(slots, "slots", 1, None, "a positive number of slots")
+    slots = check_integer(slots, "slots", 1, None, "an integer number of slots")
     if memory_limit < 0:
         raise OptmemInputError(f"expected a non-negative memory limit, got {memory_limit}",
                                field="memory")

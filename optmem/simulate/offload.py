@@ -334,6 +334,10 @@ def _transfer(chain: Chain, st: _State, k: int, op: TransferOp, bandwidth: float
               limit: float, readers: dict[int, int]) -> None:
     value = op.key
     name = f"{value[0]}^{value[1]}"
+    least = 0 if value[0] == "a" else 1  # a^0 is the chain input; tapes start at abar^1
+    if not least <= value[1] <= chain.length:
+        raise PlanError(f"{op}: index {value[1]} out of range {least}..{chain.length} (the "
+                        f"chain has {chain.length} stages)", index=k)
     if value not in st.stored:
         raise PlanError(f"{op}: {name} is not in memory", index=k)
     size = value_size(chain, value)

@@ -24,7 +24,14 @@ from typing import Any
 
 from optmem.errors import OptmemInputError, PlanError
 from optmem.pipeline_plan import PipelinePlan
-from optmem.plan import parse_mixed_plan, parse_plan
+from optmem.plan import (
+    MixedPlan,
+    Op,
+    parse_mixed_plan,
+    parse_plan,
+    plan_file_int,
+    store_all_plan,
+)
 from optmem.problems.checkpoint import DEFAULT_SLOTS, CheckpointProblem
 from optmem.problems.min_peak import (
     MinPeakProblem,
@@ -40,8 +47,9 @@ from optmem.simulate.min_peak import model_peak
 from optmem.simulate.offload import simulate_offload
 from optmem.simulate.pipeline import simulate_pipeline
 
-__all__ = ["CLAIM_TOLERANCE", "RECORDED_SETTINGS", "Replay", "Wording", "claim_holds",
-           "plan_input", "recorded_settings", "replay_result", "settings_as_solved",
+__all__ = ["CLAIM_TOLERANCE", "RECORDED_SETTINGS", "Replay", "Wording",
+           "check_result_fields", "check_store_all_sequence", "claim_holds", "plan_input",
+           "recorded_settings", "replay_result", "settings_as_solved",
            "verify_checkpoint_plan", "verify_min_peak_plan", "verify_offload_plan",
            "verify_pipeline_plan", "verify_plan"]
 
@@ -205,10 +213,21 @@ def verify_min_peak_plan(problem: MinPeakProblem, plan_data: Any,
                                                 if status else "")
                         + f"; give the checkpoints (e.g. [0, {problem.n}]) or the ops")
     n = problem.n
-    if all(isinstance(x, int) and not isinstance(x, bool) for x in data):
-        checkpoints = normalize_checkpoints(data, n)
-    else:
+    texts = [isinstance(x, str) for x in data]
+    if all(texts):
         checkpoints = checkpoints_of_plan(data, n)
+    elif any(texts):  # one kind or the other: name the first item of the other kind
+        k = texts.index(not texts[0])
+        raise PlanError(f"item {k}: expected {'an op string' if texts[0] else 'a checkpoint'} "
+                        f"as item 0 is, got {data[k]!r} (a list of ops or a list of "
+                        f"checkpoints, not both)")
+    else:  # checkpoints: name the first bad one by its place (op 0 was named until the audit)
+        for k, c in enumerate(data):
+            try:
+                normalize_checkpoints([c], n)
+            except OptmemInputError as exc:
+                raise OptmemInputError(f"item {k}: {exc.reason}", field=exc.field) from None
+        checkpoints = normalize_checkpoints(data, n)
     peak = model_peak(problem, checkpoints)
     sim = simulate_checkpoint(problem.chain, checkpoint_plan(checkpoints))
     if problem.memory_limit is not None and peak > problem.memory_limit:
@@ -236,13 +255,45 @@ def verify_offload_plan(problem: OffloadProblem, plan_data: Any,
         raise PlanError("expected a JSON list of ops or an object with a 'plan' list")
     slots = getattr(options, "slots", DEFAULT_SLOTS)
     disc = problem.discretize(slots)
-    sim = simulate_offload(disc.chain, parse_mixed_plan(ops), problem.unit_bandwidth(disc.unit),
+    plan = parse_mixed_plan(ops)
+    if problem.name == "offload":  # remat-offload plans may also recompute
+        check_store_all_sequence(plan, problem.chain.length)
+    sim = simulate_offload(disc.chain, plan, problem.unit_bandwidth(disc.unit),
                            disc.memory_limit)
     if sim.peak_memory > disc.memory_limit:
         raise PlanError(f"the plan peaks at {sim.peak_memory}, above {disc.memory_limit}")
     return {"objective": sim.makespan, "peak_memory": sim.peak_memory,
             "memory_limit": disc.memory_limit, "unit": disc.unit, "ops": len(ops),
             "idle_time": sim.idle_time, "offloaded": sim.offloaded_size}
+
+
+def check_store_all_sequence(plan: MixedPlan, length: int) -> None:
+    """Refuse an offload plan whose compute ops are not the store-all sequence.
+
+    The offload problem (CONTRACT section 10) allows one compute sequence, ``F_all 1 ..
+    F_all L``, ``Loss``, ``B L .. B 1``, with transfer ops between its ops; a plan that
+    recomputes (``F_ck``, ``F_none``) or runs the ops in another order belongs to the
+    remat-offload problem. A plan that stops early is left to the simulator (incomplete).
+
+    Raises
+    ------
+    PlanError
+        Naming the first compute op that differs from the store-all sequence and the op
+        expected there.
+    """
+    expected = store_all_plan(length)
+    k = 0
+    for index, op in enumerate(plan):
+        if not isinstance(op, Op):
+            continue
+        want = expected[k] if k < len(expected) else None
+        if op != want:
+            here = f"which has {want} here" if want else "which has ended here"
+            raise PlanError(f"{op} is not in the offload problem's compute sequence, {here} "
+                            f"(store-all: F_all 1 .. F_all {length}, Loss, B {length} .. "
+                            f"B 1, transfers between them); a plan that recomputes is a "
+                            f"remat-offload plan (verify remat-offload)", index=index)
+        k += 1
 
 
 def verify_pipeline_plan(problem: PipelineProblem, plan_data: Any,
@@ -294,6 +345,7 @@ def verify_plan(problem: Any, plan_data: Any, options: Any = None, *,
     if not isinstance(as_solved, bool):  # "no" would replay as solved
         raise OptmemInputError(f"expected True or False, got {as_solved!r}", field="as_solved")
     plan_data = plan_input(plan_data)
+    check_result_fields(problem, plan_data)
     solved, taken = settings_as_solved(problem, plan_data, explicit=None if not as_solved
                                        else ())
     out = replay_plan(solved, plan_data, options)
@@ -320,21 +372,53 @@ def replay_plan(problem: Any, plan_data: Any, options: Any = None) -> dict[str, 
     raise OptmemInputError(f"no plan verifier for {type(problem).__name__}", field="problem")
 
 
-def plan_input(plan_data: Any) -> Any:
+def check_result_fields(problem: Any, plan_data: Any) -> None:
+    """Check the fields a result object carries besides its plan, as ``optmem show`` does.
+
+    ``unit`` (an integer >= 1) and ``memory_limit`` (an integer >= 0, or ``null``) are
+    checked by :func:`optmem.plan.plan_file_int`, the check of ``show``; ``problem``, when
+    present, must name ``problem``'s kind: a result of another problem is not replayed as
+    this one's (verify its ``plan`` list alone to replay its ops). Anything but a JSON
+    object (a list of ops) has no such fields.
+
+    Raises
+    ------
+    PlanError
+        Naming the field (``unit``, ``memory_limit``, ``problem``).
+    """
+    if not isinstance(plan_data, dict):
+        return
+    plan_file_int(plan_data, "unit", default=1, least=1)
+    plan_file_int(plan_data, "memory_limit", default=None, least=0)
+    recorded = plan_data.get("problem")
+    name = getattr(problem, "name", None)
+    if recorded is not None and name is not None and recorded != name:
+        shown = recorded if isinstance(recorded, str) else repr(recorded)
+        raise PlanError(f"the file is a result of the {shown} problem, not of {name}: "
+                        f"to replay its ops as a {name} plan, verify its 'plan' list alone",
+                        field="problem")
+
+
+def plan_input(plan_data: Any, *, text: bool = True) -> Any:
     """``plan_data`` in the form the verifiers read, whatever the problem.
 
     A :class:`~optmem.result.Result` becomes its JSON object (``solve --json``), a string
     is read as JSON text, a tuple of ops (``Result.plan``) becomes a list; anything else is
     returned as it is. Until stop 55 only the pipeline verifier took JSON text and tuples,
-    and no verifier took a ``Result``.
+    and no verifier took a ``Result``. With ``text=False`` (``plan_data`` is a plan file's
+    content, already read as JSON) a string is what the file holds, not JSON text.
 
     Raises
     ------
     PlanError
-        For a string that is not JSON.
+        For a string that is not JSON, or (``text=False``) for any string.
     """
     if isinstance(plan_data, Result):
         return plan_data.to_json()
+    if isinstance(plan_data, str) and not text:  # "F_all 1" said "not valid JSON" until the audit
+        shown = plan_data if len(plan_data) <= 40 else plan_data[:40] + "..."
+        raise PlanError(f"expected a JSON list of ops (e.g. [\"F_all 1\", \"Loss\", \"B 1\"]) "
+                        f"or a result object (solve --json), got the JSON string {shown!r}")
     if isinstance(plan_data, str):
         try:
             return json.loads(plan_data)

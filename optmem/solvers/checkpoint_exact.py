@@ -442,11 +442,13 @@ def export_checkpoint_ilp(problem: CheckpointProblem, options: SolveOptions, pat
 @register_exporter(PROBLEM, "cpsat")
 def export_checkpoint_cpsat(problem: CheckpointProblem, options: SolveOptions,
                             path: str) -> None:
-    """Write the CP-SAT model (``.pb``/``.pbtxt``) or the same model as ILP (``.mps``/``.lp``)."""
-    import os
-    import tempfile
+    """Write the CP-SAT model (``.pb``/``.pbtxt``) or the same model as ILP (``.mps``/``.lp``).
+
+    Atomically, with :func:`optmem.fileio.write_atomic` (the mode of every other output).
+    """
     from pathlib import Path
 
+    from optmem.fileio import write_atomic
     from optmem.models.checkpoint_cpsat import emit_cpsat
 
     _, _, form = _prepare(problem, options, "cpsat")
@@ -459,13 +461,9 @@ def export_checkpoint_cpsat(problem: CheckpointProblem, options: SolveOptions,
         raise OptmemInputError(f"cannot tell the model format from {target.name!r} "
                                "(expected .pb, .pbtxt, .mps or .lp)", field="output")
     model = emit_cpsat(form)
-    fd, tmp = tempfile.mkstemp(suffix=suffix, prefix=".optmem-",
-                               dir=target.parent if str(target.parent) else ".")
-    os.close(fd)
-    try:
-        if not model.model.export_to_file(tmp):
+
+    def write(tmp: Path) -> None:
+        if not model.model.export_to_file(str(tmp)):
             raise OptmemInputError(f"cannot write {target}", field="output")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+
+    write_atomic(target, write, field="output")

@@ -12,7 +12,7 @@ import importlib
 import math
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from optmem.engines.adapters import work_budget
@@ -23,8 +23,8 @@ from optmem.solvers.registration import Exporter, MethodFn, MethodInfo, register
 
 __all__ = ["Exporter", "MethodFn", "MethodInfo", "available_methods", "best_objective",
            "check_extra", "check_shared_variant", "check_variant", "compare",
-           "default_compare_methods", "export", "limited_compare_methods", "method_info",
-           "method_names_of", "methods",
+           "default_compare_methods", "distinct_methods", "export",
+           "limited_compare_methods", "method_info", "method_names_of", "methods",
            "problem_name", "problems", "register", "reraise_input_error", "resolve_options",
            "run_options", "solve", "split_label"]
 
@@ -195,16 +195,55 @@ def run_options(problem: str, info: MethodInfo, label: str, options: SolveOption
     against the variants the method declares (:func:`check_variant`). With ``shared``
     (``compare``, ``sweep``: one ``options.variant`` for several methods), an
     ``options.variant`` the method does not declare is dropped and the method runs its
-    default variant.
+    default variant. Without ``shared`` (``solve``, ``export``), a variant in ``label``
+    and another ``options.variant`` (``"dp:rotor"`` with ``variant="paper"``) are one input
+    error (field ``variant``): until the API audit the label's variant ran in silence.
     """
     variant = split_label(label)[1]
     if variant is not None:
         check_variant(problem, info, variant)
+        if not shared and options.variant and options.variant != variant:
+            raise OptmemInputError(
+                f"method {label!r} names the variant {variant!r}, and the variant "
+                f"{options.variant!r} is also given (--variant, SolveOptions.variant): give "
+                f"the variant once, in the method or as the variant", field="variant")
         return options.with_(variant=variant)
     if shared and options.variant and options.variant not in info.variants:
         return options.with_(variant=None)
     check_variant(problem, info, options.variant)
     return options
+
+
+def distinct_methods(problem: str, labels: Sequence[str], options: SolveOptions) -> list[str]:
+    """``labels`` without a repeat of one method and variant, the first kept, in order.
+
+    ``compare`` and ``sweep`` (``--methods dp,dp``; ``dp`` and ``dp:paper``, the default
+    variant, are one run) run each method once. The labels must be valid
+    (:func:`run_options` with ``shared``).
+
+    Examples
+    --------
+    >>> distinct_methods("checkpoint", ["dp", "chen", "dp:paper", "dp", "dp:rotor"],
+    ...                  SolveOptions())
+    ['dp', 'chen', 'dp:rotor']
+    """
+    infos = [method_info(problem, label) for label in labels]
+    runs = [run_options(problem, info, label, options, shared=True)
+            for label, info in zip(labels, infos, strict=True)]
+    seen: set[tuple[str, str | None]] = set()
+    out = []
+    for label, key in zip(labels, _run_keys(infos, runs), strict=True):
+        if key not in seen:
+            seen.add(key)
+            out.append(label)
+    return out
+
+
+def _run_keys(infos: Sequence[MethodInfo],
+              runs: Sequence[SolveOptions]) -> list[tuple[str, str | None]]:
+    """The method and the variant it runs (its default when none is given), per run."""
+    return [(info.name, run.variant or (info.variants[0] if info.variants else None))
+            for info, run in zip(infos, runs, strict=True)]
 
 
 def resolve_options(options: SolveOptions | None, overrides: dict[str, Any]) -> SolveOptions:
@@ -232,8 +271,11 @@ def check_extra(problem: str, options: SolveOptions) -> None:
     if options.extra:
         known = {key for info in methods(problem).values() for key in info.extra}
         check_keywords(options.extra, known, what=f"SolveOptions.extra of {problem}",
-                       elsewhere={name: "a SolveOptions field, not an extra key"
-                                  for name in OPTION_NAMES})
+                       elsewhere={**{name: "a SolveOptions field, not an extra key"
+                                     for name in OPTION_NAMES},
+                                  "extra": "not an option key: the options are the extra "
+                                           "keys themselves (--option KEY=VALUE, Python "
+                                           "extra={KEY: VALUE})"})
 
 
 def solve(problem: Any, method: str = "auto", *, options: SolveOptions | None = None,
@@ -357,6 +399,11 @@ def compare(
     runs = [run_options(kind, info, label, opts, shared=True)  # dp:bogus, chen:rotor
             for label, info in zip(names, infos, strict=True)]
     check_shared_variant(kind, names, opts)
+    keep = set(distinct_methods(kind, names, opts))  # dp,dp ran twice until the API audit
+    kept = [k for k, label in enumerate(names) if label in keep and label not in names[:k]]
+    names = [names[k] for k in kept]
+    infos = [infos[k] for k in kept]
+    runs = [runs[k] for k in kept]
     results = []
     for name, info, run in zip(names, infos, runs, strict=True):
         if progress:
@@ -420,7 +467,8 @@ def export(problem: Any, method: str, path: str | os.PathLike[str], *,
             f"method {name!r} of {problem.name} has no exportable model (exportable: {known})",
             field="method")
     formats = (".mps", ".lp") + ((".pb", ".pbtxt") if name == "cpsat" else ())
-    if not os.fspath(path).endswith(formats):  # offload's exporter wrote MPS to any name
+    # any case, as the exporters and the CLI read it (m.MPS was refused until the API audit)
+    if not os.fspath(path).lower().endswith(formats):  # offload's exporter took any name
         raise OptmemInputError(f"cannot tell the model format from {os.fspath(path)!r} "
                                f"(expected a {', '.join(formats[:-1])} or {formats[-1]} file)",
                                field="output")

@@ -36,6 +36,7 @@ WORK_COUNT_MAX: dict[str, int] = {
     "chunks": 1_000,  # runs of layers per GPU (a chain has far fewer useful ones)
     "family_limit": 2_000_000,  # allocations asked by the chunk scan's complete family
     "benders_iterations": 100_000,  # one master solve per iteration
+    "lns": 100_000,  # pipeline: one CP-SAT move each (remat-offload's lns is a flag)
     "lns_windows": 100_000,  # one window solve each
     "lns_width": 100_000,  # backward phases per window (clamped to the chain)
     "lns_step": 100_000,  # backward phases from one window to the next
