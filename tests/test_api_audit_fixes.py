@@ -164,7 +164,11 @@ def test_verify_checks_the_result_unit_as_show_does(capsys, tmp_path, c6, unit):
         verify_plan(problem, {**data, "unit": 1, "memory_limit": -1})
 
 
-def test_verify_refuses_a_result_of_another_problem(capsys, tmp_path, c6):
+def test_verify_refuses_a_result_of_another_kind_of_plan(capsys, tmp_path, c6):
+    """A pipeline result is no list of ops (and the reverse): one error naming ``problem``.
+    Results of the problems that share the ops replay in each other, as before the audit:
+    an offload result in remat-offload, a checkpoint one in remat-offload and min-peak."""
+    from optmem.problems.pipeline import PipelineProblem
     from optmem.solvers.facade import solve
 
     chain = random_chain(6, seed=1)
@@ -172,15 +176,24 @@ def test_verify_refuses_a_result_of_another_problem(capsys, tmp_path, c6):
     path = write(tmp_path, "r.json", result.to_json())
     code, out, err = run(capsys, "verify", "remat-offload", str(c6), str(path), "--memory",
                          "60", "--bandwidth", "12GB/s")
-    assert code == 2 and out == "" and "field 'problem'" in err
-    assert "result of the offload problem, not of remat-offload" in err
+    assert code == 0 and "valid plan" in out
     remat = RematOffloadProblem(chain, 60, "12GB/s")
-    with pytest.raises(PlanError, match="not of remat-offload") as info:
-        verify_plan(remat, result)
+    assert verify_plan(remat, result)["objective"] == result.objective
+    pipe = solve(PipelineProblem(chain, n_gpus=2, memory_per_gpu=100, chain_bandwidth=1e6),
+                 "contiguous")
+    assert pipe.status.has_plan
+    path = write(tmp_path, "p.json", pipe.to_json())
+    code, out, err = run(capsys, "verify", "remat-offload", str(c6), str(path), "--memory",
+                         "60", "--bandwidth", "12GB/s")
+    assert code == 2 and out == "" and "field 'problem'" in err
+    assert "result of the pipeline problem, whose plans are not remat-offload plans" in err
+    with pytest.raises(PlanError, match="not remat-offload plans") as info:
+        verify_plan(remat, pipe)
     assert info.value.field == "problem"
-    assert verify_plan(remat, list(result.plan))["objective"] == result.objective  # the ops
-    assert verify_plan(OffloadProblem(chain, 60, "12GB/s"), result)["objective"] == \
-        result.objective
+    with pytest.raises(PlanError, match="not pipeline plans") as info:
+        verify_plan(PipelineProblem(chain, n_gpus=2, memory_per_gpu=100,
+                                    chain_bandwidth=1e6), result)
+    assert info.value.field == "problem"
 
 
 # ------------------------------------------------------------------ 6: misleading messages

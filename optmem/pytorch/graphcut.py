@@ -817,10 +817,11 @@ class _Alias(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:  # noqa: D102 - identity
+        ctx.set_materialize_grads(False)  # no gradient in, none out (not zeros: stop 75)
         return t.detach()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # noqa: D102 - identity
+    def backward(ctx: Any, grad: torch.Tensor | None) -> torch.Tensor | None:  # noqa: D102
         return grad
 
 

@@ -377,9 +377,11 @@ def check_result_fields(problem: Any, plan_data: Any) -> None:
 
     ``unit`` (an integer >= 1) and ``memory_limit`` (an integer >= 0, or ``null``) are
     checked by :func:`optmem.plan.plan_file_int`, the check of ``show``; ``problem``, when
-    present, must name ``problem``'s kind: a result of another problem is not replayed as
-    this one's (verify its ``plan`` list alone to replay its ops). Anything but a JSON
-    object (a list of ops) has no such fields.
+    present, must name a problem whose plans are ``problem``'s kind of plan: a pipeline
+    result is not replayed as a list of ops, nor a checkpoint, offload, remat-offload or
+    min-peak result as a pipeline plan (those four share their ops: a checkpoint or offload
+    result replays in remat-offload, as before the API audit). Anything but a JSON object
+    (a list of ops) has no such fields.
 
     Raises
     ------
@@ -392,11 +394,19 @@ def check_result_fields(problem: Any, plan_data: Any) -> None:
     plan_file_int(plan_data, "memory_limit", default=None, least=0)
     recorded = plan_data.get("problem")
     name = getattr(problem, "name", None)
-    if recorded is not None and name is not None and recorded != name:
-        shown = recorded if isinstance(recorded, str) else repr(recorded)
-        raise PlanError(f"the file is a result of the {shown} problem, not of {name}: "
-                        f"to replay its ops as a {name} plan, verify its 'plan' list alone",
-                        field="problem")
+    if recorded is None or name is None or recorded == name:
+        return
+    if isinstance(recorded, str) and recorded in _OP_PROBLEMS and name in _OP_PROBLEMS:
+        return  # the same ops: a checkpoint or offload result is a remat-offload plan, ...
+    shown = recorded if isinstance(recorded, str) else repr(recorded)
+    raise PlanError(f"the file is a result of the {shown} problem, whose plans are not "
+                    f"{name} plans", field="problem")
+
+
+# the problems whose plans are lists of the same ops (CONTRACT sections 3, 10, 13): a result
+# of one replays as a plan of another (a checkpoint result in remat-offload, a min-peak one
+# in checkpoint; the verifier refuses the ops the problem has not); pipeline plans are not
+_OP_PROBLEMS = frozenset({"checkpoint", "min-peak", "offload", "remat-offload"})
 
 
 def plan_input(plan_data: Any, *, text: bool = True) -> Any:
