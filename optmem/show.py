@@ -27,12 +27,13 @@ from typing import Any, TypeVar
 from optmem.chain import Chain, ChainError, check_text
 from optmem.errors import OptmemInputError, PlanError
 from optmem.plan import plan_file_int, read_plan_json
+from optmem.problems.checkpoint import check_chain, check_memory_limit
+from optmem.simulate.verify import plan_input
 from optmem.units import (
     chain_bandwidth_value,
     format_size,
     parse_bandwidth,
     parse_chain_bandwidth,
-    parse_size,
 )
 
 TRANSFER_WORDS = ("offload", "prefetch")
@@ -56,12 +57,13 @@ def is_offload_plan(ops: list[str]) -> bool:
 
 
 def show_plan(
-    chain: Chain,
-    data: dict[str, Any],
+    chain: Chain | str | Path,
+    data: Any,
     path: str | Path,
     *,
-    memory_limit: int | None = None,
-    bandwidth: float | None = None,
+    memory_limit: int | str | None = None,
+    bandwidth: float | str | None = None,
+    chain_bandwidth: float | str | None = None,
     title: str | None = None,
 ) -> dict[str, Any]:
     """Replay the plan of ``data`` (see :func:`read_plan_file`) and draw it to ``path``.
@@ -69,15 +71,25 @@ def show_plan(
     Parameters
     ----------
     chain
-        The chain the plan was computed for.
+        The chain the plan was computed for: a :class:`Chain`, a chain file path or a
+        bundled dataset name (as the CLI's ``--chain``).
     data
-        ``{"plan": [...]}`` plus, optionally, ``memory_limit`` and ``unit`` (solve output).
+        ``{"plan": [...]}`` plus, optionally, ``memory_limit`` and ``unit`` (solve output),
+        a :class:`~optmem.result.Result`, a list or tuple of ops, a :class:`~pathlib.Path`
+        of a plan file (as the CLI's ``PLAN``), or JSON text of any of those.
     path
         Output picture (``.png``, ``.svg``, ``.pdf``).
     memory_limit
-        Limit to draw, in the chain's memory unit (default: ``memory_limit * unit``).
+        Limit to draw (default: the file's ``memory_limit * unit``): bytes (memory units)
+        as the problems take them, an int or a size string (``"4GiB"``), or a percentage
+        of the chain's store-all peak (``"60%"``).
     bandwidth
-        Link bandwidth in memory units per time unit (offload plans).
+        Link bandwidth for offload plans, as the problems take it (CONTRACT section 14): a
+        number of bytes (memory units) per second or a rate (``"12GB/s"``).
+    chain_bandwidth
+        The link in memory units per chain time unit instead (``--chain-bandwidth``).
+        Until stop 75 ``bandwidth`` was read in these units, and the chain, the data and
+        the limit had to be given as objects and an int (the CLI took names and sizes).
 
     Returns
     -------
@@ -96,6 +108,11 @@ def show_plan(
     """
     from optmem import plotting
 
+    chain = check_chain(chain)
+    data = _plan_data(data)
+    if memory_limit is not None:
+        memory_limit = check_memory_limit(memory_limit, field="memory_limit", chain=chain)
+    bandwidth = _link(chain, bandwidth, chain_bandwidth)
     ops = data["plan"]
     unit_value = plan_file_int(data, "unit", default=1, least=1)
     unit = 1 if unit_value is None else unit_value
@@ -139,6 +156,36 @@ def show_plan(
                                       time_unit=chain.time_unit, title=head)
     return {"kind": "checkpoint", "makespan": sim_c.makespan, "peak_memory": sim_c.peak_memory,
             "memory_limit": memory_limit, "path": str(path), "above_limit": above}
+
+
+def _plan_data(data: Any) -> dict[str, Any]:
+    """``show_plan``'s ``data`` as a plan file's content (:func:`read_plan_file`)."""
+    if isinstance(data, Path):
+        return read_plan_file(data)
+    data = plan_input(data)  # a Result, JSON text, a tuple of ops
+    if isinstance(data, list):
+        data = {"plan": data}
+    if not isinstance(data, dict) or not isinstance(data.get("plan"), list):
+        raise PlanError("expected a plan: a list of ops, a result or its JSON object (with a "
+                        "'plan' list), or the Path of a plan file")
+    if not data["plan"]:
+        raise PlanError("the plan is empty (the solve found no plan?)")
+    if not all(isinstance(op, str) for op in data["plan"]):
+        raise PlanError("expected op strings like 'F_all 3' in 'plan'")
+    return data
+
+
+def _link(chain: Chain, bandwidth: Any, chain_bandwidth: Any) -> float | None:
+    """The link in chain units from ``bandwidth`` (per second) or ``chain_bandwidth``."""
+    if bandwidth is not None and chain_bandwidth is not None:
+        raise OptmemInputError("give the link as bandwidth (bytes per second or a rate) or "
+                               "as chain_bandwidth (chain units), not both",
+                               field="chain_bandwidth")
+    if bandwidth is not None:
+        return parse_bandwidth(bandwidth, time_unit=chain.time_unit, field="bandwidth")
+    if chain_bandwidth is not None:
+        return parse_chain_bandwidth(chain_bandwidth, field="chain_bandwidth")
+    return None
 
 
 def _replay(run: Callable[[int | None], _Sim], limit: int | None) -> tuple[_Sim, str | None]:
@@ -226,7 +273,8 @@ def cmd_show(args: argparse.Namespace) -> int:
         check_text(args.title, name="--title", allow="\n")
     data = read_plan_file(args.plan)
     out = args.output or str(Path(args.plan).with_suffix(".png"))
-    limit = parse_size(args.memory, field="--memory") if args.memory else None
+    limit = check_memory_limit(args.memory, field="--memory", chain=chain) \
+        if args.memory else None
     bandwidth = (parse_bandwidth(args.bandwidth, time_unit=chain.time_unit, field="--bandwidth")
                  if args.bandwidth else None)
     if args.chain_bandwidth is not None:
@@ -236,7 +284,7 @@ def cmd_show(args: argparse.Namespace) -> int:
                                    field="--chain-bandwidth")
         bandwidth = parse_chain_bandwidth(args.chain_bandwidth, field="--chain-bandwidth")
     try:
-        info = show_plan(chain, data, out, memory_limit=limit, bandwidth=bandwidth,
+        info = show_plan(chain, data, out, memory_limit=limit, chain_bandwidth=bandwidth,
                          title=args.title)
     except PlanError as exc:
         raise exc.with_source(args.plan) from None

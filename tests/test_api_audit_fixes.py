@@ -312,3 +312,44 @@ def test_version_prints_the_package_version(capsys):
         main(["--version"])
     out, err = capsys.readouterr()
     assert info.value.code == 0 and out == f"optmem {optmem.__version__}\n" and err == ""
+
+
+# ------------------------------------------------------------------ show_plan: the CLI's inputs
+def test_show_plan_takes_what_optmem_show_takes(capsys, tmp_path, c6):
+    """Python's ``show_plan`` takes the chain by path or name, the plan as a Path, a
+    ``Result``, a list of ops or JSON text, the limit as a size or a percentage, and the
+    link as the problems take it (a bare number is bytes per second, as on the CLI); until
+    stop 75 it took a ``Chain``, a dict and an int only, and a bare number in chain units."""
+    from optmem.chain import Chain
+    from optmem.show import show_plan
+    from optmem.solvers.facade import solve
+
+    chain = Chain.load(c6)
+    result = solve(OffloadProblem(chain, 60, bandwidth=1e3), "dp")
+    assert result.status.has_plan
+    path = write(tmp_path, "r.json", result.to_json())
+    code, out, _ = run(capsys, "show", str(path), "--chain", str(c6), "--bandwidth", "1e3",
+                       "--memory", "60", "-o", str(tmp_path / "cli.png"))
+    assert code == 0
+    cli_makespan = float(out.split("makespan ")[1].split()[0])
+    for chain_arg in (chain, str(c6)):
+        for data in (path, result, list(result.plan), json.dumps(result.to_json())):
+            info = show_plan(chain_arg, data, tmp_path / "py.png", bandwidth=1e3,
+                             memory_limit="60")
+            assert f"{info['makespan']:.6g}" == f"{cli_makespan:.6g}"
+            assert info["memory_limit"] == 60
+    rate = show_plan(c6, path, tmp_path / "r.png", bandwidth="1kB/s")
+    assert rate["makespan"] == pytest.approx(cli_makespan, rel=1e-6)
+    per_ms = show_plan(c6, path, tmp_path / "u.png", chain_bandwidth=1.0)  # 1 B/ms = 1e3 B/s
+    assert per_ms["makespan"] == pytest.approx(cli_makespan, rel=1e-6)
+    assert show_plan(c6, path, tmp_path / "p.png", bandwidth=1e3,
+                     memory_limit="100%")["memory_limit"] == chain.store_all_peak()
+    for bad, field in (({"memory_limit": -1}, "memory_limit"),
+                       ({"bandwidth": -1.0}, "bandwidth"),
+                       ({"bandwidth": 1e3, "chain_bandwidth": 1.0}, "chain_bandwidth")):
+        with pytest.raises(OptmemInputError) as info:
+            show_plan(c6, path, tmp_path / "bad.png", **bad)
+        assert info.value.field == field
+        assert not (tmp_path / "bad.png").exists()
+    with pytest.raises(PlanError, match="plan is empty"):
+        show_plan(c6, [], tmp_path / "bad.png")

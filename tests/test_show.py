@@ -89,7 +89,7 @@ def test_offload_plan_two_lanes(tmp_path: Path) -> None:
     ops = ["F_all 1", "offload a 0", "F_all 2", "Loss", "B 2", "prefetch a 0", "B 1"]
     assert is_offload_plan(ops) and not is_offload_plan(["F_all 1"])
     data = {"plan": ops, "memory_limit": 12, "unit": 1}
-    info = show_plan(chain, data, tmp_path / "o.png", bandwidth=1.0)
+    info = show_plan(chain, data, tmp_path / "o.png", chain_bandwidth=1.0)
     assert (info["kind"], info["makespan"], info["peak_memory"]) == ("offload", 14.0, 12)
     assert (tmp_path / "o.png").stat().st_size > 1000
     with pytest.raises(OptmemInputError):
@@ -153,7 +153,7 @@ def test_a_plan_above_the_limit_is_drawn_with_a_warning_for_every_problem(
     assert "does not fit the limit" in err and "op " in err
     data = read_plan_file(plan)
     info = show_plan(_bundled(), data, tmp_path / "api.png", memory_limit=_limit(lower),
-                     bandwidth=1.2e7 if "--bandwidth" in argv else None)
+                     bandwidth="12GB/s" if "--bandwidth" in argv else None)
     assert info["above_limit"] is not None and info["peak_memory"] > info["memory_limit"]
 
 
@@ -174,15 +174,15 @@ def test_an_offload_plan_above_the_limit_is_drawn_as_replayed_without_it(
     chain = Chain.from_lists([2, 2], [4, 4], [2, 2], [4, 4], input_size=2)
     ops = ["F_all 1", "offload a 0", "F_all 2", "Loss", "B 2", "prefetch a 0", "B 1"]
     fits = show_plan(chain, {"plan": ops, "memory_limit": 12, "unit": 1}, tmp_path / "a.png",
-                     bandwidth=1.0)
+                     chain_bandwidth=1.0)
     assert fits["above_limit"] is None and fits["peak_memory"] == 12
     above = show_plan(chain, {"plan": ops, "memory_limit": 11, "unit": 1},
-                      tmp_path / "b.png", bandwidth=1.0)
+                      tmp_path / "b.png", chain_bandwidth=1.0)
     assert above["peak_memory"] > above["memory_limit"] == 11
     assert "above the limit 11" in above["above_limit"]
     with pytest.raises(PlanError):  # a plan invalid in itself is still refused
         show_plan(chain, {"plan": ops[:-1] + ["B 2"], "memory_limit": 11, "unit": 1},
-                  tmp_path / "c.png", bandwidth=1.0)
+                  tmp_path / "c.png", chain_bandwidth=1.0)
 
 
 def test_show_takes_the_link_in_chain_units(tmp_path: Path, capsys) -> None:
