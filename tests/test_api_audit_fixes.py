@@ -353,3 +353,16 @@ def test_show_plan_takes_what_optmem_show_takes(capsys, tmp_path, c6):
         assert not (tmp_path / "bad.png").exists()
     with pytest.raises(PlanError, match="plan is empty"):
         show_plan(c6, [], tmp_path / "bad.png")
+
+
+def test_methods_takes_a_problem_object_or_its_name():
+    """``methods(problem)`` as CONTRACT writes it: a problem object is taken by its name;
+    anything else is one line naming the type, not the object's whole ``repr``."""
+    from optmem.solvers.facade import methods
+
+    problem = OffloadProblem(random_chain(6, seed=1), 60, "12GB/s")
+    assert methods(problem) == methods("offload")
+    with pytest.raises(OptmemInputError, match="expected a problem object") as info:
+        methods(random_chain(6, seed=1))
+    assert info.value.field == "problem" and "\n" not in str(info.value)
+    assert len(str(info.value)) < 300

@@ -51,9 +51,20 @@ def problems() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def methods(problem: str) -> dict[str, MethodInfo]:
-    """Registered methods of ``problem`` (name to info)."""
+def methods(problem: Any) -> dict[str, MethodInfo]:
+    """Registered methods of ``problem`` (name to info): a problem name or a problem object.
+
+    A problem object (``methods(CheckpointProblem(...))``, as CONTRACT writes it) is taken
+    by its name since stop 75; before, it was refused with its whole ``repr`` in the line.
+
+    Examples
+    --------
+    >>> "dp" in methods("checkpoint")
+    True
+    """
     _load()
+    if not isinstance(problem, str):
+        problem = problem_name(problem)
     if problem not in _REGISTRY:
         raise OptmemInputError(
             f"unknown problem {problem!r} (expected one of {', '.join(problems())})",
