@@ -161,6 +161,47 @@ def test_the_dp_stops_inside_its_tables(monkeypatch: pytest.MonkeyPatch) -> None
         pofo_plan(problem, OPTS, "extended")
 
 
+# ------------------------------------------------------------------ MadPipe's phase 1
+def test_madpipe_phase1_stops_once_it_has_an_allocation() -> None:
+    """Algorithm 8 under a stop that holds at once: it ends after its first allocation
+    (one DP call, fewer states) with a valid estimate; never before it has one."""
+    from optmem.solvers.pipeline_madpipe import algorithm8
+
+    problem = PipelineProblem(random_pipeline_chain(10, seed=3), 3, 10**12)
+    whole = algorithm8(problem, exact=True)
+    calls = [0]
+
+    def stop() -> bool:
+        calls[0] += 1
+        return True
+
+    early = algorithm8(problem, exact=True, stop=stop)
+    assert early[2] is not None and early[3] < whole[3] and calls[0] == 1
+    assert early[0] >= whole[0]  # the first estimate is never below the best of the loop
+    assert algorithm8(problem, exact=True, stop=lambda: False) == whole
+
+
+def test_a_madpipe_solve_past_its_deadline_runs_no_phase1(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """With the deadline passed before phase 1 (a clock that jumps), MadPipe answers with
+    the contiguous plan it computed first, and says why it stopped."""
+    from optmem.solvers import pipeline_madpipe as mp
+
+    problem = PipelineProblem(random_pipeline_chain(10, seed=3), 3, 10**12)
+    now = [0.0]
+    monkeypatch.setattr(mp.time, "perf_counter", lambda: now[0])
+    real = mp._contiguous_candidate
+
+    def slow(p: PipelineProblem) -> Any:
+        now[0] += 100.0  # the contiguous DP takes the whole limit
+        return real(p)
+
+    monkeypatch.setattr(mp, "_contiguous_candidate", slow)
+    res = solve(problem, "madpipe", options=OPTS.with_(time_limit_s=5.0))
+    assert res.status.has_plan and res.report["source"] == "contiguous 1F1B*"
+    assert res.report["attempts"] == [{"memory_factor": 1.0, "phase1": "time limit reached"}]
+
+
 # ------------------------------------------------------------------ pipeline chunks
 def test_the_chunk_enumeration_stops_at_a_passed_deadline() -> None:
     from optmem.models.pipeline import make_units

@@ -1061,15 +1061,24 @@ def test_madpipe_stops_its_ladder_at_the_time_limit(monkeypatch):
     """A limit that runs out between two rungs of the memory ladder ends the ladder with
     the plans found so far (it used to hand phase 2 a limit of 0 s, which ``SolveOptions``
     rejects: the solve crashed). Scripted clock: the limit is left whole for the first rung
-    and is over at the second; on this instance (digest 7.5, P = 4, M = 16) the ladder
-    otherwise schedules three allocations."""
+    and runs out at the end of the second rung's phase 1; on this instance (digest 7.5, P =
+    4, M = 16) the ladder otherwise schedules three allocations."""
     from types import SimpleNamespace
 
     from optmem.solvers import pipeline_madpipe
 
-    readings = iter([0.0, 0.0])
-    monkeypatch.setattr(pipeline_madpipe, "time",
-                        SimpleNamespace(perf_counter=lambda: next(readings, 100.0)))
+    now, phase1 = [0.0], [0]
+    monkeypatch.setattr(pipeline_madpipe, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    real = pipeline_madpipe.algorithm8
+
+    def timed(*args, **kwargs):
+        phase1[0] += 1
+        out = real(*args, **kwargs)
+        if phase1[0] == 2:
+            now[0] = 100.0  # the second rung's phase 1 took the rest of the limit
+        return out
+
+    monkeypatch.setattr(pipeline_madpipe, "algorithm8", timed)
     p = PipelineProblem(thesis_chain([1, 1, 1, 1], [1, 1, 1, 1], [4, 2, 1, 1, 0]), 4, 16)
     r = solve(p, "madpipe", options=SolveOptions(threads=1, seed=0, time_limit_s=60.0))
     check(p, r)
