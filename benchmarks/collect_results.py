@@ -25,7 +25,7 @@ ORDER = ["checkpoint_dp", "exact", "time_limits", "highs_pass", "checkpoint_exac
          "hf_segment", "memory", "hf_zoo", "offload",
          "offload_exact", "remat_offload", "remat_offload_exact", "remat_offload_proofs",
          "pipeline_exact", "pipeline_fixed", "pipeline_linearization", "pipeline",
-         "madpipe_speed", "pipeline_strict", "pipeline_runtime",
+         "madpipe_speed", "pipeline_min_memory", "pipeline_strict", "pipeline_runtime",
          "min_peak", "fuzz", "hunts"]
 INTRO = """# Benchmark results
 

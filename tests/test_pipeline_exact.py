@@ -1160,7 +1160,9 @@ def test_relaxation_grid_fits_cpsat_integers() -> None:
     best = solve(problem, "contiguous", threads=1)
     for method in ("cpsat", "ilp"):
         result = solve(problem, method, threads=1)
-        assert result.status is Status.OPTIMAL
+        # layer 2 has no forward time: the models' proof covers the merged units only
+        # (feasible with the load bound since stop 75, tests/test_hunt_stop75.py)
+        assert result.status is Status.FEASIBLE and "merged_units" in result.report
         assert result.objective <= best.objective * (1 + 1e-9)
     benders = solve(problem, "cpsat", threads=1, extra={"strategy": "benders"})
     assert benders.status.has_plan

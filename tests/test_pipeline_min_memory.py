@@ -2,8 +2,9 @@
 
 Since stop 75 a min-max partition DP; before, a doubling search and a bisection over
 :func:`best_contiguous` (111 s to answer ``infeasible`` on ResNet-1001, 4 GPUs, 12 GiB).
-Checked against that search (kept here as the reference) and against the solver itself:
-``contiguous`` has a plan at the threshold and none one byte below.
+Checked against that search (``pipeline_contiguous.min_memory_by_search``, kept as the
+reference) and against the solver itself: ``contiguous`` has a plan at the threshold and
+none one byte below.
 """
 
 from __future__ import annotations
@@ -22,20 +23,6 @@ from optmem.solvers.facade import solve
 from optmem.solvers.pipeline import min_memory_contiguous
 
 
-def _by_search(problem: PipelineProblem) -> int:
-    """The threshold as found until stop 75: the least memory ``best_contiguous`` fits."""
-    def fits(memory: int) -> bool:
-        return contig.best_contiguous(replace(problem, memory_per_gpu=memory)) is not None
-
-    low, high = problem.memory_per_gpu, max(1, 2 * problem.memory_per_gpu)
-    while not fits(high):
-        low, high = high, 2 * high
-    while high - low > 1:
-        mid = (low + high) // 2
-        low, high = (low, mid) if fits(mid) else (mid, high)
-    return high
-
-
 @settings(max_examples=60, deadline=None, derandomize=True)
 @given(length=st.integers(1, 9), seed=st.integers(0, 10_000), gpus=st.integers(1, 4),
        copies=st.integers(0, 3), buffers=st.booleans(),
@@ -46,7 +33,7 @@ def test_the_dp_is_the_searched_threshold(length: int, seed: int, gpus: int, cop
     problem = PipelineProblem(chain, gpus, 1, weight_copies=copies, buffers=buffers,
                               chain_bandwidth=bandwidth)
     least = min_memory_contiguous(problem)
-    assert least == _by_search(problem)
+    assert least == contig.min_memory_by_search(problem)
     assert contig.best_contiguous(replace(problem, memory_per_gpu=least)) is not None
     if least > 1:
         assert contig.best_contiguous(replace(problem, memory_per_gpu=least - 1)) is None

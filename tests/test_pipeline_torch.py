@@ -774,3 +774,19 @@ def test_stage_output_is_made_contiguous_keeping_its_container() -> None:
     assert torch.equal(out.a, t)
     single = pipelining._contiguous(t)
     assert single.is_contiguous() and torch.equal(single, t)
+
+
+def test_a_target_with_other_rows_than_the_call_is_one_input_error():
+    """Stop 75 audit: a target of 12 rows for a call of 16 (both multiples of 4
+    micro-batches) failed in the loss on the last stage's rank while the others waited for
+    a gradient; every rank given both now refuses it before any message."""
+    from optmem.errors import OptmemInputError
+    from optmem.pytorch.pipelining import _check_target_rows
+
+    x = torch.randn(16, 8)
+    _check_target_rows((x,), torch.randn(16, 4))  # the same rows
+    _check_target_rows((x,), None)
+    _check_target_rows((), torch.randn(12, 4))  # this rank was not given the call
+    with pytest.raises(OptmemInputError, match="target has 12 rows and the call 16") as info:
+        _check_target_rows((x,), torch.randn(12, 4))
+    assert info.value.field == "target"

@@ -664,6 +664,7 @@ class PipelinedModel(nn.Module):
         if isinstance(target, torch.Tensor) and target.dim() > 0:
             tensors.append(target)
         _check_rows(tensors, n)
+        _check_target_rows(chain_args, target)
         shapes = [((t.shape[0] // n, *t.shape[1:]), t.dtype) for t in chain_args
                   if isinstance(t, torch.Tensor)]
         if not shapes:  # this rank was not given the call
@@ -682,6 +683,25 @@ class PipelinedModel(nn.Module):
     def extra_repr(self) -> str:  # noqa: D102
         return (f"stages={self.stage_indices} of {len(self.plan.stages)}, "
                 f"microbatches={self.microbatches}, period={self.plan.period:g}")
+
+
+def _check_target_rows(chain_args: tuple[Any, ...], target: Any) -> None:
+    """One input error when a rank's target and call have different row counts.
+
+    The runtime splits both into the same micro-batches, so micro-batch ``k``'s target must
+    be the rows of micro-batch ``k``'s input. A target of 12 rows for a call of 16 (both
+    multiples of 4 micro-batches) failed inside the loss on the last stage's rank only,
+    while the other ranks waited for a gradient (stop 75 audit). Checked where a rank is
+    given both (every rank, in the usual ``step(x, target=y)`` on all ranks).
+    """
+    if not isinstance(target, torch.Tensor) or target.dim() == 0:
+        return
+    rows = [t.shape[0] for t in chain_args if isinstance(t, torch.Tensor) and t.dim() > 0]
+    if rows and rows[0] != target.shape[0]:
+        raise OptmemInputError(
+            f"the target has {target.shape[0]} rows and the call {rows[0]}: step() splits "
+            "both into the same micro-batches, so they need the same rows (one target row "
+            "per input row)", field="target")
 
 
 def _check_rows(tensors: Sequence[torch.Tensor], n: int) -> None:

@@ -32,7 +32,7 @@ import time
 
 import numpy as np
 
-from optmem.models.pipeline import Units, make_units
+from optmem.models.pipeline import Units, make_units, zero_forward_merged
 from optmem.pipeline_plan import PipelinePlan
 from optmem.problems.pipeline import PipelineProblem
 from optmem.result import Result, SolveOptions, Status
@@ -233,7 +233,7 @@ def solve_pipeline_pipedream(problem: PipelineProblem, options: SolveOptions) ->
           extra=EXACT_EXTRA)
 def solve_pipeline_ilp(problem: PipelineProblem, options: SolveOptions) -> Result:
     """Optimal 1-periodic pattern over all allocations (thesis ch. 6, corrected)."""
-    return solve_exact(problem, options, "ilp")
+    return merged_class(problem, solve_exact(problem, options, "ilp"))
 
 
 @register(PROBLEM, "cpsat", exact=True, full_model=True, requires=("ortools",), max_length=8,
@@ -241,7 +241,7 @@ def solve_pipeline_ilp(problem: PipelineProblem, options: SolveOptions) -> Resul
           extra=EXACT_EXTRA)
 def solve_pipeline_cpsat(problem: PipelineProblem, options: SolveOptions) -> Result:
     """Optimal 1-periodic pattern over all allocations, CP-SAT emission of the same model."""
-    return solve_exact(problem, options, "cpsat")
+    return merged_class(problem, solve_exact(problem, options, "cpsat"))
 
 
 @register(PROBLEM, "madpipe", exact=False, requires=("pulp",),
@@ -261,6 +261,39 @@ def solve_pipeline_madpipe(problem: PipelineProblem, options: SolveOptions) -> R
           extra=CHUNKS_EXTRA)
 def solve_pipeline_chunks(problem: PipelineProblem, options: SolveOptions) -> Result:
     """The chunk scan (:mod:`optmem.solvers.pipeline_chunks`) from the best incumbent."""
+    return merged_class(problem, _solve_chunks(problem, options))
+
+
+def merged_class(problem: PipelineProblem, res: Result) -> Result:
+    """``res`` of a method whose models keep zero-forward layers with their predecessor.
+
+    The models' units (:func:`~optmem.models.pipeline.zero_forward_merged`) put a layer
+    without forward time on its predecessor's GPU: their proofs (``optimal``, a bound,
+    ``infeasible``) cover that class only. Until stop 75 they were reported as the
+    problem's: ``ilp``, ``cpsat`` and ``chunks`` answered ``optimal`` 10 where MadPipe
+    replays 8 by putting such a layer on another GPU (a hunt). On such a chain the answer is
+    now ``feasible`` with the problem's load bound (``no_solution`` for an ``infeasible`` of
+    the class, unless the least memory of any plan proved it: ``memory_lower_bound``), and
+    ``report["merged_units"]`` says why. Chains without zero forward times are unchanged.
+    """
+    units = zero_forward_merged(problem)
+    if len(units) == problem.layers.n or res.status is Status.ERROR:
+        return res
+    report = {**res.report, "merged_units": f"{problem.layers.n - len(units)} layers without "
+              "forward time kept with their predecessor: the models' proofs cover that "
+              "class only, the bound is the problem's load bound"}
+    if res.status is Status.INFEASIBLE:
+        if problem.memory_per_gpu < problem.memory_lower_bound():
+            return res  # no plan of any allocation fits (below_least_memory)
+        return res.with_(status=Status.NO_SOLUTION, bound=math.nan, report=report)
+    if not res.status.has_plan:
+        return res.with_(bound=math.nan, report=report)
+    low = min(lower_bound(problem), res.objective)
+    return res.with_(status=Status.FEASIBLE, bound=low, report=report)
+
+
+def _solve_chunks(problem: PipelineProblem, options: SolveOptions) -> Result:
+    """:func:`solve_pipeline_chunks` on the models' units."""
     start = time.perf_counter()
     conf = chunked.settings(options)
     if (below := below_least_memory(problem, "chunks")) is not None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
 from optmem.pipeline_plan import (
     PipelinePlan,
@@ -259,6 +260,26 @@ def scan_contiguous(problem: PipelineProblem) -> tuple[float, PipelinePlan] | No
             if found and (best is None or found[0] < best[0]):
                 best = found
     return best
+
+
+def min_memory_by_search(problem: PipelineProblem) -> int:
+    """The least memory per GPU :func:`best_contiguous` fits, by search (a reference).
+
+    A doubling search from ``problem.memory_per_gpu``, then a bisection over integers, each
+    step a whole :func:`best_contiguous`: how ``contiguous`` found its threshold until stop
+    75 (111 s at L = 339), kept to check :func:`~optmem.solvers.pipeline.
+    min_memory_contiguous` against (tests, ``benchmarks/bench_pipeline_min_memory.py``).
+    """
+    def fits(memory: int) -> bool:
+        return best_contiguous(replace(problem, memory_per_gpu=memory)) is not None
+
+    low, high = problem.memory_per_gpu, max(1, 2 * problem.memory_per_gpu)
+    while not fits(high):
+        low, high = high, 2 * high
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if fits(mid) else (mid, high)
+    return high
 
 
 def best_contiguous(problem: PipelineProblem) -> tuple[float, Bounds, bool] | None:
