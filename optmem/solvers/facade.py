@@ -241,20 +241,22 @@ def distinct_methods(problem: str, labels: Sequence[str], options: SolveOptions)
     infos = [method_info(problem, label) for label in labels]
     runs = [run_options(problem, info, label, options, shared=True)
             for label, info in zip(labels, infos, strict=True)]
+    return [labels[k] for k in _first_runs(infos, runs)]
+
+
+def _first_runs(infos: Sequence[MethodInfo], runs: Sequence[SolveOptions]) -> list[int]:
+    """The position of each method and variant's first run, in order.
+
+    The variant a run runs is its default when none is given (``dp`` and ``dp:paper``).
+    """
     seen: set[tuple[str, str | None]] = set()
     out = []
-    for label, key in zip(labels, _run_keys(infos, runs), strict=True):
+    for k, (info, run) in enumerate(zip(infos, runs, strict=True)):
+        key = (info.name, run.variant or (info.variants[0] if info.variants else None))
         if key not in seen:
             seen.add(key)
-            out.append(label)
+            out.append(k)
     return out
-
-
-def _run_keys(infos: Sequence[MethodInfo],
-              runs: Sequence[SolveOptions]) -> list[tuple[str, str | None]]:
-    """The method and the variant it runs (its default when none is given), per run."""
-    return [(info.name, run.variant or (info.variants[0] if info.variants else None))
-            for info, run in zip(infos, runs, strict=True)]
 
 
 def resolve_options(options: SolveOptions | None, overrides: dict[str, Any]) -> SolveOptions:
@@ -410,8 +412,7 @@ def compare(
     runs = [run_options(kind, info, label, opts, shared=True)  # dp:bogus, chen:rotor
             for label, info in zip(names, infos, strict=True)]
     check_shared_variant(kind, names, opts)
-    keep = set(distinct_methods(kind, names, opts))  # dp,dp ran twice until the API audit
-    kept = [k for k, label in enumerate(names) if label in keep and label not in names[:k]]
+    kept = _first_runs(infos, runs)  # dp,dp ran twice until the API audit
     names = [names[k] for k in kept]
     infos = [infos[k] for k in kept]
     runs = [runs[k] for k in kept]
