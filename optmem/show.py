@@ -43,11 +43,18 @@ _Sim = TypeVar("_Sim")
 def read_plan_file(path: str | Path) -> dict[str, Any]:
     """Read a plan file into ``{"plan": [...], "memory_limit", "unit", "problem", ...}``."""
     path = Path(path)
-    data = read_plan_json(path)
+    try:
+        return _checked_plan(read_plan_json(path))
+    except PlanError as exc:
+        raise exc.with_source(str(path)) from None
+
+
+def _checked_plan(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` if its ``plan`` is a non-empty list of op strings (a plan file's checks)."""
     if not data["plan"]:
-        raise PlanError("the plan is empty (the solve found no plan?)", source=str(path))
+        raise PlanError("the plan is empty (the solve found no plan?)")
     if not all(isinstance(op, str) for op in data["plan"]):
-        raise PlanError("expected op strings like 'F_all 3' in 'plan'", source=str(path))
+        raise PlanError("expected op strings like 'F_all 3' in 'plan'")
     return data
 
 
@@ -168,11 +175,7 @@ def _plan_data(data: Any) -> dict[str, Any]:
     if not isinstance(data, dict) or not isinstance(data.get("plan"), list):
         raise PlanError("expected a plan: a list of ops, a result or its JSON object (with a "
                         "'plan' list), or the Path of a plan file")
-    if not data["plan"]:
-        raise PlanError("the plan is empty (the solve found no plan?)")
-    if not all(isinstance(op, str) for op in data["plan"]):
-        raise PlanError("expected op strings like 'F_all 3' in 'plan'")
-    return data
+    return _checked_plan(data)
 
 
 def _link(chain: Chain, bandwidth: Any, chain_bandwidth: Any) -> float | None:
