@@ -83,31 +83,25 @@ def min_memory_contiguous(problem: PipelineProblem) -> int:
     stashed (its first check: the period ``total + links``, where 1F1B* keeps one copy per
     stage), so the threshold is the least over such splits of the largest
     ``stage_memory(i, j, 1)``: a min-max partition, solved by a dynamic program over the
-    split's last stage (``O(P L^2)``, numpy over the stage's first layer). Until stop 75 a
+    split's last stage (``O(P L^2)``; the ``L^2 / 2`` stage memories are the problem's
+    :meth:`~PipelineProblem.stage_memory`, computed once). Until stop 75 a
     doubling search and a bisection called :func:`contig.best_contiguous` (its whole period
     search) at each step: 111 s to say ``infeasible`` on ResNet-1001 (L = 339, 4 GPUs,
     12 GiB), where the DP takes milliseconds; ``tests/test_pipeline_min_memory.py`` checks
     the two agree. Never below 1.
     """
-    lay = problem.layers
-    n, parts = lay.n, min(problem.n_gpus, lay.n)
-    a = np.asarray(lay.a, dtype=np.int64)
-    w = np.concatenate(([0], np.cumsum(np.asarray(lay.w[1:], dtype=np.int64))))
-    x = np.concatenate(([0], np.cumsum(np.asarray(lay.x[1:], dtype=np.int64))))
-    firsts = np.arange(1, n + 1)  # i of a stage i..j
-    before = 2 * a[firsts - 1] * (firsts > 1) if problem.buffers else np.zeros(n, np.int64)
+    n = problem.layers.n
+    # memory[j][i - 1]: stage i..j alone on its GPU with one stash (the problem's own rule)
+    memory = [np.array([problem.stage_memory(i, j, 1) for i in range(1, j + 1)],
+                       dtype=np.int64) for j in range(1, n + 1)]
     inf = np.iinfo(np.int64).max
     best = np.full(n + 1, inf, dtype=np.int64)  # best[j]: layers 1..j in <= k stages
     best[0] = 0
     answer = inf
-    for _ in range(parts):
+    for _ in range(min(problem.n_gpus, n)):
         new = np.full(n + 1, inf, dtype=np.int64)
         for j in range(1, n + 1):
-            i = firsts[:j]
-            after = 2 * int(a[j]) if problem.buffers and j < n else 0
-            memory = (problem.weight_copies * (w[j] - w[i - 1]) + before[:j] + after
-                      + (x[j] - x[i - 1]))
-            new[j] = int(np.min(np.maximum(best[i - 1], memory)))
+            new[j] = int(np.min(np.maximum(best[:j], memory[j - 1])))
         best = np.minimum(best, new)
         answer = min(answer, int(best[n]))
     return max(1, answer)
