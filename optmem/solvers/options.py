@@ -24,8 +24,8 @@ from collections.abc import Sequence
 from optmem.errors import OptmemInputError
 from optmem.result import SolveOptions
 
-__all__ = ["WORK_COUNT_MAX", "choice", "flag", "one_or_all", "positive_float", "positive_int",
-           "fraction"]
+__all__ = ["WORK_COUNT_MAX", "check_work_count", "choice", "flag", "one_or_all",
+           "positive_float", "positive_int", "fraction"]
 
 WORK_COUNT_MAX: dict[str, int] = {
     "transfers_per_gap": 100,  # transfer positions per gap: the model grows linearly
@@ -62,6 +62,14 @@ def positive_int(options: SolveOptions, key: str, default: int) -> int:
     value = options.extra.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise OptmemInputError(f"expected a positive integer {key}, got {value!r}", field=key)
+    return check_work_count(key, value)
+
+
+def check_work_count(key: str, value: int) -> int:
+    """``value`` unless it is above ``WORK_COUNT_MAX[key]`` (an input error naming ``key``).
+
+    Keys outside :data:`WORK_COUNT_MAX` are not bounded here.
+    """
     most = WORK_COUNT_MAX.get(key)
     if most is not None and value > most:
         raise OptmemInputError(f"expected {key} at most {most:,} (its work grows with it), "

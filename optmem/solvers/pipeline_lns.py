@@ -35,7 +35,7 @@ from optmem.models.pipeline import Units, make_units, plan_gpus
 from optmem.pipeline_plan import PipelinePlan
 from optmem.problems.pipeline import PipelineProblem
 from optmem.result import SolveOptions
-from optmem.solvers.options import WORK_COUNT_MAX, positive_float
+from optmem.solvers.options import check_work_count, positive_float
 from optmem.solvers.pipeline_common import proven, replayed_period, run_model
 
 LNS_MOVES = 40
@@ -67,7 +67,7 @@ def settings(options: SolveOptions, n_units: int) -> LnsSettings:
 
     By default on under a time limit (``options.time_limit_s``) from :data:`LNS_MIN_UNITS`
     units on; ``extra["lns"]`` sets the number of moves (0: off) whatever the limit, at
-    most ``WORK_COUNT_MAX["lns"]`` (:data:`~optmem.solvers.options.WORK_COUNT_MAX`).
+    most ``WORK_COUNT_MAX["lns"]`` (:func:`~optmem.solvers.options.check_work_count`).
     """
     on = options.time_limit_s is not None and n_units >= LNS_MIN_UNITS
     default = LNS_MOVES if on else 0
@@ -75,10 +75,7 @@ def settings(options: SolveOptions, n_units: int) -> LnsSettings:
     if isinstance(moves, bool) or not isinstance(moves, int) or moves < 0:
         raise OptmemInputError(f"expected a number of moves (an integer >= 0) for lns, got "
                                f"{moves!r}", field="lns")
-    most = WORK_COUNT_MAX["lns"]  # each move is one CP-SAT solve: 2**70 ran for ever
-    if moves > most:
-        raise OptmemInputError(f"expected lns at most {most:,} (its work grows with it), "
-                               f"got {moves!r}", field="lns")
+    check_work_count("lns", moves)  # each move is one CP-SAT solve: 2**70 ran for ever
     return LnsSettings(moves, positive_float(options, "lns_work", LNS_WORK))
 
 
