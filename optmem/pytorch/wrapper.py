@@ -341,7 +341,8 @@ def _tensor_state_difference(tensors: Any, reference: Any) -> str:
     """How two :meth:`TensorState.key` differ, in words (``None``: not recorded)."""
     if tensors is not None and reference is not None and tensors[:-1] == reference[:-1]:
         return _grads_difference(tensors[-1], reference[-1])
-    return "the model's parameters or buffers (dtypes, devices or structure)"
+    return ("the model's parameters or buffers (dtypes, devices or structure), its hooks or "
+            "the Python attributes its forward reads")
 
 
 def _grads_difference(grads: int, reference: int) -> str:
@@ -578,7 +579,7 @@ class PlannedModule(nn.Module):
             is_plain_sequential(module) else []
         self._container_hooks = RemovableHandle.next_id  # warned up to this registration
         self._signature = None if self._plain else inspect.signature(module.forward)
-        self._tensor_state = TensorState(module)
+        self._tensor_state = TensorState(module, attributes=not self._plain)
         self._given: GivenPlan | None = None
         if not self._plain:
             self.forward = _SignedForward(self)  # type: ignore[method-assign]
@@ -849,21 +850,26 @@ class PlannedModule(nn.Module):
             if transformed or self._fast(variant):  # the stages in order: the model's
                 return run_in_order(executor.stage_functions(compiled), args[0])  # type: ignore[operator]
             return _run_executor(executor, args[0], compiled)
+        absorbing = self._tensor_state.absorbing  # the model's Python runs (what it writes)
         if transformed:
-            return model(*args, **kwargs)
+            with absorbing():
+                return model(*args, **kwargs)
         if not torch.is_grad_enabled():  # nothing to save: the model, compiled if asked
-            return self._module_call(compiled)(*args, **kwargs)
+            with absorbing():
+                return self._module_call(compiled)(*args, **kwargs)
         args, kwargs = canonical_call(model, args, kwargs, self._signature)
         variant = self._variant(args, kwargs)
         if self._fast(variant):
-            return self._module_call(compiled)(*args, **kwargs)
+            with absorbing():
+                return self._module_call(compiled)(*args, **kwargs)
         sides = _side_inputs(variant, args, kwargs)
         if isinstance(sides, RuntimeError):  # another side of a value branch
             if self._sharded():
                 raise sides  # every rank must run the stages FSDP2 sharded: it says why
             found = self._branch_variant(variant, args, kwargs)
             if found is None:  # the model's own way for these values (its error, if any)
-                return self._optmem_module(*args, **kwargs)
+                with absorbing():
+                    return self._optmem_module(*args, **kwargs)
             variant, sides = found
         flat, ctx = sides
         ext = variant.extraction
@@ -1119,9 +1125,11 @@ class PlannedModule(nn.Module):
         gradients do not depend on the plan; see *Sizes*).
         """
         args, kwargs = graph_free((args, kwargs))  # a call made inside the caller's graph
-        variant = _extract_variant(
-            self._optmem_module, args, kwargs, self._planner, self._profile, None,
-            self._main.chain.name, like=self._main, solve=self._solver(), ext=ext, local=local)
+        with self._tensor_state.absorbing():  # extraction and profiling run the model
+            variant = _extract_variant(
+                self._optmem_module, args, kwargs, self._planner, self._profile, None,
+                self._main.chain.name, like=self._main, solve=self._solver(), ext=ext,
+                local=local)
         return self._finished(variant)
 
     def _family_variant(self, key: Any, args: tuple[Any, ...],
@@ -1377,6 +1385,18 @@ class TensorState:
     * the probability ``p`` of every ``nn.Dropout`` (and its 1-3d, alpha and feature
       variants): export bakes it in as a constant, so a dropout schedule that sets ``p``
       between steps was silently ignored (a hunt in stop 57);
+    * the plain Python attributes the forward reads: export bakes them in as constants too
+      (``LayerNorm.eps``, a temperature ``self.tau = 0.5``, an HF ``config`` flag such as
+      ``output_hidden_states``, a tensor attribute that is neither a parameter nor a
+      buffer, by identity), so setting one after wrapping was silently ignored: a
+      temperature annealed after wrapping kept the first value (outputs 0.73 and gradients
+      up to 17 apart on a toy, an audit in stop 76). Recorded: every public attribute of
+      every module whose value is a bool, int, float, str, ``None`` or a plain tensor, and
+      every such attribute of the configuration objects modules hold (a class whose name
+      ends in ``Config``, nested ones included). What the model's own forward writes
+      (HF's ``config.problem_type`` at the first call with labels, a call counter) is
+      taken as the new value when the wrapper ran the model's Python (extraction, the
+      fast path, ``no_grad``; :meth:`absorb`), so it extracts nothing;
     * the module hooks: forward hooks and pre-hooks are traced into the graph, backward
       hooks are refused (:mod:`optmem.pytorch.hooks`); a hook registered or removed after
       wrapping was silently ignored. Not the *global* module hooks registered after
@@ -1400,19 +1420,21 @@ class TensorState:
     the number of submodules, parameters and buffers (an addition), the number of hooks of
     every module that has some (a removal), the id of the next hook handle torch will
     make (any registration; when it moved, which hooks every module holds) and every
-    module's training flag and every dropout module's ``p``; it recomputes
-    the state when one differs. What the forward reads of plain Python attributes
-    (``config`` flags, an adapter's name) is traced as it was and is not checked.
+    module's training flag and every dropout module's ``p`` and recorded Python attribute
+    (``attributes=False``: not those, for an ``nn.Sequential`` or a list of stages, whose
+    modules run as they are); it recomputes the state when one differs.
     """
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, *, attributes: bool = True) -> None:
         self.module = module
         self._version = 0
+        self._attributes = attributes
         self._refresh()
 
     def __getstate__(self) -> dict[str, Any]:
         """Copied or pickled: the module and the version (the rest is recomputed)."""
-        return {"module": self.module, "_version": self._version}
+        return {"module": self.module, "_version": self._version,
+                "_attributes": self._attributes}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Recompute the state of the (copied) module: its modules, hooks and modes."""
@@ -1443,6 +1465,7 @@ class TensorState:
         self._handle_id = RemovableHandle.next_id  # every registration moves it
         self._modes = [(m, m.training) for m in modules]
         self._dropout = [(m, m.p) for m in modules if isinstance(m, _DropoutNd)]
+        self._attrs = _Attributes(_python_attributes(modules) if self._attributes else [])
         self.token = (frozenset((t.dtype, str(t.device)) for _, _, t in tensors),
                       self._version, sum(1 << k for k, m in enumerate(modules) if m.training))
 
@@ -1459,7 +1482,7 @@ class TensorState:
         """
         if sum(map(len, self._entries)) != self._n_entries or \
                 any(len(d) != n for d, n in self._hooks) or \
-                any(m.p != p for m, p in self._dropout):
+                any(m.p != p for m, p in self._dropout) or not self._attrs.same():
             return 2
         if RemovableHandle.next_id != self._handle_id:  # a hook of any kind, anywhere
             if self._hook_keys() != self._hook_ids:
@@ -1480,6 +1503,30 @@ class TensorState:
         return 1 if replaced or retyped or any(
             d[name].device != device for d, name, device in self._devices) or any(
             m.training is not mode for m, mode in self._modes) else 0
+
+    @contextmanager
+    def absorbing(self) -> Iterator[None]:
+        """Run the model's Python (``with``): take what it writes of the recorded attributes.
+
+        The model's own forward may set attributes (HF's ``config.problem_type`` at its
+        first call with labels, a call counter): that is not a change made after wrapping,
+        and without this every later call would extract again. What differs on entry was
+        set by the caller since the last call (before a ``no_grad`` call, say): a new
+        version, as :meth:`key` makes it, not taken as the model's own write.
+        """
+        if not self._attrs.same():
+            self._version += 1
+            self._refresh()
+        try:
+            yield
+        finally:
+            self.absorb()
+
+    def absorb(self) -> None:
+        """Record the current value of every recorded Python attribute (no new version)."""
+        if not self._attrs.same():
+            self._attrs = _Attributes([(d, name, d.get(name, _ABSENT))
+                                       for d, name, _ in self._attrs.entries])
 
     def key(self) -> tuple[frozenset[tuple[torch.dtype, str]], int, int, int]:
         """The module's state now.
@@ -1620,6 +1667,84 @@ def refuse_wrapped(module: Any, call: str, *, wrap_after: bool = True) -> None:
                     "the result instead, torch.compile(cmodel, ...), which compiles every "
                     "stage with your backend and options", field="module")
     _refuse_nested(module)
+
+
+_SCALARS = (bool, int, float, str, type(None))
+_ABSENT = object()
+
+
+def _python_attributes(modules: Iterable[nn.Module]) -> list[tuple[dict[str, Any], str, Any]]:
+    """The plain Python attributes an exported graph may have baked in (:class:`TensorState`).
+
+    ``(namespace, name, value)`` for every public attribute of every module whose value is
+    a bool, int, float, str, ``None`` or a plain tensor (neither a parameter nor a buffer,
+    compared by identity), and every bool, int, float, str or ``None`` attribute of the
+    configuration objects the modules hold (a class whose name ends in ``Config``: HF's
+    ``config``, nested ones included). ``training`` is left out (modes are checked on their
+    own, and a graph per mode is kept).
+    """
+    out: list[tuple[dict[str, Any], str, Any]] = []
+    seen: set[int] = set()
+
+    def config(obj: Any) -> None:
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        namespace = vars(obj)
+        for name, value in namespace.items():
+            if type(value) in _SCALARS:
+                out.append((namespace, name, value))
+            elif _is_config(value):
+                config(value)
+
+    for m in modules:
+        namespace = m.__dict__
+        for name, value in namespace.items():
+            if name[0] == "_" or name == "training":
+                continue
+            if type(value) in _SCALARS or type(value) is torch.Tensor:
+                out.append((namespace, name, value))
+            elif _is_config(value):
+                config(value)
+    return out
+
+
+def _is_config(value: Any) -> bool:
+    return type(value).__name__.endswith("Config") and hasattr(value, "__dict__") and \
+        not isinstance(value, (nn.Module, torch.Tensor, type))
+
+
+class _Attributes:
+    """Recorded attributes (:func:`_python_attributes`), compared at C speed per namespace.
+
+    Per namespace, one ``itemgetter`` of its recorded names and the tuple of their values
+    (compared with ``==``: a value set again to an equal one, ``1`` or ``1.0``, is no
+    change); a tensor attribute must be the same object.
+    """
+
+    def __init__(self, entries: list[tuple[dict[str, Any], str, Any]]) -> None:
+        self.entries = entries
+        groups: dict[int, tuple[dict[str, Any], list[str], list[Any]]] = {}
+        self._tensors: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+        for namespace, name, value in entries:
+            if isinstance(value, torch.Tensor):
+                self._tensors.append((namespace, name, value))
+                continue
+            group = groups.setdefault(id(namespace), (namespace, [], []))
+            group[1].append(name)
+            group[2].append(value)
+        self._groups = [(namespace, operator.itemgetter(*names),
+                         tuple(values) if len(values) > 1 else values[0])
+                        for namespace, names, values in groups.values()]
+
+    def same(self) -> bool:
+        """Whether every recorded attribute still holds its recorded value."""
+        try:
+            return all(get(namespace) == values for namespace, get, values in self._groups) \
+                and all(namespace.get(name, _ABSENT) is value
+                        for namespace, name, value in self._tensors)
+        except (KeyError, RuntimeError):  # deleted; a tensor where a number was
+            return False
 
 
 def _sharing(tensors: Iterable[torch.Tensor]) -> tuple[int, ...]:
