@@ -93,6 +93,31 @@ def test_an_attribute_set_before_a_call_without_gradients_is_not_taken_as_the_mo
     _assert_same_step(model, ref, out, ref_out)
 
 
+@pytest.mark.parametrize("change", ["temperature", "dropout"])
+def test_a_copy_made_after_a_change_computes_what_the_changed_model_does(change: str) -> None:
+    """``copy.deepcopy`` between the change and the next call: the copy's recorded state was
+    recomputed from the changed model, so it took the change as the state of the old graph
+    (also for a dropout's ``p``, checked since stop 57)."""
+    torch.manual_seed(0)
+    model = _Tempered()
+    model.layers[1] = nn.Sequential(nn.Dropout(0.0), model.layers[1])
+    x = torch.randn(8, 16)
+    wrapped = op.checkpoint(model, x, memory_limit="60%", fast_path=False, **FIXED_TIMES)
+    if change == "temperature":
+        model.temperature = 0.5
+    else:
+        model.layers[1][0].p = 0.5
+    copied = copy.deepcopy(wrapped)
+    ref = copy.deepcopy(model)
+    torch.manual_seed(1)
+    out = copied(x)
+    torch.manual_seed(1)
+    ref_out = ref(x)
+    out.sum().backward()
+    ref_out.sum().backward()
+    _assert_same_step(copied.module, ref, out, ref_out)
+
+
 def test_a_module_attribute_of_an_hf_model_set_after_wrapping() -> None:
     model, batch = bert(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     ref = copy.deepcopy(model)

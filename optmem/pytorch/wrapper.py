@@ -1432,7 +1432,13 @@ class TensorState:
         self._refresh()
 
     def __getstate__(self) -> dict[str, Any]:
-        """Copied or pickled: the module and the version (the rest is recomputed)."""
+        """Copied or pickled: the module and the version (the rest is recomputed).
+
+        A change made since the last call is taken first (:meth:`key`): the copy records the
+        state it copies, so without it a copy made after, say, ``model.eps = 0.5`` took the
+        new value as its recorded one and kept computing with the graph of the old.
+        """
+        self.key()
         return {"module": self.module, "_version": self._version,
                 "_attributes": self._attributes}
 
