@@ -186,3 +186,35 @@ def test_attributes_the_forward_writes_extract_nothing_again(
             cnet(x)
             cvit(**batch)
     assert extractions[0] == 2  # one per wrapper, when wrapping
+
+
+def test_a_lora_scale_set_after_wrapping() -> None:
+    """PEFT keeps each LoRA layer's scale in a dict (``scaling = {"default": 2.0}``): set
+    after wrapping, the wrapped step kept the old scale (loss 0.0033 and the adapters'
+    gradients up to 0.039 apart from the ``PeftModel``'s)."""
+    peft = pytest.importorskip("peft", reason="the LoRA test needs peft (dev extra)")
+    from hf_helpers import llama
+
+    base, batch = llama()
+    torch.manual_seed(1)
+    model = peft.get_peft_model(base, peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    with torch.no_grad():  # adapters that change the output (B starts at zero)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_()
+    ref = copy.deepcopy(model)
+    wrapped = op.checkpoint(model, batch, memory_limit="60%", **FIXED_TIMES)
+    assert not wrapped.fast_path_taken
+    scaled = 0
+    for m in (model, ref):
+        for sub in m.modules():
+            if isinstance(getattr(sub, "scaling", None), dict) and "default" in sub.scaling:
+                sub.scaling["default"] = 5.0  # in place, as peft's set_scale does
+                scaled += 1
+    assert scaled > 0
+    out, ref_out = wrapped(**batch), ref(**batch, use_cache=False)
+    out.loss.backward()
+    ref_out.loss.backward()
+    assert torch.equal(out.loss, ref_out.loss)
+    _assert_same_step(model, ref, out.logits, ref_out.logits)

@@ -1387,11 +1387,12 @@ class TensorState:
       between steps was silently ignored (a hunt in stop 57);
     * the plain Python attributes the forward reads: export bakes them in as constants too
       (``LayerNorm.eps``, a temperature ``self.tau = 0.5``, an HF ``config`` flag such as
-      ``output_hidden_states``, a tensor attribute that is neither a parameter nor a
-      buffer, by identity), so setting one after wrapping was silently ignored: a
-      temperature annealed after wrapping kept the first value (outputs 0.73 and gradients
-      up to 17 apart on a toy, an audit in stop 76). Recorded: every public attribute of
-      every module whose value is a bool, int, float, str, ``None`` or a plain tensor, and
+      ``output_hidden_states``, PEFT's LoRA ``scaling`` dict, a tensor attribute that is
+      neither a parameter nor a buffer, by identity), so setting one after wrapping was
+      silently ignored: a temperature annealed after wrapping kept the first value
+      (outputs 0.73 and gradients up to 17 apart on a toy, an audit in stop 76). Recorded:
+      every public attribute of every module whose value is a bool, int, float, str,
+      ``None``, a plain tensor or a tuple, list or dict of at most 64 of those, and
       every such attribute of the configuration objects modules hold (a class whose name
       ends in ``Config``, nested ones included). What the model's own forward writes
       (HF's ``config.problem_type`` at the first call with labels, a call counter) is
@@ -1531,7 +1532,7 @@ class TensorState:
     def absorb(self) -> None:
         """Record the current value of every recorded Python attribute (no new version)."""
         if not self._attrs.same():
-            self._attrs = _Attributes([(d, name, d.get(name, _ABSENT))
+            self._attrs = _Attributes([(d, name, _recorded(d.get(name, _ABSENT)))
                                        for d, name, _ in self._attrs.entries])
 
     def key(self) -> tuple[frozenset[tuple[torch.dtype, str]], int, int, int]:
@@ -1708,11 +1709,27 @@ def _python_attributes(modules: Iterable[nn.Module]) -> list[tuple[dict[str, Any
         for name, value in namespace.items():
             if name[0] == "_" or name == "training":
                 continue
-            if type(value) in _SCALARS or type(value) is torch.Tensor:
-                out.append((namespace, name, value))
+            if type(value) in _SCALARS or type(value) is torch.Tensor or _small_container(value):
+                out.append((namespace, name, _recorded(value)))
             elif _is_config(value):
                 config(value)
     return out
+
+
+def _small_container(value: Any) -> bool:
+    """A tuple, list or dict of at most 64 bools, ints, floats, strs or ``None`` (keys too).
+
+    PEFT's LoRA layers keep their scale in one (``scaling = {"default": 2.0}``).
+    """
+    if type(value) not in (tuple, list, dict) or len(value) > 64:
+        return False
+    items = [*value.keys(), *value.values()] if type(value) is dict else value
+    return all(type(v) in _SCALARS for v in items)
+
+
+def _recorded(value: Any) -> Any:
+    """What is recorded of an attribute's value: a copy of a list or dict (mutable)."""
+    return type(value)(value) if type(value) in (list, dict) else value
 
 
 def _is_config(value: Any) -> bool:
