@@ -218,3 +218,15 @@ def test_a_lora_scale_set_after_wrapping() -> None:
     ref_out.loss.backward()
     assert torch.equal(out.loss, ref_out.loss)
     _assert_same_step(model, ref, out.logits, ref_out.logits)
+
+
+def test_a_nan_attribute_is_no_change_at_every_call() -> None:
+    # the one recorded attribute of a module is compared bare (no tuple's identity check):
+    # NaN != NaN made every call a new version, so every call extracted again
+    module = nn.Module()
+    module.eps = float("nan")
+    state = wrapper.TensorState(module)
+    first = state.key()
+    assert state.key() == first
+    module.eps = 0.5  # a change is still one: a new version
+    assert state.key() != first

@@ -1742,7 +1742,8 @@ class _Attributes:
 
     Per namespace, one ``itemgetter`` of its recorded names and the tuple of their values
     (compared with ``==``: a value set again to an equal one, ``1`` or ``1.0``, is no
-    change); a tensor attribute must be the same object.
+    change; the same object is no change either, so a NaN attribute is not a change at every
+    call); a tensor attribute must be the same object.
     """
 
     def __init__(self, entries: list[tuple[dict[str, Any], str, Any]]) -> None:
@@ -1763,7 +1764,8 @@ class _Attributes:
     def same(self) -> bool:
         """Whether every recorded attribute still holds its recorded value."""
         try:
-            return all(get(namespace) == values for namespace, get, values in self._groups) \
+            return all((now := get(namespace)) is values or now == values
+                       for namespace, get, values in self._groups) \
                 and all(namespace.get(name, _ABSENT) is value
                         for namespace, name, value in self._tensors)
         except (KeyError, RuntimeError):  # deleted; a tensor where a number was
