@@ -29,9 +29,11 @@ from __future__ import annotations
 import functools
 import math
 import time
+from typing import Any
 
 import numpy as np
 
+from optmem.models.interrupt import Interrupted
 from optmem.models.pipeline import Units, make_units, zero_forward_merged
 from optmem.pipeline_plan import PipelinePlan
 from optmem.problems.pipeline import PipelineProblem
@@ -49,6 +51,7 @@ from optmem.solvers.pipeline_common import (
 from optmem.solvers.pipeline_exact import first_bound, incumbents, solve_exact
 from optmem.solvers.pipeline_madpipe import solve_madpipe
 from optmem.solvers.registration import register, register_exporter
+from optmem.solvers.time_budget import Deadline, stopped_during
 
 ENGINES = ("pulp",)
 WALK_SHARE = 0.1
@@ -111,24 +114,46 @@ def min_memory_contiguous(problem: PipelineProblem) -> int:
 @register(PROBLEM, "contiguous", exact=True, default=True,
           description="best contiguous allocation + optimal 1F1B* (thesis ch. 5, exact scan)")
 def solve_pipeline_contiguous(problem: PipelineProblem, options: SolveOptions) -> Result:
-    """Optimal among contiguous allocations and 1-periodic patterns (stash memory model)."""
-    del options
+    """Optimal among contiguous allocations and 1-periodic patterns (stash memory model).
+
+    ``options.time_limit_s`` stops the period search (:func:`contig.best_contiguous`,
+    stop 76): the split of the least period found so far, ``feasible`` with the problem's
+    bound and ``report["stopped"]``; ``no_solution`` before any split is found.
+    """
     if problem.memory_model != "stash":
         return _best_contiguous_strict(problem)
-    found = contig.best_contiguous(problem)
+    stop = Deadline.start(options.time_limit_s, margin=0.0).stopper()
+    try:
+        found = contig.best_contiguous(problem, stop=stop)
+    except Interrupted:
+        return infeasible(problem, "contiguous", "the time limit passed before any contiguous "
+                          "allocation was found", proven=False,
+                          report={"stopped": stopped_during(SEARCH)}).with_(
+            bound=lower_bound(problem))
     if found is None:
         least = min_memory_contiguous(problem)
         result = infeasible(problem, "contiguous",
                             "no contiguous allocation fits, even with one activation per stage; "
                             f"the smallest feasible memory per GPU is {least}")
         return result.with_(min_feasible_memory=least)
-    period, bounds, proven = found
-    sched = _schedule_allocation(problem, bounds)
+    return _contiguous_result(problem, found)
+
+
+SEARCH = "the contiguous period search"
+"""Where :func:`contig.best_contiguous` stops (``report["stopped"]``, :func:`stopped_during`)."""
+
+
+def _contiguous_result(problem: PipelineProblem, found: contig.ContiguousBest) -> Result:
+    """The replayed 1F1B* plan of ``found``: ``optimal`` when proven, else ``feasible``."""
+    sched = _schedule_allocation(problem, found.bounds)
     assert sched is not None
-    status = Status.OPTIMAL if proven else Status.FEASIBLE
+    report: dict[str, Any] = {"model": "1F1B*", "proven": found.proven}
+    if found.stopped:
+        report["stopped"] = stopped_during(SEARCH)
+    status = Status.OPTIMAL if found.proven else Status.FEASIBLE
     return plan_result(problem, sched[1], method="contiguous", status=status,
-                       bound=period if proven else lower_bound(problem), claimed=period,
-                       report={"model": "1F1B*", "proven": proven})
+                       bound=found.period if found.proven else lower_bound(problem),
+                       claimed=found.period, report=report)
 
 
 def _best_contiguous_strict(problem: PipelineProblem) -> Result:
