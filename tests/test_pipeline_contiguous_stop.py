@@ -182,3 +182,58 @@ def test_madpipe_stopped_before_any_split_has_no_candidate(
     assert mp._contiguous_candidate(problem)[1] is False
     _forced(monkeypatch, 1)
     assert mp._contiguous_candidate(problem, lambda: False) == (None, True)
+
+
+def test_a_stopped_strict_scan_answers_with_its_best_plan(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under the strict memory model ``contiguous`` scans the splits (9.5 s at L = 339,
+    24 GiB, where it did not poll): stopped at each poll in turn, ``no_solution`` before
+    the first plan, then replayed ``feasible`` plans not faster than the whole scan's, which
+    comes back once the stop no longer holds."""
+    from optmem.models import interrupt
+    from optmem.solvers import pipeline as pl
+
+    problem = PipelineProblem(random_pipeline_chain(6, seed=2), 3, 2 * 10**9,
+                              bandwidth="12GB/s", memory_model="strict")
+    whole = solve(problem, "contiguous", options=ONE)
+    assert whole.status is Status.FEASIBLE and "stopped" not in whole.report
+    monkeypatch.setattr(interrupt, "EVERY", 1)  # small chains: every poll checks
+    seen = set()
+    n = 1
+    while True:
+        monkeypatch.setattr(pl, "stop_when", lambda stop, k=n: stop_when(_after(k)))
+        res = solve(problem, "contiguous", options=FAR)
+        if "stopped" not in res.report:
+            assert (res.status, res.objective, res.plan) == \
+                (whole.status, whole.objective, whole.plan)
+            break
+        assert res.report["stopped"] == "time limit (during the contiguous period search)"
+        seen.add(res.status)
+        if res.status is Status.FEASIBLE:
+            _replays(problem, res, whole.objective)
+        else:
+            assert res.status is Status.NO_SOLUTION
+        n += 1
+    assert seen == {Status.NO_SOLUTION, Status.FEASIBLE}
+
+
+def test_the_exact_methods_incumbent_search_stops_too(monkeypatch: pytest.MonkeyPatch
+                                                      ) -> None:
+    """``ilp``, ``cpsat`` and ``chunks`` start from the contiguous optimum
+    (:func:`~optmem.solvers.pipeline_exact.incumbents`); under a limit its search now stops:
+    no contiguous incumbent before the first split, then one that fits, not below the
+    optimum; without a limit the same as before."""
+    from optmem.solvers import pipeline_exact
+
+    problem = PROBLEMS["links"]
+    alone = ONE.with_(extra={"warm_madpipe": False})
+    whole = pipeline_exact.incumbents(problem, alone)
+    assert [source for _, _, source in whole] == ["contiguous 1F1B*"]
+    assert pipeline_exact.incumbents(problem, alone.with_(time_limit_s=3600.0)) == whole
+    _forced(monkeypatch, 1)
+    assert pipeline_exact.incumbents(problem, alone.with_(time_limit_s=3600.0)) == []
+    _forced(monkeypatch, 3)
+    (period, plan, source), = pipeline_exact.incumbents(problem,
+                                                        alone.with_(time_limit_s=3600.0))
+    assert source == "contiguous 1F1B*" and period >= whole[0][0] * (1 - 1e-12)
+    assert plan.period == period

@@ -186,7 +186,7 @@ def best_period_for_allocation(
     from optmem.simulate.pipeline import simulate_pipeline
 
     for period in cands:  # strict model: memory is not monotone in general; scan upwards
-        poll()
+        poll_now()  # each step replays the plan: a check per step (ms at L = 339)
         if period > at_most or (period == at_most and not equal):
             break
         plan = one_f_one_b_star(problem, bounds, period)
