@@ -174,14 +174,18 @@ def test_madpipe_stops_its_contiguous_candidate(monkeypatch: pytest.MonkeyPatch)
     _replays(problem, res, whole.objective)
 
 
-def test_madpipe_stopped_before_any_split_has_no_candidate(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The contiguous search stopped at its first check: no candidate from it, and MadPipe
-    says so; without a stop its candidate is the contiguous optimum."""
+def test_madpipe_keeps_the_first_contiguous_split() -> None:
+    """MadPipe's candidate asks the stop only once it has a split (``keep_first``): a stop
+    that holds at once still leaves it the first split's plan (as before stop 76, when it
+    always had one), marked stopped; without a stop, the contiguous optimum."""
     problem = PROBLEMS["links"]
-    assert mp._contiguous_candidate(problem)[1] is False
-    _forced(monkeypatch, 1)
-    assert mp._contiguous_candidate(problem, lambda: False) == (None, True)
+    whole, stopped = mp._contiguous_candidate(problem)
+    assert whole is not None and stopped is False
+    first = contig.best_contiguous(problem, stop=lambda: True, keep_first=True)
+    assert first is not None and first.stopped and not first.proven
+    candidate, stopped = mp._contiguous_candidate(problem, _after(1))
+    assert stopped is True and candidate is not None
+    assert candidate[0] == first.period >= whole[0] * (1 - 1e-12)
 
 
 def test_a_stopped_strict_scan_answers_with_its_best_plan(
@@ -220,9 +224,9 @@ def test_a_stopped_strict_scan_answers_with_its_best_plan(
 def test_the_exact_methods_incumbent_search_stops_too(monkeypatch: pytest.MonkeyPatch
                                                       ) -> None:
     """``ilp``, ``cpsat`` and ``chunks`` start from the contiguous optimum
-    (:func:`~optmem.solvers.pipeline_exact.incumbents`); under a limit its search now stops:
-    no contiguous incumbent before the first split, then one that fits, not below the
-    optimum; without a limit the same as before."""
+    (:func:`~optmem.solvers.pipeline_exact.incumbents`); under a limit its search now stops
+    once it has a split: an incumbent that fits, not below the optimum; without a limit
+    the same as before."""
     from optmem.solvers import pipeline_exact
 
     problem = PROBLEMS["links"]
@@ -230,10 +234,15 @@ def test_the_exact_methods_incumbent_search_stops_too(monkeypatch: pytest.Monkey
     whole = pipeline_exact.incumbents(problem, alone)
     assert [source for _, _, source in whole] == ["contiguous 1F1B*"]
     assert pipeline_exact.incumbents(problem, alone.with_(time_limit_s=3600.0)) == whole
-    _forced(monkeypatch, 1)
-    assert pipeline_exact.incumbents(problem, alone.with_(time_limit_s=3600.0)) == []
-    _forced(monkeypatch, 3)
-    (period, plan, source), = pipeline_exact.incumbents(problem,
-                                                        alone.with_(time_limit_s=3600.0))
-    assert source == "contiguous 1F1B*" and period >= whole[0][0] * (1 - 1e-12)
-    assert plan.period == period
+    periods = []
+    calls = _slow_dp(monkeypatch, _Clock(), 0.0)  # counts the DP calls
+    for n in (1, 2, 3):  # the first split is kept whatever the stop (keep_first)
+        calls[0] = 0
+        monkeypatch.setattr(Deadline, "stopper", lambda self, k=n: _after(k))
+        (period, plan, source), = pipeline_exact.incumbents(problem,
+                                                            alone.with_(time_limit_s=3600.0))
+        assert source == "contiguous 1F1B*" and period >= whole[0][0] * (1 - 1e-12)
+        assert plan.period == period
+        periods.append(period)
+        assert calls[0] == n  # the first split, then one more per check that did not hold
+    assert periods == sorted(periods, reverse=True)

@@ -91,7 +91,6 @@ from typing import Any
 
 import numpy as np
 
-from optmem.models.interrupt import Interrupted
 from optmem.models.pipeline import load_bound, make_units
 from optmem.pipeline_plan import PipelinePlan
 from optmem.problems.pipeline import PipelineProblem
@@ -1194,14 +1193,12 @@ def _contiguous_candidate(problem: PipelineProblem, stop: Callable[[], bool] | N
 
     With whether ``stop`` (the solve's deadline, stop 76) stopped
     :func:`contig.best_contiguous`: the plan is then the one of the least period it found
-    feasible so far (``None`` when it had none).
+    feasible so far. The stop is asked once a split is found (``keep_first``), so MadPipe
+    has this candidate whenever a contiguous split fits, as before.
     """
     if problem.memory_model != "stash":
         return None, False
-    try:
-        best_contig = contig.best_contiguous(problem, stop=stop)
-    except Interrupted:
-        return None, True
+    best_contig = contig.best_contiguous(problem, stop=stop, keep_first=True)
     if best_contig is None:
         return None, False
     return contig.best_period_for_allocation(problem, best_contig.bounds), best_contig.stopped
