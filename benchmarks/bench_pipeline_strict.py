@@ -92,7 +92,8 @@ def sweep_start_row(name: str, gpus: int) -> str:
         return sweep.pipeline_start(factory, ["contiguous", "madpipe"],
                                     SolveOptions(threads=1), 4 * GIB)
 
-    def full_scan(problem: PipelineProblem) -> Result:  # the method until stop 55
+    def full_scan(problem: PipelineProblem, stop: object = None) -> Result:  # until stop 55
+        del stop
         found = contig.scan_contiguous(problem)
         if found is None:
             return infeasible(problem, "contiguous", "no contiguous allocation fits")

@@ -2,6 +2,8 @@
 
     python benchmarks/bench_time_limits.py [--time-limit 10] [--base PATH] [--cap 120]
                                            [--quick] [--profiles NAME ...] [--out FILE.md]
+                                           [--methods PROBLEM:METHOD ...]
+                                           [--pipeline-memory 3GiB] [--strict] [--repeat 1]
 
 Each exact method ``compare`` adds under a limit (stop 73: checkpoint ``ilp``, offload
 ``cpsat``, remat + offload ``ilp`` and ``cpsat``, pipeline ``chunks``) is run by the CLI,
@@ -10,6 +12,11 @@ and 339 stages (50 % of the store-all peak, 12 GB/s; pipelines on 4 GPUs of 3 Gi
 table gives the wall time of the whole command (interpreter start included), its ratio to
 ``T``, the process's peak RSS, and the answer (status, objective, bound, and
 ``report.stopped`` when the deadline stopped Python work, stop 74).
+
+``--methods pipeline:madpipe pipeline:contiguous``: other methods than the five above
+(stop 76); ``--pipeline-memory``: the pipelines' memory per GPU (``--strict``: their strict
+memory model); ``--repeat N``: each
+command N times, the cell of the median wall time (its RSS and answer).
 
 ``--base PATH``: the same runs with the package at ``PATH`` (a checkout, e.g. ``git worktree
 add /tmp/base <commit>``) side by side, each killed after ``--cap`` seconds (reported as
@@ -37,22 +44,24 @@ METHODS = (("checkpoint", "ilp"), ("offload", "cpsat"), ("remat-offload", "ilp")
 QUICK = PROFILES[:2]
 
 
-def arguments(problem: str) -> list[str]:
-    """The instance's CLI options (memory, link, GPUs)."""
+def arguments(problem: str, pipeline_memory: str = "3GiB", strict: bool = False) -> list[str]:
+    """The instance's CLI options (memory, link, GPUs, memory model)."""
     if problem == "pipeline":
-        return ["--gpus", "4", "-m", "3GiB", "--bandwidth", "12GB/s"]
+        return ["--gpus", "4", "-m", pipeline_memory, "--bandwidth", "12GB/s",
+                *(["--memory-model", "strict"] if strict else [])]
     if problem == "checkpoint":
         return ["-m", "50%"]
     return ["-m", "50%", "--bandwidth", "12GB/s"]
 
 
-def run(root: str | None, problem: str, method: str, profile: str, limit: float, cap: float
-        ) -> dict[str, object]:
+def run(root: str | None, problem: str, method: str, profile: str, limit: float, cap: float,
+        pipeline_memory: str = "3GiB", strict: bool = False) -> dict[str, object]:
     """One CLI run: wall seconds, peak RSS (MiB), the JSON answer (``None`` if killed)."""
     env = dict(os.environ)
     if root is not None:
         env["PYTHONPATH"] = root
-    cmd = [sys.executable, "-m", "optmem", "solve", problem, profile, *arguments(problem),
+    cmd = [sys.executable, "-m", "optmem", "solve", problem, profile,
+           *arguments(problem, pipeline_memory, strict),
            "--method", method, "--time-limit", str(limit), "--json"]
     began = time.perf_counter()
     # a forked runner per command: its RUSAGE_CHILDREN peak is that command's alone (the
@@ -101,16 +110,31 @@ def cell(out: dict[str, object], limit: float, cap: float) -> str:
     return text + (f" [{stopped}]" if stopped else "")
 
 
-def table(profiles: tuple[str, ...], limit: float, base: str | None, cap: float) -> str:
+def median_run(root: str | None, problem: str, method: str, profile: str, limit: float,
+               cap: float, pipeline_memory: str, repeat: int, strict: bool = False
+               ) -> dict[str, object]:
+    """:func:`run` ``repeat`` times; the run of the median wall time."""
+    runs = [run(root, problem, method, profile, limit, cap, pipeline_memory, strict)
+            for _ in range(repeat)]
+    runs.sort(key=lambda out: float(out["wall"]))  # type: ignore[arg-type]
+    return runs[(len(runs) - 1) // 2]
+
+
+def table(profiles: tuple[str, ...], limit: float, base: str | None, cap: float,
+          methods: tuple[tuple[str, str], ...] = METHODS, pipeline_memory: str = "3GiB",
+          repeat: int = 1, strict: bool = False) -> str:
     """The Markdown table, one row per (profile, method); the baseline's column if asked."""
     head = "| profile | problem, method | this checkout |" + (" base |" if base else "")
     rows = [head, "|---|---|---|" + ("---|" if base else "")]
     for profile in profiles:
-        for problem, method in METHODS:
-            mine = cell(run(None, problem, method, profile, limit, cap), limit, cap)
+        for problem, method in methods:
+            mine = cell(median_run(None, problem, method, profile, limit, cap,
+                                   pipeline_memory, repeat, strict), limit, cap)
             row = f"| {profile} | {problem} {method} | {mine} |"
             if base:
-                row += f" {cell(run(base, problem, method, profile, limit, cap), limit, cap)} |"
+                theirs = median_run(base, problem, method, profile, limit, cap,
+                                    pipeline_memory, repeat, strict)
+                row += f" {cell(theirs, limit, cap)} |"
             rows.append(row)
             print(row, flush=True)
     return "\n".join(rows)
@@ -123,13 +147,24 @@ def main() -> None:
     parser.add_argument("--cap", type=float, default=120.0, help="seconds before a kill")
     parser.add_argument("--quick", action="store_true", help="L = 39 and 68 only")
     parser.add_argument("--profiles", nargs="+", default=None, help="bundled profiles to run")
+    parser.add_argument("--methods", nargs="+", default=None,
+                        help="PROBLEM:METHOD pairs instead of the five exact methods")
+    parser.add_argument("--pipeline-memory", default="3GiB", help="memory per GPU")
+    parser.add_argument("--strict", action="store_true", help="strict pipeline memory model")
+    parser.add_argument("--repeat", type=int, default=1, help="runs per cell (median)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     began = uptime()
     profiles = tuple(args.profiles) if args.profiles else QUICK if args.quick else PROFILES
-    text = table(profiles, args.time_limit, args.base, args.cap)
-    print_and_write(f"time limit {args.time_limit:g} s; load {began} before, {uptime()} "
-                    f"after\n\n{text}\n", args.out)
+    methods = METHODS if not args.methods else tuple(
+        tuple(pair.split(":", 1)) for pair in args.methods)
+    text = table(profiles, args.time_limit, args.base, args.cap, methods,  # type: ignore[arg-type]
+                 args.pipeline_memory, args.repeat, args.strict)
+    model = " (strict)" if args.strict else ""
+    print_and_write(f"time limit {args.time_limit:g} s, pipelines at {args.pipeline_memory}"
+                    f"{model}, "
+                    f"median of {args.repeat}; load {began} before, {uptime()} after\n\n"
+                    f"{text}\n", args.out)
 
 
 if __name__ == "__main__":

@@ -192,9 +192,10 @@ def test_a_madpipe_solve_past_its_deadline_runs_no_phase1(monkeypatch: pytest.Mo
     monkeypatch.setattr(mp.time, "perf_counter", lambda: now[0])
     real = mp._contiguous_candidate
 
-    def slow(p: PipelineProblem) -> Any:
-        now[0] += 100.0  # the contiguous DP takes the whole limit
-        return real(p)
+    def slow(p: PipelineProblem, stop: Callable[[], bool] | None = None) -> Any:
+        out = real(p, stop)
+        now[0] += 100.0  # the contiguous DP takes the whole limit (it ends at once since
+        return out  # stop 76 when the deadline passes during its search)
 
     monkeypatch.setattr(mp, "_contiguous_candidate", slow)
     res = solve(problem, "madpipe", options=OPTS.with_(time_limit_s=5.0))

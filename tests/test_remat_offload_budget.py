@@ -368,3 +368,36 @@ def test_benders_stops_at_the_first_subproblem_the_spent_budget_skips(
     assert budget.skipped_calls == 1 and res.report["benders"]["iterations"] < 40
     check(problem, res, OPTS)
     assert res.status is Status.FEASIBLE and res.objective == start.objective
+
+
+@pytest.mark.parametrize("method", ["ilp", "cpsat"])
+@pytest.mark.parametrize("limit_s", [0.05, 1.0, 2.0])
+def test_a_short_limit_still_runs_the_search(monkeypatch: pytest.MonkeyPatch, method: str,
+                                             limit_s: float) -> None:
+    """A limit of at most 2 s left at most 1 s after the deadline's margin, and the search
+    asked for :data:`LEAST_ENGINE_TIME_S` (1 s): it was skipped even at L = 1 without a warm
+    start (``no_solution``, stop 76). On a clock that never moves (engines run for real,
+    without their limits) the search now runs, within what the deadline leaves, and proves
+    the brute-force optimum."""
+    clock = _Clock()
+    calls: list[Any] = []
+    for name in ("solve_pulp", "solve_cpsat"):
+        real = getattr(adapters, name)
+
+        def unlimited(*args: Any, time_limit_s: float | None = None, _real: Any = real,
+                      **kwargs: Any) -> Any:
+            calls.append(time_limit_s)
+            return _real(*args, time_limit_s=None, **kwargs)
+
+        monkeypatch.setattr(adapters, name, unlimited)
+    real_start = Deadline.start.__func__  # type: ignore[attr-defined]
+    monkeypatch.setattr(Deadline, "start", classmethod(
+        lambda cls, limit, **kw: real_start(cls, limit, **{**kw, "clock": clock})))
+    chain = random_chain(1, seed=72, max_size=4, integer_times=False)
+    problem = RematOffloadProblem(chain, chain.store_all_peak(), chain_bandwidth=3.0)
+    optimum = brute_optimum(problem)
+    res = solve(problem, method, options=OPTS.with_(time_limit_s=limit_s, warm_start=False))
+    assert res.report.get("search") != "skipped (time)"
+    assert res.status is Status.OPTIMAL and res.objective == pytest.approx(optimum)
+    assert calls and all(0 < limit <= limit_s / 2 for limit in calls), calls
+    check(problem, res)

@@ -29,9 +29,13 @@ from __future__ import annotations
 import functools
 import math
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
+from optmem.models.interrupt import Interrupted, poll, stop_when
 from optmem.models.pipeline import Units, make_units, zero_forward_merged
 from optmem.pipeline_plan import PipelinePlan
 from optmem.problems.pipeline import PipelineProblem
@@ -49,6 +53,7 @@ from optmem.solvers.pipeline_common import (
 from optmem.solvers.pipeline_exact import first_bound, incumbents, solve_exact
 from optmem.solvers.pipeline_madpipe import solve_madpipe
 from optmem.solvers.registration import register, register_exporter
+from optmem.solvers.time_budget import Deadline, stopped_during
 
 ENGINES = ("pulp",)
 WALK_SHARE = 0.1
@@ -111,55 +116,103 @@ def min_memory_contiguous(problem: PipelineProblem) -> int:
 @register(PROBLEM, "contiguous", exact=True, default=True,
           description="best contiguous allocation + optimal 1F1B* (thesis ch. 5, exact scan)")
 def solve_pipeline_contiguous(problem: PipelineProblem, options: SolveOptions) -> Result:
-    """Optimal among contiguous allocations and 1-periodic patterns (stash memory model)."""
-    del options
+    """Optimal among contiguous allocations and 1-periodic patterns (stash memory model).
+
+    ``options.time_limit_s`` stops the period search (:func:`contig.best_contiguous`, or
+    the strict model's scan, :func:`_best_contiguous_strict`; stop 76): the split of the
+    least period found so far, ``feasible`` with the problem's bound and
+    ``report["stopped"]``; ``no_solution`` before any split is found.
+    """
+    stop = Deadline.start(options.time_limit_s, margin=0.0).stopper()
     if problem.memory_model != "stash":
-        return _best_contiguous_strict(problem)
-    found = contig.best_contiguous(problem)
+        return _best_contiguous_strict(problem, stop)
+    try:
+        found = contig.best_contiguous(problem, stop=stop)
+    except Interrupted:
+        return infeasible(problem, "contiguous", "the time limit passed before any contiguous "
+                          "allocation was found", proven=False,
+                          report={"stopped": stopped_during(SEARCH)}).with_(
+            bound=lower_bound(problem))
     if found is None:
         least = min_memory_contiguous(problem)
         result = infeasible(problem, "contiguous",
                             "no contiguous allocation fits, even with one activation per stage; "
                             f"the smallest feasible memory per GPU is {least}")
         return result.with_(min_feasible_memory=least)
-    period, bounds, proven = found
-    sched = _schedule_allocation(problem, bounds)
+    return _contiguous_result(problem, found)
+
+
+SEARCH = "the contiguous period search"
+"""Where :func:`contig.best_contiguous` stops (``report["stopped"]``, :func:`stopped_during`)."""
+
+
+def _contiguous_result(problem: PipelineProblem, found: contig.ContiguousBest) -> Result:
+    """The replayed 1F1B* plan of ``found``: ``optimal`` when proven, else ``feasible``."""
+    sched = _schedule_allocation(problem, found.bounds)
     assert sched is not None
-    status = Status.OPTIMAL if proven else Status.FEASIBLE
+    report: dict[str, Any] = {"model": "1F1B*", "proven": found.proven}
+    if found.stopped:
+        report["stopped"] = stopped_during(SEARCH)
+    status = Status.OPTIMAL if found.proven else Status.FEASIBLE
     return plan_result(problem, sched[1], method="contiguous", status=status,
-                       bound=period if proven else lower_bound(problem), claimed=period,
-                       report={"model": "1F1B*", "proven": proven})
+                       bound=found.period if found.proven else lower_bound(problem),
+                       claimed=found.period, report=report)
 
 
-def _best_contiguous_strict(problem: PipelineProblem) -> Result:
+def _best_contiguous_strict(problem: PipelineProblem, stop: Callable[[], bool] | None = None
+                            ) -> Result:
     """Strict memory model: enumerate contiguous splits (small chains) and scan periods.
 
     Splits are tried in order of their least period (their largest pseudo-stage load) and
     the scan stops at the first whose least period exceeds the best found; a split with a
     stage below :meth:`PipelineProblem.stage_memory_floor`'s memory, and periods not below
     the best, are not scheduled. The plan is the one the full scan in enumeration order
-    returns (ties go to the earlier split).
+    returns (ties go to the earlier split). ``stop`` (the solve's time limit, stop 76: 9.5 s
+    at L = 339, 24 GiB, under load 8, where it did not poll) ends the enumeration and the
+    scan with the best plan so far, ``feasible`` with ``report["stopped"]``
+    (``no_solution`` without one).
     """
-    best: tuple[float, PipelinePlan] | None = None
-    best_index = -1
-    splits = _contiguous_splits(problem)
-    stage_floor = functools.cache(problem.stage_memory_floor)  # stages recur across splits
-    for floor, index, bounds in sorted(splits):
-        if best is not None and floor > best[0]:
-            break
-        if any(stage_floor(i, j) > problem.memory_per_gpu for i, j in bounds):
-            continue
-        found = contig.best_period_for_allocation(
-            problem, bounds, at_most=math.inf if best is None else best[0],
-            equal=best is None or index < best_index)
-        if found and (best is None or (found[0], index) < (best[0], best_index)):
-            best, best_index = found, index
-    if best is None:
+    scan = _StrictScan()
+    try:
+        with stop_when(stop):
+            scan.run(problem)
+    except Interrupted:
+        scan.report["stopped"] = stopped_during(SEARCH)
+    if scan.best is None and "stopped" in scan.report:
+        return infeasible(problem, "contiguous", "the time limit passed before any contiguous "
+                          "allocation was found", proven=False, report=scan.report)
+    if scan.best is None:
         return infeasible(problem, "contiguous", "no contiguous allocation fits with 1F1B*")
-    return plan_result(problem, best[1], method="contiguous", status=Status.FEASIBLE,
-                       bound=lower_bound(problem), claimed=best[0],
-                       report={"model": "1F1B* (strict memory: not proven optimal)",
-                               "splits": len(splits)})
+    return plan_result(problem, scan.best[1], method="contiguous", status=Status.FEASIBLE,
+                       bound=lower_bound(problem), claimed=scan.best[0], report=scan.report)
+
+
+@dataclass
+class _StrictScan:
+    """:func:`_best_contiguous_strict`'s scan: the best plan so far, its split's rank."""
+
+    best: tuple[float, PipelinePlan] | None = None
+    index: int = -1
+    report: dict[str, Any] = field(default_factory=lambda: {
+        "model": "1F1B* (strict memory: not proven optimal)"})
+
+    def run(self, problem: PipelineProblem) -> None:
+        """Schedule the splits by increasing least period until none can do better."""
+        splits = _contiguous_splits(problem)
+        self.report["splits"] = len(splits)
+        stage_floor = functools.cache(problem.stage_memory_floor)  # stages recur across splits
+        for floor, index, bounds in sorted(splits):
+            poll()
+            if self.best is not None and floor > self.best[0]:
+                break
+            if any(stage_floor(i, j) > problem.memory_per_gpu for i, j in bounds):
+                continue
+            best = self.best
+            found = contig.best_period_for_allocation(
+                problem, bounds, at_most=math.inf if best is None else best[0],
+                equal=best is None or index < self.index)
+            if found and (best is None or (found[0], index) < (best[0], self.index)):
+                self.best, self.index = found, index
 
 
 def _contiguous_splits(problem: PipelineProblem) -> list[tuple[float, int, contig.Bounds]]:
@@ -175,6 +228,7 @@ def _contiguous_splits(problem: PipelineProblem) -> list[tuple[float, int, conti
                                 for k in range(1, min(problem.n_gpus, n) + 1))
     out: list[tuple[float, int, contig.Bounds]] = []
     for cuts in islice(every, 20000):
+        poll()
         edges = [0, *cuts, n]
         bounds = [(edges[t] + 1, edges[t + 1]) for t in range(len(edges) - 1)]
         f, b = contig.pseudo_loads(problem, bounds)

@@ -107,6 +107,7 @@ from optmem.solvers.pipeline_common import (
     scaled,
 )
 from optmem.solvers.pipeline_contiguous import TOL
+from optmem.solvers.time_budget import stopped_during
 
 EXACT_MAX_LAYERS = 12
 GRID_T, GRID_M, GRID_V = 101, 11, 51
@@ -1122,11 +1123,13 @@ def solve_madpipe(problem: PipelineProblem, options: SolveOptions) -> Result:
     tried: set[tuple] = set()
     limit = options.time_limit_s
     deadline = None if limit is None else time.perf_counter() + limit
-    contiguous = _contiguous_candidate(problem)  # first: it lets phase 2 skip models
-    skipped = 0
+
     def late() -> bool:
         return deadline is not None and time.perf_counter() >= deadline
 
+    # first: it lets phase 2 skip models; the deadline stops its search too (stop 76)
+    contiguous, stopped = _contiguous_candidate(problem, late if deadline is not None else None)
+    skipped = 0
     for factor in MEMORY_FACTORS:
         if late():  # the limit bounds phase 1 too (since stop 75)
             log.append({"memory_factor": factor, "phase1": "time limit reached"})
@@ -1172,6 +1175,8 @@ def solve_madpipe(problem: PipelineProblem, options: SolveOptions) -> Result:
               "phase2_skipped": skipped, "phase2_models": sum(
                   str(a.get("phase2", "")).startswith(("cpsat", "ilp")) for a in log),
               "grid": "exact" if exact else f"{GRID_T}x{GRID_M}x{GRID_V}"}
+    if stopped:
+        report["stopped"] = stopped_during("the contiguous candidate")
     if not candidates:
         return infeasible(problem, "madpipe", "phase 1 found no allocation or phase 2 could "
                           "not schedule it", proven=False, report=report)
@@ -1182,14 +1187,21 @@ def solve_madpipe(problem: PipelineProblem, options: SolveOptions) -> Result:
                        solver=options.solver, report=report)
 
 
-def _contiguous_candidate(problem: PipelineProblem) -> tuple[float, PipelinePlan] | None:
-    """The best contiguous allocation scheduled by 1F1B* (stash memory model only)."""
+def _contiguous_candidate(problem: PipelineProblem, stop: Callable[[], bool] | None = None
+                          ) -> tuple[tuple[float, PipelinePlan] | None, bool]:
+    """The best contiguous allocation scheduled by 1F1B* (stash memory model only).
+
+    With whether ``stop`` (the solve's deadline, stop 76) stopped
+    :func:`contig.best_contiguous`: the plan is then the one of the least period it found
+    feasible so far. The stop is asked once a split is found (``keep_first``), so MadPipe
+    has this candidate whenever a contiguous split fits, as before.
+    """
     if problem.memory_model != "stash":
-        return None
-    best_contig = contig.best_contiguous(problem)
+        return None, False
+    best_contig = contig.best_contiguous(problem, stop=stop, keep_first=True)
     if best_contig is None:
-        return None
-    return contig.best_period_for_allocation(problem, best_contig[1])
+        return None, False
+    return contig.best_period_for_allocation(problem, best_contig.bounds), best_contig.stopped
 
 
 def _has_ortools() -> bool:

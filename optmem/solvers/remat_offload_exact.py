@@ -122,7 +122,12 @@ from optmem.solvers.remat_offload_benders import (
 from optmem.solvers.remat_offload_lns import LNS_EXTRA, improve, lns_settings
 from optmem.solvers.remat_offload_probe import PROBE_EXTRA, probe_result, probe_settings
 from optmem.solvers.remat_offload_schedule import Window, static_replay, window_before
-from optmem.solvers.time_budget import Deadline, left_for_engine, stopped_during
+from optmem.solvers.time_budget import (
+    Deadline,
+    least_left,
+    left_for_engine,
+    stopped_during,
+)
 
 BRUTE_MAX_LENGTH = 2
 COMPLETION_SHARE = 0.25  # share of a user's time limit spent completing warm starts
@@ -1447,8 +1452,10 @@ def _full_solve(setup: _Setup, options: SolveOptions, report: dict[str, Any], *,
     ``relaxed`` (whose verdict the caller took: :func:`_refuted_by_relaxation`, so its
     bound is finite or ``-inf``) and ``candidates``: computed by the caller before the
     model was built. ``deadline`` (default ``setup.deadline``) caps every engine call; when
-    less than :data:`LEAST_ENGINE_TIME_S` is left for the search, it is skipped and the
-    fastest candidate plan is returned (``feasible``) with the bounds proven so far.
+    less than :data:`LEAST_ENGINE_TIME_S` is left for the search (less under a limit too
+    short to leave that much: :func:`~optmem.solvers.time_budget.least_left`), it is
+    skipped and the fastest candidate plan is returned (``feasible``) with the bounds
+    proven so far.
     """
     if deadline is None:
         deadline = setup.deadline
@@ -1472,7 +1479,7 @@ def _full_solve(setup: _Setup, options: SolveOptions, report: dict[str, Any], *,
                   "relaxation_bound")
     left = deadline.cap(None if options.time_limit_s is None else
                         max(LEAST_ENGINE_TIME_S, options.time_limit_s - (deadline.clock() - began)))
-    if deadline.spent(LEAST_ENGINE_TIME_S):  # no time left for the search
+    if deadline.spent(least_left(options.time_limit_s, LEAST_ENGINE_TIME_S)):  # no time left
         report["search"] = "skipped (time)"
         out, values, bound = EngineResult(Status.NO_SOLUTION, None, math.nan, -math.inf,
                                           engine, 0.0, "no time left",

@@ -119,6 +119,30 @@ def left_for_engine(deadline: Deadline | None, limit: float | None = None,
     return None if capped is None else max(capped, least)
 
 
+def least_left(limit_s: float | None, least: float, margin: float = REPLAY_MARGIN_S) -> float:
+    """The time a stage needs left to start: ``least``, or less under a short limit.
+
+    At most half the working time of the solve's limit (``limit_s`` less the margin
+    :meth:`Deadline.start` keeps back): with a working time below ``2 least``, a fixed
+    ``least`` is never left, so a stage that asked for it never ran. The remat + offload
+    search asked for 1 s (:data:`~optmem.solvers.remat_offload.LEAST_ENGINE_TIME_S`) and
+    skipped itself under any limit of at most 2 s, even at L = 1 (stop 76); it now runs
+    when half of the working time is left. Limits of at least ``max(2 least + margin,
+    2 margin)`` (4 s for the search) are unchanged.
+
+    Examples
+    --------
+    >>> least_left(None, 1.0), least_left(10.0, 1.0), least_left(4.0, 1.0)
+    (1.0, 1.0, 1.0)
+    >>> least_left(2.0, 1.0), least_left(1.0, 1.0), least_left(0.05, 1.0)
+    (0.5, 0.25, 0.0125)
+    """
+    if limit_s is None:
+        return least
+    working = limit_s - min(margin, 0.5 * limit_s)
+    return min(least, 0.5 * working)
+
+
 def stopped_during(stage: str) -> str:
     """``report["stopped"]`` of a solve whose Python work reached its deadline in ``stage``.
 
