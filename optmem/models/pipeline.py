@@ -947,7 +947,8 @@ class _Builder:
         if self.memory_binds():
             self.buffer_vars()
             self.memory()
-            self.tie_orders()
+            if not self.form.strict:  # strict keeps its rows (its ties: module docstring)
+                self.tie_orders()
             self.copy_cuts()
         self.fixings()
 
@@ -1211,7 +1212,8 @@ class _Builder:
         which can be cyclic (each row then misses one stash the simulator counts there: a
         hunt). ``prec(a, b) + prec(b, c) - prec(a, c) <= 1`` makes them one order; every
         plan's ties can be ordered so (valid rows). Between tasks of positive duration, or
-        one of each, the times already order them.
+        one of each, the times already order them. ``stash`` only: the ``strict`` rows of
+        tied tasks miss stashes in any order (module docstring), and stay as they were.
         """
         form, m = self.form, self.m
         zero = [t for t in form.tasks if self.dur(t) == 0]
