@@ -3,8 +3,9 @@ r"""The exact pipeline model: PIPE_{S^1&A} (thesis ch. 6, corrected), written on
 One solver-neutral :class:`~optmem.models.formulation.Model` of all allocations and
 1-periodic patterns, emitted to PuLP (HiGHS, CBC, Gurobi: method ``ilp``) and to CP-SAT
 (method ``cpsat``) by :mod:`optmem.models.formulation`. It places *units*: the ``L`` layers
-(layers without forward time joined to their predecessor, :func:`zero_forward_merged`), or
-the stages of a MadPipe allocation (its phase 2, thesis section 7.2: the "coarse chain").
+(:func:`model_bounds`: one unit per layer under ``stash``; under ``strict`` layers without
+forward time joined to their predecessor, :func:`zero_forward_merged`), or the stages of a
+MadPipe allocation (its phase 2, thesis section 7.2: the "coarse chain").
 
 The model is chapter 6's (digest ``madpipe.md`` section 4) with the digest's corrections
 (4.5: transitivity of "same GPU" in every orientation, transfer durations only between
@@ -47,6 +48,31 @@ Memory (6.31)-(6.36)
     task start, without the starting forward's own copy, plus the task's input and output and
     the data waiting on the GPU (``o``, eq. 6.22). Sizes are divided by their greatest common
     divisor (exact) so that both engines see the same integer rows.
+Ties of zero-length tasks (``stash``)
+    A task of zero duration may start at the instant another task of its GPU starts or
+    ends. The simulator counts, at an instant, every stash whose forward started then or
+    before and whose backward did not end by then (and at a forward's start its own new
+    stash). The order binaries put such a task after a task that ends at its start and
+    before one that starts with it; among the zero-length tasks of a GPU the rows
+    ``tie_*`` make the orders transitive (pair by pair they could be cyclic: a hunt), so
+    the tasks at one instant are in one order. The row of the *last* forward in it counts
+    what the simulator counts there (a zero-length backward ordered after it is counted
+    alive: more, never less) and the rows of the earlier ones a subset, so the largest row
+    at each instant is the simulator's memory. A zero-length task at the window's end
+    (``tau = win + T``, the instant ``win`` of the next window) comes first at that
+    instant: the rows at ``win`` count it as the previous occurrence. One exception: a
+    stash that may live no time at all (its unit and every later layer without time:
+    forward and backward at one instant), which the simulator still counts at its
+    forward's start while its row may miss a forward starting then; such last layers join
+    the last layer with time (:func:`model_bounds`). So under ``stash`` the units are the
+    layers otherwise, and the model's optimum is the problem's. Under ``strict`` every
+    task's row is checked with its own terms (its input and output, without its own new
+    stash), so a row ordered before a tied forward misses that forward's stash where the
+    simulator counts it (a hunt: a plan decoded at memory 21 that replays at 24); the
+    units stay merged there (:func:`zero_forward_merged`).
+    A backward of zero time ties the same way and no merge removes it: under ``strict``
+    such a plan can be decoded above the memory (``ilp`` then answers without it), an open
+    defect (``tests/test_pipeline_zero_ties.py``).
 Cuts (valid inequalities; they change no solution)
     * loads: ``T >=`` the load of every GPU and of every link, ``T >= max(total / P,
       heaviest unit)`` (the bound of :func:`load_bound`);
@@ -187,10 +213,10 @@ class Units:
 
 def make_units(problem: PipelineProblem, bounds: Sequence[tuple[int, int]] | None = None
                ) -> Units:
-    """Units of ``problem``: one per layer (:func:`zero_forward_merged`), or the given ranges."""
+    """Units of ``problem``: the model's layer units (:func:`model_bounds`), or the given ranges."""
     lay = problem.layers
     if bounds is None:
-        bounds = zero_forward_merged(problem)
+        bounds = model_bounds(problem)
     bounds = tuple((int(i), int(j)) for i, j in bounds)
     tasks = [lay.strict_task(i, j) for i, j in bounds]
     return Units(
@@ -208,13 +234,44 @@ def make_units(problem: PipelineProblem, bounds: Sequence[tuple[int, int]] | Non
     )
 
 
+def model_bounds(problem: PipelineProblem) -> list[tuple[int, int]]:
+    """Layer ranges of the model's units: one per layer, or :func:`zero_forward_merged`.
+
+    Under ``stash`` the model counts what the simulator counts at ties of zero-length tasks
+    (module docstring, "Ties of zero-length tasks"): one unit per layer, the model's
+    optimum is the problem's, except that the last layers, when none of them takes time,
+    join the last one that does: their stash could live no time at all (its forward and
+    backward at one instant), which the simulator still counts at their forward's start
+    and the rows of a tie could miss. Under ``strict`` the rows of such tasks can miss a stash the
+    simulator counts, so layers without forward time stay with their predecessor (a
+    restriction: the methods' proofs cover that class only,
+    :func:`optmem.solvers.pipeline.merged_class`).
+
+    Examples
+    --------
+    >>> from optmem.chain import Chain
+    >>> chain = Chain.from_lists([1.0, 0.0], [1.0, 1.0], [1, 1], [1, 1], input_size=1)
+    >>> model_bounds(PipelineProblem(chain, 2, 100))
+    [(1, 1), (2, 2)]
+    >>> model_bounds(PipelineProblem(chain, 2, 100, memory_model="strict"))
+    [(1, 2)]
+    """
+    if problem.memory_model != "stash":
+        return zero_forward_merged(problem)
+    lay = problem.layers
+    last = max(q for q in range(1, lay.n + 1) if lay.fwd(q, lay.n) + lay.bwd(q, lay.n) > 0)
+    return [(q, q) for q in range(1, last)] + [(last, lay.n)]
+
+
 def zero_forward_merged(problem: PipelineProblem) -> list[tuple[int, int]]:
     """One unit per layer, except that layers without forward time join their predecessor.
 
-    A zero-length forward may start at the same instant as another forward of its GPU; the
-    models order such ties freely while the simulator counts both stashes at that instant.
-    Keeping such a layer with its neighbour removes the ambiguity (a restriction only for
-    chains with zero forward times).
+    The ``strict`` model's units (:func:`model_bounds`). A zero-length forward may start at
+    the instant another forward of its GPU starts; the order binaries then put its row
+    first while the simulator counts both stashes at that instant, and under ``strict``
+    each task's row is checked with its own terms, so the model can undercount (module
+    docstring, "Ties of zero-length tasks"). Keeping such a layer with its neighbour
+    removes the tie (a restriction only for chains with zero forward times).
     """
     lay = problem.layers
     bounds: list[list[int]] = []
@@ -890,6 +947,8 @@ class _Builder:
         if self.memory_binds():
             self.buffer_vars()
             self.memory()
+            if not self.form.strict:  # strict keeps its rows (its ties: module docstring)
+                self.tie_orders()
             self.copy_cuts()
         self.fixings()
 
@@ -1141,9 +1200,38 @@ class _Builder:
                 extra = Expr.of(u.x[q] // unit)
             m.add(static + stash + extra <= cap, f"mem_{t[0]}{q}")
             if t[0] == "F":  # cut: every lower unit of the GPU stashes this micro-batch
-                low = Expr.sum(u.x[r] // unit * form.same(q, r) for r in range(q) if u.x[r])
+                low = Expr.sum(u.x[r] // unit * form.same(q, r) for r in range(q)
+                               if u.x[r] and self.outlives(q, r))
                 own = Expr.of((u.task_f[q] if form.strict else u.x[q]) // unit)
                 m.add(static + low + own <= cap, f"memlow_{q}")
+
+    def tie_orders(self) -> None:
+        """Transitive orders among the zero-length tasks of a GPU (module docstring, "Ties").
+
+        Tasks of zero duration that start at one instant may take any orders, pair by pair,
+        which can be cyclic (each row then misses one stash the simulator counts there: a
+        hunt). ``prec(a, b) + prec(b, c) - prec(a, c) <= 1`` makes them one order; every
+        plan's ties can be ordered so (valid rows). Between tasks of positive duration, or
+        one of each, the times already order them. ``stash`` only: the ``strict`` rows of
+        tied tasks miss stashes in any order (module docstring), and stay as they were.
+        """
+        form, m = self.form, self.m
+        zero = [t for t in form.tasks if self.dur(t) == 0]
+        for a, b, c in itertools.permutations(zero, 3):
+            row = form.prec(a, b) + form.prec(b, c) - form.prec(a, c)
+            if row.terms:
+                m.add(row <= 1, f"tie_{a[0]}{a[1]}_{b[0]}{b[1]}_{c[0]}{c[1]}")
+
+    def outlives(self, q: int, r: int) -> bool:
+        """Whether a micro-batch's stash of unit ``r < q`` is alive when its ``F_q`` starts.
+
+        It lives from ``F_r`` (at or before ``F_q``) to the end of ``B_r``, after the work
+        on the path from ``F_q`` to ``B_r``: alive unless all of it takes no time (then
+        ``B_r`` may end at the instant ``F_q`` starts, and the simulator no longer counts
+        it; the transfers are left out, they take time only between GPUs).
+        """
+        u = self.u
+        return sum(u.f[q:]) + sum(u.b[r:]) > 0
 
     def buffer_vars(self) -> None:
         """``buf[q, c]``: the cut after unit ``c`` holds buffers on the GPU of unit ``q``."""

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from optmem.models.interrupt import Interrupted, poll, stop_when
-from optmem.models.pipeline import Units, make_units, zero_forward_merged
+from optmem.models.pipeline import Units, make_units, model_bounds
 from optmem.pipeline_plan import PipelinePlan
 from optmem.problems.pipeline import PipelineProblem
 from optmem.result import Result, SolveOptions, Status
@@ -315,21 +315,26 @@ def solve_pipeline_chunks(problem: PipelineProblem, options: SolveOptions) -> Re
 def merged_class(problem: PipelineProblem, res: Result) -> Result:
     """``res`` of a method whose models keep zero-forward layers with their predecessor.
 
-    The models' units (:func:`~optmem.models.pipeline.zero_forward_merged`) put a layer
-    without forward time on its predecessor's GPU: their proofs (``optimal``, a bound,
-    ``infeasible``) cover that class only. Until stop 75 they were reported as the
-    problem's: ``ilp``, ``cpsat`` and ``chunks`` answered ``optimal`` 10 where MadPipe
-    replays 8 by putting such a layer on another GPU (a hunt). On such a chain the answer is
-    now ``feasible`` with the problem's load bound (``no_solution`` for an ``infeasible`` of
-    the class, unless the least memory of any plan proved it: ``memory_lower_bound``), and
-    ``report["merged_units"]`` says why. Chains without zero forward times are unchanged.
+    Under ``strict`` the models' units (:func:`~optmem.models.pipeline.model_bounds`, then
+    :func:`~optmem.models.pipeline.zero_forward_merged`) put a layer without forward time
+    on its predecessor's GPU: their proofs (``optimal``, a bound, ``infeasible``) cover that
+    class only. Until stop 75 they were reported as the problem's: ``ilp``, ``cpsat`` and
+    ``chunks`` answered ``optimal`` 10 where MadPipe replays 8 by putting such a layer on
+    another GPU (a hunt). On such a chain the answer is ``feasible`` with the problem's
+    load bound (``no_solution`` for an ``infeasible`` of the class, unless the least memory
+    of any plan proved it: ``memory_lower_bound``), and ``report["merged_units"]`` says
+    why. Under ``stash`` the units are the layers (the model counts ties of zero-length
+    tasks as the simulator does), except last layers without any time, joined to the last
+    one with time (a stash that may live no time: the same correction). Other chains are
+    unchanged.
     """
-    units = zero_forward_merged(problem)
+    units = model_bounds(problem)
     if len(units) == problem.layers.n or res.status is Status.ERROR:
         return res
     report = {**res.report, "merged_units": f"{problem.layers.n - len(units)} layers without "
-              "forward time kept with their predecessor: the models' proofs cover that "
-              "class only, the bound is the problem's load bound"}
+              "forward time (strict) or at the end without any time (stash) kept with their "
+              "predecessor: the models' proofs cover that class only, the bound is the "
+              "problem's load bound"}
     if res.status is Status.INFEASIBLE:
         if problem.memory_per_gpu < problem.memory_lower_bound():
             return res  # no plan of any allocation fits (below_least_memory)
