@@ -259,7 +259,8 @@ def model_bounds(problem: PipelineProblem) -> list[tuple[int, int]]:
     if problem.memory_model != "stash":
         return zero_forward_merged(problem)
     lay = problem.layers
-    last = max(q for q in range(1, lay.n + 1) if lay.fwd(q, lay.n) + lay.bwd(q, lay.n) > 0)
+    last = max((q for q in range(1, lay.n + 1) if lay.fwd(q, lay.n) + lay.bwd(q, lay.n) > 0),
+               default=1)  # no layer takes time: one unit
     return [(q, q) for q in range(1, last)] + [(last, lay.n)]
 
 

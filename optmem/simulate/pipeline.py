@@ -303,12 +303,14 @@ def _memory(problem, plan, tasks, dur, start, n_mb, eps):  # noqa: ANN001, ANN20
                         continue
                     for m2 in range(n_mb):
                         f0, b1 = alive[(s2, m2)]
-                        own = (s2, m2) == (k, m) and op == "F"
-                        if own:
+                        own = (s2, m2) == (k, m)
+                        if own and op == "F":
                             if not strict:
                                 mem += stash[s2 - 1]
                             continue
-                        if f0 <= now + eps and b1 > now + eps:
+                        # the backward reads its own stash: alive at its start, also when
+                        # it takes no time (its end is its start; stop 76, a hunt)
+                        if f0 <= now + eps and (b1 > now + eps or own):
                             mem += stash[s2 - 1]
                 if strict:
                     mem += task[op]
