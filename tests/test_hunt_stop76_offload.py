@@ -19,6 +19,7 @@ import pytest
 from optmem import OffloadProblem, SolveOptions, solve
 from optmem.chain import Chain
 from optmem.datasets.synthetic import random_chain
+from optmem.problems.remat_offload import RematOffloadProblem
 from optmem.result import Result, Status
 from optmem.simulate.verify import verify_plan
 from optmem.solvers.offload import min_memory
@@ -111,3 +112,26 @@ def test_offload_exact_without_warm_start_slow_link_sweep(
     brute = solve(problem, "brute", options=ONE)
     for method in ("ilp", "cpsat"):
         check_against_brute(problem, solve(problem, method, options=COLD), brute)
+
+
+# --- remat + offload: the same model shape, the same check -----------------------------------
+
+@pytest.mark.parametrize("integer, bandwidth", [(True, 1e-9), (False, 1e-9), (False, 1e-8),
+                                                (False, 1e-7)])
+def test_remat_offload_ilp_without_warm_start_optimal_is_the_optimum_on_a_slow_link(
+        integer: bool, bandwidth: float) -> None:
+    """``ilp`` (HiGHS and CBC alike) answered ``optimal`` with a decoded plan 2.4 time units
+    (``integer``: 2e9) above the brute-force optimum, inside its relative tolerance ``1e-6``
+    of a 1e8 makespan but no optimum; the cross-check plan (DYNPROG's) is the optimum."""
+    problem = RematOffloadProblem(random_chain(2, seed=2001, integer_times=integer), 20,
+                                  chain_bandwidth=bandwidth)
+    brute = solve(problem, "brute", options=ONE)
+    assert brute.status is Status.OPTIMAL
+    for method in ("ilp", "cpsat"):
+        res = solve(problem, method, options=COLD)
+        assert not res.bound > brute.objective * (1 + 1e-9)
+        replay = verify_plan(problem, res)
+        assert replay["objective"] == pytest.approx(res.objective, rel=1e-9)
+        assert res.objective >= brute.objective * (1 - 1e-9)
+        if res.status is Status.OPTIMAL:
+            assert res.objective == pytest.approx(brute.objective, rel=1e-9), method
