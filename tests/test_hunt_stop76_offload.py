@@ -13,6 +13,7 @@ only at the optimum, the plan replays with its claimed makespan within the memor
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 
@@ -135,3 +136,29 @@ def test_remat_offload_ilp_without_warm_start_optimal_is_the_optimum_on_a_slow_l
         assert res.objective >= brute.objective * (1 - 1e-9)
         if res.status is Status.OPTIMAL:
             assert res.objective == pytest.approx(brute.objective, rel=1e-9), method
+
+
+@pytest.mark.parametrize("warm", [True, False])
+@pytest.mark.parametrize("method, adapter", [("cpsat", "solve_cpsat"), ("ilp", "solve_pulp")])
+def test_offload_engine_infeasible_with_a_plan_proves_nothing(
+        monkeypatch: pytest.MonkeyPatch, method: str, adapter: str, warm: bool) -> None:
+    """An engine ``infeasible`` (bound ``inf``) where the DP's plan fits proves nothing:
+    ``feasible`` with the OFF_frac bound, with a warm start (as before) and without one
+    (before: ``infeasible``)."""
+    from optmem.engines import adapters as engines
+
+    problem = OffloadProblem(random_chain(3, seed=0), 40, chain_bandwidth=1.0)
+    brute = solve(problem, "brute", options=ONE)
+    frac = solve(problem, "frac", options=ONE).bound
+    assert brute.objective > frac * (1 + 1e-6)  # the bounds alone prove no optimum here
+
+    def wrong(*args: object, **kwargs: object) -> engines.EngineResult:
+        return engines.EngineResult(Status.INFEASIBLE, None, math.nan, math.inf, "stub", 0.0,
+                                    "infeasible")
+
+    monkeypatch.setattr(engines, adapter, wrong)
+    res = solve(problem, method, options=ONE.with_(warm_start=warm))
+    assert res.status is Status.FEASIBLE, res.report
+    assert res.bound == pytest.approx(frac)
+    assert "infeasible" in res.report["warning"]
+    check_against_brute(problem, res, brute)
