@@ -647,10 +647,13 @@ def _solve_exact(problem: OffloadProblem, options: SolveOptions, method: str) ->
         return _engine_failed(problem, options, disc, inst, outcome, method, solver, lower)
     if math.isfinite(outcome.bound):
         report["engine_bound"] = outcome.bound
-    if outcome.status is Status.INFEASIBLE and inst.start is None:
+    check = _cross_check(problem, options, inst, outcome, report)
+    refuted = _refuted(outcome, check)
+    if refuted is not None:  # no proven bound: the engine's is not reported as one
+        report["warning"] = refuted
+        report.pop("engine_bound", None)
+    elif outcome.status is Status.INFEASIBLE:
         return _infeasible(problem, disc, method, report, slots=options.slots)
-    if outcome.status is Status.INFEASIBLE:
-        report["warning"] = "the engine calls the model infeasible but the warm start fits"
     found: list[Result] = []
     if outcome.schedule is not None:
         report["model_objective"] = outcome.objective
@@ -661,26 +664,69 @@ def _solve_exact(problem: OffloadProblem, options: SolveOptions, method: str) ->
                                      status=Status.FEASIBLE, report=report, solver=solver))
         except PlanError as exc:  # a decoding fault: keep the warm start, say why
             report["decode_error"] = str(exc)
-    if inst.start is not None:
-        found.append(plan_result(problem, options, inst.start.plan, method=method,
+    if check is not None:
+        found.append(plan_result(problem, options, check.plan, method=method,
                                  status=Status.FEASIBLE, report=report, solver=solver))
     found = [r for r in found if r.status is Status.FEASIBLE]
-    bound = max(lower, _finite(outcome.bound))
+    # a refuted engine proved nothing: its bound is dropped, the proven bounds stay
+    bound = lower if refuted is not None else max(lower, _finite(outcome.bound))
     if not found:
         status = Status.ERROR if outcome.status is Status.ERROR else Status.NO_SOLUTION
         return Result(PROBLEM, method, status, bound=bound, memory_limit=disc.memory_limit,
                       unit=disc.unit, solver=solver, report=report)
     best = min(found, key=lambda r: r.objective)
     tol = _TIME_TOL * max(1.0, best.objective)
-    if outcome.status is Status.OPTIMAL and abs(best.objective - outcome.objective) <= tol:
+    if refuted is None and outcome.status is Status.OPTIMAL and \
+            abs(best.objective - outcome.objective) <= tol:
         return best.with_(status=Status.OPTIMAL, bound=best.objective)
-    if outcome.status is Status.OPTIMAL:
+    if refuted is None and outcome.status is Status.OPTIMAL:
         best.report["warning"] = (f"the engine's optimum {outcome.objective} differs from the "
-                                  f"replayed plan {best.objective}: reported as feasible")
+                                  f"replayed plan {best.objective}: reported as feasible "
+                                  f"unless the proven bounds reach it")
     bound = min(bound, best.objective)
     if bound >= best.objective - 1e-9 * max(1.0, best.objective):
         return best.with_(status=Status.OPTIMAL, bound=best.objective)
     return best.with_(bound=bound)
+
+
+def _cross_check(problem: OffloadProblem, options: SolveOptions, inst: _Exact,
+                 outcome: _Outcome, report: dict[str, Any]) -> _Start | None:
+    """A verified plan to check the engine's proof against: the warm start, or computed.
+
+    Without a warm start (``warm_start=False``) the engine's ``infeasible`` or ``optimal``
+    is checked against the DYNPROG/GREEDY plan (:func:`_warm_start`), computed after the
+    solve and never given to the engine: on a slow link (``chain_bandwidth=1e-9``, a
+    horizon of ~1e10 against durations ~1) HiGHS called the OFF_int model of
+    :mod:`optmem.models.offload` infeasible and CP-SAT's presolve (OR-Tools 9.15) proved an
+    optimum 1.5x too high (hunt, stop 76). ``report['cross_check']`` names the plan.
+    """
+    if inst.start is not None:
+        return inst.start
+    if outcome.status not in (Status.INFEASIBLE, Status.OPTIMAL):
+        return None  # no proof to check
+    check = _warm_start(problem, options)
+    report["cross_check"] = None if check is None else {"method": check.method,
+                                                        "makespan": check.makespan}
+    return check
+
+
+def _refuted(outcome: _Outcome, check: _Start | None) -> str | None:
+    """Why the verified plan ``check`` refutes the engine's proof (``None``: it does not).
+
+    An ``infeasible`` model with a plan that replays, or an ``optimal`` objective above
+    the replayed makespan of a plan (beyond the engines' time tolerance ``1e-6``).
+    """
+    if check is None:
+        return None
+    if outcome.status is Status.INFEASIBLE:
+        return (f"the engine calls the model infeasible but the {check.method} plan fits: "
+                f"its verdict and bound are ignored")
+    tol = _TIME_TOL * max(1.0, check.makespan)
+    if outcome.status is Status.OPTIMAL and outcome.objective > check.makespan + tol:
+        return (f"the engine's optimum {outcome.objective} is above the replayed makespan "
+                f"{check.makespan} of the {check.method} plan: its proof and bound are "
+                f"ignored")
+    return None
 
 
 def _engine_failed(problem: OffloadProblem, options: SolveOptions, disc: Discretized,

@@ -1487,6 +1487,7 @@ def _full_solve(setup: _Setup, options: SolveOptions, report: dict[str, Any], *,
     else:
         out, values, bound = _engine_solve(model, engine, options, initial=start.values,
                                            scale=scale, time_limit_s=left, deadline=deadline)
+    start = _cross_check(problem, options, start, out, report)
     if out.status is Status.INFEASIBLE and start.plan is not None:
         # the warm start replays within the memory: an engine fault (as checkpoint's _checked)
         out = engines.failed_result(out.engine, f"{out.message or out.status}: infeasible, "
@@ -1529,6 +1530,10 @@ def _full_solve(setup: _Setup, options: SolveOptions, report: dict[str, Any], *,
             # engine tolerances on big-M rows (or rounded times): the simulator is the judge
             report["model_mismatch"] = (f"the simulator says {sim}, the model "
                                         f"{values[built.objective_var]}")
+        refuted = _refuted(status, values[built.objective_var], start)
+        if refuted is not None:  # the engine's proof is wrong: only the proven floor stays
+            report["warning"] = refuted
+            status, bound = Status.FEASIBLE, setup.lift(floor)
         if start.plan is not None and sim > start.makespan + 1e-9:
             plan, sim = start.plan, start.makespan
             report["incumbent"] = "the fastest candidate plan (the engine's was slower)"
@@ -1548,6 +1553,44 @@ def _full_solve(setup: _Setup, options: SolveOptions, report: dict[str, Any], *,
     if res.status is Status.FEASIBLE:
         res = res.with_(bound=min(bound, res.objective))
     return res
+
+
+def _cross_check(problem: RematOffloadProblem, options: SolveOptions, start: _Start,
+                 out: EngineResult, report: dict[str, Any]) -> _Start:
+    """``start``, or without a warm start a replayed plan to check the engine's proof by.
+
+    When the engine answers ``infeasible`` or ``optimal`` and there is no warm start
+    (``warm_start=False``), the fastest of :func:`_cheap_candidates` (the checkpoint DP's
+    and DYNPROG's plans), computed after the solve and never given to the engine, becomes
+    the incumbent (``report['cross_check']`` names it): the offload model's engines gave
+    wrong proofs on slow links (``chain_bandwidth=1e-9``: HiGHS's ``infeasible``, CP-SAT's
+    presolve an optimum 1.5x too high; hunt, stop 76), and this model shares their big-M
+    rows and horizons.
+    """
+    if start.plan is not None or out.status not in (Status.INFEASIBLE, Status.OPTIMAL):
+        return start
+    found = _cheap_candidates(problem, options)
+    report["cross_check"] = None if not found else {"method": found[0][1],
+                                                    "makespan": found[0][0]}
+    if not found:
+        return start
+    return replace(start, plan=found[0][2], makespan=found[0][0])
+
+
+def _refuted(status: Status, model_value: float, start: _Start) -> str | None:
+    """Why the incumbent refutes the engine's ``optimal`` (``None``: it does not).
+
+    The engine's optimum ``model_value`` (the model's objective, a lower bound on every
+    plan of the model's class when proven; rounded times are rounded down) above the
+    replayed makespan of a plan, beyond the engines' tolerance ``1e-6``.
+    """
+    if status is not Status.OPTIMAL or start.plan is None:
+        return None
+    if model_value <= start.makespan + 1e-6 * max(1.0, start.makespan):
+        return None
+    return (f"the engine's optimum {model_value} is above the replayed makespan "
+            f"{start.makespan} of the fastest candidate plan: its proof and bound are "
+            f"ignored")
 
 
 def _horizon(start: _Start) -> float | None:
