@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from remat_offload_helpers import OPTS, check
+from stop_helpers import after
 
 from optmem.datasets.synthetic import random_chain, random_pipeline_chain
 from optmem.models import interrupt
@@ -30,17 +31,6 @@ from optmem.solvers import remat_offload_exact as exact
 from optmem.solvers.facade import solve
 
 pytest.importorskip("highspy", reason="the HiGHS model pass is tested against PuLP's")
-
-
-def _after(n: int) -> Callable[[], bool]:
-    """A predicate that holds from its ``n``-th evaluation on."""
-    seen = [0]
-
-    def stop() -> bool:
-        seen[0] += 1
-        return seen[0] >= n
-
-    return stop
 
 
 # ------------------------------------------------------------------ the mechanism
@@ -71,11 +61,11 @@ def test_a_build_stops_where_its_predicate_first_holds() -> None:
     full = build_remat_offload(chain, chain.store_all_peak() // 2, 1.0)
     rows = len(full.model.constraints)
     assert rows > 2 * interrupt.EVERY
-    with stop_when(_after(2)), pytest.raises(Interrupted):
+    with stop_when(after(2)), pytest.raises(Interrupted):
         build_remat_offload(chain, chain.store_all_peak() // 2, 1.0)
     m = Model("rows")
     x = m.continuous("x", 0, 10)
-    with stop_when(_after(3)), pytest.raises(Interrupted):
+    with stop_when(after(3)), pytest.raises(Interrupted):
         for k in range(10 * interrupt.EVERY):
             m.add(x >= k % 7, f"r{k}")
     assert len(m.constraints) == 3 * interrupt.EVERY - 1  # stopped at the third check
@@ -87,7 +77,7 @@ def test_the_emission_stops_too() -> None:
     for k in range(3 * interrupt.EVERY):
         m.add(x >= k % 7, f"r{k}")
     m.minimize(x)
-    with stop_when(_after(2)), pytest.raises(Interrupted):
+    with stop_when(after(2)), pytest.raises(Interrupted):
         to_pulp(m)
     assert to_pulp(m).problem.numConstraints() == 3 * interrupt.EVERY
 
@@ -100,7 +90,7 @@ def _stopping_after(n: int, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
     def fake(stop: Callable[[], bool] | None) -> Any:
         del stop
-        return real(_after(n))
+        return real(after(n))
 
     monkeypatch.setattr(exact, "stop_when", fake)
     yield
@@ -157,7 +147,7 @@ def test_the_dp_stops_inside_its_tables(monkeypatch: pytest.MonkeyPatch) -> None
     chain = random_chain(8, seed=4, max_size=8)
     problem = RematOffloadProblem(chain, chain.store_all_peak() // 2, chain_bandwidth=1.0)
     assert pofo_plan(problem, OPTS, "extended")[0] is not None
-    with stop_when(_after(3)), pytest.raises(Interrupted):
+    with stop_when(after(3)), pytest.raises(Interrupted):
         pofo_plan(problem, OPTS, "extended")
 
 
@@ -344,7 +334,7 @@ def test_a_checkpoint_build_stopped_answers_with_the_dp_plan(
     whole = solve(problem, method, options=OPTS)
     assert whole.status is Status.OPTIMAL and "stopped" not in whole.report
     real = checkpoint_exact.stop_when
-    monkeypatch.setattr(checkpoint_exact, "stop_when", lambda stop: real(_after(1)))
+    monkeypatch.setattr(checkpoint_exact, "stop_when", lambda stop: real(after(1)))
     res = solve(problem, method, options=OPTS)
     assert res.report["stopped"] == "time limit (during the model's build)"
     assert res.status is Status.FEASIBLE and res.report["incumbent"] == "dp plan"
@@ -365,7 +355,7 @@ def test_an_offload_build_stopped_answers_with_the_warm_start(
     whole = solve(problem, method, options=OPTS)
     assert whole.status.has_plan and "stopped" not in whole.report
     real = offload.stop_when
-    monkeypatch.setattr(offload, "stop_when", lambda stop: real(_after(1)))
+    monkeypatch.setattr(offload, "stop_when", lambda stop: real(after(1)))
     res = solve(problem, method, options=OPTS)
     assert res.report["stopped"] == "time limit (during the model's build)"
     assert res.status is Status.FEASIBLE and res.report["incumbent"].startswith("the warm")
@@ -387,7 +377,7 @@ def test_a_pipeline_search_stopped_answers_with_the_incumbent(
     assert whole.status is Status.OPTIMAL and "stopped" not in whole.report
     monkeypatch.setattr(interrupt, "EVERY", 1)  # small models: every row polls
     real = pipeline_exact.stop_when
-    monkeypatch.setattr(pipeline_exact, "stop_when", lambda stop: real(_after(1)))
+    monkeypatch.setattr(pipeline_exact, "stop_when", lambda stop: real(after(1)))
     res = solve(problem, method, options=OPTS)
     assert res.report["stopped"] == "time limit (during the model's build)"
     assert res.status.has_plan and res.report["source"] in ("contiguous 1F1B*", "madpipe")

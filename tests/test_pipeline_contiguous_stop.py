@@ -11,10 +11,10 @@ or load.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import pytest
+from stop_helpers import after
 
 from optmem.datasets.synthetic import random_pipeline_chain
 from optmem.models.interrupt import Interrupted, stop_when
@@ -33,20 +33,9 @@ PROBLEMS = {"links": PipelineProblem(CHAIN, 3, 2 * 10**9, bandwidth="12GB/s"),
             "free links": PipelineProblem(CHAIN, 3, 2 * 10**9)}
 
 
-def _after(n: int) -> Callable[[], bool]:
-    """A predicate that holds from its ``n``-th evaluation on."""
-    seen = [0]
-
-    def stop() -> bool:
-        seen[0] += 1
-        return seen[0] >= n
-
-    return stop
-
-
 def _forced(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
     """``best_contiguous``'s stop replaced by one holding from evaluation ``n``."""
-    monkeypatch.setattr(contig, "stop_when", lambda stop: stop_when(_after(n)))
+    monkeypatch.setattr(contig, "stop_when", lambda stop: stop_when(after(n)))
 
 
 def _replays(problem: PipelineProblem, res: Result, optimum: float) -> None:
@@ -70,7 +59,7 @@ def test_a_stopped_search_keeps_its_best_split(name: str) -> None:
     n = 1
     while True:
         try:
-            found = contig.best_contiguous(problem, stop=_after(n))
+            found = contig.best_contiguous(problem, stop=after(n))
         except Interrupted:
             assert n == 1  # the first check comes before the first DP call
             n += 1
@@ -183,7 +172,7 @@ def test_madpipe_keeps_the_first_contiguous_split() -> None:
     assert whole is not None and stopped is False
     first = contig.best_contiguous(problem, stop=lambda: True, keep_first=True)
     assert first is not None and first.stopped and not first.proven
-    candidate, stopped = mp._contiguous_candidate(problem, _after(1))
+    candidate, stopped = mp._contiguous_candidate(problem, after(1))
     assert stopped is True and candidate is not None
     assert candidate[0] == first.period >= whole[0] * (1 - 1e-12)
 
@@ -205,7 +194,7 @@ def test_a_stopped_strict_scan_answers_with_its_best_plan(
     seen = set()
     n = 1
     while True:
-        monkeypatch.setattr(pl, "stop_when", lambda stop, k=n: stop_when(_after(k)))
+        monkeypatch.setattr(pl, "stop_when", lambda stop, k=n: stop_when(after(k)))
         res = solve(problem, "contiguous", options=FAR)
         if "stopped" not in res.report:
             assert (res.status, res.objective, res.plan) == \
@@ -238,7 +227,7 @@ def test_the_exact_methods_incumbent_search_stops_too(monkeypatch: pytest.Monkey
     calls = _slow_dp(monkeypatch, _Clock(), 0.0)  # counts the DP calls
     for n in (1, 2, 3):  # the first split is kept whatever the stop (keep_first)
         calls[0] = 0
-        monkeypatch.setattr(Deadline, "stopper", lambda self, k=n: _after(k))
+        monkeypatch.setattr(Deadline, "stopper", lambda self, k=n: after(k))
         (period, plan, source), = pipeline_exact.incumbents(problem,
                                                             alone.with_(time_limit_s=3600.0))
         assert source == "contiguous 1F1B*" and period >= whole[0][0] * (1 - 1e-12)
