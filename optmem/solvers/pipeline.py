@@ -148,13 +148,11 @@ SEARCH = "the contiguous period search"
 
 def _contiguous_result(problem: PipelineProblem, found: contig.ContiguousBest) -> Result:
     """The replayed 1F1B* plan of ``found``: ``optimal`` when proven, else ``feasible``."""
-    sched = _schedule_allocation(problem, found.bounds)
-    assert sched is not None
     report: dict[str, Any] = {"model": "1F1B*", "proven": found.proven}
     if found.stopped:
         report["stopped"] = stopped_during(SEARCH)
     status = Status.OPTIMAL if found.proven else Status.FEASIBLE
-    return plan_result(problem, sched[1], method="contiguous", status=status,
+    return plan_result(problem, found.plan, method="contiguous", status=status,
                        bound=found.period if found.proven else lower_bound(problem),
                        claimed=found.period, report=report)
 

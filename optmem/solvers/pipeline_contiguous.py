@@ -289,15 +289,18 @@ def min_memory_by_search(problem: PipelineProblem) -> int:
 
 
 class ContiguousBest(NamedTuple):
-    """:func:`best_contiguous`'s answer: a split, its 1F1B* period, whether it is proven.
+    """:func:`best_contiguous`'s answer: a split, its 1F1B* period and plan, whether proven.
 
-    ``proven``: the period is the least of any contiguous allocation. ``stopped``: the
-    search's ``stop`` held before the end; ``bounds`` is then the split of least 1F1B*
-    period (``period``) among those found feasible so far, ``proven`` false.
+    ``plan``: the 1F1B* plan of ``bounds`` at ``period`` (:func:`best_period_for_allocation`,
+    computed by the search: callers need not compute it again). ``proven``: the period is
+    the least of any contiguous allocation. ``stopped``: the search's ``stop`` held before
+    the end; ``bounds`` is then the split of least 1F1B* period (``period``) among those
+    found feasible so far, ``proven`` false.
     """
 
     period: float
     bounds: Bounds
+    plan: PipelinePlan
     proven: bool
     stopped: bool = False
 
@@ -330,7 +333,7 @@ class _Incumbent:
             found = best_period_for_allocation(problem, bounds)
             assert found is not None
             if best is None or found[0] < best.period:
-                best = ContiguousBest(found[0], bounds, False, stopped=True)
+                best = ContiguousBest(found[0], bounds, found[1], False, stopped=True)
         return best
 
 
@@ -404,7 +407,7 @@ def _search_contiguous(problem: PipelineProblem, found: _Incumbent) -> Contiguou
     assert best is not None
     period = best[0]
     proven = found.split(problem, period * (1 - 1e-7)) is None
-    return ContiguousBest(period, bounds, proven)
+    return ContiguousBest(period, bounds, best[1], proven)
 
 
 def _search_free_links(problem: PipelineProblem, found: _Incumbent, lo: float
@@ -423,7 +426,7 @@ def _search_free_links(problem: PipelineProblem, found: _Incumbent, lo: float
     assert bounds is not None
     best = best_period_for_allocation(problem, bounds)
     assert best is not None
-    return ContiguousBest(best[0], bounds, True)
+    return ContiguousBest(best[0], bounds, best[1], True)
 
 
 def pipedream_split(problem: PipelineProblem, n_stages: int) -> Bounds | None:

@@ -122,7 +122,7 @@ def _contiguous_incumbent(problem: PipelineProblem, limit_s: float | None
     """
     best = contig.best_contiguous(problem, stop=Deadline.start(limit_s, margin=0.0).stopper(),
                                   keep_first=True)
-    return contig.best_period_for_allocation(problem, best.bounds) if best else None
+    return (best.period, best.plan) if best else None
 
 
 RELAXATION_SHARE = 0.3

@@ -1201,7 +1201,7 @@ def _contiguous_candidate(problem: PipelineProblem, stop: Callable[[], bool] | N
     best_contig = contig.best_contiguous(problem, stop=stop, keep_first=True)
     if best_contig is None:
         return None, False
-    return contig.best_period_for_allocation(problem, best_contig.bounds), best_contig.stopped
+    return (best_contig.period, best_contig.plan), best_contig.stopped
 
 
 def _has_ortools() -> bool:
