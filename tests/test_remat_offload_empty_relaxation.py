@@ -221,3 +221,21 @@ def test_under_a_time_limit_the_cheap_candidates_are_computed_once(
     calls[0] = 0
     res = solve(problem, method, options=OPTS)
     assert res.status is Status.INFEASIBLE and _by_relaxation(res) and calls[0] == 1
+
+
+@pytest.mark.parametrize("method", ["ilp", "cpsat"])
+def test_without_a_warm_start_the_cross_check_reuses_the_cheap_candidates(
+        monkeypatch: pytest.MonkeyPatch, method: str) -> None:
+    """Stop 76: without a warm start the engine's proof is checked against the cheap
+    candidates (``_cross_check``); under a time limit the solve computed them first, and the
+    check computed them again (up to 10 s at L = 339 under load). The answer is the same."""
+    problem = RematOffloadProblem(random_chain(2, seed=4), random_chain(2, seed=4)
+                                  .store_all_peak(), chain_bandwidth=0.5)
+    cold = OPTS.with_(warm_start=False)
+    calls = _counted(monkeypatch, "_cheap_candidates")
+    res = solve(problem, method, options=cold.with_(time_limit_s=600))
+    check(problem, res, optimum=solve(problem, "brute", options=OPTS).objective)
+    assert res.report["cross_check"] is not None and calls[0] == 1
+    calls[0] = 0
+    unlimited = solve(problem, method, options=cold)
+    assert unlimited.objective == res.objective and calls[0] == 1

@@ -1352,8 +1352,10 @@ def _staged(problem: RematOffloadProblem, options: SolveOptions, method: str, en
     if strategy == "benders":
         res = _benders(setup, benders, report, early)
     else:
+        # without a warm start, the candidates computed so far (the cheap ones under a time
+        # limit) serve the engine's cross-check (_cross_check) instead of being computed again
         candidates = _with_sequence(setup, early.relaxed, options, early.candidates, report) \
-            if options.warm_start else None
+            if options.warm_start else early.candidates or cheap
         res = _full_solve(setup, options, report, relaxed=early.relaxed, candidates=candidates)
 
     def replay(plan: tuple[AnyOp, ...]) -> float:
@@ -1487,7 +1489,7 @@ def _full_solve(setup: _Setup, options: SolveOptions, report: dict[str, Any], *,
     else:
         out, values, bound = _engine_solve(model, engine, options, initial=start.values,
                                            scale=scale, time_limit_s=left, deadline=deadline)
-    start = _cross_check(problem, options, start, out, report)
+    start = _cross_check(problem, options, start, out, report, candidates)
     if out.status is Status.INFEASIBLE and start.plan is not None:
         # the warm start replays within the memory: an engine fault (as checkpoint's _checked)
         out = engines.failed_result(out.engine, f"{out.message or out.status}: infeasible, "
@@ -1556,7 +1558,9 @@ def _full_solve(setup: _Setup, options: SolveOptions, report: dict[str, Any], *,
 
 
 def _cross_check(problem: RematOffloadProblem, options: SolveOptions, start: _Start,
-                 out: EngineResult, report: dict[str, Any]) -> _Start:
+                 out: EngineResult, report: dict[str, Any],
+                 candidates: list[tuple[float, str, tuple[AnyOp, ...]]] | None = None
+                 ) -> _Start:
     """``start``, or without a warm start a replayed plan to check the engine's proof by.
 
     When the engine answers ``infeasible`` or ``optimal`` and there is no warm start
@@ -1565,11 +1569,12 @@ def _cross_check(problem: RematOffloadProblem, options: SolveOptions, start: _St
     the incumbent (``report['cross_check']`` names it): the offload model's engines gave
     wrong proofs on slow links (``chain_bandwidth=1e-9``: HiGHS's ``infeasible``, CP-SAT's
     presolve an optimum 1.5x too high; hunt, stop 76), and this model shares their big-M
-    rows and horizons.
+    rows and horizons. ``candidates``: the replayed candidates the solve computed already
+    (fastest first; the cheap ones under a time limit), used instead of computing them again.
     """
     if start.plan is not None or out.status not in (Status.INFEASIBLE, Status.OPTIMAL):
         return start
-    found = _cheap_candidates(problem, options)
+    found = candidates or _cheap_candidates(problem, options)
     report["cross_check"] = None if not found else {"method": found[0][1],
                                                     "makespan": found[0][0]}
     if not found:
