@@ -4,6 +4,10 @@
     python benchmarks/bench_pipeline_runtime.py --temporaries
     python benchmarks/bench_pipeline_runtime.py --waits 41
     python benchmarks/bench_pipeline_runtime.py --breakdown
+    python benchmarks/bench_pipeline_runtime.py --agree 41
+
+``--agree ROUNDS``: both runners with the losses' agreement after each step (stop 77: a
+loss that fails on the last stage's rank is one error on every rank) against without it.
 
 ``--breakdown``: on the ``--temporaries`` plans, each rank's ``run_plan`` step op by op
 (stop 56, hunt ``rank1``): the largest memory during each operation against the plan's at
@@ -54,6 +58,7 @@ from optmem.problems.pipeline import PipelineProblem
 from optmem.pytorch import pipelining
 from optmem.pytorch.distributed import spawn
 from optmem.pytorch.memory import StorageTrace, storage_key
+from optmem.pytorch.pipeline_loss import LossFailure
 from optmem.result import SolveOptions
 from optmem.solvers.facade import solve
 
@@ -156,6 +161,7 @@ def worker(rank: int, world: int, jobs: list[tuple[str, int, dict, int]], steps:
 
 # ------------------------------------------------------------------ --temporaries
 TEMP_WIDTH, TEMP_ROWS, TEMP_MB = 256, 64, 8  # one activation: 64 x 256 floats = 64 KiB
+AGREE_MB, AGREE_BLOCK = 8, 5  # micro-batches and steps per timed block of --agree
 
 
 def temps_model() -> nn.Sequential:
@@ -361,6 +367,69 @@ def waits_main(rounds: int) -> None:
     sys.stdout.flush()
 
 
+# ------------------------------------------------------------------ --agree
+@contextlib.contextmanager
+def without_agreement() -> Iterator[None]:
+    """Both runners as before stop 77: no message after the step about the losses."""
+    agree = LossFailure.agree
+    LossFailure.agree = lambda self, **_: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        LossFailure.agree = agree  # type: ignore[method-assign]
+
+
+def agree_measure(plan: PipelinePlan, rounds: int) -> dict[str, dict[str, float]]:
+    """Median step time of each runner with and without the losses' agreement: blocks of
+    ``AGREE_BLOCK`` steps back to back (a barrier before each block only: one step's
+    time alone would end at this rank's last operation without the agreement and at the
+    last rank's with it), the variants alternating, ``rounds`` blocks each."""
+    net = model(6)
+    xs, ys = data(AGREE_MB)
+    piped = pipelining.PipelinedModel(net, plan, microbatches=AGREE_MB,
+                                      loss_fn=nn.functional.mse_loss, scale_grads=False)
+    x, y = torch.cat(xs), torch.cat(ys)
+    steps = {"runtime": lambda: piped.step(x, target=y),
+             "p2p": lambda: pipelining.run_plan(net, plan, xs, ys, nn.functional.mse_loss)}
+    variants = {"agree": contextlib.nullcontext, "none": without_agreement}
+    times: dict[str, dict[str, list[float]]] = {r: {v: [] for v in variants} for r in steps}
+    for step in steps.values():
+        step()
+    for _ in range(rounds):
+        for runner, step in steps.items():
+            for name, ctx in variants.items():
+                with ctx():
+                    dist.barrier()
+                    start = time.perf_counter()
+                    for _ in range(AGREE_BLOCK):  # back to back, as in training
+                        step()
+                    times[runner][name].append((time.perf_counter() - start) / AGREE_BLOCK)
+    return {r: {v: statistics.median(t) for v, t in d.items()} for r, d in times.items()}
+
+
+def agree_worker(rank: int, world: int, plan_data: dict, rounds: int, out: str) -> None:
+    del world
+    torch.set_num_threads(1)
+    torch.save([(rank, agree_measure(PipelinePlan.from_dict(plan_data), rounds))],
+               os.path.join(out, f"rank{rank}.pt"))
+
+
+def agree_main(rounds: int) -> None:
+    """Step time with the losses' agreement (stop 77) against without, both runners."""
+    plan = plan_for([1.0] * 6, "contiguous")
+    rows = spawned_rows(agree_worker, plan.to_dict(), rounds)
+    print(f"2 gloo processes, 1 thread each; load average {os.getloadavg()[0]:.1f}; medians "
+          f"of {rounds} interleaved blocks of {AGREE_BLOCK} steps; {plan.describe()}, "
+          f"{AGREE_MB} micro-batches")
+    print("| runner | rank | step without (ms) | with (ms) | with / without |")
+    print("|---|---|---|---|---|")
+    for rank, m in sorted(rows):
+        for runner, t in m.items():
+            print(f"| {runner} | {rank} | {t['none'] * 1e3:.2f} | {t['agree'] * 1e3:.2f} | "
+                  f"{t['agree'] / t['none']:.3f} |")
+    sys.stdout.flush()
+
+
 # ------------------------------------------------------------------ --breakdown
 class OpTrace(StorageTrace):
     """A :class:`StorageTrace` that labels each storage with the operation running (``op``,
@@ -489,6 +558,9 @@ def main() -> None:
     ap.add_argument("--waits", type=int, metavar="ROUNDS", default=0,
                     help="run_plan with and without the schedule's waits (stop 56), "
                          "ROUNDS interleaved steps each")
+    ap.add_argument("--agree", type=int, metavar="ROUNDS", default=0,
+                    help="both runners with and without the losses' agreement after each "
+                         "step (stop 77), ROUNDS interleaved steps each")
     ap.add_argument("--breakdown", action="store_true",
                     help="run_plan op by op against the plan, on the --temporaries plans")
     args = ap.parse_args()
@@ -497,6 +569,9 @@ def main() -> None:
         return
     if args.waits:
         waits_main(args.waits)
+        return
+    if args.agree:
+        agree_main(args.agree)
         return
     if args.temporaries:
         temps_main()

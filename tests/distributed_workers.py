@@ -279,7 +279,7 @@ def run_jobs(rank: int, world: int, jobs: list[dict[str, Any]], out_dir: str) ->
              "fsdp": fsdp_job, "fsdp_refusal": fsdp_refusal_job, "ddp_hf": ddp_hf_job,
              "ddp_lengths": ddp_lengths_job, "ddp_branches": ddp_branches_job,
              "refusals": refusals_job, "pipeline_inputs": pipeline_inputs_job,
-             "pipeline_peak": pipeline_peak_job}
+             "pipeline_peak": pipeline_peak_job, "pipeline_loss": pipeline_loss_job}
     for k, job in enumerate(jobs):
         _save(out_dir, rank, k, kinds[job["kind"]](rank, world, job))
         dist.barrier()
@@ -422,6 +422,60 @@ def pipeline_inputs_job(rank: int, world: int, job: dict[str, Any]) -> dict[str,
     if rank == 0:  # the first stage's rank without the batch (the others wait for nothing)
         attempt("no call", lambda: piped.step(target=y))
     out["grads"] = _grads(model)
+    return out
+
+
+def flagged_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``mse_loss``, or a ``ValueError`` for a micro-batch whose target holds a 999."""
+    if bool((target == 999).any()):
+        raise ValueError("a target of 999 in this micro-batch")
+    return nn.functional.mse_loss(out, target)
+
+
+def rows_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """A loss per row: not a scalar."""
+    return ((out - target) ** 2).mean(dim=1)
+
+
+def pipeline_loss_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    """A loss that fails on the last stage's rank, then a good step, on one runner.
+
+    ``{"plan", "runner"}`` (``"runtime"``: :class:`PipelinedModel`; ``"p2p"``:
+    ``run_plan``). Steps of 8 rows in 4 micro-batches: a target with a 999 in the last
+    micro-batch (``flagged_loss`` raises there), a loss per row (``rows_loss``), then
+    after ``zero_grad`` a good step. Returns the message of each failed step (``""``: it
+    ran) and the gradients of the good step.
+    """
+    from optmem.errors import OptmemInputError
+
+    del world
+    model = MODELS["mlp"][0]()
+    x, y = mlp_data(8, 8)
+    bad = y.clone()
+    bad[-1, 0] = 999.0
+    out: dict[str, Any] = {}
+    piped = None if job["runner"] == "p2p" else \
+        pipelining.PipelinedModel(model, job["plan"], microbatches=4, loss_fn=flagged_loss)
+    rows = None if job["runner"] == "p2p" else \
+        pipelining.PipelinedModel(model, job["plan"], microbatches=4, loss_fn=rows_loss)
+
+    def step(loss_fn: Any, target: torch.Tensor) -> None:
+        if piped is None:
+            pipelining.run_plan(model, job["plan"], list(x.chunk(4)), list(target.chunk(4)),
+                                loss_fn)
+        else:
+            (piped if loss_fn is flagged_loss else rows).step(x, target=target)
+
+    for name, loss_fn, target in (("999", flagged_loss, bad), ("rows", rows_loss, y)):
+        try:
+            step(loss_fn, target)
+            out[name] = ""
+        except OptmemInputError as exc:
+            out[name] = str(exc)
+    model.zero_grad()
+    step(flagged_loss, y)
+    out["grads"] = _grads(model)
+    out["rank"] = rank
     return out
 
 

@@ -790,3 +790,31 @@ def test_a_target_with_other_rows_than_the_call_is_one_input_error():
     with pytest.raises(OptmemInputError, match="target has 12 rows and the call 16") as info:
         _check_target_rows((x,), torch.randn(12, 4))
     assert info.value.field == "target"
+
+
+@pytest.mark.parametrize("runner", ["runtime", "p2p"])
+def test_a_loss_that_fails_on_the_last_rank_is_one_error_on_every_rank(runner, tmp_path):
+    """A ``loss_fn`` runs on the last stage's rank only. One that raised there (here on the
+    last micro-batch) or returned a loss per row ended that rank's step while the other
+    waited for its gradients: for the group's timeout in a process kept alive (30 minutes
+    by default; the spawn's 120 s here). Now every rank raises the same input error at the
+    end of the step, naming the rank and the loss's own message, and training goes on."""
+    plan = plan_for([1] * 6, 2, "contiguous")
+    spawn(w.run_jobs, 2, [{"kind": "pipeline_loss", "plan": plan.to_dict(), "runner": runner}],
+          str(tmp_path), init_file=str(tmp_path / "rendezvous"), timeout_s=120.0,
+          deadline_s=600.0)
+    grads, _ = w.reference_grads("mlp", 4, 8, mean=runner == "runtime")
+    datas = [w.load(str(tmp_path), rank, 0) for rank in range(2)]
+    for data in datas:
+        assert data["999"].startswith("field 'loss_fn': the loss failed on rank 1, which holds the "
+                                      "pipeline's last stage: ValueError: a target of 999 "
+                                      "in this micro-batch."), data["999"]
+        assert "ValueError: loss_fn returned a tensor of shape (2,); expected a scalar" \
+            in data["rows"], data["rows"]
+    assert datas[0]["999"] == datas[1]["999"] and datas[0]["rows"] == datas[1]["rows"]
+    seen: set[str] = set()
+    for data in datas:  # the good step after the failed ones: the plain model's gradients
+        for name, g in data["grads"].items():
+            torch.testing.assert_close(g, grads[name], rtol=1e-5, atol=1e-6)
+            seen.add(name)
+    assert seen == set(grads)

@@ -74,6 +74,7 @@ from optmem.pytorch.distributed import default_device, resolve_group, spawn
 from optmem.pytorch.execute import _RngState
 from optmem.pytorch.extract import Extraction, Stage, extract_program, extract_stages
 from optmem.pytorch.graphcut import OutputLayout
+from optmem.pytorch.pipeline_loss import LossFailure
 from optmem.pytorch.profile import TimeModel, model_name, move_to
 from optmem.pytorch.wrapper import (
     ProfileOptions,
@@ -165,14 +166,20 @@ class LossHead:
     The chain output is assembled into the model's output (``layout``: a ``ModelOutput``
     of an exported model; ``None``: the chain output as it is), then
     ``loss_fn(output, target)`` with the micro-batch's target from its pipeline context, or
-    the model's own loss (:func:`model_loss`) without ``loss_fn``.
+    the model's own loss (:func:`model_loss`) without ``loss_fn``. A loss that raises or
+    is not a scalar is recorded in ``failure`` and stands in a zero loss
+    (:mod:`optmem.pytorch.pipeline_loss`), so that the step ends on every rank.
     """
 
     def __init__(self, layout: OutputLayout | None, loss_fn: LossFn | None) -> None:
         self.layout = layout
         self.loss_fn = loss_fn
+        self.failure = LossFailure()  # read by PipelinedModel.step on every rank
 
     def __call__(self, value: Any) -> torch.Tensor:  # noqa: D102 - see the class docstring
+        return self.failure.attempt(lambda: self._loss(value), value)
+
+    def _loss(self, value: Any) -> torch.Tensor:
         ctx = current_side_inputs()
         output = value if self.layout is None else self.layout.assemble(value, ctx)
         if self.loss_fn is None:
@@ -543,8 +550,8 @@ class PipelinedModel(nn.Module):
                 f"the output of {type(self.program.module).__name__} on the sample call holds "
                 "no loss: give loss_fn=, or pass labels= in the call so that the model "
                 "computes its loss", field="loss_fn")
-        modules = plan_stage_modules(self.program, self.plan,
-                                     head=LossHead(self.program.layout, loss_fn))
+        self._head = LossHead(self.program.layout, loss_fn)
+        modules = plan_stage_modules(self.program, self.plan, head=self._head)
         gpu_of = [st.gpu for st in self.plan.stages]
         self.stage_indices = [k for k, g in enumerate(gpu_of) if g == rank]
         self.stages = nn.ModuleList([modules[k] for k in self.stage_indices]).to(self.device)
@@ -641,6 +648,9 @@ class PipelinedModel(nn.Module):
                 self.schedule.step(*(chain_args if self.has_first else ()), target=dummy,
                                    losses=losses, return_outputs=False)
             self._contexts.clear()
+            self._head.failure.agree(src=self.plan.stages[-1].gpu,
+                                     ranks=pipeline_ranks(self.plan), group=self.pp_group,
+                                     device=self.device)
         _reduce_tied(self._tied, before)
         factor = self.microbatches if self.scale_grads else 1
         return [loss.detach() * factor for loss in losses]
@@ -1054,6 +1064,7 @@ def run_plan(
     # the next stage's, the message's or the tape's to keep)
     stash: dict[tuple[int, int], tuple[torch.Tensor | None, _Root]] = {}
     losses: list[float] = []
+    failure = LossFailure()  # a loss that fails is one error on every rank, after the step
 
     def deliver(step: RankStep, key: Message, value: torch.Tensor) -> None:
         if step.send is None:
@@ -1073,7 +1084,7 @@ def run_plan(
         with streams[s].running():
             out = modules[s - 1](x)
         if s == n_stages:
-            out = loss_fn(out, targets[m].to(device))
+            out = failure.attempt(functools.partial(loss_fn, out, targets[m].to(device)), out)
             losses.append(float(out.detach()))
         else:
             deliver(step, ("a", s, m), out.detach())
@@ -1105,6 +1116,7 @@ def run_plan(
         (forward if step.op.kind == "F" else backward)(step)
     for req in held.values():
         req.wait()
+    failure.agree(src=gpu_of[n_stages], ranks=pipeline_ranks(plan), group=None, device=device)
     _reduce_tied(tied, before)
     return losses
 
