@@ -243,7 +243,8 @@ def measure_training_peak(step: Callable[[], Any], module: nn.Module,
     is added to the step but a dispatch mode and weak references: lifetimes are unchanged,
     with one exception found in stop 77: under a Python dispatch mode autograd sums the
     gradient contributions of a tensor used several times (a tied embedding) out of place
-    (it takes every tensor for a subclass), where it may sum into the partial gradient in
+    (ATen's ``isTensorSubclassLike`` is true for every tensor while a mode is active; a few
+    backward formulas branch on it too), where it may sum into the partial gradient in
     place without one, so a peak at such a sum can count one gradient more than the step
     holds (torch's ``MemTracker`` too).
 
