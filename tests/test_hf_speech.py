@@ -131,7 +131,8 @@ def test_offload_executors_bring_back_saved_views_with_their_strides(kind: str) 
     """Wav2Vec2's positional conv saves a strided view (``conv(x)[:, :, :-1]``). The offload
     executors copied it to host and back with ``clone()``, which made it contiguous, and
     the gradients of every stage before it differed from the model's by rounding (11
-    parameters, up to 4.8e-7). Copies now keep the strides (``offload.same_layout``)."""
+    parameters, up to 4.8e-7). Copies now keep the strides (since stop 77, views of a copy
+    of the whole storage: ``offload.HostCopies``)."""
     model, kwargs = _model("wav2vec2")
     wrap = getattr(op, kind)
     cmodel = wrap(model, kwargs, memory_limit="60%", repeats=1, warmup=0, fast_path=False)

@@ -240,7 +240,13 @@ def measure_training_peak(step: Callable[[], Any], module: nn.Module,
     of storages created during the step and alive at once, leaving out those that are
     parameter gradients at the end (weight gradients are not activations, whenever they
     were created). Parameters, buffers and existing gradients are never counted. Nothing
-    is added to the step but a dispatch mode and weak references: lifetimes are unchanged.
+    is added to the step but a dispatch mode and weak references: lifetimes are unchanged,
+    with one exception found in stop 77: under a Python dispatch mode autograd sums the
+    gradient contributions of a tensor used several times (a tied embedding) out of place
+    (ATen's ``isTensorSubclassLike`` is true for every tensor while a mode is active; a few
+    backward formulas branch on it too), where it may sum into the partial gradient in
+    place without one, so a peak at such a sum can count one gradient more than the step
+    holds (torch's ``MemTracker`` too).
 
     Parameters
     ----------
