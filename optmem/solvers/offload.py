@@ -679,7 +679,7 @@ def _solve_exact(problem: OffloadProblem, options: SolveOptions, method: str) ->
     try:  # DYNPROG and GREEDY poll the deadline too (since stop 77)
         with stop_when(deadline.stopper()):
             inst = exact_instance(problem, options, done)
-    except Interrupted:  # 2.8 s at L = 339 under load 8, past a 1 s limit
+    except Interrupted:  # they ran whole before: 2.8 s at L = 339 under load 8
         return _stopped(problem, options, method, solver,
                         _quick_start(problem, options, done), "the warm start")
     try:  # the model's build and emission poll the deadline (optmem.models.interrupt)

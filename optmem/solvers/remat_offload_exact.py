@@ -383,18 +383,28 @@ Candidate = tuple[float, str, tuple[AnyOp, ...]]
 """A replayed candidate plan: ``(makespan, label, plan)``."""
 
 
+@dataclass
+class _Cheap:
+    """How far :func:`_cheap_candidates` got: whether it started, the plans replayed."""
+
+    started: bool = False
+    found: list[Candidate] = field(default_factory=list)
+
+
 def _cheap_candidates(problem: RematOffloadProblem, options: SolveOptions,
-                      done: list[Candidate] | None = None) -> list[Candidate]:
+                      done: _Cheap | None = None) -> list[Candidate]:
     """The checkpoint-only and offload-only plans that replay, fastest first.
 
     The persistent checkpoint DP's plan and DYNPROG's: what a solve stopped by its time
     limit answers with at least (:func:`_stopped`). Both poll the solve's deadline (since
-    stop 77; 10.5 s at L = 339 under load 8 before): ``done`` (when given) gets each
-    replayed plan as soon as it is known, so a solve stopped in DYNPROG keeps the
-    checkpoint DP's plan.
+    stop 77; 10.5 s at L = 339 under load 8 before): ``done`` (when given) is marked
+    started and gets each replayed plan as soon as it is known, so a solve stopped in
+    DYNPROG keeps the checkpoint DP's plan.
     """
+    done = _Cheap() if done is None else done
+    done.started = True
     disc, _ = discretized(problem, options)
-    found: list[Candidate] = [] if done is None else done
+    found = done.found
     makers: tuple[tuple[str, Callable[[], Sequence[AnyOp] | None]], ...] = (
         ("checkpoint only (persistent dp)", lambda: remat_candidate(disc)),
         ("offload only (dynprog)", lambda: offload_candidate(problem, options)))
@@ -413,22 +423,23 @@ run (:func:`_fallback`): within the time the deadline keeps back (2 s,
 :data:`~optmem.solvers.time_budget.REPLAY_MARGIN_S`)."""
 
 
-def _fallback(problem: RematOffloadProblem, options: SolveOptions, partial: list[Candidate]
+def _fallback(problem: RematOffloadProblem, options: SolveOptions, cheap: _Cheap
               ) -> list[Candidate]:
-    """A stopped solve's candidates when it had computed none: ``partial``, else computed.
+    """A stopped solve's candidates when it had not finished computing them.
 
-    ``partial``: those :func:`_cheap_candidates` replayed before the stop. Without any, it
-    runs again with at most a quarter of the limit, at most :data:`FALLBACK_GRACE_S` (all
-    it needs below L = 100 or so; before stop 77 it ran whole here: 10.5 s at L = 339);
-    still none: :func:`_quick_candidates`.
+    ``cheap``: how far :func:`_cheap_candidates` got before the stop: the plans it
+    replayed. When it had not started (a stop in the link relaxation, the chapter 4 DP, or
+    without a limit), it runs here with at most a quarter of the limit, at most
+    :data:`FALLBACK_GRACE_S` (all it needs below L = 100 or so; before stop 77 it ran whole
+    here: 10.5 s at L = 339). No plan from it: :func:`_quick_candidates`.
     """
-    if not partial:
+    if not cheap.started:
         limit = options.time_limit_s
         grace = Deadline.start(None if limit is None else min(FALLBACK_GRACE_S, 0.25 * limit),
                                margin=0.0)
         with suppress(Interrupted), stop_when(grace.stopper()):
-            _cheap_candidates(problem, options, partial)
-    return sorted(partial) or _quick_candidates(problem, options)
+            _cheap_candidates(problem, options, cheap)
+    return sorted(cheap.found) or _quick_candidates(problem, options)
 
 
 def _quick_candidates(problem: RematOffloadProblem, options: SolveOptions
@@ -457,7 +468,7 @@ def _candidates(problem: RematOffloadProblem, options: SolveOptions,
                 prior: float | None = None,
                 base: list[tuple[float, str, tuple[AnyOp, ...]]] | None = None,
                 cheap: list[tuple[float, str, tuple[AnyOp, ...]]] | None = None,
-                done: list[Candidate] | None = None
+                done: _Cheap | None = None
                 ) -> list[tuple[float, str, tuple[AnyOp, ...]]]:
     """The DP, checkpoint-only and offload-only plans that replay, fastest first.
 
@@ -1165,7 +1176,7 @@ def _benders_start(problem: RematOffloadProblem, method: str, disc: Discretized,
     later = flag(options, "relaxation_first", RELAXATION_FIRST_DEFAULT)
     candidates = _candidates(problem, options.with_(extra={
         **options.extra, "dp_ladder": [], "autocapper_candidate": False}) if later else options,
-        deadline, report, done=progress.partial)
+        deadline, report, done=progress.cheap)
     progress.learnt(_Early(_Relaxed(-math.inf, {}), candidates))
     limit = options.time_limit_s
     relaxed = _relaxation_bound(disc.chain, disc.memory_limit, beta, sweeps, options, "cpsat",
@@ -1319,15 +1330,14 @@ class _Progress:
 
     ``stage``: the stage running; ``bound``: the link relaxation's proven bound (``-inf``
     before it); ``candidates``: the replayed candidate plans, fastest first (``None``:
-    not computed yet); ``partial``: those of :func:`_cheap_candidates` replayed before it
-    was stopped.
+    not computed yet); ``cheap``: how far :func:`_cheap_candidates` got.
     """
 
     stage: str = "the link relaxation"
     bound: float = -math.inf
     candidates: list[tuple[float, str, tuple[AnyOp, ...]]] | None = None
     relaxation: dict[str, Any] | None = None
-    partial: list[Candidate] = field(default_factory=list)  # _cheap_candidates' so far
+    cheap: _Cheap = field(default_factory=_Cheap)
 
     def learnt(self, early: _Early) -> None:
         """Keep the bound and the candidates computed before the model's build."""
@@ -1359,7 +1369,7 @@ def _stopped(problem: RematOffloadProblem, options: SolveOptions, method: str, e
     if progress.relaxation is not None:
         report.setdefault("relaxation", progress.relaxation)
     found = progress.candidates if progress.candidates is not None else \
-        _fallback(problem, options, progress.partial)
+        _fallback(problem, options, progress.cheap)
     bound = max(lower_bound(problem), progress.bound)
     if not found:
         return no_plan_result(problem, options, method, Status.NO_SOLUTION, report).with_(
@@ -1396,7 +1406,7 @@ def _staged(problem: RematOffloadProblem, options: SolveOptions, method: str, en
     if strategy != "benders" and options.time_limit_s is not None:
         # what a stopped solve answers with, before the relaxation takes its time
         progress.stage = "the candidate plans"
-        cheap = progress.candidates = _cheap_candidates(problem, options, progress.partial)
+        cheap = progress.candidates = _cheap_candidates(problem, options, progress.cheap)
         progress.stage = "the link relaxation"
     early = _benders_start(problem, method, disc, beta, sweeps, benders, deadline, report,
                            progress) if strategy == "benders" else \
@@ -1408,7 +1418,7 @@ def _staged(problem: RematOffloadProblem, options: SolveOptions, method: str, en
     if strategy != "benders" and early.candidates is None and options.warm_start:
         progress.stage = "the candidate plans"
         early = replace(early, candidates=_candidates(problem, options, deadline, report,
-                                                      cheap=cheap, done=progress.partial))
+                                                      cheap=cheap, done=progress.cheap))
         progress.learnt(early)
     progress.stage = "the model's build"
     built = build_remat_offload(disc.chain, disc.memory_limit, beta, sweeps=sweeps,
