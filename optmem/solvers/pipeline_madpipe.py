@@ -258,6 +258,7 @@ class DPTables:
         h = np.empty((self.n + 1, self.n_gpus, size))
         h[0] = tgrid
         for j in range(1, self.n + 1):
+            poll_now()  # a solve's deadline (optmem.models.interrupt): 0.6 s at L = 339
             h[j, 0] = self.load[1, j] + tgrid
             ii = np.arange(1, j + 1)
             u, c = self.load[ii, j], self.cost_array[ii - 1]
@@ -318,6 +319,7 @@ class DPTables:
         pp = np.arange(1, self.n_gpus)[None, :, None]  # every p at once: the
         flat0, flat1 = g[0].reshape(-1), g[1].reshape(-1)  # views: filled as j grows
         for j in range(1, self.n + 1):
+            poll_now()
             fit0 = mgrid + self.static[1, j] + (least[0, 0] - 1) * self.stash[1, j] \
                 <= self.limit
             g[0, j, 0] = np.where(fit0, 0.0, np.inf)
