@@ -230,6 +230,24 @@ def _remat_offload_stopped(problem: RematOffloadProblem, method: str, n: int,
     return solve(problem, method, options=FAR)
 
 
+def test_a_solve_stopped_inside_its_cheap_candidates_does_not_run_them_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stopped in the checkpoint DP (its first cell), with a fresh predicate for every
+    block: the DP is not run again in the fallback (it was just cut short; a solve stopped
+    before it started runs it there), the answer is Chen's plan."""
+    chain = random_chain(6, seed=1, max_size=8)
+    problem = RematOffloadProblem(chain, (chain.store_all_peak() * 7) // 8,
+                                  chain_bandwidth=1.0)
+    calls = []
+    real = exact.remat_candidate
+    monkeypatch.setattr(exact, "remat_candidate", lambda disc: calls.append(1) or real(disc))
+    monkeypatch.setattr(exact, "stop_when", lambda _: stop_when(after(1)))
+    res = solve(problem, "ilp", options=FAR)
+    assert res.report["stopped"] == "time limit (during the candidate plans)"
+    assert res.report["incumbent"] == "sqrt(n) segments" and len(calls) == 1
+    _replays(problem, res, solve(problem, "ilp", options=ONE).objective)
+
+
 def test_a_remat_offload_solve_with_no_cheap_plan_has_no_solution_and_the_bound(
         monkeypatch: pytest.MonkeyPatch) -> None:
     chain = random_chain(6, seed=1, max_size=8)
