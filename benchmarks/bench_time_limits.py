@@ -4,6 +4,7 @@
                                            [--quick] [--profiles NAME ...] [--out FILE.md]
                                            [--methods PROBLEM:METHOD ...]
                                            [--pipeline-memory 3GiB] [--strict] [--repeat 1]
+                                           [--row-load]
 
 Each exact method ``compare`` adds under a limit (stop 73: checkpoint ``ilp``, offload
 ``cpsat``, remat + offload ``ilp`` and ``cpsat``, pipeline ``chunks``) is run by the CLI,
@@ -16,7 +17,9 @@ table gives the wall time of the whole command (interpreter start included), its
 ``--methods pipeline:madpipe pipeline:contiguous``: other methods than the five above
 (stop 76); ``--pipeline-memory``: the pipelines' memory per GPU (``--strict``: their strict
 memory model); ``--repeat N``: each
-command N times, the cell of the median wall time (its RSS and answer).
+command N times, the cell of the median wall time (its RSS and answer); ``--row-load``: each
+row's profile cell gets the 1-minute load average when the row started (stop 77: the
+measurements share the machine with other jobs).
 
 ``--base PATH``: the same runs with the package at ``PATH`` (a checkout, e.g. ``git worktree
 add /tmp/base <commit>``) side by side, each killed after ``--cap`` seconds (reported as
@@ -122,15 +125,19 @@ def median_run(root: str | None, problem: str, method: str, profile: str, limit:
 
 def table(profiles: tuple[str, ...], limit: float, base: str | None, cap: float,
           methods: tuple[tuple[str, str], ...] = METHODS, pipeline_memory: str = "3GiB",
-          repeat: int = 1, strict: bool = False) -> str:
-    """The Markdown table, one row per (profile, method); the baseline's column if asked."""
+          repeat: int = 1, strict: bool = False, row_load: bool = False) -> str:
+    """The Markdown table, one row per (profile, method); the baseline's column if asked.
+
+    ``row_load``: the profile cell names the 1-minute load average as the row starts.
+    """
     head = "| profile | problem, method | this checkout |" + (" base |" if base else "")
     rows = [head, "|---|---|---|" + ("---|" if base else "")]
     for profile in profiles:
         for problem, method in methods:
+            name = f"{profile} (load {os.getloadavg()[0]:.1f})" if row_load else profile
             mine = cell(median_run(None, problem, method, profile, limit, cap,
                                    pipeline_memory, repeat, strict), limit, cap)
-            row = f"| {profile} | {problem} {method} | {mine} |"
+            row = f"| {name} | {problem} {method} | {mine} |"
             if base:
                 theirs = median_run(base, problem, method, profile, limit, cap,
                                     pipeline_memory, repeat, strict)
@@ -152,6 +159,8 @@ def main() -> None:
     parser.add_argument("--pipeline-memory", default="3GiB", help="memory per GPU")
     parser.add_argument("--strict", action="store_true", help="strict pipeline memory model")
     parser.add_argument("--repeat", type=int, default=1, help="runs per cell (median)")
+    parser.add_argument("--row-load", action="store_true",
+                        help="each row's load average in its profile cell")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     began = uptime()
@@ -159,7 +168,7 @@ def main() -> None:
     methods = METHODS if not args.methods else tuple(
         tuple(pair.split(":", 1)) for pair in args.methods)
     text = table(profiles, args.time_limit, args.base, args.cap, methods,  # type: ignore[arg-type]
-                 args.pipeline_memory, args.repeat, args.strict)
+                 args.pipeline_memory, args.repeat, args.strict, args.row_load)
     model = " (strict)" if args.strict else ""
     print_and_write(f"time limit {args.time_limit:g} s, pipelines at {args.pipeline_memory}"
                     f"{model}, "

@@ -355,7 +355,8 @@ def test_an_offload_build_stopped_answers_with_the_warm_start(
     whole = solve(problem, method, options=OPTS)
     assert whole.status.has_plan and "stopped" not in whole.report
     real = offload.stop_when
-    monkeypatch.setattr(offload, "stop_when", lambda stop: real(after(1)))
+    stops = iter([lambda: False, after(1)])  # the warm start whole (it polls since stop 77)
+    monkeypatch.setattr(offload, "stop_when", lambda stop: real(next(stops)))
     res = solve(problem, method, options=OPTS)
     assert res.report["stopped"] == "time limit (during the model's build)"
     assert res.status is Status.FEASIBLE and res.report["incumbent"].startswith("the warm")

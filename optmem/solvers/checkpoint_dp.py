@@ -58,6 +58,7 @@ import numpy as np
 
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError
+from optmem.models.interrupt import poll
 from optmem.plan import LOSS, B, F_all, F_ck, F_none, Op
 
 INF = np.inf
@@ -304,6 +305,13 @@ def solve_persistent_table(chain: Chain, budget: int, variant: str = "paper",
         the stages' forward times (``docs/pytorch.md``, "What the chain counts (time)").
         The table's values then include it; the plan's makespan under the chain is the
         value minus ``segment_cost`` times its ``F_ck`` ops. 0 (default) is rotor's model.
+
+    Raises
+    ------
+    optmem.models.interrupt.Interrupted
+        Inside :func:`~optmem.models.interrupt.stop_when` once its predicate holds: the
+        fill polls once per cell (:func:`~optmem.models.interrupt.poll`; the exact methods'
+        warm start and fallback, 6.6 s at L = 339, ran past their time limit, stop 77).
     """
     if variant not in ("paper", "rotor"):
         raise ValueError(f"unknown persistent variant {variant!r}")
@@ -348,6 +356,7 @@ def solve_persistent_table(chain: Chain, budget: int, variant: str = "paper",
             for s in range(s_hi, s_lo - 1, -1):
                 row_s = sums[s]
                 for t in range(max(t_lo, s + 1), min(t_lo + TILE, L + 2)):
+                    poll()  # a solve's deadline (optmem.models.interrupt): 6.6 s at L = 339
                     _fill_cell(cost, shifted, row_s, buf, s, t, lo_null[s][t], lo_all[s][t],
                                abar_list[s], a_list[s - 1], uf_list[s], ub_list[s], paper)
     return PersistentTable(ar, cost, budget, variant, m_null, np.array(lo_all),

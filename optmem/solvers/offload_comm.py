@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from optmem.chain import Chain
+from optmem.models.interrupt import poll_now
 
 
 @dataclass(frozen=True)
@@ -250,6 +251,7 @@ def solve_comm_dp(chain: Chain, memory: int, beta: float, *, cheap_junction: boo
     parents: list[tuple[np.ndarray, np.ndarray]] = []
     states = 1
     for i in range(1, n + 2):
+        poll_now()  # a solve's deadline (optmem.models.interrupt): one check per layer
         x = abar[i - 1]
         ok = (mf[i] <= m - A - x) & (mb[i] <= m - A - x)
         A, DF, DB, val = A[ok], DF[ok], DB[ok], val[ok]

@@ -23,6 +23,7 @@ from collections.abc import Iterable
 
 from optmem.chain import Chain
 from optmem.errors import PlanError
+from optmem.models.interrupt import poll_now
 from optmem.plan import AnyOp, Op, OpKind, TransferOp, offload, prefetch, store_all_plan
 from optmem.simulate.checkpoint import value_size
 from optmem.simulate.offload import OffloadSimulation, Replay
@@ -46,6 +47,9 @@ def consumer_index(length: int, k: int) -> int:
 
 
 PREFETCH_POLICIES = ("alap", "eager", "lazy")
+POLL_OPS = 32
+""":func:`ordered_plan` checks its solve's deadline once per this many ops (each op is
+about 1 ms at L = 339: 2L + 1 ops per plan, three policies per offload set)."""
 
 
 def ordered_plan(
@@ -64,6 +68,10 @@ def ordered_plan(
     ------
     PlanError
         If the plan does not fit (some op waits for memory that is never freed).
+    optmem.models.interrupt.Interrupted
+        Inside :func:`~optmem.models.interrupt.stop_when` once its predicate holds
+        (checked every :data:`POLL_OPS` ops: DYNPROG's and GREEDY's plans took 2.8 s at
+        L = 339 under load and ran past the offload exact methods' time limit, stop 77).
     """
     length = chain.length
     seq = store_all_plan(length)
@@ -72,6 +80,8 @@ def ordered_plan(
     replay = Replay(chain, bandwidth, memory_limit)
     back: list[int] = []  # offloaded values, prefetched in decreasing order
     for pos, op in enumerate(seq):
+        if pos % POLL_OPS == 0:  # a solve's deadline (optmem.models.interrupt)
+            poll_now()
         _issue_offloads(replay, seq, pos, op, todo, back, length)
         _issue_prefetches(replay, seq, pos, op, todo, back, length, prefetch_policy)
         replay.add(op)

@@ -91,6 +91,7 @@ from typing import Any
 
 import numpy as np
 
+from optmem.models.interrupt import Interrupted, poll_now, stop_when
 from optmem.models.pipeline import load_bound, make_units
 from optmem.pipeline_plan import PipelinePlan
 from optmem.problems.pipeline import PipelineProblem
@@ -257,6 +258,7 @@ class DPTables:
         h = np.empty((self.n + 1, self.n_gpus, size))
         h[0] = tgrid
         for j in range(1, self.n + 1):
+            poll_now()  # a solve's deadline (optmem.models.interrupt): 0.6 s at L = 339
             h[j, 0] = self.load[1, j] + tgrid
             ii = np.arange(1, j + 1)
             u, c = self.load[ii, j], self.cost_array[ii - 1]
@@ -317,6 +319,7 @@ class DPTables:
         pp = np.arange(1, self.n_gpus)[None, :, None]  # every p at once: the
         flat0, flat1 = g[0].reshape(-1), g[1].reshape(-1)  # views: filled as j grows
         for j in range(1, self.n + 1):
+            poll_now()
             fit0 = mgrid + self.static[1, j] + (least[0, 0] - 1) * self.stash[1, j] \
                 <= self.limit
             g[0, j, 0] = np.where(fit0, 0.0, np.inf)
@@ -441,6 +444,7 @@ def _levels(tb: DPTables, that: float, exact: bool, cap: float, feasibility: boo
         _Bounds(tb, that, cap, None if feasibility else prune)
     prefix = feasibility and bounds is not None and PREFIX_BOUND
     for j in range(n, -1, -1):
+        poll_now()  # a solve's deadline (optmem.models.interrupt): one check per level
         levels[j] = _Level(_collect(pending[j], None if exact else tb.steps(), prefix))
         if j > 0:
             _expand(tb, that, cap, rounders, j, levels[j], pending, feasibility, bounds,
@@ -771,6 +775,7 @@ def _evaluate(tb: DPTables, that: float, cap: float, levels: list[_Level]
     values: list[np.ndarray] = [flat[:offsets[1]]]
     chosen: list[np.ndarray] = [np.full(len(levels[0].states), -1)]
     for j in range(1, n + 1):
+        poll_now()
         level = levels[j]
         states = level.states
         best = flat[offsets[j]:offsets[j + 1]]
@@ -808,6 +813,7 @@ def _least(tb: DPTables, that: float, levels: list[_Level]
     t_flat = np.full(len(a_flat), np.inf)
     a_flat[:offsets[1]] = t_flat[:offsets[1]] = 0.0
     for j in range(1, tb.n + 1):
+        poll_now()
         level = levels[j]
         states = level.states
         a = a_flat[offsets[j]:offsets[j + 1]]
@@ -881,6 +887,15 @@ def algorithm8(problem: PipelineProblem, *, exact: bool, iterations: int = K_ITE
     (:func:`_capped_dp`). ``stop`` (a time limit, :func:`solve_madpipe`): checked before
     each DP call once an allocation is found, which then ends the loop with the best so
     far (before stop 75 phase 1 ran whole: ``--time-limit 5`` took 9.4 s at L = 339).
+
+    The DP calls poll the enclosing :func:`~optmem.models.interrupt.stop_when` (since
+    stop 77: without an allocation phase 1 ran on, 6 s for a 5 s limit at L = 339,
+    3 GiB): stopped inside one, the loop ends with the best allocation so far.
+
+    Raises
+    ------
+    optmem.models.interrupt.Interrupted
+        When stopped before any allocation was found.
     """
     tables = DPTables.of(problem)
     total = tables.total
@@ -894,7 +909,12 @@ def algorithm8(problem: PipelineProblem, *, exact: bool, iterations: int = K_ITE
         if stop is not None and best[2] is not None and stop():
             break
         floor = max((v for t, v in seen if t >= that and math.isfinite(v)), default=0.0)
-        value, alloc, count = _capped_dp(problem, tables, that, exact, best[0], floor)
+        try:
+            value, alloc, count = _capped_dp(problem, tables, that, exact, best[0], floor)
+        except Interrupted:
+            if best[2] is None:
+                raise
+            break  # the best allocation so far
         seen.append((that, value))
         states += count
         tilde = max(value, that)
@@ -1130,13 +1150,20 @@ def solve_madpipe(problem: PipelineProblem, options: SolveOptions) -> Result:
     # first: it lets phase 2 skip models; the deadline stops its search too (stop 76)
     contiguous, stopped = _contiguous_candidate(problem, late if deadline is not None else None)
     skipped = 0
+    phase1_stopped = False
     for factor in MEMORY_FACTORS:
         if late():  # the limit bounds phase 1 too (since stop 75)
             log.append({"memory_factor": factor, "phase1": "time limit reached"})
             break
         sub = problem if factor == 1.0 else scaled(problem, factor)
-        est, that, alloc, states = algorithm8(sub, exact=exact, iterations=iterations,
-                                              stop=late)
+        try:  # its DP calls poll the deadline (since stop 77), before any allocation too
+            with stop_when(late if deadline is not None else None):
+                est, that, alloc, states = algorithm8(sub, exact=exact,
+                                                      iterations=iterations, stop=late)
+        except Interrupted:
+            log.append({"memory_factor": factor, "phase1": "time limit reached"})
+            phase1_stopped = True
+            break
         total_states += states
         entry: dict[str, Any] = {"memory_factor": factor, "estimate": est, "t_hat": that}
         log.append(entry)
@@ -1177,9 +1204,13 @@ def solve_madpipe(problem: PipelineProblem, options: SolveOptions) -> Result:
               "grid": "exact" if exact else f"{GRID_T}x{GRID_M}x{GRID_V}"}
     if stopped:
         report["stopped"] = stopped_during("the contiguous candidate")
+    elif phase1_stopped:
+        report["stopped"] = stopped_during("phase 1")
     if not candidates:
-        return infeasible(problem, "madpipe", "phase 1 found no allocation or phase 2 could "
-                          "not schedule it", proven=False, report=report)
+        res = infeasible(problem, "madpipe", "phase 1 found no allocation or phase 2 could "
+                         "not schedule it", proven=False, report=report)
+        # stopped: the load bound, as contiguous's stopped search (stop 77)
+        return res.with_(bound=lower_bound(problem)) if phase1_stopped else res
     period, plan, source = min(candidates, key=lambda c: c[0])
     report["source"] = source
     return plan_result(problem, plan, method="madpipe", status=Status.FEASIBLE,

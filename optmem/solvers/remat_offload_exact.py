@@ -50,7 +50,8 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from contextlib import suppress
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 from optmem.chain import Chain
@@ -82,12 +83,23 @@ from optmem.models.remat_offload import (
     host_violations,
     with_fixed,
 )
-from optmem.plan import LOSS, AnyOp, B, F_all, F_ck, F_none, Op, parse_mixed_plan
+from optmem.plan import (
+    LOSS,
+    AnyOp,
+    B,
+    F_all,
+    F_ck,
+    F_none,
+    Op,
+    parse_mixed_plan,
+    store_all_plan,
+)
 from optmem.problems.checkpoint import Discretized
 from optmem.problems.remat_offload import RematOffloadProblem
 from optmem.result import Result, SolveOptions, Status
 from optmem.simulate.checkpoint import initial_state, is_final, transition
 from optmem.simulate.offload import reads, simulate_offload
+from optmem.solvers.checkpoint_baselines import chen_plan
 from optmem.solvers.offload_bruteforce import (
     check_brute_length,
     fastest_plan,
@@ -367,28 +379,96 @@ class _Start:
     note: str
 
 
-def _cheap_candidates(problem: RematOffloadProblem, options: SolveOptions
-                      ) -> list[tuple[float, str, tuple[AnyOp, ...]]]:
+Candidate = tuple[float, str, tuple[AnyOp, ...]]
+"""A replayed candidate plan: ``(makespan, label, plan)``."""
+
+
+@dataclass
+class _Cheap:
+    """How far :func:`_cheap_candidates` got: whether it started, the plans replayed."""
+
+    started: bool = False
+    found: list[Candidate] = field(default_factory=list)
+
+
+def _cheap_candidates(problem: RematOffloadProblem, options: SolveOptions,
+                      done: _Cheap | None = None) -> list[Candidate]:
     """The checkpoint-only and offload-only plans that replay, fastest first.
 
     The persistent checkpoint DP's plan and DYNPROG's: what a solve stopped by its time
-    limit answers with at least (:func:`_stopped`); 4.5 + 0.7 s at L = 339, neither polls
-    the deadline.
+    limit answers with at least (:func:`_stopped`). Both poll the solve's deadline (since
+    stop 77; 10.5 s at L = 339 under load 8 before): ``done`` (when given) is marked
+    started and gets each replayed plan as soon as it is known, so a solve stopped in
+    DYNPROG keeps the checkpoint DP's plan.
+    """
+    done = _Cheap() if done is None else done
+    done.started = True
+    disc, _ = discretized(problem, options)
+    found = done.found
+    makers: tuple[tuple[str, Callable[[], Sequence[AnyOp] | None]], ...] = (
+        ("checkpoint only (persistent dp)", lambda: remat_candidate(disc)),
+        ("offload only (dynprog)", lambda: offload_candidate(problem, options)))
+    for label, make in makers:
+        plan = make()
+        seen: dict[str, float] = {}
+        best_candidate(problem, options, [(label, plan)], seen)
+        if plan is not None and label in seen:
+            found.append((seen[label], label, tuple(plan)))
+    return sorted(found)
+
+
+FALLBACK_GRACE_S = 1.0
+"""The most a stopped solve spends on the checkpoint-only and offload-only DPs it had not
+run (:func:`_fallback`): within the time the deadline keeps back (2 s,
+:data:`~optmem.solvers.time_budget.REPLAY_MARGIN_S`)."""
+
+
+def _fallback(problem: RematOffloadProblem, options: SolveOptions, cheap: _Cheap
+              ) -> list[Candidate]:
+    """A stopped solve's candidates when it had not finished computing them.
+
+    ``cheap``: how far :func:`_cheap_candidates` got before the stop: the plans it
+    replayed. When it had not started (a stop in the link relaxation, the chapter 4 DP, or
+    without a limit), it runs here with at most a quarter of the limit, at most
+    :data:`FALLBACK_GRACE_S` (all it needs below L = 100 or so; before stop 77 it ran whole
+    here: 10.5 s at L = 339). No plan from it: :func:`_quick_candidates`.
+    """
+    if not cheap.started:
+        limit = options.time_limit_s
+        grace = Deadline.start(None if limit is None else min(FALLBACK_GRACE_S, 0.25 * limit),
+                               margin=0.0)
+        with suppress(Interrupted), stop_when(grace.stopper()):
+            _cheap_candidates(problem, options, cheap)
+    return sorted(cheap.found) or _quick_candidates(problem, options)
+
+
+def _quick_candidates(problem: RematOffloadProblem, options: SolveOptions
+                      ) -> list[Candidate]:
+    """A stopped solve's plans when its DPs had none yet: store-all, else Chen's sqrt(L).
+
+    No DP: store-all (when its peak fits) or Chen's ``round(sqrt(L))`` equal segments,
+    replayed (0.3 s at L = 339); both are checkpoint-only plans, never faster than the
+    persistent DP's (:func:`_cheap_candidates`), which a stopped solve had not finished
+    (stop 77: it used to compute those DPs again after the deadline, 10.5 s at L = 339).
     """
     disc, _ = discretized(problem, options)
-    plans = [("checkpoint only (persistent dp)", remat_candidate(disc)),
-             ("offload only (dynprog)", offload_candidate(problem, options))]
+    length = disc.chain.length
+    plans: list[tuple[str, Sequence[AnyOp] | None]] = [
+        ("store all", store_all_plan(length))
+        if disc.chain.store_all_peak() <= disc.memory_limit
+        else ("sqrt(n) segments", chen_plan(length))]
     seen: dict[str, float] = {}
     best_candidate(problem, options, plans, seen)
-    return sorted((seen[label], label, tuple(plan)) for label, plan in plans
-                  if plan is not None and label in seen)
+    return [(seen[label], label, tuple(plan)) for label, plan in plans
+            if plan is not None and label in seen]
 
 
 def _candidates(problem: RematOffloadProblem, options: SolveOptions,
                 deadline: Deadline | None = None, report: dict[str, Any] | None = None,
                 prior: float | None = None,
                 base: list[tuple[float, str, tuple[AnyOp, ...]]] | None = None,
-                cheap: list[tuple[float, str, tuple[AnyOp, ...]]] | None = None
+                cheap: list[tuple[float, str, tuple[AnyOp, ...]]] | None = None,
+                done: _Cheap | None = None
                 ) -> list[tuple[float, str, tuple[AnyOp, ...]]]:
     """The DP, checkpoint-only and offload-only plans that replay, fastest first.
 
@@ -397,7 +477,8 @@ def _candidates(problem: RematOffloadProblem, options: SolveOptions,
     ``prior``: its seconds per state before the first run). ``base``: the default
     candidates, already computed (``relaxation_first``): only the ladder's are added.
     ``cheap``: :func:`_cheap_candidates`, already computed (a solve under a time limit
-    computes them first): not computed again.
+    computes them first): not computed again; else computed with ``done``
+    (:func:`_cheap_candidates`: a stopped solve keeps those replayed so far).
     """
     plans: list[tuple[str, Sequence[AnyOp] | None]] = []
     known: dict[tuple[int, int], Sequence[AnyOp] | None] = {}
@@ -406,7 +487,7 @@ def _candidates(problem: RematOffloadProblem, options: SolveOptions,
         known[grid_of(options)] = default
         plans.append(("chapter 4 dp", default))
         if cheap is None:
-            base = _cheap_candidates(problem, options)
+            base = _cheap_candidates(problem, options, done)
         else:
             base = list(cheap)
     else:
@@ -1095,7 +1176,7 @@ def _benders_start(problem: RematOffloadProblem, method: str, disc: Discretized,
     later = flag(options, "relaxation_first", RELAXATION_FIRST_DEFAULT)
     candidates = _candidates(problem, options.with_(extra={
         **options.extra, "dp_ladder": [], "autocapper_candidate": False}) if later else options,
-        deadline, report)
+        deadline, report, done=progress.cheap)
     progress.learnt(_Early(_Relaxed(-math.inf, {}), candidates))
     limit = options.time_limit_s
     relaxed = _relaxation_bound(disc.chain, disc.memory_limit, beta, sweeps, options, "cpsat",
@@ -1249,13 +1330,14 @@ class _Progress:
 
     ``stage``: the stage running; ``bound``: the link relaxation's proven bound (``-inf``
     before it); ``candidates``: the replayed candidate plans, fastest first (``None``:
-    not computed yet).
+    not computed yet); ``cheap``: how far :func:`_cheap_candidates` got.
     """
 
     stage: str = "the link relaxation"
     bound: float = -math.inf
     candidates: list[tuple[float, str, tuple[AnyOp, ...]]] | None = None
     relaxation: dict[str, Any] | None = None
+    cheap: _Cheap = field(default_factory=_Cheap)
 
     def learnt(self, early: _Early) -> None:
         """Keep the bound and the candidates computed before the model's build."""
@@ -1276,15 +1358,18 @@ def _stopped(problem: RematOffloadProblem, options: SolveOptions, method: str, e
     at L = 68 after 220 s and 5 GB. They now poll the solve's deadline
     (:mod:`optmem.models.interrupt`) and the solve answers with what it has: the fastest
     replayed candidate (at least the checkpoint-only and offload-only DPs' plans, which a
-    solve under a time limit computes first, :func:`_staged`; computed here when none
-    was) as ``feasible`` (``optimal`` when it meets the bound), and
-    the link relaxation's bound if it was solved; ``no_solution`` with the bound when no
-    candidate replays. ``report["stopped"]`` names the stage.
+    solve under a time limit computes first, :func:`_staged`) as ``feasible`` (``optimal``
+    when it meets the bound), and the link relaxation's bound if it was solved;
+    ``no_solution`` with the bound when no candidate replays. ``report["stopped"]`` names
+    the stage. Those DPs poll the deadline too (since stop 77; before, a solve stopped
+    before them computed them here, past its deadline: 10.5 s at L = 339): stopped in
+    them, the answer is the plans they replayed so far (:func:`_fallback`).
     """
     report = {**report, "stopped": stopped_during(progress.stage)}
     if progress.relaxation is not None:
         report.setdefault("relaxation", progress.relaxation)
-    found = progress.candidates or _cheap_candidates(problem, options)
+    found = progress.candidates if progress.candidates is not None else \
+        _fallback(problem, options, progress.cheap)
     bound = max(lower_bound(problem), progress.bound)
     if not found:
         return no_plan_result(problem, options, method, Status.NO_SOLUTION, report).with_(
@@ -1321,7 +1406,7 @@ def _staged(problem: RematOffloadProblem, options: SolveOptions, method: str, en
     if strategy != "benders" and options.time_limit_s is not None:
         # what a stopped solve answers with, before the relaxation takes its time
         progress.stage = "the candidate plans"
-        cheap = progress.candidates = _cheap_candidates(problem, options)
+        cheap = progress.candidates = _cheap_candidates(problem, options, progress.cheap)
         progress.stage = "the link relaxation"
     early = _benders_start(problem, method, disc, beta, sweeps, benders, deadline, report,
                            progress) if strategy == "benders" else \
@@ -1333,7 +1418,7 @@ def _staged(problem: RematOffloadProblem, options: SolveOptions, method: str, en
     if strategy != "benders" and early.candidates is None and options.warm_start:
         progress.stage = "the candidate plans"
         early = replace(early, candidates=_candidates(problem, options, deadline, report,
-                                                      cheap=cheap))
+                                                      cheap=cheap, done=progress.cheap))
         progress.learnt(early)
     progress.stage = "the model's build"
     built = build_remat_offload(disc.chain, disc.memory_limit, beta, sweeps=sweeps,
