@@ -279,7 +279,8 @@ def run_jobs(rank: int, world: int, jobs: list[dict[str, Any]], out_dir: str) ->
              "fsdp": fsdp_job, "fsdp_refusal": fsdp_refusal_job, "ddp_hf": ddp_hf_job,
              "ddp_lengths": ddp_lengths_job, "ddp_branches": ddp_branches_job,
              "refusals": refusals_job, "pipeline_inputs": pipeline_inputs_job,
-             "pipeline_peak": pipeline_peak_job, "pipeline_loss": pipeline_loss_job}
+             "pipeline_peak": pipeline_peak_job, "pipeline_loss": pipeline_loss_job,
+             "offload_fsdp": offload_fsdp_job}
     for k, job in enumerate(jobs):
         _save(out_dir, rank, k, kinds[job["kind"]](rank, world, job))
         dist.barrier()
@@ -761,6 +762,36 @@ def fsdp_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
             "plan": cmodel.result.plan, "chain": cmodel.chain.to_dict(),
             "units": [type(m).__name__ for m in cmodel.stages],
             "keys": sorted(cmodel.state_dict())}
+
+
+def offload_fsdp_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    """``op.offload`` or ``op.remat_offload`` sharded per stage with FSDP2
+    (``fully_shard_checkpointed``) on a CPU device mesh; ``grad.full_tensor()`` per step.
+
+    ``{"wrap": "offload" | "remat_offload", "model": "mlp" | "hf-gpt2", "memory_limit"}``;
+    two iterations on the rank's shard, the transfers of the last one returned.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from optmem.pytorch.distributed import fully_shard_checkpointed
+
+    mesh = init_device_mesh("cpu", (world,))
+    model, (x_all, y_all), loss_fn = _fsdp_case(job["model"], world)
+    x, y = x_all.chunk(world)[rank], y_all.chunk(world)[rank]
+    args, kwargs, target = model_call(loss_fn, x, y)
+    wrap = getattr(op, job["wrap"])
+    omodel = wrap(model, kwargs or args[0], memory_limit=job["memory_limit"],
+                  bandwidth="1GB/s", time_model=lambda *_: (1.0, 2.0))
+    fully_shard_checkpointed(omodel, mesh=mesh)
+    steps = []
+    for _ in range(2):
+        omodel.zero_grad(set_to_none=True)
+        out = omodel(*args, **kwargs)
+        (out.loss if loss_fn is None else loss_fn(out, target)).backward()
+        steps.append({n: p.grad.full_tensor() for n, p in omodel.named_parameters()
+                      if p.grad is not None})
+    return {"steps": steps, "plan": [str(o) for o in omodel.result.plan],
+            "keys": sorted(omodel.state_dict())}
 
 
 def _accumulate_twice(cmodel: nn.Module, loss_fn: Any, x: torch.Tensor, y: torch.Tensor

@@ -1,0 +1,50 @@
+"""Stop 77's audit of the one-liners under distributed wrappers (2 gloo processes).
+
+``op.offload`` and ``op.remat_offload`` sharded per stage with FSDP2
+(``fully_shard_checkpointed``): the gradients (``grad.full_tensor()``) equal single-process
+training on the whole batch. Before the fix the offload executors took the gathered
+parameters of an FSDP unit for activations (their storages are not the sharded
+parameters'), copied them to the host after the unit had freed them again, and trained on
+garbage (gradients off by up to 1e28 on a residual MLP, 1e37 on a tiny GPT-2).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="FSDP2 needs torch")
+
+import distributed_workers as w  # noqa: E402
+
+from optmem.pytorch.distributed import spawn  # noqa: E402
+
+pytestmark = pytest.mark.distributed
+
+
+def _whole_batch_grads(model_name: str) -> dict[str, torch.Tensor]:
+    """Single-process gradients on the whole batch of both ranks (FSDP averages)."""
+    model, (x, y), loss_fn = w._fsdp_case(model_name, 2)
+    args, kwargs, target = w.model_call(loss_fn, x, y)
+    out = model(*args, **kwargs)
+    (out.loss if loss_fn is None else loss_fn(out, target)).backward()
+    return w._grads(model)
+
+
+def test_offload_plans_sharded_per_stage_train_as_the_plain_model(tmp_path):
+    pytest.importorskip("transformers", reason="the HuggingFace model needs transformers")
+    cases = [(wrap, model) for model in ("mlp", "hf-gpt2")
+             for wrap in ("offload", "remat_offload")]
+    jobs = [{"kind": "offload_fsdp", "wrap": wrap, "model": model, "memory_limit": "60%"}
+            for wrap, model in cases]
+    spawn(w.run_jobs, 2, jobs, str(tmp_path), init_file=str(tmp_path / "rendezvous"))
+    for k, (_, model) in enumerate(cases):
+        expected = _whole_batch_grads(model)
+        keys = sorted(w._fsdp_case(model, 2)[0].state_dict())
+        for r in range(2):
+            got = w.load(str(tmp_path), r, k)
+            assert any(op.startswith("offload") for op in got["plan"])  # the plan moves some
+            assert got["keys"] == keys
+            for step in got["steps"]:
+                assert step.keys() == expected.keys()
+                for name, grad in expected.items():
+                    torch.testing.assert_close(step[name], grad, rtol=1e-5, atol=1e-6)
