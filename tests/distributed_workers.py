@@ -280,7 +280,7 @@ def run_jobs(rank: int, world: int, jobs: list[dict[str, Any]], out_dir: str) ->
              "ddp_lengths": ddp_lengths_job, "ddp_branches": ddp_branches_job,
              "refusals": refusals_job, "pipeline_inputs": pipeline_inputs_job,
              "pipeline_peak": pipeline_peak_job, "pipeline_loss": pipeline_loss_job,
-             "offload_fsdp": offload_fsdp_job}
+             "offload_fsdp": offload_fsdp_job, "blocks_sharded_after": blocks_sharded_after_job}
     for k, job in enumerate(jobs):
         _save(out_dir, rank, k, kinds[job["kind"]](rank, world, job))
         dist.barrier()
@@ -792,6 +792,33 @@ def offload_fsdp_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, An
                       if p.grad is not None})
     return {"steps": steps, "plan": [str(o) for o in omodel.result.plan],
             "keys": sorted(omodel.state_dict())}
+
+
+def blocks_sharded_after_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    """``op.checkpoint`` of HuggingFace's GPT-2, then ``fully_shard`` on its blocks and on
+    the wrapper (PyTorch's per-layer recipe, in the order optmem asks for); the message of
+    the call's error (``""``: none)."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = _cpu_mesh(world)
+    model = hf_gpt2()
+    x, y = (t.chunk(world)[rank] for t in gpt_data(4 * world))
+    cmodel = op.checkpoint(model, {"input_ids": x, "labels": y}, memory_limit="60%",
+                           time_model=lambda *_: (1.0, 2.0))
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh)
+    fully_shard(cmodel, mesh=mesh)
+    try:
+        cmodel(input_ids=x, labels=y).loss.backward()
+    except OptmemInputError as exc:
+        return {"message": str(exc)}
+    return {"message": ""}
+
+
+def _cpu_mesh(world: int) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (world,))
 
 
 def _accumulate_twice(cmodel: nn.Module, loss_fn: Any, x: torch.Tensor, y: torch.Tensor

@@ -48,3 +48,16 @@ def test_offload_plans_sharded_per_stage_train_as_the_plain_model(tmp_path):
                 assert step.keys() == expected.keys()
                 for name, grad in expected.items():
                     torch.testing.assert_close(step[name], grad, rtol=1e-5, atol=1e-6)
+
+
+def test_blocks_sharded_after_wrapping_an_exported_model_is_one_clear_error(tmp_path):
+    """``fully_shard`` on HuggingFace GPT-2's blocks after ``op.checkpoint``: the exported
+    stages call the graph, not the blocks, so their hooks would never run. Before, the call
+    was refused as a new call signature ("pad to the sample's sizes"), blaming the input."""
+    pytest.importorskip("transformers", reason="the HuggingFace model needs transformers")
+    spawn(w.run_jobs, 2, [{"kind": "blocks_sharded_after"}], str(tmp_path),
+          init_file=str(tmp_path / "rendezvous"))
+    for r in range(2):
+        message = w.load(str(tmp_path), r, 0)["message"]
+        assert "fully_shard" in message and "checkpoint_fsdp" in message
+        assert "fully_shard_checkpointed" in message and "pad" not in message

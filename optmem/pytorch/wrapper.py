@@ -969,6 +969,10 @@ class PlannedModule(nn.Module):
                 return self._remember(key, variant)
             resized = size_free(key) in self._families
         if self._sharded():  # the stages hold DTensors: nothing can be exported again
+            if not self._plain:  # the model's own modules sharded: their hooks never run
+                from optmem.pytorch.process_groups import refuse_modules_sharded_after
+
+                refuse_modules_sharded_after(self._optmem_module)
             main = self._main_key
             if key[:4] == main[:4] and key[4][:-1] == main[4][:-1]:
                 # only which parameters require grad differs: the executor follows it at
