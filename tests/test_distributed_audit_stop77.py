@@ -61,3 +61,17 @@ def test_blocks_sharded_after_wrapping_an_exported_model_is_one_clear_error(tmp_
         message = w.load(str(tmp_path), r, 0)["message"]
         assert "fully_shard" in message and "checkpoint_fsdp" in message
         assert "fully_shard_checkpointed" in message and "pad" not in message
+
+
+def test_a_sharded_model_called_under_another_autocast_is_told_how_to_wrap(tmp_path):
+    """``checkpoint_fsdp`` keeps the sample's call signature; a call under an autocast the
+    sample was not made under is one error naming autocast and the way that works (wrap
+    under it: checked bitwise against plain ``fully_shard`` in the audit). Before, the error
+    said to pad to the sample's sizes, which no padding fixes."""
+    pytest.importorskip("transformers", reason="the HuggingFace model needs transformers")
+    spawn(w.run_jobs, 2, [{"kind": "fsdp_autocast_call"}], str(tmp_path),
+          init_file=str(tmp_path / "rendezvous"))
+    for r in range(2):
+        message = w.load(str(tmp_path), r, 0)["message"]
+        assert "differs in autocast" in message and "pad" not in message
+        assert "torch.autocast" in message

@@ -383,6 +383,27 @@ def size_free(key: Any) -> Any:
     return (key[0], parts, *key[2:])
 
 
+def sharded_call_advice(key: Any, reference: Any) -> str:
+    """What to do about a call of an FSDP2-sharded wrapper that differs from its sample's.
+
+    Parameters
+    ----------
+    key, reference
+        The :func:`signature_key` of the call and of the sample.
+
+    Returns
+    -------
+    str
+        To pad when the sizes alone differ; else to make the sample's call as the training
+        calls are made. Before (stop 77) every difference was told to pad, a call under
+        ``torch.autocast`` included, which no padding fixes.
+    """
+    if size_free(key) == size_free(reference):
+        return "pad to the sample's sizes (or wrap again with a sample of these)"
+    return ("wrap the model with a sample called as the training calls are (inside the same "
+            "torch.autocast, train/eval mode and arguments), or call it as the sample was")
+
+
 def changed_dims(a: tuple[tuple[int, ...] | None, ...],
                  b: tuple[tuple[int, ...] | None, ...]) -> frozenset[tuple[int, int]]:
     """The ``(leaf, dim)`` whose sizes differ between two calls of one family."""
@@ -982,8 +1003,7 @@ class PlannedModule(nn.Module):
                 f"{type(self._optmem_module).__name__} is sharded by FSDP2 "
                 "(checkpoint_fsdp), so every call keeps the sample's signature; this call "
                 "differs in " + signature_difference(key, self._main_key, args, kwargs)
-                + ": pad to the sample's sizes (or wrap again with a sample of these)",
-                field="sample")
+                + ": " + sharded_call_advice(key, self._main_key), field="sample")
         _log.info("optmem: new call signature for %s: extracting, profiling and solving "
                   "again", type(self._optmem_module).__name__)
         with _for_signature(key, self._main_key, args, kwargs):
