@@ -281,7 +281,7 @@ def run_jobs(rank: int, world: int, jobs: list[dict[str, Any]], out_dir: str) ->
              "refusals": refusals_job, "pipeline_inputs": pipeline_inputs_job,
              "pipeline_peak": pipeline_peak_job, "pipeline_loss": pipeline_loss_job,
              "offload_fsdp": offload_fsdp_job, "blocks_sharded_after": blocks_sharded_after_job,
-             "fsdp_autocast_call": fsdp_autocast_call_job}
+             "fsdp_refused_calls": fsdp_refused_calls_job}
     for k, job in enumerate(jobs):
         _save(out_dir, rank, k, kinds[job["kind"]](rank, world, job))
         dist.barrier()
@@ -816,21 +816,28 @@ def blocks_sharded_after_job(rank: int, world: int, job: dict[str, Any]) -> dict
     return {"message": ""}
 
 
-def fsdp_autocast_call_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
-    """``checkpoint_fsdp`` of HuggingFace's GPT-2 wrapped outside ``torch.autocast``, then
-    called inside it (bfloat16); the message of the call's error (``""``: none)."""
+def fsdp_refused_calls_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    """``checkpoint_fsdp`` of HuggingFace's GPT-2 wrapped outside ``torch.autocast`` and in
+    train mode, then called inside an autocast (bfloat16), and in eval mode under
+    ``torch.no_grad()``; the message of each call's error (``""``: none)."""
     from optmem.pytorch.distributed import checkpoint_fsdp
 
     model = hf_gpt2()
     x, y = (t.chunk(world)[rank] for t in gpt_data(4 * world))
     cmodel = checkpoint_fsdp(model, {"input_ids": x, "labels": y}, "60%",
                              mesh=_cpu_mesh(world), time_model=lambda *_: (1.0, 2.0))
-    try:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            cmodel(input_ids=x, labels=y)
-    except OptmemInputError as exc:
-        return {"message": str(exc)}
-    return {"message": ""}
+    calls = {"autocast": (torch.autocast("cpu", dtype=torch.bfloat16), True),
+             "no_grad": (torch.no_grad(), False)}
+    messages = {}
+    for name, (context, training) in calls.items():
+        cmodel.train(training)
+        messages[name] = ""
+        try:
+            with context:
+                cmodel(input_ids=x, labels=y)
+        except OptmemInputError as exc:
+            messages[name] = str(exc)
+    return messages
 
 
 def _cpu_mesh(world: int) -> Any:

@@ -63,15 +63,20 @@ def test_blocks_sharded_after_wrapping_an_exported_model_is_one_clear_error(tmp_
         assert "fully_shard_checkpointed" in message and "pad" not in message
 
 
-def test_a_sharded_model_called_under_another_autocast_is_told_how_to_wrap(tmp_path):
-    """``checkpoint_fsdp`` keeps the sample's call signature; a call under an autocast the
+def test_calls_a_sharded_exported_model_cannot_run_are_one_clear_error(tmp_path):
+    """``checkpoint_fsdp`` keeps the sample's call signature. A call under an autocast the
     sample was not made under is one error naming autocast and the way that works (wrap
-    under it: checked bitwise against plain ``fully_shard`` in the audit). Before, the error
-    said to pad to the sample's sizes, which no padding fixes."""
+    under it: checked bitwise against plain ``fully_shard`` in the audit); before, it said
+    to pad to the sample's sizes, which no padding fixes. An evaluation under
+    ``torch.no_grad()`` (documented as not supported: the model itself would run on the
+    stages' shards) is one error saying what to do; before, it failed inside torch
+    ("aten.embedding.default got mixed torch.Tensor and DTensor")."""
     pytest.importorskip("transformers", reason="the HuggingFace model needs transformers")
-    spawn(w.run_jobs, 2, [{"kind": "fsdp_autocast_call"}], str(tmp_path),
+    spawn(w.run_jobs, 2, [{"kind": "fsdp_refused_calls"}], str(tmp_path),
           init_file=str(tmp_path / "rendezvous"))
     for r in range(2):
-        message = w.load(str(tmp_path), r, 0)["message"]
-        assert "differs in autocast" in message and "pad" not in message
-        assert "torch.autocast" in message
+        messages = w.load(str(tmp_path), r, 0)
+        assert "differs in autocast" in messages["autocast"]
+        assert "torch.autocast" in messages["autocast"] and "pad" not in messages["autocast"]
+        assert "torch.no_grad()" in messages["no_grad"]
+        assert "full_state_dict" in messages["no_grad"]

@@ -876,6 +876,7 @@ class PlannedModule(nn.Module):
             with absorbing():
                 return model(*args, **kwargs)
         if not torch.is_grad_enabled():  # nothing to save: the model, compiled if asked
+            self._refuse_sharded_stages_without_grad()
             with absorbing():
                 return self._module_call(compiled)(*args, **kwargs)
         args, kwargs = canonical_call(model, args, kwargs, self._signature)
@@ -1009,6 +1010,30 @@ class PlannedModule(nn.Module):
         with _for_signature(key, self._main_key, args, kwargs):
             variant = self._new_variant(args, kwargs, None, local=resized)
         return self._keep_signature(key, variant, plain=False)
+
+    def _refuse_sharded_stages_without_grad(self) -> None:
+        """Raise one clear error for a call without gradients when FSDP2 shards the stages.
+
+        Without gradients the wrapper runs the exported model itself, whose parameters are
+        then the stage units' shards (``DTensor``), which no FSDP hook gathers there: the
+        call failed inside torch ("aten.embedding.default got mixed torch.Tensor and
+        DTensor", stop 77).
+
+        Raises
+        ------
+        OptmemInputError
+            When the main plan's stages are FSDP2 units (``checkpoint_fsdp``).
+        """
+        from optmem.pytorch.process_groups import is_fsdp_module
+
+        if any(is_fsdp_module(st.module) for st in self._main.stages):
+            raise OptmemInputError(
+                f"{type(self._optmem_module).__name__}'s stages are sharded by FSDP2 "
+                "(checkpoint_fsdp), and under torch.no_grad() the wrapper runs the model "
+                "itself, which would read the stages' shards: evaluate with gradients "
+                "enabled, called as the sample was (train mode), or load the full weights "
+                "(get_model_state_dict with StateDictOptions(full_state_dict=True)) into an "
+                "unsharded copy of the model", field="call")
 
     def _dynamic_sizes(self) -> bool:
         """Whether calls of new sizes form families (*Sizes*).
