@@ -281,7 +281,8 @@ def run_jobs(rank: int, world: int, jobs: list[dict[str, Any]], out_dir: str) ->
              "refusals": refusals_job, "pipeline_inputs": pipeline_inputs_job,
              "pipeline_peak": pipeline_peak_job, "pipeline_loss": pipeline_loss_job,
              "offload_fsdp": offload_fsdp_job, "blocks_sharded_after": blocks_sharded_after_job,
-             "fsdp_refused_calls": fsdp_refused_calls_job}
+             "fsdp_refused_calls": fsdp_refused_calls_job,
+             "ddp_offload": ddp_offload_job}
     for k, job in enumerate(jobs):
         _save(out_dir, rank, k, kinds[job["kind"]](rank, world, job))
         dist.barrier()
@@ -844,6 +845,50 @@ def _cpu_mesh(world: int) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh("cpu", (world,))
+
+
+def ddp_offload_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    """DDP over ``op.offload`` / ``op.remat_offload`` of the residual MLP against DDP over the
+    model itself, in the same process: two AdamW steps on the rank's own data.
+
+    ``{"wrap": "offload" | "remat_offload", "ddp": DDP kwargs, "accumulate": bool}``; with
+    ``accumulate`` each step is two micro-batches, the first under ``no_sync()``. Returns
+    both runs (:func:`_ddp_steps`) and the plan.
+    """
+    model = residual_mlp()
+    x, y = mlp_data(8 * world, seed=3 + rank)  # each rank its own batch
+    wrapped = getattr(op, job["wrap"])(model, x, memory_limit="60%", bandwidth="1GB/s",
+                                       time_model=lambda *_: (1.0, 2.0))
+    return {"wrapped": _ddp_steps(wrapped, x, y, job),
+            "plain": _ddp_steps(residual_mlp(), x, y, job),
+            "plan": [str(o) for o in wrapped.result.plan]}
+
+
+def _ddp_steps(module: nn.Module, x: torch.Tensor, y: torch.Tensor, job: dict[str, Any]
+               ) -> dict[str, Any]:
+    """Two AdamW steps of ``DistributedDataParallel(module)``: the losses, the gradients of
+    each step, the parameters after, and an evaluation under ``torch.no_grad()``."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(module, **job["ddp"])
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    parts = 2 if job.get("accumulate") else 1
+    losses, grads = [], []
+    for _ in range(2):
+        opt.zero_grad(set_to_none=True)
+        for k, (xm, ym) in enumerate(zip(x.chunk(parts), y.chunk(parts), strict=True)):
+            with ddp.no_sync() if k < parts - 1 else contextlib.nullcontext():
+                loss = nn.functional.mse_loss(ddp(xm), ym)
+                loss.backward()
+            losses.append(loss.detach())
+        grads.append(_grads(ddp.module))
+        opt.step()
+    ddp.eval()
+    with torch.no_grad():
+        evaluated = ddp(x)
+    return {"losses": losses, "grads": grads, "eval": evaluated,
+            "params": {n: p.detach().clone() for n, p in ddp.module.named_parameters()},
+            "keys": list(ddp.module.state_dict())}
 
 
 def _accumulate_twice(cmodel: nn.Module, loss_fn: Any, x: torch.Tensor, y: torch.Tensor

@@ -80,3 +80,28 @@ def test_calls_a_sharded_exported_model_cannot_run_are_one_clear_error(tmp_path)
         assert "torch.autocast" in messages["autocast"] and "pad" not in messages["autocast"]
         assert "torch.no_grad()" in messages["no_grad"]
         assert "full_state_dict" in messages["no_grad"]
+
+
+def test_ddp_over_the_offload_one_liners_is_ddp_over_the_model_bitwise(tmp_path):
+    """``DistributedDataParallel(op.offload(model))`` and ``op.remat_offload``: two AdamW
+    steps on each rank's own batch equal DDP over the model itself bit for bit (losses,
+    gradients, parameters, evaluation under ``torch.no_grad()``, ``state_dict`` keys), with
+    default arguments, ``static_graph=True``, ``find_unused_parameters=True`` and
+    ``no_sync()`` accumulation (the audit checked the HuggingFace families by hand)."""
+    settings = [({}, False), ({"static_graph": True}, False),
+                ({"find_unused_parameters": True}, True), ({}, True)]
+    jobs = [{"kind": "ddp_offload", "wrap": wrap, "ddp": ddp, "accumulate": accumulate}
+            for wrap in ("offload", "remat_offload") for ddp, accumulate in settings]
+    spawn(w.run_jobs, 2, jobs, str(tmp_path), init_file=str(tmp_path / "rendezvous"))
+    for k in range(len(jobs)):
+        for r in range(2):
+            got = w.load(str(tmp_path), r, k)
+            assert any(op.startswith("offload") for op in got["plan"])  # the plan moves some
+            wrapped, plain = got["wrapped"], got["plain"]
+            assert wrapped["keys"] == plain["keys"]
+            for a, b in zip(wrapped["losses"], plain["losses"], strict=True):
+                assert torch.equal(a, b)
+            for a, b in zip(wrapped["grads"], plain["grads"], strict=True):
+                assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in b)
+            assert all(torch.equal(wrapped["params"][n], t) for n, t in plain["params"].items())
+            assert torch.equal(wrapped["eval"], plain["eval"])
