@@ -282,7 +282,7 @@ def run_jobs(rank: int, world: int, jobs: list[dict[str, Any]], out_dir: str) ->
              "pipeline_peak": pipeline_peak_job, "pipeline_loss": pipeline_loss_job,
              "offload_fsdp": offload_fsdp_job, "blocks_sharded_after": blocks_sharded_after_job,
              "fsdp_refused_calls": fsdp_refused_calls_job,
-             "ddp_offload": ddp_offload_job}
+             "ddp_offload": ddp_offload_job, "ddp_optimizer_state": ddp_optimizer_state_job}
     for k, job in enumerate(jobs):
         _save(out_dir, rank, k, kinds[job["kind"]](rank, world, job))
         dist.barrier()
@@ -862,6 +862,36 @@ def ddp_offload_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any
     return {"wrapped": _ddp_steps(wrapped, x, y, job),
             "plain": _ddp_steps(residual_mlp(), x, y, job),
             "plan": [str(o) for o in wrapped.result.plan]}
+
+
+def ddp_optimizer_state_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    """``torch.distributed.checkpoint.state_dict`` on DDP over ``op.checkpoint`` of the
+    residual MLP after one AdamW step: the optimizer state's keys and whether setting it
+    back works, through the DDP module (``"ddp"``) and through ``ddp.module`` (``"inner"``).
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+    from torch.nn.parallel import DistributedDataParallel
+
+    x, y = mlp_data(8, seed=3 + rank)
+    cmodel = op.checkpoint(residual_mlp(), x, memory_limit="60%",
+                           time_model=lambda *_: (1.0, 2.0))
+    ddp = DistributedDataParallel(cmodel)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    nn.functional.mse_loss(ddp(x), y).backward()
+    opt.step()
+    out: dict[str, Any] = {}
+    for name, module in (("ddp", ddp), ("inner", cmodel)):
+        state = get_optimizer_state_dict(module, opt)
+        try:
+            set_optimizer_state_dict(module, opt, state)
+            error = ""
+        except RuntimeError as exc:
+            error = str(exc)
+        out[name] = {"keys": sorted(state["state"]), "error": error}
+    return out
 
 
 def _ddp_steps(module: nn.Module, x: torch.Tensor, y: torch.Tensor, job: dict[str, Any]
