@@ -851,8 +851,9 @@ def ddp_offload_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any
     """DDP over ``op.offload`` / ``op.remat_offload`` of the residual MLP against DDP over the
     model itself, in the same process: two AdamW steps on the rank's own data.
 
-    ``{"wrap": "offload" | "remat_offload", "ddp": DDP kwargs, "accumulate": bool}``; with
-    ``accumulate`` each step is two micro-batches, the first under ``no_sync()``. Returns
+    ``{"wrap": "offload" | "remat_offload", "ddp": DDP kwargs, "accumulate": bool,
+    "autocast": bool}``; with ``accumulate`` each step is two micro-batches, the first under
+    ``no_sync()``; with ``autocast`` the forwards run under bfloat16 ``torch.autocast``. Returns
     both runs (:func:`_ddp_steps`) and the plan.
     """
     model = residual_mlp()
@@ -908,7 +909,9 @@ def _ddp_steps(module: nn.Module, x: torch.Tensor, y: torch.Tensor, job: dict[st
         opt.zero_grad(set_to_none=True)
         for k, (xm, ym) in enumerate(zip(x.chunk(parts), y.chunk(parts), strict=True)):
             with ddp.no_sync() if k < parts - 1 else contextlib.nullcontext():
-                loss = nn.functional.mse_loss(ddp(xm), ym)
+                with (torch.autocast("cpu", dtype=torch.bfloat16) if job.get("autocast")
+                      else contextlib.nullcontext()):
+                    loss = nn.functional.mse_loss(ddp(xm), ym)
                 loss.backward()
             losses.append(loss.detach())
         grads.append(_grads(ddp.module))

@@ -86,12 +86,15 @@ def test_ddp_over_the_offload_one_liners_is_ddp_over_the_model_bitwise(tmp_path)
     """``DistributedDataParallel(op.offload(model))`` and ``op.remat_offload``: two AdamW
     steps on each rank's own batch equal DDP over the model itself bit for bit (losses,
     gradients, parameters, evaluation under ``torch.no_grad()``, ``state_dict`` keys), with
-    default arguments, ``static_graph=True``, ``find_unused_parameters=True`` and
-    ``no_sync()`` accumulation (the audit checked the HuggingFace families by hand)."""
+    default arguments, ``static_graph=True``, ``find_unused_parameters=True``, ``no_sync()``
+    accumulation and bfloat16 ``torch.autocast`` (the audit checked the HuggingFace families
+    by hand)."""
     settings = [({}, False), ({"static_graph": True}, False),
                 ({"find_unused_parameters": True}, True), ({}, True)]
     jobs = [{"kind": "ddp_offload", "wrap": wrap, "ddp": ddp, "accumulate": accumulate}
             for wrap in ("offload", "remat_offload") for ddp, accumulate in settings]
+    jobs += [{"kind": "ddp_offload", "wrap": wrap, "ddp": {}, "autocast": True}
+             for wrap in ("offload", "remat_offload")]
     spawn(w.run_jobs, 2, jobs, str(tmp_path), init_file=str(tmp_path / "rendezvous"))
     for k in range(len(jobs)):
         for r in range(2):
