@@ -279,7 +279,10 @@ def run_jobs(rank: int, world: int, jobs: list[dict[str, Any]], out_dir: str) ->
              "fsdp": fsdp_job, "fsdp_refusal": fsdp_refusal_job, "ddp_hf": ddp_hf_job,
              "ddp_lengths": ddp_lengths_job, "ddp_branches": ddp_branches_job,
              "refusals": refusals_job, "pipeline_inputs": pipeline_inputs_job,
-             "pipeline_peak": pipeline_peak_job, "pipeline_loss": pipeline_loss_job}
+             "pipeline_peak": pipeline_peak_job, "pipeline_loss": pipeline_loss_job,
+             "offload_fsdp": offload_fsdp_job, "blocks_sharded_after": blocks_sharded_after_job,
+             "fsdp_refused_calls": fsdp_refused_calls_job,
+             "ddp_offload": ddp_offload_job, "ddp_optimizer_state": ddp_optimizer_state_job}
     for k, job in enumerate(jobs):
         _save(out_dir, rank, k, kinds[job["kind"]](rank, world, job))
         dist.barrier()
@@ -761,6 +764,164 @@ def fsdp_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
             "plan": cmodel.result.plan, "chain": cmodel.chain.to_dict(),
             "units": [type(m).__name__ for m in cmodel.stages],
             "keys": sorted(cmodel.state_dict())}
+
+
+def offload_fsdp_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    """``op.offload`` or ``op.remat_offload`` sharded per stage with FSDP2
+    (``fully_shard_checkpointed``) on a CPU device mesh; ``grad.full_tensor()`` per step.
+
+    ``{"wrap": "offload" | "remat_offload", "model": "mlp" | "hf-gpt2", "memory_limit"}``;
+    two iterations on the rank's shard, the transfers of the last one returned.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from optmem.pytorch.distributed import fully_shard_checkpointed
+
+    mesh = init_device_mesh("cpu", (world,))
+    model, (x_all, y_all), loss_fn = _fsdp_case(job["model"], world)
+    x, y = x_all.chunk(world)[rank], y_all.chunk(world)[rank]
+    args, kwargs, target = model_call(loss_fn, x, y)
+    wrap = getattr(op, job["wrap"])
+    omodel = wrap(model, kwargs or args[0], memory_limit=job["memory_limit"],
+                  bandwidth="1GB/s", time_model=lambda *_: (1.0, 2.0))
+    fully_shard_checkpointed(omodel, mesh=mesh)
+    steps = []
+    for _ in range(2):
+        omodel.zero_grad(set_to_none=True)
+        out = omodel(*args, **kwargs)
+        (out.loss if loss_fn is None else loss_fn(out, target)).backward()
+        steps.append({n: p.grad.full_tensor() for n, p in omodel.named_parameters()
+                      if p.grad is not None})
+    return {"steps": steps, "plan": [str(o) for o in omodel.result.plan],
+            "keys": sorted(omodel.state_dict())}
+
+
+def blocks_sharded_after_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    """``op.checkpoint`` of HuggingFace's GPT-2, then ``fully_shard`` on its blocks and on
+    the wrapper (PyTorch's per-layer recipe, in the order optmem asks for); the message of
+    the call's error (``""``: none)."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = _cpu_mesh(world)
+    model = hf_gpt2()
+    x, y = (t.chunk(world)[rank] for t in gpt_data(4 * world))
+    cmodel = op.checkpoint(model, {"input_ids": x, "labels": y}, memory_limit="60%",
+                           time_model=lambda *_: (1.0, 2.0))
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh)
+    fully_shard(cmodel, mesh=mesh)
+    try:
+        cmodel(input_ids=x, labels=y).loss.backward()
+    except OptmemInputError as exc:
+        return {"message": str(exc)}
+    return {"message": ""}
+
+
+def fsdp_refused_calls_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    """``checkpoint_fsdp`` of HuggingFace's GPT-2 wrapped outside ``torch.autocast`` and in
+    train mode, then called inside an autocast (bfloat16), and in eval mode under
+    ``torch.no_grad()``; the message of each call's error (``""``: none)."""
+    from optmem.pytorch.distributed import checkpoint_fsdp
+
+    model = hf_gpt2()
+    x, y = (t.chunk(world)[rank] for t in gpt_data(4 * world))
+    cmodel = checkpoint_fsdp(model, {"input_ids": x, "labels": y}, "60%",
+                             mesh=_cpu_mesh(world), time_model=lambda *_: (1.0, 2.0))
+    calls = {"autocast": (torch.autocast("cpu", dtype=torch.bfloat16), True),
+             "no_grad": (torch.no_grad(), False)}
+    messages = {}
+    for name, (context, training) in calls.items():
+        cmodel.train(training)
+        messages[name] = ""
+        try:
+            with context:
+                cmodel(input_ids=x, labels=y)
+        except OptmemInputError as exc:
+            messages[name] = str(exc)
+    return messages
+
+
+def _cpu_mesh(world: int) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (world,))
+
+
+def ddp_offload_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    """DDP over ``op.offload`` / ``op.remat_offload`` of the residual MLP against DDP over the
+    model itself, in the same process: two AdamW steps on the rank's own data.
+
+    ``{"wrap": "offload" | "remat_offload", "ddp": DDP kwargs, "accumulate": bool,
+    "autocast": bool}``; with ``accumulate`` each step is two micro-batches, the first under
+    ``no_sync()``; with ``autocast`` the forwards run under bfloat16 ``torch.autocast``. Returns
+    both runs (:func:`_ddp_steps`) and the plan.
+    """
+    model = residual_mlp()
+    x, y = mlp_data(8 * world, seed=3 + rank)  # each rank its own batch
+    wrapped = getattr(op, job["wrap"])(model, x, memory_limit="60%", bandwidth="1GB/s",
+                                       time_model=lambda *_: (1.0, 2.0))
+    return {"wrapped": _ddp_steps(wrapped, x, y, job),
+            "plain": _ddp_steps(residual_mlp(), x, y, job),
+            "plan": [str(o) for o in wrapped.result.plan]}
+
+
+def ddp_optimizer_state_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    """``torch.distributed.checkpoint.state_dict`` on DDP over ``op.checkpoint`` of the
+    residual MLP after one AdamW step: the optimizer state's keys and whether setting it
+    back works, through the DDP module (``"ddp"``) and through ``ddp.module`` (``"inner"``).
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+    from torch.nn.parallel import DistributedDataParallel
+
+    x, y = mlp_data(8, seed=3 + rank)
+    cmodel = op.checkpoint(residual_mlp(), x, memory_limit="60%",
+                           time_model=lambda *_: (1.0, 2.0))
+    ddp = DistributedDataParallel(cmodel)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    nn.functional.mse_loss(ddp(x), y).backward()
+    opt.step()
+    out: dict[str, Any] = {}
+    for name, module in (("ddp", ddp), ("inner", cmodel)):
+        state = get_optimizer_state_dict(module, opt)
+        try:
+            set_optimizer_state_dict(module, opt, state)
+            error = ""
+        except RuntimeError as exc:
+            error = str(exc)
+        out[name] = {"keys": sorted(state["state"]), "error": error}
+    return out
+
+
+def _ddp_steps(module: nn.Module, x: torch.Tensor, y: torch.Tensor, job: dict[str, Any]
+               ) -> dict[str, Any]:
+    """Two AdamW steps of ``DistributedDataParallel(module)``: the losses, the gradients of
+    each step, the parameters after, and an evaluation under ``torch.no_grad()``."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(module, **job["ddp"])
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    parts = 2 if job.get("accumulate") else 1
+    losses, grads = [], []
+    for _ in range(2):
+        opt.zero_grad(set_to_none=True)
+        for k, (xm, ym) in enumerate(zip(x.chunk(parts), y.chunk(parts), strict=True)):
+            with ddp.no_sync() if k < parts - 1 else contextlib.nullcontext():
+                with (torch.autocast("cpu", dtype=torch.bfloat16) if job.get("autocast")
+                      else contextlib.nullcontext()):
+                    loss = nn.functional.mse_loss(ddp(xm), ym)
+                loss.backward()
+            losses.append(loss.detach())
+        grads.append(_grads(ddp.module))
+        opt.step()
+    ddp.eval()
+    with torch.no_grad():
+        evaluated = ddp(x)
+    return {"losses": losses, "grads": grads, "eval": evaluated,
+            "params": {n: p.detach().clone() for n, p in ddp.module.named_parameters()},
+            "keys": list(ddp.module.state_dict())}
 
 
 def _accumulate_twice(cmodel: nn.Module, loss_fn: Any, x: torch.Tensor, y: torch.Tensor

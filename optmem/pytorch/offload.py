@@ -54,7 +54,7 @@ from optmem.pytorch.execute import (
 from optmem.pytorch.extract import Stage, value_tensors
 
 __all__ = ["HostCopies", "OffloadedChain", "kept_storages", "offload_plan_actions",
-           "storage_ptr", "value_device"]
+           "storage_ptr", "value_device", "weight_test"]
 
 Key = tuple[str, int]
 
@@ -293,6 +293,43 @@ def kept_storages(module: nn.Module) -> set[int]:
     return {p for t in tensors if (p := storage_ptr(t)) is not None}
 
 
+def weight_test(weights: set[int], stage: nn.Module) -> Callable[[int | None], bool]:
+    """Whether a storage saved while ``stage`` runs is a weight (never transferred, O.6).
+
+    Parameters
+    ----------
+    weights
+        The storages of the parameters, buffers and side inputs when the call started
+        (:func:`kept_storages`).
+    stage
+        The stage module that runs.
+
+    Returns
+    -------
+    Callable[[int | None], bool]
+        The test of a storage address (``None``: no storage, not a weight).
+
+    Notes
+    -----
+    A stage sharded by FSDP2 (``fully_shard`` on it or on a submodule) swaps in freshly
+    gathered parameters while it runs, after the call started: their storages are none of
+    ``weights``, so the stage's current parameters are read at each test. Before (stop 77)
+    they were taken for activations, copied to the host after the unit had freed them again,
+    and the backward read garbage (gradients off by up to 1e28).
+    """
+    from optmem.pytorch.process_groups import is_fsdp_module
+
+    if not is_fsdp_module(stage):
+        return lambda ptr: ptr is not None and ptr in weights
+
+    def test(ptr: int | None) -> bool:
+        if ptr is None:
+            return False
+        return ptr in weights or any(storage_ptr(p) == ptr for p in stage.parameters())
+
+    return test
+
+
 def value_device(value: Any, default: nn.Module | None = None) -> torch.device:
     """The device of the first tensor of ``value`` (else of ``default``'s parameters)."""
     for t in value_tensors(value):
@@ -407,7 +444,9 @@ class OffloadedChain(StageCalls, nn.Module):
         self._issue(call, self.after_forward.get(0, []))
         for i, stage in enumerate(functions, start=1):
             inputs = {p for t in value_tensors(x) if (p := storage_ptr(t)) is not None}
-            with torch.autograd.graph.saved_tensors_hooks(self._packer(call, i, inputs),
+            is_weight = weight_test(call.weights, self.stages[i - 1])
+            with torch.autograd.graph.saved_tensors_hooks(self._packer(call, i, inputs,
+                                                                       is_weight),
                                                           self._unpack_with(call)):
                 x = stage(x)
             self._issue(call, self.after_forward.get(i, []))
@@ -418,11 +457,12 @@ class OffloadedChain(StageCalls, nn.Module):
         return x
 
     @staticmethod
-    def _packer(call: _Call, i: int, inputs: set[int]) -> Any:
+    def _packer(call: _Call, i: int, inputs: set[int],
+                is_weight: Callable[[int | None], bool]) -> Any:
         def pack(t: torch.Tensor) -> _Packed:
             ptr = storage_ptr(t)
             packed = _Packed(t, t.device)
-            if ptr is not None and ptr in call.weights:
+            if is_weight(ptr):
                 return packed  # weights and buffers are never transferred (O.6)
             key = _key(i - 1) if ptr is not None and ptr in inputs else ("abar", i)
             call.groups.setdefault(key, _Group()).refs.append(weakref.ref(packed))

@@ -18,7 +18,8 @@ from torch import nn
 
 from optmem.errors import OptmemInputError
 
-__all__ = ["LOCAL", "default_device", "init_distributed", "is_fsdp_module", "refuse_sharded",
+__all__ = ["LOCAL", "default_device", "init_distributed", "is_fsdp_module",
+           "refuse_modules_sharded_after", "refuse_sharded",
            "resolve_group", "run_once", "set_local_device"]
 
 T = TypeVar("T")
@@ -147,3 +148,29 @@ def refuse_sharded(module: Any) -> None:
             "optmem.pytorch.checkpoint on the unsharded model first, then shard its stages "
             "with optmem.pytorch.distributed.fully_shard_checkpointed(cmodel, mesh=mesh) (or "
             "use checkpoint_fsdp); see docs/distributed.md", field="module")
+
+
+def refuse_modules_sharded_after(module: nn.Module) -> None:
+    """Raise a clear error for an exported model's modules sharded after wrapping it.
+
+    Parameters
+    ----------
+    module
+        The wrapped model, extracted with ``torch.export`` (its stages call the graph).
+
+    Raises
+    ------
+    OptmemInputError
+        When ``fully_shard`` was applied to ``module`` or one of its submodules (PyTorch's
+        per-layer recipe on HuggingFace's blocks): the stages never call those modules, so
+        their FSDP hooks would never run. Before (stop 77) the call was refused as a new
+        call signature, saying to pad to the sample's sizes.
+    """
+    if is_fsdp_module(module):
+        raise OptmemInputError(
+            f"fully_shard was applied to {type(module).__name__} or its submodules after "
+            "wrapping it: its stages (extracted with torch.export) call the graph, not those "
+            "modules, so their FSDP hooks would never run; shard the stages instead: "
+            "optmem.pytorch.distributed.checkpoint_fsdp(model, sample, limit, mesh=mesh), or "
+            "fully_shard_checkpointed(cmodel, mesh=mesh) on the unsharded wrapper; see "
+            "docs/distributed.md", field="module")

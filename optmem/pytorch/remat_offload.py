@@ -37,7 +37,13 @@ from optmem.errors import PlanError
 from optmem.plan import AnyOp, Op, OpKind, TransferKind, TransferOp, parse_mixed_plan
 from optmem.pytorch.execute import CheckpointedChain, PlanRunner
 from optmem.pytorch.extract import Stage, value_tensors
-from optmem.pytorch.offload import HostCopies, kept_storages, storage_ptr, value_device
+from optmem.pytorch.offload import (
+    HostCopies,
+    kept_storages,
+    storage_ptr,
+    value_device,
+    weight_test,
+)
 
 __all__ = ["RematOffloadChain", "split_mixed_plan"]
 
@@ -215,13 +221,13 @@ class _OffloadRunner(PlanRunner):
             return
         group = _Group()
         self.groups[i] = group
-        weights = self.owner.weight_ptrs
+        is_weight = weight_test(self.owner.weight_ptrs, self.owner.stages[i - 1])
         inputs = {p for t in value_tensors(self.storage[i - 1].value)
                   if (p := storage_ptr(t)) is not None}
 
         def pack(t: torch.Tensor) -> Any:
             ptr = storage_ptr(t)
-            if ptr is not None and ptr in weights:
+            if is_weight(ptr):
                 return t  # weights and buffers are never moved (O.6)
             p = _Packed(t, t.device)
             owner = (self.input_groups.setdefault(i - 1, _Group())

@@ -383,6 +383,27 @@ def size_free(key: Any) -> Any:
     return (key[0], parts, *key[2:])
 
 
+def sharded_call_advice(key: Any, reference: Any) -> str:
+    """What to do about a call of an FSDP2-sharded wrapper that differs from its sample's.
+
+    Parameters
+    ----------
+    key, reference
+        The :func:`signature_key` of the call and of the sample.
+
+    Returns
+    -------
+    str
+        To pad when the sizes alone differ; else to make the sample's call as the training
+        calls are made. Before (stop 77) every difference was told to pad, a call under
+        ``torch.autocast`` included, which no padding fixes.
+    """
+    if size_free(key) == size_free(reference):
+        return "pad to the sample's sizes (or wrap again with a sample of these)"
+    return ("wrap the model with a sample called as the training calls are (inside the same "
+            "torch.autocast, train/eval mode and arguments), or call it as the sample was")
+
+
 def changed_dims(a: tuple[tuple[int, ...] | None, ...],
                  b: tuple[tuple[int, ...] | None, ...]) -> frozenset[tuple[int, int]]:
     """The ``(leaf, dim)`` whose sizes differ between two calls of one family."""
@@ -855,6 +876,7 @@ class PlannedModule(nn.Module):
             with absorbing():
                 return model(*args, **kwargs)
         if not torch.is_grad_enabled():  # nothing to save: the model, compiled if asked
+            self._refuse_sharded_stages_without_grad()
             with absorbing():
                 return self._module_call(compiled)(*args, **kwargs)
         args, kwargs = canonical_call(model, args, kwargs, self._signature)
@@ -969,6 +991,10 @@ class PlannedModule(nn.Module):
                 return self._remember(key, variant)
             resized = size_free(key) in self._families
         if self._sharded():  # the stages hold DTensors: nothing can be exported again
+            if not self._plain:  # the model's own modules sharded: their hooks never run
+                from optmem.pytorch.process_groups import refuse_modules_sharded_after
+
+                refuse_modules_sharded_after(self._optmem_module)
             main = self._main_key
             if key[:4] == main[:4] and key[4][:-1] == main[4][:-1]:
                 # only which parameters require grad differs: the executor follows it at
@@ -978,13 +1004,36 @@ class PlannedModule(nn.Module):
                 f"{type(self._optmem_module).__name__} is sharded by FSDP2 "
                 "(checkpoint_fsdp), so every call keeps the sample's signature; this call "
                 "differs in " + signature_difference(key, self._main_key, args, kwargs)
-                + ": pad to the sample's sizes (or wrap again with a sample of these)",
-                field="sample")
+                + ": " + sharded_call_advice(key, self._main_key), field="sample")
         _log.info("optmem: new call signature for %s: extracting, profiling and solving "
                   "again", type(self._optmem_module).__name__)
         with _for_signature(key, self._main_key, args, kwargs):
             variant = self._new_variant(args, kwargs, None, local=resized)
         return self._keep_signature(key, variant, plain=False)
+
+    def _refuse_sharded_stages_without_grad(self) -> None:
+        """Raise one clear error for a call without gradients when FSDP2 shards the stages.
+
+        Without gradients the wrapper runs the exported model itself, whose parameters are
+        then the stage units' shards (``DTensor``), which no FSDP hook gathers there: the
+        call failed inside torch ("aten.embedding.default got mixed torch.Tensor and
+        DTensor", stop 77).
+
+        Raises
+        ------
+        OptmemInputError
+            When the main plan's stages are FSDP2 units (``checkpoint_fsdp``).
+        """
+        from optmem.pytorch.process_groups import is_fsdp_module
+
+        if any(is_fsdp_module(st.module) for st in self._main.stages):
+            raise OptmemInputError(
+                f"{type(self._optmem_module).__name__}'s stages are sharded by FSDP2 "
+                "(checkpoint_fsdp), and under torch.no_grad() the wrapper runs the model "
+                "itself, which would read the stages' shards: evaluate with gradients "
+                "enabled, called as the sample was (train mode), or load the full weights "
+                "(get_model_state_dict with StateDictOptions(full_state_dict=True)) into an "
+                "unsharded copy of the model", field="call")
 
     def _dynamic_sizes(self) -> bool:
         """Whether calls of new sizes form families (*Sizes*).
