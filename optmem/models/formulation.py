@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from fractions import Fraction
 from typing import Any
@@ -55,8 +55,13 @@ from optmem.models.interrupt import poll
 
 __all__ = [
     "Constraint", "CpsatModel", "Expr", "Interval", "Kind", "Literal", "Model", "NoOverlap",
-    "PulpModel", "Var", "exact_scale", "rational_time_scale", "time_scale", "to_cpsat", "to_pulp",
+    "PulpModel", "Var", "exact_scale", "largest_bound", "magnitude", "milp_time_unit",
+    "rational_time_scale", "time_scale", "to_cpsat", "to_pulp",
 ]
+
+MILP_HORIZON = 2.0**20
+"""Largest continuous variable bound a badly conditioned MILP is emitted with
+(:func:`milp_time_unit`, :meth:`Model.in_units`; stop 77)."""
 
 MAX_DECIMALS = 6
 _TOL = 1e-9
@@ -296,6 +301,63 @@ class Model:
         """A new continuous variable in ``[lo, hi]``."""
         return self._new(name, Kind.CONTINUOUS, lo, hi)
 
+    def in_units(self, unit: float) -> Model:
+        """The same model with every continuous variable ``x`` written ``x' = x / unit``.
+
+        Every row and the objective that hold a continuous variable are divided by
+        ``unit`` (their other coefficients and constants too), interval starts and sizes
+        as well: an exact reformulation for a power of two ``unit`` (no float rounding);
+        values map back with :meth:`from_units`. ``self`` for ``unit == 1``. Intervals
+        must start at continuous variables.
+
+        Examples
+        --------
+        >>> m = Model("m")
+        >>> x, y = m.continuous("x", 0, 2.0**30), m.binary("y")
+        >>> m.add(x >= 2.0**28 * y + 3, "row"); m.minimize(x + 1)
+        >>> g = m.in_units(2.0**10)
+        >>> g.vars[0].hi, g.constraints[0].terms, g.constraints[0].lo, g.objective.const
+        (1048576.0, ((0, 1.0), (1, -262144.0)), 0.0029296875, 0.0009765625)
+        >>> m.from_units([2.0**18, 1.0], 2.0**10)
+        [268435456.0, 1.0]
+        """
+        if unit == 1:
+            return self
+        cont = {v.index for v in self.vars if v.kind is Kind.CONTINUOUS}
+
+        def div(x: float | None) -> float | None:
+            return None if x is None else x / unit
+
+        def row(con: Constraint) -> Constraint:
+            if not any(i in cont for i, _ in con.terms):
+                return con
+            terms = tuple((i, c if i in cont else c / unit) for i, c in con.terms)
+            return replace(con, terms=terms, lo=div(con.lo), hi=div(con.hi))
+
+        for iv in self.intervals:
+            if iv.var not in cont:
+                raise ValueError(f"interval {iv.name} starts at a variable that is not "
+                                 "continuous: no change of units")
+        objective = Expr([(i, c if i in cont else c / unit) for i, c in self.objective.terms],
+                         self.objective.const / unit) \
+            if any(i in cont for i, _ in self.objective.terms) else self.objective
+        return replace(self, vars=[replace(v, lo=v.lo / unit, hi=v.hi / unit)
+                                   if v.index in cont else v for v in self.vars],
+                       constraints=[row(con) for con in self.constraints],
+                       intervals=[replace(iv, offset=iv.offset / unit, size=iv.size / unit)
+                                  for iv in self.intervals],
+                       no_overlaps=list(self.no_overlaps), objective=objective)
+
+    def from_units(self, values: Sequence[float], unit: float) -> list[float]:
+        """Values of :meth:`in_units` ``(unit)`` back in this model's units."""
+        return [x * unit if v.kind is Kind.CONTINUOUS else x
+                for v, x in zip(self.vars, values, strict=True)]
+
+    def to_units(self, values: Sequence[float], unit: float) -> list[float]:
+        """Values of this model in the units of :meth:`in_units` ``(unit)``."""
+        return [x / unit if v.kind is Kind.CONTINUOUS else x
+                for v, x in zip(self.vars, values, strict=True)]
+
     @staticmethod
     def index(x: Expr) -> int:
         """The variable index of a single-variable expression made by this model."""
@@ -431,6 +493,60 @@ def _holds(values: Sequence[float], lit: Literal) -> bool:
 
 
 # ------------------------------------------------------------------ bounds of expressions
+def milp_time_unit(horizon: float, target: float = MILP_HORIZON) -> float:
+    """The power of two ``2**e >= 1`` that brings ``horizon`` to at most ``target``.
+
+    A MILP whose times reach ``horizon`` is emitted in these units (:meth:`Model.in_units`):
+    on a very slow link (horizons ~1e10 against durations ~1, big-M rows as large) HiGHS
+    called feasible offload models infeasible and proved wrong optima (hunt, stop 76);
+    ``1.0`` for ``horizon <= target`` (nothing changes).
+
+    Examples
+    --------
+    >>> milp_time_unit(34000000012.0), milp_time_unit(2.0**20), milp_time_unit(math.inf)
+    (32768.0, 1.0, 1.0)
+    """
+    if not math.isfinite(horizon) or horizon <= target:
+        return 1.0
+    return 2.0 ** math.ceil(math.log2(horizon / target))
+
+
+def largest_bound(model: Model) -> float:
+    """The largest finite bound of a continuous variable (``0`` without one).
+
+    Examples
+    --------
+    >>> m = Model("m"); _ = m.continuous("x", -3, 2), m.continuous("y"), m.integer("k", 0, 9)
+    >>> largest_bound(m)
+    3.0
+    """
+    return max((abs(b) for v in model.vars if v.kind is Kind.CONTINUOUS
+                for b in (v.lo, v.hi) if math.isfinite(b)), default=0.0)
+
+
+def magnitude(model: Model) -> float:
+    """The largest row coefficient times the largest finite variable bound (``|a| * |x|``).
+
+    An engine that linearises an enforced row multiplies its coefficients by a big-M of the
+    order of the variable bounds: this product is the size such numbers reach. CP-SAT 9.15's
+    presolve proved wrong optima on models where it is ~1e20 (stop 77,
+    :data:`optmem.models.offload.CPSAT_PRESOLVE_MAGNITUDE`).
+
+    Examples
+    --------
+    >>> m = Model("m")
+    >>> x, y = m.continuous("x", 0, 1e10), m.binary("y")
+    >>> m.add(x >= 4e9 * y, "row")
+    >>> magnitude(m)
+    4e+19
+    """
+    coef = max((abs(c) for con in model.constraints for _, c in con.terms), default=0.0)
+    coef = max([coef, *(abs(iv.size) for iv in model.intervals)])
+    bound = max((abs(b) for v in model.vars for b in (v.lo, v.hi) if math.isfinite(b)),
+                default=0.0)
+    return coef * bound
+
+
 def _range(model: Model, terms: Iterable[Term]) -> tuple[float, float]:
     """Smallest and largest value of ``sum c x`` over the variable bounds."""
     lo = hi = 0.0

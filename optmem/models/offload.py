@@ -70,15 +70,31 @@ Symmetry breaking and reductions (dominance; brute force agrees, see the tests)
 
 Times
 -----
-The MILP uses the durations as given. CP-SAT needs integers: the glue picks a grid of
-``1 / scale`` time units and builds the model on :meth:`OffloadData.in_steps` (integer
-steps, emitted with ``to_cpsat(model, 1)``). When every duration is a multiple of
-``1 / scale`` (exact rational data: :func:`exact_scale`) the steps are exact and CP-SAT's
-optimum is the optimum in the original units. Otherwise the steps are rounded for a
-*relaxation*: every duration down, except the upper end of "the prefetch starts inside op
-``j``" (up), and ``LB`` down; flooring every time of a true schedule then gives a schedule
-of the rounded model, so CP-SAT's bound is a valid bound in the original units (its plans
-are replayed with the true durations by the simulator).
+The MILP uses the durations as given, in units of ``2**e`` time units when the horizon ``H``
+exceeds :data:`~optmem.models.formulation.MILP_HORIZON`
+(:func:`~optmem.models.formulation.milp_time_unit`, :meth:`OffloadData.in_units`): on a very
+slow link (``H`` ~1e10 against durations ~1) HiGHS called the model infeasible, the big-M
+rows (``M`` ~ ``H``) out of its tolerances' reach; the unit is a power of two, so the
+division is exact in floats and the model is the same one in other units.
+
+CP-SAT needs integers: the glue picks a grid of ``1 / scale`` time units and builds the
+model on :meth:`OffloadData.in_steps` (integer steps, emitted with ``to_cpsat(model, 1)``).
+When every duration is a multiple of ``1 / scale`` (exact rational data:
+:func:`exact_scale`) the steps are exact and CP-SAT's optimum is the optimum in the original
+units. Otherwise the steps are rounded for a *relaxation*: every duration down, except the
+upper end of "the prefetch starts inside op ``j``" (up), and ``LB`` down; flooring every
+time of a true schedule then gives a schedule of the rounded model, so CP-SAT's bound is a
+valid bound in the original units (its plans are replayed with the true durations by the
+simulator).
+
+Exact integer steps can be large: on a very slow link (transfers ~4e9 steps, ``H`` ~3e10
+steps) CP-SAT 9.15's presolve proved optima up to 1.5x the true one, its
+``presolve_inclusion_work_limit = 0`` or ``cp_model_presolve = False`` proved the right one
+and so does a smaller ``H``. Wrong proofs appeared only when the largest coefficient times
+the largest bound (:func:`~optmem.models.formulation.magnitude`, the size of a big-M
+product) was above 1e20 (1 200 cases of a seeded sweep: none below); from
+:data:`CPSAT_PRESOLVE_MAGNITUDE` on the model is solved without presolve
+(:func:`cpsat_parameters`; stop 77).
 """
 
 from __future__ import annotations
@@ -91,10 +107,16 @@ from fractions import Fraction
 from optmem.models import formulation
 from optmem.models.formulation import Expr, Literal, Model
 
-__all__ = ["OffloadData", "OffloadModel", "Schedule", "build_offload_model", "exact_scale"]
+__all__ = ["OffloadData", "OffloadModel", "Schedule", "build_offload_model", "exact_scale",
+           "cpsat_parameters"]
 
 MAX_SCALE = 10**9
 """Largest exact time grid ``1 / scale`` the CP-SAT emission uses (times * scale < 2**53)."""
+
+CPSAT_PRESOLVE_MAGNITUDE = 2.0**62
+"""CP-SAT runs without presolve on models whose :func:`~optmem.models.formulation.magnitude`
+reaches this (:func:`cpsat_parameters`)."""
+
 
 
 @dataclass(frozen=True)
@@ -140,6 +162,27 @@ class OffloadData:
         """Index of ``B k+1``, the first op that needs value ``k`` back."""
         return 2 * self.length - k
 
+    def in_units(self, unit: float) -> OffloadData:
+        """The data with every time divided by ``unit`` (exact for a power of two).
+
+        Examples
+        --------
+        >>> d = OffloadData((1.0, 3.0, 1.0), (1, 1, 1), (1, 1, 1), (1,), (2.0**33,), 1,
+        ...                 upper=2.0**35, lower=2.0**34)
+        >>> g = d.in_units(2.0**16)
+        >>> g.durations[1] * 2**16, g.transfer, g.upper, g.lower
+        (3.0, (131072.0,), 524288.0, 262144.0)
+        """
+        def div(xs: tuple[float, ...] | None) -> tuple[float, ...] | None:
+            return None if xs is None else tuple(x / unit for x in xs)
+
+        durations = div(self.durations)
+        transfer = div(self.transfer)
+        assert durations is not None and transfer is not None
+        return replace(self, durations=durations, transfer=transfer,
+                       durations_hi=div(self.durations_hi), upper=self.upper / unit,
+                       lower=self.lower / unit)
+
     def in_steps(self, scale: int, exact: Sequence[Fraction] | None = None) -> OffloadData:
         """The data in integer steps of ``1 / scale`` time units (for CP-SAT).
 
@@ -178,6 +221,26 @@ class OffloadData:
                              for f, x in zip(exact[n:], self.transfer, strict=True))
         return replace(self, durations=durations, durations_hi=high, transfer=transfer,
                        lower=steps(self.lower), upper=steps(self.upper, up=True))
+
+
+def cpsat_parameters(model: Model) -> dict[str, bool]:
+    """CP-SAT parameters for ``model`` in integer steps: presolve off when badly conditioned.
+
+    ``{"cp_model_presolve": False}`` when :func:`~optmem.models.formulation.magnitude` of
+    the model reaches :data:`CPSAT_PRESOLVE_MAGNITUDE` (module docstring, *Times*), else
+    ``{}`` (CP-SAT's defaults).
+
+    Examples
+    --------
+    >>> m = Model("m")
+    >>> x, y = m.continuous("x", 0, 3.4e10), m.binary("y")
+    >>> m.add(x >= 7e9 * y, "row")
+    >>> cpsat_parameters(m)
+    {'cp_model_presolve': False}
+    """
+    if formulation.magnitude(model) >= CPSAT_PRESOLVE_MAGNITUDE:
+        return {"cp_model_presolve": False}
+    return {}
 
 
 def exact_scale(values: Iterable[Fraction], limit: int = MAX_SCALE) -> int | None:

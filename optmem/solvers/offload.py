@@ -32,13 +32,14 @@ from optmem.chain import Chain
 from optmem.engines import adapters as engines
 from optmem.engines.results import engine_failure
 from optmem.errors import OptmemInputError, PlanError
-from optmem.models.formulation import shape_error, to_cpsat, to_pulp
+from optmem.models.formulation import milp_time_unit, shape_error, to_cpsat, to_pulp
 from optmem.models.interrupt import Interrupted, stop_when
 from optmem.models.offload import (
     OffloadData,
     OffloadModel,
     Schedule,
     build_offload_model,
+    cpsat_parameters,
     exact_scale,
 )
 from optmem.plan import (
@@ -595,12 +596,15 @@ def _solve_cpsat_model(inst: _Exact, options: SolveOptions, deadline: Deadline) 
     to_steps = (lambda t: round(t * inst.scale)) if inst.exact else (
         lambda t: math.floor(t * inst.scale))
     hint = _hint(om, inst, to_steps, tol=0.5)  # integer times: exact comparisons
+    parameters = cpsat_parameters(om.model)  # presolve off on badly conditioned steps
     out = engines.solve_cpsat(cm.cp, cm.variables,
                               **{**engines.cpsat_settings(options),
                                  "time_limit_s": left_for_engine(deadline)},
-                              hint=cm.hint(hint[0]) if hint[0] is not None else None)
+                              hint=cm.hint(hint[0]) if hint[0] is not None else None,
+                              parameters=parameters)
     exact = inst.exact and cm.exact
     report = {"model": om.model.size, "time_scale": inst.scale, "exact_times": exact,
+              "presolve": parameters.get("cp_model_presolve", True),
               "time_rounding": "exact" if exact else
               f"relaxation: durations rounded down to 1/{inst.scale} (bound valid)",
               **hint[1], **_engine_report(out)}
@@ -619,21 +623,28 @@ def _solve_cpsat_model(inst: _Exact, options: SolveOptions, deadline: Deadline) 
 
 
 def _solve_pulp_model(inst: _Exact, options: SolveOptions, deadline: Deadline) -> _Outcome:
-    """A MILP engine on the data in time units (``to_pulp``)."""
-    om = build_offload_model(inst.data)
+    """A MILP engine on the data in units of :func:`milp_time_unit` (``to_pulp``).
+
+    The model's times are divided by a power of two when its horizon exceeds
+    :data:`~optmem.models.offload.MILP_HORIZON` (exact in floats; stop 77): HiGHS called
+    the OFF_int model of a very slow link infeasible in chain time units (hunt, stop 76).
+    Results come back in chain time units.
+    """
+    unit = milp_time_unit(inst.data.upper)
+    om = build_offload_model(inst.data.in_units(unit))
     pm = to_pulp(om.model)
-    hint = _hint(om, inst, float, tol=1e-9 * max(1.0, inst.data.upper))
+    hint = _hint(om, inst, lambda t: t / unit, tol=1e-9 * max(1.0, om.data.upper))
     out = engines.solve_pulp(pm.problem, pm.all_variables, options.solver,
                              **{**engines.pulp_settings(options),
                                 "time_limit_s": left_for_engine(deadline)},
                              initial=pm.initial(hint[0]))
-    report = {"model": om.model.size, **hint[1], **_engine_report(out)}
+    report = {"model": om.model.size, "time_unit": unit, **hint[1], **_engine_report(out)}
     values = None if out.values is None else out.values[:len(om.model.vars)]
     fault = None if values is None else shape_error(values, len(om.model.vars))
     if fault is not None:
         return _undecodable(out, fault, report)
-    schedule = om.decode(values) if values is not None else None
-    return _Outcome(out.status, schedule, out.objective, out.bound, report,
+    schedule = om.decode(values).map(lambda t: t * unit) if values is not None else None
+    return _Outcome(out.status, schedule, out.objective * unit, out.bound * unit, report,
                     failed=out if out.failed else None)
 
 
@@ -705,7 +716,8 @@ def _solve_exact(problem: OffloadProblem, options: SolveOptions, method: str) ->
     if outcome.schedule is not None:
         report["model_objective"] = outcome.objective
         plan = schedule_plan(disc.chain.length, outcome.schedule,
-                             0.0 if method == "cpsat" else _TIME_TOL)
+                             0.0 if method == "cpsat" else
+                             _TIME_TOL * report.get("time_unit", 1.0))
         try:
             found.append(plan_result(problem, options, plan, method=method,
                                      status=Status.FEASIBLE, report=report, solver=solver))

@@ -67,6 +67,8 @@ from optmem.models.formulation import (
     Model,
     Relation,
     grid_ceiling,
+    largest_bound,
+    milp_time_unit,
     rational_time_scale,
     shape_error,
     time_scale,
@@ -640,12 +642,31 @@ def _engine_solve(model: Model, engine: str, options: SolveOptions, *,
         values = cp.values(out.values) if out.values is not None else None
         bound = cp.objective(out.bound) if math.isfinite(out.bound) else math.nan
         return out, values, bound
-    pm = to_pulp(model)
+    unit = milp_time_unit(largest_bound(model))  # stop 77: times of a slow link ~1e10
+    pm = to_pulp(model.in_units(unit))
     out = _shaped(engines.solve_pulp(pm.problem, pm.all_variables, engine,
-                                     initial=pm.initial(initial),
+                                     initial=pm.initial(None if initial is None else
+                                                        model.to_units(initial, unit)),
                                      **{**engines.pulp_settings(options),
                                         "time_limit_s": limit()}), model)
-    values = out.values[:len(model.vars)] if out.values is not None else None
+    return _from_units(out, model, unit)
+
+
+def _from_units(out: EngineResult, model: Model, unit: float
+                ) -> tuple[EngineResult, list[float] | None, float]:
+    """A MILP engine's outcome on ``model.in_units(unit)`` back in the model's units.
+
+    The continuous variables (the times of :mod:`optmem.models.remat_offload`) and the
+    objective and bound (a makespan) are multiplied by ``unit`` (a power of two: exact).
+    """
+    n = len(model.vars)
+    values = out.values[:n] if out.values is not None else None
+    if unit == 1:
+        return out, values, out.bound
+    if out.values is not None and values is not None and shape_error(values, n) is None:
+        values = model.from_units(values, unit)  # else a fault the callers report
+        out = replace(out, values=[*values, *out.values[n:]])
+    out = replace(out, objective=out.objective * unit, bound=out.bound * unit)
     return out, values, out.bound
 
 
@@ -864,13 +885,15 @@ def _relaxation_bound(chain: Chain, memory_limit: int, beta: float, sweeps: int,
             if with_values and previous is not None and not _host_stage_fits(master, previous):
                 info[key] = "skipped (too large, or the deadline stage not solved)"
                 break
-            pm = to_pulp(master)
+            unit = milp_time_unit(largest_bound(master))
+            pm = to_pulp(master.in_units(unit))
             if deadline.spent(LEAST_ENGINE_TIME_S):  # the build took what was left
                 info[key] = "skipped (time)"
                 break
             limit = deadline.cap(_stage_limit(budget, clock() - began, first=previous is None))
-            out = engines.solve_pulp(pm.problem, pm.all_variables, pulp_engine,
-                                     **{**engines.pulp_settings(options), "time_limit_s": limit})
+            out = _from_units(engines.solve_pulp(
+                pm.problem, pm.all_variables, pulp_engine,
+                **{**engines.pulp_settings(options), "time_limit_s": limit}), master, unit)[0]
             info = _record(info, key, out)
             if out.status is Status.INFEASIBLE and not out.failed:
                 if _confirmed_empty(chain, memory_limit, beta, sweeps, options, pulp_engine,
@@ -910,9 +933,9 @@ def _confirmed_empty(chain: Chain, memory_limit: int, beta: float, sweeps: int,
     if deadline.spent(LEAST_ENGINE_TIME_S):
         info["infeasible"] = "not confirmed (time)"
         return False
-    plain = to_pulp(build_link_relaxation(chain, memory_limit, beta, sweeps=sweeps,
-                                          deadlines=False, host_values=False,
-                                          horizon=horizon))
+    model = build_link_relaxation(chain, memory_limit, beta, sweeps=sweeps, deadlines=False,
+                                  host_values=False, horizon=horizon)
+    plain = to_pulp(model.in_units(milp_time_unit(largest_bound(model))))
     out = engines.solve_pulp(plain.problem, plain.all_variables, engine,
                              **{**engines.pulp_settings(options),
                                 "time_limit_s": deadline.cap(None)})
@@ -1084,12 +1107,14 @@ def _lazy_host(chain: Chain, memory_limit: int, beta: float, sweeps: int,
                 at = next(i for i, v in enumerate(master.vars) if v.name == "makespan")
                 master.add(Expr([(at, 1.0)]) >= floor - 1e-6 * max(1.0, abs(floor)),
                            "relaxation_floor")
-            pm = to_pulp(master)
+            unit = milp_time_unit(largest_bound(master))
+            pm = to_pulp(master.in_units(unit))
             left = limit()  # again: the build and emission took some of it
-            out = engines.solve_pulp(pm.problem, pm.all_variables, engine,
-                                     **{**engines.pulp_settings(options), "time_limit_s":
-                                        None if left is None else max(left, MIN_ENGINE_LIMIT_S)},
-                                     highs_options=presolve)
+            out = _from_units(engines.solve_pulp(
+                pm.problem, pm.all_variables, engine,
+                **{**engines.pulp_settings(options), "time_limit_s":
+                   None if left is None else max(left, MIN_ENGINE_LIMIT_S)},
+                highs_options=presolve), master, unit)[0]
             if not out.failed and math.isfinite(out.bound):
                 floor = max(floor, out.bound - 1e-9 * max(1.0, abs(out.bound)))
             yield master, out
