@@ -168,6 +168,35 @@ def test_remat_offload_ilp_engine_proves_the_optimum_on_a_slow_link(
     assert_engine_right(problem, res, brute.objective)
 
 
+# (seed, integer times, limit, optimum): random_chain(2, seed=3000 + seed) on a 1e-9 link, the
+# limit below the checkpoint-only minimum (the optimum moves a value over the link)
+REMAT_OFFLOAD_SLOW_CASES = [(1, True, 41, 8000000010.0), (2, False, 25, 12000000010.769703)]
+
+
+@pytest.mark.parametrize("relaxation", [True, False])
+@pytest.mark.parametrize("seed, integer, limit, optimum", REMAT_OFFLOAD_SLOW_CASES)
+def test_remat_offload_cpsat_engine_right_on_a_slow_link_with_presolve(
+        seed: int, integer: bool, limit: int, optimum: float, relaxation: bool) -> None:
+    """Remat + offload ``cpsat`` keeps CP-SAT's presolve (no criterion there): its models
+    reach the offload criterion (magnitude ~2.5e21, 2.5e25 on the rounded grid of
+    ``integer`` false) and CP-SAT proves the brute-force optimum. A sweep of 2 339 such
+    cases found no wrong proof (results/offload_exact.md, stop 77)."""
+    from optmem.models.formulation import magnitude
+    from optmem.models.offload import CPSAT_PRESOLVE_MAGNITUDE
+    from optmem.models.remat_offload import build_remat_offload
+
+    problem = RematOffloadProblem(random_chain(2, seed=3000 + seed, integer_times=integer),
+                                  limit, chain_bandwidth=1e-9)
+    built = build_remat_offload(problem.chain, limit, 1e-9)
+    assert magnitude(built.model) >= CPSAT_PRESOLVE_MAGNITUDE
+    assert solve(problem, "brute", options=ONE).objective == pytest.approx(optimum, rel=1e-12)
+    res = solve(problem, "cpsat", options=COLD.with_(extra={"relaxation": relaxation}))
+    assert res.report["engine_status"] == "OPTIMAL"  # the engine's own proof
+    assert res.report["exact_times"] is integer
+    assert_engine_right(problem, res, optimum)
+    assert res.bound == pytest.approx(optimum, rel=1e-9)
+
+
 def test_conditioning_criteria_leave_bundled_profiles_alone() -> None:
     """The MILP keeps its units and CP-SAT its presolve where the models are well scaled
     (a bundled profile, the ResNet-50 the benchmarks use) and switch on the reproducer."""
