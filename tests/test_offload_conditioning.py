@@ -247,3 +247,24 @@ def test_model_in_units_is_the_same_model() -> None:
 
     best = engines.solve_cpsat(cm.cp, cm.variables, threads=1)
     assert cm.objective(best.objective) == 8e9 + 1 + 1  # on = 0: no late start
+
+
+def test_remat_offload_ilp_plan_that_does_not_replay_falls_back_to_a_replayed_plan():
+    """HiGHS's tolerances can let the rows of a badly conditioned remat + offload model slip:
+    its plan then overruns the memory ("B 4 needs 58 memory, above the limit 51"), and the
+    solve answered ``error`` (42 of 294 seeded 3-4-stage slow-link cases, stop 77; before
+    the time units of stop 77, ``optimal`` up to 2x the optimum or ``infeasible`` there).
+    Now the engine's answer is dropped with a warning and the fastest replayed candidate
+    answers, ``feasible`` with the proven floor; ``cpsat`` proves 2000000035.7098527."""
+    chain = random_chain(4, seed=3005, integer_times=False)
+    problem = RematOffloadProblem(chain, 51, chain_bandwidth=1e-8)
+    options = SolveOptions(threads=1, warm_start=False, deterministic_time=20.0,
+                           node_limit=100_000)
+    res = solve(problem, "ilp", options=options)
+    assert res.status is Status.FEASIBLE, res.report
+    assert "does not replay" in res.report["warning"]
+    assert "does not replay" in res.report["incumbent"]
+    optimum = 2000000035.7098527
+    assert res.objective >= optimum * (1 - 1e-9)
+    assert res.bound <= optimum * (1 + 1e-9)
+    assert verify_plan(problem, res)["objective"] == pytest.approx(res.objective)

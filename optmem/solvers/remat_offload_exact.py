@@ -1635,9 +1635,14 @@ def _full_solve(setup: _Setup, options: SolveOptions, report: dict[str, Any], *,
         try:
             sim = simulate_offload(disc.chain, plan, beta, disc.memory_limit).makespan
         except PlanError as exc:
-            report["error"] = f"the decoded plan does not replay: {exc}"
-            return plan_result(problem, options, plan, method=method, solver=solver,
-                               status=Status.ERROR, report=report)
+            start = _undecodable(problem, options, start, report, candidates, exc)
+            if start.plan is None:  # nothing replays: the proven floor only
+                return no_plan_result(problem, options, method, Status.NO_SOLUTION,
+                                      report).with_(bound=setup.lift(floor))
+            res = plan_result(problem, options, start.plan, method=method, solver=solver,
+                              status=Status.FEASIBLE, report=report)
+            return res.with_(bound=min(setup.lift(floor), res.objective)) \
+                if res.status.has_plan else res
         if sim > values[built.objective_var] + 1e-6 * max(1.0, sim):
             # engine tolerances on big-M rows (or rounded times): the simulator is the judge
             report["model_mismatch"] = (f"the simulator says {sim}, the model "
@@ -1689,6 +1694,32 @@ def _cross_check(problem: RematOffloadProblem, options: SolveOptions, start: _St
                                                     "makespan": found[0][0]}
     if not found:
         return start
+    return replace(start, plan=found[0][2], makespan=found[0][0])
+
+
+def _undecodable(problem: RematOffloadProblem, options: SolveOptions, start: _Start,
+                 report: dict[str, Any], candidates: list[Candidate] | None,
+                 exc: PlanError) -> _Start:
+    """The incumbent when the engine's plan does not replay: its answer is dropped.
+
+    HiGHS's tolerances on big-M rows can let a badly conditioned model's rows slip (a very
+    slow link, ``chain_bandwidth`` 1e-8: "B 4 needs 58 memory, above the limit 51"; 42 of
+    294 seeded 3-4-stage cases at 1e-9..1e-6, stop 77). Such a solve answered ``error``;
+    it now answers the fastest replayed candidate (the warm start, else
+    :func:`_cheap_candidates`), ``feasible`` with the proven floor only, and says why in
+    ``report['warning']``; with none (only plans that both recompute and offload fit),
+    ``no_solution`` with that floor. ``start`` unchanged (no plan) then.
+    """
+    report["warning"] = (f"the engine's plan does not replay ({exc}): its answer and bound "
+                         "are ignored (engine tolerances on a badly conditioned model; "
+                         "method 'cpsat' computes with exact integers)")
+    if start.plan is not None:
+        report["incumbent"] = "the fastest candidate plan (the engine's does not replay)"
+        return start
+    found = candidates or _cheap_candidates(problem, options)
+    if not found:
+        return start
+    report["incumbent"] = f"{found[0][1]} (the engine's plan does not replay)"
     return replace(start, plan=found[0][2], makespan=found[0][0])
 
 
