@@ -18,6 +18,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from optmem.chain import Chain
 from optmem.plan import LOSS, B, F_all, F_ck, F_none, Op, segments_plan
 from optmem.plan import store_all_plan as store_all_plan  # the store-all baseline (core)
 from optmem.solvers.checkpoint_dp import require_table_bytes
@@ -46,6 +47,18 @@ def chen_plan(length: int, segments: int | None = None) -> tuple[Op, ...]:
     """Chen's sqrt(n) plan: ``round(sqrt(L))`` equal segments (rotor's ``chen_sqrt``)."""
     k = segments or max(1, round(math.sqrt(length)))
     return segments_plan(torch_segments(length, min(k, length)))
+
+
+def store_all_or_chen(chain: Chain, memory_limit: float) -> tuple[str, tuple[Op, ...]]:
+    """A plan without a DP: store-all when its peak fits ``memory_limit``, else Chen's.
+
+    What a solve stopped before its DP finished answers with (the checkpoint and remat +
+    offload exact methods, stop 77), labelled ``"store all"`` or ``"sqrt(n) segments"``;
+    the caller replays it (Chen's plan may not fit either).
+    """
+    if chain.store_all_peak() <= memory_limit:
+        return "store all", store_all_plan(chain.length)
+    return "sqrt(n) segments", chen_plan(chain.length)
 
 
 def sequential_plans(length: int) -> Iterator[tuple[int, tuple[Op, ...]]]:

@@ -39,7 +39,7 @@ from optmem.models.checkpoint_ilp import (
 )
 from optmem.models.formulation import Kind
 from optmem.models.interrupt import Interrupted, stop_when
-from optmem.plan import Op, store_all_plan
+from optmem.plan import Op
 from optmem.problems.checkpoint import CheckpointProblem, Discretized
 from optmem.result import Result, SolveOptions, Status
 from optmem.simulate import simulate_checkpoint
@@ -52,7 +52,7 @@ from optmem.solvers.checkpoint import (
     plan_min_memory,
     plan_result,
 )
-from optmem.solvers.checkpoint_baselines import chen_plan
+from optmem.solvers.checkpoint_baselines import store_all_or_chen
 from optmem.solvers.checkpoint_dp import solve_persistent_table
 from optmem.solvers.registration import register, register_exporter
 from optmem.solvers.time_budget import Deadline, left_for_engine, stopped_during
@@ -155,12 +155,8 @@ def _quick_plan(disc: Discretized) -> tuple[str, _Planned] | None:
     simulated peak fits; ``None`` otherwise. One simulation (0.1 s at L = 339); never
     faster than the persistent DP's plan, which is optimal among persistent plans.
     """
-    chain = disc.chain
-    if chain.store_all_peak() <= disc.memory_limit:
-        label, plan = "store all", store_all_plan(chain.length)
-    else:
-        label, plan = "sqrt(n) segments", chen_plan(chain.length)
-    sim = simulate_checkpoint(chain, plan)
+    label, plan = store_all_or_chen(disc.chain, disc.memory_limit)
+    sim = simulate_checkpoint(disc.chain, plan)
     if sim.peak_memory > disc.memory_limit:
         return None
     return label, (plan, sim.makespan)

@@ -94,14 +94,13 @@ from optmem.plan import (
     F_none,
     Op,
     parse_mixed_plan,
-    store_all_plan,
 )
 from optmem.problems.checkpoint import Discretized
 from optmem.problems.remat_offload import RematOffloadProblem
 from optmem.result import Result, SolveOptions, Status
 from optmem.simulate.checkpoint import initial_state, is_final, transition
 from optmem.simulate.offload import reads, simulate_offload
-from optmem.solvers.checkpoint_baselines import chen_plan
+from optmem.solvers.checkpoint_baselines import store_all_or_chen
 from optmem.solvers.offload_bruteforce import (
     check_brute_length,
     fastest_plan,
@@ -454,11 +453,8 @@ def _quick_candidates(problem: RematOffloadProblem, options: SolveOptions
     (stop 77: it used to compute those DPs again after the deadline, 10.5 s at L = 339).
     """
     disc, _ = discretized(problem, options)
-    length = disc.chain.length
     plans: list[tuple[str, Sequence[AnyOp] | None]] = [
-        ("store all", store_all_plan(length))
-        if disc.chain.store_all_peak() <= disc.memory_limit
-        else ("sqrt(n) segments", chen_plan(length))]
+        store_all_or_chen(disc.chain, disc.memory_limit)]
     seen: dict[str, float] = {}
     best_candidate(problem, options, plans, seen)
     return [(seen[label], label, tuple(plan)) for label, plan in plans
@@ -1612,10 +1608,9 @@ def _full_solve(setup: _Setup, options: SolveOptions, report: dict[str, Any], *,
 
         def fallback(info: dict[str, Any]) -> Result:
             assert incumbent is not None
-            res = plan_result(problem, options, incumbent, method=method, solver=solver,
-                              status=Status.FEASIBLE,
-                              report={**info, "incumbent": "the fastest candidate plan"})
-            return res.with_(bound=min(proven, res.objective)) if res.status.has_plan else res
+            return _candidate_result(problem, options, incumbent, proven, method=method,
+                                     solver=solver,
+                                     report={**info, "incumbent": "the fastest candidate plan"})
 
         return engine_failure(PROBLEM, method, out, report=report,
                               fallback=fallback if incumbent is not None else None,
@@ -1639,10 +1634,8 @@ def _full_solve(setup: _Setup, options: SolveOptions, report: dict[str, Any], *,
             if start.plan is None:  # nothing replays: the proven floor only
                 return no_plan_result(problem, options, method, Status.NO_SOLUTION,
                                       report).with_(bound=setup.lift(floor))
-            res = plan_result(problem, options, start.plan, method=method, solver=solver,
-                              status=Status.FEASIBLE, report=report)
-            return res.with_(bound=min(setup.lift(floor), res.objective)) \
-                if res.status.has_plan else res
+            return _candidate_result(problem, options, start.plan, setup.lift(floor),
+                                     method=method, solver=solver, report=report)
         if sim > values[built.objective_var] + 1e-6 * max(1.0, sim):
             # engine tolerances on big-M rows (or rounded times): the simulator is the judge
             report["model_mismatch"] = (f"the simulator says {sim}, the model "
@@ -1692,9 +1685,21 @@ def _cross_check(problem: RematOffloadProblem, options: SolveOptions, start: _St
     found = candidates or _cheap_candidates(problem, options)
     report["cross_check"] = None if not found else {"method": found[0][1],
                                                     "makespan": found[0][0]}
-    if not found:
-        return start
-    return replace(start, plan=found[0][2], makespan=found[0][0])
+    return _with_fastest(start, found)
+
+
+def _with_fastest(start: _Start, found: list[Candidate]) -> _Start:
+    """``start`` with the fastest of ``found`` (fastest first) as its plan (unchanged: none)."""
+    return replace(start, plan=found[0][2], makespan=found[0][0]) if found else start
+
+
+def _candidate_result(problem: RematOffloadProblem, options: SolveOptions,
+                      plan: tuple[AnyOp, ...], proven: float, *, method: str,
+                      solver: str | None, report: dict[str, Any]) -> Result:
+    """A candidate plan replayed as the answer: ``feasible`` with the ``proven`` bound."""
+    res = plan_result(problem, options, plan, method=method, solver=solver,
+                      status=Status.FEASIBLE, report=report)
+    return res.with_(bound=min(proven, res.objective)) if res.status.has_plan else res
 
 
 def _undecodable(problem: RematOffloadProblem, options: SolveOptions, start: _Start,
@@ -1717,10 +1722,9 @@ def _undecodable(problem: RematOffloadProblem, options: SolveOptions, start: _St
         report["incumbent"] = "the fastest candidate plan (the engine's does not replay)"
         return start
     found = candidates or _cheap_candidates(problem, options)
-    if not found:
-        return start
-    report["incumbent"] = f"{found[0][1]} (the engine's plan does not replay)"
-    return replace(start, plan=found[0][2], makespan=found[0][0])
+    if found:
+        report["incumbent"] = f"{found[0][1]} (the engine's plan does not replay)"
+    return _with_fastest(start, found)
 
 
 def _refuted(status: Status, model_value: float, start: _Start) -> str | None:
