@@ -56,6 +56,13 @@ def _force(monkeypatch: pytest.MonkeyPatch, module: Any, stop: Callable[[], bool
     monkeypatch.setattr(module, "stop_when", lambda _: real(stop))
 
 
+def _stopped_solve(module: Any, problem: Any, method: str, n: int,
+                   monkeypatch: pytest.MonkeyPatch) -> Result:
+    """``solve`` with ``module``'s solve-level predicates holding from their ``n``-th call."""
+    _force(monkeypatch, module, after(n))
+    return solve(problem, method, options=FAR)
+
+
 def _replays(problem: Any, res: Result, optimum: float) -> None:
     """A plan that replays within memory at its objective, not below ``optimum``; a bound
     at most ``optimum`` and the objective."""
@@ -125,7 +132,7 @@ def test_a_checkpoint_solve_stopped_in_its_dp_answers_without_it(
     problem = CheckpointProblem(chain, int(chain.store_all_peak() * share))
     whole = solve(problem, method, options=ONE)
     assert whole.status is Status.OPTIMAL
-    seen = _stops(lambda n: _checkpoint_stopped(problem, method, n, monkeypatch))
+    seen = _stops(lambda n: _stopped_solve(checkpoint_exact, problem, method, n, monkeypatch))
     first = seen[1]
     assert first.report["stopped"] == "time limit (during the DP warm start)"
     assert first.status is Status.FEASIBLE
@@ -137,11 +144,6 @@ def test_a_checkpoint_solve_stopped_in_its_dp_answers_without_it(
         _replays(problem, res, whole.objective)
 
 
-def _checkpoint_stopped(problem: CheckpointProblem, method: str, n: int,
-                        monkeypatch: pytest.MonkeyPatch) -> Result:
-    _force(monkeypatch, checkpoint_exact, after(n))
-    return solve(problem, method, options=FAR)
-
 
 def test_a_checkpoint_solve_stopped_in_its_dp_with_no_cheap_plan_has_no_solution(
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -150,7 +152,7 @@ def test_a_checkpoint_solve_stopped_in_its_dp_with_no_cheap_plan_has_no_solution
     problem = CheckpointProblem(chain, int(chain.store_all_peak() * 0.4))
     whole = solve(problem, "ilp", options=ONE)
     assert whole.status is Status.OPTIMAL
-    res = _checkpoint_stopped(problem, "ilp", 1, monkeypatch)
+    res = _stopped_solve(checkpoint_exact, problem, "ilp", 1, monkeypatch)
     assert res.report["stopped"] == "time limit (during the DP warm start)"
     assert res.status is Status.NO_SOLUTION and "incumbent" not in res.report
     assert res.bound == pytest.approx(chain.total_compute_time())
@@ -167,7 +169,7 @@ def test_an_offload_solve_stopped_in_its_warm_start(
     problem = OffloadProblem(chain, (chain.store_all_peak() * 2) // 3, chain_bandwidth=1.0)
     whole = solve(problem, method, options=ONE)
     assert whole.status is Status.OPTIMAL
-    seen = _stops(lambda n: _offload_stopped(problem, method, n, monkeypatch),
+    seen = _stops(lambda n: _stopped_solve(offload, problem, method, n, monkeypatch),
                   lambda n: n + 1, within="time limit (during the warm start)")
     first = seen[1]
     assert first.report["stopped"] == "time limit (during the warm start)"
@@ -179,18 +181,13 @@ def test_an_offload_solve_stopped_in_its_warm_start(
         _replays(problem, res, whole.objective)
 
 
-def _offload_stopped(problem: OffloadProblem, method: str, n: int,
-                     monkeypatch: pytest.MonkeyPatch) -> Result:
-    _force(monkeypatch, offload, after(n))
-    return solve(problem, method, options=FAR)
-
 
 def test_an_offload_solve_stopped_at_once_answers_store_all_when_it_fits(
         monkeypatch: pytest.MonkeyPatch) -> None:
     chain = random_chain(6, seed=7, max_size=8)
     problem = OffloadProblem(chain, chain.store_all_peak(), chain_bandwidth=1.0)
     whole = solve(problem, "cpsat", options=ONE)
-    res = _offload_stopped(problem, "cpsat", 1, monkeypatch)
+    res = _stopped_solve(offload, problem, "cpsat", 1, monkeypatch)
     assert res.report["stopped"] == "time limit (during the warm start)"
     assert res.status is Status.FEASIBLE and res.report["incumbent"] == "store all"
     _replays(problem, res, whole.objective)
@@ -210,7 +207,7 @@ def test_a_remat_offload_solve_stopped_in_its_cheap_candidates_keeps_the_finishe
                                   chain_bandwidth=1.0)
     whole = solve(problem, method, options=ONE)
     assert whole.status is Status.OPTIMAL
-    seen = _stops(lambda n: _remat_offload_stopped(problem, method, n, monkeypatch),
+    seen = _stops(lambda n: _stopped_solve(exact, problem, method, n, monkeypatch),
                   within="time limit (during the candidate plans)")
     first = seen[1]
     assert first.report["stopped"] == "time limit (during the candidate plans)"
@@ -223,11 +220,6 @@ def test_a_remat_offload_solve_stopped_in_its_cheap_candidates_keeps_the_finishe
     for res in seen.values():
         _replays(problem, res, whole.objective)
 
-
-def _remat_offload_stopped(problem: RematOffloadProblem, method: str, n: int,
-                           monkeypatch: pytest.MonkeyPatch) -> Result:
-    _force(monkeypatch, exact, after(n))
-    return solve(problem, method, options=FAR)
 
 
 def test_a_solve_stopped_inside_its_cheap_candidates_does_not_run_them_again(
@@ -254,7 +246,7 @@ def test_a_remat_offload_solve_with_no_cheap_plan_has_no_solution_and_the_bound(
     problem = RematOffloadProblem(chain, (chain.store_all_peak() * 2) // 3,
                                   chain_bandwidth=1.0)
     whole = solve(problem, "ilp", options=ONE)
-    res = _remat_offload_stopped(problem, "ilp", 1, monkeypatch)
+    res = _stopped_solve(exact, problem, "ilp", 1, monkeypatch)
     assert res.report["stopped"] == "time limit (during the candidate plans)"
     assert res.status is Status.NO_SOLUTION
     assert res.bound == pytest.approx(chain.total_compute_time())
