@@ -71,8 +71,8 @@ def test_trainer_trains_saves_and_reloads_a_model_whose_backbone_is_wrapped(tmp_
     weights. Wrapping the whole model instead made ``save_model`` fail: ``Trainer`` saves a
     module that is not a ``PreTrainedModel`` with safetensors' ``save_file``, which refuses
     GPT-2's tied ``wte``/``lm_head`` ("Some tensors share memory"); and its weight decay
-    reached no parameter (its names, from ``named_children()``, carry ``_optmem_module.``;
-    the optimizer's, from ``named_parameters()``, do not)."""
+    reached no parameter (its names, from ``named_children()``, carry
+    ``_checkpoint_wrapped_module.``; the optimizer's, from ``named_parameters()``, do not)."""
     plain, _ = gpt2()
     ref_losses, ref_trainer = _train(plain, tmp_path / "plain")
     model, kwargs = gpt2()

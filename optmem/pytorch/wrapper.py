@@ -139,7 +139,12 @@ USE_CACHE_WARNING = (
     "setting use_cache=False, the output has no generation cache; call the model under "
     "torch.no_grad() (or cmodel.generate) for one")
 """The warning of a call with grad enabled that asks for a generation cache."""
-_PREFIX = "_optmem_module."
+_PREFIX = "_checkpoint_wrapped_module."
+"""The model's attribute in the wrapper, and its keys' prefix there. The name is that of
+torch's own checkpoint wrapper (``checkpoint_wrapper._CHECKPOINT_PREFIX``), which torch's
+state-dict helpers (``torch.distributed.checkpoint.state_dict``, FSDP) and accelerate strip:
+``get_optimizer_state_dict(DistributedDataParallel(wrapper), opt)`` names the model's keys.
+Until stop 77 it was ``_optmem_module``, which they kept there."""
 _log = logging.getLogger("optmem")
 
 
@@ -558,7 +563,7 @@ def _model_metadata(metadata: Mapping[str, Any]) -> dict[str, Any]:
     """A state dict's ``_metadata`` (per module: its version) under the model's names.
 
     The wrapper's ``state_dict()`` keeps the metadata of its own tree (``""`` the
-    wrapper, ``"_optmem_module"`` the model); a plain model's is kept as it is.
+    wrapper, ``"_checkpoint_wrapped_module"`` the model); a plain model's is kept as it is.
     """
     root = _PREFIX[:-1]
     if root not in metadata:
@@ -583,7 +588,7 @@ class PlannedModule(nn.Module):
                  main: _Variant, main_key: Any, *, fast_path: bool = True) -> None:
         super().__init__()
         self.fast_path = fast_path
-        self._optmem_module = module
+        self._checkpoint_wrapped_module = module
         self._planner = planner
         self._profile = profile
         self._variants: OrderedDict[Any, _Variant] = OrderedDict([(main_key, main)])
@@ -653,16 +658,16 @@ class PlannedModule(nn.Module):
     @property
     def module(self) -> nn.Module:
         """The wrapped model."""
-        return self._optmem_module
+        return self._checkpoint_wrapped_module
 
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
         except AttributeError:
-            if name == "_optmem_module":
+            if name == "_checkpoint_wrapped_module":
                 raise
             try:
-                return getattr(self._optmem_module, name)
+                return getattr(self._checkpoint_wrapped_module, name)
             except AttributeError:
                 if name in _CHECKPOINT_ONLY:  # it blamed the model (a hunt in stop 51)
                     raise AttributeError(
@@ -672,7 +677,7 @@ class PlannedModule(nn.Module):
                 raise
 
     def __getitem__(self, key: Any) -> Any:
-        return self._optmem_module[key]  # type: ignore[index]
+        return self._checkpoint_wrapped_module[key]  # type: ignore[index]
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
@@ -707,21 +712,6 @@ class PlannedModule(nn.Module):
         for found in (keys.missing_keys, keys.unexpected_keys):
             found[:] = [k.replace(_PREFIX, "", 1) for k in found]
 
-    def _fqn_modifiers(self) -> dict[str, str]:
-        """``torch.distributed.checkpoint.state_dict``'s hook for keys without a prefix.
-
-        Its ``set_optimizer_state_dict`` (the FSDP2 save/resume path) walks
-        ``named_children()``, where the model is ``_optmem_module``, and met the model's
-        keys from :meth:`named_parameters` and ``state_dict()`` without it: "Missing
-        optimizer state for parameter '_optmem_module.transformer.wpe.weight'" (a hunt in
-        stop 51). Each top-level name of the model maps to the attribute that holds it.
-        """
-        model = self._optmem_module
-        names = [n for n, _ in model.named_children()]
-        names += [n for n, _ in model.named_parameters(recurse=False)]
-        names += [n for n, _ in model.named_buffers(recurse=False)]
-        return dict.fromkeys(names, "_optmem_module")
-
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
                         assign: bool = False) -> Any:
         """The model's ``load_state_dict``: its result and errors name the model's keys.
@@ -739,7 +729,7 @@ class PlannedModule(nn.Module):
         metadata = getattr(state_dict, "_metadata", None)
         if metadata is not None:
             own._metadata = _model_metadata(metadata)  # type: ignore[attr-defined]
-        return self._optmem_module.load_state_dict(own, strict=strict, assign=assign)
+        return self._checkpoint_wrapped_module.load_state_dict(own, strict=strict, assign=assign)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
         """``to()``/``cuda()``/``half()``: the model, and the stages' constants with it."""
@@ -854,7 +844,7 @@ class PlannedModule(nn.Module):
 
     def _forward(self, args: tuple[Any, ...], kwargs: dict[str, Any],
                  compiled: CompileRequest) -> Any:
-        model = self._optmem_module
+        model = self._checkpoint_wrapped_module
         transformed = functorch_transform_active()
         if transformed:
             self._warn_functorch()
@@ -891,7 +881,7 @@ class PlannedModule(nn.Module):
             found = self._branch_variant(variant, args, kwargs)
             if found is None:  # the model's own way for these values (its error, if any)
                 with absorbing():
-                    return self._optmem_module(*args, **kwargs)
+                    return self._checkpoint_wrapped_module(*args, **kwargs)
             variant, sides = found
         flat, ctx = sides
         ext = variant.extraction
@@ -919,7 +909,7 @@ class PlannedModule(nn.Module):
                 return other, sides
         if variant.branch_failures >= MAX_BRANCH_FAILURES:
             return None
-        name = type(self._optmem_module).__name__
+        name = type(self._checkpoint_wrapped_module).__name__
         _log.info("optmem: %s called with values that take another side of a branch: "
                   "extracting, profiling and solving them", name)
         try:
@@ -968,14 +958,14 @@ class PlannedModule(nn.Module):
         """
         options = compile_options_for(compiled, self._compile_options)
         if options is None:
-            return self._optmem_module
+            return self._checkpoint_wrapped_module
         if self._compiled_module is None or self._compiled_module_with != options:
-            self._compiled_module = torch.compile(self._optmem_module, **options)
+            self._compiled_module = torch.compile(self._checkpoint_wrapped_module, **options)
             self._compiled_module_with = dict(options)
         return self._compiled_module
 
     def _variant(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Variant:
-        key = signature_key(self._optmem_module, args, kwargs, self._tensor_state.key())
+        key = signature_key(self._checkpoint_wrapped_module, args, kwargs, self._tensor_state.key())
         variant = self._variants.get(key)
         if variant is not None:
             self._variants.move_to_end(key)
@@ -994,19 +984,19 @@ class PlannedModule(nn.Module):
             if not self._plain:  # the model's own modules sharded: their hooks never run
                 from optmem.pytorch.process_groups import refuse_modules_sharded_after
 
-                refuse_modules_sharded_after(self._optmem_module)
+                refuse_modules_sharded_after(self._checkpoint_wrapped_module)
             main = self._main_key
             if key[:4] == main[:4] and key[4][:-1] == main[4][:-1]:
                 # only which parameters require grad differs: the executor follows it at
                 # run time, on the sample's profile (as before stop 52; not re-planned)
                 return self._main
             raise OptmemInputError(
-                f"{type(self._optmem_module).__name__} is sharded by FSDP2 "
+                f"{type(self._checkpoint_wrapped_module).__name__} is sharded by FSDP2 "
                 "(checkpoint_fsdp), so every call keeps the sample's signature; this call "
                 "differs in " + signature_difference(key, self._main_key, args, kwargs)
                 + ": " + sharded_call_advice(key, self._main_key), field="sample")
         _log.info("optmem: new call signature for %s: extracting, profiling and solving "
-                  "again", type(self._optmem_module).__name__)
+                  "again", type(self._checkpoint_wrapped_module).__name__)
         with _for_signature(key, self._main_key, args, kwargs):
             variant = self._new_variant(args, kwargs, None, local=resized)
         return self._keep_signature(key, variant, plain=False)
@@ -1028,7 +1018,7 @@ class PlannedModule(nn.Module):
 
         if any(is_fsdp_module(st.module) for st in self._main.stages):
             raise OptmemInputError(
-                f"{type(self._optmem_module).__name__}'s stages are sharded by FSDP2 "
+                f"{type(self._checkpoint_wrapped_module).__name__}'s stages are sharded by FSDP2 "
                 "(checkpoint_fsdp), and under torch.no_grad() the wrapper runs the model "
                 "itself, which would read the stages' shards: evaluate with gradients "
                 "enabled, called as the sample was (train mode), or load the full weights "
@@ -1050,7 +1040,7 @@ class PlannedModule(nn.Module):
         """Whether FSDP2 shards the model or the main plan's stages."""
         from optmem.pytorch.process_groups import is_fsdp_module
 
-        return is_fsdp_module(self._optmem_module) or any(
+        return is_fsdp_module(self._checkpoint_wrapped_module) or any(
             is_fsdp_module(st.module) for st in self._main.stages)
 
     def _plain_variant(self, x: Any) -> _Variant:
@@ -1176,7 +1166,7 @@ class PlannedModule(nn.Module):
         args, kwargs = graph_free((args, kwargs))  # a call made inside the caller's graph
         with self._tensor_state.absorbing():  # extraction and profiling run the model
             variant = _extract_variant(
-                self._optmem_module, args, kwargs, self._planner, self._profile, None,
+                self._checkpoint_wrapped_module, args, kwargs, self._planner, self._profile, None,
                 self._main.chain.name, like=self._main, solve=self._solver(), ext=ext,
                 local=local)
         return self._finished(variant)
@@ -1205,9 +1195,9 @@ class PlannedModule(nn.Module):
             if dims in family.refused or any(_dim_size(sizes, leaf, d) <= 1 for leaf, d in dims):
                 return None  # export specialises sizes 0 and 1: such a call on its own
             _log.info("optmem: %s called with other sizes: exporting once with dimensions "
-                      "%s dynamic", type(self._optmem_module).__name__, sorted(dims))
-            with leaves_no_trace(self._optmem_module, (args, kwargs)):
-                ext = export_dynamic(self._optmem_module, args, kwargs, sorted(dims))
+                      "%s dynamic", type(self._checkpoint_wrapped_module).__name__, sorted(dims))
+            with leaves_no_trace(self._checkpoint_wrapped_module, (args, kwargs)):
+                ext = export_dynamic(self._checkpoint_wrapped_module, args, kwargs, sorted(dims))
             if ext is None or ext.accepts is None or not ext.accepts(args, kwargs):
                 family.refused.add(dims)
                 return None
@@ -1219,7 +1209,7 @@ class PlannedModule(nn.Module):
         if variant is not None:
             return variant
         _log.info("optmem: %s called with new sizes: profiling and solving them (no export)",
-                  type(self._optmem_module).__name__)
+                  type(self._checkpoint_wrapped_module).__name__)
         with _for_sizes(sizes, family.reference):
             variant = self._new_variant(args, kwargs, ext, local=True)
         family.keep(sizes, variant)
@@ -1666,7 +1656,7 @@ class _SignedForward:
     @property
     def __wrapped__(self) -> Callable[..., Any]:
         """The wrapped model's ``forward`` (read when asked: a copy sets its state later)."""
-        return self._wrapper()._optmem_module.forward
+        return self._wrapper()._checkpoint_wrapped_module.forward
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         owner = self._wrapper()
