@@ -17,6 +17,7 @@ import json
 import math
 import os
 import sys
+import textwrap
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -597,10 +598,11 @@ def cmd_datasets(args: argparse.Namespace) -> int:
             return EXIT_OK
         header = ("name", "stages", "parameters", "store-all", "min feasible", "description")
         table = [(r["name"], str(r["stages"]), r["parameters_h"], r["store_all_h"],
-                  r["min_feasible_h"], r["description"][:60]) for r in rows]
+                  r["min_feasible_h"], textwrap.shorten(r["description"], 60, placeholder="...")
+                  ) for r in rows]
         widths = [max(len(x) for x in col) for col in zip(header, *table, strict=True)]
         fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-        print("\n".join([fmt.format(*header)] + [fmt.format(*row) for row in table]))
+        print("\n".join(fmt.format(*row).rstrip() for row in [header, *table]))
         return EXIT_OK
     if not args.name:
         raise OptmemInputError(f"'datasets {args.action}' needs a dataset NAME")

@@ -246,6 +246,24 @@ def test_datasets_list_and_path(capsys):
     assert code == 0 and Path(out.strip()).exists()
 
 
+def test_datasets_table_cuts_descriptions_between_words(capsys):
+    """The text table shortens each description to 60 characters at a word, with "...";
+    it cut inside a word before ("float32" as "float3"), and padded every line with
+    trailing blanks."""
+    code, out, _ = run(capsys, "datasets", "list")
+    rows = {row["name"]: row["description"]
+            for row in json.loads(run(capsys, "datasets", "list", "--json")[1])}
+    lines = out.splitlines()
+    assert code == 0 and lines[0].split()[0] == "name" and len(lines) == len(rows) + 1
+    for line in lines[1:]:
+        name = line.split()[0]
+        shown = line[lines[0].index("description"):]
+        assert line == line.rstrip() and len(shown) <= 60
+        full = rows[name]
+        assert shown == full or (shown.endswith("...") and full.startswith(shown[:-3])
+                                 and full[len(shown) - 3] == " ")
+
+
 def test_python_dash_m_entry_point(tmp_path):
     path = tmp_path / "c.json"
     random_chain(4, seed=3).save(path)
