@@ -282,6 +282,7 @@ def run_jobs(rank: int, world: int, jobs: list[dict[str, Any]], out_dir: str) ->
              "pipeline_peak": pipeline_peak_job, "pipeline_loss": pipeline_loss_job,
              "offload_fsdp": offload_fsdp_job, "blocks_sharded_after": blocks_sharded_after_job,
              "offload_fsdp_planned": offload_fsdp_planned_job,
+             "fsdp_gathered_units": fsdp_gathered_units_job,
              "fsdp_refused_calls": fsdp_refused_calls_job,
              "ddp_offload": ddp_offload_job, "ddp_optimizer_state": ddp_optimizer_state_job}
     for k, job in enumerate(jobs):
@@ -855,6 +856,43 @@ def offload_fsdp_planned_job(rank: int, world: int, job: dict[str, Any]) -> dict
             "kind": next(c.__name__ for c in type(omodel).__mro__  # FSDP renames it
                          if c.__name__ in ("OffloadedModule", "RematOffloadedModule")),
             "keys": sorted(omodel.state_dict())}
+
+
+def fsdp_gathered_units_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    """``checkpoint_fsdp`` of the residual MLP: after every op of the plan (the executor's
+    monitor), the stages whose FSDP unit holds its parameters gathered; and the gradients.
+
+    ``{"problem": "checkpoint" | "remat_offload", "memory_limit"}``; the second step is
+    watched (the first one initialises FSDP2's state).
+    """
+    from optmem.pytorch.distributed import checkpoint_fsdp
+    from optmem.pytorch.execute import add_monitor, remove_monitor
+
+    model, (x_all, y_all), loss_fn = _fsdp_case("mlp", world)
+    x, y = x_all.chunk(world)[rank], y_all.chunk(world)[rank]
+    link = {} if job["problem"] == "checkpoint" else {"bandwidth": "1GB/s"}
+    cmodel = checkpoint_fsdp(model, x, job["memory_limit"], problem=job["problem"],
+                             mesh=_cpu_mesh(world), time_model=lambda *_: (1.0, 2.0), **link)
+    stages = list(cmodel.stages)
+    gathered: list[tuple[str, list[int]]] = []
+
+    def watch(op_: Any, *_: Any) -> None:
+        gathered.append((str(op_), [k + 1 for k, st in enumerate(stages)
+                                    if hasattr(st, "_get_fsdp_state")
+                                    and not st._get_fsdp_state()._fsdp_param_group.is_sharded]))
+
+    steps = []
+    for step in range(2):
+        cmodel.zero_grad(set_to_none=True)
+        if step:
+            add_monitor(watch)
+        try:
+            loss_fn(cmodel(x), y).backward()
+        finally:
+            remove_monitor(watch)
+        steps.append({n: p.grad.full_tensor() for n, p in cmodel.named_parameters()
+                      if p.grad is not None})
+    return {"gathered": gathered, "steps": steps, "plan": [str(o) for o in cmodel.result.plan]}
 
 
 def blocks_sharded_after_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
