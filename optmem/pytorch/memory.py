@@ -270,7 +270,11 @@ def measure_training_peak(step: Callable[[], Any], module: nn.Module,
     (ATen's ``isTensorSubclassLike`` is true for every tensor while a mode is active; a few
     backward formulas branch on it too), where it may sum into the partial gradient in
     place without one, so a peak at such a sum can count one gradient more than the step
-    holds (torch's ``MemTracker`` too).
+    holds (torch's ``MemTracker`` too). A storage resized during the step with
+    ``UntypedStorage.resize_`` (FSDP2 gathers a unit's parameters into storages it keeps
+    across steps and resizes itself) counts at its size from then on; before the
+    ``fsdpoff`` branch such storages were left out, and with them every gathered parameter
+    of a sharded step. The sharded gradients of FSDP2 (``DTensor``) are gradients too.
 
     Parameters
     ----------
