@@ -1,7 +1,7 @@
 """FSDP2 (``fully_shard`` per block) with an optmem checkpoint plan over the blocks.
 
     torchrun --nproc_per_node 2 examples/fsdp_checkpoint.py [--steps 3] [--layers 4]
-             [--model gpt|hf-gpt2]
+             [--model gpt|hf-gpt2] [--problem checkpoint|offload|remat_offload]
 
 ``optmem.pytorch.distributed.checkpoint_fsdp`` profiles the *unsharded* model on rank 0, adds
 to every stage's per-op memory what FSDP gathers while it runs (its unsharded parameters, and
@@ -12,6 +12,8 @@ checkpoint first, shard after (docs/distributed.md). A small GPT-2 of the zoo's 
 (``--model gpt``, default) or HuggingFace's ``GPT2LMHeadModel`` (``--model hf-gpt2``, exported
 with ``torch.export``: every stage with parameters of its own, each attention and MLP half,
 is an FSDP unit) trains for a few AdamW steps; rank 0 prints the plan and the losses.
+``--problem offload`` (or ``remat_offload``) plans offloading (and recomputation) over the
+same FSDP-adjusted chain instead, over a host link of ``--bandwidth``.
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4, help="sequences per rank")
     ap.add_argument("--memory-limit", default="min",
                     help="activation + FSDP memory per rank (e.g. 4MiB), or min (default)")
+    ap.add_argument("--problem", default="checkpoint",
+                    choices=("checkpoint", "offload", "remat_offload"))
+    ap.add_argument("--bandwidth", default=None,
+                    help="host link of an offload plan (default 12GB/s)")
     args = ap.parse_args()
 
     device = op.init_distributed()
@@ -56,10 +62,11 @@ def main() -> None:
         return {"input_ids": tokens[:, :-1], "labels": tokens[:, :-1]}
 
     sample = call(batches[0]) if args.model == "hf-gpt2" else batches[0][:, :-1]
-    cmodel = checkpoint_fsdp(model, sample, args.memory_limit, mesh=mesh)
+    cmodel = checkpoint_fsdp(model, sample, args.memory_limit, problem=args.problem,
+                             bandwidth=args.bandwidth, mesh=mesh)
     if rank == 0:
         print(cmodel.summary())
-        print("plan (the same on every rank):", " ".join(cmodel.result.plan))
+        print("plan (the same on every rank):", " ".join(map(str, cmodel.result.plan)))
         print("FSDP units:", ", ".join(type(m).__name__ for m in cmodel.stages))
     opt = torch.optim.AdamW(cmodel.parameters(), lr=1e-3)
     for step, tokens in enumerate(batches):

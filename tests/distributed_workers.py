@@ -281,6 +281,8 @@ def run_jobs(rank: int, world: int, jobs: list[dict[str, Any]], out_dir: str) ->
              "refusals": refusals_job, "pipeline_inputs": pipeline_inputs_job,
              "pipeline_peak": pipeline_peak_job, "pipeline_loss": pipeline_loss_job,
              "offload_fsdp": offload_fsdp_job, "blocks_sharded_after": blocks_sharded_after_job,
+             "offload_fsdp_planned": offload_fsdp_planned_job,
+             "fsdp_gathered_units": fsdp_gathered_units_job,
              "fsdp_refused_calls": fsdp_refused_calls_job,
              "ddp_offload": ddp_offload_job, "ddp_optimizer_state": ddp_optimizer_state_job}
     for k, job in enumerate(jobs):
@@ -794,6 +796,103 @@ def offload_fsdp_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, An
                       if p.grad is not None})
     return {"steps": steps, "plan": [str(o) for o in omodel.result.plan],
             "keys": sorted(omodel.state_dict())}
+
+
+def offload_fsdp_planned_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    """An offload or remat + offload plan under FSDP2 on a CPU device mesh: two steps'
+    ``grad.full_tensor()``, the plan, its chain and claimed peak, and the measured peak.
+
+    ``{"model": "mlp" | "hf-gpt2", "problem": "offload" | "remat_offload", "memory_limit",
+    "route": "checkpoint_fsdp" | "fully_shard_checkpointed"}``: the plan of
+    ``checkpoint_fsdp(..., problem=...)`` (its chain counts FSDP's gathered parameters), or
+    ``fully_shard_checkpointed`` of the one-liner (a chain without them, the route before).
+    The peak is :func:`optmem.pytorch.memory.measure_training_peak` of a third step, host
+    copies left out (the memory the plan holds on its compute device); ``unit_bytes`` are
+    the unsharded parameter bytes of each stage unit (0: not a unit), ``root_bytes`` those
+    the root unit holds (gathered for the whole step).
+    """
+    from optmem.pytorch.distributed import (
+        checkpoint_fsdp,
+        fully_shard_checkpointed,
+        sharded_stage_indices,
+        stage_parameter_bytes,
+    )
+    from optmem.pytorch.memory import measure_training_peak
+
+    mesh = _cpu_mesh(world)
+    model, (x_all, y_all), loss_fn = _fsdp_case(job["model"], world)
+    x, y = (t.chunk(world)[rank].clone() for t in (x_all, y_all))  # storages of their own
+    args, kwargs, target = model_call(loss_fn, x, y)
+    times = {"time_model": lambda *_: (1.0, 2.0)}
+    if job["route"] == "checkpoint_fsdp":
+        omodel = checkpoint_fsdp(model, kwargs or args[0], job["memory_limit"],
+                                 problem=job["problem"], bandwidth="1GB/s", mesh=mesh, **times)
+    else:
+        omodel = getattr(op, job["problem"])(model, kwargs or args[0],
+                                             memory_limit=job["memory_limit"],
+                                             bandwidth="1GB/s", fast_path=False, **times)
+        fully_shard_checkpointed(omodel, mesh=mesh)
+    stages = list(omodel.stages)
+    unit_bytes = stage_parameter_bytes(stages)  # a DTensor's numel is the unsharded one
+    in_units = {id(p) for k in sharded_stage_indices(stages) for p in stages[k].parameters()}
+    root = {id(p): p for p in omodel.parameters() if id(p) not in in_units}
+    root_bytes = sum(p.numel() * p.element_size() for p in root.values())
+
+    def step() -> None:
+        out = omodel(*args, **kwargs)
+        (out.loss if loss_fn is None else loss_fn(out, target)).backward()
+
+    steps = []
+    for _ in range(2):
+        omodel.zero_grad(set_to_none=True)
+        step()
+        steps.append({n: p.grad.full_tensor() for n, p in omodel.named_parameters()
+                      if p.grad is not None})
+    omodel.zero_grad(set_to_none=True)
+    peak = measure_training_peak(step, omodel, kwargs or args, host_copies=False)
+    return {"steps": steps, "plan": [str(o) for o in omodel.result.plan],
+            "chain": omodel.chain.to_dict(), "claimed": omodel.expected_peak_bytes,
+            "measured": peak, "unit_bytes": unit_bytes, "root_bytes": root_bytes,
+            "kind": next(c.__name__ for c in type(omodel).__mro__  # FSDP renames it
+                         if c.__name__ in ("OffloadedModule", "RematOffloadedModule")),
+            "keys": sorted(omodel.state_dict())}
+
+
+def fsdp_gathered_units_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    """``checkpoint_fsdp`` of the residual MLP: after every op of the plan (the executor's
+    monitor), the stages whose FSDP unit holds its parameters gathered; and the gradients.
+
+    ``{"problem": "checkpoint" | "remat_offload", "memory_limit"}``; the second step is
+    watched (the first one initialises FSDP2's state).
+    """
+    from optmem.pytorch.distributed import checkpoint_fsdp
+    from optmem.pytorch.execute import add_monitor, remove_monitor
+
+    model, (x_all, y_all), loss_fn = _fsdp_case("mlp", world)
+    x, y = x_all.chunk(world)[rank], y_all.chunk(world)[rank]
+    link = {} if job["problem"] == "checkpoint" else {"bandwidth": "1GB/s"}
+    cmodel = checkpoint_fsdp(model, x, job["memory_limit"], problem=job["problem"],
+                             mesh=_cpu_mesh(world), time_model=lambda *_: (1.0, 2.0), **link)
+    stages = list(cmodel.stages)
+    gathered: list[tuple[str, list[int]]] = []
+
+    def watch(op_: Any, *_: Any) -> None:
+        gathered.append((str(op_), [k + 1 for k, st in enumerate(stages)
+                                    if hasattr(st, "_get_fsdp_state")
+                                    and not st._get_fsdp_state()._fsdp_param_group.is_sharded]))
+
+    steps = []
+    for step in range(2):
+        cmodel.zero_grad(set_to_none=True)
+        if step:
+            add_monitor(watch)
+        try:
+            loss_fn(cmodel(x), y).backward()
+        finally:
+            remove_monitor(watch)
+        steps.append({n: p.grad.full_tensor() for n, p in cmodel.named_parameters()
+                      if p.grad is not None})
+    return {"gathered": gathered, "steps": steps, "plan": [str(o) for o in cmodel.result.plan]}
 
 
 def blocks_sharded_after_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:

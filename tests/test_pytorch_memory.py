@@ -174,6 +174,33 @@ def test_measure_training_peak_leaves_out_weight_gradients():
     assert mt.activations > 0
 
 
+def test_measure_training_peak_counts_storages_resized_in_the_step():
+    """FSDP2 gathers a unit's parameters into storages it keeps across steps and resizes
+    itself (``UntypedStorage.resize_``, which no dispatch mode sees): full before the unit
+    runs, 0 after. Before, such a step's peak left them out (the ``fsdpoff`` branch found
+    it measuring offload plans under FSDP2)."""
+    net = nn.Linear(64, 64, bias=False)
+    x = torch.randn(8, 64)
+    gathered = torch.empty(1024).untyped_storage()  # made before the step, as FSDP2's
+    gathered.resize_(0)
+
+    def step(size: int) -> None:
+        gathered.resize_(size)  # the all-gather's destination, for the forward
+        y = net(x)
+        gathered.resize_(0)  # resharded after the forward
+        y.sum().backward()
+
+    plain = measure_training_peak(lambda: step(0), net, x)
+    net.zero_grad(set_to_none=True)
+    # x and the output y beside the 4 KiB gathered in the forward (the loss scalars come
+    # after it was freed); before, the forward counted x and y only
+    assert plain == 2 * (8 * 64 * 4) + LOSS_SCALARS // 2
+    assert measure_training_peak(lambda: step(4096), net, x) == 2 * (8 * 64 * 4) + 4096
+    net.zero_grad(set_to_none=True)
+    assert torch.UntypedStorage.resize_ is type(gathered).resize_  # restored
+    assert gathered.nbytes() == 0
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (no GPU here)")
 def test_cuda_max_memory_allocated_within_limit():

@@ -15,7 +15,8 @@ Three pieces, used by :func:`optmem.pytorch.checkpoint` and :func:`optmem.pytorc
   FSDP holds while a stage runs (its unsharded parameters, and in the backward its unsharded
   gradients and the prefetched parameters of the stage before) to the chain's per-op
   overheads, so that the plan's memory limit accounts for it.
-  :func:`checkpoint_fsdp` does both in one call.
+  :func:`checkpoint_fsdp` does both in one call, for a checkpoint plan or (``problem=``) an
+  offload or remat + offload plan.
 
 Backends: NCCL when CUDA is available (one GPU per local rank), gloo otherwise (CPU processes,
 what the tests use). :func:`init_distributed` initialises from ``torchrun``'s environment.
@@ -53,9 +54,10 @@ from optmem.pytorch.process_groups import (
     set_local_device,
 )
 
-__all__ = ["LOCAL", "checkpoint_fsdp", "default_device", "end_process", "fsdp_chain",
-           "fully_shard_checkpointed", "init_distributed", "is_fsdp_module", "refuse_sharded",
-           "resolve_group", "run_once", "set_local_device", "spawn", "stage_parameter_bytes"]
+__all__ = ["FSDP_PROBLEMS", "LOCAL", "checkpoint_fsdp", "default_device", "end_process",
+           "fsdp_chain", "fully_shard_checkpointed", "init_distributed", "is_fsdp_module",
+           "refuse_sharded", "resolve_group", "run_once", "set_local_device", "spawn",
+           "stage_parameter_bytes"]
 
 
 # ------------------------------------------------------------------ FSDP2
@@ -226,12 +228,17 @@ def fsdp_chain(chain: Chain, param_bytes: Sequence[int], *, prefetch: bool = Tru
                    name=f"{chain.name}+fsdp")
 
 
+# the problems checkpoint_fsdp solves over the FSDP units (the planner's kinds)
+FSDP_PROBLEMS = ("checkpoint", "offload", "remat_offload")
+
+
 def checkpoint_fsdp(module: nn.Module | Sequence[nn.Module], sample: Any,
-                    memory_limit: int | str = "2GiB", method: str = "dp", *, mesh: Any = None,
-                    process_group: Any = None, prefetch: bool = True,
+                    memory_limit: int | str = "2GiB", method: str = "dp", *,
+                    problem: str = "checkpoint", bandwidth: float | str | None = None,
+                    mesh: Any = None, process_group: Any = None, prefetch: bool = True,
                     fsdp_kwargs: dict[str, Any] | None = None, **checkpoint_kwargs: Any
                     ) -> nn.Module:
-    """Checkpoint plan over the stages of ``module``, then FSDP2 with one unit per stage.
+    """A plan over the stages of ``module`` that counts FSDP2's memory, then one unit per stage.
 
     The stages are those of :func:`optmem.pytorch.checkpoint` (an ``nn.Sequential``'s
     children, or the ``torch.export`` stages of any other module, e.g. a HuggingFace model
@@ -239,16 +246,71 @@ def checkpoint_fsdp(module: nn.Module | Sequence[nn.Module], sample: Any,
     default group) on the unsharded module, :func:`fsdp_chain` adds FSDP's gathered
     parameters and gradients to the per-op overheads, the plan is solved under
     ``memory_limit`` once and broadcast, and the stages are sharded
-    (:func:`fully_shard_checkpointed`). Returns the sharded
-    :class:`~optmem.pytorch.api.CheckpointedModule`; ``.chain`` is the FSDP-adjusted chain.
-    Other keyword arguments go to :func:`optmem.pytorch.checkpoint` (``max_stages`` is not
-    supported: the chain's stages are the FSDP units; the store-all fast path is off: the
-    plan always runs the sharded stages).
+    (:func:`fully_shard_checkpointed`).
+
+    Parameters
+    ----------
+    module, sample, memory_limit, method
+        As for :func:`optmem.pytorch.checkpoint` (``method`` names a method of ``problem``).
+    problem
+        The plan: ``"checkpoint"`` (default: recomputation, as
+        :func:`optmem.pytorch.checkpoint`), ``"offload"`` (store-all compute, saved
+        activations moved to host memory and back, :func:`optmem.pytorch.offload`) or
+        ``"remat_offload"`` (both, :func:`optmem.pytorch.remat_offload`). The FSDP terms are
+        per-op temporaries in all three problems (CONTRACT sections 5, 10 and 13), which no
+        plan can offload: the executors never transfer a unit's gathered parameters
+        (:func:`optmem.pytorch.offload.weight_test`), and FSDP frees them itself.
+    bandwidth
+        The host link of an offload plan (bytes per second or a rate such as ``"12GB/s"``;
+        ``None``: ``"12GB/s"``, the default of :func:`optmem.pytorch.offload`). Not with
+        ``problem="checkpoint"``.
+    mesh
+        The device mesh of ``fully_shard``.
+    process_group
+        Ranks that decide together (``docs/distributed.md``, "One plan for every rank").
+    prefetch
+        Count the parameters FSDP2 prefetches for the next unit of the backward
+        (:func:`fsdp_chain`).
+    fsdp_kwargs
+        Keyword arguments of every ``fully_shard`` (``mp_policy`` with dtypes is refused
+        for an exported model).
+    **checkpoint_kwargs
+        The other options of the one-liner of ``problem`` (``max_stages`` and ``chain`` are
+        not supported: the chain's stages are the FSDP units). The store-all fast path is
+        off: the plan always runs the sharded stages.
+
+    Returns
+    -------
+    nn.Module
+        The sharded :class:`~optmem.pytorch.api.CheckpointedModule`,
+        :class:`~optmem.pytorch.api.OffloadedModule` or
+        :class:`~optmem.pytorch.api.RematOffloadedModule`; ``.chain`` is the FSDP-adjusted
+        chain and ``.expected_peak_bytes`` the plan's peak on it.
+
+    Raises
+    ------
+    OptmemInputError
+        Before any profile: an unknown ``problem``, a ``bandwidth`` with
+        ``problem="checkpoint"``, ``max_stages`` or ``chain``, FSDP2 mixed precision on an
+        exported model; after the solve, no plan within ``memory_limit``.
     """
-    from optmem.pytorch.api import CheckpointedModule, build_planned
+    from optmem.pytorch.api import (
+        CheckpointedModule,
+        OffloadedModule,
+        RematOffloadedModule,
+        build_planned,
+    )
     from optmem.pytorch.wrapper import is_plain_chain
 
-    if not is_plain_chain(module):  # before the profile: it would be for nothing
+    if problem not in FSDP_PROBLEMS:  # before the profile: it would be for nothing
+        raise OptmemInputError(f"checkpoint_fsdp: problem must be one of "
+                               f"{', '.join(map(repr, FSDP_PROBLEMS))}, got {problem!r}",
+                               field="problem")
+    if problem == "checkpoint" and bandwidth is not None:
+        raise OptmemInputError("checkpoint_fsdp: a bandwidth is for problem='offload' or "
+                               "'remat_offload'; a checkpoint plan moves nothing to the host",
+                               field="bandwidth")
+    if not is_plain_chain(module):
         refuse_mixed_precision(type(module).__name__, fsdp_kwargs or {})
     if "max_stages" in checkpoint_kwargs or "chain" in checkpoint_kwargs:
         raise OptmemInputError("checkpoint_fsdp profiles the module's stages itself: "
@@ -258,11 +320,14 @@ def checkpoint_fsdp(module: nn.Module | Sequence[nn.Module], sample: Any,
         return fsdp_chain(chain, stage_parameter_bytes([s.module for s in stages]),
                           prefetch=prefetch)
 
+    cls = {"checkpoint": CheckpointedModule, "offload": OffloadedModule,
+           "remat_offload": RematOffloadedModule}[problem]
+    link = None if problem == "checkpoint" else ("12GB/s" if bandwidth is None else bandwidth)
     # no store-all fast path: the model itself would bypass the sharded stages, and its
     # plain peak does not count FSDP's gathered parameters
-    cmodule = build_planned(CheckpointedModule, "checkpoint", module, sample, memory_limit, method,
-                            None, {**checkpoint_kwargs, "adjust_chain": adjust,
-                                   "process_group": process_group, "fast_path": False})
+    cmodule = build_planned(cls, problem, module, sample, memory_limit, method, link,
+                            {**checkpoint_kwargs, "adjust_chain": adjust,
+                             "process_group": process_group, "fast_path": False})
     return fully_shard_checkpointed(cmodule, mesh=mesh, **(fsdp_kwargs or {}))
 
 

@@ -882,7 +882,9 @@ class PlanRunner:
         if first and i in self.buffers and not self.buffers[i].keep_changed():
             del self.buffers[i]
         if i in self.accumulating:
-            _reshard_without_backward(self.owner.stages[i - 1], self.storage[i].value)
+            following = self.plan[self.index + 1] if self.index + 1 < len(self.plan) else None
+            _reshard_after_run(self.owner.stages[i - 1], self.storage[i].value,
+                               backward_next=following == Op(OpKind.B, i))
         self.ran.add(i)
         if self.index in self.fusion.close:
             self._close_run(*self.fusion.close[self.index])
@@ -1444,18 +1446,39 @@ def _is_fsdp_unit(module: nn.Module) -> bool:
     return cls is not None and isinstance(module, cls)
 
 
-def _reshard_without_backward(unit: nn.Module, out: Any) -> None:
-    """Reshard an FSDP2 unit whose outputs need no gradient: no backward will do it.
+def _reshard_after_run(unit: nn.Module, out: Any, *, backward_next: bool = False) -> None:
+    """Reshard an FSDP2 unit after a run that FSDP2 leaves gathered.
 
-    FSDP2 reshards a unit after its forward unless the forward runs inside a backward (a
-    re-run of the plan), where it leaves the parameters to the unit's post-backward hook
-    and its root's final callback. A unit whose outputs need no gradient (its parameters
-    frozen and its input without one, or a forward under ``no_grad``) gets neither: a
-    frozen embedding re-run in the backward stayed gathered past the step, and the next
-    step's forward failed in it ("got mixed torch.Tensor and DTensor", a hunt in stop 55:
-    Qwen2, Llama, ViT, ResNet with their first half frozen).
+    FSDP2 reshards a unit after its forward (``reshard_after_forward``) unless the forward
+    runs inside a backward (a re-run of the plan), where it leaves the parameters to the
+    unit's post-backward hook and its root's final callback. Two cases, both resharded
+    here:
+
+    * a re-run inside the backward whose outputs need a gradient: the unit stayed gathered
+      from the re-run until its ``B``, past the re-runs of the stages after it, where the
+      chain (:func:`optmem.pytorch.distributed.fsdp_chain`) counts its parameters during
+      its own ops only (a residual MLP's plan re-running three units held the three at once:
+      3 x 1088 B above the claim; the ``fsdpoff`` branch). Its ``B`` gathers them again
+      (FSDP2's pre-backward hook), as after a first forward. Not when the plan's next op
+      is the unit's own ``B`` (``backward_next``: the chain counts its parameters in both
+      ops, and nothing runs between them; FSDP2's own activation checkpointing keeps them
+      so too), nor for a unit that keeps its parameters after its forward
+      (``reshard_after_forward=False``);
+    * a run whose outputs need no gradient (its parameters frozen and its input without
+      one, or a forward under ``no_grad``): no backward will reshard it. A frozen embedding
+      re-run in the backward stayed gathered past the step, and the next step's forward
+      failed in it ("got mixed torch.Tensor and DTensor", a hunt in stop 55: Qwen2, Llama,
+      ViT, ResNet with their first half frozen).
     """
     if not any(t.requires_grad for t in value_tensors(out)):
+        unit.reshard()  # type: ignore[operator]
+        return
+    if backward_next or torch._C._current_graph_task_id() == -1:  # not in a backward:
+        return  # FSDP2 resharded it
+    state = unit._get_fsdp_state()  # type: ignore[operator]
+    groups = getattr(state, "_fsdp_param_groups", None) or \
+        [getattr(state, "_fsdp_param_group", None)]
+    if all(getattr(g, "_reshard_after_forward", True) for g in groups if g is not None):
         unit.reshard()  # type: ignore[operator]
 
 

@@ -25,6 +25,7 @@ allocator statistics do count), and the allocator's own rounding and caching.
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -164,6 +165,29 @@ class StorageTrace(TorchDispatchMode):
             self._track(t, inputs, fresh)
         return out
 
+    def resized(self, storage: torch.UntypedStorage) -> None:
+        """Count a ``storage.resize_`` (no op: the dispatch mode does not see it).
+
+        A storage the trace counts is counted at its new size; one it does not know that
+        grows from nothing (FSDP2's gathered parameters: storages kept across steps,
+        resized to full before a unit runs and to 0 after it) is counted from now on.
+        """
+        key = int(storage._cdata)
+        nbytes = int(storage.nbytes())
+        record = self._live.get(key)
+        if record is not None:
+            if nbytes != self.sizes[record]:
+                self.events.append((record, nbytes - self.sizes[record]))
+                self.sizes[record] = nbytes
+            return
+        if key in self.known or nbytes == 0:
+            return
+        record = len(self.sizes)
+        self.sizes.append(nbytes)
+        self._live[key] = record
+        self.events.append((record, nbytes))
+        weakref.finalize(storage, self._free, key, record)
+
     def hold(self, tensors: Iterable[torch.Tensor]) -> None:
         """Count the storages of existing ``tensors`` as alive from now until they are freed.
 
@@ -246,7 +270,11 @@ def measure_training_peak(step: Callable[[], Any], module: nn.Module,
     (ATen's ``isTensorSubclassLike`` is true for every tensor while a mode is active; a few
     backward formulas branch on it too), where it may sum into the partial gradient in
     place without one, so a peak at such a sum can count one gradient more than the step
-    holds (torch's ``MemTracker`` too).
+    holds (torch's ``MemTracker`` too). A storage resized during the step with
+    ``UntypedStorage.resize_`` (FSDP2 gathers a unit's parameters into storages it keeps
+    across steps and resizes itself) counts at its size from then on; before the
+    ``fsdpoff`` branch such storages were left out, and with them every gathered parameter
+    of a sharded step. The sharded gradients of FSDP2 (``DTensor``) are gradients too.
 
     Parameters
     ----------
@@ -276,10 +304,35 @@ def measure_training_peak(step: Callable[[], Any], module: nn.Module,
     known = {storage_key(t) for t in (*params, *module.buffers(), *_tensors(inputs))}
     known |= {storage_key(p.grad) for p in params if p.grad is not None}
     trace = StorageTrace(known)
-    with trace, _host_copies_left_out(trace, not host_copies):
+    with trace, _host_copies_left_out(trace, not host_copies), _resizes_counted(trace):
         step()
-    grads = [p.grad for p in params if p.grad is not None]
+    # a DTensor's gradient (FSDP2: sharded) is stored in its local tensor
+    grads = [getattr(p.grad, "_local_tensor", p.grad) for p in params if p.grad is not None]
     return storage_bytes(inputs) + trace.peak(exclude=grads)
+
+
+@contextlib.contextmanager
+def _resizes_counted(trace: StorageTrace) -> Iterator[None]:
+    """While active, every ``torch.UntypedStorage.resize_`` is counted by ``trace``.
+
+    FSDP2 all-gathers a unit's parameters into storages that it resizes itself
+    (``alloc_storage`` / ``free_storage``: ``resize_`` of the storage, which no dispatch
+    mode sees; torch's ``MemTracker`` patches it the same way). Without this, a step of
+    sharded stages left out every gathered parameter.
+    """
+    original = torch.UntypedStorage.resize_
+
+    @functools.wraps(original)
+    def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+        out = original(storage, size)
+        trace.resized(storage)
+        return out
+
+    torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign, assignment]
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
