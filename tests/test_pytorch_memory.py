@@ -177,7 +177,7 @@ def test_measure_training_peak_leaves_out_weight_gradients():
 def test_measure_training_peak_counts_storages_resized_in_the_step():
     """FSDP2 gathers a unit's parameters into storages it keeps across steps and resizes
     itself (``UntypedStorage.resize_``, which no dispatch mode sees): full before the unit
-    runs, 0 after. Before, such a step's peak left them out (the ``fsdpoff`` branch found
+    runs, 0 after. Before, such a step's peak left them out (stop 78 found
     it measuring offload plans under FSDP2)."""
     net = nn.Linear(64, 64, bias=False)
     x = torch.randn(8, 64)

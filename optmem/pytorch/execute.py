@@ -1458,7 +1458,7 @@ def _reshard_after_run(unit: nn.Module, out: Any, *, backward_next: bool = False
       from the re-run until its ``B``, past the re-runs of the stages after it, where the
       chain (:func:`optmem.pytorch.distributed.fsdp_chain`) counts its parameters during
       its own ops only (a residual MLP's plan re-running three units held the three at once:
-      3 x 1088 B above the claim; the ``fsdpoff`` branch). Its ``B`` gathers them again
+      3 x 1088 B above the claim; stop 78). Its ``B`` gathers them again
       (FSDP2's pre-backward hook), as after a first forward. Not when the plan's next op
       is the unit's own ``B`` (``backward_next``: the chain counts its parameters in both
       ops, and nothing runs between them; FSDP2's own activation checkpointing keeps them

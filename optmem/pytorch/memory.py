@@ -272,8 +272,8 @@ def measure_training_peak(step: Callable[[], Any], module: nn.Module,
     place without one, so a peak at such a sum can count one gradient more than the step
     holds (torch's ``MemTracker`` too). A storage resized during the step with
     ``UntypedStorage.resize_`` (FSDP2 gathers a unit's parameters into storages it keeps
-    across steps and resizes itself) counts at its size from then on; before the
-    ``fsdpoff`` branch such storages were left out, and with them every gathered parameter
+    across steps and resizes itself) counts at its size from then on; before
+    stop 78 such storages were left out, and with them every gathered parameter
     of a sharded step. The sharded gradients of FSDP2 (``DTensor``) are gradients too.
 
     Parameters
