@@ -196,6 +196,10 @@ class Planner:
                                    "rate such as '12GB/s')", field="bandwidth")
         if self.memory_limit != "min":  # fail early on bad sizes and percentages
             relative_memory(self.memory_limit, 0, field="memory_limit")
+        # and on a method the problem does not have, before any profile (stop 78: after it)
+        from optmem.solvers.facade import method_info
+
+        method_info(self.kind.replace("_", "-"), self.method)
 
     def options(self, chain: Chain | None = None, method: str | None = None) -> SolveOptions:
         """The solver options (``slots`` chosen for ``chain`` and ``method`` when unset)."""
