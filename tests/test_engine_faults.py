@@ -119,6 +119,28 @@ def test_highs_exception_is_an_error_result(monkeypatch) -> None:
     assert out.status is Status.ERROR and out.message == "RuntimeError: injected HiGHS failure"
 
 
+@pytest.mark.parametrize("engine", ["highs", "cbc"])
+def test_a_warm_start_outside_a_bound_never_raises(engine) -> None:
+    """A warm start 8e-20 above a bound of 0 (float noise: the offload MILP at a chain
+    bandwidth of 1e20, stop 78) is taken on the bound; one far outside is left unset. Before,
+    PuLP's ``setInitialValue`` raised "initial value ... is greater than upBound" through
+    the solve."""
+    import pulp
+
+    prob = pulp.LpProblem("p", pulp.LpMinimize)
+    x = prob.add_variable("x", 0, 0)
+    y = prob.add_variable("y", 1, 3)
+    prob += x + y
+    prob += x + y >= 2
+    for start in ([8e-20, 2.0], [5.0, -4.0]):
+        out = engines.solve_pulp(prob, [x, y], engine, time_limit_s=5, threads=1,
+                                 initial=start)
+        assert out.status is Status.OPTIMAL and out.objective == pytest.approx(2.0)
+    engines._set_initial(x, 8e-20)
+    engines._set_initial(y, 5.0)
+    assert (x.varValue, y.varValue) == (0.0, None)
+
+
 def invalidate(model: Any) -> None:
     """Make a CP-SAT model invalid: a constraint whose terms overflow 64-bit integers."""
     x, y = (model.new_int_var(0, 10, f"injected{i}") for i in range(2))

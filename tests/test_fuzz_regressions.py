@@ -394,6 +394,53 @@ def test_links_too_slow_for_the_chain_are_rejected_not_an_engine_overflow(proble
     assert run([*base, "2B/ms"], {"c.json": dumps(big).encode()}).code == 0
 
 
+@pytest.mark.parametrize("problem", ["offload", "remat-offload", "pipeline"])
+def test_links_too_fast_for_the_chain_are_rejected_not_an_overflow(problem):
+    """--chain-bandwidth 1e308 (a fuzz case of stop 78) overflowed the remat + offload DP
+    (OverflowError: a traceback; on a 3-stage chain a wrong ``infeasible``) and its MILP
+    ("Cannot set constraint RHS to NaN/inf values"). Moving the largest value (4 units)
+    must take at least 1e-9 time units, as every time of a chain: 4e9 per time unit is the
+    fastest link; above, one clear line naming that rate."""
+    opts = ["--gpus", "2"] if problem == "pipeline" else []
+    base = ["solve", problem, "{d}/c.json", "-m", "30", *opts, "--method",
+            "equal" if problem == "pipeline" else "dp", "--chain-bandwidth"]
+    for rate in ("1e308", "4.1e9"):
+        err = rejects([*base, rate], {"c.json": chain_bytes()})
+        assert "too fast to model" in err and "at most 4e+09" in err
+    assert run([*base, "4e9"], {"c.json": chain_bytes()}).code == 0
+
+
+def test_every_method_at_the_fastest_link_runs_and_agrees():
+    """At the fastest link a chain allows (its largest value moved in 1e-9) every offload
+    and remat + offload method of a 2-stage chain answers without an exception or a float
+    warning, and the exact ones prove the compute time, as brute force does (before stop
+    78, at 1e20 and 1e30 the offload MILP's warm start raised PuLP's "initial value ... is
+    greater than upBound 0.0" through the solve)."""
+    import warnings
+
+    from optmem import SolveOptions, solve
+    from optmem.datasets.synthetic import random_chain
+    from optmem.problems.offload import OffloadProblem
+    from optmem.problems.remat_offload import RematOffloadProblem
+    from optmem.solvers.facade import available_methods
+
+    for seed in (5, 7):
+        chain = random_chain(2, seed=seed)
+        fastest = max(chain.input_size, *chain.saved_size, *chain.output_size) / 1e-9
+        for kind in (OffloadProblem, RematOffloadProblem):
+            problem = kind(chain, int(chain.store_all_peak() * 0.9), chain_bandwidth=fastest)
+            for method in available_methods(problem):
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error", RuntimeWarning)
+                    result = solve(problem, method, options=SolveOptions(
+                        threads=1, time_limit_s=None, node_limit=10_000))
+                assert result.status.value != "error", (seed, kind.name, method)
+                if method in ("brute", "ilp", "cpsat"):
+                    assert result.status.value == "optimal"
+                    assert result.objective == pytest.approx(chain.total_compute_time(),
+                                                             rel=1e-9)
+
+
 @pytest.mark.parametrize("name", ["\udcff", "a\x00b", "a\nb"])
 def test_chain_names_that_no_output_can_print_are_rejected_not_a_unicode_error(name):
     """A JSON escape gave a lone surrogate as the chain name: print() raised

@@ -495,6 +495,31 @@ def objective_factor(objective: Any) -> float:
     return 2.0 ** -math.floor(math.log2(largest))
 
 
+START_BOUND_TOLERANCE = 1e-9
+"""Relative distance (to ``max(1, |bound|)``) within which a warm start's value outside a
+variable's bound is taken as on it (:func:`_set_initial`)."""
+
+
+def _set_initial(variable: Any, value: float | None) -> None:
+    """Give ``variable`` a warm start's ``value``, never raising on its bounds.
+
+    A value outside the variable's bounds by float noise (relative
+    :data:`START_BOUND_TOLERANCE`) is moved onto the bound: the offload MILP at a chain
+    bandwidth of 1e20 started a transfer at 8e-20 where its bound was 0, and PuLP's
+    ``setInitialValue`` raised ``ValueError`` through the solve (a stop-78 sweep). A value
+    further out is left unset (``None``): the engine gets a partial start, or none.
+    """
+    if value is not None:
+        low, high = variable.lowBound, variable.upBound
+        if low is not None and value < low <= value + START_BOUND_TOLERANCE * max(1.0, abs(low)):
+            value = low
+        if high is not None and value > high >= value - START_BOUND_TOLERANCE * max(
+                1.0, abs(high)):
+            value = high
+    if value is None or not variable.setInitialValue(value, check=False):
+        variable.varValue = None
+
+
 def solve_pulp(
     problem: Any, variables: Sequence[Any], engine: str = "highs", *,
     time_limit_s: float | None = None, threads: int = 2, initial: Sequence[float] | None = None,
@@ -557,7 +582,7 @@ def solve_pulp(
             threads = 1  # one thread: the same counts, so the same answer, on every run
     if initial is not None:
         for v, x in zip(variables, initial, strict=True):
-            v.setInitialValue(x)
+            _set_initial(v, x)
     else:
         for v in variables:
             v.varValue = None
