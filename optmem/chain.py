@@ -320,12 +320,7 @@ class Chain:
 
         Moving the largest value of the chain must take at most ``MAX_TOTAL_TIME`` (the
         range of every time): beyond, transfer times overflow the exact models just as
-        such stage times would. It must take at least ``MIN_TIME`` too (since stop 78): a
-        faster link moves every value in less than the smallest time a chain holds, and
-        its products with the chain's times overflowed the remat + offload DP and models
-        (a fuzz case at 1e308: a traceback, and a wrong ``infeasible`` on a 3-stage chain).
-        ``0`` (no link) and ``inf`` (free transfers, where a problem takes them) pass, and
-        any rate passes a chain whose values are all empty.
+        such stage times would. ``0`` (no link) and ``inf`` (free transfers) pass.
 
         Raises
         ------
@@ -342,12 +337,6 @@ class Chain:
         ...
         optmem.errors.ChainError: field 'bandwidth': a bandwidth of 1 B per ms moves the \
 largest value (1099511627776 B) in 1.09951e+12 ms, above 1e+12: too slow to model
-        >>> c.check_rate(1e30)
-        Traceback (most recent call last):
-        ...
-        optmem.errors.ChainError: field 'bandwidth': a bandwidth of 1e+30 B per ms moves the \
-largest value (1099511627776 B) in 1.09951e-18 ms, below 1e-09: too fast to model (at most \
-1.09951e+21 B per ms for this chain; every transfer would be shorter than the smallest time)
         """
         if bandwidth == 0 or math.isinf(bandwidth):
             return bandwidth
@@ -357,13 +346,6 @@ largest value (1099511627776 B) in 1.09951e-18 ms, below 1e-09: too fast to mode
                 f"a bandwidth of {bandwidth:g} {self.memory_unit} per {self.time_unit} moves "
                 f"the largest value ({largest} {self.memory_unit}) in {largest / bandwidth:g} "
                 f"{self.time_unit}, above {MAX_TOTAL_TIME:g}: too slow to model", field=field)
-        if largest > 0 and largest / bandwidth < MIN_TIME:
-            raise ChainError(
-                f"a bandwidth of {bandwidth:g} {self.memory_unit} per {self.time_unit} moves "
-                f"the largest value ({largest} {self.memory_unit}) in {largest / bandwidth:g} "
-                f"{self.time_unit}, below {MIN_TIME:g}: too fast to model (at most "
-                f"{largest / MIN_TIME:g} {self.memory_unit} per {self.time_unit} for this "
-                "chain; every transfer would be shorter than the smallest time)", field=field)
         return bandwidth
 
     def total_compute_time(self) -> float:

@@ -66,10 +66,23 @@ LEAST_ENGINE_TIME_S = 1.0  # an exact method's engine call always gets this long
 WORDING = Wording(invalid="the plan does not replay: ")
 
 
+LINK_CAP = 1e200
+"""Fastest link the remat + offload solvers compute with (memory units of the discretised
+chain per time unit). A faster link moves every value (at most 2^50 units) in under 1e-185
+time units, at the cap too: every makespan is the same to float precision at any time a
+chain holds (at least 1e-9), while the link's products with times (at most 1e12) stay
+finite. At a chain bandwidth of 1e308 they overflowed the DP (``OverflowError``, a wrong
+``infeasible``) and the exact models' rows ("Cannot set constraint RHS to NaN/inf
+values"): a stop-78 fuzz case. ``optmem verify`` replays at the problem's own bandwidth."""
+
+
 def discretized(problem: RematOffloadProblem, options: SolveOptions) -> tuple[Discretized, float]:
-    """The discretised instance (``options.slots``) and the bandwidth in its units."""
+    """The discretised instance (``options.slots``) and the bandwidth in its units.
+
+    The bandwidth is capped at :data:`LINK_CAP`.
+    """
     disc = problem.discretize(options.slots)
-    return disc, problem.unit_bandwidth(disc.unit)
+    return disc, min(problem.unit_bandwidth(disc.unit), LINK_CAP)
 
 
 def lower_bound(problem: RematOffloadProblem) -> float:
