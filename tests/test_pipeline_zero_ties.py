@@ -126,41 +126,60 @@ STRICT_TIE_PLAN = ("period 10", "stage 1 layers 1-1 gpu 0", "stage 2 layers 2-2 
                    "F 3 start 3 shift 1")
 
 
-def test_strict_rows_of_one_layer_units_miss_a_tied_stash() -> None:
-    problem = PipelineProblem(STRICT_TIE, 3, 21, memory_model="strict")
+def test_strict_rows_of_one_layer_units_count_a_tied_stash() -> None:
+    """The hunt's plan: one unit per layer, ``B 1``'s row now counts ``F 2``'s stash.
+
+    Before stop 78 the rows accepted the plan at 21 (``B 1`` ordered before ``F 2``, its
+    row without that stash); the tie indicators (``tie_vars``) count it as the simulator
+    does, so the rows need what it replays at (36).
+    """
     plan = PipelinePlan.from_strings(list(STRICT_TIE_PLAN))
-    sim = simulate_pipeline(problem, plan)
-    # B 1 at 0; 36 since stop 76, when the simulator counts a backward's own stash at its
-    # start also when it takes no time (24 before)
-    assert sim.peak_memory == 36 and sim.task_memory[("B", 1, 3)] == 36
-    layers = make_units(problem, [(q, q) for q in (1, 2, 3)])
-    form = build_model(problem, units=layers)
-    values = form.encode(plan)
-    assert values is not None and form.model.violated(values) == []  # the rows say 21 fits
+    layers = [(q, q) for q in (1, 2, 3)]
+    for memory, fits in ((21, False), (35, False), (36, True)):
+        problem = PipelineProblem(STRICT_TIE, 3, memory, memory_model="strict")
+        sim = simulate_pipeline(problem, plan)
+        # B 1 at 0; 36 since stop 76, when the simulator counts a backward's own stash at
+        # its start also when it takes no time (24 before)
+        assert sim.peak_memory == 36 and sim.task_memory[("B", 1, 3)] == 36
+        form = build_model(problem, units=make_units(problem, layers))
+        values = form.encode(plan)
+        assert values is not None
+        assert form.model.violated(values) == ([] if fits else ["mem_B0"])
     assert model_bounds(problem) == zero_forward_merged(problem) == [(1, 2), (3, 3)]
     assert build_model(problem).encode(plan) is None  # the merged units exclude the plan
 
 
-def test_strict_rows_miss_a_stash_tied_with_a_zero_length_backward() -> None:
-    """Left open: under ``strict`` a backward of zero time ties too (no merge removes it).
+# stop 78's chain: B 1 (no backward time) and F 2 may start at one instant
+ZERO_BACKWARD = Chain.from_lists([2.0, 2.0], [0.0, 5.0], [6, 5], [9, 6], input_size=1,
+                                 fwd_overhead=[0, 2], bwd_overhead=[1, 1], weight_size=[0, 3])
+ZERO_BACKWARD_PLAN = ("period 9", "stage 1 layers 1-1 gpu 0", "stage 2 layers 2-2 gpu 0",
+                      "B 1 start 0 shift 0", "F 1 start 7 shift 2", "B 2 start 2 shift 1",
+                      "F 2 start 0 shift 1")
 
-    ``B 1`` (no backward time) and ``F 2`` start at 0: the order binaries put ``B 1``'s row
-    first, without the stash ``F 2`` starts, which the simulator counts there. The rows
-    accept the plan at 31, it replays at 36 (32 before stop 76, whose simulator counts the
-    backward's own stash at its start also when it takes no time; ``ilp`` answered
-    ``no_solution``, its plan "rejected by the simulator", where ``cpsat`` and MadPipe find
-    9). A fix of the strict rows turns this test.
+
+def test_strict_rows_count_a_stash_tied_with_a_zero_length_backward() -> None:
+    """``B 1`` (no backward time) and ``F 2`` start at 0: ``B 1``'s row counts ``F 2``'s stash.
+
+    The order binaries put ``B 1``'s row first; until stop 78 it missed the stash ``F 2``
+    starts, which the simulator counts there: the rows accepted the plan at 31, it replays
+    at 36, and ``ilp`` answered ``no_solution`` (its plan "rejected by the simulator")
+    where ``cpsat`` and MadPipe found 9. The tie indicators count it (``near``), so the
+    rows need 36, and both methods prove 9.
     """
-    chain = Chain.from_lists([2.0, 2.0], [0.0, 5.0], [6, 5], [9, 6], input_size=1,
-                             fwd_overhead=[0, 2], bwd_overhead=[1, 1], weight_size=[0, 3])
-    problem = PipelineProblem(chain, 2, 31, memory_model="strict")
-    plan = PipelinePlan.from_strings(["period 9", "stage 1 layers 1-1 gpu 0",
-                                      "stage 2 layers 2-2 gpu 0", "B 1 start 0 shift 0",
-                                      "F 1 start 7 shift 2", "B 2 start 2 shift 1",
-                                      "F 2 start 0 shift 1"])
-    sim = simulate_pipeline(problem, plan)
-    assert sim.peak_memory == 36 and sim.task_memory[("B", 1, 3)] == 36
-    assert model_bounds(problem) == [(1, 1), (2, 2)]  # no zero forward: nothing merged
-    form = build_model(problem)
-    values = form.encode(plan)
-    assert values is not None and form.model.violated(values) == []
+    plan = PipelinePlan.from_strings(list(ZERO_BACKWARD_PLAN))
+    for memory in (31, 35, 36):
+        problem = PipelineProblem(ZERO_BACKWARD, 2, memory, memory_model="strict")
+        sim = simulate_pipeline(problem, plan)
+        assert sim.peak_memory == 36 and sim.task_memory[("B", 1, 3)] == 36
+        assert model_bounds(problem) == [(1, 1), (2, 2)]  # no zero forward: nothing merged
+        form = build_model(problem)
+        values = form.encode(plan)
+        assert values is not None
+        assert form.model.violated(values) == ([] if memory >= 36 else ["mem_B0"])
+    problem = PipelineProblem(ZERO_BACKWARD, 2, 31, memory_model="strict")
+    for method in ("ilp", "cpsat"):
+        res = solve(problem, method, options=ONE.with_(extra={"warm_madpipe": False}))
+        assert res.status is Status.OPTIMAL and res.objective == pytest.approx(9.0)
+        assert "engine_plan" not in res.report  # the engine's own plan replays
+        replay = verify_plan(problem, res)  # within memory, else PlanError
+        assert replay["objective"] == pytest.approx(9.0) and replay["peak_memory"] <= 31

@@ -160,6 +160,14 @@ def grid_scale(values: list[float], lower: float, *, refine: bool = True) -> tup
 
 MAX_SECANTS = 64
 
+TIE_SLOTS = 2**14
+"""``K``: under ``strict``, a start less than ``(T + 1) / K`` after a zero-length task is
+counted in its row as tied with it (:meth:`_Builder.tie_vars`): ``6.1e-5 (T + 1)``, 61
+times the simulator's tolerance ``1e-6 max(1, T)``, and a period that much longer is
+above HiGHS's tolerances (at ``K = 2^18`` HiGHS answered a plan at 4.000019 optimal where
+the model's optimum was 4). An integer, so that the rows ``K (tau_u - tau_t) >= T + 1``
+are exact on the CP-SAT grid."""
+
 SLIM_FIXED = True
 """With the allocation fixed (``build_pipeline_model(gpu=...)``), write ``x``, ``z``, ``e``,
 ``zl`` and the buffer indicators as constants and leave out the rows and order variables
@@ -445,6 +453,11 @@ def delay_tail(units: Units, head: Sequence[int]) -> tuple[Units, tuple[int, ...
     return relaxed, first_use([*head, *(("own", q) for q in range(k, units.n))])
 
 
+def separation(period: float) -> float:
+    """``(T + 1) / K`` (:data:`TIE_SLOTS`): starts closer after a zero-length task tie with it."""
+    return (period + 1) / TIE_SLOTS
+
+
 def load_bound(units: Units, n_gpus: int) -> float:
     """``max(total / P, heaviest unit)``: no period can be smaller."""
     total = sum(units.f) + sum(units.b)
@@ -524,6 +537,8 @@ class PipelineFormulation:
     sig: dict[tuple[int, int], Expr] = field(default_factory=dict)
     bufv: dict[tuple[int, int], Expr] = field(default_factory=dict)
     pending: dict[tuple[Task, int], tuple[Expr, Task, Task]] = field(default_factory=dict)
+    near: dict[tuple[Task, Task], Expr] = field(default_factory=dict)
+    tied: dict[tuple[Task, Task], Expr] = field(default_factory=dict)
     fixed_gpu: tuple[int, ...] | None = None
     _sums: dict[tuple[int, int, int], Expr] = field(default_factory=dict, repr=False,
                                                     compare=False)
@@ -546,6 +561,20 @@ class PipelineFormulation:
         if (t, u) in self.order:
             return self.order[(t, u)]
         return self.same(t[1], u[1]) - self.order[(u, t)]
+
+    def produced(self, x: Task, t: Task) -> Expr:
+        """1 iff ``x`` ended by ``t``'s start: before it, or (zero-length) tied after it.
+
+        ``near`` (:meth:`_Builder.tie_vars`) may also be 1 a little after a tie: more, never
+        less (the output then counts as produced, and it is counted held).
+        """
+        near = self.near.get((t, x)) if self.duration(x).const == 0 and not \
+            self.duration(x).terms else None
+        return self.prec(x, t) + (near if near is not None else Expr.of(0))
+
+    def waits(self, t: Task, y: Task) -> Expr:
+        """1 iff ``y`` has not started at ``t``'s start: after it, and not tied with it."""
+        return self.prec(t, y) - self.tied.get((t, y), Expr.of(0))
 
     def duration(self, t: Task) -> Expr:
         """Duration of a task (a transfer's is ``dt_c (1 - z(c, c+1))``)."""
@@ -682,6 +711,7 @@ class _Encoder:
         self.times = times
         self.period = period
         self.values = [0.0] * len(form.model.vars)
+        self.path = dependency_path(form.units.n)
 
     def set(self, e: Expr, value: float) -> None:
         if e.terms:  # constants (a slim model's fixed indicators) hold no variable
@@ -721,15 +751,38 @@ class _Encoder:
             self.set(v, self.val(form.sigma(r)) if gpu[q] == gpu[r] else 0.0)
         for (q, c), v in form.bufv.items():
             self.set(v, abs(self.val(form.same(q, c)) - self.val(form.same(q, c + 1))))
+        self._ties()
         for (t, _), (o, x, y) in form.pending.items():
-            self.set(o, max(0.0, self.val(form.prec(x, t)) + self.val(form.prec(t, y))
+            done, waits = form.produced(x, t), form.waits(t, y)
+            self.set(o, max(0.0, self.val(done) + self.val(waits)
                             + self.val(form.prec(y, x)) - 1))
         return self._clamped()
 
+    def _ties(self) -> None:
+        """``near`` and ``tied`` (strict): the tasks after a zero-length one at its instant."""
+        form = self.form
+        tol = 1e-9 * max(1.0, self.period)
+        for store, tied in ((form.near, False), (form.tied, True)):
+            for (t, v), k in store.items():
+                gap = self.val(form.start[v]) - self.val(form.start[t])
+                close = gap <= tol if tied else gap < separation(self.period)
+                self.set(k, 1.0 if self.val(form.prec(t, v)) > 0.5 and close else 0.0)
+
     def _before(self, t: Task, u: Task) -> bool:
+        """Whether ``t`` comes first in its window.
+
+        It starts earlier, or at once with zero length, before a task that takes time or,
+        both zero-length, earlier on a micro-batch's path (data a tied producer hands to a
+        tied consumer is not held).
+        """
         a, b = self.val(self.form.start[t]), self.val(self.form.start[u])
-        return a < b or (a == b and self.val(self.form.duration(t)) == 0
-                         and self.val(self.form.duration(u)) > 0)
+        if a != b:
+            return a < b
+        dt, du = self.val(self.form.duration(t)), self.val(self.form.duration(u))
+        if dt == 0 and du == 0:
+            path = self.path
+            return path.index(t) < path.index(u)
+        return dt == 0 and du > 0
 
     def _same_link(self, c: int, d: int) -> bool:
         g = self.gpu
@@ -749,16 +802,46 @@ class _Encoder:
         return wins
 
     def _gpu_times(self) -> None:
-        form = self.form
+        """Place the GPU windows and their tasks.
+
+        Each window starts at its earliest task, or (``strict``, zero-length tasks) at its
+        first task start that no zero-length task precedes by less than the tie separation
+        (the rows ``wend_*`` of :meth:`_Builder.tie_vars`).
+        """
+        form, period = self.form, self.period
         members: dict[int, list[Task]] = {}
         for t in form.tasks:
             members.setdefault(self.gpu[t[1]], []).append(t)
         origin = min(self.times[t] for t in members[0])
-        wins = self._windowed(members, origin)
+        origin += self._window_start(members[0], origin)
         self.origin = origin
-        for p, w in enumerate(form.window):
-            if p in wins:
-                self.set(w, wins[p])
+        for p, tasks in members.items():
+            rel = {t: self._phase(self.times[t] - origin) for t in tasks}
+            win = self._window_start(tasks, origin)
+            for t, r in rel.items():
+                self.set(form.start[t], r + period if r < win else r)
+            if p < len(form.window):
+                self.set(form.window[p], win)
+
+    def _phase(self, time: float) -> float:
+        """``time`` modulo the period, in ``[0, T)`` (``T`` up to rounding: 0)."""
+        r = math.fmod(time, self.period)
+        r = r + self.period if r < 0 else r
+        return 0.0 if r >= self.period * (1 - 1e-12) else r
+
+    def _window_start(self, tasks: list[Task], origin: float) -> float:
+        """Phase (from ``origin``) of the window of a GPU running ``tasks`` (:meth:`_gpu_times`)."""
+        form, period = self.form, self.period
+        rel = {t: self._phase(self.times[t] - origin) for t in tasks}
+        if not form.strict:
+            return min(rel.values())
+        zero = [rel[t] for t in tasks if self.val(form.duration(t)) == 0]
+        sep = separation(period)
+        for c in sorted(set(rel.values())):
+            gaps = (self._phase(c - z) for z in zero)
+            if all(g <= 1e-12 * period or g >= sep for g in gaps):
+                return c
+        return min(rel.values())
 
     def _link_times(self) -> None:
         form = self.form
@@ -1186,13 +1269,15 @@ class _Builder:
                     s = form.sig[(r, q)] = m.integer(f"sig_{r}_{q}", 0, 2 * len(form.edges))
                     m.add(s >= sigma, f"sig_{r}_{q}", only_if=lits)
         direct = self.direct_data()
+        if form.strict:
+            self.tie_vars(direct)
         for t in form.tasks:
             if t[0] == "B" and not form.strict:
                 continue  # stash model: memory only grows when a forward starts
             q = t[1]
             static = self.static(q)
-            stash = Expr.sum(u.x[r] // unit * self.alive(r, q, t) for r in range(n)
-                             if u.x[r] and not self.apart(q, r))
+            stash = Expr.sum(u.x[r] // unit * (self.alive(r, q, t) + self.tied_alive(r, t))
+                             for r in range(n) if u.x[r] and not self.apart(q, r))
             extra = Expr.of(0)
             if form.strict:
                 task = u.task_f[q] if t[0] == "F" else u.task_b[q]
@@ -1205,6 +1290,82 @@ class _Builder:
                                if u.x[r] and self.outlives(q, r))
                 own = Expr.of((u.task_f[q] if form.strict else u.x[q]) // unit)
                 m.add(static + low + own <= cap, f"memlow_{q}")
+
+    def tie_vars(self, direct: list[tuple[Task, Task, int]]) -> None:
+        """``strict``: indicators of the tasks tied after a zero-length task.
+
+        Module docstring, "Ties of zero-length tasks (``strict``)".
+
+        For a zero-length task ``t`` and a task ``u`` that may share its GPU:
+
+        * ``near[t, u]`` (``u`` a forward with a stash, or a zero-length producer of data
+          waiting on the GPU): when 0 and ``t`` comes before ``u``, ``u`` starts at least
+          :func:`separation` after ``t``; ``near <= prec(t, u)``.
+          Valid: a plan whose ``u`` starts within that separation after ``t`` takes 1, which
+          counts ``u``'s stash (or output) in ``t``'s row, as the simulator does at a tie.
+        * ``tied[t, u]`` (``u`` a zero-length backward with a stash, or a consumer of data
+          waiting on the GPU): when 1, ``u`` starts at ``t``'s instant; ``tied <= prec(t,
+          u)``. Valid: every 0 is allowed (the row then counts ``u``'s stash or input as
+          still held: more, never less); a plan with ``u`` tied after ``t`` takes 1, and the
+          row frees what the simulator frees there.
+        * rows ``wend``: ``t`` starts at least the separation before its window ends, so
+          that no tie spans two windows (a zero-length task at ``win + T`` would tie with
+          the next window's first tasks, which its row counts as not started). Valid: a
+          window may start at any task's start (no task runs across it), so each GPU's
+          window can start at a task that no zero-length task precedes by less than the
+          separation (a zero-length task at that instant is placed at the window's start);
+          the encoder does so (:meth:`_Encoder._gpu_times`).
+        """
+        form, m, u = self.form, self.m, self.u
+        slots, gap = TIE_SLOTS, self.T + 1  # gap / slots: the separation
+        producers = {x for x, _, _ in direct}
+        consumers = {y for _, y, _ in direct}
+        for t in form.tasks:
+            if self.dur(t) != 0:
+                continue
+            for p in range(form.n_gpus):
+                on = None if (t[1], p) not in form.x else self.when(form.x[(t[1], p)])
+                if on is not None:
+                    m.add(slots * (form.window[p] + self.T - form.start[t]) >= gap,
+                          f"wend_{t[0]}{t[1]}_{p}", only_if=on)
+            for v in form.tasks:
+                if v == t or self.apart(t[1], v[1]):
+                    continue
+                lits = self.before(t, v)
+                if lits is None:
+                    continue
+                name = f"{t[0]}{t[1]}_{v[0]}{v[1]}"
+                prec = form.prec(t, v)
+                stash = u.x[v[1]] // form.mem_unit > 0
+                if (v[0] == "F" and stash) or (self.dur(v) == 0 and v in producers):
+                    k = form.near[(t, v)] = m.binary(f"near_{name}")
+                    m.add(k <= prec, f"nearle_{name}")
+                    m.add(slots * (form.start[v] - form.start[t]) >= gap, f"neara_{name}",
+                          only_if=[*lits, m.literal(k, False)])
+                if (v[0] == "B" and stash and self.dur(v) == 0) or v in consumers:
+                    k = form.tied[(t, v)] = m.binary(f"tied_{name}")
+                    m.add(k <= prec, f"tiedle_{name}")
+                    m.add(form.start[v] <= form.start[t], f"tieda_{name}", only_if=m.literal(k))
+
+    def before(self, t: Task, v: Task) -> list[Literal] | None:
+        """Literals for "``t`` shares a GPU with ``v`` and comes first" (``None``: never)."""
+        form, m = self.form, self.m
+        if (t, v) in form.order:
+            w = form.order[(t, v)]
+            return None if not w.terms else [m.literal(w)]
+        w = form.order[(v, t)]
+        same = self.when(form.same(t[1], v[1]))
+        if same is None:
+            return None
+        if not w.terms:
+            return None if w.const > 0.5 else list(same)
+        return [*same, m.literal(w, False)]
+
+    def tied_alive(self, r: int, t: Task) -> Expr:
+        """``strict``: stashes of unit ``r`` that ties after ``t`` start or free."""
+        form = self.form
+        freed = form.tied.get((t, ("B", r)), Expr.of(0)) if self.u.b[r] == 0 else Expr.of(0)
+        return form.near.get((t, ("F", r)), Expr.of(0)) - freed
 
     def tie_orders(self) -> None:
         """Transitive orders among the zero-length tasks of a GPU (module docstring, "Ties").
@@ -1289,9 +1450,11 @@ class _Builder:
         for k, (x, y, size) in enumerate(direct):
             if t in (x, y):
                 continue
-            o = m.binary(f"o_{t[0]}{t[1]}_{k}")
-            m.add(o >= form.prec(x, t) + form.prec(t, y) + form.prec(y, x) - 1,
-                  f"o_{t[0]}{t[1]}_{k}")
+            done, waits = form.produced(x, t), form.waits(t, y)
+            # ties after t (strict: tie_vars): at most 2 (a producer near t, its consumer later)
+            o = (m.integer(f"o_{t[0]}{t[1]}_{k}", 0, 2) if (t, x) in form.near
+                 and self.dur(x) == 0 else m.binary(f"o_{t[0]}{t[1]}_{k}"))
+            m.add(o >= done + waits + form.prec(y, x) - 1, f"o_{t[0]}{t[1]}_{k}")
             form.pending[(t, k)] = (o, x, y)
             terms.append(size // form.mem_unit * o)
         return Expr.sum(terms)
