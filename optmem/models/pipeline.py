@@ -468,26 +468,40 @@ def decode_plan(
     units: Units, gpu: Sequence[int], period: float,
     fstart: Sequence[float], bstart: Sequence[float],
     sstart: Mapping[int, float], gstart: Mapping[int, float],
+    joined: Collection[int] = (),
 ) -> PipelinePlan:
     """Build the plan from a solution: unit GPUs, period and start times (any real numbers).
 
     GPUs are renumbered by first use; shifts are the smallest valid ones given the times.
+    One stage per unit, except that unit ``q`` in ``joined`` shares the stage of unit
+    ``q + 1`` (``strict``: a stage whose last backward takes no time,
+    :meth:`_Builder.stage_joins`); a stage's forward starts with its first unit's, its
+    backward with its last unit's.
     """
     labels: dict[int, int] = {}
     for g in gpu:
         labels.setdefault(g, len(labels))
-    stages = tuple(PipelineStage(i, j, labels[gpu[q]]) for q, (i, j) in enumerate(units.bounds))
+    runs: list[list[int]] = []
+    for q in range(units.n):
+        if runs and q - 1 in joined:
+            runs[-1].append(q)
+        else:
+            runs.append([q])
+    stages = tuple(PipelineStage(units.bounds[r[0]][0], units.bounds[r[-1]][1],
+                                 labels[gpu[r[0]]]) for r in runs)
     starts: dict[tuple[str, int], float] = {}
     durs: dict[tuple[str, int], float] = {}
-    for q in range(units.n):
-        starts[("F", q + 1)] = phase(fstart[q], period, 1e-9)
-        starts[("B", q + 1)] = phase(bstart[q], period, 1e-9)
-        durs[("F", q + 1)], durs[("B", q + 1)] = units.f[q], units.b[q]
-        if q < units.n - 1 and gpu[q] != gpu[q + 1]:
-            starts[("send", q + 1)] = phase(sstart[q], period, 1e-9)
-            starts[("grad", q + 1)] = phase(gstart[q], period, 1e-9)
-            durs[("send", q + 1)] = durs[("grad", q + 1)] = units.dt[q]
-    shifts = minimal_shifts(starts, durs, units.n, period, tol=1e-6)
+    for k, run in enumerate(runs, start=1):
+        first, last = run[0], run[-1]
+        starts[("F", k)] = phase(fstart[first], period, 1e-9)
+        starts[("B", k)] = phase(bstart[last], period, 1e-9)
+        durs[("F", k)] = math.fsum(units.f[q] for q in run)
+        durs[("B", k)] = math.fsum(units.b[q] for q in run)
+        if k < len(runs) and gpu[last] != gpu[last + 1]:
+            starts[("send", k)] = phase(sstart[last], period, 1e-9)
+            starts[("grad", k)] = phase(gstart[last], period, 1e-9)
+            durs[("send", k)] = durs[("grad", k)] = units.dt[last]
+    shifts = minimal_shifts(starts, durs, len(runs), period, tol=1e-6)
     tasks = tuple(PipelineTask(op, s, starts[(op, s)], shifts[(op, s)])
                   for (op, s) in sorted(starts, key=lambda key: (key[1], key[0])))
     return PipelinePlan(period, stages, tasks)
@@ -539,6 +553,10 @@ class PipelineFormulation:
     pending: dict[tuple[Task, int], tuple[Expr, Task, Task]] = field(default_factory=dict)
     near: dict[tuple[Task, Task], Expr] = field(default_factory=dict)
     tied: dict[tuple[Task, Task], Expr] = field(default_factory=dict)
+    joins: dict[int, Expr] = field(default_factory=dict)
+    ties: bool = False
+    mates: dict[tuple[Task, Task], Expr] = field(default_factory=dict)
+    held: dict[tuple[Task, int], Expr] = field(default_factory=dict)
     fixed_gpu: tuple[int, ...] | None = None
     _sums: dict[tuple[int, int, int], Expr] = field(default_factory=dict, repr=False,
                                                     compare=False)
@@ -641,6 +659,7 @@ class PipelineFormulation:
             [val(self.start[("B", q)]) for q in range(n)],
             {c: val(self.start[("S", c)]) for c in range(n - 1)},
             {c: val(self.start[("G", c)]) for c in range(n - 1)},
+            {q for q, m in self.joins.items() if val(m) > 0.5},
         )
 
     # ------------------------------------------------------------ encode
@@ -656,11 +675,16 @@ class PipelineFormulation:
         gpu, times = layout
         if self.fixed_gpu is not None and tuple(gpu) != self.fixed_gpu:
             return None
+        first = {i: q for q, (i, _) in enumerate(self.units.bounds)}
+        joined = {q for st in plan.stages for q in range(first[st.first], self.units.n - 1)
+                  if self.units.bounds[q][1] < st.last}
+        if self.ties and any(q not in self.joins for q in joined if self.units.b[q] == 0):
+            return None  # a join the model cannot write (units on two GPUs: fixed)
         period = plan.period
         if max(gpu) >= self.n_gpus or not (
                 self.lower * (1 - 1e-9) - 1e-12 <= period <= self.upper * (1 + 1e-9) + 1e-12):
             return None
-        return _Encoder(self, gpu, times, period).run()
+        return _Encoder(self, gpu, times, period, joined & set(self.joins)).run()
 
 
 def plan_gpus(units: Units, plan: PipelinePlan) -> tuple[int, ...] | None:
@@ -705,8 +729,9 @@ class _Encoder:
     """Writes a plan as model values (see :meth:`PipelineFormulation.encode`)."""
 
     def __init__(self, form: PipelineFormulation, gpu: list[int], times: dict[Task, float],
-                 period: float) -> None:
+                 period: float, joined: set[int]) -> None:
         self.form = form
+        self.joined = joined  # units sharing the next one's stage (strict joins)
         self.gpu = gpu
         self.times = times
         self.period = period
@@ -759,14 +784,35 @@ class _Encoder:
         return self._clamped()
 
     def _ties(self) -> None:
-        """``near`` and ``tied`` (strict): the tasks after a zero-length one at its instant."""
+        """``join``, ``near``, ``tied``, ``held`` (strict): ties after a zero-length task."""
         form = self.form
         tol = 1e-9 * max(1.0, self.period)
+        for q, j in form.joins.items():
+            self.set(j, 1.0 if q in self.joined else 0.0)
+        for (t, v), k in form.mates.items():
+            self.set(k, 1.0 if self._mates(t, v) else 0.0)
         for store, tied in ((form.near, False), (form.tied, True)):
-            for (t, v), k in store.items():
+            for (t, v), k in store.items():  # a stage's upper backwards come first
+                if t[0] == "B" and t[1] in self.joined:  # its stage's check: as above it
+                    above = ("B", t[1] + 1)
+                    inherit = self.val(form.duration(above)) == 0 and (above, v) in store
+                    self.set(k, self.val(store[(above, v)]) if inherit else 0.0)
+                    continue
                 gap = self.val(form.start[v]) - self.val(form.start[t])
                 close = gap <= tol if tied else gap < separation(self.period)
-                self.set(k, 1.0 if self.val(form.prec(t, v)) > 0.5 and close else 0.0)
+                own = self._mates(t, v)  # one stage: its own stash held at its check
+                self.set(k, 1.0 if self.val(form.prec(t, v)) > 0.5 and close and not own
+                         else 0.0)
+        for (t, r), h in sorted(form.held.items(), key=lambda item: item[0][1]):
+            same = self.val(form.joins[r - 1])
+            lows = [e for e in (form.near.get((t, ("F", r - 1))), form.held.get((t, r - 1)))
+                    if e is not None]
+            self.set(h, max([0.0] + [self.val(e) + same - 1 for e in lows]))
+
+    def _mates(self, t: Task, v: Task) -> bool:
+        """Whether backwards ``t`` and ``v`` (below it) are in one joined stage."""
+        return (t[0] == v[0] == "B" and v[1] < t[1]
+                and all(q in self.joined for q in range(v[1], t[1])))
 
     def _before(self, t: Task, u: Task) -> bool:
         """Whether ``t`` comes first in its window.
@@ -822,6 +868,9 @@ class _Encoder:
                 self.set(form.start[t], r + period if r < win else r)
             if p < len(form.window):
                 self.set(form.window[p], win)
+        for q in sorted(self.joined, reverse=True):  # a stage's last backward: at its end
+            self.set(form.start[("B", q)], self.val(form.start[("B", q + 1)])
+                     + form.units.b[q + 1])
 
     def _phase(self, time: float) -> float:
         """``time`` modulo the period, in ``[0, T)`` (``T`` up to rounding: 0)."""
@@ -835,9 +884,10 @@ class _Encoder:
         rel = {t: self._phase(self.times[t] - origin) for t in tasks}
         if not form.strict:
             return min(rel.values())
-        zero = [rel[t] for t in tasks if self.val(form.duration(t)) == 0]
+        inner = {("F", q + 1) for q in self.joined} | {("B", q) for q in self.joined}
+        zero = [rel[t] for t in tasks if self.val(form.duration(t)) == 0 and t not in inner]
         sep = separation(period)
-        for c in sorted(set(rel.values())):
+        for c in sorted({r for t, r in rel.items() if t not in inner}):
             gaps = (self._phase(c - z) for z in zero)
             if all(g <= 1e-12 * period or g >= sep for g in gaps):
                 return c
@@ -1318,16 +1368,22 @@ class _Builder:
         """
         form, m, u = self.form, self.m, self.u
         slots, gap = TIE_SLOTS, self.T + 1  # gap / slots: the separation
+        form.ties = True
         producers = {x for x, _, _ in direct}
         consumers = {y for _, y, _ in direct}
+        self.stage_joins()
         for t in form.tasks:
             if self.dur(t) != 0:
                 continue
+            join = form.joins.get(t[1]) if t[0] == "B" else None
+            free = [] if join is None else [m.literal(join, False)]  # its stage's check
+            above = ("B", t[1] + 1)  # with join: the stage's check is taken where it starts
+            inherit = join is not None and self.dur(above) == 0
             for p in range(form.n_gpus):
                 on = None if (t[1], p) not in form.x else self.when(form.x[(t[1], p)])
                 if on is not None:
                     m.add(slots * (form.window[p] + self.T - form.start[t]) >= gap,
-                          f"wend_{t[0]}{t[1]}_{p}", only_if=on)
+                          f"wend_{t[0]}{t[1]}_{p}", only_if=[*on, *free])
             for v in form.tasks:
                 if v == t or self.apart(t[1], v[1]):
                     continue
@@ -1336,16 +1392,93 @@ class _Builder:
                     continue
                 name = f"{t[0]}{t[1]}_{v[0]}{v[1]}"
                 prec = form.prec(t, v)
-                stash = u.x[v[1]] // form.mem_unit > 0
+                chain = self.stage_chain(t, v)  # joins that put t and v in one stage
+                mate = [] if chain is None else [m.literal(self.stage_mate(t, v, chain), False)]
+                stash = u.x[v[1]] // form.mem_unit > 0 or (v[0] == "F" and v[1] in form.joins)
                 if (v[0] == "F" and stash) or (self.dur(v) == 0 and v in producers):
                     k = form.near[(t, v)] = m.binary(f"near_{name}")
                     m.add(k <= prec, f"nearle_{name}")
                     m.add(slots * (form.start[v] - form.start[t]) >= gap, f"neara_{name}",
-                          only_if=[*lits, m.literal(k, False)])
+                          only_if=[*lits, m.literal(k, False), *free, *mate])
+                    if inherit and (above, v) in form.near:
+                        assert join is not None
+                        m.add(k >= form.near[(above, v)] + join - 1, f"nearj_{name}")
                 if (v[0] == "B" and stash and self.dur(v) == 0) or v in consumers:
                     k = form.tied[(t, v)] = m.binary(f"tied_{name}")
                     m.add(k <= prec, f"tiedle_{name}")
                     m.add(form.start[v] <= form.start[t], f"tieda_{name}", only_if=m.literal(k))
+                    if join is not None:
+                        up = form.tied.get((above, v)) if inherit else None
+                        m.add(k <= (up if up is not None else 0) + 1 - join, f"tiedj_{name}")
+                    if chain is not None:  # a stage's own stash is held at its check
+                        m.add(k <= Expr.sum(1 - form.joins[q] for q in chain), f"tiedm_{name}")
+            for q in sorted(form.joins):  # a joined stage's stashes start at its first forward
+                j, first = form.joins[q], form.near.get((t, ("F", q)))
+                lows = [e for e in (first, form.held.get((t, q))) if e is not None]
+                if not lows:
+                    continue
+                h = form.held[(t, q + 1)] = m.binary(f"held_{t[0]}{t[1]}_{q + 1}")
+                for i, e in enumerate(lows):
+                    m.add(h >= e + j - 1, f"held{i}_{t[0]}{t[1]}_{q + 1}")
+
+    def stage_chain(self, t: Task, v: Task) -> list[int] | None:
+        """Joins that would put backwards ``t`` and ``v`` (below it) in one stage, if any."""
+        if t[0] != "B" or v[0] != "B" or v[1] >= t[1]:
+            return None
+        chain = list(range(v[1], t[1]))
+        return chain if all(q in self.form.joins for q in chain) else None
+
+    def stage_mate(self, t: Task, v: Task, chain: list[int]) -> Expr:
+        """A binary at most every join of ``chain`` (``t`` and ``v`` in one stage)."""
+        form, m = self.form, self.m
+        if len(chain) == 1:
+            return form.joins[chain[0]]
+        key = (t, v)
+        if key not in form.mates:
+            k = form.mates[key] = m.binary(f"mate_{t[1]}_{v[1]}")
+            for q in chain:
+                m.add(k <= form.joins[q], f"mate_{t[1]}_{v[1]}_{q}")
+        return form.mates[key]
+
+    def stage_joins(self) -> None:
+        """``strict``: ``join[q]``, unit ``q`` (no backward time) shares unit ``q + 1``'s stage.
+
+        The simulator checks a stage's layers at the stage's start (``Layers.strict_task``),
+        so the last layer of a stage's backward, when it takes no time, is checked before
+        the tasks that start when the stage ends: a plan of such a stage can fit where its
+        layers as stages, at the same times, do not (a stop-78 hunt: ``contiguous`` replayed
+        9 where the models proved nothing fits). ``join[q] = 1``: the units share a GPU, run
+        back to back (``F_q`` then ``F_q+1``, ``B_q+1`` then ``B_q``, no task between them
+        in the order), ``B_q``'s row counts no tie after it and ends no window (the stage's
+        check: what the GPU holds when ``B_q+1`` starts, ``q + 1``'s stash freed), and a
+        zero-length task tied before ``F_q`` counts ``q + 1``'s stash (``held``: the stage's
+        stash starts with its forward); the decoder writes one stage
+        (:func:`decode_plan`). Valid: every plan whose stage holds both units takes 1 (its
+        rows are then the simulator's checks), every other plan 0.
+        """
+        form, m, u = self.form, self.m, self.u
+        for q in range(u.n - 1):
+            same = form.same(q, q + 1)
+            if u.b[q] != 0 or self.when(same) is None:
+                continue
+            j = form.joins[q] = m.binary(f"join_{q}")
+            if same.terms:
+                m.add(j <= same, f"joinle_{q}")
+            lit = m.literal(j)
+            m.add(form.prec(("B", q + 1), ("B", q)) >= j, f"joino_{q}")
+            m.add(form.start[("F", q + 1)] == form.start[("F", q)] + u.f[q], f"joinf_{q}",
+                  only_if=lit)
+            m.add(form.start[("B", q)] == form.start[("B", q + 1)] + u.b[q + 1], f"joinb_{q}",
+                  only_if=lit)
+            for v in form.tasks:
+                if self.dur(v) != 0 or self.apart(q, v[1]):
+                    continue
+                if v not in (("F", q), ("F", q + 1)):
+                    m.add(form.prec(("F", q), v) - form.prec(("F", q + 1), v) <= 1 - j,
+                          f"joinif_{q}_{v[0]}{v[1]}")
+                if v not in (("B", q), ("B", q + 1)):
+                    m.add(form.prec(("B", q + 1), v) - form.prec(("B", q), v) <= 1 - j,
+                          f"joinib_{q}_{v[0]}{v[1]}")
 
     def before(self, t: Task, v: Task) -> list[Literal] | None:
         """Literals for "``t`` shares a GPU with ``v`` and comes first" (``None``: never)."""
@@ -1365,7 +1498,8 @@ class _Builder:
         """``strict``: stashes of unit ``r`` that ties after ``t`` start or free."""
         form = self.form
         freed = form.tied.get((t, ("B", r)), Expr.of(0)) if self.u.b[r] == 0 else Expr.of(0)
-        return form.near.get((t, ("F", r)), Expr.of(0)) - freed
+        started = form.near.get((t, ("F", r)), Expr.of(0)) if self.u.x[r] else Expr.of(0)
+        return started + form.held.get((t, r), Expr.of(0)) - freed
 
     def tie_orders(self) -> None:
         """Transitive orders among the zero-length tasks of a GPU (module docstring, "Ties").
