@@ -65,14 +65,31 @@ Ties of zero-length tasks (``stash``)
     forward and backward at one instant), which the simulator still counts at its
     forward's start while its row may miss a forward starting then; such last layers join
     the last layer with time (:func:`model_bounds`). So under ``stash`` the units are the
-    layers otherwise, and the model's optimum is the problem's. Under ``strict`` every
-    task's row is checked with its own terms (its input and output, without its own new
-    stash), so a row ordered before a tied forward misses that forward's stash where the
-    simulator counts it (a hunt: a plan decoded at memory 21 that replays at 24); the
-    units stay merged there (:func:`zero_forward_merged`).
-    A backward of zero time ties the same way and no merge removes it: under ``strict``
-    such a plan can be decoded above the memory (``ilp`` then answers without it), an open
-    defect (``tests/test_pipeline_zero_ties.py``).
+    layers otherwise, and the model's optimum is the problem's.
+Ties of zero-length tasks (``strict``, stop 78)
+    Every task's row is checked with its own terms (its input and output, without its own
+    new stash), so the largest row at an instant is not enough: each row of a zero-length
+    task ``t`` must count what the simulator counts at ``t``'s start, where every task
+    starting then has started (its forward's stash held, its input consumed) and every
+    zero-length task then has ended (its backward's stash freed, its output produced),
+    whatever the order binaries say. Until stop 78 a row ordered before a tied forward or
+    backward missed that stash (hunts: a plan decoded at memory 21 replayed at 24, one at
+    31 at 36, and ``ilp`` answered ``no_solution``). Indicators after ``t`` in its order
+    (:meth:`_Builder.tie_vars`) count them: ``near`` (a start less than
+    :func:`separation`, ``(T + 1) / 2^14``, after ``t`` counts as tied: the rows count it,
+    more, never less), ``tied`` (a start at ``t``'s instant: the rows free what ends
+    there), no zero-length task within that separation of its window's end (ties never
+    span two windows). The simulator checks a stage's layers where the stage starts
+    (``Layers.strict_task``), so a stage whose last backward takes no time is checked
+    before the tasks that start when it ends: binaries ``join``
+    (:meth:`_Builder.stage_joins`) let such a unit share the next one's stage, decoded as
+    one stage. So the rows of a plan hold iff the simulator fits it
+    (``tests/test_pipeline_zero_ties.py``: random plans of one- and multi-layer stages),
+    up to the separation: when the best
+    plan needs a zero-length task just before another start (the tie costs memory at the
+    period itself, so no plan attains the infimum), the models answer the infimum plus
+    at most the separation (a seeded chain: 11.00073 for 11). Layers without forward time
+    still join their predecessor (:func:`zero_forward_merged`: a restriction, reported).
 Cuts (valid inequalities; they change no solution)
     * loads: ``T >=`` the load of every GPU and of every link, ``T >= max(total / P,
       heaviest unit)`` (the bound of :func:`load_bound`);
@@ -250,10 +267,11 @@ def model_bounds(problem: PipelineProblem) -> list[tuple[int, int]]:
     optimum is the problem's, except that the last layers, when none of them takes time,
     join the last one that does: their stash could live no time at all (its forward and
     backward at one instant), which the simulator still counts at their forward's start
-    and the rows of a tie could miss. Under ``strict`` the rows of such tasks can miss a stash the
-    simulator counts, so layers without forward time stay with their predecessor (a
-    restriction: the methods' proofs cover that class only,
-    :func:`optmem.solvers.pipeline.merged_class`).
+    and the rows of a tie could miss. Under ``strict`` layers without forward time stay with
+    their predecessor (a restriction: the methods' proofs cover that class only,
+    :func:`optmem.solvers.pipeline.merged_class`; the rows of one-layer units count ties
+    since stop 78, ``_Builder.tie_vars``, but a stage's trailing layers without forward
+    time are checked at its start, which no join of the model writes yet).
 
     Examples
     --------
@@ -276,11 +294,10 @@ def zero_forward_merged(problem: PipelineProblem) -> list[tuple[int, int]]:
     """One unit per layer, except that layers without forward time join their predecessor.
 
     The ``strict`` model's units (:func:`model_bounds`). A zero-length forward may start at
-    the instant another forward of its GPU starts; the order binaries then put its row
-    first while the simulator counts both stashes at that instant, and under ``strict``
-    each task's row is checked with its own terms, so the model can undercount (module
-    docstring, "Ties of zero-length tasks"). Keeping such a layer with its neighbour
-    removes the tie (a restriction only for chains with zero forward times).
+    the instant another task of its GPU starts; until stop 78 the order binaries then put
+    its row first while the simulator counts both stashes at that instant (module
+    docstring, "Ties of zero-length tasks (``strict``)"). Keeping such a layer with its
+    neighbour removes the tie (a restriction only for chains with zero forward times).
     """
     lay = problem.layers
     bounds: list[list[int]] = []
