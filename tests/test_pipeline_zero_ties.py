@@ -13,18 +13,22 @@ test keeps the same undercount at a backward of zero time, which no merge remove
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 
 from optmem import PipelineProblem, SolveOptions, solve
 from optmem.chain import Chain
+from optmem.errors import PlanError
 from optmem.models.pipeline import make_units, model_bounds, zero_forward_merged
-from optmem.pipeline_plan import PipelinePlan
+from optmem.pipeline_plan import PipelinePlan, minimal_shifts
 from optmem.result import Status
 from optmem.simulate.pipeline import simulate_pipeline
 from optmem.simulate.verify import verify_plan
 from optmem.solvers.pipeline_common import build_model
+from tests.pipeline_helpers import assert_model_agrees_with_simulator
+from tests.test_pipeline_benders import brute_force
 
 pytest.importorskip("ortools", reason="the exact models use OR-Tools CP-SAT")
 pytest.importorskip("pulp", reason="method ilp uses PuLP")
@@ -126,41 +130,190 @@ STRICT_TIE_PLAN = ("period 10", "stage 1 layers 1-1 gpu 0", "stage 2 layers 2-2 
                    "F 3 start 3 shift 1")
 
 
-def test_strict_rows_of_one_layer_units_miss_a_tied_stash() -> None:
-    problem = PipelineProblem(STRICT_TIE, 3, 21, memory_model="strict")
+def test_strict_rows_of_one_layer_units_count_a_tied_stash() -> None:
+    """The hunt's plan: one unit per layer, ``B 1``'s row now counts ``F 2``'s stash.
+
+    Before stop 78 the rows accepted the plan at 21 (``B 1`` ordered before ``F 2``, its
+    row without that stash); the tie indicators (``tie_vars``) count it as the simulator
+    does, so the rows need what it replays at (36).
+    """
     plan = PipelinePlan.from_strings(list(STRICT_TIE_PLAN))
-    sim = simulate_pipeline(problem, plan)
-    # B 1 at 0; 36 since stop 76, when the simulator counts a backward's own stash at its
-    # start also when it takes no time (24 before)
-    assert sim.peak_memory == 36 and sim.task_memory[("B", 1, 3)] == 36
-    layers = make_units(problem, [(q, q) for q in (1, 2, 3)])
-    form = build_model(problem, units=layers)
-    values = form.encode(plan)
-    assert values is not None and form.model.violated(values) == []  # the rows say 21 fits
+    layers = [(q, q) for q in (1, 2, 3)]
+    for memory, fits in ((21, False), (35, False), (36, True)):
+        problem = PipelineProblem(STRICT_TIE, 3, memory, memory_model="strict")
+        sim = simulate_pipeline(problem, plan)
+        # B 1 at 0; 36 since stop 76, when the simulator counts a backward's own stash at
+        # its start also when it takes no time (24 before)
+        assert sim.peak_memory == 36 and sim.task_memory[("B", 1, 3)] == 36
+        form = build_model(problem, units=make_units(problem, layers))
+        values = form.encode(plan)
+        assert values is not None
+        assert form.model.violated(values) == ([] if fits else ["mem_B0"])
     assert model_bounds(problem) == zero_forward_merged(problem) == [(1, 2), (3, 3)]
     assert build_model(problem).encode(plan) is None  # the merged units exclude the plan
 
 
-def test_strict_rows_miss_a_stash_tied_with_a_zero_length_backward() -> None:
-    """Left open: under ``strict`` a backward of zero time ties too (no merge removes it).
+# stop 78's chain: B 1 (no backward time) and F 2 may start at one instant
+ZERO_BACKWARD = Chain.from_lists([2.0, 2.0], [0.0, 5.0], [6, 5], [9, 6], input_size=1,
+                                 fwd_overhead=[0, 2], bwd_overhead=[1, 1], weight_size=[0, 3])
+ZERO_BACKWARD_PLAN = ("period 9", "stage 1 layers 1-1 gpu 0", "stage 2 layers 2-2 gpu 0",
+                      "B 1 start 0 shift 0", "F 1 start 7 shift 2", "B 2 start 2 shift 1",
+                      "F 2 start 0 shift 1")
 
-    ``B 1`` (no backward time) and ``F 2`` start at 0: the order binaries put ``B 1``'s row
-    first, without the stash ``F 2`` starts, which the simulator counts there. The rows
-    accept the plan at 31, it replays at 36 (32 before stop 76, whose simulator counts the
-    backward's own stash at its start also when it takes no time; ``ilp`` answered
-    ``no_solution``, its plan "rejected by the simulator", where ``cpsat`` and MadPipe find
-    9). A fix of the strict rows turns this test.
+
+def test_strict_rows_count_a_stash_tied_with_a_zero_length_backward() -> None:
+    """``B 1`` (no backward time) and ``F 2`` start at 0: ``B 1``'s row counts ``F 2``'s stash.
+
+    The order binaries put ``B 1``'s row first; until stop 78 it missed the stash ``F 2``
+    starts, which the simulator counts there: the rows accepted the plan at 31, it replays
+    at 36, and ``ilp`` answered ``no_solution`` (its plan "rejected by the simulator")
+    where ``cpsat`` and MadPipe found 9. The tie indicators count it (``near``), so the
+    rows need 36, and both methods prove 9.
     """
-    chain = Chain.from_lists([2.0, 2.0], [0.0, 5.0], [6, 5], [9, 6], input_size=1,
-                             fwd_overhead=[0, 2], bwd_overhead=[1, 1], weight_size=[0, 3])
-    problem = PipelineProblem(chain, 2, 31, memory_model="strict")
-    plan = PipelinePlan.from_strings(["period 9", "stage 1 layers 1-1 gpu 0",
-                                      "stage 2 layers 2-2 gpu 0", "B 1 start 0 shift 0",
-                                      "F 1 start 7 shift 2", "B 2 start 2 shift 1",
-                                      "F 2 start 0 shift 1"])
-    sim = simulate_pipeline(problem, plan)
-    assert sim.peak_memory == 36 and sim.task_memory[("B", 1, 3)] == 36
-    assert model_bounds(problem) == [(1, 1), (2, 2)]  # no zero forward: nothing merged
-    form = build_model(problem)
-    values = form.encode(plan)
-    assert values is not None and form.model.violated(values) == []
+    plan = PipelinePlan.from_strings(list(ZERO_BACKWARD_PLAN))
+    for memory in (31, 35, 36):
+        problem = PipelineProblem(ZERO_BACKWARD, 2, memory, memory_model="strict")
+        sim = simulate_pipeline(problem, plan)
+        assert sim.peak_memory == 36 and sim.task_memory[("B", 1, 3)] == 36
+        assert model_bounds(problem) == [(1, 1), (2, 2)]  # no zero forward: nothing merged
+        form = build_model(problem)
+        values = form.encode(plan)
+        assert values is not None
+        assert form.model.violated(values) == ([] if memory >= 36 else ["mem_B0"])
+    problem = PipelineProblem(ZERO_BACKWARD, 2, 31, memory_model="strict")
+    for method in ("ilp", "cpsat"):
+        res = solve(problem, method, options=ONE.with_(extra={"warm_madpipe": False}))
+        assert res.status is Status.OPTIMAL and res.objective == pytest.approx(9.0)
+        assert "engine_plan" not in res.report  # the engine's own plan replays
+        replay = verify_plan(problem, res)  # within memory, else PlanError
+        assert replay["objective"] == pytest.approx(9.0) and replay["peak_memory"] <= 31
+
+
+def strict_zero_instance(seed: int, zero_forward: bool = False) -> PipelineProblem:
+    """A seeded ``strict`` chain of 2-3 layers with zero backward (and forward) times."""
+    rng = random.Random(seed)
+    n = rng.choice([2, 2, 3])
+    fwd = [float(rng.choice([0, 1, 2, 3] if zero_forward else [1, 2, 3])) for _ in range(n)]
+    bwd = [float(rng.choice([0, 0, 1, 2, 4])) for _ in range(n)]
+    if 0.0 not in bwd:
+        bwd[rng.randrange(n)] = 0.0
+    if sum(fwd) + sum(bwd) == 0:
+        fwd[0] = 1.0
+    out = [rng.randint(1, 6) for _ in range(n)]
+    chain = Chain.from_lists(fwd, bwd, out, [o + rng.randint(0, 6) for o in out],
+                             input_size=rng.randint(1, 6),
+                             fwd_overhead=[rng.randint(0, 3) for _ in range(n)],
+                             bwd_overhead=[rng.randint(0, 3) for _ in range(n)],
+                             weight_size=[rng.randint(0, 6) for _ in range(n)])
+    gpus = rng.choice([1, 2, 2, 3])
+    bandwidth = rng.choice([None, None, 2.0])
+    kw = {} if bandwidth is None else {"chain_bandwidth": bandwidth}
+    least = PipelineProblem(chain, gpus, 10**6, memory_model="strict",
+                            **kw).memory_lower_bound()
+    memory = int(least * rng.choice([1.0, 1.1, 1.3, 1.6, 2.0])) + rng.randint(0, 4)
+    return PipelineProblem(chain, gpus, memory, memory_model="strict", **kw)
+
+
+# seeds of strict_zero_instance: zero backward times (each solved in well under a second)
+STRICT_SEEDS = [0, 2, 3, 5, 6, 7, 11, 13, 15, 18, 20, 22, 24, 25, 41, 58, 66, 70]
+# with zero forward times too (their layers merged: zero_forward_merged)
+STRICT_FORWARD_SEEDS = [1, 4, 8, 10, 12]
+
+
+@pytest.mark.parametrize("seed, zero_forward", [(s, False) for s in STRICT_SEEDS]
+                         + [(s, True) for s in STRICT_FORWARD_SEEDS])
+def test_strict_exact_methods_equal_brute_force_with_zero_time_tasks(seed: int,
+                                                                     zero_forward: bool):
+    """``ilp`` and ``cpsat`` find the best over every allocation (brute force: each fixed
+    allocation's model, CP-SAT), their plans replay within memory, and no heuristic plan
+    beats them (stop 78: before, ``ilp`` answered ``no_solution`` on 6 of 40 such chains,
+    its plan above the memory in the simulator)."""
+    problem = strict_zero_instance(seed, zero_forward)
+    assert 0.0 in problem.chain.bwd_time
+    merged = len(model_bounds(problem)) < problem.layers.n
+    expected = brute_force(problem)
+    heuristics = [solve(problem, m, options=SolveOptions(threads=1))
+                  for m in ("contiguous", "madpipe")]
+    best_plan = min((h.objective for h in heuristics if h.status.has_plan), default=math.inf)
+    for method in ("ilp", "cpsat"):
+        res = solve(problem, method, options=ONE.with_(extra={"warm_madpipe": False}))
+        assert ("merged_units" in res.report) is merged
+        if math.isinf(expected):
+            assert not res.status.has_plan
+            assert res.status is (Status.NO_SOLUTION if merged else Status.INFEASIBLE)
+            if not merged:
+                assert math.isinf(best_plan)
+            continue
+        assert res.status is (Status.FEASIBLE if merged else Status.OPTIMAL)
+        assert res.objective == pytest.approx(expected, abs=1e-5)
+        replay = verify_plan(problem, res)  # within memory, else PlanError
+        assert replay["objective"] == pytest.approx(res.objective)
+        if not merged:
+            assert best_plan >= res.objective * (1 - 1e-6)
+
+
+def random_plan(rng: random.Random, problem: PipelineProblem) -> PipelinePlan:
+    """A random pattern: stages of 1-3 layers on 2 GPUs, integer starts, zero-time transfers."""
+    lay, n = problem.layers, problem.layers.n
+    cuts = [q for q in range(1, n) if rng.random() < 0.6]
+    bounds = list(zip([1] + [c + 1 for c in cuts], [*cuts, n], strict=True))
+    gpus = [rng.choice([0, 0, 1]) for _ in bounds]
+    period = rng.randint(2, max(2, int(lay.fwd(1, n) + lay.bwd(1, n))))  # at most the model's
+    lines = [f"period {period}"]
+    labels: dict[int, int] = {}
+    for k, (i, j) in enumerate(bounds):
+        gpu = labels.setdefault(gpus[k], len(labels))
+        lines.append(f"stage {k + 1} layers {i}-{j} gpu {gpu}")
+    starts = {}
+    for k in range(1, len(bounds) + 1):
+        starts[("F", k)] = rng.randrange(period)
+        starts[("B", k)] = rng.randrange(period)
+    for k in range(1, len(bounds)):
+        if gpus[k - 1] != gpus[k]:
+            i, j = bounds[k - 1]
+            starts[("send", k)] = (starts[("F", k)] + lay.fwd(i, j)) % period
+            starts[("grad", k)] = (starts[("B", k + 1)] + lay.bwd(*bounds[k])) % period
+    # shifts: the smallest along the path (PipelinePlan.from_strings needs them)
+    durs = {("F", k): lay.fwd(i, j) for k, (i, j) in enumerate(bounds, start=1)}
+    durs.update({("B", k): lay.bwd(i, j) for k, (i, j) in enumerate(bounds, start=1)})
+    durs.update({key: 0.0 for key in starts if key[0] in ("send", "grad")})
+    shifts = minimal_shifts({k: float(v) for k, v in starts.items()}, durs, len(bounds),
+                            float(period))
+    lines += [f"{op} {k} start {v} shift {shifts[(op, k)]}" for (op, k), v in starts.items()]
+    return PipelinePlan.from_strings(lines)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_strict_rows_hold_iff_the_simulator_fits_with_zero_time_tasks(seed: int) -> None:
+    """Random plans (stages of one or more layers, zero backward times): encoded
+    in the model, the rows hold at the simulator's peak and a memory row fails one below it.
+
+    The rows of a task count, at a tie of zero-length tasks, what the simulator counts
+    (``tie_vars``), and a stage whose last backward takes no time is checked where it
+    starts (``stage_joins``). Before stop 78, 48 of 254 such plans (single-layer stages)
+    fitted the rows one below their peak.
+    """
+    rng = random.Random(seed)
+    n = rng.choice([2, 3])
+    chain = Chain.from_lists([float(rng.choice([1, 2])) for _ in range(n)],
+                             [float(rng.choice([0, 0, 1, 2])) for _ in range(n)],
+                             out := [rng.randint(1, 6) for _ in range(n)],
+                             [o + rng.randint(0, 6) for o in out], input_size=rng.randint(1, 6),
+                             fwd_overhead=[rng.randint(0, 3) for _ in range(n)],
+                             bwd_overhead=[rng.randint(0, 3) for _ in range(n)],
+                             weight_size=[rng.randint(0, 6) for _ in range(n)])
+    base = PipelineProblem(chain, 2, 10**6, memory_model="strict")
+    checked = 0
+    for _ in range(80):
+        plan = random_plan(rng, base)
+        try:
+            peak = simulate_pipeline(base, plan).peak_memory
+        except PlanError:
+            continue
+        for memory in (peak, peak - 1):
+            problem = PipelineProblem(chain, 2, memory, memory_model="strict")
+            form = build_model(problem)
+            if form.encode(plan) is not None:
+                assert_model_agrees_with_simulator(form, problem, plan)
+                checked += 1
+    assert checked >= 2

@@ -65,14 +65,31 @@ Ties of zero-length tasks (``stash``)
     forward and backward at one instant), which the simulator still counts at its
     forward's start while its row may miss a forward starting then; such last layers join
     the last layer with time (:func:`model_bounds`). So under ``stash`` the units are the
-    layers otherwise, and the model's optimum is the problem's. Under ``strict`` every
-    task's row is checked with its own terms (its input and output, without its own new
-    stash), so a row ordered before a tied forward misses that forward's stash where the
-    simulator counts it (a hunt: a plan decoded at memory 21 that replays at 24); the
-    units stay merged there (:func:`zero_forward_merged`).
-    A backward of zero time ties the same way and no merge removes it: under ``strict``
-    such a plan can be decoded above the memory (``ilp`` then answers without it), an open
-    defect (``tests/test_pipeline_zero_ties.py``).
+    layers otherwise, and the model's optimum is the problem's.
+Ties of zero-length tasks (``strict``, stop 78)
+    Every task's row is checked with its own terms (its input and output, without its own
+    new stash), so the largest row at an instant is not enough: each row of a zero-length
+    task ``t`` must count what the simulator counts at ``t``'s start, where every task
+    starting then has started (its forward's stash held, its input consumed) and every
+    zero-length task then has ended (its backward's stash freed, its output produced),
+    whatever the order binaries say. Until stop 78 a row ordered before a tied forward or
+    backward missed that stash (hunts: a plan decoded at memory 21 replayed at 24, one at
+    31 at 36, and ``ilp`` answered ``no_solution``). Indicators after ``t`` in its order
+    (:meth:`_Builder.tie_vars`) count them: ``near`` (a start less than
+    :func:`separation`, ``(T + 1) / 2^14``, after ``t`` counts as tied: the rows count it,
+    more, never less), ``tied`` (a start at ``t``'s instant: the rows free what ends
+    there), no zero-length task within that separation of its window's end (ties never
+    span two windows). The simulator checks a stage's layers where the stage starts
+    (``Layers.strict_task``), so a stage whose last backward takes no time is checked
+    before the tasks that start when it ends: binaries ``join``
+    (:meth:`_Builder.stage_joins`) let such a unit share the next one's stage, decoded as
+    one stage. So the rows of a plan hold iff the simulator fits it
+    (``tests/test_pipeline_zero_ties.py``: random plans of one- and multi-layer stages),
+    up to the separation: when the best
+    plan needs a zero-length task just before another start (the tie costs memory at the
+    period itself, so no plan attains the infimum), the models answer the infimum plus
+    at most the separation (a seeded chain: 11.00073 for 11). Layers without forward time
+    still join their predecessor (:func:`zero_forward_merged`: a restriction, reported).
 Cuts (valid inequalities; they change no solution)
     * loads: ``T >=`` the load of every GPU and of every link, ``T >= max(total / P,
       heaviest unit)`` (the bound of :func:`load_bound`);
@@ -160,6 +177,14 @@ def grid_scale(values: list[float], lower: float, *, refine: bool = True) -> tup
 
 MAX_SECANTS = 64
 
+TIE_SLOTS = 2**14
+"""``K``: under ``strict``, a start less than ``(T + 1) / K`` after a zero-length task is
+counted in its row as tied with it (:meth:`_Builder.tie_vars`): ``6.1e-5 (T + 1)``, 61
+times the simulator's tolerance ``1e-6 max(1, T)``, and a period that much longer is
+above HiGHS's tolerances (at ``K = 2^18`` HiGHS answered a plan at 4.000019 optimal where
+the model's optimum was 4). An integer, so that the rows ``K (tau_u - tau_t) >= T + 1``
+are exact on the CP-SAT grid."""
+
 SLIM_FIXED = True
 """With the allocation fixed (``build_pipeline_model(gpu=...)``), write ``x``, ``z``, ``e``,
 ``zl`` and the buffer indicators as constants and leave out the rows and order variables
@@ -242,10 +267,11 @@ def model_bounds(problem: PipelineProblem) -> list[tuple[int, int]]:
     optimum is the problem's, except that the last layers, when none of them takes time,
     join the last one that does: their stash could live no time at all (its forward and
     backward at one instant), which the simulator still counts at their forward's start
-    and the rows of a tie could miss. Under ``strict`` the rows of such tasks can miss a stash the
-    simulator counts, so layers without forward time stay with their predecessor (a
-    restriction: the methods' proofs cover that class only,
-    :func:`optmem.solvers.pipeline.merged_class`).
+    and the rows of a tie could miss. Under ``strict`` layers without forward time stay with
+    their predecessor (a restriction: the methods' proofs cover that class only,
+    :func:`optmem.solvers.pipeline.merged_class`; the rows of one-layer units count ties
+    since stop 78, ``_Builder.tie_vars``, but a stage's trailing layers without forward
+    time are checked at its start, which no join of the model writes yet).
 
     Examples
     --------
@@ -268,11 +294,10 @@ def zero_forward_merged(problem: PipelineProblem) -> list[tuple[int, int]]:
     """One unit per layer, except that layers without forward time join their predecessor.
 
     The ``strict`` model's units (:func:`model_bounds`). A zero-length forward may start at
-    the instant another forward of its GPU starts; the order binaries then put its row
-    first while the simulator counts both stashes at that instant, and under ``strict``
-    each task's row is checked with its own terms, so the model can undercount (module
-    docstring, "Ties of zero-length tasks"). Keeping such a layer with its neighbour
-    removes the tie (a restriction only for chains with zero forward times).
+    the instant another task of its GPU starts; until stop 78 the order binaries then put
+    its row first while the simulator counts both stashes at that instant (module
+    docstring, "Ties of zero-length tasks (``strict``)"). Keeping such a layer with its
+    neighbour removes the tie (a restriction only for chains with zero forward times).
     """
     lay = problem.layers
     bounds: list[list[int]] = []
@@ -445,6 +470,11 @@ def delay_tail(units: Units, head: Sequence[int]) -> tuple[Units, tuple[int, ...
     return relaxed, first_use([*head, *(("own", q) for q in range(k, units.n))])
 
 
+def separation(period: float) -> float:
+    """``(T + 1) / K`` (:data:`TIE_SLOTS`): starts closer after a zero-length task tie with it."""
+    return (period + 1) / TIE_SLOTS
+
+
 def load_bound(units: Units, n_gpus: int) -> float:
     """``max(total / P, heaviest unit)``: no period can be smaller."""
     total = sum(units.f) + sum(units.b)
@@ -455,26 +485,40 @@ def decode_plan(
     units: Units, gpu: Sequence[int], period: float,
     fstart: Sequence[float], bstart: Sequence[float],
     sstart: Mapping[int, float], gstart: Mapping[int, float],
+    joined: Collection[int] = (),
 ) -> PipelinePlan:
     """Build the plan from a solution: unit GPUs, period and start times (any real numbers).
 
     GPUs are renumbered by first use; shifts are the smallest valid ones given the times.
+    One stage per unit, except that unit ``q`` in ``joined`` shares the stage of unit
+    ``q + 1`` (``strict``: a stage whose last backward takes no time,
+    :meth:`_Builder.stage_joins`); a stage's forward starts with its first unit's, its
+    backward with its last unit's.
     """
     labels: dict[int, int] = {}
     for g in gpu:
         labels.setdefault(g, len(labels))
-    stages = tuple(PipelineStage(i, j, labels[gpu[q]]) for q, (i, j) in enumerate(units.bounds))
+    runs: list[list[int]] = []
+    for q in range(units.n):
+        if runs and q - 1 in joined:
+            runs[-1].append(q)
+        else:
+            runs.append([q])
+    stages = tuple(PipelineStage(units.bounds[r[0]][0], units.bounds[r[-1]][1],
+                                 labels[gpu[r[0]]]) for r in runs)
     starts: dict[tuple[str, int], float] = {}
     durs: dict[tuple[str, int], float] = {}
-    for q in range(units.n):
-        starts[("F", q + 1)] = phase(fstart[q], period, 1e-9)
-        starts[("B", q + 1)] = phase(bstart[q], period, 1e-9)
-        durs[("F", q + 1)], durs[("B", q + 1)] = units.f[q], units.b[q]
-        if q < units.n - 1 and gpu[q] != gpu[q + 1]:
-            starts[("send", q + 1)] = phase(sstart[q], period, 1e-9)
-            starts[("grad", q + 1)] = phase(gstart[q], period, 1e-9)
-            durs[("send", q + 1)] = durs[("grad", q + 1)] = units.dt[q]
-    shifts = minimal_shifts(starts, durs, units.n, period, tol=1e-6)
+    for k, run in enumerate(runs, start=1):
+        first, last = run[0], run[-1]
+        starts[("F", k)] = phase(fstart[first], period, 1e-9)
+        starts[("B", k)] = phase(bstart[last], period, 1e-9)
+        durs[("F", k)] = math.fsum(units.f[q] for q in run)
+        durs[("B", k)] = math.fsum(units.b[q] for q in run)
+        if k < len(runs) and gpu[last] != gpu[last + 1]:
+            starts[("send", k)] = phase(sstart[last], period, 1e-9)
+            starts[("grad", k)] = phase(gstart[last], period, 1e-9)
+            durs[("send", k)] = durs[("grad", k)] = units.dt[last]
+    shifts = minimal_shifts(starts, durs, len(runs), period, tol=1e-6)
     tasks = tuple(PipelineTask(op, s, starts[(op, s)], shifts[(op, s)])
                   for (op, s) in sorted(starts, key=lambda key: (key[1], key[0])))
     return PipelinePlan(period, stages, tasks)
@@ -524,6 +568,12 @@ class PipelineFormulation:
     sig: dict[tuple[int, int], Expr] = field(default_factory=dict)
     bufv: dict[tuple[int, int], Expr] = field(default_factory=dict)
     pending: dict[tuple[Task, int], tuple[Expr, Task, Task]] = field(default_factory=dict)
+    near: dict[tuple[Task, Task], Expr] = field(default_factory=dict)
+    tied: dict[tuple[Task, Task], Expr] = field(default_factory=dict)
+    joins: dict[int, Expr] = field(default_factory=dict)
+    ties: bool = False
+    mates: dict[tuple[Task, Task], Expr] = field(default_factory=dict)
+    held: dict[tuple[Task, int], Expr] = field(default_factory=dict)
     fixed_gpu: tuple[int, ...] | None = None
     _sums: dict[tuple[int, int, int], Expr] = field(default_factory=dict, repr=False,
                                                     compare=False)
@@ -546,6 +596,20 @@ class PipelineFormulation:
         if (t, u) in self.order:
             return self.order[(t, u)]
         return self.same(t[1], u[1]) - self.order[(u, t)]
+
+    def produced(self, x: Task, t: Task) -> Expr:
+        """1 iff ``x`` ended by ``t``'s start: before it, or (zero-length) tied after it.
+
+        ``near`` (:meth:`_Builder.tie_vars`) may also be 1 a little after a tie: more, never
+        less (the output then counts as produced, and it is counted held).
+        """
+        near = self.near.get((t, x)) if self.duration(x).const == 0 and not \
+            self.duration(x).terms else None
+        return self.prec(x, t) + (near if near is not None else Expr.of(0))
+
+    def waits(self, t: Task, y: Task) -> Expr:
+        """1 iff ``y`` has not started at ``t``'s start: after it, and not tied with it."""
+        return self.prec(t, y) - self.tied.get((t, y), Expr.of(0))
 
     def duration(self, t: Task) -> Expr:
         """Duration of a task (a transfer's is ``dt_c (1 - z(c, c+1))``)."""
@@ -612,6 +676,7 @@ class PipelineFormulation:
             [val(self.start[("B", q)]) for q in range(n)],
             {c: val(self.start[("S", c)]) for c in range(n - 1)},
             {c: val(self.start[("G", c)]) for c in range(n - 1)},
+            {q for q, m in self.joins.items() if val(m) > 0.5},
         )
 
     # ------------------------------------------------------------ encode
@@ -627,11 +692,16 @@ class PipelineFormulation:
         gpu, times = layout
         if self.fixed_gpu is not None and tuple(gpu) != self.fixed_gpu:
             return None
+        first = {i: q for q, (i, _) in enumerate(self.units.bounds)}
+        joined = {q for st in plan.stages for q in range(first[st.first], self.units.n - 1)
+                  if self.units.bounds[q][1] < st.last}
+        if self.ties and any(q not in self.joins for q in joined if self.units.b[q] == 0):
+            return None  # a join the model cannot write (units on two GPUs: fixed)
         period = plan.period
         if max(gpu) >= self.n_gpus or not (
                 self.lower * (1 - 1e-9) - 1e-12 <= period <= self.upper * (1 + 1e-9) + 1e-12):
             return None
-        return _Encoder(self, gpu, times, period).run()
+        return _Encoder(self, gpu, times, period, joined & set(self.joins)).run()
 
 
 def plan_gpus(units: Units, plan: PipelinePlan) -> tuple[int, ...] | None:
@@ -676,12 +746,14 @@ class _Encoder:
     """Writes a plan as model values (see :meth:`PipelineFormulation.encode`)."""
 
     def __init__(self, form: PipelineFormulation, gpu: list[int], times: dict[Task, float],
-                 period: float) -> None:
+                 period: float, joined: set[int]) -> None:
         self.form = form
+        self.joined = joined  # units sharing the next one's stage (strict joins)
         self.gpu = gpu
         self.times = times
         self.period = period
         self.values = [0.0] * len(form.model.vars)
+        self.path = dependency_path(form.units.n)
 
     def set(self, e: Expr, value: float) -> None:
         if e.terms:  # constants (a slim model's fixed indicators) hold no variable
@@ -721,15 +793,59 @@ class _Encoder:
             self.set(v, self.val(form.sigma(r)) if gpu[q] == gpu[r] else 0.0)
         for (q, c), v in form.bufv.items():
             self.set(v, abs(self.val(form.same(q, c)) - self.val(form.same(q, c + 1))))
+        self._ties()
         for (t, _), (o, x, y) in form.pending.items():
-            self.set(o, max(0.0, self.val(form.prec(x, t)) + self.val(form.prec(t, y))
+            done, waits = form.produced(x, t), form.waits(t, y)
+            self.set(o, max(0.0, self.val(done) + self.val(waits)
                             + self.val(form.prec(y, x)) - 1))
         return self._clamped()
 
+    def _ties(self) -> None:
+        """``join``, ``near``, ``tied``, ``held`` (strict): ties after a zero-length task."""
+        form = self.form
+        tol = 1e-9 * max(1.0, self.period)
+        for q, j in form.joins.items():
+            self.set(j, 1.0 if q in self.joined else 0.0)
+        for (t, v), k in form.mates.items():
+            self.set(k, 1.0 if self._mates(t, v) else 0.0)
+        for store, tied in ((form.near, False), (form.tied, True)):
+            for (t, v), k in store.items():  # a stage's upper backwards come first
+                if t[0] == "B" and t[1] in self.joined:  # its stage's check: as above it
+                    above = ("B", t[1] + 1)
+                    inherit = self.val(form.duration(above)) == 0 and (above, v) in store
+                    self.set(k, self.val(store[(above, v)]) if inherit else 0.0)
+                    continue
+                gap = self.val(form.start[v]) - self.val(form.start[t])
+                close = gap <= tol if tied else gap < separation(self.period)
+                own = self._mates(t, v)  # one stage: its own stash held at its check
+                self.set(k, 1.0 if self.val(form.prec(t, v)) > 0.5 and close and not own
+                         else 0.0)
+        for (t, r), h in sorted(form.held.items(), key=lambda item: item[0][1]):
+            same = self.val(form.joins[r - 1])
+            lows = [e for e in (form.near.get((t, ("F", r - 1))), form.held.get((t, r - 1)))
+                    if e is not None]
+            self.set(h, max([0.0] + [self.val(e) + same - 1 for e in lows]))
+
+    def _mates(self, t: Task, v: Task) -> bool:
+        """Whether backwards ``t`` and ``v`` (below it) are in one joined stage."""
+        return (t[0] == v[0] == "B" and v[1] < t[1]
+                and all(q in self.joined for q in range(v[1], t[1])))
+
     def _before(self, t: Task, u: Task) -> bool:
+        """Whether ``t`` comes first in its window.
+
+        It starts earlier, or at once with zero length, before a task that takes time or,
+        both zero-length, earlier on a micro-batch's path (data a tied producer hands to a
+        tied consumer is not held).
+        """
         a, b = self.val(self.form.start[t]), self.val(self.form.start[u])
-        return a < b or (a == b and self.val(self.form.duration(t)) == 0
-                         and self.val(self.form.duration(u)) > 0)
+        if a != b:
+            return a < b
+        dt, du = self.val(self.form.duration(t)), self.val(self.form.duration(u))
+        if dt == 0 and du == 0:
+            path = self.path
+            return path.index(t) < path.index(u)
+        return dt == 0 and du > 0
 
     def _same_link(self, c: int, d: int) -> bool:
         g = self.gpu
@@ -749,16 +865,50 @@ class _Encoder:
         return wins
 
     def _gpu_times(self) -> None:
-        form = self.form
+        """Place the GPU windows and their tasks.
+
+        Each window starts at its earliest task, or (``strict``, zero-length tasks) at its
+        first task start that no zero-length task precedes by less than the tie separation
+        (the rows ``wend_*`` of :meth:`_Builder.tie_vars`).
+        """
+        form, period = self.form, self.period
         members: dict[int, list[Task]] = {}
         for t in form.tasks:
             members.setdefault(self.gpu[t[1]], []).append(t)
         origin = min(self.times[t] for t in members[0])
-        wins = self._windowed(members, origin)
+        origin += self._window_start(members[0], origin)
         self.origin = origin
-        for p, w in enumerate(form.window):
-            if p in wins:
-                self.set(w, wins[p])
+        for p, tasks in members.items():
+            rel = {t: self._phase(self.times[t] - origin) for t in tasks}
+            win = self._window_start(tasks, origin)
+            for t, r in rel.items():
+                self.set(form.start[t], r + period if r < win else r)
+            if p < len(form.window):
+                self.set(form.window[p], win)
+        for q in sorted(self.joined, reverse=True):  # a stage's last backward: at its end
+            self.set(form.start[("B", q)], self.val(form.start[("B", q + 1)])
+                     + form.units.b[q + 1])
+
+    def _phase(self, time: float) -> float:
+        """``time`` modulo the period, in ``[0, T)`` (``T`` up to rounding: 0)."""
+        r = math.fmod(time, self.period)
+        r = r + self.period if r < 0 else r
+        return 0.0 if r >= self.period * (1 - 1e-12) else r
+
+    def _window_start(self, tasks: list[Task], origin: float) -> float:
+        """Phase (from ``origin``) of the window of a GPU running ``tasks`` (:meth:`_gpu_times`)."""
+        form, period = self.form, self.period
+        rel = {t: self._phase(self.times[t] - origin) for t in tasks}
+        if not form.strict:
+            return min(rel.values())
+        inner = {("F", q + 1) for q in self.joined} | {("B", q) for q in self.joined}
+        zero = [rel[t] for t in tasks if self.val(form.duration(t)) == 0 and t not in inner]
+        sep = separation(period)
+        for c in sorted({r for t, r in rel.items() if t not in inner}):
+            gaps = (self._phase(c - z) for z in zero)
+            if all(g <= 1e-12 * period or g >= sep for g in gaps):
+                return c
+        return min(rel.values())
 
     def _link_times(self) -> None:
         form = self.form
@@ -1186,13 +1336,15 @@ class _Builder:
                     s = form.sig[(r, q)] = m.integer(f"sig_{r}_{q}", 0, 2 * len(form.edges))
                     m.add(s >= sigma, f"sig_{r}_{q}", only_if=lits)
         direct = self.direct_data()
+        if form.strict:
+            self.tie_vars(direct)
         for t in form.tasks:
             if t[0] == "B" and not form.strict:
                 continue  # stash model: memory only grows when a forward starts
             q = t[1]
             static = self.static(q)
-            stash = Expr.sum(u.x[r] // unit * self.alive(r, q, t) for r in range(n)
-                             if u.x[r] and not self.apart(q, r))
+            stash = Expr.sum(u.x[r] // unit * (self.alive(r, q, t) + self.tied_alive(r, t))
+                             for r in range(n) if u.x[r] and not self.apart(q, r))
             extra = Expr.of(0)
             if form.strict:
                 task = u.task_f[q] if t[0] == "F" else u.task_b[q]
@@ -1205,6 +1357,166 @@ class _Builder:
                                if u.x[r] and self.outlives(q, r))
                 own = Expr.of((u.task_f[q] if form.strict else u.x[q]) // unit)
                 m.add(static + low + own <= cap, f"memlow_{q}")
+
+    def tie_vars(self, direct: list[tuple[Task, Task, int]]) -> None:
+        """``strict``: indicators of the tasks tied after a zero-length task.
+
+        Module docstring, "Ties of zero-length tasks (``strict``)".
+
+        For a zero-length task ``t`` and a task ``u`` that may share its GPU:
+
+        * ``near[t, u]`` (``u`` a forward with a stash, or a zero-length producer of data
+          waiting on the GPU): when 0 and ``t`` comes before ``u``, ``u`` starts at least
+          :func:`separation` after ``t``; ``near <= prec(t, u)``.
+          Valid: a plan whose ``u`` starts within that separation after ``t`` takes 1, which
+          counts ``u``'s stash (or output) in ``t``'s row, as the simulator does at a tie.
+        * ``tied[t, u]`` (``u`` a zero-length backward with a stash, or a consumer of data
+          waiting on the GPU): when 1, ``u`` starts at ``t``'s instant; ``tied <= prec(t,
+          u)``. Valid: every 0 is allowed (the row then counts ``u``'s stash or input as
+          still held: more, never less); a plan with ``u`` tied after ``t`` takes 1, and the
+          row frees what the simulator frees there.
+        * rows ``wend``: ``t`` starts at least the separation before its window ends, so
+          that no tie spans two windows (a zero-length task at ``win + T`` would tie with
+          the next window's first tasks, which its row counts as not started). Valid: a
+          window may start at any task's start (no task runs across it), so each GPU's
+          window can start at a task that no zero-length task precedes by less than the
+          separation (a zero-length task at that instant is placed at the window's start);
+          the encoder does so (:meth:`_Encoder._gpu_times`).
+        """
+        form, m, u = self.form, self.m, self.u
+        slots, gap = TIE_SLOTS, self.T + 1  # gap / slots: the separation
+        form.ties = True
+        producers = {x for x, _, _ in direct}
+        consumers = {y for _, y, _ in direct}
+        self.stage_joins()
+        for t in form.tasks:
+            if self.dur(t) != 0:
+                continue
+            join = form.joins.get(t[1]) if t[0] == "B" else None
+            free = [] if join is None else [m.literal(join, False)]  # its stage's check
+            above = ("B", t[1] + 1)  # with join: the stage's check is taken where it starts
+            inherit = join is not None and self.dur(above) == 0
+            for p in range(form.n_gpus):
+                on = None if (t[1], p) not in form.x else self.when(form.x[(t[1], p)])
+                if on is not None:
+                    m.add(slots * (form.window[p] + self.T - form.start[t]) >= gap,
+                          f"wend_{t[0]}{t[1]}_{p}", only_if=[*on, *free])
+            for v in form.tasks:
+                if v == t or self.apart(t[1], v[1]):
+                    continue
+                lits = self.before(t, v)
+                if lits is None:
+                    continue
+                name = f"{t[0]}{t[1]}_{v[0]}{v[1]}"
+                prec = form.prec(t, v)
+                chain = self.stage_chain(t, v)  # joins that put t and v in one stage
+                mate = [] if chain is None else [m.literal(self.stage_mate(t, v, chain), False)]
+                stash = u.x[v[1]] // form.mem_unit > 0 or (v[0] == "F" and v[1] in form.joins)
+                if (v[0] == "F" and stash) or (self.dur(v) == 0 and v in producers):
+                    k = form.near[(t, v)] = m.binary(f"near_{name}")
+                    m.add(k <= prec, f"nearle_{name}")
+                    m.add(slots * (form.start[v] - form.start[t]) >= gap, f"neara_{name}",
+                          only_if=[*lits, m.literal(k, False), *free, *mate])
+                    if inherit and (above, v) in form.near:
+                        assert join is not None
+                        m.add(k >= form.near[(above, v)] + join - 1, f"nearj_{name}")
+                if (v[0] == "B" and stash and self.dur(v) == 0) or v in consumers:
+                    k = form.tied[(t, v)] = m.binary(f"tied_{name}")
+                    m.add(k <= prec, f"tiedle_{name}")
+                    m.add(form.start[v] <= form.start[t], f"tieda_{name}", only_if=m.literal(k))
+                    if join is not None:
+                        up = form.tied.get((above, v)) if inherit else None
+                        m.add(k <= (up if up is not None else 0) + 1 - join, f"tiedj_{name}")
+                    if chain is not None:  # a stage's own stash is held at its check
+                        m.add(k <= Expr.sum(1 - form.joins[q] for q in chain), f"tiedm_{name}")
+            for q in sorted(form.joins):  # a joined stage's stashes start at its first forward
+                j, first = form.joins[q], form.near.get((t, ("F", q)))
+                lows = [e for e in (first, form.held.get((t, q))) if e is not None]
+                if not lows:
+                    continue
+                h = form.held[(t, q + 1)] = m.binary(f"held_{t[0]}{t[1]}_{q + 1}")
+                for i, e in enumerate(lows):
+                    m.add(h >= e + j - 1, f"held{i}_{t[0]}{t[1]}_{q + 1}")
+
+    def stage_chain(self, t: Task, v: Task) -> list[int] | None:
+        """Joins that would put backwards ``t`` and ``v`` (below it) in one stage, if any."""
+        if t[0] != "B" or v[0] != "B" or v[1] >= t[1]:
+            return None
+        chain = list(range(v[1], t[1]))
+        return chain if all(q in self.form.joins for q in chain) else None
+
+    def stage_mate(self, t: Task, v: Task, chain: list[int]) -> Expr:
+        """A binary at most every join of ``chain`` (``t`` and ``v`` in one stage)."""
+        form, m = self.form, self.m
+        if len(chain) == 1:
+            return form.joins[chain[0]]
+        key = (t, v)
+        if key not in form.mates:
+            k = form.mates[key] = m.binary(f"mate_{t[1]}_{v[1]}")
+            for q in chain:
+                m.add(k <= form.joins[q], f"mate_{t[1]}_{v[1]}_{q}")
+        return form.mates[key]
+
+    def stage_joins(self) -> None:
+        """``strict``: ``join[q]``, unit ``q`` (no backward time) shares unit ``q + 1``'s stage.
+
+        The simulator checks a stage's layers at the stage's start (``Layers.strict_task``),
+        so the last layer of a stage's backward, when it takes no time, is checked before
+        the tasks that start when the stage ends: a plan of such a stage can fit where its
+        layers as stages, at the same times, do not (a stop-78 hunt: ``contiguous`` replayed
+        9 where the models proved nothing fits). ``join[q] = 1``: the units share a GPU, run
+        back to back (``F_q`` then ``F_q+1``, ``B_q+1`` then ``B_q``, no task between them
+        in the order), ``B_q``'s row counts no tie after it and ends no window (the stage's
+        check: what the GPU holds when ``B_q+1`` starts, ``q + 1``'s stash freed), and a
+        zero-length task tied before ``F_q`` counts ``q + 1``'s stash (``held``: the stage's
+        stash starts with its forward); the decoder writes one stage
+        (:func:`decode_plan`). Valid: every plan whose stage holds both units takes 1 (its
+        rows are then the simulator's checks), every other plan 0.
+        """
+        form, m, u = self.form, self.m, self.u
+        for q in range(u.n - 1):
+            same = form.same(q, q + 1)
+            if u.b[q] != 0 or self.when(same) is None:
+                continue
+            j = form.joins[q] = m.binary(f"join_{q}")
+            if same.terms:
+                m.add(j <= same, f"joinle_{q}")
+            lit = m.literal(j)
+            m.add(form.prec(("B", q + 1), ("B", q)) >= j, f"joino_{q}")
+            m.add(form.start[("F", q + 1)] == form.start[("F", q)] + u.f[q], f"joinf_{q}",
+                  only_if=lit)
+            m.add(form.start[("B", q)] == form.start[("B", q + 1)] + u.b[q + 1], f"joinb_{q}",
+                  only_if=lit)
+            for v in form.tasks:
+                if self.dur(v) != 0 or self.apart(q, v[1]):
+                    continue
+                if v not in (("F", q), ("F", q + 1)):
+                    m.add(form.prec(("F", q), v) - form.prec(("F", q + 1), v) <= 1 - j,
+                          f"joinif_{q}_{v[0]}{v[1]}")
+                if v not in (("B", q), ("B", q + 1)):
+                    m.add(form.prec(("B", q + 1), v) - form.prec(("B", q), v) <= 1 - j,
+                          f"joinib_{q}_{v[0]}{v[1]}")
+
+    def before(self, t: Task, v: Task) -> list[Literal] | None:
+        """Literals for "``t`` shares a GPU with ``v`` and comes first" (``None``: never)."""
+        form, m = self.form, self.m
+        if (t, v) in form.order:
+            w = form.order[(t, v)]
+            return None if not w.terms else [m.literal(w)]
+        w = form.order[(v, t)]
+        same = self.when(form.same(t[1], v[1]))
+        if same is None:
+            return None
+        if not w.terms:
+            return None if w.const > 0.5 else list(same)
+        return [*same, m.literal(w, False)]
+
+    def tied_alive(self, r: int, t: Task) -> Expr:
+        """``strict``: stashes of unit ``r`` that ties after ``t`` start or free."""
+        form = self.form
+        freed = form.tied.get((t, ("B", r)), Expr.of(0)) if self.u.b[r] == 0 else Expr.of(0)
+        started = form.near.get((t, ("F", r)), Expr.of(0)) if self.u.x[r] else Expr.of(0)
+        return started + form.held.get((t, r), Expr.of(0)) - freed
 
     def tie_orders(self) -> None:
         """Transitive orders among the zero-length tasks of a GPU (module docstring, "Ties").
@@ -1289,9 +1601,11 @@ class _Builder:
         for k, (x, y, size) in enumerate(direct):
             if t in (x, y):
                 continue
-            o = m.binary(f"o_{t[0]}{t[1]}_{k}")
-            m.add(o >= form.prec(x, t) + form.prec(t, y) + form.prec(y, x) - 1,
-                  f"o_{t[0]}{t[1]}_{k}")
+            done, waits = form.produced(x, t), form.waits(t, y)
+            # ties after t (strict: tie_vars): at most 2 (a producer near t, its consumer later)
+            o = (m.integer(f"o_{t[0]}{t[1]}_{k}", 0, 2) if (t, x) in form.near
+                 and self.dur(x) == 0 else m.binary(f"o_{t[0]}{t[1]}_{k}"))
+            m.add(o >= done + waits + form.prec(y, x) - 1, f"o_{t[0]}{t[1]}_{k}")
             form.pending[(t, k)] = (o, x, y)
             terms.append(size // form.mem_unit * o)
         return Expr.sum(terms)
