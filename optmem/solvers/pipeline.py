@@ -29,14 +29,14 @@ from __future__ import annotations
 import functools
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from optmem.models.interrupt import Interrupted, poll, stop_when
-from optmem.models.pipeline import Units, make_units, model_bounds
+from optmem.models.pipeline import Units, make_units, model_bounds, separation
 from optmem.pipeline_plan import PipelinePlan
 from optmem.problems.pipeline import PipelineProblem
 from optmem.result import Result, SolveOptions, Status
@@ -333,6 +333,36 @@ def tiny_durations(problem: PipelineProblem) -> int:
                if 0 < d < cut)
 
 
+def tie_separated(problem: PipelineProblem, units: Sequence[tuple[int, int]],
+                  res: Result) -> Result:
+    """``res`` with a bound valid below the models' tie separation (``strict``, stop 78).
+
+    Under ``strict`` the models count a start less than
+    :func:`~optmem.models.pipeline.separation` after a zero-length task as tied with it
+    (``_Builder.tie_vars``: a MILP has no strict inequality). A plan that needs such a
+    start closer than that but not at the same instant is outside the models, so their
+    optimum can lie up to the separation above the problem's infimum (a seeded chain:
+    4.000305 where plans reach 4 + any epsilon). On a chain whose units have a zero-length
+    task the proven bound is therefore lowered by the separation (never below the load
+    bound): ``optimal`` stays only where that bound still meets the plan (the load bound,
+    or a bound that did not come from the tie rows); else ``feasible`` with it, and
+    ``report["tie_separation"]``.
+    """
+    if problem.memory_model != "strict" or res.status is not Status.OPTIMAL:
+        return res
+    lay = problem.layers
+    if all(lay.fwd(lo, hi) > 0 and lay.bwd(lo, hi) > 0 for lo, hi in units):
+        return res
+    sep = separation(res.objective)
+    low = min(max(lower_bound(problem), res.bound - sep), res.objective)
+    if proven(res.objective, low):
+        return res.with_(bound=low)
+    return res.with_(status=Status.FEASIBLE, bound=low, report={
+        **res.report, "tie_separation": f"starts closer than {sep:.6g} after a zero-length "
+        "task count as tied in the models (strict): their optimum can lie that far above "
+        "the problem's, so the bound is lowered by it"})
+
+
 def merged_class(problem: PipelineProblem, res: Result) -> Result:
     """``res`` of a method whose models keep zero-forward layers with their predecessor.
 
@@ -353,7 +383,7 @@ def merged_class(problem: PipelineProblem, res: Result) -> Result:
     units = model_bounds(problem)
     tiny = tiny_durations(problem)
     if (len(units) == problem.layers.n and not tiny) or res.status is Status.ERROR:
-        return res
+        return tie_separated(problem, units, res)
     if len(units) < problem.layers.n:
         report = {**res.report, "merged_units": f"{problem.layers.n - len(units)} layers "
                   "without forward time (strict) or at the end without any time (stash) "
