@@ -55,10 +55,15 @@ from optmem.models.interrupt import poll
 
 __all__ = [
     "Constraint", "CpsatModel", "Expr", "Interval", "Kind", "Literal", "Model", "NoOverlap",
-    "PulpModel", "Var", "exact_scale", "largest_bound", "magnitude", "milp_time_unit",
+    "PulpModel", "Var", "exact_scale", "largest_bound", "magnitude",
+    "milp_integrality_tolerance", "milp_time_unit",
     "rational_time_scale", "time_scale", "to_cpsat", "to_pulp",
 ]
 
+MILP_LEAST_TOLERANCE = 1e-9
+"""The smallest integrality tolerance :func:`milp_integrality_tolerance` asks for (stop 78)."""
+MILP_DEFAULT_TOLERANCE = 1e-6
+"""HiGHS's default ``mip_feasibility_tolerance`` (kept unless a model needs less)."""
 MILP_HORIZON = 2.0**20
 """Largest continuous variable bound a badly conditioned MILP is emitted with
 (:func:`milp_time_unit`, :meth:`Model.in_units`; stop 77)."""
@@ -573,6 +578,48 @@ def _big_m(model: Model, con: Constraint) -> tuple[float | None, float | None]:
             raise ValueError(f"constraint {con.name}: enforced row needs finite variable "
                              "bounds for its big-M")
     return m_hi, m_lo
+
+
+def milp_integrality_tolerance(model: Model, resolution: float, *,
+                               least: float = MILP_LEAST_TOLERANCE,
+                               default: float = MILP_DEFAULT_TOLERANCE) -> float:
+    """An integrality tolerance under which no time row slips by ``resolution / 2``.
+
+    A MILP engine accepts an integer variable within its tolerance ``eps`` of an integer
+    and decodes it rounded; a row of :func:`to_pulp` that holds an integer variable with
+    coefficient ``a`` (a transfer time on a 0/1 choice, or the big-M of an enforced row)
+    then holds for the rounded value only up to ``|a| eps``. On a slow link (stop 77's 42
+    remat + offload cases: transfers ~5e7 beside compute ops of 1-10) HiGHS's default
+    ``eps = 1e-6`` let such rows slip by 10-40 time units and the decoded plans overran the
+    memory. This returns ``resolution / (2 K)`` with ``K`` the largest such ``|a|`` (the
+    M of :func:`_big_m` for enforced sides) over the rows that hold a continuous variable,
+    clamped to ``[least, default]``: ``default`` when the model's coefficients are small
+    beside ``resolution`` (most models: nothing changes). ``least`` (1e-9) because HiGHS
+    called feasible models infeasible at 1e-10 (stop 78); below it the replay of the
+    decoded plan stays the judge. Invariant under :meth:`Model.in_units` when
+    ``resolution`` is given in the same units.
+
+    Examples
+    --------
+    >>> m = Model("m"); t, y = m.continuous("t", 0, 1e9), m.binary("y")
+    >>> m.add(t >= 5e7 * y, "busy"); m.minimize(t)
+    >>> [milp_integrality_tolerance(m, r) for r in (0.01, 1.0, 1000.0)]
+    [1e-09, 1e-08, 1e-06]
+    """
+    cont = {v.index for v in model.vars if v.kind is Kind.CONTINUOUS}
+    largest = 0.0
+    for con in model.constraints:
+        if not any(i in cont for i, _ in con.terms):
+            continue
+        for i, c in con.terms:
+            if i not in cont:
+                largest = max(largest, abs(c))
+        if con.enforce:
+            largest = max(largest, *(m for m in _big_m(model, con) if m is not None),
+                          0.0)
+    if largest == 0.0 or not math.isfinite(largest) or not resolution > 0:
+        return default
+    return min(default, max(least, resolution / (2.0 * largest)))
 
 
 def shape_error(values: Sequence[float], count: int) -> str | None:

@@ -76,6 +76,33 @@ Constraints (``[x, y]``: enforced when the binaries ``x`` and ``y`` are 1)
   transfer ends before the last op (a value on the host is prefetched before it is freed),
   ``makespan >= sum_q busy_q``.
 
+The engine's integrality tolerance and the big-Ms (stop 78)
+-----------------------------------------------------------
+The PuLP emission writes an enforced row with the M of the variable bounds, for a time row
+about the horizon. On a slow link (transfers ~1e8 beside ops of 1-10) the transfer times
+themselves, coefficients of 0/1 choices in the link, release and prefetch rows, are of the
+same order, so a binary that HiGHS takes within its default integrality tolerance ``1e-6``
+of 1 lets such a row slip by 10-200 time units, and the rounded plan overran the memory.
+The exact methods pass HiGHS :attr:`RematOffloadModel.integrality_tolerance`, small enough
+that no row slips by half the shortest duration (floored at ``1e-9``; ``1e-6``, HiGHS's
+default, unless a model needs less).
+
+Per-row Ms were tried and dropped. Only three rows have a valid M below the horizon
+(``D^max_p`` the longest duration of item ``p``): ``avail`` and ``late`` (``T_q >= E_p``
+when off: ``E_p - T_q <= D^max_p`` since ``T_q >= S_p`` holds at every point) and ``wait``
+(``S_p >= Pi``: ``Pi - S_p <= tau_v`` once every ``Pi`` is lowered to the end of the last
+prefetch listed before ``p``, which changes no other row). The rows that slipped in stop
+77's cases have none: the release time ``R`` of an offload is one value for every item its
+offload spans (a reader listed after the offload lifts it through ``Rkeep``), so ``R -
+S_p``, ``R - T_q`` are unbounded below the horizon when ``hR``, ``preR``, ``pend`` are off,
+and so are ``T_q - E_p`` (``early``), ``T_q - S_{p+1}`` (``issue``) and ``T_q + tau_v -
+R'``, ``T_q + tau_v - Pi'`` (``Roff``, ``Pi``: a transfer may wait behind the link for any
+time); the transfer coefficients of the link rows are no big-M at all. With the three Ms
+and the default tolerance `ilp` proved 10 of those 42 cases (none before); with the
+tolerance it proved 42 without them and 36 with them (the 6 lost on links of 1e-9, where
+``1e-9`` times the horizon still exceeds the ops and either outcome is luck), so the model
+keeps the bounds' M (``benchmarks/results/offload_exact.md``, "Stop 78").
+
 A bound from outside the model
 ------------------------------
 :func:`build_link_relaxation` keeps the compute binaries integral and aggregates the link
@@ -119,10 +146,19 @@ import itertools
 import math
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 from optmem.chain import Chain
 from optmem.models import checkpoint_ilp as ck
-from optmem.models.formulation import Constraint, Expr, Literal, Model, Relation, Var
+from optmem.models.formulation import (
+    Constraint,
+    Expr,
+    Literal,
+    Model,
+    Relation,
+    Var,
+    milp_integrality_tolerance,
+)
 from optmem.plan import AnyOp, Op, OpKind, TransferKind, TransferOp, offload, prefetch
 
 Value = tuple[str, int]
@@ -151,6 +187,21 @@ class RematOffloadModel:
     horizon: float
     chain: Chain
     info: dict[str, int] = field(default_factory=dict)
+    resolution: float = math.inf
+    """The smallest positive duration of an op or a transfer (``inf``: none): what the
+    engine's tolerances must not blur (:func:`duration_resolution`)."""
+
+    @cached_property
+    def integrality_tolerance(self) -> float:
+        """The MILP integrality tolerance of this model (stop 78).
+
+        :func:`~optmem.models.formulation.milp_integrality_tolerance` of :attr:`model` at
+        :attr:`resolution`: HiGHS's default ``1e-6`` unless a transfer time or a big-M is
+        so large beside the shortest duration that a binary within ``1e-6`` of an integer
+        would let a time row slip by half of it (very slow links). A horizon below the
+        model's (:func:`with_fixed`) only shrinks the big-Ms, so it holds there too.
+        """
+        return milp_integrality_tolerance(self.model, self.resolution)
 
     @property
     def slots(self) -> list[ck.Slot]:
@@ -265,6 +316,25 @@ def _class_horizon(seq: Sequence[ck.Slot | Op], uf: Sequence[float], ub: Sequenc
     slot_max = [max((uf[it.stage] for _ in it.ops), default=0.0)
                 if isinstance(it, ck.Slot) else 0.0 for it in seq]
     return (sum(slot_max) + sum(ub) + (len(seq) - 1) * transfers_per_gap * longest + 1.0)
+
+
+def duration_resolution(chain: Chain, bandwidth: float) -> float:
+    """The smallest positive duration of a compute op or a transfer of ``chain`` (``inf``: none).
+
+    What a MILP engine's tolerances must not blur on the model and its relaxations
+    (:func:`~optmem.models.formulation.milp_integrality_tolerance`, stop 78).
+
+    Examples
+    --------
+    >>> from optmem.datasets.synthetic import random_chain
+    >>> c = random_chain(2, seed=1, integer_times=True)  # forwards 0, backwards 6, 7, loss 2
+    >>> duration_resolution(c, 1e-8), duration_resolution(c, 2.0)
+    (2.0, 1.5)
+    """
+    sizes = [chain.input_size, *chain.output_size, *chain.saved_size]
+    tau = [x / bandwidth for x in sizes if x > 0] if bandwidth > 0 else []
+    times = [*chain.fwd_time, *chain.bwd_time, chain.loss_bwd_time, *tau]
+    return min((t for t in times if t > 0), default=math.inf)
 
 
 def class_horizon(chain: Chain, memory_limit: int, bandwidth: float, *, sweeps: int = 1,
@@ -533,8 +603,10 @@ def build_remat_offload(chain: Chain, memory_limit: int, bandwidth: float, *,
     for nm, e in cuts:
         m.add(obj >= e, nm)
     m.minimize(obj)
+    durations = [t for t in (*uf, *ub, *tau.values()) if t > 0]
     return RematOffloadModel(m, cf, [Model.index(s) for s in S], positions, Model.index(obj),
-                             U, chain, {**m.size, "host_vars": n_h, "positions": len(positions)})
+                             U, chain, {**m.size, "host_vars": n_h, "positions": len(positions)},
+                             min(durations, default=math.inf))
 
 
 def build_link_relaxation(chain: Chain, memory_limit: int, bandwidth: float, *,

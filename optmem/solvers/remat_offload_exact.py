@@ -62,12 +62,14 @@ from optmem.errors import OptmemInputError, PlanError
 from optmem.models.checkpoint_ilp import write_model
 from optmem.models.formulation import (
     MAX_DECIMALS,
+    MILP_DEFAULT_TOLERANCE,
     Expr,
     Kind,
     Model,
     Relation,
     grid_ceiling,
     largest_bound,
+    milp_integrality_tolerance,
     milp_time_unit,
     rational_time_scale,
     shape_error,
@@ -81,6 +83,7 @@ from optmem.models.remat_offload import (
     build_link_relaxation,
     build_remat_offload,
     class_horizon,
+    duration_resolution,
     host_item_rows,
     host_violations,
     with_fixed,
@@ -619,12 +622,15 @@ def _ladder_plans(problem: RematOffloadProblem, options: SolveOptions,
 
 def _engine_solve(model: Model, engine: str, options: SolveOptions, *,
                   initial: Sequence[float] | None, scale: int, time_limit_s: float | None,
-                  deadline: Deadline | None = None
+                  deadline: Deadline | None = None, tolerance: float = MILP_DEFAULT_TOLERANCE
                   ) -> tuple[EngineResult, list[float] | None, float]:
     """Emit ``model`` for ``engine`` and solve: the engine outcome, model values, bound.
 
     ``deadline`` caps ``time_limit_s`` once the model is emitted (the emission of the
     ResNet-50 model takes 3-5 s: a limit computed before it overran the solve's deadline).
+    ``tolerance``: HiGHS's ``mip_feasibility_tolerance`` when below its default
+    (:attr:`~optmem.models.remat_offload.RematOffloadModel.integrality_tolerance`, stop 78;
+    the other engines keep theirs).
     """
 
     def limit() -> float | None:
@@ -640,12 +646,31 @@ def _engine_solve(model: Model, engine: str, options: SolveOptions, *,
         return out, values, bound
     unit = milp_time_unit(largest_bound(model))  # stop 77: times of a slow link ~1e10
     pm = to_pulp(model.in_units(unit))
+    highs = {"mip_feasibility_tolerance": tolerance} \
+        if engine == "highs" and tolerance < MILP_DEFAULT_TOLERANCE else None
     out = _shaped(engines.solve_pulp(pm.problem, pm.all_variables, engine,
                                      initial=pm.initial(None if initial is None else
                                                         model.to_units(initial, unit)),
                                      **{**engines.pulp_settings(options),
-                                        "time_limit_s": limit()}), model)
+                                        "time_limit_s": limit()}, highs_options=highs), model)
     return _from_units(out, model, unit)
+
+
+def _tolerance_option(model: Model, chain: Chain, beta: float, engine: str
+                      ) -> dict[str, Any] | None:
+    """HiGHS's ``mip_feasibility_tolerance`` for a link relaxation of ``chain`` (stop 78).
+
+    :func:`~optmem.models.formulation.milp_integrality_tolerance` at the chain's
+    :func:`~optmem.models.remat_offload.duration_resolution`, as for the model
+    (:attr:`~optmem.models.remat_offload.RematOffloadModel.integrality_tolerance`): on slow
+    links HiGHS called relaxations infeasible where the DP's plan replays (and so gave no
+    bound). ``None`` (HiGHS's default) for other engines and well-conditioned models.
+    """
+    if engine != "highs":
+        return None
+    tolerance = milp_integrality_tolerance(model, duration_resolution(chain, beta))
+    return {"mip_feasibility_tolerance": tolerance} \
+        if tolerance < MILP_DEFAULT_TOLERANCE else None
 
 
 def _from_units(out: EngineResult, model: Model, unit: float
@@ -710,7 +735,8 @@ def _warm_start(problem: RematOffloadProblem, options: SolveOptions,
             break
         done, values, _ = _engine_solve(with_fixed(built, fixed), engine, options,
                                         initial=None, scale=scale, time_limit_s=limit,
-                                        deadline=deadline)
+                                        deadline=deadline,
+                                        tolerance=built.integrality_tolerance)
         if not done.status.has_plan or values is None:
             notes.append(f"{label}: not completed ({done.status}: {done.message})")
             continue
@@ -889,7 +915,9 @@ def _relaxation_bound(chain: Chain, memory_limit: int, beta: float, sweeps: int,
             limit = deadline.cap(_stage_limit(budget, clock() - began, first=previous is None))
             out = _from_units(engines.solve_pulp(
                 pm.problem, pm.all_variables, pulp_engine,
-                **{**engines.pulp_settings(options), "time_limit_s": limit}), master, unit)[0]
+                **{**engines.pulp_settings(options), "time_limit_s": limit},
+                highs_options=_tolerance_option(master, chain, beta, pulp_engine)),
+                master, unit)[0]
             info = _record(info, key, out)
             if out.status is Status.INFEASIBLE and not out.failed:
                 if _confirmed_empty(chain, memory_limit, beta, sweeps, options, pulp_engine,
@@ -934,7 +962,8 @@ def _confirmed_empty(chain: Chain, memory_limit: int, beta: float, sweeps: int,
     plain = to_pulp(model.in_units(milp_time_unit(largest_bound(model))))
     out = engines.solve_pulp(plain.problem, plain.all_variables, engine,
                              **{**engines.pulp_settings(options),
-                                "time_limit_s": deadline.cap(None)})
+                                "time_limit_s": deadline.cap(None)},
+                             highs_options=_tolerance_option(model, chain, beta, engine))
     empty = out.status is Status.INFEASIBLE and not out.failed
     info["infeasible"] = (f"the plain stage has no point at the class horizon {horizon:g}"
                           if empty else f"not confirmed at the class horizon {horizon:g} "
@@ -1110,7 +1139,9 @@ def _lazy_host(chain: Chain, memory_limit: int, beta: float, sweeps: int,
                 pm.problem, pm.all_variables, engine,
                 **{**engines.pulp_settings(options), "time_limit_s":
                    None if left is None else max(left, MIN_ENGINE_LIMIT_S)},
-                highs_options=presolve), master, unit)[0]
+                highs_options={**(presolve or {}),
+                               **(_tolerance_option(master, chain, beta, engine) or {})}
+                or None), master, unit)[0]
             if not out.failed and math.isfinite(out.bound):
                 floor = max(floor, out.bound - 1e-9 * max(1.0, abs(out.bound)))
             yield master, out
@@ -1505,7 +1536,8 @@ def _sequence_candidate(setup: _Setup, relaxed: _Relaxed, options: SolveOptions
     out, values, _ = _engine_solve(with_fixed(built, fixed), setup.engine,
                                    options.with_(deterministic_time=work), initial=None,
                                    scale=setup.scale, time_limit_s=limit,
-                                   deadline=setup.deadline)
+                                   deadline=setup.deadline,
+                                   tolerance=built.integrality_tolerance)
     if not out.status.has_plan or values is None:
         return None
     plan = built.decode(values)
@@ -1593,8 +1625,12 @@ def _full_solve(setup: _Setup, options: SolveOptions, report: dict[str, Any], *,
                                           engine, 0.0, "no time left",
                                           stopped_by="time"), None, -math.inf
     else:
+        tolerance = built.integrality_tolerance
+        if tolerance < MILP_DEFAULT_TOLERANCE and engine == "highs":
+            report["integrality_tolerance"] = tolerance
         out, values, bound = _engine_solve(model, engine, options, initial=start.values,
-                                           scale=scale, time_limit_s=left, deadline=deadline)
+                                           scale=scale, time_limit_s=left, deadline=deadline,
+                                           tolerance=tolerance)
     start = _cross_check(problem, options, start, out, report, candidates)
     if out.status is Status.INFEASIBLE and start.plan is not None:
         # the warm start replays within the memory: an engine fault (as checkpoint's _checked)
