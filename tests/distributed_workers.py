@@ -267,6 +267,15 @@ def load(out_dir: str, rank: int, job: int) -> dict[str, Any]:
     return torch.load(os.path.join(out_dir, f"rank{rank}_job{job}.pt"), weights_only=False)
 
 
+def whole_batch_grads(model_name: str) -> dict[str, torch.Tensor]:
+    """Single-process gradients on the whole batch of both ranks (FSDP averages)."""
+    model, (x, y), loss_fn = _fsdp_case(model_name, 2)
+    args, kwargs, target = model_call(loss_fn, x, y)
+    out = model(*args, **kwargs)
+    (out.loss if loss_fn is None else loss_fn(out, target)).backward()
+    return _grads(model)
+
+
 def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 

@@ -21,15 +21,6 @@ from optmem.pytorch.distributed import spawn  # noqa: E402
 pytestmark = pytest.mark.distributed
 
 
-def _whole_batch_grads(model_name: str) -> dict[str, torch.Tensor]:
-    """Single-process gradients on the whole batch of both ranks (FSDP averages)."""
-    model, (x, y), loss_fn = w._fsdp_case(model_name, 2)
-    args, kwargs, target = w.model_call(loss_fn, x, y)
-    out = model(*args, **kwargs)
-    (out.loss if loss_fn is None else loss_fn(out, target)).backward()
-    return w._grads(model)
-
-
 def test_offload_plans_sharded_per_stage_train_as_the_plain_model(tmp_path):
     pytest.importorskip("transformers", reason="the HuggingFace model needs transformers")
     cases = [(wrap, model) for model in ("mlp", "hf-gpt2")
@@ -38,7 +29,7 @@ def test_offload_plans_sharded_per_stage_train_as_the_plain_model(tmp_path):
             for wrap, model in cases]
     spawn(w.run_jobs, 2, jobs, str(tmp_path), init_file=str(tmp_path / "rendezvous"))
     for k, (_, model) in enumerate(cases):
-        expected = _whole_batch_grads(model)
+        expected = w.whole_batch_grads(model)
         keys = sorted(w._fsdp_case(model, 2)[0].state_dict())
         for r in range(2):
             got = w.load(str(tmp_path), r, k)

@@ -84,15 +84,6 @@ def test_checkpoint_fsdp_refuses_an_unknown_problem_before_the_profile(monkeypat
             checkpoint_fsdp(model, x, "80%", problem=problem)
 
 
-def _whole_batch_grads(model_name: str) -> dict[str, torch.Tensor]:
-    """Single-process gradients on the whole batch of both ranks (FSDP averages)."""
-    model, (x, y), loss_fn = w._fsdp_case(model_name, 2)
-    args, kwargs, target = w.model_call(loss_fn, x, y)
-    out = model(*args, **kwargs)
-    (out.loss if loss_fn is None else loss_fn(out, target)).backward()
-    return w._grads(model)
-
-
 @pytest.mark.distributed
 def test_offload_plans_counting_fsdp_train_as_one_process_within_their_peak(tmp_path):
     """2 gloo ranks, a residual MLP and HuggingFace's GPT-2 at 80% of the FSDP chain's
@@ -118,7 +109,7 @@ def test_offload_plans_counting_fsdp_train_as_one_process_within_their_peak(tmp_
                  "memory_limit": "80%", "route": "fully_shard_checkpointed"})
     spawn(w.run_jobs, 2, jobs, str(tmp_path), init_file=str(tmp_path / "rendezvous"))
     for k, (model, problem) in enumerate(cases):
-        expected = _whole_batch_grads(model)
+        expected = w.whole_batch_grads(model)
         keys = sorted(w._fsdp_case(model, 2)[0].state_dict())
         for r in range(2):
             got = w.load(str(tmp_path), r, k)
@@ -153,7 +144,7 @@ def test_units_rerun_in_the_backward_are_sharded_until_their_own_backward(tmp_pa
     jobs = [{"kind": "fsdp_gathered_units", "problem": "checkpoint", "memory_limit": "80%"},
             {"kind": "fsdp_gathered_units", "problem": "remat_offload", "memory_limit": "55%"}]
     spawn(w.run_jobs, 2, jobs, str(tmp_path), init_file=str(tmp_path / "rendezvous"))
-    expected = _whole_batch_grads("mlp")
+    expected = w.whole_batch_grads("mlp")
     for k in range(len(jobs)):
         for r in range(2):
             got = w.load(str(tmp_path), r, k)

@@ -36,6 +36,17 @@ pytest.importorskip("pulp", reason="method ilp uses PuLP")
 ONE = SolveOptions(threads=1, warm_start=False)
 
 
+def sized_chain(rng: random.Random, fwd: list[float], bwd: list[float]) -> Chain:
+    """A chain with these times and random small sizes (outputs, tapes, overheads, weights)."""
+    n = len(fwd)
+    out = [rng.randint(1, 6) for _ in range(n)]
+    return Chain.from_lists(fwd, bwd, out, [o + rng.randint(0, 6) for o in out],
+                            input_size=rng.randint(1, 6),
+                            fwd_overhead=[rng.randint(0, 3) for _ in range(n)],
+                            bwd_overhead=[rng.randint(0, 3) for _ in range(n)],
+                            weight_size=[rng.randint(0, 6) for _ in range(n)])
+
+
 def zero_time_instance(seed: int) -> PipelineProblem:
     """A seeded ``stash`` chain of 2-4 layers, some with zero forward or backward time."""
     rng = random.Random(seed)
@@ -45,12 +56,7 @@ def zero_time_instance(seed: int) -> PipelineProblem:
     if 0.0 not in fwd:
         fwd[rng.randrange(n)] = 0.0
     bwd[-1] = float(rng.choice([1, 2, 4]))  # no last layers without time (merged: below)
-    out = [rng.randint(1, 6) for _ in range(n)]
-    chain = Chain.from_lists(fwd, bwd, out, [o + rng.randint(0, 6) for o in out],
-                             input_size=rng.randint(1, 6),
-                             fwd_overhead=[rng.randint(0, 3) for _ in range(n)],
-                             bwd_overhead=[rng.randint(0, 3) for _ in range(n)],
-                             weight_size=[rng.randint(0, 6) for _ in range(n)])
+    chain = sized_chain(rng, fwd, bwd)
     gpus = rng.choice([2, 2, 3])
     bandwidth = rng.choice([None, 1.0, 2.0])
     kw = {} if bandwidth is None else {"chain_bandwidth": bandwidth}
@@ -200,12 +206,7 @@ def strict_zero_instance(seed: int, zero_forward: bool = False) -> PipelineProbl
         bwd[rng.randrange(n)] = 0.0
     if sum(fwd) + sum(bwd) == 0:
         fwd[0] = 1.0
-    out = [rng.randint(1, 6) for _ in range(n)]
-    chain = Chain.from_lists(fwd, bwd, out, [o + rng.randint(0, 6) for o in out],
-                             input_size=rng.randint(1, 6),
-                             fwd_overhead=[rng.randint(0, 3) for _ in range(n)],
-                             bwd_overhead=[rng.randint(0, 3) for _ in range(n)],
-                             weight_size=[rng.randint(0, 6) for _ in range(n)])
+    chain = sized_chain(rng, fwd, bwd)
     gpus = rng.choice([1, 2, 2, 3])
     bandwidth = rng.choice([None, None, 2.0])
     kw = {} if bandwidth is None else {"chain_bandwidth": bandwidth}

@@ -143,13 +143,21 @@ class StorageTrace(TorchDispatchMode):
         nbytes = int(storage.nbytes())
         record = self._live.get(key)
         if record is not None:
-            # resized in place: count the difference
-            if nbytes != self.sizes[record] and not self.count_aliases:
-                self.events.append((record, nbytes - self.sizes[record]))
-                self.sizes[record] = nbytes
+            if not self.count_aliases:
+                self._resize(record, nbytes)  # resized in place: count the difference
             return
         if key in self.known or (key in inputs and not fresh and not self.count_aliases):
             return
+        self._start(storage, key, nbytes)
+
+    def _resize(self, record: int, nbytes: int) -> None:
+        """Record ``record``'s storage at ``nbytes`` from now (the difference as an event)."""
+        if nbytes != self.sizes[record]:
+            self.events.append((record, nbytes - self.sizes[record]))
+            self.sizes[record] = nbytes
+
+    def _start(self, storage: torch.UntypedStorage, key: int, nbytes: int) -> None:
+        """Count ``storage`` (``key``) at ``nbytes`` from now until it is freed."""
         record = len(self.sizes)
         self.sizes.append(nbytes)
         self._live[key] = record
@@ -176,17 +184,9 @@ class StorageTrace(TorchDispatchMode):
         nbytes = int(storage.nbytes())
         record = self._live.get(key)
         if record is not None:
-            if nbytes != self.sizes[record]:
-                self.events.append((record, nbytes - self.sizes[record]))
-                self.sizes[record] = nbytes
-            return
-        if key in self.known or nbytes == 0:
-            return
-        record = len(self.sizes)
-        self.sizes.append(nbytes)
-        self._live[key] = record
-        self.events.append((record, nbytes))
-        weakref.finalize(storage, self._free, key, record)
+            self._resize(record, nbytes)
+        elif key not in self.known and nbytes > 0:
+            self._start(storage, key, nbytes)
 
     def hold(self, tensors: Iterable[torch.Tensor]) -> None:
         """Count the storages of existing ``tensors`` as alive from now until they are freed.
