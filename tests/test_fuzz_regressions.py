@@ -398,9 +398,8 @@ def test_links_too_slow_for_the_chain_are_rejected_not_an_engine_overflow(proble
 def test_remat_offload_at_a_bandwidth_of_1e308_answers_as_a_fast_link(method):
     """--chain-bandwidth 1e308 (a fuzz case of stop 78) overflowed the remat + offload DP
     (``OverflowError`` in ``_qc``: a traceback; on 3 stages a wrong ``infeasible``) and
-    the exact models' rows ("Cannot set constraint RHS to NaN/inf values"). The DP now
-    computes volumes at a capped rate, and the solvers cap the link at ``LINK_CAP``: the
-    answer is the one at 1e9, without a warning."""
+    the exact models' rows ("Cannot set constraint RHS to NaN/inf values"). The solvers
+    now cap the link at ``LINK_CAP``: the answer is the one at 1e9, without a warning."""
     chain = {"c.json": chain_bytes()}
     argv = ["solve", "remat-offload", "{d}/c.json", "-m", "14", "--method", method,
             "--json", "--chain-bandwidth"]

@@ -111,25 +111,8 @@ class PofoDP:
                             field="grid or backlog_grid values")
         self._cd: np.ndarray | None = None
         self._oc_tab: dict[tuple[int, int], np.ndarray] = {}
-        self.rate = self._volume_rate()
 
     # ------------------------------------------------------------------ helpers
-    def _volume_rate(self) -> float:
-        """The bandwidth the volumes moved in a time are computed with (``beta`` capped).
-
-        A volume at or above ``cap`` (more than every size and backlog the DP compares
-        volumes with) decides as an unlimited one, and the smallest positive duration
-        moves ``cap`` at the capped rate: so the DP's choices and values are those at
-        ``beta``, while ``duration * beta`` stays finite. Waits (:meth:`_eps`) divide by
-        ``beta`` itself. Before stop 78, a chain bandwidth of 1e308 overflowed to ``inf``
-        and then ``nan`` (a fuzz case: ``OverflowError`` in :meth:`_qc`, and a wrong
-        ``infeasible`` on a 3-stage chain).
-        """
-        cap = 2.0 * (self.M + self.q * self.n_d + sum(self.a) + sum(self.abar)
-                     + sum(self.of) + sum(self.ob)) + 1.0
-        positive = [t for t in (*self.uf, *self.ub) if t > 0]
-        return min(self.beta, cap / min(positive)) if positive else self.beta
-
     def _eps(self, excess: float) -> float:
         """Waiting time for ``excess`` memory units to move over the link (4.1-4.2)."""
         if excess <= _EPS:
@@ -168,7 +151,7 @@ class PofoDP:
 
     def _cdelta(self, s: int, t: int, A: int, D: int) -> tuple[float, tuple]:
         a, abar, of, ob, uf, ub, beta = (self.a, self.abar, self.of, self.ob, self.uf,
-                                         self.ub, self.rate)  # beta: volumes moved
+                                         self.ub, self.beta)
         q = self.q
         room = self.M - A
         m_f = a[t] + abar[s] + of[s]
@@ -238,7 +221,7 @@ class PofoDP:
 
     def _oc(self, x: int, s: int, A: int, dF: int, dB: int) -> tuple[float, tuple]:
         a, abar, of, ob, uf, ub, beta, M = (self.a, self.abar, self.of, self.ob, self.uf,
-                                            self.ub, self.rate, self.M)  # beta: volumes
+                                            self.ub, self.beta, self.M)
         inp = self._input(x, s)
         room = M - A
         if s == self.L + 1:  # the loss: F_all L+1 then B L+1 (one Loss op)
@@ -302,7 +285,7 @@ class PofoDP:
         """Volume moved by the link in ``duration`` (``inf`` stays ``inf``, no nan)."""
         duration = np.asarray(duration, dtype=float)
         finite = np.isfinite(duration)
-        return np.where(finite, np.where(finite, duration, 0.0) * self.rate, INF)
+        return np.where(finite, np.where(finite, duration, 0.0) * self.beta, INF)
 
     def _vceil(self, x: np.ndarray) -> np.ndarray:
         """Vectorised :meth:`_qc`."""
@@ -342,7 +325,7 @@ class PofoDP:
 
     def _cd_cell(self, cd: np.ndarray, s: int, t: int) -> np.ndarray:
         a, abar, of, ob, uf, ub = self.a, self.abar, self.of, self.ob, self.uf, self.ub
-        M, beta = self.M, self.rate  # beta: volumes moved (waits: _veps)
+        M, beta = self.M, self.beta
         A = np.arange(M + 1)[:, None]
         D = np.arange(self.n_d)[None, :]
         Dq = D * self.q
@@ -427,7 +410,7 @@ class PofoDP:
             mk = self._mk_fwd(s, t)
             if t > s:
                 worst_rest = max(worst_rest, mk)
-            lemma = max(lemma, mk - self.rate * sum_f)
+            lemma = max(lemma, mk - self.beta * sum_f)
             sum_f += uf[t]
             if worst_rest > M:
                 break
