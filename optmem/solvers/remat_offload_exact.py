@@ -646,8 +646,7 @@ def _engine_solve(model: Model, engine: str, options: SolveOptions, *,
         return out, values, bound
     unit = milp_time_unit(largest_bound(model))  # stop 77: times of a slow link ~1e10
     pm = to_pulp(model.in_units(unit))
-    highs = {"mip_feasibility_tolerance": tolerance} \
-        if engine == "highs" and tolerance < MILP_DEFAULT_TOLERANCE else None
+    highs = _highs_tolerance(tolerance, engine)
     out = _shaped(engines.solve_pulp(pm.problem, pm.all_variables, engine,
                                      initial=pm.initial(None if initial is None else
                                                         model.to_units(initial, unit)),
@@ -668,9 +667,15 @@ def _tolerance_option(model: Model, chain: Chain, beta: float, engine: str
     """
     if engine != "highs":
         return None
-    tolerance = milp_integrality_tolerance(model, duration_resolution(chain, beta))
-    return {"mip_feasibility_tolerance": tolerance} \
-        if tolerance < MILP_DEFAULT_TOLERANCE else None
+    return _highs_tolerance(milp_integrality_tolerance(model, duration_resolution(chain, beta)),
+                            engine)
+
+
+def _highs_tolerance(tolerance: float, engine: str) -> dict[str, Any] | None:
+    """HiGHS's options for an integrality ``tolerance`` below its default (``None``: none)."""
+    if engine != "highs" or tolerance >= MILP_DEFAULT_TOLERANCE:
+        return None
+    return {"mip_feasibility_tolerance": tolerance}
 
 
 def _from_units(out: EngineResult, model: Model, unit: float
@@ -1626,7 +1631,7 @@ def _full_solve(setup: _Setup, options: SolveOptions, report: dict[str, Any], *,
                                           stopped_by="time"), None, -math.inf
     else:
         tolerance = built.integrality_tolerance
-        if tolerance < MILP_DEFAULT_TOLERANCE and engine == "highs":
+        if _highs_tolerance(tolerance, engine):
             report["integrality_tolerance"] = tolerance
         out, values, bound = _engine_solve(model, engine, options, initial=start.values,
                                            scale=scale, time_limit_s=left, deadline=deadline,
