@@ -856,9 +856,7 @@ class _Encoder:
         """Place each resource's tasks in a window starting at its earliest task."""
         wins: dict[int, float] = {}
         for res, tasks in members.items():
-            rel = {t: math.fmod(self.times[t] - origin, self.period) for t in tasks}
-            rel = {t: r + self.period if r < 0 else r for t, r in rel.items()}
-            rel = {t: 0.0 if r >= self.period * (1 - 1e-12) else r for t, r in rel.items()}
+            rel = self._relative(tasks, origin)
             wins[res] = min(rel.values())
             for t, r in rel.items():
                 self.set(self.form.start[t], r)
@@ -876,11 +874,11 @@ class _Encoder:
         for t in form.tasks:
             members.setdefault(self.gpu[t[1]], []).append(t)
         origin = min(self.times[t] for t in members[0])
-        origin += self._window_start(members[0], origin)
+        origin += self._window_start(self._relative(members[0], origin))
         self.origin = origin
         for p, tasks in members.items():
-            rel = {t: self._phase(self.times[t] - origin) for t in tasks}
-            win = self._window_start(tasks, origin)
+            rel = self._relative(tasks, origin)
+            win = self._window_start(rel)
             for t, r in rel.items():
                 self.set(form.start[t], r + period if r < win else r)
             if p < len(form.window):
@@ -889,23 +887,20 @@ class _Encoder:
             self.set(form.start[("B", q)], self.val(form.start[("B", q + 1)])
                      + form.units.b[q + 1])
 
-    def _phase(self, time: float) -> float:
-        """``time`` modulo the period, in ``[0, T)`` (``T`` up to rounding: 0)."""
-        r = math.fmod(time, self.period)
-        r = r + self.period if r < 0 else r
-        return 0.0 if r >= self.period * (1 - 1e-12) else r
+    def _relative(self, tasks: list[Task], origin: float) -> dict[Task, float]:
+        """Each task's start modulo the period from ``origin``, in ``[0, T)`` (``T``: 0)."""
+        return {t: phase(self.times[t] - origin, self.period, 1e-12) for t in tasks}
 
-    def _window_start(self, tasks: list[Task], origin: float) -> float:
-        """Phase (from ``origin``) of the window of a GPU running ``tasks`` (:meth:`_gpu_times`)."""
+    def _window_start(self, rel: dict[Task, float]) -> float:
+        """Phase of the window of a GPU whose tasks start at ``rel`` (:meth:`_gpu_times`)."""
         form, period = self.form, self.period
-        rel = {t: self._phase(self.times[t] - origin) for t in tasks}
         if not form.strict:
             return min(rel.values())
         inner = {("F", q + 1) for q in self.joined} | {("B", q) for q in self.joined}
-        zero = [rel[t] for t in tasks if self.val(form.duration(t)) == 0 and t not in inner]
+        zero = [r for t, r in rel.items() if self.val(form.duration(t)) == 0 and t not in inner]
         sep = separation(period)
         for c in sorted({r for t, r in rel.items() if t not in inner}):
-            gaps = (self._phase(c - z) for z in zero)
+            gaps = (phase(c - z, period, 1e-12) for z in zero)
             if all(g <= 1e-12 * period or g >= sep for g in gaps):
                 return c
         return min(rel.values())
