@@ -276,6 +276,15 @@ def whole_batch_grads(model_name: str) -> dict[str, torch.Tensor]:
     return _grads(model)
 
 
+def assert_steps_match(steps: list[dict[str, torch.Tensor]],
+                       expected: dict[str, torch.Tensor]) -> None:
+    """Every step's gradients are ``expected`` (the same names; rtol 1e-5, atol 1e-6)."""
+    for step in steps:
+        assert step.keys() == expected.keys()
+        for name, grad in expected.items():
+            torch.testing.assert_close(step[name], grad, rtol=1e-5, atol=1e-6)
+
+
 def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 

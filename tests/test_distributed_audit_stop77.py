@@ -35,10 +35,7 @@ def test_offload_plans_sharded_per_stage_train_as_the_plain_model(tmp_path):
             got = w.load(str(tmp_path), r, k)
             assert any(op.startswith("offload") for op in got["plan"])  # the plan moves some
             assert got["keys"] == keys
-            for step in got["steps"]:
-                assert step.keys() == expected.keys()
-                for name, grad in expected.items():
-                    torch.testing.assert_close(step[name], grad, rtol=1e-5, atol=1e-6)
+            w.assert_steps_match(got["steps"], expected)
 
 
 def test_blocks_sharded_after_wrapping_an_exported_model_is_one_clear_error(tmp_path):

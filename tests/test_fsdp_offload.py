@@ -122,10 +122,7 @@ def test_offload_plans_counting_fsdp_train_as_one_process_within_their_peak(tmp_
             assert all(f >= p for f, p in zip(chain.fwd_overhead, units, strict=True))
             allowance = got["root_bytes"] + 2 * max(units)
             assert got["measured"] <= got["claimed"] + allowance, (model, problem, got)
-            for step in got["steps"]:
-                assert step.keys() == expected.keys()
-                for name, grad in expected.items():
-                    torch.testing.assert_close(step[name], grad, rtol=1e-5, atol=1e-6)
+            w.assert_steps_match(got["steps"], expected)
     before = w.load(str(tmp_path), 0, len(cases))
     assert not Chain.from_dict(before["chain"]).name.endswith("+fsdp")
     assert before["measured"] > before["claimed"] + before["root_bytes"] + 2 * max(
@@ -161,7 +158,4 @@ def test_units_rerun_in_the_backward_are_sharded_until_their_own_backward(tmp_pa
                     assert units in ([], [1])
                 else:
                     assert units == [], (o, units)
-            for step in got["steps"]:
-                assert step.keys() == expected.keys()
-                for name, grad in expected.items():
-                    torch.testing.assert_close(step[name], grad, rtol=1e-5, atol=1e-6)
+            w.assert_steps_match(got["steps"], expected)
