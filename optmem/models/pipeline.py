@@ -575,6 +575,7 @@ class PipelineFormulation:
     mates: dict[tuple[Task, Task], Expr] = field(default_factory=dict)
     held: dict[tuple[Task, int], Expr] = field(default_factory=dict)
     fixed_gpu: tuple[int, ...] | None = None
+    tie_relaxed: bool = False
     _sums: dict[tuple[int, int, int], Expr] = field(default_factory=dict, repr=False,
                                                     compare=False)
 
@@ -816,7 +817,9 @@ class _Encoder:
                     self.set(k, self.val(store[(above, v)]) if inherit else 0.0)
                     continue
                 gap = self.val(form.start[v]) - self.val(form.start[t])
-                close = gap <= tol if tied else gap < separation(self.period)
+                # tie-relaxed: near only at the same instant (the simulator's tie)
+                close = gap <= tol if tied or form.tie_relaxed \
+                    else gap < separation(self.period)
                 own = self._mates(t, v)  # one stage: its own stash held at its check
                 self.set(k, 1.0 if self.val(form.prec(t, v)) > 0.5 and close and not own
                          else 0.0)
@@ -948,7 +951,7 @@ def build_pipeline_model(
     lower_bound: float = 0.0, lifetime_cuts: bool = False,
     together: Sequence[Sequence[int]] = (),
     same_gpu: Mapping[tuple[int, int], bool] | None = None, slim: bool = True,
-    stash_floors: Mapping[tuple[int, int], int] | None = None,
+    stash_floors: Mapping[tuple[int, int], int] | None = None, tie_relaxed: bool = False,
 ) -> PipelineFormulation:
     """Build the model of the module docstring.
 
@@ -997,7 +1000,8 @@ def build_pipeline_model(
     model.minimize(period)
     form = PipelineFormulation(units, min(n_gpus, n), memory, strict, model, period, lower,
                                upper, _size_unit(units, memory),
-                               fixed_gpu=None if gpu is None else gpu)
+                               fixed_gpu=None if gpu is None else gpu,
+                               tie_relaxed=tie_relaxed and strict)
     _Builder(form, slim=slim and SLIM_FIXED and gpu is not None and not lifetime_cuts).build()
     for k, group in enumerate(together):
         members = sorted(set(group))
@@ -1410,8 +1414,9 @@ class _Builder:
                 if (v[0] == "F" and stash) or (self.dur(v) == 0 and v in producers):
                     k = form.near[(t, v)] = m.binary(f"near_{name}")
                     m.add(k <= prec, f"nearle_{name}")
-                    m.add(slots * (form.start[v] - form.start[t]) >= gap, f"neara_{name}",
-                          only_if=[*lits, m.literal(k, False), *free, *mate])
+                    if not form.tie_relaxed:
+                        m.add(slots * (form.start[v] - form.start[t]) >= gap,
+                              f"neara_{name}", only_if=[*lits, m.literal(k, False), *free, *mate])
                     if inherit and (above, v) in form.near:
                         assert join is not None
                         m.add(k >= form.near[(above, v)] + join - 1, f"nearj_{name}")

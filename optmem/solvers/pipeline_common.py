@@ -183,7 +183,7 @@ def run_model(
     same_gpu: Mapping[tuple[int, int], bool] | None = None, slim: bool = True,
     parameters: Mapping[str, Any] | None = None,
     stash_floors: Mapping[tuple[int, int], int] | None = None,
-    deadline: float | None = None,
+    deadline: float | None = None, tie_relaxed: bool = False,
 ) -> ModelRun:
     """Build the model of ``units`` (default: the layers), solve it with ``method``.
 
@@ -214,7 +214,7 @@ def run_model(
     form = build_model(problem, units=units, gpu=gpu, upper_bound=upper_bound, lower=lower,
                        feasibility=feasibility, lifetime_cuts=lifetime_cuts,
                        together=together, same_gpu=same_gpu, slim=slim,
-                       stash_floors=stash_floors)
+                       stash_floors=stash_floors, tie_relaxed=tie_relaxed)
     values = form.encode(warm) if warm is not None and options.warm_start else None
     report: dict[str, Any] = {"model_size": form.model.size,
                               "warm_start": "none" if warm is None or not options.warm_start
@@ -234,7 +234,7 @@ def build_model(
     upper_bound: float | None = None, lower: float = 0.0, feasibility: bool = False,
     lifetime_cuts: bool = False, together: Sequence[Sequence[int]] = (),
     same_gpu: Mapping[tuple[int, int], bool] | None = None, slim: bool = True,
-    stash_floors: Mapping[tuple[int, int], int] | None = None,
+    stash_floors: Mapping[tuple[int, int], int] | None = None, tie_relaxed: bool = False,
 ) -> PipelineFormulation:
     """The model :func:`run_model` solves (its arguments, as there), built and not solved.
 
@@ -248,7 +248,8 @@ def build_model(
                                 lower_bound=max(lower, lower_bound(problem))
                                 if gpu is None else lower,
                                 lifetime_cuts=lifetime_cuts, together=together,
-                                same_gpu=same_gpu, slim=slim, stash_floors=stash_floors)
+                                same_gpu=same_gpu, slim=slim, stash_floors=stash_floors,
+                                tie_relaxed=tie_relaxed)
     if feasibility:
         form.model.minimize(0)
     return form
