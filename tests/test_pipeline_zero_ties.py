@@ -290,6 +290,26 @@ def test_a_strict_optimum_above_the_infimum_is_not_called_optimal():
         assert "tie_separation" in res.report
 
 
+def test_cpsat_bounds_a_chain_without_backward_time_from_the_tie_relaxed_model():
+    """Stop 78's slow chain (3 layers, every backward without time, 3 GPUs): ``cpsat``
+    had no bound above 7.5 after 5 deterministic s (its search on the rows ``neara``),
+    where ``ilp`` proves the models' 11.00073 at once. Since stop 79 the tie-relaxed model
+    (no rows ``neara``; CP-SAT proves 11 in a few milliseconds) bounds the problem first and
+    the full model starts from it: both answer 11.00073 with the bound 11, the infimum
+    (``feasible``: the plans at 11 need a start closer than the separation)."""
+    problem = strict_zero_instance(24, True)
+    assert set(problem.chain.bwd_time) == {0.0} and problem.n_gpus == 3
+    for method in ("cpsat", "ilp"):
+        res = solve(problem, method, options=ONE.with_(deterministic_time=0.5,
+                                                      extra={"warm_madpipe": False}))
+        assert res.objective == pytest.approx(11.000733, abs=1e-5)
+        assert res.bound == pytest.approx(11.0, abs=1e-5)
+        assert res.report["tie_relaxation"]["engine_status"] == "optimal"
+        assert_tie_proof(res)
+        assert res.status is Status.FEASIBLE
+        assert verify_plan(problem, res)["objective"] == pytest.approx(res.objective)
+
+
 def random_plan(rng: random.Random, problem: PipelineProblem) -> PipelinePlan:
     """A random pattern: stages of 1-3 layers on 2 GPUs, integer starts, zero-time transfers."""
     lay, n = problem.layers, problem.layers.n

@@ -88,7 +88,9 @@ Ties of zero-length tasks (``strict``, stop 78)
     up to the separation: when the best
     plan needs a zero-length task just before another start (the tie costs memory at the
     period itself, so no plan attains the infimum), the models answer the infimum plus
-    at most the separation (a seeded chain: 11.00073 for 11). Layers without forward time
+    at most the separation (a seeded chain: 11.00073 for 11). The bound reported for the
+    problem comes from the model without the rows ``neara`` (``tie_relaxed``, stop 79),
+    which holds every plan at its period. Layers without forward time
     still join their predecessor (:func:`zero_forward_merged`: a restriction, reported).
 Cuts (valid inequalities; they change no solution)
     * loads: ``T >=`` the load of every GPU and of every link, ``T >= max(total / P,
@@ -986,6 +988,13 @@ def build_pipeline_model(
         fewer rows); ``False``: the general model with the allocation fixed, whose search
         under a work limit can find better plans (MadPipe's phase 2,
         :data:`~optmem.solvers.pipeline_madpipe.PHASE2_SLIM`).
+    tie_relaxed
+        ``strict`` only: leave out the rows ``neara`` (:meth:`_Builder.tie_vars`), so a
+        task after a zero-length task may count as tied with it or not wherever it starts:
+        a relaxation of the problem that does not depend on :func:`separation`, whose
+        optimum bounds every plan's period (stop 79,
+        :func:`optmem.solvers.pipeline_exact.tie_relaxed_bound`). Its encoder sets
+        ``near`` at exact ties only.
     """
     n = units.n
     if gpu is not None:

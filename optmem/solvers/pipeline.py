@@ -43,14 +43,12 @@ from optmem.result import Result, SolveOptions, Status
 from optmem.solvers import pipeline_chunks as chunked
 from optmem.solvers import pipeline_contiguous as contig
 from optmem.solvers.pipeline_common import (
-    MIN_ENGINE_LIMIT_S,
     PROBLEM,
     below_least_memory,
     infeasible,
     lower_bound,
     plan_result,
     proven,
-    run_model,
 )
 from optmem.solvers.pipeline_exact import first_bound, incumbents, solve_exact
 from optmem.solvers.pipeline_madpipe import solve_madpipe
@@ -281,7 +279,7 @@ def solve_pipeline_pipedream(problem: PipelineProblem, options: SolveOptions) ->
           extra=EXACT_EXTRA)
 def solve_pipeline_ilp(problem: PipelineProblem, options: SolveOptions) -> Result:
     """Optimal 1-periodic pattern over all allocations (thesis ch. 6, corrected)."""
-    return merged_class(problem, solve_exact(problem, options, "ilp"), options, "ilp")
+    return merged_class(problem, solve_exact(problem, options, "ilp"))
 
 
 @register(PROBLEM, "cpsat", exact=True, full_model=True, requires=("ortools",), max_length=8,
@@ -289,7 +287,7 @@ def solve_pipeline_ilp(problem: PipelineProblem, options: SolveOptions) -> Resul
           extra=EXACT_EXTRA)
 def solve_pipeline_cpsat(problem: PipelineProblem, options: SolveOptions) -> Result:
     """Optimal 1-periodic pattern over all allocations, CP-SAT emission of the same model."""
-    return merged_class(problem, solve_exact(problem, options, "cpsat"), options, "cpsat")
+    return merged_class(problem, solve_exact(problem, options, "cpsat"))
 
 
 @register(PROBLEM, "madpipe", exact=False, requires=("pulp",),
@@ -309,7 +307,7 @@ def solve_pipeline_madpipe(problem: PipelineProblem, options: SolveOptions) -> R
           extra=CHUNKS_EXTRA)
 def solve_pipeline_chunks(problem: PipelineProblem, options: SolveOptions) -> Result:
     """The chunk scan (:mod:`optmem.solvers.pipeline_chunks`) from the best incumbent."""
-    return merged_class(problem, _solve_chunks(problem, options), options, "chunks")
+    return merged_class(problem, _solve_chunks(problem, options))
 
 
 TINY_DURATION = 1e-6
@@ -336,82 +334,42 @@ def tiny_durations(problem: PipelineProblem) -> int:
 
 
 def tie_separated(problem: PipelineProblem, units: Sequence[tuple[int, int]],
-                  res: Result, options: SolveOptions, method: str) -> Result:
+                  res: Result) -> Result:
     """``res`` with a bound that does not depend on the models' tie separation (``strict``).
 
     Under ``strict`` the models count a start less than
     :func:`~optmem.models.pipeline.separation` after a zero-length task as tied with it
-    (``_Builder.tie_vars``, rows ``neara``: a MILP has no strict inequality). A plan that
-    needs such a start closer than that but not at the same instant is outside the models,
-    so their optimum can lie up to the separation above the problem's infimum (a seeded
+    (``_Builder.tie_vars``: a MILP has no strict inequality). A plan that needs such a
+    start closer than that but not at the same instant is outside the models, so their
+    optimum (and bound) can lie up to the separation above the problem's infimum (a seeded
     chain: 4.000305 where plans reach 4 + any epsilon). On a chain whose units have a
-    zero-length task the models' bound is therefore no proof (stop 78 lowered it by the
-    separation, and such answers were ``feasible``). Since stop 79 the bound is the
-    optimum of the *tie-relaxed* model (:func:`tie_relaxed_bound`), which proves the plan
-    ``optimal`` where it meets it; else the answer is ``feasible`` with the larger of that
-    bound and the lowered one, and ``report["tie_separation"]``.
+    zero-length task the models' bound is therefore lowered by the separation (stop 78,
+    never below the load bound), and raised to the tie-relaxed model's bound
+    (:func:`~optmem.solvers.pipeline_exact.tie_relaxed_bound`, computed first by
+    :func:`~optmem.solvers.pipeline_exact.first_bound`: ``report["tie_relaxation"]``),
+    which does not depend on the separation (stop 79). ``optimal`` where that bound meets
+    the plan, else ``feasible`` with it and ``report["tie_separation"]``; a ``feasible``
+    answer's bound gets the same treatment (it came from the models too).
     """
-    if problem.memory_model != "strict" or res.status is not Status.OPTIMAL:
+    if problem.memory_model != "strict" or not res.status.has_plan:
         return res
     lay = problem.layers
     if all(lay.fwd(lo, hi) > 0 and lay.bwd(lo, hi) > 0 for lo, hi in units):
         return res
     sep = separation(res.objective)
-    low = min(max(lower_bound(problem), res.bound - sep), res.objective)
+    load = lower_bound(problem)
+    low = load if math.isnan(res.bound) else max(load, res.bound - sep)
+    tie = res.report.get("tie_relaxation", {}).get("bound", load)
+    low = min(max(low, tie), res.objective)
     if proven(res.objective, low):
-        return res.with_(bound=low)
-    began = time.perf_counter()
-    relaxed, info = tie_relaxed_bound(problem, res, options, method, low)
-    low = min(max(low, relaxed), res.objective)
-    spent = res.solve_time_s + time.perf_counter() - began
-    report = {**res.report, "tie_relaxation": info}
-    if proven(res.objective, low):
-        return res.with_(bound=low, report=report, solve_time_s=spent)
-    return res.with_(status=Status.FEASIBLE, bound=low, solve_time_s=spent, report={
-        **report, "tie_separation": f"starts closer than {sep:.6g} after a zero-length "
+        return res.with_(status=Status.OPTIMAL, bound=low)
+    return res.with_(status=Status.FEASIBLE, bound=low, report={
+        **res.report, "tie_separation": f"starts closer than {sep:.6g} after a zero-length "
         "task count as tied in the models (strict): their optimum can lie that far above "
-        "the problem's; the bound is the tie-relaxed model's"})
+        "the problem's; the bound is the tie-relaxed model's (or theirs less that)"})
 
 
-def tie_relaxed_bound(problem: PipelineProblem, res: Result, options: SolveOptions,
-                      method: str, low: float) -> tuple[float, dict[str, Any]]:
-    """A lower bound on every plan's period that does not depend on the tie separation.
-
-    The *tie-relaxed* model (``build_pipeline_model(tie_relaxed=True)``) is the model
-    without the rows ``neara``: a task ``u`` after a zero-length task ``t`` may count as
-    tied with it (``near = 1``, the row of ``t`` counts ``u``'s stash or output) or not
-    (``near = 0``) wherever it starts. Every plan of the problem is one of its solutions at
-    its own period: take ``near = 1`` exactly for the tasks that start at ``t``'s instant
-    (the rows then count what the simulator counts there: docs/pipeline.md, "Ties of
-    zero-length tasks"; ``neara`` was the only row that forced ``near = 1`` for a start
-    close to ``t`` but not at it), and the window of each GPU at a task start that no
-    zero-length task precedes by less than the separation (rows ``wend``; one exists
-    while the GPU has fewer than ``T / separation`` tasks, ``2^14``: following the
-    zero-length predecessors closer than that from any start never closes a cycle round
-    the period). So its optimum is at most the problem's infimum, whatever the
-    separation: a valid bound on the problem (also where no plan attains the infimum).
-
-    The model runs with ``method``'s engine (``chunks``: CP-SAT), the period between
-    ``low`` (a proven bound) and ``res``'s period, the plan as its warm start, and the
-    limits of ``options`` (a time limit: what ``res`` left of it). Returns the bound
-    (``low`` when the engine proved nothing) and a report.
-    """
-    engine = "ilp" if method == "ilp" else "cpsat"
-    limit = options.time_limit_s
-    left = None if limit is None else max(MIN_ENGINE_LIMIT_S, limit - res.solve_time_s)
-    run = run_model(problem, engine, options.with_(time_limit_s=left),
-                    upper_bound=res.objective, lower=low,
-                    warm=PipelinePlan.from_strings(list(res.plan)), tie_relaxed=True)
-    bound = run.bound
-    if run.failed or math.isnan(bound) or math.isinf(bound):
-        bound = low  # inf: no solution at or below the plan's period (tolerances): no proof
-    info = {"engine_status": str(run.status), "bound": bound,
-            "model_size": run.report.get("model_size")}
-    return bound, info
-
-
-def merged_class(problem: PipelineProblem, res: Result, options: SolveOptions,
-                 method: str) -> Result:
+def merged_class(problem: PipelineProblem, res: Result) -> Result:
     """``res`` of a method whose models keep zero-forward layers with their predecessor.
 
     Under ``strict`` the models' units (:func:`~optmem.models.pipeline.model_bounds`, then
@@ -431,7 +389,7 @@ def merged_class(problem: PipelineProblem, res: Result, options: SolveOptions,
     units = model_bounds(problem)
     tiny = tiny_durations(problem)
     if (len(units) == problem.layers.n and not tiny) or res.status is Status.ERROR:
-        return tie_separated(problem, units, res, options, method)
+        return tie_separated(problem, units, res)
     if len(units) < problem.layers.n:
         report = {**res.report, "merged_units": f"{problem.layers.n - len(units)} layers "
                   "without forward time (strict) or at the end without any time (stash) "
@@ -464,7 +422,7 @@ def _solve_chunks(problem: PipelineProblem, options: SolveOptions) -> Result:
     limit = options.time_limit_s
     deadline = None if limit is None else start + limit
     searching = None if limit is None else start + (1 - WALK_SHARE) * limit
-    relaxed, report = first_bound(problem, period, options)
+    relaxed, report = first_bound(problem, period, options, plan)
     found = chunked.scan(problem, units, period, plan, chunks=conf.chunks, work=conf.work,
                          step=conf.step, seed=options.seed, deadline=searching,
                          workers=options.threads, retry=conf.retry, waits=conf.waits,

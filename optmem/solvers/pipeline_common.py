@@ -209,7 +209,8 @@ def run_model(
     :func:`time.perf_counter` instant): the engine's time limit is what the build and the
     emission left before it (at least :data:`MIN_ENGINE_LIMIT_S`), and no more than
     ``options.time_limit_s`` (since stop 74: the full model's build at L = 68 took 10 s
-    outside a 10 s limit).
+    outside a 10 s limit). ``tie_relaxed``: the model without the rows ``neara``
+    (:func:`~optmem.models.pipeline.build_pipeline_model`; a relaxation, stop 79).
     """
     form = build_model(problem, units=units, gpu=gpu, upper_bound=upper_bound, lower=lower,
                        feasibility=feasibility, lifetime_cuts=lifetime_cuts,
