@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,7 +50,12 @@ from optmem.solvers.pipeline_common import (
     plan_result,
     proven,
 )
-from optmem.solvers.pipeline_exact import first_bound, incumbents, solve_exact
+from optmem.solvers.pipeline_exact import (
+    first_bound,
+    incumbents,
+    solve_exact,
+    tie_separated_units,
+)
 from optmem.solvers.pipeline_madpipe import solve_madpipe
 from optmem.solvers.registration import register, register_exporter
 from optmem.solvers.time_budget import Deadline, stopped_during
@@ -333,8 +338,7 @@ def tiny_durations(problem: PipelineProblem) -> int:
                if 0 < d < cut)
 
 
-def tie_separated(problem: PipelineProblem, units: Sequence[tuple[int, int]],
-                  res: Result) -> Result:
+def tie_separated(problem: PipelineProblem, res: Result) -> Result:
     """``res`` with a bound that does not depend on the models' tie separation (``strict``).
 
     Under ``strict`` the models count a start less than
@@ -343,7 +347,8 @@ def tie_separated(problem: PipelineProblem, units: Sequence[tuple[int, int]],
     start closer than that but not at the same instant is outside the models, so their
     optimum (and bound) can lie up to the separation above the problem's infimum (a seeded
     chain: 4.000305 where plans reach 4 + any epsilon). On a chain whose units have a
-    zero-length task the models' bound is therefore lowered by the separation (stop 78,
+    zero-length task (:func:`~optmem.solvers.pipeline_exact.tie_separated_units`) the
+    models' bound is therefore lowered by the separation (stop 78,
     never below the load bound), and raised to the tie-relaxed model's bound
     (:func:`~optmem.solvers.pipeline_exact.tie_relaxed_bound`, computed first by
     :func:`~optmem.solvers.pipeline_exact.first_bound`: ``report["tie_relaxation"]``),
@@ -351,10 +356,7 @@ def tie_separated(problem: PipelineProblem, units: Sequence[tuple[int, int]],
     the plan, else ``feasible`` with it and ``report["tie_separation"]``; a ``feasible``
     answer's bound gets the same treatment (it came from the models too).
     """
-    if problem.memory_model != "strict" or not res.status.has_plan:
-        return res
-    lay = problem.layers
-    if all(lay.fwd(lo, hi) > 0 and lay.bwd(lo, hi) > 0 for lo, hi in units):
+    if not res.status.has_plan or not tie_separated_units(problem):
         return res
     sep = separation(res.objective)
     load = lower_bound(problem)
@@ -389,7 +391,7 @@ def merged_class(problem: PipelineProblem, res: Result) -> Result:
     units = model_bounds(problem)
     tiny = tiny_durations(problem)
     if (len(units) == problem.layers.n and not tiny) or res.status is Status.ERROR:
-        return tie_separated(problem, units, res)
+        return tie_separated(problem, res)
     if len(units) < problem.layers.n:
         report = {**res.report, "merged_units": f"{problem.layers.n - len(units)} layers "
                   "without forward time (strict) or at the end without any time (stash) "
