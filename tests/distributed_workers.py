@@ -821,7 +821,8 @@ def offload_fsdp_planned_job(rank: int, world: int, job: dict[str, Any]) -> dict
     steps' ``grad.full_tensor()``, the plan, its chain and claimed peak, and the measured peak.
 
     ``{"model": "mlp" | "hf-gpt2", "problem": "checkpoint" | "offload" | "remat_offload",
-    "memory_limit", "route": "checkpoint_fsdp" | "fully_shard_checkpointed"}``: the plan of
+    "memory_limit", "route": "checkpoint_fsdp" | "fully_shard_checkpointed", "bandwidth"}``
+    (default ``"1GB/s"``): the plan of
     ``checkpoint_fsdp(..., problem=...)`` (its chain counts FSDP's gathered parameters), or
     ``fully_shard_checkpointed`` of the one-liner (a chain without them, the route before).
     The peak is :func:`optmem.pytorch.memory.measure_training_peak` of a third step, host
@@ -844,7 +845,8 @@ def offload_fsdp_planned_job(rank: int, world: int, job: dict[str, Any]) -> dict
     x, y = (t.chunk(world)[rank].clone() for t in (x_all, y_all))  # storages of their own
     args, kwargs, target = model_call(loss_fn, x, y)
     times = {"time_model": lambda *_: (1.0, 2.0)}
-    link = {} if job["problem"] == "checkpoint" else {"bandwidth": "1GB/s"}
+    link = {} if job["problem"] == "checkpoint" else {"bandwidth": job.get("bandwidth",
+                                                                          "1GB/s")}
     if job["route"] == "checkpoint_fsdp":
         omodel = checkpoint_fsdp(model, kwargs or args[0], job["memory_limit"],
                                  problem=job["problem"], mesh=mesh, **link, **times)
@@ -889,15 +891,16 @@ def fsdp_gathered_units_job(rank: int, world: int, job: dict[str, Any]) -> dict[
     """``checkpoint_fsdp`` of the residual MLP: after every op of the plan (the executor's
     monitor), the stages whose FSDP unit holds its parameters gathered; and the gradients.
 
-    ``{"problem": "checkpoint" | "remat_offload", "memory_limit"}``; the second step is
-    watched (the first one initialises FSDP2's state).
+    ``{"problem": "checkpoint" | "remat_offload", "memory_limit", "bandwidth"}`` (default
+    ``"1GB/s"``); the second step is watched (the first one initialises FSDP2's state).
     """
     from optmem.pytorch.distributed import checkpoint_fsdp
     from optmem.pytorch.execute import add_monitor, remove_monitor
 
     model, (x_all, y_all), loss_fn = _fsdp_case("mlp", world)
     x, y = x_all.chunk(world)[rank], y_all.chunk(world)[rank]
-    link = {} if job["problem"] == "checkpoint" else {"bandwidth": "1GB/s"}
+    link = {} if job["problem"] == "checkpoint" else {"bandwidth": job.get("bandwidth",
+                                                                          "1GB/s")}
     cmodel = checkpoint_fsdp(model, x, job["memory_limit"], problem=job["problem"],
                              mesh=_cpu_mesh(world), time_model=lambda *_: (1.0, 2.0), **link)
     stages = list(cmodel.stages)

@@ -12,9 +12,10 @@ Three pieces, used by :func:`optmem.pytorch.checkpoint` and :func:`optmem.pytorc
   ``docs/distributed.md``).
 * FSDP2: :func:`fully_shard_checkpointed` shards the stages of a checkpointed module (one
   FSDP unit per stage, the root holding what stages share), and :func:`fsdp_chain` adds what
-  FSDP holds while a stage runs (its unsharded parameters, and in the backward its unsharded
-  gradients and the prefetched parameters of the stage before) to the chain's per-op
-  overheads, so that the plan's memory limit accounts for it.
+  FSDP holds while a stage runs (its gathered parameters and all-gather buffer, in the
+  backward its unsharded gradients, the communication buffers other units leave in flight,
+  and the root unit's parameters) to the chain's per-op overheads, so that the plan's
+  memory limit accounts for it.
   :func:`checkpoint_fsdp` does both in one call, for a checkpoint plan or (``problem=``) an
   offload or remat + offload plan.
 
@@ -387,7 +388,10 @@ def checkpoint_fsdp(module: nn.Module | Sequence[nn.Module], sample: Any,
     children, or the ``torch.export`` stages of any other module, e.g. a HuggingFace model
     called as ``sample``). The profile runs on rank 0 of ``process_group`` (default: the
     default group) on the unsharded module, :func:`fsdp_chain` adds FSDP's gathered
-    parameters and gradients to the per-op overheads, the plan is solved under
+    parameters, gradients and communication buffers and the root unit's parameters to the
+    per-op overheads (measured: ``docs/distributed.md``, "Stop 79"; exported stages are
+    FSDP roots of their own, ``separate_roots``; an offload plan re-runs nothing,
+    ``recompute=False``), the plan is solved under
     ``memory_limit`` once and broadcast, and the stages are sharded
     (:func:`fully_shard_checkpointed`).
 
@@ -412,7 +416,7 @@ def checkpoint_fsdp(module: nn.Module | Sequence[nn.Module], sample: Any,
     process_group
         Ranks that decide together (``docs/distributed.md``, "One plan for every rank").
     prefetch
-        Count the parameters FSDP2 prefetches for the next unit of the backward
+        Count the all-gather buffer FSDP2 prefetches for the next unit of the backward
         (:func:`fsdp_chain`).
     fsdp_kwargs
         Keyword arguments of every ``fully_shard`` (``mp_policy`` with dtypes is refused
