@@ -954,7 +954,7 @@ def fsdp_refused_calls_job(rank: int, world: int, job: dict[str, Any]) -> dict[s
 
     model = hf_gpt2()
     x, y = (t.chunk(world)[rank] for t in gpt_data(4 * world))
-    cmodel = checkpoint_fsdp(model, {"input_ids": x, "labels": y}, "60%",
+    cmodel = checkpoint_fsdp(model, {"input_ids": x, "labels": y}, "70%",
                              mesh=_cpu_mesh(world), time_model=lambda *_: (1.0, 2.0))
     calls = {"autocast": (torch.autocast("cpu", dtype=torch.bfloat16), True),
              "no_grad": (torch.no_grad(), False)}

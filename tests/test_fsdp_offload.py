@@ -90,15 +90,12 @@ def test_fsdp_chain_counts_the_communication_buffers_and_the_root_unit():
     unfetched = fsdp_chain(chain, units, root_bytes=30, prefetch=False)
     assert unfetched.fwd_overhead == (260, 460, 260, 560, 360)
     assert unfetched.bwd_overhead == (130, 430, 230, 480, 130)
-    roots = fsdp_chain(chain, units, root_bytes=30, separate_roots=True)  # exported stages
-    assert roots.fwd_overhead == (60, 260, 60, 460, 160)
-    assert roots.bwd_overhead == (30, 230, 30, 430, 130)
-    assert roots.loss_bwd_overhead == 30
     assert fsdp_chain(chain, units).fwd_overhead == (300, 500, 300, 650, 300)  # no root
     with pytest.raises(OptmemInputError, match="expected 5 parameter sizes"):
         fsdp_chain(chain, units[:4])
-    with pytest.raises(OptmemInputError, match="non-negative"):
+    with pytest.raises(OptmemInputError, match="non-negative") as info:
         fsdp_chain(chain, units, root_bytes=-1)
+    assert info.value.field == "root_bytes"
 
 
 def test_parameter_bytes_are_padded_as_fsdp2_gathers_them():
@@ -157,9 +154,9 @@ def test_fsdp_plans_hold_their_claim_and_train_as_one_process(tmp_path):
       gradient at the hand-over to autograd, the loss scalars, the side inputs; 528 B at
       most here). Before stop 79 the chain left out the communication buffers, the root
       unit and the padding of the gathered parameters: the MLP's checkpoint plan claimed
-      7872 B and held 8516 (above its 8000 B limit), GPT-2's offload plan claimed 101232
-      and held 109320 (every unit kept its reduce-scatter buffer to the end of the
-      backward); now 7936 / 8008 and 110556 / 96072;
+      7872 B and held 8516 (above its 8000 B limit), GPT-2's offload plan at 116000 B
+      claimed 100920 and held 109320 (every unit kept its reduce-scatter buffer to the end
+      of the backward); now 7936 / 8008 and 115072 / 96072;
     * ``grad.full_tensor()`` of two steps equals single-process training on both ranks'
       batches, and the ``state_dict`` keys are the model's;
     * the route without FSDP's terms (``fully_shard_checkpointed(op.offload(...))``) holds
@@ -168,7 +165,7 @@ def test_fsdp_plans_hold_their_claim_and_train_as_one_process(tmp_path):
     pytest.importorskip("transformers", reason="the HuggingFace model needs transformers")
     cases = [("mlp", "checkpoint", 8000, None), ("mlp", "offload", 8000, None),
              ("mlp", "remat_offload", 7600, "1KB/s"),  # a slow link: the plan re-runs
-             ("hf-gpt2", "offload", 111000, None)]
+             ("hf-gpt2", "offload", 116000, None)]
     jobs = [{"kind": "offload_fsdp_planned", "model": model, "problem": problem,
              "memory_limit": limit, "route": "checkpoint_fsdp", "bandwidth": link or "1GB/s"}
             for model, problem, limit, link in cases]

@@ -269,8 +269,7 @@ def root_parameter_bytes(stages: Sequence[nn.Module], world: int = 1) -> int:
 
 
 def fsdp_chain(chain: Chain, param_bytes: Sequence[int], *, prefetch: bool = True,
-               root_bytes: int = 0, separate_roots: bool = False, recompute: bool = True
-               ) -> Chain:
+               root_bytes: int = 0, recompute: bool = True) -> Chain:
     """``chain`` with what FSDP2 holds while each stage runs added to its overheads.
 
     ``P_i = param_bytes[i]`` are the unsharded parameters of stage ``i`` (0 if it is not an
@@ -293,12 +292,14 @@ def fsdp_chain(chain: Chain, param_bytes: Sequence[int], *, prefetch: bool = Tru
       ``prefetch``, ``below(i)`` (the all-gather buffer FSDP2 prefetches);
     * the loss: ``below(L + 1)``, the last unit's all-gather buffer.
 
-    With ``separate_roots`` (each unit an FSDP root of its own: the stages of an exported
-    model, which the root unit's module tree does not contain) FSDP2 neither keeps another
-    unit's buffer nor prefetches: a forward holds ``2 P_i``, a backward ``2 P_i``, provided
-    each unit drops its reduce-scatter buffer after its reduce-scatter
-    (:func:`fully_shard_checkpointed` does; FSDP2 keeps it until its root's final
-    callback, at the end of the whole backward).
+    The stages of an exported model are FSDP roots of their own (the root unit's module
+    tree does not contain them): FSDP2 does not prefetch for them (``prefetch=False``, what
+    :func:`checkpoint_fsdp` passes), and frees a unit's buffers at its own post-forward and
+    post-backward (the reduce-scatter one since stop 79: :func:`fully_shard_checkpointed`),
+    but not always before the next unit's: a tiny Llama's embedding buffer was released
+    after the next unit's all-gather in one run and before it in another (same plan; the
+    release depends on when Python drops the last reference). So ``below(i)`` and
+    ``above(i)`` stay counted for them.
 
     The root unit's parameters (``root_bytes``: gathered for the whole step) count in every
     op, and once more in the forwards (its all-gather buffer, alive until the root's
@@ -320,20 +321,17 @@ def fsdp_chain(chain: Chain, param_bytes: Sequence[int], *, prefetch: bool = Tru
                                field="param_bytes")
     units = [int(p) for p in param_bytes]
     root = int(root_bytes)
-    if any(p < 0 for p in units) or root < 0:
+    if any(p < 0 for p in units):
         raise OptmemInputError("parameter sizes must be non-negative", field="param_bytes")
+    if root < 0:
+        raise OptmemInputError("root_bytes must be non-negative", field="root_bytes")
     below, above = _nearest_units(units)
-    if separate_roots:
-        fwd_extra = [2 * p for p in units]
-        bwd_extra = [2 * p for p in units]
-        loss_extra = 0
-    else:
-        held = [p + (b if prefetch else 0) for p, b in zip(units, below, strict=True)]
-        rerun = _largest_after(held, units) if recompute else [0] * n
-        fwd_extra = [2 * p + max(b, r) for p, b, r in zip(units, below, rerun, strict=True)]
-        bwd_extra = [2 * p + a + (b if prefetch else 0)
-                     for p, a, b in zip(units, above, below, strict=True)]
-        loss_extra = next((p for p in reversed(units) if p), 0)
+    held = [p + (b if prefetch else 0) for p, b in zip(units, below, strict=True)]
+    rerun = _largest_after(held, units) if recompute else [0] * n
+    fwd_extra = [2 * p + max(b, r) for p, b, r in zip(units, below, rerun, strict=True)]
+    bwd_extra = [2 * p + a + (b if prefetch else 0)
+                 for p, a, b in zip(units, above, below, strict=True)]
+    loss_extra = next((p for p in reversed(units) if p), 0)
     return replace(chain,
                    fwd_overhead=tuple(o + e + 2 * root
                                       for o, e in zip(chain.fwd_overhead, fwd_extra,
@@ -390,8 +388,8 @@ def checkpoint_fsdp(module: nn.Module | Sequence[nn.Module], sample: Any,
     default group) on the unsharded module, :func:`fsdp_chain` adds FSDP's gathered
     parameters, gradients and communication buffers and the root unit's parameters to the
     per-op overheads (measured: ``docs/distributed.md``, "Stop 79"; exported stages are
-    FSDP roots of their own, ``separate_roots``; an offload plan re-runs nothing,
-    ``recompute=False``), the plan is solved under
+    FSDP roots of their own, which FSDP2 does not prefetch; an offload plan re-runs
+    nothing, ``recompute=False``), the plan is solved under
     ``memory_limit`` once and broadcast, and the stages are sharded
     (:func:`fully_shard_checkpointed`).
 
@@ -417,7 +415,8 @@ def checkpoint_fsdp(module: nn.Module | Sequence[nn.Module], sample: Any,
         Ranks that decide together (``docs/distributed.md``, "One plan for every rank").
     prefetch
         Count the all-gather buffer FSDP2 prefetches for the next unit of the backward
-        (:func:`fsdp_chain`).
+        (:func:`fsdp_chain`; never for an exported model's stages, which FSDP2 does not
+        prefetch).
     fsdp_kwargs
         Keyword arguments of every ``fully_shard`` (``mp_policy`` with dtypes is refused
         for an exported model).
@@ -463,13 +462,14 @@ def checkpoint_fsdp(module: nn.Module | Sequence[nn.Module], sample: Any,
         raise OptmemInputError("checkpoint_fsdp profiles the module's stages itself: "
                                "max_stages and chain are not supported", field="max_stages")
 
-    separate_roots = not is_plain_chain(module)  # exported stages: no submodules of the root
+    # an exported model's stage units are FSDP roots of their own: FSDP2 does not prefetch
+    prefetched = prefetch and is_plain_chain(module)
 
     def adjust(stages: Sequence[Any], chain: Chain) -> Chain:
         modules, world = [s.module for s in stages], _shard_count(mesh)
-        return fsdp_chain(chain, stage_parameter_bytes(modules, world), prefetch=prefetch,
+        return fsdp_chain(chain, stage_parameter_bytes(modules, world), prefetch=prefetched,
                           root_bytes=root_parameter_bytes(modules, world),
-                          separate_roots=separate_roots, recompute=problem != "offload")
+                          recompute=problem != "offload")
 
     cls = {"checkpoint": CheckpointedModule, "offload": OffloadedModule,
            "remat_offload": RematOffloadedModule}[problem]
