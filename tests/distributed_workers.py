@@ -817,17 +817,20 @@ def offload_fsdp_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, An
 
 
 def offload_fsdp_planned_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
-    """An offload or remat + offload plan under FSDP2 on a CPU device mesh: two steps'
-    ``grad.full_tensor()``, the plan, its chain and claimed peak, and the measured peak.
+    """A checkpoint, offload or remat + offload plan under FSDP2 on a CPU device mesh: two
+    steps' ``grad.full_tensor()``, the plan, its chain and claimed peak, and the measured peak.
 
-    ``{"model": "mlp" | "hf-gpt2", "problem": "offload" | "remat_offload", "memory_limit",
-    "route": "checkpoint_fsdp" | "fully_shard_checkpointed"}``: the plan of
+    ``{"model": "mlp" | "hf-gpt2", "problem": "checkpoint" | "offload" | "remat_offload",
+    "memory_limit", "route": "checkpoint_fsdp" | "fully_shard_checkpointed", "bandwidth"}``
+    (default ``"1GB/s"``): the plan of
     ``checkpoint_fsdp(..., problem=...)`` (its chain counts FSDP's gathered parameters), or
     ``fully_shard_checkpointed`` of the one-liner (a chain without them, the route before).
     The peak is :func:`optmem.pytorch.memory.measure_training_peak` of a third step, host
     copies left out (the memory the plan holds on its compute device); ``unit_bytes`` are
     the unsharded parameter bytes of each stage unit (0: not a unit), ``root_bytes`` those
-    the root unit holds (gathered for the whole step).
+    the root unit holds (gathered for the whole step), ``allowance`` the plan's
+    :func:`~optmem.pytorch.memory.plan_allowance` (what a step holds beyond any chain:
+    the gradient at the hand-over to autograd, the loss scalars, the side inputs).
     """
     from optmem.pytorch.distributed import (
         checkpoint_fsdp,
@@ -835,20 +838,22 @@ def offload_fsdp_planned_job(rank: int, world: int, job: dict[str, Any]) -> dict
         sharded_stage_indices,
         stage_parameter_bytes,
     )
-    from optmem.pytorch.memory import measure_training_peak
+    from optmem.pytorch.memory import measure_training_peak, plan_allowance
 
     mesh = _cpu_mesh(world)
     model, (x_all, y_all), loss_fn = _fsdp_case(job["model"], world)
     x, y = (t.chunk(world)[rank].clone() for t in (x_all, y_all))  # storages of their own
     args, kwargs, target = model_call(loss_fn, x, y)
     times = {"time_model": lambda *_: (1.0, 2.0)}
+    link = {} if job["problem"] == "checkpoint" else {"bandwidth": job.get("bandwidth",
+                                                                          "1GB/s")}
     if job["route"] == "checkpoint_fsdp":
         omodel = checkpoint_fsdp(model, kwargs or args[0], job["memory_limit"],
-                                 problem=job["problem"], bandwidth="1GB/s", mesh=mesh, **times)
+                                 problem=job["problem"], mesh=mesh, **link, **times)
     else:
         omodel = getattr(op, job["problem"])(model, kwargs or args[0],
                                              memory_limit=job["memory_limit"],
-                                             bandwidth="1GB/s", fast_path=False, **times)
+                                             fast_path=False, **link, **times)
         fully_shard_checkpointed(omodel, mesh=mesh)
     stages = list(omodel.stages)
     unit_bytes = stage_parameter_bytes(stages)  # a DTensor's numel is the unsharded one
@@ -868,11 +873,17 @@ def offload_fsdp_planned_job(rank: int, world: int, job: dict[str, Any]) -> dict
                       if p.grad is not None})
     omodel.zero_grad(set_to_none=True)
     peak = measure_training_peak(step, omodel, kwargs or args, host_copies=False)
+    compute = [o for o in map(str, omodel.result.plan) if not o.startswith(("offload",
+                                                                              "prefetch"))]
+    allowance = plan_allowance(omodel.chain, compute, stages,
+                               strip_suffix=job["problem"] == "checkpoint")
     return {"steps": steps, "plan": [str(o) for o in omodel.result.plan],
             "chain": omodel.chain.to_dict(), "claimed": omodel.expected_peak_bytes,
             "measured": peak, "unit_bytes": unit_bytes, "root_bytes": root_bytes,
+            "allowance": allowance,
             "kind": next(c.__name__ for c in type(omodel).__mro__  # FSDP renames it
-                         if c.__name__ in ("OffloadedModule", "RematOffloadedModule")),
+                         if c.__name__ in ("CheckpointedModule", "OffloadedModule",
+                                           "RematOffloadedModule")),
             "keys": sorted(omodel.state_dict())}
 
 
@@ -880,15 +891,16 @@ def fsdp_gathered_units_job(rank: int, world: int, job: dict[str, Any]) -> dict[
     """``checkpoint_fsdp`` of the residual MLP: after every op of the plan (the executor's
     monitor), the stages whose FSDP unit holds its parameters gathered; and the gradients.
 
-    ``{"problem": "checkpoint" | "remat_offload", "memory_limit"}``; the second step is
-    watched (the first one initialises FSDP2's state).
+    ``{"problem": "checkpoint" | "remat_offload", "memory_limit", "bandwidth"}`` (default
+    ``"1GB/s"``); the second step is watched (the first one initialises FSDP2's state).
     """
     from optmem.pytorch.distributed import checkpoint_fsdp
     from optmem.pytorch.execute import add_monitor, remove_monitor
 
     model, (x_all, y_all), loss_fn = _fsdp_case("mlp", world)
     x, y = x_all.chunk(world)[rank], y_all.chunk(world)[rank]
-    link = {} if job["problem"] == "checkpoint" else {"bandwidth": "1GB/s"}
+    link = {} if job["problem"] == "checkpoint" else {"bandwidth": job.get("bandwidth",
+                                                                          "1GB/s")}
     cmodel = checkpoint_fsdp(model, x, job["memory_limit"], problem=job["problem"],
                              mesh=_cpu_mesh(world), time_model=lambda *_: (1.0, 2.0), **link)
     stages = list(cmodel.stages)
@@ -942,7 +954,7 @@ def fsdp_refused_calls_job(rank: int, world: int, job: dict[str, Any]) -> dict[s
 
     model = hf_gpt2()
     x, y = (t.chunk(world)[rank] for t in gpt_data(4 * world))
-    cmodel = checkpoint_fsdp(model, {"input_ids": x, "labels": y}, "60%",
+    cmodel = checkpoint_fsdp(model, {"input_ids": x, "labels": y}, "70%",
                              mesh=_cpu_mesh(world), time_model=lambda *_: (1.0, 2.0))
     calls = {"autocast": (torch.autocast("cpu", dtype=torch.bfloat16), True),
              "no_grad": (torch.no_grad(), False)}

@@ -12,9 +12,10 @@ Three pieces, used by :func:`optmem.pytorch.checkpoint` and :func:`optmem.pytorc
   ``docs/distributed.md``).
 * FSDP2: :func:`fully_shard_checkpointed` shards the stages of a checkpointed module (one
   FSDP unit per stage, the root holding what stages share), and :func:`fsdp_chain` adds what
-  FSDP holds while a stage runs (its unsharded parameters, and in the backward its unsharded
-  gradients and the prefetched parameters of the stage before) to the chain's per-op
-  overheads, so that the plan's memory limit accounts for it.
+  FSDP holds while a stage runs (its gathered parameters and all-gather buffer, in the
+  backward its unsharded gradients, the communication buffers other units leave in flight,
+  and the root unit's parameters) to the chain's per-op overheads, so that the plan's
+  memory limit accounts for it.
   :func:`checkpoint_fsdp` does both in one call, for a checkpoint plan or (``problem=``) an
   offload or remat + offload plan.
 
@@ -56,8 +57,8 @@ from optmem.pytorch.process_groups import (
 
 __all__ = ["FSDP_PROBLEMS", "LOCAL", "checkpoint_fsdp", "default_device", "end_process",
            "fsdp_chain", "fully_shard_checkpointed", "init_distributed", "is_fsdp_module",
-           "refuse_sharded", "resolve_group", "run_once", "set_local_device", "spawn",
-           "stage_parameter_bytes"]
+           "refuse_sharded", "resolve_group", "root_parameter_bytes", "run_once",
+           "set_local_device", "spawn", "stage_parameter_bytes"]
 
 
 # ------------------------------------------------------------------ FSDP2
@@ -118,12 +119,52 @@ def fully_shard_checkpointed(cmodule: nn.Module, mesh: Any = None, **fsdp_kwargs
         if hasattr(unit, "unview_outputs"):  # a graph stage: no view out of FSDP2
             unit.unview_outputs = True
         fully_shard(unit, mesh=mesh, **{"reshard_after_forward": True, **fsdp_kwargs})
+        _drop_reduce_scatter_input(unit)
         held |= _point_model_at(cmodule, before, _parameter_slots(unit))
     fully_shard(cmodule, mesh=mesh, ignored_params=held, **fsdp_kwargs)
     for name in _RECURSIVE_SETTERS:
         if hasattr(cmodule, name):  # FSDP2's setters differ between torch versions
             setattr(cmodule, name, _setter_of_every_unit(getattr(cmodule, name), units))
     return cmodule
+
+
+def _drop_reduce_scatter_input(unit: nn.Module) -> None:
+    """Free the reduce-scatter buffer of ``unit`` after its reduce-scatter, if it is a root.
+
+    FSDP2 keeps a unit's flattened unsharded gradients (its reduce-scatter input) until the
+    next unit of the same root reduces, or until that root's final callback. The stage units
+    of an exported model are FSDP roots of their own (the root unit's module tree does not
+    contain them), so each kept its buffer until the callback, at the end of the whole
+    backward when the plan's ops run in the caller's backward (an offload plan, a store-all
+    suffix): a tiny GPT-2's offload plan held four such buffers at once, 21888 B (stop 79).
+    After the post-backward of a unit that is a root, its compute stream now waits for the
+    reduce-scatter (as the final callback does) and the buffer is dropped. Units under a
+    shared root (an ``nn.Sequential``'s stages) keep FSDP2's behaviour: one buffer in
+    flight, which :func:`fsdp_chain` counts.
+    """
+    state = unit._get_fsdp_state()  # type: ignore[operator]
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # older torch: one group per state
+        groups = [g for g in (getattr(state, "_fsdp_param_group", None),) if g is not None]
+    for group in groups:
+        group.post_backward = _dropping_after(group.post_backward, state)
+
+
+def _dropping_after(post_backward: Callable[..., Any], state: Any) -> Callable[..., Any]:
+    """``post_backward`` (of a group of ``state``), then the drop of ``state``'s buffers."""
+    @functools.wraps(post_backward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        out = post_backward(*args, **kwargs)
+        context = getattr(state, "_comm_ctx", None)
+        kept = getattr(context, "reduce_scatter_states", None)
+        if getattr(state, "_is_root", False) and kept:
+            stream = state._device_handle.current_stream()
+            for kept_state in kept:
+                if kept_state.event is not None:
+                    stream.wait_event(kept_state.event)
+            kept.clear()
+        return out
+    return run
 
 
 # FSDPModule setters that set an option on every FSDP unit of ``self.modules()`` (recurse)
@@ -193,39 +234,140 @@ def _point_model_at(cmodule: nn.Module, before: dict[tuple[int, str], nn.Paramet
     return set(new.values())
 
 
-def stage_parameter_bytes(stages: Sequence[nn.Module]) -> list[int]:
-    """Bytes of the unsharded parameters of every stage that is an FSDP unit, else 0."""
+def stage_parameter_bytes(stages: Sequence[nn.Module], world: int = 1) -> list[int]:
+    """Bytes of the unsharded parameters of every stage that is an FSDP unit, else 0.
+
+    ``world`` is the number of ranks a unit is sharded over: FSDP2 shards every parameter
+    on its first dimension, padded to a multiple of ``world``, and gathers the padded
+    tensor (a ``Linear(16, 1)`` of 68 B gathers 136 B on 2 ranks; stop 79). The default 1
+    counts no padding, as before.
+    """
     units = set(sharded_stage_indices(stages))
-    return [sum(p.numel() * p.element_size() for p in st.parameters()) if k in units else 0
+    return [sum(_gathered_bytes(p, world) for p in st.parameters()) if k in units else 0
             for k, st in enumerate(stages)]
 
 
-def fsdp_chain(chain: Chain, param_bytes: Sequence[int], *, prefetch: bool = True) -> Chain:
+def _gathered_bytes(p: torch.Tensor, world: int) -> int:
+    """Bytes of ``p`` as FSDP2 gathers it over ``world`` ranks (first dimension padded)."""
+    if p.dim() == 0:
+        return world * p.element_size()  # a scalar is sharded as one row
+    rows = p.shape[0]
+    padded = -(-rows // world) * world
+    return padded * (p.numel() // rows if rows else 0) * p.element_size()
+
+
+def root_parameter_bytes(stages: Sequence[nn.Module], world: int = 1) -> int:
+    """Bytes of the distinct parameters of the stages that are no FSDP unit (the root's).
+
+    Those stages (a tied embedding and head) stay in the root unit, whose parameters are
+    gathered for the whole step (first dimensions padded to a multiple of ``world``, as
+    in :func:`stage_parameter_bytes`).
+    """
+    units = set(sharded_stage_indices(stages))
+    held = {id(p): p for k, st in enumerate(stages) if k not in units for p in st.parameters()}
+    return sum(_gathered_bytes(p, world) for p in held.values())
+
+
+def fsdp_chain(chain: Chain, param_bytes: Sequence[int], *, prefetch: bool = True,
+               root_bytes: int = 0, recompute: bool = True) -> Chain:
     """``chain`` with what FSDP2 holds while each stage runs added to its overheads.
 
-    For stage ``i`` with ``P_i = param_bytes[i]`` (its unsharded parameters, 0 if it is not an
-    FSDP unit): every forward of ``i`` (first run or recomputation) holds the all-gathered
-    ``P_i``; its backward holds ``P_i``, the unsharded gradient ``P_i`` before the
-    reduce-scatter and, with ``prefetch`` (FSDP2's default backward prefetch), the gathered
-    parameters ``P_{i-1}`` of the stage before. These are temporaries of one op, i.e. the
-    chain's ``fwd_overhead`` / ``bwd_overhead`` (CONTRACT section 5), so the plan's peak
-    counts them. Not counted: the sharded parameters, gradients and optimizer state (always
-    resident, like parameters without FSDP) and the root unit's parameters (gathered for the
-    whole step).
+    ``P_i = param_bytes[i]`` are the unsharded parameters of stage ``i`` (0 if it is not an
+    FSDP unit), ``below(i)`` / ``above(i)`` those of the nearest unit before / after it (0
+    if none). FSDP2 gathers a unit's parameters through an all-gather buffer of ``P_i``
+    bytes, which is alive beside them while they are copied out, and flattens its unsharded
+    gradients into a reduce-scatter buffer of ``P_i`` bytes. Measured on 2 gloo ranks
+    (stop 79, ``docs/distributed.md``), an op of stage ``i`` holds besides its activations:
+
+    * a first forward: ``2 P_i`` (the gathered parameters and the all-gather buffer) and
+      ``below(i)``: the previous unit's all-gather buffer, which FSDP2 keeps until the next
+      unit's parameters are copied out (to overlap the two);
+    * a forward in the backward (a re-run; ``recompute``): ``2 P_i`` and the buffers the
+      last backward left: the reduce-scatter buffer of that unit ``k > i`` (kept until the
+      next unit's reduce-scatter) and the all-gather buffer of ``below(k)``, which FSDP2
+      prefetches in ``k``'s backward (``prefetch``): at most ``max_{k > i} P_k +
+      below(k)``;
+    * a backward: ``2 P_i`` (the gathered parameters and the unsharded gradients),
+      ``above(i)`` (the reduce-scatter buffer of the unit reduced before) and, with
+      ``prefetch``, ``below(i)`` (the all-gather buffer FSDP2 prefetches);
+    * the loss: ``below(L + 1)``, the last unit's all-gather buffer.
+
+    The stages of an exported model are FSDP roots of their own (the root unit's module
+    tree does not contain them): FSDP2 does not prefetch for them (``prefetch=False``, what
+    :func:`checkpoint_fsdp` passes), and frees a unit's buffers at its own post-forward and
+    post-backward (the reduce-scatter one since stop 79: :func:`fully_shard_checkpointed`),
+    but not always before the next unit's: a tiny Llama's embedding buffer was released
+    after the next unit's all-gather in one run and before it in another (same plan; the
+    release depends on when Python drops the last reference). So ``below(i)`` and
+    ``above(i)`` stay counted for them.
+
+    The root unit's parameters (``root_bytes``: gathered for the whole step) count in every
+    op, and once more in the forwards (its all-gather buffer, alive until the root's
+    forward ends or the first unit's parameters are copied out): a constant term, which the
+    chain, having no field for it, carries in every op's overhead. These are temporaries of
+    one op, i.e. the chain's ``fwd_overhead`` / ``bwd_overhead`` / ``loss_bwd_overhead``
+    (CONTRACT section 5), so the plan's peak counts them. Not counted: the sharded
+    parameters, gradients and optimizer state (always resident, like parameters without
+    FSDP). ``recompute=False`` drops the re-run term (an offload plan runs every forward
+    once, before the loss).
+
+    Before stop 79 the chain counted ``P_i`` in a forward and ``2 P_i + P_{i-1}`` (with
+    ``prefetch``) in a backward, and neither the buffers nor the root's parameters: the
+    measured peak of a residual MLP's remat + offload plan was 7496 B for a claimed 5844.
     """
     n = chain.length
     if len(param_bytes) != n:
         raise OptmemInputError(f"expected {n} parameter sizes, got {len(param_bytes)}",
                                field="param_bytes")
-    fwd = [o + int(p) for o, p in zip(chain.fwd_overhead, param_bytes, strict=True)]
-    bwd = []
-    for i in range(n):
-        extra = 2 * int(param_bytes[i])
-        if prefetch and i > 0:
-            extra += int(param_bytes[i - 1])
-        bwd.append(chain.bwd_overhead[i] + extra)
-    return replace(chain, fwd_overhead=tuple(fwd), bwd_overhead=tuple(bwd),
+    units = [int(p) for p in param_bytes]
+    root = int(root_bytes)
+    if any(p < 0 for p in units):
+        raise OptmemInputError("parameter sizes must be non-negative", field="param_bytes")
+    if root < 0:
+        raise OptmemInputError("root_bytes must be non-negative", field="root_bytes")
+    below, above = _nearest_units(units)
+    held = [p + (b if prefetch else 0) for p, b in zip(units, below, strict=True)]
+    rerun = _largest_after(held, units) if recompute else [0] * n
+    fwd_extra = [2 * p + max(b, r) for p, b, r in zip(units, below, rerun, strict=True)]
+    bwd_extra = [2 * p + a + (b if prefetch else 0)
+                 for p, a, b in zip(units, above, below, strict=True)]
+    loss_extra = next((p for p in reversed(units) if p), 0)
+    return replace(chain,
+                   fwd_overhead=tuple(o + e + 2 * root
+                                      for o, e in zip(chain.fwd_overhead, fwd_extra,
+                                                      strict=True)),
+                   bwd_overhead=tuple(o + e + root
+                                      for o, e in zip(chain.bwd_overhead, bwd_extra,
+                                                      strict=True)),
+                   loss_bwd_overhead=chain.loss_bwd_overhead + loss_extra + root,
                    name=f"{chain.name}+fsdp")
+
+
+def _nearest_units(units: Sequence[int]) -> tuple[list[int], list[int]]:
+    """For each stage, the bytes of the nearest unit before it and after it (0: none)."""
+    below, above = [0] * len(units), [0] * len(units)
+    for i in range(1, len(units)):
+        below[i] = units[i - 1] or below[i - 1]
+    for i in range(len(units) - 2, -1, -1):
+        above[i] = units[i + 1] or above[i + 1]
+    return below, above
+
+
+def _largest_after(held: Sequence[int], units: Sequence[int]) -> list[int]:
+    """For each stage ``i``, the largest ``held[k]`` over the units ``k > i`` (0: none)."""
+    out, best = [0] * len(units), 0
+    for i in range(len(units) - 1, -1, -1):
+        out[i] = best
+        if units[i]:
+            best = max(best, held[i])
+    return out
+
+
+def _shard_count(mesh: Any) -> int:
+    """Ranks a unit is sharded over: the mesh's last dimension, else the default group."""
+    if mesh is not None:
+        return int(mesh.shape[-1])
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 # the problems checkpoint_fsdp solves over the FSDP units (the planner's kinds)
@@ -244,7 +386,10 @@ def checkpoint_fsdp(module: nn.Module | Sequence[nn.Module], sample: Any,
     children, or the ``torch.export`` stages of any other module, e.g. a HuggingFace model
     called as ``sample``). The profile runs on rank 0 of ``process_group`` (default: the
     default group) on the unsharded module, :func:`fsdp_chain` adds FSDP's gathered
-    parameters and gradients to the per-op overheads, the plan is solved under
+    parameters, gradients and communication buffers and the root unit's parameters to the
+    per-op overheads (measured: ``docs/distributed.md``, "Stop 79"; exported stages are
+    FSDP roots of their own, which FSDP2 does not prefetch; an offload plan re-runs
+    nothing, ``recompute=False``), the plan is solved under
     ``memory_limit`` once and broadcast, and the stages are sharded
     (:func:`fully_shard_checkpointed`).
 
@@ -269,8 +414,9 @@ def checkpoint_fsdp(module: nn.Module | Sequence[nn.Module], sample: Any,
     process_group
         Ranks that decide together (``docs/distributed.md``, "One plan for every rank").
     prefetch
-        Count the parameters FSDP2 prefetches for the next unit of the backward
-        (:func:`fsdp_chain`).
+        Count the all-gather buffer FSDP2 prefetches for the next unit of the backward
+        (:func:`fsdp_chain`; never for an exported model's stages, which FSDP2 does not
+        prefetch).
     fsdp_kwargs
         Keyword arguments of every ``fully_shard`` (``mp_policy`` with dtypes is refused
         for an exported model).
@@ -316,9 +462,14 @@ def checkpoint_fsdp(module: nn.Module | Sequence[nn.Module], sample: Any,
         raise OptmemInputError("checkpoint_fsdp profiles the module's stages itself: "
                                "max_stages and chain are not supported", field="max_stages")
 
+    # an exported model's stage units are FSDP roots of their own: FSDP2 does not prefetch
+    prefetched = prefetch and is_plain_chain(module)
+
     def adjust(stages: Sequence[Any], chain: Chain) -> Chain:
-        return fsdp_chain(chain, stage_parameter_bytes([s.module for s in stages]),
-                          prefetch=prefetch)
+        modules, world = [s.module for s in stages], _shard_count(mesh)
+        return fsdp_chain(chain, stage_parameter_bytes(modules, world), prefetch=prefetched,
+                          root_bytes=root_parameter_bytes(modules, world),
+                          recompute=problem != "offload")
 
     cls = {"checkpoint": CheckpointedModule, "offload": OffloadedModule,
            "remat_offload": RematOffloadedModule}[problem]
