@@ -532,8 +532,15 @@ def _lift(delay: float, first: float, second: float, low: float, period: float) 
     every such ``T``. The least delay ``>= delay`` outside all of them is returned (windows
     are empty once ``k (period - low) >= first + second``). It only grows with ``delay``
     and ``low`` and only shrinks as ``period`` grows.
+
+    No plan has a period in the range when ``low > period`` (a question at a cutoff below
+    a proven bound) or ``first + second > period`` (the two ops overlap modulo any period
+    of the range): then every value is a bound and ``delay`` is returned. The windows there
+    need not empty, and the loop ran until float rounding ended it (a hunt, stop 79:
+    ``_lift(1, 1, 1, 2, 1.999999)`` took 19 s and returned 1.8e16, outside any time limit);
+    otherwise at most one window is left (each one ends before the next one opens).
     """
-    if period <= 0:
+    if period <= 0 or low > period or first + second > period:
         return delay
     while True:
         k = math.floor((delay + second) / period)
