@@ -285,7 +285,7 @@ def solve_pipeline_pipedream(problem: PipelineProblem, options: SolveOptions) ->
 def solve_pipeline_ilp(problem: PipelineProblem, options: SolveOptions) -> Result:
     """Optimal 1-periodic pattern over all allocations (thesis ch. 6, corrected)."""
     return merged_class(problem, solve_exact(problem, options, "ilp"),
-                        functools.partial(solve_pipeline_ilp, options=options))
+                        lambda relaxed: solve_pipeline_ilp(relaxed, options))
 
 
 @register(PROBLEM, "cpsat", exact=True, full_model=True, requires=("ortools",), max_length=8,
@@ -294,7 +294,7 @@ def solve_pipeline_ilp(problem: PipelineProblem, options: SolveOptions) -> Resul
 def solve_pipeline_cpsat(problem: PipelineProblem, options: SolveOptions) -> Result:
     """Optimal 1-periodic pattern over all allocations, CP-SAT emission of the same model."""
     return merged_class(problem, solve_exact(problem, options, "cpsat"),
-                        functools.partial(solve_pipeline_cpsat, options=options))
+                        lambda relaxed: solve_pipeline_cpsat(relaxed, options))
 
 
 @register(PROBLEM, "madpipe", exact=False, requires=("pulp",),
@@ -315,7 +315,7 @@ def solve_pipeline_madpipe(problem: PipelineProblem, options: SolveOptions) -> R
 def solve_pipeline_chunks(problem: PipelineProblem, options: SolveOptions) -> Result:
     """The chunk scan (:mod:`optmem.solvers.pipeline_chunks`) from the best incumbent."""
     return merged_class(problem, _solve_chunks(problem, options),
-                        functools.partial(solve_pipeline_chunks, options=options))
+                        lambda relaxed: solve_pipeline_chunks(relaxed, options))
 
 
 TINY_DURATION = 1e-6
