@@ -468,11 +468,13 @@ def test_the_stash_relaxation_never_checks_more_than_strict() -> None:
 @pytest.mark.parametrize("method", ["ilp", "cpsat"])
 def test_strict_answers_with_zero_forward_layers_are_proven_by_the_stash_relaxation(
         method: str) -> None:
-    """Seed 1 (a layer without forward time, merged with its predecessor in the ``strict``
-    models): before stop 79 (zero forwards) every method answered ``feasible`` with the
-    load bound; the stash relaxation's optimum meets the merged class's plan, so the answer
-    is ``optimal``, equal to brute force over the merged class's allocations, and no
-    heuristic plan (any allocation) beats it."""
+    """Seeds 1 and 19 (a layer without forward time, merged with its predecessor in the
+    ``strict`` models): before stop 79 (zero forwards) every method answered ``feasible``
+    with the load bound on seed 1 and ``no_solution`` on seed 19 (nothing of the merged
+    class fits). The stash relaxation's optimum meets the merged class's plan on seed 1,
+    so the answer is ``optimal``, equal to brute force over the merged class's
+    allocations, and no heuristic plan (any allocation) beats it; on seed 19 it proves
+    that no plan of any allocation fits: ``infeasible``."""
     problem = strict_zero_instance(1, True)
     assert len(model_bounds(problem)) < problem.layers.n
     res = solve(problem, method, options=ONE.with_(extra={"warm_madpipe": False}))
@@ -484,3 +486,11 @@ def test_strict_answers_with_zero_forward_layers_are_proven_by_the_stash_relaxat
         other = solve(problem, heuristic, options=SolveOptions(threads=1))
         if other.status.has_plan:
             assert other.objective >= res.objective * (1 - 1e-6)
+    none = strict_zero_instance(19, True)
+    assert len(model_bounds(none)) < none.layers.n
+    assert none.memory_per_gpu >= none.memory_lower_bound()
+    res = solve(none, method, options=ONE.with_(extra={"warm_madpipe": False}))
+    assert res.status is Status.INFEASIBLE and "stash_relaxation" in res.report
+    assert math.isinf(brute_force(none))
+    for heuristic in ("contiguous", "madpipe"):
+        assert not solve(none, heuristic, options=SolveOptions(threads=1)).status.has_plan
