@@ -457,7 +457,8 @@ def merged_class(problem: PipelineProblem, res: Result,
     low = lower_bound(problem)
     if relaxed is not None and problem.memory_model == "strict" and not tiny:
         rel = relaxed(stash_relaxation(problem))
-        report["stash_relaxation"] = {"status": rel.status.value, "bound": rel.bound}
+        report["stash_relaxation"] = {"status": rel.status.value,
+                                      "bound": rel.bound if math.isfinite(rel.bound) else None}
         if rel.status is Status.INFEASIBLE and not res.status.has_plan:
             return res.with_(status=Status.INFEASIBLE, bound=math.inf, plan=None,
                              report=report)
