@@ -26,6 +26,7 @@ from optmem.pipeline_plan import PipelinePlan, minimal_shifts
 from optmem.result import Status
 from optmem.simulate.pipeline import simulate_pipeline
 from optmem.simulate.verify import verify_plan
+from optmem.solvers.pipeline import stash_relaxation
 from optmem.solvers.pipeline_common import build_model
 from tests.pipeline_helpers import assert_model_agrees_with_simulator
 from tests.test_pipeline_benders import brute_force
@@ -244,12 +245,15 @@ def test_strict_exact_methods_equal_brute_force_with_zero_time_tasks(seed: int,
         assert ("merged_units" in res.report) is merged
         if math.isinf(expected):
             assert not res.status.has_plan
-            assert res.status is (Status.NO_SOLUTION if merged else Status.INFEASIBLE)
-            if not merged:
+            assert res.status in (Status.NO_SOLUTION, Status.INFEASIBLE)
+            if res.status is Status.INFEASIBLE:  # merged: proven by the stash relaxation
                 assert math.isinf(best_plan)
             continue
-        if merged:
-            assert res.status is Status.FEASIBLE
+        if merged:  # the bound is the stash relaxation's (stop 79, zero forwards)
+            assert "stash_relaxation" in res.report
+            assert res.bound <= best_plan + 1e-9
+            if res.status is Status.OPTIMAL:
+                assert best_plan >= res.objective * (1 - 1e-6)
         else:
             assert_tie_proof(res)
             assert res.status is (Status.FEASIBLE if seed == 24 else Status.OPTIMAL)
@@ -427,3 +431,66 @@ def test_tie_relaxed_rows_hold_iff_the_simulator_fits_closer_than_the_separation
                 over += memory == peak and values is not None \
                     and bool(form.model.violated(values))
     assert checked >= 100 and over >= 1
+
+
+def test_the_stash_relaxation_never_checks_more_than_strict() -> None:
+    """Random plans on chains with zero forward and backward times (stages of one to three
+    layers, temporaries or not): replayed under :func:`stash_relaxation`, each has the
+    period it has under ``strict`` and no GPU peak above its ``strict`` peak, so the
+    relaxation's optimum bounds the ``strict`` problem's over every allocation (stop 79,
+    zero forwards: the ``strict`` models keep such layers with their predecessor)."""
+    checked = 0
+    for seed in range(40):
+        rng = random.Random(seed)
+        n = rng.choice([2, 3, 4])
+        fwd = [float(rng.choice([0, 0, 1, 2])) for _ in range(n)]
+        bwd = [float(rng.choice([0, 0, 1, 2])) for _ in range(n)]
+        fwd[-1] = 1.0
+        chain = sized_chain(rng, fwd, bwd)
+        strict = PipelineProblem(chain, 2, 10**6, memory_model="strict",
+                                 temporaries=rng.random() < 0.5)
+        relaxed = stash_relaxation(strict)
+        assert relaxed.memory_model == "stash"
+        assert all(r <= s for r, s in zip(relaxed.layers.x, strict.layers.x, strict=True))
+        for _ in range(25):
+            plan = random_plan(rng, strict)
+            try:
+                sim = simulate_pipeline(strict, plan)
+            except PlanError:
+                continue
+            low = simulate_pipeline(relaxed, plan)
+            assert low.period == sim.period
+            assert all(r <= s for r, s in zip(low.peaks, sim.peaks, strict=True))
+            checked += 1
+    assert checked >= 200
+
+
+@pytest.mark.parametrize("method", ["ilp", "cpsat"])
+def test_strict_answers_with_zero_forward_layers_are_proven_by_the_stash_relaxation(
+        method: str) -> None:
+    """Seeds 1 and 19 (a layer without forward time, merged with its predecessor in the
+    ``strict`` models): before stop 79 (zero forwards) every method answered ``feasible``
+    with the load bound on seed 1 and ``no_solution`` on seed 19 (nothing of the merged
+    class fits). The stash relaxation's optimum meets the merged class's plan on seed 1,
+    so the answer is ``optimal``, equal to brute force over the merged class's
+    allocations, and no heuristic plan (any allocation) beats it; on seed 19 it proves
+    that no plan of any allocation fits: ``infeasible``."""
+    problem = strict_zero_instance(1, True)
+    assert len(model_bounds(problem)) < problem.layers.n
+    res = solve(problem, method, options=ONE.with_(extra={"warm_madpipe": False}))
+    assert res.status is Status.OPTIMAL
+    assert "merged_units" in res.report and "stash_relaxation" in res.report
+    assert res.objective == pytest.approx(brute_force(problem), abs=1e-5)
+    assert verify_plan(problem, res)["objective"] == pytest.approx(res.objective)
+    for heuristic in ("contiguous", "madpipe"):
+        other = solve(problem, heuristic, options=SolveOptions(threads=1))
+        if other.status.has_plan:
+            assert other.objective >= res.objective * (1 - 1e-6)
+    none = strict_zero_instance(19, True)
+    assert len(model_bounds(none)) < none.layers.n
+    assert none.memory_per_gpu >= none.memory_lower_bound()
+    res = solve(none, method, options=ONE.with_(extra={"warm_madpipe": False}))
+    assert res.status is Status.INFEASIBLE and "stash_relaxation" in res.report
+    assert math.isinf(brute_force(none))
+    for heuristic in ("contiguous", "madpipe"):
+        assert not solve(none, heuristic, options=SolveOptions(threads=1)).status.has_plan

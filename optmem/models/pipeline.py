@@ -91,7 +91,9 @@ Ties of zero-length tasks (``strict``, stop 78)
     at most the separation (a seeded chain: 11.00073 for 11). The bound reported for the
     problem comes from the model without the rows ``neara`` (``tie_relaxed``, stop 79),
     which holds every plan at its period. Layers without forward time
-    still join their predecessor (:func:`zero_forward_merged`: a restriction, reported).
+    still join their predecessor (:func:`zero_forward_merged`: a restriction, reported;
+    since stop 79 the answers' bound comes from a ``stash`` relaxation whose models keep
+    every layer, :func:`optmem.solvers.pipeline.stash_relaxation`).
 Cuts (valid inequalities; they change no solution)
     * loads: ``T >=`` the load of every GPU and of every link, ``T >= max(total / P,
       heaviest unit)`` (the bound of :func:`load_bound`);

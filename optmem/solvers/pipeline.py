@@ -30,7 +30,7 @@ import functools
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -284,7 +284,8 @@ def solve_pipeline_pipedream(problem: PipelineProblem, options: SolveOptions) ->
           extra=EXACT_EXTRA)
 def solve_pipeline_ilp(problem: PipelineProblem, options: SolveOptions) -> Result:
     """Optimal 1-periodic pattern over all allocations (thesis ch. 6, corrected)."""
-    return merged_class(problem, solve_exact(problem, options, "ilp"))
+    return merged_class(problem, solve_exact(problem, options, "ilp"),
+                        lambda relaxed: solve_pipeline_ilp(relaxed, options))
 
 
 @register(PROBLEM, "cpsat", exact=True, full_model=True, requires=("ortools",), max_length=8,
@@ -292,7 +293,8 @@ def solve_pipeline_ilp(problem: PipelineProblem, options: SolveOptions) -> Resul
           extra=EXACT_EXTRA)
 def solve_pipeline_cpsat(problem: PipelineProblem, options: SolveOptions) -> Result:
     """Optimal 1-periodic pattern over all allocations, CP-SAT emission of the same model."""
-    return merged_class(problem, solve_exact(problem, options, "cpsat"))
+    return merged_class(problem, solve_exact(problem, options, "cpsat"),
+                        lambda relaxed: solve_pipeline_cpsat(relaxed, options))
 
 
 @register(PROBLEM, "madpipe", exact=False, requires=("pulp",),
@@ -312,7 +314,8 @@ def solve_pipeline_madpipe(problem: PipelineProblem, options: SolveOptions) -> R
           extra=CHUNKS_EXTRA)
 def solve_pipeline_chunks(problem: PipelineProblem, options: SolveOptions) -> Result:
     """The chunk scan (:mod:`optmem.solvers.pipeline_chunks`) from the best incumbent."""
-    return merged_class(problem, _solve_chunks(problem, options))
+    return merged_class(problem, _solve_chunks(problem, options),
+                        lambda relaxed: solve_pipeline_chunks(relaxed, options))
 
 
 TINY_DURATION = 1e-6
@@ -371,7 +374,52 @@ def tie_separated(problem: PipelineProblem, res: Result) -> Result:
         "the problem's; the bound is the tie-relaxed model's (or theirs less that)"})
 
 
-def merged_class(problem: PipelineProblem, res: Result) -> Result:
+def stash_relaxation(problem: PipelineProblem) -> PipelineProblem:
+    r"""A ``stash`` problem whose optimum bounds the ``strict`` ``problem``'s (stop 79).
+
+    The same GPUs, memory, transfers and times; stashes lowered where needed so that the
+    ``stash`` model's check of every plan never exceeds the ``strict`` model's. Its exact
+    methods keep layers without forward time as their own units (the ``stash`` model counts
+    ties of zero-length tasks as the simulator does), so its bound covers the plans that
+    :func:`~optmem.models.pipeline.zero_forward_merged` leaves out of the ``strict`` models.
+
+    **Validity.** Both models replay a plan at the same times (durations and transfers do
+    not depend on the memory model; ``a`` is kept, so are buffers and transfer times) and
+    hold the same weights and buffers. The ``stash`` simulator checks a GPU only where a
+    stage's forward starts, counting the stashes alive there (the same set the ``strict``
+    check counts: forwards started then or before, backwards not ended by then) plus the
+    stage's own new stash ``x(i..j)``; the ``strict`` check there counts the same alive
+    stashes (without the new one), ``strict_task(i, j)[0] >= x(i..j-1) + a_{j-1} + a_j +
+    tf_j`` and data waiting. Here each layer's stash is ``x'_j = min(x_j, a_{j-1} + a_j +
+    tf_j)`` (``tf`` the temporaries when counted, else 0), lowered through ``saved_size``
+    (and, for the last layer, ``output_size``, which then only enters ``x_L``), so
+    ``x'(i..j) <= x(i..j-1) + a_{j-1} + a_j + tf_j`` for every stage: every plan that fits
+    the ``strict`` problem fits this one at its period, and this one's optimum (or proven
+    bound, or ``infeasible``) is one of the ``strict`` problem too.
+
+    Examples
+    --------
+    >>> from optmem.chain import Chain
+    >>> chain = Chain.from_lists([1.0, 0.0, 2.0], [1.0, 0.0, 1.0], [2, 2, 3], [9, 2, 8],
+    ...                          input_size=1)
+    >>> strict = PipelineProblem(chain, 2, 100, memory_model="strict")
+    >>> relaxed = stash_relaxation(strict)
+    >>> relaxed.memory_model, strict.layers.x, relaxed.layers.x
+    ('stash', (0, 8, 2, 10), (0, 3, 2, 2))
+    """
+    chain, lay = problem.chain, problem.layers
+    n = lay.n
+    tf = lay.tf or (0,) * (n + 1)
+    saved, out = list(chain.saved_size), list(chain.output_size)
+    for j in range(1, n + 1):
+        saved[j - 1] -= max(0, lay.x[j] - (lay.a[j - 1] + lay.a[j] + tf[j]))
+    out[n - 1] = min(out[n - 1], saved[n - 1])
+    lowered = replace(chain, saved_size=tuple(saved), output_size=tuple(out))
+    return replace(problem, chain=lowered, memory_model="stash", temporaries=False)
+
+
+def merged_class(problem: PipelineProblem, res: Result,
+                 relaxed: Callable[[PipelineProblem], Result] | None = None) -> Result:
     """``res`` of a method whose models keep zero-forward layers with their predecessor.
 
     Under ``strict`` the models' units (:func:`~optmem.models.pipeline.model_bounds`, then
@@ -382,11 +430,14 @@ def merged_class(problem: PipelineProblem, res: Result) -> Result:
     another GPU (a hunt). On such a chain the answer is ``feasible`` with the problem's
     load bound (``no_solution`` for an ``infeasible`` of the class, unless the least memory
     of any plan proved it: ``memory_lower_bound``), and ``report["merged_units"]`` says
-    why. Under ``stash`` the units are the layers (the model counts ties of zero-length
-    tasks as the simulator does), except last layers without any time, joined to the last
-    one with time (a stash that may live no time: the same correction). A chain with tiny
-    forward or backward times (:func:`tiny_durations`) gets the same answer, with
-    ``report["tiny_durations"]``. Other chains are unchanged.
+    why. Since stop 79 (zero forwards) ``relaxed`` (the same method) solves
+    :func:`stash_relaxation`, whose models keep every layer: its bound (or ``infeasible``)
+    is the problem's, so the answer is ``optimal`` where it meets the plan
+    (``report["stash_relaxation"]``). Under ``stash`` the units are the layers (the model
+    counts ties of zero-length tasks as the simulator does), except last layers without
+    any time, joined to the last one with time (a stash that may live no time: the same
+    correction). A chain with tiny forward or backward times (:func:`tiny_durations`) gets
+    the same answer, with ``report["tiny_durations"]``. Other chains are unchanged.
     """
     units = model_bounds(problem)
     tiny = tiny_durations(problem)
@@ -396,19 +447,32 @@ def merged_class(problem: PipelineProblem, res: Result) -> Result:
         report = {**res.report, "merged_units": f"{problem.layers.n - len(units)} layers "
                   "without forward time (strict) or at the end without any time (stash) "
                   "kept with their predecessor: the models' proofs cover that class only, "
-                  "the bound is the problem's load bound"}
+                  "the bound is the problem's load bound (strict: or the stash "
+                  "relaxation's, stash_relaxation)"}
     else:
         report = {**res.report, "tiny_durations": f"{tiny} forward or backward times "
                   f"above 0 and below {TINY_DURATION:g} of the load bound (below the "
                   "engines' tolerances and the CP-SAT grid): the models' proofs are not "
                   "trusted, the bound is the problem's load bound"}
+    low = lower_bound(problem)
+    if relaxed is not None and problem.memory_model == "strict" and not tiny:
+        rel = relaxed(stash_relaxation(problem))
+        report["stash_relaxation"] = {"status": rel.status.value,
+                                      "bound": rel.bound if math.isfinite(rel.bound) else None}
+        if rel.status is Status.INFEASIBLE and not res.status.has_plan:
+            return res.with_(status=Status.INFEASIBLE, bound=math.inf, plan=None,
+                             report=report)
+        if rel.status is not Status.INFEASIBLE and math.isfinite(rel.bound):
+            low = max(low, rel.bound)
     if res.status is Status.INFEASIBLE:
         if problem.memory_per_gpu < problem.memory_lower_bound():
             return res  # no plan of any allocation fits (below_least_memory)
         return res.with_(status=Status.NO_SOLUTION, bound=math.nan, report=report)
     if not res.status.has_plan:
         return res.with_(bound=math.nan, report=report)
-    low = min(lower_bound(problem), res.objective)
+    low = min(low, res.objective)
+    if proven(res.objective, low):
+        return res.with_(status=Status.OPTIMAL, bound=low, report=report)
     return res.with_(status=Status.FEASIBLE, bound=low, report=report)
 
 
