@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import random
+import types
 
 import pytest
 
@@ -26,6 +27,7 @@ from optmem.pipeline_plan import PipelinePlan, minimal_shifts
 from optmem.result import Status
 from optmem.simulate.pipeline import simulate_pipeline
 from optmem.simulate.verify import verify_plan
+from optmem.solvers import pipeline as solvers_pipeline
 from optmem.solvers.pipeline import stash_relaxation
 from optmem.solvers.pipeline_common import build_model
 from tests.pipeline_helpers import assert_model_agrees_with_simulator
@@ -35,6 +37,7 @@ pytest.importorskip("ortools", reason="the exact models use OR-Tools CP-SAT")
 pytest.importorskip("pulp", reason="method ilp uses PuLP")
 
 ONE = SolveOptions(threads=1, warm_start=False)
+RELAXED = {"warm_madpipe": False, "stash_relaxation": True}  # the stash relaxation asked
 
 
 def sized_chain(rng: random.Random, fwd: list[float], bwd: list[float]) -> Chain:
@@ -241,7 +244,7 @@ def test_strict_exact_methods_equal_brute_force_with_zero_time_tasks(seed: int,
                   for m in ("contiguous", "madpipe")]
     best_plan = min((h.objective for h in heuristics if h.status.has_plan), default=math.inf)
     for method in ("ilp", "cpsat"):
-        res = solve(problem, method, options=ONE.with_(extra={"warm_madpipe": False}))
+        res = solve(problem, method, options=ONE.with_(extra=RELAXED))
         assert ("merged_units" in res.report) is merged
         if math.isinf(expected):
             assert not res.status.has_plan
@@ -477,7 +480,9 @@ def test_strict_answers_with_zero_forward_layers_are_proven_by_the_stash_relaxat
     that no plan of any allocation fits: ``infeasible``."""
     problem = strict_zero_instance(1, True)
     assert len(model_bounds(problem)) < problem.layers.n
-    res = solve(problem, method, options=ONE.with_(extra={"warm_madpipe": False}))
+    default = solve(problem, method, options=ONE.with_(extra={"warm_madpipe": False}))
+    assert "stash_relaxation" not in default.report  # asked only with the option
+    res = solve(problem, method, options=ONE.with_(extra=RELAXED))
     assert res.status is Status.OPTIMAL
     assert "merged_units" in res.report and "stash_relaxation" in res.report
     assert res.objective == pytest.approx(brute_force(problem), abs=1e-5)
@@ -489,8 +494,31 @@ def test_strict_answers_with_zero_forward_layers_are_proven_by_the_stash_relaxat
     none = strict_zero_instance(19, True)
     assert len(model_bounds(none)) < none.layers.n
     assert none.memory_per_gpu >= none.memory_lower_bound()
-    res = solve(none, method, options=ONE.with_(extra={"warm_madpipe": False}))
+    res = solve(none, method, options=ONE.with_(extra=RELAXED))
     assert res.status is Status.INFEASIBLE and "stash_relaxation" in res.report
     assert math.isinf(brute_force(none))
     for heuristic in ("contiguous", "madpipe"):
         assert not solve(none, heuristic, options=SolveOptions(threads=1)).status.has_plan
+
+
+def test_the_stash_relaxation_keeps_to_what_is_left_of_the_time_limit(monkeypatch) -> None:
+    """The relaxation is a second exact solve: it gets what the first left of
+    ``time_limit_s`` (at first it ran with the whole limit again, doubling a limited solve),
+    and none when nothing is left. A fake clock, so the verdict does not depend on time:
+    each reading is 1 s after the last, and with a limit of 0.5 s nothing is left."""
+    ticks = iter(range(10**6))
+    clock = types.SimpleNamespace(perf_counter=lambda: float(next(ticks)))
+    monkeypatch.setattr(solvers_pipeline, "time", clock)  # this module's clock only
+    seen: list[float | None] = []
+
+    def method(problem: PipelineProblem, options: SolveOptions):
+        seen.append(options.time_limit_s)
+        return solve(problem, "cpsat", options=ONE)
+
+    options = ONE.with_(time_limit_s=0.5, extra={"stash_relaxation": True})
+    run = solvers_pipeline.stash_relaxed(method, options)
+    assert run is not None and run(strict_zero_instance(1, True)) is None and seen == []
+    run = solvers_pipeline.stash_relaxed(method, options.with_(time_limit_s=100.0))
+    assert run is not None and run(strict_zero_instance(1, True)) is not None
+    assert seen == [99.0]
+    assert solvers_pipeline.stash_relaxed(method, ONE) is None  # off by default

@@ -42,6 +42,7 @@ from optmem.problems.pipeline import PipelineProblem
 from optmem.result import Result, SolveOptions, Status
 from optmem.solvers import pipeline_chunks as chunked
 from optmem.solvers import pipeline_contiguous as contig
+from optmem.solvers.options import flag
 from optmem.solvers.pipeline_common import (
     PROBLEM,
     below_least_memory,
@@ -68,14 +69,14 @@ the walk at the limit. Before, the walk ran to its deterministic work cap past t
 (ResNet-50 at 3x, 4 GPUs: 81 s for a 60 s limit, 326 s for 300 s)."""
 MADPIPE_EXTRA = ("phase2", "madpipe_grid", "madpipe_iterations")
 """``SolveOptions.extra`` keys of ``madpipe``."""
-EXACT_EXTRA = ("warm_madpipe", "relaxation", "strategy", "trim_work", "isolate",
+EXACT_EXTRA = ("warm_madpipe", "relaxation", "stash_relaxation", "strategy", "trim_work", "isolate",
                "probe_step", "probe_work", "lifetime_cuts", "colocate_step", "colocate_work",
                "colocate_order", "colocate_beside", "lns", "lns_work", *MADPIPE_EXTRA)
 """Keys of ``ilp``/``cpsat``: their own, and MadPipe's (its run gives their warm start)."""
 CHUNKS_EXTRA = ("chunks", "chunk_work", "chunk_step", "chunk_retry_work", "family",
                 "family_limit", "waits", "trim", "trim_tail", "trim_share", "heads",
                 "head_step", "head_floor", "head_contents", "head_processes", "proof_gap",
-                "warm_madpipe", "relaxation",
+                "warm_madpipe", "relaxation", "stash_relaxation",
                 *MADPIPE_EXTRA)
 """Keys of ``chunks``: its own, and MadPipe's (its run gives the first cutoff)."""
 
@@ -284,8 +285,8 @@ def solve_pipeline_pipedream(problem: PipelineProblem, options: SolveOptions) ->
           extra=EXACT_EXTRA)
 def solve_pipeline_ilp(problem: PipelineProblem, options: SolveOptions) -> Result:
     """Optimal 1-periodic pattern over all allocations (thesis ch. 6, corrected)."""
-    return merged_class(problem, solve_exact(problem, options, "ilp"),
-                        lambda relaxed: solve_pipeline_ilp(relaxed, options))
+    relaxed = stash_relaxed(solve_pipeline_ilp, options)
+    return merged_class(problem, solve_exact(problem, options, "ilp"), relaxed)
 
 
 @register(PROBLEM, "cpsat", exact=True, full_model=True, requires=("ortools",), max_length=8,
@@ -293,8 +294,8 @@ def solve_pipeline_ilp(problem: PipelineProblem, options: SolveOptions) -> Resul
           extra=EXACT_EXTRA)
 def solve_pipeline_cpsat(problem: PipelineProblem, options: SolveOptions) -> Result:
     """Optimal 1-periodic pattern over all allocations, CP-SAT emission of the same model."""
-    return merged_class(problem, solve_exact(problem, options, "cpsat"),
-                        lambda relaxed: solve_pipeline_cpsat(relaxed, options))
+    relaxed = stash_relaxed(solve_pipeline_cpsat, options)
+    return merged_class(problem, solve_exact(problem, options, "cpsat"), relaxed)
 
 
 @register(PROBLEM, "madpipe", exact=False, requires=("pulp",),
@@ -314,8 +315,8 @@ def solve_pipeline_madpipe(problem: PipelineProblem, options: SolveOptions) -> R
           extra=CHUNKS_EXTRA)
 def solve_pipeline_chunks(problem: PipelineProblem, options: SolveOptions) -> Result:
     """The chunk scan (:mod:`optmem.solvers.pipeline_chunks`) from the best incumbent."""
-    return merged_class(problem, _solve_chunks(problem, options),
-                        lambda relaxed: solve_pipeline_chunks(relaxed, options))
+    relaxed = stash_relaxed(solve_pipeline_chunks, options)
+    return merged_class(problem, _solve_chunks(problem, options), relaxed)
 
 
 TINY_DURATION = 1e-6
@@ -418,8 +419,33 @@ def stash_relaxation(problem: PipelineProblem) -> PipelineProblem:
     return replace(problem, chain=lowered, memory_model="stash", temporaries=False)
 
 
+def stash_relaxed(method: Callable[[PipelineProblem, SolveOptions], Result],
+                  options: SolveOptions) -> Callable[[PipelineProblem], Result | None] | None:
+    """The run of :func:`stash_relaxation` that :func:`merged_class` may ask (stop 79).
+
+    ``None`` unless ``extra["stash_relaxation"]`` is true (default false: the relaxation
+    is a second exact solve, which on the bundled ResNets under ``strict`` lifted no bound
+    but one and ran past 10 minutes without a limit; on tiny chains it proves answers
+    ``optimal`` or ``infeasible``). The run is ``method`` on the relaxed problem with
+    ``options``, within what is left of ``options.time_limit_s`` since this call (``None``,
+    and ``report["stash_relaxation"]`` says so, when nothing is left), and charges the
+    solve's work budget (one solve, one budget): a limit still bounds the whole solve.
+    """
+    if not flag(options, "stash_relaxation", False):
+        return None
+    start = time.perf_counter()
+
+    def run(relaxed: PipelineProblem) -> Result | None:
+        limit = options.time_limit_s
+        if limit is None:
+            return method(relaxed, options)
+        left = limit - (time.perf_counter() - start)
+        return None if left <= 0 else method(relaxed, options.with_(time_limit_s=left))
+    return run
+
+
 def merged_class(problem: PipelineProblem, res: Result,
-                 relaxed: Callable[[PipelineProblem], Result] | None = None) -> Result:
+                 relaxed: Callable[[PipelineProblem], Result | None] | None = None) -> Result:
     """``res`` of a method whose models keep zero-forward layers with their predecessor.
 
     Under ``strict`` the models' units (:func:`~optmem.models.pipeline.model_bounds`, then
@@ -430,7 +456,8 @@ def merged_class(problem: PipelineProblem, res: Result,
     another GPU (a hunt). On such a chain the answer is ``feasible`` with the problem's
     load bound (``no_solution`` for an ``infeasible`` of the class, unless the least memory
     of any plan proved it: ``memory_lower_bound``), and ``report["merged_units"]`` says
-    why. Since stop 79 (zero forwards) ``relaxed`` (the same method) solves
+    why. Since stop 79 (zero forwards) ``relaxed`` (the same method, when
+    ``extra["stash_relaxation"]`` asks for it: :func:`stash_relaxed`) solves
     :func:`stash_relaxation`, whose models keep every layer: its bound (or ``infeasible``)
     is the problem's, so the answer is ``optimal`` where it meets the plan
     (``report["stash_relaxation"]``). Under ``stash`` the units are the layers (the model
@@ -457,8 +484,11 @@ def merged_class(problem: PipelineProblem, res: Result,
     low = lower_bound(problem)
     if relaxed is not None and problem.memory_model == "strict" and not tiny:
         rel = relaxed(stash_relaxation(problem))
-        report["stash_relaxation"] = {"status": rel.status.value,
-                                      "bound": rel.bound if math.isfinite(rel.bound) else None}
+        report["stash_relaxation"] = "skipped: the time limit passed" if rel is None else {
+            "status": rel.status.value, "bound": rel.bound if math.isfinite(rel.bound) else None}
+    else:
+        rel = None
+    if rel is not None:
         if rel.status is Status.INFEASIBLE and not res.status.has_plan:
             return res.with_(status=Status.INFEASIBLE, bound=math.inf, plan=None,
                              report=report)
