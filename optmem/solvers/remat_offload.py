@@ -27,10 +27,11 @@ against the limit, and a method whose plan does not replay returns ``status: err
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError, PlanError
+from optmem.models.interrupt import Interrupted, stop_when
 from optmem.plan import AnyOp, Op, OpKind, parse_mixed_plan
 from optmem.problems.checkpoint import CheckpointProblem, Discretized, discretize
 from optmem.problems.remat_offload import RematOffloadProblem
@@ -38,6 +39,7 @@ from optmem.result import Result, SolveOptions, Status
 from optmem.simulate.offload import simulate_offload
 from optmem.simulate.verify import Replay, Wording, replay_result
 from optmem.solvers.checkpoint import dp_min_memory
+from optmem.solvers.checkpoint_baselines import store_all_or_chen
 from optmem.solvers.checkpoint_dp import (
     PersistentTable,
     solve_persistent_table,
@@ -55,6 +57,7 @@ from optmem.solvers.remat_offload_schedule import (
     static_replay,
     window_before,
 )
+from optmem.solvers.time_budget import Deadline, stopped_during
 
 PROBLEM = "remat-offload"
 DEFAULT_GRID = 200
@@ -272,24 +275,102 @@ def best_candidate(problem: RematOffloadProblem, options: SolveOptions,
 
 
 # ------------------------------------------------------------------ methods
+POFO = "pofo"
+REMAT_LABEL = "remat only (persistent DP)"
+OFFLOAD_LABEL = "offload only (DYNPROG)"
+DP_STAGES = {POFO: "the DP", REMAT_LABEL: "the checkpoint-only DP",
+             OFFLOAD_LABEL: "the offload-only DP"}
+"""``report["stopped"]`` of a ``dp`` solve stopped in each candidate's computation (stop 79):
+``"time limit (during the DP)"`` in the chapter 4 DP (:func:`stopped_during`)."""
+
+
+def _dp_candidates(problem: RematOffloadProblem, options: SolveOptions, variant: str,
+                   found: dict[str, Sequence[AnyOp] | None], info: dict) -> str | None:
+    """Compute the ``dp`` candidates into ``found`` within ``options.time_limit_s``.
+
+    The chapter 4 DP (``pofo``; its report keys into ``info``), and for ``never-worse`` the
+    checkpoint-only and offload-only plans, which run first under a time limit (they are
+    cheap and are what a stopped solve answers with), after it without one. Every DP
+    polls the solve's :class:`~optmem.solvers.time_budget.Deadline` (stop 79: the chapter
+    4 DP ran 6 s at L = 40 under ``--time-limit 0.05``).
+
+    Returns
+    -------
+    str or None
+        The label of the candidate whose computation the limit stopped, or ``None``.
+    """
+    last = "thesis" if variant == "thesis" else "extended"
+
+    def pofo() -> Sequence[AnyOp] | None:
+        plan, pofo_info = pofo_plan(problem, options, last)
+        info.update(pofo_info)
+        return plan
+
+    makers: list[tuple[str, Callable[[], Sequence[AnyOp] | None]]] = []
+    if variant == "never-worse":
+        disc, _ = discretized(problem, options)
+        makers = [(REMAT_LABEL, lambda: remat_candidate(disc)),
+                  (OFFLOAD_LABEL, lambda: offload_candidate(problem, options))]
+    deadline = Deadline.start(options.time_limit_s)
+    makers.insert(0 if deadline.end is None else len(makers), (POFO, pofo))
+    with stop_when(deadline.stopper()):
+        for label, make in makers:
+            try:
+                found[label] = make()
+            except Interrupted:
+                return label
+    return None
+
+
+def _dp_stopped(problem: RematOffloadProblem, options: SolveOptions, variant: str,
+                found: dict[str, Sequence[AnyOp] | None], info: dict, label: str) -> Result:
+    """The answer of a ``dp`` solve whose time limit stopped the computation of ``label``.
+
+    The fastest finished candidate that replays (``feasible``), else store-all when its
+    peak fits, else Chen's ``sqrt(L)`` segments (no DP, replayed), else ``no_solution``
+    with the compute-time bound; never ``infeasible``. ``report["stopped"]`` names the
+    stage (:data:`DP_STAGES`), ``report["choice"]`` the plan.
+    """
+    disc, _ = discretized(problem, options)
+    report = {**info, "stopped": stopped_during(DP_STAGES[label])}
+    order = (POFO, REMAT_LABEL, OFFLOAD_LABEL)
+    seen: dict[str, float] = {}
+    best = best_candidate(problem, options, [(k, found[k]) for k in order if k in found], seen)
+    if best is None:
+        best = best_candidate(problem, options,
+                              [store_all_or_chen(disc.chain, disc.memory_limit)], seen)
+    report["candidates"] = seen
+    if best is None:
+        return no_plan_result(problem, options, "dp", Status.NO_SOLUTION, report, variant)
+    report["choice"] = best[0]
+    return plan_result(problem, options, best[1], method="dp", variant=variant, report=report)
+
+
 @register(PROBLEM, "dp", exact=False, default=True,
           description="thesis ch. 4 DP (pofo): remat + offload; variants never-worse, "
                       "extended, thesis",
           compare_as=(("dp", None), ("dp:thesis", None)),
           extra=("grid", "backlog_grid", "prefetch"), variants=DP_VARIANTS)
 def solve_dp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
-    """The chapter 4 DP; ``report['dp_value']`` is its value under Assumptions 4."""
+    """The chapter 4 DP; ``report['dp_value']`` is its value under Assumptions 4.
+
+    ``options.time_limit_s`` bounds the DPs (:func:`_dp_candidates`); stopped, the answer
+    is :func:`_dp_stopped`'s.
+    """
     variant = options.variant or "never-worse"
     if variant not in DP_VARIANTS:
         raise OptmemInputError(f"unknown dp variant {variant!r} (expected one of "
                                f"{', '.join(DP_VARIANTS)})", field="variant")
-    last = "thesis" if variant == "thesis" else "extended"
-    plan, info = pofo_plan(problem, options, last)
-    candidates: list[tuple[str, Sequence[AnyOp] | None]] = [("pofo", plan)]
-    if variant == "never-worse":
-        disc, _ = discretized(problem, options)
-        candidates.append(("remat only (persistent DP)", remat_candidate(disc)))
-        candidates.append(("offload only (DYNPROG)", offload_candidate(problem, options)))
+    prefetch_policies(options)  # bad options fail before any DP
+    grid_of(options)
+    found: dict[str, Sequence[AnyOp] | None] = {}
+    info: dict = {}
+    stopped = _dp_candidates(problem, options, variant, found, info)
+    if stopped is not None:
+        return _dp_stopped(problem, options, variant, found, info, stopped)
+    plan = found[POFO]
+    candidates = [(label, found[label]) for label in (POFO, REMAT_LABEL, OFFLOAD_LABEL)
+                  if label in found]
     seen: dict[str, float] = {}
     best = best_candidate(problem, options, candidates, seen)
     info["candidates"] = seen

@@ -352,6 +352,7 @@ class PofoDP:
             return out
         sum_f = 0.0
         for sp in range(s, t):
+            poll_now()  # each split: a few vector ops over the (A, Delta) grid (stop 79)
             sum_f += uf[sp]
             right = cd[s, sp]
             d2i = self._vceil(Dq - self._flow(right))
@@ -407,6 +408,7 @@ class PofoDP:
             return best
         sum_f, lemma, worst_rest = 0.0, -INF, -INF
         for t in range(s, self.t_max + 1):
+            poll_now()  # each segment end: a few gathers over the (A, dF, dB) grid (stop 79)
             mk = self._mk_fwd(s, t)
             if t > s:
                 worst_rest = max(worst_rest, mk)
