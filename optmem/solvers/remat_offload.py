@@ -284,6 +284,11 @@ DP_STAGES = {POFO: "the DP", REMAT_LABEL: "the checkpoint-only DP",
 ``"time limit (during the DP)"`` in the chapter 4 DP (:func:`stopped_during`)."""
 
 
+def _finished(found: dict[str, Sequence[AnyOp] | None]) -> list[tuple[str, Sequence[AnyOp] | None]]:
+    """The ``dp`` candidates computed so far, in the fixed order they are compared in."""
+    return [(label, found[label]) for label in DP_STAGES if label in found]
+
+
 def _dp_candidates(problem: RematOffloadProblem, options: SolveOptions, variant: str,
                    found: dict[str, Sequence[AnyOp] | None], info: dict) -> str | None:
     """Compute the ``dp`` candidates into ``found`` within ``options.time_limit_s``.
@@ -333,9 +338,8 @@ def _dp_stopped(problem: RematOffloadProblem, options: SolveOptions, variant: st
     """
     disc, _ = discretized(problem, options)
     report = {**info, "stopped": stopped_during(DP_STAGES[label])}
-    order = (POFO, REMAT_LABEL, OFFLOAD_LABEL)
     seen: dict[str, float] = {}
-    best = best_candidate(problem, options, [(k, found[k]) for k in order if k in found], seen)
+    best = best_candidate(problem, options, _finished(found), seen)
     if best is None:
         best = best_candidate(problem, options,
                               [store_all_or_chen(disc.chain, disc.memory_limit)], seen)
@@ -369,10 +373,8 @@ def solve_dp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     if stopped is not None:
         return _dp_stopped(problem, options, variant, found, info, stopped)
     plan = found[POFO]
-    candidates = [(label, found[label]) for label in (POFO, REMAT_LABEL, OFFLOAD_LABEL)
-                  if label in found]
     seen: dict[str, float] = {}
-    best = best_candidate(problem, options, candidates, seen)
+    best = best_candidate(problem, options, _finished(found), seen)
     info["candidates"] = seen
     if best is None:
         if plan is not None:  # the pofo plan exists but does not replay: an error
