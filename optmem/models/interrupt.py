@@ -72,13 +72,31 @@ def stop_when(stop: Callable[[], bool] | None) -> Iterator[None]:
         _WATCH.reset(token)
 
 
-def poll() -> None:
-    """Raise :class:`Interrupted` if the predicate holds (checked once per :data:`EVERY`)."""
+def poll(weight: int = 1) -> None:
+    """Raise :class:`Interrupted` if the predicate holds (checked once per :data:`EVERY`).
+
+    ``weight``: how many calls this one counts as, for a step worth that many of the loop's
+    usual steps (the checkpoint DP's table set-up counts a row of pairs as the ``L + 2``
+    cells whose memory it first touches, stop 80). The predicate is asked when the count
+    passes a multiple of :data:`EVERY`, so a small job finishes before any check, as with
+    single calls, and a large one is checked as often as its work warrants.
+
+    Examples
+    --------
+    >>> asked = []
+    >>> with stop_when(lambda: asked.append(1) or False):
+    ...     poll(EVERY - 1)
+    ...     n0 = len(asked)
+    ...     poll(2)
+    >>> n0, len(asked)
+    (0, 1)
+    """
     watch = _WATCH.get()
     if watch is None:
         return
-    watch.calls += 1
-    if watch.calls % EVERY == 0 and watch.stop():
+    before = watch.calls
+    watch.calls = before + weight
+    if before // EVERY != watch.calls // EVERY and watch.stop():
         raise Interrupted
 
 

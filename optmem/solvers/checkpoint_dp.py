@@ -137,6 +137,7 @@ class ChainArrays:
         out = np.zeros((L + 2, L + 2), dtype=np.int64)
         pair = a[:-1] + a[1:] + of[1:]  # pair[j-1] = a[j-1] + a[j] + of[j]
         for s in range(1, L + 1):
+            poll()  # a solve's deadline: L Python loops of L (0.06 s at L = 339)
             inner = a[s] + of[s]
             for t in range(s + 1, L + 2):
                 out[s, t] = a[t] + inner
@@ -287,6 +288,29 @@ def _segment_sums(uf: np.ndarray, segment_cost: float) -> np.ndarray:
     return sums + segment_cost if segment_cost else sums
 
 
+def _blank_tables(L: int, n_m: int) -> tuple[np.ndarray, np.ndarray]:
+    """The cost table (all infinite) and the shifted table (unset) of ``L`` stages.
+
+    The cost table is set one row of pairs ``(s, .)`` at a time, polling the solve's
+    deadline before each (:func:`~optmem.models.interrupt.poll` with the weight of the
+    ``L + 2`` cells the row holds, so a small table is set up before any check, as its
+    fill): at L = 339 and 500 memory values the two tables take 0.9 GB, and touching them
+    first, in one ``np.full`` and in the diagonal's stores, took 0.6 s to 2 s before the
+    fill's first poll (stop 79's measurements; polled since stop 80).
+
+    Examples
+    --------
+    >>> cost, shifted = _blank_tables(2, 3)
+    >>> cost.shape, bool(np.isinf(cost).all()), shifted.shape
+    ((4, 4, 3), True, (4, 4, 3))
+    """
+    cost = np.empty((L + 2, L + 2, n_m))
+    for s in range(L + 2):
+        poll(L + 2)
+        cost[s] = INF
+    return cost, np.empty((L + 2, L + 2, n_m))
+
+
 def solve_persistent_table(chain: Chain, budget: int, variant: str = "paper",
                            segment_cost: float = 0.0) -> PersistentTable:
     """Fill the persistent DP table for memory values ``0..budget`` (a^0 excluded).
@@ -311,7 +335,8 @@ def solve_persistent_table(chain: Chain, budget: int, variant: str = "paper",
     optmem.models.interrupt.Interrupted
         Inside :func:`~optmem.models.interrupt.stop_when` once its predicate holds: the
         fill polls once per cell (:func:`~optmem.models.interrupt.poll`; the exact methods'
-        warm start and fallback, 6.6 s at L = 339, ran past their time limit, stop 77).
+        warm start and fallback, 6.6 s at L = 339, ran past their time limit, stop 77),
+        the table's set-up once per row of pairs (:func:`_blank_tables`, stop 80).
     """
     if variant not in ("paper", "rotor"):
         raise ValueError(f"unknown persistent variant {variant!r}")
@@ -320,8 +345,7 @@ def solve_persistent_table(chain: Chain, budget: int, variant: str = "paper",
     require_table_bytes(8.0 * (2 * (L + 2) ** 2 + L + 1) * n_m, what="persistent DP",
                         length=L, memory=n_m)
     a, uf, ub = ar.a, ar.uf, ar.ub
-    cost = np.full((L + 2, L + 2, n_m), INF)
-    shifted = np.empty((L + 2, L + 2, n_m))  # shifted[t, s'] = C(s', t, m - a[s'-1])
+    cost, shifted = _blank_tables(L, n_m)  # shifted[t, s'] = C(s', t, m - a[s'-1])
     buf = np.empty((L + 1) * n_m)  # scratch for the (t - s) x M block of splits
     m_null = ar.m_null_table()
     mem = np.arange(n_m)
@@ -340,6 +364,7 @@ def solve_persistent_table(chain: Chain, budget: int, variant: str = "paper",
             shifted[t, s, shift:] = cost[s, t, : n_m - shift]
 
     for s in range(1, L + 2):
+        poll(L + 2)  # each first touches the block shifted[s] of L + 2 rows (stop 80)
         cost[s, s] = np.where(mem >= ar.m_all(s, s), uf[s] + ub[s], INF)
         store(s, s)
     # C(s,t) reads C(s',t) (s' > s), C(s,t') (t' < t) and C(s+1,t). Tiles of TILE x TILE pairs,
@@ -369,6 +394,14 @@ def min_memory_persistent(chain: Chain, variant: str = "paper") -> int:
     Min-max version of the recurrence, independent of any discretisation:
     ``mm(s,t) = min(max(m_all, mm(s+1,t) + abar[s]), max(m_null, min_s' max(mm(s',t) +
     a[s'-1], mm(s,s'-1))))``.
+
+    Raises
+    ------
+    optmem.models.interrupt.Interrupted
+        Inside :func:`~optmem.models.interrupt.stop_when` once its predicate holds (one
+        :func:`~optmem.models.interrupt.poll` per pair; since stop 80: the smallest-memory
+        search of a remat + offload ``dp`` that found no plan calls it for many units,
+        8.8 s at L = 339).
     """
     ar = ChainArrays.from_chain(chain)
     L = ar.L
@@ -379,6 +412,7 @@ def min_memory_persistent(chain: Chain, variant: str = "paper") -> int:
         mm[s, s] = ar.m_all(s, s)
     for d in range(1, L + 1):
         for s in range(1, L + 2 - d):
+            poll()  # a solve's deadline, per pair as the table's fill (1 s at L = 339)
             t = s + d
             sp = np.arange(s + 1, t + 1)
             leaf = np.maximum(mm[sp, t] + ar.a[sp - 1], mm[s, sp - 1]).min()

@@ -326,15 +326,17 @@ def _begin(problem: CheckpointProblem, options: SolveOptions, method: str, solve
             disc, variant, form = _prepare(problem, options, method, disc)
             report: dict[str, Any] = {"model": form.size, "sweeps": form.sweeps,
                                       "tape_chain": form.tape_chain}
-            if form.trivially_infeasible:
-                return _finish(problem, options, disc, form, _Start(None, math.inf, None, ""),
-                               method=method, variant=variant, status=Status.INFEASIBLE,
-                               values=None, bound=math.inf, solver=solver, report=report)
-            start = _dp_start(dp, form, options.warm_start)
-            report["warm_start"] = start.note
-            return _Begun(disc, variant, form, report, start), emit(form)
+            if not form.trivially_infeasible:
+                start = _dp_start(dp, form, options.warm_start)
+                report["warm_start"] = start.note
+                return _Begun(disc, variant, form, report, start), emit(form)
     except Interrupted:
         return _stopped(problem, options, method, solver, disc, dp)
+    # proven infeasible: its least-memory hint (the persistent DP's recurrence, which polls
+    # since stop 80) runs outside the deadline's block, as before, so the proof is kept
+    return _finish(problem, options, disc, form, _Start(None, math.inf, None, ""),
+                   method=method, variant=variant, status=Status.INFEASIBLE,
+                   values=None, bound=math.inf, solver=solver, report=report)
 
 
 # ------------------------------------------------------------------ ILP
