@@ -217,12 +217,14 @@ def prefetch_policies(options: SolveOptions) -> tuple[str, ...]:
     return one_or_all(options, "prefetch", PREFETCH_POLICIES)
 
 
-def pofo_plan(problem: RematOffloadProblem, options: SolveOptions, last_segment: str
-              ) -> tuple[tuple[AnyOp, ...] | None, dict]:
+def pofo_plan(problem: RematOffloadProblem, options: SolveOptions, last_segment: str,
+              info: dict | None = None) -> tuple[tuple[AnyOp, ...] | None, dict]:
     """Solve the chapter 4 DP on the coarse grid and place its transfers (fine grid).
 
     The transfers are placed with the policies of :func:`prefetch_policies` (the fastest
-    replay kept; ``info["prefetch"]``: its policy).
+    replay kept; ``info["prefetch"]``: its policy). ``info`` (a new dict when not given)
+    gets the report keys as they are known: a solve stopped in the placement, which polls
+    its deadline since stop 80, has the DP's (``dp_value`` among them).
     """
     policies = prefetch_policies(options)  # a bad policy fails before the DP
     disc, beta = discretized(problem, options)
@@ -233,9 +235,10 @@ def pofo_plan(problem: RematOffloadProblem, options: SolveOptions, last_segment:
     dp = PofoDP(coarse.chain, coarse.memory_limit, beta / coarse.unit, last_segment,
                 backlog_unit=q)
     sol = dp.solve()
-    info: dict = {"dp_value": sol.value, "dp_states": sol.states, "grid": grid,
-                  "backlog_grid": backlog, "grid_unit": coarse.unit * disc.unit,
-                  "backlog_unit": q * coarse.unit * disc.unit, "last_segment": last_segment}
+    info = {} if info is None else info
+    info.update({"dp_value": sol.value, "dp_states": sol.states, "grid": grid,
+                 "backlog_grid": backlog, "grid_unit": coarse.unit * disc.unit,
+                 "backlog_unit": q * coarse.unit * disc.unit, "last_segment": last_segment})
     if not math.isfinite(sol.value):
         return None, info
     info["dp_offloaded"] = [f"{k} {i}" for k, i in sol.offloaded]
@@ -282,6 +285,12 @@ DP_STAGES = {POFO: "the DP", REMAT_LABEL: "the checkpoint-only DP",
              OFFLOAD_LABEL: "the offload-only DP"}
 """``report["stopped"]`` of a ``dp`` solve stopped in each candidate's computation (stop 79):
 ``"time limit (during the DP)"`` in the chapter 4 DP (:func:`stopped_during`)."""
+PLACEMENT_STAGE = "the DP's transfer placement"
+"""``report["stopped"]`` stage of a ``dp`` solve stopped after the chapter 4 DP, while its
+transfers are placed (stop 80)."""
+HINT_STAGE = "the smallest-memory search"
+"""``report["stopped"]`` stage of a ``dp`` solve that found no plan and was stopped while it
+searched the smallest memory of a checkpoint plan for its hint (stop 80)."""
 
 
 def _finished(found: dict[str, Sequence[AnyOp] | None]) -> list[tuple[str, Sequence[AnyOp] | None]]:
@@ -290,14 +299,16 @@ def _finished(found: dict[str, Sequence[AnyOp] | None]) -> list[tuple[str, Seque
 
 
 def _dp_candidates(problem: RematOffloadProblem, options: SolveOptions, variant: str,
-                   found: dict[str, Sequence[AnyOp] | None], info: dict) -> str | None:
-    """Compute the ``dp`` candidates into ``found`` within ``options.time_limit_s``.
+                   found: dict[str, Sequence[AnyOp] | None], info: dict, deadline: Deadline
+                   ) -> str | None:
+    """Compute the ``dp`` candidates into ``found`` by ``deadline``.
 
     The chapter 4 DP (``pofo``; its report keys into ``info``), and for ``never-worse`` the
     checkpoint-only and offload-only plans, which run first under a time limit (they are
     cheap and are what a stopped solve answers with), after it without one. Every DP
     polls the solve's :class:`~optmem.solvers.time_budget.Deadline` (stop 79: the chapter
-    4 DP ran 6 s at L = 40 under ``--time-limit 0.05``).
+    4 DP ran 6 s at L = 40 under ``--time-limit 0.05``), and so do the checkpoint DP's
+    table set-up and the chapter 4 plan's transfer placement (stop 80).
 
     Returns
     -------
@@ -307,16 +318,13 @@ def _dp_candidates(problem: RematOffloadProblem, options: SolveOptions, variant:
     last = "thesis" if variant == "thesis" else "extended"
 
     def pofo() -> Sequence[AnyOp] | None:
-        plan, pofo_info = pofo_plan(problem, options, last)
-        info.update(pofo_info)
-        return plan
+        return pofo_plan(problem, options, last, info)[0]
 
     makers: list[tuple[str, Callable[[], Sequence[AnyOp] | None]]] = []
     if variant == "never-worse":
         disc, _ = discretized(problem, options)
         makers = [(REMAT_LABEL, lambda: remat_candidate(disc)),
                   (OFFLOAD_LABEL, lambda: offload_candidate(problem, options))]
-    deadline = Deadline.start(options.time_limit_s)
     makers.insert(0 if deadline.end is None else len(makers), (POFO, pofo))
     with stop_when(deadline.stopper()):
         for label, make in makers:
@@ -334,10 +342,12 @@ def _dp_stopped(problem: RematOffloadProblem, options: SolveOptions, variant: st
     The fastest finished candidate that replays (``feasible``), else store-all when its
     peak fits, else Chen's ``sqrt(L)`` segments (no DP, replayed), else ``no_solution``
     with the compute-time bound; never ``infeasible``. ``report["stopped"]`` names the
-    stage (:data:`DP_STAGES`), ``report["choice"]`` the plan.
+    stage (:data:`DP_STAGES`; :data:`PLACEMENT_STAGE` once the chapter 4 DP has its value),
+    ``report["choice"]`` the plan.
     """
     disc, _ = discretized(problem, options)
-    report = {**info, "stopped": stopped_during(DP_STAGES[label])}
+    stage = PLACEMENT_STAGE if label == POFO and "dp_value" in info else DP_STAGES[label]
+    report = {**info, "stopped": stopped_during(stage)}
     seen: dict[str, float] = {}
     best = best_candidate(problem, options, _finished(found), seen)
     if best is None:
@@ -369,7 +379,8 @@ def solve_dp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
     grid_of(options)
     found: dict[str, Sequence[AnyOp] | None] = {}
     info: dict = {}
-    stopped = _dp_candidates(problem, options, variant, found, info)
+    deadline = Deadline.start(options.time_limit_s)
+    stopped = _dp_candidates(problem, options, variant, found, info, deadline)
     if stopped is not None:
         return _dp_stopped(problem, options, variant, found, info, stopped)
     plan = found[POFO]
@@ -382,18 +393,39 @@ def solve_dp(problem: RematOffloadProblem, options: SolveOptions) -> Result:
                                report=info)
         status = Status.INFEASIBLE if not math.isfinite(info["dp_value"]) else \
             Status.NO_SOLUTION
-        least = dp_min_memory(CheckpointProblem(problem.chain, problem.memory_limit), options,
-                              "paper")
-        info["hint"] = ((f"no plan fits; the smallest memory of a persistent checkpoint plan "
-                         f"(no transfers) is {least} {problem.chain.memory_unit} ({AS_SOLVED}; "
-                         "offloading may need less: try a larger bandwidth or grid)")
-                        if least is not None else
-                        f"no plan fits; none without transfers at any limit with slots = "
-                        f"{options.slots}: {too_few_slots()}")
-        info["checkpoint_min_memory"] = least
+        _no_plan_hint(problem, options, info, deadline)
         return no_plan_result(problem, options, "dp", status, info, variant)
     info["choice"] = best[0]
     return plan_result(problem, options, best[1], method="dp", variant=variant, report=info)
+
+
+def _no_plan_hint(problem: RematOffloadProblem, options: SolveOptions, info: dict,
+                  deadline: Deadline) -> None:
+    """``info["hint"]`` and ``info["checkpoint_min_memory"]`` of a ``dp`` that found no plan.
+
+    The smallest memory of a persistent checkpoint plan (:func:`dp_min_memory`: the DP's
+    recurrence on the chain rounded to many units, 8.8 s at L = 339) is searched by
+    ``deadline``; stopped (since stop 80; it ran whole before), the hint says so,
+    ``checkpoint_min_memory`` is ``None`` and ``report["stopped"]`` names
+    :data:`HINT_STAGE`. The answer's status is the DPs' (they finished).
+    """
+    try:
+        with stop_when(deadline.stopper()):
+            least = dp_min_memory(CheckpointProblem(problem.chain, problem.memory_limit),
+                                  options, "paper")
+    except Interrupted:
+        info["stopped"] = stopped_during(HINT_STAGE)
+        info["hint"] = ("no plan fits; the time limit stopped the search for the smallest "
+                        "memory of a persistent checkpoint plan (no transfers)")
+        info["checkpoint_min_memory"] = None
+        return
+    info["hint"] = ((f"no plan fits; the smallest memory of a persistent checkpoint plan "
+                     f"(no transfers) is {least} {problem.chain.memory_unit} ({AS_SOLVED}; "
+                     "offloading may need less: try a larger bandwidth or grid)")
+                    if least is not None else
+                    f"no plan fits; none without transfers at any limit with slots = "
+                    f"{options.slots}: {too_few_slots()}")
+    info["checkpoint_min_memory"] = least
 
 
 @register(PROBLEM, "remat_only", exact=False,

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from optmem.chain import Chain
 from optmem.errors import PlanError
+from optmem.models.interrupt import poll
 from optmem.plan import Op, OpKind, TransferOp, offload, prefetch
 from optmem.simulate.checkpoint import Value, initial_state, transition, value_size
 from optmem.simulate.offload import OffloadSimulation, Replay, reads
@@ -60,10 +61,17 @@ class Static:
 
 
 def static_replay(chain: Chain, ops: Sequence[Op]) -> Static:
-    """Replay the compute ops with checkpoint semantics (raises :class:`PlanError`)."""
+    """Replay the compute ops with checkpoint semantics (raises :class:`PlanError`).
+
+    Polls a solve's deadline once per op (:func:`~optmem.models.interrupt.poll`), as
+    :func:`backward_windows` once per value and :func:`place_transfers` once per op: the
+    placement after the remat + offload DP ran unpolled until stop 80 (0.9 s at L = 339
+    with 158 windows).
+    """
     stored = initial_state()
     peaks, before, durations = [], [], []
     for k, op in enumerate(ops):
+        poll()
         try:
             new, peak, duration = transition(chain, stored, op)
         except PlanError as exc:
@@ -110,6 +118,7 @@ def backward_windows(chain: Chain, ops: Sequence[Op], static: Static,
     loss = next(k for k, op in enumerate(ops) if op.kind is OpKind.LOSS)
     out = []
     for value in values:
+        poll()  # a scan of the ops per value (static_replay)
         consumer = next((k for k in range(loss + 1, len(ops))
                          if reads(ops[k], value, chain.length)
                          and value in static.before[k]), None)
@@ -140,6 +149,9 @@ def place_transfers(
     ------
     PlanError
         If the plan does not fit (some op waits for memory that is never freed).
+    optmem.models.interrupt.Interrupted
+        Inside :func:`~optmem.models.interrupt.stop_when` once its predicate holds (one
+        :func:`~optmem.models.interrupt.poll` per op, since stop 80).
     """
     if policy not in PREFETCH_POLICIES:
         raise ValueError(f"unknown prefetch policy {policy!r}")
@@ -151,6 +163,7 @@ def place_transfers(
     pend_pre: list[Window] = []  # offloaded, waiting for their prefetch (by consumer)
     loss = next((k for k, op in enumerate(ops) if op.kind is OpKind.LOSS), len(ops))
     for j, op in enumerate(ops):
+        poll()  # a solve's deadline (static_replay)
         # offloads: FIFO, as early as they do not hold up compute (forced if op j needs them)
         while pend_off and pend_off[0].first <= j:
             w = pend_off[0]
