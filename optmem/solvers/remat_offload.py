@@ -36,6 +36,7 @@ from optmem.plan import AnyOp, Op, OpKind, parse_mixed_plan
 from optmem.problems.checkpoint import CheckpointProblem, Discretized, discretize
 from optmem.problems.remat_offload import RematOffloadProblem
 from optmem.result import Result, SolveOptions, Status
+from optmem.simulate.checkpoint import value_size
 from optmem.simulate.offload import simulate_offload
 from optmem.simulate.verify import Replay, Wording, replay_result
 from optmem.solvers.checkpoint import dp_min_memory
@@ -174,6 +175,25 @@ def remat_candidate(disc: Discretized) -> tuple[Op, ...] | None:
     if table is None or not math.isfinite(table.value()):
         return None
     return table.plan()
+
+
+def shortest_transfer(chain: Chain, beta: float) -> float:
+    """Time of the shortest transfer of a value of positive size (``inf`` if none).
+
+    ``beta``: the bandwidth in ``chain``'s units (:func:`discretized`); a transfer of ``x``
+    units takes ``x / beta`` (O.2). Every ``a^i`` and ``abar^i`` of the chain counts.
+
+    Examples
+    --------
+    >>> from optmem.chain import Chain
+    >>> c = Chain.from_lists([1, 1], [1, 1], [4, 2], [6, 3], input_size=5)
+    >>> shortest_transfer(c, 2.0), shortest_transfer(c, 0.0)
+    (1.0, inf)
+    """
+    values = [("a", i) for i in range(chain.length + 1)] + \
+        [("abar", i) for i in range(1, chain.length + 1)]
+    sizes = [size for value in values if (size := value_size(chain, value)) > 0]
+    return min(sizes) / beta if sizes and beta > 0 else math.inf
 
 
 def offload_candidate(problem: RematOffloadProblem, options: SolveOptions
@@ -569,7 +589,6 @@ def capper_windows(disc: Discretized, ops: Sequence[Op]) -> list[Window] | None:
     static = static_replay(ch, ops)
     windows: list[Window] = []
     host = [0] * len(ops)
-    from optmem.simulate.checkpoint import value_size
     from optmem.simulate.offload import reads
 
     while True:

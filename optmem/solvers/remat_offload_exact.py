@@ -126,6 +126,7 @@ from optmem.solvers.remat_offload import (
     pofo_plan,
     prefetch_policies,
     remat_candidate,
+    shortest_transfer,
     solve_autocapper,
 )
 from optmem.solvers.remat_offload_benders import (
@@ -1374,11 +1375,71 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
     progress = _Progress()
     with stop_when(deadline.stopper()):
         try:
+            slow = _slower_than_checkpointing(problem, options)
+            if slow is not None:
+                return _linkless(problem, options, method, deadline, *slow)
             return _staged(problem, options, method, engine, strategy, deadline, report,
                            progress)
         except Interrupted:
             pass
     return _stopped(problem, options, method, engine, progress, report)
+
+
+def _slower_than_checkpointing(problem: RematOffloadProblem, options: SolveOptions
+                               ) -> tuple[float, tuple[AnyOp, ...], float] | None:
+    """``(shortest, plan, makespan)`` when no transfer can beat a checkpoint plan, else ``None``.
+
+    The simulator's makespan includes the end of every transfer (O.2,
+    :func:`~optmem.simulate.offload.simulate_offload`), so a plan that moves a value of
+    positive size takes at least ``shortest``, the least positive size over the bandwidth
+    (:func:`shortest_transfer`). When the optimal persistent checkpoint plan
+    (:func:`remat_candidate`, replayed) takes no longer, no plan with such a transfer is
+    faster, and the problem's optimum is that of the same problem without the link (a
+    transfer of a value of size 0 takes no time and frees no memory). The check is cheap
+    before the DP: ``shortest`` must reach the compute-time bound first. On 1e-9 links the
+    link relaxation's rows hold coefficients of 1e9 and HiGHS's answer to them was wrong
+    (stop 80: ``random_chain(12, seed=1, max_size=8, integer_times=False)`` at 35 with
+    ``strategy=benders``: ``optimal`` 143.0598 where the optimum is 142.8322).
+    """
+    disc, beta = discretized(problem, options)
+    shortest = shortest_transfer(disc.chain, beta)
+    if math.isinf(shortest) or shortest < lower_bound(problem):
+        return None  # no link (already the linkless problem), or a transfer fits in time
+    plan = remat_candidate(disc)
+    if plan is None:
+        return None
+    makespan = simulate_offload(disc.chain, plan, beta, disc.memory_limit).makespan
+    return (shortest, plan, makespan) if makespan <= shortest else None
+
+
+def _linkless(problem: RematOffloadProblem, options: SolveOptions, method: str,
+              deadline: Deadline, shortest: float, plan: tuple[AnyOp, ...], makespan: float
+              ) -> Result:
+    """Solve ``problem`` as the same problem without the link (:func:`_slower_than_checkpointing`).
+
+    The linkless solve (same method and options, the time left) is the exact model's class
+    without transfers; its plan, or the checkpoint plan if faster or if it has none, is
+    replayed on ``problem`` (a plan without transfers takes the same time on any link) and
+    its bound ``min(linkless bound, shortest)`` holds for every plan of ``problem``.
+    ``report["linkless"]`` says so.
+    """
+    left = deadline.left()
+    twin = RematOffloadProblem(problem.chain, problem.memory_limit, chain_bandwidth=0.0)
+    sub = _solve_model(twin, options.with_(time_limit_s=None if left is None else
+                                           max(left, LEAST_ENGINE_TIME_S)), method)
+    note = (f"no transfer beats a checkpoint plan: the shortest transfer takes {shortest:.6g} "
+            f"and the checkpoint plan {makespan:.6g}; solved without the link "
+            f"({sub.status}, bound {sub.bound:.6g})")
+    best = parse_mixed_plan(sub.plan) if sub.status.has_plan and sub.objective <= makespan \
+        else plan
+    res = plan_result(problem, options, best, method=method, solver=sub.solver,
+                      report={**sub.report, "linkless": note})
+    if not res.status.has_plan:
+        return res
+    bound = max(lower_bound(problem), min(sub.bound, shortest))
+    if res.objective <= bound + 1e-9 * max(1.0, bound):
+        return res.with_(status=Status.OPTIMAL, bound=res.objective)
+    return res.with_(status=Status.FEASIBLE, bound=bound)
 
 
 @dataclass
