@@ -12,6 +12,7 @@ model's length now, and iterating the wrapper iterates the model.
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
 import pytest
@@ -144,3 +145,47 @@ def test_a_wrapped_sequential_has_the_models_length_and_items():
         len(net)
     with pytest.raises(TypeError, match="'_Net' object is not iterable"):
         iter(net)
+
+
+class _Scored(_Net):
+    """Returns its output and a loss computed from it (as an HF model given labels)."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        out = super().forward(x)
+        return out, out.square().mean()
+
+
+@pytest.mark.parametrize(("kind", "options"), [
+    ("remat_offload", {"bandwidth": "1GB/s"}), ("checkpoint", {"strip_suffix": False})],
+    ids=["remat_offload", "checkpoint-no-suffix"])
+def test_a_hook_on_an_output_the_plan_computes_another_from_is_warned(kind, options):
+    """The loss is computed from the output inside the plan: ``out.retain_grad()`` then
+    ``loss.backward()`` leaves ``out.grad`` None where the model sets it (the gradient flows
+    inside the plan's backward, not through the output tensor). One warning says so (before:
+    nothing, a silent ``None``); the parameters' gradients are the model's, and a step
+    without a hook warns nothing."""
+    torch.manual_seed(0)
+    model = _Scored()
+    plain = copy.deepcopy(model)
+    x = torch.randn(4, 6, 16)
+    cmodel = getattr(op, kind)(model, x, memory_limit="60%", fast_path=False, **options,
+                               **FIXED_TIMES)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no hook: no warning
+        torch.manual_seed(3)
+        cmodel(x)[1].backward()
+    model.zero_grad(set_to_none=True)
+    got, ref = [], []
+    for call, owner, grads in ((cmodel, model, got), (plain, plain, ref)):
+        torch.manual_seed(3)
+        out, loss = call(x)
+        out.retain_grad()
+        if call is cmodel:
+            with pytest.warns(UserWarning, match="sees only the gradient that reaches it"):
+                loss.backward()
+        else:
+            loss.backward()
+        grads.extend([out.grad, *(p.grad for p in owner.parameters())])
+    assert got[0] is None and ref[0] is not None  # what the warning is about
+    for a, b in zip(got[1:], ref[1:], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -78,6 +78,8 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
+import warnings
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -752,6 +754,9 @@ class PlanRunner:
         self.out_leaves: list[Any] = []
         self.outputs: list[torch.Tensor] = []  # a^n, from _PlanFunction to _Relay
         self.outputs_need_grad: list[bool] = []  # which of them autograd differentiates
+        # a^n's differentiable outputs when there are several (one may be computed from
+        # another inside the plan): checked for the caller's gradient hooks at the backward
+        self.watched: list[weakref.ref[torch.Tensor]] = []
         self.read_later = _plan_reads(plan, n_stages)
         self.index = 0
         self.anchor = torch.empty(0, requires_grad=True)
@@ -1197,8 +1202,42 @@ class _Relay(torch.autograd.Function):
     @backward_outside_dynamo
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
         runner = _take_runner(ctx)
+        warn_hooked_outputs(runner.watched)
         runner.begin_backward(grads)
         return None, torch.zeros(())
+
+
+HOOKED_OUTPUT_WARNING = (
+    "optmem: a gradient hook or retain_grad() is on an output of the plan that is not its "
+    "only differentiable one; it sees only the gradient that reaches it from outside the "
+    "plan. What the plan computed from it (later layers from a hidden state, the loss from "
+    "the logits under remat_offload) back-propagates inside the plan's backward, not "
+    "through that tensor, so its .grad (None when only the loss is backpropagated) and the "
+    "hook's argument are not the model's there; the parameters' gradients are. Read such "
+    "gradients from the unwrapped model.")
+
+
+def warn_hooked_outputs(watched: Sequence[weakref.ref[torch.Tensor]]) -> None:
+    """One warning when a tensor of ``watched`` has a gradient hook or retains its gradient.
+
+    Examples
+    --------
+    >>> import warnings
+    >>> x = torch.ones(2, requires_grad=True)
+    >>> y, z = x * 2, x * 3
+    >>> warn_hooked_outputs([weakref.ref(y), weakref.ref(z)])  # no hook: silent
+    >>> _ = z.retain_grad()
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     warn_hooked_outputs([weakref.ref(y), weakref.ref(z)])
+    >>> len(caught)
+    1
+    """
+    for ref in watched:
+        t = ref()
+        if t is not None and (t.retains_grad or t._backward_hooks):
+            warnings.warn(HOOKED_OUTPUT_WARNING, stacklevel=2)
+            return
 
 
 def _take_runner(ctx: Any) -> PlanRunner:
@@ -1412,6 +1451,9 @@ class CheckpointedChain(StageCalls, nn.Module):
         for stop, ks in runner.releases:
             token = _Release.apply(runner, stop, ks, token, *(runner.params[k] for k in ks))
         outs = _Relay.apply(runner, token)
+        differentiable = [t for t in outs if t.requires_grad]
+        if len(differentiable) > 1:
+            runner.watched = [weakref.ref(t) for t in differentiable]
         it = iter(outs)
         out_leaves = [next(it) if isinstance(v, torch.Tensor) else v for v in runner.out_leaves]
         runner.out_leaves = []
