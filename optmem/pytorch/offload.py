@@ -461,7 +461,11 @@ class OffloadedChain(StageCalls, nn.Module):
                 is_weight: Callable[[int | None], bool]) -> Any:
         def pack(t: torch.Tensor) -> _Packed:
             ptr = storage_ptr(t)
-            packed = _Packed(t, t.device)
+            # detached: a saved output comes with its grad_fn, the node that holds this
+            # packed object; kept as it is, that cycle runs through C++ nodes Python's
+            # collector never sees, and a forward whose graph was dropped without a
+            # backward kept every saved tensor for good (before stop 80)
+            packed = _Packed(t.detach(), t.device)
             if is_weight(ptr):
                 return packed  # weights and buffers are never transferred (O.6)
             key = _key(i - 1) if ptr is not None and ptr in inputs else ("abar", i)

@@ -225,12 +225,20 @@ class _OffloadRunner(PlanRunner):
         inputs = {p for t in value_tensors(self.storage[i - 1].value)
                   if (p := storage_ptr(t)) is not None}
 
+        # autograd keeps both hooks in the tape's nodes, which the runner's storage holds:
+        # a reference to the runner there would be a cycle through C++ nodes that Python's
+        # collector never sees, so a forward whose graph is dropped without a backward kept
+        # its runner and every activation it stored, for good (before stop 80)
+        chain, copies, input_groups = self.owner, self.copies, self.input_groups
+
         def pack(t: torch.Tensor) -> Any:
             ptr = storage_ptr(t)
             if is_weight(ptr):
-                return t  # weights and buffers are never moved (O.6)
-            p = _Packed(t, t.device)
-            owner = (self.input_groups.setdefault(i - 1, _Group())
+                return t.detach()  # weights and buffers are never moved (O.6)
+            # detached: a saved output comes with its grad_fn, the node that will hold
+            # what this returns (the same uncollectable cycle as above)
+            p = _Packed(t.detach(), t.device)
+            owner = (input_groups.setdefault(i - 1, _Group())
                      if ptr is not None and ptr in inputs else group)
             owner.refs.append(weakref.ref(p))
             return p
@@ -239,8 +247,8 @@ class _OffloadRunner(PlanRunner):
             if not isinstance(p, _Packed):
                 return p
             if p.on_host:
-                self.owner.late_reads += 1
-                t, event = self.copies.to_device(p.tensor, p.device)
+                chain.late_reads += 1
+                t, event = copies.to_device(p.tensor, p.device)
                 return HostCopies.ready(t, event)
             t = HostCopies.ready(p.tensor, p.event)
             p.event = None
