@@ -223,7 +223,44 @@ def test_a_forward_dropped_without_backward_frees_what_it_saved(kind, monkeypatc
         cmodel(x).square().mean()  # dropped: no backward
     gc.collect()
     assert packed and all(ref() is None for ref in packed)
-    for call, owner in ((cmodel, model), (plain, plain)):
+    for call in (cmodel, plain):
+        torch.manual_seed(3)
+        call(x).square().mean().backward()
+    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("kind", "sequential"), [
+    ("checkpoint", True), ("offload", False), ("remat_offload", True)])
+def test_a_parameter_modified_between_forward_and_backward_raises_as_autograd_does(
+        kind, sequential):
+    """An optimizer step (here ``mul_``) on a weight between the forward and the backward:
+    the plain model's backward raises autograd's "modified by an inplace operation"; so
+    does the wrapper's. Before, the wrapper's ran in silence under checkpoint on an
+    ``nn.Sequential``, offload and remat + offload (exported or not; checkpoint on an
+    exported graph raised, its stored tapes checked by autograd): a re-run computed with the
+    modified weight, and the offload executors' saved-tensor hooks turn autograd's check
+    off. Put back, the same step runs and is the model's, bitwise."""
+    one_liner, options = {"checkpoint": (op.checkpoint, {}),
+                          "offload": (op.offload, {"bandwidth": "1GB/s"}),
+                          "remat_offload": (op.remat_offload, {"bandwidth": "1GB/s"})}[kind]
+    model = _model(sequential)
+    plain = copy.deepcopy(model)
+    x = torch.randn(4, 6, 16)
+    cmodel = one_liner(model, x, memory_limit="60%", fast_path=False, **options,
+                       **FIXED_TIMES)
+    for call, owner in ((plain, plain), (cmodel, model)):
+        weight = [p for p in owner.parameters() if p.dim() == 2][0]  # the first block's up
+        torch.manual_seed(3)
+        loss = call(x).square().mean()
+        with torch.no_grad():
+            weight.mul_(1.5)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+        with torch.no_grad():
+            weight.div_(1.5)
+        owner.zero_grad(set_to_none=True)
+    for call, owner in ((plain, plain), (cmodel, model)):
         torch.manual_seed(3)
         call(x).square().mean().backward()
     for p, q in zip(model.parameters(), plain.parameters(), strict=True):

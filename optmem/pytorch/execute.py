@@ -110,7 +110,8 @@ from optmem.pytorch.joint import JointStage, dead_outputs
 
 __all__ = ["FULLGRAPH_REASON", "CheckpointedChain", "CompileRequest", "StageCalls", "add_monitor",
            "autocast_modes", "backward_outside_dynamo", "compile_stage",
-           "enclosing_compile_options", "fusable_runs", "remove_monitor", "run_compiled",
+           "enclosing_compile_options", "fusable_runs", "modified_in_place",
+           "remove_monitor", "run_compiled",
            "run_in_order", "split_suffix"]
 
 Monitor = Callable[[str, list[torch.Tensor], list[torch.Tensor]], None]
@@ -398,6 +399,24 @@ def _same_values(now: torch.Tensor, before: torch.Tensor) -> bool:
     return now.is_meta or (now.shape == before.shape and bool(torch.equal(now, before)))
 
 
+def modified_in_place(what: str) -> RuntimeError:
+    """Autograd's error for a saved tensor modified in place before the backward read it.
+
+    Autograd raises it when the plain model's backward reads such a tensor; a plan that
+    re-runs a stage, or saves tensors through hooks (which autograd does not check),
+    raises it too instead of computing with the modified values in silence.
+
+    Examples
+    --------
+    >>> str(modified_in_place("a tensor")).startswith("one of the variables needed")
+    True
+    """
+    return RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an "
+        f"inplace operation: {what}. Modify parameters and saved values after the "
+        "backward (optimizer.step() after loss.backward())")
+
+
 class _Parameters:
     """What the parameter slots of a re-run stage held at its first run.
 
@@ -409,13 +428,31 @@ class _Parameters:
     parameters, not the given ones.
     """
 
-    def __init__(self, modules: Sequence[nn.Module]) -> None:
+    def __init__(self, modules: Sequence[nn.Module], stage: str = "the stage") -> None:
         self.slots = [(m._parameters, name, t) for m in modules
                       for name, t in m._parameters.items()]
+        self.stage = stage
+        self.versions = [None if t is None else t._version for _, _, t in self.slots]
+
+    def check_unmodified(self) -> None:
+        """Raise autograd's error when a parameter was modified in place since the first run.
+
+        The plain model's backward reads the values its forward saved, and autograd raises
+        when one was modified in place in between (an optimizer step before the backward);
+        a re-run would compute with the modified values instead, in silence.
+        """
+        for (_, name, t), version in zip(self.slots, self.versions, strict=True):
+            if t is not None and t._version != version:
+                raise modified_in_place(
+                    f"parameter {name!r} of {self.stage} {list(t.shape)} is at version "
+                    f"{t._version}; expected version {version} instead (optmem re-runs "
+                    "that stage in the backward, which would compute with the modified "
+                    "values)")
 
     @contextmanager
     def bound(self) -> Iterator[None]:
         """Within: every slot holds its first-run tensor (nothing swapped when all do)."""
+        self.check_unmodified()
         swapped = []
         for d, name, t in self.slots:
             now = d[name] if name in d else None  # noqa: SIM401 - jit's wrapper has no .get
@@ -857,7 +894,8 @@ class PlanRunner:
             if not first and i in self.bound:
                 stack.enter_context(self.bound[i].bound())
             elif i in self.rerun and i not in self.accumulating:  # an FSDP unit swaps its own
-                self.bound[i] = _Parameters(self.owner.stage_modules()[i - 1])
+                self.bound[i] = _Parameters(self.owner.stage_modules()[i - 1],
+                                            f"stage {i} ({self.owner.stage_names[i - 1]})")
             if not first and self.owner.restore_buffers:
                 stack.enter_context(_scratch_buffers(self.owner.stage_modules()[i - 1],
                                                      self.buffers.get(i)))
