@@ -153,6 +153,8 @@ class OffloadedModule(PlannedModule):
     (:class:`~optmem.pytorch.offload.OffloadedChain`).
     """
 
+    _plan_has_jvp = True  # saved-tensor hooks on the model's own autograd graph
+
 
 class RematOffloadedModule(PlannedModule):
     """A model trained with a remat + offload plan.

@@ -175,7 +175,7 @@ class DeltaChain(StageCalls, nn.Module):
             group.order.append(not keep)
             if keep:
                 return t  # weights and buffers are never released
-            group.tensors.append(t)
+            group.tensors.append(t.detach())  # without its grad_fn: no uncollectable cycle
             group.devices.append(t.device)
             group.nbytes += t.numel() * t.element_size()
             return _Handle(group, len(group.tensors) - 1)

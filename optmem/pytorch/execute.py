@@ -78,6 +78,8 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
+import warnings
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -108,7 +110,8 @@ from optmem.pytorch.joint import JointStage, dead_outputs
 
 __all__ = ["FULLGRAPH_REASON", "CheckpointedChain", "CompileRequest", "StageCalls", "add_monitor",
            "autocast_modes", "backward_outside_dynamo", "compile_stage",
-           "enclosing_compile_options", "fusable_runs", "remove_monitor", "run_compiled",
+           "enclosing_compile_options", "fusable_runs", "modified_in_place",
+           "remove_monitor", "run_compiled",
            "run_in_order", "split_suffix"]
 
 Monitor = Callable[[str, list[torch.Tensor], list[torch.Tensor]], None]
@@ -396,6 +399,24 @@ def _same_values(now: torch.Tensor, before: torch.Tensor) -> bool:
     return now.is_meta or (now.shape == before.shape and bool(torch.equal(now, before)))
 
 
+def modified_in_place(what: str) -> RuntimeError:
+    """Autograd's error for a saved tensor modified in place before the backward read it.
+
+    Autograd raises it when the plain model's backward reads such a tensor; a plan that
+    re-runs a stage, or saves tensors through hooks (which autograd does not check),
+    raises it too instead of computing with the modified values in silence.
+
+    Examples
+    --------
+    >>> str(modified_in_place("a tensor")).startswith("one of the variables needed")
+    True
+    """
+    return RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an "
+        f"inplace operation: {what}. Modify parameters and saved values after the "
+        "backward (optimizer.step() after loss.backward())")
+
+
 class _Parameters:
     """What the parameter slots of a re-run stage held at its first run.
 
@@ -407,13 +428,31 @@ class _Parameters:
     parameters, not the given ones.
     """
 
-    def __init__(self, modules: Sequence[nn.Module]) -> None:
+    def __init__(self, modules: Sequence[nn.Module], stage: str = "the stage") -> None:
         self.slots = [(m._parameters, name, t) for m in modules
                       for name, t in m._parameters.items()]
+        self.stage = stage
+        self.versions = [None if t is None else t._version for _, _, t in self.slots]
+
+    def check_unmodified(self) -> None:
+        """Raise autograd's error when a parameter was modified in place since the first run.
+
+        The plain model's backward reads the values its forward saved, and autograd raises
+        when one was modified in place in between (an optimizer step before the backward);
+        a re-run would compute with the modified values instead, in silence.
+        """
+        for (_, name, t), version in zip(self.slots, self.versions, strict=True):
+            if t is not None and t._version != version:
+                raise modified_in_place(
+                    f"parameter {name!r} of {self.stage} {list(t.shape)} is at version "
+                    f"{t._version}; expected version {version} instead (optmem re-runs "
+                    "that stage in the backward, which would compute with the modified "
+                    "values)")
 
     @contextmanager
     def bound(self) -> Iterator[None]:
         """Within: every slot holds its first-run tensor (nothing swapped when all do)."""
+        self.check_unmodified()
         swapped = []
         for d, name, t in self.slots:
             now = d[name] if name in d else None  # noqa: SIM401 - jit's wrapper has no .get
@@ -752,6 +791,9 @@ class PlanRunner:
         self.out_leaves: list[Any] = []
         self.outputs: list[torch.Tensor] = []  # a^n, from _PlanFunction to _Relay
         self.outputs_need_grad: list[bool] = []  # which of them autograd differentiates
+        # a^n's differentiable outputs when there are several (one may be computed from
+        # another inside the plan): checked for the caller's gradient hooks at the backward
+        self.watched: list[weakref.ref[torch.Tensor]] = []
         self.read_later = _plan_reads(plan, n_stages)
         self.index = 0
         self.anchor = torch.empty(0, requires_grad=True)
@@ -852,7 +894,8 @@ class PlanRunner:
             if not first and i in self.bound:
                 stack.enter_context(self.bound[i].bound())
             elif i in self.rerun and i not in self.accumulating:  # an FSDP unit swaps its own
-                self.bound[i] = _Parameters(self.owner.stage_modules()[i - 1])
+                self.bound[i] = _Parameters(self.owner.stage_modules()[i - 1],
+                                            f"stage {i} ({self.owner.stage_names[i - 1]})")
             if not first and self.owner.restore_buffers:
                 stack.enter_context(_scratch_buffers(self.owner.stage_modules()[i - 1],
                                                      self.buffers.get(i)))
@@ -1197,8 +1240,42 @@ class _Relay(torch.autograd.Function):
     @backward_outside_dynamo
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
         runner = _take_runner(ctx)
+        warn_hooked_outputs(runner.watched)
         runner.begin_backward(grads)
         return None, torch.zeros(())
+
+
+HOOKED_OUTPUT_WARNING = (
+    "optmem: a gradient hook or retain_grad() is on an output of the plan that is not its "
+    "only differentiable one; it sees only the gradient that reaches it from outside the "
+    "plan. What the plan computed from it (later layers from a hidden state, the loss from "
+    "the logits under remat_offload) back-propagates inside the plan's backward, not "
+    "through that tensor, so its .grad (None when only the loss is backpropagated) and the "
+    "hook's argument are not the model's there; the parameters' gradients are. Read such "
+    "gradients from the unwrapped model.")
+
+
+def warn_hooked_outputs(watched: Sequence[weakref.ref[torch.Tensor]]) -> None:
+    """One warning when a tensor of ``watched`` has a gradient hook or retains its gradient.
+
+    Examples
+    --------
+    >>> import warnings
+    >>> x = torch.ones(2, requires_grad=True)
+    >>> y, z = x * 2, x * 3
+    >>> warn_hooked_outputs([weakref.ref(y), weakref.ref(z)])  # no hook: silent
+    >>> _ = z.retain_grad()
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     warn_hooked_outputs([weakref.ref(y), weakref.ref(z)])
+    >>> len(caught)
+    1
+    """
+    for ref in watched:
+        t = ref()
+        if t is not None and (t.retains_grad or t._backward_hooks):
+            warnings.warn(HOOKED_OUTPUT_WARNING, stacklevel=2)
+            return
 
 
 def _take_runner(ctx: Any) -> PlanRunner:
@@ -1412,6 +1489,9 @@ class CheckpointedChain(StageCalls, nn.Module):
         for stop, ks in runner.releases:
             token = _Release.apply(runner, stop, ks, token, *(runner.params[k] for k in ks))
         outs = _Relay.apply(runner, token)
+        differentiable = [t for t in outs if t.requires_grad]
+        if len(differentiable) > 1:
+            runner.watched = [weakref.ref(t) for t in differentiable]
         it = iter(outs)
         out_leaves = [next(it) if isinstance(v, torch.Tensor) else v for v in runner.out_leaves]
         runner.out_leaves = []

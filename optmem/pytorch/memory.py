@@ -728,7 +728,9 @@ class ActivationTracker:
             return t
         entry = self.saved.setdefault(key, [_nbytes(t), 0])
         entry[1] += 1
-        packed = _Packed(t)
+        # detached: a saved output's grad_fn holds ``packed``, a cycle through C++ nodes
+        # that Python's collector never frees (a graph dropped without a backward)
+        packed = _Packed(t.detach())
         weakref.finalize(packed, self._release, key)
         self._sample()
         return packed

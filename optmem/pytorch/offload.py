@@ -49,12 +49,13 @@ from optmem.pytorch.execute import (
     CompileRequest,
     StageCalls,
     backward_outside_dynamo,
+    modified_in_place,
     run_in_order,
 )
 from optmem.pytorch.extract import Stage, value_tensors
 
-__all__ = ["HostCopies", "OffloadedChain", "kept_storages", "offload_plan_actions",
-           "storage_ptr", "value_device", "weight_test"]
+__all__ = ["HostCopies", "OffloadedChain", "check_unmodified", "kept_storages",
+           "offload_plan_actions", "storage_ptr", "value_device", "weight_test"]
 
 Key = tuple[str, int]
 
@@ -338,6 +339,21 @@ def value_device(value: Any, default: nn.Module | None = None) -> torch.device:
     return param.device if param is not None else torch.device("cpu")
 
 
+def check_unmodified(modified: bool, original: torch.Tensor | None, version: int) -> None:
+    """Autograd's check of a saved tensor, which saved-tensor hooks turn off.
+
+    ``modified``: changed in place before it was copied to the host; ``original``: the
+    saved tensor itself (``None`` once only copies are left), saved at ``version``.
+    """
+    if modified:
+        raise modified_in_place("a tensor the forward saved was modified in place before "
+                                "the offload plan copied it to the host")
+    if original is not None and original._version != version:
+        raise modified_in_place(
+            f"a tensor the forward saved {list(original.shape)} is at version "
+            f"{original._version}; expected version {version} instead")
+
+
 @dataclass
 class _Packed:
     """One saved tensor: on the device, on the host, or on its way."""
@@ -346,6 +362,8 @@ class _Packed:
     device: torch.device
     host: torch.Tensor | None = None
     event: Any = None  # completion of the last copy
+    version: int = 0  # the saved tensor's version when autograd saved it
+    modified: bool = False  # modified in place before it was copied to the host
 
 
 @dataclass
@@ -461,7 +479,11 @@ class OffloadedChain(StageCalls, nn.Module):
                 is_weight: Callable[[int | None], bool]) -> Any:
         def pack(t: torch.Tensor) -> _Packed:
             ptr = storage_ptr(t)
-            packed = _Packed(t, t.device)
+            # detached: a saved output comes with its grad_fn, the node that holds this
+            # packed object; kept as it is, that cycle runs through C++ nodes Python's
+            # collector never sees, and a forward whose graph was dropped without a
+            # backward kept every saved tensor for good (before stop 80)
+            packed = _Packed(t.detach(), t.device, version=t._version)
             if is_weight(ptr):
                 return packed  # weights and buffers are never transferred (O.6)
             key = _key(i - 1) if ptr is not None and ptr in inputs else ("abar", i)
@@ -504,6 +526,7 @@ class OffloadedChain(StageCalls, nn.Module):
             t = p.device_tensor
             if t is None:
                 continue
+            p.modified = p.modified or t._version != p.version
             p.host, p.event = copies.to_host(t)
             p.device_tensor = None  # the device memory returns once the copy is done
         group.state = "host"
@@ -519,6 +542,8 @@ class OffloadedChain(StageCalls, nn.Module):
 
     def _unpack_with(self, call: _Call) -> Callable[[_Packed], torch.Tensor]:
         def unpack(p: _Packed) -> torch.Tensor:
+            check_unmodified(p.modified, p.device_tensor if p.host is None else None,
+                             p.version)
             if p.device_tensor is None:  # never prefetched: copied back now
                 self.late_unpacks += 1
                 assert p.host is not None

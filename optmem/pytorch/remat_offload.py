@@ -39,6 +39,7 @@ from optmem.pytorch.execute import CheckpointedChain, PlanRunner
 from optmem.pytorch.extract import Stage, value_tensors
 from optmem.pytorch.offload import (
     HostCopies,
+    check_unmodified,
     kept_storages,
     storage_ptr,
     value_device,
@@ -69,6 +70,9 @@ class _Packed:
     device: torch.device
     on_host: bool = False
     event: Any = None  # completion of the last copy
+    version: int = 0  # the saved tensor's version when autograd saved it
+    moved: bool = False  # ``tensor`` is a copy (the saved tensor went to the host)
+    modified: bool = False  # modified in place before it was copied to the host
 
 
 @dataclass
@@ -158,8 +162,10 @@ class _OffloadRunner(PlanRunner):
             if group is not None:
                 for p in group.packed:
                     if not p.on_host:
+                        p.modified = p.modified or (not p.moved
+                                                    and p.tensor._version != p.version)
                         p.tensor, p.event = self.copies.to_host(p.tensor)
-                        p.on_host = True
+                        p.on_host = p.moved = True
                 group.on_host = True
         self._slot_to_host(i)
 
@@ -225,12 +231,20 @@ class _OffloadRunner(PlanRunner):
         inputs = {p for t in value_tensors(self.storage[i - 1].value)
                   if (p := storage_ptr(t)) is not None}
 
+        # autograd keeps both hooks in the tape's nodes, which the runner's storage holds:
+        # a reference to the runner there would be a cycle through C++ nodes that Python's
+        # collector never sees, so a forward whose graph is dropped without a backward kept
+        # its runner and every activation it stored, for good (before stop 80)
+        chain, copies, input_groups = self.owner, self.copies, self.input_groups
+
         def pack(t: torch.Tensor) -> Any:
             ptr = storage_ptr(t)
+            # detached: a saved output comes with its grad_fn, the node that will hold
+            # what this returns (the same uncollectable cycle as above)
+            p = _Packed(t.detach(), t.device, version=t._version)
             if is_weight(ptr):
-                return t  # weights and buffers are never moved (O.6)
-            p = _Packed(t, t.device)
-            owner = (self.input_groups.setdefault(i - 1, _Group())
+                return p  # weights and buffers are never moved (O.6)
+            owner = (input_groups.setdefault(i - 1, _Group())
                      if ptr is not None and ptr in inputs else group)
             owner.refs.append(weakref.ref(p))
             return p
@@ -238,9 +252,10 @@ class _OffloadRunner(PlanRunner):
         def unpack(p: Any) -> torch.Tensor:
             if not isinstance(p, _Packed):
                 return p
+            check_unmodified(p.modified, None if p.moved else p.tensor, p.version)
             if p.on_host:
-                self.owner.late_reads += 1
-                t, event = self.copies.to_device(p.tensor, p.device)
+                chain.late_reads += 1
+                t, event = copies.to_device(p.tensor, p.device)
                 return HostCopies.ready(t, event)
             t = HostCopies.ready(p.tensor, p.event)
             p.event = None

@@ -83,6 +83,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd import forward_ad
 from torch.nn.modules.dropout import _DropoutNd
 from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_map_only
 from torch.utils.hooks import RemovableHandle
@@ -584,6 +585,10 @@ _CHECKPOINT_ONLY = ("resolve", "use_plan")
 class PlannedModule(nn.Module):
     """A model trained by following a plan; behaves like the model (see the module doc)."""
 
+    #: whether the plan composes with forward-mode AD (dual tensors); when not, such a
+    #: call runs the model as it is (:data:`FORWARD_AD_WARNING`)
+    _plan_has_jvp: bool = False
+
     def __init__(self, module: nn.Module, planner: Planner, profile: ProfileOptions,
                  main: _Variant, main_key: Any, *, fast_path: bool = True) -> None:
         super().__init__()
@@ -678,6 +683,18 @@ class PlannedModule(nn.Module):
 
     def __getitem__(self, key: Any) -> Any:
         return self._checkpoint_wrapped_module[key]  # type: ignore[index]
+
+    def __len__(self) -> int:
+        """The model's length (an ``nn.Sequential``'s layers); ``TypeError`` as the model's."""
+        return len(self._checkpoint_wrapped_module)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[Any]:
+        """Iterates as the model does (an ``nn.Sequential``'s layers)."""
+        return iter(self._checkpoint_wrapped_module)  # type: ignore[call-overload]
+
+    def __bool__(self) -> bool:
+        """Always true, as a module (``__len__`` must not decide it, nor raise)."""
+        return True
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
@@ -845,9 +862,7 @@ class PlannedModule(nn.Module):
     def _forward(self, args: tuple[Any, ...], kwargs: dict[str, Any],
                  compiled: CompileRequest) -> Any:
         model = self._checkpoint_wrapped_module
-        transformed = functorch_transform_active()
-        if transformed:
-            self._warn_functorch()
+        transformed = self._runs_as_it_is(args, kwargs)
         if self._plain:
             if RemovableHandle.next_id != self._container_hooks:  # a hook was registered
                 self._container_hooks = RemovableHandle.next_id
@@ -931,10 +946,25 @@ class PlannedModule(nn.Module):
             raise sides
         return other, sides
 
-    def _warn_functorch(self) -> None:
-        if not self.__dict__.get("_functorch_warned"):
-            self.__dict__["_functorch_warned"] = True
-            warnings.warn(FUNCTORCH_WARNING, stacklevel=3)
+    def _runs_as_it_is(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether this call runs the model as it is, with one warning per wrapper and reason.
+
+        Under a ``torch.func`` transform, and (for a plan run by an autograd Function, which
+        has no ``jvp``) when a forward-mode AD dual tensor is among the call's tensors or the
+        model's parameters and buffers.
+        """
+        if functorch_transform_active():
+            reason = FUNCTORCH_WARNING
+        elif not self._plan_has_jvp and dual_tensors_in(self._checkpoint_wrapped_module,
+                                                        (args, kwargs)):
+            reason = FORWARD_AD_WARNING
+        else:
+            return False
+        warned = self.__dict__.setdefault("_plain_run_warned", set())
+        if reason not in warned:
+            warned.add(reason)
+            warnings.warn(reason, stacklevel=4)
+        return True
 
     # -------------------------------------------------------------- store-all fast path
     def _fast(self, variant: _Variant) -> bool:
@@ -1617,6 +1647,34 @@ FUNCTORCH_WARNING = (
     "one, ...): the model runs as it is, without optmem's plan, whose autograd Function does "
     "not compose with torch.func (results are the model's; no activation memory is saved). "
     "Call the wrapper outside torch.func to train with the plan.")
+
+
+FORWARD_AD_WARNING = (
+    "optmem: called with a forward-mode AD dual tensor (torch.autograd.forward_ad) among the "
+    "inputs or the model's parameters: the model runs as it is, without optmem's plan, whose "
+    "autograd Function has no jvp (outputs, tangents and gradients are the model's; no "
+    "activation memory is saved). Call the wrapper without dual tensors to train with the "
+    "plan.")
+
+
+def dual_tensors_in(module: nn.Module, values: Any) -> bool:
+    """Whether a forward-mode AD level is open and a tensor of ``values`` or ``module`` is dual.
+
+    Examples
+    --------
+    >>> import torch.autograd.forward_ad as fwAD
+    >>> layer = nn.Linear(2, 2)
+    >>> dual_tensors_in(layer, (torch.ones(2),))
+    False
+    >>> with fwAD.dual_level():
+    ...     dual_tensors_in(layer, (fwAD.make_dual(torch.ones(2), torch.ones(2)),))
+    True
+    """
+    if getattr(forward_ad, "_current_level", 0) < 0:  # no dual level open: none is dual
+        return False
+    tensors = [v for v in tree_flatten(values)[0] if isinstance(v, torch.Tensor)]
+    return any(forward_ad.unpack_dual(t).tangent is not None
+               for t in (*tensors, *module.parameters(), *module.buffers()))
 
 
 def functorch_transform_active() -> bool:
