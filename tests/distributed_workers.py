@@ -12,7 +12,7 @@ import contextlib
 import os
 import warnings
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -821,8 +821,9 @@ def offload_fsdp_planned_job(rank: int, world: int, job: dict[str, Any]) -> dict
     steps' ``grad.full_tensor()``, the plan, its chain and claimed peak, and the measured peak.
 
     ``{"model": "mlp" | "hf-gpt2", "problem": "checkpoint" | "offload" | "remat_offload",
-    "memory_limit", "route": "checkpoint_fsdp" | "fully_shard_checkpointed", "bandwidth"}``
-    (default ``"1GB/s"``): the plan of
+    "memory_limit", "route": "checkpoint_fsdp" | "fully_shard_checkpointed", "bandwidth",
+    "late_release"}`` (bandwidth default ``"1GB/s"``; ``late_release``: keep the buffers of
+    the last that many collectives, :func:`released_late`): the plan of
     ``checkpoint_fsdp(..., problem=...)`` (its chain counts FSDP's gathered parameters), or
     ``fully_shard_checkpointed`` of the one-liner (a chain without them, the route before).
     The peak is :func:`optmem.pytorch.memory.measure_training_peak` of a third step, host
@@ -872,7 +873,8 @@ def offload_fsdp_planned_job(rank: int, world: int, job: dict[str, Any]) -> dict
         steps.append({n: p.grad.full_tensor() for n, p in omodel.named_parameters()
                       if p.grad is not None})
     omodel.zero_grad(set_to_none=True)
-    peak = measure_training_peak(step, omodel, kwargs or args, host_copies=False)
+    with released_late(job.get("late_release", 0)):
+        peak = measure_training_peak(step, omodel, kwargs or args, host_copies=False)
     compute = [o for o in map(str, omodel.result.plan) if not o.startswith(("offload",
                                                                               "prefetch"))]
     allowance = plan_allowance(omodel.chain, compute, stages,
@@ -885,6 +887,36 @@ def offload_fsdp_planned_job(rank: int, world: int, job: dict[str, Any]) -> dict
                          if c.__name__ in ("CheckpointedModule", "OffloadedModule",
                                            "RematOffloadedModule")),
             "keys": sorted(omodel.state_dict())}
+
+
+@contextlib.contextmanager
+def released_late(depth: int) -> Iterator[None]:
+    """While active, FSDP2's collectives keep their buffers until ``depth`` more ran.
+
+    What gloo's worker thread does when it drops a finished collective late (a loaded
+    machine), made deterministic: ``dist.all_gather_single`` and
+    ``dist.reduce_scatter_single`` (FSDP2's) hold a reference to their output and input
+    until ``depth`` more collectives ran. ``0``: nothing changes.
+    """
+    held: deque[tuple[Any, ...]] = deque(maxlen=max(depth, 1))
+    originals = {name: getattr(dist, name)
+                 for name in ("all_gather_single", "reduce_scatter_single")}
+
+    def holding(collective: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            held.append((*args, *kwargs.values()))  # the output and input among them
+            return collective(*args, **kwargs)
+        return call
+
+    if depth:
+        for name, collective in originals.items():
+            setattr(dist, name, holding(collective))
+    try:
+        yield
+    finally:
+        for name, collective in originals.items():
+            setattr(dist, name, collective)
+        held.clear()
 
 
 def fsdp_gathered_units_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:

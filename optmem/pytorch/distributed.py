@@ -122,6 +122,8 @@ def fully_shard_checkpointed(cmodule: nn.Module, mesh: Any = None, **fsdp_kwargs
         _drop_reduce_scatter_input(unit)
         held |= _point_model_at(cmodule, before, _parameter_slots(unit))
     fully_shard(cmodule, mesh=mesh, ignored_params=held, **fsdp_kwargs)
+    for sharded in (*units, cmodule):
+        _free_buffers_when_dropped(sharded)
     for name in _RECURSIVE_SETTERS:
         if hasattr(cmodule, name):  # FSDP2's setters differ between torch versions
             setattr(cmodule, name, _setter_of_every_unit(getattr(cmodule, name), units))
@@ -143,11 +145,16 @@ def _drop_reduce_scatter_input(unit: nn.Module) -> None:
     flight, which :func:`fsdp_chain` counts.
     """
     state = unit._get_fsdp_state()  # type: ignore[operator]
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None:  # older torch: one group per state
-        groups = [g for g in (getattr(state, "_fsdp_param_group", None),) if g is not None]
-    for group in groups:
+    for group in _param_groups(state):
         group.post_backward = _dropping_after(group.post_backward, state)
+
+
+def _param_groups(state: Any) -> list[Any]:
+    """The parameter groups of an FSDP2 ``state`` (older torch: at most one)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        groups = [g for g in (getattr(state, "_fsdp_param_group", None),) if g is not None]
+    return list(groups)
 
 
 def _dropping_after(post_backward: Callable[..., Any], state: Any) -> Callable[..., Any]:
@@ -163,6 +170,127 @@ def _dropping_after(post_backward: Callable[..., Any], state: Any) -> Callable[.
                 if kept_state.event is not None:
                     stream.wait_event(kept_state.event)
             kept.clear()
+        return out
+    return run
+
+
+def _free_buffers_when_dropped(module: nn.Module) -> None:
+    """Free the CPU communication buffers of ``module``'s FSDP2 unit where FSDP2 drops them.
+
+    FSDP2 lets go of an all-gather buffer after the copy-out or, in a forward, when the next
+    unit's copy-out or the forward root's post-forward replaces it, and of a reduce-scatter
+    buffer when a later unit reduces or the backward ends; the memory returns when the last
+    reference goes. On CPU, gloo's worker thread holds a collective's buffers too, until it
+    gets round to dropping its finished work, after the collective returned: on a loaded
+    machine a buffer could outlive FSDP2's release, and the step held one more than the
+    chain counts (stop 80: a remat + offload plan of the residual MLP claimed 7575 B and
+    held 8072 in a CI run; 8584 B with every buffer's release forced two collectives
+    late). Each CPU buffer's storage is now resized to nothing at FSDP2's release (the
+    collective is complete by then), so what a step holds does not depend on when another
+    thread runs. CUDA buffers are left to FSDP2 and the caching allocator, whose reuse
+    follows the streams.
+    """
+    state = module._get_fsdp_state()  # type: ignore[operator]
+    _freeing_context(state._comm_ctx)
+    for group in _param_groups(state):
+        group.wait_for_unshard = _freeing_gathered(group.wait_for_unshard, group)
+
+
+def _free_cpu_storage(t: torch.Tensor | None) -> None:
+    """Resize ``t``'s storage to nothing if it is a CPU tensor (a released buffer)."""
+    if t is not None and t.device.type == "cpu":
+        t.untyped_storage().resize_(0)
+
+
+def _free_gathered(result: Any) -> None:
+    """Free the buffer of an all-gather's ``AllGatherResult``.
+
+    Not on one rank: there FSDP2's result holds the group's own persistent placeholder and
+    no input splits (nothing was gathered).
+    """
+    if result.all_gather_input_split_sizes:
+        _free_cpu_storage(result.all_gather_output)
+
+
+def _get_gathered(ctx: Any) -> Any:
+    return ctx.__dict__.get("_optmem_all_gather_state")
+
+
+def _set_gathered(ctx: Any, new: Any) -> None:
+    """Set ``ctx.all_gather_state``, freeing the buffer of the state it replaces."""
+    old = ctx.__dict__.get("_optmem_all_gather_state")
+    ctx.__dict__["_optmem_all_gather_state"] = new
+    if old is not None and (new is None or new.all_gather_result is not old.all_gather_result):
+        _free_gathered(old.all_gather_result)
+
+
+def _get_reduced(ctx: Any) -> Any:
+    try:
+        return ctx.__dict__["_optmem_reduce_scatter_states"]
+    except KeyError:  # before FSDP2's lazy init, as without the property
+        raise AttributeError("reduce_scatter_states") from None
+
+
+def _set_reduced(ctx: Any, states: list[Any]) -> None:
+    """Set ``ctx.reduce_scatter_states`` to a :class:`_FreeingStates` of ``states``."""
+    ctx.__dict__["_optmem_reduce_scatter_states"] = _FreeingStates(states)
+
+
+class _FreeingStates(list):  # type: ignore[type-arg]
+    """FSDP2's kept reduce-scatter states: a state popped or cleared frees its CPU buffer."""
+
+    def pop(self, index: Any = -1) -> Any:
+        """Remove and return the state at ``index``; its buffer is freed."""
+        state = super().pop(index)
+        _free_cpu_storage(state.reduce_scatter_input)
+        return state
+
+    def clear(self) -> None:
+        """Remove every state; their buffers are freed."""
+        for state in self:
+            _free_cpu_storage(state.reduce_scatter_input)
+        super().clear()
+
+
+_FREEING_CONTEXTS: dict[type, type] = {}
+
+
+def _freeing_context(ctx: Any) -> None:
+    """Make FSDP2's communication context ``ctx`` free the CPU buffers it drops.
+
+    Its class becomes a subclass whose ``all_gather_state`` frees the replaced state's
+    all-gather buffer and whose ``reduce_scatter_states`` is a :class:`_FreeingStates`. The
+    context is shared by the units under one root after FSDP2's lazy init: done once.
+    """
+    base = type(ctx)
+    if base in _FREEING_CONTEXTS.values():
+        return
+    if base not in _FREEING_CONTEXTS:
+        _FREEING_CONTEXTS[base] = type(f"Freeing{base.__name__}", (base,), {
+            "all_gather_state": property(_get_gathered, _set_gathered),
+            "reduce_scatter_states": property(_get_reduced, _set_reduced)})
+    gathered = ctx.__dict__.pop("all_gather_state", None)
+    reduced = ctx.__dict__.pop("reduce_scatter_states", None)
+    ctx.__class__ = _FREEING_CONTEXTS[base]
+    ctx.__dict__["_optmem_all_gather_state"] = gathered
+    if reduced is not None:  # FSDP2 sets both at its lazy init, after the sharding
+        ctx.reduce_scatter_states = reduced
+
+
+def _freeing_gathered(wait_for_unshard: Callable[..., Any], group: Any) -> Callable[..., Any]:
+    """``wait_for_unshard`` of ``group``, then the free of its all-gather buffer if dropped.
+
+    FSDP2 drops it right after the copy-out in a backward; in a forward it keeps it in the
+    communication context (freed when replaced: :func:`_freeing_context`).
+    """
+    @functools.wraps(wait_for_unshard)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        current = group._all_gather_result
+        out = wait_for_unshard(*args, **kwargs)
+        kept = group.comm_ctx.all_gather_state
+        if current is not None and group._all_gather_result is None and (
+                kept is None or kept.all_gather_result is not current):
+            _free_gathered(current)
         return out
     return run
 
