@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from dataclasses import replace
-from itertools import combinations
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,12 +29,10 @@ sys.path += [str(ROOT), str(ROOT / "tests")]  # after PYTHONPATH: compare checko
 
 from optmem import PipelineProblem, SolveOptions, solve  # noqa: E402
 from optmem.chain import Chain  # noqa: E402
-from optmem.models import pipeline as model  # noqa: E402
 from optmem.errors import PlanError  # noqa: E402
-from optmem.simulate.pipeline import simulate_pipeline  # noqa: E402
+from optmem.models import pipeline as model  # noqa: E402
 from optmem.simulate.verify import verify_plan  # noqa: E402
-from optmem.solvers.pipeline_common import run_model  # noqa: E402
-from tests.pipeline_helpers import set_partitions  # noqa: E402
+from tests.pipeline_helpers import stage_brute_force  # noqa: E402
 from tests.test_pipeline_zero_ties import strict_zero_instance, zero_time_instance  # noqa: E402
 
 ONE = SolveOptions(threads=1, warm_start=False, work_budget=10.0)
@@ -64,37 +60,6 @@ def chains() -> list[tuple[str, PipelineProblem]]:
     return out
 
 
-def stage_partitions(n: int) -> list[list[tuple[int, int]]]:
-    """Every partition of layers 1..n into consecutive stages."""
-    out = []
-    for k in range(n):
-        for cuts in combinations(range(1, n), k):
-            edges = [0, *cuts, n]
-            out.append([(edges[i] + 1, edges[i + 1]) for i in range(len(edges) - 1)])
-    return out
-
-
-def oracle(problem: PipelineProblem) -> float:
-    """Brute force: the best replayed plan over stage partitions and allocations."""
-    joins = model._Builder.stage_joins
-    model._Builder.stage_joins = lambda self: None  # one unit per stage: no joins needed
-    best = math.inf
-    try:
-        for bounds in stage_partitions(problem.layers.n):
-            units = model.make_units(problem, bounds)
-            for gpu in set_partitions(units.n, problem.n_gpus):
-                run = run_model(problem, "cpsat", SolveOptions(threads=1, warm_start=False),
-                                units=units, gpu=gpu)
-                if run.plan is None:
-                    continue
-                sim = simulate_pipeline(problem, run.plan)
-                if sim.peak_memory <= problem.memory_per_gpu:
-                    best = min(best, sim.period)
-    finally:
-        model._Builder.stage_joins = joins
-    return best
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--oracle", action="store_true", help="also run brute force")
@@ -117,7 +82,7 @@ def main() -> None:
             row[method] = {"status": res.status.value, "objective": res.objective,
                            "bound": res.bound, "cpu_s": round(cpu, 3), "replay": replay}
         if args.oracle:
-            row["oracle"] = oracle(problem)
+            row["oracle"] = stage_brute_force(problem)
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.json:

@@ -3,8 +3,8 @@ r"""The exact pipeline model: PIPE_{S^1&A} (thesis ch. 6, corrected), written on
 One solver-neutral :class:`~optmem.models.formulation.Model` of all allocations and
 1-periodic patterns, emitted to PuLP (HiGHS, CBC, Gurobi: method ``ilp``) and to CP-SAT
 (method ``cpsat``) by :mod:`optmem.models.formulation`. It places *units*: the ``L`` layers
-(:func:`model_bounds`: one unit per layer under ``stash``; under ``strict`` layers without
-forward time joined to their predecessor, :func:`zero_forward_merged`), or the stages of a
+(:func:`model_bounds`: one unit per layer; under ``stash`` last layers without any time
+join the last one with time), or the stages of a
 MadPipe allocation (its phase 2, thesis section 7.2: the "coarse chain").
 
 The model is chapter 6's (digest ``madpipe.md`` section 4) with the digest's corrections
@@ -90,10 +90,25 @@ Ties of zero-length tasks (``strict``, stop 78)
     period itself, so no plan attains the infimum), the models answer the infimum plus
     at most the separation (a seeded chain: 11.00073 for 11). The bound reported for the
     problem comes from the model without the rows ``neara`` (``tie_relaxed``, stop 79),
-    which holds every plan at its period. Layers without forward time
-    still join their predecessor (:func:`zero_forward_merged`: a restriction, reported;
-    since stop 79 the answers' bound comes from a ``stash`` relaxation whose models keep
-    every layer, :func:`optmem.solvers.pipeline.stash_relaxation`).
+    which holds every plan at its period.
+Zero-length forwards in a stage (``strict``, stop 80)
+    Until stop 80 layers without forward time joined their predecessor
+    (:func:`zero_forward_merged`), so the proofs covered that class only. Now every layer
+    is a unit and ``join[q]`` is also defined where unit ``q + 1``'s forward takes no
+    time: the stage's forward checks its trailing zero-length layers where it starts, and
+    the row of a joined ``F_q+1`` is that check (no tie after it counts, ``near`` is free
+    and ``tied`` 0 unless ``F_q`` takes no time too, whose indicators it then takes; it may
+    end a window, as a joined backward: the tasks at the window's start ran before the
+    stage started). Three rows make the stage's tasks what the simulator replays: ``F_q``
+    before ``F_q+1`` (``joinof``), a stage's stashes held from its first forward (``held``,
+    at least ``near`` of the unit's own forward: counted once) and until its last backward
+    ends (``ended``: a zero-length ``B_r`` tied after a task frees ``r``'s stash there
+    only when no backward that takes time follows it in its stage). A stage boundary with
+    neither a zero-length backward below nor a zero-length forward above needs no join:
+    its layers as stages, at the same times, hold no more at any check (the encoder writes
+    them so). Random plans (stages of 1-3 layers, zero forward and backward times,
+    temporaries or not): the rows hold iff the simulator fits the plan the model reads,
+    ``tests/test_pipeline_zero_forward.py``.
 Cuts (valid inequalities; they change no solution)
     * loads: ``T >=`` the load of every GPU and of every link, ``T >= max(total / P,
       heaviest unit)`` (the bound of :func:`load_bound`);
@@ -190,7 +205,10 @@ the model's optimum was 4). An integer, so that the rows ``K (tau_u - tau_t) >= 
 are exact on the CP-SAT grid."""
 
 STRICT_LAYERS = True
-"""Under ``strict``, one unit per layer, also for last layers without any time (stop 80)."""
+"""Under ``strict``, one unit per layer (stop 80: joins for zero-length forwards, module
+docstring); ``False``: layers without forward time join their predecessor
+(:func:`zero_forward_merged`, the units before stop 80, whose proofs cover that class only:
+:func:`optmem.solvers.pipeline.merged_class`)."""
 
 SLIM_FIXED = True
 """With the allocation fixed (``build_pipeline_model(gpu=...)``), write ``x``, ``z``, ``e``,
@@ -274,11 +292,12 @@ def model_bounds(problem: PipelineProblem) -> list[tuple[int, int]]:
     optimum is the problem's, except that the last layers, when none of them takes time,
     join the last one that does: their stash could live no time at all (its forward and
     backward at one instant), which the simulator still counts at their forward's start
-    and the rows of a tie could miss. Under ``strict`` layers without forward time stay with
-    their predecessor (a restriction: the methods' proofs cover that class only,
-    :func:`optmem.solvers.pipeline.merged_class`; the rows of one-layer units count ties
-    since stop 78, ``_Builder.tie_vars``, but a stage's trailing layers without forward
-    time are checked at its start, which no join of the model writes yet).
+    and the rows of a tie could miss. Under ``strict`` every layer is its own unit (since
+    stop 80, :data:`STRICT_LAYERS`), also without forward or any time: the rows of a
+    zero-length task count what the simulator counts at its start (``_Builder.tie_vars``),
+    and the joins (``_Builder.stage_joins``) write the stages whose layers are checked at
+    the stage's start. Before, layers without forward time stayed with their predecessor
+    (:func:`zero_forward_merged`, still the units with ``STRICT_LAYERS = False``).
 
     Examples
     --------
@@ -287,11 +306,12 @@ def model_bounds(problem: PipelineProblem) -> list[tuple[int, int]]:
     >>> model_bounds(PipelineProblem(chain, 2, 100))
     [(1, 1), (2, 2)]
     >>> model_bounds(PipelineProblem(chain, 2, 100, memory_model="strict"))
-    [(1, 2)]
+    [(1, 1), (2, 2)]
     """
     lay = problem.layers
-    if problem.memory_model == "strict" and STRICT_LAYERS:
-        return [(q, q) for q in range(1, lay.n + 1)]
+    if problem.memory_model == "strict":
+        return [(q, q) for q in range(1, lay.n + 1)] if STRICT_LAYERS \
+            else zero_forward_merged(problem)
     last = max((q for q in range(1, lay.n + 1) if lay.fwd(q, lay.n) + lay.bwd(q, lay.n) > 0),
                default=1)  # no layer takes time: one unit
     return [(q, q) for q in range(1, last)] + [(last, lay.n)]
