@@ -859,13 +859,15 @@ class _Encoder:
             same = self.val(form.joins[r - 1])
             lows = [e for e in (form.near.get((t, ("F", r - 1))), form.held.get((t, r - 1)))
                     if e is not None]
-            own = form.near.get((t, ("F", r)))
-            self.set(h, max([0.0, 0.0 if own is None else self.val(own)]
+            start = form.near.get((t, ("F", r)))
+            self.set(h, max([0.0, 0.0 if start is None else self.val(start)]
                             + [self.val(e) + same - 1 for e in lows]))
 
     def _mates(self, t: Task, v: Task) -> bool:
-        """Whether backwards ``t`` and ``v`` (below it), or forwards ``t`` and ``v`` (above
-        it), are in one joined stage."""
+        """Whether ``t`` and ``v`` are in one joined stage.
+
+        Backwards: ``v`` below ``t``; forwards: ``v`` above ``t``.
+        """
         if t[0] != v[0] or t[0] not in ("F", "B") or (v[1] >= t[1]) == (t[0] == "B"):
             return False
         return all(q in self.joined for q in range(min(t[1], v[1]), max(t[1], v[1])))
@@ -904,9 +906,11 @@ class _Encoder:
         return dt == 0 and du > 0
 
     def _rank(self, t: Task) -> int:
-        """Where a zero-length task goes among those of its instant: its joined stage's
-        tasks stay together (rows ``joinif`` / ``joinib``): first (-1) after a task of its
-        stage that takes time, last (1) before one, else by path (0)."""
+        """Where a zero-length task goes among those of its instant.
+
+        Its joined stage's tasks stay together (rows ``joinif`` / ``joinib``): first (-1)
+        after a task of its stage that takes time, last (1) before one, else by path (0).
+        """
         if t[0] not in ("F", "B"):
             return 0
         units, q = self.form.units, t[1]
