@@ -10,9 +10,11 @@ layers into stages and every allocation of the stages to GPUs, the model of thos
 as units (one unit per stage, no joins: each row is its stage's own check) with the
 allocation fixed, CP-SAT, kept where the simulator replays its plan.
 
-Run it on two checkouts to compare (``PYTHONPATH=<checkout>``)::
+``--wide``: seeds 0-39 of ``zero_forward_instance`` (3-6 layers, 2-3 GPUs) instead, with
+``cpsat`` on the units before stop 80 (``STRICT_LAYERS = False``) beside. Run it on two
+checkouts to compare (``PYTHONPATH=<checkout>``; ``--wide`` on this one only)::
 
-    python benchmarks/bench_pipeline_zero_forward.py [--oracle] [--json out.json]
+    python benchmarks/bench_pipeline_zero_forward.py [--oracle] [--wide] [--json out.json]
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from optmem.errors import PlanError  # noqa: E402
 from optmem.models import pipeline as model  # noqa: E402
 from optmem.simulate.verify import verify_plan  # noqa: E402
 from tests.pipeline_helpers import stage_brute_force  # noqa: E402
+from tests.test_pipeline_zero_forward import zero_forward_instance  # noqa: E402
 from tests.test_pipeline_zero_ties import strict_zero_instance, zero_time_instance  # noqa: E402
 
 ONE = SolveOptions(threads=1, warm_start=False, work_budget=10.0)
@@ -60,13 +63,32 @@ def chains() -> list[tuple[str, PipelineProblem]]:
     return out
 
 
+def wide() -> list[tuple[str, PipelineProblem]]:
+    """Seeds 0-39 of ``zero_forward_instance`` (3-6 layers, 2-3 GPUs)."""
+    return [(f"zero_forward_instance({seed})", zero_forward_instance(seed))
+            for seed in range(40)]
+
+
+def merged(problem: PipelineProblem) -> dict:
+    """``cpsat`` on the units before stop 80 (``STRICT_LAYERS = False``), for comparison."""
+    model.STRICT_LAYERS = False
+    try:
+        res = solve(problem, "cpsat", options=ONE.with_(extra=EXTRA))
+    finally:
+        model.STRICT_LAYERS = True
+    return {"status": res.status.value, "objective": res.objective}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--oracle", action="store_true", help="also run brute force")
+    parser.add_argument("--wide", action="store_true",
+                        help="the 3-6-layer chains of zero_forward_instance instead, with "
+                        "the merged class's cpsat answer (this checkout only)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     rows = []
-    for name, problem in chains():
+    for name, problem in wide() if args.wide else chains():
         row: dict = {"chain": name, "merged": len(model.model_bounds(problem))
                      < problem.layers.n}
         for method in ("ilp", "cpsat"):
@@ -81,6 +103,8 @@ def main() -> None:
                     replay = f"refused: {err}"
             row[method] = {"status": res.status.value, "objective": res.objective,
                            "bound": res.bound, "cpu_s": round(cpu, 3), "replay": replay}
+        if args.wide:
+            row["merged_cpsat"] = merged(problem)
         if args.oracle:
             row["oracle"] = stage_brute_force(problem)
         rows.append(row)

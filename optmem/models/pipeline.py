@@ -602,6 +602,7 @@ class PipelineFormulation:
     mates: dict[tuple[Task, Task], Expr] = field(default_factory=dict)
     held: dict[tuple[Task, int], Expr] = field(default_factory=dict)
     ended: dict[tuple[Task, int], Expr] = field(default_factory=dict)
+    once: set[tuple[Task, int]] = field(default_factory=set)
     fixed_gpu: tuple[int, ...] | None = None
     tie_relaxed: bool = False
     _sums: dict[tuple[int, int, int], Expr] = field(default_factory=dict, repr=False,
@@ -859,7 +860,7 @@ class _Encoder:
             same = self.val(form.joins[r - 1])
             lows = [e for e in (form.near.get((t, ("F", r - 1))), form.held.get((t, r - 1)))
                     if e is not None]
-            start = form.near.get((t, ("F", r)))
+            start = form.near.get((t, ("F", r))) if (t, r) in form.once else None
             self.set(h, max([0.0, 0.0 if start is None else self.val(start)]
                             + [self.val(e) + same - 1 for e in lows]))
 
@@ -1524,8 +1525,9 @@ class _Builder:
                 h = form.held[(t, q + 1)] = m.binary(f"held_{t[0]}{t[1]}_{q + 1}")
                 for i, e in enumerate(lows):
                     m.add(h >= e + j - 1, f"held{i}_{t[0]}{t[1]}_{q + 1}")
-                own = form.near.get((t, ("F", q + 1)))  # or its own forward tied: counted once
-                if own is not None:
+                own = form.near.get((t, ("F", q + 1))) if u.f[q] == 0 else None
+                if own is not None:  # or its own forward tied with F_q: counted once
+                    form.once.add((t, q + 1))
                     m.add(h >= own, f"heldo_{t[0]}{t[1]}_{q + 1}")
 
     def stage_rest(self, r: int) -> list[int]:
@@ -1615,7 +1617,8 @@ class _Builder:
                 m.add(j <= same, f"joinle_{q}")
             lit = m.literal(j)
             m.add(form.prec(("B", q + 1), ("B", q)) >= j, f"joino_{q}")
-            m.add(form.prec(("F", q), ("F", q + 1)) >= j, f"joinof_{q}")
+            if u.f[q] == 0:  # else implied: F_q+1 starts when F_q ends
+                m.add(form.prec(("F", q), ("F", q + 1)) >= j, f"joinof_{q}")
             m.add(form.start[("F", q + 1)] == form.start[("F", q)] + u.f[q], f"joinf_{q}",
                   only_if=lit)
             m.add(form.start[("B", q)] == form.start[("B", q + 1)] + u.b[q + 1], f"joinb_{q}",
@@ -1649,10 +1652,10 @@ class _Builder:
         form = self.form
         freed = form.ended.get((t, r), form.tied.get((t, ("B", r)), Expr.of(0))) \
             if self.u.b[r] == 0 else Expr.of(0)
-        if (t, r) in form.held:  # its stage started, or its own forward (once)
+        if (t, r) in form.once:  # its stage started, or its own forward: counted once
             return form.held[(t, r)] - freed
         started = form.near.get((t, ("F", r)), Expr.of(0)) if self.u.x[r] else Expr.of(0)
-        return started - freed
+        return started + form.held.get((t, r), Expr.of(0)) - freed
 
     def tie_orders(self) -> None:
         """Transitive orders among the zero-length tasks of a GPU (module docstring, "Ties").
