@@ -106,7 +106,7 @@ def main() -> None:
         if args.wide:
             row["merged_cpsat"] = merged(problem)
         if args.oracle:
-            row["oracle"] = stage_brute_force(problem)
+            row["oracle"] = stage_brute_force(problem, limit=5.0)
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.json:
