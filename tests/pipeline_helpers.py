@@ -8,6 +8,7 @@ accepts it, else only memory rows.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from itertools import combinations
 
 import pytest
 
@@ -103,3 +104,48 @@ def set_partitions(n: int, parts: int) -> Iterator[list[int]]:
         for g in range(min(used + 1, parts)):
             yield from rec([*prefix, g], max(used, g + 1))
     yield from rec([], 0)
+
+
+def stage_partitions(n: int) -> Iterator[list[tuple[int, int]]]:
+    """Every partition of layers ``1..n`` into consecutive stages (1-based ranges)."""
+    for k in range(n):
+        for cuts in combinations(range(1, n), k):
+            edges = [0, *cuts, n]
+            yield [(edges[i] + 1, edges[i + 1]) for i in range(len(edges) - 1)]
+
+
+def stage_brute_force(problem: PipelineProblem, *, limit: float | None = None) -> float:
+    """Brute force over plans' stages (stop 80): the best replayed period (``inf``: none).
+
+    For every partition of the layers into stages and every allocation of the stages to
+    GPUs, the model of those stages as units (one unit per stage, each row its stage's own
+    check: no joins), CP-SAT with the allocation fixed and the best period so far as a
+    cutoff; a plan counts only where the simulator replays it within memory. It does not
+    depend on how the layer model joins units into stages (``_Builder.stage_joins``,
+    switched off here). ``limit``: deterministic seconds per model (``None``: none); an
+    unproven model makes the answer ``nan``.
+    """
+    from optmem.models import pipeline as model
+    from optmem.result import SolveOptions, Status
+    from optmem.solvers.pipeline_common import run_model
+
+    joins = model._Builder.stage_joins
+    model._Builder.stage_joins = lambda self: None  # type: ignore[method-assign]
+    best, proven = float("inf"), True
+    options = SolveOptions(threads=1, warm_start=False, deterministic_time=limit)
+    try:
+        for bounds in stage_partitions(problem.layers.n):
+            units = model.make_units(problem, bounds)
+            for gpu in set_partitions(units.n, problem.n_gpus):
+                cutoff = None if best == float("inf") else best - 1e-6
+                run = run_model(problem, "cpsat", options, units=units, gpu=gpu,
+                                upper_bound=cutoff)
+                proven &= run.status in (Status.OPTIMAL, Status.INFEASIBLE)
+                if run.plan is None:
+                    continue
+                sim = simulate_pipeline(problem, run.plan)
+                if sim.peak_memory <= problem.memory_per_gpu:
+                    best = min(best, sim.period)
+    finally:
+        model._Builder.stage_joins = joins  # type: ignore[method-assign]
+    return best if proven else float("nan")

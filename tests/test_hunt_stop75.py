@@ -19,6 +19,7 @@ from remat_offload_helpers import check
 from optmem import PipelineProblem, RematOffloadProblem, SolveOptions, solve
 from optmem.chain import Chain
 from optmem.datasets.synthetic import random_chain
+from optmem.models import pipeline as pipeline_model
 from optmem.result import Status
 from optmem.simulate.verify import verify_plan
 
@@ -69,12 +70,20 @@ def test_pipeline_proofs_with_zero_forward_layers_are_the_problems(method: str, 
 
 
 @pytest.mark.parametrize("method, extra", EXACT)
-def test_strict_proofs_on_merged_units_are_not_the_problems(method: str, extra: dict
-                                                            ) -> None:
+def test_strict_proofs_on_merged_units_are_not_the_problems(method: str, extra: dict,
+                                                            monkeypatch) -> None:
+    """Under ``strict`` the layer without forward time joined its predecessor until stop
+    80 (``STRICT_LAYERS = False``): ``feasible`` 12 (the merged class's best) with a bound
+    at most MadPipe's 8. Since stop 80 every layer is a unit: ``optimal`` 8."""
     problem = PipelineProblem(ZERO_FORWARD, 2, 144, chain_bandwidth=3.0,
                               memory_model="strict")
     better = solve(problem, "madpipe", options=ONE)
     assert verify_plan(problem, better)["objective"] == pytest.approx(8.0)
+    res = solve(problem, method, options=ONE.with_(extra=extra))
+    assert res.status is Status.OPTIMAL and res.objective == pytest.approx(8.0)
+    assert "merged_units" not in res.report
+    assert verify_plan(problem, res)["objective"] == pytest.approx(res.objective)
+    monkeypatch.setattr(pipeline_model, "STRICT_LAYERS", False)
     res = solve(problem, method, options=ONE.with_(extra=extra))
     assert res.status is Status.FEASIBLE and res.bound <= better.objective
     assert "merged_units" in res.report

@@ -5,10 +5,11 @@ row at an instant counts what the simulator counts there, so ``ilp`` and ``cpsat
 the problem's optimum on chains with zero forward (and backward) times (the orders of
 tied zero-length tasks transitive; last layers without any time joined to the last one
 with time). Under ``strict``
-each task's row has its own terms, and one layer per unit lets a row ordered before a
-tied forward miss a stash the simulator counts: the units stay merged there
-(``zero_forward_merged``), and the test below keeps the plan that shows why; the last
-test keeps the same undercount at a backward of zero time, which no merge removes (open).
+each task's row has its own terms: the rows of a zero-length task count what the
+simulator counts at its start (stop 78, ``tie_vars``), and since stop 80 every layer is a
+unit there too (joins for zero-length forwards: ``tests/test_pipeline_zero_forward.py``);
+before, layers without forward time joined their predecessor (``zero_forward_merged``,
+still the units with ``STRICT_LAYERS = False``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import pytest
 from optmem import PipelineProblem, SolveOptions, solve
 from optmem.chain import Chain
 from optmem.errors import PlanError
+from optmem.models import pipeline as pipeline_model
 from optmem.models.pipeline import make_units, model_bounds, separation, zero_forward_merged
 from optmem.pipeline_plan import PipelinePlan, minimal_shifts
 from optmem.result import Status
@@ -159,8 +161,9 @@ def test_strict_rows_of_one_layer_units_count_a_tied_stash() -> None:
         values = form.encode(plan)
         assert values is not None
         assert form.model.violated(values) == ([] if fits else ["mem_B0"])
-    assert model_bounds(problem) == zero_forward_merged(problem) == [(1, 2), (3, 3)]
-    assert build_model(problem).encode(plan) is None  # the merged units exclude the plan
+    assert zero_forward_merged(problem) == [(1, 2), (3, 3)]  # the units until stop 80
+    assert model_bounds(problem) == layers  # since stop 80: the plan is one of the model's
+    assert build_model(problem).model.violated(build_model(problem).encode(plan)) == []
 
 
 # stop 78's chain: B 1 (no backward time) and F 2 may start at one instant
@@ -470,14 +473,17 @@ def test_the_stash_relaxation_never_checks_more_than_strict() -> None:
 
 @pytest.mark.parametrize("method", ["ilp", "cpsat"])
 def test_strict_answers_with_zero_forward_layers_are_proven_by_the_stash_relaxation(
-        method: str) -> None:
+        method: str, monkeypatch) -> None:
     """Seeds 1 and 19 (a layer without forward time, merged with its predecessor in the
-    ``strict`` models): before stop 79 (zero forwards) every method answered ``feasible``
+    ``strict`` models until stop 80, ``STRICT_LAYERS = False`` here): before stop 79
+    (zero forwards) every method answered ``feasible``
     with the load bound on seed 1 and ``no_solution`` on seed 19 (nothing of the merged
     class fits). The stash relaxation's optimum meets the merged class's plan on seed 1,
     so the answer is ``optimal``, equal to brute force over the merged class's
     allocations, and no heuristic plan (any allocation) beats it; on seed 19 it proves
-    that no plan of any allocation fits: ``infeasible``."""
+    that no plan of any allocation fits: ``infeasible``. Since stop 80 the models prove
+    both themselves (``test_pipeline_zero_forward.py``)."""
+    monkeypatch.setattr(pipeline_model, "STRICT_LAYERS", False)
     problem = strict_zero_instance(1, True)
     assert len(model_bounds(problem)) < problem.layers.n
     default = solve(problem, method, options=ONE.with_(extra={"warm_madpipe": False}))

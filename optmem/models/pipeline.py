@@ -3,8 +3,8 @@ r"""The exact pipeline model: PIPE_{S^1&A} (thesis ch. 6, corrected), written on
 One solver-neutral :class:`~optmem.models.formulation.Model` of all allocations and
 1-periodic patterns, emitted to PuLP (HiGHS, CBC, Gurobi: method ``ilp``) and to CP-SAT
 (method ``cpsat``) by :mod:`optmem.models.formulation`. It places *units*: the ``L`` layers
-(:func:`model_bounds`: one unit per layer under ``stash``; under ``strict`` layers without
-forward time joined to their predecessor, :func:`zero_forward_merged`), or the stages of a
+(:func:`model_bounds`: one unit per layer; under ``stash`` last layers without any time
+join the last one with time), or the stages of a
 MadPipe allocation (its phase 2, thesis section 7.2: the "coarse chain").
 
 The model is chapter 6's (digest ``madpipe.md`` section 4) with the digest's corrections
@@ -90,10 +90,25 @@ Ties of zero-length tasks (``strict``, stop 78)
     period itself, so no plan attains the infimum), the models answer the infimum plus
     at most the separation (a seeded chain: 11.00073 for 11). The bound reported for the
     problem comes from the model without the rows ``neara`` (``tie_relaxed``, stop 79),
-    which holds every plan at its period. Layers without forward time
-    still join their predecessor (:func:`zero_forward_merged`: a restriction, reported;
-    since stop 79 the answers' bound comes from a ``stash`` relaxation whose models keep
-    every layer, :func:`optmem.solvers.pipeline.stash_relaxation`).
+    which holds every plan at its period.
+Zero-length forwards in a stage (``strict``, stop 80)
+    Until stop 80 layers without forward time joined their predecessor
+    (:func:`zero_forward_merged`), so the proofs covered that class only. Now every layer
+    is a unit and ``join[q]`` is also defined where unit ``q + 1``'s forward takes no
+    time: the stage's forward checks its trailing zero-length layers where it starts, and
+    the row of a joined ``F_q+1`` is that check (no tie after it counts, ``near`` is free
+    and ``tied`` 0 unless ``F_q`` takes no time too, whose indicators it then takes; it may
+    end a window, as a joined backward: the tasks at the window's start ran before the
+    stage started). Three rows make the stage's tasks what the simulator replays: ``F_q``
+    before ``F_q+1`` (``joinof``), a stage's stashes held from its first forward (``held``,
+    at least ``near`` of the unit's own forward: counted once) and until its last backward
+    ends (``ended``: a zero-length ``B_r`` tied after a task frees ``r``'s stash there
+    only when no backward that takes time follows it in its stage). A stage boundary with
+    neither a zero-length backward below nor a zero-length forward above needs no join:
+    its layers as stages, at the same times, hold no more at any check (the encoder writes
+    them so). Random plans (stages of 1-3 layers, zero forward and backward times,
+    temporaries or not): the rows hold iff the simulator fits the plan the model reads,
+    ``tests/test_pipeline_zero_forward.py``.
 Cuts (valid inequalities; they change no solution)
     * loads: ``T >=`` the load of every GPU and of every link, ``T >= max(total / P,
       heaviest unit)`` (the bound of :func:`load_bound`);
@@ -189,6 +204,12 @@ above HiGHS's tolerances (at ``K = 2^18`` HiGHS answered a plan at 4.000019 opti
 the model's optimum was 4). An integer, so that the rows ``K (tau_u - tau_t) >= T + 1``
 are exact on the CP-SAT grid."""
 
+STRICT_LAYERS = True
+"""Under ``strict``, one unit per layer (stop 80: joins for zero-length forwards, module
+docstring); ``False``: layers without forward time join their predecessor
+(:func:`zero_forward_merged`, the units before stop 80, whose proofs cover that class only:
+:func:`optmem.solvers.pipeline.merged_class`)."""
+
 SLIM_FIXED = True
 """With the allocation fixed (``build_pipeline_model(gpu=...)``), write ``x``, ``z``, ``e``,
 ``zl`` and the buffer indicators as constants and leave out the rows and order variables
@@ -271,11 +292,12 @@ def model_bounds(problem: PipelineProblem) -> list[tuple[int, int]]:
     optimum is the problem's, except that the last layers, when none of them takes time,
     join the last one that does: their stash could live no time at all (its forward and
     backward at one instant), which the simulator still counts at their forward's start
-    and the rows of a tie could miss. Under ``strict`` layers without forward time stay with
-    their predecessor (a restriction: the methods' proofs cover that class only,
-    :func:`optmem.solvers.pipeline.merged_class`; the rows of one-layer units count ties
-    since stop 78, ``_Builder.tie_vars``, but a stage's trailing layers without forward
-    time are checked at its start, which no join of the model writes yet).
+    and the rows of a tie could miss. Under ``strict`` every layer is its own unit (since
+    stop 80, :data:`STRICT_LAYERS`), also without forward or any time: the rows of a
+    zero-length task count what the simulator counts at its start (``_Builder.tie_vars``),
+    and the joins (``_Builder.stage_joins``) write the stages whose layers are checked at
+    the stage's start. Before, layers without forward time stayed with their predecessor
+    (:func:`zero_forward_merged`, still the units with ``STRICT_LAYERS = False``).
 
     Examples
     --------
@@ -284,11 +306,12 @@ def model_bounds(problem: PipelineProblem) -> list[tuple[int, int]]:
     >>> model_bounds(PipelineProblem(chain, 2, 100))
     [(1, 1), (2, 2)]
     >>> model_bounds(PipelineProblem(chain, 2, 100, memory_model="strict"))
-    [(1, 2)]
+    [(1, 1), (2, 2)]
     """
-    if problem.memory_model != "stash":
-        return zero_forward_merged(problem)
     lay = problem.layers
+    if problem.memory_model == "strict":
+        return [(q, q) for q in range(1, lay.n + 1)] if STRICT_LAYERS \
+            else zero_forward_merged(problem)
     last = max((q for q in range(1, lay.n + 1) if lay.fwd(q, lay.n) + lay.bwd(q, lay.n) > 0),
                default=1)  # no layer takes time: one unit
     return [(q, q) for q in range(1, last)] + [(last, lay.n)]
@@ -578,6 +601,8 @@ class PipelineFormulation:
     ties: bool = False
     mates: dict[tuple[Task, Task], Expr] = field(default_factory=dict)
     held: dict[tuple[Task, int], Expr] = field(default_factory=dict)
+    ended: dict[tuple[Task, int], Expr] = field(default_factory=dict)
+    once: set[tuple[Task, int]] = field(default_factory=set)
     fixed_gpu: tuple[int, ...] | None = None
     tie_relaxed: bool = False
     _sums: dict[tuple[int, int, int], Expr] = field(default_factory=dict, repr=False,
@@ -700,7 +725,8 @@ class PipelineFormulation:
         first = {i: q for q, (i, _) in enumerate(self.units.bounds)}
         joined = {q for st in plan.stages for q in range(first[st.first], self.units.n - 1)
                   if self.units.bounds[q][1] < st.last}
-        if self.ties and any(q not in self.joins for q in joined if self.units.b[q] == 0):
+        if self.ties and any(q not in self.joins for q in joined
+                             if self.units.b[q] == 0 or self.units.f[q + 1] == 0):
             return None  # a join the model cannot write (units on two GPUs: fixed)
         period = plan.period
         if max(gpu) >= self.n_gpus or not (
@@ -814,9 +840,9 @@ class _Encoder:
         for (t, v), k in form.mates.items():
             self.set(k, 1.0 if self._mates(t, v) else 0.0)
         for store, tied in ((form.near, False), (form.tied, True)):
-            for (t, v), k in store.items():  # a stage's upper backwards come first
-                if t[0] == "B" and t[1] in self.joined:  # its stage's check: as above it
-                    above = ("B", t[1] + 1)
+            for (t, v), k in store.items():  # a stage's anchors come first
+                above = self._anchor(t)
+                if above is not None:  # its stage's check: as its anchor's
                     inherit = self.val(form.duration(above)) == 0 and (above, v) in store
                     self.set(k, self.val(store[(above, v)]) if inherit else 0.0)
                     continue
@@ -827,16 +853,42 @@ class _Encoder:
                 own = self._mates(t, v)  # one stage: its own stash held at its check
                 self.set(k, 1.0 if self.val(form.prec(t, v)) > 0.5 and close and not own
                          else 0.0)
+        for (t, r), e in form.ended.items():  # not while its stage runs on (stage_rest)
+            rest = self._rest_positive(r)
+            self.set(e, 0.0 if rest else self.val(form.tied[(t, ("B", r))]))
         for (t, r), h in sorted(form.held.items(), key=lambda item: item[0][1]):
             same = self.val(form.joins[r - 1])
             lows = [e for e in (form.near.get((t, ("F", r - 1))), form.held.get((t, r - 1)))
                     if e is not None]
-            self.set(h, max([0.0] + [self.val(e) + same - 1 for e in lows]))
+            start = form.near.get((t, ("F", r))) if (t, r) in form.once else None
+            self.set(h, max([0.0, 0.0 if start is None else self.val(start)]
+                            + [self.val(e) + same - 1 for e in lows]))
 
     def _mates(self, t: Task, v: Task) -> bool:
-        """Whether backwards ``t`` and ``v`` (below it) are in one joined stage."""
-        return (t[0] == v[0] == "B" and v[1] < t[1]
-                and all(q in self.joined for q in range(v[1], t[1])))
+        """Whether ``t`` and ``v`` are in one joined stage.
+
+        Backwards: ``v`` below ``t``; forwards: ``v`` above ``t``.
+        """
+        if t[0] != v[0] or t[0] not in ("F", "B") or (v[1] >= t[1]) == (t[0] == "B"):
+            return False
+        return all(q in self.joined for q in range(min(t[1], v[1]), max(t[1], v[1])))
+
+    def _rest_positive(self, r: int) -> bool:
+        """Whether a backward that takes time runs after ``B_r`` in its stage."""
+        units, s = self.form.units, r - 1
+        while s >= 0 and s in self.joined:
+            if units.b[s] > 0:
+                return True
+            s -= 1
+        return False
+
+    def _anchor(self, t: Task) -> Task | None:
+        """Where a joined ``t``'s stage is checked (:meth:`_Builder.stage_anchor`), if joined."""
+        if t[0] == "B" and t[1] in self.joined:
+            return ("B", t[1] + 1)
+        if t[0] == "F" and t[1] - 1 in self.joined:
+            return ("F", t[1] - 1)
+        return None
 
     def _before(self, t: Task, u: Task) -> bool:
         """Whether ``t`` comes first in its window.
@@ -851,8 +903,29 @@ class _Encoder:
         dt, du = self.val(self.form.duration(t)), self.val(self.form.duration(u))
         if dt == 0 and du == 0:
             path = self.path
-            return path.index(t) < path.index(u)
+            return (self._rank(t), path.index(t)) < (self._rank(u), path.index(u))
         return dt == 0 and du > 0
+
+    def _rank(self, t: Task) -> int:
+        """Where a zero-length task goes among those of its instant.
+
+        Its joined stage's tasks stay together (rows ``joinif`` / ``joinib``): first (-1)
+        after a task of its stage that takes time, last (1) before one, else by path (0).
+        """
+        if t[0] not in ("F", "B"):
+            return 0
+        units, q = self.form.units, t[1]
+        lo, hi = q, q
+        while lo - 1 in self.joined:
+            lo -= 1
+        while hi in self.joined:
+            hi += 1
+        dur = units.f if t[0] == "F" else units.b
+        earlier = range(lo, q) if t[0] == "F" else range(q + 1, hi + 1)
+        later = range(q + 1, hi + 1) if t[0] == "F" else range(lo, q)
+        if any(dur[r] > 0 for r in earlier):
+            return -1
+        return 1 if any(dur[r] > 0 for r in later) else 0
 
     def _same_link(self, c: int, d: int) -> bool:
         g = self.gpu
@@ -893,6 +966,8 @@ class _Encoder:
         for q in sorted(self.joined, reverse=True):  # a stage's last backward: at its end
             self.set(form.start[("B", q)], self.val(form.start[("B", q + 1)])
                      + form.units.b[q + 1])
+        for q in sorted(self.joined):  # a stage's forwards back to back from its start
+            self.set(form.start[("F", q + 1)], self.val(form.start[("F", q)]) + form.units.f[q])
 
     def _relative(self, tasks: list[Task], origin: float) -> dict[Task, float]:
         """Each task's start modulo the period from ``origin``, in ``[0, T)`` (``T``: 0)."""
@@ -911,6 +986,7 @@ class _Encoder:
             if all(g <= 1e-12 * period or g >= sep for g in gaps):
                 return c
         return min(rel.values())
+
 
     def _link_times(self) -> None:
         form = self.form
@@ -1402,9 +1478,8 @@ class _Builder:
         for t in form.tasks:
             if self.dur(t) != 0:
                 continue
-            join = form.joins.get(t[1]) if t[0] == "B" else None
+            above, join = self.stage_anchor(t)  # with join: checked where its stage starts
             free = [] if join is None else [m.literal(join, False)]  # its stage's check
-            above = ("B", t[1] + 1)  # with join: the stage's check is taken where it starts
             inherit = join is not None and self.dur(above) == 0
             for p in range(form.n_gpus):
                 on = None if (t[1], p) not in form.x else self.when(form.x[(t[1], p)])
@@ -1440,6 +1515,8 @@ class _Builder:
                         m.add(k <= (up if up is not None else 0) + 1 - join, f"tiedj_{name}")
                     if chain is not None:  # a stage's own stash is held at its check
                         m.add(k <= Expr.sum(1 - form.joins[q] for q in chain), f"tiedm_{name}")
+                    if v[0] == "B" and self.dur(v) == 0 and (rest := self.stage_rest(v[1])):
+                        self.stage_ended(t, v, k, rest)
             for q in sorted(form.joins):  # a joined stage's stashes start at its first forward
                 j, first = form.joins[q], form.near.get((t, ("F", q)))
                 lows = [e for e in (first, form.held.get((t, q))) if e is not None]
@@ -1448,12 +1525,57 @@ class _Builder:
                 h = form.held[(t, q + 1)] = m.binary(f"held_{t[0]}{t[1]}_{q + 1}")
                 for i, e in enumerate(lows):
                     m.add(h >= e + j - 1, f"held{i}_{t[0]}{t[1]}_{q + 1}")
+                own = form.near.get((t, ("F", q + 1))) if u.f[q] == 0 else None
+                if own is not None:  # or its own forward tied with F_q: counted once
+                    form.once.add((t, q + 1))
+                    m.add(h >= own, f"heldo_{t[0]}{t[1]}_{q + 1}")
+
+    def stage_rest(self, r: int) -> list[int]:
+        """Joins down to the first unit below ``r`` whose backward takes time ([]: none).
+
+        When they all hold, that backward runs in ``r``'s stage after ``B_r``, and the
+        stage's stash, ``r``'s included, lives until it ends (``Layers.strict_task``).
+        """
+        rest: list[int] = []
+        for s in range(r - 1, -1, -1):
+            if s not in self.form.joins:
+                return []
+            rest.append(s)
+            if self.u.b[s] > 0:
+                return rest
+        return []
+
+    def stage_ended(self, t: Task, v: Task, tied: Expr, rest: list[int]) -> None:
+        """``ended[t, r]``: ``B_r`` (``v``) tied after ``t`` ends ``r``'s stash there.
+
+        Not when its stage runs on with a backward that takes time (joins ``rest``): the
+        stage's stash lives until the stage ends (:meth:`tied_alive`).
+        """
+        m, name = self.m, f"{t[0]}{t[1]}_{v[0]}{v[1]}"
+        e = self.form.ended[(t, v[1])] = m.binary(f"ended_{name}")
+        m.add(e <= tied, f"endedle_{name}")
+        m.add(e <= Expr.sum(1 - self.form.joins[q] for q in rest), f"endedj_{name}")
+
+    def stage_anchor(self, t: Task) -> tuple[Task, Expr | None]:
+        """The task where a joined zero-length ``t``'s stage is checked, and that join.
+
+        A zero-length backward ``B_q`` joined to unit ``q + 1``'s stage is checked where
+        ``B_q+1`` starts; a zero-length forward ``F_q`` joined to unit ``q - 1``'s stage
+        where ``F_q-1`` starts (``Layers.strict_task``: a stage's layers are checked at its
+        start). The join is ``None`` where no join is defined.
+        """
+        if t[0] == "B":
+            return ("B", t[1] + 1), self.form.joins.get(t[1])
+        return ("F", t[1] - 1), self.form.joins.get(t[1] - 1)
 
     def stage_chain(self, t: Task, v: Task) -> list[int] | None:
-        """Joins that would put backwards ``t`` and ``v`` (below it) in one stage, if any."""
-        if t[0] != "B" or v[0] != "B" or v[1] >= t[1]:
+        """Joins that would put ``t`` and ``v`` in one stage, if any.
+
+        Backwards: ``v`` below ``t``; forwards: ``v`` above ``t``.
+        """
+        if t[0] != v[0] or t[0] not in ("F", "B") or (v[1] >= t[1]) == (t[0] == "B"):
             return None
-        chain = list(range(v[1], t[1]))
+        chain = list(range(min(t[1], v[1]), max(t[1], v[1])))
         return chain if all(q in self.form.joins for q in chain) else None
 
     def stage_mate(self, t: Task, v: Task, chain: list[int]) -> Expr:
@@ -1463,9 +1585,10 @@ class _Builder:
             return form.joins[chain[0]]
         key = (t, v)
         if key not in form.mates:
-            k = form.mates[key] = m.binary(f"mate_{t[1]}_{v[1]}")
+            tag = "" if t[0] == "B" else "F"
+            k = form.mates[key] = m.binary(f"mate{tag}_{t[1]}_{v[1]}")
             for q in chain:
-                m.add(k <= form.joins[q], f"mate_{t[1]}_{v[1]}_{q}")
+                m.add(k <= form.joins[q], f"mate{tag}_{t[1]}_{v[1]}_{q}")
         return form.mates[key]
 
     def stage_joins(self) -> None:
@@ -1487,13 +1610,15 @@ class _Builder:
         form, m, u = self.form, self.m, self.u
         for q in range(u.n - 1):
             same = form.same(q, q + 1)
-            if u.b[q] != 0 or self.when(same) is None:
+            if (u.b[q] != 0 and u.f[q + 1] != 0) or self.when(same) is None:
                 continue
             j = form.joins[q] = m.binary(f"join_{q}")
             if same.terms:
                 m.add(j <= same, f"joinle_{q}")
             lit = m.literal(j)
             m.add(form.prec(("B", q + 1), ("B", q)) >= j, f"joino_{q}")
+            if u.f[q] == 0:  # else implied: F_q+1 starts when F_q ends
+                m.add(form.prec(("F", q), ("F", q + 1)) >= j, f"joinof_{q}")
             m.add(form.start[("F", q + 1)] == form.start[("F", q)] + u.f[q], f"joinf_{q}",
                   only_if=lit)
             m.add(form.start[("B", q)] == form.start[("B", q + 1)] + u.b[q + 1], f"joinb_{q}",
@@ -1525,7 +1650,10 @@ class _Builder:
     def tied_alive(self, r: int, t: Task) -> Expr:
         """``strict``: stashes of unit ``r`` that ties after ``t`` start or free."""
         form = self.form
-        freed = form.tied.get((t, ("B", r)), Expr.of(0)) if self.u.b[r] == 0 else Expr.of(0)
+        freed = form.ended.get((t, r), form.tied.get((t, ("B", r)), Expr.of(0))) \
+            if self.u.b[r] == 0 else Expr.of(0)
+        if (t, r) in form.once:  # its stage started, or its own forward: counted once
+            return form.held[(t, r)] - freed
         started = form.near.get((t, ("F", r)), Expr.of(0)) if self.u.x[r] else Expr.of(0)
         return started + form.held.get((t, r), Expr.of(0)) - freed
 

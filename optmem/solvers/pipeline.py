@@ -465,6 +465,9 @@ def merged_class(problem: PipelineProblem, res: Result,
     any time, joined to the last one with time (a stash that may live no time: the same
     correction). A chain with tiny forward or backward times (:func:`tiny_durations`) gets
     the same answer, with ``report["tiny_durations"]``. Other chains are unchanged.
+    Since stop 80 the ``strict`` models keep every layer too (joins for zero-length
+    forwards, :data:`~optmem.models.pipeline.STRICT_LAYERS`), so no ``strict`` chain is
+    merged and the stash relaxation runs only where ``STRICT_LAYERS`` is switched off.
     """
     units = model_bounds(problem)
     tiny = tiny_durations(problem)
