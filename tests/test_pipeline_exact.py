@@ -959,7 +959,7 @@ def test_relaxation_admits_every_plan_the_methods_return(problem, strict):
 
 
 def draw_chain(draw, f_max: int, b_max: int, a_max: int) -> Chain:
-    """3-4 layers: forwards 1..f_max (none zero: see ``zero_forward_merged``), backwards
+    """3-4 layers: forwards 1..f_max (none zero: tests/test_pipeline_zero_forward.py), backwards
     1..b_max, activation sizes 0..a_max (the loss output 0), weights 0..2."""
     n = draw(st.integers(3, 4))
     f = [draw(st.integers(1, f_max)) for _ in range(n)]

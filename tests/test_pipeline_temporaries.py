@@ -61,7 +61,7 @@ def chain_of(draw, n_max: int = 3, *, overheads: bool = True, last_out: bool = T
     overheads 0..3, weights 0..2 (``overheads=False``: overheads and weights 0, tapes equal
     to outputs; ``outputs=False``: every output 0, the input 0..3)."""
     n = draw(st.integers(2, n_max))
-    f = [draw(st.integers(1, 3)) for _ in range(n)]  # zero forwards: zero_forward_merged
+    f = [draw(st.integers(1, 3)) for _ in range(n)]  # zero forwards: test_pipeline_zero_forward
     b = [draw(st.integers(1, 4)) for _ in range(n)]
     out = [draw(st.integers(0, 3)) if outputs else 0 for _ in range(n)]
     if not last_out:
