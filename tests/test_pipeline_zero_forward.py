@@ -26,7 +26,6 @@ from pipeline_helpers import stage_brute_force
 
 from optmem import PipelineProblem, SolveOptions, solve
 from optmem.chain import Chain
-from optmem.errors import PlanError
 from optmem.models import pipeline as pipeline_model
 from optmem.models.pipeline import make_units, model_bounds, separation
 from optmem.pipeline_plan import PipelinePlan
@@ -34,7 +33,7 @@ from optmem.result import Status
 from optmem.simulate.pipeline import simulate_pipeline
 from optmem.simulate.verify import verify_plan
 from optmem.solvers.pipeline_common import build_model
-from tests.test_pipeline_zero_ties import random_plan, sized_chain
+from tests.test_pipeline_zero_ties import plans_at_their_peak, sized_chain
 
 pytest.importorskip("ortools", reason="the exact models use OR-Tools CP-SAT")
 pytest.importorskip("pulp", reason="method ilp uses PuLP")
@@ -88,27 +87,21 @@ def test_rows_hold_iff_the_simulator_fits_the_plan_the_model_reads(seed: int) ->
         base = PipelineProblem(chain, 2, 10**6, memory_model="strict",
                                temporaries=temporaries)
         layers = [(q, q) for q in range(1, base.layers.n + 1)]
-        for _ in range(20):
-            plan = random_plan(rng, base)
-            try:
-                peak = simulate_pipeline(base, plan).peak_memory
-            except PlanError:
+        for memory, peak, plan in plans_at_their_peak(rng, base, 20):
+            problem = PipelineProblem(chain, 2, memory, memory_model="strict",
+                                      temporaries=temporaries)
+            form = build_model(problem, units=make_units(problem, layers))
+            values = form.encode(plan)
+            if values is None:  # a period outside the model's bounds
                 continue
-            for memory in (peak, peak - 1):
-                problem = PipelineProblem(chain, 2, memory, memory_model="strict",
-                                          temporaries=temporaries)
-                form = build_model(problem, units=make_units(problem, layers))
-                values = form.encode(plan)
-                if values is None:  # a period outside the model's bounds
-                    continue
-                bad = form.model.violated(values)
-                read = form.decode(values)
-                fits = simulate_pipeline(problem, read).peak_memory <= memory
-                if read.stages == plan.stages:  # joins as the plan's stages: the same plan
-                    assert fits is (memory >= peak)
-                assert (not bad) is fits, (plan.to_strings(), bad)
-                assert all(name.startswith("mem") for name in bad), bad
-                checked += 1
+            bad = form.model.violated(values)
+            read = form.decode(values)
+            fits = simulate_pipeline(problem, read).peak_memory <= memory
+            if read.stages == plan.stages:  # joins as the plan's stages: the same plan
+                assert fits is (memory >= peak)
+            assert (not bad) is fits, (plan.to_strings(), bad)
+            assert all(name.startswith("mem") for name in bad), bad
+            checked += 1
     assert checked >= 20
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import random
 import types
+from collections.abc import Iterator
 
 import pytest
 
@@ -372,19 +373,27 @@ def test_strict_rows_hold_iff_the_simulator_fits_with_zero_time_tasks(seed: int)
                              weight_size=[rng.randint(0, 6) for _ in range(n)])
     base = PipelineProblem(chain, 2, 10**6, memory_model="strict")
     checked = 0
-    for _ in range(80):
+    for memory, _peak, plan in plans_at_their_peak(rng, base, 80):
+        problem = PipelineProblem(chain, 2, memory, memory_model="strict")
+        form = build_model(problem)
+        if form.encode(plan) is not None:
+            assert_model_agrees_with_simulator(form, problem, plan)
+            checked += 1
+    assert checked >= 2
+
+
+def plans_at_their_peak(rng: random.Random, base: PipelineProblem, tries: int
+                        ) -> Iterator[tuple[int, int, PipelinePlan]]:
+    """``(memory, peak, plan)``: ``tries`` random plans of ``base`` that replay, each at its
+    simulated peak and one below it."""
+    for _ in range(tries):
         plan = random_plan(rng, base)
         try:
             peak = simulate_pipeline(base, plan).peak_memory
         except PlanError:
             continue
         for memory in (peak, peak - 1):
-            problem = PipelineProblem(chain, 2, memory, memory_model="strict")
-            form = build_model(problem)
-            if form.encode(plan) is not None:
-                assert_model_agrees_with_simulator(form, problem, plan)
-                checked += 1
-    assert checked >= 2
+            yield memory, peak, plan
 
 
 def nudged_plan(rng: random.Random, plan: PipelinePlan, lay) -> PipelinePlan:
