@@ -1421,7 +1421,8 @@ def _linkless(problem: RematOffloadProblem, options: SolveOptions, method: str,
     without transfers; its plan, or the checkpoint plan if faster or if it has none, is
     replayed on ``problem`` (a plan without transfers takes the same time on any link) and
     its bound ``min(linkless bound, shortest)`` holds for every plan of ``problem``.
-    ``report["linkless"]`` says so.
+    ``report["linkless"]`` says so. An ``error`` of the linkless solve (an engine fault) is
+    the answer, as the engine-fault rules give it without the guard (CONTRACT section 14).
     """
     left = deadline.left()
     twin = RematOffloadProblem(problem.chain, problem.memory_limit, chain_bandwidth=0.0)
@@ -1430,6 +1431,8 @@ def _linkless(problem: RematOffloadProblem, options: SolveOptions, method: str,
     note = (f"no transfer beats a checkpoint plan: the shortest transfer takes {shortest:.6g} "
             f"and the checkpoint plan {makespan:.6g}; solved without the link "
             f"({sub.status}, bound {sub.bound:.6g})")
+    if sub.status is Status.ERROR:  # an engine fault: answered as without the guard
+        return sub.with_(report={**sub.report, "linkless": note})
     best = parse_mixed_plan(sub.plan) if sub.status.has_plan and sub.objective <= makespan \
         else plan
     res = plan_result(problem, options, best, method=method, solver=sub.solver,
