@@ -89,12 +89,18 @@ TRANSFORMER_LAYERS = {"gpt2": 2, "llama": 2, "bert": 2, "vit": 2}
 
 
 def step(call: Any, owner: torch.nn.Module, kwargs: dict[str, Any], seed: int = 0,
-         args: tuple[Any, ...] = ()) -> tuple[Any, list[torch.Tensor | None]]:
-    """Output and parameter gradients (in ``owner``'s order) of one training step."""
+         args: tuple[Any, ...] = (), losses: int = 1) -> tuple[Any, list[torch.Tensor | None]]:
+    """Output and parameter gradients (in ``owner``'s order) of one training step.
+
+    ``losses=2``: ``out.loss.backward(retain_graph=True)``, then a second loss on the
+    same output (the mean square of the logits) backpropagated.
+    """
     owner.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
     out = call(*args, **kwargs)
-    out.loss.backward()
+    out.loss.backward(retain_graph=losses > 1)
+    if losses > 1:
+        out.logits.float().square().mean().backward()
     grads = [p.grad.detach().clone() if p.grad is not None else None
              for p in owner.parameters()]
     owner.zero_grad(set_to_none=True)

@@ -3,7 +3,7 @@
 State dicts load both ways, attributes are forwarded, train/eval/no_grad/inference_mode,
 autocast, keyword and positional calls, ``attention_mask=``, calls without labels, dropout
 recomputed with the same masks, torch.autograd semantics (``backward(inputs=...)``, double
-backward and ``retain_graph`` refused with a clear error), ``torch.compile`` (with
+backward and ``retain_graph=True`` as the model's), ``torch.compile`` (with
 ``aot_eager``: eager's dropout masks, bitwise), and the offload and remat+offload one-liners
 with bitwise-equal gradients.
 """
@@ -156,14 +156,45 @@ def test_autograd_semantics(lla):
         else:
             assert p.grad is None
     model.zero_grad(set_to_none=True)
-    out = cmodel(**kwargs)
-    with pytest.raises(RuntimeError, match="double backward"):
-        torch.autograd.grad(out.loss, some, create_graph=True)
-    out = cmodel(**kwargs)
-    out.loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="retain_graph"):
-        out.loss.backward()
-    model.zero_grad(set_to_none=True)
+    assert_same(step(cmodel, model, kwargs, seed=5, losses=2),
+                step(model, model, kwargs, seed=5, losses=2))  # retain_graph (stop 81)
+
+
+@pytest.mark.parametrize("kind", [op.checkpoint, op.remat_offload])
+def test_retain_graph_and_a_gradient_penalty_on_gpt2(kind):
+    """Stop 81: two losses on one output (``retain_graph=True``) and a gradient penalty
+    (``create_graph=True``) through an exported GPT-2 whose plan re-runs stages with dropout
+    0.5 (they raised before). Two losses: bitwise. The penalty: bitwise under remat +
+    offload; under checkpoint to float32 rounding (the native suffix's second-order term
+    reaches the plan through its normal backward, summed in another order). Llama's
+    attention has no double backward on CPU (SDPA's flash kernel), plain or wrapped."""
+    model, kwargs = gpt2(resid_pdrop=0.5, embd_pdrop=0.5, attn_pdrop=0.5)
+    link = {"bandwidth": "20MB/s"} if kind is op.remat_offload else {}
+    cmodel = kind(model, kwargs, memory_limit="60%", time_model=lambda *_: (1.0, 2.0),
+                  repeats=1, warmup=0, fast_path=False, **link)  # no timing decides the plan
+    forwards = [o.split()[1] for o in cmodel.result.plan if o.startswith("F_")]
+    assert len(forwards) > len(set(forwards)), cmodel.result.plan
+    assert_same(step(cmodel, model, kwargs, seed=6, losses=2),
+                step(model, model, kwargs, seed=6, losses=2))
+    params = dict(model.named_parameters())
+    some = [params["transformer.wte.weight"], params["transformer.h.0.mlp.c_fc.weight"],
+            params["transformer.h.1.attn.c_attn.weight"]]
+
+    def penalty(call):
+        torch.manual_seed(7)
+        grads = torch.autograd.grad(call(**kwargs).loss, some, create_graph=True)
+        assert all(g.requires_grad for g in grads)
+        sum(g.square().sum() for g in grads).backward()
+        got = [p.grad for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        return got
+
+    want, got = penalty(model), penalty(cmodel)
+    exact = {"rtol": 0, "atol": 0} if kind is op.remat_offload else {}
+    for k, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert (a is None) == (b is None), k
+        if a is not None:
+            torch.testing.assert_close(a, b, **exact, msg=f"parameter {k}")
 
 
 def test_autocast(lla):

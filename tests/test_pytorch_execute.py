@@ -280,17 +280,24 @@ def test_a_stage_using_an_unregistered_tensor_is_refused():
         cm(torch.randn(2, 4)).sum().backward()
 
 
-def test_double_backward_and_retain_graph_are_refused():
+def test_double_backward_and_retain_graph_follow_autograd():
+    """Stop 81: ``create_graph=True`` and ``retain_graph=True`` work through the plan (they
+    raised before); a backward after one that did not retain the graph is refused, as
+    autograd refuses it for the plain module."""
     module, x = resolve_spec("toy-mlp", batch=4)
     stages = extract_stages(module)
     cm = CheckpointedChain(stages, base.recompute_all_plan(len(stages)))
     params = list(module.parameters())
-    with pytest.raises(RuntimeError, match="double backward"):
-        torch.autograd.grad(loss_fn(cm(x)), params, create_graph=True)
-    loss = loss_fn(cm(x))
-    loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="retain_graph"):
-        loss.backward()
+    want = torch.autograd.grad(loss_fn(module(x)), params, create_graph=True)
+    got = torch.autograd.grad(loss_fn(cm(x)), params, create_graph=True)
+    assert all(g.requires_grad for g in got)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    out = cm(x)
+    loss_fn(out).backward(retain_graph=True)
+    loss_fn(out).backward()
+    with pytest.raises(RuntimeError, match="already backpropagated without retain_graph"):
+        loss_fn(out).backward()
     module.zero_grad(set_to_none=True)
 
 

@@ -110,7 +110,7 @@ from optmem.pytorch.joint import JointStage, dead_outputs
 
 __all__ = ["FULLGRAPH_REASON", "CheckpointedChain", "CompileRequest", "StageCalls", "add_monitor",
            "autocast_modes", "backward_outside_dynamo", "compile_stage",
-           "enclosing_compile_options", "fusable_runs", "modified_in_place",
+           "enclosing_compile_options", "fusable_runs", "graph_kept", "modified_in_place",
            "remove_monitor", "run_compiled",
            "run_in_order", "split_suffix"]
 
@@ -210,6 +210,7 @@ class _Tape:
         self.in_edges: list[GradientEdge | None] = []
         self.sink: torch.Tensor | None = None  # the end of a fused run (its last stage)
         self.sunk: list[bool] = []  # which outputs the sink takes
+        self.kept = False  # built before ``Loss``: a retained backward must not free it
 
 
 @dataclass
@@ -764,6 +765,7 @@ class PlanRunner:
 
     fusable = True
     joint_reruns = True  # dead F_all re-runs as joint graphs (a runner moving tapes says no)
+    retains = True  # a retained backward re-runs the plan (else: replay_backward)
 
     def __init__(self, owner: CheckpointedChain, plan: tuple[Op, ...], n_stages: int) -> None:
         self.owner = owner
@@ -808,6 +810,15 @@ class PlanRunner:
         self.accumulating: set[int] = set()
         self.fusion = _Fusion(set(), {}, {}, set())
         self.holder = _GradHolder()
+        # retain_graph / create_graph (:meth:`start_backward`, :meth:`replay_backward`)
+        self.keep = False  # the running backward keeps the graph (retain_graph=True)
+        self.retained: dict[int, _Slot] | None = None  # storage after the forward, kept
+        self.replayed = False  # the running backward re-ran the stages (replay_backward)
+        self.input_refs: list[weakref.ref[torch.Tensor]] = []  # a^0's tensors, weakly
+        self.in_spec: Any = None
+        self.in_others: list[Any] = []  # a^0's leaves, tensors as None
+        self.start_rng: _RngState | None = None  # before the forward's first stage
+        self.input_grads: list[torch.Tensor | None] = []  # of a replayed backward
 
     def collect_parameters(self) -> None:
         """The parameters (requiring grad) of stages ``1..n``, each once.
@@ -922,6 +933,9 @@ class PlanRunner:
                 with torch.no_grad():
                     out = call(src)
                 self.storage[i] = _Slot(out)
+        made = self.storage[i].tape
+        if made is not None:
+            made.kept = self.index < self.loss
         if first and i in self.buffers and not self.buffers[i].keep_changed():
             del self.buffers[i]
         if i in self.accumulating:
@@ -996,9 +1010,11 @@ class PlanRunner:
             self.holder.grads = grads
             del grads, current
             targets: list[Any] = [*wanted, *(self.params[k] for k in params)]
+            retain = self.keep and any(self.storage[s].tape.kept  # type: ignore[union-attr]
+                                       for s in range(i, j + 1))
             with quiet_gradient_hooks(targets[len(wanted):], post_accumulate=False):
                 got = torch.autograd.grad([sink], targets, [torch.empty(0)],
-                                          allow_unused=True)
+                                          allow_unused=True, retain_graph=retain)
         else:
             got = [None] * (len(wanted) + len(params))
         self._take_gradients(in_edges, params, got, len(wanted))
@@ -1052,12 +1068,14 @@ class PlanRunner:
         wanted = [e for e in in_edges if e is not None]
         params = [k for k in self.stage_params.get(i, ()) if self.param_needed[k]]
         got: Sequence[torch.Tensor | None]
+        retain = self.keep and slot.tape.kept  # a retained backward keeps the forward's tapes
         if edges and i in self.accumulating:
-            got = _backward_accumulating(edges, grads, wanted)
+            got = _backward_accumulating(edges, grads, wanted, retain)
         elif edges and (wanted or params):
             targets: list[Any] = [*wanted, *(self.params[k] for k in params)]
             with quiet_gradient_hooks(targets[len(wanted):], post_accumulate=False):
-                got = torch.autograd.grad(edges, targets, grads, allow_unused=True)
+                got = torch.autograd.grad(edges, targets, grads, allow_unused=True,
+                                          retain_graph=retain)
         else:
             got = [None] * (len(wanted) + len(params))
         self._take_gradients(in_edges, params, got, len(wanted))
@@ -1084,6 +1102,9 @@ class PlanRunner:
     # -------------------------------------------------------------- phases
     def forward(self, value: Any) -> list[torch.Tensor]:
         self.storage[0] = _Slot(value)
+        if self.owner.preserve_rng_state and 1 not in self.rerun:
+            self.start_rng = _RngState(self.devices)  # replay_backward starts there (else
+            # from stage 1's state, taken before its first run: the same)
         for op in self.plan[:self.loss]:
             self._run(op)
         if self.n not in self.storage or self.storage[self.n].value is None:
@@ -1147,8 +1168,143 @@ class PlanRunner:
         out = self.current
         self.storage.clear()
         self.current = []
-        self.context = None
+        if not self.keep:
+            self.context = None
         return out
+
+    # -------------------------------------------------------------- retained backward
+    def start_backward(self, keep: bool) -> None:
+        """Before a backward of the plan: keep the forward's storage if the graph is kept.
+
+        A backward with ``retain_graph=True`` (``keep``) runs on copies of the slots the
+        forward left (checkpoints and tapes, whose graphs its ``B`` ops retain), so the
+        next backward starts from them again; the last one (``keep`` false) consumes them,
+        freeing as a single backward does.
+        """
+        self.keep = keep
+        self.replayed = False
+        if self.retained is not None:
+            self.storage = _copy_slots(self.retained) if keep else self.retained
+            if not keep:
+                self.retained = None
+        elif keep:
+            self.retained = _copy_slots(self.storage)
+
+    def replay_backward(self, grads: Sequence[torch.Tensor | None], keep: bool) -> None:
+        """The whole backward by re-running stages ``1..n`` from ``a^0`` as one graph.
+
+        For a double backward (grad mode on inside the backward: ``create_graph=True``),
+        and for a retained backward of a runner that cannot re-run its plan
+        (:attr:`retains` false): the stages run under grad as in the unmodified module
+        (the forward's RNG states, buffers as before their first run, the parameters of
+        the first run, side inputs, autocast), then one ``torch.autograd.grad`` over that
+        graph (``create_graph`` as the caller asked) gives the gradients of ``a^0``'s
+        tensors and of the parameters; the nodes of the plan hand them out. Memory: the
+        store-all peak of the plan's stages. The forward's storage is left as it is for a
+        later backward.
+        """
+        if self.accumulating:
+            raise RuntimeError("double backward (create_graph=True) through a plan with "
+                               "FSDP units is not supported")
+        self.keep, self.replayed = keep, True
+        if not keep:  # the last backward: the forward's checkpoints are not needed
+            self.storage.clear()
+            self.retained = None
+        create_graph = torch.is_grad_enabled()
+        inputs = self._replay_inputs()
+        with torch.enable_grad():
+            outs = value_tensors(self._replay_stages(inputs))
+        pairs = [(o, g) for o, g in zip(outs, grads, strict=True)
+                 if g is not None and o.requires_grad]
+        wanted = [k for k, t in enumerate(inputs) if t.requires_grad]
+        params = [k for k in range(len(self.params)) if self.param_needed[k]]
+        targets = [*(inputs[k] for k in wanted), *(self.params[k] for k in params)]
+        got: Sequence[torch.Tensor | None] = [None] * len(targets)
+        if pairs and targets:
+            with quiet_gradient_hooks(targets, post_accumulate=False), \
+                    torch.set_grad_enabled(create_graph):
+                got = torch.autograd.grad([o for o, _ in pairs], targets,
+                                          [g for _, g in pairs], allow_unused=True,
+                                          create_graph=create_graph)
+        del outs, pairs
+        self.input_grads = [None] * len(inputs)
+        for k, g in zip(wanted, got[:len(wanted)], strict=True):
+            self.input_grads[k] = g
+        self.param_grads = [None] * len(self.params)
+        for k, g in zip(params, got[len(wanted):], strict=True):
+            self.param_grads[k] = g
+
+    def _replay_inputs(self) -> list[torch.Tensor]:
+        """The tensors of ``a^0`` (the caller's, with their graph), alive or an error."""
+        inputs = []
+        for ref in self.input_refs:
+            t = ref()
+            if t is None:
+                raise RuntimeError(
+                    "a double backward (create_graph=True) through the optmem plan re-runs "
+                    "its stages from the plan's input, which was freed: keep a reference to "
+                    "the tensors passed to the wrapped module until that backward")
+            inputs.append(t)
+        return inputs
+
+    def _replay_stages(self, inputs: list[torch.Tensor]) -> Any:
+        """Stages ``1..n`` run under grad from ``inputs``, as the forward ran them."""
+        it = iter(inputs)
+        leaves = [next(it) if v is None else v for v in self.in_others]
+        value = tree_unflatten(leaves, self.in_spec)
+        with ExitStack() as stack:
+            if current_side_inputs_or_none() is not self.context:
+                stack.enter_context(side_inputs(self.context))
+            stack.enter_context(torch.random.fork_rng(devices=self.devices, enabled=True))
+            for device_type, dtype in self.autocast:
+                stack.enter_context(torch.autocast(device_type, dtype=dtype,
+                                                   cache_enabled=self.autocast_cache))
+            if self.start_rng is not None:
+                self.start_rng.restore()
+            for i in range(1, self.n + 1):
+                value = self._replay_stage(i, value)
+        return value
+
+    def _replay_stage(self, i: int, value: Any) -> Any:
+        """Stage ``i`` run again (RNG, buffers and parameters as at its first run)."""
+        modules = self.owner.stage_modules()[i - 1]
+        with ExitStack() as stack:
+            generators = self._generators(i)
+            if generators:
+                if self.owner.preserve_rng_state and i not in self.rng:
+                    raise RuntimeError(
+                        f"stage {i} ({self.owner.stage_names[i - 1]}) holds a "
+                        "torch.Generator of its own, whose state before its only run was "
+                        "not saved: a double backward through the optmem plan cannot replay "
+                        "it")
+                stack.enter_context(generators_restored(generators))
+            if i in self.rng:
+                self.rng[i].restore()
+            if i in self.bound:
+                stack.enter_context(self.bound[i].bound())
+            if self.owner.restore_buffers:
+                stack.enter_context(_scratch_buffers(modules, self.buffers.get(i)))
+            return self.owner.stages[i - 1](value)
+
+
+def _copy_slots(storage: dict[int, _Slot]) -> dict[int, _Slot]:
+    """New slots holding the same values and tapes (a backward may empty its slots)."""
+    return {k: _Slot(slot.value, slot.tape) for k, slot in storage.items()}
+
+
+def graph_kept() -> bool:
+    """Whether the running backward keeps its graph (``retain_graph=True``).
+
+    Read from autograd's current graph task (a private API: without it, ``False``, and a
+    second backward through the plan raises as it did before stop 81).
+    """
+    get = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    if get is None:  # pragma: no cover - another torch
+        return False
+    try:
+        return bool(get())
+    except RuntimeError:  # pragma: no cover - not inside a backward
+        return False
 
 
 class _PlanFunction(torch.autograd.Function):
@@ -1165,6 +1321,11 @@ class _PlanFunction(torch.autograd.Function):
         inputs = args[:n_inputs]
         it = iter(t.detach() for t in inputs)
         leaves = [next(it) if isinstance(v, torch.Tensor) else v for v in runner.in_leaves]
+        # weakly, for a double backward's replay (the normal path keeps only what it reads)
+        runner.input_refs = [weakref.ref(t) for t in inputs]
+        runner.in_spec = treespec
+        runner.in_others = [None if isinstance(v, torch.Tensor) else v
+                            for v in runner.in_leaves]
         runner.in_leaves = []
         runner.outputs = runner.forward(tree_unflatten(leaves, treespec))
         for k, need in zip(runner.held, ctx.needs_input_grad[3 + n_inputs:], strict=True):
@@ -1177,7 +1338,8 @@ class _PlanFunction(torch.autograd.Function):
     @backward_outside_dynamo
     def backward(ctx: Any, token: torch.Tensor | None) -> Any:
         runner = _take_runner(ctx)
-        input_grads = runner.backward()
+        input_grads = runner.input_grads if runner.replayed else runner.backward()
+        runner.input_grads = []
         in_grads = list(input_grads) + [None] * (ctx.n_inputs - len(input_grads))
         return (None, None, None, *in_grads[:ctx.n_inputs],
                 *(runner.param_grads[k] for k in runner.held))
@@ -1207,7 +1369,8 @@ class _Release(torch.autograd.Function):
     @backward_outside_dynamo
     def backward(ctx: Any, token: torch.Tensor | None) -> Any:
         runner = _take_runner(ctx)
-        runner.run_through(ctx.stop)
+        if not runner.replayed:
+            runner.run_through(ctx.stop)
         grads = [runner.param_grads[k] for k in ctx.indices]
         for k in ctx.indices:  # autograd holds them from here (no second reference)
             runner.param_grads[k] = None
@@ -1241,7 +1404,12 @@ class _Relay(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
         runner = _take_runner(ctx)
         warn_hooked_outputs(runner.watched)
-        runner.begin_backward(grads)
+        keep = graph_kept()
+        if torch.is_grad_enabled() or (keep and not runner.retains):
+            runner.replay_backward(grads, keep)  # create_graph=True: a differentiable one
+        else:
+            runner.start_backward(keep)
+            runner.begin_backward(grads)
         return None, torch.zeros(())
 
 
@@ -1279,17 +1447,19 @@ def warn_hooked_outputs(watched: Sequence[weakref.ref[torch.Tensor]]) -> None:
 
 
 def _take_runner(ctx: Any) -> PlanRunner:
-    """The runner of a plan Function, once: a second backward or a double backward is refused."""
+    """The runner of a plan Function; let go of unless the backward keeps the graph.
+
+    A backward after one that did not keep it (no ``retain_graph=True``) is refused, as
+    autograd refuses it for the unmodified module.
+    """
     runner: PlanRunner | None = ctx.runner
-    ctx.runner = None
     if runner is None:
-        raise RuntimeError("the checkpointed plan was already backpropagated: "
-                           "retain_graph=True is not supported through it; run the "
-                           "forward again")
-    if torch.is_grad_enabled():
-        raise RuntimeError("double backward (create_graph=True) through a checkpointed "
-                           "plan is not supported: use the unwrapped module for "
-                           "higher-order gradients")
+        raise RuntimeError("the checkpointed plan was already backpropagated without "
+                           "retain_graph=True (it freed its saved values, as autograd "
+                           "does); pass retain_graph=True to the earlier backward, or run "
+                           "the forward again")
+    if not graph_kept():
+        ctx.runner = None
     return runner
 
 
@@ -1578,11 +1748,13 @@ def _parameters_of(modules: Sequence[nn.Module]) -> Iterator[nn.Parameter]:
 
 
 def _backward_accumulating(edges: list[Any], grads: list[torch.Tensor],
-                           wanted: list[GradientEdge]) -> list[torch.Tensor | None]:
+                           wanted: list[GradientEdge], retain: bool = False
+                           ) -> list[torch.Tensor | None]:
     """``autograd.backward`` from the stage outputs; the input gradients caught by hooks.
 
     Leaves (an FSDP unit's gathered parameters) accumulate their gradient in ``.grad``
-    during the pass, where the unit's post-backward hook finds it.
+    during the pass, where the unit's post-backward hook finds it. ``retain``: the graph
+    is kept (a tape of the forward under a retained backward).
     """
     got: list[torch.Tensor | None] = [None] * len(wanted)
 
@@ -1594,7 +1766,7 @@ def _backward_accumulating(edges: list[Any], grads: list[torch.Tensor],
 
     handles = [e.node.register_prehook(catch(k, e.output_nr)) for k, e in enumerate(wanted)]
     try:
-        torch.autograd.backward(edges, grads)
+        torch.autograd.backward(edges, grads, retain_graph=retain)
     finally:
         for h in handles:
             h.remove()

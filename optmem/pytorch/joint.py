@@ -201,7 +201,8 @@ class _Deferred(torch.autograd.Function):
         job, ctx.job = ctx.job, None
         if job is None:
             raise RuntimeError("a joint re-run of the optmem executor was back-propagated "
-                               "twice (retain_graph=True through the plan is not supported)")
+                               "twice (each backward of the plan re-runs its own; a second "
+                               "backward of one is an optmem bug)")
         return (None, *job.run(grads))
 
 

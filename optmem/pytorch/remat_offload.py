@@ -97,11 +97,15 @@ class _OffloadRunner(PlanRunner):
     """The checkpoint runner, plus transfers and saved-tensor groups.
 
     Not fused: each stage's saved tensors form a group of their own (moved on its own).
+    A backward that keeps the graph (``retain_graph=True``) does not run the plan, whose
+    transfers move the forward's values, but re-runs the stages as one graph
+    (:meth:`~optmem.pytorch.execute.PlanRunner.replay_backward`).
     """
 
     owner: RematOffloadChain
     fusable = False
     joint_reruns = False
+    retains = False  # transfers move the forward's values: a retained backward replays
 
     def __init__(self, owner: RematOffloadChain, plan: tuple[Op, ...], n_stages: int) -> None:
         super().__init__(owner, plan, n_stages)
