@@ -52,8 +52,24 @@ exactly what the unmodified module gives, stage by stage while the plan's backwa
 DDP all-reduces a bucket as soon as its parameters' last ``B`` has run, overlapping the rest
 of the backward, as for the unmodified module. A stage that uses a tensor requiring grad
 that is not one of its registered parameters is refused at its first run (that gradient
-would be lost). Double backward (``create_graph=True``) and ``retain_graph=True`` through
-the plan raise an error.
+would be lost).
+
+**retain_graph and double backward** (stop 81; both raised before). A backward that keeps
+the graph (``retain_graph=True``, read by :func:`graph_kept`) runs the plan's backward on
+copies of the slots the forward left, and retains the graphs of the forward's tapes, so
+the next backward starts from the same checkpoints, RNG states and buffer snapshots and
+gives the same gradients (bitwise); the last backward (without ``retain_graph``) consumes
+them as a single one does: a step without ``retain_graph`` runs and frees exactly as
+before. A double backward (grad mode on inside the backward: ``create_graph=True``) and a
+retained backward of a runner whose transfers move the forward's values (remat + offload,
+``PlanRunner.retains``) re-run stages ``1..n`` from the plan's input as one graph (each
+stage's RNG state, buffers and parameters as at its first run, the side inputs and
+autocast of the forward) and differentiate it with ``torch.autograd.grad``
+(:meth:`PlanRunner.replay_backward`): differentiable gradients of the input and the
+parameters, at the store-all peak of the plan's stages for that backward. The input is
+held weakly (the normal path keeps only what it reads): freed before such a backward, one
+error says to keep it. A backward after one that did not retain the graph raises, as
+autograd does.
 
 **Side inputs** (:mod:`optmem.pytorch.context`): the side inputs active when the forward
 starts are re-entered around every stage run, re-runs in the backward included. The executor
@@ -819,6 +835,8 @@ class PlanRunner:
         self.in_others: list[Any] = []  # a^0's leaves, tensors as None
         self.start_rng: _RngState | None = None  # before the forward's first stage
         self.input_grads: list[torch.Tensor | None] = []  # of a replayed backward
+        # buffers of the stages run once, with their versions before that run
+        self.once: dict[int, list[tuple[dict[str, Any], str, torch.Tensor, int]]] = {}
 
     def collect_parameters(self) -> None:
         """The parameters (requiring grad) of stages ``1..n``, each once.
@@ -912,6 +930,10 @@ class PlanRunner:
                                                      self.buffers.get(i)))
             elif self.owner.restore_buffers and i in self.rerun:
                 self.buffers[i] = _BufferSnapshot(self.owner.stage_modules()[i - 1])
+            elif self.owner.restore_buffers:  # run once: a replay checks its buffers
+                versions = _buffer_versions(self.owner.stage_modules()[i - 1])
+                if versions:
+                    self.once[i] = versions
             if op.kind is OpKind.F_ALL and self.index in self.dead:
                 call = self._joint_call(i, call)
             if op.kind is OpKind.F_ALL and self.index in self.fusion.link:
@@ -1241,9 +1263,10 @@ class PlanRunner:
             t = ref()
             if t is None:
                 raise RuntimeError(
-                    "a double backward (create_graph=True) through the optmem plan re-runs "
-                    "its stages from the plan's input, which was freed: keep a reference to "
-                    "the tensors passed to the wrapped module until that backward")
+                    "a double backward (create_graph=True) through the optmem plan (or a "
+                    "retained backward of a remat + offload plan) re-runs its stages from "
+                    "the plan's input, which was freed: keep a reference to the tensors "
+                    "passed to the wrapped module until that backward")
             inputs.append(t)
         return inputs
 
@@ -1275,16 +1298,33 @@ class PlanRunner:
                     raise RuntimeError(
                         f"stage {i} ({self.owner.stage_names[i - 1]}) holds a "
                         "torch.Generator of its own, whose state before its only run was "
-                        "not saved: a double backward through the optmem plan cannot replay "
-                        "it")
+                        "not saved: a double backward (or a retained backward of a remat + "
+                        "offload plan), which re-runs the plan's stages, cannot replay it")
                 stack.enter_context(generators_restored(generators))
             if i in self.rng:
                 self.rng[i].restore()
             if i in self.bound:
                 stack.enter_context(self.bound[i].bound())
+            if any((d[name] if name in d else None) is not buf  # noqa: SIM401 - jit's dict
+                   or buf._version != version
+                   for d, name, buf, version in self.once.get(i, ())):
+                raise RuntimeError(
+                    f"stage {i} ({self.owner.stage_names[i - 1]}) updated its buffers in "
+                    "its only run (BatchNorm's running statistics, spectral norm's power "
+                    "iteration), whose values before it were not saved: a double backward "
+                    "(or a retained backward of a remat + offload plan), which re-runs the "
+                    "plan's stages, cannot re-run it as it ran; use the unwrapped model for "
+                    "it")
             if self.owner.restore_buffers:
                 stack.enter_context(_scratch_buffers(modules, self.buffers.get(i)))
             return self.owner.stages[i - 1](value)
+
+
+def _buffer_versions(modules: Sequence[nn.Module]
+                     ) -> list[tuple[dict[str, Any], str, torch.Tensor, int]]:
+    """Every buffer of ``modules``: its dict, name, tensor and version now."""
+    return [(m._buffers, name, buf, buf._version) for m in modules
+            for name, buf in m._buffers.items() if buf is not None]
 
 
 def _copy_slots(storage: dict[int, _Slot]) -> dict[int, _Slot]:
