@@ -18,7 +18,7 @@ ORDER = ["checkpoint_dp", "exact", "time_limits", "highs_pass", "checkpoint_exac
          "hf_overhead",
          "hf_paired",
          "hf_paired_readby", "hf_paired_joint", "hf_early_stop", "hf_quiet4", "hf_autotune",
-         "hf_fastpath", "compile_dropout",
+         "hf_fastpath", "compile_dropout", "retain_graph",
          "hf_quiet3", "hf_quiet3_repeat", "hf_quiet",
          "hf_bert_target1", "hf_bert_tie", "hf_gpt2_llama_floor", "hf",
          "hf_segment_quiet",
