@@ -154,6 +154,7 @@ class OffloadedModule(PlannedModule):
     """
 
     _plan_has_jvp = True  # saved-tensor hooks on the model's own autograd graph
+    _one_liner = "op.offload"
 
 
 class RematOffloadedModule(PlannedModule):
@@ -161,6 +162,8 @@ class RematOffloadedModule(PlannedModule):
 
     Recomputation and transfers (:class:`~optmem.pytorch.remat_offload.RematOffloadChain`).
     """
+
+    _one_liner = "op.remat_offload"
 
 
 _PROFILE_OPTIONS = ("device", "repeats", "warmup", "progress", "time_model", "max_stages",

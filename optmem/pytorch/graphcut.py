@@ -804,12 +804,48 @@ class GraphStage(nn.Module):
         names = self.side_names
 
         def run(x: Any) -> Any:
+            if permuted_grad_input(x):
+                return self.forward(x)  # what a compiled backward cannot take
             if not names:
                 return gm(x)
             ctx = current_side_inputs()
             return gm(x, *[ctx[n] for n in names])
 
         return run
+
+
+_LAYOUTS = {4: torch.channels_last, 5: torch.channels_last_3d}
+"""The memory formats besides the contiguous one that a compiled stage takes as they are."""
+
+
+def permuted_grad_input(x: Any) -> bool:
+    """Whether ``x`` holds a tensor that requires grad laid out as a permuted one.
+
+    torch 2.13's AOT autograd traces a backward that can ``view`` a gradient laid out as
+    such an input: ``torch.compile(lambda x: x + dropout(linear(x)))`` on ``x =
+    t.permute(0, 2, 1)`` fails in its backward ("view size is not compatible with input
+    tensor's size and stride") whatever the gradient's layout. Inside a model compiled
+    whole the value never enters a graph; at a stage boundary it does (Whisper's encoder,
+    whose hidden states are its convolutions' output transposed: stop 81). A compiled
+    stage runs such a call as it is, uncompiled (a contiguous copy would draw other
+    dropout masks: ``bernoulli_`` fills in memory order). Contiguous and channels-last
+    tensors, and tensors that do not require grad, go to the compiled graph.
+
+    Examples
+    --------
+    >>> t = torch.zeros(2, 3, 4, requires_grad=True)
+    >>> permuted_grad_input(t), permuted_grad_input((t.permute(0, 2, 1),))
+    (False, True)
+    >>> permuted_grad_input(t.detach().permute(0, 2, 1))
+    False
+    """
+    for t in tree_flatten(x)[0]:
+        if not isinstance(t, torch.Tensor) or not t.requires_grad or t.is_contiguous():
+            continue
+        layout = _LAYOUTS.get(t.dim())
+        if layout is None or not t.is_contiguous(memory_format=layout):
+            return True
+    return False
 
 
 class _Alias(torch.autograd.Function):

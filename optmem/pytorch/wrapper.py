@@ -147,6 +147,15 @@ state-dict helpers (``torch.distributed.checkpoint.state_dict``, FSDP) and accel
 ``get_optimizer_state_dict(DistributedDataParallel(wrapper), opt)`` names the model's keys.
 Until stop 77 it was ``_optmem_module``, which they kept there."""
 _log = logging.getLogger("optmem")
+PEFT_ON_WRAPPER = (
+    "peft was applied to the optmem wrapper ({cls}): peft finds its adapters by the "
+    "modules' names, which the wrapper gives under '_checkpoint_wrapped_module.' and its "
+    "parameters and state dict under the model's, so no adapter would train or be saved. "
+    "Apply peft to the model, then wrap the result: "
+    "{fn}(peft.get_peft_model(model, config), sample, ...). The model now holds the "
+    "adapters peft injected (and its own weights frozen): build it again")
+"""The error of ``peft.get_peft_model(cmodel, ...)`` (stop 81): raised when peft sets
+``peft_config`` on the wrapper, after injecting its layers into the model."""
 
 
 @dataclass
@@ -588,6 +597,8 @@ class PlannedModule(nn.Module):
     #: whether the plan composes with forward-mode AD (dual tensors); when not, such a
     #: call runs the model as it is (:data:`FORWARD_AD_WARNING`)
     _plan_has_jvp: bool = False
+    #: the one-liner that builds this wrapper (named in errors)
+    _one_liner: str = "op.checkpoint"
 
     def __init__(self, module: nn.Module, planner: Planner, profile: ProfileOptions,
                  main: _Variant, main_key: Any, *, fast_path: bool = True) -> None:
@@ -680,6 +691,13 @@ class PlannedModule(nn.Module):
                         "checkpoint wrapper (op.checkpoint); to plan again, call this "
                         "one-liner again (with chain= to skip the profile)") from None
                 raise
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Set an attribute of the wrapper; refuse peft's (:data:`PEFT_ON_WRAPPER`)."""
+        if name == "peft_config":
+            raise OptmemInputError(PEFT_ON_WRAPPER.format(
+                cls=type(self).__name__, fn=self._one_liner), field="module")
+        super().__setattr__(name, value)
 
     def __getitem__(self, key: Any) -> Any:
         return self._checkpoint_wrapped_module[key]  # type: ignore[index]
