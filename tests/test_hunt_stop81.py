@@ -6,6 +6,9 @@
   ``time_limit_s=0.05`` a 40-stage chain on a 1e-9 link answered after 0.53 s (the nested
   solve's own deadline, half of its 1 s), where the same chain on a 1 B/ms link answered
   after 0.03 s. The nested solve now gets what is left (at least ``MIN_ENGINE_LIMIT_S``).
+* A limit that stopped the guard's checkpoint DP (it polls since stop 80) answered with
+  ``report["stopped"]`` naming the link relaxation, which had not started; it names the
+  candidate plans (the guard computes the checkpoint-only one).
 """
 
 from __future__ import annotations
@@ -45,3 +48,23 @@ def test_the_linkless_solve_keeps_to_what_is_left_of_the_limit(monkeypatch, left
     check(problem, res, OPTS)
     assert res.status is Status.OPTIMAL
     assert "linkless" in res.report
+
+
+@pytest.mark.parametrize("method", ["ilp", "cpsat"])
+def test_a_limit_that_stops_the_guard_names_the_candidate_plans(monkeypatch, method) -> None:
+    """The guard computes the checkpoint-only candidate (the persistent DP, which polls the
+    deadline since stop 80); a limit that stops it there named the link relaxation, which
+    had not started. The answer is the fallback candidates', as before."""
+    from optmem.models.interrupt import Interrupted
+    from optmem.solvers.time_budget import stopped_during
+
+    def stopped(problem: RematOffloadProblem, options: SolveOptions) -> None:
+        raise Interrupted
+
+    monkeypatch.setattr(exact, "_slower_than_checkpointing", stopped)
+    chain = random_chain(5, seed=0, max_size=8)
+    problem = RematOffloadProblem(chain, limits(chain)[1], chain_bandwidth=1e-9)
+    res = exact._solve_model(problem, OPTS, method)
+    assert res.report["stopped"] == stopped_during("the candidate plans")  # was the relaxation
+    check(problem, res, OPTS)
+    assert res.status.has_plan

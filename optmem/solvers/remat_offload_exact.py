@@ -1375,7 +1375,9 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
     progress = _Progress()
     with stop_when(deadline.stopper()):
         try:
+            progress.stage = "the candidate plans"  # the guard's checkpoint-only DP plan
             slow = _slower_than_checkpointing(problem, options)
+            progress.stage = _Progress.stage
             if slow is not None:
                 return _linkless(problem, options, method, deadline, *slow)
             return _staged(problem, options, method, engine, strategy, deadline, report,
