@@ -1375,7 +1375,9 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
     progress = _Progress()
     with stop_when(deadline.stopper()):
         try:
+            progress.stage = "the candidate plans"  # the guard's checkpoint-only DP plan
             slow = _slower_than_checkpointing(problem, options)
+            progress.stage = _Progress.stage
             if slow is not None:
                 return _linkless(problem, options, method, deadline, *slow)
             return _staged(problem, options, method, engine, strategy, deadline, report,
@@ -1417,7 +1419,9 @@ def _linkless(problem: RematOffloadProblem, options: SolveOptions, method: str,
               ) -> Result:
     """Solve ``problem`` as the same problem without the link (:func:`_slower_than_checkpointing`).
 
-    The linkless solve (same method and options, the time left) is the exact model's class
+    The linkless solve (same method and options, the time left: since stop 81 no more,
+    it had at least :data:`LEAST_ENGINE_TIME_S`, so ``--time-limit 0.05`` answered after
+    0.5 s) is the exact model's class
     without transfers; its plan, or the checkpoint plan if faster or if it has none, is
     replayed on ``problem`` (a plan without transfers takes the same time on any link) and
     its bound ``min(linkless bound, shortest)`` holds for every plan of ``problem``.
@@ -1427,7 +1431,7 @@ def _linkless(problem: RematOffloadProblem, options: SolveOptions, method: str,
     left = deadline.left()
     twin = RematOffloadProblem(problem.chain, problem.memory_limit, chain_bandwidth=0.0)
     sub = _solve_model(twin, options.with_(time_limit_s=None if left is None else
-                                           max(left, LEAST_ENGINE_TIME_S)), method)
+                                           max(left, MIN_ENGINE_LIMIT_S)), method)
     note = (f"no transfer beats a checkpoint plan: the shortest transfer takes {shortest:.6g} "
             f"and the checkpoint plan {makespan:.6g}; solved without the link "
             f"({sub.status}, bound {sub.bound:.6g})")
