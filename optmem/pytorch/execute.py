@@ -25,8 +25,9 @@ Memory follows the simulator's rules (``optmem/simulate/checkpoint.py``):
 Differences from rotor, all making the checkpointed module compute *exactly* what the
 unmodified one does:
 
-* The RNG state (CPU and the CUDA devices of the input, and the ``torch.Generator`` objects
-  the stage's modules hold) is saved before the first run of every stage the plan runs more
+* The RNG state (CPU and the CUDA devices of the chain input and of the stages' parameters,
+  :func:`~optmem.pytorch.hooks.cuda_indices`, and the ``torch.Generator`` objects the
+  stage's modules hold) is saved before the first run of every stage the plan runs more
   than once, and restored (inside ``fork_rng``) before each re-run, whatever the op kinds;
   the global RNG and the stages' generators advance exactly as without the plan.
 * A re-run stage runs on scratch copies of its buffers (BatchNorm running statistics), so

@@ -17,7 +17,12 @@ rest of PyTorch it is the model itself:
 * **modes**: ``train()``/``eval()`` reach the model; under ``torch.no_grad()`` or
   ``torch.inference_mode()`` the model runs as it is (nothing to save for a backward),
   compiled as on the fast path when the wrapper is (:meth:`PlannedModule.compile`, or
-  ``torch.compile(cmodel)``).
+  ``torch.compile(cmodel)``);
+* **autograd**: ``retain_graph=True`` and ``create_graph=True`` give the model's gradients
+  (such a backward runs above the plan's limit: :mod:`optmem.pytorch.execute`); under a
+  ``torch.func`` transform, or with a forward-mode AD dual tensor among the inputs or
+  parameters (a checkpoint or remat + offload plan has no ``jvp``), the model runs as it
+  is, with one warning per wrapper (:data:`FUNCTORCH_WARNING`, :data:`FORWARD_AD_WARNING`);
 * **the store-all fast path**: when the plain model's real activation peak, measured while
   profiling (``chain.extra["profile"]["plain_peak"]``), is at most the memory limit, the
   model itself is called, no executor and no stages (``fast_path=False`` turns it off;
@@ -28,7 +33,8 @@ shapes, dtypes, flags, which keyword arguments are given, ``training``, the auto
 which inputs require grad, each input tensor's memory layout (:func:`memory_layout`), the
 dtypes and devices of the model's parameters and buffers, which of them require grad (what
 a step stores depends on it: :meth:`TensorState.grads`), and what the graph traced of the
-model: their shapes, which are tied, the module tree and its hooks (:class:`TensorState`).
+model: their shapes, which are tied, the module tree, its hooks and training modes, every
+dropout's ``p`` and the plain Python attributes the forward reads (:class:`TensorState`).
 A call with another *signature* is extracted again (about a second), profiled again (sizes
 only when its stages match the first chain's: its times are scaled from the first profile;
 in full otherwise) and solved again with the same limit and method; the last
