@@ -70,7 +70,10 @@ autocast of the forward) and differentiate it with ``torch.autograd.grad``
 parameters, at the store-all peak of the plan's stages for that backward. The input is
 held weakly (the normal path keeps only what it reads): freed before such a backward, one
 error says to keep it. A backward after one that did not retain the graph raises, as
-autograd does.
+autograd does. A custom operator of the exported stages whose backward has no derivative
+(transformers' ``grouped_mm_fallback``, which export picks for float32 MoE experts where
+eager mode takes ``torch._grouped_mm``) makes the second backward raise one
+``OptmemInputError`` naming it (:func:`refuse_underivable`, stop 81b).
 
 **Side inputs** (:mod:`optmem.pytorch.context`): the side inputs active when the forward
 starts are re-entered around every stage run, re-runs in the backward included. The executor
@@ -93,6 +96,7 @@ hold (the plan is a graph break by design): dynamo's error then carries
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
 import operator
 import warnings
@@ -128,8 +132,8 @@ from optmem.pytorch.joint import JointStage, dead_outputs
 __all__ = ["FULLGRAPH_REASON", "CheckpointedChain", "CompileRequest", "StageCalls", "add_monitor",
            "autocast_modes", "backward_outside_dynamo", "compile_stage",
            "enclosing_compile_options", "fusable_runs", "graph_kept", "modified_in_place",
-           "remove_monitor", "run_compiled",
-           "run_in_order", "split_suffix"]
+           "refuse_underivable", "remove_monitor", "run_compiled", "run_in_order",
+           "split_suffix", "underivable_op"]
 
 Monitor = Callable[[str, list[torch.Tensor], list[torch.Tensor]], None]
 _MONITORS: list[Monitor] = []
@@ -1250,6 +1254,8 @@ class PlanRunner:
                                           [g for _, g in pairs], allow_unused=True,
                                           create_graph=create_graph)
         del outs, pairs
+        if create_graph:
+            refuse_underivable(got, [t.grad_fn for t in inputs if t.grad_fn is not None])
         self.input_grads = [None] * len(inputs)
         for k, g in zip(wanted, got[:len(wanted)], strict=True):
             self.input_grads[k] = g
@@ -1814,24 +1820,86 @@ def _backward_accumulating(edges: list[Any], grads: list[torch.Tensor],
     return got
 
 
-def _graph_leaves(outs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Leaf tensors (``AccumulateGrad`` nodes) reachable from ``outs``, up to the sources."""
-    seen: set[Any] = set()
-    stack = [t.grad_fn for t in outs if t.grad_fn is not None]
-    leaves: dict[int, torch.Tensor] = {}
-    for t in outs:
-        if t.grad_fn is None and t.requires_grad:
-            leaves[id(t)] = t
+def _graph_nodes(outs: Sequence[torch.Tensor | None], stop: Sequence[Any] = ()
+                 ) -> Iterator[Any]:
+    """The autograd nodes reachable from ``outs``, each once.
+
+    Not past the sources, the leaves (``AccumulateGrad``) and the nodes ``stop``.
+    """
+    seen: set[Any] = set(stop)
+    stack = [t.grad_fn for t in outs if t is not None and t.grad_fn is not None]
     while stack:
         node = stack.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        if type(node).__name__ == "_SourceBackward":
+        yield node
+        if type(node).__name__ == "_SourceBackward" or hasattr(node, "variable"):
             continue
+        stack.extend(fn for fn, _ in node.next_functions if fn is not None)
+
+
+def _graph_leaves(outs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Leaf tensors (``AccumulateGrad`` nodes) reachable from ``outs``, up to the sources."""
+    leaves: dict[int, torch.Tensor] = {}
+    for t in outs:
+        if t.grad_fn is None and t.requires_grad:
+            leaves[id(t)] = t
+    for node in _graph_nodes(outs):
         variable = getattr(node, "variable", None)
         if isinstance(variable, torch.Tensor):
             leaves[id(variable)] = variable
-            continue
-        stack.extend(fn for fn, _ in node.next_functions if fn is not None)
     return list(leaves.values())
+
+
+def underivable_op(node: Any) -> Any:
+    """The custom operator whose autograd node ``node`` is, if it has no derivative.
+
+    ``torch.library`` gives every custom operator an autograd node class
+    (``GeneratedBackwardFor_<namespace>_<name>_<overload>``); one registered without
+    ``register_autograd`` (a backward operator, such as transformers'
+    ``grouped_mm_fallback_backward``) raises when backpropagated through. ``None`` for
+    any other node (or where torch's private layout differs).
+    """
+    cls = getattr(node, "_forward_cls", None)
+    if cls is None or not cls.__name__.startswith("GeneratedBackwardFor_"):
+        return None
+    try:
+        scope = inspect.getclosurevars(cls.backward).nonlocals
+    except (TypeError, ValueError):
+        return None
+    info = scope.get("info")
+    if info is None or getattr(info, "_backward_fn", True) is not None:
+        return None
+    return scope.get("op")
+
+
+def refuse_underivable(grads: Sequence[torch.Tensor | None], stop: Sequence[Any]) -> None:
+    """Make a backward through an underivable custom operator raise one clear error.
+
+    Walks ``grads``' graph (up to the nodes ``stop``); a backward through an operator
+    :func:`underivable_op` names raises one :class:`OptmemInputError`.
+
+    A double backward re-runs the plan's *exported* stages: torch.export can make a model
+    take another operator than in eager mode (transformers' MoE experts call
+    ``torch._grouped_mm`` in eager, which differentiates twice, and its custom
+    ``transformers::grouped_mm_fallback`` under export for float32 weights, whose
+    backward does not), so the unwrapped model may differentiate where the plan cannot.
+    """
+    for node in _graph_nodes(grads, stop):
+        op = underivable_op(node)
+        if op is not None:
+            node.register_prehook(functools.partial(_refuse_underivable, str(op)))
+
+
+def _refuse_underivable(op: str, grad_outputs: Any) -> None:
+    """The prehook of :func:`refuse_underivable`: raise."""
+    raise OptmemInputError(
+        f"double backward through the optmem plan: its exported stages call {op}, which "
+        "has no derivative (torch.export made the model take this operator, where the "
+        "unwrapped model, in eager mode, may take one that has: transformers' MoE experts "
+        "take transformers::grouped_mm_fallback under export); wrap a model whose export "
+        "differentiates twice (for the MoE experts: experts_implementation='batched_mm' "
+        "in from_pretrained, or model.config._experts_implementation = 'batched_mm' "
+        "before wrapping), or use the unwrapped model for the double backward",
+        field="module")
