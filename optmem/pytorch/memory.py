@@ -45,7 +45,7 @@ __all__ = ["LOSS_SCALARS", "ActivationTracker", "MemTrackerPeak", "StorageTrace"
            "cuda_training_peak", "live_bytes", "measure_training_peak", "memtracker_peak",
            "backward_roots", "backward_step", "buffers_restored", "gradients_restored",
            "plain_step_peak",
-           "plan_allowance", "storage_bytes", "storage_key"]
+           "input_bytes", "plan_allowance", "storage_bytes", "storage_key"]
 
 # ops whose output is a fresh tensor although it is also their input (``torch.tensor``)
 _FRESH_OPS = ("lift_fresh", "lift_fresh_copy")
@@ -81,6 +81,55 @@ def storage_bytes(value: Any, exclude: set[int] | frozenset[int] = frozenset()) 
         if key not in exclude:
             seen[key] = _nbytes(t)
     return sum(seen.values())
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """Bytes ``[start, end)`` of ``t``'s storage that its elements occupy."""
+    size = t.element_size()
+    if t.numel() == 0:
+        return 0, 0
+    last = sum(int(n - 1) * abs(int(st)) for n, st in zip(t.shape, t.stride(), strict=True))
+    start = int(t.storage_offset()) * size
+    return start, start + (last + 1) * size
+
+
+def input_bytes(value: Any) -> int:
+    """Bytes of the call input ``value``: per storage, the part its tensors occupy.
+
+    The chain input ``a^0`` (and a measured step's input) is counted by what its tensors
+    hold, not by their whole storages: a view of a larger tensor (``X[:16]`` of a dataset
+    held in one tensor) counts its own elements, the rest of the storage being what the
+    caller keeps alive (docs/pytorch.md, "What ``memory_limit`` counts"; stop 81: the
+    whole storage was counted, and ``memory_limit="60%"`` was taken of a store-all peak
+    that held the dataset). A tensor that fills its storage counts it whole, as
+    :func:`storage_bytes` does.
+
+    Examples
+    --------
+    >>> x = torch.zeros(10)
+    >>> input_bytes(x), input_bytes(x[:5]), input_bytes((x[:2], x[6:8]))
+    (40, 20, 16)
+    >>> input_bytes(torch.zeros(4, 3)[:, :2])  # strided: from the first to the last element
+    44
+    """
+    spans: dict[int, list[tuple[int, int]]] = {}
+    whole: dict[int, int] = {}
+    for t in _tensors(value):
+        key = storage_key(t)
+        whole[key] = _nbytes(t)
+        spans.setdefault(key, []).append(_span(t))
+    return sum(min(whole[key], _union(parts)) for key, parts in spans.items())
+
+
+def _union(parts: list[tuple[int, int]]) -> int:
+    """Length of the union of the intervals ``parts``."""
+    total, end = 0, -1
+    for a, b in sorted(parts):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
 
 
 def live_bytes(values: Iterable[Any]) -> int:
@@ -308,7 +357,7 @@ def measure_training_peak(step: Callable[[], Any], module: nn.Module,
         step()
     # a DTensor's gradient (FSDP2: sharded) is stored in its local tensor
     grads = [getattr(p.grad, "_local_tensor", p.grad) for p in params if p.grad is not None]
-    return storage_bytes(inputs) + trace.peak(exclude=grads)
+    return input_bytes(inputs) + trace.peak(exclude=grads)
 
 
 @contextlib.contextmanager
@@ -374,7 +423,7 @@ def cuda_training_peak(step: Callable[[], Any], module: nn.Module, inputs: Any =
     base = torch.cuda.memory_allocated(device)
     step()
     torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device) - base + storage_bytes(inputs)
+    return torch.cuda.max_memory_allocated(device) - base + input_bytes(inputs)
 
 
 def backward_roots(output: Any) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
@@ -701,7 +750,10 @@ class ActivationTracker:
         if module is not None:
             self.excluded |= {storage_key(p) for p in module.parameters()}
             self.excluded |= {storage_key(b) for b in module.buffers()}
-        self.pinned = {storage_key(t): _nbytes(t) for t in pinned}
+        groups: dict[int, list[torch.Tensor]] = {}
+        for t in pinned:  # counted as an input is (:func:`input_bytes`)
+            groups.setdefault(storage_key(t), []).append(t)
+        self.pinned = {key: input_bytes(ts) for key, ts in groups.items()}
         self.saved: dict[int, list[int]] = {}  # key -> [nbytes, live count]
         self.executor: dict[int, int] = {}
         self.peak_bytes = 0

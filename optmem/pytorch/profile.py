@@ -83,6 +83,7 @@ from optmem.pytorch.memory import (
     StorageTrace,
     buffers_restored,
     gradients_restored,
+    input_bytes,
     storage_bytes,
     storage_key,
 )
@@ -751,7 +752,7 @@ def profile_stages(
             for p in params:  # backward would accumulate into the caller's gradients otherwise
                 p.grad = None
             rows, leaves, last = _profile_memory(modules, stages, sample, setting, bar)
-            rows, carried = _share_carried(rows, storage_bytes(sample))
+            rows, carried = _share_carried(rows, input_bytes(sample))
             loss_overhead = _loss_memory(loss_fn, last, rows[-1].output_size, setting) \
                 if loss_fn is not None else 0
             bar.update(len(stages), "timing")
@@ -784,7 +785,7 @@ def profile_stages(
         fwd_overhead=tuple(r.fwd_overhead for r in rows),
         bwd_overhead=tuple(r.bwd_overhead for r in rows),
         weight_size=tuple(_weight_nbytes(m) for m in modules),
-        input_size=storage_bytes(sample), loss_bwd_time=q(loss_time) if loss_time else 0.0,
+        input_size=input_bytes(sample), loss_bwd_time=q(loss_time) if loss_time else 0.0,
         loss_bwd_overhead=loss_overhead + carried.get("carried_reserve", 0), name=name,
         time_unit="ms", memory_unit="B", stage_names=tuple(s.name for s in stages),
         extra={"profile": {
@@ -1156,7 +1157,7 @@ def _profile_memory(modules: Sequence[nn.Module], stages: Sequence[Stage], sampl
     rows: list[_StageMemory] = []
     leaves: list[Any] = []
     x_value = sample
-    in_size = storage_bytes(sample)
+    in_size = input_bytes(sample)
     for k, module in enumerate(modules):
         bar.update(k, stages[k].name)
         needs_grad = k > 0 or any(t.requires_grad for t in value_tensors(x_value))

@@ -41,7 +41,7 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 from optmem.chain import Chain
 from optmem.pytorch.devices import DeviceModel, get_device
 from optmem.pytorch.extract import extract_stages
-from optmem.pytorch.memory import StorageTrace, storage_bytes, storage_key
+from optmem.pytorch.memory import StorageTrace, input_bytes, storage_bytes, storage_key
 
 _FREE_OPS = ("empty", "new_empty", "empty_like", "empty_strided")
 
@@ -205,7 +205,7 @@ def profile_meta(
     seen_params: set[int] = set()
     records, names = [], []
     x = sample
-    input_size = storage_bytes(sample)
+    input_size = input_bytes(sample)
     total_params = 0
     for stage_name, stage in stages:
         rec, x = profile_stage(stage, x, dev)
