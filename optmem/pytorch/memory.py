@@ -112,13 +112,18 @@ def input_bytes(value: Any) -> int:
     >>> input_bytes(torch.zeros(4, 3)[:, :2])  # strided: from the first to the last element
     44
     """
+    return sum(_occupied(value).values())
+
+
+def _occupied(value: Any) -> dict[int, int]:
+    """Per storage key (:func:`storage_key`), the bytes the tensors of ``value`` occupy."""
     spans: dict[int, list[tuple[int, int]]] = {}
     whole: dict[int, int] = {}
     for t in _tensors(value):
         key = storage_key(t)
         whole[key] = _nbytes(t)
         spans.setdefault(key, []).append(_span(t))
-    return sum(min(whole[key], _union(parts)) for key, parts in spans.items())
+    return {key: min(whole[key], _union(parts)) for key, parts in spans.items()}
 
 
 def _union(parts: list[tuple[int, int]]) -> int:
@@ -750,10 +755,7 @@ class ActivationTracker:
         if module is not None:
             self.excluded |= {storage_key(p) for p in module.parameters()}
             self.excluded |= {storage_key(b) for b in module.buffers()}
-        groups: dict[int, list[torch.Tensor]] = {}
-        for t in pinned:  # counted as an input is (:func:`input_bytes`)
-            groups.setdefault(storage_key(t), []).append(t)
-        self.pinned = {key: input_bytes(ts) for key, ts in groups.items()}
+        self.pinned = _occupied(list(pinned))  # counted as an input is (:func:`input_bytes`)
         self.saved: dict[int, list[int]] = {}  # key -> [nbytes, live count]
         self.executor: dict[int, int] = {}
         self.peak_bytes = 0
