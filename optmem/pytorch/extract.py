@@ -888,6 +888,35 @@ def _idle_moves() -> Iterator[None]:
         nn.Module.to = original  # type: ignore[method-assign]
 
 
+#: What torch.export's ``dynamic_shapes`` (``Dim.AUTO``) writes onto the tensors it is given
+_DIMENSION_MARKS = ("_dynamo_weak_dynamic_indices", "_dynamo_dynamic_indices",
+                    "_dynamo_dynamic_range", "_dynamo_static_indices",
+                    "_dynamo_unbacked_indices", "_has_dynamo_dim_marking")
+
+
+@contextmanager
+def dimension_marks_kept(value: Any) -> Iterator[None]:
+    """Within: an export may mark the dimensions of ``value``'s tensors; after, as before.
+
+    ``torch.export`` with ``dynamic_shapes`` marks the dynamic dimensions on the caller's
+    tensors themselves (``torch._dynamo.maybe_mark_dynamic``'s attributes) and leaves the
+    marks there, failed or not (torch 2.13). Every later export of those tensors then
+    took those dimensions as dynamic: a call of a new size whose dynamic export failed
+    (Wav2Vec2's CTC loss, a data-dependent size) was exported on its own, but with the
+    marks, and failed too, where the model runs (stop 82); a ``torch.compile`` of the
+    caller's own would also meet them. The marks each tensor had before are put back.
+    """
+    tensors = value_tensors(value)
+    before = [{a: t.__dict__[a] for a in _DIMENSION_MARKS if a in t.__dict__} for t in tensors]
+    try:
+        yield
+    finally:
+        for t, had in zip(tensors, before, strict=True):
+            for attr in _DIMENSION_MARKS:
+                t.__dict__.pop(attr, None)
+            t.__dict__.update(had)
+
+
 def _stays(t: torch.Tensor, device: torch.device | None, dtype: torch.dtype | None) -> bool:
     """Whether ``Module.to(device, dtype)`` leaves ``t`` as it is (only floats change dtype)."""
     if device is not None and (device.type != t.device.type or (
@@ -972,7 +1001,8 @@ def _export(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
 
     def run() -> torch.export.ExportedProgram:
         with refuse_python_random(name, module), refuse_tensor_hooks(name), \
-                opaque_functions(name), _idle_moves(), _quiet_export():
+                opaque_functions(name), _idle_moves(), _quiet_export(), \
+                dimension_marks_kept((args, kwargs)):
             return torch.export.export(module, args, kwargs=kwargs, strict=False,
                                        dynamic_shapes=dynamic_shapes)
 
