@@ -8,6 +8,9 @@ that failed (Wav2Vec2's CTC loss selects the targets by a mask: a data-dependent
 the call was exported on its own, with the marks still on its tensors, and failed too:
 "cannot extract a chain from Wav2Vec2ForCTC", where the model trains. Every export now
 leaves the caller's tensors as they were.
+
+Under ``torch.autocast``, the same model's labels check cannot be exported (torch's
+real-tensor propagation fails, exporting the model alone too): the error now says so.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from hf_helpers import step  # noqa: E402
 from torch import nn  # noqa: E402
 
 import optmem.pytorch as op  # noqa: E402
+from optmem.errors import OptmemInputError  # noqa: E402
 from optmem.pytorch.extract import export_dynamic  # noqa: E402
 
 FIXED: dict[str, Any] = {"memory_limit": "60%", "fast_path": False, "repeats": 1,
@@ -80,3 +84,14 @@ def test_wav2vec2_ctc_at_another_batch_size_trains_as_the_model() -> None:
     for a, b in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert not any(hasattr(t, m) for t in big.values() for m in MARKS)
+
+
+def test_wav2vec2_ctc_under_autocast_is_one_error_naming_autocast() -> None:
+    """Under ``torch.autocast`` the labels check's export with the sample's values fails in
+    torch (real-tensor propagation, as exporting the model alone): one error that says
+    so and how to call instead (main: the same error without naming autocast)."""
+    model, batch = _wav2vec2()
+    cmodel = op.checkpoint(model, batch(1, 2), **FIXED)
+    with torch.autocast("cpu", dtype=torch.bfloat16), \
+            pytest.raises(OptmemInputError, match="under autocast.*outside autocast"):
+        cmodel(**batch(1, 2))

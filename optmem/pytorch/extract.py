@@ -521,7 +521,7 @@ def _extract_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
             raise OptmemInputError(_size_message(module, branch, tried, owner, hint),
                                    field="module")
         why = (f" (exported again with the sample's values, to take its side, the export "
-               f"failed further on: {again})") if again else ""
+               f"failed further on: {again}{_autocast_note(again)})") if again else ""
         raise OptmemInputError(
             f"cannot extract a chain from {name}: its forward branches on the value of a "
             f"tensor at {branch}{_failed_at(module, owner)}, which "
@@ -633,6 +633,22 @@ def _known_module(model: nn.Module, name: str | None) -> str | None:
     except AttributeError:
         return None
     return name
+
+
+def _autocast_note(again: str) -> str:
+    """Why the export with the sample's values failed under autocast, if it did there.
+
+    ``torch.export``'s real-tensor propagation (which takes the sample's side of a value
+    branch) finds its real and fake tensors disagreeing under autocast (Wav2Vec2's
+    GroupNorm under CPU bfloat16), and the export of the model alone fails the same way
+    (torch 2.13; stop 82, Wav2Vec2's CTC labels check).
+    """
+    if "MetadataMismatchError" not in again or not any(
+            torch.is_autocast_enabled(device) for device in ("cpu", "cuda")):
+        return ""
+    return ("; under autocast, where torch.export's real-tensor propagation fails on this "
+            "model, as it does exporting the model alone: call it outside autocast, or "
+            "without the input that leads to the branch")
 
 
 def _failed_at(model: nn.Module, owner: str | None) -> str:
