@@ -303,7 +303,7 @@ def run_jobs(rank: int, world: int, jobs: list[dict[str, Any]], out_dir: str) ->
              "fsdp_gathered_units": fsdp_gathered_units_job,
              "fsdp_refused_calls": fsdp_refused_calls_job,
              "ddp_offload": ddp_offload_job, "ddp_optimizer_state": ddp_optimizer_state_job,
-             "ddp_static_graph": ddp_static_graph_job}
+             "ddp_static_graph": ddp_static_graph_job, "fsdp_reduce_dtype": fsdp_reduce_dtype_job}
     for k, job in enumerate(jobs):
         _save(out_dir, rank, k, kinds[job["kind"]](rank, world, job))
         dist.barrier()
@@ -1107,6 +1107,38 @@ def ddp_static_graph_job(rank: int, world: int, job: dict[str, Any]) -> dict[str
             return {"message": str(exc)}
         return {"message": ""}
     return {"wrapped": steps(True), "plain": steps(False)}
+
+
+def fsdp_reduce_dtype_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    """``checkpoint_fsdp`` of HuggingFace's GPT-2 with ``MixedPrecisionPolicy(reduce_dtype=
+    torch.bfloat16)`` against the plain model sharded per block with the same policy: the
+    gradients (``full_tensor()``) of two AdamW steps, each rank its shard of the batch."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from optmem.pytorch.distributed import checkpoint_fsdp
+
+    mesh = _cpu_mesh(world)
+    x_all, y_all = gpt_data(4 * world)
+    x, y = x_all.chunk(world)[rank], y_all.chunk(world)[rank]
+    policy = {"mp_policy": MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)}
+
+    def steps(model: nn.Module) -> list[dict[str, torch.Tensor]]:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        grads = []
+        for _ in range(2):
+            opt.zero_grad(set_to_none=True)
+            model(input_ids=x, labels=y).loss.backward()
+            grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
+            opt.step()
+        return grads
+
+    plain = hf_gpt2()
+    for block in plain.transformer.h:
+        fully_shard(block, mesh=mesh, **policy)
+    fully_shard(plain, mesh=mesh, **policy)
+    wrapped = checkpoint_fsdp(hf_gpt2(), {"input_ids": x, "labels": y}, 116000, mesh=mesh,
+                              fsdp_kwargs=policy, time_model=lambda *_: (1.0, 2.0))
+    return {"wrapped": steps(wrapped), "plain": steps(plain)}
 
 
 def _ddp_steps(module: nn.Module, x: torch.Tensor, y: torch.Tensor, job: dict[str, Any]
