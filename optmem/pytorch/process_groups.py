@@ -201,6 +201,8 @@ def refuse_profile_in_static_graph_start(name: str) -> None:
         When called inside the first forward of a ``DistributedDataParallel`` with
         ``static_graph=True`` (its ``_active_ddp_module``, set during its forward).
     """
+    if not dist.is_available():
+        return
     from torch.nn.parallel import DistributedDataParallel
 
     ddp = DistributedDataParallel._get_active_ddp_module()
