@@ -302,7 +302,8 @@ def run_jobs(rank: int, world: int, jobs: list[dict[str, Any]], out_dir: str) ->
              "offload_fsdp_planned": offload_fsdp_planned_job,
              "fsdp_gathered_units": fsdp_gathered_units_job,
              "fsdp_refused_calls": fsdp_refused_calls_job,
-             "ddp_offload": ddp_offload_job, "ddp_optimizer_state": ddp_optimizer_state_job}
+             "ddp_offload": ddp_offload_job, "ddp_optimizer_state": ddp_optimizer_state_job,
+             "ddp_static_graph": ddp_static_graph_job, "fsdp_reduce_dtype": fsdp_reduce_dtype_job}
     for k, job in enumerate(jobs):
         _save(out_dir, rank, k, kinds[job["kind"]](rank, world, job))
         dist.barrier()
@@ -1054,6 +1055,90 @@ def ddp_optimizer_state_job(rank: int, world: int, job: dict[str, Any]) -> dict[
             error = str(exc)
         out[name] = {"keys": sorted(state["state"]), "error": error}
     return out
+
+
+def ddp_static_graph_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    """``DistributedDataParallel(static_graph=True)`` over ``op.checkpoint`` of HuggingFace's
+    GPT-2, each rank its own batch, against the same DDP over the plain model.
+
+    ``{"route": "other_sample" | "submodule" | "new_length"}``:
+
+    * ``"other_sample"``: the whole model wrapped with a sample without ``labels``, called
+      with them: the first forward must profile the call; returns its error message;
+    * ``"submodule"``: ``model.transformer`` wrapped with ``op.submodule_sample`` (the
+      call the parent makes), two AdamW steps;
+    * ``"new_length"``: the whole model wrapped with the training call, then a shorter
+      length at the second step (profiled in a later iteration), three steps.
+
+    Returns ``{"message"}`` or ``{"wrapped", "plain"}``: the gradients of each step.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    x, y = gpt_data(4, seed=5 + rank)
+    lengths = {"new_length": (CONTEXT, CONTEXT - 2, CONTEXT - 2), "submodule": (CONTEXT, CONTEXT),
+               "other_sample": (CONTEXT,)}[job["route"]]  # one step: before, the 2nd hung
+    plan = {"memory_limit": "60%", "fast_path": False, "time_model": lambda *_: (1.0, 2.0)}
+
+    def steps(wrapped: bool) -> list[dict[str, torch.Tensor]]:
+        model = hf_gpt2()
+        if wrapped and job["route"] == "submodule":
+            sample = op.submodule_sample(model, "transformer", input_ids=x, labels=y)
+            model.transformer = op.checkpoint(model.transformer, sample, **plan)
+        elif wrapped:
+            sample = {"input_ids": x} if job["route"] == "other_sample" else {
+                "input_ids": x, "labels": y}
+            model = op.checkpoint(model, sample, **plan)
+        ddp = DistributedDataParallel(model, static_graph=True)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+        grads = []
+        for length in lengths:
+            opt.zero_grad(set_to_none=True)
+            ddp(input_ids=x[:, :length].contiguous(),
+                labels=y[:, :length].contiguous()).loss.backward()
+            grads.append({n.replace("_checkpoint_wrapped_module.", ""): p.grad.clone()
+                          for n, p in ddp.module.named_parameters()})
+            opt.step()
+        return grads
+
+    if job["route"] == "other_sample":
+        try:
+            steps(True)
+        except OptmemInputError as exc:
+            return {"message": str(exc)}
+        return {"message": ""}
+    return {"wrapped": steps(True), "plain": steps(False)}
+
+
+def fsdp_reduce_dtype_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    """``checkpoint_fsdp`` of HuggingFace's GPT-2 with ``MixedPrecisionPolicy(reduce_dtype=
+    torch.bfloat16)`` against the plain model sharded per block with the same policy: the
+    gradients (``full_tensor()``) of two AdamW steps, each rank its shard of the batch."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from optmem.pytorch.distributed import checkpoint_fsdp
+
+    mesh = _cpu_mesh(world)
+    x_all, y_all = gpt_data(4 * world)
+    x, y = x_all.chunk(world)[rank], y_all.chunk(world)[rank]
+    policy = {"mp_policy": MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)}
+
+    def steps(model: nn.Module) -> list[dict[str, torch.Tensor]]:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        grads = []
+        for _ in range(2):
+            opt.zero_grad(set_to_none=True)
+            model(input_ids=x, labels=y).loss.backward()
+            grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
+            opt.step()
+        return grads
+
+    plain = hf_gpt2()
+    for block in plain.transformer.h:
+        fully_shard(block, mesh=mesh, **policy)
+    fully_shard(plain, mesh=mesh, **policy)
+    wrapped = checkpoint_fsdp(hf_gpt2(), {"input_ids": x, "labels": y}, 116000, mesh=mesh,
+                              fsdp_kwargs=policy, time_model=lambda *_: (1.0, 2.0))
+    return {"wrapped": steps(wrapped), "plain": steps(plain)}
 
 
 def _ddp_steps(module: nn.Module, x: torch.Tensor, y: torch.Tensor, job: dict[str, Any]

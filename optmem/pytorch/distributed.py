@@ -325,12 +325,16 @@ def refuse_mixed_precision(name: str, fsdp_kwargs: dict[str, Any]) -> None:
     Its stages are graphs exported from the float32 model and keep its dtypes, where
     ``MixedPrecisionPolicy(param_dtype=...)`` casts the gathered parameters: a tiny Llama
     failed inside a stage ("expected m1 and m2 to have the same dtype"), GPT-2 with a
-    message about extraction (a hunt in stop 51). An ``nn.Sequential``'s stages are the
-    model's own modules and take the policy.
+    message about extraction (a hunt in stop 51); ``output_dtype`` casts a stage's
+    outputs, which the next stage's graph reads in the model's dtype. ``reduce_dtype``
+    alone changes only the dtype the gradients are reduce-scattered in, which no stage
+    sees: it is taken (until stop 82 it was refused too; tiny GPT-2 with
+    ``reduce_dtype=torch.float32`` or ``torch.bfloat16``: bitwise plain ``fully_shard``
+    with the same policy). An ``nn.Sequential``'s stages are the model's own modules and
+    take every policy.
     """
     policy = fsdp_kwargs.get("mp_policy")
-    dtypes = {k: getattr(policy, k, None) for k in ("param_dtype", "reduce_dtype",
-                                                    "output_dtype")}
+    dtypes = {k: getattr(policy, k, None) for k in ("param_dtype", "output_dtype")}
     given = {k: v for k, v in dtypes.items() if v is not None}
     if given:
         shown = ", ".join(f"{k}={v}" for k, v in given.items())
@@ -338,7 +342,8 @@ def refuse_mixed_precision(name: str, fsdp_kwargs: dict[str, Any]) -> None:
             f"FSDP2 mixed precision (mp_policy with {shown}) is not supported on the "
             f"exported stages of {name}: they keep the dtypes of the float32 model they "
             "were exported from. Shard without mp_policy, or pass an nn.Sequential of the "
-            "model's blocks, whose stages take the policy", field="fsdp_kwargs")
+            "model's blocks, whose stages take the policy (reduce_dtype alone is taken "
+            "by both)", field="fsdp_kwargs")
 
 
 def _parameter_slots(module: nn.Module) -> dict[tuple[int, str], nn.Parameter]:

@@ -19,7 +19,8 @@ from torch import nn
 from optmem.errors import OptmemInputError
 
 __all__ = ["LOCAL", "default_device", "init_distributed", "is_fsdp_module",
-           "refuse_modules_sharded_after", "refuse_sharded",
+           "refuse_modules_sharded_after", "refuse_profile_in_static_graph_start",
+           "refuse_sharded",
            "resolve_group", "run_once", "set_local_device"]
 
 T = TypeVar("T")
@@ -174,3 +175,44 @@ def refuse_modules_sharded_after(module: nn.Module) -> None:
             "optmem.pytorch.distributed.checkpoint_fsdp(model, sample, limit, mesh=mesh), or "
             "fully_shard_checkpointed(cmodel, mesh=mesh) on the unsharded wrapper; see "
             "docs/distributed.md", field="module")
+
+
+def refuse_profile_in_static_graph_start(name: str) -> None:
+    """One error for a profile inside the first forward of ``DDP(static_graph=True)``.
+
+    ``DistributedDataParallel(static_graph=True)`` counts, in its first iteration, how
+    many times each parameter's gradient hook runs, and from the second iteration on
+    reduces a parameter only after that many. A call whose signature the wrapper has not
+    planned yet is profiled inside DDP's forward, and the profile's backward runs those
+    hooks too: the rank that profiled (rank 0, which decides for all) then waited for a
+    second hook per parameter that never came, skipped every reduction from the second
+    step on (its gradients its own, 0.13 off on a tiny GPT-2) and left the other ranks
+    waiting (a hang; stop 82). Later iterations count nothing: a new signature there is
+    profiled without harm.
+
+    Parameters
+    ----------
+    name
+        The wrapped model's class name, for the message.
+
+    Raises
+    ------
+    OptmemInputError
+        When called inside the first forward of a ``DistributedDataParallel`` with
+        ``static_graph=True`` (its ``_active_ddp_module``, set during its forward).
+    """
+    if not dist.is_available():
+        return
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel._get_active_ddp_module()
+    if ddp is None or not ddp.static_graph or ddp._static_graph_delay_allreduce_enqueued:
+        return
+    raise OptmemInputError(
+        f"{name}: this call differs from the sample and would be profiled inside the first "
+        "forward of DistributedDataParallel(static_graph=True), which counts the "
+        "profile's gradient hooks as the step's and then skips the reduction of every "
+        "later step on the profiling rank (wrong gradients, then a hang). Wrap with a "
+        "sample made like the training call (for a part of the model, "
+        "op.submodule_sample(model, part, **batch)), or leave static_graph off",
+        field="sample")

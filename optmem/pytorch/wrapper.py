@@ -1181,6 +1181,9 @@ class PlannedModule(nn.Module):
         ``local``: by this rank alone (a new size, *Sizes*); otherwise by rank 0 for every
         rank, as a new signature of an exported model.
         """
+        from optmem.pytorch.process_groups import refuse_profile_in_static_graph_start
+
+        refuse_profile_in_static_graph_start(self._main.chain.name)
         free = graph_free(x)
         return self._finished(_make_variant(
             None, self._plain_stages, free, self._planner, self._profile, None,
@@ -1217,6 +1220,9 @@ class PlannedModule(nn.Module):
         size: ranks of data-parallel training see different lengths at the same step, and
         gradients do not depend on the plan; see *Sizes*).
         """
+        from optmem.pytorch.process_groups import refuse_profile_in_static_graph_start
+
+        refuse_profile_in_static_graph_start(type(self._checkpoint_wrapped_module).__name__)
         args, kwargs = graph_free((args, kwargs))  # a call made inside the caller's graph
         with self._tensor_state.absorbing():  # extraction and profiling run the model
             variant = _extract_variant(
