@@ -132,10 +132,11 @@ def test_offload_methods_count_the_held_term(method: str) -> None:
 
 @pytest.mark.parametrize("method", ["brute", "cpsat", "ilp"])
 def test_remat_offload_methods_count_the_held_term(method: str) -> None:
-    """Remat + offload at 10: the plan above no longer fits; the model re-runs F 1 after
-    B 2 instead (its held term is 0) and brings a^0 back after it, 9.0. A plan outside the
-    model's class (one forward per stage and phase) is faster: ``brute`` runs a useless
-    ``F_ck 2`` after ``B 2`` to the same end (8.0)."""
+    """Remat + offload at 10: the plan above no longer fits; the model (``cpsat``) keeps a^1 only
+    (``F_ck 1``), so that after ``B 2`` a^0, delta^1 and the 6 held bytes fit exactly, and
+    re-runs ``F_all 1`` once a^0 is back, 9.0. A plan outside the model's class (forwards
+    that some op reads) is faster: ``brute`` runs a useless ``F_ck 2`` after ``B 2``, which
+    ends what ``B 2`` held and during which a^0 comes back (8.0)."""
     problem = RematOffloadProblem(HELD, 10, chain_bandwidth=1.0)
     old = solve(RematOffloadProblem(BASE, 10, chain_bandwidth=1.0), method, options=OPTS)
     assert old.status is Status.OPTIMAL and old.objective == 8.0
@@ -145,6 +146,8 @@ def test_remat_offload_methods_count_the_held_term(method: str) -> None:
     replay = verify_plan(problem, list(new.plan), OPTS)
     assert replay["objective"] == new.objective and replay["peak_memory"] <= 10
     assert list(new.plan) != PLAN
+    if method == "brute":
+        assert list(new.plan[4:6]) == ["B 2", "F_ck 2"]
 
 
 # ------------------------------------------------------------------ (a) brute force agrees

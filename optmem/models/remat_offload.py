@@ -127,7 +127,13 @@ The optimum is therefore the best plan of the class:
   are allowed after an empty slot, but only starting once the previous op has ended), any
   number of offload/prefetch pairs per value;
 
-and any decoded plan is valid and no slower than the model says. The tests check both
+and any decoded plan is valid and no slower than the model says. With held terms (the
+chain's ``fwd_held`` / ``bwd_held`` / ``loss_held``, stop 82) a plan outside the class can
+be faster by a forward nothing reads, run only to end what the last op left held: after
+``B 2`` a useless ``F_ck 2`` whose overhead is smaller than ``B 2``'s held term, during
+which a prefetch starts (``tests/test_held_between_ops.py``). With every ``fwd_held`` (so
+every ``fwd_overhead``) at least every ``bwd_held`` and ``loss_held`` no forward helps so,
+and the tests find brute force and the model equal on such chains. The tests check both
 directions: the DP, checkpoint-only and offload-only plans of random chains, fixed in the
 model, get exactly their simulated makespan; the model's optimum equals the brute force
 over compute sequences and transfer windows (:mod:`optmem.solvers.remat_offload_exact`) on
@@ -1483,11 +1489,11 @@ def _held_terms(m: Model, cf: ck.Formulation, chain: Chain) -> list[Expr]:
     for p, item in enumerate(cf.sequence):
         if isinstance(item, ck.Slot):
             h = chain.fwd_held[item.stage - 1]
-            y = Expr([(idx, 1.0) for _, idx in item.ops])
             if h == 0 and not prev.terms and prev.const == 0:
                 out.append(zero)
                 continue
             g = m.integer(f"held_{p}", 0, top)
+            y = Expr([(idx, 1.0) for _, idx in item.ops])
             if h:
                 m.add(g >= y * h, f"held_{p}")
             if prev.terms or prev.const:
