@@ -35,6 +35,8 @@ from optmem.solvers.facade import solve
 pytest.importorskip("ortools", reason="the exact models use OR-Tools CP-SAT")
 
 OPTS = SolveOptions(slots=64, threads=1)
+# the logic-based Benders strategy of the remat + offload cpsat (its subproblems are the model)
+BENDERS = OPTS.with_(seed=1, extra={"strategy": "benders", "benders_work": 30.0})
 
 # L = 2: the input (3) is offloaded in the forward and must come back for B 1. B 2 runs
 # with an overhead of 6 (e.g. FSDP's buffers), all of which it leaves held (bwd_held).
@@ -130,7 +132,7 @@ def test_offload_methods_count_the_held_term(method: str) -> None:
                        OPTS)["peak_memory"] <= 11
 
 
-@pytest.mark.parametrize("method", ["brute", "cpsat", "ilp"])
+@pytest.mark.parametrize("method", ["brute", "cpsat", "ilp", "benders"])
 def test_remat_offload_methods_count_the_held_term(method: str) -> None:
     """Remat + offload at 10: the plan above no longer fits; the model (``cpsat``) keeps a^1 only
     (``F_ck 1``), so that after ``B 2`` a^0, delta^1 and the 6 held bytes fit exactly, and
@@ -138,9 +140,11 @@ def test_remat_offload_methods_count_the_held_term(method: str) -> None:
     that some op reads) is faster: ``brute`` runs a useless ``F_ck 2`` after ``B 2``, which
     ends what ``B 2`` held and during which a^0 comes back (8.0)."""
     problem = RematOffloadProblem(HELD, 10, chain_bandwidth=1.0)
-    old = solve(RematOffloadProblem(BASE, 10, chain_bandwidth=1.0), method, options=OPTS)
+    opts = BENDERS if method == "benders" else OPTS
+    method = "cpsat" if method == "benders" else method
+    old = solve(RematOffloadProblem(BASE, 10, chain_bandwidth=1.0), method, options=opts)
     assert old.status is Status.OPTIMAL and old.objective == 8.0
-    new = solve(problem, method, options=OPTS)
+    new = solve(problem, method, options=opts)
     assert new.status is Status.OPTIMAL
     assert new.objective == (8.0 if method == "brute" else 9.0), new.plan
     replay = verify_plan(problem, list(new.plan), OPTS)
