@@ -15,7 +15,17 @@ field               paper                    meaning
 ``weight_size[i]``  W_i                      parameters (pipeline problems only)
 ``loss_bwd_time``   u_b^{L+1}                the loss stage (fwd time 0, sizes 0)
 ``loss_bwd_overhead`` o_b^{L+1}              temporary memory of the loss
+``fwd_held[i]``     (none)                   memory ``F^i`` leaves held until the next
+                                             compute op starts (``<= fwd_overhead[i]``)
+``bwd_held[i]``     (none)                   the same for ``B^i`` (``<= bwd_overhead[i]``)
+``loss_held``       (none)                   the same for ``Loss`` (``<= loss_bwd_overhead``)
 ==================  =======================  ==========================================
+
+The held terms (default 0, omitted from the JSON when 0) count only at an instant between
+two compute ops, where a transfer may start (the offload simulator, CONTRACT section 10):
+memory a data-parallel runtime keeps beyond the stored values, e.g. FSDP2's communication
+buffers (:func:`optmem.pytorch.distributed.fsdp_chain`). Being at most the op's overhead,
+they never raise a compute op's own peak.
 
 Python tuples are 0-based (``fwd_time[0]`` is stage 1); plans and messages are 1-based.
 """
@@ -23,6 +33,7 @@ Python tuples are 0-based (``fwd_time[0]`` is stage 1); plans and messages are 1
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import unicodedata
@@ -39,9 +50,11 @@ from optmem.fileio import read_json, write_text_atomic
 
 FORMAT = "optmem.chain/1"
 
-_STAGE_SIZE_FIELDS = ("output_size", "saved_size", "fwd_overhead", "bwd_overhead", "weight_size")
+_STAGE_SIZE_FIELDS = ("output_size", "saved_size", "fwd_overhead", "bwd_overhead", "weight_size",
+                      "fwd_held", "bwd_held")
 _STAGE_TIME_FIELDS = ("fwd_time", "bwd_time")
 _STAGE_REQUIRED = ("fwd_time", "bwd_time", "output_size", "saved_size")
+_STAGE_OPTIONAL = ("fwd_held", "bwd_held")  # written only when not 0
 _STAGE_KNOWN = {"name", *_STAGE_TIME_FIELDS, *_STAGE_SIZE_FIELDS}
 _TOP_KNOWN = {"format", "name", "time_unit", "memory_unit", "input_size", "stages", "loss"}
 MAX_TOTAL_TIME = 1e12
@@ -143,6 +156,9 @@ class Chain:
         Parameter sizes (pipeline problems); defaults to zeros.
     loss_bwd_time, loss_bwd_overhead
         Duration and temporary memory of the loss step (``Loss`` op).
+    fwd_held, bwd_held, loss_held
+        Memory ``F^i`` / ``B^i`` / ``Loss`` leaves held, beyond the stored values, until the
+        next compute op starts (each at most the op's overhead); default zeros.
     name, time_unit, memory_unit, stage_names
         Descriptive metadata.
     extra
@@ -171,6 +187,9 @@ class Chain:
     stage_names: tuple[str, ...] = ()
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
     stage_extra: tuple[Mapping[str, Any], ...] = field(default=(), compare=False, repr=False)
+    fwd_held: tuple[int, ...] = ()
+    bwd_held: tuple[int, ...] = ()
+    loss_held: int = 0
 
     def __post_init__(self) -> None:
         for name in (*_STAGE_TIME_FIELDS, *_STAGE_SIZE_FIELDS, "stage_names", "stage_extra"):
@@ -178,7 +197,8 @@ class Chain:
         n = len(self.fwd_time)
         if n == 0:
             raise ChainError("a chain needs at least one stage", field="stages")
-        object.__setattr__(self, "weight_size", self.weight_size or (0,) * n)
+        for name in ("weight_size", *_STAGE_OPTIONAL):
+            object.__setattr__(self, name, getattr(self, name) or (0,) * n)
         object.__setattr__(self, "stage_names", self.stage_names or _default_names(n))
         object.__setattr__(self, "stage_extra", self.stage_extra or ({},) * n)
         for name in ("name", "time_unit", "memory_unit"):
@@ -208,8 +228,11 @@ class Chain:
         object.__setattr__(self, "loss_bwd_overhead",
                            _check_size(self.loss_bwd_overhead, stage=None,
                                        name="loss.bwd_overhead"))
+        object.__setattr__(self, "loss_held",
+                           _check_size(self.loss_held, stage=None, name="loss.held"))
+        self._check_held()
         total = self.input_size + self.loss_bwd_overhead + sum(
-            sum(getattr(self, f)) for f in _STAGE_SIZE_FIELDS)
+            sum(getattr(self, f)) for f in _STAGE_SIZE_FIELDS if f not in _STAGE_OPTIONAL)
         if total > MAX_TOTAL_SIZE:
             raise ChainError(f"the sizes of the chain add up to {total}, above 2^50",
                              field="stages")
@@ -222,6 +245,24 @@ class Chain:
                     f"saved_size ({abar}) must be >= output_size ({a}): the tape includes a^i",
                     stage=i + 1, field="saved_size",
                 )
+
+    def _check_held(self) -> None:
+        """Each held term is at most its op's overhead (so no op's own peak changes)."""
+        for held, over in (("fwd_held", "fwd_overhead"), ("bwd_held", "bwd_overhead")):
+            for i, (h, o) in enumerate(zip(getattr(self, held), getattr(self, over),
+                                           strict=True)):
+                if h > o:
+                    raise ChainError(f"{held} ({h}) must be <= {over} ({o}): memory held "
+                                     "after the op is part of its temporary memory",
+                                     stage=i + 1, field=held)
+        if self.loss_held > self.loss_bwd_overhead:
+            raise ChainError(f"loss.held ({self.loss_held}) must be <= loss.bwd_overhead "
+                             f"({self.loss_bwd_overhead})", field="loss.held")
+
+    @functools.cached_property
+    def holds(self) -> bool:
+        """Whether any op leaves memory held between compute ops (a held term is not 0)."""
+        return bool(self.loss_held or any(self.fwd_held) or any(self.bwd_held))
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -357,13 +398,15 @@ largest value (1099511627776 B) in 1.09951e+12 ms, above 1e+12: too slow to mode
         """Return the chain with ``fn`` applied to every size (times and names unchanged).
 
         Every size field: the stages' ``output_size``, ``saved_size``, ``fwd_overhead``,
-        ``bwd_overhead``, ``weight_size``, and ``input_size``, ``loss_bwd_overhead``.
+        ``bwd_overhead``, ``weight_size``, ``fwd_held``, ``bwd_held``, and ``input_size``,
+        ``loss_bwd_overhead``, ``loss_held``. ``fn`` must be monotone (a held term stays at
+        most its overhead).
         ``memory_unit`` renames the unit (kept by default).
         """
         sizes: dict[str, Any] = {f: tuple(map(fn, getattr(self, f))) for f in _STAGE_SIZE_FIELDS}
         return dataclasses.replace(
             self, **sizes, input_size=fn(self.input_size),
-            loss_bwd_overhead=fn(self.loss_bwd_overhead),
+            loss_bwd_overhead=fn(self.loss_bwd_overhead), loss_held=fn(self.loss_held),
             memory_unit=self.memory_unit if memory_unit is None else memory_unit)
 
     def quantize(self, unit: int) -> Chain:
@@ -398,12 +441,14 @@ largest value (1099511627776 B) in 1.09951e+12 ms, above 1e+12: too slow to mode
                 "fwd_overhead": self.fwd_overhead[i], "bwd_overhead": self.bwd_overhead[i],
                 "weight_size": self.weight_size[i],
             })
+            stage.update({f: getattr(self, f)[i] for f in _STAGE_OPTIONAL if getattr(self, f)[i]})
             stages.append(stage)
         out: dict[str, Any] = dict(self.extra)
         out.update({
             "format": FORMAT, "name": self.name, "time_unit": self.time_unit,
             "memory_unit": self.memory_unit, "input_size": self.input_size, "stages": stages,
-            "loss": {"bwd_time": self.loss_bwd_time, "bwd_overhead": self.loss_bwd_overhead},
+            "loss": {"bwd_time": self.loss_bwd_time, "bwd_overhead": self.loss_bwd_overhead,
+                     **({"held": self.loss_held} if self.loss_held else {})},
         })
         return out
 
@@ -451,7 +496,7 @@ largest value (1099511627776 B) in 1.09951e+12 ms, above 1e+12: too slow to mode
             **{f: tuple(v) for f, v in columns.items()},
             input_size=data["input_size"],
             loss_bwd_time=loss.get("bwd_time", 0.0),
-            loss_bwd_overhead=loss.get("bwd_overhead", 0),
+            loss_bwd_overhead=loss.get("bwd_overhead", 0), loss_held=loss.get("held", 0),
             name=data.get("name", "chain"), time_unit=data.get("time_unit", "ms"),
             memory_unit=data.get("memory_unit", "B"), stage_names=tuple(names),
             extra={k: v for k, v in data.items() if k not in _TOP_KNOWN},

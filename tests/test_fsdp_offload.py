@@ -98,6 +98,33 @@ def test_fsdp_chain_counts_the_communication_buffers_and_the_root_unit():
     assert info.value.field == "root_bytes"
 
 
+def test_fsdp_chain_holds_the_buffers_between_ops():
+    """Stop 82: what FSDP2 keeps after each op until the next starts (the chain's held
+    terms; same units as above). After a forward of unit ``i``: the root's parameters and
+    ``i``'s all-gather buffer, ``R + P_i``, and in a re-run the largest ``P_k + below(k)``
+    a backward of a unit ``k > i`` left; of a stage that is no unit, ``R + max(below(i),
+    re-run term)`` and, before the first unit, the root's all-gather buffer. After a
+    backward: ``R + P_k + below(k)`` (a stage that is no unit: ``R + above + below``). The
+    loss: ``R`` and the last unit's buffer. Each within its op's overhead."""
+    chain = Chain.from_lists([1.0] * 5, [1.0] * 5, [8] * 5, [8] * 5, input_size=8)
+    units = [0, 100, 0, 200, 50]
+    shared = fsdp_chain(chain, units, root_bytes=30)
+    assert shared.fwd_held == (360, 430, 330, 480, 80)
+    assert shared.bwd_held == (130, 130, 330, 330, 280)
+    assert shared.loss_held == 80
+    once = fsdp_chain(chain, units, root_bytes=30, recompute=False)  # an offload plan
+    assert once.fwd_held == (60, 130, 130, 230, 80)  # R + P_i for the units
+    unfetched = fsdp_chain(chain, units, root_bytes=30, prefetch=False)
+    assert unfetched.bwd_held == (130, 130, 230, 230, 80)  # R + P_k: nothing prefetched
+    for c in (shared, once, unfetched, fsdp_chain(chain, units),
+              fsdp_chain(chain, [7, 0, 0, 3, 0], root_bytes=5, recompute=False)):
+        assert all(h <= o for h, o in zip(c.fwd_held, c.fwd_overhead, strict=True))
+        assert all(h <= o for h, o in zip(c.bwd_held, c.bwd_overhead, strict=True))
+        assert c.loss_held <= c.loss_bwd_overhead
+        assert Chain.from_dict(c.to_dict()) == c  # written and read back
+    assert not chain.holds and fsdp_chain(chain, [0] * 5).holds is False
+
+
 def test_parameter_bytes_are_padded_as_fsdp2_gathers_them():
     """FSDP2 shards each parameter on its first dimension padded to a multiple of the ranks:
     ``Linear(16, 1)`` (68 B) gathers 136 B on 2 ranks, which the chain counts (stop 79: the

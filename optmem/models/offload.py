@@ -18,10 +18,12 @@ Data (:class:`OffloadData`, computed by the solver glue from the discretised cha
 ----------------------------------------------------------------------------------------
 ``d_j`` duration of compute op ``j`` (``j = 0..n-1``; ``F_all k+1`` is op ``k``, ``Loss`` op
 ``L``, ``B k+1`` op ``c_k = 2L - k``); ``P_j`` its memory with nothing offloaded (checkpoint
-peak) and ``A_j`` the memory stored after it; value ``k = 0..L-1`` is ``abar_k`` (``a^0`` for
-``k = 0``) of size ``z_k``, produced by op ``k - 1``, read by op ``k``, needed back by op
-``c_k``; its transfers take ``t_k = z_k / beta``; ``M`` the memory limit; ``H`` the makespan
-of a known plan (every bound below uses it) and ``LB`` a proven lower bound.
+peak) and ``A_j`` the memory after it (the values stored and what op ``j`` leaves held until
+the next op starts, the chain's ``fwd_held`` / ``bwd_held`` / ``loss_held``); value
+``k = 0..L-1`` is ``abar_k`` (``a^0`` for ``k = 0``) of size ``z_k``, produced by op
+``k - 1``, read by op ``k``, needed back by op ``c_k``; its transfers take ``t_k = z_k /
+beta``; ``M`` the memory limit; ``H`` the makespan of a known plan (every bound below uses
+it) and ``LB`` a proven lower bound.
 
 Variables and constraints
 -------------------------
@@ -128,7 +130,8 @@ class OffloadData:
     durations
         ``d_j`` of the store-all sequence (``2L + 1`` ops).
     peaks, after
-        ``P_j`` (op memory with nothing offloaded) and ``A_j`` (memory stored after op ``j``).
+        ``P_j`` (op memory with nothing offloaded) and ``A_j`` (memory after op ``j``: the
+        values stored and what the op leaves held, :func:`~optmem.simulate.checkpoint.held_after`).
     sizes, transfer
         ``z_k`` and ``t_k = z_k / beta`` of the values ``k = 0..L-1`` (``inf`` or ``nan`` for
         no link).

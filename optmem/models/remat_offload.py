@@ -63,8 +63,10 @@ Constraints (``[x, y]``: enforced when the binaries ``x`` and ``y`` are 1)
   the positions ``q`` after ``p`` (a prefetch starting during the op counts for it);
   ``late_q``: ``T_q >= E_p`` ``[late]``, ``T_q <= E_p`` ``[not late]``;
 * memory when a prefetch starts between two ops (``[late_q, some pre at q]``):
-  ``stored after p - sum_w size_w eta[w,q] <= M`` with ``eta <= H_w - pre[w,q]`` and
-  ``R_w <= T_q`` ``[eta]``.
+  ``stored after p + held_p - sum_w size_w eta[w,q] <= M`` with ``eta <= H_w - pre[w,q]``
+  and ``R_w <= T_q`` ``[eta]``; ``held_p`` is what the last op run by item ``p`` (or before
+  it, after an empty slot) leaves held, the chain's ``fwd_held`` / ``bwd_held`` /
+  ``loss_held`` (:func:`_held_terms`; 0 and no variable for a chain that holds nothing).
 * no reader of ``v`` is listed after an item or gap that counted ``v`` on the host
   (``h`` or ``eta``) while ``v`` is still offloaded (``G[v]``, :func:`_host_since_offload`):
   the simulator releases an offloaded value only once every reader listed after the offload
@@ -125,7 +127,13 @@ The optimum is therefore the best plan of the class:
   are allowed after an empty slot, but only starting once the previous op has ended), any
   number of offload/prefetch pairs per value;
 
-and any decoded plan is valid and no slower than the model says. The tests check both
+and any decoded plan is valid and no slower than the model says. With held terms (the
+chain's ``fwd_held`` / ``bwd_held`` / ``loss_held``, stop 82) a plan outside the class can
+be faster by a forward nothing reads, run only to end what the last op left held: after
+``B 2`` a useless ``F_ck 2`` whose overhead is smaller than ``B 2``'s held term, during
+which a prefetch starts (``tests/test_held_between_ops.py``). With every ``fwd_held`` (so
+every ``fwd_overhead``) at least every ``bwd_held`` and ``loss_held`` no forward helps so,
+and the tests find brute force and the model equal on such chains. The tests check both
 directions: the DP, checkpoint-only and offload-only plans of random chains, fixed in the
 model, get exactly their simulated makespan; the model's optimum equals the brute force
 over compute sequences and transfer windows (:mod:`optmem.solvers.remat_offload_exact`) on
@@ -412,6 +420,7 @@ def build_remat_offload(chain: Chain, memory_limit: int, bandwidth: float, *,
         m.add(Relation(Expr(con.terms), con.lo, con.hi), con.name)
     S = [m.continuous(f"S{p}", 0.0, 0.0 if p == 0 else U) for p in range(n)]
     D, reads, frees, makes, after_delta = _item_facts(m, cf, uf, ub, a)
+    held = _held_terms(m, cf, chain)
     early_readers = _early_readers(D, reads)
     for p in range(n - 1):
         m.add(S[p + 1] >= S[p] + D[p], f"seq_{p}")
@@ -565,6 +574,7 @@ def build_remat_offload(chain: Chain, memory_limit: int, bandwidth: float, *,
                             m.add(tq >= E[p], f"late_{p}_{kappa}", only_if=m.literal(late))
                             m.add(tq <= E[p], f"early_{p}_{kappa}",
                                   only_if=m.literal(late, False))
+                            _late_after_empty_slot(m, seq[p], late, chain, f"{p}_{kappa}")
                         m.add(hvars[v] + q - late <= 1, f"during_{v[0]}{v[1]}_{p}_{kappa}")
                 hn = m.binary(f"H_{v[0]}{v[1]}_{p}_{kappa}")
                 m.add(hn == hnext, f"Hdef_{v[0]}{v[1]}_{p}_{kappa}")
@@ -587,7 +597,8 @@ def build_remat_offload(chain: Chain, memory_limit: int, bandwidth: float, *,
             last_used = (p, u)
             if prefetching.terms:
                 for w, eta in _gap_check(m, p, kappa, tq, pos, prefetching, cands, H, R,
-                                         size, stored(cf.states[p + 1]) + after_delta[p],
+                                         size,
+                                         stored(cf.states[p + 1]) + after_delta[p] + held[p],
                                          memory_limit, late).items():
                     etas.setdefault(w, []).append(eta)
             prev = (tq, busy)
@@ -1458,6 +1469,56 @@ def _item_facts(m: Model, cf: ck.Formulation, uf: Sequence[float], ub: Sequence[
             makes.append({})
             after_delta.append(a[k - 1])
     return D, reads, frees, makes, after_delta
+
+
+def _held_terms(m: Model, cf: ck.Formulation, chain: Chain) -> list[Expr]:
+    """What the last op run by item ``p`` leaves held until the next op starts, per item.
+
+    ``Loss`` and ``B k`` hold the chain's constants; a forward slot holds ``fwd_held`` of its
+    stage if one of its ops runs, else what the item before it held: an integer ``g_p >=
+    fwd_held * y_p`` and ``>= g_{p-1} - (max held) y_p``, exact at its least value (it only
+    appears on the left of ``<= M`` rows). All zero (no variable) for a chain that holds
+    nothing (:attr:`~optmem.chain.Chain.holds`), so such models are unchanged.
+    """
+    zero = Expr()
+    if not chain.holds:
+        return [zero] * len(cf.sequence)
+    top = max(chain.loss_held, *chain.fwd_held, *chain.bwd_held)
+    out: list[Expr] = []
+    prev: Expr = zero
+    for p, item in enumerate(cf.sequence):
+        if isinstance(item, ck.Slot):
+            h = chain.fwd_held[item.stage - 1]
+            if h == 0 and not prev.terms and prev.const == 0:
+                out.append(zero)
+                continue
+            g = m.integer(f"held_{p}", 0, top)
+            y = Expr([(idx, 1.0) for _, idx in item.ops])
+            if h:
+                m.add(g >= y * h, f"held_{p}")
+            if prev.terms or prev.const:
+                m.add(g >= prev - y * top, f"held_{p}_before")
+            prev = g
+        elif item.kind is OpKind.LOSS:
+            prev = Expr((), chain.loss_held)
+        else:
+            prev = Expr((), chain.bwd_held[item.stage - 1])
+        out.append(prev)
+    return out
+
+
+def _late_after_empty_slot(m: Model, item: object, late: Expr, chain: Chain, tag: str) -> None:
+    """A prefetch after an empty slot starts between ops: ``late >= 1 - y`` (held chains).
+
+    The simulator knows no empty slot: such a prefetch starts after the last op that ran,
+    so its gap row (with that op's held term) applies, not the slot's own memory row,
+    which counts no held term. ``late = 1`` is always feasible there (``T_q >= S_p =
+    E_p``). Only for a chain that holds memory between ops (otherwise the model is
+    unchanged: the slot's row is then at least the gap row).
+    """
+    if chain.holds and isinstance(item, ck.Slot):
+        y = Expr([(idx, 1.0) for _, idx in item.ops])
+        m.add(late + y >= 1, f"late_empty_{tag}")
 
 
 def summed_sequence(model: Model) -> Relation:

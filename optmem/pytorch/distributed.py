@@ -444,6 +444,11 @@ def fsdp_chain(chain: Chain, param_bytes: Sequence[int], *, prefetch: bool = Tru
     FSDP). ``recompute=False`` drops the re-run term (an offload plan runs every forward
     once, before the loss).
 
+    What FSDP2 keeps *between* two ops (after a forward of unit ``i`` the root's parameters
+    and ``i``'s all-gather buffer, ``R + P_i``; after a backward of unit ``k``, ``R + P_k +
+    below(k)``) is set as the chain's ``fwd_held`` / ``bwd_held`` / ``loss_held`` (stop 82,
+    :func:`_held_between_ops`): a transfer that starts between two ops counts it.
+
     Before stop 79 the chain counted ``P_i`` in a forward and ``2 P_i + P_{i-1}`` (with
     ``prefetch``) in a backward, and neither the buffers nor the root's parameters: the
     measured peak of a residual MLP's remat + offload plan was 7496 B for a claimed 5844.
@@ -465,6 +470,7 @@ def fsdp_chain(chain: Chain, param_bytes: Sequence[int], *, prefetch: bool = Tru
     bwd_extra = [2 * p + a + (b if prefetch else 0)
                  for p, a, b in zip(units, above, below, strict=True)]
     loss_extra = next((p for p in reversed(units) if p), 0)
+    fwd_held, bwd_held = _held_between_ops(units, below, above, rerun, root, prefetch)
     return replace(chain,
                    fwd_overhead=tuple(o + e + 2 * root
                                       for o, e in zip(chain.fwd_overhead, fwd_extra,
@@ -473,7 +479,34 @@ def fsdp_chain(chain: Chain, param_bytes: Sequence[int], *, prefetch: bool = Tru
                                       for o, e in zip(chain.bwd_overhead, bwd_extra,
                                                       strict=True)),
                    loss_bwd_overhead=chain.loss_bwd_overhead + loss_extra + root,
+                   fwd_held=tuple(h + e for h, e in zip(chain.fwd_held, fwd_held, strict=True)),
+                   bwd_held=tuple(h + e for h, e in zip(chain.bwd_held, bwd_held, strict=True)),
+                   loss_held=chain.loss_held + loss_extra + root,
                    name=f"{chain.name}+fsdp")
+
+
+def _held_between_ops(units: Sequence[int], below: Sequence[int], above: Sequence[int],
+                      rerun: Sequence[int], root: int, prefetch: bool
+                      ) -> tuple[list[int], list[int]]:
+    """What FSDP2 keeps after each forward and backward until the next op starts.
+
+    An op's FSDP terms (:func:`fsdp_chain`) less what FSDP2 frees at its end: a unit's
+    gathered parameters (its forward) or unsharded gradients' copy (its backward), the
+    buffer of the unit before (freed at this unit's copy-out) and the root's all-gather
+    buffer (freed at the first unit's copy-out). So after a forward of unit ``i``: ``R +
+    P_i`` (its all-gather buffer) and, in a re-run, the buffers the last backward left;
+    after a forward of a stage that is no unit: ``R + max(below(i), re-run term)`` and the
+    root's buffer until a unit ran; after a backward of unit ``k``: ``R + P_k`` (its
+    reduce-scatter buffer) ``+ below(k)`` (the prefetched all-gather buffer, ``prefetch``);
+    after a backward of a stage that is no unit: ``R + above(i) + below(i)`` (with
+    ``prefetch``). Each is at most the op's FSDP term, so within its overhead.
+    """
+    fwd, bwd, seen = [], [], False
+    for p, b, a, r in zip(units, below, above, rerun, strict=True):
+        seen = seen or p > 0
+        fwd.append(root + (p + r if p else max(b, r)) + (0 if seen else root))
+        bwd.append(root + (p if p else a) + (b if prefetch else 0))
+    return fwd, bwd
 
 
 def _nearest_units(units: Sequence[int]) -> tuple[list[int], list[int]]:

@@ -79,6 +79,25 @@ def value_size(chain: Chain, value: Value) -> int:
     return chain.output_size[i - 1]
 
 
+def held_after(chain: Chain, op: Op) -> int:
+    """Memory ``op`` leaves held beyond the stored values until the next compute op starts.
+
+    The chain's ``fwd_held`` (any forward), ``bwd_held`` or ``loss_held``; 0 unless the
+    chain sets them (e.g. FSDP2's buffers, :func:`optmem.pytorch.distributed.fsdp_chain`).
+
+    Examples
+    --------
+    >>> c = Chain.from_lists([1], [1], [2], [2], input_size=1, fwd_overhead=[3])
+    >>> held_after(c, Op.parse("F_all 1"))
+    0
+    """
+    if op.kind is OpKind.LOSS:
+        return chain.loss_held
+    if op.kind is OpKind.B:
+        return chain.bwd_held[op.stage - 1]
+    return chain.fwd_held[op.stage - 1]
+
+
 def _name(value: Value) -> str:
     return f"{value[0]}^{value[1]}"
 

@@ -27,7 +27,9 @@ Model: thesis chapter 3 assumptions O.1-O.7 (digest ``shared/design/offload.md``
   values that are on the host during the *whole* op (released no later than its start and not
   being prefetched by a transfer listed before it); a release during the op does not help it,
   and a prefetch that starts during a compute op counts for that op. A prefetch that starts
-  between compute ops must fit in the memory at that instant. Gradients and overheads as in
+  between compute ops must fit in the memory at that instant: the stored values not on the
+  host, the prefetched value, and what the last compute op left held (the chain's
+  ``fwd_held`` / ``bwd_held`` / ``loss_held``, 0 by default). Gradients and overheads as in
   the checkpoint simulator.
 * **Errors.** Reading or freeing a value that is on the host (or still being offloaded),
   transferring a value that does not exist, prefetching a value that is not on the host,
@@ -50,6 +52,7 @@ from optmem.plan import AnyOp, Op, OpKind, TransferKind, TransferOp, parse_mixed
 from optmem.simulate.checkpoint import (
     ABAR,
     Value,
+    held_after,
     initial_state,
     is_final,
     transition,
@@ -405,7 +408,8 @@ def _prefetch_start(chain: Chain, st: _State, k: int, op: TransferOp, earliest: 
         stored = sum(value_size(chain, v) for v in st.stored)
         off = sum(value_size(chain, v) for v in st.moved if v in st.stored and v != op.key
                   and st.host_only(v, t))
-        need = stored - off
+        held = held_after(chain, Op.parse(last.op)) if last is not None and chain.holds else 0
+        need = stored - off + held
         if need <= limit:
             st.peak = max(st.peak, int(need))
             return t

@@ -54,7 +54,7 @@ from optmem.plan import (
 from optmem.problems.checkpoint import Discretized
 from optmem.problems.offload import OffloadProblem
 from optmem.result import Result, SolveOptions, Status
-from optmem.simulate.checkpoint import simulate_checkpoint
+from optmem.simulate.checkpoint import held_after, simulate_checkpoint
 from optmem.simulate.offload import OffloadSimulation, simulate_offload
 from optmem.simulate.verify import Replay, replay_result
 from optmem.solvers.hints import AS_SOLVED, smallest_solvable_limit, too_few_slots
@@ -526,7 +526,8 @@ def exact_instance(problem: OffloadProblem, options: SolveOptions,
     """
     disc, beta = _disc(problem, options)
     chain = disc.chain
-    seq = simulate_checkpoint(chain, store_all_plan(chain.length))
+    ops = store_all_plan(chain.length)
+    seq = simulate_checkpoint(chain, ops)
     sizes = value_sizes(chain)
     durations = op_durations(chain)
     transfer = tuple(z / beta if beta > 0 else math.inf for z in sizes)
@@ -537,7 +538,9 @@ def exact_instance(problem: OffloadProblem, options: SolveOptions,
         horizon = min(horizon, start.makespan * (1 + 1e-9) + 1e-9)
     lower = lower_bound(problem, options) * (1 - 1e-9) - 1e-12
     data = OffloadData(durations, tuple(s.peak for s in seq.timeline),
-                       tuple(s.after for s in seq.timeline), tuple(sizes), transfer,
+                       tuple(s.after + held_after(chain, op)
+                             for s, op in zip(seq.timeline, ops, strict=True)),
+                       tuple(sizes), transfer,
                        disc.memory_limit, upper=horizon, lower=max(0.0, lower))
     rate = _fraction(problem.unit_bandwidth(1))  # memory units per time unit, undiscretised
     exact = [_fraction(d) for d in durations]
