@@ -823,8 +823,9 @@ def offload_fsdp_planned_job(rank: int, world: int, job: dict[str, Any]) -> dict
 
     ``{"model": "mlp" | "hf-gpt2", "problem": "checkpoint" | "offload" | "remat_offload",
     "memory_limit", "route": "checkpoint_fsdp" | "fully_shard_checkpointed", "bandwidth",
-    "late_release"}`` (bandwidth default ``"1GB/s"``; ``late_release``: keep the buffers of
-    the last that many collectives, :func:`released_late`): the plan of
+    "late_release", "fsdp_kwargs"}`` (bandwidth default ``"1GB/s"``; ``late_release``: keep
+    the buffers of the last that many collectives, :func:`released_late`; ``fsdp_kwargs``:
+    of every ``fully_shard``, ``checkpoint_fsdp`` route only): the plan of
     ``checkpoint_fsdp(..., problem=...)`` (its chain counts FSDP's gathered parameters), or
     ``fully_shard_checkpointed`` of the one-liner (a chain without them, the route before).
     The peak is :func:`optmem.pytorch.memory.measure_training_peak` of a third step, host
@@ -851,7 +852,8 @@ def offload_fsdp_planned_job(rank: int, world: int, job: dict[str, Any]) -> dict
                                                                           "1GB/s")}
     if job["route"] == "checkpoint_fsdp":
         omodel = checkpoint_fsdp(model, kwargs or args[0], job["memory_limit"],
-                                 problem=job["problem"], mesh=mesh, **link, **times)
+                                 problem=job["problem"], mesh=mesh, **link, **times,
+                                 fsdp_kwargs=job.get("fsdp_kwargs"))
     else:
         omodel = getattr(op, job["problem"])(model, kwargs or args[0],
                                              memory_limit=job["memory_limit"],

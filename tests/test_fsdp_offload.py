@@ -125,6 +125,64 @@ def test_fsdp_chain_holds_the_buffers_between_ops():
     assert not chain.holds and fsdp_chain(chain, [0] * 5).holds is False
 
 
+def test_fsdp_chain_counts_units_kept_gathered_from_forward_to_backward():
+    """Stop 82: with ``reshard_after_forward`` not ``True`` a unit keeps its gathered
+    parameters from a forward with grad to its backward. ``"tape"`` (checkpoint plans):
+    ``P_i`` joins stage ``i``'s tape and leaves its backward's overhead. ``"ops"`` (plans
+    that move tapes without the parameters): ``B k`` the units before ``k``, the loss every
+    unit, a forward the other units (the units before it without re-runs), held after a
+    forward its own ``P_j`` too; each held term within its op's overhead."""
+    chain = Chain.from_lists([1.0] * 4, [1.0] * 4, [8] * 4, [8] * 4, input_size=8)
+    units = [100, 0, 200, 50]
+    base = fsdp_chain(chain, units, root_bytes=30)
+    tape = fsdp_chain(chain, units, root_bytes=30, kept="tape")
+    assert tape.saved_size == (108, 8, 208, 58)
+    assert tape.bwd_overhead == tuple(o - p for o, p in zip(base.bwd_overhead, units,
+                                                            strict=True))
+    ops = fsdp_chain(chain, units, root_bytes=30, kept="ops")
+    assert [o - b for o, b in zip(ops.fwd_overhead, base.fwd_overhead, strict=True)] == [
+        250, 350, 150, 300]
+    assert [o - b for o, b in zip(ops.bwd_overhead, base.bwd_overhead, strict=True)] == [
+        0, 100, 100, 300]
+    assert ops.loss_bwd_overhead - base.loss_bwd_overhead == 350
+    once = fsdp_chain(chain, units, root_bytes=30, recompute=False, kept="ops")
+    plain_once = fsdp_chain(chain, units, root_bytes=30, recompute=False)
+    assert [o - b for o, b in zip(once.fwd_overhead, plain_once.fwd_overhead,
+                                  strict=True)] == [0, 100, 100, 300]
+    assert [h - b for h, b in zip(once.fwd_held, plain_once.fwd_held, strict=True)] == [
+        100, 100, 300, 350]
+    for c in (tape, ops, once):
+        assert all(h <= o for h, o in zip(c.fwd_held, c.fwd_overhead, strict=True))
+        assert all(h <= o for h, o in zip(c.bwd_held, c.bwd_overhead, strict=True))
+        assert c.loss_held <= c.loss_bwd_overhead
+
+
+@pytest.mark.distributed
+def test_units_kept_gathered_after_forward_are_in_the_claim(tmp_path):
+    """Stop 82: ``checkpoint_fsdp(..., fsdp_kwargs={"reshard_after_forward": False})``.
+    Before, the chain counted each unit's parameters during its own ops only: the residual
+    MLP's offload plan at 8000 B claimed 7936 and held 11916 (every unit gathered from its
+    forward to its backward). Now the chain counts them (``fsdp_chain``'s ``kept``): the
+    claims hold (checkpoint at 8600 B: 8512 claimed, 7496 held; offload at 12000 B: 11976,
+    10892; remat + offload, counted conservatively, at 13000 B: 13000, 8008) and training
+    is single-process training's."""
+    cases = [("checkpoint", 8600, None), ("offload", 12000, None),
+             ("remat_offload", 13000, "1KB/s")]
+    jobs = [{"kind": "offload_fsdp_planned", "model": "mlp", "problem": problem,
+             "memory_limit": limit, "route": "checkpoint_fsdp", "bandwidth": link or "1GB/s",
+             "fsdp_kwargs": {"reshard_after_forward": False}}
+            for problem, limit, link in cases]
+    spawn(w.run_jobs, 2, jobs, str(tmp_path), init_file=str(tmp_path / "rendezvous"))
+    expected = w.whole_batch_grads("mlp")
+    for k, (problem, limit, _) in enumerate(cases):
+        for r in range(2):
+            got = w.load(str(tmp_path), r, k)
+            assert got["kind"] == KINDS[problem]
+            assert got["claimed"] <= limit
+            assert got["measured"] <= got["claimed"] + got["allowance"], (problem, got)
+            w.assert_steps_match(got["steps"], expected)
+
+
 def test_parameter_bytes_are_padded_as_fsdp2_gathers_them():
     """FSDP2 shards each parameter on its first dimension padded to a multiple of the ranks:
     ``Linear(16, 1)`` (68 B) gathers 136 B on 2 ranks, which the chain counts (stop 79: the

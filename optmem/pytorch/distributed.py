@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import itertools
 import os
 import sys
 import threading
@@ -36,7 +37,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import timedelta
-from typing import Any, NoReturn
+from typing import Any, Literal, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -402,7 +403,8 @@ def root_parameter_bytes(stages: Sequence[nn.Module], world: int = 1) -> int:
 
 
 def fsdp_chain(chain: Chain, param_bytes: Sequence[int], *, prefetch: bool = True,
-               root_bytes: int = 0, recompute: bool = True) -> Chain:
+               root_bytes: int = 0, recompute: bool = True,
+               kept: Literal["tape", "ops"] | None = None) -> Chain:
     """``chain`` with what FSDP2 holds while each stage runs added to its overheads.
 
     ``P_i = param_bytes[i]`` are the unsharded parameters of stage ``i`` (0 if it is not an
@@ -449,6 +451,19 @@ def fsdp_chain(chain: Chain, param_bytes: Sequence[int], *, prefetch: bool = Tru
     below(k)``) is set as the chain's ``fwd_held`` / ``bwd_held`` / ``loss_held`` (stop 82,
     :func:`_held_between_ops`): a transfer that starts between two ops counts it.
 
+    ``kept`` (stop 82): the units keep their gathered parameters from a forward with grad
+    to their backward (``fully_shard``'s ``reshard_after_forward`` not ``True``; a run
+    without grad is resharded by the executor), counted by :func:`_kept_gathered`:
+    ``"tape"`` adds ``P_i`` to stage ``i``'s tape (``saved_size``, alive from ``F_all i``
+    to ``B i`` as the parameters are; the backward's own ``P_i`` then leaves its overhead),
+    exact for a checkpoint plan; ``"ops"`` adds to each op the units that may be gathered
+    while it runs (for plans whose tapes move to the host without the parameters: before
+    ``B k`` at most the units ``i < k`` beside ``k``, every unit at the loss, every other
+    unit in a re-run forward or, without ``recompute``, the units before it). An int
+    ``reshard_after_forward`` keeps less (a smaller shard): counted as the whole ``P_i``.
+    Measured (residual MLP, 2 gloo ranks, offload plan at 8000 B): 11916 B held for a claim
+    of 7936 before; see ``docs/distributed.md``, "Stop 82".
+
     Before stop 79 the chain counted ``P_i`` in a forward and ``2 P_i + P_{i-1}`` (with
     ``prefetch``) in a backward, and neither the buffers nor the root's parameters: the
     measured peak of a residual MLP's remat + offload plan was 7496 B for a claimed 5844.
@@ -471,7 +486,7 @@ def fsdp_chain(chain: Chain, param_bytes: Sequence[int], *, prefetch: bool = Tru
                  for p, a, b in zip(units, above, below, strict=True)]
     loss_extra = next((p for p in reversed(units) if p), 0)
     fwd_held, bwd_held = _held_between_ops(units, below, above, rerun, root, prefetch)
-    return replace(chain,
+    adjusted = replace(chain,
                    fwd_overhead=tuple(o + e + 2 * root
                                       for o, e in zip(chain.fwd_overhead, fwd_extra,
                                                       strict=True)),
@@ -483,6 +498,34 @@ def fsdp_chain(chain: Chain, param_bytes: Sequence[int], *, prefetch: bool = Tru
                    bwd_held=tuple(h + e for h, e in zip(chain.bwd_held, bwd_held, strict=True)),
                    loss_held=chain.loss_held + loss_extra + root,
                    name=f"{chain.name}+fsdp")
+    return adjusted if kept is None else _kept_gathered(adjusted, units, kept, recompute)
+
+
+def _kept_gathered(chain: Chain, units: Sequence[int], kept: Literal["tape", "ops"],
+                   recompute: bool) -> Chain:
+    """``chain`` with the units' parameters kept gathered from their forward to their backward.
+
+    ``"tape"``: ``P_i`` joins stage ``i``'s tape (``saved_size``) and leaves its backward's
+    overhead (the tape is alive during ``B i``). ``"ops"``: ``B k`` gets ``sum_{i<k} P_i``
+    (held after it too), the loss ``sum P`` (held too), a forward ``F j`` the other units
+    (``sum_{i != j} P_i``; ``sum_{i<j} P_i`` without ``recompute``) and held after it the
+    same plus its own ``P_j``. Each held term stays within its overhead (the FSDP terms
+    already hold ``P_j`` beside the held ones). See :func:`fsdp_chain`.
+    """
+    if kept == "tape":
+        return replace(chain, saved_size=tuple(s + p for s, p in zip(chain.saved_size, units,
+                                                                      strict=True)),
+                       bwd_overhead=tuple(o - p for o, p in zip(chain.bwd_overhead, units,
+                                                                 strict=True)))
+    total, before = sum(units), list(itertools.accumulate(units, initial=0))[:-1]
+    fwd = [total - p if recompute else b for p, b in zip(units, before, strict=True)]
+    return replace(
+        chain,
+        fwd_overhead=tuple(o + f for o, f in zip(chain.fwd_overhead, fwd, strict=True)),
+        fwd_held=tuple(h + f + p for h, f, p in zip(chain.fwd_held, fwd, units, strict=True)),
+        bwd_overhead=tuple(o + b for o, b in zip(chain.bwd_overhead, before, strict=True)),
+        bwd_held=tuple(h + b for h, b in zip(chain.bwd_held, before, strict=True)),
+        loss_bwd_overhead=chain.loss_bwd_overhead + total, loss_held=chain.loss_held + total)
 
 
 def _held_between_ops(units: Sequence[int], below: Sequence[int], above: Sequence[int],
@@ -584,8 +627,10 @@ def checkpoint_fsdp(module: nn.Module | Sequence[nn.Module], sample: Any,
         (:func:`fsdp_chain`; never for an exported model's stages, which FSDP2 does not
         prefetch).
     fsdp_kwargs
-        Keyword arguments of every ``fully_shard`` (``mp_policy`` with dtypes is refused
-        for an exported model).
+        Keyword arguments of every ``fully_shard`` (``mp_policy`` with ``param_dtype`` or
+        ``output_dtype`` is refused for an exported model). A ``reshard_after_forward``
+        other than ``True`` keeps the units gathered from forward to backward, which the
+        chain then counts (:func:`fsdp_chain`'s ``kept``).
     **checkpoint_kwargs
         The other options of the one-liner of ``problem`` (``max_stages`` and ``chain`` are
         not supported: the chain's stages are the FSDP units). The store-all fast path is
@@ -630,12 +675,16 @@ def checkpoint_fsdp(module: nn.Module | Sequence[nn.Module], sample: Any,
 
     # an exported model's stage units are FSDP roots of their own: FSDP2 does not prefetch
     prefetched = prefetch and is_plain_chain(module)
+    # units that keep their parameters gathered from forward to backward (stop 82)
+    kept: Literal["tape", "ops"] | None = None
+    if (fsdp_kwargs or {}).get("reshard_after_forward", True) is not True:
+        kept = "tape" if problem == "checkpoint" else "ops"
 
     def adjust(stages: Sequence[Any], chain: Chain) -> Chain:
         modules, world = [s.module for s in stages], _shard_count(mesh)
         return fsdp_chain(chain, stage_parameter_bytes(modules, world), prefetch=prefetched,
                           root_bytes=root_parameter_bytes(modules, world),
-                          recompute=problem != "offload")
+                          recompute=problem != "offload", kept=kept)
 
     cls = {"checkpoint": CheckpointedModule, "offload": OffloadedModule,
            "remat_offload": RematOffloadedModule}[problem]
