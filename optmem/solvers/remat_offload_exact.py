@@ -1335,15 +1335,20 @@ def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: st
     On a chain with a held gap (:func:`held_gap`) a plan outside the model's class (a
     forward nothing reads) may beat the model's optimum, so the same solve on the chain
     without its held terms (the time left) gives the proofs: every plan of ``problem`` is
-    one of that chain (:func:`outside_class`).
+    one of that chain (:func:`outside_class`). With less than
+    :data:`~optmem.solvers.remat_offload.LEAST_ENGINE_TIME_S` left there is no second solve
+    (the bound is :func:`lower_bound`).
     """
     deadline = Deadline.start(options.time_limit_s)
     result = _solve_class(problem, options, method)
     if not held_gap(problem.chain) or result.status not in PROVEN_OR_PLAN:
         return result
     left = deadline.left()
-    free = _solve_class(replace(problem, chain=held_free(problem.chain)), options.with_(
-        time_limit_s=None if left is None else max(left, LEAST_ENGINE_TIME_S)), method)
+    if left is not None and left < LEAST_ENGINE_TIME_S:  # no time left: the compute-time bound
+        free = Result(PROBLEM, method, Status.NO_SOLUTION)
+    else:
+        free = _solve_class(replace(problem, chain=held_free(problem.chain)),
+                            options.with_(time_limit_s=left), method)
     return outside_class(problem, result, free)
 
 
