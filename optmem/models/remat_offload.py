@@ -137,9 +137,10 @@ and the tests find brute force and the model equal on such chains. On other chai
 held terms (a *held gap*) the solvers take their proofs from the same solve on the chain
 without held terms (:func:`optmem.solvers.remat_offload_exact.outside_class`, stop 82
 hunt). The tests check both directions: the DP, checkpoint-only and offload-only plans of
-random chains, fixed in the model, get exactly their simulated makespan; the model's optimum equals the brute force
-over compute sequences and transfer windows (:mod:`optmem.solvers.remat_offload_exact`) on
-tiny chains and every decoded plan replays to the model's value.
+random chains, fixed in the model, get exactly their simulated makespan; the model's
+optimum equals the brute force over compute sequences and transfer windows
+(:mod:`optmem.solvers.remat_offload_exact`) on tiny chains and every decoded plan replays
+to the model's value.
 
 Times on a grid
 ---------------
