@@ -133,11 +133,14 @@ be faster by a forward nothing reads, run only to end what the last op left held
 ``B 2`` a useless ``F_ck 2`` whose overhead is smaller than ``B 2``'s held term, during
 which a prefetch starts (``tests/test_held_between_ops.py``). With every ``fwd_held`` (so
 every ``fwd_overhead``) at least every ``bwd_held`` and ``loss_held`` no forward helps so,
-and the tests find brute force and the model equal on such chains. The tests check both
-directions: the DP, checkpoint-only and offload-only plans of random chains, fixed in the
-model, get exactly their simulated makespan; the model's optimum equals the brute force
-over compute sequences and transfer windows (:mod:`optmem.solvers.remat_offload_exact`) on
-tiny chains and every decoded plan replays to the model's value.
+and the tests find brute force and the model equal on such chains. On other chains with
+held terms (a *held gap*) the solvers take their proofs from the same solve on the chain
+without held terms (:func:`optmem.solvers.remat_offload_exact.outside_class`, stop 82
+hunt). The tests check both directions: the DP, checkpoint-only and offload-only plans of
+random chains, fixed in the model, get exactly their simulated makespan; the model's
+optimum equals the brute force over compute sequences and transfer windows
+(:mod:`optmem.solvers.remat_offload_exact`) on tiny chains and every decoded plan replays
+to the model's value.
 
 Times on a grid
 ---------------

@@ -1330,6 +1330,81 @@ def _warmup_share(options: SolveOptions) -> float:
 
 def _solve_model(problem: RematOffloadProblem, options: SolveOptions, method: str
                  ) -> Result:
+    """:func:`_solve_class`, its proofs checked against the held-free chain's (stop 82 hunt).
+
+    On a chain with a held gap (:func:`held_gap`) a plan outside the model's class (a
+    forward nothing reads) may beat the model's optimum, so the same solve on the chain
+    without its held terms (the time left) gives the proofs: every plan of ``problem`` is
+    one of that chain (:func:`outside_class`). With less than
+    :data:`~optmem.solvers.remat_offload.LEAST_ENGINE_TIME_S` left there is no second solve
+    (the bound is :func:`lower_bound`).
+    """
+    deadline = Deadline.start(options.time_limit_s)
+    result = _solve_class(problem, options, method)
+    if not held_gap(problem.chain) or result.status not in PROVEN_OR_PLAN:
+        return result
+    left = deadline.left()
+    if left is not None and left < LEAST_ENGINE_TIME_S:  # no time left: the compute-time bound
+        free = Result(PROBLEM, method, Status.NO_SOLUTION)
+    else:
+        free = _solve_class(replace(problem, chain=held_free(problem.chain)),
+                            options.with_(time_limit_s=left), method)
+    return outside_class(problem, result, free)
+
+
+PROVEN_OR_PLAN = (Status.OPTIMAL, Status.FEASIBLE, Status.INFEASIBLE)
+
+
+def held_free(chain: Chain) -> Chain:
+    """``chain`` without its held terms (``fwd_held``, ``bwd_held``, ``loss_held`` 0)."""
+    zero = (0,) * chain.length
+    return replace(chain, fwd_held=zero, bwd_held=zero, loss_held=0)
+
+
+def held_gap(chain: Chain) -> bool:
+    """Whether a forward nothing reads may beat the model's class on ``chain`` (stop 82).
+
+    Such a forward ``F k``, run only to end what the op before it left held, helps only
+    when its own held term is below that op's. With every ``fwd_held`` the same ``t`` and
+    every ``bwd_held`` and ``loss_held`` at most ``t`` (a chain that holds nothing too) it
+    never does, and the model's class holds the optimum (:mod:`optmem.models.remat_offload`).
+    """
+    if not chain.holds:
+        return False
+    least = min(chain.fwd_held)
+    return max((*chain.fwd_held, *chain.bwd_held, chain.loss_held)) > least
+
+
+def outside_class(problem: RematOffloadProblem, result: Result, free: Result) -> Result:
+    """``result`` with the proofs of ``free``, the same solve on :func:`held_free`'s chain.
+
+    Every plan of ``problem`` is a plan of the held-free chain, whose model holds its
+    optimum (no held term, no gap), so ``free``'s bound (its optimum when ``optimal``; the
+    held-free :func:`lower_bound`, every compute time once, when it has none) bounds every
+    plan of ``problem``, and its ``infeasible`` refutes ``problem``. ``result`` keeps its
+    plan, ``optimal`` only when its makespan reaches that bound (else ``feasible``, the
+    bound the smaller of its own and that one); its ``infeasible`` stands only when
+    ``free``'s does (else ``no_solution``). ``report["held_gap"]`` records ``free``'s
+    status and bound.
+    """
+    if free.status is Status.INFEASIBLE:
+        return result  # no plan of the held-free chain: none of problem's either
+    bound = free.objective if free.status is Status.OPTIMAL else free.bound
+    bound = lower_bound(problem) if not math.isfinite(bound) else bound
+    report = {**result.report, "held_gap": {
+        "note": "a forward nothing reads may end a held term: the model's class may miss the "
+                "optimum; the proofs are the held-free chain's (CONTRACT section 13)",
+        "held_free_status": str(free.status), "held_free_bound": bound}}
+    if result.status is Status.INFEASIBLE:
+        return replace(result, status=Status.NO_SOLUTION, bound=bound, report=report)
+    bound = min(bound, result.bound) if math.isfinite(result.bound) else bound
+    proven = result.objective <= bound * (1 + 1e-9)
+    return replace(result, status=Status.OPTIMAL if proven else Status.FEASIBLE, bound=bound,
+                   report=report)
+
+
+def _solve_class(problem: RematOffloadProblem, options: SolveOptions, method: str) -> Result:
+    """The model's solve: its optimum, bound and infeasibility over its class."""
     deadline = Deadline.start(options.time_limit_s)  # every stage within it (time_budget)
     sweeps = positive_int(options, "sweeps", 1)
     per_gap = positive_int(options, "transfers_per_gap", 1)
