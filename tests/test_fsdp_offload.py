@@ -183,6 +183,24 @@ def test_units_kept_gathered_after_forward_are_in_the_claim(tmp_path):
             w.assert_steps_match(got["steps"], expected)
 
 
+def test_unshared_carried_keeps_the_held_terms_within_the_overheads():
+    """Stop 82: ``unshared_carried`` takes the carried reserve out of the overheads, never
+    below the held terms they contain (a chain with both raised a ``ChainError``)."""
+    import dataclasses
+
+    from optmem.pytorch.profile import unshared_carried
+
+    chain = Chain.from_lists([1.0] * 2, [1.0] * 2, [4, 4], [6, 4], input_size=4,
+                             fwd_overhead=[10, 10], bwd_overhead=[1, 10])
+    chain = dataclasses.replace(chain, fwd_held=(5, 3), bwd_held=(1, 4), extra={"profile": {
+        "carried_left_out": [0, 8], "carried_saved_left_out": [0, 8],
+        "carried_fwd": [10, 10], "carried_bwd": [0, 10], "carried_reserve": 10}})
+    full = unshared_carried(chain)
+    assert full.output_size == (4, 12) and full.saved_size == (6, 12)
+    assert full.fwd_overhead == (5, 3) and full.bwd_overhead == (1, 4)
+    assert (full.fwd_held, full.bwd_held) == ((5, 3), (1, 4))
+
+
 def test_parameter_bytes_are_padded_as_fsdp2_gathers_them():
     """FSDP2 shards each parameter on its first dimension padded to a multiple of the ranks:
     ``Linear(16, 1)`` (68 B) gathers 136 B on 2 ranks, which the chain counts (stop 79: the

@@ -931,7 +931,9 @@ def unshared_carried(chain: Chain) -> Chain:
     checkpoint plans. Offload plans move a stored boundary whole (its carried values with
     it) and pipelines send them between GPUs: they need the per-boundary sizes. The sizes
     are restored exactly; the overheads lose the reserve and keep what was measured
-    against the smaller sizes (an upper bound of the per-boundary ones). A chain without
+    against the smaller sizes (an upper bound of the per-boundary ones), never below the
+    op's held term (``fwd_held`` / ``bwd_held`` / ``loss_held``, which the overhead
+    contains; stop 82: a chain given with both raised a ``ChainError``). A chain without
     carried values is returned as it is.
 
     Examples
@@ -957,9 +959,11 @@ def unshared_carried(chain: Chain) -> Chain:
     return dataclasses.replace(
         chain, output_size=out,
         saved_size=tuple(s + k for s, k in zip(chain.saved_size, saved_left_out, strict=True)),
-        fwd_overhead=tuple(max(0, o - c) for o, c in zip(chain.fwd_overhead, fwd, strict=True)),
-        bwd_overhead=tuple(max(0, o - c) for o, c in zip(chain.bwd_overhead, bwd, strict=True)),
-        loss_bwd_overhead=max(0, chain.loss_bwd_overhead - reserve),
+        fwd_overhead=tuple(max(h, o - c) for o, c, h in zip(chain.fwd_overhead, fwd,
+                                                            chain.fwd_held, strict=True)),
+        bwd_overhead=tuple(max(h, o - c) for o, c, h in zip(chain.bwd_overhead, bwd,
+                                                            chain.bwd_held, strict=True)),
+        loss_bwd_overhead=max(chain.loss_held, chain.loss_bwd_overhead - reserve),
         extra=dict(chain.extra or {}, profile=prof))
 
 
