@@ -38,10 +38,8 @@ import contextlib
 import copy
 import io
 import json
-import os
 import re
 import shlex
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -93,17 +91,6 @@ def argv_of(line: str) -> list[str]:
     return words
 
 
-@contextlib.contextmanager
-def inside(path: Path) -> Iterator[None]:
-    """Run with ``path`` as the working directory."""
-    old = Path.cwd()
-    os.chdir(path)
-    try:
-        yield
-    finally:
-        os.chdir(old)
-
-
 def run_cli(argv: list[str]) -> tuple[int, str, str]:
     """``optmem.cli.main(argv)``: ``(exit code, stdout, stderr)``."""
     out, err = io.StringIO(), io.StringIO()
@@ -119,7 +106,7 @@ def cli_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[tuple
     work = tmp_path_factory.mktemp("readme")
     load_dataset("resnet50-b32-224").save(work / "my_chain.json")
     runs = []
-    with inside(work):
+    with contextlib.chdir(work):
         for line in readme_commands():
             argv = argv_of(line)
             code, out, err = run_cli(argv)
