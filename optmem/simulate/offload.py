@@ -394,6 +394,8 @@ def _prefetch_start(chain: Chain, st: _State, k: int, op: TransferOp, earliest: 
     if last is not None and earliest < last.end:
         times.add(last.end)
     times |= {m.release for m in st.moved.values() if earliest < m.release < math.inf}
+    # what the last compute op left held (the same at every candidate between ops)
+    held = held_after(chain, Op.parse(last.op)) if last is not None and chain.holds else 0
     need = 0.0
     for t in sorted(times):
         if last is not None and t < last.end - _EPS and last.end > last.start:
@@ -408,7 +410,6 @@ def _prefetch_start(chain: Chain, st: _State, k: int, op: TransferOp, earliest: 
         stored = sum(value_size(chain, v) for v in st.stored)
         off = sum(value_size(chain, v) for v in st.moved if v in st.stored and v != op.key
                   and st.host_only(v, t))
-        held = held_after(chain, Op.parse(last.op)) if last is not None and chain.holds else 0
         need = stored - off + held
         if need <= limit:
             st.peak = max(st.peak, int(need))
