@@ -720,6 +720,20 @@ class PlannedModule(nn.Module):
         """Always true, as a module (``__len__`` must not decide it, nor raise)."""
         return True
 
+    def _get_name(self) -> str:
+        """The model's name (``_get_name()``; a PEFT model's: its base model's).
+
+        HuggingFace's ``Trainer`` shifts the labels of its label smoothing only when this
+        name is a causal language model's (of a ``PeftModel``: its base model's); the
+        wrapper's own class name made it smooth unshifted labels in silence (stop 83).
+        ``repr`` still names the wrapper.
+        """
+        return inspected_model(self._checkpoint_wrapped_module)._get_name()
+
+    def __repr__(self) -> str:
+        """The module's ``repr`` headed by the wrapper's class, not the model's name."""
+        return type(self).__name__ + super().__repr__()[len(self._get_name()):]
+
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
         """The model's parameters, under the model's names."""
@@ -1743,8 +1757,12 @@ class _SignedForward:
 
     @property
     def __wrapped__(self) -> Callable[..., Any]:
-        """The wrapped model's ``forward`` (read when asked: a copy sets its state later)."""
-        return self._wrapper()._checkpoint_wrapped_module.forward
+        """The wrapped model's ``forward`` (read when asked: a copy sets its state later).
+
+        A PEFT model's is its base model's (:func:`inspected_model`), which it passes its
+        arguments to.
+        """
+        return inspected_model(self._wrapper()._checkpoint_wrapped_module).forward
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         owner = self._wrapper()
@@ -1752,6 +1770,35 @@ class _SignedForward:
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return _SignedForward, (self._owner(),)
+
+
+def inspected_model(module: nn.Module) -> nn.Module:
+    """The model that HuggingFace's ``Trainer`` inspects for ``module``.
+
+    A PEFT model (``peft_config`` and ``get_base_model()``, as ``PeftModel``) is read
+    through its base model: ``Trainer`` keeps the dataset columns the base model's
+    ``forward`` names and shifts the labels of its label smoothing by the base model's
+    name. Any other module is itself. The wrapper shows this model's signature and name,
+    so that ``Trainer`` treats a wrapped ``PeftModel`` as the ``PeftModel``: before stop 83
+    a ``PeftModel`` without a task type (``forward(*args, **kwargs)``) had every column
+    dropped ("You have to specify either input_ids or inputs_embeds").
+
+    Parameters
+    ----------
+    module
+        The wrapped model.
+
+    Returns
+    -------
+    torch.nn.Module
+        ``module.get_base_model()`` for a PEFT model, else ``module``.
+    """
+    base = getattr(module, "get_base_model", None)
+    if hasattr(module, "peft_config") and callable(base):
+        found = base()
+        if isinstance(found, nn.Module):
+            return found
+    return module
 
 
 def refuse_wrapped(module: Any, call: str, *, wrap_after: bool = True) -> None:
