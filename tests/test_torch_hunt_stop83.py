@@ -147,3 +147,33 @@ def test_a_percentage_limit_too_tight_for_a_frozen_call_says_to_give_bytes() -> 
         _freeze(model, flag)
         _freeze(plain, flag)
         assert_same(step(cmodel, model, sample, seed=2), step(plain, plain, sample, seed=2))
+
+
+class _Scale(nn.Module):
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w * 1.5
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_first_call_inside_parametrize_cached_trains_as_the_model(kind: str) -> None:
+    """A parametrization registered after wrapping, the next step inside
+    ``parametrize.cached()``: extracted and measured there, the wrapper trains as the plain
+    model (main: "Trying to backward through the graph a second time": the measuring
+    step's backward had freed the cached weight's graph)."""
+    from torch.nn.utils import parametrize
+
+    torch.manual_seed(0)
+    plain = _Blocks()
+    model = _Blocks()
+    model.load_state_dict(plain.state_dict())
+    x = torch.randn(4, 16)
+    wrap, options = KINDS[kind]
+    cmodel = wrap(model, x, **{**FIXED, "memory_limit": "80%"}, **options)
+    for m in (plain, model):
+        parametrize.register_parametrization(m.blocks[1][0], "weight", _Scale())
+    for m, owner in ((plain, plain), (cmodel, model)):
+        with parametrize.cached():
+            m(x).backward()
+        assert not parametrize._cache
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)

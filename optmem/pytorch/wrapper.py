@@ -822,9 +822,11 @@ class PlannedModule(nn.Module):
         out.update((id(v), v) for v in self._sized.values())
         return list(out.values())
 
-    def _percentage_hint(self) -> str:
-        """:func:`percentage_hint` for this wrapper's limit and its sample's plan."""
-        return percentage_hint(self._planner.memory_limit, self._main.limit)
+    def _percentage_hint(self, frozen_only: bool) -> str:
+        """:func:`percentage_hint` for a call that differs from the sample only in which
+        parameters require grad (``frozen_only``), which needs no more than the sample."""
+        return percentage_hint(self._planner.memory_limit, self._main.limit) \
+            if frozen_only else ""
 
     # -------------------------------------------------------------- the main plan
     @property
@@ -1083,7 +1085,10 @@ class PlannedModule(nn.Module):
                 + ": " + sharded_call_advice(key, self._main_key), field="sample")
         _log.info("optmem: new call signature for %s: extracting, profiling and solving "
                   "again", type(self._checkpoint_wrapped_module).__name__)
-        with _for_signature(key, self._main_key, args, kwargs, self._percentage_hint()):
+        main = self._main_key
+        frozen_only = key[:4] == main[:4] and None not in (key[4], main[4]) and \
+            key[4][:-1] == main[4][:-1]
+        with _for_signature(key, main, args, kwargs, self._percentage_hint(frozen_only)):
             variant = self._new_variant(args, kwargs, None, local=resized)
         return self._keep_signature(key, variant, plain=False)
 
@@ -1185,7 +1190,8 @@ class PlannedModule(nn.Module):
         """
         _log.info("optmem: new call signature for %s: profiling and solving again",
                   self._main.chain.name)
-        with _for_input_grad(key, self._main_key, self._percentage_hint()):
+        with _for_input_grad(key, self._main_key,
+                             self._percentage_hint(key[:2] == self._main_key[:2])):
             variant = self._plain_plan(x, local=False)
         return self._keep_signature(key, variant, plain=True)
 
