@@ -171,7 +171,7 @@ def test_a_first_call_inside_parametrize_cached_trains_as_the_model(kind: str) -
     cmodel = wrap(model, x, **{**FIXED, "memory_limit": "80%"}, **options)
     for m in (plain, model):
         parametrize.register_parametrization(m.blocks[1][0], "weight", _Scale())
-    for m, owner in ((plain, plain), (cmodel, model)):
+    for m in (plain, cmodel):
         with parametrize.cached():
             m(x).backward()
         assert not parametrize._cache

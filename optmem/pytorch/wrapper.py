@@ -823,8 +823,11 @@ class PlannedModule(nn.Module):
         return list(out.values())
 
     def _percentage_hint(self, frozen_only: bool) -> str:
-        """:func:`percentage_hint` for a call that differs from the sample only in which
-        parameters require grad (``frozen_only``), which needs no more than the sample."""
+        """:func:`percentage_hint`, for a call that differs only in frozen parameters.
+
+        ``frozen_only``: the call differs from the sample only in which parameters require
+        grad (a step that freezes more stores less than the sample's).
+        """
         return percentage_hint(self._planner.memory_limit, self._main.limit) \
             if frozen_only else ""
 
