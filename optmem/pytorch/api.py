@@ -198,6 +198,7 @@ def build_planned(cls: type[PlannedModule], kind: str, module: Any, sample: Any,
     if options:
         raise TypeError(f"{kind}() got unexpected keyword argument(s) "
                         f"{', '.join(sorted(options))}")
+    refuse_meta_tensors(module, pick["profile"].get("device"))
     planner = Planner(kind, memory_limit, method, bandwidth=bandwidth,
                       executor_options=pick["executor"], **pick["solver"])
     if "dynamic" in pick["profile"]:
@@ -247,6 +248,39 @@ def refuse_inference_tensors(module: Any) -> None:
                     f"{type(part).__name__}.{name} is an inference tensor (made under "
                     "torch.inference_mode()), which autograd cannot train: build or load "
                     "the model outside torch.inference_mode() before wrapping it",
+                    field="module")
+
+
+def refuse_meta_tensors(module: Any, device: Any) -> None:
+    """One clear error for a model on the meta device profiled on another device.
+
+    A model built under ``torch.device("meta")`` has no values: wrapping profiles it on the
+    sample's device, where its first op failed with torch's "Tensor.item() cannot be
+    called on meta tensors" or "Tensor on device meta is not on the expected device cpu!"
+    (stop 83). Wrapped once materialised (``model.to_empty(device=...)``, then its
+    weights initialised), it trains as the model, and ``cmodel.to_empty(...)`` of a wrapper
+    keeps training as the model's does. ``device="meta"`` (an ``nn.Sequential`` or a list
+    of stages) profiles a meta model as it is.
+
+    Raises
+    ------
+    OptmemInputError
+        On the ``module`` field, naming the first meta parameter or buffer.
+    """
+    if str(device).split(":")[0] == "meta":  # a bad device is the profile's error
+        return
+    parts = module if isinstance(module, Sequence) else [module]
+    for part in parts:
+        if not isinstance(part, nn.Module):
+            continue
+        for name, t in (*part.named_parameters(), *part.named_buffers()):
+            if t.is_meta:
+                raise OptmemInputError(
+                    f"{type(part).__name__}.{name} is on the meta device (the model was "
+                    "built under torch.device('meta')), which has no values to profile: "
+                    "materialise and initialise the model first (model.to_empty(device="
+                    "'cpu' or 'cuda'), then its init, e.g. model.apply(model._init_weights) "
+                    "or reset_parameters()), then wrap it",
                     field="module")
 
 

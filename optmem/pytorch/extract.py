@@ -976,6 +976,7 @@ def _export_program(module: nn.Module, args: tuple[Any, ...],
     name = type(module).__name__
     ep = _export(module, args, kwargs, dynamic_shapes)
     gm = ep.module()
+    forget_real_tensors(gm)
     cumulative_batch_norms(gm, module)
     explain_value_asserts(gm, name)
     restore_functions(gm)
@@ -991,6 +992,41 @@ def _export_program(module: nn.Module, args: tuple[Any, ...],
     if dynamic_shapes is not None:
         ext.accepts = _size_guard(gm)
     return ext
+
+
+def forget_real_tensors(gm: fx.GraphModule) -> None:
+    """Drop the weak references the export's fake modes keep to the model's tensors.
+
+    Each node's ``meta["val"]`` holds a fake tensor, whose fake mode keeps, as long as
+    the graph lives, a table from every real tensor it converted (the model's parameters
+    and buffers) to an id, through a weak reference to each (torch 2.13:
+    ``MetaTensorDescriber.lookup_tensor``). ``torch.utils.swap_tensors`` refuses a tensor
+    that has a weak reference, so with ``torch.__future__.
+    set_swap_module_params_on_conversion(True)`` a wrapped model's ``.to()``,
+    ``.double()`` (and ``load_state_dict``) failed with "_apply(): Couldn't swap
+    Embedding.weight", where the plain model converts (stop 83). The tables only serve
+    the conversions of a trace, which is over.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from torch.utils.weak import WeakIdKeyDictionary
+    >>> lin = torch.nn.Linear(2, 2)
+    >>> gm = torch.export.export(lin, (torch.randn(1, 2),)).module()
+    >>> forget_real_tensors(gm)
+    >>> import weakref
+    >>> weakref.getweakrefcount(lin.weight)
+    0
+    """
+    modes = {id(m): m for node in gm.graph.nodes
+             if (m := getattr(node.meta.get("val"), "fake_mode", None)) is not None}
+    for mode in modes.values():
+        converter = getattr(mode, "fake_tensor_converter", None)
+        describer = getattr(getattr(converter, "meta_converter", None), "describer", None)
+        for table in ("lookup_tensor", "lookup_storage"):
+            memo = getattr(describer, table, None)
+            if memo is not None:
+                memo.clear()
 
 
 _REAL_VALUES_NOTE = "optmem: exported again with the sample's values: "

@@ -487,14 +487,16 @@ def callers_tools_suspended() -> Iterator[None]:
     tool would count the setup's fake and real runs as the step's. The registries are
     emptied in place and refilled on exit (hooks registered meanwhile are kept, after the
     suspended ones). The caller's autocast weight cache is left alone too
-    (:func:`autocast_cache_untouched`).
+    (:func:`autocast_cache_untouched`), and so is ``parametrize.cached()``'s
+    (:func:`parametrization_cache_off`).
     """
     saved = [(getattr(module_mod, name), list(getattr(module_mod, name).items()))
              for name in _GLOBAL_FORWARD_HOOKS]
     for registry, _ in saved:
         registry.clear()
     try:
-        with _disable_current_modes(), autocast_cache_untouched():
+        with _disable_current_modes(), autocast_cache_untouched(), \
+                parametrization_cache_off():
             yield
     finally:
         for registry, items in saved:
@@ -502,6 +504,38 @@ def callers_tools_suspended() -> Iterator[None]:
             registry.clear()
             registry.update(items)
             registry.update(added)
+
+
+@contextmanager
+def parametrization_cache_off() -> Iterator[None]:
+    """Within: ``torch.nn.utils.parametrize.cached()`` caches nothing, as outside it.
+
+    Inside the caller's ``cached()`` region a parametrized weight is computed once, at its
+    first use, and that tensor, with the autograd graph it was made with, is read by every
+    later use in the region. The first call of a new signature there (a parametrization
+    registered after wrapping) extracted and measured the model with it: the measuring
+    step's backward freed the cached weight's graph, and the user's own step then failed
+    with "Trying to backward through the graph a second time" (stop 83), where the plain
+    model trains; an export would also have kept a traced tensor in the cache. The
+    caller's cached entries stay, for after.
+
+    Examples
+    --------
+    >>> from torch.nn.utils import parametrize
+    >>> with parametrize.cached(), parametrization_cache_off():
+    ...     parametrize._cache_enabled
+    0
+    >>> parametrize._cache_enabled
+    0
+    """
+    from torch.nn.utils import parametrize
+
+    enabled = parametrize._cache_enabled
+    parametrize._cache_enabled = 0
+    try:
+        yield
+    finally:
+        parametrize._cache_enabled = enabled
 
 
 @contextmanager

@@ -126,7 +126,7 @@ from optmem.pytorch.hooks import (
 from optmem.pytorch.memory import buffers_restored, storage_bytes
 from optmem.pytorch.planning import Planner, refuse_second_copies
 from optmem.result import Result, Status
-from optmem.units import format_size
+from optmem.units import format_size, memory_percent
 
 __all__ = ["MAX_VARIANTS", "PLAIN_PEAK", "USE_CACHE_WARNING", "PlannedModule", "ProfileOptions",
            "leaves_no_trace", "memory_layout", "plan_stages", "with_plain_peak"]
@@ -274,19 +274,45 @@ def _for_sizes(sizes: tuple[tuple[int, ...] | None, ...],
 
 @contextmanager
 def _for_signature(key: Any, reference: Any, args: tuple[Any, ...],
-                   kwargs: dict[str, Any]) -> Iterator[None]:
+                   kwargs: dict[str, Any], hint: str = "") -> Iterator[None]:
     """Name how a call differs from the sample in an input error raised while planning it.
 
     A limit the sample met may not hold for a call whose input requires grad where the
     sample's did not (its gradient is then stored and computed too): the error says so.
+    ``hint`` (:func:`percentage_hint`) is added to an error on the memory limit.
     """
     try:
         yield
     except OptmemInputError as exc:
         raise OptmemInputError(
             f"{exc.reason} (for a call that differs from the sample in "
-            f"{signature_difference(key, reference, args, kwargs)})", source=exc.source,
+            f"{signature_difference(key, reference, args, kwargs)})"
+            f"{hint if exc.field == 'memory_limit' else ''}", source=exc.source,
             stage=exc.stage, field=exc.field) from None
+
+
+def percentage_hint(memory_limit: Any, sample_limit: int | None) -> str:
+    """What to pass instead when a percentage limit has no plan for a new signature.
+
+    A percentage is of each signature's own store-all peak, so a call that needs less
+    than the sample (parameters frozen after wrapping: 60 % of a smaller peak) may get a
+    limit below what its plans need, where the plain model trains (stop 83: tiny GPT-2
+    under ``op.offload`` at ``"60%"``, frozen embedding and first block: 60 % of the frozen
+    step's 320,768 B has no plan, the smallest is 197,394 B, the sample's plan had
+    209,664 B).
+
+    Examples
+    --------
+    >>> percentage_hint("60%", 1000).split(": ")[1]
+    "pass memory_limit in bytes (the sample's plan"
+    >>> percentage_hint("2GiB", 1000)
+    ''
+    """
+    if sample_limit is None or memory_percent(memory_limit) is None:
+        return ""
+    return (f"; a percentage limit is of each call signature's own store-all peak: pass "
+            f"memory_limit in bytes (the sample's plan: {sample_limit} B) to keep one budget "
+            "for every call")
 
 
 def _grad_free(key: Any) -> Any:
@@ -295,12 +321,13 @@ def _grad_free(key: Any) -> Any:
 
 
 @contextmanager
-def _for_input_grad(key: Any, reference: Any) -> Iterator[None]:
+def _for_input_grad(key: Any, reference: Any, hint: str = "") -> Iterator[None]:
     """Name the inputs whose ``requires_grad`` differs from the sample's in an input error.
 
     :func:`_for_signature` for an ``nn.Sequential`` or a list of stages (``key`` and
     ``reference``: :func:`input_key` of the call and of the sample, each followed by
-    :meth:`TensorState.grads`, which parameters require grad, also named when they differ).
+    :meth:`TensorState.grads`, which parameters require grad, also named when they differ;
+    ``hint`` as there).
     """
     try:
         yield
@@ -312,8 +339,9 @@ def _for_input_grad(key: Any, reference: Any) -> Iterator[None]:
         if key[2] != reference[2]:
             what.append(_grads_difference(key[2], reference[2]))
         raise OptmemInputError(f"{exc.reason} (for a call that differs from the sample in "
-                               f"{'; '.join(what)})", source=exc.source, stage=exc.stage,
-                               field=exc.field) from None
+                               f"{'; '.join(what)})"
+                               f"{hint if exc.field == 'memory_limit' else ''}",
+                               source=exc.source, stage=exc.stage, field=exc.field) from None
 
 
 _TENSOR_FIELDS = ("sizes", "dtype", "device", "requires_grad", "memory layout")
@@ -808,6 +836,15 @@ class PlannedModule(nn.Module):
         out.update((id(v), v) for v in self._sized.values())
         return list(out.values())
 
+    def _percentage_hint(self, frozen_only: bool) -> str:
+        """:func:`percentage_hint`, for a call that differs only in frozen parameters.
+
+        ``frozen_only``: the call differs from the sample only in which parameters require
+        grad (a step that freezes more stores less than the sample's).
+        """
+        return percentage_hint(self._planner.memory_limit, self._main.limit) \
+            if frozen_only else ""
+
     # -------------------------------------------------------------- the main plan
     @property
     def _main(self) -> _Variant:
@@ -1065,7 +1102,10 @@ class PlannedModule(nn.Module):
                 + ": " + sharded_call_advice(key, self._main_key), field="sample")
         _log.info("optmem: new call signature for %s: extracting, profiling and solving "
                   "again", type(self._checkpoint_wrapped_module).__name__)
-        with _for_signature(key, self._main_key, args, kwargs):
+        main = self._main_key
+        frozen_only = key[:4] == main[:4] and None not in (key[4], main[4]) and \
+            key[4][:-1] == main[4][:-1]
+        with _for_signature(key, main, args, kwargs, self._percentage_hint(frozen_only)):
             variant = self._new_variant(args, kwargs, None, local=resized)
         return self._keep_signature(key, variant, plain=False)
 
@@ -1167,7 +1207,8 @@ class PlannedModule(nn.Module):
         """
         _log.info("optmem: new call signature for %s: profiling and solving again",
                   self._main.chain.name)
-        with _for_input_grad(key, self._main_key):
+        with _for_input_grad(key, self._main_key,
+                             self._percentage_hint(key[:2] == self._main_key[:2])):
             variant = self._plain_plan(x, local=False)
         return self._keep_signature(key, variant, plain=True)
 
