@@ -812,6 +812,9 @@ def held_solve_cases(draw: st.DrawFn) -> Case:
         for held, over in (("fwd_held", "fwd_overhead"), ("bwd_held", "bwd_overhead")):
             if chance(draw, 50):
                 stage[over] = stage[held] = draw(st.integers(0, 16)) * scale
+    if chance(draw, 50):
+        over = draw(st.integers(0, 16)) * scale
+        doc["loss"] = {"bwd_time": draw(st.integers(0, 5)), "bwd_overhead": over, "held": over}
     files = {"chain.json": dumps(doc).encode()}
     problem = draw(st.sampled_from(tuple(HELD_METHODS)))
     argv = ["solve", problem, "{d}/chain.json", "--memory",
