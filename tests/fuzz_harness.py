@@ -974,6 +974,8 @@ def misc_cases(draw: st.DrawFn, *, torch: bool = True) -> Case:
     if kind == "datasets":
         action = draw(st.sampled_from(("list", "show", "path", "bogus", "")))
         argv = ["datasets"] + ([action] if action else [])
+        if action == "show" and chance(draw, 50):
+            return draw(datasets_show_cases(argv))
         if action in ("show", "path") or draw(st.booleans()):
             argv.append(draw(st.sampled_from(BUNDLED + BAD_CHAIN_NAMES)))
         if draw(st.booleans()):
@@ -1010,6 +1012,43 @@ def misc_cases(draw: st.DrawFn, *, torch: bool = True) -> Case:
         ["solve", "checkpoint", "resnet-like-40", "--memory", "--json"],
         ["-h"], ["solve", "-h"], ["sweep", "--help"], ["\udcff"], ["solve", "\udcff"])))
     return Case(list(argv), note="command line")
+
+
+@st.composite
+def datasets_show_cases(draw: st.DrawFn, argv: list[str]) -> Case:
+    """``datasets show FILE [--json]`` of a fuzzed chain file (stop 83: held terms shown).
+
+    A damaged file must be named (with its stage and field); a valid one is shown, and
+    :func:`_held_shown` checks the ``held`` object of ``--json`` against the file.
+    """
+    files: dict[str, Any] = {}
+    spec, doc, chain_doc = draw(chain_arg(files))
+    argv = [*argv, spec] + (["--json"] if draw(st.booleans()) else [])
+    blame = "chain.json" if chain_doc.invalid and "chain.json" in files else None
+    return Case(argv, files, [], blame, chain_doc.where if blame else None,
+                chain_doc.note, must_fail=blame is not None)
+
+
+def _held_shown(case: Case, out: Outcome) -> list[Failure]:
+    """``datasets show FILE --json`` of a valid chain file: ``held`` lists exactly the
+    file's non-zero held terms (absent when there is none)."""
+    if out.code != 0 or case.argv[:2] != ["datasets", "show"] or "--json" not in case.argv \
+            or case.argv[2] != "{d}/chain.json":
+        return []
+    data = json.loads(case.files["chain.json"].decode("utf-8-sig") if
+                      case.files["chain.json"][:2] not in (b"\xff\xfe", b"\xfe\xff")
+                      else case.files["chain.json"].decode("utf-16"))
+    want: dict[str, Any] = {}
+    for name in ("fwd_held", "bwd_held"):
+        terms = [[i, int(s[name])] for i, s in enumerate(data["stages"], start=1)
+                 if s.get(name)]
+        if terms:
+            want[name] = terms
+    if isinstance(data.get("loss"), dict) and data["loss"].get("held"):
+        want["loss.held"] = int(data["loss"]["held"])
+    shown = json.loads(out.stdout).get("held", {})
+    return [] if shown == want else [Failure("datasets show: held terms not as in the file",
+                                             f"{shown} vs {want}")]
 
 
 @st.composite
@@ -1342,6 +1381,7 @@ def check_case(case: Case, out: Outcome) -> list[Failure]:
             fails.append(Failure(f"warning {w.split(':')[0]}", w[:200]))
     fails += _hidden_exceptions(case, out)
     fails += _replay_failures(case, out)
+    fails += _held_shown(case, out)
     return fails
 
 
