@@ -801,7 +801,7 @@ def held_solve_cases(draw: st.DrawFn) -> Case:
     """``solve offload|remat-offload`` of a valid chain with held terms (stop 83).
 
     The held terms count only where a prefetch starts between two compute ops, so the
-    memory is a share of the store-all peak (30 % .. 100 %) and the link moves the chain's
+    memory is a share of the store-all peak (45 % .. 100 %) and the link moves the chain's
     values in a few time units: plans offload, and their prefetches wait. Every option is
     good; the result is replayed (:attr:`Case.replay`) and its prefetches checked against
     the chain's held terms (:func:`held_floor_breaks`).
