@@ -612,8 +612,8 @@ def cmd_datasets(args: argparse.Namespace) -> int:
         print(json.dumps(path) if args.json else path)
     else:
         row = _dataset_row(args.name)
-        print(json.dumps(row, indent=1) if args.json
-              else "\n".join(f"{k}: {v}" for k, v in row.items()))
+        print(json.dumps(row, indent=1) if args.json  # "held" as text only (held_h)
+              else "\n".join(f"{k}: {v}" for k, v in row.items() if k != "held"))
     return EXIT_OK
 
 
@@ -635,7 +635,30 @@ def _dataset_row(name: str) -> dict[str, Any]:
         row[f"{key}_h"] = size_text(row[key], row.get("memory_unit", "B"))
     params = row.get("parameters")  # an int (or None) in the JSON, as in the file's summary
     row["parameters_h"] = f"{params / 1e6:.1f}M" if isinstance(params, int | float) else "-"
+    if row.get("held"):  # stop 83: only a chain with held terms has these two keys
+        row["held_h"] = held_text(row["held"], row.get("memory_unit", "B"))
     return row
+
+
+def held_text(held: dict[str, Any], unit: str, *, most: int = 4) -> str:
+    """The held terms of :func:`~optmem.solvers.dataset_summary.held_summary` as one line.
+
+    ``fwd_held 2 B (stage 1), 6 B (stage 3); loss.held 1 B``; past ``most`` stages a
+    field gives its count and range (``bwd_held 40 stages, 1.00 MiB .. 3.00 MiB``).
+    """
+    parts = []
+    for name in ("fwd_held", "bwd_held"):
+        terms = held.get(name, [])
+        sizes = [size for _, size in terms]
+        if len(terms) > most:
+            parts.append(f"{name} {len(terms)} stages, {size_text(min(sizes), unit)} .. "
+                         f"{size_text(max(sizes), unit)}")
+        elif terms:
+            parts.append(f"{name} " + ", ".join(f"{size_text(size, unit)} (stage {i})"
+                                                for i, size in terms))
+    if held.get("loss.held"):
+        parts.append(f"loss.held {size_text(held['loss.held'], unit)}")
+    return "; ".join(parts)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

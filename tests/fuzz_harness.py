@@ -32,7 +32,7 @@ import tempfile
 import traceback
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +145,9 @@ class Case:
         Name of the input file an exit-2 message must name (every other input is good).
     must_fail
         The blamed file is known to be invalid: the run must exit 2.
+    replay
+        For ``solve`` on a valid chain file: the ``verify`` command line (plan file
+        ``{d}/.replay.json``) that replays the result it prints (:func:`replay_solved`).
     where
         ``(stage, field)`` the message must name as well (one broken chain field).
     note
@@ -158,6 +161,7 @@ class Case:
     where: tuple[int | None, str] | None = None
     note: str = ""
     must_fail: bool = False
+    replay: list[str] | None = None
 
     def resolved(self, d: Path) -> list[str]:
         """``argv`` with ``{d}`` replaced by the case directory."""
@@ -175,7 +179,7 @@ class Case:
 
         return {"argv": self.argv, "files": {k: show(v) for k, v in self.files.items()},
                 "outputs": self.outputs, "blame": self.blame, "where": self.where,
-                "must_fail": self.must_fail, "note": self.note}
+                "must_fail": self.must_fail, "note": self.note, "replay": self.replay}
 
 
 # ------------------------------------------------------------------ documents
@@ -185,10 +189,17 @@ def size_scale() -> st.SearchStrategy[int]:
 
 
 @st.composite
-def chain_docs(draw: st.DrawFn, *, max_stages: int = 6) -> dict[str, Any]:
-    """A valid ``optmem.chain/1`` document of 1..``max_stages`` stages."""
+def chain_docs(draw: st.DrawFn, *, max_stages: int = 6, holds: bool | None = None
+               ) -> dict[str, Any]:
+    """A valid ``optmem.chain/1`` document of 1..``max_stages`` stages.
+
+    With ``holds`` (``None``: half of the time) the stages that have overheads draw held
+    terms (``fwd_held``, ``bwd_held``, ``loss.held``: 0 up to the overhead, often all of it).
+    """
     n = draw(st.integers(1, max_stages))
     scale = draw(size_scale())
+    if holds is None:
+        holds = chance(draw, 50)  # the held terms of stop 82
     times = st.one_of(st.integers(0, 20), st.floats(0, 50, allow_nan=False).map(
         lambda v: round(v, 3)))
     stages = []
@@ -198,9 +209,13 @@ def chain_docs(draw: st.DrawFn, *, max_stages: int = 6) -> dict[str, Any]:
             "name": f"s{i + 1}", "fwd_time": draw(times), "bwd_time": draw(times),
             "output_size": out, "saved_size": out + draw(st.integers(0, 8)) * scale,
         }
-        if draw(st.booleans()):
+        if draw(st.booleans()) or holds and chance(draw, 50):
             stage["fwd_overhead"] = draw(st.integers(0, 4)) * scale
             stage["bwd_overhead"] = draw(st.integers(0, 4)) * scale
+            if holds:  # stop 83: memory left held until the next compute op (<= overhead)
+                for held, over in (("fwd_held", "fwd_overhead"), ("bwd_held", "bwd_overhead")):
+                    stage[held] = stage[over] if chance(draw, 50) else \
+                        draw(st.integers(0, stage[over] // scale)) * scale
         if draw(st.booleans()):
             stage["weight_size"] = draw(st.integers(0, 6)) * scale
         stages.append(stage)
@@ -209,6 +224,9 @@ def chain_docs(draw: st.DrawFn, *, max_stages: int = 6) -> dict[str, Any]:
                            "input_size": draw(st.integers(0, 12)) * scale, "stages": stages}
     if draw(st.booleans()):
         doc["loss"] = {"bwd_time": draw(times), "bwd_overhead": draw(st.integers(0, 3)) * scale}
+        if holds:
+            doc["loss"]["held"] = draw(st.integers(0, doc["loss"]["bwd_overhead"] // scale)) \
+                * scale
     return doc
 
 
@@ -237,16 +255,19 @@ def mutated_chain(draw: st.DrawFn, doc: dict[str, Any]) -> Doc:
     """Apply one kind of damage to a valid chain document and serialise it."""
     doc = json.loads(json.dumps(doc))
     kind = draw(st.sampled_from(("none",) * 6 + ("extreme",) * 3 + (
-        "field", "field", "missing", "extra", "top", "stages", "loss", "bytes", "bytes", "deep")))
+        "field", "field", "missing", "extra", "top", "stages", "loss", "held", "bytes",
+        "bytes", "deep")))
     if kind == "none":
         return Doc(dumps(doc).encode(), note="valid chain")
+    if kind == "held":
+        return draw(mutated_held(doc))
     if kind == "extreme":
         sizes = draw(st.sampled_from((1, 2**30, 2**40, 2**44)))
         times = draw(st.sampled_from((1, 1e-9, 1e-6, 1e6, 1e10)))
         tiny = draw(st.booleans())
         for i, stage in enumerate(doc["stages"]):
             for f in ("output_size", "saved_size", "fwd_overhead", "bwd_overhead",
-                      "weight_size"):
+                      "weight_size", "fwd_held", "bwd_held"):
                 if f in stage:
                     stage[f] *= sizes
             for f in ("fwd_time", "bwd_time"):
@@ -320,6 +341,46 @@ def mutated_chain(draw: st.DrawFn, doc: dict[str, Any]) -> Doc:
         text = "[" * depth + dumps(doc) + "]" * depth
         return Doc(text.encode(), invalid=True, note=f"nested {depth} deep")
     return draw(corrupted_bytes(dumps(doc).encode()))
+
+
+HELD_FIELDS = ("fwd_held", "bwd_held")
+BAD_HELD: tuple[Any, ...] = (-1, 0.5, "1", "", True, False, None, [1], {}, math.nan,
+                             math.inf, Raw("1e400"), 2**64)
+
+
+@st.composite
+def mutated_held(draw: st.DrawFn, doc: dict[str, Any]) -> Doc:
+    """A held term (stop 82) that the loader must refuse, or a valid one at a boundary.
+
+    Invalid: above its op's overhead (by one unit), or a value of :data:`BAD_HELD` (negative,
+    fractional, text, a bool, null, a list, NaN, infinite, huge), on a stage or on the loss
+    (``loss.held``); the error names the stage (none for the loss) and the field. Valid:
+    every held term equal to its overhead (the largest allowed).
+    """
+    how = draw(st.sampled_from(("above", "above", "bad", "bad", "loss", "loss", "full")))
+    if how == "full":
+        for stage in doc["stages"]:
+            for held in HELD_FIELDS:
+                stage[held] = stage.get(held.replace("held", "overhead"), 0)
+        if isinstance(doc.get("loss"), dict):
+            doc["loss"]["held"] = doc["loss"].get("bwd_overhead", 0)
+        return Doc(dumps(doc).encode(), note="every held term at its overhead")
+    if how == "loss":
+        loss = doc.setdefault("loss", {"bwd_time": 1})
+        over = loss.setdefault("bwd_overhead", 0)
+        value = draw(st.sampled_from((over + 1,) + BAD_HELD))
+        loss["held"] = value
+        return Doc(dumps(doc).encode(), invalid=True, where=(None, "loss.held"),
+                   note=f"loss.held = {value!r} (bwd_overhead {over})")
+    k = draw(st.integers(0, len(doc["stages"]) - 1))
+    held = draw(st.sampled_from(HELD_FIELDS))
+    stage = doc["stages"][k]
+    over = stage.get(held.replace("held", "overhead"), 0)
+    value = over + draw(st.sampled_from((1, 1, 2**20))) if how == "above" \
+        else draw(st.sampled_from(BAD_HELD))
+    stage[held] = value
+    return Doc(dumps(doc).encode(), invalid=True, where=(k + 1, held),
+               note=f"stage {k + 1} {held} = {value!r} (overhead {over})")
 
 
 @st.composite
@@ -686,6 +747,9 @@ def solve_cases(draw: st.DrawFn, command: str = "solve") -> Case:
             args.argv += ["-o", output_path(draw, files, ".json", outputs, args)]
         if draw(st.booleans()):
             args.argv.append("--json")
+        if doc is not None and args.clean and problem in PROBLEMS:
+            return replace(finish(args, files, outputs, chain_doc, note=chain_doc.note),
+                           replay=replay_argv(args.argv))
     elif command == "compare":
         # every default method (exact ones included) only on small chains, now and then
         if problem in METHODS and (not small or not chance(draw, 25)):
@@ -706,6 +770,64 @@ def solve_cases(draw: st.DrawFn, command: str = "solve") -> Case:
         common_options(draw, args, exact=False)
         args.argv += ["-o", output_path(draw, files, suffix, outputs, args)]
     return finish(args, files, outputs, chain_doc, note=chain_doc.note)
+
+
+REPLAY_OPTIONS = ("--memory", "--slots", "--bandwidth", "--chain-bandwidth", "--gpus",
+                  "--weight-copies", "--memory-model", "--model")
+REPLAY_FLAGS = ("--temporaries", "--ignore-input")
+
+
+def replay_argv(argv: list[str]) -> list[str]:
+    """The ``verify`` command line replaying what ``solve`` ``argv`` prints: the problem,
+    the chain and the options that change the problem (memory, slots, link, GPUs ...)."""
+    out = ["verify", argv[1], argv[2], "{d}/.replay.json", "--json"]
+    for k, arg in enumerate(argv[3:], start=3):
+        if arg in REPLAY_OPTIONS and k + 1 < len(argv):
+            out += [arg, argv[k + 1]]
+        elif arg in REPLAY_FLAGS:
+            out.append(arg)
+    return out
+
+
+HELD_METHODS: dict[str, tuple[str, ...]] = {
+    "offload": ("dp", "dp", "greedy", "dp:cheap", "vdnn", "cpsat", "ilp", "brute"),
+    "remat-offload": ("dp", "dp", "opportunist", "opportunist", "offload_only", "cpsat",
+                      "brute"),
+}
+
+
+@st.composite
+def held_solve_cases(draw: st.DrawFn) -> Case:
+    """``solve offload|remat-offload`` of a valid chain with held terms (stop 83).
+
+    The held terms count only where a prefetch starts between two compute ops, so the
+    memory is a share of the store-all peak (45 % .. 100 %) and the link moves the chain's
+    values in a few time units: plans offload, and their prefetches wait. Every option is
+    good; the result is replayed (:attr:`Case.replay`) and its prefetches checked against
+    the chain's held terms (:func:`held_floor_breaks`).
+    """
+    doc = draw(chain_docs(max_stages=4, holds=True))
+    scale = max(1, max(s["output_size"] for s in doc["stages"]) // 12)
+    for stage in doc["stages"]:  # large held terms: a prefetch after the op must wait
+        for held, over in (("fwd_held", "fwd_overhead"), ("bwd_held", "bwd_overhead")):
+            if chance(draw, 50):
+                stage[over] = stage[held] = draw(st.integers(0, 16)) * scale
+    if chance(draw, 50):
+        over = draw(st.integers(0, 16)) * scale
+        doc["loss"] = {"bwd_time": draw(st.integers(0, 5)), "bwd_overhead": over, "held": over}
+    files = {"chain.json": dumps(doc).encode()}
+    problem = draw(st.sampled_from(tuple(HELD_METHODS)))
+    argv = ["solve", problem, "{d}/chain.json", "--memory",
+            f"{draw(st.integers(45, 100))}%",
+            "--chain-bandwidth", str(scale * draw(st.sampled_from((0.25, 0.5, 1, 2, 8)))),
+            "--slots", draw(st.sampled_from(("500", "60"))), "--threads", "1"]
+    methods = HELD_METHODS[problem] if len(doc["stages"]) <= 2 else \
+        tuple(m for m in HELD_METHODS[problem] if m != "brute")
+    method = draw(st.sampled_from(methods))
+    argv += ["--method", method, "--json"]
+    if method in ("cpsat", "ilp"):
+        argv += ["--work-budget", "2"]
+    return Case(argv, files, [], note=f"held chain, {method}", replay=replay_argv(argv))
 
 
 def finish(args: Args, files: dict[str, Any], outputs: list[str], doc: Doc,
@@ -852,6 +974,8 @@ def misc_cases(draw: st.DrawFn, *, torch: bool = True) -> Case:
     if kind == "datasets":
         action = draw(st.sampled_from(("list", "show", "path", "bogus", "")))
         argv = ["datasets"] + ([action] if action else [])
+        if action == "show" and chance(draw, 50):
+            return draw(datasets_show_cases(argv))
         if action in ("show", "path") or draw(st.booleans()):
             argv.append(draw(st.sampled_from(BUNDLED + BAD_CHAIN_NAMES)))
         if draw(st.booleans()):
@@ -891,13 +1015,54 @@ def misc_cases(draw: st.DrawFn, *, torch: bool = True) -> Case:
 
 
 @st.composite
+def datasets_show_cases(draw: st.DrawFn, argv: list[str]) -> Case:
+    """``datasets show FILE [--json]`` of a fuzzed chain file (stop 83: held terms shown).
+
+    A damaged file must be named (with its stage and field); a valid one is shown, and
+    :func:`_held_shown` checks the ``held`` object of ``--json`` against the file.
+    """
+    files: dict[str, Any] = {}
+    spec, doc, chain_doc = draw(chain_arg(files))
+    argv = [*argv, spec] + (["--json"] if draw(st.booleans()) else [])
+    blame = "chain.json" if chain_doc.invalid and "chain.json" in files else None
+    return Case(argv, files, [], blame, chain_doc.where if blame else None,
+                chain_doc.note, must_fail=blame is not None)
+
+
+def _held_shown(case: Case, out: Outcome) -> list[Failure]:
+    """``datasets show FILE --json`` of a valid chain file: ``held`` lists exactly the
+    file's non-zero held terms (absent when there is none)."""
+    if out.code != 0 or case.argv[:2] != ["datasets", "show"] or "--json" not in case.argv \
+            or case.argv[2] != "{d}/chain.json":
+        return []
+    data = json.loads(case.files["chain.json"].decode("utf-8-sig") if
+                      case.files["chain.json"][:2] not in (b"\xff\xfe", b"\xfe\xff")
+                      else case.files["chain.json"].decode("utf-16"))
+    want: dict[str, Any] = {}
+    for name in ("fwd_held", "bwd_held"):
+        terms = [[i, int(s[name])] for i, s in enumerate(data["stages"], start=1)
+                 if s.get(name)]
+        if terms:
+            want[name] = terms
+    if isinstance(data.get("loss"), dict) and data["loss"].get("held"):
+        want["loss.held"] = int(data["loss"]["held"])
+    shown = json.loads(out.stdout).get("held", {})
+    return [] if shown == want else [Failure("datasets show: held terms not as in the file",
+                                             f"{shown} vs {want}")]
+
+
+@st.composite
 def cli_cases(draw: st.DrawFn, *, torch: bool = True) -> Case:
     """Any case, weighted towards the commands that read files (``torch``: see
-    :func:`misc_cases`)."""
+    :func:`misc_cases`; the CI run, ``torch=False``, draws :func:`held_solve_cases` in a
+    test of its own)."""
     kind = draw(st.sampled_from(("solve",) * 5 + ("compare", "export", "verify", "verify",
-                                                  "verify", "show", "show", "sweep", "misc")))
+                                                  "verify", "show", "show", "sweep", "misc")
+                                + (("held",) if torch else ())))
     if kind in ("solve", "compare", "export"):
         return draw(solve_cases(kind))
+    if kind == "held":
+        return draw(held_solve_cases())
     if kind == "misc":
         return draw(misc_cases(torch=torch))
     return draw({"verify": verify_cases, "show": show_cases, "sweep": sweep_cases}[kind]())
@@ -916,6 +1081,9 @@ class Outcome:
     exception_where: str | None = None
     warnings: list[str] = field(default_factory=list)
     files_after: list[str] = field(default_factory=list)
+    result: dict[str, Any] | None = None  # what ``solve`` printed (cases with ``replay``)
+    replay: Outcome | None = None  # its replay by ``verify``
+    held_floor: list[str] = field(default_factory=list)  # :func:`held_floor_breaks`
 
 
 class CaseTimeout(BaseException):
@@ -1012,9 +1180,143 @@ def run_case(case: Case, *, timeout_s: float | None = None,
         argv = case.resolved(d)
         outcome = runner(argv) if runner else run_cli(argv, timeout_s=timeout_s)
         outcome.files_after = listing(d)
+        if case.replay and outcome.code == 0 and not runner:
+            replay_solved(case, outcome, d, timeout_s=timeout_s)
         outcome.stdout = outcome.stdout.replace(str(d), "{d}")
         outcome.stderr = outcome.stderr.replace(str(d), "{d}")
     return outcome
+
+
+def solved_result(case: Case, out: Outcome, d: Path) -> dict[str, Any] | None:
+    """The result object ``solve`` wrote: its ``--json`` stdout, else its ``-o`` file."""
+    texts = [out.stdout] if "--json" in case.argv else []
+    texts += [(d / name).read_text() for name in case.outputs if (d / name).is_file()]
+    for text in texts:
+        try:
+            value = json.loads(text)
+        except ValueError:
+            continue
+        if isinstance(value, dict) and "status" in value:
+            return value
+    return None
+
+
+def replay_solved(case: Case, out: Outcome, d: Path, *, timeout_s: float | None) -> None:
+    """Replay the plan ``solve`` found with ``verify`` (the independent simulator).
+
+    Sets ``out.result`` to the printed result and, when it has a plan, ``out.replay`` to
+    the outcome of :attr:`Case.replay` on it (the plan file is removed afterwards).
+    """
+    out.result = solved_result(case, out, d)
+    if out.result is None or out.result.get("status") not in ("optimal", "feasible"):
+        return
+    plan = d / ".replay.json"
+    plan.write_text(json.dumps(out.result))
+    try:
+        out.replay = run_cli([a.replace("{d}", str(d)) for a in case.replay or []],
+                             timeout_s=timeout_s)
+    finally:
+        plan.unlink()
+    if out.result.get("problem") in ("offload", "remat-offload"):
+        from optmem.chain import Chain
+        from optmem.errors import PlanError
+
+        try:
+            out.held_floor = held_floor_breaks(Chain.load(d / "chain.json"), out.result)
+        except PlanError as exc:
+            out.held_floor = [f"the plan does not replay on the file's chain: {exc}"]
+
+
+def held_floor_breaks(chain: Any, result: dict[str, Any]) -> list[str]:
+    """Prefetches between compute ops whose memory floor is above the reported peak.
+
+    A prefetch that starts between two compute ops (CONTRACT section 10) needs at least
+    what the last compute op left held (read here from the chain's ``fwd_held``,
+    ``bwd_held``, ``loss_held``, not through the simulator's ``held_after``), the
+    prefetched value and every other stored value surely on the GPU then (never moved so
+    far, last prefetched, or last offloaded by a transfer not yet ended). The timeline
+    (which prefetch starts between ops, when offloads end) is the simulator's; the floor
+    is not.
+    """
+    from optmem.plan import Op, TransferKind, parse_mixed_plan
+    from optmem.simulate.checkpoint import initial_state, transition, value_size
+    from optmem.simulate.offload import simulate_offload
+
+    if not chain.holds:
+        return []
+    chain = chain.quantize(result["unit"])
+    plan = parse_mixed_plan(result["plan"])
+    sim = simulate_offload(chain, plan, result["report"]["bandwidth_units"],
+                           result["memory_limit"])
+    link = {s.index: s for s in sim.link}
+    steps = {s.index: s for s in sim.compute}
+    stored, last, breaks = initial_state(), None, []
+    moves: dict[Any, tuple[TransferKind, float]] = {}  # value -> its last transfer, end
+    for k, op in enumerate(plan):
+        if isinstance(op, Op):
+            stored, last = transition(chain, stored, op)[0], (op, steps[k])
+            continue
+        t = link[k].start
+        if op.kind is TransferKind.PREFETCH and last is not None and not (
+                t < last[1].end - 1e-9 and last[1].end > last[1].start):
+            held = _held_term(chain, last[0])
+            floor = held + value_size(chain, op.key) + sum(
+                value_size(chain, v) for v in stored if v != op.key and _on_gpu(moves, v, t))
+            if floor > sim.peak_memory:
+                breaks.append(f"op {k} {op} after {last[0]}: floor {floor} > peak "
+                              f"{sim.peak_memory}")
+        moves[op.key] = (op.kind, link[k].end)
+    return breaks
+
+
+def _held_term(chain: Any, op: Any) -> int:
+    """What compute ``op`` leaves held, from the chain's fields (the oracle's own reading)."""
+    from optmem.plan import OpKind
+
+    if op.kind is OpKind.LOSS:
+        return int(chain.loss_held)
+    return int((chain.bwd_held if op.kind is OpKind.B else chain.fwd_held)[op.stage - 1])
+
+
+def _on_gpu(moves: dict[Any, tuple[Any, float]], value: Any, t: float) -> bool:
+    """Whether a stored ``value`` is surely on the GPU at time ``t``: never moved, last
+    prefetched (reserved from its start), or last offloaded by a transfer not ended."""
+    from optmem.plan import TransferKind
+
+    if value not in moves:
+        return True
+    kind, end = moves[value]
+    return kind is TransferKind.PREFETCH or end > t + 1e-9
+
+
+def _replay_failures(case: Case, out: Outcome) -> list[Failure]:
+    """A solve of a valid chain with good options: no ``error`` status, and a plan that
+    ``verify`` replays with the claimed objective and peak, the peak within the limit."""
+    result = out.result
+    if result is None:
+        return []
+    if result.get("status") == "error":
+        return [Failure("status error on valid input",
+                        str(result.get("report", {}).get("error", ""))[:200])]
+    fails = [Failure("held term not counted between ops", text) for text in out.held_floor]
+    rep = out.replay
+    if rep is None:
+        return fails
+    if rep.exception_type is not None or rep.code != 0:
+        return fails + [Failure("solved plan does not replay",
+                                (rep.stderr or rep.exception or "")[-300:])]
+    verified = json.loads(rep.stdout)
+    if verified.get("unit") != result.get("unit"):
+        return fails  # discretised differently (a method's own unit): nothing to compare
+    if not math.isclose(verified["objective"], result["objective"], rel_tol=1e-6,
+                        abs_tol=1e-9):
+        fails.append(Failure("claimed objective is not the replayed one",
+                             f"{result['objective']} vs {verified['objective']}"))
+    peak, limit = verified.get("peak_memory"), result.get("memory_limit")
+    if peak != result.get("peak_memory") or (limit is not None and peak > limit):
+        fails.append(Failure("replayed peak differs or exceeds the limit",
+                             f"{result.get('peak_memory')} vs {peak}, limit {limit}"))
+    return fails
 
 
 @dataclass(frozen=True)
@@ -1078,6 +1380,8 @@ def check_case(case: Case, out: Outcome) -> list[Failure]:
         if w.split(":")[0] not in HIDDEN_WARNINGS:
             fails.append(Failure(f"warning {w.split(':')[0]}", w[:200]))
     fails += _hidden_exceptions(case, out)
+    fails += _replay_failures(case, out)
+    fails += _held_shown(case, out)
     return fails
 
 

@@ -24,6 +24,8 @@ from fuzz_harness import (
     cli_cases,
     dumps,
     failure_report,
+    held_floor_breaks,
+    held_solve_cases,
     misc_cases,
     mutated_chain,
     run_case,
@@ -75,9 +77,18 @@ def test_chain_loader_accepts_or_names_file_stage_and_field(tmp_path_factory, do
 
 
 # ------------------------------------------------------------------ the CLI, in-process
-@fuzz_settings(60)
+@fuzz_settings(52)
 @given(case=cli_cases(torch=False))
 def test_cli_cases_keep_the_contract(case):
+    assert_contract(case)
+
+
+@fuzz_settings(8)
+@given(case=held_solve_cases())
+def test_held_chains_solve_replay_and_count_the_held_terms(case):
+    """Stop 83: valid chains with held terms solve (or are infeasible); the plan replays
+    with the claimed objective and peak, and every prefetch between compute ops fits with
+    what the last op left held."""
     assert_contract(case)
 
 
@@ -163,3 +174,28 @@ def test_the_oracle_catches_what_it_must(tmp_path):
     assert [f.klass for f in check_case(case, tmp)] == ["unexpected file written"]
     assert not check_case(case, Outcome(2, "", "optmem: error: {d}/chain.json: bad\n",
                                         files_after=["chain.json"]))
+    solved = Case(["solve"], replay=["verify"])
+    error = Outcome(0, "", "", result={"status": "error", "report": {"error": "claimed 3"}})
+    assert [f.klass for f in check_case(solved, error)] == ["status error on valid input"]
+    held = Outcome(0, "", "", result={"status": "optimal"},
+                   held_floor=["op 5 prefetch a 0 after B 2: floor 11 > peak 10"])
+    assert [f.klass for f in check_case(solved, held)] == ["held term not counted between ops"]
+
+
+HELD_CHAIN = Chain.from_dict({"format": "optmem.chain/1", "input_size": 3, "stages": [
+    {"fwd_time": 1, "bwd_time": 1, "output_size": 1, "saved_size": 1},
+    {"fwd_time": 1, "bwd_time": 1, "output_size": 1, "saved_size": 1, "bwd_overhead": 6,
+     "bwd_held": 6}]})
+HELD_PLAN = ["F_all 1", "offload a 0", "F_all 2", "Loss", "B 2", "prefetch a 0", "B 1"]
+
+
+def test_the_held_floor_catches_a_simulator_that_ignores_held_terms(monkeypatch):
+    """The mutation check of stop 83 in small: with the simulator's ``held_after`` broken
+    (0), a prefetch after ``B 2`` starts between ops at limit 10 although ``B 2`` left 6
+    held (it needs 11); the oracle's own floor, read from the chain's fields, says so."""
+    result = {"unit": 1, "plan": HELD_PLAN, "memory_limit": 10,
+              "report": {"bandwidth_units": 1.0}}
+    assert not held_floor_breaks(HELD_CHAIN, {**result, "memory_limit": 11})
+    monkeypatch.setattr("optmem.simulate.offload.held_after", lambda chain, op: 0)
+    assert held_floor_breaks(HELD_CHAIN, result) == [
+        "op 5 prefetch a 0 after B 2: floor 11 > peak 10"]

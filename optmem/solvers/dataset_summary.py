@@ -6,7 +6,8 @@ checkpointing is feasible (:func:`optmem.solvers.checkpoint_dp.min_memory_persis
 no discretisation). Zoo files carry these figures precomputed in a ``summary`` field
 (written by :mod:`optmem.pytorch.build_datasets`; ``tests/test_zoo_datasets.py`` checks that they
 match a recomputation), so that listing every bundled file takes well under a second; files
-without it are summarised on the fly.
+without it are summarised on the fly. A chain with held terms (``fwd_held``, ``bwd_held``,
+``loss.held``, stop 82) also gets ``held`` (:func:`held_summary`, since stop 83).
 """
 
 from __future__ import annotations
@@ -19,6 +20,43 @@ from optmem.chain import Chain
 from optmem.datasets import dataset_path
 
 SUMMARY_KEYS = ("stages", "parameters", "store_all", "min_feasible", "compute_time")
+HELD_KEYS = ("fwd_held", "bwd_held", "loss.held")
+
+
+def held_summary(chain: Chain) -> dict[str, Any]:
+    """The held terms of ``chain`` that are not 0 (stop 83; empty for most chains).
+
+    Returns
+    -------
+    dict
+        ``fwd_held`` and ``bwd_held`` as lists of ``[stage, size]`` (1-based stages, only
+        the stages whose term is not 0, only when there is one) and ``loss.held`` (only
+        when not 0): the fields of the chain file (CONTRACT section 1).
+
+    Examples
+    --------
+    >>> from dataclasses import replace
+    >>> c = Chain.from_lists([1, 1], [1, 1], [1, 1], [1, 1], input_size=1,
+    ...                      bwd_overhead=[0, 6])
+    >>> held_summary(c), held_summary(replace(c, bwd_held=(0, 4)))
+    ({}, {'bwd_held': [[2, 4]]})
+    """
+    out: dict[str, Any] = {}
+    for name in HELD_KEYS[:2]:
+        terms = [[i, size] for i, size in enumerate(getattr(chain, name), start=1) if size]
+        if terms:
+            out[name] = terms
+    if chain.loss_held:
+        out["loss.held"] = chain.loss_held
+    return out
+
+
+def _file_holds(data: Any) -> bool:
+    """Whether a chain file's JSON sets a held term (without building the chain)."""
+    stages = data.get("stages") if isinstance(data, dict) else None
+    loss = data.get("loss") if isinstance(data, dict) else None
+    return any(isinstance(s, dict) and (s.get("fwd_held") or s.get("bwd_held"))
+               for s in stages or ()) or bool(isinstance(loss, dict) and loss.get("held"))
 
 
 def compute_summary(chain: Chain) -> dict[str, Any]:
@@ -50,9 +88,10 @@ def chain_file_summary(path: str) -> dict[str, Any]:
     field the file may carry.
     """
     chain = Chain.load(path)
+    held = held_summary(chain)
     return {"name": path, "description": str(chain.extra.get("description", "")),
             "time_unit": chain.time_unit, "memory_unit": chain.memory_unit,
-            **compute_summary(chain)}
+            **compute_summary(chain), **({"held": held} if held else {})}
 
 
 @cache
@@ -75,6 +114,8 @@ def dataset_summary(name: str) -> dict[str, Any]:
         figures = {k: stored[k] for k in SUMMARY_KEYS}
     else:
         figures = compute_summary(Chain.from_dict(data, source=str(path)))
+    if _file_holds(data):
+        figures["held"] = held_summary(Chain.from_dict(data, source=str(path)))
     return {"name": name, "description": str(data.get("description", "")),
             "time_unit": data.get("time_unit", "ms"), "memory_unit": data.get("memory_unit", "B"),
             **figures}
