@@ -378,10 +378,11 @@ def measure_training_peak(step: Callable[[], Any], module: nn.Module,
     sum in place. Since stop 83 those partial sums are left out as the gradient they
     become without the mode is (:meth:`StorageTrace.summed_in_place`); before, a peak at
     such a sum counted one gradient more than the step holds (tiny BART under
-    ``op.offload`` at ``"min"``: 57,736 B, where torch's profiler, without a mode, sees
-    47,112; torch's ``MemTracker`` still counts it). A storage resized during the step with
-    ``UntypedStorage.resize_`` (FSDP2 gathers a unit's parameters into storages it keeps
-    across steps and resizes itself) counts at its size from then on; before
+    ``op.offload`` at ``"min"``: 57,736 B, 47,112 B now, and torch's profiler, without a
+    mode, sees 47,120, a scalar more; torch's ``MemTracker`` still counts it). A storage
+    resized during the step with ``UntypedStorage.resize_`` (FSDP2 gathers a unit's
+    parameters into storages it keeps across steps and resizes itself) counts at its size
+    from then on; before
     stop 78 such storages were left out, and with them every gathered parameter
     of a sharded step. The sharded gradients of FSDP2 (``DTensor``) are gradients too.
 
