@@ -262,6 +262,20 @@ class StorageTrace(TorchDispatchMode):
         -------
         set[int]
             Their records, to leave out as the gradients are (:attr:`left_out`).
+
+        Notes
+        -----
+        A gradient hook that adds to such a sum out of place (``lambda g: g + x``) looks
+        the same, and its operand would be left out too.
+
+        Examples
+        --------
+        >>> w = torch.randn(10, 4, requires_grad=True)
+        >>> ids = torch.tensor([1, 2])
+        >>> with StorageTrace() as trace:  # three contributions: two sums, one in place
+        ...     (w[ids] + w[ids] + w[ids]).sum().backward()
+        >>> [trace.sizes[r] for r in trace.summed_in_place([w.grad])]
+        [160]
         """
         found: set[int] = set()
         for t in grads:
