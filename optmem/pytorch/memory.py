@@ -143,6 +143,25 @@ def live_bytes(values: Iterable[Any]) -> int:
 
 
 # ------------------------------------------------------------------ dispatch-level trace
+@dataclass(frozen=True)
+class _Sum:
+    """How a trace saw a sum ``first + ...`` made (see :meth:`StorageTrace.summed_in_place`).
+
+    Attributes
+    ----------
+    first
+        The record of its first operand.
+    event
+        The index of the event that created the sum.
+    whole
+        The operand was not a view, contiguous and its whole storage.
+    """
+
+    first: int
+    event: int
+    whole: bool
+
+
 class StorageTrace(TorchDispatchMode):
     """Record the creation and the release of every storage an op creates while active.
 
@@ -182,8 +201,7 @@ class StorageTrace(TorchDispatchMode):
         self.events: list[tuple[int, int]] = []  # (record, +bytes | -bytes)
         self._live: dict[int, int] = {}  # storage key -> record
         self.left_out: set[int] = set()  # records removed from the whole history
-        # record of a sum made with grad mode off -> record of its first operand
-        self.sums: dict[int, int] = {}
+        self.sums: dict[int, _Sum] = {}  # record of a sum made with grad mode off -> its making
 
     def _free(self, key: int, record: int) -> None:
         if self._live.get(key) == record:
@@ -232,26 +250,36 @@ class StorageTrace(TorchDispatchMode):
         return out
 
     def _note_sum(self, out: Any, first: Any) -> None:
-        """Remember that ``out`` is ``first + ...`` (both storages created while active)."""
+        """Remember that ``out`` is ``first + ...`` (both storages created while active).
+
+        With the event that created ``out`` and whether ``first`` is a tensor autograd may
+        sum into in place: not a view, contiguous, its whole storage (a dense tensor in
+        another layout is taken as not: the trace then counts a gradient more, not less).
+        """
         if not (isinstance(out, torch.Tensor) and isinstance(first, torch.Tensor)):
             return
         record, operand = self.record_of(out), self.record_of(first)
-        if record is not None and operand is not None and record != operand:
-            self.sums[record] = operand
+        if record is None or operand is None or record == operand:
+            return
+        whole = (not first._is_view() and first.is_contiguous()
+                 and first.numel() * first.element_size() == self.sizes[operand])
+        self.sums[record] = _Sum(operand, len(self.events) - 1, whole)
 
     def summed_in_place(self, grads: Iterable[torch.Tensor]) -> set[int]:
-        """Records of the partial sums that autograd, without a mode, makes into ``grads``.
+        """Records of the storages that autograd, without a mode, sums ``grads`` into.
 
         Autograd sums the contributions of a tensor used several times (a tied embedding)
-        in a buffer: ``old + new``, in place into ``old`` when nothing else holds it. The
-        first sum may be out of place (BART's head and decoder embedding), but it is then
-        autograd's own, fresh and dense, so every later sum goes into it (``add_``) and it
-        becomes ``.grad``. Under a Python dispatch mode (this trace, torch's
-        ``MemTracker``) ATen's ``isTensorSubclassLike`` is true for every tensor, and
-        autograd makes every sum out of place: one gradient more at each later sum than the
-        step holds. Walking back from each gradient through the sums (made with grad mode
-        off) whose first operand is itself such a sum of the same size gives those that,
-        without the mode, are the gradient's storage.
+        in a buffer: ``old + new``, in place into ``old`` (``add_``) when ``old`` is its
+        alone, not a view, dense and its whole storage (taken here as contiguous); so
+        every sum after the first goes into the first (its own), and the first into the
+        first contribution when that qualifies (an embedding's gradient; not the head's, a
+        transposed view of a product): that storage becomes ``.grad``. Under a Python
+        dispatch mode (this trace, torch's ``MemTracker``) ATen's ``isTensorSubclassLike``
+        is true for every tensor, and autograd makes every sum out of place: one gradient
+        more at each sum than the step holds. Walking back from each gradient through the
+        sums made with grad mode off, each first operand of the same size that qualifies
+        and that the sum frees at once (nothing else holds it) is a storage that, without
+        the mode, is the gradient's.
 
         Parameters
         ----------
@@ -272,26 +300,33 @@ class StorageTrace(TorchDispatchMode):
         --------
         >>> w = torch.randn(10, 4, requires_grad=True)
         >>> ids = torch.tensor([1, 2])
-        >>> with StorageTrace() as trace:  # three contributions: two sums, one in place
+        >>> with StorageTrace() as trace:  # three contributions, all summed into the first
         ...     (w[ids] + w[ids] + w[ids]).sum().backward()
-        >>> [trace.sizes[r] for r in trace.summed_in_place([w.grad])]
-        [160]
+        >>> [trace.sizes[r] for r in sorted(trace.summed_in_place([w.grad]))]
+        [160, 160]
         """
+        frees = {record: k for k, (record, delta) in enumerate(self.events) if delta < 0}
         found: set[int] = set()
         for t in grads:
             record = self.record_of(t)
             while record is not None:
-                record = self._summed_into(record)
+                record = self._summed_into(record, frees)
                 if record is not None:
                     found.add(record)
         return found
 
-    def _summed_into(self, record: int) -> int | None:
-        """The earlier sum that ``record``, a sum too, is made in place into, if any."""
-        first = self.sums.get(record)
-        if first is None or first not in self.sums or self.sizes[first] != self.sizes[record]:
+    def _summed_into(self, record: int, frees: dict[int, int]) -> int | None:
+        """The operand that the sum ``record`` is made into in place without a mode, if any."""
+        made = self.sums.get(record)
+        if made is None or not made.whole or self.sizes[made.first] != self.sizes[record]:
             return None
-        return first
+        freed = frees.get(made.first)
+        if freed is None or freed < made.event:
+            return None
+        # freed by the sum itself: no storage created between the sum and that release
+        if any(delta > 0 for _, delta in self.events[made.event + 1:freed]):
+            return None
+        return made.first
 
     def resized(self, storage: torch.UntypedStorage) -> None:
         """Count a ``storage.resize_`` (no op: the dispatch mode does not see it).
