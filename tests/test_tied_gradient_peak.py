@@ -6,10 +6,13 @@ where three gradients of its word embedding (shared by the encoder, the decoder 
 head) were alive. The measurement made the third: under a Python dispatch mode (the
 ``StorageTrace`` of :func:`~optmem.pytorch.memory.measure_training_peak`) ATen treats every
 tensor as a subclass, and autograd sums every contribution of a tensor used several times
-out of place, where without a mode it sums the later ones into its own first sum, which
-becomes ``.grad`` (torch's profiler: ``aten::add_``, not ``aten::add``). Since stop 83 the
-trace leaves those partial sums out as it leaves out the gradients; the same step measures
-47,112 B, within the terms, and torch's profiler, which adds no mode, agrees.
+out of place, where without a mode it sums into the partial in place when that is its own,
+not a view and dense: the later ones into its own first sum, which becomes ``.grad``
+(torch's profiler: ``aten::add_``, not ``aten::add``), and the first into the first
+contribution when that qualifies (an embedding's gradient; BART's head's is a view). Since
+stop 83 the trace leaves those storages out as it leaves out the gradients; the same step
+measures 47,112 B, within the terms, and torch's profiler, which adds no mode, 47,120 (an
+8-byte scalar that no dispatch mode sees).
 """
 
 from __future__ import annotations
