@@ -259,8 +259,9 @@ class StorageTrace(TorchDispatchMode):
         if not (isinstance(out, torch.Tensor) and isinstance(first, torch.Tensor)):
             return
         record, operand = self.record_of(out), self.record_of(first)
-        if record is None or operand is None or record == operand:
-            return
+        if (record is None or operand is None or record == operand
+                or self.events[-1] != (record, self.sizes[record])):
+            return  # not a storage this op created
         whole = (not first._is_view() and first.is_contiguous()
                  and first.numel() * first.element_size() == self.sizes[operand])
         self.sums[record] = _Sum(operand, len(self.events) - 1, whole)
@@ -423,9 +424,10 @@ def measure_training_peak(step: Callable[[], Any], module: nn.Module,
     with one exception found in stop 77: under a Python dispatch mode autograd sums the
     gradient contributions of a tensor used several times (a tied embedding) out of place
     (ATen's ``isTensorSubclassLike`` is true for every tensor while a mode is active; a few
-    backward formulas branch on it too), where without one it sums into its own partial
-    sum in place. Since stop 83 those partial sums are left out as the gradient they
-    become without the mode is (:meth:`StorageTrace.summed_in_place`); before, a peak at
+    backward formulas branch on it too), where without one it sums into the partial in
+    place when that is its own, not a view and dense. Since stop 83 those storages are
+    left out as the gradient they become without the mode is
+    (:meth:`StorageTrace.summed_in_place`); before, a peak at
     such a sum counted one gradient more than the step holds (tiny BART under
     ``op.offload`` at ``"min"``: 57,736 B, 47,112 B now, and torch's profiler, without a
     mode, sees 47,120, a scalar more; torch's ``MemTracker`` still counts it). A storage
