@@ -143,6 +143,25 @@ def live_bytes(values: Iterable[Any]) -> int:
 
 
 # ------------------------------------------------------------------ dispatch-level trace
+@dataclass(frozen=True)
+class _Sum:
+    """How a trace saw a sum ``first + ...`` made (see :meth:`StorageTrace.summed_in_place`).
+
+    Attributes
+    ----------
+    first
+        The record of its first operand.
+    event
+        The index of the event that created the sum.
+    whole
+        The operand was not a view, contiguous and its whole storage.
+    """
+
+    first: int
+    event: int
+    whole: bool
+
+
 class StorageTrace(TorchDispatchMode):
     """Record the creation and the release of every storage an op creates while active.
 
@@ -182,6 +201,7 @@ class StorageTrace(TorchDispatchMode):
         self.events: list[tuple[int, int]] = []  # (record, +bytes | -bytes)
         self._live: dict[int, int] = {}  # storage key -> record
         self.left_out: set[int] = set()  # records removed from the whole history
+        self.sums: dict[int, _Sum] = {}  # record of a sum made with grad mode off -> its making
 
     def _free(self, key: int, record: int) -> None:
         if self._live.get(key) == record:
@@ -225,7 +245,89 @@ class StorageTrace(TorchDispatchMode):
         fresh = func._overloadpacket.__name__ in _FRESH_OPS
         for t in _tensors(out):
             self._track(t, inputs, fresh)
+        if func is torch.ops.aten.add.Tensor and not torch.is_grad_enabled():
+            self._note_sum(out, args[0])
         return out
+
+    def _note_sum(self, out: Any, first: Any) -> None:
+        """Remember that ``out`` is ``first + ...`` (both storages created while active).
+
+        With the event that created ``out`` and whether ``first`` is a tensor autograd may
+        sum into in place: not a view, contiguous, its whole storage (a dense tensor in
+        another layout is taken as not: the trace then counts a gradient more, not less).
+        """
+        if not (isinstance(out, torch.Tensor) and isinstance(first, torch.Tensor)):
+            return
+        record, operand = self.record_of(out), self.record_of(first)
+        if (record is None or operand is None or record == operand
+                or self.events[-1] != (record, self.sizes[record])):
+            return  # not a storage this op created
+        whole = (not first._is_view() and first.is_contiguous()
+                 and first.numel() * first.element_size() == self.sizes[operand])
+        self.sums[record] = _Sum(operand, len(self.events) - 1, whole)
+
+    def summed_in_place(self, grads: Iterable[torch.Tensor]) -> set[int]:
+        """Records of the storages that autograd, without a mode, sums ``grads`` into.
+
+        Autograd sums the contributions of a tensor used several times (a tied embedding)
+        in a buffer: ``old + new``, in place into ``old`` (``add_``) when ``old`` is its
+        alone, not a view, dense and its whole storage (taken here as contiguous); so
+        every sum after the first goes into the first (its own), and the first into the
+        first contribution when that qualifies (an embedding's gradient; not the head's, a
+        transposed view of a product): that storage becomes ``.grad``. Under a Python
+        dispatch mode (this trace, torch's ``MemTracker``) ATen's ``isTensorSubclassLike``
+        is true for every tensor, and autograd makes every sum out of place: one gradient
+        more at each sum than the step holds. Walking back from each gradient through the
+        sums made with grad mode off, each first operand of the same size that qualifies
+        and that the sum frees at once (nothing else holds it) is a storage that, without
+        the mode, is the gradient's.
+
+        Parameters
+        ----------
+        grads
+            The parameters' gradients after the step.
+
+        Returns
+        -------
+        set[int]
+            Their records, to leave out as the gradients are (:attr:`left_out`).
+
+        Notes
+        -----
+        A gradient hook that adds to such a sum out of place (``lambda g: g + x``) looks
+        the same, and its operand would be left out too.
+
+        Examples
+        --------
+        >>> w = torch.randn(10, 4, requires_grad=True)
+        >>> ids = torch.tensor([1, 2])
+        >>> with StorageTrace() as trace:  # three contributions, all summed into the first
+        ...     (w[ids] + w[ids] + w[ids]).sum().backward()
+        >>> [trace.sizes[r] for r in sorted(trace.summed_in_place([w.grad]))]
+        [160, 160]
+        """
+        frees = {record: k for k, (record, delta) in enumerate(self.events) if delta < 0}
+        found: set[int] = set()
+        for t in grads:
+            record = self.record_of(t)
+            while record is not None:
+                record = self._summed_into(record, frees)
+                if record is not None:
+                    found.add(record)
+        return found
+
+    def _summed_into(self, record: int, frees: dict[int, int]) -> int | None:
+        """The operand that the sum ``record`` is made into in place without a mode, if any."""
+        made = self.sums.get(record)
+        if made is None or not made.whole or self.sizes[made.first] != self.sizes[record]:
+            return None
+        freed = frees.get(made.first)
+        if freed is None or freed < made.event:
+            return None
+        # freed by the sum itself: no storage created between the sum and that release
+        if any(delta > 0 for _, delta in self.events[made.event + 1:freed]):
+            return None
+        return made.first
 
     def resized(self, storage: torch.UntypedStorage) -> None:
         """Count a ``storage.resize_`` (no op: the dispatch mode does not see it).
@@ -322,11 +424,16 @@ def measure_training_peak(step: Callable[[], Any], module: nn.Module,
     with one exception found in stop 77: under a Python dispatch mode autograd sums the
     gradient contributions of a tensor used several times (a tied embedding) out of place
     (ATen's ``isTensorSubclassLike`` is true for every tensor while a mode is active; a few
-    backward formulas branch on it too), where it may sum into the partial gradient in
-    place without one, so a peak at such a sum can count one gradient more than the step
-    holds (torch's ``MemTracker`` too). A storage resized during the step with
-    ``UntypedStorage.resize_`` (FSDP2 gathers a unit's parameters into storages it keeps
-    across steps and resizes itself) counts at its size from then on; before
+    backward formulas branch on it too), where without one it sums into the partial in
+    place when that is its own, not a view and dense. Since stop 83 those storages are
+    left out as the gradient they become without the mode is
+    (:meth:`StorageTrace.summed_in_place`); before, a peak at
+    such a sum counted one gradient more than the step holds (tiny BART under
+    ``op.offload`` at ``"min"``: 57,736 B, 47,112 B now, and torch's profiler, without a
+    mode, sees 47,120, a scalar more; torch's ``MemTracker`` still counts it). A storage
+    resized during the step with ``UntypedStorage.resize_`` (FSDP2 gathers a unit's
+    parameters into storages it keeps across steps and resizes itself) counts at its size
+    from then on; before
     stop 78 such storages were left out, and with them every gathered parameter
     of a sharded step. The sharded gradients of FSDP2 (``DTensor``) are gradients too.
 
@@ -362,6 +469,7 @@ def measure_training_peak(step: Callable[[], Any], module: nn.Module,
         step()
     # a DTensor's gradient (FSDP2: sharded) is stored in its local tensor
     grads = [getattr(p.grad, "_local_tensor", p.grad) for p in params if p.grad is not None]
+    trace.left_out |= trace.summed_in_place(grads)  # autograd's own sums, as without a mode
     return input_bytes(inputs) + trace.peak(exclude=grads)
 
 
