@@ -154,3 +154,16 @@ def check_one_liner(model: torch.nn.Module, kwargs: dict[str, Any], *, bitwise: 
     model.zero_grad(set_to_none=True)
     assert real <= limit + allowance, (real, limit, allowance)
     return cmodel, got, ref
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    """Eight sequences of 16 token ids, their own labels (a ``Trainer`` dataset)."""
+
+    def __init__(self) -> None:
+        self.ids = torch.randint(0, 100, (8, 16), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}

@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch", reason="the torch bridge needs torch")
 transformers = pytest.importorskip("transformers", reason="the HF tests need transformers")
 peft = pytest.importorskip("peft", reason="the LoRA test needs peft (dev extra)")
 
-from hf_helpers import gpt2  # noqa: E402
+from hf_helpers import TokenDataset, gpt2  # noqa: E402
 
 import optmem.pytorch as op  # noqa: E402
 
@@ -31,25 +31,12 @@ FIXED: dict[str, Any] = {"memory_limit": "60%", "fast_path": False, "repeats": 1
                          "warmup": 0, "time_model": lambda *_: (1.0, 2.0)}
 
 
-class _Tokens(torch.utils.data.Dataset):
-    """Eight sequences of 16 token ids, their own labels."""
-
-    def __init__(self) -> None:
-        self.ids = torch.randint(0, 100, (8, 16), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
 def _trainer(model: Any, out: Path, **options: Any) -> Any:
     args = transformers.TrainingArguments(
         output_dir=str(out), per_device_train_batch_size=2, max_steps=2, logging_steps=1,
         save_strategy="no", report_to=[], use_cpu=True, seed=0, dataloader_num_workers=0,
         disable_tqdm=True, learning_rate=1e-2, label_names=["labels"], **options)
-    return transformers.Trainer(model=model, args=args, train_dataset=_Tokens())
+    return transformers.Trainer(model=model, args=args, train_dataset=TokenDataset())
 
 
 def _losses(trainer: Any) -> list[float]:

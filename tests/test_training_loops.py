@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="the torch bridge needs torch")
 transformers = pytest.importorskip("transformers", reason="the HF tests need transformers")
 
-from hf_helpers import gpt2, llama, step  # noqa: E402
+from hf_helpers import TokenDataset, gpt2, llama, step  # noqa: E402
 
 import optmem.pytorch as op  # noqa: E402
 
@@ -37,19 +37,6 @@ def _equal(a: list[Any], b: list[Any]) -> bool:
     return all((x is None and y is None) or torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
-class _Tokens(torch.utils.data.Dataset):
-    """Eight sequences of 16 token ids, their own labels."""
-
-    def __init__(self) -> None:
-        self.ids = torch.randint(0, 100, (8, 16), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
 def _train(model: Any, out: Path) -> tuple[list[float], Any]:
     """Three optimizer steps of ``Trainer`` (2 micro-batches each, clipped), then ``save_model``."""
     args = transformers.TrainingArguments(
@@ -57,7 +44,7 @@ def _train(model: Any, out: Path) -> tuple[list[float], Any]:
         max_steps=3, max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to=[],
         use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True, weight_decay=0.5,
         learning_rate=1e-2)
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=_Tokens())
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=TokenDataset())
     trainer.train()
     trainer.save_model(str(out / "final"))
     return [h["loss"] for h in trainer.state.log_history if "loss" in h], trainer
@@ -171,7 +158,7 @@ def _eval_loss(model: Any, out: Path, **options: Any) -> dict[str, float]:
     args = transformers.TrainingArguments(
         output_dir=str(out), per_device_eval_batch_size=4, report_to=[], use_cpu=True,
         disable_tqdm=True, **options)
-    trainer = transformers.Trainer(model=model, args=args, eval_dataset=_Tokens())
+    trainer = transformers.Trainer(model=model, args=args, eval_dataset=TokenDataset())
     return trainer.evaluate()
 
 
