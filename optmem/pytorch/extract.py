@@ -497,6 +497,10 @@ def _extract_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
             if unknown is not None:  # fx would cut a graph whose output hides its tensors
                 raise OptmemInputError(_unknown_output_message(name, unknown),
                                        field="module") from None
+            checked = validated_distribution(exc)
+            if checked is not None:  # its value check cannot be a graph; fx fails there too
+                raise OptmemInputError(_distribution_message(name, checked),
+                                       field="module") from None
             errors.append(f"torch.export: {_first_line(exc)}")
             branch = data_dependent_branch(exc)
             owner = _known_module(module, getattr(exc, "owner", None)) or failed_in(exc, module)
@@ -756,6 +760,43 @@ def _what_to_do(module: nn.Module, hint: str) -> str:
 
 
 _UNKNOWN_OUTPUT = re.compile(r"Found <class '([^']+)'> in output, which is not a known type")
+
+
+_DISTRIBUTION_FILE = os.path.join("torch", "distributions", "distribution.py")
+_VALIDATING = ("__init__", "_validate_sample")
+
+
+def validated_distribution(exc: BaseException) -> str | None:
+    """The ``torch.distributions`` class whose argument check stopped the export, if one did.
+
+    A distribution built with validation on (``validate_args=None`` under Python's default
+    ``__debug__``) checks its parameters' values (``Normal``'s ``scale > 0``) in
+    ``Distribution.__init__`` and a sample's in ``_validate_sample``: a branch on a
+    computed value, which no graph holds. Read from the frames of ``exc`` and the
+    exceptions it chains (the export runs the model's Python code).
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        tb = current.__traceback__
+        while tb is not None:
+            code = tb.tb_frame.f_code
+            if code.co_filename.endswith(_DISTRIBUTION_FILE) and code.co_name in _VALIDATING:
+                return type(tb.tb_frame.f_locals.get("self")).__name__
+            tb = tb.tb_next
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def _distribution_message(name: str, distribution: str) -> str:
+    """Why a validated ``torch.distributions`` object stops extraction, and what to do."""
+    return (f"cannot extract a chain from {name}: its forward builds a "
+            f"torch.distributions.{distribution} that validates its arguments' values "
+            "(validate_args, on by default), a check on values computed in the call that no "
+            f"graph can hold. Build it with {distribution}(..., validate_args=False), or call "
+            "torch.distributions.Distribution.set_default_validate_args(False) before "
+            "wrapping (rsample() and log_prob() are the same without the check)")
 
 
 def unknown_output_type(exc: BaseException) -> str | None:
