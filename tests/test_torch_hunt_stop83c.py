@@ -7,6 +7,10 @@ default), a branch on computed values that no graph holds, and the error blamed 
 the value of a tensor" and told to call the model without an input. It is now one
 ``OptmemInputError`` naming the distribution and ``validate_args=False``; with that, the
 wrapped VAE trains as the plain one, bitwise (its noise replayed where a stage re-runs).
+An RNN fed a ``PackedSequence`` failed with torch's own two errors (export's "zeros():
+argument 'size' ... FakeTensor", fx's "__cuda_array_interface__"); it is now one error
+naming the packed batch and what to do (an ``nn.Sequential`` with the packing inside a
+stage trains bitwise).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ torch = pytest.importorskip("torch", reason="the torch bridge needs torch")
 
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence  # noqa: E402
 
 import optmem.pytorch as op  # noqa: E402
 from optmem.errors import OptmemInputError  # noqa: E402
@@ -85,3 +90,27 @@ def test_a_vae_without_validation_trains_as_the_plain_model(wrap):
         for p, q in zip(model.parameters(), ref.parameters(), strict=True):
             assert torch.equal(p.grad, q.grad)
         opt_ref.step(), opt.step(), opt_ref.zero_grad(), opt.zero_grad()
+
+
+class PackedRNN(nn.Module):
+    """An embedding, a bidirectional LSTM on the packed batch, a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 16)
+        self.rnn = nn.LSTM(16, 24, num_layers=2, bidirectional=True, batch_first=True)
+        self.head = nn.Linear(48, 3)
+
+    def forward(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        packed = pack_padded_sequence(self.emb(ids), lengths, batch_first=True,
+                                      enforce_sorted=False)
+        out, _ = self.rnn(packed)
+        return self.head(pad_packed_sequence(out, batch_first=True)[0])
+
+
+def test_an_rnn_on_a_packed_sequence_is_one_error_naming_it():
+    """main: torch's export and fx errors, none naming the packed batch."""
+    torch.manual_seed(0)
+    sample = (torch.randint(0, 20, (4, 10)), torch.tensor([10, 7, 3, 9]))
+    with pytest.raises(OptmemInputError, match=r"PackedSequence .* in 'rnn' \(a LSTM\)"):
+        op.checkpoint(PackedRNN(), sample, **FIXED)

@@ -501,6 +501,10 @@ def _extract_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
             if checked is not None:  # its value check cannot be a graph; fx fails there too
                 raise OptmemInputError(_distribution_message(name, checked),
                                        field="module") from None
+            if passes_packed_sequence(exc):  # its batch sizes are values; fx fails too
+                packed_in = _failed_at(module, failed_in(exc, module))
+                raise OptmemInputError(_packed_message(name, packed_in),
+                                       field="module") from None
             errors.append(f"torch.export: {_first_line(exc)}")
             branch = data_dependent_branch(exc)
             owner = _known_module(module, getattr(exc, "owner", None)) or failed_in(exc, module)
@@ -775,18 +779,46 @@ def validated_distribution(exc: BaseException) -> str | None:
     computed value, which no graph holds. Read from the frames of ``exc`` and the
     exceptions it chains (the export runs the model's Python code).
     """
+    for frame in _failure_frames(exc):
+        code = frame.f_code
+        if code.co_filename.endswith(_DISTRIBUTION_FILE) and code.co_name in _VALIDATING:
+            return type(frame.f_locals.get("self")).__name__
+    return None
+
+
+def passes_packed_sequence(exc: BaseException) -> bool:
+    """Whether a frame ``exc`` went through held a ``PackedSequence`` (an RNN's packed batch).
+
+    ``pack_padded_sequence`` makes ``batch_sizes`` from the lengths' values, and the RNN
+    kernel sizes its work from them: no graph holds that (export and fx both fail inside
+    the RNN).
+    """
+    from torch.nn.utils.rnn import PackedSequence
+
+    return any(isinstance(value, PackedSequence)
+               for frame in _failure_frames(exc) for value in frame.f_locals.values())
+
+
+def _failure_frames(exc: BaseException) -> Iterator[Any]:
+    """The frames of ``exc``'s traceback and of the exceptions it chains, outermost first."""
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
         tb = current.__traceback__
         while tb is not None:
-            code = tb.tb_frame.f_code
-            if code.co_filename.endswith(_DISTRIBUTION_FILE) and code.co_name in _VALIDATING:
-                return type(tb.tb_frame.f_locals.get("self")).__name__
+            yield tb.tb_frame
             tb = tb.tb_next
         current = current.__cause__ or current.__context__
-    return None
+
+
+def _packed_message(name: str, where: str) -> str:
+    """Why an RNN on a ``PackedSequence`` stops extraction, and what to do."""
+    return (f"cannot extract a chain from {name}: its forward passes a PackedSequence "
+            f"(pack_padded_sequence) to an RNN{where}, whose batch sizes are values of the "
+            "lengths that no graph can hold. Run the RNN on the padded batch (mask the "
+            "padded steps in the loss), or pass an nn.Sequential of its blocks or a list "
+            "of stage modules, with the packing and the RNN inside one stage")
 
 
 def _distribution_message(name: str, distribution: str) -> str:
