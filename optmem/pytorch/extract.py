@@ -38,6 +38,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, redirect_stderr
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 import torch
@@ -799,7 +800,7 @@ def passes_packed_sequence(exc: BaseException) -> bool:
                for frame in _failure_frames(exc) for value in frame.f_locals.values())
 
 
-def _failure_frames(exc: BaseException) -> Iterator[Any]:
+def _failure_frames(exc: BaseException) -> Iterator[FrameType]:
     """The frames of ``exc``'s traceback and of the exceptions it chains, outermost first."""
     seen: set[int] = set()
     current: BaseException | None = exc
