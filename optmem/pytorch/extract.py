@@ -38,6 +38,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, redirect_stderr
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 import torch
@@ -497,6 +498,14 @@ def _extract_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
             if unknown is not None:  # fx would cut a graph whose output hides its tensors
                 raise OptmemInputError(_unknown_output_message(name, unknown),
                                        field="module") from None
+            checked = validated_distribution(exc)
+            if checked is not None:  # its value check cannot be a graph; fx fails there too
+                raise OptmemInputError(_distribution_message(name, checked),
+                                       field="module") from None
+            if passes_packed_sequence(exc):  # its batch sizes are values; fx fails too
+                packed_in = _failed_at(module, failed_in(exc, module))
+                raise OptmemInputError(_packed_message(name, packed_in),
+                                       field="module") from None
             errors.append(f"torch.export: {_first_line(exc)}")
             branch = data_dependent_branch(exc)
             owner = _known_module(module, getattr(exc, "owner", None)) or failed_in(exc, module)
@@ -756,6 +765,71 @@ def _what_to_do(module: nn.Module, hint: str) -> str:
 
 
 _UNKNOWN_OUTPUT = re.compile(r"Found <class '([^']+)'> in output, which is not a known type")
+
+
+_DISTRIBUTION_FILE = os.path.join("torch", "distributions", "distribution.py")
+_VALIDATING = ("__init__", "_validate_sample")
+
+
+def validated_distribution(exc: BaseException) -> str | None:
+    """The ``torch.distributions`` class whose argument check stopped the export, if one did.
+
+    A distribution built with validation on (``validate_args=None`` under Python's default
+    ``__debug__``) checks its parameters' values (``Normal``'s ``scale > 0``) in
+    ``Distribution.__init__`` and a sample's in ``_validate_sample``: a branch on a
+    computed value, which no graph holds. Read from the frames of ``exc`` and the
+    exceptions it chains (the export runs the model's Python code).
+    """
+    for frame in _failure_frames(exc):
+        code = frame.f_code
+        if code.co_filename.endswith(_DISTRIBUTION_FILE) and code.co_name in _VALIDATING:
+            return type(frame.f_locals.get("self")).__name__
+    return None
+
+
+def passes_packed_sequence(exc: BaseException) -> bool:
+    """Whether a frame ``exc`` went through held a ``PackedSequence`` (an RNN's packed batch).
+
+    ``pack_padded_sequence`` makes ``batch_sizes`` from the lengths' values, and the RNN
+    kernel sizes its work from them: no graph holds that (export and fx both fail inside
+    the RNN).
+    """
+    from torch.nn.utils.rnn import PackedSequence
+
+    return any(isinstance(value, PackedSequence)
+               for frame in _failure_frames(exc) for value in frame.f_locals.values())
+
+
+def _failure_frames(exc: BaseException) -> Iterator[FrameType]:
+    """The frames of ``exc``'s traceback and of the exceptions it chains, outermost first."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        tb = current.__traceback__
+        while tb is not None:
+            yield tb.tb_frame
+            tb = tb.tb_next
+        current = current.__cause__ or current.__context__
+
+
+def _packed_message(name: str, where: str) -> str:
+    """Why an RNN on a ``PackedSequence`` stops extraction, and what to do."""
+    return (f"cannot extract a chain from {name}: its forward passes a PackedSequence "
+            f"(pack_padded_sequence) to an RNN{where}, whose batch sizes are values of the "
+            "lengths that no graph can hold. Run the RNN on the padded batch (mask the "
+            "padded steps in the loss), or pass an nn.Sequential of its blocks or a list "
+            "of stage modules, with the packing and the RNN inside one stage")
+
+
+def _distribution_message(name: str, distribution: str) -> str:
+    """Why a validated ``torch.distributions`` object stops extraction, and what to do."""
+    return (f"cannot extract a chain from {name}: its forward builds a "
+            f"torch.distributions.{distribution} that validates its arguments' values "
+            "(validate_args, on by default), a check on values computed in the call that no "
+            f"graph can hold. Build it with {distribution}(..., validate_args=False), or call "
+            "torch.distributions.Distribution.set_default_validate_args(False) before "
+            "wrapping (rsample() and log_prob() are the same without the check)")
 
 
 def unknown_output_type(exc: BaseException) -> str | None:

@@ -48,7 +48,8 @@ from optmem.errors import OptmemInputError
 
 __all__ = ["buffers_restored", "callers_tools_suspended", "check_backward_hooks",
            "check_module_hooks", "cuda_indices", "generators_restored", "has_module_hooks",
-           "host_random_restored", "module_generators", "quiet_gradient_hooks",
+           "host_random_restored", "module_generators", "parameters_unmodified",
+           "quiet_gradient_hooks",
            "random_config", "refuse_python_random", "refuse_tensor_hooks", "same_generator",
            "warn_container_hooks", "warn_forward_hooks"]
 
@@ -160,6 +161,31 @@ def _has_hf_input_grad_hook(hooked: list[tuple[str, nn.Module]]) -> bool:
     """Whether a hook is HF's ``enable_input_require_grads`` (gradient checkpointing's)."""
     return any("enable_input_require_grads" in getattr(h, "__qualname__", "")
                for _, sub in hooked for h in sub._forward_hooks.values())
+
+
+@contextmanager
+def parameters_unmodified(model: nn.Module) -> Iterator[None]:
+    """Within: the setup of a wrapper; on a normal exit, refuse a parameter it modified.
+
+    Extracting, profiling and measuring run the forward several times. A forward that
+    updates a parameter in place (an EMA teacher's or a momentum encoder's weights,
+    ``p.mul_(m).add_(q, alpha=1 - m)`` under ``no_grad``) would have that update applied
+    at each of those runs, and the model would train on from weights the plain model never
+    had (stop 83: BYOL's target 4.5e-8 off after wrapping, 0.29 in the loss after a
+    re-extraction). Read from the version counters (no copy of any parameter): one
+    ``OptmemInputError`` names the first parameter modified.
+    """
+    named = list(model.named_parameters(remove_duplicate=True))
+    versions = [p._version for _, p in named]
+    yield
+    for (name, p), version in zip(named, versions, strict=True):
+        if p._version != version:
+            raise OptmemInputError(
+                f"{type(model).__name__}'s forward modifies its parameter {name!r} in place "
+                "(an EMA or momentum update inside forward): optmem runs the forward several "
+                "times to extract and profile it, which would apply that update each time. "
+                "Update it outside the forward (after optimizer.step()), then wrap",
+                field="module")
 
 
 @contextmanager

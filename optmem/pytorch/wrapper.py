@@ -121,6 +121,7 @@ from optmem.pytorch.hooks import (
     cuda_indices,
     generators_restored,
     module_generators,
+    parameters_unmodified,
     warn_container_hooks,
 )
 from optmem.pytorch.memory import buffers_restored, storage_bytes
@@ -2126,7 +2127,7 @@ def _extract_variant(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
                      name: str, like: _Variant | None,
                      solve: Callable[[Chain], Result] | None = None,
                      ext: Extraction | None = None, local: bool = False) -> _Variant:
-    with leaves_no_trace(module, (args, kwargs)):
+    with parameters_unmodified(module), leaves_no_trace(module, (args, kwargs)):
         if ext is None:
             ext = _extracted(module, args, kwargs, profile.extract)
         flat = ext.flatten(args, kwargs)
