@@ -553,20 +553,14 @@ def failed_in(exc: BaseException, model: nn.Module) -> str | None:
     ``model`` itself. ``None`` when no such frame is found.
     """
     names = {id(m): n for n, m in model.named_modules() if n}
-    found: str | None = None
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        tb = current.__traceback__
-        while tb is not None:
-            owner = tb.tb_frame.f_locals.get("self")
+    for current in _exception_chain(exc):
+        found: str | None = None
+        for frame in _frames(current):
+            owner = frame.f_locals.get("self")
             if isinstance(owner, nn.Module) and id(owner) in names:
                 found = names[id(owner)]
-            tb = tb.tb_next
         if found is not None:
             return found
-        current = current.__cause__ or current.__context__
     return None
 
 
@@ -802,15 +796,26 @@ def passes_packed_sequence(exc: BaseException) -> bool:
 
 def _failure_frames(exc: BaseException) -> Iterator[FrameType]:
     """The frames of ``exc``'s traceback and of the exceptions it chains, outermost first."""
+    for current in _exception_chain(exc):
+        yield from _frames(current)
+
+
+def _exception_chain(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and the exceptions it chains (``__cause__``, else ``__context__``), once each."""
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        tb = current.__traceback__
-        while tb is not None:
-            yield tb.tb_frame
-            tb = tb.tb_next
+        yield current
         current = current.__cause__ or current.__context__
+
+
+def _frames(exc: BaseException) -> Iterator[FrameType]:
+    """The frames of ``exc``'s own traceback, outermost first."""
+    tb = exc.__traceback__
+    while tb is not None:
+        yield tb.tb_frame
+        tb = tb.tb_next
 
 
 def _packed_message(name: str, where: str) -> str:
