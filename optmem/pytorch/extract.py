@@ -1123,7 +1123,10 @@ def _export(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
 
     A forward that branches on a tensor's value stops the first export; the second takes
     the sample's side of each such branch and asserts it at run time
-    (:mod:`optmem.pytorch.branches`). The first failure is raised if the second fails too,
+    (:mod:`optmem.pytorch.branches`), except a ``torch.distributions`` argument check
+    (:func:`validated_distribution`): with the sample's values it may pass and leave an
+    assertion mid-chain, refused then as a branch on an intermediate value, whose message
+    does not name the distribution. The first failure is raised if the second fails too,
     unless the second found what optmem refuses past the branch (NumPy draws, tensor
     hooks, a custom Function it cannot keep): that error says more.
     """
@@ -1142,8 +1145,8 @@ def _export(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     except Exception as exc:
         from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-        if not isinstance(exc, GuardOnDataDependentSymNode):
-            raise
+        if not isinstance(exc, GuardOnDataDependentSymNode) or validated_distribution(exc):
+            raise  # a distribution's value check: refused as such, whatever the values
         try:
             with real_values():
                 ep = run()
