@@ -1894,6 +1894,9 @@ def refuse_wrapped(module: Any, call: str, *, wrap_after: bool = True) -> None:
 
 _SCALARS = (bool, int, float, str, type(None))
 _ABSENT = object()
+# private attributes a forward reads that a public call changes: PEFT's tuner layers keep
+# the active adapter and the disabled flag in them (``set_adapter``, ``disable_adapter``)
+_PEFT_PRIVATE = ("_active_adapter", "_disable_adapters")
 
 
 def _python_attributes(modules: Iterable[nn.Module]) -> list[tuple[dict[str, Any], str, Any]]:
@@ -1904,7 +1907,11 @@ def _python_attributes(modules: Iterable[nn.Module]) -> list[tuple[dict[str, Any
     compared by identity), and every bool, int, float, str or ``None`` attribute of the
     configuration objects the modules hold (a class whose name ends in ``Config``: HF's
     ``config``, nested ones included). ``training`` is left out (modes are checked on their
-    own, and a graph per mode is kept).
+    own, and a graph per mode is kept). Of the private attributes, PEFT's
+    ``_active_adapter`` and ``_disable_adapters`` of its tuner layers (class defaults
+    included: ``_ABSENT`` when the instance has none): ``set_adapter`` and
+    ``disable_adapter`` change them, and a backbone wrapped inside a ``PeftModel`` holds
+    the layers but not the ``LoraModel``'s public ``active_adapter`` (stop 84).
     """
     out: list[tuple[dict[str, Any], str, Any]] = []
     seen: set[int] = set()
@@ -1929,6 +1936,8 @@ def _python_attributes(modules: Iterable[nn.Module]) -> list[tuple[dict[str, Any
                 out.append((namespace, name, _recorded(value)))
             elif _is_config(value):
                 config(value)
+        out += [(namespace, name, _recorded(namespace.get(name, _ABSENT)))
+                for name in _PEFT_PRIVATE if name in namespace or hasattr(type(m), name)]
     return out
 
 
@@ -1966,9 +1975,14 @@ class _Attributes:
         self.entries = entries
         groups: dict[int, tuple[dict[str, Any], list[str], list[Any]]] = {}
         self._tensors: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+        # private ones may be a class default, absent from the instance (``_ABSENT``)
+        self._private: list[tuple[dict[str, Any], str, Any]] = []
         for namespace, name, value in entries:
             if isinstance(value, torch.Tensor):
                 self._tensors.append((namespace, name, value))
+                continue
+            if name[0] == "_":
+                self._private.append((namespace, name, value))
                 continue
             group = groups.setdefault(id(namespace), (namespace, [], []))
             group[1].append(name)
@@ -1983,7 +1997,9 @@ class _Attributes:
             return all((now := get(namespace)) is values or now == values
                        for namespace, get, values in self._groups) \
                 and all(namespace.get(name, _ABSENT) is value
-                        for namespace, name, value in self._tensors)
+                        for namespace, name, value in self._tensors) \
+                and all(namespace.get(name, _ABSENT) == value
+                        for namespace, name, value in self._private)
         except (KeyError, RuntimeError):  # deleted; a tensor where a number was
             return False
 

@@ -1,0 +1,90 @@
+"""Hunt of the torch bridge on PEFT adapter methods and the RLHF patterns built on them
+(stop 84; ``docs/pytorch.md``, "Stop 84 (PEFT adapters)").
+
+* A backbone wrapped inside a ``PeftModel`` (``pm.base_model.model.transformer =
+  op.checkpoint(...)``) holds PEFT's tuner layers but not the ``LoraModel``, whose public
+  ``active_adapter`` the whole-model wrapper records. The layers keep the active adapter and
+  the disabled flag in private attributes (``_active_adapter``, ``_disable_adapters``),
+  which the wrapper did not check: ``set_adapter("b")`` (or ``disable_adapter()``) without
+  a change of which parameters require grad kept computing with the old adapter, in
+  silence. They are recorded now (``wrapper._PEFT_PRIVATE``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the torch bridge needs torch")
+transformers = pytest.importorskip("transformers", reason="the HF tests need transformers")
+peft = pytest.importorskip("peft", reason="the PEFT tests need peft (dev extra)")
+
+from hf_helpers import gpt2  # noqa: E402
+
+import optmem.pytorch as op  # noqa: E402
+
+FIXED: dict[str, Any] = {"memory_limit": "60%", "fast_path": False, "repeats": 1,
+                         "warmup": 0, "time_model": lambda *_: (1.0, 2.0)}
+KINDS: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {
+    "checkpoint": (op.checkpoint, {}), "offload": (op.offload, {"bandwidth": "1MB/s"}),
+    "remat_offload": (op.remat_offload, {"bandwidth": "1MB/s"})}
+
+
+def _two_adapters() -> tuple[Any, dict[str, Any]]:
+    """LoRA GPT-2 with adapters ``default`` and ``b`` (non-zero ``lora_B``), both trainable."""
+    model, sample = gpt2()
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["c_attn"],
+                                                    lora_dropout=0.1))
+    pm.add_adapter("b", peft.LoraConfig(r=2, target_modules=["c_attn"]))
+    torch.manual_seed(1)
+    for name, p in pm.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)
+    _all_adapters_trainable(pm)
+    return pm.train(), sample
+
+
+def _all_adapters_trainable(pm: Any) -> None:
+    for name, p in pm.named_parameters():
+        if "lora_" in name:
+            p.requires_grad_(True)
+
+
+def _steps(pm: Any, sample: dict[str, Any]) -> list[torch.Tensor]:
+    """Loss and adapter gradients with ``default``, then ``b``, then both, then ``default``
+    active (every adapter trainable throughout), and the logits with adapters disabled."""
+    out: list[torch.Tensor] = []
+    for active in ("default", "b", ["default", "b"], "default"):
+        pm.base_model.set_adapter(active)
+        _all_adapters_trainable(pm)  # the same parameters require grad at every step
+        pm.zero_grad(set_to_none=True)
+        torch.manual_seed(0)
+        loss = pm(**sample).loss
+        loss.backward()
+        out += [loss.detach(), *(p.grad for p in pm.parameters() if p.grad is not None)]
+    with pm.disable_adapter():  # adapters frozen inside: only the layer norms train
+        for name, p in pm.named_parameters():
+            p.requires_grad_("ln_" in name)
+        torch.manual_seed(0)
+        out.append(pm(**sample).logits.detach())
+    return out
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_wrapped_backbone_follows_the_active_adapter(kind: str) -> None:
+    """``set_adapter`` and ``disable_adapter`` on a ``PeftModel`` whose backbone is wrapped:
+    the plain ``PeftModel``'s losses, gradients and logits, bitwise (main: the second step
+    still used adapter ``default``, loss 6.3e-3 apart, and the disabled call kept them)."""
+    pm, sample = _two_adapters()
+    expected = _steps(pm, sample)
+    pm, sample = _two_adapters()
+    wrap, extra = KINDS[kind]
+    inner = pm.get_base_model()
+    inner.transformer = wrap(inner.transformer, {"input_ids": sample["input_ids"]},
+                             **FIXED, **extra)
+    got = _steps(pm, sample)
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
