@@ -486,6 +486,7 @@ def _extract_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
         raise OptmemInputError(f"expected method auto, export or fx, got {method!r}",
                                field="extract")
     check_module_hooks(module)
+    refuse_cache_input(name, (args, kwargs))
     errors = []
     branch, intermediate, again, owner, size = None, False, "", None, False
     if method in ("auto", "export"):
@@ -859,8 +860,46 @@ def unknown_output_type(exc: BaseException) -> str | None:
     return None
 
 
+def _is_hf_cache(value: Any) -> bool:
+    """Whether ``value`` is a HuggingFace generation cache (``transformers`` ``Cache``)."""
+    return any(c.__name__ == "Cache" and c.__module__.startswith("transformers")
+               for c in type(value).__mro__)
+
+
+_CACHE_ADVICE = ("PEFT's prefix tuning passes its prefix so: wrap the whole PeftModel "
+                 "(op.checkpoint(peft_model, ...), which builds the prefix inside the "
+                 "graph) on a model that does not return the cache it is given (GPT-2, "
+                 "not Llama), or use prompt tuning or P-tuning "
+                 "(PromptTuningConfig, PromptEncoderConfig), which prepend embeddings")
+
+
+def refuse_cache_input(name: str, call: Any) -> None:
+    """One clear error for a generation cache among a training call's inputs.
+
+    A ``transformers`` ``Cache`` (``DynamicCache``) is no pytree: ``torch.export`` refuses
+    it as an input and ``torch.fx`` fails inside the attention (stop 84: a backbone wrapped
+    inside a prefix-tuned ``PeftModel``, which passes its prefix as ``past_key_values``).
+
+    Raises
+    ------
+    OptmemInputError
+        On the ``module`` field, naming the cache's class.
+    """
+    leaves, _ = tree_flatten(call)
+    cache = next((v for v in leaves if _is_hf_cache(v)), None)
+    if cache is not None:
+        raise OptmemInputError(
+            f"{name} is called with a generation cache ({type(cache).__name__}, "
+            "past_key_values) in training, which no extracted graph can take as an input: "
+            f"{_CACHE_ADVICE}", field="module")
+
+
 def _unknown_output_message(name: str, cls: str) -> str:
     short = cls.rsplit(".", 1)[-1]
+    if short.endswith("Cache") and cls.startswith("transformers"):
+        return (f"{name} returns a generation cache ({short}) although the wrapper calls "
+                "it with use_cache=False: its model returns the cache it is given as "
+                f"past_key_values, which no graph can hold; {_CACHE_ADVICE}")
     return (f"{name} returns a {cls}, which torch cannot look into (not a registered pytree), "
             f"so no graph can hold its output: register it before wrapping, "
             f"torch.export.register_dataclass({short}) for a dataclass "
