@@ -8,6 +8,13 @@
   which the wrapper did not check: ``set_adapter("b")`` (or ``disable_adapter()``) without
   a change of which parameters require grad kept computing with the old adapter, in
   silence. They are recorded now (``wrapper._PEFT_PRIVATE``).
+* Prefix tuning passes its prefix into the model as ``past_key_values`` (a
+  ``DynamicCache``): a wrapped backbone was refused with torch.export's and fx's raw errors,
+  a wrapped Llama ``PeftModel`` (which returns the cache it is given) with advice to
+  register ``DynamicCache`` as a pytree. Now one error each saying what works.
+* LoHa and LoKr layers draw ``torch.rand(1)`` at every call in training: refused with the
+  generic advice to pass an ``nn.Sequential`` of blocks (which draw it too); now one error
+  naming the layer and LoRA.
 """
 
 from __future__ import annotations
@@ -21,9 +28,10 @@ torch = pytest.importorskip("torch", reason="the torch bridge needs torch")
 transformers = pytest.importorskip("transformers", reason="the HF tests need transformers")
 peft = pytest.importorskip("peft", reason="the PEFT tests need peft (dev extra)")
 
-from hf_helpers import gpt2  # noqa: E402
+from hf_helpers import gpt2, llama  # noqa: E402
 
 import optmem.pytorch as op  # noqa: E402
+from optmem.errors import OptmemInputError  # noqa: E402
 
 FIXED: dict[str, Any] = {"memory_limit": "60%", "fast_path": False, "repeats": 1,
                          "warmup": 0, "time_model": lambda *_: (1.0, 2.0)}
@@ -88,3 +96,35 @@ def test_a_wrapped_backbone_follows_the_active_adapter(kind: str) -> None:
     assert len(got) == len(expected)
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_prefix_tuning_is_refused_where_no_graph_takes_its_cache() -> None:
+    """A backbone inside a prefix-tuned ``PeftModel`` is called with a ``DynamicCache``;
+    a prefix-tuned Llama returns it: one error each naming the cache and what works (main:
+    torch.export's "Unsupported input type" and fx's errors; "register it before
+    wrapping, torch.export.register_dataclass(DynamicCache)")."""
+    config = peft.PrefixTuningConfig(num_virtual_tokens=4, task_type="CAUSAL_LM")
+    model, sample = gpt2()
+    pm = peft.get_peft_model(model, config).train()
+    inner = pm.get_base_model()
+    inner.transformer = op.checkpoint(inner.transformer, {"input_ids": sample["input_ids"]},
+                                      **FIXED)
+    with pytest.raises(OptmemInputError, match=r"generation cache \(DynamicCache, past_key"
+                       r"_values\) in training.*prefix tuning.*wrap the whole PeftModel"):
+        pm(**sample)
+    model, sample = llama()
+    pm = peft.get_peft_model(model, config).train()
+    with pytest.raises(OptmemInputError, match=r"returns a generation cache \(DynamicCache\)"
+                       r" although the wrapper calls it with use_cache=False.*prompt tuning"):
+        op.checkpoint(pm, sample, **FIXED)
+
+
+@pytest.mark.parametrize("config", ["LoHaConfig", "LoKrConfig"])
+def test_loha_and_lokr_are_refused_naming_the_layer(config: str) -> None:
+    """Main: "branches on the value of an intermediate tensor ... pass an nn.Sequential of
+    its blocks", whose blocks draw the same ``torch.rand(1)``."""
+    model, sample = llama()
+    pm = peft.get_peft_model(model, getattr(peft, config)(r=2, target_modules=["q_proj"]))
+    with pytest.raises(OptmemInputError, match=r"layers\.0\.self_attn\.q_proj is a PEFT "
+                       r"LyCORIS adapter layer.*torch\.rand\(1\).*use LoRA"):
+        op.checkpoint(pm.train(), sample, **FIXED)

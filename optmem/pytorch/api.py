@@ -199,6 +199,7 @@ def build_planned(cls: type[PlannedModule], kind: str, module: Any, sample: Any,
         raise TypeError(f"{kind}() got unexpected keyword argument(s) "
                         f"{', '.join(sorted(options))}")
     refuse_meta_tensors(module, pick["profile"].get("device"))
+    refuse_random_adapters(module)
     planner = Planner(kind, memory_limit, method, bandwidth=bandwidth,
                       executor_options=pick["executor"], **pick["solver"])
     if "dynamic" in pick["profile"]:
@@ -249,6 +250,37 @@ def refuse_inference_tensors(module: Any) -> None:
                     "torch.inference_mode()), which autograd cannot train: build or load "
                     "the model outside torch.inference_mode() before wrapping it",
                     field="module")
+
+
+def refuse_random_adapters(module: Any) -> None:
+    """One clear error for PEFT LoHa or LoKr adapters in a model wrapped in training mode.
+
+    PEFT's LyCORIS layers (``LoHaConfig``, ``LoKrConfig``) draw ``torch.rand(1)`` against
+    their ``module_dropout`` at every call in training, at ``0.0`` too, and branch on it:
+    no extracted graph holds a branch on a random value, and extraction failed with the
+    generic advice to pass an ``nn.Sequential`` of blocks, whose blocks draw it as well
+    (stop 84). In eval mode they draw nothing.
+
+    Raises
+    ------
+    OptmemInputError
+        On the ``module`` field, naming the first such layer.
+    """
+    parts = module if isinstance(module, Sequence) else [module]
+    for part in parts:
+        if not isinstance(part, nn.Module):
+            continue
+        for name, sub in part.named_modules():
+            if sub.training and any(c.__name__ == "LycorisLayer" and
+                                    c.__module__.startswith("peft.")
+                                    for c in type(sub).__mro__):
+                raise OptmemInputError(
+                    f"{type(part).__name__}.{name} is a PEFT LyCORIS adapter layer "
+                    f"({type(sub).__module__}.{type(sub).__name__}), which in training draws "
+                    "torch.rand(1) against its module_dropout at every call (at 0.0 too) and "
+                    "branches on it: no extracted graph holds that. Train it without optmem, "
+                    "or use LoRA (peft.LoraConfig, use_dora=True included), which trains "
+                    "as the model", field="module")
 
 
 def refuse_meta_tensors(module: Any, device: Any) -> None:
