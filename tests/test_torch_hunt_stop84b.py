@@ -7,7 +7,10 @@
   the disabled flag in private attributes (``_active_adapter``, ``_disable_adapters``),
   which the wrapper did not check: ``set_adapter("b")`` (or ``disable_adapter()``) without
   a change of which parameters require grad kept computing with the old adapter, in
-  silence. They are recorded now (``wrapper._PEFT_PRIVATE``).
+  silence. They are part of the wrapper's state now, as the training modes are
+  (``wrapper._adapter_state``): a state met before reuses its graph, so the DPO pattern
+  (a reference call under ``disable_adapter()`` and ``no_grad`` at every step) extracts
+  nothing again.
 * Prefix tuning passes its prefix into the model as ``past_key_values`` (a
   ``DynamicCache``): a wrapped backbone was refused with torch.export's and fx's raw errors,
   a wrapped Llama ``PeftModel`` (which returns the cache it is given) with advice to
@@ -19,6 +22,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +35,7 @@ peft = pytest.importorskip("peft", reason="the PEFT tests need peft (dev extra)"
 from hf_helpers import gpt2, llama  # noqa: E402
 
 import optmem.pytorch as op  # noqa: E402
+import optmem.pytorch.extract as extract  # noqa: E402
 from optmem.errors import OptmemInputError  # noqa: E402
 
 FIXED: dict[str, Any] = {"memory_limit": "60%", "fast_path": False, "repeats": 1,
@@ -128,3 +133,47 @@ def test_loha_and_lokr_are_refused_naming_the_layer(config: str) -> None:
     with pytest.raises(OptmemInputError, match=r"layers\.0\.self_attn\.q_proj is a PEFT "
                        r"LyCORIS adapter layer.*torch\.rand\(1\).*use LoRA"):
         op.checkpoint(pm.train(), sample, **FIXED)
+
+
+def _dpo(pm: Any, call: Any, ids: torch.Tensor) -> list[torch.Tensor]:
+    """Three DPO steps by hand: reference log-probs with the adapters disabled under
+    ``no_grad``, the policy's with them, chosen ``ids`` against rejected ``ids.flip(1)``."""
+    def logp(y: torch.Tensor) -> torch.Tensor:
+        logits = call(input_ids=y).logits[:, :-1]
+        return logits.log_softmax(-1).gather(-1, y[:, 1:, None]).squeeze(-1).sum(-1)
+
+    pair = (ids, ids.flip(1))
+    optimizer = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=1e-2)
+    out: list[torch.Tensor] = []
+    for seed in range(3):
+        optimizer.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)
+        with torch.no_grad(), pm.disable_adapter():
+            ref = [logp(y) for y in pair]
+        chosen, rejected = (logp(y) - r for y, r in zip(pair, ref, strict=True))
+        loss = -torch.nn.functional.logsigmoid(0.1 * (chosen - rejected)).mean()
+        loss.backward()
+        optimizer.step()
+        out += [loss.detach(), *(p.detach().clone() for p in pm.parameters()
+                                 if p.requires_grad)]
+    return out
+
+
+def test_a_dpo_loop_through_a_wrapped_peft_model_extracts_nothing_again(monkeypatch) -> None:
+    """The plain ``PeftModel``'s DPO losses and adapters, bitwise, and no extraction after
+    wrapping: the disabled flag toggled at every step is a state the wrapper has met (a
+    first version of the fix recorded it as an attribute, and every step extracted)."""
+    model, sample = gpt2()
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["c_attn"],
+                                                    lora_dropout=0.1)).train()
+    plain = copy.deepcopy(pm)
+    ids = sample["input_ids"]
+    cmodel = op.checkpoint(pm, {"input_ids": ids}, **FIXED)
+    calls: list[int] = []
+    original = extract._extract_program
+    monkeypatch.setattr(extract, "_extract_program",
+                        lambda *a, **k: calls.append(1) or original(*a, **k))
+    got = _dpo(pm, cmodel, ids)
+    assert not calls
+    for a, b in zip(got, _dpo(plain, plain, ids), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

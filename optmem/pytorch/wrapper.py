@@ -1628,8 +1628,11 @@ class TensorState:
         self._modes = [(m, m.training) for m in modules]
         self._dropout = [(m, m.p) for m in modules if isinstance(m, _DropoutNd)]
         self._attrs = _Attributes(_python_attributes(modules) if self._attributes else [])
+        self._adapter_layers = [m for m in modules if _is_adapter_layer(m)]
+        self._adapters = _adapter_state(self._adapter_layers)
         self.token = (frozenset((t.dtype, str(t.device)) for _, _, t in tensors),
-                      self._version, sum(1 << k for k, m in enumerate(modules) if m.training))
+                      self._version, sum(1 << k for k, m in enumerate(modules) if m.training),
+                      self._adapters)
 
     def _hook_keys(self) -> tuple[tuple[int, tuple[int, ...]], ...]:
         """Which hook dictionaries hold which hooks (by handle id)."""
@@ -1638,8 +1641,9 @@ class TensorState:
     def _change(self) -> int:
         """How the model differs from the recorded state.
 
-        0: not at all; 1: dtypes, devices, parameter objects or a module's training mode
-        (the graph of that state applies, the stages follow the objects); 2: shapes, tied
+        0: not at all; 1: dtypes, devices, parameter objects, a module's training mode or
+        PEFT's active adapters (the graph of that state applies, the stages follow the
+        objects); 2: shapes, tied
         weights, module tree, hooks or a dropout probability (the graph does not apply).
         """
         if sum(map(len, self._entries)) != self._n_entries or \
@@ -1664,7 +1668,8 @@ class TensorState:
             return 2
         return 1 if replaced or retyped or any(
             d[name].device != device for d, name, device in self._devices) or any(
-            m.training is not mode for m, mode in self._modes) else 0
+            m.training is not mode for m, mode in self._modes) or \
+            _adapter_state(self._adapter_layers) != self._adapters else 0
 
     @contextmanager
     def absorbing(self) -> Iterator[None]:
@@ -1690,12 +1695,13 @@ class TensorState:
             self._attrs = _Attributes([(d, name, _recorded(d.get(name, _ABSENT)))
                                        for d, name, _ in self._attrs.entries])
 
-    def key(self) -> tuple[frozenset[tuple[torch.dtype, str]], int, int, int]:
+    def key(self) -> tuple[Any, ...]:
         """The module's state now.
 
         The set of (dtype, device) of its tensors, the version of its structure, which
-        modules are in training mode (a bit per module) and which of its parameters require
-        grad (:meth:`grads`).
+        modules are in training mode (a bit per module), PEFT's active adapters and disabled
+        flags (:func:`_adapter_state`) and which of its parameters require grad
+        (:meth:`grads`).
         """
         change = self._change()
         if change:
@@ -1894,9 +1900,28 @@ def refuse_wrapped(module: Any, call: str, *, wrap_after: bool = True) -> None:
 
 _SCALARS = (bool, int, float, str, type(None))
 _ABSENT = object()
-# private attributes a forward reads that a public call changes: PEFT's tuner layers keep
-# the active adapter and the disabled flag in them (``set_adapter``, ``disable_adapter``)
-_PEFT_PRIVATE = ("_active_adapter", "_disable_adapters")
+# what a PEFT tuner layer's forward reads and set_adapter / disable_adapter change: private
+# attributes, which _python_attributes leaves out (a class default until first set)
+_PEFT_STATE = ("_active_adapter", "_disable_adapters")
+
+
+def _is_adapter_layer(module: nn.Module) -> bool:
+    """Whether ``module`` is a PEFT tuner layer (it has :data:`_PEFT_STATE`, maybe by class)."""
+    return all(hasattr(type(module), name) or name in module.__dict__ for name in _PEFT_STATE)
+
+
+def _adapter_state(layers: Sequence[nn.Module]) -> tuple[Any, ...]:
+    """The active adapters and the disabled flag of each PEFT tuner layer (hashable).
+
+    Part of :attr:`TensorState.token`, as the training modes are: a state met before
+    reuses its graph, so a DPO step's reference call under ``disable_adapter()`` and
+    ``no_grad`` extracts nothing. Before stop 84 these were not checked: a backbone wrapped
+    inside a ``PeftModel`` (which holds the layers, not the ``LoraModel`` whose public
+    ``active_adapter`` is a recorded attribute) kept computing with the old adapter after
+    ``set_adapter`` when no parameter's ``requires_grad`` changed.
+    """
+    return tuple((tuple(a) if isinstance(a := m._active_adapter, list) else a,
+                  m._disable_adapters) for m in layers)
 
 
 def _python_attributes(modules: Iterable[nn.Module]) -> list[tuple[dict[str, Any], str, Any]]:
@@ -1907,11 +1932,7 @@ def _python_attributes(modules: Iterable[nn.Module]) -> list[tuple[dict[str, Any
     compared by identity), and every bool, int, float, str or ``None`` attribute of the
     configuration objects the modules hold (a class whose name ends in ``Config``: HF's
     ``config``, nested ones included). ``training`` is left out (modes are checked on their
-    own, and a graph per mode is kept). Of the private attributes, PEFT's
-    ``_active_adapter`` and ``_disable_adapters`` of its tuner layers (class defaults
-    included: ``_ABSENT`` when the instance has none): ``set_adapter`` and
-    ``disable_adapter`` change them, and a backbone wrapped inside a ``PeftModel`` holds
-    the layers but not the ``LoraModel``'s public ``active_adapter`` (stop 84).
+    own, and a graph per mode is kept).
     """
     out: list[tuple[dict[str, Any], str, Any]] = []
     seen: set[int] = set()
@@ -1936,8 +1957,6 @@ def _python_attributes(modules: Iterable[nn.Module]) -> list[tuple[dict[str, Any
                 out.append((namespace, name, _recorded(value)))
             elif _is_config(value):
                 config(value)
-        out += [(namespace, name, _recorded(namespace.get(name, _ABSENT)))
-                for name in _PEFT_PRIVATE if name in namespace or hasattr(type(m), name)]
     return out
 
 
@@ -1975,14 +1994,9 @@ class _Attributes:
         self.entries = entries
         groups: dict[int, tuple[dict[str, Any], list[str], list[Any]]] = {}
         self._tensors: list[tuple[dict[str, Any], str, torch.Tensor]] = []
-        # private ones may be a class default, absent from the instance (``_ABSENT``)
-        self._private: list[tuple[dict[str, Any], str, Any]] = []
         for namespace, name, value in entries:
             if isinstance(value, torch.Tensor):
                 self._tensors.append((namespace, name, value))
-                continue
-            if name[0] == "_":
-                self._private.append((namespace, name, value))
                 continue
             group = groups.setdefault(id(namespace), (namespace, [], []))
             group[1].append(name)
@@ -1997,9 +2011,7 @@ class _Attributes:
             return all((now := get(namespace)) is values or now == values
                        for namespace, get, values in self._groups) \
                 and all(namespace.get(name, _ABSENT) is value
-                        for namespace, name, value in self._tensors) \
-                and all(namespace.get(name, _ABSENT) == value
-                        for namespace, name, value in self._private)
+                        for namespace, name, value in self._tensors)
         except (KeyError, RuntimeError):  # deleted; a tensor where a number was
             return False
 
