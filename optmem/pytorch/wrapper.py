@@ -1553,6 +1553,9 @@ class TensorState:
       (HF's ``config.problem_type`` at the first call with labels, a call counter) is
       taken as the new value when the wrapper ran the model's Python (extraction, the
       fast path, ``no_grad``; :meth:`absorb`), so it extracts nothing;
+    * PEFT's active adapters and disabled flags, private attributes of its tuner layers
+      (``set_adapter``, ``disable_adapter``): part of the token, as the training modes
+      (:func:`_adapter_state`, stop 84);
     * the module hooks: forward hooks and pre-hooks are traced into the graph, backward
       hooks are refused (:mod:`optmem.pytorch.hooks`); a hook registered or removed after
       wrapping was silently ignored. Not the *global* module hooks registered after
