@@ -11,7 +11,7 @@ with it every figure, is the same on any machine and load. Until stop 84 the tim
 measured (one repeat): sizes, store-all and limit did not depend on them, but the plan
 did wherever several plans fit the limit at nearly the same modelled time, and with it
 the predicted and real peaks, the allowance and real / plain (MobileViT: three plans in
-eight runs, predicted 827.5, 899.6 or 906.7 KiB; ``benchmarks/results/hf_zoo.md``).
+13 runs, predicted 827.5, 899.6 or 906.7 KiB; ``benchmarks/results/hf_zoo.md``).
 
     PYTHONPATH=. python benchmarks/bench_hf_zoo.py [--markdown benchmarks/results/hf_zoo.md]
 """

@@ -25,7 +25,7 @@ def test_row_reports_a_bounded_bitwise_step() -> None:
 
 def test_row_plans_on_fixed_times(monkeypatch: pytest.MonkeyPatch) -> None:
     """Stop 84: the row's plan follows sizes only, never the machine's timing (with measured
-    times MobileViT's 60 % plan changed from run to run: three plans in eight runs)."""
+    times MobileViT's 60 % plan changed from run to run: three plans in 13 runs)."""
     from test_hf_zoo import fixed_times
 
     class Wrapped(Exception):

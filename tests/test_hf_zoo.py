@@ -199,7 +199,7 @@ def fixed_times(_stage: Any, _input: Any, _output: Any) -> tuple[float, float]:
     """Every stage 1 ms forward and 2 ms backward: the plan follows the sizes alone.
 
     With measured times (one repeat) the 60 % plan of a chain with near-equal candidates
-    followed the machine's timing: MobileViT's took three plans in eight runs (predicted
+    followed the machine's timing: MobileViT's took three plans in 13 runs (predicted
     peak 827.5, 899.6 or 906.7 KiB; ``benchmarks/results/hf_zoo.md``, "Stop 84").
     """
     return 1.0, 2.0
