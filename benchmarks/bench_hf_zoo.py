@@ -5,8 +5,13 @@ dropout): the plain model's real activation peak of one training step, the profi
 store-all peak, the limit (60 % of it), the plan's predicted peak, the real peak of one step
 through the executor (``fast_path=False``), the allowance of ``docs/pytorch.md``, and
 whether loss and gradients are bitwise the plain model's. Peaks are exact storage traces
-(``optmem.pytorch.memory.measure_training_peak``): no timing is involved, the figures do
-not depend on the machine's load.
+(``optmem.pytorch.memory.measure_training_peak``), and the stage times are a fixed model
+(``test_hf_zoo.fixed_times``: 1 ms forward, 2 ms backward per stage), so the plan, and
+with it every figure, is the same on any machine and load. Until stop 84 the times were
+measured (one repeat): sizes, store-all and limit did not depend on them, but the plan
+did wherever several plans fit the limit at nearly the same modelled time, and with it
+the predicted and real peaks, the allowance and real / plain (MobileViT: three plans in
+13 runs, predicted 827.5, 899.6 or 906.7 KiB; ``benchmarks/results/hf_zoo.md``).
 
     PYTHONPATH=. python benchmarks/bench_hf_zoo.py [--markdown benchmarks/results/hf_zoo.md]
 """
@@ -23,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from hf_helpers import step  # noqa: E402
-from test_hf_zoo import ROUNDING, ZOO  # noqa: E402
+from test_hf_zoo import ROUNDING, ZOO, fixed_times  # noqa: E402
 
 import optmem.pytorch as op  # noqa: E402
 from optmem.pytorch.memory import measure_training_peak, plan_allowance  # noqa: E402
@@ -54,8 +59,8 @@ def row(name: str) -> str:
         return out
 
     plain = peak(model)
-    cmodel = op.checkpoint(model, kwargs, memory_limit="60%", repeats=1, warmup=0,
-                           fast_path=False)
+    cmodel = op.checkpoint(model, kwargs, memory_limit="60%", fast_path=False,
+                           time_model=fixed_times)
     chain = cmodel.chain
     limit = int(0.6 * chain.store_all_peak())
     allowance = plan_allowance(chain, cmodel.result.plan, list(cmodel.stages))
@@ -86,7 +91,9 @@ def main() -> None:
         f"transformers {transformers.__version__}, CPU, 1 thread). The tiny configs of "
         "`tests/test_hf_zoo.py` (random init, default dropout), one training step each "
         "through the executor (`fast_path=False`). KiB; peaks are exact storage traces "
-        "(`measure_training_peak`), independent of the machine's load. **plain**: the "
+        "(`measure_training_peak`) and stage times a fixed model (`fixed_times`: 1 ms "
+        "forward, 2 ms backward per stage), so every figure is independent of the "
+        "machine's load. **plain**: the "
         "unwrapped model's real peak; **store-all**: the profiled chain's; **limit**: 60 % "
         "of it; **predicted**: the plan's simulated peak; **real**: the wrapped step's.",
         "",

@@ -127,19 +127,21 @@ def assert_same(got: Any, ref: Any, *, bitwise: bool = True) -> None:
 
 
 def check_one_liner(model: torch.nn.Module, kwargs: dict[str, Any], *, bitwise: bool = True,
-                    fraction: float = 0.6) -> tuple[Any, Any, Any]:
+                    fraction: float = 0.6, time_model: Any = None) -> tuple[Any, Any, Any]:
     """Wrap ``model`` at ``fraction`` of its store-all peak and check one training step.
 
     Through the executor (``fast_path=False``): exported, a plan that re-runs within the
     limit, the model's state-dict keys, the step equal to the model's (``bitwise`` or to
     rounding), and the real peak within the limit plus the plan's allowance. Returns the
-    wrapper and its step and the model's (:func:`step`, seed 5).
+    wrapper and its step and the model's (:func:`step`, seed 5). ``time_model``: the
+    profile's stage times (``None``: measured, one repeat, so the plan may follow them).
     """
     import optmem.pytorch as op
     from optmem.pytorch.memory import measure_training_peak, plan_allowance
 
     cmodel = op.checkpoint(model, kwargs, memory_limit=f"{fraction:.0%}", repeats=1,
-                           warmup=0, fast_path=False)  # the executor runs, never the model
+                           warmup=0, fast_path=False,  # the executor runs, never the model
+                           time_model=time_model)
     limit = int(fraction * cmodel.chain.store_all_peak())
     assert cmodel.extraction is not None and cmodel.extraction.method == "export"
     assert any(o.startswith(("F_ck", "F_none")) for o in cmodel.result.plan), "no re-run"

@@ -68,3 +68,32 @@ def test_a_held_list_of_the_wrong_length_is_refused(field: str, value: tuple[int
                                                     ) -> None:
     with pytest.raises(ChainError, match=f"field '{field}': expected 2 values"):
         dataclasses.replace(BASE, **{field: value})
+
+
+@pytest.mark.parametrize("precomputed", [False, True])
+def test_a_bundled_chain_with_held_terms_is_loaded_once(
+        precomputed: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stop 84: ``dataset_summary`` built the chain twice for a file with held terms and no
+    complete precomputed summary (its figures, then its held terms); now once, and at most
+    once with one. The figures are those of the chain file's summary."""
+    from optmem.solvers import dataset_summary as module
+
+    path = tmp_path / "held.json"
+    data = HELD.to_dict()
+    if precomputed:
+        data["summary"] = module.compute_summary(HELD)
+    path.write_text(json.dumps(data))
+    monkeypatch.setattr(module, "dataset_path", lambda name: path)
+    built: list[int] = []
+    from_dict = Chain.from_dict
+
+    def counted(*args: object, **kwargs: object) -> Chain:
+        built.append(1)
+        return from_dict(*args, **kwargs)
+
+    monkeypatch.setattr(Chain, "from_dict", counted)
+    summary = module.dataset_summary.__wrapped__(f"held-{precomputed}")
+    monkeypatch.undo()
+    expected = {k: v for k, v in module.chain_file_summary(str(path)).items() if k != "name"}
+    assert len(built) == 1
+    assert {k: v for k, v in summary.items() if k != "name"} == expected

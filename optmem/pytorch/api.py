@@ -16,6 +16,7 @@ of it.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -26,6 +27,7 @@ from torch.utils._pytree import tree_map_only
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError
 from optmem.pytorch.extract import Stage, extract_program
+from optmem.pytorch.hooks import parameters_unmodified
 from optmem.pytorch.planning import Planner
 from optmem.pytorch.profile import TimeModel
 from optmem.pytorch.wrapper import (
@@ -577,13 +579,15 @@ def profile_chain(module: nn.Module | Sequence[nn.Module | Stage], sample: Any, 
 
     sample = graph_free(sample)  # its steps must not run into the caller's graph
     if is_plain_chain(module) or not isinstance(module, nn.Module):
-        chain = prof.profile_chain(module, sample, **options)
         modules = [s if isinstance(s, nn.Module) else s.module for s in
                    (module if not isinstance(module, nn.Module) else [module])]
-        measure = plain_measure(nn.Sequential(*modules), (sample,), {},
-                                ProfileOptions(device=options.get("device")),
-                                options.get("loss_fn"))
-        return with_plain_peak(chain, None if measure is None else measure())
+        whole = module if isinstance(module, nn.Module) else nn.ModuleList(modules)
+        with parameters_unmodified(whole):
+            chain = prof.profile_chain(module, sample, **options)
+            measure = plain_measure(nn.Sequential(*modules), (sample,), {},
+                                    ProfileOptions(device=options.get("device")),
+                                    options.get("loss_fn"))
+            return with_plain_peak(chain, None if measure is None else measure())
     max_stages = options.pop("max_stages", None)
     name = options.pop("name", None) or type(module).__name__
     loss_fn = options.pop("loss_fn", None)
@@ -592,21 +596,22 @@ def profile_chain(module: nn.Module | Sequence[nn.Module | Stage], sample: Any, 
         raise OptmemInputError(f"profile_chain of an exported model does not take "
                                f"{', '.join(sorted(unknown))}", field="options")
     args, kw = canonical_call(module, *call_of(sample))
-    with leaves_no_trace(module, (args, kw)):
-        ext = extract_program(module, args, kw, method=extract, allow_single=True)
-        flat = ext.flatten(args, kw)
-        stages = ext.stages
-        if max_stages is not None and len(stages) > max_stages:
-            from optmem.pytorch.extract import merge_stages
+    with parameters_unmodified(module):  # profiling and measuring run the forward
+        with leaves_no_trace(module, (args, kw)):
+            ext = extract_program(module, args, kw, method=extract, allow_single=True)
+            flat = ext.flatten(args, kw)
+            stages = ext.stages
+            if max_stages is not None and len(stages) > max_stages:
+                from optmem.pytorch.extract import merge_stages
 
-            stages = merge_stages(stages, max_stages,
-                                  groups=stage_groups(len(stages), max_stages, None, stages))
-        profile = ProfileOptions(**{"repeats": 5, **options, "extract": extract})
-        chain = profile_stage_chain(stages, ext.chain_input(flat), profile, name,
-                                    traced_side_inputs(ext, flat), loss_fn=loss_fn)
-    # with loss_fn the chain ends at the loss, whose input need not be the model's output
-    measure = None if loss_fn is not None else plain_measure(module, args, kw, profile)
-    return with_plain_peak(chain, None if measure is None else measure())
+                stages = merge_stages(stages, max_stages, groups=stage_groups(
+                    len(stages), max_stages, None, stages))
+            profile = ProfileOptions(**{"repeats": 5, **options, "extract": extract})
+            chain = profile_stage_chain(stages, ext.chain_input(flat), profile, name,
+                                        traced_side_inputs(ext, flat), loss_fn=loss_fn)
+        # with loss_fn the chain ends at the loss, whose input need not be the model's output
+        measure = None if loss_fn is not None else plain_measure(module, args, kw, profile)
+        return with_plain_peak(chain, None if measure is None else measure())
 
 
 class _Captured(Exception):
@@ -658,10 +663,9 @@ def submodule_sample(model: nn.Module, submodule: str | nn.Module, *args: Any,
 
     handle = part.register_forward_pre_hook(grab, with_kwargs=True)
     try:
-        with leaves_no_trace(model, (args, kwargs)):
+        with parameters_unmodified(model), leaves_no_trace(model, (args, kwargs)), \
+                contextlib.suppress(_Captured):
             model(*args, **kwargs)
-    except _Captured:
-        pass
     finally:
         handle.remove()
     if not seen:

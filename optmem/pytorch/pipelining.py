@@ -916,9 +916,11 @@ def pipeline(
     options = ProfileOptions(device=None if held is None else str(held), repeats=repeats,
                              warmup=warmup, progress=progress, time_model=time_model,
                              max_stages=max_stages, share_carried=False)
+    whole = model if isinstance(model, nn.Module) else \
+        nn.ModuleList([s.module for s in program.stages])
     _, stages, chain, result = plan_stages(program.stages, program.x, options, name,
                                            program.ctx, solve_pipeline,
-                                           group=resolve_group())
+                                           group=resolve_group(), unmodified=whole)
     if chain.stage_names != tuple(s.name for s in stages):
         raise OptmemInputError(
             f"rank {dist.get_rank()} extracted other stages than rank 0 "

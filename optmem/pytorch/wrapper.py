@@ -684,13 +684,15 @@ class PlannedModule(nn.Module):
             if is_plain_sequential(module):
                 warn_container_hooks(flattened_containers(module))
 
-            stages = merge_inplace_writers(extract_stages(module), sample, profile.device)
             wrapped = module if isinstance(module, nn.Module) else nn.ModuleList(
                 [s.module if isinstance(s, Stage) else s for s in module])
+            with parameters_unmodified(wrapped):  # its dry run calls the stages
+                stages = merge_inplace_writers(extract_stages(module), sample, profile.device)
             label = name or model_name(module)
             variant = _make_variant(None, stages, sample, planner, profile, chain, label,
                                     ctx=None, like=None,
-                                    plain=_plain_measure(stages, sample, profile))
+                                    plain=_plain_measure(stages, sample, profile),
+                                    unmodified=wrapped)
             planned = cls(wrapped, planner, profile, variant,
                           (*input_key(sample), TensorState(wrapped).key()[-1]),
                           fast_path=fast_path)
@@ -2166,7 +2168,7 @@ def _extract_variant(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
         return _make_variant(ext, ext.stages, ext.chain_input(flat), planner, profile,
                              chain, name, ctx=ctx, like=like,
                              plain=plain_measure(module, args, kwargs, profile), solve=solve,
-                             local=local)
+                             local=local, unmodified=module)
 
 
 def _extracted(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -2233,19 +2235,20 @@ def _make_variant(ext: Extraction | None, fine: list[Stage], x: Any, planner: Pl
                   ctx: SideInputs | None, like: _Variant | None,
                   plain: Callable[[], int | None] | None = None,
                   solve: Callable[[Chain], Result] | None = None,
-                  local: bool = False) -> _Variant:
+                  local: bool = False, unmodified: nn.Module | None = None) -> _Variant:
     """Merge (``max_stages``), profile and solve one list of stages, build its executor.
 
     The decision runs once for every rank (:func:`plan_stages`), or in this process alone
     with ``local`` (a new size, see *Sizes*); the executor is built on every rank. ``plain``
     measures the plain model's real peak (recorded in the chain); ``solve`` (default
-    ``planner.solve``) decides the plan.
+    ``planner.solve``) decides the plan; ``unmodified``: as for :func:`plan_stages`.
     """
     from optmem.pytorch.process_groups import resolve_group
 
     groups, stages, chain, result = plan_stages(
         fine, x, profile, name, ctx, solve or planner.solve, chain=chain, like=like,
-        group=None if local else resolve_group(planner.process_group), plain=plain)
+        group=None if local else resolve_group(planner.process_group), plain=plain,
+        unmodified=unmodified)
     executor = planner.executor(stages, result.plan)
     return _Variant(ext, stages, groups, tuple(s.name for s in fine), chain, result, executor,
                     limit=solved_limit(planner.memory_limit, result, chain))
@@ -2308,7 +2311,8 @@ def with_plain_peak(chain: Chain, peak: int | None) -> Chain:
 def plan_stages(fine: list[Stage], x: Any, profile: ProfileOptions, name: str,
                 ctx: SideInputs | None, solve: Callable[[Chain], Result], *,
                 chain: Chain | None = None, like: _Variant | None = None, group: Any = None,
-                plain: Callable[[], int | None] | None = None
+                plain: Callable[[], int | None] | None = None,
+                unmodified: nn.Module | None = None
                 ) -> tuple[list[tuple[int, int]] | None, list[Stage], Chain, Result]:
     """Merge (``profile.max_stages``), profile and ``solve`` a list of stages, once.
 
@@ -2318,8 +2322,10 @@ def plan_stages(fine: list[Stage], x: Any, profile: ProfileOptions, name: str,
     (``None`` for an ``nn.Sequential`` or a list of stages); a profiled chain goes through
     ``profile.adjust_chain`` before the solve; ``plain()`` measures the plain model's real
     activation peak, recorded as ``chain.extra["profile"]["plain_peak"]`` unless the chain
-    has it. Returns the merge groups (or ``None``), the merged stages, the chain and the
-    result.
+    has it. ``unmodified``: the model whose parameters the profile and ``plain()`` must
+    leave as they were (:func:`~optmem.pytorch.hooks.parameters_unmodified`, checked on
+    rank 0 within the decision, so that every rank raises its error). Returns the merge
+    groups (or ``None``), the merged stages, the chain and the result.
     """
     from optmem.pytorch.process_groups import run_once
 
@@ -2364,7 +2370,13 @@ def plan_stages(fine: list[Stage], x: Any, profile: ProfileOptions, name: str,
             prof = with_plain_peak(prof, plain())
         return groups, prof, solve(prof)
 
-    groups, chain, result = run_once(decide, group)
+    def checked() -> tuple[list[tuple[int, int]] | None, Chain, Result]:
+        if unmodified is None:
+            return decide()
+        with parameters_unmodified(unmodified):
+            return decide()
+
+    groups, chain, result = run_once(checked, group)
     return groups, merged(groups), chain, result
 
 
