@@ -35,6 +35,7 @@ the eager op, forward and backward.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -46,7 +47,7 @@ from torch import fx
 from optmem.errors import OptmemInputError
 
 __all__ = ["CTC_OP", "OPAQUE_OP", "call_function", "ctc_loss", "is_opaque_call",
-           "opaque_functions", "refuse_functions", "restore_functions"]
+           "live_namespaces", "opaque_functions", "refuse_functions", "restore_functions"]
 
 _ORIGINAL_APPLY = torch.autograd.Function.__dict__["apply"].__func__
 _ORIGINAL_CTC = torch.ctc_loss
@@ -71,6 +72,21 @@ class _Call:
 
 
 _CALLS: list[_Call] = []
+_LIVE: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+"""The modules passed to a Function kept whole, and their submodules (:func:`live_namespaces`)."""
+
+
+def live_namespaces() -> set[int]:
+    """The ``id`` of the ``__dict__`` of every module that a Function kept whole is passed.
+
+    Such a module's Python runs at every call of the stages (HF Reformer's reversible
+    layers, given to ``_ReversibleFunction`` as a ``ModuleList``): no graph holds its
+    attributes, the Function reads them then, and it may write them (Reformer draws new
+    dropout seeds, ``self.attention_seed``, at every forward). The wrapper does not take
+    a change of them for a new call signature
+    (:class:`~optmem.pytorch.wrapper.TensorState`).
+    """
+    return {id(m.__dict__) for m in _LIVE}
 
 
 @dataclass
@@ -275,6 +291,9 @@ def _apply(cls: type, *args: Any, **kwargs: Any) -> Any:
         return _ORIGINAL_APPLY(cls, *args, **kwargs)
     positions = tuple(k for k, a in enumerate(args) if isinstance(a, torch.Tensor))
     template = tuple(None if k in positions else a for k, a in enumerate(args))
+    for a in template:
+        if isinstance(a, torch.nn.Module):
+            _LIVE.update(a.modules())
     _CALLS.append(_Call(cls, template, positions))
     handle = len(_CALLS) - 1
     outs = OPAQUE_OP(handle, [args[k] for k in positions])

@@ -73,6 +73,7 @@ from optmem.pytorch.graphcut import (
     output_layout,
 )
 from optmem.pytorch.hooks import (
+    SeededDraws,
     buffers_restored,
     callers_tools_suspended,
     check_module_hooks,
@@ -296,14 +297,15 @@ def _graph_stages(gm: fx.GraphModule, model: nn.Module | None, cut: Cut,
     return stages
 
 
-def _symbolic_trace(module: nn.Module) -> fx.GraphModule:
+def _symbolic_trace(module: nn.Module, seeded: SeededDraws | None = None) -> fx.GraphModule:
     """``torch.fx``'s trace, refusing what its graph would drop.
 
     Python randomness and tensor hooks (:mod:`~optmem.pytorch.hooks`), custom autograd
-    Functions (:func:`~optmem.pytorch.custom_functions.refuse_functions`).
+    Functions (:func:`~optmem.pytorch.custom_functions.refuse_functions`). ``seeded``
+    receives the host generators the module seeds itself (:class:`SeededDraws`).
     """
     name = type(module).__name__
-    with refuse_python_random(name, module), refuse_tensor_hooks(name), \
+    with refuse_python_random(name, module, seeded), refuse_tensor_hooks(name), \
             refuse_functions(name):
         tracer = _Tracer()
         graph = tracer.trace(module)
@@ -406,6 +408,9 @@ class Extraction:
     value_branches: tuple[str, ...] = field(default=(), compare=False)
     """Where the forward branches on tensor values (``file:line (`code`)``): the graph holds
     the sample's side of each and asserts it at every call (:mod:`optmem.pytorch.branches`)."""
+    seeded: SeededDraws = field(default_factory=SeededDraws, compare=False)
+    """The host generators the forward seeds itself and draws from (HF BigBird's NumPy), as
+    a call leaves them; a run of the stages leaves them so too (:meth:`SeededDraws.replay`)."""
 
     def flatten(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         """The call's inputs in the graph's placeholder order."""
@@ -1092,7 +1097,8 @@ def _quiet_export() -> Iterator[None]:
 def _export_program(module: nn.Module, args: tuple[Any, ...],
                     kwargs: dict[str, Any], dynamic_shapes: Any = None) -> Extraction:
     name = type(module).__name__
-    ep = _export(module, args, kwargs, dynamic_shapes)
+    seeded = SeededDraws()
+    ep = _export(module, args, kwargs, dynamic_shapes, seeded)
     gm = ep.module()
     forget_real_tensors(gm)
     cumulative_batch_norms(gm, module)
@@ -1104,6 +1110,7 @@ def _export_program(module: nn.Module, args: tuple[Any, ...],
     ext = _program(gm, module, flat, method="export", in_spec=ep.call_spec.in_spec,
                    out_spec=ep.call_spec.out_spec, signature=None)
     ext.value_branches = tuple(value_branches(gm))
+    ext.seeded = seeded
     if ext.value_branches:
         _log.info("optmem: %s branches on tensor values at %s: exported with the sample's "
                   "side of each, asserted at every call", name, "; ".join(ext.value_branches))
@@ -1157,8 +1164,11 @@ def _real_values_failure(exc: BaseException) -> str:
 
 
 def _export(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-            dynamic_shapes: Any) -> torch.export.ExportedProgram:
+            dynamic_shapes: Any, seeded: SeededDraws | None = None
+            ) -> torch.export.ExportedProgram:
     """``torch.export.export`` (non-strict); again with real values on a value branch.
+
+    ``seeded`` receives the host generators the module seeds itself (:class:`SeededDraws`).
 
     A forward that branches on a tensor's value stops the first export; the second takes
     the sample's side of each such branch and asserts it at run time
@@ -1173,7 +1183,7 @@ def _export(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     args, kwargs = unaliased((args, kwargs))
 
     def run() -> torch.export.ExportedProgram:
-        with refuse_python_random(name, module), refuse_tensor_hooks(name), \
+        with refuse_python_random(name, module, seeded), refuse_tensor_hooks(name), \
                 opaque_functions(name), _idle_moves(), _quiet_export(), \
                 dimension_marks_kept((args, kwargs)):
             return torch.export.export(module, args, kwargs=kwargs, strict=False,
@@ -1350,7 +1360,8 @@ def _fx_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     from torch.fx.passes.shape_prop import ShapeProp
 
     before = torch.random.get_rng_state()
-    gm = _symbolic_trace(module)
+    seeded = SeededDraws()
+    gm = _symbolic_trace(module, seeded)
     if not torch.equal(before, torch.random.get_rng_state()):
         torch.random.set_rng_state(before)
         raise RuntimeError(
@@ -1368,8 +1379,10 @@ def _fx_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     with torch.random.fork_rng(devices=devices), torch.no_grad():
         ShapeProp(gm).propagate(*flat)
     masks_as_in_training(gm, flat)
-    return _program(gm, module, flat, method="fx", in_spec=None, out_spec=None,
-                    signature=signature)
+    ext = _program(gm, module, flat, method="fx", in_spec=None, out_spec=None,
+                   signature=signature)
+    ext.seeded = seeded
+    return ext
 
 
 # ------------------------------------------------------------------ public API

@@ -36,6 +36,7 @@ import random
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, TypeGuard
 
 import numpy as np
@@ -51,6 +52,7 @@ __all__ = ["buffers_restored", "callers_tools_suspended", "check_backward_hooks"
            "host_random_restored", "module_generators", "parameters_unmodified",
            "quiet_gradient_hooks",
            "random_config", "refuse_python_random", "refuse_tensor_hooks", "same_generator",
+           "SeededDraws",
            "warn_container_hooks", "warn_forward_hooks"]
 
 _ALTERNATIVE = ("remove it, or pass an nn.Sequential of blocks or a list of stage modules "
@@ -399,26 +401,88 @@ def _draws(value: Any) -> TypeGuard[float]:
     return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
 
 
+@dataclass
+class SeededDraws:
+    """The host generators a traced call seeded itself before drawing, as the call left them.
+
+    HF BigBird's block-sparse attention calls ``np.random.seed(layer_index)`` in training,
+    then draws its random blocks: the draws depend on the seed only, so the trace's values
+    are the ones every call draws, and the graph may keep them. The call leaves NumPy's
+    global generator in a fixed state, which a later ``np.random`` draw of the caller sees;
+    the wrapper, whose graph does not run that Python, leaves it so with :meth:`replay`.
+
+    Attributes
+    ----------
+    python
+        ``random.getstate()`` after the call, or ``None`` (not seeded by the call).
+    numpy
+        ``np.random.get_state()`` after the call, or ``None``.
+    """
+
+    python: Any = None
+    numpy: Any = None
+
+    def __bool__(self) -> bool:
+        return self.python is not None or self.numpy is not None
+
+    def replay(self) -> None:
+        """Leave the generators the call seeded as the model's call leaves them."""
+        if self.python is not None:
+            random.setstate(self.python)
+        if self.numpy is not None:
+            np.random.set_state(self.numpy)  # noqa: NPY002
+
+
 @contextmanager
-def refuse_python_random(module_name: str, module: nn.Module | None = None) -> Iterator[None]:
+def _first_seeds() -> Iterator[dict[str, Any]]:
+    """Within: each host generator's state when the code first seeds it, by name.
+
+    ``random.seed`` and ``np.random.seed`` are replaced by recorders that call them; the
+    names are ``"random"`` and ``"numpy.random"`` (as :func:`refuse_python_random` says).
+    """
+    first: dict[str, Any] = {}
+    python_seed, numpy_seed = random.seed, np.random.seed  # noqa: NPY002
+
+    def seed_python(*args: Any, **kwargs: Any) -> None:
+        first.setdefault("random", random.getstate())
+        python_seed(*args, **kwargs)
+
+    def seed_numpy(*args: Any, **kwargs: Any) -> None:
+        first.setdefault("numpy.random", _numpy_state())
+        numpy_seed(*args, **kwargs)
+
+    random.seed, np.random.seed = seed_python, seed_numpy  # type: ignore[assignment]
+    try:
+        yield first
+    finally:
+        random.seed, np.random.seed = python_seed, numpy_seed  # type: ignore[assignment]
+
+
+@contextmanager
+def refuse_python_random(module_name: str, module: nn.Module | None = None,
+                         seeded: SeededDraws | None = None) -> Iterator[None]:
     """Within (while tracing): refuse draws from Python's ``random`` or NumPy's global RNG.
 
     A traced graph holds the values such draws gave *while tracing*: a LayerDrop written as
     ``if random.random() < p: skip the layer`` would skip the same layers at every step.
     torch's own RNG is not concerned (its random ops are graph nodes, replayed each call).
     With ``module``, the message names its HF config fields that draw
-    (:func:`random_config`).
+    (:func:`random_config`). A generator the call seeds itself before its first draw
+    (``np.random.seed(seed)``, HF BigBird) draws the same values at every call: accepted,
+    whatever its state before, and the state the call leaves it in is put in ``seeded``
+    (:class:`SeededDraws`).
 
     Raises
     ------
     OptmemInputError
-        On leaving, when either generator's state moved.
+        On leaving, when either generator's state moved, but for one seeded first.
     """
-    before = (random.getstate(), _numpy_state())
-    yield
-    moved = [name for name, changed in (("random", random.getstate() != before[0]),
-                                        ("numpy.random", _numpy_state() != before[1]))
-             if changed]
+    before = {"random": random.getstate(), "numpy.random": _numpy_state()}
+    with _first_seeds() as first:
+        yield
+    after = {"random": random.getstate(), "numpy.random": _numpy_state()}
+    own = [name for name in before if name in first and first[name] == before[name]]
+    moved = [name for name in before if after[name] != before[name] and name not in own]
     if moved:
         config = random_config(module)
         advice = (" Otherwise turn them off (e.g. layerdrop=0) or draw them with torch's RNG; "
@@ -432,6 +496,9 @@ def refuse_python_random(module_name: str, module: nn.Module | None = None) -> I
             "(a LayerDrop or a mask written with Python or NumPy randomness): an extracted "
             f"graph would replay the draws of the trace at every step.{config}{advice}"
             f"{_ALTERNATIVE}", field="module")
+    if seeded is not None:
+        seeded.python = random.getstate() if "random" in own else None
+        seeded.numpy = np.random.get_state() if "numpy.random" in own else None  # noqa: NPY002
 
 
 @contextmanager

@@ -98,6 +98,7 @@ from optmem.chain import Chain
 from optmem.errors import OptmemInputError
 from optmem.pytorch.branches import is_value_branch_error
 from optmem.pytorch.context import SideInputs, side_inputs
+from optmem.pytorch.custom_functions import live_namespaces
 from optmem.pytorch.execute import (
     CompileRequest,
     autocast_modes,
@@ -124,7 +125,7 @@ from optmem.pytorch.hooks import (
     parameters_unmodified,
     warn_container_hooks,
 )
-from optmem.pytorch.memory import buffers_restored, storage_bytes
+from optmem.pytorch.memory import buffers_restored, gradients_restored, storage_bytes
 from optmem.pytorch.planning import Planner, refuse_second_copies
 from optmem.result import Result, Status
 from optmem.units import format_size, memory_percent
@@ -981,6 +982,7 @@ class PlannedModule(nn.Module):
         assert ext is not None
         with side_inputs(ctx):
             out = _run_executor(variant.executor, ext.chain_input(flat), compiled)
+        ext.seeded.replay()  # the host generators the model seeds, left as its call leaves them
         return ext.output.assemble(out, ctx)
 
     def _branch_variant(self, variant: _Variant, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -1632,7 +1634,9 @@ class TensorState:
         self._handle_id = RemovableHandle.next_id  # every registration moves it
         self._modes = [(m, m.training) for m in modules]
         self._dropout = [(m, m.p) for m in modules if isinstance(m, _DropoutNd)]
-        self._attrs = _Attributes(_python_attributes(modules) if self._attributes else [])
+        live = live_namespaces()
+        self._attrs = _Attributes([e for e in _python_attributes(modules) if id(e[0]) not in live]
+                                  if self._attributes else [])
         self._adapter_layers = [m for m in modules if _is_adapter_layer(m)]
         self._adapters = _adapter_state(self._adapter_layers)
         self.token = (frozenset((t.dtype, str(t.device)) for _, _, t in tensors),
@@ -1695,10 +1699,18 @@ class TensorState:
             self.absorb()
 
     def absorb(self) -> None:
-        """Record the current value of every recorded Python attribute (no new version)."""
-        if not self._attrs.same():
+        """Record the current value of every recorded Python attribute (no new version).
+
+        The attributes of modules a custom Function kept whole is passed are no longer
+        recorded (:func:`~optmem.pytorch.custom_functions.live_namespaces`): the Function
+        reads them at every call, and may write them then.
+        """
+        live = live_namespaces()
+        if not self._attrs.same() or (live and any(id(d) in live
+                                                   for d, _, _ in self._attrs.entries)):
             self._attrs = _Attributes([(d, name, _recorded(d.get(name, _ABSENT)))
-                                       for d, name, _ in self._attrs.entries])
+                                       for d, name, _ in self._attrs.entries
+                                       if id(d) not in live])
 
     def key(self) -> tuple[Any, ...]:
         """The module's state now.
@@ -2119,15 +2131,21 @@ def leaves_no_trace(module: nn.Module, call: Any = None) -> Iterator[None]:
     (:func:`~optmem.pytorch.hooks.callers_tools_suspended`). The CUDA RNG states restored
     are those of every device holding a parameter, a buffer or a tensor of ``call``: a
     model whose CUDA tensors are all parameters (no buffer) draws its dropout masks there.
+    The parameters' ``.grad`` are put back too (:func:`~optmem.pytorch.memory.
+    gradients_restored`): a custom autograd Function kept whole may write them itself (HF
+    Reformer's reversible layers run ``.backward()`` on their own modules inside their
+    backward), past the stages' own parameters that profiling clears.
     """
     leaves = tree_flatten(call)[0]
-    tensors = [*module.parameters(), *module.buffers(),
+    parameters = list(module.parameters())
+    tensors = [*parameters, *module.buffers(),
                *(v for v in leaves if isinstance(v, torch.Tensor))]
     devices = cuda_indices(tensors)
     generators = module_generators(module)
     generators += [v for v in leaves if isinstance(v, torch.Generator)]
     with callers_tools_suspended(), torch.random.fork_rng(devices=devices), \
-            generators_restored(generators), buffers_restored([module]):
+            generators_restored(generators), buffers_restored([module]), \
+            gradients_restored(parameters):
         yield
 
 
