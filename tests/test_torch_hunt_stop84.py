@@ -156,3 +156,34 @@ def test_reformer_wrapping_leaves_no_gradient_and_steps_extract_once(caplog) -> 
             for a, b in zip(grads, ref_grads, strict=True):
                 torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert "new call signature" not in caplog.text
+
+
+def _rwkv(rescale_every: int) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    config = transformers.RwkvConfig(
+        vocab_size=100, hidden_size=16, num_hidden_layers=4, attention_hidden_size=16,
+        intermediate_size=32, context_length=32, rescale_every=rescale_every)
+    ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(1))
+    return transformers.RwkvForCausalLM(config).train(), {"input_ids": ids, "labels": ids}
+
+
+def test_rwkv_rescaling_its_weights_in_eval_is_refused_and_without_it_trains_as_the_model(
+        ) -> None:
+    """``rescale_every=2`` with 4 layers: one error naming the field (main: wrapped, and a
+    training step after an ``eval()`` call under ``no_grad`` ran on the halved weights,
+    logits 0.98 off). With ``rescale_every=0`` the same sequence is bitwise."""
+    model, sample = _rwkv(2)
+    with pytest.raises(OptmemInputError, match="model.config.rescale_every = 0"):
+        op.checkpoint(model, sample, **FIXED)
+    model, sample = _rwkv(0)
+    plain = copy.deepcopy(model)
+    cmodel = op.checkpoint(model, sample, **FIXED)
+    for wrapped, owner in ((cmodel, model), (plain, plain)):
+        owner.eval()
+        with torch.no_grad():
+            wrapped(**sample)
+        owner.train()
+    got, ref = step(cmodel, model, sample, seed=2), step(plain, plain, sample, seed=2)
+    torch.testing.assert_close(got[0].logits, ref[0].logits, rtol=0, atol=0)
+    for a, b in zip(got[1], ref[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -82,6 +82,7 @@ from optmem.pytorch.hooks import (
     host_random_restored,
     module_generators,
     random_config,
+    refuse_inference_rescaling,
     refuse_python_random,
     refuse_tensor_hooks,
 )
@@ -492,6 +493,7 @@ def _extract_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
                                field="extract")
     check_module_hooks(module)
     refuse_cache_input(name, (args, kwargs))
+    refuse_inference_rescaling(module)
     errors = []
     branch, intermediate, again, owner, size = None, False, "", None, False
     if method in ("auto", "export"):

@@ -51,8 +51,8 @@ __all__ = ["buffers_restored", "callers_tools_suspended", "check_backward_hooks"
            "check_module_hooks", "cuda_indices", "generators_restored", "has_module_hooks",
            "host_random_restored", "module_generators", "parameters_unmodified",
            "quiet_gradient_hooks",
-           "random_config", "refuse_python_random", "refuse_tensor_hooks", "same_generator",
-           "SeededDraws",
+           "random_config", "refuse_inference_rescaling", "refuse_python_random",
+           "refuse_tensor_hooks", "same_generator", "SeededDraws",
            "warn_container_hooks", "warn_forward_hooks"]
 
 _ALTERNATIVE = ("remove it, or pass an nn.Sequential of blocks or a list of stage modules "
@@ -111,6 +111,37 @@ def warn_container_hooks(containers: Iterable[tuple[str, nn.Module]]) -> list[st
             "its entries, or keep the block whole (not_really_sequential = True)",
             stacklevel=4)
     return where
+
+
+def refuse_inference_rescaling(module: nn.Module) -> None:
+    """Refuse a model that rescales its weights in place when it runs in eval mode (HF RWKV).
+
+    RWKV with ``config.rescale_every = k > 0`` divides the output weights of block ``i`` by
+    ``2 ** (i // k)`` in place at its first forward in eval mode, and multiplies them back at
+    its next forward in training mode (``_rescale_layers``, an overflow aid for float16
+    inference). Under the wrapper a call without gradients runs the model (the weights are
+    divided), but a training call runs the stages, which do not run that Python: they
+    trained on the divided weights, in silence (4 layers, ``rescale_every=2``: logits 0.98
+    off after one ``eval()`` call under ``no_grad``). With at most ``k`` blocks every factor
+    is 1 and nothing changes.
+
+    Raises
+    ------
+    OptmemInputError
+        Naming the config field and the value to set.
+    """
+    config = getattr(module, "config", None)
+    every = getattr(config, "rescale_every", None)
+    layers = getattr(config, "num_hidden_layers", None)
+    if not (_draws(every) and isinstance(layers, int) and layers > every):
+        return
+    raise OptmemInputError(
+        f"{type(module).__name__} rescales its weights in place when it runs in eval mode "
+        f"(config.rescale_every={every}, {layers} layers) and back at its next training "
+        "forward; the stages of a wrapped training call do not run that code, so after an "
+        "eval() call they would train on the rescaled weights. Set "
+        "model.config.rescale_every = 0 before wrapping (it only guards float16 inference "
+        "against overflow; training computes the same)", field="module")
 
 
 def check_module_hooks(module: nn.Module) -> None:
