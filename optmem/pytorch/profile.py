@@ -1170,10 +1170,13 @@ def _profile_memory(modules: Sequence[nn.Module], stages: Sequence[Stage], sampl
         try:
             row = _stage_memory(module, x, in_size, tied, s, last=k == len(modules) - 1)
         except RuntimeError as exc:
-            if not _writes_into_leaf(exc):
+            if _writes_into_leaf(exc):
+                raise OptmemInputError(_inplace_message(k, stages[k].name, exc), stage=k + 1,
+                                       field="module") from None
+            if k > 0:  # the first stage's is the sample's (a shape, a dtype: stop 84)
                 raise
-            raise OptmemInputError(_inplace_message(k, stages[k].name, exc), stage=k + 1,
-                                   field="module") from None
+            raise OptmemInputError(_sample_message(stages[0].name, exc), stage=1,
+                                   field="sample") from None
         except TypeError as exc:
             if k > 0:
                 raise
@@ -1185,16 +1188,28 @@ def _profile_memory(modules: Sequence[nn.Module], stages: Sequence[Stage], sampl
     return rows, leaves, x_value
 
 
-def _sample_message(name: str, exc: TypeError) -> str:
+def _sample_message(name: str, exc: Exception) -> str:
     """Why the first stage cannot take the sample (a tuple given to an ``nn.Sequential``).
 
     An ``nn.Sequential`` (or a list of stages) takes the sample as its one input, as
     ``nn.Sequential.forward`` does: a tuple is passed to the first stage whole. Before stop
     75 ``op.checkpoint(seq, (x,), ...)`` ended in the stage's raw ``TypeError``.
     """
+    if not isinstance(exc, TypeError):  # torch's own words: a shape or a dtype
+        return f"the first stage ({name}) cannot take the sample: {exc}"
     return (f"the first stage ({name}) cannot take the sample: {exc}; an nn.Sequential or a "
             f"list of stages takes the sample as its one input, and a tuple is passed to "
             f"its first stage whole (give the tensor itself)")
+
+
+def _model_times(value: Any) -> tuple[float, float]:
+    """A time model's answer as (forward, backward) ms; one error naming it otherwise."""
+    try:
+        fwd, bwd = (float(v) for v in value)
+    except (TypeError, ValueError, OverflowError):
+        raise OptmemInputError(f"a time model returns (forward_ms, backward_ms), got "
+                               f"{value!r}", field="time_model") from None
+    return fwd, bwd
 
 
 def _stage_times(modules: Sequence[nn.Module], leaves: Sequence[Any],
@@ -1204,7 +1219,7 @@ def _stage_times(modules: Sequence[nn.Module], leaves: Sequence[Any],
                  last: Any) -> tuple[list[float], list[float], float]:
     """Forward, backward and loss times: a time model, the meta roofline, or measured."""
     if time_model is not None:
-        pairs = [tuple(float(v) for v in time_model(m, x, r.out))
+        pairs = [_model_times(time_model(m, x, r.out))
                  for m, x, r in zip(modules, leaves, rows, strict=True)]
         return [p[0] for p in pairs], [p[1] for p in pairs], 0.0
     if s.meta:
