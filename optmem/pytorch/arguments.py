@@ -43,8 +43,11 @@ MAX_REPEATS = 10_000
 """Most timed runs (``repeats``, ``warmup``, ``autotune_rounds``) a one-liner takes."""
 
 MAX_CHARGE_MS = 1e9
-"""Largest per-op charge (``op_overhead`` ms, ``op_overhead_ratio``, ``segment_cost`` ms):
-larger ones only make the chain's times leave the range a chain holds (1e12)."""
+"""Largest per-op charge (``op_overhead`` ms, ``op_overhead_ratio``): larger ones only make
+the chain's times leave the range a chain holds (1e12)."""
+
+MAX_SEGMENT_COST_MS = 1e12
+"""Largest ``segment_cost`` (ms): the checkpoint ``dp``'s own range (CONTRACT section 15)."""
 
 
 def _count(low: int, high: int | None = MAX_REPEATS) -> Callable[[Any, str], None]:
@@ -67,16 +70,20 @@ def flag(value: Any, name: str) -> bool:
     return bool(value)
 
 
-def _charge(value: Any, name: str) -> None:
+def _charge(value: Any, name: str, high: float = MAX_CHARGE_MS) -> None:
     number = math.nan
     if not isinstance(value, bool | np.bool_) and isinstance(value, Real):
         try:
             number = float(value)
         except OverflowError:  # an int past a float's range
             number = math.inf
-    if not 0 <= number <= MAX_CHARGE_MS:
+    if not 0 <= number <= high:
         raise OptmemInputError(f"expected a number of milliseconds (or a ratio) in "
-                               f"0..{MAX_CHARGE_MS:g}, got {value!r}", field=name)
+                               f"0..{high:g}, got {value!r}", field=name)
+
+
+def _segment_cost(value: Any, name: str) -> None:
+    _charge(value, name, MAX_SEGMENT_COST_MS)
 
 
 def _callable(value: Any, name: str) -> None:
@@ -135,7 +142,7 @@ _CHECKS: dict[str, Callable[[Any, str], object]] = {
     "measure_segments": _optional(flag), "dynamic": flag, "fast_path": flag,
     "autotune": flag, "preserve_rng_state": flag, "restore_buffers": flag,
     "strip_suffix": flag, "op_overhead": _optional(_charge),
-    "op_overhead_ratio": _optional(_charge), "segment_cost": _optional(_charge),
+    "op_overhead_ratio": _optional(_charge), "segment_cost": _optional(_segment_cost),
     "time_model": _optional(_callable), "loss_fn": _optional(_callable),
     "autotune_timer": _optional(_callable), "segment_timer": _optional(_callable),
     "adjust_chain": _optional(_callable), "extract": _extract, "chain": _optional(_chain),

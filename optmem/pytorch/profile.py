@@ -1170,13 +1170,10 @@ def _profile_memory(modules: Sequence[nn.Module], stages: Sequence[Stage], sampl
         try:
             row = _stage_memory(module, x, in_size, tied, s, last=k == len(modules) - 1)
         except RuntimeError as exc:
-            if _writes_into_leaf(exc):
-                raise OptmemInputError(_inplace_message(k, stages[k].name, exc), stage=k + 1,
-                                       field="module") from None
-            if k > 0:  # the first stage's is the sample's (a shape, a dtype: stop 84)
+            if not _writes_into_leaf(exc):
                 raise
-            raise OptmemInputError(_sample_message(stages[0].name, exc), stage=1,
-                                   field="sample") from None
+            raise OptmemInputError(_inplace_message(k, stages[k].name, exc), stage=k + 1,
+                                   field="module") from None
         except TypeError as exc:
             if k > 0:
                 raise
@@ -1188,15 +1185,13 @@ def _profile_memory(modules: Sequence[nn.Module], stages: Sequence[Stage], sampl
     return rows, leaves, x_value
 
 
-def _sample_message(name: str, exc: Exception) -> str:
+def _sample_message(name: str, exc: TypeError) -> str:
     """Why the first stage cannot take the sample (a tuple given to an ``nn.Sequential``).
 
     An ``nn.Sequential`` (or a list of stages) takes the sample as its one input, as
     ``nn.Sequential.forward`` does: a tuple is passed to the first stage whole. Before stop
     75 ``op.checkpoint(seq, (x,), ...)`` ended in the stage's raw ``TypeError``.
     """
-    if not isinstance(exc, TypeError):  # torch's own words: a shape or a dtype
-        return f"the first stage ({name}) cannot take the sample: {exc}"
     return (f"the first stage ({name}) cannot take the sample: {exc}; an nn.Sequential or a "
             f"list of stages takes the sample as its one input, and a tuple is passed to "
             f"its first stage whole (give the tensor itself)")
