@@ -124,7 +124,8 @@ def test_a_sample_the_model_cannot_take_is_one_error(entry: str, exported: bool,
     assert _same(before, _state(model))
 
 
-@pytest.mark.parametrize("module", [[nn.Linear(8, 8), 3], 3, None])
+@pytest.mark.parametrize("module", [[nn.Linear(8, 8), 3], 3, None,
+                                    nn.ModuleList([nn.Linear(8, 8)])])
 def test_a_module_of_the_wrong_kind_is_one_error(module: object) -> None:
     for entry in ("checkpoint", "profile_chain"):
         with pytest.raises(OptmemInputError) as info:

@@ -173,6 +173,10 @@ def check_module(module: Any) -> None:
     from optmem.pytorch.extract import Stage
 
     if isinstance(module, nn.Module):
+        if type(module).forward is nn.Module.forward and "forward" not in vars(module):
+            raise OptmemInputError(f"{type(module).__name__} has no forward (a ModuleList or "
+                                   f"ModuleDict: pass an nn.Sequential or a list of its "
+                                   f"modules)", field="module")
         return
     if isinstance(module, Sequence) and not isinstance(module, str | bytes):
         bad = next((k for k, m in enumerate(module) if not isinstance(m, nn.Module | Stage)),
