@@ -98,32 +98,6 @@ def test_good_values_of_every_kind_still_work(name: str, value: object) -> None:
     assert torch.equal(cmodel(x), model(x))
 
 
-class _Net(nn.Module):
-    """Not an ``nn.Sequential``: exported."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.relu(self.a(x)))
-
-
-@pytest.mark.parametrize("entry", ["checkpoint", "profile_chain"])
-@pytest.mark.parametrize(("exported", "sample"), [
-    (False, torch.randn(4, 5)), (False, torch.ones(4, 8, dtype=torch.long)),
-    (True, [[0.0] * 8] * 4), (True, torch.randn(4, 5)), (True, (torch.randn(4, 8),) * 2)])
-def test_a_sample_the_model_cannot_take_is_one_error(entry: str, exported: bool,
-                                                     sample: object) -> None:
-    torch.manual_seed(0)
-    model = _Net() if exported else _mlp()[0]
-    before = _state(model)
-    with pytest.raises(OptmemInputError) as info:
-        CALLS[entry](model, sample)
-    assert info.value.field == "sample", str(info.value)
-    assert _same(before, _state(model))
-
-
 @pytest.mark.parametrize("module", [[nn.Linear(8, 8), 3], 3, None,
                                     nn.ModuleList([nn.Linear(8, 8)])])
 def test_a_module_of_the_wrong_kind_is_one_error(module: object) -> None:

@@ -31,7 +31,6 @@ from optmem.pytorch.arguments import (
     check_options,
     flag,
     plan_argument,
-    sample_fault,
 )
 from optmem.pytorch.extract import Stage, extract_program
 from optmem.pytorch.planning import Planner
@@ -229,14 +228,7 @@ def build_planned(cls: type[PlannedModule], kind: str, module: Any, sample: Any,
         if timer is not None and not callable(timer):  # was a raw TypeError mid-tuning
             raise OptmemInputError(f"autotune_timer: expected a function (step, candidate) "
                                    f"-> milliseconds, got {timer!r}", field="autotune_timer")
-    try:
-        planned = cls.build(module, sample, planner, profile, chain=chain,
-                            fast_path=fast_path)
-    except (TypeError, RuntimeError, OptmemInputError) as exc:  # the sample's? (stop 84)
-        fault = sample_fault(module, sample, exc)
-        if fault is exc:
-            raise
-        raise fault from None
+    planned = cls.build(module, sample, planner, profile, chain=chain, fast_path=fast_path)
     if wants_tuning:
         from optmem.pytorch.autotune import AUTOTUNE_ROUNDS, autotune
 
@@ -555,13 +547,7 @@ def profile_chain(module: nn.Module | Sequence[nn.Module | Stage], sample: Any, 
     for name in ("op_overhead", "op_overhead_ratio"):  # None: the default, as in checkpoint
         if name in options and options[name] is None:
             del options[name]
-    try:
-        return _profile_chain(module, sample, extract, options)
-    except (TypeError, RuntimeError, OptmemInputError) as exc:  # the sample's? (stop 84)
-        fault = sample_fault(module, sample, exc)
-        if fault is exc:
-            raise
-        raise fault from None
+    return _profile_chain(module, sample, extract, options)
 
 
 def _profile_chain(module: nn.Module | Sequence[nn.Module | Stage], sample: Any, extract: str,

@@ -34,7 +34,7 @@ from optmem.errors import OptmemInputError
 from optmem.result import check_integer
 
 __all__ = ["EXTRACT_METHODS", "MAX_REPEATS", "check_device", "check_module", "check_options",
-           "flag", "plan_argument", "sample_fault"]
+           "flag", "plan_argument"]
 
 EXTRACT_METHODS = ("auto", "export", "fx")
 """The values of ``extract=``."""
@@ -197,31 +197,3 @@ def plan_argument(plan: Any) -> Sequence[Any]:
                                f"got {plan!r}", field="plan")
     return plan
 
-
-def sample_fault(module: Any, sample: Any, exc: BaseException) -> BaseException:
-    """The sample's error when ``module`` itself fails on ``sample``, else ``exc``.
-
-    Called only after wrapping failed with ``exc`` (a ``TypeError`` or ``RuntimeError``,
-    or the extraction's error on the ``module`` field): the plain model is called once on
-    the sample, without gradients and leaving no trace
-    (:func:`~optmem.pytorch.wrapper.leaves_no_trace`). An error there of the same kind
-    (of any kind after an extraction error) is the sample's (a list for a tensor, a wrong
-    shape or dtype, too many arguments): one error on the ``sample`` field with the model's
-    own words. Otherwise wrapping's own error stands.
-    """
-    from torch import nn
-
-    from optmem.pytorch.wrapper import call_of, leaves_no_trace
-
-    if not isinstance(module, nn.Module) or (isinstance(exc, OptmemInputError)
-                                             and exc.field != "module"):
-        return exc
-    args, kwargs = call_of(sample)
-    try:
-        with torch.no_grad(), leaves_no_trace(module, (args, kwargs)):
-            module(*args, **kwargs)
-    except (TypeError, RuntimeError, ValueError, IndexError) as own:
-        if isinstance(exc, OptmemInputError | type(own)) or isinstance(own, type(exc)):
-            return OptmemInputError(f"{type(module).__name__} itself fails on the sample: "
-                                    f"{own}", field="sample")
-    return exc

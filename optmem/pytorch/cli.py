@@ -130,10 +130,6 @@ def run_profile(args: argparse.Namespace) -> int:
                               warmup=args.warmup, max_stages=args.max_stages,
                               name=args.name or args.spec,
                               progress=False if args.no_progress else None)
-    except OptmemInputError as exc:  # the sample's (stop 84): said as the spec's here
-        if exc.field == "sample":
-            _raise_if_the_model_fails(args.spec, module, sample)
-        raise
     except (MemoryError, RuntimeError) as exc:
         if not out_of_memory(exc):
             _raise_if_the_model_fails(args.spec, module, sample)
