@@ -17,6 +17,7 @@ of it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -26,6 +27,12 @@ from torch.utils._pytree import tree_map_only
 
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError
+from optmem.pytorch.arguments import (
+    check_module,
+    check_options,
+    flag,
+    plan_argument,
+)
 from optmem.pytorch.extract import Stage, extract_program
 from optmem.pytorch.hooks import parameters_unmodified
 from optmem.pytorch.planning import Planner
@@ -97,7 +104,7 @@ class CheckpointedModule(PlannedModule):
 
     def set_plan(self, plan: Sequence[Any]) -> None:
         """Run another plan on the main signature's stages (validated by the executor)."""
-        self.executor.set_plan(plan)  # type: ignore[operator]
+        self.executor.set_plan(plan_argument(plan))  # type: ignore[operator]
 
     def resolve(self, memory_limit: int | str | None = None, method: str | None = None,
                 **options: Any) -> Result:
@@ -116,13 +123,16 @@ class CheckpointedModule(PlannedModule):
                 raise OptmemInputError("the current plan has no memory limit: give one",
                                        field="memory_limit")
             memory_limit = self.result.memory_limit * self.result.unit
-        for key, value in options.items():
-            if not hasattr(planner, key):
+        for key in options:
+            if key in ("kind", "executor_options") or not hasattr(planner, key):
                 raise OptmemInputError(f"unknown solver option {key!r}", field=key)
-            setattr(planner, key, value)
-        planner.memory_limit = memory_limit
-        planner.method = method or (planner.method if given else self.result.method)
+        # a new planner (checked by its __post_init__), kept only once it has a plan: a
+        # refused limit or option left the old one changed (stop 84)
+        planner = dataclasses.replace(
+            planner, **options, memory_limit=memory_limit,
+            method=method or (planner.method if given else self.result.method))
         result = planner.solve(self.chain)
+        self._planner = planner
         self._set_result(result, limit=solved_limit(planner.memory_limit, result, self.chain))
         return result
 
@@ -140,6 +150,7 @@ class CheckpointedModule(PlannedModule):
         one :class:`UserWarning` says why it was dropped and the planner solves the new
         chain. :meth:`resolve` returns to the planner's plans.
         """
+        plan = plan_argument(plan)
         result = GivenPlan(tuple(str(p) for p in plan), method, self.chain.length,
                            None).result(self.chain)
         limit = None if memory_limit is None else parse_size(memory_limit,
@@ -184,6 +195,9 @@ def build_planned(cls: type[PlannedModule], kind: str, module: Any, sample: Any,
     Under ``torch.inference_mode()`` it runs with inference mode off, on a copy of the
     sample's inference tensors (:func:`outside_inference_mode`): profiling runs backwards.
     """
+    check_module(module)
+    extra = options.get("extra")
+    check_options({**options, **(extra if isinstance(extra, Mapping) else {})})  # stop 84
     refuse_inference_tensors(module)
     if torch.is_inference_mode_enabled():
         with torch.inference_mode(False):
@@ -192,7 +206,7 @@ def build_planned(cls: type[PlannedModule], kind: str, module: Any, sample: Any,
     sample = graph_free(sample)  # its steps must not run into the caller's graph
     options = dict(options)
     chain = options.pop("chain", None)
-    fast_path = _flag(options.pop("fast_path", True), "fast_path")
+    fast_path = flag(options.pop("fast_path", True), "fast_path")
     tune = {k: options.pop(k) for k in _AUTOTUNE_OPTIONS if k in options}
     pick = {group: {k: options.pop(k) for k in keys if k in options}
             for group, keys in (("profile", _PROFILE_OPTIONS), ("solver", _SOLVER_OPTIONS),
@@ -205,12 +219,12 @@ def build_planned(cls: type[PlannedModule], kind: str, module: Any, sample: Any,
     planner = Planner(kind, memory_limit, method, bandwidth=bandwidth,
                       executor_options=pick["executor"], **pick["solver"])
     if "dynamic" in pick["profile"]:
-        _flag(pick["profile"]["dynamic"], "dynamic")
+        flag(pick["profile"]["dynamic"], "dynamic")
     # a value carried beside the boundaries is counted once for rotor's DPs only: their
     # plans never copy it twice (profile.carried_generations_error)
     profile = ProfileOptions(**pick["profile"],
                              share_carried=kind == "checkpoint" and method == "dp")
-    wants_tuning = _flag(tune.pop("autotune", False), "autotune")
+    wants_tuning = flag(tune.pop("autotune", False), "autotune")
     if wants_tuning:
         _check_autotune(kind, planner)
         timer = tune.get("autotune_timer")
@@ -329,13 +343,6 @@ def outside_inference_mode(sample: Any) -> Any:
         sample = dict(sample)
     return tree_map_only(torch.Tensor, lambda t: t.clone() if t.is_inference() else t,
                          sample)
-
-
-def _flag(value: Any, field: str) -> bool:
-    """``value`` if it is a bool; otherwise one clear error naming ``field``."""
-    if not isinstance(value, bool):
-        raise OptmemInputError(f"{field}: expected True or False, got {value!r}", field=field)
-    return value
 
 
 def _check_autotune(kind: str, planner: Planner) -> None:
@@ -569,6 +576,17 @@ def profile_chain(module: nn.Module | Sequence[nn.Module | Stage], sample: Any, 
     >>> chain.length, chain.input_size, chain.output_size
     (3, 128, (256, 256, 32))
     """
+    check_module(module)
+    check_options({**options, "extract": extract})  # before any work (stop 84)
+    for name in ("op_overhead", "op_overhead_ratio"):  # None: the default, as in checkpoint
+        if name in options and options[name] is None:
+            del options[name]
+    return _profile_chain(module, sample, extract, options)
+
+
+def _profile_chain(module: nn.Module | Sequence[nn.Module | Stage], sample: Any, extract: str,
+                   options: dict[str, Any]) -> Chain:
+    """:func:`profile_chain` once its arguments are checked."""
     from optmem.pytorch import profile as prof
     from optmem.pytorch.wrapper import (
         plain_measure,

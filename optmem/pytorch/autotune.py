@@ -293,9 +293,7 @@ def autotune(cmodel: PlannedModule, sample: Any, *, rounds: int = AUTOTUNE_ROUND
     plan id, settings, segments, model objective, measured median ms; ``chosen``: the plan
     id; ``skipped``: why nothing was timed, or ``None``), and the wrapper switches to it.
     """
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
-        raise OptmemInputError(f"autotune_rounds: expected an integer >= 1, got {rounds!r}",
-                               field="autotune_rounds")
+    check_rounds(rounds)
     if cmodel._planner.kind != "checkpoint":
         raise OptmemInputError("autotune chooses among checkpoint plans only",
                                field="autotune")
@@ -319,3 +317,10 @@ def autotune(cmodel: PlannedModule, sample: Any, *, rounds: int = AUTOTUNE_ROUND
     chosen = dataclasses.replace(chosen, report={**chosen.report, "autotune": record})
     cmodel._set_result(chosen, limit=main.limit)
     return record
+
+
+def check_rounds(rounds: Any) -> None:
+    """One error unless ``rounds`` (``autotune_rounds``) is a whole number in 1..10,000."""
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or not 1 <= rounds <= 10_000:
+        raise OptmemInputError(f"autotune_rounds: expected an integer >= 1 (at most 10000), "
+                               f"got {rounds!r}", field="autotune_rounds")

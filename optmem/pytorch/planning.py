@@ -45,7 +45,7 @@ from optmem.plan import Plan, parse_plan
 from optmem.problems.checkpoint import unit_of
 from optmem.result import Result, SolveOptions, Status
 from optmem.simulate import simulate_checkpoint
-from optmem.units import chain_rate, format_size, relative_memory
+from optmem.units import chain_rate, format_size, rate_per_second, relative_memory
 
 __all__ = ["KINDS", "Planner", "auto_slots", "bandwidth_per_unit", "recorded_segment_cost",
            "refine_by_rounding_down", "rounded_down", "smallest_feasible"]
@@ -197,9 +197,16 @@ class Planner:
         if self.memory_limit != "min":  # fail early on bad sizes and percentages
             relative_memory(self.memory_limit, 0, field="memory_limit")
         # and on a method the problem does not have, before any profile (stop 78: after it)
-        from optmem.solvers.facade import method_info
+        from optmem.solvers.facade import check_variant, method_info
 
-        method_info(self.kind.replace("_", "-"), self.method)
+        info = method_info(self.kind.replace("_", "-"), self.method)
+        # and on bad solver options, also those a store-all answer never reads (stop 84)
+        self.options()
+        if self.variant == "":
+            raise OptmemInputError("expected a variant name or None, got ''", field="variant")
+        check_variant(self.kind, info, self.variant)
+        if self.bandwidth is not None:
+            rate_per_second(self.bandwidth, field="bandwidth")
 
     def options(self, chain: Chain | None = None, method: str | None = None) -> SolveOptions:
         """The solver options (``slots`` chosen for ``chain`` and ``method`` when unset)."""

@@ -1197,6 +1197,16 @@ def _sample_message(name: str, exc: TypeError) -> str:
             f"its first stage whole (give the tensor itself)")
 
 
+def _model_times(value: Any) -> tuple[float, float]:
+    """A time model's answer as (forward, backward) ms; one error naming it otherwise."""
+    try:
+        fwd, bwd = (float(v) for v in value)
+    except (TypeError, ValueError, OverflowError):
+        raise OptmemInputError(f"a time model returns (forward_ms, backward_ms), got "
+                               f"{value!r}", field="time_model") from None
+    return fwd, bwd
+
+
 def _stage_times(modules: Sequence[nn.Module], leaves: Sequence[Any],
                  rows: Sequence[_StageMemory], s: _Setting, timer: _Timer, repeats: int,
                  warmup: int, time_model: TimeModel | None,
@@ -1204,7 +1214,7 @@ def _stage_times(modules: Sequence[nn.Module], leaves: Sequence[Any],
                  last: Any) -> tuple[list[float], list[float], float]:
     """Forward, backward and loss times: a time model, the meta roofline, or measured."""
     if time_model is not None:
-        pairs = [tuple(float(v) for v in time_model(m, x, r.out))
+        pairs = [_model_times(time_model(m, x, r.out))
                  for m, x, r in zip(modules, leaves, rows, strict=True)]
         return [p[0] for p in pairs], [p[1] for p in pairs], 0.0
     if s.meta:
