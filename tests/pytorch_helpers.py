@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -201,3 +202,36 @@ class FakeCuda:
         monkeypatch.setattr(torch.cuda, "max_memory_allocated",
                             logged("peak", lambda d: fake.stats[d][1]))
         return self
+
+
+HUNT_FIXED: dict[str, Any] = {"memory_limit": "60%", "fast_path": False, "repeats": 1,
+                              "warmup": 0, "time_model": lambda *_: (1.0, 2.0)}
+"""The hunts' wrapping options: stages re-run at 60 %, fixed stage times (no timing)."""
+
+
+def hunt_kinds() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
+    """The three one-liners and their options in the hunts (a slow link: values move)."""
+    import optmem.pytorch as op
+
+    return {"checkpoint": (op.checkpoint, {}), "offload": (op.offload, {"bandwidth": "1MB/s"}),
+            "remat_offload": (op.remat_offload, {"bandwidth": "1MB/s"})}
+
+
+class EmaTarget(torch.nn.Module):
+    """BYOL's shape: an online encoder and a target encoder updated in ``forward`` by EMA."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.online = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 32))
+        self.target = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 32))
+        self.target.requires_grad_(False)
+
+    def forward(self, x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+        p = self.online(x1)
+        with torch.no_grad():
+            for t, o in zip(self.target.parameters(), self.online.parameters(), strict=True):
+                t.mul_(0.9).add_(o, alpha=0.1)
+            z = self.target(x2)
+        cos = torch.nn.functional.cosine_similarity(p, z, dim=-1)
+        return 2 - 2 * cos.mean()

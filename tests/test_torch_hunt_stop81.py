@@ -29,6 +29,7 @@ transformers = pytest.importorskip("transformers",
 peft = pytest.importorskip("peft", reason="the LoRA tests need peft (dev extra)")
 
 from hf_helpers import gpt2, step  # noqa: E402
+from pytorch_helpers import HUNT_FIXED  # noqa: E402
 from torch import nn  # noqa: E402
 
 import optmem.pytorch as op  # noqa: E402
@@ -36,8 +37,7 @@ from optmem.errors import OptmemInputError  # noqa: E402
 from optmem.pytorch.graphcut import permuted_grad_input  # noqa: E402
 
 # stage times that do not depend on the machine: the same plan on every run
-FIXED: dict[str, Any] = {"memory_limit": "60%", "fast_path": False, "repeats": 1,
-                         "warmup": 0, "time_model": lambda *_: (1.0, 2.0)}
+FIXED = HUNT_FIXED
 KINDS = {"checkpoint": (op.checkpoint, {}), "offload": (op.offload, {"bandwidth": "1MB/s"}),
          "remat_offload": (op.remat_offload, {"bandwidth": "1MB/s"})}
 

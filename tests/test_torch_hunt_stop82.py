@@ -24,14 +24,14 @@ transformers = pytest.importorskip("transformers",
                                    reason="the HF tests need transformers (dev extra)")
 
 from hf_helpers import step  # noqa: E402
+from pytorch_helpers import HUNT_FIXED  # noqa: E402
 from torch import nn  # noqa: E402
 
 import optmem.pytorch as op  # noqa: E402
 from optmem.errors import OptmemInputError  # noqa: E402
 from optmem.pytorch.extract import export_dynamic  # noqa: E402
 
-FIXED: dict[str, Any] = {"memory_limit": "60%", "fast_path": False, "repeats": 1,
-                         "warmup": 0, "time_model": lambda *_: (1.0, 2.0)}
+FIXED = HUNT_FIXED
 MARKS = ("_dynamo_weak_dynamic_indices", "_dynamo_dynamic_indices", "_has_dynamo_dim_marking")
 
 

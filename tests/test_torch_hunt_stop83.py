@@ -19,9 +19,8 @@ Two ways a wrapped module did not behave like its model:
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import pytest
 
@@ -30,16 +29,14 @@ transformers = pytest.importorskip("transformers",
                                    reason="the HF tests need transformers (dev extra)")
 
 from hf_helpers import assert_same, gpt2, llama, step  # noqa: E402
+from pytorch_helpers import HUNT_FIXED, hunt_kinds  # noqa: E402
 from torch import nn  # noqa: E402
 
 import optmem.pytorch as op  # noqa: E402
 from optmem.errors import OptmemInputError  # noqa: E402
 
-FIXED: dict[str, Any] = {"memory_limit": "60%", "fast_path": False, "repeats": 1,
-                         "warmup": 0, "time_model": lambda *_: (1.0, 2.0)}
-KINDS: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {
-    "checkpoint": (op.checkpoint, {}), "offload": (op.offload, {"bandwidth": "1MB/s"}),
-    "remat_offload": (op.remat_offload, {"bandwidth": "1MB/s"})}
+FIXED = HUNT_FIXED
+KINDS = hunt_kinds()
 
 
 @contextmanager

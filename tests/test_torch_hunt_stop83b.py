@@ -24,11 +24,11 @@ transformers = pytest.importorskip("transformers", reason="the HF tests need tra
 peft = pytest.importorskip("peft", reason="the LoRA test needs peft (dev extra)")
 
 from hf_helpers import TokenDataset, gpt2  # noqa: E402
+from pytorch_helpers import HUNT_FIXED  # noqa: E402
 
 import optmem.pytorch as op  # noqa: E402
 
-FIXED: dict[str, Any] = {"memory_limit": "60%", "fast_path": False, "repeats": 1,
-                         "warmup": 0, "time_model": lambda *_: (1.0, 2.0)}
+FIXED = HUNT_FIXED
 
 
 def _trainer(model: Any, out: Path, **options: Any) -> Any:

@@ -27,6 +27,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="the torch bridge needs torch")
 
 import torch.nn.functional as F  # noqa: E402
+from pytorch_helpers import EmaTarget  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence  # noqa: E402
 
@@ -121,23 +122,6 @@ def test_an_rnn_on_a_packed_sequence_is_one_error_naming_it():
     with pytest.raises(OptmemInputError, match=r"PackedSequence .* in 'rnn' \(a LSTM\)"):
         op.checkpoint(PackedRNN(), sample, **FIXED)
 
-
-class EmaTarget(nn.Module):
-    """BYOL's shape: an online encoder and a target encoder updated in ``forward`` by EMA."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.online = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 32))
-        self.target = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 32))
-        self.target.requires_grad_(False)
-
-    def forward(self, x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
-        p = self.online(x1)
-        with torch.no_grad():
-            for t, o in zip(self.target.parameters(), self.online.parameters(), strict=True):
-                t.mul_(0.9).add_(o, alpha=0.1)
-            z = self.target(x2)
-        return 2 - 2 * F.cosine_similarity(p, z, dim=-1).mean()
 
 
 @pytest.mark.parametrize("wrap", sorted(WRAPS))

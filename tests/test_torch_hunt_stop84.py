@@ -27,8 +27,6 @@ Function kept whole are not part of the signature (the Function reads them at ru
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 import pytest
@@ -37,18 +35,15 @@ torch = pytest.importorskip("torch", reason="the torch bridge needs torch")
 transformers = pytest.importorskip("transformers",
                                    reason="the HF tests need transformers (dev extra)")
 
-import pytorch_helpers  # noqa: E402, F401  (one thread)
 from hf_helpers import assert_same, step  # noqa: E402
+from pytorch_helpers import HUNT_FIXED, hunt_kinds  # noqa: E402
 from torch import nn  # noqa: E402
 
 import optmem.pytorch as op  # noqa: E402
 from optmem.errors import OptmemInputError  # noqa: E402
 
-FIXED: dict[str, Any] = {"memory_limit": "60%", "fast_path": False, "repeats": 1,
-                         "warmup": 0, "time_model": lambda *_: (1.0, 2.0)}
-KINDS: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {
-    "checkpoint": (op.checkpoint, {}), "offload": (op.offload, {"bandwidth": "1MB/s"}),
-    "remat_offload": (op.remat_offload, {"bandwidth": "1MB/s"})}
+FIXED = HUNT_FIXED
+KINDS = hunt_kinds()
 
 
 def _bigbird() -> tuple[nn.Module, dict[str, torch.Tensor]]:

@@ -23,7 +23,6 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -33,16 +32,14 @@ transformers = pytest.importorskip("transformers", reason="the HF tests need tra
 peft = pytest.importorskip("peft", reason="the PEFT tests need peft (dev extra)")
 
 from hf_helpers import gpt2, llama  # noqa: E402
+from pytorch_helpers import HUNT_FIXED, hunt_kinds  # noqa: E402
 
 import optmem.pytorch as op  # noqa: E402
 import optmem.pytorch.extract as extract  # noqa: E402
 from optmem.errors import OptmemInputError  # noqa: E402
 
-FIXED: dict[str, Any] = {"memory_limit": "60%", "fast_path": False, "repeats": 1,
-                         "warmup": 0, "time_model": lambda *_: (1.0, 2.0)}
-KINDS: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {
-    "checkpoint": (op.checkpoint, {}), "offload": (op.offload, {"bandwidth": "1MB/s"}),
-    "remat_offload": (op.remat_offload, {"bandwidth": "1MB/s"})}
+FIXED = HUNT_FIXED
+KINDS = hunt_kinds()
 
 
 def _two_adapters() -> tuple[Any, dict[str, Any]]:
