@@ -273,7 +273,7 @@ def test_dynamic_must_be_a_bool(kind):
     from optmem.errors import OptmemInputError
 
     net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
-    with pytest.raises(OptmemInputError, match="dynamic: expected True or False") as info:
+    with pytest.raises(OptmemInputError, match="field 'dynamic': expected True or False") as info:
         kind(net, torch.randn(2, 4), memory_limit="60%", dynamic="yes")
     assert info.value.field == "dynamic"
 
