@@ -33,7 +33,7 @@ from optmem.pytorch.arguments import (
     flag,
     plan_argument,
 )
-from optmem.pytorch.extract import Stage, extract_program
+from optmem.pytorch.extract import Stage, derives_from, extract_program
 from optmem.pytorch.hooks import parameters_unmodified
 from optmem.pytorch.planning import Planner
 from optmem.pytorch.profile import TimeModel
@@ -218,8 +218,6 @@ def build_planned(cls: type[PlannedModule], kind: str, module: Any, sample: Any,
     refuse_random_adapters(module)
     planner = Planner(kind, memory_limit, method, bandwidth=bandwidth,
                       executor_options=pick["executor"], **pick["solver"])
-    if "dynamic" in pick["profile"]:
-        flag(pick["profile"]["dynamic"], "dynamic")
     # a value carried beside the boundaries is counted once for rotor's DPs only: their
     # plans never copy it twice (profile.carried_generations_error)
     profile = ProfileOptions(**pick["profile"],
@@ -287,9 +285,7 @@ def refuse_random_adapters(module: Any) -> None:
         if not isinstance(part, nn.Module):
             continue
         for name, sub in part.named_modules():
-            if sub.training and any(c.__name__ == "LycorisLayer" and
-                                    c.__module__.startswith("peft.")
-                                    for c in type(sub).__mro__):
+            if sub.training and derives_from(type(sub), "LycorisLayer", "peft"):
                 raise OptmemInputError(
                     f"{type(part).__name__}.{name} is a PEFT LyCORIS adapter layer "
                     f"({type(sub).__module__}.{type(sub).__name__}), which in training draws "

@@ -34,7 +34,7 @@ from optmem.errors import OptmemInputError
 from optmem.result import check_integer
 
 __all__ = ["EXTRACT_METHODS", "MAX_REPEATS", "check_device", "check_module", "check_options",
-           "flag", "plan_argument"]
+           "check_rounds", "flag", "plan_argument"]
 
 EXTRACT_METHODS = ("auto", "export", "fx")
 """The values of ``extract=``."""
@@ -82,10 +82,15 @@ def _charge(value: Any, name: str, high: float = MAX_CHARGE_MS) -> None:
                                f"0..{high:g}, got {value!r}", field=name)
 
 
-def _rounds(value: Any, name: str) -> None:
-    from optmem.pytorch.autotune import check_rounds  # its own words since stop 51
+def check_rounds(rounds: Any, name: str = "autotune_rounds") -> None:
+    """One error unless ``rounds`` (``autotune_rounds``) is a whole number in 1..10,000.
 
-    check_rounds(value)
+    In autotune's own words since stop 51 (:func:`~optmem.pytorch.autotune.autotune`).
+    """
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or \
+            not 1 <= rounds <= MAX_REPEATS:
+        raise OptmemInputError(f"{name}: expected an integer >= 1 (at most "
+                               f"{MAX_REPEATS}), got {rounds!r}", field=name)
 
 
 def _segment_cost(value: Any, name: str) -> None:
@@ -140,7 +145,7 @@ def check_device(value: Any, name: str = "device") -> None:
 
 _CHECKS: dict[str, Callable[[Any, str], object]] = {
     "repeats": _count(1), "warmup": _count(0), "max_stages": _optional(_count(1, None)),
-    "autotune_rounds": _optional(_rounds), "progress": _optional(flag),
+    "autotune_rounds": _optional(check_rounds), "progress": _optional(flag),
     "measure_segments": _optional(flag), "dynamic": flag, "fast_path": flag,
     "autotune": flag, "preserve_rng_state": flag, "restore_buffers": flag,
     "strip_suffix": flag, "op_overhead": _optional(_charge),

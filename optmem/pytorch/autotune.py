@@ -46,6 +46,7 @@ from torch import nn
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError
 from optmem.plan import OpKind, parse_plan
+from optmem.pytorch.arguments import check_rounds
 from optmem.pytorch.hooks import cuda_indices
 from optmem.pytorch.memory import backward_step, gradients_restored
 from optmem.pytorch.planning import Planner
@@ -317,10 +318,3 @@ def autotune(cmodel: PlannedModule, sample: Any, *, rounds: int = AUTOTUNE_ROUND
     chosen = dataclasses.replace(chosen, report={**chosen.report, "autotune": record})
     cmodel._set_result(chosen, limit=main.limit)
     return record
-
-
-def check_rounds(rounds: Any) -> None:
-    """One error unless ``rounds`` (``autotune_rounds``) is a whole number in 1..10,000."""
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or not 1 <= rounds <= 10_000:
-        raise OptmemInputError(f"autotune_rounds: expected an integer >= 1 (at most 10000), "
-                               f"got {rounds!r}", field="autotune_rounds")

@@ -87,8 +87,9 @@ from optmem.pytorch.hooks import (
     refuse_tensor_hooks,
 )
 
-__all__ = ["Extraction", "Stage", "export_dynamic", "extract_program", "extract_stages",
-           "flattened_containers", "merge_stages", "partition_costs", "stage_cost"]
+__all__ = ["Extraction", "Stage", "derives_from", "export_dynamic", "extract_program",
+           "extract_stages", "flattened_containers", "merge_stages", "partition_costs",
+           "stage_cost"]
 
 _log = logging.getLogger("optmem")
 
@@ -867,10 +868,22 @@ def unknown_output_type(exc: BaseException) -> str | None:
     return None
 
 
+def derives_from(cls: type, name: str, package: str) -> bool:
+    """Whether ``cls`` or a base of it is the class ``name`` of ``package`` (not imported).
+
+    Examples
+    --------
+    >>> derives_from(bool, "int", "builtins"), derives_from(dict, "Cache", "x")
+    (True, False)
+    """
+    return any(c.__name__ == name and (c.__module__ == package or
+                                       c.__module__.startswith(package + "."))
+               for c in cls.__mro__)
+
+
 def _is_hf_cache(value: Any) -> bool:
     """Whether ``value`` is a HuggingFace generation cache (``transformers`` ``Cache``)."""
-    return any(c.__name__ == "Cache" and c.__module__.startswith("transformers")
-               for c in type(value).__mro__)
+    return derives_from(type(value), "Cache", "transformers")
 
 
 _CACHE_ADVICE = ("PEFT's prefix tuning passes its prefix so: wrap the whole PeftModel "
