@@ -79,6 +79,7 @@ import dataclasses
 import inspect
 import logging
 import operator
+import types
 import warnings
 import weakref
 from collections import OrderedDict
@@ -154,6 +155,10 @@ torch's own checkpoint wrapper (``checkpoint_wrapper._CHECKPOINT_PREFIX``), whic
 state-dict helpers (``torch.distributed.checkpoint.state_dict``, FSDP) and accelerate strip:
 ``get_optimizer_state_dict(DistributedDataParallel(wrapper), opt)`` names the model's keys.
 Until stop 77 it was ``_optmem_module``, which they kept there."""
+
+_EXPORT_ROOT = "_export_root"
+"""The name ``torch.export``'s non-strict trace gives the module it exports (its own
+module holds it as that attribute; ``torch.export._trace``)."""
 _log = logging.getLogger("optmem")
 PEFT_ON_WRAPPER = (
     "peft was applied to the optmem wrapper ({cls}): peft finds its adapters by the "
@@ -772,6 +777,24 @@ class PlannedModule(nn.Module):
         for name, p in super().named_parameters(prefix, recurse, remove_duplicate):
             yield name.replace(_PREFIX, "", 1), p
 
+    def named_modules(self, memo: set[nn.Module] | None = None, prefix: str = "",
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Module]]:
+        """The wrapper, then the model's modules under ``_checkpoint_wrapped_module.``.
+
+        Except in ``torch.export``'s non-strict trace of the wrapper itself, which reads
+        the parameters of the module it exports through a module of its own (the wrapper
+        as its ``_export_root``): the model's modules under the wrapper's name there, so
+        that those parameter names are :meth:`named_parameters`'s, as its other reads.
+        """
+        if prefix != _EXPORT_ROOT or not torch.compiler.is_exporting():
+            yield from super().named_modules(memo, prefix, remove_duplicate)
+            return
+        memo = set() if memo is None else memo
+        if remove_duplicate:
+            memo.add(self)
+        yield prefix, self
+        yield from self._checkpoint_wrapped_module.named_modules(memo, prefix, remove_duplicate)
+
     def named_buffers(self, prefix: str = "", recurse: bool = True,
                       remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """The model's buffers, under the model's names."""
@@ -934,6 +957,8 @@ class PlannedModule(nn.Module):
 
     # -------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:  # noqa: D102 - see the class doc
+        if deployment_trace_active():  # what is deployed is the model's own graph
+            return self._checkpoint_wrapped_module(*args, **kwargs)
         if torch.compiler.is_compiling():
             return run_compiled(_forward_disabled, self, args, kwargs)
         return self._forward(args, kwargs, None)
@@ -1786,6 +1811,22 @@ def dual_tensors_in(module: nn.Module, values: Any) -> bool:
                for t in (*tensors, *module.parameters(), *module.buffers()))
 
 
+def deployment_trace_active() -> bool:
+    """Whether ``torch.export`` or ``torch.jit.trace`` is tracing the call.
+
+    They record a graph to deploy (``torch.onnx.export`` runs one of them): the wrapper's
+    call is then the model's own, so the graph is the plain model's. The plan is a
+    schedule of the training step's forward and backward, which such a graph does not
+    hold.
+
+    Examples
+    --------
+    >>> deployment_trace_active()
+    False
+    """
+    return bool(torch.compiler.is_exporting() or torch.jit.is_tracing())
+
+
 def functorch_transform_active() -> bool:
     """Whether a ``torch.func`` transform (``grad``, ``vmap``, ``jvp``, ...) is running.
 
@@ -1828,6 +1869,11 @@ class _SignedForward:
         arguments to.
         """
         return inspected_model(self._wrapper()._checkpoint_wrapped_module).forward
+
+    @property
+    def __code__(self) -> types.CodeType:
+        """The wrapped model's ``forward`` code (``torch.export`` reads it for its names)."""
+        return self.__wrapped__.__code__  # type: ignore[attr-defined, no-any-return]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         owner = self._wrapper()
