@@ -180,3 +180,27 @@ def test_torch_export_of_a_wrapped_gpt2_is_the_plain_models():
     assert list(program.state_dict) == list(reference.state_dict)
     assert torch.equal(program.module()(**call).logits, plain(**call).logits)
     assert cmodel.forward.__code__ is type(plain).forward.__code__
+
+
+class Scaled(Net):
+    """:class:`Net` with a non-persistent buffer (as Llama's rotary ``inv_freq``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks[1].register_buffer("scale", torch.full((32,), 0.5), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.blocks[1].scale[:8]
+
+
+def test_an_exported_wrapper_keeps_non_persistent_buffers_as_the_model_does():
+    plain, model = Scaled().eval(), Scaled()
+    cmodel = _wrapped("checkpoint", model).eval()
+    program = torch.export.export(cmodel, (X2,))
+    reference = torch.export.export(plain, (X2,))
+    assert list(reference.constants) == ["blocks.1.scale"]
+    assert list(program.constants) == list(reference.constants)
+    assert list(program.state_dict) == list(reference.state_dict)
+    assert list(cmodel.state_dict()) == list(plain.state_dict())  # not in the state dict
+    cmodel.load_state_dict(plain.state_dict())
+    assert torch.equal(program.module()(X2), plain(X2))

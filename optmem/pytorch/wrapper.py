@@ -646,6 +646,10 @@ class PlannedModule(nn.Module):
         super().__init__()
         self.fast_path = fast_path
         self._checkpoint_wrapped_module = module
+        # torch.export reads the non-persistent buffers of the module it exports from that
+        # module's own set and its submodules' (under the wrapper's attribute): listed here
+        # too, under the names named_buffers gives them, they stay out of its state dict
+        self._non_persistent_buffers_set.update(non_persistent_buffers(module))
         self._planner = planner
         self._profile = profile
         self._variants: OrderedDict[Any, _Variant] = OrderedDict([(main_key, main)])
@@ -1809,6 +1813,21 @@ def dual_tensors_in(module: nn.Module, values: Any) -> bool:
     tensors = [v for v in tree_flatten(values)[0] if isinstance(v, torch.Tensor)]
     return any(forward_ad.unpack_dual(t).tangent is not None
                for t in (*tensors, *module.parameters(), *module.buffers()))
+
+
+def non_persistent_buffers(module: nn.Module) -> set[str]:
+    """The names of ``module``'s non-persistent buffers, its submodules' included.
+
+    Examples
+    --------
+    >>> m = nn.Sequential(nn.Linear(2, 2))
+    >>> m[0].register_buffer("scale", torch.ones(1), persistent=False)
+    >>> non_persistent_buffers(m)
+    {'0.scale'}
+    """
+    return {f"{name}.{b}" if name else b
+            for name, m in module.named_modules(remove_duplicate=False)
+            for b in m._non_persistent_buffers_set}
 
 
 def deployment_trace_active() -> bool:
