@@ -305,7 +305,8 @@ def run_jobs(rank: int, world: int, jobs: list[dict[str, Any]], out_dir: str) ->
              "ddp_offload": ddp_offload_job, "ddp_optimizer_state": ddp_optimizer_state_job,
              "ddp_static_graph": ddp_static_graph_job, "fsdp_reduce_dtype": fsdp_reduce_dtype_job,
              "tensor_parallel": tensor_parallel_job,
-             "tensor_parallel_export": tensor_parallel_export_job}
+             "tensor_parallel_export": tensor_parallel_export_job,
+             "tensor_parallel_fsdp": tensor_parallel_fsdp_job}
     for k, job in enumerate(jobs):
         _save(out_dir, rank, k, kinds[job["kind"]](rank, world, job))
         dist.barrier()
@@ -1247,6 +1248,51 @@ def tensor_parallel_export_job(rank: int, world: int, job: dict[str, Any]) -> di
         except OptmemInputError as exc:
             messages[order] = str(exc)
     return messages
+
+
+def tensor_parallel_fsdp_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    """``checkpoint_fsdp`` of a parallelized MLP on a 2D mesh (``world`` x 1: FSDP2 over
+    the ranks, tensor parallelism over one), against the plain model parallelized and
+    sharded per ``Linear`` the same way: two AdamW steps, each rank its shard of the batch.
+
+    ``{"problem", "memory_limit"}``. Returns both runs' gradients (``full_tensor()``), the
+    plan, the stage units' bytes (:func:`stage_parameter_bytes`) of the parallelized MLP on
+    a ``world`` x 1 and (``"split"``) on a 1 x ``world`` mesh, and whether a ``DTensor``
+    parameter has a storage address (``storage_ptr``).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from optmem.pytorch.distributed import checkpoint_fsdp, stage_parameter_bytes
+    from optmem.pytorch.offload import storage_ptr
+
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "tp"))
+    x_all, y_all = mlp_data(16)
+    x, y = x_all.chunk(world)[rank], y_all.chunk(world)[rank]
+
+    def steps(model: nn.Module) -> list[dict[str, torch.Tensor]]:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        grads = []
+        for _ in range(2):
+            opt.zero_grad(set_to_none=True)
+            nn.functional.mse_loss(model(x), y).backward()
+            grads.append({n: _full(p.grad) for n, p in model.named_parameters()})
+            opt.step()
+        return grads
+
+    plain = _parallelized(tensor_parallel_mlp(), mesh["tp"])
+    for k in range(0, 9, 2):
+        fully_shard(plain[k], mesh=mesh["dp"])
+    fully_shard(plain, mesh=mesh["dp"])
+    wrapped = checkpoint_fsdp(_parallelized(tensor_parallel_mlp(), mesh["tp"]), x,
+                              job["memory_limit"], problem=job["problem"], bandwidth="1GB/s",
+                              mesh=mesh["dp"], time_model=lambda *_: (1.0, 2.0))
+    split = _parallelized(tensor_parallel_mlp(), _cpu_mesh(world))
+    return {"wrapped": steps(wrapped), "plain": steps(plain),
+            "plan": [str(o) for o in wrapped.result.plan],
+            "bytes": stage_parameter_bytes(list(tensor_parallel_mlp())),
+            "split": stage_parameter_bytes(list(split)),
+            "address": storage_ptr(split[0].weight) is not None}
 
 
 def _ddp_steps(module: nn.Module, x: torch.Tensor, y: torch.Tensor, job: dict[str, Any]
