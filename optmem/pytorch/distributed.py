@@ -6,7 +6,9 @@ Three pieces, used by :func:`optmem.pytorch.checkpoint` and :func:`optmem.pytorc
   outcome (chain and plan) is broadcast, so every rank trains with the **same** plan. Two ranks
   that profiled separately could measure different times, choose different plans, and then
   disagree on when parameters are used (DDP's reducer, FSDP's all-gathers and the pipeline's
-  point-to-point messages all assume the same program on every rank).
+  point-to-point messages all assume the same program on every rank). A tensor-parallel
+  model (``DTensor`` parameters), whose forward is a collective, is profiled by every rank
+  at once and rank 0's outcome kept (``together``).
 * DDP: ``DistributedDataParallel(optmem.pytorch.checkpoint(model, sample, ...))`` needs no
   special argument (``find_unused_parameters=True`` is not needed, and works: see
   ``docs/distributed.md``).
