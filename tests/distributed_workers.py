@@ -303,7 +303,10 @@ def run_jobs(rank: int, world: int, jobs: list[dict[str, Any]], out_dir: str) ->
              "fsdp_gathered_units": fsdp_gathered_units_job,
              "fsdp_refused_calls": fsdp_refused_calls_job,
              "ddp_offload": ddp_offload_job, "ddp_optimizer_state": ddp_optimizer_state_job,
-             "ddp_static_graph": ddp_static_graph_job, "fsdp_reduce_dtype": fsdp_reduce_dtype_job}
+             "ddp_static_graph": ddp_static_graph_job, "fsdp_reduce_dtype": fsdp_reduce_dtype_job,
+             "tensor_parallel": tensor_parallel_job,
+             "tensor_parallel_export": tensor_parallel_export_job,
+             "tensor_parallel_fsdp": tensor_parallel_fsdp_job}
     for k, job in enumerate(jobs):
         _save(out_dir, rank, k, kinds[job["kind"]](rank, world, job))
         dist.barrier()
@@ -1141,6 +1144,155 @@ def fsdp_reduce_dtype_job(rank: int, world: int, job: dict[str, Any]) -> dict[st
     wrapped = checkpoint_fsdp(hf_gpt2(), {"input_ids": x, "labels": y}, 116000, mesh=mesh,
                               fsdp_kwargs=policy, time_model=lambda *_: (1.0, 2.0))
     return {"wrapped": steps(wrapped), "plain": steps(plain)}
+
+
+def tensor_parallel_mlp(seed: int = 0) -> nn.Sequential:
+    """Two ``Linear`` pairs (up, ``Tanh``, down, ``Tanh``) and a head: 9 chain stages."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16), nn.Tanh(),
+                         nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16), nn.Tanh(),
+                         nn.Linear(16, 1))
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """``t`` whole: a ``DTensor``'s ``full_tensor()``, another tensor itself."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _parallelized(model: nn.Sequential, mesh: Any) -> nn.Sequential:
+    """``model`` with its up / down pairs column- / row-wise parallel over ``mesh``."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    plan = {"0": ColwiseParallel(), "2": RowwiseParallel(), "4": ColwiseParallel(),
+            "6": RowwiseParallel()}
+    return parallelize_module(model, mesh, plan)  # type: ignore[return-value]
+
+
+def tensor_parallel_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    """Tensor parallelism (``parallelize_module``) around ``op.checkpoint`` of an MLP.
+
+    ``{"order": "after" | "inner"}``: the one-liner wraps the parallelized model
+    (``"after"``), or parallelizes the wrapper's ``.module`` (``"inner"``). Every rank sees
+    the same batch (one tensor-parallel group); rank 1's time model makes stage 2 thirty
+    times slower, so plans solved on each rank differ. Three AdamW steps, the third on a
+    batch twice as large (a new size, profiled again); against the same steps of the plain
+    parallelized model. Returns both runs' losses and gradients (``full_tensor()``) and
+    each plan.
+    """
+    mesh = _cpu_mesh(world)
+    x, y = mlp_data(16)
+    batches = [(x[:8], y[:8]), (x[:8], y[:8]), (x, y)]
+
+    def time_model(module: nn.Module, _x: Any, _y: Any) -> tuple[float, float]:
+        return (30.0 if rank == 1 and module is modules[2] else 1.0), 2.0
+
+    def steps(model: nn.Module) -> dict[str, Any]:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        out: dict[str, Any] = {"losses": [], "grads": []}
+        for xs, ys in batches:
+            opt.zero_grad(set_to_none=True)
+            loss = nn.functional.mse_loss(model(xs), ys)
+            loss.backward()
+            out["losses"].append(loss.detach())
+            out["grads"].append({n.replace("_checkpoint_wrapped_module.", ""): _full(p.grad)
+                                 for n, p in model.named_parameters()})
+            opt.step()
+        return out
+
+    plan = {"memory_limit": "60%", "fast_path": False, "time_model": time_model}
+    modules = list(tensor_parallel_mlp())
+    if job["order"] == "after":
+        wrapped = op.checkpoint(_parallelized(nn.Sequential(*modules), mesh), x[:8], **plan)
+    else:
+        wrapped = op.checkpoint(nn.Sequential(*modules), x[:8], **plan)
+        _parallelized(wrapped.module, mesh)
+    out = {"wrapped": steps(wrapped), "plain": steps(_parallelized(tensor_parallel_mlp(), mesh))}
+    out["plans"] = [[str(o) for o in v.result.plan] for v in wrapped._sized.values()]
+    out["plans"].insert(0, [str(o) for o in wrapped.result.plan])
+    return out
+
+
+def tensor_parallel_export_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    """HuggingFace's Llama (exported) with its projections column- / row-wise parallel:
+    ``op.checkpoint`` of the parallelized model, and the first call of a wrapper whose
+    ``.module`` was parallelized after wrapping. Returns the two error messages."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = _cpu_mesh(world)
+    x, y = gpt_data(4)
+    sample = {"input_ids": x, "labels": y}
+    plan: dict[str, Any] = {}
+    for i in range(2):
+        plan[f"model.layers.{i}.self_attn.q_proj"] = ColwiseParallel()
+        plan[f"model.layers.{i}.self_attn.o_proj"] = RowwiseParallel()
+    messages = {}
+    for order in ("after", "inner"):
+        try:
+            if order == "after":
+                op.checkpoint(parallelize_module(hf_llama(), mesh, plan), sample,
+                              memory_limit="60%", time_model=lambda *_: (1.0, 2.0))
+            else:
+                cmodel = op.checkpoint(hf_llama(), sample, memory_limit="60%",
+                                       time_model=lambda *_: (1.0, 2.0))
+                parallelize_module(cmodel.module, mesh, plan)
+                cmodel(**sample)
+            messages[order] = ""
+        except OptmemInputError as exc:
+            messages[order] = str(exc)
+    return messages
+
+
+def tensor_parallel_fsdp_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    """``checkpoint_fsdp`` of a parallelized MLP on a 2D mesh (``world`` x 1: FSDP2 over
+    the ranks, tensor parallelism over one), against the plain model parallelized and
+    sharded per ``Linear`` the same way: two AdamW steps, each rank its shard of the batch.
+
+    ``{"problem", "memory_limit"}``. Returns both runs' gradients (``full_tensor()``), the
+    plan, the stage units' bytes (:func:`stage_parameter_bytes`) of the parallelized MLP on
+    a ``world`` x 1 and (``"split"``) on a 1 x ``world`` mesh, and whether a ``DTensor``
+    parameter has a storage address (``storage_ptr``).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from optmem.pytorch.distributed import checkpoint_fsdp, stage_parameter_bytes
+    from optmem.pytorch.offload import storage_ptr
+
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "tp"))
+    x_all, y_all = mlp_data(16)
+    x, y = x_all.chunk(world)[rank], y_all.chunk(world)[rank]
+
+    def steps(model: nn.Module) -> list[dict[str, torch.Tensor]]:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        grads = []
+        for _ in range(2):
+            opt.zero_grad(set_to_none=True)
+            nn.functional.mse_loss(model(x), y).backward()
+            grads.append({n: _full(p.grad) for n, p in model.named_parameters()})
+            opt.step()
+        return grads
+
+    plain = _parallelized(tensor_parallel_mlp(), mesh["tp"])
+    for k in range(0, 9, 2):
+        fully_shard(plain[k], mesh=mesh["dp"])
+    fully_shard(plain, mesh=mesh["dp"])
+    wrapped = checkpoint_fsdp(_parallelized(tensor_parallel_mlp(), mesh["tp"]), x,
+                              job["memory_limit"], problem=job["problem"], bandwidth="1GB/s",
+                              mesh=mesh["dp"], time_model=lambda *_: (1.0, 2.0))
+    split = _parallelized(tensor_parallel_mlp(), _cpu_mesh(world))
+    return {"wrapped": steps(wrapped), "plain": steps(plain),
+            "plan": [str(o) for o in wrapped.result.plan],
+            "bytes": stage_parameter_bytes(list(tensor_parallel_mlp())),
+            "split": stage_parameter_bytes(list(split)),
+            "address": storage_ptr(split[0].weight) is not None}
 
 
 def _ddp_steps(module: nn.Module, x: torch.Tensor, y: torch.Tensor, job: dict[str, Any]

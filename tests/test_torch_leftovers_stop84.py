@@ -139,7 +139,7 @@ def test_on_ranks_the_error_is_raised_within_rank_0s_decision(monkeypatch):
     no profile had touched, went on to train."""
     raised_within: list[bool] = []
 
-    def run_once(decide: Any, group: Any = None) -> Any:
+    def run_once(decide: Any, group: Any = None, *, together: bool = False) -> Any:
         try:
             value = decide()
         except OptmemInputError:

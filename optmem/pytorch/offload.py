@@ -185,8 +185,9 @@ class HostCopies:
 
     def to_host(self, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """A host copy of ``t`` (a view of its storage's) and the event that marks it done."""
-        key = _storage_version(t)
-        if key is None:  # no storage to share (sparse, nested): a copy of its own
+        # no storage to share (sparse, nested, a DTensor: its placements): a copy of its own
+        key = None if hasattr(t, "_local_tensor") else _storage_version(t)
+        if key is None:
             alone = t.detach().to("cpu", copy=True)
             for observe in self.observers:
                 observe(alone)
@@ -222,7 +223,7 @@ class HostCopies:
 
     def to_device(self, host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, Any]:
         """A device copy of ``host`` (a view of its storage's) and the event that marks it."""
-        if storage_ptr(host) is None:  # pragma: no cover - host copies have storages
+        if hasattr(host, "_local_tensor") or storage_ptr(host) is None:  # a DTensor's copy
             return host.to(device, copy=True), None
         source = host.untyped_storage()
         key = (int(source.data_ptr()), str(device))
@@ -272,7 +273,13 @@ def _storage_version(t: torch.Tensor) -> tuple[Any, ...] | None:
 
 
 def storage_ptr(t: torch.Tensor) -> int | None:
-    """The address of ``t``'s storage (``None`` for tensors without one)."""
+    """The address of ``t``'s storage (``None`` for tensors without one).
+
+    A ``DTensor`` (tensor parallelism) has none of its own: its local tensor's. Before (stop
+    85) it had none, so a tensor-parallel weight was no weight (O.6) and moved to the host
+    like an activation; under FSDP2 on a 2D mesh the copy crashed the process (SIGSEGV).
+    """
+    t = getattr(t, "_local_tensor", t)  # a DTensor's local tensor
     try:
         return int(t.untyped_storage().data_ptr())
     except RuntimeError:  # pragma: no cover - tensors without storage

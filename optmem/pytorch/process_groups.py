@@ -8,8 +8,9 @@ leaves no import circle.
 
 from __future__ import annotations
 
+import itertools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import torch
@@ -18,9 +19,9 @@ from torch import nn
 
 from optmem.errors import OptmemInputError
 
-__all__ = ["LOCAL", "default_device", "init_distributed", "is_fsdp_module",
+__all__ = ["LOCAL", "default_device", "holds_dtensors", "init_distributed", "is_fsdp_module",
            "refuse_modules_sharded_after", "refuse_profile_in_static_graph_start",
-           "refuse_sharded",
+           "refuse_sharded", "refuse_tensor_parallel_export",
            "resolve_group", "run_once", "set_local_device"]
 
 T = TypeVar("T")
@@ -101,19 +102,25 @@ def resolve_group(process_group: Any = None) -> Any:
     return group if dist.get_world_size(group) > 1 else None
 
 
-def run_once(decide: Callable[[], T], group: Any = None) -> T:
+def run_once(decide: Callable[[], T], group: Any = None, *, together: bool = False) -> T:
     """Run ``decide()`` on rank 0 of ``group`` only and give its value to every rank.
 
     With ``group=None`` this is just ``decide()``. The value is pickled
     (``broadcast_object_list``); an exception raised by ``decide`` on rank 0 is raised on
     every rank (as :class:`~optmem.errors.OptmemInputError` when it was one), so no rank is
     left waiting.
+
+    ``together``: every rank of ``group`` runs ``decide()`` at once and rank 0's outcome
+    (value or exception) is the one every rank gets. For a model whose parameters are
+    ``DTensor`` s (tensor parallelism: :func:`holds_dtensors`), whose forward is a
+    collective: profiled on rank 0 alone, its first all-reduce waited for ranks that were
+    waiting for rank 0's broadcast (a hang until the group's timeout, stop 85).
     """
     if group is None:
         return decide()
     src = dist.get_global_rank(group, 0)
     box: list[Any] = [None]
-    if dist.get_rank() == src:
+    if together or dist.get_rank() == src:
         try:
             box[0] = ("ok", decide())
         except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
@@ -126,6 +133,21 @@ def run_once(decide: Callable[[], T], group: Any = None) -> T:
             raise value
         raise RuntimeError(str(value))
     return value
+
+
+def holds_dtensors(modules: Iterable[nn.Module]) -> bool:
+    """Whether a parameter or buffer of ``modules`` is a ``DTensor`` (tensor parallelism).
+
+    ``parallelize_module`` (``ColwiseParallel``, ``RowwiseParallel``, ...) makes a module's
+    parameters ``DTensor`` s and its forward a collective of the mesh's ranks, so such a
+    model is profiled by every rank at once (:func:`run_once`'s ``together``).
+    """
+    if not dist.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(t, DTensor) for m in modules
+               for t in itertools.chain(m.parameters(), m.buffers()))
 
 
 def is_fsdp_module(module: Any) -> bool:
@@ -149,6 +171,37 @@ def refuse_sharded(module: Any) -> None:
             "optmem.pytorch.checkpoint on the unsharded model first, then shard its stages "
             "with optmem.pytorch.distributed.fully_shard_checkpointed(cmodel, mesh=mesh) (or "
             "use checkpoint_fsdp); see docs/distributed.md", field="module")
+
+
+def refuse_tensor_parallel_export(module: nn.Module) -> None:
+    """One error for a model to export whose parameters are ``DTensor`` s.
+
+    Parameters
+    ----------
+    module
+        The model about to be extracted with ``torch.export`` (not an ``nn.Sequential`` or
+        a list of stages, whose modules the executor runs as they are).
+
+    Raises
+    ------
+    OptmemInputError
+        When a parameter or buffer of ``module`` is a ``DTensor`` and no ``fully_shard``
+        made it (those have their own errors): tensor parallelism
+        (``parallelize_module``), applied before wrapping or to the wrapper's ``.module``
+        after it. ``torch.export`` does not trace ``DTensor`` parameters; before (stop
+        85) the extractor's error blamed the first parallel ``Linear`` and suggested an
+        ``nn.Sequential`` of its blocks.
+    """
+    if not holds_dtensors([module]) or is_fsdp_module(module):
+        return
+    raise OptmemInputError(
+        f"{type(module).__name__} holds DTensor parameters (tensor parallelism, "
+        "parallelize_module): torch.export, which cuts a model that is not an "
+        "nn.Sequential, cannot trace them. Apply tensor parallelism to an nn.Sequential "
+        "or a list of stage modules (before or after wrapping it: the plan runs those "
+        "modules and their hooks), or shard the model with "
+        "optmem.pytorch.distributed.checkpoint_fsdp instead; see docs/distributed.md",
+        field="module")
 
 
 def refuse_modules_sharded_after(module: nn.Module) -> None:

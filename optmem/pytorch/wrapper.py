@@ -2264,6 +2264,9 @@ def _extracted(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     same arguments (under ``no_grad``; the caller restores buffers and RNG states): if that
     raises too, its exception is raised, as a call of the plain model would.
     """
+    from optmem.pytorch.process_groups import refuse_tensor_parallel_export
+
+    refuse_tensor_parallel_export(module)
     try:
         return extract_program(module, args, kwargs, method=method)
     except OptmemInputError as exc:
@@ -2401,8 +2404,10 @@ def plan_stages(fine: list[Stage], x: Any, profile: ProfileOptions, name: str,
 
     The merge, the profile and the solve run on rank 0 of ``group``
     (:func:`~optmem.pytorch.distributed.run_once`; ``None``: here), so every rank follows
-    the same plan. ``x`` is the chain input and ``ctx`` the side inputs of the sample call
-    (``None`` for an ``nn.Sequential`` or a list of stages); a profiled chain goes through
+    the same plan; stages holding ``DTensor`` s (tensor parallelism, whose forward is a
+    collective) are profiled by every rank at once, and rank 0's decision is kept. ``x``
+    is the chain input and ``ctx`` the side inputs of the sample call (``None`` for an
+    ``nn.Sequential`` or a list of stages); a profiled chain goes through
     ``profile.adjust_chain`` before the solve; ``plain()`` measures the plain model's real
     activation peak, recorded as ``chain.extra["profile"]["plain_peak"]`` unless the chain
     has it. ``unmodified``: the model whose parameters the profile and ``plain()`` must
@@ -2410,7 +2415,7 @@ def plan_stages(fine: list[Stage], x: Any, profile: ProfileOptions, name: str,
     rank 0 within the decision, so that every rank raises its error). Returns the merge
     groups (or ``None``), the merged stages, the chain and the result.
     """
-    from optmem.pytorch.process_groups import run_once
+    from optmem.pytorch.process_groups import holds_dtensors, run_once
 
     fine_names = tuple(s.name for s in fine)
     limit = profile.max_stages
@@ -2459,7 +2464,8 @@ def plan_stages(fine: list[Stage], x: Any, profile: ProfileOptions, name: str,
         with parameters_unmodified(unmodified):
             return decide()
 
-    groups, chain, result = run_once(checked, group)
+    groups, chain, result = run_once(checked, group,
+                                     together=holds_dtensors(s.module for s in fine))
     return groups, merged(groups), chain, result
 
 
