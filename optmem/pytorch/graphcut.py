@@ -29,7 +29,7 @@ checkpoint), when ``d`` is not a tensor, and when nothing follows it.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +43,7 @@ from optmem.pytorch.branches import is_value_assert, target_name
 from optmem.pytorch.context import SideInputs, current_side_inputs
 from optmem.pytorch.custom_functions import is_opaque_call
 from optmem.pytorch.hooks import module_generators, same_generator
+from optmem.pytorch.observers import observe
 
 __all__ = ["CHAIN", "DROP", "SIDE", "STATE", "Cut", "GraphStage", "SideProgram", "classify",
            "cut_graph", "long_lived", "vmap_regions"]
@@ -922,15 +923,19 @@ def _bindings(gm: fx.GraphModule, model: nn.Module | None
 class _StageGraph:
     graph: fx.Graph
     side_names: list[str] = field(default_factory=list)
+    tapped: frozenset[str] = frozenset()
 
 
 def build_stage_graph(nodes: list[fx.Node], kinds: dict[fx.Node, str],
                       inputs: dict[fx.Node, Callable[[fx.Graph, fx.Node], fx.Node]],
-                      returns: Any) -> _StageGraph:
+                      returns: Any, taps: Collection[str] = ()) -> _StageGraph:
     """Copy ``nodes`` into a new graph ``(x, *side) -> returns``.
 
     ``inputs`` maps the nodes read from the stage input to a function building their value
     from the ``x`` placeholder; state nodes are copied, side nodes become placeholders.
+    A node named in ``taps`` that the stage computes or reads is followed by a call
+    ``observe(name, value)`` (:func:`~optmem.pytorch.observers.observe`: the value goes to
+    the hooks observing a step); ``tapped`` names them.
     """
     graph = fx.Graph()
     x = graph.placeholder("x")
@@ -959,7 +964,18 @@ def build_stage_graph(nodes: list[fx.Node], kinds: dict[fx.Node, str],
             continue
         env[node] = graph.node_copy(node, lookup)
     graph.output(fx.node.map_arg(returns, lookup))
-    return _StageGraph(graph, [n.name for n in side_nodes])
+    tapped = _add_taps(graph, {n.name: copy for n, copy in env.items() if n.name in taps})
+    return _StageGraph(graph, [n.name for n in side_nodes], tapped)
+
+
+def _add_taps(graph: fx.Graph, copies: dict[str, fx.Node]) -> frozenset[str]:
+    """After each value of ``copies`` (a placeholder: after the last one), observe it."""
+    last = _last_state_or(graph, next(iter(graph.nodes)))
+    for name, copy in copies.items():
+        where = last if copy.op == "placeholder" else copy
+        with graph.inserting_after(where):
+            graph.call_function(observe, (name, copy))
+    return frozenset(copies)
 
 
 def _last_state_or(graph: fx.Graph, default: fx.Node) -> fx.Node:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import random
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeGuard
@@ -49,6 +49,7 @@ from optmem.errors import OptmemInputError
 
 __all__ = ["buffers_restored", "callers_tools_suspended", "check_backward_hooks",
            "check_module_hooks", "cuda_indices", "generators_restored", "has_module_hooks",
+           "hf_internal",
            "host_random_restored", "module_generators", "parameters_unmodified",
            "quiet_gradient_hooks",
            "random_config", "refuse_inference_rescaling", "refuse_python_random",
@@ -158,27 +159,38 @@ def check_module_hooks(module: nn.Module) -> None:
     warn_forward_hooks(module)
 
 
-def warn_forward_hooks(module: nn.Module) -> list[str]:
+def warn_forward_hooks(module: nn.Module, called: Collection[int] = ()) -> list[str]:
     """Warn about forward hooks and pre-hooks; return where they are.
 
     Their tensor effects are traced into the graph; their Python side effects ran once,
     while tracing, on fake tensors. HuggingFace's output-capturing hooks (transformers 5
     installs them on a model's layers the first time a call asks for hidden states, as
     LLaVA asks its vision tower) are not named: what they capture is returned into the
-    forward, so it is in the graph, and a user cannot remove them.
+    forward, so it is in the graph, and a user cannot remove them. Neither are the hooks
+    whose ids are in ``called``: the observers the wrapper calls at every step (stop 85,
+    :mod:`optmem.pytorch.observers`).
     """
     hooked = [(name, sub) for name, sub in module.named_modules()
-              if any(not _hf_capture(h) for h in (*sub._forward_hooks.values(),
-                                                  *sub._forward_pre_hooks.values()))]
+              if any(not _hf_capture(h) and k not in called
+                     for hooks in (sub._forward_hooks, sub._forward_pre_hooks)
+                     for k, h in hooks.items())]
     where = [_where(module, name, sub) for name, sub in hooked]
     if where:
         warnings.warn(
             f"forward hooks on {', '.join(where[:3])}{' ...' if len(where) > 3 else ''}: "
             "what they compute is traced into optmem's graph, but they are not called again "
             "(side effects such as recording activations happen once, at extraction, on fake "
-            f"tensors); if they must run every step, {_ALTERNATIVE}"
+            "tensors; a hook of an inner module that returns None is called at every step "
+            "unless its module is called twice, on the model itself, or next to a hook of "
+            f"the same kind that returns a value); if they must run every step, {_ALTERNATIVE}"
             f"{_HF_CHECKPOINTING if _has_hf_input_grad_hook(hooked) else ''}", stacklevel=3)
     return where
+
+
+def hf_internal(hook: Any) -> bool:
+    """Whether ``hook`` is HuggingFace's own: output capturing, or the input-grads hook."""
+    return _hf_capture(hook) or "enable_input_require_grads" in getattr(
+        hook, "__qualname__", "")
 
 
 def _hf_capture(hook: Any) -> bool:
