@@ -49,7 +49,7 @@ from optmem.errors import OptmemInputError
 
 __all__ = ["buffers_restored", "callers_tools_suspended", "check_backward_hooks",
            "check_module_hooks", "cuda_indices", "generators_restored", "has_module_hooks",
-           "hf_internal",
+           "library_hook",
            "host_random_restored", "module_generators", "parameters_unmodified",
            "quiet_gradient_hooks",
            "random_config", "refuse_inference_rescaling", "refuse_python_random",
@@ -187,10 +187,16 @@ def warn_forward_hooks(module: nn.Module, called: Collection[int] = ()) -> list[
     return where
 
 
-def hf_internal(hook: Any) -> bool:
-    """Whether ``hook`` is HuggingFace's own: output capturing, or the input-grads hook."""
-    return _hf_capture(hook) or "enable_input_require_grads" in getattr(
-        hook, "__qualname__", "")
+def library_hook(hook: Any) -> bool:
+    """Whether ``hook`` is a library's own, part of how the model computes.
+
+    HuggingFace's output capturing and input-grads hooks, and torch's (``spectral_norm``,
+    ``weight_norm``, pruning: pre-hooks that return ``None`` but set the weight the forward
+    reads, so their effect is in the graph).
+    """
+    module = getattr(hook, "__module__", None) or type(hook).__module__
+    return _hf_capture(hook) or module.startswith("torch.") or \
+        "enable_input_require_grads" in getattr(hook, "__qualname__", "")
 
 
 def _hf_capture(hook: Any) -> bool:

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import TreeSpec, tree_unflatten
 
-from optmem.pytorch.hooks import hf_internal
+from optmem.pytorch.hooks import library_hook
 
 __all__ = ["HookCall", "ObserverCall", "ObserverPlan", "hooked_modules", "hooks_recorded",
            "observe", "observer_plan", "observers_silenced", "observing"]
@@ -70,9 +70,10 @@ class HookCall:
 
 
 def _user_hooks(sub: nn.Module, pre: bool) -> dict[int, Any]:
-    """The module's forward (or pre-) hooks a user registered, by id (HF's own left out)."""
+    """The module's forward (or pre-) hooks a user registered, by id (a library's own,
+    :func:`~optmem.pytorch.hooks.library_hook`, left out: they stay as before)."""
     hooks = sub._forward_pre_hooks if pre else sub._forward_hooks
-    return {k: h for k, h in hooks.items() if not hf_internal(h)}
+    return {k: h for k, h in hooks.items() if not library_hook(h)}
 
 
 def hooked_modules(model: nn.Module) -> tuple[str, ...]:
