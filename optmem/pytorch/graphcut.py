@@ -712,8 +712,14 @@ class ReloadTracer(fx.Tracer):
     constant of the graph. A loaded wrapper (``torch.save(cmodel)``) then added the same
     noise at every step. A higher-order op (a ``no_grad`` or autocast region) was traced
     into, its region lost. Here each such op is a node again, as in the graph that was
-    saved; a generator or submodule it reads is the attribute that holds it.
+    saved; a generator or submodule it reads is the attribute that holds it. The calls
+    handing values to observing hooks (:func:`~optmem.pytorch.observers.observe`, which
+    returns nothing) stay nodes too.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("autowrap_functions", (observe,))
+        super().__init__(*args, **kwargs)
 
     def trace(self, root: nn.Module | Callable[..., Any],
               concrete_args: dict[str, Any] | None = None) -> fx.Graph:
