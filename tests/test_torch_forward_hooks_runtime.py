@@ -175,3 +175,18 @@ def test_observers_of_hf_blocks_see_the_plain_models_values(name: str, kind: str
     assert len(ref_log) == 3 * len(hooks)
     _same(got_log, ref_log)
     assert warned == []
+
+
+def test_a_stand_alone_extraction_still_warns_about_observers() -> None:
+    """``extract_program`` (no wrapper to call the hooks: ``op.pipeline``, a user's own
+    runner) keeps the warning; the wrapper's extraction (``observe=True``) lists them."""
+    from optmem.pytorch.extract import extract_program
+
+    model, x = Mlp(), torch.randn(8, 16)
+    _install(model, [("layers.2", "fwd")], [])
+    with pytest.warns(UserWarning, match=r"forward hooks on Mlp\.layers\.2"):
+        assert not extract_program(model, (x,)).observers.calls
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ext = extract_program(model, (x,), observe=True)
+    assert [(c.module_name, c.pre) for c in ext.observers.calls] == [("layers.2", False)]

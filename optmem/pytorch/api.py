@@ -624,8 +624,7 @@ def _profile_chain(module: nn.Module | Sequence[nn.Module | Stage], sample: Any,
             chain = profile_stage_chain(stages, ext.chain_input(flat), profile, name,
                                         traced_side_inputs(ext, flat), loss_fn=loss_fn)
         # with loss_fn the chain ends at the loss, whose input need not be the model's output
-        measure = None if loss_fn is not None else plain_measure(
-            module, args, kw, profile, observers=ext.observers.hook_ids)
+        measure = None if loss_fn is not None else plain_measure(module, args, kw, profile)
         return with_plain_peak(chain, None if measure is None else measure())
 
 

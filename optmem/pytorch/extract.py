@@ -473,21 +473,25 @@ class Extraction:
 
 def extract_program(module: nn.Module, args: tuple[Any, ...] = (),
                     kwargs: dict[str, Any] | None = None, *,
-                    method: str = "auto", allow_single: bool = False) -> Extraction:
+                    method: str = "auto", allow_single: bool = False,
+                    observe: bool = False) -> Extraction:
     """Cut ``module`` called as ``module(*args, **kwargs)`` into a chain.
 
     ``torch.export.export(..., strict=False)`` first (``method="auto"`` or ``"export"``),
     ``torch.fx.symbolic_trace`` as fallback (``"auto"`` or ``"fx"``). The graph is
     specialised to the call: its shapes, dtypes, flags, which keyword arguments are given,
     the training mode and the autocast state. ``allow_single`` accepts a chain of one
-    stage (nothing to checkpoint).
+    stage (nothing to checkpoint). ``observe``: the forward hooks of inner modules that
+    return ``None`` go to :attr:`Extraction.observers` (the wrapper calls them at every
+    step, running its stages under :func:`~optmem.pytorch.observers.observing`); otherwise
+    (and for the hooks left out) a warning says they are not called again.
 
     Raises
     ------
     OptmemInputError
         Naming the module, why each route failed, and what to do.
     """
-    ext = _extract_program(module, args, kwargs, method)
+    ext = _extract_program(module, args, kwargs, method, observe)
     if len(ext.stages) == 1 and not allow_single:
         raise OptmemInputError(_single_stage_message(module), field="module")
     return ext
@@ -502,7 +506,7 @@ def _single_stage_message(module: nn.Module) -> str:
 
 
 def _extract_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None,
-                     method: str) -> Extraction:
+                     method: str, observe: bool = False) -> Extraction:
     kwargs = dict(kwargs or {})
     name = type(module).__name__
     if method not in ("auto", "export", "fx"):
@@ -515,7 +519,7 @@ def _extract_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
     branch, intermediate, again, owner, size = None, False, "", None, False
     if method in ("auto", "export"):
         try:
-            ext = _export_program(module, args, kwargs)
+            ext = _export_program(module, args, kwargs, observe=observe)
             warn_forward_hooks(module, ext.observers.hook_ids)
             return ext
         except OptmemInputError:
@@ -1137,11 +1141,12 @@ def _quiet_export() -> Iterator[None]:
 
 
 def _export_program(module: nn.Module, args: tuple[Any, ...],
-                    kwargs: dict[str, Any], dynamic_shapes: Any = None) -> Extraction:
+                    kwargs: dict[str, Any], dynamic_shapes: Any = None, *,
+                    observe: bool = False) -> Extraction:
     name = type(module).__name__
     seeded = SeededDraws()
     met: list[HookCall] = []
-    ep = _export(module, args, kwargs, dynamic_shapes, seeded, met)
+    ep = _export(module, args, kwargs, dynamic_shapes, seeded, met if observe else None)
     gm = ep.module()
     constants = _constant_arguments(gm, ep.module_call_graph) if met else {}
     forget_real_tensors(gm)
@@ -1352,7 +1357,8 @@ def export_dynamic(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     """
     try:
         named = _named_keywords(module, kwargs)
-        ext = _export_program(named, args, kwargs, _dynamic_shapes(named, args, kwargs, dims))
+        ext = _export_program(named, args, kwargs, _dynamic_shapes(named, args, kwargs, dims),
+                              observe=True)
     except Exception as exc:  # noqa: BLE001 - the static route stays, one log line says why
         _log.info("optmem: %s not exported with dynamic sizes (%s): exported per size",
                   type(module).__name__, _first_line(exc))

@@ -14,9 +14,11 @@ was traced, nothing else:
   LayerDrop) is baked into the graph as the values of the trace: refused
   (:func:`refuse_python_random`).
 * **forward hooks** and pre-hooks ran while tracing: their tensor effects (weight norm's
-  recomputed weight, a scaled output) are in the graph, but their Python side effects (a
-  hook that records activations) happened once, on fake tensors, and never again. They are
-  reported with a warning (:func:`warn_forward_hooks`).
+  recomputed weight, a scaled output) are in the graph. Those of inner modules that return
+  ``None`` (observers: a hook that records activations) are called at every step with the
+  real values (:mod:`optmem.pytorch.observers`, stop 85); the Python side effects of the
+  others happened once, on fake tensors, and never again: they are reported with a
+  warning (:func:`warn_forward_hooks`).
 
 Stages that are the user's own modules (an ``nn.Sequential``, a list of stages) run their
 hooks themselves: none of this applies to them.

@@ -70,8 +70,11 @@ class HookCall:
 
 
 def _user_hooks(sub: nn.Module, pre: bool) -> dict[int, Any]:
-    """The module's forward (or pre-) hooks a user registered, by id (a library's own,
-    :func:`~optmem.pytorch.hooks.library_hook`, left out: they stay as before)."""
+    """The module's forward (or pre-) hooks a user registered, by id.
+
+    A library's own (:func:`~optmem.pytorch.hooks.library_hook`) are left out: they stay
+    as before.
+    """
     hooks = sub._forward_pre_hooks if pre else sub._forward_hooks
     return {k: h for k, h in hooks.items() if not library_hook(h)}
 

@@ -2203,7 +2203,7 @@ def _extracted(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     raises too, its exception is raised, as a call of the plain model would.
     """
     try:
-        return extract_program(module, args, kwargs, method=method)
+        return extract_program(module, args, kwargs, method=method, observe=True)
     except OptmemInputError as exc:
         plain = _plain_call_error(module, args, kwargs)
         if plain is None:
