@@ -28,11 +28,13 @@ from torch import nn  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensor  # noqa: E402
 from torch.utils._pytree import tree_flatten  # noqa: E402
 
-Record = list[tuple[str, str, list[torch.Tensor]]]
+Record = list[tuple[str, str, list[tuple[torch.Tensor, bool]]]]
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    return [t.detach().clone() for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+def _tensors(value: Any) -> list[tuple[torch.Tensor, bool]]:
+    """Each tensor's values and whether it requires grad (as the model's hook sees it)."""
+    return [(t.detach().clone(), t.requires_grad) for t in tree_flatten(value)[0]
+            if isinstance(t, torch.Tensor)]
 
 
 def _install(model: nn.Module, hooks: list[tuple[str, str]], log: Record) -> None:
@@ -53,8 +55,8 @@ def _install(model: nn.Module, hooks: list[tuple[str, str]], log: Record) -> Non
 def _same(got: Record, ref: Record) -> None:
     assert [(n, k, len(v)) for n, k, v in got] == [(n, k, len(v)) for n, k, v in ref]
     for (name, kind, a), (_, _, b) in zip(got, ref, strict=True):
-        for x, y in zip(a, b, strict=True):
-            assert torch.equal(x, y), (name, kind)
+        for (x, x_grad), (y, y_grad) in zip(a, b, strict=True):
+            assert torch.equal(x, y) and x_grad == y_grad, (name, kind)
 
 
 class Mlp(nn.Module):
@@ -190,3 +192,19 @@ def test_a_stand_alone_extraction_still_warns_about_observers() -> None:
         warnings.simplefilter("error")
         ext = extract_program(model, (x,), observe=True)
     assert [(c.module_name, c.pre) for c in ext.observers.calls] == [("layers.2", False)]
+
+
+def test_a_hooks_tensor_in_a_loss_raises_instead_of_losing_gradients() -> None:
+    """The model's hook receives tensors that require grad: the wrapper's too. A loss made
+    from them (a perceptual loss on hooked features) would get no gradient through the
+    plan's stages: its backward raises one OptmemInputError, naming the module."""
+    from optmem.errors import OptmemInputError
+
+    model, x = Mlp(), torch.randn(8, 16)
+    feats: dict[str, torch.Tensor] = {}
+    model.layers[3].register_forward_hook(lambda m, a, o: feats.update(out=o))
+    cmodel, _ = _wrap("checkpoint", model, x)
+    loss = cmodel(x)
+    assert feats["out"].requires_grad
+    with pytest.raises(OptmemInputError, match=r"forward hook of layers\.3 received"):
+        (loss + feats["out"].square().mean()).backward()

@@ -1035,7 +1035,9 @@ def _program(gm: fx.GraphModule, model: nn.Module, flat: list[Any], *, method: s
     ext = Extraction(_unique_names(stages), side, layout, method, in_spec, signature,
                      names, tensor_positions)
     if observers is not None:
-        ext.observers = observers.keep({*tapped, *names, *side.output_names})
+        grad_path = {n.name for n in gm.graph.nodes if cut.kinds.get(n) == CHAIN} | \
+            _chain_inputs(names, flat)
+        ext.observers = observers.keep({*tapped, *names, *side.output_names}, grad_path)
     carried = dict.fromkeys(v for held in cut.carried for v in held)
     ext.carried = tuple(_module_path(v) or v.name for v in carried)
     return ext

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import TreeSpec, tree_unflatten
 
+from optmem.errors import OptmemInputError
 from optmem.pytorch.hooks import library_hook
 
 __all__ = ["HookCall", "ObserverCall", "ObserverPlan", "hooked_modules", "hooks_recorded",
@@ -172,9 +173,14 @@ def _value(leaf: tuple[str, Any], values: dict[str, Any]) -> Any:
 
 @dataclass(frozen=True)
 class ObserverPlan:
-    """The observing hooks of one extraction, in the model's call order."""
+    """The observing hooks of one extraction, in the model's call order.
+
+    ``on_grad_path``: the values that require grad in the model's own training call (on
+    the path from the parameters or the inputs that require grad to the output).
+    """
 
     calls: tuple[ObserverCall, ...] = ()
+    on_grad_path: frozenset[str] = frozenset()
 
     @property
     def taps(self) -> frozenset[str]:
@@ -186,10 +192,12 @@ class ObserverPlan:
         """The ids of the hooks called at every step."""
         return frozenset(c.hook_id for c in self.calls)
 
-    def keep(self, available: Iterable[str]) -> ObserverPlan:
+    def keep(self, available: Iterable[str], on_grad_path: Iterable[str] = ()
+             ) -> ObserverPlan:
         """The calls whose values are all in ``available`` (the values stages give)."""
         have = set(available)
-        return ObserverPlan(tuple(c for c in self.calls if c.needs <= have))
+        return ObserverPlan(tuple(c for c in self.calls if c.needs <= have),
+                            frozenset(on_grad_path))
 
 
 def observer_plan(model: nn.Module, met: list[HookCall], call_graph: Iterable[Any],
@@ -256,6 +264,7 @@ class _Step:
     seen: set[str] = field(default_factory=set)
     next: int = 0
     left: Counter[str] = field(default_factory=Counter)
+    grad: bool = True
 
     def __post_init__(self) -> None:
         for c in self.plan.calls:
@@ -265,8 +274,14 @@ class _Step:
         if name in self.seen or name not in self.left:
             return
         self.seen.add(name)
+        if self.grad and name in self.plan.on_grad_path and isinstance(value, torch.Tensor) \
+                and (value.is_floating_point() or value.is_complex()):
+            value = _unkept(value, self._module_of(name))
         self.values[name] = value
         self.call_ready()
+
+    def _module_of(self, name: str) -> str:
+        return next(c.module_name for c in self.plan.calls if name in c.needs)
 
     def call_ready(self) -> None:
         calls = self.plan.calls
@@ -278,6 +293,35 @@ class _Step:
                 self.left[n] -= 1
                 if not self.left[n]:
                     self.values.pop(n, None)
+
+
+class _Unkept(torch.autograd.Function):
+    """Identity whose backward refuses: a hook's tensor used in a loss (see :func:`_unkept`)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, where: str) -> torch.Tensor:  # noqa: D102
+        ctx.where = where
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:  # noqa: D102
+        raise OptmemInputError(
+            f"a tensor the forward hook of {ctx.where} received was back-propagated: "
+            "optmem's plan computes it without keeping its graph (the stage may run "
+            "without gradients, or again in the backward), so gradients through it would "
+            "be lost. Compute the loss from the model's output, or pass an nn.Sequential "
+            "of blocks or a list of stage modules (stages that are your modules run their "
+            "hooks themselves)", field="module")
+
+
+def _unkept(t: torch.Tensor, where: str) -> torch.Tensor:
+    """``t``'s values as a tensor that requires grad, as the model's hook receives it.
+
+    Its ``.detach()`` is ``t``'s values; a backward through it raises one
+    ``OptmemInputError`` (not a silent loss of the gradients the model's call would give).
+    """
+    with torch.enable_grad():
+        return _Unkept.apply(t.detach().requires_grad_(), where)  # type: ignore[no-any-return]
 
 
 _STEP: ContextVar[_Step | None] = ContextVar("optmem_observed_step", default=None)
@@ -302,7 +346,7 @@ def observing(plan: ObserverPlan | None, side: Mapping[str, Any] | None = None
     if plan is None or not plan.calls:
         yield
         return
-    step = _Step(plan)
+    step = _Step(plan, grad=torch.is_grad_enabled())
     for name in plan.taps & set(side or ()):
         step.take(name, side[name])  # type: ignore[index]
     token = _STEP.set(step)
