@@ -35,6 +35,7 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -141,7 +142,7 @@ class ObserverCall:
     outputs: tuple[tuple[str, Any], ...] = ()
     out_spec: TreeSpec | None = None
 
-    @property
+    @cached_property
     def needs(self) -> frozenset[str]:
         """The graph values the call needs."""
         return frozenset(v for kind, v in (*self.inputs, *self.outputs) if kind == "node")
@@ -182,10 +183,19 @@ class ObserverPlan:
     calls: tuple[ObserverCall, ...] = ()
     on_grad_path: frozenset[str] = frozenset()
 
-    @property
+    @cached_property
     def taps(self) -> frozenset[str]:
         """The graph values the calls need."""
         return frozenset(n for c in self.calls for n in c.needs)
+
+    @cached_property
+    def first_reader(self) -> dict[str, str]:
+        """The module whose hook receives each value first (named in errors)."""
+        first: dict[str, str] = {}
+        for c in self.calls:
+            for n in c.needs:
+                first.setdefault(n, c.module_name)
+        return first
 
     @property
     def hook_ids(self) -> frozenset[int]:
@@ -276,12 +286,9 @@ class _Step:
         self.seen.add(name)
         if self.grad and name in self.plan.on_grad_path and isinstance(value, torch.Tensor) \
                 and (value.is_floating_point() or value.is_complex()):
-            value = _unkept(value, self._module_of(name))
+            value = _unkept(value, self.plan.first_reader[name])
         self.values[name] = value
         self.call_ready()
-
-    def _module_of(self, name: str) -> str:
-        return next(c.module_name for c in self.plan.calls if name in c.needs)
 
     def call_ready(self) -> None:
         calls = self.plan.calls
