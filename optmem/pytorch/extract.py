@@ -36,7 +36,7 @@ import os
 import re
 import sys
 from collections.abc import Callable, Collection, Iterator, Sequence
-from contextlib import contextmanager, redirect_stderr
+from contextlib import AbstractContextManager, contextmanager, nullcontext, redirect_stderr
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
@@ -424,11 +424,11 @@ class Extraction:
     """Where the forward branches on tensor values (``file:line (`code`)``): the graph holds
     the sample's side of each and asserts it at every call (:mod:`optmem.pytorch.branches`)."""
     seeded: SeededDraws = field(default_factory=SeededDraws, compare=False)
+    """The host generators the forward seeds itself and draws from (HF BigBird's NumPy), as
+    a call leaves them; a run of the stages leaves them so too (:meth:`SeededDraws.replay`)."""
     observers: ObserverPlan = field(default_factory=ObserverPlan, compare=False)
     """The forward hooks of inner modules that return ``None``, called with the stages'
     values at every step (:mod:`optmem.pytorch.observers`)."""
-    """The host generators the forward seeds itself and draws from (HF BigBird's NumPy), as
-    a call leaves them; a run of the stages leaves them so too (:meth:`SeededDraws.replay`)."""
 
     def flatten(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         """The call's inputs in the graph's placeholder order."""
@@ -1255,11 +1255,13 @@ def _export(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     args, kwargs = unaliased((args, kwargs))
 
     preserved = hooked_modules(module) if met is not None else ()
+    recording: Callable[[], AbstractContextManager[list[HookCall]]] = (
+        (lambda: hooks_recorded(module)) if met is not None else (lambda: nullcontext([])))
 
     def run(preserve: tuple[str, ...]) -> torch.export.ExportedProgram:
         with refuse_python_random(name, module, seeded), refuse_tensor_hooks(name), \
                 opaque_functions(name), _idle_moves(), _quiet_export(), \
-                dimension_marks_kept((args, kwargs)), hooks_recorded(module) as calls:
+                dimension_marks_kept((args, kwargs)), recording() as calls:
             ep = torch.export.export(module, args, kwargs=kwargs, strict=False,
                                      dynamic_shapes=dynamic_shapes,
                                      preserve_module_call_signature=preserve)
