@@ -30,6 +30,7 @@ Extraction, profiling and measuring run outside any step: the stages call no hoo
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -44,6 +45,8 @@ from torch.utils._pytree import TreeSpec, tree_unflatten
 
 from optmem.errors import OptmemInputError
 from optmem.pytorch.hooks import library_hook
+
+_log = logging.getLogger("optmem")
 
 __all__ = ["HookCall", "ObserverCall", "ObserverPlan", "hooked_modules", "hooks_recorded",
            "observe", "observer_plan", "observers_silenced", "observing"]
@@ -301,6 +304,14 @@ class _Step:
                 if not self.left[n]:
                     self.values.pop(n, None)
 
+    def finish(self) -> None:
+        """After the forward: the calls still waiting (a value no stage gave), logged."""
+        waiting = self.plan.calls[self.next:]
+        if waiting:
+            _log.info("optmem: forward hooks of %s not called this step (values not "
+                      "computed in the forward: %s)", ", ".join(c.module_name for c in waiting),
+                      ", ".join(sorted(set().union(*(c.needs - self.seen for c in waiting)))))
+
 
 class _Unkept(torch.autograd.Function):
     """Identity whose backward refuses: a hook's tensor used in a loss (see :func:`_unkept`)."""
@@ -361,6 +372,7 @@ def observing(plan: ObserverPlan | None, side: Mapping[str, Any] | None = None
         yield
     finally:
         _STEP.reset(token)
+    step.finish()
 
 
 
