@@ -208,3 +208,37 @@ def test_a_hooks_tensor_in_a_loss_raises_instead_of_losing_gradients() -> None:
     assert feats["out"].requires_grad
     with pytest.raises(OptmemInputError, match=r"forward hook of layers\.3 received"):
         (loss + feats["out"].square().mean()).backward()
+
+
+class SharedLayer(Mlp):
+    """The Mlp with one more layer called before and after the others (ALBERT's sharing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.shared(x))
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.head(torch.tanh(self.shared(x))).square().mean()
+
+
+def test_a_module_called_twice_per_forward_calls_its_observers_twice() -> None:
+    """One call signature per call of the module (``shared``, ``shared@1``): each hook call
+    gets the values of its own call (before stop 85 it was warned, never called)."""
+    model, x = SharedLayer(), torch.randn(8, 16, generator=torch.Generator().manual_seed(2))
+    ref = copy.deepcopy(model)
+    got_log: Record = []
+    ref_log: Record = []
+    hooks = [("shared", "fwd"), ("shared", "pre"), ("layers.2", "fwd")]
+    _install(model, hooks, got_log)
+    _install(ref, hooks, ref_log)
+    cmodel, warned = _wrap("remat_offload", model, x)
+    got_log.clear()
+    got = _steps(lambda: cmodel(x), model)
+    for a, b in zip(got, _steps(lambda: ref(x), ref), strict=True):
+        assert torch.equal(a, b)
+    assert len(ref_log) == 3 * 5  # two calls of shared (pre and forward), one of layers.2
+    _same(got_log, ref_log)
+    assert warned == []

@@ -182,9 +182,9 @@ def warn_forward_hooks(module: nn.Module, called: Collection[int] = ()) -> list[
             f"forward hooks on {', '.join(where[:3])}{' ...' if len(where) > 3 else ''}: "
             "what they compute is traced into optmem's graph, but they are not called again "
             "(side effects such as recording activations happen once, at extraction, on fake "
-            "tensors; a hook of an inner module that returns None is called at every step "
-            "unless its module is called twice, on the model itself, or next to a hook of "
-            f"the same kind that returns a value); if they must run every step, {_ALTERNATIVE}"
+            "tensors; a hook of an inner module that returns None is called at every step, "
+            "unless it is next to a hook of the same kind that returns a value or receives "
+            f"values the graph does not hold); if they must run every step, {_ALTERNATIVE}"
             f"{_HF_CHECKPOINTING if _has_hf_input_grad_hook(hooked) else ''}", stacklevel=3)
     return where
 

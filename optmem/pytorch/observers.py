@@ -207,9 +207,10 @@ class ObserverPlan:
 
     def keep(self, available: Iterable[str], on_grad_path: Iterable[str] = ()
              ) -> ObserverPlan:
-        """The calls whose values are all in ``available`` (the values stages give)."""
+        """The calls of the hooks whose values are all in ``available`` (stages give them)."""
         have = set(available)
-        return ObserverPlan(tuple(c for c in self.calls if c.needs <= have),
+        lost = {c.hook_id for c in self.calls if not c.needs <= have}  # all its calls or none
+        return ObserverPlan(tuple(c for c in self.calls if c.hook_id not in lost),
                             frozenset(on_grad_path))
 
 
@@ -221,32 +222,42 @@ def observer_plan(model: nn.Module, met: list[HookCall], call_graph: Iterable[An
     ``call_graph``: the export's ``module_call_graph``; ``in_graph``: whether a node name
     is in the graph the stages are cut from; ``constants``: the values of the nodes
     computed from no input (passed as they are; ``None`` for one no longer in the graph:
-    a constant attention mask optmem elided, which HF's eager call does not make). Left
-    out (they stay as at extraction, warned): a hook its module's call met more or less
-    than once (a module called twice), a module with a hook of the same kind that returned
-    a value (the graph's values are after it), and a call whose arguments or output are
-    neither graph values nor constants.
+    a constant attention mask optmem elided, which HF's eager call does not make). A
+    module called several times (ALBERT's shared layer) has one signature per call
+    (``name``, ``name@1``, ...), its hooks one call each. Left out (they stay as at
+    extraction, warned), every call of: a hook on a module with a hook of the same kind
+    that returned a value (the graph's values are after it), and a hook one of whose
+    calls has arguments or an output that are neither graph values nor constants.
     """
     signatures = {e.fqn: e.signature for e in call_graph if getattr(e, "signature", None)}
-    counts = Counter((m.module_name, m.pre, m.hook_id) for m in met)
     modifies = {(m.module_name, m.pre) for m in met if not m.observer}
+    seen: Counter[tuple[str, bool, int]] = Counter()
     calls: list[ObserverCall] = []
+    dropped: set[int] = set()
     for m in met:
-        sig = signatures.get(m.module_name)
-        if (not m.observer or counts[(m.module_name, m.pre, m.hook_id)] != 1
-                or (m.module_name, m.pre) in modifies or sig is None):
-            continue
-        inputs = _leaves(sig.inputs, in_graph, constants or {})
-        outputs = () if m.pre else _leaves(sig.outputs, in_graph, constants or {})
-        if inputs is None or outputs is None:
-            continue
-        sub = model.get_submodule(m.module_name)
-        kinds = sub._forward_pre_hooks_with_kwargs if m.pre else \
-            sub._forward_hooks_with_kwargs
-        calls.append(ObserverCall(sub, m.module_name, m.pre, m.hook_id,
-                                  bool(kinds.get(m.hook_id)), inputs, sig.in_spec,
-                                  outputs, None if m.pre else sig.out_spec))
-    return ObserverPlan(tuple(calls))
+        k = seen[(m.module_name, m.pre, m.hook_id)]
+        seen[(m.module_name, m.pre, m.hook_id)] += 1
+        sig = signatures.get(m.module_name if not k else f"{m.module_name}@{k}")
+        call = None if (not m.observer or (m.module_name, m.pre) in modifies or sig is None) \
+            else _observer_call(model, m, sig, in_graph, constants or {})
+        if call is None:
+            dropped.add(m.hook_id)
+        else:
+            calls.append(call)
+    return ObserverPlan(tuple(c for c in calls if c.hook_id not in dropped))
+
+
+def _observer_call(model: nn.Module, m: HookCall, sig: Any, in_graph: Callable[[str], bool],
+                   constants: dict[str, Any]) -> ObserverCall | None:
+    """The call of ``m`` with the values its module call's signature ``sig`` names."""
+    inputs = _leaves(sig.inputs, in_graph, constants)
+    outputs = () if m.pre else _leaves(sig.outputs, in_graph, constants)
+    if inputs is None or outputs is None:
+        return None
+    sub = model.get_submodule(m.module_name)
+    kinds = sub._forward_pre_hooks_with_kwargs if m.pre else sub._forward_hooks_with_kwargs
+    return ObserverCall(sub, m.module_name, m.pre, m.hook_id, bool(kinds.get(m.hook_id)),
+                        inputs, sig.in_spec, outputs, None if m.pre else sig.out_spec)
 
 
 def _leaves(specs: Iterable[Any], in_graph: Callable[[str], bool], constants: dict[str, Any]
