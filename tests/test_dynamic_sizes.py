@@ -42,9 +42,9 @@ def _exports(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     made: list[bool] = []
     original = extract._export_program
 
-    def counting(module, args, kwargs, dynamic_shapes=None):
+    def counting(module, args, kwargs, dynamic_shapes=None, **options):
         made.append(dynamic_shapes is not None)
-        return original(module, args, kwargs, dynamic_shapes)
+        return original(module, args, kwargs, dynamic_shapes, **options)
 
     monkeypatch.setattr(extract, "_export_program", counting)
     return made

@@ -11,6 +11,8 @@ one clear error; forward hooks get a warning (``optmem.pytorch.hooks``).
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
 torch = pytest.importorskip("torch", reason="the torch bridge needs torch")
@@ -207,12 +209,21 @@ def test_hooks_a_graph_would_drop_are_refused_or_reported() -> None:
     assert torch.Tensor.register_hook.__qualname__ == "Tensor.register_hook"  # restored
     seen: list[tuple[int, ...]] = []
     model.lins[2].register_forward_hook(lambda m, i, o: seen.append(tuple(o.shape)))
+    handle = model.lins[2].register_forward_hook(lambda m, i, o: o * 1.0)
     with pytest.warns(UserWarning, match=r"forward hooks on Hooked\.lins\.2"):
         cmodel = op.checkpoint(model, (x,), memory_limit="60%", repeats=1, warmup=0,
                                fast_path=False)
     seen.clear()
     cmodel(x).backward()
-    assert seen == []  # as the warning says: not called again
+    assert seen == []  # next to a hook returning a value: as the warning says, not called
+    handle.remove()  # an observer alone (stop 85): called once by each step, not warned
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cmodel = op.checkpoint(model, (x,), memory_limit="60%", repeats=1, warmup=0,
+                               fast_path=False)
+    seen.clear()
+    cmodel(x).backward()
+    assert seen == [(2, 8)]
     # the sequential route keeps the user's modules as stages: their hooks run
     seq = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
     calls: list[int] = []

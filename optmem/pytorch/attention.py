@@ -48,7 +48,7 @@ from torch import fx
 from optmem.pytorch.branches import target_name
 from optmem.pytorch.graphcut import attribute_of
 
-__all__ = ["as_in_training", "elide_constant_masks", "masks_as_in_training"]
+__all__ = ["as_in_training", "constant_value", "elide_constant_masks", "masks_as_in_training"]
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
@@ -77,7 +77,7 @@ def elide_constant_masks(gm: fx.GraphModule) -> int:
         if not isinstance(mask, fx.Node) or named.get("is_causal", False):
             continue
         if mask not in values:
-            values[mask] = _constant_value(mask)
+            values[mask] = constant_value(mask)
         kind = _trivial_kind(values[mask], node)
         if kind is None:
             continue
@@ -175,7 +175,7 @@ def _is_random(node: fx.Node) -> bool:
     return True  # an unknown Python function: not evaluated
 
 
-def _constant_value(node: fx.Node) -> torch.Tensor | None:
+def constant_value(node: fx.Node) -> torch.Tensor | None:
     """The value of a constant node (evaluated once), or ``None``."""
     nodes = _ancestors(node)
     if nodes is None:

@@ -35,8 +35,8 @@ import operator
 import os
 import re
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, redirect_stderr
+from collections.abc import Callable, Collection, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext, redirect_stderr
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
@@ -47,7 +47,7 @@ from torch.fx import _pytree as fx_pytree
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from optmem.errors import OptmemInputError
-from optmem.pytorch.attention import elide_constant_masks, masks_as_in_training
+from optmem.pytorch.attention import constant_value, elide_constant_masks, masks_as_in_training
 from optmem.pytorch.branches import (
     IntermediateBranch,
     branch_location,
@@ -76,6 +76,7 @@ from optmem.pytorch.hooks import (
     SeededDraws,
     buffers_restored,
     callers_tools_suspended,
+    check_backward_hooks,
     check_module_hooks,
     cuda_indices,
     generators_restored,
@@ -85,6 +86,14 @@ from optmem.pytorch.hooks import (
     refuse_inference_rescaling,
     refuse_python_random,
     refuse_tensor_hooks,
+    warn_forward_hooks,
+)
+from optmem.pytorch.observers import (
+    HookCall,
+    ObserverPlan,
+    hooked_modules,
+    hooks_recorded,
+    observer_plan,
 )
 
 __all__ = ["Extraction", "Stage", "derives_from", "export_dynamic", "extract_program",
@@ -281,7 +290,9 @@ def _boundary_inputs(boundary: fx.Node, carried: list[fx.Node]
 
 def _graph_stages(gm: fx.GraphModule, model: nn.Module | None, cut: Cut,
                   first_inputs: dict[fx.Node, Callable[[fx.Graph, fx.Node], fx.Node]],
-                  detailed: bool) -> list[Stage]:
+                  detailed: bool, taps: Collection[str] = (),
+                  tapped: set[str] | None = None) -> list[Stage]:
+    """The stages of ``cut``; the values named in ``taps`` observed where met (``tapped``)."""
     stages: list[Stage] = []
     last = len(cut.stages) - 1
     for s, nodes in enumerate(cut.stages):
@@ -294,7 +305,9 @@ def _graph_stages(gm: fx.GraphModule, model: nn.Module | None, cut: Cut,
                 else cut.boundaries[s]
         else:
             returns = tuple(cut.outputs) if len(cut.outputs) > 1 else cut.outputs[0]
-        built = build_stage_graph(nodes, cut.kinds, inputs, returns)
+        built = build_stage_graph(nodes, cut.kinds, inputs, returns, taps)
+        if tapped is not None:
+            tapped |= built.tapped
         stages.append(Stage(_segment_name(nodes, detailed), make_stage(gm, model, built)))
     return stages
 
@@ -413,6 +426,9 @@ class Extraction:
     seeded: SeededDraws = field(default_factory=SeededDraws, compare=False)
     """The host generators the forward seeds itself and draws from (HF BigBird's NumPy), as
     a call leaves them; a run of the stages leaves them so too (:meth:`SeededDraws.replay`)."""
+    observers: ObserverPlan = field(default_factory=ObserverPlan, compare=False)
+    """The forward hooks of inner modules that return ``None``, called with the stages'
+    values at every step (:mod:`optmem.pytorch.observers`)."""
 
     def flatten(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         """The call's inputs in the graph's placeholder order."""
@@ -457,21 +473,25 @@ class Extraction:
 
 def extract_program(module: nn.Module, args: tuple[Any, ...] = (),
                     kwargs: dict[str, Any] | None = None, *,
-                    method: str = "auto", allow_single: bool = False) -> Extraction:
+                    method: str = "auto", allow_single: bool = False,
+                    observe: bool = False) -> Extraction:
     """Cut ``module`` called as ``module(*args, **kwargs)`` into a chain.
 
     ``torch.export.export(..., strict=False)`` first (``method="auto"`` or ``"export"``),
     ``torch.fx.symbolic_trace`` as fallback (``"auto"`` or ``"fx"``). The graph is
     specialised to the call: its shapes, dtypes, flags, which keyword arguments are given,
     the training mode and the autocast state. ``allow_single`` accepts a chain of one
-    stage (nothing to checkpoint).
+    stage (nothing to checkpoint). ``observe``: the forward hooks of inner modules that
+    return ``None`` go to :attr:`Extraction.observers` (the wrapper calls them at every
+    step, running its stages under :func:`~optmem.pytorch.observers.observing`); otherwise
+    (and for the hooks left out) a warning says they are not called again.
 
     Raises
     ------
     OptmemInputError
         Naming the module, why each route failed, and what to do.
     """
-    ext = _extract_program(module, args, kwargs, method)
+    ext = _extract_program(module, args, kwargs, method, observe)
     if len(ext.stages) == 1 and not allow_single:
         raise OptmemInputError(_single_stage_message(module), field="module")
     return ext
@@ -486,20 +506,22 @@ def _single_stage_message(module: nn.Module) -> str:
 
 
 def _extract_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None,
-                     method: str) -> Extraction:
+                     method: str, observe: bool = False) -> Extraction:
     kwargs = dict(kwargs or {})
     name = type(module).__name__
     if method not in ("auto", "export", "fx"):
         raise OptmemInputError(f"expected method auto, export or fx, got {method!r}",
                                field="extract")
-    check_module_hooks(module)
+    check_backward_hooks(module)
     refuse_cache_input(name, (args, kwargs))
     refuse_inference_rescaling(module)
     errors = []
     branch, intermediate, again, owner, size = None, False, "", None, False
     if method in ("auto", "export"):
         try:
-            return _export_program(module, args, kwargs)
+            ext = _export_program(module, args, kwargs, observe=observe)
+            warn_forward_hooks(module, ext.observers.hook_ids)
+            return ext
         except OptmemInputError:
             raise
         except Exception as exc:  # noqa: BLE001 - reported below, with the fx attempt
@@ -523,7 +545,9 @@ def _extract_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
             size = bool(getattr(exc, "data_dependent_size", False))
     if method in ("auto", "fx"):
         try:
-            return _fx_program(module, args, kwargs)
+            fx_ext = _fx_program(module, args, kwargs)
+            warn_forward_hooks(module)
+            return fx_ext
         except OptmemInputError:
             raise
         except Exception as exc:  # noqa: BLE001
@@ -975,7 +999,8 @@ def _chain_inputs(names: Sequence[str], flat: Sequence[Any]) -> set[str]:
 
 
 def _program(gm: fx.GraphModule, model: nn.Module, flat: list[Any], *, method: str,
-             in_spec: Any, out_spec: Any, signature: inspect.Signature | None) -> Extraction:
+             in_spec: Any, out_spec: Any, signature: inspect.Signature | None,
+             observers: ObserverPlan | None = None) -> Extraction:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     names = tuple(p.name for p in placeholders)
     kinds = classify(gm, _chain_inputs(names, flat))
@@ -993,18 +1018,26 @@ def _program(gm: fx.GraphModule, model: nn.Module, flat: list[Any], *, method: s
         raise OptmemInputError(f"{type(model).__name__} was called without any tensor{why}",
                                field="sample")
     positions = {names[k]: j for j, k in enumerate(tensor_positions)}
+    tapped: set[str] = set()
     stages = _graph_stages(gm, model, cut,
                            _inputs_of_first_stage(placeholders, positions,
                                                   len(tensor_positions)),
-                           detailed=method == "export")
+                           detailed=method == "export",
+                           taps=observers.taps if observers else (), tapped=tapped)
     output_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     needed = [a for st in cut.stages for n in st for a in n.all_input_nodes]
     returned = _flat_graph_nodes(output_node.args[0])
     needed += returned
+    taps = observers.taps if observers else frozenset()
+    needed += [n for n in gm.graph.nodes if n.name in taps]  # side values a hook receives
     side = build_side_program(gm, model, cut.kinds, needed, returned)
     layout = output_layout(output_node, cut.outputs, cut.kinds, spec=out_spec)
     ext = Extraction(_unique_names(stages), side, layout, method, in_spec, signature,
                      names, tensor_positions)
+    if observers is not None:
+        grad_path = {n.name for n in gm.graph.nodes if cut.kinds.get(n) == CHAIN} | \
+            _chain_inputs(names, flat)
+        ext.observers = observers.keep({*tapped, *names, *side.output_names}, grad_path)
     carried = dict.fromkeys(v for held in cut.carried for v in held)
     ext.carried = tuple(_module_path(v) or v.name for v in carried)
     return ext
@@ -1110,11 +1143,14 @@ def _quiet_export() -> Iterator[None]:
 
 
 def _export_program(module: nn.Module, args: tuple[Any, ...],
-                    kwargs: dict[str, Any], dynamic_shapes: Any = None) -> Extraction:
+                    kwargs: dict[str, Any], dynamic_shapes: Any = None, *,
+                    observe: bool = False) -> Extraction:
     name = type(module).__name__
     seeded = SeededDraws()
-    ep = _export(module, args, kwargs, dynamic_shapes, seeded)
+    met: list[HookCall] = []
+    ep = _export(module, args, kwargs, dynamic_shapes, seeded, met if observe else None)
     gm = ep.module()
+    constants = _constant_arguments(gm, ep.module_call_graph) if met else {}
     forget_real_tensors(gm)
     cumulative_batch_norms(gm, module)
     explain_value_asserts(gm, name)
@@ -1122,8 +1158,11 @@ def _export_program(module: nn.Module, args: tuple[Any, ...],
     elide_constant_masks(gm)
     flat = list(fx_pytree.tree_flatten_spec((args, kwargs), ep.call_spec.in_spec))
     masks_as_in_training(gm, flat)
+    graph_names = {n.name for n in gm.graph.nodes}
+    observers = observer_plan(module, met, ep.module_call_graph, graph_names.__contains__,
+                              constants)
     ext = _program(gm, module, flat, method="export", in_spec=ep.call_spec.in_spec,
-                   out_spec=ep.call_spec.out_spec, signature=None)
+                   out_spec=ep.call_spec.out_spec, signature=None, observers=observers)
     ext.value_branches = tuple(value_branches(gm))
     ext.seeded = seeded
     if ext.value_branches:
@@ -1132,6 +1171,21 @@ def _export_program(module: nn.Module, args: tuple[Any, ...],
     if dynamic_shapes is not None:
         ext.accepts = _size_guard(gm)
     return ext
+
+
+def _constant_arguments(gm: fx.GraphModule, call_graph: Sequence[Any]
+                        ) -> dict[str, torch.Tensor]:
+    """The module call arguments and outputs computed from no input, by node name.
+
+    A constant attention mask (GPT-2's causal mask) is elided from the graph; a forward
+    hook of a block receives it all the same (its value, evaluated once here).
+    """
+    nodes = {n.name: n for n in gm.graph.nodes}
+    named = {a.name for e in call_graph if e.signature is not None
+             for a in (*e.signature.inputs, *e.signature.outputs) if hasattr(a, "name")}
+    found = {name: constant_value(nodes[name]) for name in named
+             if name in nodes and nodes[name].op == "call_function"}
+    return {name: value for name, value in found.items() if value is not None}
 
 
 def forget_real_tensors(gm: fx.GraphModule) -> None:
@@ -1179,11 +1233,14 @@ def _real_values_failure(exc: BaseException) -> str:
 
 
 def _export(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-            dynamic_shapes: Any, seeded: SeededDraws | None = None
-            ) -> torch.export.ExportedProgram:
+            dynamic_shapes: Any, seeded: SeededDraws | None = None,
+            met: list[HookCall] | None = None) -> torch.export.ExportedProgram:
     """``torch.export.export`` (non-strict); again with real values on a value branch.
 
-    ``seeded`` receives the host generators the module seeds itself (:class:`SeededDraws`).
+    ``seeded`` receives the host generators the module seeds itself (:class:`SeededDraws`),
+    ``met`` the calls of the user's forward hooks of inner modules, whose modules' call
+    signatures the export keeps (:func:`~optmem.pytorch.observers.hooks_recorded`; if the
+    export cannot keep them, it runs again without, and ``met`` stays empty).
 
     A forward that branches on a tensor's value stops the first export; the second takes
     the sample's side of each such branch and asserts it at run time
@@ -1197,15 +1254,23 @@ def _export(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     name = type(module).__name__
     args, kwargs = unaliased((args, kwargs))
 
-    def run() -> torch.export.ExportedProgram:
+    preserved = hooked_modules(module) if met is not None else ()
+    recording: Callable[[], AbstractContextManager[list[HookCall]]] = (
+        (lambda: hooks_recorded(module)) if met is not None else (lambda: nullcontext([])))
+
+    def run(preserve: tuple[str, ...]) -> torch.export.ExportedProgram:
         with refuse_python_random(name, module, seeded), refuse_tensor_hooks(name), \
                 opaque_functions(name), _idle_moves(), _quiet_export(), \
-                dimension_marks_kept((args, kwargs)):
-            return torch.export.export(module, args, kwargs=kwargs, strict=False,
-                                       dynamic_shapes=dynamic_shapes)
+                dimension_marks_kept((args, kwargs)), recording() as calls:
+            ep = torch.export.export(module, args, kwargs=kwargs, strict=False,
+                                     dynamic_shapes=dynamic_shapes,
+                                     preserve_module_call_signature=preserve)
+        if met is not None:
+            met[:] = calls if preserve else []
+        return ep
 
     try:
-        return run()
+        return _exported_keeping_calls(run, preserved, name)
     except Exception as exc:
         from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
@@ -1213,7 +1278,7 @@ def _export(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
             raise  # a distribution's value check: refused as such, whatever the values
         try:
             with real_values():
-                ep = run()
+                ep = _exported_keeping_calls(run, preserved, name)
         except OptmemInputError:  # found past the branch (numpy draws, hooks): clearer
             raise
         except Exception as again:  # noqa: BLE001 - the first failure says what the model does
@@ -1223,6 +1288,24 @@ def _export(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
             exc.data_dependent_size = _size_failure(again)  # type: ignore[attr-defined]
             raise exc from None
         return ep
+
+
+def _exported_keeping_calls(run: Callable[[tuple[str, ...]], torch.export.ExportedProgram],
+                            preserved: tuple[str, ...], name: str
+                            ) -> torch.export.ExportedProgram:
+    """``run()``; if it fails keeping the call signatures of ``preserved``, again without."""
+    try:
+        return run(preserved)
+    except OptmemInputError:
+        raise
+    except Exception as exc:
+        from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+        if not preserved or isinstance(exc, GuardOnDataDependentSymNode):
+            raise  # a value branch: the caller exports again with the sample's values
+        _log.info("optmem: %s not exported keeping the calls of its hooked modules (%s): "
+                  "their forward hooks are not called at every step", name, _first_line(exc))
+        return run(())
 
 
 def unaliased(value: Any) -> Any:
@@ -1278,7 +1361,8 @@ def export_dynamic(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     """
     try:
         named = _named_keywords(module, kwargs)
-        ext = _export_program(named, args, kwargs, _dynamic_shapes(named, args, kwargs, dims))
+        ext = _export_program(named, args, kwargs, _dynamic_shapes(named, args, kwargs, dims),
+                              observe=True)
     except Exception as exc:  # noqa: BLE001 - the static route stays, one log line says why
         _log.info("optmem: %s not exported with dynamic sizes (%s): exported per size",
                   type(module).__name__, _first_line(exc))

@@ -29,7 +29,7 @@ checkpoint), when ``d`` is not a tensor, and when nothing follows it.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +43,7 @@ from optmem.pytorch.branches import is_value_assert, target_name
 from optmem.pytorch.context import SideInputs, current_side_inputs
 from optmem.pytorch.custom_functions import is_opaque_call
 from optmem.pytorch.hooks import module_generators, same_generator
+from optmem.pytorch.observers import observe
 
 __all__ = ["CHAIN", "DROP", "SIDE", "STATE", "Cut", "GraphStage", "SideProgram", "classify",
            "cut_graph", "long_lived", "vmap_regions"]
@@ -711,8 +712,14 @@ class ReloadTracer(fx.Tracer):
     constant of the graph. A loaded wrapper (``torch.save(cmodel)``) then added the same
     noise at every step. A higher-order op (a ``no_grad`` or autocast region) was traced
     into, its region lost. Here each such op is a node again, as in the graph that was
-    saved; a generator or submodule it reads is the attribute that holds it.
+    saved; a generator or submodule it reads is the attribute that holds it. The calls
+    handing values to observing hooks (:func:`~optmem.pytorch.observers.observe`, which
+    returns nothing) stay nodes too.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("autowrap_functions", (observe,))
+        super().__init__(*args, **kwargs)
 
     def trace(self, root: nn.Module | Callable[..., Any],
               concrete_args: dict[str, Any] | None = None) -> fx.Graph:
@@ -922,15 +929,19 @@ def _bindings(gm: fx.GraphModule, model: nn.Module | None
 class _StageGraph:
     graph: fx.Graph
     side_names: list[str] = field(default_factory=list)
+    tapped: frozenset[str] = frozenset()
 
 
 def build_stage_graph(nodes: list[fx.Node], kinds: dict[fx.Node, str],
                       inputs: dict[fx.Node, Callable[[fx.Graph, fx.Node], fx.Node]],
-                      returns: Any) -> _StageGraph:
+                      returns: Any, taps: Collection[str] = ()) -> _StageGraph:
     """Copy ``nodes`` into a new graph ``(x, *side) -> returns``.
 
     ``inputs`` maps the nodes read from the stage input to a function building their value
     from the ``x`` placeholder; state nodes are copied, side nodes become placeholders.
+    A node named in ``taps`` that the stage computes or reads is followed by a call
+    ``observe(name, value)`` (:func:`~optmem.pytorch.observers.observe`: the value goes to
+    the hooks observing a step); ``tapped`` names them.
     """
     graph = fx.Graph()
     x = graph.placeholder("x")
@@ -959,7 +970,18 @@ def build_stage_graph(nodes: list[fx.Node], kinds: dict[fx.Node, str],
             continue
         env[node] = graph.node_copy(node, lookup)
     graph.output(fx.node.map_arg(returns, lookup))
-    return _StageGraph(graph, [n.name for n in side_nodes])
+    tapped = _add_taps(graph, {n.name: copy for n, copy in env.items() if n.name in taps})
+    return _StageGraph(graph, [n.name for n in side_nodes], tapped)
+
+
+def _add_taps(graph: fx.Graph, copies: dict[str, fx.Node]) -> frozenset[str]:
+    """After each value of ``copies`` (a placeholder: after the last one), observe it."""
+    last = _last_state_or(graph, next(iter(graph.nodes)))
+    for name, copy in copies.items():
+        where = last if copy.op == "placeholder" else copy
+        with graph.inserting_after(where):
+            graph.call_function(observe, (name, copy))
+    return frozenset(copies)
 
 
 def _last_state_or(graph: fx.Graph, default: fx.Node) -> fx.Node:

@@ -14,9 +14,11 @@ was traced, nothing else:
   LayerDrop) is baked into the graph as the values of the trace: refused
   (:func:`refuse_python_random`).
 * **forward hooks** and pre-hooks ran while tracing: their tensor effects (weight norm's
-  recomputed weight, a scaled output) are in the graph, but their Python side effects (a
-  hook that records activations) happened once, on fake tensors, and never again. They are
-  reported with a warning (:func:`warn_forward_hooks`).
+  recomputed weight, a scaled output) are in the graph. Those of inner modules that return
+  ``None`` (observers: a hook that records activations) are called at every step with the
+  real values (:mod:`optmem.pytorch.observers`, stop 85); the Python side effects of the
+  others happened once, on fake tensors, and never again: they are reported with a
+  warning (:func:`warn_forward_hooks`).
 
 Stages that are the user's own modules (an ``nn.Sequential``, a list of stages) run their
 hooks themselves: none of this applies to them.
@@ -34,7 +36,7 @@ from __future__ import annotations
 
 import random
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeGuard
@@ -49,6 +51,7 @@ from optmem.errors import OptmemInputError
 
 __all__ = ["buffers_restored", "callers_tools_suspended", "check_backward_hooks",
            "check_module_hooks", "cuda_indices", "generators_restored", "has_module_hooks",
+           "library_hook",
            "host_random_restored", "module_generators", "parameters_unmodified",
            "quiet_gradient_hooks",
            "random_config", "refuse_inference_rescaling", "refuse_python_random",
@@ -158,27 +161,44 @@ def check_module_hooks(module: nn.Module) -> None:
     warn_forward_hooks(module)
 
 
-def warn_forward_hooks(module: nn.Module) -> list[str]:
+def warn_forward_hooks(module: nn.Module, called: Collection[int] = ()) -> list[str]:
     """Warn about forward hooks and pre-hooks; return where they are.
 
     Their tensor effects are traced into the graph; their Python side effects ran once,
     while tracing, on fake tensors. HuggingFace's output-capturing hooks (transformers 5
     installs them on a model's layers the first time a call asks for hidden states, as
     LLaVA asks its vision tower) are not named: what they capture is returned into the
-    forward, so it is in the graph, and a user cannot remove them.
+    forward, so it is in the graph, and a user cannot remove them. Neither are the hooks
+    whose ids are in ``called``: the observers the wrapper calls at every step (stop 85,
+    :mod:`optmem.pytorch.observers`).
     """
     hooked = [(name, sub) for name, sub in module.named_modules()
-              if any(not _hf_capture(h) for h in (*sub._forward_hooks.values(),
-                                                  *sub._forward_pre_hooks.values()))]
+              if any(not _hf_capture(h) and k not in called
+                     for hooks in (sub._forward_hooks, sub._forward_pre_hooks)
+                     for k, h in hooks.items())]
     where = [_where(module, name, sub) for name, sub in hooked]
     if where:
         warnings.warn(
             f"forward hooks on {', '.join(where[:3])}{' ...' if len(where) > 3 else ''}: "
             "what they compute is traced into optmem's graph, but they are not called again "
             "(side effects such as recording activations happen once, at extraction, on fake "
-            f"tensors); if they must run every step, {_ALTERNATIVE}"
+            "tensors; a hook of an inner module that returns None is called at every step, "
+            "unless it is next to a hook of the same kind that returns a value or receives "
+            f"values the graph does not hold); if they must run every step, {_ALTERNATIVE}"
             f"{_HF_CHECKPOINTING if _has_hf_input_grad_hook(hooked) else ''}", stacklevel=3)
     return where
+
+
+def library_hook(hook: Any) -> bool:
+    """Whether ``hook`` is a library's own, part of how the model computes.
+
+    HuggingFace's output capturing and input-grads hooks, and torch's (``spectral_norm``,
+    ``weight_norm``, pruning: pre-hooks that return ``None`` but set the weight the forward
+    reads, so their effect is in the graph).
+    """
+    module = getattr(hook, "__module__", None) or type(hook).__module__
+    return _hf_capture(hook) or module.startswith("torch.") or \
+        "enable_input_require_grads" in getattr(hook, "__qualname__", "")
 
 
 def _hf_capture(hook: Any) -> bool:

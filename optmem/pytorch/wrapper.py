@@ -83,7 +83,7 @@ import types
 import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -127,6 +127,7 @@ from optmem.pytorch.hooks import (
     warn_container_hooks,
 )
 from optmem.pytorch.memory import buffers_restored, gradients_restored, storage_bytes
+from optmem.pytorch.observers import observers_silenced, observing
 from optmem.pytorch.planning import Planner, refuse_second_copies
 from optmem.result import Result, Status
 from optmem.units import format_size, memory_percent
@@ -1009,7 +1010,7 @@ class PlannedModule(nn.Module):
         flat, ctx = sides
         ext = variant.extraction
         assert ext is not None
-        with side_inputs(ctx):
+        with side_inputs(ctx), observing(ext.observers, ctx):
             out = _run_executor(variant.executor, ext.chain_input(flat), compiled)
         ext.seeded.replay()  # the host generators the model seeds, left as its call leaves them
         return ext.output.assemble(out, ctx)
@@ -2250,7 +2251,9 @@ def _extract_variant(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
         ctx = traced_side_inputs(ext, flat)
         return _make_variant(ext, ext.stages, ext.chain_input(flat), planner, profile,
                              chain, name, ctx=ctx, like=like,
-                             plain=plain_measure(module, args, kwargs, profile), solve=solve,
+                             plain=plain_measure(module, args, kwargs, profile,
+                                                 observers=ext.observers.hook_ids),
+                             solve=solve,
                              local=local, unmodified=module)
 
 
@@ -2268,7 +2271,7 @@ def _extracted(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
 
     refuse_tensor_parallel_export(module)
     try:
-        return extract_program(module, args, kwargs, method=method)
+        return extract_program(module, args, kwargs, method=method, observe=True)
     except OptmemInputError as exc:
         plain = _plain_call_error(module, args, kwargs)
         if plain is None:
@@ -2353,12 +2356,14 @@ def solved_limit(wanted: int | str, result: Result, chain: Chain) -> int:
 
 
 def plain_measure(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                  profile: ProfileOptions, loss_fn: Callable[[Any], Any] | None = None
-                  ) -> Callable[[], int | None] | None:
+                  profile: ProfileOptions, loss_fn: Callable[[Any], Any] | None = None,
+                  observers: Collection[int] = ()) -> Callable[[], int | None] | None:
     """What measures the plain step ``module(*args, **kwargs)`` (``None`` on meta).
 
     :func:`~optmem.pytorch.memory.plain_step_peak` of the call (of ``loss_fn`` of its output
-    when given), leaving no trace (buffers, RNG state and gradients restored).
+    when given), leaving no trace (buffers, RNG state and gradients restored), without
+    calling the forward hooks whose ids are in ``observers`` (the extraction's
+    :attr:`~optmem.pytorch.extract.Extraction.observers`: they see the user's steps only).
     """
     from optmem.pytorch.memory import plain_step_peak
 
@@ -2370,7 +2375,7 @@ def plain_measure(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
         return out if loss_fn is None else loss_fn(out)
 
     def measure() -> int | None:
-        with leaves_no_trace(module, (args, kwargs)):
+        with leaves_no_trace(module, (args, kwargs)), observers_silenced(module, observers):
             return plain_step_peak(call, module, (args, kwargs))
 
     return measure

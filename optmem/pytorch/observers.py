@@ -1,0 +1,416 @@
+"""Forward hooks of inner modules that observe: called with real values at every step.
+
+A forward hook or pre-hook registered on an inner module of a wrapped model ran while the
+model was exported, on fake tensors, and never again: the stages run the graph, not the
+modules (until stop 85; :func:`~optmem.pytorch.hooks.warn_forward_hooks`). A hook that
+*returns* a value changes the tensors, and that change is in the graph; a hook that returns
+``None`` is an **observer** (activation logging ``acts[name] = out.detach()``, counters,
+feature extraction, histograms): its only effect is its Python, which must run at every
+call as on the plain model.
+
+How (stop 85):
+
+1. :func:`hooks_recorded` wraps the user's forward hooks of the inner modules while the
+   model is exported, recording every call (module, kind, hook id) and whether it returned
+   ``None``; the export keeps the call signature of those modules
+   (``preserve_module_call_signature``), so the graph names the nodes that are each call's
+   arguments and output (``ExportedProgram.module_call_graph``).
+2. :func:`observer_plan` keeps the observers whose values are all graph nodes (or
+   constants): one :class:`ObserverCall` each, in the order the model called them.
+3. The stage graphs get one :func:`observe` node after each such value (wherever a stage
+   computes or reads it); it does nothing unless a step is :func:`observing`.
+4. The wrapper runs the forward of a step under :func:`observing`: each value is taken
+   the first time a stage gives it (a stage the plan re-runs in the backward runs after
+   the step's forward, unobserved), and each hook is called as soon as its values and those
+   of the hooks the model calls before it are there, with the real tensors, in the model's
+   order, once per step.
+
+Extraction, profiling and measuring run outside any step: the stages call no hook there.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import TreeSpec, tree_unflatten
+
+from optmem.errors import OptmemInputError
+from optmem.pytorch.hooks import library_hook
+
+_log = logging.getLogger("optmem")
+
+__all__ = ["HookCall", "ObserverCall", "ObserverPlan", "hooked_modules", "hooks_recorded",
+           "observe", "observer_plan", "observers_silenced", "observing"]
+
+
+@dataclass(frozen=True)
+class HookCall:
+    """One call of a user's forward hook while the model was exported.
+
+    Attributes
+    ----------
+    module_name
+        The inner module's qualified name.
+    pre
+        A pre-hook (``register_forward_pre_hook``), else a forward hook.
+    hook_id
+        Its handle's id (the key in the module's hook dictionary).
+    observer
+        Whether it returned ``None``.
+    """
+
+    module_name: str
+    pre: bool
+    hook_id: int
+    observer: bool
+
+
+def _user_hooks(sub: nn.Module, pre: bool) -> dict[int, Any]:
+    """The module's forward (or pre-) hooks a user registered, by id.
+
+    A library's own (:func:`~optmem.pytorch.hooks.library_hook`) are left out: they stay
+    as before.
+    """
+    hooks = sub._forward_pre_hooks if pre else sub._forward_hooks
+    return {k: h for k, h in hooks.items() if not library_hook(h)}
+
+
+def hooked_modules(model: nn.Module) -> tuple[str, ...]:
+    """The inner modules of ``model`` with a user's forward hook or pre-hook, by name."""
+    return tuple(name for name, sub in model.named_modules()
+                 if name and (_user_hooks(sub, True) or _user_hooks(sub, False)))
+
+
+@contextmanager
+def hooks_recorded(model: nn.Module) -> Iterator[list[HookCall]]:
+    """Within: the user's forward hooks of inner modules record their calls (in order).
+
+    Each hook is replaced in its dictionary (same key, same place) by a function that calls
+    it and records a :class:`HookCall`; on exit the hooks are put back.
+    """
+    met: list[HookCall] = []
+    replaced: list[tuple[dict[int, Any], int, Any, Any]] = []
+    for name, sub in model.named_modules():
+        if not name:
+            continue
+        for pre in (True, False):
+            hooks = sub._forward_pre_hooks if pre else sub._forward_hooks
+            for key, hook in _user_hooks(sub, pre).items():
+                wrapper = _recording(hook, HookCall(name, pre, key, True), met)
+                hooks[key] = wrapper
+                replaced.append((hooks, key, hook, wrapper))
+    try:
+        yield met
+    finally:
+        for hooks, key, hook, wrapper in replaced:
+            if hooks.get(key) is wrapper:
+                hooks[key] = hook
+
+
+def _recording(hook: Callable[..., Any], call: HookCall,
+               met: list[HookCall]) -> Callable[..., Any]:
+    def record(*args: Any) -> Any:
+        out = hook(*args)
+        met.append(HookCall(call.module_name, call.pre, call.hook_id, out is None))
+        return out
+
+    return record
+
+
+@dataclass(frozen=True)
+class ObserverCall:
+    """An observing hook to call at every step, and where its arguments come from.
+
+    ``inputs`` and ``outputs`` are the leaves of the module call's ``(args, kwargs)`` and of
+    its output: ``("node", name)`` (a graph value, taken by :func:`observe`) or
+    ``("const", value)``; ``in_spec`` and ``out_spec`` rebuild them.
+    """
+
+    module: nn.Module
+    module_name: str
+    pre: bool
+    hook_id: int
+    with_kwargs: bool
+    inputs: tuple[tuple[str, Any], ...]
+    in_spec: TreeSpec
+    outputs: tuple[tuple[str, Any], ...] = ()
+    out_spec: TreeSpec | None = None
+
+    @cached_property
+    def needs(self) -> frozenset[str]:
+        """The graph values the call needs."""
+        return frozenset(v for kind, v in (*self.inputs, *self.outputs) if kind == "node")
+
+    def hook(self) -> Callable[..., Any] | None:
+        """The hook, if it is still registered (``None`` once removed)."""
+        hooks = self.module._forward_pre_hooks if self.pre else self.module._forward_hooks
+        return hooks.get(self.hook_id)
+
+    def call(self, values: dict[str, Any]) -> None:
+        """Call the hook with the values of this step, as the module's call does."""
+        hook = self.hook()
+        if hook is None:
+            return
+        args, kwargs = tree_unflatten([_value(leaf, values) for leaf in self.inputs],
+                                      self.in_spec)
+        given = (args, kwargs) if self.with_kwargs else (args,)
+        if not self.pre:
+            assert self.out_spec is not None
+            given += (tree_unflatten([_value(leaf, values) for leaf in self.outputs],
+                                     self.out_spec),)
+        hook(self.module, *given)
+
+
+def _value(leaf: tuple[str, Any], values: dict[str, Any]) -> Any:
+    kind, value = leaf
+    return values[value] if kind == "node" else value
+
+
+@dataclass(frozen=True)
+class ObserverPlan:
+    """The observing hooks of one extraction, in the model's call order.
+
+    ``on_grad_path``: the values that require grad in the model's own training call (on
+    the path from the parameters or the inputs that require grad to the output).
+    """
+
+    calls: tuple[ObserverCall, ...] = ()
+    on_grad_path: frozenset[str] = frozenset()
+
+    @cached_property
+    def taps(self) -> frozenset[str]:
+        """The graph values the calls need."""
+        return frozenset(n for c in self.calls for n in c.needs)
+
+    @cached_property
+    def first_reader(self) -> dict[str, str]:
+        """The module whose hook receives each value first (named in errors)."""
+        first: dict[str, str] = {}
+        for c in self.calls:
+            for n in c.needs:
+                first.setdefault(n, c.module_name)
+        return first
+
+    @property
+    def hook_ids(self) -> frozenset[int]:
+        """The ids of the hooks called at every step."""
+        return frozenset(c.hook_id for c in self.calls)
+
+    def keep(self, available: Iterable[str], on_grad_path: Iterable[str] = ()
+             ) -> ObserverPlan:
+        """The calls of the hooks whose values are all in ``available`` (stages give them)."""
+        have = set(available)
+        lost = {c.hook_id for c in self.calls if not c.needs <= have}  # all its calls or none
+        return ObserverPlan(tuple(c for c in self.calls if c.hook_id not in lost),
+                            frozenset(on_grad_path))
+
+
+def observer_plan(model: nn.Module, met: list[HookCall], call_graph: Iterable[Any],
+                  in_graph: Callable[[str], bool],
+                  constants: dict[str, Any] | None = None) -> ObserverPlan:
+    """The observers among ``met`` that can be called with values of the graph.
+
+    ``call_graph``: the export's ``module_call_graph``; ``in_graph``: whether a node name
+    is in the graph the stages are cut from; ``constants``: the values of the nodes
+    computed from no input (passed as they are; ``None`` for one no longer in the graph:
+    a constant attention mask optmem elided, which HF's eager call does not make). A
+    module called several times (ALBERT's shared layer) has one signature per call
+    (``name``, ``name@1``, ...), its hooks one call each. Left out (they stay as at
+    extraction, warned), every call of: a hook on a module with a hook of the same kind
+    that returned a value (the graph's values are after it), and a hook one of whose
+    calls has arguments or an output that are neither graph values nor constants.
+    """
+    signatures = {e.fqn: e.signature for e in call_graph if getattr(e, "signature", None)}
+    modifies = {(m.module_name, m.pre) for m in met if not m.observer}
+    seen: Counter[tuple[str, bool, int]] = Counter()
+    calls: list[ObserverCall] = []
+    dropped: set[int] = set()
+    for m in met:
+        k = seen[(m.module_name, m.pre, m.hook_id)]
+        seen[(m.module_name, m.pre, m.hook_id)] += 1
+        sig = signatures.get(m.module_name if not k else f"{m.module_name}@{k}")
+        call = None if (not m.observer or (m.module_name, m.pre) in modifies or sig is None) \
+            else _observer_call(model, m, sig, in_graph, constants or {})
+        if call is None:
+            dropped.add(m.hook_id)
+        else:
+            calls.append(call)
+    return ObserverPlan(tuple(c for c in calls if c.hook_id not in dropped))
+
+
+def _observer_call(model: nn.Module, m: HookCall, sig: Any, in_graph: Callable[[str], bool],
+                   constants: dict[str, Any]) -> ObserverCall | None:
+    """The call of ``m`` with the values its module call's signature ``sig`` names."""
+    inputs = _leaves(sig.inputs, in_graph, constants)
+    outputs = () if m.pre else _leaves(sig.outputs, in_graph, constants)
+    if inputs is None or outputs is None:
+        return None
+    sub = model.get_submodule(m.module_name)
+    kinds = sub._forward_pre_hooks_with_kwargs if m.pre else sub._forward_hooks_with_kwargs
+    return ObserverCall(sub, m.module_name, m.pre, m.hook_id, bool(kinds.get(m.hook_id)),
+                        inputs, sig.in_spec, outputs, None if m.pre else sig.out_spec)
+
+
+def _leaves(specs: Iterable[Any], in_graph: Callable[[str], bool], constants: dict[str, Any]
+            ) -> tuple[tuple[str, Any], ...] | None:
+    """``("node", name)`` or ``("const", value)`` per argument; ``None`` if one is neither."""
+    from torch.export.graph_signature import ConstantArgument, TensorArgument
+
+    leaves: list[tuple[str, Any]] = []
+    for spec in specs:
+        if isinstance(spec, TensorArgument) and spec.name in constants:
+            # elided from the graph: a trivial attention mask, None in HF's eager call
+            leaves.append(("const", constants[spec.name] if in_graph(spec.name) else None))
+        elif isinstance(spec, TensorArgument) and in_graph(spec.name):
+            leaves.append(("node", spec.name))
+        elif isinstance(spec, ConstantArgument):
+            leaves.append(("const", spec.value))
+        else:
+            return None
+    return tuple(leaves)
+
+
+@dataclass
+class _Step:
+    """The values taken so far in one step's forward, and the next hook to call."""
+
+    plan: ObserverPlan
+    values: dict[str, Any] = field(default_factory=dict)
+    seen: set[str] = field(default_factory=set)
+    next: int = 0
+    left: Counter[str] = field(default_factory=Counter)
+    grad: bool = True
+
+    def __post_init__(self) -> None:
+        for c in self.plan.calls:
+            self.left.update(c.needs)
+
+    def take(self, name: str, value: Any) -> None:
+        if name in self.seen or name not in self.left:
+            return
+        self.seen.add(name)
+        if self.grad and name in self.plan.on_grad_path and isinstance(value, torch.Tensor) \
+                and (value.is_floating_point() or value.is_complex()):
+            value = _unkept(value, self.plan.first_reader[name])
+        self.values[name] = value
+        self.call_ready()
+
+    def call_ready(self) -> None:
+        calls = self.plan.calls
+        while self.next < len(calls) and calls[self.next].needs <= self.seen:
+            call = calls[self.next]
+            self.next += 1
+            call.call(self.values)
+            for n in call.needs:
+                self.left[n] -= 1
+                if not self.left[n]:
+                    self.values.pop(n, None)
+
+    def finish(self) -> None:
+        """After the forward: the calls still waiting (a value no stage gave), logged."""
+        waiting = self.plan.calls[self.next:]
+        if waiting:
+            _log.info("optmem: forward hooks of %s not called this step (values not "
+                      "computed in the forward: %s)", ", ".join(c.module_name for c in waiting),
+                      ", ".join(sorted(set().union(*(c.needs - self.seen for c in waiting)))))
+
+
+class _Unkept(torch.autograd.Function):
+    """Identity whose backward refuses: a hook's tensor used in a loss (see :func:`_unkept`)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, where: str) -> torch.Tensor:  # noqa: D102
+        ctx.where = where
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:  # noqa: D102
+        raise OptmemInputError(
+            f"a tensor the forward hook of {ctx.where} received was back-propagated: "
+            "optmem's plan computes it without keeping its graph (the stage may run "
+            "without gradients, or again in the backward), so gradients through it would "
+            "be lost. Compute the loss from the model's output, or pass an nn.Sequential "
+            "of blocks or a list of stage modules (stages that are your modules run their "
+            "hooks themselves)", field="module")
+
+
+def _unkept(t: torch.Tensor, where: str) -> torch.Tensor:
+    """``t``'s values as a tensor that requires grad, as the model's hook receives it.
+
+    Its ``.detach()`` is ``t``'s values; a backward through it raises one
+    ``OptmemInputError`` (not a silent loss of the gradients the model's call would give).
+    """
+    with torch.enable_grad():
+        return _Unkept.apply(t.detach().requires_grad_(), where)  # type: ignore[no-any-return]
+
+
+_STEP: ContextVar[_Step | None] = ContextVar("optmem_observed_step", default=None)
+
+
+@torch.compiler.disable
+def observe(name: str, value: Any) -> None:
+    """In a stage graph, after the value ``name``: hand it to the step being observed."""
+    step = _STEP.get()
+    if step is not None:
+        step.take(name, value)
+
+
+@contextmanager
+def observing(plan: ObserverPlan | None, side: Mapping[str, Any] | None = None
+              ) -> Iterator[None]:
+    """Within: the forward of one step, whose stages hand their values to the hooks.
+
+    ``side``: the call's inputs and side values, by node name (taken first). Runs of the
+    stages outside (the plan's re-runs in the backward, profiling) call none.
+    """
+    if plan is None or not plan.calls:
+        yield
+        return
+    step = _Step(plan, grad=torch.is_grad_enabled())
+    for name in plan.taps & set(side or ()):
+        step.take(name, side[name])  # type: ignore[index]
+    token = _STEP.set(step)
+    try:
+        yield
+    finally:
+        _STEP.reset(token)
+    step.finish()
+
+
+
+@contextmanager
+def observers_silenced(model: nn.Module, hook_ids: Collection[int]) -> Iterator[None]:
+    """Within: the forward hooks of ``model`` with these ids are not called.
+
+    For optmem's own runs of the model (measuring the plain step's peak): the observers
+    (:class:`ObserverPlan`) return ``None``, so the run computes the same without them,
+    and they see the user's steps only. On exit every dictionary is as before, in order
+    (hooks registered meanwhile after).
+    """
+    saved: list[tuple[dict[int, Any], list[tuple[int, Any]]]] = []
+    if hook_ids:
+        for sub in model.modules():
+            for hooks in (sub._forward_pre_hooks, sub._forward_hooks):
+                if any(k in hook_ids for k in hooks):
+                    saved.append((hooks, list(hooks.items())))
+                    for k in hook_ids:
+                        hooks.pop(k, None)
+    try:
+        yield
+    finally:
+        for hooks, items in saved:
+            added = [(k, h) for k, h in hooks.items() if k not in dict(items)]
+            hooks.clear()
+            hooks.update(items)
+            hooks.update(added)
+
+torch.fx.node.has_side_effect(observe)  # kept by dead-code elimination
