@@ -92,7 +92,7 @@ def unchanged(model: nn.Module, before: dict[str, torch.Tensor]) -> bool:
 FAST = dict(loss_fn=mse, repeats=1, warmup=0, memory_per_gpu="1GiB")
 PIPELINE_BAD = [("gpus", "abc"), ("gpus", 0.5), ("memory_per_gpu", None),
                 ("memory_per_gpu", "abc"), ("weight_copies", -1), ("memory_model", "nope"),
-                ("loss_fn", 3), ("max_stages", "abc"), ("device", "gpu0"),
+                ("loss_fn", 3), ("max_stages", "abc"), ("device", "gpu0"), ("device", "cuda:99"),
                 ("time_limit_s", float("nan")), ("bandwidth", "12 GB"),
                 ("microbatches", 2.5), ("method", "nope")]
 
@@ -131,6 +131,7 @@ def test_pipeline_names_each_bad_argument(name, value, one_rank):
 
 MODEL_BAD = [("plan", "abc"), ("plan", [1]), ("device", "gpu0"), ("device", 0.5),
              ("scale_grads", "no"), ("schedule_csv", 1.5), ("schedule_csv", ["a.csv"]),
+             ("schedule_csv", "/nonexistent/schedule.csv"), ("device", "cuda:99"),
              ("loss_fn", "mse"), ("extract", "abc")]
 
 

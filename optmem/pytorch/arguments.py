@@ -36,7 +36,7 @@ from optmem.problems.pipeline import MAX_GPUS, MAX_WEIGHT_COPIES, MEMORY_MODELS
 from optmem.result import check_integer
 
 __all__ = ["EXTRACT_METHODS", "MAX_MICROBATCHES", "MAX_REPEATS", "check_device", "check_module",
-           "check_options", "check_rounds", "flag", "plan_argument"]
+           "check_options", "check_rounds", "check_usable_device", "flag", "plan_argument"]
 
 EXTRACT_METHODS = ("auto", "export", "fx")
 """The values of ``extract=``."""
@@ -161,6 +161,23 @@ def check_device(value: Any, name: str = "device") -> None:
     except (RuntimeError, TypeError, ValueError, OverflowError):
         raise OptmemInputError(f"expected a device such as 'cpu', 'cuda:0' or 'meta', got "
                                f"{value!r}", field=name) from None
+
+
+def check_usable_device(value: Any, name: str = "device") -> None:
+    """:func:`check_device`, and a CUDA device must be one of this machine's.
+
+    For the pipeline's ``device`` (where this rank's stages are moved): ``"cuda:99"`` or
+    ``0`` on a machine without it failed in ``torch.cuda`` (``AssertionError``) after the
+    profile (stop 85).
+    """
+    check_device(value, name)
+    if value is None:
+        return
+    device = torch.device(value)
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device.type == "cuda" and (device.index or 0) >= count:
+        raise OptmemInputError(f"expected a device of this machine, got {value!r} ({count} "
+                               f"CUDA device(s))", field=name)
 
 
 _CHECKS: dict[str, Callable[[Any, str], object]] = {

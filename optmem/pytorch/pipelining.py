@@ -46,6 +46,7 @@ import contextlib
 import functools
 import itertools
 import math
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -68,7 +69,7 @@ from optmem.pipeline_schedule import (
     rank_programs,
     schedule_rows,
 )
-from optmem.pytorch.arguments import check_module, check_options
+from optmem.pytorch.arguments import check_module, check_options, check_usable_device
 from optmem.pytorch.context import SideInputs, current_side_inputs, side_inputs
 from optmem.pytorch.distributed import default_device, resolve_group, spawn
 from optmem.pytorch.execute import _RngState
@@ -617,6 +618,10 @@ class PipelinedModel(nn.Module):
         check_options(dict(microbatches=microbatches, loss_fn=loss_fn, device=device,
                            scale_grads=scale_grads, schedule_csv=schedule_csv,
                            extract=extract))
+        check_usable_device(device)
+        if schedule_csv is not None and not os.path.isfile(schedule_csv):
+            raise OptmemInputError(f"no such file: {os.fspath(schedule_csv)!r}",
+                                   field="schedule_csv")
         self.plan = _plan_argument(plan)
         self.microbatches = default_microbatches(self.plan) if microbatches is None \
             else microbatches
@@ -898,6 +903,7 @@ def _check_one_call(model: Any, *, memory_per_gpu: Any, bandwidth: Any, method: 
 
     check_module(model)
     check_options(options)
+    check_usable_device(options["device"])
     check_temporaries(memory_model, temporaries)
     method_info("pipeline", method)
     memory = check_memory_limit(memory_per_gpu, field="memory_per_gpu")
