@@ -463,12 +463,11 @@ class _Modified:
     def __init__(self, model: nn.Module) -> None:
         self.model = model  # the whole model (not a submodule of the PipelinedModel)
         self.message: str | None = None
-        self.ran = False
+        self.agreed = False  # after the first step (the one with the shape inference)
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:
         """Within: a shape inference; a parameter of the model it modified is recorded."""
-        self.ran = True
         done = False
         try:
             with parameters_unmodified(self.model):
@@ -482,10 +481,14 @@ class _Modified:
                     "inference at the first step ran it once more)"
 
     def agree(self, group: Any, device: torch.device) -> None:
-        """After a step with a shape inference: the same error on every rank of ``group``."""
-        if not self.ran:
+        """After the first step: the same error on every rank of ``group`` if one recorded it.
+
+        Collective at the first completed step only (every rank of the pipeline counts
+        its steps alike; the runtime infers shapes at its first step).
+        """
+        if self.agreed:
             return
-        message, self.message, self.ran = self.message, None, False
+        message, self.message, self.agreed = self.message, None, True
         flag = torch.tensor([0 if message is None else 1], device=device)
         dist.all_reduce(flag, group=group)
         if not int(flag.item()):
