@@ -224,3 +224,15 @@ def test_every_rank_raises_the_same_error(tmp_path):
         assert field == expected, (name, field, message)
     assert "'1.teacher.weight' in place" in got[0]["step"][1]
     assert "'1.teacher.weight' in place" in got[0]["run_plan"][1]
+
+
+@pytest.mark.parametrize(("name", "value"), [("plan", "abc"), ("device", "gpu0"),
+                                             ("loss_fn", "mse")])
+def test_run_plan_names_each_bad_argument(name, value, one_rank):
+    """main: the plan error without its field, ``RuntimeError`` (device), and ``loss_fn``
+    failing in the step (reported as a failed loss)."""
+    kw: dict[str, Any] = {"plan": TWO_STAGES_ONE_GPU, "loss_fn": mse, name: value}
+    with pytest.raises(OptmemInputError) as info:
+        run_plan(mlp(), kw.pop("plan"), [torch.randn(2, 8)] * 2, [torch.randn(2, 4)] * 2,
+                 **kw)
+    assert info.value.field == name, str(info.value)

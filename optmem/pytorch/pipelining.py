@@ -1168,6 +1168,8 @@ def run_plan(
     :class:`PipelinedModel` (default ``cuda:LOCAL_RANK`` with NCCL, else the CPU; before,
     the CPU always, whose tensors NCCL refuses).
     """
+    check_options(dict(loss_fn=loss_fn, device=device))  # on every rank alike (stop 85)
+    check_usable_device(device)
     plan = _plan_argument(plan)
     _check_equal(inputs, "inputs")
     with _takes_no_sample("run_plan", model):
