@@ -22,6 +22,7 @@ optmem.errors.OptmemInputError: field 'repeats': expected a whole number (1..100
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Mapping, Sequence
 from numbers import Real
 from typing import Any
@@ -31,10 +32,11 @@ import torch
 
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError
+from optmem.problems.pipeline import MAX_GPUS, MAX_WEIGHT_COPIES, MEMORY_MODELS
 from optmem.result import check_integer
 
-__all__ = ["EXTRACT_METHODS", "MAX_REPEATS", "check_device", "check_module", "check_options",
-           "check_rounds", "flag", "plan_argument"]
+__all__ = ["EXTRACT_METHODS", "MAX_MICROBATCHES", "MAX_REPEATS", "check_device", "check_module",
+           "check_options", "check_rounds", "check_usable_device", "flag", "plan_argument"]
 
 EXTRACT_METHODS = ("auto", "export", "fx")
 """The values of ``extract=``."""
@@ -45,6 +47,10 @@ MAX_REPEATS = 10_000
 MAX_CHARGE_MS = 1e9
 """Largest per-op charge (``op_overhead`` ms, ``op_overhead_ratio``): larger ones only make
 the chain's times leave the range a chain holds (1e12)."""
+
+MAX_MICROBATCHES = 100_000
+"""Most micro-batches per pipeline step (``microbatches``): the runtime makes an action and
+receive buffers for each (``2**70`` built its action list for ever, stop 85)."""
 
 MAX_SEGMENT_COST_MS = 1e12
 """Largest ``segment_cost`` (ms): the checkpoint ``dp``'s own range (CONTRACT section 15)."""
@@ -119,6 +125,20 @@ def _name(value: Any, name: str) -> None:
         raise OptmemInputError(f"expected a non-empty string, got {value!r}", field=name)
 
 
+def _choice(choices: Sequence[str]) -> Callable[[Any, str], None]:
+    def check(value: Any, name: str) -> None:
+        if not isinstance(value, str) or value not in choices:
+            raise OptmemInputError(f"expected one of {', '.join(map(repr, choices))}, got "
+                                   f"{value!r}", field=name)
+    return check
+
+
+def _path(value: Any, name: str) -> None:
+    """A file name: a non-empty string or a path (an int is a file descriptor to ``open``)."""
+    if not (isinstance(value, str) and value) and not isinstance(value, os.PathLike):
+        raise OptmemInputError(f"expected the path of a file, got {value!r}", field=name)
+
+
 def check_device(value: Any, name: str = "device") -> None:
     """One error unless torch parses ``value`` as a device (``None``: the sample's).
 
@@ -143,6 +163,23 @@ def check_device(value: Any, name: str = "device") -> None:
                                f"{value!r}", field=name) from None
 
 
+def check_usable_device(value: Any, name: str = "device") -> None:
+    """:func:`check_device`, and a CUDA device must be one of this machine's.
+
+    For the pipeline's ``device`` (where this rank's stages are moved): ``"cuda:99"`` or
+    ``0`` on a machine without it failed in ``torch.cuda`` (``AssertionError``) after the
+    profile (stop 85).
+    """
+    check_device(value, name)
+    if value is None:
+        return
+    device = torch.device(value)
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device.type == "cuda" and (device.index or 0) >= count:
+        raise OptmemInputError(f"expected a device of this machine, got {value!r} ({count} "
+                               f"CUDA device(s))", field=name)
+
+
 _CHECKS: dict[str, Callable[[Any, str], object]] = {
     "repeats": _count(1), "warmup": _count(0), "max_stages": _optional(_count(1, None)),
     "autotune_rounds": _optional(check_rounds), "progress": _optional(flag),
@@ -154,6 +191,11 @@ _CHECKS: dict[str, Callable[[Any, str], object]] = {
     "segment_timer": _optional(_callable),
     "adjust_chain": _optional(_callable), "extract": _extract, "chain": _optional(_chain),
     "device": check_device, "name": _optional(_name),
+    # the pipeline's (stop 85)
+    "gpus": _optional(_count(1, MAX_GPUS)),
+    "microbatches": _optional(_count(1, MAX_MICROBATCHES)),
+    "weight_copies": _count(0, MAX_WEIGHT_COPIES), "memory_model": _choice(MEMORY_MODELS),
+    "scale_grads": flag, "schedule_csv": _optional(_path),
 }
 
 

@@ -46,6 +46,7 @@ import contextlib
 import functools
 import itertools
 import math
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -62,18 +63,19 @@ from optmem.pipeline_schedule import (
     Message,
     RankOp,
     RankStep,
-    check_microbatches,
     default_microbatches,
     pipeline_ranks,
     rank_messages,
     rank_programs,
     schedule_rows,
 )
+from optmem.pytorch.arguments import check_module, check_options, check_usable_device
 from optmem.pytorch.context import SideInputs, current_side_inputs, side_inputs
 from optmem.pytorch.distributed import default_device, resolve_group, spawn
 from optmem.pytorch.execute import _RngState
 from optmem.pytorch.extract import Extraction, Stage, extract_program, extract_stages
 from optmem.pytorch.graphcut import OutputLayout
+from optmem.pytorch.hooks import parameters_unmodified
 from optmem.pytorch.pipeline_loss import LossFailure
 from optmem.pytorch.profile import TimeModel, model_name, move_to
 from optmem.pytorch.wrapper import (
@@ -86,7 +88,7 @@ from optmem.pytorch.wrapper import (
     refuse_wrapped,
     signature_key,
 )
-from optmem.result import Result
+from optmem.result import Result, SolveOptions
 from optmem.simulate.pipeline import check_plan_structure
 
 __all__ = ["PipelinedModel", "PlanStage", "as_pipeline_plan", "pipeline", "plan_stage_modules",
@@ -111,6 +113,17 @@ def as_pipeline_plan(plan: Any) -> PipelinePlan:
             raise PlanError(f"the result has no plan (status {plan.status})")
         plan = plan.plan
     return PipelinePlan.from_any(plan)
+
+
+def _plan_argument(plan: Any) -> PipelinePlan:
+    """:func:`as_pipeline_plan` of a runner's ``plan`` argument, its error naming ``plan``."""
+    try:
+        return as_pipeline_plan(plan)
+    except PlanError as exc:
+        if exc.field:
+            raise
+        raise PlanError(f"expected a pipeline plan (a PipelinePlan, a pipeline Result, its "
+                        f"JSON or its op strings): {exc}", field="plan") from None
 
 
 class PlanStage(nn.Module):
@@ -192,13 +205,15 @@ class _Program:
 
     ``extraction`` is ``None`` for an ``nn.Sequential``, a list of stages or an fx-traced
     module (a call is one input, the chain input); otherwise the ``torch.export``
-    extraction of the sample call, specialised to its signature (``key``).
+    extraction of the sample call, specialised to its signature (``key``). ``source``: the
+    model given (``None`` for a list of stages), whose parameter names errors use.
     """
 
     def __init__(self, stages: list[Stage], extraction: Extraction | None = None,
                  module: nn.Module | None = None, key: Any = None, x: Any = None,
-                 ctx: SideInputs | None = None) -> None:
+                 ctx: SideInputs | None = None, source: nn.Module | None = None) -> None:
         self.stages = stages
+        self.source = module if source is None else source
         self.extraction = extraction
         self.module = module
         self.key = key
@@ -212,12 +227,13 @@ class _Program:
             return model
         refuse_wrapped(model, "optmem.pytorch.pipeline", wrap_after=False)
         if is_plain_chain(model) or sample is None:
-            return cls(extract_stages(model, allow_single=True), x=sample)
+            return cls(extract_stages(model, allow_single=True), x=sample,
+                       source=model if isinstance(model, nn.Module) else None)
         if not isinstance(model, nn.Module):
             raise OptmemInputError(f"expected an nn.Module or a list of modules, got "
                                    f"{type(model).__name__}", field="module")
         args, kwargs = canonical_call(model, *call_of(sample))
-        with leaves_no_trace(model, (args, kwargs)):
+        with parameters_unmodified(model), leaves_no_trace(model, (args, kwargs)):
             ext = extract_program(model, args, kwargs, method=extract, allow_single=True)
         ext.rebind()
         flat = ext.flatten(args, kwargs)
@@ -226,7 +242,8 @@ class _Program:
 
     def with_stages(self, stages: list[Stage]) -> _Program:
         """The same program with other (merged) stages."""
-        return _Program(stages, self.extraction, self.module, self.key, self.x, self.ctx)
+        return _Program(stages, self.extraction, self.module, self.key, self.x, self.ctx,
+                        self.source)
 
     @property
     def layout(self) -> OutputLayout | None:
@@ -292,7 +309,7 @@ def plan_stage_modules(model: nn.Module | Sequence[nn.Module | Stage] | _Program
     a ``sample`` call the stages of its ``torch.export`` graph. ``head`` computes the loss
     at the end of the last stage.
     """
-    plan = as_pipeline_plan(plan)
+    plan = _plan_argument(plan)
     layers = [s.module for s in _Program.build(model, sample).stages]
     n = plan.stages[-1].last if plan.stages else 0
     if n != len(layers):
@@ -304,6 +321,14 @@ def plan_stage_modules(model: nn.Module | Sequence[nn.Module | Stage] | _Program
     last = len(plan.stages) - 1
     return [PlanStage(layers[st.first - 1:st.last], head if k == last else None)
             for k, st in enumerate(plan.stages)]
+
+
+def _whole_model(model: Any, modules: Sequence[nn.Module]) -> nn.Module:
+    """The module whose parameters a setup must leave unmodified: ``model``, or ``modules``.
+
+    ``modules`` stand for a ``model`` given as a list of stages.
+    """
+    return model if isinstance(model, nn.Module) else nn.ModuleList(modules)
 
 
 def _tied_parameters(modules: Sequence[nn.Module], gpu_of: Sequence[int]
@@ -423,6 +448,59 @@ class _ScaledLoss:
         return output / self.factor
 
 
+class _Modified:
+    """A parameter the runtime's shape inference modified in place, agreed on by the ranks.
+
+    The runtime's first step runs each stage's forward once more to learn its shapes
+    (``_forward_metadata_inference``), with the other ranks waiting for those shapes: a
+    forward that updates a parameter in place (BYOL's EMA target) applied its update once
+    more there, unseen (the other setup paths refuse it since stop 84). Raising on the
+    rank that ran it would leave the next rank waiting for the shapes, so the modification
+    is recorded (:meth:`recording`) and, after the step, every rank of the pipeline raises
+    the same error (:meth:`agree`).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model  # the whole model (not a submodule of the PipelinedModel)
+        self.message: str | None = None
+        self.agreed = False  # after the first step (the one with the shape inference)
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """Within: a shape inference; a parameter of the model it modified is recorded."""
+        done = False
+        try:
+            with parameters_unmodified(self.model):
+                yield
+                done = True
+        except OptmemInputError as exc:
+            if not done:  # the forward's own error
+                raise
+            if self.message is None:
+                self.message = f"{exc.reason} (rank {dist.get_rank()}: PyTorch's shape " \
+                    "inference at the first step ran it once more)"
+
+    def agree(self, group: Any, device: torch.device) -> None:
+        """After the first step: the same error on every rank of ``group`` if one recorded it.
+
+        Collective at the first completed step only (every rank of the pipeline counts
+        its steps alike; the runtime infers shapes at its first step).
+        """
+        if self.agreed:
+            return
+        message, self.message, self.agreed = self.message, None, True
+        flag = torch.tensor([0 if message is None else 1], device=device)
+        dist.all_reduce(flag, group=group)
+        if not int(flag.item()):
+            return
+        got: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(got, message, group=group)
+        first = next(m for m in got if m)
+        raise OptmemInputError(f"{first}. Every rank of the pipeline stopped after this "
+                               "step; its gradients and that parameter are not the plain "
+                               "model's", field="module")
+
+
 @functools.cache
 def _stage_class() -> type:
     """``PipelineStage`` running each micro-batch's forward in that micro-batch's context."""
@@ -433,6 +511,7 @@ def _stage_class() -> type:
 
         contexts: list[SideInputs] = []
         stream: _StageStream
+        modified: _Modified  # what the shape inference modified, agreed after the step
 
         def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
             with side_inputs(self.contexts[fwd_chunk_id]), self.stream.running():
@@ -447,9 +526,16 @@ def _stage_class() -> type:
             running statistics took that forward in (HF's ResNet: NaN and inf on the second
             rank after one step, an extra update on the first), and dropout drew one mask
             more. :func:`~optmem.pytorch.wrapper.leaves_no_trace` restores them.
+
+            The forward must not modify a parameter in place either (an EMA target's
+            update, :func:`~optmem.pytorch.hooks.parameters_unmodified`): such a
+            modification is recorded in ``modified`` and raised on every rank after the
+            step (stop 85; raised here, the next rank waited for its shapes).
             """
-            with leaves_no_trace(self.submod):
-                return super()._forward_metadata_inference(*args, **kwargs)
+            out: list[Any] = []
+            with leaves_no_trace(self.submod), self.modified.recording():
+                out.append(super()._forward_metadata_inference(*args, **kwargs))
+            return out[0]
 
         def _create_grad_recv_info(self, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
             """The runtime's gradient receive buffers, each made contiguous.
@@ -531,9 +617,15 @@ class PipelinedModel(nn.Module):
                  scale_grads: bool = True, schedule_csv: str | None = None,
                  extract: str = "auto") -> None:
         super().__init__()
-        self.plan = as_pipeline_plan(plan)
-        if microbatches is not None:  # 0 is an error, not the default
-            check_microbatches(microbatches)
+        # every argument before any work, the same error on every rank (stop 85)
+        check_options(dict(microbatches=microbatches, loss_fn=loss_fn, device=device,
+                           scale_grads=scale_grads, schedule_csv=schedule_csv,
+                           extract=extract))
+        check_usable_device(device)
+        if schedule_csv is not None and not os.path.isfile(schedule_csv):
+            raise OptmemInputError(f"no such file: {os.fspath(schedule_csv)!r}",
+                                   field="schedule_csv")
+        self.plan = _plan_argument(plan)
         self.microbatches = default_microbatches(self.plan) if microbatches is None \
             else microbatches
         self.device = torch.device(device) if device is not None else default_device()
@@ -564,6 +656,9 @@ class PipelinedModel(nn.Module):
         self._contexts: list[SideInputs] = []
         self._micro_shapes: list[tuple[tuple[int, ...], torch.dtype]] | None = None
         self._stages: list[Any] = []  # this rank's PipelineStages (_build_schedule)
+        # what the first step's shape inference modified (stop 85)
+        self._modified = _Modified(_whole_model(self.program.source,
+                                                [s.module for s in self.program.stages]))
         self.schedule = self._build_schedule(modules, schedule_csv) \
             if self.stage_indices else None
 
@@ -575,6 +670,7 @@ class PipelinedModel(nn.Module):
         for k in self.stage_indices:
             stage = _stage_class()(modules[k], k, n_stages, self.device, group=self.pp_group)
             stage.contexts = self._contexts  # filled by every step
+            stage.modified = self._modified
             stages.append(stage)
         self._stages = stages  # their streams are set by every step
         schedule = _PipelineScheduleRuntime(
@@ -651,6 +747,7 @@ class PipelinedModel(nn.Module):
             self._head.failure.agree(src=self.plan.stages[-1].gpu,
                                      ranks=pipeline_ranks(self.plan), group=self.pp_group,
                                      device=self.device)
+            self._modified.agree(self.pp_group, self.device)
         _reduce_tied(self._tied, before)
         factor = self.microbatches if self.scale_grads else 1
         return [loss.detach() * factor for loss in losses]
@@ -791,6 +888,33 @@ def run_plan_pipelining(
 
 
 # ------------------------------------------------------------------ one call
+def _check_one_call(model: Any, *, memory_per_gpu: Any, bandwidth: Any, method: Any,
+                    time_limit_s: Any, memory_model: Any, temporaries: Any,
+                    options: dict[str, Any]) -> tuple[int, SolveOptions]:
+    """Check :func:`pipeline`'s arguments before any work; its memory and solve options.
+
+    Each bad value is one :class:`~optmem.errors.OptmemInputError` naming the argument, the
+    same on every rank (the arguments are; nothing is exchanged). Before stop 85 some
+    failed in Python (``gpus="abc"``: ``TypeError``), some after the profile on rank 0 in
+    the problem's own CLI spelling (``weight-copies``, ``memory-model``, ``memory``), some
+    were taken (``loss_fn=3`` until the first step) and ``microbatches=2**70`` never ended.
+    """
+    from optmem.problems.checkpoint import check_memory_limit
+    from optmem.problems.pipeline import check_temporaries
+    from optmem.solvers.facade import method_info
+    from optmem.units import rate_per_second
+
+    check_module(model)
+    check_options(options)
+    check_usable_device(options["device"])
+    check_temporaries(memory_model, temporaries)
+    method_info("pipeline", method)
+    memory = check_memory_limit(memory_per_gpu, field="memory_per_gpu")
+    if bandwidth is not None:
+        rate_per_second(bandwidth, field="bandwidth", allow_inf=True)
+    return memory, SolveOptions(time_limit_s=time_limit_s)
+
+
 def pipeline(
     model: nn.Module | Sequence[nn.Module | Stage],
     sample: Any,
@@ -871,18 +995,22 @@ def pipeline(
         With ``.result`` (the solve: ``objective`` = predicted period in ms per micro-batch),
         ``.chain`` and ``.plan``; identical on every rank.
     """
-    from optmem.problems.pipeline import PipelineProblem, check_temporaries
-    from optmem.result import SolveOptions
+    from optmem.problems.pipeline import PipelineProblem
     from optmem.solvers.facade import solve
-    from optmem.units import chain_rate, format_size, parse_size
+    from optmem.units import chain_rate, format_size
 
-    check_temporaries(memory_model, temporaries)  # an input error before anything else
+    # every argument before anything else (stop 85): the same error on every rank
+    memory, solve_options = _check_one_call(
+        model, memory_per_gpu=memory_per_gpu, bandwidth=bandwidth, method=method,
+        time_limit_s=time_limit_s, memory_model=memory_model, temporaries=temporaries,
+        options=dict(gpus=gpus, loss_fn=loss_fn, microbatches=microbatches,
+                     weight_copies=weight_copies, memory_model=memory_model,
+                     max_stages=max_stages, device=device, repeats=repeats, warmup=warmup,
+                     time_model=time_model, progress=progress, extract=extract))
     if not dist.is_initialized():
         raise OptmemInputError("optmem.pytorch.pipeline runs under torch.distributed: launch "
                                "with torchrun and call init_distributed() (or "
                                "init_process_group) first", field="backend")
-    if microbatches is not None:  # before the profile: 0 is an error, not the default
-        check_microbatches(microbatches)
     world = dist.get_world_size()
     gpus = world if gpus is None else gpus
     if gpus > world:
@@ -890,7 +1018,6 @@ def pipeline(
                                field="gpus")
     program = _Program.build(model, sample, extract)
     name = model_name(model)
-    memory = parse_size(memory_per_gpu)
 
     def solve_pipeline(chain: Chain) -> Result:
         beta = math.inf if bandwidth is None else \
@@ -898,7 +1025,7 @@ def pipeline(
         problem = PipelineProblem(chain, gpus, memory, chain_bandwidth=beta,
                                   weight_copies=weight_copies, memory_model=memory_model,
                                   temporaries=temporaries)
-        result = solve(problem, method, options=SolveOptions(time_limit_s=time_limit_s))
+        result = solve(problem, method, options=solve_options)
         if not result.status.has_plan:
             hint = "" if result.min_feasible_memory is None else \
                 f"; the smallest feasible memory is about {format_size(result.min_feasible_memory)}"
@@ -916,8 +1043,7 @@ def pipeline(
     options = ProfileOptions(device=None if held is None else str(held), repeats=repeats,
                              warmup=warmup, progress=progress, time_model=time_model,
                              max_stages=max_stages, share_carried=False)
-    whole = model if isinstance(model, nn.Module) else \
-        nn.ModuleList([s.module for s in program.stages])
+    whole = _whole_model(model, [s.module for s in program.stages])
     _, stages, chain, result = plan_stages(program.stages, program.x, options, name,
                                            program.ctx, solve_pipeline,
                                            group=resolve_group(), unmodified=whole)
@@ -1042,7 +1168,9 @@ def run_plan(
     :class:`PipelinedModel` (default ``cuda:LOCAL_RANK`` with NCCL, else the CPU; before,
     the CPU always, whose tensors NCCL refuses).
     """
-    plan = as_pipeline_plan(plan)
+    check_options(dict(loss_fn=loss_fn, device=device))  # on every rank alike (stop 85)
+    check_usable_device(device)
+    plan = _plan_argument(plan)
     _check_equal(inputs, "inputs")
     with _takes_no_sample("run_plan", model):
         modules = plan_stage_modules(model, plan)
@@ -1058,7 +1186,8 @@ def run_plan(
             streams[k] = _StageStream(k - 1, device, base)
     tied = _tied_groups(modules, list(gpu_of.values()), rank)
     before = _grads_before(tied)
-    shapes = _shapes(modules, inputs[0].to(device))
+    with parameters_unmodified(_whole_model(model, modules)):  # on every rank (stop 85)
+        shapes = _shapes(modules, inputs[0].to(device))
     box: dict[Message, torch.Tensor] = {}  # received (or kept here) until their operation
     held: dict[Message, Any] = {}  # sent, not yet known received (gloo: until wait())
     # per stage and micro-batch: the input leaf (None for stage 1) and the root of the
