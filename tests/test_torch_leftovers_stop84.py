@@ -14,14 +14,12 @@ raised within the decision that rank 0 broadcasts.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 torch = pytest.importorskip("torch", reason="the torch bridge needs torch")
 
-import torch.distributed as dist  # noqa: E402
 from pytorch_helpers import EmaTarget  # noqa: E402
 from torch import nn  # noqa: E402
 
@@ -110,17 +108,6 @@ def test_submodule_sample_reached_before_the_update_is_taken():
     sample = op.submodule_sample(model, "online", x1, x2)
     assert torch.equal(sample["input"], x1)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
-
-
-@pytest.fixture
-def one_rank(tmp_path: Any) -> Iterator[None]:
-    """A gloo group of one process (this one), destroyed after the test."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0,
-                            world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("kind", ["exported", "sequential"])

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import pickle
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -95,17 +94,6 @@ PIPELINE_BAD = [("gpus", "abc"), ("gpus", 0.5), ("memory_per_gpu", None),
                 ("loss_fn", 3), ("max_stages", "abc"), ("device", "gpu0"), ("device", "cuda:99"),
                 ("time_limit_s", float("nan")), ("bandwidth", "12 GB"),
                 ("microbatches", 2.5), ("method", "nope")]
-
-
-@pytest.fixture
-def one_rank(tmp_path: Any) -> Iterator[None]:
-    """A gloo group of one process (this one), destroyed after the test."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0,
-                            world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def group_works() -> bool:
