@@ -1177,8 +1177,11 @@ def tensor_parallel_job(rank: int, world: int, job: dict[str, Any]) -> dict[str,
 
     ``{"order": "after" | "inner"}``: the one-liner wraps the parallelized model
     (``"after"``), or parallelizes the wrapper's ``.module`` (``"inner"``). Every rank sees
-    the same batch (one tensor-parallel group); rank 1's time model makes stage 2 thirty
-    times slower, so plans solved on each rank differ. Three AdamW steps, the third on a
+    the same batch (one tensor-parallel group); rank 1's time model makes stage
+    ``job.get("slow", 2)`` (0-based) thirty times slower (stage 0 changes the plan at
+    ``"60%"``, stage 2 does not). ``job.get("process_group")``: the one-liner's. When the
+    ranks' first plans differ, nothing is trained (``"differ"``: other re-runs could hang
+    the collectives). Three AdamW steps, the third on a
     batch twice as large (a new size, profiled again); against the same steps of the plain
     parallelized model. Returns both runs' losses and gradients (``full_tensor()``) and
     each plan.
@@ -1188,7 +1191,7 @@ def tensor_parallel_job(rank: int, world: int, job: dict[str, Any]) -> dict[str,
     batches = [(x[:8], y[:8]), (x[:8], y[:8]), (x, y)]
 
     def time_model(module: nn.Module, _x: Any, _y: Any) -> tuple[float, float]:
-        return (30.0 if rank == 1 and module is modules[2] else 1.0), 2.0
+        return (30.0 if rank == 1 and module is modules[job.get("slow", 2)] else 1.0), 2.0
 
     def steps(model: nn.Module) -> dict[str, Any]:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -1203,14 +1206,21 @@ def tensor_parallel_job(rank: int, world: int, job: dict[str, Any]) -> dict[str,
             opt.step()
         return out
 
-    plan = {"memory_limit": "60%", "fast_path": False, "time_model": time_model}
+    plan = {"memory_limit": "60%", "fast_path": False, "time_model": time_model,
+            "process_group": job.get("process_group")}
     modules = list(tensor_parallel_mlp())
     if job["order"] == "after":
         wrapped = op.checkpoint(_parallelized(nn.Sequential(*modules), mesh), x[:8], **plan)
     else:
         wrapped = op.checkpoint(nn.Sequential(*modules), x[:8], **plan)
         _parallelized(wrapped.module, mesh)
-    out = {"wrapped": steps(wrapped), "plain": steps(_parallelized(tensor_parallel_mlp(), mesh))}
+    first = [str(o) for o in wrapped.result.plan]
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, first)
+    if any(p != first for p in every):  # other re-runs: training would hang (stop 85, "local")
+        return {"plans": [first], "differ": True}
+    out = {"wrapped": steps(wrapped), "plain": steps(_parallelized(tensor_parallel_mlp(), mesh)),
+           "differ": False}
     out["plans"] = [[str(o) for o in v.result.plan] for v in wrapped._sized.values()]
     out["plans"].insert(0, [str(o) for o in wrapped.result.plan])
     return out

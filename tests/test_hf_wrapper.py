@@ -948,7 +948,7 @@ def test_a_wrong_input_raises_the_plain_models_error(bad):
     pass an nn.Sequential of its blocks or a list of stage modules instead" (a hunt in stop
     57): the new call is extracted, the export fails on the input, and the message blamed
     the model. The wrapper now raises what the plain model raises on that call (its type
-    and message; ``wrapper._extracted``), and the wrapped model still trains bitwise after."""
+    and message; ``wrapper.extracted_call``), and the wrapped model still trains bitwise after."""
     model, kwargs = gpt2()
     cmodel = op.checkpoint(model, kwargs, memory_limit="60%", repeats=1, warmup=0)
     ids = kwargs["input_ids"]

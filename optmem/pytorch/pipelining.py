@@ -73,7 +73,7 @@ from optmem.pytorch.arguments import check_module, check_options, check_usable_d
 from optmem.pytorch.context import SideInputs, current_side_inputs, side_inputs
 from optmem.pytorch.distributed import default_device, resolve_group, spawn
 from optmem.pytorch.execute import _RngState
-from optmem.pytorch.extract import Extraction, Stage, extract_program, extract_stages
+from optmem.pytorch.extract import Extraction, Stage, extract_stages
 from optmem.pytorch.graphcut import OutputLayout
 from optmem.pytorch.hooks import parameters_unmodified
 from optmem.pytorch.pipeline_loss import LossFailure
@@ -82,6 +82,7 @@ from optmem.pytorch.wrapper import (
     ProfileOptions,
     call_of,
     canonical_call,
+    extracted_call,
     is_plain_chain,
     leaves_no_trace,
     plan_stages,
@@ -234,7 +235,8 @@ class _Program:
                                    f"{type(model).__name__}", field="module")
         args, kwargs = canonical_call(model, *call_of(sample))
         with parameters_unmodified(model), leaves_no_trace(model, (args, kwargs)):
-            ext = extract_program(model, args, kwargs, method=extract, allow_single=True)
+            ext = extracted_call(model, args, kwargs, extract, allow_single=True,
+                                 observe=False)
         ext.rebind()
         flat = ext.flatten(args, kwargs)
         return cls(ext.stages, ext, model, signature_key(model, args, kwargs),

@@ -19,10 +19,10 @@ from torch import nn
 
 from optmem.errors import OptmemInputError
 
-__all__ = ["LOCAL", "default_device", "holds_dtensors", "init_distributed", "is_fsdp_module",
-           "refuse_modules_sharded_after", "refuse_profile_in_static_graph_start",
-           "refuse_sharded", "refuse_tensor_parallel_export",
-           "resolve_group", "run_once", "set_local_device"]
+__all__ = ["LOCAL", "decision_group", "default_device", "holds_dtensors", "init_distributed",
+           "is_fsdp_module", "mesh_group", "refuse_modules_sharded_after",
+           "refuse_profile_in_static_graph_start", "refuse_sharded",
+           "refuse_tensor_parallel_export", "resolve_group", "run_once", "set_local_device"]
 
 T = TypeVar("T")
 LOCAL = "local"
@@ -148,6 +148,65 @@ def holds_dtensors(modules: Iterable[nn.Module]) -> bool:
 
     return any(isinstance(t, DTensor) for m in modules
                for t in itertools.chain(m.parameters(), m.buffers()))
+
+
+def decision_group(process_group: Any, modules: Iterable[nn.Module]) -> Any:
+    """:func:`resolve_group`, except that ``"local"`` stages holding ``DTensor`` s agree.
+
+    Parameters
+    ----------
+    process_group
+        As for :func:`resolve_group`.
+    modules
+        The stages about to be profiled and planned.
+
+    Returns
+    -------
+    Any
+        The group whose rank 0 decides for all (``None``: here). With ``"local"`` and
+        stages whose parameters are ``DTensor`` s (tensor parallelism), the group of their
+        mesh (:func:`mesh_group`): their forward is a collective of that group, so a plan
+        solved on each rank alone (a ``time_model`` or measured times that differ by rank)
+        ran other re-runs and so other collectives on each rank (a hang or wrong values;
+        stop 85). The mesh's ranks run the same batch anyway, so agreeing costs one
+        broadcast.
+    """
+    group = resolve_group(process_group)
+    if group is not None or process_group != LOCAL:
+        return group
+    return mesh_group(modules)
+
+
+def mesh_group(modules: Iterable[nn.Module]) -> Any:
+    """The process group of the mesh of ``modules``' ``DTensor`` s (``None``: none, or one rank).
+
+    Raises
+    ------
+    OptmemInputError
+        When the ``DTensor`` s are on several meshes or on a mesh of more than one
+        dimension, which no single group covers: pass ``process_group=None`` (the default
+        group) or a ``ProcessGroup`` of every rank of the mesh instead of ``"local"``.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    from torch.distributed.tensor import DTensor
+
+    meshes: list[Any] = []
+    for m in modules:
+        for t in itertools.chain(m.parameters(), m.buffers()):
+            if isinstance(t, DTensor) and all(t.device_mesh != k for k in meshes):
+                meshes.append(t.device_mesh)
+    if not meshes:
+        return None
+    if len(meshes) > 1 or meshes[0].ndim != 1:
+        raise OptmemInputError(
+            "process_group='local' with DTensor parameters on a mesh of more than one "
+            "dimension or on several meshes: their ranks must follow one plan (the forward "
+            "is a collective) and no single group of that mesh covers them; pass "
+            "process_group=None (the default group) or a ProcessGroup of every rank of "
+            "the mesh", field="process_group")
+    group = meshes[0].get_group()
+    return group if dist.get_world_size(group) > 1 else None
 
 
 def is_fsdp_module(module: Any) -> bool:

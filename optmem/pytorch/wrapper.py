@@ -133,7 +133,8 @@ from optmem.result import Result, Status
 from optmem.units import format_size, memory_percent
 
 __all__ = ["MAX_VARIANTS", "PLAIN_PEAK", "USE_CACHE_WARNING", "PlannedModule", "ProfileOptions",
-           "leaves_no_trace", "memory_layout", "plan_stages", "with_plain_peak"]
+           "extracted_call", "leaves_no_trace", "memory_layout", "plan_stages",
+           "with_plain_peak"]
 
 MAX_VARIANTS = 8
 MAX_BRANCH_FAILURES = 3
@@ -1040,7 +1041,7 @@ class PlannedModule(nn.Module):
         try:
             other = self._new_variant(args, kwargs, None, local=True)
         except Exception as exc:
-            # optmem's error, or the model's own on these values (:func:`_extracted`): a
+            # optmem's error, or the model's own on these values (:func:`extracted_call`): a
             # failed extraction either way, counted; the model then runs the call itself
             if not isinstance(exc, OptmemInputError) and not getattr(exc, _PLAIN_ERROR, False):
                 raise
@@ -2246,7 +2247,7 @@ def _extract_variant(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
                      ext: Extraction | None = None, local: bool = False) -> _Variant:
     with parameters_unmodified(module), leaves_no_trace(module, (args, kwargs)):
         if ext is None:
-            ext = _extracted(module, args, kwargs, profile.extract)
+            ext = extracted_call(module, args, kwargs, profile.extract)
         flat = ext.flatten(args, kwargs)
         ctx = traced_side_inputs(ext, flat)
         return _make_variant(ext, ext.stages, ext.chain_input(flat), planner, profile,
@@ -2257,8 +2258,9 @@ def _extract_variant(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
                              local=local, unmodified=module)
 
 
-def _extracted(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-               method: str) -> Extraction:
+def extracted_call(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                   method: str, *, allow_single: bool = False, observe: bool = True
+                   ) -> Extraction:
     """:func:`extract_program` of a call, or the model's own error if the call fails on it.
 
     A wrong input (a float ``input_ids``, an id past the vocabulary) makes the export fail,
@@ -2266,12 +2268,15 @@ def _extracted(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     nn.Sequential of its blocks"). When extraction fails, the model is called plainly on the
     same arguments (under ``no_grad``; the caller restores buffers and RNG states): if that
     raises too, its exception is raised, as a call of the plain model would.
+    ``allow_single`` and ``observe`` go to :func:`extract_program` (the pipeline extracts
+    with ``allow_single=True, observe=False``; stop 85).
     """
     from optmem.pytorch.process_groups import refuse_tensor_parallel_export
 
     refuse_tensor_parallel_export(module)
     try:
-        return extract_program(module, args, kwargs, method=method, observe=True)
+        return extract_program(module, args, kwargs, method=method, observe=observe,
+                               allow_single=allow_single)
     except OptmemInputError as exc:
         plain = _plain_call_error(module, args, kwargs)
         if plain is None:
@@ -2284,7 +2289,7 @@ def _extracted(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
 
 
 _PLAIN_ERROR = "_optmem_failed_extraction"
-"""Set on the model's own exception that :func:`_extracted` raises for a failed extraction."""
+"""Set on the model's own exception that :func:`extracted_call` raises (failed extraction)."""
 
 
 def _plain_call_error(module: nn.Module, args: tuple[Any, ...],
@@ -2332,11 +2337,13 @@ def _make_variant(ext: Extraction | None, fine: list[Stage], x: Any, planner: Pl
     measures the plain model's real peak (recorded in the chain); ``solve`` (default
     ``planner.solve``) decides the plan; ``unmodified``: as for :func:`plan_stages`.
     """
-    from optmem.pytorch.process_groups import resolve_group
+    from optmem.pytorch.process_groups import decision_group
 
     groups, stages, chain, result = plan_stages(
         fine, x, profile, name, ctx, solve or planner.solve, chain=chain, like=like,
-        group=None if local else resolve_group(planner.process_group), plain=plain,
+        group=None if local else decision_group(planner.process_group,
+                                                         [s.module for s in fine]),
+        plain=plain,
         unmodified=unmodified)
     executor = planner.executor(stages, result.plan)
     return _Variant(ext, stages, groups, tuple(s.name for s in fine), chain, result, executor,
