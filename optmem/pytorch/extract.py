@@ -756,8 +756,10 @@ def _intermediate_message(module: nn.Module, where: str, tried: str,
     neither = "neither " if " nor " in tried else ""
     return (f"cannot extract a chain from {type(module).__name__}: its forward branches on "
             f"the value of an intermediate tensor at {where}{_failed_at(module, owner)}, a "
-            "value computed inside the forward (a router's choice, LayerDrop's random draw), "
-            f"which may take another side at every step and which {neither}{tried} can hold "
+            "value computed inside the forward (a router's choice, LayerDrop's random draw, "
+            "or a length read from an input's values: FastSpeech2's durations, repeated "
+            "with repeat_interleave), which may take another side at every step and which "
+            f"{neither}{tried} can hold "
             f"in a graph.{_what_to_do(module, hint)}")
 
 

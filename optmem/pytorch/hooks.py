@@ -416,7 +416,10 @@ def random_config(module: nn.Module | None) -> str:
     >>> m.config = SimpleNamespace(layerdrop=0.1, mask_time_prob=0.0)
     >>> print(random_config(m).strip())  # doctest: +NORMALIZE_WHITESPACE
     Its config draws at random in training: layerdrop=0.1 (LayerDrop);
-    set model.config.layerdrop = 0.0 before wrapping.
+    set model.config.layerdrop = 0.0 before wrapping. A model that draws for every layer
+    whatever these values (HF VITS and MMS-TTS draw np.random.uniform(0, 1) per encoder
+    layer, MusicGen random.uniform, each compared with layerdrop, 0 or not) is refused again
+    after: only a change of its code (drawing with torch's RNG) helps there.
     """
     config = getattr(module, "config", None)
     if config is None or not getattr(module, "training", False):
@@ -433,10 +436,17 @@ def random_config(module: nn.Module | None) -> str:
                     + [f"model.{name}.layerdrop = 0.0" for name, _ in copies])
     keep = (" To keep SpecAugment's time masks, draw them outside the model and pass them "
             "as mask_time_indices= (transformers' _compute_mask_indices): they are then "
-            "an input, new at every call" if any(k == "mask_time_prob" for k, _ in found)
+            "an input, new at every call." if any(k == "mask_time_prob" for k, _ in found)
             else "")
     return (f" Its config draws at random in training: {named}; set {fix} before "
-            f"wrapping.{keep}")
+            f"wrapping.{keep}{_STILL_DRAWS}")
+
+
+#: What follows when a model draws whatever its config (said beside the config's advice).
+_STILL_DRAWS = (" A model that draws for every layer whatever these values (HF VITS and MMS-TTS "
+                "draw np.random.uniform(0, 1) per encoder layer, MusicGen random.uniform, "
+                "each compared with layerdrop, 0 or not) is refused again after: only a "
+                "change of its code (drawing with torch's RNG) helps there.")
 
 
 def _layerdrop_copies(module: nn.Module) -> list[tuple[str, float]]:
@@ -541,9 +551,9 @@ def refuse_python_random(module_name: str, module: nn.Module | None = None,
         advice = (" Otherwise turn them off (e.g. layerdrop=0) or draw them with torch's RNG; "
                   "or " if config or getattr(module, "config", None) is None else
                   " No random option of its config is on, so it draws them whatever the "
-                  "config (HF MusicGen draws random.uniform(0, 1) for every layer and compares "
-                  "it with layerdrop, 0 or not): only a change of its code (drawing with "
-                  "torch's RNG) helps; or ")
+                  "config (HF MusicGen draws random.uniform(0, 1) for every layer, VITS and "
+                  "MMS-TTS np.random.uniform(0, 1), and compare it with layerdrop, 0 or "
+                  "not): only a change of its code (drawing with torch's RNG) helps; or ")
         raise OptmemInputError(
             f"{module_name} draws random numbers from {' and '.join(moved)} while it runs "
             "(a LayerDrop or a mask written with Python or NumPy randomness): an extracted "
