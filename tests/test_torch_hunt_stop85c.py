@@ -40,10 +40,9 @@ class GuardedLayer(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         h = self.lin(torch.tanh(h)) * self.gain
-        if self.training:
-            if not torch.isfinite(h).all():
-                clamp_value = torch.finfo(h.dtype).max - 1000
-                h = torch.clamp(h, min=-clamp_value, max=clamp_value)
+        if self.training and not torch.isfinite(h).all():
+            clamp_value = torch.finfo(h.dtype).max - 1000
+            h = torch.clamp(h, min=-clamp_value, max=clamp_value)
         return h / self.gain
 
 

@@ -37,9 +37,9 @@ import torch
 from torch import fx, nn
 
 __all__ = ["BRANCH_MARK", "IntermediateBranch", "batch_norm_cumulative",
-           "branch_location", "cumulative_batch_norms", "drop_overflow_guards", "explain_value_asserts",
-           "is_value_assert", "is_value_branch_error", "real_values", "target_name",
-           "value_branches"]
+           "branch_location", "cumulative_batch_norms", "drop_overflow_guards",
+           "explain_value_asserts", "is_value_assert", "is_value_branch_error", "real_values",
+           "target_name", "value_branches"]
 
 #: Start of the message of every value assertion optmem keeps (:func:`is_value_branch_error`).
 BRANCH_MARK = "optmem: this call's tensor values take the other side of a branch"
