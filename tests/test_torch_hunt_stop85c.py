@@ -36,14 +36,15 @@ class GuardedLayer(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.lin = nn.Linear(16, 16)
+        self.lin, self.norm = nn.Linear(16, 16), nn.LayerNorm(16)
         self.register_buffer("gain", torch.ones(()))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        h = self.lin(torch.tanh(h)) * self.gain
-        if self.training and not torch.isfinite(h).all():
-            clamp_value = torch.finfo(h.dtype).max - 1000
-            h = torch.clamp(h, min=-clamp_value, max=clamp_value)
+        h = self.norm(h + torch.tanh(self.lin(h))) * self.gain
+        if self.training:  # noqa: SIM102 - HF's form (one `and` exports the other side)
+            if not torch.isfinite(h).all():
+                clamp_value = torch.finfo(h.dtype).max - 1000
+                h = torch.clamp(h, min=-clamp_value, max=clamp_value)
         return h / self.gain
 
 
