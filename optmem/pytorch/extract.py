@@ -52,6 +52,7 @@ from optmem.pytorch.branches import (
     IntermediateBranch,
     branch_location,
     cumulative_batch_norms,
+    drop_overflow_guards,
     explain_value_asserts,
     is_value_assert,
     real_values,
@@ -573,7 +574,8 @@ def _extract_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
             "nn.Sequential of its blocks or a list of stage modules instead", field="module")
     raise OptmemInputError(
         f"cannot extract a chain from {name} ({'; '.join(errors)}){_failed_at(module, owner)}:"
-        f"{_missing_mask_hint(module, kwargs, errors)}{_lifted_hint(errors)} "
+        f"{_missing_mask_hint(module, kwargs, errors)}{_lifted_hint(errors)}"
+        f"{_numpy_hint(errors)} "
         f"{hint}pass an "
         "nn.Sequential of its blocks or a list of stage modules instead", field="module")
 
@@ -728,6 +730,19 @@ def _lifted_hint(errors: list[str]) -> str:
             "parameter's .data in place, which export cannot hold (HF Gemma 3n clamps its "
             "AltUp coefficients so in training; model.config.altup_coef_clip = None turns "
             "that off, and changes its training);")
+
+
+def _numpy_hint(errors: list[str]) -> str:
+    """A hint when the forward converts a traced tensor to NumPy (stop 85).
+
+    HF MaskFormer's loss matches predictions to labels with SciPy's Hungarian algorithm on
+    ``cost.cpu()`` (NumPy): no graph holds it, with or without the sample's values.
+    """
+    if not any(".numpy() is not supported" in e for e in errors):
+        return ""
+    return (" its forward converts a tensor to NumPy (a Hungarian matching in a detection "
+            "or segmentation loss, MaskFormer's), which no graph holds: call it without "
+            "labels and compute the loss from its outputs, or")
 
 
 def _missing_mask_hint(module: nn.Module, kwargs: dict[str, Any], errors: list[str]) -> str:
@@ -1155,6 +1170,7 @@ def _export_program(module: nn.Module, args: tuple[Any, ...],
     constants = _constant_arguments(gm, ep.module_call_graph) if met else {}
     forget_real_tensors(gm)
     cumulative_batch_norms(gm, module)
+    drop_overflow_guards(gm)
     explain_value_asserts(gm, name)
     restore_functions(gm)
     elide_constant_masks(gm)
