@@ -235,3 +235,12 @@ class EmaTarget(torch.nn.Module):
             z = self.target(x2)
         cos = torch.nn.functional.cosine_similarity(p, z, dim=-1)
         return 2 - 2 * cos.mean()
+
+
+def assert_trained_alike(got: dict[str, Any], expected: dict[str, Any]) -> None:
+    """A worker's recorded ``losses`` and per-step ``grads`` dicts equal bitwise."""
+    assert all(torch.equal(a, b) for a, b in zip(got["losses"], expected["losses"],
+                                                 strict=True))
+    for a, b in zip(got["grads"], expected["grads"], strict=True):
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[n], b[n]) for n in b)

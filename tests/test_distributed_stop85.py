@@ -18,6 +18,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="tensor parallelism needs torch")
 
 import distributed_workers as w  # noqa: E402
+from pytorch_helpers import assert_trained_alike  # noqa: E402
 from torch import nn  # noqa: E402
 
 from optmem.pytorch.distributed import spawn  # noqa: E402
@@ -44,12 +45,7 @@ def test_tensor_parallel_trains_as_the_plain_parallelized_model(tensor_parallel,
     rank 0 profiling alone) and parallelizing the wrapper's ``.module``: three steps, the
     third on a new batch size, bitwise the plain parallelized model."""
     for rank in tensor_parallel[order]:
-        got, expected = rank["wrapped"], rank["plain"]
-        assert all(torch.equal(a, b) for a, b in zip(got["losses"], expected["losses"],
-                                                     strict=True))
-        for a, b in zip(got["grads"], expected["grads"], strict=True):
-            assert a.keys() == b.keys()
-            assert all(torch.equal(a[n], b[n]) for n in b)
+        assert_trained_alike(rank["wrapped"], rank["plain"])
 
 
 @pytest.mark.parametrize("order", ORDERS)

@@ -19,6 +19,7 @@ torch = pytest.importorskip("torch", reason="the torch bridge needs torch")
 import distributed_workers as w  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from hf_helpers import gpt2  # noqa: E402
+from pytorch_helpers import assert_trained_alike  # noqa: E402
 from torch import nn  # noqa: E402
 
 import optmem.pytorch as op  # noqa: E402
@@ -48,12 +49,7 @@ def test_local_tensor_parallel_ranks_follow_one_plan(local_tensor_parallel):
     assert not zero["differ"] and not one["differ"]
     assert zero["plans"] == one["plans"] and len(zero["plans"]) == 2
     for rank in local_tensor_parallel:
-        got, expected = rank["wrapped"], rank["plain"]
-        assert all(torch.equal(a, b) for a, b in zip(got["losses"], expected["losses"],
-                                                     strict=True))
-        for a, b in zip(got["grads"], expected["grads"], strict=True):
-            assert a.keys() == b.keys()
-            assert all(torch.equal(a[n], b[n]) for n in b)
+        assert_trained_alike(rank["wrapped"], rank["plain"])
 
 
 def test_decision_group_without_dtensors_is_resolve_groups(one_rank):

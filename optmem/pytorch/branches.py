@@ -14,13 +14,6 @@ so the wrapper can pick or extract a plan for the other side); a branch on an in
 value is refused at extraction (:class:`IntermediateBranch`).
 Shape assertions of dynamic sizes are not value assertions: optmem checks sizes before
 the call (``Extraction.accepts``) and drops them, as before.
-One branch is not refused: HuggingFace's overflow guard (``if not
-torch.isfinite(h).all(): h = torch.clamp(h, min=-c, max=c)`` with ``c = finfo.max - 1000``,
-in the training forward of DETR's family, Mask2Former's pixel decoder, BART's), a branch on
-an intermediate value exported with its clamping side: in float32 and bfloat16 (where ``c``
-rounds to the largest value) the clamp leaves every finite value as it is and clamps the
-others as the model does, so both sides are one graph (:func:`drop_overflow_guards`; in
-float16 ``c`` is 64504 and the guard stays refused).
 One value is not a branch but a number: a BatchNorm with ``momentum=None`` (a cumulative
 average) reads its counter ``num_batches_tracked`` as its factor, ``1 / n``, which export
 bakes in with an assertion ``n == 1`` that every later step fails.
@@ -37,9 +30,9 @@ import torch
 from torch import fx, nn
 
 __all__ = ["BRANCH_MARK", "IntermediateBranch", "batch_norm_cumulative",
-           "branch_location", "cumulative_batch_norms", "drop_overflow_guards",
-           "explain_value_asserts", "is_value_assert", "is_value_branch_error", "real_values",
-           "target_name", "value_branches"]
+           "branch_location", "cumulative_batch_norms", "explain_value_asserts",
+           "is_value_assert", "is_value_branch_error", "real_values", "target_name",
+           "value_branches"]
 
 #: Start of the message of every value assertion optmem keeps (:func:`is_value_branch_error`).
 BRANCH_MARK = "optmem: this call's tensor values take the other side of a branch"
@@ -126,81 +119,6 @@ def explain_value_asserts(gm: fx.GraphModule, model: str) -> None:
             "its own error on invalid labels). Wrap it with a sample whose values take "
             "this side, or call it without the input that leads to the branch"))
     gm.recompile()
-
-
-_GUARD_STEPS = ("isfinite", "all", "ne", "item", "sym_ite", "sym_not", "eq", "ne", "le",
-                "ge", "lt", "gt", "_assert_scalar")
-
-
-def _guard_closure(start: fx.Node) -> list[fx.Node] | None:
-    """The nodes computed from ``start`` (itself included), if all are guard steps."""
-    found: list[fx.Node] = []
-    stack = [start]
-    while stack:
-        node = stack.pop()
-        if node in found:
-            continue
-        if node.op != "call_function" or target_name(node) not in _GUARD_STEPS:
-            return None
-        found.append(node)
-        stack.extend(node.users)
-    return found
-
-
-def _is_full_range_clamp(node: fx.Node, value: fx.Node) -> bool:
-    """Whether ``node`` is ``clamp(value, -c, c)``, ``c`` the largest value of its dtype.
-
-    ``c`` is read in ``value``'s dtype (float32's largest less 1000 rounds to the largest;
-    float16's does not, and a clamp to 64504 would change finite values).
-    """
-    if node.op != "call_function" or target_name(node) != "clamp" or node.kwargs:
-        return False
-    if len(node.args) != 3 or node.args[0] is not value:
-        return False
-    low, high = node.args[1], node.args[2]
-    if not isinstance(low, float) or not isinstance(high, float):
-        return False
-    dtype = getattr(value.meta.get("val"), "dtype", None)
-    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        return False
-    return low == -high and float(torch.tensor(high, dtype=dtype)) == torch.finfo(dtype).max
-
-
-def drop_overflow_guards(gm: fx.GraphModule) -> int:
-    """Drop the value assertions of overflow guards exported with their clamping side.
-
-    HuggingFace's guard ``if not torch.isfinite(h).all(): h = torch.clamp(h, min=-c,
-    max=c)`` (``c`` the dtype's largest value less 1000) branches on an intermediate value;
-    exported with the sample's values, the graph holds the clamp and asserts that the
-    values were not all finite, which every ordinary step fails. The clamp leaves a finite
-    value as it is where ``c`` rounds to the dtype's largest value (float32, bfloat16;
-    :func:`_is_full_range_clamp`), so always clamping is the
-    model's computation on either side: the assertion, and what only it reads, are
-    removed. Only when ``h``'s other reader is that clamp; any other branch is kept (and
-    refused, :class:`IntermediateBranch`). Returns the number of guards dropped.
-    """
-    dropped = 0
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or target_name(node) != "isfinite":
-            continue
-        value = node.args[0]
-        if not isinstance(value, fx.Node):
-            continue
-        readers = [u for u in value.users if u is not node]
-        closure = _guard_closure(node)
-        if closure is None or len(readers) != 1 or not _is_full_range_clamp(readers[0], value):
-            continue
-        for guard in reversed(_in_graph_order(gm, closure)):
-            gm.graph.erase_node(guard)
-        dropped += 1
-    if dropped:
-        gm.recompile()
-    return dropped
-
-
-def _in_graph_order(gm: fx.GraphModule, nodes: list[fx.Node]) -> list[fx.Node]:
-    chosen = set(nodes)
-    return [n for n in gm.graph.nodes if n in chosen]
 
 
 class IntermediateBranch(Exception):  # noqa: N818 - named for what the model does

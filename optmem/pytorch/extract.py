@@ -52,7 +52,6 @@ from optmem.pytorch.branches import (
     IntermediateBranch,
     branch_location,
     cumulative_batch_norms,
-    drop_overflow_guards,
     explain_value_asserts,
     is_value_assert,
     real_values,
@@ -1170,7 +1169,6 @@ def _export_program(module: nn.Module, args: tuple[Any, ...],
     constants = _constant_arguments(gm, ep.module_call_graph) if met else {}
     forget_real_tensors(gm)
     cumulative_batch_norms(gm, module)
-    drop_overflow_guards(gm)
     explain_value_asserts(gm, name)
     restore_functions(gm)
     elide_constant_masks(gm)
