@@ -1034,17 +1034,16 @@ def _program(gm: fx.GraphModule, model: nn.Module, flat: list[Any], *, method: s
         raise OptmemInputError(f"{type(model).__name__} was called without any tensor{why}",
                                field="sample")
     positions = {names[k]: j for j, k in enumerate(tensor_positions)}
+    taps = observers.taps if observers else frozenset()
     tapped: set[str] = set()
     stages = _graph_stages(gm, model, cut,
                            _inputs_of_first_stage(placeholders, positions,
                                                   len(tensor_positions)),
-                           detailed=method == "export",
-                           taps=observers.taps if observers else (), tapped=tapped)
+                           detailed=method == "export", taps=taps, tapped=tapped)
     output_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     needed = [a for st in cut.stages for n in st for a in n.all_input_nodes]
     returned = _flat_graph_nodes(output_node.args[0])
     needed += returned
-    taps = observers.taps if observers else frozenset()
     needed += [n for n in gm.graph.nodes if n.name in taps]  # side values a hook receives
     side = build_side_program(gm, model, cut.kinds, needed, returned)
     layout = output_layout(output_node, cut.outputs, cut.kinds, spec=out_spec)

@@ -74,14 +74,18 @@ class HookCall:
     observer: bool
 
 
+def _hook_dict(sub: nn.Module, pre: bool) -> dict[int, Any]:
+    """The module's own dictionary of forward pre-hooks (``pre``) or forward hooks."""
+    return sub._forward_pre_hooks if pre else sub._forward_hooks
+
+
 def _user_hooks(sub: nn.Module, pre: bool) -> dict[int, Any]:
     """The module's forward (or pre-) hooks a user registered, by id.
 
     A library's own (:func:`~optmem.pytorch.hooks.library_hook`) are left out: they stay
     as before.
     """
-    hooks = sub._forward_pre_hooks if pre else sub._forward_hooks
-    return {k: h for k, h in hooks.items() if not library_hook(h)}
+    return {k: h for k, h in _hook_dict(sub, pre).items() if not library_hook(h)}
 
 
 def hooked_modules(model: nn.Module) -> tuple[str, ...]:
@@ -103,7 +107,7 @@ def hooks_recorded(model: nn.Module) -> Iterator[list[HookCall]]:
         if not name:
             continue
         for pre in (True, False):
-            hooks = sub._forward_pre_hooks if pre else sub._forward_hooks
+            hooks = _hook_dict(sub, pre)
             for key, hook in _user_hooks(sub, pre).items():
                 wrapper = _recording(hook, HookCall(name, pre, key, True), met)
                 hooks[key] = wrapper
@@ -152,8 +156,7 @@ class ObserverCall:
 
     def hook(self) -> Callable[..., Any] | None:
         """The hook, if it is still registered (``None`` once removed)."""
-        hooks = self.module._forward_pre_hooks if self.pre else self.module._forward_hooks
-        return hooks.get(self.hook_id)
+        return _hook_dict(self.module, self.pre).get(self.hook_id)
 
     def call(self, values: dict[str, Any]) -> None:
         """Call the hook with the values of this step, as the module's call does."""
@@ -386,7 +389,6 @@ def observing(plan: ObserverPlan | None, side: Mapping[str, Any] | None = None
     step.finish()
 
 
-
 @contextmanager
 def observers_silenced(model: nn.Module, hook_ids: Collection[int]) -> Iterator[None]:
     """Within: the forward hooks of ``model`` with these ids are not called.
@@ -408,9 +410,11 @@ def observers_silenced(model: nn.Module, hook_ids: Collection[int]) -> Iterator[
         yield
     finally:
         for hooks, items in saved:
-            added = [(k, h) for k, h in hooks.items() if k not in dict(items)]
+            kept = {k for k, _ in items}
+            added = [(k, h) for k, h in hooks.items() if k not in kept]
             hooks.clear()
             hooks.update(items)
             hooks.update(added)
+
 
 torch.fx.node.has_side_effect(observe)  # kept by dead-code elimination

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -142,12 +142,16 @@ def holds_dtensors(modules: Iterable[nn.Module]) -> bool:
     parameters ``DTensor`` s and its forward a collective of the mesh's ranks, so such a
     model is profiled by every rank at once (:func:`run_once`'s ``together``).
     """
-    if not dist.is_available():
-        return False
+    return dist.is_available() and any(True for _ in _dtensors(modules))
+
+
+def _dtensors(modules: Iterable[nn.Module]) -> Iterator[Any]:
+    """The parameters and buffers of ``modules`` that are ``DTensor`` s."""
     from torch.distributed.tensor import DTensor
 
-    return any(isinstance(t, DTensor) for m in modules
-               for t in itertools.chain(m.parameters(), m.buffers()))
+    for m in modules:
+        yield from (t for t in itertools.chain(m.parameters(), m.buffers())
+                    if isinstance(t, DTensor))
 
 
 def decision_group(process_group: Any, modules: Iterable[nn.Module]) -> Any:
@@ -189,13 +193,10 @@ def mesh_group(modules: Iterable[nn.Module]) -> Any:
     """
     if not dist.is_available() or not dist.is_initialized():
         return None
-    from torch.distributed.tensor import DTensor
-
     meshes: list[Any] = []
-    for m in modules:
-        for t in itertools.chain(m.parameters(), m.buffers()):
-            if isinstance(t, DTensor) and all(t.device_mesh != k for k in meshes):
-                meshes.append(t.device_mesh)
+    for t in _dtensors(modules):
+        if all(t.device_mesh != k for k in meshes):
+            meshes.append(t.device_mesh)
     if not meshes:
         return None
     if len(meshes) > 1 or meshes[0].ndim != 1:

@@ -2342,9 +2342,8 @@ def _make_variant(ext: Extraction | None, fine: list[Stage], x: Any, planner: Pl
     groups, stages, chain, result = plan_stages(
         fine, x, profile, name, ctx, solve or planner.solve, chain=chain, like=like,
         group=None if local else decision_group(planner.process_group,
-                                                         [s.module for s in fine]),
-        plain=plain,
-        unmodified=unmodified)
+                                                [s.module for s in fine]),
+        plain=plain, unmodified=unmodified)
     executor = planner.executor(stages, result.plan)
     return _Variant(ext, stages, groups, tuple(s.name for s in fine), chain, result, executor,
                     limit=solved_limit(planner.memory_limit, result, chain))
