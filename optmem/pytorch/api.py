@@ -167,6 +167,7 @@ class OffloadedModule(PlannedModule):
     """
 
     _plan_has_jvp = True  # saved-tensor hooks on the model's own autograd graph
+    _plan_packs_saved_tensors = True
     _one_liner = "op.offload"
 
 
@@ -176,6 +177,7 @@ class RematOffloadedModule(PlannedModule):
     Recomputation and transfers (:class:`~optmem.pytorch.remat_offload.RematOffloadChain`).
     """
 
+    _plan_packs_saved_tensors = True  # its transfers: saved_tensors_hooks
     _one_liner = "op.remat_offload"
 
 

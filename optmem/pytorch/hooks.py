@@ -55,7 +55,9 @@ __all__ = ["buffers_restored", "callers_tools_suspended", "check_backward_hooks"
            "host_random_restored", "module_generators", "parameters_unmodified",
            "quiet_gradient_hooks",
            "random_config", "refuse_inference_rescaling", "refuse_python_random",
-           "refuse_tensor_hooks", "same_generator", "SeededDraws",
+           "refuse_tensor_hooks", "same_generator", "saved_tensors_hooks_allowed",
+           "saved_tensors_hooks_disabled",
+           "SeededDraws",
            "warn_container_hooks", "warn_forward_hooks"]
 
 _ALTERNATIVE = ("remove it, or pass an nn.Sequential of blocks or a list of stage modules "
@@ -644,7 +646,9 @@ def callers_tools_suspended() -> Iterator[None]:
     emptied in place and refilled on exit (hooks registered meanwhile are kept, after the
     suspended ones). The caller's autocast weight cache is left alone too
     (:func:`autocast_cache_untouched`), and so is ``parametrize.cached()``'s
-    (:func:`parametrization_cache_off`).
+    (:func:`parametrization_cache_off`); inside the caller's
+    ``disable_saved_tensors_hooks`` region the setup may still measure the tapes it
+    saves (:func:`saved_tensors_hooks_allowed`).
     """
     saved = [(getattr(module_mod, name), list(getattr(module_mod, name).items()))
              for name in _GLOBAL_FORWARD_HOOKS]
@@ -652,7 +656,7 @@ def callers_tools_suspended() -> Iterator[None]:
         registry.clear()
     try:
         with _disable_current_modes(), autocast_cache_untouched(), \
-                parametrization_cache_off():
+                parametrization_cache_off(), saved_tensors_hooks_allowed():
             yield
     finally:
         for registry, items in saved:
@@ -660,6 +664,51 @@ def callers_tools_suspended() -> Iterator[None]:
             registry.clear()
             registry.update(items)
             registry.update(added)
+
+
+def saved_tensors_hooks_disabled() -> bool:
+    """Whether the caller disabled saved-tensor hooks (``disable_saved_tensors_hooks``).
+
+    Examples
+    --------
+    >>> saved_tensors_hooks_disabled()
+    False
+    >>> with torch.autograd.graph.disable_saved_tensors_hooks("not here"):
+    ...     saved_tensors_hooks_disabled()
+    True
+    """
+    return torch._C._autograd._saved_tensors_hooks_get_disabled_error_message() is not None
+
+
+@contextmanager
+def saved_tensors_hooks_allowed() -> Iterator[None]:
+    """Within: saved-tensor hooks may be registered, also in a caller's region that forbids them.
+
+    ``torch.autograd.graph.disable_saved_tensors_hooks(message)`` makes every
+    ``saved_tensors_hooks`` registration raise ``RuntimeError(message)``. Profiling counts
+    a stage's tape with such hooks, so a first call of a new signature in that region (or
+    wrapping there) failed with the caller's message (stop 86). The setup's hooks see only
+    its own runs on graph-free copies; the region is disabled again, with the caller's
+    message, on exit.
+
+    Examples
+    --------
+    >>> with torch.autograd.graph.disable_saved_tensors_hooks("not here"):
+    ...     with saved_tensors_hooks_allowed():
+    ...         saved_tensors_hooks_disabled()
+    ...     saved_tensors_hooks_disabled()
+    False
+    True
+    """
+    message = torch._C._autograd._saved_tensors_hooks_get_disabled_error_message()
+    if message is None:
+        yield
+        return
+    torch._C._autograd._saved_tensors_hooks_enable()
+    try:
+        yield
+    finally:
+        torch._C._autograd._saved_tensors_hooks_disable(message)
 
 
 @contextmanager

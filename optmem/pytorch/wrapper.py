@@ -21,8 +21,10 @@ rest of PyTorch it is the model itself:
 * **autograd**: ``retain_graph=True`` and ``create_graph=True`` give the model's gradients
   (such a backward runs above the plan's limit: :mod:`optmem.pytorch.execute`); under a
   ``torch.func`` transform, or with a forward-mode AD dual tensor among the inputs or
-  parameters (a checkpoint or remat + offload plan has no ``jvp``), the model runs as it
-  is, with one warning per wrapper (:data:`FUNCTORCH_WARNING`, :data:`FORWARD_AD_WARNING`);
+  parameters (a checkpoint or remat + offload plan has no ``jvp``), or, for an offload or
+  remat + offload plan, inside ``torch.autograd.graph.disable_saved_tensors_hooks``, the
+  model runs as it is, with one warning per wrapper (:data:`FUNCTORCH_WARNING`,
+  :data:`FORWARD_AD_WARNING`, :data:`SAVED_TENSORS_WARNING`);
 * **the store-all fast path**: when the plain model's real activation peak, measured while
   profiling (``chain.extra["profile"]["plain_peak"]``), is at most the memory limit, the
   model itself is called, no executor and no stages (``fast_path=False`` turns it off;
@@ -124,6 +126,7 @@ from optmem.pytorch.hooks import (
     generators_restored,
     module_generators,
     parameters_unmodified,
+    saved_tensors_hooks_disabled,
     warn_container_hooks,
 )
 from optmem.pytorch.memory import buffers_restored, gradients_restored, storage_bytes
@@ -640,6 +643,10 @@ class PlannedModule(nn.Module):
     #: whether the plan composes with forward-mode AD (dual tensors); when not, such a
     #: call runs the model as it is (:data:`FORWARD_AD_WARNING`)
     _plan_has_jvp: bool = False
+    #: whether the plan packs the tensors autograd saves (``saved_tensors_hooks``); when it
+    #: does, a call where the caller disabled such hooks runs the model as it is
+    #: (:data:`SAVED_TENSORS_WARNING`)
+    _plan_packs_saved_tensors: bool = False
     #: the one-liner that builds this wrapper (named in errors)
     _one_liner: str = "op.checkpoint"
 
@@ -1060,15 +1067,20 @@ class PlannedModule(nn.Module):
     def _runs_as_it_is(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Whether this call runs the model as it is, with one warning per wrapper and reason.
 
-        Under a ``torch.func`` transform, and (for a plan run by an autograd Function, which
+        Under a ``torch.func`` transform, (for a plan run by an autograd Function, which
         has no ``jvp``) when a forward-mode AD dual tensor is among the call's tensors or the
-        model's parameters and buffers.
+        model's parameters and buffers, and (for a plan that moves saved tensors with
+        ``saved_tensors_hooks``) with grad inside the caller's
+        ``torch.autograd.graph.disable_saved_tensors_hooks`` region.
         """
         if functorch_transform_active():
             reason = FUNCTORCH_WARNING
         elif not self._plan_has_jvp and dual_tensors_in(self._checkpoint_wrapped_module,
                                                         (args, kwargs)):
             reason = FORWARD_AD_WARNING
+        elif self._plan_packs_saved_tensors and torch.is_grad_enabled() \
+                and saved_tensors_hooks_disabled():
+            reason = SAVED_TENSORS_WARNING
         else:
             return False
         warned = self.__dict__.setdefault("_plain_run_warned", set())
@@ -1795,6 +1807,14 @@ FORWARD_AD_WARNING = (
     "autograd Function has no jvp (outputs, tangents and gradients are the model's; no "
     "activation memory is saved). Call the wrapper without dual tensors to train with the "
     "plan.")
+
+
+SAVED_TENSORS_WARNING = (
+    "optmem: called with grad inside torch.autograd.graph.disable_saved_tensors_hooks: the "
+    "model runs as it is, without optmem's plan, which moves the tensors autograd saves with "
+    "saved_tensors_hooks (results are the model's; no activation memory is saved). Call the "
+    "wrapper outside that region to train with the plan, or wrap with op.checkpoint, whose "
+    "plan registers no such hooks.")
 
 
 def dual_tensors_in(module: nn.Module, values: Any) -> bool:
