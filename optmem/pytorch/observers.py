@@ -26,11 +26,18 @@ How (stop 85):
    order, once per step.
 
 Extraction, profiling and measuring run outside any step: the stages call no hook there.
+
+Stop 86: a hook that returns ``None`` but writes a tensor it received in place is not an
+observer (its write is in the graph); the hooks of the model itself are left out of the
+graph and called by the wrapper around the plan (:func:`root_hooks_suspended`,
+:func:`call_with_root_hooks`); a user's global module hook is warned
+(:func:`warn_global_hooks`).
 """
 
 from __future__ import annotations
 
 import logging
+import warnings
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -41,15 +48,16 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import TreeSpec, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from optmem.errors import OptmemInputError
 from optmem.pytorch.hooks import library_hook
 
 _log = logging.getLogger("optmem")
 
-__all__ = ["HookCall", "ObserverCall", "ObserverPlan", "hooked_modules", "hooks_recorded",
-           "observe", "observer_plan", "observers_silenced", "observing"]
+__all__ = ["HookCall", "ObserverCall", "ObserverPlan", "call_with_root_hooks",
+           "has_root_hooks", "hooked_modules", "hooks_recorded", "observe", "observer_plan",
+           "observers_silenced", "observing", "root_hooks_suspended", "warn_global_hooks"]
 
 
 @dataclass(frozen=True)
@@ -123,11 +131,18 @@ def hooks_recorded(model: nn.Module) -> Iterator[list[HookCall]]:
 def _recording(hook: Callable[..., Any], call: HookCall,
                met: list[HookCall]) -> Callable[..., Any]:
     def record(*args: Any) -> Any:
+        received = _versions(args[1:])
         out = hook(*args)
-        met.append(HookCall(call.module_name, call.pre, call.hook_id, out is None))
+        observer = out is None and _versions(args[1:]) == received
+        met.append(HookCall(call.module_name, call.pre, call.hook_id, observer))
         return out
 
     return record
+
+
+def _versions(values: Any) -> list[int]:
+    """The version counters of the tensors among ``values`` (an in-place write moves one)."""
+    return [t._version for t in tree_flatten(values)[0] if isinstance(t, torch.Tensor)]
 
 
 @dataclass(frozen=True)
@@ -188,6 +203,8 @@ class ObserverPlan:
 
     calls: tuple[ObserverCall, ...] = ()
     on_grad_path: frozenset[str] = frozenset()
+    #: the hooks that returned a value (or wrote a tensor in place): in the graph
+    modifiers: tuple[Callable[..., Any], ...] = ()
 
     @cached_property
     def taps(self) -> frozenset[str]:
@@ -214,7 +231,7 @@ class ObserverPlan:
         have = set(available)
         lost = {c.hook_id for c in self.calls if not c.needs <= have}  # all its calls or none
         return ObserverPlan(tuple(c for c in self.calls if c.hook_id not in lost),
-                            frozenset(on_grad_path))
+                            frozenset(on_grad_path), self.modifiers)
 
 
 def observer_plan(model: nn.Module, met: list[HookCall], call_graph: Iterable[Any],
@@ -247,7 +264,10 @@ def observer_plan(model: nn.Module, met: list[HookCall], call_graph: Iterable[An
             dropped.add(m.hook_id)
         else:
             calls.append(call)
-    return ObserverPlan(tuple(c for c in calls if c.hook_id not in dropped))
+    modifiers = {m.hook_id: _hook_dict(model.get_submodule(m.module_name), m.pre).get(m.hook_id)
+                 for m in met if not m.observer}
+    return ObserverPlan(tuple(c for c in calls if c.hook_id not in dropped),
+                        modifiers=tuple(h for h in modifiers.values() if h is not None))
 
 
 def _observer_call(model: nn.Module, m: HookCall, sig: Any, in_graph: Callable[[str], bool],
@@ -418,3 +438,115 @@ def observers_silenced(model: nn.Module, hook_ids: Collection[int]) -> Iterator[
 
 
 torch.fx.node.has_side_effect(observe)  # kept by dead-code elimination
+
+
+def has_root_hooks(module: nn.Module) -> bool:
+    """Whether ``module`` itself has forward hooks or pre-hooks (those the wrapper calls)."""
+    return bool(module._forward_pre_hooks or module._forward_hooks)
+
+
+@contextmanager
+def root_hooks_suspended(module: nn.Module) -> Iterator[None]:
+    """Within (the wrapper's extraction and measuring): ``module``'s own forward hooks off.
+
+    Its forward hooks and pre-hooks are not called. The wrapper calls them itself around
+    the plan at every step (:func:`call_with_root_hooks`, stop 86): the graph is the
+    model's ``forward`` alone, so a hook that returns a value is applied once, with the
+    values of the step (its Python runs: a float it reads is read at every call), and an
+    observer sees every step. On exit the dictionaries are as before, in order (hooks
+    registered meanwhile after).
+    """
+    saved = [(hooks, list(hooks.items()))
+             for hooks in (module._forward_pre_hooks, module._forward_hooks) if hooks]
+    for hooks, _ in saved:
+        hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, items in saved:
+            added = list(hooks.items())
+            hooks.clear()
+            hooks.update(items)
+            hooks.update(added)
+
+
+def call_with_root_hooks(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                         run: Callable[[tuple[Any, ...], dict[str, Any]], Any]) -> Any:
+    """``run(args, kwargs)`` between ``module``'s own forward pre-hooks and forward hooks.
+
+    As ``nn.Module.__call__`` calls them around ``forward`` (``with_kwargs``,
+    ``always_call``; the global hooks are the caller's tools: they see the wrapper's
+    call): a pre-hook's returned arguments are those ``run`` receives, a forward hook's
+    returned value is the output.
+    """
+    for hook_id, hook in list(module._forward_pre_hooks.items()):
+        if hook_id in module._forward_pre_hooks_with_kwargs:
+            new = hook(module, args, kwargs)
+            if new is not None:
+                if not (isinstance(new, tuple) and len(new) == 2):
+                    raise RuntimeError("forward pre-hook must return None or a tuple of "
+                                       f"(new_args, new_kwargs), but got {new}.")
+                args, kwargs = new
+        else:
+            new = hook(module, args)
+            if new is not None:
+                args = new if isinstance(new, tuple) else (new,)
+    result: Any = None
+    called: set[int] = set()
+    try:
+        result = run(args, kwargs)
+        for hook_id, hook in list(module._forward_hooks.items()):
+            called.add(hook_id)
+            result = _forward_hook_result(module, hook_id, hook, args, kwargs, result)
+    except Exception:
+        for hook_id, hook in list(module._forward_hooks.items()):
+            if hook_id in module._forward_hooks_always_called and hook_id not in called:
+                try:
+                    result = _forward_hook_result(module, hook_id, hook, args, kwargs, result)
+                except Exception as exc:  # noqa: BLE001 - as torch: the forward's error wins
+                    warnings.warn("module forward hook with ``always_call=True`` raised an "
+                                  "exception that was silenced as another error was raised "
+                                  f"in forward: {exc}", stacklevel=2)
+        raise
+    return result
+
+
+def _forward_hook_result(module: nn.Module, hook_id: int, hook: Callable[..., Any],
+                         args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> Any:
+    """The output after one forward hook (its returned value, if any)."""
+    if hook_id in module._forward_hooks_with_kwargs:
+        new = hook(module, args, kwargs, result)
+    else:
+        new = hook(module, args, result)
+    return result if new is None else new
+
+
+def warn_global_hooks(warned: set[int]) -> None:
+    """Warn once per hook about a user's global module forward hook (not torch's own tools).
+
+    ``torch.nn.modules.module.register_module_forward_hook`` (and the pre-hook's) is called
+    on every module call: on the plain model, on each of its modules; on the wrapper,
+    on optmem's stage calls, since the plan runs the model's inner modules as one traced
+    graph (extraction runs without it: :func:`~optmem.pytorch.hooks.callers_tools_suspended`).
+    A hook that returns a value for some modules (``o * 0.5`` on every ``nn.Linear``) or
+    records them computed other numbers, in silence, until stop 86. torch's tools
+    (``ModTracker``, ``MemTracker``), whose hooks are torch's, are not named. ``warned``:
+    the ids already warned about (updated).
+    """
+    from torch.nn.modules import module as module_mod
+
+    for hooks in (module_mod._global_forward_pre_hooks, module_mod._global_forward_hooks):
+        for hook_id, hook in hooks.items():
+            if hook_id in warned or library_hook(hook):
+                continue
+            warned.add(hook_id)
+            name = getattr(hook, "__qualname__", repr(hook))
+            warnings.warn(
+                f"a global module forward hook is registered ({name}, "
+                "torch.nn.modules.module.register_module_forward_hook or _pre_hook): optmem "
+                "runs the model's inner modules as one traced graph, so the hook is called on "
+                "optmem's stages, not on them as on the plain model; if it changes their "
+                "outputs the numbers differ. Register it on the modules themselves before "
+                "wrapping (module.register_forward_hook: one that returns None is called at "
+                "every step with the real values, one that returns a value is traced into the "
+                "graph)", stacklevel=4)

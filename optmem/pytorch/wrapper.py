@@ -78,6 +78,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import logging
 import operator
@@ -94,6 +95,7 @@ import torch
 from torch import nn
 from torch.autograd import forward_ad
 from torch.nn.modules.dropout import _DropoutNd
+from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_map_only
 from torch.utils.hooks import RemovableHandle
 
@@ -130,7 +132,14 @@ from optmem.pytorch.hooks import (
     warn_container_hooks,
 )
 from optmem.pytorch.memory import buffers_restored, gradients_restored, storage_bytes
-from optmem.pytorch.observers import observers_silenced, observing
+from optmem.pytorch.observers import (
+    call_with_root_hooks,
+    has_root_hooks,
+    observers_silenced,
+    observing,
+    root_hooks_suspended,
+    warn_global_hooks,
+)
 from optmem.pytorch.planning import Planner, refuse_second_copies
 from optmem.result import Result, Status
 from optmem.units import format_size, memory_percent
@@ -676,6 +685,8 @@ class PlannedModule(nn.Module):
         self._container_hooks = RemovableHandle.next_id  # warned up to this registration
         self._signature = None if self._plain else inspect.signature(module.forward)
         self._tensor_state = TensorState(module, attributes=not self._plain)
+        if main.extraction is not None:
+            self._tensor_state.watch(main.extraction.observers.modifiers)
         self._given: GivenPlan | None = None
         if not self._plain:
             self.forward = _SignedForward(self)  # type: ignore[method-assign]
@@ -1001,19 +1012,44 @@ class PlannedModule(nn.Module):
             self._refuse_sharded_stages_without_grad()
             with absorbing():
                 return self._module_call(compiled)(*args, **kwargs)
+        given = args, kwargs
         args, kwargs = canonical_call(model, args, kwargs, self._signature)
         variant = self._variant(args, kwargs)
         if self._fast(variant):
             with absorbing():
                 return self._module_call(compiled)(*args, **kwargs)
+        if _global_forward_hooks or _global_forward_pre_hooks:
+            warn_global_hooks(self.__dict__.setdefault("_global_hooks_warned", set()))
+        if has_root_hooks(model):  # called here, around the plan, as the model's call does
+            return call_with_root_hooks(model, *given, lambda a, k: self._planned(
+                args, kwargs, compiled, variant) if a is given[0] and k is given[1]
+                else self._planned(a, k, compiled, None))
+        return self._planned(args, kwargs, compiled, variant)
+
+    def _planned(self, args: tuple[Any, ...], kwargs: dict[str, Any], compiled: CompileRequest,
+                 variant: _Variant | None) -> Any:
+        """The call run by the plan of ``variant`` (``None``: of its signature's).
+
+        The model's own forward hooks are not called (:meth:`_forward` calls them around
+        this): with new arguments from a pre-hook, the store-all fast path calls the model
+        without them.
+        """
+        model = self._checkpoint_wrapped_module
+        absorbing = self._tensor_state.absorbing
+        if variant is None:
+            args, kwargs = canonical_call(model, args, kwargs, self._signature)
+            variant = self._variant(args, kwargs)
+            if self._fast(variant):
+                with absorbing(), root_hooks_suspended(model):
+                    return self._module_call(compiled)(*args, **kwargs)
         sides = _side_inputs(variant, args, kwargs)
         if isinstance(sides, RuntimeError):  # another side of a value branch
             if self._sharded():
                 raise sides  # every rank must run the stages FSDP2 sharded: it says why
             found = self._branch_variant(variant, args, kwargs)
             if found is None:  # the model's own way for these values (its error, if any)
-                with absorbing():
-                    return self._checkpoint_wrapped_module(*args, **kwargs)
+                with absorbing(), root_hooks_suspended(model):  # (called around)
+                    return model(*args, **kwargs)
             variant, sides = found
         flat, ctx = sides
         ext = variant.extraction
@@ -1313,6 +1349,8 @@ class PlannedModule(nn.Module):
             variant.limit = given.limit  # as use_plan's (None: never the fast path)
         if self._compile_options is not None:
             _compile_executor(variant.executor, self._compile_options)
+        if variant.extraction is not None:
+            self._tensor_state.watch(variant.extraction.observers.modifiers)
         return variant
 
     def _new_variant(self, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -1359,7 +1397,8 @@ class PlannedModule(nn.Module):
                 return None  # export specialises sizes 0 and 1: such a call on its own
             _log.info("optmem: %s called with other sizes: exporting once with dimensions "
                       "%s dynamic", type(self._checkpoint_wrapped_module).__name__, sorted(dims))
-            with leaves_no_trace(self._checkpoint_wrapped_module, (args, kwargs)):
+            with leaves_no_trace(self._checkpoint_wrapped_module, (args, kwargs)), \
+                    root_hooks_suspended(self._checkpoint_wrapped_module):
                 ext = export_dynamic(self._checkpoint_wrapped_module, args, kwargs, sorted(dims))
             if ext is None or ext.accepts is None or not ext.accepts(args, kwargs):
                 family.refused.add(dims)
@@ -1609,7 +1648,11 @@ class TensorState:
       wrapping (``register_module_forward_hook``): they are how torch's tools observe a
       step (``MemTracker``, ``ModTracker``, ``FlopCounterMode``), they run on the
       wrapper's stage calls (extraction and profiling run without them:
-      :func:`~optmem.pytorch.hooks.callers_tools_suspended`).
+      :func:`~optmem.pytorch.hooks.callers_tools_suspended`). Nor the model's own forward
+      hooks and pre-hooks, which the wrapper calls around the plan (stop 86);
+    * what the hooks of inner modules that returned a value read (:meth:`watch`,
+      :func:`hook_reads`): a steering strength ``alpha`` changed after wrapping was
+      silently ignored (stop 86).
 
     The state is part of the signature, so any such change extracts again (and a new
     backward hook is then refused, a new forward hook reported, as when wrapping). The
@@ -1635,10 +1678,11 @@ class TensorState:
         self.module = module
         self._version = 0
         self._attributes = attributes
+        self._modifiers: list[Any] = []  # hooks in the graph: what they read is recorded
         self._refresh()
 
     def __getstate__(self) -> dict[str, Any]:
-        """Copied or pickled: the module and the version (the rest is recomputed).
+        """Copied or pickled: the module, the version, the watched hooks (the rest recomputed).
 
         A change made since the last call is taken first (:meth:`key`): the copy records the
         state it copies, so without it a copy made after, say, ``model.eps = 0.5`` took the
@@ -1646,11 +1690,11 @@ class TensorState:
         """
         self.key()
         return {"module": self.module, "_version": self._version,
-                "_attributes": self._attributes}
+                "_attributes": self._attributes, "_modifiers": self._modifiers}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Recompute the state of the (copied) module: its modules, hooks and modes."""
-        self.__dict__.update(state)
+        self.__dict__.update({"_modifiers": [], **state})  # (none in a wrapper saved before)
         self._refresh()
 
     def _refresh(self) -> None:
@@ -1671,7 +1715,11 @@ class TensorState:
         self._n_entries = sum(map(len, self._entries))  # additions change it
         # the global module hooks are the tools' (torch's ModTracker, MemTracker,
         # FlopCounterMode): they run on the stage calls and are not traced (see the class doc)
-        self._all_hooks = [d for m in modules for d in _hook_dicts(m)]
+        # the model's own forward hooks are called around the plan, outside the graph
+        # (stop 86): registering or removing one extracts nothing
+        self._all_hooks = [d for m in modules for d in _hook_dicts(m)
+                           if m is not self.module or not self._attributes
+                           or d is m._backward_hooks or d is m._backward_pre_hooks]
         self._hook_ids = self._hook_keys()
         self._hooks = [(d, len(d)) for d in self._all_hooks if d]  # removals change these
         self._handle_id = RemovableHandle.next_id  # every registration moves it
@@ -1680,11 +1728,53 @@ class TensorState:
         live = live_namespaces()
         self._attrs = _Attributes([e for e in _python_attributes(modules) if id(e[0]) not in live]
                                   if self._attributes else [])
+        self._hook_reads = self._read_by_hooks()
         self._adapter_layers = [m for m in modules if _is_adapter_layer(m)]
         self._adapters = _adapter_state(self._adapter_layers)
         self.token = (frozenset((t.dtype, str(t.device)) for _, _, t in tensors),
                       self._version, sum(1 << k for k, m in enumerate(modules) if m.training),
                       self._adapters)
+
+    def watch(self, hooks: Iterable[Any]) -> None:
+        """Record what these forward hooks (an extraction's modifiers) read (no new version).
+
+        A hook that returns a value is in the graph with the values its code read when it
+        was traced (:func:`hook_reads`): when one changes, the graph no longer applies, as
+        for a module's attribute.
+        """
+        known = {id(h) for h in self._modifiers}
+        added = [h for h in hooks if id(h) not in known]
+        if added:
+            self._modifiers += added
+            self._hook_reads = self._read_by_hooks()
+
+    def _read_by_hooks(self) -> _Attributes:
+        """What the watched hooks still registered on the model read (:func:`hook_reads`)."""
+        if not self._modifiers:
+            return _Attributes([])
+        live = {id(h) for d in self._all_hooks for h in d.values()}
+        self._modifiers = [h for h in self._modifiers if id(h) in live]
+        return _Attributes([e for h in self._modifiers for e in hook_reads(h)])
+
+    def changed_hook_reads(self) -> list[str]:
+        """The names of the watched hooks' values that differ from the recorded ones."""
+        return [name for namespace, name, value in self._hook_reads.entries
+                if not _Attributes([(namespace, name, value)]).same()]
+
+    def _warn_hook_reads(self) -> None:
+        """Say once that a hook in the graph read a value that changed: extracting again."""
+        if self.__dict__.get("_hooks_warned"):
+            return
+        self._hooks_warned = True
+        names = ", ".join(sorted(set(self.changed_hook_reads()))[:3])
+        warnings.warn(
+            f"a forward hook of {type(self.module).__name__} that returns a value (it is "
+            f"traced into optmem's graph) reads {names}, which changed since it was traced: "
+            "optmem extracts, profiles and solves the model again for the new value (each "
+            "change costs one extraction; 8 graphs are kept). A value that changes every "
+            "step is cheaper read from a tensor updated in place (v.fill_(alpha)), which the "
+            "graph reads at every call, or in a hook on the model itself, which optmem calls "
+            "at every step", stacklevel=5)
 
     def _hook_keys(self) -> tuple[tuple[int, tuple[int, ...]], ...]:
         """Which hook dictionaries hold which hooks (by handle id)."""
@@ -1701,6 +1791,9 @@ class TensorState:
         if sum(map(len, self._entries)) != self._n_entries or \
                 any(len(d) != n for d, n in self._hooks) or \
                 any(m.p != p for m, p in self._dropout) or not self._attrs.same():
+            return 2
+        if not self._hook_reads.same():
+            self._warn_hook_reads()
             return 2
         if RemovableHandle.next_id != self._handle_id:  # a hook of any kind, anywhere
             if self._hook_keys() != self._hook_ids:
@@ -1733,7 +1826,7 @@ class TensorState:
         set by the caller since the last call (before a ``no_grad`` call, say): a new
         version, as :meth:`key` makes it, not taken as the model's own write.
         """
-        if not self._attrs.same():
+        if not self._attrs.same() or not self._hook_reads.same():
             self._version += 1
             self._refresh()
         try:
@@ -1748,6 +1841,8 @@ class TensorState:
         recorded (:func:`~optmem.pytorch.custom_functions.live_namespaces`): the Function
         reads them at every call, and may write them then.
         """
+        if not self._hook_reads.same():  # a hook's own write while it was traced
+            self._hook_reads = self._read_by_hooks()
         live = live_namespaces()
         if not self._attrs.same() or (live and any(id(d) in live
                                                    for d, _, _ in self._attrs.entries)):
@@ -2064,6 +2159,100 @@ def _python_attributes(modules: Iterable[nn.Module]) -> list[tuple[dict[str, Any
     return out
 
 
+class _Cells(Mapping[str, Any]):
+    """A function's closure as a namespace: its free variables' current values, by name."""
+
+    def __init__(self, names: Sequence[str], cells: Sequence[Any]) -> None:
+        self._cells = dict(zip(names, cells, strict=True))
+
+    def __getitem__(self, name: str) -> Any:
+        try:
+            return self._cells[name].cell_contents
+        except ValueError:  # an empty cell: the variable was deleted
+            raise KeyError(name) from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._cells)
+
+    def __len__(self) -> int:
+        return len(self._cells)
+
+
+def hook_reads(hook: Any) -> list[tuple[Any, str, Any]]:
+    """The Python values a forward hook's code may read, as :class:`_Attributes` entries.
+
+    A hook that returns a value is traced into the graph (stop 86): the numbers it reads
+    at that time are constants there, so a steering strength ``alpha`` changed between
+    steps changed nothing. Recorded (``(namespace, name, value)``): the free variables of
+    its closure and the globals its code names, whose value is a bool, int, float, str,
+    ``None``, a plain tensor (by identity) or a small container of those, and one level
+    down, such entries of a dict or of a plain object among them; for a bound method or a
+    callable object, the attributes of the object (``self.alpha``); for a
+    ``functools.partial``, its keywords. Not what a function the hook calls reads.
+    """
+    out: list[tuple[Any, str, Any]] = []
+    if isinstance(hook, functools.partial):
+        _record_items(hook.keywords, out)
+        hook = hook.func
+    owner = getattr(hook, "__self__", None)
+    if owner is None and not isinstance(hook, types.FunctionType) and hasattr(hook, "__dict__"):
+        owner, hook = hook, type(hook).__call__  # a callable object
+    if owner is not None and hasattr(owner, "__dict__") and not isinstance(owner, nn.Module):
+        _record_items(vars(owner), out)
+    code = getattr(hook, "__code__", None)
+    if code is None:
+        return out
+    namespaces: list[Mapping[str, Any]] = []
+    if hook.__closure__:
+        namespaces.append(_Cells(code.co_freevars, hook.__closure__))
+    glob = getattr(hook, "__globals__", {})
+    names = set(code.co_names)
+    namespaces.append(_Subset(glob, [n for n in code.co_names if n in glob]) if names else {})
+    for namespace in namespaces:
+        for name in list(namespace):
+            value = namespace[name]
+            if _readable(value):
+                out.append((namespace, name, _recorded(value)))
+            if type(value) is dict:  # its entries too: the warning names them
+                _record_items(value, out)
+            elif _plain_object(value):
+                _record_items(vars(value), out)
+    return out
+
+
+class _Subset(Mapping[str, Any]):
+    """Some names of a namespace (a module's globals), read through to it."""
+
+    def __init__(self, namespace: dict[str, Any], names: Sequence[str]) -> None:
+        self._namespace, self._names = namespace, tuple(names)
+
+    def __getitem__(self, name: str) -> Any:
+        return self._namespace[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+def _record_items(namespace: Mapping[str, Any], out: list[tuple[Any, str, Any]]) -> None:
+    out.extend((namespace, name, _recorded(value)) for name, value in namespace.items()
+               if isinstance(name, str) and _readable(value))
+
+
+def _readable(value: Any) -> bool:
+    """A value a graph bakes in: a scalar, a plain tensor, a small container of scalars."""
+    return type(value) in _SCALARS or type(value) is torch.Tensor or _small_container(value)
+
+
+def _plain_object(value: Any) -> bool:
+    """A user's plain object (a config, a steering state), not a module, class or function."""
+    return hasattr(value, "__dict__") and type(value).__module__ != "builtins" and \
+        not isinstance(value, (nn.Module, torch.Tensor, type, types.ModuleType,
+                               types.FunctionType, types.MethodType, functools.partial))
+
+
 def _small_container(value: Any) -> bool:
     """A tuple, list or dict of at most 64 bools, ints, floats, strs or ``None`` (keys too).
 
@@ -2265,7 +2454,8 @@ def _extract_variant(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
                      name: str, like: _Variant | None,
                      solve: Callable[[Chain], Result] | None = None,
                      ext: Extraction | None = None, local: bool = False) -> _Variant:
-    with parameters_unmodified(module), leaves_no_trace(module, (args, kwargs)):
+    with parameters_unmodified(module), leaves_no_trace(module, (args, kwargs)), \
+            root_hooks_suspended(module):  # the wrapper calls them around the plan
         if ext is None:
             ext = extracted_call(module, args, kwargs, profile.extract)
         flat = ext.flatten(args, kwargs)
