@@ -57,6 +57,14 @@ from optmem.pytorch.branches import (
     real_values,
     value_branches,
 )
+from optmem.pytorch.constants import (
+    buffers_as_constants,
+    candidate_buffers,
+    enabled,
+    read_as_values,
+    record,
+    written,
+)
 from optmem.pytorch.context import SideInputs, side_inputs
 from optmem.pytorch.custom_functions import opaque_functions, refuse_functions, restore_functions
 from optmem.pytorch.graphcut import (
@@ -1291,6 +1299,9 @@ def _export(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
 
         if not isinstance(exc, GuardOnDataDependentSymNode) or validated_distribution(exc):
             raise  # a distribution's value check: refused as such, whatever the values
+        ep = _exported_with_constants(module, run, preserved, name)
+        if ep is not None:
+            return ep
         try:
             with real_values():
                 ep = _exported_keeping_calls(run, preserved, name)
@@ -1303,6 +1314,42 @@ def _export(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
             exc.data_dependent_size = _size_failure(again)  # type: ignore[attr-defined]
             raise exc from None
         return ep
+
+
+def _exported_with_constants(module: nn.Module,
+                             run: Callable[[tuple[str, ...]], torch.export.ExportedProgram],
+                             preserved: tuple[str, ...], name: str
+                             ) -> torch.export.ExportedProgram | None:
+    """The export with the module's constant integer buffers read as their values.
+
+    ``None`` when the module has none (:func:`~optmem.pytorch.constants.candidate_buffers`),
+    the caller does not follow them (:func:`~optmem.pytorch.constants.tracked`: only the
+    planned wrappers do), or this export fails too, or the forward writes one or computes
+    a tensor of more than one element from one: the caller goes on with the first failure.
+    On success the
+    buffers are recorded as held by the graph (the wrapper extracts again when one
+    changes; stop 86, EnCodec's padding).
+    """
+    candidates = candidate_buffers(module) if enabled() else []
+    if not candidates:
+        return None
+    try:
+        with buffers_as_constants(candidates) as made:
+            ep = _exported_keeping_calls(run, preserved, name)
+    except OptmemInputError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the first failure says what the model does
+        _log.info("optmem: %s not exported with its integer buffers as constants either: %s",
+                  name, _first_line(exc))
+        return None
+    if written(made) or read_as_values(ep, candidates, module):
+        _log.info("optmem: %s writes or computes with its integer buffers: not exported "
+                  "with them as constants", name)
+        return None
+    record(candidates)
+    _log.info("optmem: %s exported with its %d non-persistent integer buffers as constants "
+              "(extracted again if one changes)", name, len(candidates))
+    return ep
 
 
 def _exported_keeping_calls(run: Callable[[tuple[str, ...]], torch.export.ExportedProgram],

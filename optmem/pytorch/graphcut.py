@@ -424,7 +424,12 @@ def cut_graph(gm: fx.GraphModule, kinds: dict[fx.Node, str]) -> Cut:
     if carried:
         wide = _cut_carrying(gm, order, kinds, outputs, carried)
         if len(wide.stages) > len(cut.stages):
-            return wide
+            cut = wide
+    streams = side_streams(order, kinds) - carried
+    if streams:  # stop 86: XLNet's query stream and its aliases of the position embedding
+        wider = _cut_carrying(gm, order, kinds, outputs, carried | streams)
+        if len(wider.stages) > len(cut.stages):
+            cut = wider
     return cut
 
 
@@ -512,6 +517,43 @@ def long_lived(order: list[fx.Node], kinds: dict[fx.Node, str],
         if node in feeds and node.op != "placeholder" and _is_tensor_value(node):
             out |= {node, _made_in_layer(node, kinds)}
     return out
+
+
+def side_streams(order: list[fx.Node], kinds: dict[fx.Node, str]) -> set[fx.Node]:
+    """Chain values that cross from one numbered layer to another beside the main one.
+
+    Two kinds (stop 86, XLNet): a view made in a layer of a value made outside the layers
+    (XLNet's ``r.type(dtype)`` returns its position embedding itself, and export binds the
+    next layer's read of it to the first layer's node, so no boundary lies between the
+    layers); and, where two or more values made in other layers enter a layer (XLNet's
+    two-stream attention: the content stream ``h`` and the query stream ``g``), all but the
+    largest. Carried beside the boundaries, they let the largest be the boundary.
+    """
+    entering: dict[str, list[fx.Node]] = {}
+    out: set[fx.Node] = set()
+    for node in order:
+        if kinds.get(node) != CHAIN or node.op == "placeholder" or not _is_tensor_value(node):
+            continue
+        own = _layer(node)
+        readers = _reader_layers(node, own, kinds) - {own, None} if own is not None else set()
+        if not readers:
+            continue
+        root = _alias_root(node)
+        if root is not node and _layer(root) is None and kinds.get(root) == CHAIN:
+            out.add(node)
+            continue
+        for layer in readers:
+            entering.setdefault(layer, []).append(node)
+    for values in entering.values():
+        if len(values) > 1:
+            largest = max(values, key=_numel)
+            out |= {v for v in values if v is not largest}
+    return out
+
+
+def _numel(node: fx.Node) -> int:
+    meta = _tensor_meta(node)
+    return meta.numel() if isinstance(meta, torch.Tensor) else 0
 
 
 def _made_in_layer(node: fx.Node, kinds: dict[fx.Node, str]) -> fx.Node:

@@ -102,6 +102,14 @@ from torch.utils.hooks import RemovableHandle
 from optmem.chain import Chain
 from optmem.errors import OptmemInputError
 from optmem.pytorch.branches import is_value_branch_error
+from optmem.pytorch.constants import (
+    candidate_buffers,
+    is_candidate,
+    is_pinned,
+    pin_names,
+    pinned_names,
+)
+from optmem.pytorch.constants import tracked as constants_tracked
 from optmem.pytorch.context import SideInputs, side_inputs
 from optmem.pytorch.custom_functions import live_namespaces
 from optmem.pytorch.execute import (
@@ -1398,7 +1406,8 @@ class PlannedModule(nn.Module):
             _log.info("optmem: %s called with other sizes: exporting once with dimensions "
                       "%s dynamic", type(self._checkpoint_wrapped_module).__name__, sorted(dims))
             with leaves_no_trace(self._checkpoint_wrapped_module, (args, kwargs)), \
-                    root_hooks_suspended(self._checkpoint_wrapped_module):
+                    root_hooks_suspended(self._checkpoint_wrapped_module), \
+                    constants_tracked():
                 ext = export_dynamic(self._checkpoint_wrapped_module, args, kwargs, sorted(dims))
             if ext is None or ext.accepts is None or not ext.accepts(args, kwargs):
                 family.refused.add(dims)
@@ -1690,10 +1699,16 @@ class TensorState:
         """
         self.key()
         return {"module": self.module, "_version": self._version,
-                "_attributes": self._attributes, "_modifiers": self._modifiers}
+                "_attributes": self._attributes, "_modifiers": self._modifiers,
+                "_pinned": pinned_names(self.module)}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        """Recompute the state of the (copied) module: its modules, hooks and modes."""
+        """Recompute the state of the (copied) module: its modules, hooks and modes.
+
+        The buffers the original's graphs hold as constants are recorded for the copy's
+        modules (its graphs, copied, hold them too).
+        """
+        pin_names(state["module"], state.pop("_pinned", frozenset()))
         self.__dict__.update({"_modifiers": [], **state})  # (none in a wrapper saved before)
         self._refresh()
 
@@ -1707,6 +1722,8 @@ class TensorState:
                 for name, t in slots.items():
                     (children if t is None else tensors).append((slots, name, t))
         self._tensors = [(slots, name, t, t.dtype, t.shape) for slots, name, t in tensors]
+        self._constants = [_ConstantBuffer(m, name, t) for m, name, t in
+                           candidate_buffers(self.module)]
         self._objects = [t for _, _, t in tensors]  # for grads()
         self._sharing = _sharing(t for _, _, t in tensors)
         self._children = children
@@ -1801,6 +1818,9 @@ class TensorState:
             self._handle_id = RemovableHandle.next_id
         if any(_entry(d, name) is not value for d, name, value in self._children):
             return 2
+        moved = [c.change() for c in self._constants if is_pinned(c.module, c.name)]
+        if 2 in moved:  # a value a graph holds: extracted again
+            return 2
         replaced = retyped = False
         for slots, name, before, dtype, shape in self._tensors:
             t = _entry(slots, name)
@@ -1811,7 +1831,7 @@ class TensorState:
         if replaced and _sharing(slots[name] for slots, name, *_ in self._tensors) != \
                 self._sharing:  # weights tied or untied: the graph traced one or two
             return 2
-        return 1 if replaced or retyped or any(
+        return 1 if replaced or retyped or 1 in moved or any(
             d[name].device != device for d, name, device in self._devices) or any(
             m.training is not mode for m, mode in self._modes) or \
             _adapter_state(self._adapter_layers) != self._adapters else 0
@@ -1878,6 +1898,33 @@ class TensorState:
 
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
+
+class _ConstantBuffer:
+    """A non-persistent integer buffer as recorded (a graph may hold its value; stop 86).
+
+    Compared per call by object, version counter and data pointer; by value too when on
+    the CPU (cheap there; it also sees a write through ``.data``, which moves no counter).
+    On another device or of another dtype it is a change (the graph made its constant so).
+    """
+
+    def __init__(self, module: nn.Module, name: str, t: torch.Tensor) -> None:
+        self.module, self.name, self.tensor, self.kind = module, name, t, (t.dtype, t.device)
+        self.version, self.pointer, self.value = t._version, t.data_ptr(), t.item()
+
+    def change(self) -> int:
+        """0: as recorded; 1: another tensor or version of the same value; 2: changed."""
+        t = _entry(self.module._buffers, self.name)
+        if t is None or not is_candidate(self.module, self.name, t) or \
+                (t.dtype, t.device) != self.kind:
+            return 2
+        if t is self.tensor and t._version == self.version and \
+                t.data_ptr() == self.pointer and not t.is_cpu:
+            return 0
+        if t.item() != self.value:
+            return 2
+        return 0 if t is self.tensor and t._version == self.version and \
+            t.data_ptr() == self.pointer else 1
 
 
 def _entry(entries: Any, name: str) -> Any:
@@ -2457,7 +2504,8 @@ def _extract_variant(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
     with parameters_unmodified(module), leaves_no_trace(module, (args, kwargs)), \
             root_hooks_suspended(module):  # the wrapper calls them around the plan
         if ext is None:
-            ext = extracted_call(module, args, kwargs, profile.extract)
+            with constants_tracked():
+                ext = extracted_call(module, args, kwargs, profile.extract)
         flat = ext.flatten(args, kwargs)
         ctx = traced_side_inputs(ext, flat)
         return _make_variant(ext, ext.stages, ext.chain_input(flat), planner, profile,
