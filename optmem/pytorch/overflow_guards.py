@@ -175,7 +175,7 @@ def _taken_clamp(guard: _Guard, order: dict[fx.Node, int]) -> fx.Node | None:
     """The clamp the clamping side put in the graph: ``clamp(h, -bound, bound)`` after it."""
     last = order[guard.flag[-1]]
     for user in guard.value.users:
-        if (target_name(user) == "clamp" and order[user] > last and not user.kwargs
+        if (target_name(user) == "clamp" and order.get(user, -1) > last and not user.kwargs
                 and user.args == (guard.value, -guard.bound, guard.bound)):
             return user
     return None
@@ -186,7 +186,7 @@ def _rewrite(gm: fx.GraphModule, guard: _Guard, order: dict[fx.Node, int]) -> No
     last = guard.flag[-1]
     if guard.finite:
         readers = [u for u in guard.value.users
-                   if u not in guard.flag and order[u] > order[last]]
+                   if u not in guard.flag and order.get(u, -1) > order[last]]
         with gm.graph.inserting_after(last):
             clamp = gm.graph.call_function(torch.ops.aten.clamp.default,
                                            (guard.value, -guard.bound, guard.bound))
