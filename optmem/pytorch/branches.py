@@ -151,8 +151,51 @@ def real_values() -> Iterator[None]:
     """
     import torch._functorch.config as functorch_config
 
-    with functorch_config.patch(fake_tensor_propagate_real_tensors=True):
+    with functorch_config.patch(fake_tensor_propagate_real_tensors=True), \
+            _parameters_copied():
         yield
+
+
+def _plain(src: object) -> object:
+    """``src``'s plain tensor if it is an ``nn.Parameter`` of a plain tensor, else ``src``."""
+    if isinstance(src, nn.Parameter) and type(src.data) is torch.Tensor:
+        return src.data
+    return src
+
+
+@contextmanager
+def _parameters_copied() -> Iterator[None]:
+    """Within: the fake copies of the model's parameters carry their real values.
+
+    torch (2.13) gives each fake tensor of a real-values export a real tensor allocated
+    with ``torch.empty_strided`` and fills it with ``_safe_copy`` (or makes it with
+    ``_safe_clone``) in ``torch._subclasses.meta_utils``, which skip any source whose type
+    is not exactly ``torch.Tensor``: an ``nn.Parameter``'s real tensor was left
+    uninitialised memory (buffers and inputs were copied). Every value computed from a
+    parameter, so every side the export took on such a value, was drawn from that memory:
+    HF's overflow guard took its clamping side in some runs and not in others (stop 86).
+    Here a parameter of a plain tensor is copied through its ``.data``; a torch without
+    these helpers is left as it is.
+    """
+    from torch._subclasses import meta_utils
+
+    copy = getattr(meta_utils, "_safe_copy", None)
+    clone = getattr(meta_utils, "_safe_clone", None)
+    if copy is None or clone is None:
+        yield
+        return
+
+    def copied(dst: torch.Tensor, src: torch.Tensor | None) -> None:
+        copy(dst, _plain(src))
+
+    def cloned(src: torch.Tensor) -> torch.Tensor | None:
+        return clone(_plain(src))
+
+    meta_utils._safe_copy, meta_utils._safe_clone = copied, cloned
+    try:
+        yield
+    finally:
+        meta_utils._safe_copy, meta_utils._safe_clone = copy, clone
 
 
 # ------------------------------------------------------------------ BatchNorm(momentum=None)

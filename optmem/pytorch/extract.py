@@ -103,6 +103,7 @@ from optmem.pytorch.observers import (
     hooks_recorded,
     observer_plan,
 )
+from optmem.pytorch.overflow_guards import overflow_guards
 
 __all__ = ["Extraction", "Stage", "derives_from", "export_dynamic", "extract_program",
            "extract_stages", "flattened_containers", "merge_stages", "partition_costs",
@@ -1176,6 +1177,7 @@ def _export_program(module: nn.Module, args: tuple[Any, ...],
     constants = _constant_arguments(gm, ep.module_call_graph) if met else {}
     forget_real_tensors(gm)
     cumulative_batch_norms(gm, module)
+    overflow_guards(gm)
     explain_value_asserts(gm, name)
     restore_functions(gm)
     elide_constant_masks(gm)

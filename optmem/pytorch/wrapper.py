@@ -71,7 +71,8 @@ raises its own error; after :data:`MAX_BRANCH_FAILURES` such failures a plan sto
 Under FSDP2 a call taking another side raises the assertion's ``RuntimeError``, naming the
 model's line. A branch on an intermediate value (``if (hidden > 100).any():``) is refused
 at extraction (:class:`~optmem.pytorch.branches.IntermediateBranch`): its assertion would
-fail mid-step.
+fail mid-step. One is held instead: HuggingFace's overflow guard in float32 or bfloat16
+(:mod:`optmem.pytorch.overflow_guards`), as the unconditional clamp it equals.
 """
 
 from __future__ import annotations
