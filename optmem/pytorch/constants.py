@@ -72,7 +72,7 @@ def candidate_buffers(model: nn.Module) -> list[Candidate]:
     """
     return [(m, name, t) for m in model.modules()
             if not isinstance(m, torch.jit.ScriptModule)
-            for name, t in m._buffers.items() if is_candidate(m, name, t)]
+            for name, t in m._buffers.items() if t is not None and is_candidate(m, name, t)]
 
 
 def _reader(name: str, value: Any, t: torch.Tensor, made: list[torch.Tensor]) -> property:

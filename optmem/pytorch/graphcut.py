@@ -543,7 +543,8 @@ def side_streams(order: list[fx.Node], kinds: dict[fx.Node, str]) -> set[fx.Node
             out.add(node)
             continue
         for layer in readers:
-            entering.setdefault(layer, []).append(node)
+            if layer is not None:
+                entering.setdefault(layer, []).append(node)
     for values in entering.values():
         if len(values) > 1:
             largest = max(values, key=_numel)

@@ -35,6 +35,7 @@ import linecache
 import operator
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import fx
@@ -167,7 +168,8 @@ def _asserts_hold(item: fx.Node, steps: list[fx.Node], flag: bool) -> bool:
                     return False
                 values[node] = None
             else:
-                values[node] = _SCALAR_STEPS[target_name(node)](*args)
+                step: Any = _SCALAR_STEPS[target_name(node)]
+                values[node] = step(*args)
     return True
 
 
@@ -318,7 +320,10 @@ def _bound_assignment(stmt: ast.stmt, name: str) -> tuple[str | None, float | No
     if not (isinstance(arg, ast.Attribute) and arg.attr == "dtype"
             and isinstance(arg.value, ast.Name) and arg.value.id == name):
         return None, None
-    return stmt.targets[0].id, float(value.right.value)
+    offset = value.right.value
+    if not isinstance(offset, (int, float)):  # (checked above: for the type checker)
+        return None, None
+    return stmt.targets[0].id, float(offset)
 
 
 def _clamp_assignment(stmt: ast.stmt, name: str, bound: str) -> bool:
