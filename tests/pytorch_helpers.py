@@ -244,3 +244,18 @@ def assert_trained_alike(got: dict[str, Any], expected: dict[str, Any]) -> None:
     for a, b in zip(got["grads"], expected["grads"], strict=True):
         assert a.keys() == b.keys()
         assert all(torch.equal(a[n], b[n]) for n in b)
+
+
+class Mlp(torch.nn.Module):
+    """Six tanh layers and a head: an nn.Module, so it is exported (not stages of its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(16, 16) for _ in range(6)])
+        self.head = torch.nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.head(x).square().mean()

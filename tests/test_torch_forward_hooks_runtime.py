@@ -23,7 +23,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="the torch bridge needs torch")
 
 import hf_helpers  # noqa: E402
-from pytorch_helpers import HUNT_FIXED, hunt_kinds  # noqa: E402
+from pytorch_helpers import HUNT_FIXED, Mlp, hunt_kinds  # noqa: E402
 from torch import nn  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensor  # noqa: E402
 from torch.utils._pytree import tree_flatten  # noqa: E402
@@ -57,21 +57,6 @@ def _same(got: Record, ref: Record) -> None:
     for (name, kind, a), (_, _, b) in zip(got, ref, strict=True):
         for (x, x_grad), (y, y_grad) in zip(a, b, strict=True):
             assert torch.equal(x, y) and x_grad == y_grad, (name, kind)
-
-
-class Mlp(nn.Module):
-    """Six tanh layers and a head: an nn.Module, so it is exported (not stages of its own)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.layers = nn.ModuleList([nn.Linear(16, 16) for _ in range(6)])
-        self.head = nn.Linear(16, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return self.head(x).square().mean()
 
 
 MLP_HOOKS = [("layers.1", "fwd"), ("layers.2", "pre"), ("layers.3", "fwdkw"),

@@ -31,24 +31,8 @@ import pytest
 torch = pytest.importorskip("torch", reason="the torch bridge needs torch")
 
 import hf_helpers  # noqa: E402
-from pytorch_helpers import HUNT_FIXED, hunt_kinds  # noqa: E402
+from pytorch_helpers import HUNT_FIXED, Mlp, hunt_kinds  # noqa: E402
 from torch import nn  # noqa: E402
-
-
-class Mlp(nn.Module):
-    """Six tanh layers and a head: an nn.Module, so it is exported (not stages of its own)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.layers = nn.ModuleList([nn.Linear(16, 16) for _ in range(6)])
-        self.head = nn.Linear(16, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return self.head(x).square().mean()
-
 
 X = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
 

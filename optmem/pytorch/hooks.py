@@ -52,7 +52,7 @@ from optmem.errors import OptmemInputError
 __all__ = ["buffers_restored", "callers_tools_suspended", "check_backward_hooks",
            "check_module_hooks", "cuda_indices", "generators_restored", "has_module_hooks",
            "library_hook",
-           "host_random_restored", "module_generators", "parameters_unmodified",
+           "hooks_emptied", "host_random_restored", "module_generators", "parameters_unmodified",
            "quiet_gradient_hooks",
            "random_config", "refuse_inference_rescaling", "refuse_python_random",
            "refuse_tensor_hooks", "same_generator", "saved_tensors_hooks_allowed",
@@ -650,14 +650,35 @@ def callers_tools_suspended() -> Iterator[None]:
     ``disable_saved_tensors_hooks`` region the setup may still measure the tapes it
     saves (:func:`saved_tensors_hooks_allowed`).
     """
-    saved = [(getattr(module_mod, name), list(getattr(module_mod, name).items()))
-             for name in _GLOBAL_FORWARD_HOOKS]
+    with hooks_emptied(getattr(module_mod, name) for name in _GLOBAL_FORWARD_HOOKS), \
+            _disable_current_modes(), autocast_cache_untouched(), \
+            parametrization_cache_off(), saved_tensors_hooks_allowed():
+        yield
+
+
+@contextmanager
+def hooks_emptied(registries: Iterable[dict[Any, Any]]) -> Iterator[None]:
+    """Within: each hook dictionary of ``registries`` empty; on exit refilled in place.
+
+    Its hooks come back first, in their order; hooks registered meanwhile are kept, after
+    them (used for the global module hooks during optmem's setup, and for a wrapped
+    model's own forward hooks during its extraction).
+
+    Examples
+    --------
+    >>> hooks = {1: "a", 2: "b"}
+    >>> with hooks_emptied([hooks]):
+    ...     hooks[3] = "c"
+    ...     sorted(hooks)
+    [3]
+    >>> list(hooks.items())
+    [(1, 'a'), (2, 'b'), (3, 'c')]
+    """
+    saved = [(registry, list(registry.items())) for registry in registries if registry]
     for registry, _ in saved:
         registry.clear()
     try:
-        with _disable_current_modes(), autocast_cache_untouched(), \
-                parametrization_cache_off(), saved_tensors_hooks_allowed():
-            yield
+        yield
     finally:
         for registry, items in saved:
             added = list(registry.items())

@@ -51,7 +51,7 @@ from torch import nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from optmem.errors import OptmemInputError
-from optmem.pytorch.hooks import library_hook
+from optmem.pytorch.hooks import hooks_emptied, library_hook
 
 _log = logging.getLogger("optmem")
 
@@ -456,18 +456,8 @@ def root_hooks_suspended(module: nn.Module) -> Iterator[None]:
     observer sees every step. On exit the dictionaries are as before, in order (hooks
     registered meanwhile after).
     """
-    saved = [(hooks, list(hooks.items()))
-             for hooks in (module._forward_pre_hooks, module._forward_hooks) if hooks]
-    for hooks, _ in saved:
-        hooks.clear()
-    try:
+    with hooks_emptied((module._forward_pre_hooks, module._forward_hooks)):
         yield
-    finally:
-        for hooks, items in saved:
-            added = list(hooks.items())
-            hooks.clear()
-            hooks.update(items)
-            hooks.update(added)
 
 
 def call_with_root_hooks(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
