@@ -238,20 +238,27 @@ def _parsed(path: str) -> ast.Module | None:
 def _guard_at(tree: ast.Module, line: int) -> float | None:
     """``K`` if the ``if`` at ``line`` is the exact guard on a fresh name, else ``None``."""
     for block, index in _blocks(tree):
-        stmt = block[index]
-        if isinstance(stmt, ast.If) and stmt.lineno == line:
-            name, offset = _exact_guard(stmt)
-            if name is None or offset is None:
-                return None
-            return offset if _fresh_before(block, index, name) else None
-        if isinstance(stmt, ast.If) and stmt.lineno < line <= (stmt.end_lineno or 0) and \
-                len(stmt.body) == 1 and not stmt.orelse and isinstance(stmt.body[0], ast.If) \
-                and stmt.body[0].lineno == line:  # `if self.training:` around the guard
-            name, offset = _exact_guard(stmt.body[0])
+        guard = _if_at(block[index], line)
+        if guard is not None:
+            name, offset = _exact_guard(guard)
             if name is None or offset is None:
                 return None
             return offset if _fresh_before(block, index, name) else None
     return None
+
+
+def _if_at(stmt: ast.stmt, line: int) -> ast.If | None:
+    """The ``if`` at ``line``: ``stmt`` itself, or the one statement of ``stmt``'s body.
+
+    The second is HF's ``if self.training:`` around the guard; the guarded name's
+    freshness is then read before ``stmt``.
+    """
+    if not isinstance(stmt, ast.If):
+        return None
+    if stmt.lineno == line:
+        return stmt
+    inner = stmt.body[0] if len(stmt.body) == 1 and not stmt.orelse else None
+    return inner if isinstance(inner, ast.If) and inner.lineno == line else None
 
 
 def _blocks(tree: ast.AST) -> Iterator[tuple[list[ast.stmt], int]]:

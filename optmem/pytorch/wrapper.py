@@ -2250,14 +2250,14 @@ def hook_reads(hook: Any) -> list[tuple[Any, str, Any]]:
     code = getattr(hook, "__code__", None)
     if code is None:
         return out
-    namespaces: list[Mapping[str, Any]] = []
+    sources: list[tuple[Mapping[str, Any], list[str]]] = []
     if hook.__closure__:
-        namespaces.append(_Cells(code.co_freevars, hook.__closure__))
+        cells = _Cells(code.co_freevars, hook.__closure__)
+        sources.append((cells, list(cells)))
     glob = getattr(hook, "__globals__", {})
-    names = set(code.co_names)
-    namespaces.append(_Subset(glob, [n for n in code.co_names if n in glob]) if names else {})
-    for namespace in namespaces:
-        for name in list(namespace):
+    sources.append((glob, [n for n in code.co_names if n in glob]))
+    for namespace, names in sources:
+        for name in names:
             value = namespace[name]
             if _readable(value):
                 out.append((namespace, name, _recorded(value)))
@@ -2266,22 +2266,6 @@ def hook_reads(hook: Any) -> list[tuple[Any, str, Any]]:
             elif _plain_object(value):
                 _record_items(vars(value), out)
     return out
-
-
-class _Subset(Mapping[str, Any]):
-    """Some names of a namespace (a module's globals), read through to it."""
-
-    def __init__(self, namespace: dict[str, Any], names: Sequence[str]) -> None:
-        self._namespace, self._names = namespace, tuple(names)
-
-    def __getitem__(self, name: str) -> Any:
-        return self._namespace[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._names)
-
-    def __len__(self) -> int:
-        return len(self._names)
 
 
 def _record_items(namespace: Mapping[str, Any], out: list[tuple[Any, str, Any]]) -> None:
