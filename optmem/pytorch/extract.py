@@ -97,8 +97,10 @@ from optmem.pytorch.hooks import (
     warn_forward_hooks,
 )
 from optmem.pytorch.observers import (
+    GlobalHook,
     HookCall,
     ObserverPlan,
+    global_hooks_traced,
     hooked_modules,
     hooks_recorded,
     observer_plan,
@@ -1172,7 +1174,9 @@ def _export_program(module: nn.Module, args: tuple[Any, ...],
     name = type(module).__name__
     seeded = SeededDraws()
     met: list[HookCall] = []
-    ep = _export(module, args, kwargs, dynamic_shapes, seeded, met if observe else None)
+    global_met: list[GlobalHook] = []
+    ep = _export(module, args, kwargs, dynamic_shapes, seeded, met if observe else None,
+                 global_met)
     gm = ep.module()
     constants = _constant_arguments(gm, ep.module_call_graph) if met else {}
     forget_real_tensors(gm)
@@ -1185,7 +1189,7 @@ def _export_program(module: nn.Module, args: tuple[Any, ...],
     masks_as_in_training(gm, flat)
     graph_names = {n.name for n in gm.graph.nodes}
     observers = observer_plan(module, met, ep.module_call_graph, graph_names.__contains__,
-                              constants)
+                              constants, global_met)
     ext = _program(gm, module, flat, method="export", in_spec=ep.call_spec.in_spec,
                    out_spec=ep.call_spec.out_spec, signature=None, observers=observers)
     ext.value_branches = tuple(value_branches(gm))
@@ -1259,13 +1263,16 @@ def _real_values_failure(exc: BaseException) -> str:
 
 def _export(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
             dynamic_shapes: Any, seeded: SeededDraws | None = None,
-            met: list[HookCall] | None = None) -> torch.export.ExportedProgram:
+            met: list[HookCall] | None = None, global_met: list[GlobalHook] | None = None
+            ) -> torch.export.ExportedProgram:
     """``torch.export.export`` (non-strict); again with real values on a value branch.
 
     ``seeded`` receives the host generators the module seeds itself (:class:`SeededDraws`),
     ``met`` the calls of the user's forward hooks of inner modules, whose modules' call
     signatures the export keeps (:func:`~optmem.pytorch.observers.hooks_recorded`; if the
-    export cannot keep them, it runs again without, and ``met`` stays empty).
+    export cannot keep them, it runs again without, and ``met`` stays empty), ``global_met``
+    the user's global module forward hooks the wrapper's setup suspended, called on the
+    module's own modules (:func:`~optmem.pytorch.observers.global_hooks_traced`).
 
     A forward that branches on a tensor's value stops the first export; the second takes
     the sample's side of each such branch and asserts it at run time
@@ -1286,7 +1293,8 @@ def _export(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     def run(preserve: tuple[str, ...]) -> torch.export.ExportedProgram:
         with refuse_python_random(name, module, seeded), refuse_tensor_hooks(name), \
                 opaque_functions(name), _idle_moves(), _quiet_export(), \
-                dimension_marks_kept((args, kwargs)), recording() as calls:
+                dimension_marks_kept((args, kwargs)), recording() as calls, \
+                global_hooks_traced(module, [] if global_met is None else global_met):
             ep = torch.export.export(module, args, kwargs=kwargs, strict=False,
                                      dynamic_shapes=dynamic_shapes,
                                      preserve_module_call_signature=preserve)

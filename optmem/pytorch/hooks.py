@@ -56,7 +56,7 @@ __all__ = ["buffers_restored", "callers_tools_suspended", "check_backward_hooks"
            "quiet_gradient_hooks",
            "random_config", "refuse_inference_rescaling", "refuse_python_random",
            "refuse_tensor_hooks", "same_generator", "saved_tensors_hooks_allowed",
-           "saved_tensors_hooks_disabled",
+           "saved_tensors_hooks_disabled", "suspended_global_hooks",
            "SeededDraws",
            "warn_container_hooks", "warn_forward_hooks"]
 
@@ -631,6 +631,8 @@ def quiet_gradient_hooks(tensors: Iterable[torch.Tensor], *,
 _GLOBAL_FORWARD_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks",
                          "_global_forward_hooks_with_kwargs",
                          "_global_forward_hooks_always_called")
+# what each callers_tools_suspended (innermost last) took out of those registries
+_SUSPENDED: list[dict[str, list[tuple[int, Any]]]] = []
 
 
 @contextmanager
@@ -648,12 +650,35 @@ def callers_tools_suspended() -> Iterator[None]:
     (:func:`autocast_cache_untouched`), and so is ``parametrize.cached()``'s
     (:func:`parametrization_cache_off`); inside the caller's
     ``disable_saved_tensors_hooks`` region the setup may still measure the tapes it
-    saves (:func:`saved_tensors_hooks_allowed`).
+    saves (:func:`saved_tensors_hooks_allowed`). What it takes away is listed by
+    :func:`suspended_global_hooks`: the wrapper's export calls the user's global hooks
+    on the model's own modules (:func:`~optmem.pytorch.observers.global_hooks_traced`,
+    stop 87).
     """
-    with hooks_emptied(getattr(module_mod, name) for name in _GLOBAL_FORWARD_HOOKS), \
-            _disable_current_modes(), autocast_cache_untouched(), \
-            parametrization_cache_off(), saved_tensors_hooks_allowed():
-        yield
+    registries = [getattr(module_mod, name) for name in _GLOBAL_FORWARD_HOOKS]
+    _SUSPENDED.append({name: list(registry.items())
+                       for name, registry in zip(_GLOBAL_FORWARD_HOOKS, registries, strict=True)})
+    try:
+        with hooks_emptied(registries), _disable_current_modes(), autocast_cache_untouched(), \
+                parametrization_cache_off(), saved_tensors_hooks_allowed():
+            yield
+    finally:
+        _SUSPENDED.pop()
+
+
+def suspended_global_hooks() -> dict[str, list[tuple[int, Any]]]:
+    """The global forward hooks (and their flags) the enclosing setup suspended, by registry.
+
+    Keyed by the name of the registry in ``torch.nn.modules.module``
+    (``_global_forward_hooks``, ...), each its ``(handle id, value)`` items in order; empty
+    outside :func:`callers_tools_suspended`. A nested suspension finds the registries empty:
+    every level's items are merged.
+    """
+    merged: dict[str, list[tuple[int, Any]]] = {name: [] for name in _GLOBAL_FORWARD_HOOKS}
+    for level in _SUSPENDED:
+        for name, items in level.items():
+            merged[name] += items
+    return merged
 
 
 @contextmanager

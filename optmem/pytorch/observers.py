@@ -32,10 +32,19 @@ observer (its write is in the graph); the hooks of the model itself are left out
 graph and called by the wrapper around the plan (:func:`root_hooks_suspended`,
 :func:`call_with_root_hooks`); a user's global module hook is warned
 (:func:`warn_global_hooks`).
+
+Stop 87: a user's global module forward hook (``register_module_forward_hook``, the
+pre-hook's) is called by the wrapper's export on the model's own modules
+(:func:`global_hooks_traced`): one that returns a value (or writes in place) for some of
+them is in the graph, as on the plain model; at a step, those calls torch makes on
+optmem's own modules (the stages) must then change nothing, which
+:func:`global_modifiers_checked` checks (one ``OptmemInputError`` otherwise). The
+observers among them stay as before: warned, called on the stage calls.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 from collections import Counter
@@ -51,13 +60,16 @@ from torch import nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from optmem.errors import OptmemInputError
-from optmem.pytorch.hooks import hooks_emptied, library_hook
+from optmem.pytorch.hooks import hooks_emptied, library_hook, suspended_global_hooks
 
 _log = logging.getLogger("optmem")
 
-__all__ = ["HookCall", "ObserverCall", "ObserverPlan", "call_with_root_hooks",
-           "has_root_hooks", "hooked_modules", "hooks_recorded", "observe", "observer_plan",
-           "observers_silenced", "observing", "root_hooks_suspended", "warn_global_hooks"]
+__all__ = ["GlobalHook", "HookCall", "ObserverCall", "ObserverPlan", "call_with_root_hooks",
+           "global_hooks_traced", "global_modifiers_checked", "has_root_hooks",
+           "hooked_modules", "hooks_recorded", "observe", "observer_plan",
+           "hook_code", "observers_silenced", "observing", "root_hooks_suspended",
+           "user_global_hooks",
+           "warn_global_hooks"]
 
 
 @dataclass(frozen=True)
@@ -145,6 +157,196 @@ def _versions(values: Any) -> list[int]:
     return [t._version for t in tree_flatten(values)[0] if isinstance(t, torch.Tensor)]
 
 
+@dataclass
+class GlobalHook:
+    """A user's global module forward hook (or pre-hook) while the wrapper's export ran.
+
+    Attributes
+    ----------
+    key
+        Its handle's id (its key in ``torch.nn.modules.module._global_forward_hooks`` or
+        ``_global_forward_pre_hooks``).
+    pre
+        A pre-hook (``register_module_forward_pre_hook``).
+    hook
+        The hook.
+    modifier
+        Whether one of its calls returned a value or wrote a tensor it received in place
+        (then its effect is in the graph).
+    failed
+        Whether one of its calls raised (on the export's fake tensors); the error is
+        dropped there, and the hook is left as before stop 87 (warned at a step).
+    """
+
+    key: int
+    pre: bool
+    hook: Callable[..., Any]
+    modifier: bool = False
+    failed: bool = False
+
+
+_GLOBAL_KINDS = ((True, "_global_forward_pre_hooks"), (False, "_global_forward_hooks"))
+_GLOBAL_FLAGS = ("_global_forward_hooks_with_kwargs", "_global_forward_hooks_always_called")
+
+
+def user_global_hooks(observers: Collection[Any] = ()) -> tuple[int, ...]:
+    """The handle ids of the user's global module forward hooks and pre-hooks, in order.
+
+    Not a library's (:func:`~optmem.pytorch.hooks.library_hook`: torch's tools register
+    and remove theirs around each step), nor one whose code is among ``observers`` (the
+    code of hooks an export found to return ``None`` everywhere, :func:`hook_code`: a
+    tracker of the user's that registers its hook around each step extracts once). A
+    change of the others is a change of the model's computation for the wrapper's graph
+    (:func:`global_hooks_traced`).
+
+    Examples
+    --------
+    >>> user_global_hooks()
+    ()
+    """
+    from torch.nn.modules import module as module_mod
+
+    if not (module_mod._global_forward_hooks or module_mod._global_forward_pre_hooks):
+        return ()
+    return tuple(k for _, name in _GLOBAL_KINDS for k, h in getattr(module_mod, name).items()
+                 if not library_hook(h) and hook_code(h) not in observers)
+
+
+def hook_code(hook: Any) -> Any:
+    """The code object a hook runs (a function's, a bound method's, a callable object's).
+
+    Examples
+    --------
+    >>> hook_code(print) is None
+    True
+    """
+    while isinstance(hook, functools.partial):
+        hook = hook.func
+    code = getattr(hook, "__code__", None)
+    if code is None and not isinstance(hook, type):
+        call = getattr(type(hook), "__call__", None)  # noqa: B004 - the class's, not callable()
+        code = getattr(call, "__code__", None)
+    return code
+
+
+@contextmanager
+def global_hooks_traced(model: nn.Module, seen: list[GlobalHook]) -> Iterator[None]:
+    """Within (the wrapper's export): the user's global forward hooks run on ``model``'s modules.
+
+    The wrapper's setup runs without the global module hooks
+    (:func:`~optmem.pytorch.hooks.callers_tools_suspended`): they are the caller's tools.
+    A user's own (not a library's, :func:`~optmem.pytorch.hooks.library_hook`) may change
+    the model's numbers (``o * 0.5`` for every ``nn.Linear``): until stop 87 the graph
+    lacked it, and the wrapper computed other numbers than the plain model, under one
+    warning. Here each of them is put back in its registry (same key, same place, its
+    ``with_kwargs`` and ``always_call`` flags) behind a gate that calls it for the
+    modules of ``model`` only (the root included; not the export's own wrapper module),
+    so what it returns is traced as on the plain model, and records in ``seen`` (one
+    :class:`GlobalHook` per hook, cleared on entry) whether it changed something. An
+    observer is called too, once per module, on the export's fake tensors (as an inner
+    module's hook is). On exit the registries are as on entry (empty).
+    """
+    from torch.nn.modules import module as module_mod
+
+    seen.clear()
+    suspended = suspended_global_hooks()
+    ids = {id(m) for m in model.modules()}
+    added: list[tuple[dict[int, Any], int]] = []
+    for pre, name in _GLOBAL_KINDS:
+        for key, hook in suspended[name]:
+            if library_hook(hook):
+                continue
+            entry = GlobalHook(key, pre, hook)
+            seen.append(entry)
+            registry = getattr(module_mod, name)
+            registry[key] = _traced_gate(entry, ids)
+            added.append((registry, key))
+            for flag in () if pre else _GLOBAL_FLAGS:
+                value = dict(suspended[flag]).get(key)
+                if value is not None:
+                    getattr(module_mod, flag)[key] = value
+                    added.append((getattr(module_mod, flag), key))
+    try:
+        yield
+    finally:
+        for registry, key in added:
+            registry.pop(key, None)
+
+
+def _traced_gate(entry: GlobalHook, ids: Collection[int]) -> Callable[..., Any]:
+    """The hook of ``entry`` for the modules whose ids are ``ids``, recording what it does."""
+
+    def gate(module: nn.Module, *args: Any) -> Any:
+        if id(module) not in ids:
+            return None
+        received = _versions(args)
+        try:
+            out = entry.hook(module, *args)
+        except Exception:  # noqa: BLE001 - on fake tensors: left as before (warned)
+            entry.failed = True
+            return None
+        if out is not None or _versions(args) != received:
+            entry.modifier = True
+        return out
+
+    return gate
+
+
+@contextmanager
+def global_modifiers_checked(keys: Iterable[tuple[int, bool]]) -> Iterator[None]:
+    """Within (a step's forward): the global hooks in the graph must change nothing more.
+
+    ``keys``: the ``(handle id, pre)`` of the global hooks whose effect is in the graph
+    (:func:`global_hooks_traced`). torch calls them on every module call, so on optmem's
+    own modules too (the wrapper's stages); on those each must return ``None`` and write
+    nothing, or its effect would be applied twice: one ``OptmemInputError`` then, naming
+    the hook. A hook no longer registered (possible only in a wrapper loaded from a file:
+    in the process that traced it, the wrapper extracts again first) is an
+    ``OptmemInputError`` too. On exit each is back in its place.
+    """
+    from torch.nn.modules import module as module_mod
+
+    replaced: list[tuple[dict[int, Any], int, Any, Any]] = []
+    for key, pre in keys:
+        registry = getattr(module_mod, _GLOBAL_KINDS[0 if pre else 1][1])
+        hook = registry.get(key)
+        if hook is None:  # the state check extracts again first: a wrapper saved and loaded
+            raise OptmemInputError(
+                "this wrapper's graph holds the effect of a global module forward hook that "
+                "is no longer registered (a wrapper saved with torch.save and loaded "
+                "elsewhere): wrap the model again", field="module")
+        registry[key] = gate = _checked_gate(hook)
+        replaced.append((registry, key, hook, gate))
+    try:
+        yield
+    finally:
+        for registry, key, hook, gate in replaced:
+            if registry.get(key) is gate:
+                registry[key] = hook
+
+
+def _checked_gate(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook``, refusing a value returned (or a write) for one of optmem's own modules."""
+
+    def gate(module: nn.Module, *args: Any) -> Any:
+        received = _versions(args)
+        out = hook(module, *args)
+        if type(module).__module__.startswith("optmem.") and (
+                out is not None or _versions(args) != received):
+            name = getattr(hook, "__qualname__", repr(hook))
+            raise OptmemInputError(
+                f"the global module forward hook {name} changes the output of optmem's own "
+                f"module {type(module).__name__}: optmem traced its effect on the model's "
+                "modules into its graph, and the plan calls its stages as modules, so it "
+                "would be applied twice. Make it return None for the modules it does not "
+                "target (test isinstance(module, nn.Linear), or membership in a set of your "
+                "modules), or register it on those modules (module.register_forward_hook)",
+                field="module")
+        return out
+
+    return gate
+
+
 @dataclass(frozen=True)
 class ObserverCall:
     """An observing hook to call at every step, and where its arguments come from.
@@ -205,6 +407,17 @@ class ObserverPlan:
     on_grad_path: frozenset[str] = frozenset()
     #: the hooks that returned a value (or wrote a tensor in place): in the graph
     modifiers: tuple[Callable[..., Any], ...] = ()
+    #: the user's global hooks in the graph, ``(handle id, pre)`` (:func:`global_hooks_traced`)
+    global_modifiers: tuple[tuple[int, bool], ...] = ()
+    #: those hooks (not pickled: a saved wrapper holds no global hook)
+    global_hooks: tuple[Callable[..., Any], ...] = ()
+    #: the code of the user's global hooks that returned ``None`` on every module (not
+    #: pickled: code objects are not)
+    global_observers: frozenset[Any] = frozenset()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without the global hooks and their code (see the attributes)."""
+        return {**self.__dict__, "global_hooks": (), "global_observers": frozenset()}
 
     @cached_property
     def taps(self) -> frozenset[str]:
@@ -231,12 +444,14 @@ class ObserverPlan:
         have = set(available)
         lost = {c.hook_id for c in self.calls if not c.needs <= have}  # all its calls or none
         return ObserverPlan(tuple(c for c in self.calls if c.hook_id not in lost),
-                            frozenset(on_grad_path), self.modifiers)
+                            frozenset(on_grad_path), self.modifiers, self.global_modifiers,
+                            self.global_hooks, self.global_observers)
 
 
 def observer_plan(model: nn.Module, met: list[HookCall], call_graph: Iterable[Any],
                   in_graph: Callable[[str], bool],
-                  constants: dict[str, Any] | None = None) -> ObserverPlan:
+                  constants: dict[str, Any] | None = None,
+                  global_met: Iterable[GlobalHook] = ()) -> ObserverPlan:
     """The observers among ``met`` that can be called with values of the graph.
 
     ``call_graph``: the export's ``module_call_graph``; ``in_graph``: whether a node name
@@ -248,6 +463,8 @@ def observer_plan(model: nn.Module, met: list[HookCall], call_graph: Iterable[An
     extraction, warned), every call of: a hook on a module with a hook of the same kind
     that returned a value (the graph's values are after it), and a hook one of whose
     calls has arguments or an output that are neither graph values nor constants.
+    ``global_met``: the user's global hooks the export called (:func:`global_hooks_traced`);
+    those that modified are listed as modifiers too.
     """
     signatures = {e.fqn: e.signature for e in call_graph if getattr(e, "signature", None)}
     modifies = {(m.module_name, m.pre) for m in met if not m.observer}
@@ -266,8 +483,24 @@ def observer_plan(model: nn.Module, met: list[HookCall], call_graph: Iterable[An
             calls.append(call)
     modifiers = {m.hook_id: _hook_dict(model.get_submodule(m.module_name), m.pre).get(m.hook_id)
                  for m in met if not m.observer}
+    changed = [g for g in global_met if g.modifier]
+    failed = [g for g in changed if g.failed]
+    if failed:
+        name = getattr(failed[0].hook, "__qualname__", repr(failed[0].hook))
+        raise OptmemInputError(
+            f"the global module forward hook {name} changes some of {type(model).__name__}'s "
+            "module outputs but raised on others while optmem traced the model (on fake "
+            "tensors, torch.compiler.is_exporting() true): its effect cannot be put in "
+            "optmem's graph exactly. Make it run on fake tensors (no .item(), .numpy(), "
+            "tensor hooks), or register it on the modules it targets "
+            "(module.register_forward_hook)", field="module")
     return ObserverPlan(tuple(c for c in calls if c.hook_id not in dropped),
-                        modifiers=tuple(h for h in modifiers.values() if h is not None))
+                        modifiers=tuple(h for h in modifiers.values() if h is not None),
+                        global_modifiers=tuple((g.key, g.pre) for g in changed),
+                        global_hooks=tuple(g.hook for g in changed),
+                        global_observers=frozenset(
+                            hook_code(g.hook) for g in global_met
+                            if not (g.modifier or g.failed)) - {None})
 
 
 def _observer_call(model: nn.Module, m: HookCall, sig: Any, in_graph: Callable[[str], bool],
@@ -395,15 +628,20 @@ def observing(plan: ObserverPlan | None, side: Mapping[str, Any] | None = None
     ``side``: the call's inputs and side values, by node name (taken first). Runs of the
     stages outside (the plan's re-runs in the backward, profiling) call none.
     """
-    if plan is None or not plan.calls:
+    if plan is None or not (plan.calls or plan.global_modifiers):
         yield
+        return
+    if not plan.calls:  # the global hooks in the graph only
+        with global_modifiers_checked(plan.global_modifiers):
+            yield
         return
     step = _Step(plan, grad=torch.is_grad_enabled())
     for name in plan.taps & set(side or ()):
         step.take(name, side[name])  # type: ignore[index]
     token = _STEP.set(step)
     try:
-        yield
+        with global_modifiers_checked(plan.global_modifiers):
+            yield
     finally:
         _STEP.reset(token)
     step.finish()
@@ -511,7 +749,7 @@ def _forward_hook_result(module: nn.Module, hook_id: int, hook: Callable[..., An
     return result if new is None else new
 
 
-def warn_global_hooks(warned: set[int]) -> None:
+def warn_global_hooks(warned: set[int], traced: Collection[int] = ()) -> None:
     """Warn once per hook about a user's global module forward hook (not torch's own tools).
 
     ``torch.nn.modules.module.register_module_forward_hook`` (and the pre-hook's) is called
@@ -519,24 +757,25 @@ def warn_global_hooks(warned: set[int]) -> None:
     on optmem's stage calls, since the plan runs the model's inner modules as one traced
     graph (extraction runs without it: :func:`~optmem.pytorch.hooks.callers_tools_suspended`).
     A hook that returns a value for some modules (``o * 0.5`` on every ``nn.Linear``) or
-    records them computed other numbers, in silence, until stop 86. torch's tools
-    (``ModTracker``, ``MemTracker``), whose hooks are torch's, are not named. ``warned``:
-    the ids already warned about (updated).
+    records them computed other numbers, in silence, until stop 86; since stop 87 one that
+    returns a value is in the graph (:func:`global_hooks_traced`; its id in ``traced``, not
+    named). torch's tools (``ModTracker``, ``MemTracker``), whose hooks are torch's, are not
+    named. ``warned``: the ids already warned about (updated).
     """
     from torch.nn.modules import module as module_mod
 
     for hooks in (module_mod._global_forward_pre_hooks, module_mod._global_forward_hooks):
         for hook_id, hook in hooks.items():
-            if hook_id in warned or library_hook(hook):
+            if hook_id in warned or hook_id in traced or library_hook(hook):
                 continue
             warned.add(hook_id)
             name = getattr(hook, "__qualname__", repr(hook))
             warnings.warn(
                 f"a global module forward hook is registered ({name}, "
-                "torch.nn.modules.module.register_module_forward_hook or _pre_hook): optmem "
-                "runs the model's inner modules as one traced graph, so the hook is called on "
-                "optmem's stages, not on them as on the plain model; if it changes their "
-                "outputs the numbers differ. Register it on the modules themselves before "
-                "wrapping (module.register_forward_hook: one that returns None is called at "
-                "every step with the real values, one that returns a value is traced into the "
-                "graph)", stacklevel=4)
+                "torch.nn.modules.module.register_module_forward_hook or _pre_hook) that "
+                "returned None on every module when optmem traced the model (or raised on its "
+                "fake tensors): optmem runs the model's inner modules as one traced graph, so "
+                "at a step the hook is called on optmem's stages, not on them as on the plain "
+                "model. Register it on the modules themselves before wrapping "
+                "(module.register_forward_hook: one that returns None is called at every step "
+                "with the real values)", stacklevel=4)

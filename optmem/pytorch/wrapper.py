@@ -79,10 +79,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import dis
 import functools
 import inspect
 import logging
 import operator
+import sysconfig
 import types
 import warnings
 import weakref
@@ -142,11 +144,13 @@ from optmem.pytorch.hooks import (
 )
 from optmem.pytorch.memory import buffers_restored, gradients_restored, storage_bytes
 from optmem.pytorch.observers import (
+    ObserverPlan,
     call_with_root_hooks,
     has_root_hooks,
     observers_silenced,
     observing,
     root_hooks_suspended,
+    user_global_hooks,
     warn_global_hooks,
 )
 from optmem.pytorch.planning import Planner, refuse_second_copies
@@ -695,7 +699,7 @@ class PlannedModule(nn.Module):
         self._signature = None if self._plain else inspect.signature(module.forward)
         self._tensor_state = TensorState(module, attributes=not self._plain)
         if main.extraction is not None:
-            self._tensor_state.watch(main.extraction.observers.modifiers)
+            self._tensor_state.watch(main.extraction.observers)
         self._given: GivenPlan | None = None
         if not self._plain:
             self.forward = _SignedForward(self)  # type: ignore[method-assign]
@@ -1028,7 +1032,9 @@ class PlannedModule(nn.Module):
             with absorbing():
                 return self._module_call(compiled)(*args, **kwargs)
         if _global_forward_hooks or _global_forward_pre_hooks:
-            warn_global_hooks(self.__dict__.setdefault("_global_hooks_warned", set()))
+            ext = variant.extraction
+            warn_global_hooks(self.__dict__.setdefault("_global_hooks_warned", set()),
+                              {k for k, _ in ext.observers.global_modifiers} if ext else ())
         if has_root_hooks(model):  # called here, around the plan, as the model's call does
             return call_with_root_hooks(model, *given, lambda a, k: self._planned(
                 args, kwargs, compiled, variant) if a is given[0] and k is given[1]
@@ -1359,7 +1365,7 @@ class PlannedModule(nn.Module):
         if self._compile_options is not None:
             _compile_executor(variant.executor, self._compile_options)
         if variant.extraction is not None:
-            self._tensor_state.watch(variant.extraction.observers.modifiers)
+            self._tensor_state.watch(variant.extraction.observers)
         return variant
 
     def _new_variant(self, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -1613,6 +1619,21 @@ def _hashable(value: Any) -> Any:
         return repr(value)
 
 
+class _Unpickled(list[Any]):
+    """A list a deep copy keeps (its items shared) and pickling drops (saved empty).
+
+    The user's global hooks and code objects a :class:`TensorState` watches: a copy in
+    the same process watches them too; a wrapper saved to a file holds none (a lambda
+    or a code object would not pickle; a global hook is not the model's).
+    """
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Unpickled:
+        return _Unpickled(self)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Unpickled, ())
+
+
 class TensorState:
     """What an exported graph baked in of the model, checked cheaply per call.
 
@@ -1689,6 +1710,8 @@ class TensorState:
         self._version = 0
         self._attributes = attributes
         self._modifiers: list[Any] = []  # hooks in the graph: what they read is recorded
+        self._global_modifiers: list[Any] = []  # the user's global hooks in the graph
+        self._observer_codes: frozenset[Any] = frozenset()  # global hooks found to observe
         self._refresh()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -1701,6 +1724,8 @@ class TensorState:
         self.key()
         return {"module": self.module, "_version": self._version,
                 "_attributes": self._attributes, "_modifiers": self._modifiers,
+                "_global_modifiers": _Unpickled(self._global_modifiers),
+                "_observer_codes": _Unpickled(self._observer_codes),
                 "_pinned": pinned_names(self.module)}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -1710,7 +1735,10 @@ class TensorState:
         modules (its graphs, copied, hold them too).
         """
         pin_names(state["module"], state.pop("_pinned", frozenset()))
-        self.__dict__.update({"_modifiers": [], **state})  # (none in a wrapper saved before)
+        # (none in a wrapper saved before)
+        self.__dict__.update({"_modifiers": [], **state})
+        self._global_modifiers = list(state.get("_global_modifiers", ()))
+        self._observer_codes = frozenset(state.get("_observer_codes", ()))
         self._refresh()
 
     def _refresh(self) -> None:
@@ -1738,6 +1766,7 @@ class TensorState:
         self._all_hooks = [d for m in modules for d in _hook_dicts(m)
                            if m is not self.module or not self._attributes
                            or d is m._backward_hooks or d is m._backward_pre_hooks]
+        self._globals = user_global_hooks(self._observer_codes) if self._attributes else ()
         self._hook_ids = self._hook_keys()
         self._hooks = [(d, len(d)) for d in self._all_hooks if d]  # removals change these
         self._handle_id = RemovableHandle.next_id  # every registration moves it
@@ -1753,26 +1782,38 @@ class TensorState:
                       self._version, sum(1 << k for k, m in enumerate(modules) if m.training),
                       self._adapters)
 
-    def watch(self, hooks: Iterable[Any]) -> None:
-        """Record what these forward hooks (an extraction's modifiers) read (no new version).
+    def watch(self, plan: ObserverPlan) -> None:
+        """Record what an extraction's modifying hooks read, its global observers (no new version).
 
         A hook that returns a value is in the graph with the values its code read when it
         was traced (:func:`hook_reads`): when one changes, the graph no longer applies, as
-        for a module's attribute.
+        for a module's attribute. A global hook whose code returned ``None`` on every module
+        (:attr:`ObserverPlan.global_observers`) is left out of the hook check from now on:
+        registering or removing one again changes nothing in the graph.
         """
-        known = {id(h) for h in self._modifiers}
-        added = [h for h in hooks if id(h) not in known]
-        if added:
+        known = {id(h) for h in (*self._modifiers, *self._global_modifiers)}
+        added = [h for h in plan.modifiers if id(h) not in known]
+        added_global = [h for h in plan.global_hooks if id(h) not in known]
+        if added or added_global:
             self._modifiers += added
+            self._global_modifiers += added_global
             self._hook_reads = self._read_by_hooks()
+        if not plan.global_observers <= self._observer_codes:
+            self._observer_codes = self._observer_codes | plan.global_observers
+            self._globals = user_global_hooks(self._observer_codes)
+            self._hook_ids = self._hook_keys()
 
     def _read_by_hooks(self) -> _Attributes:
         """What the watched hooks still registered on the model read (:func:`hook_reads`)."""
-        if not self._modifiers:
+        if not (self._modifiers or self._global_modifiers):
             return _Attributes([])
         live = {id(h) for d in self._all_hooks for h in d.values()}
         self._modifiers = [h for h in self._modifiers if id(h) in live]
-        return _Attributes([e for h in self._modifiers for e in hook_reads(h)])
+        live = {id(h) for d in (_global_forward_hooks, _global_forward_pre_hooks)
+                for h in d.values()}
+        self._global_modifiers = [h for h in self._global_modifiers if id(h) in live]
+        return _Attributes([e for h in (*self._modifiers, *self._global_modifiers)
+                            for e in hook_reads(h)])
 
     def changed_hook_reads(self) -> list[str]:
         """The names of the watched hooks' values that differ from the recorded ones."""
@@ -1795,8 +1836,9 @@ class TensorState:
             "at every step", stacklevel=5)
 
     def _hook_keys(self) -> tuple[tuple[int, tuple[int, ...]], ...]:
-        """Which hook dictionaries hold which hooks (by handle id)."""
-        return tuple((k, tuple(d)) for k, d in enumerate(self._all_hooks) if d)
+        """Which hook dictionaries hold which hooks (by handle id; ``-1``: the user's global)."""
+        return (*((k, tuple(d)) for k, d in enumerate(self._all_hooks) if d),
+                (-1, user_global_hooks(self._observer_codes) if self._attributes else ()))
 
     def _change(self) -> int:
         """How the model differs from the recorded state.
@@ -1808,7 +1850,8 @@ class TensorState:
         """
         if sum(map(len, self._entries)) != self._n_entries or \
                 any(len(d) != n for d, n in self._hooks) or \
-                any(m.p != p for m, p in self._dropout) or not self._attrs.same():
+                any(m.p != p for m, p in self._dropout) or not self._attrs.same() or \
+                self._globals and user_global_hooks(self._observer_codes) != self._globals:
             return 2
         if not self._hook_reads.same():
             self._warn_hook_reads()
@@ -2231,46 +2274,157 @@ def hook_reads(hook: Any) -> list[tuple[Any, str, Any]]:
 
     A hook that returns a value is traced into the graph (stop 86): the numbers it reads
     at that time are constants there, so a steering strength ``alpha`` changed between
-    steps changed nothing. Recorded (``(namespace, name, value)``): the free variables of
-    its closure and the globals its code names, whose value is a bool, int, float, str,
-    ``None``, a plain tensor (by identity) or a small container of those, and one level
-    down, such entries of a dict or of a plain object among them; for a bound method or a
-    callable object, the attributes of the object (``self.alpha``); for a
-    ``functools.partial``, its keywords. Not what a function the hook calls reads.
+    steps changed nothing. Recorded (``(namespace, name, value)``): the values whose type
+    is a bool, int, float, str, ``None``, a plain tensor (by identity) or a small container
+    of those, met on a bounded walk (:class:`_ReadWalk`) from the hook's free variables and
+    the globals its code loads (``LOAD_GLOBAL``; not a global that only shares its name
+    with an attribute the code reads), for a bound method or a callable object from the
+    attributes of its object (``self.alpha``), for a ``functools.partial`` from its
+    keywords. The walk goes into dicts, plain objects (``cfg.steer.alpha``) and the
+    user's own functions the code names (a helper ``steer(o)`` reading ``CFG.alpha``: its
+    globals and closure), :data:`READ_DEPTH` levels down, each object once; never into a
+    module, tensor, class or a library's function; of an object, only the attributes
+    some walked code (or a method of its class) reads by that name (since stop 87: before,
+    one level down, every attribute, not into functions).
     """
-    out: list[tuple[Any, str, Any]] = []
+    walk = _ReadWalk()
     if isinstance(hook, functools.partial):
-        _record_items(hook.keywords, out)
+        walk.mapping(hook.keywords, 1)
         hook = hook.func
     owner = getattr(hook, "__self__", None)
-    if owner is None and not isinstance(hook, types.FunctionType) and hasattr(hook, "__dict__"):
+    if isinstance(hook, types.MethodType):
+        hook = hook.__func__
+    elif owner is None and not isinstance(hook, types.FunctionType) and \
+            hasattr(hook, "__dict__"):
         owner, hook = hook, type(hook).__call__  # a callable object
     if owner is not None and hasattr(owner, "__dict__") and not isinstance(owner, nn.Module):
-        _record_items(vars(owner), out)
-    code = getattr(hook, "__code__", None)
-    if code is None:
-        return out
-    sources: list[tuple[Mapping[str, Any], list[str]]] = []
-    if hook.__closure__:
-        cells = _Cells(code.co_freevars, hook.__closure__)
-        sources.append((cells, list(cells)))
-    glob = getattr(hook, "__globals__", {})
-    sources.append((glob, [n for n in code.co_names if n in glob]))
-    for namespace, names in sources:
-        for name in names:
-            value = namespace[name]
-            if _readable(value):
-                out.append((namespace, name, _recorded(value)))
-            if type(value) is dict:  # its entries too: the warning names them
-                _record_items(value, out)
-            elif _plain_object(value):
-                _record_items(vars(value), out)
-    return out
+        walk.instance(owner, 1)
+    if isinstance(hook, types.FunctionType):
+        walk.function(hook, 0)
+    return walk.entries()
 
 
-def _record_items(namespace: Mapping[str, Any], out: list[tuple[Any, str, Any]]) -> None:
-    out.extend((namespace, name, _recorded(value)) for name, value in namespace.items()
-               if isinstance(name, str) and _readable(value))
+READ_DEPTH = 4
+"""How many levels down from a hook :func:`hook_reads` looks (an object, a function each)."""
+
+
+class _ReadWalk:
+    """The walk of :func:`hook_reads`: each namespace and function once, bounded in depth.
+
+    An object's attributes are kept only under a name some walked code reads as an
+    attribute (the hook's, a helper's, a method of the object's class): a counter the
+    training loop moves on the same object is not what the hook reads.
+    """
+
+    def __init__(self) -> None:
+        self.out: list[tuple[Any, str, Any]] = []
+        self.seen: set[int] = set()
+        self.attributes: set[str] = set()  # names read as attributes by the code walked
+        self.instances: set[int] = set()  # the ids of objects' ``vars``
+
+    def entries(self) -> list[tuple[Any, str, Any]]:
+        """What was met: an object's attribute only under a name the code reads."""
+        return [e for e in self.out if id(e[0]) not in self.instances
+                or e[1] in self.attributes]
+
+    def _first(self, obj: Any) -> bool:
+        if id(obj) in self.seen:
+            return False
+        self.seen.add(id(obj))
+        return True
+
+    def function(self, fn: types.FunctionType, depth: int) -> None:
+        """The free variables and the loaded globals of a user's function."""
+        if depth > READ_DEPTH or not self._first(fn):
+            return
+        code = fn.__code__
+        globals_read, attributes = _code_names(code)
+        self.attributes.update(attributes)
+        if fn.__closure__:
+            cells = _Cells(code.co_freevars, fn.__closure__)
+            for name in cells:
+                with contextlib.suppress(KeyError):  # an empty cell
+                    self.value(cells, name, cells[name], depth)
+        glob = fn.__globals__
+        for name in globals_read:
+            if name in glob:
+                self.value(glob, name, glob[name], depth)
+
+    def instance(self, obj: Any, depth: int) -> None:
+        """A plain object: its attributes, and what its class's methods read of it."""
+        namespace = vars(obj)
+        self.instances.add(id(namespace))
+        for klass in type(obj).__mro__[:-1]:
+            for member in vars(klass).values():
+                fget = getattr(member, "fget", None)  # a property's
+                fn = getattr(member, "__func__", fget if fget is not None else member)
+                if isinstance(fn, types.FunctionType) and _user_function(fn):
+                    self.attributes.update(_code_names(fn.__code__)[1])
+        self.mapping(namespace, depth)
+
+    def mapping(self, namespace: Mapping[Any, Any], depth: int) -> None:
+        """The string-keyed entries of a dict or an object's ``vars``."""
+        if depth > READ_DEPTH or not self._first(namespace):
+            return
+        for name, value in list(namespace.items()):
+            if isinstance(name, str):
+                self.value(namespace, name, value, depth)
+
+    def value(self, namespace: Mapping[str, Any], name: str, value: Any, depth: int) -> None:
+        """Record ``value`` if a graph bakes it in, else walk into it."""
+        if _readable(value):
+            self.out.append((namespace, name, _recorded(value)))
+        if type(value) is dict:  # its entries too: the warning names them
+            self.mapping(value, depth + 1)
+        elif _plain_object(value):
+            self.instance(value, depth + 1)
+        elif isinstance(value, types.MethodType) and _plain_object(value.__self__):
+            self.instance(value.__self__, depth + 1)
+            self.value(namespace, name, value.__func__, depth)
+        elif isinstance(value, types.FunctionType) and _user_function(value):
+            self.function(value, depth + 1)
+
+
+@functools.lru_cache(maxsize=512)
+def _code_names(code: types.CodeType) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The names ``code`` (and the functions defined in it) loads as globals, as attributes.
+
+    Globals: ``LOAD_GLOBAL`` / ``LOAD_NAME`` only (stop 87): ``self.alpha`` names
+    ``alpha`` in ``co_names`` too, as an attribute, which a global ``alpha`` of the module
+    does not feed. Attributes: ``LOAD_ATTR`` / ``LOAD_METHOD``.
+
+    Examples
+    --------
+    >>> _code_names((lambda m, a, o: o * scale + m.alpha).__code__)
+    (('scale',), ('alpha',))
+    """
+    found: dict[str, dict[str, None]] = {"global": {}, "attribute": {}}
+    for i in dis.get_instructions(code):
+        kind = _NAME_KINDS.get(i.opname)
+        if kind is not None:
+            found[kind][i.argval] = None
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            inner = _code_names(const)
+            found["global"].update(dict.fromkeys(inner[0]))
+            found["attribute"].update(dict.fromkeys(inner[1]))
+    return tuple(found["global"]), tuple(found["attribute"])
+
+
+_NAME_KINDS = {"LOAD_GLOBAL": "global", "LOAD_NAME": "global", "LOAD_ATTR": "attribute",
+               "LOAD_METHOD": "attribute"}
+
+
+def _user_function(fn: types.FunctionType) -> bool:
+    """A function of the user's code, not of torch, a library or Python's own modules."""
+    root = (fn.__module__ or "").partition(".")[0]
+    where = fn.__code__.co_filename
+    return root not in _LIBRARY_ROOTS and not where.startswith(_LIBRARY_DIRS) and \
+        "site-packages" not in where and not where.startswith("<frozen")
+
+
+_LIBRARY_ROOTS = frozenset({"torch", "optmem", "numpy", "transformers", "functools", "builtins"})
+_LIBRARY_DIRS = tuple({sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"]})
 
 
 def _readable(value: Any) -> bool:
