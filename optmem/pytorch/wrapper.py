@@ -1675,15 +1675,17 @@ class TensorState:
       (:func:`_adapter_state`, stop 84);
     * the module hooks: forward hooks and pre-hooks are traced into the graph, backward
       hooks are refused (:mod:`optmem.pytorch.hooks`); a hook registered or removed after
-      wrapping was silently ignored. Not the *global* module hooks registered after
-      wrapping (``register_module_forward_hook``): they are how torch's tools observe a
-      step (``MemTracker``, ``ModTracker``, ``FlopCounterMode``), they run on the
-      wrapper's stage calls (extraction and profiling run without them:
-      :func:`~optmem.pytorch.hooks.callers_tools_suspended`). Nor the model's own forward
-      hooks and pre-hooks, which the wrapper calls around the plan (stop 86);
-    * what the hooks of inner modules that returned a value read (:meth:`watch`,
-      :func:`hook_reads`): a steering strength ``alpha`` changed after wrapping was
-      silently ignored (stop 86).
+      wrapping was silently ignored. Not the *global* module hooks of torch's tools
+      (``MemTracker``, ``ModTracker``, ``FlopCounterMode``): they run on the wrapper's
+      stage calls (extraction and profiling run without them:
+      :func:`~optmem.pytorch.hooks.callers_tools_suspended`). The user's own global
+      forward hooks are (stop 87: the export calls them on the model's modules,
+      :func:`~optmem.pytorch.observers.global_hooks_traced`), but for those whose code
+      an export found to return ``None`` everywhere (:meth:`watch`). Not the model's own
+      forward hooks and pre-hooks, which the wrapper calls around the plan (stop 86);
+    * what the hooks of inner modules (and the global hooks) that returned a value read
+      (:meth:`watch`, :func:`hook_reads`): a steering strength ``alpha`` changed after
+      wrapping was silently ignored (stop 86).
 
     The state is part of the signature, so any such change extracts again (and a new
     backward hook is then refused, a new forward hook reported, as when wrapping). The
