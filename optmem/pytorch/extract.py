@@ -595,10 +595,15 @@ def _size_site(exc: BaseException, branch: str | None, owner: str | None
                ) -> tuple[str | None, str | None]:
     """Where the export with the sample's values met its data-dependent size, if known.
 
-    ``(branch, owner)`` of the first failure otherwise (no line named).
+    Only when the first failure was an ``if`` on a value, which those values resolved (HF
+    OneFormer's overflow guard, then its decoder's boolean index); a first failure that
+    is a loop over such a tensor (``for e in hit:``, the experts a router picked) is
+    where the size is, and stays named. ``(branch, owner)`` of the first failure
+    otherwise.
     """
     at, at_owner = getattr(exc, "size_at", (None, None))
-    return (at, at_owner) if at is not None else (branch, owner)
+    resolved = branch is not None and ("(`if " in branch or "(`elif " in branch)
+    return (at, at_owner) if at is not None and resolved else (branch, owner)
 
 
 def failed_in(exc: BaseException, model: nn.Module) -> str | None:
