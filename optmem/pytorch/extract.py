@@ -30,6 +30,7 @@ from __future__ import annotations
 import copy
 import inspect
 import io
+import linecache
 import logging
 import operator
 import os
@@ -554,6 +555,8 @@ def _extract_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
             intermediate = isinstance(exc, IntermediateBranch)
             again = _real_values_failure(exc)
             size = bool(getattr(exc, "data_dependent_size", False))
+            if size:
+                branch, owner = _size_site(exc, branch, owner)
     if method in ("auto", "fx"):
         try:
             fx_ext = _fx_program(module, args, kwargs)
@@ -590,6 +593,21 @@ def _extract_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
         "nn.Sequential of its blocks or a list of stage modules instead", field="module")
 
 
+def _size_site(exc: BaseException, branch: str | None, owner: str | None
+               ) -> tuple[str | None, str | None]:
+    """Where the export with the sample's values met its data-dependent size, if known.
+
+    Only when the first failure was an ``if`` on a value, which those values resolved (HF
+    OneFormer's overflow guard, then its decoder's boolean index); a first failure that
+    is a loop over such a tensor (``for e in hit:``, the experts a router picked) is
+    where the size is, and stays named. ``(branch, owner)`` of the first failure
+    otherwise.
+    """
+    at, at_owner = getattr(exc, "size_at", (None, None))
+    resolved = branch is not None and ("(`if " in branch or "(`elif " in branch)
+    return (at, at_owner) if at is not None and resolved else (branch, owner)
+
+
 def failed_in(exc: BaseException, model: nn.Module) -> str | None:
     """The qualified name of the innermost submodule of ``model`` whose code raised ``exc``.
 
@@ -597,13 +615,37 @@ def failed_in(exc: BaseException, model: nn.Module) -> str | None:
     model's Python code): the last frame whose ``self`` is a module of ``model`` other than
     ``model`` itself. ``None`` when no such frame is found.
     """
-    names = {id(m): n for n, m in model.named_modules() if n}
+    found = _failing_frame(exc, model, itself=False)
+    return None if found is None else found[0]
+
+
+def failed_line(exc: BaseException, model: nn.Module) -> str | None:
+    """``file:line (`code`)`` in the innermost submodule's code that raised ``exc``.
+
+    The frame :func:`failed_in` names the module of, or ``model``'s own; ``None``
+    without one.
+    """
+    found = _failing_frame(exc, model, itself=True)
+    if found is None:
+        return None
+    frame = found[1]
+    path, line = frame.f_code.co_filename, frame.f_lineno
+    return f"{os.path.basename(path)}:{line} (`{linecache.getline(path, line).strip()}`)"
+
+
+def _failing_frame(exc: BaseException, model: nn.Module, *, itself: bool
+                   ) -> tuple[str, FrameType] | None:
+    """The innermost frame of ``exc``'s chain a submodule of ``model`` runs, and its name.
+
+    ``model``'s own frames count too if ``itself``.
+    """
+    names = {id(m): n for n, m in model.named_modules() if n or itself}
     for current in _exception_chain(exc):
-        found: str | None = None
+        found: tuple[str, FrameType] | None = None
         for frame in _frames(current):
             owner = frame.f_locals.get("self")
             if isinstance(owner, nn.Module) and id(owner) in names:
-                found = names[id(owner)]
+                found = (names[id(owner)], frame)
         if found is not None:
             return found
     return None
@@ -1322,6 +1364,12 @@ def _export(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
             # still a data-dependent guard with the sample's values: a size (nonzero, a
             # boolean mask, tolist) that no value of the call fixes
             exc.data_dependent_size = _size_failure(again)  # type: ignore[attr-defined]
+            # where that size is, past the branches the sample's values resolved (HF
+            # OneFormer: its encoder's overflow guard first, then a boolean index in its
+            # decoder); the first failure's line named the guard (stop 87)
+            exc.size_at = (  # type: ignore[attr-defined]
+                data_dependent_branch(again) or failed_line(again, module),
+                failed_in(again, module))
             raise exc from None
         return ep
 

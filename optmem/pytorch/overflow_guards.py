@@ -25,6 +25,16 @@ say which side was taken) and in the model's source, parsed at the line the grap
 (the ``if`` holds just those two statements, the bound is ``finfo(X.dtype).max - K``,
 and no other name holds the guarded tensor: the last statement before the guard that
 touches ``X`` assigns it a fresh value). Anything else is left as it is, refused.
+
+The clamp held is ``optmem::overflow_clamp`` (stop 87), not ``aten.clamp``: its values
+are the clamp's, and so is its gradient on the clamping side, but on the finite side the
+model has no clamp, and autograd passes the gradient on in its own layout, where
+``aten.clamp``'s backward (``where(-c <= h <= c, grad, 0)``) returns it in ``h``'s. Equal
+values, other strides: a later reduction summed them in another order (HF Table
+Transformer, whose guarded value is a transposed view: its ``input_projection.bias``
+gradient was 1.2e-7 off). The op's backward decides at run time, as the model does:
+every value of ``h`` within the bound, the gradient as it came (a copy in its layout);
+else ``aten.clamp``'s gradient, bit for bit.
 """
 
 from __future__ import annotations
@@ -42,7 +52,69 @@ from torch import fx
 
 from optmem.pytorch.branches import target_name
 
-__all__ = ["overflow_guards"]
+__all__ = ["OVERFLOW_CLAMP", "overflow_guards"]
+
+
+@torch.library.custom_op("optmem::overflow_clamp", mutates_args=())
+def _overflow_clamp(h: torch.Tensor, bound: float) -> torch.Tensor:
+    """``torch.clamp(h, -bound, bound)``: the guard's clamp held unconditionally."""
+    return torch.clamp(h, min=-bound, max=bound)
+
+
+@_overflow_clamp.register_fake
+def _overflow_clamp_fake(h: torch.Tensor, bound: float) -> torch.Tensor:
+    return torch.empty_like(h)
+
+
+@torch.library.custom_op("optmem::overflow_clamp_backward", mutates_args=())
+def _overflow_clamp_backward(grad: torch.Tensor, h: torch.Tensor, bound: float
+                             ) -> torch.Tensor:
+    """The gradient of :func:`_overflow_clamp`, as the model's side of the guard gives it.
+
+    Every value of ``h`` within ``[-bound, bound]`` (the model did not clamp): ``grad``
+    itself, copied in its own layout (an operator cannot return its input). Else
+    ``aten.clamp``'s backward, ``where(h >= -bound & h <= bound, grad, 0)``, bit for bit
+    and in its layout (``h``'s).
+    """
+    inside = (h >= -bound).logical_and_(h <= bound)
+    if bool(inside.all()):
+        return grad.clone()
+    return torch.where(inside, grad, torch.scalar_tensor(0.0, dtype=grad.dtype,
+                                                         device=grad.device))
+
+
+@_overflow_clamp_backward.register_fake
+def _overflow_clamp_backward_fake(grad: torch.Tensor, h: torch.Tensor, bound: float
+                                  ) -> torch.Tensor:
+    return torch.empty_like(grad)
+
+
+def _clamp_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    ctx.save_for_backward(inputs[0])
+    ctx.bound = inputs[1]
+
+
+def _clamp_grad(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    (h,) = ctx.saved_tensors
+    return OVERFLOW_CLAMP_BACKWARD(grad, h, ctx.bound), None
+
+
+def _backward_grad(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    """The backward is linear in ``grad`` (a double backward): the same op on ``grad``."""
+    (h,) = ctx.saved_tensors
+    return OVERFLOW_CLAMP_BACKWARD(grad, h, ctx.bound), None, None
+
+
+def _backward_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    ctx.save_for_backward(inputs[1])
+    ctx.bound = inputs[2]
+
+
+_overflow_clamp.register_autograd(_clamp_grad, setup_context=_clamp_setup)
+_overflow_clamp_backward.register_autograd(_backward_grad, setup_context=_backward_setup)
+
+OVERFLOW_CLAMP = torch.ops.optmem.overflow_clamp.default
+OVERFLOW_CLAMP_BACKWARD = torch.ops.optmem.overflow_clamp_backward.default
 
 _SCALAR_STEPS = {"sym_ite": torch.sym_ite, "sym_not": torch.sym_not, "eq": operator.eq,
                  "ne": operator.ne, "le": operator.le, "ge": operator.ge, "lt": operator.lt,
@@ -58,6 +130,7 @@ class _Guard:
     flag: tuple[fx.Node, ...]  # isfinite ... _assert_scalar, in graph order
     finite: bool  # the side the export took: every value finite (no clamp in the graph)
     bound: float
+    taken: fx.Node | None  # the clamping side's clamp (``None`` on the finite side)
 
 
 def overflow_guards(gm: fx.GraphModule) -> int:
@@ -96,10 +169,10 @@ def _recognised(node: fx.Node, order: dict[fx.Node, int]) -> _Guard | None:
     if bound != torch.finfo(dtype).max:  # float16: the clamp would change finite values
         return None
     flag = tuple(sorted({node, *_between(node, item), item, *steps}, key=order.__getitem__))
-    guard = _Guard(value, flag, finite, bound)
-    if not finite and _taken_clamp(guard, order) is None:
+    taken = None if finite else _taken_clamp(value, bound, order[flag[-1]], order)
+    if not finite and taken is None:
         return None
-    return guard
+    return _Guard(value, flag, finite, bound, taken)
 
 
 def _flag_read(isfinite: fx.Node) -> fx.Node | None:
@@ -173,29 +246,36 @@ def _asserts_hold(item: fx.Node, steps: list[fx.Node], flag: bool) -> bool:
     return True
 
 
-def _taken_clamp(guard: _Guard, order: dict[fx.Node, int]) -> fx.Node | None:
+def _taken_clamp(value: fx.Node, bound: float, last: int, order: dict[fx.Node, int]
+                 ) -> fx.Node | None:
     """The clamp the clamping side put in the graph: ``clamp(h, -bound, bound)`` after it."""
-    last = order[guard.flag[-1]]
-    for user in guard.value.users:
+    for user in value.users:
         if (target_name(user) == "clamp" and order.get(user, -1) > last and not user.kwargs
-                and user.args == (guard.value, -guard.bound, guard.bound)):
+                and user.args == (value, -bound, bound)):
             return user
     return None
 
 
 def _rewrite(gm: fx.GraphModule, guard: _Guard, order: dict[fx.Node, int]) -> None:
-    """Drop the guard's assertions; on the finite side, clamp what reads the value after."""
-    last = guard.flag[-1]
-    if guard.finite:
-        readers = [u for u in guard.value.users
-                   if u not in guard.flag and order.get(u, -1) > order[last]]
-        with gm.graph.inserting_after(last):
-            clamp = gm.graph.call_function(torch.ops.aten.clamp.default,
-                                           (guard.value, -guard.bound, guard.bound))
-        clamp.meta = {**guard.value.meta, **{k: v for k, v in guard.flag[0].meta.items()
-                                             if k in ("nn_module_stack", "stack_trace")}}
-        for reader in readers:
-            reader.replace_input_with(guard.value, clamp)
+    """Drop the guard's assertions; what reads the value after reads the held clamp.
+
+    On the finite side the clamp is inserted after the guard; on the clamping side the
+    graph's ``aten.clamp`` is replaced: either way by :data:`OVERFLOW_CLAMP`, whose
+    gradient follows the side taken at run time.
+    """
+    last, taken = guard.flag[-1], guard.taken
+    readers = ([u for u in guard.value.users
+                if u not in guard.flag and order.get(u, -1) > order[last]]
+               if taken is None else list(taken.users))
+    with gm.graph.inserting_after(last if taken is None else taken):
+        clamp = gm.graph.call_function(OVERFLOW_CLAMP, (guard.value, guard.bound))
+    meta = guard.flag[0].meta if taken is None else taken.meta
+    clamp.meta = {**guard.value.meta, **{k: v for k, v in meta.items()
+                                         if k in ("nn_module_stack", "stack_trace")}}
+    for reader in readers:
+        reader.replace_input_with(taken if taken is not None else guard.value, clamp)
+    if taken is not None:
+        gm.graph.erase_node(taken)
     for node in reversed(guard.flag):
         gm.graph.erase_node(node)
 
