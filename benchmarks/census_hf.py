@@ -10,10 +10,11 @@ vocabulary 100, 4 experts of which 2 per token; every sub-config alike;
 ``"60%"``, else ``"85%"``, ``"95%"``, ``"min"`` (the first limit with a plan), one training step
 is compared with a deep copy of the plain model under the same seed: loss, every output
 tensor and every parameter gradient, bitwise. One markdown row per type: per one-liner, the
-limit used and ``bitwise``, the largest difference, ``refused: <message>`` (one
-``OptmemInputError``), ``plain fails: <error>`` (the model itself, without optmem) or
-``ERROR <type>: <message>`` (anything else: a defect). Deterministic: fixed seeds, fixed
-stage times, one thread.
+limit used and ``bitwise``; ``DIFF`` (the largest difference, and whether the plain model
+with ``is_torchdynamo_exporting()`` forced true is bitwise: the model's own branch);
+``refused: <message>`` (one ``OptmemInputError``); ``build fails`` or ``plain fails`` (the
+config or the model itself, without optmem); or ``ERROR <type>: <message>`` (anything
+else: a defect). Deterministic: fixed seeds, fixed stage times, one thread.
 
     PYTHONPATH=. python benchmarks/census_hf.py ministral3 nanochat [--markdown out.md]
 """
@@ -257,8 +258,8 @@ def run_step(
 
 
 def compare(got: list[torch.Tensor], ref: list[torch.Tensor]) -> str:
-    """``bitwise``, or the largest difference and where (``loss``, ``output k``,
-    ``gradient k``: the k-th parameter's)."""
+    """``bitwise``, or the largest difference and where: ``value k of n`` in
+    :func:`run_step`'s order (the loss, the output tensors, each parameter's gradient)."""
     if len(got) != len(ref) or any(a.shape != b.shape for a, b in zip(got, ref, strict=True)):
         return "DIFFERENT outputs or gradients"
     diffs = [
