@@ -23,7 +23,8 @@ from typing import Any
 import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
-SCRIPTS = sorted(p.stem for p in BENCH.glob("bench_*.py")) + ["collect_results", "fuzz_cli"]
+SCRIPTS = sorted(p.stem for p in BENCH.glob("bench_*.py")) + ["collect_results", "fuzz_cli",
+                                                               "census_hf"]
 
 
 class _Parsed(Exception):
