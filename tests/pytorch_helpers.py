@@ -259,3 +259,49 @@ class Mlp(torch.nn.Module):
         for layer in self.layers:
             x = torch.tanh(layer(x))
         return self.head(x).square().mean()
+
+
+def assert_bitwise(got: Any, ref: Any) -> None:
+    """Equal bit for bit (NaNs where the reference has them), any nesting of tensors."""
+    torch.testing.assert_close(got, ref, rtol=0, atol=0, equal_nan=True)
+
+
+def square_step(call: Any, owner: torch.nn.Module, x: torch.Tensor
+                ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """One step of ``call(x)`` with the loss ``out.square().mean()``: output and gradients."""
+    out = call(x)
+    out.square().mean().backward()
+    grads = [None if p.grad is None else p.grad.clone() for p in owner.parameters()]
+    owner.zero_grad(set_to_none=True)
+    return out.detach(), grads
+
+
+def float_outputs_step(call: Any, owner: torch.nn.Module, kwargs: dict[str, Any]
+                       ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """One step of an HF model without labels: the loss sums its float outputs' mean squares.
+
+    Seeded (5) before the call; returns the float outputs and the parameters' gradients.
+    """
+    torch.manual_seed(5)
+    out = call(**kwargs)
+    outs = [v for v in out.values() if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    sum(t.square().mean() for t in outs if t.requires_grad).backward()
+    grads = [None if p.grad is None else p.grad.clone() for p in owner.parameters()]
+    owner.zero_grad(set_to_none=True)
+    return [t.detach() for t in outs], grads
+
+
+def tiny_detr_like(config_class: Any, model_class: Any) -> torch.nn.Module:
+    """A DETR-shaped HF detector (DETR, Table Transformer) on a tiny HF ResNet, training mode."""
+    import transformers
+
+    torch.manual_seed(0)
+    backbone = transformers.ResNetConfig(
+        embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic",
+        out_features=["stage1", "stage2"])
+    config = config_class(
+        use_timm_backbone=False, use_pretrained_backbone=False, backbone_config=backbone,
+        d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=16, decoder_ffn_dim=16, num_queries=5,
+        num_labels=3)
+    return model_class(config).train()

@@ -13,7 +13,6 @@ whose gradient follows the side taken at run time, and the message names the siz
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 import pytest
 
@@ -21,7 +20,14 @@ torch = pytest.importorskip("torch", reason="the torch bridge needs torch")
 transformers = pytest.importorskip("transformers",
                                    reason="the HF tests need transformers (dev extra)")
 
-from pytorch_helpers import HUNT_FIXED, hunt_kinds  # noqa: E402
+from pytorch_helpers import (  # noqa: E402
+    HUNT_FIXED,
+    assert_bitwise,
+    float_outputs_step,
+    hunt_kinds,
+    square_step,
+    tiny_detr_like,
+)
 from torch import nn  # noqa: E402
 
 import optmem.pytorch as op  # noqa: E402
@@ -53,17 +59,6 @@ class PermutedGuard(nn.Module):
         return self.head(h / self.gain)
 
 
-def _toy_step(call: Any, owner: nn.Module, x: torch.Tensor
-              ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-    out = call(x)
-    out.square().mean().backward()
-    grads = [None if p.grad is None else p.grad.clone() for p in owner.parameters()]
-    owner.zero_grad(set_to_none=True)
-    return out.detach(), grads
-
-
-def _bitwise(got: Any, ref: Any) -> None:
-    torch.testing.assert_close(got, ref, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
@@ -78,10 +73,10 @@ def test_a_transposed_guarded_value_trains_bitwise(kind: str, overflow: bool) ->
     plain = copy.deepcopy(model)
     wrap, extra = KINDS[kind]
     wrapped = wrap(model, x, **{**HUNT_FIXED, "memory_limit": "min"}, **extra)
-    _bitwise(_toy_step(wrapped, model, x), _toy_step(plain, plain, x))
+    assert_bitwise(square_step(wrapped, model, x), square_step(plain, plain, x))
     for net in (model, plain):  # the other side
         net.gain.fill_(1.0 if overflow else 3e38)
-    _bitwise(_toy_step(wrapped, model, x), _toy_step(plain, plain, x))
+    assert_bitwise(square_step(wrapped, model, x), square_step(plain, plain, x))
 
 
 def _clamp_grads(h: torch.Tensor, grad: torch.Tensor, create: bool = False
@@ -120,7 +115,7 @@ def test_the_held_clamp_differentiates_twice() -> None:
     got, ref = _clamp_grads(h, g, create=True)
     (gg,) = torch.autograd.grad(got.sum(), g)
     (rr,) = torch.autograd.grad(ref.sum(), g)
-    _bitwise(gg, rr)
+    assert_bitwise(gg, rr)
 
 
 class SizeAfterGuard(PermutedGuard):
@@ -146,16 +141,8 @@ def test_a_size_past_the_guard_is_named_where_it_is() -> None:
 
 
 def _tiny_table_transformer() -> nn.Module:
-    torch.manual_seed(0)
-    backbone = transformers.ResNetConfig(
-        embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic",
-        out_features=["stage1", "stage2"])
-    config = transformers.TableTransformerConfig(
-        use_timm_backbone=False, use_pretrained_backbone=False, backbone_config=backbone,
-        d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-        decoder_attention_heads=2, encoder_ffn_dim=16, decoder_ffn_dim=16, num_queries=5,
-        num_labels=3)
-    return transformers.TableTransformerForObjectDetection(config).train()
+    return tiny_detr_like(transformers.TableTransformerConfig,
+                          transformers.TableTransformerForObjectDetection)
 
 
 def _tiny_pp_doclayout_v4() -> nn.Module:
@@ -175,16 +162,6 @@ def _tiny_pp_doclayout_v4() -> nn.Module:
     return transformers.PPDocLayoutV4ForObjectDetection(config).train()
 
 
-def _hf_step(call: Any, owner: nn.Module, kwargs: dict[str, Any]
-             ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-    torch.manual_seed(5)
-    out = call(**kwargs)
-    outs = [v for v in out.values() if isinstance(v, torch.Tensor) and v.is_floating_point()]
-    sum(t.square().mean() for t in outs if t.requires_grad).backward()
-    grads = [None if p.grad is None else p.grad.clone() for p in owner.parameters()]
-    owner.zero_grad(set_to_none=True)
-    return [t.detach() for t in outs], grads
-
 
 @pytest.mark.parametrize(("family", "kind"), [("table_transformer", "offload"),
                                               ("pp_doclayout_v4", "checkpoint")])
@@ -198,11 +175,11 @@ def test_guarded_hf_family_steps_bitwise(family: str, kind: str) -> None:
                                           generator=torch.Generator().manual_seed(1))}
     wrap, extra = KINDS[kind]
     wrapped = wrap(model, kwargs, **HUNT_FIXED, **extra)
-    got, ref = _hf_step(wrapped, model, kwargs), _hf_step(plain, plain, kwargs)
-    _bitwise(got, ref)
+    got, ref = float_outputs_step(wrapped, model, kwargs), float_outputs_step(plain, plain, kwargs)
+    assert_bitwise(got, ref)
     assert sum(g is not None for g in got[1]) > 0.9 * len(got[1])
     wrapped.eval()
     plain.eval()
     with torch.no_grad():
-        _bitwise([v for v in wrapped(**kwargs).values() if isinstance(v, torch.Tensor)],
+        assert_bitwise([v for v in wrapped(**kwargs).values() if isinstance(v, torch.Tensor)],
                  [v for v in plain(**kwargs).values() if isinstance(v, torch.Tensor)])

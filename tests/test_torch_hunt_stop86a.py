@@ -22,7 +22,14 @@ torch = pytest.importorskip("torch", reason="the torch bridge needs torch")
 transformers = pytest.importorskip("transformers",
                                    reason="the HF tests need transformers (dev extra)")
 
-from pytorch_helpers import HUNT_FIXED, hunt_kinds  # noqa: E402
+from pytorch_helpers import (  # noqa: E402
+    HUNT_FIXED,
+    assert_bitwise,
+    float_outputs_step,
+    hunt_kinds,
+    square_step,
+    tiny_detr_like,
+)
 from torch import nn  # noqa: E402
 
 import optmem.pytorch as op  # noqa: E402
@@ -112,14 +119,6 @@ def _count(gm: torch.fx.GraphModule, name: str) -> int:
     return sum(n.op == "call_function" and target_name(n) == name for n in gm.graph.nodes)
 
 
-def _step(call: Any, owner: nn.Module, x: torch.Tensor
-          ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-    out = call(x)
-    out.square().mean().backward()
-    grads = [None if p.grad is None else p.grad.clone() for p in owner.parameters()]
-    owner.zero_grad(set_to_none=True)
-    return out.detach(), grads
-
 
 def _adamw(call: Any, owner: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
     opt = torch.optim.AdamW(owner.parameters(), lr=1e-2)
@@ -129,9 +128,6 @@ def _adamw(call: Any, owner: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
         opt.zero_grad(set_to_none=True)
     return [t.detach().clone() for t in (*owner.parameters(), *owner.buffers())]
 
-
-def _bitwise(got: Any, ref: Any) -> None:
-    torch.testing.assert_close(got, ref, rtol=0, atol=0, equal_nan=True)
 
 
 def test_the_sample_values_take_the_same_side_in_every_export() -> None:
@@ -167,15 +163,15 @@ def test_guarded_toy_trains_bitwise(kind: str, overflow: bool) -> None:
     plain = copy.deepcopy(model)
     wrap, extra = KINDS[kind]
     wrapped = wrap(model, SAMPLE, **HUNT_FIXED, **extra)
-    _bitwise(_step(wrapped, model, SAMPLE), _step(plain, plain, SAMPLE))
+    assert_bitwise(square_step(wrapped, model, SAMPLE), square_step(plain, plain, SAMPLE))
     for net in (model, plain):  # the other side at run time
         if overflow:
             net.layers[1].gain.fill_(1.0)
         else:
             _overflowing(net, 2)
-    got, ref = _step(wrapped, model, SAMPLE), _step(plain, plain, SAMPLE)
-    _bitwise(got, ref)
-    _bitwise(_adamw(wrapped, model, SAMPLE), _adamw(plain, plain, SAMPLE))
+    got, ref = square_step(wrapped, model, SAMPLE), square_step(plain, plain, SAMPLE)
+    assert_bitwise(got, ref)
+    assert_bitwise(_adamw(wrapped, model, SAMPLE), _adamw(plain, plain, SAMPLE))
 
 
 @pytest.mark.parametrize(("layer", "dtype"), [
@@ -189,27 +185,8 @@ def test_other_guards_stay_refused(layer: type[GuardedLayer], dtype: torch.dtype
 
 
 def _tiny_detr() -> nn.Module:
-    torch.manual_seed(0)
-    backbone = transformers.ResNetConfig(
-        embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic",
-        out_features=["stage1", "stage2"])
-    config = transformers.DetrConfig(
-        use_timm_backbone=False, use_pretrained_backbone=False, backbone_config=backbone,
-        d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-        decoder_attention_heads=2, encoder_ffn_dim=16, decoder_ffn_dim=16, num_queries=5,
-        num_labels=3)
-    return transformers.DetrForObjectDetection(config).train()
+    return tiny_detr_like(transformers.DetrConfig, transformers.DetrForObjectDetection)
 
-
-def _detr_step(call: Any, owner: nn.Module, kwargs: dict[str, Any]
-               ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-    torch.manual_seed(5)
-    out = call(**kwargs)
-    outs = [v for v in out.values() if isinstance(v, torch.Tensor) and v.is_floating_point()]
-    sum(t.square().mean() for t in outs).backward()
-    grads = [None if p.grad is None else p.grad.clone() for p in owner.parameters()]
-    owner.zero_grad(set_to_none=True)
-    return [t.detach() for t in outs], grads
 
 
 def test_detr_without_labels_wraps_and_steps_bitwise() -> None:
@@ -219,6 +196,6 @@ def test_detr_without_labels_wraps_and_steps_bitwise() -> None:
     kwargs = {"pixel_values": torch.randn(2, 3, 32, 32,
                                           generator=torch.Generator().manual_seed(1))}
     wrapped = op.checkpoint(model, kwargs, **HUNT_FIXED)
-    got, ref = _detr_step(wrapped, model, kwargs), _detr_step(plain, plain, kwargs)
-    _bitwise(got, ref)
+    got, ref = float_outputs_step(wrapped, model, kwargs), float_outputs_step(plain, plain, kwargs)
+    assert_bitwise(got, ref)
     assert sum(g is not None for g in got[1]) > 0.9 * len(got[1])
