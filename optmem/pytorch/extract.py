@@ -1193,7 +1193,7 @@ def _export_program(module: nn.Module, args: tuple[Any, ...],
     overflow_guards(gm)
     explain_value_asserts(gm, name)
     restore_functions(gm)
-    elide_constant_masks(gm)
+    elide_constant_masks(gm, module)
     flat = list(fx_pytree.tree_flatten_spec((args, kwargs), ep.call_spec.in_spec))
     masks_as_in_training(gm, flat)
     graph_names = {n.name for n in gm.graph.nodes}
