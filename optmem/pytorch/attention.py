@@ -108,7 +108,8 @@ def _eager_is_causal(node: fx.Node, model: nn.Module | None) -> bool:
     says ``is_causal = False``) while the model builds a causal mask: an unpadded batch
     then attends over the whole sequence in eager mode, and a causal mask elided to
     ``is_causal=True`` gave HF ColPali embeddings 0.085 off the plain model's (stop 87).
-    ``True`` when the module is unknown (no ``model``, no module stack) or says nothing.
+    ``True`` when the module is unknown (no ``model``, no module stack), says nothing, or
+    is not a ``transformers`` module (another module's explicit mask is what it passes).
     """
     stack = node.meta.get("nn_module_stack")
     if model is None or not stack:
@@ -118,7 +119,8 @@ def _eager_is_causal(node: fx.Node, model: nn.Module | None) -> bool:
         owner = model.get_submodule(path)
     except AttributeError:
         return True
-    return getattr(owner, "is_causal", True) is not False
+    return (not type(owner).__module__.startswith("transformers.")
+            or getattr(owner, "is_causal", True) is not False)
 
 
 def _use_gqa(named: dict[str, Any]) -> None:
