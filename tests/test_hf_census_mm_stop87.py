@@ -12,8 +12,9 @@ A silent difference too: HF ColPali (PaliGemma's config sets
 ``use_bidirectional_attention=True``, so its Gemma attention says ``is_causal = False``)
 attends over the whole sequence in eager mode when the batch has no padding, while the
 exported graph held a causal mask, which the mask elision turned into ``is_causal=True``:
-embeddings 0.085 off, in silence. The elision now follows the attention module's
-``is_causal`` as HF's eager call does.
+embeddings 0.085 off, in silence (PaliGemma itself without ``token_type_ids``: logits
+0.045 off). The elision now follows the attention module's ``is_causal`` as HF's eager
+call does.
 The other tests pin representative new families: a Wav2Vec2-Conformer with rotary
 embeddings (CTC loss), Splinter (question answering), MobileViTV2 (classification) and
 Qwen3-VL's language model with its DeepStack visual features (the refusal's advice).
@@ -223,21 +224,45 @@ def test_qwen3_vl_language_model_with_deepstack_features_as_advised(wrap: str) -
     assert visual and all(got[1][k] is not None for k in visual)
 
 
-def _colpali() -> tuple[Any, dict[str, Any]]:
-    """ColPali on a tiny PaliGemma (SigLIP + Gemma), 16 image tokens and 8 text tokens."""
-    torch.manual_seed(0)
-    vlm = T.PaliGemmaConfig(
+def _paligemma_config() -> Any:
+    """A tiny PaliGemma (SigLIP + Gemma), its default ``use_bidirectional_attention``."""
+    return T.PaliGemmaConfig(
         vision_config=dict(model_type="siglip_vision_model", image_size=32, patch_size=8,
                            **VIT),
         text_config=dict(model_type="gemma", vocab_size=100, hidden_size=32,
                          num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                          intermediate_size=64, head_dim=16),
         image_token_index=99, projection_dim=32)
-    model = T.ColPaliForRetrieval(T.ColPaliConfig(vlm_config=vlm, embedding_dim=16))
+
+
+def _image_and_text() -> dict[str, Any]:
+    """16 image tokens and 8 text tokens, no ``attention_mask``, no ``token_type_ids``."""
     ids = torch.cat([torch.full((B, 16), 99),
                      torch.randint(0, 99, (B, 8), generator=_g(12))], 1)
-    return model.train(), {"input_ids": ids,
-                           "pixel_values": torch.randn(B, 3, 32, 32, generator=_g(10))}
+    return {"input_ids": ids, "pixel_values": torch.randn(B, 3, 32, 32, generator=_g(10))}
+
+
+def _colpali() -> tuple[Any, dict[str, Any]]:
+    """ColPali on the tiny PaliGemma."""
+    torch.manual_seed(0)
+    model = T.ColPaliForRetrieval(T.ColPaliConfig(vlm_config=_paligemma_config(),
+                                                  embedding_dim=16))
+    return model.train(), _image_and_text()
+
+
+def test_paligemma_without_token_type_ids_steps_bitwise() -> None:
+    """The same cause in PaliGemma itself, called with labels but without
+    ``token_type_ids`` (which build an explicit prefix mask, bitwise before too). main:
+    logits 0.045 off the plain model's."""
+    torch.manual_seed(0)
+    model = T.PaliGemmaForConditionalGeneration(_paligemma_config()).train()
+    batch = _image_and_text()
+    labels = batch["input_ids"].clone()
+    labels[:, :16] = -100
+    batch["labels"] = labels
+    plain = copy.deepcopy(model)
+    wrapped = WRAPS["remat_offload"](model, batch, "60%")
+    assert_same(step(wrapped, model, batch, seed=5), step(plain, plain, batch, seed=5))
 
 
 def test_colpali_attends_like_its_eager_call() -> None:
