@@ -43,7 +43,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import fx
+from torch import fx, nn
 
 from optmem.pytorch.branches import target_name
 from optmem.pytorch.graphcut import attribute_of
@@ -57,15 +57,18 @@ _DETACHES = frozenset({"detach", "detach_"})
 _SDPA_CALLS = frozenset({_SDPA, torch.nn.functional.scaled_dot_product_attention})
 
 
-def elide_constant_masks(gm: fx.GraphModule) -> int:
+def elide_constant_masks(gm: fx.GraphModule, model: nn.Module | None = None) -> int:
     """Drop trivial constant attention masks from ``gm``'s SDPA calls, in place.
 
     A mask is *constant* when every node it is computed from is a deterministic
     ``call_function`` (no placeholder, no parameter or buffer, no random op), so it is the
     same at every call of the specialised graph. An all-``True`` boolean or all-zero
     floating mask becomes ``attn_mask=None``; a boolean mask equal to the top-left causal
-    pattern of a square ``seq x seq`` score matrix becomes ``is_causal=True``. Other masks
-    are kept. Returns the number of attention calls changed; nodes left unused are removed.
+    pattern of a square ``seq x seq`` score matrix becomes ``is_causal=True``, unless the
+    attention module of ``model`` that makes the call says ``is_causal = False``: HF's
+    eager call then passes no mask and ``is_causal=False`` (``sdpa_attention_forward``),
+    and so does the graph (:func:`_eager_is_causal`). Other masks are kept. Returns the
+    number of attention calls changed; nodes left unused are removed.
     """
     changed = 0
     values: dict[fx.Node, torch.Tensor | None] = {}
@@ -81,6 +84,8 @@ def elide_constant_masks(gm: fx.GraphModule) -> int:
         kind = _trivial_kind(values[mask], node)
         if kind is None:
             continue
+        if kind == "causal" and not _eager_is_causal(node, model):
+            kind = "none"
         named["attn_mask"] = None
         named["is_causal"] = kind == "causal"
         _use_gqa(named)
@@ -92,6 +97,30 @@ def elide_constant_masks(gm: fx.GraphModule) -> int:
         gm.graph.eliminate_dead_code()
         gm.recompile()
     return changed
+
+
+def _eager_is_causal(node: fx.Node, model: nn.Module | None) -> bool:
+    """The ``is_causal`` attribute of the module of ``model`` that makes the SDPA call.
+
+    HF's eager ``sdpa_attention_forward`` passes ``is_causal=True`` only where its mask
+    builder returned no mask and the attention module's ``is_causal`` is true. PaliGemma's
+    config sets ``use_bidirectional_attention=True`` by default (so its Gemma attention
+    says ``is_causal = False``) while the model builds a causal mask: an unpadded batch
+    then attends over the whole sequence in eager mode, and a causal mask elided to
+    ``is_causal=True`` gave HF ColPali embeddings 0.085 off the plain model's (stop 87).
+    ``True`` when the module is unknown (no ``model``, no module stack), says nothing, or
+    is not a ``transformers`` module (another module's explicit mask is what it passes).
+    """
+    stack = node.meta.get("nn_module_stack")
+    if model is None or not stack:
+        return True
+    path = list(stack.values())[-1][0]
+    try:
+        owner = model.get_submodule(path)
+    except AttributeError:
+        return True
+    return (not type(owner).__module__.startswith("transformers.")
+            or getattr(owner, "is_causal", True) is not False)
 
 
 def _use_gqa(named: dict[str, Any]) -> None:

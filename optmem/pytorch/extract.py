@@ -510,10 +510,23 @@ def extract_program(module: nn.Module, args: tuple[Any, ...] = (),
 
 
 def _single_stage_message(module: nn.Module) -> str:
+    """Why a graph of one stage saves nothing, and the three ways out.
+
+    A value live from the start to the end crosses every boundary: the input read again at
+    the end, or an output computed early. HF CLIPSeg returns every hidden state of its
+    frozen vision tower (``vision_model_output``), whatever ``output_hidden_states``
+    says: a module around it that returns only what the step needs has a chain (stop 87).
+    """
     return (f"no chain found in {type(module).__name__}: its graph has no cut point (a "
-            "value such as the input is used again at the very end), so it is one stage "
-            "and checkpointing cannot save memory. Call it without such outputs, or split it "
-            "into an nn.Sequential of blocks or a list of stage modules "
+            "value such as the input is used again at the very end, or an output computed "
+            "early, such as hidden states it returns), so it is one stage "
+            "and checkpointing cannot save memory. Call it without such outputs "
+            "(output_hidden_states=False; when the model returns them whatever its "
+            "arguments, wrap an nn.Module whose forward returns only what the step needs, "
+            "e.g. the loss and logits), wrap a part of it that holds its layers alone "
+            "(`sample = optmem.pytorch.submodule_sample(model, part, **batch)`, then "
+            "`optmem.pytorch.checkpoint(part, sample, memory_limit)` in its place), or "
+            "split it into an nn.Sequential of blocks or a list of stage modules "
             "(extract_stages/extract_program accept a single stage with allow_single=True)")
 
 
@@ -1226,7 +1239,7 @@ def _export_program(module: nn.Module, args: tuple[Any, ...],
     overflow_guards(gm)
     explain_value_asserts(gm, name)
     restore_functions(gm)
-    elide_constant_masks(gm)
+    elide_constant_masks(gm, module)
     flat = list(fx_pytree.tree_flatten_spec((args, kwargs), ep.call_spec.in_spec))
     masks_as_in_training(gm, flat)
     graph_names = {n.name for n in gm.graph.nodes}
