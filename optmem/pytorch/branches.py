@@ -128,12 +128,14 @@ class IntermediateBranch(Exception):  # noqa: N818 - named for what the model do
     the other side would fail half-way through a training step. Such branches (a router
     looping over the experts hit, ``int(hidden.sum())``) usually change from batch to
     batch, so the extraction refuses them instead, naming the line (:attr:`where`).
+    :attr:`drawn` says the value is a random draw (a LayerDrop written with ``torch.rand``).
     """
 
-    def __init__(self, where: str, owner: str | None = None) -> None:
+    def __init__(self, where: str, owner: str | None = None, *, drawn: bool = False) -> None:
         super().__init__(f"branches on the value of an intermediate tensor at {where}")
         self.where = where
         self.owner = owner  # the qualified name of the module computing the value, if known
+        self.drawn = drawn
 
 
 def is_value_branch_error(exc: BaseException) -> bool:

@@ -78,6 +78,7 @@ from optmem.pytorch.graphcut import (
     build_stage_graph,
     classify,
     cut_graph,
+    drawn_at_random,
     make_stage,
     output_layout,
 )
@@ -88,6 +89,7 @@ from optmem.pytorch.hooks import (
     check_backward_hooks,
     check_module_hooks,
     cuda_indices,
+    draws_whatever_config,
     generators_restored,
     host_random_restored,
     module_generators,
@@ -542,6 +544,7 @@ def _extract_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
     refuse_inference_rescaling(module)
     errors = []
     branch, intermediate, again, owner, size = None, False, "", None, False
+    drawn = False  # the intermediate branch is on a random draw (OmniASR's LayerDrop)
     if method in ("auto", "export"):
         try:
             ext = _export_program(module, args, kwargs, observe=observe)
@@ -566,6 +569,7 @@ def _extract_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
             branch = data_dependent_branch(exc)
             owner = _known_module(module, getattr(exc, "owner", None)) or failed_in(exc, module)
             intermediate = isinstance(exc, IntermediateBranch)
+            drawn = intermediate and getattr(exc, "drawn", False)
             again = _real_values_failure(exc)
             size = bool(getattr(exc, "data_dependent_size", False))
             if size:
@@ -584,8 +588,9 @@ def _extract_program(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
         tried = " nor ".join(e.split(":")[0] for e in errors)
         # a random draw first (NLLB-MoE's LayerDrop, then its experts' loop): say that
         if intermediate or (size and random_config(module)):
-            raise OptmemInputError(_intermediate_message(module, branch, tried, owner, hint),
-                                   field="module")
+            raise OptmemInputError(
+                _intermediate_message(module, branch, tried, owner, hint, drawn=drawn),
+                field="module")
         if size:
             raise OptmemInputError(_size_message(module, branch, tried, owner, hint),
                                    field="module")
@@ -831,16 +836,22 @@ def _missing_mask_hint(module: nn.Module, kwargs: dict[str, Any], errors: list[s
 
 
 def _intermediate_message(module: nn.Module, where: str, tried: str,
-                          owner: str | None = None, hint: str = "") -> str:
-    """Why a branch on an intermediate value stops extraction, and what to do."""
+                          owner: str | None = None, hint: str = "", *,
+                          drawn: bool = False) -> str:
+    """Why a branch on an intermediate value stops extraction, and what to do.
+
+    ``drawn``: the value is a random draw (:func:`~optmem.pytorch.graphcut.drawn_at_random`).
+    """
     neither = "neither " if " nor " in tried else ""
+    what = ("a random draw made inside the forward (LayerDrop's torch.rand)" if drawn else
+            "a value computed inside the forward (a router's choice, LayerDrop's random draw, "
+            "a length read from an input's values: FastSpeech2's durations, repeated with "
+            "repeat_interleave, or a size or split read from an input's values: a vision "
+            "tower splitting its patches by the image sizes)")
     return (f"cannot extract a chain from {type(module).__name__}: its forward branches on "
-            f"the value of an intermediate tensor at {where}{_failed_at(module, owner)}, a "
-            "value computed inside the forward (a router's choice, LayerDrop's random draw, "
-            "or a length read from an input's values: FastSpeech2's durations, repeated "
-            "with repeat_interleave), which may take another side at every step and which "
-            f"{neither}{tried} can hold "
-            f"in a graph.{_what_to_do(module, hint)}")
+            f"the value of an intermediate tensor at {where}{_failed_at(module, owner)}, "
+            f"{what}, which may take another side at every step and which {neither}{tried} "
+            f"can hold in a graph.{_what_to_do(module, hint, drawn=drawn)}")
 
 
 def _size_message(module: nn.Module, where: str, tried: str, owner: str | None,
@@ -849,28 +860,38 @@ def _size_message(module: nn.Module, where: str, tried: str, owner: str | None,
 
     The export failed on a data-dependent guard, and again with the sample's values: the
     guard is on a size no input value fixes (``nonzero``, boolean indexing, ``tolist``, a
-    loop over such a tensor: the experts a router picked).
+    loop over such a tensor: the experts a router picked). Such values may come from the
+    inputs alone (Kolibri 1.1's indexer groups by the attention mask's values).
     """
     neither = "neither " if " nor " in tried else ""
     return (f"cannot extract a chain from {type(module).__name__}: its forward makes a "
             f"tensor whose size depends on values computed in the call at {where}"
             f"{_failed_at(module, owner)} (torch.nonzero, boolean indexing, .tolist(), or a "
-            "loop over such a tensor, e.g. over the experts a router picked), which changes "
-            f"from step to step and which {neither}{tried} can hold in a graph, even with "
-            f"the sample's values.{_what_to_do(module, hint)}")
+            "loop over such a tensor, e.g. over the experts a router picked), which may "
+            f"change with the inputs and which {neither}{tried} can hold in a graph, even "
+            f"with the sample's values.{_what_to_do(module, hint)}")
 
 
-def _what_to_do(module: nn.Module, hint: str) -> str:
+#: The code change :func:`_what_to_do` names for a branch on a draw made whatever the config.
+_DRAW_FIX = "drawing only when layerdrop > 0"
+
+
+def _what_to_do(module: nn.Module, hint: str, *, drawn: bool = False) -> str:
     """The advice closing :func:`_intermediate_message` and :func:`_size_message`.
 
     The config fields that draw at random first (:func:`random_config`), then the generic
     advice; a part to plan alone (``hint``) only without them (the part has the same
-    config: M2M100's decoder has its own LayerDrop).
+    config: M2M100's decoder has its own LayerDrop). A branch on a draw (``drawn``) with no
+    such field on: the model draws whatever its config (:func:`draws_whatever_config`).
     """
     config = random_config(module)
     rest = f"{'' if config else hint}pass an nn.Sequential of its blocks or a list of " \
-        "stage modules instead"
-    return f"{config} Otherwise {rest}" if config else f" Instead, {rest}"
+        "stage modules"
+    if config:
+        return f"{config} Otherwise {rest} instead"
+    if drawn:
+        return f"{draws_whatever_config(_DRAW_FIX)}. Otherwise {rest} instead"
+    return f" Instead, {rest}"
 
 
 _UNKNOWN_OUTPUT = re.compile(r"Found <class '([^']+)'> in output, which is not a known type")
@@ -1060,6 +1081,14 @@ def data_dependent_branch(exc: BaseException) -> str | None:
     ...     "line 7, in forward\n    if y.max() > 3:\n")
     >>> data_dependent_branch(exc)
     'm.py:7 (`if y.max() > 3:`)'
+
+    torch 2.13 may name the place as ``Caused by: (file:line in fn)`` instead (HF UDOP's
+    labels assert): the line is then read from the loaded module's file.
+
+    >>> exc = GuardOnDataDependentSymNode(None, "Could not guard on data-dependent "
+    ...     "expression Eq(u0, 1)\nCaused by: (optmem/pytorch/nowhere.py:3 in f)\n")
+    >>> data_dependent_branch(exc)
+    'nowhere.py:3 (in f)'
     """
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
@@ -1068,10 +1097,32 @@ def data_dependent_branch(exc: BaseException) -> str | None:
     if not isinstance(exc, GuardOnDataDependentSymNode):
         return None
     found = _RAISED_AT.search(str(exc))
-    if found is None:
+    if found is not None:
+        path, line, code = found.groups()
+        return f"{os.path.basename(path)}:{line} (`{code.strip()}`)"
+    caused = _CAUSED_BY.search(str(exc))
+    if caused is None:
         return None
-    path, line, code = found.groups()
-    return f"{os.path.basename(path)}:{line} (`{code.strip()}`)"
+    path, line, function = caused.groups()
+    code = linecache.getline(_module_file(path), int(line)).strip()
+    return f"{os.path.basename(path)}:{line} (`{code}`)" if code else \
+        f"{os.path.basename(path)}:{line} (in {function})"
+
+
+#: torch 2.13's other form of the guard's place: ``Caused by: (pkg/mod.py:814 in fn)``.
+_CAUSED_BY = re.compile(r"Caused by: \(([^\s()]+\.py):(\d+) in (\S+)\)")
+
+
+def _module_file(path: str) -> str:
+    """The file ``path`` names: absolute as given, else the loaded module's file ending so.
+
+    torch prints a path relative to its package root (``transformers/models/udop/...``).
+    """
+    if os.path.isabs(path):
+        return path
+    tail = os.sep + os.path.normpath(path)
+    files = (getattr(m, "__file__", None) for m in list(sys.modules.values()))
+    return next((f for f in files if isinstance(f, str) and f.endswith(tail)), path)
 
 
 def _chain_inputs(names: Sequence[str], flat: Sequence[Any]) -> set[str]:
@@ -1089,7 +1140,7 @@ def _program(gm: fx.GraphModule, model: nn.Module, flat: list[Any], *, method: s
     mid = next((n for n in gm.graph.nodes if kinds.get(n) == CHAIN and is_value_assert(n)), None)
     if mid is not None:
         raise IntermediateBranch(branch_location(mid) or "a line of its forward",
-                                 owner=_module_path(mid))
+                                 owner=_module_path(mid), drawn=drawn_at_random(mid))
     cut = _cut(gm, kinds, model)
     tensor_positions = tuple(k for k, v in enumerate(flat) if isinstance(v, torch.Tensor))
     if not tensor_positions:

@@ -46,7 +46,7 @@ from optmem.pytorch.hooks import module_generators, same_generator
 from optmem.pytorch.observers import observe
 
 __all__ = ["CHAIN", "DROP", "SIDE", "STATE", "Cut", "GraphStage", "SideProgram", "classify",
-           "cut_graph", "long_lived", "vmap_regions"]
+           "cut_graph", "drawn_at_random", "long_lived", "vmap_regions"]
 
 STATE, SIDE, CHAIN, DROP = "state", "side", "chain", "drop"
 _SOURCE, _SINK = "__optmem_source__", "__optmem_sink__"
@@ -59,6 +59,8 @@ _RANDOM_NAMES = {"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropou
                  "randn_like", "randint_like", "bernoulli", "multinomial", "normal",
                  "randperm", "rrelu", "poisson", "bernoulli_", "uniform_", "normal_",
                  "random_", "exponential_", "geometric_", "cauchy_", "log_normal_"}
+#: The random ops that draw a value a model may branch on (a dropout's mask is not one).
+_DRAW_NAMES = {n for n in _RANDOM_NAMES if "dropout" not in n and n != "rrelu"}
 _VIEW_METHODS = {"view", "view_as", "reshape", "reshape_as", "transpose", "permute", "t",
                  "expand", "expand_as", "squeeze", "unsqueeze", "flatten", "unflatten",
                  "narrow", "select", "unfold", "as_strided", "contiguous", "to", "type_as",
@@ -87,6 +89,24 @@ def _is_random(node: fx.Node, root: nn.Module) -> bool:
         mod = _module(root, node)
         return isinstance(mod, nn.modules.dropout._DropoutNd | nn.RReLU)
     return target_name(node) in _RANDOM_NAMES
+
+
+def drawn_at_random(node: fx.Node) -> bool:
+    """Whether ``node``'s value derives from a random draw (``torch.rand``, not a dropout).
+
+    HF OmniASR's LayerDrop draws ``torch.rand([])`` for every encoder layer in training and
+    branches on it, whatever ``layerdrop`` is (0 too): no config turns that branch off.
+    """
+    seen, todo = {node}, [node]
+    while todo:
+        for arg in todo.pop().all_input_nodes:
+            if arg in seen:
+                continue
+            if arg.op == "call_function" and target_name(arg) in _DRAW_NAMES:
+                return True
+            seen.add(arg)
+            todo.append(arg)
+    return False
 
 
 def _is_dropped(node: fx.Node) -> bool:

@@ -53,7 +53,7 @@ __all__ = ["buffers_restored", "callers_tools_suspended", "check_backward_hooks"
            "check_module_hooks", "cuda_indices", "generators_restored", "has_module_hooks",
            "library_hook",
            "hooks_emptied", "host_random_restored", "module_generators", "parameters_unmodified",
-           "quiet_gradient_hooks",
+           "quiet_gradient_hooks", "draws_whatever_config",
            "random_config", "refuse_inference_rescaling", "refuse_python_random",
            "refuse_tensor_hooks", "same_generator", "saved_tensors_hooks_allowed",
            "saved_tensors_hooks_disabled", "suspended_global_hooks",
@@ -451,6 +451,25 @@ _STILL_DRAWS = (" A model that draws for every layer whatever these values (HF V
                 "change of its code (drawing with torch's RNG) helps there.")
 
 
+def draws_whatever_config(fix: str) -> str:
+    """The sentence for a model that draws at random with every random option of its config off.
+
+    HF MusicGen draws ``random.uniform(0, 1)`` for every layer, VITS and MMS-TTS
+    ``np.random.uniform(0, 1)`` (:func:`refuse_python_random`), OmniASR ``torch.rand([])``
+    (a branch no graph holds, :func:`optmem.pytorch.extract.extract_program`), each compared
+    with ``layerdrop``, 0 or not: only a change of the model's code (``fix``) helps.
+
+    Examples
+    --------
+    >>> draws_whatever_config("drawing with torch's RNG").endswith("RNG) helps")
+    True
+    """
+    return (" No random option of its config is on, so it draws them whatever the config (HF "
+            "MusicGen draws random.uniform(0, 1) for every layer, VITS and MMS-TTS "
+            "np.random.uniform(0, 1), OmniASR torch.rand([]), and compare it with layerdrop, "
+            f"0 or not): only a change of its code ({fix}) helps")
+
+
 def _layerdrop_copies(module: nn.Module) -> list[tuple[str, float]]:
     """Submodules holding their own ``layerdrop`` above 0, with its value.
 
@@ -552,10 +571,7 @@ def refuse_python_random(module_name: str, module: nn.Module | None = None,
         config = random_config(module)
         advice = (" Otherwise turn them off (e.g. layerdrop=0) or draw them with torch's RNG; "
                   "or " if config or getattr(module, "config", None) is None else
-                  " No random option of its config is on, so it draws them whatever the "
-                  "config (HF MusicGen draws random.uniform(0, 1) for every layer, VITS and "
-                  "MMS-TTS np.random.uniform(0, 1), and compare it with layerdrop, 0 or "
-                  "not): only a change of its code (drawing with torch's RNG) helps; or ")
+                  draws_whatever_config("drawing with torch's RNG") + "; or ")
         raise OptmemInputError(
             f"{module_name} draws random numbers from {' and '.join(moved)} while it runs "
             "(a LayerDrop or a mask written with Python or NumPy randomness): an extracted "
