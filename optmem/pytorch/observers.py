@@ -142,14 +142,24 @@ def hooks_recorded(model: nn.Module) -> Iterator[list[HookCall]]:
 
 def _recording(hook: Callable[..., Any], call: HookCall,
                met: list[HookCall]) -> Callable[..., Any]:
-    def record(*args: Any) -> Any:
-        received = _versions(args[1:])
-        out = hook(*args)
-        observer = out is None and _versions(args[1:]) == received
-        met.append(HookCall(call.module_name, call.pre, call.hook_id, observer))
+    def record(module: nn.Module, *args: Any) -> Any:
+        out, changed = _called(hook, module, args)
+        met.append(HookCall(call.module_name, call.pre, call.hook_id, not changed))
         return out
 
     return record
+
+
+def _called(hook: Callable[..., Any], module: nn.Module, args: tuple[Any, ...]
+            ) -> tuple[Any, bool]:
+    """``hook(module, *args)``, and whether it changed something.
+
+    Changed: it returned a value or wrote one of the tensors it received in place (a
+    modifier, not an observer).
+    """
+    received = _versions(args)
+    out = hook(module, *args)
+    return out, out is not None or _versions(args) != received
 
 
 def _versions(values: Any) -> list[int]:
@@ -279,14 +289,12 @@ def _traced_gate(entry: GlobalHook, ids: Collection[int]) -> Callable[..., Any]:
     def gate(module: nn.Module, *args: Any) -> Any:
         if id(module) not in ids:
             return None
-        received = _versions(args)
         try:
-            out = entry.hook(module, *args)
+            out, changed = _called(entry.hook, module, args)
         except Exception:  # noqa: BLE001 - on fake tensors: left as before (warned)
             entry.failed = True
             return None
-        if out is not None or _versions(args) != received:
-            entry.modifier = True
+        entry.modifier |= changed
         return out
 
     return gate
@@ -329,10 +337,8 @@ def _checked_gate(hook: Callable[..., Any]) -> Callable[..., Any]:
     """``hook``, refusing a value returned (or a write) for one of optmem's own modules."""
 
     def gate(module: nn.Module, *args: Any) -> Any:
-        received = _versions(args)
-        out = hook(module, *args)
-        if type(module).__module__.startswith("optmem.") and (
-                out is not None or _versions(args) != received):
+        out, changed = _called(hook, module, args)
+        if changed and type(module).__module__.startswith("optmem."):
             name = getattr(hook, "__qualname__", repr(hook))
             raise OptmemInputError(
                 f"the global module forward hook {name} changes the output of optmem's own "
