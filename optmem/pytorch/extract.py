@@ -648,7 +648,7 @@ def failed_line(exc: BaseException, model: nn.Module) -> str | None:
         return None
     frame = found[1]
     path, line = frame.f_code.co_filename, frame.f_lineno
-    return f"{os.path.basename(path)}:{line} (`{linecache.getline(path, line).strip()}`)"
+    return _site(path, line, linecache.getline(path, line))
 
 
 def _failing_frame(exc: BaseException, model: nn.Module, *, itself: bool
@@ -1099,14 +1099,18 @@ def data_dependent_branch(exc: BaseException) -> str | None:
     found = _RAISED_AT.search(str(exc))
     if found is not None:
         path, line, code = found.groups()
-        return f"{os.path.basename(path)}:{line} (`{code.strip()}`)"
+        return _site(path, line, code)
     caused = _CAUSED_BY.search(str(exc))
     if caused is None:
         return None
     path, line, function = caused.groups()
     code = linecache.getline(_module_file(path), int(line)).strip()
-    return f"{os.path.basename(path)}:{line} (`{code}`)" if code else \
-        f"{os.path.basename(path)}:{line} (in {function})"
+    return _site(path, line, code) if code else f"{os.path.basename(path)}:{line} (in {function})"
+
+
+def _site(path: str, line: int | str, code: str) -> str:
+    """``file:line (`code`)``: a line of the model's code, as the messages name it."""
+    return f"{os.path.basename(path)}:{line} (`{code.strip()}`)"
 
 
 #: torch 2.13's other form of the guard's place: ``Caused by: (pkg/mod.py:814 in fn)``.
